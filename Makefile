@@ -1,0 +1,32 @@
+# The two commands of README.md. Both install what is missing first (scripts/bootstrap.sh).
+#   make demo   runs the main job on the embedded defaults (no GPU needed)
+#   make test   builds everything and runs every test that can run here (C++ and Python)
+BUILD ?= build
+JOBS ?= $(shell nproc)
+CMAKE_ARGS ?=
+PYTHON ?= python3
+
+.PHONY: all bootstrap configure build test test-cpp test-sanitize test-fuzz test-python demo clean format
+
+all: build
+
+bootstrap:
+	@bash scripts/bootstrap.sh
+
+configure: bootstrap
+	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS) >/dev/null
+
+build: configure
+	@cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	@bash scripts/run_tests.sh $(BUILD)
+
+demo: build
+	@bash scripts/demo.sh $(BUILD)
+
+format:
+	@git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD) build-asan build-fuzz build-tsan

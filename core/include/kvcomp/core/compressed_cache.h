@@ -1,0 +1,106 @@
+// The compressed cache of one sequence, in memory. For every (layer, kv head) it holds the
+// positions of the kept tokens, their keys and values (raw or encoded) and, optionally, the
+// MomentKV summary of the evicted tokens. Heads keep different counts (AdaKV): all per-token
+// arrays are ragged, concatenated in head order h = layer * num_kv_heads + kv_head, and
+// head h's tokens are [token_offset(h), token_offset(h) + kept(h)).
+//
+// A value type: copyable, movable, no hidden sharing. Not thread-safe for concurrent mutation;
+// const access from many threads is fine. The byte format is in kvcomp/core/format.h.
+#ifndef KVCOMP_CORE_COMPRESSED_CACHE_H_
+#define KVCOMP_CORE_COMPRESSED_CACHE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kvcomp/core/layout.h"
+#include "kvcomp/core/policy.h"
+
+namespace kvcomp {
+
+// Where the bytes of an encoded cache go, so users see what costs memory.
+struct CacheBytes {
+  uint64_t header = 0;        // fixed header, section table, head table, policy, padding
+  uint64_t positions = 0;     // kept token positions
+  uint64_t keys = 0;          // kept keys
+  uint64_t key_scales = 0;    // int8 key scales
+  uint64_t values = 0;        // kept values or their latents
+  uint64_t value_scales = 0;  // latent group scales
+  uint64_t moments = 0;       // MomentKV summaries
+  uint64_t total() const {
+    return header + positions + keys + key_scales + values + value_scales + moments;
+  }
+};
+
+class CompressedCache {
+ public:
+  // --- header ---
+  KvLayout layout;
+  uint64_t original_tokens = 0;  // tokens of the sequence before eviction
+  CompressionPolicy policy;      // the policy that made this cache (informational)
+  // The encoding of the kept tokens; these, not policy's fields, say how to decode.
+  KeyCodec key_codec = KeyCodec::kRaw;
+  ValueCodec value_codec = ValueCodec::kRaw;
+  uint32_t rank = 0;                // latent rank for orthogonal value codecs, else 0
+  uint32_t group_size = 32;         // latent elements per scale for int8/int4
+  uint64_t projection_version = 0;  // projection used by orthogonal value codecs, else 0
+
+  // --- per head (size num_heads_total()) ---
+  std::vector<uint32_t> kept;  // tokens kept by each head
+
+  // --- ragged per-token arrays ---
+  std::vector<uint32_t> positions;  // ascending within each head, < original_tokens
+  std::vector<uint8_t> keys;        // total_kept * KeyTokenBytes()
+  std::vector<float> key_scales;    // int8 keys: num_heads * head_dim, else empty
+  std::vector<uint8_t> values;      // total_kept * ValueTokenBytes()
+  std::vector<uint16_t> value_scales;  // int8/int4: total_kept * ValueGroups() f16, else empty
+
+  // --- MomentKV summaries of the evicted tokens, fp32; empty when has_moments is false ---
+  bool has_moments = false;
+  std::vector<uint64_t> moment_count;  // per head: evicted tokens n
+  std::vector<float> moment_key_sum;    // per head: sum of k, head_dim
+  std::vector<float> moment_value_sum;  // per head: sum of v, head_dim
+  std::vector<float> moment_vk_sum;     // per head: sum of v k^T, head_dim x head_dim row-major
+                                        // (element [i][j] = sum v_i k_j)
+
+  // Shapes kept[], key_scales and moments for `layout` with zero kept tokens, clearing data.
+  void Reset(const KvLayout& layout, uint64_t original_tokens);
+
+  uint64_t num_heads() const { return layout.num_heads_total(); }
+  uint32_t head_index(uint32_t layer, uint32_t kv_head) const {
+    return layer * layout.num_kv_heads + kv_head;
+  }
+  uint64_t total_kept() const;
+  // First token of head h in the ragged arrays (prefix sum of kept; O(h), see TokenOffsets()).
+  uint64_t token_offset(uint64_t h) const;
+  // Prefix sums of kept, size num_heads()+1.
+  std::vector<uint64_t> TokenOffsets() const;
+
+  // Bytes per kept token in `keys` and `values`, and f16 scales per token in value_scales.
+  uint64_t KeyTokenBytes() const;
+  uint64_t ValueTokenBytes() const;
+  uint64_t ValueGroups() const;
+
+  // Checks that every array's size matches the layout, codecs and kept counts, positions are
+  // ascending and in range, moment counts add up to the evicted tokens. InvalidArgument on the
+  // first inconsistency. Format encoding and parsing both run it.
+  absl::Status Validate() const;
+
+  // Bytes of the encoded form, by part (the format's EncodedSize split up).
+  CacheBytes Breakdown() const;
+  // Bytes of the uncompressed K and V this cache came from.
+  uint64_t original_bytes() const { return layout.CacheBytes(original_tokens); }
+
+  std::string DebugString() const;
+};
+
+// Equality of every field and byte (for round-trip tests).
+bool operator==(const CompressedCache& a, const CompressedCache& b);
+inline bool operator!=(const CompressedCache& a, const CompressedCache& b) { return !(a == b); }
+
+}  // namespace kvcomp
+
+#endif  // KVCOMP_CORE_COMPRESSED_CACHE_H_

@@ -1,0 +1,72 @@
+// The compressed-cache byte format, version 1: one little-endian layout, the same on the wire
+// and on disk, described byte by byte in docs/format.md. The parser validates everything
+// (magic, version, sizes, counts against the layout, checksums, overflow) and never reads out
+// of bounds; a malformed input is a DataLoss or InvalidArgument status, never a crash.
+#ifndef KVCOMP_CORE_FORMAT_H_
+#define KVCOMP_CORE_FORMAT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "kvcomp/core/compressed_cache.h"
+
+namespace kvcomp {
+namespace format {
+
+inline constexpr uint32_t kMagic = 0x4343564B;  // "KVCC" in file order
+inline constexpr uint16_t kMajorVersion = 1;
+inline constexpr uint16_t kMinorVersion = 0;
+inline constexpr uint32_t kHeaderBytes = 128;
+inline constexpr uint32_t kSectionEntryBytes = 32;
+inline constexpr uint32_t kAlignment = 64;  // every section starts on a 64-byte boundary
+inline constexpr uint64_t kMaxEncodedBytes = uint64_t{1} << 40;
+
+// Section ids (docs/format.md). Never renumber.
+enum SectionId : uint32_t {
+  kHeads = 1,         // u32 kept per head
+  kPolicy = 2,        // TLV records of the policy
+  kPositions = 3,     // u32 per kept token
+  kKeys = 4,          // kept keys
+  kKeyScales = 5,     // f32 per (head, channel), int8 keys only
+  kValues = 6,        // kept values or latents
+  kValueScales = 7,   // f16 per (token, group), int8/int4 latents only
+  kMomentCount = 8,   // u64 per head
+  kMomentKeySum = 9,  // f32 per (head, channel)
+  kMomentValueSum = 10,
+  kMomentVkSum = 11,  // f32 per (head, d, d)
+};
+inline constexpr uint32_t kSectionRequired = 1;  // flag: a reader that does not know it must fail
+
+// What the fixed header and section table say, without the sections (cheap; for lookups).
+struct CacheInfo {
+  KvLayout layout;
+  uint64_t original_tokens = 0;
+  uint64_t total_kept = 0;
+  uint64_t total_bytes = 0;
+  uint64_t projection_version = 0;
+  KeyCodec key_codec = KeyCodec::kRaw;
+  ValueCodec value_codec = ValueCodec::kRaw;
+  uint32_t rank = 0;
+  bool has_moments = false;
+};
+
+// Bytes EncodeCache will produce for `cache` (which must Validate()).
+absl::StatusOr<uint64_t> EncodedSize(const CompressedCache& cache);
+// Encodes `cache` (validated first). InvalidArgument if it is inconsistent.
+absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache);
+// Encodes into `out`, which must hold exactly EncodedSize(cache) bytes.
+absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out);
+
+// Parses and fully validates `bytes`. DataLoss for checksum mismatches and truncation,
+// InvalidArgument for malformed fields, FailedPrecondition for a version from the future.
+absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes);
+// Validates the header and section table (and their checksums) only.
+absl::StatusOr<CacheInfo> PeekCache(absl::string_view bytes);
+
+}  // namespace format
+}  // namespace kvcomp
+
+#endif  // KVCOMP_CORE_FORMAT_H_

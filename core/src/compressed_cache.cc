@@ -1,0 +1,219 @@
+#include "kvcomp/core/compressed_cache.h"
+
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_format.h"
+#include "kvcomp/core/format.h"
+
+namespace kvcomp {
+namespace {
+
+absl::Status Inconsistent(absl::string_view what, uint64_t got, uint64_t want) {
+  return absl::InvalidArgumentError(
+      absl::StrFormat("compressed cache: %s has %u elements, expected %u", what, got, want));
+}
+
+}  // namespace
+
+void CompressedCache::Reset(const KvLayout& new_layout, uint64_t tokens) {
+  layout = new_layout;
+  original_tokens = tokens;
+  const uint64_t h = layout.num_heads_total();
+  kept.assign(h, 0);
+  positions.clear();
+  keys.clear();
+  values.clear();
+  value_scales.clear();
+  key_scales.clear();
+  if (key_codec == KeyCodec::kInt8) key_scales.assign(h * layout.head_dim, 0.0f);
+  moment_count.clear();
+  moment_key_sum.clear();
+  moment_value_sum.clear();
+  moment_vk_sum.clear();
+  if (has_moments) {
+    moment_count.assign(h, 0);
+    moment_key_sum.assign(h * layout.head_dim, 0.0f);
+    moment_value_sum.assign(h * layout.head_dim, 0.0f);
+    moment_vk_sum.assign(h * layout.head_dim * layout.head_dim, 0.0f);
+  }
+}
+
+uint64_t CompressedCache::total_kept() const {
+  return std::accumulate(kept.begin(), kept.end(), uint64_t{0});
+}
+
+uint64_t CompressedCache::token_offset(uint64_t h) const {
+  uint64_t off = 0;
+  for (uint64_t i = 0; i < h && i < kept.size(); ++i) off += kept[i];
+  return off;
+}
+
+std::vector<uint64_t> CompressedCache::TokenOffsets() const {
+  std::vector<uint64_t> off(kept.size() + 1, 0);
+  for (size_t i = 0; i < kept.size(); ++i) off[i + 1] = off[i] + kept[i];
+  return off;
+}
+
+uint64_t CompressedCache::KeyTokenBytes() const {
+  switch (key_codec) {
+    case KeyCodec::kRaw:
+      return DTypeBytes(layout.dtype, layout.head_dim);
+    case KeyCodec::kFp16:
+      return 2ull * layout.head_dim;
+    case KeyCodec::kInt8:
+      return layout.head_dim;
+  }
+  return 0;
+}
+
+uint64_t CompressedCache::ValueTokenBytes() const {
+  switch (value_codec) {
+    case ValueCodec::kRaw:
+      return DTypeBytes(layout.dtype, layout.head_dim);
+    case ValueCodec::kOrthogonal:
+      return 2ull * rank;
+    case ValueCodec::kOrthogonalInt8:
+      return rank;
+    case ValueCodec::kOrthogonalInt4:
+      return (rank + 1ull) / 2;
+  }
+  return 0;
+}
+
+uint64_t CompressedCache::ValueGroups() const {
+  if (value_codec != ValueCodec::kOrthogonalInt8 && value_codec != ValueCodec::kOrthogonalInt4) {
+    return 0;
+  }
+  return group_size == 0 ? 0 : (uint64_t{rank} + group_size - 1) / group_size;
+}
+
+absl::Status CompressedCache::Validate() const {
+  if (absl::Status s = layout.Validate(); !s.ok()) return s;
+  if (original_tokens > KvLayout::kMaxTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("compressed cache: original_tokens %u exceeds %u", original_tokens,
+                        KvLayout::kMaxTokens));
+  }
+  if (static_cast<uint8_t>(key_codec) > static_cast<uint8_t>(KeyCodec::kInt8) ||
+      static_cast<uint8_t>(value_codec) > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
+    return absl::InvalidArgumentError("compressed cache: unknown codec");
+  }
+  if (value_codec == ValueCodec::kRaw) {
+    if (rank != 0 || projection_version != 0) {
+      return absl::InvalidArgumentError(
+          "compressed cache: raw values carry no rank or projection version");
+    }
+  } else {
+    if (rank == 0 || rank > layout.head_dim) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "compressed cache: rank %u outside [1, head_dim %u]", rank, layout.head_dim));
+    }
+    if (value_codec == ValueCodec::kOrthogonalInt4 && rank % 2 != 0) {
+      return absl::InvalidArgumentError("compressed cache: int4 latents need an even rank");
+    }
+    if (projection_version == 0) {
+      return absl::InvalidArgumentError("compressed cache: encoded values name no projection");
+    }
+  }
+  if (ValueGroups() > 0 && (group_size == 0 || group_size > 256)) {
+    return absl::InvalidArgumentError("compressed cache: group_size outside [1, 256]");
+  }
+  const uint64_t h = num_heads();
+  const uint64_t d = layout.head_dim;
+  if (kept.size() != h) return Inconsistent("kept", kept.size(), h);
+  uint64_t total = 0;
+  for (uint64_t i = 0; i < h; ++i) {
+    if (kept[i] > original_tokens) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "compressed cache: head %u keeps %u of %u tokens", i, kept[i], original_tokens));
+    }
+    total += kept[i];
+  }
+  if (positions.size() != total) return Inconsistent("positions", positions.size(), total);
+  uint64_t off = 0;
+  for (uint64_t i = 0; i < h; ++i) {
+    for (uint64_t j = 0; j < kept[i]; ++j) {
+      const uint32_t p = positions[off + j];
+      if (p >= original_tokens || (j > 0 && p <= positions[off + j - 1])) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "compressed cache: head %u positions not ascending within [0, %u)", i,
+            original_tokens));
+      }
+    }
+    off += kept[i];
+  }
+  if (keys.size() != total * KeyTokenBytes()) {
+    return Inconsistent("keys (bytes)", keys.size(), total * KeyTokenBytes());
+  }
+  const uint64_t want_key_scales = key_codec == KeyCodec::kInt8 ? h * d : 0;
+  if (key_scales.size() != want_key_scales) {
+    return Inconsistent("key_scales", key_scales.size(), want_key_scales);
+  }
+  if (values.size() != total * ValueTokenBytes()) {
+    return Inconsistent("values (bytes)", values.size(), total * ValueTokenBytes());
+  }
+  if (value_scales.size() != total * ValueGroups()) {
+    return Inconsistent("value_scales", value_scales.size(), total * ValueGroups());
+  }
+  if (has_moments) {
+    if (moment_count.size() != h) return Inconsistent("moment_count", moment_count.size(), h);
+    if (moment_key_sum.size() != h * d) {
+      return Inconsistent("moment_key_sum", moment_key_sum.size(), h * d);
+    }
+    if (moment_value_sum.size() != h * d) {
+      return Inconsistent("moment_value_sum", moment_value_sum.size(), h * d);
+    }
+    if (moment_vk_sum.size() != h * d * d) {
+      return Inconsistent("moment_vk_sum", moment_vk_sum.size(), h * d * d);
+    }
+    for (uint64_t i = 0; i < h; ++i) {
+      if (moment_count[i] + kept[i] != original_tokens) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "compressed cache: head %u keeps %u and summarises %u tokens, but the sequence has %u",
+            i, kept[i], moment_count[i], original_tokens));
+      }
+    }
+  } else if (!moment_count.empty() || !moment_key_sum.empty() || !moment_value_sum.empty() ||
+             !moment_vk_sum.empty()) {
+    return absl::InvalidArgumentError("compressed cache: moments present but has_moments unset");
+  }
+  return absl::OkStatus();
+}
+
+CacheBytes CompressedCache::Breakdown() const {
+  CacheBytes b;
+  b.positions = positions.size() * sizeof(uint32_t);
+  b.keys = keys.size();
+  b.key_scales = key_scales.size() * sizeof(float);
+  b.values = values.size();
+  b.value_scales = value_scales.size() * sizeof(uint16_t);
+  b.moments = moment_count.size() * sizeof(uint64_t) +
+              (moment_key_sum.size() + moment_value_sum.size() + moment_vk_sum.size()) *
+                  sizeof(float);
+  auto total = format::EncodedSize(*this);
+  b.header = total.ok() ? *total - b.total() : 0;
+  return b;
+}
+
+std::string CompressedCache::DebugString() const {
+  return absl::StrFormat(
+      "CompressedCache{%s original_tokens=%u kept=%u key_codec=%s value_codec=%s rank=%u "
+      "projection=%u moments=%d}",
+      layout.DebugString(), original_tokens, total_kept(), KeyCodecName(key_codec),
+      ValueCodecName(value_codec), rank, projection_version, has_moments);
+}
+
+bool operator==(const CompressedCache& a, const CompressedCache& b) {
+  return a.layout == b.layout && a.original_tokens == b.original_tokens && a.policy == b.policy &&
+         a.key_codec == b.key_codec && a.value_codec == b.value_codec && a.rank == b.rank &&
+         (a.ValueGroups() == 0 || a.group_size == b.group_size) &&
+         a.projection_version == b.projection_version && a.kept == b.kept &&
+         a.positions == b.positions && a.keys == b.keys && a.key_scales == b.key_scales &&
+         a.values == b.values && a.value_scales == b.value_scales &&
+         a.has_moments == b.has_moments && a.moment_count == b.moment_count &&
+         a.moment_key_sum == b.moment_key_sum && a.moment_value_sum == b.moment_value_sum &&
+         a.moment_vk_sum == b.moment_vk_sum;
+}
+
+}  // namespace kvcomp

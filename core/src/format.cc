@@ -1,0 +1,575 @@
+#include "kvcomp/core/format.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/status.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "the cache format is little-endian; add byte swaps for big-endian hosts");
+
+namespace kvcomp {
+namespace format {
+namespace {
+
+// Header field offsets (docs/format.md).
+enum HeaderOffset : uint32_t {
+  kOffMagic = 0,
+  kOffMajor = 4,
+  kOffMinor = 6,
+  kOffHeaderBytes = 8,
+  kOffFlags = 12,
+  kOffTotalBytes = 16,
+  kOffLayers = 24,
+  kOffKvHeads = 28,
+  kOffQHeads = 32,
+  kOffHeadDim = 36,
+  kOffDType = 40,
+  kOffKeyCodec = 41,
+  kOffValueCodec = 42,
+  kOffRank = 44,
+  kOffGroupSize = 48,
+  kOffNumSections = 52,
+  kOffOriginalTokens = 56,
+  kOffTotalKept = 64,
+  kOffProjection = 72,
+  kOffTableCrc = 80,
+  kOffHeaderCrc = 124,
+};
+constexpr uint32_t kFlagMoments = 1;
+constexpr uint32_t kMaxSections = 64;
+
+template <typename T>
+void Put(uint8_t* base, uint64_t off, T v) {
+  std::memcpy(base + off, &v, sizeof(T));
+}
+template <typename T>
+T Get(const uint8_t* base, uint64_t off) {
+  T v;
+  std::memcpy(&v, base + off, sizeof(T));
+  return v;
+}
+
+bool AllZero(const uint8_t* p, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) {
+    if (p[i] != 0) return false;
+  }
+  return true;
+}
+
+uint64_t AlignUp(uint64_t x) { return (x + kAlignment - 1) / kAlignment * kAlignment; }
+
+// Multiplies with overflow detection; false on overflow.
+bool MulOk(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+
+absl::Status Truncated(absl::string_view what, uint64_t need, uint64_t have) {
+  return absl::DataLossError(absl::StrFormat(
+      "cache format: truncated: %s needs %u bytes, %u present", what, need, have));
+}
+
+// ---- policy TLV ----
+enum PolicyTag : uint16_t {
+  kTagScorer = 1,
+  kTagRatio = 2,
+  kTagTokenBudget = 3,
+  kTagHeadBudget = 4,
+  kTagAlpha = 5,
+  kTagNSink = 6,
+  kTagNRecent = 7,
+  kTagProtect = 8,
+  kTagWindow = 9,
+  kTagSnapWindow = 10,
+  kTagSnapPool = 11,
+  kTagSeed = 12,
+  kTagBlockSize = 13,
+  kTagMoments = 14,
+  kTagMomentAware = 15,
+  kTagKeyCodec = 16,
+  kTagValueCodec = 17,
+  kTagRank = 18,
+  kTagGroupSize = 19,
+  kTagGamma = 20,
+};
+
+class TlvWriter {
+ public:
+  template <typename T>
+  void Add(uint16_t tag, T v) {
+    const size_t at = out_.size();
+    out_.resize(at + 4 + sizeof(T));
+    Put<uint16_t>(out_.data(), at, tag);
+    Put<uint16_t>(out_.data(), at + 2, sizeof(T));
+    Put<T>(out_.data(), at + 4, v);
+  }
+  std::vector<uint8_t> Take() { return std::move(out_); }
+
+ private:
+  std::vector<uint8_t> out_;
+};
+
+std::vector<uint8_t> EncodePolicy(const CompressionPolicy& p) {
+  TlvWriter w;
+  w.Add<uint8_t>(kTagScorer, static_cast<uint8_t>(p.scorer));
+  w.Add<double>(kTagRatio, p.ratio);
+  w.Add<uint32_t>(kTagTokenBudget, p.token_budget);
+  w.Add<uint8_t>(kTagHeadBudget, static_cast<uint8_t>(p.head_budget));
+  w.Add<double>(kTagAlpha, p.alpha_safeguard);
+  w.Add<uint32_t>(kTagNSink, p.n_sink);
+  w.Add<uint32_t>(kTagNRecent, p.n_recent);
+  w.Add<uint8_t>(kTagProtect, p.protect);
+  w.Add<uint32_t>(kTagWindow, p.window);
+  w.Add<uint32_t>(kTagSnapWindow, p.snapkv_window);
+  w.Add<uint32_t>(kTagSnapPool, p.snapkv_pool);
+  w.Add<uint64_t>(kTagSeed, p.seed);
+  w.Add<uint32_t>(kTagBlockSize, p.block_size);
+  w.Add<uint8_t>(kTagMoments, p.moments);
+  w.Add<uint8_t>(kTagMomentAware, p.moment_aware);
+  w.Add<uint8_t>(kTagKeyCodec, static_cast<uint8_t>(p.key_codec));
+  w.Add<uint8_t>(kTagValueCodec, static_cast<uint8_t>(p.value_codec));
+  w.Add<uint32_t>(kTagRank, p.rank);
+  w.Add<uint32_t>(kTagGroupSize, p.group_size);
+  w.Add<uint8_t>(kTagGamma, p.gamma_aware);
+  return w.Take();
+}
+
+absl::StatusOr<CompressionPolicy> DecodePolicy(const uint8_t* p, uint64_t n) {
+  CompressionPolicy pol;
+  uint64_t at = 0;
+  while (at < n) {
+    if (n - at < 4) return absl::InvalidArgumentError("cache format: policy record truncated");
+    const uint16_t tag = Get<uint16_t>(p, at);
+    const uint16_t len = Get<uint16_t>(p, at + 2);
+    at += 4;
+    if (n - at < len) return absl::InvalidArgumentError("cache format: policy value truncated");
+    const uint8_t* v = p + at;
+    at += len;
+    auto want = [&](size_t size) -> absl::Status {
+      if (len == size) return absl::OkStatus();
+      return absl::InvalidArgumentError(
+          absl::StrFormat("cache format: policy tag %u has %u bytes, expected %u", tag, len, size));
+    };
+    auto u8 = [&] { return Get<uint8_t>(v, 0); };
+    auto u32 = [&] { return Get<uint32_t>(v, 0); };
+    switch (tag) {
+      case kTagScorer:
+        KVCOMP_RETURN_IF_ERROR(want(1));
+        pol.scorer = static_cast<Scorer>(u8());
+        break;
+      case kTagRatio:
+        KVCOMP_RETURN_IF_ERROR(want(8));
+        pol.ratio = Get<double>(v, 0);
+        break;
+      case kTagTokenBudget:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.token_budget = u32();
+        break;
+      case kTagHeadBudget:
+        KVCOMP_RETURN_IF_ERROR(want(1));
+        pol.head_budget = static_cast<HeadBudget>(u8());
+        break;
+      case kTagAlpha:
+        KVCOMP_RETURN_IF_ERROR(want(8));
+        pol.alpha_safeguard = Get<double>(v, 0);
+        break;
+      case kTagNSink:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.n_sink = u32();
+        break;
+      case kTagNRecent:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.n_recent = u32();
+        break;
+      case kTagProtect:
+        KVCOMP_RETURN_IF_ERROR(want(1));
+        pol.protect = u8() != 0;
+        break;
+      case kTagWindow:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.window = u32();
+        break;
+      case kTagSnapWindow:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.snapkv_window = u32();
+        break;
+      case kTagSnapPool:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.snapkv_pool = u32();
+        break;
+      case kTagSeed:
+        KVCOMP_RETURN_IF_ERROR(want(8));
+        pol.seed = Get<uint64_t>(v, 0);
+        break;
+      case kTagBlockSize:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.block_size = u32();
+        break;
+      case kTagMoments:
+        KVCOMP_RETURN_IF_ERROR(want(1));
+        pol.moments = u8() != 0;
+        break;
+      case kTagMomentAware:
+        KVCOMP_RETURN_IF_ERROR(want(1));
+        pol.moment_aware = u8() != 0;
+        break;
+      case kTagKeyCodec:
+        KVCOMP_RETURN_IF_ERROR(want(1));
+        pol.key_codec = static_cast<KeyCodec>(u8());
+        break;
+      case kTagValueCodec:
+        KVCOMP_RETURN_IF_ERROR(want(1));
+        pol.value_codec = static_cast<ValueCodec>(u8());
+        break;
+      case kTagRank:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.rank = u32();
+        break;
+      case kTagGroupSize:
+        KVCOMP_RETURN_IF_ERROR(want(4));
+        pol.group_size = u32();
+        break;
+      case kTagGamma:
+        KVCOMP_RETURN_IF_ERROR(want(1));
+        pol.gamma_aware = u8() != 0;
+        break;
+      default:
+        break;  // a newer writer's field: skipped (docs/format.md, "Compatibility")
+    }
+  }
+  if (absl::Status s = pol.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache format: stored policy invalid: ", s.message()));
+  }
+  return pol;
+}
+
+struct Section {
+  uint32_t id;
+  const void* data;
+  uint64_t size;
+};
+
+std::vector<Section> SectionsOf(const CompressedCache& c, const std::vector<uint8_t>& policy) {
+  std::vector<Section> s;
+  s.push_back({kHeads, c.kept.data(), c.kept.size() * sizeof(uint32_t)});
+  s.push_back({kPolicy, policy.data(), policy.size()});
+  s.push_back({kPositions, c.positions.data(), c.positions.size() * sizeof(uint32_t)});
+  s.push_back({kKeys, c.keys.data(), c.keys.size()});
+  if (c.key_codec == KeyCodec::kInt8) {
+    s.push_back({kKeyScales, c.key_scales.data(), c.key_scales.size() * sizeof(float)});
+  }
+  s.push_back({kValues, c.values.data(), c.values.size()});
+  if (c.ValueGroups() > 0) {
+    s.push_back({kValueScales, c.value_scales.data(), c.value_scales.size() * sizeof(uint16_t)});
+  }
+  if (c.has_moments) {
+    s.push_back({kMomentCount, c.moment_count.data(), c.moment_count.size() * sizeof(uint64_t)});
+    s.push_back({kMomentKeySum, c.moment_key_sum.data(), c.moment_key_sum.size() * sizeof(float)});
+    s.push_back(
+        {kMomentValueSum, c.moment_value_sum.data(), c.moment_value_sum.size() * sizeof(float)});
+    s.push_back({kMomentVkSum, c.moment_vk_sum.data(), c.moment_vk_sum.size() * sizeof(float)});
+  }
+  return s;
+}
+
+uint64_t LayoutSize(const std::vector<Section>& sections) {
+  uint64_t at = AlignUp(kHeaderBytes + uint64_t{kSectionEntryBytes} * sections.size());
+  for (const Section& s : sections) at = AlignUp(at + s.size);
+  return at;
+}
+
+// Parsed view of the fixed header and the section table.
+struct Parsed {
+  CacheInfo info;
+  uint32_t group_size = 0;
+  struct Entry {
+    uint32_t id, flags;
+    uint64_t offset, size;
+  };
+  std::vector<Entry> entries;
+};
+
+absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
+  const auto* b = reinterpret_cast<const uint8_t*>(bytes.data());
+  const uint64_t n = bytes.size();
+  if (n < kHeaderBytes) return Truncated("the fixed header", kHeaderBytes, n);
+  if (Get<uint32_t>(b, kOffMagic) != kMagic) {
+    return absl::InvalidArgumentError("cache format: bad magic (not a kvcomp compressed cache)");
+  }
+  const uint16_t major = Get<uint16_t>(b, kOffMajor);
+  const uint16_t minor = Get<uint16_t>(b, kOffMinor);
+  if (major > kMajorVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "cache format: version %u.%u is newer than this reader (%u.%u)", major, minor,
+        kMajorVersion, kMinorVersion));
+  }
+  if (major == 0) return absl::InvalidArgumentError("cache format: version 0 is invalid");
+  if (Crc32c(b, kOffHeaderCrc) != Get<uint32_t>(b, kOffHeaderCrc)) {
+    return absl::DataLossError("cache format: header checksum mismatch");
+  }
+  if (Get<uint32_t>(b, kOffHeaderBytes) != kHeaderBytes) {
+    return absl::InvalidArgumentError("cache format: header size is not 128");
+  }
+  for (uint32_t off = kOffTableCrc + 4; off < kOffHeaderCrc; ++off) {
+    if (b[off] != 0) return absl::InvalidArgumentError("cache format: reserved header bytes set");
+  }
+  if (b[43] != 0) return absl::InvalidArgumentError("cache format: reserved header byte set");
+  Parsed p;
+  CacheInfo& info = p.info;
+  const uint32_t flags = Get<uint32_t>(b, kOffFlags);
+  if ((flags & ~kFlagMoments) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("cache format: unknown flags 0x%x", flags));
+  }
+  info.has_moments = (flags & kFlagMoments) != 0;
+  info.total_bytes = Get<uint64_t>(b, kOffTotalBytes);
+  if (info.total_bytes != n) {
+    if (info.total_bytes > n) return Truncated("the cache", info.total_bytes, n);
+    return absl::DataLossError(absl::StrFormat(
+        "cache format: %u bytes given, header says %u", n, info.total_bytes));
+  }
+  info.layout.num_layers = Get<uint32_t>(b, kOffLayers);
+  info.layout.num_kv_heads = Get<uint32_t>(b, kOffKvHeads);
+  info.layout.num_q_heads = Get<uint32_t>(b, kOffQHeads);
+  info.layout.head_dim = Get<uint32_t>(b, kOffHeadDim);
+  const uint8_t dtype = b[kOffDType], kc = b[kOffKeyCodec], vc = b[kOffValueCodec];
+  if (!IsValidDType(dtype)) return absl::InvalidArgumentError("cache format: unknown dtype");
+  info.layout.dtype = static_cast<DType>(dtype);
+  KVCOMP_RETURN_IF_ERROR(Annotate(info.layout.Validate(), "cache format"));
+  if (kc > static_cast<uint8_t>(KeyCodec::kInt8) ||
+      vc > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
+    return absl::InvalidArgumentError("cache format: unknown key or value codec");
+  }
+  info.key_codec = static_cast<KeyCodec>(kc);
+  info.value_codec = static_cast<ValueCodec>(vc);
+  info.rank = Get<uint32_t>(b, kOffRank);
+  p.group_size = Get<uint32_t>(b, kOffGroupSize);
+  info.original_tokens = Get<uint64_t>(b, kOffOriginalTokens);
+  info.total_kept = Get<uint64_t>(b, kOffTotalKept);
+  info.projection_version = Get<uint64_t>(b, kOffProjection);
+  if (info.original_tokens > KvLayout::kMaxTokens) {
+    return absl::InvalidArgumentError("cache format: original_tokens beyond the limit");
+  }
+  uint64_t max_kept;
+  if (!MulOk(info.original_tokens, info.layout.num_heads_total(), &max_kept) ||
+      info.total_kept > max_kept) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cache format: total_kept %u exceeds heads x original tokens", info.total_kept));
+  }
+  const uint32_t num_sections = Get<uint32_t>(b, kOffNumSections);
+  if (num_sections == 0 || num_sections > kMaxSections) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cache format: %u sections (1..%u allowed)", num_sections, kMaxSections));
+  }
+  const uint64_t table_end = kHeaderBytes + uint64_t{kSectionEntryBytes} * num_sections;
+  if (table_end > n) return Truncated("the section table", table_end, n);
+  if (Crc32c(b + kHeaderBytes, table_end - kHeaderBytes) != Get<uint32_t>(b, kOffTableCrc)) {
+    return absl::DataLossError("cache format: section table checksum mismatch");
+  }
+  uint64_t prev_end = table_end;
+  uint32_t prev_id = 0;
+  for (uint32_t i = 0; i < num_sections; ++i) {
+    const uint8_t* e = b + kHeaderBytes + uint64_t{kSectionEntryBytes} * i;
+    Parsed::Entry en{Get<uint32_t>(e, 0), Get<uint32_t>(e, 4), Get<uint64_t>(e, 8),
+                     Get<uint64_t>(e, 16)};
+    if (en.id <= prev_id) {
+      return absl::InvalidArgumentError("cache format: section ids not strictly ascending");
+    }
+    if (en.offset % kAlignment != 0 || en.offset < prev_end || en.offset > n ||
+        en.size > n - en.offset) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "cache format: section %u at [%u, +%u) is misaligned, overlapping or out of bounds",
+          en.id, en.offset, en.size));
+    }
+    if ((en.flags & ~kSectionRequired) != 0 || Get<uint32_t>(e, 28) != 0) {
+      return absl::InvalidArgumentError("cache format: section entry has reserved bits set");
+    }
+    if (Crc32c(b + en.offset, en.size) != Get<uint32_t>(e, 24)) {
+      return absl::DataLossError(absl::StrFormat("cache format: section %u checksum mismatch", en.id));
+    }
+    if (en.id > kMomentVkSum && (en.flags & kSectionRequired)) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "cache format: required section %u unknown to this reader", en.id));
+    }
+    if (!AllZero(b + prev_end, en.offset - prev_end)) {
+      return absl::InvalidArgumentError("cache format: non-zero padding before a section");
+    }
+    prev_end = en.offset + en.size;
+    prev_id = en.id;
+    p.entries.push_back(en);
+  }
+  if (!AllZero(b + prev_end, n - prev_end)) {
+    return absl::InvalidArgumentError("cache format: non-zero bytes after the last section");
+  }
+  return p;
+}
+
+// Copies section `id` into `out` (resized), checking its size is `want_bytes`.
+template <typename T>
+absl::Status TakeSection(const Parsed& p, absl::string_view bytes, uint32_t id, bool present,
+                         uint64_t want_elems, std::vector<T>* out) {
+  const Parsed::Entry* e = nullptr;
+  for (const auto& en : p.entries) {
+    if (en.id == id) e = &en;
+  }
+  if (!present) {
+    if (e != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("cache format: section %u present but the header does not use it", id));
+    }
+    out->clear();
+    return absl::OkStatus();
+  }
+  if (e == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat("cache format: section %u missing", id));
+  }
+  uint64_t want_bytes;
+  if (!MulOk(want_elems, sizeof(T), &want_bytes) || e->size != want_bytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cache format: section %u has %u bytes, the counts need %u", id, e->size, want_bytes));
+  }
+  out->resize(want_elems);
+  if (want_bytes > 0) std::memcpy(out->data(), bytes.data() + e->offset, want_bytes);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> EncodedSize(const CompressedCache& cache) {
+  KVCOMP_RETURN_IF_ERROR(cache.Validate());
+  const std::vector<uint8_t> policy = EncodePolicy(cache.policy);
+  return LayoutSize(SectionsOf(cache, policy));
+}
+
+absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out) {
+  KVCOMP_RETURN_IF_ERROR(cache.Validate());
+  const std::vector<uint8_t> policy = EncodePolicy(cache.policy);
+  const std::vector<Section> sections = SectionsOf(cache, policy);
+  const uint64_t total = LayoutSize(sections);
+  if (out.size() != total) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cache format: output buffer is %u bytes, encoding needs %u", out.size(),
+                        total));
+  }
+  uint8_t* b = out.data();
+  std::memset(b, 0, total);
+  Put<uint32_t>(b, kOffMagic, kMagic);
+  Put<uint16_t>(b, kOffMajor, kMajorVersion);
+  Put<uint16_t>(b, kOffMinor, kMinorVersion);
+  Put<uint32_t>(b, kOffHeaderBytes, kHeaderBytes);
+  Put<uint32_t>(b, kOffFlags, cache.has_moments ? kFlagMoments : 0);
+  Put<uint64_t>(b, kOffTotalBytes, total);
+  Put<uint32_t>(b, kOffLayers, cache.layout.num_layers);
+  Put<uint32_t>(b, kOffKvHeads, cache.layout.num_kv_heads);
+  Put<uint32_t>(b, kOffQHeads, cache.layout.num_q_heads);
+  Put<uint32_t>(b, kOffHeadDim, cache.layout.head_dim);
+  b[kOffDType] = static_cast<uint8_t>(cache.layout.dtype);
+  b[kOffKeyCodec] = static_cast<uint8_t>(cache.key_codec);
+  b[kOffValueCodec] = static_cast<uint8_t>(cache.value_codec);
+  Put<uint32_t>(b, kOffRank, cache.rank);
+  Put<uint32_t>(b, kOffGroupSize, cache.ValueGroups() > 0 ? cache.group_size : 0);
+  Put<uint32_t>(b, kOffNumSections, static_cast<uint32_t>(sections.size()));
+  Put<uint64_t>(b, kOffOriginalTokens, cache.original_tokens);
+  Put<uint64_t>(b, kOffTotalKept, cache.total_kept());
+  Put<uint64_t>(b, kOffProjection, cache.projection_version);
+  uint64_t at = AlignUp(kHeaderBytes + uint64_t{kSectionEntryBytes} * sections.size());
+  for (size_t i = 0; i < sections.size(); ++i) {
+    const Section& s = sections[i];
+    uint8_t* e = b + kHeaderBytes + kSectionEntryBytes * i;
+    Put<uint32_t>(e, 0, s.id);
+    Put<uint32_t>(e, 4, kSectionRequired);
+    Put<uint64_t>(e, 8, at);
+    Put<uint64_t>(e, 16, s.size);
+    if (s.size > 0) std::memcpy(b + at, s.data, s.size);
+    Put<uint32_t>(e, 24, Crc32c(b + at, s.size));
+    at = AlignUp(at + s.size);
+  }
+  Put<uint32_t>(b, kOffTableCrc,
+                Crc32c(b + kHeaderBytes, uint64_t{kSectionEntryBytes} * sections.size()));
+  Put<uint32_t>(b, kOffHeaderCrc, Crc32c(b, kOffHeaderCrc));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache) {
+  KVCOMP_ASSIGN_OR_RETURN(const uint64_t size, EncodedSize(cache));
+  std::string out(size, '\0');
+  KVCOMP_RETURN_IF_ERROR(
+      EncodeCacheInto(cache, absl::MakeSpan(reinterpret_cast<uint8_t*>(out.data()), size)));
+  return out;
+}
+
+absl::StatusOr<CacheInfo> PeekCache(absl::string_view bytes) {
+  KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(bytes));
+  return p.info;
+}
+
+absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
+  KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(bytes));
+  const CacheInfo& info = p.info;
+  CompressedCache c;
+  c.layout = info.layout;
+  c.original_tokens = info.original_tokens;
+  c.key_codec = info.key_codec;
+  c.value_codec = info.value_codec;
+  c.rank = info.rank;
+  c.group_size = p.group_size;
+  c.projection_version = info.projection_version;
+  c.has_moments = info.has_moments;
+  if (c.value_codec == ValueCodec::kRaw) {
+    if (c.rank != 0 || c.projection_version != 0) {
+      return absl::InvalidArgumentError("cache format: raw values with a rank or projection");
+    }
+  } else if (c.rank == 0 || c.rank > c.layout.head_dim) {
+    return absl::InvalidArgumentError("cache format: rank outside [1, head_dim]");
+  }
+  if (c.ValueGroups() == 0 && c.value_codec != ValueCodec::kRaw &&
+      c.value_codec != ValueCodec::kOrthogonal) {
+    return absl::InvalidArgumentError("cache format: quantized values need a group size");
+  }
+  if (c.value_codec == ValueCodec::kOrthogonal || c.value_codec == ValueCodec::kRaw) {
+    if (p.group_size != 0) return absl::InvalidArgumentError("cache format: stray group size");
+    c.group_size = 32;  // unused by these codecs; the in-memory default
+  } else if (p.group_size > 256) {
+    return absl::InvalidArgumentError("cache format: group size above 256");
+  }
+  const uint64_t h = info.layout.num_heads_total();
+  const uint64_t d = info.layout.head_dim;
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kHeads, true, h, &c.kept));
+  if (c.total_kept() != info.total_kept) {
+    return absl::InvalidArgumentError("cache format: head counts do not add up to total_kept");
+  }
+  std::vector<uint8_t> policy;
+  const Parsed::Entry* pe = nullptr;
+  for (const auto& e : p.entries) {
+    if (e.id == kPolicy) pe = &e;
+  }
+  if (pe == nullptr) return absl::InvalidArgumentError("cache format: policy section missing");
+  KVCOMP_ASSIGN_OR_RETURN(
+      c.policy,
+      DecodePolicy(reinterpret_cast<const uint8_t*>(bytes.data()) + pe->offset, pe->size));
+  const uint64_t t = info.total_kept;
+  uint64_t key_bytes, value_bytes, scale_elems;
+  if (!MulOk(t, c.KeyTokenBytes(), &key_bytes) || !MulOk(t, c.ValueTokenBytes(), &value_bytes) ||
+      !MulOk(t, c.ValueGroups(), &scale_elems)) {
+    return absl::InvalidArgumentError("cache format: section sizes overflow");
+  }
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kPositions, true, t, &c.positions));
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kKeys, true, key_bytes, &c.keys));
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kKeyScales, c.key_codec == KeyCodec::kInt8, h * d,
+                                     &c.key_scales));
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kValues, true, value_bytes, &c.values));
+  KVCOMP_RETURN_IF_ERROR(
+      TakeSection(p, bytes, kValueScales, c.ValueGroups() > 0, scale_elems, &c.value_scales));
+  const bool m = c.has_moments;
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kMomentCount, m, h, &c.moment_count));
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kMomentKeySum, m, h * d, &c.moment_key_sum));
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kMomentValueSum, m, h * d, &c.moment_value_sum));
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kMomentVkSum, m, h * d * d, &c.moment_vk_sum));
+  if (absl::Status s = c.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cache format: ", s.message()));
+  }
+  return c;
+}
+
+}  // namespace format
+}  // namespace kvcomp

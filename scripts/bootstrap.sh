@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs everything kvcomp needs to build and test on a fresh Debian 12 machine.
+# Idempotent: a second run checks and installs nothing new. Run by `make demo` and `make test`.
+set -euo pipefail
+
+APT_PACKAGES=(
+  build-essential cmake ninja-build pkg-config git
+  clang-14 libclang-rt-14-dev llvm-14 clang-format
+  libucx-dev ucx-utils
+  libthrift-dev thrift-compiler libevent-dev libssl-dev
+  librocksdb-dev rocksdb-tools
+  prometheus-cpp-dev libcurl4-openssl-dev zlib1g-dev
+  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libyaml-cpp-dev libeigen3-dev libcli11-dev liblapacke-dev
+  curl
+)
+PIP_PACKAGES=(numpy pytest nanobind scikit-build-core matplotlib pyyaml jsonschema)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "bootstrap: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if ! "$PY" - "${PIP_PACKAGES[@]}" <<'PYEOF'
+import importlib.util, sys
+names = {"scikit-build-core": "scikit_build_core", "pyyaml": "yaml"}
+missing = [p for p in sys.argv[1:] if importlib.util.find_spec(names.get(p, p)) is None]
+sys.exit(1 if missing else 0)
+PYEOF
+then
+  echo "bootstrap: installing python packages ${PIP_PACKAGES[*]}"
+  "$PY" -m pip install -q "${PIP_PACKAGES[@]}"
+fi
+echo "bootstrap: ok"

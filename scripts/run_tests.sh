@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs every test that can run on this machine: the C++ tests (ctest; gpu-labelled ones report a
+# skip where no GPU is present), the sanitizer builds of the parser-facing tests, the bounded
+# fuzz run, and the Python tests. Used by `make test`.
+set -euo pipefail
+BUILD=${1:-build}
+JOBS=$(nproc)
+cd "$(dirname "$0")/.."
+
+echo "== C++ tests (ctest) =="
+ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 600
+
+if [ -x scripts/run_sanitizers.sh ]; then
+  echo "== sanitizer and fuzz tests =="
+  bash scripts/run_sanitizers.sh
+fi
+
+if [ -d tests/python ]; then
+  echo "== Python tests (pytest) =="
+  PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}" KVCOMP_BUILD_DIR="$PWD/$BUILD" \
+    python3 -m pytest -q tests/python
+fi

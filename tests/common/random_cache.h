@@ -1,0 +1,75 @@
+// Builds random, valid CompressedCache values for tests: ragged kept counts, every codec, with
+// or without moments. Never zeros: every byte comes from the seeded generator.
+#ifndef KVCOMP_TESTS_COMMON_RANDOM_CACHE_H_
+#define KVCOMP_TESTS_COMMON_RANDOM_CACHE_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kvcomp/core/compressed_cache.h"
+
+namespace kvcomp {
+namespace testing {
+
+struct RandomCacheOptions {
+  KvLayout layout{2, 2, 4, 64, DType::kBF16};
+  uint64_t original_tokens = 37;
+  KeyCodec key_codec = KeyCodec::kRaw;
+  ValueCodec value_codec = ValueCodec::kRaw;
+  uint32_t rank = 0;
+  uint32_t group_size = 32;
+  bool moments = true;
+};
+
+inline CompressedCache RandomCache(const RandomCacheOptions& o, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  CompressedCache c;
+  c.key_codec = o.key_codec;
+  c.value_codec = o.value_codec;
+  c.rank = o.value_codec == ValueCodec::kRaw ? 0 : o.rank;
+  c.group_size = o.group_size;
+  c.projection_version = o.value_codec == ValueCodec::kRaw ? 0 : 1 + rng() % 1000;
+  c.has_moments = o.moments;
+  c.policy.key_codec = o.key_codec;
+  c.policy.value_codec = o.value_codec;
+  c.policy.rank = c.rank;
+  c.policy.ratio = 0.25 + 0.5 * static_cast<double>(rng() % 1000) / 1000.0;
+  c.Reset(o.layout, o.original_tokens);
+  const uint64_t h = c.num_heads();
+  std::vector<uint32_t> all(o.original_tokens);
+  std::iota(all.begin(), all.end(), 0u);
+  for (uint64_t i = 0; i < h; ++i) {
+    const uint32_t k = static_cast<uint32_t>(rng() % (o.original_tokens + 1));
+    c.kept[i] = k;
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<uint32_t> pick(all.begin(), all.begin() + k);
+    std::sort(pick.begin(), pick.end());
+    c.positions.insert(c.positions.end(), pick.begin(), pick.end());
+  }
+  const uint64_t t = c.total_kept();
+  auto fill_bytes = [&](std::vector<uint8_t>* v, uint64_t n) {
+    v->resize(n);
+    for (auto& b : *v) b = static_cast<uint8_t>(rng());
+  };
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  fill_bytes(&c.keys, t * c.KeyTokenBytes());
+  fill_bytes(&c.values, t * c.ValueTokenBytes());
+  for (auto& s : c.key_scales) s = u(rng);
+  c.value_scales.resize(t * c.ValueGroups());
+  for (auto& s : c.value_scales) s = static_cast<uint16_t>(rng());
+  if (o.moments) {
+    for (uint64_t i = 0; i < h; ++i) c.moment_count[i] = o.original_tokens - c.kept[i];
+    for (auto& x : c.moment_key_sum) x = u(rng);
+    for (auto& x : c.moment_value_sum) x = u(rng);
+    for (auto& x : c.moment_vk_sum) x = u(rng);
+  }
+  return c;
+}
+
+}  // namespace testing
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TESTS_COMMON_RANDOM_CACHE_H_

@@ -1,0 +1,244 @@
+#include "kvcomp/core/format.h"
+
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "common/random_cache.h"
+#include "gtest/gtest.h"
+#include "kvcomp/core/crc32c.h"
+
+namespace kvcomp {
+namespace {
+
+using testing::RandomCache;
+using testing::RandomCacheOptions;
+
+std::vector<RandomCacheOptions> AllVariants() {
+  std::vector<RandomCacheOptions> out;
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8}) {
+      for (ValueCodec vc : {ValueCodec::kRaw, ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                            ValueCodec::kOrthogonalInt4}) {
+        for (bool moments : {false, true}) {
+          RandomCacheOptions o;
+          o.layout.dtype = dt;
+          o.key_codec = kc;
+          o.value_codec = vc;
+          o.rank = vc == ValueCodec::kRaw ? 0 : (vc == ValueCodec::kOrthogonalInt4 ? 40 : 37);
+          o.group_size = 16;
+          o.moments = moments;
+          out.push_back(o);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+void Put32(std::string* s, size_t off, uint32_t v) { std::memcpy(s->data() + off, &v, 4); }
+void Put64(std::string* s, size_t off, uint64_t v) { std::memcpy(s->data() + off, &v, 8); }
+// Recomputes the header checksum after a deliberate edit, so the edit itself is what is tested.
+void Reseal(std::string* s) { Put32(s, 124, Crc32c(s->data(), 124)); }
+void ResealTable(std::string* s) {
+  uint32_t n;
+  std::memcpy(&n, s->data() + 52, 4);
+  Put32(s, 80, Crc32c(s->data() + 128, 32ull * n));
+  Reseal(s);
+}
+
+TEST(Format, RoundTripsEveryCodecAndDtype) {
+  uint64_t seed = 1;
+  for (const auto& o : AllVariants()) {
+    const CompressedCache c = RandomCache(o, seed++);
+    ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+    auto bytes = format::EncodeCache(c);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(bytes->size(), *format::EncodedSize(c));
+    EXPECT_EQ(bytes->size(), c.Breakdown().total());
+    auto back = format::ParseCache(*bytes);
+    ASSERT_TRUE(back.ok()) << back.status() << " " << c.DebugString();
+    EXPECT_TRUE(*back == c) << c.DebugString();
+    auto info = format::PeekCache(*bytes);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->total_kept, c.total_kept());
+    EXPECT_EQ(info->layout, c.layout);
+    // Encoding is deterministic: the same cache gives the same bytes.
+    EXPECT_EQ(*format::EncodeCache(*back), *bytes);
+  }
+}
+
+TEST(Format, RoundTripsEdgeShapes) {
+  RandomCacheOptions o;
+  o.original_tokens = 1;
+  for (uint64_t seed = 0; seed < 8; ++seed) {
+    auto c = RandomCache(o, seed);
+    auto back = format::ParseCache(*format::EncodeCache(c));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_TRUE(*back == c);
+  }
+  o.layout = KvLayout{3, 8, 32, 256, DType::kF16};
+  o.original_tokens = 300;
+  auto c = RandomCache(o, 99);
+  c.policy.scorer = Scorer::kWindowedManifold;
+  c.policy.head_budget = HeadBudget::kAdaKV;
+  c.policy.window = 77;
+  c.policy.seed = 0xdeadbeefcafeull;
+  auto back = format::ParseCache(*format::EncodeCache(c));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->policy, c.policy);
+  EXPECT_TRUE(*back == c);
+}
+
+TEST(Format, EncodeRejectsInconsistentCache) {
+  auto c = RandomCache(RandomCacheOptions{}, 3);
+  c.positions.push_back(0);
+  EXPECT_EQ(format::EncodeCache(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = RandomCache(RandomCacheOptions{}, 3);
+  if (c.kept[0] >= 2) {
+    std::swap(c.positions[0], c.positions[1]);
+    EXPECT_FALSE(format::EncodeCache(c).ok());
+  }
+  c = RandomCache(RandomCacheOptions{}, 4);
+  c.moment_count[0] += 1;
+  EXPECT_FALSE(format::EncodeCache(c).ok());
+}
+
+TEST(Format, TruncatedAtEveryOffsetFails) {
+  RandomCacheOptions o;
+  o.key_codec = KeyCodec::kInt8;
+  o.value_codec = ValueCodec::kOrthogonalInt4;
+  o.rank = 32;
+  o.original_tokens = 9;
+  const std::string bytes = *format::EncodeCache(RandomCache(o, 5));
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    auto r = format::ParseCache(absl::string_view(bytes.data(), n));
+    ASSERT_FALSE(r.ok()) << n;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << n << " " << r.status();
+  }
+  std::string longer = bytes + std::string(64, '\0');
+  EXPECT_EQ(format::ParseCache(longer).status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(Format, EveryFlippedBitIsDetected) {
+  RandomCacheOptions o;
+  o.layout = KvLayout{1, 2, 2, 64, DType::kF16};
+  o.original_tokens = 5;
+  o.value_codec = ValueCodec::kOrthogonalInt8;
+  o.rank = 8;
+  o.group_size = 4;
+  const std::string bytes = *format::EncodeCache(RandomCache(o, 11));
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    for (int bit : {0, 3, 7}) {
+      std::string bad = bytes;
+      bad[i] = static_cast<char>(bad[i] ^ (1 << bit));
+      EXPECT_FALSE(format::ParseCache(bad).ok()) << "byte " << i << " bit " << bit;
+    }
+  }
+}
+
+TEST(Format, WrongMagic) {
+  std::string b = *format::EncodeCache(RandomCache(RandomCacheOptions{}, 1));
+  b[0] = 'X';
+  auto r = format::ParseCache(b);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("magic"), std::string::npos);
+}
+
+TEST(Format, VersionFromTheFuture) {
+  std::string b = *format::EncodeCache(RandomCache(RandomCacheOptions{}, 1));
+  b[4] = 2;
+  Reseal(&b);
+  auto r = format::ParseCache(b);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("newer"), std::string::npos);
+}
+
+TEST(Format, HeaderChecksumMismatch) {
+  std::string b = *format::EncodeCache(RandomCache(RandomCacheOptions{}, 1));
+  b[60] ^= 1;  // original_tokens, without resealing
+  EXPECT_EQ(format::ParseCache(b).status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(Format, SectionChecksumMismatch) {
+  std::string b = *format::EncodeCache(RandomCache(RandomCacheOptions{}, 1));
+  b[b.size() - 100] ^= 0x40;  // inside the last (moments) section
+  auto r = format::ParseCache(b);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(r.status().message().find("checksum"), std::string::npos);
+}
+
+TEST(Format, CountsBeyondLayout) {
+  // original_tokens smaller than a head's kept count: sealed so only the semantics are wrong.
+  RandomCacheOptions o;
+  o.moments = false;
+  auto c = RandomCache(o, 2);
+  std::string b = *format::EncodeCache(c);
+  Put64(&b, 56, 1);
+  Reseal(&b);
+  EXPECT_EQ(format::ParseCache(b).status().code(), absl::StatusCode::kInvalidArgument);
+  // More kv heads than the layout allows.
+  b = *format::EncodeCache(c);
+  Put32(&b, 28, 100000);
+  Reseal(&b);
+  EXPECT_EQ(format::ParseCache(b).status().code(), absl::StatusCode::kInvalidArgument);
+  // total_kept that disagrees with the head table.
+  b = *format::EncodeCache(c);
+  Put64(&b, 64, c.total_kept() + 1);
+  Reseal(&b);
+  EXPECT_EQ(format::ParseCache(b).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Format, SizesThatOverflow) {
+  auto c = RandomCache(RandomCacheOptions{}, 2);
+  std::string b = *format::EncodeCache(c);
+  // First section entry: size near 2^64 (offset + size wraps).
+  Put64(&b, 128 + 16, ~uint64_t{0} - 10);
+  ResealTable(&b);
+  EXPECT_EQ(format::ParseCache(b).status().code(), absl::StatusCode::kInvalidArgument);
+  b = *format::EncodeCache(c);
+  Put64(&b, 64, ~uint64_t{0});  // total_kept
+  Reseal(&b);
+  EXPECT_FALSE(format::ParseCache(b).ok());
+  b = *format::EncodeCache(c);
+  Put32(&b, 52, 0xffffffffu);  // num_sections
+  Reseal(&b);
+  EXPECT_FALSE(format::ParseCache(b).ok());
+}
+
+TEST(Format, UnknownRequiredSectionIsRejectedOptionalIgnored) {
+  auto c = RandomCache(RandomCacheOptions{}, 2);
+  std::string b = *format::EncodeCache(c);
+  uint32_t n;
+  std::memcpy(&n, b.data() + 52, 4);
+  // Renumber the last section (moment vk sum, id 11) to an unknown id 40.
+  Put32(&b, 128 + 32 * (n - 1), 40);
+  ResealTable(&b);
+  EXPECT_EQ(format::ParseCache(b).status().code(), absl::StatusCode::kFailedPrecondition);
+  Put32(&b, 128 + 32 * (n - 1) + 4, 0);  // optional: skipped, then vk sum is missing
+  ResealTable(&b);
+  auto r = format::ParseCache(b);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("missing"), std::string::npos);
+}
+
+TEST(Format, RandomGarbageNeverCrashes) {
+  std::mt19937_64 rng(5);
+  const std::string good = *format::EncodeCache(RandomCache(RandomCacheOptions{}, 8));
+  for (int i = 0; i < 2000; ++i) {
+    std::string b = good;
+    const int edits = 1 + static_cast<int>(rng() % 8);
+    for (int e = 0; e < edits; ++e) b[rng() % b.size()] = static_cast<char>(rng());
+    if (rng() % 2) {
+      Reseal(&b);
+      if (rng() % 2) ResealTable(&b);
+    }
+    auto r = format::ParseCache(b);
+    if (r.ok()) {
+      EXPECT_TRUE(r->Validate().ok());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcomp

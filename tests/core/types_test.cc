@@ -1,0 +1,174 @@
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/dtype.h"
+#include "kvcomp/core/layout.h"
+#include "kvcomp/core/policy.h"
+#include "kvcomp/core/status.h"
+
+namespace kvcomp {
+namespace {
+
+TEST(DType, NamesRoundTrip) {
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16, DType::kInt8, DType::kInt4}) {
+    auto parsed = ParseDType(DTypeName(d));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, d);
+  }
+  EXPECT_EQ(ParseDType("float64").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DTypeBytes(DType::kInt4, 5), 3u);
+  EXPECT_EQ(DTypeBytes(DType::kBF16, 5), 10u);
+}
+
+TEST(DType, HalfMatchesCompilerConversion) {
+  // Every half bit pattern converts to float and back unchanged (NaN payloads aside).
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    EXPECT_EQ(FloatToHalf(f), h) << h;
+    EXPECT_EQ(static_cast<float>(static_cast<_Float16>(f)), f);
+  }
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-70000.0f, 70000.0f);
+  std::uniform_real_distribution<float> small(-1e-4f, 1e-4f);
+  for (int i = 0; i < 200000; ++i) {
+    const float f = (i % 2) ? u(rng) : small(rng);
+    const _Float16 ref = static_cast<_Float16>(f);
+    uint16_t ref_bits;
+    std::memcpy(&ref_bits, &ref, 2);
+    ASSERT_EQ(FloatToHalf(f), ref_bits) << f;
+  }
+}
+
+TEST(DType, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(3.140625f)), 3.140625f);
+  EXPECT_EQ(FloatToBf16(BitsFloat(0x3f808000u)), 0x3f80);  // tie, even stays
+  EXPECT_EQ(FloatToBf16(BitsFloat(0x3f818000u)), 0x3f82);  // tie, odd rounds up
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::nanf("")))));
+}
+
+TEST(Layout, Validate) {
+  KvLayout l{32, 8, 32, 128, DType::kBF16};
+  EXPECT_TRUE(l.Validate().ok());
+  EXPECT_EQ(l.group_size(), 4u);
+  EXPECT_EQ(l.CacheBytes(1000), 2ull * 32 * 8 * 1000 * 128 * 2);
+  KvLayout bad = l;
+  bad.head_dim = 96;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+  bad = l;
+  bad.num_q_heads = 12;
+  EXPECT_FALSE(bad.Validate().ok());
+  bad = l;
+  bad.dtype = DType::kInt8;
+  EXPECT_FALSE(bad.Validate().ok());
+  bad = l;
+  bad.num_layers = 0;
+  EXPECT_FALSE(bad.Validate().ok());
+}
+
+TEST(CacheKey, ValidateAndEncode) {
+  CacheKey k{"team-a", "meta-llama/Llama-3.1-8B", std::string("\x00\x01req", 5)};
+  ASSERT_TRUE(k.Validate().ok());
+  auto back = CacheKey::Decode(k.Encode());
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, k);
+  EXPECT_EQ(k.Encode().rfind(CacheKey::TenantPrefix("team-a"), 0), 0u);
+  CacheKey bad = k;
+  bad.key = std::string(CacheKey::kMaxKeyBytes + 1, 'x');
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+  bad = k;
+  bad.key.clear();
+  EXPECT_FALSE(bad.Validate().ok());
+  bad = k;
+  bad.tenant = "a/b";
+  EXPECT_FALSE(bad.Validate().ok());
+  bad = k;
+  bad.model_id = "";
+  EXPECT_FALSE(bad.Validate().ok());
+  EXPECT_FALSE(CacheKey::Decode("\x00").ok());
+}
+
+TEST(Policy, DefaultsAreValid) {
+  CompressionPolicy p;
+  EXPECT_TRUE(p.Validate().ok());
+  EXPECT_EQ(p.scorer, Scorer::kManifold);
+  EXPECT_DOUBLE_EQ(p.alpha_safeguard, 0.2);
+  EXPECT_EQ(p.window, 4096u);
+  EXPECT_EQ(p.n_sink, 4u);
+}
+
+TEST(Policy, KvpressRounding) {
+  CompressionPolicy p;
+  p.ratio = 0.07;
+  EXPECT_EQ(p.KeptPerHead(1000), 929u);
+  p.token_budget = 100;
+  EXPECT_EQ(p.KeptPerHead(1000), 100u);
+  EXPECT_EQ(p.KeptPerHead(50), 50u);
+}
+
+TEST(Policy, RejectsBadFields) {
+  CompressionPolicy p;
+  p.ratio = 1.0;
+  EXPECT_EQ(p.Validate().code(), absl::StatusCode::kInvalidArgument);
+  p.ratio = -0.1;
+  EXPECT_FALSE(p.Validate().ok());
+  p.ratio = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_FALSE(p.Validate().ok());
+  p = CompressionPolicy();
+  p.alpha_safeguard = 1.5;
+  EXPECT_FALSE(p.Validate().ok());
+  p = CompressionPolicy();
+  p.snapkv_pool = 4;
+  EXPECT_FALSE(p.Validate().ok());
+  p = CompressionPolicy();
+  p.value_codec = ValueCodec::kOrthogonalInt4;
+  p.rank = 33;
+  EXPECT_FALSE(p.Validate().ok());
+  p.rank = 130;
+  EXPECT_TRUE(p.Validate().ok());
+  EXPECT_FALSE(p.ValidateFor(128).ok());
+  p = CompressionPolicy();
+  p.scorer = static_cast<Scorer>(99);
+  EXPECT_FALSE(p.Validate().ok());
+}
+
+TEST(Policy, NamesRoundTrip) {
+  for (auto s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
+                 Scorer::kStreaming, Scorer::kRandom, Scorer::kSnapKV}) {
+    EXPECT_EQ(*ParseScorer(ScorerName(s)), s);
+  }
+  EXPECT_EQ(*ParseValueCodec("orthogonal_int4"), ValueCodec::kOrthogonalInt4);
+  EXPECT_EQ(ParseScorer("h2o").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DefaultRank(ValueCodec::kOrthogonalInt4, 128), 96u);
+}
+
+absl::StatusOr<int> Half(int x) {
+  if (x % 2) return absl::InvalidArgumentError("odd");
+  return x / 2;
+}
+absl::Status UseMacros(int x, int* out) {
+  KVCOMP_ASSIGN_OR_RETURN(int h, Half(x));
+  KVCOMP_RETURN_IF_ERROR(h > 10 ? absl::OutOfRangeError("big") : absl::OkStatus());
+  *out = h;
+  return absl::OkStatus();
+}
+
+TEST(Status, Macros) {
+  int out = 0;
+  EXPECT_TRUE(UseMacros(8, &out).ok());
+  EXPECT_EQ(out, 4);
+  EXPECT_EQ(UseMacros(7, &out).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(UseMacros(40, &out).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_TRUE(IsBusy(BusyError("queue full")));
+  EXPECT_FALSE(IsBusy(absl::UnavailableError("down")));
+  EXPECT_EQ(StatusCodeFromWire(StatusCodeToWire(absl::StatusCode::kDataLoss)),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(StatusCodeFromWire(999), absl::StatusCode::kUnknown);
+}
+
+}  // namespace
+}  // namespace kvcomp
