@@ -1,0 +1,2 @@
+# Sources of this concern: list(APPEND KERNELS_SRCS ...), list(APPEND KERNELS_CUDA_SRCS ...).
+list(APPEND KERNELS_SRCS src/backend.cc)

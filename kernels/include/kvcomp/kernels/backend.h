@@ -1,0 +1,60 @@
+// The compression engine's backend: one interface, a CPU implementation (the reference and the
+// embedded default) and a CUDA implementation. Operations are grouped by concern, each group an
+// interface of its own so the groups can evolve independently:
+//   scoring()  token scores, budgets, selection and compaction   (kvcomp/kernels/scoring_ops.h)
+//   moments()  MomentKV summaries and corrected decode attention (kvcomp/kernels/moment_ops.h)
+//   codec()    KVSplice value/key encoding and decoding           (kvcomp/kernels/codec_ops.h)
+// A Backend is not thread-safe: use one per thread (or per CUDA stream). Ops read and write
+// memory in the backend's space (host for CPU; device for CUDA) and return InvalidArgument for
+// views in the other space.
+#ifndef KVCOMP_KERNELS_BACKEND_H_
+#define KVCOMP_KERNELS_BACKEND_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kvcomp/kernels/tensor.h"
+
+namespace kvcomp {
+
+class ScoringOps;
+class MomentOps;
+class CodecOps;
+
+enum class BackendKind : uint8_t { kCpu = 0, kCuda = 1 };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual BackendKind kind() const = 0;
+  // The memory space the ops read and write.
+  virtual MemorySpace space() const = 0;
+  // "cpu (16 threads)" or "cuda:0 NVIDIA H100 80GB HBM3".
+  virtual std::string Describe() const = 0;
+
+  virtual ScoringOps& scoring() = 0;
+  virtual MomentOps& moments() = 0;
+  virtual CodecOps& codec() = 0;
+};
+
+struct CpuBackendOptions {
+  // Worker threads; 0 = every hardware thread. Default 0.
+  int num_threads = 0;
+};
+absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const CpuBackendOptions& options = {});
+
+struct CudaBackendOptions {
+  int device = 0;  // CUDA device ordinal. Default 0.
+};
+// Unavailable when kvcomp was built without CUDA or no device is present.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options = {});
+// True when MakeCudaBackend can succeed (built with CUDA and a device is visible).
+bool CudaAvailable();
+
+// "cpu" or "cuda".
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(absl::string_view name);
+
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_BACKEND_H_
