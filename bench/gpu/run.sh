@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The team's one command on the GPU device machine: configure and build kvcomp with CUDA against
+# the carried Debian sysroot (scripts/gpu_sysroot.sh), run the gpu-labelled tests and the unit
+# tests, run every GPU benchmark, write logs under $OUT and print a short table last.
+#
+#   run(command="bash bench/gpu/run.sh", carry=[".sysroot"])
+#
+# Environment knobs (all optional):
+#   KVCOMP_GPU_STEPS   phases to run, default "env build test bench"
+#   KVCOMP_GPU_TARGETS build only these targets (default: all)
+#   KVCOMP_CTEST_ARGS  extra ctest arguments, e.g. "-R scoring"
+#   KVCOMP_BENCH_ARGS  extra arguments for every benchmark binary
+#   KVCOMP_TORCH_REF   1 (default) to time the PyTorch reference in the same run
+# Local use (no device): OUT=/tmp/out bash bench/gpu/run.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/build-gpu-out}
+mkdir -p "$OUT"
+SYSROOT=$ROOT/.sysroot/usr
+BUILD=${KVCOMP_GPU_BUILD:-$ROOT/build-gpu}
+STEPS=${KVCOMP_GPU_STEPS:-env build test bench}
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PATH=/usr/local/cuda/bin:$PATH
+export LD_LIBRARY_PATH=$SYSROOT/lib/x86_64-linux-gnu:$SYSROOT/lib/x86_64-linux-gnu/blas:$SYSROOT/lib/x86_64-linux-gnu/lapack${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+JOBS=$(nproc)
+T0=$(date +%s)
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+phase() { echo "== $1 ($(($(date +%s) - T0)) s)"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if [ ! -d "$SYSROOT" ]; then
+  echo "run.sh: $SYSROOT missing: run scripts/gpu_sysroot.sh here and pass carry=[\".sysroot\"]" >&2
+  exit 2
+fi
+
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+DIRTY=$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo "+dirty" || true)
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+note "date    $(date -u +%Y-%m-%dT%H:%MZ)"
+note "commit  ${COMMIT}${DIRTY}"
+note "card    ${CARD:-none}"
+
+if has env; then
+  phase env
+  {
+    nvidia-smi
+    nvcc --version
+    c++ --version
+    cmake --version
+    ninja --version
+    python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+    ls /usr/local/cuda/lib64 | grep -E 'cublas|cusolver|cudart' | head -20
+    nproc
+    free -g
+  } >"$OUT/env.log" 2>&1
+fi
+
+build_ok=1
+if has build; then
+  phase configure
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DKVCOMP_CUDA=ON -DKVCOMP_CORE_ONLY=ON -DKVCOMP_PYTHON=OFF \
+    -DCMAKE_PREFIX_PATH="$SYSROOT" -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
+    -DCMAKE_BUILD_RPATH="$SYSROOT/lib/x86_64-linux-gnu" >"$OUT/build.log" 2>&1 || build_ok=0
+  if [ "$build_ok" = 1 ]; then
+    phase build
+    # -k 0: keep going past one engineer's broken target so the others' tests still run.
+    cmake --build "$BUILD" -j "$JOBS" -- -k 0 ${KVCOMP_GPU_TARGETS:-} >>"$OUT/build.log" 2>&1 || build_ok=0
+  fi
+  if [ "$build_ok" = 1 ]; then
+    note "build   ok ($(($(date +%s) - T0)) s)"
+  else
+    note "build   FAILED (see build.log; errors below)"
+    grep -E "error|FAILED|Error" "$OUT/build.log" | head -40
+  fi
+fi
+
+if has test && [ -d "$BUILD" ]; then
+  phase test
+  ctest --test-dir "$BUILD" -L gpu --output-on-failure -j 4 --timeout 300 ${KVCOMP_CTEST_ARGS:-} \
+    >"$OUT/ctest-gpu.log" 2>&1
+  note "gpu     $(grep -E 'tests passed|No tests were found' "$OUT/ctest-gpu.log" | tail -1)"
+  ctest --test-dir "$BUILD" -LE gpu --output-on-failure -j "$JOBS" --timeout 300 ${KVCOMP_CTEST_ARGS:-} \
+    >"$OUT/ctest-unit.log" 2>&1
+  note "unit    $(grep -E 'tests passed|No tests were found' "$OUT/ctest-unit.log" | tail -1)"
+  grep -hE '^\s+[0-9]+ - .*\((Failed|SEGFAULT|Timeout|Subprocess aborted|Child aborted|Exception)' \
+    "$OUT/ctest-gpu.log" "$OUT/ctest-unit.log" | head -20 | tee -a "$SUMMARY"
+fi
+
+if has bench && [ -d "$BUILD" ]; then
+  phase bench
+  : >"$OUT/bench.log"
+  # Every GPU benchmark binary is named kvcomp_bench_gpu_*; each prints RESULT lines.
+  for b in $(find "$BUILD" -maxdepth 3 -type f -name 'kvcomp_bench_gpu_*' -perm -u+x | sort); do
+    echo "### $b" >>"$OUT/bench.log"
+    timeout 240 "$b" ${KVCOMP_BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1 ||
+      note "bench   $(basename "$b") exited $?"
+  done
+  if [ "${KVCOMP_TORCH_REF:-1}" = 1 ] && [ -f bench/gpu/torch_reference.py ]; then
+    echo "### torch_reference.py" >>"$OUT/bench.log"
+    PYTHONUNBUFFERED=1 timeout 180 python3 bench/gpu/torch_reference.py >>"$OUT/bench.log" 2>&1 ||
+      note "bench   torch_reference.py exited $?"
+  fi
+  grep -h '^RESULT' "$OUT/bench.log" | sed 's/^RESULT //' | column -t >>"$SUMMARY" 2>/dev/null ||
+    grep -h '^RESULT' "$OUT/bench.log" >>"$SUMMARY"
+fi
+
+phase done
+echo
+echo "================ summary ================"
+cat "$SUMMARY"
