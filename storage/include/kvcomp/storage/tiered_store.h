@@ -1,0 +1,104 @@
+// TieredStore: compressed caches (the encoded bytes of a kvcomp::CompressedCache, format.h) in
+// device memory, host memory and RocksDB, moved down under pressure (LRU between watermarks),
+// optionally promoted on read, with per-tenant quotas, TTLs, pins, and calibration data (KVSplice
+// projections) kept while any stored cache uses them.
+//
+// Durability: a put returns OK only once its Durability holds. With the RocksDB tier, metadata
+// and payload go in one atomic WriteBatch; Open rebuilds the index from RocksDB and verifies
+// every payload's CRC32C, quarantining (never serving) those that fail. Nothing half-written is
+// ever visible.
+//
+// Thread-safety: every method may be called from many threads at once. The index is sharded,
+// each shard with its own lock; there is no global lock. Payloads are shared buffers: a
+// StoredCache returned by Get stays valid after the entry is demoted, evicted or deleted.
+//
+// Errors common to all methods taking a CacheKey: InvalidArgument when the key does not
+// Validate() (empty or too long parts, e.g. a key over CacheKey::kMaxKeyBytes).
+#ifndef KVCOMP_STORAGE_TIERED_STORE_H_
+#define KVCOMP_STORAGE_TIERED_STORE_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/storage/options.h"
+#include "kvcomp/storage/types.h"
+
+namespace kvcomp {
+namespace storage {
+
+class TieredStore {
+ public:
+  // Opens the configured tiers and, with RocksDB, recovers its entries. Errors:
+  // InvalidArgument for inconsistent options (no tier enabled, zero capacity, watermarks out of
+  // order, default_tier or promote_to not enabled, empty RocksDB path), FailedPrecondition for
+  // a device tier without CUDA or GPU, Unavailable/Internal when RocksDB cannot open.
+  static absl::StatusOr<std::unique_ptr<TieredStore>> Open(const StoreOptions& options);
+
+  virtual ~TieredStore() = default;
+
+  // Stores `encoded` (CompressedCache bytes) under `key`. `meta` supplies original_bytes and
+  // projection_version (0 = read from the header); the store fills in the rest. Errors:
+  // InvalidArgument (bad key, bytes that fail format::PeekCache when options.validate, bad
+  // tier), AlreadyExists (overwrite false), ResourceExhausted (tenant quota exceeded, or no tier
+  // has room, or disk full), FailedPrecondition (Durability::kDisk without a RocksDB tier).
+  virtual absl::Status Put(const CacheKey& key, Payload encoded, const CacheMeta& meta,
+                           const PutOptions& options) = 0;
+  absl::Status Put(const CacheKey& key, absl::string_view encoded, const CacheMeta& meta,
+                   const PutOptions& options) {
+    return Put(key, Payload::Copy(encoded), meta, options);
+  }
+
+  // The cache under `key`. NotFound if absent or expired; DataLoss if its bytes fail their
+  // checksum (the entry is then quarantined and gone from the index).
+  virtual absl::StatusOr<StoredCache> Get(const CacheKey& key) = 0;
+
+  // Where `key` lives and its sizes, without reading the bytes or touching LRU order. NotFound
+  // if absent or expired.
+  virtual absl::StatusOr<LookupResult> Lookup(const CacheKey& key) = 0;
+
+  // Removes `key` from every tier (durably when it was persisted). NotFound if absent.
+  virtual absl::Status Delete(const CacheKey& key) = 0;
+
+  // Every live cache of `tenant` (empty = "default"), in CacheKey::Encode() order.
+  virtual absl::StatusOr<std::vector<ListedCache>> List(absl::string_view tenant) = 0;
+
+  // Pins keep an entry in its tier: it is never demoted, evicted or expired while pinned.
+  // Pins nest. NotFound if absent; Unpin of an unpinned key is FailedPrecondition.
+  virtual absl::Status Pin(const CacheKey& key) = 0;
+  virtual absl::Status Unpin(const CacheKey& key) = 0;
+
+  // Removes every expired, unpinned entry now (Get/Lookup/List already hide them). Returns how
+  // many were removed.
+  virtual uint64_t ExpireNow() = 0;
+
+  virtual StoreStats Stats() const = 0;
+  // Entries moved aside because their checksum failed (at Open or on Get).
+  virtual std::vector<QuarantinedCache> Quarantined() const = 0;
+
+  // --- calibration data (KVSplice projections), kept in RocksDB's "calibration" family ---
+  // All return FailedPrecondition when the RocksDB tier is not enabled.
+
+  // Stores `bytes` under `key` (version >= 1), durably. AlreadyExists if that exact key holds
+  // different bytes (a version is immutable); OK if it holds the same bytes.
+  virtual absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes) = 0;
+  virtual absl::StatusOr<std::string> GetProjection(const ProjectionKey& key) = 0;
+  // Keys of every projection of `model_id` (all models when empty), in (model, layer, kv_head,
+  // version) order.
+  virtual absl::StatusOr<std::vector<ProjectionKey>> ListProjections(
+      absl::string_view model_id) = 0;
+  // Stored caches of `model_id` that record `version` as their projection version.
+  virtual uint64_t ProjectionReferences(absl::string_view model_id, uint64_t version) const = 0;
+  // Deletes a projection. FailedPrecondition while ProjectionReferences(...) > 0; NotFound if
+  // absent.
+  virtual absl::Status DeleteProjection(const ProjectionKey& key) = 0;
+};
+
+}  // namespace storage
+}  // namespace kvcomp
+
+#endif  // KVCOMP_STORAGE_TIERED_STORE_H_

@@ -1,0 +1,153 @@
+// Value types of the tiered store: tier kinds, the shared payload buffer, the metadata stored
+// with every cache, put options, lookup results, statistics and projection keys.
+#ifndef KVCOMP_STORAGE_TYPES_H_
+#define KVCOMP_STORAGE_TYPES_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "kvcomp/core/cache_key.h"
+
+namespace kvcomp {
+namespace storage {
+
+// The tiers, fastest first. The numeric values are stored on disk; never renumber.
+enum class TierKind : uint8_t {
+  kDevice = 0,   // GPU memory (only with CUDA and a GPU)
+  kHost = 1,     // host memory, pinned when CUDA is present
+  kRocksDb = 2,  // RocksDB on local disk
+};
+inline constexpr int kNumTiers = 3;
+const char* TierName(TierKind kind);  // "device", "host", "rocksdb"
+
+// An immutable byte buffer with shared ownership: the encoded bytes of a CompressedCache
+// (kvcomp/core/format.h). Copies share the bytes; the bytes live as long as any copy, so a reader
+// holding a Payload never sees it vanish while the entry is demoted or deleted. Thread-safe.
+class Payload {
+ public:
+  Payload() = default;
+  // Shares `data` (`size` bytes); the deleter of `data` frees it.
+  Payload(std::shared_ptr<const uint8_t> data, size_t size) : data_(std::move(data)), size_(size) {}
+  // Takes ownership of `bytes` without copying them.
+  static Payload FromString(std::string bytes);
+  // Copies `bytes` into a new heap buffer.
+  static Payload Copy(absl::string_view bytes);
+
+  const uint8_t* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  absl::string_view view() const {
+    return absl::string_view(reinterpret_cast<const char*>(data_.get()), size_);
+  }
+
+ private:
+  std::shared_ptr<const uint8_t> data_;
+  size_t size_ = 0;
+};
+
+// How long a put must survive before it is acknowledged.
+enum class Durability : uint8_t {
+  kMemory = 0,  // acknowledged once in a memory tier (lost on restart)
+  kDisk = 1,    // acknowledged once in RocksDB with its write-ahead log synced (survives a crash)
+};
+
+// What is stored with every cache. Fields marked "(store)" are filled in by the store on Put and
+// ignored in the caller's copy; the others come from the caller, or, when left 0, from the
+// cache's header (format::PeekCache).
+struct CacheMeta {
+  uint64_t original_bytes = 0;      // bytes of the uncompressed K and V (0: from the header)
+  uint64_t stored_bytes = 0;        // (store) bytes of the encoded cache
+  TierKind tier = TierKind::kHost;  // (store) fastest tier holding it
+  int64_t created_unix_ms = 0;      // (store) when it was put, ms since the Unix epoch
+  int64_t ttl_ms = 0;               // (store) time to live from creation in ms, 0 = forever
+  uint64_t projection_version = 0;  // projection the values were encoded with, 0 = none
+                                    // (0: from the header)
+  uint32_t crc32c = 0;              // (store) CRC32C of the encoded bytes
+};
+
+struct PutOptions {
+  // Tier the put lands in; unset (-1) = StoreOptions::default_tier. A full tier first demotes its
+  // least recently used entries; a put that still does not fit goes to the next tier down.
+  int tier = -1;  // -1 or a TierKind value
+  Durability durability = Durability::kMemory;
+  absl::Duration ttl = absl::ZeroDuration();  // zero = StoreOptions::default_ttl
+  bool pin = false;                           // pin once stored (as Pin()), so never demoted
+  bool overwrite = true;                      // false: AlreadyExists when the key is present
+  // Check the encoded bytes' header and section table (format::PeekCache) before storing.
+  bool validate = true;
+};
+
+// One cache read back: its metadata and a shared handle on its bytes.
+struct StoredCache {
+  CacheMeta meta;
+  Payload payload;
+};
+
+// Where a key lives and how big it is, without reading its bytes.
+struct LookupResult {
+  TierKind tier = TierKind::kHost;  // fastest tier holding it
+  bool persisted = false;           // a copy is in RocksDB (survives a restart)
+  uint32_t pin_count = 0;
+  CacheMeta meta;
+};
+
+// One entry of List(tenant).
+struct ListedCache {
+  CacheKey key;
+  LookupResult info;
+};
+
+// Counters of one tier since Open (entries/bytes are current values).
+struct TierStats {
+  bool present = false;     // the tier is configured and running
+  uint64_t entries = 0;     // caches whose fastest copy is here (plus RocksDB copies of
+                            // caches held faster, for the rocksdb tier)
+  uint64_t bytes = 0;       // stored bytes held by the tier
+  uint64_t capacity = 0;    // configured capacity in bytes
+  uint64_t hits = 0;        // gets served from this tier
+  uint64_t misses = 0;      // gets for keys found in no tier (counted on the first tier)
+  uint64_t puts = 0;        // caches written into this tier (puts, demotions, promotions)
+  uint64_t demotions = 0;   // entries moved from this tier to a slower one
+  uint64_t promotions = 0;  // entries copied into this tier on read
+  uint64_t evictions = 0;   // entries dropped from the store for lack of room in this tier
+};
+
+struct StoreStats {
+  TierStats tiers[kNumTiers];  // indexed by TierKind
+  uint64_t expired = 0;        // entries removed because their TTL passed
+  uint64_t quarantined = 0;    // entries whose checksum failed, moved aside
+  uint64_t quota_rejections = 0;
+  uint64_t write_errors = 0;   // puts failed by the disk (e.g. disk full)
+  uint64_t recovered = 0;      // entries found again in RocksDB at Open
+  const TierStats& tier(TierKind k) const { return tiers[static_cast<int>(k)]; }
+};
+
+// An entry whose bytes failed their checksum, moved to the quarantine at Open or on Get.
+struct QuarantinedCache {
+  std::string encoded_key;  // CacheKey::Encode() of the entry (it may not decode)
+  std::string reason;
+};
+
+// The name of a KVSplice projection (calibration data): per (model, layer, kv_head), versioned.
+struct ProjectionKey {
+  static constexpr size_t kMaxModelBytes = CacheKey::kMaxModelBytes;
+  std::string model_id;
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  uint64_t version = 0;  // >= 1; caches record it as CacheMeta::projection_version
+
+  friend bool operator==(const ProjectionKey& a, const ProjectionKey& b) {
+    return a.model_id == b.model_id && a.layer == b.layer && a.kv_head == b.kv_head &&
+           a.version == b.version;
+  }
+};
+
+}  // namespace storage
+}  // namespace kvcomp
+
+#endif  // KVCOMP_STORAGE_TYPES_H_
