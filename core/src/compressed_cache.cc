@@ -14,6 +14,13 @@ absl::Status Inconsistent(absl::string_view what, uint64_t got, uint64_t want) {
       absl::StrFormat("compressed cache: %s has %u elements, expected %u", what, got, want));
 }
 
+bool AllFinite(const std::vector<float>& v) {
+  for (float x : v) {
+    if (!std::isfinite(x)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void CompressedCache::Reset(const KvLayout& new_layout, uint64_t tokens) {
@@ -155,6 +162,17 @@ absl::Status CompressedCache::Validate() const {
   }
   if (value_scales.size() != total * ValueGroups()) {
     return Inconsistent("value_scales", value_scales.size(), total * ValueGroups());
+  }
+  if (!AllFinite(key_scales)) {
+    return absl::InvalidArgumentError("compressed cache: non-finite key scale");
+  }
+  for (uint16_t s : value_scales) {
+    if ((s & 0x7c00u) == 0x7c00u) {
+      return absl::InvalidArgumentError("compressed cache: non-finite value scale");
+    }
+  }
+  if (!AllFinite(moment_key_sum) || !AllFinite(moment_value_sum) || !AllFinite(moment_vk_sum)) {
+    return absl::InvalidArgumentError("compressed cache: non-finite moment sum");
   }
   if (has_moments) {
     if (moment_count.size() != h) return Inconsistent("moment_count", moment_count.size(), h);

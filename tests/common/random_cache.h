@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/dtype.h"
 
 namespace kvcomp {
 namespace testing {
@@ -59,7 +60,7 @@ inline CompressedCache RandomCache(const RandomCacheOptions& o, uint64_t seed) {
   fill_bytes(&c.values, t * c.ValueTokenBytes());
   for (auto& s : c.key_scales) s = u(rng);
   c.value_scales.resize(t * c.ValueGroups());
-  for (auto& s : c.value_scales) s = static_cast<uint16_t>(rng());
+  for (auto& s : c.value_scales) s = FloatToHalf(u(rng));
   if (o.moments) {
     for (uint64_t i = 0; i < h; ++i) c.moment_count[i] = o.original_tokens - c.kept[i];
     for (auto& x : c.moment_key_sum) x = u(rng);

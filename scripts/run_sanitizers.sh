@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Part of `make test`: the core tests (format parser included) under ASan+UBSan, and a bounded
+# libFuzzer run of the format parser (KVCOMP_FUZZ_SECONDS, default 90).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=$(nproc)
+FUZZ_SECONDS=${KVCOMP_FUZZ_SECONDS:-90}
+common=(-G Ninja -DKVCOMP_CORE_ONLY=ON -DKVCOMP_CUDA=OFF -DKVCOMP_PYTHON=OFF
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+
+echo "-- ASan+UBSan build of the core tests"
+cmake -S . -B build-asan "${common[@]}" -DKVCOMP_SANITIZE=address,undefined >/dev/null
+cmake --build build-asan -j "$JOBS" --target core_types_test core_crc32c_test core_format_test
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan -R '^core_' --output-on-failure
+
+echo "-- libFuzzer: format parser for ${FUZZ_SECONDS}s"
+CC=clang-14 CXX=clang++-14 cmake -S . -B build-fuzz "${common[@]}" -DKVCOMP_FUZZ=ON \
+  -DKVCOMP_WERROR=OFF >/dev/null
+cmake --build build-fuzz -j "$JOBS" --target format_parse_fuzz format_seed_corpus
+corpus=build-fuzz/format_corpus
+mkdir -p "$corpus"
+build-fuzz/tests/fuzz/format_seed_corpus "$corpus"
+build-fuzz/tests/fuzz/format_parse_fuzz -max_total_time="$FUZZ_SECONDS" -max_len=65536 \
+  -print_final_stats=1 "$corpus" 2>&1 | tail -n 12
+echo "fuzz: format parser ran ${FUZZ_SECONDS}s clean"
