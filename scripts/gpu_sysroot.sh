@@ -43,9 +43,9 @@ done
 [ -e "$lib/libtmglib.so.3" ] && ln -sf libtmglib.so.3 "$lib/libtmglib.so"
 
 # Only headers, CMake configs and libraries travel: documentation, man pages, static archives of
-# libraries that also ship shared objects (GoogleTest ships only archives: keep those).
+# libraries that also ship shared objects (GoogleTest and Benchmark configs name their archives: keep those).
 rm -rf "$ROOT/usr/share/doc" "$ROOT/usr/share/man" "$ROOT/usr/share/lintian" "$ROOT/usr/src"
-find "$lib" -name '*.a' ! -name 'libgtest*' ! -name 'libgmock*' -delete
+find "$lib" -name '*.a' ! -name 'libgtest*' ! -name 'libgmock*' ! -name 'libbenchmark*' -delete
 
 size_mib=$(du -sm "$ROOT" | cut -f1)
 echo "gpu_sysroot: ${#PACKAGES[@]} packages in $ROOT (${size_mib} MiB)"

@@ -37,7 +37,7 @@ if [ ! -d "$SYSROOT" ]; then
   exit 2
 fi
 
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+COMMIT=${KVCOMP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 DIRTY=$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo "+dirty" || true)
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 note "date    $(date -u +%Y-%m-%dT%H:%MZ)"
