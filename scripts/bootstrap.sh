@@ -7,7 +7,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   clang-14 libclang-rt-14-dev llvm-14 clang-format
   libucx-dev ucx-utils
-  libthrift-dev thrift-compiler libevent-dev libssl-dev
+  libthrift-dev thrift-compiler libevent-dev libssl-dev libboost-dev
   librocksdb-dev rocksdb-tools
   prometheus-cpp-dev libcurl4-openssl-dev zlib1g-dev
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
