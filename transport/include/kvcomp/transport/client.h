@@ -1,0 +1,118 @@
+// UcxClient: one authenticated UCX connection to one kvcompd (docs/protocol.md). The SDK
+// (kvcomp::client) builds sharding, replicas and reconnection on top of it.
+//
+// Threads: the client owns a UCX worker driven by its own progress thread. Every method is
+// thread-safe; several threads may run requests at once, including blocks of the same put
+// (pipelining: keep several SendBlockAsync in flight for throughput). Synchronous methods block
+// the caller until the reply, the request timeout or the connection failing.
+//
+// Errors: the server's status as sent (code and message); Unavailable when the connection is
+// lost or closed (the client stays unusable: connect again); DeadlineExceeded when a request
+// outlives request_timeout; Busy replies are retried inside the client (after the server's
+// suggested wait, growing, until request_timeout) and surface as kvcomp::BusyError only if
+// retrying runs out of time.
+//
+// Memory: block payloads are read from caller memory without a copy; the caller keeps it
+// valid until the call returns (sync) or `done` runs (async). Payloads must be host memory
+// (the client computes their CRC32C); GetInto receives into host memory, or device memory when
+// UCX is CUDA-aware (QueryUcxCapabilities().cuda_memory).
+#ifndef KVCOMP_TRANSPORT_CLIENT_H_
+#define KVCOMP_TRANSPORT_CLIENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "kvcomp/transport/buffer.h"
+#include "kvcomp/transport/protocol.h"
+#include "kvcomp/transport/ucx.h"
+
+namespace kvcomp {
+namespace transport {
+
+struct ClientOptions {
+  // Time to establish the UCX endpoint and complete hello. Default 5 s.
+  absl::Duration connect_timeout = absl::Seconds(5);
+  // Time any one request may take, busy retries included. Default 30 s.
+  absl::Duration request_timeout = absl::Seconds(30);
+  // Longest wait between busy retries (the first is the server's suggestion). Default 20 ms.
+  absl::Duration max_busy_backoff = absl::Milliseconds(20);
+  // As ServerOptions::poll_spin, for the client's progress thread. Default 200 us.
+  absl::Duration poll_spin = absl::Microseconds(200);
+  // Name sent in hello, for the server's logs. Default "kvcomp-client".
+  std::string client_name = "kvcomp-client";
+  UcxConfig ucx;
+};
+
+struct FetchedCache {
+  Buffer bytes;  // the cache bytes (format v1), host memory
+  wire::Representation representation = wire::Representation::kStored;
+};
+
+class UcxClient {
+ public:
+  // Connects to `endpoint` and says hello with `tenant` and `token`. Unauthenticated or
+  // PermissionDenied when the server refuses the credentials, FailedPrecondition for a protocol
+  // version it does not speak, Unavailable or DeadlineExceeded when it cannot be reached.
+  static absl::StatusOr<std::unique_ptr<UcxClient>> Connect(const Endpoint& endpoint,
+                                                            absl::string_view tenant,
+                                                            absl::string_view token,
+                                                            const ClientOptions& options = {});
+  virtual ~UcxClient() = default;
+
+  // What the server said at hello (limits, effective tenant).
+  virtual const wire::HelloOk& server_info() const = 0;
+  // False once the connection failed or was closed.
+  virtual bool connected() const = 0;
+
+  // Opens a put. begin.put_id == 0 picks a fresh id; returns the id used. begin.num_tokens,
+  // layout and policy are validated locally first (InvalidArgument).
+  virtual absl::StatusOr<uint64_t> PutBegin(const wire::PutBegin& begin) = 0;
+
+  // Sends one block of put `block.put_id`: `keys` (block.key_bytes bytes, when parts has
+  // kPartKeys) and `values` (block.value_bytes, when kPartValues). The client fills in the
+  // CRCs. Returns the server's acknowledgement (the handler consumed the block).
+  virtual absl::Status SendBlock(const wire::Block& block, const void* keys,
+                                 const void* values) = 0;
+  // As SendBlock, without waiting: `done` runs once on the client's progress thread (keep it
+  // short) with the outcome. `keys`/`values` must stay valid until then.
+  virtual void SendBlockAsync(const wire::Block& block, const void* keys, const void* values,
+                              absl::AnyInvocable<void(absl::Status)> done) = 0;
+
+  // Commits put `put_id` after `num_blocks` acknowledged blocks; returns what was stored.
+  virtual absl::StatusOr<wire::CacheSummary> PutCommit(uint64_t put_id, uint64_t num_blocks) = 0;
+  // Abandons a put (the server forgets its blocks).
+  virtual absl::Status PutAbort(uint64_t put_id) = 0;
+
+  // Fetches a cache into a new host buffer. NotFound when absent.
+  virtual absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
+                                           wire::Representation representation =
+                                               wire::Representation::kStored) = 0;
+  // Fetches into caller memory of `capacity` bytes; returns the bytes written. OutOfRange
+  // (nothing written) when the cache is larger than `capacity`.
+  virtual absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
+                                         wire::Representation representation, void* dst,
+                                         size_t capacity,
+                                         MemoryType memory = MemoryType::kHost) = 0;
+
+  virtual absl::StatusOr<wire::CacheSummary> Lookup(absl::string_view model_id,
+                                                    absl::string_view key) = 0;
+  virtual absl::Status Delete(absl::string_view model_id, absl::string_view key) = 0;
+  // Round trip to the server (keep-alive, health).
+  virtual absl::Status Ping() = 0;
+
+  // Closes the connection; pending requests fail with Unavailable. Idempotent; the destructor
+  // calls it.
+  virtual void Close() = 0;
+};
+
+}  // namespace transport
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TRANSPORT_CLIENT_H_

@@ -1,0 +1,262 @@
+// The kvcomp data-plane wire protocol, version 1.0: the messages that travel as UCX (ucp) active
+// messages between a client and kvcompd. Described byte by byte in docs/protocol.md.
+//
+// Every message is one UCX active message. Its AM header holds a *frame*: a fixed 32-byte,
+// little-endian frame header followed by a message-specific body (at most kMaxFrameBytes in
+// all). Bulk bytes (a block's K and V, a fetched cache) travel in the AM data part, which UCX
+// sends eagerly or by rendezvous; the frame header says how many (payload_bytes).
+//
+// Encode* functions build a frame from a message struct. ParseFrame checks the frame header
+// (magic, major version, sizes, CRC32C of header and body) and Decode* checks every field of a
+// body (lengths, ranges, enums, no trailing bytes); neither ever reads out of bounds. Malformed
+// input is InvalidArgument (bad field), DataLoss (truncated, checksum), FailedPrecondition (a
+// major version this build does not speak) or Unimplemented (an unknown message type).
+//
+// Thread-safety: everything here is a pure function or a value type.
+#ifndef KVCOMP_TRANSPORT_PROTOCOL_H_
+#define KVCOMP_TRANSPORT_PROTOCOL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvcomp/core/layout.h"
+#include "kvcomp/core/policy.h"
+
+namespace kvcomp {
+namespace transport {
+namespace wire {
+
+inline constexpr uint32_t kMagic = 0x5057564B;  // "KVWP" in wire order
+inline constexpr uint8_t kMajorVersion = 1;
+inline constexpr uint8_t kMinorVersion = 0;
+inline constexpr uint32_t kFrameHeaderBytes = 32;
+// Largest frame (header + body). Fits the AM header limit of UCX 1.13's tcp and posix paths.
+inline constexpr uint32_t kMaxFrameBytes = 8192;
+// Largest payload any message may announce (1 TiB); servers enforce a much smaller limit.
+inline constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 40;
+inline constexpr size_t kMaxTokenBytes = 2048;       // hello credentials
+inline constexpr size_t kMaxNameBytes = 256;         // client and server names
+inline constexpr size_t kMaxMessageBytes = 2048;     // error message text (longer is cut)
+inline constexpr size_t kMaxPolicyBytes = 1024;      // policy TLV records
+
+// UCX active-message ids: requests go client -> server, replies server -> client.
+inline constexpr unsigned kAmIdRequest = 1;
+inline constexpr unsigned kAmIdReply = 2;
+
+// Message types (frame header byte 6). Never renumber.
+enum class MessageType : uint8_t {
+  kHello = 1,        // c->s: version (frame header), tenant, token
+  kHelloOk = 2,      // s->c: accepted; server limits
+  kPutBegin = 3,     // c->s: starts a put of one cache
+  kBlock = 4,        // c->s: K and/or V of a layer range x token range; payload = K then V
+  kPutCommit = 5,    // c->s: all blocks sent; store the cache
+  kPutCommitOk = 6,  // s->c: stored (per the daemon's durability setting); what was stored
+  kPutAbort = 7,     // c->s: forget a put
+  kGet = 8,          // c->s: fetch a cache
+  kGetReply = 9,     // s->c: payload = the cache bytes (format v1)
+  kLookup = 10,      // c->s: does a cache exist, and what is it
+  kLookupReply = 11,  // s->c: summary of the cache
+  kDelete = 12,      // c->s: delete a cache
+  kStatus = 13,      // s->c: OK or an error, for any request
+  kBusy = 14,        // s->c: back-pressure; retry the request later
+  kPing = 15,        // c->s: keep-alive; answered by kStatus OK
+};
+// Human-readable name ("hello", "block", ...), "unknown" for anything else.
+absl::string_view MessageTypeName(MessageType type);
+bool IsKnownMessageType(uint8_t value);
+
+// Which bytes a get returns.
+enum class Representation : uint8_t {
+  kStored = 0,   // the compressed cache as stored (format v1, docs/format.md)
+  kDecoded = 1,  // the kept tokens decoded to the input dtype: format v1 with raw codecs
+};
+
+// Which halves a block carries (bit set).
+enum BlockParts : uint8_t {
+  kPartKeys = 1,
+  kPartValues = 2,
+  kPartBoth = 3,
+};
+
+// The fixed frame header. request_id pairs a reply with its request (the client chooses it;
+// replies echo it; 0 in a reply means the request could not be parsed).
+struct FrameHeader {
+  uint8_t major = kMajorVersion;
+  uint8_t minor = kMinorVersion;
+  MessageType type = MessageType::kStatus;
+  uint8_t flags = 0;  // reserved, 0
+  uint64_t request_id = 0;
+  uint64_t payload_bytes = 0;  // bytes of the AM data part
+  uint32_t body_bytes = 0;     // bytes of the body after the header (frame = 32 + body_bytes)
+};
+
+// A frame checked by ParseFrame; `body` points into the caller's bytes.
+struct Frame {
+  FrameHeader header;
+  absl::string_view body;
+};
+
+// ---- message bodies ----
+
+struct Hello {
+  std::string tenant;       // as in CacheKey (empty = "default")
+  std::string token;        // credential, <= kMaxTokenBytes
+  std::string client_name;  // free text for logs, <= kMaxNameBytes
+};
+
+struct HelloOk {
+  uint8_t server_major = kMajorVersion;
+  uint8_t server_minor = kMinorVersion;
+  uint64_t max_payload_bytes = 0;   // largest block payload the server accepts
+  uint64_t max_inflight_bytes = 0;  // bytes of unacknowledged blocks per connection
+  std::string tenant;               // the tenant this connection acts for (normalised)
+  std::string server_name;          // e.g. "kvcompd 0.1.0 host"
+};
+
+// Starts put `put_id` (chosen by the client, unique among its open puts on this connection).
+// The tenant is the connection's authenticated tenant; it is not sent again.
+struct PutBegin {
+  uint64_t put_id = 0;
+  KvLayout layout;
+  uint64_t num_tokens = 0;  // tokens of the sequence, 1..KvLayout::kMaxTokens
+  std::string model_id;
+  std::string key;
+  bool has_policy = false;  // false: the tenant's default policy
+  CompressionPolicy policy;
+  bool block_wise = false;  // compress block by block as blocks arrive (streaming prefill)
+};
+
+// Keys and/or values of layers [layer_begin, layer_end) x tokens [token_begin, token_end). Each
+// half is laid out [layer][kv_head][token][head_dim] row-major in the layout's dtype, and the
+// payload is K (if present) followed by V (if present). Blocks may come in any order.
+struct Block {
+  uint64_t put_id = 0;
+  uint32_t layer_begin = 0;
+  uint32_t layer_end = 0;
+  uint64_t token_begin = 0;
+  uint64_t token_end = 0;
+  uint8_t parts = kPartBoth;  // BlockParts
+  uint64_t key_bytes = 0;     // 0 when kPartKeys is absent
+  uint64_t value_bytes = 0;   // 0 when kPartValues is absent
+  uint32_t key_crc = 0;       // CRC32C of the key bytes (0 when absent)
+  uint32_t value_crc = 0;     // CRC32C of the value bytes (0 when absent)
+
+  uint64_t payload_bytes() const { return key_bytes + value_bytes; }
+  // Bytes the half of one part should have under `layout`.
+  uint64_t ExpectedPartBytes(const KvLayout& layout) const;
+  // OK when the ranges lie within layout/num_tokens and the byte counts match them.
+  absl::Status ValidateAgainst(const KvLayout& layout, uint64_t num_tokens) const;
+};
+
+struct PutCommit {
+  uint64_t put_id = 0;
+  uint64_t num_blocks = 0;  // blocks the client had acknowledged for this put
+};
+
+// What a stored cache is (commit and lookup replies).
+struct CacheSummary {
+  KvLayout layout;
+  KeyCodec key_codec = KeyCodec::kRaw;
+  ValueCodec value_codec = ValueCodec::kRaw;
+  uint8_t tier = 0;  // storage tier holding it (daemon-defined: 0 device, 1 host, 2 disk)
+  uint64_t original_tokens = 0;
+  uint64_t total_kept = 0;
+  uint64_t original_bytes = 0;  // uncompressed K and V
+  uint64_t stored_bytes = 0;    // encoded cache
+};
+
+struct PutAbort {
+  uint64_t put_id = 0;
+};
+
+struct Get {
+  Representation representation = Representation::kStored;
+  std::string model_id;
+  std::string key;
+};
+
+struct GetReply {
+  Representation representation = Representation::kStored;
+  bool has_crc = false;     // payload_crc is meaningful
+  uint32_t payload_crc = 0;  // CRC32C of the payload
+};
+
+struct Lookup {
+  std::string model_id;
+  std::string key;
+};
+
+struct Delete {
+  std::string model_id;
+  std::string key;
+};
+
+// A request's outcome. `code` is kvcomp::StatusCodeToWire(absl code).
+struct StatusReply {
+  uint16_t code = 0;
+  std::string message;  // <= kMaxMessageBytes
+  absl::Status ToStatus() const;
+  static StatusReply FromStatus(const absl::Status& status);
+};
+
+struct Busy {
+  uint32_t retry_after_us = 0;  // suggested wait before retrying
+  uint64_t inflight_bytes = 0;  // bytes in flight on this connection when refused
+  uint64_t limit_bytes = 0;     // the connection's bound
+};
+
+struct Ping {};
+
+// ---- frames ----
+
+// Checks the frame header and CRC of `frame` (the AM header bytes) and that it announces
+// `payload_bytes` (the AM data length). The returned body points into `frame`.
+absl::StatusOr<Frame> ParseFrame(absl::string_view frame, uint64_t payload_bytes);
+// Peeks the request id of a frame whose header is readable (for error replies to frames that
+// fail ParseFrame); 0 when the header itself is unreadable.
+uint64_t PeekRequestId(absl::string_view frame);
+
+// Encoders: a complete frame (header + body) for `request_id`. payload_bytes is the data part
+// that will travel with it (blocks and get replies; 0 otherwise).
+std::string Encode(uint64_t request_id, const Hello& m);
+std::string Encode(uint64_t request_id, const HelloOk& m);
+std::string Encode(uint64_t request_id, const PutBegin& m);
+std::string Encode(uint64_t request_id, const Block& m);  // payload = m.payload_bytes()
+std::string Encode(uint64_t request_id, const PutCommit& m);
+std::string Encode(uint64_t request_id, const CacheSummary& m);  // a kPutCommitOk
+std::string EncodeLookupReply(uint64_t request_id, const CacheSummary& m);
+std::string Encode(uint64_t request_id, const PutAbort& m);
+std::string Encode(uint64_t request_id, const Get& m);
+std::string Encode(uint64_t request_id, const GetReply& m, uint64_t payload_bytes);
+std::string Encode(uint64_t request_id, const Lookup& m);
+std::string Encode(uint64_t request_id, const Delete& m);
+std::string Encode(uint64_t request_id, const StatusReply& m);
+std::string Encode(uint64_t request_id, const Busy& m);
+std::string Encode(uint64_t request_id, const Ping& m);
+
+// Decoders: check frame.header.type and every field of the body. CacheSummary accepts both
+// kPutCommitOk and kLookupReply.
+absl::Status Decode(const Frame& frame, Hello* out);
+absl::Status Decode(const Frame& frame, HelloOk* out);
+absl::Status Decode(const Frame& frame, PutBegin* out);
+absl::Status Decode(const Frame& frame, Block* out);
+absl::Status Decode(const Frame& frame, PutCommit* out);
+absl::Status Decode(const Frame& frame, CacheSummary* out);
+absl::Status Decode(const Frame& frame, PutAbort* out);
+absl::Status Decode(const Frame& frame, Get* out);
+absl::Status Decode(const Frame& frame, GetReply* out);
+absl::Status Decode(const Frame& frame, Lookup* out);
+absl::Status Decode(const Frame& frame, Delete* out);
+absl::Status Decode(const Frame& frame, StatusReply* out);
+absl::Status Decode(const Frame& frame, Busy* out);
+absl::Status Decode(const Frame& frame, Ping* out);
+
+}  // namespace wire
+}  // namespace transport
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TRANSPORT_PROTOCOL_H_

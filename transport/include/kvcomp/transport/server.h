@@ -1,0 +1,194 @@
+// UcxServer: the data-plane server of kvcompd. It listens on a socket address (ucp_listener),
+// accepts UCX endpoints, parses and validates every message of docs/protocol.md, keeps the state
+// of each connection (authentication, open puts, bytes in flight) and calls a RequestHandler,
+// which the daemon implements, for the work itself.
+//
+// Threads: one progress thread owns the UCX worker and every connection; all handler calls
+// except the completion callbacks run on it, so handler methods must not block (hand heavy work
+// such as compression to a pool and complete later). Completion callbacks (Done, CommitDone,
+// GetDone, LookupDone) may be called from any thread, exactly once each; the reply is queued to
+// the progress thread, which the callback wakes. Callbacks may outlive the connection: a reply to
+// a closed connection is dropped.
+//
+// Flow control: each connection has a bound on bytes in flight (payloads of blocks received but
+// not yet completed by OnBlock's Done, plus blocks being received). A block that would exceed it
+// is refused with a Busy reply before its payload is received; the client retries it. Nothing
+// is queued without bound. Payloads above max_payload_bytes are refused with InvalidArgument.
+//
+// Timeouts: a connection that sends no hello within hello_timeout, or no message within
+// idle_timeout, is closed; a put with no block or commit for put_timeout is aborted
+// (OnPutAbort, later blocks of it get NotFound). A client that disconnects or dies
+// (UCX peer error handling) has its open puts aborted and OnDisconnect called.
+#ifndef KVCOMP_TRANSPORT_SERVER_H_
+#define KVCOMP_TRANSPORT_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvcomp/transport/buffer.h"
+#include "kvcomp/transport/protocol.h"
+#include "kvcomp/transport/ucx.h"
+
+namespace kvcomp {
+namespace transport {
+
+struct ServerOptions {
+  // Address to listen on (IPv4/IPv6 literal). Default "127.0.0.1".
+  std::string listen_address = "127.0.0.1";
+  // TCP port of the UCX listener; 0 picks an ephemeral port (see UcxServer::port()). Default 0.
+  uint16_t port = 0;
+  // Largest block payload (K plus V bytes) accepted, bytes. Default 256 MiB.
+  uint64_t max_payload_bytes = uint64_t{256} << 20;
+  // Bound on bytes in flight per connection, bytes; must be >= max_payload_bytes. Default 1 GiB.
+  uint64_t max_inflight_bytes = uint64_t{1} << 30;
+  // Wait suggested to a client refused with Busy, microseconds. Default 200.
+  uint32_t busy_retry_after_us = 200;
+  // Most connections at once; more are rejected at accept. Default 1024.
+  uint32_t max_connections = 1024;
+  // A connection without a successful hello after this long is closed. Default 10 s.
+  absl::Duration hello_timeout = absl::Seconds(10);
+  // A connection with no message for this long is closed. Default 10 min.
+  absl::Duration idle_timeout = absl::Minutes(10);
+  // A put with no block or commit for this long is aborted. Default 60 s.
+  absl::Duration put_timeout = absl::Seconds(60);
+  // The progress thread polls this long after the last event before sleeping on the worker's
+  // event fd (lower latency and higher throughput for CPU time). Default 200 us.
+  absl::Duration poll_spin = absl::Microseconds(200);
+  // Verify each block's CRC32C before calling OnBlock (host payloads only). Default true.
+  bool verify_checksums = true;
+  // Server name sent in HelloOk. Default "kvcompd".
+  std::string server_name = "kvcompd";
+  UcxConfig ucx;
+};
+
+// Who is asking: the connection and, after hello, its tenant.
+struct Session {
+  uint64_t connection_id = 0;  // unique per server lifetime
+  std::string peer;            // "ip:port" of the client
+  std::string tenant;          // authenticated tenant; empty before hello
+};
+
+// An open put: the session, the client's put id and what put-begin said.
+struct PutContext {
+  Session session;
+  uint64_t put_id = 0;
+  const wire::PutBegin* begin = nullptr;  // valid during the handler call only
+};
+
+struct GetResult {
+  Buffer bytes;  // the cache bytes to send (host, or device memory when UCX is CUDA-aware)
+  wire::Representation representation = wire::Representation::kStored;
+};
+
+using Done = absl::AnyInvocable<void(absl::Status)>;
+using CommitDone = absl::AnyInvocable<void(absl::StatusOr<wire::CacheSummary>)>;
+using GetDone = absl::AnyInvocable<void(absl::StatusOr<GetResult>)>;
+using LookupDone = absl::AnyInvocable<void(absl::StatusOr<wire::CacheSummary>)>;
+
+// What the daemon implements. Methods run on the progress thread and must return quickly;
+// completions may come later from any thread. A status returned or completed with an error is
+// sent to the client as a kStatus reply with the same code and message; BusyError(...) statuses
+// become kBusy replies (the client retries).
+class RequestHandler {
+ public:
+  virtual ~RequestHandler() = default;
+
+  // Authenticates a connection. Returns the tenant it acts for (normally hello.tenant with ""
+  // meaning "default"), or Unauthenticated / PermissionDenied. Other requests before a
+  // successful hello are answered Unauthenticated without calling the handler.
+  virtual absl::StatusOr<std::string> OnHello(const Session& session,
+                                              const wire::Hello& hello) = 0;
+
+  // Opens a put (layout, num_tokens and policy are already validated). Return an error to
+  // refuse it (InvalidArgument, AlreadyExists, ResourceExhausted, BusyError...).
+  virtual absl::Status OnPutBegin(const PutContext& put) = 0;
+
+  // Optional: memory for a block's payload of `size` bytes (zero-copy: UCX receives straight
+  // into it). The default allocates host memory. A device buffer is used only when UCX is
+  // CUDA-aware; its checksum is then left to the handler (block.key_crc / value_crc).
+  virtual absl::StatusOr<Buffer> AllocateBlock(const PutContext& put, const wire::Block& block,
+                                               size_t size) {
+    return Buffer::Allocate(size);
+  }
+
+  // A block of an open put, received and (host memory) checksum-verified. `payload` holds the
+  // key bytes then the value bytes. Call `done` once consumed; its bytes count against the
+  // connection's in-flight bound until then. The client is acknowledged with done's status.
+  virtual void OnBlock(const PutContext& put, const wire::Block& block, Buffer payload,
+                       Done done) = 0;
+
+  // All blocks acknowledged (the transport checked the count). Store the cache and complete
+  // when it is stored as the durability setting requires.
+  virtual void OnPutCommit(const PutContext& put, CommitDone done) = 0;
+
+  // A put ends without commit: `reason` is Cancelled (client abort), DeadlineExceeded
+  // (put_timeout), Unavailable (disconnect or server stop) or the commit's failure. Called
+  // exactly once for every put whose OnPutBegin succeeded and whose commit did not succeed.
+  virtual void OnPutAbort(const PutContext& put, const absl::Status& reason) = 0;
+
+  // Fetches a cache of the session's tenant. NotFound when absent (also for other tenants').
+  virtual void OnGet(const Session& session, const wire::Get& get, GetDone done) = 0;
+  virtual void OnLookup(const Session& session, const wire::Lookup& lookup, LookupDone done) = 0;
+  virtual void OnDelete(const Session& session, const wire::Delete& del, Done done) = 0;
+
+  // The connection is gone (closed, failed, timed out or server stopping), after its puts were
+  // aborted. Completion callbacks still pending for it are safe to call.
+  virtual void OnDisconnect(const Session& session) {}
+};
+
+// Counters of the server, monotonic (except the gauges marked so). Thread-safe snapshot.
+struct ServerStats {
+  uint64_t connections_accepted = 0;
+  uint64_t connections_rejected = 0;  // max_connections
+  uint64_t connections_open = 0;      // gauge
+  uint64_t hello_rejected = 0;        // authentication failures
+  uint64_t messages_received = 0;
+  uint64_t malformed_messages = 0;    // frames or bodies that failed validation
+  uint64_t bytes_received = 0;        // block payload bytes accepted
+  uint64_t bytes_sent = 0;            // get payload bytes sent
+  uint64_t busy_replies = 0;
+  uint64_t checksum_failures = 0;
+  uint64_t puts_begun = 0;
+  uint64_t puts_committed = 0;
+  uint64_t puts_aborted = 0;          // all reasons
+  uint64_t puts_timed_out = 0;
+  uint64_t connections_timed_out = 0;
+  uint64_t inflight_bytes = 0;        // gauge, all connections
+};
+
+class UcxServer {
+ public:
+  // Creates the UCX context, worker and listener and starts the progress thread. `handler`
+  // must outlive the server. Errors: InvalidArgument (options), Unavailable or Internal (UCX,
+  // with UCX's message), e.g. the port is taken.
+  static absl::StatusOr<std::unique_ptr<UcxServer>> Start(const ServerOptions& options,
+                                                          RequestHandler* handler);
+  virtual ~UcxServer() = default;
+
+  // The bound port (the ephemeral one when options.port was 0) and "address:port".
+  virtual uint16_t port() const = 0;
+  virtual std::string address() const = 0;
+
+  // Graceful stop, step one: new connections and new puts are refused (Unavailable
+  // "draining"); gets, lookups and open puts continue. Returns at once.
+  virtual void Drain() = 0;
+  // Waits until no put is open and no handler completion is pending, or `timeout` passes
+  // (DeadlineExceeded).
+  virtual absl::Status WaitIdle(absl::Duration timeout) = 0;
+  // Closes the listener and every connection (open puts aborted, OnDisconnect called) and
+  // joins the progress thread. Idempotent; the destructor calls it. Handler completions that
+  // arrive afterwards are dropped.
+  virtual void Stop() = 0;
+
+  virtual ServerStats stats() const = 0;
+};
+
+}  // namespace transport
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TRANSPORT_SERVER_H_

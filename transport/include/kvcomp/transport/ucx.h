@@ -1,0 +1,51 @@
+// Shared UCX settings of the server and the client: which UCX configuration to use, what the
+// installed UCX can do, and how its errors become statuses.
+#ifndef KVCOMP_TRANSPORT_UCX_H_
+#define KVCOMP_TRANSPORT_UCX_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvcomp {
+namespace transport {
+
+// UCX configuration for one context. UCX otherwise reads UCX_* environment variables (UCX_TLS,
+// UCX_NET_DEVICES, ...); entries here override them for this context only, without the prefix:
+// {"TLS", "tcp"}. Connection establishment uses sockaddr (ucp_listener), which needs the tcp
+// sockaddr component: UCX_TLS must include tcp (for example "tcp", "posix,tcp", "sm,tcp") or be
+// unset; with "posix,tcp" the control wire-up runs over TCP and the data over shared memory.
+struct UcxConfig {
+  std::map<std::string, std::string> overrides;  // default: none (environment only)
+};
+
+// What the installed UCX supports (ucp_context_query on a throwaway context).
+struct UcxCapabilities {
+  std::string version;         // "1.13.1"
+  bool cuda_memory = false;    // UCS_MEMORY_TYPE_CUDA: sends from/receives into GPU memory
+  uint64_t memory_types = 0;   // bit mask of ucs_memory_type_t
+  uint64_t max_am_header = 0;  // largest AM header of a worker (bytes)
+};
+absl::StatusOr<UcxCapabilities> QueryUcxCapabilities(const UcxConfig& config = {});
+
+// A status for a UCX error: the code mapped to the nearest absl code, with `context` and
+// UCX's own message (ucs_status_string). `ucs_status` is a ucs_status_t value.
+absl::Status UcsStatusToStatus(int ucs_status, absl::string_view context);
+
+// "host:port", "[v6]:port" or "v6addr" forms of an endpoint.
+struct Endpoint {
+  std::string host;  // IPv4 or IPv6 literal or a resolvable name
+  uint16_t port = 0;
+  // Parses "host:port" and "[ipv6]:port". InvalidArgument otherwise.
+  static absl::StatusOr<Endpoint> Parse(absl::string_view text);
+  std::string ToString() const;
+};
+
+}  // namespace transport
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TRANSPORT_UCX_H_
