@@ -4,4 +4,4 @@
 set -euo pipefail
 BUILD=${1:-build}
 cd "$(dirname "$0")/.."
-exec "$BUILD/bench/kvcomp_format_demo"
+exec "$BUILD/bench/kvcomp_engine_demo"
