@@ -1,0 +1,78 @@
+// Every metric kvcompd exports, by name. This header is the single list: the metrics code
+// registers exactly these names, docs/metrics.md documents them, and the Helm chart's test parses
+// this file (each `inline constexpr char kName[] = "kvcomp_...";` line) to check that dashboards
+// and alert rules only use names kvcompd really exports. Names follow Prometheus' conventions
+// (base units, `_total` for counters, `_bytes`, `_seconds`). Label names are listed with each
+// metric and, as constants, at the end.
+#ifndef KVCOMP_SERVICE_METRIC_NAMES_H_
+#define KVCOMP_SERVICE_METRIC_NAMES_H_
+
+namespace kvcomp {
+namespace metric_names {
+
+// --- traffic and memory saved ---
+// Counter: payload bytes received on the data plane (K and V block bytes).
+inline constexpr char kReceivedBytesTotal[] = "kvcomp_received_bytes_total";
+// Counter: uncompressed bytes (K plus V) of every cache stored.
+inline constexpr char kOriginalBytesTotal[] = "kvcomp_original_bytes_total";
+// Counter: compressed bytes written to the store.
+inline constexpr char kStoredBytesTotal[] = "kvcomp_stored_bytes_total";
+// Counter: original minus stored bytes of every cache stored.
+inline constexpr char kSavedBytesTotal[] = "kvcomp_saved_bytes_total";
+// Gauge: original minus stored bytes over the caches currently stored.
+inline constexpr char kSavedBytes[] = "kvcomp_saved_bytes";
+// Gauge: uncompressed bytes of the caches currently stored.
+inline constexpr char kOriginalBytes[] = "kvcomp_original_bytes";
+// Gauge: caches currently stored.
+inline constexpr char kCachesStored[] = "kvcomp_caches_stored";
+// Histogram: original/stored bytes of each cache stored.
+inline constexpr char kCompressionRatio[] = "kvcomp_compression_ratio";
+// Counter: bytes served to clients on the data plane (gets).
+inline constexpr char kServedBytesTotal[] = "kvcomp_served_bytes_total";
+
+// --- tiers, label {tier} = device | host | rocksdb (storage::TierName) ---
+inline constexpr char kTierStoredBytes[] = "kvcomp_tier_stored_bytes";          // gauge
+inline constexpr char kTierCapacityBytes[] = "kvcomp_tier_capacity_bytes";      // gauge
+inline constexpr char kTierEntries[] = "kvcomp_tier_entries";                   // gauge
+inline constexpr char kTierDemotionsTotal[] = "kvcomp_tier_demotions_total";    // counter
+inline constexpr char kTierEvictionsTotal[] = "kvcomp_tier_evictions_total";    // counter
+
+// --- latency ---
+// Histogram, label {op} = put | get | lookup | delete: one request end to end in the daemon.
+inline constexpr char kOperationDurationSeconds[] = "kvcomp_operation_duration_seconds";
+// Histogram, label {stage} = receive | compress | store | serve.
+inline constexpr char kStageDurationSeconds[] = "kvcomp_stage_duration_seconds";
+
+// --- pipeline and errors ---
+// Gauge: puts waiting in the ingest queue or being compressed.
+inline constexpr char kQueueDepth[] = "kvcomp_queue_depth";
+// Gauge: puts begun and not yet committed or aborted (receiving blocks).
+inline constexpr char kPutsInProgress[] = "kvcomp_puts_in_progress";
+// Counter, labels {op, code}: requests that failed, code = the status code in snake case
+// (invalid_argument, not_found, unavailable, busy, data_loss, unauthenticated, ...).
+inline constexpr char kErrorsTotal[] = "kvcomp_errors_total";
+// Counter, label {plane} = data | control: requests refused for a missing or wrong token or a
+// tenant mismatch.
+inline constexpr char kAuthFailuresTotal[] = "kvcomp_auth_failures_total";
+// Counter: seconds of GPU work spent compressing and decoding (0 without a GPU).
+inline constexpr char kGpuSecondsTotal[] = "kvcomp_gpu_seconds_total";
+
+// --- process ---
+// Gauge: 1 when the daemon takes new work (stores open, listeners up, not draining), else 0.
+inline constexpr char kReady[] = "kvcomp_ready";
+// Gauge, always 1, label {version, backend}.
+inline constexpr char kBuildInfo[] = "kvcomp_build_info";
+
+// --- label names ---
+inline constexpr char kLabelTier[] = "tier";
+inline constexpr char kLabelOp[] = "op";
+inline constexpr char kLabelStage[] = "stage";
+inline constexpr char kLabelCode[] = "code";
+inline constexpr char kLabelPlane[] = "plane";
+inline constexpr char kLabelVersion[] = "version";
+inline constexpr char kLabelBackend[] = "backend";
+
+}  // namespace metric_names
+}  // namespace kvcomp
+
+#endif  // KVCOMP_SERVICE_METRIC_NAMES_H_

@@ -1,0 +1,122 @@
+// kvcompd's options: one plain struct, every field with its unit and default. The embedded
+// defaults start a working daemon on a small machine with no GPU and no configuration: CPU
+// backend (GPU when one is present), a host tier plus RocksDB under ./.kvcomp-data, listeners on
+// localhost only, no tokens (open single-tenant mode).
+//
+// YAML keys, command-line flags and KVCOMP_* environment variables map onto these fields in
+// exactly one place, the field table of kvcomp/service/config.h; docs/configuration.md lists
+// every key. Precedence: defaults < YAML file < environment < flags.
+#ifndef KVCOMP_SERVICE_OPTIONS_H_
+#define KVCOMP_SERVICE_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "kvcomp/core/policy.h"
+
+namespace kvcomp {
+namespace service {
+
+// UCX data plane (puts, gets, lookups of cache payloads).
+struct DataPlaneOptions {
+  std::string address = "127.0.0.1";  // listen address; 0.0.0.0 for all interfaces
+  uint16_t port = 7470;               // UCX listener port; 0 = pick a free one (logged)
+  // Largest cache a put may announce, in uncompressed bytes (K plus V). Default 16 GiB.
+  uint64_t max_put_bytes = uint64_t{16} << 30;
+  // Largest single block payload (K plus V of one block), bytes. Default 256 MiB.
+  uint64_t max_block_bytes = uint64_t{256} << 20;
+  // Bytes a connection may have received but not yet compressed; beyond it, busy. 4 GiB.
+  uint64_t max_inflight_bytes_per_connection = uint64_t{4} << 30;
+  // A put with no block for this long is aborted and its blocks dropped, seconds. Default 60.
+  double put_timeout_seconds = 60;
+  // Puts being received at once (all connections); beyond it a put-begin gets busy. 256.
+  uint32_t max_open_puts = 256;
+  // UCX transports for this daemon's context (UCX_TLS syntax, e.g. "tcp" or "posix,tcp"; UCX
+  // needs tcp for connection set-up). Empty = UCX's own UCX_TLS environment or default. ""
+  std::string ucx_tls;
+  // UCX network devices (UCX_NET_DEVICES syntax, e.g. "mlx5_0:1"). Empty = UCX's choice. ""
+  std::string ucx_net_devices;
+};
+
+// Thrift control plane (health, stats, lookup, delete, policies, calibration, server info).
+struct ControlPlaneOptions {
+  std::string address = "127.0.0.1";  // listen address
+  uint16_t port = 7471;               // Thrift port (framed binary protocol); 0 = pick a free one
+  int io_threads = 1;                 // libevent I/O threads of the nonblocking server. 1
+  int worker_threads = 4;             // threads running handlers. 4
+  bool tls = false;                   // serve TLS instead of plain TCP. false
+  std::string tls_cert_file;          // PEM certificate chain (required when tls)
+  std::string tls_key_file;           // PEM private key (required when tls)
+  std::string tls_ca_file;            // PEM CAs; when set, clients must present a certificate
+};
+
+// Prometheus metrics and the Kubernetes probes (/metrics, /healthz, /readyz).
+struct MetricsOptions {
+  bool enabled = true;                // serve the HTTP endpoint. true
+  std::string address = "127.0.0.1";  // listen address
+  uint16_t port = 7472;               // HTTP port; 0 = pick a free one
+};
+
+// Tenants and their tokens.
+struct AuthOptions {
+  // File of `tenant: token` lines (YAML map; a mounted Kubernetes secret works). Empty path or
+  // an empty file = open single-tenant daemon (every request is tenant "default"). Default "".
+  std::string token_file;
+  // How often the file's modification time is checked for a reload, seconds; SIGHUP reloads at
+  // once. 0 = only on SIGHUP. Default 5.
+  double reload_interval_seconds = 5;
+};
+
+// The compression engine and the ingest pipeline.
+struct EngineOptions {
+  std::string backend = "auto";  // auto (cuda when a GPU is present, else cpu), cpu or cuda
+  int cuda_device = 0;           // CUDA device ordinal. 0
+  int cpu_threads = 0;           // threads of each CPU backend; 0 = hardware threads / workers
+  int workers = 2;               // compression workers (each owns a backend). 2
+  uint32_t queue_capacity = 16;  // committed puts waiting for a worker; full = busy. 16
+};
+
+// The tiered store (kvcomp/storage/options.h). RocksDB lives in <data_dir>/rocksdb, the
+// daemon's own state (per-tenant policies) in <data_dir>/policies.yaml.
+struct StorageOptions {
+  std::string data_dir = "./.kvcomp-data";  // created when missing
+  // When a put is acknowledged: "memory" (in its first tier; lost on restart) or "disk" (in
+  // RocksDB with its WAL synced; survives SIGKILL and power loss). Default disk.
+  std::string durability = "disk";
+  std::string put_tier = "host";       // tier a put lands in: device, host or rocksdb. host
+  uint64_t device_capacity_bytes = 0;  // GPU tier; 0 = no GPU tier. Default 0
+  uint64_t host_capacity_bytes = uint64_t{1} << 30;  // host tier; 0 = none. Default 1 GiB
+  bool rocksdb_enabled = true;                        // RocksDB tier on. Default true
+  uint64_t rocksdb_capacity_bytes = uint64_t{64} << 30;  // RocksDB payload bytes. 64 GiB
+  double high_watermark = 0.90;  // a tier above this fraction of capacity demotes. 0.90
+  double low_watermark = 0.75;   // ... down to this fraction. 0.75
+  bool promote_on_read = true;   // a get from RocksDB copies the cache into the host tier. true
+  double ttl_seconds = 0;        // caches expire this long after their put; 0 = never
+  uint64_t tenant_quota_bytes = 0;  // stored bytes per tenant; 0 = unlimited
+  bool verify_checksums_on_open = true;  // check every RocksDB payload's CRC at start. true
+};
+
+// Process lifecycle and logging.
+struct ProcessOptions {
+  // On SIGTERM: seconds to finish in-flight puts and gets before flushing and exiting. 30
+  double shutdown_grace_seconds = 30;
+  std::string log_level = "info";  // debug, info, warning or error
+};
+
+struct Options {
+  DataPlaneOptions data_plane;
+  ControlPlaneOptions control_plane;
+  MetricsOptions metrics;
+  AuthOptions auth;
+  EngineOptions engine;
+  StorageOptions storage;
+  // The policy for tenants and models without one of their own (SetPolicy overrides it per
+  // tenant and model). Defaults are CompressionPolicy's.
+  CompressionPolicy default_policy;
+  ProcessOptions process;
+};
+
+}  // namespace service
+}  // namespace kvcomp
+
+#endif  // KVCOMP_SERVICE_OPTIONS_H_

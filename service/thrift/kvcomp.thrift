@@ -1,0 +1,192 @@
+// kvcomp control plane, version 1. Served by kvcompd with Thrift's nonblocking server:
+// framed transport, binary protocol (TFramedTransport + TBinaryProtocol), optionally over TLS.
+//
+// Every call takes an Auth first; the daemon answers every call with a response whose `status`
+// says what happened (calls never throw application exceptions). With tokens configured, a
+// missing or wrong token is UNAUTHENTICATED and counted in kvcomp_auth_failures_total{plane=
+// "control"}. A tenant only ever sees its own caches: another tenant's key reads as NOT_FOUND,
+// exactly like a missing one. In open single-tenant mode (no tokens) every call is tenant
+// "default" whatever the Auth says.
+//
+// Generate a client: thrift --gen cpp|py service/thrift/kvcomp.thrift
+
+namespace cpp kvcomp.rpc
+namespace py kvcomp_rpc
+
+const i32 PROTOCOL_VERSION = 1
+
+// absl's canonical codes (stable numbers), plus BUSY for back-pressure: retry later.
+enum StatusCode {
+  OK = 0,
+  CANCELLED = 1,
+  UNKNOWN = 2,
+  INVALID_ARGUMENT = 3,
+  DEADLINE_EXCEEDED = 4,
+  NOT_FOUND = 5,
+  ALREADY_EXISTS = 6,
+  PERMISSION_DENIED = 7,
+  RESOURCE_EXHAUSTED = 8,
+  FAILED_PRECONDITION = 9,
+  ABORTED = 10,
+  OUT_OF_RANGE = 11,
+  UNIMPLEMENTED = 12,
+  INTERNAL = 13,
+  UNAVAILABLE = 14,
+  DATA_LOSS = 15,
+  UNAUTHENTICATED = 16,
+}
+
+struct Status {
+  1: StatusCode code = StatusCode.OK,
+  2: string message = "",
+}
+
+// Credentials sent with every call.
+struct Auth {
+  1: string tenant = "",  // empty = "default"
+  2: string token = "",
+}
+
+struct Layout {
+  1: i32 num_layers,
+  2: i32 num_kv_heads,
+  3: i32 num_q_heads,
+  4: i32 head_dim,
+  5: string dtype,  // "f32", "f16", "bf16"
+}
+
+// kvcomp::CompressionPolicy, field by field (enums by name, as in the YAML configuration).
+struct Policy {
+  1: string scorer = "manifold",
+  2: double ratio = 0.5,
+  3: i64 token_budget = 0,
+  4: string head_budget = "uniform",
+  5: double alpha_safeguard = 0.2,
+  6: i64 n_sink = 4,
+  7: i64 n_recent = 0,
+  8: bool protect = true,
+  9: i64 window = 4096,
+  10: i64 snapkv_window = 64,
+  11: i64 snapkv_pool = 5,
+  12: i64 seed = 0,
+  13: i64 block_size = 0,
+  14: bool moments = true,
+  15: bool moment_aware = false,
+  16: string key_codec = "raw",
+  17: string value_codec = "none",
+  18: i64 rank = 0,
+  19: i64 group_size = 32,
+  20: bool gamma_aware = true,
+}
+
+struct HealthResponse {
+  1: Status status,
+  2: bool live,     // the process serves requests
+  3: bool ready,    // it takes new work (stores open, not draining)
+  4: bool draining, // SIGTERM received: finishing in-flight work
+  5: double uptime_seconds,
+}
+
+struct TierStats {
+  1: string tier,  // "device", "host", "disk"
+  2: i64 entries,
+  3: i64 stored_bytes,
+  4: i64 capacity_bytes,
+  5: i64 hits,
+  6: i64 misses,
+  7: i64 demotions,
+  8: i64 evictions,
+}
+
+struct StatsResponse {
+  1: Status status,
+  // The calling tenant's caches.
+  2: i64 caches,
+  3: i64 original_bytes,
+  4: i64 stored_bytes,
+  // Daemon-wide.
+  5: list<TierStats> tiers,
+  6: i64 queue_depth,
+  7: i64 puts_in_progress,
+  8: i64 puts_total,
+  9: i64 gets_total,
+  10: i64 errors_total,
+}
+
+struct CacheRef {
+  1: string model_id,
+  2: binary key,
+}
+
+struct LookupResponse {
+  1: Status status,       // NOT_FOUND when absent (or another tenant's)
+  2: string tier,         // where it is now
+  3: i64 original_bytes,  // uncompressed K+V
+  4: i64 stored_bytes,    // compressed, as stored
+  5: i64 original_tokens,
+  6: i64 kept_tokens,     // over all heads
+  7: Layout layout,
+  8: string key_codec,
+  9: string value_codec,
+}
+
+struct DeleteResponse {
+  1: Status status,  // NOT_FOUND when absent (or another tenant's)
+}
+
+struct ListResponse {
+  1: Status status,
+  2: list<CacheRef> caches,
+  3: binary next_cursor,  // empty when done
+}
+
+struct PolicyResponse {
+  1: Status status,
+  2: Policy policy,
+  3: bool is_default,  // no policy set for this tenant/model: the daemon's default_policy
+}
+
+struct CalibrateRequest {
+  1: string model_id,
+  2: string value_codec = "orthogonal_int8",
+  3: i64 rank = 0,             // 0 = pick by error_budget
+  4: double error_budget = 0,  // relative value reconstruction error, when rank is 0
+  5: i64 max_caches = 64,      // stored caches of this tenant/model to calibrate on
+}
+
+struct CalibrateResponse {
+  1: Status status,  // UNIMPLEMENTED until the engine ships calibration (issue 5)
+  2: i64 projection_version,
+  3: i64 rank,
+  4: double achieved_error,
+  5: i64 caches_used,
+}
+
+struct ServerInfoResponse {
+  1: Status status,
+  2: string version,
+  3: i32 control_protocol_version,
+  4: i32 data_protocol_version,
+  5: string backend,       // "cpu (16 threads)", "cuda:0 NVIDIA H100 ..."
+  6: bool multi_tenant,    // false: open single-tenant daemon
+  7: string data_address,  // UCX listener, host:port
+  8: i32 metrics_port,
+  9: string durability,
+  10: i64 max_put_bytes,
+  11: i64 max_block_bytes,
+  12: list<string> tiers,
+}
+
+service KvcompControl {
+  HealthResponse Health(1: Auth auth),
+  StatsResponse Stats(1: Auth auth),
+  LookupResponse Lookup(1: Auth auth, 2: CacheRef ref),
+  DeleteResponse Delete(1: Auth auth, 2: CacheRef ref),
+  // The tenant's caches, optionally of one model, in key order; cursor from the last response.
+  ListResponse List(1: Auth auth, 2: string model_id, 3: binary cursor, 4: i32 limit),
+  // model_id "" = the tenant's default for every model without its own.
+  PolicyResponse GetPolicy(1: Auth auth, 2: string model_id),
+  PolicyResponse SetPolicy(1: Auth auth, 2: string model_id, 3: Policy policy),
+  CalibrateResponse Calibrate(1: Auth auth, 2: CalibrateRequest request),
+  ServerInfoResponse ServerInfo(1: Auth auth),
+}
