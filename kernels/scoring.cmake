@@ -1,1 +1,16 @@
 # Sources of this concern: list(APPEND KERNELS_SRCS ...), list(APPEND KERNELS_CUDA_SRCS ...).
+# Issue 3: scoring, budgets, selection and compaction (CPU), and the pipeline.
+list(APPEND KERNELS_SRCS
+  src/scoring_ops.cc
+  src/cpu/scoring_cpu.cc
+  src/cpu/scoring_kernels_generic.cc
+)
+# The AVX2+FMA+F16C build of the row kernels, chosen at run time on CPUs that have them.
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  list(APPEND KERNELS_SRCS src/cpu/scoring_kernels_avx2.cc)
+  set_source_files_properties(src/cpu/scoring_kernels_avx2.cc PROPERTIES
+    COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-O3")
+  set_source_files_properties(src/cpu/scoring_kernels_generic.cc PROPERTIES
+    COMPILE_DEFINITIONS KVCOMP_HAVE_AVX2_KERNELS=1 COMPILE_OPTIONS "-O3")
+endif()
+list(APPEND KERNELS_HDRS kvcomp/kernels/pipeline.h)

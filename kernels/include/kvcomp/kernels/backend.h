@@ -13,7 +13,10 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/tensor.h"
 
 namespace kvcomp {
@@ -36,16 +39,29 @@ class Backend {
   virtual ScoringOps& scoring() = 0;
   virtual MomentOps& moments() = 0;
   virtual CodecOps& codec() = 0;
+
+  // Memory of space() for workspaces and outputs (the injected one, or the backend's own).
+  virtual Allocator& allocator() = 0;
+  // Copies `bytes` between host memory and the backend's space; return when the copy is done
+  // (on CUDA: after the stream's earlier work, which makes op results visible to the host).
+  virtual absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status CopyFromHost(void* dst, const void* host_src, size_t bytes) = 0;
+  // Waits for every op issued so far (no-op on the CPU). Reports asynchronous device errors.
+  virtual absl::Status Synchronize() = 0;
 };
 
 struct CpuBackendOptions {
   // Worker threads; 0 = every hardware thread. Default 0.
   int num_threads = 0;
+  // Host allocator for workspaces and outputs; nullptr = HostAllocator(). Not owned.
+  Allocator* allocator = nullptr;
 };
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const CpuBackendOptions& options = {});
 
 struct CudaBackendOptions {
   int device = 0;  // CUDA device ordinal. Default 0.
+  // Device allocator; nullptr = the backend's own (cudaMallocAsync on its stream). Not owned.
+  Allocator* allocator = nullptr;
 };
 // Unavailable when kvcomp was built without CUDA or no device is present.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options = {});

@@ -1,15 +1,202 @@
-// ScoringOps: the operations of Engine I (issue 3) behind kvcomp::Backend.
+// ScoringOps: the operations of Engine I (issue 3) behind kvcomp::Backend: score every token of
+// one layer, choose the kept tokens under a budget, and gather (compact) their keys and values.
+//
+// One call works on ONE layer: a HeadsView of [num_heads, num_tokens, head_dim]. AdaKV budgets
+// are shared across the heads of that view.
+//
+// Host contract (FlashInfer/CUTLASS style), the same for every backend:
+//  - Every call validates its arguments first and returns InvalidArgument (nothing written) for
+//    dtype other than f16/bf16/f32, head_dim other than 64/128/256, zero heads or tokens, null
+//    buffers, mismatched K/V shapes, memory in the wrong space, a budget of zero, bad scorer
+//    parameters. CheckScoreArgs/CheckSelectArgs/CheckCompactArgs below are that validation;
+//    backends call them so the messages are identical.
+//  - Data check: Score (and ScoreSelectCompact) returns InvalidArgument when a key is NaN or
+//    Inf (or its squared norm overflows float32); the outputs are then unspecified.
+//  - All pointers (views, scores, counts, indices, outputs) are in the backend's memory space.
+//    Outputs are written into caller buffers; workspace comes from the backend's Allocator.
+//  - The CUDA backend orders every op on its stream; the host may read results after
+//    Backend::Synchronize() or Backend::CopyToHost(). A data error found on the device is
+//    reported by the call that found it (which synchronizes for that purpose).
+//  - Not thread-safe: one ScoringOps (one Backend) per thread or stream.
+//
+// Selection rule (exact, so backends agree): a token's effective score is +inf when it is
+// protected, else its score. A head keeps the tokens of highest effective score; ties are
+// broken by lower token index first (AdaKV's layer-wide stage: by lower head, then lower token
+// index). Kept indices are written in ascending order. Scores are finite after Score succeeds.
 #ifndef KVCOMP_KERNELS_SCORING_OPS_H_
 #define KVCOMP_KERNELS_SCORING_OPS_H_
 
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/tensor.h"
 
+#if defined(__CUDACC__)
+#define KVCOMP_HOST_DEVICE __host__ __device__
+#else
+#define KVCOMP_HOST_DEVICE
+#endif
+
 namespace kvcomp {
+
+// Score assigned by the streaming scorer to the n_sink first positions (above any position).
+inline constexpr float kStreamingSinkScore = 3.0e38f;
+// Norm floor of keydiff's cosine (as torch's cosine_similarity eps).
+inline constexpr float kKeyDiffEps = 1e-8f;
+
+// Absolute positions of a view's tokens. Whole-sequence calls use the default (token i is at
+// position offset + i); block-wise working sets, whose tokens are no longer contiguous, pass
+// `data`. Used by streaming and random scores and by protection.
+struct TokenPositions {
+  // [num_heads, num_tokens] u32, backend memory space, ascending per head; nullptr = identity.
+  const uint32_t* data = nullptr;
+  // Position of token 0 when data is nullptr. Default 0.
+  uint64_t offset = 0;
+  // Tokens of the whole sequence so far (positions >= sequence_length - n_recent are "recent");
+  // 0 = offset + num_tokens. Default 0.
+  uint64_t sequence_length = 0;
+
+  uint64_t position(const uint32_t* row, uint64_t token) const {
+    return data != nullptr ? row[token] : offset + token;
+  }
+};
+
+// Scorer parameters, a plain struct built on the host (ScoreParamsFromPolicy).
+struct ScoreParams {
+  Scorer scorer = Scorer::kManifold;
+  // windowed_manifold: tokens per window, >= 1; window w covers token indices [w*W, (w+1)*W) of
+  // the view (the last one may be short). Default 4096.
+  uint32_t window = 4096;
+  // streaming: number of first positions kept whatever happens. Default 4.
+  uint32_t n_sink = 4;
+  // random: seed, and a stream id mixed into it (the pipeline passes the layer). Default 0, 0.
+  uint64_t seed = 0;
+  uint64_t stream = 0;
+  // snapkv: the observation window's queries, [num_q_heads, w, head_dim], same dtype, head_dim
+  // and space as the keys, num_q_heads a multiple of the keys' num_heads (GQA: q head j belongs
+  // to kv head j / group), 1 <= w <= num_tokens; they are the queries of the LAST w tokens.
+  // Unused by other scorers.
+  HeadsView queries;
+  // snapkv: width of the average pooling over tokens (odd, zero padded, divided by the width).
+  // Default 5.
+  uint32_t snapkv_pool = 5;
+};
+
+// Budget parameters, a plain struct built on the host (SelectParamsFromPolicy).
+struct SelectParams {
+  // Tokens kept per head (uniform), >= 1; clamped to num_tokens. Under AdaKV the layer keeps
+  // num_heads * kept_per_head tokens in all. 0 is InvalidArgument ("budget of zero").
+  uint64_t kept_per_head = 0;
+  HeadBudget head_budget = HeadBudget::kUniform;
+  // AdaKV: each head first keeps its top int(kept_per_head * alpha_safeguard). Default 0.20.
+  double alpha_safeguard = 0.20;
+  // Protection: positions < n_sink and >= sequence_length - n_recent score +inf. Default on, 4, 0.
+  bool protect = true;
+  uint32_t n_sink = 4;
+  uint32_t n_recent = 0;
+};
+
+// Where selection writes the kept tokens: ragged per head, head h's indices at
+// [sum(counts[0..h)), +counts[h]), ascending token indices into the view.
+struct KeptIndices {
+  uint32_t* counts = nullptr;   // [num_heads]
+  uint32_t* indices = nullptr;  // capacity KeptCapacity(num_heads, num_tokens, kept_per_head)
+};
+
+// The most kept tokens a layer can produce: num_heads * min(kept_per_head, num_tokens).
+inline uint64_t KeptCapacity(uint32_t num_heads, uint64_t num_tokens, uint64_t kept_per_head) {
+  return uint64_t{num_heads} * (kept_per_head < num_tokens ? kept_per_head : num_tokens);
+}
+
+// All of one layer's work in one call (ScoreSelectCompact).
+struct ScoreSelectCompactArgs {
+  HeadsView keys;    // [H, n, d]
+  HeadsView values;  // same shape and dtype as keys
+  ScoreParams score;
+  SelectParams select;
+  TokenPositions positions;
+  float* scores = nullptr;  // optional output [H, n] f32, dense; nullptr = not wanted
+  KeptIndices kept;         // output
+  // Outputs: the kept keys and values, ragged [total kept, head_dim], dense rows in the input
+  // dtype, head h's rows from sum(counts[0..h)). Capacity KeptCapacity(...) rows each.
+  void* keys_out = nullptr;
+  void* values_out = nullptr;
+};
 
 class ScoringOps {
  public:
   virtual ~ScoringOps() = default;
+
+  // scores[h * n + i] = score of token i of head h (f32, dense [H, n]); higher = keep.
+  virtual absl::Status Score(const HeadsView& keys, const ScoreParams& params,
+                             const TokenPositions& positions, float* scores) = 0;
+
+  // Chooses the kept tokens of every head from `scores` ([num_heads, num_tokens], dense) under
+  // `params`, writing counts and ascending indices (see the selection rule above).
+  virtual absl::Status Select(const float* scores, uint32_t num_heads, uint64_t num_tokens,
+                              const SelectParams& params, const TokenPositions& positions,
+                              KeptIndices out) = 0;
+
+  // Gathers rows indices[...] of keys and values per head into the ragged outputs (dtype kept).
+  // `counts` and `indices` as written by Select; every index must be < num_tokens
+  // (InvalidArgument otherwise on the CPU; the CUDA backend may trust Select's output).
+  virtual absl::Status Compact(const HeadsView& keys, const HeadsView& values,
+                               const uint32_t* counts, const uint32_t* indices, void* keys_out,
+                               void* values_out) = 0;
+
+  // Score + Select + Compact in as few passes as the backend can; same results as the three
+  // calls in sequence.
+  virtual absl::Status ScoreSelectCompact(const ScoreSelectCompactArgs& args) = 0;
+
+  // Workspace ScoreSelectCompact will take from the allocator for these shapes (bytes).
+  virtual uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& args) const = 0;
 };
+
+// --- Argument validation shared by every backend (InvalidArgument with a clear message) ---
+absl::Status CheckHeadsView(const HeadsView& view, MemorySpace space, const char* what);
+absl::Status CheckScoreArgs(const HeadsView& keys, const ScoreParams& params,
+                            const TokenPositions& positions, MemorySpace space);
+absl::Status CheckSelectArgs(uint32_t num_heads, uint64_t num_tokens, const SelectParams& params);
+absl::Status CheckCompactArgs(const HeadsView& keys, const HeadsView& values, MemorySpace space);
+absl::Status CheckScoreSelectCompactArgs(const ScoreSelectCompactArgs& args, MemorySpace space);
+
+// --- Parameters from a policy ---
+// `layer` becomes the random scorer's stream; `queries` is the layer's snapkv window (or empty).
+ScoreParams ScoreParamsFromPolicy(const CompressionPolicy& policy, uint32_t layer,
+                                  const HeadsView& queries = {});
+// kept_per_head = policy.KeptPerHead(num_tokens). InvalidArgument when that is zero ("budget of
+// zero": ratio too high for so few tokens) or the policy does not validate.
+absl::StatusOr<SelectParams> SelectParamsFromPolicy(const CompressionPolicy& policy,
+                                                    uint64_t num_tokens);
+
+// --- Formulas every backend must reproduce bit-exactly ---
+KVCOMP_HOST_DEVICE inline uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+// The random scorer: uniform in [0, 1) with 24 bits, a function of (seed, stream, head, position).
+KVCOMP_HOST_DEVICE inline float RandomScore(uint64_t seed, uint64_t stream, uint32_t head,
+                                            uint64_t position) {
+  uint64_t x = SplitMix64(seed ^ SplitMix64(stream));
+  x = SplitMix64(x ^ head);
+  x = SplitMix64(x ^ position);
+  return static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+}
+// The streaming scorer: sinks first, then later positions score higher (exact to 2^24 tokens).
+KVCOMP_HOST_DEVICE inline float StreamingScore(uint64_t position, uint32_t n_sink) {
+  return position < n_sink ? kStreamingSinkScore : static_cast<float>(position);
+}
+// True when `position` is protected under `params` for a sequence of `sequence_length` tokens.
+KVCOMP_HOST_DEVICE inline bool IsProtected(uint64_t position, uint64_t sequence_length,
+                                           const SelectParams& params) {
+  if (!params.protect) return false;
+  if (position < params.n_sink) return true;
+  return params.n_recent > 0 && position + params.n_recent >= sequence_length;
+}
 
 }  // namespace kvcomp
 

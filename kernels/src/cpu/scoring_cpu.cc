@@ -1,0 +1,531 @@
+// The CPU ScoringOps: the reference implementation and the embedded default. Work is split into
+// (head, chunk) tasks over the backend's pool; the inner loops are the vectorised row kernels.
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "cpu_ops.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/kernels/allocator.h"
+#include "scoring_kernels.h"
+
+namespace kvcomp {
+namespace {
+
+// Tokens per task for the streaming passes: big enough to amortise scheduling, small enough to
+// balance 2-128 threads over 8 heads of 8K tokens.
+constexpr uint64_t kChunkTokens = 2048;
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+size_t ElemBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+const char* ElemPtr(const HeadsView& v, uint32_t head, uint64_t token) {
+  return static_cast<const char*>(v.data) + v.offset(head, token) * ElemBytes(v.dtype);
+}
+
+// Records the first (head, token) whose squared norm is not finite; threads race benignly to
+// the smallest flat index.
+class BadTokenFlag {
+ public:
+  void Report(uint64_t flat) {
+    uint64_t cur = first_.load(std::memory_order_relaxed);
+    while (flat < cur && !first_.compare_exchange_weak(cur, flat, std::memory_order_relaxed)) {
+    }
+  }
+  // Checks sq[0..n) of tokens [token0, token0 + n) of head `head` (n tokens per head `tokens`).
+  void Check(const float* sq, uint64_t n, uint32_t head, uint64_t token0, uint64_t tokens) {
+    for (uint64_t i = 0; i < n; ++i) {
+      if (!(sq[i] <= FLT_MAX)) {
+        Report(uint64_t{head} * tokens + token0 + i);
+        return;
+      }
+    }
+  }
+  absl::Status ToStatus(const char* what, uint64_t tokens) const {
+    const uint64_t flat = first_.load();
+    if (flat == kNone) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: NaN or Inf (or a squared norm beyond float32) at head %u, token %u", what,
+        flat / tokens, flat % tokens));
+  }
+
+ private:
+  static constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
+  std::atomic<uint64_t> first_{kNone};
+};
+
+// Monotone map of a float to u32 (larger float -> larger u32); -0 and +0 map alike.
+inline uint32_t OrderKey(float s) {
+  if (s == 0.0f) s = 0.0f;
+  uint32_t u;
+  std::memcpy(&u, &s, sizeof(u));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+constexpr uint32_t kProtectedKey = 0xFFFFFFFFu;  // above every finite score
+
+class CpuScoringOps final : public ScoringOps {
+ public:
+  explicit CpuScoringOps(CpuContext* context) : ctx_(context) {}
+
+  absl::Status Score(const HeadsView& keys, const ScoreParams& params,
+                     const TokenPositions& positions, float* scores) override {
+    KVCOMP_RETURN_IF_ERROR(CheckScoreArgs(keys, params, positions, MemorySpace::kHost));
+    if (scores == nullptr) return absl::InvalidArgumentError("null scores output");
+    return ScoreImpl(keys, params, positions, scores);
+  }
+
+  absl::Status Select(const float* scores, uint32_t num_heads, uint64_t num_tokens,
+                      const SelectParams& params, const TokenPositions& positions,
+                      KeptIndices out) override {
+    KVCOMP_RETURN_IF_ERROR(CheckSelectArgs(num_heads, num_tokens, params));
+    if (scores == nullptr) return absl::InvalidArgumentError("null scores");
+    if (out.counts == nullptr || out.indices == nullptr) {
+      return absl::InvalidArgumentError("null kept outputs");
+    }
+    return SelectImpl(scores, num_heads, num_tokens, params, positions, out);
+  }
+
+  absl::Status Compact(const HeadsView& keys, const HeadsView& values, const uint32_t* counts,
+                       const uint32_t* indices, void* keys_out, void* values_out) override {
+    KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(keys, values, MemorySpace::kHost));
+    if (counts == nullptr || indices == nullptr || keys_out == nullptr ||
+        values_out == nullptr) {
+      return absl::InvalidArgumentError("null compact argument");
+    }
+    return CompactImpl(keys, values, counts, indices, keys_out, values_out);
+  }
+
+  absl::Status ScoreSelectCompact(const ScoreSelectCompactArgs& a) override {
+    KVCOMP_RETURN_IF_ERROR(CheckScoreSelectCompactArgs(a, MemorySpace::kHost));
+    const uint32_t h = a.keys.num_heads;
+    const uint64_t n = a.keys.num_tokens;
+    float* scores = a.scores;
+    Buffer scratch;
+    if (scores == nullptr) {
+      KVCOMP_ASSIGN_OR_RETURN(scratch,
+                              Buffer::Allocate(*ctx_->allocator, uint64_t{h} * n * sizeof(float)));
+      scores = scratch.as<float>();
+    }
+    KVCOMP_RETURN_IF_ERROR(ScoreImpl(a.keys, a.score, a.positions, scores));
+    KVCOMP_RETURN_IF_ERROR(SelectImpl(scores, h, n, a.select, a.positions, a.kept));
+    return CompactImpl(a.keys, a.values, a.kept.counts, a.kept.indices, a.keys_out,
+                       a.values_out);
+  }
+
+  uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& a) const override {
+    const uint64_t hn = uint64_t{a.keys.num_heads} * a.keys.num_tokens;
+    uint64_t bytes = a.scores == nullptr ? hn * sizeof(float) : 0;
+    const uint64_t chunks = a.keys.num_heads * CeilDiv(a.keys.num_tokens, kChunkTokens);
+    bytes += chunks * a.keys.head_dim * sizeof(float);  // partial sums
+    bytes += a.select.head_budget == HeadBudget::kAdaKV ? hn * 16 + hn : hn * sizeof(uint64_t);
+    return bytes;
+  }
+
+ private:
+  absl::Status ScoreImpl(const HeadsView& keys, const ScoreParams& params,
+                         const TokenPositions& positions, float* scores);
+  absl::Status ScoreMeanBased(const HeadsView& keys, bool keydiff, float* scores);
+  absl::Status ScoreWindowed(const HeadsView& keys, uint32_t window, float* scores);
+  absl::Status ScoreSnapKV(const HeadsView& keys, const ScoreParams& params, float* scores);
+  // Squared norms of all keys into scores (tokens x heads) and the NaN/Inf check.
+  absl::Status SqNormsChecked(const HeadsView& keys, const char* what, float* sq);
+
+  absl::Status SelectImpl(const float* scores, uint32_t num_heads, uint64_t num_tokens,
+                          const SelectParams& params, const TokenPositions& positions,
+                          KeptIndices out);
+  absl::Status CompactImpl(const HeadsView& keys, const HeadsView& values, const uint32_t* counts,
+                           const uint32_t* indices, void* keys_out, void* values_out);
+
+  CpuContext* ctx_;
+};
+
+absl::Status CpuScoringOps::SqNormsChecked(const HeadsView& keys, const char* what, float* sq) {
+  const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
+  const uint64_t n = keys.num_tokens;
+  const uint64_t chunks = CeilDiv(n, kChunkTokens);
+  BadTokenFlag bad;
+  ctx_->ParallelFor(keys.num_heads * chunks, [&](size_t task) {
+    const uint32_t h = static_cast<uint32_t>(task / chunks);
+    const uint64_t t0 = (task % chunks) * kChunkTokens;
+    const uint64_t len = std::min(kChunkTokens, n - t0);
+    float* out = sq + uint64_t{h} * n + t0;
+    k->sq_norms(ElemPtr(keys, h, t0), keys.token_stride, len, out);
+    bad.Check(out, len, h, t0, n);
+  });
+  return bad.ToStatus(what, n);
+}
+
+absl::Status CpuScoringOps::ScoreImpl(const HeadsView& keys, const ScoreParams& params,
+                                      const TokenPositions& positions, float* scores) {
+  const uint32_t heads = keys.num_heads;
+  const uint64_t n = keys.num_tokens;
+  switch (params.scorer) {
+    case Scorer::kKnorm: {
+      KVCOMP_RETURN_IF_ERROR(SqNormsChecked(keys, "keys", scores));
+      const uint64_t total = uint64_t{heads} * n;
+      ctx_->ParallelFor(CeilDiv(total, kChunkTokens * 8), [&](size_t task) {
+        const uint64_t b = task * kChunkTokens * 8;
+        const uint64_t e = std::min(total, b + kChunkTokens * 8);
+        for (uint64_t i = b; i < e; ++i) scores[i] = -std::sqrt(scores[i]);
+      });
+      return absl::OkStatus();
+    }
+    case Scorer::kManifold:
+      return ScoreMeanBased(keys, /*keydiff=*/false, scores);
+    case Scorer::kKeyDiff:
+      return ScoreMeanBased(keys, /*keydiff=*/true, scores);
+    case Scorer::kWindowedManifold:
+      return ScoreWindowed(keys, params.window, scores);
+    case Scorer::kStreaming:
+    case Scorer::kRandom: {
+      KVCOMP_RETURN_IF_ERROR(SqNormsChecked(keys, "keys", scores));
+      const bool streaming = params.scorer == Scorer::kStreaming;
+      ctx_->ParallelFor(heads, [&](size_t hi) {
+        const uint32_t h = static_cast<uint32_t>(hi);
+        const uint32_t* row = positions.data == nullptr ? nullptr : positions.data + h * n;
+        float* out = scores + uint64_t{h} * n;
+        for (uint64_t i = 0; i < n; ++i) {
+          const uint64_t pos = positions.position(row, i);
+          out[i] = streaming ? StreamingScore(pos, params.n_sink)
+                             : RandomScore(params.seed, params.stream, h, pos);
+        }
+      });
+      return absl::OkStatus();
+    }
+    case Scorer::kSnapKV:
+      return ScoreSnapKV(keys, params, scores);
+  }
+  return absl::InvalidArgumentError("unknown scorer");
+}
+
+// manifold: s = ||k - mu||, mu = mean k.  keydiff: s = -cos(k, a), a = mean k/||k||.
+// Pass 1 per chunk: squared norms (kept in `scores`) and a partial sum; the partials are summed
+// in double per head; pass 2 reads the keys again for the distance or the dot product.
+absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, float* scores) {
+  const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
+  const uint32_t heads = keys.num_heads;
+  const uint32_t d = keys.head_dim;
+  const uint64_t n = keys.num_tokens;
+  const uint64_t chunks = CeilDiv(n, kChunkTokens);
+  const uint64_t tasks = heads * chunks;
+  KVCOMP_ASSIGN_OR_RETURN(Buffer partial,
+                          Buffer::Allocate(*ctx_->allocator, tasks * d * sizeof(float)));
+  std::memset(partial.data(), 0, tasks * d * sizeof(float));
+  BadTokenFlag bad;
+  ctx_->ParallelFor(tasks, [&](size_t task) {
+    const uint32_t h = static_cast<uint32_t>(task / chunks);
+    const uint64_t t0 = (task % chunks) * kChunkTokens;
+    const uint64_t len = std::min(kChunkTokens, n - t0);
+    float* sq = scores + uint64_t{h} * n + t0;
+    k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, keydiff, kKeyDiffEps, sq,
+                        partial.as<float>() + task * d);
+    bad.Check(sq, len, h, t0, n);
+  });
+  KVCOMP_RETURN_IF_ERROR(bad.ToStatus("keys", n));
+
+  std::vector<float> centre(uint64_t{heads} * d);
+  std::vector<float> centre_norm(heads);
+  for (uint32_t h = 0; h < heads; ++h) {
+    double norm2 = 0.0;
+    for (uint32_t j = 0; j < d; ++j) {
+      double s = 0.0;
+      for (uint64_t c = 0; c < chunks; ++c) s += partial.as<float>()[(h * chunks + c) * d + j];
+      const float m = static_cast<float>(s / static_cast<double>(n));
+      centre[uint64_t{h} * d + j] = m;
+      norm2 += static_cast<double>(m) * m;
+    }
+    centre_norm[h] = std::fmax(static_cast<float>(std::sqrt(norm2)), kKeyDiffEps);
+  }
+  ctx_->ParallelFor(tasks, [&](size_t task) {
+    const uint32_t h = static_cast<uint32_t>(task / chunks);
+    const uint64_t t0 = (task % chunks) * kChunkTokens;
+    const uint64_t len = std::min(kChunkTokens, n - t0);
+    float* out = scores + uint64_t{h} * n + t0;
+    const float* c = centre.data() + uint64_t{h} * d;
+    if (!keydiff) {
+      k->distances(ElemPtr(keys, h, t0), keys.token_stride, len, c, out);
+      return;
+    }
+    float dots[kChunkTokens];
+    k->dots(ElemPtr(keys, h, t0), keys.token_stride, len, c, dots);
+    for (uint64_t i = 0; i < len; ++i) {
+      const float denom = std::fmax(std::sqrt(out[i]), kKeyDiffEps) * centre_norm[h];
+      out[i] = -(dots[i] / denom);
+    }
+  });
+  return absl::OkStatus();
+}
+
+// Window w covers rows [w*W, min(n, (w+1)*W)); its mean is summed in float per sub-chunk of
+// kChunkTokens rows and in double across them; pass 2 runs while the window is in cache.
+absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, uint32_t window,
+                                          float* scores) {
+  const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
+  const uint32_t heads = keys.num_heads;
+  const uint32_t d = keys.head_dim;
+  const uint64_t n = keys.num_tokens;
+  const uint64_t windows = CeilDiv(n, window);
+  BadTokenFlag bad;
+  ctx_->ParallelFor(heads * windows, [&](size_t task) {
+    const uint32_t h = static_cast<uint32_t>(task / windows);
+    const uint64_t w0 = (task % windows) * window;
+    const uint64_t wlen = std::min<uint64_t>(window, n - w0);
+    std::vector<float> part(d);
+    std::vector<double> sum(d, 0.0);
+    for (uint64_t t0 = w0; t0 < w0 + wlen; t0 += kChunkTokens) {
+      const uint64_t len = std::min(kChunkTokens, w0 + wlen - t0);
+      std::fill(part.begin(), part.end(), 0.0f);
+      float* sq = scores + uint64_t{h} * n + t0;
+      k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, false, 0.0f, sq,
+                          part.data());
+      bad.Check(sq, len, h, t0, n);
+      for (uint32_t j = 0; j < d; ++j) sum[j] += part[j];
+    }
+    for (uint32_t j = 0; j < d; ++j) part[j] = static_cast<float>(sum[j] / wlen);
+    k->distances(ElemPtr(keys, h, w0), keys.token_stride, wlen, part.data(),
+                 scores + uint64_t{h} * n + w0);
+  });
+  return bad.ToStatus("keys", n);
+}
+
+// kvpress's SnapKV: the last w queries attend (causally, softmax in f32) over all keys; the
+// weights on the first n - w tokens are averaged over the queries, average-pooled over tokens
+// (zero padding, divided by the width), averaged over the GQA group; the window's own tokens get
+// the layer's maximum score so they are kept.
+absl::Status CpuScoringOps::ScoreSnapKV(const HeadsView& keys, const ScoreParams& params,
+                                        float* scores) {
+  const HeadsView& q = params.queries;
+  KVCOMP_RETURN_IF_ERROR(SqNormsChecked(keys, "keys", scores));
+  {
+    std::vector<float> qsq(uint64_t{q.num_heads} * q.num_tokens);
+    KVCOMP_RETURN_IF_ERROR(SqNormsChecked(q, "snapkv queries", qsq.data()));
+  }
+  const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
+  const uint32_t heads = keys.num_heads;
+  const uint32_t d = keys.head_dim;
+  const uint64_t n = keys.num_tokens;
+  const uint64_t w = q.num_tokens;
+  const uint64_t prefix = n - w;
+  const uint32_t group = q.num_heads / heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t half = params.snapkv_pool / 2;
+
+  // pooled[j * prefix + t]: per query head, before the group mean.
+  std::vector<float> pooled(uint64_t{q.num_heads} * prefix);
+  ctx_->ParallelFor(prefix == 0 ? 0 : q.num_heads, [&](size_t jq) {
+    const uint32_t j = static_cast<uint32_t>(jq);
+    const uint32_t h = j / group;
+    std::vector<float> qf(d), logits(n);
+    std::vector<double> acc(prefix, 0.0);
+    for (uint64_t r = 0; r < w; ++r) {
+      k->to_float(ElemPtr(q, j, r), qf.data());
+      const uint64_t visible = prefix + r + 1;  // causal: query at position prefix + r
+      k->dots(ElemPtr(keys, h, 0), keys.token_stride, visible, qf.data(), logits.data());
+      float m = -FLT_MAX;
+      for (uint64_t t = 0; t < visible; ++t) {
+        logits[t] *= scale;
+        m = std::max(m, logits[t]);
+      }
+      float z = 0.0f;
+      for (uint64_t t = 0; t < visible; ++t) {
+        logits[t] = std::exp(logits[t] - m);
+        z += logits[t];
+      }
+      const float inv = 1.0f / z;
+      for (uint64_t t = 0; t < prefix; ++t) acc[t] += logits[t] * inv;
+    }
+    float* out = pooled.data() + uint64_t{j} * prefix;
+    for (uint64_t t = 0; t < prefix; ++t) {
+      double s = 0.0;
+      const int64_t lo = std::max<int64_t>(0, static_cast<int64_t>(t) - half);
+      const int64_t hi = std::min<int64_t>(static_cast<int64_t>(prefix) - 1,
+                                           static_cast<int64_t>(t) + half);
+      for (int64_t u = lo; u <= hi; ++u) s += acc[u];
+      out[t] = static_cast<float>(s / static_cast<double>(w) / params.snapkv_pool);
+    }
+  });
+  float max_score = prefix == 0 ? 1.0f : -FLT_MAX;
+  for (uint32_t h = 0; h < heads; ++h) {
+    float* out = scores + uint64_t{h} * n;
+    for (uint64_t t = 0; t < prefix; ++t) {
+      double s = 0.0;
+      for (uint32_t g = 0; g < group; ++g) s += pooled[uint64_t{h * group + g} * prefix + t];
+      out[t] = static_cast<float>(s / group);
+      max_score = std::max(max_score, out[t]);
+    }
+  }
+  for (uint32_t h = 0; h < heads; ++h) {
+    std::fill(scores + uint64_t{h} * n + prefix, scores + uint64_t{h} * n + n, max_score);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads,
+                                       uint64_t num_tokens, const SelectParams& params,
+                                       const TokenPositions& positions, KeptIndices out) {
+  const uint64_t n = num_tokens;
+  const uint64_t kept = std::min<uint64_t>(params.kept_per_head, n);
+  const uint64_t hn = uint64_t{num_heads} * n;
+  // Sort keys: (order key of the effective score) << 32 | ~index, so larger = kept first and
+  // ties go to the lower index.
+  KVCOMP_ASSIGN_OR_RETURN(Buffer key_buf, Buffer::Allocate(*ctx_->allocator, hn * 8));
+  uint64_t* keys = key_buf.as<uint64_t>();
+  std::atomic<uint64_t> bad{std::numeric_limits<uint64_t>::max()};
+  ctx_->ParallelFor(num_heads, [&](size_t hi) {
+    const uint64_t h = hi;
+    const float* s = scores + h * n;
+    const uint32_t* prow = positions.data == nullptr ? nullptr : positions.data + h * n;
+    uint64_t seq_len = positions.sequence_length;
+    if (seq_len == 0) seq_len = prow != nullptr ? uint64_t{prow[n - 1]} + 1 : positions.offset + n;
+    uint64_t* kk = keys + h * n;
+    for (uint64_t i = 0; i < n; ++i) {
+      if (!(std::fabs(s[i]) <= FLT_MAX)) {
+        uint64_t cur = bad.load();
+        const uint64_t flat = h * n + i;
+        while (flat < cur && !bad.compare_exchange_weak(cur, flat)) {
+        }
+      }
+      const uint32_t ord =
+          IsProtected(positions.position(prow, i), seq_len, params) ? kProtectedKey
+                                                                    : OrderKey(s[i]);
+      kk[i] = (uint64_t{ord} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+    }
+  });
+  if (bad.load() != std::numeric_limits<uint64_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "select: non-finite score at head %u, token %u", bad.load() / n, bad.load() % n));
+  }
+  auto threshold = [](uint64_t* b, uint64_t len, uint64_t k, std::vector<uint64_t>* tmp) {
+    tmp->assign(b, b + len);
+    std::nth_element(tmp->begin(), tmp->begin() + (k - 1), tmp->end(), std::greater<uint64_t>());
+    return (*tmp)[k - 1];
+  };
+
+  if (params.head_budget == HeadBudget::kUniform || num_heads == 1) {
+    ctx_->ParallelFor(num_heads, [&](size_t h) {
+      uint32_t* dst = out.indices + h * kept;
+      out.counts[h] = static_cast<uint32_t>(kept);
+      if (kept == n) {
+        for (uint64_t i = 0; i < n; ++i) dst[i] = static_cast<uint32_t>(i);
+        return;
+      }
+      std::vector<uint64_t> tmp;
+      const uint64_t* kk = keys + h * n;
+      const uint64_t t = threshold(keys + h * n, n, kept, &tmp);
+      uint64_t c = 0;
+      for (uint64_t i = 0; i < n; ++i) {
+        if (kk[i] >= t) dst[c++] = static_cast<uint32_t>(i);
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  // AdaKV: safeguard per head, then the layer's remaining budget to its best tokens overall.
+  const uint64_t safe = std::min<uint64_t>(
+      kept, static_cast<uint64_t>(static_cast<double>(kept) * params.alpha_safeguard));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer flag_buf, Buffer::Allocate(*ctx_->allocator, hn));
+  uint8_t* flag = flag_buf.as<uint8_t>();
+  std::memset(flag, 0, hn);
+  if (safe > 0) {
+    ctx_->ParallelFor(num_heads, [&](size_t h) {
+      const uint64_t* kk = keys + h * n;
+      std::vector<uint64_t> tmp;
+      const uint64_t t = threshold(keys + h * n, n, safe, &tmp);
+      for (uint64_t i = 0; i < n; ++i) flag[h * n + i] = kk[i] >= t;
+    });
+  }
+  const uint64_t remaining = num_heads * kept - num_heads * safe;
+  if (remaining > 0) {
+    // (order key, ~head, ~index) compared lexicographically, larger first.
+    struct Cand {
+      uint64_t hi;  // ord << 32 | ~head
+      uint32_t lo;  // ~index
+    };
+    std::vector<Cand> cands;
+    cands.reserve(hn - num_heads * safe);
+    for (uint64_t h = 0; h < num_heads; ++h) {
+      for (uint64_t i = 0; i < n; ++i) {
+        if (flag[h * n + i]) continue;
+        const uint64_t kk = keys[h * n + i];
+        cands.push_back({(kk & 0xFFFFFFFF00000000ull) | (0xFFFFFFFFu - h),
+                         static_cast<uint32_t>(kk)});
+      }
+    }
+    auto greater = [](const Cand& a, const Cand& b) {
+      return a.hi != b.hi ? a.hi > b.hi : a.lo > b.lo;
+    };
+    std::nth_element(cands.begin(), cands.begin() + (remaining - 1), cands.end(), greater);
+    for (uint64_t c = 0; c < remaining; ++c) {
+      const uint64_t h = 0xFFFFFFFFu - (cands[c].hi & 0xFFFFFFFFu);
+      const uint64_t i = 0xFFFFFFFFu - cands[c].lo;
+      flag[h * n + i] = 1;
+    }
+  }
+  uint64_t offset = 0;
+  for (uint64_t h = 0; h < num_heads; ++h) {
+    uint32_t c = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      if (flag[h * n + i]) out.indices[offset + c++] = static_cast<uint32_t>(i);
+    }
+    out.counts[h] = c;
+    offset += c;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& values,
+                                        const uint32_t* counts, const uint32_t* indices,
+                                        void* keys_out, void* values_out) {
+  const uint32_t heads = keys.num_heads;
+  const uint64_t n = keys.num_tokens;
+  std::vector<uint64_t> offsets(heads + 1, 0);
+  for (uint32_t h = 0; h < heads; ++h) {
+    if (counts[h] > n) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("compact: head %u keeps %u of %u tokens", h, counts[h], n));
+    }
+    offsets[h + 1] = offsets[h] + counts[h];
+  }
+  const uint64_t total = offsets[heads];
+  for (uint64_t i = 0; i < total; ++i) {
+    if (indices[i] >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("compact: index %u out of range (%u tokens)", indices[i], n));
+    }
+  }
+  const size_t row_bytes = keys.head_dim * ElemBytes(keys.dtype);
+  constexpr uint64_t kRowsPerTask = 1024;
+  std::vector<uint64_t> task_start(heads + 1, 0);
+  for (uint32_t h = 0; h < heads; ++h) {
+    task_start[h + 1] = task_start[h] + CeilDiv(counts[h], kRowsPerTask);
+  }
+  char* kout = static_cast<char*>(keys_out);
+  char* vout = static_cast<char*>(values_out);
+  ctx_->ParallelFor(task_start[heads], [&](size_t task) {
+    const uint32_t h = static_cast<uint32_t>(
+        std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1);
+    const uint64_t r0 = (task - task_start[h]) * kRowsPerTask;
+    const uint64_t r1 = std::min<uint64_t>(counts[h], r0 + kRowsPerTask);
+    for (uint64_t r = r0; r < r1; ++r) {
+      const uint64_t dst = offsets[h] + r;
+      const uint32_t src = indices[dst];
+      std::memcpy(kout + dst * row_bytes, ElemPtr(keys, h, src), row_bytes);
+      std::memcpy(vout + dst * row_bytes, ElemPtr(values, h, src), row_bytes);
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<ScoringOps> NewCpuScoringOps(CpuContext* context) {
+  return std::make_unique<CpuScoringOps>(context);
+}
+
+}  // namespace kvcomp

@@ -1,0 +1,45 @@
+// Row kernels of the CPU scorers: the inner loops over one head's rows, vectorised, one table
+// per (dtype, head_dim). Two builds of the same code (scoring_kernels.inc): AVX2+FMA+F16C and a
+// portable one; RowKernelsFor picks the best the running CPU supports.
+#ifndef KVCOMP_KERNELS_SRC_CPU_SCORING_KERNELS_H_
+#define KVCOMP_KERNELS_SRC_CPU_SCORING_KERNELS_H_
+
+#include <cstdint>
+
+#include "kvcomp/core/dtype.h"
+
+namespace kvcomp {
+namespace cpu {
+
+// Rows are `stride` elements apart; every output is per row; float accumulation in a fixed
+// order. sum/mu/a/q have head_dim floats.
+struct RowKernels {
+  // sq[i] = ||k_i||^2.
+  void (*sq_norms)(const void* rows, uint64_t stride, uint64_t n, float* sq);
+  // sq[i] = ||k_i||^2 and sum += k_i * (normalize ? 1 / max(||k_i||, eps) : 1).
+  void (*sq_norms_and_sum)(const void* rows, uint64_t stride, uint64_t n, bool normalize,
+                           float eps, float* sq, float* sum);
+  // out[i] = ||k_i - mu||.
+  void (*distances)(const void* rows, uint64_t stride, uint64_t n, const float* mu, float* out);
+  // out[i] = k_i . v.
+  void (*dots)(const void* rows, uint64_t stride, uint64_t n, const float* v, float* out);
+  // dst[0..head_dim) = row as float.
+  void (*to_float)(const void* row, float* dst);
+};
+
+// The table for (dtype, head_dim); nullptr when unsupported.
+const RowKernels* RowKernelsFor(DType dtype, uint32_t head_dim);
+// "avx2" or "generic": which build RowKernelsFor uses on this CPU.
+const char* RowKernelsIsa();
+
+namespace generic {
+const RowKernels* Table(DType dtype, uint32_t head_dim);
+}
+namespace avx2 {
+const RowKernels* Table(DType dtype, uint32_t head_dim);
+}
+
+}  // namespace cpu
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_SRC_CPU_SCORING_KERNELS_H_
