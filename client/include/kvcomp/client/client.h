@@ -1,0 +1,189 @@
+// The kvcomp C++ SDK: what a serving engine links to push KV caches to kvcompd (prefill) and
+// fetch them back (decode).
+//
+// Endpoints and sharding: a Client talks to one or more kvcompd instances. Each cache key is
+// placed by rendezvous (highest-random-weight) hashing of (tenant, model, key) over the
+// endpoints; with replicas = R the R highest-ranked endpoints each store a copy. When an
+// endpoint is down, writes go to the next endpoints in the key's ranking (the survivors) and
+// reads try the ranking in order, so a cache stays readable while any copy's endpoint is up.
+// An endpoint that fails is skipped for `down_for` and then tried again.
+//
+// Threads: every method is thread-safe; a Client may be shared by all threads of a process.
+// A PutStream belongs to one thread at a time.
+//
+// Ownership: inputs are read from caller memory during the call (no copies are kept); outputs
+// are returned by value or written into caller buffers that the caller owns.
+//
+// Errors (absl::Status, never exceptions): InvalidArgument for bad arguments (shapes that do
+// not match the layout, an invalid key or policy), NotFound when no endpoint has the cache,
+// Unauthenticated/PermissionDenied for refused credentials, Unavailable when no endpoint can
+// be reached, DeadlineExceeded when the request timeout passes, ResourceExhausted for quotas,
+// and the server's status otherwise.
+#ifndef KVCOMP_CLIENT_CLIENT_H_
+#define KVCOMP_CLIENT_CLIENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/layout.h"
+#include "kvcomp/core/policy.h"
+
+namespace kvcomp {
+namespace client {
+
+// One kvcompd: its UCX data address and, for Stats and control calls, its Thrift address.
+struct EndpointAddress {
+  std::string data;     // "host:port" or "[v6]:port" of the UCX listener
+  std::string control;  // "host:port" of the Thrift control port; empty: no control calls
+  // Parses "data" or "data,control" (e.g. "127.0.0.1:7420,127.0.0.1:7421").
+  static absl::StatusOr<EndpointAddress> Parse(absl::string_view text);
+};
+
+struct ClientOptions {
+  std::string tenant;  // empty: "default"
+  std::string token;   // per-tenant credential; empty for an open daemon
+  // Copies of each cache, on distinct endpoints (at most the number of endpoints). Default 1.
+  int replicas = 1;
+  // Establishing a connection (UCX endpoint + hello). Default 5 s.
+  absl::Duration connect_timeout = absl::Seconds(5);
+  // One request to one endpoint, server-side busy retries included. Default 60 s.
+  absl::Duration request_timeout = absl::Seconds(60);
+  // Attempts per endpoint for a request failing with Unavailable/DeadlineExceeded/Busy before
+  // moving on, with exponential backoff from initial_backoff up to max_backoff. Defaults 2,
+  // 20 ms, 1 s.
+  int attempts_per_endpoint = 2;
+  absl::Duration initial_backoff = absl::Milliseconds(20);
+  absl::Duration max_backoff = absl::Seconds(1);
+  // How long an endpoint that failed to connect or dropped is skipped. Default 2 s.
+  absl::Duration down_for = absl::Seconds(2);
+  // Largest block payload sent (K plus V); the server's limit wins if smaller. Default 8 MiB.
+  uint64_t max_block_bytes = uint64_t{8} << 20;
+  // UCX transport settings (UCX_TLS and so on) for this client's workers; empty: environment.
+  std::vector<std::pair<std::string, std::string>> ucx_overrides;
+};
+
+// One layer's K (or V) in host memory: [num_kv_heads, num_tokens, head_dim], dense, of the
+// layout's dtype.
+struct LayerData {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+};
+
+struct PutResult {
+  uint64_t original_bytes = 0;  // uncompressed K and V
+  uint64_t stored_bytes = 0;    // the compressed cache as stored
+  uint64_t total_kept = 0;      // kept tokens over all heads
+  std::vector<std::string> endpoints;  // data addresses that acknowledged a copy
+};
+
+struct LookupResult {
+  KvLayout layout;
+  std::string endpoint;  // data address that answered
+  std::string tier;      // "device", "host" or "disk"
+  uint64_t original_tokens = 0;
+  uint64_t total_kept = 0;
+  uint64_t original_bytes = 0;
+  uint64_t stored_bytes = 0;
+  KeyCodec key_codec = KeyCodec::kRaw;
+  ValueCodec value_codec = ValueCodec::kRaw;
+};
+
+struct EndpointStats {
+  std::string endpoint;
+  absl::Status status;  // why the numbers are missing, when not OK
+  uint64_t caches = 0;          // this tenant's caches there
+  uint64_t original_bytes = 0;  // this tenant's, uncompressed
+  uint64_t stored_bytes = 0;    // this tenant's, as stored
+  uint64_t queue_depth = 0;
+};
+
+struct PutOptions {
+  // The policy; empty: the tenant's default on the daemon.
+  std::optional<CompressionPolicy> policy;
+  // Compress block by block as blocks arrive (streaming prefill; PutStream only).
+  bool block_wise = false;
+};
+
+// A put in progress, fed layer by layer (or token range by token range) as prefill produces
+// the cache. Destroying an uncommitted stream aborts it (no half cache is ever visible).
+class PutStream {
+ public:
+  virtual ~PutStream() = default;
+  // Sends tokens [token_begin, token_begin + num_tokens) of `layer`: `keys` and `values` are
+  // [num_kv_heads, num_tokens, head_dim] dense host arrays of the layout's dtype.
+  virtual absl::Status Append(uint32_t layer, uint64_t token_begin, uint64_t num_tokens,
+                              const void* keys, const void* values) = 0;
+  // Sends a whole layer (all tokens).
+  absl::Status AppendLayer(uint32_t layer, const void* keys, const void* values);
+  // Stores the cache; returns what was stored. The stream is spent afterwards.
+  virtual absl::StatusOr<PutResult> Commit() = 0;
+  // Forgets the put on every endpoint. Idempotent.
+  virtual absl::Status Abort() = 0;
+  virtual const KvLayout& layout() const = 0;
+  virtual uint64_t num_tokens() const = 0;
+};
+
+class Client {
+ public:
+  // Validates the options and endpoints and connects lazily (the first request to each
+  // endpoint connects). InvalidArgument for malformed addresses or options. With
+  // `connect_now`, also connects to every endpoint and fails with the first endpoint's error
+  // when none can be reached.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      const std::vector<std::string>& endpoints, const ClientOptions& options = {},
+      bool connect_now = true);
+  virtual ~Client() = default;
+
+  // Pushes a whole cache: `layers` holds layout.num_layers entries. Returns when every copy is
+  // stored per the daemons' durability setting (at least one copy; fewer than `replicas` when
+  // endpoints are down, as PutResult::endpoints says).
+  virtual absl::StatusOr<PutResult> Put(absl::string_view model_id, absl::string_view key,
+                                        const KvLayout& layout, uint64_t num_tokens,
+                                        const std::vector<LayerData>& layers,
+                                        const PutOptions& options = {}) = 0;
+  // Starts a streamed put.
+  virtual absl::StatusOr<std::unique_ptr<PutStream>> OpenPutStream(
+      absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+      uint64_t num_tokens, const PutOptions& options = {}) = 0;
+
+  // The compressed cache as stored (parsed and validated).
+  virtual absl::StatusOr<CompressedCache> Get(absl::string_view model_id,
+                                              absl::string_view key) = 0;
+  // The encoded bytes as stored (docs/format.md), unparsed.
+  virtual absl::StatusOr<std::string> GetBytes(absl::string_view model_id,
+                                               absl::string_view key) = 0;
+  // The kept tokens decoded by the daemon to the input dtype (raw codecs), parsed.
+  virtual absl::StatusOr<CompressedCache> GetDecoded(absl::string_view model_id,
+                                                     absl::string_view key) = 0;
+  // The encoded bytes into caller memory `dst` of `capacity` bytes (host memory, or CUDA
+  // device memory when `device` is set and UCX is CUDA-aware; otherwise Unimplemented).
+  // Returns the bytes written; OutOfRange when the cache is larger.
+  virtual absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
+                                         void* dst, size_t capacity, bool device = false) = 0;
+
+  virtual absl::StatusOr<LookupResult> Lookup(absl::string_view model_id,
+                                              absl::string_view key) = 0;
+  // Deletes every copy. NotFound when no endpoint had it.
+  virtual absl::Status Delete(absl::string_view model_id, absl::string_view key) = 0;
+  // Per endpoint statistics (Thrift control calls; endpoints without a control address report
+  // Unimplemented in their status).
+  virtual std::vector<EndpointStats> Stats() = 0;
+
+  // The endpoints in the order a key's reads and writes try them (rendezvous ranking).
+  virtual std::vector<std::string> Ranking(absl::string_view model_id,
+                                           absl::string_view key) const = 0;
+};
+
+}  // namespace client
+}  // namespace kvcomp
+
+#endif  // KVCOMP_CLIENT_CLIENT_H_

@@ -1,0 +1,603 @@
+#include "kvcomp/client/client.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "control.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/transport/client.h"
+#include "rendezvous.h"
+
+namespace kvcomp {
+namespace client {
+namespace {
+
+using transport::UcxClient;
+namespace wire = transport::wire;
+
+bool Retryable(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
+}
+
+// One endpoint: its addresses, a lazily made connection, and when it may be tried again.
+class EndpointState {
+ public:
+  EndpointState(EndpointAddress address, transport::Endpoint data)
+      : address_(std::move(address)), data_(std::move(data)) {}
+
+  const EndpointAddress& address() const { return address_; }
+
+  // The live connection, connecting when there is none. Unavailable while marked down.
+  absl::StatusOr<std::shared_ptr<UcxClient>> Connection(const ClientOptions& o) {
+    absl::MutexLock lock(&mu_);
+    if (conn_ != nullptr && conn_->connected()) return conn_;
+    conn_.reset();
+    const absl::Time now = absl::Now();
+    if (now < down_until_) {
+      return absl::UnavailableError(absl::StrCat("endpoint ", address_.data, " is down (",
+                                                 last_error_.message(), ")"));
+    }
+    transport::ClientOptions to;
+    to.connect_timeout = o.connect_timeout;
+    to.request_timeout = o.request_timeout;
+    for (const auto& [k, v] : o.ucx_overrides) to.ucx.overrides[k] = v;
+    auto c = UcxClient::Connect(data_, o.tenant, o.token, to);
+    if (!c.ok()) {
+      // Refused credentials are final, not an outage.
+      if (Retryable(c.status())) {
+        down_until_ = now + o.down_for;
+        last_error_ = c.status();
+      }
+      return Annotate(c.status(), absl::StrCat("connect ", address_.data));
+    }
+    conn_ = std::shared_ptr<UcxClient>(std::move(*c));
+    return conn_;
+  }
+
+  // Forgets the connection after it failed, and skips the endpoint for a while.
+  void MarkDown(const ClientOptions& o, const absl::Status& why) {
+    absl::MutexLock lock(&mu_);
+    conn_.reset();
+    down_until_ = absl::Now() + o.down_for;
+    last_error_ = why;
+  }
+
+ private:
+  const EndpointAddress address_;
+  const transport::Endpoint data_;
+  absl::Mutex mu_;
+  std::shared_ptr<UcxClient> conn_ ABSL_GUARDED_BY(mu_);
+  absl::Time down_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Status last_error_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::Status ValidateShape(const KvLayout& layout, uint64_t num_tokens) {
+  KVCOMP_RETURN_IF_ERROR(layout.Validate());
+  if (num_tokens == 0 || num_tokens > KvLayout::kMaxTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens ", num_tokens, " outside [1, ", KvLayout::kMaxTokens, "]"));
+  }
+  return absl::OkStatus();
+}
+
+class ClientImpl;
+
+// One put on one endpoint: begin, blocks (pipelined within the connection's in-flight bound),
+// commit. Packed copies of partial token ranges live until their send completes.
+class EndpointPut {
+ public:
+  EndpointPut(std::shared_ptr<UcxClient> conn, EndpointState* ep, uint64_t max_block)
+      : conn_(std::move(conn)), ep_(ep) {
+    const auto& info = conn_->server_info();
+    max_block_ = std::max<uint64_t>(1, std::min<uint64_t>(max_block, info.max_payload_bytes));
+    window_ = std::max<uint64_t>(max_block_, info.max_inflight_bytes / 2);
+  }
+  ~EndpointPut() {
+    WaitAll().IgnoreError();
+    if (put_id_ != 0 && !committed_) conn_->PutAbort(put_id_).IgnoreError();
+  }
+
+  EndpointState* endpoint() const { return ep_; }
+  uint64_t max_block() const { return max_block_; }
+
+  absl::Status Begin(const wire::PutBegin& begin) {
+    KVCOMP_ASSIGN_OR_RETURN(put_id_, conn_->PutBegin(begin));
+    layout_ = begin.layout;
+    return absl::OkStatus();
+  }
+
+  // Sends one block of `layer`, tokens [t0, t0+n). `k`/`v` point at [heads, n, d] data that
+  // stays valid until WaitAll (the caller's arrays or `owned`).
+  void Send(uint32_t layer, uint64_t t0, uint64_t n, const void* k, const void* v,
+            std::shared_ptr<std::string> owned) {
+    wire::Block b;
+    b.put_id = put_id_;
+    b.layer_begin = layer;
+    b.layer_end = layer + 1;
+    b.token_begin = t0;
+    b.token_end = t0 + n;
+    b.parts = wire::kPartBoth;
+    b.key_bytes = layout_.LayerBytes(n);
+    b.value_bytes = b.key_bytes;
+    const uint64_t bytes = b.payload_bytes();
+    {
+      absl::MutexLock lock(&mu_);
+      auto room = [&] { return inflight_ + bytes <= window_ || inflight_ == 0; };
+      mu_.Await(absl::Condition(&room));
+      inflight_ += bytes;
+      ++sent_;
+    }
+    conn_->SendBlockAsync(b, k, v, [this, bytes, owned = std::move(owned)](absl::Status s) {
+      absl::MutexLock lock(&mu_);
+      inflight_ -= bytes;
+      if (!s.ok() && error_.ok()) error_ = s;
+    });
+  }
+
+  absl::Status WaitAll() {
+    absl::MutexLock lock(&mu_);
+    auto idle = [&] { return inflight_ == 0; };
+    mu_.Await(absl::Condition(&idle));
+    return error_;
+  }
+
+  absl::StatusOr<wire::CacheSummary> Commit() {
+    KVCOMP_RETURN_IF_ERROR(WaitAll());
+    uint64_t sent;
+    {
+      absl::MutexLock lock(&mu_);
+      sent = sent_;
+    }
+    KVCOMP_ASSIGN_OR_RETURN(wire::CacheSummary s, conn_->PutCommit(put_id_, sent));
+    committed_ = true;
+    return s;
+  }
+
+  absl::Status Abort() {
+    WaitAll().IgnoreError();
+    if (put_id_ == 0 || committed_) return absl::OkStatus();
+    committed_ = true;  // nothing more to abort
+    return conn_->PutAbort(put_id_);
+  }
+
+ private:
+  std::shared_ptr<UcxClient> conn_;
+  EndpointState* ep_;
+  KvLayout layout_;
+  uint64_t max_block_ = 0;
+  uint64_t window_ = 0;
+  uint64_t put_id_ = 0;
+  bool committed_ = false;
+  absl::Mutex mu_;
+  uint64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+class PutStreamImpl : public PutStream {
+ public:
+  PutStreamImpl(KvLayout layout, uint64_t tokens, std::vector<std::unique_ptr<EndpointPut>> puts,
+                const ClientOptions& options)
+      : layout_(layout), tokens_(tokens), puts_(std::move(puts)), options_(options) {}
+  ~PutStreamImpl() override { Abort().IgnoreError(); }
+
+  absl::Status Append(uint32_t layer, uint64_t token_begin, uint64_t num_tokens,
+                      const void* keys, const void* values) override {
+    if (done_) return absl::FailedPreconditionError("put stream already committed or aborted");
+    if (layer >= layout_.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, " outside the layout's ", layout_.num_layers));
+    }
+    if (num_tokens == 0 || token_begin > tokens_ || num_tokens > tokens_ - token_begin) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens [", token_begin, ", +", num_tokens,
+                                                     ") outside the sequence of ", tokens_));
+    }
+    if (keys == nullptr || values == nullptr) {
+      return absl::InvalidArgumentError("null keys or values");
+    }
+    const uint64_t row = DTypeBytes(layout_.dtype, layout_.head_dim);
+    uint64_t max_block = UINT64_MAX;
+    for (const auto& p : puts_) max_block = std::min(max_block, p->max_block());
+    const uint64_t per_token = 2 * row * layout_.num_kv_heads;
+    const uint64_t chunk = std::max<uint64_t>(1, max_block / per_token);
+    for (uint64_t t = 0; t < num_tokens; t += chunk) {
+      const uint64_t n = std::min(chunk, num_tokens - t);
+      const void* k = keys;
+      const void* v = values;
+      std::shared_ptr<std::string> owned;
+      if (n != num_tokens) {  // gather [heads, n, d] out of [heads, num_tokens, d]
+        owned = std::make_shared<std::string>(2 * layout_.LayerBytes(n), '\0');
+        char* dk = owned->data();
+        char* dv = dk + layout_.LayerBytes(n);
+        for (uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+          const uint64_t src = (uint64_t{h} * num_tokens + t) * row;
+          std::memcpy(dk + h * n * row, static_cast<const char*>(keys) + src, n * row);
+          std::memcpy(dv + h * n * row, static_cast<const char*>(values) + src, n * row);
+        }
+        k = dk;
+        v = dv;
+      }
+      for (auto& p : puts_) p->Send(layer, token_begin + t, n, k, v, owned);
+      if (owned == nullptr) {
+        // Caller memory: the block must be out before Append returns.
+        for (auto& p : puts_) KVCOMP_RETURN_IF_ERROR(p->WaitAll());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<PutResult> Commit() override {
+    if (done_) return absl::FailedPreconditionError("put stream already committed or aborted");
+    done_ = true;
+    PutResult r;
+    absl::Status first_error;
+    for (auto& p : puts_) {
+      auto s = p->Commit();
+      if (!s.ok()) {
+        if (first_error.ok()) first_error = s.status();
+        if (Retryable(s.status())) p->endpoint()->MarkDown(options_, s.status());
+        continue;
+      }
+      r.original_bytes = s->original_bytes;
+      r.stored_bytes = s->stored_bytes;
+      r.total_kept = s->total_kept;
+      r.endpoints.push_back(p->endpoint()->address().data);
+    }
+    puts_.clear();
+    if (r.endpoints.empty()) return first_error;
+    return r;
+  }
+
+  absl::Status Abort() override {
+    if (done_) return absl::OkStatus();
+    done_ = true;
+    absl::Status first;
+    for (auto& p : puts_) {
+      absl::Status s = p->Abort();
+      if (first.ok()) first = s;
+    }
+    puts_.clear();
+    return first;
+  }
+
+  const KvLayout& layout() const override { return layout_; }
+  uint64_t num_tokens() const override { return tokens_; }
+
+ private:
+  const KvLayout layout_;
+  const uint64_t tokens_;
+  std::vector<std::unique_ptr<EndpointPut>> puts_;
+  const ClientOptions options_;
+  bool done_ = false;
+};
+
+class ClientImpl : public Client {
+ public:
+  ClientImpl(ClientOptions options, std::vector<std::unique_ptr<EndpointState>> endpoints)
+      : options_(std::move(options)), endpoints_(std::move(endpoints)) {
+    for (const auto& e : endpoints_) names_.push_back(e->address().data);
+  }
+
+  absl::Status ConnectAll() {
+    absl::Status first;
+    for (auto& e : endpoints_) {
+      auto c = e->Connection(options_);
+      if (c.ok()) return absl::OkStatus();
+      if (!Retryable(c.status())) return c.status();  // refused credentials: say so now
+      if (first.ok()) first = c.status();
+    }
+    return first;
+  }
+
+  std::vector<std::string> Ranking(absl::string_view model_id,
+                                   absl::string_view key) const override {
+    std::vector<std::string> out;
+    for (size_t i : Rank(model_id, key)) out.push_back(names_[i]);
+    return out;
+  }
+
+  absl::StatusOr<PutResult> Put(absl::string_view model_id, absl::string_view key,
+                                const KvLayout& layout, uint64_t num_tokens,
+                                const std::vector<LayerData>& layers,
+                                const PutOptions& options) override {
+    KVCOMP_RETURN_IF_ERROR(ValidateShape(layout, num_tokens));
+    if (layers.size() != layout.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("got ", layers.size(),
+                                                     " layers, the layout has ",
+                                                     layout.num_layers));
+    }
+    for (size_t l = 0; l < layers.size(); ++l) {
+      if (layers[l].keys == nullptr || layers[l].values == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", l, ": null keys or values"));
+      }
+    }
+    KVCOMP_ASSIGN_OR_RETURN(auto stream, OpenPutStream(model_id, key, layout, num_tokens, options));
+    for (uint32_t l = 0; l < layout.num_layers; ++l) {
+      KVCOMP_RETURN_IF_ERROR(stream->AppendLayer(l, layers[l].keys, layers[l].values));
+    }
+    return stream->Commit();
+  }
+
+  absl::StatusOr<std::unique_ptr<PutStream>> OpenPutStream(absl::string_view model_id,
+                                                           absl::string_view key,
+                                                           const KvLayout& layout,
+                                                           uint64_t num_tokens,
+                                                           const PutOptions& options) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    KVCOMP_RETURN_IF_ERROR(ValidateShape(layout, num_tokens));
+    if (options.policy) KVCOMP_RETURN_IF_ERROR(options.policy->ValidateFor(layout.head_dim));
+    wire::PutBegin begin;
+    begin.layout = layout;
+    begin.num_tokens = num_tokens;
+    begin.model_id = std::string(model_id);
+    begin.key = std::string(key);
+    begin.has_policy = options.policy.has_value();
+    if (options.policy) begin.policy = *options.policy;
+    begin.block_wise = options.block_wise;
+    const int want = std::max(1, std::min<int>(options_.replicas, endpoints_.size()));
+    std::vector<std::unique_ptr<EndpointPut>> puts;
+    absl::Status first_error;
+    // Walk the key's ranking: the first `want` endpoints that accept the put hold the copies.
+    for (size_t i : Rank(model_id, key)) {
+      if (static_cast<int>(puts.size()) == want) break;
+      EndpointState* ep = endpoints_[i].get();
+      auto conn = ep->Connection(options_);
+      if (!conn.ok()) {
+        if (!Retryable(conn.status())) return conn.status();
+        if (first_error.ok()) first_error = conn.status();
+        continue;
+      }
+      auto put = std::make_unique<EndpointPut>(*conn, ep, options_.max_block_bytes);
+      absl::Status s = put->Begin(begin);
+      if (!s.ok()) {
+        if (!Retryable(s)) return s;  // the daemon refused the put itself: say why
+        ep->MarkDown(options_, s);
+        if (first_error.ok()) first_error = s;
+        continue;
+      }
+      puts.push_back(std::move(put));
+    }
+    if (puts.empty()) {
+      return first_error.ok() ? absl::UnavailableError("no endpoint accepted the put")
+                              : first_error;
+    }
+    return std::unique_ptr<PutStream>(
+        new PutStreamImpl(layout, num_tokens, std::move(puts), options_));
+  }
+
+  absl::StatusOr<std::string> GetBytes(absl::string_view model_id,
+                                       absl::string_view key) override {
+    KVCOMP_ASSIGN_OR_RETURN(auto fetched, Fetch(model_id, key, wire::Representation::kStored));
+    return std::string(fetched.bytes.view());
+  }
+
+  absl::StatusOr<CompressedCache> Get(absl::string_view model_id,
+                                      absl::string_view key) override {
+    KVCOMP_ASSIGN_OR_RETURN(auto fetched, Fetch(model_id, key, wire::Representation::kStored));
+    return format::ParseCache(fetched.bytes.view());
+  }
+
+  absl::StatusOr<CompressedCache> GetDecoded(absl::string_view model_id,
+                                             absl::string_view key) override {
+    KVCOMP_ASSIGN_OR_RETURN(auto fetched, Fetch(model_id, key, wire::Representation::kDecoded));
+    return format::ParseCache(fetched.bytes.view());
+  }
+
+  absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key, void* dst,
+                                 size_t capacity, bool device) override {
+    if (dst == nullptr) return absl::InvalidArgumentError("null destination");
+    const auto memory = device ? transport::MemoryType::kCuda : transport::MemoryType::kHost;
+    return OnRanking<size_t>(model_id, key, [&](UcxClient& c) {
+      return c.GetInto(model_id, key, wire::Representation::kStored, dst, capacity, memory);
+    });
+  }
+
+  absl::StatusOr<LookupResult> Lookup(absl::string_view model_id,
+                                      absl::string_view key) override {
+    std::string answered;
+    KVCOMP_ASSIGN_OR_RETURN(
+        wire::CacheSummary s,
+        OnRanking<wire::CacheSummary>(
+            model_id, key, [&](UcxClient& c) { return c.Lookup(model_id, key); }, &answered));
+    LookupResult r;
+    r.layout = s.layout;
+    r.endpoint = answered;
+    static const char* const kTiers[] = {"device", "host", "disk"};
+    r.tier = s.tier < 3 ? kTiers[s.tier] : "unknown";
+    r.original_tokens = s.original_tokens;
+    r.total_kept = s.total_kept;
+    r.original_bytes = s.original_bytes;
+    r.stored_bytes = s.stored_bytes;
+    r.key_codec = s.key_codec;
+    r.value_codec = s.value_codec;
+    return r;
+  }
+
+  absl::Status Delete(absl::string_view model_id, absl::string_view key) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    bool deleted = false;
+    absl::Status unreachable;
+    for (size_t i : Rank(model_id, key)) {
+      absl::Status s = WithRetries(*endpoints_[i], [&](UcxClient& c) {
+        return c.Delete(model_id, key);
+      });
+      if (s.ok()) {
+        deleted = true;
+      } else if (Retryable(s)) {
+        unreachable = s;
+      } else if (!absl::IsNotFound(s)) {
+        return s;
+      }
+    }
+    if (deleted) return absl::OkStatus();
+    if (!unreachable.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "cache not found on reachable endpoints; some are unreachable: ",
+          unreachable.message()));
+    }
+    return absl::NotFoundError("cache not found");
+  }
+
+  std::vector<EndpointStats> Stats() override {
+    std::vector<EndpointStats> out;
+    for (const auto& e : endpoints_) {
+      EndpointStats s;
+      s.endpoint = e->address().data;
+      if (e->address().control.empty()) {
+        s.status = absl::UnimplementedError("no control address configured for this endpoint");
+      } else {
+        auto r = ControlStats(e->address().control, options_);
+        if (r.ok()) {
+          s = *r;
+          s.endpoint = e->address().data;
+        } else {
+          s.status = r.status();
+        }
+      }
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
+
+ private:
+  absl::Status CheckKey(absl::string_view model_id, absl::string_view key) const {
+    CacheKey k{options_.tenant, std::string(model_id), std::string(key)};
+    return k.Validate();
+  }
+
+  std::vector<size_t> Rank(absl::string_view model_id, absl::string_view key) const {
+    CacheKey k{options_.tenant, std::string(model_id), std::string(key)};
+    return RendezvousRank(names_, k.Encode());
+  }
+
+  // Runs `fn` on one endpoint's connection, retrying retryable failures with backoff.
+  template <typename Fn>
+  auto WithRetries(EndpointState& ep, Fn fn) -> decltype(fn(std::declval<UcxClient&>())) {
+    absl::Duration backoff = options_.initial_backoff;
+    decltype(fn(std::declval<UcxClient&>())) result = absl::UnknownError("not attempted");
+    for (int attempt = 0; attempt < std::max(1, options_.attempts_per_endpoint); ++attempt) {
+      if (attempt > 0) {
+        absl::SleepFor(backoff);
+        backoff = std::min(backoff * 2, options_.max_backoff);
+      }
+      auto conn = ep.Connection(options_);
+      if (!conn.ok()) {
+        result = conn.status();
+        if (!Retryable(conn.status())) return result;
+        continue;
+      }
+      result = fn(**conn);
+      absl::Status s = StatusOf(result);
+      if (s.ok() || !(Retryable(s) || IsBusy(s))) return result;
+      if (!(*conn)->connected()) ep.MarkDown(options_, s);
+    }
+    return result;
+  }
+
+  static absl::Status StatusOf(const absl::Status& s) { return s; }
+  template <typename T>
+  static absl::Status StatusOf(const absl::StatusOr<T>& s) {
+    return s.status();
+  }
+
+  // Tries the key's ranking in order until one endpoint has the cache.
+  template <typename T, typename Fn>
+  absl::StatusOr<T> OnRanking(absl::string_view model_id, absl::string_view key, Fn fn,
+                              std::string* answered = nullptr) {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    absl::Status unreachable;
+    for (size_t i : Rank(model_id, key)) {
+      absl::StatusOr<T> r = WithRetries(*endpoints_[i], fn);
+      if (r.ok()) {
+        if (answered != nullptr) *answered = names_[i];
+        return r;
+      }
+      if (absl::IsNotFound(r.status())) continue;
+      if (Retryable(r.status()) || IsBusy(r.status())) {
+        unreachable = r.status();
+        continue;
+      }
+      return r.status();
+    }
+    if (!unreachable.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "cache not found on reachable endpoints; some are unreachable: ",
+          unreachable.message()));
+    }
+    return absl::NotFoundError("cache not found");
+  }
+
+  absl::StatusOr<transport::FetchedCache> Fetch(absl::string_view model_id, absl::string_view key,
+                                                wire::Representation rep) {
+    return OnRanking<transport::FetchedCache>(
+        model_id, key, [&](UcxClient& c) { return c.Get(model_id, key, rep); });
+  }
+
+  const ClientOptions options_;
+  std::vector<std::unique_ptr<EndpointState>> endpoints_;
+  std::vector<std::string> names_;
+};
+
+}  // namespace
+
+absl::Status PutStream::AppendLayer(uint32_t layer, const void* keys, const void* values) {
+  return Append(layer, 0, num_tokens(), keys, values);
+}
+
+absl::StatusOr<EndpointAddress> EndpointAddress::Parse(absl::string_view text) {
+  std::vector<std::string> parts = absl::StrSplit(text, ',');
+  if (parts.empty() || parts.size() > 2 || parts[0].empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("endpoint '", text, "': expected host:port[,control_host:port]"));
+  }
+  EndpointAddress a;
+  KVCOMP_RETURN_IF_ERROR(transport::Endpoint::Parse(parts[0]).status());
+  a.data = parts[0];
+  if (parts.size() == 2) {
+    KVCOMP_RETURN_IF_ERROR(transport::Endpoint::Parse(parts[1]).status());
+    a.control = parts[1];
+  }
+  return a;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::vector<std::string>& endpoints,
+                                                        const ClientOptions& options,
+                                                        bool connect_now) {
+  if (endpoints.empty()) return absl::InvalidArgumentError("no endpoints given");
+  if (options.replicas < 1) return absl::InvalidArgumentError("replicas must be at least 1");
+  if (options.attempts_per_endpoint < 1) {
+    return absl::InvalidArgumentError("attempts_per_endpoint must be at least 1");
+  }
+  if (options.max_block_bytes < 4096) {
+    return absl::InvalidArgumentError("max_block_bytes must be at least 4096");
+  }
+  CacheKey probe{options.tenant, "m", "k"};
+  KVCOMP_RETURN_IF_ERROR(probe.Validate());
+  std::vector<std::unique_ptr<EndpointState>> states;
+  for (const std::string& text : endpoints) {
+    KVCOMP_ASSIGN_OR_RETURN(EndpointAddress a, EndpointAddress::Parse(text));
+    for (const auto& s : states) {
+      if (s->address().data == a.data) {
+        return absl::InvalidArgumentError(absl::StrCat("endpoint ", a.data, " listed twice"));
+      }
+    }
+    KVCOMP_ASSIGN_OR_RETURN(transport::Endpoint data, transport::Endpoint::Parse(a.data));
+    states.push_back(std::make_unique<EndpointState>(std::move(a), std::move(data)));
+  }
+  auto client = std::make_unique<ClientImpl>(options, std::move(states));
+  if (connect_now) KVCOMP_RETURN_IF_ERROR(client->ConnectAll());
+  return std::unique_ptr<Client>(std::move(client));
+}
+
+}  // namespace client
+}  // namespace kvcomp
