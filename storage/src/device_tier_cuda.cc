@@ -1,0 +1,158 @@
+// The CUDA side of the store (compiled only with CUDA): pinned host memory and the device tier,
+// one cudaMalloc'ed pool per tier carved by RangeAllocator.
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "cuda_memory.h"
+#include "kvcomp/storage/tier.h"
+#include "mutex.h"
+#include "range_allocator.h"
+
+namespace kvcomp {
+namespace storage {
+namespace {
+
+absl::Status CudaError(cudaError_t e, absl::string_view what) {
+  const std::string msg = absl::StrCat("device tier: ", what, ": ", cudaGetErrorString(e));
+  if (e == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
+  return absl::UnavailableError(msg);
+}
+
+class DeviceTier final : public Tier {
+ public:
+  DeviceTier(const DeviceTierOptions& options, void* pool)
+      : device_(options.device),
+        pool_(static_cast<uint8_t*>(pool)),
+        alloc_(options.capacity_bytes, options.alignment_bytes) {}
+  ~DeviceTier() override {
+    cudaSetDevice(device_);
+    cudaFree(pool_);
+  }
+
+  TierKind kind() const override { return TierKind::kDevice; }
+  uint64_t capacity_bytes() const override { return alloc_.capacity(); }
+  uint64_t used_bytes() const override {
+    ReaderLock lock(&mu_);
+    return bytes_;
+  }
+  uint64_t entries() const override {
+    ReaderLock lock(&mu_);
+    return map_.size();
+  }
+
+  absl::Status Put(absl::string_view key, const CacheMeta&, const Payload& payload,
+                   bool) override {
+    const uint64_t n = payload.size() > 0 ? payload.size() : 1;
+    uint64_t offset;
+    {
+      WriterLock lock(&mu_);
+      auto off = alloc_.Allocate(n);
+      if (!off.ok()) return off.status();
+      offset = *off;
+    }
+    cudaSetDevice(device_);
+    cudaError_t e = cudaMemcpy(pool_ + offset, payload.data(), payload.size(),
+                               cudaMemcpyHostToDevice);
+    WriterLock lock(&mu_);
+    if (e != cudaSuccess) {
+      alloc_.Free(offset, n).IgnoreError();
+      return CudaError(e, "copy to device");
+    }
+    auto [it, inserted] = map_.try_emplace(std::string(key), Range{offset, payload.size()});
+    if (!inserted) {
+      FreeLocked(it->second);
+      it->second = Range{offset, payload.size()};
+    }
+    bytes_ += payload.size();
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Payload> Get(absl::string_view key) override {
+    // The reader lock keeps the range allocated (Delete and Put take the writer lock).
+    ReaderLock lock(&mu_);
+    auto it = map_.find(key);
+    if (it == map_.end()) return absl::NotFoundError("device tier: no such key");
+    const Range r = it->second;
+    std::shared_ptr<uint8_t> host(new uint8_t[r.size > 0 ? r.size : 1],
+                                  std::default_delete<uint8_t[]>());
+    cudaSetDevice(device_);
+    cudaError_t e = cudaMemcpy(host.get(), pool_ + r.offset, r.size, cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) return CudaError(e, "copy to host");
+    return Payload(std::move(host), r.size);
+  }
+
+  absl::Status Delete(absl::string_view key, bool) override {
+    WriterLock lock(&mu_);
+    auto it = map_.find(key);
+    if (it == map_.end()) return absl::OkStatus();
+    FreeLocked(it->second);
+    map_.erase(it);
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Range {
+    uint64_t offset;
+    uint64_t size;
+  };
+  void FreeLocked(const Range& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    alloc_.Free(r.offset, r.size > 0 ? r.size : 1).IgnoreError();
+    bytes_ -= r.size;
+  }
+
+  const int device_;
+  uint8_t* const pool_;
+  mutable SharedMutex mu_;
+  RangeAllocator alloc_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Range> map_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
+bool CudaDeviceAvailable() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+void* PinnedAlloc(size_t bytes) {
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) return nullptr;
+  return p;
+}
+
+void PinnedFree(void* p) {
+  if (p != nullptr) cudaFreeHost(p);
+}
+
+absl::StatusOr<std::unique_ptr<Tier>> NewDeviceTier(const DeviceTierOptions& options) {
+  if (options.capacity_bytes == 0) {
+    return absl::InvalidArgumentError("device tier: capacity_bytes must be > 0");
+  }
+  const uint64_t a = options.alignment_bytes;
+  if (a == 0 || (a & (a - 1)) != 0) {
+    return absl::InvalidArgumentError("device tier: alignment_bytes must be a power of two");
+  }
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    return absl::FailedPreconditionError("device tier: no CUDA device present");
+  }
+  if (options.device < 0 || options.device >= n) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("device tier: device ", options.device, " absent (", n, " devices)"));
+  }
+  cudaSetDevice(options.device);
+  void* pool = nullptr;
+  cudaError_t e = cudaMalloc(&pool, options.capacity_bytes);
+  if (e != cudaSuccess) return CudaError(e, absl::StrCat("pool of ", options.capacity_bytes));
+  return std::unique_ptr<Tier>(new DeviceTier(options, pool));
+}
+
+}  // namespace storage
+}  // namespace kvcomp

@@ -1,0 +1,107 @@
+// The RocksDB tier: column families "meta" (CacheMeta records), "payload" (encoded caches, blob
+// files for large values), "calibration" (projections) and "quarantine" (entries whose checksum
+// failed, kept for inspection). A cache's meta and payload are written in one WriteBatch.
+// Thread-safe.
+#ifndef KVCOMP_STORAGE_SRC_ROCKSDB_TIER_H_
+#define KVCOMP_STORAGE_SRC_ROCKSDB_TIER_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvcomp/storage/options.h"
+#include "kvcomp/storage/tier.h"
+#include "kvcomp/storage/types.h"
+#include "mutex.h"
+
+namespace rocksdb {
+class ColumnFamilyHandle;
+class DB;
+class Status;
+}  // namespace rocksdb
+
+namespace kvcomp {
+namespace storage {
+
+// The stored form of CacheMeta: 52 little-endian bytes, versioned, with their own CRC32C.
+std::string EncodeMeta(const CacheMeta& meta);
+absl::StatusOr<CacheMeta> DecodeMeta(absl::string_view bytes);
+
+// The order-preserving key of a projection: model (u16 BE length + bytes), layer, kv_head
+// (u32 BE) and version (u64 BE).
+std::string EncodeProjectionKey(const ProjectionKey& key);
+absl::StatusOr<ProjectionKey> DecodeProjectionKey(absl::string_view bytes);
+
+// A rocksdb::Status as a kvcomp status: NoSpace -> ResourceExhausted ("disk full"),
+// NotFound -> NotFound, Corruption -> DataLoss, IOError -> Unavailable, others Internal.
+absl::Status FromRocksDb(const rocksdb::Status& s, absl::string_view context);
+
+class RocksDbTier final : public Tier {
+ public:
+  static absl::StatusOr<std::unique_ptr<RocksDbTier>> Open(const RocksDbTierOptions& options);
+  ~RocksDbTier() override;
+
+  TierKind kind() const override { return TierKind::kRocksDb; }
+  uint64_t capacity_bytes() const override { return capacity_; }
+  uint64_t used_bytes() const override { return used_.load(std::memory_order_relaxed); }
+  uint64_t entries() const override { return entries_.load(std::memory_order_relaxed); }
+
+  absl::Status Put(absl::string_view key, const CacheMeta& meta, const Payload& payload,
+                   bool sync) override;
+  absl::StatusOr<Payload> Get(absl::string_view key) override;
+  absl::Status Delete(absl::string_view key, bool sync) override;
+
+  absl::StatusOr<CacheMeta> GetMeta(absl::string_view key);
+
+  // Calls `fn` for every stored (key, meta) in key order, after verifying (when `verify`) that
+  // the payload is present and matches meta's size and CRC32C. Entries that fail are moved to
+  // the quarantine and reported through `quarantined` instead. Used once, at Open.
+  absl::Status Recover(bool verify,
+                       const std::function<void(absl::string_view, const CacheMeta&)>& fn,
+                       std::vector<QuarantinedCache>* quarantined);
+
+  // Moves `key`'s meta and payload into the quarantine family, with `reason`, in one write.
+  absl::Status Quarantine(absl::string_view key, absl::string_view reason);
+  // Every quarantined entry, from disk.
+  absl::StatusOr<std::vector<QuarantinedCache>> ListQuarantine();
+
+  absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes);
+  absl::StatusOr<std::string> GetProjection(const ProjectionKey& key);
+  absl::StatusOr<std::vector<ProjectionKey>> ListProjections(absl::string_view model_id);
+  absl::Status DeleteProjection(const ProjectionKey& key);
+
+ private:
+  RocksDbTier(const RocksDbTierOptions& options);
+  absl::Status Write(void* batch, bool sync, absl::string_view what);
+  SharedMutex& StripeOf(absl::string_view key);
+
+  const uint64_t capacity_;
+  std::unique_ptr<rocksdb::DB> db_;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // default, meta, payload, calib, quar.
+  rocksdb::ColumnFamilyHandle* meta_ = nullptr;
+  rocksdb::ColumnFamilyHandle* payload_ = nullptr;
+  rocksdb::ColumnFamilyHandle* calibration_ = nullptr;
+  rocksdb::ColumnFamilyHandle* quarantine_ = nullptr;
+  std::atomic<uint64_t> used_{0};
+  std::atomic<uint64_t> entries_{0};
+  std::atomic<bool> needs_resume_{false};
+
+  // Sizes of stored payloads, for accounting; per-key writes are serialised by stripe.
+  static constexpr int kStripes = 64;
+  struct Stripe {
+    SharedMutex mu;
+    absl::flat_hash_map<std::string, uint64_t> sizes ABSL_GUARDED_BY(mu);
+  };
+  Stripe stripes_[kStripes];
+  SharedMutex calibration_mu_;  // serialises PutProjection's read-compare-write
+};
+
+}  // namespace storage
+}  // namespace kvcomp
+
+#endif  // KVCOMP_STORAGE_SRC_ROCKSDB_TIER_H_

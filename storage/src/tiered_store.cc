@@ -1,0 +1,830 @@
+#include "kvcomp/storage/tiered_store.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/hash/hash.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/storage/tier.h"
+#include "mutex.h"
+#include "rocksdb_tier.h"
+#include "striped_counts.h"
+
+namespace kvcomp {
+namespace storage {
+namespace {
+
+constexpr int kKeyStripes = 1024;
+constexpr int kNoStripe = -1;
+constexpr int kNoTier = -1;
+constexpr int kRocks = static_cast<int>(TierKind::kRocksDb);
+
+// The index record of one cache. meta.tier is the fastest tier holding it; while unpinned the
+// entry sits in that tier's LRU map of its shard under `tick`.
+struct Entry {
+  std::string tenant;
+  std::string model;
+  CacheMeta meta;
+  bool persisted = false;  // a copy is in RocksDB
+  uint32_t pins = 0;
+  uint64_t tick = 0;  // last access (store-wide counter)
+};
+
+struct Shard {
+  SharedMutex mu;
+  absl::flat_hash_map<std::string, Entry> map ABSL_GUARDED_BY(mu);
+  std::map<uint64_t, std::string> lru[kNumTiers] ABSL_GUARDED_BY(mu);  // tick -> key, oldest 1st
+};
+
+struct TierCounters {
+  std::atomic<uint64_t> hits{0}, misses{0}, puts{0}, demotions{0}, promotions{0}, evictions{0};
+};
+
+using ProjectionRef = std::pair<std::string, uint64_t>;  // (model, version)
+
+int TierIndex(TierKind k) { return static_cast<int>(k); }
+
+bool IsDiskError(const absl::Status& s) {
+  return absl::IsResourceExhausted(s) || absl::IsUnavailable(s) || absl::IsDataLoss(s) ||
+         absl::IsInternal(s);
+}
+
+class TieredStoreImpl final : public TieredStore {
+ public:
+  explicit TieredStoreImpl(const StoreOptions& options) : options_(options) {
+    int n = 1;
+    while (n < std::max(1, std::min(options.num_shards, 4096))) n <<= 1;
+    shards_.reserve(n);
+    for (int i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>());
+    key_stripes_ = std::make_unique<SharedMutex[]>(kKeyStripes);
+  }
+
+  absl::Status Init();
+
+  absl::Status Put(const CacheKey& key, Payload encoded, const CacheMeta& meta,
+                   const PutOptions& options) override;
+  absl::StatusOr<StoredCache> Get(const CacheKey& key) override;
+  absl::StatusOr<LookupResult> Lookup(const CacheKey& key) override;
+  absl::Status Delete(const CacheKey& key) override;
+  absl::StatusOr<std::vector<ListedCache>> List(absl::string_view tenant) override;
+  absl::Status Pin(const CacheKey& key) override;
+  absl::Status Unpin(const CacheKey& key) override;
+  uint64_t ExpireNow() override;
+  StoreStats Stats() const override;
+  std::vector<QuarantinedCache> Quarantined() const override;
+
+  absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes) override;
+  absl::StatusOr<std::string> GetProjection(const ProjectionKey& key) override;
+  absl::StatusOr<std::vector<ProjectionKey>> ListProjections(absl::string_view model_id) override;
+  uint64_t ProjectionReferences(absl::string_view model_id, uint64_t version) const override;
+  absl::Status DeleteProjection(const ProjectionKey& key) override;
+
+ private:
+  int64_t NowMs() const {
+    return absl::ToUnixMillis(options_.clock ? options_.clock() : absl::Now());
+  }
+  static bool Expired(const Entry& e, int64_t now_ms) {
+    return e.meta.ttl_ms > 0 && e.pins == 0 && now_ms >= e.meta.created_unix_ms + e.meta.ttl_ms;
+  }
+  Shard& ShardOf(absl::string_view ek) {
+    return *shards_[absl::Hash<absl::string_view>()(ek) & (shards_.size() - 1)];
+  }
+  static int StripeIndex(absl::string_view ek) {
+    // A different hash from the shard's, so a stripe spans shards.
+    return static_cast<int>(absl::Hash<std::pair<absl::string_view, int>>()({ek, 7}) %
+                            kKeyStripes);
+  }
+  SharedMutex& Stripe(int i) { return key_stripes_[i]; }
+  int NextLower(int t) const {
+    for (int l = t + 1; l < kNumTiers; ++l) {
+      if (tiers_[l] != nullptr) return l;
+    }
+    return kNoTier;
+  }
+  uint64_t QuotaOf(absl::string_view tenant) const {
+    auto it = options_.tenant_quota_bytes.find(tenant);
+    return it != options_.tenant_quota_bytes.end() ? it->second
+                                                   : options_.default_tenant_quota_bytes;
+  }
+  uint64_t Watermark(int t, double fraction) const {
+    return static_cast<uint64_t>(std::floor(fraction * tiers_[t]->capacity_bytes()));
+  }
+  uint64_t SyncFor(int t, Durability d) const {
+    return t == kRocks && (d == Durability::kDisk || options_.rocksdb.sync_memory_durability_puts);
+  }
+
+  // Demotes from tier t until used + incoming <= low watermark, when used + incoming passes the
+  // capacity (room for a put) or, with incoming 0, when used passes the high watermark.
+  void MakeRoom(int t, uint64_t incoming, int held_stripe);
+  void RelieveIfAboveHigh(int t, int held_stripe = kNoStripe);
+  void Demote(int t, uint64_t target_bytes, int held_stripe);
+  // Moves `ek` from tier t to the next tier that takes it, or evicts it. The key's stripe is
+  // held. False when the entry is no longer a candidate (gone, moved, pinned).
+  bool MoveDown(int t, const std::string& ek, int held_stripe);
+  void Promote(const std::string& ek, const CacheMeta& meta, const Payload& payload);
+  // Removes `ek` from the index and its accounting; returns the removed entry. The key's stripe
+  // is held.
+  bool RemoveFromIndex(const std::string& ek, Entry* removed);
+  void Unaccount(const Entry& e);
+  absl::Status DeleteLocked(const std::string& ek, bool only_if_expired, bool* deleted);
+  absl::Status QuarantineOnRead(const std::string& ek, const CacheMeta& meta,
+                                absl::string_view reason);
+  void TouchLocked(Shard& s, const std::string& ek, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+
+  const StoreOptions options_;
+  std::unique_ptr<Tier> tiers_[kNumTiers];
+  RocksDbTier* rocks_ = nullptr;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::unique_ptr<SharedMutex[]> key_stripes_;
+  SharedMutex demote_mu_[kNumTiers];
+  std::atomic<uint64_t> tick_{0};
+  TierCounters counters_[kNumTiers];
+  std::atomic<uint64_t> expired_{0}, quarantined_{0}, quota_rejections_{0}, write_errors_{0},
+      recovered_{0};
+  mutable SharedMutex quarantine_mu_;
+  std::vector<QuarantinedCache> quarantine_ ABSL_GUARDED_BY(quarantine_mu_);
+  StripedCounts<std::string> tenant_bytes_;
+  StripedCounts<ProjectionRef> projection_refs_;
+};
+
+absl::Status ValidateOptions(const StoreOptions& o) {
+  if (!o.device.enabled && !o.host.enabled && !o.rocksdb.enabled) {
+    return absl::InvalidArgumentError("store: no tier is enabled");
+  }
+  if (!(o.low_watermark > 0 && o.low_watermark <= o.high_watermark && o.high_watermark <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "store: watermarks must satisfy 0 < low <= high <= 1, got low ", o.low_watermark,
+        " high ", o.high_watermark));
+  }
+  auto enabled = [&](TierKind k) {
+    switch (k) {
+      case TierKind::kDevice:
+        return o.device.enabled;
+      case TierKind::kHost:
+        return o.host.enabled;
+      case TierKind::kRocksDb:
+        return o.rocksdb.enabled;
+    }
+    return false;
+  };
+  if (static_cast<int>(o.default_tier) >= kNumTiers || !enabled(o.default_tier)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "store: default_tier ", TierName(o.default_tier), " is not enabled"));
+  }
+  if (o.promote_on_read &&
+      (static_cast<int>(o.promote_to) >= kNumTiers || !enabled(o.promote_to) ||
+       o.promote_to == TierKind::kRocksDb)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "store: promote_to ", TierName(o.promote_to), " must be an enabled memory tier"));
+  }
+  if (o.num_shards < 1) return absl::InvalidArgumentError("store: num_shards must be >= 1");
+  return absl::OkStatus();
+}
+
+absl::Status TieredStoreImpl::Init() {
+  if (options_.device.enabled) {
+    KVCOMP_ASSIGN_OR_RETURN(tiers_[TierIndex(TierKind::kDevice)], NewDeviceTier(options_.device));
+  }
+  if (options_.host.enabled) {
+    KVCOMP_ASSIGN_OR_RETURN(tiers_[TierIndex(TierKind::kHost)], NewHostTier(options_.host));
+  }
+  if (!options_.rocksdb.enabled) return absl::OkStatus();
+  KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<RocksDbTier> rocks, RocksDbTier::Open(options_.rocksdb));
+  rocks_ = rocks.get();
+  tiers_[kRocks] = std::move(rocks);
+
+  struct Found {
+    std::string ek;
+    CacheKey key;
+    CacheMeta meta;
+  };
+  std::vector<Found> found;
+  std::vector<std::string> undecodable;
+  std::vector<QuarantinedCache> quarantined;
+  KVCOMP_RETURN_IF_ERROR(rocks_->Recover(
+      options_.rocksdb.verify_checksums_on_open,
+      [&](absl::string_view ek, const CacheMeta& meta) {
+        auto key = CacheKey::Decode(ek);
+        if (!key.ok()) {
+          undecodable.emplace_back(ek);
+          return;
+        }
+        found.push_back({std::string(ek), *std::move(key), meta});
+      },
+      &quarantined));
+  for (const auto& ek : undecodable) {
+    KVCOMP_RETURN_IF_ERROR(rocks_->Quarantine(ek, "key does not decode"));
+  }
+  quarantined_ += quarantined.size() + undecodable.size();
+  KVCOMP_ASSIGN_OR_RETURN(std::vector<QuarantinedCache> all, rocks_->ListQuarantine());
+  {
+    WriterLock lock(&quarantine_mu_);
+    quarantine_ = std::move(all);
+  }
+  // Older caches are less recently used: LRU order after a restart follows creation time.
+  std::stable_sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+    return a.meta.created_unix_ms < b.meta.created_unix_ms;
+  });
+  const int64_t now = NowMs();
+  for (auto& f : found) {
+    Entry e;
+    e.tenant = f.key.tenant.empty() ? "default" : f.key.tenant;
+    e.model = f.key.model_id;
+    e.meta = f.meta;
+    e.meta.tier = TierKind::kRocksDb;
+    e.persisted = true;
+    if (Expired(e, now)) {
+      KVCOMP_RETURN_IF_ERROR(rocks_->Delete(f.ek, /*sync=*/false));
+      expired_ += 1;
+      continue;
+    }
+    tenant_bytes_.Add(e.tenant, static_cast<int64_t>(e.meta.stored_bytes));
+    if (e.meta.projection_version != 0) projection_refs_.Add({e.model, e.meta.projection_version}, 1);
+    Shard& s = ShardOf(f.ek);
+    WriterLock lock(&s.mu);
+    e.tick = ++tick_;
+    s.lru[kRocks][e.tick] = f.ek;
+    s.map[f.ek] = std::move(e);
+    recovered_ += 1;
+  }
+  return absl::OkStatus();
+}
+
+void TieredStoreImpl::TouchLocked(Shard& s, const std::string& ek, Entry& e) {
+  const int t = TierIndex(e.meta.tier);
+  if (e.pins == 0) s.lru[t].erase(e.tick);
+  e.tick = ++tick_;
+  if (e.pins == 0) s.lru[t][e.tick] = ek;
+}
+
+void TieredStoreImpl::MakeRoom(int t, uint64_t incoming, int held_stripe) {
+  const uint64_t cap = tiers_[t]->capacity_bytes();
+  if (tiers_[t]->used_bytes() + incoming <= cap) return;
+  const uint64_t low = Watermark(t, options_.low_watermark);
+  Demote(t, low > incoming ? low - incoming : 0, held_stripe);
+}
+
+void TieredStoreImpl::RelieveIfAboveHigh(int t, int held_stripe) {
+  if (tiers_[t] == nullptr) return;
+  if (tiers_[t]->used_bytes() <= Watermark(t, options_.high_watermark)) return;
+  Demote(t, Watermark(t, options_.low_watermark), held_stripe);
+}
+
+void TieredStoreImpl::Demote(int t, uint64_t target_bytes, int held_stripe) {
+  WriterLock demoting(&demote_mu_[t]);
+  absl::flat_hash_set<std::string> skipped;
+  while (tiers_[t]->used_bytes() > target_bytes) {
+    // The least recently used unpinned entry of the tier: the oldest head of the shards' LRUs.
+    std::string victim;
+    uint64_t oldest = UINT64_MAX;
+    for (auto& shard : shards_) {
+      ReaderLock lock(&shard->mu);
+      for (const auto& [tick, ek] : shard->lru[t]) {
+        if (skipped.contains(ek)) continue;
+        if (tick < oldest) {
+          oldest = tick;
+          victim = ek;
+        }
+        break;
+      }
+    }
+    if (oldest == UINT64_MAX) return;  // everything left is pinned or busy
+    const int stripe = StripeIndex(victim);
+    // Try-lock only: a thread holding this stripe may be waiting for this demotion.
+    if (stripe == held_stripe || !Stripe(stripe).TryLock()) {
+      skipped.insert(victim);
+      continue;
+    }
+    const bool moved = MoveDown(t, victim, stripe);
+    Stripe(stripe).Unlock();
+    if (!moved) skipped.insert(victim);
+  }
+}
+
+bool TieredStoreImpl::MoveDown(int t, const std::string& ek, int held_stripe) {
+  Entry e;
+  {
+    Shard& s = ShardOf(ek);
+    ReaderLock lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it == s.map.end() || TierIndex(it->second.meta.tier) != t || it->second.pins > 0) {
+      return false;
+    }
+    e = it->second;
+  }
+  int dest = kNoTier;
+  Payload payload;
+  for (int l = NextLower(t); l != kNoTier; l = NextLower(l)) {
+    if (l == kRocks && e.persisted) {
+      dest = l;
+      break;
+    }
+    if (payload.empty() && e.meta.stored_bytes > 0) {
+      auto p = tiers_[t]->Get(ek);
+      if (!p.ok()) break;
+      payload = *std::move(p);
+    }
+    MakeRoom(l, payload.size(), held_stripe);
+    absl::Status st = tiers_[l]->Put(ek, e.meta, payload, SyncFor(l, Durability::kMemory));
+    if (st.ok()) {
+      dest = l;
+      counters_[l].puts += 1;
+      break;
+    }
+    if (l == kRocks && IsDiskError(st) && !absl::IsResourceExhausted(st)) write_errors_ += 1;
+  }
+  Shard& s = ShardOf(ek);
+  if (dest != kNoTier) {
+    {
+      WriterLock lock(&s.mu);
+      auto it = s.map.find(ek);
+      if (it != s.map.end()) {
+        Entry& cur = it->second;
+        s.lru[t].erase(cur.tick);
+        cur.meta.tier = static_cast<TierKind>(dest);
+        cur.persisted = cur.persisted || dest == kRocks;
+        if (cur.pins == 0) s.lru[dest][cur.tick] = ek;
+      }
+    }
+    tiers_[t]->Delete(ek, false).IgnoreError();
+    counters_[t].demotions += 1;
+    RelieveIfAboveHigh(dest, held_stripe);
+    return true;
+  }
+  Entry removed;
+  if (!RemoveFromIndex(ek, &removed)) return false;
+  tiers_[t]->Delete(ek, false).IgnoreError();
+  if (removed.persisted && t != kRocks) rocks_->Delete(ek, false).IgnoreError();
+  counters_[t].evictions += 1;
+  return true;
+}
+
+bool TieredStoreImpl::RemoveFromIndex(const std::string& ek, Entry* removed) {
+  Shard& s = ShardOf(ek);
+  {
+    WriterLock lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it == s.map.end()) return false;
+    *removed = std::move(it->second);
+    if (removed->pins == 0) s.lru[TierIndex(removed->meta.tier)].erase(removed->tick);
+    s.map.erase(it);
+  }
+  Unaccount(*removed);
+  return true;
+}
+
+void TieredStoreImpl::Unaccount(const Entry& e) {
+  tenant_bytes_.Add(e.tenant, -static_cast<int64_t>(e.meta.stored_bytes));
+  if (e.meta.projection_version != 0) {
+    projection_refs_.Add({e.model, e.meta.projection_version}, -1);
+  }
+}
+
+absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const CacheMeta& meta_in,
+                                  const PutOptions& options) {
+  KVCOMP_RETURN_IF_ERROR(key.Validate());
+  const int target = options.tier < 0 ? TierIndex(options_.default_tier) : options.tier;
+  if (target >= kNumTiers || tiers_[target] == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("put: tier ", options.tier, " is not enabled"));
+  }
+  if (options.durability == Durability::kDisk && rocks_ == nullptr) {
+    return absl::FailedPreconditionError("put: disk durability needs the rocksdb tier");
+  }
+  CacheMeta meta = meta_in;
+  if (options.validate) {
+    auto info = format::PeekCache(encoded.view());
+    if (!info.ok()) return Annotate(info.status(), "put: not a valid encoded cache");
+    if (meta.original_bytes == 0) meta.original_bytes = info->layout.CacheBytes(info->original_tokens);
+    if (meta.projection_version == 0) meta.projection_version = info->projection_version;
+  }
+  const uint64_t n = encoded.size();
+  meta.stored_bytes = n;
+  meta.crc32c = Crc32c(encoded.data(), n);
+  meta.created_unix_ms = NowMs();
+  const absl::Duration ttl = options.ttl > absl::ZeroDuration() ? options.ttl : options_.default_ttl;
+  meta.ttl_ms = ttl > absl::ZeroDuration() ? std::max<int64_t>(1, absl::ToInt64Milliseconds(ttl)) : 0;
+  const std::string tenant = key.tenant.empty() ? "default" : key.tenant;
+  const std::string ek = key.Encode();
+
+  MakeRoom(target, n, kNoStripe);
+  const int stripe = StripeIndex(ek);
+  Stripe(stripe).Lock();
+  struct Unlocker {
+    SharedMutex* mu;
+    ~Unlocker() { mu->Unlock(); }
+  } unlock{&Stripe(stripe)};
+
+  Shard& s = ShardOf(ek);
+  bool had_old = false;
+  Entry old;
+  {
+    ReaderLock lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it != s.map.end()) {
+      had_old = true;
+      old = it->second;
+    }
+  }
+  if (had_old && !options.overwrite && !Expired(old, meta.created_unix_ms)) {
+    return absl::AlreadyExistsError(absl::StrCat("put: ", key.DebugString(), " exists"));
+  }
+  const int64_t delta = static_cast<int64_t>(n) - (had_old ? old.meta.stored_bytes : 0);
+  if (!tenant_bytes_.TryAdd(tenant, delta, QuotaOf(tenant))) {
+    quota_rejections_ += 1;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("put: tenant '", tenant, "' quota of ", QuotaOf(tenant), " bytes exceeded (",
+                     tenant_bytes_.Get(tenant), " used, ", n, " more asked)"));
+  }
+  auto fail = [&](absl::Status st) {
+    tenant_bytes_.Add(tenant, -delta);
+    if (IsDiskError(st)) write_errors_ += 1;
+    return st;
+  };
+
+  bool persisted = false;
+  int placed = kNoTier;
+  if (options.durability == Durability::kDisk) {
+    MakeRoom(kRocks, n, stripe);
+    absl::Status st = rocks_->Put(ek, meta, encoded, /*sync=*/true);
+    if (!st.ok()) return fail(Annotate(st, "put"));
+    persisted = true;
+    counters_[kRocks].puts += 1;
+  }
+  absl::Status last = absl::ResourceExhaustedError("put: no tier has room");
+  for (int t = target; t != kNoTier; t = NextLower(t)) {
+    if (t == kRocks && persisted) {
+      placed = t;
+      break;
+    }
+    if (t != target) MakeRoom(t, n, stripe);
+    absl::Status st = tiers_[t]->Put(ek, meta, encoded, SyncFor(t, options.durability));
+    if (st.ok()) {
+      placed = t;
+      persisted = persisted || t == kRocks;
+      counters_[t].puts += 1;
+      break;
+    }
+    last = st;
+    if (!absl::IsResourceExhausted(st)) break;
+    if (t == kRocks) break;
+  }
+  if (placed == kNoTier) return fail(Annotate(last, "put"));
+
+  // Drop copies of the old value that the new one did not replace.
+  if (had_old) {
+    const int old_tier = TierIndex(old.meta.tier);
+    if (old_tier != placed && old_tier != kRocks) tiers_[old_tier]->Delete(ek, false).IgnoreError();
+    if (old.persisted && !persisted) rocks_->Delete(ek, false).IgnoreError();
+  }
+  meta.tier = static_cast<TierKind>(placed);
+  {
+    WriterLock lock(&s.mu);
+    Entry& e = s.map[ek];
+    if (had_old && e.pins == 0) s.lru[TierIndex(e.meta.tier)].erase(e.tick);
+    const uint32_t pins = (had_old ? e.pins : 0) + (options.pin ? 1 : 0);
+    e.tenant = tenant;
+    e.model = key.model_id;
+    e.meta = meta;
+    e.persisted = persisted;
+    e.pins = pins;
+    e.tick = ++tick_;
+    if (pins == 0) s.lru[placed][e.tick] = ek;
+  }
+  if (had_old && old.meta.projection_version != 0) {
+    projection_refs_.Add({old.model, old.meta.projection_version}, -1);
+  }
+  if (meta.projection_version != 0) projection_refs_.Add({key.model_id, meta.projection_version}, 1);
+  RelieveIfAboveHigh(placed, stripe);
+  if (persisted && placed != kRocks) RelieveIfAboveHigh(kRocks, stripe);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StoredCache> TieredStoreImpl::Get(const CacheKey& key) {
+  KVCOMP_RETURN_IF_ERROR(key.Validate());
+  const std::string ek = key.Encode();
+  Shard& s = ShardOf(ek);
+  int first = 0;
+  while (tiers_[first] == nullptr) ++first;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    CacheMeta meta;
+    bool expired = false;
+    {
+      WriterLock lock(&s.mu);
+      auto it = s.map.find(ek);
+      if (it == s.map.end()) {
+        counters_[first].misses += 1;
+        return absl::NotFoundError(absl::StrCat("get: ", key.DebugString(), " not found"));
+      }
+      if (Expired(it->second, NowMs())) {
+        expired = true;
+      } else {
+        meta = it->second.meta;
+        TouchLocked(s, ek, it->second);
+      }
+    }
+    if (expired) {
+      const int stripe = StripeIndex(ek);
+      WriterLock lock(&Stripe(stripe));
+      bool deleted = false;
+      DeleteLocked(ek, /*only_if_expired=*/true, &deleted).IgnoreError();
+      counters_[first].misses += 1;
+      return absl::NotFoundError(absl::StrCat("get: ", key.DebugString(), " expired"));
+    }
+    const int t = TierIndex(meta.tier);
+    auto payload = tiers_[t]->Get(ek);
+    if (absl::IsNotFound(payload.status())) continue;  // moved or replaced meanwhile: look again
+    if (!payload.ok()) return Annotate(payload.status(), "get");
+    if (payload->size() != meta.stored_bytes ||
+        (t == kRocks && Crc32c(payload->data(), payload->size()) != meta.crc32c)) {
+      return QuarantineOnRead(ek, meta, "payload checksum mismatch on read");
+    }
+    counters_[t].hits += 1;
+    if (options_.promote_on_read && t > TierIndex(options_.promote_to)) {
+      Promote(ek, meta, *payload);
+    }
+    return StoredCache{meta, *std::move(payload)};
+  }
+  return absl::UnavailableError("get: the entry kept moving; retry");
+}
+
+absl::Status TieredStoreImpl::QuarantineOnRead(const std::string& ek, const CacheMeta& meta,
+                                               absl::string_view reason) {
+  const int stripe = StripeIndex(ek);
+  WriterLock lock(&Stripe(stripe));
+  Shard& s = ShardOf(ek);
+  {
+    ReaderLock shard_lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it == s.map.end() || it->second.meta.crc32c != meta.crc32c ||
+        it->second.meta.created_unix_ms != meta.created_unix_ms) {
+      return absl::UnavailableError("get: the entry changed while read; retry");
+    }
+  }
+  if (meta.tier == TierKind::kRocksDb) {
+    KVCOMP_RETURN_IF_ERROR(rocks_->Quarantine(ek, reason));
+  }
+  Entry removed;
+  if (RemoveFromIndex(ek, &removed)) {
+    if (removed.meta.tier != TierKind::kRocksDb) {
+      tiers_[TierIndex(removed.meta.tier)]->Delete(ek, false).IgnoreError();
+    }
+  }
+  quarantined_ += 1;
+  {
+    WriterLock qlock(&quarantine_mu_);
+    quarantine_.push_back({ek, std::string(reason)});
+  }
+  return absl::DataLossError(absl::StrCat("get: ", reason, "; entry quarantined"));
+}
+
+void TieredStoreImpl::Promote(const std::string& ek, const CacheMeta& meta,
+                              const Payload& payload) {
+  const int to = TierIndex(options_.promote_to);
+  const int from = TierIndex(meta.tier);
+  MakeRoom(to, payload.size(), kNoStripe);
+  const int stripe = StripeIndex(ek);
+  WriterLock lock(&Stripe(stripe));
+  Shard& s = ShardOf(ek);
+  {
+    ReaderLock shard_lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it == s.map.end() || TierIndex(it->second.meta.tier) != from ||
+        it->second.meta.crc32c != meta.crc32c ||
+        it->second.meta.created_unix_ms != meta.created_unix_ms) {
+      return;
+    }
+  }
+  if (!tiers_[to]->Put(ek, meta, payload, false).ok()) return;
+  {
+    WriterLock shard_lock(&s.mu);
+    Entry& e = s.map[ek];
+    if (e.pins == 0) s.lru[from].erase(e.tick);
+    e.meta.tier = static_cast<TierKind>(to);
+    if (e.pins == 0) s.lru[to][e.tick] = ek;
+  }
+  if (from != kRocks) tiers_[from]->Delete(ek, false).IgnoreError();
+  counters_[to].promotions += 1;
+  counters_[to].puts += 1;
+  RelieveIfAboveHigh(to, stripe);
+}
+
+absl::StatusOr<LookupResult> TieredStoreImpl::Lookup(const CacheKey& key) {
+  KVCOMP_RETURN_IF_ERROR(key.Validate());
+  const std::string ek = key.Encode();
+  Shard& s = ShardOf(ek);
+  ReaderLock lock(&s.mu);
+  auto it = s.map.find(ek);
+  if (it == s.map.end() || Expired(it->second, NowMs())) {
+    return absl::NotFoundError(absl::StrCat("lookup: ", key.DebugString(), " not found"));
+  }
+  const Entry& e = it->second;
+  return LookupResult{e.meta.tier, e.persisted, e.pins, e.meta};
+}
+
+absl::Status TieredStoreImpl::DeleteLocked(const std::string& ek, bool only_if_expired,
+                                           bool* deleted) {
+  *deleted = false;
+  Shard& s = ShardOf(ek);
+  Entry e;
+  {
+    ReaderLock lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it == s.map.end()) return absl::OkStatus();
+    if (only_if_expired && !Expired(it->second, NowMs())) return absl::OkStatus();
+    e = it->second;
+  }
+  // The durable copy goes first: if that fails the entry stays, whole and visible.
+  if (e.persisted) KVCOMP_RETURN_IF_ERROR(rocks_->Delete(ek, /*sync=*/true));
+  Entry removed;
+  if (!RemoveFromIndex(ek, &removed)) return absl::OkStatus();
+  if (removed.meta.tier != TierKind::kRocksDb) {
+    tiers_[TierIndex(removed.meta.tier)]->Delete(ek, false).IgnoreError();
+  }
+  if (only_if_expired) expired_ += 1;
+  *deleted = true;
+  return absl::OkStatus();
+}
+
+absl::Status TieredStoreImpl::Delete(const CacheKey& key) {
+  KVCOMP_RETURN_IF_ERROR(key.Validate());
+  const std::string ek = key.Encode();
+  WriterLock lock(&Stripe(StripeIndex(ek)));
+  bool deleted = false;
+  absl::Status st = DeleteLocked(ek, false, &deleted);
+  if (!st.ok()) {
+    if (IsDiskError(st)) write_errors_ += 1;
+    return Annotate(st, "delete");
+  }
+  if (!deleted) return absl::NotFoundError(absl::StrCat("delete: ", key.DebugString(), " not found"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ListedCache>> TieredStoreImpl::List(absl::string_view tenant) {
+  if (!tenant.empty()) {
+    CacheKey probe{std::string(tenant), "m", "k"};
+    KVCOMP_RETURN_IF_ERROR(probe.Validate());
+  }
+  const std::string prefix = CacheKey::TenantPrefix(tenant);
+  const int64_t now = NowMs();
+  std::vector<std::pair<std::string, LookupResult>> found;
+  for (auto& shard : shards_) {
+    ReaderLock lock(&shard->mu);
+    for (const auto& [ek, e] : shard->map) {
+      if (!absl::StartsWith(ek, prefix) || Expired(e, now)) continue;
+      found.emplace_back(ek, LookupResult{e.meta.tier, e.persisted, e.pins, e.meta});
+    }
+  }
+  std::sort(found.begin(), found.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<ListedCache> out;
+  out.reserve(found.size());
+  for (auto& [ek, info] : found) {
+    KVCOMP_ASSIGN_OR_RETURN(CacheKey k, CacheKey::Decode(ek));
+    out.push_back({std::move(k), info});
+  }
+  return out;
+}
+
+absl::Status TieredStoreImpl::Pin(const CacheKey& key) {
+  KVCOMP_RETURN_IF_ERROR(key.Validate());
+  const std::string ek = key.Encode();
+  WriterLock stripe_lock(&Stripe(StripeIndex(ek)));
+  Shard& s = ShardOf(ek);
+  WriterLock lock(&s.mu);
+  auto it = s.map.find(ek);
+  if (it == s.map.end() || Expired(it->second, NowMs())) {
+    return absl::NotFoundError(absl::StrCat("pin: ", key.DebugString(), " not found"));
+  }
+  Entry& e = it->second;
+  if (e.pins++ == 0) s.lru[TierIndex(e.meta.tier)].erase(e.tick);
+  return absl::OkStatus();
+}
+
+absl::Status TieredStoreImpl::Unpin(const CacheKey& key) {
+  KVCOMP_RETURN_IF_ERROR(key.Validate());
+  const std::string ek = key.Encode();
+  int tier;
+  {
+    WriterLock stripe_lock(&Stripe(StripeIndex(ek)));
+    Shard& s = ShardOf(ek);
+    WriterLock lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it == s.map.end()) {
+      return absl::NotFoundError(absl::StrCat("unpin: ", key.DebugString(), " not found"));
+    }
+    Entry& e = it->second;
+    if (e.pins == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("unpin: ", key.DebugString(),
+                                                        " is not pinned"));
+    }
+    tier = TierIndex(e.meta.tier);
+    if (--e.pins == 0) s.lru[tier][e.tick] = ek;
+  }
+  RelieveIfAboveHigh(tier);
+  return absl::OkStatus();
+}
+
+uint64_t TieredStoreImpl::ExpireNow() {
+  const int64_t now = NowMs();
+  std::vector<std::string> expired;
+  for (auto& shard : shards_) {
+    ReaderLock lock(&shard->mu);
+    for (const auto& [ek, e] : shard->map) {
+      if (Expired(e, now)) expired.push_back(ek);
+    }
+  }
+  uint64_t n = 0;
+  for (const auto& ek : expired) {
+    WriterLock lock(&Stripe(StripeIndex(ek)));
+    bool deleted = false;
+    if (DeleteLocked(ek, /*only_if_expired=*/true, &deleted).ok() && deleted) ++n;
+  }
+  return n;
+}
+
+StoreStats TieredStoreImpl::Stats() const {
+  StoreStats out;
+  for (int t = 0; t < kNumTiers; ++t) {
+    TierStats& ts = out.tiers[t];
+    const TierCounters& c = counters_[t];
+    if (tiers_[t] != nullptr) {
+      ts.present = true;
+      ts.entries = tiers_[t]->entries();
+      ts.bytes = tiers_[t]->used_bytes();
+      ts.capacity = tiers_[t]->capacity_bytes();
+    }
+    ts.hits = c.hits;
+    ts.misses = c.misses;
+    ts.puts = c.puts;
+    ts.demotions = c.demotions;
+    ts.promotions = c.promotions;
+    ts.evictions = c.evictions;
+  }
+  out.expired = expired_;
+  out.quarantined = quarantined_;
+  out.quota_rejections = quota_rejections_;
+  out.write_errors = write_errors_;
+  out.recovered = recovered_;
+  return out;
+}
+
+std::vector<QuarantinedCache> TieredStoreImpl::Quarantined() const {
+  ReaderLock lock(&quarantine_mu_);
+  return quarantine_;
+}
+
+absl::Status TieredStoreImpl::PutProjection(const ProjectionKey& key, absl::string_view bytes) {
+  if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
+  return rocks_->PutProjection(key, bytes);
+}
+
+absl::StatusOr<std::string> TieredStoreImpl::GetProjection(const ProjectionKey& key) {
+  if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
+  return rocks_->GetProjection(key);
+}
+
+absl::StatusOr<std::vector<ProjectionKey>> TieredStoreImpl::ListProjections(
+    absl::string_view model_id) {
+  if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
+  return rocks_->ListProjections(model_id);
+}
+
+uint64_t TieredStoreImpl::ProjectionReferences(absl::string_view model_id,
+                                               uint64_t version) const {
+  return projection_refs_.Get({std::string(model_id), version});
+}
+
+absl::Status TieredStoreImpl::DeleteProjection(const ProjectionKey& key) {
+  if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
+  const uint64_t refs = ProjectionReferences(key.model_id, key.version);
+  if (refs > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "projection ", key.model_id, " version ", key.version, " is used by ", refs,
+        " stored caches"));
+  }
+  return rocks_->DeleteProjection(key);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TieredStore>> TieredStore::Open(const StoreOptions& options) {
+  KVCOMP_RETURN_IF_ERROR(ValidateOptions(options));
+  auto store = std::make_unique<TieredStoreImpl>(options);
+  KVCOMP_RETURN_IF_ERROR(store->Init());
+  return std::unique_ptr<TieredStore>(std::move(store));
+}
+
+}  // namespace storage
+}  // namespace kvcomp
