@@ -1,1 +1,11 @@
-# Sources of this concern: list(APPEND KERNELS_SRCS ...), list(APPEND KERNELS_CUDA_SRCS ...).
+# Issue 5: KVSplice encoding of the kept tokens (projections, calibration, codecs).
+list(APPEND KERNELS_HDRS
+  kvcomp/kernels/projection.h
+  kvcomp/kernels/calibration.h
+)
+list(APPEND KERNELS_SRCS
+  src/cpu/codec_common.cc
+  src/cpu/codec_cpu.cc
+  src/cpu/kvsplice_projection.cc
+  src/cpu/calibration.cc
+)

@@ -123,6 +123,10 @@ absl::Status CompressedCache::Validate() const {
       return absl::InvalidArgumentError("compressed cache: encoded values name no projection");
     }
   }
+  if (value_gamma && ValueGroups() == 0) {
+    return absl::InvalidArgumentError(
+        "compressed cache: gamma-aware latents need an int8 or int4 value codec");
+  }
   if (ValueGroups() > 0 && (group_size == 0 || group_size > 256)) {
     return absl::InvalidArgumentError("compressed cache: group_size outside [1, 256]");
   }
@@ -226,7 +230,8 @@ bool operator==(const CompressedCache& a, const CompressedCache& b) {
   return a.layout == b.layout && a.original_tokens == b.original_tokens && a.policy == b.policy &&
          a.key_codec == b.key_codec && a.value_codec == b.value_codec && a.rank == b.rank &&
          (a.ValueGroups() == 0 || a.group_size == b.group_size) &&
-         a.projection_version == b.projection_version && a.kept == b.kept &&
+         a.projection_version == b.projection_version && a.value_gamma == b.value_gamma &&
+         a.kept == b.kept &&
          a.positions == b.positions && a.keys == b.keys && a.key_scales == b.key_scales &&
          a.values == b.values && a.value_scales == b.value_scales &&
          a.has_moments == b.has_moments && a.moment_count == b.moment_count &&

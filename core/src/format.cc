@@ -39,6 +39,7 @@ enum HeaderOffset : uint32_t {
   kOffHeaderCrc = 124,
 };
 constexpr uint32_t kFlagMoments = 1;
+constexpr uint32_t kFlagValueGamma = 2;  // latents divided by the projection's gamma
 constexpr uint32_t kMaxSections = 64;
 
 template <typename T>
@@ -318,10 +319,11 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
   Parsed p;
   CacheInfo& info = p.info;
   const uint32_t flags = Get<uint32_t>(b, kOffFlags);
-  if ((flags & ~kFlagMoments) != 0) {
+  if ((flags & ~(kFlagMoments | kFlagValueGamma)) != 0) {
     return absl::InvalidArgumentError(absl::StrFormat("cache format: unknown flags 0x%x", flags));
   }
   info.has_moments = (flags & kFlagMoments) != 0;
+  info.value_gamma = (flags & kFlagValueGamma) != 0;
   info.total_bytes = Get<uint64_t>(b, kOffTotalBytes);
   if (info.total_bytes != n) {
     if (info.total_bytes > n) return Truncated("the cache", info.total_bytes, n);
@@ -457,7 +459,8 @@ absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> o
   Put<uint16_t>(b, kOffMajor, kMajorVersion);
   Put<uint16_t>(b, kOffMinor, kMinorVersion);
   Put<uint32_t>(b, kOffHeaderBytes, kHeaderBytes);
-  Put<uint32_t>(b, kOffFlags, cache.has_moments ? kFlagMoments : 0);
+  Put<uint32_t>(b, kOffFlags, (cache.has_moments ? kFlagMoments : 0) |
+                                 (cache.value_gamma ? kFlagValueGamma : 0));
   Put<uint64_t>(b, kOffTotalBytes, total);
   Put<uint32_t>(b, kOffLayers, cache.layout.num_layers);
   Put<uint32_t>(b, kOffKvHeads, cache.layout.num_kv_heads);
@@ -515,6 +518,7 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   c.group_size = p.group_size;
   c.projection_version = info.projection_version;
   c.has_moments = info.has_moments;
+  c.value_gamma = info.value_gamma;
   if (c.value_codec == ValueCodec::kRaw) {
     if (c.rank != 0 || c.projection_version != 0) {
       return absl::InvalidArgumentError("cache format: raw values with a rank or projection");

@@ -90,6 +90,26 @@ TEST(Format, RoundTripsEdgeShapes) {
   EXPECT_TRUE(*back == c);
 }
 
+TEST(Format, GammaAwareFlagRoundTripsAndNeedsQuantizedValues) {
+  RandomCacheOptions o;
+  o.value_codec = ValueCodec::kOrthogonalInt4;
+  o.rank = 64;
+  auto c = RandomCache(o, 21);
+  c.value_gamma = true;
+  const std::string bytes = *format::EncodeCache(c);
+  auto back = format::ParseCache(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->value_gamma);
+  EXPECT_TRUE(*back == c);
+  EXPECT_TRUE(format::PeekCache(bytes)->value_gamma);
+  back->value_gamma = false;
+  EXPECT_FALSE(*back == c);
+  o.value_codec = ValueCodec::kOrthogonal;
+  auto f16 = RandomCache(o, 22);
+  f16.value_gamma = true;
+  EXPECT_EQ(format::EncodeCache(f16).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Format, EncodeRejectsInconsistentCache) {
   auto c = RandomCache(RandomCacheOptions{}, 3);
   c.positions.push_back(0);

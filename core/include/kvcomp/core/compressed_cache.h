@@ -47,6 +47,9 @@ class CompressedCache {
   uint32_t rank = 0;                // latent rank for orthogonal value codecs, else 0
   uint32_t group_size = 32;         // latent elements per scale for int8/int4
   uint64_t projection_version = 0;  // projection used by orthogonal value codecs, else 0
+  // int8/int4 latents were divided by the projection's per-direction gamma before quantizing
+  // (gamma-aware); decoding multiplies it back. Only with a quantized value codec.
+  bool value_gamma = false;
 
   // --- per head (size num_heads_total()) ---
   std::vector<uint32_t> kept;  // tokens kept by each head

@@ -51,6 +51,7 @@ struct CacheInfo {
   ValueCodec value_codec = ValueCodec::kRaw;
   uint32_t rank = 0;
   bool has_moments = false;
+  bool value_gamma = false;
 };
 
 // Bytes EncodeCache will produce for `cache` (which must Validate()).

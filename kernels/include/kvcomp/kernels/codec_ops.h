@@ -1,14 +1,101 @@
-// CodecOps: the operations of Engine III (issue 5) behind kvcomp::Backend.
+// CodecOps: the operations of Engine III (issue 5, KVSplice) behind kvcomp::Backend: encoding and
+// decoding of the kept keys and values, and the two numeric steps of calibration.
+//
+// Rows are ragged per head, as in CompressedCache: head h (counted from `first_head` of the
+// projection) owns rows [row_offsets[h], row_offsets[h + 1]) of every per-row array, and
+// row_offsets (size heads + 1, row_offsets[0] == 0) is ALWAYS host memory. Every other pointer is
+// in the backend's memory space (host for CPU, device for CUDA); a pointer from the other space
+// is InvalidArgument where the backend can tell.
+//
+// Value encoding (rank r, group size g, G = ceil(r / g) groups per row, gamma_j of projection):
+//   z_j = (v . p_j) / gamma_j            (gamma_j = 1 when gamma_aware is off or codec is f16)
+//   orthogonal:      latent f16 z_j, 2 r bytes per row, no scales
+//   orthogonal_int8: per group, s = f16 scale >= max|z| / 127, q = round(z / s) in [-127, 127]
+//   orthogonal_int4: per group, s = f16 scale >= max|z| / 7,   q = round(z / s) in [-7, 7],
+//                    two per byte, element 2i in the low nibble (two's complement)
+// Decoding writes V' = sum_j (q_j s) gamma_j p_j in one pass (dequantize and expand fused, no
+// intermediate array), in the requested dtype.
+// Keys: raw (copied in the input dtype), fp16, or int8 with one f32 scale per (head, channel),
+// scale = max over the head's rows of |k| / 127 (0 when the head has no rows).
+//
+// Ops are not thread-safe (one Backend per thread); they may run many threads internally.
 #ifndef KVCOMP_KERNELS_CODEC_OPS_H_
 #define KVCOMP_KERNELS_CODEC_OPS_H_
 
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kvcomp/core/dtype.h"
+#include "kvcomp/core/policy.h"
+#include "kvcomp/kernels/projection.h"
 #include "kvcomp/kernels/tensor.h"
 
 namespace kvcomp {
 
+struct ValueCodecParams {
+  ValueCodec codec = ValueCodec::kOrthogonalInt8;  // not kRaw
+  uint32_t rank = 0;         // 1..projection.rows; even for int4
+  uint32_t group_size = 32;  // latent elements per scale, 1..256 (quantized codecs)
+  bool gamma_aware = true;   // divide by the projection's gamma before quantizing (int8/int4)
+
+  // Bytes per row of latent, f16 scales per row.
+  uint64_t LatentBytes() const;
+  uint64_t Groups() const;
+  // True when gamma is applied (quantized codec and gamma_aware).
+  bool UsesGamma() const;
+  // InvalidArgument unless the params fit `projection` (rank <= rows, int4 rank even, ...).
+  absl::Status ValidateFor(const Projection& projection) const;
+};
+
+// The heads of one call: heads [first_head, first_head + row_offsets.size() - 1) of the
+// projection, rows per head from row_offsets (host).
+struct RowSpan {
+  uint64_t first_head = 0;
+  absl::Span<const uint64_t> row_offsets;
+  uint64_t num_heads() const { return row_offsets.empty() ? 0 : row_offsets.size() - 1; }
+  uint64_t total_rows() const { return row_offsets.empty() ? 0 : row_offsets.back(); }
+  // InvalidArgument unless offsets start at 0, never decrease and heads fit `max_heads`.
+  absl::Status Validate(uint64_t max_heads) const;
+};
+
 class CodecOps {
  public:
   virtual ~CodecOps() = default;
+
+  // --- values ---
+  // values: [total_rows][head_dim] of `dtype` (f32, f16, bf16), dense. latent: total_rows *
+  // params.LatentBytes() bytes; scales: total_rows * params.Groups() f16 (nullptr when 0).
+  virtual absl::Status EncodeValues(const Projection& projection, const ValueCodecParams& params,
+                                    const RowSpan& rows, const void* values, DType dtype,
+                                    void* latent, uint16_t* scales) = 0;
+  // The inverse: out is [total_rows][head_dim] of `out_dtype` (f32, f16, bf16).
+  virtual absl::Status DecodeValues(const Projection& projection, const ValueCodecParams& params,
+                                    const RowSpan& rows, const void* latent,
+                                    const uint16_t* scales, void* out, DType out_dtype) = 0;
+
+  // --- keys ---
+  // keys: [total_rows][head_dim] of `dtype`. out: total_rows * head_dim elements of the codec's
+  // type (dtype for raw, f16, int8). key_scales: heads * head_dim f32 for int8, else unused.
+  virtual absl::Status EncodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
+                                  const void* keys, DType dtype, void* out,
+                                  float* key_scales) = 0;
+  // The inverse into [total_rows][head_dim] of out_dtype. `raw_dtype` is the dtype of raw keys.
+  virtual absl::Status DecodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
+                                  const void* encoded, DType raw_dtype, const float* key_scales,
+                                  void* out, DType out_dtype) = 0;
+
+  // --- calibration ---
+  // Adds sum_t v_t v_t^T of every head of `values` to gram (HOST, f64,
+  // [values.num_heads][head_dim][head_dim] row-major).
+  virtual absl::Status AccumulateSecondMoment(const HeadsView& values,
+                                              absl::Span<double> gram) = 0;
+  // For each of `batch` symmetric dim x dim matrices in gram (HOST, f64): eigenvalues in
+  // descending order (batch x dim) and the matching unit eigenvectors as ROWS (batch x dim x dim),
+  // both host.
+  virtual absl::Status EigenDecompose(uint32_t dim, uint64_t batch, absl::Span<const double> gram,
+                                      absl::Span<double> eigenvalues,
+                                      absl::Span<double> eigenvectors) = 0;
 };
 
 }  // namespace kvcomp

@@ -1,0 +1,177 @@
+// Backend-independent parts of the codec: parameter checks and the per-row reference arithmetic.
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+#include "codec_cpu_internal.h"
+#include "kvcomp/kernels/codec_ops.h"
+
+namespace kvcomp {
+
+uint64_t ValueCodecParams::LatentBytes() const {
+  switch (codec) {
+    case ValueCodec::kRaw:
+      return 0;
+    case ValueCodec::kOrthogonal:
+      return 2ull * rank;
+    case ValueCodec::kOrthogonalInt8:
+      return rank;
+    case ValueCodec::kOrthogonalInt4:
+      return (rank + 1ull) / 2;
+  }
+  return 0;
+}
+
+uint64_t ValueCodecParams::Groups() const {
+  if (codec != ValueCodec::kOrthogonalInt8 && codec != ValueCodec::kOrthogonalInt4) return 0;
+  return group_size == 0 ? 0 : (uint64_t{rank} + group_size - 1) / group_size;
+}
+
+bool ValueCodecParams::UsesGamma() const { return gamma_aware && Groups() > 0; }
+
+absl::Status ValueCodecParams::ValidateFor(const Projection& projection) const {
+  if (codec == ValueCodec::kRaw ||
+      static_cast<uint8_t>(codec) > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
+    return absl::InvalidArgumentError("codec: value codec must be orthogonal, _int8 or _int4");
+  }
+  if (rank == 0 || rank > projection.rows) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "codec: rank %u outside [1, %u] (the projection keeps %u rows per head)", rank,
+        projection.rows, projection.rows));
+  }
+  if (codec == ValueCodec::kOrthogonalInt4 && rank % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("codec: int4 needs an even rank, got %u",
+                                                      rank));
+  }
+  if (Groups() > 0 && (group_size == 0 || group_size > 256)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("codec: group_size %u outside [1, 256]", group_size));
+  }
+  if (projection.version == 0) {
+    return absl::InvalidArgumentError("codec: the projection is not sealed (version 0)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RowSpan::Validate(uint64_t max_heads) const {
+  if (row_offsets.empty() || row_offsets[0] != 0) {
+    return absl::InvalidArgumentError("codec: row_offsets must hold heads + 1 entries from 0");
+  }
+  for (size_t i = 1; i < row_offsets.size(); ++i) {
+    if (row_offsets[i] < row_offsets[i - 1]) {
+      return absl::InvalidArgumentError("codec: row_offsets decrease");
+    }
+  }
+  if (first_head > max_heads || num_heads() > max_heads - first_head) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "codec: heads [%u, %u) beyond the projection's %u", first_head, first_head + num_heads(),
+        max_heads));
+  }
+  return absl::OkStatus();
+}
+
+namespace codec_internal {
+
+void QuantizeRow(const float* z, const ValueCodecParams& p, uint8_t* out, uint16_t* scales) {
+  const uint32_t r = p.rank;
+  if (p.codec == ValueCodec::kOrthogonal) {
+    auto* h = reinterpret_cast<uint16_t*>(out);
+    for (uint32_t j = 0; j < r; ++j) h[j] = LatentHalf(z[j]);
+    return;
+  }
+  const int qmax = QMax(p.codec);
+  const uint32_t gs = p.group_size;
+  const uint64_t groups = p.Groups();
+  if (p.codec == ValueCodec::kOrthogonalInt4) std::fill(out, out + p.LatentBytes(), 0);
+  for (uint64_t g = 0; g < groups; ++g) {
+    const uint32_t lo = static_cast<uint32_t>(g * gs);
+    const uint32_t hi = std::min(r, lo + gs);
+    float m = 0.0f;
+    for (uint32_t j = lo; j < hi; ++j) m = std::fmax(m, std::fabs(z[j]));
+    const uint16_t sh = GroupScaleHalf(m, qmax);
+    scales[g] = sh;
+    const float s = HalfToFloat(sh);
+    for (uint32_t j = lo; j < hi; ++j) {
+      const int q = QuantizeOne(z[j], s, qmax);
+      if (p.codec == ValueCodec::kOrthogonalInt8) {
+        out[j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      } else {
+        const uint8_t nib = static_cast<uint8_t>(q) & 15u;
+        out[j / 2] |= (j % 2 == 0) ? nib : static_cast<uint8_t>(nib << 4);
+      }
+    }
+  }
+}
+
+void DequantizeRow(const uint8_t* in, const uint16_t* scales, const ValueCodecParams& p,
+                   float* z) {
+  const uint32_t r = p.rank;
+  if (p.codec == ValueCodec::kOrthogonal) {
+    const auto* h = reinterpret_cast<const uint16_t*>(in);
+    for (uint32_t j = 0; j < r; ++j) z[j] = HalfToFloat(h[j]);
+    return;
+  }
+  const uint32_t gs = p.group_size;
+  for (uint32_t j = 0; j < r; ++j) {
+    const float s = HalfToFloat(scales[j / gs]);
+    int q;
+    if (p.codec == ValueCodec::kOrthogonalInt8) {
+      q = static_cast<int8_t>(in[j]);
+    } else {
+      q = Int4Value(j % 2 == 0 ? (in[j / 2] & 15u) : (in[j / 2] >> 4));
+    }
+    z[j] = static_cast<float>(q) * s;
+  }
+}
+
+void HeadMatrices(const Projection& projection, uint64_t head, const ValueCodecParams& p,
+                  std::vector<float>* enc, std::vector<float>* dec) {
+  const uint32_t d = projection.head_dim;
+  const float* basis = projection.head_basis(head);
+  const float* gamma = projection.head_gamma(head);
+  const bool use_gamma = p.UsesGamma();
+  enc->resize(uint64_t{p.rank} * d);
+  dec->resize(uint64_t{p.rank} * d);
+  for (uint32_t j = 0; j < p.rank; ++j) {
+    const float g = use_gamma ? gamma[j] : 1.0f;
+    for (uint32_t k = 0; k < d; ++k) {
+      const float b = basis[uint64_t{j} * d + k];
+      (*enc)[uint64_t{j} * d + k] = b / g;
+      (*dec)[uint64_t{j} * d + k] = b * g;
+    }
+  }
+}
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+void EncodeRowsF32(const float* v, uint64_t n, uint32_t d, const float* enc,
+                   const ValueCodecParams& p, float* z, uint8_t* latent, uint16_t* scales) {
+  if (n == 0) return;
+  const Eigen::Index r = p.rank;
+  Eigen::Map<const RowMat> vm(v, static_cast<Eigen::Index>(n), d);
+  Eigen::Map<const RowMat> em(enc, r, d);
+  Eigen::Map<RowMat> zm(z, static_cast<Eigen::Index>(n), r);
+  zm.noalias() = vm * em.transpose();
+  const uint64_t lb = p.LatentBytes(), groups = p.Groups();
+  for (uint64_t i = 0; i < n; ++i) {
+    QuantizeRow(z + i * r, p, latent + i * lb, groups ? scales + i * groups : nullptr);
+  }
+}
+
+void DecodeRowsF32(const uint8_t* latent, const uint16_t* scales, uint64_t n, uint32_t d,
+                   const float* dec, const ValueCodecParams& p, float* z, float* out) {
+  if (n == 0) return;
+  const Eigen::Index r = p.rank;
+  const uint64_t lb = p.LatentBytes(), groups = p.Groups();
+  for (uint64_t i = 0; i < n; ++i) {
+    DequantizeRow(latent + i * lb, groups ? scales + i * groups : nullptr, p, z + i * r);
+  }
+  Eigen::Map<const RowMat> zm(z, static_cast<Eigen::Index>(n), r);
+  Eigen::Map<const RowMat> dm(dec, r, d);
+  Eigen::Map<RowMat> om(out, static_cast<Eigen::Index>(n), d);
+  om.noalias() = zm * dm;
+}
+
+}  // namespace codec_internal
+}  // namespace kvcomp

@@ -1,0 +1,346 @@
+// CPU CodecOps: tiles of rows of one head, spread over the backend's pool. Each tile is
+// converted to f32, multiplied by the head's encode/decode matrix through Eigen's GEMM and
+// (de)quantized while it is still in cache; decode writes only V'.
+#include <Eigen/Core>
+#include <Eigen/Eigenvalues>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "codec_cpu_internal.h"
+#include "cpu_ops.h"
+#include "kvcomp/core/status.h"
+
+namespace kvcomp {
+namespace {
+
+constexpr uint64_t kTileRows = 64;
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using RowMatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// n elements of `dtype` at `src` (element offset `at`) into f32.
+void ToF32(const void* src, DType dtype, uint64_t at, uint64_t n, float* out) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(out, static_cast<const float*>(src) + at, n * sizeof(float));
+      break;
+    case DType::kF16: {
+      const auto* h = static_cast<const uint16_t*>(src) + at;
+      for (uint64_t i = 0; i < n; ++i) out[i] = HalfToFloat(h[i]);
+      break;
+    }
+    case DType::kBF16: {
+      const auto* h = static_cast<const uint16_t*>(src) + at;
+      for (uint64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(h[i]);
+      break;
+    }
+    default:
+      std::fill(out, out + n, 0.0f);
+  }
+}
+
+void FromF32(const float* in, uint64_t n, void* dst, DType dtype, uint64_t at) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(static_cast<float*>(dst) + at, in, n * sizeof(float));
+      break;
+    case DType::kF16: {
+      auto* h = static_cast<uint16_t*>(dst) + at;
+      for (uint64_t i = 0; i < n; ++i) h[i] = FloatToHalf(in[i]);
+      break;
+    }
+    case DType::kBF16: {
+      auto* h = static_cast<uint16_t*>(dst) + at;
+      for (uint64_t i = 0; i < n; ++i) h[i] = FloatToBf16(in[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+absl::Status CheckInputDType(DType dtype, absl::string_view what) {
+  if (!IsInputDType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("codec: %s dtype %s is not f32, f16 or bf16", what, DTypeName(dtype)));
+  }
+  return absl::OkStatus();
+}
+
+// One unit of parallel work: rows [begin, end) of head `head` (relative to the call).
+struct Tile {
+  uint64_t head, begin, end;
+};
+
+std::vector<Tile> MakeTiles(const RowSpan& rows) {
+  std::vector<Tile> tiles;
+  for (uint64_t h = 0; h < rows.num_heads(); ++h) {
+    for (uint64_t b = rows.row_offsets[h]; b < rows.row_offsets[h + 1]; b += kTileRows) {
+      tiles.push_back({h, b, std::min(b + kTileRows, rows.row_offsets[h + 1])});
+    }
+  }
+  return tiles;
+}
+
+class CpuCodecOps final : public CodecOps {
+ public:
+  explicit CpuCodecOps(CpuContext* context) : context_(context) {}
+
+  absl::Status EncodeValues(const Projection& projection, const ValueCodecParams& params,
+                            const RowSpan& rows, const void* values, DType dtype, void* latent,
+                            uint16_t* scales) override {
+    KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, dtype));
+    const uint64_t n = rows.total_rows();
+    if (n == 0) return absl::OkStatus();
+    if (values == nullptr || latent == nullptr || (params.Groups() > 0 && scales == nullptr)) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    std::vector<std::vector<float>> enc, dec;
+    HeadMatricesFor(projection, params, rows, &enc, &dec);
+    const uint32_t d = projection.head_dim;
+    const uint64_t lb = params.LatentBytes(), groups = params.Groups();
+    const std::vector<Tile> tiles = MakeTiles(rows);
+    context_->ParallelFor(tiles.size(), [&](size_t i) {
+      const Tile& t = tiles[i];
+      thread_local std::vector<float> v, z;
+      const uint64_t m = t.end - t.begin;
+      v.resize(m * d);
+      z.resize(m * params.rank);
+      ToF32(values, dtype, t.begin * d, m * d, v.data());
+      codec_internal::EncodeRowsF32(v.data(), m, d, enc[t.head].data(), params, z.data(),
+                                    static_cast<uint8_t*>(latent) + t.begin * lb,
+                                    groups ? scales + t.begin * groups : nullptr);
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status DecodeValues(const Projection& projection, const ValueCodecParams& params,
+                            const RowSpan& rows, const void* latent, const uint16_t* scales,
+                            void* out, DType out_dtype) override {
+    KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, out_dtype));
+    const uint64_t n = rows.total_rows();
+    if (n == 0) return absl::OkStatus();
+    if (latent == nullptr || out == nullptr || (params.Groups() > 0 && scales == nullptr)) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    std::vector<std::vector<float>> enc, dec;
+    HeadMatricesFor(projection, params, rows, &enc, &dec);
+    const uint32_t d = projection.head_dim;
+    const uint64_t lb = params.LatentBytes(), groups = params.Groups();
+    const std::vector<Tile> tiles = MakeTiles(rows);
+    context_->ParallelFor(tiles.size(), [&](size_t i) {
+      const Tile& t = tiles[i];
+      thread_local std::vector<float> z, o;
+      const uint64_t m = t.end - t.begin;
+      z.resize(m * params.rank);
+      o.resize(m * d);
+      codec_internal::DecodeRowsF32(static_cast<const uint8_t*>(latent) + t.begin * lb,
+                                    groups ? scales + t.begin * groups : nullptr, m, d,
+                                    dec[t.head].data(), params, z.data(), o.data());
+      FromF32(o.data(), m * d, out, out_dtype, t.begin * d);
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status EncodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
+                          const void* keys, DType dtype, void* out, float* key_scales) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKeyCall(codec, rows, head_dim, dtype));
+    const uint64_t d = head_dim, n = rows.total_rows();
+    if (codec == KeyCodec::kInt8) {
+      if (key_scales == nullptr) return absl::InvalidArgumentError("codec: null key_scales");
+      context_->ParallelFor(rows.num_heads(), [&](size_t h) {
+        thread_local std::vector<float> v;
+        v.resize(d);
+        float* sc = key_scales + h * d;
+        std::fill(sc, sc + d, 0.0f);
+        for (uint64_t i = rows.row_offsets[h]; i < rows.row_offsets[h + 1]; ++i) {
+          ToF32(keys, dtype, i * d, d, v.data());
+          for (uint64_t c = 0; c < d; ++c) sc[c] = std::fmax(sc[c], std::fabs(v[c]));
+        }
+        for (uint64_t c = 0; c < d; ++c) sc[c] /= 127.0f;
+      });
+    }
+    if (n == 0) return absl::OkStatus();
+    if (keys == nullptr || out == nullptr) return absl::InvalidArgumentError("codec: null buffer");
+    const std::vector<Tile> tiles = MakeTiles(rows);
+    context_->ParallelFor(tiles.size(), [&](size_t i) {
+      const Tile& t = tiles[i];
+      const uint64_t m = t.end - t.begin;
+      switch (codec) {
+        case KeyCodec::kRaw: {
+          const size_t eb = DTypeBytes(dtype, 1);
+          std::memcpy(static_cast<uint8_t*>(out) + t.begin * d * eb,
+                      static_cast<const uint8_t*>(keys) + t.begin * d * eb, m * d * eb);
+          break;
+        }
+        case KeyCodec::kFp16: {
+          thread_local std::vector<float> v;
+          v.resize(m * d);
+          ToF32(keys, dtype, t.begin * d, m * d, v.data());
+          FromF32(v.data(), m * d, out, DType::kF16, t.begin * d);
+          break;
+        }
+        case KeyCodec::kInt8: {
+          thread_local std::vector<float> v;
+          v.resize(d);
+          const float* sc = key_scales + t.head * d;
+          auto* q = static_cast<int8_t*>(out);
+          for (uint64_t r = t.begin; r < t.end; ++r) {
+            ToF32(keys, dtype, r * d, d, v.data());
+            for (uint64_t c = 0; c < d; ++c) {
+              q[r * d + c] = static_cast<int8_t>(codec_internal::QuantizeOne(v[c], sc[c], 127));
+            }
+          }
+          break;
+        }
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status DecodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
+                          const void* encoded, DType raw_dtype, const float* key_scales,
+                          void* out, DType out_dtype) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKeyCall(codec, rows, head_dim, raw_dtype));
+    KVCOMP_RETURN_IF_ERROR(CheckInputDType(out_dtype, "output"));
+    const uint64_t d = head_dim, n = rows.total_rows();
+    if (n == 0) return absl::OkStatus();
+    if (encoded == nullptr || out == nullptr || (codec == KeyCodec::kInt8 && !key_scales)) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    const std::vector<Tile> tiles = MakeTiles(rows);
+    context_->ParallelFor(tiles.size(), [&](size_t i) {
+      const Tile& t = tiles[i];
+      const uint64_t m = t.end - t.begin;
+      thread_local std::vector<float> v;
+      v.resize(m * d);
+      switch (codec) {
+        case KeyCodec::kRaw:
+          ToF32(encoded, raw_dtype, t.begin * d, m * d, v.data());
+          break;
+        case KeyCodec::kFp16:
+          ToF32(encoded, DType::kF16, t.begin * d, m * d, v.data());
+          break;
+        case KeyCodec::kInt8: {
+          const auto* q = static_cast<const int8_t*>(encoded);
+          const float* sc = key_scales + t.head * d;
+          for (uint64_t r = 0; r < m; ++r) {
+            for (uint64_t c = 0; c < d; ++c) {
+              v[r * d + c] = static_cast<float>(q[(t.begin + r) * d + c]) * sc[c];
+            }
+          }
+          break;
+        }
+      }
+      FromF32(v.data(), m * d, out, out_dtype, t.begin * d);
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status AccumulateSecondMoment(const HeadsView& values, absl::Span<double> gram) override {
+    if (values.space != MemorySpace::kHost) {
+      return absl::InvalidArgumentError("codec: the CPU backend reads host memory only");
+    }
+    KVCOMP_RETURN_IF_ERROR(CheckInputDType(values.dtype, "value"));
+    const uint64_t d = values.head_dim;
+    if (gram.size() != uint64_t{values.num_heads} * d * d) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "codec: gram holds %u doubles, %u heads of dim %u need %u", gram.size(),
+          values.num_heads, d, uint64_t{values.num_heads} * d * d));
+    }
+    if (values.num_tokens > 0 && values.data == nullptr) {
+      return absl::InvalidArgumentError("codec: null values");
+    }
+    context_->ParallelFor(values.num_heads, [&](size_t h) {
+      constexpr uint64_t kRows = 256;
+      std::vector<float> v(kRows * d);
+      RowMat acc = RowMat::Zero(d, d);
+      Eigen::Map<RowMatD> g(gram.data() + h * d * d, d, d);
+      for (uint64_t t0 = 0; t0 < values.num_tokens; t0 += kRows) {
+        const uint64_t m = std::min(kRows, values.num_tokens - t0);
+        for (uint64_t t = 0; t < m; ++t) {
+          ToF32(values.data, values.dtype, values.offset(h, t0 + t), d, v.data() + t * d);
+        }
+        Eigen::Map<const RowMat> vm(v.data(), m, d);
+        acc.noalias() = vm.transpose() * vm;
+        g += acc.cast<double>();
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status EigenDecompose(uint32_t dim, uint64_t batch, absl::Span<const double> gram,
+                              absl::Span<double> eigenvalues,
+                              absl::Span<double> eigenvectors) override {
+    const uint64_t dd = uint64_t{dim} * dim;
+    if (dim == 0 || gram.size() != batch * dd || eigenvalues.size() != batch * dim ||
+        eigenvectors.size() != batch * dd) {
+      return absl::InvalidArgumentError("codec: EigenDecompose buffer sizes do not match");
+    }
+    std::vector<int> failed(batch, 0);
+    context_->ParallelFor(batch, [&](size_t b) {
+      Eigen::Map<const RowMatD> g(gram.data() + b * dd, dim, dim);
+      Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(g);
+      if (solver.info() != Eigen::Success) {
+        failed[b] = 1;
+        return;
+      }
+      // Eigen sorts ascending; kvcomp wants descending, eigenvectors as rows.
+      for (uint32_t j = 0; j < dim; ++j) {
+        const uint32_t src = dim - 1 - j;
+        eigenvalues[b * dim + j] = solver.eigenvalues()(src);
+        for (uint32_t k = 0; k < dim; ++k) {
+          eigenvectors[b * dd + uint64_t{j} * dim + k] = solver.eigenvectors()(k, src);
+        }
+      }
+    });
+    for (uint64_t b = 0; b < batch; ++b) {
+      if (failed[b]) {
+        return absl::InternalError(
+            absl::StrFormat("codec: eigendecomposition of matrix %u did not converge", b));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status CheckValueCall(const Projection& projection, const ValueCodecParams& params,
+                              const RowSpan& rows, DType dtype) {
+    KVCOMP_RETURN_IF_ERROR(params.ValidateFor(projection));
+    KVCOMP_RETURN_IF_ERROR(rows.Validate(projection.num_heads()));
+    return CheckInputDType(dtype, "value");
+  }
+
+  absl::Status CheckKeyCall(KeyCodec codec, const RowSpan& rows, uint32_t head_dim, DType dtype) {
+    if (static_cast<uint8_t>(codec) > static_cast<uint8_t>(KeyCodec::kInt8)) {
+      return absl::InvalidArgumentError("codec: unknown key codec");
+    }
+    if (head_dim == 0) return absl::InvalidArgumentError("codec: head_dim 0");
+    KVCOMP_RETURN_IF_ERROR(rows.Validate(~uint64_t{0}));
+    return CheckInputDType(dtype, "key");
+  }
+
+  void HeadMatricesFor(const Projection& projection, const ValueCodecParams& params,
+                       const RowSpan& rows, std::vector<std::vector<float>>* enc,
+                       std::vector<std::vector<float>>* dec) {
+    enc->resize(rows.num_heads());
+    dec->resize(rows.num_heads());
+    context_->ParallelFor(rows.num_heads(), [&](size_t h) {
+      codec_internal::HeadMatrices(projection, rows.first_head + h, params, &(*enc)[h],
+                                   &(*dec)[h]);
+    });
+  }
+
+  CpuContext* context_;
+};
+
+}  // namespace
+
+std::unique_ptr<CodecOps> NewCpuCodecOps(CpuContext* context) {
+  return std::make_unique<CpuCodecOps>(context);
+}
+
+}  // namespace kvcomp

@@ -1,0 +1,70 @@
+// The CPU reference of the KVSplice codec (kvcomp/kernels/codec_ops.h), per head and per row,
+// shared by the CPU CodecOps, the calibration auto-tuner and the tests. The CUDA kernels follow
+// the same arithmetic (f16 scale rounded up, round-half-even, clamp before conversion).
+#ifndef KVCOMP_KERNELS_SRC_CPU_CODEC_CPU_INTERNAL_H_
+#define KVCOMP_KERNELS_SRC_CPU_CODEC_CPU_INTERNAL_H_
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kvcomp/core/dtype.h"
+#include "kvcomp/kernels/codec_ops.h"
+#include "kvcomp/kernels/projection.h"
+
+namespace kvcomp {
+namespace codec_internal {
+
+// Largest magnitude of a quantized latent: 127 (int8) or 7 (int4).
+inline int QMax(ValueCodec codec) { return codec == ValueCodec::kOrthogonalInt4 ? 7 : 127; }
+
+// The f16 group scale: the smallest half >= max_abs / qmax (so |z| / scale <= qmax), 0 for a
+// zero (or NaN) group, the largest finite half when it would overflow.
+inline uint16_t GroupScaleHalf(float max_abs, int qmax) {
+  const float s = max_abs / static_cast<float>(qmax);
+  if (!(s > 0.0f)) return 0;
+  if (s >= 65504.0f) return 0x7bff;
+  uint16_t h = FloatToHalf(s);
+  if (HalfToFloat(h) < s) ++h;  // positive finite halves are ordered like their bits
+  return h;
+}
+
+// round(z / scale) clamped to [-qmax, qmax] (NaN becomes -qmax: fmaxf drops the NaN).
+inline int QuantizeOne(float z, float scale, int qmax) {
+  if (scale == 0.0f) return 0;
+  const float q = std::fmin(std::fmax(z / scale, -static_cast<float>(qmax)),
+                            static_cast<float>(qmax));
+  return static_cast<int>(std::nearbyint(q));
+}
+
+// f16 of a latent, saturating at the largest finite half.
+inline uint16_t LatentHalf(float z) {
+  const float c = std::fmin(std::fmax(z, -65504.0f), 65504.0f);
+  return FloatToHalf(c);
+}
+
+// Sign-extends a 4-bit two's complement nibble.
+inline int Int4Value(uint8_t nibble) { return static_cast<int>((nibble ^ 8u) & 15u) - 8; }
+
+// Encodes one row's latent z[0, rank) into `out` (params.LatentBytes()) and `scales`
+// (params.Groups()).
+void QuantizeRow(const float* z, const ValueCodecParams& params, uint8_t* out, uint16_t* scales);
+// Dequantizes one row into z[0, rank).
+void DequantizeRow(const uint8_t* in, const uint16_t* scales, const ValueCodecParams& params,
+                   float* z);
+
+// Encode and decode matrices of head `head` (absolute index in the projection), row-major
+// rank x head_dim: enc = diag(1/gamma) P_r, dec = diag(gamma) P_r (gamma = 1 unless UsesGamma).
+void HeadMatrices(const Projection& projection, uint64_t head, const ValueCodecParams& params,
+                  std::vector<float>* enc, std::vector<float>* dec);
+
+// n rows of one head, f32 in and out, `z` a scratch of n * rank floats.
+void EncodeRowsF32(const float* v, uint64_t n, uint32_t head_dim, const float* enc,
+                   const ValueCodecParams& params, float* z, uint8_t* latent, uint16_t* scales);
+void DecodeRowsF32(const uint8_t* latent, const uint16_t* scales, uint64_t n, uint32_t head_dim,
+                   const float* dec, const ValueCodecParams& params, float* z, float* out);
+
+}  // namespace codec_internal
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_SRC_CPU_CODEC_CPU_INTERNAL_H_
