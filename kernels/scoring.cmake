@@ -4,6 +4,9 @@ list(APPEND KERNELS_SRCS
   src/scoring_ops.cc
   src/cpu/scoring_cpu.cc
   src/cpu/scoring_kernels_generic.cc
+  src/pipeline.cc
+  src/pipeline_block.cc
+  src/pipeline_stages.cc
 )
 # The AVX2+FMA+F16C build of the row kernels, chosen at run time on CPUs that have them.
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")

@@ -1,0 +1,43 @@
+// The pipeline's extension stages, one function each (pipeline_stages.cc), so the moments
+// (issue 4) and codec (issue 5) owners change one function, not the pipeline.
+#ifndef KVCOMP_KERNELS_SRC_PIPELINE_STAGES_H_
+#define KVCOMP_KERNELS_SRC_PIPELINE_STAGES_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/policy.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/tensor.h"
+
+namespace kvcomp {
+namespace pipeline_internal {
+
+// What one layer evicted: head h's evicted token indices into keys/values are
+// evicted[offsets[h] .. offsets[h+1]) (host memory, ascending). keys/values are in the backend's
+// space.
+struct LayerEviction {
+  uint32_t layer = 0;
+  HeadsView keys;
+  HeadsView values;
+  std::vector<uint64_t> offsets;  // num_heads + 1
+  std::vector<uint32_t> evicted;
+};
+
+// True when the moment stage can run on `backend` (MomentOps present).
+bool MomentsAvailable(Backend& backend);
+// Adds the moments of `eviction` to cache->moment_* of its layer's heads (cache->has_moments and
+// the arrays already shaped by Reset).
+absl::Status MomentStage(Backend& backend, const LayerEviction& eviction, CompressedCache* cache);
+
+// OK when the policy's codecs can run (raw always can); Unimplemented otherwise.
+absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy);
+// Encodes the raw kept keys and values of `cache` as the policy says (no-op for raw codecs).
+absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy, CompressedCache* cache);
+
+}  // namespace pipeline_internal
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_SRC_PIPELINE_STAGES_H_
