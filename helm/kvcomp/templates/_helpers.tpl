@@ -294,7 +294,9 @@ env:
     valueFrom:
       fieldRef:
         fieldPath: spec.nodeName
-{{- include "kvcomp.ucxEnv" . | nindent 2 }}
+{{- with include "kvcomp.ucxEnv" . | trim }}
+{{- . | nindent 2 }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{- toYaml . | nindent 2 }}
 {{- end }}
