@@ -575,5 +575,14 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   return c;
 }
 
+std::string EncodePolicyRecords(const CompressionPolicy& policy) {
+  const std::vector<uint8_t> r = EncodePolicy(policy);
+  return std::string(r.begin(), r.end());
+}
+
+absl::StatusOr<CompressionPolicy> DecodePolicyRecords(absl::string_view records) {
+  return DecodePolicy(reinterpret_cast<const uint8_t*>(records.data()), records.size());
+}
+
 }  // namespace format
 }  // namespace kvcomp

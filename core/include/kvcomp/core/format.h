@@ -67,6 +67,11 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes);
 // Validates the header and section table (and their checksums) only.
 absl::StatusOr<CacheInfo> PeekCache(absl::string_view bytes);
 
+// The policy as the format's TLV records (docs/format.md, policy section), shared with the wire
+// protocol's put-begin. Decoding skips unknown tags and validates the policy (InvalidArgument).
+std::string EncodePolicyRecords(const CompressionPolicy& policy);
+absl::StatusOr<CompressionPolicy> DecodePolicyRecords(absl::string_view records);
+
 }  // namespace format
 }  // namespace kvcomp
 

@@ -1,0 +1,689 @@
+#include "kvcomp/transport/client.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/status.h"
+#include "transport/src/ucx_util.h"
+
+namespace kvcomp {
+namespace transport {
+namespace {
+
+// A reply as the client's callers see it: the frame (body copied) and any payload.
+struct Reply {
+  wire::FrameHeader header;
+  std::string body;
+  Buffer payload;
+  wire::Frame frame() const { return wire::Frame{header, body}; }
+};
+using ReplyCallback = absl::AnyInvocable<void(absl::StatusOr<Reply>)>;
+
+// A request waiting for its reply (and for its send to complete: UCX may still reference the
+// payload until then).
+struct Pending {
+  uint64_t request_id = 0;
+  std::string frame;
+  ucp_dt_iov_t iov[2] = {};
+  int iov_count = 0;  // 0: no payload
+  uint64_t payload_bytes = 0;
+  absl::Time deadline;
+  absl::Duration backoff;
+  bool sending = false;
+  absl::Time resend_at = absl::InfinitePast();
+  bool resend_due = false;
+  // Get replies land here when set (else in a new host buffer).
+  void* dst = nullptr;
+  size_t capacity = 0;
+  MemoryType dst_memory = MemoryType::kHost;
+  std::unique_ptr<Reply> reply;  // arrived, waiting for the send to complete
+  bool receiving = false;        // reply payload being received
+  absl::Status failure;          // set: deliver this once UCX lets go of the request
+  ReplyCallback callback;
+};
+
+class ClientImpl;
+
+struct RecvContext {
+  ClientImpl* client;
+  uint64_t request_id;
+  std::unique_ptr<Reply> reply;
+};
+
+class ClientImpl : public UcxClient {
+ public:
+  explicit ClientImpl(const ClientOptions& options) : options_(options) {}
+  ~ClientImpl() override { Close(); }
+
+  absl::Status Connect(const Endpoint& endpoint, absl::string_view tenant,
+                       absl::string_view token);
+
+  const wire::HelloOk& server_info() const override { return hello_ok_; }
+  bool connected() const override { return connected_.load(); }
+  absl::StatusOr<uint64_t> PutBegin(const wire::PutBegin& begin) override;
+  absl::Status SendBlock(const wire::Block& block, const void* keys, const void* values) override;
+  void SendBlockAsync(const wire::Block& block, const void* keys, const void* values,
+                      absl::AnyInvocable<void(absl::Status)> done) override;
+  absl::StatusOr<wire::CacheSummary> PutCommit(uint64_t put_id, uint64_t num_blocks) override;
+  absl::Status PutAbort(uint64_t put_id) override;
+  absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
+                                   wire::Representation representation) override;
+  absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
+                                 wire::Representation representation, void* dst,
+                                 size_t capacity, MemoryType memory) override;
+  absl::StatusOr<wire::CacheSummary> Lookup(absl::string_view model_id,
+                                            absl::string_view key) override;
+  absl::Status Delete(absl::string_view model_id, absl::string_view key) override;
+  absl::Status Ping() override;
+  void Close() override;
+
+  // ---- loop thread ----
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data);
+  static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data);
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+ private:
+  uint64_t NextRequestId() { return next_request_id_.fetch_add(1); }
+  // Queues `p` for sending; its callback runs on the loop thread exactly once.
+  void Submit(std::unique_ptr<Pending> p);
+  // Sends `frame` with no payload and waits for the reply.
+  absl::StatusOr<Reply> Call(uint64_t request_id, std::string frame,
+                             absl::Duration timeout);
+  absl::StatusOr<Reply> Wait(std::unique_ptr<Pending> p);
+  absl::StatusOr<Reply> GetReply(absl::string_view model_id, absl::string_view key,
+                                 wire::Representation representation, void* dst,
+                                 size_t capacity, MemoryType memory);
+
+  void StartSend(Pending* p);
+  void SendCompleted(uint64_t request_id, ucs_status_t status);
+  void ReplyArrived(const void* header, size_t header_length, void* data, size_t length,
+                    bool rndv);
+  void ReplyPayloadDone(RecvContext* ctx, ucs_status_t status);
+  // Finishes a pending request whose reply (or failure) is complete.
+  void MaybeComplete(uint64_t request_id);
+  void Fail(uint64_t request_id, absl::Status status);
+  void FailAll(const absl::Status& status);
+  void Tick();
+
+  const ClientOptions options_;
+  std::shared_ptr<WorkerLoop> loop_;
+  ucp_ep_h ep_ = nullptr;
+  wire::HelloOk hello_ok_;
+  std::atomic<bool> connected_{false};
+  std::atomic<uint64_t> next_request_id_{1};
+  std::atomic<uint64_t> next_put_id_{1};
+  absl::Mutex close_mu_;
+  bool closed_ = false;
+
+  // Loop-thread state.
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Pending>> pending_;
+  absl::Status broken_;  // why the connection is gone; OK while usable
+  void* close_request_ = nullptr;
+};
+
+absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view tenant,
+                                 absl::string_view token) {
+  KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(options_.ucx, options_.poll_spin));
+  ucp_am_handler_param_t am = {};
+  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  am.id = wire::kAmIdReply;
+  am.cb = &ClientImpl::OnAm;
+  am.arg = this;
+  am.flags = UCP_AM_FLAG_WHOLE_MSG;
+  ucs_status_t s = ucp_worker_set_am_recv_handler(loop_->worker(), &am);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_set_am_recv_handler");
+
+  addrinfo hints = {};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string port = absl::StrCat(endpoint.port);
+  if (int rc = getaddrinfo(endpoint.host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("connect ", endpoint.ToString(), ": ", gai_strerror(rc)));
+  }
+  ucp_ep_params_t ep = {};
+  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  ep.sockaddr.addr = res->ai_addr;
+  ep.sockaddr.addrlen = res->ai_addrlen;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &ClientImpl::OnEpError;
+  ep.err_handler.arg = this;
+  s = ucp_ep_create(loop_->worker(), &ep, &ep_);
+  freeaddrinfo(res);
+  if (s != UCS_OK) return UcsStatusToStatus(s, absl::StrCat("connect ", endpoint.ToString()));
+  connected_.store(true);
+  const absl::Duration tick =
+      std::max(absl::Milliseconds(1), std::min(absl::Milliseconds(20), options_.max_busy_backoff));
+  loop_->Start([this] { Tick(); }, tick);
+
+  wire::Hello hello;
+  hello.tenant = std::string(tenant);
+  hello.token = std::string(token);
+  hello.client_name = options_.client_name;
+  const uint64_t rid = NextRequestId();
+  absl::StatusOr<Reply> r = Call(rid, wire::Encode(rid, hello), options_.connect_timeout);
+  if (!r.ok()) return Annotate(r.status(), absl::StrCat("connect ", endpoint.ToString()));
+  if (r->header.type == wire::MessageType::kStatus) {
+    wire::StatusReply st;
+    KVCOMP_RETURN_IF_ERROR(wire::Decode(r->frame(), &st));
+    absl::Status status = st.ToStatus();
+    if (status.ok()) status = absl::InternalError("hello answered OK without hello-ok");
+    return status;
+  }
+  return wire::Decode(r->frame(), &hello_ok_);
+}
+
+void ClientImpl::Close() {
+  absl::MutexLock l(&close_mu_);
+  if (closed_ || loop_ == nullptr) return;
+  closed_ = true;
+  loop_->Shutdown([this] {
+    if (broken_.ok()) broken_ = absl::UnavailableError("client closed");
+    if (ep_ != nullptr) {
+      ucp_request_param_t p = {};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      close_request_ = ucp_ep_close_nbx(ep_, &p);
+      ep_ = nullptr;
+    }
+    if (UCS_PTR_IS_PTR(close_request_)) {
+      loop_->ProgressUntil(
+          [this] { return ucp_request_check_status(close_request_) != UCS_INPROGRESS; },
+          absl::Seconds(2));
+      ucp_request_free(close_request_);
+      close_request_ = nullptr;
+    }
+    FailAll(absl::UnavailableError("client closed"));
+  });
+  connected_.store(false);
+}
+
+// ---- request plumbing ----
+
+void ClientImpl::Submit(std::unique_ptr<Pending> p) {
+  std::shared_ptr<Pending> holder(p.release());
+  const bool posted = loop_->Post([this, holder]() mutable {
+    auto p = std::make_unique<Pending>(std::move(*holder));
+    if (!broken_.ok()) {
+      p->callback(broken_);
+      return;
+    }
+    Pending* raw = p.get();
+    pending_[raw->request_id] = std::move(p);
+    StartSend(raw);
+  });
+  if (!posted) holder->callback(absl::UnavailableError("client closed"));
+}
+
+
+struct SendTag {
+  ClientImpl* client;
+  uint64_t request_id;
+};
+
+void ClientImpl::StartSend(Pending* p) {
+  auto* tag = new SendTag{this, p->request_id};
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_FLAGS;
+  param.cb.send = &ClientImpl::OnSendDone;
+  param.user_data = tag;
+  param.flags = UCP_AM_SEND_FLAG_REPLY;
+  const void* buffer = nullptr;
+  size_t count = 0;
+  if (p->iov_count == 1) {
+    buffer = p->iov[0].buffer;
+    count = p->iov[0].length;
+  } else if (p->iov_count == 2) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = ucp_dt_make_iov();
+    buffer = p->iov;
+    count = 2;
+  }
+  p->sending = true;
+  p->resend_due = false;
+  void* req = ucp_am_send_nbx(ep_, wire::kAmIdRequest, p->frame.data(), p->frame.size(), buffer,
+                              count, &param);
+  if (UCS_PTR_IS_PTR(req)) return;
+  delete tag;
+  SendCompleted(p->request_id, UCS_PTR_STATUS(req));
+}
+
+void ClientImpl::OnSendDone(void* request, ucs_status_t status, void* user_data) {
+  std::unique_ptr<SendTag> tag(static_cast<SendTag*>(user_data));
+  ucp_request_free(request);
+  tag->client->SendCompleted(tag->request_id, status);
+}
+
+void ClientImpl::SendCompleted(uint64_t request_id, ucs_status_t status) {
+  auto it = pending_.find(request_id);
+  if (it == pending_.end()) return;
+  it->second->sending = false;
+  if (status != UCS_OK) {
+    Fail(request_id, UcsStatusToStatus(status, "send"));
+    return;
+  }
+  MaybeComplete(request_id);
+}
+
+void ClientImpl::Fail(uint64_t request_id, absl::Status status) {
+  auto it = pending_.find(request_id);
+  if (it == pending_.end()) return;
+  Pending& p = *it->second;
+  if (p.failure.ok()) p.failure = std::move(status);
+  p.resend_due = false;
+  MaybeComplete(request_id);  // waits while UCX still references the request's memory
+}
+
+void ClientImpl::FailAll(const absl::Status& status) {
+  std::vector<uint64_t> ids;
+  for (const auto& [id, p] : pending_) ids.push_back(id);
+  for (uint64_t id : ids) {
+    auto it = pending_.find(id);
+    if (it == pending_.end()) continue;
+    std::unique_ptr<Pending> p = std::move(it->second);
+    pending_.erase(it);
+    p->callback(status);
+  }
+}
+
+void ClientImpl::MaybeComplete(uint64_t request_id) {
+  auto it = pending_.find(request_id);
+  if (it == pending_.end()) return;
+  Pending& p = *it->second;
+  if (p.sending || p.receiving) return;
+  if (!p.failure.ok()) {
+    std::unique_ptr<Pending> failed = std::move(it->second);
+    pending_.erase(it);
+    failed->callback(std::move(failed->failure));
+    return;
+  }
+  if (p.reply == nullptr) return;
+  if (p.reply->header.type == wire::MessageType::kBusy) {
+    wire::Busy busy;
+    absl::Status s = wire::Decode(p.reply->frame(), &busy);
+    p.reply.reset();
+    const absl::Time now = absl::Now();
+    absl::Duration wait = p.backoff == absl::ZeroDuration()
+                              ? absl::Microseconds(std::max<uint32_t>(busy.retry_after_us, 50))
+                              : std::min(p.backoff * 2, options_.max_busy_backoff);
+    p.backoff = wait;
+    if (s.ok() && now + wait < p.deadline) {
+      p.resend_at = now + wait;
+      p.resend_due = true;
+      return;
+    }
+    Fail(request_id, s.ok() ? BusyError(absl::StrFormat(
+                                  "server busy (%u of %u bytes in flight) until the deadline",
+                                  busy.inflight_bytes, busy.limit_bytes))
+                            : s);
+    return;
+  }
+  std::unique_ptr<Pending> done = std::move(it->second);
+  pending_.erase(it);
+  done->callback(std::move(*done->reply));
+}
+
+void ClientImpl::Tick() {
+  const absl::Time now = absl::Now();
+  std::vector<uint64_t> expired, resend;
+  for (const auto& [id, p] : pending_) {
+    if (!p->failure.ok()) continue;
+    if (now > p->deadline) {
+      expired.push_back(id);
+    } else if (p->resend_due && !p->sending && now >= p->resend_at) {
+      resend.push_back(id);
+    }
+  }
+  for (uint64_t id : resend) {
+    auto it = pending_.find(id);
+    if (it != pending_.end() && broken_.ok()) StartSend(it->second.get());
+  }
+  for (uint64_t id : expired) {
+    Fail(id, absl::DeadlineExceededError(
+                 absl::StrCat("request ", id, ": no reply within the request timeout")));
+  }
+}
+
+// ---- receiving ----
+
+void ClientImpl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* self = static_cast<ClientImpl*>(arg);
+  self->connected_.store(false);
+  if (!self->broken_.ok()) return;
+  self->broken_ = UcsStatusToStatus(status, "connection lost");
+  std::vector<uint64_t> ids;
+  for (const auto& [id, p] : self->pending_) ids.push_back(id);
+  for (uint64_t id : ids) self->Fail(id, self->broken_);
+  // Closing cancels what UCX still holds, which completes the failed requests.
+  ucp_request_param_t p = {};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  self->close_request_ = ucp_ep_close_nbx(self->ep_, &p);
+  self->ep_ = nullptr;
+}
+
+ucs_status_t ClientImpl::OnAm(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<ClientImpl*>(arg);
+  self->ReplyArrived(header, header_length, data, length,
+                     (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
+  return UCS_OK;
+}
+
+void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* data,
+                              size_t length, bool rndv) {
+  const absl::string_view hv(static_cast<const char*>(header), header_length);
+  absl::StatusOr<wire::Frame> f = wire::ParseFrame(hv, length);
+  if (!f.ok()) {
+    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    const uint64_t rid = wire::PeekRequestId(hv);
+    if (rid != 0) Fail(rid, Annotate(f.status(), "malformed reply"));
+    return;
+  }
+  auto it = pending_.find(f->header.request_id);
+  if (it == pending_.end() || it->second->reply != nullptr || it->second->receiving ||
+      !it->second->failure.ok()) {
+    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    return;  // late reply of a request that already failed
+  }
+  Pending& p = *it->second;
+  auto reply = std::make_unique<Reply>();
+  reply->header = f->header;
+  reply->body = std::string(f->body);
+  if (length == 0) {
+    p.reply = std::move(reply);
+    MaybeComplete(p.request_id);
+    return;
+  }
+  if (f->header.type != wire::MessageType::kGetReply) {
+    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    Fail(p.request_id, absl::DataLossError("reply carries an unexpected payload"));
+    return;
+  }
+  if (p.dst != nullptr) {
+    if (length > p.capacity) {
+      if (rndv) ucp_am_data_release(loop_->worker(), data);
+      Fail(p.request_id, absl::OutOfRangeError(absl::StrFormat(
+                             "cache of %u bytes does not fit the %u-byte buffer", length,
+                             p.capacity)));
+      return;
+    }
+    reply->payload = Buffer::Wrap(p.dst, length, p.dst_memory, nullptr);
+  } else {
+    reply->payload = Buffer::Allocate(length);
+  }
+  if (!rndv) {
+    if (reply->payload.memory_type() != MemoryType::kHost) {
+      Fail(p.request_id, absl::UnimplementedError("eager reply into device memory"));
+      return;
+    }
+    std::memcpy(reply->payload.data(), data, length);
+    p.reply = std::move(reply);
+    MaybeComplete(p.request_id);
+    return;
+  }
+  auto* ctx = new RecvContext{this, p.request_id, std::move(reply)};
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.recv_am = &ClientImpl::OnRecvDone;
+  param.user_data = ctx;
+  if (ctx->reply->payload.memory_type() == MemoryType::kCuda) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
+  p.receiving = true;
+  void* req =
+      ucp_am_recv_data_nbx(loop_->worker(), data, ctx->reply->payload.data(), length, &param);
+  if (req == nullptr) {
+    ReplyPayloadDone(ctx, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(req)) {
+    ReplyPayloadDone(ctx, UCS_PTR_STATUS(req));
+  }
+}
+
+void ClientImpl::OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data) {
+  auto* ctx = static_cast<RecvContext*>(user_data);
+  ucp_request_free(request);
+  ctx->client->ReplyPayloadDone(ctx, status);
+}
+
+void ClientImpl::ReplyPayloadDone(RecvContext* raw, ucs_status_t status) {
+  std::unique_ptr<RecvContext> ctx(raw);
+  auto it = pending_.find(ctx->request_id);
+  if (it == pending_.end()) return;
+  it->second->receiving = false;
+  if (status != UCS_OK) {
+    Fail(ctx->request_id, UcsStatusToStatus(status, "receive of the cache"));
+    return;
+  }
+  it->second->reply = std::move(ctx->reply);
+  MaybeComplete(ctx->request_id);
+}
+
+// ---- synchronous calls ----
+
+absl::StatusOr<Reply> ClientImpl::Wait(std::unique_ptr<Pending> p) {
+  absl::Notification done;
+  absl::StatusOr<Reply> result = absl::UnknownError("no reply");
+  p->callback = [&done, &result](absl::StatusOr<Reply> r) {
+    result = std::move(r);
+    done.Notify();
+  };
+  Submit(std::move(p));
+  done.WaitForNotification();
+  return result;
+}
+
+absl::StatusOr<Reply> ClientImpl::Call(uint64_t request_id, std::string frame,
+                                       absl::Duration timeout) {
+  auto p = std::make_unique<Pending>();
+  p->request_id = request_id;
+  p->frame = std::move(frame);
+  p->deadline = absl::Now() + timeout;
+  return Wait(std::move(p));
+}
+
+absl::Status ValidateKey(absl::string_view model_id, absl::string_view key) {
+  CacheKey k;
+  k.tenant = "default";
+  k.model_id = std::string(model_id);
+  k.key = std::string(key);
+  return k.Validate();
+}
+
+// The status of a reply that must be kStatus (OK or an error).
+absl::Status StatusOfReply(const Reply& r) {
+  if (r.header.type != wire::MessageType::kStatus) {
+    return absl::InternalError(absl::StrCat("unexpected reply ",
+                                            wire::MessageTypeName(r.header.type)));
+  }
+  wire::StatusReply st;
+  KVCOMP_RETURN_IF_ERROR(wire::Decode(r.frame(), &st));
+  return st.ToStatus();
+}
+
+absl::StatusOr<wire::CacheSummary> SummaryOfReply(const Reply& r) {
+  if (r.header.type == wire::MessageType::kStatus) {
+    absl::Status s = StatusOfReply(r);
+    if (s.ok()) s = absl::InternalError("status OK where a cache summary was expected");
+    return s;
+  }
+  wire::CacheSummary summary;
+  KVCOMP_RETURN_IF_ERROR(wire::Decode(r.frame(), &summary));
+  return summary;
+}
+
+absl::StatusOr<uint64_t> ClientImpl::PutBegin(const wire::PutBegin& begin) {
+  wire::PutBegin b = begin;
+  if (b.put_id == 0) b.put_id = next_put_id_.fetch_add(1);
+  KVCOMP_RETURN_IF_ERROR(b.layout.Validate());
+  if (b.num_tokens == 0 || b.num_tokens > KvLayout::kMaxTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("num_tokens ", b.num_tokens, " out of range"));
+  }
+  KVCOMP_RETURN_IF_ERROR(ValidateKey(b.model_id, b.key));
+  if (b.has_policy) KVCOMP_RETURN_IF_ERROR(b.policy.ValidateFor(b.layout.head_dim));
+  const uint64_t rid = NextRequestId();
+  KVCOMP_ASSIGN_OR_RETURN(Reply r, Call(rid, wire::Encode(rid, b), options_.request_timeout));
+  KVCOMP_RETURN_IF_ERROR(StatusOfReply(r));
+  return b.put_id;
+}
+
+void ClientImpl::SendBlockAsync(const wire::Block& block, const void* keys, const void* values,
+                                absl::AnyInvocable<void(absl::Status)> done) {
+  wire::Block b = block;
+  auto p = std::make_unique<Pending>();
+  p->request_id = NextRequestId();
+  const bool has_k = b.parts & wire::kPartKeys, has_v = b.parts & wire::kPartValues;
+  if ((has_k && keys == nullptr) || (has_v && values == nullptr) || b.parts == 0 ||
+      b.parts > wire::kPartBoth) {
+    done(absl::InvalidArgumentError("SendBlock: parts and key/value pointers disagree"));
+    return;
+  }
+  if (!has_k) b.key_bytes = 0;
+  if (!has_v) b.value_bytes = 0;
+  b.key_crc = has_k ? Crc32c(keys, b.key_bytes) : 0;
+  b.value_crc = has_v ? Crc32c(values, b.value_bytes) : 0;
+  if (has_k && has_v && static_cast<const uint8_t*>(keys) + b.key_bytes == values) {
+    p->iov[0] = {const_cast<void*>(keys), b.key_bytes + b.value_bytes};  // adjacent: contiguous
+    p->iov_count = 1;
+  } else if (has_k && has_v) {
+    p->iov[0] = {const_cast<void*>(keys), b.key_bytes};
+    p->iov[1] = {const_cast<void*>(values), b.value_bytes};
+    p->iov_count = 2;
+  } else {
+    p->iov[0] = {const_cast<void*>(has_k ? keys : values), has_k ? b.key_bytes : b.value_bytes};
+    p->iov_count = 1;
+  }
+  p->payload_bytes = b.payload_bytes();
+  p->frame = wire::Encode(p->request_id, b);
+  p->deadline = absl::Now() + options_.request_timeout;
+  p->callback = [done = std::move(done)](absl::StatusOr<Reply> r) mutable {
+    done(r.ok() ? StatusOfReply(*r) : r.status());
+  };
+  Submit(std::move(p));
+}
+
+absl::Status ClientImpl::SendBlock(const wire::Block& block, const void* keys,
+                                   const void* values) {
+  absl::Notification n;
+  absl::Status result;
+  SendBlockAsync(block, keys, values, [&](absl::Status s) {
+    result = std::move(s);
+    n.Notify();
+  });
+  n.WaitForNotification();
+  return result;
+}
+
+absl::StatusOr<wire::CacheSummary> ClientImpl::PutCommit(uint64_t put_id, uint64_t num_blocks) {
+  const uint64_t rid = NextRequestId();
+  KVCOMP_ASSIGN_OR_RETURN(Reply r, Call(rid, wire::Encode(rid, wire::PutCommit{put_id, num_blocks}),
+                                        options_.request_timeout));
+  return SummaryOfReply(r);
+}
+
+absl::Status ClientImpl::PutAbort(uint64_t put_id) {
+  const uint64_t rid = NextRequestId();
+  KVCOMP_ASSIGN_OR_RETURN(
+      Reply r, Call(rid, wire::Encode(rid, wire::PutAbort{put_id}), options_.request_timeout));
+  return StatusOfReply(r);
+}
+
+absl::StatusOr<Reply> ClientImpl::GetReply(absl::string_view model_id, absl::string_view key,
+                                           wire::Representation representation, void* dst,
+                                           size_t capacity, MemoryType memory) {
+  KVCOMP_RETURN_IF_ERROR(ValidateKey(model_id, key));
+  wire::Get get{representation, std::string(model_id), std::string(key)};
+  auto p = std::make_unique<Pending>();
+  p->request_id = NextRequestId();
+  p->frame = wire::Encode(p->request_id, get);
+  p->deadline = absl::Now() + options_.request_timeout;
+  p->dst = dst;
+  p->capacity = capacity;
+  p->dst_memory = memory;
+  KVCOMP_ASSIGN_OR_RETURN(Reply r, Wait(std::move(p)));
+  if (r.header.type == wire::MessageType::kStatus) {
+    absl::Status s = StatusOfReply(r);
+    if (s.ok()) s = absl::InternalError("get answered OK without the cache");
+    return s;
+  }
+  wire::GetReply gr;
+  KVCOMP_RETURN_IF_ERROR(wire::Decode(r.frame(), &gr));
+  if (gr.has_crc && r.payload.memory_type() == MemoryType::kHost &&
+      Crc32c(r.payload.data(), r.payload.size()) != gr.payload_crc) {
+    return absl::DataLossError("get: checksum mismatch of the received cache");
+  }
+  return r;
+}
+
+absl::StatusOr<FetchedCache> ClientImpl::Get(absl::string_view model_id, absl::string_view key,
+                                             wire::Representation representation) {
+  KVCOMP_ASSIGN_OR_RETURN(Reply r, GetReply(model_id, key, representation, nullptr, 0,
+                                            MemoryType::kHost));
+  wire::GetReply gr;
+  KVCOMP_RETURN_IF_ERROR(wire::Decode(r.frame(), &gr));
+  return FetchedCache{std::move(r.payload), gr.representation};
+}
+
+absl::StatusOr<size_t> ClientImpl::GetInto(absl::string_view model_id, absl::string_view key,
+                                           wire::Representation representation, void* dst,
+                                           size_t capacity, MemoryType memory) {
+  if (dst == nullptr && capacity > 0) return absl::InvalidArgumentError("GetInto: null buffer");
+  KVCOMP_ASSIGN_OR_RETURN(Reply r,
+                          GetReply(model_id, key, representation, dst, capacity, memory));
+  return r.payload.size();
+}
+
+absl::StatusOr<wire::CacheSummary> ClientImpl::Lookup(absl::string_view model_id,
+                                                      absl::string_view key) {
+  KVCOMP_RETURN_IF_ERROR(ValidateKey(model_id, key));
+  const uint64_t rid = NextRequestId();
+  wire::Lookup m{std::string(model_id), std::string(key)};
+  KVCOMP_ASSIGN_OR_RETURN(Reply r, Call(rid, wire::Encode(rid, m), options_.request_timeout));
+  return SummaryOfReply(r);
+}
+
+absl::Status ClientImpl::Delete(absl::string_view model_id, absl::string_view key) {
+  KVCOMP_RETURN_IF_ERROR(ValidateKey(model_id, key));
+  const uint64_t rid = NextRequestId();
+  wire::Delete m{std::string(model_id), std::string(key)};
+  KVCOMP_ASSIGN_OR_RETURN(Reply r, Call(rid, wire::Encode(rid, m), options_.request_timeout));
+  return StatusOfReply(r);
+}
+
+absl::Status ClientImpl::Ping() {
+  const uint64_t rid = NextRequestId();
+  KVCOMP_ASSIGN_OR_RETURN(Reply r,
+                          Call(rid, wire::Encode(rid, wire::Ping{}), options_.request_timeout));
+  return StatusOfReply(r);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& endpoint,
+                                                              absl::string_view tenant,
+                                                              absl::string_view token,
+                                                              const ClientOptions& options) {
+  auto client = std::make_unique<ClientImpl>(options);
+  KVCOMP_RETURN_IF_ERROR(client->Connect(endpoint, tenant, token));
+  return std::unique_ptr<UcxClient>(std::move(client));
+}
+
+}  // namespace transport
+}  // namespace kvcomp

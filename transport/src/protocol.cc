@@ -1,0 +1,757 @@
+#include "kvcomp/transport/protocol.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "the wire protocol is little-endian; add byte swaps for big-endian hosts");
+
+namespace kvcomp {
+namespace transport {
+namespace wire {
+namespace {
+
+// Frame header offsets (docs/protocol.md).
+constexpr size_t kOffMagic = 0;
+constexpr size_t kOffMajor = 4;
+constexpr size_t kOffMinor = 5;
+constexpr size_t kOffType = 6;
+constexpr size_t kOffFlags = 7;
+constexpr size_t kOffRequestId = 8;
+constexpr size_t kOffPayload = 16;
+constexpr size_t kOffBodyBytes = 24;
+constexpr size_t kOffCrc = 28;
+
+constexpr uint8_t kPutFlagBlockWise = 1;
+constexpr uint8_t kPutFlagHasPolicy = 2;
+constexpr uint8_t kGetFlagHasCrc = 1;
+
+class Writer {
+ public:
+  template <typename T>
+  void Put(T v) {
+    const size_t at = out_.size();
+    out_.resize(at + sizeof(T));
+    std::memcpy(&out_[at], &v, sizeof(T));
+  }
+  void Zeros(size_t n) { out_.append(n, '\0'); }
+  // u16 length + bytes; the caller bounds the length.
+  void Str(absl::string_view s) {
+    Put<uint16_t>(static_cast<uint16_t>(s.size()));
+    out_.append(s.data(), s.size());
+  }
+  void Raw(absl::string_view s) { out_.append(s.data(), s.size()); }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+// Bounds-checked reading of a body; the first failure sticks and names the field.
+class Reader {
+ public:
+  Reader(absl::string_view body, MessageType type) : p_(body), type_(type) {}
+
+  template <typename T>
+  T Get(absl::string_view field) {
+    T v{};
+    if (!Need(sizeof(T), field)) return v;
+    std::memcpy(&v, p_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return v;
+  }
+  void Skip(size_t n, absl::string_view field) {
+    if (!Need(n, field)) return;
+    for (size_t i = 0; i < n; ++i) {
+      if (p_[at_ + i] != 0) {
+        Fail(absl::InvalidArgumentError(Prefix(absl::StrCat(field, " must be zero"))));
+        return;
+      }
+    }
+    at_ += n;
+  }
+  std::string Str(absl::string_view field, size_t max) {
+    const uint16_t n = Get<uint16_t>(field);
+    if (!status_.ok()) return {};
+    if (n > max) {
+      Fail(absl::InvalidArgumentError(
+          Prefix(absl::StrFormat("%s has %u bytes, at most %u allowed", field, n, max))));
+      return {};
+    }
+    return Bytes(n, field);
+  }
+  std::string Bytes(size_t n, absl::string_view field) {
+    if (!Need(n, field)) return {};
+    std::string s(p_.substr(at_, n));
+    at_ += n;
+    return s;
+  }
+  void Fail(absl::Status s) {
+    if (status_.ok()) status_ = std::move(s);
+  }
+  std::string Prefix(absl::string_view what) const {
+    return absl::StrCat("protocol: ", MessageTypeName(type_), ": ", what);
+  }
+  // OK when everything was read and nothing is left over.
+  absl::Status Finish() {
+    if (status_.ok() && at_ != p_.size()) {
+      status_ = absl::InvalidArgumentError(
+          Prefix(absl::StrFormat("%u trailing bytes in the body", p_.size() - at_)));
+    }
+    return status_;
+  }
+  bool ok() const { return status_.ok(); }
+
+ private:
+  bool Need(size_t n, absl::string_view field) {
+    if (!status_.ok()) return false;
+    if (p_.size() - at_ < n) {
+      status_ = absl::DataLossError(Prefix(
+          absl::StrFormat("truncated body: %s needs %u bytes, %u left", field, n, p_.size() - at_)));
+      return false;
+    }
+    return true;
+  }
+
+  absl::string_view p_;
+  size_t at_ = 0;
+  MessageType type_;
+  absl::Status status_;
+};
+
+std::string MakeFrame(MessageType type, uint64_t request_id, uint64_t payload_bytes,
+                  absl::string_view body) {
+  std::string f(kFrameHeaderBytes, '\0');
+  auto put = [&f](size_t off, auto v) { std::memcpy(&f[off], &v, sizeof(v)); };
+  put(kOffMagic, kMagic);
+  put(kOffMajor, kMajorVersion);
+  put(kOffMinor, kMinorVersion);
+  put(kOffType, static_cast<uint8_t>(type));
+  put(kOffFlags, uint8_t{0});
+  put(kOffRequestId, request_id);
+  put(kOffPayload, payload_bytes);
+  put(kOffBodyBytes, static_cast<uint32_t>(body.size()));
+  f.append(body.data(), body.size());
+  uint32_t crc = Crc32cExtend(0, f.data(), kOffCrc);
+  crc = Crc32cExtend(crc, f.data() + kFrameHeaderBytes, body.size());
+  put(kOffCrc, crc);
+  return f;
+}
+
+absl::Status ExpectType(const Frame& frame, MessageType want) {
+  if (frame.header.type == want) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("protocol: expected a ", MessageTypeName(want),
+                                                 " message, got ",
+                                                 MessageTypeName(frame.header.type)));
+}
+
+absl::Status ExpectNoPayload(const Frame& frame) {
+  if (frame.header.payload_bytes == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrFormat("protocol: %s carries no payload, %u bytes announced",
+                      MessageTypeName(frame.header.type), frame.header.payload_bytes));
+}
+
+// Model id and key of a cache (the tenant comes from the connection).
+void PutKey(Writer& w, absl::string_view model_id, absl::string_view key) {
+  w.Str(model_id);
+  w.Str(key);
+}
+void GetKey(Reader& r, std::string* model_id, std::string* key) {
+  *model_id = r.Str("model_id", CacheKey::kMaxModelBytes);
+  *key = r.Str("key", CacheKey::kMaxKeyBytes);
+  if (!r.ok()) return;
+  CacheKey k{"default", *model_id, *key};
+  if (absl::Status s = k.Validate(); !s.ok()) {
+    r.Fail(absl::InvalidArgumentError(r.Prefix(s.message())));
+  }
+}
+
+std::string Cut(absl::string_view s, size_t max) {
+  return std::string(s.substr(0, std::min(s.size(), max)));
+}
+
+void PutLayout(Writer& w, const KvLayout& l) {
+  w.Put<uint32_t>(l.num_layers);
+  w.Put<uint32_t>(l.num_kv_heads);
+  w.Put<uint32_t>(l.num_q_heads);
+  w.Put<uint32_t>(l.head_dim);
+  w.Put<uint8_t>(static_cast<uint8_t>(l.dtype));
+}
+KvLayout GetLayout(Reader& r) {
+  KvLayout l;
+  l.num_layers = r.Get<uint32_t>("num_layers");
+  l.num_kv_heads = r.Get<uint32_t>("num_kv_heads");
+  l.num_q_heads = r.Get<uint32_t>("num_q_heads");
+  l.head_dim = r.Get<uint32_t>("head_dim");
+  const uint8_t dtype = r.Get<uint8_t>("dtype");
+  if (!r.ok()) return l;
+  if (!IsValidDType(dtype)) {
+    r.Fail(absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown dtype %u", dtype))));
+    return l;
+  }
+  l.dtype = static_cast<DType>(dtype);
+  if (absl::Status s = l.Validate(); !s.ok()) {
+    r.Fail(absl::InvalidArgumentError(r.Prefix(s.message())));
+  }
+  return l;
+}
+
+void PutSummary(Writer& w, const CacheSummary& m) {
+  PutLayout(w, m.layout);
+  w.Put<uint8_t>(static_cast<uint8_t>(m.key_codec));
+  w.Put<uint8_t>(static_cast<uint8_t>(m.value_codec));
+  w.Put<uint8_t>(m.tier);
+  w.Put<uint64_t>(m.original_tokens);
+  w.Put<uint64_t>(m.total_kept);
+  w.Put<uint64_t>(m.original_bytes);
+  w.Put<uint64_t>(m.stored_bytes);
+}
+
+}  // namespace
+
+absl::string_view MessageTypeName(MessageType type) {
+  switch (type) {
+    case MessageType::kHello:
+      return "hello";
+    case MessageType::kHelloOk:
+      return "hello-ok";
+    case MessageType::kPutBegin:
+      return "put-begin";
+    case MessageType::kBlock:
+      return "block";
+    case MessageType::kPutCommit:
+      return "put-commit";
+    case MessageType::kPutCommitOk:
+      return "put-commit-ok";
+    case MessageType::kPutAbort:
+      return "put-abort";
+    case MessageType::kGet:
+      return "get";
+    case MessageType::kGetReply:
+      return "get-reply";
+    case MessageType::kLookup:
+      return "lookup";
+    case MessageType::kLookupReply:
+      return "lookup-reply";
+    case MessageType::kDelete:
+      return "delete";
+    case MessageType::kStatus:
+      return "status";
+    case MessageType::kBusy:
+      return "busy";
+    case MessageType::kPing:
+      return "ping";
+  }
+  return "unknown";
+}
+
+bool IsKnownMessageType(uint8_t value) {
+  return value >= static_cast<uint8_t>(MessageType::kHello) &&
+         value <= static_cast<uint8_t>(MessageType::kPing);
+}
+
+// ---- Block ----
+
+uint64_t Block::ExpectedPartBytes(const KvLayout& layout) const {
+  if (layer_end <= layer_begin || token_end <= token_begin) return 0;
+  return uint64_t{layer_end - layer_begin} * layout.LayerBytes(token_end - token_begin);
+}
+
+absl::Status Block::ValidateAgainst(const KvLayout& layout, uint64_t num_tokens) const {
+  if (layer_end > layout.num_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "block: layers [%u, %u) beyond the layout's %u layers", layer_begin, layer_end,
+        layout.num_layers));
+  }
+  if (token_end > num_tokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "block: tokens [%u, %u) beyond the put's %u tokens", token_begin, token_end, num_tokens));
+  }
+  const uint64_t want = ExpectedPartBytes(layout);
+  if ((parts & kPartKeys) && key_bytes != want) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "block: %u key bytes, layers [%u, %u) x tokens [%u, %u) of %s need %u", key_bytes,
+        layer_begin, layer_end, token_begin, token_end, layout.DebugString(), want));
+  }
+  if ((parts & kPartValues) && value_bytes != want) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "block: %u value bytes, layers [%u, %u) x tokens [%u, %u) of %s need %u", value_bytes,
+        layer_begin, layer_end, token_begin, token_end, layout.DebugString(), want));
+  }
+  return absl::OkStatus();
+}
+
+// ---- StatusReply ----
+
+absl::Status StatusReply::ToStatus() const {
+  const absl::StatusCode c = StatusCodeFromWire(code);
+  if (c == absl::StatusCode::kOk) return absl::OkStatus();
+  return absl::Status(c, message);
+}
+
+StatusReply StatusReply::FromStatus(const absl::Status& status) {
+  StatusReply r;
+  r.code = StatusCodeToWire(status.code());
+  r.message = Cut(status.message(), kMaxMessageBytes);
+  return r;
+}
+
+// ---- frames ----
+
+absl::StatusOr<Frame> ParseFrame(absl::string_view frame, uint64_t payload_bytes) {
+  if (frame.size() < kFrameHeaderBytes) {
+    return absl::DataLossError(absl::StrFormat(
+        "protocol: frame of %u bytes is shorter than the %u-byte header", frame.size(),
+        kFrameHeaderBytes));
+  }
+  auto get = [&frame](size_t off, auto* v) { std::memcpy(v, frame.data() + off, sizeof(*v)); };
+  uint32_t magic, body_bytes, crc;
+  uint8_t type, flags;
+  Frame f;
+  get(kOffMagic, &magic);
+  get(kOffMajor, &f.header.major);
+  get(kOffMinor, &f.header.minor);
+  get(kOffType, &type);
+  get(kOffFlags, &flags);
+  get(kOffRequestId, &f.header.request_id);
+  get(kOffPayload, &f.header.payload_bytes);
+  get(kOffBodyBytes, &body_bytes);
+  get(kOffCrc, &crc);
+  if (magic != kMagic) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("protocol: bad magic 0x%08x (want 0x%08x)", magic, kMagic));
+  }
+  if (frame.size() > kMaxFrameBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "protocol: frame of %u bytes exceeds the %u-byte limit", frame.size(), kMaxFrameBytes));
+  }
+  if (uint64_t{body_bytes} + kFrameHeaderBytes != frame.size()) {
+    return absl::DataLossError(absl::StrFormat(
+        "protocol: frame announces a %u-byte body, %u bytes present", body_bytes,
+        frame.size() - kFrameHeaderBytes));
+  }
+  const uint32_t want = Crc32cExtend(Crc32cExtend(0, frame.data(), kOffCrc),
+                                     frame.data() + kFrameHeaderBytes, body_bytes);
+  if (crc != want) {
+    return absl::DataLossError(absl::StrFormat(
+        "protocol: frame checksum mismatch (0x%08x stored, 0x%08x computed)", crc, want));
+  }
+  if (f.header.major != kMajorVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "protocol: version %u.%u not supported (this side speaks %u.%u)", f.header.major,
+        f.header.minor, kMajorVersion, kMinorVersion));
+  }
+  if (!IsKnownMessageType(type)) {
+    return absl::UnimplementedError(absl::StrFormat("protocol: unknown message type %u", type));
+  }
+  if (flags != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("protocol: reserved flags 0x%02x set",
+                                                      flags));
+  }
+  f.header.type = static_cast<MessageType>(type);
+  f.header.flags = flags;
+  f.header.body_bytes = body_bytes;
+  if (f.header.payload_bytes > kMaxPayloadBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "protocol: payload of %u bytes exceeds the protocol limit", f.header.payload_bytes));
+  }
+  if (f.header.payload_bytes != payload_bytes) {
+    return absl::DataLossError(absl::StrFormat(
+        "protocol: %s announces %u payload bytes, %u arrived", MessageTypeName(f.header.type),
+        f.header.payload_bytes, payload_bytes));
+  }
+  f.body = frame.substr(kFrameHeaderBytes);
+  return f;
+}
+
+uint64_t PeekRequestId(absl::string_view frame) {
+  if (frame.size() < kFrameHeaderBytes) return 0;
+  uint32_t magic;
+  std::memcpy(&magic, frame.data() + kOffMagic, sizeof(magic));
+  if (magic != kMagic) return 0;
+  uint64_t id;
+  std::memcpy(&id, frame.data() + kOffRequestId, sizeof(id));
+  return id;
+}
+
+// ---- encoders ----
+
+std::string Encode(uint64_t request_id, const Hello& m) {
+  Writer w;
+  w.Str(Cut(m.tenant, CacheKey::kMaxTenantBytes));
+  w.Str(Cut(m.token, kMaxTokenBytes));
+  w.Str(Cut(m.client_name, kMaxNameBytes));
+  return MakeFrame(MessageType::kHello, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const HelloOk& m) {
+  Writer w;
+  w.Put<uint8_t>(m.server_major);
+  w.Put<uint8_t>(m.server_minor);
+  w.Zeros(6);
+  w.Put<uint64_t>(m.max_payload_bytes);
+  w.Put<uint64_t>(m.max_inflight_bytes);
+  w.Str(Cut(m.tenant, CacheKey::kMaxTenantBytes));
+  w.Str(Cut(m.server_name, kMaxNameBytes));
+  return MakeFrame(MessageType::kHelloOk, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const PutBegin& m) {
+  Writer w;
+  w.Put<uint64_t>(m.put_id);
+  w.Put<uint64_t>(m.num_tokens);
+  PutLayout(w, m.layout);
+  uint8_t flags = 0;
+  if (m.block_wise) flags |= kPutFlagBlockWise;
+  if (m.has_policy) flags |= kPutFlagHasPolicy;
+  w.Put<uint8_t>(flags);
+  w.Zeros(2);
+  PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
+  const std::string policy = m.has_policy ? format::EncodePolicyRecords(m.policy) : "";
+  w.Put<uint16_t>(static_cast<uint16_t>(policy.size()));
+  w.Raw(policy);
+  return MakeFrame(MessageType::kPutBegin, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const Block& m) {
+  Writer w;
+  w.Put<uint64_t>(m.put_id);
+  w.Put<uint32_t>(m.layer_begin);
+  w.Put<uint32_t>(m.layer_end);
+  w.Put<uint64_t>(m.token_begin);
+  w.Put<uint64_t>(m.token_end);
+  w.Put<uint8_t>(m.parts);
+  w.Zeros(3);
+  w.Put<uint32_t>(m.key_crc);
+  w.Put<uint32_t>(m.value_crc);
+  w.Zeros(4);
+  w.Put<uint64_t>(m.key_bytes);
+  w.Put<uint64_t>(m.value_bytes);
+  return MakeFrame(MessageType::kBlock, request_id, m.payload_bytes(), w.Take());
+}
+
+std::string Encode(uint64_t request_id, const PutCommit& m) {
+  Writer w;
+  w.Put<uint64_t>(m.put_id);
+  w.Put<uint64_t>(m.num_blocks);
+  return MakeFrame(MessageType::kPutCommit, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const CacheSummary& m) {
+  Writer w;
+  PutSummary(w, m);
+  return MakeFrame(MessageType::kPutCommitOk, request_id, 0, w.Take());
+}
+
+std::string EncodeLookupReply(uint64_t request_id, const CacheSummary& m) {
+  Writer w;
+  PutSummary(w, m);
+  return MakeFrame(MessageType::kLookupReply, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const PutAbort& m) {
+  Writer w;
+  w.Put<uint64_t>(m.put_id);
+  return MakeFrame(MessageType::kPutAbort, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const Get& m) {
+  Writer w;
+  w.Put<uint8_t>(static_cast<uint8_t>(m.representation));
+  w.Zeros(3);
+  PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
+  return MakeFrame(MessageType::kGet, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const GetReply& m, uint64_t payload_bytes) {
+  Writer w;
+  w.Put<uint8_t>(static_cast<uint8_t>(m.representation));
+  w.Put<uint8_t>(m.has_crc ? kGetFlagHasCrc : 0);
+  w.Zeros(2);
+  w.Put<uint32_t>(m.has_crc ? m.payload_crc : 0);
+  return MakeFrame(MessageType::kGetReply, request_id, payload_bytes, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const Lookup& m) {
+  Writer w;
+  PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
+  return MakeFrame(MessageType::kLookup, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const Delete& m) {
+  Writer w;
+  PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
+  return MakeFrame(MessageType::kDelete, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const StatusReply& m) {
+  Writer w;
+  w.Put<uint16_t>(m.code);
+  w.Str(Cut(m.message, kMaxMessageBytes));
+  return MakeFrame(MessageType::kStatus, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const Busy& m) {
+  Writer w;
+  w.Put<uint32_t>(m.retry_after_us);
+  w.Zeros(4);
+  w.Put<uint64_t>(m.inflight_bytes);
+  w.Put<uint64_t>(m.limit_bytes);
+  return MakeFrame(MessageType::kBusy, request_id, 0, w.Take());
+}
+
+std::string Encode(uint64_t request_id, const Ping&) {
+  return MakeFrame(MessageType::kPing, request_id, 0, "");
+}
+
+// ---- decoders ----
+
+absl::Status Decode(const Frame& f, Hello* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kHello));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  out->tenant = r.Str("tenant", CacheKey::kMaxTenantBytes);
+  out->token = r.Str("token", kMaxTokenBytes);
+  out->client_name = r.Str("client_name", kMaxNameBytes);
+  if (r.ok() && !out->tenant.empty()) {
+    CacheKey k{out->tenant, "m", "k"};
+    if (absl::Status s = k.Validate(); !s.ok()) {
+      r.Fail(absl::InvalidArgumentError(r.Prefix(s.message())));
+    }
+  }
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, HelloOk* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kHelloOk));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  out->server_major = r.Get<uint8_t>("server_major");
+  out->server_minor = r.Get<uint8_t>("server_minor");
+  r.Skip(6, "reserved");
+  out->max_payload_bytes = r.Get<uint64_t>("max_payload_bytes");
+  out->max_inflight_bytes = r.Get<uint64_t>("max_inflight_bytes");
+  out->tenant = r.Str("tenant", CacheKey::kMaxTenantBytes);
+  out->server_name = r.Str("server_name", kMaxNameBytes);
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, PutBegin* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kPutBegin));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  out->put_id = r.Get<uint64_t>("put_id");
+  out->num_tokens = r.Get<uint64_t>("num_tokens");
+  out->layout = GetLayout(r);
+  const uint8_t flags = r.Get<uint8_t>("flags");
+  r.Skip(2, "reserved");
+  GetKey(r, &out->model_id, &out->key);
+  const uint16_t policy_bytes = r.Get<uint16_t>("policy_bytes");
+  const std::string policy = r.Bytes(policy_bytes, "policy");
+  if (!r.ok()) return r.Finish();
+  if (out->put_id == 0) r.Fail(absl::InvalidArgumentError(r.Prefix("put_id 0 is reserved")));
+  if (out->num_tokens == 0 || out->num_tokens > KvLayout::kMaxTokens) {
+    r.Fail(absl::InvalidArgumentError(r.Prefix(absl::StrFormat(
+        "num_tokens %u out of range [1, %u]", out->num_tokens, KvLayout::kMaxTokens))));
+  }
+  if (flags & ~(kPutFlagBlockWise | kPutFlagHasPolicy)) {
+    r.Fail(absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags))));
+  }
+  out->block_wise = (flags & kPutFlagBlockWise) != 0;
+  out->has_policy = (flags & kPutFlagHasPolicy) != 0;
+  if (!out->has_policy && policy_bytes != 0) {
+    r.Fail(absl::InvalidArgumentError(r.Prefix("policy bytes without the has-policy flag")));
+  }
+  if (policy_bytes > kMaxPolicyBytes) {
+    r.Fail(absl::InvalidArgumentError(
+        r.Prefix(absl::StrFormat("policy of %u bytes exceeds %u", policy_bytes, kMaxPolicyBytes))));
+  }
+  if (out->has_policy && r.ok()) {
+    absl::StatusOr<CompressionPolicy> p = format::DecodePolicyRecords(policy);
+    if (!p.ok()) {
+      r.Fail(absl::InvalidArgumentError(r.Prefix(p.status().message())));
+    } else if (absl::Status s = p->ValidateFor(out->layout.head_dim); !s.ok()) {
+      r.Fail(absl::InvalidArgumentError(r.Prefix(s.message())));
+    } else {
+      out->policy = *std::move(p);
+    }
+  } else if (!out->has_policy) {
+    out->policy = CompressionPolicy();
+  }
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, Block* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kBlock));
+  Reader r(f.body, f.header.type);
+  out->put_id = r.Get<uint64_t>("put_id");
+  out->layer_begin = r.Get<uint32_t>("layer_begin");
+  out->layer_end = r.Get<uint32_t>("layer_end");
+  out->token_begin = r.Get<uint64_t>("token_begin");
+  out->token_end = r.Get<uint64_t>("token_end");
+  out->parts = r.Get<uint8_t>("parts");
+  r.Skip(3, "reserved");
+  out->key_crc = r.Get<uint32_t>("key_crc");
+  out->value_crc = r.Get<uint32_t>("value_crc");
+  r.Skip(4, "reserved");
+  out->key_bytes = r.Get<uint64_t>("key_bytes");
+  out->value_bytes = r.Get<uint64_t>("value_bytes");
+  KVCOMP_RETURN_IF_ERROR(r.Finish());
+  auto bad = [&r](const std::string& what) { return absl::InvalidArgumentError(r.Prefix(what)); };
+  if (out->layer_begin >= out->layer_end || out->layer_end > KvLayout::kMaxLayers) {
+    return bad(absl::StrFormat("bad layer range [%u, %u)", out->layer_begin, out->layer_end));
+  }
+  if (out->token_begin >= out->token_end || out->token_end > KvLayout::kMaxTokens) {
+    return bad(absl::StrFormat("bad token range [%u, %u)", out->token_begin, out->token_end));
+  }
+  if (out->parts == 0 || out->parts > kPartBoth) {
+    return bad(absl::StrFormat("bad parts %u (1 keys, 2 values, 3 both)", out->parts));
+  }
+  const bool has_k = out->parts & kPartKeys, has_v = out->parts & kPartValues;
+  if (has_k != (out->key_bytes > 0) || has_v != (out->value_bytes > 0)) {
+    return bad(absl::StrFormat("parts %u disagree with key_bytes %u / value_bytes %u", out->parts,
+                               out->key_bytes, out->value_bytes));
+  }
+  if ((!has_k && out->key_crc != 0) || (!has_v && out->value_crc != 0)) {
+    return bad("checksum of an absent part must be zero");
+  }
+  if (out->key_bytes > kMaxPayloadBytes || out->value_bytes > kMaxPayloadBytes ||
+      out->payload_bytes() != f.header.payload_bytes) {
+    return bad(absl::StrFormat("key_bytes %u + value_bytes %u != payload %u", out->key_bytes,
+                               out->value_bytes, f.header.payload_bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Decode(const Frame& f, PutCommit* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kPutCommit));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  out->put_id = r.Get<uint64_t>("put_id");
+  out->num_blocks = r.Get<uint64_t>("num_blocks");
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, CacheSummary* out) {
+  if (f.header.type != MessageType::kPutCommitOk && f.header.type != MessageType::kLookupReply) {
+    return ExpectType(f, MessageType::kLookupReply);
+  }
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  out->layout = GetLayout(r);
+  const uint8_t kc = r.Get<uint8_t>("key_codec");
+  const uint8_t vc = r.Get<uint8_t>("value_codec");
+  out->tier = r.Get<uint8_t>("tier");
+  out->original_tokens = r.Get<uint64_t>("original_tokens");
+  out->total_kept = r.Get<uint64_t>("total_kept");
+  out->original_bytes = r.Get<uint64_t>("original_bytes");
+  out->stored_bytes = r.Get<uint64_t>("stored_bytes");
+  KVCOMP_RETURN_IF_ERROR(r.Finish());
+  if (kc > static_cast<uint8_t>(KeyCodec::kInt8) ||
+      vc > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
+    return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown codecs %u/%u", kc, vc)));
+  }
+  out->key_codec = static_cast<KeyCodec>(kc);
+  out->value_codec = static_cast<ValueCodec>(vc);
+  return absl::OkStatus();
+}
+
+absl::Status Decode(const Frame& f, PutAbort* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kPutAbort));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  out->put_id = r.Get<uint64_t>("put_id");
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, Get* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kGet));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  const uint8_t rep = r.Get<uint8_t>("representation");
+  r.Skip(3, "reserved");
+  GetKey(r, &out->model_id, &out->key);
+  KVCOMP_RETURN_IF_ERROR(r.Finish());
+  if (rep > static_cast<uint8_t>(Representation::kDecoded)) {
+    return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown representation %u", rep)));
+  }
+  out->representation = static_cast<Representation>(rep);
+  return absl::OkStatus();
+}
+
+absl::Status Decode(const Frame& f, GetReply* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kGetReply));
+  Reader r(f.body, f.header.type);
+  const uint8_t rep = r.Get<uint8_t>("representation");
+  const uint8_t flags = r.Get<uint8_t>("flags");
+  r.Skip(2, "reserved");
+  out->payload_crc = r.Get<uint32_t>("payload_crc");
+  KVCOMP_RETURN_IF_ERROR(r.Finish());
+  if (rep > static_cast<uint8_t>(Representation::kDecoded)) {
+    return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown representation %u", rep)));
+  }
+  if (flags & ~kGetFlagHasCrc) {
+    return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags)));
+  }
+  out->representation = static_cast<Representation>(rep);
+  out->has_crc = (flags & kGetFlagHasCrc) != 0;
+  if (!out->has_crc && out->payload_crc != 0) {
+    return absl::InvalidArgumentError(r.Prefix("payload_crc set without the has-crc flag"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Decode(const Frame& f, Lookup* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kLookup));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  GetKey(r, &out->model_id, &out->key);
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, Delete* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kDelete));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  GetKey(r, &out->model_id, &out->key);
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, StatusReply* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kStatus));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  out->code = r.Get<uint16_t>("code");
+  out->message = r.Str("message", kMaxMessageBytes);
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, Busy* out) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kBusy));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  out->retry_after_us = r.Get<uint32_t>("retry_after_us");
+  r.Skip(4, "reserved");
+  out->inflight_bytes = r.Get<uint64_t>("inflight_bytes");
+  out->limit_bytes = r.Get<uint64_t>("limit_bytes");
+  return r.Finish();
+}
+
+absl::Status Decode(const Frame& f, Ping*) {
+  KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kPing));
+  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  Reader r(f.body, f.header.type);
+  return r.Finish();
+}
+
+}  // namespace wire
+}  // namespace transport
+}  // namespace kvcomp

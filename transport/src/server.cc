@@ -1,0 +1,890 @@
+#include "kvcomp/transport/server.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/status.h"
+#include "transport/src/ucx_util.h"
+
+namespace kvcomp {
+namespace transport {
+namespace {
+
+// An open put. Shared with completion callbacks, which may outlive the connection.
+struct PutState {
+  wire::PutBegin begin;
+  absl::Time last_activity;
+  uint64_t blocks_acked = 0;
+  uint64_t blocks_pending = 0;  // received or being received, not yet acknowledged
+  bool committing = false;
+};
+
+struct Connection {
+  uint64_t id = 0;
+  ucp_ep_h ep = nullptr;
+  Session session;
+  bool authenticated = false;
+  bool closed = false;
+  absl::Time created;
+  absl::Time last_activity;
+  uint64_t inflight_bytes = 0;
+  uint64_t pending_work = 0;  // handler completions and receives outstanding
+  absl::flat_hash_map<uint64_t, std::shared_ptr<PutState>> puts;
+};
+
+struct Counters {
+  std::atomic<uint64_t> connections_accepted{0}, connections_rejected{0}, connections_open{0},
+      hello_rejected{0}, messages_received{0}, malformed_messages{0}, bytes_received{0},
+      bytes_sent{0}, busy_replies{0}, checksum_failures{0}, puts_begun{0}, puts_committed{0},
+      puts_aborted{0}, puts_timed_out{0}, connections_timed_out{0}, inflight_bytes{0};
+};
+
+class ServerImpl;
+
+// A reply in flight: the frame and payload live until UCX is done with them.
+struct SendContext {
+  std::string frame;
+  Buffer payload;
+};
+
+// A block payload being received by rendezvous.
+struct RecvContext {
+  ServerImpl* server;
+  std::shared_ptr<Connection> conn;
+  std::shared_ptr<PutState> put;
+  uint64_t request_id;
+  wire::Block block;
+  Buffer payload;
+};
+
+class ServerImpl : public UcxServer {
+ public:
+  ServerImpl(const ServerOptions& options, RequestHandler* handler)
+      : options_(options), handler_(handler) {}
+  ~ServerImpl() override { Stop(); }
+
+  absl::Status Init();
+
+  uint16_t port() const override { return port_; }
+  std::string address() const override { return address_; }
+  void Drain() override { draining_.store(true); }
+  absl::Status WaitIdle(absl::Duration timeout) override;
+  void Stop() override;
+  ServerStats stats() const override;
+
+  // ---- loop thread ----
+  static void OnConnRequest(ucp_conn_request_h request, void* arg);
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+  static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data);
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data);
+
+ private:
+  void AcceptConnection(ucp_conn_request_h request);
+  void HandleMessage(const std::shared_ptr<Connection>& conn, absl::string_view header,
+                     void* data, size_t length, bool rndv);
+  void HandleHello(Connection& conn, const wire::Frame& f);
+  void HandlePutBegin(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
+  void HandleBlock(const std::shared_ptr<Connection>& conn, const wire::Frame& f, void* data,
+                   size_t length, bool rndv);
+  void HandleCommit(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
+  void HandleAbort(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
+  void HandleGet(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
+  void HandleLookup(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
+  void HandleDelete(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
+  void BlockReceived(RecvContext* ctx, ucs_status_t status);
+  void BlockDone(const std::shared_ptr<Connection>& conn, const std::shared_ptr<PutState>& put,
+                 uint64_t request_id, uint64_t bytes, const absl::Status& status);
+  void Tick();
+
+  void SendFrame(Connection& conn, std::string frame, Buffer payload = Buffer());
+  void SendStatus(Connection& conn, uint64_t request_id, const absl::Status& status);
+  void SendBusy(Connection& conn, uint64_t request_id);
+  void AbortPut(Connection& conn, uint64_t put_id, const absl::Status& reason);
+  void CloseConnection(const std::shared_ptr<Connection>& conn, const absl::Status& reason);
+  void ReleaseInflight(Connection& conn, uint64_t bytes);
+  PutContext MakePutContext(const Connection& conn, const PutState& put) const {
+    return PutContext{conn.session, put.begin.put_id, &put.begin};
+  }
+  // Posts `fn` to the loop from a handler completion; drops it when the server has stopped.
+  template <typename F>
+  void PostCompletion(F fn) {
+    std::shared_ptr<WorkerLoop> loop = loop_;
+    loop->Post(std::move(fn));
+  }
+
+  const ServerOptions options_;
+  RequestHandler* const handler_;
+  std::shared_ptr<WorkerLoop> loop_;
+  ucp_listener_h listener_ = nullptr;
+  uint16_t port_ = 0;
+  std::string address_;
+  std::atomic<bool> draining_{false};
+  std::atomic<bool> stopped_{false};
+  absl::Mutex stop_mu_;
+  Counters counters_;
+  std::atomic<uint64_t> open_puts_{0};
+  std::atomic<uint64_t> pending_work_{0};
+
+  // Loop-thread state.
+  uint64_t next_connection_id_ = 1;
+  absl::flat_hash_map<ucp_ep_h, std::shared_ptr<Connection>> connections_;
+  std::vector<void*> closing_requests_;
+};
+
+absl::Status ServerImpl::Init() {
+  if (handler_ == nullptr) return absl::InvalidArgumentError("UcxServer: handler is null");
+  if (options_.max_payload_bytes == 0 || options_.max_inflight_bytes < options_.max_payload_bytes) {
+    return absl::InvalidArgumentError(
+        "UcxServer: need 0 < max_payload_bytes <= max_inflight_bytes");
+  }
+  KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(options_.ucx, options_.poll_spin));
+
+  ucp_am_handler_param_t am = {};
+  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  am.id = wire::kAmIdRequest;
+  am.cb = &ServerImpl::OnAm;
+  am.arg = this;
+  am.flags = UCP_AM_FLAG_WHOLE_MSG;
+  ucs_status_t s = ucp_worker_set_am_recv_handler(loop_->worker(), &am);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_set_am_recv_handler");
+
+  addrinfo hints = {};
+  hints.ai_flags = AI_NUMERICHOST | AI_PASSIVE;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string port_str = absl::StrCat(options_.port);
+  if (int rc = getaddrinfo(options_.listen_address.c_str(), port_str.c_str(), &hints, &res);
+      rc != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("UcxServer: listen address \"",
+                                                   options_.listen_address,
+                                                   "\": ", gai_strerror(rc)));
+  }
+  ucp_listener_params_t lp = {};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = res->ai_addr;
+  lp.sockaddr.addrlen = res->ai_addrlen;
+  lp.conn_handler.cb = &ServerImpl::OnConnRequest;
+  lp.conn_handler.arg = this;
+  s = ucp_listener_create(loop_->worker(), &lp, &listener_);
+  freeaddrinfo(res);
+  if (s != UCS_OK) {
+    return UcsStatusToStatus(s, absl::StrCat("UcxServer: listen on ", options_.listen_address,
+                                             ":", options_.port));
+  }
+  ucp_listener_attr_t la = {};
+  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  s = ucp_listener_query(listener_, &la);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_listener_query");
+  const auto* sa = reinterpret_cast<const sockaddr*>(&la.sockaddr);
+  if (sa->sa_family == AF_INET) {
+    port_ = ntohs(reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
+  } else {
+    port_ = ntohs(reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port);
+  }
+  address_ = Endpoint{options_.listen_address, port_}.ToString();
+
+  absl::Duration tick = std::min({absl::Milliseconds(100), options_.put_timeout / 4,
+                                  options_.idle_timeout / 4, options_.hello_timeout / 4});
+  tick = std::max(tick, absl::Milliseconds(5));
+  loop_->Start([this] { Tick(); }, tick);
+  return absl::OkStatus();
+}
+
+void ServerImpl::Stop() {
+  absl::MutexLock l(&stop_mu_);
+  if (stopped_.exchange(true) || loop_ == nullptr) return;
+  draining_.store(true);
+  loop_->Shutdown([this] {
+    if (listener_ != nullptr) {
+      ucp_listener_destroy(listener_);
+      listener_ = nullptr;
+    }
+    std::vector<std::shared_ptr<Connection>> conns;
+    for (auto& [ep, c] : connections_) conns.push_back(c);
+    for (auto& c : conns) CloseConnection(c, absl::UnavailableError("server stopping"));
+    loop_->ProgressUntil(
+        [this] {
+          for (auto it = closing_requests_.begin(); it != closing_requests_.end();) {
+            if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
+              ucp_request_free(*it);
+              it = closing_requests_.erase(it);
+            } else {
+              ++it;
+            }
+          }
+          return closing_requests_.empty();
+        },
+        absl::Seconds(2));
+  });
+}
+
+absl::Status ServerImpl::WaitIdle(absl::Duration timeout) {
+  const absl::Time end = absl::Now() + timeout;
+  while (open_puts_.load() > 0 || pending_work_.load() > 0) {
+    if (absl::Now() >= end) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "UcxServer: %u puts open and %u operations pending after %s", open_puts_.load(),
+          pending_work_.load(), absl::FormatDuration(timeout)));
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return absl::OkStatus();
+}
+
+ServerStats ServerImpl::stats() const {
+  ServerStats s;
+  const Counters& c = counters_;
+  s.connections_accepted = c.connections_accepted;
+  s.connections_rejected = c.connections_rejected;
+  s.connections_open = c.connections_open;
+  s.hello_rejected = c.hello_rejected;
+  s.messages_received = c.messages_received;
+  s.malformed_messages = c.malformed_messages;
+  s.bytes_received = c.bytes_received;
+  s.bytes_sent = c.bytes_sent;
+  s.busy_replies = c.busy_replies;
+  s.checksum_failures = c.checksum_failures;
+  s.puts_begun = c.puts_begun;
+  s.puts_committed = c.puts_committed;
+  s.puts_aborted = c.puts_aborted;
+  s.puts_timed_out = c.puts_timed_out;
+  s.connections_timed_out = c.connections_timed_out;
+  s.inflight_bytes = c.inflight_bytes;
+  return s;
+}
+
+// ---- connections ----
+
+void ServerImpl::OnConnRequest(ucp_conn_request_h request, void* arg) {
+  static_cast<ServerImpl*>(arg)->AcceptConnection(request);
+}
+
+void ServerImpl::AcceptConnection(ucp_conn_request_h request) {
+  if (draining_.load() || connections_.size() >= options_.max_connections) {
+    counters_.connections_rejected++;
+    ucp_listener_reject(listener_, request);
+    return;
+  }
+  auto conn = std::make_shared<Connection>();
+  ucp_conn_request_attr_t attr = {};
+  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  if (ucp_conn_request_query(request, &attr) == UCS_OK) {
+    conn->session.peer = SockaddrToString(reinterpret_cast<const sockaddr*>(&attr.client_address));
+  }
+  ucp_ep_params_t ep = {};
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.conn_request = request;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &ServerImpl::OnEpError;
+  ep.err_handler.arg = this;
+  ucs_status_t s = ucp_ep_create(loop_->worker(), &ep, &conn->ep);
+  if (s != UCS_OK) {
+    counters_.connections_rejected++;
+    return;
+  }
+  conn->id = next_connection_id_++;
+  conn->session.connection_id = conn->id;
+  conn->created = conn->last_activity = absl::Now();
+  connections_[conn->ep] = conn;
+  counters_.connections_accepted++;
+  counters_.connections_open++;
+}
+
+void ServerImpl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* self = static_cast<ServerImpl*>(arg);
+  auto it = self->connections_.find(ep);
+  if (it == self->connections_.end()) return;
+  std::shared_ptr<Connection> conn = it->second;
+  self->CloseConnection(conn, UcsStatusToStatus(status, "connection lost"));
+}
+
+void ServerImpl::CloseConnection(const std::shared_ptr<Connection>& conn,
+                                 const absl::Status& reason) {
+  if (conn->closed) return;
+  conn->closed = true;
+  std::vector<uint64_t> open;
+  for (const auto& [id, put] : conn->puts) {
+    if (!put->committing) open.push_back(id);
+  }
+  for (uint64_t id : open) AbortPut(*conn, id, reason);
+  conn->puts.clear();
+  handler_->OnDisconnect(conn->session);
+  connections_.erase(conn->ep);
+  counters_.connections_open--;
+  ucp_request_param_t p = {};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  void* req = ucp_ep_close_nbx(conn->ep, &p);
+  if (UCS_PTR_IS_PTR(req)) closing_requests_.push_back(req);
+}
+
+void ServerImpl::AbortPut(Connection& conn, uint64_t put_id, const absl::Status& reason) {
+  auto it = conn.puts.find(put_id);
+  if (it == conn.puts.end()) return;
+  std::shared_ptr<PutState> put = it->second;
+  conn.puts.erase(it);
+  open_puts_--;
+  counters_.puts_aborted++;
+  handler_->OnPutAbort(MakePutContext(conn, *put), reason);
+}
+
+void ServerImpl::Tick() {
+  const absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<Connection>> to_close;
+  for (auto& [ep, conn] : connections_) {
+    if (!conn->authenticated && now - conn->created > options_.hello_timeout) {
+      to_close.push_back(conn);
+      continue;
+    }
+    if (conn->pending_work == 0 && now - conn->last_activity > options_.idle_timeout) {
+      to_close.push_back(conn);
+      continue;
+    }
+    std::vector<uint64_t> expired;
+    for (const auto& [id, put] : conn->puts) {
+      if (!put->committing && put->blocks_pending == 0 &&
+          now - put->last_activity > options_.put_timeout) {
+        expired.push_back(id);
+      }
+    }
+    for (uint64_t id : expired) {
+      counters_.puts_timed_out++;
+      AbortPut(*conn, id,
+               absl::DeadlineExceededError(absl::StrCat(
+                   "put ", id, " timed out: no block or commit for ",
+                   absl::FormatDuration(options_.put_timeout))));
+    }
+  }
+  for (auto& conn : to_close) {
+    counters_.connections_timed_out++;
+    CloseConnection(conn, absl::DeadlineExceededError(
+                              conn->authenticated ? "connection idle" : "no hello in time"));
+  }
+  for (auto it = closing_requests_.begin(); it != closing_requests_.end();) {
+    if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
+      ucp_request_free(*it);
+      it = closing_requests_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---- sending ----
+
+void ServerImpl::OnSendDone(void* request, ucs_status_t status, void* user_data) {
+  delete static_cast<SendContext*>(user_data);
+  ucp_request_free(request);
+}
+
+void ServerImpl::SendFrame(Connection& conn, std::string frame, Buffer payload) {
+  if (conn.closed) return;
+  auto* ctx = new SendContext{std::move(frame), std::move(payload)};
+  ucp_request_param_t p = {};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &ServerImpl::OnSendDone;
+  p.user_data = ctx;
+  if (ctx->payload.memory_type() == MemoryType::kCuda) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
+  counters_.bytes_sent += ctx->payload.size();
+  void* req = ucp_am_send_nbx(conn.ep, wire::kAmIdReply, ctx->frame.data(), ctx->frame.size(),
+                              ctx->payload.data(), ctx->payload.size(), &p);
+  if (!UCS_PTR_IS_PTR(req)) delete ctx;  // done at once, or failed (the ep error handler runs)
+}
+
+void ServerImpl::SendStatus(Connection& conn, uint64_t request_id, const absl::Status& status) {
+  if (IsBusy(status)) {
+    SendBusy(conn, request_id);
+    return;
+  }
+  SendFrame(conn, wire::Encode(request_id, wire::StatusReply::FromStatus(status)));
+}
+
+void ServerImpl::SendBusy(Connection& conn, uint64_t request_id) {
+  counters_.busy_replies++;
+  wire::Busy b;
+  b.retry_after_us = options_.busy_retry_after_us;
+  b.inflight_bytes = conn.inflight_bytes;
+  b.limit_bytes = options_.max_inflight_bytes;
+  SendFrame(conn, wire::Encode(request_id, b));
+}
+
+// ---- receiving ----
+
+ucs_status_t ServerImpl::OnAm(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<ServerImpl*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  std::shared_ptr<Connection> conn;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) {
+    auto it = self->connections_.find(param->reply_ep);
+    if (it != self->connections_.end()) conn = it->second;
+  }
+  if (conn == nullptr || conn->closed) {
+    if (rndv) ucp_am_data_release(self->loop_->worker(), data);
+    return UCS_OK;
+  }
+  self->HandleMessage(conn, absl::string_view(static_cast<const char*>(header), header_length),
+                      data, length, rndv);
+  return UCS_OK;
+}
+
+void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::string_view header,
+                               void* data, size_t length, bool rndv) {
+  counters_.messages_received++;
+  conn->last_activity = absl::Now();
+  absl::StatusOr<wire::Frame> f = wire::ParseFrame(header, length);
+  if (!f.ok()) {
+    counters_.malformed_messages++;
+    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    SendStatus(*conn, wire::PeekRequestId(header), f.status());
+    return;
+  }
+  const wire::MessageType type = f->header.type;
+  if (type == wire::MessageType::kBlock) {
+    HandleBlock(conn, *f, data, length, rndv);  // owns the rendezvous descriptor
+    return;
+  }
+  if (rndv) ucp_am_data_release(loop_->worker(), data);
+  if (length > 0) {
+    counters_.malformed_messages++;
+    SendStatus(*conn, f->header.request_id,
+               absl::InvalidArgumentError(absl::StrCat(
+                   "protocol: ", wire::MessageTypeName(type), " carries no payload")));
+    return;
+  }
+  if (type == wire::MessageType::kHello) {
+    HandleHello(*conn, *f);
+    return;
+  }
+  if (!conn->authenticated) {
+    SendStatus(*conn, f->header.request_id,
+               absl::UnauthenticatedError("hello with valid credentials required first"));
+    return;
+  }
+  switch (type) {
+    case wire::MessageType::kPutBegin:
+      HandlePutBegin(conn, *f);
+      break;
+    case wire::MessageType::kPutCommit:
+      HandleCommit(conn, *f);
+      break;
+    case wire::MessageType::kPutAbort:
+      HandleAbort(conn, *f);
+      break;
+    case wire::MessageType::kGet:
+      HandleGet(conn, *f);
+      break;
+    case wire::MessageType::kLookup:
+      HandleLookup(conn, *f);
+      break;
+    case wire::MessageType::kDelete:
+      HandleDelete(conn, *f);
+      break;
+    case wire::MessageType::kPing: {
+      wire::Ping ping;
+      absl::Status s = wire::Decode(*f, &ping);
+      if (!s.ok()) counters_.malformed_messages++;
+      SendStatus(*conn, f->header.request_id, s);
+      break;
+    }
+    default:
+      counters_.malformed_messages++;
+      SendStatus(*conn, f->header.request_id,
+                 absl::InvalidArgumentError(absl::StrCat("protocol: a client may not send ",
+                                                         wire::MessageTypeName(type))));
+      break;
+  }
+}
+
+void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
+  wire::Hello hello;
+  if (absl::Status s = wire::Decode(f, &hello); !s.ok()) {
+    counters_.malformed_messages++;
+    SendStatus(conn, f.header.request_id, s);
+    return;
+  }
+  if (conn.authenticated) {
+    SendStatus(conn, f.header.request_id,
+               absl::FailedPreconditionError("hello: connection already authenticated"));
+    return;
+  }
+  absl::StatusOr<std::string> tenant = handler_->OnHello(conn.session, hello);
+  if (!tenant.ok()) {
+    counters_.hello_rejected++;
+    SendStatus(conn, f.header.request_id, tenant.status());
+    return;
+  }
+  conn.authenticated = true;
+  conn.session.tenant = *tenant;
+  wire::HelloOk ok;
+  ok.max_payload_bytes = options_.max_payload_bytes;
+  ok.max_inflight_bytes = options_.max_inflight_bytes;
+  ok.tenant = *tenant;
+  ok.server_name = options_.server_name;
+  SendFrame(conn, wire::Encode(f.header.request_id, ok));
+}
+
+void ServerImpl::HandlePutBegin(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
+  auto put = std::make_shared<PutState>();
+  if (absl::Status s = wire::Decode(f, &put->begin); !s.ok()) {
+    counters_.malformed_messages++;
+    SendStatus(*conn, f.header.request_id, s);
+    return;
+  }
+  if (draining_.load()) {
+    SendStatus(*conn, f.header.request_id,
+               absl::UnavailableError("server draining: no new puts"));
+    return;
+  }
+  const uint64_t id = put->begin.put_id;
+  if (conn->puts.contains(id)) {
+    SendStatus(*conn, f.header.request_id,
+               absl::AlreadyExistsError(absl::StrCat("put ", id, " is already open")));
+    return;
+  }
+  put->last_activity = absl::Now();
+  if (absl::Status s = handler_->OnPutBegin(MakePutContext(*conn, *put)); !s.ok()) {
+    SendStatus(*conn, f.header.request_id, s);
+    return;
+  }
+  conn->puts[id] = put;
+  open_puts_++;
+  counters_.puts_begun++;
+  SendStatus(*conn, f.header.request_id, absl::OkStatus());
+}
+
+void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire::Frame& f,
+                             void* data, size_t length, bool rndv) {
+  wire::Block block;
+  absl::Status s = wire::Decode(f, &block);
+  std::shared_ptr<PutState> put;
+  if (s.ok() && !conn->authenticated) {
+    s = absl::UnauthenticatedError("hello with valid credentials required first");
+  }
+  if (s.ok()) {
+    auto it = conn->puts.find(block.put_id);
+    if (it == conn->puts.end()) {
+      s = absl::NotFoundError(absl::StrCat("block for put ", block.put_id,
+                                           ", which is not open (never begun, committed, "
+                                           "aborted or timed out)"));
+    } else if (it->second->committing) {
+      s = absl::FailedPreconditionError(absl::StrCat("put ", block.put_id, " is committing"));
+    } else {
+      put = it->second;
+      s = block.ValidateAgainst(put->begin.layout, put->begin.num_tokens);
+    }
+  } else {
+    counters_.malformed_messages++;
+  }
+  if (s.ok() && block.payload_bytes() > options_.max_payload_bytes) {
+    s = absl::InvalidArgumentError(absl::StrFormat(
+        "block of %u bytes exceeds the server's limit of %u", block.payload_bytes(),
+        options_.max_payload_bytes));
+  }
+  if (!s.ok()) {
+    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    SendStatus(*conn, f.header.request_id, s);
+    return;
+  }
+  put->last_activity = absl::Now();
+  const uint64_t bytes = block.payload_bytes();
+  if (conn->inflight_bytes + bytes > options_.max_inflight_bytes) {
+    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    SendBusy(*conn, f.header.request_id);
+    return;
+  }
+  const PutContext pctx = MakePutContext(*conn, *put);
+  absl::StatusOr<Buffer> buf = rndv ? handler_->AllocateBlock(pctx, block, bytes)
+                                    : absl::StatusOr<Buffer>(Buffer::Allocate(bytes));
+  if (buf.ok() && buf->size() < bytes) {
+    buf = absl::InternalError("AllocateBlock returned a buffer that is too small");
+  }
+  if (!buf.ok()) {
+    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    SendStatus(*conn, f.header.request_id, buf.status());
+    return;
+  }
+  conn->inflight_bytes += bytes;
+  counters_.inflight_bytes += bytes;
+  conn->pending_work++;
+  pending_work_++;
+  put->blocks_pending++;
+  auto* ctx = new RecvContext{this, conn, put, f.header.request_id, block, *std::move(buf)};
+  if (!rndv) {
+    std::memcpy(ctx->payload.data(), data, bytes);
+    BlockReceived(ctx, UCS_OK);
+    return;
+  }
+  ucp_request_param_t p = {};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = &ServerImpl::OnRecvDone;
+  p.user_data = ctx;
+  if (ctx->payload.memory_type() == MemoryType::kCuda) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
+  void* req = ucp_am_recv_data_nbx(loop_->worker(), data, ctx->payload.data(), bytes, &p);
+  if (req == nullptr) {
+    BlockReceived(ctx, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(req)) {
+    BlockReceived(ctx, UCS_PTR_STATUS(req));
+  }
+}
+
+void ServerImpl::OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data) {
+  auto* ctx = static_cast<RecvContext*>(user_data);
+  ctx->server->BlockReceived(ctx, status);
+  ucp_request_free(request);
+}
+
+void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
+  std::unique_ptr<RecvContext> ctx(raw);
+  const uint64_t bytes = ctx->block.payload_bytes();
+  Connection& conn = *ctx->conn;
+  absl::Status s = UcsStatusToStatus(status, "block receive");
+  if (s.ok() && options_.verify_checksums && ctx->payload.memory_type() == MemoryType::kHost) {
+    const wire::Block& b = ctx->block;
+    const uint8_t* p = ctx->payload.bytes();
+    if ((b.parts & wire::kPartKeys) && Crc32c(p, b.key_bytes) != b.key_crc) {
+      s = absl::DataLossError(absl::StrCat("block of put ", b.put_id, ": key checksum mismatch"));
+    } else if ((b.parts & wire::kPartValues) &&
+               Crc32c(p + b.key_bytes, b.value_bytes) != b.value_crc) {
+      s = absl::DataLossError(
+          absl::StrCat("block of put ", b.put_id, ": value checksum mismatch"));
+    }
+    if (!s.ok()) counters_.checksum_failures++;
+  }
+  // The put may have been aborted (timeout, abort, disconnect) while the bytes arrived.
+  auto it = conn.puts.find(ctx->block.put_id);
+  if (s.ok() && (conn.closed || it == conn.puts.end() || it->second != ctx->put)) {
+    s = absl::NotFoundError(absl::StrCat("put ", ctx->block.put_id, " ended during the block"));
+  }
+  if (!s.ok()) {
+    BlockDone(ctx->conn, ctx->put, ctx->request_id, bytes, s);
+    return;
+  }
+  counters_.bytes_received += bytes;
+  std::shared_ptr<WorkerLoop> loop = loop_;
+  Done done = [this, loop, conn = ctx->conn, put = ctx->put, rid = ctx->request_id,
+               bytes](absl::Status st) mutable {
+    loop->Post([this, conn = std::move(conn), put = std::move(put), rid, bytes,
+                st = std::move(st)] { BlockDone(conn, put, rid, bytes, st); });
+  };
+  handler_->OnBlock(MakePutContext(conn, *ctx->put), ctx->block, std::move(ctx->payload),
+                    std::move(done));
+}
+
+void ServerImpl::BlockDone(const std::shared_ptr<Connection>& conn,
+                           const std::shared_ptr<PutState>& put, uint64_t request_id,
+                           uint64_t bytes, const absl::Status& status) {
+  ReleaseInflight(*conn, bytes);
+  put->blocks_pending--;
+  put->last_activity = absl::Now();
+  if (status.ok()) put->blocks_acked++;
+  SendStatus(*conn, request_id, status);
+}
+
+void ServerImpl::ReleaseInflight(Connection& conn, uint64_t bytes) {
+  conn.inflight_bytes -= bytes;
+  counters_.inflight_bytes -= bytes;
+  conn.pending_work--;
+  pending_work_--;
+}
+
+void ServerImpl::HandleCommit(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
+  wire::PutCommit commit;
+  if (absl::Status s = wire::Decode(f, &commit); !s.ok()) {
+    counters_.malformed_messages++;
+    SendStatus(*conn, f.header.request_id, s);
+    return;
+  }
+  auto it = conn->puts.find(commit.put_id);
+  if (it == conn->puts.end()) {
+    SendStatus(*conn, f.header.request_id,
+               absl::NotFoundError(absl::StrCat("commit of put ", commit.put_id,
+                                                ", which is not open")));
+    return;
+  }
+  std::shared_ptr<PutState> put = it->second;
+  if (put->committing) {
+    SendStatus(*conn, f.header.request_id,
+               absl::FailedPreconditionError(absl::StrCat("put ", commit.put_id,
+                                                          " is already committing")));
+    return;
+  }
+  if (put->blocks_pending > 0 || put->blocks_acked != commit.num_blocks) {
+    SendStatus(*conn, f.header.request_id,
+               absl::FailedPreconditionError(absl::StrFormat(
+                   "commit of put %u after %u blocks, but the server acknowledged %u and has %u "
+                   "in flight",
+                   commit.put_id, commit.num_blocks, put->blocks_acked, put->blocks_pending)));
+    return;
+  }
+  put->committing = true;
+  put->last_activity = absl::Now();
+  conn->pending_work++;
+  pending_work_++;
+  std::shared_ptr<WorkerLoop> loop = loop_;
+  const uint64_t rid = f.header.request_id;
+  CommitDone done = [this, loop, conn, put, rid](absl::StatusOr<wire::CacheSummary> r) mutable {
+    loop->Post([this, conn = std::move(conn), put = std::move(put), rid, r = std::move(r)] {
+      conn->pending_work--;
+      pending_work_--;
+      put->committing = false;
+      const uint64_t id = put->begin.put_id;
+      auto pit = conn->puts.find(id);
+      const bool still_open = pit != conn->puts.end() && pit->second == put;
+      if (r.ok()) {
+        counters_.puts_committed++;
+        if (still_open) conn->puts.erase(pit);
+        open_puts_--;
+        SendFrame(*conn, wire::Encode(rid, *r));
+        return;
+      }
+      if (IsBusy(r.status()) && still_open) {
+        SendStatus(*conn, rid, r.status());  // the client may commit again
+        return;
+      }
+      if (still_open) {
+        AbortPut(*conn, id, r.status());
+      } else {
+        // Closed while committing: CloseConnection left this put to us.
+        open_puts_--;
+        counters_.puts_aborted++;
+        handler_->OnPutAbort(MakePutContext(*conn, *put), r.status());
+      }
+      SendStatus(*conn, rid, r.status());
+    });
+  };
+  handler_->OnPutCommit(MakePutContext(*conn, *put), std::move(done));
+}
+
+void ServerImpl::HandleAbort(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
+  wire::PutAbort abort;
+  if (absl::Status s = wire::Decode(f, &abort); !s.ok()) {
+    counters_.malformed_messages++;
+    SendStatus(*conn, f.header.request_id, s);
+    return;
+  }
+  auto it = conn->puts.find(abort.put_id);
+  if (it == conn->puts.end()) {
+    SendStatus(*conn, f.header.request_id,
+               absl::NotFoundError(absl::StrCat("abort of put ", abort.put_id,
+                                                ", which is not open")));
+    return;
+  }
+  if (it->second->committing) {
+    SendStatus(*conn, f.header.request_id,
+               absl::FailedPreconditionError(absl::StrCat("put ", abort.put_id,
+                                                          " is committing")));
+    return;
+  }
+  AbortPut(*conn, abort.put_id, absl::CancelledError("put aborted by the client"));
+  SendStatus(*conn, f.header.request_id, absl::OkStatus());
+}
+
+void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
+  wire::Get get;
+  if (absl::Status s = wire::Decode(f, &get); !s.ok()) {
+    counters_.malformed_messages++;
+    SendStatus(*conn, f.header.request_id, s);
+    return;
+  }
+  conn->pending_work++;
+  pending_work_++;
+  std::shared_ptr<WorkerLoop> loop = loop_;
+  const uint64_t rid = f.header.request_id;
+  GetDone done = [this, loop, conn, rid](absl::StatusOr<GetResult> r) mutable {
+    loop->Post([this, conn = std::move(conn), rid, r = std::move(r)]() mutable {
+      conn->pending_work--;
+      pending_work_--;
+      if (!r.ok()) {
+        SendStatus(*conn, rid, r.status());
+        return;
+      }
+      wire::GetReply reply;
+      reply.representation = r->representation;
+      if (r->bytes.memory_type() == MemoryType::kHost) {
+        reply.has_crc = true;
+        reply.payload_crc = Crc32c(r->bytes.data(), r->bytes.size());
+      }
+      std::string frame = wire::Encode(rid, reply, r->bytes.size());
+      SendFrame(*conn, std::move(frame), std::move(r->bytes));
+    });
+  };
+  handler_->OnGet(conn->session, get, std::move(done));
+}
+
+void ServerImpl::HandleLookup(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
+  wire::Lookup lookup;
+  if (absl::Status s = wire::Decode(f, &lookup); !s.ok()) {
+    counters_.malformed_messages++;
+    SendStatus(*conn, f.header.request_id, s);
+    return;
+  }
+  conn->pending_work++;
+  pending_work_++;
+  std::shared_ptr<WorkerLoop> loop = loop_;
+  const uint64_t rid = f.header.request_id;
+  LookupDone done = [this, loop, conn, rid](absl::StatusOr<wire::CacheSummary> r) mutable {
+    loop->Post([this, conn = std::move(conn), rid, r = std::move(r)] {
+      conn->pending_work--;
+      pending_work_--;
+      if (!r.ok()) {
+        SendStatus(*conn, rid, r.status());
+      } else {
+        SendFrame(*conn, wire::EncodeLookupReply(rid, *r));
+      }
+    });
+  };
+  handler_->OnLookup(conn->session, lookup, std::move(done));
+}
+
+void ServerImpl::HandleDelete(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
+  wire::Delete del;
+  if (absl::Status s = wire::Decode(f, &del); !s.ok()) {
+    counters_.malformed_messages++;
+    SendStatus(*conn, f.header.request_id, s);
+    return;
+  }
+  conn->pending_work++;
+  pending_work_++;
+  std::shared_ptr<WorkerLoop> loop = loop_;
+  const uint64_t rid = f.header.request_id;
+  Done done = [this, loop, conn, rid](absl::Status st) mutable {
+    loop->Post([this, conn = std::move(conn), rid, st = std::move(st)] {
+      conn->pending_work--;
+      pending_work_--;
+      SendStatus(*conn, rid, st);
+    });
+  };
+  handler_->OnDelete(conn->session, del, std::move(done));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerOptions& options,
+                                                            RequestHandler* handler) {
+  auto server = std::make_unique<ServerImpl>(options, handler);
+  KVCOMP_RETURN_IF_ERROR(server->Init());
+  return std::unique_ptr<UcxServer>(std::move(server));
+}
+
+}  // namespace transport
+}  // namespace kvcomp

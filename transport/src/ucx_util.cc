@@ -1,0 +1,171 @@
+#include "transport/src/ucx_util.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcomp {
+namespace transport {
+
+absl::StatusOr<UcpContext> UcpContext::Create(const UcxConfig& config, bool wakeup) {
+  ucp_config_t* cfg = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &cfg);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_config_read");
+  for (const auto& [name, value] : config.overrides) {
+    s = ucp_config_modify(cfg, name.c_str(), value.c_str());
+    if (s != UCS_OK) {
+      ucp_config_release(cfg);
+      return UcsStatusToStatus(s, absl::StrCat("UCX setting ", name, "=", value));
+    }
+  }
+  ucp_params_t params = {};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_AM | (wakeup ? UCP_FEATURE_WAKEUP : 0);
+  params.name = "kvcomp";
+  UcpContext ctx;
+  s = ucp_init(&params, cfg, &ctx.h_);
+  ucp_config_release(cfg);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_init");
+  return ctx;
+}
+
+absl::StatusOr<UcpWorker> UcpWorker::Create(ucp_context_h context, bool wakeup) {
+  ucp_worker_params_t params = {};
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  if (wakeup) {
+    params.field_mask |= UCP_WORKER_PARAM_FIELD_EVENTS;
+    params.events = UCP_WAKEUP_RMA | UCP_WAKEUP_AMO | UCP_WAKEUP_TAG_SEND | UCP_WAKEUP_TAG_RECV |
+                    UCP_WAKEUP_TX | UCP_WAKEUP_RX;
+  }
+  UcpWorker w;
+  ucs_status_t s = ucp_worker_create(context, &params, &w.h_);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_create");
+  return w;
+}
+
+absl::StatusOr<std::shared_ptr<WorkerLoop>> WorkerLoop::Create(const UcxConfig& config,
+                                                              absl::Duration poll_spin) {
+  std::shared_ptr<WorkerLoop> loop(new WorkerLoop());
+  KVCOMP_ASSIGN_OR_RETURN(loop->context_, UcpContext::Create(config, /*wakeup=*/true));
+  KVCOMP_ASSIGN_OR_RETURN(loop->worker_, UcpWorker::Create(loop->context_.get(), true));
+  ucs_status_t s = ucp_worker_get_efd(loop->worker_.get(), &loop->efd_);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_get_efd");
+  loop->poll_spin_ = poll_spin;
+  return loop;
+}
+
+WorkerLoop::~WorkerLoop() {
+  Shutdown([] {});
+  // Drop anything queued without running it (the owners are gone).
+  absl::MutexLock l(&mu_);
+  posted_.clear();
+}
+
+void WorkerLoop::Start(absl::AnyInvocable<void()> tick, absl::Duration tick_period) {
+  tick_ = std::move(tick);
+  tick_period_ = tick_period;
+  thread_ = std::thread([this] { Run(); });
+}
+
+bool WorkerLoop::Post(absl::AnyInvocable<void()> fn) {
+  {
+    absl::MutexLock l(&mu_);
+    if (!accepting_) return false;
+    posted_.push_back(std::move(fn));
+    has_posted_.store(true, std::memory_order_release);
+  }
+  ucp_worker_signal(worker_.get());
+  return true;
+}
+
+void WorkerLoop::Shutdown(absl::AnyInvocable<void()> fn) {
+  {
+    absl::MutexLock l(&mu_);
+    if (!accepting_) return;
+    accepting_ = false;
+    if (thread_.joinable()) {
+      posted_.push_back([this, fn = std::move(fn)]() mutable {
+        fn();
+        stop_.store(true);
+      });
+      has_posted_.store(true, std::memory_order_release);
+    }
+  }
+  if (!thread_.joinable()) {
+    fn();
+    return;
+  }
+  ucp_worker_signal(worker_.get());
+  if (InLoopThread()) {
+    thread_.detach();  // cannot join ourselves; Run() ends after the posted function
+  } else {
+    thread_.join();
+  }
+}
+
+bool WorkerLoop::RunPosted() {
+  if (!has_posted_.load(std::memory_order_acquire)) return false;
+  std::vector<absl::AnyInvocable<void()>> batch;
+  {
+    absl::MutexLock l(&mu_);
+    batch.swap(posted_);
+    has_posted_.store(false, std::memory_order_release);
+  }
+  for (auto& fn : batch) fn();
+  return !batch.empty();
+}
+
+void WorkerLoop::Sleep(absl::Duration max_wait) {
+  if (ucp_worker_arm(worker_.get()) == UCS_ERR_BUSY) return;
+  if (has_posted_.load(std::memory_order_acquire)) return;
+  pollfd p = {efd_, POLLIN, 0};
+  const int ms = static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(max_wait)));
+  poll(&p, 1, ms);
+}
+
+void WorkerLoop::Run() {
+  absl::Time now = absl::Now();
+  absl::Time last_event = now;
+  absl::Time next_tick = now + tick_period_;
+  while (!stop_.load(std::memory_order_relaxed)) {
+    const bool ran = RunPosted();
+    const unsigned progressed = ucp_worker_progress(worker_.get());
+    now = absl::Now();
+    if (now >= next_tick) {
+      if (tick_) tick_();
+      next_tick = now + tick_period_;
+    }
+    if (ran || progressed > 0) {
+      last_event = now;
+      continue;
+    }
+    if (now - last_event < poll_spin_) continue;
+    Sleep(std::min(next_tick - now, absl::Milliseconds(100)));
+    last_event = absl::Now();
+  }
+}
+
+std::string SockaddrToString(const struct sockaddr* sa) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (sa == nullptr) return "?";
+  if (sa->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf));
+    return absl::StrCat(buf, ":", ntohs(in->sin_port));
+  }
+  if (sa->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    inet_ntop(AF_INET6, &in6->sin6_addr, buf, sizeof(buf));
+    return absl::StrCat("[", buf, "]:", ntohs(in6->sin6_port));
+  }
+  return "?";
+}
+
+}  // namespace transport
+}  // namespace kvcomp

@@ -1,0 +1,117 @@
+// UCX plumbing shared by the server and the client: owning handles for the context and worker,
+// and WorkerLoop, the progress thread that owns a worker and runs posted work on it.
+#ifndef KVCOMP_TRANSPORT_SRC_UCX_UTIL_H_
+#define KVCOMP_TRANSPORT_SRC_UCX_UTIL_H_
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/transport/ucx.h"
+
+namespace kvcomp {
+namespace transport {
+
+class UcpContext {
+ public:
+  // A context with active messages (and wakeup when `wakeup`), configured by `config` on top of
+  // the UCX_* environment.
+  static absl::StatusOr<UcpContext> Create(const UcxConfig& config, bool wakeup);
+  UcpContext() = default;
+  UcpContext(UcpContext&& o) noexcept : h_(o.h_) { o.h_ = nullptr; }
+  UcpContext& operator=(UcpContext&& o) noexcept {
+    std::swap(h_, o.h_);
+    return *this;
+  }
+  ~UcpContext() {
+    if (h_ != nullptr) ucp_cleanup(h_);
+  }
+  ucp_context_h get() const { return h_; }
+
+ private:
+  ucp_context_h h_ = nullptr;
+};
+
+class UcpWorker {
+ public:
+  static absl::StatusOr<UcpWorker> Create(ucp_context_h context, bool wakeup);
+  UcpWorker() = default;
+  UcpWorker(UcpWorker&& o) noexcept : h_(o.h_) { o.h_ = nullptr; }
+  UcpWorker& operator=(UcpWorker&& o) noexcept {
+    std::swap(h_, o.h_);
+    return *this;
+  }
+  ~UcpWorker() {
+    if (h_ != nullptr) ucp_worker_destroy(h_);
+  }
+  ucp_worker_h get() const { return h_; }
+
+ private:
+  ucp_worker_h h_ = nullptr;
+};
+
+// Owns a context, a worker and the thread that progresses it. Everything touching the worker
+// runs on that thread: Post() queues work there from any thread. Held by shared_ptr so that
+// completion callbacks of the server's handler can post after the owner stopped (dropped).
+class WorkerLoop {
+ public:
+  static absl::StatusOr<std::shared_ptr<WorkerLoop>> Create(const UcxConfig& config,
+                                                           absl::Duration poll_spin);
+  ~WorkerLoop();
+
+  ucp_context_h context() const { return context_.get(); }
+  ucp_worker_h worker() const { return worker_.get(); }
+
+  // Starts the thread; `tick` runs on it about every `tick_period`.
+  void Start(absl::AnyInvocable<void()> tick, absl::Duration tick_period);
+  // Runs `fn` on the loop thread. False (fn dropped, not run) once the loop stopped.
+  bool Post(absl::AnyInvocable<void()> fn);
+  // Runs `fn` on the loop thread, then ends the thread after `fn` returns and joins it.
+  // `fn` may call ProgressUntil to finish outstanding UCX work. Idempotent.
+  void Shutdown(absl::AnyInvocable<void()> fn);
+  // On the loop thread: progresses the worker until `done()` or `timeout`.
+  template <typename F>
+  void ProgressUntil(F done, absl::Duration timeout) {
+    const absl::Time end = absl::Now() + timeout;
+    while (!done() && absl::Now() < end) ucp_worker_progress(worker_.get());
+  }
+  bool InLoopThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+ private:
+  WorkerLoop() = default;
+  void Run();
+  bool RunPosted();
+  void Sleep(absl::Duration max_wait);
+
+  UcpContext context_;
+  UcpWorker worker_;
+  int efd_ = -1;
+  absl::Duration poll_spin_;
+  absl::AnyInvocable<void()> tick_;
+  absl::Duration tick_period_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  absl::Mutex mu_;
+  bool accepting_ ABSL_GUARDED_BY(mu_) = true;
+  std::vector<absl::AnyInvocable<void()>> posted_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> has_posted_{false};
+};
+
+// The IP address and port of a sockaddr as "ip:port" / "[ip6]:port".
+std::string SockaddrToString(const struct sockaddr* sa);
+
+}  // namespace transport
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TRANSPORT_SRC_UCX_UTIL_H_
