@@ -139,6 +139,7 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
   db_options.create_if_missing = o.create_if_missing;
   db_options.create_missing_column_families = o.create_if_missing;
   db_options.max_background_jobs = o.max_background_jobs;
+  db_options.bgerror_resume_retry_interval = 100000;  // us: retry after a write error quickly
   if (o.env != nullptr) db_options.env = o.env;
 
   rocksdb::ColumnFamilyOptions base;
@@ -192,7 +193,8 @@ SharedMutex& RocksDbTier::StripeOf(absl::string_view key) {
 
 absl::Status RocksDbTier::Write(void* batch, bool sync, absl::string_view what) {
   if (needs_resume_.load()) {
-    // A write failed earlier (e.g. disk full) and RocksDB stopped writes; try to go on.
+    // A write failed earlier (e.g. disk full) and RocksDB stopped writes. Ask it to go on; Busy
+    // means its own recovery is running, and the write below tells whether it is done.
     if (db_->Resume().ok()) needs_resume_.store(false);
   }
   rocksdb::WriteOptions wo;

@@ -1,0 +1,316 @@
+// Each tier on its own: the range allocator under the device tier, the host tier, the RocksDB
+// tier (atomic meta+payload, accounting across reopen, quarantine, projections, disk full), and
+// the device tier where a GPU is present.
+#include <chrono>
+#include <random>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/storage/tier.h"
+#include "range_allocator.h"
+#include "rocksdb_tier.h"
+#include "storage_test_util.h"
+
+namespace kvcomp {
+namespace storage {
+namespace {
+
+using testing::DiskFullFileSystem;
+using testing::TempDir;
+
+CacheMeta MetaFor(const Payload& p) {
+  CacheMeta m;
+  m.stored_bytes = p.size();
+  m.crc32c = Crc32c(p.data(), p.size());
+  m.created_unix_ms = 1234;
+  return m;
+}
+
+TEST(RangeAllocator, AllocatesFirstFitAndCoalesces) {
+  RangeAllocator a(4096, 256);
+  auto x = a.Allocate(100);
+  auto y = a.Allocate(300);
+  auto z = a.Allocate(256);
+  ASSERT_TRUE(x.ok() && y.ok() && z.ok());
+  EXPECT_EQ(*x, 0u);
+  EXPECT_EQ(*y, 256u);
+  EXPECT_EQ(*z, 768u);
+  EXPECT_EQ(a.used(), 1024u);
+  ASSERT_TRUE(a.Free(*y, 300).ok());
+  EXPECT_EQ(*a.Allocate(512), 256u);  // first fit reuses the hole
+  ASSERT_TRUE(a.Free(256, 512).ok());
+  ASSERT_TRUE(a.Free(*x, 100).ok());
+  ASSERT_TRUE(a.Free(*z, 256).ok());
+  EXPECT_EQ(a.used(), 0u);
+  EXPECT_EQ(a.free_ranges(), 1u);
+  EXPECT_EQ(a.largest_free(), 4096u);
+}
+
+TEST(RangeAllocator, RejectsBadRequestsAndDoubleFrees) {
+  RangeAllocator a(1024, 256);
+  EXPECT_TRUE(absl::IsInvalidArgument(a.Allocate(0).status()));
+  EXPECT_TRUE(absl::IsResourceExhausted(a.Allocate(2048).status()));
+  auto x = a.Allocate(1024);
+  ASSERT_TRUE(x.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(a.Allocate(1).status()));
+  ASSERT_TRUE(a.Free(*x, 1024).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(a.Free(*x, 1024)));  // double free
+  EXPECT_TRUE(absl::IsInvalidArgument(a.Free(7, 10)));     // misaligned
+  EXPECT_TRUE(absl::IsInvalidArgument(a.Free(0, 4096)));   // beyond the pool
+}
+
+TEST(RangeAllocator, RandomSequencesKeepTheInvariants) {
+  std::mt19937_64 rng(5);
+  RangeAllocator a(1 << 20, 256);
+  std::vector<std::pair<uint64_t, uint64_t>> live;
+  for (int i = 0; i < 5000; ++i) {
+    if (live.empty() || rng() % 2 == 0) {
+      const uint64_t n = 1 + rng() % 20000;
+      auto off = a.Allocate(n);
+      if (!off.ok()) continue;
+      for (const auto& [o, s] : live) {
+        const uint64_t end = o + ((s + 255) & ~uint64_t{255});
+        ASSERT_TRUE(*off >= end || *off + n <= o) << "overlap";
+      }
+      live.emplace_back(*off, n);
+    } else {
+      const size_t k = rng() % live.size();
+      ASSERT_TRUE(a.Free(live[k].first, live[k].second).ok());
+      live.erase(live.begin() + k);
+    }
+  }
+  for (const auto& [o, s] : live) ASSERT_TRUE(a.Free(o, s).ok());
+  EXPECT_EQ(a.used(), 0u);
+  EXPECT_EQ(a.free_ranges(), 1u);
+}
+
+TEST(HostTier, PutGetDeleteAndCapacity) {
+  HostTierOptions o;
+  o.capacity_bytes = 1000;
+  auto tier = NewHostTier(o);
+  ASSERT_TRUE(tier.ok());
+  Tier& t = **tier;
+  EXPECT_EQ(t.kind(), TierKind::kHost);
+  Payload a = Payload::Copy(std::string(600, 'a'));
+  Payload b = Payload::Copy(std::string(500, 'b'));
+  ASSERT_TRUE(t.Put("a", MetaFor(a), a, false).ok());
+  EXPECT_EQ(t.used_bytes(), 600u);
+  EXPECT_TRUE(absl::IsResourceExhausted(t.Put("b", MetaFor(b), b, false)));
+  EXPECT_EQ(t.used_bytes(), 600u);  // a failed put leaves nothing behind
+  EXPECT_TRUE(absl::IsNotFound(t.Get("b").status()));
+  auto got = t.Get("a");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->view(), std::string(600, 'a'));
+  ASSERT_TRUE(t.Delete("a", false).ok());
+  EXPECT_EQ(t.used_bytes(), 0u);
+  EXPECT_EQ(t.entries(), 0u);
+  // The reader's handle outlives the delete.
+  EXPECT_EQ(got->view(), std::string(600, 'a'));
+  ASSERT_TRUE(t.Put("b", MetaFor(b), b, false).ok());
+  Payload c = Payload::Copy(std::string(400, 'c'));
+  ASSERT_TRUE(t.Put("b", MetaFor(c), c, false).ok());  // replace
+  EXPECT_EQ(t.used_bytes(), 400u);
+  EXPECT_EQ(t.entries(), 1u);
+  EXPECT_TRUE(t.Delete("missing", false).ok());
+}
+
+TEST(HostTier, RejectsZeroCapacity) {
+  HostTierOptions o;
+  o.capacity_bytes = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(NewHostTier(o).status()));
+}
+
+TEST(DeviceTier, AbsentWithoutAGpuElseWorks) {
+  DeviceTierOptions o;
+  o.enabled = true;
+  o.capacity_bytes = 1 << 20;
+  auto tier = NewDeviceTier(o);
+  if (!CudaDeviceAvailable()) {
+    EXPECT_TRUE(absl::IsFailedPrecondition(tier.status())) << tier.status();
+    return;
+  }
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  Tier& t = **tier;
+  Payload a = Payload::Copy(std::string(70000, 'x'));
+  ASSERT_TRUE(t.Put("a", MetaFor(a), a, false).ok());
+  auto got = t.Get("a");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->view(), a.view());
+  ASSERT_TRUE(t.Delete("a", false).ok());
+  EXPECT_EQ(t.used_bytes(), 0u);
+}
+
+RocksDbTierOptions RocksOptions(const std::string& path) {
+  RocksDbTierOptions o;
+  o.enabled = true;
+  o.path = path;
+  o.capacity_bytes = 64 << 20;
+  o.min_blob_size = 4096;
+  return o;
+}
+
+TEST(RocksDbTier, MetaCodecRoundTripsAndDetectsDamage) {
+  CacheMeta m;
+  m.original_bytes = 1 << 30;
+  m.stored_bytes = 12345;
+  m.tier = TierKind::kRocksDb;
+  m.created_unix_ms = 1700000000123;
+  m.ttl_ms = 60000;
+  m.projection_version = 7;
+  m.crc32c = 0xdeadbeef;
+  std::string enc = EncodeMeta(m);
+  auto back = DecodeMeta(enc);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->original_bytes, m.original_bytes);
+  EXPECT_EQ(back->stored_bytes, m.stored_bytes);
+  EXPECT_EQ(back->created_unix_ms, m.created_unix_ms);
+  EXPECT_EQ(back->ttl_ms, m.ttl_ms);
+  EXPECT_EQ(back->projection_version, 7u);
+  EXPECT_EQ(back->crc32c, m.crc32c);
+  enc[10] ^= 1;
+  EXPECT_TRUE(absl::IsDataLoss(DecodeMeta(enc).status()));
+  EXPECT_TRUE(absl::IsDataLoss(DecodeMeta("short").status()));
+}
+
+TEST(RocksDbTier, PutGetDeleteSurviveReopen) {
+  TempDir dir;
+  const std::string small(100, 's'), big(200000, 'b');
+  {
+    auto tier = RocksDbTier::Open(RocksOptions(dir.path()));
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    Payload s = Payload::Copy(small), b = Payload::Copy(big);
+    ASSERT_TRUE((*tier)->Put("small", MetaFor(s), s, true).ok());
+    ASSERT_TRUE((*tier)->Put("big", MetaFor(b), b, true).ok());  // a blob file
+    ASSERT_TRUE((*tier)->Put("gone", MetaFor(s), s, true).ok());
+    ASSERT_TRUE((*tier)->Delete("gone", true).ok());
+    EXPECT_EQ((*tier)->used_bytes(), small.size() + big.size());
+    EXPECT_EQ((*tier)->entries(), 2u);
+  }
+  auto tier = RocksDbTier::Open(RocksOptions(dir.path()));
+  ASSERT_TRUE(tier.ok());
+  EXPECT_EQ((*tier)->used_bytes(), small.size() + big.size());
+  EXPECT_EQ((*tier)->Get("small")->view(), small);
+  EXPECT_EQ((*tier)->Get("big")->view(), big);
+  EXPECT_TRUE(absl::IsNotFound((*tier)->Get("gone").status()));
+  auto meta = (*tier)->GetMeta("big");
+  ASSERT_TRUE(meta.ok());
+  EXPECT_EQ(meta->stored_bytes, big.size());
+  EXPECT_EQ(meta->tier, TierKind::kRocksDb);
+  std::vector<std::string> seen;
+  std::vector<QuarantinedCache> bad;
+  ASSERT_TRUE((*tier)
+                  ->Recover(true, [&](absl::string_view k, const CacheMeta&) {
+                    seen.emplace_back(k);
+                  }, &bad)
+                  .ok());
+  EXPECT_EQ(seen, (std::vector<std::string>{"big", "small"}));
+  EXPECT_TRUE(bad.empty());
+}
+
+TEST(RocksDbTier, CapacityIsEnforced) {
+  TempDir dir;
+  auto o = RocksOptions(dir.path());
+  o.capacity_bytes = 1000;
+  auto tier = RocksDbTier::Open(o);
+  ASSERT_TRUE(tier.ok());
+  Payload a = Payload::Copy(std::string(800, 'a'));
+  ASSERT_TRUE((*tier)->Put("a", MetaFor(a), a, false).ok());
+  EXPECT_TRUE(absl::IsResourceExhausted((*tier)->Put("b", MetaFor(a), a, false)));
+  EXPECT_TRUE((*tier)->Put("a", MetaFor(a), a, false).ok());  // replacing fits
+}
+
+TEST(RocksDbTier, RecoverQuarantinesAPayloadThatFailsItsChecksum) {
+  TempDir dir;
+  auto tier = RocksDbTier::Open(RocksOptions(dir.path()));
+  ASSERT_TRUE(tier.ok());
+  Payload good = Payload::Copy("good bytes");
+  CacheMeta wrong = MetaFor(good);
+  wrong.crc32c ^= 0x5a5a;  // the stored payload no longer matches its meta
+  ASSERT_TRUE((*tier)->Put("good", MetaFor(good), good, true).ok());
+  ASSERT_TRUE((*tier)->Put("bad", wrong, good, true).ok());
+  std::vector<std::string> seen;
+  std::vector<QuarantinedCache> bad;
+  ASSERT_TRUE((*tier)
+                  ->Recover(true, [&](absl::string_view k, const CacheMeta&) {
+                    seen.emplace_back(k);
+                  }, &bad)
+                  .ok());
+  EXPECT_EQ(seen, std::vector<std::string>{"good"});
+  ASSERT_EQ(bad.size(), 1u);
+  EXPECT_EQ(bad[0].encoded_key, "bad");
+  EXPECT_TRUE(absl::IsNotFound((*tier)->Get("bad").status()));
+  auto q = (*tier)->ListQuarantine();
+  ASSERT_TRUE(q.ok());
+  ASSERT_EQ(q->size(), 1u);
+  EXPECT_EQ((*q)[0].reason, "payload checksum mismatch");
+  EXPECT_EQ((*tier)->entries(), 1u);
+}
+
+TEST(RocksDbTier, ProjectionsAreImmutableVersionsListedInOrder) {
+  TempDir dir;
+  auto tier = RocksDbTier::Open(RocksOptions(dir.path()));
+  ASSERT_TRUE(tier.ok());
+  RocksDbTier& t = **tier;
+  ProjectionKey k{"llama", 3, 1, 2};
+  ASSERT_TRUE(t.PutProjection(k, "P1").ok());
+  EXPECT_TRUE(t.PutProjection(k, "P1").ok());  // idempotent
+  EXPECT_TRUE(absl::IsAlreadyExists(t.PutProjection(k, "P2")));
+  ASSERT_TRUE(t.PutProjection({"llama", 3, 1, 1}, "P0").ok());
+  ASSERT_TRUE(t.PutProjection({"llama", 0, 7, 9}, "Q").ok());
+  ASSERT_TRUE(t.PutProjection({"mistral", 0, 0, 1}, "M").ok());
+  EXPECT_EQ(*t.GetProjection(k), "P1");
+  EXPECT_TRUE(absl::IsNotFound(t.GetProjection({"llama", 3, 1, 5}).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(t.PutProjection({"llama", 0, 0, 0}, "x")));
+  EXPECT_TRUE(absl::IsInvalidArgument(t.PutProjection({"", 0, 0, 1}, "x")));
+  auto list = t.ListProjections("llama");
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 3u);
+  EXPECT_EQ((*list)[0], (ProjectionKey{"llama", 0, 7, 9}));
+  EXPECT_EQ((*list)[1], (ProjectionKey{"llama", 3, 1, 1}));
+  EXPECT_EQ((*list)[2], k);
+  EXPECT_EQ(t.ListProjections("")->size(), 4u);
+  ASSERT_TRUE(t.DeleteProjection(k).ok());
+  EXPECT_TRUE(absl::IsNotFound(t.DeleteProjection(k)));
+}
+
+TEST(RocksDbTier, DiskFullIsAClearStatusAndWritesResumeAfterwards) {
+  TempDir dir;
+  auto fs = std::make_shared<DiskFullFileSystem>(rocksdb::FileSystem::Default());
+  std::unique_ptr<rocksdb::Env> env = rocksdb::NewCompositeEnv(fs);
+  auto o = RocksOptions(dir.path());
+  o.env = env.get();
+  auto tier = RocksDbTier::Open(o);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  RocksDbTier& t = **tier;
+  Payload a = Payload::Copy(std::string(5000, 'a'));
+  ASSERT_TRUE(t.Put("a", MetaFor(a), a, true).ok());
+  fs->SetFull(true);
+  absl::Status st = t.Put("b", MetaFor(a), a, true);
+  EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
+  EXPECT_NE(st.message().find("disk full"), std::string::npos) << st;
+  EXPECT_EQ(t.entries(), 1u);
+  EXPECT_EQ(t.Get("a")->view(), a.view());  // reads keep working
+  fs->SetFull(false);
+  // RocksDB recovers from the write error in the background; writes succeed once it has.
+  for (int i = 0; i < 200; ++i) {
+    st = t.Put("c", MetaFor(a), a, true);
+    if (st.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(t.Get("c")->view(), a.view());
+}
+
+TEST(RocksDbTier, OpenFailsClearlyOnABadPath) {
+  auto o = RocksOptions("/proc/kvcomp-cannot-write-here");
+  EXPECT_FALSE(RocksDbTier::Open(o).ok());
+  o.path = "";
+  EXPECT_TRUE(absl::IsInvalidArgument(RocksDbTier::Open(o).status()));
+}
+
+}  // namespace
+}  // namespace storage
+}  // namespace kvcomp
