@@ -55,7 +55,9 @@ RUN cmake -S . -B /build -G Ninja \
  && bin="$(find /build -type f -name kvcompd -perm -u+x -print -quit)" \
  && test -n "${bin}" \
  && install -D -m 0755 "${bin}" /out/usr/local/bin/kvcompd \
- && /out/usr/local/bin/kvcompd --help > /dev/null
+ && mkdir -p /tmp/driver-stub \
+ && ln -s /usr/local/cuda/lib64/stubs/libcuda.so /tmp/driver-stub/libcuda.so.1 \
+ && LD_LIBRARY_PATH=/tmp/driver-stub /out/usr/local/bin/kvcompd --help > /dev/null
 
 # The Debian packages owning every shared library kvcompd loads (libcuda, from the driver, is
 # left out: ldd cannot resolve it here). A library no package owns fails the build.
@@ -91,6 +93,9 @@ RUN apt-get update \
       --shell /usr/sbin/nologin kvcomp \
  && install -d -o 10001 -g 10001 /var/lib/kvcomp /etc/kvcomp
 COPY --from=build /out/usr/local/bin/kvcompd /usr/local/bin/kvcompd
+# Every shared library resolves here, except the driver's libcuda that the container toolkit mounts.
+RUN missing="$(ldd /usr/local/bin/kvcompd | awk '/not found/ && $1 !~ /^libcuda[.]so/ {print $1}')" \
+ && if [ -n "${missing}" ]; then echo "missing in the runtime image: ${missing}" >&2; exit 1; fi
 
 USER 10001:10001
 WORKDIR /var/lib/kvcomp

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import yaml
 
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk is installed by scripts/bootstrap.sh")
+import helm_python as helm  # helm-python-sdk, installed by scripts/bootstrap.sh
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CHART = os.path.join(REPO, "helm", "kvcomp")

@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import yamllint.config as yamllint_config
+import yamllint.linter as yamllint_linter
 
 from conftest import (CHART, EXAMPLE, REPO, VALUES_FILES, example_chart, helm, helm_template_output,
                       load_values, render)
 
-yamllint_config = pytest.importorskip("yamllint.config")
-yamllint_linter = pytest.importorskip("yamllint.linter")
 
 HERE = os.path.dirname(__file__)
 

@@ -5,11 +5,11 @@ import json
 import os
 import re
 
+import promql_parser as promql
 import pytest
 
 from conftest import CHART, REPO, by_kind, documents, render
 
-promql = pytest.importorskip("promql_parser")
 
 METRIC_NAMES_H = os.path.join(REPO, "service", "include", "kvcomp", "service", "metric_names.h")
 # Labels Prometheus attaches to every scraped series (target labels of a ServiceMonitor or

@@ -6,6 +6,7 @@ import json
 import os
 
 import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -13,7 +14,6 @@ from conftest import (CHART, NAMESPACE, RELEASE, VALUES_FILES, by_kind, document
                       load_values, one, render)
 from monitoring_schemas import SCHEMAS as MONITORING_SCHEMAS
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schemas shipped.
 K8S_VERSIONS = ["1.25.0", kubernetes_validate.latest_version()]
