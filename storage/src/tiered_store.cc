@@ -27,7 +27,6 @@ namespace storage {
 namespace {
 
 constexpr int kKeyStripes = 1024;
-constexpr int kNoStripe = -1;
 constexpr int kNoTier = -1;
 constexpr int kRocks = static_cast<int>(TierKind::kRocksDb);
 
@@ -127,12 +126,29 @@ class TieredStoreImpl final : public TieredStore {
 
   // Demotes from tier t until used + incoming <= low watermark, when used + incoming passes the
   // capacity (room for a put) or, with incoming 0, when used passes the high watermark.
-  void MakeRoom(int t, uint64_t incoming, int held_stripe);
-  void RelieveIfAboveHigh(int t, int held_stripe = kNoStripe);
-  void Demote(int t, uint64_t target_bytes, int held_stripe);
+  // Keys whose stripes the calling thread holds (at most two: a put's key and a victim being
+  // moved). Demotion never picks them, and moves other keys of those stripes without locking.
+  struct Held {
+    const std::string* keys[2] = {nullptr, nullptr};
+    bool Contains(const std::string& k) const {
+      return (keys[0] != nullptr && *keys[0] == k) || (keys[1] != nullptr && *keys[1] == k);
+    }
+    bool HoldsStripe(int stripe) const {
+      return (keys[0] != nullptr && StripeIndex(*keys[0]) == stripe) ||
+             (keys[1] != nullptr && StripeIndex(*keys[1]) == stripe);
+    }
+    Held With(const std::string* k) const {
+      Held h = *this;
+      h.keys[h.keys[0] == nullptr ? 0 : 1] = k;
+      return h;
+    }
+  };
+  void MakeRoom(int t, uint64_t incoming, const Held& held);
+  void RelieveIfAboveHigh(int t, const Held& held);
+  void Demote(int t, uint64_t target_bytes, const Held& held);
   // Moves `ek` from tier t to the next tier that takes it, or evicts it. The key's stripe is
   // held. False when the entry is no longer a candidate (gone, moved, pinned).
-  bool MoveDown(int t, const std::string& ek, int held_stripe);
+  bool MoveDown(int t, const std::string& ek, const Held& held);
   void Promote(const std::string& ek, const CacheMeta& meta, const Payload& payload);
   // Removes `ek` from the index and its accounting; returns the removed entry. The key's stripe
   // is held.
@@ -269,20 +285,20 @@ void TieredStoreImpl::TouchLocked(Shard& s, const std::string& ek, Entry& e) {
   if (e.pins == 0) s.lru[t][e.tick] = ek;
 }
 
-void TieredStoreImpl::MakeRoom(int t, uint64_t incoming, int held_stripe) {
+void TieredStoreImpl::MakeRoom(int t, uint64_t incoming, const Held& held) {
   const uint64_t cap = tiers_[t]->capacity_bytes();
   if (tiers_[t]->used_bytes() + incoming <= cap) return;
   const uint64_t low = Watermark(t, options_.low_watermark);
-  Demote(t, low > incoming ? low - incoming : 0, held_stripe);
+  Demote(t, low > incoming ? low - incoming : 0, held);
 }
 
-void TieredStoreImpl::RelieveIfAboveHigh(int t, int held_stripe) {
+void TieredStoreImpl::RelieveIfAboveHigh(int t, const Held& held) {
   if (tiers_[t] == nullptr) return;
   if (tiers_[t]->used_bytes() <= Watermark(t, options_.high_watermark)) return;
-  Demote(t, Watermark(t, options_.low_watermark), held_stripe);
+  Demote(t, Watermark(t, options_.low_watermark), held);
 }
 
-void TieredStoreImpl::Demote(int t, uint64_t target_bytes, int held_stripe) {
+void TieredStoreImpl::Demote(int t, uint64_t target_bytes, const Held& held) {
   WriterLock demoting(&demote_mu_[t]);
   absl::flat_hash_set<std::string> skipped;
   while (tiers_[t]->used_bytes() > target_bytes) {
@@ -301,19 +317,24 @@ void TieredStoreImpl::Demote(int t, uint64_t target_bytes, int held_stripe) {
       }
     }
     if (oldest == UINT64_MAX) return;  // everything left is pinned or busy
-    const int stripe = StripeIndex(victim);
-    // Try-lock only: a thread holding this stripe may be waiting for this demotion.
-    if (stripe == held_stripe || !Stripe(stripe).TryLock()) {
+    if (held.Contains(victim)) {
       skipped.insert(victim);
       continue;
     }
-    const bool moved = MoveDown(t, victim, stripe);
-    Stripe(stripe).Unlock();
+    const int stripe = StripeIndex(victim);
+    const bool lock_here = !held.HoldsStripe(stripe);
+    // Try-lock only: a thread holding this stripe may be waiting for this demotion.
+    if (lock_here && !Stripe(stripe).TryLock()) {
+      skipped.insert(victim);
+      continue;
+    }
+    const bool moved = MoveDown(t, victim, held.With(&victim));
+    if (lock_here) Stripe(stripe).Unlock();
     if (!moved) skipped.insert(victim);
   }
 }
 
-bool TieredStoreImpl::MoveDown(int t, const std::string& ek, int held_stripe) {
+bool TieredStoreImpl::MoveDown(int t, const std::string& ek, const Held& held) {
   Entry e;
   {
     Shard& s = ShardOf(ek);
@@ -336,7 +357,7 @@ bool TieredStoreImpl::MoveDown(int t, const std::string& ek, int held_stripe) {
       if (!p.ok()) break;
       payload = *std::move(p);
     }
-    MakeRoom(l, payload.size(), held_stripe);
+    MakeRoom(l, payload.size(), held);
     absl::Status st = tiers_[l]->Put(ek, e.meta, payload, SyncFor(l, Durability::kMemory));
     if (st.ok()) {
       dest = l;
@@ -360,7 +381,7 @@ bool TieredStoreImpl::MoveDown(int t, const std::string& ek, int held_stripe) {
     }
     tiers_[t]->Delete(ek, false).IgnoreError();
     counters_[t].demotions += 1;
-    RelieveIfAboveHigh(dest, held_stripe);
+    RelieveIfAboveHigh(dest, held);
     return true;
   }
   Entry removed;
@@ -418,7 +439,7 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
   const std::string tenant = key.tenant.empty() ? "default" : key.tenant;
   const std::string ek = key.Encode();
 
-  MakeRoom(target, n, kNoStripe);
+  MakeRoom(target, n, Held());
   const int stripe = StripeIndex(ek);
   Stripe(stripe).Lock();
   struct Unlocker {
@@ -456,7 +477,7 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
   bool persisted = false;
   int placed = kNoTier;
   if (options.durability == Durability::kDisk) {
-    MakeRoom(kRocks, n, stripe);
+    MakeRoom(kRocks, n, Held().With(&ek));
     absl::Status st = rocks_->Put(ek, meta, encoded, /*sync=*/true);
     if (!st.ok()) return fail(Annotate(st, "put"));
     persisted = true;
@@ -468,7 +489,7 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
       placed = t;
       break;
     }
-    if (t != target) MakeRoom(t, n, stripe);
+    if (t != target) MakeRoom(t, n, Held().With(&ek));
     absl::Status st = tiers_[t]->Put(ek, meta, encoded, SyncFor(t, options.durability));
     if (st.ok()) {
       placed = t;
@@ -506,8 +527,8 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
     projection_refs_.Add({old.model, old.meta.projection_version}, -1);
   }
   if (meta.projection_version != 0) projection_refs_.Add({key.model_id, meta.projection_version}, 1);
-  RelieveIfAboveHigh(placed, stripe);
-  if (persisted && placed != kRocks) RelieveIfAboveHigh(kRocks, stripe);
+  RelieveIfAboveHigh(placed, Held().With(&ek));
+  if (persisted && placed != kRocks) RelieveIfAboveHigh(kRocks, Held().With(&ek));
   return absl::OkStatus();
 }
 
@@ -593,7 +614,7 @@ void TieredStoreImpl::Promote(const std::string& ek, const CacheMeta& meta,
                               const Payload& payload) {
   const int to = TierIndex(options_.promote_to);
   const int from = TierIndex(meta.tier);
-  MakeRoom(to, payload.size(), kNoStripe);
+  MakeRoom(to, payload.size(), Held());
   const int stripe = StripeIndex(ek);
   WriterLock lock(&Stripe(stripe));
   Shard& s = ShardOf(ek);
@@ -617,7 +638,7 @@ void TieredStoreImpl::Promote(const std::string& ek, const CacheMeta& meta,
   if (from != kRocks) tiers_[from]->Delete(ek, false).IgnoreError();
   counters_[to].promotions += 1;
   counters_[to].puts += 1;
-  RelieveIfAboveHigh(to, stripe);
+  RelieveIfAboveHigh(to, Held().With(&ek));
 }
 
 absl::StatusOr<LookupResult> TieredStoreImpl::Lookup(const CacheKey& key) {
@@ -716,6 +737,7 @@ absl::Status TieredStoreImpl::Unpin(const CacheKey& key) {
   KVCOMP_RETURN_IF_ERROR(key.Validate());
   const std::string ek = key.Encode();
   int tier;
+  bool unpinned;
   {
     WriterLock stripe_lock(&Stripe(StripeIndex(ek)));
     Shard& s = ShardOf(ek);
@@ -730,9 +752,10 @@ absl::Status TieredStoreImpl::Unpin(const CacheKey& key) {
                                                         " is not pinned"));
     }
     tier = TierIndex(e.meta.tier);
-    if (--e.pins == 0) s.lru[tier][e.tick] = ek;
+    unpinned = --e.pins == 0;
+    if (unpinned) s.lru[tier][e.tick] = ek;
   }
-  RelieveIfAboveHigh(tier);
+  if (unpinned) RelieveIfAboveHigh(tier, Held());
   return absl::OkStatus();
 }
 
