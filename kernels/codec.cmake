@@ -9,3 +9,5 @@ list(APPEND KERNELS_SRCS
   src/cpu/kvsplice_projection.cc
   src/cpu/calibration.cc
 )
+list(APPEND KERNELS_HDRS kvcomp/kernels/kvsplice.h)
+list(APPEND KERNELS_SRCS src/cpu/kvsplice.cc)

@@ -93,7 +93,7 @@ absl::Status LayerErrorSums(const Projection& projection, const ValueCodecParams
     const uint64_t nq_given = s.query_count.empty() ? 0 : s.query_count[i];
     const float* qp = nq_given > 0 ? s.queries.data() + uint64_t{i} * s.query_capacity * d
                                    : km.data();
-    const uint64_t nq = nq_given > 0 ? nq_given : std::min<uint64_t>(n, 256);
+    const uint64_t nq = nq_given > 0 ? nq_given : std::min<uint64_t>(n, 512);
     Eigen::Map<const RowMat> qm(qp, nq, d);
     RowMat logits = (qm * km.transpose()) / std::sqrt(static_cast<float>(d));
     for (Eigen::Index r = 0; r < logits.rows(); ++r) {

@@ -44,7 +44,8 @@ absl::Status ValueCodecParams::ValidateFor(const Projection& projection) const {
     return absl::InvalidArgumentError(absl::StrFormat("codec: int4 needs an even rank, got %u",
                                                       rank));
   }
-  if (Groups() > 0 && (group_size == 0 || group_size > 256)) {
+  const bool quantized = codec == ValueCodec::kOrthogonalInt8 || codec == ValueCodec::kOrthogonalInt4;
+  if (quantized && (group_size == 0 || group_size > 256)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("codec: group_size %u outside [1, 256]", group_size));
   }

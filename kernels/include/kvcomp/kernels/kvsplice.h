@@ -1,0 +1,64 @@
+// KVSplice on whole compressed caches (seed 003, DESIGN.md step 5): encode the kept keys and
+// values of a CompressedCache as its policy says, and decode an encoded cache back to dense kept
+// keys and values. Host-memory caches; the Backend's CodecOps does the arithmetic (the CUDA
+// backend stages host buffers through device memory itself).
+//
+// Projection rules: the value codecs need the projection the cache was (or will be) encoded
+// with. Encoding records projection->version in the cache; decoding checks the cache's version
+// against the projection given (or looks it up in a ProjectionStore) and returns NotFound when it
+// is missing or different: never values decoded through the wrong basis.
+#ifndef KVCOMP_KERNELS_KVSPLICE_H_
+#define KVCOMP_KERNELS_KVSPLICE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/policy.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/codec_ops.h"
+#include "kvcomp/kernels/projection.h"
+
+namespace kvcomp {
+
+// The latent rank a policy gets with a projection: policy.rank when set; else the auto-tuner's
+// largest per-layer rank recorded in the projection; else DefaultRank(codec, head_dim); rounded
+// up to even for int4. FailedPrecondition when it exceeds the projection's rows.
+absl::StatusOr<uint32_t> ChooseRank(const CompressionPolicy& policy, const Projection& projection);
+
+// Encodes the raw kept tokens of `cache` (keys and values in layout.dtype, key_codec and
+// value_codec raw, as the pipeline's selection leaves them) with policy.key_codec,
+// policy.value_codec, rank, group_size and gamma_aware. `projection` is required for the value
+// codecs (FailedPrecondition when null) and must match the layout (layers, kv heads, head_dim).
+absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
+                        const Projection* projection, CompressedCache* cache);
+
+// The kept tokens decoded: head h's rows are [offsets[h], offsets[h + 1]) of `keys` and `values`
+// ([total_kept][head_dim] of `dtype`), at sequence positions `positions` (same rows).
+struct DecodedKept {
+  KvLayout layout;
+  DType dtype = DType::kF32;
+  std::vector<uint64_t> offsets;
+  std::vector<uint32_t> positions;
+  std::vector<uint8_t> keys;
+  std::vector<uint8_t> values;
+};
+
+// Decodes keys and values of `cache` into `dtype` (f32, f16 or bf16). `projection` may be null
+// when the values are raw; otherwise its version must be cache.projection_version (NotFound).
+absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
+                                       const Projection* projection, DType dtype = DType::kF32);
+// The same, taking the projection from `store` under `model_id` (NotFound when missing).
+absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
+                                       ProjectionStore& store, absl::string_view model_id,
+                                       DType dtype = DType::kF32);
+
+// The codec parameters a cache was encoded with (its header fields).
+ValueCodecParams CacheValueParams(const CompressedCache& cache);
+
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_KVSPLICE_H_

@@ -1,0 +1,166 @@
+#include "kvcomp/kernels/kvsplice.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+#include "kvcomp/core/status.h"
+
+namespace kvcomp {
+namespace {
+
+absl::Status CheckProjectionLayout(const Projection& p, const KvLayout& layout) {
+  if (p.num_layers != layout.num_layers || p.num_kv_heads != layout.num_kv_heads ||
+      p.head_dim != layout.head_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kvsplice: projection %016x is for %u layers x %u kv heads x dim %u, the cache has "
+        "%u x %u x %u",
+        p.version, p.num_layers, p.num_kv_heads, p.head_dim, layout.num_layers,
+        layout.num_kv_heads, layout.head_dim));
+  }
+  return absl::OkStatus();
+}
+
+RowSpan AllHeads(const std::vector<uint64_t>& offsets) {
+  RowSpan rows;
+  rows.first_head = 0;
+  rows.row_offsets = offsets;
+  return rows;
+}
+
+}  // namespace
+
+ValueCodecParams CacheValueParams(const CompressedCache& cache) {
+  ValueCodecParams p;
+  p.codec = cache.value_codec;
+  p.rank = cache.rank;
+  p.group_size = cache.group_size;
+  p.gamma_aware = cache.value_gamma;
+  return p;
+}
+
+absl::StatusOr<uint32_t> ChooseRank(const CompressionPolicy& policy, const Projection& projection) {
+  if (policy.value_codec == ValueCodec::kRaw) return 0u;
+  uint32_t rank = policy.rank;
+  if (rank == 0) rank = projection.MaxTunedRank();
+  if (rank == 0) rank = DefaultRank(policy.value_codec, projection.head_dim);
+  if (policy.value_codec == ValueCodec::kOrthogonalInt4 && rank % 2 != 0) ++rank;
+  if (rank > projection.rows) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "kvsplice: rank %u needs a projection with at least %u rows per head; projection %016x "
+        "keeps %u (calibrate with more rows)",
+        rank, rank, projection.version, projection.rows));
+  }
+  return rank;
+}
+
+absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
+                        const Projection* projection, CompressedCache* cache) {
+  KVCOMP_RETURN_IF_ERROR(policy.ValidateFor(cache->layout.head_dim));
+  if (cache->key_codec != KeyCodec::kRaw || cache->value_codec != ValueCodec::kRaw) {
+    return absl::FailedPreconditionError("kvsplice: the cache is already encoded");
+  }
+  KVCOMP_RETURN_IF_ERROR(cache->Validate());
+  const KvLayout& layout = cache->layout;
+  const uint64_t d = layout.head_dim, total = cache->total_kept();
+  const std::vector<uint64_t> offsets = cache->TokenOffsets();
+  const RowSpan rows = AllHeads(offsets);
+  CodecOps& ops = backend.codec();
+
+  if (policy.value_codec != ValueCodec::kRaw) {
+    if (projection == nullptr) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "kvsplice: value codec %s needs a calibrated projection (none given)",
+          ValueCodecName(policy.value_codec)));
+    }
+    KVCOMP_RETURN_IF_ERROR(CheckProjectionLayout(*projection, layout));
+    KVCOMP_ASSIGN_OR_RETURN(const uint32_t rank, ChooseRank(policy, *projection));
+    ValueCodecParams p;
+    p.codec = policy.value_codec;
+    p.rank = rank;
+    p.group_size = policy.group_size;
+    p.gamma_aware = policy.gamma_aware;
+    std::vector<uint8_t> latent(total * p.LatentBytes());
+    std::vector<uint16_t> scales(total * p.Groups());
+    KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(*projection, p, rows, cache->values.data(),
+                                            layout.dtype, latent.data(),
+                                            scales.empty() ? nullptr : scales.data()));
+    cache->values = std::move(latent);
+    cache->value_scales = std::move(scales);
+    cache->value_codec = p.codec;
+    cache->rank = rank;
+    cache->group_size = p.Groups() > 0 ? p.group_size : 32;
+    cache->value_gamma = p.UsesGamma();
+    cache->projection_version = projection->version;
+  }
+  if (policy.key_codec != KeyCodec::kRaw) {
+    const uint64_t eb = policy.key_codec == KeyCodec::kFp16 ? 2 : 1;
+    std::vector<uint8_t> out(total * d * eb);
+    std::vector<float> key_scales(policy.key_codec == KeyCodec::kInt8 ? cache->num_heads() * d : 0);
+    KVCOMP_RETURN_IF_ERROR(ops.EncodeKeys(policy.key_codec, rows, layout.head_dim,
+                                          cache->keys.data(), layout.dtype, out.data(),
+                                          key_scales.empty() ? nullptr : key_scales.data()));
+    cache->keys = std::move(out);
+    cache->key_scales = std::move(key_scales);
+    cache->key_codec = policy.key_codec;
+  }
+  return cache->Validate();
+}
+
+absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
+                                       const Projection* projection, DType dtype) {
+  KVCOMP_RETURN_IF_ERROR(cache.Validate());
+  if (!IsInputDType(dtype)) {
+    return absl::InvalidArgumentError("kvsplice: decode into f32, f16 or bf16");
+  }
+  const KvLayout& layout = cache.layout;
+  DecodedKept out;
+  out.layout = layout;
+  out.dtype = dtype;
+  out.offsets = cache.TokenOffsets();
+  out.positions = cache.positions;
+  const uint64_t total = cache.total_kept(), d = layout.head_dim;
+  out.keys.resize(DTypeBytes(dtype, total * d));
+  out.values.resize(DTypeBytes(dtype, total * d));
+  const RowSpan rows = AllHeads(out.offsets);
+  CodecOps& ops = backend.codec();
+  if (cache.value_codec != ValueCodec::kRaw) {
+    if (projection == nullptr) {
+      return absl::NotFoundError(absl::StrFormat(
+          "kvsplice: the cache's values were encoded with projection %016x, which was not given: "
+          "they cannot be decoded without it",
+          cache.projection_version));
+    }
+    if (projection->version != cache.projection_version) {
+      return absl::NotFoundError(absl::StrFormat(
+          "kvsplice: the cache was encoded with projection %016x, the projection given is "
+          "%016x: decoding through another basis would return garbage",
+          cache.projection_version, projection->version));
+    }
+    KVCOMP_RETURN_IF_ERROR(CheckProjectionLayout(*projection, layout));
+    KVCOMP_RETURN_IF_ERROR(ops.DecodeValues(
+        *projection, CacheValueParams(cache), rows, cache.values.data(),
+        cache.value_scales.empty() ? nullptr : cache.value_scales.data(), out.values.data(),
+        dtype));
+  } else {
+    KVCOMP_RETURN_IF_ERROR(ops.DecodeKeys(KeyCodec::kRaw, rows, layout.head_dim,
+                                          cache.values.data(), layout.dtype, nullptr,
+                                          out.values.data(), dtype));
+  }
+  KVCOMP_RETURN_IF_ERROR(ops.DecodeKeys(cache.key_codec, rows, layout.head_dim, cache.keys.data(),
+                                        layout.dtype,
+                                        cache.key_scales.empty() ? nullptr
+                                                                 : cache.key_scales.data(),
+                                        out.keys.data(), dtype));
+  return out;
+}
+
+absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
+                                       ProjectionStore& store, absl::string_view model_id,
+                                       DType dtype) {
+  if (cache.value_codec == ValueCodec::kRaw) return DecodeKept(backend, cache, nullptr, dtype);
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Projection> p,
+                          store.Get(model_id, cache.projection_version));
+  return DecodeKept(backend, cache, p.get(), dtype);
+}
+
+}  // namespace kvcomp

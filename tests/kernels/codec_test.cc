@@ -1,0 +1,431 @@
+// KVSplice codec on the CPU backend: int4 packing, quantization bounds, poisoned outputs, keys,
+// whole-cache encode/decode through the format, and the missing-projection errors.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/codec_test_util.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/calibration.h"
+#include "kvcomp/kernels/codec_ops.h"
+#include "kvcomp/kernels/kvsplice.h"
+#include "kvcomp/kernels/projection.h"
+
+namespace kvcomp {
+namespace {
+
+std::unique_ptr<Backend> Cpu() {
+  auto b = MakeCpuBackend(CpuBackendOptions{2});
+  EXPECT_TRUE(b.ok()) << b.status();
+  return std::move(*b);
+}
+
+// A sealed projection of `heads` heads whose basis is `rows` rows of a random orthonormal basis
+// (or the identity) and gamma as given (1 by default).
+Projection MakeProjection(uint32_t layers, uint32_t kv, uint32_t d, uint32_t rows, bool identity,
+                          uint64_t seed, float gamma_decay = 1.0f) {
+  Projection p;
+  p.model_id = "test";
+  p.num_layers = layers;
+  p.num_kv_heads = kv;
+  p.head_dim = d;
+  p.rows = rows;
+  std::mt19937_64 rng(seed);
+  for (uint64_t h = 0; h < p.num_heads(); ++h) {
+    std::vector<double> b = testing::RandomBasis(d, rng);
+    for (uint32_t j = 0; j < rows; ++j) {
+      for (uint32_t k = 0; k < d; ++k) {
+        p.basis.push_back(identity ? (j == k ? 1.0f : 0.0f)
+                                   : static_cast<float>(b[uint64_t{j} * d + k]));
+      }
+      p.gamma.push_back(std::pow(gamma_decay, static_cast<float>(j)));
+    }
+    for (uint32_t j = 0; j < d; ++j) p.eigenvalues.push_back(1.0f);
+  }
+  EXPECT_TRUE(p.Seal().ok());
+  return p;
+}
+
+RowSpan Span(const std::vector<uint64_t>& offsets, uint64_t first_head = 0) {
+  RowSpan r;
+  r.first_head = first_head;
+  r.row_offsets = offsets;
+  return r;
+}
+
+TEST(CodecCpu, Int4UnpacksEveryByteValue) {
+  auto be = Cpu();
+  const uint32_t d = 64;
+  Projection p = MakeProjection(1, 1, d, 2, /*identity=*/true, 1);
+  ValueCodecParams params{ValueCodec::kOrthogonalInt4, 2, 32, false};
+  std::vector<uint8_t> latent(256);
+  for (int b = 0; b < 256; ++b) latent[b] = static_cast<uint8_t>(b);
+  std::vector<uint16_t> scales(256, FloatToHalf(1.0f));
+  std::vector<uint64_t> off = {0, 256};
+  std::vector<float> out(256 * d, std::numeric_limits<float>::quiet_NaN());
+  ASSERT_TRUE(be->codec()
+                  .DecodeValues(p, params, Span(off), latent.data(), scales.data(), out.data(),
+                                DType::kF32)
+                  .ok());
+  for (int b = 0; b < 256; ++b) {
+    const int lo = (b & 15) >= 8 ? (b & 15) - 16 : (b & 15);
+    const int hi = (b >> 4) >= 8 ? (b >> 4) - 16 : (b >> 4);
+    EXPECT_EQ(out[b * d + 0], static_cast<float>(lo)) << b;
+    EXPECT_EQ(out[b * d + 1], static_cast<float>(hi)) << b;
+    for (uint32_t k = 2; k < d; ++k) ASSERT_EQ(out[b * d + k], 0.0f);
+  }
+}
+
+TEST(CodecCpu, Int4RoundTripsEveryValueAndPacksLowNibbleFirst) {
+  auto be = Cpu();
+  const uint32_t d = 64, r = 32;
+  Projection p = MakeProjection(1, 1, d, r, /*identity=*/true, 1);
+  ValueCodecParams params{ValueCodec::kOrthogonalInt4, r, 16, false};
+  // Rows: every ordered pair (a, b) of int4 values in [-7, 7] at latent positions (0, 1), and a
+  // 7 at position 2 and 16 so each group's scale is exactly 0.5.
+  std::vector<float> v;
+  std::vector<std::pair<int, int>> pairs;
+  for (int a = -7; a <= 7; ++a) {
+    for (int b = -7; b <= 7; ++b) {
+      pairs.push_back({a, b});
+      std::vector<float> row(d, 0.0f);
+      row[0] = 0.5f * a;
+      row[1] = 0.5f * b;
+      row[2] = 3.5f;
+      row[16] = -3.5f;
+      v.insert(v.end(), row.begin(), row.end());
+    }
+  }
+  const uint64_t n = pairs.size();
+  std::vector<uint64_t> off = {0, n};
+  std::vector<uint8_t> latent(n * params.LatentBytes(), 0xAB);
+  std::vector<uint16_t> scales(n * params.Groups(), 0xFFFF);
+  ASSERT_TRUE(be->codec()
+                  .EncodeValues(p, params, Span(off), v.data(), DType::kF32, latent.data(),
+                                scales.data())
+                  .ok());
+  std::vector<float> out(n * d, std::numeric_limits<float>::quiet_NaN());
+  ASSERT_TRUE(be->codec()
+                  .DecodeValues(p, params, Span(off), latent.data(), scales.data(), out.data(),
+                                DType::kF32)
+                  .ok());
+  for (uint64_t i = 0; i < n; ++i) {
+    const auto [a, b] = pairs[i];
+    EXPECT_EQ(latent[i * 16], static_cast<uint8_t>((a & 15) | ((b & 15) << 4))) << a << " " << b;
+    EXPECT_EQ(scales[i * 2], FloatToHalf(0.5f));
+    for (uint32_t k = 0; k < d; ++k) {
+      const float want = k < r ? v[i * d + k] : 0.0f;  // rows beyond the rank are dropped
+      ASSERT_EQ(out[i * d + k], want) << i << " " << k;
+    }
+  }
+}
+
+// Full rank: V' - V = sum_j e_j gamma_j p_j, so e_j = ((V' - V) . p_j) / gamma_j is the latent
+// quantization error, which must be within half the group's f16 scale.
+void CheckQuantizationBound(ValueCodec codec, uint32_t group, bool gamma_aware, DType dtype) {
+  auto be = Cpu();
+  const uint32_t d = 64;
+  Projection p = MakeProjection(1, 2, d, d, /*identity=*/false, 7, 0.95f);
+  ValueCodecParams params{codec, d, group, gamma_aware};
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  const uint64_t n0 = 70, n1 = 33, n = n0 + n1;
+  std::vector<float> vf(n * d);
+  for (auto& x : vf) x = nd(rng);
+  std::vector<uint16_t> v16(n * d);
+  for (size_t i = 0; i < vf.size(); ++i) {
+    if (dtype == DType::kBF16) {
+      v16[i] = FloatToBf16(vf[i]);
+      vf[i] = Bf16ToFloat(v16[i]);
+    } else if (dtype == DType::kF16) {
+      v16[i] = FloatToHalf(vf[i]);
+      vf[i] = HalfToFloat(v16[i]);
+    }
+  }
+  const void* in = dtype == DType::kF32 ? static_cast<const void*>(vf.data()) : v16.data();
+  std::vector<uint64_t> off = {0, n0, n};
+  std::vector<uint8_t> latent(n * params.LatentBytes());
+  std::vector<uint16_t> scales(n * params.Groups());
+  ASSERT_TRUE(
+      be->codec().EncodeValues(p, params, Span(off), in, dtype, latent.data(), scales.data()).ok());
+  std::vector<float> out(n * d, std::numeric_limits<float>::quiet_NaN());
+  ASSERT_TRUE(be->codec()
+                  .DecodeValues(p, params, Span(off), latent.data(), scales.data(), out.data(),
+                                DType::kF32)
+                  .ok());
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t h = i < n0 ? 0 : 1;
+    for (uint32_t j = 0; j < d; ++j) {
+      const float* pj = p.head_basis(h) + uint64_t{j} * d;
+      double e = 0;
+      for (uint32_t k = 0; k < d; ++k) e += (double{out[i * d + k]} - vf[i * d + k]) * pj[k];
+      const double g = gamma_aware ? p.head_gamma(h)[j] : 1.0;
+      const double s = HalfToFloat(scales[i * params.Groups() + j / group]);
+      ASSERT_LE(std::fabs(e / g), 0.5 * s * (1 + 1e-3) + 1e-5)
+          << "row " << i << " latent " << j << " scale " << s;
+    }
+  }
+}
+
+TEST(CodecCpu, Int8ErrorWithinHalfGroupScale) {
+  CheckQuantizationBound(ValueCodec::kOrthogonalInt8, 32, false, DType::kF32);
+  CheckQuantizationBound(ValueCodec::kOrthogonalInt8, 32, true, DType::kBF16);
+  CheckQuantizationBound(ValueCodec::kOrthogonalInt8, 7, true, DType::kF16);
+}
+
+TEST(CodecCpu, Int4ErrorWithinHalfGroupScale) {
+  CheckQuantizationBound(ValueCodec::kOrthogonalInt4, 32, false, DType::kF32);
+  CheckQuantizationBound(ValueCodec::kOrthogonalInt4, 16, true, DType::kBF16);
+}
+
+TEST(CodecCpu, EncodeAndDecodeOverwritePoisonedOutputs) {
+  auto be = Cpu();
+  const uint32_t d = 128;
+  Projection p = MakeProjection(2, 2, d, 96, false, 9, 0.97f);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd;
+  for (ValueCodec codec : {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                           ValueCodec::kOrthogonalInt4}) {
+    ValueCodecParams params{codec, 96, 32, true};
+    // Heads 1..3 of the projection (first_head 1), one of them empty.
+    std::vector<uint64_t> off = {0, 100, 100, 165};
+    const uint64_t n = off.back();
+    std::vector<float> v(n * d);
+    for (auto& x : v) x = nd(rng);
+    std::vector<std::vector<uint8_t>> lat(2, std::vector<uint8_t>(n * params.LatentBytes()));
+    std::vector<std::vector<uint16_t>> sc(2, std::vector<uint16_t>(n * params.Groups() + 1));
+    for (int t = 0; t < 2; ++t) {
+      std::fill(lat[t].begin(), lat[t].end(), t == 0 ? 0x00 : 0xFF);
+      std::fill(sc[t].begin(), sc[t].end(), t == 0 ? 0x0000 : 0xFFFF);
+      ASSERT_TRUE(be->codec()
+                      .EncodeValues(p, params, Span(off, 1), v.data(), DType::kF32,
+                                    lat[t].data(), sc[t].data())
+                      .ok());
+    }
+    EXPECT_EQ(lat[0], lat[1]) << ValueCodecName(codec);
+    for (uint64_t i = 0; i < n * params.Groups(); ++i) ASSERT_EQ(sc[0][i], sc[1][i]);
+    for (DType out_dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+      std::vector<uint8_t> out(DTypeBytes(out_dtype, n * d), 0xFF);  // NaN in every dtype
+      ASSERT_TRUE(be->codec()
+                      .DecodeValues(p, params, Span(off, 1), lat[0].data(), sc[0].data(),
+                                    out.data(), out_dtype)
+                      .ok());
+      for (uint64_t i = 0; i < n * d; ++i) {
+        ASSERT_TRUE(std::isfinite(LoadAsFloat(out.data(), out_dtype, i)))
+            << ValueCodecName(codec) << " " << DTypeName(out_dtype) << " element " << i;
+      }
+    }
+  }
+}
+
+TEST(CodecCpu, KeysRawFp16Int8) {
+  auto be = Cpu();
+  const uint32_t d = 64;
+  std::vector<uint64_t> off = {0, 40, 40, 77};
+  const uint64_t n = off.back();
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::vector<uint16_t> k(n * d);
+  for (auto& x : k) x = FloatToBf16(nd(rng));
+  // raw: the same bits back; fp16: FloatToHalf of each element.
+  std::vector<uint16_t> raw(n * d, 0xFFFF);
+  ASSERT_TRUE(be->codec()
+                  .EncodeKeys(KeyCodec::kRaw, Span(off), d, k.data(), DType::kBF16, raw.data(),
+                              nullptr)
+                  .ok());
+  EXPECT_EQ(raw, k);
+  std::vector<uint16_t> h(n * d, 0xFFFF);
+  ASSERT_TRUE(be->codec()
+                  .EncodeKeys(KeyCodec::kFp16, Span(off), d, k.data(), DType::kBF16, h.data(),
+                              nullptr)
+                  .ok());
+  for (uint64_t i = 0; i < n * d; ++i) ASSERT_EQ(h[i], FloatToHalf(Bf16ToFloat(k[i])));
+  std::vector<int8_t> q(n * d);
+  std::vector<float> scales(3 * d, std::numeric_limits<float>::quiet_NaN());
+  ASSERT_TRUE(be->codec()
+                  .EncodeKeys(KeyCodec::kInt8, Span(off), d, k.data(), DType::kBF16, q.data(),
+                              scales.data())
+                  .ok());
+  for (uint32_t c = 0; c < d; ++c) EXPECT_EQ(scales[d + c], 0.0f);  // the empty head
+  std::vector<float> back(n * d, std::numeric_limits<float>::quiet_NaN());
+  ASSERT_TRUE(be->codec()
+                  .DecodeKeys(KeyCodec::kInt8, Span(off), d, q.data(), DType::kBF16,
+                              scales.data(), back.data(), DType::kF32)
+                  .ok());
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t head = i < 40 ? 0 : 2;
+    for (uint32_t c = 0; c < d; ++c) {
+      const float s = scales[head * d + c];
+      ASSERT_LE(std::fabs(back[i * d + c] - Bf16ToFloat(k[i * d + c])), 0.5f * s * 1.0001f);
+    }
+  }
+}
+
+TEST(CodecCpu, RejectsBadParameters) {
+  auto be = Cpu();
+  Projection p = MakeProjection(1, 2, 64, 32, false, 1);
+  std::vector<uint64_t> off = {0, 4, 8};
+  std::vector<float> v(8 * 64, 1.0f);
+  std::vector<uint8_t> lat(8 * 128);
+  std::vector<uint16_t> sc(8 * 8);
+  auto enc = [&](ValueCodecParams params, const Projection& proj, std::vector<uint64_t> o) {
+    return be->codec()
+        .EncodeValues(proj, params, Span(o), v.data(), DType::kF32, lat.data(), sc.data())
+        .code();
+  };
+  const auto kBad = absl::StatusCode::kInvalidArgument;
+  EXPECT_EQ(enc({ValueCodec::kOrthogonalInt8, 33, 32, true}, p, off), kBad);  // rank > rows
+  EXPECT_EQ(enc({ValueCodec::kOrthogonalInt4, 31, 32, true}, p, off), kBad);  // odd int4 rank
+  EXPECT_EQ(enc({ValueCodec::kRaw, 16, 32, true}, p, off), kBad);
+  EXPECT_EQ(enc({ValueCodec::kOrthogonalInt8, 16, 0, true}, p, off), kBad);
+  EXPECT_EQ(enc({ValueCodec::kOrthogonalInt8, 16, 32, true}, p, {0, 4, 8, 8}), kBad);  // 3 heads
+  EXPECT_EQ(enc({ValueCodec::kOrthogonalInt8, 16, 32, true}, p, {0, 5, 4}), kBad);
+  Projection unsealed = p;
+  unsealed.version = 0;
+  EXPECT_EQ(enc({ValueCodec::kOrthogonalInt8, 16, 32, true}, unsealed, off), kBad);
+  EXPECT_TRUE(enc({ValueCodec::kOrthogonalInt8, 16, 32, true}, p, off) == absl::StatusCode::kOk);
+}
+
+// A raw cache of real values: every head keeps a random subset of `tokens` tokens.
+CompressedCache RawCache(const testing::LowRankData& data, const std::vector<float>& values,
+                         const std::vector<float>& keys, DType dtype, uint64_t seed) {
+  CompressedCache c;
+  KvLayout layout{data.layers, data.heads, data.heads * 2, data.d, dtype};
+  c.has_moments = false;
+  c.Reset(layout, data.tokens);
+  std::mt19937_64 rng(seed);
+  for (uint64_t h = 0; h < c.num_heads(); ++h) {
+    uint32_t kept = 0;
+    for (uint32_t t = 0; t < data.tokens; ++t) {
+      if (rng() % 3 == 0 && h != 1) continue;  // head 1 keeps everything, others ~2/3
+      c.positions.push_back(t);
+      ++kept;
+      for (uint32_t k = 0; k < data.d; ++k) {
+        const uint64_t src = (h * data.tokens + t) * data.d + k;
+        const size_t at = c.values.size();
+        c.values.resize(at + DTypeBytes(dtype, 1));
+        c.keys.resize(at + DTypeBytes(dtype, 1));
+        StoreFromFloat(c.values.data() + at, dtype, 0, values[src]);
+        StoreFromFloat(c.keys.data() + at, dtype, 0, keys[src]);
+      }
+    }
+    c.kept[h] = kept;
+  }
+  EXPECT_TRUE(c.Validate().ok());
+  return c;
+}
+
+TEST(KvSplice, EveryPresetRoundTripsThroughTheFormat) {
+  auto be = Cpu();
+  testing::LowRankData data;
+  data.layers = 2;
+  data.heads = 2;
+  data.tokens = 300;
+  data.d = 64;
+  data.true_rank = 24;
+  const std::vector<float> values = data.Make(1), keys = data.Make(2);
+  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 256, 64, 0}, be.get());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  for (uint32_t l = 0; l < data.layers; ++l) {
+    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
+  }
+  auto proj = cal->Finish(64);
+  ASSERT_TRUE(proj.ok()) << proj.status();
+  InMemoryProjectionStore store;
+  ASSERT_TRUE(store.Put(*proj).ok());
+  const CompressedCache raw = RawCache(data, values, keys, DType::kBF16, 4);
+  for (ValueCodec vc : {ValueCodec::kRaw, ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                        ValueCodec::kOrthogonalInt4}) {
+    for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8}) {
+      CompressionPolicy policy;
+      policy.value_codec = vc;
+      policy.key_codec = kc;
+      CompressedCache c = raw;
+      c.policy = policy;
+      ASSERT_TRUE(EncodeKept(*be, policy, &*proj, &c).ok()) << ValueCodecName(vc);
+      EXPECT_EQ(c.rank, vc == ValueCodec::kRaw ? 0u : DefaultRank(vc, data.d));
+      EXPECT_EQ(c.projection_version, vc == ValueCodec::kRaw ? 0 : proj->version);
+      EXPECT_EQ(c.value_gamma, vc == ValueCodec::kOrthogonalInt8 || vc == ValueCodec::kOrthogonalInt4);
+      const CacheBytes bytes = c.Breakdown();
+      EXPECT_EQ(bytes.values, c.total_kept() * c.ValueTokenBytes());
+      auto encoded = format::EncodeCache(c);
+      ASSERT_TRUE(encoded.ok()) << encoded.status();
+      auto parsed = format::ParseCache(*encoded);
+      ASSERT_TRUE(parsed.ok()) << parsed.status();
+      ASSERT_TRUE(*parsed == c);
+      auto dec = DecodeKept(*be, *parsed, store, "m", DType::kF32);
+      ASSERT_TRUE(dec.ok()) << dec.status();
+      auto ref = DecodeKept(*be, raw, nullptr, DType::kF32);
+      ASSERT_TRUE(ref.ok());
+      const auto* got_v = reinterpret_cast<const float*>(dec->values.data());
+      const auto* want_v = reinterpret_cast<const float*>(ref->values.data());
+      const auto* got_k = reinterpret_cast<const float*>(dec->keys.data());
+      const auto* want_k = reinterpret_cast<const float*>(ref->keys.data());
+      double ev = 0, nv = 0, ek = 0, nk = 0;
+      for (uint64_t i = 0; i < c.total_kept() * data.d; ++i) {
+        ev += (got_v[i] - want_v[i]) * (got_v[i] - want_v[i]);
+        nv += want_v[i] * want_v[i];
+        ek += (got_k[i] - want_k[i]) * (got_k[i] - want_k[i]);
+        nk += want_k[i] * want_k[i];
+      }
+      // Rank 32..48 of a 24-rank signal keeps it; what is left is noise and quantization.
+      const double max_v = vc == ValueCodec::kRaw ? 0 : vc == ValueCodec::kOrthogonalInt4 ? 0.2 : 0.05;
+      const double max_k = kc == KeyCodec::kInt8 ? 0.02 : kc == KeyCodec::kFp16 ? 0.003 : 0;
+      EXPECT_LE(std::sqrt(ev / nv), max_v) << ValueCodecName(vc) << "/" << KeyCodecName(kc);
+      EXPECT_LE(std::sqrt(ek / nk), max_k) << ValueCodecName(vc) << "/" << KeyCodecName(kc);
+      EXPECT_EQ(dec->positions, raw.positions);
+    }
+  }
+}
+
+TEST(KvSplice, MissingOrWrongProjectionIsAClearError) {
+  auto be = Cpu();
+  testing::LowRankData data;
+  data.tokens = 64;
+  const std::vector<float> values = data.Make(1), keys = data.Make(2);
+  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be.get());
+  ASSERT_TRUE(cal.ok());
+  for (uint32_t l = 0; l < data.layers; ++l) {
+    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
+  }
+  auto proj = cal->Finish(48);
+  ASSERT_TRUE(proj.ok());
+  CompressionPolicy policy;
+  policy.value_codec = ValueCodec::kOrthogonalInt8;
+  CompressedCache c = RawCache(data, values, keys, DType::kF16, 1);
+  CompressedCache no_proj = c;
+  EXPECT_EQ(EncodeKept(*be, policy, nullptr, &no_proj).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(EncodeKept(*be, policy, &*proj, &c).ok());
+
+  InMemoryProjectionStore store;
+  auto missing = DecodeKept(*be, c, store, "m");
+  ASSERT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("not available"), std::string::npos)
+      << missing.status();
+  EXPECT_EQ(DecodeKept(*be, c, nullptr).status().code(), absl::StatusCode::kNotFound);
+  // A recalibration (more data) is a new version; decoding through it is refused.
+  ASSERT_TRUE(cal->AddLayer(0, data.LayerView(keys, 0)).ok());
+  auto newer = cal->Finish(48);
+  ASSERT_TRUE(newer.ok());
+  EXPECT_NE(newer->version, proj->version);
+  ASSERT_TRUE(store.Put(*newer).ok());
+  EXPECT_EQ(DecodeKept(*be, c, store, "m").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(DecodeKept(*be, c, &*newer).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store.Put(*proj).ok());
+  EXPECT_TRUE(DecodeKept(*be, c, store, "m").ok());
+  EXPECT_EQ(*store.Latest("m"), proj->version);
+  ASSERT_TRUE(store.Delete("m", proj->version).ok());
+  EXPECT_EQ(DecodeKept(*be, c, store, "m").status().code(), absl::StatusCode::kNotFound);
+  // A rank above the projection's rows.
+  policy.rank = 64;
+  CompressedCache big = RawCache(data, values, keys, DType::kF16, 1);
+  EXPECT_EQ(EncodeKept(*be, policy, &*proj, &big).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace kvcomp
