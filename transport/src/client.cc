@@ -48,6 +48,7 @@ struct Pending {
   MemoryType dst_memory = MemoryType::kHost;
   std::unique_ptr<Reply> reply;  // arrived, waiting for the send to complete
   bool receiving = false;        // reply payload being received
+  bool raw = false;              // SendRawForTesting: busy replies are not retried
   absl::Status failure;          // set: deliver this once UCX lets go of the request
   ReplyCallback callback;
 };
@@ -85,6 +86,8 @@ class ClientImpl : public UcxClient {
                                             absl::string_view key) override;
   absl::Status Delete(absl::string_view model_id, absl::string_view key) override;
   absl::Status Ping() override;
+  absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
+                                             absl::string_view payload) override;
   void Close() override;
 
   // ---- loop thread ----
@@ -171,6 +174,7 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
       std::max(absl::Milliseconds(1), std::min(absl::Milliseconds(20), options_.max_busy_backoff));
   loop_->Start([this] { Tick(); }, tick);
 
+  if (!options_.send_hello) return absl::OkStatus();
   wire::Hello hello;
   hello.tenant = std::string(tenant);
   hello.token = std::string(token);
@@ -314,7 +318,7 @@ void ClientImpl::MaybeComplete(uint64_t request_id) {
     return;
   }
   if (p.reply == nullptr) return;
-  if (p.reply->header.type == wire::MessageType::kBusy) {
+  if (p.reply->header.type == wire::MessageType::kBusy && !p.raw) {
     wire::Busy busy;
     absl::Status s = wire::Decode(p.reply->frame(), &busy);
     p.reply.reset();
@@ -391,7 +395,7 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
   const absl::string_view hv(static_cast<const char*>(header), header_length);
   absl::StatusOr<wire::Frame> f = wire::ParseFrame(hv, length);
   if (!f.ok()) {
-    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    if (rndv) DropRendezvous(loop_->worker(), data);
     const uint64_t rid = wire::PeekRequestId(hv);
     if (rid != 0) Fail(rid, Annotate(f.status(), "malformed reply"));
     return;
@@ -399,7 +403,7 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
   auto it = pending_.find(f->header.request_id);
   if (it == pending_.end() || it->second->reply != nullptr || it->second->receiving ||
       !it->second->failure.ok()) {
-    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    if (rndv) DropRendezvous(loop_->worker(), data);
     return;  // late reply of a request that already failed
   }
   Pending& p = *it->second;
@@ -412,13 +416,13 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
     return;
   }
   if (f->header.type != wire::MessageType::kGetReply) {
-    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    if (rndv) DropRendezvous(loop_->worker(), data);
     Fail(p.request_id, absl::DataLossError("reply carries an unexpected payload"));
     return;
   }
   if (p.dst != nullptr) {
     if (length > p.capacity) {
-      if (rndv) ucp_am_data_release(loop_->worker(), data);
+      if (rndv) DropRendezvous(loop_->worker(), data);
       Fail(p.request_id, absl::OutOfRangeError(absl::StrFormat(
                              "cache of %u bytes does not fit the %u-byte buffer", length,
                              p.capacity)));
@@ -672,6 +676,30 @@ absl::Status ClientImpl::Ping() {
   KVCOMP_ASSIGN_OR_RETURN(Reply r,
                           Call(rid, wire::Encode(rid, wire::Ping{}), options_.request_timeout));
   return StatusOfReply(r);
+}
+
+absl::StatusOr<RawReply> ClientImpl::SendRawForTesting(uint64_t request_id, std::string frame,
+                                                       absl::string_view payload) {
+  auto p = std::make_unique<Pending>();
+  p->request_id = request_id;
+  p->frame = std::move(frame);
+  p->raw = true;
+  if (!payload.empty()) {
+    p->iov[0] = {const_cast<char*>(payload.data()), payload.size()};
+    p->iov_count = 1;
+  }
+  p->deadline = absl::Now() + options_.request_timeout;
+  KVCOMP_ASSIGN_OR_RETURN(Reply r, Wait(std::move(p)));
+  RawReply raw;
+  raw.header = r.header;
+  raw.body = r.body;
+  raw.payload_bytes = r.payload.size();
+  if (r.header.type == wire::MessageType::kStatus) {
+    raw.status = StatusOfReply(r);
+  } else if (r.header.type == wire::MessageType::kBusy) {
+    raw.status = BusyError("server busy");
+  }
+  return raw;
 }
 
 }  // namespace

@@ -308,7 +308,8 @@ void ServerImpl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
   auto it = self->connections_.find(ep);
   if (it == self->connections_.end()) return;
   std::shared_ptr<Connection> conn = it->second;
-  self->CloseConnection(conn, UcsStatusToStatus(status, "connection lost"));
+  self->CloseConnection(conn, absl::UnavailableError(absl::StrCat(
+                                  "client disconnected: UCX: ", ucs_status_string(status))));
 }
 
 void ServerImpl::CloseConnection(const std::shared_ptr<Connection>& conn,
@@ -436,7 +437,7 @@ ucs_status_t ServerImpl::OnAm(void* arg, const void* header, size_t header_lengt
     if (it != self->connections_.end()) conn = it->second;
   }
   if (conn == nullptr || conn->closed) {
-    if (rndv) ucp_am_data_release(self->loop_->worker(), data);
+    if (rndv) DropRendezvous(self->loop_->worker(), data);
     return UCS_OK;
   }
   self->HandleMessage(conn, absl::string_view(static_cast<const char*>(header), header_length),
@@ -451,7 +452,7 @@ void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::st
   absl::StatusOr<wire::Frame> f = wire::ParseFrame(header, length);
   if (!f.ok()) {
     counters_.malformed_messages++;
-    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    if (rndv) DropRendezvous(loop_->worker(), data);
     SendStatus(*conn, wire::PeekRequestId(header), f.status());
     return;
   }
@@ -460,7 +461,7 @@ void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::st
     HandleBlock(conn, *f, data, length, rndv);  // owns the rendezvous descriptor
     return;
   }
-  if (rndv) ucp_am_data_release(loop_->worker(), data);
+  if (rndv) DropRendezvous(loop_->worker(), data);
   if (length > 0) {
     counters_.malformed_messages++;
     SendStatus(*conn, f->header.request_id,
@@ -598,14 +599,14 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
         options_.max_payload_bytes));
   }
   if (!s.ok()) {
-    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    if (rndv) DropRendezvous(loop_->worker(), data);
     SendStatus(*conn, f.header.request_id, s);
     return;
   }
   put->last_activity = absl::Now();
   const uint64_t bytes = block.payload_bytes();
   if (conn->inflight_bytes + bytes > options_.max_inflight_bytes) {
-    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    if (rndv) DropRendezvous(loop_->worker(), data);
     SendBusy(*conn, f.header.request_id);
     return;
   }
@@ -616,7 +617,7 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
     buf = absl::InternalError("AllocateBlock returned a buffer that is too small");
   }
   if (!buf.ok()) {
-    if (rndv) ucp_am_data_release(loop_->worker(), data);
+    if (rndv) DropRendezvous(loop_->worker(), data);
     SendStatus(*conn, f.header.request_id, buf.status());
     return;
   }

@@ -151,6 +151,21 @@ void WorkerLoop::Run() {
   }
 }
 
+namespace {
+void DropDone(void* request, ucs_status_t status, size_t length, void* user_data) {
+  ucp_request_free(request);
+}
+}  // namespace
+
+void DropRendezvous(ucp_worker_h worker, void* data_desc) {
+  static char sink[1];
+  ucp_request_param_t p = {};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
+  p.cb.recv_am = &DropDone;
+  void* req = ucp_am_recv_data_nbx(worker, data_desc, sink, 0, &p);
+  (void)req;
+}
+
 std::string SockaddrToString(const struct sockaddr* sa) {
   char buf[INET6_ADDRSTRLEN] = {};
   if (sa == nullptr) return "?";

@@ -108,6 +108,9 @@ class WorkerLoop {
   std::atomic<bool> has_posted_{false};
 };
 
+// Refuses a rendezvous message without receiving its data (the sender's request completes).
+void DropRendezvous(ucp_worker_h worker, void* data_desc);
+
 // The IP address and port of a sockaddr as "ip:port" / "[ip6]:port".
 std::string SockaddrToString(const struct sockaddr* sa);
 

@@ -47,7 +47,19 @@ struct ClientOptions {
   absl::Duration poll_spin = absl::Microseconds(200);
   // Name sent in hello, for the server's logs. Default "kvcomp-client".
   std::string client_name = "kvcomp-client";
+  // Say hello at Connect. False only for tests of unauthenticated traffic. Default true.
+  bool send_hello = true;
   UcxConfig ucx;
+};
+
+// A reply as received by SendRawForTesting.
+struct RawReply {
+  wire::FrameHeader header;
+  std::string body;
+  size_t payload_bytes = 0;
+  // The reply's status: a kStatus reply's code and message, kvcomp::BusyError for kBusy, OK for
+  // any other type.
+  absl::Status status;
 };
 
 struct FetchedCache {
@@ -106,6 +118,12 @@ class UcxClient {
   virtual absl::Status Delete(absl::string_view model_id, absl::string_view key) = 0;
   // Round trip to the server (keep-alive, health).
   virtual absl::Status Ping() = 0;
+
+  // Sends `frame` (any bytes, used as the AM header) with `payload` (the AM data) and waits for
+  // the reply to request id `request_id`, with no validation and no busy retry. For tests of
+  // malformed traffic against a real server.
+  virtual absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
+                                                     absl::string_view payload) = 0;
 
   // Closes the connection; pending requests fail with Unavailable. Idempotent; the destructor
   // calls it.
