@@ -51,4 +51,17 @@ for spec in sys.argv[1:]:
   echo "bootstrap: installing python packages ${HELM_TEST_PACKAGES[*]}"
   "$PY" -m pip install -q "${HELM_TEST_PACKAGES[@]}"
 fi
+# promtool (checks and unit-tests the chart's alert rules), taken out of Debian's prometheus
+# package without installing it: the package would also install and start a Prometheus server.
+if ! command -v promtool >/dev/null; then
+  echo "bootstrap: installing promtool from Debian's prometheus package"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -qq prometheus 2>/dev/null) \
+    || { $SUDO apt-get update -qq && (cd "$tmp" && apt-get download -qq prometheus 2>/dev/null); }
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x"
+  $SUDO install -m 0755 "$tmp/x/usr/bin/promtool" /usr/local/bin/promtool
+  rm -rf "$tmp"
+fi
 echo "bootstrap: ok"
