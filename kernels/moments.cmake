@@ -9,3 +9,4 @@ if(TARGET Eigen3::Eigen)
   set_source_files_properties(src/cpu/moments_cpu.cc PROPERTIES COMPILE_DEFINITIONS
                               KVCOMP_HAVE_EIGEN=1)
 endif()
+list(APPEND KERNELS_CUDA_SRCS src/cuda/moments_cuda.cu)

@@ -1,0 +1,317 @@
+// CUDA kernels of MomentKV summaries. One kernel does both jobs of the engine's moment stage:
+//   list mode:    sums the moments of the listed (evicted) tokens of each head (gather);
+//   compact mode: walks every token of each head once, copies the kept ones to the compacted
+//                 output and sums the moments of the others, in the same pass over the data.
+// The v k^T sum is a matrix product over tokens: each CTA stages a tile of 64 tokens of K and V
+// in shared memory and accumulates V^T K on the tensor cores (WMMA, fp32 accumulators) for
+// 16-bit inputs; fp32 inputs take exact fp32 FMAs. A CTA owns a chunk of tokens of one head and
+// one 128x128 (or dxd when d < 128) block of S, and adds its result to the output with atomics.
+#ifndef KVCOMP_KERNELS_SRC_CUDA_MOMENTS_KERNELS_CUH_
+#define KVCOMP_KERNELS_SRC_CUDA_MOMENTS_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <cstdint>
+
+namespace kvcomp {
+namespace moments_cuda {
+
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kTileT = 64;     // tokens per shared-memory tile
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+struct MomentKernelParams {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  uint64_t k_token_stride = 0, k_head_stride = 0;  // elements
+  uint64_t v_token_stride = 0, v_head_stride = 0;
+  uint64_t num_tokens = 0;
+  uint32_t heads = 0;
+  // list mode: head h sums list[list_off[h] .. list_off[h+1]); compact mode: list = kept
+  // (ascending), tokens not listed are summed and listed ones copied to kept_k/kept_v rows.
+  const uint32_t* list = nullptr;
+  const uint64_t* list_off = nullptr;
+  void* kept_k = nullptr;
+  void* kept_v = nullptr;
+  // Outputs (compact mode: count == nullptr means no summary, copy only).
+  unsigned long long* count = nullptr;
+  float* key_sum = nullptr;
+  float* value_sum = nullptr;
+  float* vk_sum = nullptr;
+  uint64_t chunk = 0;  // list entries (list mode) or tokens (compact mode) per CTA
+};
+
+template <int D>
+struct SBlock {
+  static constexpr int B = D < 128 ? D : 128;  // S block edge owned by one CTA
+  static constexpr int kBlocks = D / B;         // per dimension
+  static constexpr int kTiles = (B / 16) * (B / 16);
+  static constexpr int kTilesPerWarp = kTiles / (kThreads / 32);
+};
+
+// Tensor-core accumulation of S_block += V_tile^T K_tile for 16-bit T.
+template <typename T, int D>
+struct MmaAccumulator {
+  using Blk = SBlock<D>;
+  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc[Blk::kTilesPerWarp];
+  __device__ void Init() {
+#pragma unroll
+    for (int i = 0; i < Blk::kTilesPerWarp; ++i) nvcuda::wmma::fill_fragment(acc[i], 0.0f);
+  }
+  __device__ void Add(const T* ks, const T* vs, int bi, int bj) {
+    using namespace nvcuda;
+    const int warp = threadIdx.x / 32;
+#pragma unroll
+    for (int i = 0; i < Blk::kTilesPerWarp; ++i) {
+      const int tile = warp * Blk::kTilesPerWarp + i;
+      const int ti = tile / (Blk::B / 16), tj = tile % (Blk::B / 16);
+#pragma unroll
+      for (int kk = 0; kk < kTileT; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+        // A = V^T (D x tokens): element (i, t) at vs[t * D + i] -> column-major, ld D.
+        wmma::load_matrix_sync(a, vs + kk * D + bi * Blk::B + ti * 16, D);
+        // B = K (tokens x D): element (t, j) at ks[t * D + j] -> row-major, ld D.
+        wmma::load_matrix_sync(b, ks + kk * D + bj * Blk::B + tj * 16, D);
+        wmma::mma_sync(acc[i], a, b, acc[i]);
+      }
+    }
+  }
+  // Adds the block to s (row-major D x D) with atomics, staging each tile in `stage` (per warp
+  // 256 floats).
+  __device__ void Flush(float* s, float* stage, int bi, int bj) {
+    using namespace nvcuda;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* st = stage + warp * 256;
+#pragma unroll
+    for (int i = 0; i < Blk::kTilesPerWarp; ++i) {
+      const int tile = warp * Blk::kTilesPerWarp + i;
+      const int ti = tile / (Blk::B / 16), tj = tile % (Blk::B / 16);
+      wmma::store_matrix_sync(st, acc[i], 16, wmma::mem_row_major);
+      __syncwarp();
+      for (int e = lane; e < 256; e += 32) {
+        const int r = bi * Blk::B + ti * 16 + e / 16, c = bj * Blk::B + tj * 16 + e % 16;
+        atomicAdd(s + r * D + c, st[e]);
+      }
+      __syncwarp();
+    }
+  }
+};
+
+// Exact fp32 accumulation for fp32 inputs.
+template <int D>
+struct FmaAccumulator {
+  using Blk = SBlock<D>;
+  static constexpr int kPerThread = Blk::B * Blk::B / kThreads;
+  float acc[kPerThread];
+  __device__ void Init() {
+#pragma unroll
+    for (int a = 0; a < kPerThread; ++a) acc[a] = 0.0f;
+  }
+  __device__ void Add(const float* ks, const float* vs, int bi, int bj) {
+#pragma unroll 1
+    for (int t = 0; t < kTileT; ++t) {
+#pragma unroll
+      for (int a = 0; a < kPerThread; ++a) {
+        const int e = threadIdx.x + kThreads * a;
+        const int i = e / Blk::B, j = e % Blk::B;
+        acc[a] += vs[t * D + bi * Blk::B + i] * ks[t * D + bj * Blk::B + j];
+      }
+    }
+  }
+  __device__ void Flush(float* s, float* /*stage*/, int bi, int bj) {
+#pragma unroll
+    for (int a = 0; a < kPerThread; ++a) {
+      const int e = threadIdx.x + kThreads * a;
+      const int i = e / Blk::B, j = e % Blk::B;
+      atomicAdd(s + (bi * Blk::B + i) * D + bj * Blk::B + j, acc[a]);
+    }
+  }
+};
+
+template <typename T, int D>
+using Accumulator =
+    typename std::conditional<std::is_same<T, float>::value, FmaAccumulator<D>,
+                              MmaAccumulator<T, D>>::type;
+
+// Shared memory bytes of MomentKernel<T, D>.
+template <typename T, int D>
+constexpr size_t MomentSmemBytes() {
+  const size_t tiles = 2 * size_t{kTileT} * D * sizeof(T);
+  const size_t stage = (kThreads / 32) * 256 * sizeof(float);
+  return (tiles > stage ? tiles : stage) + kTileT * sizeof(int) + 2 * sizeof(int);
+}
+
+// Grid: (chunks, heads, S blocks). See the top of the file.
+template <typename T, int D, bool kCompact>
+__global__ void __launch_bounds__(kThreads, 2) MomentKernel(MomentKernelParams p) {
+  using Blk = SBlock<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* ks = reinterpret_cast<T*>(smem);
+  T* vs = ks + kTileT * D;
+  int* flags = reinterpret_cast<int*>(smem + MomentSmemBytes<T, D>() - kTileT * sizeof(int) -
+                                      2 * sizeof(int));
+  int* shared_kp = flags + kTileT;  // [0]: next kept entry (relative), [1]: kept in this tile
+
+  const uint32_t h = blockIdx.y;
+  const int bi = blockIdx.z / Blk::kBlocks, bj = blockIdx.z % Blk::kBlocks;
+  const bool lead = blockIdx.z == 0;  // does the copies, counts and vector sums
+  const bool summarize = p.count != nullptr;
+  const uint64_t l0 = p.list_off[h], l1 = p.list_off[h + 1];
+  uint64_t begin, end;
+  if (kCompact) {
+    begin = blockIdx.x * p.chunk;
+    end = min(p.num_tokens, begin + p.chunk);
+  } else {
+    begin = l0 + blockIdx.x * p.chunk;
+    end = min(l1, begin + p.chunk);
+  }
+  if (begin >= end) return;
+  if (kCompact && !summarize && !lead) return;
+
+  const T* kbase = static_cast<const T*>(p.k) + h * p.k_head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + h * p.v_head_stride;
+  constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte load
+  constexpr int kRowVecs = D / kVec;
+
+  if (kCompact && threadIdx.x == 0) {  // first kept entry >= begin
+    uint64_t lo = l0, hi = l1;
+    while (lo < hi) {
+      const uint64_t mid = (lo + hi) / 2;
+      if (p.list[mid] < begin) lo = mid + 1; else hi = mid;
+    }
+    shared_kp[0] = static_cast<int>(lo - l0);
+  }
+  __syncthreads();
+  uint64_t kp = l0 + shared_kp[0];
+
+  Accumulator<T, D> acc;
+  acc.Init();
+  float sums[(2 * D + kThreads - 1) / kThreads];
+#pragma unroll
+  for (int a = 0; a < (2 * D + kThreads - 1) / kThreads; ++a) sums[a] = 0.0f;
+  unsigned long long evicted = 0;
+
+  for (uint64_t t0 = begin; t0 < end; t0 += kTileT) {
+    const int m = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t0));
+    int kept_here = 0;
+    if (kCompact) {
+      if (threadIdx.x < kTileT) flags[threadIdx.x] = -1;
+      __syncthreads();
+      bool is = false;
+      if (threadIdx.x < kTileT) {
+        const uint64_t j = kp + threadIdx.x;
+        if (j < l1 && p.list[j] < t0 + m) {
+          is = true;
+          flags[p.list[j] - t0] = static_cast<int>(threadIdx.x);
+        }
+      }
+      kept_here = __syncthreads_count(is);
+    }
+    // Stage the tile (rows >= m and kept rows are zero), copying kept rows out on the way.
+    for (int e = threadIdx.x; e < kTileT * kRowVecs; e += kThreads) {
+      const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+      uint4 kx = make_uint4(0, 0, 0, 0), vx = make_uint4(0, 0, 0, 0);
+      if (r < m) {
+        const uint64_t tok = kCompact ? t0 + r : p.list[t0 + r];
+        kx = *reinterpret_cast<const uint4*>(kbase + tok * p.k_token_stride + c);
+        vx = *reinterpret_cast<const uint4*>(vbase + tok * p.v_token_stride + c);
+        if (kCompact && flags[r] >= 0) {
+          if (lead) {
+            const uint64_t row = kp + flags[r];
+            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = kx;
+            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = vx;
+          }
+          kx = vx = make_uint4(0, 0, 0, 0);
+        }
+      }
+      *reinterpret_cast<uint4*>(ks + r * D + c) = kx;
+      *reinterpret_cast<uint4*>(vs + r * D + c) = vx;
+    }
+    __syncthreads();
+    if (summarize) {
+      if (lead) {
+#pragma unroll
+        for (int a = 0; a < (2 * D + kThreads - 1) / kThreads; ++a) {
+          const int col = threadIdx.x + kThreads * a;
+          if (col < 2 * D) {
+            const T* src = col < D ? ks + col : vs + (col - D);
+            float s = 0.0f;
+            for (int r = 0; r < m; ++r) s += ToFloat(src[r * D]);
+            sums[a] += s;
+          }
+        }
+        evicted += m - kept_here;
+      }
+      acc.Add(ks, vs, bi, bj);
+    }
+    kp += kept_here;
+    __syncthreads();
+  }
+  if (!summarize) return;
+  acc.Flush(p.vk_sum + size_t{h} * D * D, reinterpret_cast<float*>(smem), bi, bj);
+  if (lead) {
+#pragma unroll
+    for (int a = 0; a < (2 * D + kThreads - 1) / kThreads; ++a) {
+      const int col = threadIdx.x + kThreads * a;
+      if (col < D) atomicAdd(p.key_sum + size_t{h} * D + col, sums[a]);
+      else if (col < 2 * D) atomicAdd(p.value_sum + size_t{h} * D + col - D, sums[a]);
+    }
+    if (threadIdx.x == 0) atomicAdd(p.count + h, evicted);
+  }
+}
+
+template <typename T, int D, bool kCompact>
+cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cudaStream_t stream) {
+  constexpr size_t smem = MomentSmemBytes<T, D>();
+  auto kernel = MomentKernel<T, D, kCompact>;
+  if (smem > 48 * 1024) {
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+  }
+  const dim3 grid(static_cast<unsigned>(chunks), p.heads,
+                  SBlock<D>::kBlocks * SBlock<D>::kBlocks);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Sets *error to 1 when an index of head h's list is >= num_tokens or, when `ascending`, not
+// strictly above its predecessor. Grid: (blocks, heads).
+__global__ void CheckLists(const uint32_t* list, const uint64_t* off, uint64_t num_tokens,
+                           bool ascending, unsigned int* error) {
+  const uint32_t h = blockIdx.y;
+  const uint64_t a = off[h], b = off[h + 1];
+  if (b < a) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) *error = 1;
+    return;
+  }
+  for (uint64_t i = a + blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < b;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    if (list[i] >= num_tokens || (ascending && i > a && list[i] <= list[i - 1])) *error = 1;
+  }
+}
+
+// dst += src element-wise (n floats) and for counts.
+__global__ void AddFloats(float* dst, const float* src, uint64_t n) {
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < n;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    dst[i] += src[i];
+  }
+}
+__global__ void AddCounts(unsigned long long* dst, const unsigned long long* src, uint32_t n) {
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    dst[i] += src[i];
+  }
+}
+
+}  // namespace moments_cuda
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_SRC_CUDA_MOMENTS_KERNELS_CUH_

@@ -1,0 +1,250 @@
+// MomentKV on the CUDA backend against the CPU backend on the same inputs (gpu label): moments
+// through the gather and the fused compaction pass (tensor cores for 16-bit inputs), merges, and
+// the corrected decode attention; plus bad input on the device.
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "common/gpu.h"
+#include "gtest/gtest.h"
+#include "kernels/moments_test_util.h"
+#include "kvcomp/kernels/allocator.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/moment_ops.h"
+
+KVCOMP_GPU_TEST_BINARY();
+
+namespace kvcomp {
+namespace {
+
+using testing::HostMoments;
+
+class MomentsCudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto c = MakeCpuBackend(CpuBackendOptions{2});
+    ASSERT_TRUE(c.ok()) << c.status();
+    cpu_ = std::move(*c);
+    auto g = MakeCudaBackend();
+    ASSERT_TRUE(g.ok()) << g.status();
+    gpu_ = std::move(*g);
+  }
+  // A device copy of a host vector.
+  template <typename T>
+  Buffer Up(const std::vector<T>& v) {
+    auto b = Buffer::Allocate(gpu_->allocator(), std::max<size_t>(1, v.size() * sizeof(T)));
+    EXPECT_TRUE(b.ok());
+    if (!v.empty()) EXPECT_TRUE(gpu_->CopyFromHost(b->data(), v.data(), v.size() * sizeof(T)).ok());
+    return std::move(*b);
+  }
+  template <typename T>
+  std::vector<T> Down(const Buffer& b, size_t n) {
+    std::vector<T> v(n);
+    EXPECT_TRUE(gpu_->CopyToHost(v.data(), b.data(), n * sizeof(T)).ok());
+    return v;
+  }
+  // Zeroed device moments.
+  struct DevMoments {
+    Buffer count, ks, vs, s;
+    MomentsView view;
+  };
+  DevMoments Zeros(uint32_t heads, uint32_t d) {
+    HostMoments z(heads, d);
+    DevMoments m{Up(z.count), Up(z.ks), Up(z.vs), Up(z.s), {}};
+    m.view = MomentsView{m.count.as<uint64_t>(), m.ks.as<float>(), m.vs.as<float>(),
+                         m.s.as<float>(), heads, d, MemorySpace::kDevice};
+    return m;
+  }
+  HostMoments Host(const DevMoments& m, uint32_t heads, uint32_t d) {
+    HostMoments h(heads, d);
+    h.count = Down<uint64_t>(m.count, heads);
+    h.ks = Down<float>(m.ks, size_t{heads} * d);
+    h.vs = Down<float>(m.vs, size_t{heads} * d);
+    h.s = Down<float>(m.s, size_t{heads} * d * d);
+    return h;
+  }
+  std::unique_ptr<Backend> cpu_, gpu_;
+};
+
+// Raw input of `dtype` from N(offset, 1) floats.
+std::vector<uint8_t> Random(DType dtype, size_t n, std::mt19937_64& rng, float offset = 0.0f) {
+  std::normal_distribution<float> g(offset, 1.0f);
+  std::vector<uint8_t> out(DTypeBytes(dtype, n));
+  for (size_t i = 0; i < n; ++i) StoreFromFloat(out.data(), dtype, i, g(rng));
+  return out;
+}
+
+void ExpectClose(const HostMoments& a, const HostMoments& b, double tol) {
+  EXPECT_EQ(a.count, b.count);
+  auto check = [&](const std::vector<float>& x, const std::vector<float>& y, const char* what) {
+    double worst = 0.0, scale = 1.0;
+    for (size_t i = 0; i < x.size(); ++i) scale = std::max(scale, std::fabs(double{y[i]}));
+    for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::fabs(double{x[i]} - y[i]));
+    EXPECT_LT(worst / scale, tol) << what;
+  };
+  check(a.ks, b.ks, "key_sum");
+  check(a.vs, b.vs, "value_sum");
+  check(a.s, b.s, "vk_sum");
+}
+
+TEST_F(MomentsCudaTest, AccumulateAndCompactMatchCpu) {
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (uint32_t d : {64u, 128u, 256u}) {
+      const uint32_t heads = 3;
+      const uint64_t tokens = 3000;
+      std::mt19937_64 rng(d + static_cast<int>(dtype));
+      const auto k = Random(dtype, size_t{heads} * tokens * d, rng, 0.3f);
+      const auto v = Random(dtype, size_t{heads} * tokens * d, rng);
+      std::vector<uint32_t> kept, ev;
+      std::vector<uint64_t> ko{0}, eo{0};
+      for (uint32_t h = 0; h < heads; ++h) {
+        testing::RandomSplit(tokens, 0.2 + 0.3 * h, rng, &kept, &ev);
+        ko.push_back(kept.size());
+        eo.push_back(ev.size());
+      }
+      const HeadsView hk = HeadsView::Dense(k.data(), dtype, heads, tokens, d);
+      const HeadsView hv = HeadsView::Dense(v.data(), dtype, heads, tokens, d);
+      HostMoments want(heads, d);
+      ASSERT_TRUE(cpu_->moments()
+                      .Accumulate(hk, hv, TokenLists{ev.data(), eo.data(), heads}, want.view())
+                      .ok());
+      Buffer dk = Up(k), dv = Up(v), dki = Up(kept), dko = Up(ko), dei = Up(ev), deo = Up(eo);
+      const HeadsView gk = HeadsView::Dense(dk.data(), dtype, heads, tokens, d,
+                                            MemorySpace::kDevice);
+      const HeadsView gv = HeadsView::Dense(dv.data(), dtype, heads, tokens, d,
+                                            MemorySpace::kDevice);
+      DevMoments gather = Zeros(heads, d), fused = Zeros(heads, d);
+      ASSERT_TRUE(gpu_->moments()
+                      .Accumulate(gk, gv,
+                                  TokenLists{dei.as<uint32_t>(), deo.as<uint64_t>(), heads,
+                                             MemorySpace::kDevice},
+                                  gather.view)
+                      .ok());
+      const size_t row = DTypeBytes(dtype, d);
+      auto out_k = Buffer::Allocate(gpu_->allocator(), kept.size() * row);
+      auto out_v = Buffer::Allocate(gpu_->allocator(), kept.size() * row);
+      ASSERT_TRUE(out_k.ok() && out_v.ok());
+      absl::Status s = gpu_->moments().CompactAndAccumulate(
+          gk, gv, TokenLists{dki.as<uint32_t>(), dko.as<uint64_t>(), heads, MemorySpace::kDevice},
+          out_k->data(), out_v->data(), fused.view);
+      ASSERT_TRUE(s.ok()) << s;
+      // 16-bit inputs go through the tensor cores with fp32 accumulation: same order of error
+      // as the CPU's fp32 sums.
+      const double tol = 2e-4;
+      ExpectClose(Host(gather, heads, d), want, tol);
+      ExpectClose(Host(fused, heads, d), want, tol);
+      const auto got_k = Down<uint8_t>(*out_k, kept.size() * row);
+      const auto got_v = Down<uint8_t>(*out_v, kept.size() * row);
+      for (uint32_t h = 0; h < heads; ++h) {
+        for (uint64_t i = ko[h]; i < ko[h + 1]; ++i) {
+          ASSERT_EQ(0, std::memcmp(&got_k[i * row], &k[(h * tokens + kept[i]) * row], row));
+          ASSERT_EQ(0, std::memcmp(&got_v[i * row], &v[(h * tokens + kept[i]) * row], row));
+        }
+      }
+      // Merge on the device: gather + fused = 2 x want.
+      ASSERT_TRUE(gpu_->moments().Merge(gather.view, fused.view).ok());
+      HostMoments twice = want;
+      ASSERT_TRUE(cpu_->moments().Merge(twice.view(), want.view()).ok());
+      ExpectClose(Host(gather, heads, d), twice, tol);
+    }
+  }
+}
+
+TEST_F(MomentsCudaTest, AttentionMatchesCpu) {
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (uint32_t d : {64u, 128u, 256u}) {
+      for (uint64_t nq : {1u, 5u, 40u}) {  // 40 queries x 2 q heads: two row blocks
+        const uint32_t hq = 8, hk = 4;
+        std::mt19937_64 rng(7 * d + nq);
+        const uint64_t tokens = 1500 + 700 * nq;  // some heads with several chunks
+        std::vector<uint64_t> off{0};
+        for (uint32_t h = 0; h < hk; ++h) off.push_back(off.back() + (h == 2 ? 0 : tokens / (h + 1)));
+        const auto k = Random(dtype, off.back() * d, rng, 0.2f);
+        const auto v = Random(dtype, off.back() * d, rng);
+        const auto q = Random(DType::kF32, size_t{hq} * nq * d, rng);
+        // Moments of some other (evicted) tokens; head 3 has none.
+        const uint64_t ev = 500;
+        const auto ek = Random(dtype, size_t{hk} * ev * d, rng, 0.2f);
+        const auto evv = Random(dtype, size_t{hk} * ev * d, rng);
+        std::vector<uint32_t> idx;
+        std::vector<uint64_t> eo{0};
+        for (uint32_t h = 0; h < hk; ++h) {
+          for (uint32_t t = 0; t < (h == 3 ? 0u : ev); ++t) idx.push_back(t);
+          eo.push_back(idx.size());
+        }
+        HostMoments m(hk, d);
+        ASSERT_TRUE(cpu_->moments()
+                        .Accumulate(HeadsView::Dense(ek.data(), dtype, hk, ev, d),
+                                    HeadsView::Dense(evv.data(), dtype, hk, ev, d),
+                                    TokenLists{idx.data(), eo.data(), hk}, m.view())
+                        .ok());
+        for (bool correct : {true, false}) {
+          std::vector<float> want(size_t{hq} * nq * d), got(want.size());
+          AttentionParams p;
+          p.queries = HeadsView::Dense(q.data(), DType::kF32, hq, nq, d);
+          p.kv = RaggedKv{k.data(), v.data(), dtype, off.data(), hk, d};
+          p.moments = m.view();
+          p.correct = correct;
+          p.out = want.data();
+          ASSERT_TRUE(cpu_->moments().Attention(p).ok());
+          Buffer dq = Up(q), dk = Up(k), dv = Up(v), doff = Up(off), dc = Up(m.count),
+                 dks = Up(m.ks), dvs = Up(m.vs), ds = Up(m.s), dout = Up(got);
+          p.queries = HeadsView::Dense(dq.data(), DType::kF32, hq, nq, d, MemorySpace::kDevice);
+          p.kv = RaggedKv{dk.data(), dv.data(), dtype, doff.as<uint64_t>(), hk, d,
+                          MemorySpace::kDevice};
+          p.moments = ConstMomentsView(MomentsView{dc.as<uint64_t>(), dks.as<float>(),
+                                                   dvs.as<float>(), ds.as<float>(), hk, d,
+                                                   MemorySpace::kDevice});
+          p.out = dout.as<float>();
+          absl::Status s = gpu_->moments().Attention(p);
+          ASSERT_TRUE(s.ok()) << s;
+          got = Down<float>(dout, got.size());
+          double worst = 0.0;
+          for (size_t i = 0; i < got.size(); ++i) {
+            worst = std::max(worst, std::fabs(double{got[i]} - want[i]));
+          }
+          EXPECT_LT(worst, 2e-4) << DTypeName(dtype) << " d=" << d << " nq=" << nq
+                                 << " correct=" << correct;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(MomentsCudaTest, RejectsBadIndicesOnTheDevice) {
+  const uint32_t heads = 2, d = 128;
+  const uint64_t tokens = 100;
+  std::mt19937_64 rng(1);
+  const auto k = Random(DType::kBF16, size_t{heads} * tokens * d, rng);
+  Buffer dk = Up(k), dv = Up(k);
+  const HeadsView gk = HeadsView::Dense(dk.data(), DType::kBF16, heads, tokens, d,
+                                        MemorySpace::kDevice);
+  DevMoments m = Zeros(heads, d);
+  std::vector<uint32_t> idx{3, 200};  // 200 out of range
+  std::vector<uint64_t> off{0, 1, 2};
+  Buffer di = Up(idx), dof = Up(off);
+  TokenLists lists{di.as<uint32_t>(), dof.as<uint64_t>(), heads, MemorySpace::kDevice};
+  EXPECT_EQ(gpu_->moments().Accumulate(gk, gk, lists, m.view).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<uint32_t> unsorted{5, 4, 1};
+  std::vector<uint64_t> off2{0, 2, 3};
+  Buffer du = Up(unsorted), dof2 = Up(off2);
+  auto out = Buffer::Allocate(gpu_->allocator(), 3 * d * 2);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(gpu_->moments()
+                .CompactAndAccumulate(gk, gk,
+                                      TokenLists{du.as<uint32_t>(), dof2.as<uint64_t>(), heads,
+                                                 MemorySpace::kDevice},
+                                      out->data(), out->data(), m.view)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  // Host memory given to the CUDA backend.
+  const HeadsView host = HeadsView::Dense(k.data(), DType::kBF16, heads, tokens, d);
+  EXPECT_EQ(gpu_->moments().Accumulate(host, host, lists, m.view).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvcomp
