@@ -188,6 +188,14 @@ def test_data_volume(case):
         assert "volumeClaimTemplates" not in w["spec"]
     has_chown = any(ic["name"] == "volume-permissions" for ic in spec.get("initContainers", []))
     assert has_chown == (kind == "hostPath")
+    # Pods of a StatefulSet may share a node: each gets its own subdirectory of a hostPath.
+    per_pod = kind == "hostPath" and mode != "daemonset"
+    assert (data_mounts[0].get("subPathExpr") == "$(POD_NAME)") == per_pod
+    for ic in spec.get("initContainers", []):
+        (m,) = [m for m in ic["volumeMounts"] if m["name"] == "kvcomp-data"]
+        assert m.get("subPathExpr") == data_mounts[0].get("subPathExpr")
+        if per_pod:
+            assert [e["name"] for e in ic["env"]] == ["POD_NAME"]
 
 
 def test_daemon_config_is_the_one_mapping(case):

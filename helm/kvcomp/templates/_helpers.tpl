@@ -84,6 +84,14 @@ app.kubernetes.io/component: kvcompd
 {{- end -}}
 
 {{/*
+"true" when pods share a node directory (hostPath outside a DaemonSet): each pod then keeps its
+data in a subdirectory named after the pod, so two daemons never open one RocksDB.
+*/}}
+{{- define "kvcomp.dataSubPathPerPod" -}}
+{{- and (eq (include "kvcomp.persistenceType" .) "hostPath") (ne .Values.mode "daemonset") -}}
+{{- end -}}
+
+{{/*
 A size in bytes from a Kubernetes-style quantity ("8Gi", "512Mi", "1Ti", "4096") or a number.
 */}}
 {{- define "kvcomp.bytes" -}}
@@ -387,6 +395,9 @@ volumeMounts:
   {{- end }}
   - name: kvcomp-data
     mountPath: {{ .Values.persistence.mountPath }}
+    {{- if eq (include "kvcomp.dataSubPathPerPod" .) "true" }}
+    subPathExpr: $(POD_NAME)
+    {{- end }}
   - name: kvcomp-shm
     mountPath: /dev/shm
   - name: kvcomp-tmp
@@ -505,9 +516,19 @@ spec:
             - ALL
           add:
             - CHOWN
+      {{- if eq (include "kvcomp.dataSubPathPerPod" .) "true" }}
+      env:
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+      {{- end }}
       volumeMounts:
         - name: kvcomp-data
           mountPath: {{ .Values.persistence.mountPath }}
+          {{- if eq (include "kvcomp.dataSubPathPerPod" .) "true" }}
+          subPathExpr: $(POD_NAME)
+          {{- end }}
   {{- end }}
   containers:
     - {{ include "kvcomp.container" . | indent 6 | trim }}
