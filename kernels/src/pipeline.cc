@@ -19,8 +19,8 @@ using pipeline_internal::LayerEviction;
 size_t ElemBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
 
 bool IsDense(const HeadsView& v) {
-  return v.token_stride == v.head_dim && (v.num_heads == 1 || v.head_stride == v.num_tokens *
-                                                                                   v.head_dim);
+  return v.token_stride == v.head_dim &&
+         (v.num_heads == 1 || v.head_stride == v.num_tokens * v.head_dim);
 }
 
 // `view` in the backend's space: itself, or a dense copy made from host memory.
@@ -45,8 +45,8 @@ absl::StatusOr<HeadsView> Stage(Backend& backend, const HeadsView& view, Buffer*
     }
     KVCOMP_RETURN_IF_ERROR(backend.CopyFromHost(owner->data(), packed.data(), bytes));
   }
-  return HeadsView::Dense(owner->data(), view.dtype, view.num_heads, view.num_tokens,
-                          view.head_dim, backend.space());
+  return HeadsView::Dense(owner->data(), view.dtype, view.num_heads, view.num_tokens, view.head_dim,
+                          backend.space());
 }
 
 // Head h's evicted indices: the complement of its (ascending) kept indices in [0, n).
@@ -86,13 +86,13 @@ absl::Status KvCacheView::Validate() const {
   KVCOMP_RETURN_IF_ERROR(layout.Validate());
   if (num_tokens == 0) return absl::InvalidArgumentError("empty sequence (zero tokens)");
   if (keys.size() != layout.num_layers || values.size() != layout.num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%u key and %u value layers for a layout of %u layers", keys.size(), values.size(),
-        layout.num_layers));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%u key and %u value layers for a layout of %u layers", keys.size(),
+                        values.size(), layout.num_layers));
   }
   if (!queries.empty() && queries.size() != layout.num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat("%u query layers for %u layers",
-                                                      queries.size(), layout.num_layers));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%u query layers for %u layers", queries.size(), layout.num_layers));
   }
   const MemorySpace space = keys[0].space;
   for (uint32_t l = 0; l < layout.num_layers; ++l) {
@@ -112,9 +112,9 @@ absl::Status KvCacheView::Validate() const {
       KVCOMP_RETURN_IF_ERROR(Annotate(CheckHeadsView(queries[l], space, "snapkv queries"),
                                       absl::StrFormat("layer %u", l)));
       if (queries[l].num_heads != layout.num_q_heads) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "layer %u: %u query heads, layout says %u", l, queries[l].num_heads,
-            layout.num_q_heads));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("layer %u: %u query heads, layout says %u", l, queries[l].num_heads,
+                            layout.num_q_heads));
       }
     }
   }
@@ -180,8 +180,8 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
       args.keys_out = dev_k.data();
       args.values_out = dev_v.data();
     }
-    KVCOMP_RETURN_IF_ERROR(Annotate(backend.scoring().ScoreSelectCompact(args),
-                                    absl::StrFormat("layer %u", l)));
+    KVCOMP_RETURN_IF_ERROR(
+        Annotate(backend.scoring().ScoreSelectCompact(args), absl::StrFormat("layer %u", l)));
     uint64_t total = 0;
     if (host) {
       for (uint32_t h = 0; h < heads; ++h) total += counts[h];

@@ -56,8 +56,8 @@ class BlockCompressorImpl final : public BlockCompressor {
           keys.head_dim, DTypeName(keys.dtype), layout_.DebugString()));
     }
     if (keys.num_tokens > block_) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "block of %u tokens exceeds block_size %u", keys.num_tokens, block_));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("block of %u tokens exceeds block_size %u", keys.num_tokens, block_));
     }
     Layer& l = layers_[layer];
     if (l.seen + keys.num_tokens > KvLayout::kMaxTokens) {
@@ -68,8 +68,7 @@ class BlockCompressorImpl final : public BlockCompressor {
       std::vector<float> sq(uint64_t{keys.num_heads} * keys.num_tokens);
       ScoreParams knorm;
       knorm.scorer = Scorer::kKnorm;
-      KVCOMP_RETURN_IF_ERROR(
-          backend_.scoring().Score(keys, knorm, TokenPositions{}, sq.data()));
+      KVCOMP_RETURN_IF_ERROR(backend_.scoring().Score(keys, knorm, TokenPositions{}, sq.data()));
     }
     const size_t eb = ElemBytes(keys.dtype);
     for (uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
@@ -94,8 +93,8 @@ class BlockCompressorImpl final : public BlockCompressor {
     const uint64_t seen = layers_[0].seen;
     for (uint32_t i = 0; i < layout_.num_layers; ++i) {
       if (layers_[i].seen != seen) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "layer %u saw %u tokens, layer 0 saw %u", i, layers_[i].seen, seen));
+        return absl::FailedPreconditionError(
+            absl::StrFormat("layer %u saw %u tokens, layer 0 saw %u", i, layers_[i].seen, seen));
       }
     }
     if (seen == 0) return absl::InvalidArgumentError("empty sequence (no block appended)");
@@ -135,11 +134,11 @@ class BlockCompressorImpl final : public BlockCompressor {
 
  private:
   struct Layer {
-    Buffer keys;    // [heads, capacity, head_dim]
-    Buffer values;  // [heads, capacity, head_dim]
+    Buffer keys;                      // [heads, capacity, head_dim]
+    Buffer values;                    // [heads, capacity, head_dim]
     std::vector<uint32_t> positions;  // [heads, capacity]
-    uint64_t count = 0;  // tokens held per head
-    uint64_t seen = 0;   // tokens appended so far
+    uint64_t count = 0;               // tokens held per head
+    uint64_t seen = 0;                // tokens appended so far
   };
 
   // Scores the working set, keeps `budget_` per head, hands the rest to the hook and the moment
@@ -148,8 +147,14 @@ class BlockCompressorImpl final : public BlockCompressor {
     Layer& l = layers_[layer];
     const uint32_t heads = layout_.num_kv_heads;
     const uint64_t n = l.count;
-    HeadsView kv = {l.keys.data(), layout_.dtype, heads, n, layout_.head_dim,
-                    layout_.head_dim, capacity_ * layout_.head_dim, MemorySpace::kHost};
+    HeadsView kv = {l.keys.data(),
+                    layout_.dtype,
+                    heads,
+                    n,
+                    layout_.head_dim,
+                    layout_.head_dim,
+                    capacity_ * layout_.head_dim,
+                    MemorySpace::kHost};
     HeadsView vv = kv;
     vv.data = l.values.data();
     std::vector<uint32_t> pos(uint64_t{heads} * n);
@@ -158,8 +163,8 @@ class BlockCompressorImpl final : public BlockCompressor {
     }
     TokenPositions tp{pos.data(), 0, l.seen};
     std::vector<float> scores(uint64_t{heads} * n);
-    KVCOMP_RETURN_IF_ERROR(backend_.scoring().Score(
-        kv, ScoreParamsFromPolicy(policy_, layer), tp, scores.data()));
+    KVCOMP_RETURN_IF_ERROR(
+        backend_.scoring().Score(kv, ScoreParamsFromPolicy(policy_, layer), tp, scores.data()));
     SelectParams sel;
     sel.kept_per_head = budget_;
     sel.head_budget = HeadBudget::kUniform;
@@ -192,7 +197,11 @@ class BlockCompressorImpl final : public BlockCompressor {
     if (options_.on_evict) {
       for (uint32_t h = 0; h < heads; ++h) {
         const uint64_t b = e.offsets[h], len = e.offsets[h + 1] - e.offsets[h];
-        EvictedTokens t{layer, h, kv, vv, absl::Span<const uint32_t>(e.evicted.data() + b, len),
+        EvictedTokens t{layer,
+                        h,
+                        kv,
+                        vv,
+                        absl::Span<const uint32_t>(e.evicted.data() + b, len),
                         absl::Span<const uint32_t>(evicted_pos.data() + b, len)};
         KVCOMP_RETURN_IF_ERROR(options_.on_evict(t));
       }
@@ -257,9 +266,9 @@ absl::StatusOr<std::unique_ptr<BlockCompressor>> BlockCompressor::Create(
   if (budget == 0 && options.expected_tokens > 0) {
     budget = policy.KeptPerHead(options.expected_tokens);
     if (budget == 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "budget of zero: %u expected tokens at ratio %g keep none", options.expected_tokens,
-          policy.ratio));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("budget of zero: %u expected tokens at ratio %g keep none",
+                          options.expected_tokens, policy.ratio));
     }
   }
   if (budget == 0) {
@@ -267,8 +276,8 @@ absl::StatusOr<std::unique_ptr<BlockCompressor>> BlockCompressor::Create(
         "budget of zero: set options.budget, policy.token_budget or options.expected_tokens");
   }
   if (budget > KvLayout::kMaxTokens) return absl::InvalidArgumentError("budget beyond 2^31");
-  auto impl = std::make_unique<BlockCompressorImpl>(backend, layout, policy, std::move(options),
-                                                    budget);
+  auto impl =
+      std::make_unique<BlockCompressorImpl>(backend, layout, policy, std::move(options), budget);
   KVCOMP_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<BlockCompressor>(std::move(impl));
 }

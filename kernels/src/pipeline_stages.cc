@@ -15,8 +15,7 @@ template <typename T>
 absl::StatusOr<const T*> ToBackend(Backend& backend, const std::vector<T>& host, Buffer* owner) {
   if (backend.space() == MemorySpace::kHost) return host.data();
   KVCOMP_ASSIGN_OR_RETURN(*owner, Buffer::Allocate(backend.allocator(), host.size() * sizeof(T)));
-  KVCOMP_RETURN_IF_ERROR(
-      backend.CopyFromHost(owner->data(), host.data(), host.size() * sizeof(T)));
+  KVCOMP_RETURN_IF_ERROR(backend.CopyFromHost(owner->data(), host.data(), host.size() * sizeof(T)));
   return owner->as<T>();
 }
 
@@ -34,23 +33,30 @@ absl::Status MomentStage(Backend& backend, const LayerEviction& e, CompressedCac
   KVCOMP_ASSIGN_OR_RETURN(const uint64_t* off, ToBackend(backend, e.offsets, &off_buf));
   TokenLists lists{idx, off, heads, backend.space()};
   if (backend.space() == MemorySpace::kHost) {
-    MomentsView out{cache->moment_count.data() + h0, cache->moment_key_sum.data() + h0 * d,
+    MomentsView out{cache->moment_count.data() + h0,
+                    cache->moment_key_sum.data() + h0 * d,
                     cache->moment_value_sum.data() + h0 * d,
-                    cache->moment_vk_sum.data() + h0 * d * d, heads, d, MemorySpace::kHost};
+                    cache->moment_vk_sum.data() + h0 * d * d,
+                    heads,
+                    d,
+                    MemorySpace::kHost};
     return backend.moments().Accumulate(e.keys, e.values, lists, out);
   }
   // Device: accumulate into zeroed device moments, then add them to the cache's on the host.
   const uint64_t cnt_bytes = heads * sizeof(uint64_t);
   const uint64_t vec_bytes = uint64_t{heads} * d * sizeof(float);
   const uint64_t mat_bytes = vec_bytes * d;
-  KVCOMP_ASSIGN_OR_RETURN(Buffer dev, Buffer::Allocate(backend.allocator(),
-                                                       cnt_bytes + 2 * vec_bytes + mat_bytes));
+  KVCOMP_ASSIGN_OR_RETURN(
+      Buffer dev, Buffer::Allocate(backend.allocator(), cnt_bytes + 2 * vec_bytes + mat_bytes));
   std::vector<uint8_t> zeros(cnt_bytes + 2 * vec_bytes + mat_bytes, 0);
   KVCOMP_RETURN_IF_ERROR(backend.CopyFromHost(dev.data(), zeros.data(), zeros.size()));
   char* p = dev.as<char>();
-  MomentsView out{reinterpret_cast<uint64_t*>(p), reinterpret_cast<float*>(p + cnt_bytes),
+  MomentsView out{reinterpret_cast<uint64_t*>(p),
+                  reinterpret_cast<float*>(p + cnt_bytes),
                   reinterpret_cast<float*>(p + cnt_bytes + vec_bytes),
-                  reinterpret_cast<float*>(p + cnt_bytes + 2 * vec_bytes), heads, d,
+                  reinterpret_cast<float*>(p + cnt_bytes + 2 * vec_bytes),
+                  heads,
+                  d,
                   backend.space()};
   KVCOMP_RETURN_IF_ERROR(backend.moments().Accumulate(e.keys, e.values, lists, out));
   KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(zeros.data(), dev.data(), zeros.size()));
@@ -63,7 +69,8 @@ absl::Status MomentStage(Backend& backend, const LayerEviction& e, CompressedCac
     cache->moment_key_sum[h0 * d + i] += ks[i];
     cache->moment_value_sum[h0 * d + i] += vs[i];
   }
-  for (uint64_t i = 0; i < uint64_t{heads} * d * d; ++i) cache->moment_vk_sum[h0 * d * d + i] += vk[i];
+  for (uint64_t i = 0; i < uint64_t{heads} * d * d; ++i)
+    cache->moment_vk_sum[h0 * d * d + i] += vk[i];
   return absl::OkStatus();
 }
 
@@ -72,13 +79,12 @@ absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy) 
     return absl::OkStatus();
   }
   // Issue 5 wires backend.codec() here (calibrated projections for the value codecs).
-  return absl::UnimplementedError(absl::StrCat("the pipeline does not encode yet (key_codec=",
-                                               KeyCodecName(policy.key_codec), ", value_codec=",
-                                               ValueCodecName(policy.value_codec), ")"));
+  return absl::UnimplementedError(
+      absl::StrCat("the pipeline does not encode yet (key_codec=", KeyCodecName(policy.key_codec),
+                   ", value_codec=", ValueCodecName(policy.value_codec), ")"));
 }
 
-absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
-                        CompressedCache* cache) {
+absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy, CompressedCache* cache) {
   return CodecsAvailable(backend, policy);
 }
 

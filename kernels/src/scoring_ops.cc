@@ -32,12 +32,12 @@ absl::Status CheckHeadsView(const HeadsView& v, MemorySpace space, const char* w
   }
   if (v.data == nullptr) return Bad(absl::StrFormat("%s: null data", what));
   if (v.token_stride < v.head_dim) {
-    return Bad(absl::StrFormat("%s: token_stride %u < head_dim %u", what, v.token_stride,
-                               v.head_dim));
+    return Bad(
+        absl::StrFormat("%s: token_stride %u < head_dim %u", what, v.token_stride, v.head_dim));
   }
   if (v.num_heads > 1 && v.head_stride < v.head_dim) {
-    return Bad(absl::StrFormat("%s: head_stride %u < head_dim %u", what, v.head_stride,
-                               v.head_dim));
+    return Bad(
+        absl::StrFormat("%s: head_stride %u < head_dim %u", what, v.head_stride, v.head_dim));
   }
   if (v.space != space) {
     return Bad(absl::StrFormat("%s: %s memory given to a %s backend", what, SpaceName(v.space),
@@ -100,9 +100,9 @@ absl::Status CheckCompactArgs(const HeadsView& keys, const HeadsView& values, Me
   if (keys.dtype != values.dtype || keys.num_heads != values.num_heads ||
       keys.num_tokens != values.num_tokens || keys.head_dim != values.head_dim) {
     return Bad(absl::StrFormat(
-        "keys [%u, %u, %u] %s and values [%u, %u, %u] %s differ in shape or dtype",
-        keys.num_heads, keys.num_tokens, keys.head_dim, DTypeName(keys.dtype), values.num_heads,
-        values.num_tokens, values.head_dim, DTypeName(values.dtype)));
+        "keys [%u, %u, %u] %s and values [%u, %u, %u] %s differ in shape or dtype", keys.num_heads,
+        keys.num_tokens, keys.head_dim, DTypeName(keys.dtype), values.num_heads, values.num_tokens,
+        values.head_dim, DTypeName(values.dtype)));
   }
   return absl::OkStatus();
 }

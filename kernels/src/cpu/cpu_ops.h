@@ -22,8 +22,8 @@
 namespace kvcomp {
 
 struct CpuContext {
-  ThreadPool* pool = nullptr;         // not owned; never null in a backend
-  Allocator* allocator = nullptr;     // host memory; never null in a backend
+  ThreadPool* pool = nullptr;      // not owned; never null in a backend
+  Allocator* allocator = nullptr;  // host memory; never null in a backend
   int num_threads() const { return pool->num_threads(); }
   // fn(i) for i in [0, n) over the pool; returns when all are done.
   void ParallelFor(size_t n, const std::function<void(size_t)>& fn) const {

@@ -50,9 +50,9 @@ class BadTokenFlag {
   absl::Status ToStatus(const char* what, uint64_t tokens) const {
     const uint64_t flat = first_.load();
     if (flat == kNone) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: NaN or Inf (or a squared norm beyond float32) at head %u, token %u", what,
-        flat / tokens, flat % tokens));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
+                        what, flat / tokens, flat % tokens));
   }
 
  private:
@@ -94,8 +94,7 @@ class CpuScoringOps final : public ScoringOps {
   absl::Status Compact(const HeadsView& keys, const HeadsView& values, const uint32_t* counts,
                        const uint32_t* indices, void* keys_out, void* values_out) override {
     KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(keys, values, MemorySpace::kHost));
-    if (counts == nullptr || indices == nullptr || keys_out == nullptr ||
-        values_out == nullptr) {
+    if (counts == nullptr || indices == nullptr || keys_out == nullptr || values_out == nullptr) {
       return absl::InvalidArgumentError("null compact argument");
     }
     return CompactImpl(keys, values, counts, indices, keys_out, values_out);
@@ -114,8 +113,7 @@ class CpuScoringOps final : public ScoringOps {
     }
     KVCOMP_RETURN_IF_ERROR(ScoreImpl(a.keys, a.score, a.positions, scores));
     KVCOMP_RETURN_IF_ERROR(SelectImpl(scores, h, n, a.select, a.positions, a.kept));
-    return CompactImpl(a.keys, a.values, a.kept.counts, a.kept.indices, a.keys_out,
-                       a.values_out);
+    return CompactImpl(a.keys, a.values, a.kept.counts, a.kept.indices, a.keys_out, a.values_out);
   }
 
   uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& a) const override {
@@ -264,8 +262,7 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, 
 
 // Window w covers rows [w*W, min(n, (w+1)*W)); its mean is summed in float per sub-chunk of
 // kChunkTokens rows and in double across them; pass 2 runs while the window is in cache.
-absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, uint32_t window,
-                                          float* scores) {
+absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, uint32_t window, float* scores) {
   const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
   const uint32_t heads = keys.num_heads;
   const uint32_t d = keys.head_dim;
@@ -344,8 +341,8 @@ absl::Status CpuScoringOps::ScoreSnapKV(const HeadsView& keys, const ScoreParams
     for (uint64_t t = 0; t < prefix; ++t) {
       double s = 0.0;
       const int64_t lo = std::max<int64_t>(0, static_cast<int64_t>(t) - half);
-      const int64_t hi = std::min<int64_t>(static_cast<int64_t>(prefix) - 1,
-                                           static_cast<int64_t>(t) + half);
+      const int64_t hi =
+          std::min<int64_t>(static_cast<int64_t>(prefix) - 1, static_cast<int64_t>(t) + half);
       for (int64_t u = lo; u <= hi; ++u) s += acc[u];
       out[t] = static_cast<float>(s / static_cast<double>(w) / params.snapkv_pool);
     }
@@ -366,9 +363,9 @@ absl::Status CpuScoringOps::ScoreSnapKV(const HeadsView& keys, const ScoreParams
   return absl::OkStatus();
 }
 
-absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads,
-                                       uint64_t num_tokens, const SelectParams& params,
-                                       const TokenPositions& positions, KeptIndices out) {
+absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, uint64_t num_tokens,
+                                       const SelectParams& params, const TokenPositions& positions,
+                                       KeptIndices out) {
   const uint64_t n = num_tokens;
   const uint64_t kept = std::min<uint64_t>(params.kept_per_head, n);
   const uint64_t hn = uint64_t{num_heads} * n;
@@ -391,9 +388,9 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads,
         while (flat < cur && !bad.compare_exchange_weak(cur, flat)) {
         }
       }
-      const uint32_t ord =
-          IsProtected(positions.position(prow, i), seq_len, params) ? kProtectedKey
-                                                                    : OrderKey(s[i]);
+      const uint32_t ord = IsProtected(positions.position(prow, i), seq_len, params)
+                               ? kProtectedKey
+                               : OrderKey(s[i]);
       kk[i] = (uint64_t{ord} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
     }
   });
@@ -453,8 +450,8 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads,
       for (uint64_t i = 0; i < n; ++i) {
         if (flag[h * n + i]) continue;
         const uint64_t kk = keys[h * n + i];
-        cands.push_back({(kk & 0xFFFFFFFF00000000ull) | (0xFFFFFFFFu - h),
-                         static_cast<uint32_t>(kk)});
+        cands.push_back(
+            {(kk & 0xFFFFFFFF00000000ull) | (0xFFFFFFFFu - h), static_cast<uint32_t>(kk)});
       }
     }
     auto greater = [](const Cand& a, const Cand& b) {

@@ -22,10 +22,10 @@
 namespace kvcomp {
 
 struct CudaContext {
-  int device = 0;                  // CUDA device ordinal
-  cudaStream_t stream = nullptr;   // every op is ordered on this stream
-  cudaDeviceProp properties{};     // of `device`
-  Allocator* allocator = nullptr;  // device memory; never null in a backend
+  int device = 0;                       // CUDA device ordinal
+  cudaStream_t stream = nullptr;        // every op is ordered on this stream
+  cudaDeviceProp properties{};          // of `device`
+  Allocator* allocator = nullptr;       // device memory; never null in a backend
   Allocator* host_allocator = nullptr;  // pinned host memory for staging; may be null
 };
 

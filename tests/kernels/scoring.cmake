@@ -1,0 +1,8 @@
+# Issue 3 tests (included from tests/kernels/CMakeLists.txt).
+kvcomp_cc_test(NAME kernels_scoring_cpu_test SRCS scoring_cpu_test.cc DEPS kvcomp::kernels)
+kvcomp_cc_test(NAME kernels_scoring_errors_test SRCS scoring_errors_test.cc DEPS kvcomp::kernels)
+kvcomp_cc_test(NAME kernels_scoring_conformance_test SRCS scoring_conformance_test.cc
+               DEPS kvcomp::kernels)
+kvcomp_cc_test(NAME kernels_pipeline_test SRCS pipeline_test.cc DEPS kvcomp::kernels)
+kvcomp_cc_test(NAME kernels_scoring_conformance_gpu_test SRCS scoring_conformance_gpu_test.cc
+               DEPS kvcomp::kernels LABELS gpu)
