@@ -22,3 +22,5 @@ function(kvcomp_kernels_pending_ops)
   endif()
 endfunction()
 cmake_language(DEFER CALL kvcomp_kernels_pending_ops)
+# The CUDA backend (engine-CUDA). Every op group has its own CUDA factory now (issues 3, 4, 5).
+list(APPEND KERNELS_CUDA_SRCS src/cuda/cuda_backend.cc)

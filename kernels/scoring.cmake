@@ -17,3 +17,5 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND CMAKE_CXX_COMPILER_ID MATCH
     COMPILE_DEFINITIONS KVCOMP_HAVE_AVX2_KERNELS=1 COMPILE_OPTIONS "-O3")
 endif()
 list(APPEND KERNELS_HDRS kvcomp/kernels/pipeline.h)
+# CUDA scoring, selection and compaction (engine-CUDA).
+list(APPEND KERNELS_CUDA_SRCS src/cuda/scoring_cuda.cu)

@@ -1,0 +1,622 @@
+// The CUDA ScoringOps: thin launchers over scoring_kernels.cuh. Each op validates its arguments
+// with the shared Check* functions, lays out one workspace allocation, enqueues the kernels on
+// the backend's stream and, where the op can find bad data on the device, reads the error slots
+// back before returning (the one synchronisation per call).
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "absl/strings/str_format.h"
+#include "cuda_status.h"
+#include "kvcomp/core/status.h"
+#include "scoring_cuda.h"
+#include "scoring_kernels.cuh"
+#include "scoring_snapkv.cuh"
+
+namespace kvcomp {
+namespace cuda {
+namespace {
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+template <int D>
+struct Dim {
+  static constexpr int value = D;
+};
+
+// Calls f(Tag<T>{}, Dim<D>{}) for the runtime (dtype, head_dim); the launcher has validated both.
+template <typename F>
+cudaError_t DispatchTypeDim(DType dtype, uint32_t d, F&& f) {
+  auto by_dim = [&](auto tag) -> cudaError_t {
+    switch (d) {
+      case 64:
+        return f(tag, Dim<64>{});
+      case 128:
+        return f(tag, Dim<128>{});
+      case 256:
+        return f(tag, Dim<256>{});
+      default:
+        return cudaErrorInvalidValue;
+    }
+  };
+  switch (dtype) {
+    case DType::kF32:
+      return by_dim(Tag<float>{});
+    case DType::kF16:
+      return by_dim(Tag<__half>{});
+    case DType::kBF16:
+      return by_dim(Tag<__nv_bfloat16>{});
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+size_t ElemBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+bool IsCentred(Scorer s) {
+  return s == Scorer::kManifold || s == Scorer::kWindowedManifold || s == Scorer::kKeyDiff;
+}
+
+// Rows must start on 16-byte boundaries for the vector loads.
+bool RowsAligned(const HeadsView& v) {
+  const size_t e = ElemBytes(v.dtype);
+  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && (v.token_stride * e) % 16 == 0 &&
+         (v.num_heads == 1 || (v.head_stride * e) % 16 == 0);
+}
+
+// One workspace allocation carved into 256-byte aligned pieces.
+class Carver {
+ public:
+  uint64_t Take(uint64_t bytes) {
+    const uint64_t at = size_;
+    size_ += (bytes + 255) / 256 * 256;
+    return at;
+  }
+  uint64_t size() const { return size_; }
+
+ private:
+  uint64_t size_ = 0;
+};
+
+// The workspace of one op call. Offsets are into one Buffer; kNone = not needed.
+struct Layout {
+  static constexpr uint64_t kNone = ~uint64_t{0};
+  uint64_t errors = kNone;
+  uint64_t keys = kNone, values = kNone, queries = kNone;  // dense repacks of unaligned views
+  uint64_t scores = kNone;
+  uint64_t partial = kNone, centres = kNone, norms = kNone;
+  uint64_t snap_stats = kNone, snap_acc = kNone, snap_max = kNone;
+  uint64_t state = kNone, hist = kNone, tile_counts = kNone, plan = kNone, total = kNone;
+  uint64_t stage_counts = kNone, flags = kNone;
+  uint64_t offsets = kNone;
+  uint64_t bytes = 0;
+
+  // Score geometry.
+  uint64_t segment = 0;
+  uint32_t segments = 0, chunks = 0;
+  uint32_t tiles = 0;
+};
+
+void LayoutScore(const HeadsView& keys, const ScoreParams& params, bool scores_given,
+                 Carver* c, Layout* l) {
+  const uint32_t h = keys.num_heads;
+  const uint64_t n = keys.num_tokens;
+  if (!RowsAligned(keys)) l->keys = c->Take(uint64_t{h} * n * keys.head_dim * ElemBytes(keys.dtype));
+  if (!scores_given) l->scores = c->Take(uint64_t{h} * n * sizeof(float));
+  if (IsCentred(params.scorer)) {
+    l->segment = params.scorer == Scorer::kWindowedManifold ? std::min<uint64_t>(params.window, n)
+                                                             : n;
+    l->segments = static_cast<uint32_t>(CeilDiv(n, l->segment));
+    l->chunks = static_cast<uint32_t>(CeilDiv(l->segment, kStatsRows));
+    l->partial = c->Take(uint64_t{h} * l->segments * l->chunks * keys.head_dim * sizeof(float));
+    l->centres = c->Take(uint64_t{h} * l->segments * keys.head_dim * sizeof(float));
+    l->norms = c->Take(uint64_t{h} * l->segments * sizeof(float));
+  }
+  if (params.scorer == Scorer::kSnapKV) {
+    const HeadsView& q = params.queries;
+    if (!RowsAligned(q)) {
+      l->queries =
+          c->Take(uint64_t{q.num_heads} * q.num_tokens * q.head_dim * ElemBytes(q.dtype));
+    }
+    l->snap_stats = c->Take(uint64_t{q.num_heads} * q.num_tokens * sizeof(float2));
+    l->snap_acc = c->Take(uint64_t{q.num_heads} * n * sizeof(float));
+    l->snap_max = c->Take(sizeof(uint32_t));
+  }
+}
+
+void LayoutSelect(uint32_t heads, uint64_t n, const SelectParams& sel, Carver* c, Layout* l) {
+  l->tiles = static_cast<uint32_t>(CeilDiv(n, kTile));
+  l->state = c->Take((uint64_t{heads} + 1) * sizeof(SegmentState));
+  l->hist = c->Take(uint64_t{heads} * kRadixBins * sizeof(uint32_t));
+  l->tile_counts = c->Take(uint64_t{heads} * l->tiles * sizeof(TileCounts));
+  l->plan = c->Take(uint64_t{heads} * l->tiles * sizeof(TilePlan));
+  l->total = c->Take(sizeof(unsigned long long));
+  if (sel.head_budget == HeadBudget::kAdaKV && heads > 1) {
+    l->stage_counts = c->Take(uint64_t{heads} * sizeof(uint32_t));
+    l->flags = c->Take(uint64_t{heads} * n);
+  }
+}
+
+__global__ void InitSegmentsKernel(SegmentState* state, uint32_t segments, uint32_t need) {
+  for (uint32_t s = threadIdx.x; s < segments; s += blockDim.x) {
+    state[s] = SegmentState{0, need, need > 0 ? 1u : 0u, 0};
+  }
+}
+
+// offsets[h] = sum counts[0..h), offsets[H] = total. One block of kThreads threads.
+__global__ void OffsetsKernel(const uint32_t* counts, uint32_t heads,
+                              unsigned long long* offsets) {
+  __shared__ uint32_t scratch[33];
+  unsigned long long base = 0;
+  for (uint32_t h0 = 0; h0 < heads; h0 += kThreads) {
+    const uint32_t h = h0 + threadIdx.x;
+    const uint32_t c = h < heads ? counts[h] : 0;
+    uint32_t total;
+    const uint32_t before = BlockExclusiveScan(c, scratch, &total);
+    if (h < heads) offsets[h] = base + before;
+    base += total;
+  }
+  if (threadIdx.x == 0) offsets[heads] = base;
+}
+
+PositionInfo MakePositions(const TokenPositions& p, uint64_t n) {
+  return PositionInfo{p.data, p.offset, p.sequence_length, n};
+}
+
+class CudaScoringOps final : public ScoringOps {
+ public:
+  explicit CudaScoringOps(CudaContext* ctx) : ctx_(ctx) {}
+  ~CudaScoringOps() override {
+    if (host_errors_ != nullptr) cudaFreeHost(host_errors_);
+  }
+
+  absl::Status Score(const HeadsView& keys, const ScoreParams& params,
+                     const TokenPositions& positions, float* scores) override {
+    KVCOMP_RETURN_IF_ERROR(CheckScoreArgs(keys, params, positions, MemorySpace::kDevice));
+    if (scores == nullptr) return absl::InvalidArgumentError("null scores output");
+    Carver c;
+    Layout l;
+    l.errors = c.Take(sizeof(ErrorSlots));
+    LayoutScore(keys, params, /*scores_given=*/true, &c, &l);
+    KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Allocate(c.size()));
+    KVCOMP_RETURN_IF_ERROR(ResetErrors(ws, l));
+    KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, params, positions, scores, ws, l));
+    return ReadErrors(ws, l, keys.num_tokens, params.queries.num_tokens);
+  }
+
+  absl::Status Select(const float* scores, uint32_t num_heads, uint64_t num_tokens,
+                      const SelectParams& params, const TokenPositions& positions,
+                      KeptIndices out) override {
+    KVCOMP_RETURN_IF_ERROR(CheckSelectArgs(num_heads, num_tokens, params));
+    if (scores == nullptr) return absl::InvalidArgumentError("null scores");
+    if (out.counts == nullptr || out.indices == nullptr) {
+      return absl::InvalidArgumentError("null kept outputs");
+    }
+    Carver c;
+    Layout l;
+    l.errors = c.Take(sizeof(ErrorSlots));
+    LayoutSelect(num_heads, num_tokens, params, &c, &l);
+    KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Allocate(c.size()));
+    KVCOMP_RETURN_IF_ERROR(ResetErrors(ws, l));
+    KVCOMP_RETURN_IF_ERROR(EnqueueSelect(scores, num_heads, num_tokens, params, positions, out,
+                                         nullptr, nullptr, nullptr, nullptr, ws, l));
+    return ReadErrors(ws, l, num_tokens, 0);
+  }
+
+  absl::Status Compact(const HeadsView& keys, const HeadsView& values, const uint32_t* counts,
+                       const uint32_t* indices, void* keys_out, void* values_out) override {
+    KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(keys, values, MemorySpace::kDevice));
+    if (counts == nullptr || indices == nullptr || keys_out == nullptr ||
+        values_out == nullptr) {
+      return absl::InvalidArgumentError("null compact argument");
+    }
+    Carver c;
+    Layout l;
+    if (!RowsAligned(keys)) l.keys = c.Take(Dense(keys));
+    if (!RowsAligned(values)) l.values = c.Take(Dense(values));
+    l.offsets = c.Take((uint64_t{keys.num_heads} + 1) * sizeof(unsigned long long));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Allocate(c.size()));
+    KVCOMP_RETURN_IF_ERROR(Bind());
+    KVCOMP_ASSIGN_OR_RETURN(HeadsView k, Repack(keys, ws, l.keys));
+    KVCOMP_ASSIGN_OR_RETURN(HeadsView v, Repack(values, ws, l.values));
+    auto* offsets = At<unsigned long long>(ws, l.offsets);
+    OffsetsKernel<<<1, kThreads, 0, ctx_->stream>>>(counts, keys.num_heads, offsets);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    const dim3 grid(static_cast<uint32_t>(CeilDiv(keys.num_tokens, kTile)), keys.num_heads);
+    KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(k.dtype, k.head_dim, [&](auto t, auto d) {
+      using T = typename decltype(t)::type;
+      constexpr int D = decltype(d)::value;
+      CompactKernel<T, D><<<grid, kThreads, 0, ctx_->stream>>>(
+          static_cast<const T*>(k.data), static_cast<const T*>(v.data), k.token_stride,
+          k.head_stride, v.token_stride, v.head_stride, offsets, indices,
+          static_cast<T*>(keys_out), static_cast<T*>(values_out));
+      return cudaGetLastError();
+    }));
+    return absl::OkStatus();
+  }
+
+  absl::Status ScoreSelectCompact(const ScoreSelectCompactArgs& a) override {
+    KVCOMP_RETURN_IF_ERROR(CheckScoreSelectCompactArgs(a, MemorySpace::kDevice));
+    Carver c;
+    Layout l;
+    l.errors = c.Take(sizeof(ErrorSlots));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer ws, EnqueueAll(a, &c, &l));
+    return ReadErrors(ws, l, a.keys.num_tokens, a.score.queries.num_tokens);
+  }
+
+  uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& a) const override {
+    Carver c;
+    Layout l;
+    l.errors = c.Take(sizeof(ErrorSlots));
+    LayoutAll(a, &c, &l);
+    return c.size();
+  }
+
+  // The whole fused op without the closing error readback (scoring_cuda.h).
+  absl::Status EnqueueOnly(const ScoreSelectCompactArgs& a) {
+    KVCOMP_RETURN_IF_ERROR(CheckScoreSelectCompactArgs(a, MemorySpace::kDevice));
+    Carver c;
+    Layout l;
+    l.errors = c.Take(sizeof(ErrorSlots));
+    return EnqueueAll(a, &c, &l).status();
+  }
+
+ private:
+  template <typename P>
+  static P* At(const Buffer& ws, uint64_t offset) {
+    return offset == Layout::kNone
+               ? nullptr
+               : reinterpret_cast<P*>(static_cast<char*>(ws.data()) + offset);
+  }
+  static uint64_t Dense(const HeadsView& v) {
+    return uint64_t{v.num_heads} * v.num_tokens * v.head_dim * ElemBytes(v.dtype);
+  }
+
+  absl::Status Bind() { return CudaStatus(cudaSetDevice(ctx_->device), "cudaSetDevice"); }
+
+  absl::StatusOr<Buffer> Allocate(uint64_t bytes) {
+    KVCOMP_RETURN_IF_ERROR(Bind());
+    return Buffer::Allocate(*ctx_->allocator, bytes);
+  }
+
+  void LayoutAll(const ScoreSelectCompactArgs& a, Carver* c, Layout* l) const {
+    LayoutScore(a.keys, a.score, a.scores != nullptr, c, l);
+    if (!RowsAligned(a.values)) l->values = c->Take(Dense(a.values));
+    LayoutSelect(a.keys.num_heads, a.keys.num_tokens, a.select, c, l);
+  }
+
+  absl::StatusOr<Buffer> EnqueueAll(const ScoreSelectCompactArgs& a, Carver* c, Layout* l) {
+    LayoutAll(a, c, l);
+    KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Allocate(c->size()));
+    KVCOMP_RETURN_IF_ERROR(ResetErrors(ws, *l));
+    KVCOMP_ASSIGN_OR_RETURN(HeadsView keys, Repack(a.keys, ws, l->keys));
+    KVCOMP_ASSIGN_OR_RETURN(HeadsView values, Repack(a.values, ws, l->values));
+    float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
+    KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, a.score, a.positions, scores, ws, *l,
+                                        /*repacked=*/true));
+    KVCOMP_RETURN_IF_ERROR(EnqueueSelect(scores, a.keys.num_heads, a.keys.num_tokens, a.select,
+                                         a.positions, a.kept, &keys, &values, a.keys_out,
+                                         a.values_out, ws, *l));
+    return ws;
+  }
+
+  absl::Status ResetErrors(const Buffer& ws, const Layout& l) {
+    KVCOMP_RETURN_IF_ERROR(Bind());
+    KVCOMP_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(At<char>(ws, l.errors), 0xFF, sizeof(ErrorSlots), ctx_->stream));
+    return absl::OkStatus();
+  }
+
+  // Waits for the stream and turns the error slots into a status.
+  absl::Status ReadErrors(const Buffer& ws, const Layout& l, uint64_t n, uint64_t q_tokens) {
+    if (host_errors_ == nullptr) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_errors_, sizeof(ErrorSlots)));
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_errors_, At<char>(ws, l.errors),
+                                                sizeof(ErrorSlots), cudaMemcpyDeviceToHost,
+                                                ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    const ErrorSlots e = *host_errors_;
+    constexpr unsigned long long kNone = ~0ull;
+    if (e.bad_key != kNone) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "keys: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
+          e.bad_key / n, e.bad_key % n));
+    }
+    if (e.bad_query != kNone) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "snapkv queries: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
+          e.bad_query / q_tokens, e.bad_query % q_tokens));
+    }
+    if (e.bad_score != kNone) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "select: non-finite score at head %u, token %u", e.bad_score / n, e.bad_score % n));
+    }
+    return absl::OkStatus();
+  }
+
+  // A dense copy of a view whose rows are not 16-byte aligned (into ws at `offset`), or the view.
+  absl::StatusOr<HeadsView> Repack(const HeadsView& v, const Buffer& ws, uint64_t offset) {
+    if (RowsAligned(v)) return v;
+    const size_t e = ElemBytes(v.dtype);
+    char* dst = At<char>(ws, offset);
+    for (uint32_t h = 0; h < v.num_heads; ++h) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+          dst + uint64_t{h} * v.num_tokens * v.head_dim * e, v.head_dim * e,
+          static_cast<const char*>(v.data) + uint64_t{h} * v.head_stride * e, v.token_stride * e,
+          v.head_dim * e, v.num_tokens, cudaMemcpyDeviceToDevice, ctx_->stream));
+    }
+    return HeadsView::Dense(dst, v.dtype, v.num_heads, v.num_tokens, v.head_dim,
+                            MemorySpace::kDevice);
+  }
+
+  // Heads whose keys fit in a share of L2 together: the second read of a two-pass scorer then
+  // comes from L2, not device memory.
+  uint32_t HeadsPerGroup(const HeadsView& keys) const {
+    const uint64_t per_head = keys.num_tokens * keys.head_dim * ElemBytes(keys.dtype);
+    const uint64_t budget = static_cast<uint64_t>(ctx_->properties.l2CacheSize) * 6 / 10;
+    const uint64_t g = per_head == 0 ? keys.num_heads : budget / per_head;
+    return static_cast<uint32_t>(std::clamp<uint64_t>(g, 1, keys.num_heads));
+  }
+
+  absl::Status EnqueueScore(const HeadsView& keys_in, const ScoreParams& params,
+                            const TokenPositions& positions, float* scores, const Buffer& ws,
+                            const Layout& l, bool repacked = false) {
+    KVCOMP_RETURN_IF_ERROR(Bind());
+    HeadsView keys = keys_in;
+    if (!repacked) {
+      KVCOMP_ASSIGN_OR_RETURN(keys, Repack(keys_in, ws, l.keys));
+    }
+    auto* errors = At<ErrorSlots>(ws, l.errors);
+    const uint32_t heads = keys.num_heads;
+    const uint64_t n = keys.num_tokens;
+    if (params.scorer == Scorer::kSnapKV) {
+      KVCOMP_ASSIGN_OR_RETURN(HeadsView q, Repack(params.queries, ws, l.queries));
+      SnapKVParams sp;
+      sp.keys = keys;
+      sp.queries = q;
+      sp.pool = params.snapkv_pool;
+      sp.stats = At<float2>(ws, l.snap_stats);
+      sp.acc = At<float>(ws, l.snap_acc);
+      sp.max_key = At<uint32_t>(ws, l.snap_max);
+      sp.scores = scores;
+      sp.errors = errors;
+      return EnqueueSnapKV(sp);
+    }
+    ScoreKernelParams sp{};
+    sp.keys = keys.data;
+    sp.token_stride = keys.token_stride;
+    sp.head_stride = keys.head_stride;
+    sp.n = n;
+    sp.scorer = params.scorer;
+    sp.segment = l.segment == 0 ? n : l.segment;
+    sp.segments = l.segments == 0 ? 1 : l.segments;
+    sp.centres = At<float>(ws, l.centres);
+    sp.norms = params.scorer == Scorer::kKeyDiff ? At<float>(ws, l.norms) : nullptr;
+    sp.n_sink = params.n_sink;
+    sp.seed = params.seed;
+    sp.stream = params.stream;
+    sp.positions = MakePositions(positions, n);
+    sp.scores = scores;
+    sp.errors = errors;
+
+    const bool centred = IsCentred(params.scorer);
+    const uint32_t group = centred ? HeadsPerGroup(keys) : heads;
+    for (uint32_t h0 = 0; h0 < heads; h0 += group) {
+      const uint32_t g = std::min(group, heads - h0);
+      if (centred) {
+        StatsParams st{};
+        st.keys = keys.data;
+        st.token_stride = keys.token_stride;
+        st.head_stride = keys.head_stride;
+        st.n = n;
+        st.segment = l.segment;
+        st.segments = l.segments;
+        st.chunks = l.chunks;
+        st.normalize = params.scorer == Scorer::kKeyDiff;
+        st.head0 = h0;
+        st.partial = At<float>(ws, l.partial);
+        st.errors = errors;
+        const dim3 sgrid(l.chunks, l.segments, g);
+        KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(keys.dtype, keys.head_dim, [&](auto t, auto d) {
+          using T = typename decltype(t)::type;
+          constexpr int D = decltype(d)::value;
+          StatsKernel<T, D><<<sgrid, kThreads, 0, ctx_->stream>>>(st);
+          return cudaGetLastError();
+        }));
+        CentreParams cp{};
+        cp.partial = st.partial;
+        cp.n = n;
+        cp.segment = l.segment;
+        cp.segments = l.segments;
+        cp.chunks = l.chunks;
+        cp.d = keys.head_dim;
+        cp.head0 = h0;
+        cp.centres = At<float>(ws, l.centres);
+        cp.norms = At<float>(ws, l.norms);
+        CentreKernel<<<dim3(l.segments, g), keys.head_dim, 0, ctx_->stream>>>(cp);
+        KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      }
+      sp.head0 = h0;
+      const dim3 grid(static_cast<uint32_t>(CeilDiv(n, kScoreRows)), g);
+      KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(keys.dtype, keys.head_dim, [&](auto t, auto d) {
+        using T = typename decltype(t)::type;
+        constexpr int D = decltype(d)::value;
+        ScoreKernel<T, D><<<grid, kThreads, 0, ctx_->stream>>>(sp);
+        return cudaGetLastError();
+      }));
+    }
+    return absl::OkStatus();
+  }
+
+  // The NaN/Inf check of a view's rows (the knorm pass; its scores land in `scratch`). Bad rows
+  // are reported to `slot`.
+  absl::Status EnqueueRowCheck(const HeadsView& v, float* scratch, unsigned long long* slot) {
+    ScoreKernelParams sp{};
+    sp.keys = v.data;
+    sp.token_stride = v.token_stride;
+    sp.head_stride = v.head_stride;
+    sp.n = v.num_tokens;
+    sp.scorer = Scorer::kKnorm;
+    sp.segment = v.num_tokens;
+    sp.segments = 1;
+    sp.positions = PositionInfo{nullptr, 0, 0, v.num_tokens};
+    sp.scores = scratch;
+    // The kernel reports to errors->bad_key: point that field at `slot`.
+    sp.errors = reinterpret_cast<ErrorSlots*>(slot);
+    const dim3 grid(static_cast<uint32_t>(CeilDiv(v.num_tokens, kScoreRows)), v.num_heads);
+    KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(v.dtype, v.head_dim, [&](auto t, auto d) {
+      using T = typename decltype(t)::type;
+      constexpr int D = decltype(d)::value;
+      ScoreKernel<T, D><<<grid, kThreads, 0, ctx_->stream>>>(sp);
+      return cudaGetLastError();
+    }));
+    return absl::OkStatus();
+  }
+
+  absl::Status EnqueueSnapKV(const SnapKVParams& p) {
+    cudaStream_t s = ctx_->stream;
+    const uint32_t heads = p.keys.num_heads;
+    const uint32_t q_heads = p.queries.num_heads;
+    const uint64_t n = p.keys.num_tokens;
+    const uint64_t w = p.queries.num_tokens;
+    const uint64_t prefix = n - w;
+    KVCOMP_RETURN_IF_ERROR(EnqueueRowCheck(p.keys, p.scores, &p.errors->bad_key));
+    KVCOMP_RETURN_IF_ERROR(EnqueueRowCheck(p.queries, p.acc, &p.errors->bad_query));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.max_key, 0, sizeof(uint32_t), s));
+    KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(p.keys.dtype, 64, [&](auto t, auto) {
+      using T = typename decltype(t)::type;
+      SnapStatsKernel<T><<<dim3(static_cast<uint32_t>(w), q_heads), kThreads, 0, s>>>(p);
+      if (prefix > 0) {
+        const uint32_t blocks = static_cast<uint32_t>(CeilDiv(prefix, kThreads));
+        SnapAccumulateKernel<T><<<dim3(blocks, q_heads), kThreads, 0, s>>>(p);
+        SnapPoolKernel<<<dim3(blocks, heads), kThreads, 0, s>>>(p);
+      }
+      SnapFillKernel<<<dim3(static_cast<uint32_t>(CeilDiv(w, kThreads)), heads), kThreads, 0,
+                       s>>>(p);
+      return cudaGetLastError();
+    }));
+    return absl::OkStatus();
+  }
+
+  // One selection stage: radix select per segment, counts, plan, then Gather (marks, indices
+  // and/or rows).
+  absl::Status RunStage(SelectKernelParams sp, uint32_t need, uint32_t* kept_counts,
+                        uint8_t* mark, uint32_t* indices, const HeadsView* keys,
+                        const HeadsView* values, void* keys_out, void* values_out,
+                        const Buffer& ws, const Layout& l) {
+    const uint32_t heads = sp.heads;
+    const uint32_t segments = sp.per_head ? heads : 1;
+    cudaStream_t s = ctx_->stream;
+    InitSegmentsKernel<<<1, kThreads, 0, s>>>(sp.state, segments, need);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+        sp.hist, 0, uint64_t{segments} * kRadixBins * sizeof(uint32_t), s));
+    const dim3 grid(l.tiles, heads);
+    if (need > 0) {
+      for (int pass = 0; pass < kRadixPasses; ++pass) {
+        RadixHistKernel<<<grid, kThreads, 0, s>>>(sp, pass);
+        KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+        RadixFindKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, pass);
+        KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      }
+    }
+    CountParams cp{sp, l.tiles, At<TileCounts>(ws, l.tile_counts)};
+    CountKernel<<<grid, kThreads, 0, s>>>(cp);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    PlanParams pp{cp.counts, sp.state, sp.per_head, heads, l.tiles, At<TilePlan>(ws, l.plan),
+                  kept_counts, At<unsigned long long>(ws, l.total)};
+    PlanKernel<<<1, kThreads, 0, s>>>(pp);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    GatherParams gp{};
+    gp.count = cp;
+    gp.plan = pp.plan;
+    gp.mark = mark;
+    gp.indices = indices;
+    DType dtype = DType::kBF16;
+    uint32_t d = 128;
+    if (keys_out != nullptr) {
+      gp.keys = keys->data;
+      gp.values = values->data;
+      gp.token_stride = keys->token_stride;
+      gp.head_stride = keys->head_stride;
+      gp.v_token_stride = values->token_stride;
+      gp.v_head_stride = values->head_stride;
+      gp.keys_out = keys_out;
+      gp.values_out = values_out;
+      dtype = keys->dtype;
+      d = keys->head_dim;
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(dtype, d, [&](auto t, auto dd) {
+      using T = typename decltype(t)::type;
+      constexpr int D = decltype(dd)::value;
+      GatherKernel<T, D><<<grid, kThreads, 0, s>>>(gp);
+      return cudaGetLastError();
+    }));
+    return absl::OkStatus();
+  }
+
+  absl::Status EnqueueSelect(const float* scores, uint32_t heads, uint64_t n,
+                             const SelectParams& sel, const TokenPositions& positions,
+                             KeptIndices out, const HeadsView* keys, const HeadsView* values,
+                             void* keys_out, void* values_out, const Buffer& ws,
+                             const Layout& l) {
+    KVCOMP_RETURN_IF_ERROR(Bind());
+    const uint64_t kept = std::min<uint64_t>(sel.kept_per_head, n);
+    SelectKernelParams sp{};
+    sp.scores = scores;
+    sp.heads = heads;
+    sp.n = n;
+    sp.positions = MakePositions(positions, n);
+    sp.select = sel;
+    sp.pre = nullptr;
+    sp.per_head = true;
+    sp.state = At<SegmentState>(ws, l.state);
+    sp.hist = At<uint32_t>(ws, l.hist);
+    sp.errors = At<ErrorSlots>(ws, l.errors);
+    if (sel.head_budget == HeadBudget::kUniform || heads == 1) {
+      return RunStage(sp, static_cast<uint32_t>(kept), out.counts, nullptr, out.indices, keys,
+                      values, keys_out, values_out, ws, l);
+    }
+    // AdaKV: each head's safeguard first (marked in flags), then the layer's remaining budget
+    // over every unmarked token, ties by lower head then lower token.
+    const uint64_t safe = std::min<uint64_t>(
+        kept, static_cast<uint64_t>(static_cast<double>(kept) * sel.alpha_safeguard));
+    uint8_t* flags = At<uint8_t>(ws, l.flags);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags, 0, uint64_t{heads} * n, ctx_->stream));
+    if (safe > 0) {
+      KVCOMP_RETURN_IF_ERROR(RunStage(sp, static_cast<uint32_t>(safe),
+                                      At<uint32_t>(ws, l.stage_counts), flags, nullptr, nullptr,
+                                      nullptr, nullptr, nullptr, ws, l));
+    }
+    const uint64_t remaining = heads * kept - heads * safe;
+    if (remaining > 0xFFFFFFFFull) {
+      return absl::InvalidArgumentError("adakv: layer budget beyond 2^32 tokens");
+    }
+    sp.pre = flags;
+    sp.per_head = false;
+    return RunStage(sp, static_cast<uint32_t>(remaining), out.counts, nullptr, out.indices, keys,
+                    values, keys_out, values_out, ws, l);
+  }
+
+  CudaContext* ctx_;
+  ErrorSlots* host_errors_ = nullptr;
+};
+
+}  // namespace
+
+absl::Status EnqueueScoreSelectCompact(CudaContext* ctx, const ScoreSelectCompactArgs& args) {
+  CudaScoringOps ops(ctx);
+  return ops.EnqueueOnly(args);
+}
+
+}  // namespace cuda
+
+std::unique_ptr<ScoringOps> NewCudaScoringOps(CudaContext* context) {
+  return std::make_unique<cuda::CudaScoringOps>(context);
+}
+
+}  // namespace kvcomp

@@ -1,0 +1,824 @@
+// Templated CUDA kernels of the scoring engine (issue 3). Each kernel is templated on the element
+// type T (float, __half, __nv_bfloat16) and, where it reads rows, the head dimension D; the
+// launchers in scoring_launch.cu validate arguments, dispatch runtime dtype x head_dim to these,
+// and turn cudaError_t into Status. Rows are read with 16-byte vector loads: the launcher
+// guarantees 16-byte aligned rows (it repacks a view that is not).
+//
+// The stages of one layer, [H, n, D] keys (and values):
+//   Stats     per (head, segment, chunk) fp32 partial sums of k (or k/||k|| for keydiff)
+//   Centres   per (head, segment) the mean (fp64 sum of the partials), and its norm
+//   Score     per token: knorm, keydiff, (windowed) manifold, streaming, random; NaN/Inf check
+//   Radix*    exact k-th largest effective score per segment (head, or the whole layer for
+//             AdaKV's second stage): three digit passes of a most-significant-digit radix select
+//   Count     per (head, tile): tokens pre-kept (AdaKV safeguard), above and equal to the
+//             threshold
+//   Plan      one block: per-tile output offsets, tie ranks, per-head counts
+//   Gather    per tile: keep flags, ascending kept indices, and the K/V row copies
+#ifndef KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
+#define KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kvcomp/kernels/scoring_ops.h"
+
+namespace kvcomp {
+namespace cuda {
+
+// ---------------------------------------------------------------------------------------------
+// Shared constants and small device helpers
+// ---------------------------------------------------------------------------------------------
+
+inline constexpr int kThreads = 256;       // threads of every row-reading kernel
+inline constexpr int kStatsRows = 512;     // rows per Stats block
+inline constexpr int kScoreRows = 1024;    // rows per Score block
+inline constexpr int kTile = 2048;         // tokens per Count/Gather tile
+inline constexpr int kRadixBins = 2048;    // 11-bit digits
+inline constexpr int kRadixPasses = 3;     // 11 + 11 + 10 bits
+inline constexpr uint32_t kProtectedKey = 0xFFFFFFFFu;
+
+__host__ __device__ inline int RadixShift(int pass) { return pass == 0 ? 21 : pass == 1 ? 10 : 0; }
+__host__ __device__ inline int RadixBits(int pass) { return pass == 2 ? 10 : 11; }
+
+// First bad (head * n + token) of each kind; ~0 when none. Zeroed with 0xFF bytes.
+struct ErrorSlots {
+  unsigned long long bad_key;    // a key row with NaN/Inf or a squared norm beyond float32
+  unsigned long long bad_query;  // the same for snapkv queries
+  unsigned long long bad_score;  // a non-finite score given to Select
+};
+
+// Selection state of one segment (a head, or the whole layer).
+struct SegmentState {
+  uint32_t prefix;  // key bits fixed so far; after the last pass, the threshold key
+  uint32_t need;    // tokens still to take at or below `prefix`; after the last pass, how many
+                    // threshold-equal tokens are kept (in index order)
+  uint32_t active;  // 0: this segment keeps nothing in this stage
+  uint32_t pad;
+};
+
+// Counts of one tile, written by Count and read by Plan.
+struct TileCounts {
+  uint32_t pre;  // tokens kept by an earlier stage (AdaKV safeguard)
+  uint32_t gt;   // tokens above the threshold
+  uint32_t eq;   // tokens equal to the threshold
+  uint32_t pad;
+};
+
+// Output placement of one tile, written by Plan and read by Gather.
+struct TilePlan {
+  unsigned long long out_base;  // first output row of the tile's kept tokens
+  uint32_t eq_base;             // threshold-equal tokens before this tile in its segment
+  uint32_t pad;
+};
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static constexpr int kPerVec = 4;
+  __device__ static inline void Unpack(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kPerVec = 8;
+  __device__ static inline void Unpack(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
+};
+template <>
+struct Elem<__half> {
+  static constexpr int kPerVec = 8;
+  __device__ static inline void Unpack(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+};
+
+// How a warp covers rows of D elements of T with 16-byte vectors: kLanes lanes per row (a power
+// of two <= 32), kVecs vectors per lane, kRowsPerWarp rows per warp step, kF floats per lane.
+template <typename T, int D>
+struct RowShape {
+  static constexpr int kPerVec = Elem<T>::kPerVec;
+  static constexpr int kVecsPerRow = D / kPerVec;
+  static constexpr int kLanes = kVecsPerRow < 32 ? kVecsPerRow : 32;
+  static constexpr int kVecs = kVecsPerRow / kLanes;
+  static constexpr int kRowsPerWarp = 32 / kLanes;
+  static constexpr int kF = kVecs * kPerVec;
+  static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  // Element index (within the row) of float j of lane `lane`.
+  __device__ static inline int Col(int lane, int j) {
+    return ((j / kPerVec) * kLanes + lane) * kPerVec + (j % kPerVec);
+  }
+};
+
+template <typename T, int D>
+__device__ inline void LoadRow(const T* row, int lane, float* f) {
+  using S = RowShape<T, D>;
+  const uint4* v = reinterpret_cast<const uint4*>(row);
+#pragma unroll
+  for (int j = 0; j < S::kVecs; ++j) {
+    const uint4 x = __ldg(v + j * S::kLanes + lane);
+    Elem<T>::Unpack(x, f + j * S::kPerVec);
+  }
+}
+
+// Sum over the kLanes lanes of a row group (the groups are aligned, so xor stays inside).
+template <int kLanes>
+__device__ inline float RowSum(float x) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
+  return x;
+}
+
+__device__ inline uint32_t OrderKey(float s) {
+  if (s == 0.0f) s = 0.0f;  // -0 and +0 alike
+  const uint32_t u = __float_as_uint(s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ inline bool SqNormBad(float sq) { return !(sq <= FLT_MAX); }
+
+__device__ inline void ReportBad(unsigned long long* slot, unsigned long long flat) {
+  atomicMin(slot, flat);
+}
+
+// Position and protection of token i of head h (see TokenPositions / IsProtected).
+struct PositionInfo {
+  const uint32_t* data;  // [H, n] or null
+  uint64_t offset;
+  uint64_t sequence_length;  // 0 = derived per head
+  uint64_t n;
+
+  __device__ inline uint64_t Position(uint32_t h, uint64_t i) const {
+    return data != nullptr ? data[uint64_t{h} * n + i] : offset + i;
+  }
+  __device__ inline uint64_t SequenceLength(uint32_t h) const {
+    if (sequence_length != 0) return sequence_length;
+    return data != nullptr ? uint64_t{data[uint64_t{h} * n + n - 1]} + 1 : offset + n;
+  }
+};
+
+__device__ inline uint32_t EffectiveKey(float score, uint64_t position, uint64_t seq_len,
+                                        const SelectParams& sel) {
+  return IsProtected(position, seq_len, sel) ? kProtectedKey : OrderKey(score);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block-wide scans
+// ---------------------------------------------------------------------------------------------
+
+// Exclusive prefix sum over the block (blockDim.x == kThreads); returns the thread's exclusive
+// prefix and writes the block total to *total. `scratch` holds kThreads / 32 + 1 words.
+__device__ inline uint32_t BlockExclusiveScan(uint32_t x, uint32_t* scratch, uint32_t* total) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  uint32_t inc = x;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, inc, o);
+    if (lane >= o) inc += y;
+  }
+  if (lane == 31) scratch[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = blockDim.x >> 5;
+    uint32_t w = lane < nw ? scratch[lane] : 0;
+    uint32_t wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, wi, o);
+      if (lane >= o) wi += y;
+    }
+    if (lane < nw) scratch[lane] = wi - w;
+    if (lane == nw - 1) scratch[32] = wi;
+  }
+  __syncthreads();
+  const uint32_t result = scratch[warp] + inc - x;
+  *total = scratch[32];
+  __syncthreads();
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stats and centres
+// ---------------------------------------------------------------------------------------------
+
+struct StatsParams {
+  const void* keys;
+  uint64_t token_stride;  // elements
+  uint64_t head_stride;   // elements
+  uint64_t n;
+  uint64_t segment;          // tokens per segment (window, or n)
+  uint32_t segments;         // ceil(n / segment)
+  uint32_t chunks;           // chunks per segment: ceil(min(segment, n) / kStatsRows)
+  bool normalize;            // keydiff: sum k / max(||k||, eps)
+  uint32_t head0;            // first head of this launch (heads are processed in groups)
+  float* partial;            // [H, segments, chunks, D]
+  ErrorSlots* errors;
+};
+
+// grid (chunks, segments, H), kThreads threads.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) StatsKernel(StatsParams p) {
+  using S = RowShape<T, D>;
+  __shared__ float red[kThreads / 32][D];
+  const uint32_t h = p.head0 + blockIdx.z;
+  const uint64_t seg0 = uint64_t{blockIdx.y} * p.segment;
+  const uint64_t seg_end = min(p.n, seg0 + p.segment);
+  const uint64_t r0 = seg0 + uint64_t{blockIdx.x} * kStatsRows;
+  const uint64_t r1 = min(seg_end, r0 + kStatsRows);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane % S::kLanes;
+  const int group = lane / S::kLanes;
+  const T* base = static_cast<const T*>(p.keys) + uint64_t{h} * p.head_stride;
+
+  float acc[S::kF];
+#pragma unroll
+  for (int j = 0; j < S::kF; ++j) acc[j] = 0.0f;
+  constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
+  constexpr int kUnroll = 2;
+  // The loop bound is uniform over the warp (shuffles below need every lane); rows past r1
+  // are zeros.
+  for (uint64_t rw = r0 + warp * S::kRowsPerWarp; rw < r1; rw += kStep * kUnroll) {
+    const uint64_t r = rw + group;
+    float f[kUnroll][S::kF];
+    bool ok[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t row = r + static_cast<uint64_t>(u) * kStep;
+      ok[u] = row < r1;
+      if (ok[u]) {
+        LoadRow<T, D>(base + row * p.token_stride, sub, f[u]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < S::kF; ++j) f[u][j] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float sq = 0.0f;
+#pragma unroll
+      for (int j = 0; j < S::kF; ++j) sq = fmaf(f[u][j], f[u][j], sq);
+      sq = RowSum<S::kLanes>(sq);
+      float scale = 1.0f;
+      if (ok[u] && SqNormBad(sq)) {
+        if (sub == 0) ReportBad(&p.errors->bad_key, uint64_t{h} * p.n + r + static_cast<uint64_t>(u) * kStep);
+        scale = 0.0f;
+      } else if (p.normalize) {
+        scale = 1.0f / fmaxf(sqrtf(sq), kKeyDiffEps);
+      }
+#pragma unroll
+      for (int j = 0; j < S::kF; ++j) acc[j] = fmaf(f[u][j], scale, acc[j]);
+    }
+  }
+  // Row groups of a warp hold the same columns: fold them, then fold the warps.
+#pragma unroll
+  for (int o = S::kLanes; o < 32; o *= 2) {
+#pragma unroll
+    for (int j = 0; j < S::kF; ++j) acc[j] += __shfl_xor_sync(0xFFFFFFFFu, acc[j], o);
+  }
+  if (group == 0) {
+#pragma unroll
+    for (int j = 0; j < S::kF; ++j) red[warp][S::Col(sub, j)] = acc[j];
+  }
+  __syncthreads();
+  float* out = p.partial +
+               ((uint64_t{h} * p.segments + blockIdx.y) * p.chunks + blockIdx.x) * D;
+  for (int c = threadIdx.x; c < D; c += kThreads) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) s += red[w][c];
+    out[c] = s;
+  }
+}
+
+struct CentreParams {
+  const float* partial;  // [H, segments, chunks, D]
+  uint64_t n;
+  uint64_t segment;
+  uint32_t segments;
+  uint32_t chunks;
+  uint32_t d;
+  uint32_t head0;
+  float* centres;  // [H, segments, D]
+  float* norms;    // [H, segments]: max(||centre||, eps)
+};
+
+// grid (segments, H), D threads (64, 128 or 256).
+__global__ void CentreKernel(CentreParams p) {
+  __shared__ double red[256];
+  const uint32_t h = p.head0 + blockIdx.y;
+  const uint32_t s = blockIdx.x;
+  const uint32_t j = threadIdx.x;
+  const uint64_t seg0 = uint64_t{s} * p.segment;
+  const uint64_t len = min(p.n, seg0 + p.segment) - seg0;
+  const uint64_t hs = uint64_t{h} * p.segments + s;
+  const float* part = p.partial + hs * p.chunks * p.d;
+  double sum = 0.0;
+  for (uint32_t c = 0; c < p.chunks; ++c) sum += part[uint64_t{c} * p.d + j];
+  const float m = static_cast<float>(sum / static_cast<double>(len));
+  p.centres[hs * p.d + j] = m;
+  red[j] = static_cast<double>(m) * m;
+  __syncthreads();
+  for (uint32_t o = blockDim.x / 2; o > 0; o /= 2) {
+    if (j < o) red[j] += red[j + o];
+    __syncthreads();
+  }
+  if (j == 0) p.norms[hs] = fmaxf(static_cast<float>(sqrt(red[0])), kKeyDiffEps);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scores
+// ---------------------------------------------------------------------------------------------
+
+struct ScoreKernelParams {
+  const void* keys;
+  uint64_t token_stride;
+  uint64_t head_stride;
+  uint64_t n;
+  Scorer scorer;
+  uint64_t segment;  // window (windowed_manifold) or n
+  uint32_t segments;
+  const float* centres;  // [H, segments, D] (manifold, windowed, keydiff)
+  const float* norms;    // [H, segments] (keydiff)
+  uint32_t n_sink;       // streaming
+  uint64_t seed;         // random
+  uint64_t stream;
+  PositionInfo positions;
+  uint32_t head0;
+  float* scores;  // [H, n]
+  ErrorSlots* errors;
+};
+
+// grid (ceil(n / kScoreRows), H), kThreads threads.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) ScoreKernel(ScoreKernelParams p) {
+  using S = RowShape<T, D>;
+  const uint32_t h = p.head0 + blockIdx.y;
+  const uint64_t r0 = uint64_t{blockIdx.x} * kScoreRows;
+  const uint64_t r1 = min(p.n, r0 + kScoreRows);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane % S::kLanes;
+  const int group = lane / S::kLanes;
+  const T* base = static_cast<const T*>(p.keys) + uint64_t{h} * p.head_stride;
+  const bool centred = p.scorer == Scorer::kManifold || p.scorer == Scorer::kWindowedManifold ||
+                       p.scorer == Scorer::kKeyDiff;
+
+  float mu[S::kF];
+#pragma unroll
+  for (int j = 0; j < S::kF; ++j) mu[j] = 0.0f;
+  float mu_norm = 1.0f;
+  uint64_t mu_seg = ~uint64_t{0};
+  constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
+  constexpr int kUnroll = 2;
+  for (uint64_t rw = r0 + warp * S::kRowsPerWarp; rw < r1; rw += kStep * kUnroll) {
+    const uint64_t r = rw + group;
+    float f[kUnroll][S::kF];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t row = r + static_cast<uint64_t>(u) * kStep;
+      if (row < r1) {
+        LoadRow<T, D>(base + row * p.token_stride, sub, f[u]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < S::kF; ++j) f[u][j] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t row = r + static_cast<uint64_t>(u) * kStep;
+      // Every lane of the row group takes the same branches (same row), and rows past r1 still
+      // run the shuffles with zeros.
+      if (centred) {
+        const uint64_t seg = min(row, p.n - 1) / p.segment;
+        if (seg != mu_seg) {
+          const float* c = p.centres + (uint64_t{h} * p.segments + seg) * D;
+#pragma unroll
+          for (int j = 0; j < S::kF; ++j) mu[j] = c[S::Col(sub, j)];
+          mu_norm = p.norms != nullptr ? p.norms[uint64_t{h} * p.segments + seg] : 1.0f;
+          mu_seg = seg;
+        }
+      }
+      float sq = 0.0f, other = 0.0f;
+#pragma unroll
+      for (int j = 0; j < S::kF; ++j) sq = fmaf(f[u][j], f[u][j], sq);
+      if (p.scorer == Scorer::kManifold || p.scorer == Scorer::kWindowedManifold) {
+#pragma unroll
+        for (int j = 0; j < S::kF; ++j) {
+          const float x = f[u][j] - mu[j];
+          other = fmaf(x, x, other);
+        }
+      } else if (p.scorer == Scorer::kKeyDiff) {
+#pragma unroll
+        for (int j = 0; j < S::kF; ++j) other = fmaf(f[u][j], mu[j], other);
+      }
+      sq = RowSum<S::kLanes>(sq);
+      other = RowSum<S::kLanes>(other);
+      if (row >= r1 || sub != 0) continue;
+      if (SqNormBad(sq)) ReportBad(&p.errors->bad_key, uint64_t{h} * p.n + row);
+      float s;
+      switch (p.scorer) {
+        case Scorer::kKnorm:
+          s = -sqrtf(sq);
+          break;
+        case Scorer::kManifold:
+        case Scorer::kWindowedManifold:
+          s = sqrtf(other);
+          break;
+        case Scorer::kKeyDiff:
+          s = -(other / (fmaxf(sqrtf(sq), kKeyDiffEps) * mu_norm));
+          break;
+        case Scorer::kStreaming:
+          s = StreamingScore(p.positions.Position(h, row), p.n_sink);
+          break;
+        case Scorer::kRandom:
+          s = RandomScore(p.seed, p.stream, h, p.positions.Position(h, row));
+          break;
+        default:
+          s = 0.0f;
+          break;
+      }
+      p.scores[uint64_t{h} * p.n + row] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Selection: radix select, counts, plan
+// ---------------------------------------------------------------------------------------------
+
+struct SelectKernelParams {
+  const float* scores;  // [H, n]
+  uint32_t heads;
+  uint64_t n;
+  PositionInfo positions;
+  SelectParams select;
+  const uint8_t* pre;   // [H, n] tokens kept by an earlier stage (excluded here), or null
+  bool per_head;        // segments are heads (else one segment: the whole layer)
+  SegmentState* state;  // [segments]
+  uint32_t* hist;       // [segments, kRadixBins]
+  ErrorSlots* errors;
+};
+
+// One digit pass. grid (ceil(n / kTile), H), kThreads threads.
+__global__ void __launch_bounds__(kThreads) RadixHistKernel(SelectKernelParams p, int pass) {
+  __shared__ uint32_t hist[kRadixBins];
+  const uint32_t h = blockIdx.y;
+  const uint32_t seg = p.per_head ? h : 0;
+  const SegmentState st = p.state[seg];
+  if (!st.active) return;
+  for (int b = threadIdx.x; b < kRadixBins; b += kThreads) hist[b] = 0;
+  __syncthreads();
+  const int shift = RadixShift(pass);
+  const uint32_t digit_mask = (1u << RadixBits(pass)) - 1;
+  const int high = shift + RadixBits(pass);  // bits at and above `high` are fixed
+  const uint64_t seq_len = p.positions.SequenceLength(h);
+  const uint64_t t0 = uint64_t{blockIdx.x} * kTile;
+  const uint64_t t1 = min(p.n, t0 + kTile);
+  for (uint64_t t = t0 + threadIdx.x; t < t1; t += kThreads) {
+    const uint64_t flat = uint64_t{h} * p.n + t;
+    if (p.pre != nullptr && p.pre[flat]) continue;
+    const float s = p.scores[flat];
+    if (pass == 0 && !(fabsf(s) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat);
+    const uint32_t key = EffectiveKey(s, p.positions.Position(h, t), seq_len, p.select);
+    if (high < 32 && (key >> high) != (st.prefix >> high)) continue;
+    atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+  }
+  __syncthreads();
+  uint32_t* g = p.hist + uint64_t{seg} * kRadixBins;
+  for (int b = threadIdx.x; b < kRadixBins; b += kThreads) {
+    if (hist[b] != 0) atomicAdd(&g[b], hist[b]);
+  }
+}
+
+// Picks the digit holding the need-th largest key. grid (segments), kThreads threads.
+__global__ void __launch_bounds__(kThreads) RadixFindKernel(SegmentState* state, uint32_t* hist,
+                                                            int pass) {
+  __shared__ uint32_t scratch[33];
+  __shared__ uint32_t found_digit, found_above;
+  const uint32_t seg = blockIdx.x;
+  SegmentState* st = state + seg;
+  uint32_t* g = hist + uint64_t{seg} * kRadixBins;
+  if (!st->active) return;
+  if (threadIdx.x == 0) {
+    found_digit = 0;
+    found_above = 0;
+  }
+  const int bins = 1 << RadixBits(pass);
+  constexpr int kPer = kRadixBins / kThreads;  // 8 bins per thread, from the top digit down
+  uint32_t c[kPer];
+  uint32_t sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = bins - 1 - (threadIdx.x * kPer + i);
+    c[i] = d >= 0 ? g[d] : 0;
+    sum += c[i];
+  }
+  uint32_t total;
+  const uint32_t before = BlockExclusiveScan(sum, scratch, &total);
+  const uint32_t need = st->need;
+  if (before < need && need <= before + sum) {
+    uint32_t acc = before;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (acc < need && need <= acc + c[i]) {
+        found_digit = bins - 1 - (threadIdx.x * kPer + i);
+        found_above = acc;
+      }
+      acc += c[i];
+    }
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < kRadixBins; b += kThreads) g[b] = 0;
+  if (threadIdx.x == 0) {
+    st->prefix |= found_digit << RadixShift(pass);
+    st->need = need - found_above;
+  }
+}
+
+struct CountParams {
+  SelectKernelParams sel;  // scores, positions, pre, per_head, state
+  uint32_t tiles;          // tiles per head
+  TileCounts* counts;      // [H, tiles]
+};
+
+__device__ inline void Classify(const SelectKernelParams& p, uint32_t h, uint64_t t,
+                                uint64_t seq_len, const SegmentState& st, uint32_t* pre,
+                                uint32_t* gt, uint32_t* eq) {
+  const uint64_t flat = uint64_t{h} * p.n + t;
+  *pre = *gt = *eq = 0;
+  if (p.pre != nullptr && p.pre[flat]) {
+    *pre = 1;
+    return;
+  }
+  if (!st.active) return;
+  const uint32_t key = EffectiveKey(p.scores[flat], p.positions.Position(h, t), seq_len, p.select);
+  *gt = key > st.prefix;
+  *eq = key == st.prefix;
+}
+
+// grid (tiles, H), kThreads threads.
+__global__ void __launch_bounds__(kThreads) CountKernel(CountParams c) {
+  __shared__ uint32_t red[3][kThreads / 32];
+  const SelectKernelParams& p = c.sel;
+  const uint32_t h = blockIdx.y;
+  const SegmentState st = p.state[p.per_head ? h : 0];
+  const uint64_t seq_len = p.positions.SequenceLength(h);
+  const uint64_t t0 = uint64_t{blockIdx.x} * kTile;
+  const uint64_t t1 = min(p.n, t0 + kTile);
+  uint32_t pre = 0, gt = 0, eq = 0;
+  for (uint64_t t = t0 + threadIdx.x; t < t1; t += kThreads) {
+    uint32_t a, b, e;
+    Classify(p, h, t, seq_len, st, &a, &b, &e);
+    pre += a;
+    gt += b;
+    eq += e;
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    pre += __shfl_xor_sync(0xFFFFFFFFu, pre, o);
+    gt += __shfl_xor_sync(0xFFFFFFFFu, gt, o);
+    eq += __shfl_xor_sync(0xFFFFFFFFu, eq, o);
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    red[0][warp] = pre;
+    red[1][warp] = gt;
+    red[2][warp] = eq;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    TileCounts out{0, 0, 0, 0};
+    for (int w = 0; w < kThreads / 32; ++w) {
+      out.pre += red[0][w];
+      out.gt += red[1][w];
+      out.eq += red[2][w];
+    }
+    c.counts[uint64_t{h} * c.tiles + blockIdx.x] = out;
+  }
+}
+
+struct PlanParams {
+  const TileCounts* counts;  // [H, tiles]
+  const SegmentState* state;
+  bool per_head;
+  uint32_t heads;
+  uint32_t tiles;
+  TilePlan* plan;             // [H, tiles]
+  uint32_t* kept_counts;      // [H] (the caller's KeptIndices::counts)
+  unsigned long long* total;  // total kept rows (workspace)
+};
+
+// One block of kThreads threads walks the tiles in (head, tile) order.
+__global__ void __launch_bounds__(kThreads) PlanKernel(PlanParams p) {
+  __shared__ uint32_t scratch[33];
+  unsigned long long out_base = 0;
+  uint32_t eq_running = 0;
+  for (uint32_t h = 0; h < p.heads; ++h) {
+    const SegmentState st = p.state[p.per_head ? h : 0];
+    if (p.per_head) eq_running = 0;
+    uint32_t kept_head = 0;
+    for (uint32_t t0 = 0; t0 < p.tiles; t0 += kThreads) {
+      const uint32_t t = t0 + threadIdx.x;
+      TileCounts c{0, 0, 0, 0};
+      if (t < p.tiles) c = p.counts[uint64_t{h} * p.tiles + t];
+      uint32_t eq_total;
+      const uint32_t eq_before = eq_running + BlockExclusiveScan(c.eq, scratch, &eq_total);
+      const uint32_t need = st.active ? st.need : 0;
+      const uint32_t eq_kept =
+          eq_before >= need ? 0 : (need - eq_before < c.eq ? need - eq_before : c.eq);
+      const uint32_t kept = c.pre + c.gt + eq_kept;
+      uint32_t kept_total;
+      const uint32_t kept_before = BlockExclusiveScan(kept, scratch, &kept_total);
+      if (t < p.tiles) {
+        p.plan[uint64_t{h} * p.tiles + t] = TilePlan{out_base + kept_head + kept_before, eq_before,
+                                                     0};
+      }
+      eq_running += eq_total;
+      kept_head += kept_total;
+    }
+    if (threadIdx.x == 0) p.kept_counts[h] = kept_head;
+    out_base += kept_head;
+  }
+  if (threadIdx.x == 0) *p.total = out_base;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gather: keep flags, indices and the row copies
+// ---------------------------------------------------------------------------------------------
+
+struct GatherParams {
+  CountParams count;  // selection inputs and tiles
+  const TilePlan* plan;
+  uint8_t* mark;       // optional [H, n]: set to 1 for kept tokens (AdaKV's safeguard stage)
+  uint32_t* indices;   // optional: kept indices (ragged, ascending per head)
+  const void* keys;    // optional: rows to copy (with values)
+  const void* values;
+  uint64_t token_stride;
+  uint64_t head_stride;
+  uint64_t v_token_stride;
+  uint64_t v_head_stride;
+  void* keys_out;
+  void* values_out;
+};
+
+__device__ inline void CopyRow16(const uint4* src, uint4* dst, int sub, int vecs, int lanes) {
+  for (int v = sub; v < vecs; v += lanes) __stcs(dst + v, __ldcs(src + v));
+}
+
+// grid (tiles, H), kThreads threads; kTile / kThreads tokens per thread.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams g) {
+  using S = RowShape<T, D>;
+  constexpr int kPer = kTile / kThreads;
+  __shared__ uint32_t scratch[33];
+  __shared__ uint32_t src_row[kTile];
+  __shared__ uint32_t n_kept;
+  const SelectKernelParams& p = g.count.sel;
+  const uint32_t h = blockIdx.y;
+  const SegmentState st = p.state[p.per_head ? h : 0];
+  const uint64_t seq_len = p.positions.SequenceLength(h);
+  const uint64_t t0 = uint64_t{blockIdx.x} * kTile;
+  const TilePlan plan = g.plan[uint64_t{h} * g.count.tiles + blockIdx.x];
+  // Thread i owns tokens t0 + i*kPer .. + kPer (consecutive, so index order is scan order).
+  uint32_t pre[kPer], gt[kPer], eq[kPer];
+  uint32_t eq_sum = 0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const uint64_t t = t0 + threadIdx.x * kPer + k;
+    pre[k] = gt[k] = eq[k] = 0;
+    if (t < p.n) Classify(p, h, t, seq_len, st, &pre[k], &gt[k], &eq[k]);
+    eq_sum += eq[k];
+  }
+  uint32_t eq_total;
+  uint32_t eq_rank = plan.eq_base + BlockExclusiveScan(eq_sum, scratch, &eq_total);
+  const uint32_t need = st.active ? st.need : 0;
+  uint32_t keep_bits = 0, keep_sum = 0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    bool keep = pre[k] || gt[k];
+    if (eq[k]) {
+      keep = keep || eq_rank < need;
+      ++eq_rank;
+    }
+    keep_bits |= static_cast<uint32_t>(keep) << k;
+    keep_sum += keep;
+  }
+  uint32_t kept_total;
+  uint32_t pos = BlockExclusiveScan(keep_sum, scratch, &kept_total);
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    if (keep_bits & (1u << k)) {
+      const uint32_t t = static_cast<uint32_t>(t0 + threadIdx.x * kPer + k);
+      src_row[pos] = t;
+      if (g.indices != nullptr) g.indices[plan.out_base + pos] = t;
+      if (g.mark != nullptr) g.mark[uint64_t{h} * p.n + t] = 1;
+      ++pos;
+    }
+  }
+  if (threadIdx.x == 0) n_kept = kept_total;
+  __syncthreads();
+  if (g.keys_out == nullptr) return;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane % S::kLanes;
+  const int group = lane / S::kLanes;
+  constexpr int kVecsPerRow = S::kVecsPerRow;
+  const T* kbase = static_cast<const T*>(g.keys) + uint64_t{h} * g.head_stride;
+  const T* vbase = static_cast<const T*>(g.values) + uint64_t{h} * g.v_head_stride;
+  uint4* kout = reinterpret_cast<uint4*>(g.keys_out);
+  uint4* vout = reinterpret_cast<uint4*>(g.values_out);
+  constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
+  const uint32_t total = n_kept;
+  constexpr int kUnroll = 4;
+  for (uint32_t e = warp * S::kRowsPerWarp + group; e < total; e += kStep * kUnroll) {
+    uint4 kv[kUnroll][S::kVecs], vv[kUnroll][S::kVecs];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t ee = e + u * kStep;
+      if (ee < total) {
+        const uint64_t t = src_row[ee];
+        const uint4* ks = reinterpret_cast<const uint4*>(kbase + t * g.token_stride);
+        const uint4* vs = reinterpret_cast<const uint4*>(vbase + t * g.v_token_stride);
+#pragma unroll
+        for (int j = 0; j < S::kVecs; ++j) {
+          kv[u][j] = __ldcs(ks + j * S::kLanes + sub);
+          vv[u][j] = __ldcs(vs + j * S::kLanes + sub);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t ee = e + u * kStep;
+      if (ee < total) {
+        const uint64_t out_row = plan.out_base + ee;
+#pragma unroll
+        for (int j = 0; j < S::kVecs; ++j) {
+          __stcs(kout + out_row * kVecsPerRow + j * S::kLanes + sub, kv[u][j]);
+          __stcs(vout + out_row * kVecsPerRow + j * S::kLanes + sub, vv[u][j]);
+        }
+      }
+    }
+  }
+}
+
+// Gather of given (counts, indices): grid (ceil(max rows / kTile), H). Row offsets from `offsets`
+// ([H + 1], device). Used by ScoringOps::Compact.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) CompactKernel(const T* keys, const T* values,
+                                                          uint64_t token_stride,
+                                                          uint64_t head_stride,
+                                                          uint64_t v_token_stride,
+                                                          uint64_t v_head_stride,
+                                                          const unsigned long long* offsets,
+                                                          const uint32_t* indices, T* keys_out,
+                                                          T* values_out) {
+  using S = RowShape<T, D>;
+  const uint32_t h = blockIdx.y;
+  const unsigned long long begin = offsets[h];
+  const unsigned long long end = offsets[h + 1];
+  const uint64_t r0 = begin + uint64_t{blockIdx.x} * kTile;
+  if (r0 >= end) return;
+  const uint64_t r1 = min(static_cast<uint64_t>(end), r0 + kTile);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane % S::kLanes;
+  const int group = lane / S::kLanes;
+  constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
+  for (uint64_t r = r0 + warp * S::kRowsPerWarp + group; r < r1; r += kStep) {
+    const uint64_t t = indices[r];
+    const uint4* ks = reinterpret_cast<const uint4*>(keys + uint64_t{h} * head_stride +
+                                                     t * token_stride);
+    const uint4* vs = reinterpret_cast<const uint4*>(values + uint64_t{h} * v_head_stride +
+                                                     t * v_token_stride);
+    uint4* kd = reinterpret_cast<uint4*>(keys_out + r * D);
+    uint4* vd = reinterpret_cast<uint4*>(values_out + r * D);
+    CopyRow16(ks, kd, sub, S::kVecsPerRow, S::kLanes);
+    CopyRow16(vs, vd, sub, S::kVecsPerRow, S::kLanes);
+  }
+}
+
+}  // namespace cuda
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
