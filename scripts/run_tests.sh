@@ -10,6 +10,17 @@ cd "$(dirname "$0")/.."
 echo "== C++ tests (ctest) =="
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 600
 
+if [ -f tests/storage/concurrency_test.cc ] && [ "${KVCOMP_SKIP_STORAGE_TSAN:-0}" != 1 ]; then
+  # Storage concurrency under ThreadSanitizer: a separate build of just that test. RocksDB and
+  # libstdc++ are not instrumented, so races are reported only from kvcomp's own code.
+  echo "== storage concurrency tests (ThreadSanitizer) =="
+  cmake -S . -B build-tsan-storage -G Ninja -DKVCOMP_SANITIZE=thread -DKVCOMP_CUDA=OFF \
+    -DKVCOMP_PYTHON=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build build-tsan-storage -j "$JOBS" --target storage_concurrency_test
+  TSAN_OPTIONS="halt_on_error=1 ignore_noninstrumented_modules=1" \
+    build-tsan-storage/tests/storage/storage_concurrency_test
+fi
+
 if [ -x scripts/run_sanitizers.sh ]; then
   echo "== sanitizer and fuzz tests =="
   bash scripts/run_sanitizers.sh
