@@ -206,6 +206,11 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(DoubleField("data_plane.put_timeout_seconds", "seconds", 0.1, 86400,
                           "A put with no traffic for this long is aborted. Default 60.",
                           [](Options& o) -> auto& { return o.data_plane.put_timeout_seconds; }));
+  f.push_back(BytesField(
+      "data_plane.max_buffered_bytes",
+      "Received block bytes held by all open puts before compression; beyond it blocks get "
+      "busy. Default 4Gi.",
+      [](Options& o) -> auto& { return o.data_plane.max_buffered_bytes; }));
   f.push_back(IntField("data_plane.max_open_puts", 1, 1 << 20,
                        "Puts receiving blocks at once; beyond it put-begin gets busy. Default 256.",
                        [](Options& o) -> auto& { return o.data_plane.max_open_puts; }));
@@ -395,6 +400,11 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(EnumField("process.log_level", {"debug", "info", "warning", "error"},
                         "Log verbosity. Default info.",
                         [](Options& o) -> auto& { return o.process.log_level; }));
+  f.push_back(StringField(
+      "process.ready_file",
+      "Written when ready: YAML with data_port, control_port, metrics_port and pid (for "
+      "port 0 users). Default empty.",
+      [](Options& o) -> auto& { return o.process.ready_file; }));
   return f;
 }
 

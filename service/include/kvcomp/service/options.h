@@ -29,6 +29,9 @@ struct DataPlaneOptions {
   uint64_t max_inflight_bytes_per_connection = uint64_t{4} << 30;
   // A put with no block for this long is aborted and its blocks dropped, seconds. Default 60.
   double put_timeout_seconds = 60;
+  // Received block bytes held by all open puts (not yet compressed); beyond it a block gets
+  // busy. Default 4 GiB.
+  uint64_t max_buffered_bytes = uint64_t{4} << 30;
   // Puts being received at once (all connections); beyond it a put-begin gets busy. 256.
   uint32_t max_open_puts = 256;
   // UCX transports for this daemon's context (UCX_TLS syntax, e.g. "tcp" or "posix,tcp"; UCX
@@ -101,6 +104,9 @@ struct ProcessOptions {
   // On SIGTERM: seconds to finish in-flight puts and gets before flushing and exiting. 30
   double shutdown_grace_seconds = 30;
   std::string log_level = "info";  // debug, info, warning or error
+  // When set, written once the daemon is ready: a YAML map of the bound ports (data_port,
+  // control_port, metrics_port) and the pid, for scripts and tests using port 0. Default "".
+  std::string ready_file;
 };
 
 struct Options {

@@ -1,0 +1,106 @@
+// kvcompd's Prometheus metrics (names in kvcomp/service/metric_names.h, meanings in
+// docs/metrics.md) and the HTTP endpoint that serves them with the Kubernetes probes:
+//   GET /metrics  Prometheus text format 0.0.4
+//   GET /healthz  200 "ok" while the process serves requests (liveness)
+//   GET /readyz   200 "ready" when it takes new work, else 503 with the reason (readiness)
+//
+// Thread-safe: every method of Metrics may be called from any thread.
+#ifndef KVCOMP_SERVICE_METRICS_H_
+#define KVCOMP_SERVICE_METRICS_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace prometheus {
+class Registry;
+}  // namespace prometheus
+
+namespace kvcomp {
+namespace service {
+
+enum class Op { kPut, kGet, kLookup, kDelete };
+enum class Stage { kReceive, kCompress, kStore, kServe };
+absl::string_view OpName(Op op);        // "put", "get", "lookup", "delete"
+absl::string_view StageName(Stage s);  // "receive", "compress", "store", "serve"
+// The {code} label of kvcomp_errors_total: "busy" for BusyError, else absl's code in snake
+// case ("invalid_argument", "not_found", ...).
+std::string ErrorCodeLabel(const absl::Status& status);
+
+// Current values of one tier, for the tier gauges (counters are set from running totals).
+struct TierSample {
+  std::string tier;  // "device", "host", "rocksdb"
+  uint64_t stored_bytes = 0;
+  uint64_t capacity_bytes = 0;
+  uint64_t entries = 0;
+  uint64_t demotions_total = 0;
+  uint64_t evictions_total = 0;
+};
+
+class Metrics {
+ public:
+  Metrics(const std::string& version, const std::string& backend);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  void AddReceivedBytes(uint64_t bytes);
+  // A cache was stored: counters of original, stored and saved bytes, the ratio histogram.
+  void AddStoredCache(uint64_t original_bytes, uint64_t stored_bytes);
+  void AddServedBytes(uint64_t bytes);
+  void ObserveOp(Op op, double seconds);
+  void ObserveStage(Stage stage, double seconds);
+  void CountError(absl::string_view op, const absl::Status& status);
+  void CountAuthFailure(absl::string_view plane);  // "data" or "control"
+  void AddGpuSeconds(double seconds);
+  void SetQueueDepth(int64_t depth);
+  void SetPutsInProgress(int64_t puts);
+  void SetReady(bool ready);
+  void SetTier(const TierSample& sample);
+  // Totals over the caches stored now (gauges kvcomp_caches_stored, kvcomp_original_bytes,
+  // kvcomp_saved_bytes).
+  void SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes);
+
+  // Runs `hook` (if set) and serialises the registry in the text format.
+  std::string Scrape();
+  // Called at the start of every Scrape (e.g. to refresh tier gauges from the store).
+  void SetScrapeHook(std::function<void()> hook);
+
+  prometheus::Registry& registry();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The HTTP server of /metrics, /healthz and /readyz (civetweb).
+class HttpEndpoint {
+ public:
+  struct Handlers {
+    std::function<std::string()> metrics;  // body of /metrics
+    std::function<bool()> live;
+    // Readiness and, when not ready, why (for the 503 body).
+    std::function<bool(std::string* reason)> ready;
+  };
+  // Listens on address:port (0 = ephemeral). Unavailable when the port cannot be bound.
+  static absl::StatusOr<std::unique_ptr<HttpEndpoint>> Start(const std::string& address,
+                                                             uint16_t port, Handlers handlers);
+  ~HttpEndpoint();
+  uint16_t port() const { return port_; }
+
+ private:
+  HttpEndpoint() = default;
+  struct Context;
+  std::unique_ptr<Context> ctx_;
+  uint16_t port_ = 0;
+};
+
+}  // namespace service
+}  // namespace kvcomp
+
+#endif  // KVCOMP_SERVICE_METRICS_H_

@@ -1,0 +1,416 @@
+#include "kvcomp/service/daemon.h"
+
+#include <sys/stat.h>
+#include <thrift/TOutput.h>
+#include <thrift/concurrency/ThreadFactory.h>
+#include <thrift/concurrency/ThreadManager.h>
+#include <thrift/protocol/TBinaryProtocol.h>
+#include <thrift/server/TNonblockingServer.h>
+#include <thrift/transport/TNonblockingSSLServerSocket.h>
+#include <thrift/transport/TNonblockingServerSocket.h>
+#include <thrift/transport/TSSLSocket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "handlers.h"
+#include "ingest.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/service/auth.h"
+#include "kvcomp/service/metrics.h"
+#include "kvcomp/service/policy_store.h"
+#include "kvcomp/storage/tiered_store.h"
+#include "kvcomp/transport/server.h"
+#include "log.h"
+
+namespace kvcomp {
+namespace service {
+
+const char* Version() { return "0.1.0"; }
+
+namespace {
+
+using apache::thrift::concurrency::ThreadFactory;
+using apache::thrift::concurrency::ThreadManager;
+using apache::thrift::protocol::TBinaryProtocolFactory;
+using apache::thrift::server::TNonblockingServer;
+using apache::thrift::server::TServerEventHandler;
+using apache::thrift::transport::TNonblockingServerSocket;
+using apache::thrift::transport::TNonblockingSSLServerSocket;
+using apache::thrift::transport::TSSLSocketFactory;
+
+absl::Status MakeDirs(const std::string& path) {
+  std::string partial;
+  for (size_t i = 0; i <= path.size(); ++i) {
+    if (i == path.size() || path[i] == '/') {
+      if (!partial.empty() && mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+        return absl::PermissionDeniedError(absl::StrCat("cannot create ", partial));
+      }
+    }
+    if (i < path.size()) partial += path[i];
+  }
+  return absl::OkStatus();
+}
+
+storage::TierKind TierOf(const std::string& name) {
+  if (name == "device") return storage::TierKind::kDevice;
+  if (name == "rocksdb") return storage::TierKind::kRocksDb;
+  return storage::TierKind::kHost;
+}
+
+storage::StoreOptions StoreOptionsOf(const Options& o) {
+  const StorageOptions& s = o.storage;
+  storage::StoreOptions so;
+  so.device.enabled = s.device_capacity_bytes > 0;
+  so.device.device = o.engine.cuda_device;
+  so.device.capacity_bytes = s.device_capacity_bytes;
+  so.host.enabled = s.host_capacity_bytes > 0;
+  so.host.capacity_bytes = s.host_capacity_bytes;
+  so.rocksdb.enabled = s.rocksdb_enabled;
+  so.rocksdb.path = s.data_dir + "/rocksdb";
+  so.rocksdb.capacity_bytes = s.rocksdb_capacity_bytes;
+  so.rocksdb.verify_checksums_on_open = s.verify_checksums_on_open;
+  so.default_tier = TierOf(s.put_tier);
+  so.high_watermark = s.high_watermark;
+  so.low_watermark = s.low_watermark;
+  so.promote_on_read = s.promote_on_read && so.host.enabled && s.put_tier != "rocksdb";
+  so.promote_to = storage::TierKind::kHost;
+  so.default_ttl = absl::Seconds(s.ttl_seconds);
+  so.default_tenant_quota_bytes = s.tenant_quota_bytes;
+  return so;
+}
+
+// Signals once the nonblocking server listens.
+class ServeEvents : public TServerEventHandler {
+ public:
+  void preServe() override { started.Notify(); }
+  absl::Notification started;
+};
+
+class DaemonImpl : public Daemon {
+ public:
+  ~DaemonImpl() override { (void)Shutdown(absl::ZeroDuration()); }
+
+  absl::Status Init(const Options& options);
+
+  uint16_t data_port() const override { return ctx_.data_port.load(); }
+  uint16_t control_port() const override { return control_port_; }
+  uint16_t metrics_port() const override { return ctx_.metrics_port.load(); }
+  std::string backend() const override { return pipeline_->backend_description(); }
+  bool ready() const override { return ctx_.ready.load(); }
+
+  void Drain() override {
+    if (ctx_.draining.exchange(true)) return;
+    Log(LogLevel::kInfo, "draining: no new puts or connections; finishing in-flight work");
+    ctx_.ready.store(false);
+    metrics_->SetReady(false);
+    if (pipeline_) pipeline_->Drain();
+    if (ucx_) ucx_->Drain();
+  }
+
+  absl::Status Shutdown(absl::Duration grace) override;
+
+  absl::Status ReloadTokens() override {
+    absl::Status s = tokens_->Reload();
+    if (s.ok()) {
+      Log(LogLevel::kInfo, "tokens reloaded: ", TenancyLine());
+    } else {
+      Log(LogLevel::kError, "token reload failed (previous tokens kept): ", s.ToString());
+    }
+    return s;
+  }
+
+  void Tick() override {
+    if (options_.auth.reload_interval_seconds <= 0) return;
+    absl::Time now = absl::Now();
+    if (now - last_token_check_ < absl::Seconds(options_.auth.reload_interval_seconds)) return;
+    last_token_check_ = now;
+    auto r = tokens_->MaybeReload();
+    if (!r.ok()) {
+      Log(LogLevel::kError, "token reload failed (previous tokens kept): ", r.status().ToString());
+    } else if (*r) {
+      Log(LogLevel::kInfo, "token file changed, reloaded: ", TenancyLine());
+    }
+  }
+
+ private:
+  std::string TenancyLine() const {
+    if (tokens_->open_mode()) {
+      return "OPEN single-tenant mode: no tokens configured, every request acts as tenant "
+             "'default' (set auth.token_file for multi-tenant use)";
+    }
+    return absl::StrCat("multi-tenant: ", tokens_->tenants().size(), " tenant(s) from ",
+                        tokens_->path());
+  }
+  absl::Status StartThrift();
+  void RefreshGauges();
+  absl::Status WriteReadyFile() const;
+
+  Options options_;
+  ServiceContext ctx_;
+  std::unique_ptr<TokenStore> tokens_;
+  std::unique_ptr<storage::TieredStore> store_;
+  std::unique_ptr<PolicyStore> policies_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<IngestPipeline> pipeline_;
+  std::unique_ptr<DataHandler> data_handler_;
+  std::unique_ptr<transport::UcxServer> ucx_;
+  std::shared_ptr<TNonblockingServer> thrift_;
+  std::shared_ptr<ThreadManager> thrift_workers_;
+  std::thread thrift_thread_;
+  uint16_t control_port_ = 0;
+  std::unique_ptr<HttpEndpoint> http_;
+  absl::Time last_token_check_ = absl::Now();
+  absl::Time last_totals_ = absl::InfinitePast();
+  bool shut_down_ = false;
+};
+
+void ThriftLog(const char* message) { Log(LogLevel::kDebug, "thrift: ", message); }
+
+absl::Status DaemonImpl::Init(const Options& options) {
+  options_ = options;
+  ctx_.options = options;
+  SetLogLevel(options.process.log_level);
+  apache::thrift::GlobalOutput.setOutputFunction(ThriftLog);
+  KVCOMP_RETURN_IF_ERROR(MakeDirs(options.storage.data_dir));
+
+  KVCOMP_ASSIGN_OR_RETURN(tokens_, TokenStore::Open(options.auth.token_file));
+  Log(LogLevel::kInfo, TenancyLine());
+
+  auto store = storage::TieredStore::Open(StoreOptionsOf(options));
+  if (!store.ok()) return Annotate(store.status(), "storage");
+  store_ = std::move(*store);
+  storage::StoreStats st = store_->Stats();
+  Log(LogLevel::kInfo, "storage open under ", options.storage.data_dir, ": ", st.recovered,
+      " cache(s) recovered, ", st.quarantined, " quarantined; durability ",
+      options.storage.durability);
+
+  KVCOMP_ASSIGN_OR_RETURN(
+      policies_, PolicyStore::Open(options.storage.data_dir + "/policies.yaml",
+                                   options.default_policy));
+
+  IngestOptions io;
+  io.max_put_bytes = options.data_plane.max_put_bytes;
+  io.max_buffered_bytes = options.data_plane.max_buffered_bytes;
+  io.max_open_puts = options.data_plane.max_open_puts;
+  io.workers = options.engine.workers;
+  io.queue_capacity = options.engine.queue_capacity;
+  io.backend = options.engine.backend;
+  io.cuda_device = options.engine.cuda_device;
+  io.cpu_threads = options.engine.cpu_threads;
+  io.durability = options.storage.durability == "disk" ? storage::Durability::kDisk
+                                                       : storage::Durability::kMemory;
+  io.put_tier = static_cast<int>(TierOf(options.storage.put_tier));
+  const bool cuda = io.backend == "cuda" || (io.backend == "auto" && CudaAvailable());
+  metrics_ = std::make_unique<Metrics>(Version(), cuda ? "cuda" : "cpu");
+  auto pipeline = IngestPipeline::Create(io, store_.get(), metrics_.get());
+  if (!pipeline.ok()) return Annotate(pipeline.status(), "engine");
+  pipeline_ = std::move(*pipeline);
+  Log(LogLevel::kInfo, "engine: ", pipeline_->backend_description(), ", ",
+      options.engine.workers, " worker(s), queue ", options.engine.queue_capacity);
+
+  ctx_.tokens = tokens_.get();
+  ctx_.store = store_.get();
+  ctx_.policies = policies_.get();
+  ctx_.pipeline = pipeline_.get();
+  ctx_.metrics = metrics_.get();
+  metrics_->SetScrapeHook([this] { RefreshGauges(); });
+
+  data_handler_ = std::make_unique<DataHandler>(&ctx_);
+  transport::ServerOptions so;
+  so.listen_address = options.data_plane.address;
+  so.port = options.data_plane.port;
+  so.max_payload_bytes = options.data_plane.max_block_bytes;
+  so.max_inflight_bytes =
+      std::max(options.data_plane.max_inflight_bytes_per_connection,
+               options.data_plane.max_block_bytes);
+  so.put_timeout = absl::Seconds(options.data_plane.put_timeout_seconds);
+  so.server_name = absl::StrCat("kvcompd ", Version());
+  if (!options.data_plane.ucx_tls.empty()) so.ucx.overrides["TLS"] = options.data_plane.ucx_tls;
+  if (!options.data_plane.ucx_net_devices.empty()) {
+    so.ucx.overrides["NET_DEVICES"] = options.data_plane.ucx_net_devices;
+  }
+  auto ucx = transport::UcxServer::Start(so, data_handler_.get());
+  if (!ucx.ok()) return Annotate(ucx.status(), "data plane (UCX)");
+  ucx_ = std::move(*ucx);
+  ctx_.data_port.store(ucx_->port());
+
+  KVCOMP_RETURN_IF_ERROR(Annotate(StartThrift(), "control plane (Thrift)"));
+
+  if (options.metrics.enabled) {
+    HttpEndpoint::Handlers h;
+    h.metrics = [this] { return metrics_->Scrape(); };
+    h.live = [] { return true; };
+    h.ready = [this](std::string* reason) {
+      if (ctx_.draining.load()) {
+        *reason = "draining";
+        return false;
+      }
+      if (!ctx_.ready.load()) {
+        *reason = "starting";
+        return false;
+      }
+      return true;
+    };
+    auto http = HttpEndpoint::Start(options.metrics.address, options.metrics.port, std::move(h));
+    if (!http.ok()) return Annotate(http.status(), "metrics");
+    http_ = std::move(*http);
+    ctx_.metrics_port.store(http_->port());
+  }
+  ctx_.ready.store(true);
+  metrics_->SetReady(true);
+  Log(LogLevel::kInfo, "listening: data ", options.data_plane.address, ":", data_port(),
+      " control ", options.control_plane.address, ":", control_port_, " metrics ",
+      options.metrics.address, ":", metrics_port(), " (ready)");
+  return WriteReadyFile();
+}
+
+absl::Status DaemonImpl::StartThrift() {
+  const ControlPlaneOptions& c = options_.control_plane;
+  auto handler = std::make_shared<ControlHandler>(&ctx_);
+  auto processor = std::make_shared<rpc::KvcompControlProcessor>(handler);
+  std::shared_ptr<TNonblockingServerSocket> socket;
+  try {
+    if (c.tls) {
+      auto factory = std::make_shared<TSSLSocketFactory>();
+      factory->loadCertificate(c.tls_cert_file.c_str());
+      factory->loadPrivateKey(c.tls_key_file.c_str());
+      if (!c.tls_ca_file.empty()) {
+        factory->loadTrustedCertificates(c.tls_ca_file.c_str());
+        factory->authenticate(true);
+      } else {
+        factory->authenticate(false);
+      }
+      socket = std::make_shared<TNonblockingSSLServerSocket>(c.address, c.port, factory);
+    } else {
+      socket = std::make_shared<TNonblockingServerSocket>(c.address, c.port);
+    }
+    thrift_workers_ = ThreadManager::newSimpleThreadManager(c.worker_threads);
+    thrift_workers_->threadFactory(std::make_shared<ThreadFactory>());
+    thrift_workers_->start();
+    thrift_ = std::make_shared<TNonblockingServer>(
+        processor, std::make_shared<TBinaryProtocolFactory>(), socket, thrift_workers_);
+    thrift_->setNumIOThreads(static_cast<size_t>(c.io_threads));
+    auto events = std::make_shared<ServeEvents>();
+    thrift_->setServerEventHandler(events);
+    auto failure = std::make_shared<std::string>();
+    thrift_thread_ = std::thread([server = thrift_, events, failure] {
+      try {
+        server->serve();
+      } catch (const std::exception& e) {
+        *failure = e.what();
+        if (!events->started.HasBeenNotified()) events->started.Notify();
+      }
+    });
+    if (!events->started.WaitForNotificationWithTimeout(absl::Seconds(10))) {
+      return absl::DeadlineExceededError("Thrift server did not start");
+    }
+    if (!failure->empty()) {
+      thrift_thread_.join();
+      thrift_.reset();
+      return absl::UnavailableError(absl::StrCat("cannot serve on ", c.address, ":", c.port, ": ",
+                                                 *failure));
+    }
+    control_port_ = static_cast<uint16_t>(socket->getListenPort());
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(e.what());
+  }
+  return absl::OkStatus();
+}
+
+void DaemonImpl::RefreshGauges() {
+  storage::StoreStats st = store_->Stats();
+  for (int i = 0; i < storage::kNumTiers; ++i) {
+    const storage::TierStats& t = st.tiers[i];
+    if (!t.present) continue;
+    TierSample s;
+    s.tier = storage::TierName(static_cast<storage::TierKind>(i));
+    s.stored_bytes = t.bytes;
+    s.capacity_bytes = t.capacity;
+    s.entries = t.entries;
+    s.demotions_total = t.demotions;
+    s.evictions_total = t.evictions;
+    metrics_->SetTier(s);
+  }
+  metrics_->SetQueueDepth(static_cast<int64_t>(pipeline_->queue_depth()));
+  metrics_->SetPutsInProgress(static_cast<int64_t>(pipeline_->open_puts()));
+  // Totals over the stored caches of every known tenant (listing is O(caches); at most once a
+  // second).
+  absl::Time now = absl::Now();
+  if (now - last_totals_ < absl::Seconds(1)) return;
+  last_totals_ = now;
+  uint64_t caches = 0, original = 0, stored = 0;
+  for (const std::string& tenant : tokens_->tenants()) {
+    auto listed = store_->List(tenant);
+    if (!listed.ok()) continue;
+    for (const auto& c : *listed) {
+      ++caches;
+      original += c.info.meta.original_bytes;
+      stored += c.info.meta.stored_bytes;
+    }
+  }
+  metrics_->SetStoredTotals(caches, original, stored);
+}
+
+absl::Status DaemonImpl::WriteReadyFile() const {
+  const std::string& path = options_.process.ready_file;
+  if (path.empty()) return absl::OkStatus();
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << "data_port: " << data_port() << "\ncontrol_port: " << control_port_
+      << "\nmetrics_port: " << metrics_port() << "\npid: " << getpid() << "\n";
+    if (!f) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
+  if (shut_down_) return absl::OkStatus();
+  shut_down_ = true;
+  if (metrics_ != nullptr) Drain();
+  absl::Status result;
+  absl::Time deadline = absl::Now() + grace;
+  if (ucx_) {
+    absl::Status s = ucx_->WaitIdle(grace);
+    if (!s.ok()) result = s;
+  }
+  if (pipeline_ && !pipeline_->WaitIdle(std::max(deadline - absl::Now(), absl::ZeroDuration()))) {
+    result = absl::DeadlineExceededError("in-flight work did not finish within the grace period");
+  }
+  if (ucx_) ucx_->Stop();
+  if (thrift_) {
+    thrift_->stop();
+    if (thrift_thread_.joinable()) thrift_thread_.join();
+    thrift_.reset();
+  }
+  if (thrift_workers_) thrift_workers_->stop();
+  if (pipeline_) pipeline_->Shutdown();
+  ucx_.reset();
+  pipeline_.reset();
+  store_.reset();  // closes RocksDB (memtables flushed, WAL synced)
+  http_.reset();
+  if (!options_.process.ready_file.empty()) std::remove(options_.process.ready_file.c_str());
+  Log(LogLevel::kInfo, "stopped", result.ok() ? "" : absl::StrCat(" (", result.ToString(), ")"));
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Options& options) {
+  auto d = std::make_unique<DaemonImpl>();
+  KVCOMP_RETURN_IF_ERROR(d->Init(options));
+  return std::unique_ptr<Daemon>(std::move(d));
+}
+
+}  // namespace service
+}  // namespace kvcomp

@@ -1,0 +1,397 @@
+#include "handlers.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/service/config.h"
+#include "kvcomp/service/daemon.h"
+#include "log.h"
+
+namespace kvcomp {
+namespace service {
+
+namespace wire = transport::wire;
+
+// ---------------------------------------------------------------------------------------------
+// Data plane
+
+absl::StatusOr<std::string> DataHandler::OnHello(const transport::Session& session,
+                                                 const wire::Hello& hello) {
+  auto tenant = ctx_->tokens->Authenticate(hello.tenant, hello.token);
+  if (!tenant.ok()) {
+    ctx_->metrics->CountAuthFailure("data");
+    Log(LogLevel::kWarning, "data plane: refused hello from ", session.peer, " (tenant '",
+        hello.tenant, "')");
+  }
+  return tenant;
+}
+
+absl::Status DataHandler::OnPutBegin(const transport::PutContext& put) {
+  const wire::PutBegin& b = *put.begin;
+  PutSpec spec;
+  spec.key = CacheKey{put.session.tenant, b.model_id, b.key};
+  spec.layout = b.layout;
+  spec.num_tokens = b.num_tokens;
+  spec.policy = b.has_policy ? b.policy : ctx_->policies->Resolve(put.session.tenant,
+                                                                  b.model_id).first;
+  spec.block_wise = b.block_wise;
+  absl::Status s = ctx_->pipeline->BeginPut({put.session.connection_id, put.put_id},
+                                            std::move(spec));
+  if (!s.ok()) {
+    ctx_->metrics->CountError("put", s);
+    ctx_->errors_total.fetch_add(1);
+  }
+  return s;
+}
+
+void DataHandler::OnBlock(const transport::PutContext& put, const wire::Block& block,
+                          transport::Buffer payload, transport::Done done) {
+  ServiceContext* ctx = ctx_;
+  ctx_->pipeline->AddBlock({put.session.connection_id, put.put_id}, block, std::move(payload),
+                           [ctx, done = std::move(done)](absl::Status s) mutable {
+                             if (!s.ok()) {
+                               ctx->metrics->CountError("put", s);
+                               ctx->errors_total.fetch_add(1);
+                             }
+                             done(std::move(s));
+                           });
+}
+
+void DataHandler::OnPutCommit(const transport::PutContext& put, transport::CommitDone done) {
+  ServiceContext* ctx = ctx_;
+  ctx_->pipeline->Commit({put.session.connection_id, put.put_id},
+                         [ctx, done = std::move(done)](
+                             absl::StatusOr<wire::CacheSummary> r) mutable {
+                           if (r.ok()) {
+                             ctx->puts_total.fetch_add(1);
+                           } else {
+                             ctx->errors_total.fetch_add(1);
+                           }
+                           done(std::move(r));
+                         });
+}
+
+void DataHandler::OnPutAbort(const transport::PutContext& put, const absl::Status& reason) {
+  Log(LogLevel::kDebug, "put ", put.put_id, " of ", put.session.peer,
+      " aborted: ", reason.ToString());
+  ctx_->pipeline->Abort({put.session.connection_id, put.put_id});
+}
+
+namespace {
+
+// A key of the session's tenant, or InvalidArgument.
+absl::StatusOr<CacheKey> TenantKey(const transport::Session& session, const std::string& model,
+                                   const std::string& key) {
+  CacheKey k{session.tenant, model, key};
+  KVCOMP_RETURN_IF_ERROR(k.Validate());
+  return k;
+}
+
+}  // namespace
+
+void DataHandler::OnGet(const transport::Session& session, const wire::Get& get,
+                        transport::GetDone done) {
+  ctx_->gets_total.fetch_add(1);
+  auto key = TenantKey(session, get.model_id, get.key);
+  if (!key.ok()) {
+    ctx_->metrics->CountError("get", key.status());
+    done(key.status());
+    return;
+  }
+  ctx_->pipeline->Get(*key, get.representation, std::move(done));
+}
+
+void DataHandler::OnLookup(const transport::Session& session, const wire::Lookup& lookup,
+                           transport::LookupDone done) {
+  auto key = TenantKey(session, lookup.model_id, lookup.key);
+  if (!key.ok()) {
+    ctx_->metrics->CountError("lookup", key.status());
+    done(key.status());
+    return;
+  }
+  ctx_->pipeline->Lookup(*key, std::move(done));
+}
+
+void DataHandler::OnDelete(const transport::Session& session, const wire::Delete& del,
+                           transport::Done done) {
+  auto key = TenantKey(session, del.model_id, del.key);
+  if (!key.ok()) {
+    ctx_->metrics->CountError("delete", key.status());
+    done(key.status());
+    return;
+  }
+  ctx_->pipeline->Delete(*key, std::move(done));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Control plane
+
+rpc::Status ToRpc(const absl::Status& status) {
+  rpc::Status out;
+  out.code = static_cast<rpc::StatusCode::type>(static_cast<int>(status.code()));
+  out.message = std::string(status.message());
+  return out;
+}
+
+rpc::Policy ToRpc(const CompressionPolicy& p) {
+  rpc::Policy r;
+  r.scorer = std::string(ScorerName(p.scorer));
+  r.ratio = p.ratio;
+  r.token_budget = p.token_budget;
+  r.head_budget = std::string(HeadBudgetName(p.head_budget));
+  r.alpha_safeguard = p.alpha_safeguard;
+  r.n_sink = p.n_sink;
+  r.n_recent = p.n_recent;
+  r.protect = p.protect;
+  r.window = p.window;
+  r.snapkv_window = p.snapkv_window;
+  r.snapkv_pool = p.snapkv_pool;
+  r.seed = static_cast<int64_t>(p.seed);
+  r.block_size = p.block_size;
+  r.moments = p.moments;
+  r.moment_aware = p.moment_aware;
+  r.key_codec = std::string(KeyCodecName(p.key_codec));
+  r.value_codec = std::string(ValueCodecName(p.value_codec));
+  r.rank = p.rank;
+  r.group_size = p.group_size;
+  r.gamma_aware = p.gamma_aware;
+  return r;
+}
+
+absl::StatusOr<CompressionPolicy> FromRpc(const rpc::Policy& r) {
+  // Through the configuration table, so ranges and names are checked exactly as in YAML.
+  Options o;
+  auto set = [&o](const char* field, const std::string& v) {
+    return SetOption(o, absl::StrCat("default_policy.", field), v);
+  };
+  auto num = [](double d) { return absl::StrFormat("%.17g", d); };
+  KVCOMP_RETURN_IF_ERROR(set("scorer", r.scorer));
+  KVCOMP_RETURN_IF_ERROR(set("ratio", num(r.ratio)));
+  KVCOMP_RETURN_IF_ERROR(set("token_budget", absl::StrCat(r.token_budget)));
+  KVCOMP_RETURN_IF_ERROR(set("head_budget", r.head_budget));
+  KVCOMP_RETURN_IF_ERROR(set("alpha_safeguard", num(r.alpha_safeguard)));
+  KVCOMP_RETURN_IF_ERROR(set("n_sink", absl::StrCat(r.n_sink)));
+  KVCOMP_RETURN_IF_ERROR(set("n_recent", absl::StrCat(r.n_recent)));
+  KVCOMP_RETURN_IF_ERROR(set("protect", r.protect ? "true" : "false"));
+  KVCOMP_RETURN_IF_ERROR(set("window", absl::StrCat(r.window)));
+  KVCOMP_RETURN_IF_ERROR(set("snapkv_window", absl::StrCat(r.snapkv_window)));
+  KVCOMP_RETURN_IF_ERROR(set("snapkv_pool", absl::StrCat(r.snapkv_pool)));
+  KVCOMP_RETURN_IF_ERROR(set("seed", absl::StrCat(r.seed)));
+  KVCOMP_RETURN_IF_ERROR(set("block_size", absl::StrCat(r.block_size)));
+  KVCOMP_RETURN_IF_ERROR(set("moments", r.moments ? "true" : "false"));
+  KVCOMP_RETURN_IF_ERROR(set("moment_aware", r.moment_aware ? "true" : "false"));
+  KVCOMP_RETURN_IF_ERROR(set("key_codec", r.key_codec));
+  KVCOMP_RETURN_IF_ERROR(set("value_codec", r.value_codec));
+  KVCOMP_RETURN_IF_ERROR(set("rank", absl::StrCat(r.rank)));
+  KVCOMP_RETURN_IF_ERROR(set("group_size", absl::StrCat(r.group_size)));
+  KVCOMP_RETURN_IF_ERROR(set("gamma_aware", r.gamma_aware ? "true" : "false"));
+  KVCOMP_RETURN_IF_ERROR(o.default_policy.Validate());
+  return o.default_policy;
+}
+
+absl::StatusOr<std::string> ControlHandler::Authenticate(const rpc::Auth& auth) {
+  auto tenant = ctx_->tokens->Authenticate(auth.tenant, auth.token);
+  if (!tenant.ok()) ctx_->metrics->CountAuthFailure("control");
+  return tenant;
+}
+
+#define KVCOMP_CONTROL_AUTH(tenant_var, out)              \
+  auto tenant_var##_or = Authenticate(auth);              \
+  if (!tenant_var##_or.ok()) {                            \
+    out.status = ToRpc(tenant_var##_or.status());         \
+    return;                                               \
+  }                                                       \
+  const std::string tenant_var = *tenant_var##_or
+
+void ControlHandler::Health(rpc::HealthResponse& out, const rpc::Auth& auth) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  out.live = true;
+  out.ready = ctx_->ready.load();
+  out.draining = ctx_->draining.load();
+  out.uptime_seconds = absl::ToDoubleSeconds(absl::Now() - ctx_->started);
+}
+
+void ControlHandler::Stats(rpc::StatsResponse& out, const rpc::Auth& auth) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  auto listed = ctx_->store->List(tenant);
+  if (!listed.ok()) {
+    out.status = ToRpc(listed.status());
+    return;
+  }
+  out.caches = static_cast<int64_t>(listed->size());
+  for (const auto& c : *listed) {
+    out.original_bytes += static_cast<int64_t>(c.info.meta.original_bytes);
+    out.stored_bytes += static_cast<int64_t>(c.info.meta.stored_bytes);
+  }
+  storage::StoreStats st = ctx_->store->Stats();
+  for (int i = 0; i < storage::kNumTiers; ++i) {
+    const storage::TierStats& t = st.tiers[i];
+    if (!t.present) continue;
+    rpc::TierStats r;
+    r.tier = storage::TierName(static_cast<storage::TierKind>(i));
+    r.entries = static_cast<int64_t>(t.entries);
+    r.stored_bytes = static_cast<int64_t>(t.bytes);
+    r.capacity_bytes = static_cast<int64_t>(t.capacity);
+    r.hits = static_cast<int64_t>(t.hits);
+    r.misses = static_cast<int64_t>(t.misses);
+    r.demotions = static_cast<int64_t>(t.demotions);
+    r.evictions = static_cast<int64_t>(t.evictions);
+    out.tiers.push_back(r);
+  }
+  out.queue_depth = static_cast<int64_t>(ctx_->pipeline->queue_depth());
+  out.puts_in_progress = static_cast<int64_t>(ctx_->pipeline->open_puts());
+  out.puts_total = static_cast<int64_t>(ctx_->puts_total.load());
+  out.gets_total = static_cast<int64_t>(ctx_->gets_total.load());
+  out.errors_total = static_cast<int64_t>(ctx_->errors_total.load());
+}
+
+void ControlHandler::Lookup(rpc::LookupResponse& out, const rpc::Auth& auth,
+                            const rpc::CacheRef& ref) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  absl::Time t0 = absl::Now();
+  CacheKey key{tenant, ref.model_id, ref.key};
+  absl::Status s = key.Validate();
+  absl::StatusOr<storage::LookupResult> where =
+      s.ok() ? ctx_->store->Lookup(key) : absl::StatusOr<storage::LookupResult>(s);
+  absl::StatusOr<storage::StoredCache> got =
+      where.ok() ? ctx_->store->Get(key) : absl::StatusOr<storage::StoredCache>(where.status());
+  absl::StatusOr<format::CacheInfo> info =
+      got.ok() ? format::PeekCache(got->payload.view())
+               : absl::StatusOr<format::CacheInfo>(got.status());
+  ctx_->metrics->ObserveOp(Op::kLookup, absl::ToDoubleSeconds(absl::Now() - t0));
+  if (!info.ok()) {
+    absl::Status e = absl::IsNotFound(info.status()) ? absl::NotFoundError("cache not found")
+                                                     : info.status();
+    ctx_->metrics->CountError("lookup", e);
+    out.status = ToRpc(e);
+    return;
+  }
+  out.tier = storage::TierName(where->tier);
+  out.original_bytes = static_cast<int64_t>(got->meta.original_bytes);
+  out.stored_bytes = static_cast<int64_t>(got->meta.stored_bytes);
+  out.original_tokens = static_cast<int64_t>(info->original_tokens);
+  out.kept_tokens = static_cast<int64_t>(info->total_kept);
+  out.layout.num_layers = static_cast<int32_t>(info->layout.num_layers);
+  out.layout.num_kv_heads = static_cast<int32_t>(info->layout.num_kv_heads);
+  out.layout.num_q_heads = static_cast<int32_t>(info->layout.num_q_heads);
+  out.layout.head_dim = static_cast<int32_t>(info->layout.head_dim);
+  out.layout.dtype = std::string(DTypeName(info->layout.dtype));
+  out.key_codec = std::string(KeyCodecName(info->key_codec));
+  out.value_codec = std::string(ValueCodecName(info->value_codec));
+}
+
+void ControlHandler::Delete(rpc::DeleteResponse& out, const rpc::Auth& auth,
+                            const rpc::CacheRef& ref) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  absl::Time t0 = absl::Now();
+  CacheKey key{tenant, ref.model_id, ref.key};
+  absl::Status s = key.Validate();
+  if (s.ok()) s = ctx_->store->Delete(key);
+  if (absl::IsNotFound(s)) s = absl::NotFoundError("cache not found");
+  ctx_->metrics->ObserveOp(Op::kDelete, absl::ToDoubleSeconds(absl::Now() - t0));
+  if (!s.ok()) ctx_->metrics->CountError("delete", s);
+  out.status = ToRpc(s);
+}
+
+void ControlHandler::List(rpc::ListResponse& out, const rpc::Auth& auth,
+                          const std::string& model_id, const std::string& cursor,
+                          int32_t limit) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  auto listed = ctx_->store->List(tenant);
+  if (!listed.ok()) {
+    out.status = ToRpc(listed.status());
+    return;
+  }
+  const size_t max = limit <= 0 ? 1000 : static_cast<size_t>(std::min(limit, 10000));
+  for (const auto& c : *listed) {
+    if (!model_id.empty() && c.key.model_id != model_id) continue;
+    std::string enc = c.key.Encode();
+    if (!cursor.empty() && enc <= cursor) continue;
+    if (out.caches.size() == max) {
+      out.next_cursor = out.caches.empty() ? std::string() : out.next_cursor;
+      break;
+    }
+    rpc::CacheRef r;
+    r.model_id = c.key.model_id;
+    r.key = c.key.key;
+    out.caches.push_back(r);
+    out.next_cursor = enc;
+  }
+  if (out.caches.size() < max) out.next_cursor.clear();
+}
+
+void ControlHandler::GetPolicy(rpc::PolicyResponse& out, const rpc::Auth& auth,
+                               const std::string& model_id) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  auto [policy, is_default] = ctx_->policies->Resolve(tenant, model_id);
+  out.policy = ToRpc(policy);
+  out.is_default = is_default;
+}
+
+void ControlHandler::SetPolicy(rpc::PolicyResponse& out, const rpc::Auth& auth,
+                               const std::string& model_id, const rpc::Policy& policy) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  if (model_id.size() > CacheKey::kMaxModelBytes) {
+    out.status = ToRpc(absl::InvalidArgumentError("model_id too long"));
+    return;
+  }
+  auto p = FromRpc(policy);
+  absl::Status s = p.ok() ? ctx_->policies->Set(tenant, model_id, *p) : p.status();
+  out.status = ToRpc(s);
+  if (s.ok()) {
+    out.policy = ToRpc(*p);
+    out.is_default = false;
+  }
+}
+
+void ControlHandler::Calibrate(rpc::CalibrateResponse& out, const rpc::Auth& auth,
+                               const rpc::CalibrateRequest& request) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  if (!ctx_->calibrate) {
+    out.status = ToRpc(absl::UnimplementedError(
+        "calibration is not available in this build (KVSplice calibration, issue 5)"));
+    return;
+  }
+  CalibrationRequest req;
+  req.tenant = tenant;
+  req.model_id = request.model_id;
+  req.value_codec = request.value_codec;
+  req.rank = static_cast<uint32_t>(std::max<int64_t>(0, request.rank));
+  req.error_budget = request.error_budget;
+  req.max_caches = static_cast<uint64_t>(std::max<int64_t>(0, request.max_caches));
+  auto r = ctx_->calibrate(req);
+  if (!r.ok()) {
+    out.status = ToRpc(r.status());
+    return;
+  }
+  out.projection_version = static_cast<int64_t>(r->projection_version);
+  out.rank = r->rank;
+  out.achieved_error = r->achieved_error;
+  out.caches_used = static_cast<int64_t>(r->caches_used);
+}
+
+void ControlHandler::ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& auth) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  const Options& o = ctx_->options;
+  out.version = Version();
+  out.control_protocol_version = rpc::g_kvcomp_constants.PROTOCOL_VERSION;
+  out.data_protocol_version = wire::kMajorVersion;
+  out.backend = ctx_->pipeline->backend_description();
+  out.multi_tenant = !ctx_->tokens->open_mode();
+  out.data_address = absl::StrCat(o.data_plane.address, ":", ctx_->data_port.load());
+  out.metrics_port = ctx_->metrics_port.load();
+  out.durability = o.storage.durability;
+  out.max_put_bytes = static_cast<int64_t>(o.data_plane.max_put_bytes);
+  out.max_block_bytes = static_cast<int64_t>(o.data_plane.max_block_bytes);
+  storage::StoreStats st = ctx_->store->Stats();
+  for (int i = 0; i < storage::kNumTiers; ++i) {
+    if (st.tiers[i].present) out.tiers.push_back(storage::TierName(static_cast<storage::TierKind>(i)));
+  }
+}
+
+}  // namespace service
+}  // namespace kvcomp

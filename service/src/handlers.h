@@ -1,0 +1,118 @@
+// The two request handlers of kvcompd: DataHandler serves the UCX data plane (the transport's
+// RequestHandler), ControlHandler the Thrift control plane. Both authenticate against the same
+// TokenStore and scope every key by the authenticated tenant.
+#ifndef KVCOMP_SERVICE_SRC_HANDLERS_H_
+#define KVCOMP_SERVICE_SRC_HANDLERS_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ingest.h"
+#include "kvcomp/rpc/KvcompControl.h"
+#include "kvcomp/rpc/kvcomp_constants.h"
+#include "kvcomp/service/auth.h"
+#include "kvcomp/service/metrics.h"
+#include "kvcomp/service/options.h"
+#include "kvcomp/service/policy_store.h"
+#include "kvcomp/storage/tiered_store.h"
+#include "kvcomp/transport/server.h"
+
+namespace kvcomp {
+namespace service {
+
+// Calibration request as the engine hook sees it (issue 5 provides the implementation).
+struct CalibrationRequest {
+  std::string tenant;
+  std::string model_id;
+  std::string value_codec;
+  uint32_t rank = 0;
+  double error_budget = 0;
+  uint64_t max_caches = 0;
+};
+struct CalibrationResult {
+  uint64_t projection_version = 0;
+  uint32_t rank = 0;
+  double achieved_error = 0;
+  uint64_t caches_used = 0;
+};
+using CalibrateHook =
+    std::function<absl::StatusOr<CalibrationResult>(const CalibrationRequest& request)>;
+
+// What both handlers share. Pointers are owned by the daemon and outlive the handlers.
+struct ServiceContext {
+  Options options;
+  TokenStore* tokens = nullptr;
+  storage::TieredStore* store = nullptr;
+  PolicyStore* policies = nullptr;
+  IngestPipeline* pipeline = nullptr;
+  Metrics* metrics = nullptr;
+  CalibrateHook calibrate;
+  absl::Time started = absl::Now();
+  std::atomic<bool> ready{false};
+  std::atomic<bool> draining{false};
+  std::atomic<uint16_t> data_port{0};
+  std::atomic<uint16_t> metrics_port{0};
+  std::atomic<uint64_t> puts_total{0};
+  std::atomic<uint64_t> gets_total{0};
+  std::atomic<uint64_t> errors_total{0};
+};
+
+class DataHandler : public transport::RequestHandler {
+ public:
+  explicit DataHandler(ServiceContext* ctx) : ctx_(ctx) {}
+
+  absl::StatusOr<std::string> OnHello(const transport::Session& session,
+                                      const transport::wire::Hello& hello) override;
+  absl::Status OnPutBegin(const transport::PutContext& put) override;
+  void OnBlock(const transport::PutContext& put, const transport::wire::Block& block,
+               transport::Buffer payload, transport::Done done) override;
+  void OnPutCommit(const transport::PutContext& put, transport::CommitDone done) override;
+  void OnPutAbort(const transport::PutContext& put, const absl::Status& reason) override;
+  void OnGet(const transport::Session& session, const transport::wire::Get& get,
+             transport::GetDone done) override;
+  void OnLookup(const transport::Session& session, const transport::wire::Lookup& lookup,
+                transport::LookupDone done) override;
+  void OnDelete(const transport::Session& session, const transport::wire::Delete& del,
+                transport::Done done) override;
+
+ private:
+  ServiceContext* const ctx_;
+};
+
+class ControlHandler : public rpc::KvcompControlIf {
+ public:
+  explicit ControlHandler(ServiceContext* ctx) : ctx_(ctx) {}
+
+  void Health(rpc::HealthResponse& out, const rpc::Auth& auth) override;
+  void Stats(rpc::StatsResponse& out, const rpc::Auth& auth) override;
+  void Lookup(rpc::LookupResponse& out, const rpc::Auth& auth, const rpc::CacheRef& ref) override;
+  void Delete(rpc::DeleteResponse& out, const rpc::Auth& auth, const rpc::CacheRef& ref) override;
+  void List(rpc::ListResponse& out, const rpc::Auth& auth, const std::string& model_id,
+            const std::string& cursor, int32_t limit) override;
+  void GetPolicy(rpc::PolicyResponse& out, const rpc::Auth& auth,
+                 const std::string& model_id) override;
+  void SetPolicy(rpc::PolicyResponse& out, const rpc::Auth& auth, const std::string& model_id,
+                 const rpc::Policy& policy) override;
+  void Calibrate(rpc::CalibrateResponse& out, const rpc::Auth& auth,
+                 const rpc::CalibrateRequest& request) override;
+  void ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& auth) override;
+
+ private:
+  // The caller's tenant, or the status to answer with (counted as an auth failure).
+  absl::StatusOr<std::string> Authenticate(const rpc::Auth& auth);
+  ServiceContext* const ctx_;
+};
+
+// Conversions between the IDL's types and kvcomp's (exposed for tests of the mapping).
+rpc::Status ToRpc(const absl::Status& status);
+rpc::Policy ToRpc(const CompressionPolicy& policy);
+absl::StatusOr<CompressionPolicy> FromRpc(const rpc::Policy& policy);
+
+}  // namespace service
+}  // namespace kvcomp
+
+#endif  // KVCOMP_SERVICE_SRC_HANDLERS_H_

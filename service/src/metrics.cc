@@ -1,0 +1,328 @@
+#include "kvcomp/service/metrics.h"
+
+#include <civetweb.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <cstring>
+#include <map>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/service/metric_names.h"
+
+namespace kvcomp {
+namespace service {
+namespace mn = metric_names;
+
+absl::string_view OpName(Op op) {
+  switch (op) {
+    case Op::kPut:
+      return "put";
+    case Op::kGet:
+      return "get";
+    case Op::kLookup:
+      return "lookup";
+    case Op::kDelete:
+      return "delete";
+  }
+  return "unknown";
+}
+
+absl::string_view StageName(Stage s) {
+  switch (s) {
+    case Stage::kReceive:
+      return "receive";
+    case Stage::kCompress:
+      return "compress";
+    case Stage::kStore:
+      return "store";
+    case Stage::kServe:
+      return "serve";
+  }
+  return "unknown";
+}
+
+std::string ErrorCodeLabel(const absl::Status& status) {
+  if (IsBusy(status)) return "busy";
+  return absl::AsciiStrToLower(absl::StatusCodeToString(status.code()));
+}
+
+namespace {
+
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+          0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
+}
+
+}  // namespace
+
+struct Metrics::Impl {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  prometheus::Counter* received;
+  prometheus::Counter* original_total;
+  prometheus::Counter* stored_total;
+  prometheus::Counter* saved_total;
+  prometheus::Counter* served_total;
+  prometheus::Gauge* saved;
+  prometheus::Gauge* original;
+  prometheus::Gauge* caches;
+  prometheus::Histogram* ratio;
+  prometheus::Family<prometheus::Histogram>* op_family;
+  prometheus::Family<prometheus::Histogram>* stage_family;
+  std::map<Op, prometheus::Histogram*> ops;
+  std::map<Stage, prometheus::Histogram*> stages;
+  prometheus::Gauge* queue_depth;
+  prometheus::Gauge* puts_in_progress;
+  prometheus::Family<prometheus::Counter>* errors;
+  prometheus::Family<prometheus::Counter>* auth_failures;
+  prometheus::Counter* gpu_seconds;
+  prometheus::Gauge* ready;
+  prometheus::Family<prometheus::Gauge>* tier_stored;
+  prometheus::Family<prometheus::Gauge>* tier_capacity;
+  prometheus::Family<prometheus::Gauge>* tier_entries;
+  prometheus::Family<prometheus::Counter>* tier_demotions;
+  prometheus::Family<prometheus::Counter>* tier_evictions;
+
+  absl::Mutex mu;
+  std::function<void()> scrape_hook ABSL_GUARDED_BY(mu);
+  absl::Mutex scrape_mu;  // one scrape at a time (the hook sets counters from deltas)
+};
+
+Metrics::Metrics(const std::string& version, const std::string& backend)
+    : impl_(std::make_unique<Impl>()) {
+  auto& r = *impl_->registry;
+  auto counter = [&r](const char* name, const char* help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(r).Add({});
+  };
+  auto gauge = [&r](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(r).Add({});
+  };
+  Impl& m = *impl_;
+  m.received = counter(mn::kReceivedBytesTotal, "Block payload bytes received (K and V).");
+  m.original_total =
+      counter(mn::kOriginalBytesTotal, "Uncompressed bytes (K and V) of every cache stored.");
+  m.stored_total = counter(mn::kStoredBytesTotal, "Compressed bytes written to the store.");
+  m.saved_total = counter(mn::kSavedBytesTotal, "Original minus stored bytes of every cache stored.");
+  m.served_total = counter(mn::kServedBytesTotal, "Cache bytes sent to clients by gets.");
+  m.saved = gauge(mn::kSavedBytes, "Original minus stored bytes of the caches stored now.");
+  m.original = gauge(mn::kOriginalBytes, "Uncompressed bytes of the caches stored now.");
+  m.caches = gauge(mn::kCachesStored, "Caches stored now.");
+  m.ratio = &prometheus::BuildHistogram()
+                 .Name(mn::kCompressionRatio)
+                 .Help("Original over stored bytes of each cache stored.")
+                 .Register(r)
+                 .Add({}, prometheus::Histogram::BucketBoundaries{1, 1.25, 1.5, 2, 2.5, 3, 4, 5,
+                                                                  6, 8, 10, 12, 16, 24, 32});
+  m.op_family = &prometheus::BuildHistogram()
+                     .Name(mn::kOperationDurationSeconds)
+                     .Help("Duration of a data-plane request in the daemon, by operation.")
+                     .Register(r);
+  for (Op op : {Op::kPut, Op::kGet, Op::kLookup, Op::kDelete}) {
+    m.ops[op] =
+        &m.op_family->Add({{mn::kLabelOp, std::string(OpName(op))}}, LatencyBuckets());
+  }
+  m.stage_family = &prometheus::BuildHistogram()
+                        .Name(mn::kStageDurationSeconds)
+                        .Help("Duration of one pipeline stage of one cache.")
+                        .Register(r);
+  for (Stage s : {Stage::kReceive, Stage::kCompress, Stage::kStore, Stage::kServe}) {
+    m.stages[s] =
+        &m.stage_family->Add({{mn::kLabelStage, std::string(StageName(s))}}, LatencyBuckets());
+  }
+  m.queue_depth = gauge(mn::kQueueDepth, "Committed puts waiting for or in compression.");
+  m.puts_in_progress = gauge(mn::kPutsInProgress, "Puts receiving blocks.");
+  m.errors = &prometheus::BuildCounter()
+                  .Name(mn::kErrorsTotal)
+                  .Help("Failed requests by operation and status code.")
+                  .Register(r);
+  m.auth_failures = &prometheus::BuildCounter()
+                         .Name(mn::kAuthFailuresTotal)
+                         .Help("Requests refused for missing or wrong credentials, by plane.")
+                         .Register(r);
+  m.auth_failures->Add({{mn::kLabelPlane, "data"}});
+  m.auth_failures->Add({{mn::kLabelPlane, "control"}});
+  m.gpu_seconds = counter(mn::kGpuSecondsTotal, "Seconds of GPU work (compression, decoding).");
+  m.ready = gauge(mn::kReady, "1 when the daemon takes new work, else 0.");
+  auto tier_gauge = [&r](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(r);
+  };
+  auto tier_counter = [&r](const char* name, const char* help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(r);
+  };
+  m.tier_stored = tier_gauge(mn::kTierStoredBytes, "Stored bytes held by each tier.");
+  m.tier_capacity = tier_gauge(mn::kTierCapacityBytes, "Configured capacity of each tier.");
+  m.tier_entries = tier_gauge(mn::kTierEntries, "Caches held by each tier.");
+  m.tier_demotions =
+      tier_counter(mn::kTierDemotionsTotal, "Caches moved from each tier to a slower one.");
+  m.tier_evictions =
+      tier_counter(mn::kTierEvictionsTotal, "Caches dropped for lack of room in each tier.");
+  prometheus::BuildGauge()
+      .Name(mn::kBuildInfo)
+      .Help("Always 1; labels say the version and the compression backend.")
+      .Register(r)
+      .Add({{mn::kLabelVersion, version}, {mn::kLabelBackend, backend}})
+      .Set(1);
+}
+
+Metrics::~Metrics() = default;
+
+prometheus::Registry& Metrics::registry() { return *impl_->registry; }
+
+void Metrics::AddReceivedBytes(uint64_t bytes) { impl_->received->Increment(bytes); }
+
+void Metrics::AddStoredCache(uint64_t original_bytes, uint64_t stored_bytes) {
+  impl_->original_total->Increment(original_bytes);
+  impl_->stored_total->Increment(stored_bytes);
+  if (original_bytes > stored_bytes) {
+    impl_->saved_total->Increment(original_bytes - stored_bytes);
+  }
+  if (stored_bytes > 0) {
+    impl_->ratio->Observe(static_cast<double>(original_bytes) / stored_bytes);
+  }
+}
+
+void Metrics::AddServedBytes(uint64_t bytes) { impl_->served_total->Increment(bytes); }
+void Metrics::ObserveOp(Op op, double seconds) { impl_->ops.at(op)->Observe(seconds); }
+void Metrics::ObserveStage(Stage stage, double seconds) {
+  impl_->stages.at(stage)->Observe(seconds);
+}
+
+void Metrics::CountError(absl::string_view op, const absl::Status& status) {
+  impl_->errors
+      ->Add({{metric_names::kLabelOp, std::string(op)},
+             {metric_names::kLabelCode, ErrorCodeLabel(status)}})
+      .Increment();
+}
+
+void Metrics::CountAuthFailure(absl::string_view plane) {
+  impl_->auth_failures->Add({{metric_names::kLabelPlane, std::string(plane)}}).Increment();
+}
+
+void Metrics::AddGpuSeconds(double seconds) { impl_->gpu_seconds->Increment(seconds); }
+void Metrics::SetQueueDepth(int64_t depth) { impl_->queue_depth->Set(depth); }
+void Metrics::SetPutsInProgress(int64_t puts) { impl_->puts_in_progress->Set(puts); }
+void Metrics::SetReady(bool ready) { impl_->ready->Set(ready ? 1 : 0); }
+
+void Metrics::SetTier(const TierSample& s) {
+  const prometheus::Labels labels{{metric_names::kLabelTier, s.tier}};
+  Impl& m = *impl_;
+  m.tier_stored->Add(labels).Set(static_cast<double>(s.stored_bytes));
+  m.tier_capacity->Add(labels).Set(static_cast<double>(s.capacity_bytes));
+  m.tier_entries->Add(labels).Set(static_cast<double>(s.entries));
+  auto advance = [](prometheus::Counter& c, uint64_t total) {
+    double now = c.Value();
+    if (static_cast<double>(total) > now) c.Increment(static_cast<double>(total) - now);
+  };
+  advance(m.tier_demotions->Add(labels), s.demotions_total);
+  advance(m.tier_evictions->Add(labels), s.evictions_total);
+}
+
+void Metrics::SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes) {
+  impl_->caches->Set(static_cast<double>(caches));
+  impl_->original->Set(static_cast<double>(original_bytes));
+  impl_->saved->Set(original_bytes > stored_bytes
+                        ? static_cast<double>(original_bytes - stored_bytes)
+                        : 0.0);
+}
+
+void Metrics::SetScrapeHook(std::function<void()> hook) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->scrape_hook = std::move(hook);
+}
+
+std::string Metrics::Scrape() {
+  absl::MutexLock scrape(&impl_->scrape_mu);
+  std::function<void()> hook;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    hook = impl_->scrape_hook;
+  }
+  if (hook) hook();
+  return prometheus::TextSerializer().Serialize(impl_->registry->Collect());
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct HttpEndpoint::Context {
+  Handlers handlers;
+  mg_context* ctx = nullptr;
+};
+
+namespace {
+
+void Reply(mg_connection* conn, int code, const char* reason, const char* content_type,
+           const std::string& body) {
+  mg_printf(conn,
+            "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+            "Connection: close\r\n\r\n",
+            code, reason, content_type, body.size());
+  mg_write(conn, body.data(), body.size());
+}
+
+int HandleMetrics(mg_connection* conn, void* data) {
+  auto* c = static_cast<HttpEndpoint::Handlers*>(data);
+  Reply(conn, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", c->metrics());
+  return 200;
+}
+
+int HandleHealth(mg_connection* conn, void* data) {
+  auto* c = static_cast<HttpEndpoint::Handlers*>(data);
+  if (c->live()) {
+    Reply(conn, 200, "OK", "text/plain", "ok\n");
+    return 200;
+  }
+  Reply(conn, 503, "Service Unavailable", "text/plain", "not live\n");
+  return 503;
+}
+
+int HandleReady(mg_connection* conn, void* data) {
+  auto* c = static_cast<HttpEndpoint::Handlers*>(data);
+  std::string reason;
+  if (c->ready(&reason)) {
+    Reply(conn, 200, "OK", "text/plain", "ready\n");
+    return 200;
+  }
+  Reply(conn, 503, "Service Unavailable", "text/plain", "not ready: " + reason + "\n");
+  return 503;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(const std::string& address,
+                                                                  uint16_t port,
+                                                                  Handlers handlers) {
+  std::unique_ptr<HttpEndpoint> ep(new HttpEndpoint());
+  ep->ctx_ = std::make_unique<Context>();
+  ep->ctx_->handlers = std::move(handlers);
+  std::string ports = absl::StrCat(address, ":", port);
+  const char* options[] = {"listening_ports", ports.c_str(), "num_threads", "4",
+                           "request_timeout_ms", "10000", nullptr};
+  mg_callbacks callbacks;
+  std::memset(&callbacks, 0, sizeof(callbacks));
+  ep->ctx_->ctx = mg_start(&callbacks, nullptr, options);
+  if (ep->ctx_->ctx == nullptr) {
+    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", ports));
+  }
+  void* h = &ep->ctx_->handlers;
+  mg_set_request_handler(ep->ctx_->ctx, "/metrics$", HandleMetrics, h);
+  mg_set_request_handler(ep->ctx_->ctx, "/healthz$", HandleHealth, h);
+  mg_set_request_handler(ep->ctx_->ctx, "/readyz$", HandleReady, h);
+  mg_server_port sp[4];
+  int n = mg_get_server_ports(ep->ctx_->ctx, 4, sp);
+  ep->port_ = n > 0 ? static_cast<uint16_t>(sp[0].port) : port;
+  return ep;
+}
+
+HttpEndpoint::~HttpEndpoint() {
+  if (ctx_ && ctx_->ctx != nullptr) mg_stop(ctx_->ctx);
+}
+
+}  // namespace service
+}  // namespace kvcomp
