@@ -1,0 +1,370 @@
+// Python bindings of Engine I: kvcomp.Policy, kvcomp.score, kvcomp.compress and
+// kvcomp.CompressedCache. Arrays come in as anything DLPack/NumPy-like, shaped
+// [kv_heads, tokens, head_dim] or [layers, kv_heads, tokens, head_dim], C-contiguous, f32/f16/bf16
+// (bf16 as a bfloat16 dtype, or a uint16 array with dtype="bf16"); CUDA arrays are read in place
+// by the CUDA backend. Outputs are NumPy arrays that own copies.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "bindings.h"
+#include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/policy.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/pipeline.h"
+
+namespace nb = nanobind;
+
+namespace kvcomp {
+namespace python {
+namespace {
+
+using AnyArray = nb::ndarray<nb::ro, nb::c_contig>;
+
+template <typename T>
+T Unwrap(absl::StatusOr<T> v) {
+  ThrowIfError(v.status());
+  return std::move(v).value();
+}
+
+// --- arrays in ---
+
+DType ArrayDType(const AnyArray& a, const std::string& hint) {
+  const auto dt = a.dtype();
+  using C = nb::dlpack::dtype_code;
+  if (dt.lanes != 1) throw nb::value_error("vector dtypes are not supported");
+  if (dt.code == static_cast<uint8_t>(C::Float) && dt.bits == 32) return DType::kF32;
+  if (dt.code == static_cast<uint8_t>(C::Float) && dt.bits == 16) return DType::kF16;
+  if (dt.code == static_cast<uint8_t>(C::Bfloat) && dt.bits == 16) return DType::kBF16;
+  if (dt.code == static_cast<uint8_t>(C::UInt) && dt.bits == 16 && hint == "bf16") {
+    return DType::kBF16;
+  }
+  throw nb::value_error(
+      "arrays must be float32, float16 or bfloat16 (bfloat16 may be a uint16 array with "
+      "dtype=\"bf16\")");
+}
+
+// Per-layer HeadsViews over a [H, T, D] or [L, H, T, D] array.
+struct LayerViews {
+  std::vector<HeadsView> layers;
+  uint32_t heads = 0;
+  uint64_t tokens = 0;
+  uint32_t head_dim = 0;
+  DType dtype = DType::kF32;
+};
+
+LayerViews ViewsOf(const AnyArray& a, const std::string& hint, const char* what) {
+  if (a.ndim() != 3 && a.ndim() != 4) {
+    throw nb::value_error(absl::StrFormat("%s must be [kv_heads, tokens, head_dim] or [layers, "
+                                          "kv_heads, tokens, head_dim], got %d dimensions",
+                                          what, a.ndim())
+                              .c_str());
+  }
+  LayerViews v;
+  v.dtype = ArrayDType(a, hint);
+  const size_t o = a.ndim() - 3;
+  const uint64_t layers = a.ndim() == 4 ? a.shape(0) : 1;
+  v.heads = static_cast<uint32_t>(a.shape(o));
+  v.tokens = a.shape(o + 1);
+  v.head_dim = static_cast<uint32_t>(a.shape(o + 2));
+  MemorySpace space;
+  if (a.device_type() == nb::device::cpu::value) {
+    space = MemorySpace::kHost;
+  } else if (a.device_type() == nb::device::cuda::value) {
+    space = MemorySpace::kDevice;
+  } else {
+    throw nb::value_error("arrays must live in CPU or CUDA memory");
+  }
+  const uint64_t layer_elems = uint64_t{v.heads} * v.tokens * v.head_dim;
+  const size_t eb = v.dtype == DType::kF32 ? 4 : 2;
+  for (uint64_t l = 0; l < layers; ++l) {
+    v.layers.push_back(HeadsView::Dense(static_cast<const char*>(a.data()) + l * layer_elems * eb,
+                                        v.dtype, v.heads, v.tokens, v.head_dim, space));
+  }
+  return v;
+}
+
+std::unique_ptr<Backend> BackendNamed(const std::string& name) { return Unwrap(MakeBackend(name)); }
+
+// --- arrays out ---
+
+template <typename T>
+nb::object NumpyOwning(std::vector<T>&& data, std::vector<size_t> shape, nb::dlpack::dtype dt) {
+  auto* heap = new std::vector<T>(std::move(data));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy>(heap->data(), shape.size(), shape.data(), owner, nullptr, dt)
+      .cast();
+}
+
+// A uint16 array of bf16 bits as ml_dtypes.bfloat16 when that package is there.
+nb::object MaybeBf16(nb::object arr) {
+  try {
+    nb::module_ ml = nb::module_::import_("ml_dtypes");
+    return arr.attr("view")(ml.attr("bfloat16"));
+  } catch (const nb::python_error&) {
+    return arr;
+  }
+}
+
+nb::object RowsOut(const CompressedCache& c, const std::vector<uint8_t>& bytes, uint32_t layer,
+                   uint32_t head, bool keys) {
+  if (layer >= c.layout.num_layers || head >= c.layout.num_kv_heads) {
+    throw nb::index_error(absl::StrFormat("(layer %u, head %u) outside %u layers x %u kv heads",
+                                          layer, head, c.layout.num_layers, c.layout.num_kv_heads)
+                              .c_str());
+  }
+  if ((keys && c.key_codec != KeyCodec::kRaw) || (!keys && c.value_codec != ValueCodec::kRaw)) {
+    throw nb::value_error("this cache's tokens are encoded; decode them with the codec API");
+  }
+  const uint32_t h = c.head_index(layer, head);
+  const uint64_t row = keys ? c.KeyTokenBytes() : c.ValueTokenBytes();
+  const uint64_t off = c.token_offset(h) * row;
+  const uint64_t n = c.kept[h];
+  const uint32_t d = c.layout.head_dim;
+  using C = nb::dlpack::dtype_code;
+  switch (c.layout.dtype) {
+    case DType::kF32: {
+      std::vector<float> out(n * d);
+      std::memcpy(out.data(), bytes.data() + off, n * row);
+      return NumpyOwning(std::move(out), {n, d}, nb::dtype<float>());
+    }
+    case DType::kF16: {
+      std::vector<uint16_t> out(n * d);
+      std::memcpy(out.data(), bytes.data() + off, n * row);
+      return NumpyOwning(std::move(out), {n, d},
+                         nb::dlpack::dtype{static_cast<uint8_t>(C::Float), 16, 1});
+    }
+    default: {
+      std::vector<uint16_t> out(n * d);
+      std::memcpy(out.data(), bytes.data() + off, n * row);
+      return MaybeBf16(NumpyOwning(std::move(out), {n, d}, nb::dtype<uint16_t>()));
+    }
+  }
+}
+
+// --- policy ---
+
+CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
+                             std::optional<uint32_t> budget, const std::string& head_budget,
+                             double alpha_safeguard, uint32_t n_sink, uint32_t n_recent,
+                             bool protect, uint32_t window, uint32_t snapkv_window,
+                             uint32_t snapkv_pool, uint64_t seed, uint32_t block_size, bool moments,
+                             bool moment_aware, const std::string& key_codec,
+                             const std::string& value_codec, uint32_t rank, uint32_t group_size,
+                             bool gamma_aware) {
+  CompressionPolicy p;
+  p.scorer = Unwrap(ParseScorer(scorer));
+  p.ratio = ratio;
+  p.token_budget = budget.value_or(0);
+  if (budget.has_value() && *budget == 0) {
+    throw nb::value_error("budget of zero tokens: nothing would be kept (None = use ratio)");
+  }
+  p.head_budget = Unwrap(ParseHeadBudget(head_budget));
+  p.alpha_safeguard = alpha_safeguard;
+  p.n_sink = n_sink;
+  p.n_recent = n_recent;
+  p.protect = protect;
+  p.window = window;
+  p.snapkv_window = snapkv_window;
+  p.snapkv_pool = snapkv_pool;
+  p.seed = seed;
+  p.block_size = block_size;
+  p.moments = moments;
+  p.moment_aware = moment_aware;
+  p.key_codec = Unwrap(ParseKeyCodec(key_codec));
+  p.value_codec = Unwrap(ParseValueCodec(value_codec));
+  p.rank = rank;
+  p.group_size = group_size;
+  p.gamma_aware = gamma_aware;
+  ThrowIfError(p.Validate());
+  return p;
+}
+
+// --- entry points ---
+
+nb::object Score(const AnyArray& keys, const CompressionPolicy& policy, const std::string& backend,
+                 const std::string& dtype, std::optional<AnyArray> queries) {
+  LayerViews k = ViewsOf(keys, dtype, "keys");
+  std::optional<LayerViews> q;
+  if (queries.has_value()) q = ViewsOf(*queries, dtype, "queries");
+  if (q && q->layers.size() != k.layers.size()) {
+    throw nb::value_error("queries and keys have different layer counts");
+  }
+  auto b = BackendNamed(backend);
+  std::vector<float> all;
+  {
+    nb::gil_scoped_release release;
+    for (uint32_t l = 0; l < k.layers.size(); ++l) {
+      auto s = ScoreLayer(*b, k.layers[l], policy, l, q ? q->layers[l] : HeadsView{});
+      if (!s.ok()) {
+        nb::gil_scoped_acquire acquire;
+        ThrowIfError(s.status());
+      }
+      all.insert(all.end(), s->begin(), s->end());
+    }
+  }
+  std::vector<size_t> shape = {k.heads, k.tokens};
+  if (keys.ndim() == 4) shape.insert(shape.begin(), k.layers.size());
+  return NumpyOwning(std::move(all), shape, nb::dtype<float>());
+}
+
+CompressedCache CompressArrays(const AnyArray& keys, const AnyArray& values,
+                               const CompressionPolicy& policy, const std::string& backend,
+                               const std::string& dtype, std::optional<AnyArray> queries,
+                               std::optional<uint32_t> num_q_heads) {
+  LayerViews k = ViewsOf(keys, dtype, "keys");
+  LayerViews v = ViewsOf(values, dtype, "values");
+  if (keys.ndim() != values.ndim()) throw nb::value_error("keys and values differ in rank");
+  KvCacheView c;
+  c.layout.num_layers = static_cast<uint32_t>(k.layers.size());
+  c.layout.num_kv_heads = k.heads;
+  c.layout.head_dim = k.head_dim;
+  c.layout.dtype = k.dtype;
+  c.num_tokens = k.tokens;
+  c.keys = k.layers;
+  c.values = v.layers;
+  if (queries.has_value()) {
+    LayerViews q = ViewsOf(*queries, dtype, "queries");
+    c.queries = q.layers;
+    c.layout.num_q_heads = q.heads;
+  } else {
+    c.layout.num_q_heads = num_q_heads.value_or(k.heads);
+  }
+  auto b = BackendNamed(backend);
+  absl::StatusOr<CompressedCache> out;
+  {
+    nb::gil_scoped_release release;
+    out = Compress(*b, c, policy);
+  }
+  return Unwrap(std::move(out));
+}
+
+}  // namespace
+
+void RegisterEngine(nb::module_& m) {
+  nb::class_<CompressionPolicy>(m, "Policy",
+                                "Compression policy (see kvcomp/core/policy.h for every field)")
+      .def(nb::new_(&MakePolicy), nb::arg("scorer") = "manifold", nb::arg("ratio") = 0.5,
+           nb::arg("budget") = nb::none(), nb::arg("head_budget") = "uniform",
+           nb::arg("alpha_safeguard") = 0.20, nb::arg("n_sink") = 4, nb::arg("n_recent") = 0,
+           nb::arg("protect") = true, nb::arg("window") = 4096, nb::arg("snapkv_window") = 64,
+           nb::arg("snapkv_pool") = 5, nb::arg("seed") = 0, nb::arg("block_size") = 0,
+           nb::arg("moments") = true, nb::arg("moment_aware") = false, nb::arg("key_codec") = "raw",
+           nb::arg("value_codec") = "none", nb::arg("rank") = 0, nb::arg("group_size") = 32,
+           nb::arg("gamma_aware") = true)
+      .def_prop_ro("scorer",
+                   [](const CompressionPolicy& p) { return std::string(ScorerName(p.scorer)); })
+      .def_prop_ro("ratio", [](const CompressionPolicy& p) { return p.ratio; })
+      .def_prop_ro("budget",
+                   [](const CompressionPolicy& p) -> std::optional<uint32_t> {
+                     if (p.token_budget == 0) return std::nullopt;
+                     return p.token_budget;
+                   })
+      .def_prop_ro(
+          "head_budget",
+          [](const CompressionPolicy& p) { return std::string(HeadBudgetName(p.head_budget)); })
+      .def_ro("alpha_safeguard", &CompressionPolicy::alpha_safeguard)
+      .def_ro("n_sink", &CompressionPolicy::n_sink)
+      .def_ro("n_recent", &CompressionPolicy::n_recent)
+      .def_ro("protect", &CompressionPolicy::protect)
+      .def_ro("window", &CompressionPolicy::window)
+      .def_ro("snapkv_window", &CompressionPolicy::snapkv_window)
+      .def_ro("snapkv_pool", &CompressionPolicy::snapkv_pool)
+      .def_ro("seed", &CompressionPolicy::seed)
+      .def_ro("block_size", &CompressionPolicy::block_size)
+      .def_ro("moments", &CompressionPolicy::moments)
+      .def_ro("moment_aware", &CompressionPolicy::moment_aware)
+      .def_prop_ro(
+          "key_codec",
+          [](const CompressionPolicy& p) { return std::string(KeyCodecName(p.key_codec)); })
+      .def_prop_ro(
+          "value_codec",
+          [](const CompressionPolicy& p) { return std::string(ValueCodecName(p.value_codec)); })
+      .def_ro("rank", &CompressionPolicy::rank)
+      .def_ro("group_size", &CompressionPolicy::group_size)
+      .def_ro("gamma_aware", &CompressionPolicy::gamma_aware)
+      .def("kept_per_head", &CompressionPolicy::KeptPerHead, nb::arg("num_tokens"),
+           "Tokens a head of num_tokens keeps (kvpress rounding, or the budget)")
+      .def("__eq__", [](const CompressionPolicy& a, const CompressionPolicy& b) { return a == b; })
+      .def("__repr__", &CompressionPolicy::DebugString);
+
+  nb::class_<CompressedCache>(m, "CompressedCache",
+                              "One sequence's compressed KV cache (ragged per (layer, kv head))")
+      .def(
+          "kept_positions",
+          [](const CompressedCache& c, uint32_t layer, uint32_t head) {
+            if (layer >= c.layout.num_layers || head >= c.layout.num_kv_heads) {
+              throw nb::index_error("(layer, head) out of range");
+            }
+            const uint32_t h = c.head_index(layer, head);
+            const uint64_t off = c.token_offset(h);
+            std::vector<uint32_t> p(c.positions.begin() + off,
+                                    c.positions.begin() + off + c.kept[h]);
+            const size_t n = p.size();
+            return NumpyOwning(std::move(p), {n}, nb::dtype<uint32_t>());
+          },
+          nb::arg("layer"), nb::arg("head"))
+      .def(
+          "keys",
+          [](const CompressedCache& c, uint32_t layer, uint32_t head) {
+            return RowsOut(c, c.keys, layer, head, true);
+          },
+          nb::arg("layer"), nb::arg("head"))
+      .def(
+          "values",
+          [](const CompressedCache& c, uint32_t layer, uint32_t head) {
+            return RowsOut(c, c.values, layer, head, false);
+          },
+          nb::arg("layer"), nb::arg("head"))
+      .def_prop_ro("kept", [](const CompressedCache& c) { return c.kept; })
+      .def_prop_ro(
+          "nbytes", [](const CompressedCache& c) { return Unwrap(format::EncodedSize(c)); },
+          "Bytes of the encoded cache (what it costs stored or sent)")
+      .def_prop_ro("original_nbytes", &CompressedCache::original_bytes,
+                   "Bytes of the uncompressed K and V")
+      .def_ro("original_tokens", &CompressedCache::original_tokens)
+      .def_ro("has_moments", &CompressedCache::has_moments)
+      .def_ro("policy", &CompressedCache::policy)
+      .def_prop_ro("num_layers", [](const CompressedCache& c) { return c.layout.num_layers; })
+      .def_prop_ro("num_kv_heads", [](const CompressedCache& c) { return c.layout.num_kv_heads; })
+      .def_prop_ro("num_q_heads", [](const CompressedCache& c) { return c.layout.num_q_heads; })
+      .def_prop_ro("head_dim", [](const CompressedCache& c) { return c.layout.head_dim; })
+      .def_prop_ro("dtype",
+                   [](const CompressedCache& c) { return std::string(DTypeName(c.layout.dtype)); })
+      .def("to_bytes",
+           [](const CompressedCache& c) {
+             std::string s = Unwrap(format::EncodeCache(c));
+             return nb::bytes(s.data(), s.size());
+           })
+      .def_static(
+          "from_bytes",
+          [](nb::bytes b) {
+            return Unwrap(format::ParseCache(absl::string_view(b.c_str(), b.size())));
+          },
+          nb::arg("data"))
+      .def("__eq__", [](const CompressedCache& a, const CompressedCache& b) { return a == b; })
+      .def("__repr__", &CompressedCache::DebugString);
+
+  m.def("_score", &Score, nb::arg("keys"), nb::arg("policy"), nb::arg("backend") = "cpu",
+        nb::arg("dtype") = "", nb::arg("queries") = nb::none());
+  m.def("_compress", &CompressArrays, nb::arg("keys"), nb::arg("values"), nb::arg("policy"),
+        nb::arg("backend") = "cpu", nb::arg("dtype") = "", nb::arg("queries") = nb::none(),
+        nb::arg("num_q_heads") = nb::none());
+  m.def("cuda_available", &CudaAvailable, "True when the CUDA backend can run here");
+  m.def(
+      "backend_description", [](const std::string& name) { return BackendNamed(name)->Describe(); },
+      nb::arg("backend") = "cpu");
+}
+
+}  // namespace python
+}  // namespace kvcomp

@@ -1,0 +1,43 @@
+// Shared pieces of kvcomp's Python bindings: one Register* function per concern (module.cc calls
+// them in order) and the mapping of absl statuses to Python exceptions.
+#ifndef KVCOMP_CLIENT_PYTHON_SRC_BINDINGS_H_
+#define KVCOMP_CLIENT_PYTHON_SRC_BINDINGS_H_
+
+#include <nanobind/nanobind.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace kvcomp {
+namespace python {
+
+// Engine I: Policy, score, compress, CompressedCache (bind_engine.cc, issue 3).
+void RegisterEngine(nanobind::module_& m);
+// Engine II: CompressedCache.moments, _attention (bind_moments.cc, issue 4).
+void RegisterMoments(nanobind::module_& m);
+
+// Raises the Python exception that matches `status` (ValueError for InvalidArgument,
+// OutOfRange and DataLoss, NotImplementedError for Unimplemented, RuntimeError otherwise); no-op
+// when OK.
+inline void ThrowIfError(const absl::Status& status) {
+  if (status.ok()) return;
+  const std::string msg = status.ToString();
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kDataLoss:  // malformed bytes handed in
+      throw nanobind::value_error(msg.c_str());
+    case absl::StatusCode::kUnimplemented:
+      PyErr_SetString(PyExc_NotImplementedError, msg.c_str());
+      throw nanobind::python_error();
+    default:
+      throw std::runtime_error(msg);
+  }
+}
+
+}  // namespace python
+}  // namespace kvcomp
+
+#endif  // KVCOMP_CLIENT_PYTHON_SRC_BINDINGS_H_
