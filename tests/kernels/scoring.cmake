@@ -6,3 +6,5 @@ kvcomp_cc_test(NAME kernels_scoring_conformance_test SRCS scoring_conformance_te
 kvcomp_cc_test(NAME kernels_pipeline_test SRCS pipeline_test.cc DEPS kvcomp::kernels)
 kvcomp_cc_test(NAME kernels_scoring_conformance_gpu_test SRCS scoring_conformance_gpu_test.cc
                DEPS kvcomp::kernels LABELS gpu)
+kvcomp_cc_test(NAME kernels_scoring_cuda_test SRCS scoring_cuda_test.cc DEPS kvcomp::kernels
+               LABELS gpu)

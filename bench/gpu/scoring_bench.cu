@@ -1,0 +1,177 @@
+// CUDA score + select + compact of one layer (8 kv heads, head_dim 128, bf16, ratio 0.5) for the
+// bandwidth-bound scorers, in GB/s over the minimal bytes (read K and V once, write the kept K
+// and V), next to a device-to-device copy of K and V measured in the same run.
+//   device: the kernels alone (cuda::EnqueueScoreSelectCompact, timed with events)
+//   op:     ScoringOps::ScoreSelectCompact, which also reads the data-error slots back (one
+//           host round trip per call)
+// Inputs are fresh random bf16 (never zeros); input sets rotate so L2 never holds the next input.
+#include <cuda_bf16.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_util.cuh"
+#include "cuda/cuda_ops.h"
+#include "cuda/scoring_cuda.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/scoring_ops.h"
+
+namespace kvcomp {
+namespace {
+
+__global__ void FillRandomBf16(__nv_bfloat16* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    const uint64_t x = SplitMix64(seed ^ i);
+    // Roughly normal-ish: sum of two uniforms in [-1, 1), scaled; a few large outliers.
+    const float u1 = static_cast<float>(x >> 40) / 16777216.0f;
+    const float u2 = static_cast<float>((x >> 16) & 0xFFFFFF) / 16777216.0f;
+    float v = (u1 + u2 - 1.0f) * 2.0f;
+    if ((x & 0xFF) == 0) v *= 8.0f;
+    p[i] = __float2bfloat16(v);
+  }
+}
+
+class BenchAllocator final : public Allocator {
+ public:
+  explicit BenchAllocator(cudaStream_t s) : stream_(s) {}
+  MemorySpace space() const override { return MemorySpace::kDevice; }
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    void* p = nullptr;
+    if (bytes == 0) return p;
+    if (cudaMallocAsync(&p, bytes, stream_) != cudaSuccess) {
+      return absl::ResourceExhaustedError("cudaMallocAsync");
+    }
+    return p;
+  }
+  void Deallocate(void* p, size_t) override {
+    if (p != nullptr) cudaFreeAsync(p, stream_);
+  }
+
+ private:
+  cudaStream_t stream_;
+};
+
+struct Set {
+  void* k = nullptr;
+  void* v = nullptr;
+};
+
+void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, double copy_gbps_ref) {
+  constexpr uint32_t kHeads = 8, kDim = 128;
+  const size_t elems = size_t{kHeads} * n * kDim;
+  const size_t bytes = elems * 2;
+  cudaDeviceProp prop;
+  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sets = std::max<int>(2, static_cast<int>(3ull * prop.l2CacheSize / (2 * bytes)) + 1);
+  std::vector<Set> in(sets);
+  for (int s = 0; s < sets; ++s) {
+    BENCH_CUDA_CHECK(cudaMalloc(&in[s].k, bytes));
+    BENCH_CUDA_CHECK(cudaMalloc(&in[s].v, bytes));
+    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].k), elems,
+                                                 1000 + 2 * s);
+    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].v), elems,
+                                                 1001 + 2 * s);
+  }
+  const uint64_t kept = static_cast<uint64_t>(static_cast<double>(n) * (1.0 - 0.5));
+  const uint64_t cap = KeptCapacity(kHeads, n, kept);
+  void *ko, *vo, *counts, *idx;
+  BENCH_CUDA_CHECK(cudaMalloc(&ko, cap * kDim * 2));
+  BENCH_CUDA_CHECK(cudaMalloc(&vo, cap * kDim * 2));
+  BENCH_CUDA_CHECK(cudaMalloc(&counts, kHeads * 4));
+  BENCH_CUDA_CHECK(cudaMalloc(&idx, cap * 4));
+  auto args = [&](int i) {
+    ScoreSelectCompactArgs a;
+    const Set& s = in[i % sets];
+    a.keys = HeadsView::Dense(s.k, DType::kBF16, kHeads, n, kDim, MemorySpace::kDevice);
+    a.values = HeadsView::Dense(s.v, DType::kBF16, kHeads, n, kDim, MemorySpace::kDevice);
+    a.score.scorer = scorer;
+    a.score.window = 4096;
+    a.select.kept_per_head = kept;
+    a.select.n_sink = 4;
+    a.kept = {static_cast<uint32_t*>(counts), static_cast<uint32_t*>(idx)};
+    a.keys_out = ko;
+    a.values_out = vo;
+    return a;
+  };
+  // The op once, for its status (and to check the data path end to end).
+  absl::Status st = backend.scoring().ScoreSelectCompact(args(0));
+  if (!st.ok()) {
+    std::printf("ERROR %s n=%llu: %s\n", std::string(ScorerName(scorer)).c_str(),
+                static_cast<unsigned long long>(n), st.ToString().c_str());
+    return;
+  }
+  std::vector<uint32_t> hc(kHeads);
+  BENCH_CUDA_CHECK(cudaMemcpy(hc.data(), counts, kHeads * 4, cudaMemcpyDeviceToHost));
+  for (uint32_t c : hc) {
+    if (c != kept) std::printf("ERROR kept %u != %llu\n", c, static_cast<unsigned long long>(kept));
+  }
+  const double dev_us = bench::MedianMicros(
+      [&](int i) {
+        absl::Status s = cuda::EnqueueScoreSelectCompact(&ctx, args(i));
+        if (!s.ok()) {
+          std::fprintf(stderr, "%s\n", s.ToString().c_str());
+          std::exit(1);
+        }
+      },
+      ctx.stream, 3, 21);
+  // The op (synchronous): host wall clock per call.
+  std::vector<double> op(11);
+  for (int i = 0; i < 13; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s = backend.scoring().ScoreSelectCompact(args(i));
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.ok()) std::exit(1);
+    if (i >= 2) op[i - 2] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+  }
+  std::sort(op.begin(), op.end());
+  double copy_us = 0;
+  const double copy_gbps = bench::CopyGBps(2 * bytes, ctx.stream, sets, &copy_us);
+  const double minimal = 2.0 * bytes + 2.0 * cap * kDim * 2;  // read K, V; write kept K, V
+  const double dev_gbps = minimal / (dev_us * 1e3);
+  const double op_gbps = minimal / (op[op.size() / 2] * 1e3);
+  std::printf(
+      "RESULT bench=ssc scorer=%s tokens=%llu dev_us=%.1f dev_GBps=%.0f op_us=%.1f op_GBps=%.0f "
+      "copy_GBps=%.0f dev/copy=%.0f%% op/copy=%.0f%%\n",
+      std::string(ScorerName(scorer)).c_str(), static_cast<unsigned long long>(n), dev_us,
+      dev_gbps, op[op.size() / 2], op_gbps, copy_gbps, 100.0 * dev_gbps / copy_gbps,
+      100.0 * op_gbps / copy_gbps);
+  (void)copy_gbps_ref;
+  for (auto& s : in) {
+    BENCH_CUDA_CHECK(cudaFree(s.k));
+    BENCH_CUDA_CHECK(cudaFree(s.v));
+  }
+  BENCH_CUDA_CHECK(cudaFree(ko));
+  BENCH_CUDA_CHECK(cudaFree(vo));
+  BENCH_CUDA_CHECK(cudaFree(counts));
+  BENCH_CUDA_CHECK(cudaFree(idx));
+}
+
+}  // namespace
+}  // namespace kvcomp
+
+int main(int argc, char** argv) {
+  using namespace kvcomp;
+  auto backend = MakeCudaBackend();
+  if (!backend.ok()) {
+    std::printf("no CUDA backend: %s\n", backend.status().ToString().c_str());
+    return 77;
+  }
+  std::printf("backend %s\n", (*backend)->Describe().c_str());
+  CudaContext ctx;
+  BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.stream, cudaStreamNonBlocking));
+  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&ctx.properties, 0));
+  BenchAllocator alloc(ctx.stream);
+  ctx.allocator = &alloc;
+  std::vector<uint64_t> sizes = {8192, 65536, 131072};
+  if (argc > 1) sizes = {std::stoull(argv[1])};
+  for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold,
+                   Scorer::kWindowedManifold}) {
+    for (uint64_t n : sizes) Run(**backend, ctx, s, n, 0.0);
+  }
+  BENCH_CUDA_CHECK(cudaStreamDestroy(ctx.stream));
+  return 0;
+}
