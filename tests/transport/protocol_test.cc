@@ -162,7 +162,8 @@ TEST(ProtocolTest, BlockFieldsThatDisagreeAreRefused) {
   b.key_bytes = b.value_bytes = 16;
   auto decode = [](const Block& m) {
     Block out;
-    absl::StatusOr<Frame> f = ParseFrame(Encode(1, m), m.payload_bytes());
+    const std::string bytes = Encode(1, m);
+    absl::StatusOr<Frame> f = ParseFrame(bytes, m.payload_bytes());
     if (!f.ok()) return f.status();
     return Decode(*f, &out);
   };

@@ -1,0 +1,238 @@
+// Ingest throughput of the data plane: a client pushes 1 MiB blocks (K then V, 512 KiB each)
+// through UcxClient to a UcxServer whose handler acknowledges each block at once, so the figure
+// is the transport's own (framing, checksums, rendezvous, acknowledgements). Run as two
+// processes, like ucx_perftest, by bench/transport/run.sh:
+//
+//   kvcomp_transport_bench server [--verify=1]         prints "PORT <n>", serves until killed
+//   kvcomp_transport_bench client <port> [--blocks=N] [--window=W] [--block_bytes=B]
+//                                                       prints "RESULT ... GBps=<x>"
+//
+// UCX_TLS etc. come from the environment.
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/synchronization/mutex.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/transport/client.h"
+#include "kvcomp/transport/server.h"
+
+namespace kvcomp {
+namespace transport {
+namespace {
+
+// Accepts everything; blocks are acknowledged as soon as they are received and verified.
+class SinkHandler : public RequestHandler {
+ public:
+  absl::StatusOr<std::string> OnHello(const Session&, const wire::Hello& h) override {
+    return h.tenant.empty() ? std::string("default") : h.tenant;
+  }
+  absl::Status OnPutBegin(const PutContext&) override { return absl::OkStatus(); }
+  void OnBlock(const PutContext&, const wire::Block&, Buffer payload, Done done) override {
+    done(absl::OkStatus());
+  }
+  void OnPutCommit(const PutContext& put, CommitDone done) override {
+    wire::CacheSummary s;
+    s.layout = put.begin->layout;
+    s.original_tokens = put.begin->num_tokens;
+    done(s);
+  }
+  void OnPutAbort(const PutContext&, const absl::Status&) override {}
+  void OnGet(const Session&, const wire::Get&, GetDone done) override {
+    done(absl::NotFoundError("sink"));
+  }
+  void OnLookup(const Session&, const wire::Lookup&, LookupDone done) override {
+    done(absl::NotFoundError("sink"));
+  }
+  void OnDelete(const Session&, const wire::Delete&, Done done) override {
+    done(absl::NotFoundError("sink"));
+  }
+};
+
+uint64_t Flag(int argc, char** argv, const char* name, uint64_t def) {
+  const std::string prefix = std::string("--") + name + "=";
+  for (int i = 0; i < argc; ++i) {
+    if (absl::StartsWith(argv[i], prefix)) {
+      uint64_t v;
+      if (absl::SimpleAtoi(argv[i] + prefix.size(), &v)) return v;
+    }
+  }
+  return def;
+}
+
+int Server(int argc, char** argv) {
+  ServerOptions o;
+  o.verify_checksums = Flag(argc, argv, "verify", 1) != 0;
+  o.put_timeout = absl::Minutes(5);
+  SinkHandler handler;
+  absl::StatusOr<std::unique_ptr<UcxServer>> server = UcxServer::Start(o, &handler);
+  if (!server.ok()) {
+    std::fprintf(stderr, "server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("PORT %u\n", (*server)->port());
+  std::fflush(stdout);
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  int sig = 0;
+  sigwait(&set, &sig);
+  (*server)->Stop();
+  return 0;
+}
+
+int Client(int argc, char** argv) {
+  if (argc < 3) return 2;
+  uint32_t port = 0;
+  if (!absl::SimpleAtoi(argv[2], &port)) return 2;
+  const uint64_t blocks = Flag(argc, argv, "blocks", 4096);
+  const uint64_t window = Flag(argc, argv, "window", 16);
+  const uint64_t warmup = Flag(argc, argv, "warmup", 128);
+  // Llama-3.1-8B-shaped: 32 layers, 8 kv heads, head_dim 128, bf16; a block is one layer x
+  // 256 tokens: 512 KiB of K and 512 KiB of V.
+  KvLayout layout{32, 8, 32, 128, DType::kBF16};
+  const uint64_t tokens_per_block = Flag(argc, argv, "block_bytes", 1 << 20) / 2 /
+                                    layout.LayerBytes(1);
+  const uint64_t blocks_per_layer = 32768 / tokens_per_block;
+  const uint64_t blocks_per_put = blocks_per_layer * layout.num_layers;
+  const uint64_t half = layout.LayerBytes(tokens_per_block);
+
+  ClientOptions co;
+  co.request_timeout = absl::Seconds(60);
+  absl::StatusOr<std::unique_ptr<UcxClient>> c =
+      UcxClient::Connect(Endpoint{"127.0.0.1", static_cast<uint16_t>(port)}, "bench", "", co);
+  if (!c.ok()) {
+    std::fprintf(stderr, "client: %s\n", c.status().ToString().c_str());
+    return 1;
+  }
+  UcxClient& client = **c;
+  // A few distinct source buffers, K and V adjacent (one contiguous 1 MiB payload).
+  std::vector<std::vector<uint8_t>> sources(4, std::vector<uint8_t>(2 * half));
+  for (size_t s = 0; s < sources.size(); ++s) {
+    for (size_t i = 0; i < sources[s].size(); ++i) sources[s][i] = static_cast<uint8_t>(i * 7 + s);
+  }
+
+  struct Window {
+    uint64_t inflight = 0;
+    uint64_t limit = 0;
+    absl::Status first;
+  } w;
+  w.limit = window;
+  absl::Mutex mu;
+  uint64_t put_id = 0, in_put = 0, sent_total = 0;
+  auto begin_put = [&]() -> bool {
+    wire::PutBegin b;
+    b.layout = layout;
+    b.num_tokens = 32768;
+    b.model_id = "bench/llama-3.1-8b";
+    b.key = "seq-" + std::to_string(sent_total);
+    absl::StatusOr<uint64_t> id = client.PutBegin(b);
+    if (!id.ok()) {
+      std::fprintf(stderr, "put-begin: %s\n", id.status().ToString().c_str());
+      return false;
+    }
+    put_id = *id;
+    in_put = 0;
+    return true;
+  };
+  auto drain = [&] {
+    absl::MutexLock l(&mu);
+    mu.Await(absl::Condition(+[](Window* x) { return x->inflight == 0; }, &w));
+  };
+  auto commit = [&]() -> bool {
+    drain();
+    absl::StatusOr<wire::CacheSummary> s = client.PutCommit(put_id, in_put);
+    if (!s.ok()) {
+      std::fprintf(stderr, "commit: %s\n", s.status().ToString().c_str());
+      return false;
+    }
+    return true;
+  };
+  auto run = [&](uint64_t n) -> bool {
+    for (uint64_t i = 0; i < n; ++i) {
+      if (in_put == blocks_per_put) {
+        if (!commit() || !begin_put()) return false;
+      }
+      const uint64_t k = in_put;
+      wire::Block b;
+      b.put_id = put_id;
+      b.layer_begin = static_cast<uint32_t>(k / blocks_per_layer);
+      b.layer_end = b.layer_begin + 1;
+      b.token_begin = (k % blocks_per_layer) * tokens_per_block;
+      b.token_end = b.token_begin + tokens_per_block;
+      b.key_bytes = b.value_bytes = half;
+      const uint8_t* src = sources[sent_total % sources.size()].data();
+      {
+        absl::MutexLock l(&mu);
+        mu.Await(absl::Condition(+[](Window* x) { return x->inflight < x->limit; }, &w));
+        if (!w.first.ok()) break;
+        ++w.inflight;
+      }
+      client.SendBlockAsync(b, src, src + half, [&](absl::Status s) {
+        absl::MutexLock l(&mu);
+        if (!s.ok() && w.first.ok()) w.first = s;
+        --w.inflight;
+      });
+      ++in_put;
+      ++sent_total;
+    }
+    drain();
+    if (!w.first.ok()) {
+      std::fprintf(stderr, "block: %s\n", w.first.ToString().c_str());
+      return false;
+    }
+    return true;
+  };
+  if (!begin_put() || !run(warmup)) return 1;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!run(blocks)) return 1;
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!commit()) return 1;
+  const double bytes = static_cast<double>(blocks) * 2 * half;
+  std::printf("RESULT blocks=%llu block_bytes=%llu window=%llu seconds=%.3f GBps=%.3f MBps=%.1f\n",
+              static_cast<unsigned long long>(blocks),
+              static_cast<unsigned long long>(2 * half),
+              static_cast<unsigned long long>(window), secs, bytes / secs / 1e9,
+              bytes / secs / 1e6);
+  return 0;
+}
+
+int CrcSpeed() {
+  std::vector<uint8_t> buf(1 << 20, 7);
+  const int n = 2000;
+  uint32_t acc = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) acc ^= Crc32c(buf.data(), buf.size());
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("RESULT crc32c_GBps=%.3f (checksum %08x)\n", n * 1048576.0 / secs / 1e9, acc);
+  return 0;
+}
+
+}  // namespace
+}  // namespace transport
+}  // namespace kvcomp
+
+int main(int argc, char** argv) {
+  if (argc >= 2 && std::strcmp(argv[1], "server") == 0) {
+    return kvcomp::transport::Server(argc, argv);
+  }
+  if (argc >= 2 && std::strcmp(argv[1], "client") == 0) {
+    return kvcomp::transport::Client(argc, argv);
+  }
+  if (argc >= 2 && std::strcmp(argv[1], "crc") == 0) return kvcomp::transport::CrcSpeed();
+  std::fprintf(stderr, "usage: %s server [--verify=0|1] | client <port> [--blocks=N] "
+                       "[--window=W] [--block_bytes=B] | crc\n", argv[0]);
+  return 2;
+}
