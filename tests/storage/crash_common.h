@@ -1,0 +1,43 @@
+// What the crash writer writes and the crash test checks: the store's options, and the key and
+// bytes of cache number `id` (a pure function of id, so the checker can rebuild them).
+#ifndef KVCOMP_TESTS_STORAGE_CRASH_COMMON_H_
+#define KVCOMP_TESTS_STORAGE_CRASH_COMMON_H_
+
+#include <cstdint>
+#include <string>
+
+#include "common/random_cache.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/storage/options.h"
+
+namespace kvcomp {
+namespace storage {
+namespace crash {
+
+inline StoreOptions Options(const std::string& path) {
+  StoreOptions o;
+  o.host.capacity_bytes = 4 << 20;  // small: some caches live only on disk
+  o.rocksdb.enabled = true;
+  o.rocksdb.path = path;
+  o.rocksdb.capacity_bytes = 1ull << 32;
+  o.rocksdb.write_buffer_bytes = 1 << 20;  // small memtables: flushes happen during the test
+  return o;
+}
+
+inline CacheKey Key(uint64_t id) {
+  return CacheKey{"t" + std::to_string(id % 3), "model", "cache-" + std::to_string(id)};
+}
+
+// Every seventh cache is large (hundreds of KiB, a blob file); the rest are a few KiB.
+inline std::string Bytes(uint64_t id) {
+  kvcomp::testing::RandomCacheOptions o;
+  o.original_tokens = id % 7 == 0 ? 600 : 20 + id % 50;
+  return *format::EncodeCache(kvcomp::testing::RandomCache(o, id));
+}
+
+}  // namespace crash
+}  // namespace storage
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TESTS_STORAGE_CRASH_COMMON_H_
