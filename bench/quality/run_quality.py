@@ -56,17 +56,18 @@ class KvcompEngine:
     name = "kvcomp"
 
     def __init__(self, backend: str = "cpu"):
-        import kvcomp  # noqa: F401
+        import kvcomp
+        if not hasattr(kvcomp, "attention"):
+            raise ImportError("this kvcomp build has no attention()")
         self.kv = kvcomp
         self.backend = backend
 
     def compress(self, keys, values, scorer, ratio, moment_aware, layer):
         hk = keys.shape[0]
-        policy = self.kv.CompressionPolicy(scorer=scorer, ratio=ratio, moments=True,
-                                           moment_aware=moment_aware, seed=layer)
-        cache = self.kv.compress(keys[None], values[None], policy, num_q_heads=hk * 2,
-                                 backend=self.backend)
-        return cache
+        policy = self.kv.Policy(scorer=scorer, ratio=ratio, moments=True,
+                                moment_aware=moment_aware, seed=layer)
+        return self.kv.compress(keys, values, policy, backend=self.backend,
+                                num_q_heads=hk * generator.GeneratorParams().q_per_kv)
 
     def attention(self, queries, keys, values, comp, correct):
         if comp is None:

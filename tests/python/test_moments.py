@@ -1,0 +1,115 @@
+"""kvcomp's MomentKV Python API (issue 4 item 5): CompressedCache.moments and kvcomp.attention,
+checked against the NumPy reference of bench/quality, plus a smoke run of the quality harness."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvcomp
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
+
+import generator  # noqa: E402
+import reference  # noqa: E402
+
+
+def _layer(tokens=1500, heads=2, seed=0):
+    p = generator.GeneratorParams(num_kv_heads=heads, head_dim=64, generic_queries=3)
+    return generator.generate_layer(p, tokens, seed)
+
+
+@pytest.mark.parametrize("scorer", ["knorm", "manifold", "streaming"])
+def test_moments_match_reference(scorer):
+    L = _layer()
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(scorer=scorer, ratio=0.6),
+                        num_q_heads=4)
+    ref = reference.compress_layer(L.keys, L.values, scorer, 0.6)
+    assert c.has_moments
+    for h in range(2):
+        assert np.array_equal(c.kept_positions(0, h), ref.kept[h])
+        n, ks, vs, s = c.moments(0, h)
+        m = ref.moments[h]
+        assert n == m.count == 1500 - c.kept[h]
+        assert ks.shape == (64,) and s.shape == (64, 64) and s.dtype == np.float32
+        np.testing.assert_allclose(ks, m.key_sum, rtol=1e-5, atol=1e-2)
+        np.testing.assert_allclose(vs, m.value_sum, rtol=1e-5, atol=1e-2)
+        np.testing.assert_allclose(s, m.vk_sum, rtol=1e-4, atol=1e-2)
+
+
+def test_moments_are_those_of_the_evicted_tokens():
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((1, 300, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 300, 64)).astype(np.float32)
+    c = kvcomp.compress(k, v, kvcomp.Policy(scorer="random", ratio=0.5))
+    kept = c.kept_positions(0, 0)
+    ev = np.setdiff1d(np.arange(300), kept)
+    n, ks, vs, s = c.moments(0, 0)
+    assert n == len(ev)
+    np.testing.assert_allclose(ks, k[0, ev].sum(0), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(s, v[0, ev].T.astype(np.float64) @ k[0, ev], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("correct", [True, False])
+def test_attention_matches_reference(correct):
+    L = _layer(seed=2)
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(scorer="keydiff", ratio=0.8),
+                        num_q_heads=4)
+    ref = reference.compress_layer(L.keys, L.values, "keydiff", 0.8)
+    out = kvcomp.attention(L.queries, c, 0, correct=correct)
+    assert out.shape == L.queries.shape and out.dtype == np.float32
+    want = reference.layer_attention(L.queries, L.keys, L.values, ref, correct)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
+def test_all_kept_is_exact_attention_and_correction_helps():
+    L = _layer(seed=3)
+    full = reference.layer_attention(L.queries, L.keys, L.values, None, False)
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(ratio=0.0), num_q_heads=4)
+    np.testing.assert_allclose(kvcomp.attention(L.queries, c, 0), full, rtol=1e-4, atol=1e-5)
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(scorer="manifold", ratio=0.7),
+                        num_q_heads=4)
+    err = {corr: np.linalg.norm(kvcomp.attention(L.queries, c, 0, correct=corr) - full)
+           for corr in (True, False)}
+    assert err[True] < err[False]
+
+
+def test_bad_input():
+    L = _layer(tokens=200)
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(ratio=0.5), num_q_heads=4)
+    with pytest.raises(IndexError):
+        c.moments(1, 0)
+    with pytest.raises(IndexError):
+        c.moments(0, 5)
+    with pytest.raises(ValueError):  # 3 query heads for a 4-q-head layout
+        kvcomp.attention(L.queries[:3], c, 0)
+    with pytest.raises(ValueError):  # wrong head_dim
+        kvcomp.attention(np.zeros((4, 1, 32), np.float32), c, 0)
+    with pytest.raises(IndexError):
+        kvcomp.attention(L.queries, c, 2)
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(ratio=0.5, moments=False), num_q_heads=4)
+    with pytest.raises(ValueError):
+        c.moments(0, 0)
+    # No summary: attention is plain attention over the kept tokens either way.
+    np.testing.assert_allclose(kvcomp.attention(L.queries, c, 0, correct=True),
+                               kvcomp.attention(L.queries, c, 0, correct=False))
+
+
+@pytest.mark.skipif(not kvcomp.cuda_available(), reason="no CUDA device")
+def test_cuda_attention_matches_cpu():
+    L = _layer(seed=4)
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(ratio=0.5), num_q_heads=4)
+    np.testing.assert_allclose(kvcomp.attention(L.queries, c, 0, backend="cuda"),
+                               kvcomp.attention(L.queries, c, 0), rtol=1e-4, atol=1e-4)
+
+
+def test_quality_harness_smoke():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "quality", "run_quality.py"),
+                        "--smoke", "--scorers", "knorm,manifold", "--engine", "kvcomp"],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "client", "python")))
+    assert r.returncode == 0, r.stderr
+    assert "engine: kvcomp" in r.stdout and "'needle_retention'" in r.stdout
