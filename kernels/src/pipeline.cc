@@ -9,6 +9,7 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/scoring_ops.h"
+#include "cpu/moments_aware.h"
 #include "pipeline_stages.h"
 
 namespace kvcomp {
@@ -180,8 +181,10 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
       args.keys_out = dev_k.data();
       args.values_out = dev_v.data();
     }
-    KVCOMP_RETURN_IF_ERROR(
-        Annotate(backend.scoring().ScoreSelectCompact(args), absl::StrFormat("layer %u", l)));
+    KVCOMP_RETURN_IF_ERROR(Annotate(
+        policy.moment_aware ? moments_internal::MomentAwareScoreSelectCompact(backend, args)
+                            : backend.scoring().ScoreSelectCompact(args),
+        absl::StrFormat("layer %u", l)));
     uint64_t total = 0;
     if (host) {
       for (uint32_t h = 0; h < heads; ++h) total += counts[h];

@@ -9,6 +9,7 @@
 #include "kvcomp/kernels/moment_ops.h"
 #include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/kernels/scoring_ops.h"
+#include "cpu/moments_aware.h"
 #include "pipeline_stages.h"
 
 namespace kvcomp {
@@ -171,6 +172,13 @@ class BlockCompressorImpl final : public BlockCompressor {
     sel.protect = policy_.protect;
     sel.n_sink = policy_.n_sink;
     sel.n_recent = policy_.n_recent;
+    if (policy_.moment_aware) {  // docs/moment_aware.md; the layer's summary so far is the prior
+      const uint64_t h0 = uint64_t{layer} * heads;
+      const bool m = moments_.has_moments;
+      KVCOMP_RETURN_IF_ERROR(moments_internal::MomentAwareRescore(
+          kv, sel, tp, m ? moments_.moment_count.data() + h0 : nullptr,
+          m ? moments_.moment_key_sum.data() + h0 * layout_.head_dim : nullptr, scores.data()));
+    }
     std::vector<uint32_t> counts(heads), kept(KeptCapacity(heads, n, budget_));
     KVCOMP_RETURN_IF_ERROR(backend_.scoring().Select(scores.data(), heads, n, sel, tp,
                                                      KeptIndices{counts.data(), kept.data()}));

@@ -113,3 +113,17 @@ def test_quality_harness_smoke():
                        env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "client", "python")))
     assert r.returncode == 0, r.stderr
     assert "engine: kvcomp" in r.stdout and "'needle_retention'" in r.stdout
+
+
+@pytest.mark.parametrize("scorer", ["knorm", "keydiff", "streaming"])
+def test_moment_aware_matches_reference_rule(scorer):
+    L = _layer(tokens=2000, seed=5)
+    c = kvcomp.compress(L.keys, L.values,
+                        kvcomp.Policy(scorer=scorer, ratio=0.7, moment_aware=True), num_q_heads=4)
+    ref = reference.compress_layer(L.keys, L.values, scorer, 0.7, moment_aware=True)
+    for h in range(2):
+        got, want = set(c.kept_positions(0, h).tolist()), set(ref.kept[h].tolist())
+        assert len(got) == len(want)
+        assert len(got & want) >= 0.99 * len(want)  # float32 vs float64 near-ties only
+        n, ks, _, _ = c.moments(0, h)
+        assert n == 2000 - len(got)

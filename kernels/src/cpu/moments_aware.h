@@ -1,0 +1,38 @@
+// Moment-aware eviction (docs/moment_aware.md): the MomentKV summary steers which tokens are
+// evicted. The pipeline calls these when policy.moment_aware is set, in place of its plain
+// score -> select -> compact (whole sequence) or between score and select (block-wise).
+#ifndef KVCOMP_KERNELS_SRC_CPU_MOMENTS_AWARE_H_
+#define KVCOMP_KERNELS_SRC_CPU_MOMENTS_AWARE_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/scoring_ops.h"
+
+namespace kvcomp {
+namespace moments_internal {
+
+// Weight of the distance percentile in the combined score (docs/moment_aware.md).
+inline constexpr double kMomentAwareBeta = 0.5;
+
+// Rewrites `scores` ([keys.num_heads, keys.num_tokens], host) in place by the rule: per head, a
+// provisional eviction (top kept_per_head of the scores, protected tokens kept, ties by lower
+// index), the summary mean mu of the prior evicted keys (prior_count/prior_key_sum per head, or
+// null) plus the provisionally evicted ones, then
+//   score'_i = (1 - beta) * pct(score_i) + beta * pct(||k_i - mu||)
+// with pct the rank in [0, 1] (ties by lower index). Heads with no token to evict keep their
+// scores. keys: host. InvalidArgument on bad shapes.
+absl::Status MomentAwareRescore(const HeadsView& keys, const SelectParams& select,
+                                const TokenPositions& positions, const uint64_t* prior_count,
+                                const float* prior_key_sum, float* scores);
+
+// Score (args.score) -> MomentAwareRescore -> Select -> Compact on `backend`, with the same
+// outputs as ScoreSelectCompact(args) (args.scores, when set, receives the combined scores).
+// Device backends copy the layer's keys and scores to the host for the rescoring.
+absl::Status MomentAwareScoreSelectCompact(Backend& backend, const ScoreSelectCompactArgs& args);
+
+}  // namespace moments_internal
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_SRC_CPU_MOMENTS_AWARE_H_
