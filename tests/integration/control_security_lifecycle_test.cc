@@ -1,0 +1,360 @@
+// kvcompd's Thrift control plane (every call), tenants and tokens on both planes, and the
+// process lifecycle (SIGKILL loses nothing acknowledged, restart serves every cache, SIGTERM
+// drains and exits cleanly, SIGHUP reloads tokens). Real daemon processes, UCX over TCP.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvcomp/core/dtype.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/transport/client.h"
+#include "kvcompd_process.h"
+
+namespace kvcomp {
+namespace testing {
+namespace {
+
+namespace wire = transport::wire;
+using transport::UcxClient;
+
+const KvLayout kLayout{2, 2, 4, 64, DType::kF16};
+constexpr uint64_t kTokens = 128;
+
+// Puts one random cache as a single block per layer. Returns what the daemon stored.
+absl::StatusOr<wire::CacheSummary> PutRandom(UcxClient& c, const std::string& model,
+                                             const std::string& key, uint64_t seed) {
+  wire::PutBegin begin;
+  begin.layout = kLayout;
+  begin.num_tokens = kTokens;
+  begin.model_id = model;
+  begin.key = key;
+  KVCOMP_ASSIGN_OR_RETURN(uint64_t id, c.PutBegin(begin));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const size_t count = uint64_t{kLayout.num_kv_heads} * kTokens * kLayout.head_dim;
+  std::vector<uint16_t> k(count), v(count);
+  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+    for (size_t i = 0; i < count; ++i) {
+      k[i] = FloatToHalf(n(rng));
+      v[i] = FloatToHalf(n(rng));
+    }
+    wire::Block b;
+    b.put_id = id;
+    b.layer_begin = l;
+    b.layer_end = l + 1;
+    b.token_end = kTokens;
+    b.key_bytes = b.value_bytes = kLayout.LayerBytes(kTokens);
+    KVCOMP_RETURN_IF_ERROR(c.SendBlock(b, k.data(), v.data()));
+  }
+  return c.PutCommit(id, kLayout.num_layers);
+}
+
+class ControlTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<KvcompdProcess> StartDaemon(std::vector<std::string> flags = {}) {
+    auto d = std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir_.path() + "/data", flags);
+    EXPECT_TRUE(d->Start()) << d->Log();
+    return d;
+  }
+  std::unique_ptr<UcxClient> Connect(const KvcompdProcess& d, const std::string& tenant = "",
+                                     const std::string& token = "",
+                                     absl::Status* error = nullptr) {
+    transport::ClientOptions o;
+    o.ucx.overrides["TLS"] = "tcp";
+    auto c = UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant, token, o);
+    if (!c.ok()) {
+      if (error != nullptr) *error = c.status();
+      return nullptr;
+    }
+    return std::move(*c);
+  }
+  void WriteTokens(const std::string& text) {
+    std::ofstream f(tokens_path(), std::ios::trunc);
+    f << text;
+  }
+  std::string tokens_path() const { return dir_.path() + "/tokens.yaml"; }
+
+  TempDir dir_;
+};
+
+TEST_F(ControlTest, EveryControlCallAnswers) {
+  auto d = StartDaemon();
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  auto stored = PutRandom(*c, "llama", "k1", 1);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  ControlClient rpc(d->ports().control);
+  const rpc::Auth auth = MakeAuth("", "");
+
+  rpc::HealthResponse health;
+  rpc->Health(health, auth);
+  EXPECT_EQ(health.status.code, rpc::StatusCode::OK);
+  EXPECT_TRUE(health.live);
+  EXPECT_TRUE(health.ready);
+  EXPECT_FALSE(health.draining);
+
+  rpc::ServerInfoResponse info;
+  rpc->ServerInfo(info, auth);
+  EXPECT_EQ(info.status.code, rpc::StatusCode::OK);
+  EXPECT_FALSE(info.multi_tenant);
+  EXPECT_EQ(info.data_address, d->data_endpoint());
+  EXPECT_EQ(info.metrics_port, d->ports().metrics);
+  EXPECT_EQ(info.durability, "disk");
+  EXPECT_NE(info.backend.find("cpu"), std::string::npos) << info.backend;
+  EXPECT_EQ(info.data_protocol_version, 1);
+
+  rpc::CacheRef ref;
+  ref.model_id = "llama";
+  ref.key = "k1";
+  rpc::LookupResponse look;
+  rpc->Lookup(look, auth, ref);
+  EXPECT_EQ(look.status.code, rpc::StatusCode::OK) << look.status.message;
+  EXPECT_EQ(look.stored_bytes, static_cast<int64_t>(stored->stored_bytes));
+  EXPECT_EQ(look.original_bytes, static_cast<int64_t>(kLayout.CacheBytes(kTokens)));
+  EXPECT_EQ(look.original_tokens, static_cast<int64_t>(kTokens));
+  EXPECT_EQ(look.kept_tokens, static_cast<int64_t>(stored->total_kept));
+  EXPECT_EQ(look.layout.num_layers, 2);
+  EXPECT_EQ(look.layout.dtype, "f16");
+  EXPECT_EQ(look.tier, "host");
+
+  rpc::StatsResponse stats;
+  rpc->Stats(stats, auth);
+  EXPECT_EQ(stats.status.code, rpc::StatusCode::OK);
+  EXPECT_EQ(stats.caches, 1);
+  EXPECT_EQ(stats.stored_bytes, static_cast<int64_t>(stored->stored_bytes));
+  EXPECT_EQ(stats.puts_total, 1);
+  EXPECT_FALSE(stats.tiers.empty());
+
+  rpc::ListResponse list;
+  rpc->List(list, auth, "", "", 10);
+  EXPECT_EQ(list.status.code, rpc::StatusCode::OK);
+  ASSERT_EQ(list.caches.size(), 1u);
+  EXPECT_EQ(list.caches[0].key, "k1");
+
+  rpc::PolicyResponse pol;
+  rpc->GetPolicy(pol, auth, "llama");
+  EXPECT_EQ(pol.status.code, rpc::StatusCode::OK);
+  EXPECT_TRUE(pol.is_default);
+  EXPECT_EQ(pol.policy.scorer, "manifold");
+  rpc::Policy p = pol.policy;
+  p.scorer = "knorm";
+  p.ratio = 0.75;
+  rpc->SetPolicy(pol, auth, "llama", p);
+  EXPECT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
+  rpc->GetPolicy(pol, auth, "llama");
+  EXPECT_FALSE(pol.is_default);
+  EXPECT_EQ(pol.policy.scorer, "knorm");
+  EXPECT_EQ(pol.policy.ratio, 0.75);
+  rpc->GetPolicy(pol, auth, "other-model");
+  EXPECT_TRUE(pol.is_default);
+  // The stored policy applies to the next put of that model: 0.75 evicted -> 32 of 128 kept.
+  auto second = PutRandom(*c, "llama", "k2", 2);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->total_kept, kLayout.num_heads_total() * 32);
+  // A bad policy is refused with a clear status.
+  p.ratio = 1.5;
+  rpc->SetPolicy(pol, auth, "llama", p);
+  EXPECT_EQ(pol.status.code, rpc::StatusCode::INVALID_ARGUMENT);
+  p.ratio = 0.5;
+  p.scorer = "no-such-scorer";
+  rpc->SetPolicy(pol, auth, "llama", p);
+  EXPECT_EQ(pol.status.code, rpc::StatusCode::INVALID_ARGUMENT);
+
+  rpc::CalibrateRequest cal;
+  cal.model_id = "llama";
+  rpc::CalibrateResponse calr;
+  rpc->Calibrate(calr, auth, cal);
+  EXPECT_EQ(calr.status.code, rpc::StatusCode::UNIMPLEMENTED);
+
+  rpc::DeleteResponse del;
+  rpc->Delete(del, auth, ref);
+  EXPECT_EQ(del.status.code, rpc::StatusCode::OK);
+  rpc->Delete(del, auth, ref);
+  EXPECT_EQ(del.status.code, rpc::StatusCode::NOT_FOUND);
+  rpc->Lookup(look, auth, ref);
+  EXPECT_EQ(look.status.code, rpc::StatusCode::NOT_FOUND);
+
+  // Policies survive a restart.
+  c.reset();
+  EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
+  d = StartDaemon();
+  ControlClient rpc2(d->ports().control);
+  rpc2->GetPolicy(pol, auth, "llama");
+  EXPECT_EQ(pol.policy.scorer, "knorm");
+}
+
+TEST_F(ControlTest, TenantsSeeOnlyTheirOwnCaches) {
+  WriteTokens("alpha: secret-a\nbeta: secret-b\n");
+  auto d = StartDaemon({"--auth.token_file=" + tokens_path()});
+  EXPECT_NE(d->Log().find("multi-tenant"), std::string::npos);
+  absl::Status error;
+  EXPECT_EQ(Connect(*d, "alpha", "wrong", &error), nullptr);
+  EXPECT_EQ(error.code(), absl::StatusCode::kUnauthenticated) << error;
+  EXPECT_EQ(Connect(*d, "alpha", "", &error), nullptr);
+  EXPECT_EQ(error.code(), absl::StatusCode::kUnauthenticated) << error;
+  EXPECT_EQ(Connect(*d, "gamma", "secret-a", &error), nullptr);
+  EXPECT_EQ(error.code(), absl::StatusCode::kUnauthenticated) << error;
+
+  auto a = Connect(*d, "alpha", "secret-a");
+  auto b = Connect(*d, "beta", "secret-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(PutRandom(*a, "m", "shared-name", 1).ok());
+  ASSERT_TRUE(a->Get("m", "shared-name").ok());
+  // beta reads alpha's key exactly as a key that does not exist.
+  absl::Status other = b->Get("m", "shared-name").status();
+  absl::Status missing = b->Get("m", "never-stored").status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(other, missing);
+  EXPECT_EQ(b->Lookup("m", "shared-name").status(), b->Lookup("m", "never-stored").status());
+  EXPECT_EQ(b->Delete("m", "shared-name"), b->Delete("m", "never-stored"));
+  ASSERT_TRUE(a->Get("m", "shared-name").ok());  // beta's delete did nothing
+  // beta may use the same name for its own cache.
+  ASSERT_TRUE(PutRandom(*b, "m", "shared-name", 2).ok());
+  auto ga = a->Get("m", "shared-name");
+  auto gb = b->Get("m", "shared-name");
+  ASSERT_TRUE(ga.ok() && gb.ok());
+  EXPECT_NE(ga->bytes.view(), gb->bytes.view());
+
+  ControlClient rpc(d->ports().control);
+  rpc::StatsResponse stats;
+  rpc->Stats(stats, MakeAuth("alpha", "bad"));
+  EXPECT_EQ(stats.status.code, rpc::StatusCode::UNAUTHENTICATED);
+  rpc->Stats(stats, MakeAuth("", ""));
+  EXPECT_EQ(stats.status.code, rpc::StatusCode::UNAUTHENTICATED);
+  rpc->Stats(stats, MakeAuth("alpha", "secret-a"));
+  EXPECT_EQ(stats.status.code, rpc::StatusCode::OK);
+  EXPECT_EQ(stats.caches, 1);
+  rpc::ListResponse list;
+  rpc->List(list, MakeAuth("beta", "secret-b"), "", "", 100);
+  ASSERT_EQ(list.caches.size(), 1u);
+  rpc::CacheRef ref;
+  ref.model_id = "m";
+  ref.key = "shared-name";
+  rpc::DeleteResponse del;
+  rpc->Delete(del, MakeAuth("beta", "secret-b"), ref);
+  EXPECT_EQ(del.status.code, rpc::StatusCode::OK);
+  EXPECT_TRUE(a->Get("m", "shared-name").ok());  // only beta's went
+
+  std::string m = HttpGet(d->ports().metrics, "/metrics").body;
+  EXPECT_EQ(MetricValue(m, "kvcomp_auth_failures_total{plane=\"data\"}"), 3);
+  EXPECT_EQ(MetricValue(m, "kvcomp_auth_failures_total{plane=\"control\"}"), 2);
+
+  // Tokens reload on SIGHUP (and on mtime change): gamma appears, beta's token changes.
+  WriteTokens("alpha: secret-a\nbeta: new-b\ngamma: secret-g\n");
+  d->Signal(SIGHUP);
+  std::unique_ptr<UcxClient> g;
+  for (int i = 0; i < 50 && g == nullptr; ++i) {
+    g = Connect(*d, "gamma", "secret-g");
+    if (g == nullptr) absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_NE(g, nullptr) << d->Log();
+  EXPECT_EQ(Connect(*d, "beta", "secret-b", &error), nullptr);
+  EXPECT_NE(Connect(*d, "beta", "new-b"), nullptr);
+  // A broken token file keeps the previous tokens.
+  WriteTokens("alpha: [not, a, token]\n");
+  d->Signal(SIGHUP);
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_NE(Connect(*d, "alpha", "secret-a"), nullptr);
+  EXPECT_NE(d->Log().find("token reload failed"), std::string::npos);
+}
+
+TEST_F(ControlTest, OpenModeSaysSoAtStart) {
+  auto d = StartDaemon();
+  EXPECT_NE(d->Log().find("OPEN single-tenant mode"), std::string::npos) << d->Log();
+  // Any credentials act as tenant "default".
+  auto c = Connect(*d, "whoever", "whatever");
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->server_info().tenant, "default");
+}
+
+TEST_F(ControlTest, SigkillLosesNothingAcknowledgedAndRestartServesEverything) {
+  auto d = StartDaemon();
+  std::map<std::string, std::string> acked;
+  {
+    auto c = Connect(*d);
+    ASSERT_NE(c, nullptr);
+    for (int i = 0; i < 6; ++i) {
+      std::string key = "k" + std::to_string(i);
+      ASSERT_TRUE(PutRandom(*c, "m", key, 10 + i).ok());
+      auto got = c->Get("m", key);
+      ASSERT_TRUE(got.ok());
+      acked[key] = std::string(got->bytes.view());
+    }
+    // A put left half-sent when the process dies must not appear after the restart.
+    wire::PutBegin half;
+    half.layout = kLayout;
+    half.num_tokens = kTokens;
+    half.model_id = "m";
+    half.key = "half";
+    ASSERT_TRUE(c->PutBegin(half).ok());
+  }
+  d->Kill(SIGKILL);
+  d = StartDaemon();
+  EXPECT_NE(d->Log().find("6 cache(s) recovered"), std::string::npos) << d->Log();
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  for (const auto& [key, bytes] : acked) {
+    auto got = c->Get("m", key);
+    ASSERT_TRUE(got.ok()) << key << ": " << got.status();
+    EXPECT_EQ(got->bytes.view(), bytes) << key;
+  }
+  EXPECT_EQ(c->Lookup("m", "half").status().code(), absl::StatusCode::kNotFound);
+  std::string m;
+  for (int i = 0; i < 30; ++i) {
+    m = HttpGet(d->ports().metrics, "/metrics").body;
+    if (MetricValue(m, "kvcomp_caches_stored") == 6) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(MetricValue(m, "kvcomp_caches_stored"), 6);
+}
+
+TEST_F(ControlTest, SigtermDrainsThenExitsCleanly) {
+  auto d = StartDaemon();
+  EXPECT_EQ(HttpGet(d->ports().metrics, "/readyz").code, 200);
+  EXPECT_EQ(HttpGet(d->ports().metrics, "/healthz").code, 200);
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(PutRandom(*c, "m", "before", 1).ok());
+  c.reset();
+  EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
+  EXPECT_NE(d->Log().find("draining"), std::string::npos);
+  EXPECT_NE(d->Log().find("stopped"), std::string::npos);
+  d = StartDaemon();
+  c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  EXPECT_TRUE(c->Get("m", "before").ok());
+}
+
+TEST_F(ControlTest, ConfigurationCommandLine) {
+  // --print-config emits YAML that --config accepts; unknown keys and bad values stop the start.
+  std::string yaml = dir_.path() + "/effective.yaml";
+  std::string cmd = std::string(KVCOMPD_PATH) + " --print-config --engine.workers=3 > " + yaml;
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(yaml);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_NE(ss.str().find("workers: 3"), std::string::npos) << ss.str();
+  cmd = std::string(KVCOMPD_PATH) + " --config " + yaml + " --print-config > /dev/null";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+  cmd = "KVCOMP_ENGINE_WORKERS=5 " + std::string(KVCOMPD_PATH) + " --config " + yaml +
+        " --print-config | grep -q 'workers: 5'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+  std::ofstream(dir_.path() + "/bad.yaml") << "storage:\n  no_such_key: 1\n";
+  cmd = std::string(KVCOMPD_PATH) + " --config " + dir_.path() + "/bad.yaml 2>/dev/null";
+  EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
+  cmd = std::string(KVCOMPD_PATH) + " --storage.durability=sometimes 2>/dev/null";
+  EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
+  cmd = std::string(KVCOMPD_PATH) + " --help | grep -q -- --storage.host_capacity_bytes";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace kvcomp
