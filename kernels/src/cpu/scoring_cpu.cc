@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include "cpu_ops.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
@@ -363,45 +366,78 @@ absl::Status CpuScoringOps::ScoreSnapKV(const HeadsView& keys, const ScoreParams
   return absl::OkStatus();
 }
 
-absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, uint64_t num_tokens,
-                                       const SelectParams& params, const TokenPositions& positions,
-                                       KeptIndices out) {
+// Position of the `k`-th largest (1-based) of the (order key, lower index first) ranking of
+// ord[0..n): returns the threshold key T and how many tokens with key == T are kept (the first
+// ones by index). Two 16-bit radix passes, no sort.
+struct Threshold {
+  uint32_t key = 0;
+  uint64_t take_equal = 0;  // tokens with key == T kept, lowest indices first
+};
+Threshold RadixThreshold(const uint32_t* ord, uint64_t n, uint64_t k, std::vector<uint32_t>* hist) {
+  hist->assign(65536, 0);
+  for (uint64_t i = 0; i < n; ++i) ++(*hist)[ord[i] >> 16];
+  uint64_t above = 0;  // tokens with a larger high half
+  uint32_t hi = 65535;
+  for (;; --hi) {
+    if (above + (*hist)[hi] >= k) break;
+    above += (*hist)[hi];
+  }
+  hist->assign(65536, 0);
+  for (uint64_t i = 0; i < n; ++i) {
+    if ((ord[i] >> 16) == hi) ++(*hist)[ord[i] & 0xFFFF];
+  }
+  uint32_t lo = 65535;
+  for (;; --lo) {
+    if (above + (*hist)[lo] >= k) break;
+    above += (*hist)[lo];
+  }
+  return Threshold{(hi << 16) | lo, k - above};
+}
+
+absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads,
+                                       uint64_t num_tokens, const SelectParams& params,
+                                       const TokenPositions& positions, KeptIndices out) {
   const uint64_t n = num_tokens;
   const uint64_t kept = std::min<uint64_t>(params.kept_per_head, n);
   const uint64_t hn = uint64_t{num_heads} * n;
-  // Sort keys: (order key of the effective score) << 32 | ~index, so larger = kept first and
-  // ties go to the lower index.
-  KVCOMP_ASSIGN_OR_RETURN(Buffer key_buf, Buffer::Allocate(*ctx_->allocator, hn * 8));
-  uint64_t* keys = key_buf.as<uint64_t>();
+  // Order keys of the effective scores: larger key = kept first (protected = kProtectedKey).
+  KVCOMP_ASSIGN_OR_RETURN(Buffer ord_buf, Buffer::Allocate(*ctx_->allocator, hn * 4));
+  uint32_t* ord = ord_buf.as<uint32_t>();
   std::atomic<uint64_t> bad{std::numeric_limits<uint64_t>::max()};
-  ctx_->ParallelFor(num_heads, [&](size_t hi) {
-    const uint64_t h = hi;
+  const uint64_t chunks = CeilDiv(n, kChunkTokens * 8);
+  ctx_->ParallelFor(num_heads * chunks, [&](size_t task) {
+    const uint64_t h = task / chunks;
+    const uint64_t b = (task % chunks) * kChunkTokens * 8;
+    const uint64_t e = std::min(n, b + kChunkTokens * 8);
     const float* s = scores + h * n;
     const uint32_t* prow = positions.data == nullptr ? nullptr : positions.data + h * n;
     uint64_t seq_len = positions.sequence_length;
     if (seq_len == 0) seq_len = prow != nullptr ? uint64_t{prow[n - 1]} + 1 : positions.offset + n;
-    uint64_t* kk = keys + h * n;
-    for (uint64_t i = 0; i < n; ++i) {
+    uint32_t* o = ord + h * n;
+    for (uint64_t i = b; i < e; ++i) {
       if (!(std::fabs(s[i]) <= FLT_MAX)) {
         uint64_t cur = bad.load();
         const uint64_t flat = h * n + i;
         while (flat < cur && !bad.compare_exchange_weak(cur, flat)) {
         }
       }
-      const uint32_t ord = IsProtected(positions.position(prow, i), seq_len, params)
-                               ? kProtectedKey
-                               : OrderKey(s[i]);
-      kk[i] = (uint64_t{ord} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+      o[i] = IsProtected(positions.position(prow, i), seq_len, params) ? kProtectedKey
+                                                                        : OrderKey(s[i]);
     }
   });
   if (bad.load() != std::numeric_limits<uint64_t>::max()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "select: non-finite score at head %u, token %u", bad.load() / n, bad.load() % n));
   }
-  auto threshold = [](uint64_t* b, uint64_t len, uint64_t k, std::vector<uint64_t>* tmp) {
-    tmp->assign(b, b + len);
-    std::nth_element(tmp->begin(), tmp->begin() + (k - 1), tmp->end(), std::greater<uint64_t>());
-    return (*tmp)[k - 1];
+  // Marks head h's top `k` tokens in flag (1) by the selection rule.
+  auto mark_top = [&](uint64_t h, uint64_t k, uint8_t* flag, std::vector<uint32_t>* hist) {
+    const uint32_t* o = ord + h * n;
+    if (k == 0) return;
+    const Threshold t = RadixThreshold(o, n, k, hist);
+    uint64_t equal = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      flag[i] = o[i] > t.key || (o[i] == t.key && equal++ < t.take_equal);
+    }
   };
 
   if (params.head_budget == HeadBudget::kUniform || num_heads == 1) {
@@ -412,12 +448,14 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
         for (uint64_t i = 0; i < n; ++i) dst[i] = static_cast<uint32_t>(i);
         return;
       }
-      std::vector<uint64_t> tmp;
-      const uint64_t* kk = keys + h * n;
-      const uint64_t t = threshold(keys + h * n, n, kept, &tmp);
-      uint64_t c = 0;
+      const uint32_t* o = ord + h * n;
+      std::vector<uint32_t> hist;
+      const Threshold t = RadixThreshold(o, n, kept, &hist);
+      uint64_t c = 0, equal = 0;
       for (uint64_t i = 0; i < n; ++i) {
-        if (kk[i] >= t) dst[c++] = static_cast<uint32_t>(i);
+        if (o[i] > t.key || (o[i] == t.key && equal++ < t.take_equal)) {
+          dst[c++] = static_cast<uint32_t>(i);
+        }
       }
     });
     return absl::OkStatus();
@@ -429,14 +467,10 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
   KVCOMP_ASSIGN_OR_RETURN(Buffer flag_buf, Buffer::Allocate(*ctx_->allocator, hn));
   uint8_t* flag = flag_buf.as<uint8_t>();
   std::memset(flag, 0, hn);
-  if (safe > 0) {
-    ctx_->ParallelFor(num_heads, [&](size_t h) {
-      const uint64_t* kk = keys + h * n;
-      std::vector<uint64_t> tmp;
-      const uint64_t t = threshold(keys + h * n, n, safe, &tmp);
-      for (uint64_t i = 0; i < n; ++i) flag[h * n + i] = kk[i] >= t;
-    });
-  }
+  ctx_->ParallelFor(num_heads, [&](size_t h) {
+    std::vector<uint32_t> hist;
+    mark_top(h, safe, flag + h * n, &hist);
+  });
   const uint64_t remaining = num_heads * kept - num_heads * safe;
   if (remaining > 0) {
     // (order key, ~head, ~index) compared lexicographically, larger first.
@@ -449,9 +483,8 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
     for (uint64_t h = 0; h < num_heads; ++h) {
       for (uint64_t i = 0; i < n; ++i) {
         if (flag[h * n + i]) continue;
-        const uint64_t kk = keys[h * n + i];
-        cands.push_back(
-            {(kk & 0xFFFFFFFF00000000ull) | (0xFFFFFFFFu - h), static_cast<uint32_t>(kk)});
+        cands.push_back({(uint64_t{ord[h * n + i]} << 32) | (0xFFFFFFFFu - h),
+                         0xFFFFFFFFu - static_cast<uint32_t>(i)});
       }
     }
     auto greater = [](const Cand& a, const Cand& b) {
@@ -476,6 +509,27 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
   return absl::OkStatus();
 }
 
+// Copies one row; streaming (non-temporal) stores when both sides allow, so the output does not
+// pass through the cache (no read-for-ownership), as large memcpys do.
+inline void CopyRow(char* dst, const char* src, size_t bytes, bool stream) {
+#if defined(__SSE2__)
+  if (stream) {
+    for (size_t b = 0; b < bytes; b += 64) {
+      __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b));
+      __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b + 16));
+      __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b + 32));
+      __m128i a3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + b), a0);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + b + 16), a1);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + b + 32), a2);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + b + 48), a3);
+    }
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
 absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& values,
                                         const uint32_t* counts, const uint32_t* indices,
                                         void* keys_out, void* values_out) {
@@ -496,14 +550,18 @@ absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& 
           absl::StrFormat("compact: index %u out of range (%u tokens)", indices[i], n));
     }
   }
-  const size_t row_bytes = keys.head_dim * ElemBytes(keys.dtype);
+  const size_t row_bytes = keys.head_dim * ElemBytes(keys.dtype);  // >= 128, a multiple of 64
+  char* kout = static_cast<char*>(keys_out);
+  char* vout = static_cast<char*>(values_out);
+  // Streaming stores pay off once the output outgrows the caches, and need 16-byte alignment.
+  const bool stream = total * row_bytes * 2 >= (uint64_t{8} << 20) &&
+                      reinterpret_cast<uintptr_t>(kout) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(vout) % 16 == 0;
   constexpr uint64_t kRowsPerTask = 1024;
   std::vector<uint64_t> task_start(heads + 1, 0);
   for (uint32_t h = 0; h < heads; ++h) {
     task_start[h + 1] = task_start[h] + CeilDiv(counts[h], kRowsPerTask);
   }
-  char* kout = static_cast<char*>(keys_out);
-  char* vout = static_cast<char*>(values_out);
   ctx_->ParallelFor(task_start[heads], [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(
         std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1);
@@ -512,9 +570,12 @@ absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& 
     for (uint64_t r = r0; r < r1; ++r) {
       const uint64_t dst = offsets[h] + r;
       const uint32_t src = indices[dst];
-      std::memcpy(kout + dst * row_bytes, ElemPtr(keys, h, src), row_bytes);
-      std::memcpy(vout + dst * row_bytes, ElemPtr(values, h, src), row_bytes);
+      CopyRow(kout + dst * row_bytes, ElemPtr(keys, h, src), row_bytes, stream);
+      CopyRow(vout + dst * row_bytes, ElemPtr(values, h, src), row_bytes, stream);
     }
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();
+#endif
   });
   return absl::OkStatus();
 }

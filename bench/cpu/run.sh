@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs the CPU engine benchmark and records it in bench/results/ (JSON from Google Benchmark plus
+# a Markdown table with GB/s, memcpy GB/s on the same threads, and their ratio), stamped with the
+# date, the machine and the git commit. Usage: bench/cpu/run.sh [build-dir] [extra benchmark flags]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD=${1:-build}
+shift || true
+BIN="$BUILD/bench/cpu/bench_cpu_scoring"
+[ -x "$BIN" ] || cmake --build "$BUILD" --target bench_cpu_scoring
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet -- kernels bench/cpu || echo "-dirty")
+OUT=bench/results/cpu_scoring_${STAMP}
+"$BIN" --benchmark_out="$OUT.json" --benchmark_out_format=json --benchmark_repetitions=3 \
+  --benchmark_report_aggregates_only=true --benchmark_min_time=0.5 "$@"
+python3 - "$OUT.json" "$OUT.md" "$COMMIT" <<'PY'
+import json, platform, re, subprocess, sys
+src, dst, commit = sys.argv[1:4]
+data = json.load(open(src))
+ctx = data["context"]
+cpu = "unknown"
+try:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+except OSError:
+    pass
+rows = {}
+memcpy = {}
+for b in data["benchmarks"]:
+    if b.get("aggregate_name") != "median":
+        continue
+    m = re.match(r"BM_(\w+)/tokens:(\d+)/(?:scorer:(\d+)/)?threads:(\d+)", b["run_name"])
+    kind, tokens, scorer, _ = m.groups()
+    threads = int(b["workers"])
+    gbs = b["bytes_per_second"] / 1e9
+    key = (int(tokens), threads)
+    if kind == "Memcpy":
+        memcpy[key] = gbs
+    else:
+        rows.setdefault(key, []).append((b.get("label", scorer), gbs, b["real_time"]))
+with open(dst, "w") as f:
+    f.write(f"# CPU score + select + compact (issue 3)\n\n")
+    f.write(f"- date: {ctx['date']}\n- commit: {commit}\n- machine: {platform.node()}, {cpu}, "
+            f"{ctx['num_cpus']} CPUs, {ctx.get('mhz_per_cpu', '?')} MHz\n"
+            f"- load average at start: {ctx.get('load_avg', '?')}\n"
+            f"- shape: 8 kv heads, head_dim 128, bf16, ratio 0.5, one layer per iteration\n"
+            f"- GB/s = (read K and V + write kept K and V) / time; memcpy GB/s = (read + write of "
+            f"K and V) / time, same threads, same run; median of 3 repetitions\n\n")
+    f.write("| tokens | threads | scorer | ms/layer | GB/s | memcpy GB/s | ratio |\n")
+    f.write("| ---: | ---: | --- | ---: | ---: | ---: | ---: |\n")
+    for key in sorted(rows):
+        for name, gbs, ms in rows[key]:
+            mc = memcpy.get(key, float("nan"))
+            f.write(f"| {key[0]} | {key[1]} | {name} | {ms:.1f} | {gbs:.2f} | {mc:.2f} | "
+                    f"{gbs / mc:.0%} |\n")
+print(open(dst).read())
+PY

@@ -1,0 +1,151 @@
+// CPU benchmark of Engine I (issue 3 item 7): score + select + compact of one layer, 8 kv heads,
+// head_dim 128, bf16, 8K / 64K / 128K tokens, ratio 0.5, for knorm, keydiff, manifold and
+// windowed_manifold, on 1 thread and on every core; next to a memcpy of K and V on the same
+// threads in the same run. Both report bytes moved (read + written): the op's minimal bytes are
+// read K and V once and write the kept K and V; memcpy's are read K and V and write them.
+//   bench/cpu/run.sh writes the results to bench/results/.
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kvcomp/core/dtype.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/scoring_ops.h"
+
+namespace kvcomp {
+namespace {
+
+constexpr uint32_t kHeads = 8;
+constexpr uint32_t kHeadDim = 128;
+constexpr size_t kRow = kHeadDim * 2;  // bf16
+
+struct Data {
+  uint64_t tokens = 0;
+  std::vector<uint16_t> k, v;
+};
+
+// One input per length, built once (never zeros: bf16 of N(0.3, 1)).
+const Data& InputFor(uint64_t tokens) {
+  static std::vector<std::unique_ptr<Data>> cache;
+  for (const auto& d : cache) {
+    if (d->tokens == tokens) return *d;
+  }
+  auto d = std::make_unique<Data>();
+  d->tokens = tokens;
+  const uint64_t n = uint64_t{kHeads} * tokens * kHeadDim;
+  d->k.resize(n);
+  d->v.resize(n);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.3f, 1.0f);
+  for (uint64_t i = 0; i < n; ++i) {
+    d->k[i] = FloatToBf16(normal(rng));
+    d->v[i] = FloatToBf16(normal(rng));
+  }
+  cache.push_back(std::move(d));
+  return *cache.back();
+}
+
+int AllThreads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+std::unique_ptr<Backend> CpuWith(int threads) {
+  CpuBackendOptions o;
+  o.num_threads = threads;
+  return std::move(*MakeCpuBackend(o));
+}
+
+// args: tokens, scorer, threads (0 = all)
+void BM_ScoreSelectCompact(benchmark::State& state) {
+  const uint64_t tokens = state.range(0);
+  const auto scorer = static_cast<Scorer>(state.range(1));
+  const int threads = state.range(2) == 0 ? AllThreads() : static_cast<int>(state.range(2));
+  const Data& d = InputFor(tokens);
+  auto backend = CpuWith(threads);
+  const uint64_t kept = static_cast<uint64_t>(static_cast<double>(tokens) * 0.5);
+  const uint64_t cap = KeptCapacity(kHeads, tokens, kept);
+  std::vector<uint32_t> counts(kHeads), idx(cap);
+  std::vector<uint8_t> ko(cap * kRow), vo(cap * kRow);
+  std::vector<float> scores(uint64_t{kHeads} * tokens);
+  ScoreSelectCompactArgs a;
+  a.keys = HeadsView::Dense(d.k.data(), DType::kBF16, kHeads, tokens, kHeadDim);
+  a.values = HeadsView::Dense(d.v.data(), DType::kBF16, kHeads, tokens, kHeadDim);
+  a.score.scorer = scorer;
+  a.score.window = 4096;
+  a.select.kept_per_head = kept;
+  a.scores = scores.data();
+  a.kept = {counts.data(), idx.data()};
+  a.keys_out = ko.data();
+  a.values_out = vo.data();
+  for (auto _ : state) {
+    absl::Status s = backend->scoring().ScoreSelectCompact(a);
+    if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
+    benchmark::DoNotOptimize(ko.data());
+  }
+  const uint64_t in = 2 * uint64_t{kHeads} * tokens * kRow;
+  const uint64_t out = 2 * cap * kRow;
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * (in + out)));
+  state.counters["workers"] = threads;
+  state.SetLabel(std::string(ScorerName(scorer)));
+}
+
+// memcpy of K and V (the same bytes) split over the same threads: the bandwidth reference.
+void BM_Memcpy(benchmark::State& state) {
+  const uint64_t tokens = state.range(0);
+  const int threads = state.range(1) == 0 ? AllThreads() : static_cast<int>(state.range(1));
+  const Data& d = InputFor(tokens);
+  const uint64_t bytes = uint64_t{kHeads} * tokens * kRow;
+  std::vector<uint8_t> dk(bytes), dv(bytes);
+  std::memset(dk.data(), 1, bytes);
+  std::memset(dv.data(), 1, bytes);
+  const uint64_t part = (bytes + threads - 1) / threads;
+  auto copy = [&](int t) {
+    const uint64_t b = t * part, e = std::min(bytes, b + part);
+    if (b >= e) return;
+    std::memcpy(dk.data() + b, reinterpret_cast<const uint8_t*>(d.k.data()) + b, e - b);
+    std::memcpy(dv.data() + b, reinterpret_cast<const uint8_t*>(d.v.data()) + b, e - b);
+  };
+  for (auto _ : state) {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(copy, t);
+    copy(0);
+    for (auto& th : pool) th.join();
+    benchmark::DoNotOptimize(dk.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 4 * bytes));
+  state.counters["workers"] = threads;
+}
+
+void Lengths(benchmark::internal::Benchmark* b, bool scorers) {
+  for (int64_t n : {8192, 65536, 131072}) {
+    for (int64_t t : {1, 0}) {
+      if (!scorers) {
+        b->Args({n, t});
+        continue;
+      }
+      for (Scorer s :
+           {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
+        b->Args({n, static_cast<int64_t>(s), t});
+      }
+    }
+  }
+}
+
+BENCHMARK(BM_Memcpy)
+    ->Apply([](benchmark::internal::Benchmark* b) { Lengths(b, false); })
+    ->ArgNames({"tokens", "threads"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ScoreSelectCompact)
+    ->Apply([](benchmark::internal::Benchmark* b) { Lengths(b, true); })
+    ->ArgNames({"tokens", "scorer", "threads"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvcomp
+
+BENCHMARK_MAIN();
