@@ -166,10 +166,17 @@ int main(int argc, char** argv) {
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&ctx.properties, 0));
   BenchAllocator alloc(ctx.stream);
   ctx.allocator = &alloc;
+  // Optional arguments: a token count, then a scorer name (for profiling one case).
   std::vector<uint64_t> sizes = {8192, 65536, 131072};
   if (argc > 1) sizes = {std::stoull(argv[1])};
-  for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold,
-                   Scorer::kWindowedManifold}) {
+  std::vector<Scorer> scorers = {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold,
+                                 Scorer::kWindowedManifold};
+  if (argc > 2) {
+    auto s = ParseScorer(argv[2]);
+    if (!s.ok()) return 2;
+    scorers = {*s};
+  }
+  for (Scorer s : scorers) {
     for (uint64_t n : sizes) Run(**backend, ctx, s, n, 0.0);
   }
   BENCH_CUDA_CHECK(cudaStreamDestroy(ctx.stream));

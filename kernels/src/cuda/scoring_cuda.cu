@@ -140,10 +140,11 @@ void LayoutSelect(uint32_t heads, uint64_t n, const SelectParams& sel, Carver* c
   }
 }
 
-__global__ void InitSegmentsKernel(SegmentState* state, uint32_t segments, uint32_t need) {
-  for (uint32_t s = threadIdx.x; s < segments; s += blockDim.x) {
-    state[s] = SegmentState{0, need, need > 0 ? 1u : 0u, 0};
-  }
+// Sets every segment's state and zeroes its histogram. grid (segments), kThreads threads.
+__global__ void InitSegmentsKernel(SegmentState* state, uint32_t* hist, uint32_t need) {
+  const uint32_t s = blockIdx.x;
+  if (threadIdx.x == 0) state[s] = SegmentState{0, need, need > 0 ? 1u : 0u, 0};
+  for (int b = threadIdx.x; b < kRadixBins; b += kThreads) hist[uint64_t{s} * kRadixBins + b] = 0;
 }
 
 // offsets[h] = sum counts[0..h), offsets[H] = total. One block of kThreads threads.
@@ -437,7 +438,7 @@ class CudaScoringOps final : public ScoringOps {
         cp.head0 = h0;
         cp.centres = At<float>(ws, l.centres);
         cp.norms = At<float>(ws, l.norms);
-        CentreKernel<<<dim3(l.segments, g), keys.head_dim, 0, ctx_->stream>>>(cp);
+        CentreKernel<<<dim3(l.segments, g), kThreads, 0, ctx_->stream>>>(cp);
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
       sp.head0 = h0;
@@ -511,10 +512,8 @@ class CudaScoringOps final : public ScoringOps {
     const uint32_t heads = sp.heads;
     const uint32_t segments = sp.per_head ? heads : 1;
     cudaStream_t s = ctx_->stream;
-    InitSegmentsKernel<<<1, kThreads, 0, s>>>(sp.state, segments, need);
+    InitSegmentsKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, need);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-        sp.hist, 0, uint64_t{segments} * kRadixBins * sizeof(uint32_t), s));
     const dim3 grid(l.tiles, heads);
     if (need > 0) {
       for (int pass = 0; pass < kRadixPasses; ++pass) {

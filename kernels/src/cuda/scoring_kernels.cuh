@@ -34,9 +34,9 @@ namespace cuda {
 // ---------------------------------------------------------------------------------------------
 
 inline constexpr int kThreads = 256;       // threads of every row-reading kernel
-inline constexpr int kStatsRows = 512;     // rows per Stats block
-inline constexpr int kScoreRows = 1024;    // rows per Score block
-inline constexpr int kTile = 2048;         // tokens per Count/Gather tile
+inline constexpr int kStatsRows = 256;     // rows per Stats block
+inline constexpr int kScoreRows = 256;     // rows per Score block
+inline constexpr int kTile = 1024;         // tokens per Count/Gather tile
 inline constexpr int kRadixBins = 2048;    // 11-bit digits
 inline constexpr int kRadixPasses = 3;     // 11 + 11 + 10 bits
 inline constexpr uint32_t kProtectedKey = 0xFFFFFFFFu;
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) StatsKernel(StatsParams p) {
 #pragma unroll
   for (int j = 0; j < S::kF; ++j) acc[j] = 0.0f;
   constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
-  constexpr int kUnroll = 2;
+  constexpr int kUnroll = 4;
   // The loop bound is uniform over the warp (shuffles below need every lane); rows past r1
   // are zeros.
   for (uint64_t rw = r0 + warp * S::kRowsPerWarp; rw < r1; rw += kStep * kUnroll) {
@@ -324,27 +324,42 @@ struct CentreParams {
   float* norms;    // [H, segments]: max(||centre||, eps)
 };
 
-// grid (segments, H), D threads (64, 128 or 256).
-__global__ void CentreKernel(CentreParams p) {
-  __shared__ double red[256];
+// grid (segments, H), kThreads threads: kThreads / d lanes of chunks per column, each with
+// independent accumulators so the partials' loads overlap.
+__global__ void __launch_bounds__(kThreads) CentreKernel(CentreParams p) {
+  __shared__ double col[kThreads];
+  __shared__ double red[kThreads];
   const uint32_t h = p.head0 + blockIdx.y;
   const uint32_t s = blockIdx.x;
-  const uint32_t j = threadIdx.x;
+  const uint32_t j = threadIdx.x % p.d;
+  const uint32_t lane = threadIdx.x / p.d;
+  const uint32_t lanes = kThreads / p.d;
   const uint64_t seg0 = uint64_t{s} * p.segment;
   const uint64_t len = min(p.n, seg0 + p.segment) - seg0;
   const uint64_t hs = uint64_t{h} * p.segments + s;
   const float* part = p.partial + hs * p.chunks * p.d;
-  double sum = 0.0;
-  for (uint32_t c = 0; c < p.chunks; ++c) sum += part[uint64_t{c} * p.d + j];
-  const float m = static_cast<float>(sum / static_cast<double>(len));
-  p.centres[hs * p.d + j] = m;
-  red[j] = static_cast<double>(m) * m;
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  uint32_t c = lane;
+  for (; c + 3 * lanes < p.chunks; c += 4 * lanes) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc[u] += part[uint64_t{c + u * lanes} * p.d + j];
+  }
+  for (; c < p.chunks; c += lanes) acc[0] += part[uint64_t{c} * p.d + j];
+  col[threadIdx.x] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
   __syncthreads();
-  for (uint32_t o = blockDim.x / 2; o > 0; o /= 2) {
-    if (j < o) red[j] += red[j + o];
+  if (threadIdx.x < p.d) {
+    double sum = 0.0;
+    for (uint32_t l = 0; l < lanes; ++l) sum += col[l * p.d + j];
+    const float m = static_cast<float>(sum / static_cast<double>(len));
+    p.centres[hs * p.d + j] = m;
+    red[j] = static_cast<double>(m) * m;
+  }
+  __syncthreads();
+  for (uint32_t o = p.d / 2; o > 0; o /= 2) {
+    if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
     __syncthreads();
   }
-  if (j == 0) p.norms[hs] = fmaxf(static_cast<float>(sqrt(red[0])), kKeyDiffEps);
+  if (threadIdx.x == 0) p.norms[hs] = fmaxf(static_cast<float>(sqrt(red[0])), kKeyDiffEps);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -391,7 +406,7 @@ __global__ void __launch_bounds__(kThreads) ScoreKernel(ScoreKernelParams p) {
   float mu_norm = 1.0f;
   uint64_t mu_seg = ~uint64_t{0};
   constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
-  constexpr int kUnroll = 2;
+  constexpr int kUnroll = 4;
   for (uint64_t rw = r0 + warp * S::kRowsPerWarp; rw < r1; rw += kStep * kUnroll) {
     const uint64_t r = rw + group;
     float f[kUnroll][S::kF];
