@@ -15,6 +15,7 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/client.h"
 #include "kvcompd_process.h"
+#include "thrift/transport/TSSLSocket.h"
 
 namespace kvcomp {
 namespace testing {
@@ -353,6 +354,35 @@ TEST_F(ControlTest, ConfigurationCommandLine) {
   EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
   cmd = std::string(KVCOMPD_PATH) + " --help | grep -q -- --storage.host_capacity_bytes";
   EXPECT_EQ(std::system(cmd.c_str()), 0);
+}
+
+TEST_F(ControlTest, ThriftOverTls) {
+  const std::string cert = dir_.path() + "/cert.pem", key = dir_.path() + "/key.pem";
+  std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+                    "-keyout " + key + " -out " + cert + " >/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "openssl CLI not available";
+  auto d = StartDaemon({"--control_plane.tls=true", "--control_plane.tls_cert_file=" + cert,
+                        "--control_plane.tls_key_file=" + key});
+  auto factory = std::make_shared<apache::thrift::transport::TSSLSocketFactory>();
+  factory->loadTrustedCertificates(cert.c_str());
+  factory->authenticate(true);
+  auto socket = factory->createSocket("localhost", d->ports().control);
+  auto transport = std::make_shared<apache::thrift::transport::TFramedTransport>(socket);
+  auto protocol = std::make_shared<apache::thrift::protocol::TBinaryProtocol>(transport);
+  rpc::KvcompControlClient client(protocol);
+  transport->open();
+  rpc::HealthResponse health;
+  client.Health(health, MakeAuth("", ""));
+  EXPECT_EQ(health.status.code, rpc::StatusCode::OK);
+  EXPECT_TRUE(health.ready);
+  transport->close();
+  // A plain-TCP client gets nothing useful from the TLS port.
+  EXPECT_THROW(
+      {
+        ControlClient plain(d->ports().control);
+        plain->Health(health, MakeAuth("", ""));
+      },
+      apache::thrift::TException);
 }
 
 }  // namespace
