@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -157,6 +158,12 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
     return absl::UnavailableError(
         absl::StrCat("connect ", endpoint.ToString(), ": ", gai_strerror(rc)));
   }
+  if (absl::Status st = CheckAddressFamilySupported(
+          res->ai_family, absl::StrCat("connect ", endpoint.ToString()));
+      !st.ok()) {
+    freeaddrinfo(res);
+    return st;
+  }
   ucp_ep_params_t ep = {};
   ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
                   UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -181,7 +188,20 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
   hello.client_name = options_.client_name;
   const uint64_t rid = NextRequestId();
   absl::StatusOr<Reply> r = Call(rid, wire::Encode(rid, hello), options_.connect_timeout);
-  if (!r.ok()) return Annotate(r.status(), absl::StrCat("connect ", endpoint.ToString()));
+  if (!r.ok()) {
+    absl::Status st = Annotate(r.status(), absl::StrCat("connect ", endpoint.ToString()));
+    auto tls = options_.ucx.overrides.find("TLS");
+    const char* env = std::getenv("UCX_TLS");
+    const std::string tls_value =
+        tls != options_.ucx.overrides.end() ? tls->second : (env != nullptr ? env : "");
+    if (!tls_value.empty() && tls_value.find("tcp") == std::string::npos &&
+        tls_value != "all") {
+      st = Annotate(st, absl::StrCat("UCX_TLS=", tls_value,
+                                     " lacks tcp, which sockaddr connections need "
+                                     "(use e.g. sm,tcp; docs/protocol.md)"));
+    }
+    return st;
+  }
   if (r->header.type == wire::MessageType::kStatus) {
     wire::StatusReply st;
     KVCOMP_RETURN_IF_ERROR(wire::Decode(r->frame(), &st));

@@ -171,6 +171,11 @@ absl::Status ServerImpl::Init() {
                                                    options_.listen_address,
                                                    "\": ", gai_strerror(rc)));
   }
+  if (absl::Status st = CheckAddressFamilySupported(res->ai_family, "UcxServer: listen");
+      !st.ok()) {
+    freeaddrinfo(res);
+    return st;
+  }
   ucp_listener_params_t lp = {};
   lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
   lp.sockaddr.addr = res->ai_addr;

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/transport/protocol.h"
 
 namespace kvcomp {
 namespace transport {
@@ -54,7 +55,16 @@ absl::StatusOr<std::shared_ptr<WorkerLoop>> WorkerLoop::Create(const UcxConfig& 
   std::shared_ptr<WorkerLoop> loop(new WorkerLoop());
   KVCOMP_ASSIGN_OR_RETURN(loop->context_, UcpContext::Create(config, /*wakeup=*/true));
   KVCOMP_ASSIGN_OR_RETURN(loop->worker_, UcpWorker::Create(loop->context_.get(), true));
-  ucs_status_t s = ucp_worker_get_efd(loop->worker_.get(), &loop->efd_);
+  ucp_worker_attr_t attr = {};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+  ucs_status_t s = ucp_worker_query(loop->worker_.get(), &attr);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_query");
+  if (attr.max_am_header < wire::kMaxFrameBytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "UCX allows active-message headers of ", attr.max_am_header,
+        " bytes with these transports; the protocol needs ", wire::kMaxFrameBytes));
+  }
+  s = ucp_worker_get_efd(loop->worker_.get(), &loop->efd_);
   if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_get_efd");
   loop->poll_spin_ = poll_spin;
   return loop;
@@ -149,6 +159,16 @@ void WorkerLoop::Run() {
     Sleep(std::min(next_tick - now, absl::Milliseconds(100)));
     last_event = absl::Now();
   }
+}
+
+absl::Status CheckAddressFamilySupported(int family, absl::string_view what) {
+  if (family != AF_INET6) return absl::OkStatus();
+  unsigned major, minor, release;
+  ucp_get_version(&major, &minor, &release);
+  if (major > 1 || (major == 1 && minor > 13)) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      what, ": IPv6 is not supported with UCX ", major, ".", minor, ".", release,
+      " (its tcp sockaddr connection manager overflows a buffer on IPv6); use IPv4"));
 }
 
 namespace {

@@ -108,6 +108,10 @@ class WorkerLoop {
   std::atomic<bool> has_posted_{false};
 };
 
+// Unimplemented for IPv6 socket addresses on UCX <= 1.13, whose tcp sockaddr connection manager
+// corrupts memory when it handles them; OK otherwise.
+absl::Status CheckAddressFamilySupported(int family, absl::string_view what);
+
 // Refuses a rendezvous message without receiving its data (the sender's request completes).
 void DropRendezvous(ucp_worker_h worker, void* data_desc);
 

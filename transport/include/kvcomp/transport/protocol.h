@@ -34,8 +34,10 @@ inline constexpr uint32_t kMagic = 0x5057564B;  // "KVWP" in wire order
 inline constexpr uint8_t kMajorVersion = 1;
 inline constexpr uint8_t kMinorVersion = 0;
 inline constexpr uint32_t kFrameHeaderBytes = 32;
-// Largest frame (header + body). Fits the AM header limit of UCX 1.13's tcp and posix paths.
-inline constexpr uint32_t kMaxFrameBytes = 8192;
+// Largest frame (header + body). UCX 1.13 allows AM headers of about 8 KB with tcp and shared
+// memory; servers and clients check their worker's limit at start. The largest message
+// (a put-begin with the longest key and policy) needs about 2.3 KB.
+inline constexpr uint32_t kMaxFrameBytes = 4096;
 // Largest payload any message may announce (1 TiB); servers enforce a much smaller limit.
 inline constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 40;
 inline constexpr size_t kMaxTokenBytes = 2048;       // hello credentials
