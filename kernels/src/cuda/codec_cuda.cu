@@ -1,0 +1,610 @@
+// CUDA CodecOps: launchers of codec_kernels.cuh, cuBLAS for the calibration's second moments and
+// cuSOLVER for its eigendecompositions. Pointers may be device memory, or host memory, which is
+// staged through device buffers (so the whole-cache helpers in kvsplice.h work unchanged).
+// Projections are uploaded once per (version, rank, gamma) and kept in a small cache.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cusolverDn.h>
+
+#include <algorithm>
+#include <cstring>
+#include <list>
+#include <vector>
+
+#include "../cpu/codec_cpu_internal.h"
+#include "absl/strings/str_format.h"
+#include "codec_kernels.cuh"
+#include "cuda_ops.h"
+#include "cuda_status.h"
+#include "kvcomp/core/status.h"
+
+namespace kvcomp {
+namespace {
+
+using codec_cuda::LatentKind;
+using codec_cuda::Tile;
+
+absl::Status CublasStatus(cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrFormat("%s: cuBLAS status %d", what, static_cast<int>(s)));
+}
+absl::Status CusolverStatus(cusolverStatus_t s, const char* what) {
+  if (s == CUSOLVER_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrFormat("%s: cuSOLVER status %d", what, static_cast<int>(s)));
+}
+
+LatentKind KindOf(ValueCodec c) {
+  switch (c) {
+    case ValueCodec::kOrthogonalInt8:
+      return LatentKind::kInt8;
+    case ValueCodec::kOrthogonalInt4:
+      return LatentKind::kInt4;
+    default:
+      return LatentKind::kF16;
+  }
+}
+
+std::vector<Tile> MakeTiles(const RowSpan& rows, uint64_t tile_rows) {
+  std::vector<Tile> tiles;
+  for (uint64_t h = 0; h < rows.num_heads(); ++h) {
+    for (uint64_t b = rows.row_offsets[h]; b < rows.row_offsets[h + 1]; b += tile_rows) {
+      tiles.push_back({static_cast<uint32_t>(h),
+                       static_cast<uint32_t>(std::min(tile_rows, rows.row_offsets[h + 1] - b)), b});
+    }
+  }
+  return tiles;
+}
+
+bool IsDevicePointer(const void* p) {
+  if (p == nullptr) return false;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+}
+
+class CudaCodecOps final : public CodecOps {
+ public:
+  explicit CudaCodecOps(CudaContext* ctx) : ctx_(ctx) {}
+  ~CudaCodecOps() override {
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
+    if (cusolver_ != nullptr) cusolverDnDestroy(cusolver_);
+  }
+
+  absl::Status EncodeValues(const Projection& projection, const ValueCodecParams& params,
+                            const RowSpan& rows, const void* values, DType dtype, void* latent,
+                            uint16_t* scales) override {
+    KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, dtype));
+    const uint64_t n = rows.total_rows(), d = projection.head_dim;
+    if (n == 0) return absl::OkStatus();
+    if (values == nullptr || latent == nullptr || (params.Groups() > 0 && scales == nullptr)) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    KVCOMP_ASSIGN_OR_RETURN(const DeviceProjection* dp, Upload(projection, params, rows));
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* dv, st.In(values, n * d * DTypeBytes(dtype, 1)));
+    KVCOMP_ASSIGN_OR_RETURN(void* dl, st.Out(latent, n * params.LatentBytes()));
+    KVCOMP_ASSIGN_OR_RETURN(void* ds, st.Out(scales, n * params.Groups() * 2));
+    const std::vector<Tile> tiles = MakeTiles(rows, codec_cuda::kEncodeRows);
+    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
+    codec_cuda::EncodeParams p{dt,
+                               dv,
+                               dp->enc_t.as<float>() + rows.first_head * d * params.rank,
+                               static_cast<uint8_t*>(dl),
+                               static_cast<uint16_t*>(ds),
+                               static_cast<uint32_t>(d),
+                               params.rank,
+                               params.group_size,
+                               static_cast<uint32_t>(params.Groups()),
+                               static_cast<uint32_t>(params.LatentBytes()),
+                               KindOf(params.codec)};
+    const size_t smem = sizeof(float) * codec_cuda::kEncodeRows * (d + params.rank);
+    switch (dtype) {
+      case DType::kF32:
+        KVCOMP_RETURN_IF_ERROR(LaunchEncode<float>(p, tiles.size(), smem));
+        break;
+      case DType::kF16:
+        KVCOMP_RETURN_IF_ERROR(LaunchEncode<__half>(p, tiles.size(), smem));
+        break;
+      default:
+        KVCOMP_RETURN_IF_ERROR(LaunchEncode<__nv_bfloat16>(p, tiles.size(), smem));
+    }
+    return st.Finish();
+  }
+
+  absl::Status DecodeValues(const Projection& projection, const ValueCodecParams& params,
+                            const RowSpan& rows, const void* latent, const uint16_t* scales,
+                            void* out, DType out_dtype) override {
+    KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, out_dtype));
+    const uint64_t n = rows.total_rows(), d = projection.head_dim;
+    if (n == 0) return absl::OkStatus();
+    if (latent == nullptr || out == nullptr || (params.Groups() > 0 && scales == nullptr)) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    KVCOMP_ASSIGN_OR_RETURN(const DeviceProjection* dp, Upload(projection, params, rows));
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* dl, st.In(latent, n * params.LatentBytes()));
+    KVCOMP_ASSIGN_OR_RETURN(const void* ds, st.In(scales, n * params.Groups() * 2));
+    KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, n * d * DTypeBytes(out_dtype, 1)));
+    if (reinterpret_cast<uintptr_t>(dout) % 16 != 0) {
+      return absl::InvalidArgumentError("codec (CUDA): the output must be 16-byte aligned");
+    }
+    const uint32_t r_pad = (params.rank + 15) / 16 * 16;
+    codec_cuda::DecodeParams p{nullptr,
+                               static_cast<const uint8_t*>(dl),
+                               static_cast<const uint16_t*>(ds),
+                               dp->dec16.as<__half>() + rows.first_head * r_pad * d,
+                               dout,
+                               params.rank,
+                               r_pad,
+                               params.group_size,
+                               static_cast<uint32_t>(params.Groups()),
+                               static_cast<uint32_t>(params.LatentBytes()),
+                               KindOf(params.codec)};
+    switch (d) {
+      case 64:
+        KVCOMP_RETURN_IF_ERROR(DecodeByDType<64>(p, rows, out_dtype, &st));
+        break;
+      case 128:
+        KVCOMP_RETURN_IF_ERROR(DecodeByDType<128>(p, rows, out_dtype, &st));
+        break;
+      case 256:
+        KVCOMP_RETURN_IF_ERROR(DecodeByDType<256>(p, rows, out_dtype, &st));
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrFormat("codec (CUDA): head_dim %u (64, 128 or 256)", d));
+    }
+    return st.Finish();
+  }
+
+  absl::Status EncodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
+                          const void* keys, DType dtype, void* out, float* key_scales) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKeyCall(codec, rows, head_dim, dtype, dtype));
+    const uint64_t n = rows.total_rows(), d = head_dim, heads = rows.num_heads();
+    if (codec == KeyCodec::kInt8 && key_scales == nullptr) {
+      return absl::InvalidArgumentError("codec: null key_scales");
+    }
+    if (n > 0 && (keys == nullptr || out == nullptr)) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* dk, st.In(keys, n * d * DTypeBytes(dtype, 1)));
+    const uint64_t out_bytes = n * d * (codec == KeyCodec::kRaw ? DTypeBytes(dtype, 1)
+                                        : codec == KeyCodec::kFp16 ? 2 : 1);
+    KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, out_bytes));
+    float* dsc = nullptr;
+    if (codec == KeyCodec::kInt8) {
+      KVCOMP_ASSIGN_OR_RETURN(void* s, st.Out(key_scales, heads * d * sizeof(float)));
+      dsc = static_cast<float*>(s);
+    }
+    if (codec == KeyCodec::kRaw) {
+      if (n > 0) {
+        KVCOMP_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(dout, dk, out_bytes, cudaMemcpyDeviceToDevice, ctx_->stream));
+      }
+      return st.Finish();
+    }
+    const std::vector<Tile> tiles = MakeTiles(rows, 64);
+    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
+    switch (dtype) {
+      case DType::kF32:
+        KVCOMP_RETURN_IF_ERROR(LaunchKeys<float>(codec, tiles.size(), heads, dt, doff, dk, d, dsc, dout));
+        break;
+      case DType::kF16:
+        KVCOMP_RETURN_IF_ERROR(LaunchKeys<__half>(codec, tiles.size(), heads, dt, doff, dk, d, dsc, dout));
+        break;
+      default:
+        KVCOMP_RETURN_IF_ERROR(
+            LaunchKeys<__nv_bfloat16>(codec, tiles.size(), heads, dt, doff, dk, d, dsc, dout));
+    }
+    return st.Finish();
+  }
+
+  absl::Status DecodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
+                          const void* encoded, DType raw_dtype, const float* key_scales,
+                          void* out, DType out_dtype) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKeyCall(codec, rows, head_dim, raw_dtype, out_dtype));
+    const uint64_t n = rows.total_rows(), d = head_dim, heads = rows.num_heads();
+    if (n == 0) return absl::OkStatus();
+    if (encoded == nullptr || out == nullptr || (codec == KeyCodec::kInt8 && !key_scales)) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    const DType in_dtype = codec == KeyCodec::kRaw ? raw_dtype : DType::kF16;
+    Staging st(this);
+    const uint64_t in_bytes = n * d * (codec == KeyCodec::kInt8 ? 1 : DTypeBytes(in_dtype, 1));
+    KVCOMP_ASSIGN_OR_RETURN(const void* din, st.In(encoded, in_bytes));
+    const void* dsc = nullptr;
+    if (codec == KeyCodec::kInt8) {
+      KVCOMP_ASSIGN_OR_RETURN(dsc, st.In(key_scales, heads * d * sizeof(float)));
+    }
+    KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, n * d * DTypeBytes(out_dtype, 1)));
+    const std::vector<Tile> tiles = MakeTiles(rows, 64);
+    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
+    const bool int8 = codec == KeyCodec::kInt8;
+    const float* fs = static_cast<const float*>(dsc);
+    switch (out_dtype) {
+      case DType::kF32:
+        KVCOMP_RETURN_IF_ERROR(LaunchDecodeKeys<float>(in_dtype, tiles.size(), dt, din, d, fs, int8, dout));
+        break;
+      case DType::kF16:
+        KVCOMP_RETURN_IF_ERROR(LaunchDecodeKeys<__half>(in_dtype, tiles.size(), dt, din, d, fs, int8, dout));
+        break;
+      default:
+        KVCOMP_RETURN_IF_ERROR(
+            LaunchDecodeKeys<__nv_bfloat16>(in_dtype, tiles.size(), dt, din, d, fs, int8, dout));
+    }
+    return st.Finish();
+  }
+
+  absl::Status AccumulateSecondMoment(const HeadsView& values, absl::Span<double> gram) override {
+    if (!IsInputDType(values.dtype)) {
+      return absl::InvalidArgumentError("codec: value dtype must be f32, f16 or bf16");
+    }
+    const uint64_t d = values.head_dim, heads = values.num_heads, t = values.num_tokens;
+    if (gram.size() != heads * d * d) {
+      return absl::InvalidArgumentError("codec: gram size does not match the values");
+    }
+    if (t == 0 || heads == 0) return absl::OkStatus();
+    if (values.data == nullptr) return absl::InvalidArgumentError("codec: null values");
+    KVCOMP_RETURN_IF_ERROR(EnsureHandles());
+    // Bytes the view spans, for staging a host view.
+    const uint64_t span = (heads - 1) * values.head_stride + (t - 1) * values.token_stride + d;
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* dv, st.In(values.data, span * DTypeBytes(values.dtype, 1)));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer dense, Buffer::Allocate(*ctx_->allocator, heads * t * d * 4));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer g, Buffer::Allocate(*ctx_->allocator, heads * d * d * 4));
+    const int blocks = static_cast<int>(std::min<uint64_t>((heads * t * d + 255) / 256, 65535));
+    switch (values.dtype) {
+      case DType::kF32:
+        codec_cuda::GatherF32Kernel<float><<<blocks, 256, 0, ctx_->stream>>>(
+            static_cast<const float*>(dv), heads, t, d, values.token_stride, values.head_stride,
+            dense.as<float>());
+        break;
+      case DType::kF16:
+        codec_cuda::GatherF32Kernel<__half><<<blocks, 256, 0, ctx_->stream>>>(
+            static_cast<const __half*>(dv), heads, t, d, values.token_stride, values.head_stride,
+            dense.as<float>());
+        break;
+      default:
+        codec_cuda::GatherF32Kernel<__nv_bfloat16><<<blocks, 256, 0, ctx_->stream>>>(
+            static_cast<const __nv_bfloat16*>(dv), heads, t, d, values.token_stride,
+            values.head_stride, dense.as<float>());
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    // Column-major X = V_h^T (d x t, ld d); G_h = X X^T.
+    const float one = 1.0f, zero = 0.0f;
+    KVCOMP_RETURN_IF_ERROR(CublasStatus(
+        cublasSgemmStridedBatched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(d),
+                                  static_cast<int>(d), static_cast<int>(t), &one,
+                                  dense.as<float>(), static_cast<int>(d),
+                                  static_cast<long long>(t * d), dense.as<float>(),
+                                  static_cast<int>(d), static_cast<long long>(t * d), &zero,
+                                  g.as<float>(), static_cast<int>(d),
+                                  static_cast<long long>(d * d), static_cast<int>(heads)),
+        "cublasSgemmStridedBatched"));
+    std::vector<float> host(heads * d * d);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), g.data(), host.size() * 4,
+                                                cudaMemcpyDeviceToHost, ctx_->stream));
+    KVCOMP_RETURN_IF_ERROR(st.Finish());
+    for (size_t i = 0; i < host.size(); ++i) gram[i] += host[i];  // symmetric: layout agnostic
+    return absl::OkStatus();
+  }
+
+  absl::Status EigenDecompose(uint32_t dim, uint64_t batch, absl::Span<const double> gram,
+                              absl::Span<double> eigenvalues,
+                              absl::Span<double> eigenvectors) override {
+    const uint64_t dd = uint64_t{dim} * dim;
+    if (dim == 0 || gram.size() != batch * dd || eigenvalues.size() != batch * dim ||
+        eigenvectors.size() != batch * dd) {
+      return absl::InvalidArgumentError("codec: EigenDecompose buffer sizes do not match");
+    }
+    if (batch == 0) return absl::OkStatus();
+    KVCOMP_RETURN_IF_ERROR(EnsureHandles());
+    KVCOMP_ASSIGN_OR_RETURN(Buffer a, Buffer::Allocate(*ctx_->allocator, batch * dd * 8));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer w, Buffer::Allocate(*ctx_->allocator, batch * dim * 8));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer info, Buffer::Allocate(*ctx_->allocator, batch * sizeof(int)));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.data(), gram.data(), batch * dd * 8,
+                                                cudaMemcpyHostToDevice, ctx_->stream));
+    int lwork = 0;
+    KVCOMP_RETURN_IF_ERROR(CusolverStatus(
+        cusolverDnDsyevd_bufferSize(cusolver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER,
+                                    static_cast<int>(dim), a.as<double>(), static_cast<int>(dim),
+                                    w.as<double>(), &lwork),
+        "cusolverDnDsyevd_bufferSize"));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer work,
+                            Buffer::Allocate(*ctx_->allocator, std::max(lwork, 1) * 8ull));
+    for (uint64_t b = 0; b < batch; ++b) {
+      KVCOMP_RETURN_IF_ERROR(CusolverStatus(
+          cusolverDnDsyevd(cusolver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER,
+                           static_cast<int>(dim), a.as<double>() + b * dd, static_cast<int>(dim),
+                           w.as<double>() + b * dim, work.as<double>(), lwork,
+                           info.as<int>() + b),
+          "cusolverDnDsyevd"));
+    }
+    std::vector<double> vecs(batch * dd), vals(batch * dim);
+    std::vector<int> infos(batch);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(vecs.data(), a.data(), batch * dd * 8,
+                                                cudaMemcpyDeviceToHost, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(vals.data(), w.data(), batch * dim * 8,
+                                                cudaMemcpyDeviceToHost, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(infos.data(), info.data(), batch * sizeof(int),
+                                                cudaMemcpyDeviceToHost, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    for (uint64_t b = 0; b < batch; ++b) {
+      if (infos[b] != 0) {
+        return absl::InternalError(absl::StrFormat(
+            "codec (CUDA): syevd of matrix %u did not converge (info %d)", b, infos[b]));
+      }
+      // Ascending with column-major eigenvectors (column j contiguous): reverse into rows.
+      for (uint32_t j = 0; j < dim; ++j) {
+        const uint32_t src = dim - 1 - j;
+        eigenvalues[b * dim + j] = vals[b * dim + src];
+        std::memcpy(&eigenvectors[b * dd + uint64_t{j} * dim], &vecs[b * dd + uint64_t{src} * dim],
+                    dim * sizeof(double));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Device copies of host inputs/outputs for one call; Finish copies outputs back and syncs.
+  class Staging {
+   public:
+    explicit Staging(CudaCodecOps* ops) : ops_(ops) {}
+    absl::StatusOr<const void*> In(const void* p, uint64_t bytes) {
+      if (p == nullptr || bytes == 0 || IsDevicePointer(p)) return p;
+      KVCOMP_ASSIGN_OR_RETURN(Buffer b, Buffer::Allocate(*ops_->ctx_->allocator, bytes));
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.data(), p, bytes, cudaMemcpyHostToDevice,
+                                                  ops_->ctx_->stream));
+      bufs_.push_back(std::move(b));
+      return const_cast<const void*>(bufs_.back().data());
+    }
+    absl::StatusOr<void*> Out(void* p, uint64_t bytes) {
+      if (p == nullptr || bytes == 0 || IsDevicePointer(p)) return p;
+      KVCOMP_ASSIGN_OR_RETURN(Buffer b, Buffer::Allocate(*ops_->ctx_->allocator, bytes));
+      outs_.push_back({p, b.data(), bytes});
+      bufs_.push_back(std::move(b));
+      return bufs_.back().data();
+    }
+    absl::StatusOr<const Tile*> Tiles(const std::vector<Tile>& tiles) {
+      KVCOMP_ASSIGN_OR_RETURN(const void* p, Upload(tiles.data(), tiles.size() * sizeof(Tile)));
+      return static_cast<const Tile*>(p);
+    }
+    absl::StatusOr<const uint64_t*> Offsets(const RowSpan& rows) {
+      KVCOMP_ASSIGN_OR_RETURN(const void* p, Upload(rows.row_offsets.data(),
+                                                    rows.row_offsets.size() * sizeof(uint64_t)));
+      return static_cast<const uint64_t*>(p);
+    }
+    absl::Status Finish() {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      for (const auto& o : outs_) {
+        KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(o.host, o.device, o.bytes,
+                                                    cudaMemcpyDeviceToHost, ops_->ctx_->stream));
+      }
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ops_->ctx_->stream));
+      return absl::OkStatus();
+    }
+    ~Staging() {
+      // Buffers are freed stream-ordered; host sources must outlive queued copies: sync.
+      cudaStreamSynchronize(ops_->ctx_->stream);
+    }
+
+   private:
+    absl::StatusOr<const void*> Upload(const void* p, uint64_t bytes) {
+      if (bytes == 0) return static_cast<const void*>(nullptr);
+      KVCOMP_ASSIGN_OR_RETURN(Buffer b, Buffer::Allocate(*ops_->ctx_->allocator, bytes));
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.data(), p, bytes, cudaMemcpyHostToDevice,
+                                                  ops_->ctx_->stream));
+      bufs_.push_back(std::move(b));
+      return const_cast<const void*>(bufs_.back().data());
+    }
+    struct OutCopy {
+      void* host;
+      void* device;
+      uint64_t bytes;
+    };
+    CudaCodecOps* ops_;
+    std::list<Buffer> bufs_;  // stable addresses
+    std::vector<OutCopy> outs_;
+  };
+
+  struct DeviceProjection {
+    uint64_t version = 0;
+    uint32_t rank = 0;
+    bool gamma = false;
+    Buffer enc_t;  // [heads][d][r] f32
+    Buffer dec16;  // [heads][r_pad][d] f16
+  };
+
+  absl::StatusOr<const DeviceProjection*> Upload(const Projection& proj,
+                                                 const ValueCodecParams& params,
+                                                 const RowSpan& rows) {
+    const bool gamma = params.UsesGamma();
+    for (auto it = projections_.begin(); it != projections_.end(); ++it) {
+      if (it->version == proj.version && it->rank == params.rank && it->gamma == gamma) {
+        projections_.splice(projections_.begin(), projections_, it);
+        return &projections_.front();
+      }
+    }
+    const uint64_t heads = proj.num_heads(), d = proj.head_dim, r = params.rank;
+    const uint64_t r_pad = (r + 15) / 16 * 16;
+    std::vector<float> enc_t(heads * d * r);
+    std::vector<__half> dec(heads * r_pad * d, __float2half(0.0f));
+    std::vector<float> enc, decf;
+    for (uint64_t h = 0; h < heads; ++h) {
+      codec_internal::HeadMatrices(proj, h, params, &enc, &decf);
+      for (uint64_t j = 0; j < r; ++j) {
+        for (uint64_t k = 0; k < d; ++k) {
+          enc_t[(h * d + k) * r + j] = enc[j * d + k];
+          dec[(h * r_pad + j) * d + k] = __float2half_rn(decf[j * d + k]);
+        }
+      }
+    }
+    DeviceProjection dp;
+    dp.version = proj.version;
+    dp.rank = params.rank;
+    dp.gamma = gamma;
+    KVCOMP_ASSIGN_OR_RETURN(dp.enc_t, Buffer::Allocate(*ctx_->allocator, enc_t.size() * 4));
+    KVCOMP_ASSIGN_OR_RETURN(dp.dec16, Buffer::Allocate(*ctx_->allocator, dec.size() * 2));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dp.enc_t.data(), enc_t.data(), enc_t.size() * 4,
+                                                cudaMemcpyHostToDevice, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dp.dec16.data(), dec.data(), dec.size() * 2,
+                                                cudaMemcpyHostToDevice, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    projections_.push_front(std::move(dp));
+    while (projections_.size() > kMaxProjections) projections_.pop_back();
+    return &projections_.front();
+  }
+
+  template <typename T>
+  absl::Status LaunchEncode(const codec_cuda::EncodeParams& p, size_t tiles, size_t smem) {
+    if (smem > 48 * 1024) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          codec_cuda::EncodeValuesKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          static_cast<int>(smem)));
+    }
+    codec_cuda::EncodeValuesKernel<T>
+        <<<static_cast<unsigned>(tiles), codec_cuda::kEncodeThreads, smem, ctx_->stream>>>(p);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return absl::OkStatus();
+  }
+
+  template <int D>
+  absl::Status DecodeByDType(codec_cuda::DecodeParams p, const RowSpan& rows, DType out_dtype,
+                             Staging* st) {
+    const std::vector<Tile> tiles = MakeTiles(rows, codec_cuda::DecodeShape<D>::kTileRows);
+    KVCOMP_ASSIGN_OR_RETURN(p.tiles, st->Tiles(tiles));
+    switch (out_dtype) {
+      case DType::kF32:
+        return LaunchDecode<float, D>(p, tiles.size());
+      case DType::kF16:
+        return LaunchDecode<__half, D>(p, tiles.size());
+      default:
+        return LaunchDecode<__nv_bfloat16, D>(p, tiles.size());
+    }
+  }
+
+  template <typename T, int D>
+  absl::Status LaunchDecode(const codec_cuda::DecodeParams& p, size_t tiles) {
+    const size_t smem = codec_cuda::DecodeSmemBytes<D>(p.r_pad);
+    if (smem > ctx_->properties.sharedMemPerBlockOptin) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "codec (CUDA): rank %u at head_dim %d needs %u bytes of shared memory (device: %u)",
+          p.r, D, smem, ctx_->properties.sharedMemPerBlockOptin));
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(codec_cuda::DecodeValuesKernel<T, D>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(smem)));
+    codec_cuda::DecodeValuesKernel<T, D>
+        <<<static_cast<unsigned>(tiles), codec_cuda::kDecodeThreads, smem, ctx_->stream>>>(p);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return absl::OkStatus();
+  }
+
+  template <typename T>
+  absl::Status LaunchKeys(KeyCodec codec, size_t tiles, uint64_t heads, const Tile* dt,
+                          const uint64_t* doff, const void* dk, uint64_t d, float* dsc,
+                          void* dout) {
+    const bool int8 = codec == KeyCodec::kInt8;
+    if (int8) {
+      codec_cuda::KeyScalesKernel<T><<<static_cast<unsigned>(heads), 256, 0, ctx_->stream>>>(
+          static_cast<const T*>(dk), doff, static_cast<uint32_t>(d), dsc);
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    }
+    if (tiles == 0) return absl::OkStatus();
+    codec_cuda::EncodeKeysKernel<T><<<static_cast<unsigned>(tiles), 256, 0, ctx_->stream>>>(
+        dt, static_cast<const T*>(dk), static_cast<uint32_t>(d), dsc, int8, dout);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return absl::OkStatus();
+  }
+
+  template <typename Out>
+  absl::Status LaunchDecodeKeys(DType in_dtype, size_t tiles, const Tile* dt, const void* din,
+                                uint64_t d, const float* sc, bool int8, void* dout) {
+    const unsigned g = static_cast<unsigned>(tiles);
+    auto* o = static_cast<Out*>(dout);
+    const uint32_t d32 = static_cast<uint32_t>(d);
+    switch (in_dtype) {
+      case DType::kF32:
+        codec_cuda::DecodeKeysKernel<float, Out><<<g, 256, 0, ctx_->stream>>>(dt, din, d32, sc, int8, o);
+        break;
+      case DType::kF16:
+        codec_cuda::DecodeKeysKernel<__half, Out><<<g, 256, 0, ctx_->stream>>>(dt, din, d32, sc, int8, o);
+        break;
+      default:
+        codec_cuda::DecodeKeysKernel<__nv_bfloat16, Out>
+            <<<g, 256, 0, ctx_->stream>>>(dt, din, d32, sc, int8, o);
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckValueCall(const Projection& projection, const ValueCodecParams& params,
+                              const RowSpan& rows, DType dtype) {
+    KVCOMP_RETURN_IF_ERROR(params.ValidateFor(projection));
+    KVCOMP_RETURN_IF_ERROR(rows.Validate(projection.num_heads()));
+    if (!IsInputDType(dtype)) {
+      return absl::InvalidArgumentError("codec: value dtype must be f32, f16 or bf16");
+    }
+    if (rows.total_rows() > 0) {
+      for (uint64_t h = 0; h < rows.num_heads(); ++h) {
+        if (rows.row_offsets[h + 1] - rows.row_offsets[h] > (uint64_t{1} << 31)) {
+          return absl::InvalidArgumentError("codec (CUDA): too many rows in one head");
+        }
+      }
+    }
+    return cudaSetDevice(ctx_->device) == cudaSuccess
+               ? absl::OkStatus()
+               : absl::InternalError("codec (CUDA): cudaSetDevice failed");
+  }
+
+  absl::Status CheckKeyCall(KeyCodec codec, const RowSpan& rows, uint32_t head_dim, DType dtype,
+                            DType out_dtype) {
+    if (static_cast<uint8_t>(codec) > static_cast<uint8_t>(KeyCodec::kInt8)) {
+      return absl::InvalidArgumentError("codec: unknown key codec");
+    }
+    if (head_dim == 0 || head_dim > 1024) {
+      return absl::InvalidArgumentError("codec: head_dim out of range");
+    }
+    KVCOMP_RETURN_IF_ERROR(rows.Validate(~uint64_t{0}));
+    if (!IsInputDType(dtype) || !IsInputDType(out_dtype)) {
+      return absl::InvalidArgumentError("codec: key dtype must be f32, f16 or bf16");
+    }
+    return cudaSetDevice(ctx_->device) == cudaSuccess
+               ? absl::OkStatus()
+               : absl::InternalError("codec (CUDA): cudaSetDevice failed");
+  }
+
+  absl::Status EnsureHandles() {
+    if (cublas_ == nullptr) {
+      KVCOMP_RETURN_IF_ERROR(CublasStatus(cublasCreate(&cublas_), "cublasCreate"));
+      KVCOMP_RETURN_IF_ERROR(CublasStatus(cublasSetStream(cublas_, ctx_->stream), "cublasSetStream"));
+    }
+    if (cusolver_ == nullptr) {
+      KVCOMP_RETURN_IF_ERROR(CusolverStatus(cusolverDnCreate(&cusolver_), "cusolverDnCreate"));
+      KVCOMP_RETURN_IF_ERROR(
+          CusolverStatus(cusolverDnSetStream(cusolver_, ctx_->stream), "cusolverDnSetStream"));
+    }
+    return absl::OkStatus();
+  }
+
+  static constexpr size_t kMaxProjections = 4;
+  CudaContext* ctx_;
+  cublasHandle_t cublas_ = nullptr;
+  cusolverDnHandle_t cusolver_ = nullptr;
+  std::list<DeviceProjection> projections_;
+};
+
+}  // namespace
+
+std::unique_ptr<CodecOps> NewCudaCodecOps(CudaContext* context) {
+  return std::make_unique<CudaCodecOps>(context);
+}
+
+}  // namespace kvcomp

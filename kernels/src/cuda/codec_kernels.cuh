@@ -1,0 +1,341 @@
+// KVSplice CUDA kernels (codec_ops.h has the arithmetic; the CPU reference is
+// cpu/codec_cpu_internal.h and these follow it: f16 scales rounded up, round-half-even,
+// clamp before conversion).
+//
+// Work is a list of tiles (head, first row, rows) built on the host from the ragged offsets, one
+// thread block per tile, so every block reads one head's matrix.
+//   EncodeValuesKernel: z = V E^T on CUDA cores (E in f32, transposed), then per (row, group)
+//     scale and quantization from shared memory.
+//   DecodeValuesKernel: the fused dequantize + expand. Each block stages its head's decode matrix
+//     (f16) in shared memory once, then per 64-row sub-tile dequantizes the latent into f16
+//     (q * s, exact for int4/int8 up to the f16 rounding of the product), multiplies on tensor
+//     cores (WMMA 16x16x16, f32 accumulate) and writes V' in the output dtype. Nothing but V' is
+//     written to global memory.
+#ifndef KVCOMP_KERNELS_SRC_CUDA_CODEC_KERNELS_CUH_
+#define KVCOMP_KERNELS_SRC_CUDA_CODEC_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <cstdint>
+
+namespace kvcomp {
+namespace codec_cuda {
+
+struct Tile {
+  uint32_t head;  // relative to the call's first head
+  uint32_t rows;  // rows in the tile
+  uint64_t begin;
+};
+
+enum class LatentKind : int { kF16 = 0, kInt8 = 1, kInt4 = 2 };
+
+template <typename T>
+__device__ __forceinline__ float ToF(T x);
+template <>
+__device__ __forceinline__ float ToF<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float ToF<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// As codec_internal::GroupScaleHalf.
+__device__ __forceinline__ uint16_t GroupScaleHalf(float max_abs, int qmax) {
+  const float s = max_abs / static_cast<float>(qmax);
+  if (!(s > 0.0f)) return 0;
+  if (s >= 65504.0f) return 0x7bff;
+  uint16_t h = __half_as_ushort(__float2half_rn(s));
+  if (__half2float(__ushort_as_half(h)) < s) ++h;
+  return h;
+}
+
+__device__ __forceinline__ int QuantizeOne(float z, float scale, int qmax) {
+  if (scale == 0.0f) return 0;
+  const float q = fminf(fmaxf(z / scale, -static_cast<float>(qmax)), static_cast<float>(qmax));
+  return __float2int_rn(q);
+}
+
+__device__ __forceinline__ int Int4Value(uint32_t nibble) {
+  return static_cast<int>((nibble ^ 8u) & 15u) - 8;
+}
+
+constexpr int kEncodeRows = 16;
+constexpr int kEncodeThreads = 256;
+
+struct EncodeParams {
+  const Tile* tiles;
+  const void* values;     // [rows][d] of T
+  const float* enc_t;     // [heads][d][r] (transposed encode matrix)
+  uint8_t* latent;        // [rows][latent_bytes]
+  uint16_t* scales;       // [rows][groups]
+  uint32_t d, r, group_size, groups, latent_bytes;
+  LatentKind kind;
+};
+
+// Dynamic shared memory: kEncodeRows * (d + r) floats.
+template <typename T>
+__global__ void __launch_bounds__(kEncodeThreads) EncodeValuesKernel(EncodeParams p) {
+  extern __shared__ float smem[];
+  const Tile tile = p.tiles[blockIdx.x];
+  const uint32_t d = p.d, r = p.r;
+  float* vs = smem;                       // [kEncodeRows][d]
+  float* zs = smem + kEncodeRows * d;     // [kEncodeRows][r]
+  const T* in = static_cast<const T*>(p.values) + tile.begin * d;
+  for (uint32_t i = threadIdx.x; i < kEncodeRows * d; i += blockDim.x) {
+    vs[i] = i < tile.rows * d ? ToF<T>(in[i]) : 0.0f;
+  }
+  __syncthreads();
+  const float* et = p.enc_t + static_cast<uint64_t>(tile.head) * d * r;
+  for (uint32_t j = threadIdx.x; j < r; j += blockDim.x) {
+    float acc[kEncodeRows];
+#pragma unroll
+    for (int t = 0; t < kEncodeRows; ++t) acc[t] = 0.0f;
+    for (uint32_t k = 0; k < d; ++k) {
+      const float e = __ldg(et + static_cast<uint64_t>(k) * r + j);
+#pragma unroll
+      for (int t = 0; t < kEncodeRows; ++t) acc[t] = fmaf(vs[t * d + k], e, acc[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < kEncodeRows; ++t) zs[t * r + j] = acc[t];
+  }
+  __syncthreads();
+  uint8_t* out = p.latent + tile.begin * p.latent_bytes;
+  if (p.kind == LatentKind::kF16) {
+    uint16_t* h = reinterpret_cast<uint16_t*>(out);
+    for (uint32_t i = threadIdx.x; i < tile.rows * r; i += blockDim.x) {
+      h[i] = __half_as_ushort(__float2half_rn(fminf(fmaxf(zs[i], -65504.0f), 65504.0f)));
+    }
+    return;
+  }
+  const int qmax = p.kind == LatentKind::kInt4 ? 7 : 127;
+  // Group scales, overwriting the first element slot is not possible: keep them in vs (free now).
+  float* sc = vs;  // [rows][groups], groups * kEncodeRows <= kEncodeRows * d
+  for (uint32_t i = threadIdx.x; i < tile.rows * p.groups; i += blockDim.x) {
+    const uint32_t t = i / p.groups, g = i % p.groups;
+    const uint32_t lo = g * p.group_size, hi = min(r, lo + p.group_size);
+    float m = 0.0f;
+    for (uint32_t j = lo; j < hi; ++j) m = fmaxf(m, fabsf(zs[t * r + j]));
+    const uint16_t s = GroupScaleHalf(m, qmax);
+    p.scales[(tile.begin + t) * p.groups + g] = s;
+    sc[i] = __half2float(__ushort_as_half(s));
+  }
+  __syncthreads();
+  if (p.kind == LatentKind::kInt8) {
+    for (uint32_t i = threadIdx.x; i < tile.rows * r; i += blockDim.x) {
+      const uint32_t t = i / r, j = i % r;
+      const int q = QuantizeOne(zs[i], sc[t * p.groups + j / p.group_size], qmax);
+      out[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    }
+  } else {
+    const uint32_t half_r = r / 2;
+    for (uint32_t i = threadIdx.x; i < tile.rows * half_r; i += blockDim.x) {
+      const uint32_t t = i / half_r, j = (i % half_r) * 2;
+      const int q0 = QuantizeOne(zs[t * r + j], sc[t * p.groups + j / p.group_size], qmax);
+      const int q1 = QuantizeOne(zs[t * r + j + 1], sc[t * p.groups + (j + 1) / p.group_size], qmax);
+      out[t * p.latent_bytes + j / 2] =
+          static_cast<uint8_t>((static_cast<uint32_t>(q0) & 15u) | ((static_cast<uint32_t>(q1) & 15u) << 4));
+    }
+  }
+}
+
+constexpr int kDecodeThreads = 128;  // 4 warps
+constexpr int kDecodeSubTiles = 4;   // sub-tiles of M rows per block (rows per tile: 4 M)
+
+template <int D>
+struct DecodeShape {
+  static constexpr int M = D >= 256 ? 32 : 64;          // rows per sub-tile
+  static constexpr int kRowGroups = M / 16;              // warps along rows
+  static constexpr int kColGroups = 4 / kRowGroups;      // warps along columns
+  static constexpr int kColsPerWarp = D / kColGroups;
+  static constexpr int kFrags = kColsPerWarp / 16;
+  static constexpr int kLdD = D + 8;                     // halves, padding against bank conflicts
+  static constexpr int kLdC = D + 4;                     // floats
+  static constexpr int kTileRows = M * kDecodeSubTiles;
+};
+
+struct DecodeParams {
+  const Tile* tiles;
+  const uint8_t* latent;
+  const uint16_t* scales;
+  const __half* dec;  // [heads][r_pad][D] f16, rows >= r zero
+  void* out;          // [rows][D] of T
+  uint32_t r, r_pad, group_size, groups, latent_bytes;
+  LatentKind kind;
+};
+
+template <int D>
+__host__ __device__ constexpr size_t DecodeSmemBytes(uint32_t r_pad) {
+  using S = DecodeShape<D>;
+  return static_cast<size_t>(r_pad) * S::kLdD * 2 +        // decode matrix
+         static_cast<size_t>(S::M) * (r_pad + 8) * 2 +      // dequantized latent
+         static_cast<size_t>(S::M) * S::kLdC * 4;           // f32 output tile
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kDecodeThreads) DecodeValuesKernel(DecodeParams p) {
+  using namespace nvcuda;
+  using S = DecodeShape<D>;
+  extern __shared__ __align__(128) unsigned char dsmem[];
+  const Tile tile = p.tiles[blockIdx.x];
+  const uint32_t r = p.r, r_pad = p.r_pad, lda = r_pad + 8;
+  __half* dm = reinterpret_cast<__half*>(dsmem);
+  __half* as = dm + static_cast<size_t>(r_pad) * S::kLdD;
+  float* cs = reinterpret_cast<float*>(as + static_cast<size_t>(S::M) * lda);
+
+  // The head's decode matrix, 16-byte loads.
+  const __half* dg = p.dec + static_cast<uint64_t>(tile.head) * r_pad * D;
+  for (uint32_t i = threadIdx.x; i < r_pad * (D / 8); i += blockDim.x) {
+    const uint32_t row = i / (D / 8), c8 = (i % (D / 8)) * 8;
+    *reinterpret_cast<uint4*>(dm + row * S::kLdD + c8) =
+        *reinterpret_cast<const uint4*>(dg + static_cast<uint64_t>(row) * D + c8);
+  }
+  const int warp = threadIdx.x / 32;
+  const int wr = warp % S::kRowGroups, wc = warp / S::kRowGroups;
+  T* out = static_cast<T*>(p.out);
+
+  for (uint32_t sub = 0; sub * S::M < tile.rows; ++sub) {
+    const uint32_t row0 = sub * S::M;
+    const uint32_t m = min(static_cast<uint32_t>(S::M), tile.rows - row0);
+    const uint64_t grow0 = tile.begin + row0;
+    __syncthreads();  // previous sub-tile's readers of as/cs are done (and dm is loaded)
+    // Dequantize M x r_pad into f16.
+    if (p.kind == LatentKind::kInt4) {
+      const uint32_t hb = r_pad / 2;
+      for (uint32_t i = threadIdx.x; i < S::M * hb; i += blockDim.x) {
+        const uint32_t t = i / hb, jb = i % hb, j = jb * 2;
+        __half2 v = __floats2half2_rn(0.0f, 0.0f);
+        if (t < m && j < r) {
+          const uint8_t b = p.latent[(grow0 + t) * p.latent_bytes + jb];
+          const float s0 = __half2float(__ushort_as_half(p.scales[(grow0 + t) * p.groups + j / p.group_size]));
+          const float s1 = __half2float(__ushort_as_half(p.scales[(grow0 + t) * p.groups + (j + 1) / p.group_size]));
+          v = __floats2half2_rn(Int4Value(b & 15u) * s0, Int4Value(b >> 4) * s1);
+        }
+        *reinterpret_cast<__half2*>(as + t * lda + j) = v;
+      }
+    } else {
+      for (uint32_t i = threadIdx.x; i < S::M * r_pad; i += blockDim.x) {
+        const uint32_t t = i / r_pad, j = i % r_pad;
+        float v = 0.0f;
+        if (t < m && j < r) {
+          const uint64_t g = grow0 + t;
+          if (p.kind == LatentKind::kInt8) {
+            const int q = static_cast<int8_t>(p.latent[g * p.latent_bytes + j]);
+            v = q * __half2float(__ushort_as_half(p.scales[g * p.groups + j / p.group_size]));
+          } else {
+            v = __half2float(reinterpret_cast<const __half*>(p.latent + g * p.latent_bytes)[j]);
+          }
+        }
+        as[t * lda + j] = __float2half_rn(v);
+      }
+    }
+    __syncthreads();
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[S::kFrags];
+#pragma unroll
+    for (int f = 0; f < S::kFrags; ++f) wmma::fill_fragment(acc[f], 0.0f);
+    for (uint32_t k = 0; k < r_pad; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+      wmma::load_matrix_sync(a, as + wr * 16 * lda + k, lda);
+#pragma unroll
+      for (int f = 0; f < S::kFrags; ++f) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> b;
+        wmma::load_matrix_sync(b, dm + k * S::kLdD + wc * S::kColsPerWarp + f * 16, S::kLdD);
+        wmma::mma_sync(acc[f], a, b, acc[f]);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < S::kFrags; ++f) {
+      wmma::store_matrix_sync(cs + wr * 16 * S::kLdC + wc * S::kColsPerWarp + f * 16, acc[f],
+                              S::kLdC, wmma::mem_row_major);
+    }
+    __syncthreads();
+    // Write V' (4 elements per thread-iteration).
+    for (uint32_t i = threadIdx.x; i < m * (D / 4); i += blockDim.x) {
+      const uint32_t t = i / (D / 4), c = (i % (D / 4)) * 4;
+      const float* src = cs + t * S::kLdC + c;
+      T* dst = out + (grow0 + t) * D + c;
+      if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(dst) = make_float4(src[0], src[1], src[2], src[3]);
+      } else {
+        T v[4] = {FromF<T>(src[0]), FromF<T>(src[1]), FromF<T>(src[2]), FromF<T>(src[3])};
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(v);
+      }
+    }
+  }
+}
+
+// Per (head, channel) max |k| / 127 over the head's rows: one block per head, one thread per
+// channel.
+template <typename T>
+__global__ void KeyScalesKernel(const T* keys, const uint64_t* offsets, uint32_t d,
+                                float* scales) {
+  const uint32_t h = blockIdx.x;
+  for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+    float m = 0.0f;
+    for (uint64_t i = offsets[h]; i < offsets[h + 1]; ++i) m = fmaxf(m, fabsf(ToF<T>(keys[i * d + c])));
+    scales[static_cast<uint64_t>(h) * d + c] = m / 127.0f;
+  }
+}
+
+// Keys of one tile per block: int8 with the head's scales, or f16.
+template <typename T>
+__global__ void EncodeKeysKernel(const Tile* tiles, const T* keys, uint32_t d,
+                                 const float* scales, bool int8, void* out) {
+  const Tile tile = tiles[blockIdx.x];
+  for (uint32_t i = threadIdx.x; i < tile.rows * d; i += blockDim.x) {
+    const uint64_t e = tile.begin * d + i;
+    const float v = ToF<T>(keys[e]);
+    if (int8) {
+      const float s = scales[static_cast<uint64_t>(tile.head) * d + i % d];
+      static_cast<int8_t*>(out)[e] = static_cast<int8_t>(QuantizeOne(v, s, 127));
+    } else {
+      static_cast<__half*>(out)[e] = __float2half_rn(v);
+    }
+  }
+}
+
+// Decodes keys (int8 with scales, f16, or raw of type In) into Out.
+template <typename In, typename Out>
+__global__ void DecodeKeysKernel(const Tile* tiles, const void* in, uint32_t d,
+                                 const float* scales, bool int8, Out* out) {
+  const Tile tile = tiles[blockIdx.x];
+  for (uint32_t i = threadIdx.x; i < tile.rows * d; i += blockDim.x) {
+    const uint64_t e = tile.begin * d + i;
+    float v;
+    if (int8) {
+      v = static_cast<const int8_t*>(in)[e] * scales[static_cast<uint64_t>(tile.head) * d + i % d];
+    } else {
+      v = ToF<In>(static_cast<const In*>(in)[e]);
+    }
+    out[e] = FromF<Out>(v);
+  }
+}
+
+// [heads][tokens][d] strided view of T into dense f32.
+template <typename T>
+__global__ void GatherF32Kernel(const T* in, uint32_t heads, uint64_t tokens, uint32_t d,
+                                uint64_t token_stride, uint64_t head_stride, float* out) {
+  const uint64_t n = static_cast<uint64_t>(heads) * tokens * d;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t h = i / (tokens * d), t = (i / d) % tokens, k = i % d;
+    out[i] = ToF<T>(in[h * head_stride + t * token_stride + k]);
+  }
+}
+
+}  // namespace codec_cuda
+}  // namespace kvcomp
+
+#endif  // KVCOMP_KERNELS_SRC_CUDA_CODEC_KERNELS_CUH_

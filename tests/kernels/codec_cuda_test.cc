@@ -1,0 +1,311 @@
+// KVSplice on CUDA against the CPU reference: calibration (cuBLAS + cuSOLVER vs Eigen), value
+// encode/decode for every codec, dtype and head_dim, keys, whole caches, device and host
+// pointers, outputs poisoned first. gpu label; 77 (skipped) without a device.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/gpu.h"
+#include "gtest/gtest.h"
+#include "kernels/codec_test_util.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/calibration.h"
+#include "kvcomp/kernels/codec_ops.h"
+#include "kvcomp/kernels/kvsplice.h"
+
+KVCOMP_GPU_TEST_BINARY();
+
+namespace kvcomp {
+namespace {
+
+struct Backends {
+  std::unique_ptr<Backend> cpu, cuda;
+  Backends() {
+    auto c = MakeCpuBackend(CpuBackendOptions{4});
+    auto g = MakeCudaBackend();
+    EXPECT_TRUE(c.ok() && g.ok()) << g.status();
+    cpu = std::move(*c);
+    cuda = std::move(*g);
+  }
+};
+
+Projection Calibrated(Backend* be, const testing::LowRankData& data, uint32_t rows) {
+  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be);
+  EXPECT_TRUE(cal.ok());
+  const std::vector<float> v = data.Make(1);
+  for (uint32_t l = 0; l < data.layers; ++l) EXPECT_TRUE(cal->AddLayer(l, data.LayerView(v, l)).ok());
+  auto p = cal->Finish(rows);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return *p;
+}
+
+RowSpan Span(const std::vector<uint64_t>& off) {
+  RowSpan r;
+  r.row_offsets = off;
+  return r;
+}
+
+TEST(CodecCuda, CalibrationAgreesWithTheCpu) {
+  Backends b;
+  testing::LowRankData data;
+  data.d = 128;
+  data.true_rank = 24;
+  data.tokens = 3000;
+  const Projection pc = Calibrated(b.cpu.get(), data, 128);
+  const Projection pg = Calibrated(b.cuda.get(), data, 128);
+  for (uint64_t h = 0; h < pc.num_heads(); ++h) {
+    for (uint32_t j = 0; j < data.d; ++j) {
+      const float ec = pc.eigenvalues[h * data.d + j], eg = pg.eigenvalues[h * data.d + j];
+      ASSERT_NEAR(eg, ec, 1e-4 * pc.eigenvalues[h * data.d] + 1e-6) << h << " " << j;
+    }
+    // Directions with a clear eigenvalue gap are the same vectors (signs are normalized).
+    for (uint32_t j = 0; j < 16; ++j) {
+      double dot = 0;
+      for (uint32_t k = 0; k < data.d; ++k) {
+        dot += pc.head_basis(h)[j * data.d + k] * pg.head_basis(h)[j * data.d + k];
+      }
+      EXPECT_NEAR(dot, 1.0, 1e-3) << "head " << h << " row " << j;
+    }
+  }
+}
+
+// Encodes the same host values on both backends, decodes both latents on both, compares.
+void CompareCodec(Backends& b, uint32_t d, ValueCodec codec, uint32_t rank, uint32_t group,
+                  bool gamma, DType dtype) {
+  testing::LowRankData data;
+  data.d = d;
+  data.layers = 1;
+  data.heads = 4;
+  data.tokens = 700;
+  data.true_rank = d / 2;
+  data.decay = 0.95;
+  const Projection p = Calibrated(b.cpu.get(), data, rank);
+  const std::vector<float> v32 = data.Make(5);
+  // Ragged: heads keep 700, 0, 333 and 1 rows.
+  const std::vector<uint64_t> off = {0, 700, 700, 1033, 1034};
+  const uint64_t n = off.back();
+  std::vector<uint8_t> in(DTypeBytes(dtype, n * d));
+  const uint64_t src_row[4] = {0, 0, 1400, 2100};
+  for (uint64_t h = 0, row = 0; h < 4; ++h) {
+    for (uint64_t i = 0; i < off[h + 1] - off[h]; ++i, ++row) {
+      for (uint32_t k = 0; k < d; ++k) {
+        StoreFromFloat(in.data(), dtype, row * d + k, v32[(src_row[h] + i) * d + k]);
+      }
+    }
+  }
+  ValueCodecParams params{codec, rank, group, gamma};
+  const uint64_t lb = params.LatentBytes(), g = params.Groups();
+  std::vector<uint8_t> lat_c(n * lb), lat_g(n * lb, 0xCD);
+  std::vector<uint16_t> sc_c(n * g + 1), sc_g(n * g + 1, 0xFFFF);
+  ASSERT_TRUE(b.cpu->codec()
+                  .EncodeValues(p, params, Span(off), in.data(), dtype, lat_c.data(), sc_c.data())
+                  .ok());
+  auto s = b.cuda->codec().EncodeValues(p, params, Span(off), in.data(), dtype, lat_g.data(),
+                                        sc_g.data());
+  ASSERT_TRUE(s.ok()) << s;
+  // Latents: the f32 sums differ in order, so a rare element may round the other way.
+  uint64_t differ = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    for (uint32_t j = 0; j < rank; ++j) {
+      int qc, qg;
+      if (codec == ValueCodec::kOrthogonalInt8) {
+        qc = static_cast<int8_t>(lat_c[i * lb + j]);
+        qg = static_cast<int8_t>(lat_g[i * lb + j]);
+      } else if (codec == ValueCodec::kOrthogonalInt4) {
+        const int sh = (j % 2) * 4;
+        qc = (lat_c[i * lb + j / 2] >> sh) & 15;
+        qg = (lat_g[i * lb + j / 2] >> sh) & 15;
+        qc = qc >= 8 ? qc - 16 : qc;
+        qg = qg >= 8 ? qg - 16 : qg;
+      } else {
+        uint16_t hc, hg;
+        std::memcpy(&hc, &lat_c[i * lb + 2 * j], 2);
+        std::memcpy(&hg, &lat_g[i * lb + 2 * j], 2);
+        const float fc = HalfToFloat(hc), fg = HalfToFloat(hg);
+        ASSERT_NEAR(fg, fc, 2e-3 * std::fabs(fc) + 1e-4) << i << " " << j;
+        continue;
+      }
+      ASSERT_LE(std::abs(qc - qg), 1) << i << " " << j;
+      differ += qc != qg;
+    }
+    for (uint64_t k = 0; k < g; ++k) {
+      ASSERT_LE(std::abs(static_cast<int>(sc_c[i * g + k]) - static_cast<int>(sc_g[i * g + k])), 1)
+          << "scale " << i << " " << k;
+    }
+  }
+  EXPECT_LE(differ, n * rank / 200 + 2) << "latents rounding differently";
+  EXPECT_EQ(sc_g[n * g], 0xFFFF);  // nothing written past the end
+  // Decode the CPU latent on both, into every output dtype, outputs poisoned first.
+  for (DType od : {DType::kF32, DType::kF16, DType::kBF16}) {
+    std::vector<uint8_t> oc(DTypeBytes(od, n * d), 0xFF), og(DTypeBytes(od, n * d), 0xFF);
+    ASSERT_TRUE(b.cpu->codec()
+                    .DecodeValues(p, params, Span(off), lat_c.data(), sc_c.data(), oc.data(), od)
+                    .ok());
+    auto st = b.cuda->codec().DecodeValues(p, params, Span(off), lat_c.data(), sc_c.data(),
+                                           og.data(), od);
+    ASSERT_TRUE(st.ok()) << st;
+    for (uint64_t i = 0; i < n; ++i) {
+      double norm = 0;
+      for (uint32_t k = 0; k < d; ++k) norm += std::pow(LoadAsFloat(oc.data(), od, i * d + k), 2);
+      const double tol = 3e-3 * std::sqrt(norm / d) + 1e-4 + (od == DType::kF32 ? 0 : 8e-3 * std::sqrt(norm / d));
+      for (uint32_t k = 0; k < d; ++k) {
+        const float c = LoadAsFloat(oc.data(), od, i * d + k);
+        const float gg = LoadAsFloat(og.data(), od, i * d + k);
+        ASSERT_TRUE(std::isfinite(gg)) << "unwritten output " << i << " " << k;
+        ASSERT_NEAR(gg, c, tol) << ValueCodecName(codec) << " d=" << d << " row " << i << " " << k;
+      }
+    }
+  }
+}
+
+TEST(CodecCuda, ValuesAgreeWithTheCpu) {
+  Backends b;
+  for (uint32_t d : {64u, 128u, 256u}) {
+    for (ValueCodec c : {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                         ValueCodec::kOrthogonalInt4}) {
+      SCOPED_TRACE(::testing::Message() << "d=" << d << " " << ValueCodecName(c));
+      CompareCodec(b, d, c, d / 2, 32, true, DType::kBF16);
+      CompareCodec(b, d, c, d * 3 / 4 - (d * 3 / 4) % 2, 32, false, DType::kF16);
+      CompareCodec(b, d, c, d, 16, true, DType::kF32);
+    }
+  }
+  CompareCodec(b, 128, ValueCodec::kOrthogonalInt8, 50, 7, true, DType::kF32);  // ragged groups
+  CompareCodec(b, 128, ValueCodec::kOrthogonalInt4, 6, 32, true, DType::kF32);   // tiny rank
+}
+
+TEST(CodecCuda, DevicePointersAndPoisonedDeviceOutputs) {
+  Backends b;
+  testing::LowRankData data;
+  data.d = 128;
+  data.layers = 1;
+  data.heads = 2;
+  data.tokens = 1000;
+  const Projection p = Calibrated(b.cpu.get(), data, 64);
+  const std::vector<float> v = data.Make(3);
+  const std::vector<uint64_t> off = {0, 1000, 2000};
+  ValueCodecParams params{ValueCodec::kOrthogonalInt4, 64, 32, true};
+  const uint64_t n = 2000, d = 128, lb = params.LatentBytes(), g = params.Groups();
+  void *dv, *dl, *ds, *dout;
+  ASSERT_EQ(cudaMalloc(&dv, n * d * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dl, n * lb), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&ds, n * g * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dout, n * d * 2), cudaSuccess);
+  cudaMemcpy(dv, v.data(), n * d * 4, cudaMemcpyHostToDevice);
+  cudaMemset(dl, 0xAB, n * lb);
+  cudaMemset(ds, 0xFF, n * g * 2);
+  cudaMemset(dout, 0xFF, n * d * 2);
+  ASSERT_TRUE(b.cuda->codec()
+                  .EncodeValues(p, params, Span(off), dv, DType::kF32, dl,
+                                static_cast<uint16_t*>(ds))
+                  .ok());
+  ASSERT_TRUE(b.cuda->codec()
+                  .DecodeValues(p, params, Span(off), dl, static_cast<const uint16_t*>(ds), dout,
+                                DType::kF16)
+                  .ok());
+  std::vector<uint16_t> out(n * d);
+  cudaMemcpy(out.data(), dout, n * d * 2, cudaMemcpyDeviceToHost);
+  double err = 0, norm = 0;
+  for (uint64_t i = 0; i < n * d; ++i) {
+    const float x = HalfToFloat(out[i]);
+    ASSERT_TRUE(std::isfinite(x)) << i;
+    err += (x - v[i]) * (x - v[i]);
+    norm += v[i] * v[i];
+  }
+  EXPECT_LT(std::sqrt(err / norm), 0.15);
+  cudaFree(dv);
+  cudaFree(dl);
+  cudaFree(ds);
+  cudaFree(dout);
+}
+
+TEST(CodecCuda, KeysAgreeWithTheCpu) {
+  Backends b;
+  const uint32_t d = 128;
+  const std::vector<uint64_t> off = {0, 300, 300, 555};
+  const uint64_t n = off.back();
+  std::mt19937_64 rng(2);
+  std::normal_distribution<float> nd(0.0f, 4.0f);
+  std::vector<uint16_t> k(n * d);
+  for (auto& x : k) x = FloatToBf16(nd(rng));
+  for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8}) {
+    const uint64_t bytes = n * d * (kc == KeyCodec::kInt8 ? 1 : 2);
+    std::vector<uint8_t> ec(bytes), eg(bytes, 0xEE);
+    std::vector<float> sc(3 * d), sg(3 * d, -1.0f);
+    ASSERT_TRUE(
+        b.cpu->codec().EncodeKeys(kc, Span(off), d, k.data(), DType::kBF16, ec.data(), sc.data()).ok());
+    auto s = b.cuda->codec().EncodeKeys(kc, Span(off), d, k.data(), DType::kBF16, eg.data(),
+                                        sg.data());
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(ec, eg) << KeyCodecName(kc);
+    if (kc == KeyCodec::kInt8) {
+      EXPECT_EQ(sc, sg);
+    }
+    std::vector<float> dc(n * d), dg(n * d, NAN);
+    ASSERT_TRUE(b.cpu->codec()
+                    .DecodeKeys(kc, Span(off), d, ec.data(), DType::kBF16, sc.data(), dc.data(),
+                                DType::kF32)
+                    .ok());
+    ASSERT_TRUE(b.cuda->codec()
+                    .DecodeKeys(kc, Span(off), d, ec.data(), DType::kBF16, sc.data(), dg.data(),
+                                DType::kF32)
+                    .ok());
+    EXPECT_EQ(dc, dg) << KeyCodecName(kc);
+  }
+}
+
+TEST(CodecCuda, WholeCacheDecodesLikeTheCpu) {
+  Backends b;
+  testing::LowRankData data;
+  data.d = 128;
+  data.layers = 2;
+  data.heads = 2;
+  data.tokens = 200;
+  const Projection p = Calibrated(b.cuda.get(), data, 128);
+  const std::vector<float> v = data.Make(8), k = data.Make(9);
+  CompressedCache raw;
+  raw.has_moments = false;
+  raw.Reset(KvLayout{2, 2, 8, 128, DType::kF16}, 200);
+  for (uint64_t h = 0; h < 4; ++h) {
+    raw.kept[h] = 150;
+    for (uint32_t t = 0; t < 150; ++t) {
+      raw.positions.push_back(t + 50);
+      for (uint32_t c = 0; c < 128; ++c) {
+        const uint64_t src = (h * 200 + t + 50) * 128 + c;
+        uint16_t hv = FloatToHalf(v[src]), hk = FloatToHalf(k[src]);
+        raw.values.insert(raw.values.end(), reinterpret_cast<uint8_t*>(&hv),
+                          reinterpret_cast<uint8_t*>(&hv) + 2);
+        raw.keys.insert(raw.keys.end(), reinterpret_cast<uint8_t*>(&hk),
+                        reinterpret_cast<uint8_t*>(&hk) + 2);
+      }
+    }
+  }
+  for (ValueCodec vc : {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                        ValueCodec::kOrthogonalInt4}) {
+    CompressionPolicy policy;
+    policy.value_codec = vc;
+    policy.key_codec = KeyCodec::kInt8;
+    CompressedCache cc = raw, cg = raw;
+    ASSERT_TRUE(EncodeKept(*b.cpu, policy, &p, &cc).ok());
+    auto s = EncodeKept(*b.cuda, policy, &p, &cg);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(cc.keys, cg.keys);
+    auto dc = DecodeKept(*b.cpu, cc, &p);
+    auto dg = DecodeKept(*b.cuda, cc, &p);
+    ASSERT_TRUE(dc.ok() && dg.ok()) << dg.status();
+    const auto* fc = reinterpret_cast<const float*>(dc->values.data());
+    const auto* fg = reinterpret_cast<const float*>(dg->values.data());
+    double e = 0, nn = 0;
+    for (uint64_t i = 0; i < 600 * 128; ++i) {
+      e += (fc[i] - fg[i]) * (fc[i] - fg[i]);
+      nn += fc[i] * fc[i];
+    }
+    EXPECT_LT(std::sqrt(e / nn), 2e-3) << ValueCodecName(vc);
+    EXPECT_EQ(DecodeKept(*b.cuda, cc, nullptr).status().code(), absl::StatusCode::kNotFound);
+  }
+}
+
+}  // namespace
+}  // namespace kvcomp
