@@ -200,11 +200,12 @@ int Client(int argc, char** argv) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!commit()) return 1;
   const double bytes = static_cast<double>(blocks) * 2 * half;
-  std::printf("RESULT blocks=%llu block_bytes=%llu window=%llu seconds=%.3f GBps=%.3f MBps=%.1f\n",
+  std::printf(
+      "RESULT blocks=%llu block_bytes=%llu window=%llu seconds=%.3f GBps=%.3f MiBps=%.1f\n",
               static_cast<unsigned long long>(blocks),
               static_cast<unsigned long long>(2 * half),
               static_cast<unsigned long long>(window), secs, bytes / secs / 1e9,
-              bytes / secs / 1e6);
+              bytes / secs / 1048576.0);
   return 0;
 }
 
