@@ -1,6 +1,8 @@
 #include "rocksdb_tier.h"
 
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 #include <memory>
 #include <string>
 #include <utility>
@@ -135,6 +137,14 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
   if (o.capacity_bytes == 0) {
     return absl::InvalidArgumentError("rocksdb tier: capacity_bytes must be > 0");
   }
+  if (o.create_if_missing && o.env == nullptr) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.path, ec);  // RocksDB makes only the last level
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("rocksdb tier: cannot create ", o.path, ": ", ec.message()));
+    }
+  }
   rocksdb::DBOptions db_options;
   db_options.create_if_missing = o.create_if_missing;
   db_options.create_missing_column_families = o.create_if_missing;
@@ -146,7 +156,8 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
   base.compression = rocksdb::kNoCompression;
   base.write_buffer_size = o.write_buffer_bytes;
   rocksdb::BlockBasedTableOptions table;
-  table.block_cache = rocksdb::NewLRUCache(o.block_cache_bytes);
+  std::shared_ptr<rocksdb::Cache> block_cache = rocksdb::NewLRUCache(o.block_cache_bytes);
+  table.block_cache = block_cache;
   base.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
   rocksdb::ColumnFamilyOptions payload = base;
   payload.enable_blob_files = o.enable_blob_files;
@@ -166,6 +177,7 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
   rocksdb::Status s = rocksdb::DB::Open(db_options, o.path, cfs, &tier->handles_, &db);
   if (!s.ok()) return FromRocksDb(s, absl::StrCat("rocksdb tier: open ", o.path));
   tier->db_.reset(db);
+  tier->block_cache_ = std::move(block_cache);
   tier->meta_ = tier->handles_[1];
   tier->payload_ = tier->handles_[2];
   tier->calibration_ = tier->handles_[3];
@@ -239,11 +251,21 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
 }
 
 absl::StatusOr<Payload> RocksDbTier::Get(absl::string_view key) {
-  std::string value;
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), payload_, ToSlice(key), &value);
+  // The payload shares RocksDB's pinned buffer (block cache or blob read) instead of copying it.
+  // A pinned block-cache entry is released into the cache, which the holder keeps alive, so the
+  // payload may outlive the store.
+  struct Pinned {
+    std::shared_ptr<rocksdb::Cache> cache;  // destroyed after `slice` releases into it
+    rocksdb::PinnableSlice slice;
+  };
+  auto value = std::make_shared<Pinned>();
+  value->cache = block_cache_;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), payload_, ToSlice(key), &value->slice);
   if (s.IsNotFound()) return absl::NotFoundError("rocksdb tier: no such key");
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: get"));
-  return Payload::FromString(std::move(value));
+  const size_t n = value->slice.size();
+  const auto* data = reinterpret_cast<const uint8_t*>(value->slice.data());
+  return Payload(std::shared_ptr<const uint8_t>(std::move(value), data), n);
 }
 
 absl::StatusOr<CacheMeta> RocksDbTier::GetMeta(absl::string_view key) {

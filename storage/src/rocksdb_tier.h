@@ -20,6 +20,7 @@
 #include "mutex.h"
 
 namespace rocksdb {
+class Cache;
 class ColumnFamilyHandle;
 class DB;
 class Status;
@@ -81,6 +82,7 @@ class RocksDbTier final : public Tier {
   SharedMutex& StripeOf(absl::string_view key);
 
   const uint64_t capacity_;
+  std::shared_ptr<rocksdb::Cache> block_cache_;
   std::unique_ptr<rocksdb::DB> db_;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // default, meta, payload, calib, quar.
   rocksdb::ColumnFamilyHandle* meta_ = nullptr;

@@ -210,6 +210,27 @@ TEST(RocksDbTier, PutGetDeleteSurviveReopen) {
   EXPECT_TRUE(bad.empty());
 }
 
+TEST(RocksDbTier, PayloadsOutliveTheTier) {
+  TempDir dir;
+  Payload small, big;
+  {
+    auto o = RocksOptions(dir.path());
+    auto tier = RocksDbTier::Open(o);
+    ASSERT_TRUE(tier.ok());
+    Payload s = Payload::Copy(std::string(300, 's')), b = Payload::Copy(std::string(9000, 'b'));
+    ASSERT_TRUE((*tier)->Put("s", MetaFor(s), s, false).ok());
+    ASSERT_TRUE((*tier)->Put("b", MetaFor(b), b, false).ok());
+    // Reopen so the values come from SST and blob files, not the memtable.
+    tier->reset();
+    tier = RocksDbTier::Open(o);
+    ASSERT_TRUE(tier.ok());
+    small = *(*tier)->Get("s");
+    big = *(*tier)->Get("b");
+  }
+  EXPECT_EQ(small.view(), std::string(300, 's'));
+  EXPECT_EQ(big.view(), std::string(9000, 'b'));
+}
+
 TEST(RocksDbTier, CapacityIsEnforced) {
   TempDir dir;
   auto o = RocksOptions(dir.path());

@@ -1,0 +1,236 @@
+// Throughput of the storage tiers, printed one JSON object per line:
+//   rocksdb mode: put and get GB/s of the RocksDB tier (RocksDbTier directly, and through
+//     TieredStore, which adds the CRC32C, format check and index) for one value size, with the
+//     options bench/storage/run.sh also gives db_bench.
+//   host mode: put (copy in from the caller's buffer) and get (shared handle, then one read
+//     pass) of the host tier next to plain memcpy of the same sizes.
+// Usage: storage_bench --mode=rocksdb|host --dir=DIR --value_size=BYTES --num=N --sync=0|1
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/storage/tier.h"
+#include "kvcomp/storage/tiered_store.h"
+#include "rocksdb_tier.h"
+
+namespace kvcomp {
+namespace storage {
+namespace {
+
+struct Args {
+  std::string mode = "rocksdb";
+  std::string dir = "/tmp/kvcomp_storage_bench";
+  uint64_t value_size = 1 << 20;
+  uint64_t num = 256;
+  bool sync = false;
+};
+
+Args Parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view s(argv[i]);
+    auto value = [&](absl::string_view name) -> absl::string_view {
+      return s.substr(name.size() + 3);
+    };
+    if (absl::StartsWith(s, "--mode=")) a.mode = std::string(value("mode"));
+    else if (absl::StartsWith(s, "--dir=")) a.dir = std::string(value("dir"));
+    else if (absl::StartsWith(s, "--value_size=")) (void)absl::SimpleAtoi(value("value_size"), &a.value_size);
+    else if (absl::StartsWith(s, "--num=")) (void)absl::SimpleAtoi(value("num"), &a.num);
+    else if (absl::StartsWith(s, "--sync=")) a.sync = value("sync") == "1";
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", argv[i]);
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Report(const Args& a, absl::string_view what, uint64_t bytes, double seconds) {
+  std::printf("{\"bench\":\"%s\",\"value_size\":%llu,\"num\":%llu,\"sync\":%d,"
+              "\"seconds\":%.4f,\"gb_per_s\":%.4f}\n",
+              std::string(what).c_str(), static_cast<unsigned long long>(a.value_size),
+              static_cast<unsigned long long>(a.num), a.sync ? 1 : 0, seconds,
+              bytes / seconds / 1e9);
+  std::fflush(stdout);
+}
+
+std::vector<uint64_t> Shuffled(uint64_t n, uint64_t seed) {
+  std::vector<uint64_t> v(n);
+  std::iota(v.begin(), v.end(), 0);
+  std::shuffle(v.begin(), v.end(), std::mt19937_64(seed));
+  return v;
+}
+
+std::string KeyOf(uint64_t i) { return absl::StrFormat("%016x", i * 0x9E3779B97F4A7C15ull); }
+
+// A value of `n` bytes that is not all one byte (RocksDB does not compress here anyway).
+std::string MakeValue(uint64_t n, uint64_t seed) {
+  std::string v(n, '\0');
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    const uint64_t x = rng();
+    std::memcpy(v.data() + i, &x, 8);
+  }
+  return v;
+}
+
+RocksDbTierOptions RocksOptions(const Args& a, const std::string& path) {
+  RocksDbTierOptions o;  // the defaults, which run.sh mirrors for db_bench
+  o.enabled = true;
+  o.path = path;
+  o.capacity_bytes = 1ull << 40;
+  return o;
+}
+
+int RunRocksDb(const Args& a) {
+  const Payload value = Payload::FromString(MakeValue(a.value_size, 1));
+  const uint64_t total = a.value_size * a.num;
+  {
+    std::system(absl::StrCat("rm -rf '", a.dir, "/tier'").c_str());
+    auto tier = RocksDbTier::Open(RocksOptions(a, a.dir + "/tier"));
+    if (!tier.ok()) {
+      std::fprintf(stderr, "%s\n", tier.status().ToString().c_str());
+      return 1;
+    }
+    CacheMeta meta;
+    meta.stored_bytes = value.size();
+    meta.crc32c = Crc32c(value.data(), value.size());
+    const auto order = Shuffled(a.num, 2);
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t i : order) {
+      absl::Status st = (*tier)->Put(KeyOf(i), meta, value, a.sync);
+      if (!st.ok()) {
+        std::fprintf(stderr, "%s\n", st.ToString().c_str());
+        return 1;
+      }
+    }
+    Report(a, "rocksdb_tier_put", total, Seconds(t0));
+    const auto reads = Shuffled(a.num, 3);
+    uint64_t check = 0;
+    t0 = std::chrono::steady_clock::now();
+    for (uint64_t i : reads) {
+      auto got = (*tier)->Get(KeyOf(i));
+      if (!got.ok()) return 1;
+      check += got->data()[got->size() - 1];
+    }
+    Report(a, "rocksdb_tier_get", total, Seconds(t0));
+    if (check == 1) std::fprintf(stderr, " ");
+  }
+  {
+    // Through the store: adds CRC32C on put and get, the format check is off (raw values).
+    std::system(absl::StrCat("rm -rf '", a.dir, "/store'").c_str());
+    StoreOptions o;
+    o.host.enabled = false;
+    o.rocksdb = RocksOptions(a, a.dir + "/store");
+    o.default_tier = TierKind::kRocksDb;
+    auto store = TieredStore::Open(o);
+    if (!store.ok()) return 1;
+    PutOptions po;
+    po.validate = false;
+    po.durability = a.sync ? Durability::kDisk : Durability::kMemory;
+    auto key = [](uint64_t i) { return CacheKey{"bench", "model", KeyOf(i)}; };
+    const auto order = Shuffled(a.num, 2);
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t i : order) {
+      if (!(*store)->Put(key(i), value, {}, po).ok()) return 1;
+    }
+    Report(a, "store_rocksdb_put", total, Seconds(t0));
+    const auto reads = Shuffled(a.num, 3);
+    t0 = std::chrono::steady_clock::now();
+    for (uint64_t i : reads) {
+      if (!(*store)->Get(key(i)).ok()) return 1;
+    }
+    Report(a, "store_rocksdb_get", total, Seconds(t0));
+  }
+  std::system(absl::StrCat("rm -rf '", a.dir, "/tier' '", a.dir, "/store'").c_str());
+  return 0;
+}
+
+int RunHost(const Args& a) {
+  const std::string src = MakeValue(a.value_size, 1);
+  const uint64_t total = a.value_size * a.num;
+  {
+    // memcpy into fresh buffers, as the host tier's put does (allocation included).
+    std::vector<std::unique_ptr<uint8_t[]>> dst(a.num);
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t i = 0; i < a.num; ++i) {
+      dst[i].reset(new uint8_t[a.value_size]);
+      std::memcpy(dst[i].get(), src.data(), a.value_size);
+    }
+    Report(a, "memcpy_new_buffer", total, Seconds(t0));
+    std::unique_ptr<uint8_t[]> out(new uint8_t[a.value_size]);
+    t0 = std::chrono::steady_clock::now();
+    for (uint64_t i = 0; i < a.num; ++i) std::memcpy(out.get(), dst[i].get(), a.value_size);
+    Report(a, "memcpy_out", total, Seconds(t0));
+  }
+  HostTierOptions ho;
+  ho.capacity_bytes = total + (1 << 20);
+  auto tier = NewHostTier(ho);
+  if (!tier.ok()) return 1;
+  CacheMeta meta;
+  auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t i = 0; i < a.num; ++i) {
+    // Payload::Copy is the copy the store makes of a caller's string_view.
+    if (!(*tier)->Put(KeyOf(i), meta, Payload::Copy(src), false).ok()) return 1;
+  }
+  Report(a, "host_tier_put_copy", total, Seconds(t0));
+  std::unique_ptr<uint8_t[]> out(new uint8_t[a.value_size]);
+  t0 = std::chrono::steady_clock::now();
+  for (uint64_t i = 0; i < a.num; ++i) {
+    auto got = (*tier)->Get(KeyOf(i));
+    if (!got.ok()) return 1;
+    std::memcpy(out.get(), got->data(), got->size());  // the reader consumes the bytes
+  }
+  Report(a, "host_tier_get_and_copy_out", total, Seconds(t0));
+  {
+    StoreOptions o;
+    o.host.capacity_bytes = total + (1 << 20);
+    o.high_watermark = o.low_watermark = 1.0;  // everything stays resident
+    auto store = TieredStore::Open(o);
+    if (!store.ok()) return 1;
+    PutOptions po;
+    po.validate = false;
+    auto key = [](uint64_t i) { return CacheKey{"bench", "model", KeyOf(i)}; };
+    t0 = std::chrono::steady_clock::now();
+    for (uint64_t i = 0; i < a.num; ++i) {
+      if (!(*store)->Put(key(i), src, {}, po).ok()) return 1;
+    }
+    Report(a, "store_host_put", total, Seconds(t0));
+    t0 = std::chrono::steady_clock::now();
+    for (uint64_t i = 0; i < a.num; ++i) {
+      auto got = (*store)->Get(key(i));
+      if (!got.ok()) return 1;
+      std::memcpy(out.get(), got->payload.data(), got->payload.size());
+    }
+    Report(a, "store_host_get_and_copy_out", total, Seconds(t0));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace storage
+}  // namespace kvcomp
+
+int main(int argc, char** argv) {
+  const auto a = kvcomp::storage::Parse(argc, argv);
+  if (a.mode == "rocksdb") return kvcomp::storage::RunRocksDb(a);
+  if (a.mode == "host") return kvcomp::storage::RunHost(a);
+  std::fprintf(stderr, "unknown mode %s\n", a.mode.c_str());
+  return 2;
+}
