@@ -131,7 +131,7 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
   if (policy.scorer == Scorer::kSnapKV && cache.queries.empty()) {
     return absl::InvalidArgumentError("snapkv needs the observation window's queries");
   }
-  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecsAvailable(backend, policy));
+  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
   KVCOMP_ASSIGN_OR_RETURN(SelectParams select, SelectParamsFromPolicy(policy, cache.num_tokens));
 
   const KvLayout& layout = cache.layout;
@@ -213,7 +213,7 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
   out.positions.resize(offset);
   out.keys.resize(offset * row);
   out.values.resize(offset * row);
-  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecStage(backend, policy, &out));
+  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecStage(backend, policy, options.projection.get(), &out));
   return out;
 }
 

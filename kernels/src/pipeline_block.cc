@@ -123,7 +123,7 @@ class BlockCompressorImpl final : public BlockCompressor {
                           l.values.as<uint8_t>() + (base + l.count) * row_);
       }
     }
-    KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecStage(backend_, policy_, &out));
+    KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecStage(backend_, policy_, options_.projection.get(), &out));
     return out;
   }
 
@@ -268,7 +268,7 @@ absl::StatusOr<std::unique_ptr<BlockCompressor>> BlockCompressor::Create(
     return absl::InvalidArgumentError(
         "adakv head budgets are not supported block-wise (use uniform)");
   }
-  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecsAvailable(backend, policy));
+  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
   uint64_t budget = options.budget;
   if (budget == 0) budget = policy.token_budget;
   if (budget == 0 && options.expected_tokens > 0) {

@@ -4,6 +4,7 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/codec_ops.h"
+#include "kvcomp/kernels/kvsplice.h"
 #include "kvcomp/kernels/moment_ops.h"
 
 namespace kvcomp {
@@ -74,18 +75,23 @@ absl::Status MomentStage(Backend& backend, const LayerEviction& e, CompressedCac
   return absl::OkStatus();
 }
 
-absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy) {
+absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy,
+                             const Projection* projection) {
+  if (policy.value_codec == ValueCodec::kRaw) return absl::OkStatus();
+  if (projection == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "value_codec ", ValueCodecName(policy.value_codec),
+        " needs a calibrated projection (CompressOptions::projection; see kvcomp.calibrate)"));
+  }
+  return ChooseRank(policy, *projection).status();
+}
+
+absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
+                        const Projection* projection, CompressedCache* cache) {
   if (policy.key_codec == KeyCodec::kRaw && policy.value_codec == ValueCodec::kRaw) {
     return absl::OkStatus();
   }
-  // Issue 5 wires backend.codec() here (calibrated projections for the value codecs).
-  return absl::UnimplementedError(
-      absl::StrCat("the pipeline does not encode yet (key_codec=", KeyCodecName(policy.key_codec),
-                   ", value_codec=", ValueCodecName(policy.value_codec), ")"));
-}
-
-absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy, CompressedCache* cache) {
-  return CodecsAvailable(backend, policy);
+  return EncodeKept(backend, policy, projection, cache);
 }
 
 }  // namespace pipeline_internal

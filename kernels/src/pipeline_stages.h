@@ -10,6 +10,7 @@
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/projection.h"
 #include "kvcomp/kernels/tensor.h"
 
 namespace kvcomp {
@@ -32,10 +33,14 @@ bool MomentsAvailable(Backend& backend);
 // the arrays already shaped by Reset).
 absl::Status MomentStage(Backend& backend, const LayerEviction& eviction, CompressedCache* cache);
 
-// OK when the policy's codecs can run (raw always can); Unimplemented otherwise.
-absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy);
-// Encodes the raw kept keys and values of `cache` as the policy says (no-op for raw codecs).
-absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy, CompressedCache* cache);
+// OK when the policy's codecs can run (raw always can); FailedPrecondition when a value codec
+// has no projection (or one with too few rows for the policy's rank).
+absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy,
+                             const Projection* projection);
+// Encodes the raw kept keys and values of `cache` as the policy says (no-op for raw codecs),
+// through kvsplice.h's EncodeKept.
+absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
+                        const Projection* projection, CompressedCache* cache);
 
 }  // namespace pipeline_internal
 }  // namespace kvcomp

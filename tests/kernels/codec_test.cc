@@ -13,6 +13,7 @@
 #include "kvcomp/kernels/calibration.h"
 #include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/kernels/kvsplice.h"
+#include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/kernels/projection.h"
 
 namespace kvcomp {
@@ -425,6 +426,77 @@ TEST(KvSplice, MissingOrWrongProjectionIsAClearError) {
   policy.rank = 64;
   CompressedCache big = RawCache(data, values, keys, DType::kF16, 1);
   EXPECT_EQ(EncodeKept(*be, policy, &*proj, &big).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(KvSplice, CompressEncodesWithTheProjectionAndBlockWiseToo) {
+  auto be = Cpu();
+  testing::LowRankData data;
+  data.tokens = 256;
+  const std::vector<float> values = data.Make(1), keys = data.Make(2);
+  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be.get());
+  ASSERT_TRUE(cal.ok());
+  for (uint32_t l = 0; l < data.layers; ++l) {
+    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
+  }
+  auto proj = cal->Finish(data.d);
+  ASSERT_TRUE(proj.ok());
+  KvCacheView view;
+  view.layout = KvLayout{data.layers, data.heads, data.heads, data.d, DType::kF32};
+  view.num_tokens = data.tokens;
+  for (uint32_t l = 0; l < data.layers; ++l) {
+    view.keys.push_back(data.LayerView(keys, l));
+    view.values.push_back(data.LayerView(values, l));
+  }
+  CompressionPolicy policy;
+  policy.ratio = 0.5;
+  policy.value_codec = ValueCodec::kOrthogonalInt4;
+  policy.key_codec = KeyCodec::kInt8;
+  EXPECT_EQ(Compress(*be, view, policy).status().code(), absl::StatusCode::kFailedPrecondition);
+  CompressOptions opt;
+  opt.projection = std::make_shared<const Projection>(*proj);
+  auto c = Compress(*be, view, policy, opt);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->value_codec, ValueCodec::kOrthogonalInt4);
+  EXPECT_EQ(c->projection_version, proj->version);
+  EXPECT_EQ(c->rank, DefaultRank(ValueCodec::kOrthogonalInt4, data.d));
+  const CacheBytes bytes = c->Breakdown();
+  EXPECT_EQ(bytes.values, c->total_kept() * c->rank / 2);
+  EXPECT_EQ(bytes.value_scales, c->total_kept() * c->ValueGroups() * 2);
+  EXPECT_EQ(bytes.key_scales, c->num_heads() * data.d * 4);
+  auto dec = DecodeKept(*be, *c, proj.operator->());
+  ASSERT_TRUE(dec.ok()) << dec.status();
+  // Kept rows decode close to the original values at their positions.
+  const auto* got = reinterpret_cast<const float*>(dec->values.data());
+  double err = 0, norm = 0;
+  for (uint64_t h = 0; h < c->num_heads(); ++h) {
+    for (uint64_t i = dec->offsets[h]; i < dec->offsets[h + 1]; ++i) {
+      for (uint32_t k = 0; k < data.d; ++k) {
+        const float want = values[(h * data.tokens + dec->positions[i]) * data.d + k];
+        err += (got[i * data.d + k] - want) * (got[i * data.d + k] - want);
+        norm += want * want;
+      }
+    }
+  }
+  EXPECT_LT(std::sqrt(err / norm), 0.15);
+  policy.block_size = 64;
+  BlockCompressorOptions bo;
+  bo.budget = 100;
+  bo.projection = opt.projection;
+  auto bc = BlockCompressor::Create(*be, view.layout, policy, bo);
+  ASSERT_TRUE(bc.ok()) << bc.status();
+  for (uint32_t t0 = 0; t0 < data.tokens; t0 += 64) {
+    for (uint32_t l = 0; l < data.layers; ++l) {
+      HeadsView k = view.keys[l], v = view.values[l];
+      k.data = static_cast<const float*>(k.data) + t0 * data.d;
+      v.data = static_cast<const float*>(v.data) + t0 * data.d;
+      k.num_tokens = v.num_tokens = 64;
+      ASSERT_TRUE((*bc)->Append(l, k, v).ok());
+    }
+  }
+  auto blockwise = (*bc)->Finish();
+  ASSERT_TRUE(blockwise.ok()) << blockwise.status();
+  EXPECT_EQ(blockwise->projection_version, proj->version);
+  EXPECT_TRUE(DecodeKept(*be, *blockwise, proj.operator->()).ok());
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/projection.h"
 #include "kvcomp/kernels/tensor.h"
 
 namespace kvcomp {
@@ -63,6 +64,10 @@ struct CompressOptions {
   // Called once per (layer, kv head) with the tokens it evicted (after selection, before the
   // moment stage). Optional; default none.
   EvictionHook on_evict;
+  // The calibrated KVSplice projection of the model (issue 5, kvcomp/kernels/calibration.h),
+  // needed when policy.value_codec is not none (FailedPrecondition without it); its layers, kv
+  // heads and head_dim must be the cache's. The cache records its version. Default none.
+  std::shared_ptr<const Projection> projection;
 };
 
 // Compresses a whole sequence at once. InvalidArgument for bad input (see KvCacheView::Validate,
@@ -86,6 +91,8 @@ struct BlockCompressorOptions {
   uint64_t expected_tokens = 0;
   // Receives every token evicted from the working set (after each block and at Finish).
   EvictionHook on_evict;
+  // As CompressOptions::projection (issue 5). Default none.
+  std::shared_ptr<const Projection> projection;
 };
 
 // Block-wise compression for streaming prefill (KeyDiff, seed 002): blocks of at most
