@@ -11,6 +11,7 @@
 #   KVCOMP_CTEST_ARGS  extra ctest arguments, e.g. "-R scoring"
 #   KVCOMP_BENCH_ARGS  extra arguments for every benchmark binary
 #   KVCOMP_TORCH_REF   1 (default) to time the PyTorch reference in the same run
+#   KVCOMP_GPU_EXTRA   a further command run last with the same environment (extra.log)
 # Local use (no device): OUT=/tmp/out bash bench/gpu/run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -108,6 +109,14 @@ if has bench && [ -d "$BUILD" ]; then
   fi
   grep -h '^RESULT' "$OUT/bench.log" | sed 's/^RESULT //' | column -t >>"$SUMMARY" 2>/dev/null ||
     grep -h '^RESULT' "$OUT/bench.log" >>"$SUMMARY"
+fi
+
+# KVCOMP_GPU_EXTRA: one more command, run in this environment (sysroot on the loader path, the
+# build in $BUILD), e.g. a profiler over one benchmark; its output goes to $OUT/extra.log.
+if [ -n "${KVCOMP_GPU_EXTRA:-}" ]; then
+  phase extra
+  export BUILD
+  (eval "$KVCOMP_GPU_EXTRA") >"$OUT/extra.log" 2>&1 || note "extra   exited $?"
 fi
 
 phase done

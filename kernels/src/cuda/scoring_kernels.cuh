@@ -119,7 +119,9 @@ template <typename T, int D>
 struct RowShape {
   static constexpr int kPerVec = Elem<T>::kPerVec;
   static constexpr int kVecsPerRow = D / kPerVec;
-  static constexpr int kLanes = kVecsPerRow < 32 ? kVecsPerRow : 32;
+  // Two vectors per lane where the row allows: more bytes in flight per load instruction group
+  // and one shuffle fewer per row reduction.
+  static constexpr int kLanes = kVecsPerRow / 2 < 32 ? kVecsPerRow / 2 : 32;
   static constexpr int kVecs = kVecsPerRow / kLanes;
   static constexpr int kRowsPerWarp = 32 / kLanes;
   static constexpr int kF = kVecs * kPerVec;
@@ -324,16 +326,18 @@ struct CentreParams {
   float* norms;    // [H, segments]: max(||centre||, eps)
 };
 
-// grid (segments, H), kThreads threads: kThreads / d lanes of chunks per column, each with
-// independent accumulators so the partials' loads overlap.
-__global__ void __launch_bounds__(kThreads) CentreKernel(CentreParams p) {
-  __shared__ double col[kThreads];
-  __shared__ double red[kThreads];
+inline constexpr int kCentreThreads = 1024;
+
+// grid (segments, H), kCentreThreads threads: kCentreThreads / d lanes of chunks per column,
+// each with independent accumulators so the partials' loads overlap.
+__global__ void __launch_bounds__(kCentreThreads) CentreKernel(CentreParams p) {
+  __shared__ double col[kCentreThreads];
+  __shared__ double red[256];
   const uint32_t h = p.head0 + blockIdx.y;
   const uint32_t s = blockIdx.x;
   const uint32_t j = threadIdx.x % p.d;
   const uint32_t lane = threadIdx.x / p.d;
-  const uint32_t lanes = kThreads / p.d;
+  const uint32_t lanes = kCentreThreads / p.d;
   const uint64_t seg0 = uint64_t{s} * p.segment;
   const uint64_t len = min(p.n, seg0 + p.segment) - seg0;
   const uint64_t hs = uint64_t{h} * p.segments + s;
@@ -637,6 +641,10 @@ struct PlanParams {
   const TileCounts* counts;  // [H, tiles]
   const SegmentState* state;
   bool per_head;
+  // Non-zero when every head keeps exactly this many tokens (a per-head stage with nothing
+  // pre-kept): head h's rows then start at h * rows_per_head and heads are planned in parallel,
+  // one block each.
+  uint64_t rows_per_head;
   uint32_t heads;
   uint32_t tiles;
   TilePlan* plan;             // [H, tiles]
@@ -644,12 +652,16 @@ struct PlanParams {
   unsigned long long* total;  // total kept rows (workspace)
 };
 
-// One block of kThreads threads walks the tiles in (head, tile) order.
+// One block of kThreads threads walks the tiles in (head, tile) order; with rows_per_head, one
+// block per head (grid (H)).
 __global__ void __launch_bounds__(kThreads) PlanKernel(PlanParams p) {
   __shared__ uint32_t scratch[33];
-  unsigned long long out_base = 0;
+  const bool parallel = p.rows_per_head != 0;
+  unsigned long long out_base = parallel ? blockIdx.x * p.rows_per_head : 0;
   uint32_t eq_running = 0;
-  for (uint32_t h = 0; h < p.heads; ++h) {
+  const uint32_t h_begin = parallel ? blockIdx.x : 0;
+  const uint32_t h_end = parallel ? blockIdx.x + 1 : p.heads;
+  for (uint32_t h = h_begin; h < h_end; ++h) {
     const SegmentState st = p.state[p.per_head ? h : 0];
     if (p.per_head) eq_running = 0;
     uint32_t kept_head = 0;
@@ -675,7 +687,7 @@ __global__ void __launch_bounds__(kThreads) PlanKernel(PlanParams p) {
     if (threadIdx.x == 0) p.kept_counts[h] = kept_head;
     out_base += kept_head;
   }
-  if (threadIdx.x == 0) *p.total = out_base;
+  if (threadIdx.x == 0 && !parallel) *p.total = out_base;
 }
 
 // ---------------------------------------------------------------------------------------------
