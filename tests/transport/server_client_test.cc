@@ -1,6 +1,7 @@
 // UcxServer and UcxClient over loopback, against MemoryHandler, with UCX over TCP and over
 // shared memory (posix for data, tcp for the sockaddr wire-up).
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -405,6 +406,69 @@ TEST_P(ServerClientTest, ClientThatVanishesMidPutIsCleanedUp) {
   ASSERT_TRUE(other.ok());
   EXPECT_EQ((*other)->Lookup("test/model", "half").status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE((*other)->Ping().ok());
+}
+
+// A client process killed mid-put (no close, no commit): the server notices the dead peer,
+// aborts the put and keeps serving.
+TEST_P(ServerClientTest, ClientProcessKilledMidPutIsCleanedUp) {
+  StartServer();
+  const std::string cmd = absl::StrCat("exec ", KVCOMP_VANISHING_CLIENT, " ", server_->port(), " ",
+                                       GetParam().tls, " 2");
+  FILE* child = popen(cmd.c_str(), "r");
+  ASSERT_NE(child, nullptr);
+  char line[64] = {};
+  const bool sent = std::fgets(line, sizeof(line), child) != nullptr;
+  pclose(child);
+  ASSERT_TRUE(sent && std::string(line) == "SENT\n") << line;
+  EXPECT_EQ(handler_->blocks_received(), 2);
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while ((handler_->open_puts() > 0 || server_->stats().connections_open > 0) &&
+         absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(handler_->open_puts(), 0);
+  EXPECT_EQ(server_->stats().connections_open, 0u);
+  ASSERT_EQ(handler_->aborts().size(), 1u);
+  EXPECT_EQ(handler_->aborts()[0].code(), absl::StatusCode::kUnavailable);
+  auto other = Connect();
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ((*other)->Lookup("test/model", "vanished").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_P(ServerClientTest, ServerGoneFailsRequestsWithUnavailable) {
+  StartServer();
+  ClientOptions o;
+  o.request_timeout = absl::Seconds(5);
+  auto c = Connect("acme", "secret", o);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Ping().ok());
+  server_->Stop();
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  absl::Status s;
+  do {
+    s = (*c)->Ping();
+  } while (s.ok() && absl::Now() < end);
+  EXPECT_TRUE(s.code() == absl::StatusCode::kUnavailable ||
+              s.code() == absl::StatusCode::kDeadlineExceeded)
+      << s;
+  EXPECT_EQ((*c)->Ping().code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE((*c)->connected());
+}
+
+TEST_P(ServerClientTest, GetIntoGpuMemoryNeedsCudaAwareUcx) {
+  absl::StatusOr<UcxCapabilities> caps = QueryUcxCapabilities();
+  ASSERT_TRUE(caps.ok());
+  if (caps->cuda_memory) GTEST_SKIP() << "this UCX is CUDA-aware";
+  StartServer();
+  auto c = Connect();
+  ASSERT_TRUE(c.ok());
+  char buf[16];
+  EXPECT_EQ((*c)->GetInto("m", "k", wire::Representation::kStored, buf, sizeof(buf),
+                          MemoryType::kCuda)
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_P(ServerClientTest, StalledPutTimesOut) {

@@ -390,7 +390,8 @@ void ClientImpl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
   auto* self = static_cast<ClientImpl*>(arg);
   self->connected_.store(false);
   if (!self->broken_.ok()) return;
-  self->broken_ = UcsStatusToStatus(status, "connection lost");
+  self->broken_ = absl::UnavailableError(
+      absl::StrCat("connection lost: UCX: ", ucs_status_string(status)));
   std::vector<uint64_t> ids;
   for (const auto& [id, p] : self->pending_) ids.push_back(id);
   for (uint64_t id : ids) self->Fail(id, self->broken_);
@@ -669,6 +670,11 @@ absl::StatusOr<size_t> ClientImpl::GetInto(absl::string_view model_id, absl::str
                                            wire::Representation representation, void* dst,
                                            size_t capacity, MemoryType memory) {
   if (dst == nullptr && capacity > 0) return absl::InvalidArgumentError("GetInto: null buffer");
+  if (memory == MemoryType::kCuda && !loop_->cuda_memory()) {
+    return absl::FailedPreconditionError(
+        "GetInto: this UCX build is not CUDA-aware (Debian's UCX is built without CUDA); "
+        "receive into host memory and copy to the GPU");
+  }
   KVCOMP_ASSIGN_OR_RETURN(Reply r,
                           GetReply(model_id, key, representation, dst, capacity, memory));
   return r.payload.size();

@@ -620,6 +620,9 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
                                     : absl::StatusOr<Buffer>(Buffer::Allocate(bytes));
   if (buf.ok() && buf->size() < bytes) {
     buf = absl::InternalError("AllocateBlock returned a buffer that is too small");
+  } else if (buf.ok() && buf->memory_type() == MemoryType::kCuda && !loop_->cuda_memory()) {
+    buf = absl::FailedPreconditionError(
+        "AllocateBlock returned CUDA memory, but this UCX build is not CUDA-aware");
   }
   if (!buf.ok()) {
     if (rndv) DropRendezvous(loop_->worker(), data);
@@ -822,6 +825,12 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
       pending_work_--;
       if (!r.ok()) {
         SendStatus(*conn, rid, r.status());
+        return;
+      }
+      if (r->bytes.memory_type() == MemoryType::kCuda && !loop_->cuda_memory()) {
+        SendStatus(*conn, rid,
+                   absl::InternalError("get: the cache is in CUDA memory, but this UCX build "
+                                       "is not CUDA-aware"));
         return;
       }
       wire::GetReply reply;

@@ -55,6 +55,11 @@ absl::StatusOr<std::shared_ptr<WorkerLoop>> WorkerLoop::Create(const UcxConfig& 
   std::shared_ptr<WorkerLoop> loop(new WorkerLoop());
   KVCOMP_ASSIGN_OR_RETURN(loop->context_, UcpContext::Create(config, /*wakeup=*/true));
   KVCOMP_ASSIGN_OR_RETURN(loop->worker_, UcpWorker::Create(loop->context_.get(), true));
+  ucp_context_attr_t cattr = {};
+  cattr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(loop->context_.get(), &cattr) == UCS_OK) {
+    loop->cuda_memory_ = (cattr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
   ucp_worker_attr_t attr = {};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
   ucs_status_t s = ucp_worker_query(loop->worker_.get(), &attr);

@@ -72,6 +72,8 @@ class WorkerLoop {
 
   ucp_context_h context() const { return context_.get(); }
   ucp_worker_h worker() const { return worker_.get(); }
+  // True when the context can send from and receive into CUDA memory.
+  bool cuda_memory() const { return cuda_memory_; }
 
   // Starts the thread; `tick` runs on it about every `tick_period`.
   void Start(absl::AnyInvocable<void()> tick, absl::Duration tick_period);
@@ -97,6 +99,7 @@ class WorkerLoop {
   UcpContext context_;
   UcpWorker worker_;
   int efd_ = -1;
+  bool cuda_memory_ = false;
   absl::Duration poll_spin_;
   absl::AnyInvocable<void()> tick_;
   absl::Duration tick_period_;
