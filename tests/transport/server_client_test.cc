@@ -456,6 +456,24 @@ TEST_P(ServerClientTest, ServerGoneFailsRequestsWithUnavailable) {
   EXPECT_FALSE((*c)->connected());
 }
 
+TEST_P(ServerClientTest, DrainRefusesNewPutsAndFinishesOpenOnes) {
+  StartServer();
+  auto c = Connect();
+  ASSERT_TRUE(c.ok());
+  const Kv kv(KvLayout{1, 1, 1, 64, DType::kF16}, 8, 4);
+  absl::StatusOr<uint64_t> open = (*c)->PutBegin(Begin(kv, "open"));
+  ASSERT_TRUE(open.ok());
+  server_->Drain();
+  EXPECT_EQ((*c)->PutBegin(Begin(kv, "new")).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(server_->WaitIdle(absl::Milliseconds(50)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  const std::vector<PreparedBlock> blocks = MakeBlocks(kv, *open, 1, 8, 1);
+  ASSERT_TRUE(SendAll(**c, blocks).ok());
+  ASSERT_TRUE((*c)->PutCommit(*open, blocks.size()).ok());
+  EXPECT_TRUE(server_->WaitIdle(absl::Seconds(10)).ok());
+  EXPECT_TRUE((*c)->Lookup("test/model", "open").ok());
+}
+
 TEST_P(ServerClientTest, GetIntoGpuMemoryNeedsCudaAwareUcx) {
   absl::StatusOr<UcxCapabilities> caps = QueryUcxCapabilities();
   ASSERT_TRUE(caps.ok());
@@ -484,7 +502,8 @@ TEST_P(ServerClientTest, StalledPutTimesOut) {
   ASSERT_TRUE((*c)->SendBlock(blocks[0].block, blocks[0].k.empty() ? nullptr : blocks[0].k.data(),
                               blocks[0].v.empty() ? nullptr : blocks[0].v.data())
                   .ok());
-  absl::SleepFor(absl::Milliseconds(600));
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (handler_->open_puts() > 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(handler_->open_puts(), 0);
   ASSERT_EQ(handler_->aborts().size(), 1u);
   EXPECT_EQ(handler_->aborts()[0].code(), absl::StatusCode::kDeadlineExceeded);
