@@ -439,7 +439,17 @@ class CudaScoringOps final : public ScoringOps {
       KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(keys.dtype, keys.head_dim, [&](auto t, auto d) {
         using T = typename decltype(t)::type;
         constexpr int D = decltype(d)::value;
-        ScoreKernel<T, D><<<grid, kThreads, 0, ctx_->stream>>>(sp);
+        switch (RowKindOf(params.scorer)) {
+          case RowKind::kDistance:
+            ScoreKernel<T, D, RowKind::kDistance><<<grid, kThreads, 0, ctx_->stream>>>(sp);
+            break;
+          case RowKind::kDot:
+            ScoreKernel<T, D, RowKind::kDot><<<grid, kThreads, 0, ctx_->stream>>>(sp);
+            break;
+          case RowKind::kNorm:
+            ScoreKernel<T, D, RowKind::kNorm><<<grid, kThreads, 0, ctx_->stream>>>(sp);
+            break;
+        }
         return cudaGetLastError();
       }));
     }
@@ -465,7 +475,7 @@ class CudaScoringOps final : public ScoringOps {
     KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(v.dtype, v.head_dim, [&](auto t, auto d) {
       using T = typename decltype(t)::type;
       constexpr int D = decltype(d)::value;
-      ScoreKernel<T, D><<<grid, kThreads, 0, ctx_->stream>>>(sp);
+      ScoreKernel<T, D, RowKind::kNorm><<<grid, kThreads, 0, ctx_->stream>>>(sp);
       return cudaGetLastError();
     }));
     return absl::OkStatus();

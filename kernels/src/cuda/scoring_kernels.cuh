@@ -132,15 +132,13 @@ struct RowShape {
   }
 };
 
+// The lane's raw 16-byte vectors of a row (unpacked at use, so registers hold 16-bit data).
 template <typename T, int D>
-__device__ inline void LoadRow(const T* row, int lane, float* f) {
+__device__ inline void LoadRaw(const T* row, int lane, uint4* raw) {
   using S = RowShape<T, D>;
   const uint4* v = reinterpret_cast<const uint4*>(row);
 #pragma unroll
-  for (int j = 0; j < S::kVecs; ++j) {
-    const uint4 x = __ldg(v + j * S::kLanes + lane);
-    Elem<T>::Unpack(x, f + j * S::kPerVec);
-  }
+  for (int j = 0; j < S::kVecs; ++j) raw[j] = __ldg(v + j * S::kLanes + lane);
 }
 
 // Sum over the kLanes lanes of a row group (the groups are aligned, so xor stays inside).
@@ -240,7 +238,7 @@ struct StatsParams {
 
 // grid (chunks, segments, H), kThreads threads.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) StatsKernel(StatsParams p) {
+__global__ void __launch_bounds__(kThreads, 3) StatsKernel(StatsParams p) {
   using S = RowShape<T, D>;
   __shared__ float red[kThreads / 32][D];
   const uint32_t h = p.head0 + blockIdx.z;
@@ -263,34 +261,36 @@ __global__ void __launch_bounds__(kThreads) StatsKernel(StatsParams p) {
   // are zeros.
   for (uint64_t rw = r0 + warp * S::kRowsPerWarp; rw < r1; rw += kStep * kUnroll) {
     const uint64_t r = rw + group;
-    float f[kUnroll][S::kF];
-    bool ok[kUnroll];
+    uint4 raw[kUnroll][S::kVecs];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t row = r + static_cast<uint64_t>(u) * kStep;
-      ok[u] = row < r1;
-      if (ok[u]) {
-        LoadRow<T, D>(base + row * p.token_stride, sub, f[u]);
+      if (row < r1) {
+        LoadRaw<T, D>(base + row * p.token_stride, sub, raw[u]);
       } else {
 #pragma unroll
-        for (int j = 0; j < S::kF; ++j) f[u][j] = 0.0f;
+        for (int j = 0; j < S::kVecs; ++j) raw[u][j] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t row = r + static_cast<uint64_t>(u) * kStep;
+      float f[S::kF];
+#pragma unroll
+      for (int j = 0; j < S::kVecs; ++j) Elem<T>::Unpack(raw[u][j], f + j * S::kPerVec);
       float sq = 0.0f;
 #pragma unroll
-      for (int j = 0; j < S::kF; ++j) sq = fmaf(f[u][j], f[u][j], sq);
+      for (int j = 0; j < S::kF; ++j) sq = fmaf(f[j], f[j], sq);
       sq = RowSum<S::kLanes>(sq);
       float scale = 1.0f;
-      if (ok[u] && SqNormBad(sq)) {
-        if (sub == 0) ReportBad(&p.errors->bad_key, uint64_t{h} * p.n + r + static_cast<uint64_t>(u) * kStep);
+      if (row < r1 && SqNormBad(sq)) {
+        if (sub == 0) ReportBad(&p.errors->bad_key, uint64_t{h} * p.n + row);
         scale = 0.0f;
       } else if (p.normalize) {
         scale = 1.0f / fmaxf(sqrtf(sq), kKeyDiffEps);
       }
 #pragma unroll
-      for (int j = 0; j < S::kF; ++j) acc[j] = fmaf(f[u][j], scale, acc[j]);
+      for (int j = 0; j < S::kF; ++j) acc[j] = fmaf(f[j], scale, acc[j]);
     }
   }
   // Row groups of a warp hold the same columns: fold them, then fold the warps.
@@ -389,9 +389,26 @@ struct ScoreKernelParams {
   ErrorSlots* errors;
 };
 
+// What a scorer reads of each row: only its norm (knorm, streaming, random: the NaN/Inf check),
+// its distance to a centre (manifold, windowed_manifold), or its dot product with a centre
+// (keydiff).
+enum class RowKind { kNorm = 0, kDistance = 1, kDot = 2 };
+
+inline RowKind RowKindOf(Scorer s) {
+  switch (s) {
+    case Scorer::kManifold:
+    case Scorer::kWindowedManifold:
+      return RowKind::kDistance;
+    case Scorer::kKeyDiff:
+      return RowKind::kDot;
+    default:
+      return RowKind::kNorm;
+  }
+}
+
 // grid (ceil(n / kScoreRows), H), kThreads threads.
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) ScoreKernel(ScoreKernelParams p) {
+template <typename T, int D, RowKind kKind>
+__global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) {
   using S = RowShape<T, D>;
   const uint32_t h = p.head0 + blockIdx.y;
   const uint64_t r0 = uint64_t{blockIdx.x} * kScoreRows;
@@ -401,8 +418,6 @@ __global__ void __launch_bounds__(kThreads) ScoreKernel(ScoreKernelParams p) {
   const int sub = lane % S::kLanes;
   const int group = lane / S::kLanes;
   const T* base = static_cast<const T*>(p.keys) + uint64_t{h} * p.head_stride;
-  const bool centred = p.scorer == Scorer::kManifold || p.scorer == Scorer::kWindowedManifold ||
-                       p.scorer == Scorer::kKeyDiff;
 
   float mu[S::kF];
 #pragma unroll
@@ -413,70 +428,63 @@ __global__ void __launch_bounds__(kThreads) ScoreKernel(ScoreKernelParams p) {
   constexpr int kUnroll = 4;
   for (uint64_t rw = r0 + warp * S::kRowsPerWarp; rw < r1; rw += kStep * kUnroll) {
     const uint64_t r = rw + group;
-    float f[kUnroll][S::kF];
+    uint4 raw[kUnroll][S::kVecs];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t row = r + static_cast<uint64_t>(u) * kStep;
       if (row < r1) {
-        LoadRow<T, D>(base + row * p.token_stride, sub, f[u]);
+        LoadRaw<T, D>(base + row * p.token_stride, sub, raw[u]);
       } else {
 #pragma unroll
-        for (int j = 0; j < S::kF; ++j) f[u][j] = 0.0f;
+        for (int j = 0; j < S::kVecs; ++j) raw[u][j] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t row = r + static_cast<uint64_t>(u) * kStep;
-      // Every lane of the row group takes the same branches (same row), and rows past r1 still
-      // run the shuffles with zeros.
-      if (centred) {
-        const uint64_t seg = min(row, p.n - 1) / p.segment;
+      // Every lane of a row group takes the same branches (same row); rows past r1 still run
+      // the shuffles, with zeros.
+      if (kKind != RowKind::kNorm) {
+        const uint64_t seg = p.segments == 1 ? 0 : min(row, p.n - 1) / p.segment;
         if (seg != mu_seg) {
           const float* c = p.centres + (uint64_t{h} * p.segments + seg) * D;
 #pragma unroll
           for (int j = 0; j < S::kF; ++j) mu[j] = c[S::Col(sub, j)];
-          mu_norm = p.norms != nullptr ? p.norms[uint64_t{h} * p.segments + seg] : 1.0f;
+          if (kKind == RowKind::kDot) mu_norm = p.norms[uint64_t{h} * p.segments + seg];
           mu_seg = seg;
         }
       }
+      float f[S::kF];
+#pragma unroll
+      for (int j = 0; j < S::kVecs; ++j) Elem<T>::Unpack(raw[u][j], f + j * S::kPerVec);
       float sq = 0.0f, other = 0.0f;
 #pragma unroll
-      for (int j = 0; j < S::kF; ++j) sq = fmaf(f[u][j], f[u][j], sq);
-      if (p.scorer == Scorer::kManifold || p.scorer == Scorer::kWindowedManifold) {
+      for (int j = 0; j < S::kF; ++j) sq = fmaf(f[j], f[j], sq);
+      if (kKind == RowKind::kDistance) {
 #pragma unroll
         for (int j = 0; j < S::kF; ++j) {
-          const float x = f[u][j] - mu[j];
+          const float x = f[j] - mu[j];
           other = fmaf(x, x, other);
         }
-      } else if (p.scorer == Scorer::kKeyDiff) {
+      } else if (kKind == RowKind::kDot) {
 #pragma unroll
-        for (int j = 0; j < S::kF; ++j) other = fmaf(f[u][j], mu[j], other);
+        for (int j = 0; j < S::kF; ++j) other = fmaf(f[j], mu[j], other);
       }
       sq = RowSum<S::kLanes>(sq);
-      other = RowSum<S::kLanes>(other);
+      if (kKind != RowKind::kNorm) other = RowSum<S::kLanes>(other);
       if (row >= r1 || sub != 0) continue;
       if (SqNormBad(sq)) ReportBad(&p.errors->bad_key, uint64_t{h} * p.n + row);
       float s;
-      switch (p.scorer) {
-        case Scorer::kKnorm:
-          s = -sqrtf(sq);
-          break;
-        case Scorer::kManifold:
-        case Scorer::kWindowedManifold:
-          s = sqrtf(other);
-          break;
-        case Scorer::kKeyDiff:
-          s = -(other / (fmaxf(sqrtf(sq), kKeyDiffEps) * mu_norm));
-          break;
-        case Scorer::kStreaming:
-          s = StreamingScore(p.positions.Position(h, row), p.n_sink);
-          break;
-        case Scorer::kRandom:
-          s = RandomScore(p.seed, p.stream, h, p.positions.Position(h, row));
-          break;
-        default:
-          s = 0.0f;
-          break;
+      if (kKind == RowKind::kDistance) {
+        s = sqrtf(other);
+      } else if (kKind == RowKind::kDot) {
+        s = -(other / (fmaxf(sqrtf(sq), kKeyDiffEps) * mu_norm));
+      } else if (p.scorer == Scorer::kStreaming) {
+        s = StreamingScore(p.positions.Position(h, row), p.n_sink);
+      } else if (p.scorer == Scorer::kRandom) {
+        s = RandomScore(p.seed, p.stream, h, p.positions.Position(h, row));
+      } else {
+        s = -sqrtf(sq);
       }
       p.scores[uint64_t{h} * p.n + row] = s;
     }
