@@ -50,8 +50,11 @@ def score(keys, scorer="manifold", *, backend="cpu", dtype=None, queries=None, *
 
 
 def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=None,
-             num_q_heads=None):
+             num_q_heads=None, projection=None):
     """Compresses one sequence's KV cache under `policy` (default Policy()).
+
+    Value codecs other than "none" need `projection` (kvcomp.calibrate); the cache records its
+    version, and kvcomp.decompress(cache, projection) returns the dense kept keys and values.
 
     Returns a CompressedCache: kept_positions(layer, head), keys(layer, head),
     values(layer, head), nbytes, original_nbytes, to_bytes(), CompressedCache.from_bytes(b).
@@ -63,6 +66,10 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
     q = None
     if queries is not None:
         q, _ = _prepare(queries, dt)
+    if policy.key_codec != "raw" or policy.value_codec != "none":  # KVSplice (issue 5)
+        raw = _kvcomp._compress(k, v, _kvcomp._raw_codecs(policy), backend=backend,
+                                dtype=dt or dt_v or "", queries=q, num_q_heads=num_q_heads)
+        return _kvcomp._encode_kept(raw, policy, projection, backend)
     return _kvcomp._compress(k, v, policy, backend=backend, dtype=dt or dt_v or "", queries=q,
                              num_q_heads=num_q_heads)
 
@@ -81,3 +88,88 @@ def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0):
         raise ValueError("pass bfloat16 queries as float32 (numpy has no native bfloat16)")
     return _kvcomp._attention(np.ascontiguousarray(arr), cache, layer, correct=correct,
                               backend=backend, scale=scale)
+
+
+# --- KVSplice (issue 5, docs/kvsplice.md) ---
+from ._kvcomp import Projection  # noqa: E402,F401
+
+__all__ += ["Projection", "calibrate", "decompress", "cache_codecs"]
+
+
+def _f32_4d(a, what):
+    import numpy as np
+    arr = np.ascontiguousarray(np.asarray(a, dtype=np.float32))
+    if arr.ndim == 3:
+        arr = arr[None]
+    if arr.ndim != 4:
+        raise ValueError(f"{what} must be [layers, kv_heads, tokens, head_dim]")
+    return arr
+
+
+def calibrate(values, rank=None, error_budget=None, *, keys=None, queries=None, metric="value",
+              codec="orthogonal_int8", group_size=32, gamma_aware=True, model_id="",
+              backend="cpu", max_samples=1024, max_queries=256, seed=0):
+    """Calibrates a KVSplice projection from value caches (PCA per layer and kv head).
+
+    values: one array [layers, kv_heads, tokens, head_dim] (or [kv_heads, tokens, head_dim]), or
+    a list of them (many caches). rank: basis rows to keep (default head_dim). error_budget: the
+    auto-tuner picks per layer the smallest rank whose relative error (metric "value": value
+    reconstruction; "attention": attention output over sample queries, or the keys as queries)
+    with `codec` meets it; the result's tuned_rank / tuned_error report the choice. keys (same
+    shapes as values) are needed for the attention metric; queries: [layers, q_heads, n, d].
+    Returns a kvcomp.Projection (save(path) / Projection.load(path)).
+    """
+    vals = values if isinstance(values, (list, tuple)) else [values]
+    vals = [_f32_4d(v, "values") for v in vals]
+    ks = []
+    if keys is not None:
+        ks = keys if isinstance(keys, (list, tuple)) else [keys]
+        ks = [_f32_4d(k, "keys") for k in ks]
+    qs = []
+    if queries is not None:
+        qs = queries if isinstance(queries, (list, tuple)) else [queries]
+        qs = [_f32_4d(q, "queries") for q in qs]
+    if rank is not None and error_budget is not None:
+        raise ValueError("give rank or error_budget, not both")
+    return _kvcomp._calibrate(vals, ks, qs, int(rank or 0), float(error_budget or 0.0), metric,
+                              codec, int(group_size), bool(gamma_aware), model_id, backend,
+                              int(max_samples), int(max_queries), int(seed))
+
+
+def _projection_save(self, path):
+    with open(path, "wb") as f:
+        f.write(self.to_bytes())
+
+
+def _projection_load(path):
+    with open(path, "rb") as f:
+        return Projection.from_bytes(f.read())
+
+
+Projection.save = _projection_save
+Projection.load = staticmethod(_projection_load)
+
+
+def decompress(cache, projection=None, *, backend="cpu"):
+    """Decodes a compressed cache's kept tokens: (keys, values), float32.
+
+    When every (layer, kv head) kept the same number of tokens the arrays are
+    [layers, kv_heads, kept, head_dim]; otherwise (AdaKV) they are lists [layer][kv_head] of
+    [kept, head_dim] arrays. Kept positions: cache.kept_positions(layer, head). A cache whose
+    values were encoded needs the projection it names (KeyError when it is missing or another).
+    """
+    k, v, off = _kvcomp._decompress(cache, projection, backend)
+    layers, heads, d = cache.num_layers, cache.num_kv_heads, cache.head_dim
+    counts = [int(off[i + 1] - off[i]) for i in range(len(off) - 1)]
+    if len(set(counts)) <= 1:
+        n = counts[0] if counts else 0
+        return k.reshape(layers, heads, n, d), v.reshape(layers, heads, n, d)
+    ks = [[k[off[l * heads + h]:off[l * heads + h + 1]] for h in range(heads)] for l in range(layers)]
+    vs = [[v[off[l * heads + h]:off[l * heads + h + 1]] for h in range(heads)] for l in range(layers)]
+    return ks, vs
+
+
+def cache_codecs(cache):
+    """How a cache's kept tokens are encoded and where its bytes go (header, positions, keys,
+    key_scales, values, value_scales, moments, total)."""
+    return _kvcomp._cache_codecs(cache)

@@ -17,6 +17,8 @@ namespace python {
 void RegisterEngine(nanobind::module_& m);
 // Engine II: CompressedCache.moments, _attention (bind_moments.cc, issue 4).
 void RegisterMoments(nanobind::module_& m);
+// Engine III: Projection, _calibrate, _encode_kept, _decompress (bind_codec.cc, issue 5).
+void RegisterCodec(nanobind::module_& m);
 
 // Raises the Python exception that matches `status` (ValueError for InvalidArgument,
 // OutOfRange and DataLoss, NotImplementedError for Unimplemented, RuntimeError otherwise); no-op

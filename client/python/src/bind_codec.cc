@@ -1,0 +1,247 @@
+// Python bindings of Engine III (KVSplice, issue 5): kvcomp.Projection, and the native halves of
+// kvcomp.calibrate, kvcomp.compress(..., projection=) and kvcomp.decompress (kvcomp/__init__.py
+// wraps them). Arrays come in as C-contiguous float32 NumPy arrays (the Python side converts);
+// outputs are NumPy arrays that own copies.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "bindings.h"
+#include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/policy.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/calibration.h"
+#include "kvcomp/kernels/kvsplice.h"
+#include "kvcomp/kernels/projection.h"
+
+namespace nb = nanobind;
+
+namespace kvcomp {
+namespace python {
+namespace {
+
+using F32Array = nb::ndarray<const float, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+
+template <typename T>
+T Unwrap(absl::StatusOr<T> v) {
+  ThrowIfError(v.status());
+  return std::move(v).value();
+}
+
+template <typename T>
+nb::object Numpy(std::vector<T>&& data, std::vector<size_t> shape) {
+  auto* heap = new std::vector<T>(std::move(data));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T>(heap->data(), shape.size(), shape.data(), owner).cast();
+}
+
+HeadsView LayerView(const F32Array& a, uint64_t layer) {
+  const uint64_t h = a.shape(1), t = a.shape(2), d = a.shape(3);
+  return HeadsView::Dense(a.data() + layer * h * t * d, DType::kF32, static_cast<uint32_t>(h), t,
+                          static_cast<uint32_t>(d));
+}
+
+using ProjectionPtr = std::shared_ptr<Projection>;
+
+ProjectionPtr Calibrate(const std::vector<F32Array>& values, const std::vector<F32Array>& keys,
+                        const std::vector<F32Array>& queries, uint32_t rank, double budget,
+                        const std::string& metric, const std::string& codec, uint32_t group_size,
+                        bool gamma_aware, const std::string& model_id, const std::string& backend,
+                        uint32_t max_samples, uint32_t max_queries, uint64_t seed) {
+  if (values.empty()) throw nb::value_error("calibrate: no values given");
+  if (!keys.empty() && keys.size() != values.size()) {
+    throw nb::value_error("calibrate: give keys for every values array, or none");
+  }
+  if (rank != 0 && budget > 0) throw nb::value_error("calibrate: give rank or error_budget, not both");
+  const F32Array& first = values[0];
+  CalibrationOptions opt;
+  opt.model_id = model_id;
+  opt.num_layers = static_cast<uint32_t>(first.shape(0));
+  opt.num_kv_heads = static_cast<uint32_t>(first.shape(1));
+  opt.head_dim = static_cast<uint32_t>(first.shape(3));
+  opt.max_samples_per_head = max_samples;
+  opt.max_queries_per_head = max_queries;
+  opt.seed = seed;
+  auto be = Unwrap(MakeBackend(backend));
+  auto cal = Unwrap(Calibrator::Create(opt, be.get()));
+  auto same_shape = [&](const F32Array& a) {
+    return a.shape(0) == first.shape(0) && a.shape(1) == first.shape(1) &&
+           a.shape(3) == first.shape(3);
+  };
+  absl::StatusOr<Projection> result;
+  {
+    nb::gil_scoped_release release;
+    result = [&]() -> absl::StatusOr<Projection> {
+      for (size_t i = 0; i < values.size(); ++i) {
+        if (!same_shape(values[i]) ||
+            (!keys.empty() && (keys[i].shape(2) != values[i].shape(2) || !same_shape(keys[i])))) {
+          return absl::InvalidArgumentError(
+              "calibrate: every array must be [layers, kv_heads, tokens, head_dim] of the same "
+              "layers, kv heads and head_dim (keys: the same tokens as their values)");
+        }
+        for (uint64_t l = 0; l < opt.num_layers; ++l) {
+          HeadsView kv;
+          if (!keys.empty()) kv = LayerView(keys[i], l);
+          KVCOMP_RETURN_IF_ERROR(cal.AddLayer(static_cast<uint32_t>(l), LayerView(values[i], l),
+                                              keys.empty() ? nullptr : &kv));
+        }
+      }
+      for (const F32Array& q : queries) {
+        if (q.shape(0) != opt.num_layers || q.shape(3) != opt.head_dim) {
+          return absl::InvalidArgumentError("calibrate: queries must be [layers, q_heads, n, d]");
+        }
+        for (uint64_t l = 0; l < opt.num_layers; ++l) {
+          KVCOMP_RETURN_IF_ERROR(cal.AddQueries(static_cast<uint32_t>(l), LayerView(q, l)));
+        }
+      }
+      if (budget <= 0) return cal.Finish(rank != 0 ? rank : opt.head_dim);
+      TuneOptions t;
+      t.budget = budget;
+      KVCOMP_ASSIGN_OR_RETURN(t.metric, ParseErrorMetric(metric));
+      KVCOMP_ASSIGN_OR_RETURN(t.codec, ParseValueCodec(codec));
+      t.group_size = group_size;
+      t.gamma_aware = gamma_aware;
+      KVCOMP_ASSIGN_OR_RETURN(TuneResult r, AutoTune(cal, t));
+      return std::move(r.projection);
+    }();
+  }
+  return std::make_shared<Projection>(Unwrap(std::move(result)));
+}
+
+CompressedCache EncodeKeptPy(const CompressedCache& cache, const CompressionPolicy& policy,
+                             std::optional<ProjectionPtr> projection, const std::string& backend) {
+  auto be = Unwrap(MakeBackend(backend));
+  CompressedCache out = cache;
+  absl::Status s;
+  {
+    nb::gil_scoped_release release;
+    s = EncodeKept(*be, policy, projection.has_value() ? projection->get() : nullptr, &out);
+  }
+  ThrowIfError(s);
+  out.policy = policy;
+  return out;
+}
+
+CompressionPolicy RawCodecs(const CompressionPolicy& p) {
+  CompressionPolicy r = p;
+  r.key_codec = KeyCodec::kRaw;
+  r.value_codec = ValueCodec::kRaw;
+  r.rank = 0;
+  return r;
+}
+
+// (keys [total_kept, d] f32, values [total_kept, d] f32, offsets [heads + 1])
+nb::tuple Decompress(const CompressedCache& cache, std::optional<ProjectionPtr> projection,
+                     const std::string& backend) {
+  auto be = Unwrap(MakeBackend(backend));
+  absl::StatusOr<DecodedKept> d;
+  {
+    nb::gil_scoped_release release;
+    d = DecodeKept(*be, cache, projection.has_value() ? projection->get() : nullptr, DType::kF32);
+  }
+  DecodedKept k = Unwrap(std::move(d));
+  const size_t total = k.offsets.back(), dim = k.layout.head_dim;
+  std::vector<float> keys(total * dim), values(total * dim);
+  if (total > 0) {
+    std::memcpy(keys.data(), k.keys.data(), keys.size() * 4);
+    std::memcpy(values.data(), k.values.data(), values.size() * 4);
+  }
+  return nb::make_tuple(Numpy(std::move(keys), {total, dim}), Numpy(std::move(values), {total, dim}),
+                        Numpy(std::move(k.offsets), {k.layout.num_heads_total() + 1}));
+}
+
+}  // namespace
+
+void RegisterCodec(nb::module_& m) {
+  nb::class_<Projection>(m, "Projection",
+                         "A calibrated KVSplice projection (kvcomp.calibrate): per (layer, kv "
+                         "head) orthonormal value directions, eigenvalues and gamma scales.")
+      .def_prop_ro("version", [](const Projection& p) { return p.version; })
+      .def_prop_ro("model_id", [](const Projection& p) { return p.model_id; })
+      .def_prop_ro("num_layers", [](const Projection& p) { return p.num_layers; })
+      .def_prop_ro("num_kv_heads", [](const Projection& p) { return p.num_kv_heads; })
+      .def_prop_ro("head_dim", [](const Projection& p) { return p.head_dim; })
+      .def_prop_ro("rank", [](const Projection& p) { return p.rows; },
+                   "basis rows kept per head: the largest rank a cache can use")
+      .def_prop_ro("samples", [](const Projection& p) { return p.samples; })
+      .def_prop_ro("tuned_rank", [](const Projection& p) { return p.tuned_rank; },
+                   "per layer, the auto-tuner's rank (empty unless error_budget was given)")
+      .def_prop_ro("tuned_error", [](const Projection& p) { return p.tuned_error; },
+                   "per layer, the error the auto-tuner measured at that rank")
+      .def_prop_ro("basis",
+                   [](const Projection& p) {
+                     std::vector<float> b = p.basis;
+                     return Numpy(std::move(b), {p.num_layers, p.num_kv_heads, p.rows, p.head_dim});
+                   })
+      .def_prop_ro("eigenvalues",
+                   [](const Projection& p) {
+                     std::vector<float> e = p.eigenvalues;
+                     return Numpy(std::move(e), {p.num_layers, p.num_kv_heads, p.head_dim});
+                   })
+      .def_prop_ro("gamma",
+                   [](const Projection& p) {
+                     std::vector<float> g = p.gamma;
+                     return Numpy(std::move(g), {p.num_layers, p.num_kv_heads, p.rows});
+                   })
+      .def("to_bytes",
+           [](const Projection& p) {
+             const std::string s = p.Serialize();
+             return nb::bytes(s.data(), s.size());
+           })
+      .def_static("from_bytes",
+                  [](nb::bytes b) {
+                    return std::make_shared<Projection>(Unwrap(
+                        Projection::Parse(absl::string_view(b.c_str(), b.size()))));
+                  })
+      .def("truncated",
+           [](const Projection& p, uint32_t rank) {
+             return std::make_shared<Projection>(Unwrap(p.Truncated(rank)));
+           },
+           nb::arg("rank"))
+      .def("__repr__", &Projection::DebugString);
+
+  m.def("_calibrate", &Calibrate, nb::arg("values"), nb::arg("keys"), nb::arg("queries"),
+        nb::arg("rank"), nb::arg("budget"), nb::arg("metric"), nb::arg("codec"),
+        nb::arg("group_size"), nb::arg("gamma_aware"), nb::arg("model_id"), nb::arg("backend"),
+        nb::arg("max_samples"), nb::arg("max_queries"), nb::arg("seed"));
+  m.def("_encode_kept", &EncodeKeptPy, nb::arg("cache"), nb::arg("policy"),
+        nb::arg("projection").none(), nb::arg("backend"));
+  m.def("_raw_codecs", &RawCodecs, nb::arg("policy"));
+  m.def("_decompress", &Decompress, nb::arg("cache"), nb::arg("projection").none(),
+        nb::arg("backend"));
+  m.def("_cache_codecs", [](const CompressedCache& c) {
+    nb::dict d;
+    d["key_codec"] = std::string(KeyCodecName(c.key_codec));
+    d["value_codec"] = std::string(ValueCodecName(c.value_codec));
+    d["rank"] = c.rank;
+    d["group_size"] = c.ValueGroups() > 0 ? c.group_size : 0;
+    d["gamma_aware"] = c.value_gamma;
+    d["projection_version"] = c.projection_version;
+    const CacheBytes b = c.Breakdown();
+    nb::dict bytes;
+    bytes["header"] = b.header;
+    bytes["positions"] = b.positions;
+    bytes["keys"] = b.keys;
+    bytes["key_scales"] = b.key_scales;
+    bytes["values"] = b.values;
+    bytes["value_scales"] = b.value_scales;
+    bytes["moments"] = b.moments;
+    bytes["total"] = b.total();
+    d["bytes"] = bytes;
+    return d;
+  });
+}
+
+}  // namespace python
+}  // namespace kvcomp
