@@ -13,7 +13,9 @@ The model of one kv head, token at position p (pre-RoPE vector, then RoPE(p)):
   needles: off-subspace keys (random directions) at random positions with distinctive values;
            groups of `group_size` needles share ONE stored (post-RoPE) direction and differ in
            magnitude (`group_magnitudes`): the directional collision of seed 000 (cosine-based
-           scorers cannot tell them apart, norm-based ones rank them by magnitude only).
+           scorers cannot tell them apart, norm-based ones rank them by magnitude only); the
+           first `groups_along_mean` groups lie along the keys' mean direction, where a cosine
+           to the mean sees ordinary tokens and only the magnitude tells them apart.
 Queries (all at position `tokens`, i.e. the next decode step):
   generic:   bias + B (current topic mean + N(0, I)) * query_scale, RoPE'd: ordinary decode steps
   retrieval: along a needle's stored key direction (or a group's shared direction) with a norm
@@ -52,6 +54,8 @@ class GeneratorParams:
     num_groups: int = 2                # needle groups per kv head (shared direction)
     group_size: int = 3                # needles per group
     group_magnitudes: tuple = (0.6, 1.0, 1.6)  # relative key magnitudes inside a group
+    groups_along_mean: int = 0         # groups whose shared direction is the keys' mean
+                                       # direction (the rest: random directions)
     needle_norm: float = 1.0           # needle key norm relative to the typical key norm
     needle_value_norm: float = 3.0     # needle value norm relative to the typical value norm
     retrieval_logit: float = 9.0       # [logits] a retrieval query's logit on its needle above
@@ -154,8 +158,12 @@ def generate_layer(p: GeneratorParams, tokens: int, seed: int) -> Layer:
             w = rng.standard_normal(d); w /= np.linalg.norm(w)
             v[t] = w * typical_v * p.needle_value_norm
             head_needles.append(Needle(h, t, -1))
+        mean_dir = k[1:].mean(axis=0)
+        mean_dir /= np.linalg.norm(mean_dir)
         for g in range(p.num_groups):
             u = rng.standard_normal(d); u /= np.linalg.norm(u)
+            if g < p.groups_along_mean:
+                u = mean_dir  # seed 000's collision: the direction every key leans towards
             for j in range(p.group_size):
                 t = int(slots[cursor]); cursor += 1
                 mag = p.group_magnitudes[j % len(p.group_magnitudes)]

@@ -36,7 +36,9 @@ class MomentsCudaTest : public ::testing::Test {
   Buffer Up(const std::vector<T>& v) {
     auto b = Buffer::Allocate(gpu_->allocator(), std::max<size_t>(1, v.size() * sizeof(T)));
     EXPECT_TRUE(b.ok());
-    if (!v.empty()) EXPECT_TRUE(gpu_->CopyFromHost(b->data(), v.data(), v.size() * sizeof(T)).ok());
+    if (!v.empty()) {
+      EXPECT_TRUE(gpu_->CopyFromHost(b->data(), v.data(), v.size() * sizeof(T)).ok());
+    }
     return std::move(*b);
   }
   template <typename T>

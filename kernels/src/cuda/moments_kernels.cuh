@@ -284,7 +284,7 @@ cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cud
 
 // Sets *error to 1 when an index of head h's list is >= num_tokens or, when `ascending`, not
 // strictly above its predecessor. Grid: (blocks, heads).
-__global__ void CheckLists(const uint32_t* list, const uint64_t* off, uint64_t num_tokens,
+static __global__ void CheckLists(const uint32_t* list, const uint64_t* off, uint64_t num_tokens,
                            bool ascending, unsigned int* error) {
   const uint32_t h = blockIdx.y;
   const uint64_t a = off[h], b = off[h + 1];
@@ -299,13 +299,13 @@ __global__ void CheckLists(const uint32_t* list, const uint64_t* off, uint64_t n
 }
 
 // dst += src element-wise (n floats) and for counts.
-__global__ void AddFloats(float* dst, const float* src, uint64_t n) {
+static __global__ void AddFloats(float* dst, const float* src, uint64_t n) {
   for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < n;
        i += uint64_t{gridDim.x} * blockDim.x) {
     dst[i] += src[i];
   }
 }
-__global__ void AddCounts(unsigned long long* dst, const unsigned long long* src, uint32_t n) {
+static __global__ void AddCounts(unsigned long long* dst, const unsigned long long* src, uint32_t n) {
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     dst[i] += src[i];
   }
