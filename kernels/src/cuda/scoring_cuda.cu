@@ -89,7 +89,8 @@ struct Layout {
   uint64_t scores = kNone;
   uint64_t partial = kNone, centres = kNone, norms = kNone;
   uint64_t snap_stats = kNone, snap_acc = kNone, snap_max = kNone;
-  uint64_t state = kNone, hist = kNone, tile_counts = kNone, plan = kNone, total = kNone;
+  uint64_t state = kNone, hist = kNone, tickets = kNone, tile_counts = kNone, plan = kNone,
+           total = kNone;
   uint64_t stage_counts = kNone, flags = kNone;
   uint64_t offsets = kNone;
   uint64_t bytes = 0;
@@ -131,6 +132,7 @@ void LayoutSelect(uint32_t heads, uint64_t n, const SelectParams& sel, Carver* c
   l->tiles = static_cast<uint32_t>(CeilDiv(n, kTile));
   l->state = c->Take((uint64_t{heads} + 1) * sizeof(SegmentState));
   l->hist = c->Take(uint64_t{heads} * kRadixBins * sizeof(uint32_t));
+  l->tickets = c->Take(uint64_t{heads} * sizeof(uint32_t));
   l->tile_counts = c->Take(uint64_t{heads} * l->tiles * sizeof(TileCounts));
   l->plan = c->Take(uint64_t{heads} * l->tiles * sizeof(TilePlan));
   l->total = c->Take(sizeof(unsigned long long));
@@ -140,10 +142,15 @@ void LayoutSelect(uint32_t heads, uint64_t n, const SelectParams& sel, Carver* c
   }
 }
 
-// Sets every segment's state and zeroes its histogram. grid (segments), kThreads threads.
-__global__ void InitSegmentsKernel(SegmentState* state, uint32_t* hist, uint32_t need) {
+// Sets every segment's state and zeroes its histogram and ticket. grid (segments), kThreads
+// threads.
+__global__ void InitSegmentsKernel(SegmentState* state, uint32_t* hist, uint32_t* tickets,
+                                   uint32_t need) {
   const uint32_t s = blockIdx.x;
-  if (threadIdx.x == 0) state[s] = SegmentState{0, need, need > 0 ? 1u : 0u, 0};
+  if (threadIdx.x == 0) {
+    state[s] = SegmentState{0, need, need > 0 ? 1u : 0u, 0};
+    tickets[s] = 0;
+  }
   for (int b = threadIdx.x; b < kRadixBins; b += kThreads) hist[uint64_t{s} * kRadixBins + b] = 0;
 }
 
@@ -515,14 +522,12 @@ class CudaScoringOps final : public ScoringOps {
     const uint32_t heads = sp.heads;
     const uint32_t segments = sp.per_head ? heads : 1;
     cudaStream_t s = ctx_->stream;
-    InitSegmentsKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, need);
+    InitSegmentsKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, sp.tickets, need);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     const dim3 grid(l.tiles, heads);
     if (need > 0) {
       for (int pass = 0; pass < kRadixPasses; ++pass) {
         RadixHistKernel<<<grid, kThreads, 0, s>>>(sp, pass);
-        KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-        RadixFindKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, pass);
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
     }
@@ -582,6 +587,7 @@ class CudaScoringOps final : public ScoringOps {
     sp.per_head = true;
     sp.state = At<SegmentState>(ws, l.state);
     sp.hist = At<uint32_t>(ws, l.hist);
+    sp.tickets = At<uint32_t>(ws, l.tickets);
     sp.errors = At<ErrorSlots>(ws, l.errors);
     if (sel.head_budget == HeadBudget::kUniform || heads == 1) {
       return RunStage(sp, static_cast<uint32_t>(kept), out.counts, nullptr, out.indices, keys,
