@@ -8,9 +8,10 @@ the raw bits with dtype="bf16".
 
 from ._kvcomp import CompressedCache, Policy, backend_description, cuda_available  # noqa: F401
 from . import _kvcomp
+from .client import Client, PutStream  # noqa: F401
 
 __all__ = ["Policy", "CompressedCache", "score", "compress", "cuda_available",
-           "backend_description", "attention"]
+           "backend_description", "attention", "Client", "PutStream"]
 
 
 def _as_input(a, dtype):

@@ -17,12 +17,16 @@ namespace python {
 void RegisterEngine(nanobind::module_& m);
 // Engine II: CompressedCache.moments, _attention (bind_moments.cc, issue 4).
 void RegisterMoments(nanobind::module_& m);
+// The C++ SDK: _Client, _PutStream (bind_client.cc, issue 8); kvcomp/client.py wraps them.
+void RegisterClient(nanobind::module_& m);
 // Engine III: Projection, _calibrate, _encode_kept, _decompress (bind_codec.cc, issue 5).
 void RegisterCodec(nanobind::module_& m);
 
 // Raises the Python exception that matches `status` (ValueError for InvalidArgument,
-// OutOfRange and DataLoss, NotImplementedError for Unimplemented, RuntimeError otherwise); no-op
-// when OK.
+// OutOfRange and DataLoss, NotImplementedError for Unimplemented, KeyError for NotFound,
+// PermissionError for Unauthenticated/PermissionDenied, TimeoutError for DeadlineExceeded,
+// ConnectionError for Unavailable, MemoryError for ResourceExhausted, RuntimeError otherwise);
+// no-op when OK.
 inline void ThrowIfError(const absl::Status& status) {
   if (status.ok()) return;
   const std::string msg = status.ToString();
@@ -33,6 +37,22 @@ inline void ThrowIfError(const absl::Status& status) {
       throw nanobind::value_error(msg.c_str());
     case absl::StatusCode::kUnimplemented:
       PyErr_SetString(PyExc_NotImplementedError, msg.c_str());
+      throw nanobind::python_error();
+    case absl::StatusCode::kNotFound:
+      PyErr_SetString(PyExc_KeyError, msg.c_str());
+      throw nanobind::python_error();
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
+      PyErr_SetString(PyExc_PermissionError, msg.c_str());
+      throw nanobind::python_error();
+    case absl::StatusCode::kDeadlineExceeded:
+      PyErr_SetString(PyExc_TimeoutError, msg.c_str());
+      throw nanobind::python_error();
+    case absl::StatusCode::kUnavailable:
+      PyErr_SetString(PyExc_ConnectionError, msg.c_str());
+      throw nanobind::python_error();
+    case absl::StatusCode::kResourceExhausted:
+      PyErr_SetString(PyExc_MemoryError, msg.c_str());
       throw nanobind::python_error();
     default:
       throw std::runtime_error(msg);

@@ -8,5 +8,6 @@ NB_MODULE(_kvcomp, m) {
   m.doc() = "kvcomp: KV-cache compression engine (native part of the kvcomp package)";
   kvcomp::python::RegisterEngine(m);
   kvcomp::python::RegisterMoments(m);
+  kvcomp::python::RegisterClient(m);
   kvcomp::python::RegisterCodec(m);
 }

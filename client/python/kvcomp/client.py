@@ -1,0 +1,165 @@
+"""kvcomp.Client: the Python SDK of kvcompd (a thin layer over the C++ SDK, kvcomp::client).
+
+    import kvcomp
+    c = kvcomp.Client(["127.0.0.1:7420,127.0.0.1:7421"], tenant="team-a", token="...")
+    c.put("llama-3.1-8b", "req-17", keys, values)          # [layers, kv_heads, tokens, head_dim]
+    with c.put_stream("llama-3.1-8b", "req-18", layers=32, kv_heads=8, head_dim=128,
+                      tokens=n, dtype="bf16") as s:
+        for layer in range(32):
+            s.append(layer, k[layer], v[layer])             # [kv_heads, tokens, head_dim]
+    cache = c.get("llama-3.1-8b", "req-17")                 # kvcomp.CompressedCache
+    kvcomp.attention(q, cache, layer=0)
+
+Endpoints are "host:port" (UCX data port) or "host:port,host:port" (data, then Thrift control,
+which stats() needs). Keys are str (UTF-8) or bytes. Several endpoints are sharded by rendezvous
+hashing; replicas > 1 keeps copies on distinct endpoints, with reads failing over between them.
+
+Arrays are NumPy-like in host memory, C-contiguous (non-contiguous arrays raise ValueError;
+pass numpy.ascontiguousarray(a)), float32, float16 or bfloat16 (ml_dtypes.bfloat16, a torch
+tensor, or uint16 raw bits with dtype="bf16"). Nothing is copied on the way in except to split
+a layer into blocks.
+
+Errors: ValueError (bad arguments), KeyError (no such cache), PermissionError (credentials),
+ConnectionError (no endpoint reachable), TimeoutError, MemoryError (quota), RuntimeError.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from . import _kvcomp
+
+Key = Union[str, bytes]
+
+
+def _key(key: Key) -> bytes:
+    if isinstance(key, str):
+        return key.encode("utf-8")
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return bytes(key)
+    raise TypeError(f"key must be str or bytes, not {type(key).__name__}")
+
+
+def _host_array(a: Any, what: str) -> Tuple[Any, str]:
+    """The array as the extension reads it, and the dtype hint ("bf16" for raw bits)."""
+    import numpy as np
+
+    if hasattr(a, "__cuda_array_interface__") or (
+            hasattr(a, "__dlpack_device__") and a.__dlpack_device__()[0] != 1):
+        raise ValueError(f"{what}: the client sends host memory; copy GPU tensors to the host")
+    if type(a).__module__.startswith("torch"):
+        if not a.is_contiguous():
+            raise ValueError(f"{what}: tensor is not contiguous (call .contiguous())")
+        if str(a.dtype) == "torch.bfloat16":
+            import torch
+            return a.view(torch.int16).numpy().view(np.uint16), "bf16"
+        return a.numpy(), ""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what}: expected a numpy array or torch tensor, not {type(a).__name__}")
+    if not a.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"{what}: array is not C-contiguous (use numpy.ascontiguousarray)")
+    if a.dtype.name == "bfloat16":
+        return a.view(np.uint16), "bf16"
+    if a.dtype == np.uint16:
+        return a, "bf16"
+    if a.dtype not in (np.float32, np.float16):
+        raise ValueError(f"{what}: dtype {a.dtype} unsupported (float32, float16, bfloat16)")
+    return a, ""
+
+
+class PutStream:
+    """A put fed layer by layer; a context manager that commits on success, aborts on error."""
+
+    def __init__(self, native: Any, dtype: str):
+        self._s = native
+        self._dtype = dtype
+        self.result: Optional[Dict[str, Any]] = None
+
+    def append(self, layer: int, keys: Any, values: Any, token_begin: int = 0) -> None:
+        """Sends keys/values [kv_heads, n, head_dim] of `layer` for tokens [token_begin, +n)."""
+        k, hk = _host_array(keys, "keys")
+        v, hv = _host_array(values, "values")
+        if (hk == "bf16") != (self._dtype == "bf16") or (hv == "bf16") != (self._dtype == "bf16"):
+            raise ValueError(f"keys/values dtype differs from the stream's {self._dtype}")
+        self._s.append(layer, k, v, token_begin)
+
+    def commit(self) -> Dict[str, Any]:
+        """Stores the cache; returns original_bytes, stored_bytes, total_kept, endpoints."""
+        self.result = self._s.commit()
+        return self.result
+
+    def abort(self) -> None:
+        self._s.abort()
+
+    def __enter__(self) -> "PutStream":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            if self.result is None:
+                self.commit()
+        else:
+            self.abort()
+
+
+class Client:
+    """A connection to one or more kvcompd instances (thread-safe; share it)."""
+
+    def __init__(self, endpoints: Union[str, Sequence[str]], *, tenant: str = "",
+                 token: str = "", replicas: int = 1, connect_timeout: float = 5.0,
+                 timeout: float = 60.0, max_block_bytes: int = 8 << 20,
+                 ucx: Optional[Dict[str, str]] = None, connect: bool = True):
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        self.endpoints = list(endpoints)
+        self._c = _kvcomp._Client.connect(
+            self.endpoints, tenant=tenant, token=token, replicas=replicas,
+            connect_timeout=connect_timeout, request_timeout=timeout,
+            max_block_bytes=max_block_bytes, ucx=sorted((ucx or {}).items()),
+            connect_now=connect)
+
+    def put(self, model: str, key: Key, keys: Any, values: Any, *, policy: Any = None,
+            num_q_heads: Optional[int] = None) -> Dict[str, Any]:
+        """Pushes a whole cache: keys/values [layers, kv_heads, tokens, head_dim].
+
+        policy: a kvcomp.Policy, or None for the tenant's default on the daemon.
+        Returns original_bytes, stored_bytes, total_kept and the endpoints holding copies.
+        """
+        k, hk = _host_array(keys, "keys")
+        v, hv = _host_array(values, "values")
+        return self._c.put(model, _key(key), k, v, q_heads=num_q_heads or 0, policy=policy,
+                           dtype=hk or hv)
+
+    def put_stream(self, model: str, key: Key, *, layers: int, kv_heads: int, head_dim: int,
+                   tokens: int, dtype: str = "bf16", q_heads: Optional[int] = None,
+                   policy: Any = None, block_wise: bool = False) -> PutStream:
+        """Opens a streamed put (see PutStream); block_wise compresses as blocks arrive."""
+        native = self._c.open_put_stream(model, _key(key), layers, kv_heads, q_heads or 0,
+                                         head_dim, tokens, dtype, policy=policy,
+                                         block_wise=block_wise)
+        return PutStream(native, dtype)
+
+    def get(self, model: str, key: Key, *, decoded: bool = False):
+        """The cache as a kvcomp.CompressedCache; decoded=True asks the daemon to decode the
+        kept tokens to the input dtype (raw codecs)."""
+        return self._c.get(model, _key(key), decoded)
+
+    def get_bytes(self, model: str, key: Key) -> bytes:
+        """The encoded cache as stored (docs/format.md)."""
+        return self._c.get_bytes(model, _key(key))
+
+    def lookup(self, model: str, key: Key) -> Dict[str, Any]:
+        """Where the cache is and its sizes; KeyError when absent."""
+        return self._c.lookup(model, _key(key))
+
+    def delete(self, model: str, key: Key) -> None:
+        """Deletes every copy; KeyError when no endpoint had it."""
+        self._c.delete(model, _key(key))
+
+    def stats(self) -> List[Dict[str, Any]]:
+        """Per-endpoint statistics of this tenant (needs the endpoints' control addresses)."""
+        return self._c.stats()
+
+    def ranking(self, model: str, key: Key) -> List[str]:
+        """The endpoints in the order this key's reads and writes try them."""
+        return self._c.ranking(model, _key(key))

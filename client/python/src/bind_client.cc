@@ -1,0 +1,349 @@
+// Python bindings of the C++ SDK (kvcomp::client): kvcomp._kvcomp._Client and _PutStream. The
+// Pythonic layer (kvcomp/client.py) wraps them; statuses become Python exceptions here.
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "nanobind/nanobind.h"
+#include "nanobind/ndarray.h"
+#include "nanobind/stl/optional.h"
+#include "nanobind/stl/pair.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
+#include "absl/strings/str_cat.h"
+#include "bindings.h"
+#include "kvcomp/client/client.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/policy.h"
+
+namespace nb = nanobind;
+
+namespace kvcomp {
+namespace python {
+namespace {
+
+using client::Client;
+using client::PutStream;
+
+[[noreturn]] void Raise(const absl::Status& s) {
+  ThrowIfError(s.ok() ? absl::InternalError("error without a status") : s);
+  throw std::logic_error("unreachable");
+}
+
+void Check(const absl::Status& s) {
+  if (!s.ok()) Raise(s);
+}
+template <typename T>
+T Take(absl::StatusOr<T> s) {
+  if (!s.ok()) Raise(s.status());
+  return std::move(*s);
+}
+
+using AnyArray = nb::ndarray<nb::device::cpu>;
+
+// The dtype an array holds: float32, float16, bfloat16 (ml_dtypes), or uint16 holding bf16 bits
+// when `dtype_hint` is "bf16".
+DType ArrayDType(const AnyArray& a, const std::string& dtype_hint, const char* what) {
+  const nb::dlpack::dtype t = a.dtype();
+  if (t == nb::dtype<float>()) return DType::kF32;
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16) {
+    return DType::kF16;
+  }
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) {
+    return DType::kBF16;
+  }
+  if (t == nb::dtype<uint16_t>() && dtype_hint == "bf16") return DType::kBF16;
+  Raise(absl::InvalidArgumentError(absl::StrCat(
+      what, ": unsupported array dtype (float32, float16, bfloat16, or uint16 with dtype='bf16')")));
+}
+
+bool CContiguous(const AnyArray& a) {
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect) return false;
+    expect *= static_cast<int64_t>(a.shape(i));
+  }
+  return true;
+}
+
+// Checks a [layers, kv_heads, tokens, head_dim] (or [kv_heads, tokens, head_dim] for one layer)
+// array against the layout, and returns it as a base pointer.
+const void* CheckLayerArray(const AnyArray& a, const KvLayout& layout, uint64_t tokens,
+                            bool whole_cache, const char* what) {
+  if (!CContiguous(a)) {
+    Raise(absl::InvalidArgumentError(
+        absl::StrCat(what, ": array is not C-contiguous (use numpy.ascontiguousarray)")));
+  }
+  std::vector<uint64_t> want;
+  if (whole_cache) want.push_back(layout.num_layers);
+  want.insert(want.end(), {layout.num_kv_heads, tokens, layout.head_dim});
+  bool ok = a.ndim() == want.size();
+  for (size_t i = 0; ok && i < want.size(); ++i) ok = static_cast<uint64_t>(a.shape(i)) == want[i];
+  if (!ok) {
+    std::string got = "(";
+    for (size_t i = 0; i < a.ndim(); ++i) absl::StrAppend(&got, i ? ", " : "", a.shape(i));
+    std::string exp = "(";
+    for (size_t i = 0; i < want.size(); ++i) absl::StrAppend(&exp, i ? ", " : "", want[i]);
+    Raise(absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape ", got, ") does not match the layout ", exp, ")")));
+  }
+  return a.data();
+}
+
+struct PyPutStream {
+  std::unique_ptr<PutStream> stream;
+  std::string dtype_hint;
+
+  void Append(uint32_t layer, const AnyArray& keys, const AnyArray& values, uint64_t token_begin) {
+    if (!stream) Raise(absl::FailedPreconditionError("put stream is closed"));
+    const KvLayout& l = stream->layout();
+    if (keys.ndim() != 3) {
+      Raise(absl::InvalidArgumentError("keys: expected [kv_heads, tokens, head_dim]"));
+    }
+    const uint64_t n = keys.shape(1);
+    if (ArrayDType(keys, dtype_hint, "keys") != l.dtype ||
+        ArrayDType(values, dtype_hint, "values") != l.dtype) {
+      Raise(absl::InvalidArgumentError(
+          absl::StrCat("keys/values dtype differs from the put's ", DTypeName(l.dtype))));
+    }
+    const void* k = CheckLayerArray(keys, l, n, false, "keys");
+    const void* v = CheckLayerArray(values, l, n, false, "values");
+    absl::Status s;
+    {
+      nb::gil_scoped_release release;
+      s = stream->Append(layer, token_begin, n, k, v);
+    }
+    Check(s);
+  }
+};
+
+nb::dict PutResultDict(const client::PutResult& r) {
+  nb::dict d;
+  d["original_bytes"] = r.original_bytes;
+  d["stored_bytes"] = r.stored_bytes;
+  d["total_kept"] = r.total_kept;
+  d["endpoints"] = r.endpoints;
+  return d;
+}
+
+KvLayout MakeLayout(uint32_t layers, uint32_t kv_heads, uint32_t q_heads, uint32_t head_dim,
+                    DType dtype) {
+  KvLayout l{layers, kv_heads, q_heads == 0 ? kv_heads : q_heads, head_dim, dtype};
+  Check(l.Validate());
+  return l;
+}
+
+}  // namespace
+
+void RegisterClient(nb::module_& m) {
+  nb::class_<PyPutStream>(m, "_PutStream")
+      .def("append", &PyPutStream::Append, nb::arg("layer"), nb::arg("keys"), nb::arg("values"),
+           nb::arg("token_begin") = 0)
+      .def("commit",
+           [](PyPutStream& p) {
+             if (!p.stream) Raise(absl::FailedPreconditionError("put stream is closed"));
+             absl::StatusOr<client::PutResult> r;
+             {
+               nb::gil_scoped_release release;
+               r = p.stream->Commit();
+             }
+             p.stream.reset();
+             return PutResultDict(Take(std::move(r)));
+           })
+      .def("abort", [](PyPutStream& p) {
+        if (!p.stream) return;
+        absl::Status s;
+        {
+          nb::gil_scoped_release release;
+          s = p.stream->Abort();
+        }
+        p.stream.reset();
+        Check(s);
+      });
+
+  nb::class_<Client>(m, "_Client")
+      .def_static(
+          "connect",
+          [](const std::vector<std::string>& endpoints, const std::string& tenant,
+             const std::string& token, int replicas, double connect_timeout,
+             double request_timeout, uint64_t max_block_bytes,
+             const std::vector<std::pair<std::string, std::string>>& ucx, bool connect_now) {
+            client::ClientOptions o;
+            o.tenant = tenant;
+            o.token = token;
+            o.replicas = replicas;
+            if (!(connect_timeout > 0) || !(request_timeout > 0)) {
+              Raise(absl::InvalidArgumentError("timeouts must be positive seconds"));
+            }
+            o.connect_timeout = absl::Seconds(connect_timeout);
+            o.request_timeout = absl::Seconds(request_timeout);
+            o.max_block_bytes = max_block_bytes;
+            o.ucx_overrides = ucx;
+            absl::StatusOr<std::unique_ptr<Client>> c;
+            {
+              nb::gil_scoped_release release;
+              c = Client::Connect(endpoints, o, connect_now);
+            }
+            return Take(std::move(c)).release();
+          },
+          nb::arg("endpoints"), nb::arg("tenant") = "", nb::arg("token") = "",
+          nb::arg("replicas") = 1, nb::arg("connect_timeout") = 5.0,
+          nb::arg("request_timeout") = 60.0, nb::arg("max_block_bytes") = uint64_t{8} << 20,
+          nb::arg("ucx") = std::vector<std::pair<std::string, std::string>>{},
+          nb::arg("connect_now") = true, nb::rv_policy::take_ownership)
+      .def(
+          "put",
+          [](Client& c, const std::string& model, nb::bytes key, const AnyArray& keys,
+             const AnyArray& values, uint32_t q_heads, const std::optional<CompressionPolicy>& policy,
+             const std::string& dtype_hint) {
+            if (keys.ndim() != 4) {
+              Raise(absl::InvalidArgumentError(
+                  "keys: expected [layers, kv_heads, tokens, head_dim]"));
+            }
+            const DType dt = ArrayDType(keys, dtype_hint, "keys");
+            if (ArrayDType(values, dtype_hint, "values") != dt) {
+              Raise(absl::InvalidArgumentError("keys and values have different dtypes"));
+            }
+            const KvLayout l = MakeLayout(keys.shape(0), keys.shape(1), q_heads, keys.shape(3), dt);
+            const uint64_t tokens = keys.shape(2);
+            const char* k = static_cast<const char*>(CheckLayerArray(keys, l, tokens, true, "keys"));
+            const char* v =
+                static_cast<const char*>(CheckLayerArray(values, l, tokens, true, "values"));
+            std::vector<client::LayerData> layers;
+            for (uint32_t i = 0; i < l.num_layers; ++i) {
+              layers.push_back({k + i * l.LayerBytes(tokens), v + i * l.LayerBytes(tokens)});
+            }
+            client::PutOptions po;
+            po.policy = policy;
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<client::PutResult> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.Put(model, key_s, l, tokens, layers, po);
+            }
+            return PutResultDict(Take(std::move(r)));
+          },
+          nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
+          nb::arg("q_heads") = 0, nb::arg("policy") = nb::none(), nb::arg("dtype") = "")
+      .def(
+          "open_put_stream",
+          [](Client& c, const std::string& model, nb::bytes key, uint32_t layers,
+             uint32_t kv_heads, uint32_t q_heads, uint32_t head_dim, uint64_t tokens,
+             const std::string& dtype, const std::optional<CompressionPolicy>& policy, bool block_wise) {
+            const DType dt = Take(ParseDType(dtype));
+            const KvLayout l = MakeLayout(layers, kv_heads, q_heads, head_dim, dt);
+            client::PutOptions po;
+            po.policy = policy;
+            po.block_wise = block_wise;
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<std::unique_ptr<PutStream>> s;
+            {
+              nb::gil_scoped_release release;
+              s = c.OpenPutStream(model, key_s, l, tokens, po);
+            }
+            auto* p = new PyPutStream;
+            p->stream = Take(std::move(s));
+            p->dtype_hint = dtype;
+            return p;
+          },
+          nb::arg("model"), nb::arg("key"), nb::arg("layers"), nb::arg("kv_heads"),
+          nb::arg("q_heads"), nb::arg("head_dim"), nb::arg("tokens"), nb::arg("dtype"),
+          nb::arg("policy") = nb::none(), nb::arg("block_wise") = false,
+          nb::rv_policy::take_ownership)
+      .def(
+          "get_bytes",
+          [](Client& c, const std::string& model, nb::bytes key) {
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<std::string> b;
+            {
+              nb::gil_scoped_release release;
+              b = c.GetBytes(model, key_s);
+            }
+            std::string s = Take(std::move(b));
+            return nb::bytes(s.data(), s.size());
+          },
+          nb::arg("model"), nb::arg("key"))
+      .def(
+          "get",
+          [](Client& c, const std::string& model, nb::bytes key, bool decoded) {
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<CompressedCache> cache;
+            {
+              nb::gil_scoped_release release;
+              cache = decoded ? c.GetDecoded(model, key_s) : c.Get(model, key_s);
+            }
+            return Take(std::move(cache));
+          },
+          nb::arg("model"), nb::arg("key"), nb::arg("decoded") = false)
+      .def(
+          "lookup",
+          [](Client& c, const std::string& model, nb::bytes key) {
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<client::LookupResult> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.Lookup(model, key_s);
+            }
+            const client::LookupResult l = Take(std::move(r));
+            nb::dict d;
+            d["endpoint"] = l.endpoint;
+            d["tier"] = l.tier;
+            d["layers"] = l.layout.num_layers;
+            d["kv_heads"] = l.layout.num_kv_heads;
+            d["q_heads"] = l.layout.num_q_heads;
+            d["head_dim"] = l.layout.head_dim;
+            d["dtype"] = std::string(DTypeName(l.layout.dtype));
+            d["original_tokens"] = l.original_tokens;
+            d["total_kept"] = l.total_kept;
+            d["original_bytes"] = l.original_bytes;
+            d["stored_bytes"] = l.stored_bytes;
+            d["key_codec"] = std::string(KeyCodecName(l.key_codec));
+            d["value_codec"] = std::string(ValueCodecName(l.value_codec));
+            return d;
+          },
+          nb::arg("model"), nb::arg("key"))
+      .def(
+          "delete",
+          [](Client& c, const std::string& model, nb::bytes key) {
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = c.Delete(model, key_s);
+            }
+            Check(s);
+          },
+          nb::arg("model"), nb::arg("key"))
+      .def("stats",
+           [](Client& c) {
+             std::vector<client::EndpointStats> st;
+             {
+               nb::gil_scoped_release release;
+               st = c.Stats();
+             }
+             nb::list out;
+             for (const auto& s : st) {
+               nb::dict d;
+               d["endpoint"] = s.endpoint;
+               d["ok"] = s.status.ok();
+               d["error"] = s.status.ok() ? std::string() : s.status.ToString();
+               d["caches"] = s.caches;
+               d["original_bytes"] = s.original_bytes;
+               d["stored_bytes"] = s.stored_bytes;
+               d["queue_depth"] = s.queue_depth;
+               out.append(d);
+             }
+             return out;
+           })
+      .def(
+          "ranking",
+          [](Client& c, const std::string& model, nb::bytes key) {
+            return c.Ranking(model, std::string(static_cast<const char*>(key.data()), key.size()));
+          },
+          nb::arg("model"), nb::arg("key"));
+}
+
+}  // namespace python
+}  // namespace kvcomp
