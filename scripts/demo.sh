@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# `make demo`: the most complete real path that exists. Until the daemon and SDK land this
-# generates a cache, compresses and round-trips it through the format, and prints its sizes.
+# `make demo`: kvcompd on its embedded defaults, a prefill client pushing a generated
+# Llama-3.1-8B-shaped cache block by block, a decode client fetching it (bench/demo/demo.py).
 set -euo pipefail
 BUILD=${1:-build}
 cd "$(dirname "$0")/.."
-exec "$BUILD/bench/kvcomp_engine_demo"
+exec python3 bench/demo/demo.py "$BUILD/service/kvcompd" "${@:2}"
