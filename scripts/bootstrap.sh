@@ -14,7 +14,8 @@ APT_PACKAGES=(
   libyaml-cpp-dev libeigen3-dev libcli11-dev liblapacke-dev
   curl
 )
-PIP_PACKAGES=(numpy pytest nanobind scikit-build-core matplotlib pyyaml jsonschema)
+PIP_PACKAGES=(numpy pytest nanobind scikit-build-core matplotlib pyyaml jsonschema tqdm safetensors
+              ml_dtypes)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -1,0 +1,254 @@
+"""The kvcomp command line: put, get, lookup, delete, stats and a load generator.
+
+    python -m kvcomp put   -e 127.0.0.1:7470 -m MODEL -k KEY --keys k.npy --values v.npy
+    python -m kvcomp put   -e ... -m MODEL -k KEY --safetensors cache.safetensors
+    python -m kvcomp get   -e ... -m MODEL -k KEY --out cache.kvc [--npz kept.npz] [--decoded]
+    python -m kvcomp lookup|delete -e ... -m MODEL -k KEY
+    python -m kvcomp stats -e 127.0.0.1:7470,127.0.0.1:7471
+    python -m kvcomp loadgen -e ... --requests 100 --concurrency 4 --tokens 2048
+
+Arrays: keys and values [layers, kv_heads, tokens, head_dim], float32/float16/bfloat16 (a
+.safetensors file holds tensors named "keys" and "values", or "layers.<i>.keys" and
+"layers.<i>.values" per layer). Credentials: --tenant/--token or KVCOMP_TENANT/KVCOMP_TOKEN.
+Exit status: 0 on success, 1 on a failed request, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import time
+from typing import List, Optional
+
+import numpy as np
+
+
+def _progress(total: int, desc: str, unit: str = "it"):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, disable=not sys.stderr.isatty() and
+                os.environ.get("KVCOMP_PROGRESS") != "1", file=sys.stderr)
+
+
+def _client(args):
+    from .client import Client
+    return Client(args.endpoint, tenant=args.tenant, token=args.token, replicas=args.replicas,
+                  timeout=args.timeout)
+
+
+def _policy(args):
+    if not args.policy:
+        return None
+    from . import Policy
+    fields = {}
+    for item in args.policy.split(","):
+        name, _, value = item.partition("=")
+        if not _:
+            raise SystemExit(f"--policy: expected name=value, got '{item}'")
+        for conv in (int, float):
+            try:
+                value = conv(value)
+                break
+            except ValueError:
+                continue
+        if value in ("true", "false"):
+            value = value == "true"
+        fields[name.strip()] = value
+    return Policy(**fields)
+
+
+def _load_arrays(args):
+    if args.safetensors:
+        from safetensors.numpy import load_file
+        t = load_file(args.safetensors)
+        if "keys" in t and "values" in t:
+            return t["keys"], t["values"]
+        layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("layers.")})
+        if not layers:
+            raise SystemExit("--safetensors: no 'keys'/'values' or 'layers.<i>.keys' tensors")
+        k = np.stack([t[f"layers.{i}.keys"] for i in layers])
+        v = np.stack([t[f"layers.{i}.values"] for i in layers])
+        return k, v
+    if not (args.keys and args.values):
+        raise SystemExit("put: give --keys and --values, or --safetensors")
+    return np.load(args.keys), np.load(args.values)
+
+
+def cmd_put(args) -> int:
+    keys, values = _load_arrays(args)
+    if keys.ndim != 4:
+        raise SystemExit(f"keys: expected [layers, kv_heads, tokens, head_dim], got {keys.shape}")
+    c = _client(args)
+    layers, kv_heads, tokens, head_dim = keys.shape
+    dtype = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "uint16": "bf16"}.get(
+        keys.dtype.name)
+    if dtype is None:
+        raise SystemExit(f"keys: dtype {keys.dtype} unsupported (float32, float16, bfloat16)")
+    t0 = time.perf_counter()
+    with c.put_stream(args.model, args.key, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                      tokens=tokens, dtype=dtype, q_heads=args.q_heads, policy=_policy(args),
+                      block_wise=args.block_wise) as s, _progress(layers, "put", "layer") as bar:
+        for i in range(layers):
+            s.append(i, np.ascontiguousarray(keys[i]), np.ascontiguousarray(values[i]))
+            bar.update(1)
+    r = dict(s.result, seconds=round(time.perf_counter() - t0, 4))
+    r["ratio"] = r["original_bytes"] / max(1, r["stored_bytes"])
+    print(json.dumps(r, indent=2))
+    return 0
+
+
+def cmd_get(args) -> int:
+    c = _client(args)
+    if args.out:
+        data = c.get_bytes(args.model, args.key)
+        with open(args.out, "wb") as f:
+            f.write(data)
+        print(f"wrote {len(data)} bytes to {args.out}", file=sys.stderr)
+    if args.npz or not args.out:
+        cache = c.get(args.model, args.key, decoded=args.decoded)
+        if args.npz:
+            arrays = {}
+            for layer in range(cache.num_layers):
+                for head in range(cache.num_kv_heads):
+                    p = f"layer{layer}.head{head}"
+                    arrays[f"{p}.positions"] = cache.kept_positions(layer, head)
+                    if args.decoded or cache_is_raw(cache):
+                        arrays[f"{p}.keys"] = cache.keys(layer, head)
+                        arrays[f"{p}.values"] = cache.values(layer, head)
+            np.savez(args.npz, **arrays)
+            print(f"wrote {len(arrays)} arrays to {args.npz}", file=sys.stderr)
+        else:
+            print(json.dumps({"nbytes": cache.nbytes, "original_nbytes": cache.original_nbytes},
+                             indent=2))
+    return 0
+
+
+def cache_is_raw(cache) -> bool:
+    from . import cache_codecs
+    codecs = cache_codecs(cache)
+    return codecs.get("value_codec", "none") == "none" and codecs.get("key_codec", "raw") in (
+        "raw", "fp16")
+
+
+def cmd_lookup(args) -> int:
+    print(json.dumps(_client(args).lookup(args.model, args.key), indent=2))
+    return 0
+
+
+def cmd_delete(args) -> int:
+    _client(args).delete(args.model, args.key)
+    print("deleted", file=sys.stderr)
+    return 0
+
+
+def cmd_stats(args) -> int:
+    print(json.dumps(_client(args).stats(), indent=2))
+    return 0
+
+
+def cmd_loadgen(args) -> int:
+    """Puts (and optionally gets) random caches; prints throughput and latency percentiles."""
+    c = _client(args)
+    rng = np.random.default_rng(args.seed)
+    shape = (args.layers, args.kv_heads, args.tokens, args.head_dim)
+    keys = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+    values = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+    policy = _policy(args)
+    lat_put: List[float] = []
+    lat_get: List[float] = []
+    errors: List[str] = []
+
+    def one(i: int) -> None:
+        key = f"loadgen-{args.seed}-{i}"
+        t0 = time.perf_counter()
+        c.put(args.model, key, keys, values, policy=policy)
+        lat_put.append(time.perf_counter() - t0)
+        if args.get:
+            t0 = time.perf_counter()
+            c.get(args.model, key)
+            lat_get.append(time.perf_counter() - t0)
+        if not args.keep:
+            c.delete(args.model, key)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool, \
+            _progress(args.requests, "loadgen", "req") as bar:
+        futures = [pool.submit(one, i) for i in range(args.requests)]
+        for f in concurrent.futures.as_completed(futures):
+            if f.exception() is not None:
+                errors.append(str(f.exception()))
+            bar.update(1)
+    wall = time.perf_counter() - t0
+    nbytes = keys.nbytes * 2
+
+    def pct(xs, q):
+        return round(float(np.percentile(xs, q)) * 1e3, 3) if xs else None
+
+    print(json.dumps({
+        "requests": args.requests, "errors": len(errors), "first_error": errors[:1],
+        "seconds": round(wall, 3), "put_per_second": round(len(lat_put) / wall, 2),
+        "ingest_gb_per_second": round(len(lat_put) * nbytes / wall / 1e9, 4),
+        "put_ms_p50": pct(lat_put, 50), "put_ms_p99": pct(lat_put, 99),
+        "get_ms_p50": pct(lat_get, 50), "get_ms_p99": pct(lat_get, 99)}, indent=2))
+    return 1 if errors else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kvcomp", description=__doc__.split("\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-e", "--endpoint", action="append", required=True,
+                        help="kvcompd data[,control] address; repeat for several")
+    common.add_argument("--tenant", default=os.environ.get("KVCOMP_TENANT", ""))
+    common.add_argument("--token", default=os.environ.get("KVCOMP_TOKEN", ""))
+    common.add_argument("--replicas", type=int, default=1)
+    common.add_argument("--timeout", type=float, default=60.0, help="request timeout, seconds")
+    keyed = argparse.ArgumentParser(add_help=False)
+    keyed.add_argument("-m", "--model", required=True)
+    keyed.add_argument("-k", "--key", required=True)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("put", parents=[common, keyed], help="push a cache from files")
+    p.add_argument("--keys")
+    p.add_argument("--values")
+    p.add_argument("--safetensors")
+    p.add_argument("--q-heads", type=int, default=None)
+    p.add_argument("--policy", help="comma-separated Policy fields, e.g. scorer=keydiff,ratio=0.7")
+    p.add_argument("--block-wise", action="store_true")
+    p.set_defaults(fn=cmd_put)
+
+    p = sub.add_parser("get", parents=[common, keyed], help="fetch a cache to files")
+    p.add_argument("--out", help="write the encoded cache bytes here")
+    p.add_argument("--npz", help="write kept positions/keys/values per (layer, head) here")
+    p.add_argument("--decoded", action="store_true", help="ask the daemon to decode the codecs")
+    p.set_defaults(fn=cmd_get)
+
+    sub.add_parser("lookup", parents=[common, keyed]).set_defaults(fn=cmd_lookup)
+    sub.add_parser("delete", parents=[common, keyed]).set_defaults(fn=cmd_delete)
+    sub.add_parser("stats", parents=[common]).set_defaults(fn=cmd_stats)
+
+    p = sub.add_parser("loadgen", parents=[common], help="generate load")
+    p.add_argument("-m", "--model", default="loadgen-model")
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--policy")
+    p.add_argument("--get", action="store_true", help="also fetch each cache")
+    p.add_argument("--keep", action="store_true", help="do not delete the caches")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_loadgen)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (KeyError, ValueError, PermissionError, ConnectionError, TimeoutError, MemoryError,
+            RuntimeError, NotImplementedError, FileNotFoundError) as e:
+        print(f"kvcomp {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
