@@ -24,3 +24,11 @@ build-fuzz/tests/fuzz/format_seed_corpus "$corpus"
 build-fuzz/tests/fuzz/format_parse_fuzz -max_total_time="$FUZZ_SECONDS" -max_len=65536 \
   -print_final_stats=1 "$corpus" 2>&1 | tail -n 12
 echo "fuzz: format parser ran ${FUZZ_SECONDS}s clean"
+
+echo "-- ASan+UBSan build of the data-plane tests (wire protocol parser, UCX server and client)"
+cmake -S . -B build-asan-transport -G Ninja -DKVCOMP_CUDA=OFF -DKVCOMP_PYTHON=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVCOMP_SANITIZE=address,undefined >/dev/null
+cmake --build build-asan-transport -j "$JOBS" --target transport_protocol_test \
+  transport_server_client_test transport_vanishing_client
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan-transport -R '^transport_' --output-on-failure
