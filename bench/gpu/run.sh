@@ -10,6 +10,7 @@
 #   KVCOMP_GPU_TARGETS build only these targets (default: all)
 #   KVCOMP_CTEST_ARGS  extra ctest arguments, e.g. "-R scoring"
 #   KVCOMP_BENCH_ARGS  extra arguments for every benchmark binary
+#   KVCOMP_BENCH_FILTER run only benchmark binaries matching this regex (default: all)
 #   KVCOMP_TORCH_REF   1 (default) to time the PyTorch reference in the same run
 #   KVCOMP_GPU_EXTRA   a further command run last with the same environment (extra.log)
 # Local use (no device): OUT=/tmp/out bash bench/gpu/run.sh
@@ -97,7 +98,8 @@ if has bench && [ -d "$BUILD" ]; then
   phase bench
   : >"$OUT/bench.log"
   # Every GPU benchmark binary is named kvcomp_bench_gpu_*; each prints RESULT lines.
-  for b in $(find "$BUILD" -maxdepth 3 -type f -name 'kvcomp_bench_gpu_*' -perm -u+x | sort); do
+  for b in $(find "$BUILD" -maxdepth 3 -type f -name 'kvcomp_bench_gpu_*' -perm -u+x | sort |
+      grep -E "${KVCOMP_BENCH_FILTER:-.}"); do
     echo "### $b" >>"$OUT/bench.log"
     timeout 240 "$b" ${KVCOMP_BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1 ||
       note "bench   $(basename "$b") exited $?"

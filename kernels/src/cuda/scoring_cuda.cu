@@ -89,8 +89,7 @@ struct Layout {
   uint64_t scores = kNone;
   uint64_t partial = kNone, centres = kNone, norms = kNone;
   uint64_t snap_stats = kNone, snap_acc = kNone, snap_max = kNone;
-  uint64_t state = kNone, hist = kNone, tickets = kNone, tile_counts = kNone, plan = kNone,
-           total = kNone;
+  uint64_t state = kNone, hist = kNone, tile_counts = kNone, plan = kNone, total = kNone;
   uint64_t stage_counts = kNone, flags = kNone;
   uint64_t offsets = kNone;
   uint64_t bytes = 0;
@@ -132,7 +131,6 @@ void LayoutSelect(uint32_t heads, uint64_t n, const SelectParams& sel, Carver* c
   l->tiles = static_cast<uint32_t>(CeilDiv(n, kTile));
   l->state = c->Take((uint64_t{heads} + 1) * sizeof(SegmentState));
   l->hist = c->Take(uint64_t{heads} * kRadixBins * sizeof(uint32_t));
-  l->tickets = c->Take(uint64_t{heads} * sizeof(uint32_t));
   l->tile_counts = c->Take(uint64_t{heads} * l->tiles * sizeof(TileCounts));
   l->plan = c->Take(uint64_t{heads} * l->tiles * sizeof(TilePlan));
   l->total = c->Take(sizeof(unsigned long long));
@@ -142,15 +140,10 @@ void LayoutSelect(uint32_t heads, uint64_t n, const SelectParams& sel, Carver* c
   }
 }
 
-// Sets every segment's state and zeroes its histogram and ticket. grid (segments), kThreads
-// threads.
-__global__ void InitSegmentsKernel(SegmentState* state, uint32_t* hist, uint32_t* tickets,
-                                   uint32_t need) {
+// Sets every segment's state and zeroes its histogram. grid (segments), kThreads threads.
+__global__ void InitSegmentsKernel(SegmentState* state, uint32_t* hist, uint32_t need) {
   const uint32_t s = blockIdx.x;
-  if (threadIdx.x == 0) {
-    state[s] = SegmentState{0, need, need > 0 ? 1u : 0u, 0};
-    tickets[s] = 0;
-  }
+  if (threadIdx.x == 0) state[s] = SegmentState{0, need, need > 0 ? 1u : 0u, 0};
   for (int b = threadIdx.x; b < kRadixBins; b += kThreads) hist[uint64_t{s} * kRadixBins + b] = 0;
 }
 
@@ -303,11 +296,21 @@ class CudaScoringOps final : public ScoringOps {
     KVCOMP_ASSIGN_OR_RETURN(HeadsView keys, Repack(a.keys, ws, l->keys));
     KVCOMP_ASSIGN_OR_RETURN(HeadsView values, Repack(a.values, ws, l->values));
     float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
+    // The selection's first per-head stage starts inside the score pass (its first digit
+    // histogram), so its state is set up first.
+    const uint32_t need = FirstStageNeed(a.keys.num_heads, a.keys.num_tokens, a.select);
+    uint32_t* hist0 = nullptr;
+    if (need > 0 && a.score.scorer != Scorer::kSnapKV) {
+      InitSegmentsKernel<<<a.keys.num_heads, kThreads, 0, ctx_->stream>>>(
+          At<SegmentState>(ws, l->state), At<uint32_t>(ws, l->hist), need);
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      hist0 = At<uint32_t>(ws, l->hist);
+    }
     KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, a.score, a.positions, scores, ws, *l,
-                                        /*repacked=*/true));
+                                        /*repacked=*/true, hist0, &a.select));
     KVCOMP_RETURN_IF_ERROR(EnqueueSelect(scores, a.keys.num_heads, a.keys.num_tokens, a.select,
                                          a.positions, a.kept, &keys, &values, a.keys_out,
-                                         a.values_out, ws, *l));
+                                         a.values_out, ws, *l, hist0 != nullptr));
     return ws;
   }
 
@@ -361,9 +364,18 @@ class CudaScoringOps final : public ScoringOps {
                             MemorySpace::kDevice);
   }
 
+  // Tokens per head of the first selection stage: the uniform budget, or AdaKV's safeguard.
+  static uint32_t FirstStageNeed(uint32_t heads, uint64_t n, const SelectParams& sel) {
+    const uint64_t kept = std::min<uint64_t>(sel.kept_per_head, n);
+    if (sel.head_budget == HeadBudget::kUniform || heads == 1) return static_cast<uint32_t>(kept);
+    return static_cast<uint32_t>(std::min<uint64_t>(
+        kept, static_cast<uint64_t>(static_cast<double>(kept) * sel.alpha_safeguard)));
+  }
+
   absl::Status EnqueueScore(const HeadsView& keys_in, const ScoreParams& params,
                             const TokenPositions& positions, float* scores, const Buffer& ws,
-                            const Layout& l, bool repacked = false) {
+                            const Layout& l, bool repacked = false, uint32_t* hist0 = nullptr,
+                            const SelectParams* select = nullptr) {
     KVCOMP_RETURN_IF_ERROR(Bind());
     HeadsView keys = keys_in;
     if (!repacked) {
@@ -401,6 +413,8 @@ class CudaScoringOps final : public ScoringOps {
     sp.positions = MakePositions(positions, n);
     sp.scores = scores;
     sp.errors = errors;
+    sp.hist = hist0;
+    if (select != nullptr) sp.select = *select;
 
     const bool centred = IsCentred(params.scorer);
     // All heads in one launch of each kernel: measured on an H200 (bench/results), launching
@@ -515,19 +529,27 @@ class CudaScoringOps final : public ScoringOps {
 
   // One selection stage: radix select per segment, counts, plan, then Gather (marks, indices
   // and/or rows).
+  // pass0_done: the state is initialised and the first digit histogram filled (by the score
+  // pass).
   absl::Status RunStage(SelectKernelParams sp, uint32_t need, uint32_t* kept_counts,
                         uint8_t* mark, uint32_t* indices, const HeadsView* keys,
                         const HeadsView* values, void* keys_out, void* values_out,
-                        const Buffer& ws, const Layout& l) {
+                        const Buffer& ws, const Layout& l, bool pass0_done = false) {
     const uint32_t heads = sp.heads;
     const uint32_t segments = sp.per_head ? heads : 1;
     cudaStream_t s = ctx_->stream;
-    InitSegmentsKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, sp.tickets, need);
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    if (!pass0_done) {
+      InitSegmentsKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, need);
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    }
     const dim3 grid(l.tiles, heads);
     if (need > 0) {
       for (int pass = 0; pass < kRadixPasses; ++pass) {
-        RadixHistKernel<<<grid, kThreads, 0, s>>>(sp, pass);
+        if (pass > 0 || !pass0_done) {
+          RadixHistKernel<<<grid, kThreads, 0, s>>>(sp, pass);
+          KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+        }
+        RadixFindKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, pass);
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
     }
@@ -574,7 +596,7 @@ class CudaScoringOps final : public ScoringOps {
                              const SelectParams& sel, const TokenPositions& positions,
                              KeptIndices out, const HeadsView* keys, const HeadsView* values,
                              void* keys_out, void* values_out, const Buffer& ws,
-                             const Layout& l) {
+                             const Layout& l, bool pass0_done = false) {
     KVCOMP_RETURN_IF_ERROR(Bind());
     const uint64_t kept = std::min<uint64_t>(sel.kept_per_head, n);
     SelectKernelParams sp{};
@@ -587,11 +609,10 @@ class CudaScoringOps final : public ScoringOps {
     sp.per_head = true;
     sp.state = At<SegmentState>(ws, l.state);
     sp.hist = At<uint32_t>(ws, l.hist);
-    sp.tickets = At<uint32_t>(ws, l.tickets);
     sp.errors = At<ErrorSlots>(ws, l.errors);
     if (sel.head_budget == HeadBudget::kUniform || heads == 1) {
       return RunStage(sp, static_cast<uint32_t>(kept), out.counts, nullptr, out.indices, keys,
-                      values, keys_out, values_out, ws, l);
+                      values, keys_out, values_out, ws, l, pass0_done);
     }
     // AdaKV: each head's safeguard first (marked in flags), then the layer's remaining budget
     // over every unmarked token, ties by lower head then lower token.
@@ -602,7 +623,7 @@ class CudaScoringOps final : public ScoringOps {
     if (safe > 0) {
       KVCOMP_RETURN_IF_ERROR(RunStage(sp, static_cast<uint32_t>(safe),
                                       At<uint32_t>(ws, l.stage_counts), flags, nullptr, nullptr,
-                                      nullptr, nullptr, nullptr, ws, l));
+                                      nullptr, nullptr, nullptr, ws, l, pass0_done));
     }
     const uint64_t remaining = heads * kept - heads * safe;
     if (remaining > 0xFFFFFFFFull) {

@@ -387,6 +387,10 @@ struct ScoreKernelParams {
   uint32_t head0;
   float* scores;  // [H, n]
   ErrorSlots* errors;
+  // Optional: the per-head histograms of the first radix pass ([H, kRadixBins], zeroed), filled
+  // here with the effective keys under `select`; null = scores only.
+  uint32_t* hist;
+  SelectParams select;
 };
 
 // What a scorer reads of each row: only its norm (knorm, streaming, random: the NaN/Inf check),
@@ -410,10 +414,16 @@ inline RowKind RowKindOf(Scorer s) {
 template <typename T, int D, RowKind kKind>
 __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) {
   using S = RowShape<T, D>;
-  // Blocks run last rows first: the Stats pass just before ended on those, so they are still in
-  // L2.
+  __shared__ uint32_t hist[kRadixBins];
+  // Blocks run last rows first: the Stats pass just before ended on those, so they may still be
+  // in L2.
   const uint32_t h = p.head0 + (gridDim.y - 1 - blockIdx.y);
   const uint64_t r0 = uint64_t{gridDim.x - 1 - blockIdx.x} * kScoreRows;
+  if (p.hist != nullptr) {
+    for (int b = threadIdx.x; b < kRadixBins; b += kThreads) hist[b] = 0;
+    __syncthreads();
+  }
+  const uint64_t seq_len = p.hist != nullptr ? p.positions.SequenceLength(h) : 0;
   const uint64_t r1 = min(p.n, r0 + kScoreRows);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -489,6 +499,18 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
         s = -sqrtf(sq);
       }
       p.scores[uint64_t{h} * p.n + row] = s;
+      if (p.hist != nullptr) {
+        const uint32_t key = EffectiveKey(s, p.positions.Position(h, row), seq_len, p.select);
+        atomicAdd(&hist[key >> RadixShift(0)], 1u);
+      }
+    }
+  }
+  if (p.hist != nullptr) {
+    // The first digit pass of the per-head selection, folded into this one over the rows.
+    __syncthreads();
+    uint32_t* g = p.hist + uint64_t{h} * kRadixBins;
+    for (int b = threadIdx.x; b < kRadixBins; b += kThreads) {
+      if (hist[b] != 0) atomicAdd(&g[b], hist[b]);
     }
   }
 }
@@ -507,50 +529,8 @@ struct SelectKernelParams {
   bool per_head;        // segments are heads (else one segment: the whole layer)
   SegmentState* state;  // [segments]
   uint32_t* hist;       // [segments, kRadixBins]
-  uint32_t* tickets;    // [segments]: blocks done with the current pass (zero between passes)
   ErrorSlots* errors;
 };
-
-// Picks the digit holding the need-th largest key of one segment from its histogram, updates the
-// segment's state and clears the histogram. Called by every thread of one block.
-__device__ inline void FindDigit(SegmentState* st, uint32_t* g, int pass) {
-  __shared__ uint32_t scratch[33];
-  __shared__ uint32_t found_digit, found_above;
-  if (threadIdx.x == 0) {
-    found_digit = 0;
-    found_above = 0;
-  }
-  const int bins = 1 << RadixBits(pass);
-  constexpr int kPer = kRadixBins / kThreads;  // 8 bins per thread, from the top digit down
-  uint32_t c[kPer];
-  uint32_t sum = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int d = bins - 1 - (threadIdx.x * kPer + i);
-    c[i] = d >= 0 ? __ldcg(g + d) : 0;
-    sum += c[i];
-  }
-  uint32_t total;
-  const uint32_t before = BlockExclusiveScan(sum, scratch, &total);
-  const uint32_t need = st->need;
-  if (before < need && need <= before + sum) {
-    uint32_t acc = before;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      if (acc < need && need <= acc + c[i]) {
-        found_digit = bins - 1 - (threadIdx.x * kPer + i);
-        found_above = acc;
-      }
-      acc += c[i];
-    }
-  }
-  __syncthreads();
-  for (int b = threadIdx.x; b < kRadixBins; b += kThreads) g[b] = 0;
-  if (threadIdx.x == 0) {
-    st->prefix |= found_digit << RadixShift(pass);
-    st->need = need - found_above;
-  }
-}
 
 // One digit pass. grid (ceil(n / kTile), H), kThreads threads.
 __global__ void __launch_bounds__(kThreads) RadixHistKernel(SelectKernelParams p, int pass) {
@@ -581,19 +561,51 @@ __global__ void __launch_bounds__(kThreads) RadixHistKernel(SelectKernelParams p
   for (int b = threadIdx.x; b < kRadixBins; b += kThreads) {
     if (hist[b] != 0) atomicAdd(&g[b], hist[b]);
   }
-  // The segment's last block to finish picks the digit (no separate launch).
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
+}
+
+// Picks the digit holding the need-th largest key. grid (segments), kThreads threads.
+__global__ void __launch_bounds__(kThreads) RadixFindKernel(SegmentState* state, uint32_t* hist,
+                                                            int pass) {
+  __shared__ uint32_t scratch[33];
+  __shared__ uint32_t found_digit, found_above;
+  const uint32_t seg = blockIdx.x;
+  SegmentState* st = state + seg;
+  uint32_t* g = hist + uint64_t{seg} * kRadixBins;
+  if (!st->active) return;
   if (threadIdx.x == 0) {
-    const uint32_t blocks = p.per_head ? gridDim.x : gridDim.x * gridDim.y;
-    last = atomicAdd(&p.tickets[seg], 1u) == blocks - 1;
+    found_digit = 0;
+    found_above = 0;
+  }
+  const int bins = 1 << RadixBits(pass);
+  constexpr int kPer = kRadixBins / kThreads;  // 8 bins per thread, from the top digit down
+  uint32_t c[kPer];
+  uint32_t sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = bins - 1 - (threadIdx.x * kPer + i);
+    c[i] = d >= 0 ? g[d] : 0;
+    sum += c[i];
+  }
+  uint32_t total;
+  const uint32_t before = BlockExclusiveScan(sum, scratch, &total);
+  const uint32_t need = st->need;
+  if (before < need && need <= before + sum) {
+    uint32_t acc = before;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (acc < need && need <= acc + c[i]) {
+        found_digit = bins - 1 - (threadIdx.x * kPer + i);
+        found_above = acc;
+      }
+      acc += c[i];
+    }
   }
   __syncthreads();
-  if (!last) return;
-  __threadfence();
-  FindDigit(&p.state[seg], g, pass);
-  if (threadIdx.x == 0) p.tickets[seg] = 0;
+  for (int b = threadIdx.x; b < kRadixBins; b += kThreads) g[b] = 0;
+  if (threadIdx.x == 0) {
+    st->prefix |= found_digit << RadixShift(pass);
+    st->need = need - found_above;
+  }
 }
 
 struct CountParams {
