@@ -1,0 +1,201 @@
+// The C++ SDK against real kvcompd processes on loopback: every call, streamed puts, fetching
+// into caller memory, statistics over Thrift, and replicas with a daemon killed mid-run.
+#include <signal.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "integration/kvcompd_process.h"
+#include "kvcomp/client/client.h"
+#include "kvcomp/core/format.h"
+
+namespace kvcomp {
+namespace client {
+namespace {
+
+using testing::KvcompdProcess;
+using testing::TempDir;
+
+constexpr char kModel[] = "test/model";
+
+struct Cache {
+  KvLayout layout{2, 2, 4, 64, DType::kF16};
+  uint64_t tokens = 257;
+  std::vector<std::vector<uint16_t>> k, v;
+  explicit Cache(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n01;
+    for (uint32_t l = 0; l < layout.num_layers; ++l) {
+      k.emplace_back(layout.num_kv_heads * tokens * layout.head_dim);
+      v.emplace_back(k.back().size());
+      for (auto& x : k.back()) x = FloatToHalf(n01(rng));
+      for (auto& x : v.back()) x = FloatToHalf(n01(rng));
+    }
+  }
+  std::vector<LayerData> layers() const {
+    std::vector<LayerData> out;
+    for (size_t l = 0; l < k.size(); ++l) out.push_back({k[l].data(), v[l].data()});
+    return out;
+  }
+};
+
+class ClientDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir_.path() + "/d0");
+    ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
+    endpoint_ = daemon_->data_endpoint() + ",127.0.0.1:" + std::to_string(daemon_->ports().control);
+    auto c = Client::Connect({endpoint_});
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+  }
+  TempDir dir_;
+  std::unique_ptr<KvcompdProcess> daemon_;
+  std::string endpoint_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(ClientDaemonTest, EveryCall) {
+  Cache c(1);
+  PutOptions o;
+  o.policy = CompressionPolicy{};
+  o.policy->scorer = Scorer::kKnorm;
+  o.policy->ratio = 0.5;
+  auto put = client_->Put(kModel, "k1", c.layout, c.tokens, c.layers(), o);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->original_bytes, c.layout.CacheBytes(c.tokens));
+  EXPECT_EQ(put->total_kept, c.layout.num_heads_total() * (c.tokens / 2));
+  ASSERT_EQ(put->endpoints.size(), 1u);
+
+  auto got = client_->Get(kModel, "k1");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->total_kept(), put->total_kept);
+  EXPECT_EQ(got->original_tokens, c.tokens);
+  // The kept keys are the caller's keys at the kept positions, bit for bit.
+  const uint64_t d = c.layout.head_dim;
+  for (uint32_t i = 0; i < 5; ++i) {
+    const uint32_t p = got->positions[i];
+    EXPECT_EQ(std::memcmp(got->keys.data() + i * d * 2, c.k[0].data() + p * d, d * 2), 0);
+  }
+  auto bytes = client_->GetBytes(kModel, "k1");
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_EQ(bytes->size(), put->stored_bytes);
+  EXPECT_EQ(*format::EncodeCache(*got), *bytes);
+  auto decoded = client_->GetDecoded(kModel, "k1");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->positions, got->positions);
+
+  std::vector<char> buf(bytes->size());
+  auto n = client_->GetInto(kModel, "k1", buf.data(), buf.size());
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(std::string(buf.data(), *n), *bytes);
+  auto small = client_->GetInto(kModel, "k1", buf.data(), 100);
+  EXPECT_EQ(small.status().code(), absl::StatusCode::kOutOfRange);
+
+  auto look = client_->Lookup(kModel, "k1");
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->stored_bytes, put->stored_bytes);
+  EXPECT_EQ(look->layout, c.layout);
+
+  auto stats = client_->Stats();
+  ASSERT_EQ(stats.size(), 1u);
+  ASSERT_TRUE(stats[0].status.ok()) << stats[0].status;
+  EXPECT_EQ(stats[0].caches, 1u);
+  EXPECT_EQ(stats[0].stored_bytes, put->stored_bytes);
+
+  EXPECT_TRUE(client_->Delete(kModel, "k1").ok());
+  EXPECT_EQ(client_->Get(kModel, "k1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Delete(kModel, "k1").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ClientDaemonTest, StreamInTokenRangesAndAbort) {
+  Cache c(2);
+  auto s = client_->OpenPutStream(kModel, "s1", c.layout, c.tokens);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const uint64_t row = c.layout.head_dim;
+  std::vector<uint16_t> kb, vb;
+  for (uint64_t t0 = 0; t0 < c.tokens; t0 += 100) {
+    const uint64_t n = std::min<uint64_t>(100, c.tokens - t0);
+    for (uint32_t l = 0; l < c.layout.num_layers; ++l) {
+      kb.clear();
+      vb.clear();
+      for (uint32_t h = 0; h < c.layout.num_kv_heads; ++h) {
+        const uint64_t base = (h * c.tokens + t0) * row;
+        kb.insert(kb.end(), c.k[l].begin() + base, c.k[l].begin() + base + n * row);
+        vb.insert(vb.end(), c.v[l].begin() + base, c.v[l].begin() + base + n * row);
+      }
+      ASSERT_TRUE((*s)->Append(l, t0, n, kb.data(), vb.data()).ok());
+    }
+  }
+  auto put = (*s)->Commit();
+  ASSERT_TRUE(put.ok()) << put.status();
+  // Same cache as a whole-cache put of the same data.
+  auto whole = client_->Put(kModel, "s2", c.layout, c.tokens, c.layers());
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(client_->Get(kModel, "s1")->positions, client_->Get(kModel, "s2")->positions);
+
+  auto a = client_->OpenPutStream(kModel, "s3", c.layout, c.tokens);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE((*a)->AppendLayer(0, c.k[0].data(), c.v[0].data()).ok());
+  EXPECT_TRUE((*a)->Abort().ok());
+  EXPECT_EQ(client_->Lookup(kModel, "s3").status().code(), absl::StatusCode::kNotFound);
+  // Out-of-range appends are refused locally.
+  auto b = client_->OpenPutStream(kModel, "s4", c.layout, c.tokens);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)->Append(5, 0, 1, c.k[0].data(), c.v[0].data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*b)->Append(0, c.tokens, 1, c.k[0].data(), c.v[0].data()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ClientReplicas, KilledDaemonFailsOverAndWritesGoToSurvivors) {
+  TempDir dir;
+  std::vector<std::unique_ptr<KvcompdProcess>> ds;
+  std::vector<std::string> eps;
+  for (int i = 0; i < 3; ++i) {
+    ds.push_back(
+        std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir.path() + "/d" + std::to_string(i)));
+    ASSERT_TRUE(ds.back()->Start()) << ds.back()->Log();
+    eps.push_back(ds.back()->data_endpoint());
+  }
+  ClientOptions o;
+  o.replicas = 2;
+  o.request_timeout = absl::Seconds(5);
+  o.connect_timeout = absl::Seconds(2);
+  auto c = Client::Connect(eps, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Cache cache(3);
+  for (int i = 0; i < 8; ++i) {
+    const std::string key = "r" + std::to_string(i);
+    auto put = (*c)->Put(kModel, key, cache.layout, cache.tokens, cache.layers());
+    ASSERT_TRUE(put.ok()) << put.status();
+    std::vector<std::string> want((*c)->Ranking(kModel, key).begin(),
+                                  (*c)->Ranking(kModel, key).begin() + 2);
+    EXPECT_EQ(put->endpoints, want);
+  }
+  const std::string victim = (*c)->Ranking(kModel, "r0")[0];
+  for (auto& d : ds) {
+    if (d->data_endpoint() == victim) d->Kill(SIGKILL);
+  }
+  for (int i = 0; i < 8; ++i) {
+    auto got = (*c)->Get(kModel, "r" + std::to_string(i));
+    EXPECT_TRUE(got.ok()) << got.status();
+  }
+  auto put = (*c)->Put(kModel, "after", cache.layout, cache.tokens, cache.layers());
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->endpoints.size(), 2u);
+  for (const auto& e : put->endpoints) EXPECT_NE(e, victim);
+}
+
+TEST(ClientConnect, UnreachableEndpointIsUnavailable) {
+  ClientOptions o;
+  o.connect_timeout = absl::Seconds(1);
+  auto c = Client::Connect({"127.0.0.1:9"}, o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
+}
+
+}  // namespace
+}  // namespace client
+}  // namespace kvcomp
