@@ -108,7 +108,8 @@ def main():
         f"{args.tokens // 2}, measured on the last {args.tokens // 2} (held out); values of "
         "value_dim 16 (the generator's default) and 48, value_noise 0.2",
         "- bytes/token: value latent + f16 scales per (layer, kv head) token (group 32); "
-        "V ratio = bf16 values (256 B) / that. Keys raw (bf16, 256 B) in every row.",
+        "V ratio = bf16 values (256 B) / that. The inputs are f32, so `none` keeps 512 B. "
+        "Keys raw in every row.",
         "- errors: relative Frobenius, value reconstruction and attention output over the "
         "generator's decode queries (generic + retrieval)",
         "- command: `PYTHONPATH=client/python python3 bench/codec/quality_table.py`",
