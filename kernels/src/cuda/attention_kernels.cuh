@@ -98,11 +98,31 @@ __global__ void __launch_bounds__(kThreads) AttentionPartialKernel(AttentionKern
   const T* vg = static_cast<const T*>(p.values);
   for (uint64_t t0 = begin; t0 < end; t0 += kKeys) {
     const int m = static_cast<int>(min(static_cast<uint64_t>(kKeys), end - t0));
-    for (int e = threadIdx.x; e < kKeys * D; e += kThreads) {
+    // 16-byte loads (all issued first), converted to fp32 in shared memory.
+    constexpr int kVec = 16 / sizeof(T);
+    constexpr int kLoads = kKeys * D / kVec / kThreads;
+    uint4 kx[kLoads], vx[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int e = (threadIdx.x + u * kThreads) * kVec;
+      const int j = e / D;
+      kx[u] = vx[u] = make_uint4(0, 0, 0, 0);
+      if (j < m) {
+        kx[u] = __ldg(reinterpret_cast<const uint4*>(kg + (t0 + j) * D + e % D));
+        vx[u] = __ldg(reinterpret_cast<const uint4*>(vg + (t0 + j) * D + e % D));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int e = (threadIdx.x + u * kThreads) * kVec;
       const int j = e / D, x = e % D;
-      const bool in = j < m;
-      kt[j * (D + 1) + x] = in ? ToFloat(kg[(t0 + j) * D + x]) : 0.0f;
-      vt[e] = in ? ToFloat(vg[(t0 + j) * D + x]) : 0.0f;
+      const T* kv = reinterpret_cast<const T*>(&kx[u]);
+      const T* vv = reinterpret_cast<const T*>(&vx[u]);
+#pragma unroll
+      for (int w = 0; w < kVec; ++w) {
+        kt[j * (D + 1) + x + w] = ToFloat(kv[w]);
+        vt[e + w] = ToFloat(vv[w]);
+      }
     }
     __syncthreads();
     // Logits and online softmax: warp w takes rows w, w+8, ...; lane j takes key j.
@@ -162,6 +182,7 @@ __global__ void __launch_bounds__(D) AttentionCombineKernel(AttentionKernelParam
   __shared__ double red[D / 32];
   __shared__ double bcast[2];
   __shared__ double qv[D];
+  __shared__ float qf[D];
   __shared__ double cq[D];
   const uint32_t h = blockIdx.y, row = blockIdx.x;
   const uint32_t rows_total = p.group * p.nq;
@@ -184,21 +205,24 @@ __global__ void __launch_bounds__(D) AttentionCombineKernel(AttentionKernelParam
   const unsigned long long n = p.count != nullptr ? p.count[h] : 0ull;
   if (n > 0) {
     const double nd = static_cast<double>(n);
-    qv[x] = ToFloat(QRow<Q>(p, h, row)[x]);
+    qf[x] = ToFloat(QRow<Q>(p, h, row)[x]);
+    qv[x] = qf[x];
     __syncthreads();
     // q . mu_k
     double part = qv[x] * (p.key_sum[size_t{h} * D + x] / nd);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
     if (lane == 0) red[warp] = part;
-    // (S q)_i: warp w takes rows i = w, w + D/32, ...; lanes stride over j (coalesced).
-    const float* s = p.vk_sum + size_t{h} * D * D;
-    for (int i = warp; i < D; i += D / 32) {
-      double acc = 0.0;
-      for (int j = lane; j < D; j += 32) acc += static_cast<double>(s[static_cast<size_t>(i) * D + j]) * qv[j];
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) cq[i] = acc;
+    // (S q)_x: thread x walks row x of S (its lines stay in L1 across the walk).
+    {
+      const float* srow = p.vk_sum + size_t{h} * D * D + static_cast<size_t>(x) * D;
+      float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll 8
+      for (int j = 0; j < D; j += 2) {
+        acc0 += srow[j] * qf[j];
+        acc1 += srow[j + 1] * qf[j + 1];
+      }
+      cq[x] = static_cast<double>(acc0) + acc1;
     }
     __syncthreads();
     if (x == 0) {

@@ -22,6 +22,13 @@ namespace moments_cuda {
 constexpr int kThreads = 256;  // 8 warps
 constexpr int kTileT = 64;     // tokens per shared-memory tile
 
+// Shared-memory row stride of a D-wide tile: 16 bytes of padding keep the tensor-core fragment
+// loads free of bank conflicts.
+template <typename T, int D>
+constexpr int RowStride() {
+  return D + 16 / static_cast<int>(sizeof(T));
+}
+
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -53,12 +60,14 @@ struct SBlock {
   static constexpr int kBlocks = D / B;         // per dimension
   static constexpr int kTiles = (B / 16) * (B / 16);
   static constexpr int kTilesPerWarp = kTiles / (kThreads / 32);
+  static_assert((B / 16) % kTilesPerWarp == 0, "a warp's tiles must share a tile row");
 };
 
 // Tensor-core accumulation of S_block += V_tile^T K_tile for 16-bit T.
 template <typename T, int D>
 struct MmaAccumulator {
   using Blk = SBlock<D>;
+  static constexpr int kLd = RowStride<T, D>();
   nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc[Blk::kTilesPerWarp];
   __device__ void Init() {
 #pragma unroll
@@ -67,18 +76,20 @@ struct MmaAccumulator {
   __device__ void Add(const T* ks, const T* vs, int bi, int bj) {
     using namespace nvcuda;
     const int warp = threadIdx.x / 32;
+    // A warp's tiles share one tile row (kTilesPerWarp divides B / 16), so its A fragment is
+    // loaded once per k-step.
+    const int ti = (warp * Blk::kTilesPerWarp) / (Blk::B / 16);
 #pragma unroll
-    for (int i = 0; i < Blk::kTilesPerWarp; ++i) {
-      const int tile = warp * Blk::kTilesPerWarp + i;
-      const int ti = tile / (Blk::B / 16), tj = tile % (Blk::B / 16);
+    for (int kk = 0; kk < kTileT; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;
+      // A = V^T (D x tokens): element (i, t) at vs[t * D + i] -> column-major, ld D.
+      wmma::load_matrix_sync(a, vs + kk * kLd + bi * Blk::B + ti * 16, kLd);
 #pragma unroll
-      for (int kk = 0; kk < kTileT; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;
+      for (int i = 0; i < Blk::kTilesPerWarp; ++i) {
+        const int tj = (warp * Blk::kTilesPerWarp + i) % (Blk::B / 16);
         wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        // A = V^T (D x tokens): element (i, t) at vs[t * D + i] -> column-major, ld D.
-        wmma::load_matrix_sync(a, vs + kk * D + bi * Blk::B + ti * 16, D);
         // B = K (tokens x D): element (t, j) at ks[t * D + j] -> row-major, ld D.
-        wmma::load_matrix_sync(b, ks + kk * D + bj * Blk::B + tj * 16, D);
+        wmma::load_matrix_sync(b, ks + kk * kLd + bj * Blk::B + tj * 16, kLd);
         wmma::mma_sync(acc[i], a, b, acc[i]);
       }
     }
@@ -108,6 +119,7 @@ struct MmaAccumulator {
 template <int D>
 struct FmaAccumulator {
   using Blk = SBlock<D>;
+  static constexpr int kLd = RowStride<float, D>();
   static constexpr int kPerThread = Blk::B * Blk::B / kThreads;
   float acc[kPerThread];
   __device__ void Init() {
@@ -121,7 +133,7 @@ struct FmaAccumulator {
       for (int a = 0; a < kPerThread; ++a) {
         const int e = threadIdx.x + kThreads * a;
         const int i = e / Blk::B, j = e % Blk::B;
-        acc[a] += vs[t * D + bi * Blk::B + i] * ks[t * D + bj * Blk::B + j];
+        acc[a] += vs[t * kLd + bi * Blk::B + i] * ks[t * kLd + bj * Blk::B + j];
       }
     }
   }
@@ -143,7 +155,7 @@ using Accumulator =
 // Shared memory bytes of MomentKernel<T, D>.
 template <typename T, int D>
 constexpr size_t MomentSmemBytes() {
-  const size_t tiles = 2 * size_t{kTileT} * D * sizeof(T);
+  const size_t tiles = 2 * size_t{kTileT} * RowStride<T, D>() * sizeof(T);
   const size_t stage = (kThreads / 32) * 256 * sizeof(float);
   return (tiles > stage ? tiles : stage) + kTileT * sizeof(int) + 2 * sizeof(int);
 }
@@ -154,7 +166,8 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernel(MomentKernelParams p
   using Blk = SBlock<D>;
   extern __shared__ __align__(128) unsigned char smem[];
   T* ks = reinterpret_cast<T*>(smem);
-  T* vs = ks + kTileT * D;
+  constexpr int kLd = RowStride<T, D>();
+  T* vs = ks + kTileT * kLd;
   int* flags = reinterpret_cast<int*>(smem + MomentSmemBytes<T, D>() - kTileT * sizeof(int) -
                                       2 * sizeof(int));
   int* shared_kp = flags + kTileT;  // [0]: next kept entry (relative), [1]: kept in this tile
@@ -193,9 +206,11 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernel(MomentKernelParams p
 
   Accumulator<T, D> acc;
   acc.Init();
-  float sums[(2 * D + kThreads - 1) / kThreads];
+  static_assert(kThreads % kRowVecs == 0, "a thread's columns must stay fixed");
+  const int my_col = (threadIdx.x % kRowVecs) * kVec;
+  float ksum[kVec], vsum[kVec];
 #pragma unroll
-  for (int a = 0; a < (2 * D + kThreads - 1) / kThreads; ++a) sums[a] = 0.0f;
+  for (int w = 0; w < kVec; ++w) ksum[w] = vsum[w] = 0.0f;
   unsigned long long evicted = 0;
 
   for (uint64_t t0 = begin; t0 < end; t0 += kTileT) {
@@ -214,39 +229,53 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernel(MomentKernelParams p
       }
       kept_here = __syncthreads_count(is);
     }
-    // Stage the tile (rows >= m and kept rows are zero), copying kept rows out on the way.
-    for (int e = threadIdx.x; e < kTileT * kRowVecs; e += kThreads) {
-      const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
-      uint4 kx = make_uint4(0, 0, 0, 0), vx = make_uint4(0, 0, 0, 0);
-      if (r < m) {
-        const uint64_t tok = kCompact ? t0 + r : p.list[t0 + r];
-        kx = *reinterpret_cast<const uint4*>(kbase + tok * p.k_token_stride + c);
-        vx = *reinterpret_cast<const uint4*>(vbase + tok * p.v_token_stride + c);
-        if (kCompact && flags[r] >= 0) {
-          if (lead) {
-            const uint64_t row = kp + flags[r];
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = kx;
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = vx;
-          }
-          kx = vx = make_uint4(0, 0, 0, 0);
+    // Stage the tile (rows >= m and kept rows are zero), copying kept rows out on the way. All
+    // of a thread's 16-byte loads are issued before any is used, so each thread keeps
+    // 2 * kLoads loads in flight.
+    constexpr int kLoads = kTileT * kRowVecs / kThreads;
+    constexpr int kBatch = kLoads < 4 ? kLoads : 4;
+#pragma unroll
+    for (int b0 = 0; b0 < kLoads; b0 += kBatch) {
+      uint4 kx[kBatch], vx[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = threadIdx.x + (b0 + u) * kThreads;
+        const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+        kx[u] = vx[u] = make_uint4(0, 0, 0, 0);
+        if (r < m) {
+          const uint64_t tok = kCompact ? t0 + r : p.list[t0 + r];
+          kx[u] = __ldg(reinterpret_cast<const uint4*>(kbase + tok * p.k_token_stride + c));
+          vx[u] = __ldg(reinterpret_cast<const uint4*>(vbase + tok * p.v_token_stride + c));
         }
       }
-      *reinterpret_cast<uint4*>(ks + r * D + c) = kx;
-      *reinterpret_cast<uint4*>(vs + r * D + c) = vx;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = threadIdx.x + (b0 + u) * kThreads;
+        const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+        if (kCompact && r < m && flags[r] >= 0) {
+          if (lead) {
+            const uint64_t row = kp + flags[r];
+            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = kx[u];
+            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = vx[u];
+          }
+          kx[u] = vx[u] = make_uint4(0, 0, 0, 0);
+        }
+        *reinterpret_cast<uint4*>(ks + r * kLd + c) = kx[u];
+        *reinterpret_cast<uint4*>(vs + r * kLd + c) = vx[u];
+        if (summarize && lead) {  // this thread's columns never change (kThreads % kRowVecs == 0)
+          const T* kv = reinterpret_cast<const T*>(&kx[u]);
+          const T* vv = reinterpret_cast<const T*>(&vx[u]);
+#pragma unroll
+          for (int w = 0; w < kVec; ++w) {
+            ksum[w] += ToFloat(kv[w]);
+            vsum[w] += ToFloat(vv[w]);
+          }
+        }
+      }
     }
     __syncthreads();
     if (summarize) {
       if (lead) {
-#pragma unroll
-        for (int a = 0; a < (2 * D + kThreads - 1) / kThreads; ++a) {
-          const int col = threadIdx.x + kThreads * a;
-          if (col < 2 * D) {
-            const T* src = col < D ? ks + col : vs + (col - D);
-            float s = 0.0f;
-            for (int r = 0; r < m; ++r) s += ToFloat(src[r * D]);
-            sums[a] += s;
-          }
-        }
         evicted += m - kept_here;
       }
       acc.Add(ks, vs, bi, bj);
@@ -258,10 +287,9 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernel(MomentKernelParams p
   acc.Flush(p.vk_sum + size_t{h} * D * D, reinterpret_cast<float*>(smem), bi, bj);
   if (lead) {
 #pragma unroll
-    for (int a = 0; a < (2 * D + kThreads - 1) / kThreads; ++a) {
-      const int col = threadIdx.x + kThreads * a;
-      if (col < D) atomicAdd(p.key_sum + size_t{h} * D + col, sums[a]);
-      else if (col < 2 * D) atomicAdd(p.value_sum + size_t{h} * D + col - D, sums[a]);
+    for (int w = 0; w < kVec; ++w) {
+      atomicAdd(p.key_sum + size_t{h} * D + my_col + w, ksum[w]);
+      atomicAdd(p.value_sum + size_t{h} * D + my_col + w, vsum[w]);
     }
     if (threadIdx.x == 0) atomicAdd(p.count + h, evicted);
   }
