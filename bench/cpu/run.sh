@@ -9,8 +9,11 @@ shift || true
 BIN="$BUILD/bench/cpu/bench_cpu_scoring"
 [ -x "$BIN" ] || cmake --build "$BUILD" --target bench_cpu_scoring
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet -- kernels bench/cpu || echo "-dirty")
-OUT=bench/results/cpu_scoring_${STAMP}
+COMMIT=${KVCOMP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet -- kernels bench/cpu 2>/dev/null || echo "-dirty")}
+# RESULTS_DIR: where the files go (default bench/results; on the device machine, $OUT).
+RESULTS_DIR=${RESULTS_DIR:-bench/results}
+mkdir -p "$RESULTS_DIR"
+OUT=$RESULTS_DIR/cpu_scoring_${STAMP}
 "$BIN" --benchmark_out="$OUT.json" --benchmark_out_format=json --benchmark_repetitions=3 \
   --benchmark_report_aggregates_only=true --benchmark_min_time=0.5 "$@"
 python3 - "$OUT.json" "$OUT.md" "$COMMIT" <<'PY'
