@@ -564,6 +564,7 @@ CommandLine ParseCommandLine(int argc, char** argv, std::string* out) {
     std::string help = absl::StrCat(f.help, " [env ", f.env_var(), "]");
     CLI::Option* opt = app.add_option(f.flag(), given[f.key], help);
     opt->type_name(absl::AsciiStrToUpper(f.type));
+    opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a later flag wins
     opts.emplace_back(&f, opt);
   }
   try {

@@ -20,6 +20,7 @@
 #include "absl/synchronization/notification.h"
 #include "handlers.h"
 #include "ingest.h"
+#include "kvsplice_glue.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/service/auth.h"
@@ -158,6 +159,7 @@ class DaemonImpl : public Daemon {
   std::unique_ptr<storage::TieredStore> store_;
   std::unique_ptr<PolicyStore> policies_;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<StoreProjections> projections_;
   std::unique_ptr<IngestPipeline> pipeline_;
   std::unique_ptr<DataHandler> data_handler_;
   std::unique_ptr<transport::UcxServer> ucx_;
@@ -209,7 +211,8 @@ absl::Status DaemonImpl::Init(const Options& options) {
   io.put_tier = static_cast<int>(TierOf(options.storage.put_tier));
   const bool cuda = io.backend == "cuda" || (io.backend == "auto" && CudaAvailable());
   metrics_ = std::make_unique<Metrics>(Version(), cuda ? "cuda" : "cpu");
-  auto pipeline = IngestPipeline::Create(io, store_.get(), metrics_.get());
+  projections_ = std::make_unique<StoreProjections>(store_.get());
+  auto pipeline = IngestPipeline::Create(io, store_.get(), projections_.get(), metrics_.get());
   if (!pipeline.ok()) return Annotate(pipeline.status(), "engine");
   pipeline_ = std::move(*pipeline);
   Log(LogLevel::kInfo, "engine: ", pipeline_->backend_description(), ", ",
@@ -220,6 +223,9 @@ absl::Status DaemonImpl::Init(const Options& options) {
   ctx_.policies = policies_.get();
   ctx_.pipeline = pipeline_.get();
   ctx_.metrics = metrics_.get();
+  ctx_.calibrate = [this](const CalibrationRequest& request) {
+    return CalibrateFromStore(store_.get(), projections_.get(), request);
+  };
   metrics_->SetScrapeHook([this] { RefreshGauges(); });
 
   data_handler_ = std::make_unique<DataHandler>(&ctx_);

@@ -87,8 +87,9 @@ struct IngestPipeline::PutState {
 };
 
 absl::StatusOr<std::unique_ptr<IngestPipeline>> IngestPipeline::Create(
-    const IngestOptions& options, storage::TieredStore* store, Metrics* metrics) {
-  std::unique_ptr<IngestPipeline> p(new IngestPipeline(options, store, metrics));
+    const IngestOptions& options, storage::TieredStore* store, StoreProjections* projections,
+    Metrics* metrics) {
+  std::unique_ptr<IngestPipeline> p(new IngestPipeline(options, store, projections, metrics));
   if (options.backend == "cuda") {
     if (!CudaAvailable()) {
       return absl::FailedPreconditionError(
@@ -195,6 +196,12 @@ absl::Status IngestPipeline::BeginPut(PutId id, PutSpec spec) {
       return absl::InvalidArgumentError("block-wise puts cannot use the snapkv scorer");
     }
     if (spec.policy.block_size == 0) spec.policy.block_size = kDefaultStreamBlockTokens;
+  }
+  if (spec.policy.value_codec != ValueCodec::kRaw) {
+    KVCOMP_ASSIGN_OR_RETURN(std::string model,
+                            ProjectionModel(spec.key.tenant, spec.key.model_id));
+    KVCOMP_ASSIGN_OR_RETURN(uint64_t version, projections_->Latest(model));
+    KVCOMP_ASSIGN_OR_RETURN(spec.projection, projections_->Get(model, version));
   }
   auto put = std::make_shared<PutState>();
   put->id = id;
@@ -306,6 +313,7 @@ absl::Status IngestPipeline::DrainBlockWise(PutState& put) {
     KVCOMP_ASSIGN_OR_RETURN(put.backend, NewBackend(threads_per_backend_));
     BlockCompressorOptions bo;
     bo.expected_tokens = spec.num_tokens;
+    bo.projection = spec.projection;
     KVCOMP_ASSIGN_OR_RETURN(put.compressor,
                             BlockCompressor::Create(*put.backend, spec.layout, spec.policy, bo));
   }
@@ -503,7 +511,9 @@ absl::StatusOr<CompressedCache> IngestPipeline::CompressWhole(PutState& put, int
     return absl::InternalError(absl::StrCat("compression worker has no backend: ",
                                             tls_worker_backend_error.ToString()));
   }
-  return Compress(*tls_worker_backend, view, spec.policy);
+  CompressOptions co;
+  co.projection = spec.projection;
+  return Compress(*tls_worker_backend, view, spec.policy, co);
 }
 
 absl::StatusOr<wire::CacheSummary> IngestPipeline::Store(PutState& put, CompressedCache cache) {
@@ -591,8 +601,15 @@ void IngestPipeline::Get(const CacheKey& key, wire::Representation rep, transpor
       if (rep == wire::Representation::kDecoded) {
         KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(got->payload.view()));
         if (info.key_codec != KeyCodec::kRaw || info.value_codec != ValueCodec::kRaw) {
-          return absl::UnimplementedError(
-              "decoded gets of caches with key/value codecs need the engine's decoder (issue 5)");
+          KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(got->payload.view()));
+          KVCOMP_ASSIGN_OR_RETURN(std::string model, ProjectionModel(key.tenant, key.model_id));
+          KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw,
+                                  DecodeToRaw(std::move(cache), model, projections_));
+          KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(raw));
+          transport::GetResult r;
+          r.representation = rep;
+          r.bytes = Buffer::FromString(std::move(bytes));
+          return r;
         }
         // Raw codecs: the stored bytes are already the decoded form.
       }

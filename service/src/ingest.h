@@ -27,9 +27,11 @@
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/projection.h"
 #include "kvcomp/service/metrics.h"
 #include "kvcomp/storage/tiered_store.h"
 #include "kvcomp/transport/server.h"
+#include "kvsplice_glue.h"
 #include "task_pool.h"
 
 namespace kvcomp {
@@ -59,12 +61,16 @@ struct PutSpec {
   uint64_t num_tokens = 0;
   CompressionPolicy policy;
   bool block_wise = false;
+  // Set by BeginPut for value codecs: the tenant/model's latest KVSplice projection.
+  std::shared_ptr<const Projection> projection;
 };
 
 class IngestPipeline {
  public:
+  // `projections` (over `store`) serves value codecs and decoded gets.
   static absl::StatusOr<std::unique_ptr<IngestPipeline>> Create(const IngestOptions& options,
                                                                 storage::TieredStore* store,
+                                                                StoreProjections* projections,
                                                                 Metrics* metrics);
   ~IngestPipeline();
 
@@ -101,8 +107,9 @@ class IngestPipeline {
   struct PutState;
 
  private:
-  IngestPipeline(const IngestOptions& options, storage::TieredStore* store, Metrics* metrics)
-      : options_(options), store_(store), metrics_(metrics) {}
+  IngestPipeline(const IngestOptions& options, storage::TieredStore* store,
+                 StoreProjections* projections, Metrics* metrics)
+      : options_(options), store_(store), projections_(projections), metrics_(metrics) {}
   absl::StatusOr<std::unique_ptr<Backend>> NewBackend(int threads) const;
   std::shared_ptr<PutState> Find(PutId id);
   std::shared_ptr<PutState> Take(PutId id);
@@ -115,6 +122,7 @@ class IngestPipeline {
 
   const IngestOptions options_;
   storage::TieredStore* const store_;
+  StoreProjections* const projections_;
   Metrics* const metrics_;
   bool use_cuda_ = false;
   int threads_per_backend_ = 1;

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <cmath>
 #include <fstream>
 #include <random>
 #include <string>
@@ -44,6 +45,48 @@ absl::StatusOr<wire::CacheSummary> PutRandom(UcxClient& c, const std::string& mo
     for (size_t i = 0; i < count; ++i) {
       k[i] = FloatToHalf(n(rng));
       v[i] = FloatToHalf(n(rng));
+    }
+    wire::Block b;
+    b.put_id = id;
+    b.layer_begin = l;
+    b.layer_end = l + 1;
+    b.token_end = kTokens;
+    b.key_bytes = b.value_bytes = kLayout.LayerBytes(kTokens);
+    KVCOMP_RETURN_IF_ERROR(c.SendBlock(b, k.data(), v.data()));
+  }
+  return c.PutCommit(id, kLayout.num_layers);
+}
+
+// Values of rank 8 plus a little noise (the same 8 directions for every cache and head), so a
+// calibrated rank-32 projection reconstructs them closely. Keys random. Returns the values sent.
+absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& model,
+                                              const std::string& key, uint64_t seed,
+                                              std::vector<float>* sent_values = nullptr) {
+  wire::PutBegin begin;
+  begin.layout = kLayout;
+  begin.num_tokens = kTokens;
+  begin.model_id = model;
+  begin.key = key;
+  KVCOMP_ASSIGN_OR_RETURN(uint64_t id, c.PutBegin(begin));
+  const uint32_t D = kLayout.head_dim;
+  std::mt19937_64 basis_rng(42), rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> basis(8 * D);
+  for (auto& x : basis) x = n(basis_rng);
+  const size_t count = uint64_t{kLayout.num_kv_heads} * kTokens * D;
+  std::vector<uint16_t> k(count), v(count);
+  if (sent_values != nullptr) sent_values->clear();
+  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+    for (size_t row = 0; row < count / D; ++row) {
+      float coef[8];
+      for (float& cf : coef) cf = n(rng);
+      for (uint32_t j = 0; j < D; ++j) {
+        float x = 0.01f * n(rng);
+        for (int r = 0; r < 8; ++r) x += coef[r] * basis[r * D + j];
+        v[row * D + j] = FloatToHalf(x);
+        k[row * D + j] = FloatToHalf(n(rng));
+        if (sent_values != nullptr) sent_values->push_back(HalfToFloat(v[row * D + j]));
+      }
     }
     wire::Block b;
     b.put_id = id;
@@ -167,11 +210,21 @@ TEST_F(ControlTest, EveryControlCallAnswers) {
   rpc->SetPolicy(pol, auth, "llama", p);
   EXPECT_EQ(pol.status.code, rpc::StatusCode::INVALID_ARGUMENT);
 
+  // Calibrate (details in CalibrateThenEncodedPutsAndDecodedGets): an unknown model has no
+  // caches to learn from; a known one calibrates.
   rpc::CalibrateRequest cal;
-  cal.model_id = "llama";
+  cal.model_id = "no-such-model";
+  cal.rank = 16;
   rpc::CalibrateResponse calr;
   rpc->Calibrate(calr, auth, cal);
-  EXPECT_EQ(calr.status.code, rpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(calr.status.code, rpc::StatusCode::FAILED_PRECONDITION) << calr.status.message;
+  cal.model_id = "llama";
+  rpc->Calibrate(calr, auth, cal);
+  EXPECT_EQ(calr.status.code, rpc::StatusCode::OK) << calr.status.message;
+  EXPECT_EQ(calr.rank, 16);
+  cal.value_codec = "bogus";
+  rpc->Calibrate(calr, auth, cal);
+  EXPECT_EQ(calr.status.code, rpc::StatusCode::INVALID_ARGUMENT);
 
   rpc::DeleteResponse del;
   rpc->Delete(del, auth, ref);
@@ -188,6 +241,83 @@ TEST_F(ControlTest, EveryControlCallAnswers) {
   ControlClient rpc2(d->ports().control);
   rpc2->GetPolicy(pol, auth, "llama");
   EXPECT_EQ(pol.policy.scorer, "knorm");
+}
+
+TEST_F(ControlTest, CalibrateThenEncodedPutsAndDecodedGets) {
+  auto d = StartDaemon();
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  ControlClient rpc(d->ports().control);
+  const rpc::Auth auth = MakeAuth("", "");
+  rpc::PolicyResponse pol;
+  rpc->GetPolicy(pol, auth, "splice");
+  rpc::Policy p = pol.policy;
+  p.value_codec = "orthogonal_int8";
+  p.rank = 32;
+  // Calibration needs stored caches with raw values first.
+  rpc::CalibrateRequest cal;
+  cal.model_id = "splice";
+  cal.value_codec = "orthogonal_int8";
+  cal.rank = 32;
+  rpc::CalibrateResponse calr;
+  rpc->Calibrate(calr, auth, cal);
+  EXPECT_EQ(calr.status.code, rpc::StatusCode::FAILED_PRECONDITION) << calr.status.message;
+  // An encoded policy without a projection is refused at put-begin, clearly.
+  rpc->SetPolicy(pol, auth, "splice", p);
+  ASSERT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
+  absl::StatusOr<wire::CacheSummary> early = PutLowRank(*c, "splice", "early", 1);
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition) << early.status();
+  // Raw caches of the model to calibrate on, then calibrate.
+  p.value_codec = "none";
+  p.rank = 0;
+  rpc->SetPolicy(pol, auth, "splice", p);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(PutLowRank(*c, "splice", "raw" + std::to_string(i), 10 + i).ok());
+  }
+  rpc->Calibrate(calr, auth, cal);
+  ASSERT_EQ(calr.status.code, rpc::StatusCode::OK) << calr.status.message;
+  EXPECT_NE(calr.projection_version, 0);
+  EXPECT_EQ(calr.rank, 32);
+  EXPECT_EQ(calr.caches_used, 3);
+  // Encoded puts now work and store fewer bytes than the raw ones.
+  p.value_codec = "orthogonal_int8";
+  p.rank = 32;
+  rpc->SetPolicy(pol, auth, "splice", p);
+  std::vector<float> sent;
+  auto raw = c->Lookup("splice", "raw0");
+  auto enc = PutLowRank(*c, "splice", "encoded", 99, &sent);
+  ASSERT_TRUE(enc.ok()) << enc.status();
+  ASSERT_TRUE(raw.ok());
+  EXPECT_EQ(enc->value_codec, ValueCodec::kOrthogonalInt8);
+  EXPECT_LT(enc->stored_bytes, raw->stored_bytes);
+  // A decoded get returns raw codecs; the values come back close to those sent.
+  auto got = c->Get("splice", "encoded", wire::Representation::kDecoded);
+  ASSERT_TRUE(got.ok()) << got.status();
+  auto cache = format::ParseCache(got->bytes.view());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ(cache->value_codec, ValueCodec::kRaw);
+  EXPECT_EQ(cache->total_kept(), enc->total_kept);
+  double err = 0, norm = 0;
+  auto offsets = cache->TokenOffsets();
+  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+    for (uint32_t h = 0; h < kLayout.num_kv_heads; ++h) {
+      uint64_t head = cache->head_index(l, h);
+      for (uint64_t i = offsets[head]; i < offsets[head + 1]; ++i) {
+        for (uint32_t j = 0; j < kLayout.head_dim; ++j) {
+          float got_v = LoadAsFloat(cache->values.data(), DType::kF16, i * kLayout.head_dim + j);
+          size_t at = ((uint64_t{l} * kLayout.num_kv_heads + h) * kTokens + cache->positions[i]) *
+                          kLayout.head_dim + j;
+          err += (got_v - sent[at]) * (got_v - sent[at]);
+          norm += sent[at] * sent[at];
+        }
+      }
+    }
+  }
+  EXPECT_LT(std::sqrt(err / norm), 0.05);
+  // The stored form is the encoded one.
+  auto stored = c->Get("splice", "encoded");
+  ASSERT_TRUE(stored.ok());
+  EXPECT_EQ(stored->bytes.size(), enc->stored_bytes);
 }
 
 TEST_F(ControlTest, TenantsSeeOnlyTheirOwnCaches) {
@@ -331,6 +461,56 @@ TEST_F(ControlTest, SigtermDrainsThenExitsCleanly) {
   c = Connect(*d);
   ASSERT_NE(c, nullptr);
   EXPECT_TRUE(c->Get("m", "before").ok());
+}
+
+TEST_F(ControlTest, SigtermFinishesInFlightPutsAndRefusesNewOnes) {
+  auto d = StartDaemon();
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  wire::PutBegin begin;
+  begin.layout = kLayout;
+  begin.num_tokens = kTokens;
+  begin.model_id = "m";
+  begin.key = "in-flight";
+  auto id = c->PutBegin(begin);
+  ASSERT_TRUE(id.ok());
+  const size_t count = uint64_t{kLayout.num_kv_heads} * kTokens * kLayout.head_dim;
+  std::vector<uint16_t> k(count, FloatToHalf(0.5f)), v(count, FloatToHalf(-0.25f));
+  for (size_t i = 0; i < count; ++i) k[i] = FloatToHalf(static_cast<float>(i % 97) / 97.0f);
+  wire::Block b;
+  b.put_id = *id;
+  b.layer_end = 1;
+  b.token_end = kTokens;
+  b.key_bytes = b.value_bytes = kLayout.LayerBytes(kTokens);
+  ASSERT_TRUE(c->SendBlock(b, k.data(), v.data()).ok());
+
+  d->Signal(SIGTERM);
+  int code = 0;
+  for (int i = 0; i < 100 && code != 503; ++i) {
+    code = HttpGet(d->ports().metrics, "/readyz").code;
+    if (code != 503) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(code, 503);
+  EXPECT_EQ(HttpGet(d->ports().metrics, "/healthz").code, 200);
+  // New puts are refused while draining; the open one completes.
+  begin.key = "too-late";
+  EXPECT_EQ(c->PutBegin(begin).status().code(), absl::StatusCode::kUnavailable);
+  b.layer_begin = 1;
+  b.layer_end = 2;
+  ASSERT_TRUE(c->SendBlock(b, k.data(), v.data()).ok());
+  auto summary = c->PutCommit(*id, 2);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  c.reset();
+  int status = d->Kill(SIGTERM);  // already stopping: waits for the exit
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << d->Log();
+  d = StartDaemon();
+  c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  auto got = c->Lookup("m", "in-flight");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->stored_bytes, summary->stored_bytes);
+  EXPECT_EQ(c->Lookup("m", "too-late").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(ControlTest, ConfigurationCommandLine) {

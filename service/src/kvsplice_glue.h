@@ -1,0 +1,63 @@
+// The daemon's side of KVSplice (issue 5): projections kept in the tiered store's calibration
+// family, the Calibrate control call, and decoding encoded caches for gets of the decoded
+// representation.
+//
+// Projections are per tenant and model (a tenant's data never shapes another tenant's basis): the
+// store key's model_id is "<tenant>/<model>". The kernels' Projection covers every layer and kv
+// head of a model, so it is stored whole under layer = a per-model sequence number (so the latest
+// calibration is the highest), kv_head = 0. Thread-safe.
+#ifndef KVCOMP_SERVICE_SRC_KVSPLICE_GLUE_H_
+#define KVCOMP_SERVICE_SRC_KVSPLICE_GLUE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/kernels/projection.h"
+#include "kvcomp/storage/tiered_store.h"
+
+namespace kvcomp {
+namespace service {
+
+struct CalibrationRequest;
+struct CalibrationResult;
+
+// The name projections of (tenant, model) are kept under, or InvalidArgument when too long.
+absl::StatusOr<std::string> ProjectionModel(const std::string& tenant, const std::string& model);
+
+class StoreProjections : public ProjectionStore {
+ public:
+  explicit StoreProjections(storage::TieredStore* store) : store_(store) {}
+  absl::Status Put(const Projection& projection) override;
+  absl::StatusOr<std::shared_ptr<const Projection>> Get(absl::string_view model_id,
+                                                        uint64_t version) override;
+  absl::StatusOr<uint64_t> Latest(absl::string_view model_id) override;
+  absl::Status Delete(absl::string_view model_id, uint64_t version) override;
+
+ private:
+  storage::TieredStore* const store_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<const Projection>> cache_ ABSL_GUARDED_BY(mu_);
+};
+
+// Calibrates (tenant, model) from its stored caches whose values are raw (their kept values),
+// stores the projection and returns what was made. FailedPrecondition without such caches.
+absl::StatusOr<CalibrationResult> CalibrateFromStore(storage::TieredStore* store,
+                                                     StoreProjections* projections,
+                                                     const CalibrationRequest& request);
+
+// `cache` with its kept keys and values decoded to the layout's dtype and raw codecs, the
+// projection looked up under `projection_model` (ProjectionModel(tenant, model)); caches already
+// raw come back unchanged. NotFound when the projection is missing.
+absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
+                                            const std::string& projection_model,
+                                            StoreProjections* projections);
+
+}  // namespace service
+}  // namespace kvcomp
+
+#endif  // KVCOMP_SERVICE_SRC_KVSPLICE_GLUE_H_
