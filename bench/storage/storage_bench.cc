@@ -44,11 +44,16 @@ Args Parse(int argc, char** argv) {
     auto value = [&](absl::string_view name) -> absl::string_view {
       return s.substr(name.size() + 3);
     };
-    if (absl::StartsWith(s, "--mode=")) a.mode = std::string(value("mode"));
-    else if (absl::StartsWith(s, "--dir=")) a.dir = std::string(value("dir"));
-    else if (absl::StartsWith(s, "--value_size=")) (void)absl::SimpleAtoi(value("value_size"), &a.value_size);
-    else if (absl::StartsWith(s, "--num=")) (void)absl::SimpleAtoi(value("num"), &a.num);
-    else if (absl::StartsWith(s, "--sync=")) a.sync = value("sync") == "1";
+    if (absl::StartsWith(s, "--mode="))
+      a.mode = std::string(value("mode"));
+    else if (absl::StartsWith(s, "--dir="))
+      a.dir = std::string(value("dir"));
+    else if (absl::StartsWith(s, "--value_size="))
+      (void)absl::SimpleAtoi(value("value_size"), &a.value_size);
+    else if (absl::StartsWith(s, "--num="))
+      (void)absl::SimpleAtoi(value("num"), &a.num);
+    else if (absl::StartsWith(s, "--sync="))
+      a.sync = value("sync") == "1";
     else {
       std::fprintf(stderr, "unknown argument %s\n", argv[i]);
       std::exit(2);
@@ -62,11 +67,11 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 }
 
 void Report(const Args& a, absl::string_view what, uint64_t bytes, double seconds) {
-  std::printf("{\"bench\":\"%s\",\"value_size\":%llu,\"num\":%llu,\"sync\":%d,"
-              "\"seconds\":%.4f,\"gb_per_s\":%.4f}\n",
-              std::string(what).c_str(), static_cast<unsigned long long>(a.value_size),
-              static_cast<unsigned long long>(a.num), a.sync ? 1 : 0, seconds,
-              bytes / seconds / 1e9);
+  std::printf(
+      "{\"bench\":\"%s\",\"value_size\":%llu,\"num\":%llu,\"sync\":%d,"
+      "\"seconds\":%.4f,\"gb_per_s\":%.4f}\n",
+      std::string(what).c_str(), static_cast<unsigned long long>(a.value_size),
+      static_cast<unsigned long long>(a.num), a.sync ? 1 : 0, seconds, bytes / seconds / 1e9);
   std::fflush(stdout);
 }
 

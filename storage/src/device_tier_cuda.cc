@@ -46,8 +46,7 @@ class DeviceTier final : public Tier {
     return map_.size();
   }
 
-  absl::Status Put(absl::string_view key, const CacheMeta&, const Payload& payload,
-                   bool) override {
+  absl::Status Put(absl::string_view key, const CacheMeta&, const Payload& payload, bool) override {
     const uint64_t n = payload.size() > 0 ? payload.size() : 1;
     uint64_t offset;
     {
@@ -57,8 +56,8 @@ class DeviceTier final : public Tier {
       offset = *off;
     }
     cudaSetDevice(device_);
-    cudaError_t e = cudaMemcpy(pool_ + offset, payload.data(), payload.size(),
-                               cudaMemcpyHostToDevice);
+    cudaError_t e =
+        cudaMemcpy(pool_ + offset, payload.data(), payload.size(), cudaMemcpyHostToDevice);
     WriterLock lock(&mu_);
     if (e != cudaSuccess) {
       alloc_.Free(offset, n).IgnoreError();

@@ -27,8 +27,7 @@ class HostTier final : public Tier {
   uint64_t used_bytes() const override { return used_.load(std::memory_order_relaxed); }
   uint64_t entries() const override { return entries_.load(std::memory_order_relaxed); }
 
-  absl::Status Put(absl::string_view key, const CacheMeta&, const Payload& payload,
-                   bool) override {
+  absl::Status Put(absl::string_view key, const CacheMeta&, const Payload& payload, bool) override {
     const uint64_t n = payload.size();
     if (!Reserve(n)) {
       return absl::ResourceExhaustedError(absl::StrCat("host tier: ", n, " bytes do not fit (",
@@ -107,8 +106,9 @@ class HostTier final : public Tier {
           absl::StrCat("host tier: cannot pin ", payload.size(), " bytes"));
     }
     if (!payload.empty()) std::memcpy(p, payload.data(), payload.size());
-    std::shared_ptr<const uint8_t> data(static_cast<const uint8_t*>(p),
-                                        [](const uint8_t* q) { PinnedFree(const_cast<uint8_t*>(q)); });
+    std::shared_ptr<const uint8_t> data(static_cast<const uint8_t*>(p), [](const uint8_t* q) {
+      PinnedFree(const_cast<uint8_t*>(q));
+    });
     return Payload(std::move(data), payload.size());
   }
 

@@ -29,8 +29,8 @@ absl::StatusOr<uint64_t> RangeAllocator::Allocate(uint64_t size) {
     used_ += n;
     return offset;
   }
-  return absl::ResourceExhaustedError(absl::StrCat("no free range of ", n, " bytes (", used_,
-                                                   " of ", capacity_, " bytes used)"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("no free range of ", n, " bytes (", used_, " of ", capacity_, " bytes used)"));
 }
 
 absl::Status RangeAllocator::Free(uint64_t offset, uint64_t size) {
@@ -40,14 +40,14 @@ absl::Status RangeAllocator::Free(uint64_t offset, uint64_t size) {
   }
   auto next = free_.lower_bound(offset);
   if (next != free_.end() && next->first < offset + n) {
-    return absl::InvalidArgumentError(absl::StrCat("free of [", offset, ", +", size,
-                                                   ") overlaps a free range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("free of [", offset, ", +", size, ") overlaps a free range"));
   }
   if (next != free_.begin()) {
     auto prev = std::prev(next);
     if (prev->first + prev->second > offset) {
-      return absl::InvalidArgumentError(absl::StrCat("free of [", offset, ", +", size,
-                                                     ") overlaps a free range"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("free of [", offset, ", +", size, ") overlaps a free range"));
     }
   }
   uint64_t start = offset;

@@ -2,9 +2,9 @@
 
 #include <cstring>
 #include <filesystem>
-#include <system_error>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -67,8 +67,8 @@ std::string EncodeMeta(const CacheMeta& meta) {
 
 absl::StatusOr<CacheMeta> DecodeMeta(absl::string_view b) {
   if (b.size() != kMetaBytes) {
-    return absl::DataLossError(absl::StrCat("meta record of ", b.size(), " bytes, want ",
-                                            kMetaBytes));
+    return absl::DataLossError(
+        absl::StrCat("meta record of ", b.size(), " bytes, want ", kMetaBytes));
   }
   if (GetLe(b.data() + kMetaBytes - 4, 4) != Crc32c(b.data(), kMetaBytes - 4)) {
     return absl::DataLossError("meta record checksum mismatch");
@@ -184,7 +184,8 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
   tier->quarantine_ = tier->handles_[4];
 
   // Sizes for accounting come from the meta records (small); payloads are checked by Recover.
-  std::unique_ptr<rocksdb::Iterator> it(tier->db_->NewIterator(rocksdb::ReadOptions(), tier->meta_));
+  std::unique_ptr<rocksdb::Iterator> it(
+      tier->db_->NewIterator(rocksdb::ReadOptions(), tier->meta_));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     auto meta = DecodeMeta(absl::string_view(it->value().data(), it->value().size()));
     const uint64_t n = meta.ok() ? meta->stored_bytes : 0;
@@ -309,8 +310,8 @@ absl::Status RocksDbTier::Recover(
       if (verify) {
         auto payload = Get(key);
         if (!payload.ok()) {
-          bad.emplace_back(std::string(key), absl::StrCat("payload unreadable: ",
-                                                          payload.status().ToString()));
+          bad.emplace_back(std::string(key),
+                           absl::StrCat("payload unreadable: ", payload.status().ToString()));
           continue;
         }
         if (payload->size() != meta->stored_bytes ||
@@ -361,8 +362,8 @@ absl::StatusOr<std::vector<QuarantinedCache>> RocksDbTier::ListQuarantine() {
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), quarantine_));
   const std::string prefix(1, kQuarantineReason);
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-    out.push_back({std::string(it->key().data() + 1, it->key().size() - 1),
-                   it->value().ToString()});
+    out.push_back(
+        {std::string(it->key().data() + 1, it->key().size() - 1), it->value().ToString()});
   }
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: list quarantine"));
   return out;
@@ -371,8 +372,8 @@ absl::StatusOr<std::vector<QuarantinedCache>> RocksDbTier::ListQuarantine() {
 namespace {
 absl::Status ValidateProjectionKey(const ProjectionKey& key) {
   if (key.model_id.empty() || key.model_id.size() > ProjectionKey::kMaxModelBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("projection: model id of ",
-                                                   key.model_id.size(), " bytes, want 1..",
+    return absl::InvalidArgumentError(absl::StrCat("projection: model id of ", key.model_id.size(),
+                                                   " bytes, want 1..",
                                                    ProjectionKey::kMaxModelBytes));
   }
   if (key.version == 0) return absl::InvalidArgumentError("projection: version must be >= 1");
@@ -388,9 +389,9 @@ absl::Status RocksDbTier::PutProjection(const ProjectionKey& key, absl::string_v
   rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), calibration_, k, &existing);
   if (s.ok()) {
     if (existing == bytes) return absl::OkStatus();
-    return absl::AlreadyExistsError(absl::StrCat("projection ", key.model_id, " layer ",
-                                                 key.layer, " head ", key.kv_head, " version ",
-                                                 key.version, " exists with other bytes"));
+    return absl::AlreadyExistsError(absl::StrCat("projection ", key.model_id, " layer ", key.layer,
+                                                 " head ", key.kv_head, " version ", key.version,
+                                                 " exists with other bytes"));
   }
   if (!s.IsNotFound()) return FromRocksDb(s, "projection: read");
   rocksdb::WriteBatch batch;

@@ -55,9 +55,11 @@ using ProjectionRef = std::pair<std::string, uint64_t>;  // (model, version)
 
 int TierIndex(TierKind k) { return static_cast<int>(k); }
 
+// A failure of the disk or device underneath (counted in StoreStats::write_errors), as opposed
+// to a full tier or a quota, which are ResourceExhausted without "disk full".
 bool IsDiskError(const absl::Status& s) {
-  return absl::IsResourceExhausted(s) || absl::IsUnavailable(s) || absl::IsDataLoss(s) ||
-         absl::IsInternal(s);
+  if (absl::IsResourceExhausted(s)) return absl::StrContains(s.message(), "disk full");
+  return absl::IsUnavailable(s) || absl::IsDataLoss(s) || absl::IsInternal(s);
 }
 
 class TieredStoreImpl final : public TieredStore {
@@ -102,8 +104,7 @@ class TieredStoreImpl final : public TieredStore {
   }
   static int StripeIndex(absl::string_view ek) {
     // A different hash from the shard's, so a stripe spans shards.
-    return static_cast<int>(absl::Hash<std::pair<absl::string_view, int>>()({ek, 7}) %
-                            kKeyStripes);
+    return static_cast<int>(absl::Hash<std::pair<absl::string_view, int>>()({ek, 7}) % kKeyStripes);
   }
   SharedMutex& Stripe(int i) { return key_stripes_[i]; }
   int NextLower(int t) const {
@@ -159,8 +160,22 @@ class TieredStoreImpl final : public TieredStore {
                                 absl::string_view reason);
   void TouchLocked(Shard& s, const std::string& ek, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
 
+  // The present tier closest to t: t itself, else the next one down, else the next one up.
+  int PresentTierNear(int t) const {
+    if (tiers_[t] != nullptr) return t;
+    const int lower = NextLower(t);
+    if (lower != kNoTier) return lower;
+    for (int u = t - 1; u >= 0; --u) {
+      if (tiers_[u] != nullptr) return u;
+    }
+    return kNoTier;
+  }
+
   const StoreOptions options_;
   std::unique_ptr<Tier> tiers_[kNumTiers];
+  std::string tier_errors_[kNumTiers];  // why an enabled tier did not start
+  int default_tier_ = 0;
+  bool promote_ = false;
   RocksDbTier* rocks_ = nullptr;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::unique_ptr<SharedMutex[]> key_stripes_;
@@ -180,9 +195,9 @@ absl::Status ValidateOptions(const StoreOptions& o) {
     return absl::InvalidArgumentError("store: no tier is enabled");
   }
   if (!(o.low_watermark > 0 && o.low_watermark <= o.high_watermark && o.high_watermark <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "store: watermarks must satisfy 0 < low <= high <= 1, got low ", o.low_watermark,
-        " high ", o.high_watermark));
+    return absl::InvalidArgumentError(
+        absl::StrCat("store: watermarks must satisfy 0 < low <= high <= 1, got low ",
+                     o.low_watermark, " high ", o.high_watermark));
   }
   auto enabled = [&](TierKind k) {
     switch (k) {
@@ -196,30 +211,64 @@ absl::Status ValidateOptions(const StoreOptions& o) {
     return false;
   };
   if (static_cast<int>(o.default_tier) >= kNumTiers || !enabled(o.default_tier)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "store: default_tier ", TierName(o.default_tier), " is not enabled"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("store: default_tier ", TierName(o.default_tier), " is not enabled"));
   }
-  if (o.promote_on_read &&
-      (static_cast<int>(o.promote_to) >= kNumTiers || !enabled(o.promote_to) ||
-       o.promote_to == TierKind::kRocksDb)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "store: promote_to ", TierName(o.promote_to), " must be an enabled memory tier"));
+  if (o.promote_on_read && (static_cast<int>(o.promote_to) >= kNumTiers || !enabled(o.promote_to) ||
+                            o.promote_to == TierKind::kRocksDb)) {
+    return absl::InvalidArgumentError(absl::StrCat("store: promote_to ", TierName(o.promote_to),
+                                                   " must be an enabled memory tier"));
   }
   if (o.num_shards < 1) return absl::InvalidArgumentError("store: num_shards must be >= 1");
+  if (o.rocksdb.enabled && o.rocksdb.path.empty()) {
+    return absl::InvalidArgumentError("store: rocksdb.path is empty");
+  }
+  if ((o.device.enabled && o.device.capacity_bytes == 0) ||
+      (o.host.enabled && o.host.capacity_bytes == 0) ||
+      (o.rocksdb.enabled && o.rocksdb.capacity_bytes == 0)) {
+    return absl::InvalidArgumentError("store: an enabled tier has capacity_bytes 0");
+  }
+  const uint64_t a = o.device.alignment_bytes;
+  if (o.device.enabled && (a == 0 || (a & (a - 1)) != 0)) {
+    return absl::InvalidArgumentError("store: device.alignment_bytes must be a power of two");
+  }
   return absl::OkStatus();
 }
 
 absl::Status TieredStoreImpl::Init() {
+  absl::Status first_error;
+  // A tier that fails to start is left out (and reported) when the options allow it.
+  auto failed = [&](int t, const absl::Status& st) {
+    if (first_error.ok()) first_error = st;
+    tier_errors_[t] = st.ToString();
+    return !options_.open_without_failed_tiers;
+  };
   if (options_.device.enabled) {
-    KVCOMP_ASSIGN_OR_RETURN(tiers_[TierIndex(TierKind::kDevice)], NewDeviceTier(options_.device));
+    auto tier = NewDeviceTier(options_.device);
+    if (tier.ok()) {
+      tiers_[TierIndex(TierKind::kDevice)] = *std::move(tier);
+    } else if (failed(TierIndex(TierKind::kDevice), tier.status())) {
+      return tier.status();
+    }
   }
   if (options_.host.enabled) {
     KVCOMP_ASSIGN_OR_RETURN(tiers_[TierIndex(TierKind::kHost)], NewHostTier(options_.host));
   }
-  if (!options_.rocksdb.enabled) return absl::OkStatus();
-  KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<RocksDbTier> rocks, RocksDbTier::Open(options_.rocksdb));
-  rocks_ = rocks.get();
-  tiers_[kRocks] = std::move(rocks);
+  if (options_.rocksdb.enabled) {
+    auto rocks = RocksDbTier::Open(options_.rocksdb);
+    if (rocks.ok()) {
+      rocks_ = rocks->get();
+      tiers_[kRocks] = *std::move(rocks);
+    } else if (failed(kRocks, rocks.status())) {
+      return rocks.status();
+    }
+  }
+  int present = 0;
+  for (const auto& t : tiers_) present += t != nullptr;
+  if (present == 0) return first_error;
+  default_tier_ = PresentTierNear(TierIndex(options_.default_tier));
+  promote_ = options_.promote_on_read && tiers_[TierIndex(options_.promote_to)] != nullptr;
+  if (rocks_ == nullptr) return absl::OkStatus();
 
   struct Found {
     std::string ek;
@@ -267,7 +316,8 @@ absl::Status TieredStoreImpl::Init() {
       continue;
     }
     tenant_bytes_.Add(e.tenant, static_cast<int64_t>(e.meta.stored_bytes));
-    if (e.meta.projection_version != 0) projection_refs_.Add({e.model, e.meta.projection_version}, 1);
+    if (e.meta.projection_version != 0)
+      projection_refs_.Add({e.model, e.meta.projection_version}, 1);
     Shard& s = ShardOf(f.ek);
     WriterLock lock(&s.mu);
     e.tick = ++tick_;
@@ -364,7 +414,7 @@ bool TieredStoreImpl::MoveDown(int t, const std::string& ek, const Held& held) {
       counters_[l].puts += 1;
       break;
     }
-    if (l == kRocks && IsDiskError(st) && !absl::IsResourceExhausted(st)) write_errors_ += 1;
+    if (l == kRocks && IsDiskError(st)) write_errors_ += 1;
   }
   Shard& s = ShardOf(ek);
   if (dest != kNoTier) {
@@ -416,26 +466,32 @@ void TieredStoreImpl::Unaccount(const Entry& e) {
 absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const CacheMeta& meta_in,
                                   const PutOptions& options) {
   KVCOMP_RETURN_IF_ERROR(key.Validate());
-  const int target = options.tier < 0 ? TierIndex(options_.default_tier) : options.tier;
-  if (target >= kNumTiers || tiers_[target] == nullptr) {
+  int target = options.tier < 0 ? default_tier_ : options.tier;
+  if (target >= kNumTiers || (tiers_[target] == nullptr && tier_errors_[target].empty())) {
     return absl::InvalidArgumentError(absl::StrCat("put: tier ", options.tier, " is not enabled"));
   }
+  target = PresentTierNear(target);  // a tier that failed at Open hands its puts on
   if (options.durability == Durability::kDisk && rocks_ == nullptr) {
-    return absl::FailedPreconditionError("put: disk durability needs the rocksdb tier");
+    return absl::FailedPreconditionError(absl::StrCat(
+        "put: disk durability needs the rocksdb tier",
+        tier_errors_[kRocks].empty() ? "" : ", which failed at open: ", tier_errors_[kRocks]));
   }
   CacheMeta meta = meta_in;
   if (options.validate) {
     auto info = format::PeekCache(encoded.view());
     if (!info.ok()) return Annotate(info.status(), "put: not a valid encoded cache");
-    if (meta.original_bytes == 0) meta.original_bytes = info->layout.CacheBytes(info->original_tokens);
+    if (meta.original_bytes == 0)
+      meta.original_bytes = info->layout.CacheBytes(info->original_tokens);
     if (meta.projection_version == 0) meta.projection_version = info->projection_version;
   }
   const uint64_t n = encoded.size();
   meta.stored_bytes = n;
   meta.crc32c = Crc32c(encoded.data(), n);
   meta.created_unix_ms = NowMs();
-  const absl::Duration ttl = options.ttl > absl::ZeroDuration() ? options.ttl : options_.default_ttl;
-  meta.ttl_ms = ttl > absl::ZeroDuration() ? std::max<int64_t>(1, absl::ToInt64Milliseconds(ttl)) : 0;
+  const absl::Duration ttl =
+      options.ttl > absl::ZeroDuration() ? options.ttl : options_.default_ttl;
+  meta.ttl_ms =
+      ttl > absl::ZeroDuration() ? std::max<int64_t>(1, absl::ToInt64Milliseconds(ttl)) : 0;
   const std::string tenant = key.tenant.empty() ? "default" : key.tenant;
   const std::string ek = key.Encode();
 
@@ -526,7 +582,8 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
   if (had_old && old.meta.projection_version != 0) {
     projection_refs_.Add({old.model, old.meta.projection_version}, -1);
   }
-  if (meta.projection_version != 0) projection_refs_.Add({key.model_id, meta.projection_version}, 1);
+  if (meta.projection_version != 0)
+    projection_refs_.Add({key.model_id, meta.projection_version}, 1);
   RelieveIfAboveHigh(placed, Held().With(&ek));
   if (persisted && placed != kRocks) RelieveIfAboveHigh(kRocks, Held().With(&ek));
   return absl::OkStatus();
@@ -572,7 +629,7 @@ absl::StatusOr<StoredCache> TieredStoreImpl::Get(const CacheKey& key) {
       return QuarantineOnRead(ek, meta, "payload checksum mismatch on read");
     }
     counters_[t].hits += 1;
-    if (options_.promote_on_read && t > TierIndex(options_.promote_to)) {
+    if (promote_ && t > TierIndex(options_.promote_to)) {
       Promote(ek, meta, *payload);
     }
     return StoredCache{meta, *std::move(payload)};
@@ -688,7 +745,8 @@ absl::Status TieredStoreImpl::Delete(const CacheKey& key) {
     if (IsDiskError(st)) write_errors_ += 1;
     return Annotate(st, "delete");
   }
-  if (!deleted) return absl::NotFoundError(absl::StrCat("delete: ", key.DebugString(), " not found"));
+  if (!deleted)
+    return absl::NotFoundError(absl::StrCat("delete: ", key.DebugString(), " not found"));
   return absl::OkStatus();
 }
 
@@ -748,8 +806,8 @@ absl::Status TieredStoreImpl::Unpin(const CacheKey& key) {
     }
     Entry& e = it->second;
     if (e.pins == 0) {
-      return absl::FailedPreconditionError(absl::StrCat("unpin: ", key.DebugString(),
-                                                        " is not pinned"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("unpin: ", key.DebugString(), " is not pinned"));
     }
     tier = TierIndex(e.meta.tier);
     unpinned = --e.pins == 0;
@@ -782,6 +840,7 @@ StoreStats TieredStoreImpl::Stats() const {
   for (int t = 0; t < kNumTiers; ++t) {
     TierStats& ts = out.tiers[t];
     const TierCounters& c = counters_[t];
+    ts.error = tier_errors_[t];
     if (tiers_[t] != nullptr) {
       ts.present = true;
       ts.entries = tiers_[t]->entries();
@@ -824,8 +883,7 @@ absl::StatusOr<std::vector<ProjectionKey>> TieredStoreImpl::ListProjections(
   return rocks_->ListProjections(model_id);
 }
 
-uint64_t TieredStoreImpl::ProjectionReferences(absl::string_view model_id,
-                                               uint64_t version) const {
+uint64_t TieredStoreImpl::ProjectionReferences(absl::string_view model_id, uint64_t version) const {
   return projection_refs_.Get({std::string(model_id), version});
 }
 
@@ -833,9 +891,9 @@ absl::Status TieredStoreImpl::DeleteProjection(const ProjectionKey& key) {
   if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
   const uint64_t refs = ProjectionReferences(key.model_id, key.version);
   if (refs > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "projection ", key.model_id, " version ", key.version, " is used by ", refs,
-        " stored caches"));
+    return absl::FailedPreconditionError(absl::StrCat("projection ", key.model_id, " version ",
+                                                      key.version, " is used by ", refs,
+                                                      " stored caches"));
   }
   return rocks_->DeleteProjection(key);
 }

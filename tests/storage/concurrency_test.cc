@@ -70,10 +70,9 @@ void Hammer(const StoreOptions& o, int threads, int ops_per_thread) {
         const int op = static_cast<int>(rng() % 100);
         if (op < 35) {
           PutOptions po = raw;
-          po.durability = (o.rocksdb.enabled && rng() % 4 == 0) ? Durability::kDisk
-                                                               : Durability::kMemory;
-          const absl::Status st =
-              store.Put(Key(k), Value(k, version++, 64 + rng() % 3000), {}, po);
+          po.durability =
+              (o.rocksdb.enabled && rng() % 4 == 0) ? Durability::kDisk : Durability::kMemory;
+          const absl::Status st = store.Put(Key(k), Value(k, version++, 64 + rng() % 3000), {}, po);
           if (!st.ok() && !absl::IsResourceExhausted(st)) fail("put: " + st.ToString());
         } else if (op < 75) {
           auto got = store.Get(Key(k));

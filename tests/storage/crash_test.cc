@@ -35,11 +35,20 @@ Log ReadLog(const std::string& path) {
   uint64_t id;
   while (in >> tag >> id) {
     switch (tag) {
-      case 'I': log.put_intent.insert(id); break;
-      case 'A': log.put_acked.insert(id); break;
-      case 'X': log.delete_intent.insert(id); break;
-      case 'D': log.delete_acked.insert(id); break;
-      default: break;
+      case 'I':
+        log.put_intent.insert(id);
+        break;
+      case 'A':
+        log.put_acked.insert(id);
+        break;
+      case 'X':
+        log.delete_intent.insert(id);
+        break;
+      case 'D':
+        log.delete_acked.insert(id);
+        break;
+      default:
+        break;
     }
   }
   return log;
@@ -80,8 +89,8 @@ TEST(Crash, SigkilledWriterLosesNothingAcknowledged) {
     ASSERT_EQ(kill(pid, SIGKILL), 0);
     int status = 0;
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "writer exited by itself with status "
-                                     << WEXITSTATUS(status) << " in cycle " << cycle;
+    ASSERT_TRUE(WIFSIGNALED(status))
+        << "writer exited by itself with status " << WEXITSTATUS(status) << " in cycle " << cycle;
 
     const Log log = ReadLog(log_path);
     if (!log.put_intent.empty() && !log.put_acked.count(*log.put_intent.rbegin())) {
@@ -93,13 +102,13 @@ TEST(Crash, SigkilledWriterLosesNothingAcknowledged) {
     for (uint64_t id : log.put_acked) {
       auto got = (*store)->Get(crash::Key(id));
       if (log.delete_acked.count(id)) {
-        ASSERT_TRUE(absl::IsNotFound(got.status())) << "cycle " << cycle << ": deleted " << id
-                                                    << " is back";
+        ASSERT_TRUE(absl::IsNotFound(got.status()))
+            << "cycle " << cycle << ": deleted " << id << " is back";
         continue;
       }
       if (log.delete_intent.count(id) && absl::IsNotFound(got.status())) continue;
-      ASSERT_TRUE(got.ok()) << "cycle " << cycle << ": acknowledged " << id << " lost: "
-                            << got.status();
+      ASSERT_TRUE(got.ok()) << "cycle " << cycle << ": acknowledged " << id
+                            << " lost: " << got.status();
       ASSERT_EQ(got->payload.view(), Expected(id)) << "cycle " << cycle << " id " << id;
     }
     uint64_t visible = 0;
@@ -109,8 +118,8 @@ TEST(Crash, SigkilledWriterLosesNothingAcknowledged) {
       for (const auto& c : *list) {
         ++visible;
         const uint64_t id = std::stoull(c.key.key.substr(6));
-        ASSERT_TRUE(log.put_intent.count(id)) << "cycle " << cycle << ": " << id
-                                              << " visible but never written";
+        ASSERT_TRUE(log.put_intent.count(id))
+            << "cycle " << cycle << ": " << id << " visible but never written";
         ASSERT_FALSE(log.delete_acked.count(id)) << "cycle " << cycle << ": " << id;
         auto got = (*store)->Get(c.key);
         ASSERT_TRUE(got.ok()) << got.status();

@@ -203,7 +203,9 @@ void RunRandomSequence(const Config& c, uint64_t seed, int steps) {
     }
     if (getenv("LRU_TRACE")) {
       fprintf(stderr, "%d %s host=%lu |", step, what.c_str(), (unsigned long)model.Used(1));
-      for (const auto& [mk, me] : model.entries()) fprintf(stderr, " %s:t%d s%lu p%u k%lu", mk.substr(mk.size()-2).c_str(), me.tier, (unsigned long)me.size, me.pins, (unsigned long)me.tick);
+      for (const auto& [mk, me] : model.entries())
+        fprintf(stderr, " %s:t%d s%lu p%u k%lu", mk.substr(mk.size() - 2).c_str(), me.tier,
+                (unsigned long)me.size, me.pins, (unsigned long)me.tick);
       fprintf(stderr, "\n");
     }
     for (int j = 0; j < keys; ++j) {

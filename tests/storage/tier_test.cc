@@ -1,15 +1,16 @@
 // Each tier on its own: the range allocator under the device tier, the host tier, the RocksDB
 // tier (atomic meta+payload, accounting across reopen, quarantine, projections, disk full), and
 // the device tier where a GPU is present.
+#include "kvcomp/storage/tier.h"
+
 #include <chrono>
 #include <random>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kvcomp/core/crc32c.h"
-#include "kvcomp/storage/tier.h"
 #include "range_allocator.h"
 #include "rocksdb_tier.h"
 #include "storage_test_util.h"
@@ -201,11 +202,11 @@ TEST(RocksDbTier, PutGetDeleteSurviveReopen) {
   EXPECT_EQ(meta->tier, TierKind::kRocksDb);
   std::vector<std::string> seen;
   std::vector<QuarantinedCache> bad;
-  ASSERT_TRUE((*tier)
-                  ->Recover(true, [&](absl::string_view k, const CacheMeta&) {
-                    seen.emplace_back(k);
-                  }, &bad)
-                  .ok());
+  ASSERT_TRUE(
+      (*tier)
+          ->Recover(
+              true, [&](absl::string_view k, const CacheMeta&) { seen.emplace_back(k); }, &bad)
+          .ok());
   EXPECT_EQ(seen, (std::vector<std::string>{"big", "small"}));
   EXPECT_TRUE(bad.empty());
 }
@@ -254,11 +255,11 @@ TEST(RocksDbTier, RecoverQuarantinesAPayloadThatFailsItsChecksum) {
   ASSERT_TRUE((*tier)->Put("bad", wrong, good, true).ok());
   std::vector<std::string> seen;
   std::vector<QuarantinedCache> bad;
-  ASSERT_TRUE((*tier)
-                  ->Recover(true, [&](absl::string_view k, const CacheMeta&) {
-                    seen.emplace_back(k);
-                  }, &bad)
-                  .ok());
+  ASSERT_TRUE(
+      (*tier)
+          ->Recover(
+              true, [&](absl::string_view k, const CacheMeta&) { seen.emplace_back(k); }, &bad)
+          .ok());
   EXPECT_EQ(seen, std::vector<std::string>{"good"});
   ASSERT_EQ(bad.size(), 1u);
   EXPECT_EQ(bad[0].encoded_key, "bad");

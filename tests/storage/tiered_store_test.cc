@@ -87,7 +87,8 @@ TEST(TieredStore, BadInputIsAClearStatusAndTheStoreKeepsServing) {
   absl::Status st = store->Put(Key(long_key), EncodedCache(3), {}, {});
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
   EXPECT_TRUE(absl::IsInvalidArgument(store->Get(Key(long_key)).status()));
-  EXPECT_TRUE(absl::IsInvalidArgument(store->Put(Key("x", "bad tenant!"), EncodedCache(3), {}, {})));
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(store->Put(Key("x", "bad tenant!"), EncodedCache(3), {}, {})));
   st = store->Put(Key("garbage"), std::string(500, 'g'), {}, {});
   EXPECT_TRUE(absl::IsInvalidArgument(st) || absl::IsDataLoss(st)) << st;
   PutOptions to_disk;
@@ -121,17 +122,55 @@ TEST(TieredStore, MisconfiguredTiersFailAtOpen) {
   StoreOptions bad_path = HostOnly(100);
   bad_path.rocksdb.enabled = true;
   bad_path.rocksdb.path = "/proc/kvcomp-no";
+  bad_path.open_without_failed_tiers = false;
   EXPECT_FALSE(TieredStore::Open(bad_path).ok());
-  StoreOptions device = HostOnly(100);
-  device.device.enabled = true;
-  device.device.capacity_bytes = 1 << 20;
+  StoreOptions only_device;
+  only_device.host.enabled = false;
+  only_device.device.enabled = true;
+  only_device.device.capacity_bytes = 1 << 20;
+  only_device.default_tier = TierKind::kDevice;
   if (!CudaDeviceAvailable()) {
-    EXPECT_TRUE(absl::IsFailedPrecondition(TieredStore::Open(device).status()));
+    // No tier at all would start.
+    EXPECT_TRUE(absl::IsFailedPrecondition(TieredStore::Open(only_device).status()));
   }
   StoreOptions promote = HostOnly(100);
   promote.promote_on_read = true;
   promote.promote_to = TierKind::kDevice;
   EXPECT_TRUE(absl::IsInvalidArgument(TieredStore::Open(promote).status()));
+}
+
+TEST(TieredStore, ATierThatCannotStartIsLeftOutAndReported) {
+  StoreOptions o = HostOnly(1 << 20);
+  o.device.enabled = true;
+  o.device.capacity_bytes = 1 << 20;
+  o.default_tier = TierKind::kDevice;
+  o.rocksdb.enabled = true;
+  o.rocksdb.path = "/proc/kvcomp-cannot-write-here";
+  o.open_without_failed_tiers = false;
+  EXPECT_FALSE(TieredStore::Open(o).ok());
+  o.open_without_failed_tiers = true;
+  auto store = MustOpen(o);
+  ASSERT_NE(store, nullptr);
+  const StoreStats st = store->Stats();
+  EXPECT_FALSE(st.tier(TierKind::kRocksDb).present);
+  EXPECT_NE(st.tier(TierKind::kRocksDb).error.find("kvcomp-cannot-write-here"), std::string::npos)
+      << st.tier(TierKind::kRocksDb).error;
+  EXPECT_TRUE(st.tier(TierKind::kHost).present);
+  EXPECT_TRUE(st.tier(TierKind::kHost).error.empty());
+  if (!CudaDeviceAvailable()) {
+    EXPECT_FALSE(st.tier(TierKind::kDevice).present);
+    EXPECT_FALSE(st.tier(TierKind::kDevice).error.empty());
+  }
+  // The store serves from the tiers it has: puts for the device go to host.
+  ASSERT_TRUE(store->Put(Key("a"), EncodedCache(1), {}, {}).ok());
+  EXPECT_EQ(store->Lookup(Key("a"))->tier,
+            CudaDeviceAvailable() ? TierKind::kDevice : TierKind::kHost);
+  EXPECT_EQ(store->Get(Key("a"))->payload.view(), EncodedCache(1));
+  PutOptions durable;
+  durable.durability = Durability::kDisk;
+  absl::Status put = store->Put(Key("b"), EncodedCache(2), {}, durable);
+  EXPECT_TRUE(absl::IsFailedPrecondition(put)) << put;
+  EXPECT_TRUE(absl::IsFailedPrecondition(store->PutProjection({"m", 0, 0, 1}, "p")));
 }
 
 TEST(TieredStore, DemotesLeastRecentlyUsedToDiskBetweenWatermarks) {
@@ -142,7 +181,7 @@ TEST(TieredStore, DemotesLeastRecentlyUsedToDiskBetweenWatermarks) {
   auto store = MustOpen(o);
   for (int i = 0; i < 9; ++i) ASSERT_TRUE(store->Put(Key(std::to_string(i)), bytes, {}, {}).ok());
   EXPECT_EQ(store->Stats().tier(TierKind::kHost).demotions, 0u);
-  ASSERT_TRUE(store->Get(Key("0")).ok());  // 0 becomes the most recently used
+  ASSERT_TRUE(store->Get(Key("0")).ok());                 // 0 becomes the most recently used
   ASSERT_TRUE(store->Put(Key("9"), bytes, {}, {}).ok());  // 10n > 9n: demote down to 7.5n
   const StoreStats st = store->Stats();
   EXPECT_EQ(st.tier(TierKind::kHost).demotions, 3u);
@@ -253,7 +292,8 @@ TEST(TieredStore, TenantQuotasRejectPutsBeyondThem) {
 
 TEST(TieredStore, ListIsPerTenantInKeyOrder) {
   auto store = MustOpen(HostOnly(1 << 20));
-  for (const char* k : {"b", "a", "c"}) ASSERT_TRUE(store->Put(Key(k), EncodedCache(1), {}, {}).ok());
+  for (const char* k : {"b", "a", "c"})
+    ASSERT_TRUE(store->Put(Key(k), EncodedCache(1), {}, {}).ok());
   ASSERT_TRUE(store->Put(Key("z", "t2"), EncodedCache(1), {}, {}).ok());
   ASSERT_TRUE(store->Put(Key("d", ""), EncodedCache(1), {}, {}).ok());
   auto list = store->List("t1");

@@ -21,37 +21,37 @@ namespace storage {
 
 // GPU memory: one pool allocated at Open, carved up by the store's own allocator.
 struct DeviceTierOptions {
-  bool enabled = false;           // default off; Open fails (FailedPrecondition) when on and
-                                  // the build has no CUDA or the machine no GPU
-  int device = 0;                 // CUDA device ordinal
-  uint64_t capacity_bytes = 0;    // pool size in bytes; required (> 0) when enabled
-  uint64_t alignment_bytes = 256; // allocation granularity in bytes (power of two)
+  bool enabled = false;            // default off; Open fails (FailedPrecondition) when on and
+                                   // the build has no CUDA or the machine no GPU
+  int device = 0;                  // CUDA device ordinal
+  uint64_t capacity_bytes = 0;     // pool size in bytes; required (> 0) when enabled
+  uint64_t alignment_bytes = 256;  // allocation granularity in bytes (power of two)
 };
 
 // Host memory.
 struct HostTierOptions {
-  bool enabled = true;                       // default on
-  uint64_t capacity_bytes = 1ull << 30;      // bytes, default 1 GiB
-  bool pinned = true;                        // page-locked buffers when CUDA and a GPU are
-                                             // present (ignored otherwise); default true
+  bool enabled = true;                   // default on
+  uint64_t capacity_bytes = 1ull << 30;  // bytes, default 1 GiB
+  bool pinned = true;                    // page-locked buffers when CUDA and a GPU are
+                                         // present (ignored otherwise); default true
 };
 
 // RocksDB on local disk: column families "meta" (CacheMeta), "payload" (encoded bytes, blob
 // files for large values), "calibration" (projections) and "quarantine".
 struct RocksDbTierOptions {
-  bool enabled = false;                      // default off
-  std::string path;                          // database directory; required when enabled
-  uint64_t capacity_bytes = 64ull << 30;     // bytes of payload kept on disk, default 64 GiB
-  bool create_if_missing = true;             // default true
-  bool enable_blob_files = true;             // payload CF: large values in blob files
-  uint64_t min_blob_size = 64 * 1024;        // bytes; values at least this big go to blobs
-  uint64_t write_buffer_bytes = 64ull << 20; // memtable size in bytes, default 64 MiB
-  uint64_t block_cache_bytes = 256ull << 20; // block cache in bytes, default 256 MiB
-  bool sync_memory_durability_puts = false;  // sync the WAL even for Durability::kMemory puts
-                                             // that land here (default false)
-  bool verify_checksums_on_open = true;      // read every payload at Open and check its CRC32C;
-                                             // mismatches are quarantined (default true)
-  int max_background_jobs = 2;               // RocksDB flush/compaction threads, default 2
+  bool enabled = false;                       // default off
+  std::string path;                           // database directory; required when enabled
+  uint64_t capacity_bytes = 64ull << 30;      // bytes of payload kept on disk, default 64 GiB
+  bool create_if_missing = true;              // default true
+  bool enable_blob_files = true;              // payload CF: large values in blob files
+  uint64_t min_blob_size = 64 * 1024;         // bytes; values at least this big go to blobs
+  uint64_t write_buffer_bytes = 64ull << 20;  // memtable size in bytes, default 64 MiB
+  uint64_t block_cache_bytes = 256ull << 20;  // block cache in bytes, default 256 MiB
+  bool sync_memory_durability_puts = false;   // sync the WAL even for Durability::kMemory puts
+                                              // that land here (default false)
+  bool verify_checksums_on_open = true;       // read every payload at Open and check its CRC32C;
+                                              // mismatches are quarantined (default true)
+  int max_background_jobs = 2;                // RocksDB flush/compaction threads, default 2
   // Filesystem seam for tests (fault injection); null = rocksdb::Env::Default(). Not owned;
   // must outlive the store.
   rocksdb::Env* env = nullptr;
@@ -79,6 +79,12 @@ struct StoreOptions {
   // listed get default_tenant_quota_bytes; 0 = unlimited. Defaults: none listed, unlimited.
   absl::flat_hash_map<std::string, uint64_t> tenant_quota_bytes;
   uint64_t default_tenant_quota_bytes = 0;
+  // A tier that is enabled but cannot start (device tier without CUDA or GPU, RocksDB that
+  // cannot open its path) is left out and its error reported in TierStats::error, instead of
+  // failing Open, as long as one tier starts. Puts for a missing tier go to the next tier down
+  // (or the nearest one up); disk-durable puts without RocksDB are FailedPrecondition. Option
+  // errors (watermarks, capacities, paths left empty) always fail Open. Default true.
+  bool open_without_failed_tiers = true;
   // Index shards (each with its own lock); rounded up to a power of two. Default 64.
   int num_shards = 64;
   // Clock seam for TTL tests; null = absl::Now.

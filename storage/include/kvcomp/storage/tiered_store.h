@@ -35,8 +35,10 @@ class TieredStore {
  public:
   // Opens the configured tiers and, with RocksDB, recovers its entries. Errors:
   // InvalidArgument for inconsistent options (no tier enabled, zero capacity, watermarks out of
-  // order, default_tier or promote_to not enabled, empty RocksDB path), FailedPrecondition for
-  // a device tier without CUDA or GPU, Unavailable/Internal when RocksDB cannot open.
+  // order, default_tier or promote_to not enabled, empty RocksDB path). A tier that cannot start
+  // (FailedPrecondition: device tier without CUDA or GPU; Unavailable/Internal/DataLoss: RocksDB
+  // cannot open) fails Open only when options.open_without_failed_tiers is false or no tier
+  // starts; otherwise the store runs without it and Stats() reports the error.
   static absl::StatusOr<std::unique_ptr<TieredStore>> Open(const StoreOptions& options);
 
   virtual ~TieredStore() = default;

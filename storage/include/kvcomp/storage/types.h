@@ -115,6 +115,7 @@ struct TierStats {
   uint64_t demotions = 0;   // entries moved from this tier to a slower one
   uint64_t promotions = 0;  // entries copied into this tier on read
   uint64_t evictions = 0;   // entries dropped from the store for lack of room in this tier
+  std::string error;        // why an enabled tier is not present (failed at Open), else empty
 };
 
 struct StoreStats {
@@ -122,8 +123,8 @@ struct StoreStats {
   uint64_t expired = 0;        // entries removed because their TTL passed
   uint64_t quarantined = 0;    // entries whose checksum failed, moved aside
   uint64_t quota_rejections = 0;
-  uint64_t write_errors = 0;   // puts failed by the disk (e.g. disk full)
-  uint64_t recovered = 0;      // entries found again in RocksDB at Open
+  uint64_t write_errors = 0;  // puts failed by the disk (e.g. disk full)
+  uint64_t recovered = 0;     // entries found again in RocksDB at Open
   const TierStats& tier(TierKind k) const { return tiers[static_cast<int>(k)]; }
 };
 
