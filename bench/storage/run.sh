@@ -4,18 +4,21 @@
 # and the host tier next to memcpy. Writes bench/results/storage-<date>.{jsonl,md} with the date,
 # machine and commit.
 #   bench/storage/run.sh [build dir (default build)] [scratch dir (default /tmp/kvcomp_storage_bench)]
-# KVCOMP_BENCH_MB sets the bytes written per case (default 1024 MiB; 256 MiB for synced puts).
+# KVCOMP_BENCH_MB sets the bytes written per case (default 512 MiB; a quarter for synced puts),
+# KVCOMP_BENCH_REPS the repetitions (default 3; medians reported).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${1:-build}
 SCRATCH=${2:-/tmp/kvcomp_storage_bench}
-TOTAL_MB=${KVCOMP_BENCH_MB:-1024}
+TOTAL_MB=${KVCOMP_BENCH_MB:-512}
 SYNC_MB=$((TOTAL_MB / 4))
+REPS=${KVCOMP_BENCH_REPS:-3}  # repetitions of the RocksDB cases; the tables show medians
 BENCH="$BUILD/bench/storage/storage_bench"
 DB_BENCH=$(command -v db_bench || command -v rocksdb_db_bench || true)
 [ -x "$BENCH" ] || cmake --build "$BUILD" --target storage_bench
 [ -n "$DB_BENCH" ] || { echo "db_bench not found (apt package rocksdb-tools)"; exit 1; }
 mkdir -p "$SCRATCH" bench/results
+LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
 DATE=$(date -u +%Y-%m-%d)
 OUT=bench/results/storage-$DATE.jsonl
 : > "$OUT"
@@ -42,6 +45,7 @@ run_db_bench() {  # size num sync
   rm -rf "$SCRATCH/db_bench"
 }
 
+for rep in $(seq 1 "$REPS"); do
 for sync in 0 1; do
   mb=$TOTAL_MB
   [ "$sync" = 1 ] && mb=$SYNC_MB
@@ -52,6 +56,7 @@ for sync in 0 1; do
     "$BENCH" --mode=rocksdb --dir="$SCRATCH" --value_size="$size" --num="$num" --sync="$sync" | tee -a "$OUT"
     run_db_bench "$size" "$num" "$sync" | tee -a "$OUT"
   done
+done
 done
 for size in 65536 1048576 16777216; do
   num=$((TOTAL_MB * 1048576 / size))
@@ -64,19 +69,19 @@ git diff --quiet HEAD -- storage bench/storage || COMMIT="$COMMIT+local-changes"
 CPU=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
 FS=$(df -T "$SCRATCH" | awk 'NR==2 {print $2 " on " $1}')
 python3 - "$OUT" "$DATE" "$COMMIT" "$CPU" "$(nproc)" "$(free -g | awk '/Mem:/ {print $2}')" "$FS" \
-  "$(uname -r)" "$TOTAL_MB" <<'PY'
+  "$(uname -r)" "$TOTAL_MB" "$REPS" "$LOAD" <<'PY'
 import json, sys
-out, date, commit, cpu, cores, mem, fs, kernel, total_mb = sys.argv[1:]
+out, date, commit, cpu, cores, mem, fs, kernel, total_mb, reps, load = sys.argv[1:]
 rows = [json.loads(l) for l in open(out) if l.strip()]
 def get(bench, size, sync=0):
-    for r in rows:
-        if r["bench"] == bench and r["value_size"] == size and r.get("sync", 0) == sync:
-            return r["gb_per_s"]
-    return None
+    v = sorted(r["gb_per_s"] for r in rows
+               if r["bench"] == bench and r["value_size"] == size and r.get("sync", 0) == sync)
+    return v[len(v) // 2] if v else None
 sizes = [(65536, "64 KiB"), (1048576, "1 MiB"), (16777216, "16 MiB")]
 md = [f"# Storage benchmarks, {date}", "",
       f"- commit: {commit}", f"- machine: {cpu}, {cores} cores, {mem} GiB RAM, kernel {kernel}",
-      f"- scratch disk: {fs}", f"- bytes per case: {total_mb} MiB (synced puts: a quarter)",
+      f"- load average at start (other work on the machine): {load}",
+      f"- scratch disk: {fs}", f"- bytes per case: {total_mb} MiB (synced puts: a quarter); median of {reps} runs, alternating kvcomp and db_bench",
       "- RocksDB 7.8.3 (Debian); db_bench from rocksdb-tools with the tier's options as flags",
       "  (no compression, blob files for values >= 64 KiB, 64 MiB memtable, 256 MiB block cache,",
       "  2 background jobs, 16-byte keys, one thread); puts in unique random key order, gets random.",
