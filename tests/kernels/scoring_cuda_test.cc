@@ -250,7 +250,8 @@ TEST(ScoringCudaTest, NonFiniteKeysAreInvalidArgument) {
           HeadsView::Dense(dv.data(), DType::kF32, 2, 301, 64, MemorySpace::kDevice), sp, sel, {},
           true);
       EXPECT_EQ(o.status.code(), absl::StatusCode::kInvalidArgument) << ScorerName(s) << bad;
-      EXPECT_NE(o.status.message().find("head 1, token 200"), std::string::npos) << o.status;
+      EXPECT_NE(o.status.message().find("head 1, token 200"), std::string::npos)
+          << ScorerName(s) << " " << bad << ": " << o.status;
     }
   }
 }

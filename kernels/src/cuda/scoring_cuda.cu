@@ -296,21 +296,11 @@ class CudaScoringOps final : public ScoringOps {
     KVCOMP_ASSIGN_OR_RETURN(HeadsView keys, Repack(a.keys, ws, l->keys));
     KVCOMP_ASSIGN_OR_RETURN(HeadsView values, Repack(a.values, ws, l->values));
     float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
-    // The selection's first per-head stage starts inside the score pass (its first digit
-    // histogram), so its state is set up first.
-    const uint32_t need = FirstStageNeed(a.keys.num_heads, a.keys.num_tokens, a.select);
-    uint32_t* hist0 = nullptr;
-    if (need > 0 && a.score.scorer != Scorer::kSnapKV) {
-      InitSegmentsKernel<<<a.keys.num_heads, kThreads, 0, ctx_->stream>>>(
-          At<SegmentState>(ws, l->state), At<uint32_t>(ws, l->hist), need);
-      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-      hist0 = At<uint32_t>(ws, l->hist);
-    }
     KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, a.score, a.positions, scores, ws, *l,
-                                        /*repacked=*/true, hist0, &a.select));
+                                        /*repacked=*/true));
     KVCOMP_RETURN_IF_ERROR(EnqueueSelect(scores, a.keys.num_heads, a.keys.num_tokens, a.select,
                                          a.positions, a.kept, &keys, &values, a.keys_out,
-                                         a.values_out, ws, *l, hist0 != nullptr));
+                                         a.values_out, ws, *l));
     return ws;
   }
 
@@ -364,18 +354,9 @@ class CudaScoringOps final : public ScoringOps {
                             MemorySpace::kDevice);
   }
 
-  // Tokens per head of the first selection stage: the uniform budget, or AdaKV's safeguard.
-  static uint32_t FirstStageNeed(uint32_t heads, uint64_t n, const SelectParams& sel) {
-    const uint64_t kept = std::min<uint64_t>(sel.kept_per_head, n);
-    if (sel.head_budget == HeadBudget::kUniform || heads == 1) return static_cast<uint32_t>(kept);
-    return static_cast<uint32_t>(std::min<uint64_t>(
-        kept, static_cast<uint64_t>(static_cast<double>(kept) * sel.alpha_safeguard)));
-  }
-
   absl::Status EnqueueScore(const HeadsView& keys_in, const ScoreParams& params,
                             const TokenPositions& positions, float* scores, const Buffer& ws,
-                            const Layout& l, bool repacked = false, uint32_t* hist0 = nullptr,
-                            const SelectParams* select = nullptr) {
+                            const Layout& l, bool repacked = false) {
     KVCOMP_RETURN_IF_ERROR(Bind());
     HeadsView keys = keys_in;
     if (!repacked) {
@@ -413,8 +394,6 @@ class CudaScoringOps final : public ScoringOps {
     sp.positions = MakePositions(positions, n);
     sp.scores = scores;
     sp.errors = errors;
-    sp.hist = hist0;
-    if (select != nullptr) sp.select = *select;
 
     const bool centred = IsCentred(params.scorer);
     // All heads in one launch of each kernel: measured on an H200 (bench/results), launching
@@ -529,26 +508,20 @@ class CudaScoringOps final : public ScoringOps {
 
   // One selection stage: radix select per segment, counts, plan, then Gather (marks, indices
   // and/or rows).
-  // pass0_done: the state is initialised and the first digit histogram filled (by the score
-  // pass).
   absl::Status RunStage(SelectKernelParams sp, uint32_t need, uint32_t* kept_counts,
                         uint8_t* mark, uint32_t* indices, const HeadsView* keys,
                         const HeadsView* values, void* keys_out, void* values_out,
-                        const Buffer& ws, const Layout& l, bool pass0_done = false) {
+                        const Buffer& ws, const Layout& l) {
     const uint32_t heads = sp.heads;
     const uint32_t segments = sp.per_head ? heads : 1;
     cudaStream_t s = ctx_->stream;
-    if (!pass0_done) {
-      InitSegmentsKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, need);
-      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    }
+    InitSegmentsKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, need);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     const dim3 grid(l.tiles, heads);
     if (need > 0) {
       for (int pass = 0; pass < kRadixPasses; ++pass) {
-        if (pass > 0 || !pass0_done) {
-          RadixHistKernel<<<grid, kThreads, 0, s>>>(sp, pass);
-          KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-        }
+        RadixHistKernel<<<grid, kThreads, 0, s>>>(sp, pass);
+        KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         RadixFindKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, pass);
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
@@ -569,6 +542,7 @@ class CudaScoringOps final : public ScoringOps {
     gp.plan = pp.plan;
     gp.mark = mark;
     gp.indices = indices;
+    gp.capacity = KeptCapacity(heads, sp.n, sp.select.kept_per_head);
     DType dtype = DType::kBF16;
     uint32_t d = 128;
     if (keys_out != nullptr) {
@@ -596,7 +570,7 @@ class CudaScoringOps final : public ScoringOps {
                              const SelectParams& sel, const TokenPositions& positions,
                              KeptIndices out, const HeadsView* keys, const HeadsView* values,
                              void* keys_out, void* values_out, const Buffer& ws,
-                             const Layout& l, bool pass0_done = false) {
+                             const Layout& l) {
     KVCOMP_RETURN_IF_ERROR(Bind());
     const uint64_t kept = std::min<uint64_t>(sel.kept_per_head, n);
     SelectKernelParams sp{};
@@ -612,7 +586,7 @@ class CudaScoringOps final : public ScoringOps {
     sp.errors = At<ErrorSlots>(ws, l.errors);
     if (sel.head_budget == HeadBudget::kUniform || heads == 1) {
       return RunStage(sp, static_cast<uint32_t>(kept), out.counts, nullptr, out.indices, keys,
-                      values, keys_out, values_out, ws, l, pass0_done);
+                      values, keys_out, values_out, ws, l);
     }
     // AdaKV: each head's safeguard first (marked in flags), then the layer's remaining budget
     // over every unmarked token, ties by lower head then lower token.
@@ -623,7 +597,7 @@ class CudaScoringOps final : public ScoringOps {
     if (safe > 0) {
       KVCOMP_RETURN_IF_ERROR(RunStage(sp, static_cast<uint32_t>(safe),
                                       At<uint32_t>(ws, l.stage_counts), flags, nullptr, nullptr,
-                                      nullptr, nullptr, nullptr, ws, l, pass0_done));
+                                      nullptr, nullptr, nullptr, ws, l));
     }
     const uint64_t remaining = heads * kept - heads * safe;
     if (remaining > 0xFFFFFFFFull) {

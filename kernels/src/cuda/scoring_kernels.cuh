@@ -387,10 +387,6 @@ struct ScoreKernelParams {
   uint32_t head0;
   float* scores;  // [H, n]
   ErrorSlots* errors;
-  // Optional: the per-head histograms of the first radix pass ([H, kRadixBins], zeroed), filled
-  // here with the effective keys under `select`; null = scores only.
-  uint32_t* hist;
-  SelectParams select;
 };
 
 // What a scorer reads of each row: only its norm (knorm, streaming, random: the NaN/Inf check),
@@ -414,16 +410,10 @@ inline RowKind RowKindOf(Scorer s) {
 template <typename T, int D, RowKind kKind>
 __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) {
   using S = RowShape<T, D>;
-  __shared__ uint32_t hist[kRadixBins];
   // Blocks run last rows first: the Stats pass just before ended on those, so they may still be
   // in L2.
   const uint32_t h = p.head0 + (gridDim.y - 1 - blockIdx.y);
   const uint64_t r0 = uint64_t{gridDim.x - 1 - blockIdx.x} * kScoreRows;
-  if (p.hist != nullptr) {
-    for (int b = threadIdx.x; b < kRadixBins; b += kThreads) hist[b] = 0;
-    __syncthreads();
-  }
-  const uint64_t seq_len = p.hist != nullptr ? p.positions.SequenceLength(h) : 0;
   const uint64_t r1 = min(p.n, r0 + kScoreRows);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -499,18 +489,6 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
         s = -sqrtf(sq);
       }
       p.scores[uint64_t{h} * p.n + row] = s;
-      if (p.hist != nullptr) {
-        const uint32_t key = EffectiveKey(s, p.positions.Position(h, row), seq_len, p.select);
-        atomicAdd(&hist[key >> RadixShift(0)], 1u);
-      }
-    }
-  }
-  if (p.hist != nullptr) {
-    // The first digit pass of the per-head selection, folded into this one over the rows.
-    __syncthreads();
-    uint32_t* g = p.hist + uint64_t{h} * kRadixBins;
-    for (int b = threadIdx.x; b < kRadixBins; b += kThreads) {
-      if (hist[b] != 0) atomicAdd(&g[b], hist[b]);
     }
   }
 }
@@ -739,6 +717,8 @@ struct GatherParams {
   uint64_t v_head_stride;
   void* keys_out;
   void* values_out;
+  // Rows the outputs hold: a row beyond is never written, whatever the selection says.
+  uint64_t capacity;
 };
 
 __device__ inline void CopyRow16(const uint4* src, uint4* dst, int sub, int vecs, int lanes) {
@@ -790,7 +770,9 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams g) {
     if (keep_bits & (1u << k)) {
       const uint32_t t = static_cast<uint32_t>(t0 + threadIdx.x * kPer + k);
       src_row[pos] = t;
-      if (g.indices != nullptr) g.indices[plan.out_base + pos] = t;
+      if (g.indices != nullptr && plan.out_base + pos < g.capacity) {
+        g.indices[plan.out_base + pos] = t;
+      }
       if (g.mark != nullptr) g.mark[uint64_t{h} * p.n + t] = 1;
       ++pos;
     }
@@ -829,7 +811,7 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams g) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t ee = e + u * kStep;
-      if (ee < total) {
+      if (ee < total && plan.out_base + ee < g.capacity) {
         const uint64_t out_row = plan.out_base + ee;
 #pragma unroll
         for (int j = 0; j < S::kVecs; ++j) {
