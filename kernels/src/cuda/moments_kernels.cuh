@@ -20,6 +20,10 @@ namespace kvcomp {
 namespace moments_cuda {
 
 constexpr int kThreads = 256;  // 8 warps
+// CTAs per SM the moment kernel is compiled for (register budget 65536 / (256 * this)).
+#ifndef KVCOMP_MOMENTS_MIN_BLOCKS
+#define KVCOMP_MOMENTS_MIN_BLOCKS 2
+#endif
 constexpr int kTileT = 64;     // tokens per shared-memory tile
 
 // Shared-memory row stride of a D-wide tile: 16 bytes of padding keep the tensor-core fragment
@@ -162,7 +166,8 @@ constexpr size_t MomentSmemBytes() {
 
 // Grid: (chunks, heads, S blocks). See the top of the file.
 template <typename T, int D, bool kCompact>
-__global__ void __launch_bounds__(kThreads, 2) MomentKernel(MomentKernelParams p) {
+__global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
+    MomentKernel(MomentKernelParams p) {
   using Blk = SBlock<D>;
   extern __shared__ __align__(128) unsigned char smem[];
   T* ks = reinterpret_cast<T*>(smem);
@@ -213,6 +218,50 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernel(MomentKernelParams p
   for (int w = 0; w < kVec; ++w) ksum[w] = vsum[w] = 0.0f;
   unsigned long long evicted = 0;
 
+  // Thread's u-th 16-byte piece of a tile: row e / kRowVecs, column (e % kRowVecs) * kVec.
+  constexpr int kLoads = kTileT * kRowVecs / kThreads;
+  static_assert(kLoads <= 4 || kLoads % 4 == 0, "loads come in batches of 4");
+  constexpr bool kPrefetch = kLoads <= 4;
+  auto load = [&](uint64_t t, int mm, int u, uint4& kx, uint4& vx) {
+    const int e = threadIdx.x + u * kThreads;
+    const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+    kx = vx = make_uint4(0, 0, 0, 0);
+    if (r < mm) {
+      const uint64_t tok = kCompact ? t + r : p.list[t + r];
+      kx = __ldg(reinterpret_cast<const uint4*>(kbase + tok * p.k_token_stride + c));
+      vx = __ldg(reinterpret_cast<const uint4*>(vbase + tok * p.v_token_stride + c));
+    }
+  };
+  auto stage = [&](uint64_t t, int mm, uint64_t kpos, int u, uint4 kx, uint4 vx) {
+    const int e = threadIdx.x + u * kThreads;
+    const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+    if (kCompact && r < mm && flags[r] >= 0) {
+      if (lead) {
+        const uint64_t row = kpos + flags[r];
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = kx;
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = vx;
+      }
+      kx = vx = make_uint4(0, 0, 0, 0);
+    }
+    *reinterpret_cast<uint4*>(ks + r * kLd + c) = kx;
+    *reinterpret_cast<uint4*>(vs + r * kLd + c) = vx;
+    if (summarize && lead) {  // this thread's columns never change (kThreads % kRowVecs == 0)
+      const T* kv = reinterpret_cast<const T*>(&kx);
+      const T* vv = reinterpret_cast<const T*>(&vx);
+#pragma unroll
+      for (int w = 0; w < kVec; ++w) {
+        ksum[w] += ToFloat(kv[w]);
+        vsum[w] += ToFloat(vv[w]);
+      }
+    }
+  };
+  uint4 pk[kPrefetch ? kLoads : 1], pv[kPrefetch ? kLoads : 1];
+  if constexpr (kPrefetch) {
+    const int m0 = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - begin));
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) load(begin, m0, u, pk[u], pv[u]);
+  }
+
   for (uint64_t t0 = begin; t0 < end; t0 += kTileT) {
     const int m = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t0));
     int kept_here = 0;
@@ -229,51 +278,29 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernel(MomentKernelParams p
       }
       kept_here = __syncthreads_count(is);
     }
-    // Stage the tile (rows >= m and kept rows are zero), copying kept rows out on the way. All
-    // of a thread's 16-byte loads are issued before any is used, so each thread keeps
-    // 2 * kLoads loads in flight.
-    constexpr int kLoads = kTileT * kRowVecs / kThreads;
-    constexpr int kBatch = kLoads < 4 ? kLoads : 4;
+    // Stage the tile (rows >= m and kept rows are zero), copying kept rows out on the way.
+    if constexpr (kPrefetch) {
 #pragma unroll
-    for (int b0 = 0; b0 < kLoads; b0 += kBatch) {
-      uint4 kx[kBatch], vx[kBatch];
+      for (int u = 0; u < kLoads; ++u) stage(t0, m, kp, u, pk[u], pv[u]);
+    } else {
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = threadIdx.x + (b0 + u) * kThreads;
-        const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
-        kx[u] = vx[u] = make_uint4(0, 0, 0, 0);
-        if (r < m) {
-          const uint64_t tok = kCompact ? t0 + r : p.list[t0 + r];
-          kx[u] = __ldg(reinterpret_cast<const uint4*>(kbase + tok * p.k_token_stride + c));
-          vx[u] = __ldg(reinterpret_cast<const uint4*>(vbase + tok * p.v_token_stride + c));
-        }
-      }
+      for (int b0 = 0; b0 < kLoads; b0 += 4) {
+        uint4 kx[4], vx[4];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int e = threadIdx.x + (b0 + u) * kThreads;
-        const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
-        if (kCompact && r < m && flags[r] >= 0) {
-          if (lead) {
-            const uint64_t row = kp + flags[r];
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = kx[u];
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = vx[u];
-          }
-          kx[u] = vx[u] = make_uint4(0, 0, 0, 0);
-        }
-        *reinterpret_cast<uint4*>(ks + r * kLd + c) = kx[u];
-        *reinterpret_cast<uint4*>(vs + r * kLd + c) = vx[u];
-        if (summarize && lead) {  // this thread's columns never change (kThreads % kRowVecs == 0)
-          const T* kv = reinterpret_cast<const T*>(&kx[u]);
-          const T* vv = reinterpret_cast<const T*>(&vx[u]);
+        for (int u = 0; u < 4; ++u) load(t0, m, b0 + u, kx[u], vx[u]);
 #pragma unroll
-          for (int w = 0; w < kVec; ++w) {
-            ksum[w] += ToFloat(kv[w]);
-            vsum[w] += ToFloat(vv[w]);
-          }
-        }
+        for (int u = 0; u < 4; ++u) stage(t0, m, kp, b0 + u, kx[u], vx[u]);
       }
     }
     __syncthreads();
+    if constexpr (kPrefetch) {  // the next tile's loads fly while the tensor cores work
+      const uint64_t next = t0 + kTileT;
+      if (next < end) {
+        const int mn = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - next));
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) load(next, mn, u, pk[u], pv[u]);
+      }
+    }
     if (summarize) {
       if (lead) {
         evicted += m - kept_here;
