@@ -39,7 +39,7 @@ double Since(Clock::time_point t0) {
 struct Args {
   std::string kvcompd;
   std::string tls = "tcp";
-  uint64_t tokens = 32768;        // get benchmark cache
+  uint64_t tokens = 32768;         // get benchmark cache
   uint64_t ingest_tokens = 32768;  // ingest benchmark cache
   int gets = 30;
   int window = 16;
@@ -191,10 +191,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   kvcomp::testing::TempDir dir;
-  std::vector<std::string> flags = {"--storage.host_capacity_bytes=16Gi",
-                                    "--data_plane.max_buffered_bytes=12Gi",
-                                    "--data_plane.ucx_tls=" + a.tls, "--engine.workers=1",
-                                    "--engine.cpu_threads=0"};
+  std::vector<std::string> flags = {
+      "--storage.host_capacity_bytes=16Gi", "--data_plane.max_buffered_bytes=12Gi",
+      "--data_plane.ucx_tls=" + a.tls, "--engine.workers=1", "--engine.cpu_threads=0"};
   flags.insert(flags.end(), a.flags.begin(), a.flags.end());
   kvcomp::testing::KvcompdProcess d(a.kvcompd, dir.path() + "/data", flags);
   if (!d.Start(120)) {
@@ -214,25 +213,25 @@ int main(int argc, char** argv) {
   // 1 MiB blocks: K+V of one layer, block_tokens tokens.
   const uint64_t block_tokens = a.block_bytes / (2 * llama.LayerBytes(1));
 
-  std::printf("transport: \"%s\"\nlayout: \"%s\"\nblock_bytes: %llu\nwindow: %d\n",
-              a.tls.c_str(), llama.DebugString().c_str(),
-              static_cast<unsigned long long>(a.block_bytes), a.window);
+  std::printf("transport: \"%s\"\nlayout: \"%s\"\nblock_bytes: %llu\nwindow: %d\n", a.tls.c_str(),
+              llama.DebugString().c_str(), static_cast<unsigned long long>(a.block_bytes),
+              a.window);
   // Ingest: two warm-up-free puts, each reported.
   std::printf("ingest:\n");
   for (int rep = 0; rep < 2; ++rep) {
-    PutTiming t = Put(**c, llama, a.ingest_tokens, block_tokens, a.window,
-                      "ingest-" + std::to_string(rep));
+    PutTiming t =
+        Put(**c, llama, a.ingest_tokens, block_tokens, a.window, "ingest-" + std::to_string(rep));
     if (!t.ok) {
       std::fprintf(stderr, "ingest put failed: %s\n%s\n", t.error.c_str(), d.Log().c_str());
       return 1;
     }
-    std::printf("  - tokens: %llu\n    bytes: %llu\n    stored_bytes: %llu\n"
-                "    receive_s: %.4f\n    receive_gbps: %.3f\n    put_s: %.4f\n"
-                "    put_gbps: %.3f\n",
-                static_cast<unsigned long long>(a.ingest_tokens),
-                static_cast<unsigned long long>(t.bytes),
-                static_cast<unsigned long long>(t.stored), t.received_s,
-                t.bytes / t.received_s / 1e9, t.committed_s, t.bytes / t.committed_s / 1e9);
+    std::printf(
+        "  - tokens: %llu\n    bytes: %llu\n    stored_bytes: %llu\n"
+        "    receive_s: %.4f\n    receive_gbps: %.3f\n    put_s: %.4f\n"
+        "    put_gbps: %.3f\n",
+        static_cast<unsigned long long>(a.ingest_tokens), static_cast<unsigned long long>(t.bytes),
+        static_cast<unsigned long long>(t.stored), t.received_s, t.bytes / t.received_s / 1e9,
+        t.committed_s, t.bytes / t.committed_s / 1e9);
     std::fflush(stdout);
   }
   // Get latency of a 32K-token cache.
@@ -245,8 +244,8 @@ int main(int argc, char** argv) {
   std::vector<double> lat;
   for (int i = 0; i < a.gets + 1; ++i) {
     Clock::time_point t0 = Clock::now();
-    auto n = (*c)->GetInto("meta-llama/Llama-3.1-8B", "get-target",
-                           wire::Representation::kStored, dst.data(), dst.size());
+    auto n = (*c)->GetInto("meta-llama/Llama-3.1-8B", "get-target", wire::Representation::kStored,
+                           dst.data(), dst.size());
     double s = Since(t0);
     if (!n.ok() || *n != t.stored) {
       std::fprintf(stderr, "get failed: %s\n", n.status().ToString().c_str());
@@ -254,25 +253,24 @@ int main(int argc, char** argv) {
     }
     if (i > 0) lat.push_back(s);  // the first get warms up the registration
   }
-  std::printf("get:\n  tokens: %llu\n  original_bytes: %llu\n  stored_bytes: %llu\n"
-              "  samples: %zu\n  p50_ms: %.2f\n  p99_ms: %.2f\n  min_ms: %.2f\n"
-              "  max_ms: %.2f\n  p50_gbps: %.3f\n",
-              static_cast<unsigned long long>(a.tokens),
-              static_cast<unsigned long long>(llama.CacheBytes(a.tokens)),
-              static_cast<unsigned long long>(t.stored), lat.size(),
-              Percentile(lat, 0.5) * 1e3, Percentile(lat, 0.99) * 1e3,
-              Percentile(lat, 0.0) * 1e3, Percentile(lat, 1.0) * 1e3,
-              t.stored / Percentile(lat, 0.5) / 1e9);
+  std::printf(
+      "get:\n  tokens: %llu\n  original_bytes: %llu\n  stored_bytes: %llu\n"
+      "  samples: %zu\n  p50_ms: %.2f\n  p99_ms: %.2f\n  min_ms: %.2f\n"
+      "  max_ms: %.2f\n  p50_gbps: %.3f\n",
+      static_cast<unsigned long long>(a.tokens),
+      static_cast<unsigned long long>(llama.CacheBytes(a.tokens)),
+      static_cast<unsigned long long>(t.stored), lat.size(), Percentile(lat, 0.5) * 1e3,
+      Percentile(lat, 0.99) * 1e3, Percentile(lat, 0.0) * 1e3, Percentile(lat, 1.0) * 1e3,
+      t.stored / Percentile(lat, 0.5) / 1e9);
   // Where the daemon spent its time, from its own histograms.
   std::string m = kvcomp::testing::HttpGet(d.ports().metrics, "/metrics").body;
   std::printf("daemon_stage_seconds_sum:\n");
   for (const char* stage : {"receive", "compress", "store", "serve"}) {
-    std::string series =
-        std::string("kvcomp_stage_duration_seconds_sum{stage=\"") + stage + "\"}";
+    std::string series = std::string("kvcomp_stage_duration_seconds_sum{stage=\"") + stage + "\"}";
     std::printf("  %s: %.4f\n", stage, kvcomp::testing::MetricValue(m, series));
   }
-  std::printf("daemon_backend: \"%s\"\n", d.Log().find("engine: cuda") != std::string::npos
-                                                ? "cuda" : "cpu");
+  std::printf("daemon_backend: \"%s\"\n",
+              d.Log().find("engine: cuda") != std::string::npos ? "cuda" : "cpu");
   c->reset();
   d.Kill(SIGTERM);
   return 0;

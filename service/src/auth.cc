@@ -39,8 +39,8 @@ absl::Status CheckTenant(const std::string& tenant, const std::string& token,
         absl::StrCat(source, ": tenant name '", tenant, "' is not [A-Za-z0-9_.-]{1,64}"));
   }
   if (token.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": tenant '", tenant,
-                                                   "' has an empty token"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": tenant '", tenant, "' has an empty token"));
   }
   return absl::OkStatus();
 }
@@ -100,8 +100,8 @@ absl::StatusOr<TokenStore::Loaded> TokenStore::Load() const {
   }
   for (const auto& kv : root) {
     if (!kv.second.IsScalar()) {
-      return absl::InvalidArgumentError(absl::StrCat(path_, ": the token of '",
-                                                     kv.first.Scalar(), "' is not a string"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path_, ": the token of '", kv.first.Scalar(), "' is not a string"));
     }
     std::string tenant = kv.first.Scalar();
     std::string token = kv.second.Scalar();
@@ -172,8 +172,7 @@ absl::StatusOr<std::string> TokenStore::Authenticate(absl::string_view tenant,
   std::string name = tenant.empty() ? std::string(kDefaultTenant) : std::string(tenant);
   auto it = tokens_.find(name);
   // Compare against something even for unknown tenants, to keep timing uniform.
-  bool ok = ConstantTimeEquals(it == tokens_.end() ? absl::string_view("\x01") : it->second,
-                               token);
+  bool ok = ConstantTimeEquals(it == tokens_.end() ? absl::string_view("\x01") : it->second, token);
   if (it == tokens_.end() || token.empty() || !ok) {
     return absl::UnauthenticatedError(
         "authentication failed: unknown tenant or wrong token (see docs/security.md)");

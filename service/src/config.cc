@@ -24,8 +24,7 @@ namespace service {
 namespace {
 
 absl::Status BadValue(absl::string_view key, absl::string_view value, absl::string_view want) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("option ", key, ": '", value, "' is not ", want));
+  return absl::InvalidArgumentError(absl::StrCat("option ", key, ": '", value, "' is not ", want));
 }
 
 absl::StatusOr<bool> ParseBool(absl::string_view key, absl::string_view v) {
@@ -48,10 +47,14 @@ absl::StatusOr<int64_t> ParseInt(absl::string_view key, absl::string_view v, int
 // writes quantities.
 absl::StatusOr<uint64_t> ParseBytes(absl::string_view key, absl::string_view v) {
   absl::string_view s = absl::StripAsciiWhitespace(v);
-  static const std::pair<const char*, uint64_t> kSuffixes[] = {
-      {"Ki", uint64_t{1} << 10}, {"Mi", uint64_t{1} << 20}, {"Gi", uint64_t{1} << 30},
-      {"Ti", uint64_t{1} << 40}, {"K", 1000},           {"M", 1000000},
-      {"G", 1000000000},         {"T", 1000000000000}};
+  static const std::pair<const char*, uint64_t> kSuffixes[] = {{"Ki", uint64_t{1} << 10},
+                                                               {"Mi", uint64_t{1} << 20},
+                                                               {"Gi", uint64_t{1} << 30},
+                                                               {"Ti", uint64_t{1} << 40},
+                                                               {"K", 1000},
+                                                               {"M", 1000000},
+                                                               {"G", 1000000000},
+                                                               {"T", 1000000000000}};
   uint64_t mult = 1;
   for (const auto& [suffix, m] : kSuffixes) {
     if (absl::EndsWith(s, suffix)) {
@@ -100,19 +103,18 @@ ConfigField EnumField(std::string key, std::vector<std::string> allowed, std::st
                       Access access) {
   std::string type = "enum";
   help += " One of: " + absl::StrJoin(allowed, ", ") + ".";
-  return ConfigField{
-      key, type, std::move(help),
-      [key, allowed, access](Options& o, absl::string_view v) {
-        std::string s = absl::AsciiStrToLower(absl::StripAsciiWhitespace(v));
-        for (const auto& a : allowed) {
-          if (a == s) {
-            access(o) = s;
-            return absl::OkStatus();
-          }
-        }
-        return BadValue(key, v, "one of " + absl::StrJoin(allowed, ", "));
-      },
-      [access](const Options& o) { return access(const_cast<Options&>(o)); }};
+  return ConfigField{key, type, std::move(help),
+                     [key, allowed, access](Options& o, absl::string_view v) {
+                       std::string s = absl::AsciiStrToLower(absl::StripAsciiWhitespace(v));
+                       for (const auto& a : allowed) {
+                         if (a == s) {
+                           access(o) = s;
+                           return absl::OkStatus();
+                         }
+                       }
+                       return BadValue(key, v, "one of " + absl::StrJoin(allowed, ", "));
+                     },
+                     [access](const Options& o) { return access(const_cast<Options&>(o)); }};
 }
 
 template <typename Access>
@@ -130,40 +132,37 @@ ConfigField BoolField(std::string key, std::string help, Access access) {
 template <typename Access>
 ConfigField IntField(std::string key, int64_t lo, int64_t hi, std::string help, Access access) {
   using T = std::decay_t<decltype(access(std::declval<Options&>()))>;
-  return ConfigField{key, lo < 0 ? "int" : "uint", std::move(help),
-                     [key, lo, hi, access](Options& o, absl::string_view v) -> absl::Status {
-                       KVCOMP_ASSIGN_OR_RETURN(int64_t x, ParseInt(key, v, lo, hi));
-                       access(o) = static_cast<T>(x);
-                       return absl::OkStatus();
-                     },
-                     [access](const Options& o) {
-                       return absl::StrCat(access(const_cast<Options&>(o)));
-                     }};
+  return ConfigField{
+      key, lo < 0 ? "int" : "uint", std::move(help),
+      [key, lo, hi, access](Options& o, absl::string_view v) -> absl::Status {
+        KVCOMP_ASSIGN_OR_RETURN(int64_t x, ParseInt(key, v, lo, hi));
+        access(o) = static_cast<T>(x);
+        return absl::OkStatus();
+      },
+      [access](const Options& o) { return absl::StrCat(access(const_cast<Options&>(o))); }};
 }
 
 template <typename Access>
 ConfigField BytesField(std::string key, std::string help, Access access) {
-  return ConfigField{key, "bytes", std::move(help),
-                     [key, access](Options& o, absl::string_view v) -> absl::Status {
-                       KVCOMP_ASSIGN_OR_RETURN(access(o), ParseBytes(key, v));
-                       return absl::OkStatus();
-                     },
-                     [access](const Options& o) {
-                       return absl::StrCat(access(const_cast<Options&>(o)));
-                     }};
+  return ConfigField{
+      key, "bytes", std::move(help),
+      [key, access](Options& o, absl::string_view v) -> absl::Status {
+        KVCOMP_ASSIGN_OR_RETURN(access(o), ParseBytes(key, v));
+        return absl::OkStatus();
+      },
+      [access](const Options& o) { return absl::StrCat(access(const_cast<Options&>(o))); }};
 }
 
 template <typename Access>
 ConfigField DoubleField(std::string key, std::string type, double lo, double hi, std::string help,
                         Access access) {
-  return ConfigField{key, std::move(type), std::move(help),
-                     [key, lo, hi, access](Options& o, absl::string_view v) -> absl::Status {
-                       KVCOMP_ASSIGN_OR_RETURN(access(o), ParseDouble(key, v, lo, hi));
-                       return absl::OkStatus();
-                     },
-                     [access](const Options& o) {
-                       return DoubleText(access(const_cast<Options&>(o)));
-                     }};
+  return ConfigField{
+      key, std::move(type), std::move(help),
+      [key, lo, hi, access](Options& o, absl::string_view v) -> absl::Status {
+        KVCOMP_ASSIGN_OR_RETURN(access(o), ParseDouble(key, v, lo, hi));
+        return absl::OkStatus();
+      },
+      [access](const Options& o) { return DoubleText(access(const_cast<Options&>(o))); }};
 }
 
 // A policy enum parsed and printed by core's functions.
@@ -187,224 +186,251 @@ std::vector<ConfigField> BuildFields() {
   constexpr int64_t kU32Max = std::numeric_limits<uint32_t>::max();
   std::vector<ConfigField> f;
   // --- data_plane ---
-  f.push_back(StringField("data_plane.address", "UCX listen address. Default 127.0.0.1.",
-                          [](Options& o) -> auto& { return o.data_plane.address; }));
-  f.push_back(IntField("data_plane.port", 0, kPortMax,
-                       "UCX listener port; 0 picks a free one. Default 7470.",
-                       [](Options& o) -> auto& { return o.data_plane.port; }));
-  f.push_back(BytesField("data_plane.max_put_bytes",
-                         "Largest cache a put may announce (uncompressed K+V bytes). Default 16Gi.",
-                         [](Options& o) -> auto& { return o.data_plane.max_put_bytes; }));
-  f.push_back(BytesField("data_plane.max_block_bytes",
-                         "Largest block payload (K+V of one block), bytes. Default 256Mi.",
-                         [](Options& o) -> auto& { return o.data_plane.max_block_bytes; }));
+  f.push_back(StringField(
+      "data_plane.address", "UCX listen address. Default 127.0.0.1.",
+      [](Options & o) -> auto& { return o.data_plane.address; }));
+  f.push_back(IntField(
+      "data_plane.port", 0, kPortMax, "UCX listener port; 0 picks a free one. Default 7470.",
+      [](Options & o) -> auto& { return o.data_plane.port; }));
+  f.push_back(BytesField(
+      "data_plane.max_put_bytes",
+      "Largest cache a put may announce (uncompressed K+V bytes). Default 16Gi.",
+      [](Options & o) -> auto& { return o.data_plane.max_put_bytes; }));
+  f.push_back(BytesField(
+      "data_plane.max_block_bytes",
+      "Largest block payload (K+V of one block), bytes. Default 256Mi.",
+      [](Options & o) -> auto& { return o.data_plane.max_block_bytes; }));
   f.push_back(BytesField(
       "data_plane.max_inflight_bytes_per_connection",
       "Bytes a connection may have received and not yet compressed; beyond it puts get busy. "
       "Default 4Gi.",
-      [](Options& o) -> auto& { return o.data_plane.max_inflight_bytes_per_connection; }));
-  f.push_back(DoubleField("data_plane.put_timeout_seconds", "seconds", 0.1, 86400,
-                          "A put with no traffic for this long is aborted. Default 60.",
-                          [](Options& o) -> auto& { return o.data_plane.put_timeout_seconds; }));
+      [](Options & o) -> auto& { return o.data_plane.max_inflight_bytes_per_connection; }));
+  f.push_back(DoubleField(
+      "data_plane.put_timeout_seconds", "seconds", 0.1, 86400,
+      "A put with no traffic for this long is aborted. Default 60.",
+      [](Options & o) -> auto& { return o.data_plane.put_timeout_seconds; }));
   f.push_back(BytesField(
       "data_plane.max_buffered_bytes",
       "Received block bytes held by all open puts before compression; beyond it blocks get "
       "busy. Default 4Gi.",
-      [](Options& o) -> auto& { return o.data_plane.max_buffered_bytes; }));
-  f.push_back(IntField("data_plane.max_open_puts", 1, 1 << 20,
-                       "Puts receiving blocks at once; beyond it put-begin gets busy. Default 256.",
-                       [](Options& o) -> auto& { return o.data_plane.max_open_puts; }));
+      [](Options & o) -> auto& { return o.data_plane.max_buffered_bytes; }));
+  f.push_back(IntField(
+      "data_plane.max_open_puts", 1, 1 << 20,
+      "Puts receiving blocks at once; beyond it put-begin gets busy. Default 256.",
+      [](Options & o) -> auto& { return o.data_plane.max_open_puts; }));
   f.push_back(StringField(
       "data_plane.ucx_tls",
       "UCX transports (UCX_TLS syntax, e.g. tcp or posix,tcp; tcp is needed for connection "
       "set-up). Empty = UCX_TLS from the environment or UCX's default. Default empty.",
-      [](Options& o) -> auto& { return o.data_plane.ucx_tls; }));
+      [](Options & o) -> auto& { return o.data_plane.ucx_tls; }));
   f.push_back(StringField(
       "data_plane.ucx_net_devices",
       "UCX network devices (UCX_NET_DEVICES syntax). Empty = UCX's choice. Default empty.",
-      [](Options& o) -> auto& { return o.data_plane.ucx_net_devices; }));
+      [](Options & o) -> auto& { return o.data_plane.ucx_net_devices; }));
   // --- control_plane ---
-  f.push_back(StringField("control_plane.address", "Thrift listen address. Default 127.0.0.1.",
-                          [](Options& o) -> auto& { return o.control_plane.address; }));
-  f.push_back(IntField("control_plane.port", 0, kPortMax,
-                       "Thrift port (framed binary); 0 picks a free one. Default 7471.",
-                       [](Options& o) -> auto& { return o.control_plane.port; }));
-  f.push_back(IntField("control_plane.io_threads", 1, 64,
-                       "I/O threads of the nonblocking Thrift server. Default 1.",
-                       [](Options& o) -> auto& { return o.control_plane.io_threads; }));
-  f.push_back(IntField("control_plane.worker_threads", 1, 256,
-                       "Threads running control-plane handlers. Default 4.",
-                       [](Options& o) -> auto& { return o.control_plane.worker_threads; }));
-  f.push_back(BoolField("control_plane.tls", "Serve the Thrift port over TLS. Default false.",
-                        [](Options& o) -> auto& { return o.control_plane.tls; }));
-  f.push_back(StringField("control_plane.tls_cert_file",
-                          "PEM certificate chain for TLS. Default empty.",
-                          [](Options& o) -> auto& { return o.control_plane.tls_cert_file; }));
-  f.push_back(StringField("control_plane.tls_key_file", "PEM private key for TLS. Default empty.",
-                          [](Options& o) -> auto& { return o.control_plane.tls_key_file; }));
+  f.push_back(StringField(
+      "control_plane.address", "Thrift listen address. Default 127.0.0.1.",
+      [](Options & o) -> auto& { return o.control_plane.address; }));
+  f.push_back(IntField(
+      "control_plane.port", 0, kPortMax,
+      "Thrift port (framed binary); 0 picks a free one. Default 7471.",
+      [](Options & o) -> auto& { return o.control_plane.port; }));
+  f.push_back(IntField(
+      "control_plane.io_threads", 1, 64, "I/O threads of the nonblocking Thrift server. Default 1.",
+      [](Options & o) -> auto& { return o.control_plane.io_threads; }));
+  f.push_back(IntField(
+      "control_plane.worker_threads", 1, 256, "Threads running control-plane handlers. Default 4.",
+      [](Options & o) -> auto& { return o.control_plane.worker_threads; }));
+  f.push_back(BoolField(
+      "control_plane.tls", "Serve the Thrift port over TLS. Default false.",
+      [](Options & o) -> auto& { return o.control_plane.tls; }));
+  f.push_back(StringField(
+      "control_plane.tls_cert_file", "PEM certificate chain for TLS. Default empty.",
+      [](Options & o) -> auto& { return o.control_plane.tls_cert_file; }));
+  f.push_back(StringField(
+      "control_plane.tls_key_file", "PEM private key for TLS. Default empty.",
+      [](Options & o) -> auto& { return o.control_plane.tls_key_file; }));
   f.push_back(StringField(
       "control_plane.tls_ca_file",
       "PEM CA bundle; when set, TLS clients must present a certificate it signs. Default empty.",
-      [](Options& o) -> auto& { return o.control_plane.tls_ca_file; }));
+      [](Options & o) -> auto& { return o.control_plane.tls_ca_file; }));
   // --- metrics ---
-  f.push_back(BoolField("metrics.enabled",
-                        "Serve /metrics, /healthz and /readyz over HTTP. Default true.",
-                        [](Options& o) -> auto& { return o.metrics.enabled; }));
-  f.push_back(StringField("metrics.address", "HTTP listen address. Default 127.0.0.1.",
-                          [](Options& o) -> auto& { return o.metrics.address; }));
-  f.push_back(IntField("metrics.port", 0, kPortMax,
-                       "HTTP port for metrics and probes; 0 picks a free one. Default 7472.",
-                       [](Options& o) -> auto& { return o.metrics.port; }));
+  f.push_back(BoolField(
+      "metrics.enabled", "Serve /metrics, /healthz and /readyz over HTTP. Default true.",
+      [](Options & o) -> auto& { return o.metrics.enabled; }));
+  f.push_back(StringField(
+      "metrics.address", "HTTP listen address. Default 127.0.0.1.",
+      [](Options & o) -> auto& { return o.metrics.address; }));
+  f.push_back(IntField(
+      "metrics.port", 0, kPortMax,
+      "HTTP port for metrics and probes; 0 picks a free one. Default 7472.",
+      [](Options & o) -> auto& { return o.metrics.port; }));
   // --- auth ---
   f.push_back(StringField(
       "auth.token_file",
       "File of `tenant: token` lines (a mounted secret works). Empty path or empty file: open "
       "single-tenant daemon. Default empty.",
-      [](Options& o) -> auto& { return o.auth.token_file; }));
+      [](Options & o) -> auto& { return o.auth.token_file; }));
   f.push_back(DoubleField(
       "auth.reload_interval_seconds", "seconds", 0, 86400,
       "How often the token file's mtime is checked for a reload (SIGHUP reloads at once); 0 = "
       "only on SIGHUP. Default 5.",
-      [](Options& o) -> auto& { return o.auth.reload_interval_seconds; }));
+      [](Options & o) -> auto& { return o.auth.reload_interval_seconds; }));
   // --- engine ---
-  f.push_back(EnumField("engine.backend", {"auto", "cpu", "cuda"},
-                        "Compression backend; auto = cuda when a GPU is present. Default auto.",
-                        [](Options& o) -> auto& { return o.engine.backend; }));
-  f.push_back(IntField("engine.cuda_device", 0, 64, "CUDA device ordinal. Default 0.",
-                       [](Options& o) -> auto& { return o.engine.cuda_device; }));
-  f.push_back(IntField("engine.cpu_threads", 0, 1024,
-                       "Threads per CPU backend; 0 = hardware threads / workers. Default 0.",
-                       [](Options& o) -> auto& { return o.engine.cpu_threads; }));
-  f.push_back(IntField("engine.workers", 1, 256,
-                       "Compression workers, each with its own backend. Default 2.",
-                       [](Options& o) -> auto& { return o.engine.workers; }));
+  f.push_back(EnumField(
+      "engine.backend", {"auto", "cpu", "cuda"},
+      "Compression backend; auto = cuda when a GPU is present. Default auto.",
+      [](Options & o) -> auto& { return o.engine.backend; }));
+  f.push_back(IntField(
+      "engine.cuda_device", 0, 64, "CUDA device ordinal. Default 0.",
+      [](Options & o) -> auto& { return o.engine.cuda_device; }));
+  f.push_back(IntField(
+      "engine.cpu_threads", 0, 1024,
+      "Threads per CPU backend; 0 = hardware threads / workers. Default 0.",
+      [](Options & o) -> auto& { return o.engine.cpu_threads; }));
+  f.push_back(IntField(
+      "engine.workers", 1, 256, "Compression workers, each with its own backend. Default 2.",
+      [](Options & o) -> auto& { return o.engine.workers; }));
   f.push_back(IntField(
       "engine.queue_capacity", 1, 1 << 20,
       "Committed puts waiting for a worker; when full, commits get busy. Default 16.",
-      [](Options& o) -> auto& { return o.engine.queue_capacity; }));
+      [](Options & o) -> auto& { return o.engine.queue_capacity; }));
   // --- storage ---
-  f.push_back(StringField("storage.data_dir",
-                          "Directory of the RocksDB tier and daemon state. Default ./.kvcomp-data.",
-                          [](Options& o) -> auto& { return o.storage.data_dir; }));
+  f.push_back(StringField(
+      "storage.data_dir", "Directory of the RocksDB tier and daemon state. Default ./.kvcomp-data.",
+      [](Options & o) -> auto& { return o.storage.data_dir; }));
   f.push_back(EnumField(
       "storage.durability", {"memory", "disk"},
       "When a put is acknowledged: memory (in its first tier) or disk (RocksDB, WAL synced). "
       "Default disk.",
-      [](Options& o) -> auto& { return o.storage.durability; }));
-  f.push_back(EnumField("storage.put_tier", {"device", "host", "rocksdb"},
-                        "Tier a new cache lands in. Default host.",
-                        [](Options& o) -> auto& { return o.storage.put_tier; }));
-  f.push_back(BytesField("storage.device_capacity_bytes",
-                         "GPU-memory tier capacity; 0 = no GPU tier. Default 0.",
-                         [](Options& o) -> auto& { return o.storage.device_capacity_bytes; }));
-  f.push_back(BytesField("storage.host_capacity_bytes",
-                         "Host-memory tier capacity; 0 = no host tier. Default 1Gi.",
-                         [](Options& o) -> auto& { return o.storage.host_capacity_bytes; }));
-  f.push_back(BoolField("storage.rocksdb_enabled",
-                        "RocksDB tier under <data_dir>/rocksdb. Default true.",
-                        [](Options& o) -> auto& { return o.storage.rocksdb_enabled; }));
-  f.push_back(BytesField("storage.rocksdb_capacity_bytes",
-                         "RocksDB tier capacity (payload bytes). Default 64Gi.",
-                         [](Options& o) -> auto& { return o.storage.rocksdb_capacity_bytes; }));
-  f.push_back(DoubleField("storage.high_watermark", "fraction", 0, 1,
-                          "A tier above this fraction of its capacity demotes. Default 0.9.",
-                          [](Options& o) -> auto& { return o.storage.high_watermark; }));
-  f.push_back(DoubleField("storage.low_watermark", "fraction", 0, 1,
-                          "Demotion stops below this fraction. Default 0.75.",
-                          [](Options& o) -> auto& { return o.storage.low_watermark; }));
-  f.push_back(BoolField("storage.promote_on_read",
-                        "A get served from RocksDB copies the cache into the host tier. "
-                        "Default true.",
-                        [](Options& o) -> auto& { return o.storage.promote_on_read; }));
-  f.push_back(DoubleField("storage.ttl_seconds", "seconds", 0, 1e9,
-                          "Caches expire this long after their put; 0 = never. Default 0.",
-                          [](Options& o) -> auto& { return o.storage.ttl_seconds; }));
-  f.push_back(BytesField("storage.tenant_quota_bytes",
-                         "Stored bytes per tenant; 0 = unlimited. Default 0.",
-                         [](Options& o) -> auto& { return o.storage.tenant_quota_bytes; }));
-  f.push_back(BoolField("storage.verify_checksums_on_open",
-                        "Check every RocksDB payload's CRC32C at start. Default true.",
-                        [](Options& o) -> auto& { return o.storage.verify_checksums_on_open; }));
+      [](Options & o) -> auto& { return o.storage.durability; }));
+  f.push_back(EnumField(
+      "storage.put_tier", {"device", "host", "rocksdb"}, "Tier a new cache lands in. Default host.",
+      [](Options & o) -> auto& { return o.storage.put_tier; }));
+  f.push_back(BytesField(
+      "storage.device_capacity_bytes", "GPU-memory tier capacity; 0 = no GPU tier. Default 0.",
+      [](Options & o) -> auto& { return o.storage.device_capacity_bytes; }));
+  f.push_back(BytesField(
+      "storage.host_capacity_bytes", "Host-memory tier capacity; 0 = no host tier. Default 1Gi.",
+      [](Options & o) -> auto& { return o.storage.host_capacity_bytes; }));
+  f.push_back(BoolField(
+      "storage.rocksdb_enabled", "RocksDB tier under <data_dir>/rocksdb. Default true.",
+      [](Options & o) -> auto& { return o.storage.rocksdb_enabled; }));
+  f.push_back(BytesField(
+      "storage.rocksdb_capacity_bytes", "RocksDB tier capacity (payload bytes). Default 64Gi.",
+      [](Options & o) -> auto& { return o.storage.rocksdb_capacity_bytes; }));
+  f.push_back(DoubleField(
+      "storage.high_watermark", "fraction", 0, 1,
+      "A tier above this fraction of its capacity demotes. Default 0.9.",
+      [](Options & o) -> auto& { return o.storage.high_watermark; }));
+  f.push_back(DoubleField(
+      "storage.low_watermark", "fraction", 0, 1,
+      "Demotion stops below this fraction. Default 0.75.",
+      [](Options & o) -> auto& { return o.storage.low_watermark; }));
+  f.push_back(BoolField(
+      "storage.promote_on_read",
+      "A get served from RocksDB copies the cache into the host tier. "
+      "Default true.",
+      [](Options & o) -> auto& { return o.storage.promote_on_read; }));
+  f.push_back(DoubleField(
+      "storage.ttl_seconds", "seconds", 0, 1e9,
+      "Caches expire this long after their put; 0 = never. Default 0.",
+      [](Options & o) -> auto& { return o.storage.ttl_seconds; }));
+  f.push_back(BytesField(
+      "storage.tenant_quota_bytes", "Stored bytes per tenant; 0 = unlimited. Default 0.",
+      [](Options & o) -> auto& { return o.storage.tenant_quota_bytes; }));
+  f.push_back(BoolField(
+      "storage.verify_checksums_on_open",
+      "Check every RocksDB payload's CRC32C at start. Default true.",
+      [](Options & o) -> auto& { return o.storage.verify_checksums_on_open; }));
   // --- default_policy ---
   f.push_back(PolicyEnumField(
       "default_policy.scorer",
       "Token scorer: knorm, keydiff, manifold, windowed_manifold, streaming, random, snapkv. "
       "Default manifold.",
-      [](Options& o) -> auto& { return o.default_policy.scorer; }, ParseScorer, ScorerName));
-  f.push_back(DoubleField("default_policy.ratio", "fraction", 0, 1,
-                          "Fraction of tokens evicted per head, in [0, 1). Default 0.5.",
-                          [](Options& o) -> auto& { return o.default_policy.ratio; }));
-  f.push_back(IntField("default_policy.token_budget", 0, kU32Max,
-                       "Tokens kept per kv head; 0 = use ratio. Default 0.",
-                       [](Options& o) -> auto& { return o.default_policy.token_budget; }));
+      [](Options & o) -> auto& { return o.default_policy.scorer; }, ParseScorer, ScorerName));
+  f.push_back(DoubleField(
+      "default_policy.ratio", "fraction", 0, 1,
+      "Fraction of tokens evicted per head, in [0, 1). Default 0.5.",
+      [](Options & o) -> auto& { return o.default_policy.ratio; }));
+  f.push_back(IntField(
+      "default_policy.token_budget", 0, kU32Max,
+      "Tokens kept per kv head; 0 = use ratio. Default 0.",
+      [](Options & o) -> auto& { return o.default_policy.token_budget; }));
   f.push_back(PolicyEnumField(
       "default_policy.head_budget", "Budget across heads: uniform or adakv. Default uniform.",
-      [](Options& o) -> auto& { return o.default_policy.head_budget; }, ParseHeadBudget,
+      [](Options & o) -> auto& { return o.default_policy.head_budget; }, ParseHeadBudget,
       HeadBudgetName));
-  f.push_back(DoubleField("default_policy.alpha_safeguard", "fraction", 0, 1,
-                          "AdaKV: share of each head's budget kept before competing. Default 0.2.",
-                          [](Options& o) -> auto& { return o.default_policy.alpha_safeguard; }));
-  f.push_back(IntField("default_policy.n_sink", 0, kU32Max,
-                       "First tokens always kept (attention sink). Default 4.",
-                       [](Options& o) -> auto& { return o.default_policy.n_sink; }));
-  f.push_back(IntField("default_policy.n_recent", 0, kU32Max,
-                       "Most recent tokens always kept. Default 0.",
-                       [](Options& o) -> auto& { return o.default_policy.n_recent; }));
-  f.push_back(BoolField("default_policy.protect",
-                        "Keep the sink and recent tokens whatever their score. Default true.",
-                        [](Options& o) -> auto& { return o.default_policy.protect; }));
-  f.push_back(IntField("default_policy.window", 1, kU32Max,
-                       "Window of windowed_manifold, tokens. Default 4096.",
-                       [](Options& o) -> auto& { return o.default_policy.window; }));
-  f.push_back(IntField("default_policy.snapkv_window", 1, kU32Max,
-                       "SnapKV observation window, tokens. Default 64.",
-                       [](Options& o) -> auto& { return o.default_policy.snapkv_window; }));
-  f.push_back(IntField("default_policy.snapkv_pool", 1, kU32Max,
-                       "SnapKV pooling width. Default 5.",
-                       [](Options& o) -> auto& { return o.default_policy.snapkv_pool; }));
-  f.push_back(IntField("default_policy.seed", 0, std::numeric_limits<int64_t>::max(),
-                       "Seed of the random scorer. Default 0.",
-                       [](Options& o) -> auto& { return o.default_policy.seed; }));
-  f.push_back(IntField("default_policy.block_size", 0, kU32Max,
-                       "Block-wise compression: tokens per block; 0 = whole sequence. Default 0.",
-                       [](Options& o) -> auto& { return o.default_policy.block_size; }));
-  f.push_back(BoolField("default_policy.moments",
-                        "Keep MomentKV summaries of evicted tokens. Default true.",
-                        [](Options& o) -> auto& { return o.default_policy.moments; }));
-  f.push_back(BoolField("default_policy.moment_aware",
-                        "Let the moment summary steer eviction. Default false.",
-                        [](Options& o) -> auto& { return o.default_policy.moment_aware; }));
+  f.push_back(DoubleField(
+      "default_policy.alpha_safeguard", "fraction", 0, 1,
+      "AdaKV: share of each head's budget kept before competing. Default 0.2.",
+      [](Options & o) -> auto& { return o.default_policy.alpha_safeguard; }));
+  f.push_back(IntField(
+      "default_policy.n_sink", 0, kU32Max, "First tokens always kept (attention sink). Default 4.",
+      [](Options & o) -> auto& { return o.default_policy.n_sink; }));
+  f.push_back(IntField(
+      "default_policy.n_recent", 0, kU32Max, "Most recent tokens always kept. Default 0.",
+      [](Options & o) -> auto& { return o.default_policy.n_recent; }));
+  f.push_back(BoolField(
+      "default_policy.protect",
+      "Keep the sink and recent tokens whatever their score. Default true.",
+      [](Options & o) -> auto& { return o.default_policy.protect; }));
+  f.push_back(IntField(
+      "default_policy.window", 1, kU32Max, "Window of windowed_manifold, tokens. Default 4096.",
+      [](Options & o) -> auto& { return o.default_policy.window; }));
+  f.push_back(IntField(
+      "default_policy.snapkv_window", 1, kU32Max, "SnapKV observation window, tokens. Default 64.",
+      [](Options & o) -> auto& { return o.default_policy.snapkv_window; }));
+  f.push_back(IntField(
+      "default_policy.snapkv_pool", 1, kU32Max, "SnapKV pooling width. Default 5.",
+      [](Options & o) -> auto& { return o.default_policy.snapkv_pool; }));
+  f.push_back(IntField(
+      "default_policy.seed", 0, std::numeric_limits<int64_t>::max(),
+      "Seed of the random scorer. Default 0.",
+      [](Options & o) -> auto& { return o.default_policy.seed; }));
+  f.push_back(IntField(
+      "default_policy.block_size", 0, kU32Max,
+      "Block-wise compression: tokens per block; 0 = whole sequence. Default 0.",
+      [](Options & o) -> auto& { return o.default_policy.block_size; }));
+  f.push_back(BoolField(
+      "default_policy.moments", "Keep MomentKV summaries of evicted tokens. Default true.",
+      [](Options & o) -> auto& { return o.default_policy.moments; }));
+  f.push_back(BoolField(
+      "default_policy.moment_aware", "Let the moment summary steer eviction. Default false.",
+      [](Options & o) -> auto& { return o.default_policy.moment_aware; }));
   f.push_back(PolicyEnumField(
       "default_policy.key_codec", "Key encoding: raw, fp16 or int8. Default raw.",
-      [](Options& o) -> auto& { return o.default_policy.key_codec; }, ParseKeyCodec,
+      [](Options & o) -> auto& { return o.default_policy.key_codec; }, ParseKeyCodec,
       KeyCodecName));
   f.push_back(PolicyEnumField(
       "default_policy.value_codec",
       "Value encoding: none, orthogonal, orthogonal_int8, orthogonal_int4. Default none.",
-      [](Options& o) -> auto& { return o.default_policy.value_codec; }, ParseValueCodec,
+      [](Options & o) -> auto& { return o.default_policy.value_codec; }, ParseValueCodec,
       ValueCodecName));
-  f.push_back(IntField("default_policy.rank", 0, 256,
-                       "Latent rank of orthogonal codecs; 0 = the preset's default. Default 0.",
-                       [](Options& o) -> auto& { return o.default_policy.rank; }));
-  f.push_back(IntField("default_policy.group_size", 1, 256,
-                       "Latent elements per quantization scale. Default 32.",
-                       [](Options& o) -> auto& { return o.default_policy.group_size; }));
-  f.push_back(BoolField("default_policy.gamma_aware",
-                        "Scale latent directions by calibration eigenvalues. Default true.",
-                        [](Options& o) -> auto& { return o.default_policy.gamma_aware; }));
+  f.push_back(IntField(
+      "default_policy.rank", 0, 256,
+      "Latent rank of orthogonal codecs; 0 = the preset's default. Default 0.",
+      [](Options & o) -> auto& { return o.default_policy.rank; }));
+  f.push_back(IntField(
+      "default_policy.group_size", 1, 256, "Latent elements per quantization scale. Default 32.",
+      [](Options & o) -> auto& { return o.default_policy.group_size; }));
+  f.push_back(BoolField(
+      "default_policy.gamma_aware",
+      "Scale latent directions by calibration eigenvalues. Default true.",
+      [](Options & o) -> auto& { return o.default_policy.gamma_aware; }));
   // --- process ---
   f.push_back(DoubleField(
       "process.shutdown_grace_seconds", "seconds", 0, 3600,
       "On SIGTERM, time to finish in-flight work before flushing and exiting. Default 30.",
-      [](Options& o) -> auto& { return o.process.shutdown_grace_seconds; }));
-  f.push_back(EnumField("process.log_level", {"debug", "info", "warning", "error"},
-                        "Log verbosity. Default info.",
-                        [](Options& o) -> auto& { return o.process.log_level; }));
+      [](Options & o) -> auto& { return o.process.shutdown_grace_seconds; }));
+  f.push_back(EnumField(
+      "process.log_level", {"debug", "info", "warning", "error"}, "Log verbosity. Default info.",
+      [](Options & o) -> auto& { return o.process.log_level; }));
   f.push_back(StringField(
       "process.ready_file",
       "Written when ready: YAML with data_port, control_port, metrics_port and pid (for "
       "port 0 users). Default empty.",
-      [](Options& o) -> auto& { return o.process.ready_file; }));
+      [](Options & o) -> auto& { return o.process.ready_file; }));
   return f;
 }
 
@@ -428,8 +454,7 @@ absl::Status FlattenYaml(const YAML::Node& node, const std::string& prefix,
     case YAML::NodeType::Map:
       for (const auto& kv : node) {
         std::string k = kv.first.as<std::string>();
-        KVCOMP_RETURN_IF_ERROR(
-            FlattenYaml(kv.second, prefix.empty() ? k : prefix + "." + k, out));
+        KVCOMP_RETURN_IF_ERROR(FlattenYaml(kv.second, prefix.empty() ? k : prefix + "." + k, out));
       }
       return absl::OkStatus();
     default:

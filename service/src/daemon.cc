@@ -20,7 +20,6 @@
 #include "absl/synchronization/notification.h"
 #include "handlers.h"
 #include "ingest.h"
-#include "kvsplice_glue.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/service/auth.h"
@@ -28,6 +27,7 @@
 #include "kvcomp/service/policy_store.h"
 #include "kvcomp/storage/tiered_store.h"
 #include "kvcomp/transport/server.h"
+#include "kvsplice_glue.h"
 #include "log.h"
 
 namespace kvcomp {
@@ -193,9 +193,8 @@ absl::Status DaemonImpl::Init(const Options& options) {
       " cache(s) recovered, ", st.quarantined, " quarantined; durability ",
       options.storage.durability);
 
-  KVCOMP_ASSIGN_OR_RETURN(
-      policies_, PolicyStore::Open(options.storage.data_dir + "/policies.yaml",
-                                   options.default_policy));
+  KVCOMP_ASSIGN_OR_RETURN(policies_, PolicyStore::Open(options.storage.data_dir + "/policies.yaml",
+                                                       options.default_policy));
 
   IngestOptions io;
   io.max_put_bytes = options.data_plane.max_put_bytes;
@@ -215,8 +214,8 @@ absl::Status DaemonImpl::Init(const Options& options) {
   auto pipeline = IngestPipeline::Create(io, store_.get(), projections_.get(), metrics_.get());
   if (!pipeline.ok()) return Annotate(pipeline.status(), "engine");
   pipeline_ = std::move(*pipeline);
-  Log(LogLevel::kInfo, "engine: ", pipeline_->backend_description(), ", ",
-      options.engine.workers, " worker(s), queue ", options.engine.queue_capacity);
+  Log(LogLevel::kInfo, "engine: ", pipeline_->backend_description(), ", ", options.engine.workers,
+      " worker(s), queue ", options.engine.queue_capacity);
 
   ctx_.tokens = tokens_.get();
   ctx_.store = store_.get();
@@ -233,9 +232,8 @@ absl::Status DaemonImpl::Init(const Options& options) {
   so.listen_address = options.data_plane.address;
   so.port = options.data_plane.port;
   so.max_payload_bytes = options.data_plane.max_block_bytes;
-  so.max_inflight_bytes =
-      std::max(options.data_plane.max_inflight_bytes_per_connection,
-               options.data_plane.max_block_bytes);
+  so.max_inflight_bytes = std::max(options.data_plane.max_inflight_bytes_per_connection,
+                                   options.data_plane.max_block_bytes);
   so.put_timeout = absl::Seconds(options.data_plane.put_timeout_seconds);
   so.server_name = absl::StrCat("kvcompd ", Version());
   if (!options.data_plane.ucx_tls.empty()) so.ucx.overrides["TLS"] = options.data_plane.ucx_tls;
@@ -320,8 +318,8 @@ absl::Status DaemonImpl::StartThrift() {
     if (!failure->empty()) {
       thrift_thread_.join();
       thrift_.reset();
-      return absl::UnavailableError(absl::StrCat("cannot serve on ", c.address, ":", c.port, ": ",
-                                                 *failure));
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve on ", c.address, ":", c.port, ": ", *failure));
     }
     control_port_ = static_cast<uint16_t>(socket->getListenPort());
   } catch (const std::exception& e) {

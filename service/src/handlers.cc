@@ -36,11 +36,11 @@ absl::Status DataHandler::OnPutBegin(const transport::PutContext& put) {
   spec.key = CacheKey{put.session.tenant, b.model_id, b.key};
   spec.layout = b.layout;
   spec.num_tokens = b.num_tokens;
-  spec.policy = b.has_policy ? b.policy : ctx_->policies->Resolve(put.session.tenant,
-                                                                  b.model_id).first;
+  spec.policy =
+      b.has_policy ? b.policy : ctx_->policies->Resolve(put.session.tenant, b.model_id).first;
   spec.block_wise = b.block_wise;
-  absl::Status s = ctx_->pipeline->BeginPut({put.session.connection_id, put.put_id},
-                                            std::move(spec));
+  absl::Status s =
+      ctx_->pipeline->BeginPut({put.session.connection_id, put.put_id}, std::move(spec));
   if (!s.ok()) {
     ctx_->metrics->CountError("put", s);
     ctx_->errors_total.fetch_add(1);
@@ -63,16 +63,16 @@ void DataHandler::OnBlock(const transport::PutContext& put, const wire::Block& b
 
 void DataHandler::OnPutCommit(const transport::PutContext& put, transport::CommitDone done) {
   ServiceContext* ctx = ctx_;
-  ctx_->pipeline->Commit({put.session.connection_id, put.put_id},
-                         [ctx, done = std::move(done)](
-                             absl::StatusOr<wire::CacheSummary> r) mutable {
-                           if (r.ok()) {
-                             ctx->puts_total.fetch_add(1);
-                           } else {
-                             ctx->errors_total.fetch_add(1);
-                           }
-                           done(std::move(r));
-                         });
+  ctx_->pipeline->Commit(
+      {put.session.connection_id, put.put_id},
+      [ctx, done = std::move(done)](absl::StatusOr<wire::CacheSummary> r) mutable {
+        if (r.ok()) {
+          ctx->puts_total.fetch_add(1);
+        } else {
+          ctx->errors_total.fetch_add(1);
+        }
+        done(std::move(r));
+      });
 }
 
 void DataHandler::OnPutAbort(const transport::PutContext& put, const absl::Status& reason) {
@@ -199,12 +199,12 @@ absl::StatusOr<std::string> ControlHandler::Authenticate(const rpc::Auth& auth) 
   return tenant;
 }
 
-#define KVCOMP_CONTROL_AUTH(tenant_var, out)              \
-  auto tenant_var##_or = Authenticate(auth);              \
-  if (!tenant_var##_or.ok()) {                            \
-    out.status = ToRpc(tenant_var##_or.status());         \
-    return;                                               \
-  }                                                       \
+#define KVCOMP_CONTROL_AUTH(tenant_var, out)      \
+  auto tenant_var##_or = Authenticate(auth);      \
+  if (!tenant_var##_or.ok()) {                    \
+    out.status = ToRpc(tenant_var##_or.status()); \
+    return;                                       \
+  }                                               \
   const std::string tenant_var = *tenant_var##_or
 
 void ControlHandler::Health(rpc::HealthResponse& out, const rpc::Auth& auth) {
@@ -259,13 +259,13 @@ void ControlHandler::Lookup(rpc::LookupResponse& out, const rpc::Auth& auth,
       s.ok() ? ctx_->store->Lookup(key) : absl::StatusOr<storage::LookupResult>(s);
   absl::StatusOr<storage::StoredCache> got =
       where.ok() ? ctx_->store->Get(key) : absl::StatusOr<storage::StoredCache>(where.status());
-  absl::StatusOr<format::CacheInfo> info =
-      got.ok() ? format::PeekCache(got->payload.view())
-               : absl::StatusOr<format::CacheInfo>(got.status());
+  absl::StatusOr<format::CacheInfo> info = got.ok()
+                                               ? format::PeekCache(got->payload.view())
+                                               : absl::StatusOr<format::CacheInfo>(got.status());
   ctx_->metrics->ObserveOp(Op::kLookup, absl::ToDoubleSeconds(absl::Now() - t0));
   if (!info.ok()) {
-    absl::Status e = absl::IsNotFound(info.status()) ? absl::NotFoundError("cache not found")
-                                                     : info.status();
+    absl::Status e =
+        absl::IsNotFound(info.status()) ? absl::NotFoundError("cache not found") : info.status();
     ctx_->metrics->CountError("lookup", e);
     out.status = ToRpc(e);
     return;
@@ -298,8 +298,7 @@ void ControlHandler::Delete(rpc::DeleteResponse& out, const rpc::Auth& auth,
 }
 
 void ControlHandler::List(rpc::ListResponse& out, const rpc::Auth& auth,
-                          const std::string& model_id, const std::string& cursor,
-                          int32_t limit) {
+                          const std::string& model_id, const std::string& cursor, int32_t limit) {
   KVCOMP_CONTROL_AUTH(tenant, out);
   auto listed = ctx_->store->List(tenant);
   if (!listed.ok()) {
@@ -389,7 +388,8 @@ void ControlHandler::ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& a
   out.max_block_bytes = static_cast<int64_t>(o.data_plane.max_block_bytes);
   storage::StoreStats st = ctx_->store->Stats();
   for (int i = 0; i < storage::kNumTiers; ++i) {
-    if (st.tiers[i].present) out.tiers.push_back(storage::TierName(static_cast<storage::TierKind>(i)));
+    if (st.tiers[i].present)
+      out.tiers.push_back(storage::TierName(static_cast<storage::TierKind>(i)));
   }
 }
 

@@ -102,8 +102,9 @@ absl::StatusOr<std::unique_ptr<IngestPipeline>> IngestPipeline::Create(
     return absl::InvalidArgumentError(absl::StrCat("unknown backend ", options.backend));
   }
   int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  p->threads_per_backend_ =
-      options.cpu_threads > 0 ? options.cpu_threads : std::max(1, hw / std::max(1, options.workers));
+  p->threads_per_backend_ = options.cpu_threads > 0
+                                ? options.cpu_threads
+                                : std::max(1, hw / std::max(1, options.workers));
   // Probe one backend now so a broken engine fails the start, not the first put.
   KVCOMP_ASSIGN_OR_RETURN(auto probe, p->NewBackend(p->threads_per_backend_));
   p->backend_description_ = probe->Describe();
@@ -111,8 +112,8 @@ absl::StatusOr<std::unique_ptr<IngestPipeline>> IngestPipeline::Create(
   p->worker_backends_.resize(options.workers);
   p->worker_backend_status_.resize(options.workers);
   IngestPipeline* self = p.get();
-  p->compress_pool_ = std::make_unique<TaskPool>(
-      options.workers, options.queue_capacity, [self](int i) {
+  p->compress_pool_ =
+      std::make_unique<TaskPool>(options.workers, options.queue_capacity, [self](int i) {
         auto b = self->NewBackend(self->threads_per_backend_);
         if (b.ok()) {
           self->worker_backends_[i] = std::move(*b);
@@ -186,9 +187,9 @@ absl::Status IngestPipeline::BeginPut(PutId id, PutSpec spec) {
   }
   const uint64_t bytes = spec.layout.CacheBytes(spec.num_tokens);
   if (bytes > options_.max_put_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cache of ", bytes, " bytes exceeds data_plane.max_put_bytes (",
-                     options_.max_put_bytes, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("cache of ", bytes,
+                                                   " bytes exceeds data_plane.max_put_bytes (",
+                                                   options_.max_put_bytes, ")"));
   }
   KVCOMP_RETURN_IF_ERROR(spec.policy.ValidateFor(spec.layout.head_dim));
   if (spec.block_wise) {
@@ -198,8 +199,7 @@ absl::Status IngestPipeline::BeginPut(PutId id, PutSpec spec) {
     if (spec.policy.block_size == 0) spec.policy.block_size = kDefaultStreamBlockTokens;
   }
   if (spec.policy.value_codec != ValueCodec::kRaw) {
-    KVCOMP_ASSIGN_OR_RETURN(std::string model,
-                            ProjectionModel(spec.key.tenant, spec.key.model_id));
+    KVCOMP_ASSIGN_OR_RETURN(std::string model, ProjectionModel(spec.key.tenant, spec.key.model_id));
     KVCOMP_ASSIGN_OR_RETURN(uint64_t version, projections_->Latest(model));
     KVCOMP_ASSIGN_OR_RETURN(spec.projection, projections_->Get(model, version));
   }
@@ -269,9 +269,9 @@ void IngestPipeline::AddBlock(PutId id, const wire::Block& block, Buffer payload
       if (!ok) {
         // Roll back layers added so far by rebuilding nothing: coverage is only committed below.
         buffered_bytes_.fetch_sub(size);
-        done(absl::InvalidArgumentError(absl::StrCat(
-            "block overlaps tokens already received (layer ", l, ", tokens ", block.token_begin,
-            "..", block.token_end, ")")));
+        done(absl::InvalidArgumentError(
+            absl::StrCat("block overlaps tokens already received (layer ", l, ", tokens ",
+                         block.token_begin, "..", block.token_end, ")")));
         return;
       }
     }
@@ -349,8 +349,14 @@ absl::Status IngestPipeline::DrainBlockWise(PutState& put) {
       const uint8_t* vbase = next.payload.bytes() + ValueOffset(layout, b, l);
       for (uint64_t c0 = 0; c0 < bt; c0 += chunk) {
         uint64_t c1 = std::min<uint64_t>(bt, c0 + chunk);
-        HeadsView k{kbase + c0 * layout.head_dim * es, layout.dtype, layout.num_kv_heads, c1 - c0,
-                    layout.head_dim, layout.head_dim, bt * layout.head_dim, MemorySpace::kHost};
+        HeadsView k{kbase + c0 * layout.head_dim * es,
+                    layout.dtype,
+                    layout.num_kv_heads,
+                    c1 - c0,
+                    layout.head_dim,
+                    layout.head_dim,
+                    bt * layout.head_dim,
+                    MemorySpace::kHost};
         HeadsView v = k;
         v.data = vbase + c0 * layout.head_dim * es;
         KVCOMP_RETURN_IF_ERROR(put.compressor->Append(l, k, v));
@@ -385,9 +391,8 @@ void IngestPipeline::Commit(PutId id, transport::CommitDone done) {
   }
   // The done callback must run exactly once: park it where both outcomes can reach it.
   auto shared_done = std::make_shared<transport::CommitDone>(std::move(done));
-  bool queued = compress_pool_->TrySubmit([this, put, shared_done] {
-    RunCommit(put, std::move(*shared_done), 0);
-  });
+  bool queued = compress_pool_->TrySubmit(
+      [this, put, shared_done] { RunCommit(put, std::move(*shared_done), 0); });
   if (!queued) {
     {
       absl::MutexLock lock(&put->mu);
@@ -508,8 +513,8 @@ absl::StatusOr<CompressedCache> IngestPipeline::CompressWhole(PutState& put, int
     }
   }
   if (tls_worker_backend == nullptr) {
-    return absl::InternalError(absl::StrCat("compression worker has no backend: ",
-                                            tls_worker_backend_error.ToString()));
+    return absl::InternalError(
+        absl::StrCat("compression worker has no backend: ", tls_worker_backend_error.ToString()));
   }
   CompressOptions co;
   co.projection = spec.projection;

@@ -76,9 +76,9 @@ absl::StatusOr<uint64_t> StoreProjections::Latest(absl::string_view model_id) {
     if (k.model_id == model_id && (best == nullptr || k.layer > best->layer)) best = &k;
   }
   if (best == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "no KVSplice projection for this model yet: run Calibrate first (model ",
-        model_id.substr(model_id.find('/') + 1), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("no KVSplice projection for this model yet: run Calibrate first (model ",
+                     model_id.substr(model_id.find('/') + 1), ")"));
   }
   return best->version;
 }
@@ -143,8 +143,8 @@ absl::StatusOr<CalibrationResult> CalibrateFromStore(storage::TieredStore* store
         std::memcpy(dense.data() + h * n * row,
                     cache->values.data() + offsets[cache->head_index(l, h)] * row, n * row);
       }
-      HeadsView v = HeadsView::Dense(dense.data(), layout.dtype, layout.num_kv_heads, n,
-                                     layout.head_dim);
+      HeadsView v =
+          HeadsView::Dense(dense.data(), layout.dtype, layout.num_kv_heads, n, layout.head_dim);
       KVCOMP_RETURN_IF_ERROR(calibrator->AddLayer(l, v));
     }
     ++used;

@@ -34,9 +34,9 @@ template <typename... Args>
 void Log(LogLevel level, const Args&... args) {
   if (static_cast<int>(level) < LogThreshold().load()) return;
   static const char* kNames[] = {"D", "I", "W", "E"};
-  std::string line = absl::StrCat(
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()), " ",
-      kNames[static_cast<int>(level)], " kvcompd: ", args..., "\n");
+  std::string line =
+      absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()), " ",
+                   kNames[static_cast<int>(level)], " kvcompd: ", args..., "\n");
   ssize_t ignored = write(STDERR_FILENO, line.data(), line.size());
   (void)ignored;
 }

@@ -46,8 +46,7 @@ int main(int argc, char** argv) {
     }
     (*daemon)->Tick();
   }
-  absl::Status s =
-      (*daemon)->Shutdown(absl::Seconds(cl.options.process.shutdown_grace_seconds));
+  absl::Status s = (*daemon)->Shutdown(absl::Seconds(cl.options.process.shutdown_grace_seconds));
   daemon->reset();
   return s.ok() ? 0 : 3;
 }

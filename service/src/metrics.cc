@@ -109,7 +109,8 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
   m.original_total =
       counter(mn::kOriginalBytesTotal, "Uncompressed bytes (K and V) of every cache stored.");
   m.stored_total = counter(mn::kStoredBytesTotal, "Compressed bytes written to the store.");
-  m.saved_total = counter(mn::kSavedBytesTotal, "Original minus stored bytes of every cache stored.");
+  m.saved_total =
+      counter(mn::kSavedBytesTotal, "Original minus stored bytes of every cache stored.");
   m.served_total = counter(mn::kServedBytesTotal, "Cache bytes sent to clients by gets.");
   m.saved = gauge(mn::kSavedBytes, "Original minus stored bytes of the caches stored now.");
   m.original = gauge(mn::kOriginalBytes, "Uncompressed bytes of the caches stored now.");
@@ -118,15 +119,14 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
                  .Name(mn::kCompressionRatio)
                  .Help("Original over stored bytes of each cache stored.")
                  .Register(r)
-                 .Add({}, prometheus::Histogram::BucketBoundaries{1, 1.25, 1.5, 2, 2.5, 3, 4, 5,
-                                                                  6, 8, 10, 12, 16, 24, 32});
+                 .Add({}, prometheus::Histogram::BucketBoundaries{1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6,
+                                                                  8, 10, 12, 16, 24, 32});
   m.op_family = &prometheus::BuildHistogram()
                      .Name(mn::kOperationDurationSeconds)
                      .Help("Duration of a data-plane request in the daemon, by operation.")
                      .Register(r);
   for (Op op : {Op::kPut, Op::kGet, Op::kLookup, Op::kDelete}) {
-    m.ops[op] =
-        &m.op_family->Add({{mn::kLabelOp, std::string(OpName(op))}}, LatencyBuckets());
+    m.ops[op] = &m.op_family->Add({{mn::kLabelOp, std::string(OpName(op))}}, LatencyBuckets());
   }
   m.stage_family = &prometheus::BuildHistogram()
                         .Name(mn::kStageDurationSeconds)
@@ -227,9 +227,8 @@ void Metrics::SetTier(const TierSample& s) {
 void Metrics::SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes) {
   impl_->caches->Set(static_cast<double>(caches));
   impl_->original->Set(static_cast<double>(original_bytes));
-  impl_->saved->Set(original_bytes > stored_bytes
-                        ? static_cast<double>(original_bytes - stored_bytes)
-                        : 0.0);
+  impl_->saved->Set(
+      original_bytes > stored_bytes ? static_cast<double>(original_bytes - stored_bytes) : 0.0);
 }
 
 void Metrics::SetScrapeHook(std::function<void()> hook) {
@@ -302,8 +301,8 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(const std::str
   ep->ctx_ = std::make_unique<Context>();
   ep->ctx_->handlers = std::move(handlers);
   std::string ports = absl::StrCat(address, ":", port);
-  const char* options[] = {"listening_ports", ports.c_str(), "num_threads", "4",
-                           "request_timeout_ms", "10000", nullptr};
+  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "4",
+                           "request_timeout_ms", "10000",       nullptr};
   mg_callbacks callbacks;
   std::memset(&callbacks, 0, sizeof(callbacks));
   ep->ctx_->ctx = mg_start(&callbacks, nullptr, options);

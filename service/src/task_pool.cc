@@ -43,9 +43,8 @@ size_t TaskPool::depth() const {
 
 bool TaskPool::WaitIdle(absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return queue_.empty() && running_ == 0;
-  };
+  auto idle = [this]()
+                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.empty() && running_ == 0; };
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
 
@@ -55,9 +54,8 @@ void TaskPool::Run(int index) {
     absl::AnyInvocable<void()> task;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !queue_.empty() || stopping_;
-      };
+      auto ready = [this]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stopping_; };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping and drained
       task = std::move(queue_.front());

@@ -107,8 +107,7 @@ class ControlTest : public ::testing::Test {
     return d;
   }
   std::unique_ptr<UcxClient> Connect(const KvcompdProcess& d, const std::string& tenant = "",
-                                     const std::string& token = "",
-                                     absl::Status* error = nullptr) {
+                                     const std::string& token = "", absl::Status* error = nullptr) {
     transport::ClientOptions o;
     o.ucx.overrides["TLS"] = "tcp";
     auto c = UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant, token, o);
@@ -306,7 +305,8 @@ TEST_F(ControlTest, CalibrateThenEncodedPutsAndDecodedGets) {
         for (uint32_t j = 0; j < kLayout.head_dim; ++j) {
           float got_v = LoadAsFloat(cache->values.data(), DType::kF16, i * kLayout.head_dim + j);
           size_t at = ((uint64_t{l} * kLayout.num_kv_heads + h) * kTokens + cache->positions[i]) *
-                          kLayout.head_dim + j;
+                          kLayout.head_dim +
+                      j;
           err += (got_v - sent[at]) * (got_v - sent[at]);
           norm += sent[at] * sent[at];
         }
@@ -538,8 +538,10 @@ TEST_F(ControlTest, ConfigurationCommandLine) {
 
 TEST_F(ControlTest, ThriftOverTls) {
   const std::string cert = dir_.path() + "/cert.pem", key = dir_.path() + "/key.pem";
-  std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
-                    "-keyout " + key + " -out " + cert + " >/dev/null 2>&1";
+  std::string cmd =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+      "-keyout " +
+      key + " -out " + cert + " >/dev/null 2>&1";
   if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "openssl CLI not available";
   auto d = StartDaemon({"--control_plane.tls=true", "--control_plane.tls_cert_file=" + cert,
                         "--control_plane.tls_key_file=" + key});

@@ -124,8 +124,8 @@ class DaemonTest : public ::testing::TestWithParam<std::string> {
     daemon_ = std::make_unique<KvcompdProcess>(TestBinary(), dir_.path() + "/data", flags);
     ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
   }
-  std::unique_ptr<UcxClient> Connect(const std::string& tenant = "",
-                                     const std::string& token = "", absl::Status* error = nullptr,
+  std::unique_ptr<UcxClient> Connect(const std::string& tenant = "", const std::string& token = "",
+                                     absl::Status* error = nullptr,
                                      absl::Duration timeout = absl::Seconds(30)) {
     transport::ClientOptions o;
     o.ucx.overrides["TLS"] = GetParam();

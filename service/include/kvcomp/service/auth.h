@@ -38,8 +38,7 @@ class TokenStore {
   // "default") when `token` is that tenant's token (constant-time comparison).
   // Unauthenticated (missing token, unknown tenant or wrong token; one message for all, so a
   // caller learns nothing about which tenants exist).
-  absl::StatusOr<std::string> Authenticate(absl::string_view tenant,
-                                           absl::string_view token) const;
+  absl::StatusOr<std::string> Authenticate(absl::string_view tenant, absl::string_view token) const;
 
   bool open_mode() const;
   std::vector<std::string> tenants() const;  // sorted; {"default"} in open mode

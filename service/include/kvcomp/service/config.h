@@ -26,7 +26,7 @@ struct ConfigField {
   std::string type;  // "string", "bool", "int", "uint", "bytes", "seconds", "fraction", "enum"
   std::string help;  // one line, with the unit and default
   std::function<absl::Status(Options&, absl::string_view)> set;  // parses and assigns
-  std::function<std::string(const Options&)> get;                 // current value as text
+  std::function<std::string(const Options&)> get;                // current value as text
 
   std::string flag() const;     // "--" + key
   std::string env_var() const;  // "KVCOMP_" + upper(key with '.' -> '_')
@@ -56,7 +56,7 @@ struct CommandLine {
   bool print_config = false;  // --print-config: dump the effective YAML and exit
   bool exit_now = false;      // --help was printed (exit_code 0) or parsing failed
   int exit_code = 0;
-  std::string config_file;    // --config / KVCOMP_CONFIG
+  std::string config_file;  // --config / KVCOMP_CONFIG
 };
 
 // Parses argv with CLI11 (every field is a flag; --help lists them all with their defaults and

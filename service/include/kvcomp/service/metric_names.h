@@ -31,11 +31,11 @@ inline constexpr char kCompressionRatio[] = "kvcomp_compression_ratio";
 inline constexpr char kServedBytesTotal[] = "kvcomp_served_bytes_total";
 
 // --- tiers, label {tier} = device | host | rocksdb (storage::TierName) ---
-inline constexpr char kTierStoredBytes[] = "kvcomp_tier_stored_bytes";          // gauge
-inline constexpr char kTierCapacityBytes[] = "kvcomp_tier_capacity_bytes";      // gauge
-inline constexpr char kTierEntries[] = "kvcomp_tier_entries";                   // gauge
-inline constexpr char kTierDemotionsTotal[] = "kvcomp_tier_demotions_total";    // counter
-inline constexpr char kTierEvictionsTotal[] = "kvcomp_tier_evictions_total";    // counter
+inline constexpr char kTierStoredBytes[] = "kvcomp_tier_stored_bytes";        // gauge
+inline constexpr char kTierCapacityBytes[] = "kvcomp_tier_capacity_bytes";    // gauge
+inline constexpr char kTierEntries[] = "kvcomp_tier_entries";                 // gauge
+inline constexpr char kTierDemotionsTotal[] = "kvcomp_tier_demotions_total";  // counter
+inline constexpr char kTierEvictionsTotal[] = "kvcomp_tier_evictions_total";  // counter
 
 // --- latency ---
 // Histogram, label {op} = put | get | lookup | delete: one request end to end in the daemon.

@@ -26,7 +26,7 @@ namespace service {
 
 enum class Op { kPut, kGet, kLookup, kDelete };
 enum class Stage { kReceive, kCompress, kStore, kServe };
-absl::string_view OpName(Op op);        // "put", "get", "lookup", "delete"
+absl::string_view OpName(Op op);       // "put", "get", "lookup", "delete"
 absl::string_view StageName(Stage s);  // "receive", "compress", "store", "serve"
 // The {code} label of kvcomp_errors_total: "busy" for BusyError, else absl's code in snake
 // case ("invalid_argument", "not_found", ...).

@@ -88,13 +88,13 @@ struct StorageOptions {
   std::string durability = "disk";
   std::string put_tier = "host";       // tier a put lands in: device, host or rocksdb. host
   uint64_t device_capacity_bytes = 0;  // GPU tier; 0 = no GPU tier. Default 0
-  uint64_t host_capacity_bytes = uint64_t{1} << 30;  // host tier; 0 = none. Default 1 GiB
-  bool rocksdb_enabled = true;                        // RocksDB tier on. Default true
+  uint64_t host_capacity_bytes = uint64_t{1} << 30;      // host tier; 0 = none. Default 1 GiB
+  bool rocksdb_enabled = true;                           // RocksDB tier on. Default true
   uint64_t rocksdb_capacity_bytes = uint64_t{64} << 30;  // RocksDB payload bytes. 64 GiB
-  double high_watermark = 0.90;  // a tier above this fraction of capacity demotes. 0.90
-  double low_watermark = 0.75;   // ... down to this fraction. 0.75
-  bool promote_on_read = true;   // a get from RocksDB copies the cache into the host tier. true
-  double ttl_seconds = 0;        // caches expire this long after their put; 0 = never
+  double high_watermark = 0.90;     // a tier above this fraction of capacity demotes. 0.90
+  double low_watermark = 0.75;      // ... down to this fraction. 0.75
+  bool promote_on_read = true;      // a get from RocksDB copies the cache into the host tier. true
+  double ttl_seconds = 0;           // caches expire this long after their put; 0 = never
   uint64_t tenant_quota_bytes = 0;  // stored bytes per tenant; 0 = unlimited
   bool verify_checksums_on_open = true;  // check every RocksDB payload's CRC at start. true
 };
