@@ -19,7 +19,7 @@ from test_metrics import exported, substitute
 PODS = ["kvcomp-0", "kvcomp-1"]
 # Label values of each metric, per metric_names.h.
 DIMENSIONS = {
-    "kvcomp_tier_": {"tier": ["device", "host", "disk"]},
+    "kvcomp_tier_": {"tier": ["device", "host", "rocksdb"]},
     "kvcomp_operation_duration_seconds": {"op": ["put", "get", "lookup", "delete"]},
     "kvcomp_stage_duration_seconds": {"stage": ["receive", "compress", "store", "serve"]},
     "kvcomp_errors_total": {"op": ["put", "get"], "code": ["busy", "invalid_argument"]},

@@ -21,6 +21,20 @@ GRAFANA_VARS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h",
                 "${datasource}": "prom", "$namespace": ".*", "$pod": ".*"}
 
 
+def label_values():
+    """{label: allowed values} from metric_names.h's comments: `{tier} = device | host | ...`,
+    and the status codes listed for `code`."""
+    with open(METRIC_NAMES_H) as f:
+        text = f.read()
+    values = {}
+    for label, alternatives in re.findall(r"\{(\w+)\} = ([a-z_]+(?: \| [a-z_]+)+)", text):
+        values[label] = set(alternatives.split(" | "))
+    codes = re.search(r"code = the status code[^(]*\(([^)]*)\)", text.replace("\n//", ""))
+    if codes:
+        values["code"] = {c.strip() for c in codes.group(1).split(",") if c.strip() != "..."}
+    return values
+
+
 def exported():
     """{metric name: kind} from metric_names.h, kind 'histogram' or 'other'; and label names."""
     with open(METRIC_NAMES_H) as f:
@@ -44,8 +58,9 @@ def exported():
     return metrics, labels
 
 
-def selectors(expr):
-    """(metric names, label names) an expression uses."""
+def selectors(expr, matched=None):
+    """(metric names, label names) an expression uses; label matchers go to `matched` as
+    (label, op, value)."""
     names, labels = [], set()
 
     def visit(node):
@@ -57,6 +72,8 @@ def selectors(expr):
                     names.append(m.value)
                 else:
                     labels.add(m.name)
+                    if matched is not None:
+                        matched.append((m.name, str(m.op), m.value))
         elif isinstance(node, promql.AggregateExpr) and node.modifier is not None:
             labels.update(node.modifier.labels)
         elif isinstance(node, promql.BinaryExpr) and node.modifier is not None:
@@ -100,11 +117,13 @@ def check(queries):
     metrics, metric_labels = exported()
     assert len(metrics) >= 20, f"parsed only {sorted(metrics)} from {METRIC_NAMES_H}"
     allowed_labels = metric_labels | TARGET_LABELS
+    known_values = label_values()
     problems = []
     used = set()
     for where, expr in queries:
+        matched = []
         try:
-            names, labels = selectors(expr)
+            names, labels = selectors(expr, matched)
         except Exception as e:  # a PromQL syntax error
             problems.append(f"{where}: cannot parse {expr!r}: {e}")
             continue
@@ -119,6 +138,16 @@ def check(queries):
                 problems.append(f"{where}: {name} is not exported by kvcompd")
         for label in labels - allowed_labels:
             problems.append(f"{where}: label {label} is neither a kvcomp label nor a target label")
+        for label, op, value in matched:
+            if label not in known_values or value == ".*":
+                continue
+            # Equality, or a regex of plain alternatives (code!~"busy|not_found").
+            words = [value] if op.endswith("Equal") else value.split("|")
+            if all(re.fullmatch(r"[a-z_]+", w) for w in words):
+                for w in words:
+                    if w not in known_values[label]:
+                        problems.append(f"{where}: {label}={w!r} is not a value kvcompd exports "
+                                        f"(metric_names.h: {sorted(known_values[label])})")
     assert not problems, "\n".join(problems)
     return used
 
@@ -131,6 +160,9 @@ def test_metric_names_header_parses():
     assert metrics["kvcomp_stage_duration_seconds"] == "histogram"
     assert metrics["kvcomp_saved_bytes"] == "other"
     assert {"tier", "stage", "op", "code"} <= labels
+    values = label_values()
+    assert values["tier"] >= {"device", "host"} and values["stage"] >= {"compress", "serve"}
+    assert {"busy", "not_found", "data_loss"} <= values["code"]
 
 
 def test_dashboard_uses_only_exported_metrics():
@@ -156,6 +188,10 @@ def test_checker_catches_unknown_names():
         check([("test", "kvcomp_saved_bytes_bucket")])  # not a histogram
     with pytest.raises(AssertionError, match="label shard"):
         check([("test", "sum by (shard) (kvcomp_queue_depth)")])
+    with pytest.raises(AssertionError, match="tier='disk' is not a value"):
+        check([("test", 'kvcomp_tier_entries{tier="disk"}')])
+    with pytest.raises(AssertionError, match="code='dataloss' is not a value"):
+        check([("test", 'kvcomp_errors_total{code=~"busy|dataloss"}')])
     with pytest.raises(AssertionError, match="cannot parse"):
         check([("test", "sum(kvcomp_queue_depth")])
 

@@ -131,7 +131,7 @@ def build():
 
     L.row("Tiers")
     L.add(timeseries(
-        "Tier occupancy", "Stored bytes over capacity per tier (device, host, disk).",
+        "Tier occupancy", "Stored bytes over capacity per tier (device, host, rocksdb).",
         targets((f"sum by (tier) (kvcomp_tier_stored_bytes{{{SEL}}}) / "
                  f"sum by (tier) (kvcomp_tier_capacity_bytes{{{SEL}}} > 0)", "{{tier}}")),
         "percentunit"), 8, 8)
@@ -144,8 +144,8 @@ def build():
         "Tier entries", "Caches held per tier.",
         targets((f"sum by (tier) (kvcomp_tier_entries{{{SEL}}})", "{{tier}}")), "short"), 8, 8)
     L.add(timeseries(
-        "Demotions and evictions", "Entries moved down a tier, and entries evicted (from the "
-        "last tier: gone from the store), per second.",
+        "Demotions and evictions", "Entries moved down a tier, and entries evicted (dropped "
+        "from the store for lack of room), per second.",
         targets((f"sum by (tier) (rate(kvcomp_tier_demotions_total{{{SEL}}}[{RATE}]))",
                  "{{tier}} demoted"),
                 (f"sum by (tier) (rate(kvcomp_tier_evictions_total{{{SEL}}}[{RATE}]))",
