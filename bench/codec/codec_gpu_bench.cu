@@ -145,7 +145,8 @@ int main(int argc, char** argv) {
                                  static_cast<uint32_t>(g), static_cast<uint32_t>(lb),
                                  codec == ValueCodec::kOrthogonalInt8   ? codec_cuda::LatentKind::kInt8
                                  : codec == ValueCodec::kOrthogonalInt4 ? codec_cuda::LatentKind::kInt4
-                                                                        : codec_cuda::LatentKind::kF16};
+                                                                        : codec_cuda::LatentKind::kF16,
+                                 rank % 8 == 0};
       const size_t smem = codec_cuda::DecodeSmemBytes<128>(r_pad);
       BENCH_CUDA_CHECK(cudaFuncSetAttribute(codec_cuda::DecodeValuesKernel<__nv_bfloat16, 128>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,

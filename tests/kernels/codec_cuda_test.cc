@@ -150,12 +150,15 @@ void CompareCodec(Backends& b, uint32_t d, ValueCodec codec, uint32_t rank, uint
     for (uint64_t i = 0; i < n; ++i) {
       double norm = 0;
       for (uint32_t k = 0; k < d; ++k) norm += std::pow(LoadAsFloat(oc.data(), od, i * d + k), 2);
-      const double tol = 3e-3 * std::sqrt(norm / d) + 1e-4 + (od == DType::kF32 ? 0 : 8e-3 * std::sqrt(norm / d));
+      // f16 decode matrix on the GPU (relative 2^-11 per product), plus one unit in the last
+      // place of the output dtype where the two sides round a near-tie differently.
+      const double tol = 3e-3 * std::sqrt(norm / d) + 1e-4;
+      const double ulp = od == DType::kBF16 ? 1.0 / 128 : od == DType::kF16 ? 1.0 / 1024 : 0.0;
       for (uint32_t k = 0; k < d; ++k) {
         const float c = LoadAsFloat(oc.data(), od, i * d + k);
         const float gg = LoadAsFloat(og.data(), od, i * d + k);
         ASSERT_TRUE(std::isfinite(gg)) << "unwritten output " << i << " " << k;
-        ASSERT_NEAR(gg, c, tol) << ValueCodecName(codec) << " d=" << d << " row " << i << " " << k;
+        ASSERT_NEAR(gg, c, tol + 1.01 * ulp * std::fabs(c)) << ValueCodecName(codec) << " d=" << d << " row " << i << " " << k;
       }
     }
   }

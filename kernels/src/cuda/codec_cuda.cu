@@ -144,7 +144,10 @@ class CudaCodecOps final : public CodecOps {
                                params.group_size,
                                static_cast<uint32_t>(params.Groups()),
                                static_cast<uint32_t>(params.LatentBytes()),
-                               KindOf(params.codec)};
+                               KindOf(params.codec),
+                               params.rank % 8 == 0 &&
+                                   (params.Groups() == 0 || params.group_size % 8 == 0) &&
+                                   reinterpret_cast<uintptr_t>(dl) % 16 == 0};
     switch (d) {
       case 64:
         KVCOMP_RETURN_IF_ERROR(DecodeByDType<64>(p, rows, out_dtype, &st));

@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(kEncodeThreads) EncodeValuesKernel(EncodeParam
 
 constexpr int kDecodeThreads = 128;  // 4 warps
 constexpr int kDecodeSubTiles = 4;   // sub-tiles of M rows per block (rows per tile: 4 M)
+constexpr int kStageLd = 20;         // floats per row of a warp's 16x16 output staging tile
 
 template <int D>
 struct DecodeShape {
@@ -162,7 +163,6 @@ struct DecodeShape {
   static constexpr int kColsPerWarp = D / kColGroups;
   static constexpr int kFrags = kColsPerWarp / 16;
   static constexpr int kLdD = D + 8;                     // halves, padding against bank conflicts
-  static constexpr int kLdC = D + 4;                     // floats
   static constexpr int kTileRows = M * kDecodeSubTiles;
 };
 
@@ -174,6 +174,7 @@ struct DecodeParams {
   void* out;          // [rows][D] of T
   uint32_t r, r_pad, group_size, groups, latent_bytes;
   LatentKind kind;
+  bool vector_path;   // r % 8 == 0, group_size % 8 == 0, latent 16-byte aligned
 };
 
 template <int D>
@@ -181,7 +182,97 @@ __host__ __device__ constexpr size_t DecodeSmemBytes(uint32_t r_pad) {
   using S = DecodeShape<D>;
   return static_cast<size_t>(r_pad) * S::kLdD * 2 +        // decode matrix
          static_cast<size_t>(S::M) * (r_pad + 8) * 2 +      // dequantized latent
-         static_cast<size_t>(S::M) * S::kLdC * 4;           // f32 output tile
+         static_cast<size_t>(kDecodeThreads / 32) * 16 * kStageLd * 4;  // per-warp staging
+}
+
+__device__ __forceinline__ float ScaleAt(const DecodeParams& p, uint64_t row, uint32_t j) {
+  return __half2float(__ushort_as_half(p.scales[row * p.groups + j / p.group_size]));
+}
+
+// Dequantizes rows [grow0, grow0 + m) of the latent into `as` (M x r_pad f16, ld lda), zeros
+// beyond m rows and r columns. Vector path: 8 latent elements (one scale) per thread-iteration.
+template <int M>
+__device__ __forceinline__ void DequantizeTile(const DecodeParams& p, uint64_t grow0, uint32_t m,
+                                               __half* as, uint32_t lda) {
+  const uint32_t r = p.r, r_pad = p.r_pad;
+  if (p.vector_path) {
+    const uint32_t cpr = r_pad / 8;
+    for (uint32_t i = threadIdx.x; i < M * cpr; i += blockDim.x) {
+      const uint32_t t = i / cpr, j = (i - t * cpr) * 8;
+      uint4 packed = make_uint4(0, 0, 0, 0);
+      if (t < m && j < r) {
+        const uint64_t g = grow0 + t;
+        const uint8_t* row = p.latent + g * p.latent_bytes;
+        __half2* h = reinterpret_cast<__half2*>(&packed);
+        if (p.kind == LatentKind::kF16) {
+          packed = *reinterpret_cast<const uint4*>(row + 2 * j);
+        } else if (p.kind == LatentKind::kInt8) {
+          const float s = ScaleAt(p, g, j);
+          const uint2 raw = *reinterpret_cast<const uint2*>(row + j);
+          const uint32_t w[2] = {raw.x, raw.y};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t word = w[k / 2];
+            const int sh = (k % 2) * 16;
+            const float a = static_cast<float>(static_cast<int8_t>((word >> sh) & 0xff)) * s;
+            const float b = static_cast<float>(static_cast<int8_t>((word >> (sh + 8)) & 0xff)) * s;
+            h[k] = __floats2half2_rn(a, b);
+          }
+        } else {
+          const float s = ScaleAt(p, g, j);
+          const uint32_t raw = *reinterpret_cast<const uint32_t*>(row + j / 2);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t byte = (raw >> (8 * k)) & 0xff;
+            h[k] = __floats2half2_rn(Int4Value(byte & 15u) * s, Int4Value(byte >> 4) * s);
+          }
+        }
+      }
+      *reinterpret_cast<uint4*>(as + t * lda + j) = packed;
+    }
+    return;
+  }
+  if (p.kind == LatentKind::kInt4) {
+    const uint32_t hb = r_pad / 2;
+    for (uint32_t i = threadIdx.x; i < M * hb; i += blockDim.x) {
+      const uint32_t t = i / hb, jb = i % hb, j = jb * 2;
+      __half2 v = __floats2half2_rn(0.0f, 0.0f);
+      if (t < m && j < r) {
+        const uint64_t g = grow0 + t;
+        const uint8_t b = p.latent[g * p.latent_bytes + jb];
+        v = __floats2half2_rn(Int4Value(b & 15u) * ScaleAt(p, g, j),
+                              Int4Value(b >> 4) * ScaleAt(p, g, j + 1));
+      }
+      *reinterpret_cast<__half2*>(as + t * lda + j) = v;
+    }
+    return;
+  }
+  for (uint32_t i = threadIdx.x; i < M * r_pad; i += blockDim.x) {
+    const uint32_t t = i / r_pad, j = i % r_pad;
+    float v = 0.0f;
+    if (t < m && j < r) {
+      const uint64_t g = grow0 + t;
+      if (p.kind == LatentKind::kInt8) {
+        v = static_cast<int8_t>(p.latent[g * p.latent_bytes + j]) * ScaleAt(p, g, j);
+      } else {
+        v = __half2float(reinterpret_cast<const __half*>(p.latent + g * p.latent_bytes)[j]);
+      }
+    }
+    as[t * lda + j] = __float2half_rn(v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void Store8(T* dst, const float* src) {
+  if constexpr (sizeof(T) == 4) {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(src[0], src[1], src[2], src[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(src[4], src[5], src[6], src[7]);
+  } else {
+    T v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = FromF<T>(src[k]);
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+  }
 }
 
 template <typename T, int D>
@@ -190,10 +281,10 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeValuesKernel(DecodeParam
   using S = DecodeShape<D>;
   extern __shared__ __align__(128) unsigned char dsmem[];
   const Tile tile = p.tiles[blockIdx.x];
-  const uint32_t r = p.r, r_pad = p.r_pad, lda = r_pad + 8;
+  const uint32_t r_pad = p.r_pad, lda = r_pad + 8;
   __half* dm = reinterpret_cast<__half*>(dsmem);
   __half* as = dm + static_cast<size_t>(r_pad) * S::kLdD;
-  float* cs = reinterpret_cast<float*>(as + static_cast<size_t>(S::M) * lda);
+  float* stage_all = reinterpret_cast<float*>(as + static_cast<size_t>(S::M) * lda);
 
   // The head's decode matrix, 16-byte loads.
   const __half* dg = p.dec + static_cast<uint64_t>(tile.head) * r_pad * D;
@@ -202,45 +293,16 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeValuesKernel(DecodeParam
     *reinterpret_cast<uint4*>(dm + row * S::kLdD + c8) =
         *reinterpret_cast<const uint4*>(dg + static_cast<uint64_t>(row) * D + c8);
   }
-  const int warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wr = warp % S::kRowGroups, wc = warp / S::kRowGroups;
+  float* stage = stage_all + warp * 16 * kStageLd;
   T* out = static_cast<T*>(p.out);
 
-  for (uint32_t sub = 0; sub * S::M < tile.rows; ++sub) {
-    const uint32_t row0 = sub * S::M;
+  for (uint32_t row0 = 0; row0 < tile.rows; row0 += S::M) {
     const uint32_t m = min(static_cast<uint32_t>(S::M), tile.rows - row0);
     const uint64_t grow0 = tile.begin + row0;
-    __syncthreads();  // previous sub-tile's readers of as/cs are done (and dm is loaded)
-    // Dequantize M x r_pad into f16.
-    if (p.kind == LatentKind::kInt4) {
-      const uint32_t hb = r_pad / 2;
-      for (uint32_t i = threadIdx.x; i < S::M * hb; i += blockDim.x) {
-        const uint32_t t = i / hb, jb = i % hb, j = jb * 2;
-        __half2 v = __floats2half2_rn(0.0f, 0.0f);
-        if (t < m && j < r) {
-          const uint8_t b = p.latent[(grow0 + t) * p.latent_bytes + jb];
-          const float s0 = __half2float(__ushort_as_half(p.scales[(grow0 + t) * p.groups + j / p.group_size]));
-          const float s1 = __half2float(__ushort_as_half(p.scales[(grow0 + t) * p.groups + (j + 1) / p.group_size]));
-          v = __floats2half2_rn(Int4Value(b & 15u) * s0, Int4Value(b >> 4) * s1);
-        }
-        *reinterpret_cast<__half2*>(as + t * lda + j) = v;
-      }
-    } else {
-      for (uint32_t i = threadIdx.x; i < S::M * r_pad; i += blockDim.x) {
-        const uint32_t t = i / r_pad, j = i % r_pad;
-        float v = 0.0f;
-        if (t < m && j < r) {
-          const uint64_t g = grow0 + t;
-          if (p.kind == LatentKind::kInt8) {
-            const int q = static_cast<int8_t>(p.latent[g * p.latent_bytes + j]);
-            v = q * __half2float(__ushort_as_half(p.scales[g * p.groups + j / p.group_size]));
-          } else {
-            v = __half2float(reinterpret_cast<const __half*>(p.latent + g * p.latent_bytes)[j]);
-          }
-        }
-        as[t * lda + j] = __float2half_rn(v);
-      }
-    }
+    __syncthreads();  // the previous sub-tile's MMAs are done with `as` (and dm is loaded)
+    DequantizeTile<S::M>(p, grow0, m, as, lda);
     __syncthreads();
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[S::kFrags];
 #pragma unroll
@@ -255,23 +317,18 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeValuesKernel(DecodeParam
         wmma::mma_sync(acc[f], a, b, acc[f]);
       }
     }
+    // Each warp writes its 16 x kColsPerWarp block of V' through a 16 x 16 staging tile: lane
+    // l writes row l / 2, columns (l % 2) * 8 .. + 8 (16 or 32 contiguous bytes).
+    const uint32_t t = wr * 16 + lane / 2;
 #pragma unroll
     for (int f = 0; f < S::kFrags; ++f) {
-      wmma::store_matrix_sync(cs + wr * 16 * S::kLdC + wc * S::kColsPerWarp + f * 16, acc[f],
-                              S::kLdC, wmma::mem_row_major);
-    }
-    __syncthreads();
-    // Write V' (4 elements per thread-iteration).
-    for (uint32_t i = threadIdx.x; i < m * (D / 4); i += blockDim.x) {
-      const uint32_t t = i / (D / 4), c = (i % (D / 4)) * 4;
-      const float* src = cs + t * S::kLdC + c;
-      T* dst = out + (grow0 + t) * D + c;
-      if constexpr (sizeof(T) == 4) {
-        *reinterpret_cast<float4*>(dst) = make_float4(src[0], src[1], src[2], src[3]);
-      } else {
-        T v[4] = {FromF<T>(src[0]), FromF<T>(src[1]), FromF<T>(src[2]), FromF<T>(src[3])};
-        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(v);
+      wmma::store_matrix_sync(stage, acc[f], kStageLd, wmma::mem_row_major);
+      __syncwarp();
+      if (t < m) {
+        const uint32_t c = wc * S::kColsPerWarp + f * 16 + (lane % 2) * 8;
+        Store8<T>(out + (grow0 + t) * D + c, stage + (lane / 2) * kStageLd + (lane % 2) * 8);
       }
+      __syncwarp();
     }
   }
 }
