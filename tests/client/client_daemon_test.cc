@@ -171,8 +171,8 @@ TEST(ClientReplicas, KilledDaemonFailsOverAndWritesGoToSurvivors) {
     const std::string key = "r" + std::to_string(i);
     auto put = (*c)->Put(kModel, key, cache.layout, cache.tokens, cache.layers());
     ASSERT_TRUE(put.ok()) << put.status();
-    std::vector<std::string> want((*c)->Ranking(kModel, key).begin(),
-                                  (*c)->Ranking(kModel, key).begin() + 2);
+    std::vector<std::string> want = (*c)->Ranking(kModel, key);
+    want.resize(2);
     EXPECT_EQ(put->endpoints, want);
   }
   const std::string victim = (*c)->Ranking(kModel, "r0")[0];
