@@ -4,8 +4,6 @@
 //
 //   scoring: cpu/scoring_cpu.cc (issue 3)   moments: cpu/moments_cpu.cc (issue 4)
 //   codec:   cpu/codec_cpu.cc (issue 5)
-// Until an op group's owner adds its factory, kernels/src/cpu/pending_ops.cc defines it with the
-// (empty) base class; delete that definition when you add yours.
 #ifndef KVCOMP_KERNELS_SRC_CPU_CPU_OPS_H_
 #define KVCOMP_KERNELS_SRC_CPU_CPU_OPS_H_
 
