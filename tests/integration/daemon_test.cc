@@ -2,12 +2,17 @@
 // UCX (the transport's UcxClient, UCX_TLS=tcp and posix,tcp) and Thrift, with /metrics scraped
 // and checked against what was sent and stored.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvcomp/core/crc32c.h"
@@ -332,6 +337,50 @@ TEST_P(DaemonTest, MalformedTrafficGetsClearStatusesAndDaemonKeepsServing) {
   EXPECT_TRUE(daemon_->running());
 }
 
+TEST_P(DaemonTest, ClientKilledMidPutLeavesNoHalfCache) {
+  StartDaemon({"--data_plane.put_timeout_seconds=2"});
+  const HostKv kv = MakeKv(kLayout, kTokens, 5);
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  pid_t child = fork();
+  if (child == 0) {
+    // The child owns its own UCX context: it begins a put, sends half of it, then dies hard.
+    auto c = Connect();
+    if (c == nullptr) _exit(3);
+    auto id = c->PutBegin(MakeBegin(kv, "m", "killed"));
+    if (!id.ok()) _exit(4);
+    wire::Block b = MakeBlock(*id, kLayout, 0, 1, 0, kTokens);
+    std::vector<uint16_t> k, v;
+    Slice(kv, b, &k, &v);
+    if (!c->SendBlock(b, k.data(), v.data()).ok()) _exit(5);
+    char byte = 1;
+    if (write(ready[1], &byte, 1) != 1) _exit(6);
+    raise(SIGKILL);
+    _exit(7);
+  }
+  close(ready[1]);
+  char byte = 0;
+  ASSERT_EQ(read(ready[0], &byte, 1), 1) << "child failed before its put";
+  close(ready[0]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  // The daemon notices (disconnect, or the put timeout at the latest) and drops the put.
+  std::string m;
+  for (int i = 0; i < 100; ++i) {
+    m = Metrics();
+    if (MetricValue(m, "kvcomp_puts_in_progress") == 0) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(MetricValue(m, "kvcomp_puts_in_progress"), 0);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->Lookup("m", "killed").status().code(), absl::StatusCode::kNotFound);
+  // The same key can be put whole afterwards.
+  EXPECT_TRUE(PutCache(*c, kv, "m", "killed", 128).ok());
+  EXPECT_TRUE(c->Get("m", "killed").ok());
+}
+
 TEST_P(DaemonTest, BackPressureIsBusyNotUnboundedQueueing) {
   StartDaemon({"--data_plane.max_open_puts=1"});
   auto c = Connect("", "", nullptr, absl::Milliseconds(500));
@@ -344,6 +393,33 @@ TEST_P(DaemonTest, BackPressureIsBusyNotUnboundedQueueing) {
   ASSERT_TRUE(c->PutAbort(*first).ok());
   EXPECT_TRUE(PutCache(*c, kv, "m", "b", 256).ok());
   EXPECT_GE(MetricValue(Metrics(), "kvcomp_errors_total{code=\"busy\",op=\"put\"}"), 1);
+}
+
+TEST_P(DaemonTest, ConcurrentClientsThroughABoundedQueue) {
+  // One worker and a queue of one: commits beyond it are answered busy and retried by the
+  // clients; every put ends stored, none is lost or duplicated.
+  StartDaemon({"--engine.workers=1", "--engine.queue_capacity=1"});
+  constexpr int kClients = 4, kPuts = 3;
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = Connect();
+      if (c == nullptr) return;
+      const HostKv kv = MakeKv(kLayout, kTokens, 100 + t);
+      for (int i = 0; i < kPuts; ++i) {
+        auto r = PutCache(*c, kv, "m", "c" + std::to_string(t) + "-" + std::to_string(i), 64);
+        if (r.ok()) ok++;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(ok.load(), kClients * kPuts);
+  std::string m = MetricsWithCaches(kClients * kPuts);
+  EXPECT_EQ(MetricValue(m, "kvcomp_caches_stored"), kClients * kPuts);
+  EXPECT_EQ(MetricValue(m, "kvcomp_operation_duration_seconds_count{op=\"put\"}"),
+            kClients * kPuts);
+  EXPECT_EQ(MetricValue(m, "kvcomp_queue_depth"), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, DaemonTest, ::testing::Values("tcp", "posix,tcp"),
