@@ -80,7 +80,7 @@ void BenchMoments(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDevicePro
   const kvcomp::TokenLists el{dei, deo, heads, kvcomp::MemorySpace::kDevice};
 
   const double min_bytes = 2.0 * elems * 2 + 2.0 * kept.size() * d * 2;  // read K,V; write kept
-  const double gather_bytes = 2.0 * ev.size() * d * 2;                    // read evicted K,V
+  const double gather_bytes = 2.0 * ev.size() * d * 2;                   // read evicted K,V
   double copy_us = 0;
   const double copy = CopyGBps(static_cast<size_t>(min_bytes / 2), stream, 2, &copy_us);
 
@@ -110,8 +110,8 @@ void BenchMoments(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDevicePro
   const uint64_t chunks = (tokens + p.chunk - 1) / p.chunk;
   const double kern_us = MedianMicros(
       [&](int) {
-        BENCH_CUDA_CHECK((kvcomp::moments_cuda::LaunchMomentKernel<__nv_bfloat16, 128, true>(
-            p, chunks, stream)));
+        BENCH_CUDA_CHECK((
+            kvcomp::moments_cuda::LaunchMomentKernel<__nv_bfloat16, 128, true>(p, chunks, stream)));
       },
       stream, 3, 20);
   auto gbps = [](double bytes, double us) { return bytes / (us * 1e3); };
@@ -119,17 +119,18 @@ void BenchMoments(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDevicePro
       "RESULT bench=moments_compact heads=%u tokens=%llu d=%u keep=%.2f copy_GBps=%.0f "
       "op_us=%.1f op_GBps=%.0f op_pct_copy=%.0f kernel_us=%.1f kernel_GBps=%.0f "
       "kernel_pct_copy=%.0f\n",
-      heads, static_cast<unsigned long long>(tokens), d, keep, copy, op_us,
-      gbps(min_bytes, op_us), 100.0 * gbps(min_bytes, op_us) / copy, kern_us,
-      gbps(min_bytes, kern_us), 100.0 * gbps(min_bytes, kern_us) / copy);
-  std::printf("RESULT bench=moments_gather heads=%u tokens=%llu evicted=%zu op_us=%.1f "
-              "op_GBps=%.0f op_pct_copy=%.0f\n",
-              heads, static_cast<unsigned long long>(tokens), ev.size(), gather_us,
-              gbps(gather_bytes, gather_us), 100.0 * gbps(gather_bytes, gather_us) / copy);
+      heads, static_cast<unsigned long long>(tokens), d, keep, copy, op_us, gbps(min_bytes, op_us),
+      100.0 * gbps(min_bytes, op_us) / copy, kern_us, gbps(min_bytes, kern_us),
+      100.0 * gbps(min_bytes, kern_us) / copy);
+  std::printf(
+      "RESULT bench=moments_gather heads=%u tokens=%llu evicted=%zu op_us=%.1f "
+      "op_GBps=%.0f op_pct_copy=%.0f\n",
+      heads, static_cast<unsigned long long>(tokens), ev.size(), gather_us,
+      gbps(gather_bytes, gather_us), 100.0 * gbps(gather_bytes, gather_us) / copy);
   for (void* x : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(dki),
-                  static_cast<void*>(dko), static_cast<void*>(dei), static_cast<void*>(deo),
-                  out_k, out_v, static_cast<void*>(cnt), static_cast<void*>(ks),
-                  static_cast<void*>(vs), static_cast<void*>(s)}) {
+                  static_cast<void*>(dko), static_cast<void*>(dei), static_cast<void*>(deo), out_k,
+                  out_v, static_cast<void*>(cnt), static_cast<void*>(ks), static_cast<void*>(vs),
+                  static_cast<void*>(s)}) {
     BENCH_CUDA_CHECK(cudaFree(x));
   }
 }
@@ -161,8 +162,8 @@ void BenchAttention(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDeviceP
   float* out;
   BENCH_CUDA_CHECK(cudaMalloc(&out, size_t{hq} * nq * d * 4));
   kvcomp::AttentionParams p;
-  p.queries = kvcomp::HeadsView::Dense(dq, kvcomp::DType::kBF16, hq, nq, d,
-                                       kvcomp::MemorySpace::kDevice);
+  p.queries =
+      kvcomp::HeadsView::Dense(dq, kvcomp::DType::kBF16, hq, nq, d, kvcomp::MemorySpace::kDevice);
   p.kv = kvcomp::RaggedKv{dk, dv, kvcomp::DType::kBF16, doff, hk, d, kvcomp::MemorySpace::kDevice};
   p.moments = kvcomp::ConstMomentsView(
       kvcomp::MomentsView{dc, dks, dvs, ds, hk, d, kvcomp::MemorySpace::kDevice});
@@ -170,8 +171,8 @@ void BenchAttention(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDeviceP
   double op_us[2], kern_us[2];
   for (int corr = 0; corr < 2; ++corr) {
     p.correct = corr == 1;
-    op_us[corr] = MedianMicros([&](int) { Check(gpu.moments().Attention(p), "attention"); },
-                               stream, 3, 30);
+    op_us[corr] =
+        MedianMicros([&](int) { Check(gpu.moments().Attention(p), "attention"); }, stream, 3, 30);
     // Kernel-only: the same launch configuration the op computes.
     kvcomp::attention_cuda::AttentionKernelParams k;
     k.q = dq;
@@ -204,8 +205,9 @@ void BenchAttention(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDeviceP
     k.out = out;
     kern_us[corr] = MedianMicros(
         [&](int) {
-          BENCH_CUDA_CHECK((kvcomp::attention_cuda::LaunchAttention<__nv_bfloat16, __nv_bfloat16,
-                                                                     128>(k, hk, stream)));
+          BENCH_CUDA_CHECK(
+              (kvcomp::attention_cuda::LaunchAttention<__nv_bfloat16, __nv_bfloat16, 128>(k, hk,
+                                                                                          stream)));
         },
         stream, 3, 30);
     BENCH_CUDA_CHECK(cudaFree(ws));

@@ -30,7 +30,7 @@ TEST(MomentAwareTest, FarFromTheSummaryRanksHigher) {
   const uint64_t n = 200;
   std::mt19937_64 rng(1);
   std::vector<float> k = Gaussian(n * d, rng);
-  for (float& x : k) x *= 0.1f;  // a tight cluster around 0 ...
+  for (float& x : k) x *= 0.1f;                            // a tight cluster around 0 ...
   for (uint32_t x = 0; x < d; ++x) k[150 * d + x] = 3.0f;  // ... and one far-away token
   std::vector<float> scores(n);
   for (uint64_t i = 0; i < n; ++i) scores[i] = static_cast<float>(i % 10);
@@ -49,9 +49,9 @@ TEST(MomentAwareTest, FarFromTheSummaryRanksHigher) {
   // Everything kept: scores untouched.
   std::vector<float> same(n, 2.0f);
   sel.kept_per_head = n;
-  ASSERT_TRUE(moments_internal::MomentAwareRescore(kv, sel, TokenPositions{}, nullptr, nullptr,
-                                                   same.data())
-                  .ok());
+  ASSERT_TRUE(
+      moments_internal::MomentAwareRescore(kv, sel, TokenPositions{}, nullptr, nullptr, same.data())
+          .ok());
   for (float s : same) EXPECT_EQ(s, 2.0f);
 }
 
@@ -115,7 +115,8 @@ TEST(MomentAwareTest, PipelineMomentsAreThoseOfTheEvictedTokens) {
         hd.k.assign(k[l].begin() + h * tokens * 64, k[l].begin() + (h + 1) * tokens * 64);
         hd.v.assign(v[l].begin() + h * tokens * 64, v[l].begin() + (h + 1) * tokens * 64);
         std::vector<uint32_t> ev;
-        for (uint32_t t = 0; t < tokens; ++t) if (!kept[t]) ev.push_back(t);
+        for (uint32_t t = 0; t < tokens; ++t)
+          if (!kept[t]) ev.push_back(t);
         const testing::RefMoments r = testing::RefMomentsOf(hd, ev, 64);
         EXPECT_EQ(c->moment_count[hi], r.n);
         for (uint32_t x = 0; x < 64; ++x) {
@@ -141,8 +142,9 @@ TEST(MomentAwareTest, BlockWiseUsesTheRunningSummary) {
   uint64_t total = 0;
   for (int blk = 0; blk < 6; ++blk) {
     std::vector<float> k = Gaussian(2 * 256 * 64, rng), v = Gaussian(2 * 256 * 64, rng);
-    ASSERT_TRUE((*bc)->Append(0, HeadsView::Dense(k.data(), DType::kF32, 2, 256, 64),
-                              HeadsView::Dense(v.data(), DType::kF32, 2, 256, 64))
+    ASSERT_TRUE((*bc)
+                    ->Append(0, HeadsView::Dense(k.data(), DType::kF32, 2, 256, 64),
+                             HeadsView::Dense(v.data(), DType::kF32, 2, 256, 64))
                     .ok());
     total += 256;
   }

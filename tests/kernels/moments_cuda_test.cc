@@ -55,8 +55,9 @@ class MomentsCudaTest : public ::testing::Test {
   DevMoments Zeros(uint32_t heads, uint32_t d) {
     HostMoments z(heads, d);
     DevMoments m{Up(z.count), Up(z.ks), Up(z.vs), Up(z.s), {}};
-    m.view = MomentsView{m.count.as<uint64_t>(), m.ks.as<float>(), m.vs.as<float>(),
-                         m.s.as<float>(), heads, d, MemorySpace::kDevice};
+    m.view = MomentsView{
+        m.count.as<uint64_t>(), m.ks.as<float>(), m.vs.as<float>(), m.s.as<float>(), heads, d,
+        MemorySpace::kDevice};
     return m;
   }
   HostMoments Host(const DevMoments& m, uint32_t heads, uint32_t d) {
@@ -113,10 +114,10 @@ TEST_F(MomentsCudaTest, AccumulateAndCompactMatchCpu) {
                       .Accumulate(hk, hv, TokenLists{ev.data(), eo.data(), heads}, want.view())
                       .ok());
       Buffer dk = Up(k), dv = Up(v), dki = Up(kept), dko = Up(ko), dei = Up(ev), deo = Up(eo);
-      const HeadsView gk = HeadsView::Dense(dk.data(), dtype, heads, tokens, d,
-                                            MemorySpace::kDevice);
-      const HeadsView gv = HeadsView::Dense(dv.data(), dtype, heads, tokens, d,
-                                            MemorySpace::kDevice);
+      const HeadsView gk =
+          HeadsView::Dense(dk.data(), dtype, heads, tokens, d, MemorySpace::kDevice);
+      const HeadsView gv =
+          HeadsView::Dense(dv.data(), dtype, heads, tokens, d, MemorySpace::kDevice);
       DevMoments gather = Zeros(heads, d), fused = Zeros(heads, d);
       ASSERT_TRUE(gpu_->moments()
                       .Accumulate(gk, gv,
@@ -162,7 +163,8 @@ TEST_F(MomentsCudaTest, AttentionMatchesCpu) {
         std::mt19937_64 rng(7 * d + nq);
         const uint64_t tokens = 1500 + 700 * nq;  // some heads with several chunks
         std::vector<uint64_t> off{0};
-        for (uint32_t h = 0; h < hk; ++h) off.push_back(off.back() + (h == 2 ? 0 : tokens / (h + 1)));
+        for (uint32_t h = 0; h < hk; ++h)
+          off.push_back(off.back() + (h == 2 ? 0 : tokens / (h + 1)));
         const auto k = Random(dtype, off.back() * d, rng, 0.2f);
         const auto v = Random(dtype, off.back() * d, rng);
         const auto q = Random(DType::kF32, size_t{hq} * nq * d, rng);
@@ -194,11 +196,11 @@ TEST_F(MomentsCudaTest, AttentionMatchesCpu) {
           Buffer dq = Up(q), dk = Up(k), dv = Up(v), doff = Up(off), dc = Up(m.count),
                  dks = Up(m.ks), dvs = Up(m.vs), ds = Up(m.s), dout = Up(got);
           p.queries = HeadsView::Dense(dq.data(), DType::kF32, hq, nq, d, MemorySpace::kDevice);
-          p.kv = RaggedKv{dk.data(), dv.data(), dtype, doff.as<uint64_t>(), hk, d,
-                          MemorySpace::kDevice};
-          p.moments = ConstMomentsView(MomentsView{dc.as<uint64_t>(), dks.as<float>(),
-                                                   dvs.as<float>(), ds.as<float>(), hk, d,
-                                                   MemorySpace::kDevice});
+          p.kv = RaggedKv{dk.data(), dv.data(),           dtype, doff.as<uint64_t>(), hk,
+                          d,         MemorySpace::kDevice};
+          p.moments =
+              ConstMomentsView(MomentsView{dc.as<uint64_t>(), dks.as<float>(), dvs.as<float>(),
+                                           ds.as<float>(), hk, d, MemorySpace::kDevice});
           p.out = dout.as<float>();
           absl::Status s = gpu_->moments().Attention(p);
           ASSERT_TRUE(s.ok()) << s;
@@ -221,8 +223,8 @@ TEST_F(MomentsCudaTest, RejectsBadIndicesOnTheDevice) {
   std::mt19937_64 rng(1);
   const auto k = Random(DType::kBF16, size_t{heads} * tokens * d, rng);
   Buffer dk = Up(k), dv = Up(k);
-  const HeadsView gk = HeadsView::Dense(dk.data(), DType::kBF16, heads, tokens, d,
-                                        MemorySpace::kDevice);
+  const HeadsView gk =
+      HeadsView::Dense(dk.data(), DType::kBF16, heads, tokens, d, MemorySpace::kDevice);
   DevMoments m = Zeros(heads, d);
   std::vector<uint32_t> idx{3, 200};  // 200 out of range
   std::vector<uint64_t> off{0, 1, 2};
@@ -236,10 +238,10 @@ TEST_F(MomentsCudaTest, RejectsBadIndicesOnTheDevice) {
   auto out = Buffer::Allocate(gpu_->allocator(), 3 * d * 2);
   ASSERT_TRUE(out.ok());
   EXPECT_EQ(gpu_->moments()
-                .CompactAndAccumulate(gk, gk,
-                                      TokenLists{du.as<uint32_t>(), dof2.as<uint64_t>(), heads,
-                                                 MemorySpace::kDevice},
-                                      out->data(), out->data(), m.view)
+                .CompactAndAccumulate(
+                    gk, gk,
+                    TokenLists{du.as<uint32_t>(), dof2.as<uint64_t>(), heads, MemorySpace::kDevice},
+                    out->data(), out->data(), m.view)
                 .code(),
             absl::StatusCode::kInvalidArgument);
   // Host memory given to the CUDA backend.

@@ -63,9 +63,10 @@ TEST_F(MomentsCpuTest, AccumulateMatchesFloat64Moments) {
     off.push_back(idx.size());
   }
   HostMoments m(heads, d);
-  ASSERT_TRUE(ops().Accumulate(HeadsView::Dense(k.data(), DType::kF32, heads, tokens, d),
-                               HeadsView::Dense(v.data(), DType::kF32, heads, tokens, d),
-                               TokenLists{idx.data(), off.data(), heads}, m.view())
+  ASSERT_TRUE(ops()
+                  .Accumulate(HeadsView::Dense(k.data(), DType::kF32, heads, tokens, d),
+                              HeadsView::Dense(v.data(), DType::kF32, heads, tokens, d),
+                              TokenLists{idx.data(), off.data(), heads}, m.view())
                   .ok());
   for (uint32_t h = 0; h < heads; ++h) {
     const RefMoments r = RefMomentsOf(HeadOf(k, v, h, tokens, d), per_head[h], d);
@@ -134,8 +135,9 @@ TEST_F(MomentsCpuTest, CompactAndAccumulateGathersKeptAndSummarizesTheRest) {
   const HeadsView vv = HeadsView::Dense(v.data(), DType::kBF16, heads, tokens, d);
   std::vector<uint16_t> kk(kept.size() * d), vk(kept.size() * d);
   HostMoments fused(heads, d), separate(heads, d);
-  ASSERT_TRUE(ops().CompactAndAccumulate(kv, vv, TokenLists{kept.data(), ko.data(), heads},
-                                         kk.data(), vk.data(), fused.view())
+  ASSERT_TRUE(ops()
+                  .CompactAndAccumulate(kv, vv, TokenLists{kept.data(), ko.data(), heads},
+                                        kk.data(), vk.data(), fused.view())
                   .ok());
   ASSERT_TRUE(
       ops().Accumulate(kv, vv, TokenLists{ev.data(), eo.data(), heads}, separate.view()).ok());
@@ -162,8 +164,14 @@ struct AttentionCase {
 
 AttentionCase MakeCase(uint32_t hq, uint32_t hk, uint32_t d, uint64_t tokens, uint64_t nq,
                        double keep, std::mt19937_64& rng) {
-  AttentionCase c{hq, hk, d, tokens, nq, Gaussian(hk * tokens * d, rng, 0.3f),
-                  Gaussian(hk * tokens * d, rng), Gaussian(hq * nq * d, rng)};
+  AttentionCase c{hq,
+                  hk,
+                  d,
+                  tokens,
+                  nq,
+                  Gaussian(hk * tokens * d, rng, 0.3f),
+                  Gaussian(hk * tokens * d, rng),
+                  Gaussian(hq * nq * d, rng)};
   c.kept.resize(hk);
   c.evicted.resize(hk);
   for (uint32_t h = 0; h < hk; ++h) {
@@ -335,8 +343,9 @@ TEST_F(MomentsCpuTest, RejectsBadInput) {
   std::vector<uint32_t> unsorted{3, 1};
   std::vector<uint64_t> off2{0, 2, 2};
   std::vector<float> out_k(2 * d), out_v(2 * d);
-  EXPECT_EQ(ops().CompactAndAccumulate(kv, vv, TokenLists{unsorted.data(), off2.data(), 2},
-                                       out_k.data(), out_v.data(), m.view())
+  EXPECT_EQ(ops()
+                .CompactAndAccumulate(kv, vv, TokenLists{unsorted.data(), off2.data(), 2},
+                                      out_k.data(), out_v.data(), m.view())
                 .code(),
             absl::StatusCode::kInvalidArgument);
   // Attention: 3 q heads over 2 kv heads is not GQA.

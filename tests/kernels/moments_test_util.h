@@ -109,8 +109,12 @@ struct HostMoments {
   std::vector<float> ks, vs, s;
   uint32_t heads = 0, d = 0;
   HostMoments(uint32_t h, uint32_t dim)
-      : count(h, 0), ks(size_t{h} * dim, 0.0f), vs(size_t{h} * dim, 0.0f),
-        s(size_t{h} * dim * dim, 0.0f), heads(h), d(dim) {}
+      : count(h, 0),
+        ks(size_t{h} * dim, 0.0f),
+        vs(size_t{h} * dim, 0.0f),
+        s(size_t{h} * dim * dim, 0.0f),
+        heads(h),
+        d(dim) {}
   MomentsView view() {
     return MomentsView{count.data(), ks.data(), vs.data(), s.data(), heads, d, MemorySpace::kHost};
   }

@@ -15,8 +15,8 @@ namespace moments_internal {
 
 namespace {
 
-constexpr size_t kKeyTile = 128;          // kept tokens per dense product
-constexpr size_t kMinPartKeys = 4096;     // smallest key range worth its own item
+constexpr size_t kKeyTile = 128;       // kept tokens per dense product
+constexpr size_t kMinPartKeys = 4096;  // smallest key range worth its own item
 
 // Online-softmax state of `rows` query rows.
 struct RowState {
@@ -80,9 +80,10 @@ absl::Status CpuMomentOps::Attention(const AttentionParams& p) {
   for (uint32_t h = 0; h < hk; ++h) {
     first_item[h] = items.size();
     const uint64_t a = kv.offsets[h], n = kv.offsets[h + 1] - a;
-    const size_t parts = std::max<size_t>(
-        1, std::min<size_t>(max_parts, (n + kMinPartKeys - 1) / kMinPartKeys));
-    for (size_t i = 0; i < parts; ++i) items.push_back({h, a + n * i / parts, a + n * (i + 1) / parts});
+    const size_t parts =
+        std::max<size_t>(1, std::min<size_t>(max_parts, (n + kMinPartKeys - 1) / kMinPartKeys));
+    for (size_t i = 0; i < parts; ++i)
+      items.push_back({h, a + n * i / parts, a + n * (i + 1) / parts});
   }
   first_item[hk] = items.size();
 
@@ -156,8 +157,7 @@ absl::Status CpuMomentOps::Attention(const AttentionParams& p) {
           for (size_t x = 0; x < d; ++x) s += static_cast<double>(si[x]) * qr[x];
           value[i] = mu_v[i] + t * (s / static_cast<double>(n) - mu_v[i] * qmu);
         }
-        FoldDouble(t * qmu + std::log(static_cast<double>(n)), value.data(), d, &m, &l,
-                   acc.data());
+        FoldDouble(t * qmu + std::log(static_cast<double>(n)), value.data(), d, &m, &l, acc.data());
       }
       // Row r is (q head g = h*group + r/nq, query r%nq); output is [q heads, queries, d].
       float* o = p.out + (h * rows + r) * d;

@@ -19,9 +19,8 @@ void PercentileRanks(const std::vector<double>& x, std::vector<double>* out) {
   const size_t n = x.size();
   std::vector<uint32_t> order(n);
   std::iota(order.begin(), order.end(), 0u);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    return x[a] < x[b] || (x[a] == x[b] && a < b);
-  });
+  std::sort(order.begin(), order.end(),
+            [&](uint32_t a, uint32_t b) { return x[a] < x[b] || (x[a] == x[b] && a < b); });
   out->resize(n);
   const double denom = n > 1 ? static_cast<double>(n - 1) : 1.0;
   for (size_t r = 0; r < n; ++r) (*out)[order[r]] = static_cast<double>(r) / denom;
@@ -41,8 +40,8 @@ absl::Status MomentAwareRescore(const HeadsView& keys, const SelectParams& selec
   const uint64_t kept = std::min<uint64_t>(select.kept_per_head, n);
   if (kept == 0) return absl::InvalidArgumentError("moment-aware eviction: budget of zero");
   if (kept >= n) return absl::OkStatus();
-  const uint64_t seq = positions.sequence_length > 0 ? positions.sequence_length
-                                                     : positions.offset + n;
+  const uint64_t seq =
+      positions.sequence_length > 0 ? positions.sequence_length : positions.offset + n;
   const size_t eb = DTypeBytes(keys.dtype, 1);
   std::vector<uint32_t> order(n);
   std::vector<double> eff(n), dist(n), pct_s, pct_d;

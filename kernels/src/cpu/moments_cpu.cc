@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "kvcomp/core/status.h"
 #include "cpu_ops.h"
+#include "kvcomp/core/status.h"
 #include "moments_cpu_internal.h"
 
 #ifdef KVCOMP_HAVE_EIGEN
@@ -21,7 +21,7 @@ namespace moments_internal {
 
 namespace {
 
-constexpr size_t kTile = 128;          // tokens per dense product
+constexpr size_t kTile = 128;            // tokens per dense product
 constexpr size_t kMinPartTokens = 2048;  // smallest token range worth its own partial
 
 absl::Status WrongSpace(const char* what) {
@@ -35,8 +35,7 @@ size_t ElemBytes(DType d) { return DTypeBytes(d, 1); }
 
 absl::Status CheckMomentsView(const MomentsView& m, uint32_t heads, uint32_t head_dim,
                               MemorySpace space, const char* what) {
-  if (m.count == nullptr || m.key_sum == nullptr || m.value_sum == nullptr ||
-      m.vk_sum == nullptr) {
+  if (m.count == nullptr || m.key_sum == nullptr || m.value_sum == nullptr || m.vk_sum == nullptr) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: null moment array", what));
   }
   if (m.num_heads != heads || m.head_dim != head_dim) {
@@ -50,9 +49,13 @@ absl::Status CheckMomentsView(const MomentsView& m, uint32_t heads, uint32_t hea
 
 absl::Status CheckConstMomentsView(const ConstMomentsView& m, uint32_t heads, uint32_t head_dim,
                                    MemorySpace space, const char* what) {
-  MomentsView v{const_cast<uint64_t*>(m.count), const_cast<float*>(m.key_sum),
-                const_cast<float*>(m.value_sum), const_cast<float*>(m.vk_sum),
-                m.num_heads, m.head_dim, m.space};
+  MomentsView v{const_cast<uint64_t*>(m.count),
+                const_cast<float*>(m.key_sum),
+                const_cast<float*>(m.value_sum),
+                const_cast<float*>(m.vk_sum),
+                m.num_heads,
+                m.head_dim,
+                m.space};
   return CheckMomentsView(v, heads, head_dim, space, what);
 }
 
@@ -105,7 +108,8 @@ absl::Status CheckTokenIndices(const TokenLists& l, uint64_t tokens, bool ascend
   for (uint32_t h = 0; h < l.num_heads; ++h) {
     const uint64_t a = l.offsets[h], b = l.offsets[h + 1];
     if (b < a) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s: offsets decrease at head %u", what, h));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: offsets decrease at head %u", what, h));
     }
     if (b > a && l.indices == nullptr) {
       return absl::InvalidArgumentError(absl::StrFormat("%s: null indices", what));
@@ -149,9 +153,9 @@ absl::Status CheckAttention(const AttentionParams& p, MemorySpace space) {
     return absl::InvalidArgumentError("attention: queries and kept K/V must be f32, f16 or bf16");
   }
   if (kv.num_kv_heads == 0 || q.num_heads == 0 || q.num_heads % kv.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "attention: %u query heads is not a positive multiple of %u kv heads", q.num_heads,
-        kv.num_kv_heads));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("attention: %u query heads is not a positive multiple of %u kv heads",
+                        q.num_heads, kv.num_kv_heads));
   }
   if (q.head_dim != kv.head_dim || q.head_dim == 0 || q.head_dim > 1024) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -258,8 +262,13 @@ struct Partial {
 class TileSummer {
  public:
   TileSummer(const HeadsView& k, const HeadsView& v, uint32_t head, Partial* out)
-      : k_(k), v_(v), head_(head), d_(k.head_dim), out_(out),
-        kt_(kTile * k.head_dim), vt_(kTile * k.head_dim) {}
+      : k_(k),
+        v_(v),
+        head_(head),
+        d_(k.head_dim),
+        out_(out),
+        kt_(kTile * k.head_dim),
+        vt_(kTile * k.head_dim) {}
   void Add(uint64_t token) {
     const size_t eb = ElemBytes(k_.dtype);
     RowToFloat(static_cast<const uint8_t*>(k_.data) + k_.offset(head_, token) * eb, k_.dtype, d_,
@@ -305,8 +314,8 @@ std::vector<Item> SplitHeads(uint32_t heads, size_t workers,
   const size_t max_parts = std::max<size_t>(1, (2 * workers + heads - 1) / heads);
   for (uint32_t h = 0; h < heads; ++h) {
     const uint64_t n = len(h);
-    const size_t parts = std::max<size_t>(
-        1, std::min<size_t>(max_parts, (n + kMinPartTokens - 1) / kMinPartTokens));
+    const size_t parts =
+        std::max<size_t>(1, std::min<size_t>(max_parts, (n + kMinPartTokens - 1) / kMinPartTokens));
     for (size_t p = 0; p < parts; ++p) {
       items.push_back({h, n * p / parts, n * (p + 1) / parts});
     }
@@ -364,8 +373,8 @@ absl::Status CpuMomentOps::Accumulate(const HeadsView& k, const HeadsView& v,
 }
 
 absl::Status CpuMomentOps::CompactAndAccumulate(const HeadsView& k, const HeadsView& v,
-                                                const TokenLists& kept, void* kept_k,
-                                                void* kept_v, const MomentsView& out) {
+                                                const TokenLists& kept, void* kept_k, void* kept_v,
+                                                const MomentsView& out) {
   KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kHost));
   KVCOMP_RETURN_IF_ERROR(CheckTokenLists(kept, k.num_heads, MemorySpace::kHost, "moments: kept"));
   const bool summarize = out.count != nullptr;

@@ -53,9 +53,8 @@ class CpuMomentOps final : public MomentOps {
 
   absl::Status Accumulate(const HeadsView& k, const HeadsView& v, const TokenLists& evicted,
                           const MomentsView& out) override;
-  absl::Status CompactAndAccumulate(const HeadsView& k, const HeadsView& v,
-                                    const TokenLists& kept, void* kept_k, void* kept_v,
-                                    const MomentsView& out) override;
+  absl::Status CompactAndAccumulate(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
+                                    void* kept_k, void* kept_v, const MomentsView& out) override;
   absl::Status Merge(const MomentsView& dst, const ConstMomentsView& src) override;
   absl::Status Attention(const AttentionParams& params) override;
 

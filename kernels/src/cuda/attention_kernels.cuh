@@ -23,15 +23,15 @@ namespace attention_cuda {
 using moments_cuda::ToFloat;
 
 constexpr int kThreads = 256;
-constexpr int kRows = 32;   // query rows per CTA
-constexpr int kKeys = 32;   // kept tokens per shared-memory tile (one per lane)
+constexpr int kRows = 32;  // query rows per CTA
+constexpr int kKeys = 32;  // kept tokens per shared-memory tile (one per lane)
 
 struct AttentionKernelParams {
   const void* q = nullptr;  // [Hq, nq, D], strides below
   uint64_t q_token_stride = 0, q_head_stride = 0;
   uint32_t nq = 0;
-  uint32_t group = 0;  // q heads per kv head
-  const void* keys = nullptr;   // ragged [total kept, D]
+  uint32_t group = 0;          // q heads per kv head
+  const void* keys = nullptr;  // ragged [total kept, D]
   const void* values = nullptr;
   const uint64_t* offsets = nullptr;  // [Hk + 1], device
   uint64_t chunk = 0;                 // kept tokens per CTA
@@ -66,12 +66,12 @@ __device__ __forceinline__ const Q* QRow(const AttentionKernelParams& p, uint32_
 template <typename Q, typename T, int D>
 __global__ void __launch_bounds__(kThreads) AttentionPartialKernel(AttentionKernelParams p) {
   extern __shared__ __align__(16) float sm[];
-  float* qs = sm;                          // [kRows][D], pre-scaled
-  float* kt = qs + kRows * D;              // [kKeys][D + 1] (padded: no bank conflicts)
-  float* vt = kt + kKeys * (D + 1);        // [kKeys][D]
-  float* pr = vt + kKeys * D;              // [kRows][kKeys]
-  float* acc = pr + kRows * kKeys;         // [kRows][D]
-  float* rmax = acc + kRows * D;           // [kRows]
+  float* qs = sm;                    // [kRows][D], pre-scaled
+  float* kt = qs + kRows * D;        // [kKeys][D + 1] (padded: no bank conflicts)
+  float* vt = kt + kKeys * (D + 1);  // [kKeys][D]
+  float* pr = vt + kKeys * D;        // [kRows][kKeys]
+  float* acc = pr + kRows * kKeys;   // [kRows][D]
+  float* rmax = acc + kRows * D;     // [kRows]
   float* rsum = rmax + kRows;
   float* rscale = rsum + kRows;
 
@@ -246,7 +246,8 @@ __global__ void __launch_bounds__(D) AttentionCombineKernel(AttentionKernelParam
 }
 
 template <typename Q, typename T, int D>
-cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads, cudaStream_t stream) {
+cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
+                            cudaStream_t stream) {
   constexpr size_t smem = PartialSmemBytes<D>();
   auto partial = AttentionPartialKernel<Q, T, D>;
   if (smem > 48 * 1024) {

@@ -11,13 +11,13 @@
 #include <cmath>
 #include <vector>
 
+#include "../cpu/moments_cpu_internal.h"
 #include "absl/strings/str_format.h"
 #include "attention_kernels.cuh"
 #include "cuda_ops.h"
 #include "cuda_status.h"
 #include "kvcomp/core/status.h"
 #include "moments_kernels.cuh"
-#include "../cpu/moments_cpu_internal.h"
 
 namespace kvcomp {
 namespace {
@@ -54,20 +54,26 @@ cudaError_t LaunchMoments(DType dtype, uint32_t d, bool compact,
                           const moments_cuda::MomentKernelParams& p, uint64_t chunks,
                           cudaStream_t s) {
   switch (dtype) {
-    case DType::kF32: return MomentsByDim<float>(d, compact, p, chunks, s);
-    case DType::kF16: return MomentsByDim<__half>(d, compact, p, chunks, s);
-    default: return MomentsByDim<__nv_bfloat16>(d, compact, p, chunks, s);
+    case DType::kF32:
+      return MomentsByDim<float>(d, compact, p, chunks, s);
+    case DType::kF16:
+      return MomentsByDim<__half>(d, compact, p, chunks, s);
+    default:
+      return MomentsByDim<__nv_bfloat16>(d, compact, p, chunks, s);
   }
 }
 
 template <typename Q, typename T>
-cudaError_t AttentionByDim(uint32_t d, const attention_cuda::AttentionKernelParams& p,
-                           uint32_t hk, cudaStream_t s) {
+cudaError_t AttentionByDim(uint32_t d, const attention_cuda::AttentionKernelParams& p, uint32_t hk,
+                           cudaStream_t s) {
   using attention_cuda::LaunchAttention;
   switch (d) {
-    case 64: return LaunchAttention<Q, T, 64>(p, hk, s);
-    case 128: return LaunchAttention<Q, T, 128>(p, hk, s);
-    default: return LaunchAttention<Q, T, 256>(p, hk, s);
+    case 64:
+      return LaunchAttention<Q, T, 64>(p, hk, s);
+    case 128:
+      return LaunchAttention<Q, T, 128>(p, hk, s);
+    default:
+      return LaunchAttention<Q, T, 256>(p, hk, s);
   }
 }
 
@@ -84,9 +90,12 @@ cudaError_t LaunchAttention(DType kv, DType q, uint32_t d,
                             cudaStream_t s) {
   const bool f32q = q == DType::kF32;
   switch (kv) {
-    case DType::kF32: return AttentionByDim<float, float>(d, p, hk, s);
-    case DType::kF16: return AttentionByQuery<__half>(f32q, d, p, hk, s);
-    default: return AttentionByQuery<__nv_bfloat16>(f32q, d, p, hk, s);
+    case DType::kF32:
+      return AttentionByDim<float, float>(d, p, hk, s);
+    case DType::kF16:
+      return AttentionByQuery<__half>(f32q, d, p, hk, s);
+    default:
+      return AttentionByQuery<__nv_bfloat16>(f32q, d, p, hk, s);
   }
 }
 
@@ -104,9 +113,8 @@ class CudaMomentOps final : public MomentOps {
     return Run(k, v, evicted, nullptr, nullptr, out, /*compact=*/false);
   }
 
-  absl::Status CompactAndAccumulate(const HeadsView& k, const HeadsView& v,
-                                    const TokenLists& kept, void* kept_k, void* kept_v,
-                                    const MomentsView& out) override {
+  absl::Status CompactAndAccumulate(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
+                                    void* kept_k, void* kept_v, const MomentsView& out) override {
     KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kDevice));
     KVCOMP_RETURN_IF_ERROR(
         CheckTokenLists(kept, k.num_heads, MemorySpace::kDevice, "moments: kept"));
@@ -161,15 +169,15 @@ class CudaMomentOps final : public MomentOps {
     const uint64_t rows = uint64_t{k.group} * k.nq;
     const uint64_t row_blocks = (rows + attention_cuda::kRows - 1) / attention_cuda::kRows;
     // Enough CTAs to fill the device twice, chunks of at least 256 kept tokens.
-    const uint64_t target = std::max<uint64_t>(
-        1, 2ull * ctx_->properties.multiProcessorCount / (hk * row_blocks));
+    const uint64_t target =
+        std::max<uint64_t>(1, 2ull * ctx_->properties.multiProcessorCount / (hk * row_blocks));
     uint64_t chunk = std::max<uint64_t>(256, (max_kept + target - 1) / target);
     chunk = (chunk + 31) / 32 * 32;
     k.chunk = chunk;
     k.chunks = static_cast<uint32_t>(std::max<uint64_t>(1, (max_kept + chunk - 1) / chunk));
     const uint64_t slots = uint64_t{hk} * rows * k.chunks;
-    KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Buffer::Allocate(*ctx_->allocator,
-                                                        slots * (2 + d) * sizeof(float)));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer ws,
+                            Buffer::Allocate(*ctx_->allocator, slots * (2 + d) * sizeof(float)));
     k.part_max = ws.as<float>();
     k.part_sum = k.part_max + slots;
     k.part_acc = k.part_sum + slots;
@@ -212,7 +220,8 @@ class CudaMomentOps final : public MomentOps {
     uint64_t longest = 0;
     for (uint32_t h = 0; h < heads; ++h) {
       if (off[h + 1] < off[h]) {
-        return absl::InvalidArgumentError(absl::StrFormat("moments: offsets decrease at head %u", h));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("moments: offsets decrease at head %u", h));
       }
       longest = std::max(longest, off[h + 1] - off[h]);
     }
@@ -230,8 +239,8 @@ class CudaMomentOps final : public MomentOps {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
     unsigned bad = 0;
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&bad, err.data(), sizeof(bad),
-                                                cudaMemcpyDeviceToHost, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(&bad, err.data(), sizeof(bad), cudaMemcpyDeviceToHost, ctx_->stream));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
     if (bad != 0) {
       return absl::InvalidArgumentError(compact

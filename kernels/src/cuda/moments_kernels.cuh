@@ -24,7 +24,7 @@ constexpr int kThreads = 256;  // 8 warps
 #ifndef KVCOMP_MOMENTS_MIN_BLOCKS
 #define KVCOMP_MOMENTS_MIN_BLOCKS 2
 #endif
-constexpr int kTileT = 64;     // tokens per shared-memory tile
+constexpr int kTileT = 64;  // tokens per shared-memory tile
 
 // Shared-memory row stride of a D-wide tile: 16 bytes of padding keep the tensor-core fragment
 // loads free of bank conflicts.
@@ -61,7 +61,7 @@ struct MomentKernelParams {
 template <int D>
 struct SBlock {
   static constexpr int B = D < 128 ? D : 128;  // S block edge owned by one CTA
-  static constexpr int kBlocks = D / B;         // per dimension
+  static constexpr int kBlocks = D / B;        // per dimension
   static constexpr int kTiles = (B / 16) * (B / 16);
   static constexpr int kTilesPerWarp = kTiles / (kThreads / 32);
   static_assert((B / 16) % kTilesPerWarp == 0, "a warp's tiles must share a tile row");
@@ -152,9 +152,8 @@ struct FmaAccumulator {
 };
 
 template <typename T, int D>
-using Accumulator =
-    typename std::conditional<std::is_same<T, float>::value, FmaAccumulator<D>,
-                              MmaAccumulator<T, D>>::type;
+using Accumulator = typename std::conditional<std::is_same<T, float>::value, FmaAccumulator<D>,
+                                              MmaAccumulator<T, D>>::type;
 
 // Shared memory bytes of MomentKernel<T, D>.
 template <typename T, int D>
@@ -202,7 +201,10 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
     uint64_t lo = l0, hi = l1;
     while (lo < hi) {
       const uint64_t mid = (lo + hi) / 2;
-      if (p.list[mid] < begin) lo = mid + 1; else hi = mid;
+      if (p.list[mid] < begin)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     shared_kp[0] = static_cast<int>(lo - l0);
   }
@@ -327,12 +329,10 @@ cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cud
   constexpr size_t smem = MomentSmemBytes<T, D>();
   auto kernel = MomentKernel<T, D, kCompact>;
   if (smem > 48 * 1024) {
-    cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
   }
-  const dim3 grid(static_cast<unsigned>(chunks), p.heads,
-                  SBlock<D>::kBlocks * SBlock<D>::kBlocks);
+  const dim3 grid(static_cast<unsigned>(chunks), p.heads, SBlock<D>::kBlocks * SBlock<D>::kBlocks);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
@@ -340,7 +340,7 @@ cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cud
 // Sets *error to 1 when an index of head h's list is >= num_tokens or, when `ascending`, not
 // strictly above its predecessor. Grid: (blocks, heads).
 static __global__ void CheckLists(const uint32_t* list, const uint64_t* off, uint64_t num_tokens,
-                           bool ascending, unsigned int* error) {
+                                  bool ascending, unsigned int* error) {
   const uint32_t h = blockIdx.y;
   const uint64_t a = off[h], b = off[h + 1];
   if (b < a) {
@@ -360,7 +360,8 @@ static __global__ void AddFloats(float* dst, const float* src, uint64_t n) {
     dst[i] += src[i];
   }
 }
-static __global__ void AddCounts(unsigned long long* dst, const unsigned long long* src, uint32_t n) {
+static __global__ void AddCounts(unsigned long long* dst, const unsigned long long* src,
+                                 uint32_t n) {
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     dst[i] += src[i];
   }

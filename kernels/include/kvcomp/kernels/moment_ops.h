@@ -27,7 +27,7 @@ namespace kvcomp {
 // Mutable fp32 moments of `num_heads` heads (the layout of CompressedCache's moment_* arrays for
 // a run of heads). Not owned.
 struct MomentsView {
-  uint64_t* count = nullptr;  // [num_heads]
+  uint64_t* count = nullptr;   // [num_heads]
   float* key_sum = nullptr;    // [num_heads, head_dim]
   float* value_sum = nullptr;  // [num_heads, head_dim]
   float* vk_sum = nullptr;     // [num_heads, head_dim, head_dim], [h][i][j] = sum v_i k_j
@@ -48,8 +48,13 @@ struct ConstMomentsView {
 
   ConstMomentsView() = default;
   ConstMomentsView(const MomentsView& m)  // NOLINT(google-explicit-constructor)
-      : count(m.count), key_sum(m.key_sum), value_sum(m.value_sum), vk_sum(m.vk_sum),
-        num_heads(m.num_heads), head_dim(m.head_dim), space(m.space) {}
+      : count(m.count),
+        key_sum(m.key_sum),
+        value_sum(m.value_sum),
+        vk_sum(m.vk_sum),
+        num_heads(m.num_heads),
+        head_dim(m.head_dim),
+        space(m.space) {}
 };
 
 // Ragged per-head token indices: head h's tokens are indices[offsets[h] .. offsets[h+1]), each
@@ -95,8 +100,8 @@ class MomentOps {
   // Adds the moments of the listed tokens of each head of k and v to `out` (same head count and
   // head_dim everywhere). Tokens listed twice count twice. InvalidArgument on mismatched shapes,
   // dtypes outside f32/f16/bf16, an index out of range (CPU) or memory in the wrong space.
-  virtual absl::Status Accumulate(const HeadsView& k, const HeadsView& v,
-                                  const TokenLists& evicted, const MomentsView& out) = 0;
+  virtual absl::Status Accumulate(const HeadsView& k, const HeadsView& v, const TokenLists& evicted,
+                                  const MomentsView& out) = 0;
 
   // One pass of compaction and summary: for each head h, copies the kept tokens (kept lists,
   // strictly ascending) of k and v, in order, to rows [kept.offsets[h], kept.offsets[h+1]) of
