@@ -8,6 +8,7 @@ Usage: python3 bench/demo/demo.py KVCOMPD [--tokens N] [--block B] [--ratio R]
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -114,7 +115,9 @@ def run(args) -> int:
           f"{n} tokens x head_dim {HEAD_DIM}, bf16; policy manifold ratio {args.ratio} + moments")
 
     t0 = time.perf_counter()
-    layers = [generate_layer(p, n, seed=1000 + i) for i in range(LAYERS)]
+    with concurrent.futures.ProcessPoolExecutor(os.cpu_count()) as pool:
+        layers = list(pool.map(generate_layer, [p] * LAYERS, [n] * LAYERS,
+                               [1000 + i for i in range(LAYERS)]))
     t_gen = time.perf_counter() - t0
 
     # bf16 as the serving engine holds it (raw bits in uint16), and the float values it means.
