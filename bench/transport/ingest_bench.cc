@@ -3,8 +3,10 @@
 // is the transport's own (framing, checksums, rendezvous, acknowledgements). Run as two
 // processes, like ucx_perftest, by bench/transport/run.sh:
 //
-//   kvcomp_transport_bench server [--verify=1]         prints "PORT <n>", serves until killed
+//   kvcomp_transport_bench server [--verify=1] [--peer_errors=1]
+//                                                       prints "PORT <n>", serves until killed
 //   kvcomp_transport_bench client <port> [--blocks=N] [--window=W] [--block_bytes=B]
+//                                        [--peer_errors=1]
 //                                                       prints "RESULT ... GBps=<x>"
 //
 // UCX_TLS etc. come from the environment.
@@ -71,6 +73,7 @@ uint64_t Flag(int argc, char** argv, const char* name, uint64_t def) {
 int Server(int argc, char** argv) {
   ServerOptions o;
   o.verify_checksums = Flag(argc, argv, "verify", 1) != 0;
+  o.ucx.peer_error_handling = Flag(argc, argv, "peer_errors", 1) != 0;
   o.put_timeout = absl::Minutes(5);
   SinkHandler handler;
   absl::StatusOr<std::unique_ptr<UcxServer>> server = UcxServer::Start(o, &handler);
@@ -109,6 +112,7 @@ int Client(int argc, char** argv) {
 
   ClientOptions co;
   co.request_timeout = absl::Seconds(60);
+  co.ucx.peer_error_handling = Flag(argc, argv, "peer_errors", 1) != 0;
   absl::StatusOr<std::unique_ptr<UcxClient>> c =
       UcxClient::Connect(Endpoint{"127.0.0.1", static_cast<uint16_t>(port)}, "bench", "", co);
   if (!c.ok()) {

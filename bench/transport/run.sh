@@ -7,14 +7,15 @@
 #
 #   bash bench/transport/run.sh [build-dir]
 #
-# Knobs: KVCOMP_TLS_LIST (default "tcp sm,tcp posix,tcp"), KVCOMP_BLOCKS (2000), KVCOMP_REPS (3),
+# Knobs: KVCOMP_TLS_LIST (default "tcp sm,tcp sm,tcp:noerr posix,tcp"; ":noerr" runs kvcomp
+# with UcxConfig::peer_error_handling off, which lets UCX 1.13 use cma), KVCOMP_BLOCKS (2000), KVCOMP_REPS (3),
 # KVCOMP_WINDOW (blocks in flight, 16), KVCOMP_VERIFY (server CRC check, 1).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 BUILD=${1:-$ROOT/build-transport}
 BENCH=$BUILD/bench/transport/kvcomp_transport_bench
-TLS_LIST=${KVCOMP_TLS_LIST:-tcp sm,tcp posix,tcp}
+TLS_LIST=${KVCOMP_TLS_LIST:-tcp sm,tcp sm,tcp:noerr posix,tcp}
 BLOCKS=${KVCOMP_BLOCKS:-2000}
 REPS=${KVCOMP_REPS:-3}
 WINDOW=${KVCOMP_WINDOW:-16}
@@ -33,7 +34,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 
 # ucx_perftest's overall bandwidth in MiB/s (it prints MB/s meaning 2^20 bytes).
 perftest_once() {
-  local tls=$1 port log
+  local tls=${1%:noerr} port log
   port=$(free_port)
   log=$(mktemp)
   UCX_TLS=$tls ucx_perftest -p "$port" >"$log" 2>&1 &
@@ -51,9 +52,10 @@ perftest_once() {
 
 # kvcomp's ingest in MiB/s.
 kvcomp_once() {
-  local tls=$1 out
+  local tls=${1%:noerr} out peer=1
+  [ "$tls" != "$1" ] && peer=0
   out=$(mktemp)
-  UCX_TLS=$tls "$BENCH" server --verify="$VERIFY" >"$out" 2>&1 &
+  UCX_TLS=$tls "$BENCH" server --verify="$VERIFY" --peer_errors=$peer >"$out" 2>&1 &
   local sp=$!
   PIDS+=("$sp")
   local port=""
@@ -64,7 +66,7 @@ kvcomp_once() {
   done
   local line
   line=$(UCX_TLS=$tls timeout 300 "$BENCH" client "$port" --blocks="$BLOCKS" --window="$WINDOW" \
-           2>&1 | grep -E '^RESULT' || true)
+           --peer_errors=$peer 2>&1 | grep -E '^RESULT' || true)
   kill "$sp" 2>/dev/null || true
   wait "$sp" 2>/dev/null || true
   rm -f "$out"
@@ -91,7 +93,9 @@ RESULTS=$ROOT/bench/results/transport_ingest_$DATE.md
   echo "- kvcomp: UcxClient -> UcxServer, 1 MiB blocks (512 KiB K + 512 KiB V of a"
   echo "  Llama-3.1-8B-shaped put), $WINDOW blocks in flight, CRC32C computed by the client and"
   echo "  verified by the server (verify=$VERIFY), every block acknowledged after the handler took it."
-  echo "- reference: ucx_perftest -t ucp_am_bw -s 1048576 -n $BLOCKS -w 100 (same UCX_TLS)."
+  echo "- reference: ucx_perftest -t ucp_am_bw -s 1048576 -n $BLOCKS -w 100 (same UCX_TLS; perftest"
+  echo "  uses no peer error handling, so UCX may pick cma for rendezvous on one host)."
+  echo "- \":noerr\": kvcomp with UcxConfig::peer_error_handling=false on both sides (cma allowed)."
   echo "- $BLOCKS blocks per run, $REPS runs each, alternating; medians in MiB/s."
   echo
   echo "| UCX_TLS | ucx_perftest MiB/s (runs) | kvcomp MiB/s (runs) | kvcomp / perftest |"

@@ -30,12 +30,14 @@ using ::kvcomp::testing::MemoryHandler;
 struct TransportCase {
   const char* name;
   const char* tls;
+  bool peer_errors = true;  // UcxConfig::peer_error_handling on both sides
 };
 
 class ServerClientTest : public ::testing::TestWithParam<TransportCase> {
  protected:
   void StartServer(ServerOptions options = {}) {
     options.ucx.overrides["TLS"] = GetParam().tls;
+    options.ucx.peer_error_handling = GetParam().peer_errors;
     absl::StatusOr<std::unique_ptr<UcxServer>> s = UcxServer::Start(options, handler_.get());
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
@@ -44,11 +46,14 @@ class ServerClientTest : public ::testing::TestWithParam<TransportCase> {
                                                      const std::string& token = "secret",
                                                      ClientOptions options = {}) {
     options.ucx.overrides["TLS"] = GetParam().tls;
+    options.ucx.peer_error_handling = GetParam().peer_errors;
     if (options.request_timeout == ClientOptions().request_timeout) {
       options.request_timeout = absl::Seconds(20);
     }
     return UcxClient::Connect(Endpoint{"127.0.0.1", server_->port()}, tenant, token, options);
   }
+  // Tests of dead-peer detection need UCX's peer error handling.
+  bool SkipWithoutPeerErrors() const { return !GetParam().peer_errors; }
   void TearDown() override {
     if (server_ != nullptr) server_->Stop();
   }
@@ -382,6 +387,7 @@ TEST_P(ServerClientTest, OversizedBlockIsRefused) {
 }
 
 TEST_P(ServerClientTest, ClientThatVanishesMidPutIsCleanedUp) {
+  if (SkipWithoutPeerErrors()) GTEST_SKIP() << "needs peer error handling";
   StartServer();
   const Kv kv(KvLayout{2, 2, 2, 64, DType::kBF16}, 64, 8);
   {
@@ -411,6 +417,7 @@ TEST_P(ServerClientTest, ClientThatVanishesMidPutIsCleanedUp) {
 // A client process killed mid-put (no close, no commit): the server notices the dead peer,
 // aborts the put and keeps serving.
 TEST_P(ServerClientTest, ClientProcessKilledMidPutIsCleanedUp) {
+  if (SkipWithoutPeerErrors()) GTEST_SKIP() << "needs peer error handling";
   StartServer();
   const std::string cmd = absl::StrCat("exec ", KVCOMP_VANISHING_CLIENT, " ", server_->port(), " ",
                                        GetParam().tls, " 2");
@@ -437,6 +444,7 @@ TEST_P(ServerClientTest, ClientProcessKilledMidPutIsCleanedUp) {
 }
 
 TEST_P(ServerClientTest, ServerGoneFailsRequestsWithUnavailable) {
+  if (SkipWithoutPeerErrors()) GTEST_SKIP() << "needs peer error handling";
   StartServer();
   ClientOptions o;
   o.request_timeout = absl::Seconds(5);
@@ -644,7 +652,8 @@ TEST(UcxCapabilitiesTest, ReportsVersionAndHeaderRoom) {
 INSTANTIATE_TEST_SUITE_P(Transports, ServerClientTest,
                          ::testing::Values(TransportCase{"tcp", "tcp"},
                                            TransportCase{"posix", "posix,tcp"},
-                                           TransportCase{"sm", "sm,tcp"}),
+                                           TransportCase{"sm", "sm,tcp"},
+                                           TransportCase{"sm_noerr", "sm,tcp", false}),
                          [](const ::testing::TestParamInfo<TransportCase>& info) {
                            return std::string(info.param.name);
                          });

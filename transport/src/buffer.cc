@@ -2,6 +2,10 @@
 
 #include <cstdlib>
 #include <new>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 
 namespace kvcomp {
 namespace transport {
@@ -32,12 +36,60 @@ void Buffer::Reset() {
   memory_ = MemoryType::kHost;
 }
 
+namespace {
+
+// Recently released large buffers, by exact rounded size, so that a stream of same-sized blocks
+// reuses memory instead of mapping and faulting in fresh pages for every block. Bounded.
+class BufferCache {
+ public:
+  static constexpr size_t kMinBytes = 64 << 10;
+  static constexpr size_t kMaxCachedBytes = size_t{256} << 20;
+
+  static BufferCache& Get() {
+    static BufferCache* cache = new BufferCache();  // never destroyed: buffers may outlive main
+    return *cache;
+  }
+  void* Take(size_t rounded) {
+    absl::MutexLock l(&mu_);
+    auto it = free_.find(rounded);
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    void* p = it->second.back();
+    it->second.pop_back();
+    cached_bytes_ -= rounded;
+    return p;
+  }
+  void Give(void* p, size_t rounded) {
+    {
+      absl::MutexLock l(&mu_);
+      if (cached_bytes_ + rounded <= kMaxCachedBytes) {
+        free_[rounded].push_back(p);
+        cached_bytes_ += rounded;
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<size_t, std::vector<void*>> free_ ABSL_GUARDED_BY(mu_);
+  size_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
 Buffer Buffer::Allocate(size_t size) {
   if (size == 0) return Buffer();
   const size_t rounded = (size + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded);
+  if (rounded < BufferCache::kMinBytes) {
+    void* p = std::aligned_alloc(64, rounded);
+    if (p == nullptr) throw std::bad_alloc();
+    return Wrap(p, size, MemoryType::kHost, [p] { std::free(p); });
+  }
+  void* p = BufferCache::Get().Take(rounded);
+  if (p == nullptr) p = std::aligned_alloc(64, rounded);
   if (p == nullptr) throw std::bad_alloc();
-  return Wrap(p, size, MemoryType::kHost, [p] { std::free(p); });
+  return Wrap(p, size, MemoryType::kHost, [p, rounded] { BufferCache::Get().Give(p, rounded); });
 }
 
 Buffer Buffer::FromString(std::string bytes) {

@@ -170,7 +170,8 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
   ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
   ep.sockaddr.addr = res->ai_addr;
   ep.sockaddr.addrlen = res->ai_addrlen;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_mode =
+      options_.ucx.peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = &ClientImpl::OnEpError;
   ep.err_handler.arg = this;
   s = ucp_ep_create(loop_->worker(), &ep, &ep_);
@@ -209,7 +210,18 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
     if (status.ok()) status = absl::InternalError("hello answered OK without hello-ok");
     return status;
   }
-  return wire::Decode(r->frame(), &hello_ok_);
+  KVCOMP_RETURN_IF_ERROR(wire::Decode(r->frame(), &hello_ok_));
+  if (std::getenv("KVCOMP_UCX_EP_INFO") != nullptr) {
+    // Which UCX transports carry which lanes of this connection (diagnostics).
+    absl::Notification printed;
+    if (loop_->Post([this, &printed] {
+          if (ep_ != nullptr) ucp_ep_print_info(ep_, stderr);
+          printed.Notify();
+        })) {
+      printed.WaitForNotification();
+    }
+  }
+  return absl::OkStatus();
 }
 
 void ClientImpl::Close() {

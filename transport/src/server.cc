@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -292,7 +293,8 @@ void ServerImpl::AcceptConnection(ucp_conn_request_h request) {
   ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.conn_request = request;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_mode =
+      options_.ucx.peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = &ServerImpl::OnEpError;
   ep.err_handler.arg = this;
   ucs_status_t s = ucp_ep_create(loop_->worker(), &ep, &conn->ep);

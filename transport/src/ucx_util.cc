@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cmath>
@@ -93,9 +94,11 @@ bool WorkerLoop::Post(absl::AnyInvocable<void()> fn) {
     absl::MutexLock l(&mu_);
     if (!accepting_) return false;
     posted_.push_back(std::move(fn));
-    has_posted_.store(true, std::memory_order_release);
+    has_posted_.store(true);
   }
-  ucp_worker_signal(worker_.get());
+  // The loop thread checks has_posted_ after announcing it sleeps: with both sides seq_cst, one
+  // of them sees the other, so the signal (a syscall) is needed only while it may sleep.
+  if (sleeping_.load()) ucp_worker_signal(worker_.get());
   return true;
 }
 
@@ -138,10 +141,13 @@ bool WorkerLoop::RunPosted() {
 
 void WorkerLoop::Sleep(absl::Duration max_wait) {
   if (ucp_worker_arm(worker_.get()) == UCS_ERR_BUSY) return;
-  if (has_posted_.load(std::memory_order_acquire)) return;
-  pollfd p = {efd_, POLLIN, 0};
-  const int ms = static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(max_wait)));
-  poll(&p, 1, ms);
+  sleeping_.store(true);
+  if (!has_posted_.load()) {
+    pollfd p = {efd_, POLLIN, 0};
+    const int ms = static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(max_wait)));
+    poll(&p, 1, ms);
+  }
+  sleeping_.store(false);
 }
 
 void WorkerLoop::Run() {
@@ -160,7 +166,10 @@ void WorkerLoop::Run() {
       last_event = now;
       continue;
     }
-    if (now - last_event < poll_spin_) continue;
+    if (now - last_event < poll_spin_) {
+      sched_yield();  // let the threads that have work run (matters when cores are few)
+      continue;
+    }
     Sleep(std::min(next_tick - now, absl::Milliseconds(100)));
     last_event = absl::Now();
   }

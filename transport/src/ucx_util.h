@@ -109,6 +109,7 @@ class WorkerLoop {
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   std::vector<absl::AnyInvocable<void()>> posted_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> has_posted_{false};
+  std::atomic<bool> sleeping_{false};  // the loop thread may be blocked in poll()
 };
 
 // Unimplemented for IPv6 socket addresses on UCX <= 1.13, whose tcp sockaddr connection manager

@@ -21,6 +21,13 @@ namespace transport {
 // unset; with "posix,tcp" the control wire-up runs over TCP and the data over shared memory.
 struct UcxConfig {
   std::map<std::string, std::string> overrides;  // default: none (environment only)
+  // UCP_ERR_HANDLING_MODE_PEER on every endpoint: a peer that dies is noticed at once (its
+  // puts aborted, its requests failed). UCX 1.13 then leaves out the transports that cannot
+  // report peer failures, among them cma (shared-memory zero-copy): rendezvous between two
+  // processes on one host goes over tcp. False lets UCX use cma (much faster on one host);
+  // a dead peer is then found only by the timeouts (put_timeout, idle_timeout, request
+  // timeouts). Both sides should agree. Default true.
+  bool peer_error_handling = true;
 };
 
 // What the installed UCX supports (ucp_context_query on a throwaway context).
