@@ -223,7 +223,10 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
   // Thread's u-th 16-byte piece of a tile: row e / kRowVecs, column (e % kRowVecs) * kVec.
   constexpr int kLoads = kTileT * kRowVecs / kThreads;
   static_assert(kLoads <= 4 || kLoads % 4 == 0, "loads come in batches of 4");
-  constexpr bool kPrefetch = kLoads <= 4;
+  // Prefetching the next tile into registers while the tensor cores work measured slower on an
+  // H200 (it spills at 128 registers; at 255 registers one CTA per SM is slower still), so it
+  // is off; the path stays for a later cp.async version.
+  constexpr bool kPrefetch = false;
   auto load = [&](uint64_t t, int mm, int u, uint4& kx, uint4& vx) {
     const int e = threadIdx.x + u * kThreads;
     const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
