@@ -7,7 +7,7 @@
 //   EncodeValuesKernel: z = V E^T on CUDA cores (E in f32, transposed), then per (row, group)
 //     scale and quantization from shared memory.
 //   DecodeValuesKernel: the fused dequantize + expand. Each block stages its head's decode matrix
-//     (f16) in shared memory once, then per 128-row sub-tile (64 at head_dim 256) dequantizes the latent into f16
+//     (f16) in shared memory once, then per 64-row sub-tile dequantizes the latent into f16
 //     (q * s, exact for int4/int8 up to the f16 rounding of the product), multiplies on tensor
 //     cores (WMMA 16x16x16, f32 accumulate) and writes V' in the output dtype. Nothing but V' is
 //     written to global memory.
@@ -151,16 +151,15 @@ __global__ void __launch_bounds__(kEncodeThreads) EncodeValuesKernel(EncodeParam
   }
 }
 
-constexpr int kDecodeWarps = 8;
-constexpr int kDecodeThreads = 32 * kDecodeWarps;
+constexpr int kDecodeThreads = 128;  // 4 warps
 constexpr int kDecodeSubTiles = 4;   // sub-tiles of M rows per block (rows per tile: 4 M)
 constexpr int kStageLd = 20;         // floats per row of a warp's 16x16 output staging tile
 
 template <int D>
 struct DecodeShape {
-  static constexpr int M = D >= 256 ? 64 : 128;         // rows per sub-tile
+  static constexpr int M = D >= 256 ? 32 : 64;          // rows per sub-tile
   static constexpr int kRowGroups = M / 16;              // warps along rows
-  static constexpr int kColGroups = kDecodeWarps / kRowGroups;  // warps along columns
+  static constexpr int kColGroups = 4 / kRowGroups;      // warps along columns
   static constexpr int kColsPerWarp = D / kColGroups;
   static constexpr int kFrags = kColsPerWarp / 16;
   static constexpr int kLdD = D + 8;                     // halves, padding against bank conflicts
