@@ -6,8 +6,7 @@ kvcomp_cc_test(NAME kernels_scoring_conformance_test SRCS scoring_conformance_te
 kvcomp_cc_test(NAME kernels_pipeline_test SRCS pipeline_test.cc DEPS kvcomp::kernels)
 kvcomp_cc_test(NAME kernels_scoring_conformance_gpu_test SRCS scoring_conformance_gpu_test.cc
                DEPS kvcomp::kernels LABELS gpu)
-# engine-CUDA's own tests use the CUDA runtime directly: only in CUDA builds.
-if(KVCOMP_CUDA)
-  kvcomp_cc_test(NAME kernels_scoring_cuda_test SRCS scoring_cuda_test.cc DEPS kvcomp::kernels
-                 LABELS gpu)
-endif()
+# engine-CUDA's own tests: the CUDA-runtime parts compile only in CUDA builds; without a device
+# (or without CUDA) the binary reports skipped (77).
+kvcomp_cc_test(NAME kernels_scoring_cuda_test SRCS scoring_cuda_test.cc DEPS kvcomp::kernels
+               LABELS gpu)

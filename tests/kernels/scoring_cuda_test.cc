@@ -3,8 +3,6 @@
 // token positions against the CPU; bad data and bad arguments give clear statuses; an injected
 // allocator that poisons and counts its memory sees every workspace returned. gpu label; 77
 // without a device.
-#include <cuda_runtime_api.h>
-
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -14,6 +12,10 @@
 #include "gtest/gtest.h"
 #include "kvcomp/kernels/backend.h"
 #include "scoring_test_util.h"
+
+#if defined(KVCOMP_HAVE_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 
 KVCOMP_GPU_TEST_BINARY();
 
@@ -312,6 +314,7 @@ TEST(ScoringCudaTest, BadArgumentsAreInvalidArgument) {
             absl::StatusCode::kInvalidArgument);
 }
 
+#if defined(KVCOMP_HAVE_CUDA)
 // Device memory from cudaMalloc, poisoned with 0xFF on allocation; counts what is outstanding.
 class PoisoningAllocator final : public Allocator {
  public:
@@ -374,6 +377,7 @@ TEST(ScoringCudaTest, InjectedAllocatorIsUsedAndDrained) {
   EXPECT_GT(alloc.allocations, 0);
   EXPECT_EQ(alloc.outstanding, 0);
 }
+#endif  // KVCOMP_HAVE_CUDA
 
 }  // namespace
 }  // namespace kvcomp
