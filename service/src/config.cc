@@ -202,8 +202,8 @@ std::vector<ConfigField> BuildFields() {
       [](Options & o) -> auto& { return o.data_plane.max_block_bytes; }));
   f.push_back(BytesField(
       "data_plane.max_inflight_bytes_per_connection",
-      "Bytes a connection may have received and not yet compressed; beyond it puts get busy. "
-      "Default 4Gi.",
+      "Bytes of blocks a connection may have in flight (received, not yet acknowledged); beyond "
+      "it blocks get busy. Default 4Gi.",
       [](Options & o) -> auto& { return o.data_plane.max_inflight_bytes_per_connection; }));
   f.push_back(DoubleField(
       "data_plane.put_timeout_seconds", "seconds", 0.1, 86400,

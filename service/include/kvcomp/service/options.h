@@ -25,7 +25,8 @@ struct DataPlaneOptions {
   uint64_t max_put_bytes = uint64_t{16} << 30;
   // Largest single block payload (K plus V of one block), bytes. Default 256 MiB.
   uint64_t max_block_bytes = uint64_t{256} << 20;
-  // Bytes a connection may have received but not yet compressed; beyond it, busy. 4 GiB.
+  // Bytes of blocks a connection may have in flight (received, not yet acknowledged);
+  // beyond it a block gets busy (the transport's bound). Default 4 GiB.
   uint64_t max_inflight_bytes_per_connection = uint64_t{4} << 30;
   // A put with no block for this long is aborted and its blocks dropped, seconds. Default 60.
   double put_timeout_seconds = 60;
