@@ -255,3 +255,63 @@ TEST(ScoringCpuTest, ThreadCountDoesNotChangeResults) {
 
 }  // namespace
 }  // namespace kvcomp
+
+namespace kvcomp {
+namespace {
+
+// Long heads take the per-head path of the fused op (keys of a head >= 4 MiB): same results as
+// the three ops called one after the other, and errors name the caller's head.
+TEST(ScoringCpuTest, FusedPerHeadPathEqualsSeparateOps) {
+  auto cpu = std::move(*MakeCpuBackend());
+  const uint32_t heads = 3;
+  const uint64_t n = 16500;  // 16500 * 128 * 2 bytes > 4 MiB per head
+  const testing::HostHeads k = testing::RandomHeads(DType::kBF16, heads, n, 128, 21);
+  const testing::HostHeads v = testing::RandomHeads(DType::kBF16, heads, n, 128, 22);
+  const size_t row = 256;
+  for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
+                   Scorer::kStreaming, Scorer::kRandom}) {
+    SCOPED_TRACE(ScorerName(s));
+    ScoreSelectCompactArgs a;
+    a.keys = k.view();
+    a.values = v.view();
+    a.score.scorer = s;
+    a.score.seed = 5;
+    a.select.kept_per_head = 7001;
+    a.select.n_recent = 10;
+    const uint64_t cap = KeptCapacity(heads, n, 7001);
+    std::vector<float> s1(heads * n), s2(heads * n);
+    std::vector<uint32_t> c1(heads), c2(heads), i1(cap), i2(cap);
+    std::vector<uint8_t> k1(cap * row), k2(cap * row), v1(cap * row), v2(cap * row);
+    a.scores = s1.data();
+    a.kept = {c1.data(), i1.data()};
+    a.keys_out = k1.data();
+    a.values_out = v1.data();
+    ASSERT_TRUE(cpu->scoring().ScoreSelectCompact(a).ok());
+    ASSERT_TRUE(cpu->scoring().Score(a.keys, a.score, {}, s2.data()).ok());
+    ASSERT_TRUE(
+        cpu->scoring().Select(s2.data(), heads, n, a.select, {}, {c2.data(), i2.data()}).ok());
+    ASSERT_TRUE(
+        cpu->scoring().Compact(a.keys, a.values, c2.data(), i2.data(), k2.data(), v2.data()).ok());
+    EXPECT_EQ(s1, s2);
+    EXPECT_EQ(c1, c2);
+    EXPECT_EQ(i1, i2);
+    EXPECT_EQ(k1, k2);
+    EXPECT_EQ(v1, v2);
+  }
+  testing::HostHeads bad = k;
+  bad.Set((uint64_t{2} * n + 16000) * 128 + 3, NAN);
+  ScoreSelectCompactArgs a;
+  a.keys = bad.view();
+  a.values = v.view();
+  a.select.kept_per_head = 10;
+  std::vector<uint32_t> c(heads), i(30);
+  std::vector<uint8_t> ko(30 * row), vo(30 * row);
+  a.kept = {c.data(), i.data()};
+  a.keys_out = ko.data();
+  a.values_out = vo.data();
+  const absl::Status st = cpu->scoring().ScoreSelectCompact(a);
+  EXPECT_NE(std::string(st.message()).find("head 2, token 16000"), std::string::npos) << st;
+}
+
+}  // namespace
+}  // namespace kvcomp
