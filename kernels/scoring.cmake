@@ -12,7 +12,7 @@ list(APPEND KERNELS_SRCS
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   list(APPEND KERNELS_SRCS src/cpu/scoring_kernels_avx2.cc)
   set_source_files_properties(src/cpu/scoring_kernels_avx2.cc PROPERTIES
-    COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-O3")
+    COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-O3;-ffp-contract=fast")
   set_source_files_properties(src/cpu/scoring_kernels_generic.cc PROPERTIES
     COMPILE_DEFINITIONS KVCOMP_HAVE_AVX2_KERNELS=1 COMPILE_OPTIONS "-O3")
 endif()
