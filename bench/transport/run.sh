@@ -90,6 +90,7 @@ RESULTS=$ROOT/bench/results/transport_ingest_$DATE.md
   echo
   echo "- machine: $MACHINE"
   echo "- commit: $COMMIT; UCX $UCXV; build: $(basename "$BUILD")"
+  echo "- load average at start: $(cut -d' ' -f1-3 /proc/loadavg) (other work on the machine shares the cores)"
   echo "- kvcomp: UcxClient -> UcxServer, 1 MiB blocks (512 KiB K + 512 KiB V of a"
   echo "  Llama-3.1-8B-shaped put), $WINDOW blocks in flight, CRC32C computed by the client and"
   echo "  verified by the server (verify=$VERIFY), every block acknowledged after the handler took it."
