@@ -119,6 +119,11 @@ def run(args) -> List[Dict]:
                            "needle_retention": acc["kept"] / max(acc["needles"], 1)}
                     for key in ("retr_plain", "retr_corr", "gen_plain", "gen_corr"):
                         row["err_" + key] = float(np.mean(np.concatenate(acc[key])))
+                    # Fraction of queries the correction made worse.
+                    for kind in ("retr", "gen"):
+                        plain = np.concatenate(acc[kind + "_plain"])
+                        corr = np.concatenate(acc[kind + "_corr"])
+                        row["worse_" + kind] = float(np.mean(corr > plain * (1 + 1e-6)))
                     rows.append(row)
         print(f"context {ctx}: {layers} layers x {heads} kv heads, {time.time() - t0:.1f} s",
               flush=True)
@@ -160,16 +165,19 @@ def write_outputs(rows, args, engine_name):
              "Relative L2 error of attention against full attention, mean over queries; "
              "plain = kept tokens only, corr = with the MomentKV virtual token. "
              "ma = moment-aware eviction (docs/moment_aware.md). Averaged over contexts.", "",
+             "worse = fraction of queries whose error the correction increased.", "",
              "| scorer | ma | ratio | needles kept | retr plain | retr corr | gen plain | "
-             "gen corr |", "|---|---|---|---|---|---|---|---|"]
+             "gen corr | worse retr | worse gen |", "|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["scorer"], r["moment_aware"], r["ratio"]) for r in rows},
                   key=lambda k: (args.scorers.index(k[0]), k[1], k[2]))
     for s, ma, ratio in keys:
         sel = [r for r in rows if (r["scorer"], r["moment_aware"], r["ratio"]) == (s, ma, ratio)]
-        m = {k: np.mean([r[k] for r in sel]) for k in sel[0] if k.startswith(("err", "needle"))}
+        m = {k: np.mean([r[k] for r in sel]) for k in sel[0]
+             if k.startswith(("err", "needle", "worse"))}
         lines.append(f"| {s} | {ma} | {ratio:.1f} | {m['needle_retention']:.3f} | "
                      f"{m['err_retr_plain']:.4f} | {m['err_retr_corr']:.4f} | "
-                     f"{m['err_gen_plain']:.4f} | {m['err_gen_corr']:.4f} |")
+                     f"{m['err_gen_plain']:.4f} | {m['err_gen_corr']:.4f} | "
+                     f"{m['worse_retr']:.3f} | {m['worse_gen']:.3f} |")
     lines += ["", "Per context: see the CSV next to this file.", ""]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines))
