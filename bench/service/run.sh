@@ -16,7 +16,8 @@ OUT=bench/results/service-$(date -u +%Y%m%d-%H%M).yaml
   echo "commit: $(git rev-parse --short HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo +dirty || true)"
   echo "machine: \"$(uname -m), $(nproc) cpus, $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(free -g | awk '/Mem:/{print $2}') GiB\""
   echo "gpu: \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)\""
-  echo "note: client and daemon share the machine's cpus; the daemon runs 1 compression worker"
+  echo "load_average_at_start: \"$(cut -d' ' -f1-3 /proc/loadavg)\""
+  echo "note: client and daemon share the machine's cpus (and any other work running on it, see the load average); the daemon runs 1 compression worker, durability disk (RocksDB WAL synced)"
   echo "runs:"
 } >"$OUT"
 for tls in tcp posix,tcp; do
@@ -25,4 +26,5 @@ for tls in tcp posix,tcp; do
   "$BIN" --kvcompd "$KVCOMPD" --tls "$tls" --ingest_tokens "${INGEST_TOKENS:-8192}" \
       --tokens "${GET_TOKENS:-32768}" --gets "${GETS:-30}" | sed 's/^/    /' | tee -a "$OUT" >&2
 done
+echo "load_average_at_end: \"$(cut -d' ' -f1-3 /proc/loadavg)\"" >>"$OUT"
 echo "wrote $OUT" >&2
