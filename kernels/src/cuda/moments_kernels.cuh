@@ -327,10 +327,170 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
   }
 }
 
+// --- The pipelined variant for 16-bit inputs: cp.async double buffering --------------------
+// Tile i+1 is copied global -> shared (cp.async, zero-filled past the end) while the tensor
+// cores work on tile i, so loads and MMAs overlap within a CTA. Kept rows are copied out of
+// shared memory and zeroed there before the MMA.
+
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <typename T, int D>
+constexpr size_t AsyncMomentSmemBytes() {
+  const size_t tiles = 2 * 2 * size_t{kTileT} * RowStride<T, D>() * sizeof(T);  // 2 stages
+  return tiles + kTileT * sizeof(int) + 2 * sizeof(int);
+}
+
+template <typename T, int D, bool kCompact>
+__global__ void __launch_bounds__(kThreads, 2) MomentKernelAsync(MomentKernelParams p) {
+  using Blk = SBlock<D>;
+  constexpr int kLd = RowStride<T, D>();
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kRowVecs = D / kVec;
+  constexpr int kLoads = kTileT * kRowVecs / kThreads;
+  constexpr int kStage = 2 * kTileT * kLd;  // elements of one stage (K then V)
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* stages = reinterpret_cast<T*>(smem);
+  int* flags = reinterpret_cast<int*>(smem + AsyncMomentSmemBytes<T, D>() -
+                                      kTileT * sizeof(int) - 2 * sizeof(int));
+  int* shared_kp = flags + kTileT;
+
+  const uint32_t h = blockIdx.y;
+  const int bi = blockIdx.z / Blk::kBlocks, bj = blockIdx.z % Blk::kBlocks;
+  const bool lead = blockIdx.z == 0;
+  const bool summarize = p.count != nullptr;
+  const uint64_t l0 = p.list_off[h], l1 = p.list_off[h + 1];
+  uint64_t begin, end;
+  if (kCompact) {
+    begin = blockIdx.x * p.chunk;
+    end = min(p.num_tokens, begin + p.chunk);
+  } else {
+    begin = l0 + blockIdx.x * p.chunk;
+    end = min(l1, begin + p.chunk);
+  }
+  if (begin >= end) return;
+  if (kCompact && !summarize && !lead) return;
+  const T* kbase = static_cast<const T*>(p.k) + h * p.k_head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + h * p.v_head_stride;
+
+  if (kCompact && threadIdx.x == 0) {
+    uint64_t lo = l0, hi = l1;
+    while (lo < hi) {
+      const uint64_t mid = (lo + hi) / 2;
+      if (p.list[mid] < begin) lo = mid + 1; else hi = mid;
+    }
+    shared_kp[0] = static_cast<int>(lo - l0);
+  }
+
+  auto issue = [&](uint64_t t, int stage) {
+    const int mm = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t));
+    T* ks = stages + stage * kStage;
+    T* vs = ks + kTileT * kLd;
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int e = threadIdx.x + u * kThreads;
+      const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+      const bool in = r < mm;
+      const uint64_t tok = in ? (kCompact ? t + r : p.list[t + r]) : 0;
+      CpAsync16(ks + r * kLd + c, kbase + tok * p.k_token_stride + c, in ? 16 : 0);
+      CpAsync16(vs + r * kLd + c, vbase + tok * p.v_token_stride + c, in ? 16 : 0);
+    }
+    CpAsyncCommit();
+  };
+
+  Accumulator<T, D> acc;
+  acc.Init();
+  float colsum = 0.0f;  // column threadIdx.x of [K | V] (lead CTA), when threadIdx.x < 2 D
+  unsigned long long evicted = 0;
+  issue(begin, 0);
+  __syncthreads();
+  uint64_t kp = l0 + shared_kp[0];
+  int stage = 0;
+  for (uint64_t t0 = begin; t0 < end; t0 += kTileT, stage ^= 1) {
+    const int m = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t0));
+    const bool more = t0 + kTileT < end;
+    if (more) issue(t0 + kTileT, stage ^ 1);
+    int kept_here = 0;
+    if (kCompact) {
+      if (threadIdx.x < kTileT) flags[threadIdx.x] = -1;
+      __syncthreads();
+      bool is = false;
+      if (threadIdx.x < kTileT) {
+        const uint64_t j = kp + threadIdx.x;
+        if (j < l1 && p.list[j] < t0 + m) {
+          is = true;
+          flags[p.list[j] - t0] = static_cast<int>(threadIdx.x);
+        }
+      }
+      kept_here = __syncthreads_count(is);
+    }
+    if (more) CpAsyncWait<1>(); else CpAsyncWait<0>();
+    __syncthreads();
+    T* ks = stages + stage * kStage;
+    T* vs = ks + kTileT * kLd;
+    if (kCompact && kept_here > 0) {  // copy kept rows out, then zero them
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = threadIdx.x + u * kThreads;
+        const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+        if (r < m && flags[r] >= 0) {
+          uint4* kr = reinterpret_cast<uint4*>(ks + r * kLd + c);
+          uint4* vr = reinterpret_cast<uint4*>(vs + r * kLd + c);
+          if (lead) {
+            const uint64_t row = kp + flags[r];
+            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = *kr;
+            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = *vr;
+          }
+          *kr = *vr = make_uint4(0, 0, 0, 0);
+        }
+      }
+      __syncthreads();
+    }
+    if (summarize) {
+      if (lead) {
+        if (threadIdx.x < 2 * D) {
+          const T* col = threadIdx.x < D ? ks + threadIdx.x : vs + (threadIdx.x - D);
+          float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll 8
+          for (int r = 0; r < kTileT; r += 2) {
+            s0 += ToFloat(col[r * kLd]);
+            s1 += ToFloat(col[(r + 1) * kLd]);
+          }
+          colsum += s0 + s1;
+        }
+        evicted += m - kept_here;
+      }
+      acc.Add(ks, vs, bi, bj);
+    }
+    kp += kept_here;
+    __syncthreads();  // the next iteration's issue() overwrites this stage
+  }
+  if (!summarize) return;
+  acc.Flush(p.vk_sum + size_t{h} * D * D, reinterpret_cast<float*>(smem), bi, bj);
+  if (lead) {
+    if (threadIdx.x < D) {
+      atomicAdd(p.key_sum + size_t{h} * D + threadIdx.x, colsum);
+    } else if (threadIdx.x < 2 * D) {
+      atomicAdd(p.value_sum + size_t{h} * D + threadIdx.x - D, colsum);
+    }
+    if (threadIdx.x == 0) atomicAdd(p.count + h, evicted);
+  }
+}
+
 template <typename T, int D, bool kCompact>
 cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cudaStream_t stream) {
-  constexpr size_t smem = MomentSmemBytes<T, D>();
-  auto kernel = MomentKernel<T, D, kCompact>;
+  // 16-bit inputs with 2 D <= kThreads (one column sum per thread) take the pipelined kernel.
+  constexpr bool kAsync = sizeof(T) == 2 && 2 * D <= kThreads;
+  constexpr size_t smem = kAsync ? AsyncMomentSmemBytes<T, D>() : MomentSmemBytes<T, D>();
+  auto kernel = kAsync ? MomentKernelAsync<T, D, kCompact> : MomentKernel<T, D, kCompact>;
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
