@@ -45,8 +45,66 @@ uint32_t ExtendPortable(uint32_t crc, const uint8_t* p, size_t n) {
 }
 
 #if defined(__x86_64__)
+// Long inputs run three independent crc32 streams of kStride bytes at once (the instruction has
+// a latency of three cycles and a throughput of one), then join them: the register after a
+// stream is linear in its start value, so crc(A|B) = Shift(crc(A)) ^ crc(0, B), where Shift
+// feeds kStride zero bytes, applied through four byte-indexed tables.
+constexpr size_t kStride = 8192;
+
+struct StrideShift {
+  uint32_t t[4][256];
+};
+
+__attribute__((target("sse4.2"))) uint32_t RawZeros(uint32_t c, size_t n) {
+  uint64_t r = c;
+  for (size_t i = 0; i < n / 8; ++i) r = _mm_crc32_u64(r, 0);
+  return static_cast<uint32_t>(r);
+}
+
+const StrideShift& GetStrideShift() {
+  static const StrideShift* shift = [] {
+    auto* s = new StrideShift;
+    uint32_t column[32];
+    for (int i = 0; i < 32; ++i) column[i] = RawZeros(uint32_t{1} << i, kStride);
+    for (int k = 0; k < 4; ++k) {
+      for (int b = 0; b < 256; ++b) {
+        uint32_t v = 0;
+        for (int j = 0; j < 8; ++j) {
+          if (b & (1 << j)) v ^= column[8 * k + j];
+        }
+        s->t[k][b] = v;
+      }
+    }
+    return s;
+  }();
+  return *shift;
+}
+
+inline uint32_t Shift(const StrideShift& s, uint32_t c) {
+  return s.t[0][c & 0xff] ^ s.t[1][(c >> 8) & 0xff] ^ s.t[2][(c >> 16) & 0xff] ^ s.t[3][c >> 24];
+}
+
 __attribute__((target("sse4.2"))) uint32_t ExtendSse42(uint32_t crc, const uint8_t* p, size_t n) {
   uint64_t c = crc;
+  if (n >= 3 * kStride) {
+    const StrideShift& s = GetStrideShift();
+    while (n >= 3 * kStride) {
+      uint64_t a = c, b = 0, d = 0;
+      for (size_t i = 0; i < kStride; i += 8) {
+        uint64_t wa, wb, wd;
+        std::memcpy(&wa, p + i, 8);
+        std::memcpy(&wb, p + kStride + i, 8);
+        std::memcpy(&wd, p + 2 * kStride + i, 8);
+        a = _mm_crc32_u64(a, wa);
+        b = _mm_crc32_u64(b, wb);
+        d = _mm_crc32_u64(d, wd);
+      }
+      const uint32_t ab = Shift(s, static_cast<uint32_t>(a)) ^ static_cast<uint32_t>(b);
+      c = Shift(s, ab) ^ static_cast<uint32_t>(d);
+      p += 3 * kStride;
+      n -= 3 * kStride;
+    }
+  }
   while (n >= 8) {
     uint64_t w;
     std::memcpy(&w, p, 8);
