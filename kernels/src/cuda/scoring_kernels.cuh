@@ -510,7 +510,9 @@ struct SelectKernelParams {
   ErrorSlots* errors;
 };
 
-// One digit pass. grid (ceil(n / kTile), H), kThreads threads.
+inline constexpr int kHistTiles = 8;
+
+// One digit pass. grid (ceil(n / (kTile * kHistTiles)), H), kThreads threads.
 __global__ void __launch_bounds__(kThreads) RadixHistKernel(SelectKernelParams p, int pass) {
   __shared__ uint32_t hist[kRadixBins];
   const uint32_t h = blockIdx.y;
@@ -523,26 +525,17 @@ __global__ void __launch_bounds__(kThreads) RadixHistKernel(SelectKernelParams p
   const uint32_t digit_mask = (1u << RadixBits(pass)) - 1;
   const int high = shift + RadixBits(pass);  // bits at and above `high` are fixed
   const uint64_t seq_len = p.positions.SequenceLength(h);
-  const uint64_t t0 = uint64_t{blockIdx.x} * kTile;
-  const uint64_t t1 = min(p.n, t0 + kTile);
-  constexpr uint32_t kNoBin = 0xFFFFFFFFu;
-  const int lane = threadIdx.x & 31;
-  // The loop bound is uniform over the warp: scores crowd into few digits, so lanes with the same
-  // digit add once per warp (leader adds the count) instead of contending on one counter.
-  for (uint64_t tb = t0; tb < t1; tb += kThreads) {
-    const uint64_t t = tb + threadIdx.x;
-    uint32_t bin = kNoBin;
-    if (t < t1) {
-      const uint64_t flat = uint64_t{h} * p.n + t;
-      if (p.pre == nullptr || !p.pre[flat]) {
-        const float s = p.scores[flat];
-        if (pass == 0 && !(fabsf(s) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat);
-        const uint32_t key = EffectiveKey(s, p.positions.Position(h, t), seq_len, p.select);
-        if (high >= 32 || (key >> high) == (st.prefix >> high)) bin = (key >> shift) & digit_mask;
-      }
-    }
-    const uint32_t peers = __match_any_sync(0xFFFFFFFFu, bin);
-    if (bin != kNoBin && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+  // kHistTiles tiles per block: clearing and flushing 2048 counters is paid once per block.
+  const uint64_t t0 = uint64_t{blockIdx.x} * kTile * kHistTiles;
+  const uint64_t t1 = min(p.n, t0 + uint64_t{kTile} * kHistTiles);
+  for (uint64_t t = t0 + threadIdx.x; t < t1; t += kThreads) {
+    const uint64_t flat = uint64_t{h} * p.n + t;
+    if (p.pre != nullptr && p.pre[flat]) continue;
+    const float s = p.scores[flat];
+    if (pass == 0 && !(fabsf(s) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat);
+    const uint32_t key = EffectiveKey(s, p.positions.Position(h, t), seq_len, p.select);
+    if (high < 32 && (key >> high) != (st.prefix >> high)) continue;
+    atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
   }
   __syncthreads();
   uint32_t* g = p.hist + uint64_t{seg} * kRadixBins;
