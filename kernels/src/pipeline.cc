@@ -6,10 +6,10 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "cpu/moments_aware.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/scoring_ops.h"
-#include "cpu/moments_aware.h"
 #include "pipeline_stages.h"
 
 namespace kvcomp {
@@ -131,7 +131,8 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
   if (policy.scorer == Scorer::kSnapKV && cache.queries.empty()) {
     return absl::InvalidArgumentError("snapkv needs the observation window's queries");
   }
-  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
+  KVCOMP_RETURN_IF_ERROR(
+      pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
   KVCOMP_ASSIGN_OR_RETURN(SelectParams select, SelectParamsFromPolicy(policy, cache.num_tokens));
 
   const KvLayout& layout = cache.layout;
@@ -213,7 +214,8 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
   out.positions.resize(offset);
   out.keys.resize(offset * row);
   out.values.resize(offset * row);
-  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecStage(backend, policy, options.projection.get(), &out));
+  KVCOMP_RETURN_IF_ERROR(
+      pipeline_internal::CodecStage(backend, policy, options.projection.get(), &out));
   return out;
 }
 

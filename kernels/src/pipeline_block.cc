@@ -4,12 +4,12 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "cpu/moments_aware.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/moment_ops.h"
 #include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/kernels/scoring_ops.h"
-#include "cpu/moments_aware.h"
 #include "pipeline_stages.h"
 
 namespace kvcomp {
@@ -123,7 +123,8 @@ class BlockCompressorImpl final : public BlockCompressor {
                           l.values.as<uint8_t>() + (base + l.count) * row_);
       }
     }
-    KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecStage(backend_, policy_, options_.projection.get(), &out));
+    KVCOMP_RETURN_IF_ERROR(
+        pipeline_internal::CodecStage(backend_, policy_, options_.projection.get(), &out));
     return out;
   }
 
@@ -268,7 +269,8 @@ absl::StatusOr<std::unique_ptr<BlockCompressor>> BlockCompressor::Create(
     return absl::InvalidArgumentError(
         "adakv head budgets are not supported block-wise (use uniform)");
   }
-  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
+  KVCOMP_RETURN_IF_ERROR(
+      pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
   uint64_t budget = options.budget;
   if (budget == 0) budget = policy.token_budget;
   if (budget == 0 && options.expected_tokens > 0) {
