@@ -189,6 +189,7 @@ as plain byte counts.
       "max_put_bytes" (include "kvcomp.bytes" $v.dataPlane.maxPutBytes | int64)
       "max_block_bytes" (include "kvcomp.bytes" $v.dataPlane.maxBlockBytes | int64)
       "max_inflight_bytes_per_connection" (include "kvcomp.bytes" $v.dataPlane.maxInflightBytesPerConnection | int64)
+      "max_buffered_bytes" (include "kvcomp.bytes" $v.dataPlane.maxBufferedBytes | int64)
       "put_timeout_seconds" $v.dataPlane.putTimeoutSeconds
       "max_open_puts" (int $v.dataPlane.maxOpenPuts)
       "ucx_tls" $v.ucx.tls
