@@ -822,7 +822,12 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
   std::shared_ptr<WorkerLoop> loop = loop_;
   const uint64_t rid = f.header.request_id;
   GetDone done = [this, loop, conn, rid](absl::StatusOr<GetResult> r) mutable {
-    loop->Post([this, conn = std::move(conn), rid, r = std::move(r)]() mutable {
+    // The checksum of a large cache takes a while: computed here, on the completing thread,
+    // not on the progress thread that serves every connection.
+    uint32_t crc = 0;
+    const bool host = r.ok() && r->bytes.memory_type() == MemoryType::kHost;
+    if (host) crc = Crc32c(r->bytes.data(), r->bytes.size());
+    loop->Post([this, conn = std::move(conn), rid, r = std::move(r), crc, host]() mutable {
       conn->pending_work--;
       pending_work_--;
       if (!r.ok()) {
@@ -837,10 +842,8 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
       }
       wire::GetReply reply;
       reply.representation = r->representation;
-      if (r->bytes.memory_type() == MemoryType::kHost) {
-        reply.has_crc = true;
-        reply.payload_crc = Crc32c(r->bytes.data(), r->bytes.size());
-      }
+      reply.has_crc = host;
+      reply.payload_crc = crc;
       std::string frame = wire::Encode(rid, reply, r->bytes.size());
       SendFrame(*conn, std::move(frame), std::move(r->bytes));
     });

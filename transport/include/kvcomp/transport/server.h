@@ -6,7 +6,9 @@
 // Threads: one progress thread owns the UCX worker and every connection; all handler calls
 // except the completion callbacks run on it, so handler methods must not block (hand heavy work
 // such as compression to a pool and complete later). Completion callbacks (Done, CommitDone,
-// GetDone, LookupDone) may be called from any thread, exactly once each; the reply is queued to
+// GetDone, LookupDone) may be called from any thread, including inside the handler method
+// itself, and must be called exactly once each (never dropped: the connection's pending work
+// and in-flight bytes are released by them); the reply is queued to
 // the progress thread, which the callback wakes. Callbacks may outlive the connection: a reply to
 // a closed connection is dropped.
 //
@@ -132,6 +134,7 @@ class RequestHandler {
   virtual void OnPutAbort(const PutContext& put, const absl::Status& reason) = 0;
 
   // Fetches a cache of the session's tenant. NotFound when absent (also for other tenants').
+  // The transport computes the reply's CRC32C of host bytes on the thread that calls `done`.
   virtual void OnGet(const Session& session, const wire::Get& get, GetDone done) = 0;
   virtual void OnLookup(const Session& session, const wire::Lookup& lookup, LookupDone done) = 0;
   virtual void OnDelete(const Session& session, const wire::Delete& del, Done done) = 0;
