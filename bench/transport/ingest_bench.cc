@@ -7,9 +7,12 @@
 //                                                       prints "PORT <n>", serves until killed
 //   kvcomp_transport_bench client <port> [--blocks=N] [--window=W] [--block_bytes=B]
 //                                        [--peer_errors=1]
+//   kvcomp_transport_bench server --get_bytes=B; client <port> --gets=N
+//                                                       get latency p50/p99 of a B-byte cache
 //                                                       prints "RESULT ... GBps=<x>"
 //
 // UCX_TLS etc. come from the environment.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -48,15 +51,26 @@ class SinkHandler : public RequestHandler {
     done(s);
   }
   void OnPutAbort(const PutContext&, const absl::Status&) override {}
+  // Gets return `get_bytes` bytes (a fixed buffer, lent without a copy).
   void OnGet(const Session&, const wire::Get&, GetDone done) override {
-    done(absl::NotFoundError("sink"));
+    if (get_bytes_.empty()) {
+      done(absl::NotFoundError("sink"));
+      return;
+    }
+    GetResult r;
+    r.bytes = Buffer::Wrap(get_bytes_.data(), get_bytes_.size(), MemoryType::kHost, nullptr);
+    done(std::move(r));
   }
+  void set_get_bytes(size_t n) { get_bytes_.assign(n, 0x5a); }
   void OnLookup(const Session&, const wire::Lookup&, LookupDone done) override {
     done(absl::NotFoundError("sink"));
   }
   void OnDelete(const Session&, const wire::Delete&, Done done) override {
     done(absl::NotFoundError("sink"));
   }
+
+ private:
+  std::vector<uint8_t> get_bytes_;
 };
 
 uint64_t Flag(int argc, char** argv, const char* name, uint64_t def) {
@@ -76,6 +90,7 @@ int Server(int argc, char** argv) {
   o.ucx.peer_error_handling = Flag(argc, argv, "peer_errors", 1) != 0;
   o.put_timeout = absl::Minutes(5);
   SinkHandler handler;
+  handler.set_get_bytes(Flag(argc, argv, "get_bytes", 0));
   absl::StatusOr<std::unique_ptr<UcxServer>> server = UcxServer::Start(o, &handler);
   if (!server.ok()) {
     std::fprintf(stderr, "server: %s\n", server.status().ToString().c_str());
@@ -120,6 +135,43 @@ int Client(int argc, char** argv) {
     return 1;
   }
   UcxClient& client = **c;
+  if (const uint64_t gets = Flag(argc, argv, "gets", 0); gets > 0) {
+    // Get latency: the server lends a fixed cache of --get_bytes; each get allocates a fresh
+    // host buffer (as Get does), GetInto reuses one.
+    std::vector<double> ms, into_ms;
+    std::vector<uint8_t> dst;
+    for (uint64_t i = 0; i < gets + 1; ++i) {
+      auto t = std::chrono::steady_clock::now();
+      absl::StatusOr<FetchedCache> got = client.Get("bench/llama-3.1-8b", "k");
+      const double a =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+      if (!got.ok()) {
+        std::fprintf(stderr, "get: %s\n", got.status().ToString().c_str());
+        return 1;
+      }
+      dst.resize(got->bytes.size());
+      t = std::chrono::steady_clock::now();
+      absl::StatusOr<size_t> n = client.GetInto("bench/llama-3.1-8b", "k",
+                                                wire::Representation::kStored, dst.data(),
+                                                dst.size());
+      const double b =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+      if (!n.ok()) return 1;
+      if (i > 0) {  // the first of each warms up
+        ms.push_back(a);
+        into_ms.push_back(b);
+      }
+    }
+    auto pct = [](std::vector<double> v, double p) {
+      std::sort(v.begin(), v.end());
+      return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+    };
+    std::printf("RESULT get_bytes=%zu gets=%llu get_p50_ms=%.2f get_p99_ms=%.2f "
+                "getinto_p50_ms=%.2f getinto_p99_ms=%.2f\n",
+                dst.size(), static_cast<unsigned long long>(gets), pct(ms, 0.5), pct(ms, 0.99),
+                pct(into_ms, 0.5), pct(into_ms, 0.99));
+    return 0;
+  }
   // A few distinct source buffers, K and V adjacent (one contiguous 1 MiB payload).
   std::vector<std::vector<uint8_t>> sources(4, std::vector<uint8_t>(2 * half));
   for (size_t s = 0; s < sources.size(); ++s) {

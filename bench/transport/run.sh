@@ -9,7 +9,8 @@
 #
 # Knobs: KVCOMP_TLS_LIST (default "tcp sm,tcp sm,tcp:noerr posix,tcp"; ":noerr" runs kvcomp
 # with UcxConfig::peer_error_handling off, which lets UCX 1.13 use cma), KVCOMP_BLOCKS (2000), KVCOMP_REPS (3),
-# KVCOMP_WINDOW (blocks in flight, 16), KVCOMP_VERIFY (server CRC check, 1).
+# KVCOMP_WINDOW (blocks in flight, 16), KVCOMP_VERIFY (server CRC check, 1), KVCOMP_GET_BYTES
+# (get-latency cache size, 256 MiB; 0 skips), KVCOMP_GETS (10).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -20,6 +21,8 @@ BLOCKS=${KVCOMP_BLOCKS:-2000}
 REPS=${KVCOMP_REPS:-3}
 WINDOW=${KVCOMP_WINDOW:-16}
 VERIFY=${KVCOMP_VERIFY:-1}
+GET_BYTES=${KVCOMP_GET_BYTES:-268435456}  # get latency: cache size (0 skips)
+GETS=${KVCOMP_GETS:-10}
 
 if [ ! -x "$BENCH" ]; then
   cmake --build "$BUILD" --target kvcomp_transport_bench >/dev/null
@@ -73,6 +76,27 @@ kvcomp_once() {
   echo "$line" | sed -E 's/.*MiBps=([0-9.]+).*/\1/'
 }
 
+# Get latency of a GET_BYTES cache: "p50 p99 p50_into p99_into" in ms.
+get_once() {
+  local tls=${1%:noerr} out peer=1
+  [ "$tls" != "$1" ] && peer=0
+  out=$(mktemp)
+  UCX_TLS=$tls "$BENCH" server --get_bytes="$GET_BYTES" --peer_errors=$peer >"$out" 2>&1 &
+  local sp=$!
+  PIDS+=("$sp")
+  local port=""
+  for _ in $(seq 100); do
+    port=$(awk '/^PORT/{print $2}' "$out")
+    [ -n "$port" ] && break
+    sleep 0.1
+  done
+  UCX_TLS=$tls timeout 600 "$BENCH" client "$port" --gets="$GETS" --peer_errors=$peer 2>&1 |
+    grep -E '^RESULT' | sed -E 's/.*get_p50_ms=([0-9.]+) get_p99_ms=([0-9.]+) getinto_p50_ms=([0-9.]+) getinto_p99_ms=([0-9.]+).*/\1 \2 \3 \4/' || true
+  kill "$sp" 2>/dev/null || true
+  wait "$sp" 2>/dev/null || true
+  rm -f "$out"
+}
+
 median() { printf '%s\n' "$@" | grep -E '^[0-9.]+$' | sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
 
 DATE=$(date -u +%Y-%m-%d)
@@ -115,6 +139,22 @@ for tls in $TLS_LIST; do
   ratio=$(awk -v a="$km" -v b="$pm" 'BEGIN{ if (b+0>0) printf "%.0f%%", 100*a/b; else print "n/a"}')
   echo "| $tls | $pm (${P[*]}) | $km (${K[*]}) | $ratio |" >>"$RESULTS.tmp"
 done
+
+if [ "$GET_BYTES" != 0 ]; then
+  {
+    echo
+    echo "Get latency of a $((GET_BYTES >> 20)) MiB cache (server lends the bytes, CRC32C on both"
+    echo "ends; Get allocates a fresh host buffer, GetInto reuses one), $GETS gets after one warm-up:"
+    echo
+    echo "| UCX_TLS | Get p50 ms | Get p99 ms | GetInto p50 ms | GetInto p99 ms |"
+    echo "| --- | --- | --- | --- | --- |"
+  } >>"$RESULTS.tmp"
+  for tls in $TLS_LIST; do
+    read -r g50 g99 i50 i99 <<<"$(get_once "$tls")"
+    echo "  $tls get: p50 $g50 ms, p99 $g99 ms" >&2
+    echo "| $tls | ${g50:-n/a} | ${g99:-n/a} | ${i50:-n/a} | ${i99:-n/a} |" >>"$RESULTS.tmp"
+  done
+fi
 
 if [ -f "$RESULTS" ]; then
   { echo; cat "$RESULTS.tmp"; } >>"$RESULTS"
