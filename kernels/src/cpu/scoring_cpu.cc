@@ -125,7 +125,8 @@ class CpuScoringOps final : public ScoringOps {
     uint64_t bytes = a.scores == nullptr ? hn * sizeof(float) : 0;
     const uint64_t chunks = a.keys.num_heads * CeilDiv(a.keys.num_tokens, kChunkTokens);
     bytes += chunks * a.keys.head_dim * sizeof(float);  // partial sums
-    bytes += a.select.head_budget == HeadBudget::kAdaKV ? hn * 16 + hn : hn * sizeof(uint64_t);
+    bytes += hn * sizeof(uint32_t);  // order keys
+    if (a.select.head_budget == HeadBudget::kAdaKV) bytes += hn + hn * 16;  // flags, candidates
     return bytes;
   }
 
