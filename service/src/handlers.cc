@@ -255,24 +255,21 @@ void ControlHandler::Lookup(rpc::LookupResponse& out, const rpc::Auth& auth,
   absl::Time t0 = absl::Now();
   CacheKey key{tenant, ref.model_id, ref.key};
   absl::Status s = key.Validate();
-  absl::StatusOr<storage::LookupResult> where =
-      s.ok() ? ctx_->store->Lookup(key) : absl::StatusOr<storage::LookupResult>(s);
-  absl::StatusOr<storage::StoredCache> got =
-      where.ok() ? ctx_->store->Get(key) : absl::StatusOr<storage::StoredCache>(where.status());
-  absl::StatusOr<format::CacheInfo> info = got.ok()
-                                               ? format::PeekCache(got->payload.view())
-                                               : absl::StatusOr<format::CacheInfo>(got.status());
+  absl::StatusOr<IngestPipeline::Description> desc =
+      s.ok() ? ctx_->pipeline->Describe(key) : absl::StatusOr<IngestPipeline::Description>(s);
   ctx_->metrics->ObserveOp(Op::kLookup, absl::ToDoubleSeconds(absl::Now() - t0));
-  if (!info.ok()) {
+  if (!desc.ok()) {
     absl::Status e =
-        absl::IsNotFound(info.status()) ? absl::NotFoundError("cache not found") : info.status();
+        absl::IsNotFound(desc.status()) ? absl::NotFoundError("cache not found") : desc.status();
     ctx_->metrics->CountError("lookup", e);
     out.status = ToRpc(e);
     return;
   }
+  const storage::LookupResult* where = &desc->where;
+  const format::CacheInfo* info = &desc->info;
   out.tier = storage::TierName(where->tier);
-  out.original_bytes = static_cast<int64_t>(got->meta.original_bytes);
-  out.stored_bytes = static_cast<int64_t>(got->meta.stored_bytes);
+  out.original_bytes = static_cast<int64_t>(where->meta.original_bytes);
+  out.stored_bytes = static_cast<int64_t>(where->meta.stored_bytes);
   out.original_tokens = static_cast<int64_t>(info->original_tokens);
   out.kept_tokens = static_cast<int64_t>(info->total_kept);
   out.layout.num_layers = static_cast<int32_t>(info->layout.num_layers);
@@ -291,6 +288,7 @@ void ControlHandler::Delete(rpc::DeleteResponse& out, const rpc::Auth& auth,
   CacheKey key{tenant, ref.model_id, ref.key};
   absl::Status s = key.Validate();
   if (s.ok()) s = ctx_->store->Delete(key);
+  ctx_->pipeline->ForgetCache(key);
   if (absl::IsNotFound(s)) s = absl::NotFoundError("cache not found");
   ctx_->metrics->ObserveOp(Op::kDelete, absl::ToDoubleSeconds(absl::Now() - t0));
   if (!s.ok()) ctx_->metrics->CountError("delete", s);

@@ -525,6 +525,7 @@ absl::StatusOr<wire::CacheSummary> IngestPipeline::Store(PutState& put, Compress
   const PutSpec& spec = put.spec;
   absl::Time t0 = absl::Now();
   KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(cache));
+  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(bytes));
   const uint64_t original = spec.layout.CacheBytes(spec.num_tokens);
   const uint64_t stored = bytes.size();
   storage::CacheMeta meta;
@@ -536,6 +537,7 @@ absl::StatusOr<wire::CacheSummary> IngestPipeline::Store(PutState& put, Compress
       store_->Put(spec.key, storage::Payload::FromString(std::move(bytes)), meta, po));
   metrics_->ObserveStage(Stage::kStore, Seconds(absl::Now() - t0));
   metrics_->AddStoredCache(original, stored);
+  RememberInfo(spec.key, info);
   wire::CacheSummary s;
   s.layout = spec.layout;
   s.key_codec = cache.key_codec;
@@ -643,17 +645,48 @@ void IngestPipeline::Get(const CacheKey& key, wire::Representation rep, transpor
   }
 }
 
+void IngestPipeline::RememberInfo(const CacheKey& key, const format::CacheInfo& info) {
+  absl::MutexLock lock(&info_mu_);
+  if (infos_.size() >= kMaxRememberedInfos) infos_.clear();
+  infos_[key.Encode()] = info;
+}
+
+void IngestPipeline::ForgetInfo(const CacheKey& key) {
+  absl::MutexLock lock(&info_mu_);
+  infos_.erase(key.Encode());
+}
+
+absl::StatusOr<IngestPipeline::Description> IngestPipeline::Describe(const CacheKey& key) {
+  Description d;
+  auto where = store_->Lookup(key);
+  if (!where.ok()) {
+    ForgetInfo(key);
+    return NotFoundAsMissing(where.status());
+  }
+  d.where = *where;
+  {
+    absl::MutexLock lock(&info_mu_);
+    auto it = infos_.find(key.Encode());
+    if (it != infos_.end() && it->second.total_bytes == where->meta.stored_bytes) {
+      d.info = it->second;
+      return d;
+    }
+  }
+  // Not remembered (e.g. stored before a restart): read it once.
+  auto got = store_->Get(key);
+  if (!got.ok()) return NotFoundAsMissing(got.status());
+  KVCOMP_ASSIGN_OR_RETURN(d.info, format::PeekCache(got->payload.view()));
+  RememberInfo(key, d.info);
+  return d;
+}
+
 void IngestPipeline::Lookup(const CacheKey& key, transport::LookupDone done) {
   auto shared_done = std::make_shared<transport::LookupDone>(std::move(done));
   bool queued = serve_pool_->TrySubmit([this, key, shared_done] {
     absl::Time t0 = absl::Now();
     absl::StatusOr<wire::CacheSummary> result = [&]() -> absl::StatusOr<wire::CacheSummary> {
-      auto where = store_->Lookup(key);
-      if (!where.ok()) return NotFoundAsMissing(where.status());
-      auto got = store_->Get(key);
-      if (!got.ok()) return NotFoundAsMissing(got.status());
-      KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(got->payload.view()));
-      return SummaryOf(info, got->meta, where->tier);
+      KVCOMP_ASSIGN_OR_RETURN(Description d, Describe(key));
+      return SummaryOf(d.info, d.where.meta, d.where.tier);
     }();
     metrics_->ObserveOp(Op::kLookup, Seconds(absl::Now() - t0));
     if (!result.ok()) metrics_->CountError("lookup", result.status());
@@ -670,6 +703,7 @@ void IngestPipeline::Delete(const CacheKey& key, transport::Done done) {
   bool queued = serve_pool_->TrySubmit([this, key, shared_done] {
     absl::Time t0 = absl::Now();
     absl::Status s = NotFoundAsMissing(store_->Delete(key));
+    ForgetInfo(key);
     metrics_->ObserveOp(Op::kDelete, Seconds(absl::Now() - t0));
     if (!s.ok()) metrics_->CountError("delete", s);
     (*shared_done)(s);

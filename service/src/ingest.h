@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/format.h"
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/backend.h"
@@ -94,6 +95,17 @@ class IngestPipeline {
   void Lookup(const CacheKey& key, transport::LookupDone done);
   void Delete(const CacheKey& key, transport::Done done);
 
+  // Where a cache is and what its header says, without reading its bytes when the header is
+  // remembered (from its put, or an earlier lookup). NotFound when absent. Blocking (store I/O
+  // at most once per key); for the control plane and the serve pool.
+  struct Description {
+    storage::LookupResult where;
+    format::CacheInfo info;
+  };
+  absl::StatusOr<Description> Describe(const CacheKey& key);
+  // Drops what Describe remembers of `key` (after a delete elsewhere).
+  void ForgetCache(const CacheKey& key) { ForgetInfo(key); }
+
   // Stops taking new puts (Unavailable); everything open continues.
   void Drain() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
@@ -135,6 +147,14 @@ class IngestPipeline {
   std::vector<absl::Status> worker_backend_status_;
   std::unique_ptr<TaskPool> compress_pool_;
   std::unique_ptr<TaskPool> serve_pool_;
+
+  void RememberInfo(const CacheKey& key, const format::CacheInfo& info);
+  void ForgetInfo(const CacheKey& key);
+
+  // Headers of stored caches by CacheKey::Encode(); bounded (cleared when full).
+  static constexpr size_t kMaxRememberedInfos = 1 << 20;
+  absl::Mutex info_mu_;
+  absl::flat_hash_map<std::string, format::CacheInfo> infos_ ABSL_GUARDED_BY(info_mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<PutId, std::shared_ptr<PutState>> puts_ ABSL_GUARDED_BY(mu_);

@@ -113,6 +113,7 @@ class ControlTest : public ::testing::Test {
     auto c = UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant, token, o);
     if (!c.ok()) {
       if (error != nullptr) *error = c.status();
+      if (error == nullptr) ADD_FAILURE() << "connect: " << c.status();
       return nullptr;
     }
     return std::move(*c);
@@ -128,8 +129,9 @@ class ControlTest : public ::testing::Test {
 
 TEST_F(ControlTest, EveryControlCallAnswers) {
   auto d = StartDaemon();
-  auto c = Connect(*d);
-  ASSERT_NE(c, nullptr);
+  absl::Status error;
+  auto c = Connect(*d, "", "", &error);
+  ASSERT_NE(c, nullptr) << error << d->Log();
   auto stored = PutRandom(*c, "llama", "k1", 1);
   ASSERT_TRUE(stored.ok()) << stored.status();
   ControlClient rpc(d->ports().control);
@@ -402,7 +404,7 @@ TEST_F(ControlTest, TenantsSeeOnlyTheirOwnCaches) {
   d->Signal(SIGHUP);
   std::unique_ptr<UcxClient> g;
   for (int i = 0; i < 50 && g == nullptr; ++i) {
-    g = Connect(*d, "gamma", "secret-g");
+    g = Connect(*d, "gamma", "secret-g", &error);
     if (g == nullptr) absl::SleepFor(absl::Milliseconds(100));
   }
   ASSERT_NE(g, nullptr) << d->Log();
