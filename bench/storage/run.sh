@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Storage benchmarks (issue 6): put/get GB/s of the RocksDB tier for 64 KiB, 1 MiB and 16 MiB
 # values next to RocksDB's own db_bench given the same options, in the same run on the same disk;
-# and the host tier next to memcpy. Writes bench/results/storage-<date>.{jsonl,md} with the date,
+# and the host tier next to memcpy. Writes bench/results/storage-<date>-<HHMM>.{jsonl,md} with the date,
 # machine and commit.
 #   bench/storage/run.sh [build dir (default build)] [scratch dir (default /tmp/kvcomp_storage_bench)]
 # KVCOMP_BENCH_MB sets the bytes written per case (default 512 MiB; a quarter for synced puts),
@@ -20,7 +20,7 @@ DB_BENCH=$(command -v db_bench || command -v rocksdb_db_bench || true)
 mkdir -p "$SCRATCH" bench/results
 LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
 DATE=$(date -u +%Y-%m-%d)
-OUT=bench/results/storage-$DATE.jsonl
+OUT=bench/results/storage-$DATE-$(date -u +%H%M).jsonl
 : > "$OUT"
 
 # The options RocksDbTierOptions uses by default (storage/include/kvcomp/storage/options.h),
@@ -52,8 +52,11 @@ for sync in 0 1; do
   for size in 65536 1048576 16777216; do
     num=$((mb * 1048576 / size))
     echo "-- rocksdb: value $size bytes x $num, sync=$sync" >&2
-    # Alternate the two so neither always runs on a warmer disk.
+    # Alternate the two, and write back the page cache before each, so neither starts while
+    # the other's dirty pages are still being written.
+    sync
     "$BENCH" --mode=rocksdb --dir="$SCRATCH" --value_size="$size" --num="$num" --sync="$sync" | tee -a "$OUT"
+    sync
     run_db_bench "$size" "$num" "$sync" | tee -a "$OUT"
   done
 done

@@ -6,6 +6,7 @@
 //     pass) of the host tier next to plain memcpy of the same sizes.
 // Usage: storage_bench --mode=rocksdb|host --dir=DIR --value_size=BYTES --num=N --sync=0|1
 #include <malloc.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -119,6 +120,7 @@ int RunRocksDb(const Args& a) {
     meta.stored_bytes = value.size();
     meta.crc32c = Crc32c(value.data(), value.size());
     const auto order = Shuffled(a.num, 2);
+    sync();  // start with no dirty pages from earlier runs being written back
     auto t0 = std::chrono::steady_clock::now();
     for (uint64_t i : order) {
       absl::Status st = (*tier)->Put(KeyOf(i), meta, value, a.sync);
@@ -153,6 +155,7 @@ int RunRocksDb(const Args& a) {
     po.durability = a.sync ? Durability::kDisk : Durability::kMemory;
     auto key = [](uint64_t i) { return CacheKey{"bench", "model", KeyOf(i)}; };
     const auto order = Shuffled(a.num, 2);
+    sync();
     auto t0 = std::chrono::steady_clock::now();
     for (uint64_t i : order) {
       if (!(*store)->Put(key(i), value, {}, po).ok()) return 1;
