@@ -67,9 +67,9 @@ struct IngestPipeline::PutState {
   PutId id;
   PutSpec spec;
   absl::Time begun = absl::Now();
-  absl::Time last_block = absl::Now();
 
   absl::Mutex mu;
+  absl::Time last_block ABSL_GUARDED_BY(mu) = absl::Now();
   std::vector<ReceivedBlock> blocks ABSL_GUARDED_BY(mu);  // block-wise: those not yet appended
   std::vector<Coverage> key_cov ABSL_GUARDED_BY(mu), value_cov ABSL_GUARDED_BY(mu);
   uint64_t held_bytes ABSL_GUARDED_BY(mu) = 0;
@@ -409,9 +409,9 @@ void IngestPipeline::RunCommit(const std::shared_ptr<PutState>& put, transport::
                                int /*worker*/) {
   absl::StatusOr<wire::CacheSummary> result = [&]() -> absl::StatusOr<wire::CacheSummary> {
     const PutSpec& spec = put->spec;
-    metrics_->ObserveStage(Stage::kReceive, Seconds(put->last_block - put->begun));
     {
       absl::MutexLock lock(&put->mu);
+      metrics_->ObserveStage(Stage::kReceive, Seconds(put->last_block - put->begun));
       if (put->aborted) return absl::CancelledError("put was aborted");
       for (uint32_t l = 0; l < spec.layout.num_layers; ++l) {
         if (put->key_cov[l].tokens() != spec.num_tokens ||
