@@ -304,12 +304,13 @@ void ControlHandler::List(rpc::ListResponse& out, const rpc::Auth& auth,
     return;
   }
   const size_t max = limit <= 0 ? 1000 : static_cast<size_t>(std::min(limit, 10000));
+  bool more = false;
   for (const auto& c : *listed) {
     if (!model_id.empty() && c.key.model_id != model_id) continue;
     std::string enc = c.key.Encode();
     if (!cursor.empty() && enc <= cursor) continue;
     if (out.caches.size() == max) {
-      out.next_cursor = out.caches.empty() ? std::string() : out.next_cursor;
+      more = true;
       break;
     }
     rpc::CacheRef r;
@@ -318,7 +319,7 @@ void ControlHandler::List(rpc::ListResponse& out, const rpc::Auth& auth,
     out.caches.push_back(r);
     out.next_cursor = enc;
   }
-  if (out.caches.size() < max) out.next_cursor.clear();
+  if (!more) out.next_cursor.clear();
 }
 
 void ControlHandler::GetPolicy(rpc::PolicyResponse& out, const rpc::Auth& auth,

@@ -181,6 +181,29 @@ TEST_F(ControlTest, EveryControlCallAnswers) {
   EXPECT_EQ(list.status.code, rpc::StatusCode::OK);
   ASSERT_EQ(list.caches.size(), 1u);
   EXPECT_EQ(list.caches[0].key, "k1");
+  EXPECT_TRUE(list.next_cursor.empty());
+  // Paging: two more caches, listed one at a time.
+  ASSERT_TRUE(PutRandom(*c, "other", "k0", 3).ok());
+  ASSERT_TRUE(PutRandom(*c, "llama", "k3", 4).ok());
+  std::vector<std::string> seen;
+  std::string cursor;
+  for (int page = 0; page < 5; ++page) {
+    rpc->List(list, auth, "", cursor, 1);
+    for (const auto& r : list.caches) seen.push_back(r.model_id + "/" + r.key);
+    cursor = list.next_cursor;
+    if (cursor.empty()) break;
+  }
+  EXPECT_EQ(seen.size(), 3u);
+  rpc->List(list, auth, "llama", "", 10);
+  EXPECT_EQ(list.caches.size(), 2u);  // model filter
+  rpc::DeleteResponse cleanup;
+  for (auto [model, key] : {std::pair<std::string, std::string>{"other", "k0"}, {"llama", "k3"}}) {
+    rpc::CacheRef r;
+    r.model_id = model;
+    r.key = key;
+    rpc->Delete(cleanup, auth, r);
+    EXPECT_EQ(cleanup.status.code, rpc::StatusCode::OK);
+  }
 
   rpc::PolicyResponse pol;
   rpc->GetPolicy(pol, auth, "llama");
