@@ -6,7 +6,7 @@
 //
 // The stages of one layer, [H, n, D] keys (and values):
 //   Stats     per (head, segment, chunk) fp32 partial sums of k (or k/||k|| for keydiff)
-//   Centres   per (head, segment) the mean (fp64 sum of the partials), and its norm
+//   Centres   per (head, segment) the mean (fp64 sum of the partials; its norm in Score)
 //   Score     per token: knorm, keydiff, (windowed) manifold, streaming, random; NaN/Inf check
 //   Radix*    exact k-th largest effective score per segment (head, or the whole layer for
 //             AdaKV's second stage): three digit passes of a most-significant-digit radix select
@@ -322,48 +322,41 @@ struct CentreParams {
   uint32_t chunks;
   uint32_t d;
   uint32_t head0;
+  uint32_t heads;  // heads of this launch
   float* centres;  // [H, segments, D]
-  float* norms;    // [H, segments]: max(||centre||, eps)
 };
 
-inline constexpr int kCentreThreads = 1024;
+inline constexpr int kCentreThreads = 256;
 
-// grid (segments, H), kCentreThreads threads: kCentreThreads / d lanes of chunks per column,
-// each with independent accumulators so the partials' loads overlap.
+// One warp per (head, segment, column): lane l sums chunks l, l + 32, ... in fp64 (four
+// independent accumulators, so the partials' loads overlap), then a fixed shuffle tree. Many
+// warps per head, so a launch over one head group fills the chip (the former one block per
+// (segment, head) took 14 us at 8 x 128K and made per-group launches slow). The centre's norm
+// (keydiff) is taken by the score pass from the centre itself.
+// grid ceil(heads * segments * d / (kCentreThreads / 32)), kCentreThreads threads.
 __global__ void __launch_bounds__(kCentreThreads) CentreKernel(CentreParams p) {
-  __shared__ double col[kCentreThreads];
-  __shared__ double red[256];
-  const uint32_t h = p.head0 + blockIdx.y;
-  const uint32_t s = blockIdx.x;
-  const uint32_t j = threadIdx.x % p.d;
-  const uint32_t lane = threadIdx.x / p.d;
-  const uint32_t lanes = kCentreThreads / p.d;
+  const uint64_t warp = (uint64_t{blockIdx.x} * kCentreThreads + threadIdx.x) / 32;
+  const uint32_t lane = threadIdx.x & 31;
+  const uint64_t total = uint64_t{p.heads} * p.segments * p.d;
+  if (warp >= total) return;  // whole warps leave together
+  const uint32_t j = static_cast<uint32_t>(warp % p.d);
+  const uint64_t hs_local = warp / p.d;  // (head - head0) * segments + segment
+  const uint32_t s = static_cast<uint32_t>(hs_local % p.segments);
+  const uint64_t hs = uint64_t{p.head0} * p.segments + hs_local;
   const uint64_t seg0 = uint64_t{s} * p.segment;
   const uint64_t len = min(p.n, seg0 + p.segment) - seg0;
-  const uint64_t hs = uint64_t{h} * p.segments + s;
-  const float* part = p.partial + hs * p.chunks * p.d;
+  const float* part = p.partial + hs * p.chunks * p.d + j;
   double acc[4] = {0.0, 0.0, 0.0, 0.0};
   uint32_t c = lane;
-  for (; c + 3 * lanes < p.chunks; c += 4 * lanes) {
+  for (; c + 96 < p.chunks; c += 128) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u) acc[u] += part[uint64_t{c + u * lanes} * p.d + j];
+    for (int u = 0; u < 4; ++u) acc[u] += part[uint64_t{c + u * 32} * p.d];
   }
-  for (; c < p.chunks; c += lanes) acc[0] += part[uint64_t{c} * p.d + j];
-  col[threadIdx.x] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  __syncthreads();
-  if (threadIdx.x < p.d) {
-    double sum = 0.0;
-    for (uint32_t l = 0; l < lanes; ++l) sum += col[l * p.d + j];
-    const float m = static_cast<float>(sum / static_cast<double>(len));
-    p.centres[hs * p.d + j] = m;
-    red[j] = static_cast<double>(m) * m;
-  }
-  __syncthreads();
-  for (uint32_t o = p.d / 2; o > 0; o /= 2) {
-    if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) p.norms[hs] = fmaxf(static_cast<float>(sqrt(red[0])), kKeyDiffEps);
+  for (; c < p.chunks; c += 32) acc[0] += part[uint64_t{c} * p.d];
+  double sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+  if (lane == 0) p.centres[hs * p.d + j] = static_cast<float>(sum / static_cast<double>(len));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -379,7 +372,6 @@ struct ScoreKernelParams {
   uint64_t segment;  // window (windowed_manifold) or n
   uint32_t segments;
   const float* centres;  // [H, segments, D] (manifold, windowed, keydiff)
-  const float* norms;    // [H, segments] (keydiff)
   uint32_t n_sink;       // streaming
   uint64_t seed;         // random
   uint64_t stream;
@@ -452,7 +444,14 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
           const float* c = p.centres + (uint64_t{h} * p.segments + seg) * D;
 #pragma unroll
           for (int j = 0; j < S::kF; ++j) mu[j] = c[S::Col(sub, j)];
-          if (kKind == RowKind::kDot) mu_norm = p.norms[uint64_t{h} * p.segments + seg];
+          if (kKind == RowKind::kDot) {
+            // ||centre|| from the lanes of the row group (together they hold the whole centre):
+            // the same order in every block, so every token sees the same norm.
+            float m2 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < S::kF; ++j) m2 = fmaf(mu[j], mu[j], m2);
+            mu_norm = fmaxf(sqrtf(RowSum<S::kLanes>(m2)), kKeyDiffEps);
+          }
           mu_seg = seg;
         }
       }
