@@ -1,6 +1,9 @@
 #include "kvcomp/service/metrics.h"
 
-#include <civetweb.h>
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
@@ -8,7 +11,10 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <chrono>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <map>
 
 #include "absl/strings/ascii.h"
@@ -249,78 +255,137 @@ std::string Metrics::Scrape() {
 
 // ---------------------------------------------------------------------------------------------
 
-struct HttpEndpoint::Context {
-  Handlers handlers;
-  mg_context* ctx = nullptr;
-};
-
+// The HTTP endpoint is Boost.Beast on one thread of our own. Not civetweb: Debian's civetweb
+// starts its workers with a fixed 100 KiB stack, and in a CUDA build the static TLS of cuBLAS,
+// cuBLASLt and cuSOLVER alone is about 100 KiB, so its pthread_create fails (EINVAL) and the
+// daemon could not start on GPU nodes. Scrapes and probes are small and rare: one thread
+// serving connections one at a time, each with a deadline, is enough.
 namespace {
 
-void Reply(mg_connection* conn, int code, const char* reason, const char* content_type,
-           const std::string& body) {
-  mg_printf(conn,
-            "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
-            "Connection: close\r\n\r\n",
-            code, reason, content_type, body.size());
-  mg_write(conn, body.data(), body.size());
-}
+namespace beast = boost::beast;
+namespace http = boost::beast::http;
+namespace asio = boost::asio;
+using tcp = boost::asio::ip::tcp;
 
-int HandleMetrics(mg_connection* conn, void* data) {
-  auto* c = static_cast<HttpEndpoint::Handlers*>(data);
-  Reply(conn, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", c->metrics());
-  return 200;
-}
+class HttpSession : public std::enable_shared_from_this<HttpSession> {
+ public:
+  HttpSession(tcp::socket socket, const HttpEndpoint::Handlers* handlers)
+      : stream_(std::move(socket)), handlers_(handlers) {}
 
-int HandleHealth(mg_connection* conn, void* data) {
-  auto* c = static_cast<HttpEndpoint::Handlers*>(data);
-  if (c->live()) {
-    Reply(conn, 200, "OK", "text/plain", "ok\n");
-    return 200;
+  void Start() { Read(); }
+
+ private:
+  void Read() {
+    request_ = {};
+    stream_.expires_after(std::chrono::seconds(10));
+    http::async_read(stream_, buffer_, request_,
+                     [self = shared_from_this()](beast::error_code ec, size_t) {
+                       if (!ec) self->Respond();
+                     });
   }
-  Reply(conn, 503, "Service Unavailable", "text/plain", "not live\n");
-  return 503;
-}
 
-int HandleReady(mg_connection* conn, void* data) {
-  auto* c = static_cast<HttpEndpoint::Handlers*>(data);
-  std::string reason;
-  if (c->ready(&reason)) {
-    Reply(conn, 200, "OK", "text/plain", "ready\n");
-    return 200;
+  void Respond() {
+    const std::string target(request_.target());
+    const std::string path = target.substr(0, target.find('?'));
+    http::status code = http::status::ok;
+    std::string type = "text/plain";
+    std::string body;
+    if (request_.method() != http::verb::get && request_.method() != http::verb::head) {
+      code = http::status::method_not_allowed;
+      body = "GET only\n";
+    } else if (path == "/metrics") {
+      type = "text/plain; version=0.0.4; charset=utf-8";
+      body = handlers_->metrics();
+    } else if (path == "/healthz") {
+      const bool live = handlers_->live();
+      code = live ? http::status::ok : http::status::service_unavailable;
+      body = live ? "ok\n" : "not live\n";
+    } else if (path == "/readyz") {
+      std::string reason;
+      const bool ready = handlers_->ready(&reason);
+      code = ready ? http::status::ok : http::status::service_unavailable;
+      body = ready ? "ready\n" : "not ready: " + reason + "\n";
+    } else {
+      code = http::status::not_found;
+      body = "not found (/metrics, /healthz, /readyz)\n";
+    }
+    auto res = std::make_shared<http::response<http::string_body>>(code, request_.version());
+    res->set(http::field::content_type, type);
+    res->keep_alive(request_.keep_alive());
+    res->body() = request_.method() == http::verb::head ? std::string() : std::move(body);
+    res->prepare_payload();
+    http::async_write(stream_, *res,
+                      [self = shared_from_this(), res](beast::error_code ec, size_t) {
+                        if (ec) return;
+                        if (res->keep_alive()) {
+                          self->Read();
+                        } else {
+                          beast::error_code ignored;
+                          self->stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+                        }
+                      });
   }
-  Reply(conn, 503, "Service Unavailable", "text/plain", "not ready: " + reason + "\n");
-  return 503;
-}
+
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_;
+  http::request<http::string_body> request_;
+  const HttpEndpoint::Handlers* handlers_;
+};
 
 }  // namespace
+
+struct HttpEndpoint::Context {
+  Handlers handlers;
+  asio::io_context io{1};
+  std::unique_ptr<tcp::acceptor> acceptor;
+  std::thread thread;
+
+  void Accept() {
+    acceptor->async_accept([this](beast::error_code ec, tcp::socket socket) {
+      if (!acceptor->is_open()) return;
+      if (!ec) std::make_shared<HttpSession>(std::move(socket), &handlers)->Start();
+      Accept();
+    });
+  }
+};
 
 absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(const std::string& address,
                                                                   uint16_t port,
                                                                   Handlers handlers) {
   std::unique_ptr<HttpEndpoint> ep(new HttpEndpoint());
   ep->ctx_ = std::make_unique<Context>();
-  ep->ctx_->handlers = std::move(handlers);
-  std::string ports = absl::StrCat(address, ":", port);
-  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "4",
-                           "request_timeout_ms", "10000",       nullptr};
-  mg_callbacks callbacks;
-  std::memset(&callbacks, 0, sizeof(callbacks));
-  ep->ctx_->ctx = mg_start(&callbacks, nullptr, options);
-  if (ep->ctx_->ctx == nullptr) {
-    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", ports));
+  Context* c = ep->ctx_.get();
+  c->handlers = std::move(handlers);
+  beast::error_code ec;
+  const asio::ip::address addr = asio::ip::make_address(address, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics: bad listen address '", address, "': ", ec.message()));
   }
-  void* h = &ep->ctx_->handlers;
-  mg_set_request_handler(ep->ctx_->ctx, "/metrics$", HandleMetrics, h);
-  mg_set_request_handler(ep->ctx_->ctx, "/healthz$", HandleHealth, h);
-  mg_set_request_handler(ep->ctx_->ctx, "/readyz$", HandleReady, h);
-  mg_server_port sp[4];
-  int n = mg_get_server_ports(ep->ctx_->ctx, 4, sp);
-  ep->port_ = n > 0 ? static_cast<uint16_t>(sp[0].port) : port;
+  const tcp::endpoint where(addr, port);
+  c->acceptor = std::make_unique<tcp::acceptor>(c->io);
+  c->acceptor->open(where.protocol(), ec);
+  if (!ec) c->acceptor->set_option(asio::socket_base::reuse_address(true), ec);
+  if (!ec) c->acceptor->bind(where, ec);
+  if (!ec) c->acceptor->listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: cannot listen on ", address, ":", port, ": ", ec.message()));
+  }
+  ep->port_ = c->acceptor->local_endpoint().port();
+  c->Accept();
+  c->thread = std::thread([c] { c->io.run(); });
   return ep;
 }
 
 HttpEndpoint::~HttpEndpoint() {
-  if (ctx_ && ctx_->ctx != nullptr) mg_stop(ctx_->ctx);
+  if (!ctx_) return;
+  asio::post(ctx_->io, [c = ctx_.get()] {
+    beast::error_code ignored;
+    c->acceptor->close(ignored);
+  });
+  ctx_->io.stop();
+  if (ctx_->thread.joinable()) ctx_->thread.join();
 }
 
 }  // namespace service
