@@ -147,7 +147,13 @@ absl::StatusOr<bool> TokenStore::MaybeReload() {
     absl::MutexLock lock(&mu_);
     if (now == mtime_ns_) return false;
   }
-  KVCOMP_RETURN_IF_ERROR(Reload());
+  absl::Status s = Reload();
+  if (!s.ok()) {
+    // Keep the previous tokens, and do not retry (and log) until the source changes again.
+    absl::MutexLock lock(&mu_);
+    mtime_ns_ = now;
+    return s;
+  }
   return true;
 }
 

@@ -439,6 +439,15 @@ TEST_F(ControlTest, TenantsSeeOnlyTheirOwnCaches) {
   absl::SleepFor(absl::Milliseconds(500));
   EXPECT_NE(Connect(*d, "alpha", "secret-a"), nullptr);
   EXPECT_NE(d->Log().find("token reload failed"), std::string::npos);
+  // Without a signal, a changed file is picked up by its modification time
+  // (auth.reload_interval_seconds is 0.2 in these tests).
+  WriteTokens("alpha: secret-a\ndelta: secret-d\n");
+  std::unique_ptr<UcxClient> delta;
+  for (int i = 0; i < 50 && delta == nullptr; ++i) {
+    delta = Connect(*d, "delta", "secret-d", &error);
+    if (delta == nullptr) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_NE(delta, nullptr) << d->Log();
 }
 
 TEST_F(ControlTest, OpenModeSaysSoAtStart) {
