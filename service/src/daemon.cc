@@ -391,17 +391,22 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   if (pipeline_ && !pipeline_->WaitIdle(std::max(deadline - absl::Now(), absl::ZeroDuration()))) {
     result = absl::DeadlineExceededError("in-flight work did not finish within the grace period");
   }
+  Log(LogLevel::kDebug, "shutdown: in-flight work done");
   if (ucx_) ucx_->Stop();
+  Log(LogLevel::kDebug, "shutdown: data plane stopped");
   if (thrift_) {
     thrift_->stop();
     if (thrift_thread_.joinable()) thrift_thread_.join();
     thrift_.reset();
   }
   if (thrift_workers_) thrift_workers_->stop();
+  Log(LogLevel::kDebug, "shutdown: control plane stopped");
   if (pipeline_) pipeline_->Shutdown();
   ucx_.reset();
   pipeline_.reset();
+  Log(LogLevel::kDebug, "shutdown: pipeline stopped");
   store_.reset();  // closes RocksDB (memtables flushed, WAL synced)
+  Log(LogLevel::kDebug, "shutdown: store closed");
   http_.reset();
   if (!options_.process.ready_file.empty()) std::remove(options_.process.ready_file.c_str());
   Log(LogLevel::kInfo, "stopped", result.ok() ? "" : absl::StrCat(" (", result.ToString(), ")"));
