@@ -3,8 +3,6 @@
 // the backend's stream and, where the op can find bad data on the device, reads the error slots
 // back before returning (the one synchronisation per call).
 #include <algorithm>
-#include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -277,33 +275,6 @@ class CudaScoringOps final : public ScoringOps {
     return uint64_t{v.num_heads} * v.num_tokens * v.head_dim * ElemBytes(v.dtype);
   }
 
-  // Heads per Stats/Centre/Score group of the mean-based scorers: as many as fit a share of L2
-  // (default 1/2: with the pipeline, one group is scored while the next streams through L2), at
-  // least one.
-  // KVCOMP_CUDA_L2_SHARE (a fraction; 0 = all heads in one launch) overrides the share, for
-  // measuring both ways in one benchmark run.
-  // KVCOMP_CUDA_SCORE_PIPELINE=0 runs the head groups one after the other on one stream.
-  static bool PipelineEnabled() {
-    static const bool on = [] {
-      const char* e = std::getenv("KVCOMP_CUDA_SCORE_PIPELINE");
-      return e == nullptr || std::atoi(e) != 0;
-    }();
-    return on;
-  }
-
-  uint32_t CentredHeadGroup(const HeadsView& keys, uint32_t heads) const {
-    static const double share = [] {
-      const char* e = std::getenv("KVCOMP_CUDA_L2_SHARE");
-      return e != nullptr ? std::atof(e) : 0.5;
-    }();
-    if (share <= 0.0) return heads;
-    const double head_bytes =
-        static_cast<double>(keys.num_tokens) * keys.head_dim * ElemBytes(keys.dtype);
-    const double budget = share * static_cast<double>(ctx_->properties.l2CacheSize);
-    const double fit = head_bytes > 0.0 ? std::floor(budget / head_bytes) : heads;
-    return static_cast<uint32_t>(std::clamp(fit, 1.0, static_cast<double>(heads)));
-  }
-
   absl::Status Bind() { return CudaStatus(cudaSetDevice(ctx_->device), "cudaSetDevice"); }
 
   absl::StatusOr<Buffer> Allocate(uint64_t bytes) {
@@ -423,21 +394,13 @@ class CudaScoringOps final : public ScoringOps {
     sp.errors = errors;
 
     const bool centred = IsCentred(params.scorer);
-    // The mean-based scorers read the keys twice (Stats, then Score). They run per group of heads
-    // whose keys fit a share of L2, so that the Score pass of a group reads its keys from L2
-    // rather than device memory. One launch for all heads when everything fits anyway, and for
-    // the other scorers.
-    const uint32_t group = centred ? CentredHeadGroup(keys, heads) : heads;
-    // With several groups, Centre + Score of a group run on a second stream while the main
-    // stream's Stats pass reads the next group from device memory: the Score pass (from L2)
-    // overlaps device-memory traffic instead of adding to it. The streams fork after the work
-    // already on the main stream and join before anything after this point (graph capture
-    // follows the same edges).
-    const bool pipelined = group < heads && ctx_->aux_stream != nullptr &&
-                           ctx_->aux_event != nullptr && PipelineEnabled();
-    cudaStream_t score_stream = pipelined ? ctx_->aux_stream : ctx_->stream;
-    for (uint32_t h0 = 0; h0 < heads; h0 += group) {
-      const uint32_t g = std::min(group, heads - h0);
+    // All heads in one launch of each kernel: measured on an H200 (bench/results), launching
+    // per L2-sized head group (so the second read of the keys hits L2) lost more to small
+    // launches than it saved in device-memory traffic, also with the centre parallel and the
+    // score pass of one group overlapping the next group's stats pass on a second stream
+    // (gpu-scoring-20261126.md, commit cb50884).
+    {
+      const uint32_t h0 = 0, g = heads;
       if (centred) {
         StatsParams st{};
         st.keys = keys.data;
@@ -470,13 +433,7 @@ class CudaScoringOps final : public ScoringOps {
         cp.centres = At<float>(ws, l.centres);
         const uint64_t warps = uint64_t{g} * l.segments * keys.head_dim;
         const auto cblocks = static_cast<uint32_t>(CeilDiv(warps, kCentreThreads / 32));
-        if (pipelined) {
-          // The event's latest record is this group's Stats (and, for the first group,
-          // everything before it on the main stream).
-          KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ctx_->aux_event, ctx_->stream));
-          KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ctx_->aux_stream, ctx_->aux_event, 0));
-        }
-        CentreKernel<<<cblocks, kCentreThreads, 0, score_stream>>>(cp);
+        CentreKernel<<<cblocks, kCentreThreads, 0, ctx_->stream>>>(cp);
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
       sp.head0 = h0;
@@ -486,21 +443,17 @@ class CudaScoringOps final : public ScoringOps {
         constexpr int D = decltype(d)::value;
         switch (RowKindOf(params.scorer)) {
           case RowKind::kDistance:
-            ScoreKernel<T, D, RowKind::kDistance><<<grid, kThreads, 0, score_stream>>>(sp);
+            ScoreKernel<T, D, RowKind::kDistance><<<grid, kThreads, 0, ctx_->stream>>>(sp);
             break;
           case RowKind::kDot:
-            ScoreKernel<T, D, RowKind::kDot><<<grid, kThreads, 0, score_stream>>>(sp);
+            ScoreKernel<T, D, RowKind::kDot><<<grid, kThreads, 0, ctx_->stream>>>(sp);
             break;
           case RowKind::kNorm:
-            ScoreKernel<T, D, RowKind::kNorm><<<grid, kThreads, 0, score_stream>>>(sp);
+            ScoreKernel<T, D, RowKind::kNorm><<<grid, kThreads, 0, ctx_->stream>>>(sp);
             break;
         }
         return cudaGetLastError();
       }));
-    }
-    if (pipelined) {
-      KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ctx_->aux_event, ctx_->aux_stream));
-      KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ctx_->stream, ctx_->aux_event, 0));
     }
     return absl::OkStatus();
   }
@@ -571,8 +524,6 @@ class CudaScoringOps final : public ScoringOps {
       for (int pass = 0; pass < kRadixPasses; ++pass) {
         const dim3 hist_grid(static_cast<uint32_t>(CeilDiv(l.tiles, kHistTiles)), heads);
         RadixHistKernel<<<hist_grid, kThreads, 0, s>>>(sp, pass);
-        KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-        RadixFindKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, pass);
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
     }
