@@ -176,11 +176,6 @@ int main(int argc, char** argv) {
   CudaContext ctx;
   BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.stream, cudaStreamNonBlocking));
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&ctx.properties, 0));
-  // As the backend's context: the mean-based scorers pipeline their head groups over two streams.
-  int least = 0, greatest = 0;
-  BENCH_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  BENCH_CUDA_CHECK(cudaStreamCreateWithPriority(&ctx.aux_stream, cudaStreamNonBlocking, greatest));
-  BENCH_CUDA_CHECK(cudaEventCreateWithFlags(&ctx.aux_event, cudaEventDisableTiming));
   BenchAllocator alloc(ctx.stream);
   ctx.allocator = &alloc;
   // Optional arguments: a token count, then a scorer name (for profiling one case).
@@ -196,8 +191,6 @@ int main(int argc, char** argv) {
   for (Scorer s : scorers) {
     for (uint64_t n : sizes) Run(**backend, ctx, s, n, 0.0);
   }
-  BENCH_CUDA_CHECK(cudaEventDestroy(ctx.aux_event));
-  BENCH_CUDA_CHECK(cudaStreamDestroy(ctx.aux_stream));
   BENCH_CUDA_CHECK(cudaStreamDestroy(ctx.stream));
   return 0;
 }

@@ -71,8 +71,6 @@ class CudaBackend final : public Backend {
       cudaSetDevice(ctx_.device);
       cudaStreamSynchronize(ctx_.stream);
       own_allocator_.reset();
-      if (ctx_.aux_event != nullptr) cudaEventDestroy(ctx_.aux_event);
-      if (ctx_.aux_stream != nullptr) cudaStreamDestroy(ctx_.aux_stream);
       cudaStreamDestroy(ctx_.stream);
     }
   }
@@ -94,13 +92,6 @@ class CudaBackend final : public Backend {
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_.device));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&ctx_.properties, ctx_.device));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx_.stream, cudaStreamNonBlocking));
-    // Higher priority than `stream`: work forked onto it (the score pass of a head group) gets SMs
-    // ahead of the main stream's next large kernel (the next group's stats pass).
-    int least = 0, greatest = 0;
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    KVCOMP_CUDA_RETURN_IF_ERROR(
-        cudaStreamCreateWithPriority(&ctx_.aux_stream, cudaStreamNonBlocking, greatest));
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ctx_.aux_event, cudaEventDisableTiming));
     if (options.allocator != nullptr) {
       if (options.allocator->space() != MemorySpace::kDevice) {
         return absl::InvalidArgumentError("CUDA backend needs a device-memory allocator");

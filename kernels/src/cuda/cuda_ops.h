@@ -24,10 +24,6 @@ namespace kvcomp {
 struct CudaContext {
   int device = 0;                       // CUDA device ordinal
   cudaStream_t stream = nullptr;        // every op is ordered on this stream
-  // Optional (null: ops stay on `stream`): a second stream and an event with which an op may fork
-  // work off `stream` and join it back before returning (the mean-based scorers' pipeline).
-  cudaStream_t aux_stream = nullptr;
-  cudaEvent_t aux_event = nullptr;
   cudaDeviceProp properties{};          // of `device`
   Allocator* allocator = nullptr;       // device memory; never null in a backend
   Allocator* host_allocator = nullptr;  // pinned host memory for staging; may be null

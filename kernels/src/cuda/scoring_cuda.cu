@@ -525,6 +525,8 @@ class CudaScoringOps final : public ScoringOps {
         const dim3 hist_grid(static_cast<uint32_t>(CeilDiv(l.tiles, kHistTiles)), heads);
         RadixHistKernel<<<hist_grid, kThreads, 0, s>>>(sp, pass);
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+        RadixFindKernel<<<segments, kThreads, 0, s>>>(sp.state, sp.hist, pass);
+        KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
     }
     CountParams cp{sp, l.tiles, At<TileCounts>(ws, l.tile_counts)};

@@ -9,8 +9,7 @@
 //   Centres   per (head, segment) the mean (fp64 sum of the partials; its norm in Score)
 //   Score     per token: knorm, keydiff, (windowed) manifold, streaming, random; NaN/Inf check
 //   Radix*    exact k-th largest effective score per segment (head, or the whole layer for
-//             AdaKV's second stage): three digit passes of a most-significant-digit radix select,
-//             one launch each (the last block of a segment picks the digit)
+//             AdaKV's second stage): three digit passes of a most-significant-digit radix select
 //   Count     per (head, tile): tokens pre-kept (AdaKV safeguard), above and equal to the
 //             threshold
 //   Plan      one block: per-tile output offsets, tie ranks, per-head counts
@@ -58,7 +57,7 @@ struct SegmentState {
   uint32_t need;    // tokens still to take at or below `prefix`; after the last pass, how many
                     // threshold-equal tokens are kept (in index order)
   uint32_t active;  // 0: this segment keeps nothing in this stage
-  uint32_t pad;     // histogram blocks of the current pass that have finished (RadixHistKernel)
+  uint32_t pad;
 };
 
 // Counts of one tile, written by Count and read by Plan.
@@ -514,59 +513,13 @@ struct SelectKernelParams {
 // too few blocks, each thread's loads in series), so one.
 inline constexpr int kHistTiles = 1;
 
-// Picks the digit of `pass` holding the need-th largest key of one segment from its histogram
-// `g`, advances the segment's state, and zeroes `g` for the next pass. The whole block (kThreads
-// threads) calls it. Reads bypass L1 (the histogram was filled by other blocks' atomics).
-__device__ inline void FindDigit(SegmentState* st, uint32_t* g, int pass) {
-  __shared__ uint32_t scratch[33];
-  __shared__ uint32_t found_digit, found_above;
-  if (threadIdx.x == 0) {
-    found_digit = 0;
-    found_above = 0;
-  }
-  const int bins = 1 << RadixBits(pass);
-  constexpr int kPer = kRadixBins / kThreads;  // 8 bins per thread, from the top digit down
-  uint32_t c[kPer];
-  uint32_t sum = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int d = bins - 1 - (threadIdx.x * kPer + i);
-    c[i] = d >= 0 ? __ldcg(g + d) : 0;
-    sum += c[i];
-  }
-  uint32_t total;
-  const uint32_t before = BlockExclusiveScan(sum, scratch, &total);
-  const uint32_t need = __ldcg(&st->need);
-  if (before < need && need <= before + sum) {
-    uint32_t acc = before;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      if (acc < need && need <= acc + c[i]) {
-        found_digit = bins - 1 - (threadIdx.x * kPer + i);
-        found_above = acc;
-      }
-      acc += c[i];
-    }
-  }
-  __syncthreads();
-  for (int b = threadIdx.x; b < kRadixBins; b += kThreads) g[b] = 0;
-  if (threadIdx.x == 0) {
-    st->prefix |= found_digit << RadixShift(pass);
-    st->need = need - found_above;
-    st->pad = 0;  // the arrival count of the histogram blocks, for the next pass
-  }
-}
-
-// One digit pass. grid (ceil(n / (kTile * kHistTiles)), H), kThreads threads. The last block of
-// a segment to finish (counted in SegmentState::pad) picks the digit (FindDigit), so a pass is one
-// launch instead of two.
+// One digit pass. grid (ceil(n / (kTile * kHistTiles)), H), kThreads threads.
 __global__ void __launch_bounds__(kThreads) RadixHistKernel(SelectKernelParams p, int pass) {
   __shared__ uint32_t hist[kRadixBins];
-  __shared__ bool last;
   const uint32_t h = blockIdx.y;
   const uint32_t seg = p.per_head ? h : 0;
   const SegmentState st = p.state[seg];
-  if (!st.active) return;  // the same for every block of the segment
+  if (!st.active) return;
   for (int b = threadIdx.x; b < kRadixBins; b += kThreads) hist[b] = 0;
   __syncthreads();
   const int shift = RadixShift(pass);
@@ -589,17 +542,51 @@ __global__ void __launch_bounds__(kThreads) RadixHistKernel(SelectKernelParams p
   for (int b = threadIdx.x; b < kRadixBins; b += kThreads) {
     if (hist[b] != 0) atomicAdd(&g[b], hist[b]);
   }
-  // Last-block pattern: every thread's counts are in g before the block arrives.
-  __threadfence();
-  __syncthreads();
+}
+
+// Picks the digit holding the need-th largest key. grid (segments), kThreads threads.
+__global__ void __launch_bounds__(kThreads) RadixFindKernel(SegmentState* state, uint32_t* hist,
+                                                            int pass) {
+  __shared__ uint32_t scratch[33];
+  __shared__ uint32_t found_digit, found_above;
+  const uint32_t seg = blockIdx.x;
+  SegmentState* st = state + seg;
+  uint32_t* g = hist + uint64_t{seg} * kRadixBins;
+  if (!st->active) return;
   if (threadIdx.x == 0) {
-    const uint32_t blocks = p.per_head ? gridDim.x : gridDim.x * gridDim.y;
-    last = atomicAdd(&p.state[seg].pad, 1u) == blocks - 1;
+    found_digit = 0;
+    found_above = 0;
+  }
+  const int bins = 1 << RadixBits(pass);
+  constexpr int kPer = kRadixBins / kThreads;  // 8 bins per thread, from the top digit down
+  uint32_t c[kPer];
+  uint32_t sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = bins - 1 - (threadIdx.x * kPer + i);
+    c[i] = d >= 0 ? g[d] : 0;
+    sum += c[i];
+  }
+  uint32_t total;
+  const uint32_t before = BlockExclusiveScan(sum, scratch, &total);
+  const uint32_t need = st->need;
+  if (before < need && need <= before + sum) {
+    uint32_t acc = before;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (acc < need && need <= acc + c[i]) {
+        found_digit = bins - 1 - (threadIdx.x * kPer + i);
+        found_above = acc;
+      }
+      acc += c[i];
+    }
   }
   __syncthreads();
-  if (!last) return;
-  __threadfence();
-  FindDigit(p.state + seg, g, pass);
+  for (int b = threadIdx.x; b < kRadixBins; b += kThreads) g[b] = 0;
+  if (threadIdx.x == 0) {
+    st->prefix |= found_digit << RadixShift(pass);
+    st->need = need - found_above;
+  }
 }
 
 struct CountParams {
