@@ -155,5 +155,5 @@ def test_cuda_backend_when_unavailable():
         c = kvcomp.compress(k, v, backend="cuda")
         assert c == kvcomp.compress(k, v, backend="cpu")
     else:
-        with pytest.raises((RuntimeError, OSError), match="without CUDA"):
+        with pytest.raises((RuntimeError, OSError), match="CUDA"):  # no build or no device
             kvcomp.compress(k, v, backend="cuda")
