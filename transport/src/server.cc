@@ -110,6 +110,16 @@ class ServerImpl : public UcxServer {
 
   void SendFrame(Connection& conn, std::string frame, Buffer payload = Buffer());
   void SendStatus(Connection& conn, uint64_t request_id, const absl::Status& status);
+  // Decodes `f`'s body into `msg`; a malformed body is counted and answered with its status.
+  template <typename M>
+  bool DecodeOrReject(Connection& conn, const wire::Frame& f, M* msg) {
+    if (absl::Status s = wire::Decode(f, msg); !s.ok()) {
+      counters_.malformed_messages++;
+      SendStatus(conn, f.header.request_id, s);
+      return false;
+    }
+    return true;
+  }
   void SendBusy(Connection& conn, uint64_t request_id);
   void AbortPut(Connection& conn, uint64_t put_id, const absl::Status& reason);
   void CloseConnection(const std::shared_ptr<Connection>& conn, const absl::Status& reason);
@@ -522,11 +532,7 @@ void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::st
 
 void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
   wire::Hello hello;
-  if (absl::Status s = wire::Decode(f, &hello); !s.ok()) {
-    counters_.malformed_messages++;
-    SendStatus(conn, f.header.request_id, s);
-    return;
-  }
+  if (!DecodeOrReject(conn, f, &hello)) return;
   if (conn.authenticated) {
     SendStatus(conn, f.header.request_id,
                absl::FailedPreconditionError("hello: connection already authenticated"));
@@ -550,11 +556,7 @@ void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
 
 void ServerImpl::HandlePutBegin(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
   auto put = std::make_shared<PutState>();
-  if (absl::Status s = wire::Decode(f, &put->begin); !s.ok()) {
-    counters_.malformed_messages++;
-    SendStatus(*conn, f.header.request_id, s);
-    return;
-  }
+  if (!DecodeOrReject(*conn, f, &put->begin)) return;
   if (draining_.load()) {
     SendStatus(*conn, f.header.request_id,
                absl::UnavailableError("server draining: no new puts"));
@@ -720,11 +722,7 @@ void ServerImpl::ReleaseInflight(Connection& conn, uint64_t bytes) {
 
 void ServerImpl::HandleCommit(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
   wire::PutCommit commit;
-  if (absl::Status s = wire::Decode(f, &commit); !s.ok()) {
-    counters_.malformed_messages++;
-    SendStatus(*conn, f.header.request_id, s);
-    return;
-  }
+  if (!DecodeOrReject(*conn, f, &commit)) return;
   auto it = conn->puts.find(commit.put_id);
   if (it == conn->puts.end()) {
     SendStatus(*conn, f.header.request_id,
@@ -788,11 +786,7 @@ void ServerImpl::HandleCommit(const std::shared_ptr<Connection>& conn, const wir
 
 void ServerImpl::HandleAbort(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
   wire::PutAbort abort;
-  if (absl::Status s = wire::Decode(f, &abort); !s.ok()) {
-    counters_.malformed_messages++;
-    SendStatus(*conn, f.header.request_id, s);
-    return;
-  }
+  if (!DecodeOrReject(*conn, f, &abort)) return;
   auto it = conn->puts.find(abort.put_id);
   if (it == conn->puts.end()) {
     SendStatus(*conn, f.header.request_id,
@@ -812,11 +806,7 @@ void ServerImpl::HandleAbort(const std::shared_ptr<Connection>& conn, const wire
 
 void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
   wire::Get get;
-  if (absl::Status s = wire::Decode(f, &get); !s.ok()) {
-    counters_.malformed_messages++;
-    SendStatus(*conn, f.header.request_id, s);
-    return;
-  }
+  if (!DecodeOrReject(*conn, f, &get)) return;
   conn->pending_work++;
   pending_work_++;
   std::shared_ptr<WorkerLoop> loop = loop_;
@@ -853,11 +843,7 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
 
 void ServerImpl::HandleLookup(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
   wire::Lookup lookup;
-  if (absl::Status s = wire::Decode(f, &lookup); !s.ok()) {
-    counters_.malformed_messages++;
-    SendStatus(*conn, f.header.request_id, s);
-    return;
-  }
+  if (!DecodeOrReject(*conn, f, &lookup)) return;
   conn->pending_work++;
   pending_work_++;
   std::shared_ptr<WorkerLoop> loop = loop_;
@@ -878,11 +864,7 @@ void ServerImpl::HandleLookup(const std::shared_ptr<Connection>& conn, const wir
 
 void ServerImpl::HandleDelete(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
   wire::Delete del;
-  if (absl::Status s = wire::Decode(f, &del); !s.ok()) {
-    counters_.malformed_messages++;
-    SendStatus(*conn, f.header.request_id, s);
-    return;
-  }
+  if (!DecodeOrReject(*conn, f, &del)) return;
   conn->pending_work++;
   pending_work_++;
   std::shared_ptr<WorkerLoop> loop = loop_;
