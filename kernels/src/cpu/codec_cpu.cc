@@ -93,16 +93,14 @@ class CpuCodecOps final : public CodecOps {
                             const RowSpan& rows, const void* values, DType dtype, void* latent,
                             uint16_t* scales) override {
     KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, dtype));
-    const uint64_t n = rows.total_rows();
-    if (n == 0) return absl::OkStatus();
-    if (values == nullptr || latent == nullptr || (params.Groups() > 0 && scales == nullptr)) {
-      return absl::InvalidArgumentError("codec: null buffer");
-    }
-    std::vector<std::vector<float>> enc, dec;
-    HeadMatricesFor(projection, params, rows, &enc, &dec);
+    if (rows.total_rows() == 0) return absl::OkStatus();
+    KVCOMP_RETURN_IF_ERROR(CheckValueBuffers(values, latent, scales, params));
+    ValuePlan plan;
+    PlanValues(projection, params, rows, &plan);
+    const std::vector<std::vector<float>>& enc = plan.enc;
+    const std::vector<Tile>& tiles = plan.tiles;
     const uint32_t d = projection.head_dim;
     const uint64_t lb = params.LatentBytes(), groups = params.Groups();
-    const std::vector<Tile> tiles = MakeTiles(rows);
     context_->ParallelFor(tiles.size(), [&](size_t i) {
       const Tile& t = tiles[i];
       thread_local std::vector<float> v, z;
@@ -121,16 +119,14 @@ class CpuCodecOps final : public CodecOps {
                             const RowSpan& rows, const void* latent, const uint16_t* scales,
                             void* out, DType out_dtype) override {
     KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, out_dtype));
-    const uint64_t n = rows.total_rows();
-    if (n == 0) return absl::OkStatus();
-    if (latent == nullptr || out == nullptr || (params.Groups() > 0 && scales == nullptr)) {
-      return absl::InvalidArgumentError("codec: null buffer");
-    }
-    std::vector<std::vector<float>> enc, dec;
-    HeadMatricesFor(projection, params, rows, &enc, &dec);
+    if (rows.total_rows() == 0) return absl::OkStatus();
+    KVCOMP_RETURN_IF_ERROR(CheckValueBuffers(latent, out, scales, params));
+    ValuePlan plan;
+    PlanValues(projection, params, rows, &plan);
+    const std::vector<std::vector<float>>& dec = plan.dec;
+    const std::vector<Tile>& tiles = plan.tiles;
     const uint32_t d = projection.head_dim;
     const uint64_t lb = params.LatentBytes(), groups = params.Groups();
-    const std::vector<Tile> tiles = MakeTiles(rows);
     context_->ParallelFor(tiles.size(), [&](size_t i) {
       const Tile& t = tiles[i];
       thread_local std::vector<float> z, o;
@@ -321,6 +317,25 @@ class CpuCodecOps final : public CodecOps {
     if (head_dim == 0) return absl::InvalidArgumentError("codec: head_dim 0");
     KVCOMP_RETURN_IF_ERROR(rows.Validate(~uint64_t{0}));
     return CheckInputDType(dtype, "key");
+  }
+
+  // What encoding and decoding values both need: each head's projection matrices and the tiles.
+  struct ValuePlan {
+    std::vector<std::vector<float>> enc, dec;
+    std::vector<Tile> tiles;
+  };
+  void PlanValues(const Projection& projection, const ValueCodecParams& params,
+                  const RowSpan& rows, ValuePlan* plan) {
+    HeadMatricesFor(projection, params, rows, &plan->enc, &plan->dec);
+    plan->tiles = MakeTiles(rows);
+  }
+  // The input, the output and (for quantized latents) the scales must all be given.
+  static absl::Status CheckValueBuffers(const void* in, const void* out, const uint16_t* scales,
+                                        const ValueCodecParams& params) {
+    if (in == nullptr || out == nullptr || (params.Groups() > 0 && scales == nullptr)) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    return absl::OkStatus();
   }
 
   void HeadMatricesFor(const Projection& projection, const ValueCodecParams& params,
