@@ -140,15 +140,7 @@ class ClientImpl : public UcxClient {
 absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view tenant,
                                  absl::string_view token) {
   KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(options_.ucx, options_.poll_spin));
-  ucp_am_handler_param_t am = {};
-  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-  am.id = wire::kAmIdReply;
-  am.cb = &ClientImpl::OnAm;
-  am.arg = this;
-  am.flags = UCP_AM_FLAG_WHOLE_MSG;
-  ucs_status_t s = ucp_worker_set_am_recv_handler(loop_->worker(), &am);
-  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_set_am_recv_handler");
+  KVCOMP_RETURN_IF_ERROR(loop_->SetAmHandler(wire::kAmIdReply, &ClientImpl::OnAm, this));
 
   addrinfo hints = {};
   hints.ai_socktype = SOCK_STREAM;
@@ -174,7 +166,7 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
       options_.ucx.peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = &ClientImpl::OnEpError;
   ep.err_handler.arg = this;
-  s = ucp_ep_create(loop_->worker(), &ep, &ep_);
+  const ucs_status_t s = ucp_ep_create(loop_->worker(), &ep, &ep_);
   freeaddrinfo(res);
   if (s != UCS_OK) return UcsStatusToStatus(s, absl::StrCat("connect ", endpoint.ToString()));
   connected_.store(true);

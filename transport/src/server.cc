@@ -161,15 +161,7 @@ absl::Status ServerImpl::Init() {
   }
   KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(options_.ucx, options_.poll_spin));
 
-  ucp_am_handler_param_t am = {};
-  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-  am.id = wire::kAmIdRequest;
-  am.cb = &ServerImpl::OnAm;
-  am.arg = this;
-  am.flags = UCP_AM_FLAG_WHOLE_MSG;
-  ucs_status_t s = ucp_worker_set_am_recv_handler(loop_->worker(), &am);
-  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_set_am_recv_handler");
+  KVCOMP_RETURN_IF_ERROR(loop_->SetAmHandler(wire::kAmIdRequest, &ServerImpl::OnAm, this));
 
   addrinfo hints = {};
   hints.ai_flags = AI_NUMERICHOST | AI_PASSIVE;
@@ -193,7 +185,7 @@ absl::Status ServerImpl::Init() {
   lp.sockaddr.addrlen = res->ai_addrlen;
   lp.conn_handler.cb = &ServerImpl::OnConnRequest;
   lp.conn_handler.arg = this;
-  s = ucp_listener_create(loop_->worker(), &lp, &listener_);
+  ucs_status_t s = ucp_listener_create(loop_->worker(), &lp, &listener_);
   freeaddrinfo(res);
   if (s != UCS_OK) {
     return UcsStatusToStatus(s, absl::StrCat("UcxServer: listen on ", options_.listen_address,

@@ -51,6 +51,19 @@ absl::StatusOr<UcpWorker> UcpWorker::Create(ucp_context_h context, bool wakeup) 
   return w;
 }
 
+absl::Status WorkerLoop::SetAmHandler(unsigned am_id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t am = {};
+  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  am.id = am_id;
+  am.cb = cb;
+  am.arg = arg;
+  am.flags = UCP_AM_FLAG_WHOLE_MSG;
+  const ucs_status_t s = ucp_worker_set_am_recv_handler(worker(), &am);
+  if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_worker_set_am_recv_handler");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<WorkerLoop>> WorkerLoop::Create(const UcxConfig& config,
                                                               absl::Duration poll_spin) {
   std::shared_ptr<WorkerLoop> loop(new WorkerLoop());

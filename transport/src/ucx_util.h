@@ -74,6 +74,9 @@ class WorkerLoop {
   ucp_worker_h worker() const { return worker_.get(); }
   // True when the context can send from and receive into CUDA memory.
   bool cuda_memory() const { return cuda_memory_; }
+  // Registers `cb(arg, ...)` for whole active messages of id `am_id` on the worker. Call before
+  // Start().
+  absl::Status SetAmHandler(unsigned am_id, ucp_am_recv_callback_t cb, void* arg);
 
   // Starts the thread; `tick` runs on it about every `tick_period`.
   void Start(absl::AnyInvocable<void()> tick, absl::Duration tick_period);
