@@ -14,6 +14,7 @@
 #include "kvcomp/core/status.h"
 #include "rocksdb/cache.h"
 #include "rocksdb/db.h"
+#include "rocksdb/listener.h"
 #include "rocksdb/options.h"
 #include "rocksdb/table.h"
 #include "rocksdb/write_batch.h"
@@ -27,6 +28,20 @@ constexpr size_t kMetaBytes = 52;
 constexpr char kQuarantineReason = 'r';
 constexpr char kQuarantineMeta = 'm';
 constexpr char kQuarantinePayload = 'p';
+
+// RocksDB hands NoSpace errors to its SstFileManager, which retries only every 5 s and only once
+// the disk has a reserve it computes (large next to a small volume), refusing DB::Resume() as Busy
+// meanwhile. The tier owns recovery instead: the next write after a failure calls Resume(), so
+// puts go on as soon as the disk has room (docs/storage.md, "Faults").
+class ManualRecovery : public rocksdb::EventListener {
+ public:
+  const char* Name() const override { return "kvcomp.ManualRecovery"; }
+  void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason, rocksdb::Status bg_error,
+                            bool* auto_recovery) override {
+    bg_error.PermitUncheckedError();
+    *auto_recovery = false;
+  }
+};
 
 void PutLe(std::string* out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -151,6 +166,7 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
   db_options.max_background_jobs = o.max_background_jobs;
   db_options.bgerror_resume_retry_interval = 100000;  // us: retry after a write error quickly
   if (o.env != nullptr) db_options.env = o.env;
+  db_options.listeners.push_back(std::make_shared<ManualRecovery>());
 
   rocksdb::ColumnFamilyOptions base;
   base.compression = rocksdb::kNoCompression;
