@@ -84,6 +84,7 @@ class TieredStoreImpl final : public TieredStore {
   absl::Status Unpin(const CacheKey& key) override;
   uint64_t ExpireNow() override;
   StoreStats Stats() const override;
+  std::vector<TenantUsage> Usage() const override { return usage_.Snapshot(); }
   std::vector<QuarantinedCache> Quarantined() const override;
 
   absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes) override;
@@ -186,7 +187,8 @@ class TieredStoreImpl final : public TieredStore {
       recovered_{0};
   mutable SharedMutex quarantine_mu_;
   std::vector<QuarantinedCache> quarantine_ ABSL_GUARDED_BY(quarantine_mu_);
-  StripedCounts<std::string> tenant_bytes_;
+  StripedCounts<std::string> tenant_bytes_;  // quota accounting (reserved before placement)
+  TenantUsageTable usage_;                    // Usage(): entries in the index
   StripedCounts<ProjectionRef> projection_refs_;
 };
 
@@ -316,6 +318,7 @@ absl::Status TieredStoreImpl::Init() {
       continue;
     }
     tenant_bytes_.Add(e.tenant, static_cast<int64_t>(e.meta.stored_bytes));
+    usage_.Add(e.tenant, +1, e.meta.stored_bytes, e.meta.original_bytes);
     if (e.meta.projection_version != 0)
       projection_refs_.Add({e.model, e.meta.projection_version}, 1);
     Shard& s = ShardOf(f.ek);
@@ -458,6 +461,7 @@ bool TieredStoreImpl::RemoveFromIndex(const std::string& ek, Entry* removed) {
 
 void TieredStoreImpl::Unaccount(const Entry& e) {
   tenant_bytes_.Add(e.tenant, -static_cast<int64_t>(e.meta.stored_bytes));
+  usage_.Add(e.tenant, -1, e.meta.stored_bytes, e.meta.original_bytes);
   if (e.meta.projection_version != 0) {
     projection_refs_.Add({e.model, e.meta.projection_version}, -1);
   }
@@ -579,6 +583,8 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
     e.tick = ++tick_;
     if (pins == 0) s.lru[placed][e.tick] = ek;
   }
+  if (had_old) usage_.Add(old.tenant, -1, old.meta.stored_bytes, old.meta.original_bytes);
+  usage_.Add(tenant, +1, meta.stored_bytes, meta.original_bytes);
   if (had_old && old.meta.projection_version != 0) {
     projection_refs_.Add({old.model, old.meta.projection_version}, -1);
   }

@@ -79,6 +79,12 @@ class TieredStore {
   virtual uint64_t ExpireNow() = 0;
 
   virtual StoreStats Stats() const = 0;
+  // Per-tenant totals of the caches in the store, one element per tenant holding at least one
+  // cache, sorted by tenant. No scan: counts are kept on every put, overwrite, delete, expiry,
+  // eviction and quarantine, and rebuilt from RocksDB at Open. An entry whose TTL has passed is
+  // counted until it is removed (ExpireNow, or a Get/Delete of it); List hides it at once.
+  virtual std::vector<TenantUsage> Usage() const = 0;
+
   // Entries moved aside because their checksum failed (at Open or on Get).
   virtual std::vector<QuarantinedCache> Quarantined() const = 0;
 

@@ -134,6 +134,15 @@ struct QuarantinedCache {
   std::string reason;
 };
 
+// What one tenant holds in the store now (TieredStore::Usage): every live cache counted once,
+// whatever tier(s) hold it. Maintained incrementally and rebuilt at Open.
+struct TenantUsage {
+  std::string tenant;           // "default" for the empty tenant
+  uint64_t caches = 0;          // stored caches
+  uint64_t stored_bytes = 0;    // sum of CacheMeta::stored_bytes (compressed)
+  uint64_t original_bytes = 0;  // sum of CacheMeta::original_bytes (uncompressed K and V)
+};
+
 // The name of a KVSplice projection (calibration data): per (model, layer, kv_head), versioned.
 struct ProjectionKey {
   static constexpr size_t kMaxModelBytes = CacheKey::kMaxModelBytes;
