@@ -1,9 +1,12 @@
 #include "kvcomp/core/compressed_cache.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "kvcomp/core/format.h"
 
 namespace kvcomp {
@@ -32,6 +35,7 @@ void CompressedCache::Reset(const KvLayout& new_layout, uint64_t tokens) {
   keys.clear();
   values.clear();
   value_scales.clear();
+  layer_rank.clear();
   key_scales.clear();
   if (key_codec == KeyCodec::kInt8) key_scales.assign(h * layout.head_dim, 0.0f);
   moment_count.clear();
@@ -74,25 +78,61 @@ uint64_t CompressedCache::KeyTokenBytes() const {
   return 0;
 }
 
-uint64_t CompressedCache::ValueTokenBytes() const {
-  switch (value_codec) {
+namespace {
+
+uint64_t LatentTokenBytes(ValueCodec codec, const KvLayout& layout, uint32_t r) {
+  switch (codec) {
     case ValueCodec::kRaw:
       return DTypeBytes(layout.dtype, layout.head_dim);
     case ValueCodec::kOrthogonal:
-      return 2ull * rank;
+      return 2ull * r;
     case ValueCodec::kOrthogonalInt8:
-      return rank;
+      return r;
     case ValueCodec::kOrthogonalInt4:
-      return (rank + 1ull) / 2;
+      return (r + 1ull) / 2;
   }
   return 0;
 }
 
+uint64_t LatentGroups(ValueCodec codec, uint32_t group_size, uint32_t r) {
+  if (codec != ValueCodec::kOrthogonalInt8 && codec != ValueCodec::kOrthogonalInt4) return 0;
+  return group_size == 0 ? 0 : (uint64_t{r} + group_size - 1) / group_size;
+}
+
+}  // namespace
+
+uint64_t CompressedCache::ValueTokenBytes() const {
+  return LatentTokenBytes(value_codec, layout, rank);
+}
+
 uint64_t CompressedCache::ValueGroups() const {
-  if (value_codec != ValueCodec::kOrthogonalInt8 && value_codec != ValueCodec::kOrthogonalInt4) {
-    return 0;
+  return LatentGroups(value_codec, group_size, rank);
+}
+
+uint64_t CompressedCache::ValueTokenBytes(uint32_t layer) const {
+  return LatentTokenBytes(value_codec, layout, LayerRank(layer));
+}
+
+uint64_t CompressedCache::ValueGroups(uint32_t layer) const {
+  return LatentGroups(value_codec, group_size, LayerRank(layer));
+}
+
+uint64_t CompressedCache::ValueBytes() const {
+  if (layer_rank.empty()) return total_kept() * ValueTokenBytes();
+  uint64_t n = 0;
+  for (uint64_t h = 0; h < kept.size(); ++h) {
+    n += kept[h] * ValueTokenBytes(static_cast<uint32_t>(h / layout.num_kv_heads));
   }
-  return group_size == 0 ? 0 : (uint64_t{rank} + group_size - 1) / group_size;
+  return n;
+}
+
+uint64_t CompressedCache::ValueScaleCount() const {
+  if (layer_rank.empty()) return total_kept() * ValueGroups();
+  uint64_t n = 0;
+  for (uint64_t h = 0; h < kept.size(); ++h) {
+    n += kept[h] * ValueGroups(static_cast<uint32_t>(h / layout.num_kv_heads));
+  }
+  return n;
 }
 
 absl::Status CompressedCache::Validate() const {
@@ -121,6 +161,29 @@ absl::Status CompressedCache::Validate() const {
     }
     if (projection_version == 0) {
       return absl::InvalidArgumentError("compressed cache: encoded values name no projection");
+    }
+  }
+  if (!layer_rank.empty()) {
+    if (value_codec == ValueCodec::kRaw) {
+      return absl::InvalidArgumentError("compressed cache: raw values carry no layer ranks");
+    }
+    if (layer_rank.size() != layout.num_layers) {
+      return Inconsistent("layer_rank", layer_rank.size(), layout.num_layers);
+    }
+    uint32_t largest = 0;
+    for (uint32_t r : layer_rank) {
+      if (r == 0 || r > rank) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("compressed cache: layer rank %u outside [1, rank %u]", r, rank));
+      }
+      if (value_codec == ValueCodec::kOrthogonalInt4 && r % 2 != 0) {
+        return absl::InvalidArgumentError("compressed cache: int4 latents need even layer ranks");
+      }
+      largest = std::max(largest, r);
+    }
+    if (largest != rank) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "compressed cache: rank %u is not the largest layer rank %u", rank, largest));
     }
   }
   if (value_gamma && ValueGroups() == 0) {
@@ -161,11 +224,11 @@ absl::Status CompressedCache::Validate() const {
   if (key_scales.size() != want_key_scales) {
     return Inconsistent("key_scales", key_scales.size(), want_key_scales);
   }
-  if (values.size() != total * ValueTokenBytes()) {
-    return Inconsistent("values (bytes)", values.size(), total * ValueTokenBytes());
+  if (values.size() != ValueBytes()) {
+    return Inconsistent("values (bytes)", values.size(), ValueBytes());
   }
-  if (value_scales.size() != total * ValueGroups()) {
-    return Inconsistent("value_scales", value_scales.size(), total * ValueGroups());
+  if (value_scales.size() != ValueScaleCount()) {
+    return Inconsistent("value_scales", value_scales.size(), ValueScaleCount());
   }
   if (!AllFinite(key_scales)) {
     return absl::InvalidArgumentError("compressed cache: non-finite key scale");
@@ -220,10 +283,12 @@ CacheBytes CompressedCache::Breakdown() const {
 
 std::string CompressedCache::DebugString() const {
   return absl::StrFormat(
-      "CompressedCache{%s original_tokens=%u kept=%u key_codec=%s value_codec=%s rank=%u "
+      "CompressedCache{%s original_tokens=%u kept=%u key_codec=%s value_codec=%s rank=%u%s "
       "projection=%u moments=%d}",
       layout.DebugString(), original_tokens, total_kept(), KeyCodecName(key_codec),
-      ValueCodecName(value_codec), rank, projection_version, has_moments);
+      ValueCodecName(value_codec), rank,
+      layer_rank.empty() ? "" : absl::StrCat(" layer_rank=", absl::StrJoin(layer_rank, ",")),
+      projection_version, has_moments);
 }
 
 bool operator==(const CompressedCache& a, const CompressedCache& b) {
@@ -231,12 +296,11 @@ bool operator==(const CompressedCache& a, const CompressedCache& b) {
          a.key_codec == b.key_codec && a.value_codec == b.value_codec && a.rank == b.rank &&
          (a.ValueGroups() == 0 || a.group_size == b.group_size) &&
          a.projection_version == b.projection_version && a.value_gamma == b.value_gamma &&
-         a.kept == b.kept &&
-         a.positions == b.positions && a.keys == b.keys && a.key_scales == b.key_scales &&
-         a.values == b.values && a.value_scales == b.value_scales &&
-         a.has_moments == b.has_moments && a.moment_count == b.moment_count &&
-         a.moment_key_sum == b.moment_key_sum && a.moment_value_sum == b.moment_value_sum &&
-         a.moment_vk_sum == b.moment_vk_sum;
+         a.layer_rank == b.layer_rank && a.kept == b.kept && a.positions == b.positions &&
+         a.keys == b.keys && a.key_scales == b.key_scales && a.values == b.values &&
+         a.value_scales == b.value_scales && a.has_moments == b.has_moments &&
+         a.moment_count == b.moment_count && a.moment_key_sum == b.moment_key_sum &&
+         a.moment_value_sum == b.moment_value_sum && a.moment_vk_sum == b.moment_vk_sum;
 }
 
 }  // namespace kvcomp

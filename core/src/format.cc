@@ -271,6 +271,9 @@ std::vector<Section> SectionsOf(const CompressedCache& c, const std::vector<uint
         {kMomentValueSum, c.moment_value_sum.data(), c.moment_value_sum.size() * sizeof(float)});
     s.push_back({kMomentVkSum, c.moment_vk_sum.data(), c.moment_vk_sum.size() * sizeof(float)});
   }
+  if (!c.layer_rank.empty()) {
+    s.push_back({kLayerRanks, c.layer_rank.data(), c.layer_rank.size() * sizeof(uint32_t)});
+  }
   return s;
 }
 
@@ -389,7 +392,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
     if (Crc32c(b + en.offset, en.size) != Get<uint32_t>(e, 24)) {
       return absl::DataLossError(absl::StrFormat("cache format: section %u checksum mismatch", en.id));
     }
-    if (en.id > kMomentVkSum && (en.flags & kSectionRequired)) {
+    if (en.id > kLayerRanks && (en.flags & kSectionRequired)) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "cache format: required section %u unknown to this reader", en.id));
     }
@@ -398,6 +401,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
     }
     prev_end = en.offset + en.size;
     prev_id = en.id;
+    if (en.id == kLayerRanks) p.info.layer_ranks = true;
     p.entries.push_back(en);
   }
   if (!AllZero(b + prev_end, n - prev_end)) {
@@ -552,10 +556,33 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
       c.policy,
       DecodePolicy(reinterpret_cast<const uint8_t*>(bytes.data()) + pe->offset, pe->size));
   const uint64_t t = info.total_kept;
-  uint64_t key_bytes, value_bytes, scale_elems;
-  if (!MulOk(t, c.KeyTokenBytes(), &key_bytes) || !MulOk(t, c.ValueTokenBytes(), &value_bytes) ||
-      !MulOk(t, c.ValueGroups(), &scale_elems)) {
+  if (info.layer_ranks) {
+    if (c.value_codec == ValueCodec::kRaw) {
+      return absl::InvalidArgumentError("cache format: layer ranks with raw values");
+    }
+    KVCOMP_RETURN_IF_ERROR(
+        TakeSection(p, bytes, kLayerRanks, true, info.layout.num_layers, &c.layer_rank));
+    for (uint32_t r : c.layer_rank) {
+      if (r == 0 || r > c.rank) {
+        return absl::InvalidArgumentError("cache format: layer rank outside [1, rank]");
+      }
+    }
+  }
+  // Ranks are at most head_dim (256) and kept counts at most 2^31 per head, so these products
+  // fit; the multiplications are still checked.
+  uint64_t key_bytes, value_bytes = 0, scale_elems = 0;
+  if (!MulOk(t, c.KeyTokenBytes(), &key_bytes)) {
     return absl::InvalidArgumentError("cache format: section sizes overflow");
+  }
+  for (uint64_t head = 0; head < h; ++head) {
+    const auto layer = static_cast<uint32_t>(head / info.layout.num_kv_heads);
+    uint64_t vb, sc;
+    if (!MulOk(c.kept[head], c.ValueTokenBytes(layer), &vb) ||
+        !MulOk(c.kept[head], c.ValueGroups(layer), &sc) ||
+        __builtin_add_overflow(value_bytes, vb, &value_bytes) ||
+        __builtin_add_overflow(scale_elems, sc, &scale_elems)) {
+      return absl::InvalidArgumentError("cache format: section sizes overflow");
+    }
   }
   KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kPositions, true, t, &c.positions));
   KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kKeys, true, key_bytes, &c.keys));

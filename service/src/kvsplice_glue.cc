@@ -96,6 +96,65 @@ absl::Status StoreProjections::Delete(absl::string_view model_id, uint64_t versi
   return MissingProjectionError(model_id, version);
 }
 
+absl::StatusOr<std::shared_ptr<const Projection>> StoreProjections::AcquireLatest(
+    absl::string_view model) {
+  absl::MutexLock gc(&gc_mu_);
+  KVCOMP_ASSIGN_OR_RETURN(uint64_t version, Latest(model));
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Projection> projection, Get(model, version));
+  std::string name = CacheName(model, version);
+  ++pins_[name];
+  // The returned pointer shares the projection and releases the pin when its last copy goes.
+  return std::shared_ptr<const Projection>(
+      projection.get(), [this, projection, m = std::string(model), version](const Projection*) {
+        Release(m, version);
+      });
+}
+
+void StoreProjections::Release(const std::string& model, uint64_t version) {
+  absl::MutexLock gc(&gc_mu_);
+  auto it = pins_.find(CacheName(model, version));
+  if (it != pins_.end() && --it->second == 0) pins_.erase(it);
+}
+
+absl::StatusOr<uint64_t> StoreProjections::Collect(absl::string_view model) {
+  absl::MutexLock gc(&gc_mu_);
+  auto keys = store_->ListProjections(model);
+  if (absl::IsFailedPrecondition(keys.status())) return 0;  // no RocksDB tier: none stored
+  KVCOMP_RETURN_IF_ERROR(keys.status());
+  // The latest (highest sequence number) of each tenant/model.
+  absl::flat_hash_map<std::string, uint32_t> latest;
+  for (const auto& k : *keys) {
+    auto [it, inserted] = latest.emplace(k.model_id, k.layer);
+    if (!inserted) it->second = std::max(it->second, k.layer);
+  }
+  uint64_t deleted = 0;
+  for (const auto& k : *keys) {
+    if (k.layer == latest[k.model_id]) continue;
+    if (pins_.contains(CacheName(k.model_id, k.version))) continue;
+    // Caches name their projection under their own model id, without the tenant.
+    const size_t slash = k.model_id.find('/');
+    if (slash == std::string::npos) continue;  // not a name of ours: leave it
+    const absl::string_view cache_model = absl::string_view(k.model_id).substr(slash + 1);
+    if (store_->ProjectionReferences(cache_model, k.version) > 0) continue;
+    absl::Status s = store_->DeleteProjection(k);
+    if (absl::IsNotFound(s)) continue;
+    KVCOMP_RETURN_IF_ERROR(s);
+    {
+      absl::MutexLock lock(&mu_);
+      cache_.erase(CacheName(k.model_id, k.version));
+    }
+    ++deleted;
+  }
+  return deleted;
+}
+
+absl::StatusOr<uint64_t> StoreProjections::Count() {
+  auto keys = store_->ListProjections("");
+  if (absl::IsFailedPrecondition(keys.status())) return 0;
+  KVCOMP_RETURN_IF_ERROR(keys.status());
+  return keys->size();
+}
+
 absl::StatusOr<CalibrationResult> CalibrateFromStore(storage::TieredStore* store,
                                                      StoreProjections* projections,
                                                      const CalibrationRequest& request) {
@@ -192,6 +251,7 @@ absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
   raw.key_codec = KeyCodec::kRaw;
   raw.value_codec = ValueCodec::kRaw;
   raw.rank = 0;
+  raw.layer_rank.clear();
   raw.projection_version = 0;
   raw.value_gamma = false;
   raw.key_scales.clear();

@@ -21,6 +21,8 @@ struct RandomCacheOptions {
   KeyCodec key_codec = KeyCodec::kRaw;
   ValueCodec value_codec = ValueCodec::kRaw;
   uint32_t rank = 0;
+  // Per-layer ranks (one per layer, the largest replaces `rank`); empty: every layer at `rank`.
+  std::vector<uint32_t> layer_rank;
   uint32_t group_size = 32;
   bool moments = true;
 };
@@ -31,6 +33,7 @@ inline CompressedCache RandomCache(const RandomCacheOptions& o, uint64_t seed) {
   c.key_codec = o.key_codec;
   c.value_codec = o.value_codec;
   c.rank = o.value_codec == ValueCodec::kRaw ? 0 : o.rank;
+  if (!o.layer_rank.empty()) c.rank = *std::max_element(o.layer_rank.begin(), o.layer_rank.end());
   c.group_size = o.group_size;
   c.projection_version = o.value_codec == ValueCodec::kRaw ? 0 : 1 + rng() % 1000;
   c.has_moments = o.moments;
@@ -39,6 +42,7 @@ inline CompressedCache RandomCache(const RandomCacheOptions& o, uint64_t seed) {
   c.policy.rank = c.rank;
   c.policy.ratio = 0.25 + 0.5 * static_cast<double>(rng() % 1000) / 1000.0;
   c.Reset(o.layout, o.original_tokens);
+  c.layer_rank = o.layer_rank;
   const uint64_t h = c.num_heads();
   std::vector<uint32_t> all(o.original_tokens);
   std::iota(all.begin(), all.end(), 0u);
@@ -57,9 +61,9 @@ inline CompressedCache RandomCache(const RandomCacheOptions& o, uint64_t seed) {
   };
   std::uniform_real_distribution<float> u(-3.0f, 3.0f);
   fill_bytes(&c.keys, t * c.KeyTokenBytes());
-  fill_bytes(&c.values, t * c.ValueTokenBytes());
+  fill_bytes(&c.values, c.ValueBytes());
   for (auto& s : c.key_scales) s = u(rng);
-  c.value_scales.resize(t * c.ValueGroups());
+  c.value_scales.resize(c.ValueScaleCount());
   for (auto& s : c.value_scales) s = FloatToHalf(u(rng));
   if (o.moments) {
     for (uint64_t i = 0; i < h; ++i) c.moment_count[i] = o.original_tokens - c.kept[i];

@@ -29,6 +29,11 @@ std::vector<RandomCacheOptions> AllVariants() {
           o.group_size = 16;
           o.moments = moments;
           out.push_back(o);
+          if (vc != ValueCodec::kRaw) {  // the same with per-layer ranks (2 layers)
+            o.layer_rank = vc == ValueCodec::kOrthogonalInt4 ? std::vector<uint32_t>{12, 40}
+                                                             : std::vector<uint32_t>{37, 5};
+            out.push_back(o);
+          }
         }
       }
     }
@@ -224,6 +229,90 @@ TEST(Format, SizesThatOverflow) {
   Put32(&b, 52, 0xffffffffu);  // num_sections
   Reseal(&b);
   EXPECT_FALSE(format::ParseCache(b).ok());
+}
+
+TEST(Format, PerLayerRanksRoundTripInARequiredSection) {
+  RandomCacheOptions o;
+  o.layout = KvLayout{3, 2, 4, 64, DType::kF16};
+  o.value_codec = ValueCodec::kOrthogonalInt8;
+  o.layer_rank = {8, 30, 17};
+  o.group_size = 16;
+  const CompressedCache c = RandomCache(o, 31);
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  EXPECT_EQ(c.rank, 30u);
+  // Values and scales take each layer's own rank: fewer bytes than all layers at the largest.
+  uint64_t want_values = 0, want_scales = 0;
+  for (uint32_t h = 0; h < c.num_heads(); ++h) {
+    const uint32_t r = o.layer_rank[h / 2];
+    want_values += uint64_t{c.kept[h]} * r;
+    want_scales += uint64_t{c.kept[h]} * ((r + 15) / 16);
+  }
+  EXPECT_EQ(c.values.size(), want_values);
+  EXPECT_EQ(c.value_scales.size(), want_scales);
+  EXPECT_LT(c.values.size(), c.total_kept() * c.rank);
+  const std::string b = *format::EncodeCache(c);
+  EXPECT_EQ(b.size(), c.Breakdown().total());
+  auto back = format::ParseCache(b);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == c);
+  EXPECT_EQ(back->layer_rank, o.layer_rank);
+  auto info = format::PeekCache(b);
+  ASSERT_TRUE(info.ok());
+  EXPECT_TRUE(info->layer_ranks);
+  EXPECT_EQ(info->rank, 30u);
+  // Section 12 is the last one and flagged required: a 1.0 reader, which does not know it,
+  // refuses the cache instead of reading the values at the wrong rank.
+  uint32_t n, id, flags;
+  std::memcpy(&n, b.data() + 52, 4);
+  std::memcpy(&id, b.data() + 128 + 32 * (n - 1), 4);
+  std::memcpy(&flags, b.data() + 128 + 32 * (n - 1) + 4, 4);
+  EXPECT_EQ(id, format::kLayerRanks);
+  EXPECT_EQ(flags & format::kSectionRequired, format::kSectionRequired);
+  uint16_t minor;
+  std::memcpy(&minor, b.data() + 6, 2);
+  EXPECT_EQ(minor, format::kMinorVersion);
+  // A uniform cache has no section 12 and reads as before.
+  o.layer_rank.clear();
+  o.rank = 30;
+  const CompressedCache u = RandomCache(o, 32);
+  EXPECT_FALSE(format::PeekCache(*format::EncodeCache(u))->layer_ranks);
+}
+
+TEST(Format, InconsistentLayerRanksAreRejected) {
+  RandomCacheOptions o;
+  o.value_codec = ValueCodec::kOrthogonalInt4;
+  o.layer_rank = {20, 40};
+  o.group_size = 16;
+  const CompressedCache good = RandomCache(o, 41);
+  ASSERT_TRUE(good.Validate().ok()) << good.Validate();
+  auto bad = good;
+  bad.layer_rank = {21, 40};  // odd rank for int4
+  EXPECT_EQ(format::EncodeCache(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = good;
+  bad.layer_rank = {20};  // one per layer
+  EXPECT_EQ(format::EncodeCache(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = good;
+  bad.rank = 48;  // rank must be the largest layer rank
+  EXPECT_EQ(format::EncodeCache(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = good;
+  bad.layer_rank = {0, 40};
+  EXPECT_EQ(format::EncodeCache(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  // On the wire: a layer rank above the header's rank, with every checksum right, is refused.
+  std::string b = *format::EncodeCache(good);
+  uint32_t n;
+  uint64_t off;
+  std::memcpy(&n, b.data() + 52, 4);
+  std::memcpy(&off, b.data() + 128 + 32 * (n - 1) + 8, 8);
+  Put32(&b, off, 42);
+  Put32(&b, 128 + 32 * (n - 1) + 24, Crc32c(b.data() + off, 8));
+  ResealTable(&b);
+  EXPECT_EQ(format::ParseCache(b).status().code(), absl::StatusCode::kInvalidArgument);
+  // Raw values never carry layer ranks.
+  RandomCacheOptions r;
+  r.layer_rank = {};
+  auto raw = RandomCache(r, 42);
+  raw.layer_rank = {1, 1};
+  EXPECT_EQ(format::EncodeCache(raw).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Format, UnknownRequiredSectionIsRejectedOptionalIgnored) {

@@ -285,28 +285,48 @@ TEST(CodecCuda, WholeCacheDecodesLikeTheCpu) {
       }
     }
   }
-  for (ValueCodec vc : {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
-                        ValueCodec::kOrthogonalInt4}) {
-    CompressionPolicy policy;
-    policy.value_codec = vc;
-    policy.key_codec = KeyCodec::kInt8;
-    CompressedCache cc = raw, cg = raw;
-    ASSERT_TRUE(EncodeKept(*b.cpu, policy, &p, &cc).ok());
-    auto s = EncodeKept(*b.cuda, policy, &p, &cg);
-    ASSERT_TRUE(s.ok()) << s;
-    EXPECT_EQ(cc.keys, cg.keys);
-    auto dc = DecodeKept(*b.cpu, cc, &p);
-    auto dg = DecodeKept(*b.cuda, cc, &p);
-    ASSERT_TRUE(dc.ok() && dg.ok()) << dg.status();
-    const auto* fc = reinterpret_cast<const float*>(dc->values.data());
-    const auto* fg = reinterpret_cast<const float*>(dg->values.data());
-    double e = 0, nn = 0;
-    for (uint64_t i = 0; i < 600 * 128; ++i) {
-      e += (fc[i] - fg[i]) * (fc[i] - fg[i]);
-      nn += fc[i] * fc[i];
+  // The same projection with auto-tuned per-layer ranks: each layer encodes at its own rank.
+  Projection tuned = p;
+  tuned.tuned_rank = {24, 96};
+  tuned.tuned_error = {0.01, 0.01};
+  ASSERT_TRUE(tuned.Seal().ok());
+  for (const Projection* proj : {&p, static_cast<const Projection*>(&tuned)}) {
+    for (ValueCodec vc :
+         {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8, ValueCodec::kOrthogonalInt4}) {
+      SCOPED_TRACE(proj == &tuned ? "per-layer ranks" : "one rank");
+      CompressionPolicy policy;
+      policy.value_codec = vc;
+      policy.key_codec = KeyCodec::kInt8;
+      CompressedCache cc = raw, cg = raw;
+      ASSERT_TRUE(EncodeKept(*b.cpu, policy, proj, &cc).ok());
+      auto s = EncodeKept(*b.cuda, policy, proj, &cg);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ(cc.keys, cg.keys);
+      EXPECT_EQ(cc.layer_rank, cg.layer_rank);
+      EXPECT_EQ(cc.values.size(), cg.values.size());
+      if (proj == &tuned) {
+        EXPECT_EQ(cc.layer_rank, (std::vector<uint32_t>{24, 96}));
+      }
+      // The GPU's latents decode on the CPU like the CPU's own (same numbers up to rounding).
+      auto dgc = DecodeKept(*b.cpu, cg, proj);
+      ASSERT_TRUE(dgc.ok()) << dgc.status();
+      auto dc = DecodeKept(*b.cpu, cc, proj);
+      auto dg = DecodeKept(*b.cuda, cc, proj);
+      ASSERT_TRUE(dc.ok() && dg.ok()) << dg.status();
+      const auto* fc = reinterpret_cast<const float*>(dc->values.data());
+      const auto* fg = reinterpret_cast<const float*>(dg->values.data());
+      double e = 0, nn = 0;
+      for (uint64_t i = 0; i < 600 * 128; ++i) {
+        e += (fc[i] - fg[i]) * (fc[i] - fg[i]);
+        nn += fc[i] * fc[i];
+      }
+      EXPECT_LT(std::sqrt(e / nn), 2e-3) << ValueCodecName(vc);
+      const auto* fgc = reinterpret_cast<const float*>(dgc->values.data());
+      e = 0;
+      for (uint64_t i = 0; i < 600 * 128; ++i) e += (fc[i] - fgc[i]) * (fc[i] - fgc[i]);
+      EXPECT_LT(std::sqrt(e / nn), 2e-2) << ValueCodecName(vc);
+      EXPECT_EQ(DecodeKept(*b.cuda, cc, nullptr).status().code(), absl::StatusCode::kNotFound);
     }
-    EXPECT_LT(std::sqrt(e / nn), 2e-3) << ValueCodecName(vc);
-    EXPECT_EQ(DecodeKept(*b.cuda, cc, nullptr).status().code(), absl::StatusCode::kNotFound);
   }
 }
 

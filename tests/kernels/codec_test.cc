@@ -1,5 +1,6 @@
 // KVSplice codec on the CPU backend: int4 packing, quantization bounds, poisoned outputs, keys,
 // whole-cache encode/decode through the format, and the missing-projection errors.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -381,6 +382,84 @@ TEST(KvSplice, EveryPresetRoundTripsThroughTheFormat) {
       EXPECT_EQ(dec->positions, raw.positions);
     }
   }
+}
+
+// The auto-tuner's per-layer ranks: each layer is encoded at its own rank (fewer bytes for the
+// layers that need less), the cache round-trips through the format, and every layer decodes
+// exactly as a cache encoded at that layer's rank for all layers.
+TEST(KvSplice, TunedRanksGiveEachLayerItsOwnRank) {
+  auto be = Cpu();
+  testing::LowRankData data;
+  data.layers = 3;
+  data.heads = 2;
+  data.tokens = 200;
+  data.d = 64;
+  data.true_rank = 24;
+  const std::vector<float> values = data.Make(5), keys = data.Make(6);
+  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be.get());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  for (uint32_t l = 0; l < data.layers; ++l) {
+    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
+  }
+  auto full = cal->Finish(64);
+  ASSERT_TRUE(full.ok()) << full.status();
+  Projection tuned = *full;
+  tuned.tuned_rank = {16, 48, 7};
+  tuned.tuned_error = {0.01, 0.01, 0.01};
+  ASSERT_TRUE(tuned.Seal().ok());
+  const CompressedCache raw = RawCache(data, values, keys, DType::kF16, 7);
+  const std::vector<uint64_t> off = raw.TokenOffsets();
+  for (ValueCodec vc :
+       {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8, ValueCodec::kOrthogonalInt4}) {
+    SCOPED_TRACE(ValueCodecName(vc));
+    CompressionPolicy policy;
+    policy.value_codec = vc;
+    policy.key_codec = KeyCodec::kInt8;
+    auto ranks = ChooseLayerRanks(policy, tuned);
+    ASSERT_TRUE(ranks.ok()) << ranks.status();
+    const std::vector<uint32_t> want = vc == ValueCodec::kOrthogonalInt4
+                                           ? std::vector<uint32_t>{16, 48, 8}
+                                           : std::vector<uint32_t>{16, 48, 7};
+    EXPECT_EQ(*ranks, want);
+    CompressedCache c = raw;
+    ASSERT_TRUE(EncodeKept(*be, policy, &tuned, &c).ok());
+    EXPECT_EQ(c.layer_rank, want);
+    EXPECT_EQ(c.rank, 48u);
+    uint64_t want_bytes = 0;
+    for (uint64_t h = 0; h < c.num_heads(); ++h) {
+      ValueCodecParams vp;
+      vp.codec = vc;
+      vp.rank = want[h / data.heads];
+      want_bytes += uint64_t{c.kept[h]} * vp.LatentBytes();
+    }
+    EXPECT_EQ(c.Breakdown().values, want_bytes);
+    EXPECT_LT(want_bytes, c.total_kept() * c.ValueTokenBytes());
+    auto parsed = format::ParseCache(*format::EncodeCache(c));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    ASSERT_TRUE(*parsed == c);
+    auto dec = DecodeKept(*be, *parsed, &tuned, DType::kF32);
+    ASSERT_TRUE(dec.ok()) << dec.status();
+    for (uint32_t l = 0; l < data.layers; ++l) {
+      CompressionPolicy at = policy;
+      at.rank = want[l];
+      CompressedCache u = raw;
+      ASSERT_TRUE(EncodeKept(*be, at, &tuned, &u).ok());
+      EXPECT_TRUE(u.layer_rank.empty());
+      auto ud = DecodeKept(*be, u, &tuned, DType::kF32);
+      ASSERT_TRUE(ud.ok());
+      const uint64_t b0 = off[l * data.heads] * data.d * 4,
+                     b1 = off[(l + 1) * data.heads] * data.d * 4;
+      EXPECT_TRUE(
+          std::equal(dec->values.begin() + b0, dec->values.begin() + b1, ud->values.begin() + b0))
+          << "layer " << l;
+    }
+    EXPECT_EQ(dec->keys, DecodeKept(*be, c, &tuned, DType::kF32)->keys);
+  }
+  // A policy rank overrides the tuner: one rank for all layers.
+  CompressionPolicy fixed;
+  fixed.value_codec = ValueCodec::kOrthogonalInt8;
+  fixed.rank = 20;
+  EXPECT_EQ(*ChooseLayerRanks(fixed, tuned), (std::vector<uint32_t>{20, 20, 20}));
 }
 
 TEST(KvSplice, MissingOrWrongProjectionIsAClearError) {

@@ -62,6 +62,36 @@ def test_error_budget_auto_tunes_per_layer():
         kvcomp.calibrate(v, error_budget=0.1, metric="perplexity")
 
 
+def test_tuned_layers_keep_their_own_ranks():
+    # Layer 0 has rank-8 values, layer 1 rank-40: the tuner gives them different ranks, and a
+    # cache encoded with the tuned projection stores each layer at its own rank (format 1.1).
+    v = np.concatenate([_low_rank(layers=1, tokens=1024, rank=8, seed=11),
+                        _low_rank(layers=1, tokens=1024, rank=40, seed=12, basis_seed=4)])
+    p = kvcomp.calibrate(v, error_budget=0.08, codec="orthogonal_int8")
+    r0, r1 = p.tuned_rank
+    assert r0 < r1
+    c = kvcomp.compress(v, v, kvcomp.Policy(ratio=0.5, value_codec="orthogonal_int8"),
+                        projection=p)
+    info = kvcomp.cache_codecs(c)
+    assert info["layer_rank"] == [r0, r1] and info["rank"] == r1
+    kept = [c.kept_positions(l, h).shape[0] for l in range(2) for h in range(2)]
+    groups = [-(-r // 32) for r in (r0, r0, r1, r1)]
+    assert info["bytes"]["values"] == sum(n * r for n, r in zip(kept, (r0, r0, r1, r1)))
+    assert info["bytes"]["value_scales"] == 2 * sum(n * g for n, g in zip(kept, groups))
+    back = kvcomp.CompressedCache.from_bytes(c.to_bytes())
+    assert kvcomp.cache_codecs(back)["layer_rank"] == [r0, r1]
+    _, vv = kvcomp.decompress(back, p)
+    for l in range(2):
+        for h in range(2):
+            pos = back.kept_positions(l, h)
+            assert _rel(vv[l, h], v[l, h, pos]) <= 0.1
+    # A policy rank overrides the tuner: one rank for every layer.
+    fixed = kvcomp.compress(v, v, kvcomp.Policy(ratio=0.5, value_codec="orthogonal_int8",
+                                                rank=r1), projection=p)
+    assert kvcomp.cache_codecs(fixed)["layer_rank"] == [r1, r1]
+    assert kvcomp.cache_codecs(fixed)["bytes"]["values"] > info["bytes"]["values"]
+
+
 @pytest.mark.parametrize("value_codec", ["none", "orthogonal", "orthogonal_int8",
                                          "orthogonal_int4"])
 @pytest.mark.parametrize("key_codec", ["raw", "fp16", "int8"])

@@ -225,6 +225,8 @@ void RegisterCodec(nb::module_& m) {
     d["key_codec"] = std::string(KeyCodecName(c.key_codec));
     d["value_codec"] = std::string(ValueCodecName(c.value_codec));
     d["rank"] = c.rank;
+    d["layer_rank"] =
+        c.layer_rank.empty() ? std::vector<uint32_t>(c.layout.num_layers, c.rank) : c.layer_rank;
     d["group_size"] = c.ValueGroups() > 0 ? c.group_size : 0;
     d["gamma_aware"] = c.value_gamma;
     d["projection_version"] = c.projection_version;

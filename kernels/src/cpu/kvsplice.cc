@@ -27,7 +27,63 @@ RowSpan AllHeads(const std::vector<uint64_t>& offsets) {
   return rows;
 }
 
+// One layer of a cache whose layers have different latent ranks: its heads as a RowSpan (row
+// offsets rebased to 0), its first row, and where its latents and scales start.
+struct LayerRows {
+  std::vector<uint64_t> offsets;
+  uint64_t first_head = 0;
+  uint64_t first_row = 0;
+  uint64_t latent_byte = 0;
+  uint64_t scale_elem = 0;
+  ValueCodecParams params;
+  RowSpan span() const {
+    RowSpan r;
+    r.first_head = first_head;
+    r.row_offsets = offsets;
+    return r;
+  }
+};
+
+// Splits `offsets` (prefix sums of kept per head) into layers with params.rank = ranks[layer].
+std::vector<LayerRows> SplitLayers(const std::vector<uint64_t>& offsets, uint32_t kv_heads,
+                                   const ValueCodecParams& base,
+                                   const std::vector<uint32_t>& ranks) {
+  std::vector<LayerRows> layers(ranks.size());
+  uint64_t latent = 0, scales = 0;
+  for (size_t l = 0; l < ranks.size(); ++l) {
+    LayerRows& L = layers[l];
+    L.first_head = l * kv_heads;
+    L.first_row = offsets[L.first_head];
+    L.offsets.resize(kv_heads + 1);
+    for (uint32_t i = 0; i <= kv_heads; ++i) L.offsets[i] = offsets[L.first_head + i] - L.first_row;
+    L.params = base;
+    L.params.rank = ranks[l];
+    L.latent_byte = latent;
+    L.scale_elem = scales;
+    latent += L.offsets.back() * L.params.LatentBytes();
+    scales += L.offsets.back() * L.params.Groups();
+  }
+  return layers;
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<uint32_t>> ChooseLayerRanks(const CompressionPolicy& policy,
+                                                       const Projection& projection) {
+  KVCOMP_ASSIGN_OR_RETURN(const uint32_t rank, ChooseRank(policy, projection));
+  std::vector<uint32_t> ranks(projection.num_layers, rank);
+  if (rank == 0 || policy.rank != 0) return ranks;
+  if (projection.tuned_rank.size() != projection.num_layers) return ranks;
+  for (uint32_t r : projection.tuned_rank) {
+    if (r == 0) return ranks;  // a layer the tuner did not reach: one rank for all
+  }
+  for (uint32_t l = 0; l < projection.num_layers; ++l) {
+    uint32_t r = projection.tuned_rank[l];
+    if (policy.value_codec == ValueCodec::kOrthogonalInt4 && r % 2 != 0) ++r;
+    ranks[l] = std::min(r, rank);
+  }
+  return ranks;
+}
 
 ValueCodecParams CacheValueParams(const CompressedCache& cache) {
   ValueCodecParams p;
@@ -73,21 +129,48 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
           ValueCodecName(policy.value_codec)));
     }
     KVCOMP_RETURN_IF_ERROR(CheckProjectionLayout(*projection, layout));
-    KVCOMP_ASSIGN_OR_RETURN(const uint32_t rank, ChooseRank(policy, *projection));
+    KVCOMP_ASSIGN_OR_RETURN(const std::vector<uint32_t> ranks,
+                            ChooseLayerRanks(policy, *projection));
+    const uint32_t rank = *std::max_element(ranks.begin(), ranks.end());
+    const bool uniform =
+        std::all_of(ranks.begin(), ranks.end(), [&](uint32_t r) { return r == ranks[0]; });
     ValueCodecParams p;
     p.codec = policy.value_codec;
     p.rank = rank;
     p.group_size = policy.group_size;
     p.gamma_aware = policy.gamma_aware;
-    std::vector<uint8_t> latent(total * p.LatentBytes());
-    std::vector<uint16_t> scales(total * p.Groups());
-    KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(*projection, p, rows, cache->values.data(),
-                                            layout.dtype, latent.data(),
-                                            scales.empty() ? nullptr : scales.data()));
+    std::vector<uint8_t> latent;
+    std::vector<uint16_t> scales;
+    if (uniform) {
+      latent.resize(total * p.LatentBytes());
+      scales.resize(total * p.Groups());
+      KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(*projection, p, rows, cache->values.data(),
+                                              layout.dtype, latent.data(),
+                                              scales.empty() ? nullptr : scales.data()));
+    } else {
+      // One call per layer, each at its own rank, into consecutive slices of the arrays.
+      const std::vector<LayerRows> layers = SplitLayers(offsets, layout.num_kv_heads, p, ranks);
+      const LayerRows& last = layers.back();
+      latent.resize(last.latent_byte + last.offsets.back() * last.params.LatentBytes());
+      scales.resize(last.scale_elem + last.offsets.back() * last.params.Groups());
+      const uint64_t row_bytes = DTypeBytes(layout.dtype, d);
+      for (const LayerRows& L : layers) {
+        if (L.offsets.back() == 0) continue;
+        KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(
+            *projection, L.params, L.span(), cache->values.data() + L.first_row * row_bytes,
+            layout.dtype, latent.data() + L.latent_byte,
+            scales.empty() ? nullptr : scales.data() + L.scale_elem));
+      }
+    }
     cache->values = std::move(latent);
     cache->value_scales = std::move(scales);
     cache->value_codec = p.codec;
     cache->rank = rank;
+    if (uniform) {
+      cache->layer_rank.clear();
+    } else {
+      cache->layer_rank = ranks;
+    }
     cache->group_size = p.Groups() > 0 ? p.group_size : 32;
     cache->value_gamma = p.UsesGamma();
     cache->projection_version = projection->version;
@@ -137,10 +220,23 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
           cache.projection_version, projection->version));
     }
     KVCOMP_RETURN_IF_ERROR(CheckProjectionLayout(*projection, layout));
-    KVCOMP_RETURN_IF_ERROR(ops.DecodeValues(
-        *projection, CacheValueParams(cache), rows, cache.values.data(),
-        cache.value_scales.empty() ? nullptr : cache.value_scales.data(), out.values.data(),
-        dtype));
+    if (cache.layer_rank.empty()) {
+      KVCOMP_RETURN_IF_ERROR(
+          ops.DecodeValues(*projection, CacheValueParams(cache), rows, cache.values.data(),
+                           cache.value_scales.empty() ? nullptr : cache.value_scales.data(),
+                           out.values.data(), dtype));
+    } else {
+      const std::vector<LayerRows> layers =
+          SplitLayers(out.offsets, layout.num_kv_heads, CacheValueParams(cache), cache.layer_rank);
+      const uint64_t row_bytes = DTypeBytes(dtype, d);
+      for (const LayerRows& L : layers) {
+        if (L.offsets.back() == 0) continue;
+        KVCOMP_RETURN_IF_ERROR(ops.DecodeValues(
+            *projection, L.params, L.span(), cache.values.data() + L.latent_byte,
+            cache.value_scales.empty() ? nullptr : cache.value_scales.data() + L.scale_elem,
+            out.values.data() + L.first_row * row_bytes, dtype));
+      }
+    }
   } else {
     KVCOMP_RETURN_IF_ERROR(ops.DecodeKeys(KeyCodec::kRaw, rows, layout.head_dim,
                                           cache.values.data(), layout.dtype, nullptr,

@@ -93,7 +93,8 @@ class CudaCodecOps final : public CodecOps {
     KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
     codec_cuda::EncodeParams p{dt,
                                dv,
-                               dp->enc_t.as<float>() + rows.first_head * d * params.rank,
+                               dp->enc_t.as<float>() +
+                                   (rows.first_head - dp->first_head) * d * params.rank,
                                static_cast<uint8_t*>(dl),
                                static_cast<uint16_t*>(ds),
                                static_cast<uint32_t>(d),
@@ -137,7 +138,8 @@ class CudaCodecOps final : public CodecOps {
     codec_cuda::DecodeParams p{nullptr,
                                static_cast<const uint8_t*>(dl),
                                static_cast<const uint16_t*>(ds),
-                               dp->dec16.as<__half>() + rows.first_head * r_pad * d,
+                               dp->dec16.as<__half>() +
+                                   (rows.first_head - dp->first_head) * r_pad * d,
                                dout,
                                params.rank,
                                r_pad,
@@ -417,10 +419,16 @@ class CudaCodecOps final : public CodecOps {
     std::vector<OutCopy> outs_;
   };
 
+  // The matrices of heads [first_head, first_head + num_heads) of one projection at one rank.
+  // A whole-cache call uploads every head; a per-layer call (caches with per-layer ranks) only
+  // its layer's, so a cache of many ranks holds one small entry per layer, not a full copy each.
   struct DeviceProjection {
     uint64_t version = 0;
     uint32_t rank = 0;
     bool gamma = false;
+    uint64_t first_head = 0;
+    uint64_t num_heads = 0;
+    uint64_t bytes = 0;
     Buffer enc_t;  // [heads][d][r] f32
     Buffer dec16;  // [heads][r_pad][d] f16
   };
@@ -429,19 +437,21 @@ class CudaCodecOps final : public CodecOps {
                                                  const ValueCodecParams& params,
                                                  const RowSpan& rows) {
     const bool gamma = params.UsesGamma();
+    const uint64_t first = rows.first_head, heads = rows.num_heads();
     for (auto it = projections_.begin(); it != projections_.end(); ++it) {
-      if (it->version == proj.version && it->rank == params.rank && it->gamma == gamma) {
+      if (it->version == proj.version && it->rank == params.rank && it->gamma == gamma &&
+          it->first_head <= first && first + heads <= it->first_head + it->num_heads) {
         projections_.splice(projections_.begin(), projections_, it);
         return &projections_.front();
       }
     }
-    const uint64_t heads = proj.num_heads(), d = proj.head_dim, r = params.rank;
+    const uint64_t d = proj.head_dim, r = params.rank;
     const uint64_t r_pad = (r + 15) / 16 * 16;
     std::vector<float> enc_t(heads * d * r);
     std::vector<__half> dec(heads * r_pad * d, __float2half(0.0f));
     std::vector<float> enc, decf;
     for (uint64_t h = 0; h < heads; ++h) {
-      codec_internal::HeadMatrices(proj, h, params, &enc, &decf);
+      codec_internal::HeadMatrices(proj, first + h, params, &enc, &decf);
       for (uint64_t j = 0; j < r; ++j) {
         for (uint64_t k = 0; k < d; ++k) {
           enc_t[(h * d + k) * r + j] = enc[j * d + k];
@@ -453,6 +463,14 @@ class CudaCodecOps final : public CodecOps {
     dp.version = proj.version;
     dp.rank = params.rank;
     dp.gamma = gamma;
+    dp.first_head = first;
+    dp.num_heads = heads;
+    dp.bytes = enc_t.size() * 4 + dec.size() * 2;
+    // Keep the cached matrices under kMaxProjectionBytes (the newest entry always stays).
+    while (!projections_.empty() && projection_bytes_ + dp.bytes > kMaxProjectionBytes) {
+      projection_bytes_ -= projections_.back().bytes;
+      projections_.pop_back();
+    }
     KVCOMP_ASSIGN_OR_RETURN(dp.enc_t, Buffer::Allocate(*ctx_->allocator, enc_t.size() * 4));
     KVCOMP_ASSIGN_OR_RETURN(dp.dec16, Buffer::Allocate(*ctx_->allocator, dec.size() * 2));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dp.enc_t.data(), enc_t.data(), enc_t.size() * 4,
@@ -460,8 +478,8 @@ class CudaCodecOps final : public CodecOps {
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dp.dec16.data(), dec.data(), dec.size() * 2,
                                                 cudaMemcpyHostToDevice, ctx_->stream));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    projection_bytes_ += dp.bytes;
     projections_.push_front(std::move(dp));
-    while (projections_.size() > kMaxProjections) projections_.pop_back();
     return &projections_.front();
   }
 
@@ -597,11 +615,12 @@ class CudaCodecOps final : public CodecOps {
     return absl::OkStatus();
   }
 
-  static constexpr size_t kMaxProjections = 4;
+  static constexpr uint64_t kMaxProjectionBytes = uint64_t{256} << 20;
   CudaContext* ctx_;
   cublasHandle_t cublas_ = nullptr;
   cusolverDnHandle_t cusolver_ = nullptr;
-  std::list<DeviceProjection> projections_;
+  std::list<DeviceProjection> projections_;  // most recently used first
+  uint64_t projection_bytes_ = 0;
 };
 
 }  // namespace

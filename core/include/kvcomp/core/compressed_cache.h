@@ -44,12 +44,18 @@ class CompressedCache {
   // The encoding of the kept tokens; these, not policy's fields, say how to decode.
   KeyCodec key_codec = KeyCodec::kRaw;
   ValueCodec value_codec = ValueCodec::kRaw;
-  uint32_t rank = 0;                // latent rank for orthogonal value codecs, else 0
+  uint32_t rank = 0;                // latent rank for orthogonal value codecs, else 0; with
+                                    // layer_rank, the largest of the layers' ranks
   uint32_t group_size = 32;         // latent elements per scale for int8/int4
   uint64_t projection_version = 0;  // projection used by orthogonal value codecs, else 0
   // int8/int4 latents were divided by the projection's per-direction gamma before quantizing
   // (gamma-aware); decoding multiplies it back. Only with a quantized value codec.
   bool value_gamma = false;
+  // Per-layer latent ranks (the auto-tuner's choice, issue 5): empty when every layer uses
+  // `rank`; else one per layer, each in [1, rank] (even for int4), the largest equal to `rank`.
+  // A layer's tokens carry LayerRank(layer) latent elements and ceil(LayerRank / group_size)
+  // scales each, so the value arrays are ragged by layer too.
+  std::vector<uint32_t> layer_rank;
 
   // --- per head (size num_heads_total()) ---
   std::vector<uint32_t> kept;  // tokens kept by each head
@@ -82,10 +88,17 @@ class CompressedCache {
   // Prefix sums of kept, size num_heads()+1.
   std::vector<uint64_t> TokenOffsets() const;
 
-  // Bytes per kept token in `keys` and `values`, and f16 scales per token in value_scales.
+  // Bytes per kept token in `keys` and `values`, and f16 scales per token in value_scales. The
+  // value figures without a layer are those at `rank` (every layer's, unless layer_rank is set).
   uint64_t KeyTokenBytes() const;
   uint64_t ValueTokenBytes() const;
   uint64_t ValueGroups() const;
+  uint32_t LayerRank(uint32_t layer) const { return layer_rank.empty() ? rank : layer_rank[layer]; }
+  uint64_t ValueTokenBytes(uint32_t layer) const;
+  uint64_t ValueGroups(uint32_t layer) const;
+  // Sizes of `values` (bytes) and `value_scales` (f16 elements) the kept counts and ranks imply.
+  uint64_t ValueBytes() const;
+  uint64_t ValueScaleCount() const;
 
   // Checks that every array's size matches the layout, codecs and kept counts, positions are
   // ascending and in range, moment counts add up to the evicted tokens. InvalidArgument on the

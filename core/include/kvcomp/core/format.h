@@ -18,7 +18,7 @@ namespace format {
 
 inline constexpr uint32_t kMagic = 0x4343564B;  // "KVCC" in file order
 inline constexpr uint16_t kMajorVersion = 1;
-inline constexpr uint16_t kMinorVersion = 0;
+inline constexpr uint16_t kMinorVersion = 1;  // 1.1 added section 12 (layer ranks)
 inline constexpr uint32_t kHeaderBytes = 128;
 inline constexpr uint32_t kSectionEntryBytes = 32;
 inline constexpr uint32_t kAlignment = 64;  // every section starts on a 64-byte boundary
@@ -37,6 +37,7 @@ enum SectionId : uint32_t {
   kMomentKeySum = 9,  // f32 per (head, channel)
   kMomentValueSum = 10,
   kMomentVkSum = 11,  // f32 per (head, d, d)
+  kLayerRanks = 12,   // u32 latent rank per layer, only when the layers' ranks differ (1.1)
 };
 inline constexpr uint32_t kSectionRequired = 1;  // flag: a reader that does not know it must fail
 
@@ -49,7 +50,8 @@ struct CacheInfo {
   uint64_t projection_version = 0;
   KeyCodec key_codec = KeyCodec::kRaw;
   ValueCodec value_codec = ValueCodec::kRaw;
-  uint32_t rank = 0;
+  uint32_t rank = 0;         // the largest layer's when the ranks differ per layer
+  bool layer_ranks = false;  // section 12 present: per-layer ranks
   bool has_moments = false;
   bool value_gamma = false;
 };

@@ -29,6 +29,13 @@ namespace kvcomp {
 // up to even for int4. FailedPrecondition when it exceeds the projection's rows.
 absl::StatusOr<uint32_t> ChooseRank(const CompressionPolicy& policy, const Projection& projection);
 
+// One latent rank per layer: the auto-tuner's per-layer ranks recorded in the projection (int4:
+// rounded up to even) when policy.rank is 0 and every layer was tuned; else ChooseRank's rank for
+// every layer. EncodeKept stores differing ranks in CompressedCache::layer_rank (format section
+// 12), so a layer the tuner found easy really takes fewer bytes.
+absl::StatusOr<std::vector<uint32_t>> ChooseLayerRanks(const CompressionPolicy& policy,
+                                                       const Projection& projection);
+
 // Encodes the raw kept tokens of `cache` (keys and values in layout.dtype, key_codec and
 // value_codec raw, as the pipeline's selection leaves them) with policy.key_codec,
 // policy.value_codec, rank, group_size and gamma_aware. `projection` is required for the value
@@ -56,7 +63,8 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
                                        ProjectionStore& store, absl::string_view model_id,
                                        DType dtype = DType::kF32);
 
-// The codec parameters a cache was encoded with (its header fields).
+// The codec parameters a cache was encoded with (its header fields; rank is the largest layer's
+// when the cache has per-layer ranks).
 ValueCodecParams CacheValueParams(const CompressedCache& cache);
 
 }  // namespace kvcomp
