@@ -310,6 +310,28 @@ absl::Status RocksDbTier::Delete(absl::string_view key, bool sync) {
   return absl::OkStatus();
 }
 
+absl::Status RocksDbTier::DeleteMany(const std::vector<std::string>& keys, bool sync) {
+  if (keys.empty()) return absl::OkStatus();
+  rocksdb::WriteBatch batch;
+  for (const std::string& key : keys) {
+    rocksdb::Status s = batch.Delete(meta_, ToSlice(key));
+    if (s.ok()) s = batch.Delete(payload_, ToSlice(key));
+    KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
+  }
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete"));
+  for (const std::string& key : keys) {
+    Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
+    WriterLock lock(&st.mu);
+    auto it = st.sizes.find(key);
+    if (it != st.sizes.end()) {
+      used_ -= it->second;
+      entries_ -= 1;
+      st.sizes.erase(it);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RocksDbTier::Recover(
     bool verify, const std::function<void(absl::string_view, const CacheMeta&)>& fn,
     std::vector<QuarantinedCache>* quarantined) {
@@ -350,6 +372,7 @@ absl::Status RocksDbTier::Recover(
 absl::Status RocksDbTier::Quarantine(absl::string_view key, absl::string_view reason) {
   Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
   WriterLock lock(&st.mu);
+  WriterLock quarantine_lock(&quarantine_mu_);
   std::string meta, payload;
   rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta_, ToSlice(key), &meta);
   if (!s.ok() && !s.IsNotFound()) return FromRocksDb(s, "rocksdb tier: quarantine");
@@ -383,6 +406,40 @@ absl::StatusOr<std::vector<QuarantinedCache>> RocksDbTier::ListQuarantine() {
   }
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: list quarantine"));
   return out;
+}
+
+absl::StatusOr<bool> RocksDbTier::PurgeQuarantine(absl::string_view key) {
+  WriterLock lock(&quarantine_mu_);
+  const std::string reason_key = std::string(1, kQuarantineReason) + std::string(key);
+  std::string reason;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), quarantine_, reason_key, &reason);
+  if (s.IsNotFound()) return false;
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: purge quarantine"));
+  rocksdb::WriteBatch batch;
+  for (char tag : {kQuarantineReason, kQuarantineMeta, kQuarantinePayload}) {
+    KVCOMP_RETURN_IF_ERROR(FromRocksDb(
+        batch.Delete(quarantine_, std::string(1, tag) + std::string(key)), "rocksdb tier: batch"));
+  }
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "purge quarantine"));
+  return true;
+}
+
+absl::StatusOr<std::vector<std::string>> RocksDbTier::PurgeAllQuarantine() {
+  WriterLock lock(&quarantine_mu_);
+  rocksdb::WriteBatch batch;
+  std::vector<std::string> keys;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), quarantine_));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    if (!it->key().empty() && it->key()[0] == kQuarantineReason) {
+      keys.emplace_back(it->key().data() + 1, it->key().size() - 1);
+    }
+    KVCOMP_RETURN_IF_ERROR(
+        FromRocksDb(batch.Delete(quarantine_, it->key()), "rocksdb tier: batch"));
+  }
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: purge quarantine"));
+  if (batch.Count() == 0) return keys;
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "purge quarantine"));
+  return keys;
 }
 
 namespace {

@@ -57,6 +57,10 @@ class RocksDbTier final : public Tier {
   absl::StatusOr<Payload> Get(absl::string_view key) override;
   absl::Status Delete(absl::string_view key, bool sync) override;
 
+  // Removes every key of `keys` (absent ones are fine) in one WriteBatch: one WAL sync for all
+  // of them with `sync`. On error none is removed.
+  absl::Status DeleteMany(const std::vector<std::string>& keys, bool sync);
+
   absl::StatusOr<CacheMeta> GetMeta(absl::string_view key);
 
   // Calls `fn` for every stored (key, meta) in key order, after verifying (when `verify`) that
@@ -70,6 +74,11 @@ class RocksDbTier final : public Tier {
   absl::Status Quarantine(absl::string_view key, absl::string_view reason);
   // Every quarantined entry, from disk.
   absl::StatusOr<std::vector<QuarantinedCache>> ListQuarantine();
+  // Removes `key`'s reason, meta and payload from the quarantine family in one synced write.
+  // True when something was there.
+  absl::StatusOr<bool> PurgeQuarantine(absl::string_view key);
+  // Removes every quarantined entry in one synced write; returns their keys.
+  absl::StatusOr<std::vector<std::string>> PurgeAllQuarantine();
 
   absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes);
   absl::StatusOr<std::string> GetProjection(const ProjectionKey& key);
@@ -101,6 +110,7 @@ class RocksDbTier final : public Tier {
   };
   Stripe stripes_[kStripes];
   SharedMutex calibration_mu_;  // serialises PutProjection's read-compare-write
+  SharedMutex quarantine_mu_;   // serialises the purges' read-delete
 };
 
 }  // namespace storage

@@ -27,6 +27,7 @@ namespace storage {
 namespace {
 
 constexpr int kKeyStripes = 1024;
+constexpr size_t kEvictBatch = 256;  // most keys one synced eviction write removes
 constexpr int kNoTier = -1;
 constexpr int kRocks = static_cast<int>(TierKind::kRocksDb);
 
@@ -86,6 +87,8 @@ class TieredStoreImpl final : public TieredStore {
   StoreStats Stats() const override;
   std::vector<TenantUsage> Usage() const override { return usage_.Snapshot(); }
   std::vector<QuarantinedCache> Quarantined() const override;
+  absl::Status PurgeQuarantined(absl::string_view encoded_key) override;
+  absl::StatusOr<uint64_t> PurgeAllQuarantined() override;
 
   absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes) override;
   absl::StatusOr<std::string> GetProjection(const ProjectionKey& key) override;
@@ -148,6 +151,9 @@ class TieredStoreImpl final : public TieredStore {
   void MakeRoom(int t, uint64_t incoming, const Held& held);
   void RelieveIfAboveHigh(int t, const Held& held);
   void Demote(int t, uint64_t target_bytes, const Held& held);
+  // Demote for the RocksDB tier (the last): evicts LRU entries with their removal from RocksDB
+  // synced, up to kEvictBatch keys per write, so a sweep costs one WAL sync, not one per entry.
+  void EvictFromDisk(uint64_t target_bytes, const Held& held);
   // Moves `ek` from tier t to the next tier that takes it, or evicts it. The key's stripe is
   // held. False when the entry is no longer a candidate (gone, moved, pinned).
   bool MoveDown(int t, const std::string& ek, const Held& held);
@@ -305,6 +311,7 @@ absl::Status TieredStoreImpl::Init() {
     return a.meta.created_unix_ms < b.meta.created_unix_ms;
   });
   const int64_t now = NowMs();
+  std::vector<std::string> expired;
   for (auto& f : found) {
     Entry e;
     e.tenant = f.key.tenant.empty() ? "default" : f.key.tenant;
@@ -313,8 +320,7 @@ absl::Status TieredStoreImpl::Init() {
     e.meta.tier = TierKind::kRocksDb;
     e.persisted = true;
     if (Expired(e, now)) {
-      KVCOMP_RETURN_IF_ERROR(rocks_->Delete(f.ek, /*sync=*/false));
-      expired_ += 1;
+      expired.push_back(f.ek);
       continue;
     }
     tenant_bytes_.Add(e.tenant, static_cast<int64_t>(e.meta.stored_bytes));
@@ -328,6 +334,9 @@ absl::Status TieredStoreImpl::Init() {
     s.map[f.ek] = std::move(e);
     recovered_ += 1;
   }
+  // Synced: an expired entry must not come back, even expired, under a newer value of its key.
+  KVCOMP_RETURN_IF_ERROR(rocks_->DeleteMany(expired, /*sync=*/true));
+  expired_ += expired.size();
   return absl::OkStatus();
 }
 
@@ -353,6 +362,10 @@ void TieredStoreImpl::RelieveIfAboveHigh(int t, const Held& held) {
 
 void TieredStoreImpl::Demote(int t, uint64_t target_bytes, const Held& held) {
   WriterLock demoting(&demote_mu_[t]);
+  if (t == kRocks) {
+    EvictFromDisk(target_bytes, held);
+    return;
+  }
   absl::flat_hash_set<std::string> skipped;
   while (tiers_[t]->used_bytes() > target_bytes) {
     // The least recently used unpinned entry of the tier: the oldest head of the shards' LRUs.
@@ -385,6 +398,74 @@ void TieredStoreImpl::Demote(int t, uint64_t target_bytes, const Held& held) {
     if (lock_here) Stripe(stripe).Unlock();
     if (!moved) skipped.insert(victim);
   }
+}
+
+void TieredStoreImpl::EvictFromDisk(uint64_t target_bytes, const Held& held) {
+  absl::flat_hash_set<std::string> skipped;
+  std::vector<int> locked;  // stripes this call holds (try-locked), released at the end
+  std::vector<std::string> victims;
+  uint64_t freeing = 0;
+  // Removes the victims from RocksDB in one synced write, then from the index. On a write error
+  // nothing is evicted (the entries stay whole and visible) and the sweep stops.
+  auto flush = [&]() {
+    if (victims.empty()) return true;
+    absl::Status st = rocks_->DeleteMany(victims, /*sync=*/true);
+    if (!st.ok()) {
+      if (IsDiskError(st)) write_errors_ += 1;
+      victims.clear();
+      return false;
+    }
+    for (const std::string& ek : victims) {
+      Entry removed;
+      if (RemoveFromIndex(ek, &removed)) counters_[kRocks].evictions += 1;
+    }
+    victims.clear();
+    freeing = 0;
+    return true;
+  };
+  bool ok = true;
+  while (ok && tiers_[kRocks]->used_bytes() > target_bytes + freeing) {
+    std::string victim;
+    uint64_t oldest = UINT64_MAX;
+    for (auto& shard : shards_) {
+      ReaderLock lock(&shard->mu);
+      for (const auto& [tick, ek] : shard->lru[kRocks]) {
+        if (skipped.contains(ek)) continue;
+        if (tick < oldest) {
+          oldest = tick;
+          victim = ek;
+        }
+        break;
+      }
+    }
+    if (oldest == UINT64_MAX) break;  // everything left is pinned, busy or already chosen
+    skipped.insert(victim);
+    if (held.Contains(victim)) continue;
+    const int stripe = StripeIndex(victim);
+    const bool have = held.HoldsStripe(stripe) ||
+                      std::find(locked.begin(), locked.end(), stripe) != locked.end();
+    // Try-lock only: a thread holding this stripe may be waiting for this demotion.
+    if (!have) {
+      if (!Stripe(stripe).TryLock()) continue;
+      locked.push_back(stripe);
+    }
+    uint64_t size = 0;
+    {
+      Shard& s = ShardOf(victim);
+      ReaderLock lock(&s.mu);
+      auto it = s.map.find(victim);
+      if (it == s.map.end() || it->second.meta.tier != TierKind::kRocksDb ||
+          it->second.pins > 0) {
+        continue;
+      }
+      size = it->second.meta.stored_bytes;
+    }
+    victims.push_back(victim);
+    freeing += size;
+    if (victims.size() >= kEvictBatch) ok = flush();
+  }
+  if (ok) flush();
+  for (int stripe : locked) Stripe(stripe).Unlock();
 }
 
 bool TieredStoreImpl::MoveDown(int t, const std::string& ek, const Held& held) {
@@ -437,10 +518,11 @@ bool TieredStoreImpl::MoveDown(int t, const std::string& ek, const Held& held) {
     RelieveIfAboveHigh(dest, held);
     return true;
   }
+  // Evicted. A copy in RocksDB goes first, durably, so it cannot come back after a crash.
+  if (e.persisted && !rocks_->Delete(ek, /*sync=*/true).ok()) return false;
   Entry removed;
   if (!RemoveFromIndex(ek, &removed)) return false;
   tiers_[t]->Delete(ek, false).IgnoreError();
-  if (removed.persisted && t != kRocks) rocks_->Delete(ek, false).IgnoreError();
   counters_[t].evictions += 1;
   return true;
 }
@@ -534,6 +616,19 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
     return st;
   };
 
+  // An older value with a copy in RocksDB may be durable there. A new value that will not
+  // replace that copy in one write (memory durability, placed in a memory tier) first removes it
+  // with a synced write, so a crash can never bring the older value back after this put is
+  // acknowledged; a new value written into RocksDB over it is written synced for the same reason.
+  bool old_on_disk = had_old && old.persisted;
+  bool dropped_old_disk = false;
+  if (old_on_disk && options.durability != Durability::kDisk && target != kRocks) {
+    absl::Status st = rocks_->Delete(ek, /*sync=*/true);
+    if (!st.ok()) return fail(Annotate(st, "put: removing the older disk-durable value"));
+    old_on_disk = false;
+    dropped_old_disk = true;
+  }
+
   bool persisted = false;
   int placed = kNoTier;
   if (options.durability == Durability::kDisk) {
@@ -550,7 +645,8 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
       break;
     }
     if (t != target) MakeRoom(t, n, Held().With(&ek));
-    absl::Status st = tiers_[t]->Put(ek, meta, encoded, SyncFor(t, options.durability));
+    absl::Status st = tiers_[t]->Put(ek, meta, encoded,
+                                     SyncFor(t, options.durability) || (t == kRocks && old_on_disk));
     if (st.ok()) {
       placed = t;
       persisted = persisted || t == kRocks;
@@ -561,13 +657,27 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
     if (!absl::IsResourceExhausted(st)) break;
     if (t == kRocks) break;
   }
-  if (placed == kNoTier) return fail(Annotate(last, "put"));
+  if (placed == kNoTier) {
+    if (dropped_old_disk) {
+      // The old value lost its disk copy above: it stays in its memory tier, no longer
+      // persisted, or, if it was only on disk, it is gone.
+      if (old.meta.tier == TierKind::kRocksDb) {
+        Entry removed;
+        RemoveFromIndex(ek, &removed);
+      } else {
+        WriterLock lock(&s.mu);
+        auto it = s.map.find(ek);
+        if (it != s.map.end()) it->second.persisted = false;
+      }
+    }
+    return fail(Annotate(last, "put"));
+  }
 
-  // Drop copies of the old value that the new one did not replace.
+  // Drop the memory copy of the old value that the new one did not replace (its disk copy, if
+  // any, was replaced or removed above).
   if (had_old) {
     const int old_tier = TierIndex(old.meta.tier);
     if (old_tier != placed && old_tier != kRocks) tiers_[old_tier]->Delete(ek, false).IgnoreError();
-    if (old.persisted && !persisted) rocks_->Delete(ek, false).IgnoreError();
   }
   meta.tier = static_cast<TierKind>(placed);
   {
@@ -628,7 +738,12 @@ absl::StatusOr<StoredCache> TieredStoreImpl::Get(const CacheKey& key) {
     }
     const int t = TierIndex(meta.tier);
     auto payload = tiers_[t]->Get(ek);
-    if (absl::IsNotFound(payload.status())) continue;  // moved or replaced meanwhile: look again
+    if (absl::IsNotFound(payload.status())) {
+      // Moved, replaced or being removed meanwhile: wait for whoever holds the key's stripe
+      // (a demotion, eviction or delete, possibly syncing the WAL), then look again.
+      ReaderLock wait(&Stripe(StripeIndex(ek)));
+      continue;
+    }
     if (!payload.ok()) return Annotate(payload.status(), "get");
     if (payload->size() != meta.stored_bytes ||
         (t == kRocks && Crc32c(payload->data(), payload->size()) != meta.crc32c)) {
@@ -871,6 +986,41 @@ StoreStats TieredStoreImpl::Stats() const {
 std::vector<QuarantinedCache> TieredStoreImpl::Quarantined() const {
   ReaderLock lock(&quarantine_mu_);
   return quarantine_;
+}
+
+absl::Status TieredStoreImpl::PurgeQuarantined(absl::string_view encoded_key) {
+  bool found = false;
+  if (rocks_ != nullptr) {
+    auto purged = rocks_->PurgeQuarantine(encoded_key);
+    if (!purged.ok()) return Annotate(purged.status(), "purge quarantined");
+    found = *purged;
+  }
+  {
+    WriterLock lock(&quarantine_mu_);
+    const size_t before = quarantine_.size();
+    quarantine_.erase(std::remove_if(quarantine_.begin(), quarantine_.end(),
+                                     [&](const QuarantinedCache& q) {
+                                       return q.encoded_key == encoded_key;
+                                     }),
+                      quarantine_.end());
+    found = found || quarantine_.size() != before;
+  }
+  if (!found) return absl::NotFoundError("purge quarantined: no such quarantined entry");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> TieredStoreImpl::PurgeAllQuarantined() {
+  absl::flat_hash_set<std::string> keys;
+  if (rocks_ != nullptr) {
+    auto purged = rocks_->PurgeAllQuarantine();
+    if (!purged.ok()) return Annotate(purged.status(), "purge quarantined");
+    keys.insert(purged->begin(), purged->end());
+  }
+  // Entries quarantined from a memory tier were never on disk; each key counts once.
+  WriterLock lock(&quarantine_mu_);
+  for (const QuarantinedCache& q : quarantine_) keys.insert(q.encoded_key);
+  quarantine_.clear();
+  return keys.size();
 }
 
 absl::Status TieredStoreImpl::PutProjection(const ProjectionKey& key, absl::string_view bytes) {

@@ -36,6 +36,33 @@ inline std::string Bytes(uint64_t id) {
   return *format::EncodeCache(kvcomp::testing::RandomCache(o, id));
 }
 
+// --- "stale" mode: overwrites, deletes and evictions of disk-durable caches under power loss ---
+// A small store on `slots` keys, so values are overwritten (with disk or memory durability),
+// deleted, demoted and evicted from RocksDB all the time. Version `v` of a slot holds
+// StaleBytes(v) (a few KiB; every eleventh up to about 60 KiB).
+inline constexpr uint64_t kStaleSlots = 32;
+
+inline StoreOptions StaleOptions(const std::string& path) {
+  StoreOptions o;
+  o.host.capacity_bytes = 48 << 10;
+  o.rocksdb.enabled = true;
+  o.rocksdb.path = path;
+  o.rocksdb.capacity_bytes = 160 << 10;  // about half of what the slots hold: evictions
+  o.rocksdb.write_buffer_bytes = 1 << 20;
+  return o;
+}
+
+inline CacheKey StaleKey(uint64_t slot) {
+  return CacheKey{"s" + std::to_string(slot % 3), "model", "slot-" + std::to_string(slot)};
+}
+
+inline std::string StaleBytes(uint64_t version) {
+  kvcomp::testing::RandomCacheOptions o;
+  o.original_tokens = version % 11 == 0 ? 64 : 4 + version % 12;
+  o.moments = false;
+  return *format::EncodeCache(kvcomp::testing::RandomCache(o, version));
+}
+
 }  // namespace crash
 }  // namespace storage
 }  // namespace kvcomp

@@ -48,6 +48,8 @@ class TieredStore {
   // InvalidArgument (bad key, bytes that fail format::PeekCache when options.validate, bad
   // tier), AlreadyExists (overwrite false), ResourceExhausted (tenant quota exceeded, or no tier
   // has room, or disk full), FailedPrecondition (Durability::kDisk without a RocksDB tier).
+  // Overwriting a cache that has a copy in RocksDB replaces or removes that copy with a synced
+  // write before returning, so no crash can bring the older value back (docs/storage.md).
   virtual absl::Status Put(const CacheKey& key, Payload encoded, const CacheMeta& meta,
                            const PutOptions& options) = 0;
   absl::Status Put(const CacheKey& key, absl::string_view encoded, const CacheMeta& meta,
@@ -87,6 +89,12 @@ class TieredStore {
 
   // Entries moved aside because their checksum failed (at Open or on Get).
   virtual std::vector<QuarantinedCache> Quarantined() const = 0;
+  // Removes the quarantined entry `encoded_key` (QuarantinedCache::encoded_key) for good: its
+  // reason, meta and payload leave RocksDB's quarantine family in one synced write, and
+  // Quarantined() no longer lists it. NotFound if nothing is quarantined under that key.
+  virtual absl::Status PurgeQuarantined(absl::string_view encoded_key) = 0;
+  // Removes every quarantined entry the same way (one synced write); returns how many.
+  virtual absl::StatusOr<uint64_t> PurgeAllQuarantined() = 0;
 
   // --- calibration data (KVSplice projections), kept in RocksDB's "calibration" family ---
   // All return FailedPrecondition when the RocksDB tier is not enabled.
