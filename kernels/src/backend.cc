@@ -97,7 +97,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOption
   return NewCudaBackend(options);
 #else
   (void)options;
-  return absl::UnavailableError("kvcomp was built without CUDA (configure with -DKVCOMP_CUDA=ON)");
+  return absl::FailedPreconditionError(
+      "no CUDA device: kvcomp was built without CUDA (configure with -DKVCOMP_CUDA=ON)");
 #endif
 }
 

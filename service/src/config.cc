@@ -343,6 +343,11 @@ std::vector<ConfigField> BuildFields() {
       "storage.verify_checksums_on_open",
       "Check every RocksDB payload's CRC32C at start. Default true.",
       [](Options & o) -> auto& { return o.storage.verify_checksums_on_open; }));
+  f.push_back(DoubleField(
+      "storage.sweep_interval_seconds", "seconds", 0, 1e9,
+      "How often expired caches are removed and projection versions no stored cache names "
+      "(other than a model's latest) are deleted; 0 = only on Delete and Calibrate. Default 60.",
+      [](Options & o) -> auto& { return o.storage.sweep_interval_seconds; }));
   // --- default_policy ---
   f.push_back(PolicyEnumField(
       "default_policy.scorer",

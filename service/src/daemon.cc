@@ -87,6 +87,9 @@ storage::StoreOptions StoreOptionsOf(const Options& o) {
   return so;
 }
 
+// The {op} label of the errors the data-plane transport answers without the daemon.
+constexpr char kTransportOp[] = "transport";
+
 // Signals once the nonblocking server listens.
 class ServeEvents : public TServerEventHandler {
  public:
@@ -128,8 +131,13 @@ class DaemonImpl : public Daemon {
   }
 
   void Tick() override {
-    if (options_.auth.reload_interval_seconds <= 0) return;
     absl::Time now = absl::Now();
+    const double sweep = options_.storage.sweep_interval_seconds;
+    if (sweep > 0 && now - last_sweep_ >= absl::Seconds(sweep)) {
+      last_sweep_ = now;
+      Sweep();
+    }
+    if (options_.auth.reload_interval_seconds <= 0) return;
     if (now - last_token_check_ < absl::Seconds(options_.auth.reload_interval_seconds)) return;
     last_token_check_ = now;
     auto r = tokens_->MaybeReload();
@@ -151,6 +159,9 @@ class DaemonImpl : public Daemon {
   }
   absl::Status StartThrift();
   void RefreshGauges();
+  // Removes expired caches, then the projection versions no stored cache names (not the latest
+  // of their tenant/model, not held by an open put).
+  void Sweep();
   absl::Status WriteReadyFile() const;
 
   Options options_;
@@ -169,6 +180,7 @@ class DaemonImpl : public Daemon {
   uint16_t control_port_ = 0;
   std::unique_ptr<HttpEndpoint> http_;
   absl::Time last_token_check_ = absl::Now();
+  absl::Time last_sweep_ = absl::Now();
   absl::Time last_totals_ = absl::InfinitePast();
   bool shut_down_ = false;
 };
@@ -222,8 +234,19 @@ absl::Status DaemonImpl::Init(const Options& options) {
   ctx_.policies = policies_.get();
   ctx_.pipeline = pipeline_.get();
   ctx_.metrics = metrics_.get();
-  ctx_.calibrate = [this](const CalibrationRequest& request) {
-    return CalibrateFromStore(store_.get(), projections_.get(), request);
+  ctx_.calibrate = [this](const CalibrationRequest& request) -> absl::StatusOr<CalibrationResult> {
+    KVCOMP_ASSIGN_OR_RETURN(CalibrationResult r,
+                            CalibrateFromStore(store_.get(), projections_.get(), request));
+    // The previous latest version may be named by no stored cache: it goes now.
+    auto model = ProjectionModel(request.tenant, request.model_id);
+    auto collected = model.ok() ? projections_->Collect(*model) : model.status();
+    if (!collected.ok()) {
+      Log(LogLevel::kWarning,
+          "projection cleanup after Calibrate: ", collected.status().ToString());
+    } else {
+      metrics_->AddProjectionsDeleted(*collected);
+    }
+    return r;
   };
   metrics_->SetScrapeHook([this] { RefreshGauges(); });
 
@@ -328,6 +351,20 @@ absl::Status DaemonImpl::StartThrift() {
   return absl::OkStatus();
 }
 
+void DaemonImpl::Sweep() {
+  const uint64_t expired = store_->ExpireNow();
+  auto collected = projections_->Collect();
+  if (!collected.ok()) {
+    Log(LogLevel::kWarning, "sweep: projection cleanup: ", collected.status().ToString());
+    return;
+  }
+  metrics_->AddProjectionsDeleted(*collected);
+  if (expired > 0 || *collected > 0) {
+    Log(LogLevel::kDebug, "sweep: ", expired, " expired cache(s) removed, ", *collected,
+        " unused projection version(s) deleted");
+  }
+}
+
 void DaemonImpl::RefreshGauges() {
   storage::StoreStats st = store_->Stats();
   for (int i = 0; i < storage::kNumTiers; ++i) {
@@ -344,22 +381,35 @@ void DaemonImpl::RefreshGauges() {
   }
   metrics_->SetQueueDepth(static_cast<int64_t>(pipeline_->queue_depth()));
   metrics_->SetPutsInProgress(static_cast<int64_t>(pipeline_->open_puts()));
-  // Totals over the stored caches of every known tenant (listing is O(caches); at most once a
-  // second).
+  // Errors the transport answered itself (malformed frames, checksum mismatches, oversized
+  // blocks, ...) never reach the handlers: op "transport", by code, from its running totals.
+  if (ucx_ != nullptr) {
+    const transport::ServerStats ts = ucx_->stats();
+    for (int code = 1; code < transport::kNumStatusCodes; ++code) {
+      if (ts.rejected_by_code[code] == 0) continue;
+      metrics_->AdvanceErrors(kTransportOp,
+                              ErrorCodeLabel(absl::Status(static_cast<absl::StatusCode>(code), "")),
+                              ts.rejected_by_code[code]);
+    }
+    if (ts.inflight_busy_replies > 0) {
+      metrics_->AdvanceErrors(kTransportOp, "busy", ts.inflight_busy_replies);
+    }
+  }
+  // Totals over the caches of every tenant in the store, token file or not (the store keeps
+  // them per tenant as caches come and go: no scan).
+  uint64_t caches = 0, original = 0, stored = 0;
+  for (const storage::TenantUsage& u : store_->Usage()) {
+    caches += u.caches;
+    original += u.original_bytes;
+    stored += u.stored_bytes;
+  }
+  metrics_->SetStoredTotals(caches, original, stored);
+  // Projections are listed from RocksDB: at most once a second.
   absl::Time now = absl::Now();
   if (now - last_totals_ < absl::Seconds(1)) return;
   last_totals_ = now;
-  uint64_t caches = 0, original = 0, stored = 0;
-  for (const std::string& tenant : tokens_->tenants()) {
-    auto listed = store_->List(tenant);
-    if (!listed.ok()) continue;
-    for (const auto& c : *listed) {
-      ++caches;
-      original += c.info.meta.original_bytes;
-      stored += c.info.meta.stored_bytes;
-    }
-  }
-  metrics_->SetStoredTotals(caches, original, stored);
+  auto projections = projections_->Count();
+  if (projections.ok()) metrics_->SetProjections(*projections);
 }
 
 absl::Status DaemonImpl::WriteReadyFile() const {

@@ -288,7 +288,7 @@ void ControlHandler::Delete(rpc::DeleteResponse& out, const rpc::Auth& auth,
   CacheKey key{tenant, ref.model_id, ref.key};
   absl::Status s = key.Validate();
   if (s.ok()) s = ctx_->store->Delete(key);
-  ctx_->pipeline->ForgetCache(key);
+  if (s.ok()) ctx_->pipeline->Deleted(key);
   if (absl::IsNotFound(s)) s = absl::NotFoundError("cache not found");
   ctx_->metrics->ObserveOp(Op::kDelete, absl::ToDoubleSeconds(absl::Now() - t0));
   if (!s.ok()) ctx_->metrics->CountError("delete", s);

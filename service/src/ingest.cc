@@ -200,8 +200,9 @@ absl::Status IngestPipeline::BeginPut(PutId id, PutSpec spec) {
   }
   if (spec.policy.value_codec != ValueCodec::kRaw) {
     KVCOMP_ASSIGN_OR_RETURN(std::string model, ProjectionModel(spec.key.tenant, spec.key.model_id));
-    KVCOMP_ASSIGN_OR_RETURN(uint64_t version, projections_->Latest(model));
-    KVCOMP_ASSIGN_OR_RETURN(spec.projection, projections_->Get(model, version));
+    // Pinned while the put lives (the spec holds it), so the version is not collected before
+    // the cache naming it is stored.
+    KVCOMP_ASSIGN_OR_RETURN(spec.projection, projections_->AcquireLatest(model));
   }
   auto put = std::make_shared<PutState>();
   put->id = id;
@@ -698,12 +699,30 @@ void IngestPipeline::Lookup(const CacheKey& key, transport::LookupDone done) {
   }
 }
 
+void IngestPipeline::Deleted(const CacheKey& key) {
+  ForgetInfo(key);
+  // The cache may have been the last to name an older projection version of its model.
+  auto model = ProjectionModel(key.tenant, key.model_id);
+  if (!model.ok()) return;
+  auto collected = projections_->Collect(*model);
+  if (!collected.ok()) {
+    Log(LogLevel::kWarning, "projection cleanup of ", *model, ": ", collected.status().ToString());
+  } else if (*collected > 0) {
+    metrics_->AddProjectionsDeleted(*collected);
+    Log(LogLevel::kDebug, "deleted ", *collected, " unused projection version(s) of ", *model);
+  }
+}
+
 void IngestPipeline::Delete(const CacheKey& key, transport::Done done) {
   auto shared_done = std::make_shared<transport::Done>(std::move(done));
   bool queued = serve_pool_->TrySubmit([this, key, shared_done] {
     absl::Time t0 = absl::Now();
     absl::Status s = NotFoundAsMissing(store_->Delete(key));
-    ForgetInfo(key);
+    if (s.ok()) {
+      Deleted(key);
+    } else {
+      ForgetInfo(key);
+    }
     metrics_->ObserveOp(Op::kDelete, Seconds(absl::Now() - t0));
     if (!s.ok()) metrics_->CountError("delete", s);
     (*shared_done)(s);

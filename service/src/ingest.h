@@ -103,8 +103,10 @@ class IngestPipeline {
     format::CacheInfo info;
   };
   absl::StatusOr<Description> Describe(const CacheKey& key);
-  // Drops what Describe remembers of `key` (after a delete elsewhere).
-  void ForgetCache(const CacheKey& key) { ForgetInfo(key); }
+  // After `key` was deleted (here or elsewhere): drops what Describe remembers of it and deletes
+  // the projection versions of its tenant/model that no stored cache names any more (except the
+  // latest). Blocking (store I/O).
+  void Deleted(const CacheKey& key);
 
   // Stops taking new puts (Unavailable); everything open continues.
   void Drain() { draining_.store(true); }

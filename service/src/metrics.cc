@@ -89,6 +89,8 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Counter>* errors;
   prometheus::Family<prometheus::Counter>* auth_failures;
   prometheus::Counter* gpu_seconds;
+  prometheus::Gauge* projections;
+  prometheus::Counter* projections_deleted;
   prometheus::Gauge* ready;
   prometheus::Family<prometheus::Gauge>* tier_stored;
   prometheus::Family<prometheus::Gauge>* tier_capacity;
@@ -156,6 +158,10 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
   m.auth_failures->Add({{mn::kLabelPlane, "control"}});
   m.gpu_seconds = counter(mn::kGpuSecondsTotal, "Seconds of GPU work (compression, decoding).");
   m.ready = gauge(mn::kReady, "1 when the daemon takes new work, else 0.");
+  m.projections = gauge(mn::kProjections, "KVSplice projection versions stored.");
+  m.projections_deleted =
+      counter(mn::kProjectionsDeletedTotal,
+              "Projection versions deleted: no stored cache named them and a newer one existed.");
   auto tier_gauge = [&r](const char* name, const char* help) {
     return &prometheus::BuildGauge().Name(name).Help(help).Register(r);
   };
@@ -207,6 +213,13 @@ void Metrics::CountError(absl::string_view op, const absl::Status& status) {
       .Increment();
 }
 
+void Metrics::AdvanceErrors(absl::string_view op, const std::string& code, uint64_t total) {
+  prometheus::Counter& c = impl_->errors->Add(
+      {{metric_names::kLabelOp, std::string(op)}, {metric_names::kLabelCode, code}});
+  const double now = c.Value();
+  if (static_cast<double>(total) > now) c.Increment(static_cast<double>(total) - now);
+}
+
 void Metrics::CountAuthFailure(absl::string_view plane) {
   impl_->auth_failures->Add({{metric_names::kLabelPlane, std::string(plane)}}).Increment();
 }
@@ -235,6 +248,14 @@ void Metrics::SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t
   impl_->original->Set(static_cast<double>(original_bytes));
   impl_->saved->Set(
       original_bytes > stored_bytes ? static_cast<double>(original_bytes - stored_bytes) : 0.0);
+}
+
+void Metrics::SetProjections(uint64_t versions) {
+  impl_->projections->Set(static_cast<double>(versions));
+}
+
+void Metrics::AddProjectionsDeleted(uint64_t versions) {
+  impl_->projections_deleted->Increment(static_cast<double>(versions));
 }
 
 void Metrics::SetScrapeHook(std::function<void()> hook) {

@@ -40,6 +40,9 @@ struct Pending {
   uint64_t payload_bytes = 0;
   absl::Time deadline;
   absl::Duration backoff;
+  // Set once the server answered busy: a request timing out while retrying fails with this
+  // BusyError (the header's promise), not DeadlineExceeded.
+  absl::Status busy;
   bool sending = false;
   absl::Time resend_at = absl::InfinitePast();
   bool resend_due = false;
@@ -351,15 +354,17 @@ void ClientImpl::MaybeComplete(uint64_t request_id) {
                               ? absl::Microseconds(std::max<uint32_t>(busy.retry_after_us, 50))
                               : std::min(p.backoff * 2, options_.max_busy_backoff);
     p.backoff = wait;
+    if (s.ok()) {
+      p.busy = BusyError(
+          absl::StrFormat("server busy (%u of %u bytes in flight) until the request timeout",
+                          busy.inflight_bytes, busy.limit_bytes));
+    }
     if (s.ok() && now + wait < p.deadline) {
       p.resend_at = now + wait;
       p.resend_due = true;
       return;
     }
-    Fail(request_id, s.ok() ? BusyError(absl::StrFormat(
-                                  "server busy (%u of %u bytes in flight) until the deadline",
-                                  busy.inflight_bytes, busy.limit_bytes))
-                            : s);
+    Fail(request_id, s.ok() ? p.busy : s);
     return;
   }
   std::unique_ptr<Pending> done = std::move(it->second);
@@ -383,8 +388,13 @@ void ClientImpl::Tick() {
     if (it != pending_.end() && broken_.ok()) StartSend(it->second.get());
   }
   for (uint64_t id : expired) {
-    Fail(id, absl::DeadlineExceededError(
-                 absl::StrCat("request ", id, ": no reply within the request timeout")));
+    auto it = pending_.find(id);
+    if (it == pending_.end()) continue;
+    // Still retrying busy replies when time ran out: busy it stays.
+    absl::Status busy = it->second->busy;
+    Fail(id, !busy.ok() ? busy
+                        : absl::DeadlineExceededError(absl::StrCat(
+                              "request ", id, ": no reply within the request timeout")));
   }
 }
 

@@ -46,7 +46,9 @@ struct Counters {
   std::atomic<uint64_t> connections_accepted{0}, connections_rejected{0}, connections_open{0},
       hello_rejected{0}, messages_received{0}, malformed_messages{0}, bytes_received{0},
       bytes_sent{0}, busy_replies{0}, checksum_failures{0}, puts_begun{0}, puts_committed{0},
-      puts_aborted{0}, puts_timed_out{0}, connections_timed_out{0}, inflight_bytes{0};
+      puts_aborted{0}, puts_timed_out{0}, connections_timed_out{0}, inflight_bytes{0},
+      inflight_busy_replies{0};
+  std::atomic<uint64_t> rejected[kNumStatusCodes] = {};  // by absl::StatusCode
 };
 
 class ServerImpl;
@@ -110,12 +112,22 @@ class ServerImpl : public UcxServer {
 
   void SendFrame(Connection& conn, std::string frame, Buffer payload = Buffer());
   void SendStatus(Connection& conn, uint64_t request_id, const absl::Status& status);
+  // Counts an error the server answers itself (ServerStats::rejected_by_code).
+  void CountRejected(const absl::Status& status) {
+    const int code = static_cast<int>(status.code());
+    if (code > 0 && code < kNumStatusCodes) counters_.rejected[code]++;
+  }
+  // Answers `status` (an error of the server's own, not the handler's) and counts it.
+  void Reject(Connection& conn, uint64_t request_id, const absl::Status& status) {
+    CountRejected(status);
+    SendStatus(conn, request_id, status);
+  }
   // Decodes `f`'s body into `msg`; a malformed body is counted and answered with its status.
   template <typename M>
   bool DecodeOrReject(Connection& conn, const wire::Frame& f, M* msg) {
     if (absl::Status s = wire::Decode(f, msg); !s.ok()) {
       counters_.malformed_messages++;
-      SendStatus(conn, f.header.request_id, s);
+      Reject(conn, f.header.request_id, s);
       return false;
     }
     return true;
@@ -270,6 +282,8 @@ ServerStats ServerImpl::stats() const {
   s.puts_timed_out = c.puts_timed_out;
   s.connections_timed_out = c.connections_timed_out;
   s.inflight_bytes = c.inflight_bytes;
+  s.inflight_busy_replies = c.inflight_busy_replies;
+  for (int i = 0; i < kNumStatusCodes; ++i) s.rejected_by_code[i] = c.rejected[i];
   return s;
 }
 
@@ -462,7 +476,7 @@ void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::st
   if (!f.ok()) {
     counters_.malformed_messages++;
     if (rndv) DropRendezvous(loop_->worker(), data);
-    SendStatus(*conn, wire::PeekRequestId(header), f.status());
+    Reject(*conn, wire::PeekRequestId(header), f.status());
     return;
   }
   const wire::MessageType type = f->header.type;
@@ -473,9 +487,9 @@ void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::st
   if (rndv) DropRendezvous(loop_->worker(), data);
   if (length > 0) {
     counters_.malformed_messages++;
-    SendStatus(*conn, f->header.request_id,
-               absl::InvalidArgumentError(absl::StrCat(
-                   "protocol: ", wire::MessageTypeName(type), " carries no payload")));
+    Reject(*conn, f->header.request_id,
+           absl::InvalidArgumentError(
+               absl::StrCat("protocol: ", wire::MessageTypeName(type), " carries no payload")));
     return;
   }
   if (type == wire::MessageType::kHello) {
@@ -483,8 +497,8 @@ void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::st
     return;
   }
   if (!conn->authenticated) {
-    SendStatus(*conn, f->header.request_id,
-               absl::UnauthenticatedError("hello with valid credentials required first"));
+    Reject(*conn, f->header.request_id,
+           absl::UnauthenticatedError("hello with valid credentials required first"));
     return;
   }
   switch (type) {
@@ -509,15 +523,18 @@ void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::st
     case wire::MessageType::kPing: {
       wire::Ping ping;
       absl::Status s = wire::Decode(*f, &ping);
-      if (!s.ok()) counters_.malformed_messages++;
+      if (!s.ok()) {
+        counters_.malformed_messages++;
+        CountRejected(s);
+      }
       SendStatus(*conn, f->header.request_id, s);
       break;
     }
     default:
       counters_.malformed_messages++;
-      SendStatus(*conn, f->header.request_id,
-                 absl::InvalidArgumentError(absl::StrCat("protocol: a client may not send ",
-                                                         wire::MessageTypeName(type))));
+      Reject(*conn, f->header.request_id,
+             absl::InvalidArgumentError(
+                 absl::StrCat("protocol: a client may not send ", wire::MessageTypeName(type))));
       break;
   }
 }
@@ -526,8 +543,8 @@ void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
   wire::Hello hello;
   if (!DecodeOrReject(conn, f, &hello)) return;
   if (conn.authenticated) {
-    SendStatus(conn, f.header.request_id,
-               absl::FailedPreconditionError("hello: connection already authenticated"));
+    Reject(conn, f.header.request_id,
+           absl::FailedPreconditionError("hello: connection already authenticated"));
     return;
   }
   absl::StatusOr<std::string> tenant = handler_->OnHello(conn.session, hello);
@@ -550,14 +567,13 @@ void ServerImpl::HandlePutBegin(const std::shared_ptr<Connection>& conn, const w
   auto put = std::make_shared<PutState>();
   if (!DecodeOrReject(*conn, f, &put->begin)) return;
   if (draining_.load()) {
-    SendStatus(*conn, f.header.request_id,
-               absl::UnavailableError("server draining: no new puts"));
+    Reject(*conn, f.header.request_id, absl::UnavailableError("server draining: no new puts"));
     return;
   }
   const uint64_t id = put->begin.put_id;
   if (conn->puts.contains(id)) {
-    SendStatus(*conn, f.header.request_id,
-               absl::AlreadyExistsError(absl::StrCat("put ", id, " is already open")));
+    Reject(*conn, f.header.request_id,
+           absl::AlreadyExistsError(absl::StrCat("put ", id, " is already open")));
     return;
   }
   put->last_activity = absl::Now();
@@ -601,13 +617,14 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   }
   if (!s.ok()) {
     if (rndv) DropRendezvous(loop_->worker(), data);
-    SendStatus(*conn, f.header.request_id, s);
+    Reject(*conn, f.header.request_id, s);
     return;
   }
   put->last_activity = absl::Now();
   const uint64_t bytes = block.payload_bytes();
   if (conn->inflight_bytes + bytes > options_.max_inflight_bytes) {
     if (rndv) DropRendezvous(loop_->worker(), data);
+    counters_.inflight_busy_replies++;
     SendBusy(*conn, f.header.request_id);
     return;
   }
@@ -622,7 +639,7 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   }
   if (!buf.ok()) {
     if (rndv) DropRendezvous(loop_->worker(), data);
-    SendStatus(*conn, f.header.request_id, buf.status());
+    Reject(*conn, f.header.request_id, buf.status());
     return;
   }
   conn->inflight_bytes += bytes;
@@ -681,6 +698,7 @@ void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
     s = absl::NotFoundError(absl::StrCat("put ", ctx->block.put_id, " ended during the block"));
   }
   if (!s.ok()) {
+    CountRejected(s);
     BlockDone(ctx->conn, ctx->put, ctx->request_id, bytes, s);
     return;
   }
@@ -717,24 +735,24 @@ void ServerImpl::HandleCommit(const std::shared_ptr<Connection>& conn, const wir
   if (!DecodeOrReject(*conn, f, &commit)) return;
   auto it = conn->puts.find(commit.put_id);
   if (it == conn->puts.end()) {
-    SendStatus(*conn, f.header.request_id,
-               absl::NotFoundError(absl::StrCat("commit of put ", commit.put_id,
-                                                ", which is not open")));
+    Reject(
+        *conn, f.header.request_id,
+        absl::NotFoundError(absl::StrCat("commit of put ", commit.put_id, ", which is not open")));
     return;
   }
   std::shared_ptr<PutState> put = it->second;
   if (put->committing) {
-    SendStatus(*conn, f.header.request_id,
-               absl::FailedPreconditionError(absl::StrCat("put ", commit.put_id,
-                                                          " is already committing")));
+    Reject(*conn, f.header.request_id,
+           absl::FailedPreconditionError(
+               absl::StrCat("put ", commit.put_id, " is already committing")));
     return;
   }
   if (put->blocks_pending > 0 || put->blocks_acked != commit.num_blocks) {
-    SendStatus(*conn, f.header.request_id,
-               absl::FailedPreconditionError(absl::StrFormat(
-                   "commit of put %u after %u blocks, but the server acknowledged %u and has %u "
-                   "in flight",
-                   commit.put_id, commit.num_blocks, put->blocks_acked, put->blocks_pending)));
+    Reject(*conn, f.header.request_id,
+           absl::FailedPreconditionError(absl::StrFormat(
+               "commit of put %u after %u blocks, but the server acknowledged %u and has %u "
+               "in flight",
+               commit.put_id, commit.num_blocks, put->blocks_acked, put->blocks_pending)));
     return;
   }
   put->committing = true;
@@ -781,15 +799,13 @@ void ServerImpl::HandleAbort(const std::shared_ptr<Connection>& conn, const wire
   if (!DecodeOrReject(*conn, f, &abort)) return;
   auto it = conn->puts.find(abort.put_id);
   if (it == conn->puts.end()) {
-    SendStatus(*conn, f.header.request_id,
-               absl::NotFoundError(absl::StrCat("abort of put ", abort.put_id,
-                                                ", which is not open")));
+    Reject(*conn, f.header.request_id,
+           absl::NotFoundError(absl::StrCat("abort of put ", abort.put_id, ", which is not open")));
     return;
   }
   if (it->second->committing) {
-    SendStatus(*conn, f.header.request_id,
-               absl::FailedPreconditionError(absl::StrCat("put ", abort.put_id,
-                                                          " is committing")));
+    Reject(*conn, f.header.request_id,
+           absl::FailedPreconditionError(absl::StrCat("put ", abort.put_id, " is committing")));
     return;
   }
   AbortPut(*conn, abort.put_id, absl::CancelledError("put aborted by the client"));
@@ -817,9 +833,9 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
         return;
       }
       if (r->bytes.memory_type() == MemoryType::kCuda && !loop_->cuda_memory()) {
-        SendStatus(*conn, rid,
-                   absl::InternalError("get: the cache is in CUDA memory, but this UCX build "
-                                       "is not CUDA-aware"));
+        Reject(*conn, rid,
+               absl::InternalError("get: the cache is in CUDA memory, but this UCX build "
+                                   "is not CUDA-aware"));
         return;
       }
       wire::GetReply reply;

@@ -80,9 +80,8 @@ class CudaBackend final : public Backend {
     const cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess || count == 0) {
       cudaGetLastError();
-      return absl::UnavailableError(
-          absl::StrCat("no CUDA device: ", err == cudaSuccess ? "none visible"
-                                                               : cudaGetErrorString(err)));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no CUDA device: ", err == cudaSuccess ? "none visible" : cudaGetErrorString(err)));
     }
     if (options.device < 0 || options.device >= count) {
       return absl::InvalidArgumentError(

@@ -63,7 +63,8 @@ struct CudaBackendOptions {
   // Device allocator; nullptr = the backend's own (cudaMallocAsync on its stream). Not owned.
   Allocator* allocator = nullptr;
 };
-// Unavailable when kvcomp was built without CUDA or no device is present.
+// FailedPrecondition ("no CUDA device: ...") when kvcomp was built without CUDA or no device is
+// present (a missing GPU is a property of the machine, not a transient failure).
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options = {});
 // True when MakeCudaBackend can succeed (built with CUDA and a device is visible).
 bool CudaAvailable();

@@ -49,11 +49,20 @@ inline constexpr char kQueueDepth[] = "kvcomp_queue_depth";
 // Gauge: puts begun and not yet committed or aborted (receiving blocks).
 inline constexpr char kPutsInProgress[] = "kvcomp_puts_in_progress";
 // Counter, labels {op, code}: requests that failed, code = the status code in snake case
-// (invalid_argument, not_found, unavailable, busy, data_loss, unauthenticated, ...).
+// (invalid_argument, not_found, unavailable, busy, data_loss, unauthenticated, ...);
+// {op} = put | get | lookup | delete | transport, where transport counts the errors the UCX
+// transport answered itself before any handler (malformed frames and bodies, checksum
+// mismatches, blocks of wrong or oversized sizes or for puts not open, requests before hello,
+// busy for the per-connection in-flight bound).
 inline constexpr char kErrorsTotal[] = "kvcomp_errors_total";
 // Counter, label {plane} = data | control: requests refused for a missing or wrong token or a
 // tenant mismatch.
 inline constexpr char kAuthFailuresTotal[] = "kvcomp_auth_failures_total";
+// Gauge: KVSplice projection versions stored (every tenant and model).
+inline constexpr char kProjections[] = "kvcomp_projections";
+// Counter: projection versions deleted because no stored cache named them any more and a newer
+// calibration of their tenant/model exists.
+inline constexpr char kProjectionsDeletedTotal[] = "kvcomp_projections_deleted_total";
 // Counter: seconds of GPU work spent compressing and decoding (0 without a GPU).
 inline constexpr char kGpuSecondsTotal[] = "kvcomp_gpu_seconds_total";
 

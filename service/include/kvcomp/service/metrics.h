@@ -56,6 +56,9 @@ class Metrics {
   void ObserveOp(Op op, double seconds);
   void ObserveStage(Stage stage, double seconds);
   void CountError(absl::string_view op, const absl::Status& status);
+  // Raises kvcomp_errors_total{op, code} to `total` when it is lower (for running totals kept
+  // elsewhere, e.g. the transport's own error counts; `code` as ErrorCodeLabel gives it).
+  void AdvanceErrors(absl::string_view op, const std::string& code, uint64_t total);
   void CountAuthFailure(absl::string_view plane);  // "data" or "control"
   void AddGpuSeconds(double seconds);
   void SetQueueDepth(int64_t depth);
@@ -65,6 +68,9 @@ class Metrics {
   // Totals over the caches stored now (gauges kvcomp_caches_stored, kvcomp_original_bytes,
   // kvcomp_saved_bytes).
   void SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes);
+  // kvcomp_projections and kvcomp_projections_deleted_total.
+  void SetProjections(uint64_t versions);
+  void AddProjectionsDeleted(uint64_t versions);
 
   // Runs `hook` (if set) and serialises the registry in the text format.
   std::string Scrape();

@@ -98,6 +98,10 @@ struct StorageOptions {
   double ttl_seconds = 0;           // caches expire this long after their put; 0 = never
   uint64_t tenant_quota_bytes = 0;  // stored bytes per tenant; 0 = unlimited
   bool verify_checksums_on_open = true;  // check every RocksDB payload's CRC at start. true
+  // How often expired caches are removed and projection versions that no stored cache names
+  // (and that are not their model's latest) are deleted, seconds; 0 = never periodically (a
+  // Delete or Calibrate still cleans up its own tenant/model at once). Default 60.
+  double sweep_interval_seconds = 60;
 };
 
 // Process lifecycle and logging.

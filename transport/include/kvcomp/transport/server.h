@@ -144,6 +144,9 @@ class RequestHandler {
   virtual void OnDisconnect(const Session& session) {}
 };
 
+// absl::StatusCode values are 0..16.
+inline constexpr int kNumStatusCodes = 17;
+
 // Counters of the server, monotonic (except the gauges marked so). Thread-safe snapshot.
 struct ServerStats {
   uint64_t connections_accepted = 0;
@@ -162,6 +165,14 @@ struct ServerStats {
   uint64_t puts_timed_out = 0;
   uint64_t connections_timed_out = 0;
   uint64_t inflight_bytes = 0;        // gauge, all connections
+  // Errors the server answered itself, without the handler, by absl::StatusCode value:
+  // malformed frames and bodies, checksum mismatches, blocks of wrong or oversized sizes or for
+  // puts that are not open, requests before hello, commits and aborts of unknown puts, new puts
+  // while draining. Statuses the handler returned are not counted here.
+  uint64_t rejected_by_code[kNumStatusCodes] = {};
+  // Busy replies for the per-connection in-flight bound (the server's own back-pressure; also
+  // counted in busy_replies, which includes busy statuses from the handler).
+  uint64_t inflight_busy_replies = 0;
 };
 
 class UcxServer {

@@ -1,0 +1,409 @@
+// kvcompd's housekeeping, end to end on a real daemon (UCX over TCP, Thrift, /metrics): errors
+// the transport answers itself in kvcomp_errors_total, busy replies until the request timeout
+// surface as BusyError, projection versions deleted once no stored cache names them (and never
+// while one does), the stored-cache gauges over every tenant in the store, and the quarantine
+// on the control plane.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/dtype.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/transport/client.h"
+#include "kvcompd_process.h"
+
+namespace kvcomp {
+namespace testing {
+namespace {
+
+namespace wire = transport::wire;
+using transport::UcxClient;
+
+const KvLayout kLayout{2, 2, 4, 64, DType::kF16};
+constexpr uint64_t kTokens = 128;
+
+wire::PutBegin Begin(const std::string& model, const std::string& key,
+                     const KvLayout& layout = kLayout, uint64_t tokens = kTokens) {
+  wire::PutBegin begin;
+  begin.layout = layout;
+  begin.num_tokens = tokens;
+  begin.model_id = model;
+  begin.key = key;
+  return begin;
+}
+
+wire::Block LayerBlock(uint64_t put_id, uint32_t layer, const KvLayout& layout = kLayout,
+                       uint64_t tokens = kTokens) {
+  wire::Block b;
+  b.put_id = put_id;
+  b.layer_begin = layer;
+  b.layer_end = layer + 1;
+  b.token_end = tokens;
+  b.parts = wire::kPartBoth;
+  b.key_bytes = b.value_bytes = layout.LayerBytes(tokens);
+  return b;
+}
+
+// Puts one cache, one block per layer. Values are rank 8 plus a little noise (the same 8
+// directions for every cache, scaled by `scale`), so a calibrated projection reconstructs them
+// closely; keys are random.
+absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& model,
+                                              const std::string& key, uint64_t seed,
+                                              float scale = 1.0f) {
+  KVCOMP_ASSIGN_OR_RETURN(uint64_t id, c.PutBegin(Begin(model, key)));
+  const uint32_t D = kLayout.head_dim;
+  std::mt19937_64 basis_rng(42), rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> basis(8 * D);
+  for (auto& x : basis) x = n(basis_rng);
+  const size_t count = uint64_t{kLayout.num_kv_heads} * kTokens * D;
+  std::vector<uint16_t> k(count), v(count);
+  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+    for (size_t row = 0; row < count / D; ++row) {
+      float coef[8];
+      for (float& cf : coef) cf = n(rng);
+      for (uint32_t j = 0; j < D; ++j) {
+        float x = 0.01f * n(rng);
+        for (int r = 0; r < 8; ++r) x += coef[r] * basis[r * D + j];
+        v[row * D + j] = FloatToHalf(scale * x);
+        k[row * D + j] = FloatToHalf(n(rng));
+      }
+    }
+    KVCOMP_RETURN_IF_ERROR(c.SendBlock(LayerBlock(id, l), k.data(), v.data()));
+  }
+  return c.PutCommit(id, kLayout.num_layers);
+}
+
+class HousekeepingTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<KvcompdProcess> StartDaemon(std::vector<std::string> flags = {}) {
+    flags.push_back("--data_plane.max_block_bytes=1Mi");
+    auto d = std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir_.path() + "/data", flags);
+    EXPECT_TRUE(d->Start()) << d->Log();
+    return d;
+  }
+  std::unique_ptr<UcxClient> Connect(const KvcompdProcess& d, const std::string& tenant = "",
+                                     const std::string& token = "",
+                                     absl::Duration timeout = absl::Seconds(30)) {
+    transport::ClientOptions o;
+    o.ucx.overrides["TLS"] = "tcp";
+    o.request_timeout = timeout;
+    auto c = UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant, token, o);
+    if (!c.ok()) {
+      ADD_FAILURE() << "connect: " << c.status();
+      return nullptr;
+    }
+    return std::move(*c);
+  }
+  static std::string Metrics(const KvcompdProcess& d) {
+    HttpResponse r = HttpGet(d.ports().metrics, "/metrics");
+    EXPECT_EQ(r.code, 200);
+    return r.body;
+  }
+  // Scrapes until `series` reads `value` (gauges refreshed at most once a second), at most 5 s.
+  static std::string MetricsWhen(const KvcompdProcess& d, const std::string& series, double value) {
+    std::string m;
+    for (int i = 0; i < 50; ++i) {
+      m = Metrics(d);
+      if (MetricValue(m, series) == value) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return m;
+  }
+  void WriteTokens(const std::string& text) {
+    std::ofstream f(tokens_path(), std::ios::trunc);
+    f << text;
+  }
+  std::string tokens_path() const { return dir_.path() + "/tokens.yaml"; }
+
+  TempDir dir_;
+};
+
+TEST_F(HousekeepingTest, ErrorsTheTransportAnswersItselfAreCountedByCode) {
+  auto d = StartDaemon();
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  // A frame that is not one (bad magic): INVALID_ARGUMENT.
+  auto r = c->SendRawForTesting(0, std::string(40, 'x'), "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), absl::StatusCode::kInvalidArgument) << r->status;
+  // A well-formed lookup whose last body byte was altered: the frame CRC fails, DATA_LOSS.
+  wire::Lookup lookup;
+  lookup.model_id = "m";
+  lookup.key = "k";
+  std::string frame = wire::Encode(31, lookup);
+  frame.back() ^= 0x40;
+  r = c->SendRawForTesting(31, frame, "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), absl::StatusCode::kDataLoss) << r->status;
+  // A block whose value checksum does not match its bytes: DATA_LOSS.
+  auto id = c->PutBegin(Begin("m", "crc"));
+  ASSERT_TRUE(id.ok()) << id.status();
+  wire::Block b = LayerBlock(*id, 0);
+  std::string payload(b.payload_bytes(), '\x01');
+  b.key_crc = Crc32c(payload.data(), b.key_bytes);
+  b.value_crc = Crc32c(payload.data() + b.key_bytes, b.value_bytes) ^ 1;
+  r = c->SendRawForTesting(32, wire::Encode(32, b), payload);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status.code(), absl::StatusCode::kDataLoss) << r->status;
+  // A block over data_plane.max_block_bytes (1 MiB here): INVALID_ARGUMENT.
+  const KvLayout big{1, 8, 8, 128, DType::kF32};
+  auto hid = c->PutBegin(Begin("m", "big", big, 1024));
+  ASSERT_TRUE(hid.ok()) << hid.status();
+  wire::Block hb = LayerBlock(*hid, 0, big, 1024);
+  std::vector<uint8_t> zeros(hb.key_bytes, 0);
+  EXPECT_EQ(c->SendBlock(hb, zeros.data(), zeros.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  // A block of a put that was never begun: NOT_FOUND.
+  std::vector<uint8_t> small(b.key_bytes, 0);
+  EXPECT_EQ(c->SendBlock(LayerBlock(987654, 0), small.data(), small.data()).code(),
+            absl::StatusCode::kNotFound);
+  // The daemon itself answered none of these; the transport did, and /metrics has them all.
+  std::string m = Metrics(*d);
+  EXPECT_EQ(MetricValue(m, "kvcomp_errors_total{code=\"invalid_argument\",op=\"transport\"}"), 2)
+      << m;
+  EXPECT_EQ(MetricValue(m, "kvcomp_errors_total{code=\"data_loss\",op=\"transport\"}"), 2);
+  EXPECT_EQ(MetricValue(m, "kvcomp_errors_total{code=\"not_found\",op=\"transport\"}"), 1);
+  // Counters only grow: a second scrape reads the same, and one more bad frame adds one.
+  r = c->SendRawForTesting(0, std::string(40, 'y'), "");
+  ASSERT_TRUE(r.ok());
+  m = Metrics(*d);
+  EXPECT_EQ(MetricValue(m, "kvcomp_errors_total{code=\"invalid_argument\",op=\"transport\"}"), 3);
+  EXPECT_EQ(MetricValue(m, "kvcomp_errors_total{code=\"data_loss\",op=\"transport\"}"), 2);
+  // And the daemon serves on.
+  EXPECT_TRUE(PutLowRank(*c, "m", "after", 1).ok());
+}
+
+TEST_F(HousekeepingTest, BusyUntilTheRequestTimeoutIsBusyErrorNotDeadlineExceeded) {
+  // One open put at most: a second put-begin is answered busy for as long as the first stays
+  // open. The client retries busy replies until its request timeout and must then say Busy (its
+  // header's promise), never DEADLINE_EXCEEDED, however the retries fall against the deadline.
+  auto d = StartDaemon({"--data_plane.max_open_puts=1"});
+  auto holder = Connect(*d);
+  ASSERT_NE(holder, nullptr);
+  ASSERT_TRUE(holder->PutBegin(Begin("m", "held")).ok());
+  // Request timeouts of 200 to 453 ms: the retries fall at every phase against the deadline
+  // (before the fix about one timeout in 16 came back DEADLINE_EXCEEDED).
+  for (int i = 0; i < 24; ++i) {
+    const absl::Duration timeout = absl::Milliseconds(200 + 11 * i);
+    auto c = Connect(*d, "", "", timeout);
+    ASSERT_NE(c, nullptr);
+    const absl::Time t0 = absl::Now();
+    auto r = c->PutBegin(Begin("m", "waits-" + std::to_string(i)));
+    EXPECT_TRUE(IsBusy(r.status())) << "timeout " << timeout << ": " << r.status();
+    EXPECT_GE(absl::Now() - t0, timeout * 0.5) << "gave up long before the timeout";
+    EXPECT_TRUE(c->Ping().ok());
+  }
+}
+
+// Decoded get of model/key: OK with raw codecs, or the status.
+absl::Status DecodesToRaw(UcxClient& c, const std::string& model, const std::string& key) {
+  KVCOMP_ASSIGN_OR_RETURN(auto got, c.Get(model, key, wire::Representation::kDecoded));
+  KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(got.bytes.view()));
+  if (cache.value_codec != ValueCodec::kRaw || cache.key_codec != KeyCodec::kRaw) {
+    return absl::InternalError("decoded get returned encoded values");
+  }
+  return absl::OkStatus();
+}
+
+// Stored form of model/key: its value codec and projection version.
+absl::StatusOr<std::pair<ValueCodec, uint64_t>> StoredCodec(UcxClient& c, const std::string& model,
+                                                            const std::string& key) {
+  KVCOMP_ASSIGN_OR_RETURN(auto got, c.Get(model, key));
+  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(got.bytes.view()));
+  KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(got.bytes.view()));
+  return std::make_pair(info.value_codec, cache.projection_version);
+}
+
+TEST_F(HousekeepingTest, ProjectionVersionsLiveExactlyAsLongAsACacheNamesThem) {
+  auto d = StartDaemon({"--storage.sweep_interval_seconds=0.3"});
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  ControlClient rpc(d->ports().control);
+  const rpc::Auth auth = MakeAuth("", "");
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(PutLowRank(*c, "splice", "raw" + std::to_string(i), 10 + i).ok());
+  }
+  auto calibrate = [&](int rank) {
+    rpc::CalibrateRequest cal;
+    cal.model_id = "splice";
+    cal.rank = rank;
+    rpc::CalibrateResponse r;
+    rpc->Calibrate(r, auth, cal);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::OK) << r.status.message;
+    return static_cast<uint64_t>(r.projection_version);
+  };
+  auto encode_with = [&](int rank) {
+    rpc::PolicyResponse pol;
+    rpc->GetPolicy(pol, auth, "splice");
+    rpc::Policy p = pol.policy;
+    p.value_codec = "orthogonal_int8";
+    p.rank = rank;
+    rpc->SetPolicy(pol, auth, "splice", p);
+    ASSERT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
+  };
+  const std::string kCount = "kvcomp_projections";
+  const std::string kDeleted = "kvcomp_projections_deleted_total";
+
+  // v1, and a cache encoded with it.
+  const uint64_t v1 = calibrate(16);
+  encode_with(16);
+  ASSERT_TRUE(PutLowRank(*c, "splice", "e1", 21).ok());
+  auto e1 = StoredCodec(*c, "splice", "e1");
+  ASSERT_TRUE(e1.ok()) << e1.status();
+  EXPECT_EQ(e1->first, ValueCodec::kOrthogonalInt8);
+  EXPECT_EQ(e1->second, v1);
+  // v2 becomes the latest; v1 is no longer latest but e1 names it: kept, through sweeps too.
+  const uint64_t v2 = calibrate(24);
+  ASSERT_NE(v2, v1);
+  std::string m = MetricsWhen(*d, kCount, 2);
+  EXPECT_EQ(MetricValue(m, kCount), 2) << m;
+  absl::SleepFor(absl::Seconds(1));  // three sweeps
+  m = MetricsWhen(*d, kCount, 2);
+  EXPECT_EQ(MetricValue(m, kCount), 2);
+  EXPECT_EQ(MetricValue(m, kDeleted), 0);
+  EXPECT_TRUE(DecodesToRaw(*c, "splice", "e1").ok()) << DecodesToRaw(*c, "splice", "e1");
+  // A cache encoded with v2.
+  ASSERT_TRUE(PutLowRank(*c, "splice", "e2", 22).ok());
+  auto e2 = StoredCodec(*c, "splice", "e2");
+  ASSERT_TRUE(e2.ok());
+  EXPECT_EQ(e2->second, v2);
+  // Deleting e1 (data plane), the last cache naming v1, deletes v1 at once.
+  ASSERT_TRUE(c->Delete("splice", "e1").ok());
+  m = MetricsWhen(*d, kCount, 1);
+  EXPECT_EQ(MetricValue(m, kCount), 1);
+  EXPECT_EQ(MetricValue(m, kDeleted), 1);
+  EXPECT_TRUE(DecodesToRaw(*c, "splice", "e2").ok());
+  // v3 becomes the latest; v2 stays while e2 names it; a Thrift Delete of e2 lets it go.
+  const uint64_t v3 = calibrate(32);
+  ASSERT_NE(v3, v2);
+  absl::SleepFor(absl::Seconds(1));
+  m = MetricsWhen(*d, kCount, 2);
+  EXPECT_EQ(MetricValue(m, kCount), 2);
+  EXPECT_TRUE(DecodesToRaw(*c, "splice", "e2").ok());
+  rpc::CacheRef ref;
+  ref.model_id = "splice";
+  ref.key = "e2";
+  rpc::DeleteResponse del;
+  rpc->Delete(del, auth, ref);
+  ASSERT_EQ(del.status.code, rpc::StatusCode::OK) << del.status.message;
+  m = MetricsWhen(*d, kCount, 1);
+  EXPECT_EQ(MetricValue(m, kCount), 1);
+  EXPECT_EQ(MetricValue(m, kDeleted), 2);
+  // The latest is never deleted, even with no cache naming it: new puts encode with it.
+  ASSERT_TRUE(PutLowRank(*c, "splice", "e3", 23).ok());
+  auto e3 = StoredCodec(*c, "splice", "e3");
+  ASSERT_TRUE(e3.ok());
+  EXPECT_EQ(e3->second, v3);
+  c.reset();
+  EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
+
+  // Expiry: caches put from now on live 2 s. e4 names v3; v4 becomes the latest; once e4 has
+  // expired the sweep removes it and v3 with it (e3, put without a TTL, was deleted first).
+  d = StartDaemon({"--storage.sweep_interval_seconds=0.3", "--storage.ttl_seconds=2"});
+  c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  ControlClient rpc2(d->ports().control);
+  ASSERT_TRUE(c->Delete("splice", "e3").ok());
+  ASSERT_TRUE(PutLowRank(*c, "splice", "e4", 24).ok());
+  auto e4 = StoredCodec(*c, "splice", "e4");
+  ASSERT_TRUE(e4.ok());
+  EXPECT_EQ(e4->second, v3);
+  rpc::CalibrateRequest cal;
+  cal.model_id = "splice";
+  cal.rank = 20;
+  rpc::CalibrateResponse calr;
+  rpc2->Calibrate(calr, auth, cal);
+  ASSERT_EQ(calr.status.code, rpc::StatusCode::OK) << calr.status.message;
+  m = MetricsWhen(*d, kCount, 2);
+  EXPECT_EQ(MetricValue(m, kCount), 2);  // v3 (named by e4) and v4
+  EXPECT_TRUE(DecodesToRaw(*c, "splice", "e4").ok());
+  m = MetricsWhen(*d, kCount, 1);  // e4 expires after 2 s, the next sweep takes v3
+  EXPECT_EQ(MetricValue(m, kCount), 1) << d->Log();
+  EXPECT_EQ(MetricValue(m, kDeleted), 1);
+  EXPECT_EQ(c->Get("splice", "e4").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(HousekeepingTest, StoredCacheGaugesCountEveryTenantInTheStore) {
+  WriteTokens("alpha: secret-a\nbeta: secret-b\n");
+  auto d = StartDaemon({"--auth.token_file=" + tokens_path()});
+  auto a = Connect(*d, "alpha", "secret-a");
+  auto b = Connect(*d, "beta", "secret-b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  {
+    // Without moments (a D x D matrix per head, larger than these small caches' savings), so
+    // every cache stores fewer bytes than it came with.
+    ControlClient rpc(d->ports().control);
+    for (const auto& [tenant, token] :
+         {std::pair<std::string, std::string>{"alpha", "secret-a"}, {"beta", "secret-b"}}) {
+      rpc::PolicyResponse pol;
+      rpc->GetPolicy(pol, MakeAuth(tenant, token), "m");
+      rpc::Policy p = pol.policy;
+      p.moments = false;
+      rpc->SetPolicy(pol, MakeAuth(tenant, token), "m", p);
+      ASSERT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
+    }
+  }
+  uint64_t stored = 0;
+  for (int i = 0; i < 2; ++i) {
+    auto s = PutLowRank(*a, "m", "a" + std::to_string(i), 30 + i);
+    ASSERT_TRUE(s.ok()) << s.status();
+    stored += s->stored_bytes;
+  }
+  auto s = PutLowRank(*b, "m", "b0", 40);
+  ASSERT_TRUE(s.ok()) << s.status();
+  stored += s->stored_bytes;
+  const double original = 3.0 * kLayout.CacheBytes(kTokens);
+  ASSERT_LT(static_cast<double>(stored), original);
+  auto check = [&](const std::string& when) {
+    std::string m = MetricsWhen(*d, "kvcomp_caches_stored", 3);
+    EXPECT_EQ(MetricValue(m, "kvcomp_caches_stored"), 3) << when;
+    EXPECT_EQ(MetricValue(m, "kvcomp_original_bytes"), original) << when;
+    EXPECT_EQ(MetricValue(m, "kvcomp_saved_bytes"), original - static_cast<double>(stored)) << when;
+  };
+  check("both tenants in the token file");
+  // beta leaves the token file: its caches are still in the store, and still counted.
+  b.reset();
+  WriteTokens("alpha: secret-a\n");
+  d->Signal(SIGHUP);
+  absl::Status refused;
+  for (int i = 0; i < 50; ++i) {
+    transport::ClientOptions o;
+    o.ucx.overrides["TLS"] = "tcp";
+    auto r =
+        UcxClient::Connect(*transport::Endpoint::Parse(d->data_endpoint()), "beta", "secret-b", o);
+    refused = r.status();
+    if (!r.ok()) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_EQ(refused.code(), absl::StatusCode::kUnauthenticated) << "token reload not seen";
+  check("beta removed from the token file");
+  // And after a restart with beta still absent (the store rebuilds its counts at open).
+  a.reset();
+  EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
+  d = StartDaemon({"--auth.token_file=" + tokens_path()});
+  check("after a restart");
+  // Deleting one of alpha's caches is seen at once.
+  a = Connect(*d, "alpha", "secret-a");
+  ASSERT_NE(a, nullptr);
+  auto looked = a->Lookup("m", "a0");
+  ASSERT_TRUE(looked.ok());
+  ASSERT_TRUE(a->Delete("m", "a0").ok());
+  std::string m = MetricsWhen(*d, "kvcomp_caches_stored", 2);
+  EXPECT_EQ(MetricValue(m, "kvcomp_caches_stored"), 2);
+  EXPECT_EQ(MetricValue(m, "kvcomp_original_bytes"), 2.0 * kLayout.CacheBytes(kTokens));
+  EXPECT_EQ(MetricValue(m, "kvcomp_saved_bytes"),
+            2.0 * kLayout.CacheBytes(kTokens) - static_cast<double>(stored - looked->stored_bytes));
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace kvcomp
