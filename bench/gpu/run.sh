@@ -6,7 +6,10 @@
 #   run(command="bash bench/gpu/run.sh", carry=[".sysroot"])
 #
 # Environment knobs (all optional):
-#   KVCOMP_GPU_STEPS   phases to run, default "env build test bench"
+#   KVCOMP_GPU_STEPS   phases to run, default "env build test bench"; "python" (not a default)
+#                      builds the Python extension (core only) in $KVCOMP_GPU_PYBUILD (default
+#                      <build>-python) with $KVCOMP_GPU_PYTHON (default python3) and runs
+#                      tests/python/test_cuda_roundtrip.py, then the other Python tests (python.log)
 #   KVCOMP_GPU_TARGETS build only these targets (default: all)
 #   KVCOMP_CTEST_ARGS  extra ctest arguments, e.g. "-R scoring"
 #   KVCOMP_BENCH_ARGS  extra arguments for every benchmark binary
@@ -92,6 +95,55 @@ if has test && [ -d "$BUILD" ]; then
   note "unit    $(grep -E 'tests passed|No tests were found' "$OUT/ctest-unit.log" | tail -1)"
   grep -hE '^\s+[0-9]+ - .*\((Failed|SEGFAULT|Timeout|Subprocess aborted|Child aborted|Exception)' \
     "$OUT/ctest-gpu.log" "$OUT/ctest-unit.log" | head -20 | tee -a "$SUMMARY"
+fi
+
+# python: the extension in its own build (KVCOMP_CORE_ONLY: no kvcomp.Client), then the CUDA
+# round trip through kvcomp.compress/decompress/calibrate against the CPU (python.log), then the
+# other Python tests that need no daemon (all into python.log).
+if has python; then
+  phase python
+  PY=${KVCOMP_GPU_PYTHON:-$(command -v python3)}
+  PYBUILD=${KVCOMP_GPU_PYBUILD:-$BUILD-python}
+  py_args=(-DPython_EXECUTABLE="$PY" -DKVCOMP_PYTHON_PACKAGE_DIR="$PYBUILD/pkg")
+  # nanobind as CI builds with it, and CPython headers where the interpreter has none (both
+  # carried in the sysroot by scripts/gpu_sysroot.sh); else the interpreter's own.
+  nb_dir=$ROOT/.sysroot/nanobind/cmake
+  [ -f "$nb_dir/nanobind-config.cmake" ] || nb_dir=$("$PY" -m nanobind --cmake_dir 2>/dev/null)
+  [ -n "$nb_dir" ] && py_args+=(-Dnanobind_DIR="$nb_dir")
+  py_inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)
+  py_ver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+  if [ ! -f "$py_inc/Python.h" ] && [ -f "$ROOT/.sysroot/python-headers/python$py_ver/Python.h" ]; then
+    py_inc=$ROOT/.sysroot/python-headers/python$py_ver
+    py_args+=(-DPython_INCLUDE_DIR="$py_inc")
+  fi
+  PYLOG=$OUT/python.log  # build, then both pytest runs (the device returns at most 8 files)
+  echo "python $PY ($py_ver), headers $py_inc, nanobind $nb_dir" >"$PYLOG"
+  py_ok=1
+  cmake -S "$ROOT" -B "$PYBUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DKVCOMP_CUDA=ON -DKVCOMP_CORE_ONLY=ON -DKVCOMP_PYTHON=ON "${py_args[@]}" \
+    -DCMAKE_PREFIX_PATH="$SYSROOT" -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
+    -DCMAKE_BUILD_RPATH="$SYSROOT/lib/x86_64-linux-gnu" >>"$PYLOG" 2>&1 &&
+    cmake --build "$PYBUILD" -j "$JOBS" --target _kvcomp >>"$PYLOG" 2>&1 || py_ok=0
+  if [ "$py_ok" = 1 ]; then
+    # -rs lists skip reasons: a skip of the round trip means Python could not use the GPU.
+    for part in roundtrip others; do
+      if [ "$part" = roundtrip ]; then sel=(tests/python/test_cuda_roundtrip.py); else
+        sel=(tests/python --ignore=tests/python/test_cuda_roundtrip.py
+          --ignore=tests/python/test_client.py); fi  # the client needs kvcompd (not built here)
+      echo "### pytest $part" >>"$PYLOG"
+      PYTHONPATH="$PYBUILD/pkg" KVCOMP_BUILD_DIR="$PYBUILD" PYTHONUNBUFFERED=1 timeout 300 \
+        "$PY" -m pytest -q -rs -p no:cacheprovider "${sel[@]}" >"$PYBUILD/pytest-$part.log" 2>&1
+      rc=$?
+      cat "$PYBUILD/pytest-$part.log" >>"$PYLOG"
+      res=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)' "$PYBUILD/pytest-$part.log" | tail -1)
+      note "python  $part: ${res:-no result (exit $rc)}"
+      grep -E '^(SKIPPED|FAILED|ERROR)' "$PYBUILD/pytest-$part.log" | head -8 | tee -a "$SUMMARY"
+    done
+  else
+    note "python  build FAILED (see python.log; errors below)"
+    grep -E "error|FAILED|Error" "$PYLOG" | head -40
+  fi
 fi
 
 if has bench && [ -d "$BUILD" ]; then

@@ -10,6 +10,17 @@ from ._kvcomp import CompressedCache, Policy, backend_description, cuda_availabl
 from . import _kvcomp
 from .client import Client, PutStream  # noqa: F401
 
+if not hasattr(_kvcomp, "_Client"):  # a KVCOMP_CORE_ONLY build (e.g. the GPU machine): no SDK
+    class Client:  # noqa: F811
+        """Not in this build (KVCOMP_CORE_ONLY): constructing one raises NotImplementedError."""
+
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError(
+                "kvcomp.Client: this build of kvcomp has no client (the extension was built "
+                "with KVCOMP_CORE_ONLY=ON, without UCX); the engine functions (compress, "
+                "decompress, calibrate, attention, ...) work. Build with KVCOMP_CORE_ONLY=OFF "
+                "for the client.")
+
 __all__ = ["Policy", "CompressedCache", "score", "compress", "cuda_available",
            "backend_description", "attention", "Client", "PutStream"]
 
