@@ -4,10 +4,16 @@
 //     options bench/storage/run.sh also gives db_bench.
 //   host mode: put (copy in from the caller's buffer) and get (shared handle, then one read
 //     pass) of the host tier next to plain memcpy of the same sizes.
-// Usage: storage_bench --mode=rocksdb|host --dir=DIR --value_size=BYTES --num=N --sync=0|1
+//   churn mode: what durable removals cost (docs/storage.md, "Durability"): memory-durable
+//     puts through host into a full RocksDB tier (each demotion sweep evicts from RocksDB, one
+//     synced batch per sweep); disk-durable puts into a full RocksDB-only store (evictions on
+//     top of each put's own sync); and memory-durable overwrites of disk-durable caches (the old
+//     disk copy is deleted with a synced write). Reports ops/s and evictions.
+// Usage: storage_bench --mode=rocksdb|host|churn --dir=DIR --value_size=BYTES --num=N --sync=0|1
 #include <malloc.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -172,6 +178,79 @@ int RunRocksDb(const Args& a) {
   return 0;
 }
 
+void ReportOps(const Args& a, absl::string_view what, uint64_t ops, double seconds,
+               uint64_t evictions) {
+  std::printf(
+      "{\"bench\":\"%s\",\"value_size\":%llu,\"num\":%llu,\"seconds\":%.4f,"
+      "\"ops_per_s\":%.1f,\"gb_per_s\":%.4f,\"evictions\":%llu}\n",
+      std::string(what).c_str(), static_cast<unsigned long long>(a.value_size),
+      static_cast<unsigned long long>(ops), seconds, ops / seconds,
+      ops * a.value_size / seconds / 1e9, static_cast<unsigned long long>(evictions));
+  std::fflush(stdout);
+}
+
+int RunChurn(const Args& a) {
+  const std::string value = MakeValue(a.value_size, 1);
+  auto key = [](uint64_t i) { return CacheKey{"bench", "model", KeyOf(i)}; };
+  PutOptions memory;
+  memory.validate = false;
+  PutOptions disk = memory;
+  disk.durability = Durability::kDisk;
+  const std::string path = a.dir + "/churn";
+  auto fresh = [&](bool host) {
+    std::system(absl::StrCat("rm -rf '", path, "'").c_str());
+    StoreOptions o;
+    o.host.enabled = host;
+    o.host.capacity_bytes = 32 * a.value_size;
+    o.rocksdb = RocksOptions(a, path);
+    o.rocksdb.capacity_bytes = 128 * a.value_size;
+    if (!host) o.default_tier = TierKind::kRocksDb;
+    return TieredStore::Open(o);
+  };
+  {
+    // Memory-durable puts of new keys: host demotes into RocksDB, which evicts when full.
+    auto store = fresh(true);
+    if (!store.ok()) return 1;
+    sync();
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t i = 0; i < a.num; ++i) {
+      if (!(*store)->Put(key(i), value, {}, memory).ok()) return 1;
+    }
+    ReportOps(a, "churn_memory_puts_demote_evict", a.num, Seconds(t0),
+              (*store)->Stats().tier(TierKind::kRocksDb).evictions);
+  }
+  {
+    // Disk-durable puts into a full RocksDB-only store.
+    auto store = fresh(false);
+    if (!store.ok()) return 1;
+    sync();
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t i = 0; i < a.num; ++i) {
+      if (!(*store)->Put(key(i), value, {}, disk).ok()) return 1;
+    }
+    ReportOps(a, "churn_disk_puts_evict", a.num, Seconds(t0),
+              (*store)->Stats().tier(TierKind::kRocksDb).evictions);
+  }
+  {
+    // Memory-durable overwrites of disk-durable caches (placed in host).
+    auto store = fresh(true);
+    if (!store.ok()) return 1;
+    const uint64_t n = std::min<uint64_t>(a.num, 96);  // all fit in RocksDB: no evictions
+    for (uint64_t i = 0; i < n; ++i) {
+      if (!(*store)->Put(key(i), value, {}, disk).ok()) return 1;
+    }
+    sync();
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t i = 0; i < n; ++i) {
+      if (!(*store)->Put(key(i), value, {}, memory).ok()) return 1;
+    }
+    ReportOps(a, "overwrite_disk_with_memory", n, Seconds(t0),
+              (*store)->Stats().tier(TierKind::kRocksDb).evictions);
+  }
+  std::system(absl::StrCat("rm -rf '", path, "'").c_str());
+  return 0;
+}
+
 // Each case runs twice and reports the second pass, so every variant copies into memory the
 // allocator has already faulted in (main() keeps freed memory in the heap).
 int RunHost(const Args& a) {
@@ -249,6 +328,7 @@ int main(int argc, char** argv) {
   const auto a = kvcomp::storage::Parse(argc, argv);
   if (a.mode == "rocksdb") return kvcomp::storage::RunRocksDb(a);
   if (a.mode == "host") return kvcomp::storage::RunHost(a);
+  if (a.mode == "churn") return kvcomp::storage::RunChurn(a);
   std::fprintf(stderr, "unknown mode %s\n", a.mode.c_str());
   return 2;
 }

@@ -5,6 +5,7 @@
 // ThreadSanitizer (scripts/run_tests.sh).
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <random>
 #include <string>
@@ -137,11 +138,32 @@ void Hammer(const StoreOptions& o, int threads, int ops_per_thread) {
     }
   }
   const StoreStats st = store.Stats();
+  if (o.rocksdb.enabled) {
+    EXPECT_GT(st.tier(TierKind::kRocksDb).evictions, 0u) << "RocksDB never evicted (synced batches)";
+  }
   for (int t = 0; t < kNumTiers; ++t) {
     if (!st.tiers[t].present) continue;
     EXPECT_EQ(st.tiers[t].bytes, bytes[t]) << TierName(static_cast<TierKind>(t));
     EXPECT_EQ(st.tiers[t].entries, entries[t]) << TierName(static_cast<TierKind>(t));
     EXPECT_LE(st.tiers[t].bytes, st.tiers[t].capacity);
+  }
+  // Per-tenant usage, kept incrementally under all of the above, equals a recount of the index.
+  std::map<std::string, TenantUsage> want;
+  for (int k = 0; k < kKeys; ++k) {
+    auto look = store.Lookup(Key(k));
+    if (!look.ok()) continue;
+    TenantUsage& u = want[Key(k).tenant];
+    u.tenant = Key(k).tenant;
+    u.caches += 1;
+    u.stored_bytes += look->meta.stored_bytes;
+    u.original_bytes += look->meta.original_bytes;
+  }
+  const std::vector<TenantUsage> usage = store.Usage();
+  ASSERT_EQ(usage.size(), want.size());
+  for (const TenantUsage& u : usage) {
+    EXPECT_EQ(u.caches, want[u.tenant].caches) << u.tenant;
+    EXPECT_EQ(u.stored_bytes, want[u.tenant].stored_bytes) << u.tenant;
+    EXPECT_EQ(u.original_bytes, want[u.tenant].original_bytes) << u.tenant;
   }
   for (int k = 0; k < kKeys; ++k) {
     if (!store.Lookup(Key(k)).ok()) continue;
@@ -169,6 +191,19 @@ TEST(Concurrency, HostOverRocksDbWithPromotion) {
   o.promote_on_read = true;
   o.num_shards = 4;
   Hammer(o, 4, 1500);
+}
+
+TEST(Concurrency, RocksDbOnlyEvictingInSyncedBatches) {
+  TempDir dir;
+  StoreOptions o;
+  o.host.enabled = false;
+  o.default_tier = TierKind::kRocksDb;
+  o.rocksdb.enabled = true;
+  o.rocksdb.path = dir.path();
+  o.rocksdb.capacity_bytes = 40000;
+  o.rocksdb.min_blob_size = 1024;
+  o.num_shards = 4;
+  Hammer(o, 4, 800);
 }
 
 }  // namespace
