@@ -392,5 +392,65 @@ void ControlHandler::ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& a
   }
 }
 
+std::vector<storage::QuarantinedCache> ControlHandler::QuarantinedOf(
+    const std::string& tenant) const {
+  std::vector<storage::QuarantinedCache> out;
+  const bool open_mode = ctx_->tokens->open_mode();
+  for (storage::QuarantinedCache& q : ctx_->store->Quarantined()) {
+    auto key = CacheKey::Decode(q.encoded_key);
+    if (key.ok() ? key->tenant == tenant : open_mode) out.push_back(std::move(q));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.encoded_key < b.encoded_key; });
+  return out;
+}
+
+void ControlHandler::ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  for (const storage::QuarantinedCache& q : QuarantinedOf(tenant)) {
+    rpc::QuarantinedEntry e;
+    auto key = CacheKey::Decode(q.encoded_key);
+    if (key.ok()) {
+      e.model_id = key->model_id;
+      e.key = key->key;
+    } else {
+      e.key = q.encoded_key;
+    }
+    e.reason = q.reason;
+    out.entries.push_back(std::move(e));
+  }
+}
+
+void ControlHandler::PurgeQuarantined(rpc::PurgeQuarantinedResponse& out, const rpc::Auth& auth,
+                                      const rpc::CacheRef& ref, bool all) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  const std::vector<storage::QuarantinedCache> mine = QuarantinedOf(tenant);
+  std::vector<std::string> purge;
+  if (all) {
+    for (const auto& q : mine) purge.push_back(q.encoded_key);
+  } else {
+    // A cache key of the caller's, or (model_id "") a raw store key ListQuarantined showed it.
+    const std::string wanted =
+        ref.model_id.empty() ? ref.key : CacheKey{tenant, ref.model_id, ref.key}.Encode();
+    for (const auto& q : mine) {
+      if (q.encoded_key == wanted) purge.push_back(q.encoded_key);
+    }
+    if (purge.empty()) {
+      out.status = ToRpc(absl::NotFoundError("no such quarantined cache"));
+      return;
+    }
+  }
+  for (const std::string& k : purge) {
+    absl::Status s = ctx_->store->PurgeQuarantined(k);
+    if (absl::IsNotFound(s)) continue;  // purged meanwhile by another call
+    if (!s.ok()) {
+      out.status = ToRpc(s);
+      return;
+    }
+    ++out.purged;
+  }
+  if (!all && out.purged == 0) out.status = ToRpc(absl::NotFoundError("no such quarantined cache"));
+}
+
 }  // namespace service
 }  // namespace kvcomp

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -100,8 +101,14 @@ class ControlHandler : public rpc::KvcompControlIf {
   void Calibrate(rpc::CalibrateResponse& out, const rpc::Auth& auth,
                  const rpc::CalibrateRequest& request) override;
   void ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& auth) override;
+  void ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth) override;
+  void PurgeQuarantined(rpc::PurgeQuarantinedResponse& out, const rpc::Auth& auth,
+                        const rpc::CacheRef& ref, bool all) override;
 
  private:
+  // The quarantined entries `tenant` may see: those whose key decodes to one of its caches, and
+  // in open mode also those whose key does not decode.
+  std::vector<storage::QuarantinedCache> QuarantinedOf(const std::string& tenant) const;
   // The caller's tenant, or the status to answer with (counted as an auth failure).
   absl::StatusOr<std::string> Authenticate(const rpc::Auth& auth);
   ServiceContext* const ctx_;

@@ -177,6 +177,24 @@ struct ServerInfoResponse {
   12: list<string> tiers,
 }
 
+// A cache the store quarantined: its bytes failed their checksum (at open or on a read), so it
+// is never served; it stays aside until purged.
+struct QuarantinedEntry {
+  1: string model_id,  // "" when the stored key does not decode (open mode only)
+  2: binary key,       // the cache key; the raw encoded store key when it does not decode
+  3: string reason,    // what failed
+}
+
+struct ListQuarantinedResponse {
+  1: Status status,
+  2: list<QuarantinedEntry> entries,  // the calling tenant's, in store key order
+}
+
+struct PurgeQuarantinedResponse {
+  1: Status status,  // NOT_FOUND when no such entry is quarantined (or it is another tenant's)
+  2: i64 purged,     // entries removed
+}
+
 service KvcompControl {
   HealthResponse Health(1: Auth auth),
   StatsResponse Stats(1: Auth auth),
@@ -189,4 +207,11 @@ service KvcompControl {
   PolicyResponse SetPolicy(1: Auth auth, 2: string model_id, 3: Policy policy),
   CalibrateResponse Calibrate(1: Auth auth, 2: CalibrateRequest request),
   ServerInfoResponse ServerInfo(1: Auth auth),
+  // The calling tenant's quarantined caches (every entry in open single-tenant mode, including
+  // any whose stored key does not decode).
+  ListQuarantinedResponse ListQuarantined(1: Auth auth),
+  // Removes quarantined entries for good (durably): the one named by `ref` (a key that does not
+  // decode: model_id "" and the raw key from ListQuarantined), or with `all` every entry
+  // ListQuarantined lists for the caller (`ref` ignored).
+  PurgeQuarantinedResponse PurgeQuarantined(1: Auth auth, 2: CacheRef ref, 3: bool all),
 }

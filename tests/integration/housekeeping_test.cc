@@ -16,8 +16,10 @@
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/storage/types.h"
 #include "kvcomp/transport/client.h"
 #include "kvcompd_process.h"
+#include "rocksdb_tier.h"  // storage/src: to damage stored payloads behind the daemon's back
 
 namespace kvcomp {
 namespace testing {
@@ -402,6 +404,122 @@ TEST_F(HousekeepingTest, StoredCacheGaugesCountEveryTenantInTheStore) {
   EXPECT_EQ(MetricValue(m, "kvcomp_original_bytes"), 2.0 * kLayout.CacheBytes(kTokens));
   EXPECT_EQ(MetricValue(m, "kvcomp_saved_bytes"),
             2.0 * kLayout.CacheBytes(kTokens) - static_cast<double>(stored - looked->stored_bytes));
+}
+
+// Flips one byte of each cache's payload in the (closed) daemon's RocksDB, keeping its meta, so
+// the CRC32C no longer matches and the next open quarantines it.
+void DamagePayloads(const std::string& data_dir, const std::vector<CacheKey>& keys) {
+  storage::RocksDbTierOptions o;
+  o.enabled = true;
+  o.path = data_dir + "/rocksdb";
+  auto tier = storage::RocksDbTier::Open(o);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  for (const CacheKey& k : keys) {
+    const std::string ek = k.Encode();
+    auto meta = (*tier)->GetMeta(ek);
+    ASSERT_TRUE(meta.ok()) << meta.status();
+    auto payload = (*tier)->Get(ek);
+    ASSERT_TRUE(payload.ok()) << payload.status();
+    std::string bytes(payload->view());
+    bytes[bytes.size() / 2] ^= 0x40;
+    ASSERT_TRUE((*tier)->Put(ek, *meta, storage::Payload::Copy(bytes), true).ok());
+  }
+}
+
+TEST_F(HousekeepingTest, QuarantineIsListedAndPurgedPerTenantOverThrift) {
+  WriteTokens("alpha: secret-a\nbeta: secret-b\n");
+  const std::vector<std::string> flags = {"--auth.token_file=" + tokens_path()};
+  const rpc::Auth alpha = MakeAuth("alpha", "secret-a"), beta = MakeAuth("beta", "secret-b");
+  auto d = StartDaemon(flags);
+  {
+    auto a = Connect(*d, "alpha", "secret-a");
+    auto b = Connect(*d, "beta", "secret-b");
+    ASSERT_TRUE(a != nullptr && b != nullptr);
+    ASSERT_TRUE(PutLowRank(*a, "m", "a-good", 1).ok());
+    ASSERT_TRUE(PutLowRank(*a, "m", "a-bad", 2).ok());
+    ASSERT_TRUE(PutLowRank(*b, "m", "b-bad", 3).ok());
+    ControlClient rpc(d->ports().control);
+    rpc::ListQuarantinedResponse none;
+    rpc->ListQuarantined(none, alpha);
+    EXPECT_EQ(none.status.code, rpc::StatusCode::OK);
+    EXPECT_TRUE(none.entries.empty());
+  }
+  EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
+  DamagePayloads(dir_.path() + "/data",
+                 {CacheKey{"alpha", "m", "a-bad"}, CacheKey{"beta", "m", "b-bad"}});
+  if (HasFatalFailure()) return;
+
+  // The restart verifies every payload: both damaged caches are quarantined, never served.
+  d = StartDaemon(flags);
+  auto a = Connect(*d, "alpha", "secret-a");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Get("m", "a-bad").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(a->Get("m", "a-good").ok());
+  ControlClient rpc(d->ports().control);
+  rpc::ListQuarantinedResponse list;
+  rpc->ListQuarantined(list, MakeAuth("alpha", "wrong"));
+  EXPECT_EQ(list.status.code, rpc::StatusCode::UNAUTHENTICATED);
+  // Each tenant sees only its own.
+  rpc->ListQuarantined(list, alpha);
+  ASSERT_EQ(list.status.code, rpc::StatusCode::OK) << list.status.message;
+  ASSERT_EQ(list.entries.size(), 1u);
+  EXPECT_EQ(list.entries[0].model_id, "m");
+  EXPECT_EQ(list.entries[0].key, "a-bad");
+  EXPECT_FALSE(list.entries[0].reason.empty());
+  rpc->ListQuarantined(list, beta);
+  ASSERT_EQ(list.entries.size(), 1u);
+  EXPECT_EQ(list.entries[0].key, "b-bad");
+  // alpha cannot purge beta's entry: it reads exactly like one that does not exist.
+  rpc::CacheRef ref;
+  ref.model_id = "m";
+  ref.key = "b-bad";
+  rpc::PurgeQuarantinedResponse purged;
+  rpc->PurgeQuarantined(purged, alpha, ref, false);
+  EXPECT_EQ(purged.status.code, rpc::StatusCode::NOT_FOUND);
+  const std::string other_message = purged.status.message;
+  ref.key = "never-quarantined";
+  rpc->PurgeQuarantined(purged, alpha, ref, false);
+  EXPECT_EQ(purged.status.code, rpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(purged.status.message, other_message);
+  // alpha purges its own; a second purge finds nothing; the key can be put again.
+  ref.key = "a-bad";
+  rpc->PurgeQuarantined(purged, alpha, ref, false);
+  ASSERT_EQ(purged.status.code, rpc::StatusCode::OK) << purged.status.message;
+  EXPECT_EQ(purged.purged, 1);
+  rpc->PurgeQuarantined(purged, alpha, ref, false);
+  EXPECT_EQ(purged.status.code, rpc::StatusCode::NOT_FOUND);
+  rpc->ListQuarantined(list, alpha);
+  EXPECT_TRUE(list.entries.empty());
+  rpc->ListQuarantined(list, beta);
+  EXPECT_EQ(list.entries.size(), 1u);
+  ASSERT_TRUE(PutLowRank(*a, "m", "a-bad", 4).ok());
+  EXPECT_TRUE(a->Get("m", "a-bad").ok());
+
+  // Purges are durable; beta's entry is still there after a restart, and purge-all takes it.
+  a.reset();
+  EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
+  d = StartDaemon(flags);
+  ControlClient rpc2(d->ports().control);
+  rpc2->ListQuarantined(list, alpha);
+  EXPECT_TRUE(list.entries.empty());
+  rpc2->ListQuarantined(list, beta);
+  ASSERT_EQ(list.entries.size(), 1u);
+  rpc2->PurgeQuarantined(purged, alpha, rpc::CacheRef(), true);  // alpha has none left
+  EXPECT_EQ(purged.status.code, rpc::StatusCode::OK);
+  EXPECT_EQ(purged.purged, 0);
+  rpc2->PurgeQuarantined(purged, beta, rpc::CacheRef(), true);
+  EXPECT_EQ(purged.status.code, rpc::StatusCode::OK) << purged.status.message;
+  EXPECT_EQ(purged.purged, 1);
+  EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
+  d = StartDaemon(flags);
+  ControlClient rpc3(d->ports().control);
+  rpc3->ListQuarantined(list, beta);
+  EXPECT_EQ(list.status.code, rpc::StatusCode::OK);
+  EXPECT_TRUE(list.entries.empty());
+  auto a2 = Connect(*d, "alpha", "secret-a");
+  ASSERT_NE(a2, nullptr);
+  EXPECT_TRUE(a2->Get("m", "a-bad").ok());
+  EXPECT_TRUE(a2->Get("m", "a-good").ok());
 }
 
 }  // namespace
