@@ -1,14 +1,18 @@
 """`make demo`: kvcompd on its embedded defaults, a prefill client pushing a Llama-3.1-8B-shaped
 cache block by block, a decode client fetching it and measuring attention with and without the
-moment correction, then a clean stop.
+moment correction, then a clean stop. Twice: A evicts (manifold + MomentKV); B also encodes what
+it keeps with KVSplice, on a projection the daemon calibrated (through the SDK) from an earlier
+request of the same model.
 
 Usage: python3 bench/demo/demo.py KVCOMPD [--tokens N] [--block B] [--ratio R]
+           [--calibration-tokens N] [--error-budget E]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import signal
 import subprocess
@@ -84,6 +88,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--ratio", type=float, default=0.5)
+    ap.add_argument("--calibration-tokens", type=int, default=1024)
+    ap.add_argument("--error-budget", type=float, default=0.3)
     args = ap.parse_args()
 
     data = tempfile.mkdtemp(prefix="kvcomp-demo-")
@@ -108,91 +114,166 @@ def main() -> int:
                 print("kvcompd did not stop within 30 s; killed")
 
 
-def run(args) -> int:
-    p = GeneratorParams(head_dim=HEAD_DIM, num_kv_heads=KV_HEADS, q_per_kv=Q_PER_KV)
-    n = args.tokens
-    print(f"kvcomp demo: {MODEL}-shaped cache, {LAYERS} layers x {KV_HEADS} kv heads x "
-          f"{n} tokens x head_dim {HEAD_DIM}, bf16; policy manifold ratio {args.ratio} + moments")
+def bf16(x):
+    """bf16 as the serving engine holds it (raw bits in uint16), rounded to nearest even."""
+    u = x.astype(np.float32).view(np.uint32)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).astype(np.uint16)
 
-    t0 = time.perf_counter()
+
+def from_bf16(x):
+    return (x.astype(np.uint32) << 16).view(np.float32)
+
+
+def generate(p, tokens, seed0, layers=LAYERS):
+    """One request's cache: per layer (keys bf16, values bf16, the generator's Layer). Layer i's
+    subspaces come from basis seed 5000 + i, so every request shares the "model's" subspaces."""
+    params = [dataclasses.replace(p, basis_seed=5000 + i) for i in range(layers)]
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count()) as pool:
-        layers = list(pool.map(generate_layer, [p] * LAYERS, [n] * LAYERS,
-                               [1000 + i for i in range(LAYERS)]))
-    t_gen = time.perf_counter() - t0
+        out = list(pool.map(generate_layer, params, [tokens] * layers,
+                            [seed0 + i for i in range(layers)]))
+    return [bf16(l.keys) for l in out], [bf16(l.values) for l in out], out
 
-    # bf16 as the serving engine holds it (raw bits in uint16), and the float values it means.
-    def bf16(x):
-        u = x.astype(np.float32).view(np.uint32)
-        u = u + 0x7FFF + ((u >> 16) & 1)
-        return (u >> 16).astype(np.uint16)
 
-    keys16 = [bf16(l.keys) for l in layers]
-    vals16 = [bf16(l.values) for l in layers]
-
-    policy = kvcomp.Policy(scorer="manifold", ratio=args.ratio, moments=True)
-    prefill = kvcomp.Client("127.0.0.1:7470,127.0.0.1:7471")
-    t0 = time.perf_counter()
-    with prefill.put_stream(MODEL, "demo-request-1", layers=LAYERS, kv_heads=KV_HEADS,
-                            q_heads=KV_HEADS * Q_PER_KV, head_dim=HEAD_DIM, tokens=n,
-                            dtype="bf16", policy=policy) as s:
-        for b0 in range(0, n, args.block):
-            b1 = min(n, b0 + args.block)
+def push(client, key, keys16, vals16, tokens, block, policy):
+    with client.put_stream(MODEL, key, layers=LAYERS, kv_heads=KV_HEADS,
+                           q_heads=KV_HEADS * Q_PER_KV, head_dim=HEAD_DIM, tokens=tokens,
+                           dtype="bf16", policy=policy) as s:
+        for b0 in range(0, tokens, block):
+            b1 = min(tokens, b0 + block)
             for i in range(LAYERS):
                 s.append(i, np.ascontiguousarray(keys16[i][:, b0:b1]),
                          np.ascontiguousarray(vals16[i][:, b0:b1]), token_begin=b0)
-    put = s.result
-    t_put = time.perf_counter() - t0
+    return s.result
 
-    decode = kvcomp.Client("127.0.0.1:7470,127.0.0.1:7471")
-    t0 = time.perf_counter()
-    cache = decode.get(MODEL, "demo-request-1")
-    t_get = time.perf_counter() - t0
-    look = decode.lookup(MODEL, "demo-request-1")
 
-    t0 = time.perf_counter()
+def attention_errors(cache, layers, keys16, vals16):
+    """Mean relative attention-output error against exact attention over the full cache, for
+    retrieval and generic queries, with and without the moment correction (every 4th layer)."""
     errs = {"retrieval": ([], []), "generic": ([], [])}
     for i in range(0, LAYERS, 4):
         l = layers[i]
-        kf = (keys16[i].astype(np.uint32) << 16).view(np.float32)
-        vf = (vals16[i].astype(np.uint32) << 16).view(np.float32)
-        want = full_attention(l.queries, kf, vf)
+        want = full_attention(l.queries, from_bf16(keys16[i]), from_bf16(vals16[i]))
         with_m = kvcomp.attention(l.queries, cache, i, correct=True)
         without = kvcomp.attention(l.queries, cache, i, correct=False)
         for kind in ("retrieval", "generic"):
             idx = [j for j, k in enumerate(l.kinds) if k == kind]
             errs[kind][0].append(rel_err(with_m[:, idx], want[:, idx]))
             errs[kind][1].append(rel_err(without[:, idx], want[:, idx]))
-    t_att = time.perf_counter() - t0
-    m = metrics(7472)
+    return {k: (float(np.mean(a)), float(np.mean(b))) for k, (a, b) in errs.items()}
 
-    def stage(name):
-        return m.get(f'kvcomp_stage_duration_seconds_sum{{stage="{name}"}}', float("nan"))
 
-    orig, stored = put["original_bytes"], put["stored_bytes"]
+class Stages:
+    """Daemon stage seconds between two points (the metrics are cumulative)."""
+
+    NAMES = ("receive", "compress", "store", "serve")
+
+    def __init__(self):
+        self.last = self._read()
+
+    @staticmethod
+    def _read():
+        m = metrics(7472)
+        return {n: m.get(f'kvcomp_stage_duration_seconds_sum{{stage="{n}"}}', float("nan"))
+                for n in Stages.NAMES}
+
+    def delta(self):
+        now = self._read()
+        d = {n: now[n] - self.last[n] for n in self.NAMES}
+        self.last = now
+        return d
+
+
+def run(args) -> int:
+    p = GeneratorParams(head_dim=HEAD_DIM, num_kv_heads=KV_HEADS, q_per_kv=Q_PER_KV)
+    n = args.tokens
+    evict = kvcomp.Policy(scorer="manifold", ratio=args.ratio, moments=True)
+    splice = kvcomp.Policy(scorer="manifold", ratio=args.ratio, moments=True,
+                           key_codec="int8", value_codec="orthogonal_int8")
+    print(f"kvcomp demo: {MODEL}-shaped cache, {LAYERS} layers x {KV_HEADS} kv heads x "
+          f"{n} tokens x head_dim {HEAD_DIM}, bf16")
+    print(f"  A: manifold eviction, ratio {args.ratio}, + MomentKV moments")
+    print(f"  B: A + KVSplice (int8 keys; values on a projection calibrated on an earlier "
+          f"request, int8 latents, per-layer ranks at relative value error "
+          f"{args.error_budget})")
+
+    t0 = time.perf_counter()
+    keys16, vals16, layers = generate(p, n, 1000)
+    cal_k, cal_v, _ = generate(p, args.calibration_tokens, 2000)
+    t_gen = time.perf_counter() - t0
+
+    prefill = kvcomp.Client("127.0.0.1:7470,127.0.0.1:7471")
+    decode = kvcomp.Client("127.0.0.1:7470,127.0.0.1:7471")
+    stages = Stages()
+
+    # An earlier request of the same model, stored with raw values, is what the daemon
+    # calibrates on; the demo request is new data.
+    t0 = time.perf_counter()
+    push(prefill, "earlier-request", cal_k, cal_v, args.calibration_tokens, args.block, evict)
+    cal = prefill.calibrate(MODEL, error_budget=args.error_budget)[0]
+    t_cal = time.perf_counter() - t0
+    if not cal["ok"]:
+        raise RuntimeError(f"calibration failed: {cal['error']}")
+    stages.delta()
+
+    col = {}
+    for name, key, policy in (("A", "demo-request-A", evict), ("B", "demo-request-B", splice)):
+        t0 = time.perf_counter()
+        put = push(prefill, key, keys16, vals16, n, args.block, policy)
+        t_put = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        decode.get(MODEL, key)  # as stored: what a decode node transfers
+        t_get = time.perf_counter() - t0
+        cache = decode.get(MODEL, key, decoded=True)  # the daemon decodes KVSplice
+        look = decode.lookup(MODEL, key)
+        codecs = kvcomp.cache_codecs(decode.get(MODEL, key))
+        t0 = time.perf_counter()
+        errs = attention_errors(cache, layers, keys16, vals16)
+        t_att = time.perf_counter() - t0
+        col[name] = dict(put=put, look=look, codecs=codecs, errs=errs, t_put=t_put,
+                         t_get=t_get, t_att=t_att, stages=stages.delta())
+        decode.delete(MODEL, key)
+    decode.delete(MODEL, "earlier-request")
+
+    def row(label, f, fmt):
+        print(f"{label:36}" + "".join(f"{format(f(col[c]), fmt):>16}" for c in ("A", "B")))
+
     print()
-    print(f"{'':34}{'value':>16}")
-    print(f"{'original bytes (K+V, bf16)':34}{orig:>16,}")
-    print(f"{'stored bytes (compressed)':34}{stored:>16,}")
-    print(f"{'ratio original/stored':34}{orig / stored:>15.2f}x")
-    print(f"{'memory saved':34}{orig - stored:>16,}")
-    print(f"{'kept tokens (all heads)':34}{put['total_kept']:>16,}")
-    print(f"{'tier':34}{look['tier']:>16}")
+    print(f"{'':36}{'A: evict':>16}{'B: + KVSplice':>16}")
+    row("original bytes (K+V, bf16)", lambda c: c["put"]["original_bytes"], ",")
+    row("stored bytes (compressed)", lambda c: c["put"]["stored_bytes"], ",")
+    row("ratio original/stored", lambda c: c["put"]["original_bytes"] / c["put"]["stored_bytes"],
+        ".2f")
+    row("memory saved",
+        lambda c: c["put"]["original_bytes"] - c["put"]["stored_bytes"], ",")
+    row("kept tokens (all heads)", lambda c: c["put"]["total_kept"], ",")
+    row("  bytes: keys", lambda c: c["codecs"]["bytes"]["keys"] + c["codecs"]["bytes"]["key_scales"],
+        ",")
+    row("  bytes: values",
+        lambda c: c["codecs"]["bytes"]["values"] + c["codecs"]["bytes"]["value_scales"], ",")
+    row("  bytes: moments", lambda c: c["codecs"]["bytes"]["moments"], ",")
+    row("  bytes: positions + header",
+        lambda c: c["codecs"]["bytes"]["positions"] + c["codecs"]["bytes"]["header"], ",")
+    print(f"{'tier':36}" + "".join(f"{col[c]['look']['tier']:>16}" for c in ("A", "B")))
+    ranks = col["B"]["codecs"]["layer_rank"]
+    print(f"{'value ranks per layer (B)':36}{min(ranks):>8} to {max(ranks):<6} "
+          f"(calibrated on {cal['caches_used']} earlier request, value error "
+          f"{cal['achieved_error']:.3f})")
     print()
-    print(f"{'attention-output relative error':34}{'with moments':>14}{'without':>12}")
+    print("attention-output relative error (mean over 8 layers, against the full bf16 cache)")
     for kind in ("retrieval", "generic"):
-        a, b = errs[kind]
-        print(f"{'  ' + kind + ' queries (mean)':34}{np.mean(a):>14.4f}{np.mean(b):>12.4f}")
+        for i, corr in ((0, "with moments"), (1, "without moments")):
+            row(f"  {kind} queries, {corr}", lambda c: c["errs"][kind][i], ".4f")
     print()
-    print(f"{'stage':34}{'seconds':>16}")
-    print(f"{'generate (client)':34}{t_gen:>16.3f}")
-    print(f"{'push, block by block (client)':34}{t_put:>16.3f}")
-    print(f"{'  daemon: receive':34}{stage('receive'):>16.3f}")
-    print(f"{'  daemon: compress':34}{stage('compress'):>16.3f}")
-    print(f"{'  daemon: store':34}{stage('store'):>16.3f}")
-    print(f"{'fetch (client)':34}{t_get:>16.3f}")
-    print(f"{'  daemon: serve':34}{stage('serve'):>16.3f}")
-    print(f"{'decode attention, 8 layers':34}{t_att:>16.3f}")
-    decode.delete(MODEL, "demo-request-1")
+    print(f"{'seconds':36}{'A':>16}{'B':>16}")
+    print(f"{'generate both requests (client)':36}{t_gen:>16.3f}")
+    print(f"{'earlier request + calibrate':36}{t_cal:>16.3f}")
+    row("push, block by block (client)", lambda c: c["t_put"], ".3f")
+    for st in ("receive", "compress", "store"):
+        row(f"  daemon: {st}", lambda c: c["stages"][st], ".3f")
+    row("fetch as stored (client)", lambda c: c["t_get"], ".3f")
+    row("  daemon: serve (all fetches)", lambda c: c["stages"]["serve"], ".3f")
+    row("decode attention, 8 layers", lambda c: c["t_att"], ".3f")
     return 0
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -63,6 +63,11 @@ class GeneratorParams:
     query_scale: float = 2.5           # std of generic query coordinates in the subspace
     generic_queries: int = 8           # generic queries per q head
     retrieval_noise: float = 0.1       # relative noise on retrieval queries
+    basis_seed: Optional[int] = None   # None: each head's key and value bases come from the
+                                       # layer's seed. Else from (basis_seed, head): caches made
+                                       # with one basis_seed share the "model's" subspaces and
+                                       # differ in content, like two requests to one model (a
+                                       # projection calibrated on one applies to the other)
 
     def needles_per_head(self) -> int:
         return self.num_needles + self.num_groups * self.group_size
@@ -130,9 +135,10 @@ def generate_layer(p: GeneratorParams, tokens: int, seed: int) -> Layer:
         # every generic query.
         slow = np.concatenate([np.arange(half // 2, half - p.outlier_channels),
                                np.arange(half + half // 2, d - p.outlier_channels)])
+        brng = rng if p.basis_seed is None else np.random.default_rng([p.basis_seed, h])
         basis = np.zeros((d, p.subspace_dim))
-        basis[slow] = _orthonormal(rng, len(slow), p.subspace_dim)
-        vbasis = _orthonormal(rng, d, p.value_dim)
+        basis[slow] = _orthonormal(brng, len(slow), p.subspace_dim)
+        vbasis = _orthonormal(brng, d, p.value_dim)
         topic = rng.standard_normal((n_topics, p.subspace_dim)) * p.drift_scale
         vtopic = rng.standard_normal((n_topics, p.value_dim)) * p.drift_scale
         tid = pos // p.drift_every

@@ -469,6 +469,39 @@ class ClientImpl : public Client {
     return out;
   }
 
+  absl::StatusOr<std::vector<CalibrateResult>> Calibrate(
+      absl::string_view model_id, const CalibrateOptions& calibrate) override {
+    if (model_id.empty()) return absl::InvalidArgumentError("calibrate: empty model id");
+    if (calibrate.rank == 0 && !(calibrate.error_budget > 0.0 && calibrate.error_budget < 1.0)) {
+      return absl::InvalidArgumentError(
+          "calibrate: give a rank, or an error budget in (0, 1) to pick per-layer ranks");
+    }
+    if (calibrate.rank != 0 && calibrate.error_budget != 0.0) {
+      return absl::InvalidArgumentError("calibrate: give a rank or an error budget, not both");
+    }
+    KVCOMP_ASSIGN_OR_RETURN(const ValueCodec codec, ParseValueCodec(calibrate.value_codec));
+    if (codec == ValueCodec::kRaw) {
+      return absl::InvalidArgumentError("calibrate: value codec none needs no projection");
+    }
+    std::vector<CalibrateResult> out;
+    for (const auto& e : endpoints_) {
+      CalibrateResult r;
+      if (e->address().control.empty()) {
+        r.status = absl::UnimplementedError("no control address configured for this endpoint");
+      } else {
+        auto c = ControlCalibrate(e->address().control, options_, model_id, calibrate);
+        if (c.ok()) {
+          r = *c;
+        } else {
+          r.status = c.status();
+        }
+      }
+      r.endpoint = e->address().data;
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
+
  private:
   absl::Status CheckKey(absl::string_view model_id, absl::string_view key) const {
     CacheKey k{options_.tenant, std::string(model_id), std::string(key)};

@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/core/status.h"
 #include "kvcomp/rpc/KvcompControl.h"
 #include "kvcomp/transport/ucx.h"
 #include "thrift/protocol/TBinaryProtocol.h"
@@ -12,13 +13,18 @@
 namespace kvcomp {
 namespace client {
 
-absl::StatusOr<EndpointStats> ControlStats(const std::string& address,
-                                           const ClientOptions& options) {
+namespace {
+
+using apache::thrift::protocol::TBinaryProtocol;
+using apache::thrift::transport::TFramedTransport;
+using apache::thrift::transport::TSocket;
+
+// One control call: connects with the client's timeouts, runs `call(control, auth)` and turns
+// transport exceptions into Unavailable. `call` returns the response's status.
+template <typename Call>
+absl::Status WithControl(const std::string& address, const ClientOptions& options, Call call) {
   auto ep = transport::Endpoint::Parse(address);
   if (!ep.ok()) return ep.status();
-  using apache::thrift::protocol::TBinaryProtocol;
-  using apache::thrift::transport::TFramedTransport;
-  using apache::thrift::transport::TSocket;
   try {
     auto socket = std::make_shared<TSocket>(ep->host, ep->port);
     const int connect_ms = static_cast<int>(absl::ToInt64Milliseconds(options.connect_timeout));
@@ -33,21 +39,55 @@ absl::StatusOr<EndpointStats> ControlStats(const std::string& address,
     rpc::Auth auth;
     auth.__set_tenant(options.tenant);
     auth.__set_token(options.token);
-    rpc::StatsResponse r;
-    control.Stats(r, auth);
+    const rpc::Status st = call(control, auth);
     transport->close();
-    if (r.status.code != rpc::StatusCode::OK) {
-      return absl::Status(static_cast<absl::StatusCode>(r.status.code), r.status.message);
+    if (st.code != rpc::StatusCode::OK) {
+      return absl::Status(static_cast<absl::StatusCode>(st.code), st.message);
     }
-    EndpointStats s;
-    s.caches = static_cast<uint64_t>(r.caches);
-    s.original_bytes = static_cast<uint64_t>(r.original_bytes);
-    s.stored_bytes = static_cast<uint64_t>(r.stored_bytes);
-    s.queue_depth = static_cast<uint64_t>(r.queue_depth);
-    return s;
+    return absl::OkStatus();
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("control ", address, ": ", e.what()));
   }
+}
+
+}  // namespace
+
+absl::StatusOr<EndpointStats> ControlStats(const std::string& address,
+                                           const ClientOptions& options) {
+  rpc::StatsResponse r;
+  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
+    control.Stats(r, auth);
+    return r.status;
+  }));
+  EndpointStats s;
+  s.caches = static_cast<uint64_t>(r.caches);
+  s.original_bytes = static_cast<uint64_t>(r.original_bytes);
+  s.stored_bytes = static_cast<uint64_t>(r.stored_bytes);
+  s.queue_depth = static_cast<uint64_t>(r.queue_depth);
+  return s;
+}
+
+absl::StatusOr<CalibrateResult> ControlCalibrate(const std::string& address,
+                                                 const ClientOptions& options,
+                                                 absl::string_view model_id,
+                                                 const CalibrateOptions& calibrate) {
+  rpc::CalibrateRequest req;
+  req.__set_model_id(std::string(model_id));
+  req.__set_value_codec(calibrate.value_codec);
+  req.__set_rank(calibrate.rank);
+  req.__set_error_budget(calibrate.error_budget);
+  req.__set_max_caches(calibrate.max_caches);
+  rpc::CalibrateResponse r;
+  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
+    control.Calibrate(r, auth, req);
+    return r.status;
+  }));
+  CalibrateResult out;
+  out.projection_version = static_cast<uint64_t>(r.projection_version);
+  out.rank = static_cast<uint32_t>(r.rank);
+  out.achieved_error = r.achieved_error;
+  out.caches_used = static_cast<uint64_t>(r.caches_used);
+  return out;
 }
 
 }  // namespace client

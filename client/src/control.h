@@ -15,6 +15,12 @@ namespace client {
 absl::StatusOr<EndpointStats> ControlStats(const std::string& address,
                                            const ClientOptions& options);
 
+// Calibrate on the daemon whose control port is `address`; `endpoint` left empty.
+absl::StatusOr<CalibrateResult> ControlCalibrate(const std::string& address,
+                                                 const ClientOptions& options,
+                                                 absl::string_view model_id,
+                                                 const CalibrateOptions& calibrate);
+
 }  // namespace client
 }  // namespace kvcomp
 

@@ -110,6 +110,69 @@ TEST_F(ClientDaemonTest, EveryCall) {
   EXPECT_EQ(client_->Delete(kModel, "k1").code(), absl::StatusCode::kNotFound);
 }
 
+// Calibration through the SDK: the daemon fits a projection from the raw caches it stores, and
+// later puts asking for KVSplice values are encoded with it (and decode on request).
+TEST_F(ClientDaemonTest, CalibrateThenPutWithKvSplice) {
+  PutOptions raw;
+  raw.policy = CompressionPolicy{};
+  raw.policy->ratio = 0.25;
+  for (uint32_t i = 0; i < 3; ++i) {
+    Cache c(10 + i);
+    ASSERT_TRUE(client_->Put(kModel, "raw" + std::to_string(i), c.layout, c.tokens, c.layers(), raw)
+                    .ok());
+  }
+  EXPECT_EQ(client_->Calibrate(kModel, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  CalibrateOptions bad;
+  bad.rank = 8;
+  bad.error_budget = 0.1;
+  EXPECT_EQ(client_->Calibrate(kModel, bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = {};
+  bad.rank = 8;
+  bad.value_codec = "none";
+  EXPECT_EQ(client_->Calibrate(kModel, bad).status().code(), absl::StatusCode::kInvalidArgument);
+
+  CalibrateOptions opt;
+  opt.error_budget = 0.9;
+  auto cal = client_->Calibrate(kModel, opt);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  ASSERT_EQ(cal->size(), 1u);
+  const CalibrateResult& r = (*cal)[0];
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(r.endpoint, daemon_->data_endpoint());
+  EXPECT_NE(r.projection_version, 0u);
+  EXPECT_EQ(r.caches_used, 3u);
+  EXPECT_GE(r.rank, 1u);
+  EXPECT_LE(r.rank, 64u);
+  EXPECT_LE(r.achieved_error, 0.9);
+
+  // A model with no stored caches has nothing to learn from: the endpoint says why.
+  auto none = client_->Calibrate("test/other", opt);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE((*none)[0].status.ok());
+
+  Cache c(20);
+  PutOptions enc = raw;
+  enc.policy->value_codec = ValueCodec::kOrthogonalInt8;
+  enc.policy->key_codec = KeyCodec::kInt8;
+  auto put = client_->Put(kModel, "enc", c.layout, c.tokens, c.layers(), enc);
+  ASSERT_TRUE(put.ok()) << put.status();
+  auto plain = client_->Put(kModel, "plain", c.layout, c.tokens, c.layers(), raw);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_LT(put->stored_bytes, plain->stored_bytes);
+  auto look = client_->Lookup(kModel, "enc");
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->value_codec, ValueCodec::kOrthogonalInt8);
+  auto got = client_->Get(kModel, "enc");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->projection_version, r.projection_version);
+  EXPECT_LE(got->rank, r.rank);
+  auto decoded = client_->GetDecoded(kModel, "enc");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->value_codec, ValueCodec::kRaw);
+  EXPECT_EQ(decoded->positions, got->positions);
+  EXPECT_EQ(decoded->values.size(), decoded->total_kept() * c.layout.head_dim * 2);
+}
+
 TEST_F(ClientDaemonTest, StreamInTokenRangesAndAbort) {
   Cache c(2);
   auto s = client_->OpenPutStream(kModel, "s1", c.layout, c.tokens);

@@ -151,6 +151,53 @@ def test_stats_and_ranking(client, daemon):
     assert client.ranking(MODEL, "stats") == [daemon.data_endpoint]
 
 
+def test_calibrate_then_put_with_kvsplice(client):
+    # Low-rank values: the daemon's projection (fitted from stored raw caches) keeps them.
+    model = "test/kvsplice"
+    rng = np.random.default_rng(7)
+    basis = [np.linalg.qr(rng.standard_normal((D, D)))[0][:, :12] for _ in range(LAYERS * KV)]
+
+    def low_rank(seed):
+        r = np.random.default_rng(seed)
+        k = r.standard_normal((LAYERS, KV, N, D)).astype(np.float16)
+        v = np.empty((LAYERS, KV, N, D), np.float32)
+        for i in range(LAYERS * KV):
+            v[i // KV, i % KV] = r.standard_normal((N, 12)) @ basis[i].T
+        return k, (v + 0.01 * r.standard_normal(v.shape)).astype(np.float16)
+
+    raw = kvcomp.Policy(ratio=0.5)
+    for i in range(2):
+        client.put(model, f"raw{i}", *low_rank(10 + i), policy=raw, num_q_heads=Q)
+    with pytest.raises(ValueError):
+        client.calibrate(model)  # neither rank nor error budget
+    with pytest.raises(ValueError):
+        client.calibrate(model, rank=8, error_budget=0.1)
+    res = client.calibrate(model, error_budget=0.05)
+    assert len(res) == 1 and res[0]["ok"], res
+    assert res[0]["caches_used"] == 2 and res[0]["projection_version"] != 0
+    assert 12 <= res[0]["rank"] < D and res[0]["achieved_error"] <= 0.05
+    assert not client.calibrate("test/nothing-stored", rank=8)[0]["ok"]
+
+    k, v = low_rank(20)
+    enc = kvcomp.Policy(ratio=0.5, key_codec="int8", value_codec="orthogonal_int8")
+    r_enc = client.put(model, "enc", k, v, policy=enc, num_q_heads=Q)
+    r_raw = client.put(model, "raw", k, v, policy=raw, num_q_heads=Q)
+    assert r_enc["stored_bytes"] < 0.6 * r_raw["stored_bytes"]  # moments are the same in both
+    c = client.get(model, "enc")
+    info = kvcomp.cache_codecs(c)
+    assert info["value_codec"] == "orthogonal_int8"
+    assert info["projection_version"] == res[0]["projection_version"]
+    d = client.get(model, "enc", decoded=True)
+    for layer in range(LAYERS):
+        for h in range(KV):
+            pos = d.kept_positions(layer, h)
+            got = np.asarray(d.values(layer, h)).astype(np.float32)
+            want = v[layer, h, pos].astype(np.float32)
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.06
+    for key in ("raw0", "raw1", "enc", "raw"):
+        client.delete(model, key)
+
+
 def test_wrong_token_is_permission_error():
     tokens = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvcomp-tokens-{os.getpid()}")
     with open(tokens, "w") as f:

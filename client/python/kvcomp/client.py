@@ -160,6 +160,17 @@ class Client:
         """Per-endpoint statistics of this tenant (needs the endpoints' control addresses)."""
         return self._c.stats()
 
+    def calibrate(self, model: str, *, error_budget: float = 0.0, rank: int = 0,
+                  value_codec: str = "orthogonal_int8",
+                  max_caches: int = 64) -> List[Dict[str, Any]]:
+        """Has every endpoint fit a KVSplice value projection for `model` from the caches it
+        stores with raw values (up to `max_caches`): `rank` for every layer, or (rank 0) the
+        smallest per-layer ranks whose relative value error meets `error_budget`. Later puts
+        whose policy asks for an orthogonal value codec are encoded with it. Returns one dict per
+        endpoint: endpoint, ok, error, projection_version, rank (the largest layer's),
+        achieved_error, caches_used. ValueError for bad arguments."""
+        return self._c.calibrate(model, value_codec, rank, error_budget, max_caches)
+
     def ranking(self, model: str, key: Key) -> List[str]:
         """The endpoints in the order this key's reads and writes try them."""
         return self._c.ranking(model, _key(key))

@@ -338,6 +338,37 @@ void RegisterClient(nb::module_& m) {
              return out;
            })
       .def(
+          "calibrate",
+          [](Client& c, const std::string& model, const std::string& value_codec, uint32_t rank,
+             double error_budget, uint32_t max_caches) {
+            client::CalibrateOptions o;
+            o.value_codec = value_codec;
+            o.rank = rank;
+            o.error_budget = error_budget;
+            o.max_caches = max_caches;
+            absl::StatusOr<std::vector<client::CalibrateResult>> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.Calibrate(model, o);
+            }
+            Check(r.status());
+            nb::list out;
+            for (const auto& e : *r) {
+              nb::dict d;
+              d["endpoint"] = e.endpoint;
+              d["ok"] = e.status.ok();
+              d["error"] = e.status.ok() ? std::string() : e.status.ToString();
+              d["projection_version"] = e.projection_version;
+              d["rank"] = e.rank;
+              d["achieved_error"] = e.achieved_error;
+              d["caches_used"] = e.caches_used;
+              out.append(d);
+            }
+            return out;
+          },
+          nb::arg("model"), nb::arg("value_codec"), nb::arg("rank"), nb::arg("error_budget"),
+          nb::arg("max_caches"))
+      .def(
           "ranking",
           [](Client& c, const std::string& model, nb::bytes key) {
             return c.Ranking(model, std::string(static_cast<const char*>(key.data()), key.size()));

@@ -106,6 +106,25 @@ struct EndpointStats {
   uint64_t queue_depth = 0;
 };
 
+// A KVSplice calibration on a daemon (its control plane's Calibrate): the daemon fits a value
+// projection for (tenant, model) from up to `max_caches` caches it stores with raw values, and
+// uses it for later puts whose policy asks for an orthogonal value codec.
+struct CalibrateOptions {
+  std::string value_codec = "orthogonal_int8";  // orthogonal, orthogonal_int8, orthogonal_int4
+  uint32_t rank = 0;          // > 0: this rank for every layer
+  double error_budget = 0.0;  // rank 0: per-layer ranks meeting this relative value error
+  uint32_t max_caches = 64;
+};
+
+struct CalibrateResult {
+  std::string endpoint;
+  absl::Status status;  // this endpoint's outcome
+  uint64_t projection_version = 0;
+  uint32_t rank = 0;  // the largest per-layer rank
+  double achieved_error = 0.0;
+  uint64_t caches_used = 0;
+};
+
 struct PutOptions {
   // The policy; empty: the tenant's default on the daemon.
   std::optional<CompressionPolicy> policy;
@@ -177,6 +196,11 @@ class Client {
   // Per endpoint statistics (Thrift control calls; endpoints without a control address report
   // Unimplemented in their status).
   virtual std::vector<EndpointStats> Stats() = 0;
+  // Calibrates on every endpoint (each daemon learns from the caches it stores, so each has its
+  // own projection version). One result per endpoint; endpoints without a control address
+  // report Unimplemented. The call itself fails only with InvalidArgument (bad options).
+  virtual absl::StatusOr<std::vector<CalibrateResult>> Calibrate(
+      absl::string_view model_id, const CalibrateOptions& options) = 0;
 
   // The endpoints in the order a key's reads and writes try them (rendezvous ranking).
   virtual std::vector<std::string> Ranking(absl::string_view model_id,
