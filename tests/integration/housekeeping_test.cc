@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 
 #include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -54,11 +55,11 @@ wire::Block LayerBlock(uint64_t put_id, uint32_t layer, const KvLayout& layout =
 }
 
 // Puts one cache, one block per layer. Values are rank 8 plus a little noise (the same 8
-// directions for every cache, scaled by `scale`), so a calibrated projection reconstructs them
-// closely; keys are random.
+// directions for every cache), so a calibrated projection reconstructs them closely; keys are
+// random. `midway` (if set) runs after the first block, while the put is open.
 absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& model,
                                               const std::string& key, uint64_t seed,
-                                              float scale = 1.0f) {
+                                              const std::function<void()>& midway = nullptr) {
   KVCOMP_ASSIGN_OR_RETURN(uint64_t id, c.PutBegin(Begin(model, key)));
   const uint32_t D = kLayout.head_dim;
   std::mt19937_64 basis_rng(42), rng(seed);
@@ -74,11 +75,12 @@ absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& m
       for (uint32_t j = 0; j < D; ++j) {
         float x = 0.01f * n(rng);
         for (int r = 0; r < 8; ++r) x += coef[r] * basis[r * D + j];
-        v[row * D + j] = FloatToHalf(scale * x);
+        v[row * D + j] = FloatToHalf(x);
         k[row * D + j] = FloatToHalf(n(rng));
       }
     }
     KVCOMP_RETURN_IF_ERROR(c.SendBlock(LayerBlock(id, l), k.data(), v.data()));
+    if (l == 0 && midway) midway();
   }
   return c.PutCommit(id, kLayout.num_layers);
 }
@@ -331,6 +333,66 @@ TEST_F(HousekeepingTest, ProjectionVersionsLiveExactlyAsLongAsACacheNamesThem) {
   EXPECT_EQ(MetricValue(m, kCount), 1) << d->Log();
   EXPECT_EQ(MetricValue(m, kDeleted), 1);
   EXPECT_EQ(c->Get("splice", "e4").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(HousekeepingTest, AVersionAnOpenPutEncodesWithIsKeptUntilItsCacheIsStored) {
+  // A put takes the latest version at put-begin. A Calibrate while the put is still receiving
+  // makes that version old and unnamed by any stored cache, yet it must survive (the cache
+  // about to be stored names it); an aborted put lets it go.
+  auto d = StartDaemon({"--storage.sweep_interval_seconds=0.3"});
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  ControlClient rpc(d->ports().control);
+  const rpc::Auth auth = MakeAuth("", "");
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(PutLowRank(*c, "splice", "raw" + std::to_string(i), 10 + i).ok());
+  }
+  auto calibrate = [&](int rank) {
+    rpc::CalibrateRequest cal;
+    cal.model_id = "splice";
+    cal.rank = rank;
+    rpc::CalibrateResponse r;
+    rpc->Calibrate(r, auth, cal);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::OK) << r.status.message;
+    return static_cast<uint64_t>(r.projection_version);
+  };
+  const uint64_t v1 = calibrate(16);
+  rpc::PolicyResponse pol;
+  rpc->GetPolicy(pol, auth, "splice");
+  rpc::Policy p = pol.policy;
+  p.value_codec = "orthogonal_int8";
+  p.rank = 16;
+  rpc->SetPolicy(pol, auth, "splice", p);
+  ASSERT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
+  const std::string kCount = "kvcomp_projections";
+
+  uint64_t v2 = 0;
+  auto put = PutLowRank(*c, "splice", "slow", 20, [&] {
+    v2 = calibrate(24);                  // v1 is old now, and no stored cache names it yet
+    absl::SleepFor(absl::Seconds(1.5));  // sweeps run meanwhile
+    EXPECT_EQ(MetricValue(MetricsWhen(*d, kCount, 2), kCount), 2);
+  });
+  ASSERT_TRUE(put.ok()) << put.status();
+  ASSERT_NE(v2, v1);
+  auto stored = StoredCodec(*c, "splice", "slow");
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->second, v1);
+  EXPECT_TRUE(DecodesToRaw(*c, "splice", "slow").ok()) << DecodesToRaw(*c, "splice", "slow");
+  // Now a stored cache names v1: still kept, until that cache goes.
+  ASSERT_TRUE(c->Delete("splice", "slow").ok());
+  EXPECT_EQ(MetricValue(MetricsWhen(*d, kCount, 1), kCount), 1);
+
+  // An open put holding v2 while v3 arrives, then aborted: v2 goes with the next sweep.
+  auto id = c->PutBegin(Begin("splice", "aborted"));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const uint64_t v3 = calibrate(32);
+  ASSERT_NE(v3, v2);
+  absl::SleepFor(absl::Seconds(1.5));
+  EXPECT_EQ(MetricValue(MetricsWhen(*d, kCount, 2), kCount), 2);
+  ASSERT_TRUE(c->PutAbort(*id).ok());
+  std::string m = MetricsWhen(*d, kCount, 1);
+  EXPECT_EQ(MetricValue(m, kCount), 1);
+  EXPECT_EQ(MetricValue(m, "kvcomp_projections_deleted_total"), 2);
 }
 
 TEST_F(HousekeepingTest, StoredCacheGaugesCountEveryTenantInTheStore) {
