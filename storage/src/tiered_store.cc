@@ -947,11 +947,42 @@ uint64_t TieredStoreImpl::ExpireNow() {
       if (Expired(e, now)) expired.push_back(ek);
     }
   }
+  // In batches: the batch's key stripes are taken in ascending order (so two sweeps cannot
+  // deadlock; every other path holds at most one stripe while it blocks), the persisted ones are
+  // deleted from RocksDB in one synced write, then all leave the index. One WAL sync per batch.
   uint64_t n = 0;
-  for (const auto& ek : expired) {
-    WriterLock lock(&Stripe(StripeIndex(ek)));
-    bool deleted = false;
-    if (DeleteLocked(ek, /*only_if_expired=*/true, &deleted).ok() && deleted) ++n;
+  for (size_t begin = 0; begin < expired.size(); begin += kEvictBatch) {
+    const size_t end = std::min(expired.size(), begin + kEvictBatch);
+    std::vector<int> stripes;
+    for (size_t i = begin; i < end; ++i) stripes.push_back(StripeIndex(expired[i]));
+    std::sort(stripes.begin(), stripes.end());
+    stripes.erase(std::unique(stripes.begin(), stripes.end()), stripes.end());
+    for (int stripe : stripes) Stripe(stripe).Lock();
+    std::vector<std::string> gone, on_disk;
+    const int64_t check = NowMs();
+    for (size_t i = begin; i < end; ++i) {
+      Shard& s = ShardOf(expired[i]);
+      ReaderLock lock(&s.mu);
+      auto it = s.map.find(expired[i]);
+      if (it == s.map.end() || !Expired(it->second, check)) continue;  // replaced or pinned
+      gone.push_back(expired[i]);
+      if (it->second.persisted) on_disk.push_back(expired[i]);
+    }
+    absl::Status st = on_disk.empty() ? absl::OkStatus() : rocks_->DeleteMany(on_disk, true);
+    if (st.ok()) {
+      for (const std::string& ek : gone) {
+        Entry removed;
+        if (!RemoveFromIndex(ek, &removed)) continue;
+        if (removed.meta.tier != TierKind::kRocksDb) {
+          tiers_[TierIndex(removed.meta.tier)]->Delete(ek, false).IgnoreError();
+        }
+        expired_ += 1;
+        ++n;
+      }
+    } else if (IsDiskError(st)) {
+      write_errors_ += 1;  // the entries stay (hidden, expired) until a later sweep
+    }
+    for (int stripe : stripes) Stripe(stripe).Unlock();
   }
   return n;
 }

@@ -4,6 +4,7 @@
 // deletes stay valid; afterwards the per-tier byte counts agree with the index. Also built with
 // ThreadSanitizer (scripts/run_tests.sh).
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -73,6 +74,7 @@ void Hammer(const StoreOptions& o, int threads, int ops_per_thread) {
           PutOptions po = raw;
           po.durability =
               (o.rocksdb.enabled && rng() % 4 == 0) ? Durability::kDisk : Durability::kMemory;
+          if (rng() % 10 == 0) po.ttl = absl::Milliseconds(1 + rng() % 5);  // expiry sweeps
           const absl::Status st = store.Put(Key(k), Value(k, version++, 64 + rng() % 3000), {}, po);
           if (!st.ok() && !absl::IsResourceExhausted(st)) fail("put: " + st.ToString());
         } else if (op < 75) {
@@ -121,6 +123,10 @@ void Hammer(const StoreOptions& o, int threads, int ops_per_thread) {
   for (auto& th : pool) th.join();
   EXPECT_EQ(bad.load(), 0) << first;
   EXPECT_GT(ok_gets.load(), 0u);
+  // Every TTL (at most 5 ms) has passed: remove those entries, so the index holds live ones.
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  store.ExpireNow();
+  EXPECT_GT(store.Stats().expired, 0u);
 
   // Quiescent: the index and the tiers agree.
   uint64_t bytes[kNumTiers] = {0, 0, 0};
