@@ -29,6 +29,23 @@ for size in 65536 1048576; do
     [ -n "$BASE" ] && run baseline "$BASE" "$size" "$num"
   done
 done
+# Syncs per case (fdatasync + fsync of the whole process, setup and open included), counted with
+# strace once per variant at 64 KiB: a robust figure where timings on a shared VM are not.
+: > "$OUT.syncs"
+if command -v strace >/dev/null; then
+  for case in churn_memory_puts_demote_evict churn_disk_puts_evict overwrite_disk_with_memory \
+              overwrite_disk_with_memory_4_threads; do
+    for variant in this baseline; do
+      bin=$BENCH
+      [ "$variant" = baseline ] && bin=$BASE
+      [ -z "$bin" ] && continue
+      strace -f -c -e trace=fdatasync,fsync -o "$SCRATCH/strace.txt" "$bin" --mode=churn \
+        --dir="$SCRATCH" --value_size=65536 --num="$NUM" --only="$case" >/dev/null
+      n=$(awk '$NF=="fdatasync"||$NF=="fsync"{s+=$4} END{print s+0}' "$SCRATCH/strace.txt")
+      echo "$case $variant $n" >> "$OUT.syncs"
+    done
+  done
+fi
 python3 - "$OUT" "$STAMP" "$COMMIT" "$BASE_COMMIT" <<'PY'
 import json, statistics, sys, os, platform, subprocess
 out, stamp, commit, base_commit = sys.argv[1:5]
@@ -52,6 +69,18 @@ for (bench, size, variant), v in sorted(groups.items()):
     ratio = f"{this / b:.2f}" if b else "-"
     lines.append(f"| {bench} | {size // 1024} KiB | {this:.0f} | {b:.0f} | {ratio} |" if b
                  else f"| {bench} | {size // 1024} KiB | {this:.0f} | - | - |")
+syncs = {}
+for l in open(out + ".syncs"):
+    case, variant, n = l.split()
+    syncs.setdefault(case, {})[variant] = int(n)
+if syncs:
+    lines += ["", "WAL and file syncs per case at 64 KiB (fdatasync + fsync counted by strace over the",
+              "whole process, including the store's open and each case's untimed setup):", "",
+              "| case | this | baseline | extra |", "| --- | --- | --- | --- |"]
+    for case, v in syncs.items():
+        t, b = v.get("this"), v.get("baseline")
+        extra = t - b if t is not None and b is not None else "-"
+        lines.append(f"| {case} | {t} | {b if b is not None else '-'} | {extra} |")
 open(out + ".md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

@@ -10,6 +10,7 @@
 //     top of each put's own sync); and memory-durable overwrites of disk-durable caches (the old
 //     disk copy is deleted with a synced write). Reports ops/s and evictions.
 // Usage: storage_bench --mode=rocksdb|host|churn --dir=DIR --value_size=BYTES --num=N --sync=0|1
+//   [--only=CASE] (churn mode: one case, e.g. to count its syncs with strace)
 #include <malloc.h>
 #include <unistd.h>
 
@@ -46,6 +47,7 @@ struct Args {
   uint64_t value_size = 1 << 20;
   uint64_t num = 256;
   bool sync = false;
+  std::string only;  // churn mode: run only the case of this name (empty: all)
 };
 
 Args Parse(int argc, char** argv) {
@@ -65,6 +67,8 @@ Args Parse(int argc, char** argv) {
       (void)absl::SimpleAtoi(value("num"), &a.num);
     else if (absl::StartsWith(s, "--sync="))
       a.sync = value("sync") == "1";
+    else if (absl::StartsWith(s, "--only="))
+      a.only = std::string(value("only"));
     else {
       std::fprintf(stderr, "unknown argument %s\n", argv[i]);
       std::exit(2);
@@ -209,7 +213,7 @@ int RunChurn(const Args& a) {
     if (!host) o.default_tier = TierKind::kRocksDb;
     return TieredStore::Open(o);
   };
-  {
+  if (a.only.empty() || a.only == "churn_memory_puts_demote_evict") {
     // Memory-durable puts of new keys: host demotes into RocksDB, which evicts when full.
     auto store = fresh(true);
     if (!store.ok()) return 1;
@@ -221,7 +225,7 @@ int RunChurn(const Args& a) {
     ReportOps(a, "churn_memory_puts_demote_evict", a.num, Seconds(t0),
               (*store)->Stats().tier(TierKind::kRocksDb).evictions);
   }
-  {
+  if (a.only.empty() || a.only == "churn_disk_puts_evict") {
     // Disk-durable puts into a full RocksDB-only store.
     auto store = fresh(false);
     if (!store.ok()) return 1;
@@ -233,7 +237,7 @@ int RunChurn(const Args& a) {
     ReportOps(a, "churn_disk_puts_evict", a.num, Seconds(t0),
               (*store)->Stats().tier(TierKind::kRocksDb).evictions);
   }
-  {
+  if (a.only.empty() || a.only == "overwrite_disk_with_memory") {
     // Memory-durable overwrites of disk-durable caches (placed in host).
     auto store = fresh(true);
     if (!store.ok()) return 1;
@@ -249,7 +253,7 @@ int RunChurn(const Args& a) {
     ReportOps(a, "overwrite_disk_with_memory", n, Seconds(t0),
               (*store)->Stats().tier(TierKind::kRocksDb).evictions);
   }
-  {
+  if (a.only.empty() || a.only == "overwrite_disk_with_memory_4_threads") {
     // The same from 4 threads on disjoint keys: RocksDB's group commit shares the syncs.
     auto store = fresh(true);
     if (!store.ok()) return 1;
