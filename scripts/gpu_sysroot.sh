@@ -59,7 +59,8 @@ else
   echo "gpu_sysroot: no nanobind for python3 here; run.sh will use the device's" >&2
 fi
 for py in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
-  inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null) || continue
+  inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null) ||
+    continue
   if [ -f "$inc/Python.h" ]; then
     mkdir -p "$ROOT/python-headers"
     cp -r "$inc" "$ROOT/python-headers/python3.12"

@@ -112,8 +112,9 @@ if has python; then
   [ -n "$nb_dir" ] && py_args+=(-Dnanobind_DIR="$nb_dir")
   py_inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)
   py_ver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
-  if [ ! -f "$py_inc/Python.h" ] && [ -f "$ROOT/.sysroot/python-headers/python$py_ver/Python.h" ]; then
-    py_inc=$ROOT/.sysroot/python-headers/python$py_ver
+  carried_inc=$ROOT/.sysroot/python-headers/python$py_ver
+  if [ ! -f "$py_inc/Python.h" ] && [ -f "$carried_inc/Python.h" ]; then
+    py_inc=$carried_inc
     py_args+=(-DPython_INCLUDE_DIR="$py_inc")
   fi
   PYLOG=$OUT/python.log  # build, then both pytest runs (the device returns at most 8 files)
@@ -139,7 +140,8 @@ if has python; then
         "$PY" -m pytest -q -rs -p no:cacheprovider "${sel[@]}" >"$PYBUILD/pytest-$part.log" 2>&1
       rc=$?
       cat "$PYBUILD/pytest-$part.log" >>"$PYLOG"
-      res=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)' "$PYBUILD/pytest-$part.log" | tail -1)
+      res=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)' \
+        "$PYBUILD/pytest-$part.log" | tail -1)
       note "python  $part: ${res:-no result (exit $rc)}"
       grep -E '^(SKIPPED|FAILED|ERROR)' "$PYBUILD/pytest-$part.log" | head -8 | tee -a "$SUMMARY"
     done
