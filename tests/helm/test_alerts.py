@@ -97,6 +97,8 @@ SCENARIOS = [
 HEALTHY = [BUILD_INFO, READY,
            series("kvcomp_errors_total", "0+1x80", op="get", code="not_found"),
            series("kvcomp_errors_total", "0+1x80", op="put", code="busy"),
+           # A client's corrupted frames, refused by the transport: no stored cache lost.
+           series("kvcomp_errors_total", "0+1x80", op="transport", code="data_loss"),
            series("kvcomp_operation_duration_seconds_count", "0+1000x80", op="get"),
            series("kvcomp_queue_depth", "3x80"),
            series("kvcomp_tier_stored_bytes", "50x80", tier="host"),

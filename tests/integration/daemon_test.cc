@@ -149,7 +149,8 @@ class DaemonTest : public ::testing::TestWithParam<std::string> {
     EXPECT_EQ(r.code, 200);
     return r.body;
   }
-  // Waits until the totals gauges (refreshed at most once a second) show `caches`.
+  // Waits until the totals gauges show `caches` (a commit is acknowledged before the worker's
+  // last bookkeeping; the gauges are read from the store at each scrape).
   std::string MetricsWithCaches(double caches) {
     std::string m;
     for (int i = 0; i < 40; ++i) {
