@@ -194,7 +194,7 @@ class TieredStoreImpl final : public TieredStore {
   mutable SharedMutex quarantine_mu_;
   std::vector<QuarantinedCache> quarantine_ ABSL_GUARDED_BY(quarantine_mu_);
   StripedCounts<std::string> tenant_bytes_;  // quota accounting (reserved before placement)
-  TenantUsageTable usage_;                    // Usage(): entries in the index
+  TenantUsageTable usage_;                   // Usage(): entries in the index
   StripedCounts<ProjectionRef> projection_refs_;
 };
 
@@ -442,8 +442,8 @@ void TieredStoreImpl::EvictFromDisk(uint64_t target_bytes, const Held& held) {
     skipped.insert(victim);
     if (held.Contains(victim)) continue;
     const int stripe = StripeIndex(victim);
-    const bool have = held.HoldsStripe(stripe) ||
-                      std::find(locked.begin(), locked.end(), stripe) != locked.end();
+    const bool have =
+        held.HoldsStripe(stripe) || std::find(locked.begin(), locked.end(), stripe) != locked.end();
     // Try-lock only: a thread holding this stripe may be waiting for this demotion.
     if (!have) {
       if (!Stripe(stripe).TryLock()) continue;
@@ -454,8 +454,7 @@ void TieredStoreImpl::EvictFromDisk(uint64_t target_bytes, const Held& held) {
       Shard& s = ShardOf(victim);
       ReaderLock lock(&s.mu);
       auto it = s.map.find(victim);
-      if (it == s.map.end() || it->second.meta.tier != TierKind::kRocksDb ||
-          it->second.pins > 0) {
+      if (it == s.map.end() || it->second.meta.tier != TierKind::kRocksDb || it->second.pins > 0) {
         continue;
       }
       size = it->second.meta.stored_bytes;
@@ -645,8 +644,8 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
       break;
     }
     if (t != target) MakeRoom(t, n, Held().With(&ek));
-    absl::Status st = tiers_[t]->Put(ek, meta, encoded,
-                                     SyncFor(t, options.durability) || (t == kRocks && old_on_disk));
+    absl::Status st = tiers_[t]->Put(
+        ek, meta, encoded, SyncFor(t, options.durability) || (t == kRocks && old_on_disk));
     if (st.ok()) {
       placed = t;
       persisted = persisted || t == kRocks;
@@ -1029,11 +1028,10 @@ absl::Status TieredStoreImpl::PurgeQuarantined(absl::string_view encoded_key) {
   {
     WriterLock lock(&quarantine_mu_);
     const size_t before = quarantine_.size();
-    quarantine_.erase(std::remove_if(quarantine_.begin(), quarantine_.end(),
-                                     [&](const QuarantinedCache& q) {
-                                       return q.encoded_key == encoded_key;
-                                     }),
-                      quarantine_.end());
+    quarantine_.erase(
+        std::remove_if(quarantine_.begin(), quarantine_.end(),
+                       [&](const QuarantinedCache& q) { return q.encoded_key == encoded_key; }),
+        quarantine_.end());
     found = found || quarantine_.size() != before;
   }
   if (!found) return absl::NotFoundError("purge quarantined: no such quarantined entry");

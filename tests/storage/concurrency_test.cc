@@ -145,7 +145,8 @@ void Hammer(const StoreOptions& o, int threads, int ops_per_thread) {
   }
   const StoreStats st = store.Stats();
   if (o.rocksdb.enabled) {
-    EXPECT_GT(st.tier(TierKind::kRocksDb).evictions, 0u) << "RocksDB never evicted (synced batches)";
+    EXPECT_GT(st.tier(TierKind::kRocksDb).evictions, 0u)
+        << "RocksDB never evicted (synced batches)";
   }
   for (int t = 0; t < kNumTiers; ++t) {
     if (!st.tiers[t].present) continue;

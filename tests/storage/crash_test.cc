@@ -248,9 +248,8 @@ TEST(Crash, NothingDeletedOverwrittenOrEvictedComesBackAfterPowerLoss) {
       auto got = (*store)->Get(crash::StaleKey(slot));
       SlotState& now = slots[slot];
       if (absl::IsNotFound(got.status())) {
-        ASSERT_TRUE(st.may_be_absent)
-            << "cycle " << cycle << ": slot " << slot << " lost its disk-durable version "
-            << *st.versions.begin();
+        ASSERT_TRUE(st.may_be_absent) << "cycle " << cycle << ": slot " << slot
+                                      << " lost its disk-durable version " << *st.versions.begin();
         if (st.versions.empty()) ++checked_gone;
         now.versions.clear();
         now.may_be_absent = true;
@@ -264,7 +263,8 @@ TEST(Crash, NothingDeletedOverwrittenOrEvictedComesBackAfterPowerLoss) {
       if (found == 0) {
         std::string which = "bytes of no version ever written";
         for (uint64_t v : st.history) {
-          if (got->payload.view() == crash::StaleBytes(v)) which = "older version " + std::to_string(v);
+          if (got->payload.view() == crash::StaleBytes(v))
+            which = "older version " + std::to_string(v);
         }
         FAIL() << "cycle " << cycle << ": slot " << slot << " came back with " << which
                << " (allowed: " << (st.may_be_absent ? "nothing" : "") << " "

@@ -261,7 +261,8 @@ TEST(Quarantine, PurgeOneAndAllDurably) {
     ASSERT_TRUE(store->PurgeQuarantined(Key("bad1").Encode()).ok());
     EXPECT_TRUE(absl::IsNotFound(store->PurgeQuarantined(Key("bad1").Encode())));
     ASSERT_EQ(store->Quarantined().size(), 2u);
-    for (const QuarantinedCache& q : store->Quarantined()) EXPECT_NE(q.encoded_key, Key("bad1").Encode());
+    for (const QuarantinedCache& q : store->Quarantined())
+      EXPECT_NE(q.encoded_key, Key("bad1").Encode());
     // The key itself is free for a new cache.
     ASSERT_TRUE(store->Put(Key("bad1"), good, {}, Disk()).ok());
   }

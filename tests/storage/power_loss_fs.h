@@ -54,8 +54,11 @@ class PowerLossFileSystem : public rocksdb::FileSystemWrapper {
   class UnsyncedTail : public rocksdb::FSWritableFileOwnerWrapper {
    public:
     UnsyncedTail(std::unique_ptr<rocksdb::FSWritableFile> f,
-                 std::shared_ptr<std::atomic<bool>> lost, std::shared_ptr<std::atomic<uint64_t>> syncs)
-        : FSWritableFileOwnerWrapper(std::move(f)), lost_(std::move(lost)), syncs_(std::move(syncs)) {}
+                 std::shared_ptr<std::atomic<bool>> lost,
+                 std::shared_ptr<std::atomic<uint64_t>> syncs)
+        : FSWritableFileOwnerWrapper(std::move(f)),
+          lost_(std::move(lost)),
+          syncs_(std::move(syncs)) {}
     ~UnsyncedTail() override { WriteThrough().PermitUncheckedError(); }
 
     rocksdb::IOStatus Append(const rocksdb::Slice& d, const rocksdb::IOOptions&,

@@ -152,7 +152,8 @@ TEST(Usage, CountsPutsOverwritesDeletesAndEvictionsPerTenant) {
   ASSERT_EQ(u.size(), 1u);
   EXPECT_EQ(u[0].tenant, "t1");
   // Evictions from the last tier leave the counts.
-  for (int i = 0; i < 6; ++i) ASSERT_TRUE(store->Put({"t2", "m", std::to_string(i)}, b, {}, {}).ok());
+  for (int i = 0; i < 6; ++i)
+    ASSERT_TRUE(store->Put({"t2", "m", std::to_string(i)}, b, {}, {}).ok());
   EXPECT_GT(store->Stats().tier(TierKind::kHost).evictions, 0u);
   ExpectUsageMatchesRecount(*store, "after evictions");
 }
