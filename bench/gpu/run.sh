@@ -127,7 +127,8 @@ if has python; then
     -DCMAKE_BUILD_RPATH="$SYSROOT/lib/x86_64-linux-gnu" >>"$PYLOG" 2>&1 &&
     cmake --build "$PYBUILD" -j "$JOBS" --target _kvcomp >>"$PYLOG" 2>&1 || py_ok=0
   if [ "$py_ok" = 1 ]; then
-    # -rs lists skip reasons: a skip of the round trip means Python could not use the GPU.
+    # -rfEs: failures, errors and skip reasons in the short summary (a skip of the round trip
+    # means Python could not use the GPU); COLUMNS: room for the assertion messages there.
     for part in roundtrip others; do
       if [ "$part" = roundtrip ]; then sel=(tests/python/test_cuda_roundtrip.py); else
         # Not here: the client (needs kvcompd, not built core-only) and the quality harness smoke
@@ -136,8 +137,9 @@ if has python; then
           --ignore=tests/python/test_client.py
           --deselect tests/python/test_moments.py::test_quality_harness_smoke); fi
       echo "### pytest $part" >>"$PYLOG"
-      PYTHONPATH="$PYBUILD/pkg" KVCOMP_BUILD_DIR="$PYBUILD" PYTHONUNBUFFERED=1 timeout 300 \
-        "$PY" -m pytest -q -rs -p no:cacheprovider "${sel[@]}" >"$PYBUILD/pytest-$part.log" 2>&1
+      PYTHONPATH="$PYBUILD/pkg" KVCOMP_BUILD_DIR="$PYBUILD" PYTHONUNBUFFERED=1 COLUMNS=200 \
+        timeout 300 "$PY" -m pytest -q -rfEs -p no:cacheprovider "${sel[@]}" \
+        >"$PYBUILD/pytest-$part.log" 2>&1
       rc=$?
       cat "$PYBUILD/pytest-$part.log" >>"$PYLOG"
       res=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)' \
