@@ -78,10 +78,9 @@ def _make_f32(seed):
     scales = 0.97 ** np.arange(SIGNAL_RANK)
     for l in range(LAYERS):
         for h in range(HEADS):
-            q, _ = np.linalg.qr(rng.standard_normal((D, D)))
+            q, _ = np.linalg.qr(rng.standard_normal((D, SIGNAL_RANK)))  # orthonormal columns
             z = rng.standard_normal((TOKENS, SIGNAL_RANK)) * scales
-            v[l, h] = z @ q[:, :SIGNAL_RANK].T + 0.3 * q[:, 0] + 0.02 * rng.standard_normal(
-                (TOKENS, D))
+            v[l, h] = z @ q.T + 0.3 * q[:, 0] + 0.02 * rng.standard_normal((TOKENS, D))
             ch = np.exp(rng.normal(0.0, 0.5, D))
             ch[rng.choice(D, 4, replace=False)] *= 8.0  # outlier channels, as real keys have
             k[l, h] = rng.standard_normal((TOKENS, D)) * ch + rng.normal(0.0, 0.5, D)
