@@ -89,7 +89,7 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--calibration-tokens", type=int, default=1024)
-    ap.add_argument("--error-budget", type=float, default=0.3)
+    ap.add_argument("--error-budget", type=float, default=0.1)
     args = ap.parse_args()
 
     data = tempfile.mkdtemp(prefix="kvcomp-demo-")
@@ -251,6 +251,7 @@ def run(args) -> int:
         ",")
     row("  bytes: values",
         lambda c: c["codecs"]["bytes"]["values"] + c["codecs"]["bytes"]["value_scales"], ",")
+    row("  bytes: values kept raw (outliers)", lambda c: c["codecs"]["bytes"]["raw_values"], ",")
     row("  bytes: moments", lambda c: c["codecs"]["bytes"]["moments"], ",")
     row("  bytes: positions + header",
         lambda c: c["codecs"]["bytes"]["positions"] + c["codecs"]["bytes"]["header"], ",")

@@ -36,6 +36,8 @@ void CompressedCache::Reset(const KvLayout& new_layout, uint64_t tokens) {
   values.clear();
   value_scales.clear();
   layer_rank.clear();
+  raw_value_rows.clear();
+  raw_values.clear();
   key_scales.clear();
   if (key_codec == KeyCodec::kInt8) key_scales.assign(h * layout.head_dim, 0.0f);
   moment_count.clear();
@@ -230,6 +232,20 @@ absl::Status CompressedCache::Validate() const {
   if (value_scales.size() != ValueScaleCount()) {
     return Inconsistent("value_scales", value_scales.size(), ValueScaleCount());
   }
+  if (!raw_value_rows.empty() && value_codec == ValueCodec::kRaw) {
+    return absl::InvalidArgumentError("compressed cache: raw values carry no raw value rows");
+  }
+  for (size_t i = 0; i < raw_value_rows.size(); ++i) {
+    if (raw_value_rows[i] >= total || (i > 0 && raw_value_rows[i] <= raw_value_rows[i - 1])) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("compressed cache: raw value rows not ascending within [0, %u)", total));
+    }
+  }
+  const uint64_t raw_row_bytes = DTypeBytes(layout.dtype, d);
+  if (raw_values.size() != raw_value_rows.size() * raw_row_bytes) {
+    return Inconsistent("raw_values (bytes)", raw_values.size(),
+                        raw_value_rows.size() * raw_row_bytes);
+  }
   if (!AllFinite(key_scales)) {
     return absl::InvalidArgumentError("compressed cache: non-finite key scale");
   }
@@ -273,6 +289,7 @@ CacheBytes CompressedCache::Breakdown() const {
   b.key_scales = key_scales.size() * sizeof(float);
   b.values = values.size();
   b.value_scales = value_scales.size() * sizeof(uint16_t);
+  b.raw_values = raw_value_rows.size() * sizeof(uint64_t) + raw_values.size();
   b.moments = moment_count.size() * sizeof(uint64_t) +
               (moment_key_sum.size() + moment_value_sum.size() + moment_vk_sum.size()) *
                   sizeof(float);
@@ -296,7 +313,8 @@ bool operator==(const CompressedCache& a, const CompressedCache& b) {
          a.key_codec == b.key_codec && a.value_codec == b.value_codec && a.rank == b.rank &&
          (a.ValueGroups() == 0 || a.group_size == b.group_size) &&
          a.projection_version == b.projection_version && a.value_gamma == b.value_gamma &&
-         a.layer_rank == b.layer_rank && a.kept == b.kept && a.positions == b.positions &&
+         a.layer_rank == b.layer_rank && a.raw_value_rows == b.raw_value_rows &&
+         a.raw_values == b.raw_values && a.kept == b.kept && a.positions == b.positions &&
          a.keys == b.keys && a.key_scales == b.key_scales && a.values == b.values &&
          a.value_scales == b.value_scales && a.has_moments == b.has_moments &&
          a.moment_count == b.moment_count && a.moment_key_sum == b.moment_key_sum &&

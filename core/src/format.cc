@@ -92,6 +92,8 @@ enum PolicyTag : uint16_t {
   kTagRank = 18,
   kTagGroupSize = 19,
   kTagGamma = 20,
+  kTagOutlierFactor = 21,
+  kTagRawFraction = 22,
 };
 
 class TlvWriter {
@@ -132,6 +134,8 @@ std::vector<uint8_t> EncodePolicy(const CompressionPolicy& p) {
   w.Add<uint32_t>(kTagRank, p.rank);
   w.Add<uint32_t>(kTagGroupSize, p.group_size);
   w.Add<uint8_t>(kTagGamma, p.gamma_aware);
+  w.Add<double>(kTagOutlierFactor, p.value_outlier_factor);
+  w.Add<double>(kTagRawFraction, p.value_raw_fraction);
   return w.Take();
 }
 
@@ -234,6 +238,14 @@ absl::StatusOr<CompressionPolicy> DecodePolicy(const uint8_t* p, uint64_t n) {
         KVCOMP_RETURN_IF_ERROR(want(1));
         pol.gamma_aware = u8() != 0;
         break;
+      case kTagOutlierFactor:
+        KVCOMP_RETURN_IF_ERROR(want(8));
+        pol.value_outlier_factor = Get<double>(v, 0);
+        break;
+      case kTagRawFraction:
+        KVCOMP_RETURN_IF_ERROR(want(8));
+        pol.value_raw_fraction = Get<double>(v, 0);
+        break;
       default:
         break;  // a newer writer's field: skipped (docs/format.md, "Compatibility")
     }
@@ -273,6 +285,11 @@ std::vector<Section> SectionsOf(const CompressedCache& c, const std::vector<uint
   }
   if (!c.layer_rank.empty()) {
     s.push_back({kLayerRanks, c.layer_rank.data(), c.layer_rank.size() * sizeof(uint32_t)});
+  }
+  if (!c.raw_value_rows.empty()) {
+    s.push_back(
+        {kRawValueRows, c.raw_value_rows.data(), c.raw_value_rows.size() * sizeof(uint64_t)});
+    s.push_back({kRawValues, c.raw_values.data(), c.raw_values.size()});
   }
   return s;
 }
@@ -392,7 +409,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
     if (Crc32c(b + en.offset, en.size) != Get<uint32_t>(e, 24)) {
       return absl::DataLossError(absl::StrFormat("cache format: section %u checksum mismatch", en.id));
     }
-    if (en.id > kLayerRanks && (en.flags & kSectionRequired)) {
+    if (en.id > kRawValues && (en.flags & kSectionRequired)) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "cache format: required section %u unknown to this reader", en.id));
     }
@@ -402,6 +419,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
     prev_end = en.offset + en.size;
     prev_id = en.id;
     if (en.id == kLayerRanks) p.info.layer_ranks = true;
+    if (en.id == kRawValueRows) p.info.raw_value_rows = en.size / sizeof(uint64_t);
     p.entries.push_back(en);
   }
   if (!AllZero(b + prev_end, n - prev_end)) {
@@ -591,6 +609,27 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kValues, true, value_bytes, &c.values));
   KVCOMP_RETURN_IF_ERROR(
       TakeSection(p, bytes, kValueScales, c.ValueGroups() > 0, scale_elems, &c.value_scales));
+  // KVSplice outliers: sections 13 and 14 come together; 13's size gives the count.
+  bool raw_rows = false;
+  for (const auto& e : p.entries) raw_rows = raw_rows || e.id == kRawValueRows;
+  if (raw_rows && c.value_codec == ValueCodec::kRaw) {
+    return absl::InvalidArgumentError("cache format: raw value rows with raw values");
+  }
+  uint64_t raw_rows_n = 0, raw_bytes = 0;
+  for (const auto& e : p.entries) {
+    if (e.id == kRawValueRows) {
+      if (e.size == 0 || e.size % sizeof(uint64_t) != 0) {
+        return absl::InvalidArgumentError("cache format: section 13 is not whole u64 entries");
+      }
+      raw_rows_n = e.size / sizeof(uint64_t);
+    }
+  }
+  if (raw_rows_n > t || !MulOk(raw_rows_n, DTypeBytes(info.layout.dtype, d), &raw_bytes)) {
+    return absl::InvalidArgumentError("cache format: more raw value rows than kept tokens");
+  }
+  KVCOMP_RETURN_IF_ERROR(
+      TakeSection(p, bytes, kRawValueRows, raw_rows, raw_rows_n, &c.raw_value_rows));
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kRawValues, raw_rows, raw_bytes, &c.raw_values));
   const bool m = c.has_moments;
   KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kMomentCount, m, h, &c.moment_count));
   KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kMomentKeySum, m, h * d, &c.moment_key_sum));

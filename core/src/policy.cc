@@ -117,6 +117,12 @@ absl::Status CompressionPolicy::Validate() const {
   if (group_size == 0 || group_size > 256) {
     return Bad(absl::StrFormat("group_size %u outside [1, 256]", group_size));
   }
+  if (!(value_outlier_factor >= 1.0 && value_outlier_factor <= 1e9)) {
+    return Bad(absl::StrFormat("value_outlier_factor %g outside [1, 1e9]", value_outlier_factor));
+  }
+  if (!(value_raw_fraction >= 0.0 && value_raw_fraction <= 1.0)) {
+    return Bad(absl::StrFormat("value_raw_fraction %g outside [0, 1]", value_raw_fraction));
+  }
   if (value_codec == ValueCodec::kRaw && rank != 0) {
     return Bad("rank set but value_codec is none");
   }
@@ -149,11 +155,12 @@ std::string CompressionPolicy::DebugString() const {
   return absl::StrFormat(
       "Policy{scorer=%s ratio=%g token_budget=%u head_budget=%s alpha=%g n_sink=%u n_recent=%u "
       "protect=%d window=%u snapkv=%u/%u seed=%u block=%u moments=%d moment_aware=%d "
-      "key_codec=%s value_codec=%s rank=%u group=%u gamma=%d}",
-      ScorerName(scorer), ratio, token_budget, HeadBudgetName(head_budget), alpha_safeguard,
-      n_sink, n_recent, protect, window, snapkv_window, snapkv_pool, seed, block_size, moments,
+      "key_codec=%s value_codec=%s rank=%u group=%u gamma=%d outlier_factor=%g "
+      "raw_fraction=%g}",
+      ScorerName(scorer), ratio, token_budget, HeadBudgetName(head_budget), alpha_safeguard, n_sink,
+      n_recent, protect, window, snapkv_window, snapkv_pool, seed, block_size, moments,
       moment_aware, KeyCodecName(key_codec), ValueCodecName(value_codec), rank, group_size,
-      gamma_aware);
+      gamma_aware, value_outlier_factor, value_raw_fraction);
 }
 
 bool operator==(const CompressionPolicy& a, const CompressionPolicy& b) {
@@ -162,9 +169,10 @@ bool operator==(const CompressionPolicy& a, const CompressionPolicy& b) {
          a.n_sink == b.n_sink && a.n_recent == b.n_recent && a.protect == b.protect &&
          a.window == b.window && a.snapkv_window == b.snapkv_window &&
          a.snapkv_pool == b.snapkv_pool && a.seed == b.seed && a.block_size == b.block_size &&
-         a.moments == b.moments && a.moment_aware == b.moment_aware &&
-         a.key_codec == b.key_codec && a.value_codec == b.value_codec && a.rank == b.rank &&
-         a.group_size == b.group_size && a.gamma_aware == b.gamma_aware;
+         a.moments == b.moments && a.moment_aware == b.moment_aware && a.key_codec == b.key_codec &&
+         a.value_codec == b.value_codec && a.rank == b.rank && a.group_size == b.group_size &&
+         a.gamma_aware == b.gamma_aware && a.value_outlier_factor == b.value_outlier_factor &&
+         a.value_raw_fraction == b.value_raw_fraction;
 }
 
 }  // namespace kvcomp

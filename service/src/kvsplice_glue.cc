@@ -252,6 +252,8 @@ absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
   raw.value_codec = ValueCodec::kRaw;
   raw.rank = 0;
   raw.layer_rank.clear();
+  raw.raw_value_rows.clear();
+  raw.raw_values.clear();
   raw.projection_version = 0;
   raw.value_gamma = false;
   raw.key_scales.clear();

@@ -25,6 +25,8 @@ struct RandomCacheOptions {
   std::vector<uint32_t> layer_rank;
   uint32_t group_size = 32;
   bool moments = true;
+  // KVSplice outlier rows kept raw (encoded values only): how many (at most the kept tokens).
+  uint64_t raw_value_rows = 0;
 };
 
 inline CompressedCache RandomCache(const RandomCacheOptions& o, uint64_t seed) {
@@ -65,6 +67,15 @@ inline CompressedCache RandomCache(const RandomCacheOptions& o, uint64_t seed) {
   for (auto& s : c.key_scales) s = u(rng);
   c.value_scales.resize(c.ValueScaleCount());
   for (auto& s : c.value_scales) s = FloatToHalf(u(rng));
+  if (o.raw_value_rows > 0 && t > 0) {
+    std::vector<uint64_t> rows(t);
+    std::iota(rows.begin(), rows.end(), uint64_t{0});
+    std::shuffle(rows.begin(), rows.end(), rng);
+    rows.resize(std::min<uint64_t>(o.raw_value_rows, t));
+    std::sort(rows.begin(), rows.end());
+    c.raw_value_rows = rows;
+    fill_bytes(&c.raw_values, rows.size() * DTypeBytes(c.layout.dtype, c.layout.head_dim));
+  }
   if (o.moments) {
     for (uint64_t i = 0; i < h; ++i) c.moment_count[i] = o.original_tokens - c.kept[i];
     for (auto& x : c.moment_key_sum) x = u(rng);

@@ -32,6 +32,7 @@ std::vector<RandomCacheOptions> AllVariants() {
           if (vc != ValueCodec::kRaw) {  // the same with per-layer ranks (2 layers)
             o.layer_rank = vc == ValueCodec::kOrthogonalInt4 ? std::vector<uint32_t>{12, 40}
                                                              : std::vector<uint32_t>{37, 5};
+            o.raw_value_rows = 3;  // and KVSplice outliers
             out.push_back(o);
           }
         }
@@ -313,6 +314,55 @@ TEST(Format, InconsistentLayerRanksAreRejected) {
   auto raw = RandomCache(r, 42);
   raw.layer_rank = {1, 1};
   EXPECT_EQ(format::EncodeCache(raw).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Format, RawValueRowsRoundTripAndAreChecked) {
+  RandomCacheOptions o;
+  o.layout = KvLayout{2, 2, 4, 64, DType::kBF16};
+  o.original_tokens = 90;
+  o.value_codec = ValueCodec::kOrthogonalInt8;
+  o.rank = 24;
+  o.raw_value_rows = 7;
+  const CompressedCache c = RandomCache(o, 51);
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  ASSERT_EQ(c.raw_value_rows.size(), 7u);
+  EXPECT_EQ(c.Breakdown().raw_values, 7u * 8 + 7u * 64 * 2);
+  const std::string b = *format::EncodeCache(c);
+  EXPECT_EQ(b.size(), c.Breakdown().total());
+  auto back = format::ParseCache(b);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == c);
+  EXPECT_EQ(format::PeekCache(b)->raw_value_rows, 7u);
+  auto bad = c;
+  std::swap(bad.raw_value_rows[0], bad.raw_value_rows[1]);  // not ascending
+  EXPECT_EQ(format::EncodeCache(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = c;
+  bad.raw_value_rows.back() = c.total_kept();  // beyond the kept rows
+  EXPECT_EQ(format::EncodeCache(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = c;
+  bad.raw_values.pop_back();  // one byte short
+  EXPECT_EQ(format::EncodeCache(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  // On the wire: section 13 claiming a row beyond the kept tokens, checksums right, is refused.
+  std::string w = b;
+  uint32_t n;
+  std::memcpy(&n, w.data() + 52, 4);
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t id;
+    uint64_t off;
+    std::memcpy(&id, w.data() + 128 + 32 * i, 4);
+    std::memcpy(&off, w.data() + 128 + 32 * i + 8, 8);
+    if (id != format::kRawValueRows) continue;
+    Put64(&w, off + 6 * 8, c.total_kept() + 5);
+    Put32(&w, 128 + 32 * i + 24, Crc32c(w.data() + off, 7 * 8));
+  }
+  ResealTable(&w);
+  EXPECT_EQ(format::ParseCache(w).status().code(), absl::StatusCode::kInvalidArgument);
+  // Raw values never carry outlier rows.
+  RandomCacheOptions r;
+  auto plain = RandomCache(r, 52);
+  plain.raw_value_rows = {0};
+  plain.raw_values.assign(DTypeBytes(plain.layout.dtype, plain.layout.head_dim), 1);
+  EXPECT_EQ(format::EncodeCache(plain).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Format, UnknownRequiredSectionIsRejectedOptionalIgnored) {

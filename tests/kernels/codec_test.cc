@@ -462,6 +462,100 @@ TEST(KvSplice, TunedRanksGiveEachLayerItsOwnRank) {
   EXPECT_EQ(*ChooseLayerRanks(fixed, tuned), (std::vector<uint32_t>{20, 20, 20}));
 }
 
+// KVSplice outliers: values far off the calibrated subspace (a needle's distinctive value) keep
+// their raw values, bit for bit, within the per-head cap; the rest decode as before.
+TEST(KvSplice, OffSubspaceValuesKeepTheirRawValues) {
+  auto be = Cpu();
+  testing::LowRankData data;
+  data.tokens = 400;
+  const std::vector<float> values = data.Make(1), keys = data.Make(2);
+  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be.get());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  for (uint32_t l = 0; l < data.layers; ++l) {
+    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
+  }
+  auto proj = cal->Finish(data.d);
+  ASSERT_TRUE(proj.ok()) << proj.status();
+  CompressedCache raw = RawCache(data, values, keys, DType::kF16, 3);
+  const std::vector<uint64_t> off = raw.TokenOffsets();
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> n01;
+  std::vector<uint64_t> planted;
+  for (uint64_t h = 0; h < raw.num_heads(); ++h) {
+    for (uint64_t j = 1; j <= 3; ++j) {
+      const uint64_t row = off[h] + j * raw.kept[h] / 4;
+      std::vector<float> u(data.d);
+      float norm = 0;
+      for (float& x : u) {
+        x = n01(rng);
+        norm += x * x;
+      }
+      for (uint32_t k = 0; k < data.d; ++k) {
+        StoreFromFloat(raw.values.data(), DType::kF16, row * data.d + k,
+                       4.0f * u[k] / std::sqrt(norm));
+      }
+      planted.push_back(row);
+    }
+  }
+  CompressionPolicy policy;
+  policy.value_codec = ValueCodec::kOrthogonalInt8;
+  policy.rank = 16;
+  CompressedCache c = raw;
+  ASSERT_TRUE(EncodeKept(*be, policy, &*proj, &c).ok());
+  EXPECT_EQ(c.raw_value_rows, planted);
+  EXPECT_EQ(c.Breakdown().raw_values, planted.size() * (8 + data.d * 2));
+  auto parsed = format::ParseCache(*format::EncodeCache(c));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_TRUE(*parsed == c);
+  auto dec = DecodeKept(*be, *parsed, &*proj, DType::kF32);
+  ASSERT_TRUE(dec.ok()) << dec.status();
+  auto row_error = [&](const DecodedKept& d, uint64_t row) {
+    const auto* got = reinterpret_cast<const float*>(d.values.data()) + row * data.d;
+    double e = 0, nn = 0;
+    for (uint32_t k = 0; k < data.d; ++k) {
+      const float want = LoadAsFloat(raw.values.data(), DType::kF16, row * data.d + k);
+      e += (got[k] - want) * (got[k] - want);
+      nn += want * want;
+    }
+    return std::sqrt(e / nn);
+  };
+  for (uint64_t row = 0; row < c.total_kept(); ++row) {
+    const bool out = std::binary_search(planted.begin(), planted.end(), row);
+    if (out) {
+      EXPECT_EQ(row_error(*dec, row), 0.0) << row;  // f16 -> f32 is exact
+    } else {
+      EXPECT_LT(row_error(*dec, row), 0.25) << row;
+    }
+  }
+  // Off: the planted rows come back as their projections, most of them lost.
+  CompressionPolicy off_policy = policy;
+  off_policy.value_raw_fraction = 0;
+  CompressedCache plain = raw;
+  ASSERT_TRUE(EncodeKept(*be, off_policy, &*proj, &plain).ok());
+  EXPECT_TRUE(plain.raw_value_rows.empty());
+  EXPECT_LT(plain.Breakdown().total(), c.Breakdown().total());
+  auto pdec = DecodeKept(*be, plain, &*proj, DType::kF32);
+  ASSERT_TRUE(pdec.ok());
+  for (uint64_t row : planted) EXPECT_GT(row_error(*pdec, row), 0.5) << row;
+  // The cap: one row per head (the worst), never more.
+  CompressionPolicy capped = policy;
+  capped.value_raw_fraction = 1.0 / 250;  // heads keep 250..400 rows here
+  CompressedCache one = raw;
+  ASSERT_TRUE(EncodeKept(*be, capped, &*proj, &one).ok());
+  ASSERT_EQ(one.raw_value_rows.size(), raw.num_heads());
+  for (uint64_t h = 0; h < raw.num_heads(); ++h) {
+    const uint64_t row = one.raw_value_rows[h];
+    EXPECT_TRUE(row >= off[h] && row < off[h + 1]);
+    EXPECT_TRUE(std::binary_search(planted.begin(), planted.end(), row));
+  }
+  // A factor no row reaches never triggers.
+  CompressionPolicy never = policy;
+  never.value_outlier_factor = 1e9;
+  CompressedCache none = raw;
+  ASSERT_TRUE(EncodeKept(*be, never, &*proj, &none).ok());
+  EXPECT_TRUE(none.raw_value_rows.empty());
+}
+
 TEST(KvSplice, MissingOrWrongProjectionIsAClearError) {
   auto be = Cpu();
   testing::LowRankData data;

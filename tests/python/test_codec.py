@@ -92,6 +92,38 @@ def test_tuned_layers_keep_their_own_ranks():
     assert kvcomp.cache_codecs(fixed)["bytes"]["values"] > info["bytes"]["values"]
 
 
+def test_off_subspace_values_are_kept_raw():
+    v = _low_rank(tokens=400, rank=12)
+    proj = kvcomp.calibrate(v, rank=32)
+    rng = np.random.default_rng(3)
+    planted = [37, 150, 333]
+    for l in range(2):
+        for h in range(2):
+            for t in planted:
+                u = rng.standard_normal(64)
+                v[l, h, t] = 4.0 * u / np.linalg.norm(u)
+    k = _low_rank(tokens=400, rank=40, seed=5)
+    policy = kvcomp.Policy(ratio=0.0, value_codec="orthogonal_int8", rank=16)
+    assert policy.value_outlier_factor == 4.0 and policy.value_raw_fraction == 0.02
+    cache = kvcomp.compress(k, v, policy, projection=proj)
+    info = kvcomp.cache_codecs(cache)
+    assert info["raw_value_rows"] == 4 * len(planted)
+    assert info["bytes"]["raw_values"] == 4 * len(planted) * (8 + 64 * 4)
+    _, vv = kvcomp.decompress(kvcomp.CompressedCache.from_bytes(cache.to_bytes()), proj)
+    for l in range(2):
+        for h in range(2):
+            np.testing.assert_array_equal(vv[l, h, planted], v[l, h, planted])
+    off = kvcomp.compress(k, v, kvcomp.Policy(ratio=0.0, value_codec="orthogonal_int8", rank=16,
+                                              value_raw_fraction=0.0), projection=proj)
+    assert kvcomp.cache_codecs(off)["raw_value_rows"] == 0
+    _, vo = kvcomp.decompress(off, proj)
+    assert _rel(vo[0, 0, planted], v[0, 0, planted]) > 0.5
+    with pytest.raises(ValueError):
+        kvcomp.Policy(value_outlier_factor=0.5)
+    with pytest.raises(ValueError):
+        kvcomp.Policy(value_raw_fraction=1.5)
+
+
 @pytest.mark.parametrize("value_codec", ["none", "orthogonal", "orthogonal_int8",
                                          "orthogonal_int4"])
 @pytest.mark.parametrize("key_codec", ["raw", "fp16", "int8"])

@@ -183,5 +183,6 @@ def decompress(cache, projection=None, *, backend="cpu"):
 
 def cache_codecs(cache):
     """How a cache's kept tokens are encoded and where its bytes go (header, positions, keys,
-    key_scales, values, value_scales, moments, total)."""
+    key_scales, values, value_scales, raw_values, moments, total), per-layer ranks and the
+    count of KVSplice outlier rows kept raw (raw_value_rows)."""
     return _kvcomp._cache_codecs(cache)

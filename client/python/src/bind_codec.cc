@@ -229,6 +229,7 @@ void RegisterCodec(nb::module_& m) {
         c.layer_rank.empty() ? std::vector<uint32_t>(c.layout.num_layers, c.rank) : c.layer_rank;
     d["group_size"] = c.ValueGroups() > 0 ? c.group_size : 0;
     d["gamma_aware"] = c.value_gamma;
+    d["raw_value_rows"] = c.raw_value_rows.size();
     d["projection_version"] = c.projection_version;
     const CacheBytes b = c.Breakdown();
     nb::dict bytes;
@@ -238,6 +239,7 @@ void RegisterCodec(nb::module_& m) {
     bytes["key_scales"] = b.key_scales;
     bytes["values"] = b.values;
     bytes["value_scales"] = b.value_scales;
+    bytes["raw_values"] = b.raw_values;
     bytes["moments"] = b.moments;
     bytes["total"] = b.total();
     d["bytes"] = bytes;

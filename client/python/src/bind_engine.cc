@@ -161,7 +161,8 @@ CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
                              uint32_t snapkv_pool, uint64_t seed, uint32_t block_size, bool moments,
                              bool moment_aware, const std::string& key_codec,
                              const std::string& value_codec, uint32_t rank, uint32_t group_size,
-                             bool gamma_aware) {
+                             bool gamma_aware, double value_outlier_factor,
+                             double value_raw_fraction) {
   CompressionPolicy p;
   p.scorer = Unwrap(ParseScorer(scorer));
   p.ratio = ratio;
@@ -186,6 +187,8 @@ CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
   p.rank = rank;
   p.group_size = group_size;
   p.gamma_aware = gamma_aware;
+  p.value_outlier_factor = value_outlier_factor;
+  p.value_raw_fraction = value_raw_fraction;
   ThrowIfError(p.Validate());
   return p;
 }
@@ -261,7 +264,8 @@ void RegisterEngine(nb::module_& m) {
            nb::arg("snapkv_pool") = 5, nb::arg("seed") = 0, nb::arg("block_size") = 0,
            nb::arg("moments") = true, nb::arg("moment_aware") = false, nb::arg("key_codec") = "raw",
            nb::arg("value_codec") = "none", nb::arg("rank") = 0, nb::arg("group_size") = 32,
-           nb::arg("gamma_aware") = true)
+           nb::arg("gamma_aware") = true, nb::arg("value_outlier_factor") = 4.0,
+           nb::arg("value_raw_fraction") = 0.02)
       .def_prop_ro("scorer",
                    [](const CompressionPolicy& p) { return std::string(ScorerName(p.scorer)); })
       .def_prop_ro("ratio", [](const CompressionPolicy& p) { return p.ratio; })
@@ -293,6 +297,8 @@ void RegisterEngine(nb::module_& m) {
       .def_ro("rank", &CompressionPolicy::rank)
       .def_ro("group_size", &CompressionPolicy::group_size)
       .def_ro("gamma_aware", &CompressionPolicy::gamma_aware)
+      .def_ro("value_outlier_factor", &CompressionPolicy::value_outlier_factor)
+      .def_ro("value_raw_fraction", &CompressionPolicy::value_raw_fraction)
       .def("kept_per_head", &CompressionPolicy::KeptPerHead, nb::arg("num_tokens"),
            "Tokens a head of num_tokens keeps (kvpress rounding, or the budget)")
       .def("__eq__", [](const CompressionPolicy& a, const CompressionPolicy& b) { return a == b; })

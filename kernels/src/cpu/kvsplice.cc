@@ -1,6 +1,9 @@
 #include "kvcomp/kernels/kvsplice.h"
 
+#include <Eigen/Core>
 #include <algorithm>
+#include <cstring>
+#include <utility>
 
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/status.h"
@@ -64,6 +67,67 @@ std::vector<LayerRows> SplitLayers(const std::vector<uint64_t>& offsets, uint32_
     scales += L.offsets.back() * L.params.Groups();
   }
   return layers;
+}
+
+// KVSplice outliers: per head, the kept rows whose residual energy off the projection (at the
+// layer's rank), ||v - P^T P v||^2, exceeds value_outlier_factor x the head's median residual
+// and kOutlierFloor x the head's median value energy, the worst first, at most
+// floor(value_raw_fraction x kept) of them. Absolute energies, so a row counts by the error it
+// would add (a small value losing a large share of itself adds little), and relative to the
+// head's median, so the rule follows the rank. Returns ascending row indices.
+constexpr float kOutlierFloor = 0.01f;
+std::vector<uint64_t> PickRawValueRows(const CompressedCache& c, const Projection& proj,
+                                       const std::vector<uint32_t>& ranks,
+                                       const CompressionPolicy& policy) {
+  using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  std::vector<uint64_t> out;
+  if (!(policy.value_raw_fraction > 0.0)) return out;
+  const uint32_t d = c.layout.head_dim;
+  const std::vector<uint64_t> off = c.TokenOffsets();
+  RowMat v;
+  std::vector<std::pair<float, uint64_t>> worst;
+  std::vector<float> lost, energy, median;
+  for (uint64_t h = 0; h < c.num_heads(); ++h) {
+    const uint64_t n = c.kept[h];
+    const auto cap = static_cast<uint64_t>(static_cast<double>(n) * policy.value_raw_fraction);
+    if (cap == 0) continue;
+    const uint32_t r = ranks[h / c.layout.num_kv_heads];
+    v.resize(static_cast<Eigen::Index>(n), d);
+    for (uint64_t i = 0; i < n; ++i) {
+      for (uint32_t k = 0; k < d; ++k) {
+        v(static_cast<Eigen::Index>(i), k) =
+            LoadAsFloat(c.values.data(), c.layout.dtype, (off[h] + i) * d + k);
+      }
+    }
+    Eigen::Map<const RowMat> basis(proj.head_basis(h), r, d);
+    const RowMat z = v * basis.transpose();  // n x r latents (orthonormal rows)
+    lost.resize(n);
+    energy.resize(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      const auto row = static_cast<Eigen::Index>(i);
+      energy[i] = v.row(row).squaredNorm();
+      lost[i] = std::max(0.0f, energy[i] - z.row(row).squaredNorm());
+    }
+    median = lost;
+    std::nth_element(median.begin(), median.begin() + n / 2, median.end());
+    const float median_lost = median[n / 2];
+    median = energy;
+    std::nth_element(median.begin(), median.begin() + n / 2, median.end());
+    const float limit =
+        std::max(kOutlierFloor * median[n / 2],
+                 static_cast<float>(policy.value_outlier_factor * median_lost));
+    worst.clear();
+    for (uint64_t i = 0; i < n; ++i) {
+      if (lost[i] > limit) worst.emplace_back(-lost[i], off[h] + i);
+    }
+    if (worst.size() > cap) {
+      std::partial_sort(worst.begin(), worst.begin() + cap, worst.end());
+      worst.resize(cap);
+    }
+    for (const auto& w : worst) out.push_back(w.second);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace
@@ -139,6 +203,13 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
     p.rank = rank;
     p.group_size = policy.group_size;
     p.gamma_aware = policy.gamma_aware;
+    std::vector<uint64_t> raw_rows = PickRawValueRows(*cache, *projection, ranks, policy);
+    std::vector<uint8_t> raw_values(raw_rows.size() * DTypeBytes(layout.dtype, d));
+    const uint64_t in_row = DTypeBytes(layout.dtype, d);
+    for (size_t i = 0; i < raw_rows.size(); ++i) {
+      std::memcpy(raw_values.data() + i * in_row, cache->values.data() + raw_rows[i] * in_row,
+                  in_row);
+    }
     std::vector<uint8_t> latent;
     std::vector<uint16_t> scales;
     if (uniform) {
@@ -171,6 +242,8 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
     } else {
       cache->layer_rank = ranks;
     }
+    cache->raw_value_rows = std::move(raw_rows);
+    cache->raw_values = std::move(raw_values);
     cache->group_size = p.Groups() > 0 ? p.group_size : 32;
     cache->value_gamma = p.UsesGamma();
     cache->projection_version = projection->version;
@@ -235,6 +308,19 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
             *projection, L.params, L.span(), cache.values.data() + L.latent_byte,
             cache.value_scales.empty() ? nullptr : cache.value_scales.data() + L.scale_elem,
             out.values.data() + L.first_row * row_bytes, dtype));
+      }
+    }
+    // KVSplice outliers: their raw values replace what the latents gave.
+    const uint64_t in_row = DTypeBytes(layout.dtype, d), out_row = DTypeBytes(dtype, d);
+    for (size_t i = 0; i < cache.raw_value_rows.size(); ++i) {
+      uint8_t* dst = out.values.data() + cache.raw_value_rows[i] * out_row;
+      const uint8_t* src = cache.raw_values.data() + i * in_row;
+      if (dtype == layout.dtype) {
+        std::memcpy(dst, src, in_row);
+      } else {
+        for (uint64_t k = 0; k < d; ++k) {
+          StoreFromFloat(dst, dtype, k, LoadAsFloat(src, layout.dtype, k));
+        }
       }
     }
   } else {

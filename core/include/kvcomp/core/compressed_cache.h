@@ -29,9 +29,10 @@ struct CacheBytes {
   uint64_t key_scales = 0;    // int8 key scales
   uint64_t values = 0;        // kept values or their latents
   uint64_t value_scales = 0;  // latent group scales
+  uint64_t raw_values = 0;    // KVSplice outliers: row indices and raw values
   uint64_t moments = 0;       // MomentKV summaries
   uint64_t total() const {
-    return header + positions + keys + key_scales + values + value_scales + moments;
+    return header + positions + keys + key_scales + values + value_scales + raw_values + moments;
   }
 };
 
@@ -66,6 +67,11 @@ class CompressedCache {
   std::vector<float> key_scales;    // int8 keys: num_heads * head_dim, else empty
   std::vector<uint8_t> values;      // total_kept * ValueTokenBytes()
   std::vector<uint16_t> value_scales;  // int8/int4: total_kept * ValueGroups() f16, else empty
+  // KVSplice outliers (encoded values only): kept rows, ascending indices into the ragged
+  // arrays, whose values the projection does not hold; their values raw (layout.dtype,
+  // head_dim each, in row order) replace the decoded latents. Usually empty.
+  std::vector<uint64_t> raw_value_rows;
+  std::vector<uint8_t> raw_values;
 
   // --- MomentKV summaries of the evicted tokens, fp32; empty when has_moments is false ---
   bool has_moments = false;

@@ -18,7 +18,7 @@ namespace format {
 
 inline constexpr uint32_t kMagic = 0x4343564B;  // "KVCC" in file order
 inline constexpr uint16_t kMajorVersion = 1;
-inline constexpr uint16_t kMinorVersion = 1;  // 1.1 added section 12 (layer ranks)
+inline constexpr uint16_t kMinorVersion = 1;  // 1.1 added sections 12 to 14 (KVSplice)
 inline constexpr uint32_t kHeaderBytes = 128;
 inline constexpr uint32_t kSectionEntryBytes = 32;
 inline constexpr uint32_t kAlignment = 64;  // every section starts on a 64-byte boundary
@@ -36,8 +36,10 @@ enum SectionId : uint32_t {
   kMomentCount = 8,   // u64 per head
   kMomentKeySum = 9,  // f32 per (head, channel)
   kMomentValueSum = 10,
-  kMomentVkSum = 11,  // f32 per (head, d, d)
-  kLayerRanks = 12,   // u32 latent rank per layer, only when the layers' ranks differ (1.1)
+  kMomentVkSum = 11,   // f32 per (head, d, d)
+  kLayerRanks = 12,    // u32 latent rank per layer, only when the layers' ranks differ (1.1)
+  kRawValueRows = 13,  // u64 kept-row index per KVSplice outlier, ascending (1.1)
+  kRawValues = 14,     // their values in the input dtype (1.1)
 };
 inline constexpr uint32_t kSectionRequired = 1;  // flag: a reader that does not know it must fail
 
@@ -52,6 +54,7 @@ struct CacheInfo {
   ValueCodec value_codec = ValueCodec::kRaw;
   uint32_t rank = 0;         // the largest layer's when the ranks differ per layer
   bool layer_ranks = false;  // section 12 present: per-layer ranks
+  uint64_t raw_value_rows = 0;  // KVSplice outliers (section 13 entries)
   bool has_moments = false;
   bool value_gamma = false;
 };

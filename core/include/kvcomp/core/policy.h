@@ -101,6 +101,12 @@ struct CompressionPolicy {
   uint32_t group_size = 32;
   // Scale latent directions by the calibration's eigenvalues before quantizing. Default true.
   bool gamma_aware = true;
+  // KVSplice outliers (docs/kvsplice.md): a kept token whose value's residual energy off the
+  // projection, ||v - P^T P v||^2, exceeds value_outlier_factor x the median of its head's (and
+  // 1% of the head's median ||v||^2) keeps its value raw, the worst first, at most
+  // value_raw_fraction of each head's kept tokens (0: never). Defaults 4 and 0.02.
+  double value_outlier_factor = 4.0;
+  double value_raw_fraction = 0.02;
 
   // OK or InvalidArgument naming the field and the allowed range.
   absl::Status Validate() const;
