@@ -423,6 +423,16 @@ std::vector<ConfigField> BuildFields() {
       "default_policy.gamma_aware",
       "Scale latent directions by calibration eigenvalues. Default true.",
       [](Options & o) -> auto& { return o.default_policy.gamma_aware; }));
+  f.push_back(DoubleField(
+      "default_policy.value_outlier_factor", "factor", 1, 1e9,
+      "KVSplice: a kept value whose residual off the projection exceeds this many times its "
+      "head's median keeps its raw value. Default 4.",
+      [](Options & o) -> auto& { return o.default_policy.value_outlier_factor; }));
+  f.push_back(DoubleField(
+      "default_policy.value_raw_fraction", "fraction", 0, 1,
+      "KVSplice: at most this share of a head's kept values stay raw as outliers; 0 = none. "
+      "Default 0.02.",
+      [](Options & o) -> auto& { return o.default_policy.value_raw_fraction; }));
   // --- process ---
   f.push_back(DoubleField(
       "process.shutdown_grace_seconds", "seconds", 0, 3600,

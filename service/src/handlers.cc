@@ -159,6 +159,8 @@ rpc::Policy ToRpc(const CompressionPolicy& p) {
   r.rank = p.rank;
   r.group_size = p.group_size;
   r.gamma_aware = p.gamma_aware;
+  r.value_outlier_factor = p.value_outlier_factor;
+  r.value_raw_fraction = p.value_raw_fraction;
   return r;
 }
 
@@ -189,6 +191,8 @@ absl::StatusOr<CompressionPolicy> FromRpc(const rpc::Policy& r) {
   KVCOMP_RETURN_IF_ERROR(set("rank", absl::StrCat(r.rank)));
   KVCOMP_RETURN_IF_ERROR(set("group_size", absl::StrCat(r.group_size)));
   KVCOMP_RETURN_IF_ERROR(set("gamma_aware", r.gamma_aware ? "true" : "false"));
+  KVCOMP_RETURN_IF_ERROR(set("value_outlier_factor", num(r.value_outlier_factor)));
+  KVCOMP_RETURN_IF_ERROR(set("value_raw_fraction", num(r.value_raw_fraction)));
   KVCOMP_RETURN_IF_ERROR(o.default_policy.Validate());
   return o.default_policy;
 }

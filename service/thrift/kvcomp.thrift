@@ -77,6 +77,8 @@ struct Policy {
   18: i64 rank = 0,
   19: i64 group_size = 32,
   20: bool gamma_aware = true,
+  21: double value_outlier_factor = 4.0,
+  22: double value_raw_fraction = 0.02,
 }
 
 struct HealthResponse {

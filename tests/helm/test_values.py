@@ -187,6 +187,8 @@ def test_rendered_config_types_match_the_daemon_docs():
                     assert isinstance(value, int) and not isinstance(value, bool) and value >= 0, where
                 elif kind == "seconds":
                     assert isinstance(value, (int, float)) and value >= 0, where
+                elif kind == "factor":
+                    assert isinstance(value, (int, float)) and value >= 1, where
                 elif kind == "fraction":
                     assert isinstance(value, (int, float)) and 0 <= value <= 1, where
                 elif kind == "bool":

@@ -249,7 +249,9 @@ as plain byte counts.
       "value_codec" $p.valueCodec
       "rank" (int $p.rank)
       "group_size" (int $p.groupSize)
-      "gamma_aware" $p.gammaAware -}}
+      "gamma_aware" $p.gammaAware
+      "value_outlier_factor" $p.valueOutlierFactor
+      "value_raw_fraction" $p.valueRawFraction -}}
 {{- $process := dict
       "shutdown_grace_seconds" $v.shutdownGraceSeconds
       "log_level" $v.logLevel -}}
