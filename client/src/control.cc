@@ -85,6 +85,7 @@ absl::StatusOr<CalibrateResult> ControlCalibrate(const std::string& address,
   CalibrateResult out;
   out.projection_version = static_cast<uint64_t>(r.projection_version);
   out.rank = static_cast<uint32_t>(r.rank);
+  out.layer_ranks.assign(r.layer_ranks.begin(), r.layer_ranks.end());
   out.achieved_error = r.achieved_error;
   out.caches_used = static_cast<uint64_t>(r.caches_used);
   return out;

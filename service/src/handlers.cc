@@ -372,6 +372,7 @@ void ControlHandler::Calibrate(rpc::CalibrateResponse& out, const rpc::Auth& aut
   }
   out.projection_version = static_cast<int64_t>(r->projection_version);
   out.rank = r->rank;
+  out.layer_ranks.assign(r->layer_ranks.begin(), r->layer_ranks.end());
   out.achieved_error = r->achieved_error;
   out.caches_used = static_cast<int64_t>(r->caches_used);
 }

@@ -36,7 +36,8 @@ struct CalibrationRequest {
 };
 struct CalibrationResult {
   uint64_t projection_version = 0;
-  uint32_t rank = 0;
+  uint32_t rank = 0;                 // the largest layer's
+  std::vector<uint32_t> layer_ranks;  // per layer (all `rank` with a fixed rank)
   double achieved_error = 0;
   uint64_t caches_used = 0;
 };

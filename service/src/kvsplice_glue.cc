@@ -218,6 +218,7 @@ absl::StatusOr<CalibrationResult> CalibrateFromStore(storage::TieredStore* store
   if (request.rank > 0) {
     KVCOMP_ASSIGN_OR_RETURN(projection, calibrator->Finish(request.rank));
     result.rank = request.rank;
+    result.layer_ranks.assign(projection.num_layers, request.rank);
   } else {
     TuneOptions to;
     to.codec = codec;
@@ -225,6 +226,7 @@ absl::StatusOr<CalibrationResult> CalibrateFromStore(storage::TieredStore* store
     KVCOMP_ASSIGN_OR_RETURN(TuneResult tuned, AutoTune(*calibrator, to));
     projection = std::move(tuned.projection);
     result.rank = tuned.max_rank;
+    result.layer_ranks = tuned.rank;
     for (double e : tuned.error) result.achieved_error = std::max(result.achieved_error, e);
   }
   KVCOMP_RETURN_IF_ERROR(projections->Put(projection));

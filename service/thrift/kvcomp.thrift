@@ -157,11 +157,12 @@ struct CalibrateRequest {
 }
 
 struct CalibrateResponse {
-  1: Status status,  // UNIMPLEMENTED until the engine ships calibration (issue 5)
+  1: Status status,  // FAILED_PRECONDITION when no stored raw-value cache of the model exists
   2: i64 projection_version,
-  3: i64 rank,
+  3: i64 rank,  // the largest layer's
   4: double achieved_error,
   5: i64 caches_used,
+  6: list<i32> layer_ranks,  // the latent rank each layer's values are encoded at
 }
 
 struct ServerInfoResponse {

@@ -2,6 +2,7 @@
 // into caller memory, statistics over Thrift, and replicas with a daemon killed mid-run.
 #include <signal.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -144,6 +145,8 @@ TEST_F(ClientDaemonTest, CalibrateThenPutWithKvSplice) {
   EXPECT_GE(r.rank, 1u);
   EXPECT_LE(r.rank, 64u);
   EXPECT_LE(r.achieved_error, 0.9);
+  ASSERT_EQ(r.layer_ranks.size(), 2u);
+  EXPECT_EQ(*std::max_element(r.layer_ranks.begin(), r.layer_ranks.end()), r.rank);
 
   // A model with no stored caches has nothing to learn from: the endpoint says why.
   auto none = client_->Calibrate("test/other", opt);

@@ -176,6 +176,7 @@ def test_calibrate_then_put_with_kvsplice(client):
     assert len(res) == 1 and res[0]["ok"], res
     assert res[0]["caches_used"] == 2 and res[0]["projection_version"] != 0
     assert 12 <= res[0]["rank"] < D and res[0]["achieved_error"] <= 0.05
+    assert len(res[0]["layer_ranks"]) == LAYERS and max(res[0]["layer_ranks"]) == res[0]["rank"]
     assert not client.calibrate("test/nothing-stored", rank=8)[0]["ok"]
 
     k, v = low_rank(20)

@@ -168,7 +168,7 @@ class Client:
         smallest per-layer ranks whose relative value error meets `error_budget`. Later puts
         whose policy asks for an orthogonal value codec are encoded with it. Returns one dict per
         endpoint: endpoint, ok, error, projection_version, rank (the largest layer's),
-        achieved_error, caches_used. ValueError for bad arguments."""
+        layer_ranks, achieved_error, caches_used. ValueError for bad arguments."""
         return self._c.calibrate(model, value_codec, rank, error_budget, max_caches)
 
     def ranking(self, model: str, key: Key) -> List[str]:

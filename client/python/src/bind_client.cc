@@ -360,6 +360,7 @@ void RegisterClient(nb::module_& m) {
               d["error"] = e.status.ok() ? std::string() : e.status.ToString();
               d["projection_version"] = e.projection_version;
               d["rank"] = e.rank;
+              d["layer_ranks"] = e.layer_ranks;
               d["achieved_error"] = e.achieved_error;
               d["caches_used"] = e.caches_used;
               out.append(d);

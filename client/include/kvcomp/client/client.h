@@ -120,7 +120,8 @@ struct CalibrateResult {
   std::string endpoint;
   absl::Status status;  // this endpoint's outcome
   uint64_t projection_version = 0;
-  uint32_t rank = 0;  // the largest per-layer rank
+  uint32_t rank = 0;                  // the largest per-layer rank
+  std::vector<uint32_t> layer_ranks;  // the rank of each layer
   double achieved_error = 0.0;
   uint64_t caches_used = 0;
 };
