@@ -68,12 +68,18 @@ DType QueryDType(const Queries& q) {
   throw nb::value_error("queries must be float32, float16 or bfloat16");
 }
 
-// Device copy of `bytes` host bytes (nullptr for none).
-Buffer Upload(Backend& b, const void* src, size_t bytes) {
+// Device memory of `bytes` bytes (at least 1), uninitialised.
+Buffer DeviceBuffer(Backend& b, size_t bytes) {
   absl::StatusOr<Buffer> buf = Buffer::Allocate(b.allocator(), bytes == 0 ? 1 : bytes);
   ThrowIfError(buf.status());
-  if (bytes > 0) ThrowIfError(b.CopyFromHost(buf->data(), src, bytes));
   return std::move(*buf);
+}
+
+// Device copy of `bytes` host bytes.
+Buffer Upload(Backend& b, const void* src, size_t bytes) {
+  Buffer buf = DeviceBuffer(b, bytes);
+  if (bytes > 0) ThrowIfError(b.CopyFromHost(buf.data(), src, bytes));
+  return buf;
 }
 
 nb::object Attention(const Queries& q, const CompressedCache& c, uint32_t layer, bool correct,
@@ -144,7 +150,7 @@ nb::object Attention(const Queries& q, const CompressedCache& c, uint32_t layer,
     const size_t qbytes = DTypeBytes(qt, size_t{hq} * nq * d);
     Buffer dq = Upload(*b, q.data(), qbytes), dk = Upload(*b, kp, (off[hk]) * row),
            dv = Upload(*b, vp, off[hk] * row), doff = Upload(*b, off.data(), off.size() * 8),
-           dout = Upload(*b, nullptr, out.size() * 4);
+           dout = DeviceBuffer(*b, out.size() * 4);
     Buffer dc, dks, dvs, ds;
     p.queries = HeadsView::Dense(dq.data(), qt, hq, nq, d, MemorySpace::kDevice);
     p.kv =
