@@ -119,22 +119,28 @@ uint64_t CompressedCache::ValueGroups(uint32_t layer) const {
   return LatentGroups(value_codec, group_size, LayerRank(layer));
 }
 
-uint64_t CompressedCache::ValueBytes() const {
-  if (layer_rank.empty()) return total_kept() * ValueTokenBytes();
+namespace {
+
+// Sum over heads of kept[h] x per_token(layer of h).
+template <typename PerToken>
+uint64_t SumOverHeads(const CompressedCache& c, PerToken per_token) {
   uint64_t n = 0;
-  for (uint64_t h = 0; h < kept.size(); ++h) {
-    n += kept[h] * ValueTokenBytes(static_cast<uint32_t>(h / layout.num_kv_heads));
+  for (uint64_t h = 0; h < c.kept.size(); ++h) {
+    n += c.kept[h] * per_token(static_cast<uint32_t>(h / c.layout.num_kv_heads));
   }
   return n;
 }
 
+}  // namespace
+
+uint64_t CompressedCache::ValueBytes() const {
+  if (layer_rank.empty()) return total_kept() * ValueTokenBytes();
+  return SumOverHeads(*this, [this](uint32_t l) { return ValueTokenBytes(l); });
+}
+
 uint64_t CompressedCache::ValueScaleCount() const {
   if (layer_rank.empty()) return total_kept() * ValueGroups();
-  uint64_t n = 0;
-  for (uint64_t h = 0; h < kept.size(); ++h) {
-    n += kept[h] * ValueGroups(static_cast<uint32_t>(h / layout.num_kv_heads));
-  }
-  return n;
+  return SumOverHeads(*this, [this](uint32_t l) { return ValueGroups(l); });
 }
 
 absl::Status CompressedCache::Validate() const {

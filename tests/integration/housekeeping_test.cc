@@ -208,6 +208,29 @@ TEST_F(HousekeepingTest, BusyUntilTheRequestTimeoutIsBusyErrorNotDeadlineExceede
   }
 }
 
+// Calibrates `model` at `rank` over the control plane; the new projection version.
+uint64_t CalibrateAt(ControlClient& rpc, const rpc::Auth& auth, const std::string& model,
+                     int rank) {
+  rpc::CalibrateRequest cal;
+  cal.model_id = model;
+  cal.rank = rank;
+  rpc::CalibrateResponse r;
+  rpc->Calibrate(r, auth, cal);
+  EXPECT_EQ(r.status.code, rpc::StatusCode::OK) << r.status.message;
+  return static_cast<uint64_t>(r.projection_version);
+}
+
+// Sets `model`'s policy to orthogonal_int8 values at `rank`.
+void EncodeWith(ControlClient& rpc, const rpc::Auth& auth, const std::string& model, int rank) {
+  rpc::PolicyResponse pol;
+  rpc->GetPolicy(pol, auth, model);
+  rpc::Policy p = pol.policy;
+  p.value_codec = "orthogonal_int8";
+  p.rank = rank;
+  rpc->SetPolicy(pol, auth, model, p);
+  ASSERT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
+}
+
 // Decoded get of model/key: OK with raw codecs, or the status.
 absl::Status DecodesToRaw(UcxClient& c, const std::string& model, const std::string& key) {
   KVCOMP_ASSIGN_OR_RETURN(auto got, c.Get(model, key, wire::Representation::kDecoded));
@@ -236,24 +259,8 @@ TEST_F(HousekeepingTest, ProjectionVersionsLiveExactlyAsLongAsACacheNamesThem) {
   for (int i = 0; i < 3; ++i) {
     ASSERT_TRUE(PutLowRank(*c, "splice", "raw" + std::to_string(i), 10 + i).ok());
   }
-  auto calibrate = [&](int rank) {
-    rpc::CalibrateRequest cal;
-    cal.model_id = "splice";
-    cal.rank = rank;
-    rpc::CalibrateResponse r;
-    rpc->Calibrate(r, auth, cal);
-    EXPECT_EQ(r.status.code, rpc::StatusCode::OK) << r.status.message;
-    return static_cast<uint64_t>(r.projection_version);
-  };
-  auto encode_with = [&](int rank) {
-    rpc::PolicyResponse pol;
-    rpc->GetPolicy(pol, auth, "splice");
-    rpc::Policy p = pol.policy;
-    p.value_codec = "orthogonal_int8";
-    p.rank = rank;
-    rpc->SetPolicy(pol, auth, "splice", p);
-    ASSERT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
-  };
+  auto calibrate = [&](int rank) { return CalibrateAt(rpc, auth, "splice", rank); };
+  auto encode_with = [&](int rank) { EncodeWith(rpc, auth, "splice", rank); };
   const std::string kCount = "kvcomp_projections";
   const std::string kDeleted = "kvcomp_projections_deleted_total";
 
@@ -348,23 +355,9 @@ TEST_F(HousekeepingTest, AVersionAnOpenPutEncodesWithIsKeptUntilItsCacheIsStored
   for (int i = 0; i < 3; ++i) {
     ASSERT_TRUE(PutLowRank(*c, "splice", "raw" + std::to_string(i), 10 + i).ok());
   }
-  auto calibrate = [&](int rank) {
-    rpc::CalibrateRequest cal;
-    cal.model_id = "splice";
-    cal.rank = rank;
-    rpc::CalibrateResponse r;
-    rpc->Calibrate(r, auth, cal);
-    EXPECT_EQ(r.status.code, rpc::StatusCode::OK) << r.status.message;
-    return static_cast<uint64_t>(r.projection_version);
-  };
+  auto calibrate = [&](int rank) { return CalibrateAt(rpc, auth, "splice", rank); };
   const uint64_t v1 = calibrate(16);
-  rpc::PolicyResponse pol;
-  rpc->GetPolicy(pol, auth, "splice");
-  rpc::Policy p = pol.policy;
-  p.value_codec = "orthogonal_int8";
-  p.rank = 16;
-  rpc->SetPolicy(pol, auth, "splice", p);
-  ASSERT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
+  EncodeWith(rpc, auth, "splice", 16);
   const std::string kCount = "kvcomp_projections";
 
   uint64_t v2 = 0;

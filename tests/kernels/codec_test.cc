@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kernels/codec_test_util.h"
 #include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/calibration.h"
 #include "kvcomp/kernels/codec_ops.h"
@@ -50,6 +51,20 @@ Projection MakeProjection(uint32_t layers, uint32_t kv, uint32_t d, uint32_t row
   }
   EXPECT_TRUE(p.Seal().ok());
   return p;
+}
+
+// A projection of `rows` rows calibrated on every layer of `values` (reservoir and query sample
+// sizes as Calibrator::Create takes them).
+absl::StatusOr<Projection> CalibratedOn(Backend* be, const testing::LowRankData& data,
+                                        const std::vector<float>& values, uint32_t rows,
+                                        uint32_t samples = 0, uint32_t queries = 0) {
+  KVCOMP_ASSIGN_OR_RETURN(
+      auto cal,
+      Calibrator::Create({"m", data.layers, data.heads, data.d, samples, queries, 0}, be));
+  for (uint32_t l = 0; l < data.layers; ++l) {
+    KVCOMP_RETURN_IF_ERROR(cal.AddLayer(l, data.LayerView(values, l)));
+  }
+  return cal.Finish(rows);
 }
 
 RowSpan Span(const std::vector<uint64_t>& offsets, uint64_t first_head = 0) {
@@ -330,12 +345,7 @@ TEST(KvSplice, EveryPresetRoundTripsThroughTheFormat) {
   data.d = 64;
   data.true_rank = 24;
   const std::vector<float> values = data.Make(1), keys = data.Make(2);
-  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 256, 64, 0}, be.get());
-  ASSERT_TRUE(cal.ok()) << cal.status();
-  for (uint32_t l = 0; l < data.layers; ++l) {
-    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
-  }
-  auto proj = cal->Finish(64);
+  auto proj = CalibratedOn(be.get(), data, values, 64, 256, 64);
   ASSERT_TRUE(proj.ok()) << proj.status();
   InMemoryProjectionStore store;
   ASSERT_TRUE(store.Put(*proj).ok());
@@ -396,12 +406,7 @@ TEST(KvSplice, TunedRanksGiveEachLayerItsOwnRank) {
   data.d = 64;
   data.true_rank = 24;
   const std::vector<float> values = data.Make(5), keys = data.Make(6);
-  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be.get());
-  ASSERT_TRUE(cal.ok()) << cal.status();
-  for (uint32_t l = 0; l < data.layers; ++l) {
-    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
-  }
-  auto full = cal->Finish(64);
+  auto full = CalibratedOn(be.get(), data, values, 64);
   ASSERT_TRUE(full.ok()) << full.status();
   Projection tuned = *full;
   tuned.tuned_rank = {16, 48, 7};
@@ -469,12 +474,7 @@ TEST(KvSplice, OffSubspaceValuesKeepTheirRawValues) {
   testing::LowRankData data;
   data.tokens = 400;
   const std::vector<float> values = data.Make(1), keys = data.Make(2);
-  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be.get());
-  ASSERT_TRUE(cal.ok()) << cal.status();
-  for (uint32_t l = 0; l < data.layers; ++l) {
-    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
-  }
-  auto proj = cal->Finish(data.d);
+  auto proj = CalibratedOn(be.get(), data, values, data.d);
   ASSERT_TRUE(proj.ok()) << proj.status();
   CompressedCache raw = RawCache(data, values, keys, DType::kF16, 3);
   const std::vector<uint64_t> off = raw.TokenOffsets();
@@ -561,13 +561,8 @@ TEST(KvSplice, MissingOrWrongProjectionIsAClearError) {
   testing::LowRankData data;
   data.tokens = 64;
   const std::vector<float> values = data.Make(1), keys = data.Make(2);
-  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be.get());
-  ASSERT_TRUE(cal.ok());
-  for (uint32_t l = 0; l < data.layers; ++l) {
-    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
-  }
-  auto proj = cal->Finish(48);
-  ASSERT_TRUE(proj.ok());
+  auto proj = CalibratedOn(be.get(), data, values, 48);
+  ASSERT_TRUE(proj.ok()) << proj.status();
   CompressionPolicy policy;
   policy.value_codec = ValueCodec::kOrthogonalInt8;
   CompressedCache c = RawCache(data, values, keys, DType::kF16, 1);
@@ -582,9 +577,8 @@ TEST(KvSplice, MissingOrWrongProjectionIsAClearError) {
   EXPECT_NE(missing.status().message().find("not available"), std::string::npos)
       << missing.status();
   EXPECT_EQ(DecodeKept(*be, c, nullptr).status().code(), absl::StatusCode::kNotFound);
-  // A recalibration (more data) is a new version; decoding through it is refused.
-  ASSERT_TRUE(cal->AddLayer(0, data.LayerView(keys, 0)).ok());
-  auto newer = cal->Finish(48);
+  // A recalibration (other data) is a new version; decoding through it is refused.
+  auto newer = CalibratedOn(be.get(), data, keys, 48);
   ASSERT_TRUE(newer.ok());
   EXPECT_NE(newer->version, proj->version);
   ASSERT_TRUE(store.Put(*newer).ok());
@@ -606,13 +600,8 @@ TEST(KvSplice, CompressEncodesWithTheProjectionAndBlockWiseToo) {
   testing::LowRankData data;
   data.tokens = 256;
   const std::vector<float> values = data.Make(1), keys = data.Make(2);
-  auto cal = Calibrator::Create({"m", data.layers, data.heads, data.d, 0, 0, 0}, be.get());
-  ASSERT_TRUE(cal.ok());
-  for (uint32_t l = 0; l < data.layers; ++l) {
-    ASSERT_TRUE(cal->AddLayer(l, data.LayerView(values, l)).ok());
-  }
-  auto proj = cal->Finish(data.d);
-  ASSERT_TRUE(proj.ok());
+  auto proj = CalibratedOn(be.get(), data, values, data.d);
+  ASSERT_TRUE(proj.ok()) << proj.status();
   KvCacheView view;
   view.layout = KvLayout{data.layers, data.heads, data.heads, data.d, DType::kF32};
   view.num_tokens = data.tokens;
