@@ -16,6 +16,7 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/client.h"
 #include "kvcompd_process.h"
+#include "low_rank_put.h"
 #include "thrift/transport/TSSLSocket.h"
 
 namespace kvcomp {
@@ -67,36 +68,7 @@ absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& m
   begin.num_tokens = kTokens;
   begin.model_id = model;
   begin.key = key;
-  KVCOMP_ASSIGN_OR_RETURN(uint64_t id, c.PutBegin(begin));
-  const uint32_t D = kLayout.head_dim;
-  std::mt19937_64 basis_rng(42), rng(seed);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  std::vector<float> basis(8 * D);
-  for (auto& x : basis) x = n(basis_rng);
-  const size_t count = uint64_t{kLayout.num_kv_heads} * kTokens * D;
-  std::vector<uint16_t> k(count), v(count);
-  if (sent_values != nullptr) sent_values->clear();
-  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
-    for (size_t row = 0; row < count / D; ++row) {
-      float coef[8];
-      for (float& cf : coef) cf = n(rng);
-      for (uint32_t j = 0; j < D; ++j) {
-        float x = 0.01f * n(rng);
-        for (int r = 0; r < 8; ++r) x += coef[r] * basis[r * D + j];
-        v[row * D + j] = FloatToHalf(x);
-        k[row * D + j] = FloatToHalf(n(rng));
-        if (sent_values != nullptr) sent_values->push_back(HalfToFloat(v[row * D + j]));
-      }
-    }
-    wire::Block b;
-    b.put_id = id;
-    b.layer_begin = l;
-    b.layer_end = l + 1;
-    b.token_end = kTokens;
-    b.key_bytes = b.value_bytes = kLayout.LayerBytes(kTokens);
-    KVCOMP_RETURN_IF_ERROR(c.SendBlock(b, k.data(), v.data()));
-  }
-  return c.PutCommit(id, kLayout.num_layers);
+  return PutLowRankCache(c, begin, seed, sent_values);
 }
 
 class ControlTest : public ::testing::Test {

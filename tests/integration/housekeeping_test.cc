@@ -20,6 +20,7 @@
 #include "kvcomp/storage/types.h"
 #include "kvcomp/transport/client.h"
 #include "kvcompd_process.h"
+#include "low_rank_put.h"
 #include "rocksdb_tier.h"  // storage/src: to damage stored payloads behind the daemon's back
 
 namespace kvcomp {
@@ -60,29 +61,7 @@ wire::Block LayerBlock(uint64_t put_id, uint32_t layer, const KvLayout& layout =
 absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& model,
                                               const std::string& key, uint64_t seed,
                                               const std::function<void()>& midway = nullptr) {
-  KVCOMP_ASSIGN_OR_RETURN(uint64_t id, c.PutBegin(Begin(model, key)));
-  const uint32_t D = kLayout.head_dim;
-  std::mt19937_64 basis_rng(42), rng(seed);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  std::vector<float> basis(8 * D);
-  for (auto& x : basis) x = n(basis_rng);
-  const size_t count = uint64_t{kLayout.num_kv_heads} * kTokens * D;
-  std::vector<uint16_t> k(count), v(count);
-  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
-    for (size_t row = 0; row < count / D; ++row) {
-      float coef[8];
-      for (float& cf : coef) cf = n(rng);
-      for (uint32_t j = 0; j < D; ++j) {
-        float x = 0.01f * n(rng);
-        for (int r = 0; r < 8; ++r) x += coef[r] * basis[r * D + j];
-        v[row * D + j] = FloatToHalf(x);
-        k[row * D + j] = FloatToHalf(n(rng));
-      }
-    }
-    KVCOMP_RETURN_IF_ERROR(c.SendBlock(LayerBlock(id, l), k.data(), v.data()));
-    if (l == 0 && midway) midway();
-  }
-  return c.PutCommit(id, kLayout.num_layers);
+  return PutLowRankCache(c, Begin(model, key), seed, nullptr, midway);
 }
 
 class HousekeepingTest : public ::testing::Test {
