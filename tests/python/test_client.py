@@ -298,6 +298,14 @@ def test_cli_put_get_lookup_delete_stats_loadgen(daemon, tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["original_tokens"] == N
     r = run_py(["-m", "kvcomp", "stats", *ep])
     assert r.returncode == 0 and json.loads(r.stdout)[0]["ok"]
+    r = run_py(["-m", "kvcomp", "calibrate", *ep, "-m", MODEL, "--rank", "16"])
+    assert r.returncode == 0, r.stderr
+    cal = json.loads(r.stdout)[0]
+    assert cal["ok"] and cal["rank"] == 16 and cal["layer_ranks"] == [16] * LAYERS
+    r = run_py(["-m", "kvcomp", "calibrate", *ep, "-m", "test/none-stored", "--rank", "16"])
+    assert r.returncode == 1 and not json.loads(r.stdout)[0]["ok"]
+    r = run_py(["-m", "kvcomp", "calibrate", *ep, "-m", MODEL])  # neither rank nor budget
+    assert r.returncode == 2
     r = run_py(["-m", "kvcomp", "delete", *ep, "-m", MODEL, "-k", "cli"])
     assert r.returncode == 0
     r = run_py(["-m", "kvcomp", "lookup", *ep, "-m", MODEL, "-k", "cli"])

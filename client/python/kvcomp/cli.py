@@ -1,10 +1,11 @@
-"""The kvcomp command line: put, get, lookup, delete, stats and a load generator.
+"""The kvcomp command line: put, get, lookup, delete, stats, calibrate and a load generator.
 
     python -m kvcomp put   -e 127.0.0.1:7470 -m MODEL -k KEY --keys k.npy --values v.npy
     python -m kvcomp put   -e ... -m MODEL -k KEY --safetensors cache.safetensors
     python -m kvcomp get   -e ... -m MODEL -k KEY --out cache.kvc [--npz kept.npz] [--decoded]
     python -m kvcomp lookup|delete -e ... -m MODEL -k KEY
     python -m kvcomp stats -e 127.0.0.1:7470,127.0.0.1:7471
+    python -m kvcomp calibrate -e 127.0.0.1:7470,127.0.0.1:7471 -m MODEL --error-budget 0.1
     python -m kvcomp loadgen -e ... --requests 100 --concurrency 4 --tokens 2048
 
 Arrays: keys and values [layers, kv_heads, tokens, head_dim], float32/float16/bfloat16 (a
@@ -148,6 +149,16 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Has every endpoint fit a KVSplice projection for the model; one JSON result each. Exit 1
+    when an endpoint failed."""
+    results = _client(args).calibrate(args.model, error_budget=args.error_budget or 0.0,
+                                      rank=args.rank or 0, value_codec=args.value_codec,
+                                      max_caches=args.max_caches)
+    print(json.dumps(results, indent=2))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
 def cmd_loadgen(args) -> int:
     """Puts (and optionally gets) random caches; prints throughput and latency percentiles."""
     c = _client(args)
@@ -227,6 +238,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("lookup", parents=[common, keyed]).set_defaults(fn=cmd_lookup)
     sub.add_parser("delete", parents=[common, keyed]).set_defaults(fn=cmd_delete)
     sub.add_parser("stats", parents=[common]).set_defaults(fn=cmd_stats)
+
+    p = sub.add_parser("calibrate", parents=[common],
+                       help="fit KVSplice value projections from the caches the daemons store")
+    p.add_argument("-m", "--model", required=True)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--error-budget", type=float, help="relative value error; per-layer ranks")
+    g.add_argument("--rank", type=int, help="one rank for every layer")
+    p.add_argument("--value-codec", default="orthogonal_int8",
+                   choices=["orthogonal", "orthogonal_int8", "orthogonal_int4"])
+    p.add_argument("--max-caches", type=int, default=64)
+    p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("loadgen", parents=[common], help="generate load")
     p.add_argument("-m", "--model", default="loadgen-model")
