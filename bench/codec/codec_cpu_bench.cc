@@ -12,6 +12,7 @@
 #include <functional>
 #include <vector>
 
+#include "bench_projection.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/kernels/projection.h"
@@ -32,25 +33,6 @@ double MedianSeconds(const std::function<void()>& fn, int reps) {
   return t[t.size() / 2];
 }
 
-Projection MakeProjection(uint32_t heads, uint32_t d) {
-  Projection p;
-  p.model_id = "bench";
-  p.num_layers = heads;
-  p.num_kv_heads = 1;
-  p.head_dim = d;
-  p.rows = d;
-  p.basis.assign(uint64_t{heads} * d * d, 0.0f);
-  for (uint32_t h = 0; h < heads; ++h) {
-    for (uint32_t j = 0; j < d; ++j) {
-      p.basis[(uint64_t{h} * d + j) * d + (j * 7 + h) % d] = 1.0f;
-      p.gamma.push_back(std::pow(0.97f, static_cast<float>(j)));
-    }
-    for (uint32_t j = 0; j < d; ++j) p.eigenvalues.push_back(1.0f);
-  }
-  if (!p.Seal().ok()) std::abort();
-  return p;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -62,7 +44,7 @@ int main(int argc, char** argv) {
   auto be = MakeCpuBackend(CpuBackendOptions{threads});
   if (!be.ok()) return 1;
   CodecOps& ops = (*be)->codec();
-  const Projection proj = MakeProjection(heads, d);
+  const Projection proj = bench::MakeBenchProjection(heads, d);
   std::vector<uint64_t> off(heads + 1);
   for (uint32_t h = 0; h <= heads; ++h) off[h] = h * per_head;
   RowSpan rows;

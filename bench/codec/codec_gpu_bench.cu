@@ -16,31 +16,12 @@
 #include "cuda/codec_kernels.cuh"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/codec_ops.h"
+#include "bench_projection.h"
 #include "kvcomp/kernels/projection.h"
 
 using namespace kvcomp;
 
 namespace {
-
-// An orthonormal basis that costs nothing to build: permuted unit vectors, per head.
-Projection MakeProjection(uint32_t heads, uint32_t d) {
-  Projection p;
-  p.model_id = "bench";
-  p.num_layers = heads;
-  p.num_kv_heads = 1;
-  p.head_dim = d;
-  p.rows = d;
-  p.basis.assign(uint64_t{heads} * d * d, 0.0f);
-  for (uint32_t h = 0; h < heads; ++h) {
-    for (uint32_t j = 0; j < d; ++j) {
-      p.basis[(uint64_t{h} * d + j) * d + (j * 7 + h) % d] = 1.0f;  // 7 is coprime with d
-      p.gamma.push_back(std::pow(0.97f, static_cast<float>(j)));
-    }
-    for (uint32_t j = 0; j < d; ++j) p.eigenvalues.push_back(1.0f);
-  }
-  if (!p.Seal().ok()) std::abort();
-  return p;
-}
 
 const char* Name(ValueCodec c) {
   return c == ValueCodec::kOrthogonal ? "f16" : c == ValueCodec::kOrthogonalInt8 ? "int8" : "int4";
@@ -61,7 +42,7 @@ int main(int argc, char** argv) {
   CodecOps& ops = (*backend)->codec();
   cudaStream_t stream = nullptr;  // ops run on the backend's stream; events on the legacy stream
                                   // still order against it (the op syncs at its end)
-  const Projection proj = MakeProjection(heads, d);
+  const Projection proj = bench::MakeBenchProjection(heads, d);
   std::vector<uint64_t> off(heads + 1);
   for (uint32_t h = 0; h <= heads; ++h) off[h] = h * per_head;
   RowSpan rows;

@@ -126,6 +126,15 @@ void DequantizeRow(const uint8_t* in, const uint16_t* scales, const ValueCodecPa
   }
 }
 
+absl::Status CheckEigenArgs(uint32_t dim, uint64_t batch, size_t gram, size_t eigenvalues,
+                            size_t eigenvectors) {
+  const uint64_t dd = uint64_t{dim} * dim;
+  if (dim == 0 || gram != batch * dd || eigenvalues != batch * dim || eigenvectors != batch * dd) {
+    return absl::InvalidArgumentError("codec: EigenDecompose buffer sizes do not match");
+  }
+  return absl::OkStatus();
+}
+
 void HeadMatrices(const Projection& projection, uint64_t head, const ValueCodecParams& p,
                   std::vector<float>* enc, std::vector<float>* dec) {
   const uint32_t d = projection.head_dim;

@@ -5,9 +5,11 @@
 #define KVCOMP_KERNELS_SRC_CPU_CODEC_CPU_INTERNAL_H_
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/kernels/projection.h"
@@ -55,6 +57,10 @@ void DequantizeRow(const uint8_t* in, const uint16_t* scales, const ValueCodecPa
 
 // Encode and decode matrices of head `head` (absolute index in the projection), row-major
 // rank x head_dim: enc = diag(1/gamma) P_r, dec = diag(gamma) P_r (gamma = 1 unless UsesGamma).
+// EigenDecompose's buffer checks, the same on every backend (InvalidArgument).
+absl::Status CheckEigenArgs(uint32_t dim, uint64_t batch, size_t gram, size_t eigenvalues,
+                            size_t eigenvectors);
+
 void HeadMatrices(const Projection& projection, uint64_t head, const ValueCodecParams& params,
                   std::vector<float>* enc, std::vector<float>* dec);
 

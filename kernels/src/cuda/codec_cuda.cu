@@ -304,11 +304,9 @@ class CudaCodecOps final : public CodecOps {
   absl::Status EigenDecompose(uint32_t dim, uint64_t batch, absl::Span<const double> gram,
                               absl::Span<double> eigenvalues,
                               absl::Span<double> eigenvectors) override {
+    KVCOMP_RETURN_IF_ERROR(codec_internal::CheckEigenArgs(dim, batch, gram.size(),
+                                                          eigenvalues.size(), eigenvectors.size()));
     const uint64_t dd = uint64_t{dim} * dim;
-    if (dim == 0 || gram.size() != batch * dd || eigenvalues.size() != batch * dim ||
-        eigenvectors.size() != batch * dd) {
-      return absl::InvalidArgumentError("codec: EigenDecompose buffer sizes do not match");
-    }
     if (batch == 0) return absl::OkStatus();
     KVCOMP_RETURN_IF_ERROR(EnsureHandles());
     KVCOMP_ASSIGN_OR_RETURN(Buffer a, Buffer::Allocate(*ctx_->allocator, batch * dd * 8));
