@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon_fixture.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
@@ -71,33 +72,7 @@ absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& m
   return PutLowRankCache(c, begin, seed, sent_values);
 }
 
-class ControlTest : public ::testing::Test {
- protected:
-  std::unique_ptr<KvcompdProcess> StartDaemon(std::vector<std::string> flags = {}) {
-    auto d = std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir_.path() + "/data", flags);
-    EXPECT_TRUE(d->Start()) << d->Log();
-    return d;
-  }
-  std::unique_ptr<UcxClient> Connect(const KvcompdProcess& d, const std::string& tenant = "",
-                                     const std::string& token = "", absl::Status* error = nullptr) {
-    transport::ClientOptions o;
-    o.ucx.overrides["TLS"] = "tcp";
-    auto c = UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant, token, o);
-    if (!c.ok()) {
-      if (error != nullptr) *error = c.status();
-      if (error == nullptr) ADD_FAILURE() << "connect: " << c.status();
-      return nullptr;
-    }
-    return std::move(*c);
-  }
-  void WriteTokens(const std::string& text) {
-    std::ofstream f(tokens_path(), std::ios::trunc);
-    f << text;
-  }
-  std::string tokens_path() const { return dir_.path() + "/tokens.yaml"; }
-
-  TempDir dir_;
-};
+class ControlTest : public DaemonFixture {};
 
 TEST_F(ControlTest, EveryControlCallAnswers) {
   auto d = StartDaemon();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon_fixture.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
@@ -64,27 +65,9 @@ absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& m
   return PutLowRankCache(c, Begin(model, key), seed, nullptr, midway);
 }
 
-class HousekeepingTest : public ::testing::Test {
+class HousekeepingTest : public DaemonFixture {
  protected:
-  std::unique_ptr<KvcompdProcess> StartDaemon(std::vector<std::string> flags = {}) {
-    flags.push_back("--data_plane.max_block_bytes=1Mi");
-    auto d = std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir_.path() + "/data", flags);
-    EXPECT_TRUE(d->Start()) << d->Log();
-    return d;
-  }
-  std::unique_ptr<UcxClient> Connect(const KvcompdProcess& d, const std::string& tenant = "",
-                                     const std::string& token = "",
-                                     absl::Duration timeout = absl::Seconds(30)) {
-    transport::ClientOptions o;
-    o.ucx.overrides["TLS"] = "tcp";
-    o.request_timeout = timeout;
-    auto c = UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant, token, o);
-    if (!c.ok()) {
-      ADD_FAILURE() << "connect: " << c.status();
-      return nullptr;
-    }
-    return std::move(*c);
-  }
+  HousekeepingTest() { default_flags_ = {"--data_plane.max_block_bytes=1Mi"}; }
   static std::string Metrics(const KvcompdProcess& d) {
     HttpResponse r = HttpGet(d.ports().metrics, "/metrics");
     EXPECT_EQ(r.code, 200);
@@ -100,13 +83,6 @@ class HousekeepingTest : public ::testing::Test {
     }
     return m;
   }
-  void WriteTokens(const std::string& text) {
-    std::ofstream f(tokens_path(), std::ios::trunc);
-    f << text;
-  }
-  std::string tokens_path() const { return dir_.path() + "/tokens.yaml"; }
-
-  TempDir dir_;
 };
 
 TEST_F(HousekeepingTest, ErrorsTheTransportAnswersItselfAreCountedByCode) {
@@ -177,7 +153,7 @@ TEST_F(HousekeepingTest, BusyUntilTheRequestTimeoutIsBusyErrorNotDeadlineExceede
   // reply arrives well within the timeout even on a loaded 2-core CI machine.
   for (int i = 0; i < 12; ++i) {
     const absl::Duration timeout = absl::Milliseconds(800 + 37 * i);
-    auto c = Connect(*d, "", "", timeout);
+    auto c = Connect(*d, "", "", nullptr, timeout);
     ASSERT_NE(c, nullptr);
     const absl::Time t0 = absl::Now();
     auto r = c->PutBegin(Begin("m", "waits-" + std::to_string(i)));
