@@ -239,14 +239,25 @@ def test_credentials_and_tls_files_are_mounted(case):
     cfg, _ = daemon_config(docs)
     auth = values.get("auth", {})
     secrets = by_kind(docs, "Secret")
-    if auth.get("tokens"):
+    open_daemon = auth.get("mode", "required") == "open"
+    key = auth.get("secretKey", "tokens")
+    if open_daemon or auth.get("existingSecret"):
+        assert not secrets
+    elif auth.get("tokens"):
         (secret,) = secrets
-        key = auth.get("secretKey", "tokens")
         tokens = yaml.safe_load(secret["stringData"][key])
         assert tokens == auth["tokens"], "the token file is a tenant: token map"
     else:
-        assert not secrets
-    open_daemon = not auth.get("tokens") and not auth.get("existingSecret")
+        # Required by default: a generated Secret, one tenant with a random token, which
+        # clients read from its `tenant` and `token` keys.
+        (secret,) = secrets
+        data = secret["stringData"]
+        tenant = auth.get("generatedTenant", "default")
+        assert data["tenant"] == tenant
+        assert len(data["token"]) >= 32 and data["token"].isalnum()
+        assert yaml.safe_load(data[key]) == {tenant: data["token"]}
+        assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    # Authentication is off only when asked for by name.
     assert (cfg["auth"]["token_file"] == "") == open_daemon
     tls = values.get("thriftTls", {})
     assert cfg["control_plane"]["tls"] == bool(tls.get("enabled"))
@@ -386,3 +397,24 @@ def test_sidecar_library_templates(tmp_path):
     assert labels["kvcomp.io/sidecar"] == cm["metadata"]["name"][:-len("-config")]
     assert not by_kind(docs, "DaemonSet") and not by_kind(docs, "StatefulSet")
     assert f"{RELEASE}-kvcomp" == cm["metadata"]["name"][:-len("-config")]
+
+
+def test_generated_token_survives_nothing_but_its_own_secret():
+    """Each fresh render generates a new random token (no live Secret to read back), so two
+    installs never share a token by accident; the token file and the `token` key agree."""
+    tokens = []
+    for _ in range(2):
+        (secret,) = by_kind(documents(render({"mode": "daemonset"})), "Secret")
+        data = secret["stringData"]
+        assert yaml.safe_load(data["tokens"]) == {"default": data["token"]}
+        tokens.append(data["token"])
+    assert tokens[0] != tokens[1]
+
+
+def test_open_mode_warns_in_the_notes():
+    rendered = render({"mode": "daemonset", "auth": {"mode": "open"}})
+    notes = next(v for k, v in rendered.items() if k.endswith("NOTES.txt"))
+    assert "AUTHENTICATION OFF" in notes
+    rendered = render({"mode": "daemonset"})
+    notes = next(v for k, v in rendered.items() if k.endswith("NOTES.txt"))
+    assert "Authentication is required" in notes and "auth.existingSecret" in notes

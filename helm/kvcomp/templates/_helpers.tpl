@@ -60,12 +60,20 @@ app.kubernetes.io/component: kvcompd
 {{- printf "%s-config" (include "kvcomp.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* The Secret holding the token file, or "" when the daemon runs open. */}}
+{{/* The Secret holding the token file, or "" when the daemon runs open (auth.mode=open). */}}
 {{- define "kvcomp.authSecretName" -}}
-{{- if .Values.auth.existingSecret -}}
+{{- if eq .Values.auth.mode "open" -}}
+{{- else if .Values.auth.existingSecret -}}
 {{- .Values.auth.existingSecret -}}
-{{- else if .Values.auth.tokens -}}
+{{- else -}}
 {{- printf "%s-auth" (include "kvcomp.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the chart generates the token Secret (auth required, no tokens given). */}}
+{{- define "kvcomp.authGenerated" -}}
+{{- if and (eq .Values.auth.mode "required") (not .Values.auth.existingSecret) (not .Values.auth.tokens) -}}
+true
 {{- end -}}
 {{- end -}}
 
@@ -120,8 +128,9 @@ A size in bytes from a Kubernetes-style quantity ("8Gi", "512Mi", "1Ti", "4096")
 {{- end -}}
 
 {{/* The token file kvcompd reads (auth.token_file): `tenant: token` lines, a YAML map. */}}
+{{/* Takes the tenant-to-token map. */}}
 {{- define "kvcomp.tokenFile" -}}
-{{- range $tenant, $token := .Values.auth.tokens }}
+{{- range $tenant, $token := . }}
 {{ $tenant | quote }}: {{ $token | quote }}
 {{- end }}
 {{- end -}}
@@ -149,6 +158,9 @@ name, a PodMonitor's job is <namespace>/<monitor name>.
 {{- end -}}
 {{- if and .Values.auth.existingSecret .Values.auth.tokens -}}
 {{- fail "kvcomp: set auth.existingSecret or auth.tokens, not both" -}}
+{{- end -}}
+{{- if and (eq .Values.auth.mode "open") (or .Values.auth.existingSecret .Values.auth.tokens) -}}
+{{- fail "kvcomp: auth.mode=open takes no auth.existingSecret or auth.tokens (set auth.mode=required to use them)" -}}
 {{- end -}}
 {{- if and .Values.daemonset.hostPorts .Values.hostNetwork -}}
 {{- fail "kvcomp: daemonset.hostPorts and hostNetwork exclude each other (with hostNetwork the ports already are the node's)" -}}
@@ -582,4 +594,31 @@ kvcomp.io/sidecar: {{ include "kvcomp.fullname" . | quote }}
 
 {{- define "kvcomp.sidecar.podAnnotations" -}}
 {{ include "kvcomp.configChecksum" . }}
+{{- end -}}
+
+{{/*
+The SDK endpoints of this release (clients.endpoints, or derived from the mode): the headless
+Service as a DNS pool (the SDKs resolve every ready daemon and follow the pool as it changes), or
+in sidecar mode the daemon of the same pod on localhost.
+*/}}
+{{- define "kvcomp.clientEndpoints" -}}
+{{- if .Values.clients.endpoints -}}
+{{ .Values.clients.endpoints }}
+{{- else if eq .Values.mode "sidecar" -}}
+127.0.0.1:{{ .Values.ports.ucx }},127.0.0.1:{{ .Values.ports.thrift }}
+{{- else if .Values.service.enabled -}}
+dns:///{{ include "kvcomp.fullname" . }}.{{ .Release.Namespace }}.svc:{{ .Values.ports.ucx }},{{ .Values.ports.thrift }}
+{{- else -}}
+{{- fail "clients.endpoints: set it when service.enabled is false (there is no Service to resolve)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+KVCOMP_ENDPOINTS for an inference container, as an env list entry:
+  env:
+    {{- include "kvcomp.client.env" .Subcharts.kvcomp | nindent 4 }}
+*/}}
+{{- define "kvcomp.client.env" -}}
+- name: KVCOMP_ENDPOINTS
+  value: {{ include "kvcomp.clientEndpoints" . | quote }}
 {{- end -}}
