@@ -6,5 +6,5 @@ list(APPEND KERNELS_SRCS
 )
 list(APPEND KERNELS_HDRS kvcomp/kernels/allocator.h)
 
-# The CUDA backend (engine-CUDA). Every op group has its own CUDA factory now (issues 3, 4, 5).
+# The CUDA backend (engine-CUDA). Every op group has its own CUDA factory now.
 list(APPEND KERNELS_CUDA_SRCS src/cuda/cuda_backend.cc)

@@ -1,4 +1,4 @@
-# Issue 5: KVSplice encoding of the kept tokens (projections, calibration, codecs).
+# KVSplice encoding of the kept tokens (projections, calibration, codecs).
 list(APPEND KERNELS_HDRS
   kvcomp/kernels/projection.h
   kvcomp/kernels/calibration.h

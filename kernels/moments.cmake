@@ -1,5 +1,5 @@
 # Sources of this concern: list(APPEND KERNELS_SRCS ...), list(APPEND KERNELS_CUDA_SRCS ...).
-# Issue 4: MomentKV summaries, compaction with summary, corrected decode attention.
+# MomentKV summaries, compaction with summary, corrected decode attention.
 list(APPEND KERNELS_SRCS
   src/cpu/moments_cpu.cc
   src/cpu/attention_cpu.cc

@@ -1,5 +1,5 @@
 # Sources of this concern: list(APPEND KERNELS_SRCS ...), list(APPEND KERNELS_CUDA_SRCS ...).
-# Issue 3: scoring, budgets, selection and compaction (CPU), and the pipeline.
+# scoring, budgets, selection and compaction (CPU), and the pipeline.
 list(APPEND KERNELS_SRCS
   src/scoring_ops.cc
   src/cpu/scoring_cpu.cc

@@ -36,3 +36,6 @@ if [ -d tests/helm ]; then
   echo "== Helm chart tests (pytest) =="
   KVCOMP_BUILD_DIR="$PWD/$BUILD" python3 -m pytest -q tests/helm
 fi
+
+echo "== product text (scripts/check_product_text.sh) =="
+bash scripts/check_product_text.sh

@@ -46,7 +46,7 @@ for b in benches:
         inrun = b.get("memcpy_bytes_per_second", float("nan")) / 1e9
         rows.setdefault(key, []).append((b.get("label", scorer), gbs, b["real_time"], inrun))
 with open(dst, "w") as f:
-    f.write(f"# CPU score + select + compact (issue 3)\n\n")
+    f.write(f"# CPU score + select + compact\n\n")
     f.write(f"- date: {ctx['date']}\n- commit: {commit}\n- machine: {platform.node()}, {cpu}, "
             f"{ctx['num_cpus']} CPUs, {ctx.get('mhz_per_cpu', '?')} MHz\n"
             f"- load average at start: {ctx.get('load_avg', '?')}\n"

@@ -1,4 +1,4 @@
-// CPU benchmark of Engine I (issue 3 item 7): score + select + compact of one layer, 8 kv heads,
+// CPU benchmark of Engine I: score + select + compact of one layer, 8 kv heads,
 // head_dim 128, bf16, 8K / 64K / 128K tokens, ratio 0.5, for knorm, keydiff, manifold and
 // windowed_manifold, on 1 thread and on every core. Bytes are bytes moved (read + written): the
 // op's minimal bytes are read K and V once and write the kept K and V; memcpy's are read K and V

@@ -1,4 +1,4 @@
-// MomentKV on the GPU (issue 4 item 7):
+// MomentKV on the GPU:
 //  1. moments + compaction (MomentOps::CompactAndAccumulate, one pass, v k^T on the tensor
 //     cores) in GB/s over the minimal bytes (read K and V once, write the kept rows), next to the
 //     device-to-device copy; also the gather-only Accumulate of the evicted list.

@@ -1,4 +1,4 @@
-"""Synthetic KV caches with the properties reported for real models (issue 4, bench/quality).
+"""Synthetic KV caches with the properties reported for real models (bench/quality).
 
 Every property is one documented field of GeneratorParams; `generate_layer` builds one layer's
 keys and values [num_kv_heads, tokens, head_dim] (fp32, keys post-RoPE as serving engines store
@@ -12,7 +12,7 @@ The model of one kv head, token at position p (pre-RoPE vector, then RoPE(p)):
   token 0 (attention sink): a large key along the queries' bias direction (see `sink_mass`)
   needles: off-subspace keys (random directions) at random positions with distinctive values;
            groups of `group_size` needles share ONE stored (post-RoPE) direction and differ in
-           magnitude (`group_magnitudes`): the directional collision of seed 000 (cosine-based
+           magnitude (`group_magnitudes`): a directional collision (cosine-based
            scorers cannot tell them apart, norm-based ones rank them by magnitude only); the
            first `groups_along_mean` groups lie along the keys' mean direction, where a cosine
            to the mean sees ordinary tokens and only the magnitude tells them apart.
@@ -169,7 +169,7 @@ def generate_layer(p: GeneratorParams, tokens: int, seed: int) -> Layer:
         for g in range(p.num_groups):
             u = rng.standard_normal(d); u /= np.linalg.norm(u)
             if g < p.groups_along_mean:
-                u = mean_dir  # seed 000's collision: the direction every key leans towards
+                u = mean_dir  # the collision: the direction every key leans towards
             for j in range(p.group_size):
                 t = int(slots[cursor]); cursor += 1
                 mag = p.group_magnitudes[j % len(p.group_magnitudes)]

@@ -1,7 +1,7 @@
-"""NumPy reference of the engine's eviction and of MomentKV (DESIGN.md steps 1-4).
+"""NumPy reference of the engine's eviction and of MomentKV (docs/engine.md, docs/moments.md).
 
 Used by the quality harness when the kvcomp module is not built, and by the tests to check the
-module against it. Scorers, budgets and protection follow DESIGN.md and kvcomp/core/policy.h;
+module against it. Scorers, budgets and protection follow docs/engine.md and kvcomp/core/policy.h;
 the moment-aware rule is docs/moment_aware.md.
 """
 
@@ -131,7 +131,7 @@ def compress_layer(keys: np.ndarray, values: np.ndarray, scorer: str, ratio: flo
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, m: Optional[HeadMoments],
               correct: bool = True) -> np.ndarray:
-    """Queries [nq, d] over kept k, v [n, d] plus the virtual token of m (DESIGN.md step 4), in
+    """Queries [nq, d] over kept k, v [n, d] plus the virtual token of m (docs/moments.md), in
     float64."""
     d = q.shape[1]
     t = 1.0 / math.sqrt(d)

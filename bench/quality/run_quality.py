@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The quality harness of issue 4: eviction quality per scorer x ratio x context on synthetic
+"""The quality harness: eviction quality per scorer x ratio x context on synthetic
 caches (generator.py), with and without the MomentKV correction and the moment-aware rule.
 
 Metrics, per (scorer, moment_aware, ratio, context), averaged over layers, heads and queries:
@@ -158,7 +158,7 @@ def write_outputs(rows, args, engine_name):
         for r in rows:
             w.writerow({k: (f"{v:.5f}" if isinstance(v, float) else v) for k, v in r.items()})
     date = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# Quality harness (issue 4): {date}", "",
+    lines = [f"# Quality harness: {date}", "",
              f"commit {git_commit()}, engine {engine_name}, machine {platform.node()} "
              f"({os.cpu_count()} CPUs), contexts {list(args.contexts)}, "
              f"`{' '.join(sys.argv[1:]) or '(defaults)'}`", "",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Storage benchmarks (issue 6): put/get GB/s of the RocksDB tier for 64 KiB, 1 MiB and 16 MiB
+# Storage benchmarks: put/get GB/s of the RocksDB tier for 64 KiB, 1 MiB and 16 MiB
 # values next to RocksDB's own db_bench given the same options, in the same run on the same disk;
 # and the host tier next to memcpy. Writes bench/results/storage-<date>-<HHMM>.{jsonl,md} with the date,
 # machine and commit.

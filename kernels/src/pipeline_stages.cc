@@ -22,7 +22,7 @@ absl::StatusOr<const T*> ToBackend(Backend& backend, const std::vector<T>& host,
 
 }  // namespace
 
-// Every backend now carries MomentOps (issue 4); keep this the single switch should one not.
+// Every backend now carries MomentOps; keep this the single switch should one not.
 bool MomentsAvailable(Backend& /*backend*/) { return true; }
 
 absl::Status MomentStage(Backend& backend, const LayerEviction& e, CompressedCache* cache) {

@@ -1,5 +1,5 @@
 // The pipeline's extension stages, one function each (pipeline_stages.cc), so the moments
-// (issue 4) and codec (issue 5) owners change one function, not the pipeline.
+// and codec owners change one function, not the pipeline.
 #ifndef KVCOMP_KERNELS_SRC_PIPELINE_STAGES_H_
 #define KVCOMP_KERNELS_SRC_PIPELINE_STAGES_H_
 

@@ -355,7 +355,7 @@ void ControlHandler::Calibrate(rpc::CalibrateResponse& out, const rpc::Auth& aut
   KVCOMP_CONTROL_AUTH(tenant, out);
   if (!ctx_->calibrate) {
     out.status = ToRpc(absl::UnimplementedError(
-        "calibration is not available in this build (KVSplice calibration, issue 5)"));
+        "calibration is not available in this build (KVSplice calibration)"));
     return;
   }
   CalibrationRequest req;

@@ -25,7 +25,7 @@
 namespace kvcomp {
 namespace service {
 
-// Calibration request as the engine hook sees it (issue 5 provides the implementation).
+// Calibration request as the engine hook sees it (kvsplice_glue.h provides the implementation).
 struct CalibrationRequest {
   std::string tenant;
   std::string model_id;

@@ -1,4 +1,4 @@
-// The daemon's side of KVSplice (issue 5): projections kept in the tiered store's calibration
+// The daemon's side of KVSplice: projections kept in the tiered store's calibration
 // family, the Calibrate control call, and decoding encoded caches for gets of the decoded
 // representation.
 //

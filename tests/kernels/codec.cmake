@@ -1,4 +1,4 @@
-# Issue 5 tests (included from tests/kernels/CMakeLists.txt): KVSplice codec and calibration.
+# Tests (included from tests/kernels/CMakeLists.txt): KVSplice codec and calibration.
 kvcomp_cc_test(NAME kernels_codec_test SRCS codec_test.cc DEPS kvcomp::kernels kvcomp::core)
 kvcomp_cc_test(NAME kernels_calibration_test SRCS calibration_test.cc DEPS kvcomp::kernels)
 if(KVCOMP_CUDA)

@@ -1,4 +1,4 @@
-# Issue 4 tests (included from tests/kernels/CMakeLists.txt).
+# Tests (included from tests/kernels/CMakeLists.txt).
 kvcomp_cc_test(NAME kernels_moments_test SRCS moments_test.cc DEPS kvcomp::kernels)
 kvcomp_cc_test(NAME kernels_moments_cuda_test SRCS moments_cuda_test.cc DEPS kvcomp::kernels
                LABELS gpu)

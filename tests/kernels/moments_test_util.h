@@ -1,4 +1,4 @@
-// Float64 reference of MomentKV (moments and the corrected attention of DESIGN.md step 4) and the
+// Float64 reference of MomentKV (moments and the corrected attention of docs/moments.md) and the
 // data the moments/attention tests share.
 #ifndef KVCOMP_TESTS_KERNELS_MOMENTS_TEST_UTIL_H_
 #define KVCOMP_TESTS_KERNELS_MOMENTS_TEST_UTIL_H_

@@ -1,5 +1,5 @@
 // The compression pipeline: Compress over layers (ragged, really smaller, format round trip,
-// moments of the evicted tokens, the eviction hook) and block-wise compression (issue 3 items 2-4).
+// moments of the evicted tokens, the eviction hook) and block-wise compression.
 #include "kvcomp/kernels/pipeline.h"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-# Issue 3 tests (included from tests/kernels/CMakeLists.txt).
+# Tests (included from tests/kernels/CMakeLists.txt).
 kvcomp_cc_test(NAME kernels_scoring_cpu_test SRCS scoring_cpu_test.cc DEPS kvcomp::kernels)
 kvcomp_cc_test(NAME kernels_scoring_errors_test SRCS scoring_errors_test.cc DEPS kvcomp::kernels)
 kvcomp_cc_test(NAME kernels_scoring_conformance_test SRCS scoring_conformance_test.cc

@@ -1,4 +1,4 @@
-// The conformance suite (issue 3 item 5) run CPU against CPU with a different thread count: the
+// The conformance suite run CPU against CPU with a different thread count: the
 // harness itself is exercised on every case the CUDA suite runs.
 #include <algorithm>
 #include <memory>

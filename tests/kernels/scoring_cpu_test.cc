@@ -1,4 +1,4 @@
-// The CPU ScoringOps against float64 formulas and the documented selection rule (issue 3 items
+// The CPU ScoringOps against float64 formulas and the documented selection rule (
 // 1-3 and 5).
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-// Bad input gets a clear InvalidArgument, never a crash or a silent answer (issue 3 item 6).
+// Bad input gets a clear InvalidArgument, never a crash or a silent answer.
 #include <cmath>
 #include <limits>
 #include <memory>

@@ -1,4 +1,4 @@
-// Test helpers of Engine I (issue 3): random KV data that is never zero, float64 reference
+// Test helpers of Engine I: random KV data that is never zero, float64 reference
 // formulas of every scorer, a reference selection, and the conformance harness that runs any
 // Backend's ScoringOps against the CPU one on the same fresh inputs (outputs poisoned first).
 // The CUDA tests reuse RunConformanceCase with their backend as the candidate.
@@ -95,7 +95,7 @@ inline HostHeads RandomHeads(DType dtype, uint32_t heads, uint64_t tokens, uint3
   return a;
 }
 
-// --- float64 references of the scorers (DESIGN.md step 1, issue 3 item 1) ---
+// --- float64 references of the scorers ---
 inline std::vector<double> RefScores(const HostHeads& k, const ScoreParams& p,
                                      const HostHeads* q = nullptr) {
   const uint32_t d = k.head_dim;

@@ -1,4 +1,4 @@
-"""The Python SDK, CLI and examples against real kvcompd processes on loopback (issue 8)."""
+"""The Python SDK, CLI and examples against real kvcompd processes on loopback."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""kvcomp's KVSplice Python API (issue 5 item 6): calibrate, Projection save/load, the policy's
+"""kvcomp's KVSplice Python API: calibrate, Projection save/load, the policy's
 codec fields, compress(..., projection=) and decompress."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The Python round trip on the GPU (issue 5 item 6): kvcomp.compress(..., backend="cuda"),
+"""The Python round trip on the GPU: kvcomp.compress(..., backend="cuda"),
 kvcomp.decompress(..., backend="cuda") and kvcomp.calibrate(..., backend="cuda") against the CPU
 reference, on fresh random inputs of a realistic shape (4 layers, 8 kv heads, 3000 tokens,
 head_dim 128; f32, f16 and bf16), every value codec x key codec.

@@ -1,4 +1,4 @@
-"""kvcomp's Python engine API (issue 3 item 8): score, Policy, compress, CompressedCache."""
+"""kvcomp's Python engine API: score, Policy, compress, CompressedCache."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""kvcomp's MomentKV Python API (issue 4 item 5): CompressedCache.moments and kvcomp.attention,
+"""kvcomp's MomentKV Python API: CompressedCache.moments and kvcomp.attention,
 checked against the NumPy reference of bench/quality, plus a smoke run of the quality harness."""
 
 import os

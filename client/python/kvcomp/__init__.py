@@ -78,7 +78,7 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
     q = None
     if queries is not None:
         q, _ = _prepare(queries, dt)
-    if policy.key_codec != "raw" or policy.value_codec != "none":  # KVSplice (issue 5)
+    if policy.key_codec != "raw" or policy.value_codec != "none":  # KVSplice
         raw = _kvcomp._compress(k, v, _kvcomp._raw_codecs(policy), backend=backend,
                                 dtype=dt or dt_v or "", queries=q, num_q_heads=num_q_heads)
         return _kvcomp._encode_kept(raw, policy, projection, backend)
@@ -87,7 +87,7 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
 
 
 def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0):
-    """Decode-side attention over one layer of a compressed cache (issue 4, docs/moments.md).
+    """Decode-side attention over one layer of a compressed cache (docs/moments.md).
 
     q: queries [q_heads, n_queries, head_dim] (float32/float16/bfloat16, host memory), GQA over
     the cache's kv heads. Softmax over the kept tokens plus, when `correct` and the cache has
@@ -102,7 +102,7 @@ def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0):
                               backend=backend, scale=scale)
 
 
-# --- KVSplice (issue 5, docs/kvsplice.md) ---
+# --- KVSplice (docs/kvsplice.md) ---
 from ._kvcomp import Projection  # noqa: E402,F401
 
 __all__ += ["Projection", "calibrate", "decompress", "cache_codecs"]

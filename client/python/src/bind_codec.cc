@@ -1,4 +1,4 @@
-// Python bindings of Engine III (KVSplice, issue 5): kvcomp.Projection, and the native halves of
+// Python bindings of Engine III (KVSplice): kvcomp.Projection, and the native halves of
 // kvcomp.calibrate, kvcomp.compress(..., projection=) and kvcomp.decompress (kvcomp/__init__.py
 // wraps them). Arrays come in as C-contiguous float32 NumPy arrays (the Python side converts);
 // outputs are NumPy arrays that own copies.

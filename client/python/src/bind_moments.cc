@@ -1,4 +1,4 @@
-// Python bindings of Engine II (issue 4): CompressedCache.moments(layer, head) and the decode-side
+// Python bindings of Engine II: CompressedCache.moments(layer, head) and the decode-side
 // attention over a compressed cache, kvcomp.attention(q, cache, layer, correct=True) (exposed
 // by the native module as _attention; kvcomp/__init__.py wraps it).
 #include <nanobind/nanobind.h>

@@ -13,13 +13,13 @@
 namespace kvcomp {
 namespace python {
 
-// Engine I: Policy, score, compress, CompressedCache (bind_engine.cc, issue 3).
+// Engine I: Policy, score, compress, CompressedCache (bind_engine.cc).
 void RegisterEngine(nanobind::module_& m);
-// Engine II: CompressedCache.moments, _attention (bind_moments.cc, issue 4).
+// Engine II: CompressedCache.moments, _attention (bind_moments.cc).
 void RegisterMoments(nanobind::module_& m);
-// The C++ SDK: _Client, _PutStream (bind_client.cc, issue 8); kvcomp/client.py wraps them.
+// The C++ SDK: _Client, _PutStream (bind_client.cc); kvcomp/client.py wraps them.
 void RegisterClient(nanobind::module_& m);
-// Engine III: Projection, _calibrate, _encode_kept, _decompress (bind_codec.cc, issue 5).
+// Engine III: Projection, _calibrate, _encode_kept, _decompress (bind_codec.cc).
 void RegisterCodec(nanobind::module_& m);
 
 // Raises the Python exception that matches `status` (ValueError for InvalidArgument,

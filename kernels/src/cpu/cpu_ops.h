@@ -2,8 +2,8 @@
 // Backend and hands it to each factory; the op groups keep the pointer (the context outlives
 // them) and use its pool for parallel loops and its allocator for workspace.
 //
-//   scoring: cpu/scoring_cpu.cc (issue 3)   moments: cpu/moments_cpu.cc (issue 4)
-//   codec:   cpu/codec_cpu.cc (issue 5)
+//   scoring: cpu/scoring_cpu.cc   moments: cpu/moments_cpu.cc
+//   codec:   cpu/codec_cpu.cc
 #ifndef KVCOMP_KERNELS_SRC_CPU_CPU_OPS_H_
 #define KVCOMP_KERNELS_SRC_CPU_CPU_OPS_H_
 

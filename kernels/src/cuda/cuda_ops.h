@@ -3,8 +3,8 @@
 // to each factory; the op groups keep the pointer (the context outlives them), issue all work on
 // `stream`, and take workspace from `allocator` (device memory).
 //
-//   scoring: cuda/scoring_cuda.cu (issue 3)   moments: cuda/moments_cuda.cu (issue 4)
-//   codec:   cuda/codec_cuda.cu (issue 5)
+//   scoring: cuda/scoring_cuda.cu   moments: cuda/moments_cuda.cu
+//   codec:   cuda/codec_cuda.cu
 #ifndef KVCOMP_KERNELS_SRC_CUDA_CUDA_OPS_H_
 #define KVCOMP_KERNELS_SRC_CUDA_CUDA_OPS_H_
 

@@ -1,4 +1,4 @@
-// Templated CUDA kernels of the scoring engine (issue 3). Each kernel is templated on the element
+// Templated CUDA kernels of the scoring engine. Each kernel is templated on the element
 // type T (float, __half, __nv_bfloat16) and, where it reads rows, the head dimension D; the
 // launchers in scoring_launch.cu validate arguments, dispatch runtime dtype x head_dim to these,
 // and turn cudaError_t into Status. Rows are read with 16-byte vector loads: the launcher

@@ -52,7 +52,7 @@ class CompressedCache {
   // int8/int4 latents were divided by the projection's per-direction gamma before quantizing
   // (gamma-aware); decoding multiplies it back. Only with a quantized value codec.
   bool value_gamma = false;
-  // Per-layer latent ranks (the auto-tuner's choice, issue 5): empty when every layer uses
+  // Per-layer latent ranks (the auto-tuner's choice): empty when every layer uses
   // `rank`; else one per layer, each in [1, rank] (even for int4), the largest equal to `rank`.
   // A layer's tokens carry LayerRank(layer) latent elements and ceil(LayerRank / group_size)
   // scales each, so the value arrays are ragged by layer too.

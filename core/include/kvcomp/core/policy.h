@@ -58,7 +58,7 @@ uint32_t DefaultRank(ValueCodec codec, uint32_t head_dim);
 
 struct CompressionPolicy {
   // --- which tokens to keep ---
-  Scorer scorer = Scorer::kManifold;  // default: ManifoldKV (seed 000)
+  Scorer scorer = Scorer::kManifold;  // default: ManifoldKV
   // Fraction of tokens to evict per head, in [0, 1). kept = int(n * (1 - ratio)) in double,
   // truncated (1000 tokens at 0.07 keep 929). Ignored when token_budget > 0. Default 0.5.
   double ratio = 0.5;

@@ -1,4 +1,4 @@
-// KVSplice calibration (seed 003): per (layer, kv head) of one model, accumulate the second
+// KVSplice calibration: per (layer, kv head) of one model, accumulate the second
 // moment of the observed values over many caches, eigendecompose it into an orthonormal basis
 // (PCA without centring: the codec reconstructs v, not v - mean), and derive the gamma-aware
 // per-direction scales. The auto-tuner picks, per layer, the smallest rank whose error on the

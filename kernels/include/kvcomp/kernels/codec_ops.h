@@ -1,4 +1,4 @@
-// CodecOps: the operations of Engine III (issue 5, KVSplice) behind kvcomp::Backend: encoding and
+// CodecOps: the operations of Engine III (KVSplice) behind kvcomp::Backend: encoding and
 // decoding of the kept keys and values, and the two numeric steps of calibration.
 //
 // Rows are ragged per head, as in CompressedCache: head h (counted from `first_head` of the

@@ -1,4 +1,4 @@
-// KVSplice on whole compressed caches (seed 003, DESIGN.md step 5): encode the kept keys and
+// KVSplice on whole compressed caches: encode the kept keys and
 // values of a CompressedCache as its policy says, and decode an encoded cache back to dense kept
 // keys and values. Host-memory caches; the Backend's CodecOps does the arithmetic (the CUDA
 // backend stages host buffers through device memory itself).

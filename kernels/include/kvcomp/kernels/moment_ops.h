@@ -1,5 +1,5 @@
-// MomentOps: the operations of Engine II (issue 4) behind kvcomp::Backend: MomentKV summaries of
-// evicted tokens and the decode-side attention that uses them (DESIGN.md step 4, docs/moments.md).
+// MomentOps: the operations of Engine II behind kvcomp::Backend: MomentKV summaries of
+// evicted tokens and the decode-side attention that uses them (docs/moments.md).
 //
 // Moments of an evicted set E of one (layer, kv head), in fp32:
 //   n = |E|,  s_k = sum k_j,  s_v = sum v_j,  S = sum v_j k_j^T  (head_dim x head_dim, S[i][j] =

@@ -1,9 +1,9 @@
 // The compression pipeline: the engine's entry points for the daemon, the SDKs and Python. Given
 // one sequence's KV cache and a CompressionPolicy it runs, per layer, score -> budget -> select
 // -> compact (ScoringOps), then the extension stages:
-//   moments (issue 4): when policy.moments, the MomentKV summary of each head's evicted tokens,
+//   moments: when policy.moments, the MomentKV summary of each head's evicted tokens,
 //     through backend.moments(); until that stage is implemented the cache has has_moments=false.
-//   codecs  (issue 5): when policy.key_codec/value_codec are not raw, the kept tokens are encoded
+//   codecs : when policy.key_codec/value_codec are not raw, the kept tokens are encoded
 //     through backend.codec(); until that stage is implemented such a policy is Unimplemented.
 // The stages live in kernels/src/pipeline_stages.cc (one function each).
 //
@@ -64,7 +64,7 @@ struct CompressOptions {
   // Called once per (layer, kv head) with the tokens it evicted (after selection, before the
   // moment stage). Optional; default none.
   EvictionHook on_evict;
-  // The calibrated KVSplice projection of the model (issue 5, kvcomp/kernels/calibration.h),
+  // The calibrated KVSplice projection of the model (kvcomp/kernels/calibration.h),
   // needed when policy.value_codec is not none (FailedPrecondition without it); its layers, kv
   // heads and head_dim must be the cache's. The cache records its version. Default none.
   std::shared_ptr<const Projection> projection;
@@ -91,11 +91,11 @@ struct BlockCompressorOptions {
   uint64_t expected_tokens = 0;
   // Receives every token evicted from the working set (after each block and at Finish).
   EvictionHook on_evict;
-  // As CompressOptions::projection (issue 5). Default none.
+  // As CompressOptions::projection. Default none.
   std::shared_ptr<const Projection> projection;
 };
 
-// Block-wise compression for streaming prefill (KeyDiff, seed 002): blocks of at most
+// Block-wise compression for streaming prefill (KeyDiff): blocks of at most
 // policy.block_size tokens arrive in order per layer; after each block the layer's working set
 // is scored and evicted down to the budget. Memory: at most budget + block_size tokens per head
 // (AdaKV: per layer on average, heads may hold more than others). The working set is host memory;

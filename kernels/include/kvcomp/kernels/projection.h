@@ -1,4 +1,4 @@
-// KVSplice projections (seed 003, DESIGN.md step 5): for every (layer, kv head) of one model, an
+// KVSplice projections: for every (layer, kv head) of one model, an
 // orthonormal basis of the value space from the PCA of calibration values, kept as the `rows`
 // leading eigenvectors (descending eigenvalue), their eigenvalues, and the per-direction scales
 // of gamma-aware quantization. A cache encoded with rank r uses the first r rows of each head.

@@ -1,4 +1,4 @@
-// ScoringOps: the operations of Engine I (issue 3) behind kvcomp::Backend: score every token of
+// ScoringOps: the operations of Engine I behind kvcomp::Backend: score every token of
 // one layer, choose the kept tokens under a budget, and gather (compact) their keys and values.
 //
 // One call works on ONE layer: a HeadsView of [num_heads, num_tokens, head_dim]. AdaKV budgets
