@@ -4,6 +4,14 @@ Arrays are NumPy (or DLPack, e.g. CUDA tensors with backend="cuda") shaped
 [kv_heads, tokens, head_dim] or [layers, kv_heads, tokens, head_dim], float32, float16 or
 bfloat16. bfloat16 arrives as an ml_dtypes.bfloat16 array, a torch tensor, or a uint16 array of
 the raw bits with dtype="bf16".
+
+Streams (backend="cuda"): a call runs on `stream` (an int cudaStream_t, a torch.cuda.Stream or
+a CuPy stream); by default on torch's current stream of the inputs' device when a torch CUDA
+tensor is among them, else on a stream of the calling thread's own. CUDA inputs are read after
+their producer's pending writes: DLPack producers are asked for them on the call's stream
+(__dlpack__(stream=...)), __cuda_array_interface__ objects are waited for through the "stream"
+they name. Nothing synchronises the whole device. Arrays written for the caller (attention's
+`out`) are ordered on the call's stream; returned NumPy arrays and caches are complete.
 """
 
 from ._kvcomp import CompressedCache, Policy, backend_description, cuda_available  # noqa: F401
@@ -24,13 +32,50 @@ if not hasattr(_kvcomp, "_Client"):  # a KVCOMP_CORE_ONLY build (e.g. the GPU ma
 __all__ = ["Policy", "CompressedCache", "score", "compress", "cuda_available",
            "backend_description", "attention", "Client", "PutStream"]
 
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+
+
+def _is_cuda(a):
+    """True for a CUDA array (DLPack device CUDA, or __cuda_array_interface__)."""
+    if a is None:
+        return False
+    if hasattr(a, "__dlpack_device__"):
+        return a.__dlpack_device__()[0] in (_DL_CUDA, _DL_CUDA_MANAGED)
+    return hasattr(a, "__cuda_array_interface__")
+
+
+def _is_torch(a):
+    return type(a).__module__.split(".")[0] == "torch"
+
+
+def _call_stream(stream, arrays):
+    """The stream a CUDA call runs on, as a number (module docstring); None = the binding's own
+    stream for the calling thread."""
+    if stream is not None:
+        if isinstance(stream, int):
+            return stream
+        for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+            v = getattr(stream, attr, None)
+            if isinstance(v, int):
+                return v
+        raise TypeError("stream must be an int (cudaStream_t), a torch.cuda.Stream or a CuPy "
+                        "stream")
+    for a in arrays:
+        if _is_torch(a) and _is_cuda(a):
+            import torch
+            return torch.cuda.current_stream(a.device).cuda_stream
+    return None
+
 
 def _as_input(a, dtype):
     """A C-contiguous array the extension can read (CUDA/DLPack objects pass through)."""
     if a is None:
         return None
-    if hasattr(a, "__cuda_array_interface__") or (
-            hasattr(a, "__dlpack_device__") and a.__dlpack_device__()[0] != 1):
+    if _is_cuda(a):
+        if _is_torch(a):  # DLPack refuses tensors that need grad; kvcomp reads dense memory
+            a = a.detach()
+            if not a.is_contiguous():
+                a = a.contiguous()
         return a
     import numpy as np
     arr = np.asarray(a)
@@ -47,22 +92,25 @@ def _prepare(a, dtype):
     return r, dtype
 
 
-def score(keys, scorer="manifold", *, backend="cpu", dtype=None, queries=None, **params):
+def score(keys, scorer="manifold", *, backend="cpu", dtype=None, queries=None, stream=None,
+          **params):
     """Per-token scores (higher = keep), float32 [kv_heads, tokens] or [layers, kv_heads, tokens].
 
     params: any Policy field the scorer reads (window, n_sink, seed, snapkv_pool, ...).
     queries: snapkv's observation-window queries, [q_heads, w, head_dim] (per layer if 4-D).
+    stream: the CUDA stream the call runs on (module docstring).
     """
     policy = Policy(scorer=scorer, **params)
     k, dt = _prepare(keys, dtype or "")
     q = None
     if queries is not None:
         q, _ = _prepare(queries, dt)
-    return _kvcomp._score(k, policy, backend=backend, dtype=dt or "", queries=q)
+    return _kvcomp._score(k, policy, backend=backend, dtype=dt or "", queries=q,
+                          stream=_call_stream(stream, (keys, queries)))
 
 
 def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=None,
-             num_q_heads=None, projection=None):
+             num_q_heads=None, projection=None, stream=None):
     """Compresses one sequence's KV cache under `policy` (default Policy()).
 
     Value codecs other than "none" need `projection` (kvcomp.calibrate); the cache records its
@@ -70,9 +118,11 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
 
     Returns a CompressedCache: kept_positions(layer, head), keys(layer, head),
     values(layer, head), nbytes, original_nbytes, to_bytes(), CompressedCache.from_bytes(b).
+    stream: the CUDA stream the call runs on (module docstring).
     """
     if policy is None:
         policy = Policy()
+    st = _call_stream(stream, (keys, values, queries))
     k, dt = _prepare(keys, dtype or "")
     v, dt_v = _prepare(values, dt)
     q = None
@@ -80,26 +130,35 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
         q, _ = _prepare(queries, dt)
     if policy.key_codec != "raw" or policy.value_codec != "none":  # KVSplice
         raw = _kvcomp._compress(k, v, _kvcomp._raw_codecs(policy), backend=backend,
-                                dtype=dt or dt_v or "", queries=q, num_q_heads=num_q_heads)
-        return _kvcomp._encode_kept(raw, policy, projection, backend)
+                                dtype=dt or dt_v or "", queries=q, num_q_heads=num_q_heads,
+                                stream=st)
+        return _kvcomp._encode_kept(raw, policy, projection, backend, stream=st)
     return _kvcomp._compress(k, v, policy, backend=backend, dtype=dt or dt_v or "", queries=q,
-                             num_q_heads=num_q_heads)
+                             num_q_heads=num_q_heads, stream=st)
 
 
-def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0):
+def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0, out=None,
+              stream=None):
     """Decode-side attention over one layer of a compressed cache (docs/moments.md).
 
-    q: queries [q_heads, n_queries, head_dim] (float32/float16/bfloat16, host memory), GQA over
-    the cache's kv heads. Softmax over the kept tokens plus, when `correct` and the cache has
-    moments, each kv head's evicted-set virtual token. Returns float32 [q_heads, n_queries,
-    head_dim]. scale: logit scale, 0 = 1/sqrt(head_dim).
+    q: queries [q_heads, n_queries, head_dim] (float32/float16/bfloat16; host memory, or a CUDA
+    array with backend="cuda"), GQA over the cache's kv heads. Softmax over the kept tokens plus,
+    when `correct` and the cache has moments, each kv head's evicted-set virtual token. Returns
+    float32 [q_heads, n_queries, head_dim]: a new NumPy array, or `out` (float32, shaped like q,
+    host or CUDA memory) written in place on the call's stream. scale: logit scale, 0 =
+    1/sqrt(head_dim). stream: the CUDA stream the call runs on (module docstring).
     """
-    import numpy as np
-    arr = np.asarray(q)
-    if arr.dtype.name == "bfloat16":
-        raise ValueError("pass bfloat16 queries as float32 (numpy has no native bfloat16)")
-    return _kvcomp._attention(np.ascontiguousarray(arr), cache, layer, correct=correct,
-                              backend=backend, scale=scale)
+    st = _call_stream(stream, (q, out))
+    if _is_cuda(q):
+        arr, _ = _prepare(q, "")
+    else:
+        import numpy as np
+        arr = np.asarray(q)
+        if arr.dtype.name == "bfloat16":
+            raise ValueError("pass bfloat16 queries as float32 (numpy has no native bfloat16)")
+        arr = np.ascontiguousarray(arr)
+    return _kvcomp._attention(arr, cache, layer, correct=correct, backend=backend, scale=scale,
+                              out=out, stream=st)
 
 
 # --- KVSplice (docs/kvsplice.md) ---
@@ -109,6 +168,9 @@ __all__ += ["Projection", "calibrate", "decompress", "cache_codecs"]
 
 
 def _f32_4d(a, what):
+    if _is_cuda(a):  # read in place by backend="cuda" (float32, float16 or bfloat16)
+        a, _ = _prepare(a, "")
+        return a[None] if len(a.shape) == 3 else a
     import numpy as np
     arr = np.ascontiguousarray(np.asarray(a, dtype=np.float32))
     if arr.ndim == 3:
@@ -120,7 +182,7 @@ def _f32_4d(a, what):
 
 def calibrate(values, rank=None, error_budget=None, *, keys=None, queries=None, metric="value",
               codec="orthogonal_int8", group_size=32, gamma_aware=True, model_id="",
-              backend="cpu", max_samples=1024, max_queries=256, seed=0):
+              backend="cpu", max_samples=1024, max_queries=256, seed=0, stream=None):
     """Calibrates a KVSplice projection from value caches (PCA per layer and kv head).
 
     values: one array [layers, kv_heads, tokens, head_dim] (or [kv_heads, tokens, head_dim]), or
@@ -129,9 +191,13 @@ def calibrate(values, rank=None, error_budget=None, *, keys=None, queries=None, 
     reconstruction; "attention": attention output over sample queries, or the keys as queries)
     with `codec` meets it; the result's tuned_rank / tuned_error report the choice. keys (same
     shapes as values) are needed for the attention metric; queries: [layers, q_heads, n, d].
+    CUDA arrays (backend="cuda", any float dtype) are read in place on `stream` (module
+    docstring); the auto-tuner needs host arrays (it measures on host samples).
     Returns a kvcomp.Projection (save(path) / Projection.load(path)).
     """
     vals = values if isinstance(values, (list, tuple)) else [values]
+    st = _call_stream(stream, list(vals) + (list(keys) if isinstance(keys, (list, tuple))
+                                            else [keys]))
     vals = [_f32_4d(v, "values") for v in vals]
     ks = []
     if keys is not None:
@@ -145,7 +211,7 @@ def calibrate(values, rank=None, error_budget=None, *, keys=None, queries=None, 
         raise ValueError("give rank or error_budget, not both")
     return _kvcomp._calibrate(vals, ks, qs, int(rank or 0), float(error_budget or 0.0), metric,
                               codec, int(group_size), bool(gamma_aware), model_id, backend,
-                              int(max_samples), int(max_queries), int(seed))
+                              int(max_samples), int(max_queries), int(seed), stream=st)
 
 
 def _projection_save(self, path):
@@ -162,7 +228,7 @@ Projection.save = _projection_save
 Projection.load = staticmethod(_projection_load)
 
 
-def decompress(cache, projection=None, *, backend="cpu"):
+def decompress(cache, projection=None, *, backend="cpu", stream=None):
     """Decodes a compressed cache's kept tokens: (keys, values), float32.
 
     When every (layer, kv head) kept the same number of tokens the arrays are
@@ -170,7 +236,7 @@ def decompress(cache, projection=None, *, backend="cpu"):
     [kept, head_dim] arrays. Kept positions: cache.kept_positions(layer, head). A cache whose
     values were encoded needs the projection it names (KeyError when it is missing or another).
     """
-    k, v, off = _kvcomp._decompress(cache, projection, backend)
+    k, v, off = _kvcomp._decompress(cache, projection, backend, stream=_call_stream(stream, ()))
     layers, heads, d = cache.num_layers, cache.num_kv_heads, cache.head_dim
     counts = [int(off[i + 1] - off[i]) for i in range(len(off) - 1)]
     if len(set(counts)) <= 1:

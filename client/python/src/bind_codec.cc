@@ -1,7 +1,8 @@
 // Python bindings of Engine III (KVSplice): kvcomp.Projection, and the native halves of
 // kvcomp.calibrate, kvcomp.compress(..., projection=) and kvcomp.decompress (kvcomp/__init__.py
-// wraps them). Arrays come in as C-contiguous float32 NumPy arrays (the Python side converts);
-// outputs are NumPy arrays that own copies.
+// wraps them). Calibration arrays come in as C-contiguous float32 NumPy arrays (the Python side
+// converts) or, with backend "cuda", as CUDA arrays of any float dtype read in place on the call's
+// stream (call_backend.h); outputs are NumPy arrays that own copies.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_format.h"
 #include "bindings.h"
+#include "call_backend.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/status.h"
@@ -31,8 +33,6 @@ namespace kvcomp {
 namespace python {
 namespace {
 
-using F32Array = nb::ndarray<const float, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
-
 template <typename T>
 T Unwrap(absl::StatusOr<T> v) {
   ThrowIfError(v.status());
@@ -46,25 +46,94 @@ nb::object Numpy(std::vector<T>&& data, std::vector<size_t> shape) {
   return nb::ndarray<nb::numpy, T>(heap->data(), shape.size(), shape.data(), owner).cast();
 }
 
-HeadsView LayerView(const F32Array& a, uint64_t layer) {
-  const uint64_t h = a.shape(1), t = a.shape(2), d = a.shape(3);
-  return HeadsView::Dense(a.data() + layer * h * t * d, DType::kF32, static_cast<uint32_t>(h), t,
-                          static_cast<uint32_t>(d));
+// A [layers, heads, tokens, head_dim] calibration array: float32 on the host (the Python side
+// converts), float32/float16/bfloat16 on a CUDA device.
+struct CalArray {
+  CallArray a;
+  DType dtype = DType::kF32;
+  uint64_t shape(size_t i) const { return a.shape(i); }
+};
+
+CalArray ImportCalArray(nb::handle obj, const CallBackend& call, const char* what) {
+  CalArray c{ImportArray(obj, call, what)};
+  const nb::dlpack::dtype dt = c.a.dtype();
+  using C = nb::dlpack::dtype_code;
+  if (dt == nb::dtype<float>()) {
+    c.dtype = DType::kF32;
+  } else if (SpaceOf(c.a) == MemorySpace::kDevice && dt.code == static_cast<uint8_t>(C::Float) &&
+             dt.bits == 16) {
+    c.dtype = DType::kF16;
+  } else if (SpaceOf(c.a) == MemorySpace::kDevice && dt.code == static_cast<uint8_t>(C::Bfloat) &&
+             dt.bits == 16) {
+    c.dtype = DType::kBF16;
+  } else {
+    throw nb::value_error(absl::StrFormat("calibrate: %s must be float32 (CUDA arrays: float32, "
+                                          "float16 or bfloat16)",
+                                          what)
+                              .c_str());
+  }
+  if (c.a.ndim() != 4) {
+    throw nb::value_error(
+        absl::StrFormat("calibrate: %s must be [layers, kv_heads, tokens, head_dim]", what)
+            .c_str());
+  }
+  return c;
+}
+
+HeadsView LayerView(const CalArray& c, uint64_t layer) {
+  const uint64_t h = c.a.shape(1), t = c.a.shape(2), d = c.a.shape(3);
+  return HeadsView::Dense(
+      static_cast<const char*>(c.a.data()) + DTypeBytes(c.dtype, layer * h * t * d), c.dtype,
+      static_cast<uint32_t>(h), t, static_cast<uint32_t>(d), SpaceOf(c.a));
+}
+
+std::vector<CalArray> ImportCalArrays(const std::vector<nb::object>& objs, const CallBackend& call,
+                                      const char* what) {
+  std::vector<CalArray> out;
+  for (const nb::object& o : objs) out.push_back(ImportCalArray(o, call, what));
+  return out;
+}
+
+int DeviceOfAll(const std::vector<nb::object>& a, const std::vector<nb::object>& b,
+                const std::vector<nb::object>& c) {
+  std::vector<nb::handle> all(a.begin(), a.end());
+  all.insert(all.end(), b.begin(), b.end());
+  all.insert(all.end(), c.begin(), c.end());
+  return CommonDevice(all);
 }
 
 using ProjectionPtr = std::shared_ptr<Projection>;
 
-ProjectionPtr Calibrate(const std::vector<F32Array>& values, const std::vector<F32Array>& keys,
-                        const std::vector<F32Array>& queries, uint32_t rank, double budget,
+ProjectionPtr Calibrate(const std::vector<nb::object>& value_objs,
+                        const std::vector<nb::object>& key_objs,
+                        const std::vector<nb::object>& query_objs, uint32_t rank, double budget,
                         const std::string& metric, const std::string& codec, uint32_t group_size,
                         bool gamma_aware, const std::string& model_id, const std::string& backend,
-                        uint32_t max_samples, uint32_t max_queries, uint64_t seed) {
-  if (values.empty()) throw nb::value_error("calibrate: no values given");
-  if (!keys.empty() && keys.size() != values.size()) {
+                        uint32_t max_samples, uint32_t max_queries, uint64_t seed,
+                        std::optional<uint64_t> stream) {
+  if (value_objs.empty()) throw nb::value_error("calibrate: no values given");
+  if (!key_objs.empty() && key_objs.size() != value_objs.size()) {
     throw nb::value_error("calibrate: give keys for every values array, or none");
   }
-  if (rank != 0 && budget > 0) throw nb::value_error("calibrate: give rank or error_budget, not both");
-  const F32Array& first = values[0];
+  if (rank != 0 && budget > 0)
+    throw nb::value_error("calibrate: give rank or error_budget, not both");
+  const CallBackend call =
+      CallBackend::Open(backend, DeviceOfAll(value_objs, key_objs, query_objs), stream);
+  const std::vector<CalArray> values = ImportCalArrays(value_objs, call, "values");
+  const std::vector<CalArray> keys = ImportCalArrays(key_objs, call, "keys");
+  const std::vector<CalArray> queries = ImportCalArrays(query_objs, call, "queries");
+  for (const CalArray& q : queries) {
+    if (SpaceOf(q.a) != MemorySpace::kHost) {
+      throw nb::value_error("calibrate: queries must be host arrays");
+    }
+  }
+  if (budget > 0 && SpaceOf(values[0].a) == MemorySpace::kDevice) {
+    // The auto-tuner measures its error on host samples, which device inputs do not leave.
+    throw nb::value_error(
+        "calibrate: error_budget tunes on host samples; pass host arrays, or a rank, for CUDA "
+        "arrays");
+  }
+  const CalArray& first = values[0];
   CalibrationOptions opt;
   opt.model_id = model_id;
   opt.num_layers = static_cast<uint32_t>(first.shape(0));
@@ -73,9 +142,8 @@ ProjectionPtr Calibrate(const std::vector<F32Array>& values, const std::vector<F
   opt.max_samples_per_head = max_samples;
   opt.max_queries_per_head = max_queries;
   opt.seed = seed;
-  auto be = Unwrap(MakeBackend(backend));
-  auto cal = Unwrap(Calibrator::Create(opt, be.get()));
-  auto same_shape = [&](const F32Array& a) {
+  auto cal = Unwrap(Calibrator::Create(opt, &call.get()));
+  auto same_shape = [&](const CalArray& a) {
     return a.shape(0) == first.shape(0) && a.shape(1) == first.shape(1) &&
            a.shape(3) == first.shape(3);
   };
@@ -97,7 +165,7 @@ ProjectionPtr Calibrate(const std::vector<F32Array>& values, const std::vector<F
                                               keys.empty() ? nullptr : &kv));
         }
       }
-      for (const F32Array& q : queries) {
+      for (const CalArray& q : queries) {
         if (q.shape(0) != opt.num_layers || q.shape(3) != opt.head_dim) {
           return absl::InvalidArgumentError("calibrate: queries must be [layers, q_heads, n, d]");
         }
@@ -120,8 +188,10 @@ ProjectionPtr Calibrate(const std::vector<F32Array>& values, const std::vector<F
 }
 
 CompressedCache EncodeKeptPy(const CompressedCache& cache, const CompressionPolicy& policy,
-                             std::optional<ProjectionPtr> projection, const std::string& backend) {
-  auto be = Unwrap(MakeBackend(backend));
+                             std::optional<ProjectionPtr> projection, const std::string& backend,
+                             std::optional<uint64_t> stream) {
+  const CallBackend call = CallBackend::Open(backend, -1, stream);
+  Backend* be = &call.get();
   CompressedCache out = cache;
   absl::Status s;
   {
@@ -143,8 +213,9 @@ CompressionPolicy RawCodecs(const CompressionPolicy& p) {
 
 // (keys [total_kept, d] f32, values [total_kept, d] f32, offsets [heads + 1])
 nb::tuple Decompress(const CompressedCache& cache, std::optional<ProjectionPtr> projection,
-                     const std::string& backend) {
-  auto be = Unwrap(MakeBackend(backend));
+                     const std::string& backend, std::optional<uint64_t> stream) {
+  const CallBackend call = CallBackend::Open(backend, -1, stream);
+  Backend* be = &call.get();
   absl::StatusOr<DecodedKept> d;
   {
     nb::gil_scoped_release release;
@@ -157,7 +228,8 @@ nb::tuple Decompress(const CompressedCache& cache, std::optional<ProjectionPtr> 
     std::memcpy(keys.data(), k.keys.data(), keys.size() * 4);
     std::memcpy(values.data(), k.values.data(), values.size() * 4);
   }
-  return nb::make_tuple(Numpy(std::move(keys), {total, dim}), Numpy(std::move(values), {total, dim}),
+  return nb::make_tuple(Numpy(std::move(keys), {total, dim}),
+                        Numpy(std::move(values), {total, dim}),
                         Numpy(std::move(k.offsets), {k.layout.num_heads_total() + 1}));
 }
 
@@ -172,13 +244,16 @@ void RegisterCodec(nb::module_& m) {
       .def_prop_ro("num_layers", [](const Projection& p) { return p.num_layers; })
       .def_prop_ro("num_kv_heads", [](const Projection& p) { return p.num_kv_heads; })
       .def_prop_ro("head_dim", [](const Projection& p) { return p.head_dim; })
-      .def_prop_ro("rank", [](const Projection& p) { return p.rows; },
-                   "basis rows kept per head: the largest rank a cache can use")
+      .def_prop_ro(
+          "rank", [](const Projection& p) { return p.rows; },
+          "basis rows kept per head: the largest rank a cache can use")
       .def_prop_ro("samples", [](const Projection& p) { return p.samples; })
-      .def_prop_ro("tuned_rank", [](const Projection& p) { return p.tuned_rank; },
-                   "per layer, the auto-tuner's rank (empty unless error_budget was given)")
-      .def_prop_ro("tuned_error", [](const Projection& p) { return p.tuned_error; },
-                   "per layer, the error the auto-tuner measured at that rank")
+      .def_prop_ro(
+          "tuned_rank", [](const Projection& p) { return p.tuned_rank; },
+          "per layer, the auto-tuner's rank (empty unless error_budget was given)")
+      .def_prop_ro(
+          "tuned_error", [](const Projection& p) { return p.tuned_error; },
+          "per layer, the error the auto-tuner measured at that rank")
       .def_prop_ro("basis",
                    [](const Projection& p) {
                      std::vector<float> b = p.basis;
@@ -201,25 +276,27 @@ void RegisterCodec(nb::module_& m) {
            })
       .def_static("from_bytes",
                   [](nb::bytes b) {
-                    return std::make_shared<Projection>(Unwrap(
-                        Projection::Parse(absl::string_view(b.c_str(), b.size()))));
+                    return std::make_shared<Projection>(
+                        Unwrap(Projection::Parse(absl::string_view(b.c_str(), b.size()))));
                   })
-      .def("truncated",
-           [](const Projection& p, uint32_t rank) {
-             return std::make_shared<Projection>(Unwrap(p.Truncated(rank)));
-           },
-           nb::arg("rank"))
+      .def(
+          "truncated",
+          [](const Projection& p, uint32_t rank) {
+            return std::make_shared<Projection>(Unwrap(p.Truncated(rank)));
+          },
+          nb::arg("rank"))
       .def("__repr__", &Projection::DebugString);
 
   m.def("_calibrate", &Calibrate, nb::arg("values"), nb::arg("keys"), nb::arg("queries"),
         nb::arg("rank"), nb::arg("budget"), nb::arg("metric"), nb::arg("codec"),
         nb::arg("group_size"), nb::arg("gamma_aware"), nb::arg("model_id"), nb::arg("backend"),
-        nb::arg("max_samples"), nb::arg("max_queries"), nb::arg("seed"));
+        nb::arg("max_samples"), nb::arg("max_queries"), nb::arg("seed"),
+        nb::arg("stream") = nb::none());
   m.def("_encode_kept", &EncodeKeptPy, nb::arg("cache"), nb::arg("policy"),
-        nb::arg("projection").none(), nb::arg("backend"));
+        nb::arg("projection").none(), nb::arg("backend"), nb::arg("stream") = nb::none());
   m.def("_raw_codecs", &RawCodecs, nb::arg("policy"));
   m.def("_decompress", &Decompress, nb::arg("cache"), nb::arg("projection").none(),
-        nb::arg("backend"));
+        nb::arg("backend"), nb::arg("stream") = nb::none());
   m.def("_cache_codecs", [](const CompressedCache& c) {
     nb::dict d;
     d["key_codec"] = std::string(KeyCodecName(c.key_codec));

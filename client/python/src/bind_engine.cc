@@ -2,7 +2,8 @@
 // kvcomp.CompressedCache. Arrays come in as anything DLPack/NumPy-like, shaped
 // [kv_heads, tokens, head_dim] or [layers, kv_heads, tokens, head_dim], C-contiguous, f32/f16/bf16
 // (bf16 as a bfloat16 dtype, or a uint16 array with dtype="bf16"); CUDA arrays are read in place
-// by the CUDA backend. Outputs are NumPy arrays that own copies.
+// by the CUDA backend, ordered after their producer's stream (call_backend.h). Outputs are NumPy
+// arrays that own copies.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_format.h"
 #include "bindings.h"
+#include "call_backend.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/policy.h"
@@ -29,7 +31,7 @@ namespace kvcomp {
 namespace python {
 namespace {
 
-using AnyArray = nb::ndarray<nb::ro, nb::c_contig>;
+using AnyArray = CallArray;
 
 template <typename T>
 T Unwrap(absl::StatusOr<T> v) {
@@ -77,14 +79,7 @@ LayerViews ViewsOf(const AnyArray& a, const std::string& hint, const char* what)
   v.heads = static_cast<uint32_t>(a.shape(o));
   v.tokens = a.shape(o + 1);
   v.head_dim = static_cast<uint32_t>(a.shape(o + 2));
-  MemorySpace space;
-  if (a.device_type() == nb::device::cpu::value) {
-    space = MemorySpace::kHost;
-  } else if (a.device_type() == nb::device::cuda::value) {
-    space = MemorySpace::kDevice;
-  } else {
-    throw nb::value_error("arrays must live in CPU or CUDA memory");
-  }
+  const MemorySpace space = SpaceOf(a);
   const uint64_t layer_elems = uint64_t{v.heads} * v.tokens * v.head_dim;
   const size_t eb = v.dtype == DType::kF32 ? 4 : 2;
   for (uint64_t l = 0; l < layers; ++l) {
@@ -195,15 +190,22 @@ CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
 
 // --- entry points ---
 
-nb::object Score(const AnyArray& keys, const CompressionPolicy& policy, const std::string& backend,
-                 const std::string& dtype, std::optional<AnyArray> queries) {
+nb::object Score(nb::handle keys_obj, const CompressionPolicy& policy, const std::string& backend,
+                 const std::string& dtype, nb::handle queries_obj, std::optional<uint64_t> stream) {
+  const CallBackend call =
+      CallBackend::Open(backend, CommonDevice({keys_obj, queries_obj}), stream);
+  const AnyArray keys = ImportArray(keys_obj, call, "keys");
   LayerViews k = ViewsOf(keys, dtype, "keys");
+  std::optional<AnyArray> queries;
   std::optional<LayerViews> q;
-  if (queries.has_value()) q = ViewsOf(*queries, dtype, "queries");
+  if (!queries_obj.is_none()) {
+    queries = ImportArray(queries_obj, call, "queries");
+    q = ViewsOf(*queries, dtype, "queries");
+  }
   if (q && q->layers.size() != k.layers.size()) {
     throw nb::value_error("queries and keys have different layer counts");
   }
-  auto b = BackendNamed(backend);
+  Backend* b = &call.get();
   std::vector<float> all;
   {
     nb::gil_scoped_release release;
@@ -221,10 +223,17 @@ nb::object Score(const AnyArray& keys, const CompressionPolicy& policy, const st
   return NumpyOwning(std::move(all), shape, nb::dtype<float>());
 }
 
-CompressedCache CompressArrays(const AnyArray& keys, const AnyArray& values,
+CompressedCache CompressArrays(nb::handle keys_obj, nb::handle values_obj,
                                const CompressionPolicy& policy, const std::string& backend,
-                               const std::string& dtype, std::optional<AnyArray> queries,
-                               std::optional<uint32_t> num_q_heads) {
+                               const std::string& dtype, nb::handle queries_obj,
+                               std::optional<uint32_t> num_q_heads,
+                               std::optional<uint64_t> stream) {
+  const CallBackend call =
+      CallBackend::Open(backend, CommonDevice({keys_obj, values_obj, queries_obj}), stream);
+  const AnyArray keys = ImportArray(keys_obj, call, "keys");
+  const AnyArray values = ImportArray(values_obj, call, "values");
+  std::optional<AnyArray> queries;
+  if (!queries_obj.is_none()) queries = ImportArray(queries_obj, call, "queries");
   LayerViews k = ViewsOf(keys, dtype, "keys");
   LayerViews v = ViewsOf(values, dtype, "values");
   if (keys.ndim() != values.ndim()) throw nb::value_error("keys and values differ in rank");
@@ -243,7 +252,7 @@ CompressedCache CompressArrays(const AnyArray& keys, const AnyArray& values,
   } else {
     c.layout.num_q_heads = num_q_heads.value_or(k.heads);
   }
-  auto b = BackendNamed(backend);
+  Backend* b = &call.get();
   absl::StatusOr<CompressedCache> out;
   {
     nb::gil_scoped_release release;
@@ -362,10 +371,11 @@ void RegisterEngine(nb::module_& m) {
       .def("__repr__", &CompressedCache::DebugString);
 
   m.def("_score", &Score, nb::arg("keys"), nb::arg("policy"), nb::arg("backend") = "cpu",
-        nb::arg("dtype") = "", nb::arg("queries") = nb::none());
+        nb::arg("dtype") = "", nb::arg("queries").none() = nb::none(),
+        nb::arg("stream") = nb::none());
   m.def("_compress", &CompressArrays, nb::arg("keys"), nb::arg("values"), nb::arg("policy"),
-        nb::arg("backend") = "cpu", nb::arg("dtype") = "", nb::arg("queries") = nb::none(),
-        nb::arg("num_q_heads") = nb::none());
+        nb::arg("backend") = "cpu", nb::arg("dtype") = "", nb::arg("queries").none() = nb::none(),
+        nb::arg("num_q_heads") = nb::none(), nb::arg("stream") = nb::none());
   m.def("cuda_available", &CudaAvailable, "True when the CUDA backend can run here");
   m.def(
       "backend_description", [](const std::string& name) { return BackendNamed(name)->Describe(); },

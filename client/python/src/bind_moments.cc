@@ -1,19 +1,23 @@
 // Python bindings of Engine II: CompressedCache.moments(layer, head) and the decode-side
 // attention over a compressed cache, kvcomp.attention(q, cache, layer, correct=True) (exposed
-// by the native module as _attention; kvcomp/__init__.py wraps it).
+// by the native module as _attention; kvcomp/__init__.py wraps it). Queries and `out` may be CUDA
+// arrays (backend "cuda"), taken in and written on the call's stream (call_backend.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_format.h"
 #include "bindings.h"
+#include "call_backend.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
@@ -24,8 +28,6 @@ namespace nb = nanobind;
 namespace kvcomp {
 namespace python {
 namespace {
-
-using Queries = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
 
 template <typename T>
 nb::object Owning(std::vector<T>&& data, std::vector<size_t> shape) {
@@ -59,7 +61,7 @@ std::tuple<uint64_t, nb::object, nb::object, nb::object> Moments(const Compresse
           Owning(std::move(s), {d, d})};
 }
 
-DType QueryDType(const Queries& q) {
+DType QueryDType(const CallArray& q) {
   const auto dt = q.dtype();
   using C = nb::dlpack::dtype_code;
   if (dt.code == static_cast<uint8_t>(C::Float) && dt.bits == 32) return DType::kF32;
@@ -82,8 +84,28 @@ Buffer Upload(Backend& b, const void* src, size_t bytes) {
   return buf;
 }
 
-nb::object Attention(const Queries& q, const CompressedCache& c, uint32_t layer, bool correct,
-                     const std::string& backend, float scale) {
+// The caller's output array: float32, [q_heads, n_queries, head_dim] (or [q_heads, head_dim]
+// for 2-D queries), in host or device memory.
+float* OutputArray(const CallArray& out, const CallArray& q) {
+  bool ok = out.ndim() == q.ndim() && out.dtype() == nb::dtype<float>();
+  for (size_t i = 0; ok && i < q.ndim(); ++i) ok = out.shape(i) == q.shape(i);
+  if (!ok) throw nb::value_error("out must be float32 and shaped like the queries");
+  return static_cast<float*>(const_cast<void*>(out.data()));
+}
+
+nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer, bool correct,
+                     const std::string& backend, float scale, nb::handle out_obj,
+                     std::optional<uint64_t> stream) {
+  const CallBackend call = CallBackend::Open(backend, CommonDevice({q_obj, out_obj}), stream);
+  const CallArray q = ImportArray(q_obj, call, "queries");
+  std::optional<CallArray> out_arr;
+  float* out_ptr = nullptr;
+  if (!out_obj.is_none()) {
+    out_arr = ImportArray(out_obj, call, "out");
+    out_ptr = OutputArray(*out_arr, q);
+  }
+  const bool q_on_device = SpaceOf(q) == MemorySpace::kDevice;
+  const bool out_on_device = out_arr.has_value() && SpaceOf(*out_arr) == MemorySpace::kDevice;
   if (layer >= c.layout.num_layers) {
     throw nb::index_error(
         absl::StrFormat("layer %u outside %u layers", layer, c.layout.num_layers).c_str());
@@ -127,13 +149,10 @@ nb::object Attention(const Queries& q, const CompressedCache& c, uint32_t layer,
                      d,
                      MemorySpace::kHost};
   }
-  std::vector<float> out(size_t{hq} * nq * d);
-  std::unique_ptr<Backend> b;
-  {
-    absl::StatusOr<std::unique_ptr<Backend>> made = MakeBackend(backend);
-    ThrowIfError(made.status());
-    b = std::move(*made);
-  }
+  std::vector<float> out(out_ptr != nullptr ? 0 : size_t{hq} * nq * d);
+  if (out_ptr == nullptr) out_ptr = out.data();
+  const size_t out_elems = size_t{hq} * nq * d;
+  Backend* b = &call.get();
   const DType qt = QueryDType(q);
   AttentionParams p;
   p.queries = HeadsView::Dense(q.data(), qt, hq, nq, d);
@@ -141,18 +160,20 @@ nb::object Attention(const Queries& q, const CompressedCache& c, uint32_t layer,
   if (moments) p.moments = mv;
   p.correct = correct;
   p.scale = scale;
-  p.out = out.data();
+  p.out = out_ptr;
   absl::Status st;
   if (b->space() == MemorySpace::kHost) {
     nb::gil_scoped_release release;
     st = b->moments().Attention(p);
   } else {
     const size_t qbytes = DTypeBytes(qt, size_t{hq} * nq * d);
-    Buffer dq = Upload(*b, q.data(), qbytes), dk = Upload(*b, kp, (off[hk]) * row),
-           dv = Upload(*b, vp, off[hk] * row), doff = Upload(*b, off.data(), off.size() * 8),
-           dout = DeviceBuffer(*b, out.size() * 4);
+    Buffer dq, dk = Upload(*b, kp, (off[hk]) * row), dv = Upload(*b, vp, off[hk] * row),
+               doff = Upload(*b, off.data(), off.size() * 8), dout;
+    if (!q_on_device) dq = Upload(*b, q.data(), qbytes);
+    if (!out_on_device) dout = DeviceBuffer(*b, out_elems * 4);
     Buffer dc, dks, dvs, ds;
-    p.queries = HeadsView::Dense(dq.data(), qt, hq, nq, d, MemorySpace::kDevice);
+    p.queries =
+        HeadsView::Dense(q_on_device ? q.data() : dq.data(), qt, hq, nq, d, MemorySpace::kDevice);
     p.kv =
         RaggedKv{dk.data(), dv.data(), L.dtype, doff.as<uint64_t>(), hk, d, MemorySpace::kDevice};
     if (moments) {
@@ -163,14 +184,16 @@ nb::object Attention(const Queries& q, const CompressedCache& c, uint32_t layer,
       p.moments = ConstMomentsView(MomentsView{dc.as<uint64_t>(), dks.as<float>(), dvs.as<float>(),
                                                ds.as<float>(), hk, d, MemorySpace::kDevice});
     }
-    p.out = dout.as<float>();
+    p.out = out_on_device ? out_ptr : dout.as<float>();
     {
       nb::gil_scoped_release release;
       st = b->moments().Attention(p);
-      if (st.ok()) st = b->CopyToHost(out.data(), dout.data(), out.size() * 4);
+      // A device `out` is written in place on the call's stream; a host one is copied to.
+      if (st.ok() && !out_on_device) st = b->CopyToHost(out_ptr, dout.data(), out_elems * 4);
     }
   }
   ThrowIfError(st);
+  if (out_arr.has_value()) return nb::borrow(out_obj);
   return Owning(std::move(out), {hq, static_cast<size_t>(nq), d});
 }
 
@@ -186,9 +209,10 @@ void RegisterMoments(nb::module_& m) {
                                "k_j), fp32"));
   m.def("_attention", &Attention, nb::arg("q"), nb::arg("cache"), nb::arg("layer"),
         nb::arg("correct") = true, nb::arg("backend") = "cpu", nb::arg("scale") = 0.0f,
+        nb::arg("out").none() = nb::none(), nb::arg("stream") = nb::none(),
         "Decode attention of queries [q_heads, n_queries, head_dim] over `layer` of a "
         "compressed cache (kept tokens + the evicted set's virtual token when correct), "
-        "-> float32 [q_heads, n_queries, head_dim]");
+        "-> float32 [q_heads, n_queries, head_dim] (`out` when given)");
 }
 
 }  // namespace python

@@ -69,9 +69,11 @@ class CudaBackend final : public Backend {
     scoring_.reset();
     if (ctx_.stream != nullptr) {
       cudaSetDevice(ctx_.device);
-      cudaStreamSynchronize(ctx_.stream);
-      own_allocator_.reset();
-      cudaStreamDestroy(ctx_.stream);
+      if (owns_stream_) {
+        cudaStreamSynchronize(ctx_.stream);
+        own_allocator_.reset();
+        cudaStreamDestroy(ctx_.stream);
+      }
     }
   }
 
@@ -90,7 +92,12 @@ class CudaBackend final : public Backend {
     ctx_.device = options.device;
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_.device));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&ctx_.properties, ctx_.device));
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx_.stream, cudaStreamNonBlocking));
+    if (options.stream != nullptr) {  // the caller's: never synchronised or destroyed here
+      ctx_.stream = static_cast<cudaStream_t>(options.stream);
+    } else {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ctx_.stream, cudaStreamNonBlocking));
+      owns_stream_ = true;
+    }
     if (options.allocator != nullptr) {
       if (options.allocator->space() != MemorySpace::kDevice) {
         return absl::InvalidArgumentError("CUDA backend needs a device-memory allocator");
@@ -149,6 +156,7 @@ class CudaBackend final : public Backend {
 
  private:
   CudaContext ctx_;
+  bool owns_stream_ = false;
   std::unique_ptr<Allocator> own_allocator_;
   PinnedHostAllocator pinned_;
   std::unique_ptr<ScoringOps> scoring_;

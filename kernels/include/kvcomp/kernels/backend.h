@@ -62,6 +62,12 @@ struct CudaBackendOptions {
   int device = 0;  // CUDA device ordinal. Default 0.
   // Device allocator; nullptr = the backend's own (cudaMallocAsync on its stream). Not owned.
   Allocator* allocator = nullptr;
+  // The cudaStream_t every op is issued on, owned by the caller and alive until the backend is
+  // destroyed; nullptr = a non-blocking stream of the backend's own. A caller that runs kvcomp on
+  // its framework's stream (torch's current stream) gets kvcomp's reads ordered after the
+  // framework's writes, and the framework's later kernels after kvcomp's writes, without any
+  // device-wide synchronisation. Default nullptr.
+  void* stream = nullptr;
 };
 // FailedPrecondition ("no CUDA device: ...") when kvcomp was built without CUDA or no device is
 // present (a missing GPU is a property of the machine, not a transient failure).
