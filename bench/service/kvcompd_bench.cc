@@ -6,8 +6,12 @@
 //   get:    latency of fetching the stored cache (GetInto a preallocated host buffer), p50/p99.
 // Prints one YAML document on stdout.
 //
+// With --clients N it measures instead the latency of concurrent puts: N connections, each putting
+// --puts caches of --put_tokens tokens one after another (p50/p99 of begin -> commit acknowledged).
+//
 // Usage: kvcompd_bench --kvcompd PATH [--tls tcp|posix,tcp] [--tokens N] [--ingest_tokens N]
-//                      [--gets N] [--window N] [-- kvcompd flags...]
+//                      [--gets N] [--window N] [--clients N --puts N --put_tokens N]
+//                      [-- kvcompd flags...]
 #include <signal.h>
 
 #include <algorithm>
@@ -17,6 +21,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -44,6 +49,11 @@ struct Args {
   int gets = 30;
   int window = 16;
   uint64_t block_bytes = 1 << 20;
+  // Concurrent puts: `clients` connections, each putting `puts` caches of `put_tokens` tokens
+  // one after another; per-put latency (begin to commit acknowledged) p50/p99. 0 = skip.
+  int clients = 0;
+  int puts = 10;
+  uint64_t put_tokens = 1024;
   std::vector<std::string> flags;
 };
 
@@ -74,17 +84,15 @@ struct PutTiming {
   std::string error;
 };
 
-// Puts `tokens` tokens of `layout`, in blocks of `block_tokens` tokens of one layer, keeping
-// up to `window` blocks in flight. Block payloads are gathered from `layer` up front.
-PutTiming Put(kvcomp::transport::UcxClient& c, const KvLayout& layout, uint64_t tokens,
-              uint64_t block_tokens, int window, const std::string& key) {
-  PutTiming t;
+// Blocks of one layer: [kv_heads][block tokens][head_dim] per half; every layer sends the same.
+struct Prepared {
+  wire::Block block;
+  std::vector<uint16_t> k, v;
+};
+
+std::vector<Prepared> PrepareLayerBlocks(const KvLayout& layout, uint64_t tokens,
+                                         uint64_t block_tokens) {
   LayerData layer = MakeLayer(layout, tokens);
-  // Blocks of one layer: [kv_heads][block tokens][head_dim] per half.
-  struct Prepared {
-    wire::Block block;
-    std::vector<uint16_t> k, v;
-  };
   std::vector<Prepared> per_layer;
   const uint32_t D = layout.head_dim;
   for (uint64_t tb = 0; tb < tokens; tb += block_tokens) {
@@ -100,6 +108,14 @@ PutTiming Put(kvcomp::transport::UcxClient& c, const KvLayout& layout, uint64_t 
     p.block.key_bytes = p.block.value_bytes = layout.LayerBytes(te - tb);
     per_layer.push_back(std::move(p));
   }
+  return per_layer;
+}
+
+// Puts `tokens` tokens of `layout` from `per_layer` (PrepareLayerBlocks), keeping up to
+// `window` blocks in flight.
+PutTiming SendPut(kvcomp::transport::UcxClient& c, const KvLayout& layout, uint64_t tokens,
+                  const std::vector<Prepared>& per_layer, int window, const std::string& key) {
+  PutTiming t;
   wire::PutBegin begin;
   begin.layout = layout;
   begin.num_tokens = tokens;
@@ -157,6 +173,14 @@ PutTiming Put(kvcomp::transport::UcxClient& c, const KvLayout& layout, uint64_t 
   return t;
 }
 
+// Puts `tokens` tokens of `layout`, in blocks of `block_tokens` tokens of one layer, keeping
+// up to `window` blocks in flight. Block payloads are gathered up front.
+PutTiming Put(kvcomp::transport::UcxClient& c, const KvLayout& layout, uint64_t tokens,
+              uint64_t block_tokens, int window, const std::string& key) {
+  return SendPut(c, layout, tokens, PrepareLayerBlocks(layout, tokens, block_tokens), window,
+                 key);
+}
+
 double Percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   size_t i = static_cast<size_t>(q * (v.size() - 1) + 0.5);
@@ -184,6 +208,12 @@ int main(int argc, char** argv) {
       a.gets = std::stoi(next());
     } else if (s == "--window") {
       a.window = std::stoi(next());
+    } else if (s == "--clients") {
+      a.clients = std::stoi(next());
+    } else if (s == "--puts") {
+      a.puts = std::stoi(next());
+    } else if (s == "--put_tokens") {
+      a.put_tokens = std::stoull(next());
     }
   }
   if (a.kvcompd.empty()) {
@@ -216,6 +246,60 @@ int main(int argc, char** argv) {
   std::printf("transport: \"%s\"\nlayout: \"%s\"\nblock_bytes: %llu\nwindow: %d\n", a.tls.c_str(),
               llama.DebugString().c_str(), static_cast<unsigned long long>(a.block_bytes),
               a.window);
+  if (a.clients > 0) {
+    // Concurrent puts from several clients; the latency tail is the figure.
+    const std::vector<Prepared> blocks = PrepareLayerBlocks(llama, a.put_tokens, block_tokens);
+    std::vector<std::unique_ptr<kvcomp::transport::UcxClient>> clients;
+    for (int i = 0; i < a.clients; ++i) {
+      auto ci = kvcomp::transport::UcxClient::Connect(
+          *kvcomp::transport::Endpoint::Parse(d.data_endpoint()), "", "", o);
+      if (!ci.ok()) {
+        std::fprintf(stderr, "connect: %s\n", ci.status().ToString().c_str());
+        return 1;
+      }
+      clients.push_back(std::move(*ci));
+    }
+    absl::Mutex mu;
+    std::vector<double> lat;
+    int failed = 0;
+    std::string first_error;
+    Clock::time_point t0 = Clock::now();
+    std::vector<std::thread> threads;
+    for (int i = 0; i < a.clients; ++i) {
+      threads.emplace_back([&, i] {
+        for (int p = 0; p < a.puts; ++p) {
+          PutTiming t = SendPut(*clients[i], llama, a.put_tokens, blocks, a.window,
+                                "c" + std::to_string(i) + "-" + std::to_string(p));
+          absl::MutexLock lock(&mu);
+          if (t.ok) {
+            lat.push_back(t.committed_s);
+          } else {
+            ++failed;
+            if (first_error.empty()) first_error = t.error;
+          }
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    const double wall = Since(t0);
+    if (lat.empty()) {
+      std::fprintf(stderr, "every concurrent put failed: %s\n", first_error.c_str());
+      return 1;
+    }
+    std::printf(
+        "concurrent_puts:\n  clients: %d\n  puts_per_client: %d\n  tokens: %llu\n"
+        "  bytes_per_put: %llu\n  ok: %zu\n  failed: %d\n  wall_s: %.2f\n  puts_per_s: %.2f\n"
+        "  p50_ms: %.1f\n  p99_ms: %.1f\n  max_ms: %.1f\n",
+        a.clients, a.puts, static_cast<unsigned long long>(a.put_tokens),
+        static_cast<unsigned long long>(llama.CacheBytes(a.put_tokens)), lat.size(), failed,
+        wall, lat.size() / wall, Percentile(lat, 0.5) * 1e3, Percentile(lat, 0.99) * 1e3,
+        Percentile(lat, 1.0) * 1e3);
+    if (!first_error.empty()) std::printf("  first_error: \"%s\"\n", first_error.c_str());
+    clients.clear();
+    c->reset();
+    d.Kill(SIGTERM);
+    return 0;
+  }
   // Ingest: two warm-up-free puts, each reported.
   std::printf("ingest:\n");
   for (int rep = 0; rep < 2; ++rep) {

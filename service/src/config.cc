@@ -203,7 +203,7 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(BytesField(
       "data_plane.max_inflight_bytes_per_connection",
       "Bytes of blocks a connection may have in flight (received, not yet acknowledged); beyond "
-      "it blocks get busy. Default 4Gi.",
+      "it blocks get busy. Default 1Gi.",
       [](Options & o) -> auto& { return o.data_plane.max_inflight_bytes_per_connection; }));
   f.push_back(DoubleField(
       "data_plane.put_timeout_seconds", "seconds", 0.1, 86400,
@@ -211,13 +211,39 @@ std::vector<ConfigField> BuildFields() {
       [](Options & o) -> auto& { return o.data_plane.put_timeout_seconds; }));
   f.push_back(BytesField(
       "data_plane.max_buffered_bytes",
-      "Received block bytes held by all open puts before compression; beyond it blocks get "
-      "busy. Default 4Gi.",
+      "Received block bytes held by all open puts until compressed or dropped, admitted before "
+      "their buffers are allocated; beyond it blocks get busy. Default 4Gi.",
       [](Options & o) -> auto& { return o.data_plane.max_buffered_bytes; }));
   f.push_back(IntField(
       "data_plane.max_open_puts", 1, 1 << 20,
       "Puts receiving blocks at once; beyond it put-begin gets busy. Default 256.",
       [](Options & o) -> auto& { return o.data_plane.max_open_puts; }));
+  f.push_back(DoubleField(
+      "data_plane.tenant_share", "fraction", 0.01, 1,
+      "Share of max_buffered_bytes, max_open_puts, max_connections and engine.queue_capacity one "
+      "tenant may hold; 1 = no per-tenant bound. Default 0.5.",
+      [](Options & o) -> auto& { return o.data_plane.tenant_share; }));
+  f.push_back(IntField(
+      "data_plane.max_connections", 1, 1 << 20, "UCX endpoints at once. Default 1024.",
+      [](Options & o) -> auto& { return o.data_plane.max_connections; }));
+  f.push_back(IntField(
+      "data_plane.max_pre_hello_connections", 1, 1 << 20,
+      "Endpoints still waiting for their hello; a new one beyond it closes the oldest. Default "
+      "64.",
+      [](Options & o) -> auto& { return o.data_plane.max_pre_hello_connections; }));
+  f.push_back(DoubleField(
+      "data_plane.hello_timeout_seconds", "seconds", 0.1, 3600,
+      "A connection without a hello this long after connecting is closed. Default 3.",
+      [](Options & o) -> auto& { return o.data_plane.hello_timeout_seconds; }));
+  f.push_back(DoubleField(
+      "data_plane.idle_timeout_seconds", "seconds", 1, 604800,
+      "A connection with no message for this long is closed. Default 600.",
+      [](Options & o) -> auto& { return o.data_plane.idle_timeout_seconds; }));
+  f.push_back(IntField(
+      "data_plane.fd_reserve", 0, 1 << 20,
+      "Free file descriptors below which the UCX listener closes (new connections refused), "
+      "reopening at twice as many; 0 = never. Default 64.",
+      [](Options & o) -> auto& { return o.data_plane.fd_reserve; }));
   f.push_back(StringField(
       "data_plane.ucx_tls",
       "UCX transports (UCX_TLS syntax, e.g. tcp or posix,tcp; tcp is needed for connection "

@@ -1,5 +1,6 @@
 #include "kvcomp/service/daemon.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <thrift/TOutput.h>
 #include <thrift/concurrency/ThreadFactory.h>
@@ -63,6 +64,19 @@ storage::TierKind TierOf(const std::string& name) {
   if (name == "device") return storage::TierKind::kDevice;
   if (name == "rocksdb") return storage::TierKind::kRocksDb;
   return storage::TierKind::kHost;
+}
+
+// Raises the soft RLIMIT_NOFILE to the hard limit (connections, RocksDB files); logs both.
+void RaiseFdLimit() {
+  rlimit rl = {};
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+  const rlim_t before = rl.rlim_cur;
+  if (rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) rl.rlim_cur = before;
+  }
+  Log(LogLevel::kInfo, "file descriptors: soft limit ", rl.rlim_cur, " (was ", before,
+      ", hard limit ", rl.rlim_max, ")");
 }
 
 storage::StoreOptions StoreOptionsOf(const Options& o) {
@@ -191,6 +205,7 @@ absl::Status DaemonImpl::Init(const Options& options) {
   options_ = options;
   ctx_.options = options;
   SetLogLevel(options.process.log_level);
+  RaiseFdLimit();
   apache::thrift::GlobalOutput.setOutputFunction(ThriftLog);
   KVCOMP_RETURN_IF_ERROR(MakeDirs(options.storage.data_dir));
 
@@ -210,10 +225,9 @@ absl::Status DaemonImpl::Init(const Options& options) {
 
   IngestOptions io;
   io.max_put_bytes = options.data_plane.max_put_bytes;
-  io.max_buffered_bytes = options.data_plane.max_buffered_bytes;
-  io.max_open_puts = options.data_plane.max_open_puts;
   io.workers = options.engine.workers;
   io.queue_capacity = options.engine.queue_capacity;
+  io.tenant_share = options.data_plane.tenant_share;
   io.backend = options.engine.backend;
   io.cuda_device = options.engine.cuda_device;
   io.cpu_threads = options.engine.cpu_threads;
@@ -257,6 +271,16 @@ absl::Status DaemonImpl::Init(const Options& options) {
   so.max_payload_bytes = options.data_plane.max_block_bytes;
   so.max_inflight_bytes = std::max(options.data_plane.max_inflight_bytes_per_connection,
                                    options.data_plane.max_block_bytes);
+  so.max_buffered_bytes =
+      std::max(options.data_plane.max_buffered_bytes, options.data_plane.max_block_bytes);
+  so.max_open_puts = options.data_plane.max_open_puts;
+  so.tenant_share = options.data_plane.tenant_share;
+  so.max_connections = options.data_plane.max_connections;
+  so.max_pre_hello_connections = options.data_plane.max_pre_hello_connections;
+  so.hello_timeout = absl::Seconds(options.data_plane.hello_timeout_seconds);
+  so.idle_timeout = absl::Seconds(options.data_plane.idle_timeout_seconds);
+  so.fd_reserve = options.data_plane.fd_reserve;
+  so.report = [](const std::string& line) { Log(LogLevel::kWarning, line); };
   so.put_timeout = absl::Seconds(options.data_plane.put_timeout_seconds);
   so.server_name = absl::StrCat("kvcompd ", Version());
   if (!options.data_plane.ucx_tls.empty()) so.ucx.overrides["TLS"] = options.data_plane.ucx_tls;
@@ -391,9 +415,11 @@ void DaemonImpl::RefreshGauges() {
                               ErrorCodeLabel(absl::Status(static_cast<absl::StatusCode>(code), "")),
                               ts.rejected_by_code[code]);
     }
-    if (ts.inflight_busy_replies > 0) {
-      metrics_->AdvanceErrors(kTransportOp, "busy", ts.inflight_busy_replies);
-    }
+    // Busy replies of the transport's own bounds: in flight per connection, buffered bytes and
+    // open puts (all tenants and per tenant).
+    const uint64_t busy =
+        ts.inflight_busy_replies + ts.capacity_busy_replies + ts.tenant_busy_replies;
+    if (busy > 0) metrics_->AdvanceErrors(kTransportOp, "busy", busy);
   }
   // Totals over the caches of every tenant in the store, token file or not (the store keeps
   // them per tenant as caches come and go: no scan).

@@ -24,8 +24,9 @@ absl::StatusOr<std::string> DataHandler::OnHello(const transport::Session& sessi
   auto tenant = ctx_->tokens->Authenticate(hello.tenant, hello.token);
   if (!tenant.ok()) {
     ctx_->metrics->CountAuthFailure("data");
-    Log(LogLevel::kWarning, "data plane: refused hello from ", session.peer, " (tenant '",
-        hello.tenant, "')");
+    static LogRate rate(5, absl::Seconds(1));
+    LogLimited(rate, LogLevel::kWarning, "data plane: refused hello from ", session.peer,
+               " (tenant '", hello.tenant, "')");
   }
   return tenant;
 }

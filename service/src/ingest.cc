@@ -72,7 +72,6 @@ struct IngestPipeline::PutState {
   absl::Time last_block ABSL_GUARDED_BY(mu) = absl::Now();
   std::vector<ReceivedBlock> blocks ABSL_GUARDED_BY(mu);  // block-wise: those not yet appended
   std::vector<Coverage> key_cov ABSL_GUARDED_BY(mu), value_cov ABSL_GUARDED_BY(mu);
-  uint64_t held_bytes ABSL_GUARDED_BY(mu) = 0;
   uint64_t received_bytes ABSL_GUARDED_BY(mu) = 0;
   bool committing ABSL_GUARDED_BY(mu) = false;
   bool aborted ABSL_GUARDED_BY(mu) = false;
@@ -122,8 +121,9 @@ absl::StatusOr<std::unique_ptr<IngestPipeline>> IngestPipeline::Create(
           tls_worker_backend_error = b.status();
           Log(LogLevel::kError, "compression worker ", i, ": ", b.status().ToString());
         }
-      });
-  p->serve_pool_ = std::make_unique<TaskPool>(options.serve_threads, options.serve_queue_capacity);
+      }, options.tenant_share);
+  p->serve_pool_ = std::make_unique<TaskPool>(options.serve_threads, options.serve_queue_capacity,
+                                              nullptr, options.tenant_share);
   return p;
 }
 
@@ -176,7 +176,6 @@ std::shared_ptr<IngestPipeline::PutState> IngestPipeline::Take(PutId id) {
   return put;
 }
 
-void IngestPipeline::ReleaseBuffered(uint64_t bytes) { buffered_bytes_.fetch_sub(bytes); }
 
 absl::Status IngestPipeline::BeginPut(PutId id, PutSpec spec) {
   if (draining()) return absl::UnavailableError("draining: kvcompd is shutting down");
@@ -216,9 +215,6 @@ absl::Status IngestPipeline::BeginPut(PutId id, PutSpec spec) {
   {
     absl::MutexLock lock(&mu_);
     if (puts_.contains(id)) return absl::AlreadyExistsError("put id already open");
-    if (puts_.size() >= options_.max_open_puts) {
-      return BusyError("data_plane.max_open_puts puts are open");
-    }
     puts_.emplace(id, std::move(put));
   }
   UpdateGauges();
@@ -232,9 +228,12 @@ void IngestPipeline::AddBlock(PutId id, const wire::Block& block, Buffer payload
     done(absl::NotFoundError("block for a put that is not open"));
     return;
   }
+  // The transport checked the block against the put's layout and admitted its bytes against
+  // data_plane.max_buffered_bytes before allocating `payload`; the payload's own release returns
+  // them, whenever this pipeline drops it.
   const PutSpec& spec = put->spec;
-  absl::Status valid = block.ValidateAgainst(spec.layout, spec.num_tokens);
-  if (valid.ok() && payload.size() != block.payload_bytes()) {
+  absl::Status valid;
+  if (payload.size() != block.payload_bytes()) {
     valid = absl::InvalidArgumentError("block payload size does not match key_bytes+value_bytes");
   }
   if (valid.ok() && payload.memory_type() != transport::MemoryType::kHost) {
@@ -248,16 +247,10 @@ void IngestPipeline::AddBlock(PutId id, const wire::Block& block, Buffer payload
     return;
   }
   const uint64_t size = payload.size();
-  if (buffered_bytes_.fetch_add(size) + size > options_.max_buffered_bytes) {
-    buffered_bytes_.fetch_sub(size);
-    done(BusyError("ingest buffer full"));
-    return;
-  }
   bool schedule_drain = false;
   {
     absl::MutexLock lock(&put->mu);
     if (put->committing || put->aborted) {
-      buffered_bytes_.fetch_sub(size);
       done(absl::FailedPreconditionError("block for a put that is committing or aborted"));
       return;
     }
@@ -269,7 +262,6 @@ void IngestPipeline::AddBlock(PutId id, const wire::Block& block, Buffer payload
       if (block.parts & wire::kPartValues) ok = ok && v.Add(block.token_begin, block.token_end);
       if (!ok) {
         // Roll back layers added so far by rebuilding nothing: coverage is only committed below.
-        buffered_bytes_.fetch_sub(size);
         done(absl::InvalidArgumentError(
             absl::StrCat("block overlaps tokens already received (layer ", l, ", tokens ",
                          block.token_begin, "..", block.token_end, ")")));
@@ -283,7 +275,6 @@ void IngestPipeline::AddBlock(PutId id, const wire::Block& block, Buffer payload
       }
     }
     put->blocks.push_back(ReceivedBlock{block, std::move(payload)});
-    put->held_bytes += size;
     put->received_bytes += size;
     put->last_block = absl::Now();
     if (spec.block_wise && !put->drain_scheduled) {
@@ -294,7 +285,7 @@ void IngestPipeline::AddBlock(PutId id, const wire::Block& block, Buffer payload
   metrics_->AddReceivedBytes(size);
   done(absl::OkStatus());
   if (schedule_drain) {
-    compress_pool_->Submit([this, put] {
+    compress_pool_->Submit(spec.key.tenant, [this, put] {
       {
         absl::MutexLock lock(&put->mu);
         put->drain_scheduled = false;
@@ -367,11 +358,7 @@ absl::Status IngestPipeline::DrainBlockWise(PutState& put) {
     double secs = Seconds(absl::Now() - t0);
     metrics_->ObserveStage(Stage::kCompress, secs);
     if (use_cuda_) metrics_->AddGpuSeconds(secs);
-    {
-      absl::MutexLock lock(&put.mu);
-      put.held_bytes -= next.payload.size();
-    }
-    ReleaseBuffered(next.payload.size());
+    next.payload.Reset();  // appended: its bytes go back to the data plane's budget
   }
 }
 
@@ -393,6 +380,7 @@ void IngestPipeline::Commit(PutId id, transport::CommitDone done) {
   // The done callback must run exactly once: park it where both outcomes can reach it.
   auto shared_done = std::make_shared<transport::CommitDone>(std::move(done));
   bool queued = compress_pool_->TrySubmit(
+      put->spec.key.tenant,
       [this, put, shared_done] { RunCommit(put, std::move(*shared_done), 0); });
   if (!queued) {
     {
@@ -400,7 +388,8 @@ void IngestPipeline::Commit(PutId id, transport::CommitDone done) {
       put->committing = false;
     }
     metrics_->CountError("put", BusyError(""));
-    (*shared_done)(BusyError("compression queue full (engine.queue_capacity)"));
+    (*shared_done)(BusyError(
+        "compression queue full (engine.queue_capacity, or this tenant's share of it)"));
     return;
   }
   UpdateGauges();
@@ -448,8 +437,6 @@ void IngestPipeline::RunCommit(const std::shared_ptr<PutState>& put, transport::
   std::shared_ptr<PutState> taken = Take(put->id);
   {
     absl::MutexLock lock(&put->mu);
-    ReleaseBuffered(put->held_bytes);
-    put->held_bytes = 0;
     put->blocks.clear();
   }
   if (result.ok()) {
@@ -557,11 +544,7 @@ void IngestPipeline::Abort(PutId id) {
   if (put == nullptr) return;
   absl::MutexLock lock(&put->mu);
   put->aborted = true;
-  if (!put->committing) {
-    ReleaseBuffered(put->held_bytes);
-    put->held_bytes = 0;
-    put->blocks.clear();
-  }
+  if (!put->committing) put->blocks.clear();
 }
 
 bool IngestPipeline::WaitIdle(absl::Duration timeout) {
@@ -601,7 +584,7 @@ absl::Status NotFoundAsMissing(const absl::Status& s) {
 
 void IngestPipeline::Get(const CacheKey& key, wire::Representation rep, transport::GetDone done) {
   auto shared_done = std::make_shared<transport::GetDone>(std::move(done));
-  bool queued = serve_pool_->TrySubmit([this, key, rep, shared_done] {
+  bool queued = serve_pool_->TrySubmit(key.tenant, [this, key, rep, shared_done] {
     absl::Time t0 = absl::Now();
     absl::StatusOr<transport::GetResult> result = [&]() -> absl::StatusOr<transport::GetResult> {
       auto got = store_->Get(key);
@@ -683,7 +666,7 @@ absl::StatusOr<IngestPipeline::Description> IngestPipeline::Describe(const Cache
 
 void IngestPipeline::Lookup(const CacheKey& key, transport::LookupDone done) {
   auto shared_done = std::make_shared<transport::LookupDone>(std::move(done));
-  bool queued = serve_pool_->TrySubmit([this, key, shared_done] {
+  bool queued = serve_pool_->TrySubmit(key.tenant, [this, key, shared_done] {
     absl::Time t0 = absl::Now();
     absl::StatusOr<wire::CacheSummary> result = [&]() -> absl::StatusOr<wire::CacheSummary> {
       KVCOMP_ASSIGN_OR_RETURN(Description d, Describe(key));
@@ -715,7 +698,7 @@ void IngestPipeline::Deleted(const CacheKey& key) {
 
 void IngestPipeline::Delete(const CacheKey& key, transport::Done done) {
   auto shared_done = std::make_shared<transport::Done>(std::move(done));
-  bool queued = serve_pool_->TrySubmit([this, key, shared_done] {
+  bool queued = serve_pool_->TrySubmit(key.tenant, [this, key, shared_done] {
     absl::Time t0 = absl::Now();
     absl::Status s = NotFoundAsMissing(store_->Delete(key));
     if (s.ok()) {

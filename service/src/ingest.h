@@ -40,10 +40,11 @@ namespace service {
 
 struct IngestOptions {
   uint64_t max_put_bytes = uint64_t{16} << 30;
-  uint64_t max_buffered_bytes = uint64_t{4} << 30;  // all open puts' received bytes
-  uint32_t max_open_puts = 256;
   int workers = 2;
   uint32_t queue_capacity = 16;
+  // Share of the compression queue and of the serve queue one tenant may hold; workers take the
+  // tenants' tasks in turn.
+  double tenant_share = 0.5;
   int serve_threads = 4;
   uint32_t serve_queue_capacity = 4096;
   std::string backend = "auto";  // auto, cpu, cuda
@@ -80,7 +81,8 @@ class IngestPipeline {
   bool uses_gpu() const { return use_cuda_; }
 
   // Opens put `id` (unique among open puts). InvalidArgument (bad key, layout, policy, too
-  // large), AlreadyExists (id in use), Busy (max_open_puts), Unavailable (draining).
+  // large), AlreadyExists (id in use), Unavailable (draining). How many puts may be open is the
+  // data plane's to bound (data_plane.max_open_puts, per tenant too).
   absl::Status BeginPut(PutId id, PutSpec spec);
   // A block of put `id`; `done` runs once it is accounted for.
   void AddBlock(PutId id, const transport::wire::Block& block, transport::Buffer payload,
@@ -131,7 +133,6 @@ class IngestPipeline {
   absl::StatusOr<CompressedCache> CompressWhole(PutState& put, int worker);
   absl::Status DrainBlockWise(PutState& put);
   absl::StatusOr<transport::wire::CacheSummary> Store(PutState& put, CompressedCache cache);
-  void ReleaseBuffered(uint64_t bytes);
   void UpdateGauges();
 
   const IngestOptions options_;
@@ -142,7 +143,6 @@ class IngestPipeline {
   int threads_per_backend_ = 1;
   std::string backend_description_;
   std::atomic<bool> draining_{false};
-  std::atomic<uint64_t> buffered_bytes_{0};
 
   // One backend per compression worker, created on the worker's thread.
   std::vector<std::unique_ptr<Backend>> worker_backends_;

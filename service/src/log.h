@@ -1,5 +1,5 @@
 // Minimal leveled logging to stderr (Debian's Abseil has no absl/log). Thread-safe: one write(2)
-// per line.
+// per line. LogLimited bounds what a flood of bad requests can write.
 #ifndef KVCOMP_SERVICE_SRC_LOG_H_
 #define KVCOMP_SERVICE_SRC_LOG_H_
 
@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -39,6 +40,52 @@ void Log(LogLevel level, const Args&... args) {
                    kNames[static_cast<int>(level)], " kvcompd: ", args..., "\n");
   ssize_t ignored = write(STDERR_FILENO, line.data(), line.size());
   (void)ignored;
+}
+
+// The lines of one call site that a flood (bad hellos, refused connections) may repeat: at most
+// `burst` per `period`; the next line written says how many were dropped. Thread-safe; declare
+// one per call site (a function-local static).
+class LogRate {
+ public:
+  LogRate(int burst, absl::Duration period) : burst_(burst), period_(period) {}
+  // True when a line may be written now; `dropped` gets the count suppressed before it.
+  bool Allow(uint64_t* dropped) {
+    const absl::Time now = absl::Now();
+    absl::MutexLock lock(&mu_);
+    if (now - start_ >= period_) {
+      start_ = now;
+      count_ = 0;
+    }
+    if (count_ >= burst_) {
+      ++dropped_;
+      return false;
+    }
+    ++count_;
+    *dropped = dropped_;
+    dropped_ = 0;
+    return true;
+  }
+
+ private:
+  const int burst_;
+  const absl::Duration period_;
+  absl::Mutex mu_;
+  absl::Time start_ = absl::InfinitePast();
+  int count_ = 0;
+  uint64_t dropped_ = 0;
+};
+
+// Log() through `rate`.
+template <typename... Args>
+void LogLimited(LogRate& rate, LogLevel level, const Args&... args) {
+  if (static_cast<int>(level) < LogThreshold().load()) return;
+  uint64_t dropped = 0;
+  if (!rate.Allow(&dropped)) return;
+  if (dropped > 0) {
+    Log(level, args..., " (", dropped, " similar line(s) suppressed)");
+  } else {
+    Log(level, args...);
+  }
 }
 
 }  // namespace service

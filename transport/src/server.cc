@@ -2,6 +2,7 @@
 
 #include <netdb.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include "absl/synchronization/notification.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/status.h"
+#include "transport/src/admission.h"
 #include "transport/src/ucx_util.h"
 
 namespace kvcomp {
@@ -44,7 +46,8 @@ struct Connection {
 
 struct Counters {
   std::atomic<uint64_t> connections_accepted{0}, connections_rejected{0}, connections_open{0},
-      hello_rejected{0}, messages_received{0}, malformed_messages{0}, bytes_received{0},
+      connections_evicted{0}, listener_pauses{0}, capacity_busy_replies{0},
+      tenant_busy_replies{0}, hello_rejected{0}, messages_received{0}, malformed_messages{0}, bytes_received{0},
       bytes_sent{0}, busy_replies{0}, checksum_failures{0}, puts_begun{0}, puts_committed{0},
       puts_aborted{0}, puts_timed_out{0}, connections_timed_out{0}, inflight_bytes{0},
       inflight_busy_replies{0};
@@ -72,7 +75,16 @@ struct RecvContext {
 class ServerImpl : public UcxServer {
  public:
   ServerImpl(const ServerOptions& options, RequestHandler* handler)
-      : options_(options), handler_(handler) {}
+      : options_(options),
+        handler_(handler),
+        buffers_(std::make_shared<TenantBudget>(
+            options.max_buffered_bytes,
+            TenantBudget::ShareOf(options.max_buffered_bytes, options.tenant_share,
+                                  options.max_payload_bytes))),
+        puts_budget_(options.max_open_puts,
+                     TenantBudget::ShareOf(options.max_open_puts, options.tenant_share, 1)),
+        conns_budget_(options.max_connections,
+                      TenantBudget::ShareOf(options.max_connections, options.tenant_share, 1)) {}
   ~ServerImpl() override { Stop(); }
 
   absl::Status Init();
@@ -94,6 +106,28 @@ class ServerImpl : public UcxServer {
 
  private:
   void AcceptConnection(ucp_conn_request_h request);
+  // Closes the oldest connection still waiting for its hello; false when there is none.
+  bool EvictOldestPreHello();
+  absl::Status Listen();
+  void PauseListener(const char* why);
+  // Pauses or resumes the listener by the process's free file descriptors.
+  void CheckFds();
+  // Busy (counted) for a refused reservation.
+  void SendRefusal(Connection& conn, uint64_t request_id, TenantBudget::Refusal why);
+  void Report(const std::string& line) {
+    if (options_.report) {
+      options_.report(line);
+    } else {
+      std::string l = line + "\n";
+      ssize_t ignored = write(STDERR_FILENO, l.data(), l.size());
+      (void)ignored;
+    }
+  }
+  // A put leaves the open set (committed or aborted).
+  void PutEnded(const Connection& conn) {
+    open_puts_--;
+    puts_budget_.Release(conn.session.tenant, 1);
+  }
   void HandleMessage(const std::shared_ptr<Connection>& conn, absl::string_view header,
                      void* data, size_t length, bool rndv);
   void HandleHello(Connection& conn, const wire::Frame& f);
@@ -148,8 +182,16 @@ class ServerImpl : public UcxServer {
 
   const ServerOptions options_;
   RequestHandler* const handler_;
+  // Shared with the buffers it admitted, which may outlive the server.
+  const std::shared_ptr<TenantBudget> buffers_;
+  TenantBudget puts_budget_;
+  TenantBudget conns_budget_;  // connections that said hello, by tenant
   std::shared_ptr<WorkerLoop> loop_;
   ucp_listener_h listener_ = nullptr;
+  uint64_t accept_hook_ = 0;
+  std::atomic<bool> fd_check_posted_{false};
+  std::atomic<bool> listener_paused_{false};
+  absl::Time listen_not_before_ = absl::InfinitePast();  // after an accept failure
   uint16_t port_ = 0;
   std::string address_;
   std::atomic<bool> draining_{false};
@@ -161,25 +203,62 @@ class ServerImpl : public UcxServer {
 
   // Loop-thread state.
   uint64_t next_connection_id_ = 1;
+  uint64_t pre_hello_ = 0;  // connections without a successful hello
   absl::flat_hash_map<ucp_ep_h, std::shared_ptr<Connection>> connections_;
   std::vector<void*> closing_requests_;
 };
 
 absl::Status ServerImpl::Init() {
   if (handler_ == nullptr) return absl::InvalidArgumentError("UcxServer: handler is null");
-  if (options_.max_payload_bytes == 0 || options_.max_inflight_bytes < options_.max_payload_bytes) {
+  if (options_.max_payload_bytes == 0 || options_.max_inflight_bytes < options_.max_payload_bytes ||
+      options_.max_buffered_bytes < options_.max_payload_bytes) {
     return absl::InvalidArgumentError(
-        "UcxServer: need 0 < max_payload_bytes <= max_inflight_bytes");
+        "UcxServer: need 0 < max_payload_bytes <= max_inflight_bytes and max_buffered_bytes");
   }
+  if (options_.max_open_puts == 0 || options_.max_connections == 0 ||
+      options_.max_pre_hello_connections == 0 || !(options_.tenant_share > 0) ||
+      options_.tenant_share > 1) {
+    return absl::InvalidArgumentError(
+        "UcxServer: max_open_puts, max_connections and max_pre_hello_connections must be > 0 "
+        "and tenant_share in (0, 1]");
+  }
+  // UCX reads the connection manager's settings from the environment only (a context setting
+  // is ignored as "invalid configuration"); one already there wins.
+  if (options_.reuse_address) setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
+  CurrentFdUsage();  // opens what counting descriptors needs while there are some
   KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(options_.ucx, options_.poll_spin));
 
   KVCOMP_RETURN_IF_ERROR(loop_->SetAmHandler(wire::kAmIdRequest, &ServerImpl::OnAm, this));
 
+  InstallUcxLogLimiter();
+  KVCOMP_RETURN_IF_ERROR(Listen());
+  address_ = Endpoint{options_.listen_address, port_}.ToString();
+
+  absl::Duration tick = std::min({absl::Milliseconds(100), options_.put_timeout / 4,
+                                  options_.idle_timeout / 4, options_.hello_timeout / 4});
+  tick = std::max(tick, absl::Milliseconds(5));
+  loop_->Start([this] { Tick(); }, tick);
+  // UCX's listener retries a failed accept() at once, for as long as the descriptors are short:
+  // close it from the loop thread as soon as UCX reports one.
+  accept_hook_ = AddAcceptFailureHook([this] {
+    if (fd_check_posted_.exchange(true)) return;
+    loop_->Post([this] {
+      fd_check_posted_.store(false);
+      listen_not_before_ = absl::Now() + absl::Seconds(1);
+      PauseListener("accept() failed (file descriptors exhausted)");
+    });
+  });
+  return absl::OkStatus();
+}
+
+absl::Status ServerImpl::Listen() {
+  // Once bound, the listener reopens on the same port (port 0 picked it the first time).
+  const uint16_t listen_port = port_ != 0 ? port_ : options_.port;
   addrinfo hints = {};
   hints.ai_flags = AI_NUMERICHOST | AI_PASSIVE;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  const std::string port_str = absl::StrCat(options_.port);
+  const std::string port_str = absl::StrCat(listen_port);
   if (int rc = getaddrinfo(options_.listen_address.c_str(), port_str.c_str(), &hints, &res);
       rc != 0) {
     return absl::InvalidArgumentError(absl::StrCat("UcxServer: listen address \"",
@@ -201,8 +280,9 @@ absl::Status ServerImpl::Init() {
   freeaddrinfo(res);
   if (s != UCS_OK) {
     return UcsStatusToStatus(s, absl::StrCat("UcxServer: listen on ", options_.listen_address,
-                                             ":", options_.port));
+                                             ":", listen_port));
   }
+  if (port_ != 0) return absl::OkStatus();  // listening again on the port it had
   ucp_listener_attr_t la = {};
   la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
   s = ucp_listener_query(listener_, &la);
@@ -213,18 +293,13 @@ absl::Status ServerImpl::Init() {
   } else {
     port_ = ntohs(reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port);
   }
-  address_ = Endpoint{options_.listen_address, port_}.ToString();
-
-  absl::Duration tick = std::min({absl::Milliseconds(100), options_.put_timeout / 4,
-                                  options_.idle_timeout / 4, options_.hello_timeout / 4});
-  tick = std::max(tick, absl::Milliseconds(5));
-  loop_->Start([this] { Tick(); }, tick);
   return absl::OkStatus();
 }
 
 void ServerImpl::Stop() {
   absl::MutexLock l(&stop_mu_);
   if (stopped_.exchange(true) || loop_ == nullptr) return;
+  if (accept_hook_ != 0) RemoveAcceptFailureHook(accept_hook_);
   draining_.store(true);
   loop_->Shutdown([this] {
     if (listener_ != nullptr) {
@@ -283,6 +358,12 @@ ServerStats ServerImpl::stats() const {
   s.connections_timed_out = c.connections_timed_out;
   s.inflight_bytes = c.inflight_bytes;
   s.inflight_busy_replies = c.inflight_busy_replies;
+  s.connections_evicted = c.connections_evicted;
+  s.listener_pauses = c.listener_pauses;
+  s.listener_paused = listener_paused_.load() ? 1 : 0;
+  s.capacity_busy_replies = c.capacity_busy_replies;
+  s.tenant_busy_replies = c.tenant_busy_replies;
+  s.buffered_bytes = buffers_->used();
   for (int i = 0; i < kNumStatusCodes; ++i) s.rejected_by_code[i] = c.rejected[i];
   return s;
 }
@@ -294,6 +375,12 @@ void ServerImpl::OnConnRequest(ucp_conn_request_h request, void* arg) {
 }
 
 void ServerImpl::AcceptConnection(ucp_conn_request_h request) {
+  // Endpoints that never say hello must not keep out those that will: the oldest silent one
+  // makes room.
+  if (pre_hello_ >= options_.max_pre_hello_connections ||
+      connections_.size() >= options_.max_connections) {
+    EvictOldestPreHello();
+  }
   if (draining_.load() || connections_.size() >= options_.max_connections) {
     counters_.connections_rejected++;
     ucp_listener_reject(listener_, request);
@@ -322,8 +409,62 @@ void ServerImpl::AcceptConnection(ucp_conn_request_h request) {
   conn->session.connection_id = conn->id;
   conn->created = conn->last_activity = absl::Now();
   connections_[conn->ep] = conn;
+  pre_hello_++;
   counters_.connections_accepted++;
   counters_.connections_open++;
+}
+
+bool ServerImpl::EvictOldestPreHello() {
+  std::shared_ptr<Connection> oldest;
+  for (const auto& [ep, c] : connections_) {
+    if (!c->authenticated && (oldest == nullptr || c->id < oldest->id)) oldest = c;
+  }
+  if (oldest == nullptr) return false;
+  counters_.connections_evicted++;
+  CloseConnection(oldest, absl::ResourceExhaustedError("closed to admit a newer connection: too "
+                                                       "many connections without hello"));
+  return true;
+}
+
+void ServerImpl::PauseListener(const char* why) {
+  if (listener_ == nullptr || stopped_.load()) return;
+  ucp_listener_destroy(listener_);
+  listener_ = nullptr;
+  listener_paused_.store(true);
+  counters_.listener_pauses++;
+  // Those still waiting for hello hold descriptors and may never speak.
+  while (EvictOldestPreHello()) {
+  }
+  const FdUsage fds = CurrentFdUsage();
+  uint64_t suppressed = 0;
+  static LogRateLimiter limiter(1, absl::Seconds(10));
+  if (limiter.Allow("pause", &suppressed)) {
+    Report(absl::StrFormat(
+        "data plane: listener closed, new connections refused: %s; %u of %u file descriptors "
+        "open (%u earlier pause(s) not reported)",
+        why, fds.open, fds.limit, suppressed));
+  }
+}
+
+void ServerImpl::CheckFds() {
+  if (options_.fd_reserve == 0 || stopped_.load()) return;
+  const FdUsage fds = CurrentFdUsage();
+  if (fds.limit == 0) return;
+  if (listener_ != nullptr) {
+    if (fds.free() < options_.fd_reserve) PauseListener("few file descriptors left");
+    return;
+  }
+  if (draining_.load() || absl::Now() < listen_not_before_ ||
+      fds.free() < uint64_t{2} * options_.fd_reserve) {
+    return;
+  }
+  if (absl::Status s = Listen(); !s.ok()) {
+    listen_not_before_ = absl::Now() + absl::Seconds(1);
+    return;
+  }
+  listener_paused_.store(false);
+  Report(absl::StrFormat("data plane: listening again on %s (%u of %u file descriptors open)",
+                         address_, fds.open, fds.limit));
 }
 
 void ServerImpl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -346,6 +487,11 @@ void ServerImpl::CloseConnection(const std::shared_ptr<Connection>& conn,
   for (uint64_t id : open) AbortPut(*conn, id, reason);
   conn->puts.clear();
   handler_->OnDisconnect(conn->session);
+  if (conn->authenticated) {
+    conns_budget_.Release(conn->session.tenant, 1);
+  } else {
+    pre_hello_--;
+  }
   connections_.erase(conn->ep);
   counters_.connections_open--;
   ucp_request_param_t p = {};
@@ -360,12 +506,13 @@ void ServerImpl::AbortPut(Connection& conn, uint64_t put_id, const absl::Status&
   if (it == conn.puts.end()) return;
   std::shared_ptr<PutState> put = it->second;
   conn.puts.erase(it);
-  open_puts_--;
+  PutEnded(conn);
   counters_.puts_aborted++;
   handler_->OnPutAbort(MakePutContext(conn, *put), reason);
 }
 
 void ServerImpl::Tick() {
+  CheckFds();
   const absl::Time now = absl::Now();
   std::vector<std::shared_ptr<Connection>> to_close;
   for (auto& [ep, conn] : connections_) {
@@ -446,6 +593,15 @@ void ServerImpl::SendBusy(Connection& conn, uint64_t request_id) {
   b.inflight_bytes = conn.inflight_bytes;
   b.limit_bytes = options_.max_inflight_bytes;
   SendFrame(conn, wire::Encode(request_id, b));
+}
+
+void ServerImpl::SendRefusal(Connection& conn, uint64_t request_id, TenantBudget::Refusal why) {
+  if (why == TenantBudget::Refusal::kTenant) {
+    counters_.tenant_busy_replies++;
+  } else {
+    counters_.capacity_busy_replies++;
+  }
+  SendBusy(conn, request_id);
 }
 
 // ---- receiving ----
@@ -553,6 +709,15 @@ void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
     SendStatus(conn, f.header.request_id, tenant.status());
     return;
   }
+  if (conns_budget_.TryReserve(*tenant, 1) != TenantBudget::Refusal::kNone) {
+    counters_.hello_rejected++;
+    Reject(conn, f.header.request_id,
+           absl::ResourceExhaustedError(absl::StrFormat(
+               "tenant '%s' has its share of connections open (%u)", *tenant,
+               conns_budget_.tenant_limit())));
+    return;
+  }
+  pre_hello_--;
   conn.authenticated = true;
   conn.session.tenant = *tenant;
   wire::HelloOk ok;
@@ -577,7 +742,13 @@ void ServerImpl::HandlePutBegin(const std::shared_ptr<Connection>& conn, const w
     return;
   }
   put->last_activity = absl::Now();
+  if (auto why = puts_budget_.TryReserve(conn->session.tenant, 1);
+      why != TenantBudget::Refusal::kNone) {
+    SendRefusal(*conn, f.header.request_id, why);
+    return;
+  }
   if (absl::Status s = handler_->OnPutBegin(MakePutContext(*conn, *put)); !s.ok()) {
+    puts_budget_.Release(conn->session.tenant, 1);
     SendStatus(*conn, f.header.request_id, s);
     return;
   }
@@ -628,9 +799,30 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
     SendBusy(*conn, f.header.request_id);
     return;
   }
+  // Admitted before any memory is taken for it; the reservation goes with the buffer.
+  const std::string& tenant = conn->session.tenant;
+  if (auto why = buffers_->TryReserve(tenant, bytes); why != TenantBudget::Refusal::kNone) {
+    if (rndv) DropRendezvous(loop_->worker(), data);
+    SendRefusal(*conn, f.header.request_id, why);
+    return;
+  }
   const PutContext pctx = MakePutContext(*conn, *put);
+  // An eager payload is already in host memory: it is copied into host memory.
   absl::StatusOr<Buffer> buf = rndv ? handler_->AllocateBlock(pctx, block, bytes)
                                     : absl::StatusOr<Buffer>(Buffer::Allocate(bytes));
+  if (buf.ok()) {
+    Buffer raw = *std::move(buf);
+    void* const raw_data = raw.data();
+    const size_t raw_size = raw.size();
+    const MemoryType raw_type = raw.memory_type();
+    buf = Buffer::Wrap(raw_data, raw_size, raw_type,
+                       [raw = std::move(raw), budget = buffers_, tenant, bytes]() mutable {
+                         raw.Reset();
+                         budget->Release(tenant, bytes);
+                       });
+  } else {
+    buffers_->Release(tenant, bytes);
+  }
   if (buf.ok() && buf->size() < bytes) {
     buf = absl::InternalError("AllocateBlock returned a buffer that is too small");
   } else if (buf.ok() && buf->memory_type() == MemoryType::kCuda && !loop_->cuda_memory()) {
@@ -772,7 +964,7 @@ void ServerImpl::HandleCommit(const std::shared_ptr<Connection>& conn, const wir
       if (r.ok()) {
         counters_.puts_committed++;
         if (still_open) conn->puts.erase(pit);
-        open_puts_--;
+        PutEnded(*conn);
         SendFrame(*conn, wire::Encode(rid, *r));
         return;
       }
@@ -784,7 +976,7 @@ void ServerImpl::HandleCommit(const std::shared_ptr<Connection>& conn, const wir
         AbortPut(*conn, id, r.status());
       } else {
         // Closed while committing: CloseConnection left this put to us.
-        open_puts_--;
+        PutEnded(*conn);
         counters_.puts_aborted++;
         handler_->OnPutAbort(MakePutContext(*conn, *put), r.status());
       }

@@ -26,15 +26,29 @@ struct DataPlaneOptions {
   // Largest single block payload (K plus V of one block), bytes. Default 256 MiB.
   uint64_t max_block_bytes = uint64_t{256} << 20;
   // Bytes of blocks a connection may have in flight (received, not yet acknowledged);
-  // beyond it a block gets busy (the transport's bound). Default 4 GiB.
-  uint64_t max_inflight_bytes_per_connection = uint64_t{4} << 30;
+  // beyond it a block gets busy (the transport's bound). Default 1 GiB.
+  uint64_t max_inflight_bytes_per_connection = uint64_t{1} << 30;
   // A put with no block for this long is aborted and its blocks dropped, seconds. Default 60.
   double put_timeout_seconds = 60;
-  // Received block bytes held by all open puts (not yet compressed); beyond it a block gets
-  // busy. Default 4 GiB.
+  // Bytes of received blocks held at once (all puts, until compressed or dropped), admitted
+  // before their buffers are allocated; beyond it a block gets busy. Default 4 GiB.
   uint64_t max_buffered_bytes = uint64_t{4} << 30;
-  // Puts being received at once (all connections); beyond it a put-begin gets busy. 256.
+  // Puts open at once (all connections); beyond it a put-begin gets busy. 256.
   uint32_t max_open_puts = 256;
+  // Share of max_buffered_bytes, max_open_puts, max_connections and engine.queue_capacity one
+  // tenant may hold, in (0, 1]; 1 = no per-tenant bound. Default 0.5.
+  double tenant_share = 0.5;
+  // UCX endpoints at once. Default 1024.
+  uint32_t max_connections = 1024;
+  // Endpoints still waiting for their hello; a new one beyond it closes the oldest. Default 64.
+  uint32_t max_pre_hello_connections = 64;
+  // A connection without a hello this long after connecting is closed, seconds. Default 3.
+  double hello_timeout_seconds = 3;
+  // A connection with no message for this long is closed, seconds. Default 600.
+  double idle_timeout_seconds = 600;
+  // Free file descriptors below which the listener closes (reopening at twice as many); 0 =
+  // never. Default 64.
+  uint32_t fd_reserve = 64;
   // UCX transports for this daemon's context (UCX_TLS syntax, e.g. "tcp" or "posix,tcp"; UCX
   // needs tcp for connection set-up). Empty = UCX's own UCX_TLS environment or default. ""
   std::string ucx_tls;

@@ -12,10 +12,27 @@
 // the progress thread, which the callback wakes. Callbacks may outlive the connection: a reply to
 // a closed connection is dropped.
 //
-// Flow control: each connection has a bound on bytes in flight (payloads of blocks received but
-// not yet completed by OnBlock's Done, plus blocks being received). A block that would exceed it
-// is refused with a Busy reply before its payload is received; the client retries it. Nothing
-// is queued without bound. Payloads above max_payload_bytes are refused with InvalidArgument.
+// Flow control and memory admission: a block is admitted before its buffer exists. Its payload
+// bytes are reserved against max_buffered_bytes (all tenants) and the tenant's share of it; the
+// reservation lasts as long as the block's Buffer, wherever the handler keeps it (until it is
+// compressed, stored or dropped), so the bytes of block buffers alive never exceed
+// max_buffered_bytes. Each connection also has a bound on bytes in flight (blocks received or
+// being received and not yet completed by OnBlock's Done). A block that would exceed either is
+// refused with a Busy reply before its payload is received; the client retries it. Nothing is
+// queued without bound. Payloads above max_payload_bytes are refused with InvalidArgument.
+//
+// Per-tenant shares: one tenant may hold at most tenant_share of max_buffered_bytes, of
+// max_open_puts and of max_connections (at least one block, one put, one connection), so one
+// tenant's backlog leaves the rest to the others. Beyond its share a tenant's puts and blocks get
+// Busy and its hellos ResourceExhausted.
+//
+// Connection admission: at most max_connections endpoints, of which at most
+// max_pre_hello_connections without a successful hello: a new endpoint beyond either closes the
+// oldest one still waiting for its hello (and is refused only when every endpoint has said
+// hello). When the process's free file descriptors fall below fd_reserve the listener is closed
+// (new connections are refused by the kernel, nothing spins) and endpoints waiting for hello are
+// closed; it listens again, on the same port, once twice that many are free. UCX's own log lines
+// are rate-limited per source line.
 //
 // Timeouts: a connection that sends no hello within hello_timeout, or no message within
 // idle_timeout, is closed; a put with no block or commit for put_timeout is aborted
@@ -25,6 +42,7 @@
 #define KVCOMP_TRANSPORT_SERVER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -39,6 +57,10 @@
 namespace kvcomp {
 namespace transport {
 
+// Defaults of the flow-control bounds (kvcompd's data_plane options start from these).
+inline constexpr uint64_t kDefaultMaxInflightBytes = uint64_t{1} << 30;  // per connection
+inline constexpr uint64_t kDefaultMaxBufferedBytes = uint64_t{4} << 30;  // all connections
+
 struct ServerOptions {
   // Address to listen on (IPv4/IPv6 literal). Default "127.0.0.1".
   std::string listen_address = "127.0.0.1";
@@ -46,14 +68,32 @@ struct ServerOptions {
   uint16_t port = 0;
   // Largest block payload (K plus V bytes) accepted, bytes. Default 256 MiB.
   uint64_t max_payload_bytes = uint64_t{256} << 20;
-  // Bound on bytes in flight per connection, bytes; must be >= max_payload_bytes. Default 1 GiB.
-  uint64_t max_inflight_bytes = uint64_t{1} << 30;
+  // Bound on bytes in flight per connection, bytes; must be >= max_payload_bytes.
+  uint64_t max_inflight_bytes = kDefaultMaxInflightBytes;
+  // Bytes of block buffers alive at once (admitted, not yet freed by the handler), all tenants;
+  // must be >= max_payload_bytes. Default 4 GiB.
+  uint64_t max_buffered_bytes = kDefaultMaxBufferedBytes;
+  // Puts open at once (begun, not yet committed or aborted), all tenants. Default 256.
+  uint32_t max_open_puts = 256;
+  // Share of max_buffered_bytes, max_open_puts and max_connections one tenant may hold, in
+  // (0, 1]; 1 = no per-tenant bound. Default 0.5.
+  double tenant_share = 0.5;
   // Wait suggested to a client refused with Busy, microseconds. Default 200.
   uint32_t busy_retry_after_us = 200;
-  // Most connections at once; more are rejected at accept. Default 1024.
+  // Most endpoints at once. Default 1024.
   uint32_t max_connections = 1024;
-  // A connection without a successful hello after this long is closed. Default 10 s.
-  absl::Duration hello_timeout = absl::Seconds(10);
+  // Most endpoints still waiting for their hello; a new one beyond it closes the oldest.
+  // Default 64.
+  uint32_t max_pre_hello_connections = 64;
+  // A connection without a successful hello after this long is closed. Default 3 s.
+  absl::Duration hello_timeout = absl::Seconds(3);
+  // Free file descriptors below which the listener closes (it reopens at twice as many); 0 =
+  // never. Default 64.
+  uint32_t fd_reserve = 64;
+  // Let the listener bind its port while connections of an earlier process are still in
+  // TIME_WAIT or being torn down (UCX's TCP_CM_REUSEADDR), so a restart binds at once. Default
+  // true.
+  bool reuse_address = true;
   // A connection with no message for this long is closed. Default 10 min.
   absl::Duration idle_timeout = absl::Minutes(10);
   // A put with no block or commit for this long is aborted. Default 60 s.
@@ -63,6 +103,9 @@ struct ServerOptions {
   absl::Duration poll_spin = absl::Microseconds(200);
   // Verify each block's CRC32C before calling OnBlock (host payloads only). Default true.
   bool verify_checksums = true;
+  // Receives the lines the server has for operators (listener closed or reopened), on the
+  // progress thread; keep it short. Empty = written to stderr.
+  std::function<void(const std::string&)> report;
   // Server name sent in HelloOk. Default "kvcompd".
   std::string server_name = "kvcompd";
   UcxConfig ucx;
@@ -150,7 +193,10 @@ inline constexpr int kNumStatusCodes = 17;
 // Counters of the server, monotonic (except the gauges marked so). Thread-safe snapshot.
 struct ServerStats {
   uint64_t connections_accepted = 0;
-  uint64_t connections_rejected = 0;  // max_connections
+  uint64_t connections_rejected = 0;  // max_connections (all said hello), draining, UCX errors
+  uint64_t connections_evicted = 0;   // closed to admit a newer one (no hello yet)
+  uint64_t listener_pauses = 0;       // times the listener closed for lack of file descriptors
+  uint64_t listener_paused = 0;       // gauge: 1 while the listener is closed
   uint64_t connections_open = 0;      // gauge
   uint64_t hello_rejected = 0;        // authentication failures
   uint64_t messages_received = 0;
@@ -173,6 +219,11 @@ struct ServerStats {
   // Busy replies for the per-connection in-flight bound (the server's own back-pressure; also
   // counted in busy_replies, which includes busy statuses from the handler).
   uint64_t inflight_busy_replies = 0;
+  // Busy replies for max_buffered_bytes and max_open_puts (all tenants), and for a tenant's
+  // share of them.
+  uint64_t capacity_busy_replies = 0;
+  uint64_t tenant_busy_replies = 0;
+  uint64_t buffered_bytes = 0;  // gauge: bytes of admitted block buffers alive
 };
 
 class UcxServer {
