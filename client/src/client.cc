@@ -12,11 +12,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "control.h"
+#include "endpoint_state.h"
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/client.h"
+#include "pool.h"
 #include "rendezvous.h"
+#include "resolver.h"
 
 namespace kvcomp {
 namespace client {
@@ -24,62 +27,6 @@ namespace {
 
 using transport::UcxClient;
 namespace wire = transport::wire;
-
-bool Retryable(const absl::Status& s) {
-  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
-}
-
-// One endpoint: its addresses, a lazily made connection, and when it may be tried again.
-class EndpointState {
- public:
-  EndpointState(EndpointAddress address, transport::Endpoint data)
-      : address_(std::move(address)), data_(std::move(data)) {}
-
-  const EndpointAddress& address() const { return address_; }
-
-  // The live connection, connecting when there is none. Unavailable while marked down.
-  absl::StatusOr<std::shared_ptr<UcxClient>> Connection(const ClientOptions& o) {
-    absl::MutexLock lock(&mu_);
-    if (conn_ != nullptr && conn_->connected()) return conn_;
-    conn_.reset();
-    const absl::Time now = absl::Now();
-    if (now < down_until_) {
-      return absl::UnavailableError(absl::StrCat("endpoint ", address_.data, " is down (",
-                                                 last_error_.message(), ")"));
-    }
-    transport::ClientOptions to;
-    to.connect_timeout = o.connect_timeout;
-    to.request_timeout = o.request_timeout;
-    for (const auto& [k, v] : o.ucx_overrides) to.ucx.overrides[k] = v;
-    auto c = UcxClient::Connect(data_, o.tenant, o.token, to);
-    if (!c.ok()) {
-      // Refused credentials are final, not an outage.
-      if (Retryable(c.status())) {
-        down_until_ = now + o.down_for;
-        last_error_ = c.status();
-      }
-      return Annotate(c.status(), absl::StrCat("connect ", address_.data));
-    }
-    conn_ = std::shared_ptr<UcxClient>(std::move(*c));
-    return conn_;
-  }
-
-  // Forgets the connection after it failed, and skips the endpoint for a while.
-  void MarkDown(const ClientOptions& o, const absl::Status& why) {
-    absl::MutexLock lock(&mu_);
-    conn_.reset();
-    down_until_ = absl::Now() + o.down_for;
-    last_error_ = why;
-  }
-
- private:
-  const EndpointAddress address_;
-  const transport::Endpoint data_;
-  absl::Mutex mu_;
-  std::shared_ptr<UcxClient> conn_ ABSL_GUARDED_BY(mu_);
-  absl::Time down_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  absl::Status last_error_ ABSL_GUARDED_BY(mu_);
-};
 
 absl::Status ValidateShape(const KvLayout& layout, uint64_t num_tokens) {
   KVCOMP_RETURN_IF_ERROR(layout.Validate());
@@ -96,8 +43,9 @@ class ClientImpl;
 // commit. Packed copies of partial token ranges live until their send completes.
 class EndpointPut {
  public:
-  EndpointPut(std::shared_ptr<UcxClient> conn, EndpointState* ep, uint64_t max_block)
-      : conn_(std::move(conn)), ep_(ep) {
+  EndpointPut(std::shared_ptr<UcxClient> conn, std::shared_ptr<EndpointState> ep,
+              uint64_t max_block)
+      : conn_(std::move(conn)), ep_(std::move(ep)) {
     const auto& info = conn_->server_info();
     max_block_ = std::max<uint64_t>(1, std::min<uint64_t>(max_block, info.max_payload_bytes));
     window_ = std::max<uint64_t>(max_block_, info.max_inflight_bytes / 2);
@@ -107,7 +55,7 @@ class EndpointPut {
     if (put_id_ != 0 && !committed_) conn_->PutAbort(put_id_).IgnoreError();
   }
 
-  EndpointState* endpoint() const { return ep_; }
+  EndpointState* endpoint() const { return ep_.get(); }
   uint64_t max_block() const { return max_block_; }
 
   absl::Status Begin(const wire::PutBegin& begin) {
@@ -172,7 +120,7 @@ class EndpointPut {
 
  private:
   std::shared_ptr<UcxClient> conn_;
-  EndpointState* ep_;
+  std::shared_ptr<EndpointState> ep_;
   KvLayout layout_;
   uint64_t max_block_ = 0;
   uint64_t window_ = 0;
@@ -187,8 +135,12 @@ class EndpointPut {
 class PutStreamImpl : public PutStream {
  public:
   PutStreamImpl(KvLayout layout, uint64_t tokens, std::vector<std::unique_ptr<EndpointPut>> puts,
-                const ClientOptions& options)
-      : layout_(layout), tokens_(tokens), puts_(std::move(puts)), options_(options) {}
+                const ClientOptions& options, std::shared_ptr<Pool> pool)
+      : layout_(layout),
+        tokens_(tokens),
+        puts_(std::move(puts)),
+        options_(options),
+        pool_(std::move(pool)) {}
   ~PutStreamImpl() override { Abort().IgnoreError(); }
 
   absl::Status Append(uint32_t layer, uint64_t token_begin, uint64_t num_tokens,
@@ -245,7 +197,10 @@ class PutStreamImpl : public PutStream {
       auto s = p->Commit();
       if (!s.ok()) {
         if (first_error.ok()) first_error = s.status();
-        if (Retryable(s.status())) p->endpoint()->MarkDown(options_, s.status());
+        if (Retryable(s.status())) {
+          p->endpoint()->MarkDown(options_, s.status());
+          pool_->RefreshSoon();
+        }
         continue;
       }
       r.original_bytes = s->original_bytes;
@@ -278,19 +233,19 @@ class PutStreamImpl : public PutStream {
   const uint64_t tokens_;
   std::vector<std::unique_ptr<EndpointPut>> puts_;
   const ClientOptions options_;
+  const std::shared_ptr<Pool> pool_;
   bool done_ = false;
 };
 
 class ClientImpl : public Client {
  public:
-  ClientImpl(ClientOptions options, std::vector<std::unique_ptr<EndpointState>> endpoints)
-      : options_(std::move(options)), endpoints_(std::move(endpoints)) {
-    for (const auto& e : endpoints_) names_.push_back(e->address().data);
-  }
+  ClientImpl(ClientOptions options, std::shared_ptr<Pool> pool)
+      : options_(std::move(options)), pool_(std::move(pool)) {}
 
   absl::Status ConnectAll() {
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
     absl::Status first;
-    for (auto& e : endpoints_) {
+    for (auto& e : members->states) {
       auto c = e->Connection(options_);
       if (c.ok()) return absl::OkStatus();
       if (!Retryable(c.status())) return c.status();  // refused credentials: say so now
@@ -301,8 +256,9 @@ class ClientImpl : public Client {
 
   std::vector<std::string> Ranking(absl::string_view model_id,
                                    absl::string_view key) const override {
+    std::shared_ptr<const Members> members = pool_->Current();
     std::vector<std::string> out;
-    for (size_t i : Rank(model_id, key)) out.push_back(names_[i]);
+    for (size_t i : Rank(*members, model_id, key)) out.push_back(members->names[i]);
     return out;
   }
 
@@ -344,16 +300,18 @@ class ClientImpl : public Client {
     begin.has_policy = options.policy.has_value();
     if (options.policy) begin.policy = *options.policy;
     begin.block_wise = options.block_wise;
-    const int want = std::max(1, std::min<int>(options_.replicas, endpoints_.size()));
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
+    const int want = std::max(1, std::min<int>(options_.replicas, members->states.size()));
     std::vector<std::unique_ptr<EndpointPut>> puts;
     absl::Status first_error;
     // Walk the key's ranking: the first `want` endpoints that accept the put hold the copies.
-    for (size_t i : Rank(model_id, key)) {
+    for (size_t i : Rank(*members, model_id, key)) {
       if (static_cast<int>(puts.size()) == want) break;
-      EndpointState* ep = endpoints_[i].get();
+      const std::shared_ptr<EndpointState>& ep = members->states[i];
       auto conn = ep->Connection(options_);
       if (!conn.ok()) {
         if (!Retryable(conn.status())) return conn.status();
+        pool_->RefreshSoon();
         if (first_error.ok()) first_error = conn.status();
         continue;
       }
@@ -362,6 +320,7 @@ class ClientImpl : public Client {
       if (!s.ok()) {
         if (!Retryable(s)) return s;  // the daemon refused the put itself: say why
         ep->MarkDown(options_, s);
+        pool_->RefreshSoon();
         if (first_error.ok()) first_error = s;
         continue;
       }
@@ -372,7 +331,7 @@ class ClientImpl : public Client {
                               : first_error;
     }
     return std::unique_ptr<PutStream>(
-        new PutStreamImpl(layout, num_tokens, std::move(puts), options_));
+        new PutStreamImpl(layout, num_tokens, std::move(puts), options_, pool_));
   }
 
   absl::StatusOr<std::string> GetBytes(absl::string_view model_id,
@@ -425,10 +384,11 @@ class ClientImpl : public Client {
 
   absl::Status Delete(absl::string_view model_id, absl::string_view key) override {
     KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
     bool deleted = false;
     absl::Status unreachable;
-    for (size_t i : Rank(model_id, key)) {
-      absl::Status s = WithRetries(*endpoints_[i], [&](UcxClient& c) {
+    for (size_t i : Rank(*members, model_id, key)) {
+      absl::Status s = WithRetries(*members->states[i], [&](UcxClient& c) {
         return c.Delete(model_id, key);
       });
       if (s.ok()) {
@@ -450,7 +410,14 @@ class ClientImpl : public Client {
 
   std::vector<EndpointStats> Stats() override {
     std::vector<EndpointStats> out;
-    for (const auto& e : endpoints_) {
+    absl::StatusOr<std::shared_ptr<const Members>> members = LiveMembers();
+    if (!members.ok()) {
+      EndpointStats s;
+      s.status = members.status();
+      out.push_back(std::move(s));
+      return out;
+    }
+    for (const auto& e : (*members)->states) {
       EndpointStats s;
       s.endpoint = e->address().data;
       if (e->address().control.empty()) {
@@ -483,8 +450,9 @@ class ClientImpl : public Client {
     if (codec == ValueCodec::kRaw) {
       return absl::InvalidArgumentError("calibrate: value codec none needs no projection");
     }
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
     std::vector<CalibrateResult> out;
-    for (const auto& e : endpoints_) {
+    for (const auto& e : members->states) {
       CalibrateResult r;
       if (e->address().control.empty()) {
         r.status = absl::UnimplementedError("no control address configured for this endpoint");
@@ -508,9 +476,20 @@ class ClientImpl : public Client {
     return k.Validate();
   }
 
-  std::vector<size_t> Rank(absl::string_view model_id, absl::string_view key) const {
+  std::vector<size_t> Rank(const Members& members, absl::string_view model_id,
+                           absl::string_view key) const {
     CacheKey k{options_.tenant, std::string(model_id), std::string(key)};
-    return RendezvousRank(names_, k.Encode());
+    return RendezvousRank(members.names, k.Encode());
+  }
+
+  // The current members; Unavailable (saying why) when the pool has none.
+  absl::StatusOr<std::shared_ptr<const Members>> LiveMembers() const {
+    std::shared_ptr<const Members> members = pool_->Current();
+    if (members->states.empty()) {
+      pool_->RefreshSoon();
+      return members->empty_reason;
+    }
+    return members;
   }
 
   // Runs `fn` on one endpoint's connection, retrying retryable failures with backoff.
@@ -527,12 +506,16 @@ class ClientImpl : public Client {
       if (!conn.ok()) {
         result = conn.status();
         if (!Retryable(conn.status())) return result;
+        pool_->RefreshSoon();
         continue;
       }
       result = fn(**conn);
       absl::Status s = StatusOf(result);
       if (s.ok() || !(Retryable(s) || IsBusy(s))) return result;
-      if (!(*conn)->connected()) ep.MarkDown(options_, s);
+      if (!(*conn)->connected()) {
+        ep.MarkDown(options_, s);
+        pool_->RefreshSoon();
+      }
     }
     return result;
   }
@@ -548,11 +531,12 @@ class ClientImpl : public Client {
   absl::StatusOr<T> OnRanking(absl::string_view model_id, absl::string_view key, Fn fn,
                               std::string* answered = nullptr) {
     KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
     absl::Status unreachable;
-    for (size_t i : Rank(model_id, key)) {
-      absl::StatusOr<T> r = WithRetries(*endpoints_[i], fn);
+    for (size_t i : Rank(*members, model_id, key)) {
+      absl::StatusOr<T> r = WithRetries(*members->states[i], fn);
       if (r.ok()) {
-        if (answered != nullptr) *answered = names_[i];
+        if (answered != nullptr) *answered = members->names[i];
         return r;
       }
       if (absl::IsNotFound(r.status())) continue;
@@ -577,8 +561,7 @@ class ClientImpl : public Client {
   }
 
   const ClientOptions options_;
-  std::vector<std::unique_ptr<EndpointState>> endpoints_;
-  std::vector<std::string> names_;
+  const std::shared_ptr<Pool> pool_;
 };
 
 }  // namespace
@@ -614,20 +597,23 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::vector<std::s
   if (options.max_block_bytes < 4096) {
     return absl::InvalidArgumentError("max_block_bytes must be at least 4096");
   }
+  if (options.dns_refresh_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("dns_refresh_interval must not be negative");
+  }
   CacheKey probe{options.tenant, "m", "k"};
   KVCOMP_RETURN_IF_ERROR(probe.Validate());
-  std::vector<std::unique_ptr<EndpointState>> states;
+  std::unique_ptr<Resolver> resolver;
   for (const std::string& text : endpoints) {
-    KVCOMP_ASSIGN_OR_RETURN(EndpointAddress a, EndpointAddress::Parse(text));
-    for (const auto& s : states) {
-      if (s->address().data == a.data) {
-        return absl::InvalidArgumentError(absl::StrCat("endpoint ", a.data, " listed twice"));
-      }
-    }
-    KVCOMP_ASSIGN_OR_RETURN(transport::Endpoint data, transport::Endpoint::Parse(a.data));
-    states.push_back(std::make_unique<EndpointState>(std::move(a), std::move(data)));
+    KVCOMP_ASSIGN_OR_RETURN(std::optional<DnsEndpoint> dns, ParseDnsEndpoint(text));
+    if (!dns.has_value() || resolver != nullptr) continue;
+    ResolverOptions ro;
+    ro.servers = options.dns_server;
+    ro.timeout = std::max(options.connect_timeout, absl::Milliseconds(100));
+    KVCOMP_ASSIGN_OR_RETURN(resolver, NewAresResolver(ro));
   }
-  auto client = std::make_unique<ClientImpl>(options, std::move(states));
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool,
+                          Pool::Create(endpoints, options, std::move(resolver)));
+  auto client = std::make_unique<ClientImpl>(options, std::move(pool));
   if (connect_now) KVCOMP_RETURN_IF_ERROR(client->ConnectAll());
   return std::unique_ptr<Client>(std::move(client));
 }

@@ -11,7 +11,10 @@
     kvcomp.attention(q, cache, layer=0)
 
 Endpoints are "host:port" (UCX data port) or "host:port,host:port" (data, then Thrift control,
-which stats() needs). Keys are str (UTF-8) or bytes. Several endpoints are sharded by rendezvous
+which stats() needs), or "dns:///name:port[,control_port]" for every address of a DNS name (a
+headless Service), resolved again every dns_refresh_interval seconds and after a member fails;
+dns_server ("ip[:port]") picks the DNS server. With no endpoints, KVCOMP_ENDPOINTS (space-separated)
+gives them. Keys are str (UTF-8) or bytes. Several endpoints are sharded by rendezvous
 hashing; replicas > 1 keeps copies on distinct endpoints, with reads failing over between them.
 
 Arrays are NumPy-like in host memory, C-contiguous (non-contiguous arrays raise ValueError;
@@ -25,6 +28,7 @@ ConnectionError (no endpoint reachable), TimeoutError, MemoryError (quota), Runt
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _kvcomp
@@ -105,10 +109,15 @@ class PutStream:
 class Client:
     """A connection to one or more kvcompd instances (thread-safe; share it)."""
 
-    def __init__(self, endpoints: Union[str, Sequence[str]], *, tenant: str = "",
+    def __init__(self, endpoints: Union[str, Sequence[str], None] = None, *, tenant: str = "",
                  token: str = "", replicas: int = 1, connect_timeout: float = 5.0,
                  timeout: float = 60.0, max_block_bytes: int = 8 << 20,
-                 ucx: Optional[Dict[str, str]] = None, connect: bool = True):
+                 ucx: Optional[Dict[str, str]] = None, connect: bool = True,
+                 dns_server: str = "", dns_refresh_interval: float = 5.0):
+        if endpoints is None:
+            endpoints = os.environ.get("KVCOMP_ENDPOINTS", "").split()
+            if not endpoints:
+                raise ValueError("no endpoints given and KVCOMP_ENDPOINTS is not set")
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         self.endpoints = list(endpoints)
@@ -116,7 +125,8 @@ class Client:
             self.endpoints, tenant=tenant, token=token, replicas=replicas,
             connect_timeout=connect_timeout, request_timeout=timeout,
             max_block_bytes=max_block_bytes, ucx=sorted((ucx or {}).items()),
-            connect_now=connect)
+            connect_now=connect, dns_server=dns_server,
+            dns_refresh_interval=dns_refresh_interval)
 
     def put(self, model: str, key: Key, keys: Any, values: Any, *, policy: Any = None,
             num_q_heads: Optional[int] = None) -> Dict[str, Any]:

@@ -169,7 +169,8 @@ void RegisterClient(nb::module_& m) {
           [](const std::vector<std::string>& endpoints, const std::string& tenant,
              const std::string& token, int replicas, double connect_timeout,
              double request_timeout, uint64_t max_block_bytes,
-             const std::vector<std::pair<std::string, std::string>>& ucx, bool connect_now) {
+             const std::vector<std::pair<std::string, std::string>>& ucx, bool connect_now,
+             const std::string& dns_server, double dns_refresh_interval) {
             client::ClientOptions o;
             o.tenant = tenant;
             o.token = token;
@@ -181,6 +182,11 @@ void RegisterClient(nb::module_& m) {
             o.request_timeout = absl::Seconds(request_timeout);
             o.max_block_bytes = max_block_bytes;
             o.ucx_overrides = ucx;
+            o.dns_server = dns_server;
+            if (!(dns_refresh_interval >= 0)) {
+              Raise(absl::InvalidArgumentError("dns_refresh_interval must be seconds >= 0"));
+            }
+            o.dns_refresh_interval = absl::Seconds(dns_refresh_interval);
             absl::StatusOr<std::unique_ptr<Client>> c;
             {
               nb::gil_scoped_release release;
@@ -192,7 +198,8 @@ void RegisterClient(nb::module_& m) {
           nb::arg("replicas") = 1, nb::arg("connect_timeout") = 5.0,
           nb::arg("request_timeout") = 60.0, nb::arg("max_block_bytes") = uint64_t{8} << 20,
           nb::arg("ucx") = std::vector<std::pair<std::string, std::string>>{},
-          nb::arg("connect_now") = true, nb::rv_policy::take_ownership)
+          nb::arg("connect_now") = true, nb::arg("dns_server") = "",
+          nb::arg("dns_refresh_interval") = 5.0, nb::rv_policy::take_ownership)
       .def(
           "put",
           [](Client& c, const std::string& model, nb::bytes key, const AnyArray& keys,

@@ -8,6 +8,16 @@
 // reads try the ranking in order, so a cache stays readable while any copy's endpoint is up.
 // An endpoint that fails is skipped for `down_for` and then tried again.
 //
+// Pools found through DNS: an endpoint "dns:///NAME:DATA_PORT[,CONTROL_PORT]" stands for every
+// address NAME resolves to (IPv4 and IPv6), each a kvcompd listening on those ports -- the
+// chart's headless Service has one record per ready daemon. Names are resolved at Connect,
+// every `dns_refresh_interval`, and soon after a connection to a member fails, so daemons that
+// join or leave are used or dropped without restarting the client. Members are ranked by their
+// data address ("10.0.0.7:7420"), so only the keys that a joining or leaving member ranks
+// first move. A DNS server that does not answer leaves the last known members in place; a name
+// that the DNS says has no address leaves no members, and calls then fail with Unavailable
+// saying so until it has some again.
+//
 // Threads: every method is thread-safe; a Client may be shared by all threads of a process.
 // A PutStream belongs to one thread at a time.
 //
@@ -69,6 +79,13 @@ struct ClientOptions {
   uint64_t max_block_bytes = uint64_t{8} << 20;
   // UCX transport settings (UCX_TLS and so on) for this client's workers; empty: environment.
   std::vector<std::pair<std::string, std::string>> ucx_overrides;
+  // DNS servers that resolve "dns:///" endpoints: "ip[:port]" or "[ipv6]:port", comma-separated
+  // (e.g. "127.0.0.1:5353"). Empty (default): the system's, from /etc/resolv.conf, whose search
+  // domains apply either way; /etc/hosts is read first either way.
+  std::string dns_server;
+  // How often "dns:///" endpoints are resolved again. Zero: only at Connect and after a member
+  // fails. Default 5 s (the TTL Kubernetes' DNS gives a headless Service's records).
+  absl::Duration dns_refresh_interval = absl::Seconds(5);
 };
 
 // One layer's K (or V) in host memory: [num_kv_heads, num_tokens, head_dim], dense, of the
@@ -155,9 +172,11 @@ class PutStream {
 class Client {
  public:
   // Validates the options and endpoints and connects lazily (the first request to each
-  // endpoint connects). InvalidArgument for malformed addresses or options. With
-  // `connect_now`, also connects to every endpoint and fails with the first endpoint's error
-  // when none can be reached.
+  // endpoint connects). Each endpoint is "host:port[,control_host:port]" or
+  // "dns:///NAME:DATA_PORT[,CONTROL_PORT]"; the two kinds may be mixed. InvalidArgument for
+  // malformed addresses or options (a malformed dns_server included). With `connect_now`, also
+  // connects to the endpoints until one answers, and fails with the first endpoint's error when
+  // none can be reached, or with Unavailable when the DNS names resolve to no address.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
       const std::vector<std::string>& endpoints, const ClientOptions& options = {},
       bool connect_now = true);
@@ -203,7 +222,8 @@ class Client {
   virtual absl::StatusOr<std::vector<CalibrateResult>> Calibrate(
       absl::string_view model_id, const CalibrateOptions& options) = 0;
 
-  // The endpoints in the order a key's reads and writes try them (rendezvous ranking).
+  // The endpoints in the order a key's reads and writes try them (rendezvous ranking over the
+  // current members: empty while a DNS pool has none).
   virtual std::vector<std::string> Ranking(absl::string_view model_id,
                                            absl::string_view key) const = 0;
 };
