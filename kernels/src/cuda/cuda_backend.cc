@@ -153,6 +153,7 @@ class CudaBackend final : public Backend {
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return absl::OkStatus();
   }
+  void* native_stream() const override { return ctx_.stream; }
 
  private:
   CudaContext ctx_;

@@ -48,6 +48,9 @@ class Backend {
   virtual absl::Status CopyFromHost(void* dst, const void* host_src, size_t bytes) = 0;
   // Waits for every op issued so far (no-op on the CPU). Reports asynchronous device errors.
   virtual absl::Status Synchronize() = 0;
+  // The CUDA stream every op is ordered on (a cudaStream_t), for code that launches its own
+  // kernels in order with the backend's; nullptr on the CPU.
+  virtual void* native_stream() const { return nullptr; }
 };
 
 struct CpuBackendOptions {
