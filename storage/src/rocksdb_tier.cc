@@ -1,5 +1,8 @@
 #include "rocksdb_tier.h"
 
+#include <sys/statvfs.h>
+
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -16,6 +19,7 @@
 #include "rocksdb/db.h"
 #include "rocksdb/listener.h"
 #include "rocksdb/options.h"
+#include "rocksdb/sst_file_manager.h"
 #include "rocksdb/table.h"
 #include "rocksdb/write_batch.h"
 
@@ -138,41 +142,110 @@ absl::Status FromRocksDb(const rocksdb::Status& s, absl::string_view context) {
   return absl::InternalError(msg);
 }
 
-RocksDbTier::RocksDbTier(const RocksDbTierOptions& options) : capacity_(options.capacity_bytes) {}
+struct RocksDbTier::Db {
+  std::unique_ptr<rocksdb::DB> db;
+  std::shared_ptr<rocksdb::SstFileManager> sst_files;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;  // default, meta, payload, calib, quar.
+  rocksdb::ColumnFamilyHandle* meta = nullptr;
+  rocksdb::ColumnFamilyHandle* payload = nullptr;
+  rocksdb::ColumnFamilyHandle* calibration = nullptr;
+  rocksdb::ColumnFamilyHandle* quarantine = nullptr;
+  bool read_only = false;
 
-RocksDbTier::~RocksDbTier() {
-  if (db_ != nullptr) {
-    for (auto* h : handles_) db_->DestroyColumnFamilyHandle(h).PermitUncheckedError();
-    db_->Close().PermitUncheckedError();
+  ~Db() {
+    if (db == nullptr) return;
+    for (auto* h : handles) db->DestroyColumnFamilyHandle(h).PermitUncheckedError();
+    db->Close().PermitUncheckedError();
   }
+};
+
+namespace {
+
+uint64_t FreeBytesUnder(const std::string& path) {
+  struct statvfs sv;
+  if (statvfs(path.c_str(), &sv) != 0) return UINT64_MAX;  // not measurable: RocksDB reports
+  return uint64_t{sv.f_bavail} * sv.f_frsize;
 }
 
-absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTierOptions& o) {
-  if (o.path.empty()) return absl::InvalidArgumentError("rocksdb tier: path is empty");
-  if (o.capacity_bytes == 0) {
-    return absl::InvalidArgumentError("rocksdb tier: capacity_bytes must be > 0");
-  }
-  if (o.create_if_missing && o.env == nullptr) {
-    std::error_code ec;
-    std::filesystem::create_directories(o.path, ec);  // RocksDB makes only the last level
-    if (ec) {
-      return absl::UnavailableError(
-          absl::StrCat("rocksdb tier: cannot create ", o.path, ": ", ec.message()));
+// Bytes of the write-ahead log files under `path` (what a read-write open flushes).
+uint64_t WalBytesUnder(const std::string& path) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& f : std::filesystem::directory_iterator(path, ec)) {
+    if (f.path().extension() == ".log") {
+      std::error_code size_ec;
+      const uintmax_t n = f.file_size(size_ec);
+      if (!size_ec) total += n;
     }
   }
+  return total;
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+RocksDbTier::RocksDbTier(const RocksDbTierOptions& options)
+    : options_(options),
+      capacity_(options.capacity_bytes),
+      reserve_(options.reserve_bytes),
+      max_space_(options.max_space_bytes != 0 ? options.max_space_bytes
+                                              : 2 * options.capacity_bytes + (1ull << 30)) {}
+
+RocksDbTier::~RocksDbTier() = default;
+
+std::shared_ptr<RocksDbTier::Db> RocksDbTier::db() const { return std::atomic_load(&db_); }
+
+bool RocksDbTier::read_only() const { return db()->read_only; }
+
+std::string RocksDbTier::read_only_reason() const {
+  ReaderLock lock(&reopen_mu_);
+  return db()->read_only ? read_only_reason_ : std::string();
+}
+
+uint64_t RocksDbTier::free_bytes() const {
+  const uint64_t free = FreeBytesUnder(options_.path);
+  return free == UINT64_MAX ? 0 : free;
+}
+
+uint64_t RocksDbTier::BytesToOpenWritable() const {
+  return reserve_ + WalBytesUnder(options_.path);
+}
+
+absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
+    const RocksDbTierOptions& o, const std::shared_ptr<rocksdb::Cache>& block_cache,
+    bool read_only) {
   rocksdb::DBOptions db_options;
   db_options.create_if_missing = o.create_if_missing;
   db_options.create_missing_column_families = o.create_if_missing;
   db_options.max_background_jobs = o.max_background_jobs;
   db_options.bgerror_resume_retry_interval = 100000;  // us: retry after a write error quickly
+  // Space is admitted against statvfs; preallocated (fallocate'd) WAL and table files would make
+  // the measured free space lie, and fail outright on a small volume.
+  db_options.allow_fallocate = false;
   if (o.env != nullptr) db_options.env = o.env;
   db_options.listeners.push_back(std::make_shared<ManualRecovery>());
+  auto db = std::make_shared<Db>();
+  db->read_only = read_only;
+  if (!read_only) {
+    rocksdb::Status sfm_status;
+    db->sst_files.reset(rocksdb::NewSstFileManager(db_options.env, nullptr, "", 0, true,
+                                                   &sfm_status));
+    if (!sfm_status.ok()) return FromRocksDb(sfm_status, "rocksdb tier: sst file manager");
+    db->sst_files->SetMaxAllowedSpaceUsage(
+        o.max_space_bytes != 0 ? o.max_space_bytes : 2 * o.capacity_bytes + (1ull << 30));
+    db->sst_files->SetCompactionBufferSize(o.reserve_bytes);
+    db_options.sst_file_manager = db->sst_files;
+  }
 
   rocksdb::ColumnFamilyOptions base;
   base.compression = rocksdb::kNoCompression;
   base.write_buffer_size = o.write_buffer_bytes;
   rocksdb::BlockBasedTableOptions table;
-  std::shared_ptr<rocksdb::Cache> block_cache = rocksdb::NewLRUCache(o.block_cache_bytes);
   table.block_cache = block_cache;
   base.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
   rocksdb::ColumnFamilyOptions payload = base;
@@ -188,20 +261,70 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
       {"calibration", base},
       {"quarantine", base},
   };
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s =
+      read_only ? rocksdb::DB::OpenForReadOnly(db_options, o.path, cfs, &db->handles, &raw)
+                : rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
+  if (!s.ok()) {
+    return FromRocksDb(s, absl::StrCat("rocksdb tier: open ", o.path,
+                                       read_only ? " read-only" : ""));
+  }
+  db->db.reset(raw);
+  db->meta = db->handles[1];
+  db->payload = db->handles[2];
+  db->calibration = db->handles[3];
+  db->quarantine = db->handles[4];
+  return db;
+}
+
+absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTierOptions& o) {
+  if (o.path.empty()) return absl::InvalidArgumentError("rocksdb tier: path is empty");
+  if (o.capacity_bytes == 0) {
+    return absl::InvalidArgumentError("rocksdb tier: capacity_bytes must be > 0");
+  }
+  if (o.create_if_missing && o.env == nullptr) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.path, ec);  // RocksDB makes only the last level
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("rocksdb tier: cannot create ", o.path, ": ", ec.message()));
+    }
+  }
   std::unique_ptr<RocksDbTier> tier(new RocksDbTier(o));
-  rocksdb::DB* db = nullptr;
-  rocksdb::Status s = rocksdb::DB::Open(db_options, o.path, cfs, &tier->handles_, &db);
-  if (!s.ok()) return FromRocksDb(s, absl::StrCat("rocksdb tier: open ", o.path));
-  tier->db_.reset(db);
-  tier->block_cache_ = std::move(block_cache);
-  tier->meta_ = tier->handles_[1];
-  tier->payload_ = tier->handles_[2];
-  tier->calibration_ = tier->handles_[3];
-  tier->quarantine_ = tier->handles_[4];
+  tier->block_cache_ = rocksdb::NewLRUCache(o.block_cache_bytes);
+  // A read-write open replays the WAL into new table files and writes a new manifest, WAL and
+  // options file: on a disk without room for them it would fail, or abort inside RocksDB. Then
+  // the database opens read-only, and writes wait for space.
+  const uint64_t free = FreeBytesUnder(o.path);
+  const uint64_t needed = tier->BytesToOpenWritable();
+  std::string reason;
+  absl::StatusOr<std::shared_ptr<Db>> db = absl::UnavailableError("not opened");
+  const bool exists = std::filesystem::exists(std::filesystem::path(o.path) / "CURRENT");
+  if (exists && free < needed) {
+    reason = absl::StrCat("disk full at open: ", free, " bytes free under ", o.path, ", ", needed,
+                          " needed to open read-write (reserve ", o.reserve_bytes,
+                          " plus the write-ahead log)");
+  } else {
+    db = OpenDb(o, tier->block_cache_, /*read_only=*/false);
+    // Only for lack of space: a database locked by another process must not be served stale.
+    if (!db.ok() && exists && absl::IsResourceExhausted(db.status())) {
+      reason = absl::StrCat("read-write open failed: ", db.status().message());
+    }
+  }
+  if (!reason.empty()) {
+    db = OpenDb(o, tier->block_cache_, /*read_only=*/true);
+    if (db.ok()) {
+      WriterLock lock(&tier->reopen_mu_);
+      tier->read_only_reason_ = reason;
+      tier->last_reopen_ms_ = NowMs();
+    }
+  }
+  if (!db.ok()) return db.status();
+  tier->db_ = *std::move(db);
 
   // Sizes for accounting come from the meta records (small); payloads are checked by Recover.
-  std::unique_ptr<rocksdb::Iterator> it(
-      tier->db_->NewIterator(rocksdb::ReadOptions(), tier->meta_));
+  const Db& d = *tier->db_;
+  std::unique_ptr<rocksdb::Iterator> it(d.db->NewIterator(rocksdb::ReadOptions(), d.meta));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     auto meta = DecodeMeta(absl::string_view(it->value().data(), it->value().size()));
     const uint64_t n = meta.ok() ? meta->stored_bytes : 0;
@@ -216,19 +339,82 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
   return tier;
 }
 
+bool RocksDbTier::TryReopenWritable() {
+  if (!db()->read_only) return true;
+  const int64_t now = NowMs();
+  int64_t last = last_reopen_ms_.load();
+  if (now - last < 1000 || !last_reopen_ms_.compare_exchange_strong(last, now)) return false;
+  WriterLock lock(&reopen_mu_);
+  if (!db()->read_only) return true;
+  const uint64_t free = FreeBytesUnder(options_.path);
+  const uint64_t needed = BytesToOpenWritable();
+  if (free < needed) {
+    read_only_reason_ = absl::StrCat("disk full: ", free, " bytes free under ", options_.path,
+                                     ", ", needed, " needed to reopen read-write");
+    return false;
+  }
+  auto writable = OpenDb(options_, block_cache_, /*read_only=*/false);
+  if (!writable.ok()) {
+    read_only_reason_ = absl::StrCat("reopen read-write failed: ", writable.status().message());
+    return false;
+  }
+  std::atomic_store(&db_, *std::move(writable));
+  read_only_reason_.clear();
+  needs_resume_.store(false);
+  return true;
+}
+
 SharedMutex& RocksDbTier::StripeOf(absl::string_view key) {
   return stripes_[absl::Hash<absl::string_view>()(key) % kStripes].mu;
 }
 
-absl::Status RocksDbTier::Write(void* batch, bool sync, absl::string_view what) {
+absl::Status RocksDbTier::AdmitWrite(Db& db, uint64_t bytes, WriteKind kind) const {
+  const uint64_t free = FreeBytesUnder(options_.path);
+  if (free == UINT64_MAX) return absl::OkStatus();
+  uint64_t unflushed = 0;
+  if (kind == WriteKind::kAdds) {
+    db.db->GetAggregatedIntProperty(rocksdb::DB::Properties::kCurSizeAllMemTables, &unflushed);
+  }
+  // Adds: the bytes go to the WAL now and to table or blob files at the flush, which also writes
+  // what the memtables hold already. Removes need little; they keep half the reserve.
+  const uint64_t needed =
+      kind == WriteKind::kAdds ? 2 * bytes + unflushed + reserve_ : bytes + reserve_ / 2;
+  if (free < needed) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "disk full: ", free, " bytes free under ", options_.path, ", ", needed,
+        " needed (write of ", bytes, ", unflushed ", unflushed, ", reserve ", reserve_,
+        "); writes resume when space returns"));
+  }
+  if (kind == WriteKind::kAdds && db.sst_files != nullptr &&
+      db.sst_files->GetTotalSize() + 2 * bytes + unflushed > max_space_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "disk full: RocksDB files hold ", db.sst_files->GetTotalSize(), " bytes of their bound ",
+        max_space_, "; writes resume once compaction reclaims space"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RocksDbTier::Write(void* batch_ptr, bool sync, absl::string_view what,
+                                WriteKind kind) {
+  auto* batch = static_cast<rocksdb::WriteBatch*>(batch_ptr);
+  std::shared_ptr<Db> db = this->db();
+  if (db->read_only) {
+    if (!TryReopenWritable()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("disk full: rocksdb tier: ", what, " refused, the database is open "
+                       "read-only (", read_only_reason(), "); writes resume when space returns"));
+    }
+    db = this->db();
+  }
+  KVCOMP_RETURN_IF_ERROR(AdmitWrite(*db, batch->GetDataSize(), kind));
   if (needs_resume_.load()) {
     // A write failed earlier (e.g. disk full) and RocksDB stopped writes. Ask it to go on; Busy
     // means its own recovery is running, and the write below tells whether it is done.
-    if (db_->Resume().ok()) needs_resume_.store(false);
+    if (db->db->Resume().ok()) needs_resume_.store(false);
   }
   rocksdb::WriteOptions wo;
   wo.sync = sync;
-  rocksdb::Status s = db_->Write(wo, static_cast<rocksdb::WriteBatch*>(batch));
+  rocksdb::Status s = db->db->Write(wo, batch);
   if (!s.ok()) {
     needs_resume_.store(true);
     return FromRocksDb(s, absl::StrCat("rocksdb tier: ", what));
@@ -248,14 +434,15 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
     return absl::ResourceExhaustedError(absl::StrCat("rocksdb tier: ", n, " bytes do not fit (",
                                                      used, " of ", capacity_, " used)"));
   }
+  std::shared_ptr<Db> db = this->db();
   CacheMeta m = meta;
   m.tier = TierKind::kRocksDb;
   m.stored_bytes = n;
   rocksdb::WriteBatch batch;
-  rocksdb::Status s = batch.Put(meta_, ToSlice(key), EncodeMeta(m));
-  if (s.ok()) s = batch.Put(payload_, ToSlice(key), ToSlice(payload.view()));
+  rocksdb::Status s = batch.Put(db->meta, ToSlice(key), EncodeMeta(m));
+  if (s.ok()) s = batch.Put(db->payload, ToSlice(key), ToSlice(payload.view()));
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
-  KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "put"));
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "put", WriteKind::kAdds));
   if (it == st.sizes.end()) {
     st.sizes.emplace(std::string(key), n);
     entries_ += 1;
@@ -267,7 +454,9 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
   return absl::OkStatus();
 }
 
-absl::StatusOr<Payload> RocksDbTier::Get(absl::string_view key) {
+absl::StatusOr<Payload> RocksDbTier::Get(absl::string_view key) { return GetFrom(*db(), key); }
+
+absl::StatusOr<Payload> RocksDbTier::GetFrom(Db& db, absl::string_view key) {
   // The payload shares RocksDB's pinned buffer (block cache or blob read) instead of copying it.
   // A pinned block-cache entry is released into the cache, which the holder keeps alive, so the
   // payload may outlive the store.
@@ -277,7 +466,7 @@ absl::StatusOr<Payload> RocksDbTier::Get(absl::string_view key) {
   };
   auto value = std::make_shared<Pinned>();
   value->cache = block_cache_;
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), payload_, ToSlice(key), &value->slice);
+  rocksdb::Status s = db.db->Get(rocksdb::ReadOptions(), db.payload, ToSlice(key), &value->slice);
   if (s.IsNotFound()) return absl::NotFoundError("rocksdb tier: no such key");
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: get"));
   const size_t n = value->slice.size();
@@ -286,8 +475,9 @@ absl::StatusOr<Payload> RocksDbTier::Get(absl::string_view key) {
 }
 
 absl::StatusOr<CacheMeta> RocksDbTier::GetMeta(absl::string_view key) {
+  std::shared_ptr<Db> db = this->db();
   std::string value;
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta_, ToSlice(key), &value);
+  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->meta, ToSlice(key), &value);
   if (s.IsNotFound()) return absl::NotFoundError("rocksdb tier: no such key");
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: get meta"));
   return DecodeMeta(value);
@@ -296,11 +486,12 @@ absl::StatusOr<CacheMeta> RocksDbTier::GetMeta(absl::string_view key) {
 absl::Status RocksDbTier::Delete(absl::string_view key, bool sync) {
   Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
   WriterLock lock(&st.mu);
+  std::shared_ptr<Db> db = this->db();
   rocksdb::WriteBatch batch;
-  rocksdb::Status s = batch.Delete(meta_, ToSlice(key));
-  if (s.ok()) s = batch.Delete(payload_, ToSlice(key));
+  rocksdb::Status s = batch.Delete(db->meta, ToSlice(key));
+  if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
-  KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete"));
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete", WriteKind::kRemoves));
   auto it = st.sizes.find(key);
   if (it != st.sizes.end()) {
     used_ -= it->second;
@@ -312,13 +503,14 @@ absl::Status RocksDbTier::Delete(absl::string_view key, bool sync) {
 
 absl::Status RocksDbTier::DeleteMany(const std::vector<std::string>& keys, bool sync) {
   if (keys.empty()) return absl::OkStatus();
+  std::shared_ptr<Db> db = this->db();
   rocksdb::WriteBatch batch;
   for (const std::string& key : keys) {
-    rocksdb::Status s = batch.Delete(meta_, ToSlice(key));
-    if (s.ok()) s = batch.Delete(payload_, ToSlice(key));
+    rocksdb::Status s = batch.Delete(db->meta, ToSlice(key));
+    if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
     KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
   }
-  KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete"));
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete", WriteKind::kRemoves));
   for (const std::string& key : keys) {
     Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
     WriterLock lock(&st.mu);
@@ -335,9 +527,10 @@ absl::Status RocksDbTier::DeleteMany(const std::vector<std::string>& keys, bool 
 absl::Status RocksDbTier::Recover(
     bool verify, const std::function<void(absl::string_view, const CacheMeta&)>& fn,
     std::vector<QuarantinedCache>* quarantined) {
+  std::shared_ptr<Db> db = this->db();
   std::vector<std::pair<std::string, std::string>> bad;
   {
-    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), meta_));
+    std::unique_ptr<rocksdb::Iterator> it(db->db->NewIterator(rocksdb::ReadOptions(), db->meta));
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
       const absl::string_view key(it->key().data(), it->key().size());
       auto meta = DecodeMeta(absl::string_view(it->value().data(), it->value().size()));
@@ -346,7 +539,7 @@ absl::Status RocksDbTier::Recover(
         continue;
       }
       if (verify) {
-        auto payload = Get(key);
+        auto payload = GetFrom(*db, key);
         if (!payload.ok()) {
           bad.emplace_back(std::string(key),
                            absl::StrCat("payload unreadable: ", payload.status().ToString()));
@@ -363,30 +556,32 @@ absl::Status RocksDbTier::Recover(
     KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: recover"));
   }
   for (auto& [key, reason] : bad) {
-    KVCOMP_RETURN_IF_ERROR(Quarantine(key, reason));
+    // Read-only: the entry stays where it is (never served) until a writable open moves it.
+    if (!db->read_only) KVCOMP_RETURN_IF_ERROR(Quarantine(key, reason));
     if (quarantined != nullptr) quarantined->push_back({key, reason});
   }
   return absl::OkStatus();
 }
 
 absl::Status RocksDbTier::Quarantine(absl::string_view key, absl::string_view reason) {
+  std::shared_ptr<Db> db = this->db();
   Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
   WriterLock lock(&st.mu);
   WriterLock quarantine_lock(&quarantine_mu_);
   std::string meta, payload;
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta_, ToSlice(key), &meta);
+  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->meta, ToSlice(key), &meta);
   if (!s.ok() && !s.IsNotFound()) return FromRocksDb(s, "rocksdb tier: quarantine");
-  s = db_->Get(rocksdb::ReadOptions(), payload_, ToSlice(key), &payload);
+  s = db->db->Get(rocksdb::ReadOptions(), db->payload, ToSlice(key), &payload);
   if (!s.ok() && !s.IsNotFound()) return FromRocksDb(s, "rocksdb tier: quarantine");
   rocksdb::WriteBatch batch;
   auto qkey = [&](char tag) { return std::string(1, tag) + std::string(key); };
-  s = batch.Put(quarantine_, qkey(kQuarantineReason), ToSlice(reason));
-  if (s.ok()) s = batch.Put(quarantine_, qkey(kQuarantineMeta), meta);
-  if (s.ok()) s = batch.Put(quarantine_, qkey(kQuarantinePayload), payload);
-  if (s.ok()) s = batch.Delete(meta_, ToSlice(key));
-  if (s.ok()) s = batch.Delete(payload_, ToSlice(key));
+  s = batch.Put(db->quarantine, qkey(kQuarantineReason), ToSlice(reason));
+  if (s.ok()) s = batch.Put(db->quarantine, qkey(kQuarantineMeta), meta);
+  if (s.ok()) s = batch.Put(db->quarantine, qkey(kQuarantinePayload), payload);
+  if (s.ok()) s = batch.Delete(db->meta, ToSlice(key));
+  if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
-  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "quarantine"));
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "quarantine", WriteKind::kAdds));
   auto it = st.sizes.find(key);
   if (it != st.sizes.end()) {
     used_ -= it->second;
@@ -397,8 +592,9 @@ absl::Status RocksDbTier::Quarantine(absl::string_view key, absl::string_view re
 }
 
 absl::StatusOr<std::vector<QuarantinedCache>> RocksDbTier::ListQuarantine() {
+  std::shared_ptr<Db> db = this->db();
   std::vector<QuarantinedCache> out;
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), quarantine_));
+  std::unique_ptr<rocksdb::Iterator> it(db->db->NewIterator(rocksdb::ReadOptions(), db->quarantine));
   const std::string prefix(1, kQuarantineReason);
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     out.push_back(
@@ -409,36 +605,38 @@ absl::StatusOr<std::vector<QuarantinedCache>> RocksDbTier::ListQuarantine() {
 }
 
 absl::StatusOr<bool> RocksDbTier::PurgeQuarantine(absl::string_view key) {
+  std::shared_ptr<Db> db = this->db();
   WriterLock lock(&quarantine_mu_);
   const std::string reason_key = std::string(1, kQuarantineReason) + std::string(key);
   std::string reason;
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), quarantine_, reason_key, &reason);
+  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->quarantine, reason_key, &reason);
   if (s.IsNotFound()) return false;
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: purge quarantine"));
   rocksdb::WriteBatch batch;
   for (char tag : {kQuarantineReason, kQuarantineMeta, kQuarantinePayload}) {
     KVCOMP_RETURN_IF_ERROR(FromRocksDb(
-        batch.Delete(quarantine_, std::string(1, tag) + std::string(key)), "rocksdb tier: batch"));
+        batch.Delete(db->quarantine, std::string(1, tag) + std::string(key)), "rocksdb tier: batch"));
   }
-  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "purge quarantine"));
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "purge quarantine", WriteKind::kRemoves));
   return true;
 }
 
 absl::StatusOr<std::vector<std::string>> RocksDbTier::PurgeAllQuarantine() {
+  std::shared_ptr<Db> db = this->db();
   WriterLock lock(&quarantine_mu_);
   rocksdb::WriteBatch batch;
   std::vector<std::string> keys;
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), quarantine_));
+  std::unique_ptr<rocksdb::Iterator> it(db->db->NewIterator(rocksdb::ReadOptions(), db->quarantine));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     if (!it->key().empty() && it->key()[0] == kQuarantineReason) {
       keys.emplace_back(it->key().data() + 1, it->key().size() - 1);
     }
     KVCOMP_RETURN_IF_ERROR(
-        FromRocksDb(batch.Delete(quarantine_, it->key()), "rocksdb tier: batch"));
+        FromRocksDb(batch.Delete(db->quarantine, it->key()), "rocksdb tier: batch"));
   }
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: purge quarantine"));
   if (batch.Count() == 0) return keys;
-  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "purge quarantine"));
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "purge quarantine", WriteKind::kRemoves));
   return keys;
 }
 
@@ -455,11 +653,12 @@ absl::Status ValidateProjectionKey(const ProjectionKey& key) {
 }  // namespace
 
 absl::Status RocksDbTier::PutProjection(const ProjectionKey& key, absl::string_view bytes) {
+  std::shared_ptr<Db> db = this->db();
   KVCOMP_RETURN_IF_ERROR(ValidateProjectionKey(key));
   const std::string k = EncodeProjectionKey(key);
   WriterLock lock(&calibration_mu_);
   std::string existing;
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), calibration_, k, &existing);
+  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->calibration, k, &existing);
   if (s.ok()) {
     if (existing == bytes) return absl::OkStatus();
     return absl::AlreadyExistsError(absl::StrCat("projection ", key.model_id, " layer ", key.layer,
@@ -468,15 +667,16 @@ absl::Status RocksDbTier::PutProjection(const ProjectionKey& key, absl::string_v
   }
   if (!s.IsNotFound()) return FromRocksDb(s, "projection: read");
   rocksdb::WriteBatch batch;
-  KVCOMP_RETURN_IF_ERROR(FromRocksDb(batch.Put(calibration_, k, ToSlice(bytes)), "projection"));
-  return Write(&batch, /*sync=*/true, "put projection");
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(batch.Put(db->calibration, k, ToSlice(bytes)), "projection"));
+  return Write(&batch, /*sync=*/true, "put projection", WriteKind::kAdds);
 }
 
 absl::StatusOr<std::string> RocksDbTier::GetProjection(const ProjectionKey& key) {
+  std::shared_ptr<Db> db = this->db();
   KVCOMP_RETURN_IF_ERROR(ValidateProjectionKey(key));
   std::string value;
   rocksdb::Status s =
-      db_->Get(rocksdb::ReadOptions(), calibration_, EncodeProjectionKey(key), &value);
+      db->db->Get(rocksdb::ReadOptions(), db->calibration, EncodeProjectionKey(key), &value);
   if (s.IsNotFound()) return absl::NotFoundError("projection: no such key");
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "projection: get"));
   return value;
@@ -484,13 +684,14 @@ absl::StatusOr<std::string> RocksDbTier::GetProjection(const ProjectionKey& key)
 
 absl::StatusOr<std::vector<ProjectionKey>> RocksDbTier::ListProjections(
     absl::string_view model_id) {
+  std::shared_ptr<Db> db = this->db();
   std::vector<ProjectionKey> out;
   std::string prefix;
   if (!model_id.empty()) {
     PutBe(&prefix, model_id.size(), 2);
     prefix.append(model_id.data(), model_id.size());
   }
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), calibration_));
+  std::unique_ptr<rocksdb::Iterator> it(db->db->NewIterator(rocksdb::ReadOptions(), db->calibration));
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     KVCOMP_ASSIGN_OR_RETURN(ProjectionKey k, DecodeProjectionKey(absl::string_view(
                                                  it->key().data(), it->key().size())));
@@ -501,16 +702,17 @@ absl::StatusOr<std::vector<ProjectionKey>> RocksDbTier::ListProjections(
 }
 
 absl::Status RocksDbTier::DeleteProjection(const ProjectionKey& key) {
+  std::shared_ptr<Db> db = this->db();
   KVCOMP_RETURN_IF_ERROR(ValidateProjectionKey(key));
   const std::string k = EncodeProjectionKey(key);
   WriterLock lock(&calibration_mu_);
   std::string existing;
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), calibration_, k, &existing);
+  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->calibration, k, &existing);
   if (s.IsNotFound()) return absl::NotFoundError("projection: no such key");
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "projection: read"));
   rocksdb::WriteBatch batch;
-  KVCOMP_RETURN_IF_ERROR(FromRocksDb(batch.Delete(calibration_, k), "projection"));
-  return Write(&batch, /*sync=*/true, "delete projection");
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(batch.Delete(db->calibration, k), "projection"));
+  return Write(&batch, /*sync=*/true, "delete projection", WriteKind::kRemoves);
 }
 
 }  // namespace storage

@@ -2,6 +2,15 @@
 // files for large values), "calibration" (projections) and "quarantine" (entries whose checksum
 // failed, kept for inspection). A cache's meta and payload are written in one WriteBatch.
 // Thread-safe.
+//
+// Disk space: every write is admitted against the filesystem's measured free space (statvfs)
+// before RocksDB sees it, so RocksDB never meets a full disk on the write path (Debian's RocksDB
+// 7.8 can abort inside the library when it does). A write that adds data needs its bytes twice
+// (WAL now, flush later), plus the memtables not yet flushed, plus the reserve; a write that only
+// removes needs half the reserve. RocksDB's SST and blob files are bounded by an SstFileManager.
+// When the disk is short at Open (or a read-write open fails for lack of space), the database
+// opens read-only: reads work, writes are ResourceExhausted ("disk full"), and the next write
+// once space has returned reopens it read-write by itself.
 #ifndef KVCOMP_STORAGE_SRC_ROCKSDB_TIER_H_
 #define KVCOMP_STORAGE_SRC_ROCKSDB_TIER_H_
 
@@ -23,6 +32,7 @@ namespace rocksdb {
 class Cache;
 class ColumnFamilyHandle;
 class DB;
+class SstFileManager;
 class Status;
 }  // namespace rocksdb
 
@@ -63,9 +73,16 @@ class RocksDbTier final : public Tier {
 
   absl::StatusOr<CacheMeta> GetMeta(absl::string_view key);
 
+  // True while the database is open read-only (disk short at Open); why, in read_only_reason().
+  bool read_only() const;
+  std::string read_only_reason() const;
+  // Free bytes of the filesystem under the database (statvfs), 0 when it cannot be measured.
+  uint64_t free_bytes() const;
+
   // Calls `fn` for every stored (key, meta) in key order, after verifying (when `verify`) that
   // the payload is present and matches meta's size and CRC32C. Entries that fail are moved to
-  // the quarantine and reported through `quarantined` instead. Used once, at Open.
+  // the quarantine (left in place while read-only) and reported through `quarantined` instead.
+  // Used once, at Open.
   absl::Status Recover(bool verify,
                        const std::function<void(absl::string_view, const CacheMeta&)>& fn,
                        std::vector<QuarantinedCache>* quarantined);
@@ -86,18 +103,38 @@ class RocksDbTier final : public Tier {
   absl::Status DeleteProjection(const ProjectionKey& key);
 
  private:
-  RocksDbTier(const RocksDbTierOptions& options);
-  absl::Status Write(void* batch, bool sync, absl::string_view what);
+  // One open instance of the database: read-write, or read-only while the disk is short. The
+  // tier swaps a read-only instance for a read-write one when space returns; calls in flight
+  // keep the instance they started with.
+  struct Db;
+  enum class WriteKind { kAdds, kRemoves };
+
+  explicit RocksDbTier(const RocksDbTierOptions& options);
+  std::shared_ptr<Db> db() const;
+  static absl::StatusOr<std::shared_ptr<Db>> OpenDb(const RocksDbTierOptions& o,
+                                                    const std::shared_ptr<rocksdb::Cache>& cache,
+                                                    bool read_only);
+  absl::Status Write(void* batch, bool sync, absl::string_view what, WriteKind kind);
+  // Refuses a write that the disk cannot take (ResourceExhausted, "disk full").
+  absl::Status AdmitWrite(Db& db, uint64_t bytes, WriteKind kind) const;
+  // Reopens a read-only database read-write when the disk has room again (at most once a
+  // second). True when the database is writable afterwards.
+  bool TryReopenWritable();
+  // Bytes RocksDB needs free to open read-write: the reserve plus the WAL it will flush.
+  uint64_t BytesToOpenWritable() const;
+  absl::StatusOr<Payload> GetFrom(Db& db, absl::string_view key);
+  absl::Status QuarantineIn(Db& db, absl::string_view key, absl::string_view reason);
   SharedMutex& StripeOf(absl::string_view key);
 
+  const RocksDbTierOptions options_;
   const uint64_t capacity_;
+  const uint64_t reserve_;
+  const uint64_t max_space_;
   std::shared_ptr<rocksdb::Cache> block_cache_;
-  std::unique_ptr<rocksdb::DB> db_;
-  std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // default, meta, payload, calib, quar.
-  rocksdb::ColumnFamilyHandle* meta_ = nullptr;
-  rocksdb::ColumnFamilyHandle* payload_ = nullptr;
-  rocksdb::ColumnFamilyHandle* calibration_ = nullptr;
-  rocksdb::ColumnFamilyHandle* quarantine_ = nullptr;
+  std::shared_ptr<Db> db_;  // std::atomic_load / atomic_store
+  mutable SharedMutex reopen_mu_;
+  std::string read_only_reason_ ABSL_GUARDED_BY(reopen_mu_);
+  std::atomic<int64_t> last_reopen_ms_{0};
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> entries_{0};
   std::atomic<bool> needs_resume_{false};

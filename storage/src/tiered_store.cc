@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -40,6 +43,7 @@ struct Entry {
   bool persisted = false;  // a copy is in RocksDB
   uint32_t pins = 0;
   uint64_t tick = 0;  // last access (store-wide counter)
+  bool unverified = false;  // recovered; payload not checked yet (background verification)
 };
 
 struct Shard {
@@ -71,6 +75,11 @@ class TieredStoreImpl final : public TieredStore {
     shards_.reserve(n);
     for (int i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>());
     key_stripes_ = std::make_unique<SharedMutex[]>(kKeyStripes);
+  }
+
+  ~TieredStoreImpl() override {
+    stop_verifying_ = true;
+    if (verifier_.joinable()) verifier_.join();
   }
 
   absl::Status Init();
@@ -165,6 +174,11 @@ class TieredStoreImpl final : public TieredStore {
   absl::Status DeleteLocked(const std::string& ek, bool only_if_expired, bool* deleted);
   absl::Status QuarantineOnRead(const std::string& ek, const CacheMeta& meta,
                                 absl::string_view reason);
+  // QuarantineOnRead with the key's stripe held. False when the entry changed meanwhile.
+  bool QuarantineLocked(const std::string& ek, const CacheMeta& meta, absl::string_view reason);
+  // The background verification pass over the recovered entries (verify_in_background).
+  void VerifyRecovered(std::vector<std::string> keys);
+  void WaitVerified() const;
   void TouchLocked(Shard& s, const std::string& ek, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
 
   // The present tier closest to t: t itself, else the next one down, else the next one up.
@@ -190,7 +204,12 @@ class TieredStoreImpl final : public TieredStore {
   std::atomic<uint64_t> tick_{0};
   TierCounters counters_[kNumTiers];
   std::atomic<uint64_t> expired_{0}, quarantined_{0}, quota_rejections_{0}, write_errors_{0},
-      recovered_{0};
+      recovered_{0}, unverified_{0};
+  std::thread verifier_;
+  std::atomic<bool> stop_verifying_{false};
+  mutable std::mutex verified_mu_;
+  mutable std::condition_variable verified_cv_;
+  bool verified_ = true;  // guarded by verified_mu_: the background pass is done (or none)
   mutable SharedMutex quarantine_mu_;
   std::vector<QuarantinedCache> quarantine_ ABSL_GUARDED_BY(quarantine_mu_);
   StripedCounts<std::string> tenant_bytes_;  // quota accounting (reserved before placement)
@@ -286,8 +305,10 @@ absl::Status TieredStoreImpl::Init() {
   std::vector<Found> found;
   std::vector<std::string> undecodable;
   std::vector<QuarantinedCache> quarantined;
+  const bool background =
+      options_.rocksdb.verify_checksums_on_open && options_.rocksdb.verify_in_background;
   KVCOMP_RETURN_IF_ERROR(rocks_->Recover(
-      options_.rocksdb.verify_checksums_on_open,
+      options_.rocksdb.verify_checksums_on_open && !background,
       [&](absl::string_view ek, const CacheMeta& meta) {
         auto key = CacheKey::Decode(ek);
         if (!key.ok()) {
@@ -297,8 +318,11 @@ absl::Status TieredStoreImpl::Init() {
         found.push_back({std::string(ek), *std::move(key), meta});
       },
       &quarantined));
+  // Read-only (disk full at Open): nothing can be moved or deleted now; entries that would be
+  // are left out of the index, and the first open with room moves them.
+  const bool read_only = rocks_->read_only();
   for (const auto& ek : undecodable) {
-    KVCOMP_RETURN_IF_ERROR(rocks_->Quarantine(ek, "key does not decode"));
+    if (!read_only) KVCOMP_RETURN_IF_ERROR(rocks_->Quarantine(ek, "key does not decode"));
   }
   quarantined_ += quarantined.size() + undecodable.size();
   KVCOMP_ASSIGN_OR_RETURN(std::vector<QuarantinedCache> all, rocks_->ListQuarantine());
@@ -312,8 +336,11 @@ absl::Status TieredStoreImpl::Init() {
   });
   const int64_t now = NowMs();
   std::vector<std::string> expired;
+  std::vector<std::string> to_verify;
+  if (background) to_verify.reserve(found.size());
   for (auto& f : found) {
     Entry e;
+    e.unverified = background;
     e.tenant = f.key.tenant.empty() ? "default" : f.key.tenant;
     e.model = f.key.model_id;
     e.meta = f.meta;
@@ -333,11 +360,61 @@ absl::Status TieredStoreImpl::Init() {
     s.lru[kRocks][e.tick] = f.ek;
     s.map[f.ek] = std::move(e);
     recovered_ += 1;
+    if (background) to_verify.push_back(f.ek);
   }
   // Synced: an expired entry must not come back, even expired, under a newer value of its key.
-  KVCOMP_RETURN_IF_ERROR(rocks_->DeleteMany(expired, /*sync=*/true));
-  expired_ += expired.size();
+  if (!read_only) {
+    KVCOMP_RETURN_IF_ERROR(rocks_->DeleteMany(expired, /*sync=*/true));
+    expired_ += expired.size();
+  }
+  if (!to_verify.empty()) {
+    unverified_ = to_verify.size();
+    verified_ = false;
+    verifier_ = std::thread([this, keys = std::move(to_verify)]() mutable {
+      VerifyRecovered(std::move(keys));
+    });
+  }
   return absl::OkStatus();
+}
+
+void TieredStoreImpl::VerifyRecovered(std::vector<std::string> keys) {
+  for (const std::string& ek : keys) {
+    if (stop_verifying_.load()) break;
+    // The stripe keeps puts, deletes and quarantines of this key out while its bytes are read.
+    WriterLock stripe(&Stripe(StripeIndex(ek)));
+    CacheMeta meta;
+    {
+      Shard& s = ShardOf(ek);
+      ReaderLock lock(&s.mu);
+      auto it = s.map.find(ek);
+      if (it == s.map.end() || !it->second.unverified) continue;  // gone, replaced or checked
+      meta = it->second.meta;
+    }
+    auto payload = rocks_->Get(ek);
+    std::string reason;
+    if (!payload.ok()) {
+      reason = absl::StrCat("payload unreadable: ", payload.status().ToString());
+    } else if (payload->size() != meta.stored_bytes ||
+               Crc32c(payload->data(), payload->size()) != meta.crc32c) {
+      reason = "payload checksum mismatch";
+    }
+    if (!reason.empty() && QuarantineLocked(ek, meta, reason)) continue;
+    Shard& s = ShardOf(ek);
+    WriterLock lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it != s.map.end() && it->second.unverified) {
+      it->second.unverified = false;
+      unverified_ -= 1;
+    }
+  }
+  std::lock_guard<std::mutex> lock(verified_mu_);
+  verified_ = true;
+  verified_cv_.notify_all();
+}
+
+void TieredStoreImpl::WaitVerified() const {
+  std::unique_lock<std::mutex> lock(verified_mu_);
+  verified_cv_.wait(lock, [this] { return verified_; });
 }
 
 void TieredStoreImpl::TouchLocked(Shard& s, const std::string& ek, Entry& e) {
@@ -541,6 +618,7 @@ bool TieredStoreImpl::RemoveFromIndex(const std::string& ek, Entry* removed) {
 }
 
 void TieredStoreImpl::Unaccount(const Entry& e) {
+  if (e.unverified) unverified_ -= 1;
   tenant_bytes_.Add(e.tenant, -static_cast<int64_t>(e.meta.stored_bytes));
   usage_.Add(e.tenant, -1, e.meta.stored_bytes, e.meta.original_bytes);
   if (e.meta.projection_version != 0) {
@@ -684,6 +762,8 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
     Entry& e = s.map[ek];
     if (had_old && e.pins == 0) s.lru[TierIndex(e.meta.tier)].erase(e.tick);
     const uint32_t pins = (had_old ? e.pins : 0) + (options.pin ? 1 : 0);
+    if (e.unverified) unverified_ -= 1;  // replaced before the background check reached it
+    e.unverified = false;
     e.tenant = tenant;
     e.model = key.model_id;
     e.meta = meta;
@@ -713,6 +793,7 @@ absl::StatusOr<StoredCache> TieredStoreImpl::Get(const CacheKey& key) {
   for (int attempt = 0; attempt < 8; ++attempt) {
     CacheMeta meta;
     bool expired = false;
+    bool unverified = false;
     {
       WriterLock lock(&s.mu);
       auto it = s.map.find(ek);
@@ -724,6 +805,7 @@ absl::StatusOr<StoredCache> TieredStoreImpl::Get(const CacheKey& key) {
         expired = true;
       } else {
         meta = it->second.meta;
+        unverified = it->second.unverified;
         TouchLocked(s, ek, it->second);
       }
     }
@@ -746,6 +828,14 @@ absl::StatusOr<StoredCache> TieredStoreImpl::Get(const CacheKey& key) {
     if (!payload.ok()) return Annotate(payload.status(), "get");
     if (payload->size() != meta.stored_bytes ||
         (t == kRocks && Crc32c(payload->data(), payload->size()) != meta.crc32c)) {
+      if (unverified) {
+        // Not checked since Open yet: what a check at Open would have done, quarantined unseen.
+        absl::Status st = QuarantineOnRead(ek, meta, "payload checksum mismatch");
+        if (absl::IsUnavailable(st)) continue;  // replaced or quarantined meanwhile: look again
+        counters_[first].misses += 1;
+        return absl::NotFoundError(
+            absl::StrCat("get: ", key.DebugString(), " not found (quarantined at recovery)"));
+      }
       return QuarantineOnRead(ek, meta, "payload checksum mismatch on read");
     }
     counters_[t].hits += 1;
@@ -761,18 +851,25 @@ absl::Status TieredStoreImpl::QuarantineOnRead(const std::string& ek, const Cach
                                                absl::string_view reason) {
   const int stripe = StripeIndex(ek);
   WriterLock lock(&Stripe(stripe));
+  if (!QuarantineLocked(ek, meta, reason)) {
+    return absl::UnavailableError("get: the entry changed while read; retry");
+  }
+  return absl::DataLossError(absl::StrCat("get: ", reason, "; entry quarantined"));
+}
+
+bool TieredStoreImpl::QuarantineLocked(const std::string& ek, const CacheMeta& meta,
+                                       absl::string_view reason) {
   Shard& s = ShardOf(ek);
   {
     ReaderLock shard_lock(&s.mu);
     auto it = s.map.find(ek);
     if (it == s.map.end() || it->second.meta.crc32c != meta.crc32c ||
         it->second.meta.created_unix_ms != meta.created_unix_ms) {
-      return absl::UnavailableError("get: the entry changed while read; retry");
+      return false;
     }
   }
-  if (meta.tier == TierKind::kRocksDb) {
-    KVCOMP_RETURN_IF_ERROR(rocks_->Quarantine(ek, reason));
-  }
+  // Moved aside on disk when it can be (not while read-only); never served again either way.
+  if (meta.tier == TierKind::kRocksDb) rocks_->Quarantine(ek, reason).IgnoreError();
   Entry removed;
   if (RemoveFromIndex(ek, &removed)) {
     if (removed.meta.tier != TierKind::kRocksDb) {
@@ -784,7 +881,7 @@ absl::Status TieredStoreImpl::QuarantineOnRead(const std::string& ek, const Cach
     WriterLock qlock(&quarantine_mu_);
     quarantine_.push_back({ek, std::string(reason)});
   }
-  return absl::DataLossError(absl::StrCat("get: ", reason, "; entry quarantined"));
+  return true;
 }
 
 void TieredStoreImpl::Promote(const std::string& ek, const CacheMeta& meta,
@@ -998,6 +1095,11 @@ StoreStats TieredStoreImpl::Stats() const {
       ts.bytes = tiers_[t]->used_bytes();
       ts.capacity = tiers_[t]->capacity_bytes();
     }
+    if (t == kRocks && rocks_ != nullptr) {
+      ts.read_only = rocks_->read_only();
+      ts.read_only_reason = rocks_->read_only_reason();
+      ts.disk_free_bytes = rocks_->free_bytes();
+    }
     ts.hits = c.hits;
     ts.misses = c.misses;
     ts.puts = c.puts;
@@ -1010,15 +1112,18 @@ StoreStats TieredStoreImpl::Stats() const {
   out.quota_rejections = quota_rejections_;
   out.write_errors = write_errors_;
   out.recovered = recovered_;
+  out.unverified = unverified_;
   return out;
 }
 
 std::vector<QuarantinedCache> TieredStoreImpl::Quarantined() const {
+  WaitVerified();
   ReaderLock lock(&quarantine_mu_);
   return quarantine_;
 }
 
 absl::Status TieredStoreImpl::PurgeQuarantined(absl::string_view encoded_key) {
+  WaitVerified();
   bool found = false;
   if (rocks_ != nullptr) {
     auto purged = rocks_->PurgeQuarantine(encoded_key);
@@ -1039,6 +1144,7 @@ absl::Status TieredStoreImpl::PurgeQuarantined(absl::string_view encoded_key) {
 }
 
 absl::StatusOr<uint64_t> TieredStoreImpl::PurgeAllQuarantined() {
+  WaitVerified();
   absl::flat_hash_set<std::string> keys;
   if (rocks_ != nullptr) {
     auto purged = rocks_->PurgeAllQuarantine();

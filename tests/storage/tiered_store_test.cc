@@ -388,6 +388,58 @@ TEST(TieredStore, ChecksumFailuresAreQuarantinedAtOpenAndOnRead) {
   EXPECT_EQ(store->Get(Key("good"))->payload.view(), good);
 }
 
+TEST(TieredStore, BackgroundVerificationQuarantinesDamagedPayloadsAndNeverServesThem) {
+  TempDir dir;
+  const std::string good = EncodedCache(23), bad = EncodedCache(24);
+  PutOptions durable;
+  durable.durability = Durability::kDisk;
+  durable.tier = static_cast<int>(TierKind::kRocksDb);
+  {
+    auto store = MustOpen(HostAndDisk(dir.path(), 1 << 20));
+    ASSERT_TRUE(store->Put(Key("good"), good, {}, durable).ok());
+    for (int i = 0; i < 40; ++i) {
+      ASSERT_TRUE(store->Put(Key("bad" + std::to_string(i)), bad, {}, durable).ok());
+    }
+    ASSERT_TRUE(store->Put(Key("replaced"), bad, {}, durable).ok());
+  }
+  {
+    auto tier = RocksDbTier::Open(HostAndDisk(dir.path(), 1 << 20).rocksdb);
+    ASSERT_TRUE(tier.ok());
+    std::string flipped = bad;
+    flipped[bad.size() / 2] ^= 0x40;
+    std::vector<std::string> damaged = {"replaced"};
+    for (int i = 0; i < 40; ++i) damaged.push_back("bad" + std::to_string(i));
+    for (const std::string& k : damaged) {
+      const std::string ek = Key(k).Encode();
+      auto meta = (*tier)->GetMeta(ek);
+      ASSERT_TRUE(meta.ok());
+      ASSERT_TRUE((*tier)->Put(ek, *meta, Payload::Copy(flipped), true).ok());
+    }
+  }
+  auto o = HostAndDisk(dir.path(), 1 << 20);
+  o.rocksdb.verify_in_background = true;
+  auto store = MustOpen(o);
+  EXPECT_EQ(store->Stats().recovered, 42u);
+  // Whether the background pass or the read finds them first, a damaged cache reads NotFound,
+  // as if quarantined at Open, and a cache replaced meanwhile is the new one.
+  ASSERT_TRUE(store->Put(Key("replaced"), good, {}, durable).ok());
+  for (int i = 39; i >= 0; --i) {
+    absl::Status st = store->Get(Key("bad" + std::to_string(i))).status();
+    EXPECT_TRUE(absl::IsNotFound(st)) << i << ": " << st;
+  }
+  EXPECT_EQ(store->Get(Key("good"))->payload.view(), good);
+  EXPECT_EQ(store->Get(Key("replaced"))->payload.view(), good);
+  EXPECT_EQ(store->Quarantined().size(), 40u);  // waits for the pass
+  StoreStats stats = store->Stats();
+  EXPECT_EQ(stats.quarantined, 40u);
+  EXPECT_EQ(stats.unverified, 0u);
+  EXPECT_EQ(stats.tier(TierKind::kRocksDb).entries, 2u);
+  store.reset();
+  store = MustOpen(o);
+  EXPECT_EQ(store->Stats().recovered, 2u);
+  EXPECT_EQ(store->Quarantined().size(), 40u);
+}
+
 TEST(TieredStore, DiskFullFailsPutsClearlyWhileReadsGoOn) {
   TempDir dir;
   auto fs = std::make_shared<DiskFullFileSystem>(rocksdb::FileSystem::Default());

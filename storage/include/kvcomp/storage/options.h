@@ -51,7 +51,23 @@ struct RocksDbTierOptions {
                                               // that land here (default false)
   bool verify_checksums_on_open = true;       // read every payload at Open and check its CRC32C;
                                               // mismatches are quarantined (default true)
+  // With verify_checksums_on_open: Open loads the index from the meta records alone (one scan
+  // of 52-byte records, no payload read) and a background thread reads and checks the payloads
+  // afterwards, so Open's time does not grow with the stored bytes. Until an entry is checked,
+  // a Get checks it (as every RocksDB read does) and one that fails is quarantined and reads
+  // NotFound, as if quarantined at Open; Quarantined() and the purges wait for the whole pass.
+  // Default false (everything checked inside Open).
+  bool verify_in_background = false;
   int max_background_jobs = 2;                // RocksDB flush/compaction threads, default 2
+  // Free space kept on the filesystem under `path`, in bytes. Every write is admitted against
+  // the measured free space (statvfs) first: one that adds data needs twice its bytes (WAL, then
+  // flush) plus the memtables not yet flushed plus this reserve; one that only removes needs half
+  // of it. Refused writes are ResourceExhausted ("disk full: ..."). Also the space kept free for
+  // compactions. Default 64 MiB.
+  uint64_t reserve_bytes = 64ull << 20;
+  // Bound on RocksDB's table and blob files (SstFileManager), in bytes; writes are refused past
+  // it. 0 = 2 * capacity_bytes + 1 GiB (room for garbage not yet collected). Default 0.
+  uint64_t max_space_bytes = 0;
   // Filesystem seam for tests (fault injection); null = rocksdb::Env::Default(). Not owned;
   // must outlive the store.
   rocksdb::Env* env = nullptr;

@@ -116,6 +116,10 @@ struct TierStats {
   uint64_t promotions = 0;  // entries copied into this tier on read
   uint64_t evictions = 0;   // entries dropped from the store for lack of room in this tier
   std::string error;        // why an enabled tier is not present (failed at Open), else empty
+  bool read_only = false;   // rocksdb: opened read-only (disk short at Open); writes are
+                            // refused until space returns, then it reopens read-write by itself
+  std::string read_only_reason;  // why it is read-only, else empty
+  uint64_t disk_free_bytes = 0;  // rocksdb: free bytes of its filesystem (statvfs)
 };
 
 struct StoreStats {
@@ -125,6 +129,7 @@ struct StoreStats {
   uint64_t quota_rejections = 0;
   uint64_t write_errors = 0;  // puts failed by the disk (e.g. disk full)
   uint64_t recovered = 0;     // entries found again in RocksDB at Open
+  uint64_t unverified = 0;    // recovered entries the background check has not read yet
   const TierStats& tier(TierKind k) const { return tiers[static_cast<int>(k)]; }
 };
 
