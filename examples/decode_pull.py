@@ -2,18 +2,18 @@
 it, with the MomentKV correction for the evicted tokens.
 
     python3 examples/decode_pull.py --endpoint 127.0.0.1:7470 --key req-1
+
+kvcomp is the installed package (pip install ., docs/integrations.md); from a source build,
+PYTHONPATH=client/python.
 """
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client",
-                                "python"))
-import kvcomp  # noqa: E402
+import kvcomp
 
 
 def main() -> int:

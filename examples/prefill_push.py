@@ -5,18 +5,18 @@ does while prefill produces it.
 
 The cache here is random bf16 data shaped like a small Llama layer stack; a serving engine
 passes its own [kv_heads, tokens, head_dim] tensors (numpy, or torch on the host) instead.
+
+kvcomp is the installed package (pip install ., docs/integrations.md); from a source build,
+PYTHONPATH=client/python.
 """
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client",
-                                "python"))
-import kvcomp  # noqa: E402
+import kvcomp
 
 
 def main() -> int:

@@ -14,6 +14,7 @@ APT_PACKAGES=(
   libyaml-cpp-dev libeigen3-dev libcli11-dev liblapacke-dev
   curl
   libc-ares-dev dnsmasq-base
+  python3-venv
 )
 PIP_PACKAGES=(numpy pytest nanobind scikit-build-core matplotlib pyyaml jsonschema tqdm safetensors
               ml_dtypes)

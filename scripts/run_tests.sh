@@ -32,6 +32,13 @@ if [ -d tests/python ]; then
     python3 -m pytest -q tests/python
 fi
 
+if [ -x tests/packaging/run.sh ]; then
+  # The C++ SDK package (find_package, pkg-config) and the Python wheel in a fresh virtual
+  # environment, built from this build's libraries, with the examples run against them.
+  echo "== packaging (C++ package, Python wheel, examples) =="
+  bash tests/packaging/run.sh "$BUILD"
+fi
+
 if [ -d tests/helm ]; then
   echo "== Helm chart tests (pytest) =="
   KVCOMP_BUILD_DIR="$PWD/$BUILD" python3 -m pytest -q tests/helm

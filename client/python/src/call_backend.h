@@ -1,5 +1,5 @@
 // How a call of the Python binding reaches a backend and takes caller arrays in, so that every
-// entry point follows one stream contract (docs/python.md, "Streams"):
+// entry point follows one stream contract (docs/engine.md, "CUDA streams"):
 //
 //   - A CUDA call runs on one stream: the `stream` the caller names (kvcomp/__init__.py passes
 //     torch's current stream when a torch CUDA tensor is among the inputs), else a non-blocking

@@ -1,0 +1,75 @@
+"""The installed kvcomp, as a user has it after `pip install .` and `cmake --install`: run by
+tests/packaging/run.sh with the fresh virtual environment's python, outside the source tree.
+
+- kvcomp imports from that environment's site-packages (not the source tree), with the client;
+- the `kvcomp` command and `python -m kvcomp` run;
+- examples/prefill_push.py and decode_pull.py (which import the installed package) run against a
+  real kvcompd on loopback;
+- the C++ example built against the installed C++ package (find_package and pkg-config) does too.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+VENV = os.environ.get("KVCOMP_PACKAGING_VENV")
+REPO = os.environ.get("KVCOMP_REPO", "")
+pytestmark = pytest.mark.skipif(not VENV, reason="run by tests/packaging/run.sh")
+
+if VENV:
+    sys.path.append(os.path.join(REPO, "tests", "integration"))  # the daemon fixture only
+    from kvcompd_fixture import Kvcompd, find_kvcompd  # noqa: E402
+
+
+def run(args, **kw):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=180, env=env, **kw)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Kvcompd(find_kvcompd()) as d:
+        yield d
+
+
+def test_the_package_is_the_installed_one():
+    import kvcomp
+    site = os.path.realpath(os.path.join(VENV, "lib"))
+    assert os.path.realpath(kvcomp.__file__).startswith(site), kvcomp.__file__
+    assert not os.path.realpath(kvcomp.__file__).startswith(os.path.realpath(REPO) + os.sep)
+    assert hasattr(kvcomp._kvcomp, "_Client")  # the wheel carries the SDK's client
+    assert os.path.realpath(sys.prefix) == os.path.realpath(VENV)
+
+
+def test_the_command_line_entry_points():
+    exe = os.path.join(VENV, "bin", "kvcomp")
+    r = run([exe, "--help"])
+    assert r.returncode == 0 and "loadgen" in r.stdout, r.stderr
+    r = run([sys.executable, "-m", "kvcomp", "--help"])
+    assert r.returncode == 0 and "loadgen" in r.stdout, r.stderr
+
+
+def test_examples_run_against_kvcompd(daemon, tmp_path):
+    ep = ["--endpoint", daemon.data_endpoint]
+    ex = os.path.join(REPO, "examples")
+    r = run([sys.executable, os.path.join(ex, "prefill_push.py"), *ep, "--key", "pkg",
+             "--layers", "2", "--tokens", "512"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ratio"] > 1.2
+    r = run([sys.executable, os.path.join(ex, "decode_pull.py"), *ep, "--key", "pkg"],
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["attention_shape"] == [32, 1, 128] and out["correction_changed_output"] > 0
+
+
+@pytest.mark.parametrize("which", ["find_package", "pkg-config"])
+def test_cpp_example_built_against_the_installed_package(daemon, which):
+    exes = os.environ["KVCOMP_PACKAGING_CPP"].split(":")
+    exe = exes[0] if which == "find_package" else exes[1]
+    r = run([exe, daemon.data_endpoint, "512"])
+    assert r.returncode == 0, r.stderr
+    assert "stored" in r.stdout
