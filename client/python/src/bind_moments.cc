@@ -19,6 +19,7 @@
 #include "bindings.h"
 #include "call_backend.h"
 #include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/decode/attention.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/moment_ops.h"
@@ -70,20 +71,6 @@ DType QueryDType(const CallArray& q) {
   throw nb::value_error("queries must be float32, float16 or bfloat16");
 }
 
-// Device memory of `bytes` bytes (at least 1), uninitialised.
-Buffer DeviceBuffer(Backend& b, size_t bytes) {
-  absl::StatusOr<Buffer> buf = Buffer::Allocate(b.allocator(), bytes == 0 ? 1 : bytes);
-  ThrowIfError(buf.status());
-  return std::move(*buf);
-}
-
-// Device copy of `bytes` host bytes.
-Buffer Upload(Backend& b, const void* src, size_t bytes) {
-  Buffer buf = DeviceBuffer(b, bytes);
-  if (bytes > 0) ThrowIfError(b.CopyFromHost(buf.data(), src, bytes));
-  return buf;
-}
-
 // The caller's output array: float32, [q_heads, n_queries, head_dim] (or [q_heads, head_dim]
 // for 2-D queries), in host or device memory.
 float* OutputArray(const CallArray& out, const CallArray& q) {
@@ -104,7 +91,6 @@ nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer,
     out_arr = ImportArray(out_obj, call, "out");
     out_ptr = OutputArray(*out_arr, q);
   }
-  const bool q_on_device = SpaceOf(q) == MemorySpace::kDevice;
   const bool out_on_device = out_arr.has_value() && SpaceOf(*out_arr) == MemorySpace::kDevice;
   if (layer >= c.layout.num_layers) {
     throw nb::index_error(
@@ -130,67 +116,21 @@ nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer,
         absl::StrFormat("queries have %u heads, the cache's layout %u q heads", hq, L.num_q_heads)
             .c_str());
   }
-  const uint32_t hk = L.num_kv_heads;
-  const uint64_t h0 = c.head_index(layer, 0);
-  const std::vector<uint64_t> all = c.TokenOffsets();
-  std::vector<uint64_t> off(hk + 1);
-  for (uint32_t h = 0; h <= hk; ++h) off[h] = all[h0 + h] - all[h0];
-  const uint64_t row = c.KeyTokenBytes();
-  const uint8_t* kp = c.keys.data() + all[h0] * row;
-  const uint8_t* vp = c.values.data() + all[h0] * row;
-  const bool moments = correct && c.has_moments;
-  MomentsView mv;
-  if (moments) {
-    mv = MomentsView{const_cast<uint64_t*>(c.moment_count.data()) + h0,
-                     const_cast<float*>(c.moment_key_sum.data()) + h0 * d,
-                     const_cast<float*>(c.moment_value_sum.data()) + h0 * d,
-                     const_cast<float*>(c.moment_vk_sum.data()) + h0 * d * d,
-                     hk,
-                     d,
-                     MemorySpace::kHost};
-  }
   std::vector<float> out(out_ptr != nullptr ? 0 : size_t{hq} * nq * d);
   if (out_ptr == nullptr) out_ptr = out.data();
-  const size_t out_elems = size_t{hq} * nq * d;
-  Backend* b = &call.get();
-  const DType qt = QueryDType(q);
-  AttentionParams p;
-  p.queries = HeadsView::Dense(q.data(), qt, hq, nq, d);
-  p.kv = RaggedKv{kp, vp, L.dtype, off.data(), hk, d};
-  if (moments) p.moments = mv;
+  // Placing the layer on the call's backend, decoding and the correction: kvcomp::decode.
+  decode::Decoder decoder(call.get());
+  decode::AttendParams p;
+  p.queries = HeadsView::Dense(q.data(), QueryDType(q), hq, nq, d, SpaceOf(q));
+  p.layer = layer;
   p.correct = correct;
   p.scale = scale;
   p.out = out_ptr;
+  p.out_space = out_on_device ? MemorySpace::kDevice : MemorySpace::kHost;
   absl::Status st;
-  if (b->space() == MemorySpace::kHost) {
+  {
     nb::gil_scoped_release release;
-    st = b->moments().Attention(p);
-  } else {
-    const size_t qbytes = DTypeBytes(qt, size_t{hq} * nq * d);
-    Buffer dq, dk = Upload(*b, kp, (off[hk]) * row), dv = Upload(*b, vp, off[hk] * row),
-               doff = Upload(*b, off.data(), off.size() * 8), dout;
-    if (!q_on_device) dq = Upload(*b, q.data(), qbytes);
-    if (!out_on_device) dout = DeviceBuffer(*b, out_elems * 4);
-    Buffer dc, dks, dvs, ds;
-    p.queries =
-        HeadsView::Dense(q_on_device ? q.data() : dq.data(), qt, hq, nq, d, MemorySpace::kDevice);
-    p.kv =
-        RaggedKv{dk.data(), dv.data(), L.dtype, doff.as<uint64_t>(), hk, d, MemorySpace::kDevice};
-    if (moments) {
-      dc = Upload(*b, mv.count, hk * 8);
-      dks = Upload(*b, mv.key_sum, size_t{hk} * d * 4);
-      dvs = Upload(*b, mv.value_sum, size_t{hk} * d * 4);
-      ds = Upload(*b, mv.vk_sum, size_t{hk} * d * d * 4);
-      p.moments = ConstMomentsView(MomentsView{dc.as<uint64_t>(), dks.as<float>(), dvs.as<float>(),
-                                               ds.as<float>(), hk, d, MemorySpace::kDevice});
-    }
-    p.out = out_on_device ? out_ptr : dout.as<float>();
-    {
-      nb::gil_scoped_release release;
-      st = b->moments().Attention(p);
-      // A device `out` is written in place on the call's stream; a host one is copied to.
-      if (st.ok() && !out_on_device) st = b->CopyToHost(out_ptr, dout.data(), out_elems * 4);
-    }
+    st = decode::AttendOnce(decoder, c, nullptr, p);
   }
   ThrowIfError(st);
   if (out_arr.has_value()) return nb::borrow(out_obj);
