@@ -345,6 +345,12 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(BytesField(
       "storage.rocksdb_capacity_bytes", "RocksDB tier capacity (payload bytes). Default 64Gi.",
       [](Options & o) -> auto& { return o.storage.rocksdb_capacity_bytes; }));
+  f.push_back(BytesField(
+      "storage.rocksdb_reserve_bytes",
+      "Free space kept on the RocksDB volume: a put that would leave less is refused "
+      "(RESOURCE_EXHAUSTED, disk full) and puts resume by themselves once there is room. "
+      "Default 64Mi.",
+      [](Options & o) -> auto& { return o.storage.rocksdb_reserve_bytes; }));
   f.push_back(DoubleField(
       "storage.high_watermark", "fraction", 0, 1,
       "A tier above this fraction of its capacity demotes. Default 0.9.",

@@ -90,7 +90,9 @@ storage::StoreOptions StoreOptionsOf(const Options& o) {
   so.rocksdb.enabled = s.rocksdb_enabled;
   so.rocksdb.path = s.data_dir + "/rocksdb";
   so.rocksdb.capacity_bytes = s.rocksdb_capacity_bytes;
+  so.rocksdb.reserve_bytes = s.rocksdb_reserve_bytes;
   so.rocksdb.verify_checksums_on_open = s.verify_checksums_on_open;
+  so.rocksdb.verify_in_background = true;  // a restart does not read every payload first
   so.default_tier = TierOf(s.put_tier);
   so.high_watermark = s.high_watermark;
   so.low_watermark = s.low_watermark;
@@ -219,6 +221,20 @@ absl::Status DaemonImpl::Init(const Options& options) {
   Log(LogLevel::kInfo, "storage open under ", options.storage.data_dir, ": ", st.recovered,
       " cache(s) recovered, ", st.quarantined, " quarantined; durability ",
       options.storage.durability);
+  const storage::TierStats& rocks = st.tier(storage::TierKind::kRocksDb);
+  if (options.storage.rocksdb_enabled && !rocks.present) {
+    Log(LogLevel::kError, "storage: the RocksDB tier under ", options.storage.data_dir,
+        "/rocksdb did not open (", rocks.error, "): caches stored there are NOT served and ",
+        "disk-durable puts are refused until a restart opens it");
+  } else if (rocks.read_only) {
+    Log(LogLevel::kWarning, "storage: the RocksDB tier is open READ-ONLY (",
+        rocks.read_only_reason, "): its ", st.recovered, " cache(s) are served; puts that need ",
+        "the disk are refused (RESOURCE_EXHAUSTED) and resume by themselves once space returns");
+  }
+  if (st.unverified > 0) {
+    Log(LogLevel::kInfo, "storage: checking the payloads of ", st.unverified,
+        " recovered cache(s) in the background; a damaged one is quarantined, never served");
+  }
 
   KVCOMP_ASSIGN_OR_RETURN(policies_, PolicyStore::Open(options.storage.data_dir + "/policies.yaml",
                                                        options.default_policy));

@@ -106,6 +106,7 @@ struct StorageOptions {
   uint64_t host_capacity_bytes = uint64_t{1} << 30;      // host tier; 0 = none. Default 1 GiB
   bool rocksdb_enabled = true;                           // RocksDB tier on. Default true
   uint64_t rocksdb_capacity_bytes = uint64_t{64} << 30;  // RocksDB payload bytes. 64 GiB
+  uint64_t rocksdb_reserve_bytes = uint64_t{64} << 20;   // free disk kept by writes. 64 MiB
   double high_watermark = 0.90;     // a tier above this fraction of capacity demotes. 0.90
   double low_watermark = 0.75;      // ... down to this fraction. 0.75
   bool promote_on_read = true;      // a get from RocksDB copies the cache into the host tier. true

@@ -1,0 +1,544 @@
+// The long fault campaign against real kvcompd processes on loopback, driven through the C++ SDK
+// (kvcomp::client::Client). Run outside `make test` by bench/reliability/run.sh; results go to
+// bench/results/reliability-<date>.md.
+//
+//   --mode=kill  SIGKILLs the daemon at a random moment while `--writers` clients put caches
+//                concurrently, each keeping at most `--window` of its caches (it deletes the
+//                oldest as new ones are acknowledged: a bounded store), for `--cycles` cycles on
+//                one data directory. After every restart each acknowledged cache must be served
+//                whole (same stored size, the token count its key was put with, the format's
+//                section checksums), each acknowledged delete must stay deleted; an operation
+//                cut by the kill may have happened or not.
+//   --mode=soak  `--clients` clients for `--seconds` of mixed put/get/delete on one daemon:
+//                every unexpected status is an error; latency per operation (p50/p99/max) and
+//                the daemon's RSS (sampled each second) are reported.
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvcomp/client/client.h"
+#include "kvcomp/core/dtype.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/layout.h"
+#include "kvcompd_process.h"
+
+namespace kvcomp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using testing::KvcompdProcess;
+
+struct Flags {
+  std::string mode = "kill";
+  std::string kvcompd = KVCOMPD_PATH;
+  std::string dir;
+  std::string out;
+  int cycles = 1000;
+  int writers = 4;
+  int window = 16;
+  int clients = 8;
+  double seconds = 600;
+  uint64_t seed = 1;
+  std::vector<std::string> daemon_flags;
+};
+
+const KvLayout kLayout{4, 4, 8, 64, DType::kF16};
+
+// The token count a key is put with: the cache read back must carry it.
+uint64_t TokensOf(uint64_t id) { return 64 + id % 61; }
+
+// K and V of one cache, [layer][kv_head][token][head_dim] f16, from `id`.
+struct Kv {
+  std::vector<uint16_t> k, v;
+  std::vector<client::LayerData> layers;
+};
+Kv MakeKv(uint64_t id) {
+  const uint64_t tokens = TokensOf(id);
+  const size_t per_layer = uint64_t{kLayout.num_kv_heads} * tokens * kLayout.head_dim;
+  Kv kv;
+  kv.k.resize(per_layer * kLayout.num_layers);
+  kv.v.resize(kv.k.size());
+  std::mt19937_64 rng(id * 0x9E3779B97F4A7C15ull + 1);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (size_t i = 0; i < kv.k.size(); ++i) {
+    kv.k[i] = FloatToHalf(n(rng));
+    kv.v[i] = FloatToHalf(n(rng));
+  }
+  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+    kv.layers.push_back({kv.k.data() + l * per_layer, kv.v.data() + l * per_layer});
+  }
+  return kv;
+}
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t i = static_cast<size_t>(q * (v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+std::unique_ptr<client::Client> Connect(const KvcompdProcess& d, absl::Duration timeout,
+                                        int attempts) {
+  client::ClientOptions o;
+  o.request_timeout = timeout;
+  o.connect_timeout = absl::Seconds(5);
+  o.attempts_per_endpoint = attempts;
+  o.ucx_overrides = {{"TLS", "tcp"}};
+  const std::string ep = d.data_endpoint() + ",127.0.0.1:" + std::to_string(d.ports().control);
+  auto c = client::Client::Connect({ep}, o, /*connect_now=*/true);
+  if (!c.ok()) {
+    std::fprintf(stderr, "connect %s: %s\n", ep.c_str(), c.status().ToString().c_str());
+    return nullptr;
+  }
+  return std::move(*c);
+}
+
+uint64_t RssKiB(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10);
+  }
+  return 0;
+}
+
+void Report(const Flags& f, const std::string& text) {
+  std::fputs(text.c_str(), stdout);
+  std::fflush(stdout);
+  if (!f.out.empty()) {
+    std::ofstream out(f.out, std::ios::app);
+    out << text;
+  }
+}
+
+// Checks a cache read back against what its key was put with. Empty when it matches.
+std::string CheckBytes(const std::string& bytes, uint64_t id, uint64_t stored_bytes) {
+  if (stored_bytes != 0 && bytes.size() != stored_bytes) {
+    return "size " + std::to_string(bytes.size()) + ", acknowledged " +
+           std::to_string(stored_bytes);
+  }
+  auto cache = format::ParseCache(bytes);
+  if (!cache.ok()) return "does not decode: " + cache.status().ToString();
+  if (cache->original_tokens != TokensOf(id)) {
+    return "holds " + std::to_string(cache->original_tokens) + " tokens, put with " +
+           std::to_string(TokensOf(id));
+  }
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// kill mode
+
+enum class KeyState { kPutInFlight, kLive, kDeleteInFlight, kDeleted };
+
+struct KeyRecord {
+  KeyState state = KeyState::kPutInFlight;
+  uint64_t stored_bytes = 0;  // from the acknowledgement (0: not known)
+};
+
+struct KillCampaign {
+  explicit KillCampaign(const Flags& flags) : f(flags) {}
+
+  const Flags& f;
+  std::mutex mu;
+  std::map<uint64_t, KeyRecord> keys;  // guarded by mu
+  std::deque<uint64_t> deleted;        // recent acknowledged deletes, checked after each kill
+  std::atomic<uint64_t> next_id{0};
+  std::atomic<bool> stop{false};
+  uint64_t acked_puts = 0, acked_deletes = 0, cut_puts = 0, cut_deletes = 0;
+  uint64_t lost = 0, corrupt = 0, resurrected = 0, op_errors_before_kill = 0;
+  std::vector<std::string> problems;
+
+  static std::string Key(uint64_t id) { return "w-" + std::to_string(id); }
+
+  void Writer(const KvcompdProcess& d, int w, std::atomic<bool>* killed) {
+    auto c = Connect(d, absl::Seconds(10), 1);
+    if (c == nullptr) {
+      if (!killed->load()) Problem("writer " + std::to_string(w) + " could not connect");
+      return;
+    }
+    std::deque<uint64_t> mine;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      for (auto& [id, r] : keys) {
+        if (static_cast<int>(id % f.writers) == w && r.state == KeyState::kLive)
+          mine.push_back(id);
+      }
+    }
+    while (!stop.load()) {
+      if (static_cast<int>(mine.size()) >= f.window) {
+        const uint64_t old = mine.front();
+        {
+          std::lock_guard<std::mutex> l(mu);
+          keys[old].state = KeyState::kDeleteInFlight;
+        }
+        absl::Status st = c->Delete("m", Key(old));
+        std::lock_guard<std::mutex> l(mu);
+        if (!st.ok()) {
+          if (!killed->load()) Problem("delete " + Key(old) + ": " + st.ToString(), true);
+          return;
+        }
+        keys[old].state = KeyState::kDeleted;
+        deleted.push_back(old);
+        if (deleted.size() > 512) deleted.pop_front();
+        ++acked_deletes;
+        mine.pop_front();
+        continue;
+      }
+      uint64_t id = next_id.fetch_add(1);
+      while (static_cast<int>(id % f.writers) != w) id = next_id.fetch_add(1);
+      Kv kv = MakeKv(id);
+      {
+        std::lock_guard<std::mutex> l(mu);
+        keys[id].state = KeyState::kPutInFlight;
+      }
+      auto r = c->Put("m", Key(id), kLayout, TokensOf(id), kv.layers);
+      std::lock_guard<std::mutex> l(mu);
+      if (!r.ok()) {
+        if (!killed->load()) Problem("put " + Key(id) + ": " + r.status().ToString(), true);
+        return;
+      }
+      keys[id] = {KeyState::kLive, r->stored_bytes};
+      ++acked_puts;
+      mine.push_back(id);
+    }
+  }
+
+  void Problem(const std::string& what, bool op_error = false) {
+    if (op_error) ++op_errors_before_kill;
+    if (problems.size() < 50) problems.push_back(what);
+    std::fprintf(stderr, "PROBLEM: %s\n", what.c_str());
+  }
+
+  // After a restart: every acknowledged cache whole, every acknowledged delete gone; operations
+  // cut by the kill resolved to whichever way they went.
+  void Verify(client::Client& c, int cycle) {
+    std::lock_guard<std::mutex> l(mu);
+    for (auto it = keys.begin(); it != keys.end();) {
+      const uint64_t id = it->first;
+      KeyRecord& r = it->second;
+      auto got = c.GetBytes("m", Key(id));
+      const bool found = got.ok();
+      if (!found && !absl::IsNotFound(got.status())) {
+        Problem("cycle " + std::to_string(cycle) + ": get " + Key(id) + ": " +
+                got.status().ToString());
+        ++it;
+        continue;
+      }
+      switch (r.state) {
+        case KeyState::kLive:
+          if (!found) {
+            ++lost;
+            Problem("cycle " + std::to_string(cycle) + ": acknowledged " + Key(id) + " lost");
+          } else if (auto bad = CheckBytes(*got, id, r.stored_bytes); !bad.empty()) {
+            ++corrupt;
+            Problem("cycle " + std::to_string(cycle) + ": " + Key(id) + " " + bad);
+          }
+          break;
+        case KeyState::kPutInFlight:
+          ++cut_puts;
+          if (found) {
+            if (auto bad = CheckBytes(*got, id, 0); !bad.empty()) {
+              ++corrupt;
+              Problem("cycle " + std::to_string(cycle) + ": cut put " + Key(id) + " " + bad);
+            }
+            r = {KeyState::kLive, got->size()};
+          } else {
+            it = keys.erase(it);
+            continue;
+          }
+          break;
+        case KeyState::kDeleteInFlight:
+          ++cut_deletes;
+          if (found) {
+            r.state = KeyState::kLive;
+          } else {
+            r.state = KeyState::kDeleted;
+            deleted.push_back(id);
+          }
+          break;
+        case KeyState::kDeleted:
+          break;
+      }
+      if (r.state == KeyState::kDeleted) {
+        it = keys.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (uint64_t id : deleted) {
+      if (keys.count(id) != 0) continue;
+      auto got = c.GetBytes("m", Key(id));
+      if (got.ok()) {
+        ++resurrected;
+        Problem("cycle " + std::to_string(cycle) + ": deleted " + Key(id) + " came back");
+      }
+    }
+  }
+
+  int Run() {
+    const std::string data = f.dir + "/data";
+    std::vector<std::string> flags = {"--storage.rocksdb_capacity_bytes=512Mi",
+                                      "--storage.host_capacity_bytes=64Mi",
+                                      "--data_plane.max_block_bytes=1Mi"};
+    flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
+    KvcompdProcess d(f.kvcompd, data, flags);
+    std::mt19937_64 rng(f.seed);
+    std::uniform_int_distribution<int> run_ms(200, 1500);
+    const auto t0 = Clock::now();
+    std::vector<double> restart_ms;
+    int cycle = 0;
+    for (; cycle < f.cycles; ++cycle) {
+      const auto s0 = Clock::now();
+      if (!d.Start(60)) {
+        Problem("cycle " + std::to_string(cycle) + ": kvcompd did not start");
+        std::string log = d.Log();
+        std::fprintf(stderr, "%s\n", log.substr(log.size() > 4000 ? log.size() - 4000 : 0).c_str());
+        break;
+      }
+      restart_ms.push_back(Ms(Clock::now() - s0));
+      {
+        auto c = Connect(d, absl::Seconds(30), 2);
+        if (c == nullptr) {
+          Problem("cycle " + std::to_string(cycle) + ": verifier could not connect");
+          break;
+        }
+        Verify(*c, cycle);
+      }
+      stop = false;
+      std::atomic<bool> killed{false};
+      std::vector<std::thread> threads;
+      for (int w = 0; w < f.writers; ++w) {
+        threads.emplace_back([&, w] { Writer(d, w, &killed); });
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(run_ms(rng)));
+      killed = true;
+      d.Kill(SIGKILL);
+      stop = true;
+      for (auto& t : threads) t.join();
+      if ((cycle + 1) % 50 == 0) Progress(cycle + 1, t0, restart_ms);
+    }
+    if (cycle == f.cycles) {  // a last restart checks what the last kill left
+      if (d.Start(60)) {
+        auto c = Connect(d, absl::Seconds(30), 2);
+        if (c != nullptr) Verify(*c, cycle);
+        d.Kill(SIGTERM);
+      } else {
+        Problem("final start failed");
+      }
+    }
+    Progress(cycle, t0, restart_ms, /*final=*/true);
+    return lost + corrupt + resurrected + op_errors_before_kill == 0 && cycle == f.cycles ? 0 : 1;
+  }
+
+  void Progress(int cycles, Clock::time_point t0, const std::vector<double>& restart_ms,
+                bool final = false) {
+    std::lock_guard<std::mutex> l(mu);
+    uint64_t live = 0;
+    for (auto& [id, r] : keys) live += r.state == KeyState::kLive;
+    std::ostringstream s;
+    s << (final ? "| final" : "| progress") << " | cycles " << cycles << " | elapsed "
+      << static_cast<int>(Ms(Clock::now() - t0) / 1000) << " s | acknowledged puts " << acked_puts
+      << " | acknowledged deletes " << acked_deletes << " | puts cut by the kill " << cut_puts
+      << " | deletes cut " << cut_deletes << " | live caches " << live << " | lost " << lost
+      << " | corrupt " << corrupt << " | deleted but back " << resurrected
+      << " | errors while up " << op_errors_before_kill << " | restart-to-ready p50 "
+      << Percentile(restart_ms, 0.5) << " ms, p99 " << Percentile(restart_ms, 0.99)
+      << " ms |\n";
+    if (final) {
+      for (const auto& p : problems) s << "  - " << p << "\n";
+    }
+    Report(f, s.str());
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// soak mode
+
+struct OpStats {
+  std::vector<double> put_ms, get_ms, delete_ms;
+  uint64_t errors = 0;
+  std::vector<std::string> samples;
+};
+
+int Soak(const Flags& f) {
+  std::vector<std::string> flags = {"--data_plane.max_block_bytes=1Mi"};
+  flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
+  KvcompdProcess d(f.kvcompd, f.dir + "/data", flags);
+  if (!d.Start(60)) {
+    std::fprintf(stderr, "kvcompd did not start:\n%s\n", d.Log().c_str());
+    return 1;
+  }
+  std::atomic<bool> stop{false};
+  std::vector<std::pair<double, uint64_t>> rss;  // (seconds, KiB)
+  const auto t0 = Clock::now();
+  std::thread sampler([&] {
+    while (!stop.load()) {
+      rss.emplace_back(Ms(Clock::now() - t0) / 1000, RssKiB(d.ports().pid));
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+  });
+  std::vector<OpStats> stats(f.clients);
+  std::vector<std::thread> threads;
+  for (int ci = 0; ci < f.clients; ++ci) {
+    threads.emplace_back([&, ci] {
+      OpStats& st = stats[ci];
+      auto c = Connect(d, absl::Seconds(60), 2);
+      if (c == nullptr) {
+        ++st.errors;
+        st.samples.push_back("connect failed");
+        return;
+      }
+      auto error = [&](const std::string& what) {
+        ++st.errors;
+        if (st.samples.size() < 10) st.samples.push_back(what);
+      };
+      std::mt19937_64 rng(f.seed * 1000 + ci);
+      std::deque<std::pair<uint64_t, uint64_t>> live;  // (id, stored bytes)
+      uint64_t n = 0;
+      const auto end = t0 + std::chrono::duration<double>(f.seconds);
+      while (Clock::now() < end) {
+        const int dice = static_cast<int>(rng() % 100);
+        if (live.empty() || dice < 40 || (live.size() < 32 && dice < 50)) {
+          const uint64_t id = (uint64_t{static_cast<uint32_t>(ci)} << 40) | n++;
+          Kv kv = MakeKv(id);
+          const auto s0 = Clock::now();
+          auto r = c->Put("m", "c" + std::to_string(id), kLayout, TokensOf(id), kv.layers);
+          st.put_ms.push_back(Ms(Clock::now() - s0));
+          if (!r.ok()) {
+            error("put: " + r.status().ToString());
+            continue;
+          }
+          live.emplace_back(id, r->stored_bytes);
+          if (live.size() > 32) {  // bounded: the oldest goes
+            const uint64_t old = live.front().first;
+            live.pop_front();
+            const auto d0 = Clock::now();
+            absl::Status ds = c->Delete("m", "c" + std::to_string(old));
+            st.delete_ms.push_back(Ms(Clock::now() - d0));
+            if (!ds.ok()) error("delete: " + ds.ToString());
+          }
+        } else if (dice < 85) {
+          const auto& [id, bytes] = live[rng() % live.size()];
+          const auto s0 = Clock::now();
+          auto g = c->GetBytes("m", "c" + std::to_string(id));
+          st.get_ms.push_back(Ms(Clock::now() - s0));
+          if (!g.ok()) {
+            error("get: " + g.status().ToString());
+          } else if (auto bad = CheckBytes(*g, id, bytes); !bad.empty()) {
+            error("get c" + std::to_string(id) + ": " + bad);
+          }
+        } else {
+          const size_t i = rng() % live.size();
+          const uint64_t id = live[i].first;
+          live.erase(live.begin() + static_cast<long>(i));
+          const auto s0 = Clock::now();
+          absl::Status ds = c->Delete("m", "c" + std::to_string(id));
+          st.delete_ms.push_back(Ms(Clock::now() - s0));
+          if (!ds.ok()) error("delete: " + ds.ToString());
+          auto g = c->GetBytes("m", "c" + std::to_string(id));
+          if (!absl::IsNotFound(g.status())) error("deleted cache still served");
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  stop = true;
+  sampler.join();
+  const bool alive = d.running();
+  d.Kill(SIGTERM);
+
+  OpStats all;
+  for (auto& s : stats) {
+    all.put_ms.insert(all.put_ms.end(), s.put_ms.begin(), s.put_ms.end());
+    all.get_ms.insert(all.get_ms.end(), s.get_ms.begin(), s.get_ms.end());
+    all.delete_ms.insert(all.delete_ms.end(), s.delete_ms.begin(), s.delete_ms.end());
+    all.errors += s.errors;
+    for (auto& m : s.samples) all.samples.push_back(m);
+  }
+  uint64_t rss_max = 0, rss_first = 0, rss_last = 0;
+  const double total = rss.empty() ? 0 : rss.back().first;
+  for (auto& [t, kib] : rss) {
+    rss_max = std::max(rss_max, kib);
+    if (t <= 60) rss_first = std::max(rss_first, kib);
+    if (t >= total - 60) rss_last = std::max(rss_last, kib);
+  }
+  std::ostringstream s;
+  auto line = [&](const char* op, const std::vector<double>& v) {
+    s << "| " << op << " | " << v.size() << " | " << Percentile(v, 0.5) << " | "
+      << Percentile(v, 0.99) << " | " << (v.empty() ? 0 : *std::max_element(v.begin(), v.end()))
+      << " |\n";
+  };
+  s << "clients " << f.clients << ", " << f.seconds << " s, errors " << all.errors
+    << ", daemon alive at the end: " << (alive ? "yes" : "NO") << "\n\n";
+  s << "| op | count | p50 ms | p99 ms | max ms |\n| --- | --- | --- | --- | --- |\n";
+  line("put", all.put_ms);
+  line("get", all.get_ms);
+  line("delete", all.delete_ms);
+  s << "\nRSS of kvcompd (KiB): max " << rss_max << ", max over the first 60 s " << rss_first
+    << ", max over the last 60 s " << rss_last << ", samples " << rss.size() << "\n";
+  for (auto& m : all.samples) s << "  - " << m << "\n";
+  Report(f, s.str());
+  return all.errors == 0 && alive ? 0 : 1;
+}
+
+Flags ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto val = [&](const char* name) -> const char* {
+      const std::string p = std::string("--") + name + "=";
+      return a.rfind(p, 0) == 0 ? argv[i] + p.size() : nullptr;
+    };
+    if (const char* v = val("mode")) f.mode = v;
+    else if (const char* v = val("kvcompd")) f.kvcompd = v;
+    else if (const char* v = val("dir")) f.dir = v;
+    else if (const char* v = val("out")) f.out = v;
+    else if (const char* v = val("cycles")) f.cycles = std::atoi(v);
+    else if (const char* v = val("writers")) f.writers = std::atoi(v);
+    else if (const char* v = val("window")) f.window = std::atoi(v);
+    else if (const char* v = val("clients")) f.clients = std::atoi(v);
+    else if (const char* v = val("seconds")) f.seconds = std::atof(v);
+    else if (const char* v = val("seed")) f.seed = std::strtoull(v, nullptr, 10);
+    else if (const char* v = val("daemon_flag")) f.daemon_flags.push_back(v);
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", a.c_str());
+      std::exit(2);
+    }
+  }
+  if (f.dir.empty()) {
+    char tmpl[] = "/tmp/kvcomp-campaign-XXXXXX";
+    f.dir = mkdtemp(tmpl);
+  }
+  return f;
+}
+
+}  // namespace
+}  // namespace kvcomp
+
+int main(int argc, char** argv) {
+  signal(SIGPIPE, SIG_IGN);
+  kvcomp::Flags f = kvcomp::ParseFlags(argc, argv);
+  if (f.mode == "kill") return kvcomp::KillCampaign(f).Run();
+  if (f.mode == "soak") return kvcomp::Soak(f);
+  std::fprintf(stderr, "--mode must be kill or soak\n");
+  return 2;
+}
