@@ -71,6 +71,8 @@ class BlockCompressorImpl final : public BlockCompressor {
       knorm.scorer = Scorer::kKnorm;
       KVCOMP_RETURN_IF_ERROR(backend_.scoring().Score(keys, knorm, TokenPositions{}, sq.data()));
     }
+    // Values are held to the same check.
+    KVCOMP_RETURN_IF_ERROR(backend_.scoring().CheckFinite(values, "values"));
     const size_t eb = ElemBytes(keys.dtype);
     for (uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
       for (uint64_t t = 0; t < keys.num_tokens; ++t) {

@@ -65,6 +65,9 @@ class BrokenBackend final : public Backend, public ScoringOps {
     return cpu_->scoring().Compact(k, v, c, i, ko, vo);
   }
   uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& a) const override { return 0; }
+  absl::Status CheckFinite(const HeadsView& v, const char* what) override {
+    return cpu_->scoring().CheckFinite(v, what);
+  }
   absl::Status ScoreSelectCompact(const ScoreSelectCompactArgs& a) override {
     KVCOMP_RETURN_IF_ERROR(cpu_->scoring().ScoreSelectCompact(a));
     const size_t row = a.keys.head_dim * (a.keys.dtype == DType::kF32 ? 4 : 2);

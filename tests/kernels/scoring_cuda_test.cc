@@ -258,6 +258,48 @@ TEST(ScoringCudaTest, NonFiniteKeysAreInvalidArgument) {
   }
 }
 
+TEST(ScoringCudaTest, NonFiniteValuesAreInvalidArgumentLikeKeys) {
+  auto b = Cuda();
+  ASSERT_NE(b, nullptr);
+  for (Scorer s : {Scorer::kKnorm, Scorer::kManifold, Scorer::kKeyDiff,
+                   Scorer::kWindowedManifold, Scorer::kStreaming, Scorer::kRandom}) {
+    for (float bad : {NAN, INFINITY, 3e38f}) {
+      const HostHeads k = RandomHeads(DType::kF32, 2, 301, 64, 77);
+      HostHeads v = RandomHeads(DType::kF32, 2, 301, 64, 78);
+      v.Set((uint64_t{1} * 301 + 200) * 64 + 5, bad);
+      DeviceArray dk(*b, k.bytes.size()), dv(*b, v.bytes.size());
+      dk.Upload(k.bytes.data());
+      dv.Upload(v.bytes.data());
+      ScoreParams sp;
+      sp.scorer = s;
+      sp.window = 64;
+      SelectParams sel;
+      sel.kept_per_head = 100;
+      const HeadsView vv =
+          HeadsView::Dense(dv.data(), DType::kF32, 2, 301, 64, MemorySpace::kDevice);
+      const Outputs o = RunOps(
+          *b, HeadsView::Dense(dk.data(), DType::kF32, 2, 301, 64, MemorySpace::kDevice), vv, sp,
+          sel, {}, true);
+      EXPECT_EQ(o.status.code(), absl::StatusCode::kInvalidArgument) << ScorerName(s) << bad;
+      EXPECT_NE(o.status.message().find(
+                    "values: NaN or Inf (or a squared norm beyond float32) at head 1, token 200"),
+                std::string::npos)
+          << ScorerName(s) << " " << bad << ": " << o.status;
+      const absl::Status direct = b->scoring().CheckFinite(vv, "values");
+      EXPECT_EQ(direct.code(), absl::StatusCode::kInvalidArgument) << direct;
+      EXPECT_NE(direct.message().find("head 1, token 200"), std::string::npos) << direct;
+    }
+  }
+  const HostHeads ok = RandomHeads(DType::kBF16, 2, 64, 128, 79);
+  DeviceArray dok(*b, ok.bytes.size());
+  dok.Upload(ok.bytes.data());
+  EXPECT_TRUE(b->scoring()
+                  .CheckFinite(HeadsView::Dense(dok.data(), DType::kBF16, 2, 64, 128,
+                                                MemorySpace::kDevice),
+                               "values")
+                  .ok());
+}
+
 TEST(ScoringCudaTest, NonFiniteScoresInSelectAreInvalidArgument) {
   auto b = Cuda();
   ASSERT_NE(b, nullptr);

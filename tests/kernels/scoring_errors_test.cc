@@ -71,6 +71,99 @@ TEST_F(ScoringErrorsTest, NanOrInfInKeysForEveryScorer) {
   }
 }
 
+TEST_F(ScoringErrorsTest, NanOrInfInValuesForEveryScorerAsForKeys) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity()}) {
+      for (Scorer s :
+           {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
+            Scorer::kStreaming, Scorer::kRandom, Scorer::kSnapKV}) {
+        const HostHeads k = RandomHeads(dt, 2, 50, 64, 1);
+        HostHeads v = RandomHeads(dt, 2, 50, 64, 2);
+        const HostHeads q = RandomHeads(dt, 2, 4, 64, 3);
+        v.Set((uint64_t{1} * 50 + 33) * 64 + 7, bad);
+        ScoreSelectCompactArgs a;
+        a.score.scorer = s;
+        a.score.queries = q.view();
+        const absl::Status st = Run(k, v, a);
+        ExpectInvalid(st, "values: NaN or Inf (or a squared norm beyond float32) at head 1, "
+                          "token 33");
+      }
+    }
+  }
+}
+
+TEST_F(ScoringErrorsTest, ExtremeFiniteValuesFollowTheKeysBound) {
+  // The stated rule, keys and values alike: a row's squared norm must fit float32.
+  for (bool in_values : {false, true}) {
+    for (float x : {3e38f, -2e19f}) {  // squared norm overflows float32
+      HostHeads k = RandomHeads(DType::kF32, 2, 20, 64, 1);
+      HostHeads v = RandomHeads(DType::kF32, 2, 20, 64, 2);
+      (in_values ? v : k).Set((uint64_t{0} * 20 + 11) * 64 + 3, x);
+      ExpectInvalid(Run(k, v, {}), std::string(in_values ? "values" : "keys") +
+                                       ": NaN or Inf (or a squared norm beyond float32) at head "
+                                       "0, token 11");
+    }
+    for (float x : {1e18f, -65504.0f}) {  // within it
+      HostHeads k = RandomHeads(DType::kF32, 2, 20, 64, 1);
+      HostHeads v = RandomHeads(DType::kF32, 2, 20, 64, 2);
+      (in_values ? v : k).Set(11 * 64 + 3, x);
+      EXPECT_TRUE(Run(k, v, {}).ok()) << x;
+    }
+  }
+}
+
+TEST_F(ScoringErrorsTest, CheckFiniteNamesWhatAndWhere) {
+  HostHeads v = RandomHeads(DType::kBF16, 3, 40, 128, 5);
+  EXPECT_TRUE(backend_->scoring().CheckFinite(v.view(), "values").ok());
+  v.Set((uint64_t{2} * 40 + 39) * 128 + 127, std::numeric_limits<float>::infinity());
+  v.Set((uint64_t{2} * 40 + 38) * 128 + 0, std::numeric_limits<float>::quiet_NaN());
+  ExpectInvalid(backend_->scoring().CheckFinite(v.view(), "values"),
+                "values: NaN or Inf (or a squared norm beyond float32) at head 2, token 38");
+  HeadsView bad = v.view();
+  bad.data = nullptr;
+  ExpectInvalid(backend_->scoring().CheckFinite(bad, "values"), "null");
+}
+
+TEST_F(ScoringErrorsTest, NanValuesRefusedByCompressAndTheBlockCompressor) {
+  const KvLayout layout{2, 2, 2, 64, DType::kF16};
+  std::vector<HostHeads> k, v;
+  for (uint32_t l = 0; l < 2; ++l) {
+    k.push_back(RandomHeads(DType::kF16, 2, 32, 64, 10 + l));
+    v.push_back(RandomHeads(DType::kF16, 2, 32, 64, 20 + l));
+  }
+  v[1].Set((uint64_t{1} * 32 + 17) * 64, std::numeric_limits<float>::quiet_NaN());
+  KvCacheView c;
+  c.layout = layout;
+  c.num_tokens = 32;
+  for (uint32_t l = 0; l < 2; ++l) {
+    c.keys.push_back(k[l].view());
+    c.values.push_back(v[l].view());
+  }
+  for (bool moment_aware : {false, true}) {
+    CompressionPolicy p;
+    p.ratio = 0.5;
+    p.moment_aware = moment_aware;
+    auto out = Compress(*backend_, c, p);
+    ASSERT_FALSE(out.ok());
+    ExpectInvalid(out.status(), "layer 1: values: NaN or Inf");
+    ExpectInvalid(out.status(), "head 1, token 17");
+  }
+  CompressionPolicy p;
+  p.block_size = 16;
+  p.token_budget = 8;
+  auto bc = BlockCompressor::Create(*backend_, layout, p);
+  ASSERT_TRUE(bc.ok()) << bc.status();
+  HostHeads good = RandomHeads(DType::kF16, 2, 16, 64, 3);
+  HostHeads block = RandomHeads(DType::kF16, 2, 16, 64, 4);
+  block.Set((uint64_t{0} * 16 + 9) * 64 + 1, -std::numeric_limits<float>::infinity());
+  ExpectInvalid((*bc)->Append(0, good.view(), block.view()),
+                "values: NaN or Inf (or a squared norm beyond float32) at head 0, token 9");
+  EXPECT_EQ((*bc)->tokens_seen(0), 0u);  // the bad block was dropped
+  EXPECT_TRUE((*bc)->Append(0, good.view(), good.view()).ok());
+}
+
 TEST_F(ScoringErrorsTest, UnsupportedHeadDimAndDtype) {
   HostHeads k = RandomHeads(DType::kF32, 1, 10, 64, 1);
   ScoreSelectCompactArgs a;

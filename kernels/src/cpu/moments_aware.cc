@@ -101,6 +101,7 @@ absl::Status MomentAwareScoreSelectCompact(Backend& backend, const ScoreSelectCo
     KVCOMP_ASSIGN_OR_RETURN(score_buf, Buffer::Allocate(backend.allocator(), count * 4));
     scores = score_buf.as<float>();
   }
+  KVCOMP_RETURN_IF_ERROR(backend.scoring().CheckFinite(args.values, "values"));
   KVCOMP_RETURN_IF_ERROR(backend.scoring().Score(k, args.score, args.positions, scores));
   if (host) {
     KVCOMP_RETURN_IF_ERROR(

@@ -83,6 +83,14 @@ class CpuScoringOps final : public ScoringOps {
     return ScoreImpl(keys, params, positions, scores);
   }
 
+  absl::Status CheckFinite(const HeadsView& view, const char* what) override {
+    KVCOMP_RETURN_IF_ERROR(CheckHeadsView(view, MemorySpace::kHost, what));
+    KVCOMP_ASSIGN_OR_RETURN(
+        Buffer sq, Buffer::Allocate(*ctx_->allocator,
+                                    uint64_t{view.num_heads} * view.num_tokens * sizeof(float)));
+    return SqNormsChecked(view, what, sq.as<float>());
+  }
+
   absl::Status Select(const float* scores, uint32_t num_heads, uint64_t num_tokens,
                       const SelectParams& params, const TokenPositions& positions,
                       KeptIndices out) override {
@@ -114,6 +122,8 @@ class CpuScoringOps final : public ScoringOps {
                               Buffer::Allocate(*ctx_->allocator, uint64_t{h} * n * sizeof(float)));
       scores = scratch.as<float>();
     }
+    // Values are held to the keys' data check (their norms land in `scores`, then overwritten).
+    KVCOMP_RETURN_IF_ERROR(SqNormsChecked(a.values, "values", scores));
     if (PerHeadPays(a)) return PerHead(a, scores);
     KVCOMP_RETURN_IF_ERROR(ScoreImpl(a.keys, a.score, a.positions, scores));
     KVCOMP_RETURN_IF_ERROR(SelectImpl(scores, h, n, a.select, a.positions, a.kept));

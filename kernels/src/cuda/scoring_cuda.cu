@@ -247,6 +247,34 @@ class CudaScoringOps final : public ScoringOps {
     return ReadErrors(ws, l, a.keys.num_tokens, a.score.queries.num_tokens);
   }
 
+  absl::Status CheckFinite(const HeadsView& view, const char* what) override {
+    KVCOMP_RETURN_IF_ERROR(CheckHeadsView(view, MemorySpace::kDevice, what));
+    Carver c;
+    Layout l;
+    l.errors = c.Take(sizeof(ErrorSlots));
+    if (!RowsAligned(view)) l.values = c.Take(Dense(view));
+    l.scores = c.Take(uint64_t{view.num_heads} * view.num_tokens * sizeof(float));
+    KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Allocate(c.size()));
+    KVCOMP_RETURN_IF_ERROR(ResetErrors(ws, l));
+    KVCOMP_ASSIGN_OR_RETURN(HeadsView v, Repack(view, ws, l.values));
+    KVCOMP_RETURN_IF_ERROR(
+        EnqueueRowCheck(v, At<float>(ws, l.scores), &At<ErrorSlots>(ws, l.errors)->bad_value));
+    if (host_errors_ == nullptr) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_errors_, sizeof(ErrorSlots)));
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_errors_, At<char>(ws, l.errors),
+                                                sizeof(ErrorSlots), cudaMemcpyDeviceToHost,
+                                                ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    const unsigned long long bad = host_errors_->bad_value;
+    if (bad != ~0ull) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: NaN or Inf (or a squared norm beyond float32) at head %u, token %u", what,
+          bad / view.num_tokens, bad % view.num_tokens));
+    }
+    return absl::OkStatus();
+  }
+
   uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& a) const override {
     Carver c;
     Layout l;
@@ -295,6 +323,9 @@ class CudaScoringOps final : public ScoringOps {
     KVCOMP_ASSIGN_OR_RETURN(HeadsView keys, Repack(a.keys, ws, l->keys));
     KVCOMP_ASSIGN_OR_RETURN(HeadsView values, Repack(a.values, ws, l->values));
     float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
+    // Values are held to the keys' data check (their norms land in `scores`, then overwritten).
+    KVCOMP_RETURN_IF_ERROR(
+        EnqueueRowCheck(values, scores, &At<ErrorSlots>(ws, l->errors)->bad_value));
     KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, a.score, a.positions, scores, ws, *l,
                                         /*repacked=*/true));
     KVCOMP_RETURN_IF_ERROR(EnqueueSelect(scores, a.keys.num_heads, a.keys.num_tokens, a.select,
@@ -325,6 +356,11 @@ class CudaScoringOps final : public ScoringOps {
       return absl::InvalidArgumentError(absl::StrFormat(
           "keys: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
           e.bad_key / n, e.bad_key % n));
+    }
+    if (e.bad_value != kNone) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "values: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
+          e.bad_value / n, e.bad_value % n));
     }
     if (e.bad_query != kNone) {
       return absl::InvalidArgumentError(absl::StrFormat(

@@ -49,6 +49,7 @@ struct ErrorSlots {
   unsigned long long bad_key;    // a key row with NaN/Inf or a squared norm beyond float32
   unsigned long long bad_query;  // the same for snapkv queries
   unsigned long long bad_score;  // a non-finite score given to Select
+  unsigned long long bad_value;  // a value row with NaN/Inf or a squared norm beyond float32
 };
 
 // Selection state of one segment (a head, or the whole layer).

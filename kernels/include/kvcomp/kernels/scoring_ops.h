@@ -11,7 +11,12 @@
 //    parameters. CheckScoreArgs/CheckSelectArgs/CheckCompactArgs below are that validation;
 //    backends call them so the messages are identical.
 //  - Data check: Score (and ScoreSelectCompact) returns InvalidArgument when a key is NaN or
-//    Inf (or its squared norm overflows float32); the outputs are then unspecified.
+//    Inf (or its squared norm overflows float32); ScoreSelectCompact and CheckFinite refuse
+//    values the same way. The rule for K and V alike: every element finite and every row's
+//    (one head, one token) squared L2 norm at most FLT_MAX (about 3.4e38), so any finite f16 or
+//    bf16-range value below ~1e19 / sqrt(head_dim) passes. Messages: "keys: NaN or Inf (or a
+//    squared norm beyond float32) at head H, token T" ("values: ..." for values). The outputs
+//    are then unspecified.
 //  - All pointers (views, scores, counts, indices, outputs) are in the backend's memory space.
 //    Outputs are written into caller buffers; workspace comes from the backend's Allocator.
 //  - The CUDA backend orders every op on its stream; the host may read results after
@@ -152,6 +157,11 @@ class ScoringOps {
 
   // Workspace ScoreSelectCompact will take from the allocator for these shapes (bytes).
   virtual uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& args) const = 0;
+
+  // The data check of Score on any view (values of a block, ...): InvalidArgument
+  // "<what>: NaN or Inf (or a squared norm beyond float32) at head H, token T" for the first bad
+  // row (lowest head, then token), or for a bad view (CheckHeadsView).
+  virtual absl::Status CheckFinite(const HeadsView& view, const char* what) = 0;
 };
 
 // --- Argument validation shared by every backend (InvalidArgument with a clear message) ---
