@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Part of `make test`: the core tests (format parser included) under ASan+UBSan, and a bounded
-# libFuzzer run of the format parser (KVCOMP_FUZZ_SECONDS, default 90).
+# libFuzzer run of the format parser (KVCOMP_FUZZ_SECONDS, default 90) and of the token file and
+# configuration parsers (KVCOMP_PARSER_FUZZ_SECONDS each, default 10).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=$(nproc)
@@ -24,6 +25,18 @@ build-fuzz/tests/fuzz/format_seed_corpus "$corpus"
 build-fuzz/tests/fuzz/format_parse_fuzz -max_total_time="$FUZZ_SECONDS" -max_len=65536 \
   -print_final_stats=1 "$corpus" 2>&1 | tail -n 12
 echo "fuzz: format parser ran ${FUZZ_SECONDS}s clean"
+
+# The token file and configuration parsers: a few seconds each from their seed corpora.
+PARSER_FUZZ_SECONDS=${KVCOMP_PARSER_FUZZ_SECONDS:-10}
+cmake --build build-fuzz -j "$JOBS" --target token_file_fuzz config_yaml_fuzz
+for target in token_file config_yaml; do
+  echo "-- libFuzzer: ${target} parser for ${PARSER_FUZZ_SECONDS}s"
+  work=build-fuzz/${target}_corpus
+  mkdir -p "$work"
+  build-fuzz/tests/fuzz/${target}_fuzz -max_total_time="$PARSER_FUZZ_SECONDS" -max_len=4096 \
+    -print_final_stats=1 "$work" tests/fuzz/corpus/${target} 2>&1 | tail -n 4
+  echo "fuzz: ${target} parser ran ${PARSER_FUZZ_SECONDS}s clean"
+done
 
 echo "-- ASan+UBSan build of the data-plane tests (wire protocol parser, UCX server and client)"
 cmake -S . -B build-asan-transport -G Ninja -DKVCOMP_CUDA=OFF -DKVCOMP_PYTHON=OFF \

@@ -5,6 +5,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -23,11 +25,24 @@ int64_t MtimeNs(const struct stat& st) {
   return int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
 }
 
+// Reads a regular file (never blocks on a FIFO or a device: those are refused).
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " is not a regular file"));
+  }
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  if (!in) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
+  }
   std::stringstream ss;
   ss << in.rdbuf();
+  if (in.bad()) return absl::FailedPreconditionError(absl::StrCat("cannot read ", path));
   return ss.str();
 }
 
@@ -59,17 +74,53 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
+absl::StatusOr<absl::flat_hash_map<std::string, std::string>> TokenStore::ParseTokenFile(
+    absl::string_view text, const std::string& source) {
+  absl::flat_hash_map<std::string, std::string> tokens;
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(text));
+    if (root.IsNull()) return tokens;
+    if (!root.IsMap()) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": expected `tenant: token` lines"));
+    }
+    for (const auto& kv : root) {
+      if (!kv.first.IsScalar() || !kv.second.IsScalar()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(source, ": every entry must be `tenant: token` (two strings)"));
+      }
+      std::string tenant = kv.first.Scalar();
+      std::string token = kv.second.Scalar();
+      KVCOMP_RETURN_IF_ERROR(CheckTenant(tenant, token, source));
+      if (!tokens.emplace(tenant, token).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(source, ": tenant '", tenant, "' is listed twice"));
+      }
+    }
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
+  }
+  return tokens;
+}
+
 absl::StatusOr<TokenStore::Loaded> TokenStore::Load() const {
   Loaded loaded;
   if (path_.empty()) return loaded;
   struct stat st;
   if (stat(path_.c_str(), &st) != 0) {
-    return absl::NotFoundError(absl::StrCat("auth.token_file ", path_, " does not exist"));
+    if (errno == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("auth.token_file ", path_, " does not exist"));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("auth.token_file ", path_, ": ", std::strerror(errno)));
   }
   loaded.mtime_ns = MtimeNs(st);
   if (S_ISDIR(st.st_mode)) {
     DIR* dir = opendir(path_.c_str());
-    if (dir == nullptr) return absl::NotFoundError(absl::StrCat("cannot list ", path_));
+    if (dir == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot list ", path_, ": ", std::strerror(errno)));
+    }
     std::vector<std::string> names;
     while (struct dirent* e = readdir(dir)) {
       if (e->d_name[0] != '.') names.push_back(e->d_name);
@@ -85,28 +136,15 @@ absl::StatusOr<TokenStore::Loaded> TokenStore::Load() const {
       KVCOMP_RETURN_IF_ERROR(CheckTenant(name, token, file));
       loaded.tokens[name] = token;
     }
-    return loaded;
+  } else {
+    KVCOMP_ASSIGN_OR_RETURN(std::string text, ReadFile(path_));
+    KVCOMP_ASSIGN_OR_RETURN(loaded.tokens, ParseTokenFile(text, path_));
   }
-  KVCOMP_ASSIGN_OR_RETURN(std::string text, ReadFile(path_));
-  YAML::Node root;
-  try {
-    root = YAML::Load(text);
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(path_, ": ", e.what()));
-  }
-  if (root.IsNull()) return loaded;
-  if (!root.IsMap()) {
-    return absl::InvalidArgumentError(absl::StrCat(path_, ": expected `tenant: token` lines"));
-  }
-  for (const auto& kv : root) {
-    if (!kv.second.IsScalar()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path_, ": the token of '", kv.first.Scalar(), "' is not a string"));
-    }
-    std::string tenant = kv.first.Scalar();
-    std::string token = kv.second.Scalar();
-    KVCOMP_RETURN_IF_ERROR(CheckTenant(tenant, token, path_));
-    loaded.tokens[tenant] = token;
+  if (loaded.tokens.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "auth.token_file ", path_,
+        " holds no token: authentication stays required once a token source is configured "
+        "(leave auth.token_file unset to run an open single-tenant daemon)"));
   }
   return loaded;
 }
@@ -157,14 +195,9 @@ absl::StatusOr<bool> TokenStore::MaybeReload() {
   return true;
 }
 
-bool TokenStore::open_mode() const {
-  absl::MutexLock lock(&mu_);
-  return tokens_.empty();
-}
-
 std::vector<std::string> TokenStore::tenants() const {
+  if (open_mode()) return {kDefaultTenant};
   absl::MutexLock lock(&mu_);
-  if (tokens_.empty()) return {kDefaultTenant};
   std::vector<std::string> out;
   for (const auto& [t, _] : tokens_) out.push_back(t);
   std::sort(out.begin(), out.end());
@@ -173,8 +206,8 @@ std::vector<std::string> TokenStore::tenants() const {
 
 absl::StatusOr<std::string> TokenStore::Authenticate(absl::string_view tenant,
                                                      absl::string_view token) const {
+  if (open_mode()) return std::string(kDefaultTenant);
   absl::MutexLock lock(&mu_);
-  if (tokens_.empty()) return std::string(kDefaultTenant);
   std::string name = tenant.empty() ? std::string(kDefaultTenant) : std::string(tenant);
   auto it = tokens_.find(name);
   // Compare against something even for unknown tenants, to keep timing uniform.

@@ -280,6 +280,19 @@ std::vector<ConfigField> BuildFields() {
       "control_plane.tls_ca_file",
       "PEM CA bundle; when set, TLS clients must present a certificate it signs. Default empty.",
       [](Options & o) -> auto& { return o.control_plane.tls_ca_file; }));
+  f.push_back(BytesField(
+      "control_plane.max_frame_bytes",
+      "Largest Thrift request frame read; a larger one closes the connection before it is "
+      "buffered. Default 64Ki.",
+      [](Options & o) -> auto& { return o.control_plane.max_frame_bytes; }));
+  f.push_back(IntField(
+      "control_plane.max_connections", 1, 1 << 20,
+      "Open Thrift connections at once; beyond it new ones are closed on accept. Default 256.",
+      [](Options & o) -> auto& { return o.control_plane.max_connections; }));
+  f.push_back(DoubleField(
+      "control_plane.idle_timeout_seconds", "seconds", 0, 86400,
+      "A Thrift connection with no request for this long is closed; 0 = never. Default 60.",
+      [](Options & o) -> auto& { return o.control_plane.idle_timeout_seconds; }));
   // --- metrics ---
   f.push_back(BoolField(
       "metrics.enabled", "Serve /metrics, /healthz and /readyz over HTTP. Default true.",
@@ -294,8 +307,9 @@ std::vector<ConfigField> BuildFields() {
   // --- auth ---
   f.push_back(StringField(
       "auth.token_file",
-      "File of `tenant: token` lines (a mounted secret works). Empty path or empty file: open "
-      "single-tenant daemon. Default empty.",
+      "File of `tenant: token` lines or a directory of one file per tenant (a mounted secret). "
+      "Empty path: open single-tenant daemon; once set, auth is required (a missing or empty "
+      "source stops the start and keeps the previous tokens at a reload). Default empty.",
       [](Options & o) -> auto& { return o.auth.token_file; }));
   f.push_back(DoubleField(
       "auth.reload_interval_seconds", "seconds", 0, 86400,
@@ -594,6 +608,10 @@ absl::Status ValidateOptions(const Options& o) {
       (o.control_plane.tls_cert_file.empty() || o.control_plane.tls_key_file.empty())) {
     return absl::InvalidArgumentError(
         "control_plane.tls needs control_plane.tls_cert_file and control_plane.tls_key_file");
+  }
+  if (o.control_plane.max_frame_bytes < 1024 ||
+      o.control_plane.max_frame_bytes > (uint64_t{256} << 20)) {
+    return absl::InvalidArgumentError("control_plane.max_frame_bytes must be in [1Ki, 256Mi]");
   }
   if (o.data_plane.max_block_bytes == 0 || o.data_plane.max_put_bytes == 0) {
     return absl::InvalidArgumentError("data_plane.max_block_bytes and max_put_bytes must be > 0");

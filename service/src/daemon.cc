@@ -1,5 +1,6 @@
 #include "kvcomp/service/daemon.h"
 
+#include <sys/socket.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <thrift/TOutput.h>
@@ -12,11 +13,13 @@
 #include <thrift/transport/TSSLSocket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
 #include <thread>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "handlers.h"
@@ -38,9 +41,11 @@ const char* Version() { return "0.1.0"; }
 
 namespace {
 
+using apache::thrift::TProcessorEventHandler;
 using apache::thrift::concurrency::ThreadFactory;
 using apache::thrift::concurrency::ThreadManager;
 using apache::thrift::protocol::TBinaryProtocolFactory;
+using apache::thrift::protocol::TProtocol;
 using apache::thrift::server::TNonblockingServer;
 using apache::thrift::server::TServerEventHandler;
 using apache::thrift::transport::TNonblockingServerSocket;
@@ -106,11 +111,102 @@ storage::StoreOptions StoreOptionsOf(const Options& o) {
 // The {op} label of the errors the data-plane transport answers without the daemon.
 constexpr char kTransportOp[] = "transport";
 
-// Signals once the nonblocking server listens.
-class ServeEvents : public TServerEventHandler {
+// The Thrift server's connections, seen through its event hooks: the descriptor of each
+// (reported by the listening socket at accept, on the thread that then creates the
+// connection), whether a call is running on it and when the last one ended. CloseIdle shuts
+// down the sockets of idle ones; Thrift then sees end of stream and closes them itself. A
+// connection's context is deleted (under mu_) before Thrift closes its descriptor, so a
+// descriptor found in conns_ under mu_ is still that connection's.
+class ControlConnections : public TServerEventHandler, public TProcessorEventHandler {
  public:
+  explicit ControlConnections(uint32_t max_connections) : max_connections_(max_connections) {}
+
+  // TServerEventHandler
   void preServe() override { started.Notify(); }
+  void* createContext(std::shared_ptr<TProtocol>, std::shared_ptr<TProtocol>) override {
+    auto* c = new Connection;
+    absl::MutexLock lock(&mu_);
+    c->fd = pending_fd_;
+    c->last_active = absl::Now();
+    pending_fd_ = -1;
+    conns_.insert(c);
+    return c;
+  }
+  void deleteContext(void* context, std::shared_ptr<TProtocol>,
+                     std::shared_ptr<TProtocol>) override {
+    auto* c = static_cast<Connection*>(context);
+    absl::MutexLock lock(&mu_);
+    conns_.erase(c);
+    delete c;
+  }
+
+  // TProcessorEventHandler: brackets every call (the context is the connection's).
+  void* getContext(const char*, void* connection) override {
+    if (connection == nullptr) return nullptr;
+    absl::MutexLock lock(&mu_);
+    ++static_cast<Connection*>(connection)->calls;
+    return connection;
+  }
+  void freeContext(void* connection, const char*) override {
+    if (connection == nullptr) return;
+    auto* c = static_cast<Connection*>(connection);
+    absl::MutexLock lock(&mu_);
+    --c->calls;
+    c->last_active = absl::Now();
+  }
+
+  // The listening socket's accept callback, before Thrift admits or drops the connection (it
+  // drops it when max_connections are open).
+  void Accepted(int fd) {
+    absl::MutexLock lock(&mu_);
+    pending_fd_ = fd;
+    if (conns_.size() >= max_connections_) ++refused_;
+  }
+
+  // Shuts down connections with no call running whose last call ended (or that were accepted)
+  // more than `idle` ago; returns how many.
+  uint64_t CloseIdle(absl::Duration idle) {
+    const absl::Time cutoff = absl::Now() - idle;
+    uint64_t closed = 0;
+    absl::MutexLock lock(&mu_);
+    for (Connection* c : conns_) {
+      if (c->fd < 0 || c->calls > 0 || c->last_active > cutoff || c->shut) continue;
+      ::shutdown(c->fd, SHUT_RDWR);
+      c->shut = true;
+      ++closed;
+    }
+    idle_closed_ += closed;
+    return closed;
+  }
+
+  size_t open() const {
+    absl::MutexLock lock(&mu_);
+    return conns_.size();
+  }
+  uint64_t refused() const {
+    absl::MutexLock lock(&mu_);
+    return refused_;
+  }
+  uint64_t idle_closed() const {
+    absl::MutexLock lock(&mu_);
+    return idle_closed_;
+  }
+
   absl::Notification started;
+
+ private:
+  struct Connection {
+    int fd = -1;
+    int calls = 0;
+    bool shut = false;
+    absl::Time last_active;
+  };
+  const uint32_t max_connections_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_set<Connection*> conns_ ABSL_GUARDED_BY(mu_);
+  int pending_fd_ ABSL_GUARDED_BY(mu_) = -1;
+  uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t idle_closed_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class DaemonImpl : public Daemon {
@@ -141,6 +237,7 @@ class DaemonImpl : public Daemon {
     if (s.ok()) {
       Log(LogLevel::kInfo, "tokens reloaded: ", TenancyLine());
     } else {
+      metrics_->CountAuthReloadFailure();
       Log(LogLevel::kError, "token reload failed (previous tokens kept): ", s.ToString());
     }
     return s;
@@ -153,11 +250,13 @@ class DaemonImpl : public Daemon {
       last_sweep_ = now;
       Sweep();
     }
+    ControlPlaneTick();
     if (options_.auth.reload_interval_seconds <= 0) return;
     if (now - last_token_check_ < absl::Seconds(options_.auth.reload_interval_seconds)) return;
     last_token_check_ = now;
     auto r = tokens_->MaybeReload();
     if (!r.ok()) {
+      metrics_->CountAuthReloadFailure();
       Log(LogLevel::kError, "token reload failed (previous tokens kept): ", r.status().ToString());
     } else if (*r) {
       Log(LogLevel::kInfo, "token file changed, reloaded: ", TenancyLine());
@@ -167,13 +266,21 @@ class DaemonImpl : public Daemon {
  private:
   std::string TenancyLine() const {
     if (tokens_->open_mode()) {
-      return "OPEN single-tenant mode: no tokens configured, every request acts as tenant "
-             "'default' (set auth.token_file for multi-tenant use)";
+      return "OPEN single-tenant mode, AUTHENTICATION OFF: no auth.token_file configured, every "
+             "request acts as tenant 'default' whatever its credentials (set auth.token_file to "
+             "require tokens; never expose this daemon beyond localhost)";
     }
-    return absl::StrCat("multi-tenant: ", tokens_->tenants().size(), " tenant(s) from ",
-                        tokens_->path());
+    return absl::StrCat("multi-tenant, authentication required: ", tokens_->tenants().size(),
+                        " tenant(s) from ", tokens_->path());
   }
   absl::Status StartThrift();
+  // The Thrift serving thread ended on its own: readiness goes, the log says why.
+  void ControlPlaneDied(const std::string& why);
+  // Closes idle control connections, releases a dead Thrift server's connections, and
+  // publishes the connection gauges.
+  void ControlPlaneTick();
+  // Why the control plane stopped serving ("" while it serves).
+  std::string ControlPlaneFailure() const;
   void RefreshGauges();
   // Removes expired caches, then the projection versions no stored cache names (not the latest
   // of their tenant/model, not held by an open put).
@@ -192,7 +299,12 @@ class DaemonImpl : public Daemon {
   std::unique_ptr<transport::UcxServer> ucx_;
   std::shared_ptr<TNonblockingServer> thrift_;
   std::shared_ptr<ThreadManager> thrift_workers_;
+  std::shared_ptr<ControlConnections> control_;
   std::thread thrift_thread_;
+  std::atomic<bool> thrift_stopping_{false};
+  std::atomic<bool> thrift_dead_{false};
+  mutable absl::Mutex thrift_mu_;
+  std::string thrift_failure_ ABSL_GUARDED_BY(thrift_mu_);
   uint16_t control_port_ = 0;
   std::unique_ptr<HttpEndpoint> http_;
   absl::Time last_token_check_ = absl::Now();
@@ -211,8 +323,13 @@ absl::Status DaemonImpl::Init(const Options& options) {
   apache::thrift::GlobalOutput.setOutputFunction(ThriftLog);
   KVCOMP_RETURN_IF_ERROR(MakeDirs(options.storage.data_dir));
 
-  KVCOMP_ASSIGN_OR_RETURN(tokens_, TokenStore::Open(options.auth.token_file));
-  Log(LogLevel::kInfo, TenancyLine());
+  auto tokens = TokenStore::Open(options.auth.token_file);
+  if (!tokens.ok()) {
+    return Annotate(tokens.status(),
+                    "auth (a configured token source must hold valid tokens; refusing to start)");
+  }
+  tokens_ = std::move(*tokens);
+  Log(tokens_->open_mode() ? LogLevel::kWarning : LogLevel::kInfo, TenancyLine());
 
   auto store = storage::TieredStore::Open(StoreOptionsOf(options));
   if (!store.ok()) return Annotate(store.status(), "storage");
@@ -252,6 +369,7 @@ absl::Status DaemonImpl::Init(const Options& options) {
   io.put_tier = static_cast<int>(TierOf(options.storage.put_tier));
   const bool cuda = io.backend == "cuda" || (io.backend == "auto" && CudaAvailable());
   metrics_ = std::make_unique<Metrics>(Version(), cuda ? "cuda" : "cpu");
+  metrics_->SetAuthRequired(!tokens_->open_mode());
   projections_ = std::make_unique<StoreProjections>(store_.get());
   auto pipeline = IngestPipeline::Create(io, store_.get(), projections_.get(), metrics_.get());
   if (!pipeline.ok()) return Annotate(pipeline.status(), "engine");
@@ -313,8 +431,14 @@ absl::Status DaemonImpl::Init(const Options& options) {
   if (options.metrics.enabled) {
     HttpEndpoint::Handlers h;
     h.metrics = [this] { return metrics_->Scrape(); };
-    h.live = [] { return true; };
+    // A control plane that stopped serving never comes back: the process is not live either,
+    // so an orchestrator restarts it.
+    h.live = [this] { return !thrift_dead_.load(); };
     h.ready = [this](std::string* reason) {
+      if (thrift_dead_.load()) {
+        *reason = ControlPlaneFailure();
+        return false;
+      }
       if (ctx_.draining.load()) {
         *reason = "draining";
         return false;
@@ -330,8 +454,8 @@ absl::Status DaemonImpl::Init(const Options& options) {
     http_ = std::move(*http);
     ctx_.metrics_port.store(http_->port());
   }
-  ctx_.ready.store(true);
-  metrics_->SetReady(true);
+  ctx_.ready.store(!thrift_dead_.load());
+  metrics_->SetReady(!thrift_dead_.load());
   Log(LogLevel::kInfo, "listening: data ", options.data_plane.address, ":", data_port(),
       " control ", options.control_plane.address, ":", control_port_, " metrics ",
       options.metrics.address, ":", metrics_port(), " (ready)");
@@ -358,22 +482,41 @@ absl::Status DaemonImpl::StartThrift() {
     } else {
       socket = std::make_shared<TNonblockingServerSocket>(c.address, c.port);
     }
+    control_ = std::make_shared<ControlConnections>(c.max_connections);
+    processor->setEventHandler(control_);
+    socket->setAcceptCallback([control = control_](THRIFT_SOCKET fd) { control->Accepted(fd); });
     thrift_workers_ = ThreadManager::newSimpleThreadManager(c.worker_threads);
     thrift_workers_->threadFactory(std::make_shared<ThreadFactory>());
     thrift_workers_->start();
     thrift_ = std::make_shared<TNonblockingServer>(
         processor, std::make_shared<TBinaryProtocolFactory>(), socket, thrift_workers_);
     thrift_->setNumIOThreads(static_cast<size_t>(c.io_threads));
-    auto events = std::make_shared<ServeEvents>();
-    thrift_->setServerEventHandler(events);
+    // Nothing is buffered for a peer beyond one frame of at most max_frame_bytes (every frame
+    // is read whole before its credentials can be checked); a larger frame closes the
+    // connection. Connections beyond max_connections are closed on accept (the overload test
+    // is "more than max open", hence max - 1; hysteresis 1: admission resumes below the cap).
+    thrift_->setMaxFrameSize(static_cast<size_t>(c.max_frame_bytes));
+    thrift_->setMaxConnections(c.max_connections - 1);
+    thrift_->setOverloadAction(apache::thrift::server::T_OVERLOAD_CLOSE_ON_ACCEPT);
+    thrift_->setOverloadHysteresis(1.0);
+    thrift_->setServerEventHandler(control_);
+    auto events = control_;
     auto failure = std::make_shared<std::string>();
-    thrift_thread_ = std::thread([server = thrift_, events, failure] {
+    thrift_thread_ = std::thread([this, server = thrift_, events, failure] {
+      std::string why;
       try {
         server->serve();
+        why = "its serving loop returned";
       } catch (const std::exception& e) {
-        *failure = e.what();
-        if (!events->started.HasBeenNotified()) events->started.Notify();
+        why = e.what();
       }
+      if (!events->started.HasBeenNotified()) {
+        *failure = why;
+        events->started.Notify();
+        return;
+      }
+      if (thrift_stopping_.load()) return;
+      ControlPlaneDied(why);
     });
     if (!events->started.WaitForNotificationWithTimeout(absl::Seconds(10))) {
       return absl::DeadlineExceededError("Thrift server did not start");
@@ -389,6 +532,43 @@ absl::Status DaemonImpl::StartThrift() {
     return absl::UnavailableError(e.what());
   }
   return absl::OkStatus();
+}
+
+void DaemonImpl::ControlPlaneDied(const std::string& why) {
+  {
+    absl::MutexLock lock(&thrift_mu_);
+    thrift_failure_ = absl::StrCat("control plane (Thrift) stopped serving: ", why);
+  }
+  thrift_dead_.store(true);
+  ctx_.ready.store(false);
+  if (metrics_ != nullptr) metrics_->SetReady(false);
+  Log(LogLevel::kError, ControlPlaneFailure(),
+      "; not ready (and not live) from now on: restart the daemon");
+}
+
+std::string DaemonImpl::ControlPlaneFailure() const {
+  absl::MutexLock lock(&thrift_mu_);
+  return thrift_failure_;
+}
+
+void DaemonImpl::ControlPlaneTick() {
+  if (thrift_dead_.load() && thrift_ != nullptr && !thrift_stopping_.load()) {
+    // Close what the dead server still holds (its connections' descriptors, its other I/O
+    // threads), so the process's other listeners keep working until it is restarted.
+    thrift_->stop();
+    if (thrift_thread_.joinable()) thrift_thread_.join();
+    if (thrift_workers_) thrift_workers_->stop();
+    thrift_.reset();
+    Log(LogLevel::kWarning, "control plane released: its connections are closed");
+  }
+  if (control_ == nullptr || thrift_ == nullptr) return;
+  const double idle = options_.control_plane.idle_timeout_seconds;
+  if (idle > 0) {
+    const uint64_t closed = control_->CloseIdle(absl::Seconds(idle));
+    if (closed > 0) {
+      Log(LogLevel::kDebug, "control plane: ", closed, " idle connection(s) closed");
+    }
+  }
 }
 
 void DaemonImpl::Sweep() {
@@ -420,6 +600,12 @@ void DaemonImpl::RefreshGauges() {
     metrics_->SetTier(s);
   }
   metrics_->SetQueueDepth(static_cast<int64_t>(pipeline_->queue_depth()));
+  if (control_ != nullptr) {
+    metrics_->SetControlConnections(thrift_dead_.load() ? 0
+                                                        : static_cast<int64_t>(control_->open()));
+    metrics_->AdvanceControlConnectionsClosed("limit", control_->refused());
+    metrics_->AdvanceControlConnectionsClosed("idle", control_->idle_closed());
+  }
   metrics_->SetPutsInProgress(static_cast<int64_t>(pipeline_->open_puts()));
   // Errors the transport answered itself (malformed frames, checksum mismatches, oversized
   // blocks, ...) never reach the handlers: op "transport", by code, from its running totals.
@@ -486,6 +672,7 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   Log(LogLevel::kDebug, "shutdown: in-flight work done");
   if (ucx_) ucx_->Stop();
   Log(LogLevel::kDebug, "shutdown: data plane stopped");
+  thrift_stopping_.store(true);
   if (thrift_) {
     thrift_->stop();
     if (thrift_thread_.joinable()) thrift_thread_.join();

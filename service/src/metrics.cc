@@ -88,6 +88,10 @@ struct Metrics::Impl {
   prometheus::Gauge* puts_in_progress;
   prometheus::Family<prometheus::Counter>* errors;
   prometheus::Family<prometheus::Counter>* auth_failures;
+  prometheus::Gauge* auth_required = nullptr;
+  prometheus::Counter* auth_reload_failures = nullptr;
+  prometheus::Gauge* control_connections = nullptr;
+  prometheus::Family<prometheus::Counter>* control_closed = nullptr;
   prometheus::Counter* gpu_seconds;
   prometheus::Gauge* projections;
   prometheus::Counter* projections_deleted;
@@ -156,6 +160,16 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
                          .Register(r);
   m.auth_failures->Add({{mn::kLabelPlane, "data"}});
   m.auth_failures->Add({{mn::kLabelPlane, "control"}});
+  m.auth_required = gauge(mn::kAuthRequired, "1 when every request needs a tenant's token.");
+  m.auth_reload_failures = counter(mn::kAuthReloadFailuresTotal,
+                                   "Token reloads refused; the previous tokens stayed in force.");
+  m.control_connections = gauge(mn::kControlConnections, "Open Thrift control connections.");
+  m.control_closed = &prometheus::BuildCounter()
+                          .Name(mn::kControlConnectionsClosedTotal)
+                          .Help("Control connections closed by the daemon, by reason.")
+                          .Register(r);
+  m.control_closed->Add({{mn::kLabelReason, "limit"}});
+  m.control_closed->Add({{mn::kLabelReason, "idle"}});
   m.gpu_seconds = counter(mn::kGpuSecondsTotal, "Seconds of GPU work (compression, decoding).");
   m.ready = gauge(mn::kReady, "1 when the daemon takes new work, else 0.");
   m.projections = gauge(mn::kProjections, "KVSplice projection versions stored.");
@@ -222,6 +236,18 @@ void Metrics::AdvanceErrors(absl::string_view op, const std::string& code, uint6
 
 void Metrics::CountAuthFailure(absl::string_view plane) {
   impl_->auth_failures->Add({{metric_names::kLabelPlane, std::string(plane)}}).Increment();
+}
+
+void Metrics::SetAuthRequired(bool required) { impl_->auth_required->Set(required ? 1 : 0); }
+void Metrics::CountAuthReloadFailure() { impl_->auth_reload_failures->Increment(); }
+void Metrics::SetControlConnections(int64_t connections) {
+  impl_->control_connections->Set(static_cast<double>(connections));
+}
+void Metrics::AdvanceControlConnectionsClosed(absl::string_view reason, uint64_t total) {
+  prometheus::Counter& c =
+      impl_->control_closed->Add({{metric_names::kLabelReason, std::string(reason)}});
+  const double now = c.Value();
+  if (static_cast<double>(total) > now) c.Increment(static_cast<double>(total) - now);
 }
 
 void Metrics::AddGpuSeconds(double seconds) { impl_->gpu_seconds->Increment(seconds); }

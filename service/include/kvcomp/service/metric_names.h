@@ -58,6 +58,17 @@ inline constexpr char kErrorsTotal[] = "kvcomp_errors_total";
 // Counter, label {plane} = data | control: requests refused for a missing or wrong token or a
 // tenant mismatch.
 inline constexpr char kAuthFailuresTotal[] = "kvcomp_auth_failures_total";
+// Gauge: 1 when a token source is configured and every request needs a tenant's token, 0 in
+// open single-tenant mode (no auth.token_file).
+inline constexpr char kAuthRequired[] = "kvcomp_auth_required";
+// Counter: token reloads refused (source missing, unreadable, empty, comments only or
+// malformed); the previous tokens stayed in force.
+inline constexpr char kAuthReloadFailuresTotal[] = "kvcomp_auth_reload_failures_total";
+// Gauge: open Thrift control-plane connections.
+inline constexpr char kControlConnections[] = "kvcomp_control_connections";
+// Counter, label {reason} = limit | idle: control-plane connections the daemon closed, at
+// accept for control_plane.max_connections or after control_plane.idle_timeout_seconds idle.
+inline constexpr char kControlConnectionsClosedTotal[] = "kvcomp_control_connections_closed_total";
 // Gauge: KVSplice projection versions stored (every tenant and model).
 inline constexpr char kProjections[] = "kvcomp_projections";
 // Counter: projection versions deleted because no stored cache named them any more and a newer
@@ -78,6 +89,7 @@ inline constexpr char kLabelOp[] = "op";
 inline constexpr char kLabelStage[] = "stage";
 inline constexpr char kLabelCode[] = "code";
 inline constexpr char kLabelPlane[] = "plane";
+inline constexpr char kLabelReason[] = "reason";
 inline constexpr char kLabelVersion[] = "version";
 inline constexpr char kLabelBackend[] = "backend";
 

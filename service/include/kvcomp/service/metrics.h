@@ -60,6 +60,11 @@ class Metrics {
   // elsewhere, e.g. the transport's own error counts; `code` as ErrorCodeLabel gives it).
   void AdvanceErrors(absl::string_view op, const std::string& code, uint64_t total);
   void CountAuthFailure(absl::string_view plane);  // "data" or "control"
+  void SetAuthRequired(bool required);
+  void CountAuthReloadFailure();
+  void SetControlConnections(int64_t connections);
+  // Raises kvcomp_control_connections_closed_total{reason} ("limit" or "idle") to `total`.
+  void AdvanceControlConnectionsClosed(absl::string_view reason, uint64_t total);
   void AddGpuSeconds(double seconds);
   void SetQueueDepth(int64_t depth);
   void SetPutsInProgress(int64_t puts);

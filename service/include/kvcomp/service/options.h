@@ -66,6 +66,15 @@ struct ControlPlaneOptions {
   std::string tls_cert_file;          // PEM certificate chain (required when tls)
   std::string tls_key_file;           // PEM private key (required when tls)
   std::string tls_ca_file;            // PEM CAs; when set, clients must present a certificate
+  // Largest request frame the server reads, bytes; a larger one closes the connection before
+  // anything is buffered or any credential checked (every control request is well under it).
+  // Default 64 KiB.
+  uint64_t max_frame_bytes = uint64_t{64} << 10;
+  // Open Thrift connections at once; a connection beyond it is closed on accept. Default 256.
+  uint32_t max_connections = 256;
+  // A connection with no request in progress and none completed for this long is closed,
+  // seconds; 0 = never. Default 60.
+  double idle_timeout_seconds = 60;
 };
 
 // Prometheus metrics and the Kubernetes probes (/metrics, /healthz, /readyz).
@@ -77,8 +86,10 @@ struct MetricsOptions {
 
 // Tenants and their tokens.
 struct AuthOptions {
-  // File of `tenant: token` lines (YAML map; a mounted Kubernetes secret works). Empty path or
-  // an empty file = open single-tenant daemon (every request is tenant "default"). Default "".
+  // File of `tenant: token` lines (YAML map) or a directory of one file per tenant (a mounted
+  // Kubernetes secret). Empty path = open single-tenant daemon (every request is tenant
+  // "default"). Once set, authentication is required: a source that is missing, unreadable or
+  // holds no token stops the start, and keeps the previous tokens at a reload. Default "".
   std::string token_file;
   // How often the file's modification time is checked for a reload, seconds; SIGHUP reloads at
   // once. 0 = only on SIGHUP. Default 5.
