@@ -16,6 +16,15 @@
 #   KVCOMP_BENCH_FILTER run only benchmark binaries matching this regex (default: all)
 #   KVCOMP_TORCH_REF   1 (default) to time the PyTorch reference in the same run
 #   KVCOMP_GPU_EXTRA   a further command run last with the same environment (extra.log)
+#   daemon             (not a default step) the whole daemon from the bundle that
+#                      scripts/gpu_bundle.sh makes on the build machine (carry=[".gpubundle"]; no
+#                      sysroot, no build here): KVCOMP_DAEMON_PARTS (default "decode integration bench")
+#                      picks the decode tests, the integration tests against kvcompd with the
+#                      CUDA backend and the GPU tier, and the end-to-end benchmark
+#                      (KVCOMP_DAEMON_BENCH_TOKENS, default "8192 32768"; KVCOMP_DAEMON_BACKENDS,
+#                      default cuda, "cuda cpu" adds the CPU backend at KVCOMP_DAEMON_CPU_TOKENS,
+#                      default 8192); logs in daemon.log
+#   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
 # Local use (no device): OUT=/tmp/out bash bench/gpu/run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,7 +46,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 phase() { echo "== $1 ($(($(date +%s) - T0)) s)"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
-if [ ! -d "$SYSROOT" ]; then
+if { has build || has python; } && [ ! -d "$SYSROOT" ]; then
   echo "run.sh: $SYSROOT missing: run scripts/gpu_sysroot.sh here and pass carry=[\".sysroot\"]" >&2
   exit 2
 fi
@@ -53,6 +62,8 @@ if has env; then
   phase env
   {
     nvidia-smi
+    head -2 /etc/os-release
+    ldd --version | head -1
     nvcc --version
     c++ --version
     cmake --version
@@ -170,6 +181,137 @@ if has bench && [ -d "$BUILD" ]; then
   fi
   grep -h '^RESULT' "$OUT/bench.log" | sed 's/^RESULT //' | column -t >>"$SUMMARY" 2>/dev/null ||
     grep -h '^RESULT' "$OUT/bench.log" >>"$SUMMARY"
+fi
+
+# daemon: kvcompd as a whole on this machine, from the bundle scripts/gpu_bundle.sh builds
+# elsewhere (this machine has none of the service's libraries). The integration tests start their
+# own daemons; the CUDA backend and the GPU tier reach every one of them through the daemon's
+# environment variables (docs/configuration.md), which a flag a test passes still overrides.
+if has daemon; then
+  phase daemon
+  BUNDLE=$ROOT/build-gpu-bundle
+  DLOG=$OUT/daemon.log
+  : >"$DLOG"
+  if [ -f "$ROOT/.gpubundle/bundle.tar.xz" ]; then
+    rm -rf "$BUNDLE" && mkdir -p "$BUNDLE" && tar -C "$BUNDLE" -xJf "$ROOT/.gpubundle/bundle.tar.xz"
+  fi
+  if [ ! -x "$BUNDLE/bin/kvcompd" ]; then
+    note "daemon  no bundle: run scripts/gpu_bundle.sh where it was built, carry=[\".gpubundle\"]"
+  else
+    (
+      # shellcheck disable=SC1091
+      source "$BUNDLE/env.sh"
+      note "bundle  built at $(tr '\n' ' ' <"$BUNDLE/commit")"
+      note "os      $(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-?}"), $(ldd --version 2>&1 | head -1)"
+      missing=$(ldd "$BUNDLE"/bin/* 2>&1 | grep 'not found' | sort -u)
+      [ -z "$missing" ] || note "daemon  unresolved libraries: $(echo $missing)"
+      # The tests start the kvcompd whose path was compiled into them: point it at the bundle's.
+      built=$(cat "$BUNDLE/kvcompd_build_path")
+      mkdir -p "$(dirname "$built")" && ln -sf "$BUNDLE/bin/kvcompd" "$built"
+      export KVCOMP_ENGINE_BACKEND=cuda KVCOMP_STORAGE_PUT_TIER=device
+      export KVCOMP_STORAGE_DEVICE_CAPACITY_BYTES=${KVCOMP_DAEMON_DEVICE_BYTES:-8Gi}
+      PARTS=" ${KVCOMP_DAEMON_PARTS:-decode integration bench} "
+      TMPD=$(mktemp -d)
+
+      # One gtest binary: its output into daemon.log, its totals into the summary.
+      gtest() {  # binary, time limit, optional label of the run
+        local b=$1 limit=$2 label=${3:+ ($3)} rc log=$TMPD/$1${3:+-$3}.log
+        [ -x "$BUNDLE/bin/$b" ] || { note "daemon  $b: not in the bundle"; return; }
+        local t0=$(date +%s)
+        echo "### $b$label" >>"$DLOG"
+        # Streamed into daemon.log as it runs (what a run cut short by its limit still returns).
+        timeout "$limit" "$BUNDLE/bin/$b" --gtest_brief=1 ${KVCOMP_GTEST_ARGS:-} 2>&1 |
+          tee "$log" >>"$DLOG"
+        rc=${PIPESTATUS[0]}
+        echo "### $b$label: exit $rc, $(($(date +%s) - t0)) s" >>"$DLOG"
+        local passed failed skipped
+        passed=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' "$log" | tail -1)
+        failed=$(sed -n 's/^\[  FAILED  \] \([0-9]*\) test.*/\1/p' "$log" | tail -1)
+        skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' "$log" | tail -1)
+        note "daemon  $b$label: ${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped, exit $rc, $(($(date +%s) - t0)) s"
+        grep -E '^\[  FAILED  \] [A-Za-z]' "$log" | sort -u | head -10 | tee -a "$SUMMARY"
+      }
+
+      if [[ "$PARTS" == *" decode "* ]]; then
+        gtest decode_attention_cuda_test 120
+      fi
+
+      if [[ "$PARTS" == *" integration "* ]]; then
+        # First one daemon by hand: its engine line says which backend it took.
+        dd=$TMPD/smoke
+        mkdir -p "$dd"
+        "$BUNDLE/bin/kvcompd" --data_plane.port=0 --control_plane.port=0 --metrics.port=0 \
+          --storage.data_dir="$dd/data" --process.ready_file="$dd/ready.yaml" >"$dd/log" 2>&1 &
+        pid=$!
+        for _ in $(seq 150); do [ -s "$dd/ready.yaml" ] && break; sleep 0.2; done
+        kill -TERM "$pid" 2>/dev/null
+        wait "$pid" 2>/dev/null
+        { echo "### kvcompd started by hand"; cat "$dd/log"; } >>"$DLOG"
+        note "daemon  $(grep -m1 -o 'engine: .*' "$dd/log" || echo 'no engine line (see daemon.log)')"
+        for t in kvcompd_daemon_test kvcompd_control_security_lifecycle_test \
+            kvcompd_housekeeping_test client_daemon_test; do
+          gtest "$t" "${KVCOMP_DAEMON_TEST_TIMEOUT:-150}"
+          # Cases that failed, again with the host tier (still the CUDA backend): tells a case
+          # that expects the default tier from one the GPU path breaks.
+          failed=$(sed -n 's/^\[  FAILED  \] \([A-Za-z0-9_]*\.[A-Za-z0-9_/]*\).*/\1/p' \
+            "$TMPD/$t.log" | sort -u | paste -sd: -)
+          if [ -n "$failed" ]; then
+            (
+              export KVCOMP_STORAGE_PUT_TIER=host KVCOMP_GTEST_ARGS="--gtest_filter=$failed"
+              gtest "$t" "${KVCOMP_DAEMON_TEST_TIMEOUT:-150}" host-tier
+            )
+          fi
+        done
+      fi
+
+      if [[ "$PARTS" == *" bench "* ]] && [ -x "$BUNDLE/bin/kvcompd_bench" ]; then
+        # kvcompd end to end: a Llama-3.1-8B-shaped cache (32 layers, 8 kv heads, d 128, bf16)
+        # pushed over UCX tcp and fetched back, the default policy (manifold, ratio 0.5,
+        # moments); the daemon's stage sums over its three puts (two ingests, one for the gets).
+        for backend in ${KVCOMP_DAEMON_BACKENDS:-cuda}; do
+          tokens_list=${KVCOMP_DAEMON_BENCH_TOKENS:-8192 32768}
+          [ "$backend" = cpu ] && tokens_list=${KVCOMP_DAEMON_CPU_TOKENS:-8192}
+          for tokens in $tokens_list; do
+            echo "### kvcompd_bench $backend $tokens" >>"$DLOG"
+            blog=$TMPD/bench-$backend-$tokens.yaml
+            tier=(--storage.put_tier=device --storage.device_capacity_bytes=32Gi)
+            [ "$backend" = cpu ] && tier=(--storage.put_tier=host)
+            KVCOMP_ENGINE_BACKEND=$backend timeout 150 "$BUNDLE/bin/kvcompd_bench" \
+              --kvcompd "$BUNDLE/bin/kvcompd" --tls tcp --ingest_tokens "$tokens" \
+              --tokens "$tokens" --gets "${KVCOMP_DAEMON_GETS:-10}" -- \
+              --engine.backend="$backend" "${tier[@]}" >"$blog" 2>>"$DLOG" ||
+              note "bench   kvcompd_bench $backend $tokens exited $?"
+            cat "$blog" >>"$DLOG"
+            python3 - "$blog" "$backend" "$tokens" <<'PY' | tee -a "$SUMMARY"
+import re, sys
+text = open(sys.argv[1]).read()
+def num(key, block=""):
+    m = re.search(block + r".*?\b" + key + r": ([0-9.]+)", text, re.S)
+    return float(m.group(1)) if m else float("nan")
+ingest = [(float(b), float(s), float(r), float(p)) for b, s, r, p in re.findall(
+    r"bytes: (\d+)\n\s+stored_bytes: (\d+)\n\s+receive_s: ([0-9.]+)\n.*?put_s: ([0-9.]+)",
+    text, re.S)]
+if not ingest:
+    print(f"e2e     {sys.argv[2]} {sys.argv[3]} tokens: no result")
+    sys.exit()
+orig, stored = ingest[0][0], ingest[0][1]
+stages = {k: num(k, "daemon_stage_seconds_sum:") for k in ("receive", "compress", "store", "serve")}
+puts = 3  # two ingest puts and the put for the gets, all the same size
+comp = stages["compress"] / puts
+saved_s = (orig - stored) / 50e9  # a 400 Gb/s link
+print(f"e2e     {sys.argv[2]:4s} {int(sys.argv[3]):6d} tok: {orig/1e9:.2f} GB -> {stored/1e9:.2f} GB, "
+      f"receive {ingest[0][2]:.3f}/{ingest[1][2] if len(ingest) > 1 else float('nan'):.3f} s, "
+      f"put {ingest[0][3]:.3f}/{ingest[1][3] if len(ingest) > 1 else float('nan'):.3f} s; per put: "
+      f"receive {stages['receive']/puts:.3f} compress {comp:.3f} store {stages['store']/puts:.3f} s; "
+      f"serve {stages['serve']:.3f} s total, get p50 {num('p50_ms', 'get:'):.1f} ms; "
+      f"compress / transfer saved at 400 Gb/s = {comp / saved_s * 100:.0f}%")
+PY
+          done
+        done
+      fi
+      rm -rf "$TMPD"
+    )
+  fi
 fi
 
 # KVCOMP_GPU_EXTRA: one more command, run in this environment (sysroot on the loader path, the

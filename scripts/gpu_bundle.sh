@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Collects the whole daemon for the GPU device machine into .gpubundle/bundle.tar.xz (gitignored;
+# unpacked, build-gpu-bundle/ here): stripped
+# binaries built here with the CUDA backend (kvcompd, the integration tests, the SDK's tests
+# against real daemons, the kvcompd benchmark, the decode tests) and the shared libraries they
+# load that the device lacks (UCX and its transport modules, Thrift, RocksDB, prometheus-cpp,
+# Abseil, yaml-cpp, LAPACKE/BLAS, libevent, OpenSSL, compression libraries...). The device has
+# glibc, libstdc++ and the CUDA libraries; those are left out. bench/gpu/run.sh's `daemon` step
+# unpacks it, sources its env.sh, which puts lib/ on the loader path and UCX's module directory at
+# lib/ucx, and runs the binaries there. Unpacked it is about 50 MiB, packed about 13 MiB: the
+# device tool carries 64 MiB with the working tree, so the archive travels.
+#
+# Build first (nvcc 13, sm_90, the CUDA backend; any build directory, best from a clean checkout
+# of one commit, e.g. a `git worktree`, so the bundle names the commit it was built from):
+#   cmake -S . -B build-gpu-daemon -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_CUDA=ON \
+#     -DKVCOMP_PYTHON=OFF -DCMAKE_CUDA_ARCHITECTURES=90
+#   cmake --build build-gpu-daemon -j 2 --target kvcompd kvcompd_daemon_test \
+#     kvcompd_control_security_lifecycle_test kvcompd_housekeeping_test kvcompd_bench \
+#     client_daemon_test decode_attention_test decode_attention_cuda_test
+#   bash scripts/gpu_bundle.sh build-gpu-daemon
+#   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build-gpu-daemon}
+DEST=build-gpu-bundle
+PACK=.gpubundle/bundle.tar.xz
+LIMIT_MIB=${KVCOMP_BUNDLE_LIMIT_MIB:-40}  # the archive; the device tool carries 64 MiB with the tree
+
+# Binaries: path in the build directory. A missing optional one is skipped with a note.
+REQUIRED=(service/kvcompd)
+OPTIONAL=(
+  tests/integration/kvcompd_daemon_test
+  tests/integration/kvcompd_control_security_lifecycle_test
+  tests/integration/kvcompd_housekeeping_test
+  bench/service/kvcompd_bench
+  tests/decode/decode_attention_cuda_test
+  tests/client/client_daemon_test
+)
+# Libraries the device machine has (its own glibc, C++ runtime and CUDA), by soname prefix.
+SKIP='^(linux-vdso|ld-linux-x86-64|libc|libm|libpthread|libdl|librt|libutil|libresolv|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libcusolver|libcusparse|libnvJitLink|libcurand|libcufft)\.so'
+
+for b in "${REQUIRED[@]}"; do
+  [ -x "$BUILD/$b" ] || { echo "gpu_bundle: $BUILD/$b missing: build it first" >&2; exit 2; }
+done
+rm -rf "$DEST"
+mkdir -p "$DEST/bin" "$DEST/lib/ucx"
+
+bins=()
+for b in "${REQUIRED[@]}" "${OPTIONAL[@]}"; do
+  if [ -x "$BUILD/$b" ]; then
+    strip --strip-all -o "$DEST/bin/$(basename "$b")" "$BUILD/$b"
+    bins+=("$BUILD/$b")
+  else
+    echo "gpu_bundle: $BUILD/$b not built, left out" >&2
+  fi
+done
+
+# UCX loads its transport modules from <libucs dir>/ucx or UCX_MODULE_DIR. Shared memory (cma)
+# and TCP are what loopback needs; the InfiniBand and RDMA-CM modules need verbs libraries that
+# a machine without those adapters does not have, so they stay behind.
+ucx_modules=()
+for m in /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0; do
+  [ -e "$m" ] || continue
+  cp -L "$m" "$DEST/lib/ucx/"
+  ucx_modules+=("$m")
+done
+
+# Every library the binaries and modules load (ldd resolves the whole tree), by soname.
+ldd "${bins[@]}" "${ucx_modules[@]}" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' |
+  sort -u | while read -r soname path; do
+    if [[ "$soname" =~ $SKIP ]]; then continue; fi
+    [ -e "$DEST/lib/$soname" ] || strip --strip-unneeded -o "$DEST/lib/$soname" "$path"
+  done
+missing=$(ldd "${bins[@]}" 2>/dev/null | grep 'not found' | sort -u || true)
+if [ -n "$missing" ]; then
+  echo "gpu_bundle: unresolved here too:" >&2
+  echo "$missing" >&2
+  exit 1
+fi
+
+# The integration tests start the kvcompd whose path was compiled in; run.sh links that path to
+# the bundle's copy on the device.
+realpath "$BUILD/service/kvcompd" >"$DEST/kvcompd_build_path"
+# The commit the binaries were built from (the build's source tree; "+changes" when it had any).
+src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")
+{
+  git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown
+  git -C "$src" status --porcelain 2>/dev/null | grep -q . && echo "+changes" || true
+} | tr -d '\n' >"$DEST/commit"
+cat >"$DEST/env.sh" <<'EOF'
+# Sourced by bench/gpu/run.sh on the device: the bundle's libraries first, then CUDA's.
+KVCOMP_BUNDLE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export KVCOMP_BUNDLE
+export LD_LIBRARY_PATH=$KVCOMP_BUNDLE/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export UCX_MODULE_DIR=$KVCOMP_BUNDLE/lib/ucx
+export PATH=$KVCOMP_BUNDLE/bin:$PATH
+EOF
+
+mkdir -p "$(dirname "$PACK")"
+rm -f "$PACK"
+tar -C "$DEST" -cf - . | xz -T2 -6 >"$PACK"
+size_mib=$(( $(stat -c %s "$PACK") / 1048576 + 1 ))
+echo "gpu_bundle: $(ls "$DEST/bin" | wc -l) binaries, $(ls "$DEST/lib" | grep -c '\.so') libraries," \
+  "$(du -sm "$DEST" | cut -f1) MiB in $DEST, ${size_mib} MiB packed in $PACK"
+du -sh "$DEST"/bin/* "$DEST"/lib/* 2>/dev/null | sort -h | tail -6
+if [ "$size_mib" -gt "$LIMIT_MIB" ]; then
+  echo "gpu_bundle: $PACK is larger than ${LIMIT_MIB} MiB; the device tool carries 64 MiB with the tree" >&2
+  exit 1
+fi
