@@ -96,8 +96,8 @@ export UCX_MODULE_DIR=$KVCOMP_BUNDLE/lib/ucx
 export PATH=$KVCOMP_BUNDLE/bin:$PATH
 EOF
 
+rm -rf "$(dirname "$PACK")"  # the archive is all that folder holds
 mkdir -p "$(dirname "$PACK")"
-rm -f "$PACK"
 tar -C "$DEST" -cf - . | xz -T2 -6 >"$PACK"
 size_mib=$(( $(stat -c %s "$PACK") / 1048576 + 1 ))
 echo "gpu_bundle: $(ls "$DEST/bin" | wc -l) binaries, $(ls "$DEST/lib" | grep -c '\.so') libraries," \
