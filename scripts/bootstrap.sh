@@ -54,6 +54,14 @@ for spec in sys.argv[1:]:
   echo "bootstrap: installing python packages ${HELM_TEST_PACKAGES[*]}"
   "$PY" -m pip install -q "${HELM_TEST_PACKAGES[@]}"
 fi
+# kvcomp.hf (transformers models) and its tests: PyTorch from PyPI, transformers pinned to the
+# version of the GPU machine so both run the same model code.
+HF_PACKAGES=(torch transformers==5.17.0)
+if ! "$PY" -c 'import importlib.metadata as m, importlib.util as u
+assert u.find_spec("torch") is not None and m.version("transformers") == "5.17.0"' 2>/dev/null; then
+  echo "bootstrap: installing python packages ${HF_PACKAGES[*]}"
+  "$PY" -m pip install -q "${HF_PACKAGES[@]}"
+fi
 # promtool (checks and unit-tests the chart's alert rules), taken out of Debian's prometheus
 # package without installing it: the package would also install and start a Prometheus server.
 if ! command -v promtool >/dev/null; then
