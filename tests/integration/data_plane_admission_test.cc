@@ -225,6 +225,7 @@ class DataPlaneAdmissionTest : public DaemonFixture {
 
 TEST_F(DataPlaneAdmissionTest, FdExhaustionRefusesConnectionsWithoutSpinningAndRecovers) {
   auto d = StartDaemon();
+  ASSERT_GT(d->ports().data, 0) << d->Log();
   const int pid = d->ports().pid;
   auto before = Connect(*d);
   ASSERT_NE(before, nullptr);
@@ -260,6 +261,7 @@ TEST_F(DataPlaneAdmissionTest, FdExhaustionRefusesConnectionsWithoutSpinningAndR
 TEST_F(DataPlaneAdmissionTest, SilentEndpointsDoNotLockOutARealClient) {
   // More silent endpoints than the daemon takes at once; none of them ever says hello.
   auto d = StartDaemon({"--data_plane.max_connections=64", "--data_plane.hello_timeout_seconds=30"});
+  ASSERT_GT(d->ports().data, 0) << d->Log();
   SilentEndpoints silent(d->ports().data, 200);
   ASSERT_GT(silent.size(), 100u);
   absl::SleepFor(absl::Seconds(1));
@@ -276,6 +278,7 @@ TEST_F(DataPlaneAdmissionTest, SilentEndpointsDoNotLockOutARealClient) {
 TEST_F(DataPlaneAdmissionTest, OneTenantHoldingItsShareLeavesTheOthersServed) {
   WriteTokens("a: token-a\nb: token-b\n");
   auto d = StartDaemon({"--auth.token_file=" + tokens_path(), "--data_plane.max_open_puts=8"});
+  ASSERT_GT(d->ports().data, 0) << d->Log();
   auto a = Connect(*d, "a", "token-a");
   auto b = Connect(*d, "b", "token-b");
   ASSERT_NE(a, nullptr);
@@ -305,6 +308,7 @@ TEST_F(DataPlaneAdmissionTest, BufferedBytesOfOneTenantLeaveRoomForAnother) {
   const uint64_t tokens = 1024;                     // 4 MiB blocks
   auto d = StartDaemon({"--auth.token_file=" + tokens_path(), "--data_plane.max_block_bytes=4Mi",
                         "--data_plane.max_buffered_bytes=16Mi"});
+  ASSERT_GT(d->ports().data, 0) << d->Log();
   auto a = Connect(*d, "a", "token-a", nullptr, absl::Seconds(2));
   auto b = Connect(*d, "b", "token-b");
   ASSERT_NE(a, nullptr);
@@ -334,6 +338,7 @@ TEST_F(DataPlaneAdmissionTest, ConcurrentLargeBlocksStayWithinTheMemoryBudget) {
   auto d = StartDaemon({"--data_plane.max_block_bytes=32Mi", "--data_plane.max_buffered_bytes=64Mi",
                         "--data_plane.max_put_bytes=64Mi", "--storage.durability=memory",
                         "--storage.rocksdb_enabled=false", "--storage.host_capacity_bytes=256Mi"});
+  ASSERT_GT(d->ports().data, 0) << d->Log();
   const int pid = d->ports().pid;
   // Everything the daemon allocates once (UCX, pools) is there after a first put of this size.
   {
@@ -384,6 +389,7 @@ TEST_F(DataPlaneAdmissionTest, VanishingClientsMidPutGiveTheirBuffersBack) {
   const uint64_t tokens = 1024;  // 4 MiB blocks
   auto d = StartDaemon({"--data_plane.max_block_bytes=4Mi", "--data_plane.max_buffered_bytes=8Mi",
                         "--data_plane.tenant_share=1", "--data_plane.put_timeout_seconds=600"});
+  ASSERT_GT(d->ports().data, 0) << d->Log();
   for (int i = 0; i < 2; ++i) {
     int ready[2];
     ASSERT_EQ(pipe(ready), 0);
@@ -419,6 +425,7 @@ TEST_F(DataPlaneAdmissionTest, StoppedClientDoesNotHoldUpOthersAndResumes) {
   // A client stopped (SIGSTOP) in the middle of a put holds nothing the others need; after
   // SIGCONT it finishes its put.
   auto d = StartDaemon({"--data_plane.max_open_puts=4"});
+  ASSERT_GT(d->ports().data, 0) << d->Log();
   int ready[2], go[2];
   ASSERT_EQ(pipe(ready), 0);
   ASSERT_EQ(pipe(go), 0);
@@ -466,6 +473,7 @@ TEST_F(DataPlaneAdmissionTest, SlowClientsTricklingBlocksDoNotStarveOthers) {
   WriteTokens("slow: token-s\nfast: token-f\n");
   auto d = StartDaemon({"--auth.token_file=" + tokens_path(), "--data_plane.max_open_puts=8",
                         "--data_plane.max_connections=16"});
+  ASSERT_GT(d->ports().data, 0) << d->Log();
   const KvLayout one_layer{1, 2, 4, 64, DType::kBF16};
   std::vector<std::unique_ptr<UcxClient>> slow;
   std::vector<uint64_t> ids;
