@@ -2,7 +2,7 @@
 # Collects the whole daemon for the GPU device machine into .gpubundle/bundle.tar.xz (gitignored;
 # unpacked, build-gpu-bundle/ here): stripped
 # binaries built here with the CUDA backend (kvcompd, the integration tests, the SDK's tests
-# against real daemons, the kvcompd benchmark, the decode tests) and the shared libraries they
+# against real daemons, the kvcompd and pipeline benchmarks, the decode tests) and the shared libraries they
 # load that the device lacks (UCX and its transport modules, Thrift, RocksDB, prometheus-cpp,
 # Abseil, yaml-cpp, LAPACKE/BLAS, libevent, OpenSSL, compression libraries...). The device has
 # glibc, libstdc++ and the CUDA libraries; those are left out. bench/gpu/run.sh's `daemon` step
@@ -16,7 +16,7 @@
 #     -DKVCOMP_PYTHON=OFF -DCMAKE_CUDA_ARCHITECTURES=90
 #   cmake --build build-gpu-daemon -j 2 --target kvcompd kvcompd_daemon_test \
 #     kvcompd_control_security_lifecycle_test kvcompd_housekeeping_test kvcompd_bench \
-#     client_daemon_test decode_attention_test decode_attention_cuda_test
+#     client_daemon_test kvcomp_bench_gpu_pipeline decode_attention_cuda_test
 #   bash scripts/gpu_bundle.sh build-gpu-daemon
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
 set -euo pipefail
@@ -33,6 +33,7 @@ OPTIONAL=(
   tests/integration/kvcompd_control_security_lifecycle_test
   tests/integration/kvcompd_housekeeping_test
   bench/service/kvcompd_bench
+  bench/gpu/kvcomp_bench_gpu_pipeline
   tests/decode/decode_attention_cuda_test
   tests/client/client_daemon_test
 )

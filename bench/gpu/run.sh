@@ -18,12 +18,14 @@
 #   KVCOMP_GPU_EXTRA   a further command run last with the same environment (extra.log)
 #   daemon             (not a default step) the whole daemon from the bundle that
 #                      scripts/gpu_bundle.sh makes on the build machine (carry=[".gpubundle"]; no
-#                      sysroot, no build here): KVCOMP_DAEMON_PARTS (default "decode integration bench")
-#                      picks the decode tests, the integration tests against kvcompd with the
-#                      CUDA backend and the GPU tier, and the end-to-end benchmark
+#                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "decode
+#                      integration bench pipeline") picks the decode GPU test, the integration
+#                      tests against kvcompd with the CUDA backend and the GPU tier (failed
+#                      cases again with the host tier), the end-to-end benchmark
 #                      (KVCOMP_DAEMON_BENCH_TOKENS, default "8192 32768"; KVCOMP_DAEMON_BACKENDS,
 #                      default cuda, "cuda cpu" adds the CPU backend at KVCOMP_DAEMON_CPU_TOKENS,
-#                      default 8192); logs in daemon.log
+#                      default 8192) and the pipeline benchmark (KVCOMP_PIPELINE_ARGS); logs
+#                      in daemon.log
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
 # Local use (no device): OUT=/tmp/out bash bench/gpu/run.sh
 set -uo pipefail
@@ -207,10 +209,13 @@ if has daemon; then
       [ -z "$missing" ] || note "daemon  unresolved libraries: $(echo $missing)"
       # The tests start the kvcompd whose path was compiled into them: point it at the bundle's.
       built=$(cat "$BUNDLE/kvcompd_build_path")
-      mkdir -p "$(dirname "$built")" && ln -sf "$BUNDLE/bin/kvcompd" "$built"
+      # (Where that path is the real build, as on the machine that built the bundle, it stays.)
+      if [ ! -e "$built" ] || [ -L "$built" ]; then
+        mkdir -p "$(dirname "$built")" && ln -sf "$BUNDLE/bin/kvcompd" "$built"
+      fi
       export KVCOMP_ENGINE_BACKEND=cuda KVCOMP_STORAGE_PUT_TIER=device
       export KVCOMP_STORAGE_DEVICE_CAPACITY_BYTES=${KVCOMP_DAEMON_DEVICE_BYTES:-8Gi}
-      PARTS=" ${KVCOMP_DAEMON_PARTS:-decode integration bench} "
+      PARTS=" ${KVCOMP_DAEMON_PARTS:-decode integration bench pipeline} "
       TMPD=$(mktemp -d)
 
       # One gtest binary: its output into daemon.log, its totals into the summary.
@@ -224,12 +229,13 @@ if has daemon; then
           tee "$log" >>"$DLOG"
         rc=${PIPESTATUS[0]}
         echo "### $b$label: exit $rc, $(($(date +%s) - t0)) s" >>"$DLOG"
-        local passed failed skipped
+        # --gtest_brief prints the failures and the totals of tests run and passed.
+        local ran passed failed
+        ran=$(sed -n 's/^\[==========\] \([0-9]*\) tests\{0,1\} from.*ran.*/\1/p' "$log" | tail -1)
         passed=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' "$log" | tail -1)
-        failed=$(sed -n 's/^\[  FAILED  \] \([0-9]*\) test.*/\1/p' "$log" | tail -1)
-        skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' "$log" | tail -1)
-        note "daemon  $b$label: ${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped, exit $rc, $(($(date +%s) - t0)) s"
-        grep -E '^\[  FAILED  \] [A-Za-z]' "$log" | sort -u | head -10 | tee -a "$SUMMARY"
+        failed=$(grep -cE '^\[  FAILED  \] .*\([0-9]+ ms\)$' "$log")
+        note "daemon  $b$label: ${ran:-0} run, ${passed:-0} passed, $failed failed, exit $rc, $(($(date +%s) - t0)) s"
+        grep -E '^\[  FAILED  \] .*\([0-9]+ ms\)$' "$log" | sort -u | head -10 | tee -a "$SUMMARY"
       }
 
       if [[ "$PARTS" == *" decode "* ]]; then
@@ -253,8 +259,8 @@ if has daemon; then
           gtest "$t" "${KVCOMP_DAEMON_TEST_TIMEOUT:-150}"
           # Cases that failed, again with the host tier (still the CUDA backend): tells a case
           # that expects the default tier from one the GPU path breaks.
-          failed=$(sed -n 's/^\[  FAILED  \] \([A-Za-z0-9_]*\.[A-Za-z0-9_/]*\).*/\1/p' \
-            "$TMPD/$t.log" | sort -u | paste -sd: -)
+          failed=$(sed -n 's/^\[  FAILED  \] \([^ ,]*\).*([0-9]* ms)$/\1/p' "$TMPD/$t.log" |
+            sort -u | paste -sd: -)
           if [ -n "$failed" ]; then
             (
               export KVCOMP_STORAGE_PUT_TIER=host KVCOMP_GTEST_ARGS="--gtest_filter=$failed"
@@ -308,6 +314,13 @@ print(f"e2e     {sys.argv[2]:4s} {int(sys.argv[3]):6d} tok: {orig/1e9:.2f} GB ->
 PY
           done
         done
+      fi
+      if [[ "$PARTS" == *" pipeline "* ]] && [ -x "$BUNDLE/bin/kvcomp_bench_gpu_pipeline" ]; then
+        # The compression stage alone, in process: staging, Compress from host and from device
+        # memory, serialisation, with and without KVSplice (bench/gpu/pipeline_bench.cc).
+        echo "### kvcomp_bench_gpu_pipeline" >>"$DLOG"
+        timeout 240 "$BUNDLE/bin/kvcomp_bench_gpu_pipeline" ${KVCOMP_PIPELINE_ARGS:-} 2>&1 |
+          tee -a "$DLOG" | grep '^RESULT' | sed 's/^RESULT /pipe    /' >>"$SUMMARY"
       fi
       rm -rf "$TMPD"
     )

@@ -1,0 +1,211 @@
+// The compression pipeline on the CUDA backend as kvcompd runs it today, stage by stage, for a
+// Llama-3.1-8B-shaped cache (32 layers, 8 kv heads, head_dim 128, bf16) at each token count
+// given (default 8192 and 32768): the copy of K and V to the device from pageable and from
+// pinned host memory, kvcomp::Compress from host memory (what the daemon's compress stage runs:
+// it stages each layer to the device itself) and from device memory (the same work without the
+// upload), the cache's serialisation, for eviction alone (manifold, ratio 0.5, moments) and
+// with KVSplice (int8 keys, int8 latents at the default rank, outliers kept raw) on a
+// projection calibrated from the same values. Each GPU time is set against the transfer time
+// its bytes saved buy back on a 400 Gb/s link (50 GB/s), and against a device-to-device copy
+// of the cache. Wall-clock medians of --reps runs; one RESULT line per figure set.
+//
+// Usage: kvcomp_bench_gpu_pipeline [--tokens 8192,32768] [--reps 3]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvcomp/core/format.h"
+#include "kvcomp/kernels/allocator.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/calibration.h"
+#include "kvcomp/kernels/pipeline.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kvcomp::DType;
+using kvcomp::HeadsView;
+using kvcomp::KvLayout;
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// Median wall seconds of `reps` calls of `fn` (after one untimed call).
+double MedianSeconds(int reps, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> s;
+  for (int i = 0; i < reps; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    fn();
+    s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(s.begin(), s.end());
+  return s[s.size() / 2];
+}
+
+struct Run {
+  double seconds_host = 0, seconds_device = 0, encode_seconds = 0;
+  uint64_t stored = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<uint64_t> token_counts = {8192, 32768};
+  int reps = 3;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--tokens" && i + 1 < argc) {
+      token_counts.clear();
+      std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = std::min(list.find(',', p), list.size());
+        token_counts.push_back(std::stoull(list.substr(p, q - p)));
+        p = q + 1;
+      }
+    } else if (a == "--reps" && i + 1 < argc) {
+      reps = std::max(1, std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: kvcomp_bench_gpu_pipeline [--tokens 8192,32768] [--reps 3]\n");
+      return 2;
+    }
+  }
+  auto made = kvcomp::MakeCudaBackend();
+  Check(made.status(), "cuda backend");
+  kvcomp::Backend& gpu = **made;
+  auto cpu_made = kvcomp::MakeCpuBackend();
+  Check(cpu_made.status(), "cpu backend");
+  const KvLayout llama{32, 8, 32, 128, DType::kBF16};
+  constexpr double kLinkBytesPerSecond = 50e9;  // 400 Gb/s
+
+  for (const uint64_t T : token_counts) {
+    // One random layer of K and V, bf16 [kv_heads][T][d], used for every layer (the values do
+    // not change the work; the calibration sees the same data every layer).
+    const uint64_t layer_elems = uint64_t{llama.num_kv_heads} * T * llama.head_dim;
+    const uint64_t layer_bytes = layer_elems * 2;
+    std::vector<uint16_t> k(layer_elems), v(layer_elems);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> g(0.0f, 1.0f);
+    for (uint64_t i = 0; i < layer_elems; ++i) {
+      k[i] = kvcomp::FloatToBf16(g(rng));
+      v[i] = kvcomp::FloatToBf16(g(rng) * (1.0f + 0.25f * static_cast<float>(i % 128 < 16)));
+    }
+    kvcomp::KvCacheView host;
+    host.layout = llama;
+    host.num_tokens = T;
+    for (uint32_t l = 0; l < llama.num_layers; ++l) {
+      host.keys.push_back(HeadsView::Dense(k.data(), DType::kBF16, llama.num_kv_heads, T, 128));
+      host.values.push_back(HeadsView::Dense(v.data(), DType::kBF16, llama.num_kv_heads, T, 128));
+    }
+    const uint64_t original = llama.CacheBytes(T);
+
+    // The cache on the device: every layer its own K and V.
+    std::vector<kvcomp::Buffer> dev;
+    kvcomp::KvCacheView device = host;
+    for (uint32_t l = 0; l < llama.num_layers; ++l) {
+      for (int part = 0; part < 2; ++part) {
+        auto b = kvcomp::Buffer::Allocate(gpu.allocator(), layer_bytes);
+        Check(b.status(), "device buffer");
+        Check(gpu.CopyFromHost(b->data(), part == 0 ? k.data() : v.data(), layer_bytes), "upload");
+        HeadsView& view = part == 0 ? device.keys[l] : device.values[l];
+        view = HeadsView::Dense(b->data(), DType::kBF16, llama.num_kv_heads, T, 128,
+                                kvcomp::MemorySpace::kDevice);
+        dev.push_back(std::move(*b));
+      }
+    }
+
+    // Host to device: pageable (as the pipeline's staging copies today) and pinned.
+    const double pageable_s = MedianSeconds(reps, [&] {
+      for (uint32_t l = 0; l < llama.num_layers; ++l) {
+        Check(gpu.CopyFromHost(dev[2 * l].data(), k.data(), layer_bytes), "h2d");
+        Check(gpu.CopyFromHost(dev[2 * l + 1].data(), v.data(), layer_bytes), "h2d");
+      }
+    });
+    void* pinned = nullptr;
+    if (cudaMallocHost(&pinned, layer_bytes) != cudaSuccess) {
+      std::fprintf(stderr, "cudaMallocHost failed\n");
+      return 1;
+    }
+    std::copy(k.begin(), k.end(), static_cast<uint16_t*>(pinned));
+    const double pinned_s = MedianSeconds(reps, [&] {
+      for (uint32_t l = 0; l < 2 * llama.num_layers; ++l) {
+        Check(gpu.CopyFromHost(dev[l].data(), pinned, layer_bytes), "h2d pinned");
+      }
+    });
+    cudaFreeHost(pinned);
+    // Device-to-device copy of the whole cache (bytes read + written = 2 x original).
+    kvcomp::Buffer scratch = std::move(*kvcomp::Buffer::Allocate(gpu.allocator(), layer_bytes));
+    const double d2d_s = MedianSeconds(reps, [&] {
+      for (uint32_t l = 0; l < 2 * llama.num_layers; ++l) {
+        cudaMemcpyAsync(scratch.data(), dev[l].data(), layer_bytes, cudaMemcpyDeviceToDevice,
+                        static_cast<cudaStream_t>(gpu.native_stream()));
+      }
+      Check(gpu.Synchronize(), "d2d");
+    });
+
+    kvcomp::CompressionPolicy evict;  // manifold, ratio 0.5, moments: the daemon's default
+    kvcomp::CompressionPolicy splice = evict;
+    splice.key_codec = kvcomp::KeyCodec::kInt8;
+    splice.value_codec = kvcomp::ValueCodec::kOrthogonalInt8;
+
+    // The projection, calibrated on the CPU from the same values (as kvcompd calibrates from
+    // stored caches); not timed.
+    auto cal = kvcomp::Calibrator::Create({"bench", llama.num_layers, llama.num_kv_heads, 128,
+                                           0, 0, 0},
+                                          cpu_made->get());
+    Check(cal.status(), "calibrator");
+    for (uint32_t l = 0; l < llama.num_layers; ++l) Check(cal->AddLayer(l, host.values[l]), "cal");
+    auto proj = cal->Finish(128);
+    Check(proj.status(), "projection");
+    auto projection = std::make_shared<const kvcomp::Projection>(std::move(*proj));
+
+    for (int variant = 0; variant < 2; ++variant) {
+      const kvcomp::CompressionPolicy& policy = variant == 0 ? evict : splice;
+      kvcomp::CompressOptions options;
+      if (variant == 1) options.projection = projection;
+      Run r;
+      kvcomp::CompressedCache cache;
+      r.seconds_host = MedianSeconds(reps, [&] {
+        auto c = kvcomp::Compress(gpu, host, policy, options);
+        Check(c.status(), "compress (host input)");
+        cache = std::move(*c);
+      });
+      r.seconds_device = MedianSeconds(reps, [&] {
+        auto c = kvcomp::Compress(gpu, device, policy, options);
+        Check(c.status(), "compress (device input)");
+      });
+      std::string bytes;
+      r.encode_seconds = MedianSeconds(reps, [&] {
+        auto b = kvcomp::format::EncodeCache(cache);
+        Check(b.status(), "encode");
+        bytes = std::move(*b);
+      });
+      r.stored = bytes.size();
+      const double saved_s = static_cast<double>(original - r.stored) / kLinkBytesPerSecond;
+      std::printf(
+          "RESULT bench=pipeline tokens=%llu variant=%s original_MB=%.1f stored_MB=%.1f "
+          "ratio=%.2fx h2d_pageable_s=%.4f h2d_pinned_s=%.4f d2d_copy_s=%.4f "
+          "compress_host_input_s=%.4f compress_device_input_s=%.4f serialize_s=%.4f "
+          "link_saved_s=%.4f gpu_vs_saved_host_input=%.1f%% gpu_vs_saved_device_input=%.1f%%\n",
+          static_cast<unsigned long long>(T), variant == 0 ? "manifold0.5+moments"
+                                                           : "manifold0.5+moments+kvsplice_int8",
+          original / 1e6, r.stored / 1e6, static_cast<double>(original) / r.stored, pageable_s,
+          pinned_s, d2d_s, r.seconds_host, r.seconds_device, r.encode_seconds, saved_s,
+          100.0 * r.seconds_host / saved_s, 100.0 * r.seconds_device / saved_s);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
