@@ -18,6 +18,7 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/client.h"
 #include "pool.h"
+#include "prefix.h"
 #include "rendezvous.h"
 #include "resolver.h"
 
@@ -470,7 +471,118 @@ class ClientImpl : public Client {
     return out;
   }
 
+  absl::StatusOr<size_t> LookupPrefix(absl::string_view model_id,
+                                      const std::vector<std::string>& keys) override {
+    KVCOMP_ASSIGN_OR_RETURN(PrefixPlan plan, PlanPrefix(model_id, keys));
+    return LeadingHeld(plan.rankings, [&](size_t ep, const std::vector<size_t>& positions) {
+      return AskLookupPrefix(*plan.members->states[ep], model_id, keys, positions);
+    });
+  }
+
+  absl::StatusOr<std::vector<std::string>> GetChunkBytes(absl::string_view model_id,
+                                                         const std::vector<std::string>& keys,
+                                                         bool decoded) override {
+    KVCOMP_ASSIGN_OR_RETURN(PrefixPlan plan, PlanPrefix(model_id, keys));
+    std::vector<std::string> bytes(keys.size());  // each slot written by one endpoint's thread
+    KVCOMP_ASSIGN_OR_RETURN(
+        size_t held,
+        LeadingHeld(plan.rankings, [&](size_t ep, const std::vector<size_t>& positions) {
+          return AskGetChunks(*plan.members->states[ep], model_id, keys, positions, decoded,
+                              &bytes);
+        }));
+    bytes.resize(held);
+    return bytes;
+  }
+
+  absl::StatusOr<std::vector<CompressedCache>> GetChunks(absl::string_view model_id,
+                                                         const std::vector<std::string>& keys,
+                                                         bool decoded) override {
+    KVCOMP_ASSIGN_OR_RETURN(std::vector<std::string> bytes,
+                            GetChunkBytes(model_id, keys, decoded));
+    std::vector<CompressedCache> out;
+    out.reserve(bytes.size());
+    for (const std::string& b : bytes) {
+      KVCOMP_ASSIGN_OR_RETURN(CompressedCache c, format::ParseCache(b));
+      out.push_back(std::move(c));
+    }
+    return out;
+  }
+
  private:
+  struct PrefixPlan {
+    std::shared_ptr<const Members> members;
+    std::vector<std::vector<size_t>> rankings;  // per key: endpoints, best first
+  };
+
+  absl::StatusOr<PrefixPlan> PlanPrefix(absl::string_view model_id,
+                                        const std::vector<std::string>& keys) const {
+    for (const std::string& k : keys) KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, k));
+    PrefixPlan plan;
+    if (keys.empty()) return plan;
+    KVCOMP_ASSIGN_OR_RETURN(plan.members, LiveMembers());
+    for (const auto& e : plan.members->states) {
+      if (e->address().control.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "prefix lookups use the control plane; endpoint ", e->address().data,
+            " has no control address (give \"data,control\")"));
+      }
+    }
+    plan.rankings.reserve(keys.size());
+    for (const std::string& k : keys) plan.rankings.push_back(Rank(*plan.members, model_id, k));
+    return plan;
+  }
+
+  // The keys at `positions`, in runs of at most kMaxPrefixKeys.
+  static std::vector<std::vector<std::string>> PrefixBatches(
+      const std::vector<std::string>& keys, const std::vector<size_t>& positions, size_t from) {
+    std::vector<std::vector<std::string>> out;
+    for (size_t i = from; i < positions.size(); ++i) {
+      if (out.empty() || out.back().size() == kMaxPrefixKeys) out.emplace_back();
+      out.back().push_back(keys[positions[i]]);
+    }
+    return out;
+  }
+
+  absl::StatusOr<size_t> AskLookupPrefix(EndpointState& ep, absl::string_view model_id,
+                                         const std::vector<std::string>& keys,
+                                         const std::vector<size_t>& positions) {
+    size_t held = 0;
+    for (const std::vector<std::string>& batch : PrefixBatches(keys, positions, 0)) {
+      absl::StatusOr<size_t> h =
+          ControlLookupPrefix(ep.address().control, options_, model_id, batch);
+      if (!h.ok()) {
+        if (Retryable(h.status())) pool_->RefreshSoon();
+        return h.status();
+      }
+      held += *h;
+      if (*h < batch.size()) break;
+    }
+    return held;
+  }
+
+  absl::StatusOr<size_t> AskGetChunks(EndpointState& ep, absl::string_view model_id,
+                                      const std::vector<std::string>& keys,
+                                      const std::vector<size_t>& positions, bool decoded,
+                                      std::vector<std::string>* bytes) {
+    size_t got = 0;
+    while (got < positions.size()) {
+      std::vector<std::string> batch = PrefixBatches(keys, positions, got).front();
+      absl::StatusOr<ChunkReply> r =
+          ControlGetChunks(ep.address().control, options_, model_id, batch, decoded);
+      if (!r.ok()) {
+        if (Retryable(r.status())) pool_->RefreshSoon();
+        if (got > 0 && (Retryable(r.status()) || IsBusy(r.status()))) return got;
+        return r.status();
+      }
+      for (std::string& c : r->caches) (*bytes)[positions[got++]] = std::move(c);
+      const bool whole_batch = r->caches.size() == batch.size();
+      if (!(whole_batch || (r->truncated && !r->caches.empty()))) break;  // one went missing
+    }
+    return got;
+  }
+
+  static constexpr size_t kMaxPrefixKeys = 1024;  // the IDL's MAX_PREFIX_KEYS
+
   absl::Status CheckKey(absl::string_view model_id, absl::string_view key) const {
     CacheKey k{options_.tenant, std::string(model_id), std::string(key)};
     return k.Validate();

@@ -4,6 +4,7 @@
 #define KVCOMP_CLIENT_SRC_CONTROL_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvcomp/client/client.h"
@@ -20,6 +21,26 @@ absl::StatusOr<CalibrateResult> ControlCalibrate(const std::string& address,
                                                  const ClientOptions& options,
                                                  absl::string_view model_id,
                                                  const CalibrateOptions& calibrate);
+
+// How many leading `keys` (at most rpc MAX_PREFIX_KEYS) the tenant holds on that daemon.
+absl::StatusOr<size_t> ControlLookupPrefix(const std::string& address,
+                                           const ClientOptions& options,
+                                           absl::string_view model_id,
+                                           const std::vector<std::string>& keys);
+
+// The stored (or decoded) bytes of the leading `keys` held on that daemon, one request.
+struct ChunkReply {
+  std::vector<std::string> caches;
+  bool truncated = false;  // stopped before a missing key: ask again for the keys after these
+};
+// Bytes asked for per GetChunks reply, and the frame bound the SDK accepts for one.
+constexpr int64_t kChunkReplyBytes = int64_t{64} << 20;
+constexpr int kMaxChunkReplyFrame = 1 << 30;
+absl::StatusOr<ChunkReply> ControlGetChunks(const std::string& address,
+                                            const ClientOptions& options,
+                                            absl::string_view model_id,
+                                            const std::vector<std::string>& keys, bool decoded,
+                                            int64_t max_bytes = kChunkReplyBytes);
 
 }  // namespace client
 }  // namespace kvcomp

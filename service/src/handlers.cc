@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
@@ -456,6 +457,119 @@ void ControlHandler::PurgeQuarantined(rpc::PurgeQuarantinedResponse& out, const 
     ++out.purged;
   }
   if (!all && out.purged == 0) out.status = ToRpc(absl::NotFoundError("no such quarantined cache"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefix reuse: runs of chunk caches keyed by chained block hashes
+
+namespace {
+
+// The keys of a prefix request as the tenant's cache keys, or InvalidArgument.
+absl::StatusOr<std::vector<CacheKey>> PrefixKeys(const std::string& tenant,
+                                                 const std::string& model_id,
+                                                 const std::vector<std::string>& keys) {
+  if (keys.size() > static_cast<size_t>(rpc::g_kvcomp_constants.MAX_PREFIX_KEYS)) {
+    return absl::InvalidArgumentError(absl::StrCat(keys.size(), " keys in one request; at most ",
+                                                   rpc::g_kvcomp_constants.MAX_PREFIX_KEYS));
+  }
+  std::vector<CacheKey> out;
+  out.reserve(keys.size());
+  for (const std::string& k : keys) {
+    CacheKey key{tenant, model_id, k};
+    KVCOMP_RETURN_IF_ERROR(key.Validate());
+    out.push_back(std::move(key));
+  }
+  return out;
+}
+
+constexpr int64_t kDefaultChunkReplyBytes = int64_t{64} << 20;
+// Chunk gets in flight at once per request (through the serve pool, which keeps tenants fair).
+constexpr size_t kChunkGetWave = 8;
+
+}  // namespace
+
+void ControlHandler::LookupPrefix(rpc::LookupPrefixResponse& out, const rpc::Auth& auth,
+                                  const std::string& model_id,
+                                  const std::vector<std::string>& keys) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  absl::Time t0 = absl::Now();
+  absl::StatusOr<std::vector<CacheKey>> cache_keys = PrefixKeys(tenant, model_id, keys);
+  absl::Status s = cache_keys.status();
+  int32_t held = 0;
+  if (s.ok()) {
+    for (const CacheKey& key : *cache_keys) {
+      absl::StatusOr<storage::LookupResult> r = ctx_->store->Lookup(key);
+      if (r.ok()) {
+        ++held;
+        continue;
+      }
+      if (!absl::IsNotFound(r.status())) s = r.status();
+      break;
+    }
+  }
+  ctx_->metrics->ObserveOp(Op::kLookup, absl::ToDoubleSeconds(absl::Now() - t0));
+  if (!s.ok()) {
+    ctx_->metrics->CountError("lookup", s);
+    out.status = ToRpc(s);
+    return;
+  }
+  out.held = held;
+}
+
+void ControlHandler::GetChunks(rpc::GetChunksResponse& out, const rpc::Auth& auth,
+                               const std::string& model_id, const std::vector<std::string>& keys,
+                               bool decoded, int64_t max_bytes) {
+  KVCOMP_CONTROL_AUTH(tenant, out);
+  absl::StatusOr<std::vector<CacheKey>> cache_keys = PrefixKeys(tenant, model_id, keys);
+  if (!cache_keys.ok()) {
+    ctx_->metrics->CountError("get", cache_keys.status());
+    out.status = ToRpc(cache_keys.status());
+    return;
+  }
+  const int64_t limit = max_bytes <= 0 ? kDefaultChunkReplyBytes : max_bytes;
+  const wire::Representation rep =
+      decoded ? wire::Representation::kDecoded : wire::Representation::kStored;
+  int64_t gathered = 0;
+  for (size_t begin = 0; begin < cache_keys->size(); begin += kChunkGetWave) {
+    const size_t n = std::min(kChunkGetWave, cache_keys->size() - begin);
+    std::vector<absl::StatusOr<transport::GetResult>> got;
+    got.reserve(n);
+    for (size_t i = 0; i < n; ++i) got.emplace_back(absl::UnknownError("not served"));
+    absl::BlockingCounter pending(static_cast<int>(n));
+    for (size_t i = 0; i < n; ++i) {
+      ctx_->pipeline->Get((*cache_keys)[begin + i], rep,
+                          [&got, &pending, i](absl::StatusOr<transport::GetResult> r) {
+                            got[i] = std::move(r);
+                            pending.DecrementCount();
+                          });
+    }
+    pending.Wait();
+    ctx_->gets_total.fetch_add(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (!got[i].ok()) {
+        if (absl::IsNotFound(got[i].status())) return;  // the run ends here
+        ctx_->errors_total.fetch_add(1);
+        if (out.caches.empty()) {
+          out.status = ToRpc(got[i].status());
+        } else {
+          out.truncated = true;  // what was gathered is good; the caller asks for the rest
+        }
+        return;
+      }
+      const transport::Buffer& bytes = got[i]->bytes;
+      if (bytes.memory_type() != transport::MemoryType::kHost) {
+        out.caches.clear();
+        out.status = ToRpc(absl::InternalError("chunk served from device memory"));
+        return;
+      }
+      out.caches.emplace_back(bytes.view());
+      gathered += static_cast<int64_t>(bytes.size());
+      if (gathered >= limit && begin + i + 1 < cache_keys->size()) {
+        out.truncated = true;
+        return;
+      }
+    }
+  }
 }
 
 }  // namespace service

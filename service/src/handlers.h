@@ -105,6 +105,10 @@ class ControlHandler : public rpc::KvcompControlIf {
   void ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth) override;
   void PurgeQuarantined(rpc::PurgeQuarantinedResponse& out, const rpc::Auth& auth,
                         const rpc::CacheRef& ref, bool all) override;
+  void LookupPrefix(rpc::LookupPrefixResponse& out, const rpc::Auth& auth,
+                    const std::string& model_id, const std::vector<std::string>& keys) override;
+  void GetChunks(rpc::GetChunksResponse& out, const rpc::Auth& auth, const std::string& model_id,
+                 const std::vector<std::string>& keys, bool decoded, int64_t max_bytes) override;
 
  private:
   // The quarantined entries `tenant` may see: those whose key decodes to one of its caches, and

@@ -198,6 +198,27 @@ struct PurgeQuarantinedResponse {
   2: i64 purged,     // entries removed
 }
 
+// Prefix reuse: engines key a prompt's caches by chained block hashes (chunk i's key names the
+// whole prefix up to chunk i) and store one cache per chunk of tokens. A request carries at most
+// MAX_PREFIX_KEYS keys (the control plane's frame bound); clients split longer runs.
+const i32 MAX_PREFIX_KEYS = 1024
+
+struct LookupPrefixResponse {
+  1: Status status,
+  2: i32 held,  // how many leading keys this tenant has stored here, in order (0..len(keys))
+}
+
+struct GetChunksResponse {
+  1: Status status,
+  // The caches of the leading keys held, in key order, as stored (docs/format.md) or decoded;
+  // stops at the first key not held, or once the bytes gathered pass max_bytes (at least one
+  // cache whenever the first is held), so len(caches) <= len(keys).
+  2: list<binary> caches,
+  // True when it stopped for max_bytes or a failure after the first cache (busy serve queue,
+  // unreadable entry): keys after the caches returned may still be held; ask again for them.
+  3: bool truncated,
+}
+
 service KvcompControl {
   HealthResponse Health(1: Auth auth),
   StatsResponse Stats(1: Auth auth),
@@ -217,4 +238,12 @@ service KvcompControl {
   // decode: model_id "" and the raw key from ListQuarantined), or with `all` every entry
   // ListQuarantined lists for the caller (`ref` ignored).
   PurgeQuarantinedResponse PurgeQuarantined(1: Auth auth, 2: CacheRef ref, 3: bool all),
+  // How many leading `keys` of `model_id` the calling tenant has stored on this daemon (another
+  // tenant's read as absent). INVALID_ARGUMENT for an invalid key or more than MAX_PREFIX_KEYS.
+  LookupPrefixResponse LookupPrefix(1: Auth auth, 2: string model_id, 3: list<binary> keys),
+  // The leading caches of `keys` held here, in one request; `decoded` as the data plane's decoded
+  // representation (the daemon decodes KVSplice latents and int8 keys to the input dtype).
+  // max_bytes <= 0: 64 MiB.
+  GetChunksResponse GetChunks(1: Auth auth, 2: string model_id, 3: list<binary> keys,
+                              4: bool decoded, 5: i64 max_bytes),
 }

@@ -222,6 +222,30 @@ class Client {
   virtual absl::StatusOr<std::vector<CalibrateResult>> Calibrate(
       absl::string_view model_id, const CalibrateOptions& options) = 0;
 
+  // Prefix and chunk reuse (docs/protocol.md, "Prefix and chunk reuse"). An engine stores a
+  // prompt's cache as one cache per chunk of tokens (a Put per chunk, compressed on its own)
+  // under keys it already computes: chained block hashes, chunk i's key naming the whole prefix
+  // up to chunk i. Each chunk is placed by its own key's ranking, like any cache, so the chunks
+  // of one prefix spread over the pool. Both calls below group `keys` by the endpoint each ranks
+  // first and ask every endpoint involved once, in parallel, over its control address (one
+  // Thrift request per endpoint per 1024 keys); an endpoint that cannot be reached is replaced
+  // for its keys by the next endpoint of each key's ranking, and a key no endpoint can answer
+  // for counts as missing. FailedPrecondition when a member has no control address;
+  // InvalidArgument for an invalid key; the daemons' errors (Unauthenticated...) otherwise.
+  //
+  // How many leading `keys` of `model_id` this tenant has stored (0 for an empty list).
+  virtual absl::StatusOr<size_t> LookupPrefix(absl::string_view model_id,
+                                              const std::vector<std::string>& keys) = 0;
+  // The caches of the leading `keys` stored, in key order (as many as LookupPrefix would count,
+  // fewer if one goes missing meanwhile): the stored bytes, parsed, or with `decoded` the kept
+  // tokens decoded by the daemons to the input dtype (as GetDecoded). Chunks compose: their
+  // token ranges follow each other and the moments of a run are the sum of its chunks'.
+  virtual absl::StatusOr<std::vector<CompressedCache>> GetChunks(
+      absl::string_view model_id, const std::vector<std::string>& keys, bool decoded = false) = 0;
+  // As GetChunks, unparsed (docs/format.md).
+  virtual absl::StatusOr<std::vector<std::string>> GetChunkBytes(
+      absl::string_view model_id, const std::vector<std::string>& keys, bool decoded = false) = 0;
+
   // The endpoints in the order a key's reads and writes try them (rendezvous ranking over the
   // current members: empty while a DNS pool has none).
   virtual std::vector<std::string> Ranking(absl::string_view model_id,
