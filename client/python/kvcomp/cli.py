@@ -7,6 +7,12 @@
     python -m kvcomp stats -e 127.0.0.1:7470,127.0.0.1:7471
     python -m kvcomp calibrate -e 127.0.0.1:7470,127.0.0.1:7471 -m MODEL --error-budget 0.1
     python -m kvcomp loadgen -e ... --requests 100 --concurrency 4 --tokens 2048
+    python -m kvcomp put-chunks -e ... -m MODEL --chunk-tokens 16 --chunk-keys h1,h2,h3 --keys ...
+    python -m kvcomp prefix     -e ... -m MODEL --chunk-keys h1,h2,h3     # leading chunks held
+    python -m kvcomp get-chunks -e ... -m MODEL --chunk-keys h1,h2,h3 --npz run.npz [--decoded]
+
+Chunk keys (chained block hashes, chunk i's key naming the prefix up to chunk i) come as a
+comma-separated --chunk-keys list or --chunk-keys-file (one per line; "hex:..." for bytes).
 
 Arrays: keys and values [layers, kv_heads, tokens, head_dim], float32/float16/bfloat16 (a
 .safetensors file holds tensors named "keys" and "values", or "layers.<i>.keys" and
@@ -206,6 +212,57 @@ def cmd_loadgen(args) -> int:
     return 1 if errors else 0
 
 
+def _chunk_keys(args) -> List[object]:
+    if bool(args.chunk_keys) == bool(args.chunk_keys_file):
+        raise SystemExit("give --chunk-keys or --chunk-keys-file")
+    if args.chunk_keys:
+        names = args.chunk_keys.split(",")
+    else:
+        with open(args.chunk_keys_file) as f:
+            names = [line.strip() for line in f if line.strip()]
+    return [bytes.fromhex(n[4:]) if n.startswith("hex:") else n for n in names]
+
+
+def cmd_prefix(args) -> int:
+    keys = _chunk_keys(args)
+    held = _client(args).lookup_prefix(args.model, keys)
+    print(json.dumps({"held": held, "asked": len(keys)}, indent=2))
+    return 0
+
+
+def cmd_put_chunks(args) -> int:
+    keys, values = _load_arrays(args)
+    if keys.ndim != 4:
+        raise SystemExit(f"keys: expected [layers, kv_heads, tokens, head_dim], got {keys.shape}")
+    names = _chunk_keys(args)
+    t0 = time.perf_counter()
+    results = _client(args).put_chunks(args.model, names, keys, values, args.chunk_tokens,
+                                       first=args.first, policy=_policy(args),
+                                       num_q_heads=args.q_heads)
+    print(json.dumps({
+        "chunks": len(results),
+        "original_bytes": sum(r["original_bytes"] for r in results),
+        "stored_bytes": sum(r["stored_bytes"] for r in results),
+        "endpoints": sorted({e for r in results for e in r["endpoints"]}),
+        "seconds": round(time.perf_counter() - t0, 4)}, indent=2))
+    return 0
+
+
+def cmd_get_chunks(args) -> int:
+    names = _chunk_keys(args)
+    chunks = _client(args).get_chunks(args.model, names, decoded=args.decoded)
+    out = {"chunks": len(chunks), "asked": len(names),
+           "nbytes": sum(c.nbytes for c in chunks),
+           "tokens": sum(c.original_tokens for c in chunks)}
+    if args.npz and chunks:
+        from .chunks import assemble
+        k, v = assemble(chunks)
+        np.savez(args.npz, keys=k, values=v)
+        out["npz"] = args.npz
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kvcomp", description=__doc__.split("\n")[0])
     common = argparse.ArgumentParser(add_help=False)
@@ -249,6 +306,28 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["orthogonal", "orthogonal_int8", "orthogonal_int4"])
     p.add_argument("--max-caches", type=int, default=64)
     p.set_defaults(fn=cmd_calibrate)
+
+    chunked = argparse.ArgumentParser(add_help=False)
+    chunked.add_argument("-m", "--model", required=True)
+    chunked.add_argument("--chunk-keys", help="comma-separated chunk keys, in prompt order")
+    chunked.add_argument("--chunk-keys-file", help="chunk keys, one per line")
+    sub.add_parser("prefix", parents=[common, chunked],
+                   help="how many leading chunk keys are stored").set_defaults(fn=cmd_prefix)
+    p = sub.add_parser("put-chunks", parents=[common, chunked],
+                       help="store a cache as one cache per chunk of tokens")
+    p.add_argument("--chunk-tokens", type=int, required=True)
+    p.add_argument("--first", type=int, default=0, help="skip chunks before this one")
+    p.add_argument("--keys")
+    p.add_argument("--values")
+    p.add_argument("--safetensors")
+    p.add_argument("--q-heads", type=int, default=None)
+    p.add_argument("--policy", help="comma-separated Policy fields")
+    p.set_defaults(fn=cmd_put_chunks)
+    p = sub.add_parser("get-chunks", parents=[common, chunked],
+                       help="fetch the leading chunks stored, one request per daemon")
+    p.add_argument("--npz", help="write the run's keys and values (chunks that kept every token)")
+    p.add_argument("--decoded", action="store_true", help="ask the daemons to decode the codecs")
+    p.set_defaults(fn=cmd_get_chunks)
 
     p = sub.add_parser("loadgen", parents=[common], help="generate load")
     p.add_argument("-m", "--model", default="loadgen-model")

@@ -181,6 +181,57 @@ class Client:
         layer_ranks, achieved_error, caches_used. ValueError for bad arguments."""
         return self._c.calibrate(model, value_codec, rank, error_budget, max_caches)
 
+    # Prefix and chunk reuse (docs/protocol.md, "Prefix and chunk reuse"): a prompt's cache is
+    # stored as one cache per chunk of tokens under keys the engine already computes (chained
+    # block hashes: key i names the whole prefix up to chunk i). Each chunk is placed by its own
+    # key; lookups and gets ask every daemon involved once, in parallel, over its control port.
+
+    def lookup_prefix(self, model: str, keys: Sequence[Key]) -> int:
+        """How many leading `keys` this tenant has stored (one request per daemon involved).
+        ValueError for an invalid key; RuntimeError (FailedPrecondition) when an endpoint has no
+        control address."""
+        return self._c.lookup_prefix(model, [_key(k) for k in keys])
+
+    def put_chunks(self, model: str, keys: Sequence[Key], k: Any, v: Any, chunk_tokens: int,
+                   *, first: int = 0, policy: Any = None,
+                   num_q_heads: Optional[int] = None) -> List[Dict[str, Any]]:
+        """Stores keys/values [layers, kv_heads, tokens, head_dim] as one cache per chunk of
+        `chunk_tokens` tokens, chunk i under keys[i], compressed on its own; chunks before
+        `first` are skipped (already stored). Only whole chunks are stored: tokens must be
+        len(keys) * chunk_tokens. Returns each stored chunk's put result."""
+        import numpy as np
+
+        if chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be positive")
+        tokens = k.shape[2]
+        if k.shape != v.shape or len(k.shape) != 4:
+            raise ValueError("keys and values must both be [layers, kv_heads, tokens, head_dim]")
+        if tokens != len(keys) * chunk_tokens:
+            raise ValueError(f"{tokens} tokens are not {len(keys)} chunks of {chunk_tokens}")
+        if not 0 <= first <= len(keys):
+            raise ValueError(f"first {first} outside [0, {len(keys)}]")
+        out = []
+        for i in range(first, len(keys)):
+            t0, t1 = i * chunk_tokens, (i + 1) * chunk_tokens
+            ck, cv = k[:, :, t0:t1], v[:, :, t0:t1]
+            if type(ck).__module__.startswith("torch"):
+                ck, cv = ck.contiguous(), cv.contiguous()
+            else:
+                ck, cv = np.ascontiguousarray(ck), np.ascontiguousarray(cv)
+            out.append(self.put(model, keys[i], ck, cv, policy=policy, num_q_heads=num_q_heads))
+        return out
+
+    def get_chunks(self, model: str, keys: Sequence[Key], *, decoded: bool = False) -> List[Any]:
+        """The caches (kvcomp.CompressedCache) of the leading `keys` stored, in order, with one
+        request per daemon involved; decoded=True has the daemons decode int8 keys and KVSplice
+        values to the input dtype. Fewer than len(keys) when one is missing."""
+        return self._c.get_chunks(model, [_key(k) for k in keys], decoded)
+
+    def get_chunk_bytes(self, model: str, keys: Sequence[Key], *,
+                        decoded: bool = False) -> List[bytes]:
+        """As get_chunks, the encoded bytes (docs/format.md)."""
+        return self._c.get_chunk_bytes(model, [_key(k) for k in keys], decoded)
+
     def ranking(self, model: str, key: Key) -> List[str]:
         """The endpoints in the order this key's reads and writes try them."""
         return self._c.ranking(model, _key(key))

@@ -41,6 +41,13 @@ T Take(absl::StatusOr<T> s) {
   return std::move(*s);
 }
 
+std::vector<std::string> KeyStrings(const std::vector<nb::bytes>& keys) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const nb::bytes& k : keys) out.emplace_back(static_cast<const char*>(k.data()), k.size());
+  return out;
+}
+
 using AnyArray = nb::ndarray<nb::device::cpu>;
 
 // The dtype an array holds: float32, float16, bfloat16 (ml_dtypes), or uint16 holding bf16 bits
@@ -376,6 +383,46 @@ void RegisterClient(nb::module_& m) {
           },
           nb::arg("model"), nb::arg("value_codec"), nb::arg("rank"), nb::arg("error_budget"),
           nb::arg("max_caches"))
+      .def(
+          "lookup_prefix",
+          [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys) {
+            const std::vector<std::string> ks = KeyStrings(keys);
+            absl::StatusOr<size_t> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.LookupPrefix(model, ks);
+            }
+            return Take(std::move(r));
+          },
+          nb::arg("model"), nb::arg("keys"))
+      .def(
+          "get_chunk_bytes",
+          [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys,
+             bool decoded) {
+            const std::vector<std::string> ks = KeyStrings(keys);
+            absl::StatusOr<std::vector<std::string>> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.GetChunkBytes(model, ks, decoded);
+            }
+            nb::list out;
+            for (const std::string& b : Take(std::move(r))) out.append(nb::bytes(b.data(), b.size()));
+            return out;
+          },
+          nb::arg("model"), nb::arg("keys"), nb::arg("decoded") = false)
+      .def(
+          "get_chunks",
+          [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys,
+             bool decoded) {
+            const std::vector<std::string> ks = KeyStrings(keys);
+            absl::StatusOr<std::vector<CompressedCache>> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.GetChunks(model, ks, decoded);
+            }
+            return Take(std::move(r));
+          },
+          nb::arg("model"), nb::arg("keys"), nb::arg("decoded") = false)
       .def(
           "ranking",
           [](Client& c, const std::string& model, nb::bytes key) {
