@@ -171,8 +171,8 @@ def main():
                 if kind == "loss":
                     v = float(hf.continuation_nll(model, c, pre.last_logits, tail_ids).mean())
                 else:
-                    got = hf.greedy(model, c, pre.last_logits, tail_ids, tasks.DIGITS)
-                    v = float(bytes(got.tolist()) == answer)
+                    v = float(hf.greedy_matches(model, c, pre.last_logits, tail_ids,
+                                                tasks.ids(answer)))
                 (res if corr else res_nc)[i][kind].append(v)
                 if corr and kind == "passkey_1":
                     res[i]["depth"].append((depth, v))

@@ -194,7 +194,8 @@ def main():
         if elapsed >= args.seconds or (args.max_steps and step >= args.max_steps):
             break
         frac = elapsed / args.seconds
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        cosine = 0.1 + 0.45 * (1 + math.cos(math.pi * frac))  # 1 -> 0.1 over the budget
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * cosine
         for g in opt.param_groups:
             g["lr"] = lr
         x, w = batch(text, rng, args.batch, args.seq_len, args.passkey_frac)

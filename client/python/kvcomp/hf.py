@@ -45,7 +45,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import kvcomp
 
 __all__ = ["generate", "loss", "press", "KvcompCache", "Prefill", "prefill", "calibrate",
-           "check_model", "SUPPORTED_MODEL_TYPES"]
+           "cache_from_prefill", "greedy", "greedy_matches", "continuation_nll",
+           "prefix_attention", "check_model", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ATTN_NAME = "kvcomp"
@@ -472,6 +473,24 @@ def greedy(model, cache: KvcompCache, first_logits, question_ids, max_new_tokens
             logits = model(torch.tensor([[t]], device=model.device), past_key_values=cache,
                            use_cache=True).logits[0, -1]
     return torch.tensor(out, dtype=torch.long)
+
+
+@torch.no_grad()
+def greedy_matches(model, cache: KvcompCache, first_logits, question_ids,
+                   target_ids) -> bool:
+    """Whether greedy decoding after question_ids produces target_ids, in one forward pass
+    (question + target[:-1], teacher-forced): greedy reproduces the target exactly when every
+    position's argmax is the next target token. Same answer as greedy() == target."""
+    q = _ids_1d(question_ids, "question_ids").to(model.device)
+    t = _ids_1d(target_ids, "target_ids").to(model.device)
+    ids = torch.cat([q, t[:-1]])
+    logits = [first_logits[None]] if q.numel() == 0 else []
+    if ids.numel():
+        with _attention_impl(model):
+            lg = model(ids[None], past_key_values=cache, use_cache=True).logits[0]
+        logits.append(lg[max(0, q.numel() - 1):])
+    pred = torch.cat(logits)[: t.numel()].argmax(-1)
+    return bool(torch.equal(pred, t))
 
 
 @torch.no_grad()
