@@ -1,7 +1,7 @@
 // Pools found through DNS, against a real DNS server and real daemons: dnsmasq on a free
 // 127.0.0.1 port serves pool.kvcomp.test from a hosts file that the test rewrites (and reloads
-// with SIGHUP), and kvcompd processes listen on 10.77.0.2, 10.77.0.3, ... (interfaces of a
-// private network namespace), all on the same data and control ports. A running client sees the
+// with SIGHUP), and kvcompd processes listen on 10.77.0.2, 10.77.0.3, ... (one veth interface
+// each, in a private network namespace), all on the same data and control ports. A running client sees the
 // pool grow and shrink, puts and gets keep working meanwhile, keys move only for the members that
 // changed, a failed member makes the client resolve again at once, and a name with no address is
 // a clear error. Also: parsing of dns:/// endpoints and the resolver on its own.
@@ -11,6 +11,7 @@
 #include <pwd.h>
 #include <signal.h>
 #include <sched.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -63,16 +64,29 @@ int FreePort(int type, const char* ip) {
   return ntohs(a.sin_port);
 }
 
-// The daemons' addresses. UCX looks a listener's address up among the network interfaces, so
-// each daemon needs an interface address of its own (127.0.0.2 on lo is not one): the test moves
-// into a private network namespace with one veth interface per address. Nothing leaves it.
+// The daemons' addresses. UCX's TCP data lanes listen on the first address of the interface
+// that a connection arrived on, and a client dials the listener's address, so each daemon needs
+// an interface whose first address is its own: lo aliases (127.0.0.2) do not work, see
+// docs/operations.md. The test process moves into a private network namespace with one veth
+// interface per address; nothing leaves it.
 std::string Ip(int n) { return absl::StrCat("10.77.0.", n); }
 
-// Empty when the namespace is ready; else why not.
+// Empty when the namespace is ready; else why not. Needs a process with no other thread yet
+// (a mount namespace cannot be unshared by one thread of several).
 std::string EnterPrivateNetwork() {
-  if (unshare(CLONE_NEWNET) != 0) {
-    return absl::StrCat("unshare(CLONE_NEWNET): ", std::strerror(errno),
+  if (unshare(CLONE_NEWNET | CLONE_NEWNS) != 0) {
+    return absl::StrCat("unshare(CLONE_NEWNET | CLONE_NEWNS): ", std::strerror(errno),
                         " (needs CAP_SYS_ADMIN and CAP_NET_ADMIN)");
+  }
+  // UCX lists network devices under /sys/class/net, which shows the namespace of whoever
+  // mounted sysfs: mount a fresh one (as `ip netns exec` does), else UCX in this process and
+  // in the daemons sees the host's interfaces and refuses ours ("device is not enabled").
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_SLAVE, nullptr) != 0) {
+    return absl::StrCat("making mounts private: ", std::strerror(errno));
+  }
+  umount2("/sys", MNT_DETACH);
+  if (mount("sysfs", "/sys", "sysfs", 0, nullptr) != 0) {
+    return absl::StrCat("mounting sysfs for the private network: ", std::strerror(errno));
   }
   std::string cmd = "ip link set lo up";
   for (int n = 2; n <= 5; ++n) {
@@ -231,7 +245,7 @@ struct Cache {
 class PoolDiscoveryTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    // Tests with daemons enter the private network before anything starts.
+    // Tests with daemons need the private network (entered before the first test).
     const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
     if (test != "ResolverReturnsEveryAddress" && !NetworkError().empty()) {
       GTEST_SKIP() << "no private network: " << NetworkError();
@@ -288,17 +302,28 @@ class PoolDiscoveryTest : public ::testing::Test {
     return WaitFor([&] { return MembersOf(c) == want; }, 15);
   }
 
-  // Daemon tests only (the rest runs on 127.0.0.1): moves the process into the namespace once.
-  static const std::string& NetworkError() {
-    static const std::string* error = new std::string(EnterPrivateNetwork());
-    return *error;
-  }
+  // Why the private network could not be entered (empty when the process is in it).
+  static const std::string& NetworkError();
   TempDir dir_;
   std::unique_ptr<Dnsmasq> dns_;
   int data_port_ = 0;
   int control_port_ = 0;
   std::map<std::string, std::unique_ptr<KvcompdProcess>> daemons_;
 };
+
+// The whole process enters the private network before the first test, while it has a single
+// thread; dnsmasq and the daemons it starts inherit it. Without one (not root), the daemon
+// tests are skipped and the rest runs on the host's 127.0.0.1.
+class PrivateNetwork : public ::testing::Environment {
+ public:
+  void SetUp() override { error_ = EnterPrivateNetwork(); }
+  static std::string error_;
+};
+std::string PrivateNetwork::error_ = "not entered";
+const ::testing::Environment* const kPrivateNetwork =
+    ::testing::AddGlobalTestEnvironment(new PrivateNetwork);
+
+const std::string& PoolDiscoveryTest::NetworkError() { return PrivateNetwork::error_; }
 
 std::vector<std::string> Without(std::vector<std::string> v, const std::string& x) {
   v.erase(std::remove(v.begin(), v.end(), x), v.end());
@@ -373,10 +398,7 @@ TEST_F(PoolDiscoveryTest, ResolverReturnsEveryAddress) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3));
 }
 
-// Disabled: UCX 1.13 does not complete wire-up with a kvcompd listening on an address other
-// than 127.0.0.1 on this host ("Destination is unreachable"), so the pool cannot have several
-// members on one machine yet. Run with --gtest_also_run_disabled_tests to try.
-TEST_F(PoolDiscoveryTest, DISABLED_PoolGrowsAndShrinksUnderARunningClient) {
+TEST_F(PoolDiscoveryTest, PoolGrowsAndShrinksUnderARunningClient) {
   const std::string a = Ip(2), b = Ip(3), c = Ip(4);
   StartDaemon(a);
   StartDaemon(b);
@@ -479,10 +501,7 @@ TEST_F(PoolDiscoveryTest, DISABLED_PoolGrowsAndShrinksUnderARunningClient) {
   EXPECT_EQ(failures.load(), 0) << first_failure;
 }
 
-// Disabled: UCX 1.13 does not complete wire-up with a kvcompd listening on an address other
-// than 127.0.0.1 on this host ("Destination is unreachable"), so the pool cannot have several
-// members on one machine yet. Run with --gtest_also_run_disabled_tests to try.
-TEST_F(PoolDiscoveryTest, DISABLED_FailedMemberMakesTheClientResolveAgain) {
+TEST_F(PoolDiscoveryTest, FailedMemberMakesTheClientResolveAgain) {
   const std::string a = Ip(2), b = Ip(3);
   StartDaemon(a);
   StartDaemon(b);
@@ -508,10 +527,7 @@ TEST_F(PoolDiscoveryTest, DISABLED_FailedMemberMakesTheClientResolveAgain) {
   EXPECT_TRUE(WaitForMembers(client, {Member(a)}));
 }
 
-// Disabled: UCX 1.13 does not complete wire-up with a kvcompd listening on an address other
-// than 127.0.0.1 on this host ("Destination is unreachable"), so the pool cannot have several
-// members on one machine yet. Run with --gtest_also_run_disabled_tests to try.
-TEST_F(PoolDiscoveryTest, DISABLED_NameWithNoAddressIsAClearErrorUntilMembersAppear) {
+TEST_F(PoolDiscoveryTest, NameWithNoAddressIsAClearErrorUntilMembersAppear) {
   StartDaemon(Ip(2));
   ClientOptions o = Options(absl::Milliseconds(200));
   auto now = Client::Connect({Spec()}, o);
