@@ -283,7 +283,8 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(BytesField(
       "control_plane.max_frame_bytes",
       "Largest Thrift request frame read; a larger one closes the connection before it is "
-      "buffered. Default 64Ki.",
+      "buffered (the largest control request, 1024 prefix keys of 1 KiB, is about 1Mi). "
+      "Default 1280Ki.",
       [](Options & o) -> auto& { return o.control_plane.max_frame_bytes; }));
   f.push_back(IntField(
       "control_plane.max_connections", 1, 1 << 20,

@@ -294,8 +294,8 @@ TEST_F(ControlTest, CalibrateThenEncodedPutsAndDecodedGets) {
 
 TEST_F(ControlTest, LongLivedThriftConnectionCarriesWellOver100MB) {
   // Debian's Thrift 0.17 threaded server drops such connections after about 100 MB; the
-  // nonblocking server kvcompd runs must not. (1 MiB frames: above the default frame limit.)
-  auto d = StartDaemon({"--control_plane.max_frame_bytes=4Mi"});
+  // nonblocking server kvcompd runs must not.
+  auto d = StartDaemon();
   ControlClient rpc(d->ports().control);
   const rpc::Auth auth = MakeAuth("", "");
   rpc::CacheRef ref;

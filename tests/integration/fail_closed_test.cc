@@ -31,6 +31,7 @@
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/rpc/kvcomp_constants.h"
 #include "kvcomp/transport/client.h"
 #include "kvcompd_process.h"
 
@@ -291,6 +292,22 @@ TEST_F(FailClosedTest, OversizeFrameFromAStrangerIsRefusedBeforeBuffering) {
   real->Health(h, auth);
   EXPECT_EQ(h.status.code, rpc::StatusCode::OK);
   EXPECT_TRUE(ControlAnswers(*d, auth));
+}
+
+TEST_F(FailClosedTest, LargestControlRequestFitsTheDefaultFrameLimit) {
+  // LookupPrefix with MAX_PREFIX_KEYS keys of the longest length a key may have.
+  auto d = StartDaemon();
+  ControlClient rpc(d->ports().control);
+  std::vector<std::string> keys;
+  for (int i = 0; i < rpc::g_kvcomp_constants.MAX_PREFIX_KEYS; ++i) {
+    std::string k(1024, 'k');
+    std::snprintf(k.data(), 16, "%015d", i);
+    keys.push_back(k);
+  }
+  rpc::LookupPrefixResponse r;
+  rpc->LookupPrefix(r, MakeAuth("", ""), "m", keys);
+  EXPECT_EQ(r.status.code, rpc::StatusCode::OK) << r.status.message;
+  EXPECT_EQ(r.held, 0);
 }
 
 TEST_F(FailClosedTest, ThriftConnectionCapAndIdleTimeout) {

@@ -67,9 +67,10 @@ struct ControlPlaneOptions {
   std::string tls_key_file;           // PEM private key (required when tls)
   std::string tls_ca_file;            // PEM CAs; when set, clients must present a certificate
   // Largest request frame the server reads, bytes; a larger one closes the connection before
-  // anything is buffered or any credential checked (every control request is well under it).
-  // Default 64 KiB.
-  uint64_t max_frame_bytes = uint64_t{64} << 10;
+  // anything is buffered or any credential checked. The largest control request is a
+  // LookupPrefix or GetChunks of MAX_PREFIX_KEYS (1024) keys of at most 1 KiB: about 1 MiB.
+  // Default 1280 KiB.
+  uint64_t max_frame_bytes = uint64_t{1280} << 10;
   // Open Thrift connections at once; a connection beyond it is closed on accept. Default 256.
   uint32_t max_connections = 256;
   // A connection with no request in progress and none completed for this long is closed,
