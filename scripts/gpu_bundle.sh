@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Collects the whole daemon for the GPU device machine into .gpubundle/bundle.tar.xz (gitignored;
-# unpacked, build-gpu-bundle/ here): stripped
-# binaries built here with the CUDA backend (kvcompd, the integration tests, the SDK's tests
-# against real daemons, the kvcompd and pipeline benchmarks, the decode tests) and the shared libraries they
-# load that the device lacks (UCX and its transport modules, Thrift, RocksDB, prometheus-cpp,
-# Abseil, yaml-cpp, LAPACKE/BLAS, libevent, OpenSSL, compression libraries...). The device has
-# glibc, libstdc++ and the CUDA libraries; those are left out. bench/gpu/run.sh's `daemon` step
-# unpacks it, sources its env.sh, which puts lib/ on the loader path and UCX's module directory at
-# lib/ucx, and runs the binaries there. Unpacked it is about 50 MiB, packed about 13 MiB: the
-# device tool carries 64 MiB with the working tree, so the archive travels.
+# unpacked, build-gpu-bundle/ here): stripped binaries built here with the CUDA backend (kvcompd,
+# the integration tests, the SDK's tests against real daemons, the kvcompd, pipeline and decode
+# benchmarks, the decode GPU test) and the shared libraries they load that the device lacks (UCX
+# and its transport modules, Thrift, RocksDB, prometheus-cpp, Abseil, yaml-cpp, LAPACKE/BLAS,
+# libevent, OpenSSL, compression libraries...). The device has glibc, libstdc++ and the CUDA
+# libraries; those are left out. bench/gpu/run.sh's `daemon` step unpacks it, sources its env.sh,
+# which puts lib/ on the loader path and UCX's module directory at lib/ucx, and runs the binaries
+# there. Unpacked it is about 70 MiB, packed about 17 MiB: the device tool carries 64 MiB with the
+# working tree, so the archive travels.
 #
 # Build first (nvcc 13, sm_90, the CUDA backend; any build directory, best from a clean checkout
 # of one commit, e.g. a `git worktree`, so the bundle names the commit it was built from):
@@ -16,7 +16,8 @@
 #     -DKVCOMP_PYTHON=OFF -DCMAKE_CUDA_ARCHITECTURES=90
 #   cmake --build build-gpu-daemon -j 2 --target kvcompd kvcompd_daemon_test \
 #     kvcompd_control_security_lifecycle_test kvcompd_housekeeping_test kvcompd_bench \
-#     client_daemon_test kvcomp_bench_gpu_pipeline decode_attention_cuda_test
+#     client_daemon_test kvcomp_bench_gpu_pipeline kvcomp_bench_gpu_decode \
+#     decode_attention_cuda_test
 #   bash scripts/gpu_bundle.sh build-gpu-daemon
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
 set -euo pipefail
@@ -34,6 +35,7 @@ OPTIONAL=(
   tests/integration/kvcompd_housekeeping_test
   bench/service/kvcompd_bench
   bench/gpu/kvcomp_bench_gpu_pipeline
+  bench/gpu/kvcomp_bench_gpu_decode
   tests/decode/decode_attention_cuda_test
   tests/client/client_daemon_test
 )

@@ -19,9 +19,10 @@
 #   daemon             (not a default step) the whole daemon from the bundle that
 #                      scripts/gpu_bundle.sh makes on the build machine (carry=[".gpubundle"]; no
 #                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "decode
-#                      integration bench pipeline") picks the decode GPU test, the integration
-#                      tests against kvcompd with the CUDA backend and the GPU tier (failed
-#                      cases again with the host tier), the end-to-end benchmark
+#                      integration bench pipeline") picks the decode GPU test and benchmark
+#                      (KVCOMP_DECODE_BENCH_ARGS), the integration tests against kvcompd with
+#                      the CUDA backend and the GPU tier (failed cases again with the host
+#                      tier), the end-to-end benchmark
 #                      (KVCOMP_DAEMON_BENCH_TOKENS, default "8192 32768"; KVCOMP_DAEMON_BACKENDS,
 #                      default cuda, "cuda cpu" adds the CPU backend at KVCOMP_DAEMON_CPU_TOKENS,
 #                      default 8192) and the pipeline benchmark (KVCOMP_PIPELINE_ARGS); logs
@@ -240,6 +241,11 @@ if has daemon; then
 
       if [[ "$PARTS" == *" decode "* ]]; then
         gtest decode_attention_cuda_test 120
+        if [ -x "$BUNDLE/bin/kvcomp_bench_gpu_decode" ]; then
+          echo "### kvcomp_bench_gpu_decode" >>"$DLOG"
+          timeout 180 "$BUNDLE/bin/kvcomp_bench_gpu_decode" ${KVCOMP_DECODE_BENCH_ARGS:-} 2>&1 |
+            tee -a "$DLOG" | grep '^RESULT' | sed 's/^RESULT /decode  /' >>"$SUMMARY"
+        fi
       fi
 
       if [[ "$PARTS" == *" integration "* ]]; then

@@ -1,0 +1,187 @@
+// One decode step of kvcomp::decode on the CUDA backend: attention of one query per q head over
+// every layer of a Llama-3.1-8B-shaped compressed cache (32 layers, 8 kv heads, 32 q heads,
+// head_dim 128, bf16; manifold, ratio 0.5, moments) placed on the device once, for the raw
+// cache (plain and with the moment correction) and for its KVSplice encoding (int8 keys, int8
+// latents, outliers raw), which Decoder::Attend decodes on the device layer by layer before the
+// attention kernel. Queries and outputs stay in device memory. Median of --reps steps, after a
+// warm-up step; the bytes of the cache each step reads are set against a device copy of the
+// same bytes. One RESULT line per (tokens, variant).
+//
+// Usage: kvcomp_bench_gpu_decode [--tokens 8192,32768] [--reps 20]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvcomp/decode/attention.h"
+#include "kvcomp/kernels/calibration.h"
+#include "kvcomp/kernels/pipeline.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kvcomp::DType;
+using kvcomp::HeadsView;
+using kvcomp::KvLayout;
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<uint64_t> token_counts = {8192, 32768};
+  int reps = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--tokens" && i + 1 < argc) {
+      token_counts.clear();
+      std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = std::min(list.find(',', p), list.size());
+        token_counts.push_back(std::stoull(list.substr(p, q - p)));
+        p = q + 1;
+      }
+    } else if (a == "--reps" && i + 1 < argc) {
+      reps = std::max(1, std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: kvcomp_bench_gpu_decode [--tokens 8192,32768] [--reps 20]\n");
+      return 2;
+    }
+  }
+  auto made = kvcomp::MakeCudaBackend();
+  Check(made.status(), "cuda backend");
+  kvcomp::Backend& gpu = **made;
+  auto cpu = kvcomp::MakeCpuBackend();
+  Check(cpu.status(), "cpu backend");
+  const KvLayout llama{32, 8, 32, 128, DType::kBF16};
+  const auto stream = static_cast<cudaStream_t>(gpu.native_stream());
+
+  for (const uint64_t T : token_counts) {
+    const uint64_t layer_elems = uint64_t{llama.num_kv_heads} * T * llama.head_dim;
+    std::vector<uint16_t> k(layer_elems), v(layer_elems);
+    std::mt19937 rng(11);
+    std::normal_distribution<float> g(0.0f, 1.0f);
+    for (uint64_t i = 0; i < layer_elems; ++i) {
+      k[i] = kvcomp::FloatToBf16(g(rng));
+      v[i] = kvcomp::FloatToBf16(g(rng));
+    }
+    kvcomp::KvCacheView view;
+    view.layout = llama;
+    view.num_tokens = T;
+    for (uint32_t l = 0; l < llama.num_layers; ++l) {
+      view.keys.push_back(HeadsView::Dense(k.data(), DType::kBF16, llama.num_kv_heads, T, 128));
+      view.values.push_back(HeadsView::Dense(v.data(), DType::kBF16, llama.num_kv_heads, T, 128));
+    }
+    auto cal = kvcomp::Calibrator::Create(
+        {"bench", llama.num_layers, llama.num_kv_heads, 128, 0, 0, 0}, cpu->get());
+    Check(cal.status(), "calibrator");
+    for (uint32_t l = 0; l < llama.num_layers; ++l) Check(cal->AddLayer(l, view.values[l]), "cal");
+    auto proj = cal->Finish(128);
+    Check(proj.status(), "projection");
+    auto projection = std::make_shared<const kvcomp::Projection>(std::move(*proj));
+
+    kvcomp::CompressionPolicy evict;
+    auto raw = kvcomp::Compress(gpu, view, evict);
+    Check(raw.status(), "compress");
+    kvcomp::CompressionPolicy splice = evict;
+    splice.key_codec = kvcomp::KeyCodec::kInt8;
+    splice.value_codec = kvcomp::ValueCodec::kOrthogonalInt8;
+    kvcomp::CompressOptions with_projection;
+    with_projection.projection = projection;
+    auto encoded = kvcomp::Compress(gpu, view, splice, with_projection);
+    Check(encoded.status(), "compress kvsplice");
+
+    // Queries and outputs on the device: [32 q heads][1][128].
+    const uint64_t q_elems = uint64_t{llama.num_q_heads} * 128;
+    std::vector<float> q(q_elems);
+    for (float& x : q) x = g(rng);
+    auto dq = kvcomp::Buffer::Allocate(gpu.allocator(), q_elems * 4);
+    auto dout = kvcomp::Buffer::Allocate(gpu.allocator(), q_elems * 4);
+    Check(dq.status(), "queries");
+    Check(dout.status(), "out");
+    Check(gpu.CopyFromHost(dq->data(), q.data(), q_elems * 4), "queries");
+
+    struct Variant {
+      const char* name;
+      const kvcomp::CompressedCache* cache;
+      bool correct;
+    };
+    const Variant variants[] = {{"raw_plain", &*raw, false},
+                                {"raw_corrected", &*raw, true},
+                                {"kvsplice_int8_corrected", &*encoded, true}};
+    for (const Variant& var : variants) {
+      const Clock::time_point p0 = Clock::now();
+      auto placed = kvcomp::decode::ResidentCache::Place(gpu, *var.cache, projection);
+      Check(placed.status(), "place");
+      const double place_s = std::chrono::duration<double>(Clock::now() - p0).count();
+      kvcomp::decode::Decoder decoder(gpu);
+      kvcomp::decode::AttendParams p;
+      p.queries = HeadsView::Dense(dq->data(), DType::kF32, llama.num_q_heads, 1, 128,
+                                   kvcomp::MemorySpace::kDevice);
+      p.correct = var.correct;
+      p.out = dout->as<float>();
+      p.out_space = kvcomp::MemorySpace::kDevice;
+      auto step = [&] {
+        for (uint32_t l = 0; l < llama.num_layers; ++l) {
+          p.layer = l;
+          Check(decoder.Attend(**placed, p), "attend");
+        }
+        Check(gpu.Synchronize(), "sync");
+      };
+      step();
+      std::vector<double> ms;
+      for (int r = 0; r < reps; ++r) {
+        const Clock::time_point t0 = Clock::now();
+        step();
+        ms.push_back(1e3 * std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      std::sort(ms.begin(), ms.end());
+      const double step_ms = ms[ms.size() / 2];
+      // The cache bytes one step reads: every section Place copied.
+      const uint64_t bytes = (*placed)->transfers().host_to_device_bytes;
+      // A device copy of as many bytes (read + write), for scale.
+      void* a = nullptr;
+      void* b = nullptr;
+      cudaMalloc(&a, bytes);
+      cudaMalloc(&b, bytes);
+      cudaEvent_t e0, e1;
+      cudaEventCreate(&e0);
+      cudaEventCreate(&e1);
+      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream);
+      cudaEventRecord(e0, stream);
+      for (int r = 0; r < 5; ++r) cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream);
+      cudaEventRecord(e1, stream);
+      cudaEventSynchronize(e1);
+      float copy_ms = 0;
+      cudaEventElapsedTime(&copy_ms, e0, e1);
+      copy_ms /= 5;
+      cudaFree(a);
+      cudaFree(b);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+      std::printf(
+          "RESULT bench=decode tokens=%llu kept_per_head=%llu variant=%s cache_MB=%.1f "
+          "place_s=%.3f step_ms=%.3f per_layer_us=%.1f copy_same_bytes_ms=%.3f "
+          "step_vs_copy=%.1fx h2d_per_step=%llu d2h_per_step=%llu\n",
+          static_cast<unsigned long long>(T),
+          static_cast<unsigned long long>(var.cache->total_kept() / var.cache->num_heads()),
+          var.name, bytes / 1e6, place_s, step_ms, 1e3 * step_ms / llama.num_layers, copy_ms,
+          step_ms / copy_ms,
+          static_cast<unsigned long long>(decoder.transfers().host_to_device_bytes),
+          static_cast<unsigned long long>(decoder.transfers().device_to_host_bytes));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
