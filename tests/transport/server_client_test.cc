@@ -632,6 +632,29 @@ TEST(ServerClientIpv6Test, Ipv6IsRefusedOnUcx113) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
 }
 
+// A client opens UCX's data lanes to the address it dialled, at the port where the server's TCP
+// transport listens on its interface's first address. 127.0.0.2 is local (127.0.0.0/8 on lo)
+// but no interface's own address: connections to it would never complete, so the server
+// refuses it up front. The wildcard stays allowed and reachable through 127.0.0.1.
+TEST(ServerClientAddressTest, ListenAddressThatNoInterfaceHoldsIsRefused) {
+  MemoryHandler handler;
+  ServerOptions o;
+  o.listen_address = "127.0.0.2";
+  absl::StatusOr<std::unique_ptr<UcxServer>> server = UcxServer::Start(o, &handler);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
+  EXPECT_NE(server.status().message().find("127.0.0.2 is not an address of any network interface"),
+            std::string::npos)
+      << server.status();
+
+  o.listen_address = "0.0.0.0";
+  server = UcxServer::Start(o, &handler);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto c = UcxClient::Connect(Endpoint{"127.0.0.1", (*server)->port()}, "t", "x");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->Ping().ok());
+  (*server)->Stop();
+}
+
 TEST(EndpointTest, Parses) {
   EXPECT_EQ(Endpoint::Parse("127.0.0.1:80")->port, 80);
   EXPECT_EQ(Endpoint::Parse("[::1]:9")->host, "::1");

@@ -270,6 +270,13 @@ absl::Status ServerImpl::Listen() {
     freeaddrinfo(res);
     return st;
   }
+  if (port_ == 0) {  // the first time only: a resumed listener keeps the address that worked
+    if (absl::Status st = CheckListenAddressServesDataLanes(res->ai_addr, "UcxServer: listen");
+        !st.ok()) {
+      freeaddrinfo(res);
+      return st;
+    }
+  }
   ucp_listener_params_t lp = {};
   lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
   lp.sockaddr.addr = res->ai_addr;

@@ -1,6 +1,8 @@
 #include "transport/src/ucx_util.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
@@ -196,6 +198,51 @@ absl::Status CheckAddressFamilySupported(int family, absl::string_view what) {
   return absl::UnimplementedError(absl::StrCat(
       what, ": IPv6 is not supported with UCX ", major, ".", minor, ".", release,
       " (its tcp sockaddr connection manager overflows a buffer on IPv6); use IPv4"));
+}
+
+absl::Status CheckListenAddressServesDataLanes(const struct sockaddr* addr, absl::string_view what) {
+  if (addr == nullptr || addr->sa_family != AF_INET) return absl::OkStatus();
+  const in_addr want = reinterpret_cast<const sockaddr_in*>(addr)->sin_addr;
+  if (want.s_addr == htonl(INADDR_ANY)) return absl::OkStatus();
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return absl::OkStatus();  // cannot tell: let UCX decide
+  const ifaddrs* owner = nullptr;
+  for (const ifaddrs* i = all; i != nullptr && owner == nullptr; i = i->ifa_next) {
+    if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET &&
+        reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == want.s_addr) {
+      owner = i;
+    }
+  }
+  const ifaddrs* first = nullptr;  // the address UCX's data lanes listen on for that interface
+  for (const ifaddrs* i = all; owner != nullptr && i != nullptr && first == nullptr;
+       i = i->ifa_next) {
+    if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET &&
+        std::string(i->ifa_name) == owner->ifa_name) {
+      first = i;
+    }
+  }
+  auto ip_of = [](const sockaddr* sa) {
+    char buf[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(sa)->sin_addr, buf, sizeof(buf));
+    return std::string(buf);
+  };
+  std::string error;
+  const std::string ip = ip_of(addr);
+  if (owner == nullptr) {
+    error = absl::StrCat(ip, " is not an address of any network interface (add it to one, ",
+                         "for example with ip addr add, or listen on 0.0.0.0)");
+  } else if ((owner->ifa_flags & IFF_UP) == 0 || (owner->ifa_flags & IFF_RUNNING) == 0) {
+    error = absl::StrCat("interface ", owner->ifa_name, " of ", ip, " is not up and running");
+  } else if (first != owner) {
+    error = absl::StrCat(ip, " is a secondary address of ", owner->ifa_name, ", whose first is ",
+                         ip_of(first->ifa_addr),
+                         ", where UCX listens for the data lanes (listen on that address, or "
+                         "give each daemon an interface of its own)");
+  }
+  freeifaddrs(all);
+  if (error.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(what, ": ", error, "; UCX clients could not complete a connection"));
 }
 
 namespace {

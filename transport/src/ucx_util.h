@@ -119,6 +119,13 @@ class WorkerLoop {
 // corrupts memory when it handles them; OK otherwise.
 absl::Status CheckAddressFamilySupported(int family, absl::string_view what);
 
+// FailedPrecondition for an IPv4 listen address that UCX clients could not finish connecting
+// to: one that is no interface's address (127.0.0.2 when lo has only 127.0.0.1), or not the
+// first IPv4 address of its interface, or on an interface that is down. UCX's TCP transport
+// listens for the data lanes on the first address of the interface a connection arrived on,
+// while the client dials the address it connected to. OK for the wildcard and for IPv6.
+absl::Status CheckListenAddressServesDataLanes(const struct sockaddr* addr, absl::string_view what);
+
 // Refuses a rendezvous message without receiving its data (the sender's request completes).
 void DropRendezvous(ucp_worker_h worker, void* data_desc);
 
