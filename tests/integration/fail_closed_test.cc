@@ -323,6 +323,11 @@ TEST_F(FailClosedTest, ThriftConnectionCapAndIdleTimeout) {
     strangers.push_back(RawConnect(d->ports().control, 0.2));
     ASSERT_GE(strangers.back(), 0);
   }
+  // One of them is a slow sender: a frame header and a few bytes, the rest never.
+  const uint32_t be = htonl(100);
+  const std::string partial = std::string(reinterpret_cast<const char*>(&be), 4) + "abc";
+  ASSERT_EQ(send(strangers[0], partial.data(), partial.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(partial.size()));
   // The cap is reached: a fifth connection is closed on accept.
   int extra = RawConnect(d->ports().control, 2);
   ASSERT_GE(extra, 0);
@@ -330,8 +335,8 @@ TEST_F(FailClosedTest, ThriftConnectionCapAndIdleTimeout) {
   close(extra);
   for (int fd : strangers) EXPECT_FALSE(PeerClosed(fd)) << "admitted connection closed early";
   EXPECT_GE(MetricAtLeast(*d, "kvcomp_control_connections_closed_total{reason=\"limit\"}", 1), 1);
-  // The real client keeps working while strangers hold the rest; strangers that send nothing
-  // are closed after the idle timeout, a client that keeps calling is not.
+  // The real client keeps working while strangers hold the rest; strangers that complete no
+  // request are closed after the idle timeout, a client that keeps calling is not.
   const absl::Time until = absl::Now() + absl::Seconds(6);
   while (absl::Now() < until) {
     real->Health(h, auth);
