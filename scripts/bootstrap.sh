@@ -13,7 +13,7 @@ APT_PACKAGES=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev libeigen3-dev libcli11-dev liblapacke-dev
   curl
-  libc-ares-dev dnsmasq-base
+  libc-ares-dev dnsmasq-base iproute2
   python3-venv
 )
 PIP_PACKAGES=(numpy pytest nanobind scikit-build-core matplotlib pyyaml jsonschema tqdm safetensors

@@ -78,6 +78,14 @@ std::string EnterPrivateNetwork() {
     return absl::StrCat("unshare(CLONE_NEWNET | CLONE_NEWNS): ", std::strerror(errno),
                         " (needs CAP_SYS_ADMIN and CAP_NET_ADMIN)");
   }
+  // lo first: the tests without daemons need it even when the rest fails.
+  std::string cmd = "ip link set lo up";
+  for (int n = 2; n <= 5; ++n) {
+    absl::StrAppend(&cmd, " && ip link add kvc", n, " type veth peer name kvc", n, "p",
+                    " && ip addr add ", Ip(n), "/24 dev kvc", n, " && ip link set kvc", n,
+                    " up && ip link set kvc", n, "p up");
+  }
+  if (std::system(cmd.c_str()) != 0) return "setting up interfaces with ip(8) failed";
   // UCX lists network devices under /sys/class/net, which shows the namespace of whoever
   // mounted sysfs: mount a fresh one (as `ip netns exec` does), else UCX in this process and
   // in the daemons sees the host's interfaces and refuses ours ("device is not enabled").
@@ -88,13 +96,6 @@ std::string EnterPrivateNetwork() {
   if (mount("sysfs", "/sys", "sysfs", 0, nullptr) != 0) {
     return absl::StrCat("mounting sysfs for the private network: ", std::strerror(errno));
   }
-  std::string cmd = "ip link set lo up";
-  for (int n = 2; n <= 5; ++n) {
-    absl::StrAppend(&cmd, " && ip link add kvc", n, " type veth peer name kvc", n, "p",
-                    " && ip addr add ", Ip(n), "/24 dev kvc", n, " && ip link set kvc", n,
-                    " up && ip link set kvc", n, "p up");
-  }
-  if (std::system(cmd.c_str()) != 0) return "setting up interfaces with ip(8) failed";
   return "";
 }
 
