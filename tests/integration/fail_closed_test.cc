@@ -312,7 +312,7 @@ TEST_F(FailClosedTest, LargestControlRequestFitsTheDefaultFrameLimit) {
 
 TEST_F(FailClosedTest, ThriftConnectionCapAndIdleTimeout) {
   auto d = StartDaemon({"--control_plane.max_connections=4",
-                        "--control_plane.idle_timeout_seconds=3"});
+                        "--control_plane.idle_timeout_seconds=5"});
   const rpc::Auth auth = MakeAuth("", "");
   ControlClient real(d->ports().control);
   rpc::HealthResponse h;
@@ -337,7 +337,7 @@ TEST_F(FailClosedTest, ThriftConnectionCapAndIdleTimeout) {
   EXPECT_GE(MetricAtLeast(*d, "kvcomp_control_connections_closed_total{reason=\"limit\"}", 1), 1);
   // The real client keeps working while strangers hold the rest; strangers that complete no
   // request are closed after the idle timeout, a client that keeps calling is not.
-  const absl::Time until = absl::Now() + absl::Seconds(6);
+  const absl::Time until = absl::Now() + absl::Seconds(8);
   while (absl::Now() < until) {
     real->Health(h, auth);
     ASSERT_EQ(h.status.code, rpc::StatusCode::OK);
