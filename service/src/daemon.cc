@@ -22,15 +22,17 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "cache_repository.h"
+#include "cache_service.h"
+#include "data_plane.h"
+#include "engine.h"
 #include "handlers.h"
-#include "ingest.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/service/auth.h"
 #include "kvcomp/service/metrics.h"
 #include "kvcomp/service/policy_store.h"
 #include "kvcomp/storage/tiered_store.h"
-#include "kvcomp/transport/server.h"
 #include "kvsplice_glue.h"
 #include "log.h"
 
@@ -107,9 +109,6 @@ storage::StoreOptions StoreOptionsOf(const Options& o) {
   so.default_tenant_quota_bytes = s.tenant_quota_bytes;
   return so;
 }
-
-// The {op} label of the errors the data-plane transport answers without the daemon.
-constexpr char kTransportOp[] = "transport";
 
 // The Thrift server's connections, seen through its event hooks: the descriptor of each
 // (reported by the listening socket at accept, on the thread that then creates the
@@ -218,7 +217,7 @@ class DaemonImpl : public Daemon {
   uint16_t data_port() const override { return ctx_.data_port.load(); }
   uint16_t control_port() const override { return control_port_; }
   uint16_t metrics_port() const override { return ctx_.metrics_port.load(); }
-  std::string backend() const override { return pipeline_->backend_description(); }
+  std::string backend() const override { return engine_->description(); }
   bool ready() const override { return ctx_.ready.load(); }
 
   void Drain() override {
@@ -226,8 +225,8 @@ class DaemonImpl : public Daemon {
     Log(LogLevel::kInfo, "draining: no new puts or connections; finishing in-flight work");
     ctx_.ready.store(false);
     metrics_->SetReady(false);
-    if (pipeline_) pipeline_->Drain();
-    if (ucx_) ucx_->Drain();
+    if (service_) service_->Drain();
+    if (data_plane_) data_plane_->Drain();
   }
 
   absl::Status Shutdown(absl::Duration grace) override;
@@ -294,9 +293,12 @@ class DaemonImpl : public Daemon {
   std::unique_ptr<PolicyStore> policies_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<StoreProjections> projections_;
-  std::unique_ptr<IngestPipeline> pipeline_;
-  std::unique_ptr<DataHandler> data_handler_;
-  std::unique_ptr<transport::UcxServer> ucx_;
+  // The layers of the data path, inside out: the engine's workers and the cache repository,
+  // the service over them, and the data plane (the transport and its facade) in front.
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<CacheRepository> repository_;
+  std::unique_ptr<CacheService> service_;
+  std::unique_ptr<DataPlane> data_plane_;
   std::shared_ptr<TNonblockingServer> thrift_;
   std::shared_ptr<ThreadManager> thrift_workers_;
   std::shared_ptr<ControlConnections> control_;
@@ -356,31 +358,31 @@ absl::Status DaemonImpl::Init(const Options& options) {
   KVCOMP_ASSIGN_OR_RETURN(policies_, PolicyStore::Open(options.storage.data_dir + "/policies.yaml",
                                                        options.default_policy));
 
-  IngestOptions io;
-  io.max_put_bytes = options.data_plane.max_put_bytes;
-  io.workers = options.engine.workers;
-  io.queue_capacity = options.engine.queue_capacity;
-  io.tenant_share = options.data_plane.tenant_share;
-  io.backend = options.engine.backend;
-  io.cuda_device = options.engine.cuda_device;
-  io.cpu_threads = options.engine.cpu_threads;
-  io.durability = options.storage.durability == "disk" ? storage::Durability::kDisk
-                                                       : storage::Durability::kMemory;
-  io.put_tier = static_cast<int>(TierOf(options.storage.put_tier));
-  const bool cuda = io.backend == "cuda" || (io.backend == "auto" && CudaAvailable());
+  const std::string& backend = options.engine.backend;
+  const bool cuda = backend == "cuda" || (backend == "auto" && CudaAvailable());
   metrics_ = std::make_unique<Metrics>(Version(), cuda ? "cuda" : "cpu");
   metrics_->SetAuthRequired(!tokens_->open_mode());
   projections_ = std::make_unique<StoreProjections>(store_.get());
-  auto pipeline = IngestPipeline::Create(io, store_.get(), projections_.get(), metrics_.get());
-  if (!pipeline.ok()) return Annotate(pipeline.status(), "engine");
-  pipeline_ = std::move(*pipeline);
-  Log(LogLevel::kInfo, "engine: ", pipeline_->backend_description(), ", ", options.engine.workers,
+  auto engine = Engine::Create(options.engine, options.data_plane.tenant_share);
+  if (!engine.ok()) return Annotate(engine.status(), "engine");
+  engine_ = std::move(*engine);
+  Log(LogLevel::kInfo, "engine: ", engine_->description(), ", ", options.engine.workers,
       " worker(s), queue ", options.engine.queue_capacity);
+  RepositoryOptions ro;
+  ro.durability = options.storage.durability == "disk" ? storage::Durability::kDisk
+                                                       : storage::Durability::kMemory;
+  ro.put_tier = static_cast<int>(TierOf(options.storage.put_tier));
+  repository_ =
+      std::make_unique<CacheRepository>(ro, store_.get(), projections_.get(), metrics_.get());
+  ServiceOptions svo;
+  svo.max_put_bytes = options.data_plane.max_put_bytes;
+  svo.tenant_share = options.data_plane.tenant_share;
+  service_ = std::make_unique<CacheService>(svo, engine_.get(), repository_.get(), metrics_.get());
 
   ctx_.tokens = tokens_.get();
   ctx_.store = store_.get();
   ctx_.policies = policies_.get();
-  ctx_.pipeline = pipeline_.get();
+  ctx_.service = service_.get();
   ctx_.metrics = metrics_.get();
   ctx_.calibrate = [this](const CalibrationRequest& request) -> absl::StatusOr<CalibrationResult> {
     KVCOMP_ASSIGN_OR_RETURN(CalibrationResult r,
@@ -398,33 +400,10 @@ absl::Status DaemonImpl::Init(const Options& options) {
   };
   metrics_->SetScrapeHook([this] { RefreshGauges(); });
 
-  data_handler_ = std::make_unique<DataHandler>(&ctx_);
-  transport::ServerOptions so;
-  so.listen_address = options.data_plane.address;
-  so.port = options.data_plane.port;
-  so.max_payload_bytes = options.data_plane.max_block_bytes;
-  so.max_inflight_bytes = std::max(options.data_plane.max_inflight_bytes_per_connection,
-                                   options.data_plane.max_block_bytes);
-  so.max_buffered_bytes =
-      std::max(options.data_plane.max_buffered_bytes, options.data_plane.max_block_bytes);
-  so.max_open_puts = options.data_plane.max_open_puts;
-  so.tenant_share = options.data_plane.tenant_share;
-  so.max_connections = options.data_plane.max_connections;
-  so.max_pre_hello_connections = options.data_plane.max_pre_hello_connections;
-  so.hello_timeout = absl::Seconds(options.data_plane.hello_timeout_seconds);
-  so.idle_timeout = absl::Seconds(options.data_plane.idle_timeout_seconds);
-  so.fd_reserve = options.data_plane.fd_reserve;
-  so.report = [](const std::string& line) { Log(LogLevel::kWarning, line); };
-  so.put_timeout = absl::Seconds(options.data_plane.put_timeout_seconds);
-  so.server_name = absl::StrCat("kvcompd ", Version());
-  if (!options.data_plane.ucx_tls.empty()) so.ucx.overrides["TLS"] = options.data_plane.ucx_tls;
-  if (!options.data_plane.ucx_net_devices.empty()) {
-    so.ucx.overrides["NET_DEVICES"] = options.data_plane.ucx_net_devices;
-  }
-  auto ucx = transport::UcxServer::Start(so, data_handler_.get());
-  if (!ucx.ok()) return Annotate(ucx.status(), "data plane (UCX)");
-  ucx_ = std::move(*ucx);
-  ctx_.data_port.store(ucx_->port());
+  auto data_plane = DataPlane::Start(options, &ctx_);
+  if (!data_plane.ok()) return Annotate(data_plane.status(), "data plane (UCX)");
+  data_plane_ = std::move(*data_plane);
+  ctx_.data_port.store(data_plane_->port());
 
   KVCOMP_RETURN_IF_ERROR(Annotate(StartThrift(), "control plane (Thrift)"));
 
@@ -599,30 +578,17 @@ void DaemonImpl::RefreshGauges() {
     s.evictions_total = t.evictions;
     metrics_->SetTier(s);
   }
-  metrics_->SetQueueDepth(static_cast<int64_t>(pipeline_->queue_depth()));
+  metrics_->SetQueueDepth(static_cast<int64_t>(service_->queue_depth()));
   if (control_ != nullptr) {
     metrics_->SetControlConnections(thrift_dead_.load() ? 0
                                                         : static_cast<int64_t>(control_->open()));
     metrics_->AdvanceControlConnectionsClosed("limit", control_->refused());
     metrics_->AdvanceControlConnectionsClosed("idle", control_->idle_closed());
   }
-  metrics_->SetPutsInProgress(static_cast<int64_t>(pipeline_->open_puts()));
+  metrics_->SetPutsInProgress(static_cast<int64_t>(service_->open_puts()));
   // Errors the transport answered itself (malformed frames, checksum mismatches, oversized
   // blocks, ...) never reach the handlers: op "transport", by code, from its running totals.
-  if (ucx_ != nullptr) {
-    const transport::ServerStats ts = ucx_->stats();
-    for (int code = 1; code < transport::kNumStatusCodes; ++code) {
-      if (ts.rejected_by_code[code] == 0) continue;
-      metrics_->AdvanceErrors(kTransportOp,
-                              ErrorCodeLabel(absl::Status(static_cast<absl::StatusCode>(code), "")),
-                              ts.rejected_by_code[code]);
-    }
-    // Busy replies of the transport's own bounds: in flight per connection, buffered bytes and
-    // open puts (all tenants and per tenant).
-    const uint64_t busy =
-        ts.inflight_busy_replies + ts.capacity_busy_replies + ts.tenant_busy_replies;
-    if (busy > 0) metrics_->AdvanceErrors(kTransportOp, "busy", busy);
-  }
+  if (data_plane_ != nullptr) data_plane_->ExportMetrics(metrics_.get());
   // Totals over the caches of every tenant in the store, token file or not (the store keeps
   // them per tenant as caches come and go: no scan).
   uint64_t caches = 0, original = 0, stored = 0;
@@ -662,15 +628,15 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   if (metrics_ != nullptr) Drain();
   absl::Status result;
   absl::Time deadline = absl::Now() + grace;
-  if (ucx_) {
-    absl::Status s = ucx_->WaitIdle(grace);
+  if (data_plane_) {
+    absl::Status s = data_plane_->WaitIdle(grace);
     if (!s.ok()) result = s;
   }
-  if (pipeline_ && !pipeline_->WaitIdle(std::max(deadline - absl::Now(), absl::ZeroDuration()))) {
+  if (service_ && !service_->WaitIdle(std::max(deadline - absl::Now(), absl::ZeroDuration()))) {
     result = absl::DeadlineExceededError("in-flight work did not finish within the grace period");
   }
   Log(LogLevel::kDebug, "shutdown: in-flight work done");
-  if (ucx_) ucx_->Stop();
+  if (data_plane_) data_plane_->Stop();
   Log(LogLevel::kDebug, "shutdown: data plane stopped");
   thrift_stopping_.store(true);
   if (thrift_) {
@@ -680,10 +646,12 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   }
   if (thrift_workers_) thrift_workers_->stop();
   Log(LogLevel::kDebug, "shutdown: control plane stopped");
-  if (pipeline_) pipeline_->Shutdown();
-  ucx_.reset();
-  pipeline_.reset();
-  Log(LogLevel::kDebug, "shutdown: pipeline stopped");
+  if (service_) service_->Shutdown();
+  data_plane_.reset();  // the open puts it held go before the service they belong to
+  service_.reset();
+  repository_.reset();
+  engine_.reset();
+  Log(LogLevel::kDebug, "shutdown: engine stopped");
   store_.reset();  // closes RocksDB (memtables flushed, WAL synced)
   Log(LogLevel::kDebug, "shutdown: store closed");
   http_.reset();

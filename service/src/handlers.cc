@@ -10,124 +10,11 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/service/config.h"
 #include "kvcomp/service/daemon.h"
+#include "data_plane.h"
 #include "log.h"
 
 namespace kvcomp {
 namespace service {
-
-namespace wire = transport::wire;
-
-// ---------------------------------------------------------------------------------------------
-// Data plane
-
-absl::StatusOr<std::string> DataHandler::OnHello(const transport::Session& session,
-                                                 const wire::Hello& hello) {
-  auto tenant = ctx_->tokens->Authenticate(hello.tenant, hello.token);
-  if (!tenant.ok()) {
-    ctx_->metrics->CountAuthFailure("data");
-    static LogRate rate(5, absl::Seconds(1));
-    LogLimited(rate, LogLevel::kWarning, "data plane: refused hello from ", session.peer,
-               " (tenant '", hello.tenant, "')");
-  }
-  return tenant;
-}
-
-absl::Status DataHandler::OnPutBegin(const transport::PutContext& put) {
-  const wire::PutBegin& b = *put.begin;
-  PutSpec spec;
-  spec.key = CacheKey{put.session.tenant, b.model_id, b.key};
-  spec.layout = b.layout;
-  spec.num_tokens = b.num_tokens;
-  spec.policy =
-      b.has_policy ? b.policy : ctx_->policies->Resolve(put.session.tenant, b.model_id).first;
-  spec.block_wise = b.block_wise;
-  absl::Status s =
-      ctx_->pipeline->BeginPut({put.session.connection_id, put.put_id}, std::move(spec));
-  if (!s.ok()) {
-    ctx_->metrics->CountError("put", s);
-    ctx_->errors_total.fetch_add(1);
-  }
-  return s;
-}
-
-void DataHandler::OnBlock(const transport::PutContext& put, const wire::Block& block,
-                          transport::Buffer payload, transport::Done done) {
-  ServiceContext* ctx = ctx_;
-  ctx_->pipeline->AddBlock({put.session.connection_id, put.put_id}, block, std::move(payload),
-                           [ctx, done = std::move(done)](absl::Status s) mutable {
-                             if (!s.ok()) {
-                               ctx->metrics->CountError("put", s);
-                               ctx->errors_total.fetch_add(1);
-                             }
-                             done(std::move(s));
-                           });
-}
-
-void DataHandler::OnPutCommit(const transport::PutContext& put, transport::CommitDone done) {
-  ServiceContext* ctx = ctx_;
-  ctx_->pipeline->Commit(
-      {put.session.connection_id, put.put_id},
-      [ctx, done = std::move(done)](absl::StatusOr<wire::CacheSummary> r) mutable {
-        if (r.ok()) {
-          ctx->puts_total.fetch_add(1);
-        } else {
-          ctx->errors_total.fetch_add(1);
-        }
-        done(std::move(r));
-      });
-}
-
-void DataHandler::OnPutAbort(const transport::PutContext& put, const absl::Status& reason) {
-  Log(LogLevel::kDebug, "put ", put.put_id, " of ", put.session.peer,
-      " aborted: ", reason.ToString());
-  ctx_->pipeline->Abort({put.session.connection_id, put.put_id});
-}
-
-namespace {
-
-// A key of the session's tenant, or InvalidArgument.
-absl::StatusOr<CacheKey> TenantKey(const transport::Session& session, const std::string& model,
-                                   const std::string& key) {
-  CacheKey k{session.tenant, model, key};
-  KVCOMP_RETURN_IF_ERROR(k.Validate());
-  return k;
-}
-
-}  // namespace
-
-void DataHandler::OnGet(const transport::Session& session, const wire::Get& get,
-                        transport::GetDone done) {
-  ctx_->gets_total.fetch_add(1);
-  auto key = TenantKey(session, get.model_id, get.key);
-  if (!key.ok()) {
-    ctx_->metrics->CountError("get", key.status());
-    done(key.status());
-    return;
-  }
-  ctx_->pipeline->Get(*key, get.representation, std::move(done));
-}
-
-void DataHandler::OnLookup(const transport::Session& session, const wire::Lookup& lookup,
-                           transport::LookupDone done) {
-  auto key = TenantKey(session, lookup.model_id, lookup.key);
-  if (!key.ok()) {
-    ctx_->metrics->CountError("lookup", key.status());
-    done(key.status());
-    return;
-  }
-  ctx_->pipeline->Lookup(*key, std::move(done));
-}
-
-void DataHandler::OnDelete(const transport::Session& session, const wire::Delete& del,
-                           transport::Done done) {
-  auto key = TenantKey(session, del.model_id, del.key);
-  if (!key.ok()) {
-    ctx_->metrics->CountError("delete", key.status());
-    done(key.status());
-    return;
-  }
-  ctx_->pipeline->Delete(*key, std::move(done));
-}
 
 // ---------------------------------------------------------------------------------------------
 // Control plane
@@ -248,8 +135,8 @@ void ControlHandler::Stats(rpc::StatsResponse& out, const rpc::Auth& auth) {
     r.evictions = static_cast<int64_t>(t.evictions);
     out.tiers.push_back(r);
   }
-  out.queue_depth = static_cast<int64_t>(ctx_->pipeline->queue_depth());
-  out.puts_in_progress = static_cast<int64_t>(ctx_->pipeline->open_puts());
+  out.queue_depth = static_cast<int64_t>(ctx_->service->queue_depth());
+  out.puts_in_progress = static_cast<int64_t>(ctx_->service->open_puts());
   out.puts_total = static_cast<int64_t>(ctx_->puts_total.load());
   out.gets_total = static_cast<int64_t>(ctx_->gets_total.load());
   out.errors_total = static_cast<int64_t>(ctx_->errors_total.load());
@@ -261,8 +148,9 @@ void ControlHandler::Lookup(rpc::LookupResponse& out, const rpc::Auth& auth,
   absl::Time t0 = absl::Now();
   CacheKey key{tenant, ref.model_id, ref.key};
   absl::Status s = key.Validate();
-  absl::StatusOr<IngestPipeline::Description> desc =
-      s.ok() ? ctx_->pipeline->Describe(key) : absl::StatusOr<IngestPipeline::Description>(s);
+  absl::StatusOr<CacheRepository::Description> desc =
+      s.ok() ? ctx_->service->repository()->Describe(key)
+             : absl::StatusOr<CacheRepository::Description>(s);
   ctx_->metrics->ObserveOp(Op::kLookup, absl::ToDoubleSeconds(absl::Now() - t0));
   if (!desc.ok()) {
     absl::Status e =
@@ -294,7 +182,7 @@ void ControlHandler::Delete(rpc::DeleteResponse& out, const rpc::Auth& auth,
   CacheKey key{tenant, ref.model_id, ref.key};
   absl::Status s = key.Validate();
   if (s.ok()) s = ctx_->store->Delete(key);
-  if (s.ok()) ctx_->pipeline->Deleted(key);
+  if (s.ok()) ctx_->service->repository()->Deleted(key);
   if (absl::IsNotFound(s)) s = absl::NotFoundError("cache not found");
   ctx_->metrics->ObserveOp(Op::kDelete, absl::ToDoubleSeconds(absl::Now() - t0));
   if (!s.ok()) ctx_->metrics->CountError("delete", s);
@@ -384,8 +272,8 @@ void ControlHandler::ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& a
   const Options& o = ctx_->options;
   out.version = Version();
   out.control_protocol_version = rpc::g_kvcomp_constants.PROTOCOL_VERSION;
-  out.data_protocol_version = wire::kMajorVersion;
-  out.backend = ctx_->pipeline->backend_description();
+  out.data_protocol_version = DataPlane::ProtocolVersion();
+  out.backend = ctx_->service->engine()->description();
   out.multi_tenant = !ctx_->tokens->open_mode();
   out.data_address = absl::StrCat(o.data_plane.address, ":", ctx_->data_port.load());
   out.metrics_port = ctx_->metrics_port.load();
@@ -527,21 +415,20 @@ void ControlHandler::GetChunks(rpc::GetChunksResponse& out, const rpc::Auth& aut
     return;
   }
   const int64_t limit = max_bytes <= 0 ? kDefaultChunkReplyBytes : max_bytes;
-  const wire::Representation rep =
-      decoded ? wire::Representation::kDecoded : wire::Representation::kStored;
+  const Representation rep = decoded ? Representation::kDecoded : Representation::kStored;
   int64_t gathered = 0;
   for (size_t begin = 0; begin < cache_keys->size(); begin += kChunkGetWave) {
     const size_t n = std::min(kChunkGetWave, cache_keys->size() - begin);
-    std::vector<absl::StatusOr<transport::GetResult>> got;
+    std::vector<absl::StatusOr<storage::Payload>> got;
     got.reserve(n);
     for (size_t i = 0; i < n; ++i) got.emplace_back(absl::UnknownError("not served"));
     absl::BlockingCounter pending(static_cast<int>(n));
     for (size_t i = 0; i < n; ++i) {
-      ctx_->pipeline->Get((*cache_keys)[begin + i], rep,
-                          [&got, &pending, i](absl::StatusOr<transport::GetResult> r) {
-                            got[i] = std::move(r);
-                            pending.DecrementCount();
-                          });
+      ctx_->service->Get((*cache_keys)[begin + i], rep,
+                         [&got, &pending, i](absl::StatusOr<storage::Payload> r) {
+                           got[i] = std::move(r);
+                           pending.DecrementCount();
+                         });
     }
     pending.Wait();
     ctx_->gets_total.fetch_add(n);
@@ -556,12 +443,7 @@ void ControlHandler::GetChunks(rpc::GetChunksResponse& out, const rpc::Auth& aut
         }
         return;
       }
-      const transport::Buffer& bytes = got[i]->bytes;
-      if (bytes.memory_type() != transport::MemoryType::kHost) {
-        out.caches.clear();
-        out.status = ToRpc(absl::InternalError("chunk served from device memory"));
-        return;
-      }
+      const storage::Payload& bytes = *got[i];
       out.caches.emplace_back(bytes.view());
       gathered += static_cast<int64_t>(bytes.size());
       if (gathered >= limit && begin + i + 1 < cache_keys->size()) {

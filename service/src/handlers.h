@@ -1,6 +1,6 @@
-// The two request handlers of kvcompd: DataHandler serves the UCX data plane (the transport's
-// RequestHandler), ControlHandler the Thrift control plane. Both authenticate against the same
-// TokenStore and scope every key by the authenticated tenant.
+// The control plane of kvcompd (ControlHandler, the Thrift service) and what it shares with
+// the data plane (ServiceContext; the data plane's handler is in data_plane.cc). Both
+// authenticate against the same TokenStore and scope every key by the authenticated tenant.
 #ifndef KVCOMP_SERVICE_SRC_HANDLERS_H_
 #define KVCOMP_SERVICE_SRC_HANDLERS_H_
 
@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "ingest.h"
+#include "cache_service.h"
 #include "kvcomp/rpc/KvcompControl.h"
 #include "kvcomp/rpc/kvcomp_constants.h"
 #include "kvcomp/service/auth.h"
@@ -20,7 +20,6 @@
 #include "kvcomp/service/options.h"
 #include "kvcomp/service/policy_store.h"
 #include "kvcomp/storage/tiered_store.h"
-#include "kvcomp/transport/server.h"
 
 namespace kvcomp {
 namespace service {
@@ -50,7 +49,7 @@ struct ServiceContext {
   TokenStore* tokens = nullptr;
   storage::TieredStore* store = nullptr;
   PolicyStore* policies = nullptr;
-  IngestPipeline* pipeline = nullptr;
+  CacheService* service = nullptr;
   Metrics* metrics = nullptr;
   CalibrateHook calibrate;
   absl::Time started = absl::Now();
@@ -61,28 +60,6 @@ struct ServiceContext {
   std::atomic<uint64_t> puts_total{0};
   std::atomic<uint64_t> gets_total{0};
   std::atomic<uint64_t> errors_total{0};
-};
-
-class DataHandler : public transport::RequestHandler {
- public:
-  explicit DataHandler(ServiceContext* ctx) : ctx_(ctx) {}
-
-  absl::StatusOr<std::string> OnHello(const transport::Session& session,
-                                      const transport::wire::Hello& hello) override;
-  absl::Status OnPutBegin(const transport::PutContext& put) override;
-  void OnBlock(const transport::PutContext& put, const transport::wire::Block& block,
-               transport::Buffer payload, transport::Done done) override;
-  void OnPutCommit(const transport::PutContext& put, transport::CommitDone done) override;
-  void OnPutAbort(const transport::PutContext& put, const absl::Status& reason) override;
-  void OnGet(const transport::Session& session, const transport::wire::Get& get,
-             transport::GetDone done) override;
-  void OnLookup(const transport::Session& session, const transport::wire::Lookup& lookup,
-                transport::LookupDone done) override;
-  void OnDelete(const transport::Session& session, const transport::wire::Delete& del,
-                transport::Done done) override;
-
- private:
-  ServiceContext* const ctx_;
 };
 
 class ControlHandler : public rpc::KvcompControlIf {

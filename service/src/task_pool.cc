@@ -28,7 +28,7 @@ void TaskPool::Shutdown() {
   threads_.clear();
 }
 
-void TaskPool::Push(absl::string_view key, absl::AnyInvocable<void()> task) {
+void TaskPool::Push(absl::string_view key, WorkerTask task) {
   Lane& lane = lanes_[key];
   lane.tasks.push_back(std::move(task));
   ++lane.held;
@@ -37,6 +37,14 @@ void TaskPool::Push(absl::string_view key, absl::AnyInvocable<void()> task) {
 }
 
 bool TaskPool::TrySubmit(absl::string_view key, absl::AnyInvocable<void()> task) {
+  return TrySubmitToWorker(key, [task = std::move(task)](int) mutable { task(); });
+}
+
+void TaskPool::Submit(absl::string_view key, absl::AnyInvocable<void()> task) {
+  SubmitToWorker(key, [task = std::move(task)](int) mutable { task(); });
+}
+
+bool TaskPool::TrySubmitToWorker(absl::string_view key, WorkerTask task) {
   absl::MutexLock lock(&mu_);
   if (stopping_ || queued_ + running_ >= capacity_) return false;
   auto it = lanes_.find(key);
@@ -45,7 +53,7 @@ bool TaskPool::TrySubmit(absl::string_view key, absl::AnyInvocable<void()> task)
   return true;
 }
 
-void TaskPool::Submit(absl::string_view key, absl::AnyInvocable<void()> task) {
+void TaskPool::SubmitToWorker(absl::string_view key, WorkerTask task) {
   absl::MutexLock lock(&mu_);
   Push(key, std::move(task));
 }
@@ -64,7 +72,7 @@ bool TaskPool::WaitIdle(absl::Duration timeout) const {
 void TaskPool::Run(int index) {
   if (init_) init_(index);
   while (true) {
-    absl::AnyInvocable<void()> task;
+    WorkerTask task;
     std::string key;
     {
       absl::MutexLock lock(&mu_);
@@ -80,7 +88,7 @@ void TaskPool::Run(int index) {
       --queued_;
       ++running_;
     }
-    task();
+    task(index);
     task = nullptr;  // whatever it captured goes before the pool counts it done
     absl::MutexLock lock(&mu_);
     --running_;

@@ -36,6 +36,11 @@ class TaskPool {
   bool TrySubmit(absl::string_view key, absl::AnyInvocable<void()> task);
   void Submit(absl::AnyInvocable<void()> task) { Submit("", std::move(task)); }
   void Submit(absl::string_view key, absl::AnyInvocable<void()> task);
+  // As above, for tasks that take the index of the thread running them (0..threads-1), e.g. to
+  // use that thread's backend.
+  using WorkerTask = absl::AnyInvocable<void(int worker)>;
+  bool TrySubmitToWorker(absl::string_view key, WorkerTask task);
+  void SubmitToWorker(absl::string_view key, WorkerTask task);
   // Queued plus running tasks.
   size_t depth() const;
   // Waits until nothing is queued or running, or `timeout` passes; false on timeout.
@@ -44,11 +49,11 @@ class TaskPool {
 
  private:
   struct Lane {
-    std::deque<absl::AnyInvocable<void()>> tasks;
+    std::deque<WorkerTask> tasks;
     size_t held = 0;  // queued plus running
   };
   void Run(int index);
-  void Push(absl::string_view key, absl::AnyInvocable<void()> task)
+  void Push(absl::string_view key, WorkerTask task)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const size_t capacity_;

@@ -265,6 +265,14 @@ uint64_t Block::ExpectedPartBytes(const KvLayout& layout) const {
   return uint64_t{layer_end - layer_begin} * layout.LayerBytes(token_end - token_begin);
 }
 
+uint64_t Block::KeyOffset(const KvLayout& layout, uint32_t layer) const {
+  return uint64_t{layer - layer_begin} * layout.LayerBytes(token_end - token_begin);
+}
+
+uint64_t Block::ValueOffset(const KvLayout& layout, uint32_t layer) const {
+  return key_bytes + KeyOffset(layout, layer);
+}
+
 absl::Status Block::ValidateAgainst(const KvLayout& layout, uint64_t num_tokens) const {
   if (layer_end > layout.num_layers) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -25,6 +25,7 @@ namespace {
 // An open put. Shared with completion callbacks, which may outlive the connection.
 struct PutState {
   wire::PutBegin begin;
+  std::unique_ptr<PutHandle> handle;  // the handler's state for this put
   absl::Time last_activity;
   uint64_t blocks_acked = 0;
   uint64_t blocks_pending = 0;  // received or being received, not yet acknowledged
@@ -171,7 +172,7 @@ class ServerImpl : public UcxServer {
   void CloseConnection(const std::shared_ptr<Connection>& conn, const absl::Status& reason);
   void ReleaseInflight(Connection& conn, uint64_t bytes);
   PutContext MakePutContext(const Connection& conn, const PutState& put) const {
-    return PutContext{conn.session, put.begin.put_id, &put.begin};
+    return PutContext{conn.session, put.begin.put_id, &put.begin, nullptr, put.handle.get()};
   }
   // Posts `fn` to the loop from a handler completion; drops it when the server has stopped.
   template <typename F>
@@ -754,7 +755,10 @@ void ServerImpl::HandlePutBegin(const std::shared_ptr<Connection>& conn, const w
     SendRefusal(*conn, f.header.request_id, why);
     return;
   }
-  if (absl::Status s = handler_->OnPutBegin(MakePutContext(*conn, *put)); !s.ok()) {
+  PutContext begin_ctx = MakePutContext(*conn, *put);
+  begin_ctx.attach = &put->handle;
+  if (absl::Status s = handler_->OnPutBegin(begin_ctx); !s.ok()) {
+    put->handle.reset();
     puts_budget_.Release(conn->session.tenant, 1);
     SendStatus(*conn, f.header.request_id, s);
     return;

@@ -152,6 +152,10 @@ struct Block {
   uint64_t ExpectedPartBytes(const KvLayout& layout) const;
   // OK when the ranges lie within layout/num_tokens and the byte counts match them.
   absl::Status ValidateAgainst(const KvLayout& layout, uint64_t num_tokens) const;
+  // Byte offsets in the payload of layer `layer`'s keys and values, [num_kv_heads][tokens]
+  // [head_dim] each (a block that passed ValidateAgainst; layer_begin <= layer < layer_end).
+  uint64_t KeyOffset(const KvLayout& layout, uint32_t layer) const;
+  uint64_t ValueOffset(const KvLayout& layout, uint32_t layer) const;
 };
 
 struct PutCommit {

@@ -118,11 +118,24 @@ struct Session {
   std::string tenant;          // authenticated tenant; empty before hello
 };
 
+// What a handler keeps for one open put. The transport holds it in the put's own record, from
+// the OnPutBegin that attached it until the put ends (committed, aborted, timed out or its
+// connection gone) and every completion of the put has run, so a put's state has one owner and
+// the handler needs no table of open puts.
+class PutHandle {
+ public:
+  virtual ~PutHandle() = default;
+};
+
 // An open put: the session, the client's put id and what put-begin said.
 struct PutContext {
   Session session;
   uint64_t put_id = 0;
   const wire::PutBegin* begin = nullptr;  // valid during the handler call only
+  // OnPutBegin only: where the handler may leave its state for the put (kept on success).
+  std::unique_ptr<PutHandle>* attach = nullptr;
+  // Every later call of the put: what OnPutBegin attached (nullptr if nothing).
+  PutHandle* handle = nullptr;
 };
 
 struct GetResult {

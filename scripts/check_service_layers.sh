@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Checks the layering of kvcompd's sources by their #include lines:
+# - service/: only the data-plane facade (service/src/data_plane.cc) includes the transport's
+#   headers (kvcomp/transport/*: wire messages, server, buffers); the assembler, engine, cache
+#   repository, cache service and the control plane work on the service's own types;
+# - transport/: never includes the kernels, storage or service (it moves bytes and checks them
+#   against the wire protocol, and knows nothing of compression or where caches are kept).
+#   bash scripts/check_service_layers.sh [repository root]   (a ctest: service_layering_check)
+set -uo pipefail
+root="${1:-$(dirname "$0")/..}"
+cd "$root" || exit 2
+
+facade="service/src/data_plane.cc"
+status=0
+
+if [ ! -f "$facade" ] || ! grep -qE '^\s*#\s*include\s+"kvcomp/transport/' "$facade"; then
+  echo "check_service_layers: $facade is missing or does not include the transport" >&2
+  status=1
+fi
+
+hits=$(grep -rnE '^\s*#\s*include\s+[<"]kvcomp/transport/' service tests/service 2>/dev/null |
+       grep -v "^$facade:" || true)
+if [ -n "$hits" ]; then
+  echo "check_service_layers: transport headers included outside the data-plane facade ($facade):" >&2
+  echo "$hits" >&2
+  status=1
+fi
+
+hits=$(grep -rnE '^\s*#\s*include\s+[<"]kvcomp/(kernels|storage|service|decode)/' transport || true)
+if [ -n "$hits" ]; then
+  echo "check_service_layers: the transport includes compression, storage or service headers:" >&2
+  echo "$hits" >&2
+  status=1
+fi
+
+[ "$status" -eq 0 ] && echo "check_service_layers: ok"
+exit "$status"

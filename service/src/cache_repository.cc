@@ -1,0 +1,163 @@
+#include "cache_repository.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "kvcomp/core/status.h"
+#include "log.h"
+
+namespace kvcomp {
+namespace service {
+
+namespace {
+
+// Another tenant's key and a missing key must read the same.
+absl::Status NotFoundAsMissing(const absl::Status& s) {
+  if (absl::IsNotFound(s)) return absl::NotFoundError("cache not found");
+  return s;
+}
+
+CacheSummary SummaryOf(const format::CacheInfo& info, const storage::LookupResult& where) {
+  CacheSummary s;
+  s.layout = info.layout;
+  s.key_codec = info.key_codec;
+  s.value_codec = info.value_codec;
+  s.tier = where.tier;
+  s.original_tokens = info.original_tokens;
+  s.total_kept = info.total_kept;
+  s.original_bytes = where.meta.original_bytes;
+  s.stored_bytes = where.meta.stored_bytes;
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const Projection>> CacheRepository::PinProjection(
+    const CacheKey& key) {
+  KVCOMP_ASSIGN_OR_RETURN(std::string model, ProjectionModel(key.tenant, key.model_id));
+  return projections_->AcquireLatest(model);
+}
+
+absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
+                                                    const CompressedCache& cache,
+                                                    uint64_t original_bytes) {
+  absl::Time t0 = absl::Now();
+  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(cache));
+  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(bytes));
+  const uint64_t stored = bytes.size();
+  storage::CacheMeta meta;
+  meta.original_bytes = original_bytes;
+  storage::PutOptions po;
+  po.tier = options_.put_tier;
+  po.durability = options_.durability;
+  KVCOMP_RETURN_IF_ERROR(
+      store_->Put(key, storage::Payload::FromString(std::move(bytes)), meta, po));
+  metrics_->ObserveStage(Stage::kStore, absl::ToDoubleSeconds(absl::Now() - t0));
+  metrics_->AddStoredCache(original_bytes, stored);
+  Remember(key, info);
+  storage::LookupResult where;
+  where.meta.original_bytes = original_bytes;
+  where.meta.stored_bytes = stored;
+  auto found = store_->Lookup(key);
+  where.tier = found.ok() ? found->tier : storage::TierKind::kDevice;
+  return SummaryOf(info, where);
+}
+
+absl::StatusOr<storage::Payload> CacheRepository::Get(const CacheKey& key, Representation rep) {
+  auto got = store_->Get(key);
+  if (!got.ok()) return NotFoundAsMissing(got.status());
+  if (rep == Representation::kDecoded) {
+    KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(got->payload.view()));
+    if (info.key_codec != KeyCodec::kRaw || info.value_codec != ValueCodec::kRaw) {
+      KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(got->payload.view()));
+      KVCOMP_ASSIGN_OR_RETURN(std::string model, ProjectionModel(key.tenant, key.model_id));
+      KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw,
+                              DecodeToRaw(std::move(cache), model, projections_));
+      KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(raw));
+      return storage::Payload::FromString(std::move(bytes));
+    }
+    // Raw codecs: the stored bytes are already the decoded form.
+  }
+  return got->payload;
+}
+
+void CacheRepository::Remember(const CacheKey& key, const format::CacheInfo& info) {
+  absl::MutexLock lock(&mu_);
+  if (infos_.size() >= kMaxRememberedInfos) infos_.clear();
+  infos_[key.Encode()] = info;
+}
+
+void CacheRepository::Forget(const CacheKey& key) {
+  absl::MutexLock lock(&mu_);
+  infos_.erase(key.Encode());
+}
+
+absl::StatusOr<CacheRepository::Description> CacheRepository::Describe(const CacheKey& key) {
+  Description d;
+  auto where = store_->Lookup(key);
+  if (!where.ok()) {
+    Forget(key);
+    return NotFoundAsMissing(where.status());
+  }
+  d.where = *where;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = infos_.find(key.Encode());
+    if (it != infos_.end() && it->second.total_bytes == where->meta.stored_bytes) {
+      d.info = it->second;
+      return d;
+    }
+  }
+  // Not remembered (e.g. stored before a restart): read it once.
+  auto got = store_->Get(key);
+  if (!got.ok()) return NotFoundAsMissing(got.status());
+  KVCOMP_ASSIGN_OR_RETURN(d.info, format::PeekCache(got->payload.view()));
+  Remember(key, d.info);
+  return d;
+}
+
+absl::StatusOr<CacheSummary> CacheRepository::Summarize(const CacheKey& key) {
+  KVCOMP_ASSIGN_OR_RETURN(Description d, Describe(key));
+  return SummaryOf(d.info, d.where);
+}
+
+absl::Status CacheRepository::Delete(const CacheKey& key) {
+  absl::Status s = NotFoundAsMissing(store_->Delete(key));
+  if (s.ok()) {
+    Deleted(key);
+  } else {
+    Forget(key);
+  }
+  return s;
+}
+
+void CacheRepository::Deleted(const CacheKey& key) {
+  Forget(key);
+  // The cache may have been the last to name an older projection version of its model.
+  auto model = ProjectionModel(key.tenant, key.model_id);
+  if (!model.ok()) return;
+  auto collected = projections_->Collect(*model);
+  if (!collected.ok()) {
+    Log(LogLevel::kWarning, "projection cleanup of ", *model, ": ", collected.status().ToString());
+  } else if (*collected > 0) {
+    metrics_->AddProjectionsDeleted(*collected);
+    Log(LogLevel::kDebug, "deleted ", *collected, " unused projection version(s) of ", *model);
+  }
+}
+
+absl::StatusOr<std::vector<CacheKey>> CacheRepository::List(const std::string& tenant,
+                                                            const std::string& model_id) {
+  KVCOMP_ASSIGN_OR_RETURN(std::vector<storage::ListedCache> listed, store_->List(tenant));
+  std::vector<CacheKey> out;
+  for (storage::ListedCache& c : listed) {
+    if (!model_id.empty() && c.key.model_id != model_id) continue;
+    out.push_back(std::move(c.key));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const CacheKey& a, const CacheKey& b) { return a.Encode() < b.Encode(); });
+  return out;
+}
+
+}  // namespace service
+}  // namespace kvcomp

@@ -1,0 +1,94 @@
+// CacheRepository: compressed caches as kvcompd keeps them. It encodes a cache in the format
+// (docs/format.md) and stores it in the tiered store with the configured durability and tier,
+// serves it back (stored, or decoded with the projection it names), describes it (where it is,
+// what its header says, without reading it again when its header is remembered), deletes it, and
+// pins the KVSplice projection a put encodes with. Tenant isolation is the caller's key: a key
+// is always the authenticated tenant's, and another tenant's cache reads as missing.
+//
+// Blocking (store I/O); thread-safe.
+#ifndef KVCOMP_SERVICE_SRC_CACHE_REPOSITORY_H_
+#define KVCOMP_SERVICE_SRC_CACHE_REPOSITORY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/kernels/projection.h"
+#include "kvcomp/service/metrics.h"
+#include "kvcomp/storage/tiered_store.h"
+#include "kvsplice_glue.h"
+#include "put.h"
+
+namespace kvcomp {
+namespace service {
+
+struct RepositoryOptions {
+  storage::Durability durability = storage::Durability::kDisk;
+  int put_tier = -1;  // storage::TierKind, or -1 for the store's default
+};
+
+class CacheRepository {
+ public:
+  // `store`, `projections` (over `store`) and `metrics` outlive the repository.
+  CacheRepository(const RepositoryOptions& options, storage::TieredStore* store,
+                  StoreProjections* projections, Metrics* metrics)
+      : options_(options), store_(store), projections_(projections), metrics_(metrics) {}
+
+  // The latest projection of `key`'s tenant and model, for a put whose value codec encodes
+  // with it; the version is not collected while the pointer lives. FailedPrecondition before
+  // any calibration.
+  absl::StatusOr<std::shared_ptr<const Projection>> PinProjection(const CacheKey& key);
+
+  // Encodes and stores `cache` as `key` (replacing an older one); returns what was stored.
+  // `original_bytes` is the uncompressed size of the put.
+  absl::StatusOr<CacheSummary> Store(const CacheKey& key, const CompressedCache& cache,
+                                     uint64_t original_bytes);
+
+  // The cache's bytes in `rep`. NotFound ("cache not found") when absent.
+  absl::StatusOr<storage::Payload> Get(const CacheKey& key, Representation rep);
+
+  // Where a cache is and what its header says. NotFound when absent.
+  struct Description {
+    storage::LookupResult where;
+    format::CacheInfo info;
+  };
+  absl::StatusOr<Description> Describe(const CacheKey& key);
+  absl::StatusOr<CacheSummary> Summarize(const CacheKey& key);
+
+  // Deletes `key`, then what only it kept (see Deleted). NotFound when absent.
+  absl::Status Delete(const CacheKey& key);
+  // After `key` was deleted (here or through the store): drops what Describe remembers of it
+  // and deletes the projection versions of its tenant/model that no stored cache names any
+  // more (except the latest).
+  void Deleted(const CacheKey& key);
+
+  // The caches of `tenant` (of `model_id` only, when not empty), in key order.
+  absl::StatusOr<std::vector<CacheKey>> List(const std::string& tenant,
+                                             const std::string& model_id = "");
+
+ private:
+  void Remember(const CacheKey& key, const format::CacheInfo& info);
+  void Forget(const CacheKey& key);
+
+  const RepositoryOptions options_;
+  storage::TieredStore* const store_;
+  StoreProjections* const projections_;
+  Metrics* const metrics_;
+
+  // Headers of stored caches by CacheKey::Encode(); bounded (cleared when full).
+  static constexpr size_t kMaxRememberedInfos = 1 << 20;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, format::CacheInfo> infos_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace service
+}  // namespace kvcomp
+
+#endif  // KVCOMP_SERVICE_SRC_CACHE_REPOSITORY_H_

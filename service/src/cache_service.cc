@@ -1,0 +1,313 @@
+#include "cache_service.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvcomp/core/status.h"
+
+namespace kvcomp {
+namespace service {
+
+namespace {
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+}  // namespace
+
+// ---- a put ----
+
+OpenPut::OpenPut(CacheService* service, PutRequest request,
+                 std::shared_ptr<const Projection> projection)
+    : service_(service),
+      request_(std::move(request)),
+      projection_(std::move(projection)),
+      assembler_(request_.layout, request_.num_tokens) {
+  service_->open_puts_.fetch_add(1);
+}
+
+OpenPut::~OpenPut() {
+  {
+    absl::MutexLock stream(&stream_mu_);
+    compressor_.reset();  // before its backend goes back to the engine
+    stream_.reset();
+  }
+  service_->open_puts_.fetch_sub(1);
+  service_->UpdateGauges();
+}
+
+void OpenPut::AddBlock(BlockData block, Done done) {
+  if (request_.block_wise && (!block.has_keys() || !block.has_values())) {
+    done(absl::InvalidArgumentError("block-wise puts need K and V in the same block"));
+    return;
+  }
+  const uint64_t size = block.bytes;
+  bool schedule_drain = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (committing_ || aborted_) {
+      done(absl::FailedPreconditionError("block for a put that is committing or aborted"));
+      return;
+    }
+    if (absl::Status s = assembler_.Add(std::move(block)); !s.ok()) {
+      done(s);
+      return;
+    }
+    last_block_ = absl::Now();
+    if (request_.block_wise && !drain_scheduled_) {
+      drain_scheduled_ = true;
+      schedule_drain = true;
+    }
+  }
+  service_->metrics_->AddReceivedBytes(size);
+  done(absl::OkStatus());
+  if (schedule_drain) {
+    service_->engine_->Submit(request_.key.tenant, [self = shared_from_this()](Backend&) {
+      {
+        absl::MutexLock lock(&self->mu_);
+        self->drain_scheduled_ = false;
+      }
+      absl::MutexLock stream(&self->stream_mu_);
+      absl::Status s = self->DrainBlockWise();
+      if (!s.ok() && self->stream_error_.ok()) self->stream_error_ = s;
+    });
+  }
+}
+
+absl::Status OpenPut::DrainBlockWise() {
+  if (!stream_error_.ok()) return stream_error_;
+  const CompressionPolicy& policy = request_.policy.get();
+  if (compressor_ == nullptr) {
+    KVCOMP_ASSIGN_OR_RETURN(Engine::StreamLease lease, service_->engine_->LeaseStream());
+    stream_.emplace(std::move(lease));
+    BlockCompressorOptions bo;
+    bo.expected_tokens = request_.num_tokens;
+    bo.projection = projection_;
+    KVCOMP_ASSIGN_OR_RETURN(
+        compressor_, BlockCompressor::Create(stream_->backend(), request_.layout, policy, bo));
+  }
+  const size_t es = DTypeBytes(request_.layout.dtype, 1);
+  const uint32_t chunk = policy.block_size;
+  while (true) {
+    BlockData next;
+    {
+      absl::MutexLock lock(&mu_);
+      if (aborted_ || !assembler_.TakeNext(&next)) return absl::OkStatus();
+    }
+    absl::Time t0 = absl::Now();
+    for (uint32_t l = next.layer_begin; l < next.layer_end; ++l) {
+      const HeadsView& k = next.keys[l - next.layer_begin];
+      const HeadsView& v = next.values[l - next.layer_begin];
+      for (uint64_t c0 = 0; c0 < k.num_tokens; c0 += chunk) {
+        const uint64_t c1 = std::min<uint64_t>(k.num_tokens, c0 + chunk);
+        HeadsView kc = k, vc = v;
+        kc.data = static_cast<const uint8_t*>(k.data) + c0 * k.token_stride * es;
+        vc.data = static_cast<const uint8_t*>(v.data) + c0 * v.token_stride * es;
+        kc.num_tokens = vc.num_tokens = c1 - c0;
+        KVCOMP_RETURN_IF_ERROR(compressor_->Append(l, kc, vc));
+      }
+    }
+    const double secs = Seconds(absl::Now() - t0);
+    service_->metrics_->ObserveStage(Stage::kCompress, secs);
+    if (service_->engine_->uses_gpu()) service_->metrics_->AddGpuSeconds(secs);
+    next.memory.reset();  // appended: its bytes go back to the data plane's budget
+  }
+}
+
+void OpenPut::Commit(CommitDone done) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (committing_) {
+      done(absl::FailedPreconditionError("put is already committing"));
+      return;
+    }
+    committing_ = true;
+  }
+  // The done callback must run exactly once: park it where both outcomes can reach it.
+  auto shared_done = std::make_shared<CommitDone>(std::move(done));
+  bool queued = service_->engine_->TrySubmit(
+      request_.key.tenant, [self = shared_from_this(), shared_done](Backend& backend) {
+        self->RunCommit(backend, std::move(*shared_done));
+      });
+  if (!queued) {
+    {
+      absl::MutexLock lock(&mu_);
+      committing_ = false;
+    }
+    service_->metrics_->CountError("put", BusyError(""));
+    (*shared_done)(BusyError(
+        "compression queue full (engine.queue_capacity, or this tenant's share of it)"));
+    return;
+  }
+  service_->UpdateGauges();
+}
+
+void OpenPut::RunCommit(Backend& backend, CommitDone done) {
+  Metrics* metrics = service_->metrics_;
+  absl::StatusOr<CacheSummary> result = [&]() -> absl::StatusOr<CacheSummary> {
+    {
+      absl::MutexLock lock(&mu_);
+      metrics->ObserveStage(Stage::kReceive, Seconds(last_block_ - begun_));
+      if (aborted_) return absl::CancelledError("put was aborted");
+      KVCOMP_RETURN_IF_ERROR(assembler_.CheckComplete());
+    }
+    CompressedCache cache;
+    absl::Time t0 = absl::Now();
+    if (request_.block_wise) {
+      absl::MutexLock stream(&stream_mu_);
+      KVCOMP_RETURN_IF_ERROR(DrainBlockWise());
+      KVCOMP_RETURN_IF_ERROR(stream_error_);
+      {
+        absl::MutexLock lock(&mu_);
+        if (assembler_.held_blocks() > 0) {
+          return absl::InternalError("block-wise put has blocks that never became appendable");
+        }
+      }
+      KVCOMP_ASSIGN_OR_RETURN(cache, compressor_->Finish());
+    } else {
+      KVCOMP_ASSIGN_OR_RETURN(cache, CompressWhole(backend));
+    }
+    const double secs = Seconds(absl::Now() - t0);
+    metrics->ObserveStage(Stage::kCompress, secs);
+    if (service_->engine_->uses_gpu()) metrics->AddGpuSeconds(secs);
+    return service_->repository_->Store(request_.key, cache,
+                                        request_.layout.CacheBytes(request_.num_tokens));
+  }();
+  {
+    // The put is finished either way; its buffers go.
+    absl::MutexLock lock(&mu_);
+    assembler_.Clear();
+  }
+  if (result.ok()) {
+    metrics->ObserveOp(Op::kPut, Seconds(absl::Now() - begun_));
+  } else {
+    metrics->CountError("put", result.status());
+  }
+  service_->UpdateGauges();
+  done(std::move(result));
+}
+
+absl::StatusOr<CompressedCache> OpenPut::CompressWhole(Backend& backend) {
+  // Once committing_ is set nothing adds to or removes from the assembler until RunCommit
+  // ends, so its view stays valid through the compression without the lock.
+  absl::StatusOr<KvCacheView> view;
+  {
+    absl::MutexLock lock(&mu_);
+    view = assembler_.View();
+  }
+  if (!view.ok()) return view.status();
+  CompressOptions co;
+  co.projection = projection_;
+  return Compress(backend, *view, request_.policy.get(), co);
+}
+
+void OpenPut::Abort() {
+  absl::MutexLock lock(&mu_);
+  aborted_ = true;
+  if (!committing_) assembler_.Clear();
+}
+
+// ---- the service ----
+
+CacheService::CacheService(const ServiceOptions& options, Engine* engine,
+                           CacheRepository* repository, Metrics* metrics)
+    : options_(options),
+      engine_(engine),
+      repository_(repository),
+      metrics_(metrics),
+      serve_pool_(std::make_unique<TaskPool>(options.serve_threads, options.serve_queue_capacity,
+                                             nullptr, options.tenant_share)) {}
+
+CacheService::~CacheService() { Shutdown(); }
+
+void CacheService::Shutdown() {
+  engine_->Shutdown();
+  if (serve_pool_) serve_pool_->Shutdown();
+}
+
+void CacheService::UpdateGauges() {
+  metrics_->SetQueueDepth(static_cast<int64_t>(queue_depth()));
+  metrics_->SetPutsInProgress(static_cast<int64_t>(open_puts()));
+}
+
+bool CacheService::WaitIdle(absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (open_puts() == 0 && queue_depth() == 0 && serve_pool_->depth() == 0) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
+absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest request) {
+  if (draining()) return absl::UnavailableError("draining: kvcompd is shutting down");
+  const uint64_t bytes = request.layout.CacheBytes(request.num_tokens);
+  if (bytes > options_.max_put_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cache of ", bytes,
+                                                   " bytes exceeds data_plane.max_put_bytes (",
+                                                   options_.max_put_bytes, ")"));
+  }
+  std::shared_ptr<const Projection> projection;
+  if (request.policy.get().value_codec != ValueCodec::kRaw) {
+    // Pinned while the put lives, so the version is not collected before the cache naming it
+    // is stored.
+    KVCOMP_ASSIGN_OR_RETURN(projection, repository_->PinProjection(request.key));
+  }
+  std::shared_ptr<OpenPut> put(new OpenPut(this, std::move(request), std::move(projection)));
+  UpdateGauges();
+  return put;
+}
+
+void CacheService::Get(const CacheKey& key, Representation rep, GetDone done) {
+  auto shared_done = std::make_shared<GetDone>(std::move(done));
+  bool queued = serve_pool_->TrySubmit(key.tenant, [this, key, rep, shared_done] {
+    absl::Time t0 = absl::Now();
+    absl::StatusOr<storage::Payload> result = repository_->Get(key, rep);
+    const double secs = Seconds(absl::Now() - t0);
+    metrics_->ObserveStage(Stage::kServe, secs);
+    metrics_->ObserveOp(Op::kGet, secs);
+    if (result.ok()) {
+      metrics_->AddServedBytes(result->size());
+    } else {
+      metrics_->CountError("get", result.status());
+    }
+    (*shared_done)(std::move(result));
+  });
+  if (!queued) {
+    metrics_->CountError("get", BusyError(""));
+    (*shared_done)(BusyError("serve queue full"));
+  }
+}
+
+void CacheService::Lookup(const CacheKey& key, LookupDone done) {
+  auto shared_done = std::make_shared<LookupDone>(std::move(done));
+  bool queued = serve_pool_->TrySubmit(key.tenant, [this, key, shared_done] {
+    absl::Time t0 = absl::Now();
+    absl::StatusOr<CacheSummary> result = repository_->Summarize(key);
+    metrics_->ObserveOp(Op::kLookup, Seconds(absl::Now() - t0));
+    if (!result.ok()) metrics_->CountError("lookup", result.status());
+    (*shared_done)(std::move(result));
+  });
+  if (!queued) {
+    metrics_->CountError("lookup", BusyError(""));
+    (*shared_done)(BusyError("serve queue full"));
+  }
+}
+
+void CacheService::Delete(const CacheKey& key, Done done) {
+  auto shared_done = std::make_shared<Done>(std::move(done));
+  bool queued = serve_pool_->TrySubmit(key.tenant, [this, key, shared_done] {
+    absl::Time t0 = absl::Now();
+    absl::Status s = repository_->Delete(key);
+    metrics_->ObserveOp(Op::kDelete, Seconds(absl::Now() - t0));
+    if (!s.ok()) metrics_->CountError("delete", s);
+    (*shared_done)(s);
+  });
+  if (!queued) {
+    metrics_->CountError("delete", BusyError(""));
+    (*shared_done)(BusyError("serve queue full"));
+  }
+}
+
+}  // namespace service
+}  // namespace kvcomp
