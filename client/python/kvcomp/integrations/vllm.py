@@ -1,0 +1,842 @@
+"""kvcomp as a vLLM v1 KV connector (vLLM's KVConnectorBase_V1).
+
+Turn it on with (docs/integrations.md, "vLLM"):
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"KvcompConnector",
+        "kv_connector_module_path":"kvcomp.integrations.vllm","kv_role":"kv_both",
+        "kv_load_failure_policy":"recompute",
+        "kv_connector_extra_config":{"endpoints":["10.0.0.5:7420,10.0.0.5:7421"]}}'
+
+What it stores: the KV cache of every whole chunk of `chunk_blocks` vLLM blocks, one kvcomp cache
+per chunk and tensor-parallel shard, under the chunk's last chained block hash (which names the
+whole prefix up to it). Chunks are full length: vLLM's scheduler counts a loaded prefix in prompt
+positions, so the connector cannot hand it fewer tokens than the prefix has; no token is evicted.
+The codecs compress: int8 keys and KVSplice values ("kvsplice", the daemon calibrates a projection
+per model from the chunks it stores), int8 keys only ("int8"), or nothing ("lossless": bit-exact).
+
+Scheduler side: get_num_new_matched_tokens asks the pool how many leading chunks it holds
+(Client.lookup_prefix, one request per daemon involved); update_state_after_alloc and
+build_connector_meta turn hits into loads into the request's blocks and newly computed prompt
+chunks into saves; request_finished saves the chunks completed while decoding, holding the
+request's blocks until the worker has copied them to host memory (get_finished reports it).
+Worker side: start_load_kv fetches the chunks (Client.get_chunks, decoded by the daemons) and
+wait_for_layer_load writes each layer into vLLM's paged blocks; save_kv_layer copies the saved
+blocks of each layer to pinned host memory as the layer finishes, wait_for_save waits for those
+copies and hands the chunks to a background uploader. A missing, unreadable or malformed chunk
+makes its blocks (and every later block of that request's load) load errors
+(get_block_ids_with_load_errors), which vLLM recomputes under kv_load_failure_policy "recompute":
+never wrong KV.
+
+The vLLM-independent parts (settings, keys, chunk planning, block gather/scatter on torch
+tensors, the store, the scheduler and worker logic) import without vllm; KvcompConnector itself is
+built on first access, importing vllm then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+log = logging.getLogger("kvcomp.vllm")
+
+CODECS = ("kvsplice", "int8", "lossless")
+_KEY_PREFIX = b"vllm:"
+
+
+# --- settings -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Settings:
+    """The connector's options (kv_connector_extra_config), each with its default.
+
+    endpoints: kvcompd endpoints "data_host:port,control_host:port" (list, or a space-separated
+        string; default $KVCOMP_ENDPOINTS). The control address is required (prefix lookups).
+    model: the kvcomp model id the chunks are stored under (default: vLLM's model name).
+    tenant, token: credentials (default $KVCOMP_TENANT, $KVCOMP_TOKEN).
+    codec: "kvsplice" (int8 keys, KVSplice values once the daemons hold a projection for the
+        model; int8 keys and raw values until then), "int8" (int8 keys, raw values), or
+        "lossless" (raw keys and values, bit-exact).
+    chunk_blocks: vLLM blocks per stored chunk (default 4: 64 tokens at block size 16).
+    error_budget: relative value error the daemons calibrate KVSplice to (default 0.05).
+    calibrate_after: chunks stored with raw values before the connector asks the daemons to
+        calibrate the model's projection (codec "kvsplice"; default 32; 0 = never ask).
+    save_decode: also store chunks completed while decoding, at request end (default true).
+    timeout: seconds per SDK request (default 30).
+    max_pending_uploads: chunks waiting for the uploader before new ones are dropped (default
+        256; a dropped chunk is a later miss, never an error).
+    """
+
+    endpoints: Tuple[str, ...]
+    model: str
+    tenant: str = ""
+    token: str = ""
+    codec: str = "kvsplice"
+    chunk_blocks: int = 4
+    error_budget: float = 0.05
+    calibrate_after: int = 32
+    save_decode: bool = True
+    timeout: float = 30.0
+    max_pending_uploads: int = 256
+
+    @staticmethod
+    def from_extra_config(extra: Optional[Mapping[str, Any]], default_model: str) -> "Settings":
+        """Validated settings; ValueError names the bad or unknown option."""
+        extra = dict(extra or {})
+        known = {f for f in Settings.__dataclass_fields__}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvcomp connector: unknown option(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        eps = extra.get("endpoints", os.environ.get("KVCOMP_ENDPOINTS", ""))
+        if isinstance(eps, str):
+            eps = eps.split()
+        eps = tuple(str(e) for e in eps)
+        if not eps:
+            raise ValueError("kvcomp connector: no endpoints (set kv_connector_extra_config "
+                             "endpoints or KVCOMP_ENDPOINTS)")
+        for e in eps:
+            if "," not in e and not e.startswith("dns:"):
+                raise ValueError(f"kvcomp connector: endpoint {e!r} has no control address "
+                                 "(give \"data_host:port,control_host:port\")")
+        s = Settings(
+            endpoints=eps,
+            model=str(extra.get("model") or default_model),
+            tenant=str(extra.get("tenant", os.environ.get("KVCOMP_TENANT", ""))),
+            token=str(extra.get("token", os.environ.get("KVCOMP_TOKEN", ""))),
+            codec=str(extra.get("codec", "kvsplice")),
+            chunk_blocks=int(extra.get("chunk_blocks", 4)),
+            error_budget=float(extra.get("error_budget", 0.05)),
+            calibrate_after=int(extra.get("calibrate_after", 32)),
+            save_decode=bool(extra.get("save_decode", True)),
+            timeout=float(extra.get("timeout", 30.0)),
+            max_pending_uploads=int(extra.get("max_pending_uploads", 256)))
+        if not s.model:
+            raise ValueError("kvcomp connector: empty model id")
+        if s.codec not in CODECS:
+            raise ValueError(f"kvcomp connector: codec {s.codec!r} not one of {CODECS}")
+        if s.chunk_blocks <= 0:
+            raise ValueError("kvcomp connector: chunk_blocks must be positive")
+        if not 0.0 < s.error_budget < 1.0:
+            raise ValueError("kvcomp connector: error_budget must be in (0, 1)")
+        if s.calibrate_after < 0 or s.max_pending_uploads <= 0 or s.timeout <= 0:
+            raise ValueError("kvcomp connector: calibrate_after >= 0, max_pending_uploads > 0 "
+                             "and timeout > 0 required")
+        return s
+
+
+def policy_for(codec: str, kvsplice_values: bool) -> Any:
+    """The kvcomp.Policy a chunk is stored with: every token kept, no moments."""
+    import kvcomp
+
+    if codec == "lossless":
+        return kvcomp.Policy(ratio=0.0, moments=False)
+    if codec == "int8" or not kvsplice_values:
+        return kvcomp.Policy(ratio=0.0, moments=False, key_codec="int8")
+    return kvcomp.Policy(ratio=0.0, moments=False, key_codec="int8",
+                         value_codec="orthogonal_int8")
+
+
+# --- keys and plans -------------------------------------------------------------------------
+
+def hash_bytes(h: Any) -> bytes:
+    """vLLM's block hash (bytes, or an int for non-cryptographic hash functions) as bytes."""
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h)
+    if isinstance(h, int):
+        return str(h).encode()
+    raise TypeError(f"block hash of type {type(h).__name__}")
+
+
+def chunk_hashes(block_hashes: Sequence[Any], chunk_blocks: int,
+                 max_chunks: Optional[int] = None) -> List[bytes]:
+    """One hash per whole chunk: the chained hash of its last block (which covers the whole
+    prefix up to the chunk's end)."""
+    n = len(block_hashes) // chunk_blocks
+    if max_chunks is not None:
+        n = min(n, max_chunks)
+    return [hash_bytes(block_hashes[(i + 1) * chunk_blocks - 1]) for i in range(n)]
+
+
+def shard_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The worker's part of the model (its KV heads and layers), part of every key it stores."""
+    return f"tp{tp_rank}-{tp_size}.pp{pp_rank}-{pp_size}"
+
+
+def all_shards(tp_size: int, pp_size: int = 1) -> List[str]:
+    return [shard_name(t, tp_size, p, pp_size) for p in range(pp_size) for t in range(tp_size)]
+
+
+def shard_key(chunk_hash: bytes, shard: str) -> bytes:
+    """The kvcomp key of one shard's part of a chunk (the model id scopes it further)."""
+    return _KEY_PREFIX + chunk_hash + b"/" + shard.encode()
+
+
+@dataclass
+class ChunkLoad:
+    """One chunk to load: its index in the request, hash, the request's blocks it covers and how
+    many of them (leading) already hold the KV (vLLM's own prefix cache) and are not written."""
+    chunk: int
+    chunk_hash: bytes
+    block_ids: List[int]
+    skip_blocks: int = 0
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    chunks: List[ChunkLoad]
+
+    def block_ids(self) -> List[int]:
+        """The blocks this load writes."""
+        return [b for c in self.chunks for b in c.block_ids[c.skip_blocks:]]
+
+
+@dataclass
+class SaveSpec:
+    """One chunk to store: the request's blocks holding its tokens."""
+    req_id: str
+    chunk: int
+    chunk_hash: bytes
+    block_ids: List[int]
+
+
+@dataclass
+class ConnectorPlan:
+    """What the scheduler hands the workers for one step."""
+    loads: List[LoadSpec] = field(default_factory=list)
+    saves: List[SaveSpec] = field(default_factory=list)          # layer by layer, this step
+    finish_saves: Dict[str, List[SaveSpec]] = field(default_factory=dict)  # finished requests
+
+
+def plan_load(req_id: str, hashes: Sequence[bytes], block_ids: Sequence[int], first_token: int,
+              end_token: int, block_size: int, chunk_blocks: int) -> LoadSpec:
+    """The chunks covering tokens [first_token, end_token): first_token is block-aligned (vLLM's
+    local prefix hit), end_token chunk-aligned (held chunks)."""
+    chunk_tokens = block_size * chunk_blocks
+    if first_token % block_size or end_token % chunk_tokens or first_token >= end_token:
+        raise ValueError(f"load range [{first_token}, {end_token}) not aligned to blocks of "
+                         f"{block_size} / chunks of {chunk_tokens}")
+    if end_token // chunk_tokens > len(hashes) or end_token // block_size > len(block_ids):
+        raise ValueError("load range past the request's hashes or blocks")
+    chunks = []
+    for c in range(first_token // chunk_tokens, end_token // chunk_tokens):
+        blocks = list(block_ids[c * chunk_blocks:(c + 1) * chunk_blocks])
+        skip = max(0, first_token // block_size - c * chunk_blocks)
+        chunks.append(ChunkLoad(c, hashes[c], blocks, skip))
+    return LoadSpec(req_id, chunks)
+
+
+# --- paged blocks <-> dense tensors (torch) -------------------------------------------------
+
+def _block_view(kv: Any, block_size: int) -> Any:
+    """[B * r, H, block_size / r, C] -> [B, r, H, block_size / r, C] (vLLM's kernel blocks
+    subdivide a scheduler block into r pieces; r = 1 mostly)."""
+    n = kv.shape[2]
+    if kv.dim() != 4 or block_size % n:
+        raise ValueError(f"KV layer of shape {tuple(kv.shape)} is not [blocks, heads, "
+                         f"block_tokens, 2 * head_size] for block size {block_size}")
+    return kv.unflatten(0, (-1, block_size // n))
+
+
+def gather_blocks(kv: Any, block_ids: Sequence[int], block_size: int,
+                  head_size: int) -> Tuple[Any, Any]:
+    """One layer's keys and values of `block_ids`, in order: [H, len * block_size, head_size]
+    each, on kv's device. kv: vLLM's per-layer view [B, H, N, K + V] (keys first)."""
+    import torch
+
+    v5 = _block_view(kv, block_size)
+    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv.device)
+    x = v5.index_select(0, idx)                       # [n, r, H, m, C]
+    h, c = x.shape[2], x.shape[4]
+    x = x.permute(2, 0, 1, 3, 4).reshape(h, -1, c)
+    return x[..., :head_size], x[..., head_size:]
+
+
+def scatter_blocks(kv: Any, block_ids: Sequence[int], keys: Any, values: Any, block_size: int,
+                   head_size: int) -> None:
+    """Writes keys/values [H, len(block_ids) * block_size, head_size] into `block_ids` of one
+    layer (vLLM's view [B, H, N, K + V]), converting to its dtype and device."""
+    import torch
+
+    v5 = _block_view(kv, block_size)
+    n, r = len(block_ids), v5.shape[1]
+    h, m, c = v5.shape[2], v5.shape[3], v5.shape[4]
+    if keys.shape != (h, n * block_size, head_size) or values.shape != keys.shape:
+        raise ValueError(f"chunk of shape {tuple(keys.shape)} does not fill {n} blocks of "
+                         f"{h} heads x {block_size} tokens x {head_size}")
+    x = torch.cat([keys, values], dim=-1).to(device=kv.device, dtype=kv.dtype)
+    if x.shape[-1] != c:
+        raise ValueError(f"keys + values width {x.shape[-1]} != the layer's {c}")
+    x = x.reshape(h, n, r, m, c).permute(1, 2, 0, 3, 4)
+    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv.device)
+    v5.index_copy_(0, idx, x)
+
+
+# --- the store (kvcompd through the Python SDK) -------------------------------------------
+
+class ChunkStore:
+    """Chunks of one model in a kvcompd pool: lookups, decoded gets and puts with the codec of
+    Settings. Thread-safe (the SDK client is)."""
+
+    def __init__(self, settings: Settings, client: Any = None):
+        import kvcomp
+
+        self.settings = settings
+        self.client = client or kvcomp.Client(list(settings.endpoints), tenant=settings.tenant,
+                                              token=settings.token, timeout=settings.timeout,
+                                              connect=False)  # a pool down at start: misses
+        self._lock = threading.Lock()
+        self._kvsplice_ready = False      # the daemons encode values with a projection
+        self._raw_value_puts = 0          # chunks stored with raw values since the last attempt
+
+    def held(self, keys_per_shard: Sequence[Sequence[bytes]]) -> int:
+        """Leading chunks every shard holds (0 when the pool cannot be asked: a miss)."""
+        held = None
+        for keys in keys_per_shard:
+            if not keys:
+                return 0
+            try:
+                n = self.client.lookup_prefix(self.settings.model, list(keys))
+            except Exception as e:  # a failed lookup is a miss, never a failed request
+                log.warning("kvcomp lookup_prefix failed (treated as a miss): %s", e)
+                return 0
+            held = n if held is None else min(held, n)
+            if held == 0:
+                break
+        return held or 0
+
+    def put(self, key: bytes, keys: Any, values: Any) -> Dict[str, Any]:
+        """Stores one chunk [layers, kv_heads, tokens, head_dim] (host tensors)."""
+        s = self.settings
+        with self._lock:
+            kvsplice = s.codec == "kvsplice" and self._kvsplice_ready
+        if kvsplice:
+            try:
+                return self.client.put(s.model, key, keys, values,
+                                       policy=policy_for(s.codec, True))
+            except RuntimeError as e:  # projection gone (daemon replaced): back to raw values
+                log.warning("kvcomp KVSplice put failed, storing raw values: %s", e)
+                with self._lock:
+                    self._kvsplice_ready = False
+        res = self.client.put(s.model, key, keys, values, policy=policy_for(s.codec, False))
+        if s.codec == "kvsplice":
+            self._maybe_calibrate()
+        return res
+
+    def _maybe_calibrate(self) -> None:
+        s = self.settings
+        with self._lock:
+            self._raw_value_puts += 1
+            if s.calibrate_after == 0 or self._raw_value_puts < s.calibrate_after:
+                return
+            self._raw_value_puts = 0
+        try:
+            res = self.client.calibrate(s.model, error_budget=s.error_budget)
+        except Exception as e:
+            log.warning("kvcomp calibrate(%s) failed: %s", s.model, e)
+            return
+        ok = bool(res) and all(r.get("ok") for r in res)
+        with self._lock:
+            self._kvsplice_ready = ok
+        if not ok:
+            log.warning("kvcomp calibrate(%s): not every daemon calibrated: %s", s.model, res)
+
+    def get(self, keys: Sequence[bytes], layers: int, kv_heads: int, tokens: int,
+            head_dim: int) -> List[Tuple[Any, Any]]:
+        """The leading chunks held, decoded: (keys, values) float32 numpy [layers, kv_heads,
+        tokens, head_dim]. Stops at the first chunk missing, unreadable, of another layout,
+        with evicted tokens or non-finite data."""
+        import numpy as np
+
+        import kvcomp
+
+        try:
+            caches = self.client.get_chunks(self.settings.model, list(keys), decoded=True)
+        except Exception as e:
+            log.warning("kvcomp get_chunks failed (blocks recomputed): %s", e)
+            return []
+        out = []
+        for i, c in enumerate(caches):
+            try:
+                if (c.num_layers, c.num_kv_heads, c.head_dim, c.original_tokens) != \
+                        (layers, kv_heads, head_dim, tokens):
+                    raise ValueError(f"layout {(c.num_layers, c.num_kv_heads, c.head_dim, c.original_tokens)}"
+                                     f" != {(layers, kv_heads, head_dim, tokens)}")
+                if any(n != tokens for n in c.kept):
+                    raise ValueError("tokens evicted")
+                k, v = kvcomp.decompress(c)
+                if not (np.isfinite(k).all() and np.isfinite(v).all()):
+                    raise ValueError("non-finite values")
+            except Exception as e:
+                log.warning("kvcomp chunk %d unusable (recomputed from here): %s", i, e)
+                break
+            out.append((k, v))
+        return out
+
+
+class Uploader:
+    """A background thread storing chunks (ChunkStore.put) in the order submitted; a failed or
+    dropped chunk is logged and counted (a later miss, never an engine error)."""
+
+    def __init__(self, store: ChunkStore, max_pending: int):
+        self.store = store
+        self._q: "queue.Queue[Optional[Tuple[bytes, Any, Any]]]" = queue.Queue(max_pending)
+        self.stored = self.failed = self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="kvcomp-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: bytes, keys: Any, values: Any) -> bool:
+        try:
+            self._q.put_nowait((key, keys, values))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            log.warning("kvcomp uploader full: chunk dropped")
+            return False
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                try:
+                    self.store.put(*item)
+                    self.stored += 1
+                except Exception as e:
+                    self.failed += 1
+                    log.warning("kvcomp chunk put failed: %s", e)
+            finally:
+                self._q.task_done()
+
+    def flush(self) -> None:
+        """Waits until every submitted chunk is stored or failed."""
+        self._q.join()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+
+# --- scheduler side -------------------------------------------------------------------------
+
+@dataclass
+class _ReqState:
+    request: Any
+    held_chunks: int = 0
+    saved_chunks: int = 0                      # chunks [0, saved) stored or held
+    block_ids: List[int] = field(default_factory=list)
+    load_range: Optional[Tuple[int, int]] = None
+
+
+def _prompt_tokens(request: Any) -> int:
+    n = getattr(request, "num_prompt_tokens", None)
+    return int(n if n is not None else len(request.prompt_token_ids))
+
+
+class SchedulerLogic:
+    """The scheduler half, on duck-typed requests (request_id, block_hashes, num_prompt_tokens,
+    num_computed_tokens): what to load, what to save, when a finished request's blocks may go."""
+
+    def __init__(self, settings: Settings, store: Optional[ChunkStore], block_size: int,
+                 shards: Sequence[str], load: bool = True, save: bool = True):
+        self.s = settings
+        self.store = store
+        self.block_size = block_size
+        self.chunk_tokens = block_size * settings.chunk_blocks
+        self.shards = list(shards)
+        self.load, self.save = load, save
+        self.reqs: Dict[str, _ReqState] = {}
+        self._finish_saves: Dict[str, List[SaveSpec]] = {}
+
+    def _state(self, request: Any) -> _ReqState:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _ReqState(request)
+        return st
+
+    def matched_tokens(self, request: Any, num_computed: int) -> int:
+        """Tokens past num_computed the pool can supply: whole held chunks, never the whole
+        prompt (vLLM computes at least its last token)."""
+        st = self._state(request)
+        if not self.load or self.store is None:
+            return 0
+        loadable = (_prompt_tokens(request) - 1) // self.chunk_tokens
+        hashes = chunk_hashes(request.block_hashes, self.s.chunk_blocks, loadable)
+        if len(hashes) * self.chunk_tokens <= num_computed:
+            return 0
+        held = self.store.held([[shard_key(h, sh) for h in hashes] for sh in self.shards])
+        st.held_chunks = held
+        st.saved_chunks = max(st.saved_chunks, held)
+        return max(0, held * self.chunk_tokens - num_computed)
+
+    def after_alloc(self, request: Any, num_external: int) -> None:
+        st = self._state(request)
+        if num_external > 0:
+            end = st.held_chunks * self.chunk_tokens
+            st.load_range = (end - num_external, end)
+
+    def _load_spec(self, st: _ReqState) -> Optional[LoadSpec]:
+        if st.load_range is None:
+            return None
+        first, end = st.load_range
+        st.load_range = None
+        hashes = chunk_hashes(st.request.block_hashes, self.s.chunk_blocks)
+        return plan_load(st.request.request_id, hashes, st.block_ids, first, end,
+                         self.block_size, self.s.chunk_blocks)
+
+    def _new_saves(self, st: _ReqState, computed_after: int) -> List[SaveSpec]:
+        """Prompt chunks whose tokens are all computed once this step ends."""
+        if not self.save:
+            return []
+        prompt_end = min(computed_after, _prompt_tokens(st.request))
+        return self._saves_upto(st, prompt_end)
+
+    def _saves_upto(self, st: _ReqState, tokens: int) -> List[SaveSpec]:
+        hashes = chunk_hashes(st.request.block_hashes, self.s.chunk_blocks)
+        n = min(tokens // self.chunk_tokens, len(hashes),
+                len(st.block_ids) // self.s.chunk_blocks)
+        cb = self.s.chunk_blocks
+        out = [SaveSpec(st.request.request_id, c, hashes[c], st.block_ids[c * cb:(c + 1) * cb])
+               for c in range(st.saved_chunks, n)]
+        st.saved_chunks = max(st.saved_chunks, n)
+        return out
+
+    def build(self, new_reqs: Iterable[Tuple[str, Sequence[int], int, int]],
+              cached_reqs: Iterable[Tuple[str, Optional[Sequence[int]], bool, int, int]]
+              ) -> ConnectorPlan:
+        """new_reqs: (req_id, block_ids, num_computed_tokens, num_scheduled_tokens);
+        cached_reqs: (req_id, new block_ids or None, resumed, num_computed, num_scheduled)."""
+        plan = ConnectorPlan()
+        for req_id, block_ids, computed, scheduled in new_reqs:
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            st.block_ids = list(block_ids)
+            spec = self._load_spec(st)
+            if spec is not None:
+                plan.loads.append(spec)
+            plan.saves += self._new_saves(st, computed + scheduled)
+        for req_id, new_ids, resumed, computed, scheduled in cached_reqs:
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            if resumed:  # preempted and back: new_ids are all of its blocks, KV recomputed
+                st.block_ids = list(new_ids or [])
+                st.saved_chunks = st.held_chunks
+                spec = self._load_spec(st)
+                if spec is not None:
+                    plan.loads.append(spec)
+            elif new_ids:
+                st.block_ids += list(new_ids)
+            plan.saves += self._new_saves(st, computed + scheduled)
+        plan.finish_saves, self._finish_saves = self._finish_saves, {}
+        return plan
+
+    def finished(self, request: Any, block_ids: Sequence[int]) -> bool:
+        """True when the request's blocks must stay until the workers report it in
+        get_finished (chunks completed while decoding are copied out first)."""
+        st = self.reqs.pop(request.request_id, None)
+        if st is None or not self.save or not self.s.save_decode:
+            return False
+        st.block_ids = list(block_ids)
+        # KV exists for every token but the last one sampled.
+        computed = min(int(request.num_computed_tokens),
+                       len(request.block_hashes) * self.block_size)
+        saves = self._saves_upto(st, computed)
+        if not saves:
+            return False
+        self._finish_saves[request.request_id] = saves
+        return True
+
+
+# --- worker side ----------------------------------------------------------------------------
+
+class WorkerLogic:
+    """The worker half over registered per-layer KV tensors [B, H, N, K + V]: loads into
+    blocks, layer-wise saves through pinned host memory, finish saves, load errors."""
+
+    def __init__(self, settings: Settings, store: Optional[ChunkStore], block_size: int,
+                 shard: str, uploader: Optional[Uploader] = None):
+        self.s = settings
+        self.store = store
+        self.block_size = block_size
+        self.shard = shard
+        self.uploader = uploader or (Uploader(store, settings.max_pending_uploads)
+                                     if store is not None else None)
+        self.layers: Dict[str, Any] = {}
+        self.head_size = 0
+        self._plan: Optional[ConnectorPlan] = None
+        self._pending_loads: Dict[str, List[Tuple[List[int], Any, Any]]] = {}
+        self._load_errors: Set[int] = set()
+        self._save_bufs: List[Tuple[SaveSpec, Any, Any]] = []
+        self._saved_layers: Set[str] = set()
+        self._finish_done: Set[str] = set()
+        self._finished_seen: Set[str] = set()
+
+    # registration
+    def register(self, kv_caches: Mapping[str, Any], head_size: Optional[int] = None) -> None:
+        seen = set()
+        for name, kv in kv_caches.items():
+            if kv.data_ptr() in seen:  # layers sharing one cache are stored once
+                continue
+            seen.add(kv.data_ptr())
+            _block_view(kv, self.block_size)
+            c = kv.shape[-1]
+            hs = head_size or c // 2
+            if c != 2 * hs:
+                raise ValueError(f"layer {name}: last dim {c} is not keys + values of head size "
+                                 f"{hs} (MLA and other latent caches are not supported)")
+            if self.head_size and hs != self.head_size:
+                raise ValueError(f"layer {name}: head size {hs} != {self.head_size}")
+            self.head_size = hs
+            self.layers[name] = kv
+        if not self.layers:
+            raise ValueError("no KV cache layers to register")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return next(iter(self.layers.values())).shape[1]
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.block_size * self.s.chunk_blocks
+
+    # a step
+    def begin_step(self, plan: ConnectorPlan) -> None:
+        """Binds the step's plan; fetches every load (the layers are written as they are
+        waited for, the rest at the end of the step)."""
+        self._plan = plan
+        self._saved_layers = set()
+        self._save_bufs = []
+        for spec in plan.loads:
+            self._fetch(spec)
+
+    def _fetch(self, spec: LoadSpec) -> None:
+        keys = [shard_key(c.chunk_hash, self.shard) for c in spec.chunks]
+        got = self.store.get(keys, len(self.layers), self.num_kv_heads, self.chunk_tokens,
+                             self.head_size) if self.store is not None and keys else []
+        import torch
+
+        for i, c in enumerate(spec.chunks):
+            blocks = c.block_ids[c.skip_blocks:]
+            if i >= len(got):
+                self._load_errors.update(blocks)
+                continue
+            t0 = c.skip_blocks * self.block_size
+            k = torch.from_numpy(got[i][0])[:, :, t0:]
+            v = torch.from_numpy(got[i][1])[:, :, t0:]
+            for li, name in enumerate(self.layers):
+                self._pending_loads.setdefault(name, []).append((blocks, k[li], v[li]))
+
+    def layer_load(self, name: str) -> None:
+        """Writes the fetched chunks of one layer into its blocks."""
+        for blocks, k, v in self._pending_loads.pop(name, []):
+            scatter_blocks(self.layers[name], blocks, k, v, self.block_size, self.head_size)
+
+    def save_layer(self, name: str, kv: Any = None) -> None:
+        """Copies this step's saved blocks of one layer to (pinned) host memory."""
+        if self._plan is None or not self._plan.saves or name not in self.layers \
+                or name in self._saved_layers:
+            return
+        kv = self.layers[name] if kv is None else kv
+        if not self._save_bufs:
+            self._save_bufs = [(s, self._host((len(self.layers), self.num_kv_heads,
+                                               self.chunk_tokens, self.head_size), kv.dtype),
+                                self._host((len(self.layers), self.num_kv_heads,
+                                            self.chunk_tokens, self.head_size), kv.dtype))
+                               for s in self._plan.saves]
+        li = list(self.layers).index(name)
+        for spec, kb, vb in self._save_bufs:
+            k, v = gather_blocks(kv, spec.block_ids, self.block_size, self.head_size)
+            kb[li].copy_(k, non_blocking=kb.is_pinned())
+            vb[li].copy_(v, non_blocking=vb.is_pinned())
+        self._saved_layers.add(name)
+
+    @staticmethod
+    def _host(shape: Tuple[int, ...], dtype: Any) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+    def end_step(self) -> None:
+        """Completes the step: writes layers not yet waited for, copies layers whose
+        save_kv_layer did not run, waits for the host copies, hands the chunks to the uploader,
+        and copies out finished requests' chunks."""
+        import torch
+
+        for name in list(self._pending_loads):
+            self.layer_load(name)
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        if plan.saves:
+            for name in self.layers:
+                if name not in self._saved_layers:
+                    self._plan = plan
+                    self.save_layer(name)
+                    self._plan = None
+        finish = []
+        for req_id, specs in plan.finish_saves.items():
+            for spec in specs:
+                k, v = self._gather_all(spec)
+                finish.append((spec, k, v))
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        for spec, k, v in self._save_bufs + finish:
+            if self.uploader is not None:
+                self.uploader.submit(shard_key(spec.chunk_hash, self.shard), k, v)
+        self._save_bufs = []
+        self._finish_done.update(plan.finish_saves)
+
+    def _gather_all(self, spec: SaveSpec) -> Tuple[Any, Any]:
+        shape = (len(self.layers), self.num_kv_heads, self.chunk_tokens, self.head_size)
+        dtype = next(iter(self.layers.values())).dtype
+        kb, vb = self._host(shape, dtype), self._host(shape, dtype)
+        for li, kv in enumerate(self.layers.values()):
+            k, v = gather_blocks(kv, spec.block_ids, self.block_size, self.head_size)
+            kb[li].copy_(k, non_blocking=kb.is_pinned())
+            vb[li].copy_(v, non_blocking=vb.is_pinned())
+        return kb, vb
+
+    def finished_sending(self, finished_req_ids: Iterable[str]) -> Set[str]:
+        """Finished requests whose chunks are in host memory (their blocks may go), among the
+        ids vLLM reported finished (this call or an earlier one)."""
+        self._finished_seen.update(finished_req_ids)
+        done = self._finish_done & self._finished_seen
+        self._finish_done -= done
+        self._finished_seen -= done
+        return done
+
+    def take_load_errors(self) -> Set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self) -> None:
+        if self.uploader is not None:
+            self.uploader.close()
+
+
+# --- the vLLM connector ---------------------------------------------------------------------
+
+def _build_connector_classes() -> Tuple[type, type]:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+
+    class KvcompConnectorMetadata(KVConnectorMetadata):
+        """The step's ConnectorPlan."""
+
+        def __init__(self, plan: ConnectorPlan):
+            self.plan = plan
+
+    class KvcompConnector(KVConnectorBase_V1):
+        """kvcomp as vLLM's KV connector (module docstring)."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            kt = self._kv_transfer_config
+            self.settings = Settings.from_extra_config(kt.kv_connector_extra_config,
+                                                       vllm_config.model_config.model)
+            self.block_size = vllm_config.cache_config.block_size
+            if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+                raise ValueError("kvcomp connector: one KV cache group (full attention) only; "
+                                 "run with --disable-hybrid-kv-cache-manager")
+            par = vllm_config.parallel_config
+            self._store = ChunkStore(self.settings)
+            if role == KVConnectorRole.SCHEDULER:
+                self.sched = SchedulerLogic(
+                    self.settings, self._store, self.block_size,
+                    all_shards(par.tensor_parallel_size, par.pipeline_parallel_size),
+                    load=kt.is_kv_consumer, save=kt.is_kv_producer)
+                self.worker = None
+            else:
+                from vllm.distributed.parallel_state import (
+                    get_pp_group,
+                    get_tensor_model_parallel_rank,
+                )
+                shard = shard_name(get_tensor_model_parallel_rank(), par.tensor_parallel_size,
+                                   get_pp_group().rank_in_group, par.pipeline_parallel_size)
+                self.head_size = vllm_config.model_config.get_head_size()
+                self.worker = WorkerLogic(self.settings, self._store, self.block_size, shard)
+                self.sched = None
+
+        @property
+        def requires_kv_delivery(self) -> bool:
+            return False  # a cache: a dropped save is a later miss
+
+        # worker side
+        def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+            self.worker.register(kv_caches, self.head_size)
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            self.worker.begin_step(self._get_connector_metadata().plan)
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            self.worker.layer_load(layer_name)
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                          **kwargs: Any) -> None:
+            self.worker.save_layer(layer_name, kv_layer)
+
+        def wait_for_save(self) -> None:
+            if self.worker._plan is None and self.has_connector_metadata():
+                self.worker.begin_step(self._get_connector_metadata().plan)
+            self.worker.end_step()
+
+        def get_finished(self, finished_req_ids: Set[str]):
+            done = self.worker.finished_sending(finished_req_ids)
+            return (done or None), None
+
+        def get_block_ids_with_load_errors(self) -> Set[int]:
+            return self.worker.take_load_errors()
+
+        def shutdown(self) -> None:
+            if self.worker is not None:
+                self.worker.close()
+
+        # scheduler side
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+            n = self.sched.matched_tokens(request, num_computed_tokens)
+            return n, False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any,
+                                     num_external_tokens: int) -> None:
+            self.sched.after_alloc(request, num_external_tokens)
+
+        def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+            so = scheduler_output
+            cached = so.scheduled_cached_reqs
+            new = [(r.req_id, r.block_ids[0], r.num_computed_tokens,
+                    so.num_scheduled_tokens.get(r.req_id, 0)) for r in so.scheduled_new_reqs]
+            old = []
+            for i, req_id in enumerate(cached.req_ids):
+                ids = cached.new_block_ids[i]
+                old.append((req_id, ids[0] if ids is not None else None,
+                            req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
+                            so.num_scheduled_tokens.get(req_id, 0)))
+            return KvcompConnectorMetadata(self.sched.build(new, old))
+
+        def request_finished(self, request: Any, block_ids: List[int]):
+            return self.sched.finished(request, block_ids), None
+
+    return KvcompConnector, KvcompConnectorMetadata
+
+
+_classes: Optional[Tuple[type, type]] = None
+
+
+def __getattr__(name: str) -> Any:
+    """KvcompConnector and KvcompConnectorMetadata, built on first access (imports vllm)."""
+    global _classes
+    if name in ("KvcompConnector", "KvcompConnectorMetadata"):
+        if _classes is None:
+            _classes = _build_connector_classes()
+        return _classes[0] if name == "KvcompConnector" else _classes[1]
+    raise AttributeError(name)

@@ -1,0 +1,384 @@
+"""The vLLM connector's logic (kvcomp.integrations.vllm) without vllm, against three real kvcompd
+processes on loopback: keys and chunk plans, gather/scatter over paged blocks, a prompt's blocks
+saved layer by layer and loaded into another engine's fresh blocks (bit-exact lossless, int8 keys
+and KVSplice values within the codecs' error), a local prefix hit, finished requests' decode
+chunks, missing and malformed chunks reported as load errors (recomputed, never wrong KV).
+vLLM's own classes drive the same code in scripts/test_vllm.sh."""
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+
+import kvcomp  # noqa: E402
+from kvcomp.integrations import vllm as kv  # noqa: E402
+from kvcompd_fixture import Kvcompd, find_kvcompd  # noqa: E402
+
+try:
+    KVCOMPD = find_kvcompd()
+except FileNotFoundError:  # pragma: no cover - the build makes it
+    KVCOMPD = None
+needs_daemons = pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")
+
+LAYERS, HEADS, D, BS, CB, NBLOCKS = 3, 2, 64, 16, 2, 40
+CT = BS * CB  # chunk tokens
+
+
+class Req:
+    """What the connector reads of a vllm.v1.request.Request."""
+
+    def __init__(self, req_id, seed, tokens):
+        self.request_id = req_id
+        self.num_prompt_tokens = tokens
+        self.num_computed_tokens = 0
+        h, self.block_hashes = hashlib.sha256(f"s{seed}".encode()).digest(), []
+        for i in range(tokens // BS):  # chained, full blocks only (as vLLM's)
+            h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
+            self.block_hashes.append(h)
+
+
+def paged(seed=0, dtype=torch.float16, low_rank=False):
+    """One engine's per-layer KV [blocks, heads, block_tokens, keys + values]."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(LAYERS):
+        x = torch.randn(NBLOCKS, HEADS, BS, 2 * D, generator=g)
+        if low_rank:  # values in a 12-dimensional subspace per head, plus a little noise
+            basis = torch.linalg.qr(torch.randn(D, D, generator=g))[0][:, :12]
+            z = torch.randn(NBLOCKS, HEADS, BS, 12, generator=g)
+            x[..., D:] = z @ basis.T + 0.01 * torch.randn(NBLOCKS, HEADS, BS, D, generator=g)
+        out[f"model.layers.{layer}.self_attn.attn"] = x.to(dtype)
+    return out
+
+
+def settings(pool, codec="lossless", **kw):
+    extra = dict(endpoints=[f"{d.data_endpoint},127.0.0.1:{d.control_port}" for d in pool],
+                 codec=codec, chunk_blocks=CB, **kw)
+    return kv.Settings.from_extra_config(extra, "test/vllm-" + codec)
+
+
+def engine(s, caches, shard=kv.shard_name(0, 1)):
+    store = kv.ChunkStore(s)
+    sched = kv.SchedulerLogic(s, store, BS, [shard])
+    work = kv.WorkerLogic(s, store, BS, shard)
+    work.register(caches)
+    return sched, work
+
+
+def step(work, plan):
+    """One forward: loads waited for and saves made layer by layer, then the step's end."""
+    work.begin_step(plan)
+    for name in work.layers:
+        work.layer_load(name)
+        work.save_layer(name, work.layers[name])
+    work.end_step()
+    work.uploader.flush()
+
+
+def blocks_of(caches, ids):
+    return {n: t[list(ids)].float() for n, t in caches.items()}
+
+
+# --- pure logic -----------------------------------------------------------------------------
+
+def test_settings_validation(monkeypatch):
+    monkeypatch.delenv("KVCOMP_ENDPOINTS", raising=False)
+    ep = ["127.0.0.1:1,127.0.0.1:2"]
+    s = kv.Settings.from_extra_config({"endpoints": ep}, "m")
+    assert (s.model, s.codec, s.chunk_blocks) == ("m", "kvsplice", 4)
+    with pytest.raises(ValueError, match="unknown option"):
+        kv.Settings.from_extra_config({"endpoints": ep, "chunk": 4}, "m")
+    with pytest.raises(ValueError, match="no endpoints"):
+        kv.Settings.from_extra_config({}, "m")
+    with pytest.raises(ValueError, match="control address"):
+        kv.Settings.from_extra_config({"endpoints": ["127.0.0.1:1"]}, "m")
+    with pytest.raises(ValueError, match="codec"):
+        kv.Settings.from_extra_config({"endpoints": ep, "codec": "zip"}, "m")
+    with pytest.raises(ValueError, match="chunk_blocks"):
+        kv.Settings.from_extra_config({"endpoints": ep, "chunk_blocks": 0}, "m")
+    monkeypatch.setenv("KVCOMP_ENDPOINTS", "a:1,a:2 b:1,b:2")
+    assert kv.Settings.from_extra_config({}, "m").endpoints == ("a:1,a:2", "b:1,b:2")
+
+
+def test_keys_and_plans():
+    r = Req("r", 1, 5 * BS + 3)
+    hs = kv.chunk_hashes(r.block_hashes, CB)
+    assert hs == [r.block_hashes[1], r.block_hashes[3]]  # chunk i: its last block's hash
+    assert kv.chunk_hashes(r.block_hashes, CB, 1) == hs[:1]
+    assert kv.chunk_hashes([7, 8], 1) == [b"7", b"8"]
+    k0, k1 = kv.shard_key(hs[0], kv.shard_name(0, 2)), kv.shard_key(hs[0], kv.shard_name(1, 2))
+    assert k0 != k1 and k0.startswith(b"vllm:" + hs[0])
+    assert kv.all_shards(2, 2) == ["tp0-2.pp0-2", "tp1-2.pp0-2", "tp0-2.pp1-2", "tp1-2.pp1-2"]
+    spec = kv.plan_load("r", hs, list(range(10, 16)), BS, 2 * CT, BS, CB)
+    assert [(c.chunk, c.block_ids, c.skip_blocks) for c in spec.chunks] == \
+        [(0, [10, 11], 1), (1, [12, 13], 0)]
+    assert spec.block_ids() == [11, 12, 13]
+    with pytest.raises(ValueError):
+        kv.plan_load("r", hs, list(range(6)), 3, CT, BS, CB)  # not block-aligned
+    with pytest.raises(ValueError):
+        kv.plan_load("r", hs, list(range(6)), 0, 3 * CT, BS, CB)  # past the hashes
+
+
+@pytest.mark.parametrize("kernel_split", [1, 2])
+def test_gather_scatter_round_trip(kernel_split):
+    g = torch.Generator().manual_seed(5)
+    # vLLM may split a block into kernel blocks: [blocks * r, H, block_tokens / r, 2D]
+    src = torch.randn(NBLOCKS * kernel_split, HEADS, BS // kernel_split, 2 * D,
+                      generator=g).to(torch.bfloat16)
+    ids = [7, 3, 12]
+    k, v = kv.gather_blocks(src, ids, BS, D)
+    assert k.shape == (HEADS, len(ids) * BS, D) and v.shape == k.shape
+    per_block = src.unflatten(0, (-1, kernel_split))[3]  # block 3: its tokens, head 1
+    tokens = per_block.permute(1, 0, 2, 3).reshape(HEADS, BS, 2 * D)
+    assert torch.equal(k[1, BS:2 * BS], tokens[1, :, :D])
+    assert torch.equal(v[1, BS:2 * BS], tokens[1, :, D:])
+    dst = torch.zeros_like(src)
+    kv.scatter_blocks(dst, [1, 2, 30], k.float(), v.float(), BS, D)
+    k2, v2 = kv.gather_blocks(dst, [1, 2, 30], BS, D)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert dst.unflatten(0, (-1, kernel_split))[[0, 3]].abs().sum() == 0  # nothing else written
+    with pytest.raises(ValueError):
+        kv.scatter_blocks(dst, [1, 2], k, v, BS, D)  # 3 blocks of data into 2
+    with pytest.raises(ValueError, match="MLA"):
+        kv.WorkerLogic(kv.Settings(("a,b",), "m"), None, BS, "s").register(
+            {"l": torch.zeros(4, 1, BS, 3 * D)}, head_size=D)
+
+
+# --- against real daemons -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool():
+    if KVCOMPD is None:
+        pytest.skip("kvcompd not built")
+    ds = [Kvcompd(KVCOMPD) for _ in range(3)]
+    for d in ds:
+        d.__enter__()
+    yield ds
+    for d in ds:
+        d.__exit__(None, None, None)
+
+
+def save_prompt(s, seed, tokens, caches, low_rank=False):
+    """Engine A computes a prompt in one step: its whole chunks are saved layer by layer."""
+    sched, work = engine(s, caches)
+    r = Req(f"a{seed}", seed, tokens)
+    assert sched.matched_tokens(r, 0) == 0
+    sched.after_alloc(r, 0)
+    ids = list(range(1, 1 + -(-tokens // BS)))
+    plan = sched.build([(r.request_id, ids, 0, tokens)], [])
+    assert [sp.chunk for sp in plan.saves] == list(range(tokens // CT)) and not plan.loads
+    step(work, plan)
+    assert work.uploader.stored == tokens // CT and work.uploader.failed == 0
+    work.close()
+    return r, ids
+
+
+def load_prompt(s, r, caches, ids, local_blocks=0):
+    """Engine B gets the same prompt: the pool's chunks are loaded into its blocks."""
+    sched, work = engine(s, caches)
+    r2 = Req(r.request_id + "-b", 0, r.num_prompt_tokens)
+    r2.block_hashes = r.block_hashes
+    n = sched.matched_tokens(r2, local_blocks * BS)
+    sched.after_alloc(r2, n)
+    plan = sched.build([(r2.request_id, ids, local_blocks * BS + n, 1)], [])
+    step(work, plan)
+    errors = work.take_load_errors()
+    work.close()
+    return n, plan, errors
+
+
+@needs_daemons
+def test_lossless_round_trip_is_bit_exact(pool):
+    s = settings(pool, "lossless")
+    a = paged(1)
+    tokens = 3 * CT + 5
+    r, ids = save_prompt(s, 1, tokens, a)
+    c = kvcomp.Client(list(s.endpoints), timeout=30.0)
+    keys = [kv.shard_key(h, kv.shard_name(0, 1)) for h in kv.chunk_hashes(r.block_hashes, CB)]
+    assert c.lookup_prefix(s.model, keys) == 3
+    assert len({c.ranking(s.model, k)[0] for k in keys}) >= 2  # chunks spread over the pool
+    b = paged(2)  # another engine, other contents, other block ids
+    ids_b = [30 + i for i in range(len(ids))]
+    n, plan, errors = load_prompt(s, r, b, ids_b)
+    assert n == 3 * CT and not errors
+    assert plan.loads[0].block_ids() == ids_b[:3 * CB]
+    assert not plan.saves  # held chunks are not stored again
+    for name in a:
+        assert torch.equal(b[name][ids_b[:3 * CB]], a[name][ids[:3 * CB]])
+    untouched = paged(2)
+    for name in a:  # the partial last block and everything else stay as they were
+        assert torch.equal(b[name][ids_b[3 * CB:]], untouched[name][ids_b[3 * CB:]])
+        assert torch.equal(b[name][:30], untouched[name][:30])
+
+
+@needs_daemons
+def test_whole_prompt_is_never_loaded(pool):
+    s = settings(pool, "lossless")
+    r, ids = save_prompt(s, 3, 2 * CT, paged(3))  # exactly two chunks
+    sched, work = engine(s, paged(4))
+    r2 = Req("b3", 0, 2 * CT)
+    r2.block_hashes = r.block_hashes
+    assert sched.matched_tokens(r2, 0) == CT  # vLLM must compute the last token
+    work.close()
+
+
+@needs_daemons
+def test_local_prefix_hit_writes_only_the_rest(pool):
+    s = settings(pool, "lossless")
+    a = paged(5)
+    r, ids = save_prompt(s, 5, 2 * CT + 1, a)
+    b = paged(6)
+    before = {n: t.clone() for n, t in b.items()}
+    ids_b = list(range(20, 25))
+    n, plan, errors = load_prompt(s, r, b, ids_b, local_blocks=1)  # vLLM had block 0 itself
+    assert n == 2 * CT - BS and not errors
+    assert plan.loads[0].chunks[0].skip_blocks == 1
+    for name in a:
+        assert torch.equal(b[name][20], before[name][20])
+        assert torch.equal(b[name][21:24], a[name][ids[1:4]])
+
+
+@needs_daemons
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_keys_within_the_codec_error(pool, dtype):
+    s = settings(pool, "int8")
+    s = kv.Settings(**{**s.__dict__, "model": f"test/vllm-int8-{dtype}"})
+    a = paged(7, dtype)
+    r, ids = save_prompt(s, 7, 2 * CT + 3, a)
+    b = paged(8, dtype)
+    ids_b = list(range(10, 15))
+    n, _, errors = load_prompt(s, r, b, ids_b)
+    assert n == 2 * CT and not errors
+    for name in a:
+        x, y = a[name][ids[:4]].float(), b[name][ids_b[:4]].float()
+        assert torch.equal(x[..., D:], y[..., D:])  # raw values
+        # int8 keys: per-channel scales per chunk, half a step of max |k| / 127 (+ the dtype)
+        err = (x[..., :D] - y[..., :D]).abs().max() / x[..., :D].abs().max()
+        assert 0 < err < 0.5 / 127 + 8e-3, err
+
+
+@needs_daemons
+def test_kvsplice_values_after_the_daemons_calibrate(pool):
+    s = settings(pool, "kvsplice", calibrate_after=3, error_budget=0.05)
+    stores = []
+    a = paged(9, low_rank=True)
+    sched, work = engine(s, a)
+    stores.append(work.store)
+    tokens = (NBLOCKS // CB) * CT  # the whole paged cache: 20 chunks, one prompt per 5 chunks
+    for p in range(4):
+        r = Req(f"k{p}", 100 + p, 5 * CT + 1)
+        ids = list(range(p * 5 * CB, (p + 1) * 5 * CB)) + [0]
+        sched.matched_tokens(r, 0)
+        plan = sched.build([(r.request_id, ids, 0, 5 * CT + 1)], [])
+        step(work, plan)
+    assert work.store._kvsplice_ready  # the daemons calibrated after 3 raw-value chunks
+    assert tokens == 20 * CT
+    c = kvcomp.Client(list(s.endpoints), timeout=30.0)
+    last = kv.shard_key(kv.chunk_hashes(r.block_hashes, CB)[-1], kv.shard_name(0, 1))
+    assert kvcomp.cache_codecs(c.get(s.model, last))["value_codec"] == "orthogonal_int8"
+    work.close()
+    b = paged(10)
+    ids_b = list(range(5 * CB))
+    n, _, errors = load_prompt(s, r, b, ids_b + [39])
+    assert n == 5 * CT and not errors
+    for name in a:
+        x, y = a[name][ids[:5 * CB]].float(), b[name][ids_b].float()
+        verr = torch.linalg.norm(x[..., D:] - y[..., D:]) / torch.linalg.norm(x[..., D:])
+        kerr = (x[..., :D] - y[..., :D]).abs().max() / x[..., :D].abs().max()
+        assert verr < 0.1, verr
+        assert kerr < 0.5 / 127 + 8e-3, kerr
+
+
+@needs_daemons
+def test_missing_chunk_becomes_load_errors(pool):
+    s = settings(pool, "lossless")
+    a = paged(11)
+    r, ids = save_prompt(s, 11, 3 * CT + 1, a)
+    b = paged(12)
+    before = {n: t.clone() for n, t in b.items()}
+    sched, work = engine(s, b)
+    r2 = Req("miss", 0, r.num_prompt_tokens)
+    r2.block_hashes = r.block_hashes
+    n = sched.matched_tokens(r2, 0)
+    assert n == 3 * CT
+    # Chunk 1 vanishes between the lookup and the load (evicted, deleted, a daemon gone).
+    h1 = kv.chunk_hashes(r.block_hashes, CB)[1]
+    kvcomp.Client(list(s.endpoints)).delete(s.model, kv.shard_key(h1, kv.shard_name(0, 1)))
+    sched.after_alloc(r2, n)
+    ids_b = list(range(20, 27))
+    step(work, sched.build([(r2.request_id, ids_b, n, 1)], []))
+    assert work.take_load_errors() == set(ids_b[CB:3 * CB])  # chunk 1 and all after it
+    assert work.take_load_errors() == set()  # reported once
+    for name in a:
+        assert torch.equal(b[name][ids_b[:CB]], a[name][ids[:CB]])  # chunk 0 loaded
+        assert torch.equal(b[name][ids_b[CB:]], before[name][ids_b[CB:]])  # nothing wrong
+    work.close()
+
+
+@needs_daemons
+def test_malformed_chunk_becomes_load_errors(pool):
+    s = settings(pool, "lossless")
+    a = paged(13)
+    r, ids = save_prompt(s, 13, 2 * CT + 1, a)
+    # Chunk 0 replaced by a cache of another layout (one head fewer) under the same key.
+    h0 = kv.chunk_hashes(r.block_hashes, CB)[0]
+    bad = np.ones((LAYERS, HEADS - 1, CT, D), np.float16)
+    kvcomp.Client(list(s.endpoints)).put(s.model, kv.shard_key(h0, kv.shard_name(0, 1)), bad,
+                                         bad, policy=kvcomp.Policy(ratio=0.0, moments=False))
+    b = paged(14)
+    before = {n: t.clone() for n, t in b.items()}
+    ids_b = list(range(5))
+    n, plan, errors = load_prompt(s, r, b, ids_b)
+    assert n == 2 * CT and errors == set(ids_b[:4])
+    for name in b:
+        assert torch.equal(b[name], before[name])
+    # A pool that cannot be reached is a miss, not an error.
+    dead = kv.Settings(**{**s.__dict__, "endpoints": ("127.0.0.1:1,127.0.0.1:2",),
+                          "timeout": 2.0})
+    sched = kv.SchedulerLogic(dead, kv.ChunkStore(dead), BS, [kv.shard_name(0, 1)])
+    assert sched.matched_tokens(r, 0) == 0
+
+
+@needs_daemons
+def test_finished_request_saves_decode_chunks(pool):
+    s = settings(pool, "lossless")
+    a = paged(15)
+    sched, work = engine(s, a)
+    r = Req("dec", 15, CT + 3)  # prompt: one chunk and 3 tokens
+    sched.matched_tokens(r, 0)
+    ids = [5, 6]
+    plan = sched.build([(r.request_id, ids, 0, CT + 3)], [])
+    assert [sp.chunk for sp in plan.saves] == [0]
+    step(work, plan)
+    # Decoding adds blocks; the scheduler reports them as new block ids of a cached request.
+    plan = sched.build([], [(r.request_id, [7, 8], False, CT + 3, 1)])
+    assert not plan.saves  # decode chunks wait for the request's end
+    step(work, plan)
+    full = Req("dec", 15, 2 * CT + 4)  # prompt + output: two chunks of hashes
+    r.block_hashes, r.num_computed_tokens = full.block_hashes, 2 * CT + 3
+    assert sched.finished(r, [5, 6, 7, 8, 9]) is True  # blocks held until copied
+    assert work.finished_sending({"dec"}) == set()
+    plan = sched.build([], [])
+    assert [sp.chunk for sp in plan.finish_saves["dec"]] == [1]
+    step(work, plan)
+    assert work.finished_sending(set()) == {"dec"}  # reported once, then the blocks go
+    assert work.finished_sending({"dec"}) == set()
+    keys = [kv.shard_key(h, kv.shard_name(0, 1)) for h in kv.chunk_hashes(r.block_hashes, CB)]
+    assert work.store.client.lookup_prefix(s.model, keys) == 2
+    got = work.store.get(keys, LAYERS, HEADS, CT, D)
+    k = torch.from_numpy(got[1][0])
+    assert torch.equal(k[0], kv.gather_blocks(a["model.layers.0.self_attn.attn"], [7, 8], BS,
+                                              D)[0].float())
+    # Nothing to save at the end: the blocks go at once.
+    r3 = Req("none", 16, CT - 1)
+    sched.matched_tokens(r3, 0)
+    sched.build([(r3.request_id, [10], 0, CT - 1)], [])
+    assert sched.finished(r3, [10]) is False
+    work.close()
