@@ -382,3 +382,201 @@ def test_finished_request_saves_decode_chunks(pool):
     sched.build([(r3.request_id, [10], 0, CT - 1)], [])
     assert sched.finished(r3, [10]) is False
     work.close()
+
+
+# --- vLLM's own classes (scripts/test_vllm.sh runs these in a virtual environment with vllm) --
+
+def _vllm():
+    try:
+        import vllm.v1.core.sched.scheduler  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+needs_vllm = pytest.mark.skipif(not _vllm(), reason="vllm not installed (scripts/test_vllm.sh)")
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory, pool):
+    """A VllmConfig for a tiny local Llama (config only, no weights) with the connector on,
+    on a CPU device, and the scheduler's KV cache spec."""
+    from transformers import LlamaConfig
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                             SchedulerConfig, VllmConfig)
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(hidden_size=HEADS * 2 * D, intermediate_size=256, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS * 2, num_key_value_heads=HEADS, head_dim=D,
+                vocab_size=1000, max_position_embeddings=4096).save_pretrained(d)
+    init_none_hash(sha256)
+
+    def config(codec="lossless"):
+        extra = dict(endpoints=[f"{p.data_endpoint},127.0.0.1:{p.control_port}" for p in pool],
+                     codec=codec, chunk_blocks=CB, model=f"test/vllm-real-{codec}")
+        vc = VllmConfig(
+            model_config=ModelConfig(model=str(d), tokenizer=str(d), skip_tokenizer_init=True,
+                                     dtype="float16", seed=0),
+            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512,
+                                             max_model_len=2048, enable_chunked_prefill=True,
+                                             is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=BS, gpu_memory_utilization=0.9,
+                                     enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvcompConnector",
+                kv_connector_module_path="kvcomp.integrations.vllm", kv_role="kv_both",
+                kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
+            device_config=DeviceConfig("cpu"))
+        vc.cache_config.num_gpu_blocks = NBLOCKS
+        kcc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)],
+                             FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=D,
+                                               dtype=torch.float16))])
+        return vc, kcc
+    return config
+
+
+def _vllm_engine(config, caches):
+    """vLLM's Scheduler (it builds the scheduler-side connector from the config) and a
+    worker-side connector built by vLLM's factory over `caches`."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vc, kcc = config
+    sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
+                      structured_output_manager=StructuredOutputManager(vc), block_size=BS)
+    worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
+    worker.register_kv_caches(caches)
+    return sched, worker
+
+
+def _vllm_request(req_id, tokens, max_tokens=1):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=max_tokens)
+    sp.update_from_generation_config({}, 999)
+    return Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp,
+                   pooling_params=None, mm_features=None,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def _vllm_step(sched, worker, caches, before_load=None, token=7):
+    """schedule -> the worker's connector calls around a forward -> update_from_output."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    so = sched.schedule()
+    if before_load is not None:
+        before_load(so)
+    worker.bind_connector_metadata(so.kv_connector_metadata)
+    worker.start_load_kv(None)
+    for name, t in caches.items():
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, t, None)
+    worker.wait_for_save()
+    worker.worker.uploader.flush()
+    sending, _ = worker.get_finished(so.finished_req_ids)
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+    out = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[token] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=KVConnectorOutput(finished_sending=sending,
+                                              invalid_block_ids=errors))
+    sched.update_from_output(so, out)
+    return so, errors
+
+
+@needs_daemons
+@needs_vllm
+def test_vllm_real_scheduler_save_and_load(vllm_env):
+    from kvcomp.integrations.vllm import KvcompConnector
+
+    cfg = vllm_env("lossless")
+    a = paged(21)
+    sched, worker = _vllm_engine(cfg, a)
+    assert isinstance(sched.connector, KvcompConnector) and isinstance(worker, KvcompConnector)
+    prompt = list(range(100, 100 + 2 * CT + 5))
+    r = _vllm_request("a", prompt, max_tokens=2 * CT)  # decodes into a third chunk
+    sched.add_request(r)
+    so, _ = _vllm_step(sched, worker, a)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0  # nothing held yet
+    plan = so.kv_connector_metadata.plan
+    assert [s.chunk for s in plan.saves] == [0, 1]
+    ids_a = so.scheduled_new_reqs[0].block_ids[0]
+    steps = 1
+    while r.request_id in sched.requests and steps < 3 * CT:
+        so, _ = _vllm_step(sched, worker, a, token=7)
+        steps += 1
+    assert r.is_finished() or r.request_id not in sched.requests
+    # The finished request's third chunk (decode tokens) is saved, then its blocks go.
+    for _ in range(3):
+        _vllm_step(sched, worker, a)
+    assert r.request_id not in sched.requests
+    hashes = kv.chunk_hashes(r.block_hashes, CB)
+    keys = [kv.shard_key(h, kv.shard_name(0, 1)) for h in hashes]
+    # KV exists for every token but the last sampled: 4 * CT + 4 tokens, four chunks, the last
+    # two completed while decoding and stored when the request finished.
+    assert len(r.all_token_ids) == 4 * CT + 5 and len(keys) == 4
+    assert worker.worker.store.client.lookup_prefix(sched.connector.settings.model, keys) == 4
+
+    # Another engine: vLLM's scheduler counts the held prefix as computed and the worker-side
+    # connector writes it into fresh blocks.
+    b = paged(22)
+    sched2, worker2 = _vllm_engine(vllm_env("lossless"), b)
+    r2 = _vllm_request("b", prompt, max_tokens=1)
+    sched2.add_request(r2)
+    so, errors = _vllm_step(sched2, worker2, b)
+    assert not errors
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 2 * CT and so.num_scheduled_tokens["b"] == 5
+    ids_b = new.block_ids[0]
+    for name in a:
+        assert torch.equal(b[name][ids_b[:2 * CB]], a[name][ids_a[:2 * CB]])
+    worker.shutdown()
+    worker2.shutdown()
+
+
+@needs_daemons
+@needs_vllm
+def test_vllm_real_missing_chunk_is_recomputed(vllm_env):
+    cfg = vllm_env("lossless")
+    a = paged(23)
+    sched, worker = _vllm_engine(cfg, a)
+    prompt = list(range(500, 500 + 3 * CT + 1))
+    r = _vllm_request("c", prompt)
+    sched.add_request(r)
+    _vllm_step(sched, worker, a)
+    model = sched.connector.settings.model
+
+    b = paged(24)
+    before = {n: t.clone() for n, t in b.items()}
+    sched2, worker2 = _vllm_engine(vllm_env("lossless"), b)
+    r2 = _vllm_request("d", prompt, max_tokens=4)
+    sched2.add_request(r2)
+    h1 = kv.chunk_hashes(r2.block_hashes, CB)[1]
+
+    def drop_chunk_1(so):  # after vLLM's scheduler counted 3 chunks, before the worker loads
+        assert so.scheduled_new_reqs[0].num_computed_tokens == 3 * CT
+        worker2.worker.store.client.delete(model, kv.shard_key(h1, kv.shard_name(0, 1)))
+
+    so, errors = _vllm_step(sched2, worker2, b, before_load=drop_chunk_1)
+    ids_b = so.scheduled_new_reqs[0].block_ids[0]
+    assert errors == set(ids_b[CB:3 * CB])
+    for name in a:
+        assert torch.equal(b[name][ids_b[CB:3 * CB]], before[name][ids_b[CB:3 * CB]])
+    # vLLM (kv_load_failure_policy "recompute") rolls the request back to its first bad block.
+    assert r2.num_computed_tokens == CT
+    so, errors = _vllm_step(sched2, worker2, b)
+    assert so.num_scheduled_tokens["d"] == 2 * CT + 1 and not errors
+    worker.shutdown()
+    worker2.shutdown()

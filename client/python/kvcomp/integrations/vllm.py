@@ -757,15 +757,22 @@ def _build_connector_classes() -> Tuple[type, type]:
                     load=kt.is_kv_consumer, save=kt.is_kv_producer)
                 self.worker = None
             else:
-                from vllm.distributed.parallel_state import (
-                    get_pp_group,
-                    get_tensor_model_parallel_rank,
-                )
-                shard = shard_name(get_tensor_model_parallel_rank(), par.tensor_parallel_size,
-                                   get_pp_group().rank_in_group, par.pipeline_parallel_size)
+                shard = shard_name(*self._ranks(par), par.pipeline_parallel_size)
                 self.head_size = vllm_config.model_config.get_head_size()
                 self.worker = WorkerLogic(self.settings, self._store, self.block_size, shard)
                 self.sched = None
+
+        @staticmethod
+        def _ranks(par: Any) -> Tuple[int, int, int]:
+            """(tp rank, tp size, pp rank) of this worker."""
+            if par.tensor_parallel_size == 1 and par.pipeline_parallel_size == 1:
+                return 0, 1, 0
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
+            return (get_tensor_model_parallel_rank(), par.tensor_parallel_size,
+                    get_pp_group().rank_in_group)
 
         @property
         def requires_kv_delivery(self) -> bool:
