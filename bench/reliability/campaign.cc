@@ -8,7 +8,9 @@
 //                one data directory. After every restart each acknowledged cache must be served
 //                whole (same stored size, the token count its key was put with, the format's
 //                section checksums), each acknowledged delete must stay deleted; an operation
-//                cut by the kill may have happened or not.
+//                cut by the kill may have happened or not. Every intent and acknowledgement goes
+//                to a journal in --dir first, so the campaign runs in chunks of --chunk cycles
+//                (exit status 3: more to do) and a driver that dies resumes where it was.
 //   --mode=soak  `--clients` clients for `--seconds` of mixed put/get/delete on one daemon:
 //                every unexpected status is an error; latency per operation (p50/p99/max) and
 //                the daemon's RSS (sampled each second) are reported.
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -50,6 +53,7 @@ struct Flags {
   std::string dir;
   std::string out;
   int cycles = 1000;
+  int chunk = 0;  // kill mode: cycles per process, 0 = all
   int writers = 4;
   int window = 16;
   int clients = 8;
@@ -165,14 +169,76 @@ struct KillCampaign {
   std::atomic<bool> stop{false};
   uint64_t acked_puts = 0, acked_deletes = 0, cut_puts = 0, cut_deletes = 0;
   uint64_t lost = 0, corrupt = 0, resurrected = 0, op_errors_before_kill = 0;
+  uint64_t driver_restarts = 0;  // processes before this one on the same journal
+  int cycles_done = 0;
   std::vector<std::string> problems;
+  FILE* journal = nullptr;
+
+  // One line per event, flushed at once (a driver that dies keeps every line it wrote):
+  //   P id / A id bytes   put intended / acknowledged     D id / X id   delete intended / acked
+  //   L id bytes / G id   a cut operation found done / not done after the restart
+  //   E kind text         a problem (lost, corrupt, back, error)   C n   cycle n done
+  void Journal(const std::string& line) {
+    std::fputs((line + "\n").c_str(), journal);
+    std::fflush(journal);
+  }
+
+  // Rebuilds the state from the journal of an earlier driver on this directory.
+  void Replay(const std::string& path) {
+    std::ifstream in(path);
+    std::string line;
+    bool any = false;
+    while (std::getline(in, line)) {
+      if (line.size() < 3) continue;  // a line cut by the driver's death
+      any = true;
+      std::istringstream ls(line.substr(2));
+      uint64_t id = 0, bytes = 0;
+      switch (line[0]) {
+        case 'P': ls >> id; keys[id] = {KeyState::kPutInFlight, 0}; break;
+        case 'A': ls >> id >> bytes; keys[id] = {KeyState::kLive, bytes}; ++acked_puts; break;
+        case 'D': ls >> id; keys[id].state = KeyState::kDeleteInFlight; break;
+        case 'X': ls >> id; keys.erase(id); NoteDeleted(id); ++acked_deletes; break;
+        case 'L': ls >> id >> bytes; keys[id] = {KeyState::kLive, bytes}; ++cut_puts; break;
+        case 'G':
+          ++cut_puts;
+          ls >> id;
+          if (keys.count(id) != 0 && keys[id].state == KeyState::kDeleteInFlight) NoteDeleted(id);
+          keys.erase(id);
+          break;
+        case 'E': {
+          std::string kind;
+          ls >> kind;
+          if (kind == "lost") ++lost;
+          if (kind == "corrupt") ++corrupt;
+          if (kind == "back") ++resurrected;
+          if (kind == "error") ++op_errors_before_kill;
+          if (problems.size() < 50) problems.push_back(line.substr(2));
+          break;
+        }
+        case 'C': ls >> cycles_done; break;
+        case 'S': ++driver_restarts; break;
+      }
+      if (line[0] == 'P' || line[0] == 'A' || line[0] == 'L') {
+        next_id = std::max<uint64_t>(next_id.load(), id + 1);
+      }
+    }
+    if (any) {
+      Journal("S driver started again");
+      ++driver_restarts;
+    }
+  }
+  void NoteDeleted(uint64_t id) {
+    deleted.push_back(id);
+    if (deleted.size() > 512) deleted.pop_front();
+  }
 
   static std::string Key(uint64_t id) { return "w-" + std::to_string(id); }
 
   void Writer(const KvcompdProcess& d, int w, std::atomic<bool>* killed) {
     auto c = Connect(d, absl::Seconds(10), 1);
     if (c == nullptr) {
-      if (!killed->load()) Problem("writer " + std::to_string(w) + " could not connect");
+      std::lock_guard<std::mutex> l(mu);
+      if (!killed->load()) Problem("error", "writer " + std::to_string(w) + " could not connect");
       return;
     }
     std::deque<uint64_t> mine;
@@ -189,16 +255,17 @@ struct KillCampaign {
         {
           std::lock_guard<std::mutex> l(mu);
           keys[old].state = KeyState::kDeleteInFlight;
+          Journal("D " + std::to_string(old));
         }
         absl::Status st = c->Delete("m", Key(old));
         std::lock_guard<std::mutex> l(mu);
         if (!st.ok()) {
-          if (!killed->load()) Problem("delete " + Key(old) + ": " + st.ToString(), true);
+          if (!killed->load()) Problem("error", "delete " + Key(old) + ": " + st.ToString());
           return;
         }
+        Journal("X " + std::to_string(old));
         keys[old].state = KeyState::kDeleted;
-        deleted.push_back(old);
-        if (deleted.size() > 512) deleted.pop_front();
+        NoteDeleted(old);
         ++acked_deletes;
         mine.pop_front();
         continue;
@@ -209,23 +276,30 @@ struct KillCampaign {
       {
         std::lock_guard<std::mutex> l(mu);
         keys[id].state = KeyState::kPutInFlight;
+        Journal("P " + std::to_string(id));
       }
       auto r = c->Put("m", Key(id), kLayout, TokensOf(id), kv.layers);
       std::lock_guard<std::mutex> l(mu);
       if (!r.ok()) {
-        if (!killed->load()) Problem("put " + Key(id) + ": " + r.status().ToString(), true);
+        if (!killed->load()) Problem("error", "put " + Key(id) + ": " + r.status().ToString());
         return;
       }
+      Journal("A " + std::to_string(id) + " " + std::to_string(r->stored_bytes));
       keys[id] = {KeyState::kLive, r->stored_bytes};
       ++acked_puts;
       mine.push_back(id);
     }
   }
 
-  void Problem(const std::string& what, bool op_error = false) {
-    if (op_error) ++op_errors_before_kill;
-    if (problems.size() < 50) problems.push_back(what);
-    std::fprintf(stderr, "PROBLEM: %s\n", what.c_str());
+  // `kind`: lost, corrupt, back (deleted but served again) or error. Called with mu held.
+  void Problem(const std::string& kind, const std::string& what) {
+    if (kind == "lost") ++lost;
+    if (kind == "corrupt") ++corrupt;
+    if (kind == "back") ++resurrected;
+    if (kind == "error") ++op_errors_before_kill;
+    if (problems.size() < 50) problems.push_back(kind + " " + what);
+    Journal("E " + kind + " " + what);
+    std::fprintf(stderr, "PROBLEM: %s %s\n", kind.c_str(), what.c_str());
   }
 
   // After a restart: every acknowledged cache whole, every acknowledged delete gone; operations
@@ -238,30 +312,30 @@ struct KillCampaign {
       auto got = c.GetBytes("m", Key(id));
       const bool found = got.ok();
       if (!found && !absl::IsNotFound(got.status())) {
-        Problem("cycle " + std::to_string(cycle) + ": get " + Key(id) + ": " +
-                got.status().ToString());
+        Problem("error", "cycle " + std::to_string(cycle) + ": get " + Key(id) + ": " +
+                             got.status().ToString());
         ++it;
         continue;
       }
       switch (r.state) {
         case KeyState::kLive:
           if (!found) {
-            ++lost;
-            Problem("cycle " + std::to_string(cycle) + ": acknowledged " + Key(id) + " lost");
+            Problem("lost", "cycle " + std::to_string(cycle) + ": acknowledged " + Key(id));
           } else if (auto bad = CheckBytes(*got, id, r.stored_bytes); !bad.empty()) {
-            ++corrupt;
-            Problem("cycle " + std::to_string(cycle) + ": " + Key(id) + " " + bad);
+            Problem("corrupt", "cycle " + std::to_string(cycle) + ": " + Key(id) + " " + bad);
           }
           break;
         case KeyState::kPutInFlight:
           ++cut_puts;
           if (found) {
             if (auto bad = CheckBytes(*got, id, 0); !bad.empty()) {
-              ++corrupt;
-              Problem("cycle " + std::to_string(cycle) + ": cut put " + Key(id) + " " + bad);
+              Problem("corrupt", "cycle " + std::to_string(cycle) + ": cut put " + Key(id) + " " +
+                                     bad);
             }
             r = {KeyState::kLive, got->size()};
+            Journal("L " + std::to_string(id) + " " + std::to_string(got->size()));
           } else {
+            Journal("G " + std::to_string(id));
             it = keys.erase(it);
             continue;
           }
@@ -270,9 +344,11 @@ struct KillCampaign {
           ++cut_deletes;
           if (found) {
             r.state = KeyState::kLive;
+            Journal("L " + std::to_string(id) + " " + std::to_string(r.stored_bytes));
           } else {
+            Journal("G " + std::to_string(id));
             r.state = KeyState::kDeleted;
-            deleted.push_back(id);
+            NoteDeleted(id);
           }
           break;
         case KeyState::kDeleted:
@@ -288,37 +364,69 @@ struct KillCampaign {
       if (keys.count(id) != 0) continue;
       auto got = c.GetBytes("m", Key(id));
       if (got.ok()) {
-        ++resurrected;
-        Problem("cycle " + std::to_string(cycle) + ": deleted " + Key(id) + " came back");
+        Problem("back", "cycle " + std::to_string(cycle) + ": deleted " + Key(id));
       }
+    }
+  }
+
+  // A daemon left running by a driver that died holds the database's lock: it goes first.
+  static void KillOrphan(const std::string& data) {
+    std::ifstream in(data + ".ready.yaml");
+    std::string key;
+    long pid = 0;
+    while (in >> key) {
+      if (key == "pid:") in >> pid;
+    }
+    if (pid <= 0) return;
+    const std::string proc = "/proc/" + std::to_string(pid);
+    std::ifstream cmd(proc + "/cmdline");
+    std::string cmdline((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
+    if (cmdline.find(data) == std::string::npos) return;
+    kill(static_cast<pid_t>(pid), SIGKILL);
+    for (int i = 0; i < 500 && access(proc.c_str(), F_OK) == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
 
   int Run() {
     const std::string data = f.dir + "/data";
+    const std::string journal_path = f.dir + "/journal.log";
+    journal = std::fopen(journal_path.c_str(), "a");
+    if (journal == nullptr) {
+      std::fprintf(stderr, "cannot open %s\n", journal_path.c_str());
+      return 2;
+    }
+    Replay(journal_path);
+    KillOrphan(data);
     std::vector<std::string> flags = {"--storage.rocksdb_capacity_bytes=512Mi",
                                       "--storage.host_capacity_bytes=64Mi",
                                       "--data_plane.max_block_bytes=1Mi"};
     flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
     KvcompdProcess d(f.kvcompd, data, flags);
-    std::mt19937_64 rng(f.seed);
+    std::mt19937_64 rng(f.seed + static_cast<uint64_t>(cycles_done));
     std::uniform_int_distribution<int> run_ms(200, 1500);
     const auto t0 = Clock::now();
     std::vector<double> restart_ms;
-    int cycle = 0;
-    for (; cycle < f.cycles; ++cycle) {
+    const int end = f.chunk > 0 ? std::min(f.cycles, cycles_done + f.chunk) : f.cycles;
+    int cycle = cycles_done;
+    bool failed = false;
+    for (; cycle < end; ++cycle) {
       const auto s0 = Clock::now();
       if (!d.Start(60)) {
-        Problem("cycle " + std::to_string(cycle) + ": kvcompd did not start");
+        std::lock_guard<std::mutex> l(mu);
+        Problem("error", "cycle " + std::to_string(cycle) + ": kvcompd did not start");
         std::string log = d.Log();
         std::fprintf(stderr, "%s\n", log.substr(log.size() > 4000 ? log.size() - 4000 : 0).c_str());
+        failed = true;
         break;
       }
       restart_ms.push_back(Ms(Clock::now() - s0));
       {
         auto c = Connect(d, absl::Seconds(30), 2);
         if (c == nullptr) {
-          Problem("cycle " + std::to_string(cycle) + ": verifier could not connect");
+          std::lock_guard<std::mutex> l(mu);
+          Problem("error", "cycle " + std::to_string(cycle) + ": verifier could not connect");
+          failed = true;
           break;
         }
         Verify(*c, cycle);
@@ -334,19 +442,30 @@ struct KillCampaign {
       d.Kill(SIGKILL);
       stop = true;
       for (auto& t : threads) t.join();
+      {
+        std::lock_guard<std::mutex> l(mu);
+        Journal("C " + std::to_string(cycle + 1));
+        cycles_done = cycle + 1;
+      }
       if ((cycle + 1) % 50 == 0) Progress(cycle + 1, t0, restart_ms);
     }
-    if (cycle == f.cycles) {  // a last restart checks what the last kill left
+    if (!failed && cycle == f.cycles) {  // a last restart checks what the last kill left
       if (d.Start(60)) {
         auto c = Connect(d, absl::Seconds(30), 2);
         if (c != nullptr) Verify(*c, cycle);
         d.Kill(SIGTERM);
       } else {
-        Problem("final start failed");
+        std::lock_guard<std::mutex> l(mu);
+        Problem("error", "final start failed");
       }
+      Progress(cycle, t0, restart_ms, /*final=*/true);
+      return lost + corrupt + resurrected + op_errors_before_kill == 0 ? 0 : 1;
     }
-    Progress(cycle, t0, restart_ms, /*final=*/true);
-    return lost + corrupt + resurrected + op_errors_before_kill == 0 && cycle == f.cycles ? 0 : 1;
+    if (failed) {
+      Progress(cycle, t0, restart_ms, /*final=*/true);
+      return 1;
+    }
+    return 3;  // more cycles to run, in a new process
   }
 
   void Progress(int cycles, Clock::time_point t0, const std::vector<double>& restart_ms,
@@ -355,10 +474,11 @@ struct KillCampaign {
     uint64_t live = 0;
     for (auto& [id, r] : keys) live += r.state == KeyState::kLive;
     std::ostringstream s;
-    s << (final ? "| final" : "| progress") << " | cycles " << cycles << " | elapsed "
-      << static_cast<int>(Ms(Clock::now() - t0) / 1000) << " s | acknowledged puts " << acked_puts
-      << " | acknowledged deletes " << acked_deletes << " | puts cut by the kill " << cut_puts
-      << " | deletes cut " << cut_deletes << " | live caches " << live << " | lost " << lost
+    s << (final ? "| final" : "| progress") << " | cycles " << cycles << " | this driver "
+      << static_cast<int>(Ms(Clock::now() - t0) / 1000) << " s | driver processes "
+      << driver_restarts + 1 << " | acknowledged puts " << acked_puts << " | acknowledged deletes "
+      << acked_deletes << " | operations cut by the kill " << cut_puts + cut_deletes
+      << " | live caches " << live << " | lost " << lost
       << " | corrupt " << corrupt << " | deleted but back " << resurrected
       << " | errors while up " << op_errors_before_kill << " | restart-to-ready p50 "
       << Percentile(restart_ms, 0.5) << " ms, p99 " << Percentile(restart_ms, 0.99)
@@ -513,6 +633,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("dir")) f.dir = v;
     else if (const char* v = val("out")) f.out = v;
     else if (const char* v = val("cycles")) f.cycles = std::atoi(v);
+    else if (const char* v = val("chunk")) f.chunk = std::atoi(v);
     else if (const char* v = val("writers")) f.writers = std::atoi(v);
     else if (const char* v = val("window")) f.window = std::atoi(v);
     else if (const char* v = val("clients")) f.clients = std::atoi(v);

@@ -30,14 +30,26 @@ scratch=$(mktemp -d /tmp/kvcomp-campaign-XXXXXX)
   echo
 } >>"$out"
 case "$mode" in
-  kill) args=(--mode=kill --cycles="${amount:-1000}" --writers=4 --window=16) ;;
+  kill) args=(--mode=kill --cycles="${amount:-1000}" --chunk=100 --writers=4 --window=16) ;;
   soak) args=(--mode=soak --clients=8 --seconds="${amount:-600}") ;;
   *) echo "mode must be kill or soak" >&2; exit 2 ;;
 esac
 set +e
-"$build/bench/reliability/kvcomp_campaign" "${args[@]}" --dir="$scratch" --out="$out" \
-  2>"$scratch.stderr"
-rc=$?
+# Kill mode runs 100 cycles per process and resumes from its journal (exit status 3: more to
+# do); a driver that dies (its status is logged) is followed by a new one on the same journal.
+deaths=0
+while true; do
+  "$build/bench/reliability/kvcomp_campaign" "${args[@]}" --dir="$scratch" --out="$out" \
+    2>>"$scratch.stderr"
+  rc=$?
+  [[ $mode == kill && $rc == 3 ]] && continue
+  if [[ $mode == kill && $rc -gt 128 && $deaths -lt 20 ]]; then
+    deaths=$((deaths + 1))
+    echo "the campaign driver died (exit status $rc, signal $((rc - 128))); resuming from its journal" >>"$out"
+    continue
+  fi
+  break
+done
 set -e
 {
   echo
