@@ -362,10 +362,9 @@ class ChunkStore:
         out = []
         for i, c in enumerate(caches):
             try:
-                if (c.num_layers, c.num_kv_heads, c.head_dim, c.original_tokens) != \
-                        (layers, kv_heads, head_dim, tokens):
-                    raise ValueError(f"layout {(c.num_layers, c.num_kv_heads, c.head_dim, c.original_tokens)}"
-                                     f" != {(layers, kv_heads, head_dim, tokens)}")
+                got = (c.num_layers, c.num_kv_heads, c.original_tokens, c.head_dim)
+                if got != (layers, kv_heads, tokens, head_dim):
+                    raise ValueError(f"layout {got} != {(layers, kv_heads, tokens, head_dim)}")
                 if any(n != tokens for n in c.kept):
                     raise ValueError("tokens evicted")
                 k, v = kvcomp.decompress(c)
