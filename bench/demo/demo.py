@@ -275,7 +275,52 @@ def run(args) -> int:
     row("fetch as stored (client)", lambda c: c["t_get"], ".3f")
     row("  daemon: serve (all fetches)", lambda c: c["stages"]["serve"], ".3f")
     row("decode attention, 8 layers", lambda c: c["t_att"], ".3f")
+    real_model_line(decode, evict)
     return 0
+
+
+def real_model_line(client, policy, ctx=2048, n_passkey=6, n_loss=2):
+    """The project's trained byte-level Llama (bench/quality/lm/model) through kvcomp.hf, its
+    prompt cache making a round trip through this kvcompd under the demo's policy A: pass-key
+    accuracy and held-out loss (last quarter after compressing three quarters), full cache
+    beside it."""
+    try:
+        import torch
+        import kvcomp.hf as hf
+        from transformers import LlamaForCausalLM
+    except ImportError as e:  # torch/transformers come with scripts/bootstrap.sh
+        print(f"\nreal model: skipped ({e})")
+        return
+    sys.path.insert(0, os.path.join(REPO, "bench", "quality", "lm"))
+    import tasks
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(os.path.join(REPO, "bench", "quality", "lm", "model"),
+                                             dtype=torch.float32).eval()
+    text = tasks.concat(tasks.read_files(tasks.heldout_files()))
+    rng = np.random.default_rng(0)
+    full = kvcomp.Policy(ratio=0.0, moments=False)
+    hits = {"full": 0, "A": 0}
+    loss = {"full": [], "A": []}
+    for i in range(n_passkey):
+        s = tasks.make_passkey(text, rng, ctx, depth=(i + 0.5) / n_passkey)
+        pre = hf.prefill(model, tasks.ids(s.context))
+        for name, pol in (("full", full), ("A", policy)):
+            cache = hf.cache_from_prefill(model, pre, pol, client=client, model_id="demo/lm",
+                                          cache_dtype=torch.bfloat16)
+            got = hf.greedy(model, cache, pre.last_logits, tasks.ids(s.question), tasks.DIGITS)
+            hits[name] += bytes(got.tolist()) == s.answer
+    for o in np.linspace(0, len(text) - ctx - 1, n_loss).astype(int):
+        w = torch.from_numpy(text[o:o + ctx].astype(np.int64))
+        pre = hf.prefill(model, w[:ctx * 3 // 4])
+        for name, pol in (("full", full), ("A", policy)):
+            cache = hf.cache_from_prefill(model, pre, pol, client=client, model_id="demo/lm",
+                                          cache_dtype=torch.bfloat16)
+            loss[name].append(float(hf.continuation_nll(model, cache, pre.last_logits,
+                                                        w[ctx * 3 // 4:]).mean()))
+    print(f"\nreal model (bench/quality/lm/model, {ctx}-byte contexts, cache through kvcompd, "
+          f"{time.perf_counter() - t0:.0f} s): policy A pass-key {hits['A']}/{n_passkey} "
+          f"(full cache {hits['full']}/{n_passkey}), held-out loss {np.mean(loss['A']):.3f} "
+          f"nats/byte (full cache {np.mean(loss['full']):.3f})")
 
 
 if __name__ == "__main__":
