@@ -385,13 +385,23 @@ struct HttpEndpoint::Context {
   Handlers handlers;
   asio::io_context io{1};
   std::unique_ptr<tcp::acceptor> acceptor;
+  asio::steady_timer retry{io};
   std::thread thread;
 
+  // A failed accept (out of descriptors, above all) is retried after a pause: retrying at once
+  // would spin on the same error until descriptors are freed.
   void Accept() {
     acceptor->async_accept([this](beast::error_code ec, tcp::socket socket) {
       if (!acceptor->is_open()) return;
-      if (!ec) std::make_shared<HttpSession>(std::move(socket), &handlers)->Start();
-      Accept();
+      if (!ec) {
+        std::make_shared<HttpSession>(std::move(socket), &handlers)->Start();
+        Accept();
+        return;
+      }
+      retry.expires_after(std::chrono::milliseconds(100));
+      retry.async_wait([this](beast::error_code wait_ec) {
+        if (!wait_ec && acceptor->is_open()) Accept();
+      });
     });
   }
 };
@@ -429,6 +439,7 @@ HttpEndpoint::~HttpEndpoint() {
   if (!ctx_) return;
   asio::post(ctx_->io, [c = ctx_.get()] {
     beast::error_code ignored;
+    c->retry.cancel();
     c->acceptor->close(ignored);
   });
   ctx_->io.stop();
