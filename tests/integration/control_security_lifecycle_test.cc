@@ -98,7 +98,7 @@ TEST_F(ControlTest, EveryControlCallAnswers) {
   EXPECT_EQ(info.data_address, d->data_endpoint());
   EXPECT_EQ(info.metrics_port, d->ports().metrics);
   EXPECT_EQ(info.durability, "disk");
-  EXPECT_NE(info.backend.find("cpu"), std::string::npos) << info.backend;
+  EXPECT_NE(info.backend.find(ExpectedBackend()), std::string::npos) << info.backend;
   EXPECT_EQ(info.data_protocol_version, 1);
 
   rpc::CacheRef ref;

@@ -225,8 +225,9 @@ TEST_P(DaemonTest, PutGetLookupDeleteMatchMetrics) {
   EXPECT_EQ(MetricValue(m, "kvcomp_operation_duration_seconds_count{op=\"get\"}"), 2);
   EXPECT_EQ(MetricValue(m, "kvcomp_stage_duration_seconds_count{stage=\"compress\"}"), 1);
   EXPECT_EQ(MetricValue(m, "kvcomp_served_bytes_total"), 2.0 * summary->stored_bytes);
-  EXPECT_EQ(MetricValue(m, "kvcomp_tier_entries{tier=\"host\"}"), 1);
-  EXPECT_EQ(MetricValue(m, "kvcomp_tier_stored_bytes{tier=\"host\"}"),
+  const std::string tier = ExpectedPutTier();
+  EXPECT_EQ(MetricValue(m, "kvcomp_tier_entries{tier=\"" + tier + "\"}"), 1);
+  EXPECT_EQ(MetricValue(m, "kvcomp_tier_stored_bytes{tier=\"" + tier + "\"}"),
             static_cast<double>(summary->stored_bytes));
   EXPECT_EQ(MetricValue(m, "kvcomp_ready"), 1);
   EXPECT_EQ(MetricValue(m, "kvcomp_queue_depth"), 0);

@@ -32,6 +32,20 @@
 namespace kvcomp {
 namespace testing {
 
+// What the daemons a test starts are configured to use where the environment chooses (the GPU
+// machine's run sets KVCOMP_ENGINE_BACKEND=cuda and KVCOMP_STORAGE_PUT_TIER=device, which every
+// daemon inherits): the backend name a daemon reports contains ExpectedBackend(), and its puts
+// land in the tier ExpectedPutTier().
+inline std::string EnvOr(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? std::string(v) : std::string(fallback);
+}
+inline std::string ExpectedBackend() {
+  const std::string b = EnvOr("KVCOMP_ENGINE_BACKEND", "cpu");
+  return b == "auto" ? "cpu" : b;
+}
+inline std::string ExpectedPutTier() { return EnvOr("KVCOMP_STORAGE_PUT_TIER", "host"); }
+
 // A temporary directory removed at destruction.
 class TempDir {
  public:
