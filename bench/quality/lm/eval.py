@@ -45,8 +45,12 @@ sys.path.insert(0, HERE)
 if os.path.isdir(os.path.join(REPO, "client", "python")):
     sys.path.append(os.path.join(REPO, "client", "python"))
 
-import kvcomp  # noqa: E402
-import kvcomp.hf as hf  # noqa: E402
+try:
+    import kvcomp  # noqa: E402
+    import kvcomp.hf as hf  # noqa: E402
+except ImportError as _e:  # --variants runs on torch alone (a machine without the extension)
+    kvcomp = hf = None
+    _KVCOMP_IMPORT_ERROR = _e
 import tasks  # noqa: E402
 
 SCORERS = ["knorm", "keydiff", "manifold", "windowed_manifold", "streaming", "snapkv", "random"]
@@ -107,6 +111,10 @@ def main():
                     help="stop taking pass-key samples after this long (0 = no limit); the "
                          "results say how many were taken")
     ap.add_argument("--no-plot", action="store_true", help="write only PREFIX.json")
+    ap.add_argument("--variants", choices=["full", "quick"], default=None,
+                    help="instead of kvcomp's cells, the float torch references of policy, "
+                         "correction and codec variants (variants.py; no kvcomp extension "
+                         "needed); quick: a small grid for a smoke run")
     ap.add_argument("--render", metavar="JSON", help="only write the .md and .png of a JSON "
                     "written before")
     args = ap.parse_args()
@@ -120,6 +128,11 @@ def main():
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.variants:
+        return run_variants(args)
+    if kvcomp is None:
+        raise SystemExit(f"eval.py: the kvcomp extension is needed ({_KVCOMP_IMPORT_ERROR}); "
+                         f"only --variants runs without it")
     device = torch.device(args.device or ("cuda" if args.backend == "cuda" else "cpu"))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ")
     out = args.out or os.path.join(REPO, "bench", "results", f"lm_quality-{stamp}-{args.backend}")
@@ -241,6 +254,70 @@ def main():
         write_md(out + ".md", meta, rows)
         plot(out + ".png", meta, rows)
     log(f"wrote {out}.json/.md/.png")
+
+
+def run_variants(args):
+    """The --variants grid (variants.py) on the same text regions, windows and sample draws
+    as the kvcomp cells; writes PREFIX.json and PREFIX.md."""
+    import variants
+    import transformers
+    from transformers import AutoModelForCausalLM
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ")
+    out = args.out or os.path.join(REPO, "bench", "results", f"policy-research-{stamp}")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    model.eval()
+    card = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or \
+        platform.machine()
+    paths = tasks.heldout_files(args.heldout_dir)
+    blobs = tasks.read_files(paths)
+    text = tasks.concat(blobs)
+    n = len(text)
+    calib_text, loss_text, pk_text = text[: n // 10], text[n // 10: n // 4], text[n // 4:]
+    rng = np.random.default_rng(args.seed)
+    args._t0 = t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:7.1f}s] {msg}", flush=True)
+
+    log(f"variants: model {args.model} on {device} ({card}), ctx {args.ctx}, held-out "
+        f"{len(paths)} files digest {tasks.digest(blobs)}")
+    starts = np.linspace(0, len(calib_text) - args.ctx - 1, args.n_calib).astype(int)
+    calib_ids = [torch.from_numpy(calib_text[s:s + args.ctx].astype(np.int64)) for s in starts]
+    q = args.ctx * 3 // 4
+    lstarts = np.linspace(0, len(loss_text) - args.ctx - 1, args.n_loss).astype(int)
+    loss_windows = []
+    for s in lstarts:
+        w = torch.from_numpy(loss_text[s:s + args.ctx].astype(np.int64))
+        loss_windows.append((w[:q], w[q:]))
+    pk = []
+    order = rng.permutation(args.n_passkey)
+    for j in range(args.n_passkey):
+        d = (order[j] + 0.5) / args.n_passkey
+        smp = tasks.make_passkey(pk_text, rng, args.ctx, n_keys=1, depth=d)
+        pk.append(("passkey_1", tasks.ids(smp.context), tasks.ids(smp.question),
+                   tasks.ids(smp.answer)))
+        smp = tasks.make_passkey(pk_text, rng, args.ctx, n_keys=3, colliding=True)
+        pk.append(("passkey_3", tasks.ids(smp.context), tasks.ids(smp.question),
+                   tasks.ids(smp.answer)))
+    rows, taken = variants.run(model, args, loss_windows, pk, calib_ids, log,
+                               N_bytes=len(pk[0][1]) if pk else args.ctx)
+    meta = {
+        "date": stamp, "commit": git_commit(), "device": str(device), "card": card,
+        "model": os.path.relpath(args.model, REPO) if args.model.startswith(REPO)
+        else args.model, "ctx": args.ctx, "n_passkey": taken // 2, "n_loss": args.n_loss,
+        "n_calib": args.n_calib, "grid": args.variants,
+        "bytes_ctx": len(pk[0][1]) if pk else args.ctx,
+        "heldout_files": [os.path.basename(p) for p in paths],
+        "heldout_digest": tasks.digest(blobs), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "seconds": time.time() - t0,
+    }
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    variants.write_md(out + ".md", meta, rows)
+    log(f"wrote {out}.json/.md")
 
 
 def fmt(v, f=".2f"):
