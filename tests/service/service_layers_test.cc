@@ -188,6 +188,13 @@ TEST(PutRequestTest, ThePolicyIsCheckedWhereTheRequestIsMade) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   r = PutRequest::Make(CacheKey{"t", "m", ""}, kLayout, kTokens, HalfPolicy(), false);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  // Fields in range, but a rank beyond the layout's head_dim: the check that needs the layout.
+  CompressionPolicy wide = HalfPolicy();
+  wide.value_codec = ValueCodec::kOrthogonal;
+  wide.rank = 2 * kLayout.head_dim;
+  ASSERT_TRUE(wide.Validate().ok());
+  r = PutRequest::Make(CacheKey{"t", "m", "k"}, kLayout, kTokens, wide, false);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   KvLayout odd = kLayout;
   odd.head_dim = 65;
   r = PutRequest::Make(CacheKey{"t", "m", "k"}, odd, kTokens, HalfPolicy(), false);

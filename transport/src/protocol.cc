@@ -583,11 +583,11 @@ absl::Status Decode(const Frame& f, PutBegin* out) {
         r.Prefix(absl::StrFormat("policy of %u bytes exceeds %u", policy_bytes, kMaxPolicyBytes))));
   }
   if (out->has_policy && r.ok()) {
+    // The records must decode; whether the policy suits the layout is the receiver's to check
+    // where the request enters it (kvcompd: once, with the tenant's default policy).
     absl::StatusOr<CompressionPolicy> p = format::DecodePolicyRecords(policy);
     if (!p.ok()) {
       r.Fail(absl::InvalidArgumentError(r.Prefix(p.status().message())));
-    } else if (absl::Status s = p->ValidateFor(out->layout.head_dim); !s.ok()) {
-      r.Fail(absl::InvalidArgumentError(r.Prefix(s.message())));
     } else {
       out->policy = *std::move(p);
     }

@@ -128,6 +128,8 @@ struct PutBegin {
   std::string model_id;
   std::string key;
   bool has_policy = false;  // false: the tenant's default policy
+  // Decoded from its TLV records (format::DecodePolicyRecords); whether it suits the layout
+  // (rank and groups against head_dim) is for the receiver to check.
   CompressionPolicy policy;
   bool block_wise = false;  // compress block by block as blocks arrive (streaming prefill)
 };
