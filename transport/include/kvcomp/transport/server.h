@@ -57,7 +57,8 @@
 namespace kvcomp {
 namespace transport {
 
-// Defaults of the flow-control bounds (kvcompd's data_plane options start from these).
+// Defaults of the flow-control bounds. kvcompd's data_plane options state the same defaults
+// (every bound of ServerOptions; tests/transport/server_options_test.cc holds them equal).
 inline constexpr uint64_t kDefaultMaxInflightBytes = uint64_t{1} << 30;  // per connection
 inline constexpr uint64_t kDefaultMaxBufferedBytes = uint64_t{4} << 30;  // all connections
 
