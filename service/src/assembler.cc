@@ -31,9 +31,8 @@ absl::Status PutAssembler::Add(BlockData block) {
   const uint32_t lb = block.layer_begin, le = block.layer_end;
   const uint64_t tb = block.token_begin, te = block.token_end;
   if (lb >= le || le > layout_.num_layers || tb >= te || te > num_tokens_) {
-    return absl::InvalidArgumentError(absl::StrCat("block: layers [", lb, ", ", le,
-                                                   ") x tokens [", tb, ", ", te,
-                                                   ") outside the put"));
+    return absl::InvalidArgumentError(absl::StrCat("block: layers [", lb, ", ", le, ") x tokens [",
+                                                   tb, ", ", te, ") outside the put"));
   }
   if (!block.has_keys() && !block.has_values()) {
     return absl::InvalidArgumentError("block carries neither keys nor values");

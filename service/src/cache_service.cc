@@ -135,8 +135,8 @@ void OpenPut::Commit(CommitDone done) {
       committing_ = false;
     }
     service_->metrics_->CountError("put", BusyError(""));
-    (*shared_done)(BusyError(
-        "compression queue full (engine.queue_capacity, or this tenant's share of it)"));
+    (*shared_done)(
+        BusyError("compression queue full (engine.queue_capacity, or this tenant's share of it)"));
     return;
   }
   service_->UpdateGauges();

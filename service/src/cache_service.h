@@ -64,8 +64,7 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
 
  private:
   friend class CacheService;
-  OpenPut(CacheService* service, PutRequest request,
-          std::shared_ptr<const Projection> projection);
+  OpenPut(CacheService* service, PutRequest request, std::shared_ptr<const Projection> projection);
   void RunCommit(Backend& backend, CommitDone done);
   absl::StatusOr<CompressedCache> CompressWhole(Backend& backend);
   // Appends every block that is next in token order. Caller holds stream_mu_.

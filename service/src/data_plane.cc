@@ -70,8 +70,7 @@ wire::CacheSummary ToWire(const CacheSummary& s) {
 }
 
 Representation FromWire(wire::Representation rep) {
-  return rep == wire::Representation::kDecoded ? Representation::kDecoded
-                                               : Representation::kStored;
+  return rep == wire::Representation::kDecoded ? Representation::kDecoded : Representation::kStored;
 }
 
 // A key of the session's tenant, or InvalidArgument.
@@ -105,9 +104,9 @@ class DataHandler : public transport::RequestHandler {
     const std::string& tenant = put.session.tenant;
     CompressionPolicy policy =
         b.has_policy ? b.policy : ctx_->policies->Resolve(tenant, b.model_id).first;
-    absl::StatusOr<PutRequest> request = PutRequest::Make(
-        CacheKey{tenant, b.model_id, b.key}, b.layout, b.num_tokens, std::move(policy),
-        b.block_wise);
+    absl::StatusOr<PutRequest> request =
+        PutRequest::Make(CacheKey{tenant, b.model_id, b.key}, b.layout, b.num_tokens,
+                         std::move(policy), b.block_wise);
     absl::StatusOr<std::shared_ptr<OpenPut>> open =
         request.ok() ? ctx_->service->BeginPut(*std::move(request))
                      : absl::StatusOr<std::shared_ptr<OpenPut>>(request.status());
@@ -202,14 +201,13 @@ class DataHandler : public transport::RequestHandler {
       done(key.status());
       return;
     }
-    ctx_->service->Lookup(*key,
-                          [done = std::move(done)](absl::StatusOr<CacheSummary> r) mutable {
-                            if (!r.ok()) {
-                              done(r.status());
-                              return;
-                            }
-                            done(ToWire(*r));
-                          });
+    ctx_->service->Lookup(*key, [done = std::move(done)](absl::StatusOr<CacheSummary> r) mutable {
+      if (!r.ok()) {
+        done(r.status());
+        return;
+      }
+      done(ToWire(*r));
+    });
   }
 
   void OnDelete(const transport::Session& session, const wire::Delete& del,

@@ -11,7 +11,7 @@ namespace kvcomp {
 namespace service {
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
-                                                      double tenant_share) {
+                                                       double tenant_share) {
   std::unique_ptr<Engine> e(new Engine(options));
   if (options.backend == "cuda") {
     if (!CudaAvailable()) {
@@ -55,10 +55,9 @@ absl::StatusOr<std::unique_ptr<Backend>> Engine::NewBackend() const {
 }
 
 bool Engine::TrySubmit(absl::string_view tenant, Task task) {
-  return pool_->TrySubmitToWorker(
-      tenant, [this, task = std::move(task)](int worker) mutable {
-        task(*worker_backends_[worker]);
-      });
+  return pool_->TrySubmitToWorker(tenant, [this, task = std::move(task)](int worker) mutable {
+    task(*worker_backends_[worker]);
+  });
 }
 
 void Engine::Submit(absl::string_view tenant, Task task) {

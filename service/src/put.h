@@ -52,9 +52,8 @@ struct PutRequest {
 
   // Checks the key, the layout, the token count (1..KvLayout::kMaxTokens) and the policy;
   // InvalidArgument naming the first problem.
-  static absl::StatusOr<PutRequest> Make(CacheKey key, const KvLayout& layout,
-                                         uint64_t num_tokens, CompressionPolicy policy,
-                                         bool block_wise);
+  static absl::StatusOr<PutRequest> Make(CacheKey key, const KvLayout& layout, uint64_t num_tokens,
+                                         CompressionPolicy policy, bool block_wise);
 };
 
 // One block of a put: layers [layer_begin, layer_end) x tokens [token_begin, token_end).

@@ -37,8 +37,8 @@ struct Tensor {
   explicit Tensor(uint64_t seed) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> n(0.f, 1.f);
-    const size_t count = size_t{kLayout.num_layers} * kLayout.num_kv_heads * kTokens *
-                         kLayout.head_dim;
+    const size_t count =
+        size_t{kLayout.num_layers} * kLayout.num_kv_heads * kTokens * kLayout.head_dim;
     keys.resize(count);
     values.resize(count);
     for (float& x : keys) x = n(rng);
@@ -46,8 +46,8 @@ struct Tensor {
   }
   const float* at(const std::vector<float>& t, uint32_t layer, uint32_t head,
                   uint64_t token) const {
-    return t.data() + ((uint64_t{layer} * kLayout.num_kv_heads + head) * kTokens + token) *
-                          kLayout.head_dim;
+    return t.data() +
+           ((uint64_t{layer} * kLayout.num_kv_heads + head) * kTokens + token) * kLayout.head_dim;
   }
 };
 
@@ -249,13 +249,13 @@ class ServiceTest : public ::testing::Test {
     engine_ = std::move(*engine);
     RepositoryOptions ro;
     ro.durability = storage::Durability::kDisk;
-    repository_ = std::make_unique<CacheRepository>(ro, store_.get(), projections_.get(),
-                                                    metrics_.get());
+    repository_ =
+        std::make_unique<CacheRepository>(ro, store_.get(), projections_.get(), metrics_.get());
     ServiceOptions svo;
     svo.max_put_bytes = 1 << 20;
     svo.serve_threads = 2;
-    service_ = std::make_unique<CacheService>(svo, engine_.get(), repository_.get(),
-                                              metrics_.get());
+    service_ =
+        std::make_unique<CacheService>(svo, engine_.get(), repository_.get(), metrics_.get());
   }
   void TearDown() override {
     if (service_) service_->Shutdown();
@@ -283,8 +283,7 @@ class ServiceTest : public ::testing::Test {
   // A whole put of `x` in two blocks (tokens split), committed.
   absl::StatusOr<CacheSummary> PutCache(const std::string& tenant, const std::string& key,
                                         const Tensor& x) {
-    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<OpenPut> put,
-                            service_->BeginPut(Request(tenant, key)));
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<OpenPut> put, service_->BeginPut(Request(tenant, key)));
     KVCOMP_RETURN_IF_ERROR(Add(*put, MakeBlock(x, 0, 2, 24, kTokens)));
     KVCOMP_RETURN_IF_ERROR(Add(*put, MakeBlock(x, 0, 2, 0, 24)));
     return Commit(*put);
@@ -442,8 +441,7 @@ TEST_F(ServiceTest, ErrorsAreStatusesAndNothingIsStored) {
   (*aborted)->Abort();
   EXPECT_TRUE(released->load());
   EXPECT_EQ(Commit(**aborted).status().code(), absl::StatusCode::kCancelled);
-  EXPECT_EQ(Add(**aborted, MakeBlock(x, 0, 2, 0, 8)).code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Add(**aborted, MakeBlock(x, 0, 2, 0, 8)).code(), absl::StatusCode::kFailedPrecondition);
 
   // Larger than max_put_bytes.
   absl::StatusOr<PutRequest> big =
