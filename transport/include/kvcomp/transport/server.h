@@ -163,8 +163,10 @@ class RequestHandler {
   virtual absl::StatusOr<std::string> OnHello(const Session& session,
                                               const wire::Hello& hello) = 0;
 
-  // Opens a put (layout, num_tokens and policy are already validated). Return an error to
-  // refuse it (InvalidArgument, AlreadyExists, ResourceExhausted, BusyError...).
+  // Opens a put (the layout and num_tokens are validated, the policy's records decoded; whether
+  // the policy suits the layout is the handler's to check). Return an error to refuse it
+  // (InvalidArgument, AlreadyExists, ResourceExhausted, BusyError...). The handler may leave
+  // its state for the put in *put.attach; later calls of the put find it in put.handle.
   virtual absl::Status OnPutBegin(const PutContext& put) = 0;
 
   // Optional: memory for a block's payload of `size` bytes (zero-copy: UCX receives straight
