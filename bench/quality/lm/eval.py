@@ -2,6 +2,8 @@
 
     PYTHONPATH=client/python python3 bench/quality/lm/eval.py [--model DIR] [--backend cpu|cuda]
         [--ctx 4096] [--n-passkey 30] [--n-loss 8] [--grid full|reduced] [--out PREFIX]
+    python3 bench/quality/lm/eval.py --variants full|quick [--device cuda] ...  (variants.py:
+        float torch references of policy, correction and codec variants; no extension needed)
 
 For the model (default: the project's byte-level model, bench/quality/lm/model) at a context of
 --ctx bytes, for every policy cell:
