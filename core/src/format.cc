@@ -94,6 +94,7 @@ enum PolicyTag : uint16_t {
   kTagGamma = 20,
   kTagOutlierFactor = 21,
   kTagRawFraction = 22,
+  kTagRecentFraction = 23,
 };
 
 class TlvWriter {
@@ -136,6 +137,7 @@ std::vector<uint8_t> EncodePolicy(const CompressionPolicy& p) {
   w.Add<uint8_t>(kTagGamma, p.gamma_aware);
   w.Add<double>(kTagOutlierFactor, p.value_outlier_factor);
   w.Add<double>(kTagRawFraction, p.value_raw_fraction);
+  w.Add<double>(kTagRecentFraction, p.recent_fraction);
   return w.Take();
 }
 
@@ -245,6 +247,10 @@ absl::StatusOr<CompressionPolicy> DecodePolicy(const uint8_t* p, uint64_t n) {
       case kTagRawFraction:
         KVCOMP_RETURN_IF_ERROR(want(8));
         pol.value_raw_fraction = Get<double>(v, 0);
+        break;
+      case kTagRecentFraction:
+        KVCOMP_RETURN_IF_ERROR(want(8));
+        pol.recent_fraction = Get<double>(v, 0);
         break;
       default:
         break;  // a newer writer's field: skipped (docs/format.md, "Compatibility")

@@ -23,12 +23,9 @@ absl::StatusOr<E> ParseName(absl::string_view what, absl::string_view name,
 }
 
 constexpr std::pair<absl::string_view, Scorer> kScorers[] = {
-    {"knorm", Scorer::kKnorm},
-    {"keydiff", Scorer::kKeyDiff},
-    {"manifold", Scorer::kManifold},
-    {"windowed_manifold", Scorer::kWindowedManifold},
-    {"streaming", Scorer::kStreaming},
-    {"random", Scorer::kRandom},
+    {"knorm", Scorer::kKnorm},         {"keydiff", Scorer::kKeyDiff},
+    {"manifold", Scorer::kManifold},   {"windowed_manifold", Scorer::kWindowedManifold},
+    {"streaming", Scorer::kStreaming}, {"random", Scorer::kRandom},
     {"snapkv", Scorer::kSnapKV},
 };
 constexpr std::pair<absl::string_view, HeadBudget> kHeadBudgets[] = {
@@ -103,6 +100,9 @@ absl::Status CompressionPolicy::Validate() const {
   if (!(alpha_safeguard >= 0.0 && alpha_safeguard <= 1.0)) {
     return Bad(absl::StrFormat("alpha_safeguard %g outside [0, 1]", alpha_safeguard));
   }
+  if (!(recent_fraction >= 0.0 && recent_fraction < 1.0)) {
+    return Bad(absl::StrFormat("recent_fraction %g outside [0, 1)", recent_fraction));
+  }
   if (window == 0) return Bad("window must be at least 1 token");
   if (snapkv_window == 0) return Bad("snapkv_window must be at least 1 query");
   if (snapkv_pool == 0 || snapkv_pool % 2 == 0) {
@@ -151,25 +151,34 @@ uint64_t CompressionPolicy::KeptPerHead(uint64_t num_tokens) const {
   return static_cast<uint64_t>(kept);
 }
 
+uint32_t CompressionPolicy::EffectiveRecent(uint64_t kept_per_head) const {
+  const double share = std::floor(recent_fraction * static_cast<double>(kept_per_head));
+  const uint64_t from_fraction =
+      share >= 4294967295.0 ? uint64_t{4294967295} : static_cast<uint64_t>(share);
+  return static_cast<uint32_t>(from_fraction > n_recent ? from_fraction : n_recent);
+}
+
 std::string CompressionPolicy::DebugString() const {
   return absl::StrFormat(
       "Policy{scorer=%s ratio=%g token_budget=%u head_budget=%s alpha=%g n_sink=%u n_recent=%u "
-      "protect=%d window=%u snapkv=%u/%u seed=%u block=%u moments=%d moment_aware=%d "
+      "recent_fraction=%g protect=%d window=%u snapkv=%u/%u seed=%u block=%u moments=%d "
+      "moment_aware=%d "
       "key_codec=%s value_codec=%s rank=%u group=%u gamma=%d outlier_factor=%g "
       "raw_fraction=%g}",
       ScorerName(scorer), ratio, token_budget, HeadBudgetName(head_budget), alpha_safeguard, n_sink,
-      n_recent, protect, window, snapkv_window, snapkv_pool, seed, block_size, moments,
-      moment_aware, KeyCodecName(key_codec), ValueCodecName(value_codec), rank, group_size,
+      n_recent, recent_fraction, protect, window, snapkv_window, snapkv_pool, seed, block_size,
+      moments, moment_aware, KeyCodecName(key_codec), ValueCodecName(value_codec), rank, group_size,
       gamma_aware, value_outlier_factor, value_raw_fraction);
 }
 
 bool operator==(const CompressionPolicy& a, const CompressionPolicy& b) {
   return a.scorer == b.scorer && a.ratio == b.ratio && a.token_budget == b.token_budget &&
          a.head_budget == b.head_budget && a.alpha_safeguard == b.alpha_safeguard &&
-         a.n_sink == b.n_sink && a.n_recent == b.n_recent && a.protect == b.protect &&
-         a.window == b.window && a.snapkv_window == b.snapkv_window &&
-         a.snapkv_pool == b.snapkv_pool && a.seed == b.seed && a.block_size == b.block_size &&
-         a.moments == b.moments && a.moment_aware == b.moment_aware && a.key_codec == b.key_codec &&
+         a.n_sink == b.n_sink && a.n_recent == b.n_recent &&
+         a.recent_fraction == b.recent_fraction && a.protect == b.protect && a.window == b.window &&
+         a.snapkv_window == b.snapkv_window && a.snapkv_pool == b.snapkv_pool && a.seed == b.seed &&
+         a.block_size == b.block_size && a.moments == b.moments &&
+         a.moment_aware == b.moment_aware && a.key_codec == b.key_codec &&
          a.value_codec == b.value_codec && a.rank == b.rank && a.group_size == b.group_size &&
          a.gamma_aware == b.gamma_aware && a.value_outlier_factor == b.value_outlier_factor &&
          a.value_raw_fraction == b.value_raw_fraction;

@@ -1,5 +1,6 @@
 #include "kvcomp/core/format.h"
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -94,6 +95,95 @@ TEST(Format, RoundTripsEdgeShapes) {
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->policy, c.policy);
   EXPECT_TRUE(*back == c);
+}
+
+// The policy section (id 2) of an encoding: its table entry's byte offset.
+size_t PolicyEntry(const std::string& b) {
+  uint32_t n;
+  std::memcpy(&n, b.data() + 52, 4);
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t id;
+    std::memcpy(&id, b.data() + 128 + 32 * i, 4);
+    if (id == format::kPolicy) return 128 + 32 * i;
+  }
+  return 0;
+}
+
+// Rewrites the policy section's last record (tag, f64 value) after an edit: `drop` removes it (as
+// a writer that did not know the tag), otherwise its value becomes `value`. Checksums resealed.
+void EditLastPolicyRecord(std::string* b, uint16_t want_tag, bool drop, double value) {
+  const size_t e = PolicyEntry(*b);
+  ASSERT_NE(e, 0u);
+  uint64_t off, size;
+  std::memcpy(&off, b->data() + e + 8, 8);
+  std::memcpy(&size, b->data() + e + 16, 8);
+  ASSERT_GE(size, 12u);
+  uint16_t tag, len;
+  std::memcpy(&tag, b->data() + off + size - 12, 2);
+  std::memcpy(&len, b->data() + off + size - 10, 2);
+  ASSERT_EQ(tag, want_tag);
+  ASSERT_EQ(len, 8);
+  if (drop) {
+    std::memset(b->data() + off + size - 12, 0, 12);  // becomes padding before the next section
+    size -= 12;
+    Put64(b, e + 16, size);
+  } else {
+    std::memcpy(b->data() + off + size - 8, &value, 8);
+  }
+  Put32(b, e + 24, Crc32c(b->data() + off, size));
+  ResealTable(b);
+}
+
+TEST(Format, RecentFractionRoundTrips) {
+  RandomCacheOptions o;
+  auto c = RandomCache(o, 5);
+  for (double f : {0.0, 0.25, 0.5, 0.999}) {
+    c.policy.recent_fraction = f;
+    c.policy.n_recent = 3;
+    auto back = format::ParseCache(*format::EncodeCache(c));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->policy.recent_fraction, f);
+    EXPECT_EQ(back->policy, c.policy);
+    EXPECT_TRUE(*back == c);
+  }
+}
+
+TEST(Format, ReadsAVersion11PolicyWithoutRecentFraction) {
+  RandomCacheOptions o;
+  auto c = RandomCache(o, 6);
+  c.policy.n_recent = 7;
+  c.policy.recent_fraction = 0.5;
+  std::string b = *format::EncodeCache(c);
+  // As a 1.1 writer produced it: no tag 23, minor version 1.
+  EditLastPolicyRecord(&b, 23, /*drop=*/true, 0);
+  const uint16_t minor = 1;
+  std::memcpy(b.data() + 6, &minor, 2);
+  Reseal(&b);
+  auto back = format::ParseCache(b);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->policy.recent_fraction, 0.0);  // the field's default: the 1.1 behaviour
+  EXPECT_EQ(back->policy.n_recent, 7u);
+  CompressedCache want = c;
+  want.policy.recent_fraction = 0.0;
+  EXPECT_TRUE(*back == want);
+  // Re-encoding writes the current version, with the tag.
+  auto again = format::ParseCache(*format::EncodeCache(*back));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(*again == want);
+}
+
+TEST(Format, StoredRecentFractionOutOfRangeIsRejected) {
+  RandomCacheOptions o;
+  auto c = RandomCache(o, 7);
+  for (double bad : {1.0, -0.25, std::nan("")}) {
+    std::string b = *format::EncodeCache(c);
+    EditLastPolicyRecord(&b, 23, /*drop=*/false, bad);
+    auto back = format::ParseCache(b);
+    ASSERT_FALSE(back.ok());
+    EXPECT_EQ(back.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(back.status().message().find("recent_fraction"), std::string::npos)
+        << back.status();
+  }
 }
 
 TEST(Format, GammaAwareFlagRoundTripsAndNeedsQuantizedValues) {

@@ -136,6 +136,35 @@ TEST(Policy, RejectsBadFields) {
   EXPECT_FALSE(p.Validate().ok());
 }
 
+TEST(Policy, RecentFractionRangeAndEffectiveRecent) {
+  CompressionPolicy p;
+  EXPECT_EQ(p.recent_fraction, 0.0);
+  EXPECT_EQ(p.EffectiveRecent(1000), 0u);  // default: n_recent alone
+  p.n_recent = 9;
+  EXPECT_EQ(p.EffectiveRecent(1000), 9u);
+  p.recent_fraction = 0.5;
+  EXPECT_TRUE(p.Validate().ok());
+  EXPECT_EQ(p.EffectiveRecent(1000), 500u);
+  EXPECT_EQ(p.EffectiveRecent(1017), 508u);  // floor
+  EXPECT_EQ(p.EffectiveRecent(17), 9u);      // n_recent is the floor of the window
+  EXPECT_EQ(p.EffectiveRecent(0), 9u);
+  p.recent_fraction = 0.999;
+  EXPECT_EQ(p.EffectiveRecent(uint64_t{1} << 40), 0xFFFFFFFFu);  // saturates
+  for (double bad : {1.0, -0.01, 2.0, std::numeric_limits<double>::quiet_NaN(),
+                     std::numeric_limits<double>::infinity()}) {
+    p.recent_fraction = bad;
+    const absl::Status s = p.Validate();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("recent_fraction"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("[0, 1)"), std::string::npos) << s;
+  }
+  // Part of equality and of the debug string.
+  CompressionPolicy a, b;
+  b.recent_fraction = 0.25;
+  EXPECT_NE(a, b);
+  EXPECT_NE(b.DebugString().find("recent_fraction=0.25"), std::string::npos);
+}
+
 TEST(Policy, NamesRoundTrip) {
   for (auto s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
                  Scorer::kStreaming, Scorer::kRandom, Scorer::kSnapKV}) {

@@ -73,6 +73,10 @@ struct CompressionPolicy {
   uint32_t n_sink = 4;
   // Most recent tokens always kept when protect is set. Default 0.
   uint32_t n_recent = 0;
+  // Share of each head's kept budget reserved for the most recent tokens when protect is set, in
+  // [0, 1): the recent window is max(n_recent, floor(recent_fraction * kept per head)), so it
+  // scales with the budget (EffectiveRecent). 0 = n_recent alone. Default 0.
+  double recent_fraction = 0.0;
   // Keep the first n_sink and last n_recent tokens whatever their score. Default true.
   bool protect = true;
   // Window of windowed_manifold, in tokens (the last window may be short). Default 4096.
@@ -116,6 +120,10 @@ struct CompressionPolicy {
   uint32_t EffectiveRank(uint32_t head_dim) const;
   // Tokens a head of `num_tokens` keeps under ratio or token_budget (before AdaKV moves them).
   uint64_t KeptPerHead(uint64_t num_tokens) const;
+  // Recent tokens protected for a head keeping `kept_per_head` tokens:
+  // max(n_recent, floor(recent_fraction * kept_per_head)), saturated at UINT32_MAX. Under AdaKV
+  // `kept_per_head` is the uniform per-head budget (the layer's budget over its heads).
+  uint32_t EffectiveRecent(uint64_t kept_per_head) const;
 
   std::string DebugString() const;
   friend bool operator==(const CompressionPolicy& a, const CompressionPolicy& b);
