@@ -174,7 +174,7 @@ class BlockCompressorImpl final : public BlockCompressor {
     sel.head_budget = HeadBudget::kUniform;
     sel.protect = policy_.protect;
     sel.n_sink = policy_.n_sink;
-    sel.n_recent = policy_.n_recent;
+    sel.n_recent = policy_.EffectiveRecent(budget_);
     if (policy_.moment_aware) {  // docs/moment_aware.md; the layer's summary so far is the prior
       const uint64_t h0 = uint64_t{layer} * heads;
       const bool m = moments_.has_moments;

@@ -146,7 +146,8 @@ absl::StatusOr<SelectParams> SelectParamsFromPolicy(const CompressionPolicy& pol
   p.alpha_safeguard = policy.alpha_safeguard;
   p.protect = policy.protect;
   p.n_sink = policy.n_sink;
-  p.n_recent = policy.n_recent;
+  // The recent window scales with the per-head budget (under AdaKV, the uniform one).
+  p.n_recent = policy.EffectiveRecent(p.kept_per_head);
   return p;
 }
 

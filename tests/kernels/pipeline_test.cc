@@ -106,6 +106,132 @@ TEST(PipelineTest, AdaKVIsRaggedAndMatchesTheOpPerLayer) {
   }
 }
 
+// Head h of `c` (layer-major) keeps every position in [from, to).
+bool KeepsRange(const CompressedCache& c, uint64_t off, uint32_t kept, uint64_t from,
+                uint64_t to) {
+  const std::set<uint32_t> got(c.positions.begin() + off, c.positions.begin() + off + kept);
+  for (uint64_t t = from; t < to; ++t) {
+    if (!got.count(static_cast<uint32_t>(t))) return false;
+  }
+  return true;
+}
+
+TEST(PipelineTest, RecentFractionWindowScalesWithTheBudget) {
+  auto cpu = Cpu();
+  const uint64_t n = 1000;
+  const Sequence s = MakeSequence({2, 2, 4, 64, DType::kBF16}, n, 11);
+  for (double ratio : {0.5, 0.75, 0.9}) {
+    SCOPED_TRACE(ratio);
+    CompressionPolicy p;
+    p.ratio = ratio;
+    p.n_recent = 4;
+    p.recent_fraction = 0.5;
+    p.moments = false;
+    const uint64_t kept = p.KeptPerHead(n);
+    const uint32_t window = p.EffectiveRecent(kept);
+    EXPECT_EQ(window, kept / 2);
+    auto c = Compress(*cpu, s.view(), p);
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE(c->Validate().ok());
+    EXPECT_EQ(c->policy.recent_fraction, 0.5);
+    // The same selection as an absolute n_recent of that size.
+    CompressionPolicy abs = p;
+    abs.recent_fraction = 0;
+    abs.n_recent = window;
+    auto a = Compress(*cpu, s.view(), abs);
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(c->positions, a->positions);
+    // Without the fraction, manifold keeps far from all of those recent tokens.
+    CompressionPolicy plain = p;
+    plain.recent_fraction = 0;
+    auto q = Compress(*cpu, s.view(), plain);
+    ASSERT_TRUE(q.ok());
+    uint64_t off = 0;
+    bool plain_keeps_all = true;
+    for (uint32_t h = 0; h < c->num_heads(); ++h) {
+      ASSERT_EQ(c->kept[h], kept);
+      EXPECT_TRUE(KeepsRange(*c, off, c->kept[h], n - window, n)) << "head " << h;
+      EXPECT_TRUE(KeepsRange(*c, off, c->kept[h], 0, p.n_sink)) << "head " << h;
+      plain_keeps_all = plain_keeps_all && KeepsRange(*q, off, q->kept[h], n - window, n);
+      off += c->kept[h];
+    }
+    EXPECT_FALSE(plain_keeps_all);
+  }
+  // A small budget: n_recent is the floor of the window.
+  CompressionPolicy p;
+  p.token_budget = 10;
+  p.n_recent = 6;
+  p.recent_fraction = 0.25;  // floor(2.5) = 2 < 6
+  p.moments = false;
+  auto c = Compress(*cpu, s.view(), p);
+  ASSERT_TRUE(c.ok());
+  uint64_t off = 0;
+  for (uint32_t h = 0; h < c->num_heads(); ++h) {
+    EXPECT_TRUE(KeepsRange(*c, off, c->kept[h], n - 6, n));
+    off += c->kept[h];
+  }
+}
+
+TEST(PipelineTest, RecentFractionUnderAdaKVIsTheUniformBudgetsShare) {
+  auto cpu = Cpu();
+  const uint64_t n = 513;
+  const Sequence s = MakeSequence({2, 4, 8, 64, DType::kF16}, n, 13);
+  CompressionPolicy p;
+  p.head_budget = HeadBudget::kAdaKV;
+  p.ratio = 0.75;
+  p.recent_fraction = 0.5;
+  p.moments = false;
+  const uint32_t window = p.EffectiveRecent(p.KeptPerHead(n));  // 64 of the uniform 128
+  EXPECT_EQ(window, 64u);
+  auto c = Compress(*cpu, s.view(), p);
+  ASSERT_TRUE(c.ok()) << c.status();
+  uint64_t off = 0;
+  for (uint32_t h = 0; h < c->num_heads(); ++h) {
+    EXPECT_GE(c->kept[h], window + p.n_sink);
+    EXPECT_TRUE(KeepsRange(*c, off, c->kept[h], n - window, n)) << "head " << h;
+    off += c->kept[h];
+  }
+}
+
+TEST(PipelineTest, BlockWiseRecentFractionIsTheBudgetsShare) {
+  auto cpu = Cpu();
+  const KvLayout layout{1, 2, 2, 64, DType::kBF16};
+  const uint64_t n = 700;
+  const Sequence s = MakeSequence(layout, n, 17);
+  CompressionPolicy p;
+  p.block_size = 64;
+  p.token_budget = 200;
+  p.recent_fraction = 0.5;
+  p.moments = false;
+  auto bc = BlockCompressor::Create(*cpu, layout, p);
+  ASSERT_TRUE(bc.ok()) << bc.status();
+  for (uint64_t t0 = 0; t0 < n; t0 += 64) {
+    const uint64_t b = std::min<uint64_t>(64, n - t0);
+    HeadsView kv = s.k[0].view(), vv = s.v[0].view();
+    kv.data = s.k[0].bytes.data() + t0 * 64 * 2;
+    vv.data = s.v[0].bytes.data() + t0 * 64 * 2;
+    kv.num_tokens = vv.num_tokens = b;
+    ASSERT_TRUE((*bc)->Append(0, kv, vv).ok());
+  }
+  auto c = (*bc)->Finish();
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (uint32_t h = 0; h < 2; ++h) {
+    ASSERT_EQ(c->kept[h], 200u);
+    EXPECT_TRUE(KeepsRange(*c, uint64_t{h} * 200, 200, n - 100, n)) << "head " << h;
+  }
+}
+
+TEST(PipelineTest, RecentFractionOutOfRangeIsInvalidArgument) {
+  auto cpu = Cpu();
+  const Sequence s = MakeSequence({1, 1, 1, 64, DType::kF32}, 50, 19);
+  CompressionPolicy p;
+  p.recent_fraction = 1.0;
+  auto c = Compress(*cpu, s.view(), p);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("recent_fraction"), std::string::npos) << c.status();
+}
+
 TEST(PipelineTest, MomentsAndHookSeeExactlyTheEvictedTokens) {
   auto cpu = Cpu();
   const Sequence s = MakeSequence({2, 2, 4, 64, DType::kF32}, 301, 5);

@@ -26,6 +26,21 @@ TEST(ScoringConformanceTest, CpuOneThreadAgainstCpuManyThreads) {
   }
 }
 
+TEST(ScoringConformanceTest, RecentFractionPoliciesCpuOneThreadAgainstMany) {
+  CpuBackendOptions one, many;
+  one.num_threads = 1;
+  many.num_threads = 3;
+  auto ref = MakeCpuBackend(one);
+  auto cand = MakeCpuBackend(many);
+  ASSERT_TRUE(ref.ok() && cand.ok());
+  const auto cases = testing::RecentFractionConformanceCases();
+  ASSERT_EQ(cases.size(), 36u);
+  for (const auto& c : cases) {
+    testing::CheckConformance(**cand, **ref, c);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 }  // namespace
 }  // namespace kvcomp
 

@@ -468,6 +468,41 @@ inline std::vector<ConformanceCase> StandardConformanceCases() {
   return cases;
 }
 
+// Policies with a budget-relative recent window (recent_fraction), through the host-side
+// parameter builders: manifold and keydiff at ratios 0.5, 0.75 and 0.9, uniform and AdaKV, the
+// window from 25% to 90% of the per-head budget.
+inline std::vector<ConformanceCase> RecentFractionConformanceCases() {
+  std::vector<ConformanceCase> cases;
+  uint64_t seed = 7000;
+  for (Scorer s : {Scorer::kManifold, Scorer::kKeyDiff}) {
+    for (double ratio : {0.5, 0.75, 0.9}) {
+      for (HeadBudget hb : {HeadBudget::kUniform, HeadBudget::kAdaKV}) {
+        for (double fraction : {0.25, 0.5, 0.9}) {
+          CompressionPolicy p;
+          p.scorer = s;
+          p.ratio = ratio;
+          p.head_budget = hb;
+          p.recent_fraction = fraction;
+          ConformanceCase c;
+          c.dtype = DType::kBF16;
+          c.head_dim = 128;
+          c.heads = 4;
+          c.tokens = 1001;
+          c.score = ScoreParamsFromPolicy(p, 1);
+          auto sel = SelectParamsFromPolicy(p, c.tokens);
+          EXPECT_TRUE(sel.ok()) << sel.status();
+          if (!sel.ok()) return cases;
+          c.select = *sel;
+          EXPECT_EQ(c.select.n_recent, p.EffectiveRecent(p.KeptPerHead(c.tokens)));
+          c.seed = seed++;
+          cases.push_back(c);
+        }
+      }
+    }
+  }
+  return cases;
+}
+
 }  // namespace testing
 }  // namespace kvcomp
 

@@ -176,8 +176,10 @@ absl::Status CheckScoreSelectCompactArgs(const ScoreSelectCompactArgs& args, Mem
 // `layer` becomes the random scorer's stream; `queries` is the layer's snapkv window (or empty).
 ScoreParams ScoreParamsFromPolicy(const CompressionPolicy& policy, uint32_t layer,
                                   const HeadsView& queries = {});
-// kept_per_head = policy.KeptPerHead(num_tokens). InvalidArgument when that is zero ("budget of
-// zero": ratio too high for so few tokens) or the policy does not validate.
+// kept_per_head = policy.KeptPerHead(num_tokens), n_recent = policy.EffectiveRecent(kept_per_head)
+// (recent_fraction of the per-head budget, at least n_recent; under AdaKV of the uniform per-head
+// budget). InvalidArgument when kept_per_head is zero ("budget of zero": ratio too high for so
+// few tokens) or the policy does not validate.
 absl::StatusOr<SelectParams> SelectParamsFromPolicy(const CompressionPolicy& policy,
                                                     uint64_t num_tokens);
 
