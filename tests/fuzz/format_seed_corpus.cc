@@ -34,6 +34,21 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // A policy with a budget-relative recent window (policy tag 23, format 1.2).
+  {
+    kvcomp::testing::RandomCacheOptions o;
+    o.layout = kvcomp::KvLayout{1, 2, 2, 64, kvcomp::DType::kF16};
+    o.original_tokens = 4;
+    auto c = kvcomp::testing::RandomCache(o, n);
+    c.policy.recent_fraction = 0.5;
+    c.policy.n_recent = 1;
+    auto bytes = kvcomp::format::EncodeCache(c);
+    if (!bytes.ok()) return 1;
+    for (char mode : {'\0', '\1'}) {
+      std::ofstream f(std::string(argv[1]) + "/seed" + std::to_string(n++), std::ios::binary);
+      f << mode << *bytes;
+    }
+  }
   std::printf("wrote %d seeds\n", n);
   return 0;
 }

@@ -24,6 +24,16 @@ TEST(ScoringConformanceGpuTest, CudaAgainstCpu) {
   }
 }
 
+TEST(ScoringConformanceGpuTest, RecentFractionPoliciesAgainstCpu) {
+  auto cpu = MakeCpuBackend();
+  auto cuda = MakeCudaBackend();
+  ASSERT_TRUE(cpu.ok() && cuda.ok());
+  for (const auto& c : testing::RecentFractionConformanceCases()) {
+    testing::CheckConformance(**cuda, **cpu, c);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 TEST(ScoringConformanceGpuTest, LongSequencesAgainstCpu) {
   auto cpu = MakeCpuBackend();
   auto cuda = MakeCudaBackend();
