@@ -423,6 +423,11 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(IntField(
       "default_policy.n_recent", 0, kU32Max, "Most recent tokens always kept. Default 0.",
       [](Options & o) -> auto& { return o.default_policy.n_recent; }));
+  f.push_back(DoubleField(
+      "default_policy.recent_fraction", "fraction", 0, 1,
+      "Share of each head's kept budget reserved for the most recent tokens, in [0, 1); the "
+      "window is max(n_recent, floor(recent_fraction x kept per head)). Default 0.",
+      [](Options & o) -> auto& { return o.default_policy.recent_fraction; }));
   f.push_back(BoolField(
       "default_policy.protect",
       "Keep the sink and recent tokens whatever their score. Default true.",

@@ -35,6 +35,7 @@ rpc::Policy ToRpc(const CompressionPolicy& p) {
   r.alpha_safeguard = p.alpha_safeguard;
   r.n_sink = p.n_sink;
   r.n_recent = p.n_recent;
+  r.recent_fraction = p.recent_fraction;
   r.protect = p.protect;
   r.window = p.window;
   r.snapkv_window = p.snapkv_window;
@@ -67,6 +68,7 @@ absl::StatusOr<CompressionPolicy> FromRpc(const rpc::Policy& r) {
   KVCOMP_RETURN_IF_ERROR(set("alpha_safeguard", num(r.alpha_safeguard)));
   KVCOMP_RETURN_IF_ERROR(set("n_sink", absl::StrCat(r.n_sink)));
   KVCOMP_RETURN_IF_ERROR(set("n_recent", absl::StrCat(r.n_recent)));
+  KVCOMP_RETURN_IF_ERROR(set("recent_fraction", num(r.recent_fraction)));
   KVCOMP_RETURN_IF_ERROR(set("protect", r.protect ? "true" : "false"));
   KVCOMP_RETURN_IF_ERROR(set("window", absl::StrCat(r.window)));
   KVCOMP_RETURN_IF_ERROR(set("snapkv_window", absl::StrCat(r.snapkv_window)));

@@ -79,6 +79,7 @@ struct Policy {
   20: bool gamma_aware = true,
   21: double value_outlier_factor = 4.0,
   22: double value_raw_fraction = 0.02,
+  23: double recent_fraction = 0.0,  // share of each head's budget kept recent, in [0, 1)
 }
 
 struct HealthResponse {

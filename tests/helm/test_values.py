@@ -50,6 +50,7 @@ BAD_VALUES = [
     ({"ucx": {"tcpPortRange": "20000"}}, "/ucx/tcpPortRange"),
     ({"ucx": {"extraEnv": {"LD_PRELOAD": "x"}}}, "LD_PRELOAD"),
     ({"policy": {"ratio": 1.0}}, "/policy/ratio"),
+    ({"policy": {"recentFraction": 1.0}}, "/policy/recentFraction"),
     ({"policy": {"scorer": "h2o"}}, "/policy/scorer"),
     ({"policy": {"valueCodec": "int4"}}, "/policy/valueCodec"),
     ({"policy": {"groupSize": 0}}, "/policy/groupSize"),

@@ -180,6 +180,18 @@ TEST_F(ControlTest, EveryControlCallAnswers) {
   p.scorer = "no-such-scorer";
   rpc->SetPolicy(pol, auth, "llama", p);
   EXPECT_EQ(pol.status.code, rpc::StatusCode::INVALID_ARGUMENT);
+  // recent_fraction travels both ways and is range-checked.
+  p.scorer = "knorm";
+  p.ratio = 0.75;
+  p.recent_fraction = 1.0;
+  rpc->SetPolicy(pol, auth, "llama", p);
+  EXPECT_EQ(pol.status.code, rpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(pol.status.message.find("recent_fraction"), std::string::npos) << pol.status.message;
+  p.recent_fraction = 0.5;
+  rpc->SetPolicy(pol, auth, "llama", p);
+  EXPECT_EQ(pol.status.code, rpc::StatusCode::OK) << pol.status.message;
+  rpc->GetPolicy(pol, auth, "llama");
+  EXPECT_EQ(pol.policy.recent_fraction, 0.5);
 
   // Calibrate (details in CalibrateThenEncodedPutsAndDecodedGets): an unknown model has no
   // caches to learn from; a known one calibrates.
@@ -535,6 +547,21 @@ TEST_F(ControlTest, ConfigurationCommandLine) {
   EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
   cmd = std::string(KVCOMPD_PATH) + " --help | grep -q -- --storage.host_capacity_bytes";
   EXPECT_EQ(std::system(cmd.c_str()), 0);
+  // The policy's recent fraction: flag, environment and YAML; [0, 1) or exit code 2.
+  cmd = std::string(KVCOMPD_PATH) +
+        " --default_policy.recent_fraction=0.5 --print-config | grep -q 'recent_fraction: 0.5'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+  cmd = "KVCOMP_DEFAULT_POLICY_RECENT_FRACTION=0.25 " + std::string(KVCOMPD_PATH) +
+        " --print-config | grep -q 'recent_fraction: 0.25'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+  std::ofstream(dir_.path() + "/recent.yaml") << "default_policy:\n  recent_fraction: 0.75\n";
+  cmd = std::string(KVCOMPD_PATH) + " --config " + dir_.path() +
+        "/recent.yaml --print-config | grep -q 'recent_fraction: 0.75'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+  cmd = std::string(KVCOMPD_PATH) + " --default_policy.recent_fraction=1 2>/dev/null";
+  EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
+  cmd = std::string(KVCOMPD_PATH) + " --default_policy.recent_fraction=-0.5 2>/dev/null";
+  EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
 }
 
 TEST_F(ControlTest, ThriftOverTls) {

@@ -249,6 +249,7 @@ as plain byte counts.
       "alpha_safeguard" $p.alphaSafeguard
       "n_sink" (int $p.nSink)
       "n_recent" (int $p.nRecent)
+      "recent_fraction" $p.recentFraction
       "protect" $p.protect
       "window" (int $p.window)
       "snapkv_window" (int $p.snapkvWindow)
