@@ -37,6 +37,30 @@ def test_policy_defaults_and_validation():
             kvcomp.Policy(**bad)
 
 
+def test_policy_recent_fraction_scales_the_recent_window():
+    p = kvcomp.Policy()
+    assert p.recent_fraction == 0.0 and p.effective_recent(1000) == 0
+    p = kvcomp.Policy(recent_fraction=0.5, n_recent=3)
+    assert p.recent_fraction == 0.5
+    assert p.effective_recent(1000) == 500 and p.effective_recent(5) == 3
+    assert p != kvcomp.Policy(n_recent=3)
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="recent_fraction"):
+            kvcomp.Policy(recent_fraction=bad)
+    k, v = _kv((1, 2, 1000, 64), seed=3)
+    for ratio in (0.5, 0.75, 0.9):
+        pol = kvcomp.Policy(ratio=ratio, recent_fraction=0.5, moments=False)
+        kept = pol.kept_per_head(1000)
+        window = pol.effective_recent(kept)
+        assert window == kept // 2
+        c = kvcomp.compress(k, v, pol)
+        assert c.policy == pol
+        for head in range(2):
+            pos = c.kept_positions(0, head)
+            assert len(pos) == kept
+            assert set(range(1000 - window, 1000)) <= set(pos.tolist())
+
+
 @pytest.mark.parametrize("scorer", ["knorm", "keydiff", "manifold", "windowed_manifold"])
 def test_score_matches_numpy_formulas(scorer):
     k, _ = _kv((3, 4, 300, 64))

@@ -157,7 +157,7 @@ CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
                              bool moment_aware, const std::string& key_codec,
                              const std::string& value_codec, uint32_t rank, uint32_t group_size,
                              bool gamma_aware, double value_outlier_factor,
-                             double value_raw_fraction) {
+                             double value_raw_fraction, double recent_fraction) {
   CompressionPolicy p;
   p.scorer = Unwrap(ParseScorer(scorer));
   p.ratio = ratio;
@@ -169,6 +169,7 @@ CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
   p.alpha_safeguard = alpha_safeguard;
   p.n_sink = n_sink;
   p.n_recent = n_recent;
+  p.recent_fraction = recent_fraction;
   p.protect = protect;
   p.window = window;
   p.snapkv_window = snapkv_window;
@@ -274,7 +275,7 @@ void RegisterEngine(nb::module_& m) {
            nb::arg("moments") = true, nb::arg("moment_aware") = false, nb::arg("key_codec") = "raw",
            nb::arg("value_codec") = "none", nb::arg("rank") = 0, nb::arg("group_size") = 32,
            nb::arg("gamma_aware") = true, nb::arg("value_outlier_factor") = 4.0,
-           nb::arg("value_raw_fraction") = 0.02)
+           nb::arg("value_raw_fraction") = 0.02, nb::arg("recent_fraction") = 0.0)
       .def_prop_ro("scorer",
                    [](const CompressionPolicy& p) { return std::string(ScorerName(p.scorer)); })
       .def_prop_ro("ratio", [](const CompressionPolicy& p) { return p.ratio; })
@@ -289,6 +290,7 @@ void RegisterEngine(nb::module_& m) {
       .def_ro("alpha_safeguard", &CompressionPolicy::alpha_safeguard)
       .def_ro("n_sink", &CompressionPolicy::n_sink)
       .def_ro("n_recent", &CompressionPolicy::n_recent)
+      .def_ro("recent_fraction", &CompressionPolicy::recent_fraction)
       .def_ro("protect", &CompressionPolicy::protect)
       .def_ro("window", &CompressionPolicy::window)
       .def_ro("snapkv_window", &CompressionPolicy::snapkv_window)
@@ -310,6 +312,9 @@ void RegisterEngine(nb::module_& m) {
       .def_ro("value_raw_fraction", &CompressionPolicy::value_raw_fraction)
       .def("kept_per_head", &CompressionPolicy::KeptPerHead, nb::arg("num_tokens"),
            "Tokens a head of num_tokens keeps (kvpress rounding, or the budget)")
+      .def("effective_recent", &CompressionPolicy::EffectiveRecent, nb::arg("kept_per_head"),
+           "Recent tokens protected for a head keeping kept_per_head tokens: "
+           "max(n_recent, floor(recent_fraction * kept_per_head))")
       .def("__eq__", [](const CompressionPolicy& a, const CompressionPolicy& b) { return a == b; })
       .def("__repr__", &CompressionPolicy::DebugString);
 
