@@ -47,6 +47,23 @@ def client(daemon):
     return kvcomp.Client(endpoint(daemon), timeout=30.0)
 
 
+def test_put_with_a_recent_fraction_keeps_what_the_engine_keeps(client):
+    k, v = cache(7)
+    policy = kvcomp.Policy(ratio=0.75, recent_fraction=0.5, moments=False)
+    client.put(MODEL, "recent", k, v, policy=policy, num_q_heads=Q)
+    c = client.get(MODEL, "recent")
+    assert c.policy == policy
+    local = kvcomp.compress(k, v, policy, num_q_heads=Q)
+    window = policy.effective_recent(policy.kept_per_head(N))
+    assert window > 0
+    for layer in range(LAYERS):
+        for h in range(KV):
+            pos = c.kept_positions(layer, h)
+            np.testing.assert_array_equal(pos, local.kept_positions(layer, h))
+            assert set(range(N - window, N)) <= set(pos.tolist())
+    client.delete(MODEL, "recent")
+
+
 def test_put_get_lookup_delete(client):
     k, v = cache(1)
     policy = kvcomp.Policy(scorer="knorm", ratio=0.5, moments=True)
