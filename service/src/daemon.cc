@@ -467,8 +467,14 @@ absl::Status DaemonImpl::StartThrift() {
     thrift_workers_ = ThreadManager::newSimpleThreadManager(c.worker_threads);
     thrift_workers_->threadFactory(std::make_shared<ThreadFactory>());
     thrift_workers_->start();
-    thrift_ = std::make_shared<TNonblockingServer>(
-        processor, std::make_shared<TBinaryProtocolFactory>(), socket, thrift_workers_);
+    // No string or list read from a frame may claim more than the frame holds: Thrift checks
+    // such sizes against its 100 MB message default, not the frame, so a 30-byte request could
+    // make it allocate 800 MB before any credential is checked. A list element of a request
+    // takes at least 4 bytes on the wire.
+    auto protocol = std::make_shared<TBinaryProtocolFactory>(
+        static_cast<int32_t>(c.max_frame_bytes), static_cast<int32_t>(c.max_frame_bytes / 4),
+        false, true);
+    thrift_ = std::make_shared<TNonblockingServer>(processor, protocol, socket, thrift_workers_);
     thrift_->setNumIOThreads(static_cast<size_t>(c.io_threads));
     // Nothing is buffered for a peer beyond one frame of at most max_frame_bytes (every frame
     // is read whole before its credentials can be checked); a larger frame closes the
