@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Part of `make test`: the core tests (format parser included) under ASan+UBSan, and a bounded
 # libFuzzer run of the format parser (KVCOMP_FUZZ_SECONDS, default 90) and of the token file and
-# configuration parsers (KVCOMP_PARSER_FUZZ_SECONDS each, default 10).
+# configuration parsers and the wire protocol and Thrift request decoders
+# (KVCOMP_PARSER_FUZZ_SECONDS each, default 10).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=$(nproc)
@@ -36,6 +37,20 @@ for target in token_file config_yaml; do
   build-fuzz/tests/fuzz/${target}_fuzz -max_total_time="$PARSER_FUZZ_SECONDS" -max_len=4096 \
     -print_final_stats=1 "$work" tests/fuzz/corpus/${target} 2>&1 | tail -n 4
   echo "fuzz: ${target} parser ran ${PARSER_FUZZ_SECONDS}s clean"
+done
+
+# The network decoders: the data-plane wire protocol and the control plane's Thrift requests,
+# a few seconds each from seeds their own encoders write.
+cmake --build build-fuzz -j "$JOBS" --target wire_protocol_fuzz wire_seed_corpus \
+  thrift_request_fuzz thrift_seed_corpus
+for target in wire_protocol thrift_request; do
+  echo "-- libFuzzer: ${target} decoder for ${PARSER_FUZZ_SECONDS}s"
+  work=build-fuzz/${target}_corpus
+  mkdir -p "$work"
+  build-fuzz/tests/fuzz/${target%%_*}_seed_corpus "$work" >/dev/null
+  build-fuzz/tests/fuzz/${target}_fuzz -max_total_time="$PARSER_FUZZ_SECONDS" -max_len=16384 \
+    -print_final_stats=1 "$work" 2>&1 | tail -n 4
+  echo "fuzz: ${target} decoder ran ${PARSER_FUZZ_SECONDS}s clean"
 done
 
 echo "-- ASan+UBSan build of the data-plane tests (wire protocol parser, UCX server and client)"
