@@ -294,6 +294,72 @@ TEST_F(FailClosedTest, OversizeFrameFromAStrangerIsRefusedBeforeBuffering) {
   EXPECT_TRUE(ControlAnswers(*d, auth));
 }
 
+// Peak resident memory of a process in kB (/proc/<pid>/status VmHWM).
+uint64_t PeakRssKb(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10);
+  }
+  return 0;
+}
+
+// A framed TBinaryProtocol call of LookupPrefix whose key list announces `announced` elements and
+// carries none: a few dozen bytes, no credentials.
+std::string LookupPrefixAnnouncing(uint32_t announced) {
+  std::string body;
+  auto i32 = [&body](uint32_t v) {
+    const uint32_t be = htonl(v);
+    body.append(reinterpret_cast<const char*>(&be), 4);
+  };
+  auto field = [&body](uint8_t type, uint16_t id) {
+    body.push_back(static_cast<char>(type));
+    body.push_back(static_cast<char>(id >> 8));
+    body.push_back(static_cast<char>(id & 0xff));
+  };
+  const std::string method = "LookupPrefix";
+  i32(0x80010001u);  // strict binary protocol, CALL
+  i32(static_cast<uint32_t>(method.size()));
+  body += method;
+  i32(1);              // sequence id
+  field(12, 1);        // 1: Auth auth (empty)
+  body.push_back(0);   // stop
+  field(11, 2);        // 2: string model_id
+  i32(1);
+  body += "m";
+  field(15, 3);        // 3: list<binary> keys
+  body.push_back(11);  // element type: string
+  i32(announced);
+  const uint32_t len = htonl(static_cast<uint32_t>(body.size()));
+  return std::string(reinterpret_cast<const char*>(&len), 4) + body;
+}
+
+TEST_F(FailClosedTest, AnnouncedListSizesDoNotAllocateBeforeAuthentication) {
+  // Thrift checks an announced list or string size against its own 100 MB default only: without
+  // the daemon's bounds, each of these 33-byte calls made it allocate about 800 MB (25 million
+  // empty strings) before any token was read.
+  WriteTokens("alpha: secret-a\n");
+  auto d = StartDaemon({"--auth.token_file=" + tokens_path()});
+  const int pid = d->ports().pid;
+  const uint64_t before_kb = PeakRssKb(pid);
+  ASSERT_GT(before_kb, 0u);
+  const std::string frame = LookupPrefixAnnouncing(25'000'000);
+  for (int i = 0; i < 4; ++i) {
+    int fd = RawConnect(d->ports().control, 2);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(send(fd, frame.data(), frame.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(frame.size()));
+    char buf[256];
+    (void)recv(fd, buf, sizeof(buf), 0);  // an error reply, a close or the 2 s timeout
+    close(fd);
+  }
+  const uint64_t after_kb = PeakRssKb(pid);
+  // Generous: the unbounded daemon grew by ~780 MB here.
+  EXPECT_LT(after_kb - before_kb, 200u * 1024) << "peak RSS " << before_kb << " kB -> " << after_kb
+                                               << " kB";
+  EXPECT_TRUE(ControlAnswers(*d, MakeAuth("alpha", "secret-a"))) << d->Log();
+}
+
 TEST_F(FailClosedTest, LargestControlRequestFitsTheDefaultFrameLimit) {
   // LookupPrefix with MAX_PREFIX_KEYS keys of the longest length a key may have.
   auto d = StartDaemon();
