@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fails when a tracked file speaks of how kvcomp was made instead of what it is: issue numbers,
-# work-log words ("this session", "session note"), research seeds ("seed 003") or documents the
+# work-log words, numbered research seeds or documents the
 # repository does not hold (DESIGN.md, ../shared). Code, tests, benchmarks, results and docs say
 # what a component does and where it stands; history lives in git.
 #   bash scripts/check_product_text.sh        (run by scripts/run_tests.sh)

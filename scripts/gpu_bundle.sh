@@ -7,7 +7,7 @@
 # libevent, OpenSSL, compression libraries...). The device has glibc, libstdc++ and the CUDA
 # libraries; those are left out. bench/gpu/run.sh's `daemon` step unpacks it, sources its env.sh,
 # which puts lib/ on the loader path and UCX's module directory at lib/ucx, and runs the binaries
-# there. Unpacked it is about 70 MiB, packed about 17 MiB: the device tool carries 64 MiB with the
+# there. Unpacked it is about 70 MiB, packed about 17 MiB: a GPU run carries 64 MiB with the
 # working tree, so the archive travels.
 #
 # Build first (nvcc 13, sm_90, the CUDA backend; any build directory, best from a clean checkout
@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 BUILD=${1:-build-gpu-daemon}
 DEST=build-gpu-bundle
 PACK=.gpubundle/bundle.tar.xz
-LIMIT_MIB=${KVCOMP_BUNDLE_LIMIT_MIB:-40}  # the archive; the device tool carries 64 MiB with the tree
+LIMIT_MIB=${KVCOMP_BUNDLE_LIMIT_MIB:-40}  # the archive; a GPU run carries 64 MiB with the tree
 
 # Binaries: path in the build directory. A missing optional one is skipped with a note.
 REQUIRED=(service/kvcompd)
@@ -107,6 +107,6 @@ echo "gpu_bundle: $(ls "$DEST/bin" | wc -l) binaries, $(ls "$DEST/lib" | grep -c
   "$(du -sm "$DEST" | cut -f1) MiB in $DEST, ${size_mib} MiB packed in $PACK"
 du -sh "$DEST"/bin/* "$DEST"/lib/* 2>/dev/null | sort -h | tail -6
 if [ "$size_mib" -gt "$LIMIT_MIB" ]; then
-  echo "gpu_bundle: $PACK is larger than ${LIMIT_MIB} MiB; the device tool carries 64 MiB with the tree" >&2
+  echo "gpu_bundle: $PACK is larger than ${LIMIT_MIB} MiB; a GPU run carries 64 MiB with the tree" >&2
   exit 1
 fi

@@ -2,7 +2,7 @@
 # Builds .sysroot/: the Debian libraries a CUDA build of core, kernels, tests and bench needs on the
 # GPU device machine, which has nvcc, CMake and PyTorch but none of our Debian packages (Abseil,
 # GoogleTest, Google Benchmark, Eigen, LAPACKE). Packages are fetched with `apt-get download` and
-# unpacked with `dpkg -x` (no install, no root). The device tool carries the folder (64 MiB limit
+# unpacked with `dpkg -x` (no install, no root). A GPU run carries the folder (64 MiB limit
 # for the whole tree); bench/gpu/run.sh points CMake and the loader at it. It also holds this
 # machine's nanobind and CPython 3.12 headers for run.sh's python step (see below).
 #
@@ -72,6 +72,6 @@ done
 size_mib=$(du -sm "$ROOT" | cut -f1)
 echo "gpu_sysroot: ${#PACKAGES[@]} packages in $ROOT (${size_mib} MiB)"
 if [ "$size_mib" -gt "$LIMIT_MIB" ]; then
-  echo "gpu_sysroot: larger than ${LIMIT_MIB} MiB; the device tool carries 64 MiB in all" >&2
+  echo "gpu_sysroot: larger than ${LIMIT_MIB} MiB; a GPU run carries 64 MiB in all" >&2
   exit 1
 fi
