@@ -77,16 +77,6 @@ absl::Status PutWhole(UcxClient& c, const std::string& key, const KvLayout& layo
   return c.PutCommit(id, layout.num_layers).status();
 }
 
-// /proc/<pid>/status field in kB ("VmRSS", "VmHWM").
-uint64_t ProcStatusKb(int pid, const std::string& field) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field + ":", 0) == 0) return std::strtoull(line.c_str() + field.size() + 1, nullptr, 10);
-  }
-  return 0;
-}
-
 // User plus system CPU seconds of a process.
 double CpuSeconds(int pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");

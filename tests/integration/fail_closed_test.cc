@@ -294,16 +294,6 @@ TEST_F(FailClosedTest, OversizeFrameFromAStrangerIsRefusedBeforeBuffering) {
   EXPECT_TRUE(ControlAnswers(*d, auth));
 }
 
-// Peak resident memory of a process in kB (/proc/<pid>/status VmHWM).
-uint64_t PeakRssKb(int pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10);
-  }
-  return 0;
-}
-
 // A framed TBinaryProtocol call of LookupPrefix whose key list announces `announced` elements and
 // carries none: a few dozen bytes, no credentials.
 std::string LookupPrefixAnnouncing(uint32_t announced) {
@@ -341,7 +331,7 @@ TEST_F(FailClosedTest, AnnouncedListSizesDoNotAllocateBeforeAuthentication) {
   WriteTokens("alpha: secret-a\n");
   auto d = StartDaemon({"--auth.token_file=" + tokens_path()});
   const int pid = d->ports().pid;
-  const uint64_t before_kb = PeakRssKb(pid);
+  const uint64_t before_kb = ProcStatusKb(pid, "VmHWM");
   ASSERT_GT(before_kb, 0u);
   const std::string frame = LookupPrefixAnnouncing(25'000'000);
   for (int i = 0; i < 4; ++i) {
@@ -353,7 +343,7 @@ TEST_F(FailClosedTest, AnnouncedListSizesDoNotAllocateBeforeAuthentication) {
     (void)recv(fd, buf, sizeof(buf), 0);  // an error reply, a close or the 2 s timeout
     close(fd);
   }
-  const uint64_t after_kb = PeakRssKb(pid);
+  const uint64_t after_kb = ProcStatusKb(pid, "VmHWM");
   // Generous: the unbounded daemon grew by ~780 MB here.
   EXPECT_LT(after_kb - before_kb, 200u * 1024) << "peak RSS " << before_kb << " kB -> " << after_kb
                                                << " kB";

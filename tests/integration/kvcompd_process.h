@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -45,6 +46,18 @@ inline std::string ExpectedBackend() {
   return b == "auto" ? "cpu" : b;
 }
 inline std::string ExpectedPutTier() { return EnvOr("KVCOMP_STORAGE_PUT_TIER", "host"); }
+
+// A /proc/<pid>/status field in kB ("VmRSS", "VmHWM"); 0 when absent.
+inline uint64_t ProcStatusKb(int pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) {
+      return std::strtoull(line.c_str() + field.size() + 1, nullptr, 10);
+    }
+  }
+  return 0;
+}
 
 // A temporary directory removed at destruction.
 class TempDir {
