@@ -83,6 +83,8 @@ def cells(grid: str):
 
 
 def git_commit():
+    if os.environ.get("KVCOMP_COMMIT"):  # a copy of the tree whose git metadata is stale
+        return os.environ["KVCOMP_COMMIT"]
     try:
         c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                            capture_output=True).stdout.strip()
@@ -113,10 +115,12 @@ def main():
                     help="stop taking pass-key samples after this long (0 = no limit); the "
                          "results say how many were taken")
     ap.add_argument("--no-plot", action="store_true", help="write only PREFIX.json")
-    ap.add_argument("--variants", choices=["full", "quick"], default=None,
+    ap.add_argument("--variants", choices=["full", "quick", "decisive"], default=None,
                     help="instead of kvcomp's cells, the float torch references of policy, "
                          "correction and codec variants (variants.py; no kvcomp extension "
-                         "needed); quick: a small grid for a smoke run")
+                         "needed); quick: a small grid for a smoke run; decisive: every scorer "
+                         "and the recent-window policies x ratio, far loss too, correction "
+                         "variants at 0.75")
     ap.add_argument("--render", metavar="JSON", help="only write the .md and .png of a JSON "
                     "written before")
     args = ap.parse_args()

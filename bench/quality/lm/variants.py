@@ -15,6 +15,9 @@ Policies (which tokens of each kv head are kept; kept = int(n * (1 - ratio)) per
   pyramid_rF         manifold_rF with per-layer budgets falling linearly from 1.5x to 0.5x the
                      uniform budget (same total)
   adakv_rF           manifold_rF scores, AdaKV head budgets (safeguard 0.2, layer-wide top)
+  knorm, random      kvcomp's knorm (-||k||) and random scorers
+  windowed           kvcomp's windowed_manifold, window 1024 (mean of the window's keys)
+  snapkv             kvcomp's SnapKV: attention of the context's last 64 queries, pooled over 5
 Corrections (what stands in for each head's evicted set in every softmax; t = 1/sqrt(d)):
   none
   first              kvcomp's MomentKV virtual token: logit t q.mu_k + ln n, value mu_v + t C q,
@@ -23,6 +26,10 @@ Corrections (what stands in for each head's evicted set in every softmax; t = 1/
   first_lrR          the same, C replaced by its best rank-R approximation (two d x R factors)
   second             first plus the second-order partition term t^2/2 q^T S q (S = Cov(k, k))
   second_diag        first plus t^2/2 sum_i q_i^2 S_ii (diagonal of S only)
+  second_sP          first plus P% of the second-order term
+  first_mP           first with the evicted mass scaled to P% (logit + ln(P/100))
+  kfirstK            K k-means clusters of the evicted keys, each a first-order token with its
+                     own C (logit t q.mu_k,c + ln n_c, value mu_v,c + t C_c q)
   kmeansK            evicted keys clustered (K-means, K clusters, 10 iterations); one virtual
                      token per cluster: logit t q.mu_k,c + ln n_c, value mu_v,c (no C)
   windowW            one virtual token per window of W positions over the evicted tokens in it
@@ -62,15 +69,38 @@ N_SINK = 4
 
 # --- prefill ---
 
+SNAPKV_WINDOW, SNAPKV_POOL = 64, 5
+_QUERIES: List[torch.Tensor] = []
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa, recording the last SNAPKV_WINDOW queries of every layer (after RoPE)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    _QUERIES.append(query[0, :, -SNAPKV_WINDOW:].float())
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("kvcomp_capture", _capture_attention)
+
+
 @torch.no_grad()
-def prefill(model, ids: torch.Tensor):
-    """keys, values [L, Hk, N, d] (bf16-rounded, float32) and the last position's logits."""
-    model.set_attn_implementation("sdpa")
-    out = model(ids[None].to(model.device), use_cache=True)
+def prefill(model, ids: torch.Tensor, with_queries: bool = False):
+    """keys, values [L, Hk, N, d] (bf16-rounded, float32) and the last position's logits; with
+    with_queries also the last SNAPKV_WINDOW queries [L, Hq, w, d] (bf16-rounded)."""
+    _QUERIES.clear()
+    model.set_attn_implementation("kvcomp_capture" if with_queries else "sdpa")
+    try:
+        out = model(ids[None].to(model.device), use_cache=True)
+    finally:
+        model.set_attn_implementation("sdpa")
     pkv = out.past_key_values
     K = torch.stack([pkv.layers[l].keys[0] for l in range(len(pkv.layers))])
     V = torch.stack([pkv.layers[l].values[0] for l in range(len(pkv.layers))])
     rnd = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
+    if with_queries:
+        Q = rnd(torch.stack(list(_QUERIES)))
+        _QUERIES.clear()
+        return rnd(K), rnd(V), out.logits[0, -1].float(), Q
     return rnd(K), rnd(V), out.logits[0, -1].float()
 
 
@@ -84,6 +114,45 @@ def _scores_keydiff(K):
     a = (K / K.norm(dim=-1, keepdim=True).clamp_min(1e-8)).mean(dim=2, keepdim=True)
     cos = (K * a).sum(-1) / (K.norm(dim=-1) * a.norm(dim=-1)).clamp_min(1e-8)
     return -cos
+
+
+def _scores_knorm(K):
+    return -K.norm(dim=-1)
+
+
+def _scores_windowed(K, window=1024):
+    L, H, N, d = K.shape
+    s = torch.empty(L, H, N, device=K.device)
+    for w0 in range(0, N, window):
+        Kw = K[:, :, w0:w0 + window]
+        s[:, :, w0:w0 + window] = (Kw - Kw.mean(dim=2, keepdim=True)).norm(dim=-1)
+    return s
+
+
+def _scores_random(K, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.rand(K.shape[:3], generator=g).to(K.device)
+
+
+def _scores_snapkv(K, Q):
+    """kvcomp's SnapKV: the window's queries attend causally over all keys; weights on the
+    prefix averaged over queries, average-pooled (zero padding, / width), averaged over the GQA
+    group; the window's own tokens get the maximum."""
+    L, H, N, d = K.shape
+    hq, w = Q.shape[1], Q.shape[2]
+    g = hq // H
+    Kq = K.repeat_interleave(g, dim=1)
+    lg = torch.einsum("lhwd,lhnd->lhwn", Q, Kq) / math.sqrt(d)
+    qpos = torch.arange(N - w, N, device=K.device)[:, None]
+    lg = lg.masked_fill(torch.arange(N, device=K.device)[None, :] > qpos, float("-inf"))
+    a = torch.softmax(lg, dim=-1)[..., :N - w].mean(dim=2)  # [L, hq, N - w]
+    a = torch.nn.functional.avg_pool1d(a.reshape(L * hq, 1, -1), SNAPKV_POOL, 1,
+                                       SNAPKV_POOL // 2, count_include_pad=True).reshape(L, hq, -1)
+    a = a.reshape(L, H, g, -1).mean(dim=2)
+    s = torch.full((L, H, N), 0.0, device=K.device)
+    s[..., :N - w] = a
+    s[..., N - w:] = a.amax() + 1.0
+    return s
 
 
 def _ranks(s):
@@ -106,7 +175,7 @@ def _topk_mask(s, kept):
     return m
 
 
-def policy_mask(name: str, K: torch.Tensor, ratio: float) -> torch.Tensor:
+def policy_mask(name: str, K: torch.Tensor, ratio: float, Q=None, seed=0) -> torch.Tensor:
     L, H, N, _ = K.shape
     kept = int(N * (1.0 - ratio))
     if ratio <= 0:
@@ -118,6 +187,14 @@ def policy_mask(name: str, K: torch.Tensor, ratio: float) -> torch.Tensor:
         return _topk_mask(_protect(s, 0), kept)
     if base == "keydiff":
         return _topk_mask(_protect(_scores_keydiff(K), n_recent), kept)
+    if base == "knorm":
+        return _topk_mask(_protect(_scores_knorm(K), n_recent), kept)
+    if base == "windowed":  # windowed_manifold, window 1024
+        return _topk_mask(_protect(_scores_windowed(K), n_recent), kept)
+    if base == "random":
+        return _topk_mask(_protect(_scores_random(K, seed), n_recent), kept)
+    if base == "snapkv":
+        return _topk_mask(_protect(_scores_snapkv(K, Q), n_recent), kept)
     if base == "manifold":
         return _topk_mask(_protect(_scores_manifold(K), n_recent), kept)
     if base == "mix":
@@ -264,7 +341,17 @@ def build_prefixes(K, V, mask, corr, Kc=None, Vc=None, window_n=None):
             out.append(p)
             continue
         logn = torch.where(nev > 0, nev.clamp_min(1).log(), float("-inf"))
-        if corr.startswith("first") or corr.startswith("second"):
+        if corr.startswith("kfirst"):  # clusters, each a first-order token with its own C
+            k = int(corr[len("kfirst"):])
+            _, oh, cnt = _kmeans(K[l], ev, k)
+            n_ = cnt.clamp_min(1)[..., None]
+            mk = oh.transpose(1, 2) @ K[l] / n_
+            mv = oh.transpose(1, 2) @ V[l] / n_
+            S = torch.einsum("hnc,hni,hnj->hcij", oh, V[l], K[l]) / n_[..., None]
+            p.vk, p.vv = mk, mv
+            p.vbias = torch.where(cnt > 0, cnt.clamp_min(1).log(), float("-inf"))
+            p.vC = S - mv[..., :, None] * mk[..., None, :]
+        elif corr.startswith("first") or corr.startswith("second"):
             ks = torch.einsum("hn,hnd->hd", ev, K[l])
             vs = torch.einsum("hn,hnd->hd", ev, V[l])
             S = torch.einsum("hn,hni,hnj->hij", ev, V[l], K[l])
@@ -278,11 +365,15 @@ def build_prefixes(K, V, mask, corr, Kc=None, Vc=None, window_n=None):
                 U, sv, Vh = torch.linalg.svd(C)
                 C = (U[..., :r] * sv[:, None, :r]) @ Vh[:, :r]
             p.vk, p.vv, p.vbias, p.vC = mk[:, None], mv[:, None], logn[:, None], C
+            if corr.startswith("first_m"):  # the evicted mass scaled by m/100
+                p.vbias = p.vbias + math.log(int(corr[len("first_m"):]) / 100)
             if corr.startswith("second"):
                 Sk = torch.einsum("hn,hni,hnj->hij", ev, K[l], K[l]) / n_[..., None] - \
                     mk[:, :, None] * mk[:, None, :]
                 if corr == "second_diag":
                     Sk = torch.diag_embed(torch.diagonal(Sk, dim1=-2, dim2=-1))
+                if corr.startswith("second_s"):  # the second-order term shrunk to s/100
+                    Sk = Sk * (int(corr[len("second_s"):]) / 100)
                 p.vS = Sk
         elif corr.startswith("kmeans"):
             k = int(corr[len("kmeans"):])
@@ -334,6 +425,12 @@ def correction_bytes(corr, d, N, kept_total_per_head):
         return first + 4 * d * d
     if corr == "first_fp16":
         return first + 2 * d * d
+    if corr.startswith("first_m"):
+        return first + 4 * d * d
+    if corr.startswith("second_s"):
+        return first + 4 * d * d + 4 * d * (d + 1) / 2
+    if corr.startswith("kfirst"):
+        return int(corr[6:]) * (8 + 8 * d + 4 * d * d)
     if corr.startswith("first_lr"):
         return first + 4 * 2 * int(corr[8:]) * d
     if corr == "second":
@@ -377,9 +474,12 @@ def prefix_attention(query, pf: Prefix, new_keys, new_values, scaling):
     if M:
         pv = p[..., n:n + M]
         out = out + torch.einsum("hgmM,hMd->hgmd", pv, pf.vv)
-        if pf.vC is not None:
+        if pf.vC is not None and pf.vC.dim() == 3:
             cq = torch.einsum("hij,hgmj->hgmi", pf.vC, q)
             out = out + pv[..., :1] * scaling * cq
+        elif pf.vC is not None:  # one C per virtual token
+            cq = torch.einsum("hMij,hgmj->hgmMi", pf.vC, q)
+            out = out + scaling * torch.einsum("hgmM,hgmMi->hgmi", pv, cq)
     out = out + torch.einsum("hgms,hsd->hgmd", p[..., n + M:], new_values[0].float())
     return out.reshape(hq, m, d).transpose(0, 1)[None].to(query.dtype)
 
@@ -424,10 +524,11 @@ def _forward(model, prefixes, N, ids):
         model.set_attn_implementation("sdpa")
 
 
-def continuation_nll(model, prefixes, N, first_logits, cont):
+def continuation_nll(model, prefixes, N, first_logits, cont, skip=0):
+    """Mean NLL of cont[skip:] after the prefixes (cont[:skip] fed, not scored)."""
     cont = cont.to(model.device)
     lg = torch.cat([first_logits[None], _forward(model, prefixes, N, cont[:-1])])
-    return float(torch.nn.functional.cross_entropy(lg, cont, reduction="mean"))
+    return float(torch.nn.functional.cross_entropy(lg[skip:], cont[skip:], reduction="mean"))
 
 
 def greedy_matches(model, prefixes, N, question, target):
@@ -473,10 +574,32 @@ def default_grid(quick: bool = False):
     return cells
 
 
+SCORERS = ["knorm", "keydiff", "manifold", "windowed", "streaming", "snapkv", "random"]
+
+
+def decisive_grid():
+    """Every kvcomp scorer (windowed = windowed_manifold, window 1024), AdaKV and the
+    recent-window policies at 0.5 / 0.75 / 0.9 without correction; kvcomp's first-order
+    correction on manifold and manifold_r50; more correction variants at 0.75."""
+    cells = [("full", 0.0, "none", "raw", "raw")]
+    for p in SCORERS + ["adakv", "manifold_r25", "manifold_r50", "adakv_r50"]:
+        for r in [0.5, 0.75, 0.9]:
+            cells.append((p, r, "none", "raw", "raw"))
+    for p in ["manifold", "manifold_r50"]:
+        for r in [0.5, 0.75, 0.9]:
+            cells.append((p, r, "first", "raw", "raw"))
+        for c in ["first_m50", "second_s25", "kfirst4", "kfirst8"]:
+            cells.append((p, 0.75, c, "raw", "raw"))
+    return cells
+
+
 def run(model, args, loss_windows, pk_samples, calib_ids, log, N_bytes):
     """Evaluates the grid: loss windows (ctx ids, tail ids), pass-key samples (kind, context,
-    question, answer ids). Returns rows."""
-    cells = default_grid(args.variants == "quick")
+    question, answer ids). Returns rows. The decisive grid also scores a far loss per window:
+    the first half compressed, the third quarter fed uncompressed, NLL of the last quarter."""
+    decisive = args.variants == "decisive"
+    cells = decisive_grid() if decisive else default_grid(args.variants == "quick")
+    need_q = any(c[0].startswith("snapkv") for c in cells)
     d = model.config.head_dim if getattr(model.config, "head_dim", None) else \
         model.config.hidden_size // model.config.num_attention_heads
     projs = {}
@@ -486,23 +609,28 @@ def run(model, args, loss_windows, pk_samples, calib_ids, log, N_bytes):
         for vc in need:
             projs[vc] = calibrate_values(Vs, d // 2 if vc == "splice8" else d * 3 // 4)
         log(f"value projections calibrated on {len(calib_ids)} windows")
-    res: Dict[tuple, Dict[str, list]] = {c: {"loss": [], "passkey_1": [], "passkey_3": []}
-                                        for c in cells}
+    res: Dict[tuple, Dict[str, list]] = {c: {"loss": [], "loss_far": [], "passkey_1": [],
+                                            "passkey_3": []} for c in cells}
 
     failed = set()
+    n_sample = [0]
 
-    def sample(kind, ctx, tail, answer=None):
-        K, V, first = prefill(model, ctx)
+    def sample(kind, ctx, tail, answer=None, skip=0):
+        pre = prefill(model, ctx, with_queries=need_q)
+        K, V, first = pre[:3]
+        Q = pre[3] if need_q else None
         L, H, N, _ = K.shape
         masks = {}
         coded = {}
+        n_sample[0] += 1
         for cell in cells:
             pol, r, corr, kc, vc = cell
             if kind != "loss" and kc != "raw" and corr != "none":
                 continue  # codec cells: pass-keys without a correction only
             mk = (pol, r)
             if mk not in masks:
-                masks[mk] = policy_mask(pol if pol != "full" else "manifold", K, r)
+                masks[mk] = policy_mask(pol if pol != "full" else "manifold", K, r, Q=Q,
+                                        seed=n_sample[0])
             m = masks[mk]
             ck = (mk, kc, vc)
             if ck not in coded:
@@ -510,8 +638,8 @@ def run(model, args, loss_windows, pk_samples, calib_ids, log, N_bytes):
             Kc, Vc = coded[ck]
             try:
                 pf = build_prefixes(K, V, m, corr, Kc, Vc)
-                if kind == "loss":
-                    v = continuation_nll(model, pf, N, first, tail)
+                if kind.startswith("loss"):
+                    v = continuation_nll(model, pf, N, first, tail, skip)
                 else:
                     v = float(greedy_matches(model, pf, N, tail, answer))
             except (RuntimeError, ValueError) as e:  # one failing cell must not end the run
@@ -523,6 +651,10 @@ def run(model, args, loss_windows, pk_samples, calib_ids, log, N_bytes):
 
     for j, (ctx, tail) in enumerate(loss_windows):
         sample("loss", ctx, tail)
+        if decisive:
+            w = torch.cat([ctx, tail])
+            half, q3 = w.numel() // 2, w.numel() * 3 // 4
+            sample("loss_far", w[:half], w[half:], skip=q3 - half)
         log(f"variants: loss window {j + 1}/{len(loss_windows)}")
     t_pk = time.time()
     taken = 0
@@ -536,6 +668,7 @@ def run(model, args, loss_windows, pk_samples, calib_ids, log, N_bytes):
             log(f"variants: pass-key samples {j + 1}/{len(pk_samples)} "
                 f"({time.time() - t_pk:.0f} s)")
     full = float(np.mean(res[cells[0]]["loss"]))
+    full_far = float(np.mean(res[cells[0]]["loss_far"])) if decisive else None
     rows = []
     L = model.config.num_hidden_layers
     H = model.config.num_key_value_heads
@@ -556,15 +689,26 @@ def run(model, args, loss_windows, pk_samples, calib_ids, log, N_bytes):
             "passkey_3": float(np.mean(r_["passkey_3"])) if r_["passkey_3"] else None,
             "n_passkey_1": len(r_["passkey_1"]), "n_passkey_3": len(r_["passkey_3"]),
             "bytes_per_token": bpt, "x_vs_bf16": bf16 * L * H / bpt,
+            "loss_far": float(np.mean(r_["loss_far"])) if r_["loss_far"] else None,
+            "loss_far_vs_full_pct": (100 * (float(np.mean(r_["loss_far"])) / full_far - 1)
+                                     if r_["loss_far"] else None),
+            "loss_windows": list(map(float, r_["loss"])),
+            "loss_far_windows": list(map(float, r_["loss_far"])),
+            "passkey_1_samples": list(map(float, r_["passkey_1"])),
+            "passkey_3_samples": list(map(float, r_["passkey_3"])),
         })
     # loss gap closed per correction (same policy, ratio and codecs)
     by = {(r["policy"], r["ratio"], r["key_codec"], r["value_codec"], r["correction"]): r
           for r in rows}
     for r in rows:
         base = by.get((r["policy"], r["ratio"], r["key_codec"], r["value_codec"], "none"))
-        r["gap_closed"] = None
+        r["gap_closed"] = r["gap_closed_far"] = None
         if base is not None and r["correction"] != "none" and base["loss"] - full > 1e-9:
             r["gap_closed"] = (base["loss"] - r["loss"]) / (base["loss"] - full)
+        if (base is not None and r["correction"] != "none" and full_far is not None
+                and base["loss_far"] - full_far > 1e-9):
+            r["gap_closed_far"] = (base["loss_far"] - r["loss_far"]) / (base["loss_far"] -
+                                                                        full_far)
     return rows, taken
 
 
@@ -583,15 +727,18 @@ def write_md(path, meta, rows):
         f"{meta['heldout_digest']}; {meta['seconds']:.0f} s.",
         "",
         "| policy | ratio | correction | keys | values | bytes/token | x vs bf16 | pass-key 1 | "
-        "pass-key 3 | loss | vs full | gap closed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "pass-key 3 | n | loss | vs full | gap closed | far loss vs full | far gap closed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     for r in rows:
+        far = r.get("loss_far_vs_full_pct")
         lines.append(
             f"| {r['policy']} | {r['ratio']} | {r['correction']} | {r['key_codec']} | "
             f"{r['value_codec']} | {r['bytes_per_token']:.0f} | {r['x_vs_bf16']:.2f} | "
-            f"{f(r['passkey_1'])} | {f(r['passkey_3'])} | {r['loss']:.4f} | "
-            f"{r['loss_vs_full_pct']:+.2f}% | {f(r['gap_closed'] and 100 * r['gap_closed'], '.0f')}"
-            f"{'' if r['gap_closed'] is None else '%'} |")
+            f"{f(r['passkey_1'])} | {f(r['passkey_3'])} | {r['n_passkey_1']}/{r['n_passkey_3']} | "
+            f"{r['loss']:.4f} | {r['loss_vs_full_pct']:+.2f}% | {pct(r['gap_closed'])} | "
+            f"{'-' if far is None else format(far, '+.2f') + '%'} | "
+            f"{pct(r.get('gap_closed_far'))} |")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
