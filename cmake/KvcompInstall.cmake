@@ -129,7 +129,7 @@ function(kvcomp_install)
     INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
   foreach(d IN LISTS header_dirs)
     install(DIRECTORY ${d}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT devel
-      FILES_MATCHING PATTERN "*.h")
+      FILES_MATCHING PATTERN "*.h" PATTERN "*.def")
   endforeach()
   set(cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/kvcomp)
   install(EXPORT kvcompTargets NAMESPACE kvcomp:: DESTINATION ${cmake_dir} COMPONENT devel)

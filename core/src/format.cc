@@ -1,6 +1,7 @@
 #include "kvcomp/core/format.h"
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -70,32 +71,34 @@ absl::Status Truncated(absl::string_view what, uint64_t need, uint64_t have) {
       "cache format: truncated: %s needs %u bytes, %u present", what, need, have));
 }
 
-// ---- policy TLV ----
-enum PolicyTag : uint16_t {
-  kTagScorer = 1,
-  kTagRatio = 2,
-  kTagTokenBudget = 3,
-  kTagHeadBudget = 4,
-  kTagAlpha = 5,
-  kTagNSink = 6,
-  kTagNRecent = 7,
-  kTagProtect = 8,
-  kTagWindow = 9,
-  kTagSnapWindow = 10,
-  kTagSnapPool = 11,
-  kTagSeed = 12,
-  kTagBlockSize = 13,
-  kTagMoments = 14,
-  kTagMomentAware = 15,
-  kTagKeyCodec = 16,
-  kTagValueCodec = 17,
-  kTagRank = 18,
-  kTagGroupSize = 19,
-  kTagGamma = 20,
-  kTagOutlierFactor = 21,
-  kTagRawFraction = 22,
-  kTagRecentFraction = 23,
-};
+// ---- policy TLV: one record per field of policy_fields.def ----
+// How a declared type is stored: enums as their number and booleans as 0/1 in one byte,
+// numbers as themselves (little-endian).
+template <typename T>
+using TlvWire = std::conditional_t<std::is_enum_v<T> || std::is_same_v<T, bool>, uint8_t, T>;
+
+template <typename T>
+TlvWire<T> ToTlv(T v) {
+  return static_cast<TlvWire<T>>(v);
+}
+
+template <typename T>
+T FromTlv(TlvWire<T> w) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return w != 0;
+  } else {
+    return static_cast<T>(w);
+  }
+}
+
+constexpr uint16_t MaxPolicyTag() {
+  uint16_t max = 0;
+#define KVCOMP_POLICY_FIELD(name, type, tlv_tag, thrift_id, default_value, range, unit, doc) \
+  max = max > (tlv_tag) ? max : (tlv_tag);
+#include "kvcomp/core/policy_fields.def"
+#undef KVCOMP_POLICY_FIELD
+  return max;
+}
 
 class TlvWriter {
  public:
@@ -113,34 +116,26 @@ class TlvWriter {
   std::vector<uint8_t> out_;
 };
 
+// Records in tag order, whatever the declaration's order (a duplicate tag does not compile).
 std::vector<uint8_t> EncodePolicy(const CompressionPolicy& p) {
   TlvWriter w;
-  w.Add<uint8_t>(kTagScorer, static_cast<uint8_t>(p.scorer));
-  w.Add<double>(kTagRatio, p.ratio);
-  w.Add<uint32_t>(kTagTokenBudget, p.token_budget);
-  w.Add<uint8_t>(kTagHeadBudget, static_cast<uint8_t>(p.head_budget));
-  w.Add<double>(kTagAlpha, p.alpha_safeguard);
-  w.Add<uint32_t>(kTagNSink, p.n_sink);
-  w.Add<uint32_t>(kTagNRecent, p.n_recent);
-  w.Add<uint8_t>(kTagProtect, p.protect);
-  w.Add<uint32_t>(kTagWindow, p.window);
-  w.Add<uint32_t>(kTagSnapWindow, p.snapkv_window);
-  w.Add<uint32_t>(kTagSnapPool, p.snapkv_pool);
-  w.Add<uint64_t>(kTagSeed, p.seed);
-  w.Add<uint32_t>(kTagBlockSize, p.block_size);
-  w.Add<uint8_t>(kTagMoments, p.moments);
-  w.Add<uint8_t>(kTagMomentAware, p.moment_aware);
-  w.Add<uint8_t>(kTagKeyCodec, static_cast<uint8_t>(p.key_codec));
-  w.Add<uint8_t>(kTagValueCodec, static_cast<uint8_t>(p.value_codec));
-  w.Add<uint32_t>(kTagRank, p.rank);
-  w.Add<uint32_t>(kTagGroupSize, p.group_size);
-  w.Add<uint8_t>(kTagGamma, p.gamma_aware);
-  w.Add<double>(kTagOutlierFactor, p.value_outlier_factor);
-  w.Add<double>(kTagRawFraction, p.value_raw_fraction);
-  w.Add<double>(kTagRecentFraction, p.recent_fraction);
+  for (uint16_t tag = 1; tag <= MaxPolicyTag(); ++tag) {
+    switch (tag) {
+#define KVCOMP_POLICY_FIELD(name, type, tlv_tag, thrift_id, default_value, range, unit, doc) \
+  case tlv_tag:                                                                              \
+    w.Add<TlvWire<type>>(tlv_tag, ToTlv<type>(p.name));                                      \
+    break;
+#include "kvcomp/core/policy_fields.def"
+#undef KVCOMP_POLICY_FIELD
+      default:
+        break;  // a retired tag
+    }
+  }
   return w.Take();
 }
 
+// Absent records keep the field's default; unknown tags are skipped (a newer writer's field:
+// docs/format.md, "Compatibility").
 absl::StatusOr<CompressionPolicy> DecodePolicy(const uint8_t* p, uint64_t n) {
   CompressionPolicy pol;
   uint64_t at = 0;
@@ -157,103 +152,16 @@ absl::StatusOr<CompressionPolicy> DecodePolicy(const uint8_t* p, uint64_t n) {
       return absl::InvalidArgumentError(
           absl::StrFormat("cache format: policy tag %u has %u bytes, expected %u", tag, len, size));
     };
-    auto u8 = [&] { return Get<uint8_t>(v, 0); };
-    auto u32 = [&] { return Get<uint32_t>(v, 0); };
     switch (tag) {
-      case kTagScorer:
-        KVCOMP_RETURN_IF_ERROR(want(1));
-        pol.scorer = static_cast<Scorer>(u8());
-        break;
-      case kTagRatio:
-        KVCOMP_RETURN_IF_ERROR(want(8));
-        pol.ratio = Get<double>(v, 0);
-        break;
-      case kTagTokenBudget:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.token_budget = u32();
-        break;
-      case kTagHeadBudget:
-        KVCOMP_RETURN_IF_ERROR(want(1));
-        pol.head_budget = static_cast<HeadBudget>(u8());
-        break;
-      case kTagAlpha:
-        KVCOMP_RETURN_IF_ERROR(want(8));
-        pol.alpha_safeguard = Get<double>(v, 0);
-        break;
-      case kTagNSink:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.n_sink = u32();
-        break;
-      case kTagNRecent:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.n_recent = u32();
-        break;
-      case kTagProtect:
-        KVCOMP_RETURN_IF_ERROR(want(1));
-        pol.protect = u8() != 0;
-        break;
-      case kTagWindow:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.window = u32();
-        break;
-      case kTagSnapWindow:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.snapkv_window = u32();
-        break;
-      case kTagSnapPool:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.snapkv_pool = u32();
-        break;
-      case kTagSeed:
-        KVCOMP_RETURN_IF_ERROR(want(8));
-        pol.seed = Get<uint64_t>(v, 0);
-        break;
-      case kTagBlockSize:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.block_size = u32();
-        break;
-      case kTagMoments:
-        KVCOMP_RETURN_IF_ERROR(want(1));
-        pol.moments = u8() != 0;
-        break;
-      case kTagMomentAware:
-        KVCOMP_RETURN_IF_ERROR(want(1));
-        pol.moment_aware = u8() != 0;
-        break;
-      case kTagKeyCodec:
-        KVCOMP_RETURN_IF_ERROR(want(1));
-        pol.key_codec = static_cast<KeyCodec>(u8());
-        break;
-      case kTagValueCodec:
-        KVCOMP_RETURN_IF_ERROR(want(1));
-        pol.value_codec = static_cast<ValueCodec>(u8());
-        break;
-      case kTagRank:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.rank = u32();
-        break;
-      case kTagGroupSize:
-        KVCOMP_RETURN_IF_ERROR(want(4));
-        pol.group_size = u32();
-        break;
-      case kTagGamma:
-        KVCOMP_RETURN_IF_ERROR(want(1));
-        pol.gamma_aware = u8() != 0;
-        break;
-      case kTagOutlierFactor:
-        KVCOMP_RETURN_IF_ERROR(want(8));
-        pol.value_outlier_factor = Get<double>(v, 0);
-        break;
-      case kTagRawFraction:
-        KVCOMP_RETURN_IF_ERROR(want(8));
-        pol.value_raw_fraction = Get<double>(v, 0);
-        break;
-      case kTagRecentFraction:
-        KVCOMP_RETURN_IF_ERROR(want(8));
-        pol.recent_fraction = Get<double>(v, 0);
-        break;
+#define KVCOMP_POLICY_FIELD(name, type, tlv_tag, thrift_id, default_value, range, unit, doc) \
+  case tlv_tag:                                                                              \
+    KVCOMP_RETURN_IF_ERROR(want(sizeof(TlvWire<type>)));                                     \
+    pol.name = FromTlv<type>(Get<TlvWire<type>>(v, 0));                                      \
+    break;
+#include "kvcomp/core/policy_fields.def"
+#undef KVCOMP_POLICY_FIELD
       default:
-        break;  // a newer writer's field: skipped (docs/format.md, "Compatibility")
+        break;
     }
   }
   if (absl::Status s = pol.Validate(); !s.ok()) {

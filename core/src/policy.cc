@@ -1,10 +1,12 @@
 #include "kvcomp/core/policy.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvcomp/core/policy_fields.h"
 
 namespace kvcomp {
 namespace {
@@ -56,6 +58,22 @@ absl::Status Bad(absl::string_view msg) {
   return absl::InvalidArgumentError(absl::StrCat("policy: ", msg));
 }
 
+template <typename T>
+absl::Status CheckRange(absl::string_view name, T value, const PolicyRange& range) {
+  if constexpr (std::is_enum_v<T>) {
+    if (PolicyEnum<T>::Name(value) != "invalid") return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown ", name, " ", static_cast<int>(value)));
+  } else if constexpr (std::is_same_v<T, bool>) {
+    return absl::OkStatus();
+  } else {
+    if (range.Contains(static_cast<double>(value))) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, " ", value, range.kind == PolicyRange::kAtLeast ? " must be " : " outside ",
+        range.Text()));
+  }
+}
+
 }  // namespace
 
 absl::string_view ScorerName(Scorer s) { return NameOf(s, kScorers); }
@@ -88,40 +106,14 @@ uint32_t DefaultRank(ValueCodec codec, uint32_t head_dim) {
 }
 
 absl::Status CompressionPolicy::Validate() const {
-  if (static_cast<uint8_t>(scorer) > static_cast<uint8_t>(Scorer::kSnapKV)) {
-    return Bad("unknown scorer");
-  }
-  if (!(ratio >= 0.0 && ratio < 1.0)) {  // also rejects NaN
-    return Bad(absl::StrFormat("ratio %g outside [0, 1)", ratio));
-  }
-  if (static_cast<uint8_t>(head_budget) > static_cast<uint8_t>(HeadBudget::kAdaKV)) {
-    return Bad("unknown head_budget");
-  }
-  if (!(alpha_safeguard >= 0.0 && alpha_safeguard <= 1.0)) {
-    return Bad(absl::StrFormat("alpha_safeguard %g outside [0, 1]", alpha_safeguard));
-  }
-  if (!(recent_fraction >= 0.0 && recent_fraction < 1.0)) {
-    return Bad(absl::StrFormat("recent_fraction %g outside [0, 1)", recent_fraction));
-  }
-  if (window == 0) return Bad("window must be at least 1 token");
-  if (snapkv_window == 0) return Bad("snapkv_window must be at least 1 query");
-  if (snapkv_pool == 0 || snapkv_pool % 2 == 0) {
+  // Each field against its declared range (policy_fields.def).
+#define KVCOMP_POLICY_FIELD(name, type, tlv_tag, thrift_id, default_value, range, unit, doc) \
+  if (absl::Status s = CheckRange(#name, name, range); !s.ok()) return Bad(s.message());
+#include "kvcomp/core/policy_fields.def"
+#undef KVCOMP_POLICY_FIELD
+  // Rules beyond one field's range.
+  if (snapkv_pool % 2 == 0) {
     return Bad(absl::StrFormat("snapkv_pool %u must be odd (centred pooling)", snapkv_pool));
-  }
-  if (static_cast<uint8_t>(key_codec) > static_cast<uint8_t>(KeyCodec::kInt8)) {
-    return Bad("unknown key_codec");
-  }
-  if (static_cast<uint8_t>(value_codec) > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
-    return Bad("unknown value_codec");
-  }
-  if (group_size == 0 || group_size > 256) {
-    return Bad(absl::StrFormat("group_size %u outside [1, 256]", group_size));
-  }
-  if (!(value_outlier_factor >= 1.0 && value_outlier_factor <= 1e9)) {
-    return Bad(absl::StrFormat("value_outlier_factor %g outside [1, 1e9]", value_outlier_factor));
-  }
-  if (!(value_raw_fraction >= 0.0 && value_raw_fraction <= 1.0)) {
-    return Bad(absl::StrFormat("value_raw_fraction %g outside [0, 1]", value_raw_fraction));
   }
   if (value_codec == ValueCodec::kRaw && rank != 0) {
     return Bad("rank set but value_codec is none");
@@ -159,29 +151,19 @@ uint32_t CompressionPolicy::EffectiveRecent(uint64_t kept_per_head) const {
 }
 
 std::string CompressionPolicy::DebugString() const {
-  return absl::StrFormat(
-      "Policy{scorer=%s ratio=%g token_budget=%u head_budget=%s alpha=%g n_sink=%u n_recent=%u "
-      "recent_fraction=%g protect=%d window=%u snapkv=%u/%u seed=%u block=%u moments=%d "
-      "moment_aware=%d "
-      "key_codec=%s value_codec=%s rank=%u group=%u gamma=%d outlier_factor=%g "
-      "raw_fraction=%g}",
-      ScorerName(scorer), ratio, token_budget, HeadBudgetName(head_budget), alpha_safeguard, n_sink,
-      n_recent, recent_fraction, protect, window, snapkv_window, snapkv_pool, seed, block_size,
-      moments, moment_aware, KeyCodecName(key_codec), ValueCodecName(value_codec), rank, group_size,
-      gamma_aware, value_outlier_factor, value_raw_fraction);
+  std::string out = "Policy{";
+  for (const PolicyFieldInfo& f : PolicyFields()) {
+    absl::StrAppend(&out, out.size() > 7 ? " " : "", f.name, "=", f.text(*this));
+  }
+  return out + "}";
 }
 
 bool operator==(const CompressionPolicy& a, const CompressionPolicy& b) {
-  return a.scorer == b.scorer && a.ratio == b.ratio && a.token_budget == b.token_budget &&
-         a.head_budget == b.head_budget && a.alpha_safeguard == b.alpha_safeguard &&
-         a.n_sink == b.n_sink && a.n_recent == b.n_recent &&
-         a.recent_fraction == b.recent_fraction && a.protect == b.protect && a.window == b.window &&
-         a.snapkv_window == b.snapkv_window && a.snapkv_pool == b.snapkv_pool && a.seed == b.seed &&
-         a.block_size == b.block_size && a.moments == b.moments &&
-         a.moment_aware == b.moment_aware && a.key_codec == b.key_codec &&
-         a.value_codec == b.value_codec && a.rank == b.rank && a.group_size == b.group_size &&
-         a.gamma_aware == b.gamma_aware && a.value_outlier_factor == b.value_outlier_factor &&
-         a.value_raw_fraction == b.value_raw_fraction;
+#define KVCOMP_POLICY_FIELD(name, type, tlv_tag, thrift_id, default_value, range, unit, doc) \
+  if (!(a.name == b.name)) return false;
+#include "kvcomp/core/policy_fields.def"
+#undef KVCOMP_POLICY_FIELD
+  return true;
 }
 
 }  // namespace kvcomp

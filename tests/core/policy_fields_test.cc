@@ -1,0 +1,206 @@
+// The policy's field table (policy_fields.def) and what is generated from it: the TLV records,
+// Validate's ranges, the text form, equality and the debug string.
+#include <cmath>
+#include <limits>
+#include <set>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/policy.h"
+#include "kvcomp/core/policy_fields.h"
+
+namespace kvcomp {
+namespace {
+
+std::string Hex(const std::string& bytes) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += kDigits[c >> 4];
+    out += kDigits[c & 15];
+  }
+  return out;
+}
+
+// Every field set away from its default.
+CompressionPolicy AllChanged() {
+  CompressionPolicy p;
+  p.scorer = Scorer::kSnapKV;
+  p.ratio = 0.3;
+  p.token_budget = 77;
+  p.head_budget = HeadBudget::kAdaKV;
+  p.alpha_safeguard = 0.4;
+  p.n_sink = 2;
+  p.n_recent = 9;
+  p.recent_fraction = 0.125;
+  p.protect = false;
+  p.window = 1000;
+  p.snapkv_window = 32;
+  p.snapkv_pool = 7;
+  p.seed = 0x1122334455667788ull;
+  p.block_size = 256;
+  p.moments = false;
+  p.moment_aware = true;
+  p.key_codec = KeyCodec::kInt8;
+  p.value_codec = ValueCodec::kOrthogonalInt4;
+  p.rank = 96;
+  p.group_size = 16;
+  p.gamma_aware = false;
+  p.value_outlier_factor = 8.5;
+  p.value_raw_fraction = 0.05;
+  return p;
+}
+
+// The policy records as format 1.2's writer produced them before the table existed (tags 1..23
+// in order): the table must keep them bit for bit.
+TEST(PolicyFields, TlvRecordsAreBitIdenticalToFormat12) {
+  EXPECT_EQ(Hex(format::EncodePolicyRecords(CompressionPolicy())),
+            "010001000202000800000000000000e03f03000400000000000400010000050008009a9999999999c9"
+            "3f06000400040000000700040000000000080001000109000400001000000a000400400000000b0004"
+            "00050000000c00080000000000000000000d000400000000000e000100010f00010000100001000011"
+            "00010000120004000000000013000400200000001400010001150008000000000000001040160008"
+            "007b14ae47e17a943f170008000000000000000000");
+  EXPECT_EQ(Hex(format::EncodePolicyRecords(AllChanged())),
+            "010001000602000800333333333333d33f030004004d0000000400010001050008009a9999999999d9"
+            "3f06000400020000000700040009000000080001000009000400e80300000a000400200000000b0004"
+            "00070000000c00080088776655443322110d000400000100000e000100000f000100011000010002"
+            "1100010003120004006000000013000400100000001400010000150008000000000000002140160008"
+            "009a9999999999a93f17000800000000000000c03f");
+  auto back = format::DecodePolicyRecords(format::EncodePolicyRecords(AllChanged()));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, AllChanged());
+}
+
+TEST(PolicyFields, NamesTagsAndIdsAreUnique) {
+  std::set<std::string> names;
+  std::set<int> tags, ids;
+  for (const PolicyFieldInfo& f : PolicyFields()) {
+    EXPECT_TRUE(names.insert(std::string(f.name)).second) << f.name;
+    EXPECT_TRUE(tags.insert(f.tlv_tag).second) << f.name;
+    EXPECT_TRUE(ids.insert(f.thrift_id).second) << f.name;
+    EXPECT_GT(f.tlv_tag, 0) << f.name;
+    EXPECT_GT(f.thrift_id, 0) << f.name;
+    EXPECT_FALSE(f.doc.empty()) << f.name;
+    EXPECT_EQ(FindPolicyField(f.name), &f);
+  }
+  EXPECT_EQ(FindPolicyField("no_such_field"), nullptr);
+}
+
+// Each field's text form reads back to the same value, takes part in ==, in the debug string
+// and in the TLV records; one changed field at a time.
+TEST(PolicyFields, EveryFieldRoundTripsThroughTextAndTlv) {
+  const CompressionPolicy changed = AllChanged();
+  const CompressionPolicy defaults;
+  for (const PolicyFieldInfo& f : PolicyFields()) {
+    SCOPED_TRACE(std::string(f.name));
+    EXPECT_EQ(f.text(defaults), f.default_text);
+    const std::string text = f.text(changed);
+    ASSERT_NE(text, f.default_text) << "AllChanged() leaves this field at its default";
+    CompressionPolicy p;
+    ASSERT_TRUE(f.set(p, text).ok());
+    EXPECT_EQ(f.text(p), text);
+    EXPECT_NE(p, defaults);
+    EXPECT_NE(p.DebugString().find(absl::StrCat(f.name, "=", text)), std::string::npos)
+        << p.DebugString();
+    if (p.value_codec == ValueCodec::kRaw && p.rank != 0) p.value_codec = ValueCodec::kOrthogonal;
+    ASSERT_TRUE(p.Validate().ok()) << p.Validate();
+    auto back = format::DecodePolicyRecords(format::EncodePolicyRecords(p));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, p);
+  }
+}
+
+TEST(PolicyFields, DoublesPrintTheirShortestExactText) {
+  CompressionPolicy p;
+  const PolicyFieldInfo* ratio = FindPolicyField("ratio");
+  ASSERT_NE(ratio, nullptr);
+  for (double v : {0.0, 0.1, 0.2, 0.1234567890123, 1.0 / 3.0, 0.999999999999}) {
+    ASSERT_TRUE(ratio->set(p, ratio->text(CompressionPolicy{})).ok());
+    p.ratio = v;
+    CompressionPolicy q;
+    ASSERT_TRUE(ratio->set(q, ratio->text(p)).ok());
+    EXPECT_EQ(q.ratio, v) << ratio->text(p);
+  }
+  p.ratio = 0.2;
+  EXPECT_EQ(ratio->text(p), "0.2");
+  EXPECT_EQ(FindPolicyField("value_outlier_factor")->default_text, "4");
+}
+
+TEST(PolicyFields, TextOutsideTheTypeOrRangeIsRefusedNamingTheField) {
+  struct Case {
+    const char* field;
+    const char* text;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"ratio", "1", "[0, 1)"},          {"ratio", "-0.1", "[0, 1)"},
+      {"ratio", "nan", "not a number"},  {"ratio", "abc", "not a number"},
+      {"recent_fraction", "1", "[0, 1)"}, {"alpha_safeguard", "1.5", "[0, 1]"},
+      {"window", "0", "at least 1"},     {"n_sink", "-1", "integer"},
+      {"n_sink", "4294967296", "integer"}, {"rank", "257", "[0, 256]"},
+      {"group_size", "0", "[1, 256]"},   {"value_outlier_factor", "0.5", "[1, 1e9]"},
+      {"protect", "maybe", "boolean"},   {"scorer", "best", "expected one of"},
+      {"key_codec", "int3", "expected one of"},
+  };
+  for (const Case& c : cases) {
+    const PolicyFieldInfo* f = FindPolicyField(c.field);
+    ASSERT_NE(f, nullptr) << c.field;
+    CompressionPolicy p;
+    const absl::Status s = f->set(p, c.text);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field << "=" << c.text;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << s;
+    EXPECT_NE(s.message().find(c.says), std::string::npos) << s;
+    EXPECT_EQ(p, CompressionPolicy()) << "a refused value changed the policy";
+  }
+}
+
+TEST(PolicyFields, ValidateChecksEveryDeclaredRange) {
+  for (const PolicyFieldInfo& f : PolicyFields()) {
+    if (f.range.kind == PolicyRange::kAny || f.range.kind == PolicyRange::kNamed) continue;
+    SCOPED_TRACE(std::string(f.name));
+    // The lowest value is accepted, one below it is not (through the struct, not the text).
+    CompressionPolicy p;
+    ASSERT_TRUE(f.set(p, absl::StrCat(f.range.lo)).ok());
+    if (f.name == "rank") p.value_codec = ValueCodec::kOrthogonal;
+    EXPECT_TRUE(p.Validate().ok()) << p.Validate();
+    CompressionPolicy probe;
+    EXPECT_FALSE(f.set(probe, absl::StrCat(f.range.lo - 1)).ok());
+  }
+  CompressionPolicy p;
+  p.window = 0;
+  EXPECT_NE(p.Validate().message().find("window 0 must be at least 1"), std::string::npos)
+      << p.Validate();
+  p = CompressionPolicy();
+  p.group_size = 300;
+  EXPECT_NE(p.Validate().message().find("group_size 300 outside [1, 256]"), std::string::npos)
+      << p.Validate();
+  p = CompressionPolicy();
+  p.value_codec = static_cast<ValueCodec>(9);
+  EXPECT_NE(p.Validate().message().find("unknown value_codec 9"), std::string::npos)
+      << p.Validate();
+}
+
+TEST(PolicyFields, HelpNamesRangeDefaultAndEnumValues) {
+  EXPECT_EQ(FindPolicyField("ratio")->Help(),
+            "Fraction of tokens evicted per head (kept = int(n x (1 - ratio))); ignored when "
+            "token_budget > 0. In [0, 1). Default 0.5.");
+  const std::string scorer = FindPolicyField("scorer")->Help();
+  EXPECT_NE(scorer.find("Default manifold. One of: knorm, keydiff, manifold, windowed_manifold, "
+                        "streaming, random, snapkv."),
+            std::string::npos)
+      << scorer;
+  EXPECT_NE(FindPolicyField("window")->Help().find("At least 1. Default 4096."), std::string::npos);
+}
+
+TEST(PolicyFields, JsonListsEveryField) {
+  const std::string json = PolicyFieldsJson();
+  for (const PolicyFieldInfo& f : PolicyFields()) {
+    EXPECT_NE(json.find(absl::StrCat("{\"name\": \"", f.name, "\"")), std::string::npos) << f.name;
+  }
+  EXPECT_EQ(json.front(), '[');
+}
+
+}  // namespace
+}  // namespace kvcomp
