@@ -76,8 +76,16 @@ uint64_t CompressedCache::KeyTokenBytes() const {
       return 2ull * layout.head_dim;
     case KeyCodec::kInt8:
       return layout.head_dim;
+    case KeyCodec::kInt4:
+      return (layout.head_dim + 1ull) / 2;
   }
   return 0;
+}
+
+uint64_t CompressedCache::KeyScaleOffset(uint64_t h) const {
+  uint64_t groups = 0;
+  for (uint64_t i = 0; i < h && i < kept.size(); ++i) groups += KeyScaleGroups(key_codec, kept[i]);
+  return groups * layout.head_dim;
 }
 
 namespace {
@@ -150,7 +158,7 @@ absl::Status CompressedCache::Validate() const {
         absl::StrFormat("compressed cache: original_tokens %u exceeds %u", original_tokens,
                         KvLayout::kMaxTokens));
   }
-  if (static_cast<uint8_t>(key_codec) > static_cast<uint8_t>(KeyCodec::kInt8) ||
+  if (static_cast<uint8_t>(key_codec) > static_cast<uint8_t>(KeyCodec::kInt4) ||
       static_cast<uint8_t>(value_codec) > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
     return absl::InvalidArgumentError("compressed cache: unknown codec");
   }
@@ -228,7 +236,7 @@ absl::Status CompressedCache::Validate() const {
   if (keys.size() != total * KeyTokenBytes()) {
     return Inconsistent("keys (bytes)", keys.size(), total * KeyTokenBytes());
   }
-  const uint64_t want_key_scales = key_codec == KeyCodec::kInt8 ? h * d : 0;
+  const uint64_t want_key_scales = KeyScaleCount();
   if (key_scales.size() != want_key_scales) {
     return Inconsistent("key_scales", key_scales.size(), want_key_scales);
   }

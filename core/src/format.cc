@@ -183,7 +183,7 @@ std::vector<Section> SectionsOf(const CompressedCache& c, const std::vector<uint
   s.push_back({kPolicy, policy.data(), policy.size()});
   s.push_back({kPositions, c.positions.data(), c.positions.size() * sizeof(uint32_t)});
   s.push_back({kKeys, c.keys.data(), c.keys.size()});
-  if (c.key_codec == KeyCodec::kInt8) {
+  if (c.key_codec == KeyCodec::kInt8 || c.key_codec == KeyCodec::kInt4) {
     s.push_back({kKeyScales, c.key_scales.data(), c.key_scales.size() * sizeof(float)});
   }
   s.push_back({kValues, c.values.data(), c.values.size()});
@@ -272,7 +272,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
   if (!IsValidDType(dtype)) return absl::InvalidArgumentError("cache format: unknown dtype");
   info.layout.dtype = static_cast<DType>(dtype);
   KVCOMP_RETURN_IF_ERROR(Annotate(info.layout.Validate(), "cache format"));
-  if (kc > static_cast<uint8_t>(KeyCodec::kInt8) ||
+  if (kc > static_cast<uint8_t>(KeyCodec::kInt4) ||
       vc > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
     return absl::InvalidArgumentError("cache format: unknown key or value codec");
   }
@@ -502,14 +502,16 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   }
   // Ranks are at most head_dim (256) and kept counts at most 2^31 per head, so these products
   // fit; the multiplications are still checked.
-  uint64_t key_bytes, value_bytes = 0, scale_elems = 0;
+  uint64_t key_bytes, value_bytes = 0, scale_elems = 0, key_scale_elems = 0;
   if (!MulOk(t, c.KeyTokenBytes(), &key_bytes)) {
     return absl::InvalidArgumentError("cache format: section sizes overflow");
   }
   for (uint64_t head = 0; head < h; ++head) {
     const auto layer = static_cast<uint32_t>(head / info.layout.num_kv_heads);
-    uint64_t vb, sc;
-    if (!MulOk(c.kept[head], c.ValueTokenBytes(layer), &vb) ||
+    uint64_t vb, sc, ks;
+    if (!MulOk(KeyScaleGroups(c.key_codec, c.kept[head]), d, &ks) ||
+        __builtin_add_overflow(key_scale_elems, ks, &key_scale_elems) ||
+        !MulOk(c.kept[head], c.ValueTokenBytes(layer), &vb) ||
         !MulOk(c.kept[head], c.ValueGroups(layer), &sc) ||
         __builtin_add_overflow(value_bytes, vb, &value_bytes) ||
         __builtin_add_overflow(scale_elems, sc, &scale_elems)) {
@@ -518,8 +520,10 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   }
   KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kPositions, true, t, &c.positions));
   KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kKeys, true, key_bytes, &c.keys));
-  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kKeyScales, c.key_codec == KeyCodec::kInt8, h * d,
-                                     &c.key_scales));
+  KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kKeyScales,
+                                     c.key_codec == KeyCodec::kInt8 ||
+                                         c.key_codec == KeyCodec::kInt4,
+                                     key_scale_elems, &c.key_scales));
   KVCOMP_RETURN_IF_ERROR(TakeSection(p, bytes, kValues, true, value_bytes, &c.values));
   KVCOMP_RETURN_IF_ERROR(
       TakeSection(p, bytes, kValueScales, c.ValueGroups() > 0, scale_elems, &c.value_scales));

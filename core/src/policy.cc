@@ -38,6 +38,7 @@ constexpr std::pair<absl::string_view, KeyCodec> kKeyCodecs[] = {
     {"raw", KeyCodec::kRaw},
     {"fp16", KeyCodec::kFp16},
     {"int8", KeyCodec::kInt8},
+    {"int4", KeyCodec::kInt4},
 };
 constexpr std::pair<absl::string_view, ValueCodec> kValueCodecs[] = {
     {"none", ValueCodec::kRaw},

@@ -64,6 +64,7 @@ inline CompressedCache RandomCache(const RandomCacheOptions& o, uint64_t seed) {
   std::uniform_real_distribution<float> u(-3.0f, 3.0f);
   fill_bytes(&c.keys, t * c.KeyTokenBytes());
   fill_bytes(&c.values, c.ValueBytes());
+  c.key_scales.resize(c.KeyScaleCount());  // int4: one group of scales per 128 kept tokens
   for (auto& s : c.key_scales) s = u(rng);
   c.value_scales.resize(c.ValueScaleCount());
   for (auto& s : c.value_scales) s = FloatToHalf(u(rng));

@@ -18,7 +18,7 @@ using testing::RandomCacheOptions;
 std::vector<RandomCacheOptions> AllVariants() {
   std::vector<RandomCacheOptions> out;
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
-    for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8}) {
+    for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8, KeyCodec::kInt4}) {
       for (ValueCodec vc : {ValueCodec::kRaw, ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
                             ValueCodec::kOrthogonalInt4}) {
         for (bool moments : {false, true}) {
@@ -72,6 +72,45 @@ TEST(Format, RoundTripsEveryCodecAndDtype) {
     EXPECT_EQ(info->layout, c.layout);
     // Encoding is deterministic: the same cache gives the same bytes.
     EXPECT_EQ(*format::EncodeCache(*back), *bytes);
+  }
+}
+
+// int4 keys: d scales per group of 128 kept tokens of each head, so the key-scale section follows
+// the kept counts; a section of another size, and an unknown key codec, are refused.
+TEST(Format, Int4KeyScalesFollowTheKeptCounts) {
+  RandomCacheOptions o;
+  o.original_tokens = 300;
+  o.key_codec = KeyCodec::kInt4;
+  for (uint64_t seed = 0; seed < 6; ++seed) {
+    CompressedCache c = RandomCache(o, seed);
+    uint64_t groups = 0;
+    for (uint32_t k : c.kept) groups += (k + 127) / 128;
+    ASSERT_EQ(c.key_scales.size(), groups * c.layout.head_dim);
+    EXPECT_EQ(c.KeyTokenBytes(), c.layout.head_dim / 2);
+    EXPECT_EQ(c.KeyScaleOffset(1), uint64_t{(c.kept[0] + 127) / 128} * c.layout.head_dim);
+    auto bytes = format::EncodeCache(c);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    uint16_t minor;
+    std::memcpy(&minor, bytes->data() + 6, 2);
+    EXPECT_EQ(minor, format::kMinorVersion);
+    auto back = format::ParseCache(*bytes);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_TRUE(*back == c);
+    EXPECT_EQ(c.Breakdown().key_scales, groups * c.layout.head_dim * 4);
+    // One group of scales too few or too many: the cache is inconsistent.
+    CompressedCache bad = c;
+    bad.key_scales.resize(bad.key_scales.size() + c.layout.head_dim);
+    EXPECT_FALSE(bad.Validate().ok());
+    EXPECT_FALSE(format::EncodeCache(bad).ok());
+    // The same bytes read as int8 keys (one scale set per head, d bytes a token) do not parse.
+    std::string as_int8 = *bytes;
+    as_int8[41] = static_cast<char>(KeyCodec::kInt8);
+    Reseal(&as_int8);
+    EXPECT_FALSE(format::ParseCache(as_int8).ok());
+    std::string unknown = *bytes;
+    unknown[41] = 4;
+    Reseal(&unknown);
+    EXPECT_EQ(format::ParseCache(unknown).status().code(), absl::StatusCode::kInvalidArgument);
   }
 }
 

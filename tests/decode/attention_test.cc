@@ -112,6 +112,33 @@ TEST_F(DecodeAttentionTest, EncodedCacheMatchesDecodedFirst) {
   EXPECT_GT(diff, 1e-4);
 }
 
+// int4 keys (scales per group of kept tokens, ragged over heads): each layer's resident keys take
+// that layer's scales, so attention over the encoded cache is attention over its decoded copy.
+TEST_F(DecodeAttentionTest, Int4KeysMatchDecodedFirst) {
+  CompressionPolicy policy = caches_->encoded.policy;
+  policy.key_codec = KeyCodec::kInt4;
+  CompressedCache enc = caches_->raw;
+  enc.policy = policy;
+  ASSERT_TRUE(EncodeKept(*cpu_, policy, caches_->projection.get(), &enc).ok());
+  ASSERT_EQ(enc.key_codec, KeyCodec::kInt4);
+  ASSERT_EQ(enc.KeyScaleCount(), enc.key_scales.size());
+  const CompressedCache dense = testing::DecodedCopy(*cpu_, enc, caches_->projection.get());
+  const uint32_t qh = enc.layout.num_q_heads, nq = 2, d = enc.layout.head_dim;
+  auto rc = ResidentCache::Place(*cpu_, enc, caches_->projection);
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  auto rd = ResidentCache::Place(*cpu_, dense);
+  ASSERT_TRUE(rd.ok()) << rd.status();
+  Decoder decoder(*cpu_);
+  const std::vector<float> q = testing::RandomQueries(qh, nq, d, 5);
+  for (uint32_t layer = 0; layer < enc.layout.num_layers; ++layer) {
+    const std::vector<float> got = Attend(decoder, **rc, layer, q, qh, nq, true);
+    const std::vector<float> want = Attend(decoder, **rd, layer, q, qh, nq, true);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-5) << "layer " << layer << " element " << i;
+    }
+  }
+}
+
 TEST_F(DecodeAttentionTest, LayerSubsetAndAttendOnce) {
   const CompressedCache& enc = caches_->encoded;
   const uint32_t qh = enc.layout.num_q_heads, nq = 1, d = enc.layout.head_dim;

@@ -13,7 +13,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   int n = 0;
-  for (auto kc : {kvcomp::KeyCodec::kRaw, kvcomp::KeyCodec::kFp16, kvcomp::KeyCodec::kInt8}) {
+  for (auto kc : {kvcomp::KeyCodec::kRaw, kvcomp::KeyCodec::kFp16, kvcomp::KeyCodec::kInt8,
+                  kvcomp::KeyCodec::kInt4}) {
     for (auto vc : {kvcomp::ValueCodec::kRaw, kvcomp::ValueCodec::kOrthogonal,
                     kvcomp::ValueCodec::kOrthogonalInt8, kvcomp::ValueCodec::kOrthogonalInt4}) {
       for (bool moments : {false, true}) {

@@ -233,18 +233,21 @@ TEST(CodecCuda, KeysAgreeWithTheCpu) {
   std::normal_distribution<float> nd(0.0f, 4.0f);
   std::vector<uint16_t> k(n * d);
   for (auto& x : k) x = FloatToBf16(nd(rng));
-  for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8}) {
-    const uint64_t bytes = n * d * (kc == KeyCodec::kInt8 ? 1 : 2);
+  for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8, KeyCodec::kInt4}) {
+    const uint64_t bytes =
+        kc == KeyCodec::kInt4 ? n * d / 2 : n * d * (kc == KeyCodec::kInt8 ? 1 : 2);
     std::vector<uint8_t> ec(bytes), eg(bytes, 0xEE);
-    std::vector<float> sc(3 * d), sg(3 * d, -1.0f);
+    // int8: one scale set per head; int4: one per group of 128 rows (3 + 0 + 2 groups)
+    const uint64_t nsc = (kc == KeyCodec::kInt4 ? 5 : 3) * d;
+    std::vector<float> sc(nsc), sg(nsc, -1.0f);
     ASSERT_TRUE(
         b.cpu->codec().EncodeKeys(kc, Span(off), d, k.data(), DType::kBF16, ec.data(), sc.data()).ok());
     auto s = b.cuda->codec().EncodeKeys(kc, Span(off), d, k.data(), DType::kBF16, eg.data(),
                                         sg.data());
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(ec, eg) << KeyCodecName(kc);
-    if (kc == KeyCodec::kInt8) {
-      EXPECT_EQ(sc, sg);
+    if (kc == KeyCodec::kInt8 || kc == KeyCodec::kInt4) {
+      EXPECT_EQ(sc, sg) << KeyCodecName(kc);
     }
     std::vector<float> dc(n * d), dg(n * d, NAN);
     ASSERT_TRUE(b.cpu->codec()
@@ -293,39 +296,60 @@ TEST(CodecCuda, WholeCacheDecodesLikeTheCpu) {
   for (const Projection* proj : {&p, static_cast<const Projection*>(&tuned)}) {
     for (ValueCodec vc :
          {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8, ValueCodec::kOrthogonalInt4}) {
-      SCOPED_TRACE(proj == &tuned ? "per-layer ranks" : "one rank");
-      CompressionPolicy policy;
-      policy.value_codec = vc;
-      policy.key_codec = KeyCodec::kInt8;
-      CompressedCache cc = raw, cg = raw;
-      ASSERT_TRUE(EncodeKept(*b.cpu, policy, proj, &cc).ok());
-      auto s = EncodeKept(*b.cuda, policy, proj, &cg);
-      ASSERT_TRUE(s.ok()) << s;
-      EXPECT_EQ(cc.keys, cg.keys);
-      EXPECT_EQ(cc.layer_rank, cg.layer_rank);
-      EXPECT_EQ(cc.values.size(), cg.values.size());
-      if (proj == &tuned) {
-        EXPECT_EQ(cc.layer_rank, (std::vector<uint32_t>{24, 96}));
+      for (KeyCodec kc : {KeyCodec::kInt8, KeyCodec::kInt4}) {
+        SCOPED_TRACE(proj == &tuned ? "per-layer ranks" : "one rank");
+        SCOPED_TRACE(KeyCodecName(kc));
+        CompressionPolicy policy;
+        policy.value_codec = vc;
+        policy.key_codec = kc;
+        CompressedCache cc = raw, cg = raw;
+        ASSERT_TRUE(EncodeKept(*b.cpu, policy, proj, &cc).ok());
+        auto s = EncodeKept(*b.cuda, policy, proj, &cg);
+        ASSERT_TRUE(s.ok()) << s;
+        EXPECT_EQ(cc.keys, cg.keys);
+        EXPECT_EQ(cc.key_scales, cg.key_scales);
+        {
+          // Keys decoded on the GPU equal the CPU's, and stay within the codec's error.
+          auto kcpu = DecodeKept(*b.cpu, cc, proj);
+          auto kgpu = DecodeKept(*b.cuda, cc, proj);
+          ASSERT_TRUE(kcpu.ok() && kgpu.ok()) << kgpu.status();
+          EXPECT_EQ(kcpu->keys, kgpu->keys);
+          auto kraw = DecodeKept(*b.cpu, raw, nullptr);
+          ASSERT_TRUE(kraw.ok());
+          const auto* a = reinterpret_cast<const float*>(kcpu->keys.data());
+          const auto* w = reinterpret_cast<const float*>(kraw->keys.data());
+          double e = 0, nn = 0;
+          for (uint64_t i = 0; i < 600 * 128; ++i) {
+            e += (a[i] - w[i]) * (a[i] - w[i]);
+            nn += w[i] * w[i];
+          }
+          EXPECT_LT(std::sqrt(e / nn), kc == KeyCodec::kInt4 ? 0.15 : 0.02);
+        }
+        EXPECT_EQ(cc.layer_rank, cg.layer_rank);
+        EXPECT_EQ(cc.values.size(), cg.values.size());
+        if (proj == &tuned) {
+          EXPECT_EQ(cc.layer_rank, (std::vector<uint32_t>{24, 96}));
+        }
+        // The GPU's latents decode on the CPU like the CPU's own (same numbers up to rounding).
+        auto dgc = DecodeKept(*b.cpu, cg, proj);
+        ASSERT_TRUE(dgc.ok()) << dgc.status();
+        auto dc = DecodeKept(*b.cpu, cc, proj);
+        auto dg = DecodeKept(*b.cuda, cc, proj);
+        ASSERT_TRUE(dc.ok() && dg.ok()) << dg.status();
+        const auto* fc = reinterpret_cast<const float*>(dc->values.data());
+        const auto* fg = reinterpret_cast<const float*>(dg->values.data());
+        double e = 0, nn = 0;
+        for (uint64_t i = 0; i < 600 * 128; ++i) {
+          e += (fc[i] - fg[i]) * (fc[i] - fg[i]);
+          nn += fc[i] * fc[i];
+        }
+        EXPECT_LT(std::sqrt(e / nn), 2e-3) << ValueCodecName(vc);
+        const auto* fgc = reinterpret_cast<const float*>(dgc->values.data());
+        e = 0;
+        for (uint64_t i = 0; i < 600 * 128; ++i) e += (fc[i] - fgc[i]) * (fc[i] - fgc[i]);
+        EXPECT_LT(std::sqrt(e / nn), 2e-2) << ValueCodecName(vc);
+        EXPECT_EQ(DecodeKept(*b.cuda, cc, nullptr).status().code(), absl::StatusCode::kNotFound);
       }
-      // The GPU's latents decode on the CPU like the CPU's own (same numbers up to rounding).
-      auto dgc = DecodeKept(*b.cpu, cg, proj);
-      ASSERT_TRUE(dgc.ok()) << dgc.status();
-      auto dc = DecodeKept(*b.cpu, cc, proj);
-      auto dg = DecodeKept(*b.cuda, cc, proj);
-      ASSERT_TRUE(dc.ok() && dg.ok()) << dg.status();
-      const auto* fc = reinterpret_cast<const float*>(dc->values.data());
-      const auto* fg = reinterpret_cast<const float*>(dg->values.data());
-      double e = 0, nn = 0;
-      for (uint64_t i = 0; i < 600 * 128; ++i) {
-        e += (fc[i] - fg[i]) * (fc[i] - fg[i]);
-        nn += fc[i] * fc[i];
-      }
-      EXPECT_LT(std::sqrt(e / nn), 2e-3) << ValueCodecName(vc);
-      const auto* fgc = reinterpret_cast<const float*>(dgc->values.data());
-      e = 0;
-      for (uint64_t i = 0; i < 600 * 128; ++i) e += (fc[i] - fgc[i]) * (fc[i] - fgc[i]);
-      EXPECT_LT(std::sqrt(e / nn), 2e-2) << ValueCodecName(vc);
-      EXPECT_EQ(DecodeKept(*b.cuda, cc, nullptr).status().code(), absl::StatusCode::kNotFound);
     }
   }
 }

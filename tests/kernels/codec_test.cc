@@ -282,6 +282,92 @@ TEST(CodecCpu, KeysRawFp16Int8) {
   }
 }
 
+// int4 keys: per (head, group of kKeyInt4GroupRows rows, channel) scale max |k| / 7, the scales
+// of a head's groups in order, heads in order (an empty head has none), two channels per byte
+// (low nibble first), every element back within half its group's scale.
+TEST(CodecCpu, Int4KeysScalePerGroupOfRows) {
+  auto be = Cpu();
+  for (uint32_t d : {64u, 7u}) {
+    SCOPED_TRACE(d);
+    const std::vector<uint64_t> off = {0, 300, 300, 555};  // 3 groups, none, 2 groups
+    const uint64_t n = off.back(), nb = (d + 1) / 2;
+    ASSERT_EQ(KeyScaleGroups(KeyCodec::kInt4, 300), 3u);
+    ASSERT_EQ(KeyScaleGroups(KeyCodec::kInt4, 0), 0u);
+    std::mt19937_64 rng(13);
+    std::normal_distribution<float> nd(0.0f, 3.0f);
+    std::vector<uint16_t> k(n * d);
+    for (uint64_t i = 0; i < n * d; ++i) {
+      // the group of rows 256..299 of head 0 is ten times louder: its own scales follow it
+      k[i] = FloatToBf16(nd(rng) * (i / d >= 256 && i / d < 300 ? 10.0f : 1.0f));
+    }
+    std::vector<uint8_t> q(n * nb, 0xEE);
+    std::vector<float> scales(5 * d, std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(be->codec()
+                    .EncodeKeys(KeyCodec::kInt4, Span(off), d, k.data(), DType::kBF16, q.data(),
+                                scales.data())
+                    .ok());
+    // group g of the call: rows [begin, end)
+    const std::vector<std::pair<uint64_t, uint64_t>> groups = {
+        {0, 128}, {128, 256}, {256, 300}, {300, 428}, {428, 555}};
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (uint32_t c = 0; c < d; ++c) {
+        float m = 0.0f;
+        for (uint64_t r = groups[g].first; r < groups[g].second; ++r) {
+          m = std::fmax(m, std::fabs(Bf16ToFloat(k[r * d + c])));
+        }
+        ASSERT_EQ(scales[g * d + c], m / 7.0f) << "group " << g << " channel " << c;
+      }
+    }
+    for (uint64_t r = 0; r < n; ++r) {
+      const uint64_t g = std::find_if(groups.begin(), groups.end(),
+                                      [&](auto gr) { return r < gr.second; }) - groups.begin();
+      for (uint32_t c = 0; c < d; ++c) {
+        const uint8_t byte = q[r * nb + c / 2];
+        const int nib = c % 2 == 0 ? byte & 15 : byte >> 4;
+        const int want = static_cast<int>(
+            std::nearbyint(Bf16ToFloat(k[r * d + c]) / scales[g * d + c]));
+        ASSERT_EQ(nib, want & 15) << "row " << r << " channel " << c;
+      }
+      if (d % 2 == 1) {
+        ASSERT_EQ(q[r * nb + nb - 1] >> 4, 0) << "odd head_dim: high nibble 0";
+      }
+    }
+    for (DType out_dtype : {DType::kF32, DType::kBF16}) {
+      std::vector<uint8_t> back(DTypeBytes(out_dtype, n * d), 0xFF);
+      ASSERT_TRUE(be->codec()
+                      .DecodeKeys(KeyCodec::kInt4, Span(off), d, q.data(), DType::kBF16,
+                                  scales.data(), back.data(), out_dtype)
+                      .ok());
+      for (uint64_t r = 0; r < n; ++r) {
+        const uint64_t g = std::find_if(groups.begin(), groups.end(),
+                                        [&](auto gr) { return r < gr.second; }) - groups.begin();
+        for (uint32_t c = 0; c < d; ++c) {
+          const float got = LoadAsFloat(back.data(), out_dtype, r * d + c);
+          const float tol = 0.5f * scales[g * d + c] * 1.0001f +
+                            (out_dtype == DType::kBF16 ? std::fabs(got) / 128.0f : 0.0f);
+          ASSERT_LE(std::fabs(got - Bf16ToFloat(k[r * d + c])), tol) << r << " " << c;
+        }
+      }
+    }
+    // A missing scale buffer is an error, not a crash.
+    EXPECT_EQ(be->codec()
+                  .EncodeKeys(KeyCodec::kInt4, Span(off), d, k.data(), DType::kBF16, q.data(),
+                              nullptr)
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(be->codec()
+                  .DecodeKeys(KeyCodec::kInt4, Span(off), d, q.data(), DType::kBF16, nullptr,
+                              scales.data(), DType::kF32)
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(be->codec()
+                .EncodeKeys(static_cast<KeyCodec>(4), Span({0, 1}), 64, nullptr, DType::kBF16,
+                            nullptr, nullptr)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CodecCpu, RejectsBadParameters) {
   auto be = Cpu();
   Projection p = MakeProjection(1, 2, 64, 32, false, 1);
@@ -352,7 +438,7 @@ TEST(KvSplice, EveryPresetRoundTripsThroughTheFormat) {
   const CompressedCache raw = RawCache(data, values, keys, DType::kBF16, 4);
   for (ValueCodec vc : {ValueCodec::kRaw, ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
                         ValueCodec::kOrthogonalInt4}) {
-    for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8}) {
+    for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8, KeyCodec::kInt4}) {
       CompressionPolicy policy;
       policy.value_codec = vc;
       policy.key_codec = kc;
@@ -386,7 +472,10 @@ TEST(KvSplice, EveryPresetRoundTripsThroughTheFormat) {
       }
       // Rank 32..48 of a 24-rank signal keeps it; what is left is noise and quantization.
       const double max_v = vc == ValueCodec::kRaw ? 0 : vc == ValueCodec::kOrthogonalInt4 ? 0.2 : 0.05;
-      const double max_k = kc == KeyCodec::kInt8 ? 0.02 : kc == KeyCodec::kFp16 ? 0.003 : 0;
+      const double max_k = kc == KeyCodec::kInt4   ? 0.15
+                           : kc == KeyCodec::kInt8 ? 0.02
+                           : kc == KeyCodec::kFp16 ? 0.003
+                                                   : 0;
       EXPECT_LE(std::sqrt(ev / nv), max_v) << ValueCodecName(vc) << "/" << KeyCodecName(kc);
       EXPECT_LE(std::sqrt(ek / nk), max_k) << ValueCodecName(vc) << "/" << KeyCodecName(kc);
       EXPECT_EQ(dec->positions, raw.positions);

@@ -118,9 +118,10 @@ absl::Status ResidentCache::PlaceLayer(const CompressedCache& cache, uint32_t la
   const uint64_t key_row = cache.KeyTokenBytes();
   KVCOMP_ASSIGN_OR_RETURN(s.keys,
                           CopyIn(cache.keys.data() + first_row * key_row, s.rows * key_row));
-  if (cache.key_codec == KeyCodec::kInt8) {
+  if (cache.key_codec == KeyCodec::kInt8 || cache.key_codec == KeyCodec::kInt4) {
+    const uint64_t ks0 = cache.KeyScaleOffset(h0), ks1 = cache.KeyScaleOffset(h0 + hk);
     KVCOMP_ASSIGN_OR_RETURN(const void* ks,
-                            CopyIn(cache.key_scales.data() + h0 * d, uint64_t{hk} * d * 4));
+                            CopyIn(cache.key_scales.data() + ks0, (ks1 - ks0) * sizeof(float)));
     s.key_scales = static_cast<const float*>(ks);
   }
   KVCOMP_ASSIGN_OR_RETURN(

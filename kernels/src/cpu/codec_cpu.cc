@@ -145,6 +145,7 @@ class CpuCodecOps final : public CodecOps {
                           const void* keys, DType dtype, void* out, float* key_scales) override {
     KVCOMP_RETURN_IF_ERROR(CheckKeyCall(codec, rows, head_dim, dtype));
     const uint64_t d = head_dim, n = rows.total_rows();
+    if (codec == KeyCodec::kInt4) return EncodeKeysInt4(rows, d, keys, dtype, out, key_scales);
     if (codec == KeyCodec::kInt8) {
       if (key_scales == nullptr) return absl::InvalidArgumentError("codec: null key_scales");
       context_->ParallelFor(rows.num_heads(), [&](size_t h) {
@@ -179,6 +180,8 @@ class CpuCodecOps final : public CodecOps {
           FromF32(v.data(), m * d, out, DType::kF16, t.begin * d);
           break;
         }
+        case KeyCodec::kInt4:
+          break;  // EncodeKeysInt4
         case KeyCodec::kInt8: {
           thread_local std::vector<float> v;
           v.resize(d);
@@ -204,10 +207,12 @@ class CpuCodecOps final : public CodecOps {
     KVCOMP_RETURN_IF_ERROR(CheckInputDType(out_dtype, "output"));
     const uint64_t d = head_dim, n = rows.total_rows();
     if (n == 0) return absl::OkStatus();
-    if (encoded == nullptr || out == nullptr || (codec == KeyCodec::kInt8 && !key_scales)) {
+    if (encoded == nullptr || out == nullptr ||
+        ((codec == KeyCodec::kInt8 || codec == KeyCodec::kInt4) && !key_scales)) {
       return absl::InvalidArgumentError("codec: null buffer");
     }
     const std::vector<Tile> tiles = MakeTiles(rows);
+    const std::vector<uint64_t> scale_at = KeyScaleStarts(codec, rows, d);
     context_->ParallelFor(tiles.size(), [&](size_t i) {
       const Tile& t = tiles[i];
       const uint64_t m = t.end - t.begin;
@@ -226,6 +231,20 @@ class CpuCodecOps final : public CodecOps {
           for (uint64_t r = 0; r < m; ++r) {
             for (uint64_t c = 0; c < d; ++c) {
               v[r * d + c] = static_cast<float>(q[(t.begin + r) * d + c]) * sc[c];
+            }
+          }
+          break;
+        }
+        case KeyCodec::kInt4: {
+          const auto* q = static_cast<const uint8_t*>(encoded);
+          const uint64_t nb = (d + 1) / 2, head0 = rows.row_offsets[t.head];
+          for (uint64_t r = 0; r < m; ++r) {
+            const uint64_t row = t.begin + r;
+            const float* sc = key_scales + scale_at[t.head] + (row - head0) / kKeyInt4GroupRows * d;
+            for (uint64_t c = 0; c < d; ++c) {
+              const uint8_t byte = q[row * nb + c / 2];
+              const int x = codec_internal::Int4Value(c % 2 == 0 ? byte & 15u : byte >> 4);
+              v[r * d + c] = static_cast<float>(x) * sc[c];
             }
           }
           break;
@@ -308,8 +327,67 @@ class CpuCodecOps final : public CodecOps {
     return CheckInputDType(dtype, "value");
   }
 
+  // First key scale of each head of `rows` (KeyScaleGroups(codec, rows) x d per head).
+  static std::vector<uint64_t> KeyScaleStarts(KeyCodec codec, const RowSpan& rows, uint64_t d) {
+    std::vector<uint64_t> at(rows.num_heads() + 1, 0);
+    for (uint64_t h = 0; h < rows.num_heads(); ++h) {
+      at[h + 1] =
+          at[h] + KeyScaleGroups(codec, rows.row_offsets[h + 1] - rows.row_offsets[h]) * d;
+    }
+    return at;
+  }
+
+  // int4 keys: per (head, group of kKeyInt4GroupRows rows) the channel scales max |k| / 7, then
+  // two quantized channels per byte. One unit of work per group.
+  absl::Status EncodeKeysInt4(const RowSpan& rows, uint64_t d, const void* keys, DType dtype,
+                              void* out, float* key_scales) {
+    const uint64_t n = rows.total_rows();
+    if (n == 0) return absl::OkStatus();
+    if (keys == nullptr || out == nullptr || key_scales == nullptr) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    const std::vector<uint64_t> scale_at = KeyScaleStarts(KeyCodec::kInt4, rows, d);
+    struct Group {
+      uint64_t begin, end;
+      float* scales;
+    };
+    std::vector<Group> groups;
+    for (uint64_t h = 0; h < rows.num_heads(); ++h) {
+      float* sc = key_scales + scale_at[h];
+      for (uint64_t b = rows.row_offsets[h]; b < rows.row_offsets[h + 1];
+           b += kKeyInt4GroupRows, sc += d) {
+        groups.push_back({b, std::min(b + kKeyInt4GroupRows, rows.row_offsets[h + 1]), sc});
+      }
+    }
+    const uint64_t nb = (d + 1) / 2;
+    context_->ParallelFor(groups.size(), [&](size_t i) {
+      const Group& g = groups[i];
+      thread_local std::vector<float> v;
+      v.resize((g.end - g.begin) * d);
+      ToF32(keys, dtype, g.begin * d, (g.end - g.begin) * d, v.data());
+      std::fill(g.scales, g.scales + d, 0.0f);
+      for (uint64_t r = 0; r < g.end - g.begin; ++r) {
+        for (uint64_t c = 0; c < d; ++c) {
+          g.scales[c] = std::fmax(g.scales[c], std::fabs(v[r * d + c]));
+        }
+      }
+      for (uint64_t c = 0; c < d; ++c) g.scales[c] /= 7.0f;
+      auto* q = static_cast<uint8_t*>(out);
+      for (uint64_t r = 0; r < g.end - g.begin; ++r) {
+        uint8_t* row = q + (g.begin + r) * nb;
+        for (uint64_t b = 0; b < nb; ++b) {
+          const uint64_t c0 = 2 * b, c1 = 2 * b + 1;
+          const int lo = codec_internal::QuantizeOne(v[r * d + c0], g.scales[c0], 7);
+          const int hi = c1 < d ? codec_internal::QuantizeOne(v[r * d + c1], g.scales[c1], 7) : 0;
+          row[b] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
+        }
+      }
+    });
+    return absl::OkStatus();
+  }
+
   absl::Status CheckKeyCall(KeyCodec codec, const RowSpan& rows, uint32_t head_dim, DType dtype) {
-    if (static_cast<uint8_t>(codec) > static_cast<uint8_t>(KeyCodec::kInt8)) {
+    if (static_cast<uint8_t>(codec) > static_cast<uint8_t>(KeyCodec::kInt4)) {
       return absl::InvalidArgumentError("codec: unknown key codec");
     }
     if (head_dim == 0) return absl::InvalidArgumentError("codec: head_dim 0");

@@ -249,9 +249,11 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
     cache->projection_version = projection->version;
   }
   if (policy.key_codec != KeyCodec::kRaw) {
-    const uint64_t eb = policy.key_codec == KeyCodec::kFp16 ? 2 : 1;
-    std::vector<uint8_t> out(total * d * eb);
-    std::vector<float> key_scales(policy.key_codec == KeyCodec::kInt8 ? cache->num_heads() * d : 0);
+    const KeyCodec raw_codec = cache->key_codec;
+    cache->key_codec = policy.key_codec;  // sizes of the encoded keys and scales
+    std::vector<uint8_t> out(total * cache->KeyTokenBytes());
+    std::vector<float> key_scales(cache->KeyScaleCount());
+    cache->key_codec = raw_codec;
     KVCOMP_RETURN_IF_ERROR(ops.EncodeKeys(policy.key_codec, rows, layout.head_dim,
                                           cache->keys.data(), layout.dtype, out.data(),
                                           key_scales.empty() ? nullptr : key_scales.data()));

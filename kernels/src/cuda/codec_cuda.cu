@@ -177,6 +177,7 @@ class CudaCodecOps final : public CodecOps {
     if (n > 0 && (keys == nullptr || out == nullptr)) {
       return absl::InvalidArgumentError("codec: null buffer");
     }
+    if (codec == KeyCodec::kInt4) return EncodeKeysInt4(rows, d, keys, dtype, out, key_scales);
     Staging st(this);
     KVCOMP_ASSIGN_OR_RETURN(const void* dk, st.In(keys, n * d * DTypeBytes(dtype, 1)));
     const uint64_t out_bytes = n * d * (codec == KeyCodec::kRaw ? DTypeBytes(dtype, 1)
@@ -217,8 +218,12 @@ class CudaCodecOps final : public CodecOps {
     KVCOMP_RETURN_IF_ERROR(CheckKeyCall(codec, rows, head_dim, raw_dtype, out_dtype));
     const uint64_t n = rows.total_rows(), d = head_dim, heads = rows.num_heads();
     if (n == 0) return absl::OkStatus();
-    if (encoded == nullptr || out == nullptr || (codec == KeyCodec::kInt8 && !key_scales)) {
+    if (encoded == nullptr || out == nullptr ||
+        ((codec == KeyCodec::kInt8 || codec == KeyCodec::kInt4) && !key_scales)) {
       return absl::InvalidArgumentError("codec: null buffer");
+    }
+    if (codec == KeyCodec::kInt4) {
+      return DecodeKeysInt4(rows, d, encoded, key_scales, out, out_dtype);
     }
     const DType in_dtype = codec == KeyCodec::kRaw ? raw_dtype : DType::kF16;
     Staging st(this);
@@ -543,6 +548,87 @@ class CudaCodecOps final : public CodecOps {
     return absl::OkStatus();
   }
 
+  // Host-side count of the int4 key scales of `rows` (KeyScaleGroups x d per head).
+  static uint64_t Int4ScaleCount(const RowSpan& rows, uint64_t d) {
+    uint64_t groups = 0;
+    for (uint64_t h = 0; h < rows.num_heads(); ++h) {
+      groups += KeyScaleGroups(KeyCodec::kInt4, rows.row_offsets[h + 1] - rows.row_offsets[h]);
+    }
+    return groups * d;
+  }
+
+  absl::Status EncodeKeysInt4(const RowSpan& rows, uint64_t d, const void* keys, DType dtype,
+                              void* out, float* key_scales) {
+    const uint64_t n = rows.total_rows(), nb = (d + 1) / 2;
+    if (n == 0) return absl::OkStatus();
+    if (key_scales == nullptr) return absl::InvalidArgumentError("codec: null key_scales");
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* dk, st.In(keys, n * d * DTypeBytes(dtype, 1)));
+    KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, n * nb));
+    KVCOMP_ASSIGN_OR_RETURN(void* s, st.Out(key_scales, Int4ScaleCount(rows, d) * sizeof(float)));
+    auto* dsc = static_cast<float*>(s);
+    const std::vector<Tile> tiles = MakeTiles(rows, 64);
+    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
+    const auto heads = static_cast<unsigned>(rows.num_heads());
+    const auto d32 = static_cast<uint32_t>(d);
+    const auto g = static_cast<unsigned>(tiles.size());
+    auto* o = static_cast<uint8_t*>(dout);
+    switch (dtype) {
+      case DType::kF32:
+        codec_cuda::KeyInt4ScalesKernel<float><<<heads, 256, 0, ctx_->stream>>>(
+            static_cast<const float*>(dk), doff, d32, dsc);
+        codec_cuda::EncodeKeysInt4Kernel<float><<<g, 256, 0, ctx_->stream>>>(
+            dt, static_cast<const float*>(dk), doff, d32, dsc, o);
+        break;
+      case DType::kF16:
+        codec_cuda::KeyInt4ScalesKernel<__half><<<heads, 256, 0, ctx_->stream>>>(
+            static_cast<const __half*>(dk), doff, d32, dsc);
+        codec_cuda::EncodeKeysInt4Kernel<__half><<<g, 256, 0, ctx_->stream>>>(
+            dt, static_cast<const __half*>(dk), doff, d32, dsc, o);
+        break;
+      default:
+        codec_cuda::KeyInt4ScalesKernel<__nv_bfloat16><<<heads, 256, 0, ctx_->stream>>>(
+            static_cast<const __nv_bfloat16*>(dk), doff, d32, dsc);
+        codec_cuda::EncodeKeysInt4Kernel<__nv_bfloat16><<<g, 256, 0, ctx_->stream>>>(
+            dt, static_cast<const __nv_bfloat16*>(dk), doff, d32, dsc, o);
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return st.Finish();
+  }
+
+  absl::Status DecodeKeysInt4(const RowSpan& rows, uint64_t d, const void* encoded,
+                              const float* key_scales, void* out, DType out_dtype) {
+    const uint64_t n = rows.total_rows(), nb = (d + 1) / 2;
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* din, st.In(encoded, n * nb));
+    KVCOMP_ASSIGN_OR_RETURN(const void* dsc,
+                            st.In(key_scales, Int4ScaleCount(rows, d) * sizeof(float)));
+    KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, n * d * DTypeBytes(out_dtype, 1)));
+    const std::vector<Tile> tiles = MakeTiles(rows, 64);
+    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
+    const auto g = static_cast<unsigned>(tiles.size());
+    const auto* in = static_cast<const uint8_t*>(din);
+    const auto* sc = static_cast<const float*>(dsc);
+    const auto d32 = static_cast<uint32_t>(d);
+    switch (out_dtype) {
+      case DType::kF32:
+        codec_cuda::DecodeKeysInt4Kernel<float><<<g, 256, 0, ctx_->stream>>>(
+            dt, in, doff, d32, sc, static_cast<float*>(dout));
+        break;
+      case DType::kF16:
+        codec_cuda::DecodeKeysInt4Kernel<__half><<<g, 256, 0, ctx_->stream>>>(
+            dt, in, doff, d32, sc, static_cast<__half*>(dout));
+        break;
+      default:
+        codec_cuda::DecodeKeysInt4Kernel<__nv_bfloat16><<<g, 256, 0, ctx_->stream>>>(
+            dt, in, doff, d32, sc, static_cast<__nv_bfloat16*>(dout));
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return st.Finish();
+  }
+
   template <typename Out>
   absl::Status LaunchDecodeKeys(DType in_dtype, size_t tiles, const Tile* dt, const void* din,
                                 uint64_t d, const float* sc, bool int8, void* dout) {
@@ -585,7 +671,7 @@ class CudaCodecOps final : public CodecOps {
 
   absl::Status CheckKeyCall(KeyCodec codec, const RowSpan& rows, uint32_t head_dim, DType dtype,
                             DType out_dtype) {
-    if (static_cast<uint8_t>(codec) > static_cast<uint8_t>(KeyCodec::kInt8)) {
+    if (static_cast<uint8_t>(codec) > static_cast<uint8_t>(KeyCodec::kInt4)) {
       return absl::InvalidArgumentError("codec: unknown key codec");
     }
     if (head_dim == 0 || head_dim > 1024) {

@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "kvcomp/core/policy.h"
+
 namespace kvcomp {
 namespace codec_cuda {
 
@@ -377,6 +379,72 @@ __global__ void DecodeKeysKernel(const Tile* tiles, const void* in, uint32_t d,
       v = ToF<In>(static_cast<const In*>(in)[e]);
     }
     out[e] = FromF<Out>(v);
+  }
+}
+
+// First key scale of head h for int4 keys: its earlier heads' groups of kKeyInt4GroupRows rows,
+// d scales each.
+__device__ __forceinline__ uint64_t Int4KeyScaleStart(const uint64_t* offsets, uint32_t h,
+                                                      uint32_t d) {
+  uint64_t groups = 0;
+  for (uint32_t i = 0; i < h; ++i) {
+    groups += (offsets[i + 1] - offsets[i] + kKeyInt4GroupRows - 1) / kKeyInt4GroupRows;
+  }
+  return groups * d;
+}
+
+// int4 key scales: one block per head; each thread takes (group, channel) pairs of the head and
+// writes max |k| over the group's rows / 7.
+template <typename T>
+__global__ void KeyInt4ScalesKernel(const T* keys, const uint64_t* offsets, uint32_t d,
+                                    float* scales) {
+  const uint32_t h = blockIdx.x;
+  const uint64_t begin = offsets[h], rows = offsets[h + 1] - begin;
+  const uint64_t groups = (rows + kKeyInt4GroupRows - 1) / kKeyInt4GroupRows;
+  float* sc = scales + Int4KeyScaleStart(offsets, h, d);
+  for (uint64_t i = threadIdx.x; i < groups * d; i += blockDim.x) {
+    const uint64_t g = i / d, c = i % d;
+    const uint64_t r0 = begin + g * kKeyInt4GroupRows;
+    const uint64_t r1 = min(r0 + kKeyInt4GroupRows, begin + rows);
+    float m = 0.0f;
+    for (uint64_t r = r0; r < r1; ++r) m = fmaxf(m, fabsf(ToF<T>(keys[r * d + c])));
+    sc[i] = m / 7.0f;
+  }
+}
+
+// int4 keys of one tile per block (a tile never spans two scale groups: tiles of 64 rows start
+// at the head's first row and kKeyInt4GroupRows is a multiple of 64); one thread per byte.
+template <typename T>
+__global__ void EncodeKeysInt4Kernel(const Tile* tiles, const T* keys, const uint64_t* offsets,
+                                     uint32_t d, const float* scales, uint8_t* out) {
+  const Tile tile = tiles[blockIdx.x];
+  const uint32_t nb = (d + 1) / 2;
+  const float* sc = scales + Int4KeyScaleStart(offsets, tile.head, d) +
+                    (tile.begin - offsets[tile.head]) / kKeyInt4GroupRows * d;
+  for (uint32_t i = threadIdx.x; i < tile.rows * nb; i += blockDim.x) {
+    const uint64_t row = tile.begin + i / nb;
+    const uint32_t c0 = 2 * (i % nb), c1 = c0 + 1;
+    const int lo = QuantizeOne(ToF<T>(keys[row * d + c0]), sc[c0], 7);
+    const int hi = c1 < d ? QuantizeOne(ToF<T>(keys[row * d + c1]), sc[c1], 7) : 0;
+    out[row * nb + i % nb] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
+  }
+}
+
+// Decodes int4 keys of one tile per block into Out.
+template <typename Out>
+__global__ void DecodeKeysInt4Kernel(const Tile* tiles, const uint8_t* in,
+                                     const uint64_t* offsets, uint32_t d, const float* scales,
+                                     Out* out) {
+  const Tile tile = tiles[blockIdx.x];
+  const uint32_t nb = (d + 1) / 2;
+  const float* sc = scales + Int4KeyScaleStart(offsets, tile.head, d) +
+                    (tile.begin - offsets[tile.head]) / kKeyInt4GroupRows * d;
+  for (uint32_t i = threadIdx.x; i < tile.rows * d; i += blockDim.x) {
+    const uint64_t row = tile.begin + i / d;
+    const uint32_t c = i % d;
+    const uint8_t byte = in[row * nb + c / 2];
+    const int q = Int4Value(c % 2 == 0 ? byte & 15u : byte >> 4);
+    out[row * d + c] = FromF<Out>(static_cast<float>(q) * sc[c]);
   }
 }
 

@@ -26,7 +26,7 @@ struct CacheBytes {
   uint64_t header = 0;        // fixed header, section table, head table, policy, padding
   uint64_t positions = 0;     // kept token positions
   uint64_t keys = 0;          // kept keys
-  uint64_t key_scales = 0;    // int8 key scales
+  uint64_t key_scales = 0;    // int8 / int4 key scales
   uint64_t values = 0;        // kept values or their latents
   uint64_t value_scales = 0;  // latent group scales
   uint64_t raw_values = 0;    // KVSplice outliers: row indices and raw values
@@ -64,7 +64,9 @@ class CompressedCache {
   // --- ragged per-token arrays ---
   std::vector<uint32_t> positions;  // ascending within each head, < original_tokens
   std::vector<uint8_t> keys;        // total_kept * KeyTokenBytes()
-  std::vector<float> key_scales;    // int8 keys: num_heads * head_dim, else empty
+  // int8 keys: num_heads * head_dim; int4 keys: per head, KeyScaleGroups(kInt4, kept) groups
+  // of head_dim (group-major, head order); else empty.
+  std::vector<float> key_scales;
   std::vector<uint8_t> values;      // total_kept * ValueTokenBytes()
   std::vector<uint16_t> value_scales;  // int8/int4: total_kept * ValueGroups() f16, else empty
   // KVSplice outliers (encoded values only): kept rows, ascending indices into the ragged
@@ -97,6 +99,9 @@ class CompressedCache {
   // Bytes per kept token in `keys` and `values`, and f16 scales per token in value_scales. The
   // value figures without a layer are those at `rank` (every layer's, unless layer_rank is set).
   uint64_t KeyTokenBytes() const;
+  // First element of head h's key scales in key_scales, and their count over all heads.
+  uint64_t KeyScaleOffset(uint64_t h) const;
+  uint64_t KeyScaleCount() const { return KeyScaleOffset(kept.size()); }
   uint64_t ValueTokenBytes() const;
   uint64_t ValueGroups() const;
   uint32_t LayerRank(uint32_t layer) const { return layer_rank.empty() ? rank : layer_rank[layer]; }

@@ -34,7 +34,20 @@ enum class KeyCodec : uint8_t {
   kRaw = 0,   // keys kept in the input dtype
   kFp16 = 1,  // keys as IEEE half
   kInt8 = 2,  // int8 with one f32 scale per (layer, kv head, channel)
+  kInt4 = 3,  // int4, two per byte, one f32 scale per (layer, kv head, channel) and group of
+              // kKeyInt4GroupRows kept tokens
 };
+
+// Kept tokens of a head per int4 key scale group (the head's rows in order; the last group may be
+// short).
+inline constexpr uint64_t kKeyInt4GroupRows = 128;
+// Scales per channel a head keeping `rows` tokens stores: 1 for int8 (also at 0 rows),
+// ceil(rows / kKeyInt4GroupRows) for int4, 0 for raw and fp16.
+inline uint64_t KeyScaleGroups(KeyCodec codec, uint64_t rows) {
+  if (codec == KeyCodec::kInt8) return 1;
+  if (codec == KeyCodec::kInt4) return (rows + kKeyInt4GroupRows - 1) / kKeyInt4GroupRows;
+  return 0;
+}
 
 enum class ValueCodec : uint8_t {
   kRaw = 0,             // values kept in the input dtype
@@ -47,7 +60,7 @@ absl::string_view ScorerName(Scorer s);  // "knorm", "keydiff", "manifold", ...
 absl::StatusOr<Scorer> ParseScorer(absl::string_view name);
 absl::string_view HeadBudgetName(HeadBudget b);  // "uniform", "adakv"
 absl::StatusOr<HeadBudget> ParseHeadBudget(absl::string_view name);
-absl::string_view KeyCodecName(KeyCodec c);  // "raw", "fp16", "int8"
+absl::string_view KeyCodecName(KeyCodec c);  // "raw", "fp16", "int8", "int4"
 absl::StatusOr<KeyCodec> ParseKeyCodec(absl::string_view name);
 absl::string_view ValueCodecName(ValueCodec c);  // "none", "orthogonal", "orthogonal_int8", ...
 absl::StatusOr<ValueCodec> ParseValueCodec(absl::string_view name);

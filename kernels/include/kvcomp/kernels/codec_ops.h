@@ -15,8 +15,12 @@
 //                    two per byte, element 2i in the low nibble (two's complement)
 // Decoding writes V' = sum_j (q_j s) gamma_j p_j in one pass (dequantize and expand fused, no
 // intermediate array), in the requested dtype.
-// Keys: raw (copied in the input dtype), fp16, or int8 with one f32 scale per (head, channel),
-// scale = max over the head's rows of |k| / 127 (0 when the head has no rows).
+// Keys: raw (copied in the input dtype), fp16, int8 with one f32 scale per (head, channel),
+// scale = max over the head's rows of |k| / 127 (0 when the head has no rows), or int4 with one
+// f32 scale per (head, group of kKeyInt4GroupRows rows, channel), scale = max over the group's
+// rows of |k| / 7, q = round(k / scale) in [-7, 7], two per byte (channel 2i in the low nibble,
+// two's complement); a head's scales are its groups in order, d each, heads in order
+// (KeyScaleGroups(codec, rows) x d per head).
 //
 // Ops are not thread-safe (one Backend per thread); they may run many threads internally.
 #ifndef KVCOMP_KERNELS_CODEC_OPS_H_
@@ -76,7 +80,8 @@ class CodecOps {
 
   // --- keys ---
   // keys: [total_rows][head_dim] of `dtype`. out: total_rows * head_dim elements of the codec's
-  // type (dtype for raw, f16, int8). key_scales: heads * head_dim f32 for int8, else unused.
+  // type (dtype for raw, f16, int8; int4: total_rows * ceil(head_dim / 2) bytes). key_scales:
+  // sum over heads of KeyScaleGroups(codec, rows) * head_dim f32 for int8 and int4, else unused.
   virtual absl::Status EncodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
                                   const void* keys, DType dtype, void* out,
                                   float* key_scales) = 0;
