@@ -126,7 +126,7 @@ def test_off_subspace_values_are_kept_raw():
 
 @pytest.mark.parametrize("value_codec", ["none", "orthogonal", "orthogonal_int8",
                                          "orthogonal_int4"])
-@pytest.mark.parametrize("key_codec", ["raw", "fp16", "int8"])
+@pytest.mark.parametrize("key_codec", ["raw", "fp16", "int8", "int4"])
 def test_every_preset_round_trips(value_codec, key_codec):
     v = _low_rank(tokens=300, rank=16)
     k = _low_rank(tokens=300, rank=40, seed=3, basis_seed=9) * 3
@@ -150,7 +150,7 @@ def test_every_preset_round_trips(value_codec, key_codec):
             # Rank 32..48 of a rank-16 signal: the noise off the kept directions is the floor.
             assert ev <= {"none": 0, "orthogonal": 0.06, "orthogonal_int8": 0.06,
                           "orthogonal_int4": 0.12}[value_codec] + 1e-7
-            assert ek <= {"raw": 0, "fp16": 1e-3, "int8": 0.02}[key_codec] + 1e-7
+            assert ek <= {"raw": 0, "fp16": 1e-3, "int8": 0.02, "int4": 0.15}[key_codec] + 1e-7
     if value_codec in ("orthogonal_int8", "orthogonal_int4"):
         assert info["rank"] == {"orthogonal_int8": 32, "orthogonal_int4": 48}[value_codec]
         assert info["gamma_aware"] and info["group_size"] == 32
@@ -200,3 +200,16 @@ def test_cuda_backend_agrees_with_cpu():
         _, v_cpu = kvcomp.decompress(c_cpu, proj)
         _, v_gpu = kvcomp.decompress(c_gpu, proj, backend="cuda")
         assert _rel(v_gpu, v_cpu) < 5e-3
+    # int4 keys (scales per group of 128 kept tokens): the GPU decodes the CPU's cache to the same
+    # numbers and encodes within the codec's error.
+    k = _low_rank(tokens=600, d=128, rank=40, seed=3, basis_seed=9) * 3
+    policy = kvcomp.Policy(ratio=0.25, key_codec="int4")
+    c_cpu = kvcomp.compress(k, v[:, :, :1].repeat(600, axis=2), policy)
+    kk_cpu, _ = kvcomp.decompress(c_cpu)
+    kk_gpu, _ = kvcomp.decompress(c_cpu, backend="cuda")
+    np.testing.assert_array_equal(kk_gpu, kk_cpu)
+    c_gpu = kvcomp.compress(k, v[:, :, :1].repeat(600, axis=2), policy, backend="cuda")
+    kk, _ = kvcomp.decompress(c_gpu, backend="cuda")
+    for l in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            assert _rel(kk[l, h], k[l, h, c_gpu.kept_positions(l, h)]) < 0.15

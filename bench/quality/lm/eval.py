@@ -67,6 +67,19 @@ SPLICE = {  # preset: (key codec, value codec); ranks are the codecs' defaults
 def cells(grid: str):
     """(name, policy, needs projection) for every cell of the grid."""
     out = [("full", kvcomp.Policy(scorer="manifold", ratio=0.0, moments=False), False)]
+    if grid == "codecs":  # bytes against loss: manifold, half the budget recent, no moments
+        out.append(("int4_keys", kvcomp.Policy(scorer="manifold", ratio=0.0, moments=False,
+                                               key_codec="int4"), False))
+        for kc in ("int8", "int4"):
+            for r in (0.0, 0.4, 0.5, 0.6):
+                out.append((f"manifold_r50_{kc}_oint4",
+                            kvcomp.Policy(scorer="manifold", ratio=r, recent_fraction=0.5,
+                                          moments=False, key_codec=kc,
+                                          value_codec="orthogonal_int4"), True))
+        out.append(("streaming_int4_oint4",
+                    kvcomp.Policy(scorer="streaming", ratio=0.5, moments=False,
+                                  key_codec="int4", value_codec="orthogonal_int4"), True))
+        return out
     scorers = SCORERS if grid == "full" else ["keydiff", "manifold", "streaming", "snapkv"]
     for sc in scorers:
         for r in RATIOS:
@@ -105,7 +118,9 @@ def main():
     ap.add_argument("--n-passkey", type=int, default=30)
     ap.add_argument("--n-loss", type=int, default=8)
     ap.add_argument("--n-calib", type=int, default=4, help="held-out windows for KVSplice")
-    ap.add_argument("--grid", default="full", choices=["full", "reduced"])
+    ap.add_argument("--grid", default="full", choices=["full", "reduced", "codecs"],
+                    help="codecs: int8/int4 keys with orthogonal_int4 values under manifold "
+                         "with recent_fraction 0.5 at ratios 0-0.6 (bytes against loss)")
     ap.add_argument("--heldout-dir", default=None)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=None, help="output prefix (default bench/results/"
@@ -115,12 +130,12 @@ def main():
                     help="stop taking pass-key samples after this long (0 = no limit); the "
                          "results say how many were taken")
     ap.add_argument("--no-plot", action="store_true", help="write only PREFIX.json")
-    ap.add_argument("--variants", choices=["full", "quick", "decisive"], default=None,
+    ap.add_argument("--variants", choices=["full", "quick", "decisive", "recency"], default=None,
                     help="instead of kvcomp's cells, the float torch references of policy, "
                          "correction and codec variants (variants.py; no kvcomp extension "
                          "needed); quick: a small grid for a smoke run; decisive: every scorer "
                          "and the recent-window policies x ratio, far loss too, correction "
-                         "variants at 0.75")
+                         "variants at 0.75; recency: the recent window's share of the budget")
     ap.add_argument("--render", metavar="JSON", help="only write the .md and .png of a JSON "
                     "written before")
     args = ap.parse_args()

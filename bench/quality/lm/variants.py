@@ -593,12 +593,24 @@ def decisive_grid():
     return cells
 
 
+def recency_grid():
+    """The recent window's share of the budget (0, 25, 50, 75, 90%) against streaming and the
+    scorers nearest it, no correction, at 0.5 / 0.75 / 0.9."""
+    cells = [("full", 0.0, "none", "raw", "raw")]
+    for p in ["streaming", "snapkv", "windowed", "manifold", "manifold_r25", "manifold_r50",
+              "manifold_r75", "manifold_r90", "keydiff_r50"]:
+        for r in [0.5, 0.75, 0.9]:
+            cells.append((p, r, "none", "raw", "raw"))
+    return cells
+
+
 def run(model, args, loss_windows, pk_samples, calib_ids, log, N_bytes):
     """Evaluates the grid: loss windows (ctx ids, tail ids), pass-key samples (kind, context,
     question, answer ids). Returns rows. The decisive grid also scores a far loss per window:
     the first half compressed, the third quarter fed uncompressed, NLL of the last quarter."""
-    decisive = args.variants == "decisive"
-    cells = decisive_grid() if decisive else default_grid(args.variants == "quick")
+    decisive = args.variants in ("decisive", "recency")
+    cells = (decisive_grid() if args.variants == "decisive" else recency_grid()
+             if args.variants == "recency" else default_grid(args.variants == "quick"))
     need_q = any(c[0].startswith("snapkv") for c in cells)
     d = model.config.head_dim if getattr(model.config, "head_dim", None) else \
         model.config.hidden_size // model.config.num_attention_heads
