@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "kvcomp/core/policy_fields.h"
 #include "kvcomp/core/status.h"
 
 namespace kvcomp {
@@ -165,25 +166,18 @@ ConfigField DoubleField(std::string key, std::string type, double lo, double hi,
       [access](const Options& o) { return DoubleText(access(const_cast<Options&>(o))); }};
 }
 
-// A policy enum parsed and printed by core's functions.
-template <typename Access, typename ParseFn, typename NameFn>
-ConfigField PolicyEnumField(std::string key, std::string help, Access access, ParseFn parse,
-                            NameFn name) {
-  return ConfigField{key, "enum", std::move(help),
-                     [key, access, parse](Options& o, absl::string_view v) -> absl::Status {
-                       auto r = parse(absl::AsciiStrToLower(absl::StripAsciiWhitespace(v)));
-                       if (!r.ok()) return Annotate(r.status(), absl::StrCat("option ", key));
-                       access(o) = *r;
-                       return absl::OkStatus();
+// A field of default_policy, parsed, range-checked and printed as core declares it.
+ConfigField PolicyRow(const PolicyFieldInfo& pf) {
+  std::string key = absl::StrCat("default_policy.", pf.name);
+  return ConfigField{key, std::string(pf.unit), pf.Help(),
+                     [key, &pf](Options& o, absl::string_view v) {
+                       return Annotate(pf.set(o.default_policy, v), absl::StrCat("option ", key));
                      },
-                     [access, name](const Options& o) {
-                       return std::string(name(access(const_cast<Options&>(o))));
-                     }};
+                     [&pf](const Options& o) { return pf.text(o.default_policy); }};
 }
 
 std::vector<ConfigField> BuildFields() {
   constexpr int64_t kPortMax = 65535;
-  constexpr int64_t kU32Max = std::numeric_limits<uint32_t>::max();
   std::vector<ConfigField> f;
   // --- data_plane ---
   f.push_back(StringField(
@@ -395,96 +389,8 @@ std::vector<ConfigField> BuildFields() {
       "How often expired caches are removed and projection versions no stored cache names "
       "(other than a model's latest) are deleted; 0 = only on Delete and Calibrate. Default 60.",
       [](Options & o) -> auto& { return o.storage.sweep_interval_seconds; }));
-  // --- default_policy ---
-  f.push_back(PolicyEnumField(
-      "default_policy.scorer",
-      "Token scorer: knorm, keydiff, manifold, windowed_manifold, streaming, random, snapkv. "
-      "Default manifold.",
-      [](Options & o) -> auto& { return o.default_policy.scorer; }, ParseScorer, ScorerName));
-  f.push_back(DoubleField(
-      "default_policy.ratio", "fraction", 0, 1,
-      "Fraction of tokens evicted per head, in [0, 1). Default 0.5.",
-      [](Options & o) -> auto& { return o.default_policy.ratio; }));
-  f.push_back(IntField(
-      "default_policy.token_budget", 0, kU32Max,
-      "Tokens kept per kv head; 0 = use ratio. Default 0.",
-      [](Options & o) -> auto& { return o.default_policy.token_budget; }));
-  f.push_back(PolicyEnumField(
-      "default_policy.head_budget", "Budget across heads: uniform or adakv. Default uniform.",
-      [](Options & o) -> auto& { return o.default_policy.head_budget; }, ParseHeadBudget,
-      HeadBudgetName));
-  f.push_back(DoubleField(
-      "default_policy.alpha_safeguard", "fraction", 0, 1,
-      "AdaKV: share of each head's budget kept before competing. Default 0.2.",
-      [](Options & o) -> auto& { return o.default_policy.alpha_safeguard; }));
-  f.push_back(IntField(
-      "default_policy.n_sink", 0, kU32Max, "First tokens always kept (attention sink). Default 4.",
-      [](Options & o) -> auto& { return o.default_policy.n_sink; }));
-  f.push_back(IntField(
-      "default_policy.n_recent", 0, kU32Max, "Most recent tokens always kept. Default 0.",
-      [](Options & o) -> auto& { return o.default_policy.n_recent; }));
-  f.push_back(DoubleField(
-      "default_policy.recent_fraction", "fraction", 0, 1,
-      "Share of each head's kept budget reserved for the most recent tokens, in [0, 1); the "
-      "window is max(n_recent, floor(recent_fraction x kept per head)). Default 0.",
-      [](Options & o) -> auto& { return o.default_policy.recent_fraction; }));
-  f.push_back(BoolField(
-      "default_policy.protect",
-      "Keep the sink and recent tokens whatever their score. Default true.",
-      [](Options & o) -> auto& { return o.default_policy.protect; }));
-  f.push_back(IntField(
-      "default_policy.window", 1, kU32Max, "Window of windowed_manifold, tokens. Default 4096.",
-      [](Options & o) -> auto& { return o.default_policy.window; }));
-  f.push_back(IntField(
-      "default_policy.snapkv_window", 1, kU32Max, "SnapKV observation window, tokens. Default 64.",
-      [](Options & o) -> auto& { return o.default_policy.snapkv_window; }));
-  f.push_back(IntField(
-      "default_policy.snapkv_pool", 1, kU32Max, "SnapKV pooling width. Default 5.",
-      [](Options & o) -> auto& { return o.default_policy.snapkv_pool; }));
-  f.push_back(IntField(
-      "default_policy.seed", 0, std::numeric_limits<int64_t>::max(),
-      "Seed of the random scorer. Default 0.",
-      [](Options & o) -> auto& { return o.default_policy.seed; }));
-  f.push_back(IntField(
-      "default_policy.block_size", 0, kU32Max,
-      "Block-wise compression: tokens per block; 0 = whole sequence. Default 0.",
-      [](Options & o) -> auto& { return o.default_policy.block_size; }));
-  f.push_back(BoolField(
-      "default_policy.moments", "Keep MomentKV summaries of evicted tokens. Default true.",
-      [](Options & o) -> auto& { return o.default_policy.moments; }));
-  f.push_back(BoolField(
-      "default_policy.moment_aware", "Let the moment summary steer eviction. Default false.",
-      [](Options & o) -> auto& { return o.default_policy.moment_aware; }));
-  f.push_back(PolicyEnumField(
-      "default_policy.key_codec", "Key encoding: raw, fp16 or int8. Default raw.",
-      [](Options & o) -> auto& { return o.default_policy.key_codec; }, ParseKeyCodec,
-      KeyCodecName));
-  f.push_back(PolicyEnumField(
-      "default_policy.value_codec",
-      "Value encoding: none, orthogonal, orthogonal_int8, orthogonal_int4. Default none.",
-      [](Options & o) -> auto& { return o.default_policy.value_codec; }, ParseValueCodec,
-      ValueCodecName));
-  f.push_back(IntField(
-      "default_policy.rank", 0, 256,
-      "Latent rank of orthogonal codecs; 0 = the preset's default. Default 0.",
-      [](Options & o) -> auto& { return o.default_policy.rank; }));
-  f.push_back(IntField(
-      "default_policy.group_size", 1, 256, "Latent elements per quantization scale. Default 32.",
-      [](Options & o) -> auto& { return o.default_policy.group_size; }));
-  f.push_back(BoolField(
-      "default_policy.gamma_aware",
-      "Scale latent directions by calibration eigenvalues. Default true.",
-      [](Options & o) -> auto& { return o.default_policy.gamma_aware; }));
-  f.push_back(DoubleField(
-      "default_policy.value_outlier_factor", "factor", 1, 1e9,
-      "KVSplice: a kept value whose residual off the projection exceeds this many times its "
-      "head's median keeps its raw value. Default 4.",
-      [](Options & o) -> auto& { return o.default_policy.value_outlier_factor; }));
-  f.push_back(DoubleField(
-      "default_policy.value_raw_fraction", "fraction", 0, 1,
-      "KVSplice: at most this share of a head's kept values stay raw as outliers; 0 = none. "
-      "Default 0.02.",
-      [](Options & o) -> auto& { return o.default_policy.value_raw_fraction; }));
+  // --- default_policy: one row per policy field, from its declaration (policy_fields.def) ---
+  for (const PolicyFieldInfo& pf : PolicyFields()) f.push_back(PolicyRow(pf));
   // --- process ---
   f.push_back(DoubleField(
       "process.shutdown_grace_seconds", "seconds", 0, 3600,

@@ -12,6 +12,7 @@
 #include "kvcomp/service/daemon.h"
 #include "data_plane.h"
 #include "log.h"
+#include "policy_rpc.h"
 
 namespace kvcomp {
 namespace service {
@@ -26,67 +27,9 @@ rpc::Status ToRpc(const absl::Status& status) {
   return out;
 }
 
-rpc::Policy ToRpc(const CompressionPolicy& p) {
-  rpc::Policy r;
-  r.scorer = std::string(ScorerName(p.scorer));
-  r.ratio = p.ratio;
-  r.token_budget = p.token_budget;
-  r.head_budget = std::string(HeadBudgetName(p.head_budget));
-  r.alpha_safeguard = p.alpha_safeguard;
-  r.n_sink = p.n_sink;
-  r.n_recent = p.n_recent;
-  r.recent_fraction = p.recent_fraction;
-  r.protect = p.protect;
-  r.window = p.window;
-  r.snapkv_window = p.snapkv_window;
-  r.snapkv_pool = p.snapkv_pool;
-  r.seed = static_cast<int64_t>(p.seed);
-  r.block_size = p.block_size;
-  r.moments = p.moments;
-  r.moment_aware = p.moment_aware;
-  r.key_codec = std::string(KeyCodecName(p.key_codec));
-  r.value_codec = std::string(ValueCodecName(p.value_codec));
-  r.rank = p.rank;
-  r.group_size = p.group_size;
-  r.gamma_aware = p.gamma_aware;
-  r.value_outlier_factor = p.value_outlier_factor;
-  r.value_raw_fraction = p.value_raw_fraction;
-  return r;
-}
+rpc::Policy ToRpc(const CompressionPolicy& p) { return PolicyToRpc(p); }
 
-absl::StatusOr<CompressionPolicy> FromRpc(const rpc::Policy& r) {
-  // Through the configuration table, so ranges and names are checked exactly as in YAML.
-  Options o;
-  auto set = [&o](const char* field, const std::string& v) {
-    return SetOption(o, absl::StrCat("default_policy.", field), v);
-  };
-  auto num = [](double d) { return absl::StrFormat("%.17g", d); };
-  KVCOMP_RETURN_IF_ERROR(set("scorer", r.scorer));
-  KVCOMP_RETURN_IF_ERROR(set("ratio", num(r.ratio)));
-  KVCOMP_RETURN_IF_ERROR(set("token_budget", absl::StrCat(r.token_budget)));
-  KVCOMP_RETURN_IF_ERROR(set("head_budget", r.head_budget));
-  KVCOMP_RETURN_IF_ERROR(set("alpha_safeguard", num(r.alpha_safeguard)));
-  KVCOMP_RETURN_IF_ERROR(set("n_sink", absl::StrCat(r.n_sink)));
-  KVCOMP_RETURN_IF_ERROR(set("n_recent", absl::StrCat(r.n_recent)));
-  KVCOMP_RETURN_IF_ERROR(set("recent_fraction", num(r.recent_fraction)));
-  KVCOMP_RETURN_IF_ERROR(set("protect", r.protect ? "true" : "false"));
-  KVCOMP_RETURN_IF_ERROR(set("window", absl::StrCat(r.window)));
-  KVCOMP_RETURN_IF_ERROR(set("snapkv_window", absl::StrCat(r.snapkv_window)));
-  KVCOMP_RETURN_IF_ERROR(set("snapkv_pool", absl::StrCat(r.snapkv_pool)));
-  KVCOMP_RETURN_IF_ERROR(set("seed", absl::StrCat(r.seed)));
-  KVCOMP_RETURN_IF_ERROR(set("block_size", absl::StrCat(r.block_size)));
-  KVCOMP_RETURN_IF_ERROR(set("moments", r.moments ? "true" : "false"));
-  KVCOMP_RETURN_IF_ERROR(set("moment_aware", r.moment_aware ? "true" : "false"));
-  KVCOMP_RETURN_IF_ERROR(set("key_codec", r.key_codec));
-  KVCOMP_RETURN_IF_ERROR(set("value_codec", r.value_codec));
-  KVCOMP_RETURN_IF_ERROR(set("rank", absl::StrCat(r.rank)));
-  KVCOMP_RETURN_IF_ERROR(set("group_size", absl::StrCat(r.group_size)));
-  KVCOMP_RETURN_IF_ERROR(set("gamma_aware", r.gamma_aware ? "true" : "false"));
-  KVCOMP_RETURN_IF_ERROR(set("value_outlier_factor", num(r.value_outlier_factor)));
-  KVCOMP_RETURN_IF_ERROR(set("value_raw_fraction", num(r.value_raw_fraction)));
-  KVCOMP_RETURN_IF_ERROR(o.default_policy.Validate());
-  return o.default_policy;
-}
+absl::StatusOr<CompressionPolicy> FromRpc(const rpc::Policy& r) { return PolicyFromRpc(r); }
 
 absl::StatusOr<std::string> ControlHandler::Authenticate(const rpc::Auth& auth) {
   auto tenant = ctx_->tokens->Authenticate(auth.tenant, auth.token);

@@ -9,41 +9,33 @@
 #include <optional>
 #include <sstream>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kvcomp/core/policy_fields.h"
 #include "kvcomp/core/status.h"
-#include "kvcomp/service/config.h"
 
 namespace kvcomp {
 namespace service {
 namespace {
 
-constexpr absl::string_view kPolicyPrefix = "default_policy.";
-
-// Policies reuse the configuration table's default_policy.* rows, so the field names, parsing
-// and printing are the same everywhere.
+// A policy as a YAML map of its fields, spelled as core declares them (policy_fields.def): the
+// keys and text of default_policy.* in the configuration; doubles in their shortest exact form.
 absl::StatusOr<CompressionPolicy> PolicyFromYaml(const YAML::Node& node,
                                                  const CompressionPolicy& base) {
-  Options o;
-  o.default_policy = base;
+  CompressionPolicy p = base;
   if (!node.IsMap()) return absl::InvalidArgumentError("a policy must be a YAML map");
   for (const auto& kv : node) {
-    std::string key = absl::StrCat(kPolicyPrefix, kv.first.Scalar());
-    KVCOMP_RETURN_IF_ERROR(SetOption(o, key, kv.second.Scalar()));
+    const std::string key = kv.first.Scalar();
+    const PolicyFieldInfo* f = FindPolicyField(key);
+    if (f == nullptr) return absl::InvalidArgumentError(absl::StrCat("unknown policy field ", key));
+    KVCOMP_RETURN_IF_ERROR(Annotate(f->set(p, kv.second.Scalar()), "policy"));
   }
-  KVCOMP_RETURN_IF_ERROR(o.default_policy.Validate());
-  return o.default_policy;
+  KVCOMP_RETURN_IF_ERROR(p.Validate());
+  return p;
 }
 
 YAML::Node PolicyNode(const CompressionPolicy& policy) {
-  Options o;
-  o.default_policy = policy;
   YAML::Node node;
-  for (const auto& f : ConfigFields()) {
-    if (absl::StartsWith(f.key, kPolicyPrefix)) {
-      node[f.key.substr(kPolicyPrefix.size())] = f.get(o);
-    }
-  }
+  for (const PolicyFieldInfo& f : PolicyFields()) node[std::string(f.name)] = f.text(policy);
   return node;
 }
 

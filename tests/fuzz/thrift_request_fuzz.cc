@@ -5,8 +5,8 @@
 // deserializes the method's argument structs (Auth, CacheRef, Policy, CalibrateRequest, key
 // lists) and writes a reply. The handler below applies the daemon's pure input checks, without a
 // daemon: authentication against a token file, CacheKey validation of every key, key-list bounds
-// and the policy conversion (each Policy field through SetOption's configuration table, as YAML
-// is checked, then CompressionPolicy::Validate). Decoding errors must surface as Thrift
+// and the policy conversion SetPolicy applies (service/src/policy_rpc.cc: each Policy field as
+// policy_fields.def declares it, then CompressionPolicy::Validate). Decoding errors must surface as Thrift
 // exceptions (the server closes the connection on them); any other exception, crash, sanitizer
 // report or leak is a finding.
 #include <unistd.h>
@@ -33,6 +33,7 @@
 #include "kvcomp/service/auth.h"
 #include "kvcomp/service/config.h"
 #include "kvcomp/service/options.h"
+#include "policy_rpc.h"
 
 namespace {
 
@@ -48,45 +49,9 @@ rpc::Status ToRpc(const absl::Status& s) {
   return out;
 }
 
-// rpc::Policy -> CompressionPolicy through the configuration table, field by field, then
-// Validate: the conversion SetPolicy applies before anything is stored.
-absl::Status CheckPolicy(const rpc::Policy& r) {
-  service::Options o;
-  auto set = [&o](const char* field, const std::string& v) {
-    return service::SetOption(o, absl::StrCat("default_policy.", field), v);
-  };
-  auto num = [](double d) { return absl::StrFormat("%.17g", d); };
-  auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
-  const std::pair<const char*, std::string> fields[] = {
-      {"scorer", r.scorer},
-      {"ratio", num(r.ratio)},
-      {"token_budget", absl::StrCat(r.token_budget)},
-      {"head_budget", r.head_budget},
-      {"alpha_safeguard", num(r.alpha_safeguard)},
-      {"n_sink", absl::StrCat(r.n_sink)},
-      {"n_recent", absl::StrCat(r.n_recent)},
-      {"recent_fraction", num(r.recent_fraction)},
-      {"protect", flag(r.protect)},
-      {"window", absl::StrCat(r.window)},
-      {"snapkv_window", absl::StrCat(r.snapkv_window)},
-      {"snapkv_pool", absl::StrCat(r.snapkv_pool)},
-      {"seed", absl::StrCat(r.seed)},
-      {"block_size", absl::StrCat(r.block_size)},
-      {"moments", flag(r.moments)},
-      {"moment_aware", flag(r.moment_aware)},
-      {"key_codec", r.key_codec},
-      {"value_codec", r.value_codec},
-      {"rank", absl::StrCat(r.rank)},
-      {"group_size", absl::StrCat(r.group_size)},
-      {"gamma_aware", flag(r.gamma_aware)},
-      {"value_outlier_factor", num(r.value_outlier_factor)},
-      {"value_raw_fraction", num(r.value_raw_fraction)},
-  };
-  for (const auto& [field, value] : fields) {
-    if (absl::Status s = set(field, value); !s.ok()) return s;
-  }
-  return o.default_policy.Validate();
-}
+// rpc::Policy -> CompressionPolicy as SetPolicy converts it (service/src/policy_rpc.cc: each
+// field as policy_fields.def declares it, then Validate), before anything is stored.
+absl::Status CheckPolicy(const rpc::Policy& r) { return service::PolicyFromRpc(r).status(); }
 
 class FuzzHandler : public rpc::KvcompControlIf {
  public:

@@ -1,0 +1,138 @@
+// The policy's mappings in kvcompd, all generated from its one declaration
+// (kvcomp/core/policy_fields.def): the Thrift Policy struct (both ways, every field), the
+// default_policy.* configuration rows, and the per-tenant policies file (exact doubles across a
+// restart).
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <unistd.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kvcomp/core/policy.h"
+#include "kvcomp/core/policy_fields.h"
+#include "kvcomp/service/config.h"
+#include "kvcomp/service/policy_store.h"
+#include "policy_rpc.h"
+
+namespace kvcomp {
+namespace service {
+namespace {
+
+// Every field away from its default.
+CompressionPolicy AllChanged() {
+  CompressionPolicy p;
+  p.scorer = Scorer::kSnapKV;
+  p.ratio = 0.123456789012345;
+  p.token_budget = 77;
+  p.head_budget = HeadBudget::kAdaKV;
+  p.alpha_safeguard = 0.4;
+  p.n_sink = 2;
+  p.n_recent = 9;
+  p.recent_fraction = 1.0 / 3.0;
+  p.protect = false;
+  p.window = 1000;
+  p.snapkv_window = 32;
+  p.snapkv_pool = 7;
+  p.seed = 0x1122334455667788ull;
+  p.block_size = 256;
+  p.moments = false;
+  p.moment_aware = true;
+  p.key_codec = KeyCodec::kInt8;
+  p.value_codec = ValueCodec::kOrthogonalInt4;
+  p.rank = 96;
+  p.group_size = 16;
+  p.gamma_aware = false;
+  p.value_outlier_factor = 8.5;
+  p.value_raw_fraction = 0.05;
+  return p;
+}
+
+TEST(PolicyMapping, ThriftCarriesEveryFieldBothWays) {
+  const CompressionPolicy p = AllChanged();
+  for (const PolicyFieldInfo& f : PolicyFields()) {
+    ASSERT_NE(f.text(p), f.default_text) << f.name << ": AllChanged() leaves it at its default";
+  }
+  auto back = PolicyFromRpc(PolicyToRpc(p));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, p);
+  // An rpc::Policy as Thrift constructs it (the IDL's defaults) is the default policy.
+  auto defaults = PolicyFromRpc(rpc::Policy());
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(*defaults, CompressionPolicy());
+}
+
+TEST(PolicyMapping, ThriftValuesOutsideTheirFieldAreRefusedNamingIt) {
+  struct Case {
+    const char* field;
+    void (*set)(rpc::Policy&);
+    const char* says;
+  };
+  const Case cases[] = {
+      {"n_sink", [](rpc::Policy& r) { r.n_sink = -1; }, "outside [0, 4294967295]"},
+      {"window", [](rpc::Policy& r) { r.window = int64_t{1} << 32; }, "outside [0, 4294967295]"},
+      {"window", [](rpc::Policy& r) { r.window = 0; }, "at least 1"},
+      {"seed", [](rpc::Policy& r) { r.seed = -5; }, "outside"},
+      {"ratio", [](rpc::Policy& r) { r.ratio = 1.0; }, "[0, 1)"},
+      {"recent_fraction", [](rpc::Policy& r) { r.recent_fraction = -0.5; }, "[0, 1)"},
+      {"rank", [](rpc::Policy& r) { r.value_codec = "orthogonal"; r.rank = 300; }, "[0, 256]"},
+      {"scorer", [](rpc::Policy& r) { r.scorer = "best"; }, "expected one of"},
+      {"key_codec", [](rpc::Policy& r) { r.key_codec = "int3"; }, "expected one of"},
+      {"snapkv_pool", [](rpc::Policy& r) { r.snapkv_pool = 4; }, "odd"},
+  };
+  for (const Case& c : cases) {
+    rpc::Policy r;
+    c.set(r);
+    auto p = PolicyFromRpc(r);
+    ASSERT_FALSE(p.ok()) << c.field;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << p.status();
+    EXPECT_TRUE(absl::StrContains(p.status().message(), c.field)) << p.status();
+    EXPECT_TRUE(absl::StrContains(p.status().message(), c.says)) << p.status();
+  }
+}
+
+TEST(PolicyMapping, ConfigurationHasOneRowPerDeclaredField) {
+  size_t rows = 0;
+  for (const ConfigField& f : ConfigFields()) {
+    if (!absl::StartsWith(f.key, "default_policy.")) continue;
+    const PolicyFieldInfo* pf = FindPolicyField(f.key.substr(15));
+    ASSERT_NE(pf, nullptr) << f.key;
+    EXPECT_EQ(f.type, pf->unit);
+    EXPECT_EQ(f.help, pf->Help());
+    ++rows;
+  }
+  EXPECT_EQ(rows, PolicyFields().size());
+  // Every field through the table's text form, as YAML, flags and environment set it.
+  const CompressionPolicy p = AllChanged();
+  Options o;
+  for (const PolicyFieldInfo& f : PolicyFields()) {
+    ASSERT_TRUE(SetOption(o, absl::StrCat("default_policy.", f.name), f.text(p)).ok()) << f.name;
+  }
+  EXPECT_EQ(o.default_policy, p);
+  const absl::Status bad = SetOption(o, "default_policy.ratio", "1");
+  EXPECT_TRUE(absl::StrContains(bad.message(), "default_policy.ratio")) << bad;
+}
+
+TEST(PolicyMapping, PoliciesFileKeepsEveryFieldExactlyAcrossARestart) {
+  char dir[] = "/tmp/kvcomp-policy-store-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/policies.yaml";
+  const CompressionPolicy p = AllChanged();
+  {
+    auto store = PolicyStore::Open(path, CompressionPolicy());
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Set("t", "m", p).ok());
+  }
+  auto store = PolicyStore::Open(path, CompressionPolicy());
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto [got, is_default] = (*store)->Resolve("t", "m");
+  EXPECT_FALSE(is_default);
+  EXPECT_EQ(got, p) << got.DebugString();
+  std::remove(path.c_str());
+  rmdir(dir);
+}
+
+}  // namespace
+}  // namespace service
+}  // namespace kvcomp
