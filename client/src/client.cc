@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "control.h"
 #include "endpoint_state.h"
+#include "gpu_path.h"
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
@@ -241,7 +242,60 @@ class PutStreamImpl : public PutStream {
 class ClientImpl : public Client {
  public:
   ClientImpl(ClientOptions options, std::shared_ptr<Pool> pool)
-      : options_(std::move(options)), pool_(std::move(pool)) {}
+      : options_(std::move(options)), pool_(std::move(pool)) {
+    gpu_ = std::make_unique<GpuPath>(
+        options_, this,
+        [this](absl::string_view model_id,
+               absl::string_view key) -> absl::StatusOr<std::vector<EndpointAddress>> {
+          KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+          KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
+          std::vector<EndpointAddress> out;
+          for (size_t i : Rank(*members, model_id, key)) {
+            out.push_back(members->states[i]->address());
+          }
+          return out;
+        },
+        [this](absl::string_view model_id, absl::string_view key,
+               bool decoded) -> absl::StatusOr<std::string> {
+          KVCOMP_ASSIGN_OR_RETURN(
+              auto fetched, Fetch(model_id, key,
+                                  decoded ? wire::Representation::kDecoded
+                                          : wire::Representation::kStored));
+          return std::string(fetched.bytes.view());
+        });
+  }
+
+  // Device memory: GpuPath (the GPU channel, or host memory over UCX).
+  absl::StatusOr<PutResult> PutDevice(absl::string_view model_id, absl::string_view key,
+                                      const KvLayout& layout, uint64_t num_tokens,
+                                      const std::vector<DeviceLayerData>& layers, void* stream,
+                                      const PutOptions& options) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    return gpu_->Put(model_id, key, layout, num_tokens, layers, stream, options);
+  }
+  absl::StatusOr<DeviceGetResult> GetKvIntoDevice(absl::string_view model_id,
+                                                  absl::string_view key, const KvLayout& layout,
+                                                  uint64_t num_tokens,
+                                                  const std::vector<DeviceLayerOut>& layers,
+                                                  void* stream) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    return gpu_->GetKv(model_id, key, layout, num_tokens, layers, stream);
+  }
+  absl::StatusOr<DeviceGetResult> GetIntoDevice(absl::string_view model_id,
+                                                absl::string_view key, void* dst,
+                                                size_t capacity, void* stream,
+                                                bool decoded) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    return gpu_->GetBytes(model_id, key, dst, capacity, stream, decoded);
+  }
+  absl::Status ProbeGpuChannel(const std::string& endpoint, int device) override {
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
+    for (size_t i = 0; i < members->states.size(); ++i) {
+      if (members->names[i] == endpoint) return gpu_->Probe(members->states[i]->address(), device);
+    }
+    return absl::NotFoundError(absl::StrCat("no member ", endpoint));
+  }
+  GpuChannelStats GpuStats() const override { return gpu_->Stats(); }
 
   absl::Status ConnectAll() {
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
@@ -674,9 +728,31 @@ class ClientImpl : public Client {
 
   const ClientOptions options_;
   const std::shared_ptr<Pool> pool_;
+  std::unique_ptr<GpuPath> gpu_;
 };
 
 }  // namespace
+
+absl::StatusOr<PutResult> Client::PutDevice(absl::string_view, absl::string_view,
+                                            const KvLayout&, uint64_t,
+                                            const std::vector<DeviceLayerData>&, void*,
+                                            const PutOptions&) {
+  return absl::UnimplementedError("device puts are not implemented by this client");
+}
+absl::StatusOr<DeviceGetResult> Client::GetKvIntoDevice(absl::string_view, absl::string_view,
+                                                        const KvLayout&, uint64_t,
+                                                        const std::vector<DeviceLayerOut>&,
+                                                        void*) {
+  return absl::UnimplementedError("device gets are not implemented by this client");
+}
+absl::StatusOr<DeviceGetResult> Client::GetIntoDevice(absl::string_view, absl::string_view,
+                                                      void*, size_t, void*, bool) {
+  return absl::UnimplementedError("device gets are not implemented by this client");
+}
+absl::Status Client::ProbeGpuChannel(const std::string&, int) {
+  return absl::UnimplementedError("no GPU channel in this client");
+}
+GpuChannelStats Client::GpuStats() const { return {}; }
 
 absl::Status PutStream::AppendLayer(uint32_t layer, const void* keys, const void* values) {
   return Append(layer, 0, num_tokens(), keys, values);

@@ -1,11 +1,14 @@
 #include "control.h"
 
+#include <algorithm>
+#include <climits>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/rpc/KvcompControl.h"
 #include "kvcomp/transport/ucx.h"
+#include "policy_rpc.h"
 #include "thrift/TConfiguration.h"
 #include "thrift/protocol/TBinaryProtocol.h"
 #include "thrift/transport/TBufferTransports.h"
@@ -137,6 +140,127 @@ absl::StatusOr<ChunkReply> ControlGetChunks(const std::string& address,
   out.caches = std::move(r.caches);
   out.truncated = r.truncated;
   return out;
+}
+
+absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address,
+                                                      const ClientOptions& options,
+                                                      int nccl_version,
+                                                      const std::string& device_uuid) {
+  rpc::GpuChannelRequest req;
+  req.__set_nccl_version(nccl_version);
+  req.__set_device_uuid(device_uuid);
+  rpc::GpuChannelResponse r;
+  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
+    control.OpenGpuChannel(r, auth, req);
+    return r.status;
+  }));
+  if (r.channel_id <= 0 || r.nccl_unique_id.size() != 128) {
+    return absl::InternalError(absl::StrCat("control ", address,
+                                            ": OpenGpuChannel answered no usable channel"));
+  }
+  GpuChannelGrant g;
+  g.channel_id = static_cast<uint64_t>(r.channel_id);
+  g.nccl_unique_id = r.nccl_unique_id;
+  g.nccl_version = r.nccl_version;
+  g.daemon_device = r.daemon_device;
+  g.max_transfer_bytes = static_cast<uint64_t>(std::max<int64_t>(0, r.max_transfer_bytes));
+  g.transfer_timeout = absl::Milliseconds(std::max(1, r.transfer_timeout_ms));
+  return g;
+}
+
+absl::Status ControlCloseGpuChannel(const std::string& address, const ClientOptions& options,
+                                    uint64_t channel_id) {
+  rpc::GpuCloseResponse r;
+  return WithControl(address, options, [&](auto& control, const auto& auth) {
+    control.CloseGpuChannel(r, auth, static_cast<int64_t>(channel_id));
+    return r.status;
+  });
+}
+
+namespace {
+rpc::Layout ToRpcLayout(const KvLayout& l) {
+  rpc::Layout r;
+  r.__set_num_layers(static_cast<int32_t>(l.num_layers));
+  r.__set_num_kv_heads(static_cast<int32_t>(l.num_kv_heads));
+  r.__set_num_q_heads(static_cast<int32_t>(l.num_q_heads));
+  r.__set_head_dim(static_cast<int32_t>(l.head_dim));
+  r.__set_dtype(std::string(DTypeName(l.dtype)));
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ControlGpuPutBegin(const std::string& address,
+                                            const ClientOptions& options, uint64_t channel_id,
+                                            const GpuPutHeader& header) {
+  rpc::GpuPutRequest req;
+  req.__set_model_id(header.model_id);
+  req.__set_key(header.key);
+  req.__set_layout(ToRpcLayout(header.layout));
+  req.__set_num_tokens(static_cast<int64_t>(header.num_tokens));
+  if (header.policy) req.__set_policy(service::PolicyToRpc(*header.policy));
+  req.__set_payload_bytes(static_cast<int64_t>(header.payload_bytes));
+  rpc::GpuTransferResponse r;
+  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
+    control.GpuPutBegin(r, auth, static_cast<int64_t>(channel_id), req);
+    return r.status;
+  }));
+  return static_cast<uint64_t>(r.transfer_id);
+}
+
+absl::StatusOr<PutResult> ControlGpuPutFinish(const std::string& address,
+                                              const ClientOptions& options, uint64_t channel_id,
+                                              uint64_t transfer_id) {
+  rpc::GpuPutResponse r;
+  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
+    control.GpuPutFinish(r, auth, static_cast<int64_t>(channel_id),
+                         static_cast<int64_t>(transfer_id));
+    return r.status;
+  }));
+  PutResult out;
+  out.original_bytes = static_cast<uint64_t>(r.original_bytes);
+  out.stored_bytes = static_cast<uint64_t>(r.stored_bytes);
+  out.total_kept = static_cast<uint64_t>(r.total_kept);
+  return out;
+}
+
+absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const ClientOptions& options,
+                                          uint64_t channel_id, absl::string_view model_id,
+                                          absl::string_view key, GpuGetForm form,
+                                          uint64_t capacity) {
+  rpc::GpuGetRequest req;
+  rpc::CacheRef ref;
+  ref.__set_model_id(std::string(model_id));
+  ref.__set_key(std::string(key));
+  req.__set_ref(ref);
+  req.__set_form(static_cast<rpc::GpuGetForm::type>(static_cast<int>(form)));
+  req.__set_capacity(static_cast<int64_t>(std::min<uint64_t>(capacity, INT64_MAX)));
+  rpc::GpuTransferResponse r;
+  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
+    control.GpuGet(r, auth, static_cast<int64_t>(channel_id), req);
+    return r.status;
+  }));
+  GpuGetGrant g;
+  g.transfer_id = static_cast<uint64_t>(r.transfer_id);
+  g.payload_bytes = static_cast<uint64_t>(std::max<int64_t>(0, r.payload_bytes));
+  g.layout.num_layers = static_cast<uint32_t>(std::max(0, r.layout.num_layers));
+  g.layout.num_kv_heads = static_cast<uint32_t>(std::max(0, r.layout.num_kv_heads));
+  g.layout.num_q_heads = static_cast<uint32_t>(std::max(0, r.layout.num_q_heads));
+  g.layout.head_dim = static_cast<uint32_t>(std::max(0, r.layout.head_dim));
+  auto dtype = ParseDType(r.layout.dtype);
+  if (dtype.ok()) g.layout.dtype = *dtype;
+  g.num_tokens = static_cast<uint64_t>(std::max<int64_t>(0, r.num_tokens));
+  return g;
+}
+
+absl::Status ControlGpuGetFinish(const std::string& address, const ClientOptions& options,
+                                 uint64_t channel_id, uint64_t transfer_id) {
+  rpc::GpuCloseResponse r;
+  return WithControl(address, options, [&](auto& control, const auto& auth) {
+    control.GpuGetFinish(r, auth, static_cast<int64_t>(channel_id),
+                         static_cast<int64_t>(transfer_id));
+    return r.status;
+  });
 }
 
 }  // namespace client

@@ -42,6 +42,49 @@ absl::StatusOr<ChunkReply> ControlGetChunks(const std::string& address,
                                             const std::vector<std::string>& keys, bool decoded,
                                             int64_t max_bytes = kChunkReplyBytes);
 
+// The GPU channel's control calls (docs/protocol.md, "GPU channel").
+struct GpuChannelGrant {
+  uint64_t channel_id = 0;
+  std::string nccl_unique_id;
+  int nccl_version = 0;
+  int daemon_device = 0;
+  uint64_t max_transfer_bytes = 0;
+  absl::Duration transfer_timeout;
+};
+absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address,
+                                                      const ClientOptions& options,
+                                                      int nccl_version,
+                                                      const std::string& device_uuid);
+absl::Status ControlCloseGpuChannel(const std::string& address, const ClientOptions& options,
+                                    uint64_t channel_id);
+struct GpuPutHeader {
+  std::string model_id;
+  std::string key;
+  KvLayout layout;
+  uint64_t num_tokens = 0;
+  std::optional<CompressionPolicy> policy;
+  uint64_t payload_bytes = 0;
+};
+absl::StatusOr<uint64_t> ControlGpuPutBegin(const std::string& address,
+                                            const ClientOptions& options, uint64_t channel_id,
+                                            const GpuPutHeader& header);
+absl::StatusOr<PutResult> ControlGpuPutFinish(const std::string& address,
+                                              const ClientOptions& options, uint64_t channel_id,
+                                              uint64_t transfer_id);
+enum class GpuGetForm { kStored = 0, kDecoded = 1, kDenseKv = 2 };
+struct GpuGetGrant {
+  uint64_t transfer_id = 0;
+  uint64_t payload_bytes = 0;
+  KvLayout layout;
+  uint64_t num_tokens = 0;
+};
+absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const ClientOptions& options,
+                                          uint64_t channel_id, absl::string_view model_id,
+                                          absl::string_view key, GpuGetForm form,
+                                          uint64_t capacity);
+absl::Status ControlGpuGetFinish(const std::string& address, const ClientOptions& options,
+                                 uint64_t channel_id, uint64_t transfer_id);
+
 }  // namespace client
 }  // namespace kvcomp
 

@@ -247,6 +247,24 @@ std::vector<ConfigField> BuildFields() {
       "data_plane.ucx_net_devices",
       "UCX network devices (UCX_NET_DEVICES syntax). Empty = UCX's choice. Default empty.",
       [](Options & o) -> auto& { return o.data_plane.ucx_net_devices; }));
+  f.push_back(BoolField(
+      "data_plane.gpu_channel",
+      "Offer the GPU channel (NCCL from the client's GPU to the engine's) when NCCL and a CUDA "
+      "device are present. Default true.",
+      [](Options & o) -> auto& { return o.data_plane.gpu_channel; }));
+  f.push_back(IntField(
+      "data_plane.gpu_max_channels", 1, 4096,
+      "GPU channels open at once (a tenant its tenant_share of them). Default 64.",
+      [](Options & o) -> auto& { return o.data_plane.gpu_max_channels; }));
+  f.push_back(DoubleField(
+      "data_plane.gpu_transfer_timeout_seconds", "seconds", 0.1, 3600,
+      "A GPU channel's communicator forming, or one transfer, longer than this is aborted and "
+      "the channel closed. Default 30.",
+      [](Options & o) -> auto& { return o.data_plane.gpu_transfer_timeout_seconds; }));
+  f.push_back(DoubleField(
+      "data_plane.gpu_idle_timeout_seconds", "seconds", 0, 86400,
+      "A GPU channel with no transfer for this long is closed; 0 = never. Default 600.",
+      [](Options & o) -> auto& { return o.data_plane.gpu_idle_timeout_seconds; }));
   // --- control_plane ---
   f.push_back(StringField(
       "control_plane.address", "Thrift listen address. Default 127.0.0.1.",

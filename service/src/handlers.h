@@ -44,6 +44,8 @@ using CalibrateHook =
     std::function<absl::StatusOr<CalibrationResult>(const CalibrationRequest& request)>;
 
 // What both handlers share. Pointers are owned by the daemon and outlive the handlers.
+class GpuChannels;  // gpu_channel.h
+
 struct ServiceContext {
   Options options;
   TokenStore* tokens = nullptr;
@@ -52,6 +54,7 @@ struct ServiceContext {
   CacheService* service = nullptr;
   Metrics* metrics = nullptr;
   CalibrateHook calibrate;
+  GpuChannels* gpu = nullptr;  // the GPU channel (gpu_channel.h); null: none
   absl::Time started = absl::Now();
   std::atomic<bool> ready{false};
   std::atomic<bool> draining{false};
@@ -86,6 +89,19 @@ class ControlHandler : public rpc::KvcompControlIf {
                     const std::string& model_id, const std::vector<std::string>& keys) override;
   void GetChunks(rpc::GetChunksResponse& out, const rpc::Auth& auth, const std::string& model_id,
                  const std::vector<std::string>& keys, bool decoded, int64_t max_bytes) override;
+  // GPU channel calls (gpu_handlers.cc).
+  void OpenGpuChannel(rpc::GpuChannelResponse& out, const rpc::Auth& auth,
+                      const rpc::GpuChannelRequest& request) override;
+  void CloseGpuChannel(rpc::GpuCloseResponse& out, const rpc::Auth& auth,
+                       int64_t channel_id) override;
+  void GpuPutBegin(rpc::GpuTransferResponse& out, const rpc::Auth& auth, int64_t channel_id,
+                   const rpc::GpuPutRequest& request) override;
+  void GpuPutFinish(rpc::GpuPutResponse& out, const rpc::Auth& auth, int64_t channel_id,
+                    int64_t transfer_id) override;
+  void GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth, int64_t channel_id,
+              const rpc::GpuGetRequest& request) override;
+  void GpuGetFinish(rpc::GpuCloseResponse& out, const rpc::Auth& auth, int64_t channel_id,
+                    int64_t transfer_id) override;
 
  private:
   // The quarantined entries `tenant` may see: those whose key decodes to one of its caches, and

@@ -220,6 +220,75 @@ struct GetChunksResponse {
   3: bool truncated,
 }
 
+// GPU channel (docs/protocol.md, "GPU channel"): a client whose KV cache lives in GPU memory asks
+// for a two-rank NCCL communicator between its GPU and the daemon's; the calls below carry the
+// NCCL unique id and each transfer's metadata, NCCL carries only the payload. A channel belongs
+// to the tenant that opened it: every call names it and checks the caller's tenant (another
+// tenant's channel reads as NOT_FOUND). One transfer at a time per channel.
+struct GpuChannelRequest {
+  1: i32 nccl_version,       // the client's NCCL version code (e.g. 22703)
+  2: binary device_uuid,     // the client's CUDA device, 16 bytes (the same GPU as the daemon's
+                             // cannot form a communicator: FAILED_PRECONDITION)
+}
+
+struct GpuChannelResponse {
+  // UNAVAILABLE or FAILED_PRECONDITION: no GPU channel on this daemon (no CUDA device, no NCCL,
+  // disabled, the client's own GPU); the message says why. The client then uses the data plane.
+  1: Status status,
+  2: i64 channel_id,
+  3: binary nccl_unique_id,  // 128 bytes: the daemon is rank 0, the client joins as rank 1
+  4: i32 nccl_version,       // the daemon's
+  5: i32 daemon_device,      // CUDA ordinal of the daemon's GPU
+  6: i64 max_transfer_bytes, // largest payload of one transfer
+  7: i32 transfer_timeout_ms,
+}
+
+struct GpuCloseResponse {
+  1: Status status,
+}
+
+// A put whose K and V the client sends over the channel: every layer's keys
+// ([num_kv_heads, num_tokens, head_dim], dense), layer after layer, then every layer's values.
+struct GpuPutRequest {
+  1: string model_id,
+  2: binary key,
+  3: Layout layout,
+  4: i64 num_tokens,
+  5: optional Policy policy,  // unset: the tenant's default for the model
+  6: i64 payload_bytes,       // 2 x num_layers x num_kv_heads x num_tokens x head_dim x dtype size
+}
+
+struct GpuTransferResponse {
+  1: Status status,
+  2: i64 transfer_id,
+  3: i64 payload_bytes,
+  4: Layout layout,     // gets: the cache's layout
+  5: i64 num_tokens,    // gets: the tokens of the cache (dense gets: of each head)
+}
+
+struct GpuPutResponse {
+  1: Status status,
+  2: i64 original_bytes,
+  3: i64 stored_bytes,
+  4: i64 total_kept,
+  5: string tier,
+  6: double receive_seconds,  // the payload's transfer, as the daemon's stream timed it
+}
+
+enum GpuGetForm {
+  STORED = 0,    // the cache as stored (docs/format.md)
+  DECODED = 1,   // the kept tokens decoded to the input dtype (format, raw codecs)
+  DENSE_KV = 2,  // K then V of every layer, [num_kv_heads, num_tokens, head_dim] dense, as a put
+                 // sends them: only for caches that kept every token (FAILED_PRECONDITION else)
+}
+
+struct GpuGetRequest {
+  1: CacheRef ref,
+  2: GpuGetForm form = GpuGetForm.STORED,
+  3: i64 capacity,  // bytes the client can receive; a larger payload is OUT_OF_RANGE, unsent
+}
+
+
 service KvcompControl {
   HealthResponse Health(1: Auth auth),
   StatsResponse Stats(1: Auth auth),
@@ -247,4 +316,19 @@ service KvcompControl {
   // max_bytes <= 0: 64 MiB.
   GetChunksResponse GetChunks(1: Auth auth, 2: string model_id, 3: list<binary> keys,
                               4: bool decoded, 5: i64 max_bytes),
+  // GPU channel (docs/protocol.md). Opens a channel: the daemon starts forming the
+  // communicator as rank 0 and the client joins with the returned id.
+  GpuChannelResponse OpenGpuChannel(1: Auth auth, 2: GpuChannelRequest request),
+  // Tears the channel down (its communicator destroyed). NOT_FOUND when not the caller's.
+  GpuCloseResponse CloseGpuChannel(1: Auth auth, 2: i64 channel_id),
+  // Checks the put (as the data plane does) and posts the daemon's receive; the client then
+  // sends the payload on its stream and calls GpuPutFinish.
+  GpuTransferResponse GpuPutBegin(1: Auth auth, 2: i64 channel_id, 3: GpuPutRequest request),
+  // Waits for the payload (the channel's transfer timeout), then compresses and stores the put.
+  GpuPutResponse GpuPutFinish(1: Auth auth, 2: i64 channel_id, 3: i64 transfer_id),
+  // Reads the cache and posts the daemon's send; the client receives payload_bytes on its
+  // stream and calls GpuGetFinish.
+  GpuTransferResponse GpuGet(1: Auth auth, 2: i64 channel_id, 3: GpuGetRequest request),
+  // Waits until the daemon's send has finished; the status of the transfer.
+  GpuCloseResponse GpuGetFinish(1: Auth auth, 2: i64 channel_id, 3: i64 transfer_id),
 }

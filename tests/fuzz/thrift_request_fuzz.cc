@@ -118,8 +118,44 @@ class FuzzHandler : public rpc::KvcompControlIf {
                  int64_t /*max_bytes*/) override {
     out.status = ToRpc(CheckKeys(auth, model_id, keys));
   }
+  // GPU channel calls: authenticated, no channel exists here (as on a daemon without a GPU).
+  void OpenGpuChannel(rpc::GpuChannelResponse& out, const rpc::Auth& auth,
+                      const rpc::GpuChannelRequest& /*request*/) override {
+    absl::Status s = Auth(auth).status();
+    if (s.ok()) s = absl::UnavailableError("no GPU channel");
+    out.status = ToRpc(s);
+  }
+  void CloseGpuChannel(rpc::GpuCloseResponse& out, const rpc::Auth& auth,
+                       int64_t /*channel_id*/) override {
+    out.status = ToRpc(NoChannel(auth));
+  }
+  void GpuPutBegin(rpc::GpuTransferResponse& out, const rpc::Auth& auth, int64_t /*channel_id*/,
+                   const rpc::GpuPutRequest& request) override {
+    absl::Status s = CheckRef(auth, request.model_id, request.key);
+    if (s.ok() && request.__isset.policy) s = CheckPolicy(request.policy);
+    if (s.ok()) s = NoChannel(auth);
+    out.status = ToRpc(s);
+  }
+  void GpuPutFinish(rpc::GpuPutResponse& out, const rpc::Auth& auth, int64_t /*channel_id*/,
+                    int64_t /*transfer_id*/) override {
+    out.status = ToRpc(NoChannel(auth));
+  }
+  void GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth, int64_t /*channel_id*/,
+              const rpc::GpuGetRequest& request) override {
+    absl::Status s = CheckRef(auth, request.ref.model_id, request.ref.key);
+    if (s.ok()) s = NoChannel(auth);
+    out.status = ToRpc(s);
+  }
+  void GpuGetFinish(rpc::GpuCloseResponse& out, const rpc::Auth& auth, int64_t /*channel_id*/,
+                    int64_t /*transfer_id*/) override {
+    out.status = ToRpc(NoChannel(auth));
+  }
 
  private:
+  absl::Status NoChannel(const rpc::Auth& auth) const {
+    absl::Status s = Auth(auth).status();
+    return s.ok() ? absl::NotFoundError("no such GPU channel") : s;
+  }
   absl::StatusOr<std::string> Auth(const rpc::Auth& auth) const {
     return tokens_->Authenticate(auth.tenant, auth.token);
   }

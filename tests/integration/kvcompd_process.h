@@ -90,6 +90,8 @@ class KvcompdProcess {
   KvcompdProcess(std::string binary, std::string data_dir, std::vector<std::string> flags = {})
       : binary_(std::move(binary)), data_dir_(std::move(data_dir)), flags_(std::move(flags)) {}
   ~KvcompdProcess() { Kill(SIGKILL); }
+  // An environment variable ("NAME=value") for the daemon processes started after this.
+  void SetEnv(std::string name_value) { env_.push_back(std::move(name_value)); }
 
   // Starts the daemon and waits (up to `timeout_s`) for its ready file. False on failure; the
   // log is in log_path().
@@ -117,6 +119,7 @@ class KvcompdProcess {
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
+      for (auto& e : env_) putenv(const_cast<char*>(e.c_str()));
       execv(binary_.c_str(), argv.data());
       _exit(127);
     }
@@ -193,6 +196,7 @@ class KvcompdProcess {
   pid_t pid_ = -1;
   int exit_status_ = 0;
   DaemonPorts ports_;
+  std::vector<std::string> env_;
 };
 
 // A Thrift control-plane client (framed transport, binary protocol).

@@ -100,6 +100,42 @@ struct PutResult {
   uint64_t stored_bytes = 0;    // the compressed cache as stored
   uint64_t total_kept = 0;      // kept tokens over all heads
   std::vector<std::string> endpoints;  // data addresses that acknowledged a copy
+  // Device puts (PutDevice): "nccl" when the payload went over the GPU channel, "ucx" when it
+  // went through host memory over the data plane; empty for host puts.
+  std::string path;
+  // GPU channel puts: seconds the payload's transfer took on the caller's stream.
+  double transfer_seconds = 0;
+};
+
+// One layer's K and V in CUDA device memory, [num_kv_heads, num_tokens, head_dim] dense each,
+// of the layout's dtype; all layers on one device.
+struct DeviceLayerData {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+};
+// Where a dense get writes one layer's K and V (device memory, the same shapes).
+struct DeviceLayerOut {
+  void* keys = nullptr;
+  void* values = nullptr;
+};
+
+// What a device get delivered.
+struct DeviceGetResult {
+  size_t bytes = 0;     // written into the caller's memory
+  std::string path;     // "nccl" or "ucx"
+  double transfer_seconds = 0;  // GPU channel: the payload's transfer on the caller's stream
+};
+
+// The client's GPU channel counters (docs/protocol.md, "GPU channel"): how device puts and
+// gets travelled, and the last reason a channel could not be used.
+struct GpuChannelStats {
+  uint64_t nccl_puts = 0;
+  uint64_t nccl_gets = 0;
+  uint64_t fallback_puts = 0;  // device puts sent through host memory over UCX
+  uint64_t fallback_gets = 0;
+  uint64_t channels_opened = 0;
+  uint64_t channel_failures = 0;  // channels closed after a failed transfer
+  std::string last_fallback_reason;
 };
 
 struct LookupResult {
@@ -245,6 +281,39 @@ class Client {
   // As GetChunks, unparsed (docs/format.md).
   virtual absl::StatusOr<std::vector<std::string>> GetChunkBytes(
       absl::string_view model_id, const std::vector<std::string>& keys, bool decoded = false) = 0;
+
+  // --- Device memory (docs/protocol.md, "GPU channel") ---
+  // A put from CUDA device memory. `stream` is the caller's cudaStream_t (null: the legacy
+  // default stream): the payload is read on it, after the work queued there before the call
+  // (the producer's kernels), and nothing synchronises the device. The daemon ranked first is
+  // asked for a GPU channel (NCCL, negotiated over the control plane; the channel is kept per
+  // endpoint and device for later calls); where none can be had (no NCCL here or there, no
+  // control address, the daemon on this GPU, the peer not reachable, more than one replica)
+  // the payload is copied to host memory on `stream` and put over UCX, counted in
+  // GpuStats().fallback_puts and logged once per endpoint and reason. InvalidArgument for
+  // host pointers or pointers on different devices; FailedPrecondition without a CUDA driver.
+  virtual absl::StatusOr<PutResult> PutDevice(absl::string_view model_id, absl::string_view key,
+                                              const KvLayout& layout, uint64_t num_tokens,
+                                              const std::vector<DeviceLayerData>& layers,
+                                              void* stream, const PutOptions& options = {});
+  // A cache that kept every token (ratio 0) as dense K and V, written into `layers` (device
+  // memory of `layout` and `num_tokens`, which must match the cache's: InvalidArgument) on
+  // `stream`: ordered after the work queued there, and work queued after the call sees the
+  // data. FailedPrecondition for a cache that evicted tokens or encodes them (get it instead).
+  virtual absl::StatusOr<DeviceGetResult> GetKvIntoDevice(
+      absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+      uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers, void* stream);
+  // The cache's bytes as stored (docs/format.md), or decoded, into device memory `dst` of
+  // `capacity` bytes on `stream`. OutOfRange when larger.
+  virtual absl::StatusOr<DeviceGetResult> GetIntoDevice(absl::string_view model_id,
+                                                        absl::string_view key, void* dst,
+                                                        size_t capacity, void* stream,
+                                                        bool decoded = false);
+  // Negotiates (or reuses) the GPU channel to `endpoint` (a data address of this client's
+  // members) for CUDA device `device`: OK when NCCL will carry payloads, else why not (the
+  // reason device calls fall back with).
+  virtual absl::Status ProbeGpuChannel(const std::string& endpoint, int device);
+  virtual GpuChannelStats GpuStats() const;
 
   // The endpoints in the order a key's reads and writes try them (rendezvous ranking over the
   // current members: empty while a DNS pool has none).

@@ -54,6 +54,16 @@ struct DataPlaneOptions {
   std::string ucx_tls;
   // UCX network devices (UCX_NET_DEVICES syntax, e.g. "mlx5_0:1"). Empty = UCX's choice. ""
   std::string ucx_net_devices;
+  // GPU channel (docs/protocol.md): clients with KV in GPU memory send it over NCCL to the
+  // engine's CUDA device when NCCL and a device are present. true
+  bool gpu_channel = true;
+  // Channels open at once (all tenants; a tenant its tenant_share of them). 64
+  uint32_t gpu_max_channels = 64;
+  // A channel's communicator forming, or one transfer, longer than this is aborted (the
+  // channel closes), seconds. 30
+  double gpu_transfer_timeout_seconds = 30;
+  // A channel with no transfer for this long is closed, seconds; 0 = never. 600
+  double gpu_idle_timeout_seconds = 600;
 };
 
 // Thrift control plane (health, stats, lookup, delete, policies, calibration, server info).

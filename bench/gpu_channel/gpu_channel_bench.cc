@@ -1,0 +1,261 @@
+// The GPU channel on two GPUs: a Llama-3.1-8B-shaped cache (32 layers, 8 kv heads, head_dim
+// 128, bf16; --tokens, default 32768: 4 GiB of K and V) put from device memory of GPU 0 into a
+// kvcompd on GPU 1 and fetched back, against the two ways the same bytes can cross between the
+// same GPUs in this process, measured in the same run:
+//   - ncclSend/ncclRecv of the same chunks (one per layer and part) on a two-rank communicator,
+//     nccl-tests style (both ranks here, one thread each);
+//   - cudaMemcpyPeer of the whole payload (cuMemcpyPeerAsync, peer access on).
+// For the channel, "transfer" is the payload's time on the caller's stream (events around the
+// sends or receives); "put" and "get" are the whole calls (control round trips, the daemon's
+// copy to host memory and the compression, or the daemon's read and copy to its GPU). The
+// lossless policy (ratio 0, raw codecs) keeps every token, so the dense get returns the bytes
+// put; the default policy's put (manifold 0.5 + moments) is timed beside it.
+//
+//   kvcomp_gpu_channel_bench --kvcompd PATH [--tokens N] [--reps N]
+// Prints RESULT lines. Needs two CUDA devices and NCCL (kvcomp/transport/gpu_link.h).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "kvcomp/client/client.h"
+#include "kvcomp/transport/gpu_link.h"
+#include "kvcompd_process.h"
+
+namespace {
+
+using kvcomp::KvLayout;
+using kvcomp::client::Client;
+using kvcomp::transport::GpuRuntime;
+using kvcomp::transport::NcclLink;
+
+#define CHECK_OK(expr)                                                                  \
+  do {                                                                                  \
+    absl::Status _s = (expr);                                                           \
+    if (!_s.ok()) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                 \
+                   _s.ToString().c_str());                                              \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+template <typename T>
+T Value(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
+    std::exit(1);
+  }
+  return *std::move(v);
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+double Best(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+
+void Report(const char* name, double bytes, const std::vector<double>& secs) {
+  std::printf("RESULT gpu_channel %-28s best %7.2f GB/s  median %7.2f GB/s  (%zu runs, %.3f s best)\n",
+              name, bytes / Best(secs) / 1e9, bytes / Median(secs) / 1e9, secs.size(), Best(secs));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string kvcompd;
+  uint64_t tokens = 32768;
+  int reps = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--kvcompd") kvcompd = argv[i + 1];
+    if (a == "--tokens") tokens = std::strtoull(argv[i + 1], nullptr, 10);
+    if (a == "--reps") reps = std::atoi(argv[i + 1]);
+  }
+  GpuRuntime* rt = Value(GpuRuntime::Get(), "CUDA");
+  CHECK_OK(GpuRuntime::LoadNccl());
+  if (rt->device_count() < 2) {
+    std::fprintf(stderr, "needs two CUDA devices\n");
+    return 77;
+  }
+  KvLayout layout;
+  layout.num_layers = 32;
+  layout.num_kv_heads = 8;
+  layout.num_q_heads = 32;
+  layout.head_dim = 128;
+  layout.dtype = kvcomp::DType::kBF16;
+  const size_t layer = layout.LayerBytes(tokens);
+  const size_t payload = layout.CacheBytes(tokens);
+  std::printf("# %llu tokens, %.2f GiB of K and V, %zu chunks of %.1f MiB; NCCL %d (%s)\n",
+              static_cast<unsigned long long>(tokens), payload / 1073741824.0,
+              size_t{2} * layout.num_layers, layer / 1048576.0, GpuRuntime::nccl_version(),
+              GpuRuntime::nccl_path().c_str());
+
+  // Source on GPU 0 (finite bf16: 0x3f80 = 1.0 with a varying low byte), destination on GPU 1.
+  CHECK_OK(rt->SetDevice(0));
+  void* src = Value(rt->AllocDevice(payload), "alloc src");
+  void* back = Value(rt->AllocDevice(payload), "alloc back");
+  void* s0 = Value(rt->NewStream(), "stream 0");
+  {
+    std::vector<uint16_t> pattern(layer / 2);
+    for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<uint16_t>(0x3f00 | (i & 0x7f));
+    for (size_t c = 0; c < 2 * layout.num_layers; ++c) {
+      CHECK_OK(rt->CopyAsync(static_cast<char*>(src) + c * layer, pattern.data(), layer,
+                             GpuRuntime::Copy::kHostToDevice, s0));
+      CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+    }
+  }
+  CHECK_OK(rt->SetDevice(1));
+  void* dst = Value(rt->AllocDevice(payload), "alloc dst");
+  void* s1 = Value(rt->NewStream(), "stream 1");
+  auto chunks = [&](void* base) {
+    std::vector<NcclLink::Chunk> v;
+    for (size_t c = 0; c < 2 * layout.num_layers; ++c) {
+      v.push_back({static_cast<char*>(base) + c * layer, layer});
+    }
+    return v;
+  };
+
+  // cudaMemcpyPeer, GPU 0 -> GPU 1.
+  CHECK_OK(rt->EnablePeerAccess(0, 1));
+  CHECK_OK(rt->EnablePeerAccess(1, 0));
+  std::vector<double> peer_s;
+  {
+    CHECK_OK(rt->SetDevice(0));
+    auto timer = Value(rt->NewTimer(), "timer");
+    for (int r = 0; r < reps + 1; ++r) {
+      CHECK_OK(timer->Start(s0));
+      CHECK_OK(rt->CopyPeerAsync(dst, 1, src, 0, payload, s0));
+      CHECK_OK(timer->Stop(s0));
+      double s = Value(timer->Seconds(absl::Now() + absl::Seconds(60)), "peer copy");
+      if (r > 0) peer_s.push_back(s);  // the first warms up
+    }
+  }
+  Report("cudaMemcpyPeer", payload, peer_s);
+
+  // ncclSend/ncclRecv between the same GPUs, the channel's chunks.
+  std::vector<double> nccl_s;
+  {
+    CHECK_OK(rt->SetDevice(1));
+    const std::string id = Value(rt->NewUniqueId(), "unique id");
+    std::unique_ptr<NcclLink> recv_link, send_link;
+    std::thread t([&] { recv_link = Value(NcclLink::Join(id, 0, 1, absl::Seconds(60)), "join 0"); });
+    send_link = Value(NcclLink::Join(id, 1, 0, absl::Seconds(60)), "join 1");
+    t.join();
+    CHECK_OK(rt->SetDevice(0));
+    auto timer = Value(rt->NewTimer(), "timer");
+    for (int r = 0; r < reps + 1; ++r) {
+      std::thread rx([&] {
+        CHECK_OK(recv_link->Recv(chunks(dst), s1));
+        CHECK_OK(recv_link->Wait(s1, absl::Now() + absl::Seconds(60)));
+      });
+      CHECK_OK(rt->SetDevice(0));
+      CHECK_OK(timer->Start(s0));
+      CHECK_OK(send_link->Send(chunks(src), s0));
+      CHECK_OK(timer->Stop(s0));
+      CHECK_OK(send_link->Wait(s0, absl::Now() + absl::Seconds(60)));
+      rx.join();
+      double s = Value(timer->Seconds(absl::Now() + absl::Seconds(5)), "nccl");
+      if (r > 0) nccl_s.push_back(s);
+    }
+  }
+  Report("ncclSend/Recv", payload, nccl_s);
+  CHECK_OK(rt->SetDevice(1));
+  rt->FreeDevice(dst);  // the daemon needs GPU 1's memory
+
+  // The channel: kvcompd on GPU 1, this client on GPU 0.
+  kvcomp::testing::TempDir dir;
+  kvcomp::testing::KvcompdProcess daemon(
+      kvcompd, dir.path() + "/d",
+      {"--engine.backend=auto", "--engine.cuda_device=1", "--engine.cpu_threads=0",
+       "--storage.durability=memory",
+       "--storage.rocksdb_enabled=false", "--storage.put_tier=host",
+       "--storage.host_capacity_bytes=64Gi", "--data_plane.max_buffered_bytes=16Gi",
+       "--data_plane.max_put_bytes=16Gi", "--data_plane.gpu_transfer_timeout_seconds=120"});
+  daemon.SetEnv("NCCL_NVLS_ENABLE=0");
+  if (!daemon.Start(120)) {
+    std::fprintf(stderr, "kvcompd did not start:\n%s\n", daemon.Log().c_str());
+    return 1;
+  }
+  {
+    const std::string log = daemon.Log();
+    const size_t at = log.find("engine: ");
+    std::printf("# kvcompd %s\n", at == std::string::npos ? "(no engine line)"
+                                                         : log.substr(at, log.find('\n', at) - at).c_str());
+  }
+  kvcomp::client::ClientOptions o;
+  o.request_timeout = absl::Seconds(300);
+  o.ucx_overrides = {{"TLS", "tcp"}};
+  auto client = Value(Client::Connect({daemon.data_endpoint() + ",127.0.0.1:" +
+                                       std::to_string(daemon.ports().control)},
+                                      o),
+                      "connect");
+  std::vector<kvcomp::client::DeviceLayerData> in;
+  std::vector<kvcomp::client::DeviceLayerOut> out;
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    in.push_back({static_cast<char*>(src) + l * layer,
+                  static_cast<char*>(src) + (layout.num_layers + l) * layer});
+    out.push_back({static_cast<char*>(back) + l * layer,
+                   static_cast<char*>(back) + (layout.num_layers + l) * layer});
+  }
+  kvcomp::client::PutOptions lossless;
+  lossless.policy = kvcomp::CompressionPolicy();
+  lossless.policy->ratio = 0;
+  lossless.policy->moments = false;
+  std::vector<double> put_xfer, put_wall, get_xfer, get_wall, full_wall;
+  std::string path;
+  for (int r = 0; r < reps + 1; ++r) {
+    const std::string key = "bench-" + std::to_string(r);
+    auto t0 = absl::Now();
+    auto put = Value(client->PutDevice("llama-8b", key, layout, tokens, in, s0, lossless), "put");
+    const double wall = absl::ToDoubleSeconds(absl::Now() - t0);
+    path = put.path;
+    t0 = absl::Now();
+    auto got = Value(client->GetKvIntoDevice("llama-8b", key, layout, tokens, out, s0), "get");
+    const double gwall = absl::ToDoubleSeconds(absl::Now() - t0);
+    if (r > 0) {
+      put_xfer.push_back(put.transfer_seconds);
+      put_wall.push_back(wall);
+      get_xfer.push_back(got.transfer_seconds);
+      get_wall.push_back(gwall);
+    }
+    (void)client->Delete("llama-8b", key);
+  }
+  // The bytes that came back are the bytes that went (the last round).
+  {
+    std::string a(payload, '\0'), b(payload, '\0');
+    CHECK_OK(rt->SetDevice(0));
+    CHECK_OK(rt->CopyAsync(a.data(), src, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    CHECK_OK(rt->CopyAsync(b.data(), back, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+    std::printf("# round trip %s\n", a == b ? "bit-identical" : "DIFFERS");
+  }
+  std::printf("# path %s\n", path.c_str());
+  Report("channel put transfer", payload, put_xfer);
+  Report("channel get transfer", payload, get_xfer);
+  Report("channel put (lossless, whole)", payload, put_wall);
+  Report("channel get (dense, whole)", payload, get_wall);
+  for (int r = 0; r < 2; ++r) {
+    const std::string key = "default-" + std::to_string(r);
+    auto t0 = absl::Now();
+    auto put = Value(client->PutDevice("llama-8b", key, layout, tokens, in, s0), "default put");
+    if (r > 0) full_wall.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+    std::printf("# default policy put: %.3f s, transfer %.3f s, %.2f GB -> %.2f GB\n",
+                absl::ToDoubleSeconds(absl::Now() - t0), put.transfer_seconds,
+                put.original_bytes / 1e9, put.stored_bytes / 1e9);
+    (void)client->Delete("llama-8b", key);
+  }
+  Report("channel put (default, whole)", payload, full_wall);
+  const double best_ref = std::max(payload / Best(nccl_s), payload / Best(peer_s));
+  std::printf("RESULT gpu_channel put transfer / best reference = %.0f%%, get = %.0f%% (target 80%%)\n",
+              100.0 * payload / Best(put_xfer) / best_ref, 100.0 * payload / Best(get_xfer) / best_ref);
+  const kvcomp::client::GpuChannelStats st = client->GpuStats();
+  std::printf("# client: %llu nccl puts, %llu nccl gets, %llu fallbacks\n",
+              static_cast<unsigned long long>(st.nccl_puts),
+              static_cast<unsigned long long>(st.nccl_gets),
+              static_cast<unsigned long long>(st.fallback_puts + st.fallback_gets));
+  return 0;
+}

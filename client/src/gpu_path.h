@@ -1,0 +1,83 @@
+// The SDK's device-memory calls (Client::PutDevice, GetKvIntoDevice, GetIntoDevice): over the
+// GPU channel (NCCL, negotiated on the control plane) when the endpoint offers one, else through
+// host memory over the ordinary data plane. Channels are kept per (endpoint, device) for the
+// client's life; a channel whose transfer fails is aborted and dropped, and an endpoint that
+// refused one is not asked again for a while (it is asked again after `down_for` x 15).
+//
+// Thread-safety: every method is thread-safe; transfers on one channel take turns.
+#ifndef KVCOMP_CLIENT_SRC_GPU_PATH_H_
+#define KVCOMP_CLIENT_SRC_GPU_PATH_H_
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvcomp/client/client.h"
+
+namespace kvcomp {
+namespace client {
+
+class GpuPath {
+ public:
+  // The key's endpoints in ranking order (data and control addresses).
+  using RankingFn = std::function<absl::StatusOr<std::vector<EndpointAddress>>(
+      absl::string_view model_id, absl::string_view key)>;
+  // The cache's bytes over the data plane, as stored or decoded.
+  using FetchFn = std::function<absl::StatusOr<std::string>(absl::string_view model_id,
+                                                            absl::string_view key, bool decoded)>;
+  // `self` (the client that owns this) and `fetch` serve the host-memory fallbacks.
+  GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, FetchFn fetch);
+  ~GpuPath();
+
+  absl::StatusOr<PutResult> Put(absl::string_view model_id, absl::string_view key,
+                                const KvLayout& layout, uint64_t num_tokens,
+                                const std::vector<DeviceLayerData>& layers, void* stream,
+                                const PutOptions& options);
+  absl::StatusOr<DeviceGetResult> GetKv(absl::string_view model_id, absl::string_view key,
+                                        const KvLayout& layout, uint64_t num_tokens,
+                                        const std::vector<DeviceLayerOut>& layers, void* stream);
+  absl::StatusOr<DeviceGetResult> GetBytes(absl::string_view model_id, absl::string_view key,
+                                           void* dst, size_t capacity, void* stream,
+                                           bool decoded);
+  absl::Status Probe(const EndpointAddress& endpoint, int device);
+  GpuChannelStats Stats() const;
+
+  struct Channel;
+
+ private:
+  // The channel to `endpoint` for `device`: cached, or opened now. An error says why none can be
+  // had; `hard` is set when the error must reach the caller (refused credentials) instead of
+  // falling back.
+  absl::StatusOr<std::shared_ptr<Channel>> ChannelFor(const EndpointAddress& endpoint, int device,
+                                                      bool* hard);
+  void Drop(const std::shared_ptr<Channel>& channel, const absl::Status& why);
+  void NoteFallback(const std::string& endpoint, const absl::Status& why, bool put);
+
+  const ClientOptions options_;
+  Client* const self_;
+  const RankingFn ranking_;
+  const FetchFn fetch_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, int>, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  struct Refusal {
+    absl::Status why;
+    absl::Time until;
+  };
+  std::map<std::pair<std::string, int>, Refusal> refused_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> logged_ ABSL_GUARDED_BY(mu_);  // endpoint -> last reason
+  GpuChannelStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace client
+}  // namespace kvcomp
+
+#endif  // KVCOMP_CLIENT_SRC_GPU_PATH_H_

@@ -1,0 +1,642 @@
+#include "gpu_channel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/storage/types.h"
+#include "kvcomp/transport/gpu_link.h"
+#include "log.h"
+
+namespace kvcomp {
+namespace service {
+
+namespace {
+
+using transport::GpuRuntime;
+using transport::NcclLink;
+
+// Chunks of a K/V payload as both sides post them: each layer's keys, then each layer's values
+// (NCCL matches sends and receives one to one, so the split is part of the protocol).
+std::vector<NcclLink::Chunk> LayerChunks(uint8_t* base, const KvLayout& layout, uint64_t tokens) {
+  const uint64_t layer = layout.LayerBytes(tokens);
+  std::vector<NcclLink::Chunk> chunks;
+  for (uint32_t i = 0; i < 2 * layout.num_layers; ++i) chunks.push_back({base + i * layer, layer});
+  return chunks;
+}
+
+// Pinned host memory of one transfer, freed on the channel's device.
+std::shared_ptr<uint8_t> PinnedBuffer(GpuRuntime* rt, int device, size_t bytes,
+                                      absl::Status* status) {
+  absl::StatusOr<void*> p = rt->AllocPinned(bytes);
+  if (!p.ok()) {
+    *status = p.status();
+    return nullptr;
+  }
+  return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(*p), [rt, device](uint8_t* q) {
+    (void)rt->SetDevice(device);
+    rt->FreePinned(q);
+  });
+}
+
+struct Channel {
+  uint64_t id = 0;
+  std::string tenant;
+  int device = 0;
+
+  // Forming the communicator (a thread of its own: the client joins after Open returns).
+  absl::Mutex join_mu;
+  bool joined ABSL_GUARDED_BY(join_mu) = false;
+  absl::Status join_status ABSL_GUARDED_BY(join_mu);
+  std::thread joiner;
+
+  // Everything below is used under op_mu: one operation at a time.
+  absl::Mutex op_mu;
+  std::unique_ptr<NcclLink> link;
+  void* stream = nullptr;
+  void* staging = nullptr;
+  size_t staging_bytes = 0;
+  std::unique_ptr<GpuRuntime::Timer> timer;
+  enum class Pending { kNone, kPut, kGet } pending = Pending::kNone;
+  uint64_t transfer_id = 0;
+  uint64_t transfer_bytes = 0;
+  KvLayout transfer_layout;
+  uint64_t transfer_tokens = 0;
+  std::shared_ptr<OpenPut> put;
+  std::shared_ptr<uint8_t> host;  // a get's payload until its send finished
+  absl::Time deadline;
+
+  std::atomic<int64_t> last_used_ns{0};
+  std::atomic<int64_t> pending_deadline_ns{0};  // 0: nothing pending
+  std::atomic<bool> dead{false};
+
+  ~Channel() {
+    if (joiner.joinable()) joiner.join();
+  }
+};
+
+class GpuChannelsImpl : public GpuChannels {
+ public:
+  GpuChannelsImpl(const Options& options, CacheService* service, Metrics* metrics)
+      : service_(service),
+        metrics_(metrics),
+        device_(options.engine.cuda_device),
+        max_channels_(options.data_plane.gpu_max_channels),
+        tenant_share_(options.data_plane.tenant_share),
+        timeout_(absl::Seconds(options.data_plane.gpu_transfer_timeout_seconds)),
+        idle_timeout_(absl::Seconds(options.data_plane.gpu_idle_timeout_seconds)),
+        max_transfer_bytes_(std::min(options.data_plane.max_put_bytes,
+                                     options.data_plane.max_buffered_bytes)) {
+    reason_ = Probe(options);
+    if (reason_.empty()) {
+      reaper_ = std::thread([this] { Reap(); });
+    }
+  }
+
+  ~GpuChannelsImpl() override { Stop(); }
+
+  bool available() const override { return reason_.empty(); }
+  std::string unavailable_reason() const override { return reason_; }
+  size_t open_channels() const override {
+    absl::MutexLock lock(&mu_);
+    return channels_.size();
+  }
+
+  absl::StatusOr<GpuChannelInfo> Open(const std::string& tenant, int client_nccl_version,
+                                      const std::string& client_device_uuid) override {
+    if (!reason_.empty()) return absl::FailedPreconditionError(reason_);
+    if (draining_.load()) return absl::UnavailableError("draining: no new GPU channels");
+    if (client_device_uuid == device_uuid_) {
+      return absl::FailedPreconditionError(
+          "the client's GPU is the daemon's: NCCL needs two devices (use the data plane)");
+    }
+    if (client_nccl_version > 0 && client_nccl_version / 100 != rt_->nccl_version() / 100) {
+      Log(LogLevel::kInfo, "GPU channel: client NCCL ", client_nccl_version, ", daemon NCCL ",
+          rt_->nccl_version());
+    }
+    auto channel = std::make_shared<Channel>();
+    channel->tenant = tenant;
+    channel->device = device_;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopped_) return absl::UnavailableError("stopping");
+      const size_t tenant_max = std::max<size_t>(1, static_cast<size_t>(max_channels_ * tenant_share_));
+      size_t of_tenant = 0;
+      for (const auto& [id, c] : channels_) of_tenant += c->tenant == tenant;
+      if (channels_.size() >= max_channels_ || of_tenant >= tenant_max) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "GPU channels: ", channels_.size(), " open (", of_tenant, " of this tenant; limits ",
+            max_channels_, " and ", tenant_max, ")"));
+      }
+      channel->id = next_id_++;
+      channels_[channel->id] = channel;
+    }
+    absl::Status s = rt_->SetDevice(device_);
+    absl::StatusOr<std::string> uid = s.ok() ? rt_->NewUniqueId() : absl::StatusOr<std::string>(s);
+    if (!uid.ok()) {
+      Remove(channel->id);
+      return uid.status();
+    }
+    channel->last_used_ns.store(absl::ToUnixNanos(absl::Now()));
+    const std::string id_bytes = *uid;
+    const absl::Duration timeout = timeout_;
+    const int device = device_;
+    Channel* c = channel.get();
+    channel->joiner = std::thread([c, id_bytes, timeout, device] {
+      absl::StatusOr<std::unique_ptr<NcclLink>> link = NcclLink::Join(id_bytes, 0, device, timeout);
+      absl::Status st = link.status();
+      if (link.ok()) {
+        absl::MutexLock op(&c->op_mu);
+        c->link = *std::move(link);
+      }
+      absl::MutexLock lock(&c->join_mu);
+      c->join_status = st;
+      c->joined = true;
+    });
+    GpuChannelInfo info;
+    info.channel_id = channel->id;
+    info.nccl_unique_id = id_bytes;
+    info.nccl_version = rt_->nccl_version();
+    info.device = device_;
+    info.max_transfer_bytes = max_transfer_bytes_;
+    info.transfer_timeout = timeout_;
+    Log(LogLevel::kInfo, "GPU channel ", channel->id, " opened for tenant '", tenant, "' on cuda:",
+        device_);
+    return info;
+  }
+
+  absl::Status Close(const std::string& tenant, uint64_t id) override {
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
+    Remove(id);
+    Destroy(c, "closed by the client");
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<uint64_t> PutBegin(const std::string& tenant, uint64_t id, PutRequest request,
+                                    uint64_t payload_bytes) override {
+    const KvLayout layout = request.layout;
+    const uint64_t tokens = request.num_tokens;
+    const uint64_t expected = layout.CacheBytes(tokens);
+    if (payload_bytes != expected) {
+      return absl::InvalidArgumentError(absl::StrCat("payload_bytes ", payload_bytes,
+                                                     " does not match the layout's K and V (",
+                                                     expected, " bytes)"));
+    }
+    if (payload_bytes > max_transfer_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat("payload of ", payload_bytes,
+                                                     " bytes exceeds the GPU channel's limit (",
+                                                     max_transfer_bytes_, ")"));
+    }
+    if (draining_.load()) return absl::UnavailableError("draining: no new puts");
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
+    KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<OpenPut> put, service_->BeginPut(std::move(request)));
+    absl::Status s = Stage(*c, payload_bytes);
+    if (s.ok()) s = c->timer->Start(c->stream);
+    if (s.ok()) {
+      s = c->link->Recv(LayerChunks(static_cast<uint8_t*>(c->staging), layout, tokens), c->stream);
+    }
+    if (s.ok()) s = c->timer->Stop(c->stream);
+    if (!s.ok()) {
+      put->Abort();
+      Fail(c, s);
+      return s;
+    }
+    return Pending(*c, Channel::Pending::kPut, payload_bytes, layout, tokens, std::move(put));
+  }
+
+  absl::StatusOr<GpuPutResult> PutFinish(const std::string& tenant, uint64_t id,
+                                         uint64_t transfer_id) override {
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(CheckPending(*c, Channel::Pending::kPut, transfer_id));
+    std::shared_ptr<OpenPut> put = std::move(c->put);
+    const uint64_t bytes = c->transfer_bytes;
+    const KvLayout layout = c->transfer_layout;
+    const uint64_t tokens = c->transfer_tokens;
+    ClearPending(*c);
+    absl::Status s = c->link->Wait(c->stream, c->deadline);
+    GpuPutResult out;
+    if (s.ok()) {
+      absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
+      out.receive_seconds = secs.ok() ? *secs : 0;
+    }
+    // The put path takes host blocks: the staging buffer goes to pinned memory first.
+    std::shared_ptr<uint8_t> host;
+    if (s.ok()) host = PinnedBuffer(rt_, c->device, bytes, &s);
+    if (s.ok()) {
+      s = rt_->CopyAsync(host.get(), c->staging, bytes, GpuRuntime::Copy::kDeviceToHost,
+                         c->stream);
+    }
+    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+    if (!s.ok()) {
+      put->Abort();
+      Fail(c, s);
+      return s;
+    }
+    Touch(*c);
+    metrics_->ObserveStage(Stage::kReceive, out.receive_seconds);
+    KVCOMP_ASSIGN_OR_RETURN(out.summary, Store(put, WholeBlock(host, layout, tokens, bytes)));
+    return out;
+  }
+
+  absl::StatusOr<GpuGetBegun> GetBegin(const std::string& tenant, uint64_t id, const CacheKey& key,
+                                       GpuGetForm form, uint64_t capacity) override {
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
+    KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
+    const Representation rep =
+        form == GpuGetForm::kStored ? Representation::kStored : Representation::kDecoded;
+    absl::Notification got;
+    absl::StatusOr<storage::Payload> payload = absl::UnknownError("no answer");
+    service_->Get(key, rep, [&](absl::StatusOr<storage::Payload> r) {
+      payload = std::move(r);
+      got.Notify();
+    });
+    got.WaitForNotification();
+    KVCOMP_RETURN_IF_ERROR(payload.status());
+    GpuGetBegun out;
+    std::shared_ptr<uint8_t> host;
+    absl::Status s;
+    if (form == GpuGetForm::kDenseKv) {
+      KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(payload->view()));
+      out.layout = cache.layout;
+      out.num_tokens = cache.original_tokens;
+      out.payload_bytes = cache.layout.CacheBytes(cache.original_tokens);
+      if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+      host = PinnedBuffer(rt_, c->device, out.payload_bytes, &s);
+      KVCOMP_RETURN_IF_ERROR(s);
+      KVCOMP_RETURN_IF_ERROR(Densify(cache, host.get()));
+    } else {
+      absl::StatusOr<format::CacheInfo> info = format::PeekCache(payload->view());
+      if (info.ok()) {
+        out.layout = info->layout;
+        out.num_tokens = info->original_tokens;
+      }
+      out.payload_bytes = payload->size();
+      if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+      host = PinnedBuffer(rt_, c->device, out.payload_bytes, &s);
+      KVCOMP_RETURN_IF_ERROR(s);
+      std::memcpy(host.get(), payload->data(), payload->size());
+    }
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    s = Stage(*c, out.payload_bytes);
+    if (s.ok()) {
+      s = rt_->CopyAsync(c->staging, host.get(), out.payload_bytes,
+                         GpuRuntime::Copy::kHostToDevice, c->stream);
+    }
+    if (s.ok()) {
+      auto* base = static_cast<uint8_t*>(c->staging);
+      std::vector<NcclLink::Chunk> chunks =
+          form == GpuGetForm::kDenseKv
+              ? LayerChunks(base, out.layout, out.num_tokens)
+              : std::vector<NcclLink::Chunk>{{base, static_cast<size_t>(out.payload_bytes)}};
+      s = c->link->Send(chunks, c->stream);
+    }
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    c->host = std::move(host);
+    KVCOMP_ASSIGN_OR_RETURN(out.transfer_id, Pending(*c, Channel::Pending::kGet, out.payload_bytes,
+                                                     out.layout, out.num_tokens, nullptr));
+    return out;
+  }
+
+  absl::Status GetFinish(const std::string& tenant, uint64_t id, uint64_t transfer_id) override {
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(CheckPending(*c, Channel::Pending::kGet, transfer_id));
+    ClearPending(*c);
+    absl::Status s = c->link->Wait(c->stream, c->deadline);
+    c->host.reset();
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    Touch(*c);
+    return absl::OkStatus();
+  }
+
+  void Drain() override { draining_.store(true); }
+
+  void Stop() override {
+    std::vector<std::shared_ptr<Channel>> all;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopped_) return;
+      stopped_ = true;
+      for (auto& [id, c] : channels_) all.push_back(c);
+      channels_.clear();
+    }
+    stop_.Notify();
+    if (reaper_.joinable()) reaper_.join();
+    for (auto& c : all) Destroy(c, "daemon stopping");
+  }
+
+ private:
+  std::string Probe(const Options& options) {
+    if (!options.data_plane.gpu_channel) return "the GPU channel is off (data_plane.gpu_channel)";
+    if (absl::Status s = GpuRuntime::LoadNccl(); !s.ok()) {
+      return absl::StrCat("no GPU channel: ", s.message());
+    }
+    absl::StatusOr<GpuRuntime*> rt = GpuRuntime::Get();
+    if (!rt.ok()) return absl::StrCat("no GPU channel: ", rt.status().message());
+    rt_ = *rt;
+    if (absl::Status s = rt_->SetDevice(device_); !s.ok()) {
+      return absl::StrCat("no GPU channel: ", s.message());
+    }
+    absl::StatusOr<std::string> uuid = rt_->DeviceUuid(device_);
+    if (!uuid.ok()) return absl::StrCat("no GPU channel: ", uuid.status().message());
+    device_uuid_ = *uuid;
+    Log(LogLevel::kInfo, "GPU channel: NCCL ", rt_->nccl_version(), " (", rt_->nccl_path(),
+        ") on cuda:", device_);
+    return "";
+  }
+
+  absl::StatusOr<std::shared_ptr<Channel>> Find(const std::string& tenant, uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    auto it = channels_.find(id);
+    // Another tenant's channel reads as absent, as a closed one does.
+    if (it == channels_.end() || it->second->tenant != tenant || it->second->dead.load()) {
+      return absl::NotFoundError(absl::StrCat("no GPU channel ", id, " open for this tenant"));
+    }
+    return it->second;
+  }
+
+  void Remove(uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    channels_.erase(id);
+  }
+
+  absl::Status AwaitJoin(Channel& c) {
+    absl::MutexLock lock(&c.join_mu);
+    const absl::Time deadline = absl::Now() + timeout_ + absl::Seconds(1);
+    while (!c.joined) {
+      if (c.join_mu.AwaitWithDeadline(absl::Condition(&c.joined), deadline)) break;
+      return absl::DeadlineExceededError("the GPU channel's communicator did not form in time");
+    }
+    if (!c.join_status.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("the GPU channel's communicator failed: ", c.join_status.message()));
+    }
+    return absl::OkStatus();
+  }
+
+  // Caller holds c.op_mu.
+  absl::Status Usable(Channel& c) {
+    if (c.dead.load() || c.link == nullptr || c.link->broken()) {
+      return absl::UnavailableError("the GPU channel is closed");
+    }
+    if (c.pending != Channel::Pending::kNone) {
+      return absl::FailedPreconditionError("a transfer is in progress on this GPU channel");
+    }
+    KVCOMP_RETURN_IF_ERROR(rt_->SetDevice(c.device));
+    if (c.stream == nullptr) {
+      KVCOMP_ASSIGN_OR_RETURN(c.stream, rt_->NewStream());
+      KVCOMP_ASSIGN_OR_RETURN(c.timer, rt_->NewTimer());
+    }
+    return absl::OkStatus();
+  }
+
+  // A staging buffer of at least `bytes` on the channel's device. Caller holds c.op_mu.
+  absl::Status Stage(Channel& c, uint64_t bytes) {
+    if (c.staging_bytes >= bytes) return absl::OkStatus();
+    rt_->FreeDevice(c.staging);
+    c.staging = nullptr;
+    c.staging_bytes = 0;
+    KVCOMP_ASSIGN_OR_RETURN(c.staging, rt_->AllocDevice(bytes));
+    c.staging_bytes = bytes;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<uint64_t> Pending(Channel& c, Channel::Pending kind, uint64_t bytes,
+                                   const KvLayout& layout, uint64_t tokens,
+                                   std::shared_ptr<OpenPut> put) {
+    c.pending = kind;
+    c.transfer_id = next_transfer_.fetch_add(1);
+    c.transfer_bytes = bytes;
+    c.transfer_layout = layout;
+    c.transfer_tokens = tokens;
+    c.put = std::move(put);
+    c.deadline = absl::Now() + timeout_;
+    c.pending_deadline_ns.store(absl::ToUnixNanos(c.deadline));
+    Touch(c);
+    return c.transfer_id;
+  }
+
+  absl::Status CheckPending(Channel& c, Channel::Pending kind, uint64_t transfer_id) {
+    if (c.dead.load() || c.link == nullptr) return absl::UnavailableError("the GPU channel is closed");
+    if (c.pending != kind || c.transfer_id != transfer_id) {
+      return absl::NotFoundError(absl::StrCat("no ", kind == Channel::Pending::kPut ? "put" : "get",
+                                              " transfer ", transfer_id, " on this GPU channel"));
+    }
+    return absl::OkStatus();
+  }
+
+  void ClearPending(Channel& c) {
+    c.pending = Channel::Pending::kNone;
+    c.pending_deadline_ns.store(0);
+  }
+
+  void Touch(Channel& c) { c.last_used_ns.store(absl::ToUnixNanos(absl::Now())); }
+
+  // The channel failed (caller holds c->op_mu): its communicator is aborted and it goes.
+  void Fail(const std::shared_ptr<Channel>& c, const absl::Status& why) {
+    metrics_->CountError("gpu_channel", why);
+    Log(LogLevel::kWarning, "GPU channel ", c->id, " of tenant '", c->tenant,
+        "' closed: ", why.ToString());
+    c->dead.store(true);
+    if (c->link) c->link->Abort();
+    if (c->put) c->put->Abort();
+    c->put.reset();
+    ClearPending(*c);
+    // The reaper removes and tears it down (Find already treats it as absent).
+  }
+
+  // Tears a removed channel down: waits for its joiner, aborts a pending transfer, frees.
+  void Destroy(const std::shared_ptr<Channel>& c, const char* why) {
+    c->dead.store(true);
+    if (c->joiner.joinable()) c->joiner.join();
+    absl::MutexLock op(&c->op_mu);
+    if (c->pending != Channel::Pending::kNone && c->link) c->link->Abort();
+    if (c->put) c->put->Abort();
+    c->put.reset();
+    if (rt_ != nullptr && rt_->SetDevice(c->device).ok()) {
+      c->link.reset();  // destroys a healthy communicator, aborts a broken one
+      if (c->stream != nullptr) (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
+      c->timer.reset();
+      c->host.reset();
+      rt_->FreeDevice(c->staging);
+      c->staging = nullptr;
+      rt_->DestroyStream(c->stream);
+      c->stream = nullptr;
+    }
+    Log(LogLevel::kInfo, "GPU channel ", c->id, " closed: ", why);
+  }
+
+  absl::StatusOr<CacheSummary> Store(const std::shared_ptr<OpenPut>& put, BlockData block) {
+    absl::Notification added;
+    absl::Status add_status;
+    put->AddBlock(std::move(block), [&](absl::Status s) {
+      add_status = std::move(s);
+      added.Notify();
+    });
+    added.WaitForNotification();
+    if (!add_status.ok()) {
+      put->Abort();
+      return add_status;
+    }
+    // A full engine queue answers busy: the put stays open, commit again for a while.
+    const absl::Time deadline = absl::Now() + timeout_;
+    absl::Duration backoff = absl::Milliseconds(5);
+    for (;;) {
+      absl::Notification done;
+      absl::StatusOr<CacheSummary> result = absl::UnknownError("no answer");
+      put->Commit([&](absl::StatusOr<CacheSummary> r) {
+        result = std::move(r);
+        done.Notify();
+      });
+      done.WaitForNotification();
+      if (result.ok() || !IsBusy(result.status()) || absl::Now() + backoff > deadline) {
+        if (!result.ok()) put->Abort();
+        return result;
+      }
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Milliseconds(200));
+    }
+  }
+
+  static BlockData WholeBlock(std::shared_ptr<uint8_t> host, const KvLayout& layout,
+                              uint64_t tokens, uint64_t bytes) {
+    BlockData b;
+    b.layer_begin = 0;
+    b.layer_end = layout.num_layers;
+    b.token_begin = 0;
+    b.token_end = tokens;
+    b.bytes = bytes;
+    const uint64_t layer = layout.LayerBytes(tokens);
+    uint8_t* base = host.get();
+    for (uint32_t l = 0; l < layout.num_layers; ++l) {
+      b.keys.push_back(HeadsView::Dense(base + l * layer, layout.dtype, layout.num_kv_heads,
+                                        tokens, layout.head_dim));
+      b.values.push_back(HeadsView::Dense(base + (layout.num_layers + l) * layer, layout.dtype,
+                                          layout.num_kv_heads, tokens, layout.head_dim));
+    }
+    b.memory = std::move(host);
+    return b;
+  }
+
+  // A decoded cache that kept every token as dense K and V, [layer][head][token][dim] each.
+  static absl::Status Densify(const CompressedCache& cache, uint8_t* out) {
+    const KvLayout& layout = cache.layout;
+    const uint64_t T = cache.original_tokens;
+    if (cache.key_codec != KeyCodec::kRaw || cache.value_codec != ValueCodec::kRaw) {
+      return absl::FailedPreconditionError("dense gets need raw codecs");
+    }
+    for (uint64_t h = 0; h < cache.num_heads(); ++h) {
+      if (cache.kept[h] != T) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the cache kept ", cache.kept[h], " of ", T, " tokens in head ", h,
+            ": a dense get needs every token (ratio 0); get the cache instead"));
+      }
+    }
+    const uint64_t row = cache.KeyTokenBytes();
+    const uint64_t layer = layout.LayerBytes(T);
+    const std::vector<uint64_t> offsets = cache.TokenOffsets();
+    for (uint32_t l = 0; l < layout.num_layers; ++l) {
+      for (uint32_t kh = 0; kh < layout.num_kv_heads; ++kh) {
+        const uint64_t h = cache.head_index(l, kh);
+        uint8_t* k = out + l * layer + uint64_t{kh} * T * row;
+        uint8_t* v = out + (layout.num_layers + l) * layer + uint64_t{kh} * T * row;
+        for (uint64_t i = 0; i < T; ++i) {
+          const uint64_t t = offsets[h] + i;
+          const uint64_t pos = cache.positions[t];
+          std::memcpy(k + pos * row, cache.keys.data() + t * row, row);
+          std::memcpy(v + pos * row, cache.values.data() + t * row, row);
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::Status TooLarge(uint64_t bytes, uint64_t capacity) {
+    return absl::OutOfRangeError(
+        absl::StrCat("the payload is ", bytes, " bytes; the client can take ", capacity));
+  }
+
+  // Closes channels whose transfer passed its deadline (a peer that died or stalls: the abort
+  // ends the daemon's kernels) and channels idle past the idle timeout.
+  void Reap() {
+    while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(250))) {
+      const int64_t now = absl::ToUnixNanos(absl::Now());
+      std::vector<std::shared_ptr<Channel>> expired;
+      {
+        absl::MutexLock lock(&mu_);
+        for (auto& [id, c] : channels_) {
+          const int64_t pending = c->pending_deadline_ns.load();
+          const bool late = pending != 0 && now > pending + absl::ToInt64Nanoseconds(absl::Seconds(1));
+          const bool idle = idle_timeout_ > absl::ZeroDuration() && pending == 0 &&
+                            now - c->last_used_ns.load() > absl::ToInt64Nanoseconds(idle_timeout_);
+          bool failed = false;
+          {
+            absl::MutexLock j(&c->join_mu);
+            failed = c->joined && !c->join_status.ok();
+          }
+          if (late || idle || failed || c->dead.load() || (draining_.load() && pending == 0)) {
+            expired.push_back(c);
+          }
+        }
+        for (auto& c : expired) channels_.erase(c->id);
+      }
+      for (auto& c : expired) {
+        const bool late = c->pending_deadline_ns.load() != 0;
+        if (late) metrics_->CountError("gpu_channel", absl::DeadlineExceededError("transfer"));
+        Destroy(c, late ? "transfer timed out (communicator aborted)"
+                        : (draining_.load() ? "draining" : "idle or failed to form"));
+      }
+    }
+  }
+
+  CacheService* const service_;
+  Metrics* const metrics_;
+  const int device_;
+  const uint32_t max_channels_;
+  const double tenant_share_;
+  const absl::Duration timeout_;
+  const absl::Duration idle_timeout_;
+  const uint64_t max_transfer_bytes_;
+  GpuRuntime* rt_ = nullptr;
+  std::string device_uuid_;
+  std::string reason_;
+  std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> next_transfer_{1};
+  absl::Notification stop_;
+  std::thread reaper_;
+
+  mutable absl::Mutex mu_;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+std::unique_ptr<GpuChannels> GpuChannels::Create(const Options& options, CacheService* service,
+                                                 Metrics* metrics) {
+  return std::make_unique<GpuChannelsImpl>(options, service, metrics);
+}
+
+}  // namespace service
+}  // namespace kvcomp

@@ -1,0 +1,104 @@
+// GpuChannels: kvcompd's side of the GPU channel (docs/protocol.md, "GPU channel"). A client
+// whose KV cache lives in GPU memory opens a channel over the control plane; the daemon makes an
+// NCCL unique id, joins the two-rank communicator as rank 0 on the engine's CUDA device, and
+// then moves each put's and get's payload over NCCL into (or out of) a device staging buffer
+// of the channel, while the metadata travels over the control plane. This file is the second
+// place (beside data_plane.cc) where the service meets the transport: gpu_channel.cc alone
+// includes the GPU link.
+//
+// A received put enters the service as any other: a validated PutRequest opened with
+// CacheService::BeginPut, one BlockData covering the whole cache, then Commit. The payload is
+// copied from the staging buffer to pinned host memory first (the put path takes host blocks).
+//
+// Lifetime: channels are closed by the client (Close), when a transfer fails or passes the
+// transfer timeout (the communicator is aborted, so a peer that died leaves nothing waiting),
+// after the idle timeout, and all at once by Stop. Drain refuses new channels and transfers.
+//
+// Thread-safety: every method may be called from any thread; calls on one channel serialise.
+#ifndef KVCOMP_SERVICE_SRC_GPU_CHANNEL_H_
+#define KVCOMP_SERVICE_SRC_GPU_CHANNEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cache_service.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/service/metrics.h"
+#include "kvcomp/service/options.h"
+#include "put.h"
+
+namespace kvcomp {
+namespace service {
+
+struct GpuChannelInfo {
+  uint64_t channel_id = 0;
+  std::string nccl_unique_id;  // 128 bytes; the daemon is rank 0
+  int nccl_version = 0;
+  int device = 0;
+  uint64_t max_transfer_bytes = 0;
+  absl::Duration transfer_timeout;
+};
+
+struct GpuPutResult {
+  CacheSummary summary;
+  double receive_seconds = 0;  // the payload's transfer on the daemon's stream
+};
+
+enum class GpuGetForm { kStored, kDecoded, kDenseKv };
+
+struct GpuGetBegun {
+  uint64_t transfer_id = 0;
+  uint64_t payload_bytes = 0;
+  KvLayout layout;
+  uint64_t num_tokens = 0;
+};
+
+class GpuChannels {
+ public:
+  // Never fails: when the channel is off, or no CUDA device or NCCL is present, every Open
+  // answers why (available() is false). `service` and `metrics` outlive the channels.
+  static std::unique_ptr<GpuChannels> Create(const Options& options, CacheService* service,
+                                             Metrics* metrics);
+  virtual ~GpuChannels() = default;
+
+  // Whether channels can be opened, and if not, why.
+  virtual bool available() const = 0;
+  virtual std::string unavailable_reason() const = 0;
+  virtual size_t open_channels() const = 0;
+
+  // Opens a channel for `tenant`. FailedPrecondition (no channel possible here, or the client's
+  // GPU is the daemon's), Unavailable (draining), ResourceExhausted (too many channels).
+  virtual absl::StatusOr<GpuChannelInfo> Open(const std::string& tenant, int client_nccl_version,
+                                              const std::string& client_device_uuid) = 0;
+  // NotFound when no channel `id` of `tenant` is open.
+  virtual absl::Status Close(const std::string& tenant, uint64_t id) = 0;
+
+  // Opens the put with the service and posts the receive of its payload (`payload_bytes`, which
+  // must be the layout's K plus V). InvalidArgument (sizes), NotFound (channel),
+  // FailedPrecondition (a transfer in progress on the channel), and BeginPut's errors.
+  virtual absl::StatusOr<uint64_t> PutBegin(const std::string& tenant, uint64_t id,
+                                            PutRequest request, uint64_t payload_bytes) = 0;
+  // Waits for the payload, then compresses and stores the put.
+  virtual absl::StatusOr<GpuPutResult> PutFinish(const std::string& tenant, uint64_t id,
+                                                 uint64_t transfer_id) = 0;
+  // Reads the cache and posts the send of its payload. NotFound (cache or channel), OutOfRange
+  // (larger than `capacity`), FailedPrecondition (dense form of a cache that evicted tokens).
+  virtual absl::StatusOr<GpuGetBegun> GetBegin(const std::string& tenant, uint64_t id,
+                                               const CacheKey& key, GpuGetForm form,
+                                               uint64_t capacity) = 0;
+  virtual absl::Status GetFinish(const std::string& tenant, uint64_t id,
+                                 uint64_t transfer_id) = 0;
+
+  // No new channels or transfers; transfers in progress finish.
+  virtual void Drain() = 0;
+  // Closes every channel (transfers in progress are aborted). Idempotent.
+  virtual void Stop() = 0;
+};
+
+}  // namespace service
+}  // namespace kvcomp
+
+#endif  // KVCOMP_SERVICE_SRC_GPU_CHANNEL_H_

@@ -1,0 +1,207 @@
+// The control plane's GPU channel calls (service/thrift/kvcomp.thrift): each authenticates,
+// checks its arguments into the service's types and hands them to GpuChannels, which checks
+// that the channel belongs to the caller's tenant.
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "gpu_channel.h"
+#include "handlers.h"
+#include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/storage/types.h"
+#include "log.h"
+
+namespace kvcomp {
+namespace service {
+
+namespace {
+
+// The channel's owner: the authenticated tenant, or the status to answer.
+#define KVCOMP_GPU_AUTH(tenant_var, out)         \
+  auto tenant_var##_or = Authenticate(auth);     \
+  if (!tenant_var##_or.ok()) {                   \
+    out.status = ToRpc(tenant_var##_or.status()); \
+    return;                                      \
+  }                                              \
+  const std::string tenant_var = *tenant_var##_or
+
+absl::Status NoChannels(const ServiceContext* ctx) {
+  return ctx->gpu == nullptr ? absl::FailedPreconditionError("no GPU channel on this daemon")
+                             : absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> ChannelId(int64_t id) {
+  if (id <= 0) return absl::InvalidArgumentError("channel_id must be positive");
+  return static_cast<uint64_t>(id);
+}
+
+absl::StatusOr<KvLayout> LayoutFromRpc(const rpc::Layout& l) {
+  if (l.num_layers <= 0 || l.num_kv_heads <= 0 || l.num_q_heads <= 0 || l.head_dim <= 0) {
+    return absl::InvalidArgumentError("layout: every dimension must be positive");
+  }
+  KvLayout out;
+  out.num_layers = static_cast<uint32_t>(l.num_layers);
+  out.num_kv_heads = static_cast<uint32_t>(l.num_kv_heads);
+  out.num_q_heads = static_cast<uint32_t>(l.num_q_heads);
+  out.head_dim = static_cast<uint32_t>(l.head_dim);
+  KVCOMP_ASSIGN_OR_RETURN(out.dtype, ParseDType(l.dtype));
+  KVCOMP_RETURN_IF_ERROR(out.Validate());
+  return out;
+}
+
+rpc::Layout LayoutToRpc(const KvLayout& l) {
+  rpc::Layout r;
+  r.num_layers = static_cast<int32_t>(l.num_layers);
+  r.num_kv_heads = static_cast<int32_t>(l.num_kv_heads);
+  r.num_q_heads = static_cast<int32_t>(l.num_q_heads);
+  r.head_dim = static_cast<int32_t>(l.head_dim);
+  r.dtype = std::string(DTypeName(l.dtype));
+  return r;
+}
+
+}  // namespace
+
+void ControlHandler::OpenGpuChannel(rpc::GpuChannelResponse& out, const rpc::Auth& auth,
+                                    const rpc::GpuChannelRequest& request) {
+  KVCOMP_GPU_AUTH(tenant, out);
+  absl::Status s = NoChannels(ctx_);
+  if (s.ok() && request.device_uuid.size() != 16) {
+    s = absl::InvalidArgumentError("device_uuid must be the 16-byte CUDA device UUID");
+  }
+  if (!s.ok()) {
+    out.status = ToRpc(s);
+    return;
+  }
+  auto info = ctx_->gpu->Open(tenant, request.nccl_version, request.device_uuid);
+  if (!info.ok()) {
+    if (!absl::IsFailedPrecondition(info.status())) ctx_->metrics->CountError("gpu_channel", info.status());
+    out.status = ToRpc(info.status());
+    return;
+  }
+  out.channel_id = static_cast<int64_t>(info->channel_id);
+  out.nccl_unique_id = info->nccl_unique_id;
+  out.nccl_version = info->nccl_version;
+  out.daemon_device = info->device;
+  out.max_transfer_bytes = static_cast<int64_t>(info->max_transfer_bytes);
+  out.transfer_timeout_ms = static_cast<int32_t>(absl::ToInt64Milliseconds(info->transfer_timeout));
+}
+
+void ControlHandler::CloseGpuChannel(rpc::GpuCloseResponse& out, const rpc::Auth& auth,
+                                     int64_t channel_id) {
+  KVCOMP_GPU_AUTH(tenant, out);
+  absl::Status s = NoChannels(ctx_);
+  absl::StatusOr<uint64_t> id = ChannelId(channel_id);
+  if (s.ok()) s = id.status();
+  if (s.ok()) s = ctx_->gpu->Close(tenant, *id);
+  out.status = ToRpc(s);
+}
+
+void ControlHandler::GpuPutBegin(rpc::GpuTransferResponse& out, const rpc::Auth& auth,
+                                 int64_t channel_id, const rpc::GpuPutRequest& request) {
+  KVCOMP_GPU_AUTH(tenant, out);
+  auto begin = [&]() -> absl::StatusOr<uint64_t> {
+    KVCOMP_RETURN_IF_ERROR(NoChannels(ctx_));
+    KVCOMP_ASSIGN_OR_RETURN(uint64_t id, ChannelId(channel_id));
+    KVCOMP_ASSIGN_OR_RETURN(KvLayout layout, LayoutFromRpc(request.layout));
+    if (request.num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be positive");
+    if (request.payload_bytes <= 0) {
+      return absl::InvalidArgumentError("payload_bytes must be positive");
+    }
+    CompressionPolicy policy;
+    if (request.__isset.policy) {
+      KVCOMP_ASSIGN_OR_RETURN(policy, FromRpc(request.policy));
+    } else {
+      policy = ctx_->policies->Resolve(tenant, request.model_id).first;
+    }
+    KVCOMP_ASSIGN_OR_RETURN(
+        PutRequest put,
+        PutRequest::Make(CacheKey{tenant, request.model_id, request.key}, layout,
+                         static_cast<uint64_t>(request.num_tokens), std::move(policy),
+                         /*block_wise=*/false));
+    return ctx_->gpu->PutBegin(tenant, id, std::move(put),
+                               static_cast<uint64_t>(request.payload_bytes));
+  };
+  absl::StatusOr<uint64_t> transfer = begin();
+  if (!transfer.ok()) {
+    ctx_->metrics->CountError("put", transfer.status());
+    ctx_->errors_total.fetch_add(1);
+    out.status = ToRpc(transfer.status());
+    return;
+  }
+  out.transfer_id = static_cast<int64_t>(*transfer);
+  out.payload_bytes = request.payload_bytes;
+}
+
+void ControlHandler::GpuPutFinish(rpc::GpuPutResponse& out, const rpc::Auth& auth,
+                                  int64_t channel_id, int64_t transfer_id) {
+  KVCOMP_GPU_AUTH(tenant, out);
+  const absl::Time t0 = absl::Now();
+  auto finish = [&]() -> absl::StatusOr<GpuPutResult> {
+    KVCOMP_RETURN_IF_ERROR(NoChannels(ctx_));
+    KVCOMP_ASSIGN_OR_RETURN(uint64_t id, ChannelId(channel_id));
+    return ctx_->gpu->PutFinish(tenant, id, static_cast<uint64_t>(transfer_id));
+  };
+  absl::StatusOr<GpuPutResult> r = finish();
+  if (!r.ok()) {
+    ctx_->metrics->CountError("put", r.status());
+    ctx_->errors_total.fetch_add(1);
+    out.status = ToRpc(r.status());
+    return;
+  }
+  ctx_->puts_total.fetch_add(1);
+  ctx_->metrics->ObserveOp(Op::kPut, absl::ToDoubleSeconds(absl::Now() - t0));
+  out.original_bytes = static_cast<int64_t>(r->summary.original_bytes);
+  out.stored_bytes = static_cast<int64_t>(r->summary.stored_bytes);
+  out.total_kept = static_cast<int64_t>(r->summary.total_kept);
+  out.tier = storage::TierName(r->summary.tier);
+  out.receive_seconds = r->receive_seconds;
+}
+
+void ControlHandler::GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth,
+                            int64_t channel_id, const rpc::GpuGetRequest& request) {
+  KVCOMP_GPU_AUTH(tenant, out);
+  ctx_->gets_total.fetch_add(1);
+  auto begin = [&]() -> absl::StatusOr<GpuGetBegun> {
+    KVCOMP_RETURN_IF_ERROR(NoChannels(ctx_));
+    KVCOMP_ASSIGN_OR_RETURN(uint64_t id, ChannelId(channel_id));
+    CacheKey key{tenant, request.ref.model_id, request.ref.key};
+    KVCOMP_RETURN_IF_ERROR(key.Validate());
+    if (request.capacity <= 0) return absl::InvalidArgumentError("capacity must be positive");
+    GpuGetForm form;
+    switch (request.form) {
+      case rpc::GpuGetForm::STORED: form = GpuGetForm::kStored; break;
+      case rpc::GpuGetForm::DECODED: form = GpuGetForm::kDecoded; break;
+      case rpc::GpuGetForm::DENSE_KV: form = GpuGetForm::kDenseKv; break;
+      default: return absl::InvalidArgumentError("unknown GPU get form");
+    }
+    return ctx_->gpu->GetBegin(tenant, id, key, form, static_cast<uint64_t>(request.capacity));
+  };
+  absl::StatusOr<GpuGetBegun> r = begin();
+  if (!r.ok()) {
+    absl::Status e = r.status();
+    if (absl::IsNotFound(e) && e.message().find("channel") == absl::string_view::npos) {
+      e = absl::NotFoundError("cache not found");  // another tenant's reads as absent
+    }
+    ctx_->metrics->CountError("get", e);
+    out.status = ToRpc(e);
+    return;
+  }
+  out.transfer_id = static_cast<int64_t>(r->transfer_id);
+  out.payload_bytes = static_cast<int64_t>(r->payload_bytes);
+  out.layout = LayoutToRpc(r->layout);
+  out.num_tokens = static_cast<int64_t>(r->num_tokens);
+}
+
+void ControlHandler::GpuGetFinish(rpc::GpuCloseResponse& out, const rpc::Auth& auth,
+                                  int64_t channel_id, int64_t transfer_id) {
+  KVCOMP_GPU_AUTH(tenant, out);
+  absl::Status s = NoChannels(ctx_);
+  absl::StatusOr<uint64_t> id = ChannelId(channel_id);
+  if (s.ok()) s = id.status();
+  if (s.ok()) s = ctx_->gpu->GetFinish(tenant, *id, static_cast<uint64_t>(transfer_id));
+  if (!s.ok()) ctx_->metrics->CountError("get", s);
+  out.status = ToRpc(s);
+}
+
+}  // namespace service
+}  // namespace kvcomp

@@ -1,0 +1,443 @@
+// GPU channel transfers on a GPU machine (label gpu; skipped without a CUDA device): device
+// puts and gets through real kvcompd processes, byte for byte under a lossless policy (ratio 0,
+// raw codecs), over NCCL between two GPUs and through host memory over UCX where no channel can
+// be had (one GPU, or no NCCL at the daemon); a channel another tenant names; peers that die in
+// the middle of a transfer (a client killed with half its payload sent, an NCCL peer killed
+// after joining) leave nothing hanging. NCCL comes from KVCOMP_NCCL_LIBRARY or the usual places
+// (kvcomp/transport/gpu_link.h); the daemons keep NVLink multicast off (NCCL_NVLS_ENABLE=0).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "integration/kvcompd_process.h"
+#include "kvcomp/client/client.h"
+#include "kvcomp/transport/gpu_link.h"
+
+namespace kvcomp {
+namespace {
+
+using client::Client;
+using client::ClientOptions;
+using client::DeviceLayerData;
+using client::DeviceLayerOut;
+using testing::KvcompdProcess;
+using testing::TempDir;
+using transport::GpuRuntime;
+using transport::NcclLink;
+
+int Devices() {
+  auto rt = GpuRuntime::Get();
+  return rt.ok() ? (*rt)->device_count() : 0;
+}
+
+#define REQUIRE_GPUS(n)                                                                 \
+  do {                                                                                  \
+    if (Devices() < (n)) GTEST_SKIP() << "needs " << (n) << " CUDA device(s)";          \
+    if ((n) > 1 && !GpuRuntime::LoadNccl().ok())                                        \
+      GTEST_SKIP() << "no NCCL: " << GpuRuntime::LoadNccl();                            \
+  } while (0)
+
+KvLayout Layout(uint32_t layers = 4) {
+  KvLayout l;
+  l.num_layers = layers;
+  l.num_kv_heads = 8;
+  l.num_q_heads = 32;
+  l.head_dim = 128;
+  l.dtype = DType::kBF16;
+  return l;
+}
+
+CompressionPolicy Lossless() {
+  CompressionPolicy p;
+  p.ratio = 0;
+  p.moments = false;
+  return p;
+}
+
+// K and V of every layer in device memory of `device`, from finite random bf16 values.
+class DeviceCache {
+ public:
+  DeviceCache(GpuRuntime* rt, int device, const KvLayout& layout, uint64_t tokens, uint32_t seed)
+      : rt_(rt), layout_(layout), tokens_(tokens) {
+    EXPECT_TRUE(rt->SetDevice(device).ok());
+    const size_t layer = layout.LayerBytes(tokens);
+    host_.resize(2 * layout.num_layers * layer);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (size_t i = 0; i + 1 < host_.size(); i += 2) {
+      float f = dist(rng);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      const uint16_t bf = static_cast<uint16_t>(bits >> 16);
+      std::memcpy(&host_[i], &bf, 2);
+    }
+    for (uint32_t i = 0; i < 2 * layout.num_layers; ++i) {
+      auto p = rt->AllocDevice(layer);
+      EXPECT_TRUE(p.ok()) << p.status();
+      ptrs_.push_back(*p);
+      EXPECT_TRUE(rt->CopyAsync(*p, &host_[i * layer], layer, GpuRuntime::Copy::kHostToDevice,
+                                nullptr)
+                      .ok());
+    }
+    EXPECT_TRUE(rt->WaitStream(nullptr, absl::Now() + absl::Seconds(30)).ok());
+  }
+  ~DeviceCache() {
+    for (void* p : ptrs_) rt_->FreeDevice(p);
+  }
+  std::vector<DeviceLayerData> In() const {
+    std::vector<DeviceLayerData> v;
+    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      v.push_back({ptrs_[l], ptrs_[layout_.num_layers + l]});
+    }
+    return v;
+  }
+  std::vector<DeviceLayerOut> Out() const {
+    std::vector<DeviceLayerOut> v;
+    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      v.push_back({ptrs_[l], ptrs_[layout_.num_layers + l]});
+    }
+    return v;
+  }
+  // The device bytes now, K layers then V layers.
+  std::string Read(void* stream) const {
+    const size_t layer = layout_.LayerBytes(tokens_);
+    std::string out(host_.size(), '\0');
+    for (size_t i = 0; i < ptrs_.size(); ++i) {
+      EXPECT_TRUE(rt_->CopyAsync(&out[i * layer], ptrs_[i], layer,
+                                 GpuRuntime::Copy::kDeviceToHost, stream)
+                      .ok());
+    }
+    EXPECT_TRUE(rt_->WaitStream(stream, absl::Now() + absl::Seconds(30)).ok());
+    return out;
+  }
+  std::string Host() const { return std::string(host_.begin(), host_.end()); }
+  // Host memory view for the data plane's Put.
+  std::vector<client::LayerData> HostLayers() const {
+    const size_t layer = layout_.LayerBytes(tokens_);
+    std::vector<client::LayerData> v;
+    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      v.push_back({&host_[l * layer], &host_[(layout_.num_layers + l) * layer]});
+    }
+    return v;
+  }
+
+ private:
+  GpuRuntime* rt_;
+  KvLayout layout_;
+  uint64_t tokens_;
+  std::vector<uint8_t> host_;
+  std::vector<void*> ptrs_;
+};
+
+class GpuChannelGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto rt = GpuRuntime::Get();
+    if (rt.ok()) rt_ = *rt;
+  }
+  void StartDaemon(int device, std::vector<std::string> flags = {},
+                   std::vector<std::string> env = {}) {
+    std::ofstream(dir_.path() + "/tokens.yaml") << "alpha: secret-a\nbeta: secret-b\n";
+    flags.push_back("--auth.token_file=" + dir_.path() + "/tokens.yaml");
+    flags.push_back("--engine.cuda_device=" + std::to_string(device));
+    flags.push_back("--data_plane.gpu_transfer_timeout_seconds=3");
+    flags.push_back("--storage.durability=memory");
+    daemon_ = std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir_.path() + "/d", flags);
+    daemon_->SetEnv("NCCL_NVLS_ENABLE=0");
+    for (const std::string& e : env) daemon_->SetEnv(e);
+    ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
+  }
+  std::string Control() const {
+    return "127.0.0.1:" + std::to_string(daemon_->ports().control);
+  }
+  std::unique_ptr<Client> Connect(const std::string& tenant = "alpha",
+                                  const std::string& token = "secret-a") {
+    ClientOptions o;
+    o.tenant = tenant;
+    o.token = token;
+    o.request_timeout = absl::Seconds(20);
+    o.ucx_overrides = {{"TLS", "tcp"}};
+    auto c = Client::Connect({daemon_->data_endpoint() + "," + Control()}, o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  void* NewStream(int device) {
+    EXPECT_TRUE(rt_->SetDevice(device).ok());
+    auto s = rt_->NewStream();
+    EXPECT_TRUE(s.ok());
+    return s.ok() ? *s : nullptr;
+  }
+
+  GpuRuntime* rt_ = nullptr;
+  TempDir dir_;
+  std::unique_ptr<KvcompdProcess> daemon_;
+};
+
+TEST_F(GpuChannelGpuTest, RoundTripOverNcclIsBitIdentical) {
+  REQUIRE_GPUS(2);
+  StartDaemon(1);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->ProbeGpuChannel(daemon_->data_endpoint(), 0).ok())
+      << c->ProbeGpuChannel(daemon_->data_endpoint(), 0) << "\n" << daemon_->Log();
+  const KvLayout layout = Layout();
+  const uint64_t tokens = 1000;  // not a multiple of any block size
+  DeviceCache in(rt_, 0, layout, tokens, 1);
+  void* stream = NewStream(0);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto put = c->PutDevice("m", "k", layout, tokens, in.In(), stream, po);
+  ASSERT_TRUE(put.ok()) << put.status() << "\n" << daemon_->Log();
+  EXPECT_EQ(put->path, "nccl");
+  EXPECT_GT(put->transfer_seconds, 0);
+  EXPECT_EQ(put->original_bytes, layout.CacheBytes(tokens));
+
+  // Dense K/V back into other device buffers, on the caller's stream.
+  DeviceCache out(rt_, 0, layout, tokens, 2);
+  auto got = c->GetKvIntoDevice("m", "k", layout, tokens, out.Out(), stream);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->path, "nccl");
+  EXPECT_TRUE(out.Read(stream) == in.Host()) << "K/V differ after the NCCL round trip";
+
+  // The stored bytes over NCCL are the bytes the data plane serves.
+  auto bytes = c->GetBytes("m", "k");
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto buf = rt_->AllocDevice(bytes->size() + 4096);
+  ASSERT_TRUE(buf.ok());
+  auto raw = c->GetIntoDevice("m", "k", *buf, bytes->size() + 4096, stream);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_EQ(raw->path, "nccl");
+  ASSERT_EQ(raw->bytes, bytes->size());
+  std::string back(bytes->size(), '\0');
+  ASSERT_TRUE(rt_->CopyAsync(back.data(), *buf, back.size(), GpuRuntime::Copy::kDeviceToHost,
+                             stream).ok());
+  ASSERT_TRUE(rt_->WaitStream(stream, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_TRUE(back == *bytes);
+  // Too small a buffer: OutOfRange, nothing sent, the channel still serves.
+  auto small = c->GetIntoDevice("m", "k", *buf, 16, stream);
+  EXPECT_EQ(small.status().code(), absl::StatusCode::kOutOfRange) << small.status();
+  rt_->FreeDevice(*buf);
+
+  // A second put on the same channel (cached), then the counters.
+  auto put2 = c->PutDevice("m", "k2", layout, tokens, in.In(), stream, po);
+  ASSERT_TRUE(put2.ok()) << put2.status();
+  EXPECT_EQ(put2->path, "nccl");
+  const client::GpuChannelStats st = c->GpuStats();
+  EXPECT_EQ(st.nccl_puts, 2u);
+  EXPECT_EQ(st.nccl_gets, 2u);
+  EXPECT_EQ(st.fallback_puts, 0u);
+  EXPECT_EQ(st.channels_opened, 1u);
+
+  // A cache that evicted tokens has no dense form: FailedPrecondition, and the channel lives on.
+  client::PutOptions lossy;
+  lossy.policy = CompressionPolicy();  // manifold, ratio 0.5
+  auto put3 = c->PutDevice("m", "evicted", layout, tokens, in.In(), stream, lossy);
+  ASSERT_TRUE(put3.ok()) << put3.status();
+  EXPECT_LT(put3->total_kept, uint64_t{layout.num_layers} * layout.num_kv_heads * tokens);
+  auto dense = c->GetKvIntoDevice("m", "evicted", layout, tokens, out.Out(), stream);
+  EXPECT_EQ(dense.status().code(), absl::StatusCode::kFailedPrecondition) << dense.status();
+  // The lossy cache itself matches the one the data plane makes from the same bytes.
+  auto host_put = c->Put("m", "evicted-host", layout, tokens, in.HostLayers(), lossy);
+  ASSERT_TRUE(host_put.ok()) << host_put.status();
+  EXPECT_EQ(host_put->total_kept, put3->total_kept);
+  EXPECT_EQ(host_put->stored_bytes, put3->stored_bytes);
+  // Wrong sizes from the caller: refused before anything is sent.
+  auto wrong = c->GetKvIntoDevice("m", "k", Layout(2), tokens, out.Out(), stream);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument) << wrong.status();
+  EXPECT_EQ(c->GpuStats().channel_failures, 0u);
+}
+
+TEST_F(GpuChannelGpuTest, AnotherTenantCannotUseTheChannel) {
+  REQUIRE_GPUS(2);
+  StartDaemon(1);
+  auto alpha = Connect();
+  ASSERT_NE(alpha, nullptr);
+  ASSERT_TRUE(alpha->ProbeGpuChannel(daemon_->data_endpoint(), 0).ok());
+  // Channel ids are small integers: beta names alpha's first one directly.
+  testing::ControlClient raw(daemon_->ports().control);
+  const rpc::Auth beta = testing::MakeAuth("beta", "secret-b");
+  rpc::GpuPutRequest req;
+  req.model_id = "m";
+  req.key = "stolen";
+  req.layout.num_layers = 1;
+  req.layout.num_kv_heads = 8;
+  req.layout.num_q_heads = 32;
+  req.layout.head_dim = 128;
+  req.layout.dtype = "bf16";
+  req.num_tokens = 16;
+  req.payload_bytes = 2 * 8 * 16 * 128 * 2;
+  rpc::GpuTransferResponse t;
+  raw->GpuPutBegin(t, beta, 1, req);
+  EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
+  rpc::GpuGetRequest g;
+  g.ref.model_id = "m";
+  g.ref.key = "k";
+  g.capacity = 1 << 20;
+  raw->GpuGet(t, beta, 1, g);
+  EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
+  rpc::GpuCloseResponse cl;
+  raw->CloseGpuChannel(cl, beta, 1);
+  EXPECT_EQ(cl.status.code, rpc::StatusCode::NOT_FOUND);
+  // Alpha's channel still carries alpha's puts.
+  const KvLayout layout = Layout(2);
+  DeviceCache in(rt_, 0, layout, 64, 3);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto put = alpha->PutDevice("m", "k", layout, 64, in.In(), NewStream(0), po);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->path, "nccl");
+}
+
+// One GPU: client and daemon on the same device cannot form an NCCL communicator, so the daemon
+// refuses the channel and the SDK goes through host memory over UCX, saying so.
+TEST_F(GpuChannelGpuTest, SameGpuFallsBackToUcxBitIdentical) {
+  REQUIRE_GPUS(1);
+  StartDaemon(0);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const KvLayout layout = Layout(2);
+  const uint64_t tokens = 300;
+  DeviceCache in(rt_, 0, layout, tokens, 4);
+  void* stream = NewStream(0);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto put = c->PutDevice("m", "k", layout, tokens, in.In(), stream, po);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->path, "ucx");
+  DeviceCache out(rt_, 0, layout, tokens, 5);
+  auto got = c->GetKvIntoDevice("m", "k", layout, tokens, out.Out(), stream);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->path, "ucx");
+  EXPECT_TRUE(out.Read(stream) == in.Host());
+  const client::GpuChannelStats st = c->GpuStats();
+  EXPECT_EQ(st.fallback_puts, 1u);
+  EXPECT_EQ(st.fallback_gets, 1u);
+  EXPECT_EQ(st.nccl_puts, 0u);
+  EXPECT_FALSE(st.last_fallback_reason.empty());
+  EXPECT_FALSE(c->ProbeGpuChannel(daemon_->data_endpoint(), 0).ok());
+}
+
+TEST_F(GpuChannelGpuTest, DaemonWithoutNcclFallsBackToUcx) {
+  REQUIRE_GPUS(1);
+  StartDaemon(Devices() > 1 ? 1 : 0, {}, {"KVCOMP_NCCL_LIBRARY=/nonexistent/libnccl.so.2"});
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const KvLayout layout = Layout(1);
+  DeviceCache in(rt_, 0, layout, 128, 6);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto put = c->PutDevice("m", "k", layout, 128, in.In(), NewStream(0), po);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->path, "ucx");
+  EXPECT_TRUE(absl::StrContains(c->GpuStats().last_fallback_reason, "NCCL") ||
+              absl::StrContains(c->GpuStats().last_fallback_reason, "GPU"))
+      << c->GpuStats().last_fallback_reason;
+  // Device pointers are checked: host memory is refused.
+  std::vector<uint8_t> host(layout.CacheBytes(128));
+  std::vector<DeviceLayerData> bad = {{host.data(), host.data() + host.size() / 2}};
+  auto refused = c->PutDevice("m", "host", layout, 128, bad, nullptr, po);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+}
+
+// A client killed with half its payload sent: the daemon's receive is aborted at the transfer
+// timeout, the put leaves nothing behind, and the daemon serves the next channel.
+TEST_F(GpuChannelGpuTest, ClientDyingMidTransferLeavesNoHang) {
+  REQUIRE_GPUS(2);
+  StartDaemon(1);
+  const std::string cmd = std::string(GPU_CHANNEL_PEER_PATH) + " put-and-die " +
+                          std::to_string(daemon_->ports().control) + " alpha secret-a 0 > " +
+                          dir_.path() + "/peer.log 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream peer_log(dir_.path() + "/peer.log");
+  std::string peer((std::istreambuf_iterator<char>(peer_log)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(absl::StrContains(peer, "sent the keys; dying")) << "rc " << rc << ": " << peer;
+  // The daemon aborts the half-done receive within its transfer timeout (3 s) plus a sweep.
+  const auto t0 = std::chrono::steady_clock::now();
+  bool closed = false;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20)) {
+    if (absl::StrContains(daemon_->Log(), "transfer timed out")) {
+      closed = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(closed) << daemon_->Log();
+  testing::ControlClient raw(daemon_->ports().control);
+  rpc::StatsResponse st;
+  raw->Stats(st, testing::MakeAuth("alpha", "secret-a"));
+  EXPECT_EQ(st.puts_in_progress, 0);
+  rpc::LookupResponse lk;
+  rpc::CacheRef ref;
+  ref.model_id = "m";
+  ref.key = "half-sent";
+  raw->Lookup(lk, testing::MakeAuth("alpha", "secret-a"), ref);
+  EXPECT_EQ(lk.status.code, rpc::StatusCode::NOT_FOUND);
+  // A new client gets a new channel and a good round trip.
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const KvLayout layout = Layout(2);
+  DeviceCache in(rt_, 0, layout, 256, 7);
+  void* stream = NewStream(0);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto put = c->PutDevice("m", "after", layout, 256, in.In(), stream, po);
+  ASSERT_TRUE(put.ok()) << put.status() << "\n" << daemon_->Log();
+  EXPECT_EQ(put->path, "nccl");
+  DeviceCache out(rt_, 0, layout, 256, 8);
+  auto got = c->GetKvIntoDevice("m", "after", layout, 256, out.Out(), stream);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(out.Read(stream) == in.Host());
+}
+
+// An NCCL peer killed after joining: our send has no receiver; Wait gives up at its deadline,
+// aborts the communicator, and the stream drains (later work on it completes).
+TEST_F(GpuChannelGpuTest, PeerDyingAfterJoinDoesNotHangTheSender) {
+  REQUIRE_GPUS(2);
+  const std::string id_file = dir_.path() + "/nccl.id";
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl(GPU_CHANNEL_PEER_PATH, GPU_CHANNEL_PEER_PATH, "join-and-die", id_file.c_str(), "1",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  std::string id;
+  for (int i = 0; i < 300 && id.size() != 128; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::ifstream f(id_file, std::ios::binary);
+    id.assign((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  }
+  ASSERT_EQ(id.size(), 128u);
+  auto link = NcclLink::Join(id, 1, 0, absl::Seconds(30));
+  ASSERT_TRUE(link.ok()) << link.status();
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  void* stream = NewStream(0);
+  const size_t bytes = size_t{256} << 20;
+  auto buf = rt_->AllocDevice(bytes);
+  ASSERT_TRUE(buf.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = (*link)->Send({{*buf, bytes}}, stream);
+  if (s.ok()) s = (*link)->Wait(stream, absl::Now() + absl::Seconds(3));
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE((*link)->broken());
+  EXPECT_LT(secs, 20.0) << s;
+  // The stream is usable again: new work on it finishes.
+  EXPECT_TRUE(rt_->WaitStream(stream, absl::Now() + absl::Seconds(20)).ok());
+  rt_->FreeDevice(*buf);
+}
+
+}  // namespace
+}  // namespace kvcomp

@@ -1,0 +1,278 @@
+// The GPU channel's negotiation against real kvcompd processes, where no GPU is needed: what a
+// daemon without NCCL or a CUDA device answers (and why), the loader's messages for a missing
+// or foreign NCCL library, authentication of every GPU channel call (counted), bad input
+// (sizes, layouts, policies, ids) refused before any channel is looked up, channels that are
+// not the caller's reading as absent, and the SDK's negotiation saying why it falls back. The
+// transfers themselves run on GPU machines (gpu_channel_gpu_test.cc).
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "integration/kvcompd_process.h"
+#include "kvcomp/client/client.h"
+
+namespace kvcomp {
+namespace {
+
+using client::Client;
+using client::ClientOptions;
+using testing::ControlClient;
+using testing::KvcompdProcess;
+using testing::MakeAuth;
+using testing::TempDir;
+
+rpc::Layout SmallLayout() {
+  rpc::Layout l;
+  l.num_layers = 2;
+  l.num_kv_heads = 2;
+  l.num_q_heads = 4;
+  l.head_dim = 64;
+  l.dtype = "f16";
+  return l;
+}
+
+constexpr int64_t kTokens = 16;
+constexpr int64_t kPayload = 2 * 2 * 2 * kTokens * 64 * 2;  // K+V, 2 layers, 2 heads, f16
+
+rpc::GpuPutRequest PutRequest(int64_t payload = kPayload) {
+  rpc::GpuPutRequest r;
+  r.model_id = "m";
+  r.key = "k1";
+  r.layout = SmallLayout();
+  r.num_tokens = kTokens;
+  r.payload_bytes = payload;
+  return r;
+}
+
+class GpuChannelTest : public ::testing::Test {
+ protected:
+  void Start(std::vector<std::string> flags = {}, std::vector<std::string> env = {}) {
+    std::ofstream(dir_.path() + "/tokens.yaml") << "alpha: secret-a\nbeta: secret-b\n";
+    flags.push_back("--auth.token_file=" + dir_.path() + "/tokens.yaml");
+    daemon_ = std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir_.path() + "/d", flags);
+    for (const std::string& e : env) daemon_->SetEnv(e);
+    ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
+  }
+  rpc::Auth Alpha() const { return MakeAuth("alpha", "secret-a"); }
+  rpc::Auth Beta() const { return MakeAuth("beta", "secret-b"); }
+  int control_port() const { return daemon_->ports().control; }
+
+  TempDir dir_;
+  std::unique_ptr<KvcompdProcess> daemon_;
+};
+
+TEST_F(GpuChannelTest, DaemonWithoutNcclRefusesTheChannelAndSaysWhy) {
+  // Where NCCL exists but no GPU does, the daemon says that instead; either way no channel.
+  Start({}, {"KVCOMP_NCCL_LIBRARY=/nonexistent/libnccl.so.2"});
+  ControlClient c(control_port());
+  rpc::GpuChannelRequest req;
+  req.device_uuid = std::string(16, '\x01');
+  rpc::GpuChannelResponse r;
+  c->OpenGpuChannel(r, Alpha(), req);
+  EXPECT_EQ(r.status.code, rpc::StatusCode::FAILED_PRECONDITION) << r.status.message;
+  EXPECT_TRUE(absl::StrContains(r.status.message, "no GPU channel")) << r.status.message;
+  EXPECT_TRUE(absl::StrContains(r.status.message, "/nonexistent/libnccl.so.2"))
+      << r.status.message;
+  EXPECT_EQ(r.channel_id, 0);
+  EXPECT_TRUE(r.nccl_unique_id.empty());
+  EXPECT_TRUE(absl::StrContains(daemon_->Log(), "no GPU channel")) << daemon_->Log();
+  // The data plane is untouched: the daemon is healthy and serves.
+  rpc::HealthResponse h;
+  c->Health(h, Alpha());
+  EXPECT_TRUE(h.ready);
+}
+
+TEST_F(GpuChannelTest, ALibraryThatIsNotNcclIsNamed) {
+  Start({}, {"KVCOMP_NCCL_LIBRARY=libz.so.1"});
+  ControlClient c(control_port());
+  rpc::GpuChannelRequest req;
+  req.device_uuid = std::string(16, '\x01');
+  rpc::GpuChannelResponse r;
+  c->OpenGpuChannel(r, Alpha(), req);
+  EXPECT_EQ(r.status.code, rpc::StatusCode::FAILED_PRECONDITION) << r.status.message;
+  EXPECT_TRUE(absl::StrContains(r.status.message, "libz.so.1 is not a usable NCCL"))
+      << r.status.message;
+}
+
+TEST_F(GpuChannelTest, TurnedOffByConfiguration) {
+  Start({"--data_plane.gpu_channel=false"});
+  ControlClient c(control_port());
+  rpc::GpuChannelRequest req;
+  req.device_uuid = std::string(16, '\x01');
+  rpc::GpuChannelResponse r;
+  c->OpenGpuChannel(r, Alpha(), req);
+  EXPECT_EQ(r.status.code, rpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_TRUE(absl::StrContains(r.status.message, "data_plane.gpu_channel")) << r.status.message;
+}
+
+TEST_F(GpuChannelTest, EveryCallAuthenticatesAndFailuresAreCounted) {
+  Start();
+  ControlClient c(control_port());
+  const rpc::Auth bad = MakeAuth("alpha", "wrong");
+  const rpc::Auth nobody = MakeAuth("", "");
+  for (const rpc::Auth& auth : {bad, nobody}) {
+    rpc::GpuChannelRequest req;
+    req.device_uuid = std::string(16, '\x01');
+    rpc::GpuChannelResponse open;
+    c->OpenGpuChannel(open, auth, req);
+    EXPECT_EQ(open.status.code, rpc::StatusCode::UNAUTHENTICATED);
+    rpc::GpuCloseResponse close;
+    c->CloseGpuChannel(close, auth, 1);
+    EXPECT_EQ(close.status.code, rpc::StatusCode::UNAUTHENTICATED);
+    rpc::GpuTransferResponse begin;
+    c->GpuPutBegin(begin, auth, 1, PutRequest());
+    EXPECT_EQ(begin.status.code, rpc::StatusCode::UNAUTHENTICATED);
+    rpc::GpuPutResponse finish;
+    c->GpuPutFinish(finish, auth, 1, 1);
+    EXPECT_EQ(finish.status.code, rpc::StatusCode::UNAUTHENTICATED);
+    rpc::GpuGetRequest greq;
+    greq.ref.model_id = "m";
+    greq.ref.key = "k1";
+    greq.capacity = 1 << 20;
+    rpc::GpuTransferResponse get;
+    c->GpuGet(get, auth, 1, greq);
+    EXPECT_EQ(get.status.code, rpc::StatusCode::UNAUTHENTICATED);
+    rpc::GpuCloseResponse get_finish;
+    c->GpuGetFinish(get_finish, auth, 1, 1);
+    EXPECT_EQ(get_finish.status.code, rpc::StatusCode::UNAUTHENTICATED);
+  }
+  const std::string m = testing::HttpGet(daemon_->ports().metrics, "/metrics").body;
+  EXPECT_EQ(testing::MetricValue(m, "kvcomp_auth_failures_total{plane=\"control\"}"), 12) << m;
+}
+
+TEST_F(GpuChannelTest, BadInputIsRefusedBeforeAnyChannelIsLookedUp) {
+  Start();
+  ControlClient c(control_port());
+  auto begin = [&](const rpc::GpuPutRequest& req, int64_t channel = 7) {
+    rpc::GpuTransferResponse r;
+    c->GpuPutBegin(r, Alpha(), channel, req);
+    return r.status;
+  };
+  // The payload does not match the layout's K and V (one byte short, one byte over, zero).
+  for (int64_t payload : {kPayload - 1, kPayload + 1, int64_t{0}}) {
+    rpc::Status s = begin(PutRequest(payload));
+    EXPECT_EQ(s.code, rpc::StatusCode::INVALID_ARGUMENT) << payload << ": " << s.message;
+  }
+  {
+    rpc::GpuPutRequest r = PutRequest();
+    r.layout.head_dim = 100;  // not a supported head_dim
+    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
+    r = PutRequest();
+    r.layout.dtype = "f64";
+    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
+    r = PutRequest();
+    r.layout.num_layers = -1;
+    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
+    r = PutRequest();
+    r.num_tokens = 0;
+    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
+    r = PutRequest();
+    r.key = "";
+    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
+    r = PutRequest();
+    r.__set_policy(rpc::Policy());
+    r.policy.ratio = 1.5;
+    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
+    r = PutRequest();
+    r.__set_policy(rpc::Policy());
+    r.policy.scorer = "no-such-scorer";
+    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(begin(PutRequest(), 0).code, rpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(begin(PutRequest(), -3).code, rpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    rpc::GpuChannelRequest req;
+    req.device_uuid = "short";
+    rpc::GpuChannelResponse r;
+    c->OpenGpuChannel(r, Alpha(), req);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::INVALID_ARGUMENT) << r.status.message;
+  }
+  {
+    rpc::GpuGetRequest g;
+    g.ref.model_id = "m";
+    g.ref.key = "k1";
+    g.capacity = 0;
+    rpc::GpuTransferResponse r;
+    c->GpuGet(r, Alpha(), 7, g);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::INVALID_ARGUMENT);
+    g.capacity = 1 << 20;
+    g.ref.key = "";
+    c->GpuGet(r, Alpha(), 7, g);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::INVALID_ARGUMENT);
+    g.ref.key = "k1";
+    g.form = static_cast<rpc::GpuGetForm::type>(9);
+    c->GpuGet(r, Alpha(), 7, g);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // A well-formed request on a channel that is not the caller's (none is open here, and another
+  // tenant's reads the same): NOT_FOUND, for every call that names a channel.
+  for (const rpc::Auth& auth : {Alpha(), Beta()}) {
+    rpc::Status s;
+    rpc::GpuTransferResponse t;
+    c->GpuPutBegin(t, auth, 7, PutRequest());
+    EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
+    rpc::GpuPutResponse f;
+    c->GpuPutFinish(f, auth, 7, 1);
+    EXPECT_EQ(f.status.code, rpc::StatusCode::NOT_FOUND) << f.status.message;
+    rpc::GpuGetRequest g;
+    g.ref.model_id = "m";
+    g.ref.key = "k1";
+    g.capacity = 1 << 20;
+    c->GpuGet(t, auth, 7, g);
+    EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
+    rpc::GpuCloseResponse cl;
+    c->GpuGetFinish(cl, auth, 7, 1);
+    EXPECT_EQ(cl.status.code, rpc::StatusCode::NOT_FOUND);
+    c->CloseGpuChannel(cl, auth, 7);
+    EXPECT_EQ(cl.status.code, rpc::StatusCode::NOT_FOUND);
+  }
+  // Nothing was stored or left open by any of it.
+  rpc::StatsResponse st;
+  c->Stats(st, Alpha());
+  EXPECT_EQ(st.caches, 0);
+  EXPECT_EQ(st.puts_in_progress, 0);
+}
+
+TEST_F(GpuChannelTest, ClientNegotiationSaysWhyItFallsBack) {
+  Start();
+  const std::string data = daemon_->data_endpoint();
+  const std::string control = "127.0.0.1:" + std::to_string(control_port());
+  ClientOptions o;
+  o.tenant = "alpha";
+  o.token = "secret-a";
+  o.ucx_overrides = {{"TLS", "tcp"}};
+  {
+    // Without a control address there is nowhere to negotiate.
+    auto c = Client::Connect({data}, o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    absl::Status s = (*c)->ProbeGpuChannel(data, 0);
+    EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "no control address")) << s;
+  }
+  auto c = Client::Connect({data + "," + control}, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  // This machine has no NCCL (or no GPU): the probe says so, and device calls refuse host memory
+  // rather than guess.
+  absl::Status s = (*c)->ProbeGpuChannel(data, 0);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(absl::StrContains(s.message(), "NCCL") || absl::StrContains(s.message(), "CUDA"))
+      << s;
+  std::vector<uint8_t> host(static_cast<size_t>(kPayload));
+  KvLayout layout;
+  layout.num_layers = 2;
+  layout.num_kv_heads = 2;
+  layout.num_q_heads = 4;
+  layout.head_dim = 64;
+  layout.dtype = DType::kF16;
+  std::vector<client::DeviceLayerData> layers(2, {host.data(), host.data()});
+  auto put = (*c)->PutDevice("m", "k1", layout, kTokens, layers, nullptr);
+  ASSERT_FALSE(put.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(put.status()) || absl::IsInvalidArgument(put.status()))
+      << put.status();
+  EXPECT_EQ((*c)->ProbeGpuChannel("127.0.0.1:1", 0).code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvcomp

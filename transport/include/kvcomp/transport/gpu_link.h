@@ -1,0 +1,173 @@
+// The GPU channel's payload link: CUDA device memory moved between two processes with NCCL
+// point-to-point (ncclSend / ncclRecv on a two-rank communicator), and the few CUDA driver calls
+// around it (device of a pointer, device and pinned memory, streams, events). docs/protocol.md,
+// "GPU channel", says how kvcompd and the SDK use it.
+//
+// Nothing here links against CUDA or NCCL at build time: the CUDA driver (libcuda.so.1) and
+// NCCL (libnccl.so.2) are opened at run time, the first time a process asks for them, so CPU
+// builds, CI and wheels need neither. NCCL is found, in order, at the path in the environment
+// variable KVCOMP_NCCL_LIBRARY (only there, when it is set), through the loader
+// (LD_LIBRARY_PATH, ldconfig, or a copy the process has loaded already, e.g. PyTorch's), then in
+// the nvidia/nccl/lib folder of a Python installation's site-packages (PyTorch's wheel
+// dependency nvidia-nccl-cu*), looked for under $VIRTUAL_ENV, $CONDA_PREFIX, /usr/local, /usr,
+// ~/.local and the entries of $PYTHONPATH. NCCL 2.14.3 or later is required (non-blocking
+// communicators).
+//
+// Errors: FailedPrecondition when a library is missing or too old (the message names what was
+// tried), Unavailable when no CUDA device is present or the peer fails, DeadlineExceeded when a
+// communicator does not form or a transfer does not finish in time (the communicator is then
+// aborted), InvalidArgument for bad arguments (host memory where device memory is expected).
+//
+// Threads: GpuRuntime's methods are thread-safe. An NcclLink is used by one thread at a time.
+#ifndef KVCOMP_TRANSPORT_GPU_LINK_H_
+#define KVCOMP_TRANSPORT_GPU_LINK_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace kvcomp {
+namespace transport {
+
+class GpuRuntime {
+ public:
+  // The process's CUDA driver, opened and initialised once (the first outcome is kept).
+  // FailedPrecondition without libcuda.so.1, Unavailable without a CUDA device.
+  static absl::StatusOr<GpuRuntime*> Get();
+
+  // NCCL, opened once per process on first use (the first outcome is kept); OK when loaded.
+  // Needs no CUDA driver (so a machine without one still says why NCCL is missing).
+  static absl::Status LoadNccl();
+  // NCCL's version code (e.g. 22703 for 2.27.3) and the file it was loaded from; 0 and "" until
+  // LoadNccl succeeded.
+  static int nccl_version();
+  static std::string nccl_path();
+
+  int device_count() const { return device_count_; }
+  // Makes `device`'s primary context current on the calling thread (every call below acts on
+  // the current device). InvalidArgument for an ordinal out of range.
+  absl::Status SetDevice(int device);
+  // The device whose memory `ptr` is; InvalidArgument for host memory or an unknown pointer.
+  absl::StatusOr<int> DeviceOf(const void* ptr);
+  // The device's 16-byte UUID, raw.
+  absl::StatusOr<std::string> DeviceUuid(int device);
+  // A new NCCL unique id (128 bytes): the caller becomes rank 0 of the communicator it names
+  // and listens for the other rank's bootstrap connection. Needs LoadNccl.
+  absl::StatusOr<std::string> NewUniqueId();
+
+  // Memory and streams on the current device. Free functions accept null.
+  absl::StatusOr<void*> AllocDevice(size_t bytes);
+  void FreeDevice(void* ptr);
+  absl::StatusOr<void*> AllocPinned(size_t bytes);
+  void FreePinned(void* ptr);
+  absl::StatusOr<void*> NewStream();  // non-blocking with respect to the legacy stream
+  void DestroyStream(void* stream);
+
+  enum class Copy { kDeviceToHost, kHostToDevice, kDeviceToDevice };
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes, Copy kind, void* stream);
+  // Copies between devices (cudaMemcpyPeer) on `stream`, a stream of `src_device`, which is the
+  // current device afterwards.
+  absl::Status CopyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
+                             size_t bytes, void* stream);
+  // Lets `device` read and write `peer`'s memory directly (NVLink / PCIe P2P); OK when already
+  // enabled. `device` is the current device afterwards.
+  absl::Status EnablePeerAccess(int device, int peer);
+  // Makes `waiter` wait for the work queued on `producer` so far (an event; the host does not
+  // wait). Either stream may be null (the legacy default stream).
+  absl::Status StreamWaitStream(void* waiter, void* producer);
+  // Waits on the host until the work queued on `stream` so far is done (an event recorded
+  // there; never the whole device), polling until `deadline` (DeadlineExceeded).
+  absl::Status WaitStream(void* stream, absl::Time deadline);
+
+  // A timer of work on one stream: Start and Stop record events; Seconds waits for Stop.
+  class Timer {
+   public:
+    ~Timer();
+    absl::Status Start(void* stream);
+    absl::Status Stop(void* stream);
+    absl::StatusOr<double> Seconds(absl::Time deadline);
+
+   private:
+    friend class GpuRuntime;
+    explicit Timer(GpuRuntime* rt) : rt_(rt) {}
+    GpuRuntime* rt_;
+    void* start_ = nullptr;
+    void* stop_ = nullptr;
+  };
+  absl::StatusOr<std::unique_ptr<Timer>> NewTimer();
+
+  // The driver's message for a CUresult, with `what` in front.
+  absl::Status CudaError(int result, const char* what) const;
+
+ private:
+  friend class NcclLink;
+  GpuRuntime() = default;
+  absl::Status Init();
+  absl::Status WaitEvent(void* event, absl::Time deadline, const std::function<absl::Status()>& poll);
+
+  void* cuda_handle_ = nullptr;
+  struct Api;
+  std::unique_ptr<Api> api_;
+  int device_count_ = 0;
+};
+
+// A two-rank NCCL communicator between this process and one peer, on one device of this
+// process. Payloads go as ncclSend / ncclRecv of bytes, enqueued on a caller's stream.
+class NcclLink {
+ public:
+  // Joins the communicator that `unique_id` (GpuRuntime::NewUniqueId, made by rank 0) names, as
+  // `rank` (0 or 1) on `device`, with NCCL's non-blocking initialisation: returns once both
+  // ranks have joined, or DeadlineExceeded after `timeout` (the half-formed communicator is
+  // aborted), or NCCL's error (Unavailable). Needs GpuRuntime::LoadNccl.
+  static absl::StatusOr<std::unique_ptr<NcclLink>> Join(const std::string& unique_id, int rank,
+                                                        int device, absl::Duration timeout);
+  // Frees the communicator (ncclCommAbort: never waits for the peer; a transfer in flight
+  // fails on both sides).
+  ~NcclLink();
+
+  struct Chunk {
+    void* data;    // device memory of this link's device
+    size_t bytes;  // may be 0 (skipped)
+  };
+  // Enqueues, on `stream` (of this link's device), one NCCL group that sends `chunks` to the
+  // peer, in order; the peer receives them with Recv of chunks of the same sizes (the split may
+  // differ: NCCL matches each send with one receive, so sizes must agree chunk by chunk).
+  absl::Status Send(absl::Span<const Chunk> chunks, void* stream);
+  absl::Status Recv(absl::Span<const Chunk> chunks, void* stream);
+  // Waits until what is queued on `stream` so far has finished, watching the communicator's
+  // asynchronous error. On an NCCL error (Unavailable) or past `deadline` (DeadlineExceeded) it
+  // aborts the communicator, which stops its kernels so `stream` drains, and the link is broken.
+  absl::Status Wait(void* stream, absl::Time deadline);
+  // Aborts the communicator (kernels stop, peers see an error). Idempotent.
+  void Abort();
+
+  bool broken() const { return broken_; }
+  int device() const { return device_; }
+  int rank() const { return rank_; }
+
+ private:
+  NcclLink(GpuRuntime* rt, void* comm, int device, int rank)
+      : rt_(rt), comm_(comm), device_(device), rank_(rank) {}
+  absl::Status Post(absl::Span<const Chunk> chunks, void* stream, bool send);
+  absl::Status AsyncError();
+  absl::Status NcclError(int result, const char* what) const;
+
+  GpuRuntime* const rt_;
+  void* comm_;
+  const int device_;
+  const int rank_;
+  bool broken_ = false;
+  bool pending_ = false;  // ops posted and not yet waited for
+};
+
+}  // namespace transport
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TRANSPORT_GPU_LINK_H_
