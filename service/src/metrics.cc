@@ -101,6 +101,9 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Gauge>* tier_entries;
   prometheus::Family<prometheus::Counter>* tier_demotions;
   prometheus::Family<prometheus::Counter>* tier_evictions;
+  prometheus::Gauge* store_read_only;
+  prometheus::Gauge* disk_free;
+  prometheus::Gauge* disk_reserve;
 
   absl::Mutex mu;
   std::function<void()> scrape_hook ABSL_GUARDED_BY(mu);
@@ -187,6 +190,11 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
   m.tier_entries = tier_gauge(mn::kTierEntries, "Caches held by each tier.");
   m.tier_demotions =
       tier_counter(mn::kTierDemotionsTotal, "Caches moved from each tier to a slower one.");
+  m.store_read_only = gauge(mn::kStoreReadOnly,
+                            "1 while the RocksDB tier is read-only for a full disk, else 0.");
+  m.disk_free = gauge(mn::kDiskFreeBytes, "Free bytes of the RocksDB tier's filesystem.");
+  m.disk_reserve = gauge(mn::kDiskReserveBytes,
+                         "Free bytes a put must leave on the RocksDB tier's filesystem.");
   m.tier_evictions =
       tier_counter(mn::kTierEvictionsTotal, "Caches dropped for lack of room in each tier.");
   prometheus::BuildGauge()
@@ -267,6 +275,12 @@ void Metrics::SetTier(const TierSample& s) {
   };
   advance(m.tier_demotions->Add(labels), s.demotions_total);
   advance(m.tier_evictions->Add(labels), s.evictions_total);
+}
+
+void Metrics::SetDisk(bool read_only, uint64_t free_bytes, uint64_t reserve_bytes) {
+  impl_->store_read_only->Set(read_only ? 1 : 0);
+  impl_->disk_free->Set(static_cast<double>(free_bytes));
+  impl_->disk_reserve->Set(static_cast<double>(reserve_bytes));
 }
 
 void Metrics::SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes) {

@@ -360,6 +360,16 @@ def test_sizes_become_bytes():
     assert cfg["data_plane"]["max_block_bytes"] == 5 * 1024 ** 2
 
 
+def test_rocksdb_reserve_reaches_the_daemon():
+    """tiers.rocksdb.reserve is storage.rocksdb_reserve_bytes: the daemon's default unless set."""
+    cfg, _ = daemon_config(documents(render({})))
+    assert cfg["storage"]["rocksdb_reserve_bytes"] == 64 * 1024 ** 2
+    cfg, _ = daemon_config(documents(render({"tiers": {"rocksdb": {"reserve": "2Gi"}}})))
+    assert cfg["storage"]["rocksdb_reserve_bytes"] == 2 * 1024 ** 3
+    cfg, _ = daemon_config(documents(render({"tiers": {"rocksdb": {"reserve": 0}}})))
+    assert cfg["storage"]["rocksdb_reserve_bytes"] == 0
+
+
 def test_config_change_rolls_pods_and_extra_config_merges():
     a = documents(render({}))
     b = documents(render({"policy": {"ratio": 0.25}, "extraConfig": {"storage": {"ttl_seconds": 60}}}))

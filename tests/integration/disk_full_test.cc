@@ -3,7 +3,8 @@
 // RESOURCE_EXHAUSTED ("disk full") while the daemon keeps running and serving every
 // acknowledged cache; after a SIGKILL the daemon starts on the still-full disk, says loudly that
 // its RocksDB tier is read-only, and serves every cache; when the filesystem grows, puts resume
-// with no restart.
+// with no restart. Its metrics say so throughout (kvcomp_store_read_only, kvcomp_disk_free_bytes
+// against kvcomp_disk_reserve_bytes).
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -79,12 +80,27 @@ class DiskFullTest : public DaemonFixture {
   std::map<std::string, Acked> acked_;
 };
 
+struct DiskMetrics {
+  double read_only = -1, free = -1, reserve = -1;
+};
+
+DiskMetrics ScrapeDisk(const KvcompdProcess& d) {
+  const std::string m = HttpGet(d.ports().metrics, "/metrics").body;
+  return {MetricValue(m, "kvcomp_store_read_only"), MetricValue(m, "kvcomp_disk_free_bytes"),
+          MetricValue(m, "kvcomp_disk_reserve_bytes")};
+}
+
 TEST_F(DiskFullTest, PutsAreRefusedReadsGoOnRestartOnAFullDiskAndWritesResume) {
   // The daemon's data directory is the small filesystem; its log and ready file sit beside it.
   TmpfsMount fs(dir_.path() + "/data", 128 * kMiB);
   ASSERT_TRUE(fs.ok()) << fs.error();
 
   auto d = StartDaemon();
+  DiskMetrics m = ScrapeDisk(*d);
+  EXPECT_EQ(m.read_only, 0);
+  EXPECT_EQ(m.reserve, 64.0 * kMiB);  // storage.rocksdb_reserve_bytes' default
+  EXPECT_GT(m.free, m.reserve);
+  EXPECT_LE(m.free, 128.0 * kMiB);
   auto c = Connect(*d);
   ASSERT_NE(c, nullptr);
   int next = 0;
@@ -115,6 +131,10 @@ TEST_F(DiskFullTest, PutsAreRefusedReadsGoOnRestartOnAFullDiskAndWritesResume) {
   ExpectAllServed(*c);
   auto refused = PutLowRankCache(*c, Begin("while-read-only"), 2000);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  m = ScrapeDisk(*d);
+  EXPECT_EQ(m.read_only, 1);
+  EXPECT_GE(m.free, 0);
+  EXPECT_LT(m.free, m.reserve);
 
   // The filesystem grows: puts resume by themselves, no restart.
   ASSERT_EQ(fs.Resize(512 * kMiB), "");
@@ -127,6 +147,9 @@ TEST_F(DiskFullTest, PutsAreRefusedReadsGoOnRestartOnAFullDiskAndWritesResume) {
   }
   ASSERT_TRUE(put.ok()) << put.status() << "\n" << d->Log();
   acked_["after-growth"].stored_bytes = put->stored_bytes;
+  m = ScrapeDisk(*d);
+  EXPECT_EQ(m.read_only, 0);
+  EXPECT_GT(m.free, m.reserve);
   ExpectAllServed(*c);
 
   // And all of it survives one more restart.

@@ -150,6 +150,15 @@ def build():
                  "{{tier}} demoted"),
                 (f"sum by (tier) (rate(kvcomp_tier_evictions_total{{{SEL}}}[{RATE}]))",
                  "{{tier}} evicted")), "ops"), 24, 8)
+    L.add(timeseries(
+        "RocksDB disk free", "Free bytes of each daemon's RocksDB volume, and the reserve a put "
+        "must leave (tiers.rocksdb.reserve): below it puts are refused as disk full.",
+        targets((f"sum by (pod) (kvcomp_disk_free_bytes{{{SEL}}})", "{{pod}} free"),
+                (f"sum by (pod) (kvcomp_disk_reserve_bytes{{{SEL}}})", "{{pod}} reserve")),
+        "bytes"), 18, 8)
+    L.add(stat("Read-only stores", "Daemons whose RocksDB tier is read-only for a full disk "
+               "(kvcomp_store_read_only): reads served, puts refused until there is room.",
+               f"sum(kvcomp_store_read_only{{{SEL}}})", "short"), 6, 8)
 
     L.row("Throughput")
     L.add(timeseries(

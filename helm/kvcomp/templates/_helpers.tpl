@@ -234,6 +234,7 @@ as plain byte counts.
       "host_capacity_bytes" (include "kvcomp.bytes" $t.host.capacity | int64)
       "rocksdb_enabled" $t.rocksdb.enabled
       "rocksdb_capacity_bytes" (include "kvcomp.bytes" $t.rocksdb.capacity | int64)
+      "rocksdb_reserve_bytes" (include "kvcomp.bytes" $t.rocksdb.reserve | int64)
       "high_watermark" $t.highWatermark
       "low_watermark" $t.lowWatermark
       "promote_on_read" $v.storage.promoteOnRead

@@ -36,6 +36,14 @@ inline constexpr char kTierCapacityBytes[] = "kvcomp_tier_capacity_bytes";    //
 inline constexpr char kTierEntries[] = "kvcomp_tier_entries";                 // gauge
 inline constexpr char kTierDemotionsTotal[] = "kvcomp_tier_demotions_total";  // counter
 inline constexpr char kTierEvictionsTotal[] = "kvcomp_tier_evictions_total";  // counter
+// Gauge: 1 while the RocksDB tier is read-only because its disk was full (it reopens read-write
+// by itself once there is room), else 0.
+inline constexpr char kStoreReadOnly[] = "kvcomp_store_read_only";
+// Gauge: free bytes of the RocksDB tier's filesystem.
+inline constexpr char kDiskFreeBytes[] = "kvcomp_disk_free_bytes";
+// Gauge: storage.rocksdb_reserve_bytes; a put that would leave fewer free bytes is refused
+// (RESOURCE_EXHAUSTED, disk full).
+inline constexpr char kDiskReserveBytes[] = "kvcomp_disk_reserve_bytes";
 
 // --- latency ---
 // Histogram, label {op} = put | get | lookup | delete: one request end to end in the daemon.

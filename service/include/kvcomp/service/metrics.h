@@ -70,6 +70,9 @@ class Metrics {
   void SetPutsInProgress(int64_t puts);
   void SetReady(bool ready);
   void SetTier(const TierSample& sample);
+  // The RocksDB tier's disk: kvcomp_store_read_only, kvcomp_disk_free_bytes and
+  // kvcomp_disk_reserve_bytes.
+  void SetDisk(bool read_only, uint64_t free_bytes, uint64_t reserve_bytes);
   // Totals over the caches stored now (gauges kvcomp_caches_stored, kvcomp_original_bytes,
   // kvcomp_saved_bytes).
   void SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes);
