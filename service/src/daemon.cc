@@ -191,6 +191,17 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
     return idle_closed_;
   }
 
+  // Shuts down the socket of `connection` (a context of createContext): Thrift then sees end of
+  // stream and closes it.
+  void Close(void* connection) {
+    if (connection == nullptr) return;
+    auto* c = static_cast<Connection*>(connection);
+    absl::MutexLock lock(&mu_);
+    if (c->fd < 0 || c->shut) return;
+    ::shutdown(c->fd, SHUT_RDWR);
+    c->shut = true;
+  }
+
   absl::Notification started;
 
  private:
@@ -206,6 +217,37 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
   int pending_fd_ ABSL_GUARDED_BY(mu_) = -1;
   uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t idle_closed_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The control plane's processor, closing a connection whose request cannot be decoded (a bad
+// message header, argument structs that do not parse, a frame shorter than what it announces).
+// Thrift's nonblocking server would neither answer such a request nor close its connection, so
+// the peer would wait for the idle timeout. Anything else a call does is answered by the
+// generated processor (a handler's exception becomes a TApplicationException reply), so what
+// escapes process(), or makes it return false, is a decoding failure.
+class ClosingProcessor : public apache::thrift::TProcessor {
+ public:
+  ClosingProcessor(std::shared_ptr<apache::thrift::TProcessor> inner,
+                   std::shared_ptr<ControlConnections> connections)
+      : inner_(std::move(inner)), connections_(std::move(connections)) {}
+
+  bool process(std::shared_ptr<TProtocol> in, std::shared_ptr<TProtocol> out,
+               void* connection) override {
+    std::string why;
+    try {
+      if (inner_->process(std::move(in), std::move(out), connection)) return true;
+      why = "not a call";  // the processor's only false: a message type other than call
+    } catch (const apache::thrift::TException& e) {
+      why = e.what();
+    }
+    Log(LogLevel::kDebug, "control: malformed request (", why, "); connection closed");
+    connections_->Close(connection);
+    return false;
+  }
+
+ private:
+  const std::shared_ptr<apache::thrift::TProcessor> inner_;
+  const std::shared_ptr<ControlConnections> connections_;
 };
 
 class DaemonImpl : public Daemon {
@@ -474,7 +516,9 @@ absl::Status DaemonImpl::StartThrift() {
     auto protocol = std::make_shared<TBinaryProtocolFactory>(
         static_cast<int32_t>(c.max_frame_bytes), static_cast<int32_t>(c.max_frame_bytes / 4),
         false, true);
-    thrift_ = std::make_shared<TNonblockingServer>(processor, protocol, socket, thrift_workers_);
+    thrift_ = std::make_shared<TNonblockingServer>(
+        std::make_shared<ClosingProcessor>(processor, control_), protocol, socket,
+        thrift_workers_);
     thrift_->setNumIOThreads(static_cast<size_t>(c.io_threads));
     // Nothing is buffered for a peer beyond one frame of at most max_frame_bytes (every frame
     // is read whole before its credentials can be checked); a larger frame closes the

@@ -2,8 +2,9 @@
 // a configured token source never lowers authentication (broken at reload: previous tokens kept;
 // broken at start: the daemon refuses to start); the Thrift control plane reads at most
 // control_plane.max_frame_bytes per frame, holds at most control_plane.max_connections
-// connections and closes idle ones; when its serving thread dies the daemon stops being ready
-// and says why; values with NaN or Inf are refused like keys.
+// connections, closes idle ones and closes at once one whose request does not decode; when its
+// serving thread dies the daemon stops being ready and says why; values with NaN or Inf are
+// refused like keys.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -322,6 +323,65 @@ std::string LookupPrefixAnnouncing(uint32_t announced) {
   i32(announced);
   const uint32_t len = htonl(static_cast<uint32_t>(body.size()));
   return std::string(reinterpret_cast<const char*>(&len), 4) + body;
+}
+
+// A framed call of `method` (strict binary protocol) whose message type word is `type_word` and
+// whose body after the sequence id is `args`.
+std::string ControlFrame(const std::string& method, uint32_t type_word, const std::string& args) {
+  std::string body;
+  auto i32 = [&body](uint32_t v) {
+    const uint32_t be = htonl(v);
+    body.append(reinterpret_cast<const char*>(&be), 4);
+  };
+  i32(type_word);
+  i32(static_cast<uint32_t>(method.size()));
+  body += method;
+  i32(7);  // sequence id
+  body += args;
+  const uint32_t len = htonl(static_cast<uint32_t>(body.size()));
+  return std::string(reinterpret_cast<const char*>(&len), 4) + body;
+}
+
+TEST_F(FailClosedTest, MalformedControlRequestClosesTheConnectionAtOnce) {
+  // With a 600 s idle timeout, a close within the 5 s receive timeout is the daemon closing the
+  // connection because of the request, not because it went idle.
+  auto d = StartDaemon({"--control_plane.idle_timeout_seconds=600"});
+  const rpc::Auth auth = MakeAuth("", "");
+  struct Case {
+    const char* what;
+    std::string frame;
+  };
+  const std::vector<Case> cases = {
+      // An argument field of a type that does not exist (0x55): the arguments do not parse.
+      {"unknown field type", ControlFrame("Health", 0x80010001u, std::string("\x55\x00\x01", 3))},
+      // The frame ends inside the Auth struct.
+      {"truncated arguments", ControlFrame("Health", 0x80010001u, std::string("\x0c\x00\x01", 3))},
+      // Message type 5 is neither a call nor a oneway call.
+      {"invalid message type", ControlFrame("Health", 0x80010005u, std::string(1, '\0'))},
+      // A non-strict header announcing a 2 GB method name.
+      {"oversized method name", std::string("\x00\x00\x00\x08\x7f\xff\xff\xff" "abcd", 12)},
+      // A list of 25 million keys in a 33-byte call (its size bound is a quarter of the frame).
+      {"announced list beyond the frame", LookupPrefixAnnouncing(25000000)},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    int fd = RawConnect(d->ports().control, 5);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(send(fd, c.frame.data(), c.frame.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(c.frame.size()));
+    EXPECT_TRUE(PeerClosed(fd)) << "malformed request neither answered nor closed in 5 s";
+    close(fd);
+  }
+  // A well-formed call of a method the daemon does not have is answered, not closed.
+  int fd = RawConnect(d->ports().control, 5);
+  ASSERT_GE(fd, 0);
+  const std::string unknown = ControlFrame("NoSuchMethod", 0x80010001u, std::string(1, '\0'));
+  ASSERT_EQ(send(fd, unknown.data(), unknown.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(unknown.size()));
+  char reply[256];
+  EXPECT_GT(recv(fd, reply, sizeof(reply), 0), 4) << "no TApplicationException reply";
+  close(fd);
+  EXPECT_TRUE(ControlAnswers(*d, auth));
 }
 
 TEST_F(FailClosedTest, AnnouncedListSizesDoNotAllocateBeforeAuthentication) {
