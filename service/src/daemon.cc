@@ -254,6 +254,9 @@ class DaemonImpl : public Daemon {
  public:
   ~DaemonImpl() override { (void)Shutdown(absl::ZeroDuration()); }
 
+  // Init failed with `why`: the shutdown that follows stops what had started and says so.
+  void FailedToStart(absl::Status why) { start_failure_ = std::move(why); }
+
   absl::Status Init(const Options& options);
 
   uint16_t data_port() const override { return ctx_.data_port.load(); }
@@ -264,7 +267,9 @@ class DaemonImpl : public Daemon {
 
   void Drain() override {
     if (ctx_.draining.exchange(true)) return;
-    Log(LogLevel::kInfo, "draining: no new puts or connections; finishing in-flight work");
+    if (start_failure_.ok()) {  // after a failed start nothing is in flight: nothing to say
+      Log(LogLevel::kInfo, "draining: no new puts or connections; finishing in-flight work");
+    }
     ctx_.ready.store(false);
     metrics_->SetReady(false);
     if (service_) service_->Drain();
@@ -355,6 +360,7 @@ class DaemonImpl : public Daemon {
   absl::Time last_sweep_ = absl::Now();
   absl::Time last_totals_ = absl::InfinitePast();
   bool shut_down_ = false;
+  absl::Status start_failure_;  // why Init failed, else OK
 };
 
 void ThriftLog(const char* message) { Log(LogLevel::kDebug, "thrift: ", message); }
@@ -711,6 +717,12 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   Log(LogLevel::kDebug, "shutdown: store closed");
   http_.reset();
   if (!options_.process.ready_file.empty()) std::remove(options_.process.ready_file.c_str());
+  if (!start_failure_.ok()) {
+    // Nothing was in flight: what the drain above reports is not why the daemon stops.
+    Log(LogLevel::kError, "failed to start: ", start_failure_.ToString(),
+        " (what had started is stopped)");
+    return start_failure_;
+  }
   Log(LogLevel::kInfo, "stopped", result.ok() ? "" : absl::StrCat(" (", result.ToString(), ")"));
   return result;
 }
@@ -719,7 +731,10 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Options& options) {
   auto d = std::make_unique<DaemonImpl>();
-  KVCOMP_RETURN_IF_ERROR(d->Init(options));
+  if (absl::Status s = d->Init(options); !s.ok()) {
+    d->FailedToStart(s);
+    return s;
+  }
   return std::unique_ptr<Daemon>(std::move(d));
 }
 

@@ -3,8 +3,8 @@
 // broken at start: the daemon refuses to start); the Thrift control plane reads at most
 // control_plane.max_frame_bytes per frame, holds at most control_plane.max_connections
 // connections, closes idle ones and closes at once one whose request does not decode; when its
-// serving thread dies the daemon stops being ready and says why; values with NaN or Inf are
-// refused like keys.
+// serving thread dies the daemon stops being ready and says why; a start that fails says why;
+// values with NaN or Inf are refused like keys.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -382,6 +382,32 @@ TEST_F(FailClosedTest, MalformedControlRequestClosesTheConnectionAtOnce) {
   EXPECT_GT(recv(fd, reply, sizeof(reply), 0), 4) << "no TApplicationException reply";
   close(fd);
   EXPECT_TRUE(ControlAnswers(*d, auth));
+}
+
+TEST_F(FailClosedTest, StartFailureSaysWhyItFailed) {
+  // The control port is taken: the daemon starts its store and engine, fails to listen, stops
+  // what it started and says it failed to start and why, not that a drain ran out of time.
+  int busy = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  ASSERT_EQ(bind(busy, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(busy, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(busy, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  KvcompdProcess d(KVCOMPD_PATH, dir_.path() + "/data-busy", {"--control_plane.port=" + port});
+  EXPECT_FALSE(d.Start(20)) << d.Log();
+  EXPECT_FALSE(d.running());
+  close(busy);
+  const std::string log = d.Log();
+  EXPECT_TRUE(absl::StrContains(log, "failed to start")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "cannot start")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "127.0.0.1:" + port)) << log;
+  EXPECT_FALSE(absl::StrContains(log, "DEADLINE_EXCEEDED")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "grace period")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "finishing in-flight work")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "stopped (")) << log;
 }
 
 TEST_F(FailClosedTest, AnnouncedListSizesDoNotAllocateBeforeAuthentication) {
