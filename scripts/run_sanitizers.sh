@@ -12,7 +12,8 @@ common=(-G Ninja -DKVCOMP_CORE_ONLY=ON -DKVCOMP_CUDA=OFF -DKVCOMP_PYTHON=OFF
 
 echo "-- ASan+UBSan build of the core tests"
 cmake -S . -B build-asan "${common[@]}" -DKVCOMP_SANITIZE=address,undefined >/dev/null
-cmake --build build-asan -j "$JOBS" --target core_types_test core_crc32c_test core_format_test
+cmake --build build-asan -j "$JOBS" --target core_types_test core_crc32c_test core_format_test \
+  core_policy_fields_test
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -R '^core_' --output-on-failure
 
