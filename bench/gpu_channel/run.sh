@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine (two GPUs for the NCCL parts): the GPU channel's GPU test and benchmark from
-# the bundle bench/gpu_channel/bundle.sh made (carry=[".gpubundle"]). NCCL is PyTorch's
+# the bundle bench/gpu_channel/bundle.sh made (carry=["build-gpu-channel-pack"]). NCCL is PyTorch's
 # (nvidia/nccl/lib of the machine's python), named to every process by KVCOMP_NCCL_LIBRARY;
 # NVLink multicast stays off. Logs and a summary under $OUT.
 #   KVCOMP_GPU_CHANNEL_STEPS  "test bench" (default)
 #   KVCOMP_GPU_CHANNEL_TOKENS tokens of the benchmark's cache (default 32768)
 #   KVCOMP_GPU_CHANNEL_REPS   repetitions (default 3)
+#   KVCOMP_GPU_CHANNEL_DEFAULT_PUTS  puts with the default policy, the first a warm-up (default 2)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/build-gpu-out}
@@ -15,13 +16,15 @@ SUMMARY=$OUT/summary.txt
 note() { echo "$*" | tee -a "$SUMMARY"; }
 STEPS=" ${KVCOMP_GPU_CHANNEL_STEPS:-test bench} "
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-BUNDLE=$PWD/build-gpu-bundle
-rm -rf "$BUNDLE" && mkdir -p "$BUNDLE" && tar -C "$BUNDLE" -xJf .gpubundle/bundle.tar.xz || {
-  note "no bundle (.gpubundle/bundle.tar.xz)"; exit 2; }
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+BUNDLE=$PWD/build-gpu-channel-bundle
+rm -rf "$BUNDLE" && mkdir -p "$BUNDLE" &&
+  tar -C "$BUNDLE" -xJf build-gpu-channel-pack/bundle.tar.xz || {
+  note "no bundle (build-gpu-channel-pack/bundle.tar.xz: bench/gpu_channel/bundle.sh)"; exit 2; }
 # shellcheck disable=SC1091
 source "$BUNDLE/env.sh"
 note "date    $(date -u +%Y-%m-%dT%H:%MZ)"
-note "commit  ${KVCOMP_COMMIT:-?} (bundle $(cat "$BUNDLE/commit"))"
+note "commit  ${KVCOMP_COMMIT:-?} (bundle built at $(cat "$BUNDLE/commit"))"
 note "cards   $(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd, -)"
 nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
 # The binaries' compiled-in paths of kvcompd and the peer point at the bundle's copies.
@@ -31,7 +34,7 @@ link() {
     mkdir -p "$(dirname "$built")" && ln -sf "$real" "$built"
   fi
 }
-link "$(cat "$BUNDLE/kvcompd_build_path")" "$BUNDLE/bin/kvcompd"
+link "$(cat "$BUNDLE/kvcompd.build_path")" "$BUNDLE/bin/kvcompd"
 link "$(cat "$BUNDLE/gpu_channel_peer.build_path")" "$BUNDLE/bin/gpu_channel_peer"
 if [ -z "${KVCOMP_NCCL_LIBRARY:-}" ]; then
   KVCOMP_NCCL_LIBRARY=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
@@ -39,12 +42,13 @@ if [ -z "${KVCOMP_NCCL_LIBRARY:-}" ]; then
 fi
 note "nccl    ${KVCOMP_NCCL_LIBRARY:-not found}"
 if [[ "$STEPS" == *" test "* ]]; then
-  timeout 300 "$BUNDLE/bin/client_gpu_channel_gpu_test" 2>&1 | tee "$OUT/test.log" |
+  timeout 200 "$BUNDLE/bin/client_gpu_channel_gpu_test" 2>&1 | tee "$OUT/test.log" |
     grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]' | tee -a "$SUMMARY"
 fi
 if [[ "$STEPS" == *" bench "* ]]; then
-  timeout 400 "$BUNDLE/bin/kvcomp_gpu_channel_bench" --kvcompd "$BUNDLE/bin/kvcompd" \
+  timeout 300 "$BUNDLE/bin/kvcomp_gpu_channel_bench" --kvcompd "$BUNDLE/bin/kvcompd" \
     --tokens "${KVCOMP_GPU_CHANNEL_TOKENS:-32768}" --reps "${KVCOMP_GPU_CHANNEL_REPS:-3}" \
+    --default_puts "${KVCOMP_GPU_CHANNEL_DEFAULT_PUTS:-2}" \
     >"$OUT/bench.log" 2>&1
   note "bench   exit $?"
   grep -E '^(RESULT|#)' "$OUT/bench.log" | tee -a "$SUMMARY"

@@ -203,7 +203,7 @@ absl::StatusOr<std::shared_ptr<GpuPath::Channel>> GpuPath::ChannelFor(
       return grant.status();
     }
     return refuse(absl::Status(grant.status().code(),
-                               absl::StrCat("the daemon offers no GPU channel: ",
+                               absl::StrCat("the daemon refused the GPU channel: ",
                                             grant.status().message())));
   }
   absl::StatusOr<std::unique_ptr<NcclLink>> link =
