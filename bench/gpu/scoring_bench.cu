@@ -6,6 +6,8 @@
 //   op:     ScoringOps::ScoreSelectCompact, which also reads the data-error slots back (one
 //           host round trip per call)
 // Inputs are fresh random bf16 (never zeros); input sets rotate so L2 never holds the next input.
+// Lengths 2K to 128K, and a batch of 64 requests of 2K tokens given as one view of 64 x 8 heads
+// (requests of one length batch as heads: one launch of each kernel for all of them).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -62,8 +64,9 @@ struct Set {
   void* v = nullptr;
 };
 
-void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, double copy_gbps_ref) {
-  constexpr uint32_t kHeads = 8, kDim = 128;
+void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t batch) {
+  constexpr uint32_t kDim = 128;
+  const uint32_t kHeads = 8 * batch;
   const size_t elems = size_t{kHeads} * n * kDim;
   const size_t bytes = elems * 2;
   cudaDeviceProp prop;
@@ -146,12 +149,11 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, double c
   const double dev_gbps = minimal / (dev_us * 1e3);
   const double op_gbps = minimal / (op[op.size() / 2] * 1e3);
   std::printf(
-      "RESULT bench=ssc scorer=%s tokens=%llu dev_us=%.1f dev_GBps=%.0f op_us=%.1f op_GBps=%.0f "
-      "copy_GBps=%.0f dev/copy=%.0f%% op/copy=%.0f%%\n",
-      std::string(ScorerName(scorer)).c_str(), static_cast<unsigned long long>(n), dev_us,
+      "RESULT bench=ssc scorer=%s batch=%u tokens=%llu dev_us=%.1f dev_GBps=%.0f op_us=%.1f "
+      "op_GBps=%.0f copy_GBps=%.0f dev/copy=%.0f%% op/copy=%.0f%%\n",
+      std::string(ScorerName(scorer)).c_str(), batch, static_cast<unsigned long long>(n), dev_us,
       dev_gbps, op[op.size() / 2], op_gbps, copy_gbps, 100.0 * dev_gbps / copy_gbps,
       100.0 * op_gbps / copy_gbps);
-  (void)copy_gbps_ref;
   for (auto& s : in) {
     BENCH_CUDA_CHECK(cudaFree(s.k));
     BENCH_CUDA_CHECK(cudaFree(s.v));
@@ -178,9 +180,10 @@ int main(int argc, char** argv) {
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&ctx.properties, 0));
   BenchAllocator alloc(ctx.stream);
   ctx.allocator = &alloc;
-  // Optional arguments: a token count, then a scorer name (for profiling one case).
-  std::vector<uint64_t> sizes = {8192, 65536, 131072};
+  // Optional arguments: a token count, then a scorer name, then a batch (for profiling one case).
+  std::vector<uint64_t> sizes = {2048, 8192, 32768, 65536, 131072};
   if (argc > 1) sizes = {std::stoull(argv[1])};
+  const uint32_t batch = argc > 3 ? static_cast<uint32_t>(std::stoul(argv[3])) : 1;
   std::vector<Scorer> scorers = {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold,
                                  Scorer::kWindowedManifold};
   if (argc > 2) {
@@ -189,7 +192,8 @@ int main(int argc, char** argv) {
     scorers = {*s};
   }
   for (Scorer s : scorers) {
-    for (uint64_t n : sizes) Run(**backend, ctx, s, n, 0.0);
+    for (uint64_t n : sizes) Run(**backend, ctx, s, n, batch);
+    if (argc <= 1) Run(**backend, ctx, s, 2048, 64);  // 64 requests of 2K tokens
   }
   BENCH_CUDA_CHECK(cudaStreamDestroy(ctx.stream));
   return 0;

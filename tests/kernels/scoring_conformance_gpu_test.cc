@@ -34,6 +34,46 @@ TEST(ScoringConformanceGpuTest, RecentFractionPoliciesAgainstCpu) {
   }
 }
 
+// Uniform budgets of short heads take the one-block-per-head selection and the row gather (by
+// default up to 8192 tokens: 300, 2048 and 8191 here), longer ones the tiled path (32768, 32769).
+// Ties, protection on and off, a kept count above and below half, many heads (the batched
+// layout), every row-reading scorer.
+TEST(ScoringConformanceGpuTest, ShortSelectionAgainstCpu) {
+  auto cpu = MakeCpuBackend();
+  auto cuda = MakeCudaBackend();
+  ASSERT_TRUE(cpu.ok() && cuda.ok());
+  uint64_t seed = 9500;
+  struct Shape {
+    uint64_t tokens;
+    uint32_t heads;
+    uint64_t kept;
+  };
+  const Shape shapes[] = {{2048, 64, 1024}, {8191, 8, 2731}, {32768, 3, 16384},
+                          {32769, 2, 20000}, {300, 5, 299}};
+  for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
+                   Scorer::kStreaming, Scorer::kRandom}) {
+    for (const Shape& sh : shapes) {
+      testing::ConformanceCase c;
+      c.dtype = (seed % 3 == 0) ? DType::kF16 : DType::kBF16;
+      c.head_dim = (seed % 5 == 0) ? 64 : 128;
+      c.heads = sh.heads;
+      c.tokens = sh.tokens;
+      c.score.scorer = s;
+      c.score.window = 1000;
+      c.score.seed = seed;
+      c.score.stream = 3;
+      c.select.kept_per_head = sh.kept;
+      c.select.head_budget = HeadBudget::kUniform;
+      c.select.protect = (seed % 2) == 0;
+      c.select.n_recent = 17;
+      c.data.tie_every = (seed % 4 == 1) ? 5 : 0;
+      c.seed = seed++;
+      testing::CheckConformance(**cuda, **cpu, c);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
 TEST(ScoringConformanceGpuTest, LongSequencesAgainstCpu) {
   auto cpu = MakeCpuBackend();
   auto cuda = MakeCudaBackend();

@@ -1,11 +1,14 @@
 // CUDA decode attention over a compressed layer (kept tokens ragged per kv head) plus the evicted
 // set's MomentKV virtual token. Two kernels:
-//   AttentionPartialKernel: grid (chunks, kv heads, row blocks). A CTA takes a chunk of one kv
-//     head's kept tokens and ALL the query rows of that head's GQA group (q heads x queries, up
-//     to kRows per row block), so each kept key and value is read from memory once. It keeps an
-//     online softmax (max, sum, fp32 accumulator) per row and writes it as a partial.
-//   AttentionCombineKernel: grid (rows, kv heads). Merges the chunks of a row and folds in the
-//     virtual token (logit t q.mu_k + ln n, value mu_v + t C q, computed in double), writes out.
+//   AttentionPartialKernel: grid (chunks [+ 1], kv heads, row blocks). A CTA takes a chunk of one
+//     kv head's kept tokens and ALL the query rows of that head's GQA group (q heads x queries,
+//     up to kRows per row block), so each kept key and value is read from memory once; the next
+//     tile's loads are issued before the current tile is computed. It keeps an online softmax
+//     (max, sum, fp32 accumulator) per row and writes it as a partial. With moments, one more
+//     CTA per (kv head, row block) computes the virtual token of every row of the block (logit
+//     t q.mu_k + ln n, value mu_v + t C q; the d x d summary read once per block, not per row)
+//     and writes it as one more partial, in parallel with the kept tokens' CTAs.
+//   AttentionCombineKernel: grid (rows, kv heads). Merges the partials of a row, writes out.
 #ifndef KVCOMP_KERNELS_SRC_CUDA_ATTENTION_KERNELS_CUH_
 #define KVCOMP_KERNELS_SRC_CUDA_ATTENTION_KERNELS_CUH_
 
@@ -36,8 +39,9 @@ struct AttentionKernelParams {
   const uint64_t* offsets = nullptr;  // [Hk + 1], device
   uint64_t chunk = 0;                 // kept tokens per CTA
   uint32_t chunks = 0;
+  uint32_t slots = 0;                 // partials per row: chunks, + 1 for the virtual token
   float scale = 0.0f;
-  // Partials [Hk][row][chunk]: max, sum, acc[D].
+  // Partials [Hk][row][slot]: max, sum, acc[D].
   float* part_max = nullptr;
   float* part_sum = nullptr;
   float* part_acc = nullptr;
@@ -49,10 +53,18 @@ struct AttentionKernelParams {
   float* out = nullptr;  // [Hq, nq, D]
 };
 
+// Row stride of the fp32 key tile: padded by 4 floats so that each lane's row starts 16-byte
+// aligned and the quarter-warps of a 16-byte load hit distinct banks.
+template <int D>
+constexpr int KeyTileStride() {
+  return D + 4;
+}
+
 template <int D>
 constexpr size_t PartialSmemBytes() {
-  // q [kRows][D], K [kKeys][D+1], V [kKeys][D], P [kRows][kKeys], acc [kRows][D], max/sum/scale
-  return sizeof(float) * (size_t{kRows} * D + size_t{kKeys} * (D + 1) + size_t{kKeys} * D +
+  // q [kRows][D], K [kKeys][D+4], V [kKeys][D], P [kRows][kKeys], acc [kRows][D], max/sum/scale
+  return sizeof(float) * (size_t{kRows} * D + size_t{kKeys} * KeyTileStride<D>() +
+                          size_t{kKeys} * D +
                           size_t{kRows} * kKeys + size_t{kRows} * D + 3 * kRows);
 }
 
@@ -63,12 +75,87 @@ __device__ __forceinline__ const Q* QRow(const AttentionKernelParams& p, uint32_
   return static_cast<const Q*>(p.q) + g * p.q_head_stride + uint64_t{i} * p.q_token_stride;
 }
 
+// The virtual token of the evicted set for every row of one (kv head, row block), as a partial
+// of weight 1 at logit le: max = le, sum = 1, acc = ve. Computed in double where the CPU twin
+// is; C q walks the rows of the d x d summary once per block (thread x keeps row x's products
+// for every query row in registers). smem: at least kRows * D floats.
+template <typename Q, int D>
+__device__ void VirtualTokenPartial(const AttentionKernelParams& p, uint32_t h, uint32_t row0,
+                                    int rows, float* qs) {
+  const uint32_t rows_total = p.group * p.nq;
+  const unsigned long long n = p.count[h];
+  __shared__ double qmu[kRows];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int e = threadIdx.x; e < kRows * D; e += kThreads) {
+    const int r = e / D, x = e % D;
+    qs[e] = r < rows ? ToFloat(QRow<Q>(p, h, row0 + r)[x]) : 0.0f;
+  }
+  __syncthreads();
+  const double nd = static_cast<double>(n);
+  for (int r = warp; r < rows; r += kThreads / 32) {
+    double part = 0.0;
+    for (int x = lane; x < D; x += 32) {
+      part += double{qs[r * D + x]} * (p.key_sum[size_t{h} * D + x] / nd);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
+    if (lane == 0) qmu[r] = part;
+  }
+  __syncthreads();
+  const uint64_t slot0 = uint64_t{h} * rows_total + row0;
+  if (n == 0) {
+    for (int r = threadIdx.x; r < rows; r += kThreads) {
+      const uint64_t slot = (slot0 + r) * p.slots + p.chunks;
+      p.part_max[slot] = -INFINITY;
+      p.part_sum[slot] = 0.0f;
+    }
+    for (int e = threadIdx.x; e < rows * D; e += kThreads) {
+      p.part_acc[((slot0 + e / D) * p.slots + p.chunks) * D + e % D] = 0.0f;
+    }
+    return;
+  }
+  const double t = p.scale;
+  // Rows in groups of 8 (a decode step has few rows: 4 for one query under GQA 4), four summary
+  // entries loaded ahead of their products.
+  constexpr int kGroup = 8;
+  for (int x = threadIdx.x; x < D; x += kThreads) {
+    const float* srow = p.vk_sum + size_t{h} * D * D + static_cast<size_t>(x) * D;
+    const double mu_v = p.value_sum[size_t{h} * D + x] / nd;
+    for (int rg = 0; rg < rows; rg += kGroup) {
+      float cq[kGroup];
+#pragma unroll
+      for (int r = 0; r < kGroup; ++r) cq[r] = 0.0f;
+      for (int j = 0; j < D; j += 4) {
+        const float s0 = srow[j], s1 = srow[j + 1], s2 = srow[j + 2], s3 = srow[j + 3];
+#pragma unroll
+        for (int r = 0; r < kGroup; ++r) {
+          const float* qr = qs + (rg + r) * D + j;  // rows past `rows` are zeros
+          cq[r] = fmaf(s0, qr[0], fmaf(s1, qr[1], fmaf(s2, qr[2], fmaf(s3, qr[3], cq[r]))));
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kGroup; ++r) {
+        if (rg + r < rows) {
+          const uint64_t slot = (slot0 + rg + r) * p.slots + p.chunks;
+          p.part_acc[slot * D + x] = static_cast<float>(
+              mu_v + t * (static_cast<double>(cq[r]) / nd - mu_v * qmu[rg + r]));
+          if (x == 0) {
+            p.part_max[slot] = static_cast<float>(t * qmu[rg + r] + log(nd));
+            p.part_sum[slot] = 1.0f;
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename Q, typename T, int D>
-__global__ void __launch_bounds__(kThreads) AttentionPartialKernel(AttentionKernelParams p) {
+__global__ void __launch_bounds__(kThreads, 2) AttentionPartialKernel(AttentionKernelParams p) {
   extern __shared__ __align__(16) float sm[];
   float* qs = sm;                    // [kRows][D], pre-scaled
-  float* kt = qs + kRows * D;        // [kKeys][D + 1] (padded: no bank conflicts)
-  float* vt = kt + kKeys * (D + 1);  // [kKeys][D]
+  constexpr int kStride = KeyTileStride<D>();
+  float* kt = qs + kRows * D;        // [kKeys][kStride]
+  float* vt = kt + kKeys * kStride;  // [kKeys][D]
   float* pr = vt + kKeys * D;        // [kRows][kKeys]
   float* acc = pr + kRows * kKeys;   // [kRows][D]
   float* rmax = acc + kRows * D;     // [kRows]
@@ -79,6 +166,10 @@ __global__ void __launch_bounds__(kThreads) AttentionPartialKernel(AttentionKern
   const uint32_t rows_total = p.group * p.nq;
   const uint32_t row0 = blockIdx.z * kRows;
   const int rows = static_cast<int>(min(static_cast<uint32_t>(kRows), rows_total - row0));
+  if (blockIdx.x == p.chunks) {
+    VirtualTokenPartial<Q, D>(p, h, row0, rows, qs);
+    return;
+  }
   const uint64_t a = p.offsets[h], b = p.offsets[h + 1];
   const uint64_t begin = min(b, a + blockIdx.x * p.chunk), end = min(b, begin + p.chunk);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -96,22 +187,27 @@ __global__ void __launch_bounds__(kThreads) AttentionPartialKernel(AttentionKern
 
   const T* kg = static_cast<const T*>(p.keys);
   const T* vg = static_cast<const T*>(p.values);
-  for (uint64_t t0 = begin; t0 < end; t0 += kKeys) {
+  // 16-byte loads, converted to fp32 in shared memory; tile i + 1's loads are in flight while
+  // tile i is computed.
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kLoads = kKeys * D / kVec / kThreads;
+  uint4 kx[kLoads], vx[kLoads];
+  auto load_tile = [&](uint64_t t0) {
     const int m = static_cast<int>(min(static_cast<uint64_t>(kKeys), end - t0));
-    // 16-byte loads (all issued first), converted to fp32 in shared memory.
-    constexpr int kVec = 16 / sizeof(T);
-    constexpr int kLoads = kKeys * D / kVec / kThreads;
-    uint4 kx[kLoads], vx[kLoads];
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       const int e = (threadIdx.x + u * kThreads) * kVec;
       const int j = e / D;
       kx[u] = vx[u] = make_uint4(0, 0, 0, 0);
       if (j < m) {
-        kx[u] = __ldg(reinterpret_cast<const uint4*>(kg + (t0 + j) * D + e % D));
-        vx[u] = __ldg(reinterpret_cast<const uint4*>(vg + (t0 + j) * D + e % D));
+        kx[u] = __ldcs(reinterpret_cast<const uint4*>(kg + (t0 + j) * D + e % D));
+        vx[u] = __ldcs(reinterpret_cast<const uint4*>(vg + (t0 + j) * D + e % D));
       }
     }
+  };
+  if (begin < end) load_tile(begin);
+  for (uint64_t t0 = begin; t0 < end; t0 += kKeys) {
+    const int m = static_cast<int>(min(static_cast<uint64_t>(kKeys), end - t0));
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       const int e = (threadIdx.x + u * kThreads) * kVec;
@@ -120,21 +216,27 @@ __global__ void __launch_bounds__(kThreads) AttentionPartialKernel(AttentionKern
       const T* vv = reinterpret_cast<const T*>(&vx[u]);
 #pragma unroll
       for (int w = 0; w < kVec; ++w) {
-        kt[j * (D + 1) + x + w] = ToFloat(kv[w]);
+        kt[j * kStride + x + w] = ToFloat(kv[w]);
         vt[e + w] = ToFloat(vv[w]);
       }
     }
+    if (t0 + kKeys < end) load_tile(t0 + kKeys);
     __syncthreads();
     // Logits and online softmax: warp w takes rows w, w+8, ...; lane j takes key j.
     for (int r = warp; r < rows; r += kThreads / 32) {
       float l = -INFINITY;
       if (lane < m) {
-        float s = 0.0f;
-        const float* qr = qs + r * D;
-        const float* kr = kt + lane * (D + 1);
+        // 16-byte shared loads: the query row is a broadcast, each lane's key row its own.
+        const float4* qr = reinterpret_cast<const float4*>(qs + r * D);
+        const float4* kr = reinterpret_cast<const float4*>(kt + lane * kStride);
+        float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll 8
-        for (int x = 0; x < D; ++x) s += qr[x] * kr[x];
-        l = s;
+        for (int x = 0; x < D / 4; x += 2) {
+          const float4 q0 = qr[x], k0 = kr[x], q1 = qr[x + 1], k1 = kr[x + 1];
+          s0 = fmaf(q0.x, k0.x, fmaf(q0.y, k0.y, fmaf(q0.z, k0.z, fmaf(q0.w, k0.w, s0))));
+          s1 = fmaf(q1.x, k1.x, fmaf(q1.y, k1.y, fmaf(q1.z, k1.z, fmaf(q1.w, k1.w, s1))));
+        }
+        l = s0 + s1;
       }
       float mx = l;
 #pragma unroll
@@ -154,20 +256,33 @@ __global__ void __launch_bounds__(kThreads) AttentionPartialKernel(AttentionKern
       }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < rows * D; e += kThreads) {
-      const int r = e / D, x = e % D;
-      float s = acc[e] * rscale[r];
+    // Four columns per thread (16-byte loads of the value rows; the weights are broadcasts).
+    for (int e = threadIdx.x; e < rows * (D / 4); e += kThreads) {
+      const int r = e / (D / 4), x = (e % (D / 4)) * 4;
+      const float c = rscale[r];
+      float4 s = reinterpret_cast<const float4*>(acc)[e];
+      s.x *= c;
+      s.y *= c;
+      s.z *= c;
+      s.w *= c;
       const float* pw = pr + r * kKeys;
 #pragma unroll 8
-      for (int j = 0; j < kKeys; ++j) s += pw[j] * vt[j * D + x];
-      acc[e] = s;
+      for (int j = 0; j < kKeys; ++j) {
+        const float pj = pw[j];
+        const float4 v = *reinterpret_cast<const float4*>(vt + j * D + x);
+        s.x = fmaf(pj, v.x, s.x);
+        s.y = fmaf(pj, v.y, s.y);
+        s.z = fmaf(pj, v.z, s.z);
+        s.w = fmaf(pj, v.w, s.w);
+      }
+      reinterpret_cast<float4*>(acc)[e] = s;
     }
     __syncthreads();
   }
   // Partials of (h, row, chunk).
   for (int e = threadIdx.x; e < rows * D; e += kThreads) {
     const int r = e / D, x = e % D;
-    const uint64_t slot = (uint64_t{h} * rows_total + row0 + r) * p.chunks + blockIdx.x;
+    const uint64_t slot = (uint64_t{h} * rows_total + row0 + r) * p.slots + blockIdx.x;
     p.part_acc[slot * D + x] = acc[e];
     if (x == 0) {
       p.part_max[slot] = rmax[r];
@@ -176,70 +291,65 @@ __global__ void __launch_bounds__(kThreads) AttentionPartialKernel(AttentionKern
   }
 }
 
-// One CTA per (row, kv head), D threads (64..256).
+// Most partials a row may have (the launcher keeps chunks below it).
+constexpr uint32_t kMaxSlots = 1024;
+
+// One CTA per (row, kv head), D threads (64..256): the partials' weights exp(max_c - m) once into
+// shared memory (in parallel over the slots), then each thread its column over the slots.
 template <typename Q, int D>
 __global__ void __launch_bounds__(D) AttentionCombineKernel(AttentionKernelParams p) {
+  __shared__ double w[kMaxSlots];
   __shared__ double red[D / 32];
-  __shared__ double bcast[2];
-  __shared__ double qv[D];
-  __shared__ float qf[D];
-  __shared__ double cq[D];
+  __shared__ double bcast;
   const uint32_t h = blockIdx.y, row = blockIdx.x;
   const uint32_t rows_total = p.group * p.nq;
   const int x = threadIdx.x, warp = x / 32, lane = x % 32;
-  const uint64_t slot0 = (uint64_t{h} * rows_total + row) * p.chunks;
+  const uint64_t slot0 = (uint64_t{h} * rows_total + row) * p.slots;
 
   double m = -INFINITY;
-  for (uint32_t c = 0; c < p.chunks; ++c) {
+  for (uint32_t c = x; c < p.slots; c += D) {
     if (p.part_sum[slot0 + c] > 0.0f) m = fmax(m, double{p.part_max[slot0 + c]});
   }
-  double l = 0.0, a = 0.0;
-  for (uint32_t c = 0; c < p.chunks; ++c) {
-    const float s = p.part_sum[slot0 + c];
-    if (s > 0.0f) {
-      const double w = exp(double{p.part_max[slot0 + c]} - m);
-      l += w * s;
-      a += w * p.part_acc[(slot0 + c) * D + x];
-    }
-  }
-  const unsigned long long n = p.count != nullptr ? p.count[h] : 0ull;
-  if (n > 0) {
-    const double nd = static_cast<double>(n);
-    qf[x] = ToFloat(QRow<Q>(p, h, row)[x]);
-    qv[x] = qf[x];
-    __syncthreads();
-    // q . mu_k
-    double part = qv[x] * (p.key_sum[size_t{h} * D + x] / nd);
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
-    if (lane == 0) red[warp] = part;
-    // (S q)_x: thread x walks row x of S (its lines stay in L1 across the walk).
-    {
-      const float* srow = p.vk_sum + size_t{h} * D * D + static_cast<size_t>(x) * D;
-      float acc0 = 0.0f, acc1 = 0.0f;
-#pragma unroll 8
-      for (int j = 0; j < D; j += 2) {
-        acc0 += srow[j] * qf[j];
-        acc1 += srow[j + 1] * qf[j + 1];
-      }
-      cq[x] = static_cast<double>(acc0) + acc1;
+  for (int o = 16; o > 0; o /= 2) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  if (x == 0) {
+    double mm = -INFINITY;
+    for (int i = 0; i < D / 32; ++i) mm = fmax(mm, red[i]);
+    bcast = mm;
+  }
+  __syncthreads();
+  m = bcast;
+  double lsum = 0.0;
+  for (uint32_t c = x; c < p.slots; c += D) {
+    const float s = p.part_sum[slot0 + c];
+    const double wc = s > 0.0f ? exp(double{p.part_max[slot0 + c]} - m) : 0.0;
+    w[c] = wc;
+    lsum += wc * s;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
+  __syncthreads();  // w[] complete; red[] free again
+  if (lane == 0) red[warp] = lsum;
+  __syncthreads();
+  double l = 0.0;
+  for (int i = 0; i < D / 32; ++i) l += red[i];
+  // Eight slots' loads issued together (the partials are L2 hits; one at a time the column
+  // walk is a chain of L2 latencies).
+  constexpr int kBatch = 8;
+  double a = 0.0;
+  const float* acc = p.part_acc + slot0 * D + x;
+  for (uint32_t c0 = 0; c0 < p.slots; c0 += kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      v[u] = c0 + u < p.slots ? acc[uint64_t{c0 + u} * D] : 0.0f;
     }
-    __syncthreads();
-    if (x == 0) {
-      double qmu = 0.0;
-      for (int w = 0; w < D / 32; ++w) qmu += red[w];
-      bcast[0] = qmu;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (c0 + u < p.slots) a += w[c0 + u] * v[u];
     }
-    __syncthreads();
-    const double qmu = bcast[0];
-    const double t = p.scale;
-    const double mu_v = p.value_sum[size_t{h} * D + x] / nd;
-    const double ve = mu_v + t * (cq[x] / nd - mu_v * qmu);
-    const double le = t * qmu + log(nd);
-    const double nm = fmax(m, le);
-    const double c = l > 0.0 ? exp(m - nm) : 0.0, w = exp(le - nm);
-    l = l * c + w;
-    a = a * c + w * ve;
   }
   const uint32_t g = h * p.group + row / p.nq, i = row % p.nq;
   p.out[(uint64_t{g} * p.nq + i) * D + x] = l > 0.0 ? static_cast<float>(a / l) : 0.0f;
@@ -256,7 +366,7 @@ cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
     if (e != cudaSuccess) return e;
   }
   const uint32_t rows = p.group * p.nq;
-  const dim3 grid(p.chunks, kv_heads, (rows + kRows - 1) / kRows);
+  const dim3 grid(p.slots, kv_heads, (rows + kRows - 1) / kRows);
   partial<<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;

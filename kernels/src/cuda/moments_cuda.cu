@@ -168,20 +168,26 @@ class CudaMomentOps final : public MomentOps {
     k.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(d));
     const uint64_t rows = uint64_t{k.group} * k.nq;
     const uint64_t row_blocks = (rows + attention_cuda::kRows - 1) / attention_cuda::kRows;
-    // Enough CTAs to fill the device twice, chunks of at least 256 kept tokens.
-    const uint64_t target =
-        std::max<uint64_t>(1, 2ull * ctx_->properties.multiProcessorCount / (hk * row_blocks));
+    // One wave of CTAs (two per multiprocessor: the partial kernel's launch bounds), chunks of
+    // at least 256 kept tokens, fewer chunks than the combine kernel's slot limit. (Three per
+    // multiprocessor and 128-token chunks were measured slower on an H100: 95 registers left
+    // room for two, so the grid ran in 1.3 waves.)
+    const uint64_t target = std::max<uint64_t>(
+        1, std::min<uint64_t>(attention_cuda::kMaxSlots - 1,
+                              2ull * ctx_->properties.multiProcessorCount / (hk * row_blocks)));
     uint64_t chunk = std::max<uint64_t>(256, (max_kept + target - 1) / target);
     chunk = (chunk + 31) / 32 * 32;
     k.chunk = chunk;
     k.chunks = static_cast<uint32_t>(std::max<uint64_t>(1, (max_kept + chunk - 1) / chunk));
-    const uint64_t slots = uint64_t{hk} * rows * k.chunks;
+    const bool virtual_token = p.correct && p.moments.count != nullptr;
+    k.slots = k.chunks + (virtual_token ? 1 : 0);
+    const uint64_t slots = uint64_t{hk} * rows * k.slots;
     KVCOMP_ASSIGN_OR_RETURN(Buffer ws,
                             Buffer::Allocate(*ctx_->allocator, slots * (2 + d) * sizeof(float)));
     k.part_max = ws.as<float>();
     k.part_sum = k.part_max + slots;
     k.part_acc = k.part_sum + slots;
-    if (p.correct && p.moments.count != nullptr) {
+    if (virtual_token) {
       k.count = reinterpret_cast<const unsigned long long*>(p.moments.count);
       k.key_sum = p.moments.key_sum;
       k.value_sum = p.moments.value_sum;

@@ -3,6 +3,7 @@
 // the backend's stream and, where the op can find bad data on the device, reads the error slots
 // back before returning (the one synchronisation per call).
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -166,6 +167,21 @@ PositionInfo MakePositions(const TokenPositions& p, uint64_t n) {
   return PositionInfo{p.data, p.offset, p.sequence_length, n};
 }
 
+// Longest head the one-block selection takes: kShortSelectMaxTokens, or
+// KVCOMP_CUDA_SHORT_SELECT_MAX_TOKENS (0 = always the tiled path; at most kShortSelectCapacity),
+// for timing either path on the same input.
+uint64_t ShortSelectMaxTokens() {
+  static const uint64_t max_tokens = [] {
+    const char* env = std::getenv("KVCOMP_CUDA_SHORT_SELECT_MAX_TOKENS");
+    if (env == nullptr || *env == '\0') return kShortSelectMaxTokens;
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(env, &end, 10);
+    if (end == env || *end != '\0') return kShortSelectMaxTokens;
+    return std::min<uint64_t>(v, kShortSelectCapacity);
+  }();
+  return max_tokens;
+}
+
 class CudaScoringOps final : public ScoringOps {
  public:
   explicit CudaScoringOps(CudaContext* ctx) : ctx_(ctx) {}
@@ -323,11 +339,16 @@ class CudaScoringOps final : public ScoringOps {
     KVCOMP_ASSIGN_OR_RETURN(HeadsView keys, Repack(a.keys, ws, l->keys));
     KVCOMP_ASSIGN_OR_RETURN(HeadsView values, Repack(a.values, ws, l->values));
     float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
-    // Values are held to the keys' data check (their norms land in `scores`, then overwritten).
-    KVCOMP_RETURN_IF_ERROR(
-        EnqueueRowCheck(values, scores, &At<ErrorSlots>(ws, l->errors)->bad_value));
+    // Values are held to the keys' data check: in the score launch itself, or (snapkv, whose
+    // scores come from other kernels) by a pass of their own whose norms land in `scores`, then
+    // overwritten.
+    const bool fold = a.score.scorer != Scorer::kSnapKV && 2ull * a.keys.num_heads <= 65535;
+    if (!fold) {
+      KVCOMP_RETURN_IF_ERROR(
+          EnqueueRowCheck(values, scores, &At<ErrorSlots>(ws, l->errors)->bad_value));
+    }
     KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, a.score, a.positions, scores, ws, *l,
-                                        /*repacked=*/true));
+                                        /*repacked=*/true, fold ? &values : nullptr));
     KVCOMP_RETURN_IF_ERROR(EnqueueSelect(scores, a.keys.num_heads, a.keys.num_tokens, a.select,
                                          a.positions, a.kept, &keys, &values, a.keys_out,
                                          a.values_out, ws, *l));
@@ -389,9 +410,11 @@ class CudaScoringOps final : public ScoringOps {
                             MemorySpace::kDevice);
   }
 
+  // `values` (optional, not snapkv): checked for NaN/Inf by the same launch as the scores.
   absl::Status EnqueueScore(const HeadsView& keys_in, const ScoreParams& params,
                             const TokenPositions& positions, float* scores, const Buffer& ws,
-                            const Layout& l, bool repacked = false) {
+                            const Layout& l, bool repacked = false,
+                            const HeadsView* values = nullptr) {
     KVCOMP_RETURN_IF_ERROR(Bind());
     HeadsView keys = keys_in;
     if (!repacked) {
@@ -428,6 +451,12 @@ class CudaScoringOps final : public ScoringOps {
     sp.positions = MakePositions(positions, n);
     sp.scores = scores;
     sp.errors = errors;
+    sp.heads = heads;
+    if (values != nullptr) {
+      sp.values = values->data;
+      sp.v_token_stride = values->token_stride;
+      sp.v_head_stride = values->head_stride;
+    }
 
     const bool centred = IsCentred(params.scorer);
     // All heads in one launch of each kernel: measured on an H200 (bench/results), launching
@@ -473,7 +502,7 @@ class CudaScoringOps final : public ScoringOps {
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
       sp.head0 = h0;
-      const dim3 grid(static_cast<uint32_t>(CeilDiv(n, kScoreRows)), g);
+      const dim3 grid(static_cast<uint32_t>(CeilDiv(n, kScoreRows)), values != nullptr ? 2 * g : g);
       KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(keys.dtype, keys.head_dim, [&](auto t, auto d) {
         using T = typename decltype(t)::type;
         constexpr int D = decltype(d)::value;
@@ -505,6 +534,7 @@ class CudaScoringOps final : public ScoringOps {
     sp.scorer = Scorer::kKnorm;
     sp.segment = v.num_tokens;
     sp.segments = 1;
+    sp.heads = v.num_heads;
     sp.positions = PositionInfo{nullptr, 0, 0, v.num_tokens};
     sp.scores = scratch;
     // The kernel reports to errors->bad_key: point that field at `slot`.
@@ -605,6 +635,50 @@ class CudaScoringOps final : public ScoringOps {
     return absl::OkStatus();
   }
 
+  // A uniform selection of short heads: one block per head (ShortSelectKernel), then the kept
+  // rows by the whole grid (GatherRowsKernel).
+  absl::Status RunShortSelect(const SelectKernelParams& sp, uint32_t kept, KeptIndices out,
+                              const HeadsView* keys, const HeadsView* values, void* keys_out,
+                              void* values_out) {
+    cudaStream_t s = ctx_->stream;
+    ShortSelectParams p{};
+    p.scores = sp.scores;
+    p.heads = sp.heads;
+    p.n = sp.n;
+    p.kept = kept;
+    p.positions = sp.positions;
+    p.select = sp.select;
+    p.counts = out.counts;
+    p.indices = out.indices;
+    p.errors = sp.errors;
+    const size_t smem = sp.n * sizeof(uint32_t);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        ShortSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(kShortSelectCapacity * sizeof(uint32_t))));
+    ShortSelectKernel<<<sp.heads, kShortThreads, smem, s>>>(p);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    if (keys_out == nullptr) return absl::OkStatus();
+    GatherRowsParams g{};
+    g.keys = keys->data;
+    g.values = values->data;
+    g.token_stride = keys->token_stride;
+    g.head_stride = keys->head_stride;
+    g.v_token_stride = values->token_stride;
+    g.v_head_stride = values->head_stride;
+    g.kept = kept;
+    g.indices = out.indices;
+    g.keys_out = keys_out;
+    g.values_out = values_out;
+    const dim3 grid(static_cast<uint32_t>(CeilDiv(kept, kGatherRowsPerBlock)), sp.heads);
+    KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(keys->dtype, keys->head_dim, [&](auto t, auto d) {
+      using T = typename decltype(t)::type;
+      constexpr int D = decltype(d)::value;
+      GatherRowsKernel<T, D><<<grid, kThreads, 0, s>>>(g);
+      return cudaGetLastError();
+    }));
+    return absl::OkStatus();
+  }
+
   absl::Status EnqueueSelect(const float* scores, uint32_t heads, uint64_t n,
                              const SelectParams& sel, const TokenPositions& positions,
                              KeptIndices out, const HeadsView* keys, const HeadsView* values,
@@ -623,6 +697,10 @@ class CudaScoringOps final : public ScoringOps {
     sp.state = At<SegmentState>(ws, l.state);
     sp.hist = At<uint32_t>(ws, l.hist);
     sp.errors = At<ErrorSlots>(ws, l.errors);
+    if ((sel.head_budget == HeadBudget::kUniform || heads == 1) && n <= ShortSelectMaxTokens()) {
+      return RunShortSelect(sp, static_cast<uint32_t>(kept), out, keys, values, keys_out,
+                            values_out);
+    }
     if (sel.head_budget == HeadBudget::kUniform || heads == 1) {
       return RunStage(sp, static_cast<uint32_t>(kept), out.counts, nullptr, out.indices, keys,
                       values, keys_out, values_out, ws, l);

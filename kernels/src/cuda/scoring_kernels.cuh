@@ -14,6 +14,10 @@
 //             threshold
 //   Plan      one block: per-tile output offsets, tie ranks, per-head counts
 //   Gather    per tile: keep flags, ascending kept indices, and the K/V row copies
+// and for a uniform budget over short heads, instead of Radix* to Gather:
+//   ShortSelect  one block per head: the whole selection in shared memory, kept indices
+//   GatherRows   the kept K/V rows, by the whole grid
+// Score also checks the values for NaN/Inf in the same launch (a second half of its grid).
 #ifndef KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
 #define KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
 
@@ -380,6 +384,12 @@ struct ScoreKernelParams {
   uint32_t head0;
   float* scores;  // [H, n]
   ErrorSlots* errors;
+  // Optional: the layer's values, checked for NaN/Inf in the same launch (blocks with
+  // blockIdx.y >= heads; bad rows to errors->bad_value, no score written). Null = keys only.
+  const void* values;
+  uint64_t v_token_stride;
+  uint64_t v_head_stride;
+  uint32_t heads;  // key heads of the launch (gridDim.y is 2 * heads with values)
 };
 
 // What a scorer reads of each row: only its norm (knorm, streaming, random: the NaN/Inf check),
@@ -399,20 +409,25 @@ inline RowKind RowKindOf(Scorer s) {
   }
 }
 
-// grid (ceil(n / kScoreRows), H), kThreads threads.
+// grid (ceil(n / kScoreRows), H, or 2 H with values), kThreads threads.
 template <typename T, int D, RowKind kKind>
 __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) {
   using S = RowShape<T, D>;
-  // Blocks run last rows first: the Stats pass just before ended on those, so they may still be
-  // in L2.
-  const uint32_t h = p.head0 + (gridDim.y - 1 - blockIdx.y);
+  // Key blocks first (values, when given, after them), each in reverse: key blocks run last
+  // rows first, since the Stats pass just before ended on those, so they may still be in L2.
+  const bool value_rows = blockIdx.y >= p.heads;
+  const uint32_t y = value_rows ? blockIdx.y - p.heads : blockIdx.y;
+  const uint32_t h = p.head0 + (p.heads - 1 - y);
   const uint64_t r0 = uint64_t{gridDim.x - 1 - blockIdx.x} * kScoreRows;
   const uint64_t r1 = min(p.n, r0 + kScoreRows);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int sub = lane % S::kLanes;
   const int group = lane / S::kLanes;
-  const T* base = static_cast<const T*>(p.keys) + uint64_t{h} * p.head_stride;
+  const uint64_t token_stride = value_rows ? p.v_token_stride : p.token_stride;
+  const T* base = value_rows
+                      ? static_cast<const T*>(p.values) + uint64_t{h} * p.v_head_stride
+                      : static_cast<const T*>(p.keys) + uint64_t{h} * p.head_stride;
 
   float mu[S::kF];
 #pragma unroll
@@ -428,7 +443,7 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t row = r + static_cast<uint64_t>(u) * kStep;
       if (row < r1) {
-        LoadRaw<T, D>(base + row * p.token_stride, sub, raw[u]);
+        LoadRaw<T, D>(base + row * token_stride, sub, raw[u]);
       } else {
 #pragma unroll
         for (int j = 0; j < S::kVecs; ++j) raw[u][j] = make_uint4(0, 0, 0, 0);
@@ -475,6 +490,10 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
       sq = RowSum<S::kLanes>(sq);
       if (kKind != RowKind::kNorm) other = RowSum<S::kLanes>(other);
       if (row >= r1 || sub != 0) continue;
+      if (value_rows) {
+        if (SqNormBad(sq)) ReportBad(&p.errors->bad_value, uint64_t{h} * p.n + row);
+        continue;
+      }
       if (SqNormBad(sq)) ReportBad(&p.errors->bad_key, uint64_t{h} * p.n + row);
       float s;
       if (kKind == RowKind::kDistance) {
@@ -860,6 +879,183 @@ __global__ void __launch_bounds__(kThreads) CompactKernel(const T* keys, const T
     uint4* vd = reinterpret_cast<uint4*>(values_out + r * D);
     CopyRow16(ks, kd, sub, S::kVecsPerRow, S::kLanes);
     CopyRow16(vs, vd, sub, S::kVecsPerRow, S::kLanes);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Short sequences: the whole selection of a head in one block (uniform budget)
+// ---------------------------------------------------------------------------------------------
+//
+// Up to kShortSelectMaxTokens tokens per head, one block per head holds the head's effective keys
+// in shared memory and runs the three radix passes, the tie ranks and the index writes without
+// leaving the chip: one launch instead of the ten of the tiled path (init, 3 x (histogram, digit
+// pick), count, plan, gather). A row-gather kernel then copies the kept K and V rows with the
+// whole grid. One block per head is a narrow grid: on an H100 (8 heads) it beat the tiled path
+// at 8192 tokens (knorm 42 vs 56 us for the whole op) and lost at 32768 (166 vs 128 us), so the
+// default stops at 8192; the kernel takes up to kShortSelectCapacity.
+
+inline constexpr int kShortThreads = 1024;
+inline constexpr uint64_t kShortSelectCapacity = 32768;  // 128 KiB of keys in shared memory
+inline constexpr uint64_t kShortSelectMaxTokens = 8192;
+
+struct ShortSelectParams {
+  const float* scores;  // [H, n]
+  uint32_t heads;
+  uint64_t n;
+  uint32_t kept;  // tokens kept per head, min(kept_per_head, n), >= 1
+  PositionInfo positions;
+  SelectParams select;
+  uint32_t* counts;   // [H]: kept
+  uint32_t* indices;  // [H * kept], head h's ascending indices at h * kept
+  ErrorSlots* errors;
+};
+
+// grid (H), kShortThreads threads, n * 4 bytes of dynamic shared memory.
+__global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectParams p) {
+  extern __shared__ uint32_t keys[];
+  __shared__ uint32_t hist[kRadixBins];
+  __shared__ uint32_t scratch[33];
+  __shared__ uint32_t found_digit, found_above;
+  const uint32_t h = blockIdx.x;
+  const uint32_t n = static_cast<uint32_t>(p.n);
+  const uint64_t seq_len = p.positions.SequenceLength(h);
+  for (uint32_t t = threadIdx.x; t < n; t += kShortThreads) {
+    const uint64_t flat = uint64_t{h} * p.n + t;
+    const float s = p.scores[flat];
+    if (!(fabsf(s) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat);
+    keys[t] = EffectiveKey(s, p.positions.Position(h, t), seq_len, p.select);
+  }
+  uint32_t prefix = 0, need = p.kept;
+  for (int pass = 0; pass < kRadixPasses; ++pass) {
+    for (int b = threadIdx.x; b < kRadixBins; b += kShortThreads) hist[b] = 0;
+    __syncthreads();  // also orders the key writes above before the first pass reads them
+    const int shift = RadixShift(pass);
+    const uint32_t digit_mask = (1u << RadixBits(pass)) - 1;
+    const int high = shift + RadixBits(pass);
+    // (Lanes of a warp hitting one bin serialise here; grouping them with __match_any_sync and
+    // one add per group was measured slower on an H100: 24 vs 15 us at 8 x 8192.)
+    for (uint32_t t = threadIdx.x; t < n; t += kShortThreads) {
+      const uint32_t key = keys[t];
+      if (high < 32 && (key >> high) != (prefix >> high)) continue;
+      atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+    }
+    __syncthreads();
+    // Bins from the top digit down, kRadixBins / kShortThreads per thread.
+    constexpr int kPer = kRadixBins / kShortThreads;
+    const int bins = 1 << RadixBits(pass);
+    uint32_t c[kPer];
+    uint32_t sum = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = bins - 1 - (static_cast<int>(threadIdx.x) * kPer + i);
+      c[i] = d >= 0 ? hist[d] : 0;
+      sum += c[i];
+    }
+    uint32_t total;
+    const uint32_t before = BlockExclusiveScan(sum, scratch, &total);
+    if (before < need && need <= before + sum) {
+      uint32_t acc = before;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        if (acc < need && need <= acc + c[i]) {
+          found_digit = bins - 1 - (threadIdx.x * kPer + i);
+          found_above = acc;
+        }
+        acc += c[i];
+      }
+    }
+    __syncthreads();
+    prefix |= found_digit << shift;
+    need -= found_above;
+    __syncthreads();  // found_* are rewritten by the next pass
+  }
+  // prefix is the threshold key; `need` tokens equal to it are kept, lowest indices first.
+  // Thread i owns the consecutive tokens [i * per, (i + 1) * per), so scan order is index order.
+  const uint32_t per = (n + kShortThreads - 1) / kShortThreads;
+  const uint32_t t0 = min(n, threadIdx.x * per), t1 = min(n, t0 + per);
+  uint32_t gt = 0, eq = 0;
+  for (uint32_t t = t0; t < t1; ++t) {
+    gt += keys[t] > prefix;
+    eq += keys[t] == prefix;
+  }
+  uint32_t eq_total;
+  uint32_t eq_rank = BlockExclusiveScan(eq, scratch, &eq_total);
+  const uint32_t eq_kept_before = min(eq_rank, need);
+  const uint32_t eq_kept_here = min(eq_rank + eq, need) - eq_kept_before;
+  uint32_t kept_total;
+  uint32_t pos = BlockExclusiveScan(gt + eq_kept_here, scratch, &kept_total);
+  uint32_t* out = p.indices + uint64_t{h} * p.kept;
+  for (uint32_t t = t0; t < t1; ++t) {
+    const uint32_t key = keys[t];
+    bool keep = key > prefix;
+    if (key == prefix) {
+      keep = eq_rank < need;
+      ++eq_rank;
+    }
+    if (keep && pos < p.kept) out[pos++] = t;
+  }
+  if (threadIdx.x == 0) p.counts[h] = p.kept;
+}
+
+inline constexpr int kGatherRowsPerBlock = 128;
+
+struct GatherRowsParams {
+  const void* keys;
+  const void* values;
+  uint64_t token_stride, head_stride, v_token_stride, v_head_stride;  // elements
+  uint32_t kept;              // rows per head
+  const uint32_t* indices;    // [H * kept]
+  void* keys_out;             // [H * kept, D]
+  void* values_out;
+};
+
+// grid (ceil(kept / kGatherRowsPerBlock), H), kThreads threads: every row load of a thread is
+// issued before its stores.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsParams g) {
+  using S = RowShape<T, D>;
+  constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
+  constexpr int kUnroll = 4;
+  const uint32_t h = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane % S::kLanes;
+  const int group = lane / S::kLanes;
+  const uint32_t r0 = blockIdx.x * kGatherRowsPerBlock;
+  const uint32_t r1 = min(g.kept, r0 + kGatherRowsPerBlock);
+  const T* kbase = static_cast<const T*>(g.keys) + uint64_t{h} * g.head_stride;
+  const T* vbase = static_cast<const T*>(g.values) + uint64_t{h} * g.v_head_stride;
+  const uint64_t out0 = uint64_t{h} * g.kept;
+  uint4* kout = reinterpret_cast<uint4*>(g.keys_out);
+  uint4* vout = reinterpret_cast<uint4*>(g.values_out);
+  for (uint32_t rb = r0 + warp * S::kRowsPerWarp + group; rb < r1; rb += kStep * kUnroll) {
+    uint4 kv[kUnroll][S::kVecs], vv[kUnroll][S::kVecs];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t r = rb + u * kStep;
+      if (r < r1) {
+        const uint64_t t = g.indices[out0 + r];
+        const uint4* ks = reinterpret_cast<const uint4*>(kbase + t * g.token_stride);
+        const uint4* vs = reinterpret_cast<const uint4*>(vbase + t * g.v_token_stride);
+#pragma unroll
+        for (int j = 0; j < S::kVecs; ++j) {
+          kv[u][j] = __ldcs(ks + j * S::kLanes + sub);
+          vv[u][j] = __ldcs(vs + j * S::kLanes + sub);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t r = rb + u * kStep;
+      if (r < r1) {
+        const uint64_t o = (out0 + r) * S::kVecsPerRow;
+#pragma unroll
+        for (int j = 0; j < S::kVecs; ++j) {
+          __stcs(kout + o + j * S::kLanes + sub, kv[u][j]);
+          __stcs(vout + o + j * S::kLanes + sub, vv[u][j]);
+        }
+      }
+    }
   }
 }
 
