@@ -116,6 +116,14 @@ inline uint64_t KeptCapacity(uint32_t num_heads, uint64_t num_tokens, uint64_t k
 }
 
 // All of one layer's work in one call (ScoreSelectCompact).
+//
+// Batching short requests: requests of one length, dtype and head_dim may be given as one view of
+// requests x heads heads (head_stride steps from one request's heads to the next). Under a
+// uniform budget every head is selected on its own, so the kept sets, rows and counts are those
+// of one call per request, head h of request r at view head r * heads + h; the CUDA backend then
+// runs each kernel once for all of them. Not for AdaKV (its budget is shared by the heads of the
+// view, so requests would take from each other) nor for the random scorer (its scores depend on
+// the head index).
 struct ScoreSelectCompactArgs {
   HeadsView keys;    // [H, n, d]
   HeadsView values;  // same shape and dtype as keys
