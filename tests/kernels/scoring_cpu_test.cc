@@ -261,6 +261,63 @@ namespace {
 
 // Long heads take the per-head path of the fused op (keys of a head >= 4 MiB): same results as
 // the three ops called one after the other, and errors name the caller's head.
+// Requests of one length given as one view of requests x heads heads, under a uniform budget,
+// keep exactly what one call per request keeps (scoring_ops.h: batching short requests).
+TEST(ScoringCpuTest, RequestsBatchedAsHeadsEqualOneCallEach) {
+  auto b = MakeCpuBackend();
+  ASSERT_TRUE(b.ok());
+  const uint32_t requests = 3, heads = 4, d = 64;
+  const uint64_t n = 2500;  // two chunks per head
+  for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
+                   Scorer::kStreaming}) {
+    testing::ConformanceCase c;
+    c.dtype = DType::kBF16;
+    c.head_dim = d;
+    c.heads = requests * heads;
+    c.tokens = n;
+    c.score.scorer = s;
+    c.score.window = 1000;
+    c.select.kept_per_head = 900;
+    c.select.n_recent = 10;
+    c.data.tie_every = 7;
+    const HostHeads k = RandomHeads(c.dtype, c.heads, n, d, 300 + static_cast<int>(s), c.data);
+    const HostHeads v = RandomHeads(c.dtype, c.heads, n, d, 400 + static_cast<int>(s));
+    const testing::RunOutput batched = testing::RunFused(**b, c, k, v, nullptr);
+    ASSERT_TRUE(batched.status.ok()) << batched.status;
+    const size_t head_bytes = n * d * 2, row = d * 2;
+    uint64_t rows_before = 0;
+    for (uint32_t r = 0; r < requests; ++r) {
+      SCOPED_TRACE(::testing::Message() << ScorerName(s) << " request " << r);
+      testing::ConformanceCase one = c;
+      one.heads = heads;
+      HostHeads kr = k, vr = v;
+      for (HostHeads* x : {&kr, &vr}) {
+        const HostHeads& from = x == &kr ? k : v;
+        x->heads = heads;
+        x->bytes.assign(from.bytes.begin() + r * heads * head_bytes,
+                        from.bytes.begin() + (r + 1) * heads * head_bytes);
+      }
+      const testing::RunOutput alone = testing::RunFused(**b, one, kr, vr, nullptr);
+      ASSERT_TRUE(alone.status.ok()) << alone.status;
+      uint64_t rows = 0;
+      for (uint32_t h = 0; h < heads; ++h) {
+        ASSERT_EQ(alone.counts[h], batched.counts[r * heads + h]) << "head " << h;
+        rows += alone.counts[h];
+      }
+      for (uint64_t i = 0; i < uint64_t{heads} * n; ++i) {
+        ASSERT_EQ(alone.scores[i], batched.scores[uint64_t{r} * heads * n + i]) << "score " << i;
+      }
+      ASSERT_TRUE(std::equal(alone.indices.begin(), alone.indices.end(),
+                             batched.indices.begin() + rows_before));
+      ASSERT_TRUE(std::equal(alone.keys.begin(), alone.keys.end(),
+                             batched.keys.begin() + rows_before * row));
+      ASSERT_TRUE(std::equal(alone.values.begin(), alone.values.end(),
+                             batched.values.begin() + rows_before * row));
+      rows_before += rows;
+    }
+  }
+}
+
 TEST(ScoringCpuTest, FusedPerHeadPathEqualsSeparateOps) {
   auto cpu = std::move(*MakeCpuBackend());
   const uint32_t heads = 3;
