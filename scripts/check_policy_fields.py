@@ -274,7 +274,8 @@ def check_helm(fields):
 def check_python(fields):
     where = "client/python/src/bind_engine.cc (kvcomp.Policy)"
     text = read("client", "python", "src", "bind_engine.cc")
-    start = text.find("nb::class_<CompressionPolicy>")
+    named = text.find('"Policy"')  # the class_ that registers kvcomp.Policy
+    start = text.rfind("nb::class_<CompressionPolicy>", 0, named) if named >= 0 else -1
     end = text.find("nb::class_<", start + 1)
     if start < 0:
         fail(where, "no nb::class_<CompressionPolicy>")
@@ -291,6 +292,9 @@ def check_python(fields):
             except yaml.YAMLError:
                 args[name] = value
     attrs = set(re.findall(r'\.def_(?:ro|prop_ro)\(\s*"(\w+)"', block))
+    if '#include "kvcomp/core/policy_fields.def"' in block and "BindPolicyField(" in block:
+        # Attributes generated from the declaration (all but token_budget, which is `budget`).
+        attrs |= {f["name"] for f in fields if f["name"] not in PYTHON_KEYWORDS}
     keywords = set()
     for field in fields:
         kw = PYTHON_KEYWORDS.get(field["name"], field["name"])

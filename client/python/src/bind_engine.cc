@@ -14,6 +14,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -22,6 +24,7 @@
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/policy.h"
+#include "kvcomp/core/policy_fields.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/pipeline.h"
 
@@ -189,6 +192,19 @@ CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
   return p;
 }
 
+// A read-only attribute per declared policy field (policy_fields.def): enums by name.
+template <typename T>
+void BindPolicyField(nb::class_<CompressionPolicy>& cls, const char* name,
+                     T CompressionPolicy::*member) {
+  if constexpr (std::is_enum_v<T>) {
+    cls.def_prop_ro(name, [member](const CompressionPolicy& p) {
+      return std::string(PolicyEnum<T>::Name(p.*member));
+    });
+  } else {
+    cls.def_ro(name, member);
+  }
+}
+
 // --- entry points ---
 
 nb::object Score(nb::handle keys_obj, const CompressionPolicy& policy, const std::string& backend,
@@ -265,8 +281,18 @@ CompressedCache CompressArrays(nb::handle keys_obj, nb::handle values_obj,
 }  // namespace
 
 void RegisterEngine(nb::module_& m) {
-  nb::class_<CompressionPolicy>(m, "Policy",
-                                "Compression policy (see kvcomp/core/policy.h for every field)")
+  // Every keyword below is a field of kvcomp/core/policy_fields.def (token_budget is `budget`,
+  // None = use ratio); ctest policy_fields_check and tests/python/test_policy_fields.py hold them
+  // to it. The attributes are generated from the declaration.
+  nb::class_<CompressionPolicy> policy(
+      m, "Policy", "Compression policy (see kvcomp/core/policy_fields.def for every field)");
+#define KVCOMP_POLICY_FIELD(name, type, tlv_tag, thrift_id, default_value, range, unit, doc) \
+  if (std::string_view(#name) != "token_budget") {                                         \
+    BindPolicyField(policy, #name, &CompressionPolicy::name);                              \
+  }
+#include "kvcomp/core/policy_fields.def"
+#undef KVCOMP_POLICY_FIELD
+  policy
       .def(nb::new_(&MakePolicy), nb::arg("scorer") = "manifold", nb::arg("ratio") = 0.5,
            nb::arg("budget") = nb::none(), nb::arg("head_budget") = "uniform",
            nb::arg("alpha_safeguard") = 0.20, nb::arg("n_sink") = 4, nb::arg("n_recent") = 0,
@@ -276,40 +302,11 @@ void RegisterEngine(nb::module_& m) {
            nb::arg("value_codec") = "none", nb::arg("rank") = 0, nb::arg("group_size") = 32,
            nb::arg("gamma_aware") = true, nb::arg("value_outlier_factor") = 4.0,
            nb::arg("value_raw_fraction") = 0.02, nb::arg("recent_fraction") = 0.0)
-      .def_prop_ro("scorer",
-                   [](const CompressionPolicy& p) { return std::string(ScorerName(p.scorer)); })
-      .def_prop_ro("ratio", [](const CompressionPolicy& p) { return p.ratio; })
       .def_prop_ro("budget",
                    [](const CompressionPolicy& p) -> std::optional<uint32_t> {
                      if (p.token_budget == 0) return std::nullopt;
                      return p.token_budget;
                    })
-      .def_prop_ro(
-          "head_budget",
-          [](const CompressionPolicy& p) { return std::string(HeadBudgetName(p.head_budget)); })
-      .def_ro("alpha_safeguard", &CompressionPolicy::alpha_safeguard)
-      .def_ro("n_sink", &CompressionPolicy::n_sink)
-      .def_ro("n_recent", &CompressionPolicy::n_recent)
-      .def_ro("recent_fraction", &CompressionPolicy::recent_fraction)
-      .def_ro("protect", &CompressionPolicy::protect)
-      .def_ro("window", &CompressionPolicy::window)
-      .def_ro("snapkv_window", &CompressionPolicy::snapkv_window)
-      .def_ro("snapkv_pool", &CompressionPolicy::snapkv_pool)
-      .def_ro("seed", &CompressionPolicy::seed)
-      .def_ro("block_size", &CompressionPolicy::block_size)
-      .def_ro("moments", &CompressionPolicy::moments)
-      .def_ro("moment_aware", &CompressionPolicy::moment_aware)
-      .def_prop_ro(
-          "key_codec",
-          [](const CompressionPolicy& p) { return std::string(KeyCodecName(p.key_codec)); })
-      .def_prop_ro(
-          "value_codec",
-          [](const CompressionPolicy& p) { return std::string(ValueCodecName(p.value_codec)); })
-      .def_ro("rank", &CompressionPolicy::rank)
-      .def_ro("group_size", &CompressionPolicy::group_size)
-      .def_ro("gamma_aware", &CompressionPolicy::gamma_aware)
-      .def_ro("value_outlier_factor", &CompressionPolicy::value_outlier_factor)
-      .def_ro("value_raw_fraction", &CompressionPolicy::value_raw_fraction)
       .def("kept_per_head", &CompressionPolicy::KeptPerHead, nb::arg("num_tokens"),
            "Tokens a head of num_tokens keeps (kvpress rounding, or the budget)")
       .def("effective_recent", &CompressionPolicy::EffectiveRecent, nb::arg("kept_per_head"),
