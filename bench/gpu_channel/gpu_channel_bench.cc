@@ -157,6 +157,7 @@ int main(int argc, char** argv) {
       CHECK_OK(rt->SetDevice(0));
       CHECK_OK(timer->Start(s0));
       CHECK_OK(send_link->Send(chunks(src), s0));
+      CHECK_OK(send_link->Enqueued(absl::Now() + absl::Seconds(60)));
       CHECK_OK(timer->Stop(s0));
       CHECK_OK(send_link->Wait(s0, absl::Now() + absl::Seconds(60)));
       rx.join();

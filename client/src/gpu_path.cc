@@ -300,8 +300,10 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
     for (const DeviceLayerData& l : layers) {
       chunks.push_back({const_cast<void*>(l.values), layer_bytes});
     }
+    const absl::Time deadline = absl::Now() + c.transfer_timeout;
     absl::Status s = timer->Start(stream);
     if (s.ok()) s = c.link->Send(chunks, stream);
+    if (s.ok()) s = c.link->Enqueued(deadline);
     if (s.ok()) s = timer->Stop(stream);
     absl::StatusOr<PutResult> result =
         s.ok() ? ControlGpuPutFinish(c.control, options_, c.id, *transfer)
@@ -313,7 +315,7 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
       Drop(*channel, result.status());
       return result.status();
     }
-    s = c.link->Wait(stream, absl::Now() + c.transfer_timeout);
+    s = c.link->Wait(stream, deadline + c.transfer_timeout);
     if (!s.ok()) Drop(*channel, s);  // acknowledged by the daemon: the put stands
     absl::StatusOr<double> secs = timer->Seconds(absl::Now() + absl::Seconds(1));
     result->transfer_seconds = secs.ok() ? *secs : 0;
@@ -411,10 +413,12 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
     std::vector<NcclLink::Chunk> chunks;
     for (const DeviceLayerOut& l : layers) chunks.push_back({l.keys, layer_bytes});
     for (const DeviceLayerOut& l : layers) chunks.push_back({l.values, layer_bytes});
+    const absl::Time deadline = absl::Now() + c.transfer_timeout;
     absl::Status s = timer->Start(stream);
     if (s.ok()) s = c.link->Recv(chunks, stream);
+    if (s.ok()) s = c.link->Enqueued(deadline);
     if (s.ok()) s = timer->Stop(stream);
-    if (s.ok()) s = c.link->Wait(stream, absl::Now() + c.transfer_timeout);
+    if (s.ok()) s = c.link->Wait(stream, deadline);
     if (!s.ok()) {
       Drop(*channel, s);
       return s;
@@ -501,10 +505,12 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,
     KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
     KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<GpuRuntime::Timer> timer, rt->NewTimer());
     const NcclLink::Chunk chunk{dst, static_cast<size_t>(grant->payload_bytes)};
+    const absl::Time deadline = absl::Now() + c.transfer_timeout;
     absl::Status s = timer->Start(stream);
     if (s.ok()) s = c.link->Recv({&chunk, 1}, stream);
+    if (s.ok()) s = c.link->Enqueued(deadline);
     if (s.ok()) s = timer->Stop(stream);
-    if (s.ok()) s = c.link->Wait(stream, absl::Now() + c.transfer_timeout);
+    if (s.ok()) s = c.link->Wait(stream, deadline);
     if (!s.ok()) {
       Drop(*channel, s);
       return s;

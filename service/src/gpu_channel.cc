@@ -205,9 +205,10 @@ class GpuChannelsImpl : public GpuChannels {
     absl::Status s = Stage(*c, payload_bytes);
     if (s.ok()) s = c->timer->Start(c->stream);
     if (s.ok()) {
+      // Returns before the client posts its sends (the first transfer also connects the ranks):
+      // PutFinish waits for the receives.
       s = c->link->Recv(LayerChunks(static_cast<uint8_t*>(c->staging), layout, tokens), c->stream);
     }
-    if (s.ok()) s = c->timer->Stop(c->stream);
     if (!s.ok()) {
       put->Abort();
       Fail(c, s);
@@ -226,7 +227,9 @@ class GpuChannelsImpl : public GpuChannels {
     const KvLayout layout = c->transfer_layout;
     const uint64_t tokens = c->transfer_tokens;
     ClearPending(*c);
-    absl::Status s = c->link->Wait(c->stream, c->deadline);
+    absl::Status s = c->link->Enqueued(c->deadline);
+    if (s.ok()) s = c->timer->Stop(c->stream);
+    if (s.ok()) s = c->link->Wait(c->stream, c->deadline);
     GpuPutResult out;
     if (s.ok()) {
       absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));

@@ -81,7 +81,9 @@ int PutAndDie(int port, const std::string& tenant, const std::string& token, int
   std::vector<NcclLink::Chunk> keys;
   for (int l = 0; l < 4; ++l) keys.push_back({static_cast<char*>(*buf) + l * layer, layer});
   if (auto s = (*link)->Send(keys, *stream); !s.ok()) return Fail(s.ToString());
-  (void)(*rt)->WaitStream(*stream, absl::Now() + absl::Seconds(10));
+  if (auto s = (*link)->Wait(*stream, absl::Now() + absl::Seconds(20)); !s.ok()) {
+    return Fail(s.ToString());
+  }
   std::printf("sent the keys; dying\n");
   std::fflush(stdout);
   kill(getpid(), SIGKILL);

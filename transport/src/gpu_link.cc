@@ -573,22 +573,37 @@ absl::Status NcclLink::Post(absl::Span<const Chunk> chunks, void* stream, bool s
     Abort();
     return s;
   }
-  // Non-blocking communicators may still be enqueueing: wait until the group is on the stream.
+  // A non-blocking communicator may still be enqueueing the group (the first transfer between
+  // the two ranks also connects them, which needs the peer to post its side): Enqueued waits.
+  enqueuing_ = r == abi::kNcclInProgress;
+  return absl::OkStatus();
+}
+
+absl::Status NcclLink::Enqueued(absl::Time deadline) {
+  if (broken_ || comm_ == nullptr) {
+    return absl::UnavailableError("the NCCL link is broken (aborted after an earlier failure)");
+  }
+  if (!enqueuing_) return absl::OkStatus();
+  const abi::Nccl& n = Nccl().api;
   int spins = 0;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
   for (;;) {
     abi::ncclResult_t state = abi::kNcclSuccess;
-    r = n.ncclCommGetAsyncError(comm, &state);
+    int r = n.ncclCommGetAsyncError(static_cast<abi::ncclComm_t>(comm_), &state);
     if (r != abi::kNcclSuccess) state = r;
-    if (state == abi::kNcclSuccess) return absl::OkStatus();
+    if (state == abi::kNcclSuccess) {
+      enqueuing_ = false;
+      return absl::OkStatus();
+    }
     if (state != abi::kNcclInProgress) {
-      absl::Status s = NcclError(state, send ? "ncclSend" : "ncclRecv");
+      absl::Status s = NcclError(state, "enqueueing the NCCL transfer");
       Abort();
       return s;
     }
     if (absl::Now() > deadline) {
       Abort();
-      return absl::DeadlineExceededError("NCCL did not enqueue the transfer in time");
+      return absl::DeadlineExceededError(
+          "NCCL did not enqueue the transfer in time (the peer did not post its side); the "
+          "communicator was aborted");
     }
     Backoff(&spins);
   }
@@ -607,6 +622,7 @@ absl::Status NcclLink::Wait(void* stream, absl::Time deadline) {
     return absl::UnavailableError("the NCCL link is broken (aborted after an earlier failure)");
   }
   KVCOMP_RETURN_IF_ERROR(rt_->SetDevice(device_));
+  KVCOMP_RETURN_IF_ERROR(Enqueued(deadline));  // the event must follow the transfer
   CUevent ev = nullptr;
   if (int r = rt_->api_->cu.cuEventCreate(&ev, abi::kEventDisableTiming); r != abi::kCudaSuccess) {
     return rt_->CudaError(r, "cuEventCreate");

@@ -136,13 +136,19 @@ class NcclLink {
     void* data;    // device memory of this link's device
     size_t bytes;  // may be 0 (skipped)
   };
-  // Enqueues, on `stream` (of this link's device), one NCCL group that sends `chunks` to the
-  // peer, in order; the peer receives them with Recv of chunks of the same sizes (the split may
-  // differ: NCCL matches each send with one receive, so sizes must agree chunk by chunk).
+  // Posts, for `stream` (of this link's device), one NCCL group that sends `chunks` to the peer,
+  // in order; the peer receives them with Recv of chunks of the same sizes (NCCL matches each
+  // send with one receive, so sizes must agree chunk by chunk). Returns without waiting for the
+  // peer: with a non-blocking communicator the group may still be being enqueued (the first
+  // transfer also connects the two ranks, which needs the peer to post its side), so work meant
+  // to follow it on `stream` (an event, a copy) waits for Enqueued first.
   absl::Status Send(absl::Span<const Chunk> chunks, void* stream);
   absl::Status Recv(absl::Span<const Chunk> chunks, void* stream);
-  // Waits until what is queued on `stream` so far has finished, watching the communicator's
-  // asynchronous error. On an NCCL error (Unavailable) or past `deadline` (DeadlineExceeded) it
+  // Waits until the last group posted is on its stream; past `deadline` (the peer never posted
+  // its side) or on an NCCL error the communicator is aborted and the link is broken.
+  absl::Status Enqueued(absl::Time deadline);
+  // Waits (Enqueued first) until what is queued on `stream` so far has finished, watching the
+  // communicator's asynchronous error. On an NCCL error (Unavailable) or past `deadline` (DeadlineExceeded) it
   // aborts the communicator, which stops its kernels so `stream` drains, and the link is broken.
   absl::Status Wait(void* stream, absl::Time deadline);
   // Aborts the communicator (kernels stop, peers see an error). Idempotent.
@@ -164,7 +170,8 @@ class NcclLink {
   const int device_;
   const int rank_;
   bool broken_ = false;
-  bool pending_ = false;  // ops posted and not yet waited for
+  bool pending_ = false;    // ops posted and not yet waited for
+  bool enqueuing_ = false;  // the last group posted may not be on its stream yet
 };
 
 }  // namespace transport
