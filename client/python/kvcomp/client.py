@@ -29,6 +29,7 @@ ConnectionError (no endpoint reachable), TimeoutError, MemoryError (quota), Runt
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _kvcomp
@@ -50,7 +51,8 @@ def _host_array(a: Any, what: str) -> Tuple[Any, str]:
 
     if hasattr(a, "__cuda_array_interface__") or (
             hasattr(a, "__dlpack_device__") and a.__dlpack_device__()[0] != 1):
-        raise ValueError(f"{what}: the client sends host memory; copy GPU tensors to the host")
+        raise ValueError(f"{what}: a put stream sends host memory; use Client.put_device for GPU "
+                         "tensors")
     if type(a).__module__.startswith("torch"):
         if not a.is_contiguous():
             raise ValueError(f"{what}: tensor is not contiguous (call .contiguous())")
@@ -69,6 +71,40 @@ def _host_array(a: Any, what: str) -> Tuple[Any, str]:
     if a.dtype not in (np.float32, np.float16):
         raise ValueError(f"{what}: dtype {a.dtype} unsupported (float32, float16, bfloat16)")
     return a, ""
+
+
+def _is_cuda(a: Any) -> bool:
+    """True for a CUDA array (DLPack device type 2, or __cuda_array_interface__)."""
+    if hasattr(a, "__dlpack_device__"):
+        return a.__dlpack_device__()[0] in (2, 13)  # kDLCUDA, kDLCUDAManaged
+    return hasattr(a, "__cuda_array_interface__")
+
+
+def _call_stream(a: Any, stream: Any) -> int:
+    """The CUDA stream a device call runs on, as a cudaStream_t number (0: the legacy default
+    stream): `stream` when given (an int, or an object with .cuda_stream such as a
+    torch.cuda.Stream), else torch's current stream for a torch tensor's device."""
+    if stream is not None:
+        return int(getattr(stream, "cuda_stream", stream))
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor) and a.is_cuda:
+        return int(torch.cuda.current_stream(a.device).cuda_stream)
+    return 0
+
+
+def _cuda_capsule(a: Any, stream: int, what: str) -> Any:
+    """A DLPack capsule of CUDA array `a`, ordered after its producer on `stream`: the DLPack
+    protocol's stream argument makes the producer have `stream` wait for its pending writes
+    (1 names the legacy default stream). Nothing synchronises the device."""
+    if not _is_cuda(a):
+        raise ValueError(f"{what}: expected a CUDA array (a torch CUDA tensor or any DLPack "
+                         "producer in CUDA memory); use put()/get() for host memory")
+    if not hasattr(a, "__dlpack__"):
+        raise TypeError(f"{what}: the device path takes DLPack producers (__dlpack__)")
+    try:
+        return a.__dlpack__(stream=stream if stream != 0 else 1)
+    except TypeError:  # producers of the older protocol take no stream
+        return a.__dlpack__()
 
 
 class PutStream:
@@ -134,11 +170,51 @@ class Client:
 
         policy: a kvcomp.Policy, or None for the tenant's default on the daemon.
         Returns original_bytes, stored_bytes, total_kept and the endpoints holding copies.
+        CUDA arrays go to put_device (torch's current stream).
         """
+        if _is_cuda(keys) or _is_cuda(values):
+            return self.put_device(model, key, keys, values, policy=policy,
+                                   num_q_heads=num_q_heads)
         k, hk = _host_array(keys, "keys")
         v, hv = _host_array(values, "values")
         return self._c.put(model, _key(key), k, v, q_heads=num_q_heads or 0, policy=policy,
                            dtype=hk or hv)
+
+    def put_device(self, model: str, key: Key, keys: Any, values: Any, *, policy: Any = None,
+                   num_q_heads: Optional[int] = None, stream: Any = None) -> Dict[str, Any]:
+        """Pushes a cache held in GPU memory, zero-copy: keys/values are CUDA arrays
+        [layers, kv_heads, tokens, head_dim] (torch CUDA tensors or any DLPack producer), read
+        on `stream` (default: torch's current stream for torch tensors, else the legacy default
+        stream) after their producer's pending writes. Over the GPU channel (NCCL) when the
+        daemon offers one, else through host memory over UCX (docs/protocol.md, "GPU channel");
+        the result's "path" says which ("nccl" or "ucx")."""
+        s = _call_stream(keys, stream)
+        k = _cuda_capsule(keys, s, "keys")
+        v = _cuda_capsule(values, s, "values")
+        return self._c.put_device(model, _key(key), k, v, q_heads=num_q_heads or 0,
+                                  policy=policy, stream=s)
+
+    def get_into(self, model: str, key: Key, keys: Any, values: Any, *,
+                 num_q_heads: Optional[int] = None, stream: Any = None) -> Dict[str, Any]:
+        """Writes a cache that kept every token (a ratio-0 policy) into preallocated CUDA arrays
+        keys/values [layers, kv_heads, tokens, head_dim] of its layout and dtype, on `stream`
+        (as put_device): work queued on that stream after the call sees the data. Raises for a
+        cache that evicted tokens (use get())."""
+        s = _call_stream(keys, stream)
+        k = _cuda_capsule(keys, s, "keys")
+        v = _cuda_capsule(values, s, "values")
+        return self._c.get_kv_into(model, _key(key), k, v, q_heads=num_q_heads or 0, stream=s)
+
+    def gpu_stats(self) -> Dict[str, Any]:
+        """How device puts and gets travelled: nccl_puts, nccl_gets, fallback_puts,
+        fallback_gets, channels_opened, channel_failures and last_fallback_reason."""
+        return self._c.gpu_stats()
+
+    def probe_gpu_channel(self, endpoint: str, device: int = 0) -> Optional[str]:
+        """Negotiates the GPU channel to `endpoint` (a data address) for CUDA `device`: None when
+        NCCL will carry payloads, else the reason device calls fall back."""
+        why = self._c.probe_gpu_channel(endpoint, device)
+        return why or None
 
     def put_stream(self, model: str, key: Key, *, layers: int, kv_heads: int, head_dim: int,
                    tokens: int, dtype: str = "bf16", q_heads: Optional[int] = None,

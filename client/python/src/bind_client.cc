@@ -132,7 +132,50 @@ nb::dict PutResultDict(const client::PutResult& r) {
   d["stored_bytes"] = r.stored_bytes;
   d["total_kept"] = r.total_kept;
   d["endpoints"] = r.endpoints;
+  if (!r.path.empty()) {
+    d["path"] = r.path;
+    d["transfer_seconds"] = r.transfer_seconds;
+  }
   return d;
+}
+
+KvLayout MakeLayout(uint32_t layers, uint32_t kv_heads, uint32_t q_heads, uint32_t head_dim,
+                    DType dtype);
+
+// A CUDA array read or written in place by the device calls (from a DLPack capsule the Python
+// layer made with the call's stream, so the producer's pending writes come first).
+using CudaArray = nb::ndarray<nb::device::cuda, nb::c_contig>;
+
+DType CudaDType(const CudaArray& a, const char* what) {
+  const nb::dlpack::dtype t = a.dtype();
+  if (t == nb::dtype<float>()) return DType::kF32;
+  if (t.bits == 16 && t.lanes == 1) {
+    if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float)) return DType::kF16;
+    if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat)) return DType::kBF16;
+  }
+  Raise(absl::InvalidArgumentError(
+      absl::StrCat(what, ": dtype unsupported on the device path (float32, float16, bfloat16)")));
+}
+
+// The layout of a [layers, kv_heads, tokens, head_dim] K/V pair on one device, and its tokens.
+std::pair<KvLayout, uint64_t> CudaPairLayout(const CudaArray& k, const CudaArray& v,
+                                             uint32_t q_heads) {
+  if (k.ndim() != 4 || v.ndim() != 4) {
+    Raise(absl::InvalidArgumentError("keys/values: expected [layers, kv_heads, tokens, head_dim]"));
+  }
+  for (size_t i = 0; i < 4; ++i) {
+    if (k.shape(i) != v.shape(i)) Raise(absl::InvalidArgumentError("keys and values differ in shape"));
+  }
+  const DType dt = CudaDType(k, "keys");
+  if (CudaDType(v, "values") != dt) {
+    Raise(absl::InvalidArgumentError("keys and values have different dtypes"));
+  }
+  if (k.device_id() != v.device_id()) {
+    Raise(absl::InvalidArgumentError("keys and values are on different CUDA devices"));
+  }
+  return {MakeLayout(static_cast<uint32_t>(k.shape(0)), static_cast<uint32_t>(k.shape(1)), q_heads,
+                     static_cast<uint32_t>(k.shape(3)), dt),
+          k.shape(2)};
 }
 
 KvLayout MakeLayout(uint32_t layers, uint32_t kv_heads, uint32_t q_heads, uint32_t head_dim,
@@ -241,6 +284,82 @@ void RegisterClient(nb::module_& m) {
           },
           nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
           nb::arg("q_heads") = 0, nb::arg("policy") = nb::none(), nb::arg("dtype") = "")
+      .def(
+          "put_device",
+          [](Client& c, const std::string& model, nb::bytes key, const CudaArray& keys,
+             const CudaArray& values, uint32_t q_heads, const std::optional<CompressionPolicy>& policy,
+             uint64_t stream) {
+            const auto [l, tokens] = CudaPairLayout(keys, values, q_heads);
+            const char* k = static_cast<const char*>(keys.data());
+            const char* v = static_cast<const char*>(values.data());
+            std::vector<client::DeviceLayerData> layers;
+            for (uint32_t i = 0; i < l.num_layers; ++i) {
+              layers.push_back({k + i * l.LayerBytes(tokens), v + i * l.LayerBytes(tokens)});
+            }
+            client::PutOptions po;
+            po.policy = policy;
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<client::PutResult> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.PutDevice(model, key_s, l, tokens, layers,
+                              reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), po);
+            }
+            return PutResultDict(Take(std::move(r)));
+          },
+          nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
+          nb::arg("q_heads") = 0, nb::arg("policy") = nb::none(), nb::arg("stream") = 0)
+      .def(
+          "get_kv_into",
+          [](Client& c, const std::string& model, nb::bytes key, CudaArray keys, CudaArray values,
+             uint32_t q_heads, uint64_t stream) {
+            const auto [l, tokens] = CudaPairLayout(keys, values, q_heads);
+            char* k = static_cast<char*>(keys.data());
+            char* v = static_cast<char*>(values.data());
+            std::vector<client::DeviceLayerOut> layers;
+            for (uint32_t i = 0; i < l.num_layers; ++i) {
+              layers.push_back({k + i * l.LayerBytes(tokens), v + i * l.LayerBytes(tokens)});
+            }
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<client::DeviceGetResult> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.GetKvIntoDevice(model, key_s, l, tokens, layers,
+                                    reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
+            }
+            client::DeviceGetResult g = Take(std::move(r));
+            nb::dict d;
+            d["bytes"] = g.bytes;
+            d["path"] = g.path;
+            d["transfer_seconds"] = g.transfer_seconds;
+            return d;
+          },
+          nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
+          nb::arg("q_heads") = 0, nb::arg("stream") = 0)
+      .def(
+          "probe_gpu_channel",
+          [](Client& c, const std::string& endpoint, int device) {
+            absl::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = c.ProbeGpuChannel(endpoint, device);
+            }
+            return s.ok() ? std::string() : s.ToString();
+          },
+          nb::arg("endpoint"), nb::arg("device") = 0)
+      .def("gpu_stats",
+           [](Client& c) {
+             const client::GpuChannelStats st = c.GpuStats();
+             nb::dict d;
+             d["nccl_puts"] = st.nccl_puts;
+             d["nccl_gets"] = st.nccl_gets;
+             d["fallback_puts"] = st.fallback_puts;
+             d["fallback_gets"] = st.fallback_gets;
+             d["channels_opened"] = st.channels_opened;
+             d["channel_failures"] = st.channel_failures;
+             d["last_fallback_reason"] = st.last_fallback_reason;
+             return d;
+           })
       .def(
           "open_put_stream",
           [](Client& c, const std::string& model, nb::bytes key, uint32_t layers,
