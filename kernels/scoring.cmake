@@ -7,6 +7,7 @@ list(APPEND KERNELS_SRCS
   src/pipeline.cc
   src/pipeline_block.cc
   src/pipeline_stages.cc
+  src/pipeline_device.cc
 )
 # The AVX2+FMA+F16C build of the row kernels, chosen at run time on CPUs that have them.
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
@@ -19,3 +20,5 @@ endif()
 list(APPEND KERNELS_HDRS kvcomp/kernels/pipeline.h)
 # CUDA scoring, selection and compaction (engine-CUDA).
 list(APPEND KERNELS_CUDA_SRCS src/cuda/scoring_cuda.cu)
+# The device side of the whole-sequence pipeline (evicted lists on the device).
+list(APPEND KERNELS_CUDA_SRCS src/pipeline_device.cu)

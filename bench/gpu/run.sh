@@ -18,8 +18,9 @@
 #   KVCOMP_GPU_EXTRA   a further command run last with the same environment (extra.log)
 #   daemon             (not a default step) the whole daemon from the bundle that
 #                      scripts/gpu_bundle.sh makes on the build machine (carry=[".gpubundle"]; no
-#                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "decode
-#                      integration bench pipeline") picks the decode GPU test and benchmark
+#                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "devpath decode
+#                      integration bench pipeline") picks the in-process test of the device
+#                      put path (service_device_path_test), the decode GPU test and benchmark
 #                      (KVCOMP_DECODE_BENCH_ARGS), the integration tests against kvcompd with
 #                      the CUDA backend and the GPU tier (failed cases again with the host
 #                      tier), the end-to-end benchmark
@@ -216,7 +217,7 @@ if has daemon; then
       fi
       export KVCOMP_ENGINE_BACKEND=cuda KVCOMP_STORAGE_PUT_TIER=device
       export KVCOMP_STORAGE_DEVICE_CAPACITY_BYTES=${KVCOMP_DAEMON_DEVICE_BYTES:-8Gi}
-      PARTS=" ${KVCOMP_DAEMON_PARTS:-decode integration bench pipeline} "
+      PARTS=" ${KVCOMP_DAEMON_PARTS:-devpath decode integration bench pipeline} "
       TMPD=$(mktemp -d)
 
       # One gtest binary: its output into daemon.log, its totals into the summary.
@@ -246,6 +247,12 @@ if has daemon; then
           timeout 180 "$BUNDLE/bin/kvcomp_bench_gpu_decode" ${KVCOMP_DECODE_BENCH_ARGS:-} 2>&1 |
             tee -a "$DLOG" | grep '^RESULT' | sed 's/^RESULT /decode  /' >>"$SUMMARY"
         fi
+      fi
+
+      if [[ "$PARTS" == *" devpath "* ]]; then
+        # The device-resident put path in process (bytes across host and device per put, the
+        # GPU memory cap, device-memory blocks, an injected sticky error, the CPU twin).
+        gtest service_device_path_test 120
       fi
 
       if [[ "$PARTS" == *" integration "* ]]; then
@@ -307,16 +314,19 @@ if not ingest:
     print(f"e2e     {sys.argv[2]} {sys.argv[3]} tokens: no result")
     sys.exit()
 orig, stored = ingest[0][0], ingest[0][1]
-stages = {k: num(k, "daemon_stage_seconds_sum:") for k in ("receive", "compress", "store", "serve")}
+stages = {k: num(k, "daemon_stage_seconds_sum:")
+          for k in ("receive", "compress", "download", "store", "serve")}
 puts = 3  # two ingest puts and the put for the gets, all the same size
 comp = stages["compress"] / puts
 saved_s = (orig - stored) / 50e9  # a 400 Gb/s link
 print(f"e2e     {sys.argv[2]:4s} {int(sys.argv[3]):6d} tok: {orig/1e9:.2f} GB -> {stored/1e9:.2f} GB, "
       f"receive {ingest[0][2]:.3f}/{ingest[1][2] if len(ingest) > 1 else float('nan'):.3f} s, "
       f"put {ingest[0][3]:.3f}/{ingest[1][3] if len(ingest) > 1 else float('nan'):.3f} s; per put: "
-      f"receive {stages['receive']/puts:.3f} compress {comp:.3f} store {stages['store']/puts:.3f} s; "
+      f"receive {stages['receive']/puts:.3f} compress {comp:.4f} download "
+      f"{stages['download']/puts:.4f} store {stages['store']/puts:.3f} s; "
       f"serve {stages['serve']:.3f} s total, get p50 {num('p50_ms', 'get:'):.1f} ms; "
-      f"compress / transfer saved at 400 Gb/s = {comp / saved_s * 100:.0f}%")
+      f"compress / transfer saved at 400 Gb/s = {comp / saved_s * 100:.0f}%, with the download "
+      f"{(comp + stages['download'] / puts) / saved_s * 100:.0f}%")
 PY
           done
         done

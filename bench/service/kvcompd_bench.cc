@@ -349,7 +349,7 @@ int main(int argc, char** argv) {
   // Where the daemon spent its time, from its own histograms.
   std::string m = kvcomp::testing::HttpGet(d.ports().metrics, "/metrics").body;
   std::printf("daemon_stage_seconds_sum:\n");
-  for (const char* stage : {"receive", "compress", "store", "serve"}) {
+  for (const char* stage : {"receive", "compress", "download", "store", "serve"}) {
     std::string series = std::string("kvcomp_stage_duration_seconds_sum{stage=\"") + stage + "\"}";
     std::printf("  %s: %.4f\n", stage, kvcomp::testing::MetricValue(m, series));
   }

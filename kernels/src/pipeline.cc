@@ -1,21 +1,27 @@
 // Whole-sequence compression: per layer ScoreSelectCompact on the backend, then the eviction
-// hook, the moment stage and (at the end) the codec stage.
+// hook, the moment stage and (at the end) the codec stage. A device backend takes
+// CompressOnDevice, which keeps every layer's results on the device until the end.
 #include "kvcomp/kernels/pipeline.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_format.h"
 #include "cpu/moments_aware.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
+#include "kvcomp/kernels/moment_ops.h"
 #include "kvcomp/kernels/scoring_ops.h"
+#include "pipeline_device.h"
 #include "pipeline_stages.h"
 
 namespace kvcomp {
 namespace {
 
+using pipeline_internal::DownloadAsync;
 using pipeline_internal::LayerEviction;
+using pipeline_internal::ZeroDevice;
 
 size_t ElemBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
 
@@ -25,7 +31,8 @@ bool IsDense(const HeadsView& v) {
 }
 
 // `view` in the backend's space: itself, or a dense copy made from host memory.
-absl::StatusOr<HeadsView> Stage(Backend& backend, const HeadsView& view, Buffer* owner) {
+absl::StatusOr<HeadsView> Stage(Backend& backend, const HeadsView& view, Buffer* owner,
+                                TransferBytes* transfers = nullptr) {
   if (view.space == backend.space()) return view;
   if (view.space != MemorySpace::kHost) {
     return absl::InvalidArgumentError("device memory given to a host backend");
@@ -46,6 +53,7 @@ absl::StatusOr<HeadsView> Stage(Backend& backend, const HeadsView& view, Buffer*
     }
     KVCOMP_RETURN_IF_ERROR(backend.CopyFromHost(owner->data(), packed.data(), bytes));
   }
+  if (transfers != nullptr) transfers->to_device += bytes;
   return HeadsView::Dense(owner->data(), view.dtype, view.num_heads, view.num_tokens, view.head_dim,
                           backend.space());
 }
@@ -79,6 +87,172 @@ absl::Status CallHook(const EvictionHook& hook, const LayerEviction& e) {
     KVCOMP_RETURN_IF_ERROR(hook(t));
   }
   return absl::OkStatus();
+}
+
+// Compress on a device backend: every layer's results go into whole-cache arrays in device
+// memory at fixed offsets (a layer keeps exactly KeptCapacity rows: the budget is a hard cap
+// and every backend fills it), moments are summed there, and the cache comes to the host once.
+absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCacheView& cache,
+                                                 const CompressionPolicy& policy,
+                                                 const CompressOptions& options,
+                                                 const SelectParams& select) {
+  const KvLayout& layout = cache.layout;
+  const uint32_t heads = layout.num_kv_heads;
+  const uint32_t d = layout.head_dim;
+  const uint64_t L = layout.num_layers;
+  const uint64_t n = cache.num_tokens;
+  const size_t row = d * ElemBytes(layout.dtype);
+  const uint64_t cap = KeptCapacity(heads, n, select.kept_per_head);
+  TransferBytes local;
+  TransferBytes* xfer = options.transfers != nullptr ? options.transfers : &local;
+
+  CompressedCache out;
+  out.policy = policy;
+  out.has_moments = policy.moments && pipeline_internal::MomentsAvailable(backend);
+  out.Reset(layout, n);
+
+  Allocator& a = backend.allocator();
+  KVCOMP_ASSIGN_OR_RETURN(Buffer d_counts, Buffer::Allocate(a, L * heads * sizeof(uint32_t)));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer d_idx, Buffer::Allocate(a, L * cap * sizeof(uint32_t)));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer d_k, Buffer::Allocate(a, L * cap * row));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer d_v, Buffer::Allocate(a, L * cap * row));
+  // Moments of every head, laid out as CompressedCache's moment_* arrays.
+  const uint64_t H = L * heads;
+  const uint64_t m_cnt = H * sizeof(uint64_t), m_vec = H * d * sizeof(float);
+  const uint64_t m_mat = m_vec * d;
+  Buffer d_mom, d_evicted, d_offsets;
+  const bool evicted_lists = out.has_moments && !options.on_evict;
+  if (out.has_moments) {
+    KVCOMP_ASSIGN_OR_RETURN(d_mom, Buffer::Allocate(a, m_cnt + 2 * m_vec + m_mat));
+    KVCOMP_RETURN_IF_ERROR(ZeroDevice(backend, d_mom.data(), d_mom.size()));
+  }
+  if (evicted_lists) {
+    KVCOMP_ASSIGN_OR_RETURN(d_evicted, Buffer::Allocate(a, uint64_t{heads} * n * 4));
+    KVCOMP_ASSIGN_OR_RETURN(d_offsets, Buffer::Allocate(a, 2 * (uint64_t{heads} + 1) * 8));
+  }
+  char* mom = d_mom.as<char>();
+  LayerEviction eviction;
+  std::vector<uint32_t> layer_kept;  // host copies for an eviction hook only
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    Buffer kb, vb, qb;
+    ScoreSelectCompactArgs args;
+    KVCOMP_ASSIGN_OR_RETURN(args.keys, Stage(backend, cache.keys[l], &kb, xfer));
+    KVCOMP_ASSIGN_OR_RETURN(args.values, Stage(backend, cache.values[l], &vb, xfer));
+    HeadsView queries;
+    if (policy.scorer == Scorer::kSnapKV) {
+      KVCOMP_ASSIGN_OR_RETURN(queries, Stage(backend, cache.queries[l], &qb, xfer));
+    }
+    args.score = ScoreParamsFromPolicy(policy, l, queries);
+    args.select = select;
+    uint32_t* counts = d_counts.as<uint32_t>() + uint64_t{l} * heads;
+    uint32_t* kept = d_idx.as<uint32_t>() + uint64_t{l} * cap;
+    args.kept = {counts, kept};
+    args.keys_out = d_k.as<char>() + uint64_t{l} * cap * row;
+    args.values_out = d_v.as<char>() + uint64_t{l} * cap * row;
+    KVCOMP_RETURN_IF_ERROR(Annotate(
+        policy.moment_aware ? moments_internal::MomentAwareScoreSelectCompact(backend, args)
+                            : backend.scoring().ScoreSelectCompact(args),
+        absl::StrFormat("layer %u", l)));
+    if (!out.has_moments && !options.on_evict) continue;
+    const uint64_t h0 = uint64_t{l} * heads;
+    MomentsView m{reinterpret_cast<uint64_t*>(mom) + h0,
+                  reinterpret_cast<float*>(mom + m_cnt) + h0 * d,
+                  reinterpret_cast<float*>(mom + m_cnt + m_vec) + h0 * d,
+                  reinterpret_cast<float*>(mom + m_cnt + 2 * m_vec) + h0 * d * d,
+                  heads,
+                  d,
+                  MemorySpace::kDevice};
+    if (evicted_lists) {
+      // The evicted set, found and summed on the device.
+      auto* offsets = d_offsets.as<uint64_t>();
+      KVCOMP_RETURN_IF_ERROR(pipeline_internal::LaunchEvictedLists(
+          backend.native_stream(), counts, kept, heads, n, offsets + heads + 1, offsets,
+          d_evicted.as<uint32_t>()));
+      TokenLists lists{d_evicted.as<uint32_t>(), offsets, heads, MemorySpace::kDevice};
+      KVCOMP_RETURN_IF_ERROR(Annotate(backend.moments().Accumulate(args.keys, args.values, lists, m),
+                                      absl::StrFormat("moments of layer %u", l)));
+      continue;
+    }
+    // An eviction hook reads host lists: this layer's selection comes back to the host.
+    std::vector<uint32_t> host_counts(heads);
+    KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(host_counts.data(), counts, heads * 4));
+    uint64_t total = 0;
+    for (uint32_t h = 0; h < heads; ++h) total += host_counts[h];
+    layer_kept.resize(total);
+    KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(layer_kept.data(), kept, total * 4));
+    xfer->to_host += heads * 4 + total * 4;
+    eviction.layer = l;
+    eviction.keys = args.keys;
+    eviction.values = args.values;
+    Complement(host_counts.data(), layer_kept.data(), heads, n, &eviction);
+    KVCOMP_RETURN_IF_ERROR(CallHook(options.on_evict, eviction));
+    if (out.has_moments) {
+      Buffer idx_buf, off_buf;
+      KVCOMP_ASSIGN_OR_RETURN(idx_buf, Buffer::Allocate(a, eviction.evicted.size() * 4));
+      KVCOMP_ASSIGN_OR_RETURN(off_buf, Buffer::Allocate(a, eviction.offsets.size() * 8));
+      KVCOMP_RETURN_IF_ERROR(backend.CopyFromHost(idx_buf.data(), eviction.evicted.data(),
+                                                  eviction.evicted.size() * 4));
+      KVCOMP_RETURN_IF_ERROR(backend.CopyFromHost(off_buf.data(), eviction.offsets.data(),
+                                                  eviction.offsets.size() * 8));
+      xfer->to_device += eviction.evicted.size() * 4 + eviction.offsets.size() * 8;
+      TokenLists lists{idx_buf.as<uint32_t>(), off_buf.as<uint64_t>(), heads,
+                       MemorySpace::kDevice};
+      KVCOMP_RETURN_IF_ERROR(Annotate(backend.moments().Accumulate(args.keys, args.values, lists, m),
+                                      absl::StrFormat("moments of layer %u", l)));
+    }
+  }
+
+  // The one trip to the host: the kept counts (which waits for the layers' work), then every
+  // section.
+  KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(out.kept.data(), d_counts.data(), H * 4));
+  const auto download_start = std::chrono::steady_clock::now();
+  xfer->to_host += H * 4;
+  std::vector<uint64_t> layer_total(L, 0);
+  uint64_t total = 0;
+  for (uint64_t l = 0; l < L; ++l) {
+    for (uint32_t h = 0; h < heads; ++h) layer_total[l] += out.kept[l * heads + h];
+    if (layer_total[l] > cap) {
+      return absl::InternalError(absl::StrFormat("layer %u kept %u tokens, more than its budget %u",
+                                                 l, layer_total[l], cap));
+    }
+    total += layer_total[l];
+  }
+  out.positions.resize(total);
+  out.keys.resize(total * row);
+  out.values.resize(total * row);
+  void* stream = backend.native_stream();
+  auto fetch = [&](void* dst, const void* src, uint64_t bytes) -> absl::Status {
+    xfer->to_host += bytes;
+    return DownloadAsync(stream, dst, src, bytes);
+  };
+  if (total == L * cap) {  // every layer full (always, in practice): one copy per section
+    KVCOMP_RETURN_IF_ERROR(fetch(out.positions.data(), d_idx.data(), total * 4));
+    KVCOMP_RETURN_IF_ERROR(fetch(out.keys.data(), d_k.data(), total * row));
+    KVCOMP_RETURN_IF_ERROR(fetch(out.values.data(), d_v.data(), total * row));
+  } else {
+    uint64_t at = 0;
+    for (uint64_t l = 0; l < L; ++l) {
+      const uint64_t t = layer_total[l];
+      KVCOMP_RETURN_IF_ERROR(fetch(out.positions.data() + at, d_idx.as<uint32_t>() + l * cap, t * 4));
+      KVCOMP_RETURN_IF_ERROR(fetch(out.keys.data() + at * row, d_k.as<char>() + l * cap * row, t * row));
+      KVCOMP_RETURN_IF_ERROR(
+          fetch(out.values.data() + at * row, d_v.as<char>() + l * cap * row, t * row));
+      at += t;
+    }
+  }
+  if (out.has_moments) {
+    KVCOMP_RETURN_IF_ERROR(fetch(out.moment_count.data(), mom, m_cnt));
+    KVCOMP_RETURN_IF_ERROR(fetch(out.moment_key_sum.data(), mom + m_cnt, m_vec));
+    KVCOMP_RETURN_IF_ERROR(fetch(out.moment_value_sum.data(), mom + m_cnt + m_vec, m_vec));
+    KVCOMP_RETURN_IF_ERROR(fetch(out.moment_vk_sum.data(), mom + m_cnt + 2 * m_vec, m_mat));
+  }
+  KVCOMP_RETURN_IF_ERROR(backend.Synchronize());
+  xfer->to_host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                         download_start)
+                               .count();
+  KVCOMP_RETURN_IF_ERROR(
+      pipeline_internal::CodecStage(backend, policy, options.projection.get(), &out));
+  return out;
 }
 
 }  // namespace
@@ -134,13 +308,15 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
   KVCOMP_RETURN_IF_ERROR(
       pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
   KVCOMP_ASSIGN_OR_RETURN(SelectParams select, SelectParamsFromPolicy(policy, cache.num_tokens));
+  if (backend.space() != MemorySpace::kHost) {
+    return CompressOnDevice(backend, cache, policy, options, select);
+  }
 
   const KvLayout& layout = cache.layout;
   const uint32_t heads = layout.num_kv_heads;
   const uint64_t n = cache.num_tokens;
   const size_t row = layout.head_dim * ElemBytes(layout.dtype);
   const uint64_t cap = KeptCapacity(heads, n, select.kept_per_head);
-  const bool host = backend.space() == MemorySpace::kHost;
 
   CompressedCache out;
   out.policy = policy;
@@ -150,18 +326,10 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
   out.keys.resize(layout.num_layers * cap * row);
   out.values.resize(layout.num_layers * cap * row);
 
-  Buffer dev_counts, dev_idx, dev_k, dev_v;
-  if (!host) {
-    Allocator& a = backend.allocator();
-    KVCOMP_ASSIGN_OR_RETURN(dev_counts, Buffer::Allocate(a, heads * sizeof(uint32_t)));
-    KVCOMP_ASSIGN_OR_RETURN(dev_idx, Buffer::Allocate(a, cap * sizeof(uint32_t)));
-    KVCOMP_ASSIGN_OR_RETURN(dev_k, Buffer::Allocate(a, cap * row));
-    KVCOMP_ASSIGN_OR_RETURN(dev_v, Buffer::Allocate(a, cap * row));
-  }
   uint64_t offset = 0;  // kept tokens written so far
   LayerEviction eviction;
   for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    Buffer kb, vb, qb;
+    Buffer kb, vb, qb;  // unused on the host: Stage refuses device views here
     ScoreSelectCompactArgs args;
     KVCOMP_ASSIGN_OR_RETURN(args.keys, Stage(backend, cache.keys[l], &kb));
     KVCOMP_ASSIGN_OR_RETURN(args.values, Stage(backend, cache.values[l], &vb));
@@ -173,31 +341,15 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
     args.select = select;
     uint32_t* counts = out.kept.data() + uint64_t{l} * heads;
     uint32_t* positions = out.positions.data() + offset;
-    if (host) {
-      args.kept = {counts, positions};
-      args.keys_out = out.keys.data() + offset * row;
-      args.values_out = out.values.data() + offset * row;
-    } else {
-      args.kept = {dev_counts.as<uint32_t>(), dev_idx.as<uint32_t>()};
-      args.keys_out = dev_k.data();
-      args.values_out = dev_v.data();
-    }
+    args.kept = {counts, positions};
+    args.keys_out = out.keys.data() + offset * row;
+    args.values_out = out.values.data() + offset * row;
     KVCOMP_RETURN_IF_ERROR(Annotate(
         policy.moment_aware ? moments_internal::MomentAwareScoreSelectCompact(backend, args)
                             : backend.scoring().ScoreSelectCompact(args),
         absl::StrFormat("layer %u", l)));
     uint64_t total = 0;
-    if (host) {
-      for (uint32_t h = 0; h < heads; ++h) total += counts[h];
-    } else {
-      KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(counts, dev_counts.data(), heads * 4));
-      for (uint32_t h = 0; h < heads; ++h) total += counts[h];
-      KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(positions, dev_idx.data(), total * 4));
-      KVCOMP_RETURN_IF_ERROR(
-          backend.CopyToHost(out.keys.data() + offset * row, dev_k.data(), total * row));
-      KVCOMP_RETURN_IF_ERROR(
-          backend.CopyToHost(out.values.data() + offset * row, dev_v.data(), total * row));
-    }
+    for (uint32_t h = 0; h < heads; ++h) total += counts[h];
     if (options.on_evict || out.has_moments) {
       eviction.layer = l;
       eviction.keys = args.keys;

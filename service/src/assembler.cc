@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/core/status.h"
 
 namespace kvcomp {
 namespace service {
@@ -28,6 +29,14 @@ PutAssembler::PutAssembler(const KvLayout& layout, uint64_t num_tokens)
       next_token_(layout.num_layers, 0) {}
 
 absl::Status PutAssembler::Add(BlockData block) {
+  KVCOMP_RETURN_IF_ERROR(Admit(block));
+  blocks_.push_back(std::move(block));
+  return absl::OkStatus();
+}
+
+absl::Status PutAssembler::Cover(const BlockData& block) { return Admit(block); }
+
+absl::Status PutAssembler::Admit(const BlockData& block) {
   const uint32_t lb = block.layer_begin, le = block.layer_end;
   const uint64_t tb = block.token_begin, te = block.token_end;
   if (lb >= le || le > layout_.num_layers || tb >= te || te > num_tokens_) {
@@ -43,6 +52,9 @@ absl::Status PutAssembler::Add(BlockData block) {
       return absl::InvalidArgumentError("block: one view per layer of its range expected");
     }
     for (const HeadsView& v : *part) {
+      if (v.space != part->front().space || v.space != block.space()) {
+        return absl::InvalidArgumentError("block: its views are not all in one memory space");
+      }
       if (v.data == nullptr || v.dtype != layout_.dtype || v.num_heads != layout_.num_kv_heads ||
           v.num_tokens != te - tb || v.head_dim != layout_.head_dim) {
         return absl::InvalidArgumentError("block: a layer's view does not match the layout");
@@ -61,7 +73,6 @@ absl::Status PutAssembler::Add(BlockData block) {
     if (block.has_keys()) key_cov_[l].Add(tb, te);
     if (block.has_values()) value_cov_[l].Add(tb, te);
   }
-  blocks_.push_back(std::move(block));
   return absl::OkStatus();
 }
 

@@ -29,6 +29,9 @@ class PutAssembler {
   // Keeps `block`. InvalidArgument when its views do not match its ranges and the layout, or
   // when it overlaps tokens already received for a layer and part.
   absl::Status Add(BlockData block);
+  // As Add, but keeps only the coverage, not the block: for a put whose blocks are copied to
+  // the device as they arrive (the caller consumes the block's memory after this returns OK).
+  absl::Status Cover(const BlockData& block);
   // OK once every layer's K and V cover every token; else FailedPrecondition naming the first
   // layer that is short.
   absl::Status CheckComplete() const;
@@ -64,6 +67,8 @@ class PutAssembler {
   std::vector<BlockData> blocks_;
   std::vector<uint64_t> next_token_;  // block-wise, per layer: first token not yet taken
   std::vector<std::unique_ptr<uint8_t[]>> assembled_;
+
+  absl::Status Admit(const BlockData& block);
 };
 
 }  // namespace service

@@ -67,6 +67,10 @@ absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
 absl::StatusOr<storage::Payload> CacheRepository::Get(const CacheKey& key, Representation rep) {
   auto got = store_->Get(key);
   if (!got.ok()) return NotFoundAsMissing(got.status());
+  // The GPU tier copies the cache to host memory once per get (device_tier_cuda.cc).
+  if (got->meta.tier == storage::TierKind::kDevice) {
+    metrics_->AddTransferBytes(0, got->payload.size());
+  }
   if (rep == Representation::kDecoded) {
     KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(got->payload.view()));
     if (info.key_codec != KeyCodec::kRaw || info.value_codec != ValueCodec::kRaw) {

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvcomp/core/status.h"
+#include "log.h"
 
 namespace kvcomp {
 namespace service {
@@ -18,11 +19,14 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 // ---- a put ----
 
 OpenPut::OpenPut(CacheService* service, PutRequest request,
-                 std::shared_ptr<const Projection> projection)
+                 std::shared_ptr<const Projection> projection, std::unique_ptr<DeviceKv> device_kv,
+                 Engine::DeviceReservation reservation)
     : service_(service),
       request_(std::move(request)),
       projection_(std::move(projection)),
-      assembler_(request_.layout, request_.num_tokens) {
+      assembler_(request_.layout, request_.num_tokens),
+      device_kv_(std::move(device_kv)),
+      reservation_(std::move(reservation)) {
   service_->open_puts_.fetch_add(1);
 }
 
@@ -49,6 +53,27 @@ void OpenPut::AddBlock(BlockData block, Done done) {
       done(absl::FailedPreconditionError("block for a put that is committing or aborted"));
       return;
     }
+    if (device_kv_ != nullptr) {
+      // Copied to the device now; the block's memory goes when this returns.
+      absl::Status s = assembler_.Cover(block);
+      if (s.ok()) {
+        s = AddToDevice(block);
+        // Its tokens count as received: a put missing them must not commit.
+        if (!s.ok() && device_error_.ok()) device_error_ = s;
+        last_block_ = absl::Now();
+      }
+      block.memory.reset();
+      if (s.ok()) service_->metrics_->AddReceivedBytes(size);
+      done(s);
+      return;
+    }
+    if (block.space() != MemorySpace::kHost) {
+      done(absl::InvalidArgumentError(
+          request_.block_wise
+              ? "block-wise puts take blocks in host memory"
+              : "device-memory blocks need kvcompd's engine on a GPU (engine.backend cuda)"));
+      return;
+    }
     if (absl::Status s = assembler_.Add(std::move(block)); !s.ok()) {
       done(s);
       return;
@@ -72,6 +97,25 @@ void OpenPut::AddBlock(BlockData block, Done done) {
       if (!s.ok() && self->stream_error_.ok()) self->stream_error_ = s;
     });
   }
+}
+
+absl::Status OpenPut::AddToDevice(const BlockData& block) {
+  const bool host = block.space() == MemorySpace::kHost;
+  for (uint32_t l = block.layer_begin; l < block.layer_end; ++l) {
+    const uint32_t i = l - block.layer_begin;
+    if (block.has_keys()) {
+      KVCOMP_RETURN_IF_ERROR(host ? device_kv_->AddHost(l, false, block.token_begin, block.keys[i])
+                                  : device_kv_->AddDevice(l, false, block.token_begin,
+                                                          block.keys[i]));
+    }
+    if (block.has_values()) {
+      KVCOMP_RETURN_IF_ERROR(host ? device_kv_->AddHost(l, true, block.token_begin,
+                                                        block.values[i])
+                                  : device_kv_->AddDevice(l, true, block.token_begin,
+                                                          block.values[i]));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status OpenPut::DrainBlockWise() {
@@ -149,9 +193,12 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
       absl::MutexLock lock(&mu_);
       metrics->ObserveStage(Stage::kReceive, Seconds(last_block_ - begun_));
       if (aborted_) return absl::CancelledError("put was aborted");
+      KVCOMP_RETURN_IF_ERROR(device_error_);
       KVCOMP_RETURN_IF_ERROR(assembler_.CheckComplete());
     }
     CompressedCache cache;
+    TransferBytes transfers;
+    KVCOMP_RETURN_IF_ERROR(service_->engine_->FaultPoint());
     absl::Time t0 = absl::Now();
     if (request_.block_wise) {
       absl::MutexLock stream(&stream_mu_);
@@ -165,18 +212,41 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
       }
       KVCOMP_ASSIGN_OR_RETURN(cache, compressor_->Finish());
     } else {
-      KVCOMP_ASSIGN_OR_RETURN(cache, CompressWhole(backend));
+      KVCOMP_ASSIGN_OR_RETURN(cache, CompressWhole(backend, &transfers));
     }
     const double secs = Seconds(absl::Now() - t0);
-    metrics->ObserveStage(Stage::kCompress, secs);
-    if (service_->engine_->uses_gpu()) metrics->AddGpuSeconds(secs);
-    return service_->repository_->Store(request_.key, cache,
-                                        request_.layout.CacheBytes(request_.num_tokens));
+    // A GPU compression's one download of the cache is its own stage.
+    const double download = std::min(transfers.to_host_seconds, secs);
+    metrics->ObserveStage(Stage::kCompress, secs - download);
+    if (download > 0) metrics->ObserveStage(Stage::kDownload, download);
+    if (service_->engine_->uses_gpu()) metrics->AddGpuSeconds(secs - download);
+    {
+      // Compressed: the put's device memory goes before the cache is stored.
+      absl::MutexLock lock(&mu_);
+      device_kv_.reset();
+      reservation_ = Engine::DeviceReservation();
+    }
+    KVCOMP_ASSIGN_OR_RETURN(
+        CacheSummary summary,
+        service_->repository_->Store(request_.key, cache,
+                                     request_.layout.CacheBytes(request_.num_tokens)));
+    summary.h2d_bytes = transfers.to_device;
+    summary.d2h_bytes = transfers.to_host;
+    // The GPU tier copies the encoded cache into its pool (storage/src/device_tier_cuda.cc).
+    if (summary.tier == storage::TierKind::kDevice) summary.h2d_bytes += summary.stored_bytes;
+    metrics->AddTransferBytes(summary.h2d_bytes, summary.d2h_bytes);
+    return summary;
   }();
   {
     // The put is finished either way; its buffers go.
     absl::MutexLock lock(&mu_);
     assembler_.Clear();
+    device_kv_.reset();
+    reservation_ = Engine::DeviceReservation();
+  }
+  if (!result.ok() && service_->engine_->CheckAfterError(backend, result.status())) {
+    Log(LogLevel::kError, "engine failed: ", service_->engine_->failure(),
+        "; kvcompd takes no more puts and drains");
   }
   if (result.ok()) {
     metrics->ObserveOp(Op::kPut, Seconds(absl::Now() - begun_));
@@ -187,24 +257,36 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
   done(std::move(result));
 }
 
-absl::StatusOr<CompressedCache> OpenPut::CompressWhole(Backend& backend) {
-  // Once committing_ is set nothing adds to or removes from the assembler until RunCommit
-  // ends, so its view stays valid through the compression without the lock.
+absl::StatusOr<CompressedCache> OpenPut::CompressWhole(Backend& backend,
+                                                      TransferBytes* transfers) {
+  // Once committing_ is set nothing adds to or removes from the assembler (or the device
+  // buffer) until RunCommit ends, so its view stays valid through the compression without the
+  // lock.
   absl::StatusOr<KvCacheView> view;
   {
     absl::MutexLock lock(&mu_);
-    view = assembler_.View();
+    if (device_kv_ != nullptr) {
+      view = device_kv_->View(backend);
+      transfers->to_device += device_kv_->uploaded_bytes();
+    } else {
+      view = assembler_.View();
+    }
   }
   if (!view.ok()) return view.status();
   CompressOptions co;
   co.projection = projection_;
+  co.transfers = transfers;
   return Compress(backend, *view, request_.policy.get(), co);
 }
 
 void OpenPut::Abort() {
   absl::MutexLock lock(&mu_);
   aborted_ = true;
-  if (!committing_) assembler_.Clear();
+  if (!committing_) {
+    assembler_.Clear();
+    device_kv_.reset();
+    reservation_ = Engine::DeviceReservation();
+  }
 }
 
 // ---- the service ----
@@ -253,7 +335,22 @@ absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest reque
     // is stored.
     KVCOMP_ASSIGN_OR_RETURN(projection, repository_->PinProjection(request.key));
   }
-  std::shared_ptr<OpenPut> put(new OpenPut(this, std::move(request), std::move(projection)));
+  std::unique_ptr<DeviceKv> device_kv;
+  Engine::DeviceReservation reservation;
+  if (engine_->failed()) {
+    return absl::UnavailableError(
+        absl::StrCat("engine failed (", engine_->failure(), "): kvcompd is draining"));
+  }
+  if (engine_->uploader() != nullptr && !request.block_wise) {
+    // The put's K and V on the device, reserved against the cap before any block arrives.
+    KVCOMP_ASSIGN_OR_RETURN(
+        reservation, engine_->ReserveDevice(Engine::DeviceBytesForPut(
+                         request.layout, request.num_tokens, request.policy.get().moments)));
+    KVCOMP_ASSIGN_OR_RETURN(device_kv, DeviceKv::Create(*engine_->uploader(), request.layout,
+                                                        request.num_tokens));
+  }
+  std::shared_ptr<OpenPut> put(new OpenPut(this, std::move(request), std::move(projection),
+                                           std::move(device_kv), std::move(reservation)));
   UpdateGauges();
   return put;
 }

@@ -47,7 +47,11 @@ class CacheService;
 
 // One open put: its request, its blocks (PutAssembler), its block-wise compressor and the
 // projection it encodes with. Its blocks' memory goes when the put ends (commit done, abort)
-// or, block-wise, as each block is appended.
+// or, block-wise, as each block is appended. On a GPU engine a whole-sequence put holds its K
+// and V in device memory instead (DeviceKv, reserved against engine.gpu_memory_bytes when the
+// put begins): each block is copied there as it arrives and its memory released at once; the
+// commit compresses on the device and the cache comes to the host once (docs/engine.md, "Where
+// each byte goes").
 class OpenPut : public std::enable_shared_from_this<OpenPut> {
  public:
   ~OpenPut();
@@ -64,9 +68,13 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
 
  private:
   friend class CacheService;
-  OpenPut(CacheService* service, PutRequest request, std::shared_ptr<const Projection> projection);
+  OpenPut(CacheService* service, PutRequest request, std::shared_ptr<const Projection> projection,
+          std::unique_ptr<DeviceKv> device_kv, Engine::DeviceReservation reservation);
+  // Copies `block` (its coverage already admitted) into the put's device buffer. Caller holds
+  // mu_.
+  absl::Status AddToDevice(const BlockData& block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunCommit(Backend& backend, CommitDone done);
-  absl::StatusOr<CompressedCache> CompressWhole(Backend& backend);
+  absl::StatusOr<CompressedCache> CompressWhole(Backend& backend, TransferBytes* transfers);
   // Appends every block that is next in token order. Caller holds stream_mu_.
   absl::Status DrainBlockWise() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stream_mu_);
 
@@ -81,6 +89,10 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   bool committing_ ABSL_GUARDED_BY(mu_) = false;
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   bool drain_scheduled_ ABSL_GUARDED_BY(mu_) = false;
+  // GPU engine, whole-sequence put: K and V on the device, and the GPU memory it holds.
+  std::unique_ptr<DeviceKv> device_kv_ ABSL_GUARDED_BY(mu_);
+  Engine::DeviceReservation reservation_ ABSL_GUARDED_BY(mu_);
+  absl::Status device_error_ ABSL_GUARDED_BY(mu_);
 
   // Block-wise state, used by one worker at a time.
   absl::Mutex stream_mu_;
@@ -97,7 +109,9 @@ class CacheService {
   ~CacheService();
 
   // Opens a put. InvalidArgument (larger than max_put_bytes), FailedPrecondition (a value codec
-  // and no calibrated projection), Unavailable (draining).
+  // and no calibrated projection), Unavailable (draining, or the engine failed),
+  // ResourceExhausted (a GPU engine without room for the put's K and V: beyond
+  // engine.gpu_memory_bytes, or the device's memory is full); nothing of a refused put is kept.
   absl::StatusOr<std::shared_ptr<OpenPut>> BeginPut(PutRequest request);
 
   void Get(const CacheKey& key, Representation rep, GetDone done);

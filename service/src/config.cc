@@ -348,6 +348,12 @@ std::vector<ConfigField> BuildFields() {
       "engine.queue_capacity", 1, 1 << 20,
       "Committed puts waiting for a worker; when full, commits get busy. Default 16.",
       [](Options & o) -> auto& { return o.engine.queue_capacity; }));
+  f.push_back(BytesField(
+      "engine.gpu_memory_bytes",
+      "GPU memory the CUDA engine's open puts may hold at once (K and V staged on the device "
+      "plus their compressed arrays); a put beyond it is RESOURCE_EXHAUSTED. 0 = no cap. "
+      "Default 0.",
+      [](Options & o) -> auto& { return o.engine.gpu_memory_bytes; }));
   // --- storage ---
   f.push_back(StringField(
       "storage.data_dir", "Directory of the RocksDB tier and daemon state. Default ./.kvcomp-data.",

@@ -289,8 +289,16 @@ class DaemonImpl : public Daemon {
     return s;
   }
 
+  bool failed() const override { return engine_ != nullptr && engine_->failed(); }
+
   void Tick() override {
     absl::Time now = absl::Now();
+    if (failed() && !ctx_.draining.load()) {
+      Log(LogLevel::kError, "engine failed: ", engine_->failure(),
+          "; not ready, draining, then exiting for a restart");
+      if (metrics_ != nullptr) metrics_->SetReady(false);
+      Drain();
+    }
     const double sweep = options_.storage.sweep_interval_seconds;
     if (sweep > 0 && now - last_sweep_ >= absl::Seconds(sweep)) {
       last_sweep_ = now;
@@ -464,6 +472,10 @@ absl::Status DaemonImpl::Init(const Options& options) {
     h.ready = [this](std::string* reason) {
       if (thrift_dead_.load()) {
         *reason = ControlPlaneFailure();
+        return false;
+      }
+      if (engine_->failed()) {
+        *reason = "engine failed: " + engine_->failure();
         return false;
       }
       if (ctx_.draining.load()) {

@@ -32,7 +32,8 @@ OpenPut* PutOf(const transport::PutContext& ctx) {
 }
 
 // A block the transport checked against its put, as views of each layer's K and V.
-BlockData ViewsOf(const KvLayout& layout, const wire::Block& block, transport::Buffer payload) {
+BlockData ViewsOf(const KvLayout& layout, const wire::Block& block, transport::Buffer payload,
+                  MemorySpace space) {
   auto memory = std::make_shared<transport::Buffer>(std::move(payload));
   const uint8_t* base = memory->bytes();
   const uint64_t tokens = block.token_end - block.token_begin;
@@ -45,11 +46,12 @@ BlockData ViewsOf(const KvLayout& layout, const wire::Block& block, transport::B
   for (uint32_t l = block.layer_begin; l < block.layer_end; ++l) {
     if (block.parts & wire::kPartKeys) {
       out.keys.push_back(HeadsView::Dense(base + block.KeyOffset(layout, l), layout.dtype,
-                                          layout.num_kv_heads, tokens, layout.head_dim));
+                                          layout.num_kv_heads, tokens, layout.head_dim, space));
     }
     if (block.parts & wire::kPartValues) {
       out.values.push_back(HeadsView::Dense(base + block.ValueOffset(layout, l), layout.dtype,
-                                            layout.num_kv_heads, tokens, layout.head_dim));
+                                            layout.num_kv_heads, tokens, layout.head_dim,
+                                            space));
     }
   }
   out.memory = std::move(memory);
@@ -134,11 +136,13 @@ class DataHandler : public transport::RequestHandler {
       count(absl::NotFoundError("block for a put that is not open"));
       return;
     }
-    if (payload.memory_type() != transport::MemoryType::kHost) {
-      count(absl::UnimplementedError("device-memory blocks are not supported by this daemon"));
-      return;
-    }
-    open->AddBlock(ViewsOf(open->request().layout, block, std::move(payload)), std::move(count));
+    // Device-memory blocks become device views; OpenPut::AddBlock copies them on the GPU (or
+    // refuses them on a CPU engine).
+    const MemorySpace space = payload.memory_type() == transport::MemoryType::kHost
+                                  ? MemorySpace::kHost
+                                  : MemorySpace::kDevice;
+    open->AddBlock(ViewsOf(open->request().layout, block, std::move(payload), space),
+                   std::move(count));
   }
 
   void OnPutCommit(const transport::PutContext& put, transport::CommitDone done) override {

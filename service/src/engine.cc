@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <thread>
 #include <utility>
 
@@ -33,6 +34,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     e->worker_backends_.push_back(std::move(b));
   }
   e->description_ = e->worker_backends_[0]->Describe();
+  if (e->use_cuda_) {
+    KVCOMP_ASSIGN_OR_RETURN(e->uploader_, DeviceUploader::Create(options.cuda_device));
+  }
+  if (const char* f = std::getenv("KVCOMP_ENGINE_TEST_STICKY_FAULT"); f != nullptr && *f != 0) {
+    e->inject_sticky_.store(true);
+  }
   e->pool_ = std::make_unique<TaskPool>(workers, options.queue_capacity, nullptr, tenant_share);
   return e;
 }
@@ -43,8 +50,8 @@ void Engine::Shutdown() {
   if (pool_) pool_->Shutdown();
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> Engine::NewBackend() const {
-  if (use_cuda_) {
+absl::StatusOr<std::unique_ptr<Backend>> Engine::NewBackend(bool cpu) const {
+  if (use_cuda_ && !cpu) {
     CudaBackendOptions o;
     o.device = options_.cuda_device;
     return MakeCudaBackend(o);
@@ -66,6 +73,74 @@ void Engine::Submit(absl::string_view tenant, Task task) {
   });
 }
 
+Engine::DeviceReservation::~DeviceReservation() {
+  if (engine_ != nullptr) engine_->device_reserved_.fetch_sub(bytes_);
+}
+
+uint64_t Engine::DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens, bool moments) {
+  const uint64_t input = layout.CacheBytes(num_tokens);
+  // Kept keys and values (at most every token), positions and counts, the evicted lists of one
+  // layer and the moments of every head.
+  const uint64_t heads = uint64_t{layout.num_layers} * layout.num_kv_heads;
+  uint64_t out = input + heads * num_tokens * 4 + heads * 4 +
+                 uint64_t{layout.num_kv_heads} * num_tokens * 4;
+  if (moments) {
+    out += heads * (8 + 2 * uint64_t{layout.head_dim} * 4 +
+                    uint64_t{layout.head_dim} * layout.head_dim * 4);
+  }
+  return input + out;
+}
+
+absl::StatusOr<Engine::DeviceReservation> Engine::ReserveDevice(uint64_t bytes) {
+  if (failed()) return absl::UnavailableError(absl::StrCat("engine failed: ", failure()));
+  const uint64_t cap = options_.gpu_memory_bytes;
+  uint64_t held = device_reserved_.load();
+  while (true) {
+    if (cap > 0 && held + bytes > cap) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "put needs ", bytes, " bytes of GPU memory; engine.gpu_memory_bytes is ", cap, " and ",
+          held, " are held by other puts"));
+    }
+    if (device_reserved_.compare_exchange_weak(held, held + bytes)) break;
+  }
+  DeviceReservation r;
+  r.engine_ = this;
+  r.bytes_ = bytes;
+  return r;
+}
+
+bool Engine::CheckAfterError(Backend& backend, const absl::Status& error) {
+  if (failed()) return true;
+  if (error.ok()) return false;
+  absl::Status probe;
+  if (inject_sticky_.exchange(false)) {
+    probe = absl::InternalError("injected sticky device error (test hook)");
+  } else {
+    // Refusals of the input and of the memory cap are the put's; only what CUDA reports can
+    // reach the device (CudaStatus: Internal; Unavailable from the store's device tier).
+    if (!use_cuda_ || !(absl::IsInternal(error) || absl::IsUnavailable(error))) return false;
+    probe = backend.Synchronize();
+    if (probe.ok()) return false;  // recoverable: that put failed, the device still answers
+  }
+  {
+    absl::MutexLock lock(&failure_mu_);
+    failure_ = absl::StrCat(description_, ": ", probe.message(), " (after: ", error.message(),
+                            ")");
+  }
+  failed_.store(true);
+  return true;
+}
+
+absl::Status Engine::FaultPoint() const {
+  if (inject_sticky_.load()) return absl::InternalError("injected sticky device error (test hook)");
+  return absl::OkStatus();
+}
+
+std::string Engine::failure() const {
+  absl::MutexLock lock(&failure_mu_);
+  return failure_;
+}
+
 absl::StatusOr<Engine::StreamLease> Engine::LeaseStream() {
   {
     absl::MutexLock lock(&stream_mu_);
@@ -75,7 +150,9 @@ absl::StatusOr<Engine::StreamLease> Engine::LeaseStream() {
       return StreamLease(this, std::move(b));
     }
   }
-  KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<Backend> b, NewBackend());
+  // The block-wise compressor keeps its working set in host memory and runs on the CPU
+  // backend, on a GPU engine too.
+  KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<Backend> b, NewBackend(/*cpu=*/true));
   return StreamLease(this, std::move(b));
 }
 

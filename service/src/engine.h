@@ -6,7 +6,15 @@
 //
 // A block-wise put keeps compressor state on one backend from its first block to its commit,
 // so it leases a stream backend (LeaseStream) instead: stream backends are made on first need and
-// reused by later block-wise puts, never made per put.
+// reused by later block-wise puts, never made per put. They are CPU backends on every engine:
+// the block-wise compressor keeps its working set in host memory (kvcomp/kernels/pipeline.h).
+//
+// On a GPU the engine also owns the device side of a put's data path: one DeviceUploader (a
+// stream and page-locked staging buffers, made once) through which every put's blocks reach the
+// device as they arrive, and the cap on the GPU memory puts may hold (engine.gpu_memory_bytes;
+// ReserveDevice). A CUDA error that leaves the device unusable (a sticky error: the context is
+// lost) marks the engine failed (failed(), failure()): it takes no more puts, and the daemon
+// reports not ready, drains and exits for its supervisor to restart it.
 //
 // Thread-safety: every method may be called from any thread.
 #ifndef KVCOMP_SERVICE_SRC_ENGINE_H_
@@ -17,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include <atomic>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
@@ -24,6 +34,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/service/options.h"
 #include "task_pool.h"
 
@@ -63,6 +74,50 @@ class Engine {
   };
   absl::StatusOr<StreamLease> LeaseStream();
 
+  // GPU memory held by one put, returned when the reservation ends.
+  class DeviceReservation {
+   public:
+    DeviceReservation() = default;
+    DeviceReservation(DeviceReservation&& o) noexcept { *this = std::move(o); }
+    DeviceReservation& operator=(DeviceReservation&& o) noexcept {
+      std::swap(engine_, o.engine_);
+      std::swap(bytes_, o.bytes_);
+      return *this;
+    }
+    ~DeviceReservation();
+    uint64_t bytes() const { return bytes_; }
+
+   private:
+    friend class Engine;
+    Engine* engine_ = nullptr;
+    uint64_t bytes_ = 0;
+  };
+  // Reserves `bytes` of the GPU memory cap for one put. ResourceExhausted when the cap
+  // (engine.gpu_memory_bytes) would be exceeded; Unavailable once the engine has failed.
+  absl::StatusOr<DeviceReservation> ReserveDevice(uint64_t bytes);
+  // The GPU memory a whole-sequence put of `layout` x `num_tokens` holds on the device at most:
+  // its K and V, the compressed arrays (bounded by every token kept), positions, one layer's
+  // evicted lists and the moments.
+  static uint64_t DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens,
+                                    bool moments);
+  uint64_t device_reserved_bytes() const { return device_reserved_.load(); }
+  uint64_t device_cap_bytes() const { return options_.gpu_memory_bytes; }
+  // The uploader every put's blocks go through on a GPU engine; null on the CPU.
+  DeviceUploader* uploader() const { return uploader_.get(); }
+
+  // After a put failed on `backend` with `error`: a CUDA error is probed (a synchronisation of
+  // the backend's stream); when the device no longer answers, the engine is marked failed.
+  // Returns true when the engine is (now) failed.
+  bool CheckAfterError(Backend& backend, const absl::Status& error);
+  bool failed() const { return failed_.load(); }
+  std::string failure() const;
+  // Test hook, as no real way to lose a CUDA context on purpose exists: from now on the next
+  // compression fails at FaultPoint() and CheckAfterError finds the device lost, as after a
+  // sticky CUDA error. kvcompd arms it when KVCOMP_ENGINE_TEST_STICKY_FAULT is set (tests only).
+  void InjectStickyFaultForTest() { inject_sticky_.store(true); }
+  // Internal while an injected fault is armed, else OK; called where a compression starts.
+  absl::Status FaultPoint() const;
+
   // "cpu (N threads)" or the CUDA device.
   const std::string& description() const { return description_; }
   bool uses_gpu() const { return use_cuda_; }
@@ -73,7 +128,7 @@ class Engine {
 
  private:
   explicit Engine(const EngineOptions& options) : options_(options) {}
-  absl::StatusOr<std::unique_ptr<Backend>> NewBackend() const;
+  absl::StatusOr<std::unique_ptr<Backend>> NewBackend(bool cpu = false) const;
 
   const EngineOptions options_;
   bool use_cuda_ = false;
@@ -81,6 +136,12 @@ class Engine {
   std::string description_;
   std::vector<std::unique_ptr<Backend>> worker_backends_;  // one per worker, index = worker
   std::unique_ptr<TaskPool> pool_;
+  std::unique_ptr<DeviceUploader> uploader_;
+  std::atomic<uint64_t> device_reserved_{0};
+  std::atomic<bool> failed_{false};
+  std::atomic<bool> inject_sticky_{false};
+  mutable absl::Mutex failure_mu_;
+  std::string failure_ ABSL_GUARDED_BY(failure_mu_);
   absl::Mutex stream_mu_;
   std::vector<std::unique_ptr<Backend>> idle_streams_ ABSL_GUARDED_BY(stream_mu_);
 };

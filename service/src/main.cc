@@ -1,5 +1,6 @@
 // kvcompd: parses the command line (kvcomp/service/config.h), starts the daemon and turns
-// signals into lifecycle steps: SIGTERM/SIGINT drain and stop, SIGHUP reloads the tokens.
+// signals into lifecycle steps: SIGTERM/SIGINT drain and stop, SIGHUP reloads the tokens. An
+// engine failure (a sticky GPU error) drains and exits with status 4.
 #include <signal.h>
 
 #include <cstdio>
@@ -45,8 +46,14 @@ int main(int argc, char** argv) {
       break;
     }
     (*daemon)->Tick();
+    if ((*daemon)->failed()) break;  // Tick has started the drain
   }
+  const bool failed = (*daemon)->failed();
   absl::Status s = (*daemon)->Shutdown(absl::Seconds(cl.options.process.shutdown_grace_seconds));
   daemon->reset();
+  if (failed) {
+    std::cerr << "kvcompd: exiting after an engine failure (exit status 4)\n";
+    return 4;
+  }
   return s.ok() ? 0 : 3;
 }

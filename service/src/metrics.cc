@@ -51,6 +51,8 @@ absl::string_view StageName(Stage s) {
       return "store";
     case Stage::kServe:
       return "serve";
+    case Stage::kDownload:
+      return "download";
   }
   return "unknown";
 }
@@ -93,6 +95,8 @@ struct Metrics::Impl {
   prometheus::Gauge* control_connections = nullptr;
   prometheus::Family<prometheus::Counter>* control_closed = nullptr;
   prometheus::Counter* gpu_seconds;
+  prometheus::Counter* h2d_bytes;
+  prometheus::Counter* d2h_bytes;
   prometheus::Gauge* projections;
   prometheus::Counter* projections_deleted;
   prometheus::Gauge* ready;
@@ -147,7 +151,8 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
                         .Name(mn::kStageDurationSeconds)
                         .Help("Duration of one pipeline stage of one cache.")
                         .Register(r);
-  for (Stage s : {Stage::kReceive, Stage::kCompress, Stage::kStore, Stage::kServe}) {
+  for (Stage s : {Stage::kReceive, Stage::kCompress, Stage::kDownload, Stage::kStore,
+                  Stage::kServe}) {
     m.stages[s] =
         &m.stage_family->Add({{mn::kLabelStage, std::string(StageName(s))}}, LatencyBuckets());
   }
@@ -174,6 +179,8 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
   m.control_closed->Add({{mn::kLabelReason, "limit"}});
   m.control_closed->Add({{mn::kLabelReason, "idle"}});
   m.gpu_seconds = counter(mn::kGpuSecondsTotal, "Seconds of GPU work (compression, decoding).");
+  m.h2d_bytes = counter(mn::kH2dBytesTotal, "Bytes the data path copied from host memory to the GPU.");
+  m.d2h_bytes = counter(mn::kD2hBytesTotal, "Bytes the data path copied from the GPU to host memory.");
   m.ready = gauge(mn::kReady, "1 when the daemon takes new work, else 0.");
   m.projections = gauge(mn::kProjections, "KVSplice projection versions stored.");
   m.projections_deleted =
@@ -259,6 +266,10 @@ void Metrics::AdvanceControlConnectionsClosed(absl::string_view reason, uint64_t
 }
 
 void Metrics::AddGpuSeconds(double seconds) { impl_->gpu_seconds->Increment(seconds); }
+void Metrics::AddTransferBytes(uint64_t to_device, uint64_t to_host) {
+  if (to_device > 0) impl_->h2d_bytes->Increment(static_cast<double>(to_device));
+  if (to_host > 0) impl_->d2h_bytes->Increment(static_cast<double>(to_host));
+}
 void Metrics::SetQueueDepth(int64_t depth) { impl_->queue_depth->Set(depth); }
 void Metrics::SetPutsInProgress(int64_t puts) { impl_->puts_in_progress->Set(puts); }
 void Metrics::SetReady(bool ready) { impl_->ready->Set(ready ? 1 : 0); }

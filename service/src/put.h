@@ -57,6 +57,14 @@ struct PutRequest {
 };
 
 // One block of a put: layers [layer_begin, layer_end) x tokens [token_begin, token_end).
+//
+// Where its memory may be: host memory (views with MemorySpace::kHost; what UCX receives), or,
+// on a daemon whose engine runs on a GPU, device memory of that GPU (every view
+// MemorySpace::kDevice, e.g. a block a GPU-to-GPU channel delivered). OpenPut::AddBlock is the
+// one entry point for both: on a GPU engine each block is copied into the put's device buffer
+// as it arrives (host blocks through the engine's page-locked staging, one upload; device
+// blocks by one copy on the device, nothing through the host) and its memory is released at
+// once. A CPU engine refuses device blocks (InvalidArgument).
 struct BlockData {
   uint32_t layer_begin = 0;
   uint32_t layer_end = 0;
@@ -73,6 +81,10 @@ struct BlockData {
 
   bool has_keys() const { return !keys.empty(); }
   bool has_values() const { return !values.empty(); }
+  // The memory space of its views (the first view's; the assembler checks they agree).
+  MemorySpace space() const {
+    return has_keys() ? keys[0].space : has_values() ? values[0].space : MemorySpace::kHost;
+  }
 };
 
 // What a stored cache is.
@@ -85,6 +97,9 @@ struct CacheSummary {
   uint64_t total_kept = 0;
   uint64_t original_bytes = 0;  // uncompressed K and V
   uint64_t stored_bytes = 0;    // encoded cache
+  // A put's result only: bytes its data path copied host -> GPU and GPU -> host (0 on the CPU).
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;
 };
 
 // Which bytes a get returns.

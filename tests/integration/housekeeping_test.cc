@@ -7,7 +7,9 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <fstream>
+#include <thread>
 #include <functional>
 #include <random>
 #include <string>
@@ -84,6 +86,39 @@ class HousekeepingTest : public DaemonFixture {
     return m;
   }
 };
+
+// A sticky device error (the CUDA context lost) cannot be caused on purpose: the engine's test
+// hook, armed by KVCOMP_ENGINE_TEST_STICKY_FAULT, makes the next compression fail as one would.
+// The put fails, /readyz reports the engine failed, and the daemon drains and exits with
+// status 4 for its supervisor to restart it.
+TEST_F(HousekeepingTest, AnEngineFailureFailsReadinessDrainsAndExitsNonZero) {
+  setenv("KVCOMP_ENGINE_TEST_STICKY_FAULT", "1", 1);
+  auto d = StartDaemon();
+  unsetenv("KVCOMP_ENGINE_TEST_STICKY_FAULT");
+  ASSERT_EQ(HttpGet(d->ports().metrics, "/readyz").code, 200);
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<wire::CacheSummary> put = PutLowRank(*c, "m", "k", 1);
+  ASSERT_FALSE(put.ok());
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kInternal) << put.status();
+  c.reset();
+  // Not ready from the failure on (the daemon may already be gone: no answer at all).
+  HttpResponse ready = HttpGet(d->ports().metrics, "/readyz");
+  if (ready.code != 0) {
+    EXPECT_EQ(ready.code, 503);
+    EXPECT_NE(ready.body.find("engine failed"), std::string::npos) << ready.body;
+  }
+  // Within a few housekeeping ticks the daemon drains and exits on its own.
+  int status = -1;
+  for (int i = 0; i < 300 && d->running(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_FALSE(d->running()) << d->Log();
+  status = d->Kill(SIGKILL);
+  ASSERT_TRUE(WIFEXITED(status)) << d->Log();
+  EXPECT_EQ(WEXITSTATUS(status), 4) << d->Log();
+  EXPECT_NE(d->Log().find("engine failed"), std::string::npos) << d->Log();
+}
 
 TEST_F(HousekeepingTest, ErrorsTheTransportAnswersItselfAreCountedByCode) {
   auto d = StartDaemon();

@@ -487,6 +487,41 @@ TEST_F(ServiceTest, AWholePutReleasesItsBlocksWhenItEnds) {
   EXPECT_EQ(service_->open_puts(), 0u);
 }
 
+TEST_F(ServiceTest, DeviceMemoryBlocksAreRefusedByACpuEngine) {
+  Tensor x(16);
+  auto put = service_->BeginPut(Request("alice", "k"));
+  ASSERT_TRUE(put.ok());
+  BlockData b = MakeBlock(x, 0, 2, 0, kTokens);
+  for (HeadsView& v : b.keys) v.space = MemorySpace::kDevice;
+  for (HeadsView& v : b.values) v.space = MemorySpace::kDevice;
+  absl::Status s = Add(**put, std::move(b));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  // A CPU engine counts no bytes across a device.
+  ASSERT_TRUE(Add(**put, MakeBlock(x, 0, 2, 0, kTokens)).ok());
+  absl::StatusOr<CacheSummary> c = Commit(**put);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->h2d_bytes, 0u);
+  EXPECT_EQ(c->d2h_bytes, 0u);
+}
+
+// The engine's failure path, as a sticky device error drives it (injected: no real error can
+// be made on purpose): the put that meets it fails, the engine is failed and refuses new puts,
+// stored caches are still served.
+TEST_F(ServiceTest, AnEngineFailureFailsThePutAndRefusesLaterOnes) {
+  Tensor x(17);
+  ASSERT_TRUE(PutCache("alice", "before", x).ok());
+  EXPECT_FALSE(engine_->failed());
+  engine_->InjectStickyFaultForTest();
+  absl::StatusOr<CacheSummary> s = PutCache("alice", "during", x);
+  EXPECT_TRUE(absl::IsInternal(s.status())) << s.status();
+  EXPECT_TRUE(engine_->failed());
+  EXPECT_NE(engine_->failure().find("injected"), std::string::npos) << engine_->failure();
+  EXPECT_TRUE(absl::IsNotFound(Get(CacheKey{"alice", "m", "during"}).status()));
+  auto after = service_->BeginPut(Request("alice", "after"));
+  EXPECT_TRUE(absl::IsUnavailable(after.status())) << after.status();
+  EXPECT_TRUE(Get(CacheKey{"alice", "m", "before"}).ok());
+}
+
 }  // namespace
 }  // namespace service
 }  // namespace kvcomp

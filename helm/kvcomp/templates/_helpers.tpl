@@ -224,7 +224,8 @@ as plain byte counts.
       "cuda_device" 0
       "cpu_threads" (int $v.engine.cpuThreads)
       "workers" (int $v.engine.workers)
-      "queue_capacity" (int $v.engine.queueCapacity) -}}
+      "queue_capacity" (int $v.engine.queueCapacity)
+      "gpu_memory_bytes" (include "kvcomp.bytes" $v.engine.gpuMemory | int64) -}}
 {{- $t := $v.tiers -}}
 {{- $storage := dict
       "data_dir" $v.persistence.mountPath

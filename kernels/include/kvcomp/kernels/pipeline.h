@@ -60,6 +60,17 @@ struct EvictedTokens {
 // the compression and is returned by it.
 using EvictionHook = std::function<absl::Status(const EvictedTokens&)>;
 
+// Bytes copied between host memory and a device by the pipeline itself: to_device (host to
+// device) and to_host (device to host). The ops' argument checks read back a few bytes per call
+// (offsets, an error flag) that are not counted here; docs/engine.md lists them.
+struct TransferBytes {
+  uint64_t to_device = 0;
+  uint64_t to_host = 0;
+  // Wall seconds of the final copy of a device compression's result to the host (after its
+  // kernels are done), so callers can tell the device work from the download.
+  double to_host_seconds = 0;
+};
+
 struct CompressOptions {
   // Called once per (layer, kv head) with the tokens it evicted (after selection, before the
   // moment stage). Optional; default none.
@@ -68,9 +79,16 @@ struct CompressOptions {
   // needed when policy.value_codec is not none (FailedPrecondition without it); its layers, kv
   // heads and head_dim must be the cache's. The cache records its version. Default none.
   std::shared_ptr<const Projection> projection;
+  // When set, the bytes Compress copies between host and device are added to it. Default none.
+  TransferBytes* transfers = nullptr;
 };
 
-// Compresses a whole sequence at once. InvalidArgument for bad input (see KvCacheView::Validate,
+// Compresses a whole sequence at once. On a device backend the whole compression stays on the
+// device: host inputs are copied in layer by layer (device inputs are read in place), kept
+// tokens, positions and moments are written into whole-cache arrays in device memory, and the
+// result is copied to the host once at the end (a few bytes of kept counts first, then every
+// section); nothing of a layer returns to the host before that. The moment-aware rescoring
+// (policy.moment_aware) and the KVSplice codec stage still run their host parts as before. InvalidArgument for bad input (see KvCacheView::Validate,
 // CompressionPolicy::Validate, NaN/Inf keys, a budget of zero, snapkv without queries).
 // Unimplemented for codecs not yet available. policy.block_size is ignored here (BlockCompressor).
 absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& cache,
@@ -123,6 +141,70 @@ class BlockCompressor {
   virtual uint64_t tokens_seen(uint32_t layer) const = 0;
   // The most tokens any head of any layer held at once (the memory bound tests check).
   virtual uint64_t peak_tokens_per_head() const = 0;
+};
+
+// ---- Device staging: a put's K and V copied to the device once, as its blocks arrive ----
+
+// Host-to-device copies for one CUDA device, on a stream of its own, through a ring of
+// page-locked staging buffers: Upload copies the host bytes into a free staging buffer and
+// queues its copy to the device, so the caller may reuse its memory on return while the DMA of
+// earlier pieces overlaps the next host copy. One uploader serves every put of an engine.
+//
+// Thread-safe (calls are serialised inside).
+class DeviceUploader {
+ public:
+  // For CUDA device `device`; FailedPrecondition when it is absent (or this build has no
+  // CUDA). `chunk_bytes` x `chunks` of page-locked memory are allocated once, here.
+  static absl::StatusOr<std::unique_ptr<DeviceUploader>> Create(int device,
+                                                                size_t chunk_bytes = 8 << 20,
+                                                                int chunks = 4);
+  virtual ~DeviceUploader() = default;
+
+  // Copies `height` rows of `width` bytes from host `src` (rows `src_pitch` bytes apart) to
+  // device `dst` (rows `dst_pitch` apart). Returns once `src` may be reused; the device copy
+  // completes in the uploader's stream order.
+  virtual absl::Status Upload2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                                size_t width, size_t height) = 0;
+  // The same for a source in device memory of the same device (no staging).
+  virtual absl::Status Copy2DOnDevice(void* dst, size_t dst_pitch, const void* src,
+                                      size_t src_pitch, size_t width, size_t height) = 0;
+  // `consumer`'s stream waits for every copy issued so far (an event; the host does not wait).
+  virtual absl::Status OrderBefore(Backend& consumer) = 0;
+  // Device memory allocated and freed in the uploader's stream order.
+  virtual Allocator& allocator() = 0;
+  // Host-to-device bytes copied since creation.
+  virtual uint64_t uploaded_bytes() const = 0;
+};
+
+// One sequence's K and V in device memory, [layer][K, V][kv head][token][head_dim] in the
+// layout's dtype, filled part by part (any order, each (layer, part, token range) once) by
+// the owner of a put. View() is the KvCacheView Compress reads in place.
+//
+// Entry points for a put's blocks: AddHost for blocks received into host memory (one upload,
+// staged), AddDevice for blocks already in device memory of the uploader's device (one copy on
+// the device, nothing crosses to the host). Not thread-safe: the owner serialises calls.
+class DeviceKv {
+ public:
+  // ResourceExhausted when the device has no room for layout.CacheBytes(num_tokens).
+  static absl::StatusOr<std::unique_ptr<DeviceKv>> Create(DeviceUploader& uploader,
+                                                          const KvLayout& layout,
+                                                          uint64_t num_tokens);
+  virtual ~DeviceKv() = default;
+
+  // Copies `src` ([num_kv_heads, t, head_dim] of layout.dtype, rows dense along head_dim) into
+  // `layer`'s keys (values when `values`), tokens [token_begin, token_begin + t).
+  // InvalidArgument when it does not fit the layout or the memory space is wrong.
+  virtual absl::Status AddHost(uint32_t layer, bool values, uint64_t token_begin,
+                               const HeadsView& src) = 0;
+  virtual absl::Status AddDevice(uint32_t layer, bool values, uint64_t token_begin,
+                                 const HeadsView& src) = 0;
+  // Orders `consumer` after every copy so far and returns the device view of the whole cache.
+  // The consumer's stream must be done with the view before this object is destroyed (Compress
+  // synchronises before it returns).
+  virtual absl::StatusOr<KvCacheView> View(Backend& consumer) = 0;
+  // Host-to-device bytes this sequence's parts cost (0 for AddDevice).
+  virtual uint64_t uploaded_bytes() const = 0;
+  virtual uint64_t device_bytes() const = 0;
 };
 
 }  // namespace kvcomp

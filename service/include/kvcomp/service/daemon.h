@@ -52,6 +52,9 @@ class Daemon {
   virtual absl::Status ReloadTokens() = 0;
   // Periodic housekeeping (token file mtime check); call about once a second.
   virtual void Tick() = 0;
+  // True once the compression engine has failed (a sticky GPU error): the daemon is draining
+  // and not ready; the caller shuts it down and exits non-zero for its supervisor to restart it.
+  virtual bool failed() const { return false; }
 };
 
 }  // namespace service

@@ -48,7 +48,7 @@ inline constexpr char kDiskReserveBytes[] = "kvcomp_disk_reserve_bytes";
 // --- latency ---
 // Histogram, label {op} = put | get | lookup | delete: one request end to end in the daemon.
 inline constexpr char kOperationDurationSeconds[] = "kvcomp_operation_duration_seconds";
-// Histogram, label {stage} = receive | compress | store | serve.
+// Histogram, label {stage} = receive | compress | download | store | serve.
 inline constexpr char kStageDurationSeconds[] = "kvcomp_stage_duration_seconds";
 
 // --- pipeline and errors ---
@@ -84,6 +84,12 @@ inline constexpr char kProjections[] = "kvcomp_projections";
 inline constexpr char kProjectionsDeletedTotal[] = "kvcomp_projections_deleted_total";
 // Counter: seconds of GPU work spent compressing and decoding (0 without a GPU).
 inline constexpr char kGpuSecondsTotal[] = "kvcomp_gpu_seconds_total";
+// Counter: bytes the data path copied from host memory to the GPU (a put's blocks staged once,
+// a cache placed in the GPU tier; 0 without a GPU).
+inline constexpr char kH2dBytesTotal[] = "kvcomp_h2d_bytes_total";
+// Counter: bytes the data path copied from the GPU to host memory (a compressed cache on its
+// way to the store, a get served from the GPU tier; 0 without a GPU).
+inline constexpr char kD2hBytesTotal[] = "kvcomp_d2h_bytes_total";
 
 // --- process ---
 // Gauge: 1 when the daemon takes new work (stores open, listeners up, not draining), else 0.

@@ -25,7 +25,8 @@ namespace kvcomp {
 namespace service {
 
 enum class Op { kPut, kGet, kLookup, kDelete };
-enum class Stage { kReceive, kCompress, kStore, kServe };
+// kDownload: a GPU engine's one copy of a compressed cache to host memory (not in kCompress).
+enum class Stage { kReceive, kCompress, kStore, kServe, kDownload };
 absl::string_view OpName(Op op);       // "put", "get", "lookup", "delete"
 absl::string_view StageName(Stage s);  // "receive", "compress", "store", "serve"
 // The {code} label of kvcomp_errors_total: "busy" for BusyError, else absl's code in snake
@@ -66,6 +67,8 @@ class Metrics {
   // Raises kvcomp_control_connections_closed_total{reason} ("limit" or "idle") to `total`.
   void AdvanceControlConnectionsClosed(absl::string_view reason, uint64_t total);
   void AddGpuSeconds(double seconds);
+  // Bytes copied host -> GPU and GPU -> host by the data path.
+  void AddTransferBytes(uint64_t to_device, uint64_t to_host);
   void SetQueueDepth(int64_t depth);
   void SetPutsInProgress(int64_t puts);
   void SetReady(bool ready);

@@ -114,6 +114,10 @@ struct EngineOptions {
   int cpu_threads = 0;           // threads of each CPU backend; 0 = hardware threads / workers
   int workers = 2;               // compression workers (each owns a backend). 2
   uint32_t queue_capacity = 16;  // committed puts waiting for a worker; full = busy. 16
+  // GPU memory the engine's puts may hold at once (a put's K and V on the device plus its
+  // compressed arrays); a put that would exceed it is refused with RESOURCE_EXHAUSTED before
+  // any of its blocks is received. 0 = no cap (the device's own memory is the limit). Default 0.
+  uint64_t gpu_memory_bytes = 0;
 };
 
 // The tiered store (kvcomp/storage/options.h). RocksDB lives in <data_dir>/rocksdb, the

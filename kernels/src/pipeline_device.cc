@@ -1,0 +1,364 @@
+// Device staging of a put (pipeline.h: DeviceUploader, DeviceKv). With CUDA: a ring of
+// page-locked buffers and a stream of the uploader's own; without it, FailedPrecondition.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/kernels/allocator.h"
+#include "kvcomp/kernels/pipeline.h"
+#include "pipeline_device.h"
+
+#if defined(KVCOMP_HAVE_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "cuda/cuda_status.h"
+#endif
+
+namespace kvcomp {
+
+#if defined(KVCOMP_HAVE_CUDA)
+namespace {
+
+// Device memory in the uploader's stream order.
+class UploadStreamAllocator final : public Allocator {
+ public:
+  UploadStreamAllocator(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  MemorySpace space() const override { return MemorySpace::kDevice; }
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t err = cudaMallocAsync(&p, bytes, stream_);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return CudaStatus(err, absl::StrCat("cudaMallocAsync(", bytes, " bytes)").c_str());
+    }
+    return p;
+  }
+  void Deallocate(void* ptr, size_t) override {
+    if (ptr == nullptr) return;
+    cudaSetDevice(device_);
+    cudaFreeAsync(ptr, stream_);
+  }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+};
+
+class CudaUploader final : public DeviceUploader {
+ public:
+  ~CudaUploader() override {
+    cudaSetDevice(device_);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    for (Chunk& c : chunks_) {
+      if (c.event != nullptr) cudaEventDestroy(c.event);
+      if (c.host != nullptr) cudaFreeHost(c.host);
+    }
+    if (fence_ != nullptr) cudaEventDestroy(fence_);
+    alloc_.reset();
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init(int device, size_t chunk_bytes, int chunks) {
+    device_ = device;
+    chunk_bytes_ = chunk_bytes;
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fence_, cudaEventDisableTiming));
+    chunks_.resize(static_cast<size_t>(std::max(1, chunks)));
+    for (Chunk& c : chunks_) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMallocHost(&c.host, chunk_bytes_));
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.event, cudaEventDisableTiming));
+    }
+    alloc_ = std::make_unique<UploadStreamAllocator>(device_, stream_);
+    return absl::OkStatus();
+  }
+
+  absl::Status Upload2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                        size_t width, size_t height) override {
+    if (width == 0 || height == 0) return absl::OkStatus();
+    if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("upload: null pointer");
+    absl::MutexLock lock(&mu_);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    auto* d = static_cast<uint8_t*>(dst);
+    const auto* s = static_cast<const uint8_t*>(src);
+    if (width > chunk_bytes_) {  // rows larger than a staging buffer: piece by piece
+      for (size_t r = 0; r < height; ++r) {
+        for (size_t off = 0; off < width; off += chunk_bytes_) {
+          const size_t n = std::min(chunk_bytes_, width - off);
+          KVCOMP_RETURN_IF_ERROR(StageLocked(d + r * dst_pitch + off, 0, s + r * src_pitch + off,
+                                             0, n, 1));
+        }
+      }
+      return absl::OkStatus();
+    }
+    const size_t rows_per_chunk = chunk_bytes_ / width;
+    for (size_t r = 0; r < height; r += rows_per_chunk) {
+      const size_t rows = std::min(rows_per_chunk, height - r);
+      KVCOMP_RETURN_IF_ERROR(
+          StageLocked(d + r * dst_pitch, dst_pitch, s + r * src_pitch, src_pitch, width, rows));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Copy2DOnDevice(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                              size_t width, size_t height) override {
+    if (width == 0 || height == 0) return absl::OkStatus();
+    absl::MutexLock lock(&mu_);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
+                                                  cudaMemcpyDeviceToDevice, stream_));
+    return absl::OkStatus();
+  }
+
+  absl::Status OrderBefore(Backend& consumer) override {
+    auto* other = static_cast<cudaStream_t>(consumer.native_stream());
+    if (other == nullptr) return absl::InvalidArgumentError("upload: consumer is not a CUDA backend");
+    absl::MutexLock lock(&mu_);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventRecord(fence_, stream_));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(other, fence_, 0));
+    return absl::OkStatus();
+  }
+
+  // The uploader's stream waits for `other`'s work so far (before memory it read is freed).
+  void WaitFor(cudaStream_t other) {
+    absl::MutexLock lock(&mu_);
+    cudaSetDevice(device_);
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      cudaStreamSynchronize(other);
+      return;
+    }
+    cudaEventRecord(e, other);
+    cudaStreamWaitEvent(stream_, e, 0);
+    cudaEventDestroy(e);
+  }
+
+  Allocator& allocator() override { return *alloc_; }
+  uint64_t uploaded_bytes() const override {
+    absl::MutexLock lock(&mu_);
+    return uploaded_;
+  }
+  int device() const { return device_; }
+
+ private:
+  struct Chunk {
+    void* host = nullptr;
+    cudaEvent_t event = nullptr;
+  };
+
+  // One piece that fits a staging buffer: packed after the previous pieces of the current
+  // buffer, or at the start of the next one once that buffer's earlier copies are done; its
+  // copy is queued at once.
+  absl::Status StageLocked(uint8_t* dst, size_t dst_pitch, const uint8_t* src, size_t src_pitch,
+                           size_t width, size_t rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t bytes = width * rows;
+    if (fill_ == 0 || fill_ + bytes > chunk_bytes_) {
+      next_ = (next_ + 1) % chunks_.size();
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(chunks_[next_].event));
+      fill_ = 0;
+    }
+    Chunk& c = chunks_[next_];
+    auto* h = static_cast<uint8_t*>(c.host) + fill_;
+    fill_ += (bytes + 255) / 256 * 256;
+    if (rows == 1 || src_pitch == width) {
+      std::memcpy(h, src, width * rows);
+    } else {
+      for (size_t r = 0; r < rows; ++r) std::memcpy(h + r * width, src + r * src_pitch, width);
+    }
+    if (rows == 1) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(dst, h, width, cudaMemcpyHostToDevice, stream_));
+    } else {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, dst_pitch, h, width, width, rows,
+                                                    cudaMemcpyHostToDevice, stream_));
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventRecord(c.event, stream_));
+    uploaded_ += width * rows;
+    return absl::OkStatus();
+  }
+
+  int device_ = 0;
+  size_t chunk_bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t fence_ = nullptr;
+  std::unique_ptr<Allocator> alloc_;
+  mutable absl::Mutex mu_;
+  std::vector<Chunk> chunks_ ABSL_GUARDED_BY(mu_);
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;  // the buffer being filled
+  size_t fill_ ABSL_GUARDED_BY(mu_) = 0;  // its bytes in use (0: take the next buffer)
+  uint64_t uploaded_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class CudaDeviceKv final : public DeviceKv {
+ public:
+  CudaDeviceKv(CudaUploader* uploader, const KvLayout& layout, uint64_t n, Buffer memory)
+      : uploader_(uploader), layout_(layout), n_(n), memory_(std::move(memory)) {}
+  ~CudaDeviceKv() override {
+    // Compress synchronises its stream before it returns; a consumer that failed half-way may
+    // still have kernels queued: the memory is freed after them.
+    if (consumer_ != nullptr) uploader_->WaitFor(consumer_);
+  }
+
+  absl::Status AddHost(uint32_t layer, bool values, uint64_t token_begin,
+                       const HeadsView& src) override {
+    KVCOMP_RETURN_IF_ERROR(Check(layer, token_begin, src, MemorySpace::kHost));
+    const uint64_t before = uploader_->uploaded_bytes();
+    KVCOMP_RETURN_IF_ERROR(Copy(layer, values, token_begin, src, /*host=*/true));
+    uploaded_ += uploader_->uploaded_bytes() - before;
+    return absl::OkStatus();
+  }
+  absl::Status AddDevice(uint32_t layer, bool values, uint64_t token_begin,
+                         const HeadsView& src) override {
+    KVCOMP_RETURN_IF_ERROR(Check(layer, token_begin, src, MemorySpace::kDevice));
+    return Copy(layer, values, token_begin, src, /*host=*/false);
+  }
+
+  absl::StatusOr<KvCacheView> View(Backend& consumer) override {
+    KVCOMP_RETURN_IF_ERROR(uploader_->OrderBefore(consumer));
+    consumer_ = static_cast<cudaStream_t>(consumer.native_stream());
+    KvCacheView v;
+    v.layout = layout_;
+    v.num_tokens = n_;
+    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      v.keys.push_back(HeadsView::Dense(Part(l, false), layout_.dtype, layout_.num_kv_heads, n_,
+                                        layout_.head_dim, MemorySpace::kDevice));
+      v.values.push_back(HeadsView::Dense(Part(l, true), layout_.dtype, layout_.num_kv_heads, n_,
+                                          layout_.head_dim, MemorySpace::kDevice));
+    }
+    return v;
+  }
+  uint64_t uploaded_bytes() const override { return uploaded_; }
+  uint64_t device_bytes() const override { return memory_.size(); }
+
+ private:
+  size_t Row() const { return layout_.head_dim * DTypeBytes(layout_.dtype, 1); }
+  uint8_t* Part(uint32_t layer, bool values) const {
+    const uint64_t part = uint64_t{layout_.num_kv_heads} * n_ * Row();
+    return memory_.as<uint8_t>() + (uint64_t{layer} * 2 + (values ? 1 : 0)) * part;
+  }
+  absl::Status Check(uint32_t layer, uint64_t token_begin, const HeadsView& src,
+                     MemorySpace space) const {
+    if (layer >= layout_.num_layers || src.data == nullptr || src.space != space ||
+        src.dtype != layout_.dtype || src.num_heads != layout_.num_kv_heads ||
+        src.head_dim != layout_.head_dim || src.num_tokens == 0 ||
+        token_begin + src.num_tokens > n_ || src.token_stride < src.head_dim) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "device staging: a part of layer %u, tokens %u..%u, does not fit the put", layer,
+          token_begin, token_begin + src.num_tokens));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Copy(uint32_t layer, bool values, uint64_t token_begin, const HeadsView& src,
+                    bool host) {
+    const size_t es = DTypeBytes(layout_.dtype, 1);
+    const size_t row = Row();
+    uint8_t* base = Part(layer, values) + token_begin * row;
+    const auto* s = static_cast<const uint8_t*>(src.data);
+    const bool dense_tokens = src.token_stride == src.head_dim;
+    for (uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+      uint8_t* d = base + uint64_t{h} * n_ * row;
+      const uint8_t* from = s + src.offset(h, 0) * es;
+      // A head's tokens: one run when dense, else one row per token.
+      const size_t width = dense_tokens ? src.num_tokens * row : row;
+      const size_t height = dense_tokens ? 1 : src.num_tokens;
+      const size_t spitch = dense_tokens ? width : src.token_stride * es;
+      const size_t dpitch = dense_tokens ? width : row;
+      KVCOMP_RETURN_IF_ERROR(host ? uploader_->Upload2D(d, dpitch, from, spitch, width, height)
+                                  : uploader_->Copy2DOnDevice(d, dpitch, from, spitch, width,
+                                                              height));
+    }
+    return absl::OkStatus();
+  }
+
+  CudaUploader* const uploader_;
+  const KvLayout layout_;
+  const uint64_t n_;
+  Buffer memory_;
+  uint64_t uploaded_ = 0;
+  cudaStream_t consumer_ = nullptr;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceUploader>> DeviceUploader::Create(int device,
+                                                                       size_t chunk_bytes,
+                                                                       int chunks) {
+  if (chunk_bytes == 0) return absl::InvalidArgumentError("device staging: zero chunk size");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat("device staging: CUDA device ", device, " absent"));
+  }
+  auto up = std::make_unique<CudaUploader>();
+  KVCOMP_RETURN_IF_ERROR(up->Init(device, chunk_bytes, chunks));
+  return std::unique_ptr<DeviceUploader>(std::move(up));
+}
+
+namespace pipeline_internal {
+
+absl::Status ZeroDevice(Backend& backend, void* dst, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  KVCOMP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(dst, 0, bytes, static_cast<cudaStream_t>(backend.native_stream())));
+  return absl::OkStatus();
+}
+
+absl::Status DownloadAsync(void* stream, void* dst, const void* src, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost,
+                                              static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+}  // namespace pipeline_internal
+
+absl::StatusOr<std::unique_ptr<DeviceKv>> DeviceKv::Create(DeviceUploader& uploader,
+                                                           const KvLayout& layout,
+                                                           uint64_t num_tokens) {
+  KVCOMP_RETURN_IF_ERROR(layout.Validate());
+  if (num_tokens == 0) return absl::InvalidArgumentError("device staging: zero tokens");
+  auto* up = static_cast<CudaUploader*>(&uploader);
+  KVCOMP_ASSIGN_OR_RETURN(Buffer memory,
+                          Buffer::Allocate(up->allocator(), layout.CacheBytes(num_tokens)));
+  return std::unique_ptr<DeviceKv>(new CudaDeviceKv(up, layout, num_tokens, std::move(memory)));
+}
+
+#else  // no CUDA
+
+namespace pipeline_internal {
+
+absl::Status ZeroDevice(Backend&, void*, uint64_t) {
+  return absl::FailedPreconditionError("this build has no CUDA");
+}
+absl::Status DownloadAsync(void*, void*, const void*, uint64_t) {
+  return absl::FailedPreconditionError("this build has no CUDA");
+}
+absl::Status LaunchEvictedLists(void*, const uint32_t*, const uint32_t*, uint32_t, uint64_t,
+                                uint64_t*, uint64_t*, uint32_t*) {
+  return absl::FailedPreconditionError("this build has no CUDA");
+}
+
+}  // namespace pipeline_internal
+
+absl::StatusOr<std::unique_ptr<DeviceUploader>> DeviceUploader::Create(int, size_t, int) {
+  return absl::FailedPreconditionError("device staging: this build has no CUDA");
+}
+
+absl::StatusOr<std::unique_ptr<DeviceKv>> DeviceKv::Create(DeviceUploader&, const KvLayout&,
+                                                           uint64_t) {
+  return absl::FailedPreconditionError("device staging: this build has no CUDA");
+}
+
+#endif  // KVCOMP_HAVE_CUDA
+
+}  // namespace kvcomp

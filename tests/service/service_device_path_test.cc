@@ -1,0 +1,428 @@
+// kvcompd's device-resident put path, in-process on a GPU (label gpu): an Engine on the CUDA
+// backend, a CacheRepository over a real TieredStore (host tier or GPU tier, RocksDB in a
+// temporary directory) and a CacheService, puts handed in as BlockData. Checks the bytes that
+// cross between host and device per put (one upload of the blocks, one download of the
+// compressed cache), the result against the CPU twin, the GPU memory cap, device-memory blocks,
+// and the engine's failure on a (injected) sticky error.
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "cache_repository.h"
+#include "cache_service.h"
+#include "common/gpu.h"
+#include "engine.h"
+#include "gtest/gtest.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/pipeline.h"
+#include "kvcomp/service/metrics.h"
+#include "kvcomp/storage/tiered_store.h"
+#include "kvsplice_glue.h"
+#include "put.h"
+
+namespace kvcomp {
+namespace service {
+namespace {
+
+KVCOMP_GPU_TEST_BINARY();
+
+const KvLayout kLayout{4, 4, 8, 128, DType::kF32};
+constexpr uint64_t kTokens = 512;
+
+// K and V, [layer][head][token][dim] each.
+struct Tensor {
+  std::vector<float> keys, values;
+  explicit Tensor(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> n(0.f, 1.f);
+    const size_t count =
+        size_t{kLayout.num_layers} * kLayout.num_kv_heads * kTokens * kLayout.head_dim;
+    keys.resize(count);
+    values.resize(count);
+    for (float& x : keys) x = n(rng);
+    for (float& x : values) x = n(rng);
+  }
+  const float* at(const std::vector<float>& t, uint32_t l, uint32_t h, uint64_t tok) const {
+    return t.data() + ((uint64_t{l} * kLayout.num_kv_heads + h) * kTokens + tok) * kLayout.head_dim;
+  }
+  KvCacheView View() const {
+    KvCacheView v;
+    v.layout = kLayout;
+    v.num_tokens = kTokens;
+    for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+      v.keys.push_back(HeadsView::Dense(at(keys, l, 0, 0), kLayout.dtype, kLayout.num_kv_heads,
+                                        kTokens, kLayout.head_dim));
+      v.values.push_back(HeadsView::Dense(at(values, l, 0, 0), kLayout.dtype,
+                                          kLayout.num_kv_heads, kTokens, kLayout.head_dim));
+    }
+    return v;
+  }
+};
+
+// Layers [l0, l1) x tokens [t0, t1), in host memory of its own as a put's block lays them out.
+BlockData MakeBlock(const Tensor& x, uint32_t l0, uint32_t l1, uint64_t t0, uint64_t t1) {
+  const uint64_t n = t1 - t0;
+  const uint32_t H = kLayout.num_kv_heads, D = kLayout.head_dim;
+  auto buf = std::make_shared<std::vector<float>>(2 * size_t{l1 - l0} * H * n * D);
+  float* k = buf->data();
+  float* v = k + size_t{l1 - l0} * H * n * D;
+  BlockData b;
+  b.layer_begin = l0;
+  b.layer_end = l1;
+  b.token_begin = t0;
+  b.token_end = t1;
+  for (uint32_t l = l0; l < l1; ++l) {
+    float* kl = k + size_t{l - l0} * H * n * D;
+    float* vl = v + size_t{l - l0} * H * n * D;
+    for (uint32_t h = 0; h < H; ++h) {
+      std::copy(x.at(x.keys, l, h, t0), x.at(x.keys, l, h, t0) + n * D, kl + h * n * D);
+      std::copy(x.at(x.values, l, h, t0), x.at(x.values, l, h, t0) + n * D, vl + h * n * D);
+    }
+    b.keys.push_back(HeadsView::Dense(kl, kLayout.dtype, H, n, D));
+    b.values.push_back(HeadsView::Dense(vl, kLayout.dtype, H, n, D));
+  }
+  b.bytes = 2 * size_t{l1 - l0} * H * n * D * sizeof(float);
+  b.memory = buf;
+  return b;
+}
+
+#if defined(KVCOMP_HAVE_CUDA)
+// The same block in device memory (what a GPU-to-GPU channel hands over).
+BlockData ToDevice(BlockData b) {
+  void* dev = nullptr;
+  if (cudaMalloc(&dev, b.bytes) != cudaSuccess) return BlockData{};
+  const auto* host = static_cast<const float*>(b.keys[0].data);
+  cudaMemcpy(dev, host, b.bytes, cudaMemcpyHostToDevice);
+  const auto* base = static_cast<const uint8_t*>(dev);
+  for (auto* part : {&b.keys, &b.values}) {
+    for (HeadsView& v : *part) {
+      v.data = base + (static_cast<const uint8_t*>(v.data) - reinterpret_cast<const uint8_t*>(host));
+      v.space = MemorySpace::kDevice;
+    }
+  }
+  b.memory = std::shared_ptr<void>(dev, [](void* p) { cudaFree(p); });
+  return b;
+}
+#endif
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string t = (std::filesystem::temp_directory_path() / "kvcomp_device_XXXXXX").string();
+    path_ = mkdtemp(t.data()) != nullptr ? t : std::string();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+class DevicePathTest : public ::testing::Test {
+ protected:
+  void Start(storage::TierKind tier, uint64_t gpu_cap = 0) {
+    ASSERT_FALSE(dir_.path().empty());
+    storage::StoreOptions so;
+    so.host.enabled = true;
+    so.host.capacity_bytes = 256 << 20;
+    so.device.enabled = tier == storage::TierKind::kDevice;
+    so.device.capacity_bytes = 256 << 20;
+    so.rocksdb.enabled = true;
+    so.rocksdb.path = dir_.path() + "/rocksdb";
+    so.rocksdb.capacity_bytes = 1 << 30;
+    so.rocksdb.reserve_bytes = 1;
+    auto store = storage::TieredStore::Open(so);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    metrics_ = std::make_unique<Metrics>("test", "cuda");
+    projections_ = std::make_unique<StoreProjections>(store_.get());
+    EngineOptions eo;
+    eo.backend = "cuda";
+    eo.workers = 1;
+    eo.gpu_memory_bytes = gpu_cap;
+    auto engine = Engine::Create(eo);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = std::move(*engine);
+    ASSERT_NE(engine_->uploader(), nullptr);
+    RepositoryOptions ro;
+    ro.durability = storage::Durability::kMemory;
+    ro.put_tier = static_cast<int>(tier);
+    repository_ =
+        std::make_unique<CacheRepository>(ro, store_.get(), projections_.get(), metrics_.get());
+    ServiceOptions svo;
+    svo.max_put_bytes = 1 << 30;
+    service_ =
+        std::make_unique<CacheService>(svo, engine_.get(), repository_.get(), metrics_.get());
+  }
+  void TearDown() override {
+    if (service_) service_->Shutdown();
+    service_.reset();
+    repository_.reset();
+    engine_.reset();
+    store_.reset();
+  }
+
+  static CompressionPolicy Policy() {
+    CompressionPolicy p;
+    p.scorer = Scorer::kManifold;
+    p.ratio = 0.5;
+    p.moments = true;
+    return p;
+  }
+  absl::StatusOr<PutRequest> Request(const std::string& key) {
+    return PutRequest::Make(CacheKey{"alice", "m", key}, kLayout, kTokens, Policy(), false);
+  }
+  absl::Status Add(OpenPut& put, BlockData block) {
+    absl::Status out = absl::UnknownError("not done");
+    put.AddBlock(std::move(block), [&](absl::Status s) { out = s; });
+    return out;
+  }
+  absl::StatusOr<CacheSummary> Commit(OpenPut& put) {
+    absl::StatusOr<CacheSummary> out = absl::UnknownError("not done");
+    absl::Notification done;
+    put.Commit([&](absl::StatusOr<CacheSummary> r) {
+      out = std::move(r);
+      done.Notify();
+    });
+    done.WaitForNotification();
+    return out;
+  }
+  // The whole tensor in blocks of two layers x 128 tokens, out of order.
+  absl::StatusOr<CacheSummary> PutCache(const std::string& key, const Tensor& x,
+                                        bool device_blocks = false) {
+    KVCOMP_ASSIGN_OR_RETURN(PutRequest r, Request(key));
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<OpenPut> put, service_->BeginPut(std::move(r)));
+    for (uint64_t t0 = kTokens; t0 > 0; t0 -= 128) {
+      for (uint32_t l = 0; l < kLayout.num_layers; l += 2) {
+        BlockData b = MakeBlock(x, l, l + 2, t0 - 128, t0);
+#if defined(KVCOMP_HAVE_CUDA)
+        if (device_blocks) b = ToDevice(std::move(b));
+#endif
+        KVCOMP_RETURN_IF_ERROR(Add(*put, std::move(b)));
+      }
+    }
+    return Commit(*put);
+  }
+  absl::StatusOr<CompressedCache> Stored(const std::string& key) {
+    absl::StatusOr<storage::Payload> out = absl::UnknownError("not done");
+    absl::Notification done;
+    service_->Get(CacheKey{"alice", "m", key}, Representation::kStored,
+                  [&](absl::StatusOr<storage::Payload> r) {
+                    out = std::move(r);
+                    done.Notify();
+                  });
+    done.WaitForNotification();
+    if (!out.ok()) return out.status();
+    return format::ParseCache(out->view());
+  }
+  // What the one download of a cache with moments and raw codecs carries.
+  static uint64_t DownloadBytes(uint64_t total_kept) {
+    const uint64_t heads = uint64_t{kLayout.num_layers} * kLayout.num_kv_heads;
+    const uint64_t d = kLayout.head_dim, row = d * sizeof(float);
+    return heads * 4 + total_kept * (4 + 2 * row) + heads * (8 + 2 * d * 4 + d * d * 4);
+  }
+
+  TempDir dir_;
+  std::unique_ptr<storage::TieredStore> store_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<StoreProjections> projections_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<CacheRepository> repository_;
+  std::unique_ptr<CacheService> service_;
+};
+
+// Compress on the device (inputs in device memory, as the daemon hands them) against the CPU
+// twin for the policies whose per-layer totals and evicted sets it computes on the device.
+TEST(CompressOnDevice, AgreesWithTheCpuTwin) {
+  Tensor x(3);
+  auto cpu = MakeCpuBackend(CpuBackendOptions{2});
+  auto gpu = MakeCudaBackend();
+  ASSERT_TRUE(cpu.ok() && gpu.ok());
+  auto uploader = DeviceUploader::Create(0);
+  ASSERT_TRUE(uploader.ok()) << uploader.status();
+  auto kv = DeviceKv::Create(**uploader, kLayout, kTokens);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  const KvCacheView host = x.View();
+  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+    ASSERT_TRUE((*kv)->AddHost(l, false, 0, host.keys[l]).ok());
+    ASSERT_TRUE((*kv)->AddHost(l, true, 0, host.values[l]).ok());
+  }
+  EXPECT_EQ((*kv)->uploaded_bytes(), kLayout.CacheBytes(kTokens));
+  auto device = (*kv)->View(**gpu);
+  ASSERT_TRUE(device.ok());
+  std::vector<CompressionPolicy> policies(4);
+  policies[0].scorer = Scorer::kManifold;
+  policies[0].moments = true;
+  policies[1].scorer = Scorer::kKnorm;
+  policies[1].head_budget = HeadBudget::kAdaKV;
+  policies[1].moments = true;
+  policies[2].scorer = Scorer::kKeyDiff;
+  policies[2].moments = false;
+  policies[3].scorer = Scorer::kManifold;
+  policies[3].moments = true;
+  policies[3].ratio = 0.75;
+  for (const CompressionPolicy& p : policies) {
+    SCOPED_TRACE(p.DebugString());
+    TransferBytes moved;
+    CompressOptions o;
+    o.transfers = &moved;
+    absl::StatusOr<CompressedCache> g = Compress(**gpu, *device, p, o);
+    absl::StatusOr<CompressedCache> c = Compress(**cpu, host, p);
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(moved.to_device, 0u);  // inputs already on the device
+    EXPECT_EQ(g->kept, c->kept);
+    ASSERT_EQ(g->positions.size(), c->positions.size());
+    uint64_t same = 0;
+    for (size_t i = 0; i < c->positions.size(); ++i) same += g->positions[i] == c->positions[i];
+    EXPECT_GE(same, c->positions.size() * 99 / 100);
+    EXPECT_EQ(g->has_moments, c->has_moments);
+    EXPECT_EQ(g->moment_count, c->moment_count);
+    EXPECT_TRUE(g->Validate().ok()) << g->Validate();
+    // An eviction hook sees the same evicted tokens through the host-list path.
+    uint64_t hooked = 0;
+    CompressOptions h;
+    h.on_evict = [&](const EvictedTokens& e) {
+      hooked += e.rows.size();
+      return absl::OkStatus();
+    };
+    absl::StatusOr<CompressedCache> gh = Compress(**gpu, *device, p, h);
+    ASSERT_TRUE(gh.ok()) << gh.status();
+    EXPECT_EQ(hooked, uint64_t{kLayout.num_layers} * kLayout.num_kv_heads * kTokens -
+                          gh->total_kept());
+    EXPECT_EQ(gh->moment_count, g->moment_count);
+  }
+}
+
+TEST_F(DevicePathTest, HostTierPutUploadsOnceDownloadsOnceAndMatchesTheCpu) {
+  Start(storage::TierKind::kHost);
+  Tensor x(7);
+  absl::StatusOr<CacheSummary> s = PutCache("k", x);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->tier, storage::TierKind::kHost);
+  // One upload of the blocks, one download of the compressed cache.
+  EXPECT_EQ(s->h2d_bytes, kLayout.CacheBytes(kTokens));
+  EXPECT_EQ(s->d2h_bytes, DownloadBytes(s->total_kept));
+  EXPECT_EQ(engine_->device_reserved_bytes(), 0u);
+
+  absl::StatusOr<CompressedCache> gpu = Stored("k");
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto cpu_backend = MakeCpuBackend(CpuBackendOptions{2});
+  ASSERT_TRUE(cpu_backend.ok());
+  absl::StatusOr<CompressedCache> cpu = Compress(**cpu_backend, x.View(), Policy());
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  ASSERT_EQ(gpu->kept, cpu->kept);
+  ASSERT_EQ(gpu->positions.size(), cpu->positions.size());
+  // The two backends sum in different orders: near-tied scores may swap at the threshold.
+  uint64_t same = 0;
+  for (size_t i = 0; i < cpu->positions.size(); ++i) same += gpu->positions[i] == cpu->positions[i];
+  EXPECT_GE(same, cpu->positions.size() * 99 / 100);
+  EXPECT_EQ(gpu->keys == cpu->keys, gpu->positions == cpu->positions);
+  ASSERT_TRUE(gpu->has_moments);
+  EXPECT_EQ(gpu->moment_count, cpu->moment_count);
+  double worst = 0;
+  for (size_t i = 0; i < cpu->moment_key_sum.size(); ++i) {
+    worst = std::max(worst, std::abs(double{gpu->moment_key_sum[i]} - cpu->moment_key_sum[i]));
+  }
+  EXPECT_LT(worst, 1e-2 * std::sqrt(double(kTokens)));
+}
+
+TEST_F(DevicePathTest, GpuTierPutKeepsTheCacheOnTheDeviceAndAGetCopiesItOnce) {
+  Start(storage::TierKind::kDevice);
+  Tensor x(8);
+  absl::StatusOr<CacheSummary> s = PutCache("k", x);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->tier, storage::TierKind::kDevice);
+  // The blocks once, then the encoded cache into the GPU tier's pool; the cache down once.
+  EXPECT_EQ(s->h2d_bytes, kLayout.CacheBytes(kTokens) + s->stored_bytes);
+  EXPECT_EQ(s->d2h_bytes, DownloadBytes(s->total_kept));
+  const std::string before = metrics_->Scrape();
+  absl::StatusOr<CompressedCache> got = Stored("k");
+  ASSERT_TRUE(got.ok()) << got.status();
+  const std::string after = metrics_->Scrape();
+  auto counter = [](const std::string& text, const std::string& name) {
+    const size_t at = text.find("\n" + name + " ");
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
+  };
+  EXPECT_NEAR(
+      counter(after, "kvcomp_d2h_bytes_total") - counter(before, "kvcomp_d2h_bytes_total"),
+      static_cast<double>(s->stored_bytes), 0.5);
+  EXPECT_EQ(counter(after, "kvcomp_h2d_bytes_total"), counter(before, "kvcomp_h2d_bytes_total"));
+}
+
+#if defined(KVCOMP_HAVE_CUDA)
+TEST_F(DevicePathTest, DeviceMemoryBlocksNeverCrossToTheHost) {
+  Start(storage::TierKind::kHost);
+  Tensor x(9);
+  absl::StatusOr<CacheSummary> dev = PutCache("dev", x, /*device_blocks=*/true);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  EXPECT_EQ(dev->h2d_bytes, 0u);
+  EXPECT_EQ(dev->d2h_bytes, DownloadBytes(dev->total_kept));
+  absl::StatusOr<CacheSummary> host = PutCache("host", x);
+  ASSERT_TRUE(host.ok()) << host.status();
+  absl::StatusOr<CompressedCache> a = Stored("dev"), b = Stored("host");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->positions, b->positions);
+  EXPECT_EQ(a->keys, b->keys);
+  EXPECT_EQ(a->values, b->values);
+}
+#endif
+
+TEST_F(DevicePathTest, APutBeyondTheGpuMemoryCapIsRefusedWithNothingKept) {
+  const uint64_t need = Engine::DeviceBytesForPut(kLayout, kTokens, true);
+  Start(storage::TierKind::kHost, /*gpu_cap=*/need + need / 2);
+  Tensor x(10);
+  auto r1 = Request("a");
+  auto r2 = Request("b");
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  absl::StatusOr<std::shared_ptr<OpenPut>> first = service_->BeginPut(*std::move(r1));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(engine_->device_reserved_bytes(), need);
+  // A second put would need more than the cap leaves: refused before any block.
+  absl::StatusOr<std::shared_ptr<OpenPut>> second = service_->BeginPut(*std::move(r2));
+  ASSERT_FALSE(second.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(second.status())) << second.status();
+  EXPECT_EQ(engine_->device_reserved_bytes(), need);
+  (*first)->Abort();
+  first->reset();
+  EXPECT_EQ(engine_->device_reserved_bytes(), 0u);
+  EXPECT_TRUE(absl::IsNotFound(Stored("b").status()));
+  // With the first put gone the same put fits.
+  absl::StatusOr<CacheSummary> ok = PutCache("b", x);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(engine_->device_reserved_bytes(), 0u);
+}
+
+TEST_F(DevicePathTest, AStickyErrorFailsTheEngineAndItTakesNoMorePuts) {
+  Start(storage::TierKind::kHost);
+  Tensor x(11);
+  ASSERT_TRUE(PutCache("before", x).ok());
+  engine_->InjectStickyFaultForTest();
+  absl::StatusOr<CacheSummary> s = PutCache("during", x);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(engine_->failed());
+  EXPECT_TRUE(absl::IsNotFound(Stored("during").status()));
+  auto r = Request("after");
+  ASSERT_TRUE(r.ok());
+  absl::StatusOr<std::shared_ptr<OpenPut>> after = service_->BeginPut(*std::move(r));
+  EXPECT_TRUE(absl::IsUnavailable(after.status())) << after.status();
+  // What was stored before stays served.
+  EXPECT_TRUE(Stored("before").ok());
+}
+
+}  // namespace
+}  // namespace service
+}  // namespace kvcomp
