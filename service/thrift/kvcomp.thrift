@@ -55,7 +55,9 @@ struct Layout {
   5: string dtype,  // "f32", "f16", "bf16"
 }
 
-// kvcomp::CompressionPolicy, field by field (enums by name, as in the YAML configuration).
+// kvcomp::CompressionPolicy, field by field (enums by name, as in the YAML configuration). Its
+// fields, ids and defaults follow core/include/kvcomp/core/policy_fields.def (ctest
+// policy_fields_check compares them; service/src/policy_rpc.cc maps them).
 struct Policy {
   1: string scorer = "manifold",
   2: double ratio = 0.5,
