@@ -3,6 +3,7 @@
 // device outputs, and the bytes that cross between host and device.
 #include <cmath>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "common/gpu.h"
@@ -36,11 +37,13 @@ class DecodeAttentionCudaTest : public ::testing::Test {
   }
 
   static std::vector<float> Attend(Decoder& decoder, const ResidentCache& rc, uint32_t layer,
-                                   const void* q, DType dtype, uint32_t q_heads, uint32_t nq) {
+                                   const void* q, DType dtype, uint32_t q_heads, uint32_t nq,
+                                   bool expand_in_attention = true) {
     std::vector<float> out(uint64_t{q_heads} * nq * rc.layout().head_dim, -1.0f);
     AttendParams p;
     p.queries = HeadsView::Dense(q, dtype, q_heads, nq, rc.layout().head_dim);
     p.layer = layer;
+    p.expand_in_attention = expand_in_attention;
     p.out = out.data();
     const absl::Status st = decoder.Attend(rc, p);
     EXPECT_TRUE(st.ok()) << st;
@@ -103,9 +106,53 @@ TEST_F(DecodeAttentionCudaTest, EncodedCacheMatchesDecodedFirst) {
   const uint32_t qh = dense.layout.num_q_heads, nq = 2, d = dense.layout.head_dim;
   const std::vector<float> q = testing::RandomQueries(qh, nq, d, 22);
   for (uint32_t layer = 0; layer < dense.layout.num_layers; ++layer) {
-    const std::vector<float> a = Attend(decoder, **enc, layer, q.data(), DType::kF32, qh, nq);
+    const std::vector<float> a =
+        Attend(decoder, **enc, layer, q.data(), DType::kF32, qh, nq, /*expand_in_attention=*/false);
     const std::vector<float> b = Attend(decoder, **raw, layer, q.data(), DType::kF32, qh, nq);
     for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 2e-3) << i;
+  }
+}
+
+// Attention over the latent codes on the device against its CPU twin (the same formula, fp32
+// sums in another order), for every value codec, f32 and bf16 queries, 1 and 5 queries per q
+// head, fresh random queries each run; and against the device's decode-first path.
+TEST_F(DecodeAttentionCudaTest, LatentAttentionMatchesCpu) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "query seed " << seed);
+  for (ValueCodec codec : {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                           ValueCodec::kOrthogonalInt4}) {
+    CompressionPolicy policy = caches_->encoded.policy;
+    policy.value_codec = codec;
+    CompressedCache enc = caches_->raw;
+    enc.policy = policy;
+    ASSERT_TRUE(EncodeKept(*cpu_, policy, caches_->projection.get(), &enc).ok());
+    ASSERT_FALSE(enc.raw_value_rows.empty());
+    auto on_cpu = ResidentCache::Place(*cpu_, enc, caches_->projection);
+    auto on_gpu = ResidentCache::Place(*gpu_, enc, caches_->projection);
+    ASSERT_TRUE(on_cpu.ok() && on_gpu.ok());
+    Decoder cd(*cpu_), gd(*gpu_);
+    for (uint32_t nq : {1u, 5u}) {
+      const uint32_t qh = enc.layout.num_q_heads, d = enc.layout.head_dim;
+      const std::vector<float> q = testing::RandomQueries(qh, nq, d, seed + nq);
+      std::vector<uint16_t> q16(q.size());
+      for (size_t i = 0; i < q.size(); ++i) StoreFromFloat(q16.data(), DType::kBF16, i, q[i]);
+      for (uint32_t layer = 0; layer < enc.layout.num_layers; ++layer) {
+        for (DType dt : {DType::kF32, DType::kBF16}) {
+          const void* qp = dt == DType::kF32 ? static_cast<const void*>(q.data()) : q16.data();
+          const std::vector<float> a = Attend(cd, **on_cpu, layer, qp, dt, qh, nq);
+          const std::vector<float> b = Attend(gd, **on_gpu, layer, qp, dt, qh, nq);
+          const std::vector<float> dense = Attend(gd, **on_gpu, layer, qp, dt, qh, nq, false);
+          double scale = 1e-6, worst = 0, vs_dense = 0;
+          for (float x : a) scale = std::max<double>(scale, std::abs(x));
+          for (size_t i = 0; i < a.size(); ++i) {
+            worst = std::max(worst, std::abs(double{a[i]} - b[i]) / scale);
+            vs_dense = std::max(vs_dense, std::abs(double{dense[i]} - b[i]) / scale);
+          }
+          EXPECT_LT(worst, 5e-4) << ValueCodecName(codec) << " layer " << layer << " nq " << nq;
+          EXPECT_LT(vs_dense, 2e-2) << ValueCodecName(codec) << " layer " << layer;
+        }
+      }
+    }
   }
 }
 
@@ -118,9 +165,13 @@ TEST_F(DecodeAttentionCudaTest, CacheIsUploadedOnce) {
   const CacheBytes b = c.Breakdown();
   const uint64_t sections =
       b.keys + b.key_scales + b.values + b.value_scales + b.raw_values + b.moments;
-  // Each section once, plus the per-layer row offsets.
-  EXPECT_GE((*rc)->transfers().host_to_device_bytes, sections);
-  EXPECT_LE((*rc)->transfers().host_to_device_bytes, sections + 1024);
+  // Each section once, plus the per-layer row offsets and expand matrices.
+  uint64_t expand = 0;
+  for (uint32_t l = 0; l < c.layout.num_layers; ++l) {
+    expand += uint64_t{c.layout.num_kv_heads} * c.LayerRank(l) * c.layout.head_dim * 4;
+  }
+  EXPECT_GE((*rc)->transfers().host_to_device_bytes, sections + expand);
+  EXPECT_LE((*rc)->transfers().host_to_device_bytes, sections + expand + 1024);
   Decoder decoder(*gpu_);
   const uint32_t qh = c.layout.num_q_heads, nq = 1, d = c.layout.head_dim;
   const std::vector<float> q = testing::RandomQueries(qh, nq, d, 23);

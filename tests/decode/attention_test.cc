@@ -1,9 +1,12 @@
 // kvcomp::decode on the CPU backend: attention over a placed cache against a float64 reference,
-// a KVSplice-encoded cache against the same cache decoded first, layer subsets, and bad input.
+// a KVSplice-encoded cache against the same cache decoded first (values expanded per token) and
+// attended over its latent codes (expanded once per query row) against a float64 reference of
+// the decoded values, layer subsets, and bad input.
 #include "kvcomp/decode/attention.h"
 
 #include <cmath>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "decode/decode_test_util.h"
@@ -30,12 +33,13 @@ class DecodeAttentionTest : public ::testing::Test {
 
   std::vector<float> Attend(Decoder& decoder, const ResidentCache& rc, uint32_t layer,
                             const std::vector<float>& q, uint32_t q_heads, uint32_t nq,
-                            bool correct) {
+                            bool correct, bool expand_in_attention = true) {
     std::vector<float> out(q.size(), -1.0f);
     AttendParams p;
     p.queries = HeadsView::Dense(q.data(), DType::kF32, q_heads, nq, rc.layout().head_dim);
     p.layer = layer;
     p.correct = correct;
+    p.expand_in_attention = expand_in_attention;
     p.out = out.data();
     const absl::Status st = decoder.Attend(rc, p);
     EXPECT_TRUE(st.ok()) << st;
@@ -91,7 +95,7 @@ TEST_F(DecodeAttentionTest, EncodedCacheMatchesDecodedFirst) {
   Decoder decoder(*cpu_);
   const std::vector<float> q = testing::RandomQueries(qh, nq, d, 4);
   for (uint32_t layer = 0; layer < enc.layout.num_layers; ++layer) {
-    const std::vector<float> got = Attend(decoder, **rc, layer, q, qh, nq, true);
+    const std::vector<float> got = Attend(decoder, **rc, layer, q, qh, nq, true, false);
     const std::vector<float> want = Attend(decoder, **rd, layer, q, qh, nq, true);
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_NEAR(got[i], want[i], 1e-5) << "layer " << layer << " element " << i;
@@ -110,6 +114,58 @@ TEST_F(DecodeAttentionTest, EncodedCacheMatchesDecodedFirst) {
     for (size_t i = 0; i < a.size(); ++i) diff = std::max<double>(diff, std::abs(a[i] - b[i]));
   }
   EXPECT_GT(diff, 1e-4);
+}
+
+// The fused form (attention over the latent codes, expand matrix applied once per query row)
+// against a float64 reference over the same cache decoded to f32 values (keys decoded as the
+// decoder decodes them, to the layout's dtype): every value codec, outliers in play, plain and
+// corrected, GQA, fresh random queries each run.
+TEST_F(DecodeAttentionTest, LatentAttentionMatchesExpandedReference) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "query seed " << seed);
+  for (ValueCodec codec : {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                           ValueCodec::kOrthogonalInt4}) {
+    CompressionPolicy policy = caches_->encoded.policy;
+    policy.value_codec = codec;
+    CompressedCache enc = caches_->raw;
+    enc.policy = policy;
+    ASSERT_TRUE(EncodeKept(*cpu_, policy, caches_->projection.get(), &enc).ok());
+    ASSERT_FALSE(enc.raw_value_rows.empty());
+    auto keys = DecodeKept(*cpu_, enc, caches_->projection.get(), enc.layout.dtype);
+    auto vals = DecodeKept(*cpu_, enc, caches_->projection.get(), DType::kF32);
+    ASSERT_TRUE(keys.ok() && vals.ok());
+    CompressedCache ref = testing::DecodedCopy(*cpu_, enc, caches_->projection.get());
+    ref.layout.dtype = DType::kF32;
+    const uint64_t elems = keys->keys.size() / 2;
+    ref.keys.resize(elems * 4);
+    for (uint64_t i = 0; i < elems; ++i) {
+      StoreFromFloat(ref.keys.data(), DType::kF32, i,
+                     LoadAsFloat(keys->keys.data(), enc.layout.dtype, i));
+    }
+    ref.values = vals->values;
+    ASSERT_TRUE(ref.Validate().ok()) << ref.Validate();
+    auto rc = ResidentCache::Place(*cpu_, enc, caches_->projection);
+    ASSERT_TRUE(rc.ok()) << rc.status();
+    Decoder decoder(*cpu_);
+    const uint32_t qh = enc.layout.num_q_heads, nq = 3, d = enc.layout.head_dim;
+    const std::vector<float> q = testing::RandomQueries(qh, nq, d, seed);
+    for (uint32_t layer = 0; layer < enc.layout.num_layers; ++layer) {
+      for (bool correct : {false, true}) {
+        const std::vector<float> got = Attend(decoder, **rc, layer, q, qh, nq, correct);
+        const std::vector<double> want =
+            testing::ReferenceAttention(ref, layer, q, qh, nq, correct);
+        const std::vector<float> dense = Attend(decoder, **rc, layer, q, qh, nq, correct, false);
+        double worst = 0, vs_dense = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          worst = std::max(worst, std::abs(got[i] - want[i]));
+          vs_dense = std::max<double>(vs_dense, std::abs(got[i] - dense[i]));
+        }
+        EXPECT_LT(worst, 2e-5) << ValueCodecName(codec) << " layer " << layer << " correct " << correct;
+        // The dense path rounds each expanded value to bf16 first.
+        EXPECT_LT(vs_dense, 2e-2) << ValueCodecName(codec) << " layer " << layer;
+      }
+    }
+  }
 }
 
 // int4 keys (scales per group of kept tokens, ragged over heads): each layer's resident keys take
@@ -131,7 +187,7 @@ TEST_F(DecodeAttentionTest, Int4KeysMatchDecodedFirst) {
   Decoder decoder(*cpu_);
   const std::vector<float> q = testing::RandomQueries(qh, nq, d, 5);
   for (uint32_t layer = 0; layer < enc.layout.num_layers; ++layer) {
-    const std::vector<float> got = Attend(decoder, **rc, layer, q, qh, nq, true);
+    const std::vector<float> got = Attend(decoder, **rc, layer, q, qh, nq, true, false);
     const std::vector<float> want = Attend(decoder, **rd, layer, q, qh, nq, true);
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_NEAR(got[i], want[i], 1e-5) << "layer " << layer << " element " << i;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/status.h"
+#include "latent_attention.h"
 #include "scatter_rows.h"
 
 namespace kvcomp {
@@ -79,6 +80,7 @@ absl::StatusOr<std::unique_ptr<ResidentCache>> ResidentCache::Place(
   if (cache.value_codec != ValueCodec::kRaw) rc->projection_ = std::move(projection);
   rc->layers_.resize(layout.num_layers);
   rc->host_rows_.resize(layout.num_layers);
+  rc->host_expand_.resize(layout.num_layers);
   const std::vector<uint64_t> off = cache.TokenOffsets();
   uint64_t latent_byte = 0, scale_elem = 0;
   for (uint32_t l = 0; l < end; ++l) {
@@ -142,6 +144,24 @@ absl::Status ResidentCache::PlaceLayer(const CompressedCache& cache, uint32_t la
     std::vector<uint64_t>& rows = host_rows_[layer];
     for (auto it = lo; it != hi; ++it) rows.push_back(*it - first_row);
     s.num_raw_rows = rows.size();
+    // The expand matrices of the layer's heads (the first `rank` basis rows, times gamma when
+    // the codec divided by it).
+    const Projection& proj = *projection_;
+    const uint32_t rank = s.value_params.rank;
+    const bool gamma = s.value_params.UsesGamma();
+    std::vector<float>& ex = host_expand_[layer];
+    ex.resize(uint64_t{hk} * rank * d);
+    for (uint32_t h = 0; h < hk; ++h) {
+      const float* basis = proj.head_basis(h0 + h);
+      const float* g = proj.head_gamma(h0 + h);
+      for (uint32_t j = 0; j < rank; ++j) {
+        const float scale = gamma ? g[j] : 1.0f;
+        float* dst = ex.data() + (uint64_t{h} * rank + j) * d;
+        for (uint32_t c = 0; c < d; ++c) dst[c] = basis[uint64_t{j} * d + c] * scale;
+      }
+    }
+    KVCOMP_ASSIGN_OR_RETURN(const void* e, CopyIn(ex.data(), ex.size() * sizeof(float)));
+    s.expand = static_cast<const float*>(e);
     if (!rows.empty()) {
       const uint64_t raw_row = DTypeBytes(layout_.dtype, d);
       KVCOMP_ASSIGN_OR_RETURN(const void* rr, CopyIn(rows.data(), rows.size() * sizeof(uint64_t)));
@@ -253,28 +273,73 @@ absl::Status Decoder::Attend(const ResidentCache& cache, const AttendParams& par
     queries = HeadsView::Dense(dq, q.dtype, q.num_heads, q.num_tokens, d, space);
   }
   KVCOMP_ASSIGN_OR_RETURN(const void* keys, DecodeKeys(cache, l));
-  KVCOMP_ASSIGN_OR_RETURN(const void* values, DecodeValues(cache, params.layer, l));
+  const uint64_t out_bytes = uint64_t{q.num_heads} * q.num_tokens * d * sizeof(float);
+  const bool copy_out = params.out_space != space;
+  float* out = params.out;
+  if (copy_out) {
+    KVCOMP_ASSIGN_OR_RETURN(void* o, Workspace(&out_, out_bytes));
+    out = static_cast<float*>(o);
+  }
+  if (cache.value_codec() != ValueCodec::kRaw && params.expand_in_attention) {
+    KVCOMP_RETURN_IF_ERROR(AttendLatent(cache, params, queries, keys, out));
+  } else {
+    KVCOMP_RETURN_IF_ERROR(AttendDense(cache, params, queries, keys, out));
+  }
+  if (copy_out && out_bytes > 0) {
+    KVCOMP_RETURN_IF_ERROR(backend_->CopyToHost(params.out, out, out_bytes));
+    transfers_.device_to_host_bytes += out_bytes;
+  }
+  return absl::OkStatus();
+}
 
+absl::Status Decoder::AttendLatent(const ResidentCache& cache, const AttendParams& params,
+                                   const HeadsView& queries, const void* keys, float* out) {
+  const KvLayout& layout = cache.layout();
+  const LayerSections& l = cache.layer(params.layer);
+  LatentAttentionArgs a;
+  a.queries = queries;
+  a.keys = keys;
+  a.key_dtype = layout.dtype;
+  a.host_offsets = l.offsets;
+  a.offsets = l.device_offsets;
+  a.num_kv_heads = layout.num_kv_heads;
+  a.head_dim = layout.head_dim;
+  a.latent = l.values;
+  a.scales = l.value_scales;
+  a.value = l.value_params;
+  a.expand = l.expand;
+  a.num_raw_rows = l.num_raw_rows;
+  a.raw_rows = l.raw_rows;
+  a.raw_values = l.raw_values;
+  if (cache.has_moments()) a.moments = l.moments;
+  a.correct = params.correct;
+  a.scale = params.scale;
+  a.out = out;
+  if (backend_->space() == MemorySpace::kHost) return LatentAttentionCpu(a);
+#if defined(KVCOMP_HAVE_CUDA)
+  const uint64_t ws = LatentAttentionWorkspaceBytes(a);
+  KVCOMP_ASSIGN_OR_RETURN(void* part, Workspace(&partials_, std::max<uint64_t>(ws, 16)));
+  return LatentAttentionCuda(backend_->native_stream(), a, part);
+#else
+  return absl::FailedPreconditionError("decode: device backend in a build without CUDA");
+#endif
+}
+
+absl::Status Decoder::AttendDense(const ResidentCache& cache, const AttendParams& params,
+                                  const HeadsView& queries, const void* keys, float* out) {
+  const KvLayout& layout = cache.layout();
+  const LayerSections& l = cache.layer(params.layer);
+  const uint32_t hk = layout.num_kv_heads, d = layout.head_dim;
+  const MemorySpace space = backend_->space();
+  KVCOMP_ASSIGN_OR_RETURN(const void* values, DecodeValues(cache, params.layer, l));
   AttentionParams p;
   p.queries = queries;
   p.kv = RaggedKv{keys, values, layout.dtype, l.device_offsets, hk, d, space};
   if (cache.has_moments()) p.moments = l.moments;
   p.correct = params.correct;
   p.scale = params.scale;
-  const uint64_t out_bytes = uint64_t{q.num_heads} * q.num_tokens * d * sizeof(float);
-  const bool copy_out = params.out_space != space;
-  if (copy_out) {
-    KVCOMP_ASSIGN_OR_RETURN(void* o, Workspace(&out_, out_bytes));
-    p.out = static_cast<float*>(o);
-  } else {
-    p.out = params.out;
-  }
-  KVCOMP_RETURN_IF_ERROR(backend_->moments().Attention(p));
-  if (copy_out && out_bytes > 0) {
-    KVCOMP_RETURN_IF_ERROR(backend_->CopyToHost(params.out, p.out, out_bytes));
-    transfers_.device_to_host_bytes += out_bytes;
-  }
-  return absl::OkStatus();
+  p.out = out;
+  return backend_->moments().Attention(p);
 }
 
 absl::Status AttendOnce(Decoder& decoder, const CompressedCache& cache,

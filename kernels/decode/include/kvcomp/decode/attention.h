@@ -5,9 +5,12 @@
 //   ResidentCache  a CompressedCache placed in one backend's memory space once, section by
 //                  section as stored: KVSplice latents, int8 keys and their scales stay encoded.
 //   Decoder        attends over a ResidentCache layer by layer, reusing its workspaces; it never
-//                  copies the cache again. Encoded keys and values are decoded into a per-layer
-//                  workspace in the backend's space right before the attention kernel (decode,
-//                  then attend, on the device for CUDA): dense values never reach host memory.
+//                  copies the cache again. Encoded keys are decoded into a per-layer workspace
+//                  in the backend's space right before the attention kernel. KVSplice values are
+//                  never expanded per token: the attention runs over their latent codes and
+//                  applies each head's expand matrix once per query row (out = (w . Z) E, see
+//                  AttendParams::expand_in_attention); decoding the values to a workspace first
+//                  remains as an option. Dense values never reach host memory.
 //
 // Usage (CUDA; the same code runs on the CPU backend):
 //   auto backend = MakeCudaBackend();                       // once per thread / stream
@@ -60,6 +63,9 @@ struct LayerSections {
   uint64_t num_raw_rows = 0;                 // KVSplice outliers of the layer
   const uint64_t* raw_rows = nullptr;        // their rows within the layer, ascending
   const void* raw_values = nullptr;          // their values, layout.dtype, head_dim each
+  // Encoded values: each kv head's expand matrix E = diag(gamma) P_rank (the projection's basis
+  // rows scaled as the codec decodes them), [num_kv_heads][rank][head_dim] f32.
+  const float* expand = nullptr;
   ConstMomentsView moments;                  // count == null without moments
 };
 
@@ -120,6 +126,7 @@ class ResidentCache {
   std::shared_ptr<const Projection> projection_;
   std::vector<LayerSections> layers_;
   std::vector<std::vector<uint64_t>> host_rows_;  // host backends: per-layer raw rows
+  std::vector<std::vector<float>> host_expand_;   // per-layer expand matrices (host copies)
   std::vector<Buffer> buffers_;
   uint64_t max_layer_rows_ = 0;
   TransferCounters transfers_;
@@ -139,6 +146,11 @@ struct AttendParams {
   // elsewhere), host memory for a device backend gets a copy once the kernels are done.
   float* out = nullptr;
   MemorySpace out_space = MemorySpace::kHost;
+  // KVSplice-encoded values: attend over the latent codes and expand once per query row (true),
+  // or decode the layer's values into a workspace and run the dense attention (false). Both
+  // compute the same formula; the fused form reads rank numbers per token instead of head_dim
+  // and writes no per-token values (it also skips their rounding to the layout's dtype).
+  bool expand_in_attention = true;
 };
 
 class Decoder {
@@ -168,7 +180,12 @@ class Decoder {
                                            const LayerSections& l);
 
   Backend* backend_;
-  Buffer queries_, out_, keys_, values_;
+  absl::Status AttendLatent(const ResidentCache& cache, const AttendParams& params,
+                            const HeadsView& queries, const void* keys, float* out);
+  absl::Status AttendDense(const ResidentCache& cache, const AttendParams& params,
+                           const HeadsView& queries, const void* keys, float* out);
+
+  Buffer queries_, out_, keys_, values_, partials_;
   TransferCounters transfers_;
 };
 
