@@ -127,3 +127,59 @@ def test_moment_aware_matches_reference_rule(scorer):
         assert len(got & want) >= 0.99 * len(want)  # float32 vs float64 near-ties only
         n, ks, _, _ = c.moments(0, h)
         assert n == 2000 - len(got)
+
+
+def _attention_over(q, keys, values, c, correct):
+    """Float64 attention of q [Hq, nq, d] over kept keys/values [Hk][n, d] of layer 0 of c,
+    with each kv head's virtual token when `correct`."""
+    hq, nq, d = q.shape
+    hk = len(keys)
+    t = 1.0 / np.sqrt(d)
+    out = np.zeros(q.shape)
+    for g in range(hq):
+        h = g // (hq // hk)
+        n, ks, vs, s = c.moments(0, h)
+        for i in range(nq):
+            qq = q[g, i].astype(np.float64)
+            logits = list(t * (np.asarray(keys[h], np.float64) @ qq))
+            vals = list(np.asarray(values[h], np.float64))
+            if correct and n > 0:
+                mk, mv = ks / n, vs / n
+                cov = s.astype(np.float64) / n - np.outer(mv, mk)
+                logits.append(t * qq @ mk + np.log(n))
+                vals.append(mv + t * cov @ qq)
+            w = np.exp(np.array(logits) - max(logits))
+            out[g, i] = (w[:, None] * np.array(vals)).sum(0) / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("codec", ["orthogonal", "orthogonal_int8", "orthogonal_int4"])
+def test_attention_over_kvsplice_cache(codec):
+    L = _layer(seed=int(np.random.default_rng().integers(1 << 30)))
+    proj = kvcomp.calibrate(L.values[None], rank=32, codec=codec)
+    c = kvcomp.compress(L.keys, L.values,
+                        kvcomp.Policy(scorer="keydiff", ratio=0.5, value_codec=codec, rank=32),
+                        num_q_heads=4, projection=proj)
+    assert kvcomp.cache_codecs(c)["value_codec"] == codec
+    k, v = kvcomp.decompress(c, proj)
+    for correct in (True, False):
+        out = kvcomp.attention(L.queries, c, 0, correct=correct, projection=proj)
+        want = _attention_over(L.queries, k[0], v[0], c, correct)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="projection"):
+        kvcomp.attention(L.queries, c, 0)
+    other = kvcomp.calibrate(L.values[None] * 2.0 + 1.0, rank=32, codec=codec)
+    with pytest.raises(KeyError):
+        kvcomp.attention(L.queries, c, 0, projection=other)
+
+
+@pytest.mark.skipif(not kvcomp.cuda_available(), reason="no CUDA device")
+def test_cuda_attention_over_kvsplice_cache():
+    L = _layer(seed=3)
+    proj = kvcomp.calibrate(L.values[None], rank=32)
+    c = kvcomp.compress(L.keys, L.values,
+                        kvcomp.Policy(ratio=0.5, value_codec="orthogonal_int8"),
+                        num_q_heads=4, projection=proj)
+    np.testing.assert_allclose(
+        kvcomp.attention(L.queries, c, 0, backend="cuda", projection=proj),
+        kvcomp.attention(L.queries, c, 0, projection=proj), rtol=1e-4, atol=1e-4)

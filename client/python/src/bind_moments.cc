@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
@@ -23,6 +24,7 @@
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/moment_ops.h"
+#include "kvcomp/kernels/projection.h"
 
 namespace nb = nanobind;
 
@@ -82,7 +84,8 @@ float* OutputArray(const CallArray& out, const CallArray& q) {
 
 nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer, bool correct,
                      const std::string& backend, float scale, nb::handle out_obj,
-                     std::optional<uint64_t> stream) {
+                     std::optional<uint64_t> stream,
+                     std::optional<std::shared_ptr<Projection>> projection) {
   const CallBackend call = CallBackend::Open(backend, CommonDevice({q_obj, out_obj}), stream);
   const CallArray q = ImportArray(q_obj, call, "queries");
   std::optional<CallArray> out_arr;
@@ -96,8 +99,11 @@ nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer,
     throw nb::index_error(
         absl::StrFormat("layer %u outside %u layers", layer, c.layout.num_layers).c_str());
   }
-  if (c.key_codec != KeyCodec::kRaw || c.value_codec != ValueCodec::kRaw) {
-    throw nb::value_error("attention reads raw kept keys/values; decode this cache first");
+  if (c.value_codec != ValueCodec::kRaw && !projection.has_value()) {
+    throw nb::value_error(absl::StrFormat("this cache's values are KVSplice-encoded: pass the "
+                                          "projection it was encoded with (version %016x)",
+                                          c.projection_version)
+                              .c_str());
   }
   if (q.ndim() != 3 && q.ndim() != 2) {
     throw nb::value_error(
@@ -130,7 +136,9 @@ nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer,
   absl::Status st;
   {
     nb::gil_scoped_release release;
-    st = decode::AttendOnce(decoder, c, nullptr, p);
+    std::shared_ptr<const Projection> proj;
+    if (c.value_codec != ValueCodec::kRaw) proj = *projection;
+    st = decode::AttendOnce(decoder, c, std::move(proj), p);
   }
   ThrowIfError(st);
   if (out_arr.has_value()) return nb::borrow(out_obj);
@@ -150,9 +158,10 @@ void RegisterMoments(nb::module_& m) {
   m.def("_attention", &Attention, nb::arg("q"), nb::arg("cache"), nb::arg("layer"),
         nb::arg("correct") = true, nb::arg("backend") = "cpu", nb::arg("scale") = 0.0f,
         nb::arg("out").none() = nb::none(), nb::arg("stream") = nb::none(),
+        nb::arg("projection").none() = nb::none(),
         "Decode attention of queries [q_heads, n_queries, head_dim] over `layer` of a "
-        "compressed cache (kept tokens + the evicted set's virtual token when correct), "
-        "-> float32 [q_heads, n_queries, head_dim] (`out` when given)");
+        "compressed cache (kept tokens + the evicted set's virtual token when correct; "
+        "KVSplice values attended over their latent codes with `projection`), -> float32 [q_heads, n_queries, head_dim] (`out` when given)");
 }
 
 }  // namespace python
