@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/policy_test_util.h"
 #include "gtest/gtest.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/policy.h"
@@ -24,8 +25,8 @@ std::string Hex(const std::string& bytes) {
   return out;
 }
 
-// Every field set away from its default.
-CompressionPolicy AllChanged() {
+// Every field of format 1.2 (tags 1 to 23) set away from its default.
+CompressionPolicy AllChanged12() {
   CompressionPolicy p;
   p.scorer = Scorer::kSnapKV;
   p.ratio = 0.3;
@@ -54,23 +55,29 @@ CompressionPolicy AllChanged() {
 }
 
 // The policy records as format 1.2's writer produced them before the table existed (tags 1..23
-// in order): the table must keep them bit for bit.
+// in order): the table must keep them bit for bit. Records are written in tag order, so a field
+// added later (tag 24 on) only appends records after these.
 TEST(PolicyFields, TlvRecordsAreBitIdenticalToFormat12) {
-  EXPECT_EQ(Hex(format::EncodePolicyRecords(CompressionPolicy())),
+  auto prefix = [](const CompressionPolicy& p, size_t n) {
+    return Hex(format::EncodePolicyRecords(p)).substr(0, n);
+  };
+  const std::string defaults12 =
             "010001000202000800000000000000e03f03000400000000000400010000050008009a9999999999c9"
             "3f06000400040000000700040000000000080001000109000400001000000a000400400000000b0004"
             "00050000000c00080000000000000000000d000400000000000e000100010f00010000100001000011"
             "00010000120004000000000013000400200000001400010001150008000000000000001040160008"
-            "007b14ae47e17a943f170008000000000000000000");
-  EXPECT_EQ(Hex(format::EncodePolicyRecords(AllChanged())),
+            "007b14ae47e17a943f170008000000000000000000";
+  EXPECT_EQ(prefix(CompressionPolicy(), defaults12.size()), defaults12);
+  const std::string changed12 =
             "010001000602000800333333333333d33f030004004d0000000400010001050008009a9999999999d9"
             "3f06000400020000000700040009000000080001000009000400e80300000a000400200000000b0004"
             "00070000000c00080088776655443322110d000400000100000e000100000f000100011000010002"
             "1100010003120004006000000013000400100000001400010000150008000000000000002140160008"
-            "009a9999999999a93f17000800000000000000c03f");
-  auto back = format::DecodePolicyRecords(format::EncodePolicyRecords(AllChanged()));
+            "009a9999999999a93f17000800000000000000c03f";
+  EXPECT_EQ(prefix(AllChanged12(), changed12.size()), changed12);
+  auto back = format::DecodePolicyRecords(format::EncodePolicyRecords(AllChanged12()));
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(*back, AllChanged());
+  EXPECT_EQ(*back, AllChanged12());
 }
 
 TEST(PolicyFields, NamesTagsAndIdsAreUnique) {
@@ -89,15 +96,15 @@ TEST(PolicyFields, NamesTagsAndIdsAreUnique) {
 }
 
 // Each field's text form reads back to the same value, takes part in ==, in the debug string
-// and in the TLV records; one changed field at a time.
+// and in the TLV records; one changed field at a time, every declared field.
 TEST(PolicyFields, EveryFieldRoundTripsThroughTextAndTlv) {
-  const CompressionPolicy changed = AllChanged();
+  const CompressionPolicy changed = testing::EveryFieldChanged();
   const CompressionPolicy defaults;
   for (const PolicyFieldInfo& f : PolicyFields()) {
     SCOPED_TRACE(std::string(f.name));
     EXPECT_EQ(f.text(defaults), f.default_text);
     const std::string text = f.text(changed);
-    ASSERT_NE(text, f.default_text) << "AllChanged() leaves this field at its default";
+    ASSERT_NE(text, f.default_text) << "no valid non-default value found for this field";
     CompressionPolicy p;
     ASSERT_TRUE(f.set(p, text).ok());
     EXPECT_EQ(f.text(p), text);
@@ -110,6 +117,10 @@ TEST(PolicyFields, EveryFieldRoundTripsThroughTextAndTlv) {
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(*back, p);
   }
+  ASSERT_TRUE(changed.Validate().ok()) << changed.Validate();
+  auto back = format::DecodePolicyRecords(format::EncodePolicyRecords(changed));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, changed);
 }
 
 TEST(PolicyFields, DoublesPrintTheirShortestExactText) {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/policy_test_util.h"
 #include "gtest/gtest.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/policy_fields.h"
@@ -20,32 +21,12 @@ namespace kvcomp {
 namespace service {
 namespace {
 
-// Every field away from its default.
+// Every declared field away from its default, and a ratio whose shortest text needs 15 digits.
 CompressionPolicy AllChanged() {
-  CompressionPolicy p;
-  p.scorer = Scorer::kSnapKV;
+  CompressionPolicy p = testing::EveryFieldChanged();
   p.ratio = 0.123456789012345;
-  p.token_budget = 77;
-  p.head_budget = HeadBudget::kAdaKV;
-  p.alpha_safeguard = 0.4;
-  p.n_sink = 2;
-  p.n_recent = 9;
   p.recent_fraction = 1.0 / 3.0;
-  p.protect = false;
-  p.window = 1000;
-  p.snapkv_window = 32;
-  p.snapkv_pool = 7;
   p.seed = 0x1122334455667788ull;
-  p.block_size = 256;
-  p.moments = false;
-  p.moment_aware = true;
-  p.key_codec = KeyCodec::kInt8;
-  p.value_codec = ValueCodec::kOrthogonalInt4;
-  p.rank = 96;
-  p.group_size = 16;
-  p.gamma_aware = false;
-  p.value_outlier_factor = 8.5;
-  p.value_raw_fraction = 0.05;
   return p;
 }
 
