@@ -1,6 +1,7 @@
 // Row kernels of the CPU scorers: the inner loops over one head's rows, vectorised, one table
-// per (dtype, head_dim). Two builds of the same code (scoring_kernels.inc): AVX2+FMA+F16C and a
-// portable one; RowKernelsFor picks the best the running CPU supports.
+// per (dtype, head_dim). Three builds of the same code (scoring_kernels.inc): AVX-512, AVX2+FMA+F16C
+// and a portable one; RowKernelsFor picks the best the running CPU supports (the environment
+// variable KVCOMP_CPU_ISA = avx2 or generic caps it, for comparisons).
 #ifndef KVCOMP_KERNELS_SRC_CPU_SCORING_KERNELS_H_
 #define KVCOMP_KERNELS_SRC_CPU_SCORING_KERNELS_H_
 
@@ -29,13 +30,16 @@ struct RowKernels {
 
 // The table for (dtype, head_dim); nullptr when unsupported.
 const RowKernels* RowKernelsFor(DType dtype, uint32_t head_dim);
-// "avx2" or "generic": which build RowKernelsFor uses on this CPU.
+// "avx512", "avx2" or "generic": which build RowKernelsFor uses on this CPU.
 const char* RowKernelsIsa();
 
 namespace generic {
 const RowKernels* Table(DType dtype, uint32_t head_dim);
 }
 namespace avx2 {
+const RowKernels* Table(DType dtype, uint32_t head_dim);
+}
+namespace avx512 {
 const RowKernels* Table(DType dtype, uint32_t head_dim);
 }
 
