@@ -2,8 +2,9 @@
 // every layer of a Llama-3.1-8B-shaped compressed cache (32 layers, 8 kv heads, 32 q heads,
 // head_dim 128, bf16; manifold, ratio 0.5, moments) placed on the device once, for the raw
 // cache (plain and with the moment correction) and for its KVSplice encoding (int8 keys, int8
-// latents, outliers raw), which Decoder::Attend decodes on the device layer by layer before the
-// attention kernel. Queries and outputs stay in device memory. Median of --reps steps, after a
+// latents, outliers raw), attended over its latent codes (kvsplice_int8_corrected) and, for
+// comparison, decoded on the device layer by layer before the dense attention kernel
+// (kvsplice_int8_corrected_decode_first). Queries and outputs stay in device memory. Median of --reps steps, after a
 // warm-up step; the bytes of the cache each step reads are set against a device copy of the
 // same bytes. One RESULT line per (tokens, variant).
 //
@@ -116,10 +117,12 @@ int main(int argc, char** argv) {
       const char* name;
       const kvcomp::CompressedCache* cache;
       bool correct;
+      bool expand_in_attention;
     };
-    const Variant variants[] = {{"raw_plain", &*raw, false},
-                                {"raw_corrected", &*raw, true},
-                                {"kvsplice_int8_corrected", &*encoded, true}};
+    const Variant variants[] = {{"raw_plain", &*raw, false, true},
+                                {"raw_corrected", &*raw, true, true},
+                                {"kvsplice_int8_corrected", &*encoded, true, true},
+                                {"kvsplice_int8_corrected_decode_first", &*encoded, true, false}};
     for (const Variant& var : variants) {
       const Clock::time_point p0 = Clock::now();
       auto placed = kvcomp::decode::ResidentCache::Place(gpu, *var.cache, projection);
@@ -130,6 +133,7 @@ int main(int argc, char** argv) {
       p.queries = HeadsView::Dense(dq->data(), DType::kF32, llama.num_q_heads, 1, 128,
                                    kvcomp::MemorySpace::kDevice);
       p.correct = var.correct;
+      p.expand_in_attention = var.expand_in_attention;
       p.out = dout->as<float>();
       p.out_space = kvcomp::MemorySpace::kDevice;
       auto step = [&] {
