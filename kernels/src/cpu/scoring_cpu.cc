@@ -257,6 +257,10 @@ absl::Status CpuScoringOps::ScoreImpl(const HeadsView& keys, const ScoreParams& 
 // manifold: s = ||k - mu||, mu = mean k.  keydiff: s = -cos(k, a), a = mean k/||k||.
 // Pass 1 per chunk: squared norms (kept in `scores`) and a partial sum; the partials are summed
 // in double per head; pass 2 reads the keys again for the distance or the dot product.
+// With at least as many heads as workers, each head is one task (both passes on one core, the
+// second reading the head from that core's cache instead of memory); otherwise every chunk of
+// every head is a task of each pass. Both orders give the same bits (same partial sums, same
+// order of the double sum).
 absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, float* scores) {
   const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
   const uint32_t heads = keys.num_heads;
@@ -264,6 +268,44 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, 
   const uint64_t n = keys.num_tokens;
   const uint64_t chunks = CeilDiv(n, kChunkTokens);
   const uint64_t tasks = heads * chunks;
+  if (heads >= static_cast<uint32_t>(ctx_->num_threads())) {
+    BadTokenFlag bad;
+    ctx_->ParallelFor(heads, [&](size_t hi) {
+      const uint32_t h = static_cast<uint32_t>(hi);
+      std::vector<float> part(d), centre(d);
+      std::vector<double> sum(d, 0.0);
+      for (uint64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
+        const uint64_t len = std::min(kChunkTokens, n - t0);
+        float* sq = scores + uint64_t{h} * n + t0;
+        std::fill(part.begin(), part.end(), 0.0f);
+        k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, keydiff, kKeyDiffEps,
+                            sq, part.data());
+        bad.Check(sq, len, h, t0, n);
+        for (uint32_t j = 0; j < d; ++j) sum[j] += part[j];
+      }
+      double norm2 = 0.0;
+      for (uint32_t j = 0; j < d; ++j) {
+        centre[j] = static_cast<float>(sum[j] / static_cast<double>(n));
+        norm2 += static_cast<double>(centre[j]) * centre[j];
+      }
+      const float centre_norm = std::fmax(static_cast<float>(std::sqrt(norm2)), kKeyDiffEps);
+      for (uint64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
+        const uint64_t len = std::min(kChunkTokens, n - t0);
+        float* out = scores + uint64_t{h} * n + t0;
+        if (!keydiff) {
+          k->distances(ElemPtr(keys, h, t0), keys.token_stride, len, centre.data(), out);
+          continue;
+        }
+        float dots[kChunkTokens];
+        k->dots(ElemPtr(keys, h, t0), keys.token_stride, len, centre.data(), dots);
+        for (uint64_t i = 0; i < len; ++i) {
+          const float denom = std::fmax(std::sqrt(out[i]), kKeyDiffEps) * centre_norm;
+          out[i] = -(dots[i] / denom);
+        }
+      }
+    });
+    return bad.ToStatus("keys", n, head_base_);
+  }
   KVCOMP_ASSIGN_OR_RETURN(Buffer partial,
                           Buffer::Allocate(*ctx_->allocator, tasks * d * sizeof(float)));
   std::memset(partial.data(), 0, tasks * d * sizeof(float));
