@@ -113,7 +113,7 @@ TEST_F(ControlTest, EveryControlCallAnswers) {
   EXPECT_EQ(look.kept_tokens, static_cast<int64_t>(stored->total_kept));
   EXPECT_EQ(look.layout.num_layers, 2);
   EXPECT_EQ(look.layout.dtype, "f16");
-  EXPECT_EQ(look.tier, "host");
+  EXPECT_EQ(look.tier, ExpectedPutTier());
 
   rpc::StatsResponse stats;
   rpc->Stats(stats, auth);
