@@ -4,9 +4,9 @@
 // cache (plain and with the moment correction) and for its KVSplice encoding (int8 keys, int8
 // latents, outliers raw), attended over its latent codes (kvsplice_int8_corrected) and, for
 // comparison, decoded on the device layer by layer before the dense attention kernel
-// (kvsplice_int8_corrected_decode_first). Queries and outputs stay in device memory. Median of --reps steps, after a
-// warm-up step; the bytes of the cache each step reads are set against a device copy of the
-// same bytes. One RESULT line per (tokens, variant).
+// (kvsplice_int8_corrected_decode_first). Queries and outputs stay in device memory. Median of
+// --reps steps, after a warm-up step; the bytes of the cache each step reads are set against a
+// device copy of the same bytes. One RESULT line per (tokens, variant).
 //
 // Usage: kvcomp_bench_gpu_decode [--tokens 8192,32768] [--reps 20]
 #include <cuda_runtime.h>
