@@ -26,6 +26,7 @@
 #include "cache_service.h"
 #include "data_plane.h"
 #include "engine.h"
+#include "gpu_channel.h"
 #include "handlers.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
@@ -274,6 +275,7 @@ class DaemonImpl : public Daemon {
     metrics_->SetReady(false);
     if (service_) service_->Drain();
     if (data_plane_) data_plane_->Drain();
+    if (gpu_) gpu_->Drain();
   }
 
   absl::Status Shutdown(absl::Duration grace) override;
@@ -354,6 +356,7 @@ class DaemonImpl : public Daemon {
   std::unique_ptr<CacheRepository> repository_;
   std::unique_ptr<CacheService> service_;
   std::unique_ptr<DataPlane> data_plane_;
+  std::unique_ptr<GpuChannels> gpu_;  // the GPU channel, beside the data plane
   std::shared_ptr<TNonblockingServer> thrift_;
   std::shared_ptr<ThreadManager> thrift_workers_;
   std::shared_ptr<ControlConnections> control_;
@@ -440,6 +443,9 @@ absl::Status DaemonImpl::Init(const Options& options) {
   ctx_.policies = policies_.get();
   ctx_.service = service_.get();
   ctx_.metrics = metrics_.get();
+  gpu_ = GpuChannels::Create(options, service_.get(), metrics_.get());
+  ctx_.gpu = gpu_.get();
+  if (!gpu_->available()) Log(LogLevel::kInfo, gpu_->unavailable_reason());
   ctx_.calibrate = [this](const CalibrationRequest& request) -> absl::StatusOr<CalibrationResult> {
     KVCOMP_ASSIGN_OR_RETURN(CalibrationResult r,
                             CalibrateFromStore(store_.get(), projections_.get(), request));
@@ -710,6 +716,7 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   }
   Log(LogLevel::kDebug, "shutdown: in-flight work done");
   if (data_plane_) data_plane_->Stop();
+  if (gpu_) gpu_->Stop();
   Log(LogLevel::kDebug, "shutdown: data plane stopped");
   thrift_stopping_.store(true);
   if (thrift_) {
