@@ -174,6 +174,28 @@ TEST_F(ClientDaemonTest, CalibrateThenPutWithKvSplice) {
   EXPECT_EQ(decoded->value_codec, ValueCodec::kRaw);
   EXPECT_EQ(decoded->positions, got->positions);
   EXPECT_EQ(decoded->values.size(), decoded->total_kept() * c.layout.head_dim * 2);
+
+  // int4 keys through the daemon: stored in fewer bytes than int8 keys, reported by Lookup,
+  // decoded by the daemon on the same kept positions.
+  PutOptions k4 = raw, k8 = raw;
+  k4.policy->key_codec = KeyCodec::kInt4;
+  k8.policy->key_codec = KeyCodec::kInt8;
+  auto put4 = client_->Put(kModel, "k4", c.layout, c.tokens, c.layers(), k4);
+  ASSERT_TRUE(put4.ok()) << put4.status();
+  auto put8 = client_->Put(kModel, "k8", c.layout, c.tokens, c.layers(), k8);
+  ASSERT_TRUE(put8.ok()) << put8.status();
+  EXPECT_LT(put4->stored_bytes, put8->stored_bytes);
+  auto look4 = client_->Lookup(kModel, "k4");
+  ASSERT_TRUE(look4.ok()) << look4.status();
+  EXPECT_EQ(look4->key_codec, KeyCodec::kInt4);
+  auto got4 = client_->Get(kModel, "k4");
+  ASSERT_TRUE(got4.ok()) << got4.status();
+  EXPECT_EQ(got4->key_codec, KeyCodec::kInt4);
+  EXPECT_EQ(got4->key_scales.size(), got4->KeyScaleCount());
+  auto dec4 = client_->GetDecoded(kModel, "k4");
+  ASSERT_TRUE(dec4.ok()) << dec4.status();
+  EXPECT_EQ(dec4->key_codec, KeyCodec::kRaw);
+  EXPECT_EQ(dec4->positions, got4->positions);
 }
 
 TEST_F(ClientDaemonTest, StreamInTokenRangesAndAbort) {
