@@ -235,7 +235,24 @@ class GpuChannelsImpl : public GpuChannels {
       absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
       out.receive_seconds = secs.ok() ? *secs : 0;
     }
-    // The put path takes host blocks: the staging buffer goes to pinned memory first.
+    if (!s.ok()) {
+      put->Abort();
+      Fail(c, s);
+      return s;
+    }
+    Touch(*c);
+    metrics_->ObserveStage(Stage::kReceive, out.receive_seconds);
+    if (service_->engine()->uses_gpu()) {
+      // The engine runs on this GPU: the put takes the staging buffer as a device block (one
+      // copy on the device). The buffer is not reused before the next transfer, which waits for
+      // this one's commit, and the commit orders the engine after that copy.
+      std::shared_ptr<uint8_t> staging(static_cast<uint8_t*>(c->staging), [](uint8_t*) {});
+      KVCOMP_ASSIGN_OR_RETURN(
+          out.summary,
+          Store(put, WholeBlock(std::move(staging), layout, tokens, bytes, MemorySpace::kDevice)));
+      return out;
+    }
+    // A CPU engine takes host blocks: the staging buffer goes to pinned memory first.
     std::shared_ptr<uint8_t> host;
     if (s.ok()) host = PinnedBuffer(rt_, c->device, bytes, &s);
     if (s.ok()) {
@@ -248,9 +265,8 @@ class GpuChannelsImpl : public GpuChannels {
       Fail(c, s);
       return s;
     }
-    Touch(*c);
-    metrics_->ObserveStage(Stage::kReceive, out.receive_seconds);
-    KVCOMP_ASSIGN_OR_RETURN(out.summary, Store(put, WholeBlock(host, layout, tokens, bytes)));
+    KVCOMP_ASSIGN_OR_RETURN(out.summary,
+                            Store(put, WholeBlock(host, layout, tokens, bytes, MemorySpace::kHost)));
     return out;
   }
 
@@ -521,8 +537,8 @@ class GpuChannelsImpl : public GpuChannels {
     }
   }
 
-  static BlockData WholeBlock(std::shared_ptr<uint8_t> host, const KvLayout& layout,
-                              uint64_t tokens, uint64_t bytes) {
+  static BlockData WholeBlock(std::shared_ptr<uint8_t> memory, const KvLayout& layout,
+                              uint64_t tokens, uint64_t bytes, MemorySpace space) {
     BlockData b;
     b.layer_begin = 0;
     b.layer_end = layout.num_layers;
@@ -530,14 +546,14 @@ class GpuChannelsImpl : public GpuChannels {
     b.token_end = tokens;
     b.bytes = bytes;
     const uint64_t layer = layout.LayerBytes(tokens);
-    uint8_t* base = host.get();
+    uint8_t* base = memory.get();
     for (uint32_t l = 0; l < layout.num_layers; ++l) {
       b.keys.push_back(HeadsView::Dense(base + l * layer, layout.dtype, layout.num_kv_heads,
-                                        tokens, layout.head_dim));
+                                        tokens, layout.head_dim, space));
       b.values.push_back(HeadsView::Dense(base + (layout.num_layers + l) * layer, layout.dtype,
-                                          layout.num_kv_heads, tokens, layout.head_dim));
+                                          layout.num_kv_heads, tokens, layout.head_dim, space));
     }
-    b.memory = std::move(host);
+    b.memory = std::move(memory);
     return b;
   }
 
