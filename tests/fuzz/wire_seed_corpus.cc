@@ -81,6 +81,9 @@ int main(int argc, char** argv) {
   summary.stored_bytes = 4096;
   frames.push_back(wire::Encode(9, summary));
   frames.push_back(wire::EncodeLookupReply(10, summary));
+  summary.key_codec = kvcomp::KeyCodec::kInt4;  // int4 keys (format 1.3)
+  frames.push_back(wire::EncodeLookupReply(10, summary));
+  summary.key_codec = kvcomp::KeyCodec::kInt8;
   frames.push_back(wire::Encode(11, wire::PutAbort{9}));
   frames.push_back(
       wire::Encode(12, wire::Get{wire::Representation::kDecoded, "llama-3-8b", "prefix/0001"}));
