@@ -213,6 +213,9 @@ TEST(ProtocolTest, RepliesRoundTrip) {
   }
   EXPECT_EQ(MustParse(Encode(5, s)).header.type, MessageType::kPutCommitOk);
   EXPECT_EQ(MustParse(EncodeLookupReply(5, s)).header.type, MessageType::kLookupReply);
+  CacheSummary s4 = s;  // int4 keys (format 1.3) are a known codec
+  s4.key_codec = KeyCodec::kInt4;
+  EXPECT_EQ(RoundTrip<CacheSummary>(EncodeLookupReply(5, s4)).key_codec, KeyCodec::kInt4);
 
   GetReply g{Representation::kDecoded, true, 0xdeadbeef};
   GetReply go = RoundTrip<GetReply>(Encode(5, g, 100), 100);
