@@ -116,11 +116,9 @@ class CpuScoringOps final : public ScoringOps {
     const uint32_t h = a.keys.num_heads;
     const uint64_t n = a.keys.num_tokens;
     float* scores = a.scores;
-    Buffer scratch;
     if (scores == nullptr) {
-      KVCOMP_ASSIGN_OR_RETURN(scratch,
-                              Buffer::Allocate(*ctx_->allocator, uint64_t{h} * n * sizeof(float)));
-      scores = scratch.as<float>();
+      KVCOMP_ASSIGN_OR_RETURN(void* ws, Scratch(&scores_ws_, uint64_t{h} * n * sizeof(float)));
+      scores = static_cast<float*>(ws);
     }
     // Values are held to the keys' data check (their norms land in `scores`, then overwritten).
     KVCOMP_RETURN_IF_ERROR(SqNormsChecked(a.values, "values", scores));
@@ -189,7 +187,19 @@ class CpuScoringOps final : public ScoringOps {
   absl::Status CompactImpl(const HeadsView& keys, const HeadsView& values, const uint32_t* counts,
                            const uint32_t* indices, void* keys_out, void* values_out);
 
+  // A grow-only scratch buffer: a backend runs one op at a time, so repeated calls reuse the
+  // pages of the last one instead of mapping (and faulting in) fresh ones each time. Held until
+  // the backend goes; at most the largest call's scores, order keys, flags and partial sums.
+  absl::StatusOr<void*> Scratch(Buffer* b, uint64_t bytes) {
+    if (b->size() < bytes) {
+      b->Reset();
+      KVCOMP_ASSIGN_OR_RETURN(*b, Buffer::Allocate(*ctx_->allocator, bytes));
+    }
+    return b->data();
+  }
+
   CpuContext* ctx_;
+  Buffer scores_ws_, partial_ws_, ord_ws_, flag_ws_;
   // Index of the view's head 0 in the caller's layer (the per-head path): random scores and
   // error messages use the caller's head numbers.
   uint32_t head_base_ = 0;
@@ -306,9 +316,9 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, 
     });
     return bad.ToStatus("keys", n, head_base_);
   }
-  KVCOMP_ASSIGN_OR_RETURN(Buffer partial,
-                          Buffer::Allocate(*ctx_->allocator, tasks * d * sizeof(float)));
-  std::memset(partial.data(), 0, tasks * d * sizeof(float));
+  KVCOMP_ASSIGN_OR_RETURN(void* partial_ws, Scratch(&partial_ws_, tasks * d * sizeof(float)));
+  float* const partial = static_cast<float*>(partial_ws);
+  std::memset(partial, 0, tasks * d * sizeof(float));
   BadTokenFlag bad;
   ctx_->ParallelFor(tasks, [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(task / chunks);
@@ -316,7 +326,7 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, 
     const uint64_t len = std::min(kChunkTokens, n - t0);
     float* sq = scores + uint64_t{h} * n + t0;
     k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, keydiff, kKeyDiffEps, sq,
-                        partial.as<float>() + task * d);
+                        partial + task * d);
     bad.Check(sq, len, h, t0, n);
   });
   KVCOMP_RETURN_IF_ERROR(bad.ToStatus("keys", n, head_base_));
@@ -327,7 +337,7 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, 
     double norm2 = 0.0;
     for (uint32_t j = 0; j < d; ++j) {
       double s = 0.0;
-      for (uint64_t c = 0; c < chunks; ++c) s += partial.as<float>()[(h * chunks + c) * d + j];
+      for (uint64_t c = 0; c < chunks; ++c) s += partial[(h * chunks + c) * d + j];
       const float m = static_cast<float>(s / static_cast<double>(n));
       centre[uint64_t{h} * d + j] = m;
       norm2 += static_cast<double>(m) * m;
@@ -492,8 +502,8 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
   const uint64_t kept = std::min<uint64_t>(params.kept_per_head, n);
   const uint64_t hn = uint64_t{num_heads} * n;
   // Order keys of the effective scores: larger key = kept first (protected = kProtectedKey).
-  KVCOMP_ASSIGN_OR_RETURN(Buffer ord_buf, Buffer::Allocate(*ctx_->allocator, hn * 4));
-  uint32_t* ord = ord_buf.as<uint32_t>();
+  KVCOMP_ASSIGN_OR_RETURN(void* ord_ws, Scratch(&ord_ws_, hn * 4));
+  uint32_t* ord = static_cast<uint32_t*>(ord_ws);
   std::atomic<uint64_t> bad{std::numeric_limits<uint64_t>::max()};
   const uint64_t chunks = CeilDiv(n, kChunkTokens * 8);
   ctx_->ParallelFor(num_heads * chunks, [&](size_t task) {
@@ -540,7 +550,7 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
         return;
       }
       const uint32_t* o = ord + h * n;
-      std::vector<uint32_t> hist;
+      thread_local std::vector<uint32_t> hist;  // 256 KiB: kept per thread, not mapped per call
       const Threshold t = RadixThreshold(o, n, kept, &hist);
       uint64_t c = 0, equal = 0;
       for (uint64_t i = 0; i < n; ++i) {
@@ -555,11 +565,11 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
   // AdaKV: safeguard per head, then the layer's remaining budget to its best tokens overall.
   const uint64_t safe = std::min<uint64_t>(
       kept, static_cast<uint64_t>(static_cast<double>(kept) * params.alpha_safeguard));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer flag_buf, Buffer::Allocate(*ctx_->allocator, hn));
-  uint8_t* flag = flag_buf.as<uint8_t>();
+  KVCOMP_ASSIGN_OR_RETURN(void* flag_ws, Scratch(&flag_ws_, hn));
+  uint8_t* flag = static_cast<uint8_t*>(flag_ws);
   std::memset(flag, 0, hn);
   ctx_->ParallelFor(num_heads, [&](size_t h) {
-    std::vector<uint32_t> hist;
+    thread_local std::vector<uint32_t> hist;
     mark_top(h, safe, flag + h * n, &hist);
   });
   const uint64_t remaining = num_heads * kept - num_heads * safe;
