@@ -2,9 +2,9 @@
 // every layer of a Llama-3.1-8B-shaped compressed cache (32 layers, 8 kv heads, 32 q heads,
 // head_dim 128, bf16; manifold, ratio 0.5, moments) placed on the device once, for the raw
 // cache (plain and with the moment correction) and for its KVSplice encoding (int8 keys, int8
-// latents, outliers raw), attended over its latent codes (kvsplice_int8_corrected) and, for
-// comparison, decoded on the device layer by layer before the dense attention kernel
-// (kvsplice_int8_corrected_decode_first). Queries and outputs stay in device memory. Median of
+// latents, outliers raw), decoded on the device layer by layer before the dense attention kernel
+// (kvsplice_int8_corrected, Decoder::Attend's default) and attended over its latent codes
+// (kvsplice_int8_corrected_latent, AttendParams::expand_in_attention). Queries and outputs stay in device memory. Median of
 // --reps steps, after a warm-up step; the bytes of the cache each step reads are set against a
 // device copy of the same bytes. One RESULT line per (tokens, variant).
 //
@@ -121,8 +121,8 @@ int main(int argc, char** argv) {
     };
     const Variant variants[] = {{"raw_plain", &*raw, false, true},
                                 {"raw_corrected", &*raw, true, true},
-                                {"kvsplice_int8_corrected", &*encoded, true, true},
-                                {"kvsplice_int8_corrected_decode_first", &*encoded, true, false}};
+                                {"kvsplice_int8_corrected", &*encoded, true, false},
+                                {"kvsplice_int8_corrected_latent", &*encoded, true, true}};
     for (const Variant& var : variants) {
       const Clock::time_point p0 = Clock::now();
       auto placed = kvcomp::decode::ResidentCache::Place(gpu, *var.cache, projection);

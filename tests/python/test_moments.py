@@ -163,9 +163,11 @@ def test_attention_over_kvsplice_cache(codec):
     assert kvcomp.cache_codecs(c)["value_codec"] == codec
     k, v = kvcomp.decompress(c, proj)
     for correct in (True, False):
-        out = kvcomp.attention(L.queries, c, 0, correct=correct, projection=proj)
         want = _attention_over(L.queries, k[0], v[0], c, correct)
-        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+        for fused in (False, True):
+            out = kvcomp.attention(L.queries, c, 0, correct=correct, projection=proj,
+                                   expand_in_attention=fused)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="projection"):
         kvcomp.attention(L.queries, c, 0)
     other = kvcomp.calibrate(L.values[None] * 2.0 + 1.0, rank=32, codec=codec)
@@ -180,6 +182,8 @@ def test_cuda_attention_over_kvsplice_cache():
     c = kvcomp.compress(L.keys, L.values,
                         kvcomp.Policy(ratio=0.5, value_codec="orthogonal_int8"),
                         num_q_heads=4, projection=proj)
-    np.testing.assert_allclose(
-        kvcomp.attention(L.queries, c, 0, backend="cuda", projection=proj),
-        kvcomp.attention(L.queries, c, 0, projection=proj), rtol=1e-4, atol=1e-4)
+    for fused in (False, True):
+        np.testing.assert_allclose(
+            kvcomp.attention(L.queries, c, 0, backend="cuda", projection=proj,
+                             expand_in_attention=fused),
+            kvcomp.attention(L.queries, c, 0, projection=proj), rtol=1e-4, atol=1e-4)

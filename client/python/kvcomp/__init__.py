@@ -138,7 +138,7 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
 
 
 def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0, out=None,
-              stream=None, projection=None):
+              stream=None, projection=None, expand_in_attention=False):
     """Decode-side attention over one layer of a compressed cache (docs/moments.md).
 
     q: queries [q_heads, n_queries, head_dim] (float32/float16/bfloat16; host memory, or a CUDA
@@ -148,8 +148,9 @@ def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0, out=No
     host or CUDA memory) written in place on the call's stream. scale: logit scale, 0 =
     1/sqrt(head_dim). stream: the CUDA stream the call runs on (module docstring).
     projection: the kvcomp.Projection a KVSplice-encoded cache was encoded with (required for
-    such a cache, ValueError without it; NotFound-style error for another version): its values
-    are attended over their latent codes, never expanded per token (docs/kvsplice.md).
+    such a cache, ValueError without it; KeyError for another version). expand_in_attention:
+    attend over the values' latent codes instead of decoding them first (same result within
+    float rounding; docs/kvsplice.md).
     """
     st = _call_stream(stream, (q, out))
     if _is_cuda(q):
@@ -161,7 +162,8 @@ def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0, out=No
             raise ValueError("pass bfloat16 queries as float32 (numpy has no native bfloat16)")
         arr = np.ascontiguousarray(arr)
     return _kvcomp._attention(arr, cache, layer, correct=correct, backend=backend, scale=scale,
-                              out=out, stream=st, projection=projection)
+                              out=out, stream=st, projection=projection,
+                              expand_in_attention=expand_in_attention)
 
 
 # --- KVSplice (docs/kvsplice.md) ---

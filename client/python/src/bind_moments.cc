@@ -85,7 +85,8 @@ float* OutputArray(const CallArray& out, const CallArray& q) {
 nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer, bool correct,
                      const std::string& backend, float scale, nb::handle out_obj,
                      std::optional<uint64_t> stream,
-                     std::optional<std::shared_ptr<Projection>> projection) {
+                     std::optional<std::shared_ptr<Projection>> projection,
+                     bool expand_in_attention) {
   const CallBackend call = CallBackend::Open(backend, CommonDevice({q_obj, out_obj}), stream);
   const CallArray q = ImportArray(q_obj, call, "queries");
   std::optional<CallArray> out_arr;
@@ -131,6 +132,7 @@ nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer,
   p.layer = layer;
   p.correct = correct;
   p.scale = scale;
+  p.expand_in_attention = expand_in_attention;
   p.out = out_ptr;
   p.out_space = out_on_device ? MemorySpace::kDevice : MemorySpace::kHost;
   absl::Status st;
@@ -158,7 +160,7 @@ void RegisterMoments(nb::module_& m) {
   m.def("_attention", &Attention, nb::arg("q"), nb::arg("cache"), nb::arg("layer"),
         nb::arg("correct") = true, nb::arg("backend") = "cpu", nb::arg("scale") = 0.0f,
         nb::arg("out").none() = nb::none(), nb::arg("stream") = nb::none(),
-        nb::arg("projection").none() = nb::none(),
+        nb::arg("projection").none() = nb::none(), nb::arg("expand_in_attention") = false,
         "Decode attention of queries [q_heads, n_queries, head_dim] over `layer` of a "
         "compressed cache (kept tokens + the evicted set's virtual token when correct; "
         "KVSplice values attended over their latent codes with `projection`), -> float32 [q_heads, n_queries, head_dim] (`out` when given)");

@@ -7,10 +7,10 @@
 //   Decoder        attends over a ResidentCache layer by layer, reusing its workspaces; it never
 //                  copies the cache again. Encoded keys are decoded into a per-layer workspace
 //                  in the backend's space right before the attention kernel. KVSplice values are
-//                  never expanded per token: the attention runs over their latent codes and
-//                  applies each head's expand matrix once per query row (out = (w . Z) E, see
-//                  AttendParams::expand_in_attention); decoding the values to a workspace first
-//                  remains as an option. Dense values never reach host memory.
+//                  either decoded the same way (the default) or never expanded per token: with
+//                  AttendParams::expand_in_attention the attention runs over their latent codes
+//                  and applies each head's expand matrix once per query row (out = (w . Z) E).
+//                  Dense values never reach host memory.
 //
 // Usage (CUDA; the same code runs on the CPU backend):
 //   auto backend = MakeCudaBackend();                       // once per thread / stream
@@ -149,8 +149,9 @@ struct AttendParams {
   // KVSplice-encoded values: attend over the latent codes and expand once per query row (true),
   // or decode the layer's values into a workspace and run the dense attention (false). Both
   // compute the same formula; the fused form reads rank numbers per token instead of head_dim
-  // and writes no per-token values (it also skips their rounding to the layout's dtype).
-  bool expand_in_attention = true;
+  // and writes no per-token values (it also skips their rounding to the layout's dtype). Off by
+  // default: on an H100 its kernels are still slower than decoding first (docs/engine.md).
+  bool expand_in_attention = false;
 };
 
 class Decoder {
