@@ -2,6 +2,10 @@
 // one cudaMalloc'ed pool per tier carved by RangeAllocator.
 #include <cuda_runtime_api.h>
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -78,8 +82,16 @@ class DeviceTier final : public Tier {
     auto it = map_.find(key);
     if (it == map_.end()) return absl::NotFoundError("device tier: no such key");
     const Range r = it->second;
-    std::shared_ptr<uint8_t> host(new uint8_t[r.size > 0 ? r.size : 1],
-                                  std::default_delete<uint8_t[]>());
+    // Fresh host memory for the copy, on huge pages where the kernel allows them (a cache is
+    // hundreds of MB: 4 KiB first-touch faults would cost more than the copy).
+    constexpr size_t kHuge = size_t{2} << 20;
+    const size_t bytes = (std::max<size_t>(r.size, 1) + kHuge - 1) / kHuge * kHuge;
+    void* raw = nullptr;
+    if (posix_memalign(&raw, kHuge, bytes) != 0) {
+      return absl::ResourceExhaustedError("device tier: no host memory for a get");
+    }
+    madvise(raw, bytes, MADV_HUGEPAGE);
+    std::shared_ptr<uint8_t> host(static_cast<uint8_t*>(raw), [](uint8_t* p) { std::free(p); });
     cudaSetDevice(device_);
     cudaError_t e = cudaMemcpy(host.get(), pool_ + r.offset, r.size, cudaMemcpyDeviceToHost);
     if (e != cudaSuccess) return CudaError(e, "copy to host");
