@@ -120,12 +120,12 @@ class CpuScoringOps final : public ScoringOps {
       KVCOMP_ASSIGN_OR_RETURN(void* ws, Scratch(&scores_ws_, uint64_t{h} * n * sizeof(float)));
       scores = static_cast<float*>(ws);
     }
-    // Values are held to the keys' data check (their norms land in `scores`, then overwritten).
-    KVCOMP_RETURN_IF_ERROR(SqNormsChecked(a.values, "values", scores));
+    // Values are held to the keys' data check, in the compaction pass (V is read once).
     if (PerHeadPays(a)) return PerHead(a, scores);
     KVCOMP_RETURN_IF_ERROR(ScoreImpl(a.keys, a.score, a.positions, scores));
     KVCOMP_RETURN_IF_ERROR(SelectImpl(scores, h, n, a.select, a.positions, a.kept));
-    return CompactImpl(a.keys, a.values, a.kept.counts, a.kept.indices, a.keys_out, a.values_out);
+    return CompactImpl(a.keys, a.values, a.kept.counts, a.kept.indices, a.keys_out, a.values_out,
+                       /*check_values=*/true);
   }
 
   uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& a) const override {
@@ -166,9 +166,12 @@ class CpuScoringOps final : public ScoringOps {
       head_base_ = 0;
       KVCOMP_RETURN_IF_ERROR(st);
       KVCOMP_RETURN_IF_ERROR(SelectImpl(s, 1, n, a.select, pos, out));
-      KVCOMP_RETURN_IF_ERROR(CompactImpl(k, v, out.counts, out.indices,
-                                         static_cast<char*>(a.keys_out) + h * kept * row,
-                                         static_cast<char*>(a.values_out) + h * kept * row));
+      head_base_ = h;
+      st = CompactImpl(k, v, out.counts, out.indices,
+                       static_cast<char*>(a.keys_out) + h * kept * row,
+                       static_cast<char*>(a.values_out) + h * kept * row, /*check_values=*/true);
+      head_base_ = 0;
+      KVCOMP_RETURN_IF_ERROR(st);
     }
     return absl::OkStatus();
   }
@@ -184,8 +187,11 @@ class CpuScoringOps final : public ScoringOps {
   absl::Status SelectImpl(const float* scores, uint32_t num_heads, uint64_t num_tokens,
                           const SelectParams& params, const TokenPositions& positions,
                           KeptIndices out);
+  // check_values: also the values' data check (every row's squared norm finite), in the same
+  // pass that copies the kept rows, so ScoreSelectCompact reads V once ("values: ..." error).
   absl::Status CompactImpl(const HeadsView& keys, const HeadsView& values, const uint32_t* counts,
-                           const uint32_t* indices, void* keys_out, void* values_out);
+                           const uint32_t* indices, void* keys_out, void* values_out,
+                           bool check_values = false);
 
   // A grow-only scratch buffer: a backend runs one op at a time, so repeated calls reuse the
   // pages of the last one instead of mapping (and faulting in) fresh ones each time. Held until
@@ -633,7 +639,7 @@ inline void CopyRow(char* dst, const char* src, size_t bytes, bool stream) {
 
 absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& values,
                                         const uint32_t* counts, const uint32_t* indices,
-                                        void* keys_out, void* values_out) {
+                                        void* keys_out, void* values_out, bool check_values) {
   const uint32_t heads = keys.num_heads;
   const uint64_t n = keys.num_tokens;
   std::vector<uint64_t> offsets(heads + 1, 0);
@@ -662,6 +668,39 @@ absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& 
   std::vector<uint64_t> task_start(heads + 1, 0);
   for (uint32_t h = 0; h < heads; ++h) {
     task_start[h + 1] = task_start[h] + CeilDiv(counts[h], kRowsPerTask);
+  }
+  if (check_values) {
+    // Every value row is read once, in order: its squared norm checked (the data rule), the
+    // kept ones copied while they are in L1. Kept lists are ascending (SelectImpl's output).
+    const cpu::RowKernels* k = cpu::RowKernelsFor(values.dtype, values.head_dim);
+    const uint64_t chunks = CeilDiv(n, kChunkTokens);
+    BadTokenFlag bad;
+    ctx_->ParallelFor(uint64_t{heads} * chunks, [&](size_t task) {
+      const uint32_t h = static_cast<uint32_t>(task / chunks);
+      const uint64_t t0 = (task % chunks) * kChunkTokens;
+      const uint64_t len = std::min(kChunkTokens, n - t0);
+      const uint32_t* first = indices + offsets[h];
+      const uint32_t* last = indices + offsets[h + 1];
+      const uint32_t* lo = std::lower_bound(first, last, static_cast<uint32_t>(t0));
+      const uint32_t* hi = std::lower_bound(lo, last, static_cast<uint32_t>(t0 + len));
+      float sq[kChunkTokens];
+      const uint64_t step = 256;  // rows checked, then their kept rows copied
+      const uint32_t* next = lo;
+      for (uint64_t b = t0; b < t0 + len; b += step) {
+        const uint64_t m = std::min(step, t0 + len - b);
+        k->sq_norms(ElemPtr(values, h, b), values.token_stride, m, sq + (b - t0));
+        for (; next < hi && *next < b + m; ++next) {
+          const uint64_t dst = offsets[h] + (next - first);
+          CopyRow(kout + dst * row_bytes, ElemPtr(keys, h, *next), row_bytes, stream);
+          CopyRow(vout + dst * row_bytes, ElemPtr(values, h, *next), row_bytes, stream);
+        }
+      }
+      bad.Check(sq, len, h, t0, n);
+#if defined(__SSE2__)
+      if (stream) _mm_sfence();
+#endif
+    });
+    return bad.ToStatus("values", n, head_base_);
   }
   ctx_->ParallelFor(task_start[heads], [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(
