@@ -63,6 +63,8 @@ def test_device_calls_refuse_host_arrays(client):
         client.put_device("m", "k", k, k)
     with pytest.raises(ValueError, match="CUDA array"):
         client.get_into("m", "k", k, k)
+    with pytest.raises(ValueError, match="CUDA array"):
+        client.get_bytes_into("m", "k", np.zeros(1024, np.uint8))
 
 
 def test_cuda_arrays_are_imported_ordered_on_the_calls_stream(client):

@@ -205,6 +205,15 @@ class Client:
         v = _cuda_capsule(values, s, "values")
         return self._c.get_kv_into(model, _key(key), k, v, q_heads=num_q_heads or 0, stream=s)
 
+    def get_bytes_into(self, model: str, key: Key, out: Any, *, decoded: bool = False,
+                       stream: Any = None) -> Dict[str, Any]:
+        """Writes the cache's bytes as stored (docs/format.md), or decoded, into a preallocated
+        contiguous CUDA array `out` (any dtype; e.g. a torch.uint8 tensor) on `stream` (as
+        put_device). Returns bytes written and the path; raises when `out` is too small."""
+        s = _call_stream(out, stream)
+        return self._c.get_bytes_into(model, _key(key), _cuda_capsule(out, s, "out"),
+                                      decoded=decoded, stream=s)
+
     def gpu_stats(self) -> Dict[str, Any]:
         """How device puts and gets travelled: nccl_puts, nccl_gets, fallback_puts,
         fallback_gets, channels_opened, channel_failures and last_fallback_reason."""

@@ -337,6 +337,27 @@ void RegisterClient(nb::module_& m) {
           nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
           nb::arg("q_heads") = 0, nb::arg("stream") = 0)
       .def(
+          "get_bytes_into",
+          [](Client& c, const std::string& model, nb::bytes key, CudaArray out, bool decoded,
+             uint64_t stream) {
+            const size_t capacity = out.size() * out.itemsize();
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<client::DeviceGetResult> r;
+            {
+              nb::gil_scoped_release release;
+              r = c.GetIntoDevice(model, key_s, out.data(), capacity,
+                                  reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), decoded);
+            }
+            client::DeviceGetResult g = Take(std::move(r));
+            nb::dict d;
+            d["bytes"] = g.bytes;
+            d["path"] = g.path;
+            d["transfer_seconds"] = g.transfer_seconds;
+            return d;
+          },
+          nb::arg("model"), nb::arg("key"), nb::arg("out"), nb::arg("decoded") = false,
+          nb::arg("stream") = 0)
+      .def(
           "probe_gpu_channel",
           [](Client& c, const std::string& endpoint, int device) {
             absl::Status s;
