@@ -34,9 +34,14 @@ std::vector<NcclLink::Chunk> LayerChunks(uint8_t* base, const KvLayout& layout, 
   return chunks;
 }
 
-// Pinned host memory of one transfer, freed on the channel's device.
+// Pinned host memory of one transfer, allocated and freed on the channel's device (the calling
+// thread, a control-plane worker, may have no CUDA context current).
 std::shared_ptr<uint8_t> PinnedBuffer(GpuRuntime* rt, int device, size_t bytes,
                                       absl::Status* status) {
+  if (absl::Status s = rt->SetDevice(device); !s.ok()) {
+    *status = s;
+    return nullptr;
+  }
   absl::StatusOr<void*> p = rt->AllocPinned(bytes);
   if (!p.ok()) {
     *status = p.status();
