@@ -113,6 +113,9 @@ absl::Status CallHook(const EvictionHook& hook, const LayerEviction& e) {
 // Compress on a device backend: every layer's results go into whole-cache arrays in device
 // memory at fixed offsets (a layer keeps exactly KeptCapacity rows: the budget is a hard cap
 // and every backend fills it), moments are summed there, and the cache comes to the host once.
+// The host does not wait for the device between layers: each layer's data check (NaN/Inf in K
+// or V) and moment-list check land in a per-layer record in device memory, read once with the
+// kept counts at the end; the first failing layer fails the compression.
 absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCacheView& cache,
                                                  const CompressionPolicy& policy,
                                                  const CompressOptions& options,
@@ -151,6 +154,28 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
     KVCOMP_ASSIGN_OR_RETURN(d_evicted, Buffer::Allocate(a, uint64_t{heads} * n * 4));
     KVCOMP_ASSIGN_OR_RETURN(d_offsets, Buffer::Allocate(a, 2 * (uint64_t{heads} + 1) * 8));
   }
+  // The per-layer check records (none found: all ones) and moment-list error words (zero). An
+  // eviction hook reads each layer's selection on the host, so that path checks at once.
+  const bool deferred = !options.on_evict;
+  const uint64_t checks_bytes = L * sizeof(DeferredCheck);
+  Buffer d_checks;
+  if (deferred) {
+    KVCOMP_ASSIGN_OR_RETURN(d_checks, Buffer::Allocate(a, checks_bytes + L * sizeof(uint32_t)));
+    KVCOMP_RETURN_IF_ERROR(pipeline_internal::FillDevice(backend, d_checks.data(), 0xFF,
+                                                         checks_bytes));
+    KVCOMP_RETURN_IF_ERROR(
+        ZeroDevice(backend, d_checks.as<char>() + checks_bytes, L * sizeof(uint32_t)));
+  }
+  auto* checks = deferred ? d_checks.as<DeferredCheck>() : nullptr;
+  auto* list_errors =
+      deferred ? reinterpret_cast<uint32_t*>(d_checks.as<char>() + checks_bytes) : nullptr;
+  // Every head's evicted list is at most this long (sizes the moment kernels' grid; a longer one
+  // is reported as a malformed list, never summed in part): under a uniform budget every head
+  // keeps exactly min(kept_per_head, n) tokens.
+  const uint64_t max_evicted =
+      select.head_budget == HeadBudget::kUniform
+          ? n - std::min<uint64_t>(select.kept_per_head, n)
+          : n;
   char* mom = d_mom.as<char>();
   LayerEviction eviction;
   std::vector<uint32_t> layer_kept;  // host copies for an eviction hook only
@@ -170,6 +195,7 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
     args.kept = {counts, kept};
     args.keys_out = d_k.as<char>() + uint64_t{l} * cap * row;
     args.values_out = d_v.as<char>() + uint64_t{l} * cap * row;
+    if (deferred) args.deferred_check = checks + l;
     KVCOMP_RETURN_IF_ERROR(Annotate(
         policy.moment_aware ? moments_internal::MomentAwareScoreSelectCompact(backend, args)
                             : backend.scoring().ScoreSelectCompact(args),
@@ -190,8 +216,10 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
           backend.native_stream(), counts, kept, heads, n, offsets + heads + 1, offsets,
           d_evicted.as<uint32_t>()));
       TokenLists lists{d_evicted.as<uint32_t>(), offsets, heads, MemorySpace::kDevice};
-      KVCOMP_RETURN_IF_ERROR(Annotate(backend.moments().Accumulate(args.keys, args.values, lists, m),
-                                      absl::StrFormat("moments of layer %u", l)));
+      KVCOMP_RETURN_IF_ERROR(
+          Annotate(backend.moments().AccumulateDeferred(args.keys, args.values, lists,
+                                                        max_evicted, list_errors + l, m),
+                   absl::StrFormat("moments of layer %u", l)));
       continue;
     }
     // An eviction hook reads host lists: this layer's selection comes back to the host.
@@ -223,9 +251,26 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
     }
   }
 
-  // The one trip to the host: the kept counts (which waits for the layers' work), then every
-  // section.
+  // The one trip to the host: the layers' check records and the kept counts (which waits for
+  // the layers' work), then every section. The check words are control data, like the ops'
+  // own readbacks, and not counted as transfer bytes.
+  std::vector<DeferredCheck> layer_checks(deferred ? L : 0);
+  std::vector<uint32_t> layer_list_errors(deferred ? L : 0);
+  if (deferred) {
+    KVCOMP_RETURN_IF_ERROR(
+        DownloadAsync(backend.native_stream(), layer_checks.data(), checks, checks_bytes));
+    KVCOMP_RETURN_IF_ERROR(DownloadAsync(backend.native_stream(), layer_list_errors.data(),
+                                         list_errors, L * sizeof(uint32_t)));
+  }
   KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(out.kept.data(), d_counts.data(), H * 4));
+  for (uint32_t l = 0; l < layer_checks.size(); ++l) {
+    const uint64_t q_tokens =
+        policy.scorer == Scorer::kSnapKV ? cache.queries[l].num_tokens : 0;
+    KVCOMP_RETURN_IF_ERROR(Annotate(DeferredCheckStatus(layer_checks[l], n, q_tokens),
+                                    absl::StrFormat("layer %u", l)));
+    KVCOMP_RETURN_IF_ERROR(Annotate(AccumulateErrorStatus(layer_list_errors[l]),
+                                    absl::StrFormat("moments of layer %u", l)));
+  }
   const auto download_start = std::chrono::steady_clock::now();
   xfer->to_host += H * 4;
   std::vector<uint64_t> layer_total(L, 0);

@@ -313,6 +313,13 @@ absl::Status ZeroDevice(Backend& backend, void* dst, uint64_t bytes) {
   return absl::OkStatus();
 }
 
+absl::Status FillDevice(Backend& backend, void* dst, uint8_t value, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  KVCOMP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(backend.native_stream())));
+  return absl::OkStatus();
+}
+
 absl::Status DownloadAsync(void* stream, void* dst, const void* src, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost,
@@ -338,6 +345,9 @@ absl::StatusOr<std::unique_ptr<DeviceKv>> DeviceKv::Create(DeviceUploader& uploa
 namespace pipeline_internal {
 
 absl::Status ZeroDevice(Backend&, void*, uint64_t) {
+  return absl::FailedPreconditionError("this build has no CUDA");
+}
+absl::Status FillDevice(Backend&, void*, uint8_t, uint64_t) {
   return absl::FailedPreconditionError("this build has no CUDA");
 }
 absl::Status DownloadAsync(void*, void*, const void*, uint64_t) {

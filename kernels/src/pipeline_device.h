@@ -20,6 +20,8 @@ absl::Status LaunchEvictedLists(void* stream, const uint32_t* counts, const uint
 
 // Zeroes `bytes` of `backend`'s device memory in its stream order (no host wait).
 absl::Status ZeroDevice(Backend& backend, void* dst, uint64_t bytes);
+// Sets every byte of `bytes` of `backend`'s device memory to `value`, in stream order.
+absl::Status FillDevice(Backend& backend, void* dst, uint8_t value, uint64_t bytes);
 // Queues a device-to-host copy on `stream` (a cudaStream_t); complete after the stream
 // synchronises. `dst` may be pageable.
 absl::Status DownloadAsync(void* stream, void* dst, const void* src, uint64_t bytes);

@@ -107,6 +107,32 @@ absl::Status CheckCompactArgs(const HeadsView& keys, const HeadsView& values, Me
   return absl::OkStatus();
 }
 
+absl::Status DeferredCheckStatus(const DeferredCheck& e, uint64_t n, uint64_t q_tokens) {
+  constexpr uint64_t kNone = DeferredCheck::kNone;
+  const uint64_t rows = n == 0 ? 1 : n;
+  const uint64_t q_rows = q_tokens == 0 ? 1 : q_tokens;
+  if (e.bad_key != kNone) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("keys: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
+                        e.bad_key / rows, e.bad_key % rows));
+  }
+  if (e.bad_value != kNone) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "values: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
+        e.bad_value / rows, e.bad_value % rows));
+  }
+  if (e.bad_query != kNone) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "snapkv queries: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
+        e.bad_query / q_rows, e.bad_query % q_rows));
+  }
+  if (e.bad_score != kNone) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "select: non-finite score at head %u, token %u", e.bad_score / rows, e.bad_score % rows));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckScoreSelectCompactArgs(const ScoreSelectCompactArgs& a, MemorySpace space) {
   if (absl::Status s = CheckCompactArgs(a.keys, a.values, space); !s.ok()) return s;
   if (absl::Status s = CheckScoreArgs(a.keys, a.score, a.positions, space); !s.ok()) return s;

@@ -3,7 +3,8 @@
 // temporary directory) and a CacheService, puts handed in as BlockData. Checks the bytes that
 // cross between host and device per put (one upload of the blocks, one download of the
 // compressed cache), the result against the CPU twin, the GPU memory cap, device-memory blocks,
-// and the engine's failure on a (injected) sticky error.
+// the engine's failure on a (injected) sticky error, and the data checks that run without a
+// host wait per layer (a NaN/Inf in one layer fails the put, nothing stored).
 #include <stdlib.h>
 
 #include <algorithm>
@@ -23,8 +24,11 @@
 #include "gtest/gtest.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/moment_ops.h"
 #include "kvcomp/kernels/pipeline.h"
+#include "kvcomp/kernels/scoring_ops.h"
 #include "kvcomp/service/metrics.h"
 #include "kvcomp/storage/tiered_store.h"
 #include "kvsplice_glue.h"
@@ -404,6 +408,146 @@ TEST_F(DevicePathTest, APutBeyondTheGpuMemoryCapIsRefusedWithNothingKept) {
   absl::StatusOr<CacheSummary> ok = PutCache("b", x);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(engine_->device_reserved_bytes(), 0u);
+}
+
+// The data checks of a device put run without the host waiting per layer; a NaN or Inf in one
+// layer still fails the whole put with that layer, K or V, head and token named, and nothing of
+// it is stored. The engine stays healthy and takes the next put.
+TEST_F(DevicePathTest, ANonFiniteValueInOneLayerFailsThePutAndStoresNothing) {
+  for (storage::TierKind tier : {storage::TierKind::kHost, storage::TierKind::kDevice}) {
+    SCOPED_TRACE(static_cast<int>(tier));
+    TearDown();
+    Start(tier);
+    Tensor bad_keys(12);
+    bad_keys.keys[(((uint64_t{2} * kLayout.num_kv_heads + 1) * kTokens + 300) *
+                   kLayout.head_dim) + 17] = std::nanf("");
+    absl::StatusOr<CacheSummary> s = PutCache("bad-keys", bad_keys);
+    ASSERT_FALSE(s.ok());
+    EXPECT_TRUE(absl::IsInvalidArgument(s.status())) << s.status();
+    EXPECT_NE(s.status().message().find("layer 2: keys: NaN or Inf"), std::string::npos)
+        << s.status();
+    EXPECT_NE(s.status().message().find("head 1, token 300"), std::string::npos) << s.status();
+    EXPECT_TRUE(absl::IsNotFound(Stored("bad-keys").status()));
+
+    Tensor bad_values(13);
+    bad_values.values[(((uint64_t{3} * kLayout.num_kv_heads + 0) * kTokens + 5) *
+                       kLayout.head_dim)] = INFINITY;
+    s = PutCache("bad-values", bad_values, /*device_blocks=*/true);
+    ASSERT_FALSE(s.ok());
+    EXPECT_TRUE(absl::IsInvalidArgument(s.status())) << s.status();
+    EXPECT_NE(s.status().message().find("layer 3: values: NaN or Inf"), std::string::npos)
+        << s.status();
+    EXPECT_NE(s.status().message().find("head 0, token 5"), std::string::npos) << s.status();
+    EXPECT_TRUE(absl::IsNotFound(Stored("bad-values").status()));
+
+    EXPECT_FALSE(engine_->failed());
+    EXPECT_EQ(engine_->device_reserved_bytes(), 0u);
+    Tensor good(14);
+    absl::StatusOr<CacheSummary> ok = PutCache("good", good);
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    EXPECT_TRUE(Stored("good").ok());
+  }
+}
+
+// The ops' deferred checks on their own: findings land in device memory, the call returns OK,
+// and the record read afterwards gives the message the waiting call gives.
+TEST(DeferredChecks, ScoreSelectCompactAndAccumulateReportInDeviceMemory) {
+  auto gpu = MakeCudaBackend();
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  Backend& b = **gpu;
+  Tensor x(15);
+  const uint32_t H = kLayout.num_kv_heads, D = kLayout.head_dim;
+  const uint64_t layer = uint64_t{H} * kTokens * D;
+  x.values[(uint64_t{2} * kTokens + 40) * D + 3] = std::nanf("");  // head 2, token 40
+  auto upload = [&](const float* src, uint64_t count) {
+    auto buf = Buffer::Allocate(b.allocator(), count * sizeof(float));
+    EXPECT_TRUE(buf.ok());
+    EXPECT_TRUE(b.CopyFromHost(buf->data(), src, count * sizeof(float)).ok());
+    return std::move(*buf);
+  };
+  Buffer k = upload(x.keys.data(), layer), v = upload(x.values.data(), layer);
+  CompressionPolicy p;
+  p.scorer = Scorer::kManifold;
+  p.ratio = 0.5;
+  auto select = SelectParamsFromPolicy(p, kTokens);
+  ASSERT_TRUE(select.ok());
+  const uint64_t cap = KeptCapacity(H, kTokens, select->kept_per_head);
+  auto counts = Buffer::Allocate(b.allocator(), H * 4);
+  auto idx = Buffer::Allocate(b.allocator(), cap * 4);
+  auto ko = Buffer::Allocate(b.allocator(), cap * D * 4);
+  auto vo = Buffer::Allocate(b.allocator(), cap * D * 4);
+  auto rec = Buffer::Allocate(b.allocator(), sizeof(DeferredCheck) + 4);
+  ASSERT_TRUE(counts.ok() && idx.ok() && ko.ok() && vo.ok() && rec.ok());
+  const DeferredCheck clean;
+  const uint32_t zero = 0;
+  ASSERT_TRUE(b.CopyFromHost(rec->data(), &clean, sizeof(clean)).ok());
+  ASSERT_TRUE(b.CopyFromHost(rec->as<char>() + sizeof(clean), &zero, 4).ok());
+  ScoreSelectCompactArgs a;
+  a.keys = HeadsView::Dense(k.data(), DType::kF32, H, kTokens, D, MemorySpace::kDevice);
+  a.values = HeadsView::Dense(v.data(), DType::kF32, H, kTokens, D, MemorySpace::kDevice);
+  a.score = ScoreParamsFromPolicy(p, 0);
+  a.select = *select;
+  a.kept = {counts->as<uint32_t>(), idx->as<uint32_t>()};
+  a.keys_out = ko->data();
+  a.values_out = vo->data();
+  // Waiting: the error at once.
+  absl::Status waited = b.scoring().ScoreSelectCompact(a);
+  EXPECT_TRUE(absl::IsInvalidArgument(waited)) << waited;
+  // Deferred: OK now, the same message from the record.
+  a.deferred_check = rec->as<DeferredCheck>();
+  ASSERT_TRUE(b.scoring().ScoreSelectCompact(a).ok());
+  DeferredCheck found;
+  ASSERT_TRUE(b.CopyToHost(&found, rec->data(), sizeof(found)).ok());
+  absl::Status deferred = DeferredCheckStatus(found, kTokens, 0);
+  EXPECT_EQ(deferred, waited);
+  EXPECT_NE(deferred.message().find("values: NaN or Inf"), std::string::npos) << deferred;
+  EXPECT_NE(deferred.message().find("head 2, token 40"), std::string::npos) << deferred;
+
+  // Moments over a list with an index out of range: flagged, nothing added.
+  std::vector<uint32_t> list(H * 4, 1);
+  list[5] = kTokens + 7;
+  std::vector<uint64_t> off(H + 1);
+  for (uint32_t h = 0; h <= H; ++h) off[h] = uint64_t{h} * 4;
+  auto dl = Buffer::Allocate(b.allocator(), list.size() * 4);
+  auto doff = Buffer::Allocate(b.allocator(), off.size() * 8);
+  const uint64_t mom_bytes = H * 8 + 2 * H * D * 4 + H * D * D * 4;
+  auto mom = Buffer::Allocate(b.allocator(), mom_bytes);
+  ASSERT_TRUE(dl.ok() && doff.ok() && mom.ok());
+  ASSERT_TRUE(b.CopyFromHost(dl->data(), list.data(), list.size() * 4).ok());
+  ASSERT_TRUE(b.CopyFromHost(doff->data(), off.data(), off.size() * 8).ok());
+  std::vector<char> zeros(mom_bytes, 0);
+  ASSERT_TRUE(b.CopyFromHost(mom->data(), zeros.data(), mom_bytes).ok());
+  char* m0 = mom->as<char>();
+  MomentsView m{reinterpret_cast<uint64_t*>(m0), reinterpret_cast<float*>(m0 + H * 8),
+                reinterpret_cast<float*>(m0 + H * 8 + H * D * 4),
+                reinterpret_cast<float*>(m0 + H * 8 + 2 * H * D * 4), H, D,
+                MemorySpace::kDevice};
+  TokenLists lists{dl->as<uint32_t>(), doff->as<uint64_t>(), H, MemorySpace::kDevice};
+  HeadsView kk = a.keys, vv = a.keys;  // finite inputs
+  EXPECT_TRUE(absl::IsInvalidArgument(b.moments().Accumulate(kk, vv, lists, m)));
+  auto* word = reinterpret_cast<uint32_t*>(rec->as<char>() + sizeof(clean));
+  ASSERT_TRUE(b.moments().AccumulateDeferred(kk, vv, lists, 4, word, m).ok());
+  uint32_t flag = 0;
+  ASSERT_TRUE(b.CopyToHost(&flag, word, 4).ok());
+  EXPECT_NE(flag, 0u);
+  EXPECT_TRUE(absl::IsInvalidArgument(AccumulateErrorStatus(flag)));
+  std::vector<char> after(mom_bytes, 1);
+  ASSERT_TRUE(b.CopyToHost(after.data(), mom->data(), mom_bytes).ok());
+  EXPECT_EQ(after, zeros);
+  // A list longer than the bound given is flagged too; good lists are summed.
+  list[5] = 2;
+  ASSERT_TRUE(b.CopyFromHost(dl->data(), list.data(), list.size() * 4).ok());
+  ASSERT_TRUE(b.CopyFromHost(word, &zero, 4).ok());
+  ASSERT_TRUE(b.moments().AccumulateDeferred(kk, vv, lists, 3, word, m).ok());
+  ASSERT_TRUE(b.CopyToHost(&flag, word, 4).ok());
+  EXPECT_NE(flag, 0u);
+  ASSERT_TRUE(b.CopyFromHost(word, &zero, 4).ok());
+  ASSERT_TRUE(b.moments().AccumulateDeferred(kk, vv, lists, 4, word, m).ok());
+  ASSERT_TRUE(b.CopyToHost(&flag, word, 4).ok());
+  EXPECT_EQ(flag, 0u);
+  std::vector<uint64_t> count(H);
+  ASSERT_TRUE(b.CopyToHost(count.data(), m0, H * 8).ok());
+  EXPECT_EQ(count, std::vector<uint64_t>(H, 4));
 }
 
 TEST_F(DevicePathTest, AStickyErrorFailsTheEngineAndItTakesNoMorePuts) {

@@ -2,7 +2,8 @@
 // are the CPU backend's (moments_cpu_internal.h) with the device space; the per-head sizes the
 // grids need (list offsets, kept offsets) are copied to the host first, and index lists are
 // checked on the device, so bad input is InvalidArgument, never a fault. Each op synchronizes
-// its stream once at the end to report data errors found on the device.
+// its stream once at the end to report data errors found on the device, except
+// AccumulateDeferred, which leaves its verdict in device memory for the caller.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -113,6 +114,28 @@ class CudaMomentOps final : public MomentOps {
     return Run(k, v, evicted, nullptr, nullptr, out, /*compact=*/false);
   }
 
+  absl::Status AccumulateDeferred(const HeadsView& k, const HeadsView& v,
+                                  const TokenLists& evicted, uint64_t max_list, uint32_t* error,
+                                  const MomentsView& out) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kDevice));
+    KVCOMP_RETURN_IF_ERROR(
+        CheckTokenLists(evicted, k.num_heads, MemorySpace::kDevice, "moments: evicted"));
+    KVCOMP_RETURN_IF_ERROR(
+        CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kDevice, "moments: out"));
+    if (error == nullptr) return absl::InvalidArgumentError("moments: null error word");
+    KVCOMP_RETURN_IF_ERROR(CheckAligned(k, v, nullptr, nullptr, /*compact=*/false));
+    const uint32_t heads = k.num_heads;
+    if (heads == 0) return absl::OkStatus();
+    // The lists are checked on the device; the moment kernel reads the verdict and does nothing
+    // over bad lists, so they can never be read out of range.
+    moments_cuda::CheckLists<<<dim3(16, heads), 256, 0, ctx_->stream>>>(
+        evicted.indices, evicted.offsets, k.num_tokens, /*ascending=*/false, error, max_list);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    moments_cuda::MomentKernelParams p = Params(k, v, evicted, nullptr, nullptr, out);
+    p.abort = error;
+    return LaunchSized(k, p, max_list, /*compact=*/false);
+  }
+
   absl::Status CompactAndAccumulate(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
                                     void* kept_k, void* kept_v, const MomentsView& out) override {
     KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kDevice));
@@ -206,9 +229,9 @@ class CudaMomentOps final : public MomentOps {
   }
 
  private:
-  absl::Status Run(const HeadsView& k, const HeadsView& v, const TokenLists& lists, void* kept_k,
-                   void* kept_v, const MomentsView& out, bool compact) {
-    const uint32_t heads = k.num_heads, d = k.head_dim;
+  static absl::Status CheckAligned(const HeadsView& k, const HeadsView& v, void* kept_k,
+                                   void* kept_v, bool compact) {
+    const uint32_t d = k.head_dim;
     if (d != 64 && d != 128 && d != 256) return UnsupportedHeadDim(d);
     const size_t eb = DTypeBytes(k.dtype, 1);
     auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
@@ -218,6 +241,54 @@ class CudaMomentOps final : public MomentOps {
       return absl::InvalidArgumentError(
           "moments (CUDA): K/V rows, strides and outputs must be 16-byte aligned");
     }
+    return absl::OkStatus();
+  }
+
+  static moments_cuda::MomentKernelParams Params(const HeadsView& k, const HeadsView& v,
+                                                 const TokenLists& lists, void* kept_k,
+                                                 void* kept_v, const MomentsView& out) {
+    moments_cuda::MomentKernelParams p;
+    p.k = k.data;
+    p.v = v.data;
+    p.k_token_stride = k.token_stride;
+    p.k_head_stride = k.head_stride;
+    p.v_token_stride = v.token_stride;
+    p.v_head_stride = v.head_stride;
+    p.num_tokens = k.num_tokens;
+    p.heads = k.num_heads;
+    p.list = lists.indices;
+    p.list_off = lists.offsets;
+    p.kept_k = kept_k;
+    p.kept_v = kept_v;
+    if (out.count != nullptr) {
+      p.count = reinterpret_cast<unsigned long long*>(out.count);
+      p.key_sum = out.key_sum;
+      p.value_sum = out.value_sum;
+      p.vk_sum = out.vk_sum;
+    }
+    return p;
+  }
+
+  // Enqueues the moment kernel over `span` list entries (or tokens) per head; no host wait.
+  absl::Status LaunchSized(const HeadsView& k, moments_cuda::MomentKernelParams& p, uint64_t span,
+                           bool compact) {
+    if (span == 0) return absl::OkStatus();
+    const uint32_t heads = k.num_heads, d = k.head_dim;
+    const uint64_t sblocks = d == 256 ? 4 : 1;
+    const uint64_t target =
+        std::max<uint64_t>(1, 2ull * ctx_->properties.multiProcessorCount / (heads * sblocks));
+    uint64_t chunk = std::max<uint64_t>(512, (span + target - 1) / target);
+    chunk = (chunk + moments_cuda::kTileT - 1) / moments_cuda::kTileT * moments_cuda::kTileT;
+    p.chunk = chunk;
+    const uint64_t chunks = (span + chunk - 1) / chunk;
+    return CudaStatus(LaunchMoments(k.dtype, d, compact, p, chunks, ctx_->stream),
+                      "moment kernel");
+  }
+
+  absl::Status Run(const HeadsView& k, const HeadsView& v, const TokenLists& lists, void* kept_k,
+                   void* kept_v, const MomentsView& out, bool compact) {
+    const uint32_t heads = k.num_heads;
+    KVCOMP_RETURN_IF_ERROR(CheckAligned(k, v, kept_k, kept_v, compact));
     std::vector<uint64_t> off(heads + 1);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(off.data(), lists.offsets, off.size() * 8,
                                                 cudaMemcpyDeviceToHost, ctx_->stream));
@@ -241,7 +312,7 @@ class CudaMomentOps final : public MomentOps {
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(err.data(), 0, sizeof(unsigned), ctx_->stream));
     if (off[heads] > 0) {
       moments_cuda::CheckLists<<<dim3(16, heads), 256, 0, ctx_->stream>>>(
-          lists.indices, lists.offsets, k.num_tokens, compact, err.as<unsigned>());
+          lists.indices, lists.offsets, k.num_tokens, compact, err.as<unsigned>(), ~uint64_t{0});
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
     unsigned bad = 0;
@@ -254,36 +325,10 @@ class CudaMomentOps final : public MomentOps {
                                             : "moments: evicted token index out of range");
     }
 
-    moments_cuda::MomentKernelParams p;
-    p.k = k.data;
-    p.v = v.data;
-    p.k_token_stride = k.token_stride;
-    p.k_head_stride = k.head_stride;
-    p.v_token_stride = v.token_stride;
-    p.v_head_stride = v.head_stride;
-    p.num_tokens = k.num_tokens;
-    p.heads = heads;
-    p.list = lists.indices;
-    p.list_off = lists.offsets;
-    p.kept_k = kept_k;
-    p.kept_v = kept_v;
-    if (out.count != nullptr) {
-      p.count = reinterpret_cast<unsigned long long*>(out.count);
-      p.key_sum = out.key_sum;
-      p.value_sum = out.value_sum;
-      p.vk_sum = out.vk_sum;
-    }
+    moments_cuda::MomentKernelParams p = Params(k, v, lists, kept_k, kept_v, out);
     const uint64_t span = compact ? k.num_tokens : longest;
     if (span == 0) return absl::OkStatus();
-    const uint64_t sblocks = d == 256 ? 4 : 1;
-    const uint64_t target =
-        std::max<uint64_t>(1, 2ull * ctx_->properties.multiProcessorCount / (heads * sblocks));
-    uint64_t chunk = std::max<uint64_t>(512, (span + target - 1) / target);
-    chunk = (chunk + moments_cuda::kTileT - 1) / moments_cuda::kTileT * moments_cuda::kTileT;
-    p.chunk = chunk;
-    const uint64_t chunks = (span + chunk - 1) / chunk;
-    KVCOMP_RETURN_IF_ERROR(
-        CudaStatus(LaunchMoments(k.dtype, d, compact, p, chunks, ctx_->stream), "moment kernel"));
+    KVCOMP_RETURN_IF_ERROR(LaunchSized(k, p, span, compact));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
     return absl::OkStatus();
   }

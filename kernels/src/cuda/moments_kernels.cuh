@@ -56,6 +56,8 @@ struct MomentKernelParams {
   float* value_sum = nullptr;
   float* vk_sum = nullptr;
   uint64_t chunk = 0;  // list entries (list mode) or tokens (compact mode) per CTA
+  // Optional: when *abort is nonzero (bad lists found by CheckLists), every CTA returns at once.
+  const unsigned int* abort = nullptr;
 };
 
 template <int D>
@@ -191,6 +193,7 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
   }
   if (begin >= end) return;
   if (kCompact && !summarize && !lead) return;
+  if (p.abort != nullptr && *p.abort != 0) return;
 
   const T* kbase = static_cast<const T*>(p.k) + h * p.k_head_stride;
   const T* vbase = static_cast<const T*>(p.v) + h * p.v_head_stride;
@@ -378,6 +381,7 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernelAsync(MomentKernelPar
   }
   if (begin >= end) return;
   if (kCompact && !summarize && !lead) return;
+  if (p.abort != nullptr && *p.abort != 0) return;
   const T* kbase = static_cast<const T*>(p.k) + h * p.k_head_stride;
   const T* vbase = static_cast<const T*>(p.v) + h * p.v_head_stride;
 
@@ -502,11 +506,12 @@ cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cud
 
 // Sets *error to 1 when an index of head h's list is >= num_tokens or, when `ascending`, not
 // strictly above its predecessor. Grid: (blocks, heads).
+// `max_list` (bounds every list's length) and a nonzero offsets[0] are checked as well.
 static __global__ void CheckLists(const uint32_t* list, const uint64_t* off, uint64_t num_tokens,
-                                  bool ascending, unsigned int* error) {
+                                  bool ascending, unsigned int* error, uint64_t max_list) {
   const uint32_t h = blockIdx.y;
   const uint64_t a = off[h], b = off[h + 1];
-  if (b < a) {
+  if (b < a || b - a > max_list || (h == 0 && a != 0)) {
     if (threadIdx.x == 0 && blockIdx.x == 0) *error = 1;
     return;
   }

@@ -3,6 +3,7 @@
 // the backend's stream and, where the op can find bad data on the device, reads the error slots
 // back before returning (the one synchronisation per call).
 #include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -182,6 +183,14 @@ uint64_t ShortSelectMaxTokens() {
   return max_tokens;
 }
 
+// A deferred check record is the device's error slots, copied as they are.
+static_assert(sizeof(ErrorSlots) == sizeof(DeferredCheck) &&
+                  offsetof(ErrorSlots, bad_key) == offsetof(DeferredCheck, bad_key) &&
+                  offsetof(ErrorSlots, bad_query) == offsetof(DeferredCheck, bad_query) &&
+                  offsetof(ErrorSlots, bad_score) == offsetof(DeferredCheck, bad_score) &&
+                  offsetof(ErrorSlots, bad_value) == offsetof(DeferredCheck, bad_value),
+              "ErrorSlots and DeferredCheck share one layout");
+
 class CudaScoringOps final : public ScoringOps {
  public:
   explicit CudaScoringOps(CudaContext* ctx) : ctx_(ctx) {}
@@ -260,6 +269,13 @@ class CudaScoringOps final : public ScoringOps {
     Layout l;
     l.errors = c.Take(sizeof(ErrorSlots));
     KVCOMP_ASSIGN_OR_RETURN(Buffer ws, EnqueueAll(a, &c, &l));
+    if (a.deferred_check != nullptr) {
+      // The findings go to the caller's record in stream order; the host does not wait here.
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.deferred_check, At<char>(ws, l.errors),
+                                                  sizeof(ErrorSlots), cudaMemcpyDeviceToDevice,
+                                                  ctx_->stream));
+      return absl::OkStatus();
+    }
     return ReadErrors(ws, l, a.keys.num_tokens, a.score.queries.num_tokens);
   }
 
@@ -371,28 +387,9 @@ class CudaScoringOps final : public ScoringOps {
                                                 sizeof(ErrorSlots), cudaMemcpyDeviceToHost,
                                                 ctx_->stream));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
-    const ErrorSlots e = *host_errors_;
-    constexpr unsigned long long kNone = ~0ull;
-    if (e.bad_key != kNone) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "keys: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
-          e.bad_key / n, e.bad_key % n));
-    }
-    if (e.bad_value != kNone) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "values: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
-          e.bad_value / n, e.bad_value % n));
-    }
-    if (e.bad_query != kNone) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "snapkv queries: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
-          e.bad_query / q_tokens, e.bad_query % q_tokens));
-    }
-    if (e.bad_score != kNone) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "select: non-finite score at head %u, token %u", e.bad_score / n, e.bad_score % n));
-    }
-    return absl::OkStatus();
+    DeferredCheck e;
+    std::memcpy(&e, host_errors_, sizeof(e));
+    return DeferredCheckStatus(e, n, q_tokens);
   }
 
   // A dense copy of a view whose rows are not 16-byte aligned (into ws at `offset`), or the view.

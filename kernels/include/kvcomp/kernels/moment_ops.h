@@ -93,6 +93,14 @@ struct AttentionParams {
   float* out = nullptr;
 };
 
+// The status of AccumulateDeferred's error word (0: OK).
+inline absl::Status AccumulateErrorStatus(uint32_t error) {
+  return error == 0 ? absl::OkStatus()
+                    : absl::InvalidArgumentError(
+                          "moments: evicted lists malformed (offsets, lengths or a token index "
+                          "out of range)");
+}
+
 class MomentOps {
  public:
   virtual ~MomentOps() = default;
@@ -102,6 +110,21 @@ class MomentOps {
   // dtypes outside f32/f16/bf16, an index out of range (CPU) or memory in the wrong space.
   virtual absl::Status Accumulate(const HeadsView& k, const HeadsView& v, const TokenLists& evicted,
                                   const MomentsView& out) = 0;
+
+  // Accumulate without holding the host (device backends): the lists' offsets stay in device
+  // memory and every head's list is taken to hold at most `max_list` entries (this sizes the
+  // grid). Bad lists (offsets not from 0 or decreasing, a list longer than max_list, an index out
+  // of range) set *error (a u32 in the backend's memory that the caller zeroed before) instead of
+  // returning InvalidArgument, and then nothing is added. Read *error after the stream
+  // synchronises; AccumulateErrorStatus gives the status Accumulate would have returned. Shape,
+  // dtype and space errors are returned at once. The default (host backends) is Accumulate.
+  virtual absl::Status AccumulateDeferred(const HeadsView& k, const HeadsView& v,
+                                          const TokenLists& evicted, uint64_t max_list,
+                                          uint32_t* error, const MomentsView& out) {
+    (void)max_list;
+    (void)error;
+    return Accumulate(k, v, evicted, out);
+  }
 
   // One pass of compaction and summary: for each head h, copies the kept tokens (kept lists,
   // strictly ascending) of k and v, in order, to rows [kept.offsets[h], kept.offsets[h+1]) of

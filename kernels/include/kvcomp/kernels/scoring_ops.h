@@ -115,6 +115,22 @@ inline uint64_t KeptCapacity(uint32_t num_heads, uint64_t num_tokens, uint64_t k
   return uint64_t{num_heads} * (kept_per_head < num_tokens ? kept_per_head : num_tokens);
 }
 
+// The data check of ScoreSelectCompact, as found on the device: each field is the first bad
+// row (head * rows + token, lowest first) or kNone. A caller that defers the check initialises
+// the record to Clean() (all kNone) or lets the op overwrite it.
+struct DeferredCheck {
+  static constexpr uint64_t kNone = ~uint64_t{0};
+  uint64_t bad_key = kNone;    // a key row with NaN/Inf or a squared norm beyond float32
+  uint64_t bad_query = kNone;  // the same for snapkv queries
+  uint64_t bad_score = kNone;  // a non-finite score given to the selection
+  uint64_t bad_value = kNone;  // a value row with NaN/Inf or a squared norm beyond float32
+};
+
+// The status the op returns for `check` (the data-check messages above): `num_tokens` of the
+// layer, `query_tokens` of the snapkv window (0 without).
+absl::Status DeferredCheckStatus(const DeferredCheck& check, uint64_t num_tokens,
+                                 uint64_t query_tokens);
+
 // All of one layer's work in one call (ScoreSelectCompact).
 //
 // Batching short requests: requests of one length, dtype and head_dim may be given as one view of
@@ -136,6 +152,12 @@ struct ScoreSelectCompactArgs {
   // dtype, head h's rows from sum(counts[0..h)). Capacity KeptCapacity(...) rows each.
   void* keys_out = nullptr;
   void* values_out = nullptr;
+  // Optional, device backends: a DeferredCheck in device memory. When set, the data check does
+  // not hold the host: the op writes its findings there in stream order and returns once the work
+  // is enqueued (argument errors are still returned at once). The caller reads the record after
+  // the stream synchronises and turns it into the op's status with DeferredCheckStatus. Host
+  // backends check at once and leave the record as it is.
+  DeferredCheck* deferred_check = nullptr;
 };
 
 class ScoringOps {
