@@ -21,7 +21,8 @@
 //    Outputs are written into caller buffers; workspace comes from the backend's Allocator.
 //  - The CUDA backend orders every op on its stream; the host may read results after
 //    Backend::Synchronize() or Backend::CopyToHost(). A data error found on the device is
-//    reported by the call that found it (which synchronizes for that purpose).
+//    reported by the call that found it (which synchronizes for that purpose), unless the caller
+//    defers the check (ScoreSelectCompactArgs::deferred_check).
 //  - Not thread-safe: one ScoringOps (one Backend) per thread or stream.
 //
 // Selection rule (exact, so backends agree): a token's effective score is +inf when it is
