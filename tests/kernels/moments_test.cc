@@ -328,6 +328,16 @@ TEST_F(MomentsCpuTest, RejectsBadInput) {
   const HeadsView vv = HeadsView::Dense(v.data(), DType::kF32, 2, 10, d);
   EXPECT_EQ(ops().Accumulate(kv, vv, TokenLists{idx.data(), off.data(), 2}, m.view()).code(),
             absl::StatusCode::kInvalidArgument);
+  // The deferred form on the host reports at once and leaves the error word alone.
+  uint32_t error = 0;
+  EXPECT_EQ(ops()
+                .AccumulateDeferred(kv, vv, TokenLists{idx.data(), off.data(), 2}, 10, &error,
+                                    m.view())
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(error, 0u);
+  EXPECT_TRUE(AccumulateErrorStatus(0).ok());
+  EXPECT_EQ(AccumulateErrorStatus(1).code(), absl::StatusCode::kInvalidArgument);
   idx[1] = 3;
   HeadsView wrong = vv;
   wrong.num_tokens = 9;

@@ -94,6 +94,35 @@ TEST_F(ScoringErrorsTest, NanOrInfInValuesForEveryScorerAsForKeys) {
   }
 }
 
+// A deferred check record turns into the messages the op gives; a host backend checks at once
+// and leaves the record as it is.
+TEST_F(ScoringErrorsTest, DeferredCheckRecordsGiveTheOpsMessages) {
+  DeferredCheck c;
+  EXPECT_TRUE(DeferredCheckStatus(c, 50, 0).ok());
+  c.bad_score = 2 * 50 + 9;
+  ExpectInvalid(DeferredCheckStatus(c, 50, 0), "select: non-finite score at head 2, token 9");
+  c.bad_query = 4 + 3;
+  ExpectInvalid(DeferredCheckStatus(c, 50, 4),
+                "snapkv queries: NaN or Inf (or a squared norm beyond float32) at head 1, token 3");
+  c.bad_value = 50 + 33;
+  ExpectInvalid(DeferredCheckStatus(c, 50, 4),
+                "values: NaN or Inf (or a squared norm beyond float32) at head 1, token 33");
+  c.bad_key = 49;  // keys first, as the op reports them
+  ExpectInvalid(DeferredCheckStatus(c, 50, 4),
+                "keys: NaN or Inf (or a squared norm beyond float32) at head 0, token 49");
+
+  HostHeads k = RandomHeads(DType::kF32, 2, 50, 64, 1);
+  const HostHeads v = RandomHeads(DType::kF32, 2, 50, 64, 2);
+  k.Set((uint64_t{1} * 50 + 12) * 64, std::numeric_limits<float>::quiet_NaN());
+  DeferredCheck record;
+  ScoreSelectCompactArgs a;
+  a.score.scorer = Scorer::kManifold;
+  a.deferred_check = &record;
+  ExpectInvalid(Run(k, v, a), "keys: NaN or Inf (or a squared norm beyond float32) at head 1, "
+                              "token 12");
+  EXPECT_EQ(record.bad_key, DeferredCheck::kNone);
+}
+
 TEST_F(ScoringErrorsTest, ExtremeFiniteValuesFollowTheKeysBound) {
   // The stated rule, keys and values alike: a row's squared norm must fit float32.
   for (bool in_values : {false, true}) {
