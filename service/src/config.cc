@@ -92,7 +92,17 @@ std::string DoubleText(double d) {
 template <typename Access>
 ConfigField StringField(std::string key, std::string help, Access access) {
   return ConfigField{key, "string", std::move(help),
-                     [access](Options& o, absl::string_view v) {
+                     [key, access](Options& o, absl::string_view v) {
+                       // Paths, addresses and names: a control character (a stray carriage
+                       // return folded into a YAML scalar, a tab) is refused, never kept.
+                       for (char c : v) {
+                         const auto u = static_cast<unsigned char>(c);
+                         if (u < 0x20 || u == 0x7f) {
+                           return absl::InvalidArgumentError(
+                               absl::StrCat(key, " contains a control character (byte ",
+                                            static_cast<int>(u), ")"));
+                         }
+                       }
                        access(o) = std::string(v);
                        return absl::OkStatus();
                      },

@@ -562,6 +562,14 @@ TEST_F(ControlTest, ConfigurationCommandLine) {
   EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
   cmd = std::string(KVCOMPD_PATH) + " --default_policy.recent_fraction=-0.5 2>/dev/null";
   EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
+  // A string option with a control character (here a carriage return that YAML folds into a
+  // plain scalar continued on the next line) stops the start with the key named.
+  std::ofstream(dir_.path() + "/cr.yaml") << "auth:\n  token_file: /etc/kvcomp/tokens\n   info\r";
+  cmd = std::string(KVCOMPD_PATH) + " --config " + dir_.path() +
+        "/cr.yaml 2>&1 | grep -q 'token_file.*control character'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+  cmd = std::string(KVCOMPD_PATH) + " --config " + dir_.path() + "/cr.yaml >/dev/null 2>&1";
+  EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
 }
 
 TEST_F(ControlTest, ThriftOverTls) {
