@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -110,6 +111,12 @@ absl::Status DenseFromCache(const CompressedCache& cache, const KvLayout& layout
     }
   }
   return absl::OkStatus();
+}
+
+// The timed transfer's seconds; 0 when the timer cannot tell.
+double SecondsOf(GpuRuntime::Timer& timer) {
+  absl::StatusOr<double> secs = timer.Seconds(absl::Now() + absl::Seconds(1));
+  return secs.ok() ? *secs : 0;
 }
 
 bool Refused(const absl::Status& s) {
@@ -317,8 +324,7 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
     }
     s = c.link->Wait(stream, deadline + c.transfer_timeout);
     if (!s.ok()) Drop(*channel, s);  // acknowledged by the daemon: the put stands
-    absl::StatusOr<double> secs = timer->Seconds(absl::Now() + absl::Seconds(1));
-    result->transfer_seconds = secs.ok() ? *secs : 0;
+    result->transfer_seconds = SecondsOf(*timer);
     result->path = "nccl";
     result->endpoints = {c.data};
     absl::MutexLock stats(&mu_);
@@ -349,22 +355,10 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
   return r;
 }
 
-absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl::string_view key,
-                                               const KvLayout& layout, uint64_t num_tokens,
-                                               const std::vector<DeviceLayerOut>& layers,
-                                               void* stream) {
-  KVCOMP_RETURN_IF_ERROR(CheckShape(layout, num_tokens, layers.size()));
-  KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, Runtime());
-  std::vector<const void*> ptrs;
-  for (const DeviceLayerOut& l : layers) {
-    ptrs.push_back(l.keys);
-    ptrs.push_back(l.values);
-  }
-  KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfAll(rt, ptrs));
-  KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
-  const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
-  const uint64_t payload = layout.CacheBytes(num_tokens);
-
+absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
+    const std::vector<EndpointAddress>& ranking, GpuRuntime* rt, int device,
+    absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
+    void* stream, absl::FunctionRef<ChunksFn> place) {
   absl::Status why = ranking.empty() ? absl::UnavailableError("no endpoint") : absl::OkStatus();
   bool log = true;
   for (int attempt = 0; why.ok() && attempt < 2; ++attempt) {
@@ -381,8 +375,8 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
       Drop(*channel, absl::UnavailableError("link broken"));
       continue;
     }
-    absl::StatusOr<GpuGetGrant> grant = ControlGpuGet(c.control, options_, c.id, model_id, key,
-                                                      GpuGetForm::kDenseKv, payload);
+    absl::StatusOr<GpuGetGrant> grant =
+        ControlGpuGet(c.control, options_, c.id, model_id, key, form, capacity);
     if (!grant.ok()) {
       const absl::Status& e = grant.status();
       const bool channel_gone =
@@ -400,22 +394,17 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
       }
       return e;
     }
-    if (!SameLayout(grant->layout, layout) || grant->num_tokens != num_tokens ||
-        grant->payload_bytes != payload) {
+    absl::StatusOr<std::vector<NcclLink::Chunk>> chunks = place(*grant);
+    if (!chunks.ok()) {
       c.link->Abort();  // its send is posted and will not be received
-      Drop(*channel, absl::InvalidArgumentError("layout mismatch"));
-      return absl::InvalidArgumentError(
-          absl::StrCat("the cache has ", grant->num_tokens, " tokens of another layout than the "
-                       "call's (", grant->payload_bytes, " bytes, ", payload, " expected)"));
+      Drop(*channel, chunks.status());
+      return chunks.status();
     }
     KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
     KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<GpuRuntime::Timer> timer, rt->NewTimer());
-    std::vector<NcclLink::Chunk> chunks;
-    for (const DeviceLayerOut& l : layers) chunks.push_back({l.keys, layer_bytes});
-    for (const DeviceLayerOut& l : layers) chunks.push_back({l.values, layer_bytes});
     const absl::Time deadline = absl::Now() + c.transfer_timeout;
     absl::Status s = timer->Start(stream);
-    if (s.ok()) s = c.link->Recv(chunks, stream);
+    if (s.ok()) s = c.link->Recv(*chunks, stream);
     if (s.ok()) s = c.link->Enqueued(deadline);
     if (s.ok()) s = timer->Stop(stream);
     if (s.ok()) s = c.link->Wait(stream, deadline);
@@ -425,10 +414,9 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
     }
     (void)ControlGpuGetFinish(c.control, options_, c.id, grant->transfer_id);
     DeviceGetResult out;
-    out.bytes = payload;
+    out.bytes = grant->payload_bytes;
     out.path = "nccl";
-    absl::StatusOr<double> secs = timer->Seconds(absl::Now() + absl::Seconds(1));
-    out.transfer_seconds = secs.ok() ? *secs : 0;
+    out.transfer_seconds = SecondsOf(*timer);
     absl::MutexLock stats(&mu_);
     stats_.nccl_gets++;
     return out;
@@ -440,6 +428,41 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
     absl::MutexLock stats(&mu_);
     stats_.fallback_gets++;
   }
+  return std::nullopt;
+}
+
+absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl::string_view key,
+                                               const KvLayout& layout, uint64_t num_tokens,
+                                               const std::vector<DeviceLayerOut>& layers,
+                                               void* stream) {
+  KVCOMP_RETURN_IF_ERROR(CheckShape(layout, num_tokens, layers.size()));
+  KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, Runtime());
+  std::vector<const void*> ptrs;
+  for (const DeviceLayerOut& l : layers) {
+    ptrs.push_back(l.keys);
+    ptrs.push_back(l.values);
+  }
+  KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfAll(rt, ptrs));
+  KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
+  const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
+  const uint64_t payload = layout.CacheBytes(num_tokens);
+
+  KVCOMP_ASSIGN_OR_RETURN(
+      std::optional<DeviceGetResult> nccl,
+      NcclGet(ranking, rt, device, model_id, key, GpuGetForm::kDenseKv, payload, stream,
+              [&](const GpuGetGrant& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
+                if (!SameLayout(grant.layout, layout) || grant.num_tokens != num_tokens ||
+                    grant.payload_bytes != payload) {
+                  return absl::InvalidArgumentError(absl::StrCat(
+                      "the cache has ", grant.num_tokens, " tokens of another layout than the "
+                      "call's (", grant.payload_bytes, " bytes, ", payload, " expected)"));
+                }
+                std::vector<NcclLink::Chunk> chunks;
+                for (const DeviceLayerOut& l : layers) chunks.push_back({l.keys, layer_bytes});
+                for (const DeviceLayerOut& l : layers) chunks.push_back({l.values, layer_bytes});
+                return chunks;
+              }));
+  if (nccl) return *std::move(nccl);
 
   KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, self_->GetDecoded(model_id, key));
   KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
@@ -468,70 +491,15 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,
   KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, Runtime());
   KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfAll(rt, {dst}));
   KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
-  absl::Status why = ranking.empty() ? absl::UnavailableError("no endpoint") : absl::OkStatus();
-  bool log = true;
-  for (int attempt = 0; why.ok() && attempt < 2; ++attempt) {
-    bool hard = false;
-    absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
-    if (!channel.ok()) {
-      if (hard) return channel.status();
-      why = channel.status();
-      break;
-    }
-    Channel& c = **channel;
-    absl::MutexLock lock(&c.mu);
-    if (c.link == nullptr || c.link->broken()) {
-      Drop(*channel, absl::UnavailableError("link broken"));
-      continue;
-    }
-    absl::StatusOr<GpuGetGrant> grant =
-        ControlGpuGet(c.control, options_, c.id, model_id, key,
-                      decoded ? GpuGetForm::kDecoded : GpuGetForm::kStored, capacity);
-    if (!grant.ok()) {
-      const absl::Status& e = grant.status();
-      if ((absl::IsNotFound(e) && e.message().find("GPU channel") != absl::string_view::npos) ||
-          absl::IsUnavailable(e)) {
-        c.link->Abort();
-        Drop(*channel, e);
-        continue;
-      }
-      if (absl::IsNotFound(e)) {
-        why = e;
-        log = false;
-        break;
-      }
-      return e;
-    }
-    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<GpuRuntime::Timer> timer, rt->NewTimer());
-    const NcclLink::Chunk chunk{dst, static_cast<size_t>(grant->payload_bytes)};
-    const absl::Time deadline = absl::Now() + c.transfer_timeout;
-    absl::Status s = timer->Start(stream);
-    if (s.ok()) s = c.link->Recv({&chunk, 1}, stream);
-    if (s.ok()) s = c.link->Enqueued(deadline);
-    if (s.ok()) s = timer->Stop(stream);
-    if (s.ok()) s = c.link->Wait(stream, deadline);
-    if (!s.ok()) {
-      Drop(*channel, s);
-      return s;
-    }
-    (void)ControlGpuGetFinish(c.control, options_, c.id, grant->transfer_id);
-    DeviceGetResult out;
-    out.bytes = grant->payload_bytes;
-    out.path = "nccl";
-    absl::StatusOr<double> secs = timer->Seconds(absl::Now() + absl::Seconds(1));
-    out.transfer_seconds = secs.ok() ? *secs : 0;
-    absl::MutexLock stats(&mu_);
-    stats_.nccl_gets++;
-    return out;
-  }
-  if (why.ok()) why = absl::UnavailableError("the GPU channel failed twice");
-  if (log) {
-    NoteFallback(ranking.empty() ? "" : ranking[0].data, why, /*put=*/false);
-  } else {
-    absl::MutexLock stats(&mu_);
-    stats_.fallback_gets++;
-  }
+  KVCOMP_ASSIGN_OR_RETURN(
+      std::optional<DeviceGetResult> nccl,
+      NcclGet(ranking, rt, device, model_id, key,
+              decoded ? GpuGetForm::kDecoded : GpuGetForm::kStored, capacity, stream,
+              [&](const GpuGetGrant& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
+                return std::vector<NcclLink::Chunk>{
+                    {dst, static_cast<size_t>(grant.payload_bytes)}};
+              }));
+  if (nccl) return *std::move(nccl);
   KVCOMP_ASSIGN_OR_RETURN(std::string bytes, fetch_(model_id, key, decoded));
   if (bytes.size() > capacity) {
     return absl::OutOfRangeError(

@@ -12,15 +12,19 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "control.h"
 #include "kvcomp/client/client.h"
+#include "kvcomp/transport/gpu_link.h"
 
 namespace kvcomp {
 namespace client {
@@ -60,6 +64,17 @@ class GpuPath {
                                                       bool* hard);
   void Drop(const std::shared_ptr<Channel>& channel, const absl::Status& why);
   void NoteFallback(const std::string& endpoint, const absl::Status& why, bool put);
+  // The device chunks a granted get is received into; an error refuses the grant.
+  using ChunksFn =
+      absl::StatusOr<std::vector<transport::NcclLink::Chunk>>(const GpuGetGrant& grant);
+  // A get over the GPU channel to the first endpoint of `ranking` (two tries): asks for `form`
+  // up to `capacity` bytes and receives it into the chunks `place` gives for the grant (an error
+  // from `place` aborts the transfer and is returned). nullopt: the fallback is noted and the get
+  // goes through host memory.
+  absl::StatusOr<std::optional<DeviceGetResult>> NcclGet(
+      const std::vector<EndpointAddress>& ranking, transport::GpuRuntime* rt, int device,
+      absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
+      void* stream, absl::FunctionRef<ChunksFn> place);
 
   const ClientOptions options_;
   Client* const self_;
