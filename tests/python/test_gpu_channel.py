@@ -3,22 +3,14 @@ negotiation says why it cannot be had, host arrays are refused by the device cal
 go through put()), and the counters are there. Transfers from CUDA tensors run on GPU machines
 (tests/client/gpu_channel_gpu_test.cc covers the SDK underneath)."""
 
-import os
-import sys
 
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+import kvcomp
+from kvcompd_fixture import Kvcompd, built_kvcompd
 
-import kvcomp  # noqa: E402
-from kvcompd_fixture import Kvcompd, find_kvcompd  # noqa: E402
-
-try:
-    KVCOMPD = find_kvcompd()
-except FileNotFoundError:  # pragma: no cover - the build makes it
-    KVCOMPD = None
+KVCOMPD = built_kvcompd()
 pytestmark = pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")
 
 LAYERS, KV, D, N = 2, 2, 64, 32

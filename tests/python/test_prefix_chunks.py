@@ -11,17 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+import kvcomp
+from kvcomp.chunks import assemble, run_moments
+from kvcompd_fixture import Kvcompd, built_kvcompd
 
-import kvcomp  # noqa: E402
-from kvcomp.chunks import assemble, run_moments  # noqa: E402
-from kvcompd_fixture import Kvcompd, find_kvcompd  # noqa: E402
-
-try:
-    KVCOMPD = find_kvcompd()
-except FileNotFoundError:  # pragma: no cover - the build makes it
-    KVCOMPD = None
+KVCOMPD = built_kvcompd()
 pytestmark = pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")
 
 MODEL = "test/prefix"

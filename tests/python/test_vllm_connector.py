@@ -6,25 +6,17 @@ chunks, missing and malformed chunks reported as load errors (recomputed, never 
 vLLM's own classes drive the same code in scripts/test_vllm.sh."""
 
 import hashlib
-import os
-import sys
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
-
 import kvcomp  # noqa: E402
 from kvcomp.integrations import vllm as kv  # noqa: E402
-from kvcompd_fixture import Kvcompd, find_kvcompd  # noqa: E402
+from kvcompd_fixture import Kvcompd, built_kvcompd  # noqa: E402
 
-try:
-    KVCOMPD = find_kvcompd()
-except FileNotFoundError:  # pragma: no cover - the build makes it
-    KVCOMPD = None
+KVCOMPD = built_kvcompd()
 needs_daemons = pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")
 
 LAYERS, HEADS, D, BS, CB, NBLOCKS = 3, 2, 64, 16, 2, 40
