@@ -33,6 +33,7 @@
 #include "kvcomp/storage/tiered_store.h"
 #include "kvsplice_glue.h"
 #include "put.h"
+#include "service_test_util.h"
 
 namespace kvcomp {
 namespace service {
@@ -43,62 +44,12 @@ KVCOMP_GPU_TEST_BINARY();
 const KvLayout kLayout{4, 4, 8, 128, DType::kF32};
 constexpr uint64_t kTokens = 512;
 
-// K and V, [layer][head][token][dim] each.
-struct Tensor {
-  std::vector<float> keys, values;
-  explicit Tensor(uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> n(0.f, 1.f);
-    const size_t count =
-        size_t{kLayout.num_layers} * kLayout.num_kv_heads * kTokens * kLayout.head_dim;
-    keys.resize(count);
-    values.resize(count);
-    for (float& x : keys) x = n(rng);
-    for (float& x : values) x = n(rng);
-  }
-  const float* at(const std::vector<float>& t, uint32_t l, uint32_t h, uint64_t tok) const {
-    return t.data() + ((uint64_t{l} * kLayout.num_kv_heads + h) * kTokens + tok) * kLayout.head_dim;
-  }
-  KvCacheView View() const {
-    KvCacheView v;
-    v.layout = kLayout;
-    v.num_tokens = kTokens;
-    for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
-      v.keys.push_back(HeadsView::Dense(at(keys, l, 0, 0), kLayout.dtype, kLayout.num_kv_heads,
-                                        kTokens, kLayout.head_dim));
-      v.values.push_back(HeadsView::Dense(at(values, l, 0, 0), kLayout.dtype,
-                                          kLayout.num_kv_heads, kTokens, kLayout.head_dim));
-    }
-    return v;
-  }
-};
+using testutil::MakeBlock;
 
-// Layers [l0, l1) x tokens [t0, t1), in host memory of its own as a put's block lays them out.
-BlockData MakeBlock(const Tensor& x, uint32_t l0, uint32_t l1, uint64_t t0, uint64_t t1) {
-  const uint64_t n = t1 - t0;
-  const uint32_t H = kLayout.num_kv_heads, D = kLayout.head_dim;
-  auto buf = std::make_shared<std::vector<float>>(2 * size_t{l1 - l0} * H * n * D);
-  float* k = buf->data();
-  float* v = k + size_t{l1 - l0} * H * n * D;
-  BlockData b;
-  b.layer_begin = l0;
-  b.layer_end = l1;
-  b.token_begin = t0;
-  b.token_end = t1;
-  for (uint32_t l = l0; l < l1; ++l) {
-    float* kl = k + size_t{l - l0} * H * n * D;
-    float* vl = v + size_t{l - l0} * H * n * D;
-    for (uint32_t h = 0; h < H; ++h) {
-      std::copy(x.at(x.keys, l, h, t0), x.at(x.keys, l, h, t0) + n * D, kl + h * n * D);
-      std::copy(x.at(x.values, l, h, t0), x.at(x.values, l, h, t0) + n * D, vl + h * n * D);
-    }
-    b.keys.push_back(HeadsView::Dense(kl, kLayout.dtype, H, n, D));
-    b.values.push_back(HeadsView::Dense(vl, kLayout.dtype, H, n, D));
-  }
-  b.bytes = 2 * size_t{l1 - l0} * H * n * D * sizeof(float);
-  b.memory = buf;
-  return b;
-}
+// K and V of kLayout over kTokens.
+struct Tensor : testutil::KvTensor {
+  explicit Tensor(uint64_t seed) : KvTensor(kLayout, kTokens, seed) {}
+};
 
 #if defined(KVCOMP_HAVE_CUDA)
 // The same block in device memory (what a GPU-to-GPU channel hands over).
@@ -119,64 +70,28 @@ BlockData ToDevice(BlockData b) {
 }
 #endif
 
-class TempDir {
- public:
-  TempDir() {
-    std::string t = (std::filesystem::temp_directory_path() / "kvcomp_device_XXXXXX").string();
-    path_ = mkdtemp(t.data()) != nullptr ? t : std::string();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-class DevicePathTest : public ::testing::Test {
+class DevicePathTest : public testutil::ServiceFixture {
  protected:
   void Start(storage::TierKind tier, uint64_t gpu_cap = 0) {
-    ASSERT_FALSE(dir_.path().empty());
     storage::StoreOptions so;
     so.host.enabled = true;
     so.host.capacity_bytes = 256 << 20;
     so.device.enabled = tier == storage::TierKind::kDevice;
     so.device.capacity_bytes = 256 << 20;
     so.rocksdb.enabled = true;
-    so.rocksdb.path = dir_.path() + "/rocksdb";
     so.rocksdb.capacity_bytes = 1 << 30;
     so.rocksdb.reserve_bytes = 1;
-    auto store = storage::TieredStore::Open(so);
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = std::move(*store);
-    metrics_ = std::make_unique<Metrics>("test", "cuda");
-    projections_ = std::make_unique<StoreProjections>(store_.get());
     EngineOptions eo;
     eo.backend = "cuda";
     eo.workers = 1;
     eo.gpu_memory_bytes = gpu_cap;
-    auto engine = Engine::Create(eo);
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    engine_ = std::move(*engine);
-    ASSERT_NE(engine_->uploader(), nullptr);
     RepositoryOptions ro;
     ro.durability = storage::Durability::kMemory;
     ro.put_tier = static_cast<int>(tier);
-    repository_ =
-        std::make_unique<CacheRepository>(ro, store_.get(), projections_.get(), metrics_.get());
     ServiceOptions svo;
     svo.max_put_bytes = 1 << 30;
-    service_ =
-        std::make_unique<CacheService>(svo, engine_.get(), repository_.get(), metrics_.get());
-  }
-  void TearDown() override {
-    if (service_) service_->Shutdown();
-    service_.reset();
-    repository_.reset();
-    engine_.reset();
-    store_.reset();
+    ASSERT_NO_FATAL_FAILURE(Open(so, eo, ro, svo));
+    ASSERT_NE(engine_->uploader(), nullptr);
   }
 
   static CompressionPolicy Policy() {
@@ -188,21 +103,6 @@ class DevicePathTest : public ::testing::Test {
   }
   absl::StatusOr<PutRequest> Request(const std::string& key) {
     return PutRequest::Make(CacheKey{"alice", "m", key}, kLayout, kTokens, Policy(), false);
-  }
-  absl::Status Add(OpenPut& put, BlockData block) {
-    absl::Status out = absl::UnknownError("not done");
-    put.AddBlock(std::move(block), [&](absl::Status s) { out = s; });
-    return out;
-  }
-  absl::StatusOr<CacheSummary> Commit(OpenPut& put) {
-    absl::StatusOr<CacheSummary> out = absl::UnknownError("not done");
-    absl::Notification done;
-    put.Commit([&](absl::StatusOr<CacheSummary> r) {
-      out = std::move(r);
-      done.Notify();
-    });
-    done.WaitForNotification();
-    return out;
   }
   // The whole tensor in blocks of two layers x 128 tokens, out of order.
   absl::StatusOr<CacheSummary> PutCache(const std::string& key, const Tensor& x,
@@ -221,16 +121,8 @@ class DevicePathTest : public ::testing::Test {
     return Commit(*put);
   }
   absl::StatusOr<CompressedCache> Stored(const std::string& key) {
-    absl::StatusOr<storage::Payload> out = absl::UnknownError("not done");
-    absl::Notification done;
-    service_->Get(CacheKey{"alice", "m", key}, Representation::kStored,
-                  [&](absl::StatusOr<storage::Payload> r) {
-                    out = std::move(r);
-                    done.Notify();
-                  });
-    done.WaitForNotification();
-    if (!out.ok()) return out.status();
-    return format::ParseCache(out->view());
+    KVCOMP_ASSIGN_OR_RETURN(storage::Payload out, Get(CacheKey{"alice", "m", key}));
+    return format::ParseCache(out.view());
   }
   // What the one download of a cache with moments and raw codecs carries.
   static uint64_t DownloadBytes(uint64_t total_kept) {
@@ -238,14 +130,6 @@ class DevicePathTest : public ::testing::Test {
     const uint64_t d = kLayout.head_dim, row = d * sizeof(float);
     return heads * 4 + total_kept * (4 + 2 * row) + heads * (8 + 2 * d * 4 + d * d * 4);
   }
-
-  TempDir dir_;
-  std::unique_ptr<storage::TieredStore> store_;
-  std::unique_ptr<Metrics> metrics_;
-  std::unique_ptr<StoreProjections> projections_;
-  std::unique_ptr<Engine> engine_;
-  std::unique_ptr<CacheRepository> repository_;
-  std::unique_ptr<CacheService> service_;
 };
 
 // Compress on the device (inputs in device memory, as the daemon hands them) against the CPU

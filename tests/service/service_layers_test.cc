@@ -1,12 +1,8 @@
 // The service's layers without a daemon or a transport: PutAssembler on its own, then an Engine
 // (CPU), a CacheRepository over a real TieredStore (host tier and RocksDB in a temporary
 // directory) and a CacheService, with puts handed in as PutRequest and BlockData values.
-#include <stdlib.h>
-
 #include <atomic>
-#include <filesystem>
 #include <memory>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +19,7 @@
 #include "kvcomp/storage/tiered_store.h"
 #include "kvsplice_glue.h"
 #include "put.h"
+#include "service_test_util.h"
 
 namespace kvcomp {
 namespace service {
@@ -31,63 +28,12 @@ namespace {
 const KvLayout kLayout{2, 2, 4, 64, DType::kF32};
 constexpr uint64_t kTokens = 48;
 
-// K and V of every layer, [layer][head][token][dim] each, from a seeded generator.
-struct Tensor {
-  std::vector<float> keys, values;
-  explicit Tensor(uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> n(0.f, 1.f);
-    const size_t count =
-        size_t{kLayout.num_layers} * kLayout.num_kv_heads * kTokens * kLayout.head_dim;
-    keys.resize(count);
-    values.resize(count);
-    for (float& x : keys) x = n(rng);
-    for (float& x : values) x = n(rng);
-  }
-  const float* at(const std::vector<float>& t, uint32_t layer, uint32_t head,
-                  uint64_t token) const {
-    return t.data() +
-           ((uint64_t{layer} * kLayout.num_kv_heads + head) * kTokens + token) * kLayout.head_dim;
-  }
-};
+using testutil::MakeBlock;
 
-// A block of tokens [t0, t1) of layers [l0, l1), copied into its own memory laid out as the
-// blocks of a put are ([layer][head][token][dim] per part). `released` is set when the block's
-// memory goes.
-BlockData MakeBlock(const Tensor& x, uint32_t l0, uint32_t l1, uint64_t t0, uint64_t t1,
-                    bool keys = true, bool values = true,
-                    std::shared_ptr<std::atomic<bool>> released = nullptr) {
-  const uint64_t n = t1 - t0;
-  const uint32_t H = kLayout.num_kv_heads, D = kLayout.head_dim;
-  auto buf = std::make_shared<std::vector<float>>(2 * size_t{l1 - l0} * H * n * D);
-  float* k = buf->data();
-  float* v = k + size_t{l1 - l0} * H * n * D;
-  BlockData b;
-  b.layer_begin = l0;
-  b.layer_end = l1;
-  b.token_begin = t0;
-  b.token_end = t1;
-  for (uint32_t l = l0; l < l1; ++l) {
-    float* kl = k + size_t{l - l0} * H * n * D;
-    float* vl = v + size_t{l - l0} * H * n * D;
-    for (uint32_t h = 0; h < H; ++h) {
-      std::copy(x.at(x.keys, l, h, t0), x.at(x.keys, l, h, t0) + n * D, kl + h * n * D);
-      std::copy(x.at(x.values, l, h, t0), x.at(x.values, l, h, t0) + n * D, vl + h * n * D);
-    }
-    if (keys) b.keys.push_back(HeadsView::Dense(kl, kLayout.dtype, H, n, D));
-    if (values) b.values.push_back(HeadsView::Dense(vl, kLayout.dtype, H, n, D));
-  }
-  b.bytes = ((keys ? 1 : 0) + (values ? 1 : 0)) * size_t{l1 - l0} * H * n * D * sizeof(float);
-  if (released == nullptr) {
-    b.memory = buf;
-  } else {
-    b.memory = std::shared_ptr<void>(buf.get(), [buf, released](void*) mutable {
-      buf.reset();
-      released->store(true);
-    });
-  }
-  return b;
-}
+// K and V of kLayout over kTokens.
+struct Tensor : testutil::KvTensor {
+  explicit Tensor(uint64_t seed) : KvTensor(kLayout, kTokens, seed) {}
+};
 
 CompressionPolicy HalfPolicy() {
   CompressionPolicy p;
@@ -207,79 +153,28 @@ TEST(PutRequestTest, ThePolicyIsCheckedWhereTheRequestIsMade) {
 
 // ---- the service over a real store ----
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "kvcomp_service_XXXXXX").string();
-    path_ = mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-class ServiceTest : public ::testing::Test {
+class ServiceTest : public testutil::ServiceFixture {
  protected:
   void SetUp() override {
-    ASSERT_FALSE(dir_.path().empty());
     storage::StoreOptions so;
     so.host.enabled = true;
     so.host.capacity_bytes = 64 << 20;
     so.rocksdb.enabled = true;
-    so.rocksdb.path = dir_.path() + "/rocksdb";
     so.rocksdb.capacity_bytes = 256 << 20;
     so.rocksdb.reserve_bytes = 1;
-    auto store = storage::TieredStore::Open(so);
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = std::move(*store);
-    metrics_ = std::make_unique<Metrics>("test", "cpu");
-    projections_ = std::make_unique<StoreProjections>(store_.get());
     EngineOptions eo;
     eo.backend = "cpu";
     eo.workers = 1;
     eo.cpu_threads = 1;
     eo.queue_capacity = 4;
-    auto engine = Engine::Create(eo);
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    engine_ = std::move(*engine);
     RepositoryOptions ro;
     ro.durability = storage::Durability::kDisk;
-    repository_ =
-        std::make_unique<CacheRepository>(ro, store_.get(), projections_.get(), metrics_.get());
     ServiceOptions svo;
     svo.max_put_bytes = 1 << 20;
     svo.serve_threads = 2;
-    service_ =
-        std::make_unique<CacheService>(svo, engine_.get(), repository_.get(), metrics_.get());
-  }
-  void TearDown() override {
-    if (service_) service_->Shutdown();
-    service_.reset();
-    repository_.reset();
-    engine_.reset();
-    store_.reset();
+    Open(so, eo, ro, svo);
   }
 
-  absl::StatusOr<CacheSummary> Commit(OpenPut& put) {
-    absl::StatusOr<CacheSummary> out = absl::UnknownError("not done");
-    absl::Notification done;
-    put.Commit([&](absl::StatusOr<CacheSummary> r) {
-      out = std::move(r);
-      done.Notify();
-    });
-    done.WaitForNotification();
-    return out;
-  }
-  absl::Status Add(OpenPut& put, BlockData block) {
-    absl::Status out = absl::UnknownError("not done");
-    put.AddBlock(std::move(block), [&](absl::Status s) { out = s; });  // runs inside AddBlock
-    return out;
-  }
   // A whole put of `x` in two blocks (tokens split), committed.
   absl::StatusOr<CacheSummary> PutCache(const std::string& tenant, const std::string& key,
                                         const Tensor& x) {
@@ -287,17 +182,6 @@ class ServiceTest : public ::testing::Test {
     KVCOMP_RETURN_IF_ERROR(Add(*put, MakeBlock(x, 0, 2, 24, kTokens)));
     KVCOMP_RETURN_IF_ERROR(Add(*put, MakeBlock(x, 0, 2, 0, 24)));
     return Commit(*put);
-  }
-  absl::StatusOr<storage::Payload> Get(const CacheKey& key,
-                                       Representation rep = Representation::kStored) {
-    absl::StatusOr<storage::Payload> out = absl::UnknownError("not done");
-    absl::Notification done;
-    service_->Get(key, rep, [&](absl::StatusOr<storage::Payload> r) {
-      out = std::move(r);
-      done.Notify();
-    });
-    done.WaitForNotification();
-    return out;
   }
   absl::StatusOr<CacheSummary> Lookup(const CacheKey& key) {
     absl::StatusOr<CacheSummary> out = absl::UnknownError("not done");
@@ -319,14 +203,6 @@ class ServiceTest : public ::testing::Test {
     done.WaitForNotification();
     return out;
   }
-
-  TempDir dir_;
-  std::unique_ptr<storage::TieredStore> store_;
-  std::unique_ptr<Metrics> metrics_;
-  std::unique_ptr<StoreProjections> projections_;
-  std::unique_ptr<Engine> engine_;
-  std::unique_ptr<CacheRepository> repository_;
-  std::unique_ptr<CacheService> service_;
 };
 
 TEST_F(ServiceTest, PutThenGetLookupDescribeListDelete) {
