@@ -17,39 +17,13 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_status.h"
+#include "cuda/stream_allocator.h"
 #endif
 
 namespace kvcomp {
 
 #if defined(KVCOMP_HAVE_CUDA)
 namespace {
-
-// Device memory in the uploader's stream order.
-class UploadStreamAllocator final : public Allocator {
- public:
-  UploadStreamAllocator(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
-  MemorySpace space() const override { return MemorySpace::kDevice; }
-  absl::StatusOr<void*> Allocate(size_t bytes) override {
-    if (bytes == 0) return nullptr;
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    void* p = nullptr;
-    const cudaError_t err = cudaMallocAsync(&p, bytes, stream_);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      return CudaStatus(err, absl::StrCat("cudaMallocAsync(", bytes, " bytes)").c_str());
-    }
-    return p;
-  }
-  void Deallocate(void* ptr, size_t) override {
-    if (ptr == nullptr) return;
-    cudaSetDevice(device_);
-    cudaFreeAsync(ptr, stream_);
-  }
-
- private:
-  int device_;
-  cudaStream_t stream_;
-};
 
 class CudaUploader final : public DeviceUploader {
  public:
@@ -76,7 +50,7 @@ class CudaUploader final : public DeviceUploader {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaMallocHost(&c.host, chunk_bytes_));
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.event, cudaEventDisableTiming));
     }
-    alloc_ = std::make_unique<UploadStreamAllocator>(device_, stream_);
+    alloc_ = std::make_unique<StreamAllocator>(device_, stream_);  // in the uploader's stream order
     return absl::OkStatus();
   }
 

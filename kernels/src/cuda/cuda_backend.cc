@@ -10,36 +10,10 @@
 #include "cuda_ops.h"
 #include "cuda_status.h"
 #include "kvcomp/core/status.h"
+#include "stream_allocator.h"
 
 namespace kvcomp {
 namespace {
-
-// Device memory from the stream-ordered pool: allocation and release are ordered on the
-// backend's stream, so a workspace freed at the end of an op is reused by the next op without
-// a device-wide synchronisation.
-class StreamAllocator final : public Allocator {
- public:
-  StreamAllocator(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
-  MemorySpace space() const override { return MemorySpace::kDevice; }
-  absl::StatusOr<void*> Allocate(size_t bytes) override {
-    if (bytes == 0) return nullptr;
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    void* p = nullptr;
-    const cudaError_t err = cudaMallocAsync(&p, bytes, stream_);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      return CudaStatus(err, absl::StrCat("cudaMallocAsync(", bytes, " bytes)").c_str());
-    }
-    return p;
-  }
-  void Deallocate(void* ptr, size_t /*bytes*/) override {
-    if (ptr != nullptr) cudaFreeAsync(ptr, stream_);
-  }
-
- private:
-  int device_;
-  cudaStream_t stream_;
-};
 
 // Page-locked host memory (cudaMallocHost) for staging copies.
 class PinnedHostAllocator final : public Allocator {
