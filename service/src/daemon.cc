@@ -191,6 +191,14 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
     absl::MutexLock lock(&mu_);
     return idle_closed_;
   }
+  uint64_t malformed_closed() const {
+    absl::MutexLock lock(&mu_);
+    return malformed_closed_;
+  }
+  void CountMalformed() {
+    absl::MutexLock lock(&mu_);
+    ++malformed_closed_;
+  }
 
   // Shuts down the socket of `connection` (a context of createContext): Thrift then sees end of
   // stream and closes it.
@@ -218,6 +226,7 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
   int pending_fd_ ABSL_GUARDED_BY(mu_) = -1;
   uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t idle_closed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t malformed_closed_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // The control plane's processor, closing a connection whose request cannot be decoded (a bad
@@ -242,6 +251,7 @@ class ClosingProcessor : public apache::thrift::TProcessor {
       why = e.what();
     }
     Log(LogLevel::kDebug, "control: malformed request (", why, "); connection closed");
+    connections_->CountMalformed();
     connections_->Close(connection);
     return false;
   }
@@ -663,6 +673,7 @@ void DaemonImpl::RefreshGauges() {
                                                         : static_cast<int64_t>(control_->open()));
     metrics_->AdvanceControlConnectionsClosed("limit", control_->refused());
     metrics_->AdvanceControlConnectionsClosed("idle", control_->idle_closed());
+    metrics_->AdvanceControlConnectionsClosed("malformed", control_->malformed_closed());
   }
   metrics_->SetPutsInProgress(static_cast<int64_t>(service_->open_puts()));
   // Errors the transport answered itself (malformed frames, checksum mismatches, oversized

@@ -382,6 +382,10 @@ TEST_F(FailClosedTest, MalformedControlRequestClosesTheConnectionAtOnce) {
   EXPECT_GT(recv(fd, reply, sizeof(reply), 0), 4) << "no TApplicationException reply";
   close(fd);
   EXPECT_TRUE(ControlAnswers(*d, auth));
+  // Operators see the closes: one per malformed request.
+  EXPECT_GE(MetricAtLeast(*d, "kvcomp_control_connections_closed_total{reason=\"malformed\"}",
+                          static_cast<double>(cases.size())),
+            static_cast<double>(cases.size()));
 }
 
 TEST_F(FailClosedTest, StartFailureSaysWhyItFailed) {
