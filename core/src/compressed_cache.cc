@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -66,6 +67,36 @@ std::vector<uint64_t> CompressedCache::TokenOffsets() const {
   std::vector<uint64_t> off(kept.size() + 1, 0);
   for (size_t i = 0; i < kept.size(); ++i) off[i + 1] = off[i] + kept[i];
   return off;
+}
+
+absl::Status CompressedCache::WriteDenseKv(uint8_t* out) const {
+  if (key_codec != KeyCodec::kRaw || value_codec != ValueCodec::kRaw) {
+    return absl::FailedPreconditionError("dense gets need raw codecs");
+  }
+  const uint64_t T = original_tokens;
+  for (uint64_t h = 0; h < num_heads(); ++h) {
+    if (kept[h] != T) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the cache kept ", kept[h], " of ", T, " tokens in head ", h,
+                       ": a dense get needs every token (ratio 0); get the cache instead"));
+    }
+  }
+  const uint64_t row = KeyTokenBytes();
+  const uint64_t layer = layout.LayerBytes(T);
+  const std::vector<uint64_t> offsets = TokenOffsets();
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    for (uint32_t kh = 0; kh < layout.num_kv_heads; ++kh) {
+      const uint64_t h = head_index(l, kh);
+      uint8_t* k = out + l * layer + uint64_t{kh} * T * row;
+      uint8_t* v = out + (layout.num_layers + l) * layer + uint64_t{kh} * T * row;
+      for (uint64_t i = 0; i < T; ++i) {
+        const uint64_t t = offsets[h] + i;
+        std::memcpy(k + uint64_t{positions[t]} * row, keys.data() + t * row, row);
+        std::memcpy(v + uint64_t{positions[t]} * row, values.data() + t * row, row);
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 uint64_t CompressedCache::KeyTokenBytes() const {

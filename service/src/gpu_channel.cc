@@ -300,7 +300,7 @@ class GpuChannelsImpl : public GpuChannels {
       if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
       host = PinnedBuffer(rt_, c->device, out.payload_bytes, &s);
       KVCOMP_RETURN_IF_ERROR(s);
-      KVCOMP_RETURN_IF_ERROR(Densify(cache, host.get()));
+      KVCOMP_RETURN_IF_ERROR(cache.WriteDenseKv(host.get()));
     } else {
       absl::StatusOr<format::CacheInfo> info = format::PeekCache(payload->view());
       if (info.ok()) {
@@ -560,39 +560,6 @@ class GpuChannelsImpl : public GpuChannels {
     }
     b.memory = std::move(memory);
     return b;
-  }
-
-  // A decoded cache that kept every token as dense K and V, [layer][head][token][dim] each.
-  static absl::Status Densify(const CompressedCache& cache, uint8_t* out) {
-    const KvLayout& layout = cache.layout;
-    const uint64_t T = cache.original_tokens;
-    if (cache.key_codec != KeyCodec::kRaw || cache.value_codec != ValueCodec::kRaw) {
-      return absl::FailedPreconditionError("dense gets need raw codecs");
-    }
-    for (uint64_t h = 0; h < cache.num_heads(); ++h) {
-      if (cache.kept[h] != T) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the cache kept ", cache.kept[h], " of ", T, " tokens in head ", h,
-            ": a dense get needs every token (ratio 0); get the cache instead"));
-      }
-    }
-    const uint64_t row = cache.KeyTokenBytes();
-    const uint64_t layer = layout.LayerBytes(T);
-    const std::vector<uint64_t> offsets = cache.TokenOffsets();
-    for (uint32_t l = 0; l < layout.num_layers; ++l) {
-      for (uint32_t kh = 0; kh < layout.num_kv_heads; ++kh) {
-        const uint64_t h = cache.head_index(l, kh);
-        uint8_t* k = out + l * layer + uint64_t{kh} * T * row;
-        uint8_t* v = out + (layout.num_layers + l) * layer + uint64_t{kh} * T * row;
-        for (uint64_t i = 0; i < T; ++i) {
-          const uint64_t t = offsets[h] + i;
-          const uint64_t pos = cache.positions[t];
-          std::memcpy(k + pos * row, cache.keys.data() + t * row, row);
-          std::memcpy(v + pos * row, cache.values.data() + t * row, row);
-        }
-      }
-    }
-    return absl::OkStatus();
   }
 
   static absl::Status TooLarge(uint64_t bytes, uint64_t capacity) {

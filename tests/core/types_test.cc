@@ -1,9 +1,11 @@
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
 
 #include "gtest/gtest.h"
 #include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
@@ -90,6 +92,37 @@ TEST(CacheKey, ValidateAndEncode) {
   bad.model_id = "";
   EXPECT_FALSE(bad.Validate().ok());
   EXPECT_FALSE(CacheKey::Decode("\x00").ok());
+}
+
+TEST(CompressedCache, WriteDenseKvPlacesEveryTokenAtItsPosition) {
+  const KvLayout l{2, 2, 2, 64, DType::kF16};
+  const uint64_t T = 5;
+  CompressedCache c;
+  c.layout = l;
+  c.original_tokens = T;
+  const uint64_t row = DTypeBytes(l.dtype, l.head_dim);
+  for (uint64_t h = 0; h < c.num_heads(); ++h) {
+    c.kept.push_back(T);
+    for (uint32_t t = 0; t < T; ++t) c.positions.push_back(t);
+  }
+  std::mt19937 rng(std::random_device{}());
+  c.keys.resize(c.num_heads() * T * row);
+  c.values.resize(c.keys.size());
+  for (uint8_t& b : c.keys) b = static_cast<uint8_t>(rng());
+  for (uint8_t& b : c.values) b = static_cast<uint8_t>(rng());
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  // Heads are stored layer-major, then kv head: dense K is the stored keys, dense V follows.
+  std::vector<uint8_t> dense(l.CacheBytes(T));
+  ASSERT_TRUE(c.WriteDenseKv(dense.data()).ok());
+  EXPECT_TRUE(std::equal(c.keys.begin(), c.keys.end(), dense.begin()));
+  EXPECT_TRUE(std::equal(c.values.begin(), c.values.end(), dense.begin() + c.keys.size()));
+  // A head that evicted a token, or an encoded codec, is refused.
+  CompressedCache evicted = c;
+  evicted.kept[3] = T - 1;
+  EXPECT_EQ(evicted.WriteDenseKv(dense.data()).code(), absl::StatusCode::kFailedPrecondition);
+  CompressedCache encoded = c;
+  encoded.key_codec = KeyCodec::kInt8;
+  EXPECT_EQ(encoded.WriteDenseKv(dense.data()).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(Policy, DefaultsAreValid) {

@@ -116,6 +116,11 @@ class CompressedCache {
   // first inconsistency. Format encoding and parsing both run it.
   absl::Status Validate() const;
 
+  // Writes a cache that kept every token with raw codecs as dense K then V, each
+  // [layer][head][token][dim] in original token order (layout.CacheBytes(original_tokens) bytes
+  // at `out`). FailedPrecondition for other codecs or when a head evicted tokens.
+  absl::Status WriteDenseKv(uint8_t* out) const;
+
   // Bytes of the encoded form, by part (the format's EncodedSize split up).
   CacheBytes Breakdown() const;
   // Bytes of the uncompressed K and V this cache came from.
