@@ -57,6 +57,17 @@ absl::StatusOr<int> DeviceOfAll(GpuRuntime* rt, const std::vector<const void*>& 
   return device;
 }
 
+// The one device every layer's keys and values are on (DeviceLayerData or DeviceLayerOut).
+template <typename Layer>
+absl::StatusOr<int> DeviceOfLayers(GpuRuntime* rt, const std::vector<Layer>& layers) {
+  std::vector<const void*> ptrs;
+  for (const Layer& l : layers) {
+    ptrs.push_back(l.keys);
+    ptrs.push_back(l.values);
+  }
+  return DeviceOfAll(rt, ptrs);
+}
+
 absl::Status CheckShape(const KvLayout& layout, uint64_t num_tokens, size_t layers) {
   KVCOMP_RETURN_IF_ERROR(layout.Validate());
   if (num_tokens == 0 || num_tokens > KvLayout::kMaxTokens) {
@@ -88,29 +99,7 @@ absl::Status DenseFromCache(const CompressedCache& cache, const KvLayout& layout
   if (!SameLayout(cache.layout, layout) || cache.original_tokens != num_tokens) {
     return absl::InvalidArgumentError("the cache's layout or token count differs from the call's");
   }
-  for (uint64_t h = 0; h < cache.num_heads(); ++h) {
-    if (cache.kept[h] != num_tokens) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the cache kept ", cache.kept[h], " of ", num_tokens, " tokens in head ",
-                       h, ": a dense get needs every token (ratio 0); get the cache instead"));
-    }
-  }
-  const uint64_t row = cache.KeyTokenBytes();
-  const uint64_t layer = layout.LayerBytes(num_tokens);
-  const std::vector<uint64_t> offsets = cache.TokenOffsets();
-  for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    for (uint32_t kh = 0; kh < layout.num_kv_heads; ++kh) {
-      const uint64_t h = cache.head_index(l, kh);
-      uint8_t* k = out + l * layer + uint64_t{kh} * num_tokens * row;
-      uint8_t* v = out + (layout.num_layers + l) * layer + uint64_t{kh} * num_tokens * row;
-      for (uint64_t i = 0; i < num_tokens; ++i) {
-        const uint64_t t = offsets[h] + i;
-        std::memcpy(k + uint64_t{cache.positions[t]} * row, cache.keys.data() + t * row, row);
-        std::memcpy(v + uint64_t{cache.positions[t]} * row, cache.values.data() + t * row, row);
-      }
-    }
-  }
-  return absl::OkStatus();
+  return cache.WriteDenseKv(out);
 }
 
 // The timed transfer's seconds; 0 when the timer cannot tell.
@@ -253,12 +242,7 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
   }
   if (options.policy) KVCOMP_RETURN_IF_ERROR(options.policy->ValidateFor(layout.head_dim));
   KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, Runtime());
-  std::vector<const void*> ptrs;
-  for (const DeviceLayerData& l : layers) {
-    ptrs.push_back(l.keys);
-    ptrs.push_back(l.values);
-  }
-  KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfAll(rt, ptrs));
+  KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfLayers(rt, layers));
   KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
   const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
   const uint64_t payload = layout.CacheBytes(num_tokens);
@@ -437,12 +421,7 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
                                                void* stream) {
   KVCOMP_RETURN_IF_ERROR(CheckShape(layout, num_tokens, layers.size()));
   KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, Runtime());
-  std::vector<const void*> ptrs;
-  for (const DeviceLayerOut& l : layers) {
-    ptrs.push_back(l.keys);
-    ptrs.push_back(l.values);
-  }
-  KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfAll(rt, ptrs));
+  KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfLayers(rt, layers));
   KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
   const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
   const uint64_t payload = layout.CacheBytes(num_tokens);

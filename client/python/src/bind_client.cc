@@ -185,6 +185,17 @@ KvLayout MakeLayout(uint32_t layers, uint32_t kv_heads, uint32_t q_heads, uint32
   return l;
 }
 
+// Per-layer views into [layer][head][token][dim] arrays `k` and `v`: Layer is LayerData,
+// DeviceLayerData or DeviceLayerOut, Byte const char or char.
+template <typename Layer, typename Byte>
+std::vector<Layer> LayerViews(Byte* k, Byte* v, const KvLayout& l, uint64_t tokens) {
+  std::vector<Layer> layers;
+  for (uint32_t i = 0; i < l.num_layers; ++i) {
+    layers.push_back({k + i * l.LayerBytes(tokens), v + i * l.LayerBytes(tokens)});
+  }
+  return layers;
+}
+
 }  // namespace
 
 void RegisterClient(nb::module_& m) {
@@ -268,10 +279,7 @@ void RegisterClient(nb::module_& m) {
             const char* k = static_cast<const char*>(CheckLayerArray(keys, l, tokens, true, "keys"));
             const char* v =
                 static_cast<const char*>(CheckLayerArray(values, l, tokens, true, "values"));
-            std::vector<client::LayerData> layers;
-            for (uint32_t i = 0; i < l.num_layers; ++i) {
-              layers.push_back({k + i * l.LayerBytes(tokens), v + i * l.LayerBytes(tokens)});
-            }
+            const auto layers = LayerViews<client::LayerData>(k, v, l, tokens);
             client::PutOptions po;
             po.policy = policy;
             const std::string key_s(static_cast<const char*>(key.data()), key.size());
@@ -292,10 +300,7 @@ void RegisterClient(nb::module_& m) {
             const auto [l, tokens] = CudaPairLayout(keys, values, q_heads);
             const char* k = static_cast<const char*>(keys.data());
             const char* v = static_cast<const char*>(values.data());
-            std::vector<client::DeviceLayerData> layers;
-            for (uint32_t i = 0; i < l.num_layers; ++i) {
-              layers.push_back({k + i * l.LayerBytes(tokens), v + i * l.LayerBytes(tokens)});
-            }
+            const auto layers = LayerViews<client::DeviceLayerData>(k, v, l, tokens);
             client::PutOptions po;
             po.policy = policy;
             const std::string key_s(static_cast<const char*>(key.data()), key.size());
@@ -316,10 +321,7 @@ void RegisterClient(nb::module_& m) {
             const auto [l, tokens] = CudaPairLayout(keys, values, q_heads);
             char* k = static_cast<char*>(keys.data());
             char* v = static_cast<char*>(values.data());
-            std::vector<client::DeviceLayerOut> layers;
-            for (uint32_t i = 0; i < l.num_layers; ++i) {
-              layers.push_back({k + i * l.LayerBytes(tokens), v + i * l.LayerBytes(tokens)});
-            }
+            const auto layers = LayerViews<client::DeviceLayerOut>(k, v, l, tokens);
             const std::string key_s(static_cast<const char*>(key.data()), key.size());
             absl::StatusOr<client::DeviceGetResult> r;
             {
