@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -13,6 +14,11 @@
 
 #include "absl/strings/str_format.h"
 #include "cpu/moments_aware.h"
+#if defined(KVCOMP_HAVE_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "cuda/cuda_status.h"
+#endif
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/moment_ops.h"
@@ -44,6 +50,21 @@ void ResizeForDownload(std::vector<T>* v, size_t n) {
   if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
 #endif
   v->resize(n);
+}
+
+// Copies `bytes` between two device buffers of `backend` in its stream order (no host wait).
+absl::Status CopyOnDevice(Backend& backend, void* dst, const void* src, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+#if defined(KVCOMP_HAVE_CUDA)
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                                              static_cast<cudaStream_t>(backend.native_stream())));
+  return absl::OkStatus();
+#else
+  (void)backend;
+  (void)dst;
+  (void)src;
+  return absl::FailedPreconditionError("this build has no CUDA");
+#endif
 }
 
 bool IsDense(const HeadsView& v) {
@@ -116,10 +137,11 @@ absl::Status CallHook(const EvictionHook& hook, const LayerEviction& e) {
 // The host does not wait for the device between layers: each layer's data check (NaN/Inf in K
 // or V) and moment-list check land in a per-layer record in device memory, read once with the
 // kept counts at the end; the first failing layer fails the compression.
-absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCacheView& cache,
-                                                 const CompressionPolicy& policy,
-                                                 const CompressOptions& options,
-                                                 const SelectParams& select) {
+absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
+                                                       const KvCacheView& cache,
+                                                       const CompressionPolicy& policy,
+                                                       const CompressOptions& options,
+                                                       const SelectParams& select) {
   const KvLayout& layout = cache.layout;
   const uint32_t heads = layout.num_kv_heads;
   const uint32_t d = layout.head_dim;
@@ -140,15 +162,22 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
   KVCOMP_ASSIGN_OR_RETURN(Buffer d_idx, Buffer::Allocate(a, L * cap * sizeof(uint32_t)));
   KVCOMP_ASSIGN_OR_RETURN(Buffer d_k, Buffer::Allocate(a, L * cap * row));
   KVCOMP_ASSIGN_OR_RETURN(Buffer d_v, Buffer::Allocate(a, L * cap * row));
-  // Moments of every head, laid out as CompressedCache's moment_* arrays.
+  // Moments of every head, laid out as CompressedCache's moment_* arrays (zeroed, then summed).
   const uint64_t H = L * heads;
   const uint64_t m_cnt = H * sizeof(uint64_t), m_vec = H * d * sizeof(float);
   const uint64_t m_mat = m_vec * d;
-  Buffer d_mom, d_evicted, d_offsets;
+  DeviceCompressedCache dc;
+  Buffer d_evicted, d_offsets;
   const bool evicted_lists = out.has_moments && !options.on_evict;
   if (out.has_moments) {
-    KVCOMP_ASSIGN_OR_RETURN(d_mom, Buffer::Allocate(a, m_cnt + 2 * m_vec + m_mat));
-    KVCOMP_RETURN_IF_ERROR(ZeroDevice(backend, d_mom.data(), d_mom.size()));
+    KVCOMP_ASSIGN_OR_RETURN(dc.moment_count, Buffer::Allocate(a, m_cnt));
+    KVCOMP_ASSIGN_OR_RETURN(dc.moment_key_sum, Buffer::Allocate(a, m_vec));
+    KVCOMP_ASSIGN_OR_RETURN(dc.moment_value_sum, Buffer::Allocate(a, m_vec));
+    KVCOMP_ASSIGN_OR_RETURN(dc.moment_vk_sum, Buffer::Allocate(a, m_mat));
+    for (const Buffer* b :
+         {&dc.moment_count, &dc.moment_key_sum, &dc.moment_value_sum, &dc.moment_vk_sum}) {
+      KVCOMP_RETURN_IF_ERROR(ZeroDevice(backend, b->data(), b->size()));
+    }
   }
   if (evicted_lists) {
     KVCOMP_ASSIGN_OR_RETURN(d_evicted, Buffer::Allocate(a, uint64_t{heads} * n * 4));
@@ -176,7 +205,6 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
       select.head_budget == HeadBudget::kUniform
           ? n - std::min<uint64_t>(select.kept_per_head, n)
           : n;
-  char* mom = d_mom.as<char>();
   LayerEviction eviction;
   std::vector<uint32_t> layer_kept;  // host copies for an eviction hook only
   for (uint32_t l = 0; l < layout.num_layers; ++l) {
@@ -189,6 +217,7 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
       KVCOMP_ASSIGN_OR_RETURN(queries, Stage(backend, cache.queries[l], &qb, xfer));
     }
     args.score = ScoreParamsFromPolicy(policy, l, queries);
+    if (l < cache.key_sums.size()) args.score.key_sums = cache.key_sums[l];
     args.select = select;
     uint32_t* counts = d_counts.as<uint32_t>() + uint64_t{l} * heads;
     uint32_t* kept = d_idx.as<uint32_t>() + uint64_t{l} * cap;
@@ -202,10 +231,10 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
         absl::StrFormat("layer %u", l)));
     if (!out.has_moments && !options.on_evict) continue;
     const uint64_t h0 = uint64_t{l} * heads;
-    MomentsView m{reinterpret_cast<uint64_t*>(mom) + h0,
-                  reinterpret_cast<float*>(mom + m_cnt) + h0 * d,
-                  reinterpret_cast<float*>(mom + m_cnt + m_vec) + h0 * d,
-                  reinterpret_cast<float*>(mom + m_cnt + 2 * m_vec) + h0 * d * d,
+    MomentsView m{dc.moment_count.as<uint64_t>() + h0,
+                  dc.moment_key_sum.as<float>() + h0 * d,
+                  dc.moment_value_sum.as<float>() + h0 * d,
+                  dc.moment_vk_sum.as<float>() + h0 * d * d,
                   heads,
                   d,
                   MemorySpace::kDevice};
@@ -251,9 +280,9 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
     }
   }
 
-  // The one trip to the host: the layers' check records and the kept counts (which waits for
-  // the layers' work), then every section. The check words are control data, like the ops'
-  // own readbacks, and not counted as transfer bytes.
+  // The one wait for the device: the layers' check records and the kept counts (control data,
+  // like the ops' own readbacks, and not counted as transfer bytes), which waits for the
+  // layers' work. The kept counts are the cache's own, so they are counted.
   std::vector<DeferredCheck> layer_checks(deferred ? L : 0);
   std::vector<uint32_t> layer_list_errors(deferred ? L : 0);
   if (deferred) {
@@ -263,6 +292,7 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
                                          list_errors, L * sizeof(uint32_t)));
   }
   KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(out.kept.data(), d_counts.data(), H * 4));
+  xfer->to_host += H * 4;
   for (uint32_t l = 0; l < layer_checks.size(); ++l) {
     const uint64_t q_tokens =
         policy.scorer == Scorer::kSnapKV ? cache.queries[l].num_tokens : 0;
@@ -271,8 +301,6 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
     KVCOMP_RETURN_IF_ERROR(Annotate(AccumulateErrorStatus(layer_list_errors[l]),
                                     absl::StrFormat("moments of layer %u", l)));
   }
-  const auto download_start = std::chrono::steady_clock::now();
-  xfer->to_host += H * 4;
   std::vector<uint64_t> layer_total(L, 0);
   uint64_t total = 0;
   for (uint64_t l = 0; l < L; ++l) {
@@ -283,42 +311,33 @@ absl::StatusOr<CompressedCache> CompressOnDevice(Backend& backend, const KvCache
     }
     total += layer_total[l];
   }
-  ResizeForDownload(&out.positions, total);
-  ResizeForDownload(&out.keys, total * row);
-  ResizeForDownload(&out.values, total * row);
-  void* stream = backend.native_stream();
-  auto fetch = [&](void* dst, const void* src, uint64_t bytes) -> absl::Status {
-    xfer->to_host += bytes;
-    return DownloadAsync(stream, dst, src, bytes);
-  };
-  if (total == L * cap) {  // every layer full (always, in practice): one copy per section
-    KVCOMP_RETURN_IF_ERROR(fetch(out.positions.data(), d_idx.data(), total * 4));
-    KVCOMP_RETURN_IF_ERROR(fetch(out.keys.data(), d_k.data(), total * row));
-    KVCOMP_RETURN_IF_ERROR(fetch(out.values.data(), d_v.data(), total * row));
-  } else {
+  if (total == L * cap) {  // every layer full (always, in practice): the arrays are the cache's
+    dc.positions = std::move(d_idx);
+    dc.keys = std::move(d_k);
+    dc.values = std::move(d_v);
+  } else {  // layers that kept fewer than their cap: compacted on the device, in layer order
+    KVCOMP_ASSIGN_OR_RETURN(dc.positions, Buffer::Allocate(a, total * 4));
+    KVCOMP_ASSIGN_OR_RETURN(dc.keys, Buffer::Allocate(a, total * row));
+    KVCOMP_ASSIGN_OR_RETURN(dc.values, Buffer::Allocate(a, total * row));
     uint64_t at = 0;
     for (uint64_t l = 0; l < L; ++l) {
       const uint64_t t = layer_total[l];
-      KVCOMP_RETURN_IF_ERROR(fetch(out.positions.data() + at, d_idx.as<uint32_t>() + l * cap, t * 4));
-      KVCOMP_RETURN_IF_ERROR(fetch(out.keys.data() + at * row, d_k.as<char>() + l * cap * row, t * row));
-      KVCOMP_RETURN_IF_ERROR(
-          fetch(out.values.data() + at * row, d_v.as<char>() + l * cap * row, t * row));
+      KVCOMP_RETURN_IF_ERROR(CopyOnDevice(backend, dc.positions.as<uint32_t>() + at,
+                                          d_idx.as<uint32_t>() + l * cap, t * 4));
+      KVCOMP_RETURN_IF_ERROR(CopyOnDevice(backend, dc.keys.as<char>() + at * row,
+                                          d_k.as<char>() + l * cap * row, t * row));
+      KVCOMP_RETURN_IF_ERROR(CopyOnDevice(backend, dc.values.as<char>() + at * row,
+                                          d_v.as<char>() + l * cap * row, t * row));
       at += t;
     }
   }
-  if (out.has_moments) {
-    KVCOMP_RETURN_IF_ERROR(fetch(out.moment_count.data(), mom, m_cnt));
-    KVCOMP_RETURN_IF_ERROR(fetch(out.moment_key_sum.data(), mom + m_cnt, m_vec));
-    KVCOMP_RETURN_IF_ERROR(fetch(out.moment_value_sum.data(), mom + m_cnt + m_vec, m_vec));
-    KVCOMP_RETURN_IF_ERROR(fetch(out.moment_vk_sum.data(), mom + m_cnt + 2 * m_vec, m_mat));
-  }
-  KVCOMP_RETURN_IF_ERROR(backend.Synchronize());
-  xfer->to_host_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                         download_start)
-                               .count();
-  KVCOMP_RETURN_IF_ERROR(
-      pipeline_internal::CodecStage(backend, policy, options.projection.get(), &out));
-  return out;
+  // The host part carries no array: the moments Reset shaped live in the device buffers.
+  out.moment_count.clear();
+  out.moment_key_sum.clear();
+  out.moment_value_sum.clear();
+  out.moment_vk_sum.clear();
+  dc.host = std::move(out);
+  return dc;
 }
 
 }  // namespace
@@ -362,9 +381,60 @@ absl::Status KvCacheView::Validate() const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& cache,
-                                         const CompressionPolicy& policy,
-                                         const CompressOptions& options) {
+absl::StatusOr<CompressedCache> DeviceCompressedCache::Download(Backend& backend,
+                                                                TransferBytes* transfers) const {
+  CompressedCache out = host;
+  const uint64_t total = host.total_kept();
+  const uint64_t heads = host.num_heads(), d = host.layout.head_dim;
+  const auto start = std::chrono::steady_clock::now();
+  uint64_t copied = 0;
+  void* stream = backend.native_stream();
+  auto fetch = [&](auto* v, const Buffer& src, uint64_t count, const char* what) -> absl::Status {
+    using T = typename std::remove_pointer_t<decltype(v)>::value_type;
+    const uint64_t bytes = count * sizeof(T);
+    if (src.size() < bytes) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "device cache: %s holds %u bytes, the cache needs %u", what, src.size(), bytes));
+    }
+    ResizeForDownload(v, count);
+    copied += bytes;
+    if (bytes == 0) return absl::OkStatus();
+    if (stream == nullptr) return backend.CopyToHost(v->data(), src.data(), bytes);
+    return DownloadAsync(stream, v->data(), src.data(), bytes);
+  };
+  KVCOMP_RETURN_IF_ERROR(fetch(&out.positions, positions, total, "positions"));
+  KVCOMP_RETURN_IF_ERROR(fetch(&out.keys, keys, total * host.KeyTokenBytes(), "keys"));
+  KVCOMP_RETURN_IF_ERROR(fetch(&out.key_scales, key_scales, host.KeyScaleCount(), "key_scales"));
+  KVCOMP_RETURN_IF_ERROR(fetch(&out.values, values, host.ValueBytes(), "values"));
+  KVCOMP_RETURN_IF_ERROR(
+      fetch(&out.value_scales, value_scales, host.ValueScaleCount(), "value_scales"));
+  KVCOMP_RETURN_IF_ERROR(
+      fetch(&out.raw_value_rows, raw_value_rows, raw_value_row_count, "raw_value_rows"));
+  KVCOMP_RETURN_IF_ERROR(fetch(&out.raw_values, raw_values,
+                               raw_value_row_count * DTypeBytes(host.layout.dtype, d),
+                               "raw_values"));
+  if (host.has_moments) {
+    KVCOMP_RETURN_IF_ERROR(fetch(&out.moment_count, moment_count, heads, "moment_count"));
+    KVCOMP_RETURN_IF_ERROR(fetch(&out.moment_key_sum, moment_key_sum, heads * d, "moment_key_sum"));
+    KVCOMP_RETURN_IF_ERROR(
+        fetch(&out.moment_value_sum, moment_value_sum, heads * d, "moment_value_sum"));
+    KVCOMP_RETURN_IF_ERROR(fetch(&out.moment_vk_sum, moment_vk_sum, heads * d * d, "moment_vk_sum"));
+  }
+  KVCOMP_RETURN_IF_ERROR(backend.Synchronize());
+  if (transfers != nullptr) {
+    transfers->to_host += copied;
+    transfers->to_host_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  return out;
+}
+
+namespace {
+
+// The checks every compression makes before any work; the selection it implies.
+absl::StatusOr<SelectParams> CheckCompressArgs(Backend& backend, const KvCacheView& cache,
+                                               const CompressionPolicy& policy,
+                                               const CompressOptions& options) {
   KVCOMP_RETURN_IF_ERROR(policy.Validate());
   KVCOMP_RETURN_IF_ERROR(cache.Validate());
   KVCOMP_RETURN_IF_ERROR(policy.ValidateFor(cache.layout.head_dim));
@@ -373,10 +443,36 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
   }
   KVCOMP_RETURN_IF_ERROR(
       pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
-  KVCOMP_ASSIGN_OR_RETURN(SelectParams select, SelectParamsFromPolicy(policy, cache.num_tokens));
-  if (backend.space() != MemorySpace::kHost) {
-    return CompressOnDevice(backend, cache, policy, options, select);
+  return SelectParamsFromPolicy(policy, cache.num_tokens);
+}
+
+}  // namespace
+
+absl::StatusOr<DeviceCompressedCache> CompressToDevice(Backend& backend, const KvCacheView& cache,
+                                                       const CompressionPolicy& policy,
+                                                       const CompressOptions& options) {
+  if (backend.space() == MemorySpace::kHost) {
+    return absl::FailedPreconditionError(
+        "CompressToDevice needs a device backend (use Compress on a host backend)");
   }
+  KVCOMP_ASSIGN_OR_RETURN(SelectParams select, CheckCompressArgs(backend, cache, policy, options));
+  KVCOMP_ASSIGN_OR_RETURN(DeviceCompressedCache dc,
+                          CompressOnDevice(backend, cache, policy, options, select));
+  KVCOMP_RETURN_IF_ERROR(
+      pipeline_internal::DeviceCodecStage(backend, policy, options.projection.get(), &dc,
+                                          options.transfers));
+  return dc;
+}
+
+absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& cache,
+                                         const CompressionPolicy& policy,
+                                         const CompressOptions& options) {
+  if (backend.space() != MemorySpace::kHost) {
+    KVCOMP_ASSIGN_OR_RETURN(DeviceCompressedCache dc,
+                            CompressToDevice(backend, cache, policy, options));
+    return dc.Download(backend, options.transfers);
+  }
+  KVCOMP_ASSIGN_OR_RETURN(SelectParams select, CheckCompressArgs(backend, cache, policy, options));
 
   const KvLayout& layout = cache.layout;
   const uint32_t heads = layout.num_kv_heads;

@@ -1,5 +1,7 @@
 #include "pipeline_stages.h"
 
+#include <type_traits>
+
 #include "absl/strings/str_cat.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
@@ -92,6 +94,41 @@ absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
     return absl::OkStatus();
   }
   return EncodeKept(backend, policy, projection, cache);
+}
+
+absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
+                              const Projection* projection, DeviceCompressedCache* cache,
+                              TransferBytes* transfers) {
+  if (policy.key_codec == KeyCodec::kRaw && policy.value_codec == ValueCodec::kRaw) {
+    return absl::OkStatus();
+  }
+  // Encoded on the host arrays, then the encoded arrays copied back to the device.
+  KVCOMP_ASSIGN_OR_RETURN(CompressedCache host, cache->Download(backend, transfers));
+  KVCOMP_RETURN_IF_ERROR(EncodeKept(backend, policy, projection, &host));
+  auto upload = [&](Buffer* dst, const auto& v) -> absl::Status {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    dst->Reset();
+    if (v.empty()) return absl::OkStatus();
+    KVCOMP_ASSIGN_OR_RETURN(*dst, Buffer::Allocate(backend.allocator(), v.size() * sizeof(T)));
+    if (transfers != nullptr) transfers->to_device += v.size() * sizeof(T);
+    return backend.CopyFromHost(dst->data(), v.data(), v.size() * sizeof(T));
+  };
+  KVCOMP_RETURN_IF_ERROR(upload(&cache->keys, host.keys));
+  KVCOMP_RETURN_IF_ERROR(upload(&cache->key_scales, host.key_scales));
+  KVCOMP_RETURN_IF_ERROR(upload(&cache->values, host.values));
+  KVCOMP_RETURN_IF_ERROR(upload(&cache->value_scales, host.value_scales));
+  KVCOMP_RETURN_IF_ERROR(upload(&cache->raw_value_rows, host.raw_value_rows));
+  KVCOMP_RETURN_IF_ERROR(upload(&cache->raw_values, host.raw_values));
+  cache->raw_value_row_count = host.raw_value_rows.size();
+  CompressedCache& h = cache->host;
+  h.key_codec = host.key_codec;
+  h.value_codec = host.value_codec;
+  h.rank = host.rank;
+  h.group_size = host.group_size;
+  h.projection_version = host.projection_version;
+  h.value_gamma = host.value_gamma;
+  h.layer_rank = host.layer_rank;
+  return absl::OkStatus();
 }
 
 }  // namespace pipeline_internal

@@ -10,6 +10,7 @@
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/kernels/projection.h"
 #include "kvcomp/kernels/tensor.h"
 
@@ -41,6 +42,13 @@ absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy,
 // through kvsplice.h's EncodeKept.
 absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
                         const Projection* projection, CompressedCache* cache);
+
+// The codec stage of a device compression: encodes the raw kept keys and values of `cache`
+// (device arrays, as CompressOnDevice leaves them) into its device arrays as the policy says
+// (no-op for raw codecs).
+absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
+                              const Projection* projection, DeviceCompressedCache* cache,
+                              TransferBytes* transfers);
 
 }  // namespace pipeline_internal
 }  // namespace kvcomp

@@ -5,3 +5,6 @@ if(KVCOMP_CUDA)
   kvcomp_cc_test(NAME kernels_codec_cuda_test SRCS codec_cuda_test.cc DEPS kvcomp::kernels
                  LABELS gpu)
 endif()
+# CompressToDevice (codecs, moments, moment-aware rescoring on the device) against the CPU.
+kvcomp_cc_test(NAME kernels_pipeline_device_test SRCS pipeline_device_test.cc DEPS kvcomp::kernels
+               LABELS gpu)

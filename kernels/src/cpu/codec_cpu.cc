@@ -115,6 +115,40 @@ class CpuCodecOps final : public CodecOps {
     return absl::OkStatus();
   }
 
+  // Per head, the rows as one matrix through Eigen (the reference the other backends follow).
+  absl::Status ValueResiduals(const Projection& projection, uint32_t rank, const RowSpan& rows,
+                              const void* values, DType dtype, float* energy,
+                              float* lost) override {
+    ValueCodecParams params;
+    params.codec = ValueCodec::kOrthogonal;
+    params.rank = rank;
+    KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, dtype));
+    if (rows.total_rows() == 0) return absl::OkStatus();
+    if (values == nullptr || energy == nullptr || lost == nullptr) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    const uint32_t d = projection.head_dim;
+    context_->ParallelFor(rows.num_heads(), [&](size_t h) {
+      const uint64_t begin = rows.row_offsets[h], n = rows.row_offsets[h + 1] - begin;
+      if (n == 0) return;
+      RowMat v(static_cast<Eigen::Index>(n), d);
+      for (uint64_t i = 0; i < n; ++i) {
+        for (uint32_t k = 0; k < d; ++k) {
+          v(static_cast<Eigen::Index>(i), k) = LoadAsFloat(values, dtype, (begin + i) * d + k);
+        }
+      }
+      Eigen::Map<const RowMat> basis(projection.head_basis(rows.first_head + h), rank, d);
+      const RowMat z = v * basis.transpose();
+      for (uint64_t i = 0; i < n; ++i) {
+        const auto row = static_cast<Eigen::Index>(i);
+        energy[begin + i] = v.row(row).squaredNorm();
+        lost[begin + i] = std::max(0.0f, energy[begin + i] - z.row(row).squaredNorm());
+      }
+    });
+    return absl::OkStatus();
+  }
+
   absl::Status DecodeValues(const Projection& projection, const ValueCodecParams& params,
                             const RowSpan& rows, const void* latent, const uint16_t* scales,
                             void* out, DType out_dtype) override {

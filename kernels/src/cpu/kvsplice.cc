@@ -1,15 +1,15 @@
 #include "kvcomp/kernels/kvsplice.h"
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/status.h"
+#include "kvsplice_internal.h"
 
 namespace kvcomp {
-namespace {
+namespace kvsplice_internal {
 
 absl::Status CheckProjectionLayout(const Projection& p, const KvLayout& layout) {
   if (p.num_layers != layout.num_layers || p.num_kv_heads != layout.num_kv_heads ||
@@ -23,31 +23,6 @@ absl::Status CheckProjectionLayout(const Projection& p, const KvLayout& layout) 
   return absl::OkStatus();
 }
 
-RowSpan AllHeads(const std::vector<uint64_t>& offsets) {
-  RowSpan rows;
-  rows.first_head = 0;
-  rows.row_offsets = offsets;
-  return rows;
-}
-
-// One layer of a cache whose layers have different latent ranks: its heads as a RowSpan (row
-// offsets rebased to 0), its first row, and where its latents and scales start.
-struct LayerRows {
-  std::vector<uint64_t> offsets;
-  uint64_t first_head = 0;
-  uint64_t first_row = 0;
-  uint64_t latent_byte = 0;
-  uint64_t scale_elem = 0;
-  ValueCodecParams params;
-  RowSpan span() const {
-    RowSpan r;
-    r.first_head = first_head;
-    r.row_offsets = offsets;
-    return r;
-  }
-};
-
-// Splits `offsets` (prefix sums of kept per head) into layers with params.rank = ranks[layer].
 std::vector<LayerRows> SplitLayers(const std::vector<uint64_t>& offsets, uint32_t kv_heads,
                                    const ValueCodecParams& base,
                                    const std::vector<uint32_t>& ranks) {
@@ -69,56 +44,72 @@ std::vector<LayerRows> SplitLayers(const std::vector<uint64_t>& offsets, uint32_
   return layers;
 }
 
-// KVSplice outliers: per head, the kept rows whose residual energy off the projection (at the
-// layer's rank), ||v - P^T P v||^2, exceeds value_outlier_factor x the head's median residual
-// and kOutlierFloor x the head's median value energy, the worst first, at most
-// floor(value_raw_fraction x kept) of them. Absolute energies, so a row counts by the error it
-// would add (a small value losing a large share of itself adds little), and relative to the
-// head's median, so the rule follows the rank. Returns ascending row indices.
-constexpr float kOutlierFloor = 0.01f;
-std::vector<uint64_t> PickRawValueRows(const CompressedCache& c, const Projection& proj,
-                                       const std::vector<uint32_t>& ranks,
-                                       const CompressionPolicy& policy) {
-  using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+}  // namespace kvsplice_internal
+
+namespace {
+
+using kvsplice_internal::CheckProjectionLayout;
+using kvsplice_internal::kOutlierFloor;
+using kvsplice_internal::LayerRows;
+using kvsplice_internal::OutlierCap;
+using kvsplice_internal::SplitLayers;
+
+
+RowSpan AllHeads(const std::vector<uint64_t>& offsets) {
+  RowSpan rows;
+  rows.first_head = 0;
+  rows.row_offsets = offsets;
+  return rows;
+}
+
+// The outlier rule of kvsplice_internal (OutlierCap) on a host cache: residuals through the
+// backend's CodecOps, medians and the worst rows here. Returns ascending row indices.
+absl::StatusOr<std::vector<uint64_t>> PickRawValueRows(CodecOps& ops, const CompressedCache& c,
+                                                       const Projection& proj,
+                                                       const std::vector<uint32_t>& ranks,
+                                                       const CompressionPolicy& policy) {
   std::vector<uint64_t> out;
-  if (!(policy.value_raw_fraction > 0.0)) return out;
-  const uint32_t d = c.layout.head_dim;
   const std::vector<uint64_t> off = c.TokenOffsets();
-  RowMat v;
+  bool any = false;
+  for (uint64_t h = 0; h < c.num_heads(); ++h) {
+    any = any || OutlierCap(c.kept[h], policy.value_raw_fraction) > 0;
+  }
+  if (!any) return out;
+  const uint64_t total = c.total_kept();
+  std::vector<float> energy(total), lost(total);
+  const uint32_t kv_heads = c.layout.num_kv_heads;
+  for (uint32_t l = 0; l < c.layout.num_layers; ++l) {
+    RowSpan rows;
+    rows.first_head = uint64_t{l} * kv_heads;
+    std::vector<uint64_t> layer_off(kv_heads + 1);
+    for (uint32_t i = 0; i <= kv_heads; ++i) {
+      layer_off[i] = off[rows.first_head + i] - off[rows.first_head];
+    }
+    rows.row_offsets = layer_off;
+    const uint64_t first = off[rows.first_head];
+    KVCOMP_RETURN_IF_ERROR(ops.ValueResiduals(
+        proj, ranks[l], rows, c.values.data() + DTypeBytes(c.layout.dtype, first * c.layout.head_dim),
+        c.layout.dtype, energy.data() + first, lost.data() + first));
+  }
   std::vector<std::pair<float, uint64_t>> worst;
-  std::vector<float> lost, energy, median;
+  std::vector<float> median;
   for (uint64_t h = 0; h < c.num_heads(); ++h) {
     const uint64_t n = c.kept[h];
-    const auto cap = static_cast<uint64_t>(static_cast<double>(n) * policy.value_raw_fraction);
+    const uint64_t cap = OutlierCap(n, policy.value_raw_fraction);
     if (cap == 0) continue;
-    const uint32_t r = ranks[h / c.layout.num_kv_heads];
-    v.resize(static_cast<Eigen::Index>(n), d);
-    for (uint64_t i = 0; i < n; ++i) {
-      for (uint32_t k = 0; k < d; ++k) {
-        v(static_cast<Eigen::Index>(i), k) =
-            LoadAsFloat(c.values.data(), c.layout.dtype, (off[h] + i) * d + k);
-      }
-    }
-    Eigen::Map<const RowMat> basis(proj.head_basis(h), r, d);
-    const RowMat z = v * basis.transpose();  // n x r latents (orthonormal rows)
-    lost.resize(n);
-    energy.resize(n);
-    for (uint64_t i = 0; i < n; ++i) {
-      const auto row = static_cast<Eigen::Index>(i);
-      energy[i] = v.row(row).squaredNorm();
-      lost[i] = std::max(0.0f, energy[i] - z.row(row).squaredNorm());
-    }
-    median = lost;
+    const float* hl = lost.data() + off[h];
+    const float* he = energy.data() + off[h];
+    median.assign(hl, hl + n);
     std::nth_element(median.begin(), median.begin() + n / 2, median.end());
     const float median_lost = median[n / 2];
-    median = energy;
+    median.assign(he, he + n);
     std::nth_element(median.begin(), median.begin() + n / 2, median.end());
     const float limit =
         std::max(kOutlierFloor * median[n / 2],
                  static_cast<float>(policy.value_outlier_factor * median_lost));
     worst.clear();
     for (uint64_t i = 0; i < n; ++i) {
-      if (lost[i] > limit) worst.emplace_back(-lost[i], off[h] + i);
+      if (hl[i] > limit) worst.emplace_back(-hl[i], off[h] + i);
     }
     if (worst.size() > cap) {
       std::partial_sort(worst.begin(), worst.begin() + cap, worst.end());
@@ -203,7 +194,8 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
     p.rank = rank;
     p.group_size = policy.group_size;
     p.gamma_aware = policy.gamma_aware;
-    std::vector<uint64_t> raw_rows = PickRawValueRows(*cache, *projection, ranks, policy);
+    KVCOMP_ASSIGN_OR_RETURN(std::vector<uint64_t> raw_rows,
+                            PickRawValueRows(ops, *cache, *projection, ranks, policy));
     std::vector<uint8_t> raw_values(raw_rows.size() * DTypeBytes(layout.dtype, d));
     const uint64_t in_row = DTypeBytes(layout.dtype, d);
     for (size_t i = 0; i < raw_rows.size(); ++i) {

@@ -117,6 +117,45 @@ class CudaCodecOps final : public CodecOps {
     return st.Finish();
   }
 
+  absl::Status ValueResiduals(const Projection& projection, uint32_t rank, const RowSpan& rows,
+                              const void* values, DType dtype, float* energy,
+                              float* lost) override {
+    // The basis at `rank` is the encode matrix of the f16 codec (no gamma), uploaded once.
+    ValueCodecParams params;
+    params.codec = ValueCodec::kOrthogonal;
+    params.rank = rank;
+    KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, dtype));
+    const uint64_t n = rows.total_rows(), d = projection.head_dim;
+    if (n == 0) return absl::OkStatus();
+    if (values == nullptr || energy == nullptr || lost == nullptr) {
+      return absl::InvalidArgumentError("codec: null buffer");
+    }
+    KVCOMP_ASSIGN_OR_RETURN(const DeviceProjection* dp, Upload(projection, params, rows));
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* dv, st.In(values, n * d * DTypeBytes(dtype, 1)));
+    KVCOMP_ASSIGN_OR_RETURN(void* de, st.Out(energy, n * sizeof(float)));
+    KVCOMP_ASSIGN_OR_RETURN(void* dl, st.Out(lost, n * sizeof(float)));
+    const std::vector<Tile> tiles = MakeTiles(rows, codec_cuda::kEncodeRows);
+    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
+    const float* bt = dp->enc_t.as<float>() + (rows.first_head - dp->first_head) * d * rank;
+    const size_t smem = sizeof(float) * codec_cuda::kEncodeRows * (d + rank);
+    auto* fe = static_cast<float*>(de);
+    auto* fl = static_cast<float*>(dl);
+    const auto d32 = static_cast<uint32_t>(d);
+    switch (dtype) {
+      case DType::kF32:
+        KVCOMP_RETURN_IF_ERROR(LaunchResidual<float>(tiles.size(), smem, dt, dv, bt, d32, rank, fe, fl));
+        break;
+      case DType::kF16:
+        KVCOMP_RETURN_IF_ERROR(LaunchResidual<__half>(tiles.size(), smem, dt, dv, bt, d32, rank, fe, fl));
+        break;
+      default:
+        KVCOMP_RETURN_IF_ERROR(
+            LaunchResidual<__nv_bfloat16>(tiles.size(), smem, dt, dv, bt, d32, rank, fe, fl));
+    }
+    return st.Finish();
+  }
+
   absl::Status DecodeValues(const Projection& projection, const ValueCodecParams& params,
                             const RowSpan& rows, const void* latent, const uint16_t* scales,
                             void* out, DType out_dtype) override {
@@ -495,6 +534,21 @@ class CudaCodecOps final : public CodecOps {
     }
     codec_cuda::EncodeValuesKernel<T>
         <<<static_cast<unsigned>(tiles), codec_cuda::kEncodeThreads, smem, ctx_->stream>>>(p);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return absl::OkStatus();
+  }
+
+  template <typename T>
+  absl::Status LaunchResidual(size_t tiles, size_t smem, const Tile* dt, const void* dv,
+                              const float* bt, uint32_t d, uint32_t r, float* energy,
+                              float* lost) {
+    if (smem > 48 * 1024) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(codec_cuda::ResidualKernel<T>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(smem)));
+    }
+    codec_cuda::ResidualKernel<T><<<static_cast<unsigned>(tiles), codec_cuda::kEncodeThreads, smem,
+                                    ctx_->stream>>>(dt, dv, bt, d, r, energy, lost);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return absl::OkStatus();
   }

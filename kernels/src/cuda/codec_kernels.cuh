@@ -153,6 +153,55 @@ __global__ void __launch_bounds__(kEncodeThreads) EncodeValuesKernel(EncodeParam
   }
 }
 
+// KVSplice's outlier measure per row: energy ||v||^2 and lost = max(0, ||v||^2 - ||z||^2) with
+// z = V B^T at the tile's rank (B^T as enc_t without gamma). z as in EncodeValuesKernel; each
+// row's sums by one warp in a fixed order (the same on every run). Dynamic shared memory:
+// kEncodeRows * (d + r) floats.
+template <typename T>
+__global__ void __launch_bounds__(kEncodeThreads)
+    ResidualKernel(const Tile* tiles, const void* values, const float* basis_t, uint32_t d,
+                   uint32_t r, float* energy, float* lost) {
+  extern __shared__ float smem[];
+  const Tile tile = tiles[blockIdx.x];
+  float* vs = smem;                    // [kEncodeRows][d]
+  float* zs = smem + kEncodeRows * d;  // [kEncodeRows][r]
+  const T* in = static_cast<const T*>(values) + tile.begin * d;
+  for (uint32_t i = threadIdx.x; i < kEncodeRows * d; i += blockDim.x) {
+    vs[i] = i < tile.rows * d ? ToF<T>(in[i]) : 0.0f;
+  }
+  __syncthreads();
+  const float* bt = basis_t + static_cast<uint64_t>(tile.head) * d * r;
+  for (uint32_t j = threadIdx.x; j < r; j += blockDim.x) {
+    float acc[kEncodeRows];
+#pragma unroll
+    for (int t = 0; t < kEncodeRows; ++t) acc[t] = 0.0f;
+    for (uint32_t k = 0; k < d; ++k) {
+      const float e = __ldg(bt + static_cast<uint64_t>(k) * r + j);
+#pragma unroll
+      for (int t = 0; t < kEncodeRows; ++t) acc[t] = fmaf(vs[t * d + k], e, acc[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < kEncodeRows; ++t) zs[t * r + j] = acc[t];
+  }
+  __syncthreads();
+  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (uint32_t t = warp; t < tile.rows; t += blockDim.x / 32) {
+    float e = 0.0f, zz = 0.0f;
+    for (uint32_t k = lane; k < d; k += 32) e = fmaf(vs[t * d + k], vs[t * d + k], e);
+    for (uint32_t j = lane; j < r; j += 32) zz = fmaf(zs[t * r + j], zs[t * r + j], zz);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      e += __shfl_xor_sync(0xffffffffu, e, o);
+      zz += __shfl_xor_sync(0xffffffffu, zz, o);
+    }
+    if (lane == 0) {
+      const float l = e - zz;
+      energy[tile.begin + t] = e;
+      lost[tile.begin + t] = l > 0.0f ? l : 0.0f;
+    }
+  }
+}
+
 constexpr int kDecodeThreads = 128;  // 4 warps
 constexpr int kDecodeSubTiles = 4;   // sub-tiles of M rows per block (rows per tile: 4 M)
 constexpr int kStageLd = 20;         // floats per row of a warp's 16x16 output staging tile

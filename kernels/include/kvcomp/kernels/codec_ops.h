@@ -78,6 +78,13 @@ class CodecOps {
                                     const RowSpan& rows, const void* latent,
                                     const uint16_t* scales, void* out, DType out_dtype) = 0;
 
+  // What the projection's first `rank` rows miss of each value row (KVSplice's outlier rule):
+  // energy[i] = ||v_i||^2 and lost[i] = max(0, ||v_i||^2 - ||P_r v_i||^2), f32, for every row
+  // of `rows` (values as in EncodeValues). rank in 1..projection.rows.
+  virtual absl::Status ValueResiduals(const Projection& projection, uint32_t rank,
+                                      const RowSpan& rows, const void* values, DType dtype,
+                                      float* energy, float* lost) = 0;
+
   // --- keys ---
   // keys: [total_rows][head_dim] of `dtype`. out: total_rows * head_dim elements of the codec's
   // type (dtype for raw, f16, int8; int4: total_rows * ceil(head_dim / 2) bytes). key_scales:

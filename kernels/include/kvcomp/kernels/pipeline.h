@@ -24,8 +24,10 @@
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
+#include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/projection.h"
+#include "kvcomp/kernels/scoring_ops.h"
 #include "kvcomp/kernels/tensor.h"
 
 namespace kvcomp {
@@ -39,6 +41,9 @@ struct KvCacheView {
   std::vector<HeadsView> values;
   // snapkv only: per layer the last window's queries [num_q_heads, w, head_dim]; else empty.
   std::vector<HeadsView> queries;
+  // Optional, device views: per layer the keys' sums accumulated as they arrived (DeviceKv), so
+  // the mean-based scorers read the keys once; empty = the scorer sums them itself.
+  std::vector<KeySums> key_sums;
 
   // OK, or InvalidArgument naming the first inconsistency (layer count, shapes, dtypes, K/V
   // mismatch, spaces, empty sequence, unsupported head_dim/dtype).
@@ -83,17 +88,66 @@ struct CompressOptions {
   TransferBytes* transfers = nullptr;
 };
 
-// Compresses a whole sequence at once. On a device backend the whole compression stays on the
-// device: host inputs are copied in layer by layer (device inputs are read in place), kept
-// tokens, positions and moments are written into whole-cache arrays in device memory, and the
-// result is copied to the host once at the end (a few bytes of kept counts first, then every
-// section); nothing of a layer returns to the host before that. The moment-aware rescoring
-// (policy.moment_aware) and the KVSplice codec stage still run their host parts as before. InvalidArgument for bad input (see KvCacheView::Validate,
+// Compresses a whole sequence at once. On a device backend this is CompressToDevice (below)
+// followed by DeviceCompressedCache::Download: host inputs are copied in layer by layer (device
+// inputs are read in place), kept tokens, positions and moments are written into whole-cache
+// arrays in device memory, and the result is copied to the host once at the end (a few bytes
+// of kept counts first, then every section). InvalidArgument for bad input (see KvCacheView::Validate,
 // CompressionPolicy::Validate, NaN/Inf keys, a budget of zero, snapkv without queries).
 // Unimplemented for codecs not yet available. policy.block_size is ignored here (BlockCompressor).
 absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& cache,
                                          const CompressionPolicy& policy,
                                          const CompressOptions& options = {});
+
+// A compressed cache whose bulk arrays live in device memory (the backend's allocator), as a
+// device compression leaves it: the format encoder and the GPU tier read it in place, and
+// Download() brings it to host memory when it must go there.
+//
+// `host` carries every field of CompressedCache except the arrays listed below, which are left
+// EMPTY there (layout, original_tokens, policy, key_codec, value_codec, rank, group_size,
+// projection_version, value_gamma, layer_rank, kept, has_moments). Each device buffer holds
+// exactly the bytes the host field would hold, in the same element type and order, so
+// Download() is one copy per array. Buffer records the size it was allocated with; a buffer may
+// be larger than its array (a cache whose layers all kept their full budget hands over the
+// selection's own arrays), so the array sizes are the host field's: total_kept() positions,
+// total_kept() * KeyTokenBytes() key bytes, KeyScaleCount() key scales, ValueBytes() value
+// bytes, ValueScaleCount() value scales, raw_value_row_count outlier rows (and as many rows of
+// head_dim raw values in layout.dtype), num_heads() moment counts, num_heads() * head_dim key
+// and value sums, num_heads() * head_dim^2 vk sums. An empty array has an empty Buffer.
+// Move-only (Buffer is); the buffers must not outlive the backend's allocator.
+struct DeviceCompressedCache {
+  CompressedCache host;
+  Buffer positions;       // u32, total_kept
+  Buffer keys;            // total_kept * KeyTokenBytes() bytes
+  Buffer key_scales;      // f32, KeyScaleCount() (empty for raw and fp16 keys)
+  Buffer values;          // ValueBytes() bytes (raw values, or latents)
+  Buffer value_scales;    // f16 bits (u16), ValueScaleCount()
+  Buffer raw_value_rows;  // u64, raw_value_row_count: KVSplice outlier rows (usually few)
+  Buffer raw_values;      // raw_value_row_count rows of head_dim in layout.dtype
+  // MomentKV summaries when host.has_moments (else empty): u64 counts, f32 sums.
+  Buffer moment_count, moment_key_sum, moment_value_sum, moment_vk_sum;
+  // Element count of raw_value_rows (the one array the host fields do not size).
+  uint64_t raw_value_row_count = 0;
+
+  // One copy per array into a host CompressedCache on `backend`'s stream (the backend whose
+  // allocator holds the buffers), waited for once; the bytes copied are added to
+  // transfers->to_host and the wall time to transfers->to_host_seconds. InvalidArgument when a
+  // buffer is smaller than its array.
+  absl::StatusOr<CompressedCache> Download(Backend& backend,
+                                           TransferBytes* transfers = nullptr) const;
+};
+
+// On a device backend: the whole compression, with nothing of the cache downloaded but control
+// data (the kept counts, the per-layer check records, the count of KVSplice outlier rows and
+// the ops' own argument readbacks). Host inputs are copied to the device layer by layer and
+// counted in options.transfers->to_device; device inputs are read in place. FailedPrecondition
+// on a host backend; the other errors are Compress's. When it returns, the device is done
+// reading `cache` (the view may be freed); the cache's own device work may still be queued on
+// the backend's stream, which every later use of the buffers follows. Compress() on a device
+// backend is CompressToDevice followed by Download.
+absl::StatusOr<DeviceCompressedCache> CompressToDevice(Backend& backend, const KvCacheView& cache,
+                                                       const CompressionPolicy& policy,
+                                                       const CompressOptions& options = {});
 
 // Scores of one layer's keys ([num_heads, num_tokens] f32, host), as the policy's scorer gives
 // them (no protection applied). `queries` for snapkv.
