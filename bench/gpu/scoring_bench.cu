@@ -8,6 +8,9 @@
 // Inputs are fresh random bf16 (never zeros); input sets rotate so L2 never holds the next input.
 // Lengths 2K to 128K, and a batch of 64 requests of 2K tokens given as one view of 64 x 8 heads
 // (requests of one length batch as heads: one launch of each kernel for all of them).
+// The mean-based scorers run twice: summing the keys themselves, and given the keys' sums as the
+// device staging accumulates them while a put's blocks arrive (sums=1: K is read once; sums_us
+// is the summing kernel's own device time, spent during the upload instead).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -62,9 +65,15 @@ class BenchAllocator final : public Allocator {
 struct Set {
   void* k = nullptr;
   void* v = nullptr;
+  float* sums = nullptr;  // KeySums of k (sums, then unit sums), with_sums only
 };
 
-void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t batch) {
+bool Centred(Scorer s) {
+  return s == Scorer::kManifold || s == Scorer::kWindowedManifold || s == Scorer::kKeyDiff;
+}
+
+void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t batch,
+         bool with_sums = false) {
   constexpr uint32_t kDim = 128;
   const uint32_t kHeads = 8 * batch;
   const size_t elems = size_t{kHeads} * n * kDim;
@@ -81,6 +90,27 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t
     FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].v), elems,
                                                  1001 + 2 * s);
   }
+  const uint64_t chunks = (n + kKeySumChunkTokens - 1) / kKeySumChunkTokens;
+  const size_t sum_floats = size_t{kHeads} * chunks * kDim;
+  unsigned long long* bad = nullptr;
+  double sums_us = 0;
+  if (with_sums) {
+    BENCH_CUDA_CHECK(cudaMalloc(&bad, 8));
+    BENCH_CUDA_CHECK(cudaMemset(bad, 0xFF, 8));
+    auto sum_of = [&](int i) {
+      const Set& s = in[i % sets];
+      const HeadsView k =
+          HeadsView::Dense(s.k, DType::kBF16, kHeads, n, kDim, MemorySpace::kDevice);
+      absl::Status st =
+          cuda::EnqueueKeySums(ctx.stream, k, 0, chunks, s.sums, s.sums + sum_floats, bad);
+      if (!st.ok()) {
+        std::fprintf(stderr, "%s\n", st.ToString().c_str());
+        std::exit(1);
+      }
+    };
+    for (auto& s : in) BENCH_CUDA_CHECK(cudaMalloc(&s.sums, 2 * sum_floats * sizeof(float)));
+    sums_us = bench::MedianMicros(sum_of, ctx.stream, sets, 21);  // also leaves every set's sums
+  }
   const uint64_t kept = static_cast<uint64_t>(static_cast<double>(n) * (1.0 - 0.5));
   const uint64_t cap = KeptCapacity(kHeads, n, kept);
   void *ko, *vo, *counts, *idx;
@@ -95,6 +125,7 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t
     a.values = HeadsView::Dense(s.v, DType::kBF16, kHeads, n, kDim, MemorySpace::kDevice);
     a.score.scorer = scorer;
     a.score.window = 4096;
+    if (with_sums) a.score.key_sums = KeySums{s.sums, s.sums + sum_floats, n};
     a.select.kept_per_head = kept;
     a.select.n_sink = 4;
     a.kept = {static_cast<uint32_t*>(counts), static_cast<uint32_t*>(idx)};
@@ -149,11 +180,104 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t
   const double dev_gbps = minimal / (dev_us * 1e3);
   const double op_gbps = minimal / (op[op.size() / 2] * 1e3);
   std::printf(
-      "RESULT bench=ssc scorer=%s batch=%u tokens=%llu dev_us=%.1f dev_GBps=%.0f op_us=%.1f "
-      "op_GBps=%.0f copy_GBps=%.0f dev/copy=%.0f%% op/copy=%.0f%%\n",
-      std::string(ScorerName(scorer)).c_str(), batch, static_cast<unsigned long long>(n), dev_us,
-      dev_gbps, op[op.size() / 2], op_gbps, copy_gbps, 100.0 * dev_gbps / copy_gbps,
-      100.0 * op_gbps / copy_gbps);
+      "RESULT bench=ssc scorer=%s batch=%u tokens=%llu sums=%d dev_us=%.1f dev_GBps=%.0f "
+      "op_us=%.1f op_GBps=%.0f copy_GBps=%.0f dev/copy=%.0f%% op/copy=%.0f%% sums_us=%.1f\n",
+      std::string(ScorerName(scorer)).c_str(), batch, static_cast<unsigned long long>(n),
+      with_sums ? 1 : 0, dev_us, dev_gbps, op[op.size() / 2], op_gbps, copy_gbps,
+      100.0 * dev_gbps / copy_gbps, 100.0 * op_gbps / copy_gbps, sums_us);
+  for (auto& s : in) {
+    BENCH_CUDA_CHECK(cudaFree(s.k));
+    BENCH_CUDA_CHECK(cudaFree(s.v));
+    if (s.sums != nullptr) BENCH_CUDA_CHECK(cudaFree(s.sums));
+  }
+  if (bad != nullptr) BENCH_CUDA_CHECK(cudaFree(bad));
+  BENCH_CUDA_CHECK(cudaFree(ko));
+  BENCH_CUDA_CHECK(cudaFree(vo));
+  BENCH_CUDA_CHECK(cudaFree(counts));
+  BENCH_CUDA_CHECK(cudaFree(idx));
+}
+
+// A varlen batch (cu_seqlens) of `lengths` requests, 8 kv heads each, through
+// ScoreSelectCompactVarlen: the one-launch path enqueued (events around the enqueue: its
+// kernels and the small upload of the request table; not a graph, whose capture refuses the
+// pageable upload) and the op as called.
+void RunVarlen(Backend& backend, CudaContext& ctx, Scorer scorer,
+               const std::vector<uint64_t>& lengths, const char* label) {
+  constexpr uint32_t kDim = 128, kHeads = 8;
+  std::vector<uint64_t> cu{0}, kept;
+  for (uint64_t n : lengths) {
+    cu.push_back(cu.back() + n);
+    kept.push_back(n / 2);
+  }
+  const uint64_t total = cu.back();
+  const size_t elems = size_t{kHeads} * total * kDim;
+  const size_t bytes = elems * 2;
+  cudaDeviceProp prop;
+  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sets = std::max<int>(2, static_cast<int>(3ull * prop.l2CacheSize / (2 * bytes)) + 1);
+  std::vector<Set> in(sets);
+  for (int s = 0; s < sets; ++s) {
+    BENCH_CUDA_CHECK(cudaMalloc(&in[s].k, bytes));
+    BENCH_CUDA_CHECK(cudaMalloc(&in[s].v, bytes));
+    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].k), elems,
+                                                 3000 + 2 * s);
+    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].v), elems,
+                                                 3001 + 2 * s);
+  }
+  uint64_t rows = 0;
+  for (size_t r = 0; r < lengths.size(); ++r) rows += kHeads * std::min(kept[r], lengths[r]);
+  void *ko, *vo, *counts, *idx;
+  BENCH_CUDA_CHECK(cudaMalloc(&ko, rows * kDim * 2));
+  BENCH_CUDA_CHECK(cudaMalloc(&vo, rows * kDim * 2));
+  BENCH_CUDA_CHECK(cudaMalloc(&counts, lengths.size() * kHeads * 4));
+  BENCH_CUDA_CHECK(cudaMalloc(&idx, rows * 4));
+  auto args = [&](int i) {
+    ScoreSelectCompactVarlenArgs a;
+    const Set& s = in[i % sets];
+    a.keys = HeadsView::Dense(s.k, DType::kBF16, kHeads, total, kDim, MemorySpace::kDevice);
+    a.values = HeadsView::Dense(s.v, DType::kBF16, kHeads, total, kDim, MemorySpace::kDevice);
+    a.cu_seqlens = cu.data();
+    a.requests = static_cast<uint32_t>(lengths.size());
+    a.kept_per_head = kept.data();
+    a.score.scorer = scorer;
+    a.score.window = 4096;
+    a.select.n_sink = 4;
+    a.kept = {static_cast<uint32_t*>(counts), static_cast<uint32_t*>(idx)};
+    a.keys_out = ko;
+    a.values_out = vo;
+    return a;
+  };
+  absl::Status st = backend.scoring().ScoreSelectCompactVarlen(args(0));
+  if (!st.ok()) {
+    std::printf("ERROR varlen %s: %s\n", std::string(ScorerName(scorer)).c_str(),
+                st.ToString().c_str());
+    return;
+  }
+  const double enq_us = bench::MedianMicros(
+      [&](int i) {
+        absl::Status s = cuda::EnqueueScoreSelectCompactVarlen(&ctx, args(i));
+        if (!s.ok()) std::exit(1);
+      },
+      ctx.stream, 3, 21);
+  std::vector<double> op(11);
+  for (int i = 0; i < 13; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s = backend.scoring().ScoreSelectCompactVarlen(args(i));
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.ok()) std::exit(1);
+    if (i >= 2) op[i - 2] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+  }
+  std::sort(op.begin(), op.end());
+  const double copy_gbps = bench::CopyGBps(2 * bytes, ctx.stream, sets);
+  const double minimal = 2.0 * bytes + 2.0 * rows * kDim * 2;
+  const double enq_gbps = minimal / (enq_us * 1e3);
+  const double op_gbps = minimal / (op[op.size() / 2] * 1e3);
+  std::printf(
+      "RESULT bench=ssc_varlen scorer=%s requests=%zu lengths=%s tokens=%llu enq_us=%.1f "
+      "enq_GBps=%.0f op_us=%.1f op_GBps=%.0f copy_GBps=%.0f enq/copy=%.0f%% op/copy=%.0f%%\n",
+      std::string(ScorerName(scorer)).c_str(), lengths.size(), label,
+      static_cast<unsigned long long>(total), enq_us, enq_gbps, op[op.size() / 2], op_gbps,
+      copy_gbps, 100.0 * enq_gbps / copy_gbps, 100.0 * op_gbps / copy_gbps);
   for (auto& s : in) {
     BENCH_CUDA_CHECK(cudaFree(s.k));
     BENCH_CUDA_CHECK(cudaFree(s.v));
@@ -180,20 +304,37 @@ int main(int argc, char** argv) {
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&ctx.properties, 0));
   BenchAllocator alloc(ctx.stream);
   ctx.allocator = &alloc;
-  // Optional arguments: a token count, then a scorer name, then a batch (for profiling one case).
+  // Optional arguments: a token count, then a scorer name, then a batch, then 1 for the keys'
+  // sums given (for profiling one case).
   std::vector<uint64_t> sizes = {2048, 8192, 32768, 65536, 131072};
   if (argc > 1) sizes = {std::stoull(argv[1])};
   const uint32_t batch = argc > 3 ? static_cast<uint32_t>(std::stoul(argv[3])) : 1;
-  std::vector<Scorer> scorers = {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold,
-                                 Scorer::kWindowedManifold};
+  std::vector<Scorer> scorers = {Scorer::kKnorm,     Scorer::kKeyDiff,
+                                 Scorer::kManifold,  Scorer::kWindowedManifold,
+                                 Scorer::kStreaming, Scorer::kRandom};
   if (argc > 2) {
     auto s = ParseScorer(argv[2]);
     if (!s.ok()) return 2;
     scorers = {*s};
   }
+  const int only_sums = argc > 4 ? std::atoi(argv[4]) : -1;
   for (Scorer s : scorers) {
-    for (uint64_t n : sizes) Run(**backend, ctx, s, n, batch);
-    if (argc <= 1) Run(**backend, ctx, s, 2048, 64);  // 64 requests of 2K tokens
+    for (bool sums : {false, true}) {
+      if (sums && !Centred(s)) continue;
+      if (only_sums >= 0 && sums != (only_sums == 1)) continue;
+      for (uint64_t n : sizes) Run(**backend, ctx, s, n, batch, sums);
+      if (argc <= 1) Run(**backend, ctx, s, 2048, 64, sums);  // 64 requests of 2K tokens
+    }
+  }
+  if (argc <= 1) {
+    // Varlen batches: 64 x 2K (against the batch-as-heads rows above) and 64 requests of
+    // 1K-4K tokens.
+    std::vector<uint64_t> mixed;
+    for (uint64_t r = 0; r < 64; ++r) mixed.push_back(1024 + SplitMix64(r) % 3072);
+    for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold}) {
+      RunVarlen(**backend, ctx, s, std::vector<uint64_t>(64, 2048), "64x2048");
+      RunVarlen(**backend, ctx, s, mixed, "64x1024-4095");
+    }
   }
   BENCH_CUDA_CHECK(cudaStreamDestroy(ctx.stream));
   return 0;

@@ -1,7 +1,15 @@
 // Device staging of a put (pipeline.h: DeviceUploader, DeviceKv). With CUDA: a ring of
 // page-locked buffers and a stream of the uploader's own; without it, FailedPrecondition.
+//
+// DeviceKv also sums each layer's keys as they arrive (KeySums: per chunk of
+// kKeySumChunkTokens tokens, the keys and the unit keys), on the uploader's stream right after
+// the copy that completes a chunk, while its rows are still in L2. Compress then hands them to
+// the mean-based scorers, which read the keys once instead of twice. KVCOMP_DEVICE_KEY_SUMS=0
+// turns this off (the scorers then sum the keys themselves; for comparisons).
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -17,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_status.h"
+#include "cuda/scoring_cuda.h"
 #include "cuda/stream_allocator.h"
 #endif
 
@@ -116,6 +125,13 @@ class CudaUploader final : public DeviceUploader {
     cudaEventDestroy(e);
   }
 
+  // Runs `f` with the uploader's stream, in order after every copy issued so far.
+  absl::Status OnStream(const std::function<absl::Status(cudaStream_t)>& f) {
+    absl::MutexLock lock(&mu_);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return f(stream_);
+  }
+
   Allocator& allocator() override { return *alloc_; }
   uint64_t uploaded_bytes() const override {
     absl::MutexLock lock(&mu_);
@@ -172,10 +188,38 @@ class CudaUploader final : public DeviceUploader {
   uint64_t uploaded_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+bool KeySumsEnabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KVCOMP_DEVICE_KEY_SUMS");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return enabled;
+}
+
 class CudaDeviceKv final : public DeviceKv {
  public:
   CudaDeviceKv(CudaUploader* uploader, const KvLayout& layout, uint64_t n, Buffer memory)
-      : uploader_(uploader), layout_(layout), n_(n), memory_(std::move(memory)) {}
+      : uploader_(uploader),
+        layout_(layout),
+        n_(n),
+        chunks_((n + kKeySumChunkTokens - 1) / kKeySumChunkTokens),
+        memory_(std::move(memory)) {}
+
+  // The key sums' memory: per layer [sums, unit sums] of [heads, chunks, head_dim] f32, then one
+  // u64 slot for the rows the sums found bad (the scorer reports those itself). Optional: a
+  // put without it is compressed as before.
+  absl::Status InitKeySums() {
+    if (!KeySumsEnabled()) return absl::OkStatus();
+    const uint64_t bytes = uint64_t{layout_.num_layers} * 2 * SumFloats() * sizeof(float) + 256;
+    KVCOMP_ASSIGN_OR_RETURN(sums_, Buffer::Allocate(uploader_->allocator(), bytes));
+    KVCOMP_RETURN_IF_ERROR(uploader_->OnStream([&](cudaStream_t s) -> absl::Status {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(BadKeySlot(), 0xFF, 8, s));
+      return absl::OkStatus();
+    }));
+    covered_.assign(layout_.num_layers, std::vector<uint16_t>(chunks_, 0));
+    sums_ok_.assign(layout_.num_layers, true);
+    return absl::OkStatus();
+  }
   ~CudaDeviceKv() override {
     // Compress synchronises its stream before it returns; a consumer that failed half-way may
     // still have kernels queued: the memory is freed after them.
@@ -188,12 +232,13 @@ class CudaDeviceKv final : public DeviceKv {
     const uint64_t before = uploader_->uploaded_bytes();
     KVCOMP_RETURN_IF_ERROR(Copy(layer, values, token_begin, src, /*host=*/true));
     uploaded_ += uploader_->uploaded_bytes() - before;
-    return absl::OkStatus();
+    return values ? absl::OkStatus() : AccumulateKeySums(layer, token_begin, src.num_tokens);
   }
   absl::Status AddDevice(uint32_t layer, bool values, uint64_t token_begin,
                          const HeadsView& src) override {
     KVCOMP_RETURN_IF_ERROR(Check(layer, token_begin, src, MemorySpace::kDevice));
-    return Copy(layer, values, token_begin, src, /*host=*/false);
+    KVCOMP_RETURN_IF_ERROR(Copy(layer, values, token_begin, src, /*host=*/false));
+    return values ? absl::OkStatus() : AccumulateKeySums(layer, token_begin, src.num_tokens);
   }
 
   absl::StatusOr<KvCacheView> View(Backend& consumer) override {
@@ -208,10 +253,18 @@ class CudaDeviceKv final : public DeviceKv {
       v.values.push_back(HeadsView::Dense(Part(l, true), layout_.dtype, layout_.num_kv_heads, n_,
                                           layout_.head_dim, MemorySpace::kDevice));
     }
+    if (sums_.data() != nullptr) {
+      // A layer's sums only once every chunk of its keys arrived.
+      for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+        bool complete = sums_ok_[l];
+        for (uint64_t c = 0; complete && c < chunks_; ++c) complete = covered_[l][c] == ChunkLen(c);
+        v.key_sums.push_back(complete ? KeySums{Sums(l, false), Sums(l, true), n_} : KeySums{});
+      }
+    }
     return v;
   }
   uint64_t uploaded_bytes() const override { return uploaded_; }
-  uint64_t device_bytes() const override { return memory_.size(); }
+  uint64_t device_bytes() const override { return memory_.size() + sums_.size(); }
 
  private:
   size_t Row() const { return layout_.head_dim * DTypeBytes(layout_.dtype, 1); }
@@ -253,10 +306,56 @@ class CudaDeviceKv final : public DeviceKv {
     return absl::OkStatus();
   }
 
+  uint64_t SumFloats() const { return uint64_t{layout_.num_kv_heads} * chunks_ * layout_.head_dim; }
+  float* Sums(uint32_t layer, bool unit) const {
+    return sums_.as<float>() + (uint64_t{layer} * 2 + (unit ? 1 : 0)) * SumFloats();
+  }
+  unsigned long long* BadKeySlot() const {
+    return reinterpret_cast<unsigned long long*>(
+        sums_.as<char>() + uint64_t{layout_.num_layers} * 2 * SumFloats() * sizeof(float));
+  }
+  uint64_t ChunkLen(uint64_t c) const {
+    return std::min<uint64_t>(kKeySumChunkTokens, n_ - c * kKeySumChunkTokens);
+  }
+
+  // Keys [b, b + t) of `layer` were just queued: the chunks this completes are summed now, in
+  // the uploader's stream after the copy. A layer's tokens arrive once each, so the chunks inside
+  // the range are new and complete, and only its two end chunks can have been started before:
+  // the completed chunks are one run.
+  absl::Status AccumulateKeySums(uint32_t layer, uint64_t b, uint64_t t) {
+    if (sums_.data() == nullptr || !sums_ok_[layer]) return absl::OkStatus();
+    std::vector<uint16_t>& cov = covered_[layer];
+    const uint64_t e = b + t;
+    const uint64_t first = b / kKeySumChunkTokens, last = (e - 1) / kKeySumChunkTokens;
+    for (uint64_t c = first; c <= last; ++c) {
+      const uint64_t c0 = c * kKeySumChunkTokens;
+      const uint64_t add = std::min(e, c0 + ChunkLen(c)) - std::max(b, c0);
+      if (cov[c] + add > ChunkLen(c)) {  // a range given twice: these sums are not used
+        sums_ok_[layer] = false;
+        return absl::OkStatus();
+      }
+      cov[c] = static_cast<uint16_t>(cov[c] + add);
+    }
+    const uint64_t lo = cov[first] == ChunkLen(first) ? first : first + 1;
+    const uint64_t hi = cov[last] == ChunkLen(last) ? last + 1 : last;
+    if (lo >= hi) return absl::OkStatus();
+    const HeadsView keys = HeadsView::Dense(Part(layer, false), layout_.dtype,
+                                            layout_.num_kv_heads, n_, layout_.head_dim,
+                                            MemorySpace::kDevice);
+    return uploader_->OnStream([&](cudaStream_t s) {
+      return cuda::EnqueueKeySums(s, keys, lo, hi, Sums(layer, false), Sums(layer, true),
+                                  BadKeySlot());
+    });
+  }
+
   CudaUploader* const uploader_;
   const KvLayout layout_;
   const uint64_t n_;
+  const uint64_t chunks_;
   Buffer memory_;
+  Buffer sums_;
+  std::vector<std::vector<uint16_t>> covered_;  // per layer, key tokens arrived per chunk
+  std::vector<bool> sums_ok_;                   // per layer
   uint64_t uploaded_ = 0;
   cudaStream_t consumer_ = nullptr;
 };
@@ -311,7 +410,9 @@ absl::StatusOr<std::unique_ptr<DeviceKv>> DeviceKv::Create(DeviceUploader& uploa
   auto* up = static_cast<CudaUploader*>(&uploader);
   KVCOMP_ASSIGN_OR_RETURN(Buffer memory,
                           Buffer::Allocate(up->allocator(), layout.CacheBytes(num_tokens)));
-  return std::unique_ptr<DeviceKv>(new CudaDeviceKv(up, layout, num_tokens, std::move(memory)));
+  auto kv = std::make_unique<CudaDeviceKv>(up, layout, num_tokens, std::move(memory));
+  KVCOMP_RETURN_IF_ERROR(kv->InitKeySums());
+  return std::unique_ptr<DeviceKv>(std::move(kv));
 }
 
 #else  // no CUDA

@@ -4,6 +4,7 @@
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/layout.h"
+#include "kvcomp/core/status.h"
 
 namespace kvcomp {
 namespace {
@@ -57,6 +58,11 @@ absl::Status CheckScoreArgs(const HeadsView& keys, const ScoreParams& p,
   }
   if (positions.data == nullptr && positions.offset + keys.num_tokens > (uint64_t{1} << 32)) {
     return Bad("positions beyond 2^32");
+  }
+  if ((p.key_sums.sums != nullptr || p.key_sums.unit_sums != nullptr) &&
+      p.key_sums.num_tokens != keys.num_tokens) {
+    return Bad(absl::StrFormat("key sums cover %u tokens, the keys %u", p.key_sums.num_tokens,
+                               keys.num_tokens));
   }
   if (p.scorer == Scorer::kSnapKV) {
     const HeadsView& q = p.queries;
@@ -141,6 +147,70 @@ absl::Status CheckScoreSelectCompactArgs(const ScoreSelectCompactArgs& a, Memory
   }
   if (a.kept.counts == nullptr || a.kept.indices == nullptr) return Bad("null kept outputs");
   if (a.keys_out == nullptr || a.values_out == nullptr) return Bad("null key/value outputs");
+  return absl::OkStatus();
+}
+
+absl::Status CheckScoreSelectCompactVarlenArgs(const ScoreSelectCompactVarlenArgs& a,
+                                               MemorySpace space) {
+  if (absl::Status s = CheckCompactArgs(a.keys, a.values, space); !s.ok()) return s;
+  if (a.requests == 0 || a.cu_seqlens == nullptr || a.kept_per_head == nullptr) {
+    return Bad("varlen: no requests, or null cu_seqlens / kept_per_head");
+  }
+  if (a.cu_seqlens[0] != 0) return Bad("varlen: cu_seqlens[0] must be 0");
+  for (uint32_t r = 0; r < a.requests; ++r) {
+    if (a.cu_seqlens[r + 1] <= a.cu_seqlens[r]) {
+      return Bad(absl::StrFormat("varlen: request %u is empty or cu_seqlens descends", r));
+    }
+    if (a.kept_per_head[r] == 0) {
+      return Bad(absl::StrFormat("varlen: request %u has a budget of zero", r));
+    }
+  }
+  if (a.cu_seqlens[a.requests] != a.keys.num_tokens) {
+    return Bad(absl::StrFormat("varlen: cu_seqlens ends at %u, the view has %u tokens",
+                               a.cu_seqlens[a.requests], a.keys.num_tokens));
+  }
+  if (a.select.head_budget != HeadBudget::kUniform) return Bad("varlen: uniform budgets only");
+  if (a.score.scorer == Scorer::kSnapKV) return Bad("varlen: snapkv is not supported");
+  if (a.kept.counts == nullptr || a.kept.indices == nullptr) return Bad("null kept outputs");
+  if (a.keys_out == nullptr || a.values_out == nullptr) return Bad("null key/value outputs");
+  return absl::OkStatus();
+}
+
+ScoreSelectCompactArgs VarlenRequestArgs(const ScoreSelectCompactVarlenArgs& a, uint32_t r,
+                                         uint64_t rows_before) {
+  const uint64_t t0 = a.cu_seqlens[r];
+  const uint64_t n = a.cu_seqlens[r + 1] - t0;
+  const size_t es = DTypeBytes(a.keys.dtype, 1);
+  const uint32_t heads = a.keys.num_heads;
+  ScoreSelectCompactArgs s;
+  s.keys = a.keys;
+  s.keys.data = static_cast<const char*>(a.keys.data) + t0 * a.keys.token_stride * es;
+  s.keys.num_tokens = n;
+  s.values = a.values;
+  s.values.data = static_cast<const char*>(a.values.data) + t0 * a.values.token_stride * es;
+  s.values.num_tokens = n;
+  s.score = a.score;
+  s.score.key_sums = KeySums{};
+  s.select = a.select;
+  s.select.kept_per_head = a.kept_per_head[r];
+  s.scores = a.scores != nullptr ? a.scores + uint64_t{heads} * t0 : nullptr;
+  s.kept.counts = a.kept.counts + uint64_t{r} * heads;
+  s.kept.indices = a.kept.indices + rows_before;
+  s.keys_out = static_cast<char*>(a.keys_out) + rows_before * a.keys.head_dim * es;
+  s.values_out = static_cast<char*>(a.values_out) + rows_before * a.keys.head_dim * es;
+  return s;
+}
+
+absl::Status ScoringOps::ScoreSelectCompactVarlen(const ScoreSelectCompactVarlenArgs& a) {
+  KVCOMP_RETURN_IF_ERROR(CheckScoreSelectCompactVarlenArgs(a, a.keys.space));
+  uint64_t rows = 0;
+  for (uint32_t r = 0; r < a.requests; ++r) {
+    const ScoreSelectCompactArgs s = VarlenRequestArgs(a, r, rows);
+    if (absl::Status st = ScoreSelectCompact(s); !st.ok()) {
+      return absl::Status(st.code(), absl::StrFormat("request %u: %s", r, st.message()));
+    }
+    rows += KeptCapacity(a.keys.num_heads, s.keys.num_tokens, s.select.kept_per_head);
+  }
   return absl::OkStatus();
 }
 

@@ -311,9 +311,10 @@ struct RunOutput {
   std::vector<uint8_t> keys, values;
 };
 
-// Runs the fused op on `b` with poisoned outputs.
+// Runs the fused op on `b` with poisoned outputs (with `key_sums` for the scorer when given).
 inline RunOutput RunFused(Backend& b, const ConformanceCase& c, const HostHeads& k,
-                          const HostHeads& v, const HostHeads* q) {
+                          const HostHeads& v, const HostHeads* q,
+                          const KeySums* key_sums = nullptr) {
   RunOutput r;
   const uint64_t hn = uint64_t{c.heads} * c.tokens;
   const uint64_t cap = KeptCapacity(c.heads, c.tokens, c.select.kept_per_head);
@@ -329,6 +330,7 @@ inline RunOutput RunFused(Backend& b, const ConformanceCase& c, const HostHeads&
   a.keys = HeadsView::Dense(dk.data(), c.dtype, c.heads, c.tokens, c.head_dim, b.space());
   a.values = HeadsView::Dense(dv.data(), c.dtype, c.heads, c.tokens, c.head_dim, b.space());
   a.score = c.score;
+  if (key_sums != nullptr) a.score.key_sums = *key_sums;
   if (q != nullptr) {
     dq.Upload(q->bytes.data());
     a.score.queries =
@@ -369,6 +371,9 @@ inline double ScoreTolerance(const ConformanceCase& c) {
   return c.score.scorer == Scorer::kSnapKV ? 2e-3 : 1e-4;
 }
 
+inline void CompareRuns(const ConformanceCase& c, const HostHeads& k, const HostHeads& v,
+                        const RunOutput& ref, const RunOutput& got);
+
 // Runs one case on `candidate` and `reference` and checks: same status code; scores within
 // tolerance; per head the same kept set up to (near-)exact ties at the threshold; ascending
 // indices; gathered rows byte-identical to the inputs' rows.
@@ -385,6 +390,12 @@ inline void CheckConformance(Backend& candidate, Backend& reference, const Confo
   const HostHeads* qp = c.score.scorer == Scorer::kSnapKV ? &q : nullptr;
   RunOutput ref = RunFused(reference, c, k, v, qp);
   RunOutput got = RunFused(candidate, c, k, v, qp);
+  CompareRuns(c, k, v, ref, got);
+}
+
+// The checks of CheckConformance on two runs of the same inputs.
+inline void CompareRuns(const ConformanceCase& c, const HostHeads& k, const HostHeads& v,
+                        const RunOutput& ref, const RunOutput& got) {
   ASSERT_EQ(ref.status.code(), got.status.code()) << ref.status << " vs " << got.status;
   if (!ref.status.ok()) return;
   const double tol = ScoreTolerance(c);

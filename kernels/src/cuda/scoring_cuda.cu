@@ -4,6 +4,8 @@
 // back before returning (the one synchronisation per call).
 #include <algorithm>
 #include <cstddef>
+#include <utility>
+#include <vector>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -62,6 +64,19 @@ bool IsCentred(Scorer s) {
   return s == Scorer::kManifold || s == Scorer::kWindowedManifold || s == Scorer::kKeyDiff;
 }
 
+// The chunk sums of the keys a centred scorer can take from the data path (KeySums), or null
+// (it then computes them: the Stats pass). Windows must start on chunk boundaries.
+const float* GivenSums(const ScoreParams& p, uint64_t n) {
+  if (p.scorer != Scorer::kManifold && p.scorer != Scorer::kWindowedManifold &&
+      p.scorer != Scorer::kKeyDiff) {
+    return nullptr;
+  }
+  if (p.scorer == Scorer::kWindowedManifold && p.window < n && p.window % kStatsRows != 0) {
+    return nullptr;
+  }
+  return p.scorer == Scorer::kKeyDiff ? p.key_sums.unit_sums : p.key_sums.sums;
+}
+
 // Rows must start on 16-byte boundaries for the vector loads.
 bool RowsAligned(const HeadsView& v) {
   const size_t e = ElemBytes(v.dtype);
@@ -113,7 +128,10 @@ void LayoutScore(const HeadsView& keys, const ScoreParams& params, bool scores_g
                                                              : n;
     l->segments = static_cast<uint32_t>(CeilDiv(n, l->segment));
     l->chunks = static_cast<uint32_t>(CeilDiv(l->segment, kStatsRows));
-    l->partial = c->Take(uint64_t{h} * l->segments * l->chunks * keys.head_dim * sizeof(float));
+    if (GivenSums(params, n) == nullptr) {
+      l->partial =
+          c->Take(uint64_t{h} * l->segments * l->chunks * keys.head_dim * sizeof(float));
+    }
     l->centres = c->Take(uint64_t{h} * l->segments * keys.head_dim * sizeof(float));
   }
   if (params.scorer == Scorer::kSnapKV) {
@@ -182,6 +200,8 @@ uint64_t ShortSelectMaxTokens() {
   }();
   return max_tokens;
 }
+
+static_assert(kKeySumChunkTokens == kStatsRows, "KeySums chunks are the Stats pass's chunks");
 
 // A deferred check record is the device's error slots, copied as they are.
 static_assert(sizeof(ErrorSlots) == sizeof(DeferredCheck) &&
@@ -306,6 +326,169 @@ class CudaScoringOps final : public ScoringOps {
     }
     return absl::OkStatus();
   }
+
+  // A varlen batch of short requests: every kernel of the short path once for all (request,
+  // head) pairs, described by a table of VarHead; anything else request by request.
+  absl::Status ScoreSelectCompactVarlen(const ScoreSelectCompactVarlenArgs& a) override {
+    KVCOMP_RETURN_IF_ERROR(CheckScoreSelectCompactVarlenArgs(a, MemorySpace::kDevice));
+    const uint32_t heads = a.keys.num_heads;
+    const uint64_t pairs = uint64_t{a.requests} * heads;
+    uint64_t max_n = 0;
+    for (uint32_t r = 0; r < a.requests; ++r) {
+      max_n = std::max(max_n, a.cu_seqlens[r + 1] - a.cu_seqlens[r]);
+    }
+    const bool windows = a.score.scorer == Scorer::kWindowedManifold && a.score.window < max_n;
+    if (max_n > ShortSelectMaxTokens() || windows || 2 * pairs > 65535 ||
+        !RowsAligned(a.keys) || !RowsAligned(a.values)) {
+      return ScoringOps::ScoreSelectCompactVarlen(a);
+    }
+    std::vector<VarHead> table(pairs);
+    uint64_t rows = 0, max_kept = 0;
+    for (uint32_t r = 0; r < a.requests; ++r) {
+      const uint64_t t0 = a.cu_seqlens[r], n = a.cu_seqlens[r + 1] - t0;
+      const uint64_t kept = std::min<uint64_t>(a.kept_per_head[r], n);
+      max_kept = std::max(max_kept, kept);
+      for (uint32_t h = 0; h < heads; ++h) {
+        VarHead& v = table[uint64_t{r} * heads + h];
+        v.key_offset = uint64_t{h} * a.keys.head_stride + t0 * a.keys.token_stride;
+        v.v_offset = uint64_t{h} * a.values.head_stride + t0 * a.values.token_stride;
+        v.flat = uint64_t{heads} * t0 + uint64_t{h} * n;
+        v.out_row = rows;
+        v.n = static_cast<uint32_t>(n);
+        v.kept = static_cast<uint32_t>(kept);
+        v.head = h;
+        rows += kept;
+      }
+    }
+    const uint64_t total = a.keys.num_tokens;
+    const uint32_t d = a.keys.head_dim;
+    const bool centred = IsCentred(a.score.scorer);
+    const uint64_t chunks = CeilDiv(max_n, kStatsRows);
+    Carver c;
+    Layout l;
+    l.errors = c.Take(sizeof(ErrorSlots));
+    const uint64_t table_at = c.Take(pairs * sizeof(VarHead));
+    if (a.scores == nullptr) l.scores = c.Take(uint64_t{heads} * total * sizeof(float));
+    if (centred) {
+      l.partial = c.Take(pairs * chunks * d * sizeof(float));
+      l.centres = c.Take(pairs * d * sizeof(float));
+    }
+    KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Allocate(c.size()));
+    KVCOMP_RETURN_IF_ERROR(ResetErrors(ws, l));
+    cudaStream_t stream = ctx_->stream;
+    auto* var = At<VarHead>(ws, table_at);
+    // From pageable memory: the call returns once `table` is no longer needed.
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(var, table.data(), pairs * sizeof(VarHead),
+                                                cudaMemcpyHostToDevice, stream));
+    auto* errors = At<ErrorSlots>(ws, l.errors);
+    float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l.scores);
+    const auto rh = static_cast<uint32_t>(pairs);
+    if (centred) {
+      StatsParams st{};
+      st.keys = a.keys.data;
+      st.token_stride = a.keys.token_stride;
+      st.head_stride = a.keys.head_stride;
+      st.n = max_n;
+      st.segment = max_n;
+      st.segments = 1;
+      st.chunks = static_cast<uint32_t>(chunks);
+      st.normalize = a.score.scorer == Scorer::kKeyDiff;
+      st.partial = At<float>(ws, l.partial);
+      st.errors = errors;
+      st.var = var;
+      KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(a.keys.dtype, d, [&](auto t, auto dd) {
+        using T = typename decltype(t)::type;
+        constexpr int D = decltype(dd)::value;
+        StatsKernel<T, D><<<dim3(st.chunks, 1, rh), kThreads, 0, stream>>>(st);
+        return cudaGetLastError();
+      }));
+      CentreParams cp{};
+      cp.partial = st.partial;
+      cp.n = max_n;
+      cp.segment = max_n;
+      cp.segments = 1;
+      cp.chunks = st.chunks;
+      cp.d = d;
+      cp.heads = rh;
+      cp.centres = At<float>(ws, l.centres);
+      cp.var = var;
+      const auto cblocks = static_cast<uint32_t>(CeilDiv(pairs * d, kCentreThreads / 32));
+      CentreKernel<<<cblocks, kCentreThreads, 0, stream>>>(cp);
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    }
+    ScoreKernelParams sp{};
+    sp.keys = a.keys.data;
+    sp.token_stride = a.keys.token_stride;
+    sp.head_stride = a.keys.head_stride;
+    sp.n = max_n;
+    sp.scorer = a.score.scorer;
+    sp.segment = max_n;
+    sp.segments = 1;
+    sp.centres = At<float>(ws, l.centres);
+    sp.n_sink = a.score.n_sink;
+    sp.seed = a.score.seed;
+    sp.stream = a.score.stream;
+    sp.positions = PositionInfo{nullptr, 0, 0, max_n};
+    sp.scores = scores;
+    sp.errors = errors;
+    sp.heads = rh;
+    sp.values = a.values.data;
+    sp.v_token_stride = a.values.token_stride;
+    sp.v_head_stride = a.values.head_stride;
+    sp.var = var;
+    const dim3 grid(static_cast<uint32_t>(CeilDiv(max_n, kScoreRows)), 2 * rh);
+    KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(a.keys.dtype, d, [&](auto t, auto dd) {
+      using T = typename decltype(t)::type;
+      constexpr int D = decltype(dd)::value;
+      switch (RowKindOf(a.score.scorer)) {
+        case RowKind::kDistance:
+          ScoreKernel<T, D, RowKind::kDistance><<<grid, kThreads, 0, stream>>>(sp);
+          break;
+        case RowKind::kDot:
+          ScoreKernel<T, D, RowKind::kDot><<<grid, kThreads, 0, stream>>>(sp);
+          break;
+        case RowKind::kNorm:
+          ScoreKernel<T, D, RowKind::kNorm><<<grid, kThreads, 0, stream>>>(sp);
+          break;
+      }
+      return cudaGetLastError();
+    }));
+    ShortSelectParams ss{};
+    ss.scores = scores;
+    ss.heads = rh;
+    ss.n = max_n;
+    ss.select = a.select;
+    ss.counts = a.kept.counts;
+    ss.indices = a.kept.indices;
+    ss.errors = errors;
+    ss.var = var;
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        ShortSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(kShortSelectCapacity * sizeof(uint32_t))));
+    ShortSelectKernel<<<rh, kShortThreads, max_n * sizeof(uint32_t), stream>>>(ss);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    GatherRowsParams g{};
+    g.keys = a.keys.data;
+    g.values = a.values.data;
+    g.token_stride = a.keys.token_stride;
+    g.v_token_stride = a.values.token_stride;
+    g.indices = a.kept.indices;
+    g.keys_out = a.keys_out;
+    g.values_out = a.values_out;
+    g.var = var;
+    const dim3 ggrid(static_cast<uint32_t>(CeilDiv(max_kept, kGatherRowsPerBlock)), rh);
+    KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(a.keys.dtype, d, [&](auto t, auto dd) {
+      using T = typename decltype(t)::type;
+      constexpr int D = decltype(dd)::value;
+      GatherRowsKernel<T, D><<<ggrid, kThreads, 0, stream>>>(g);
+      return cudaGetLastError();
+    }));
+    if (sync_varlen_) return ReadVarlenErrors(ws, l, a);
+    return absl::OkStatus();
+  }
+
+  // Enqueue-only form for the benchmark's graph capture (no error readback).
+  void set_sync_varlen(bool sync) { sync_varlen_ = sync; }
 
   uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& a) const override {
     Carver c;
@@ -463,7 +646,8 @@ class CudaScoringOps final : public ScoringOps {
     // (gpu-scoring-20261126.md, commit cb50884).
     {
       const uint32_t h0 = 0, g = heads;
-      if (centred) {
+      const float* given = centred ? GivenSums(params, n) : nullptr;
+      if (centred && given == nullptr) {
         StatsParams st{};
         st.keys = keys.data;
         st.token_stride = keys.token_stride;
@@ -483,8 +667,14 @@ class CudaScoringOps final : public ScoringOps {
           StatsKernel<T, D><<<sgrid, kThreads, 0, ctx_->stream>>>(st);
           return cudaGetLastError();
         }));
+      }
+      if (centred) {
         CentreParams cp{};
-        cp.partial = st.partial;
+        cp.partial = given != nullptr ? given : At<float>(ws, l.partial);
+        if (given != nullptr) {  // the KeySums layout
+          cp.head_chunks = CeilDiv(n, kStatsRows);
+          cp.segment_chunks = l.segments == 1 ? cp.head_chunks : l.segment / kStatsRows;
+        }
         cp.n = n;
         cp.segment = l.segment;
         cp.segments = l.segments;
@@ -723,8 +913,46 @@ class CudaScoringOps final : public ScoringOps {
                     values, keys_out, values_out, ws, l);
   }
 
+  // The varlen batch's error slots as the per-request calls would report them: the first
+  // request with a finding, its key rows before its value rows.
+  absl::Status ReadVarlenErrors(const Buffer& ws, const Layout& l,
+                                const ScoreSelectCompactVarlenArgs& a) {
+    if (host_errors_ == nullptr) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_errors_, sizeof(ErrorSlots)));
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_errors_, At<char>(ws, l.errors),
+                                                sizeof(ErrorSlots), cudaMemcpyDeviceToHost,
+                                                ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    DeferredCheck e;
+    std::memcpy(&e, host_errors_, sizeof(e));
+    const uint64_t heads = a.keys.num_heads;
+    auto request_of = [&](uint64_t flat) {
+      return static_cast<uint32_t>(
+          std::upper_bound(a.cu_seqlens, a.cu_seqlens + a.requests + 1, flat / heads,
+                           [&](uint64_t x, uint64_t cu) { return x < cu; }) -
+          a.cu_seqlens - 1);
+    };
+    uint32_t first = a.requests;
+    for (uint64_t f : {e.bad_key, e.bad_value, e.bad_score}) {
+      if (f != DeferredCheck::kNone) first = std::min(first, request_of(f));
+    }
+    if (first == a.requests) return absl::OkStatus();
+    const uint64_t base = heads * a.cu_seqlens[first];
+    const uint64_t n = a.cu_seqlens[first + 1] - a.cu_seqlens[first];
+    DeferredCheck in_request;
+    for (auto [from, to] : {std::pair{e.bad_key, &in_request.bad_key},
+                            std::pair{e.bad_value, &in_request.bad_value},
+                            std::pair{e.bad_score, &in_request.bad_score}}) {
+      if (from != DeferredCheck::kNone && request_of(from) == first) *to = from - base;
+    }
+    const absl::Status st = DeferredCheckStatus(in_request, n, 0);
+    return absl::Status(st.code(), absl::StrFormat("request %u: %s", first, st.message()));
+  }
+
   CudaContext* ctx_;
   ErrorSlots* host_errors_ = nullptr;
+  bool sync_varlen_ = true;
 };
 
 }  // namespace
@@ -732,6 +960,52 @@ class CudaScoringOps final : public ScoringOps {
 absl::Status EnqueueScoreSelectCompact(CudaContext* ctx, const ScoreSelectCompactArgs& args) {
   CudaScoringOps ops(ctx);
   return ops.EnqueueOnly(args);
+}
+
+absl::Status EnqueueScoreSelectCompactVarlen(CudaContext* ctx,
+                                             const ScoreSelectCompactVarlenArgs& args) {
+  CudaScoringOps ops(ctx);
+  ops.set_sync_varlen(false);
+  return ops.ScoreSelectCompactVarlen(args);
+}
+
+absl::Status EnqueueKeySums(cudaStream_t stream, const HeadsView& keys, uint64_t chunk_begin,
+                            uint64_t chunk_end, float* sums, float* unit_sums,
+                            unsigned long long* bad_key) {
+  KVCOMP_RETURN_IF_ERROR(CheckHeadsView(keys, MemorySpace::kDevice, "keys"));
+  const uint64_t chunks = CeilDiv(keys.num_tokens, kStatsRows);
+  if (chunk_begin >= chunk_end) return absl::OkStatus();
+  if (chunk_end > chunks || bad_key == nullptr || (sums == nullptr && unit_sums == nullptr)) {
+    return absl::InvalidArgumentError("key sums: bad chunk range or null output");
+  }
+  if (!RowsAligned(keys) || keys.num_heads > 65535) {
+    return absl::InvalidArgumentError("key sums: rows not 16-byte aligned or too many heads");
+  }
+  StatsParams st{};
+  st.keys = keys.data;
+  st.token_stride = keys.token_stride;
+  st.head_stride = keys.head_stride;
+  st.n = keys.num_tokens;
+  st.segment = keys.num_tokens;
+  st.segments = 1;
+  st.chunks = static_cast<uint32_t>(chunks);
+  st.chunk0 = static_cast<uint32_t>(chunk_begin);
+  st.head0 = 0;
+  // The kernel reports to errors->bad_key, the first field: point it at `bad_key`.
+  st.errors = reinterpret_cast<ErrorSlots*>(bad_key);
+  const dim3 grid(static_cast<uint32_t>(chunk_end - chunk_begin), 1, keys.num_heads);
+  KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(keys.dtype, keys.head_dim, [&](auto t, auto d) {
+    using T = typename decltype(t)::type;
+    constexpr int D = decltype(d)::value;
+    for (float* out : {sums, unit_sums}) {
+      if (out == nullptr) continue;
+      st.partial = out;
+      st.normalize = out == unit_sums;
+      StatsKernel<T, D><<<grid, kThreads, 0, stream>>>(st);
+    }
+    return cudaGetLastError();
+  }));
+  return absl::OkStatus();
 }
 
 }  // namespace cuda

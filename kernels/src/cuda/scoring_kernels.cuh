@@ -182,6 +182,19 @@ struct PositionInfo {
   }
 };
 
+// One (request, head) of a varlen batch (ScoreSelectCompactVarlen): the kernels' "heads" are
+// then these, request-major. Null in the kernels' params = one view of equal heads.
+struct VarHead {
+  uint64_t key_offset;  // elements from the keys' start to its token 0
+  uint64_t v_offset;    // the same in the values
+  uint64_t flat;        // its token 0 in the flat [request, head, token] order (scores, errors)
+  uint64_t out_row;     // its first kept row (indices and K/V outputs)
+  uint32_t n;           // its tokens
+  uint32_t kept;        // tokens it keeps
+  uint32_t head;        // its head within the request (the random scorer's head)
+  uint32_t pad;
+};
+
 __device__ inline uint32_t EffectiveKey(float score, uint64_t position, uint64_t seq_len,
                                         const SelectParams& sel) {
   return IsProtected(position, seq_len, sel) ? kProtectedKey : OrderKey(score);
@@ -239,6 +252,10 @@ struct StatsParams {
   uint32_t head0;            // first head of this launch (heads are processed in groups)
   float* partial;            // [H, segments, chunks, D]
   ErrorSlots* errors;
+  // First chunk of this launch within each segment (the key sums of a block that just arrived
+  // cover a range of chunks); 0 for a whole pass.
+  uint32_t chunk0;
+  const VarHead* var;  // varlen: one segment per head, `chunks` the longest head's
 };
 
 // grid (chunks, segments, H), kThreads threads.
@@ -247,15 +264,19 @@ __global__ void __launch_bounds__(kThreads, 3) StatsKernel(StatsParams p) {
   using S = RowShape<T, D>;
   __shared__ float red[kThreads / 32][D];
   const uint32_t h = p.head0 + blockIdx.z;
+  const uint64_t n = p.var != nullptr ? p.var[h].n : p.n;
+  const uint64_t flat0 = p.var != nullptr ? p.var[h].flat : uint64_t{h} * p.n;
   const uint64_t seg0 = uint64_t{blockIdx.y} * p.segment;
-  const uint64_t seg_end = min(p.n, seg0 + p.segment);
-  const uint64_t r0 = seg0 + uint64_t{blockIdx.x} * kStatsRows;
+  const uint64_t seg_end = p.var != nullptr ? n : min(n, seg0 + p.segment);
+  const uint32_t chunk = p.chunk0 + blockIdx.x;
+  const uint64_t r0 = seg0 + uint64_t{chunk} * kStatsRows;
   const uint64_t r1 = min(seg_end, r0 + kStatsRows);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int sub = lane % S::kLanes;
   const int group = lane / S::kLanes;
-  const T* base = static_cast<const T*>(p.keys) + uint64_t{h} * p.head_stride;
+  const T* base = static_cast<const T*>(p.keys) +
+                  (p.var != nullptr ? p.var[h].key_offset : uint64_t{h} * p.head_stride);
 
   float acc[S::kF];
 #pragma unroll
@@ -289,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 3) StatsKernel(StatsParams p) {
       sq = RowSum<S::kLanes>(sq);
       float scale = 1.0f;
       if (row < r1 && SqNormBad(sq)) {
-        if (sub == 0) ReportBad(&p.errors->bad_key, uint64_t{h} * p.n + row);
+        if (sub == 0) ReportBad(&p.errors->bad_key, flat0 + row);
         scale = 0.0f;
       } else if (p.normalize) {
         scale = 1.0f / fmaxf(sqrtf(sq), kKeyDiffEps);
@@ -310,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 3) StatsKernel(StatsParams p) {
   }
   __syncthreads();
   float* out = p.partial +
-               ((uint64_t{h} * p.segments + blockIdx.y) * p.chunks + blockIdx.x) * D;
+               ((uint64_t{h} * p.segments + blockIdx.y) * p.chunks + chunk) * D;
   for (int c = threadIdx.x; c < D; c += kThreads) {
     float s = 0.0f;
 #pragma unroll
@@ -329,6 +350,13 @@ struct CentreParams {
   uint32_t head0;
   uint32_t heads;  // heads of this launch
   float* centres;  // [H, segments, D]
+  // Chunk strides of `partial`: 0 = the Stats layout [H, segments, chunks, D]; else chunks from
+  // one head's first to the next (head_chunks) and from one segment's first to the next
+  // (segment_chunks): the KeySums layout [H, ceil(n / kStatsRows), D], segments a multiple of
+  // kStatsRows tokens. Either way a segment's chunks past its rows count as zeros.
+  uint64_t head_chunks;
+  uint64_t segment_chunks;
+  const VarHead* var;  // varlen: one segment per head, each of its own length
 };
 
 inline constexpr int kCentreThreads = 256;
@@ -349,15 +377,22 @@ __global__ void __launch_bounds__(kCentreThreads) CentreKernel(CentreParams p) {
   const uint32_t s = static_cast<uint32_t>(hs_local % p.segments);
   const uint64_t hs = uint64_t{p.head0} * p.segments + hs_local;
   const uint64_t seg0 = uint64_t{s} * p.segment;
-  const uint64_t len = min(p.n, seg0 + p.segment) - seg0;
-  const float* part = p.partial + hs * p.chunks * p.d + j;
+  const uint64_t len =
+      p.var != nullptr ? p.var[hs].n : min(p.n, seg0 + p.segment) - seg0;
+  const uint64_t first_chunk = p.head_chunks == 0
+                                   ? hs * p.chunks
+                                   : (hs / p.segments) * p.head_chunks + s * p.segment_chunks;
+  const float* part = p.partial + first_chunk * p.d + j;
+  // The same additions in the same order for both layouts: chunks past the segment's rows add 0.
+  const uint32_t real = static_cast<uint32_t>((len + kStatsRows - 1) / kStatsRows);
+  auto at = [&](uint32_t c) -> double { return c < real ? part[uint64_t{c} * p.d] : 0.0; };
   double acc[4] = {0.0, 0.0, 0.0, 0.0};
   uint32_t c = lane;
   for (; c + 96 < p.chunks; c += 128) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u) acc[u] += part[uint64_t{c + u * 32} * p.d];
+    for (int u = 0; u < 4; ++u) acc[u] += at(c + u * 32);
   }
-  for (; c < p.chunks; c += 32) acc[0] += part[uint64_t{c} * p.d];
+  for (; c < p.chunks; c += 32) acc[0] += at(c);
   double sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
@@ -390,6 +425,7 @@ struct ScoreKernelParams {
   uint64_t v_token_stride;
   uint64_t v_head_stride;
   uint32_t heads;  // key heads of the launch (gridDim.y is 2 * heads with values)
+  const VarHead* var;  // varlen: the heads' lengths and places (one segment each)
 };
 
 // What a scorer reads of each row: only its norm (knorm, streaming, random: the NaN/Inf check),
@@ -418,16 +454,21 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
   const bool value_rows = blockIdx.y >= p.heads;
   const uint32_t y = value_rows ? blockIdx.y - p.heads : blockIdx.y;
   const uint32_t h = p.head0 + (p.heads - 1 - y);
+  const uint64_t n = p.var != nullptr ? p.var[h].n : p.n;
+  const uint64_t flat0 = p.var != nullptr ? p.var[h].flat : uint64_t{h} * p.n;
+  const uint32_t head = p.var != nullptr ? p.var[h].head : h;  // the random scorer's head
   const uint64_t r0 = uint64_t{gridDim.x - 1 - blockIdx.x} * kScoreRows;
-  const uint64_t r1 = min(p.n, r0 + kScoreRows);
+  if (r0 >= n) return;  // varlen: past this head's tokens (the whole block)
+  const uint64_t r1 = min(n, r0 + kScoreRows);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int sub = lane % S::kLanes;
   const int group = lane / S::kLanes;
   const uint64_t token_stride = value_rows ? p.v_token_stride : p.token_stride;
-  const T* base = value_rows
-                      ? static_cast<const T*>(p.values) + uint64_t{h} * p.v_head_stride
-                      : static_cast<const T*>(p.keys) + uint64_t{h} * p.head_stride;
+  const uint64_t offset =
+      p.var != nullptr ? (value_rows ? p.var[h].v_offset : p.var[h].key_offset)
+                       : uint64_t{h} * (value_rows ? p.v_head_stride : p.head_stride);
+  const T* base = static_cast<const T*>(value_rows ? p.values : p.keys) + offset;
 
   float mu[S::kF];
 #pragma unroll
@@ -455,7 +496,7 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
       // Every lane of a row group takes the same branches (same row); rows past r1 still run
       // the shuffles, with zeros.
       if (kKind != RowKind::kNorm) {
-        const uint64_t seg = p.segments == 1 ? 0 : min(row, p.n - 1) / p.segment;
+        const uint64_t seg = p.segments == 1 ? 0 : min(row, n - 1) / p.segment;
         if (seg != mu_seg) {
           const float* c = p.centres + (uint64_t{h} * p.segments + seg) * D;
 #pragma unroll
@@ -491,10 +532,10 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
       if (kKind != RowKind::kNorm) other = RowSum<S::kLanes>(other);
       if (row >= r1 || sub != 0) continue;
       if (value_rows) {
-        if (SqNormBad(sq)) ReportBad(&p.errors->bad_value, uint64_t{h} * p.n + row);
+        if (SqNormBad(sq)) ReportBad(&p.errors->bad_value, flat0 + row);
         continue;
       }
-      if (SqNormBad(sq)) ReportBad(&p.errors->bad_key, uint64_t{h} * p.n + row);
+      if (SqNormBad(sq)) ReportBad(&p.errors->bad_key, flat0 + row);
       float s;
       if (kKind == RowKind::kDistance) {
         s = sqrtf(other);
@@ -503,11 +544,11 @@ __global__ void __launch_bounds__(kThreads, 3) ScoreKernel(ScoreKernelParams p) 
       } else if (p.scorer == Scorer::kStreaming) {
         s = StreamingScore(p.positions.Position(h, row), p.n_sink);
       } else if (p.scorer == Scorer::kRandom) {
-        s = RandomScore(p.seed, p.stream, h, p.positions.Position(h, row));
+        s = RandomScore(p.seed, p.stream, head, p.positions.Position(h, row));
       } else {
         s = -sqrtf(sq);
       }
-      p.scores[uint64_t{h} * p.n + row] = s;
+      p.scores[flat0 + row] = s;
     }
   }
 }
@@ -908,6 +949,7 @@ struct ShortSelectParams {
   uint32_t* counts;   // [H]: kept
   uint32_t* indices;  // [H * kept], head h's ascending indices at h * kept
   ErrorSlots* errors;
+  const VarHead* var;  // varlen: each head's tokens, budget and output place
 };
 
 // grid (H), kShortThreads threads, n * 4 bytes of dynamic shared memory.
@@ -917,15 +959,20 @@ __global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectPa
   __shared__ uint32_t scratch[33];
   __shared__ uint32_t found_digit, found_above;
   const uint32_t h = blockIdx.x;
-  const uint32_t n = static_cast<uint32_t>(p.n);
-  const uint64_t seq_len = p.positions.SequenceLength(h);
+  const bool var = p.var != nullptr;
+  const uint32_t n = static_cast<uint32_t>(var ? p.var[h].n : p.n);
+  const uint32_t kept_n = var ? p.var[h].kept : p.kept;
+  const uint64_t flat0 = var ? p.var[h].flat : uint64_t{h} * p.n;
+  // A varlen head's positions are 0..n-1 of its own request.
+  const PositionInfo pos = var ? PositionInfo{nullptr, 0, 0, n} : p.positions;
+  const uint64_t seq_len = pos.SequenceLength(h);
   for (uint32_t t = threadIdx.x; t < n; t += kShortThreads) {
-    const uint64_t flat = uint64_t{h} * p.n + t;
+    const uint64_t flat = flat0 + t;
     const float s = p.scores[flat];
     if (!(fabsf(s) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat);
-    keys[t] = EffectiveKey(s, p.positions.Position(h, t), seq_len, p.select);
+    keys[t] = EffectiveKey(s, pos.Position(h, t), seq_len, p.select);
   }
-  uint32_t prefix = 0, need = p.kept;
+  uint32_t prefix = 0, need = kept_n;
   for (int pass = 0; pass < kRadixPasses; ++pass) {
     for (int b = threadIdx.x; b < kRadixBins; b += kShortThreads) hist[b] = 0;
     __syncthreads();  // also orders the key writes above before the first pass reads them
@@ -983,8 +1030,8 @@ __global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectPa
   const uint32_t eq_kept_before = min(eq_rank, need);
   const uint32_t eq_kept_here = min(eq_rank + eq, need) - eq_kept_before;
   uint32_t kept_total;
-  uint32_t pos = BlockExclusiveScan(gt + eq_kept_here, scratch, &kept_total);
-  uint32_t* out = p.indices + uint64_t{h} * p.kept;
+  uint32_t at = BlockExclusiveScan(gt + eq_kept_here, scratch, &kept_total);
+  uint32_t* out = p.indices + (var ? p.var[h].out_row : uint64_t{h} * p.kept);
   for (uint32_t t = t0; t < t1; ++t) {
     const uint32_t key = keys[t];
     bool keep = key > prefix;
@@ -992,9 +1039,9 @@ __global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectPa
       keep = eq_rank < need;
       ++eq_rank;
     }
-    if (keep && pos < p.kept) out[pos++] = t;
+    if (keep && at < kept_n) out[at++] = t;
   }
-  if (threadIdx.x == 0) p.counts[h] = p.kept;
+  if (threadIdx.x == 0) p.counts[h] = kept_n;
 }
 
 inline constexpr int kGatherRowsPerBlock = 128;
@@ -1007,6 +1054,7 @@ struct GatherRowsParams {
   const uint32_t* indices;    // [H * kept]
   void* keys_out;             // [H * kept, D]
   void* values_out;
+  const VarHead* var;  // varlen: each head's budget, rows and output place
 };
 
 // grid (ceil(kept / kGatherRowsPerBlock), H), kThreads threads: every row load of a thread is
@@ -1021,11 +1069,16 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsParams g)
   const int warp = threadIdx.x >> 5;
   const int sub = lane % S::kLanes;
   const int group = lane / S::kLanes;
+  const bool var = g.var != nullptr;
+  const uint32_t kept = var ? g.var[h].kept : g.kept;
   const uint32_t r0 = blockIdx.x * kGatherRowsPerBlock;
-  const uint32_t r1 = min(g.kept, r0 + kGatherRowsPerBlock);
-  const T* kbase = static_cast<const T*>(g.keys) + uint64_t{h} * g.head_stride;
-  const T* vbase = static_cast<const T*>(g.values) + uint64_t{h} * g.v_head_stride;
-  const uint64_t out0 = uint64_t{h} * g.kept;
+  if (r0 >= kept) return;
+  const uint32_t r1 = min(kept, r0 + kGatherRowsPerBlock);
+  const T* kbase = static_cast<const T*>(g.keys) +
+                   (var ? g.var[h].key_offset : uint64_t{h} * g.head_stride);
+  const T* vbase = static_cast<const T*>(g.values) +
+                   (var ? g.var[h].v_offset : uint64_t{h} * g.v_head_stride);
+  const uint64_t out0 = var ? g.var[h].out_row : uint64_t{h} * g.kept;
   uint4* kout = reinterpret_cast<uint4*>(g.keys_out);
   uint4* vout = reinterpret_cast<uint4*>(g.values_out);
   for (uint32_t rb = r0 + warp * S::kRowsPerWarp + group; rb < r1; rb += kStep * kUnroll) {

@@ -69,6 +69,25 @@ struct TokenPositions {
   }
 };
 
+// Tokens per chunk of KeySums.
+inline constexpr uint32_t kKeySumChunkTokens = 256;
+
+// The keys' sums of one layer, accumulated while its blocks arrived (DeviceKv), so that the
+// mean-based scorers read the keys once: manifold and keydiff always, windowed_manifold when its
+// window is a multiple of kKeySumChunkTokens or covers the whole view. Device backends use them
+// and reach the same scores as without them (the same per-chunk sums in the same order); host
+// backends compute the means themselves and ignore them.
+struct KeySums {
+  // [num_heads, ceil(num_tokens / kKeySumChunkTokens), head_dim] f32 in the backend's memory
+  // space: per chunk of kKeySumChunkTokens tokens (the last one short), the sum of the keys
+  // (`sums`) and of k / max(||k||, kKeyDiffEps) (`unit_sums`, keydiff). Either may be null
+  // (that scorer then computes its mean).
+  const float* sums = nullptr;
+  const float* unit_sums = nullptr;
+  // Tokens they cover; must equal the keys' num_tokens when a sum is given.
+  uint64_t num_tokens = 0;
+};
+
 // Scorer parameters, a plain struct built on the host (ScoreParamsFromPolicy).
 struct ScoreParams {
   Scorer scorer = Scorer::kManifold;
@@ -88,6 +107,8 @@ struct ScoreParams {
   // snapkv: width of the average pooling over tokens (odd, zero padded, divided by the width).
   // Default 5.
   uint32_t snapkv_pool = 5;
+  // Optional: the keys' sums from the data path (KeySums). Default none.
+  KeySums key_sums;
 };
 
 // Budget parameters, a plain struct built on the host (SelectParamsFromPolicy).
@@ -161,6 +182,32 @@ struct ScoreSelectCompactArgs {
   DeferredCheck* deferred_check = nullptr;
 };
 
+// Many requests of different lengths in one call (a varlen layout, as FlashAttention's
+// cu_seqlens): request r is tokens [cu_seqlens[r], cu_seqlens[r + 1]) of every head of one
+// [H, total, d] view, and is compressed as if it were its own ScoreSelectCompact call (positions
+// from 0, its own means, windows and protection) under its own uniform budget.
+struct ScoreSelectCompactVarlenArgs {
+  HeadsView keys;    // [H, cu_seqlens[requests], d]
+  HeadsView values;  // same shape and dtype
+  // Host memory, requests + 1 entries: cu_seqlens[0] = 0, strictly ascending.
+  const uint64_t* cu_seqlens = nullptr;
+  uint32_t requests = 0;
+  ScoreParams score;  // any scorer but snapkv; key_sums unused
+  // Protection and n_sink / n_recent, shared by the requests; head_budget must be uniform;
+  // kept_per_head is ignored (below).
+  SelectParams select;
+  // Host memory, `requests` entries >= 1: request r keeps min(kept_per_head[r], its length)
+  // tokens per head.
+  const uint64_t* kept_per_head = nullptr;
+  // Optional output: scores, request r's [H, n_r] dense at H * cu_seqlens[r].
+  float* scores = nullptr;
+  // Outputs in request-major order: counts [requests * H] (request r's head h at r * H + h),
+  // indices and the kept K and V rows ragged in that order (capacity: the sum of the counts).
+  KeptIndices kept;
+  void* keys_out = nullptr;
+  void* values_out = nullptr;
+};
+
 class ScoringOps {
  public:
   virtual ~ScoringOps() = default;
@@ -186,6 +233,12 @@ class ScoringOps {
   // calls in sequence.
   virtual absl::Status ScoreSelectCompact(const ScoreSelectCompactArgs& args) = 0;
 
+  // ScoreSelectCompact of every request of a varlen batch. This default runs one
+  // ScoreSelectCompact per request on a view of its tokens (the reference); the CUDA backend
+  // runs requests of up to 8192 tokens under every scorer but snapkv in one launch of each
+  // kernel for the whole batch. Errors name the request ("request r: ...").
+  virtual absl::Status ScoreSelectCompactVarlen(const ScoreSelectCompactVarlenArgs& args);
+
   // Workspace ScoreSelectCompact will take from the allocator for these shapes (bytes).
   virtual uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& args) const = 0;
 
@@ -202,6 +255,12 @@ absl::Status CheckScoreArgs(const HeadsView& keys, const ScoreParams& params,
 absl::Status CheckSelectArgs(uint32_t num_heads, uint64_t num_tokens, const SelectParams& params);
 absl::Status CheckCompactArgs(const HeadsView& keys, const HeadsView& values, MemorySpace space);
 absl::Status CheckScoreSelectCompactArgs(const ScoreSelectCompactArgs& args, MemorySpace space);
+absl::Status CheckScoreSelectCompactVarlenArgs(const ScoreSelectCompactVarlenArgs& args,
+                                               MemorySpace space);
+// The ScoreSelectCompactArgs of request r of a varlen batch: a view of its tokens, its budget,
+// and its outputs at `rows_before` (the kept rows of requests 0..r-1).
+ScoreSelectCompactArgs VarlenRequestArgs(const ScoreSelectCompactVarlenArgs& args, uint32_t r,
+                                         uint64_t rows_before);
 
 // --- Parameters from a policy ---
 // `layer` becomes the random scorer's stream; `queries` is the layer's snapkv window (or empty).
