@@ -177,7 +177,7 @@ struct Section {
   uint64_t size;
 };
 
-std::vector<Section> SectionsOf(const CompressedCache& c, const std::vector<uint8_t>& policy) {
+std::vector<Section> SectionsOf(const CompressedCache& c, const std::string& policy) {
   std::vector<Section> s;
   s.push_back({kHeads, c.kept.data(), c.kept.size() * sizeof(uint32_t)});
   s.push_back({kPolicy, policy.data(), policy.size()});
@@ -208,10 +208,36 @@ std::vector<Section> SectionsOf(const CompressedCache& c, const std::vector<uint
   return s;
 }
 
-uint64_t LayoutSize(const std::vector<Section>& sections) {
-  uint64_t at = AlignUp(kHeaderBytes + uint64_t{kSectionEntryBytes} * sections.size());
-  for (const Section& s : sections) at = AlignUp(at + s.size);
-  return at;
+// The sections' ids and sizes from the counts alone, in table order (SectionsOf's order).
+std::vector<SectionSpan> SectionSizes(const CompressedCache& c, uint64_t policy_bytes,
+                                      uint64_t raw_rows) {
+  const uint64_t h = c.num_heads(), d = c.layout.head_dim, t = c.total_kept();
+  std::vector<SectionSpan> s;
+  s.push_back({kHeads, 0, h * sizeof(uint32_t)});
+  s.push_back({kPolicy, 0, policy_bytes});
+  s.push_back({kPositions, 0, t * sizeof(uint32_t)});
+  s.push_back({kKeys, 0, t * c.KeyTokenBytes()});
+  if (c.key_codec == KeyCodec::kInt8 || c.key_codec == KeyCodec::kInt4) {
+    s.push_back({kKeyScales, 0, c.KeyScaleCount() * sizeof(float)});
+  }
+  s.push_back({kValues, 0, c.ValueBytes()});
+  if (c.ValueGroups() > 0) {
+    s.push_back({kValueScales, 0, c.ValueScaleCount() * sizeof(uint16_t)});
+  }
+  if (c.has_moments) {
+    s.push_back({kMomentCount, 0, h * sizeof(uint64_t)});
+    s.push_back({kMomentKeySum, 0, h * d * sizeof(float)});
+    s.push_back({kMomentValueSum, 0, h * d * sizeof(float)});
+    s.push_back({kMomentVkSum, 0, h * d * d * sizeof(float)});
+  }
+  if (!c.layer_rank.empty()) {
+    s.push_back({kLayerRanks, 0, c.layer_rank.size() * sizeof(uint32_t)});
+  }
+  if (raw_rows > 0) {
+    s.push_back({kRawValueRows, 0, raw_rows * sizeof(uint64_t)});
+    s.push_back({kRawValues, 0, raw_rows * DTypeBytes(c.layout.dtype, d)});
+  }
+  return s;
 }
 
 // Parsed view of the fixed header and the section table.
@@ -225,10 +251,12 @@ struct Parsed {
   std::vector<Entry> entries;
 };
 
-absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
+// `bytes` is the whole encoding of `n` bytes, or, without `sections`, its first bytes through
+// the section table (the sections are then neither read nor checked).
+absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, bool sections) {
   const auto* b = reinterpret_cast<const uint8_t*>(bytes.data());
-  const uint64_t n = bytes.size();
-  if (n < kHeaderBytes) return Truncated("the fixed header", kHeaderBytes, n);
+  const uint64_t have = bytes.size();
+  if (have < kHeaderBytes) return Truncated("the fixed header", kHeaderBytes, have);
   if (Get<uint32_t>(b, kOffMagic) != kMagic) {
     return absl::InvalidArgumentError("cache format: bad magic (not a kvcomp compressed cache)");
   }
@@ -298,7 +326,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
         absl::StrFormat("cache format: %u sections (1..%u allowed)", num_sections, kMaxSections));
   }
   const uint64_t table_end = kHeaderBytes + uint64_t{kSectionEntryBytes} * num_sections;
-  if (table_end > n) return Truncated("the section table", table_end, n);
+  if (table_end > have) return Truncated("the section table", table_end, have);
   if (Crc32c(b + kHeaderBytes, table_end - kHeaderBytes) != Get<uint32_t>(b, kOffTableCrc)) {
     return absl::DataLossError("cache format: section table checksum mismatch");
   }
@@ -320,14 +348,14 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
     if ((en.flags & ~kSectionRequired) != 0 || Get<uint32_t>(e, 28) != 0) {
       return absl::InvalidArgumentError("cache format: section entry has reserved bits set");
     }
-    if (Crc32c(b + en.offset, en.size) != Get<uint32_t>(e, 24)) {
+    if (sections && Crc32c(b + en.offset, en.size) != Get<uint32_t>(e, 24)) {
       return absl::DataLossError(absl::StrFormat("cache format: section %u checksum mismatch", en.id));
     }
     if (en.id > kRawValues && (en.flags & kSectionRequired)) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "cache format: required section %u unknown to this reader", en.id));
     }
-    if (!AllZero(b + prev_end, en.offset - prev_end)) {
+    if (sections && !AllZero(b + prev_end, en.offset - prev_end)) {
       return absl::InvalidArgumentError("cache format: non-zero padding before a section");
     }
     prev_end = en.offset + en.size;
@@ -336,7 +364,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes) {
     if (en.id == kRawValueRows) p.info.raw_value_rows = en.size / sizeof(uint64_t);
     p.entries.push_back(en);
   }
-  if (!AllZero(b + prev_end, n - prev_end)) {
+  if (sections && !AllZero(b + prev_end, n - prev_end)) {
     return absl::InvalidArgumentError("cache format: non-zero bytes after the last section");
   }
   return p;
@@ -373,31 +401,50 @@ absl::Status TakeSection(const Parsed& p, absl::string_view bytes, uint32_t id, 
 
 }  // namespace
 
-absl::StatusOr<uint64_t> EncodedSize(const CompressedCache& cache) {
-  KVCOMP_RETURN_IF_ERROR(cache.Validate());
-  const std::vector<uint8_t> policy = EncodePolicy(cache.policy);
-  return LayoutSize(SectionsOf(cache, policy));
+absl::StatusOr<EncodingPlan> PlanEncoding(const CompressedCache& shape, uint64_t raw_value_rows) {
+  KVCOMP_RETURN_IF_ERROR(Annotate(shape.layout.Validate(), "cache format"));
+  if (shape.kept.size() != shape.num_heads()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cache format: %u kept counts for %u heads", shape.kept.size(), shape.num_heads()));
+  }
+  if (!shape.layer_rank.empty() && shape.layer_rank.size() != shape.layout.num_layers) {
+    return absl::InvalidArgumentError("cache format: layer ranks do not match the layer count");
+  }
+  if (raw_value_rows > 0 &&
+      (shape.value_codec == ValueCodec::kRaw || raw_value_rows > shape.total_kept())) {
+    return absl::InvalidArgumentError(
+        "cache format: raw value rows with raw values or beyond the kept tokens");
+  }
+  EncodingPlan plan;
+  plan.policy = EncodePolicyRecords(shape.policy);
+  plan.sections = SectionSizes(shape, plan.policy.size(), raw_value_rows);
+  uint64_t at = AlignUp(plan.table_end());
+  for (SectionSpan& sec : plan.sections) {
+    sec.offset = at;
+    at = AlignUp(at + sec.size);
+  }
+  plan.total_bytes = at;
+  return plan;
 }
 
-absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out) {
-  KVCOMP_RETURN_IF_ERROR(cache.Validate());
-  const std::vector<uint8_t> policy = EncodePolicy(cache.policy);
-  const std::vector<Section> sections = SectionsOf(cache, policy);
-  const uint64_t total = LayoutSize(sections);
-  if (out.size() != total) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("cache format: output buffer is %u bytes, encoding needs %u", out.size(),
-                        total));
+absl::Status WriteHeaderAndTable(const CompressedCache& cache, const EncodingPlan& plan,
+                                 absl::Span<const uint32_t> section_crcs,
+                                 absl::Span<uint8_t> out) {
+  const std::vector<SectionSpan>& sections = plan.sections;
+  if (section_crcs.size() != sections.size() || out.size() < plan.table_end()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cache format: %u checksums and %u bytes for a table of %u sections",
+        section_crcs.size(), out.size(), sections.size()));
   }
   uint8_t* b = out.data();
-  std::memset(b, 0, total);
+  std::memset(b, 0, plan.table_end());
   Put<uint32_t>(b, kOffMagic, kMagic);
   Put<uint16_t>(b, kOffMajor, kMajorVersion);
   Put<uint16_t>(b, kOffMinor, kMinorVersion);
   Put<uint32_t>(b, kOffHeaderBytes, kHeaderBytes);
   Put<uint32_t>(b, kOffFlags, (cache.has_moments ? kFlagMoments : 0) |
                                  (cache.value_gamma ? kFlagValueGamma : 0));
-  Put<uint64_t>(b, kOffTotalBytes, total);
+  Put<uint64_t>(b, kOffTotalBytes, plan.total_bytes);
   Put<uint32_t>(b, kOffLayers, cache.layout.num_layers);
   Put<uint32_t>(b, kOffKvHeads, cache.layout.num_kv_heads);
   Put<uint32_t>(b, kOffQHeads, cache.layout.num_q_heads);
@@ -411,22 +458,56 @@ absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> o
   Put<uint64_t>(b, kOffOriginalTokens, cache.original_tokens);
   Put<uint64_t>(b, kOffTotalKept, cache.total_kept());
   Put<uint64_t>(b, kOffProjection, cache.projection_version);
-  uint64_t at = AlignUp(kHeaderBytes + uint64_t{kSectionEntryBytes} * sections.size());
   for (size_t i = 0; i < sections.size(); ++i) {
-    const Section& s = sections[i];
     uint8_t* e = b + kHeaderBytes + kSectionEntryBytes * i;
-    Put<uint32_t>(e, 0, s.id);
+    Put<uint32_t>(e, 0, sections[i].id);
     Put<uint32_t>(e, 4, kSectionRequired);
-    Put<uint64_t>(e, 8, at);
-    Put<uint64_t>(e, 16, s.size);
-    if (s.size > 0) std::memcpy(b + at, s.data, s.size);
-    Put<uint32_t>(e, 24, Crc32c(b + at, s.size));
-    at = AlignUp(at + s.size);
+    Put<uint64_t>(e, 8, sections[i].offset);
+    Put<uint64_t>(e, 16, sections[i].size);
+    Put<uint32_t>(e, 24, section_crcs[i]);
   }
   Put<uint32_t>(b, kOffTableCrc,
                 Crc32c(b + kHeaderBytes, uint64_t{kSectionEntryBytes} * sections.size()));
   Put<uint32_t>(b, kOffHeaderCrc, Crc32c(b, kOffHeaderCrc));
   return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> EncodedSize(const CompressedCache& cache) {
+  KVCOMP_RETURN_IF_ERROR(cache.Validate());
+  KVCOMP_ASSIGN_OR_RETURN(EncodingPlan plan, PlanEncoding(cache, cache.raw_value_rows.size()));
+  return plan.total_bytes;
+}
+
+absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out) {
+  KVCOMP_RETURN_IF_ERROR(cache.Validate());
+  KVCOMP_ASSIGN_OR_RETURN(EncodingPlan plan, PlanEncoding(cache, cache.raw_value_rows.size()));
+  const std::vector<Section> data = SectionsOf(cache, plan.policy);
+  if (data.size() != plan.sections.size()) {
+    return absl::InternalError("cache format: the plan and the arrays disagree on the sections");
+  }
+  if (out.size() != plan.total_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cache format: output buffer is %u bytes, encoding needs %u", out.size(),
+                        plan.total_bytes));
+  }
+  uint8_t* b = out.data();
+  std::vector<uint32_t> crcs(data.size());
+  for (size_t i = 0; i < data.size(); ++i) {
+    const SectionSpan& at = plan.sections[i];
+    if (data[i].id != at.id || data[i].size != at.size) {
+      return absl::InternalError(absl::StrFormat(
+          "cache format: section %u holds %u bytes, its counts give %u", at.id, data[i].size,
+          at.size));
+    }
+    if (at.size > 0) std::memcpy(b + at.offset, data[i].data, at.size);
+    const uint64_t end = at.offset + at.size;
+    const uint64_t next = i + 1 < data.size() ? plan.sections[i + 1].offset : plan.total_bytes;
+    std::memset(b + end, 0, next - end);
+    crcs[i] = Crc32c(b + at.offset, at.size);
+  }
+  const uint64_t first = plan.sections.empty() ? plan.total_bytes : plan.sections[0].offset;
+  std::memset(b + plan.table_end(), 0, first - plan.table_end());
+  return WriteHeaderAndTable(cache, plan, crcs, out);
 }
 
 absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache) {
@@ -438,12 +519,17 @@ absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache) {
 }
 
 absl::StatusOr<CacheInfo> PeekCache(absl::string_view bytes) {
-  KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(bytes));
+  KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(bytes, bytes.size(), true));
+  return p.info;
+}
+
+absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_t total_bytes) {
+  KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(header_and_table, total_bytes, false));
   return p.info;
 }
 
 absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
-  KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(bytes));
+  KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(bytes, bytes.size(), true));
   const CacheInfo& info = p.info;
   CompressedCache c;
   c.layout = info.layout;

@@ -530,3 +530,91 @@ TEST(Format, RandomGarbageNeverCrashes) {
 
 }  // namespace
 }  // namespace kvcomp
+
+namespace kvcomp {
+namespace {
+
+// The plan from the counts alone (the arrays emptied, as a device encoder holds the cache) is
+// the layout EncodeCache writes, and WriteHeaderAndTable with the sections' CRCs writes its
+// header and table byte for byte.
+TEST(FormatPlan, ThePlanFromTheCountsIsTheEncodersLayout) {
+  uint64_t seed = 500;
+  for (const RandomCacheOptions& o : AllVariants()) {
+    const CompressedCache c = RandomCache(o, seed++);
+    absl::StatusOr<std::string> bytes = format::EncodeCache(c);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    CompressedCache shape = c;
+    shape.positions.clear();
+    shape.keys.clear();
+    shape.key_scales.clear();
+    shape.values.clear();
+    shape.value_scales.clear();
+    shape.raw_value_rows.clear();
+    shape.raw_values.clear();
+    shape.moment_count.clear();
+    shape.moment_key_sum.clear();
+    shape.moment_value_sum.clear();
+    shape.moment_vk_sum.clear();
+    absl::StatusOr<format::EncodingPlan> plan =
+        format::PlanEncoding(shape, c.raw_value_rows.size());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->total_bytes, bytes->size());
+    std::vector<uint32_t> crcs;
+    for (size_t i = 0; i < plan->sections.size(); ++i) {
+      const char* e = bytes->data() + 128 + 32 * i;
+      uint32_t id, crc;
+      uint64_t off, size;
+      std::memcpy(&id, e, 4);
+      std::memcpy(&off, e + 8, 8);
+      std::memcpy(&size, e + 16, 8);
+      std::memcpy(&crc, e + 24, 4);
+      EXPECT_EQ(plan->sections[i].id, id);
+      EXPECT_EQ(plan->sections[i].offset, off);
+      EXPECT_EQ(plan->sections[i].size, size);
+      crcs.push_back(crc);
+    }
+    std::string header(plan->table_end(), '\x55');
+    ASSERT_TRUE(format::WriteHeaderAndTable(
+                    shape, *plan, crcs,
+                    absl::MakeSpan(reinterpret_cast<uint8_t*>(header.data()), header.size()))
+                    .ok());
+    EXPECT_EQ(header, bytes->substr(0, plan->table_end()));
+    EXPECT_TRUE(absl::IsInvalidArgument(
+        format::WriteHeaderAndTable(shape, *plan, absl::MakeSpan(crcs).subspan(1),
+                                    absl::MakeSpan(reinterpret_cast<uint8_t*>(header.data()),
+                                                   header.size()))));
+  }
+}
+
+TEST(FormatPlan, PeekHeaderReadsTheHeaderAndTableAlone) {
+  const CompressedCache c = RandomCache(RandomCacheOptions{}, 11);
+  const std::string bytes = *format::EncodeCache(c);
+  auto plan = format::PlanEncoding(c, 0);
+  ASSERT_TRUE(plan.ok());
+  const std::string head = bytes.substr(0, plan->table_end());
+  absl::StatusOr<format::CacheInfo> a = format::PeekHeader(head, bytes.size());
+  absl::StatusOr<format::CacheInfo> b = format::PeekCache(bytes);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  EXPECT_EQ(a->total_bytes, b->total_bytes);
+  EXPECT_EQ(a->total_kept, b->total_kept);
+  EXPECT_EQ(a->has_moments, b->has_moments);
+  EXPECT_FALSE(format::PeekHeader(head, bytes.size() + 64).ok());
+  EXPECT_FALSE(format::PeekHeader(head.substr(0, head.size() - 1), bytes.size()).ok());
+  std::string flipped = head;
+  flipped[130] ^= 1;  // inside the table
+  EXPECT_TRUE(absl::IsDataLoss(format::PeekHeader(flipped, bytes.size()).status()));
+}
+
+TEST(FormatPlan, InconsistentShapesAreRefused) {
+  CompressedCache c = RandomCache(RandomCacheOptions{}, 3);
+  CompressedCache bad = c;
+  bad.kept.push_back(1);
+  EXPECT_TRUE(absl::IsInvalidArgument(format::PlanEncoding(bad, 0).status()));
+  bad = c;
+  bad.layer_rank = {1, 2, 3};
+  EXPECT_TRUE(absl::IsInvalidArgument(format::PlanEncoding(bad, 0).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(format::PlanEncoding(c, 1).status()));  // raw values
+}
+
+}  // namespace
+}  // namespace kvcomp

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -68,11 +69,50 @@ absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache);
 // Encodes into `out`, which must hold exactly EncodedSize(cache) bytes.
 absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out);
 
+// ---- the layout in parts, for encoders whose arrays are not in host memory ----
+// EncodeCacheInto and the device encoder (kvcomp/kernels/device_format.h) both place sections
+// by PlanEncoding and write the header and table with WriteHeaderAndTable, so their bytes agree.
+
+// One section of an encoding.
+struct SectionSpan {
+  uint32_t id = 0;      // SectionId
+  uint64_t offset = 0;  // from the first byte of the encoding; a multiple of kAlignment
+  uint64_t size = 0;    // bytes, before the zero padding up to the next multiple of kAlignment
+};
+
+// Where everything of an encoding goes.
+struct EncodingPlan {
+  std::vector<SectionSpan> sections;  // in table order (the order of the bytes)
+  uint64_t total_bytes = 0;
+  std::string policy;  // the policy section's bytes (EncodePolicyRecords)
+  // End of the section table: the header and table are bytes [0, table_end()).
+  uint64_t table_end() const {
+    return kHeaderBytes + uint64_t{kSectionEntryBytes} * sections.size();
+  }
+};
+
+// The plan of the encoding of a cache with `shape`'s header fields, policy, kept counts and
+// layer ranks. Its arrays are not read (they may be empty): their sizes follow from the counts
+// and codecs, with `raw_value_rows` KVSplice outlier rows. For a cache that Validate()s,
+// PlanEncoding(cache, cache.raw_value_rows.size()) is the layout EncodeCacheInto writes.
+// InvalidArgument when the fields disagree (layout, head count, layer ranks, outliers).
+absl::StatusOr<EncodingPlan> PlanEncoding(const CompressedCache& shape, uint64_t raw_value_rows);
+// Writes the fixed header and the section table of `plan` for `shape` into out[0,
+// plan.table_end()), `section_crcs[i]` being the CRC32C of section i's bytes, with the table's
+// and the header's own checksums. The rest of `out` is not touched. InvalidArgument when `out`
+// is shorter or the CRC count is not the section count.
+absl::Status WriteHeaderAndTable(const CompressedCache& shape, const EncodingPlan& plan,
+                                 absl::Span<const uint32_t> section_crcs, absl::Span<uint8_t> out);
+
 // Parses and fully validates `bytes`. DataLoss for checksum mismatches and truncation,
 // InvalidArgument for malformed fields, FailedPrecondition for a version from the future.
 absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes);
 // Validates the header and section table (and their checksums) only.
 absl::StatusOr<CacheInfo> PeekCache(absl::string_view bytes);
+// The same from the first bytes of an encoding of `total_bytes` bytes (at least through its
+// section table), for bytes that are elsewhere (device memory): the header, the table and their
+// checksums are checked, the sections are not read, so their checksums and padding are not.
+absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_t total_bytes);
 
 // The policy as the format's TLV records (docs/format.md, policy section), shared with the wire
 // protocol's put-begin. Decoding skips unknown tags and validates the policy (InvalidArgument).

@@ -1,0 +1,198 @@
+// The CRC32C kernel behind DeviceCrc32c (kvcomp/kernels/device_crc32c.h).
+//
+// A range is cut into 512-byte chunks at absolute 512-byte boundaries (so every full chunk is
+// read with aligned 16-byte loads; the first chunk may start inside its 512 bytes, which is the
+// same as zeros before it: zeros at the front of a register started at 0 change nothing). Blocks
+// of 256 threads take 256 consecutive chunks each, counted back from the last chunk that ends on a
+// boundary, so every block's chunks are whole and in the same place relative to its end; threads
+// of the first block past the front of the range contribute 0. A chunk's register (started at 0)
+// is shifted by the bytes after it inside its block (one multiplication per thread, by a constant
+// of its lane, then one per warp), the block's sum by the bytes after the block, and a chunk cut
+// by the end of the range is added by the last block unshifted. Every part lands with an atomic
+// XOR on the word an initial kernel set to the start value's contribution.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "../crc32c_gf2.h"
+#include "cuda_status.h"
+#include "kvcomp/kernels/device_crc32c.h"
+
+namespace kvcomp {
+namespace {
+
+using crc32c_gf2::MulMod;
+using crc32c_gf2::XPow8;
+
+constexpr int kThreads = 256;
+constexpr uint64_t kChunk = 512;
+constexpr int kMaxRanges = 16;  // per launch
+
+struct CrcLaunch {
+  int n = 0;
+  uint64_t begin[kMaxRanges];
+  uint64_t end[kMaxRanges];
+  uint64_t full_chunks[kMaxRanges];  // chunks ending at or before `end`, from begin's boundary
+  uint32_t* out[kMaxRanges];
+  uint32_t first_block[kMaxRanges + 1];
+  uint32_t lane_shift[32];  // x^(8 * kChunk * (31 - lane))
+  uint32_t warp_shift[kThreads / 32];
+  uint32_t x2n[crc32c_gf2::kPowers];
+};
+
+struct CrcInit {
+  int n = 0;
+  uint32_t* out[kMaxRanges];
+  uint32_t value[kMaxRanges];
+};
+
+__global__ void InitCrcWords(const CrcInit p) {
+  const int i = threadIdx.x;
+  if (i < p.n) *p.out[i] = p.value[i];
+}
+
+__device__ __forceinline__ uint32_t Step16(const uint32_t (*t)[256], uint32_t c, uint4 w) {
+  const uint32_t a = w.x ^ c;
+  return t[15][a & 255] ^ t[14][(a >> 8) & 255] ^ t[13][(a >> 16) & 255] ^ t[12][a >> 24] ^
+         t[11][w.y & 255] ^ t[10][(w.y >> 8) & 255] ^ t[9][(w.y >> 16) & 255] ^
+         t[8][w.y >> 24] ^ t[7][w.z & 255] ^ t[6][(w.z >> 8) & 255] ^
+         t[5][(w.z >> 16) & 255] ^ t[4][w.z >> 24] ^ t[3][w.w & 255] ^
+         t[2][(w.w >> 8) & 255] ^ t[1][(w.w >> 16) & 255] ^ t[0][w.w >> 24];
+}
+
+__device__ __forceinline__ uint32_t StepByte(const uint32_t (*t)[256], uint32_t c, uint8_t b) {
+  return t[0][(c ^ b) & 255] ^ (c >> 8);
+}
+
+// The register (started at 0) after the bytes [lo, hi).
+__device__ uint32_t RangeRegister(const uint32_t (*t)[256], uint64_t lo, uint64_t hi) {
+  uint32_t c = 0;
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(lo);
+  const uint8_t* const e = reinterpret_cast<const uint8_t*>(hi);
+  while (p < e && (reinterpret_cast<uint64_t>(p) & 15) != 0) c = StepByte(t, c, *p++);
+  for (; p + 16 <= e; p += 16) c = Step16(t, c, __ldg(reinterpret_cast<const uint4*>(p)));
+  while (p < e) c = StepByte(t, c, *p++);
+  return c;
+}
+
+__global__ void __launch_bounds__(kThreads) Crc32cChunks(const CrcLaunch p) {
+  __shared__ uint32_t t[16][256];
+  __shared__ uint32_t warp_part[kThreads / 32];
+  const int tid = threadIdx.x;
+  {
+    uint32_t c = tid;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ crc32c_gf2::kPoly : c >> 1;
+    t[0][tid] = c;
+  }
+  __syncthreads();
+  for (int k = 1; k < 16; ++k) t[k][tid] = (t[k - 1][tid] >> 8) ^ t[0][t[k - 1][tid] & 255];
+  __syncthreads();
+
+  int r = 0;
+  while (r + 1 < p.n && p.first_block[r + 1] <= blockIdx.x) ++r;
+  const uint64_t blocks = p.first_block[r + 1] - p.first_block[r];
+  const uint64_t b = blockIdx.x - p.first_block[r];
+  const uint64_t base = p.begin[r] & ~(kChunk - 1);
+  const uint64_t kg = p.full_chunks[r];
+  // Chunk of this thread; the block's last chunk is kg - 1 - 256 * (blocks - 1 - b).
+  const int64_t k = static_cast<int64_t>(kg) - static_cast<int64_t>((blocks - b) * kThreads) + tid;
+  uint32_t reg = 0;
+  if (k >= 0) {
+    const uint64_t lo = base + static_cast<uint64_t>(k) * kChunk;
+    reg = RangeRegister(t, lo > p.begin[r] ? lo : p.begin[r], lo + kChunk);
+  }
+  const int lane = tid & 31, warp = tid >> 5;
+  uint32_t v = reg != 0 ? MulMod(reg, p.lane_shift[lane]) : 0;
+  for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) warp_part[warp] = v != 0 ? MulMod(v, p.warp_shift[warp]) : 0;
+  __syncthreads();
+  if (tid != 0) return;
+  uint32_t g = 0;
+  for (int w = 0; w < kThreads / 32; ++w) g ^= warp_part[w];
+  const uint64_t block_end = base + (kg - (blocks - 1 - b) * kThreads) * kChunk;
+  uint32_t part = g != 0 ? MulMod(g, XPow8(p.end[r] - block_end, p.x2n)) : 0;
+  if (b == blocks - 1 && p.end[r] > block_end) {
+    part ^= RangeRegister(t, block_end > p.begin[r] ? block_end : p.begin[r], p.end[r]);
+  }
+  if (part != 0) atomicXor(p.out[r], part);
+}
+
+struct Constants {
+  uint32_t lane_shift[32];
+  uint32_t warp_shift[kThreads / 32];
+  uint32_t x2n[crc32c_gf2::kPowers];
+};
+
+const Constants& GetConstants() {
+  static const Constants* c = [] {
+    auto* k = new Constants;
+    crc32c_gf2::PowersOfX(k->x2n);
+    for (int l = 0; l < 32; ++l) k->lane_shift[l] = XPow8(kChunk * (31 - l), k->x2n);
+    for (int w = 0; w < kThreads / 32; ++w) {
+      k->warp_shift[w] = XPow8(kChunk * 32 * (kThreads / 32 - 1 - w), k->x2n);
+    }
+    return k;
+  }();
+  return *c;
+}
+
+absl::Status LaunchBatch(absl::Span<const DeviceCrcRange> ranges, cudaStream_t stream) {
+  const Constants& k = GetConstants();
+  CrcInit init;
+  CrcLaunch launch;
+  std::copy(std::begin(k.lane_shift), std::end(k.lane_shift), launch.lane_shift);
+  std::copy(std::begin(k.warp_shift), std::end(k.warp_shift), launch.warp_shift);
+  std::copy(std::begin(k.x2n), std::end(k.x2n), launch.x2n);
+  uint64_t blocks = 0;
+  for (const DeviceCrcRange& r : ranges) {
+    init.out[init.n] = r.crc;
+    // The start value ~0 shifted through the range, complemented: the CRC of zeros of that
+    // length; the data's part is XORed on top.
+    init.value[init.n] = Crc32cOfZeros(r.size);
+    ++init.n;
+    if (r.size == 0) continue;
+    const uint64_t begin = reinterpret_cast<uint64_t>(r.data);
+    const uint64_t base = begin & ~(kChunk - 1);
+    const uint64_t full = (begin + r.size - base) / kChunk;
+    const int i = launch.n++;
+    launch.begin[i] = begin;
+    launch.end[i] = begin + r.size;
+    launch.full_chunks[i] = full;
+    launch.out[i] = r.crc;
+    launch.first_block[i] = static_cast<uint32_t>(blocks);
+    blocks += std::max<uint64_t>(1, (full + kThreads - 1) / kThreads);
+    if (blocks > 0x7fffffffu) return absl::InvalidArgumentError("DeviceCrc32c: range too large");
+  }
+  launch.first_block[launch.n] = static_cast<uint32_t>(blocks);
+  InitCrcWords<<<1, kMaxRanges, 0, stream>>>(init);
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (blocks == 0) return absl::OkStatus();
+  Crc32cChunks<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch);
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DeviceCrc32c(absl::Span<const DeviceCrcRange> ranges, void* stream) {
+  for (const DeviceCrcRange& r : ranges) {
+    if (r.crc == nullptr || (reinterpret_cast<uintptr_t>(r.crc) & 3) != 0) {
+      return absl::InvalidArgumentError("DeviceCrc32c: the crc word is null or not 4-byte aligned");
+    }
+    if (r.data == nullptr && r.size != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DeviceCrc32c: null data for ", r.size, " bytes"));
+    }
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  for (size_t at = 0; at < ranges.size(); at += kMaxRanges) {
+    const size_t n = std::min<size_t>(kMaxRanges, ranges.size() - at);
+    absl::Status st = LaunchBatch(ranges.subspan(at, n), s);
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvcomp

@@ -1,0 +1,207 @@
+// EncodeOnDevice against format::EncodeCache (gpu label): for every codec pair and dtype, with
+// and without moments, per-layer ranks and KVSplice outliers, the bytes written on the device
+// are the host encoder's bytes, the CRC is Crc32c of them, the header copy is theirs, and only
+// the control bytes cross between host and device.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/gpu.h"
+#include "common/random_cache.h"
+#include "gtest/gtest.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/kernels/allocator.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/device_format.h"
+
+namespace kvcomp {
+namespace {
+
+KVCOMP_GPU_TEST_BINARY();
+
+using testing::RandomCache;
+using testing::RandomCacheOptions;
+
+std::vector<RandomCacheOptions> Variants() {
+  std::vector<RandomCacheOptions> out;
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8, KeyCodec::kInt4}) {
+      for (ValueCodec vc : {ValueCodec::kRaw, ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                            ValueCodec::kOrthogonalInt4}) {
+        for (bool moments : {false, true}) {
+          RandomCacheOptions o;
+          o.layout = KvLayout{2, 3, 6, 64, dt};
+          o.original_tokens = 300;
+          o.key_codec = kc;
+          o.value_codec = vc;
+          o.rank = vc == ValueCodec::kRaw ? 0 : (vc == ValueCodec::kOrthogonalInt4 ? 40 : 37);
+          o.group_size = 16;
+          o.moments = moments;
+          out.push_back(o);
+          if (vc != ValueCodec::kRaw) {
+            o.layer_rank = vc == ValueCodec::kOrthogonalInt4 ? std::vector<uint32_t>{12, 40}
+                                                             : std::vector<uint32_t>{37, 5};
+            o.raw_value_rows = 5;
+            out.push_back(o);
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+class DeviceFormatTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto b = MakeCudaBackend();
+    ASSERT_TRUE(b.ok()) << b.status();
+    backend_ = *std::move(b);
+  }
+  template <typename T>
+  DeviceSection Up(uint32_t id, const std::vector<T>& v, size_t extra = 0) {
+    const size_t bytes = v.size() * sizeof(T);
+    auto buf = Buffer::Allocate(backend_->allocator(), std::max<size_t>(bytes + extra, 1));
+    EXPECT_TRUE(buf.ok());
+    EXPECT_TRUE(backend_->CopyFromHost(buf->data(), v.data(), bytes).ok());
+    held_.push_back(*std::move(buf));
+    return {id, held_.back().data(), bytes + extra};
+  }
+  // Every section of `c` that is not written from host fields, in device memory.
+  std::vector<DeviceSection> DeviceSections(const CompressedCache& c) {
+    std::vector<DeviceSection> s;
+    s.push_back(Up(format::kPositions, c.positions));
+    s.push_back(Up(format::kKeys, c.keys, 100));  // a buffer may be larger than its array
+    if (c.key_codec == KeyCodec::kInt8 || c.key_codec == KeyCodec::kInt4) {
+      s.push_back(Up(format::kKeyScales, c.key_scales));
+    }
+    s.push_back(Up(format::kValues, c.values));
+    if (c.ValueGroups() > 0) s.push_back(Up(format::kValueScales, c.value_scales));
+    if (c.has_moments) {
+      s.push_back(Up(format::kMomentCount, c.moment_count));
+      s.push_back(Up(format::kMomentKeySum, c.moment_key_sum));
+      s.push_back(Up(format::kMomentValueSum, c.moment_value_sum));
+      s.push_back(Up(format::kMomentVkSum, c.moment_vk_sum));
+    }
+    if (!c.raw_value_rows.empty()) {
+      s.push_back(Up(format::kRawValueRows, c.raw_value_rows));
+      s.push_back(Up(format::kRawValues, c.raw_values));
+    }
+    return s;
+  }
+  static CompressedCache ShapeOf(const CompressedCache& c) {
+    CompressedCache shape = c;
+    shape.positions.clear();
+    shape.keys.clear();
+    shape.key_scales.clear();
+    shape.values.clear();
+    shape.value_scales.clear();
+    shape.raw_value_rows.clear();
+    shape.raw_values.clear();
+    shape.moment_count.clear();
+    shape.moment_key_sum.clear();
+    shape.moment_value_sum.clear();
+    shape.moment_vk_sum.clear();
+    return shape;
+  }
+
+  std::unique_ptr<Backend> backend_;
+  std::vector<Buffer> held_;
+};
+
+TEST_F(DeviceFormatTest, BytesAreTheHostEncodersForEveryCodec) {
+  uint64_t seed = 1;
+  for (const RandomCacheOptions& o : Variants()) {
+    const CompressedCache c = RandomCache(o, seed++);
+    SCOPED_TRACE(c.DebugString());
+    absl::StatusOr<std::string> want = format::EncodeCache(c);
+    ASSERT_TRUE(want.ok()) << want.status();
+    const std::vector<DeviceSection> sections = DeviceSections(c);
+    TransferBytes moved;
+    absl::StatusOr<DeviceEncodedCache> got =
+        EncodeOnDevice(*backend_, ShapeOf(c), c.raw_value_rows.size(), sections, &moved);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->size, want->size());
+    std::string bytes(got->size, '\0');
+    ASSERT_TRUE(backend_->CopyToHost(bytes.data(), got->bytes.data(), got->size).ok());
+    ASSERT_TRUE(bytes == *want) << "first difference at "
+                                << std::mismatch(bytes.begin(), bytes.end(), want->begin()).first -
+                                       bytes.begin();
+    EXPECT_EQ(got->crc32c, Crc32c(want->data(), want->size()));
+    auto plan = format::PlanEncoding(c, c.raw_value_rows.size());
+    ASSERT_TRUE(plan.ok());
+    EXPECT_EQ(got->header, want->substr(0, plan->table_end()));
+    // Up: the header region (through the policy section's padding) and the layer ranks; down:
+    // one CRC per device section.
+    uint64_t up = plan->sections[2].offset, device_sections = 0;
+    for (const format::SectionSpan& s : plan->sections) {
+      if (s.id == format::kLayerRanks) up += (s.size + 63) / 64 * 64;
+      if (s.id != format::kHeads && s.id != format::kPolicy && s.id != format::kLayerRanks) {
+        ++device_sections;
+      }
+    }
+    EXPECT_EQ(moved.to_device, up);
+    EXPECT_EQ(moved.to_host, device_sections * 4);
+    held_.clear();
+  }
+}
+
+TEST_F(DeviceFormatTest, EmptyHeadsAndTheLargestSectionsStillMatch) {
+  RandomCacheOptions o;
+  o.layout = KvLayout{4, 8, 32, 128, DType::kBF16};
+  o.original_tokens = 2000;
+  o.moments = true;
+  CompressedCache c = RandomCache(o, 99);
+  const CompressedCache empty = [&] {
+    RandomCacheOptions e = o;
+    e.original_tokens = 1;
+    CompressedCache z = RandomCache(e, 5);
+    std::fill(z.kept.begin(), z.kept.end(), 0);
+    z.positions.clear();
+    z.keys.clear();
+    z.values.clear();
+    for (auto& n : z.moment_count) n = 1;
+    return z;
+  }();
+  for (const CompressedCache* x : {static_cast<const CompressedCache*>(&c), &empty}) {
+    absl::StatusOr<std::string> want = format::EncodeCache(*x);
+    ASSERT_TRUE(want.ok()) << want.status();
+    auto got = EncodeOnDevice(*backend_, ShapeOf(*x), 0, DeviceSections(*x));
+    ASSERT_TRUE(got.ok()) << got.status();
+    std::string bytes(got->size, '\0');
+    ASSERT_TRUE(backend_->CopyToHost(bytes.data(), got->bytes.data(), got->size).ok());
+    EXPECT_TRUE(bytes == *want);
+    EXPECT_EQ(got->crc32c, Crc32c(want->data(), want->size()));
+  }
+}
+
+TEST_F(DeviceFormatTest, MissingRepeatedOrShortSectionsAreRefused) {
+  RandomCacheOptions o;
+  o.moments = true;
+  const CompressedCache c = RandomCache(o, 7);
+  std::vector<DeviceSection> s = DeviceSections(c);
+  std::vector<DeviceSection> missing(s.begin() + 1, s.end());
+  EXPECT_TRUE(absl::IsInvalidArgument(EncodeOnDevice(*backend_, ShapeOf(c), 0, missing).status()));
+  std::vector<DeviceSection> twice = s;
+  twice.push_back(s[0]);
+  EXPECT_TRUE(absl::IsInvalidArgument(EncodeOnDevice(*backend_, ShapeOf(c), 0, twice).status()));
+  std::vector<DeviceSection> shortened = s;
+  shortened[1].size -= 101;
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(EncodeOnDevice(*backend_, ShapeOf(c), 0, shortened).status()));
+  std::vector<DeviceSection> host_one = s;
+  host_one.push_back({format::kHeads, s[0].data, 1000});
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(EncodeOnDevice(*backend_, ShapeOf(c), 0, host_one).status()));
+  CompressedCache bad = ShapeOf(c);
+  bad.kept.pop_back();
+  EXPECT_TRUE(absl::IsInvalidArgument(EncodeOnDevice(*backend_, bad, 0, s).status()));
+  auto cpu = MakeCpuBackend();
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(EncodeOnDevice(**cpu, ShapeOf(c), 0, s).status()));
+}
+
+}  // namespace
+}  // namespace kvcomp
