@@ -14,6 +14,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "cuda_memory.h"
+#include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/status.h"
 #include "kvcomp/storage/tier.h"
 #include "mutex.h"
 #include "range_allocator.h"
@@ -26,6 +28,32 @@ absl::Status CudaError(cudaError_t e, absl::string_view what) {
   const std::string msg = absl::StrCat("device tier: ", what, ": ", cudaGetErrorString(e));
   if (e == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
   return absl::UnavailableError(msg);
+}
+
+absl::StatusOr<Payload> CopyToHost(const void* src, int device, uint64_t size) {
+  // Fresh host memory for the copy, on huge pages where the kernel allows them (a cache is
+  // hundreds of MB: 4 KiB first-touch faults would cost more than the copy).
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = (std::max<size_t>(size, 1) + kHuge - 1) / kHuge * kHuge;
+  void* raw = nullptr;
+  if (posix_memalign(&raw, kHuge, bytes) != 0) {
+    return absl::ResourceExhaustedError("device tier: no host memory for a copy to the host");
+  }
+  madvise(raw, bytes, MADV_HUGEPAGE);
+  std::shared_ptr<uint8_t> host(static_cast<uint8_t*>(raw), [](uint8_t* p) { std::free(p); });
+  cudaSetDevice(device);
+  cudaError_t e = cudaMemcpy(host.get(), src, size, cudaMemcpyDeviceToHost);
+  if (e != cudaSuccess) return CudaError(e, "copy to host");
+  return Payload(std::move(host), size);
+}
+
+cudaError_t CopyOnDevice(void* dst, int dst_device, const DeviceBytes& src) {
+  cudaStream_t stream = cudaStreamPerThread;
+  cudaError_t e =
+      src.device == dst_device
+          ? cudaMemcpyAsync(dst, src.data.get(), src.size, cudaMemcpyDeviceToDevice, stream)
+          : cudaMemcpyPeerAsync(dst, dst_device, src.data.get(), src.device, src.size, stream);
+  return e == cudaSuccess ? cudaStreamSynchronize(stream) : e;
 }
 
 class DeviceTier final : public Tier {
@@ -60,8 +88,12 @@ class DeviceTier final : public Tier {
       offset = *off;
     }
     cudaSetDevice(device_);
-    cudaError_t e =
-        cudaMemcpy(pool_ + offset, payload.data(), payload.size(), cudaMemcpyHostToDevice);
+    // A payload on the device: one copy on the device (or from a peer), waited for before its
+    // owner may free it. From the host: one upload.
+    cudaError_t e = payload.on_device()
+                        ? CopyOnDevice(pool_ + offset, device_, *payload.device_bytes())
+                        : cudaMemcpy(pool_ + offset, payload.data(), payload.size(),
+                                     cudaMemcpyHostToDevice);
     WriterLock lock(&mu_);
     if (e != cudaSuccess) {
       alloc_.Free(offset, n).IgnoreError();
@@ -82,20 +114,31 @@ class DeviceTier final : public Tier {
     auto it = map_.find(key);
     if (it == map_.end()) return absl::NotFoundError("device tier: no such key");
     const Range r = it->second;
-    // Fresh host memory for the copy, on huge pages where the kernel allows them (a cache is
-    // hundreds of MB: 4 KiB first-touch faults would cost more than the copy).
-    constexpr size_t kHuge = size_t{2} << 20;
-    const size_t bytes = (std::max<size_t>(r.size, 1) + kHuge - 1) / kHuge * kHuge;
-    void* raw = nullptr;
-    if (posix_memalign(&raw, kHuge, bytes) != 0) {
-      return absl::ResourceExhaustedError("device tier: no host memory for a get");
+    return CopyToHost(pool_ + r.offset, device_, r.size);
+  }
+
+  absl::StatusOr<uint64_t> ReadInto(absl::string_view key, const DeviceTarget& target) override {
+    ReaderLock lock(&mu_);
+    auto it = map_.find(key);
+    if (it == map_.end()) return absl::NotFoundError("device tier: no such key");
+    const Range r = it->second;
+    if (r.size > target.capacity) {
+      return absl::OutOfRangeError(absl::StrCat("device tier: the cache has ", r.size,
+                                                " bytes, the target ", target.capacity));
     }
-    madvise(raw, bytes, MADV_HUGEPAGE);
-    std::shared_ptr<uint8_t> host(static_cast<uint8_t*>(raw), [](uint8_t* p) { std::free(p); });
-    cudaSetDevice(device_);
-    cudaError_t e = cudaMemcpy(host.get(), pool_ + r.offset, r.size, cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) return CudaError(e, "copy to host");
-    return Payload(std::move(host), r.size);
+    cudaSetDevice(target.device);
+    auto stream = static_cast<cudaStream_t>(target.stream);
+    if (stream == nullptr) stream = cudaStreamPerThread;
+    cudaError_t e =
+        target.device == device_
+            ? cudaMemcpyAsync(target.data, pool_ + r.offset, r.size, cudaMemcpyDeviceToDevice,
+                              stream)
+            : cudaMemcpyPeerAsync(target.data, target.device, pool_ + r.offset, device_, r.size,
+                                  stream);
+    // Waited for under the lock: the range stays the cache's until the copy is done.
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    if (e != cudaSuccess) return CudaError(e, "copy on the device");
+    return r.size;
   }
 
   absl::Status Delete(absl::string_view key, bool) override {
@@ -126,6 +169,25 @@ class DeviceTier final : public Tier {
 };
 
 }  // namespace
+
+absl::StatusOr<Payload> DownloadDeviceBytes(const DeviceBytes& bytes) {
+  KVCOMP_ASSIGN_OR_RETURN(Payload p, CopyToHost(bytes.data.get(), bytes.device, bytes.size));
+  if (Crc32c(p.data(), p.size()) != bytes.crc32c) {
+    return absl::DataLossError(
+        "device payload: its bytes copied to the host do not match the CRC32C it carries");
+  }
+  return p;
+}
+
+absl::Status CopyToDeviceTarget(const DeviceTarget& target, const void* src, uint64_t n) {
+  cudaSetDevice(target.device);
+  auto stream = static_cast<cudaStream_t>(target.stream);
+  if (stream == nullptr) stream = cudaStreamPerThread;
+  cudaError_t e = cudaMemcpyAsync(target.data, src, n, cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) return CudaError(e, "copy to device memory");
+  return absl::OkStatus();
+}
 
 bool CudaDeviceAvailable() {
   int n = 0;

@@ -28,6 +28,9 @@ class HostTier final : public Tier {
   uint64_t entries() const override { return entries_.load(std::memory_order_relaxed); }
 
   absl::Status Put(absl::string_view key, const CacheMeta&, const Payload& payload, bool) override {
+    if (payload.on_device()) {
+      return absl::InvalidArgumentError("host tier: payload in device memory");
+    }
     const uint64_t n = payload.size();
     if (!Reserve(n)) {
       return absl::ResourceExhaustedError(absl::StrCat("host tier: ", n, " bytes do not fit (",

@@ -424,6 +424,9 @@ absl::Status RocksDbTier::Write(void* batch_ptr, bool sync, absl::string_view wh
 
 absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, const Payload& payload,
                               bool sync) {
+  if (payload.on_device()) {
+    return absl::InvalidArgumentError("rocksdb tier: payload in device memory");
+  }
   Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
   WriterLock lock(&st.mu);
   auto it = st.sizes.find(key);

@@ -21,6 +21,7 @@
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/storage/tier.h"
+#include "cuda_memory.h"
 #include "mutex.h"
 #include "rocksdb_tier.h"
 #include "striped_counts.h"
@@ -87,6 +88,8 @@ class TieredStoreImpl final : public TieredStore {
   absl::Status Put(const CacheKey& key, Payload encoded, const CacheMeta& meta,
                    const PutOptions& options) override;
   absl::StatusOr<StoredCache> Get(const CacheKey& key) override;
+  absl::StatusOr<CacheMeta> GetInto(const CacheKey& key, const DeviceTarget& target,
+                                    DeviceCopies* copies) override;
   absl::StatusOr<LookupResult> Lookup(const CacheKey& key) override;
   absl::Status Delete(const CacheKey& key) override;
   absl::StatusOr<std::vector<ListedCache>> List(absl::string_view tenant) override;
@@ -640,8 +643,10 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
         tier_errors_[kRocks].empty() ? "" : ", which failed at open: ", tier_errors_[kRocks]));
   }
   CacheMeta meta = meta_in;
+  const DeviceBytes* on_device = encoded.device_bytes();
   if (options.validate) {
-    auto info = format::PeekCache(encoded.view());
+    auto info = on_device != nullptr ? format::PeekHeader(on_device->header, on_device->size)
+                                     : format::PeekCache(encoded.view());
     if (!info.ok()) return Annotate(info.status(), "put: not a valid encoded cache");
     if (meta.original_bytes == 0)
       meta.original_bytes = info->layout.CacheBytes(info->original_tokens);
@@ -649,7 +654,20 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
   }
   const uint64_t n = encoded.size();
   meta.stored_bytes = n;
-  meta.crc32c = Crc32c(encoded.data(), n);
+  meta.crc32c = on_device != nullptr ? on_device->crc32c : Crc32c(encoded.data(), n);
+  // The bytes as tier `t` takes them: a payload on the device goes to the device tier as it is
+  // and is copied to the host once, the first time another tier needs it.
+  Payload host_copy;
+  bool downloaded = false;
+  auto bytes_for = [&](int t) -> absl::StatusOr<Payload> {
+    if (on_device == nullptr || t == TierIndex(TierKind::kDevice)) return encoded;
+    if (!downloaded) {
+      KVCOMP_ASSIGN_OR_RETURN(host_copy, DownloadDeviceBytes(*on_device));
+      downloaded = true;
+      if (options.copies != nullptr) options.copies->to_host += n;
+    }
+    return host_copy;
+  };
   meta.created_unix_ms = NowMs();
   const absl::Duration ttl =
       options.ttl > absl::ZeroDuration() ? options.ttl : options_.default_ttl;
@@ -709,8 +727,10 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
   bool persisted = false;
   int placed = kNoTier;
   if (options.durability == Durability::kDisk) {
+    auto bytes = bytes_for(kRocks);
+    if (!bytes.ok()) return fail(Annotate(bytes.status(), "put"));
     MakeRoom(kRocks, n, Held().With(&ek));
-    absl::Status st = rocks_->Put(ek, meta, encoded, /*sync=*/true);
+    absl::Status st = rocks_->Put(ek, meta, *bytes, /*sync=*/true);
     if (!st.ok()) return fail(Annotate(st, "put"));
     persisted = true;
     counters_[kRocks].puts += 1;
@@ -721,13 +741,21 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
       placed = t;
       break;
     }
+    auto bytes = bytes_for(t);
+    if (!bytes.ok()) {
+      last = bytes.status();
+      break;
+    }
     if (t != target) MakeRoom(t, n, Held().With(&ek));
     absl::Status st = tiers_[t]->Put(
-        ek, meta, encoded, SyncFor(t, options.durability) || (t == kRocks && old_on_disk));
+        ek, meta, *bytes, SyncFor(t, options.durability) || (t == kRocks && old_on_disk));
     if (st.ok()) {
       placed = t;
       persisted = persisted || t == kRocks;
       counters_[t].puts += 1;
+      if (options.copies != nullptr && t == TierIndex(TierKind::kDevice)) {
+        (on_device != nullptr ? options.copies->on_device : options.copies->to_device) += n;
+      }
       break;
     }
     last = st;
@@ -845,6 +873,54 @@ absl::StatusOr<StoredCache> TieredStoreImpl::Get(const CacheKey& key) {
     return StoredCache{meta, *std::move(payload)};
   }
   return absl::UnavailableError("get: the entry kept moving; retry");
+}
+
+absl::StatusOr<CacheMeta> TieredStoreImpl::GetInto(const CacheKey& key,
+                                                   const DeviceTarget& target,
+                                                   DeviceCopies* copies) {
+  KVCOMP_RETURN_IF_ERROR(key.Validate());
+  if (target.data == nullptr) return absl::InvalidArgumentError("get into: null device target");
+  const std::string ek = key.Encode();
+  const int dev = TierIndex(TierKind::kDevice);
+  if (tiers_[dev] != nullptr) {
+    // Held as a reader through the copy: the key's put, delete, demotion or quarantine (writers
+    // of the stripe) wait for it, so the bytes copied are the meta's.
+    ReaderLock stripe(&Stripe(StripeIndex(ek)));
+    CacheMeta meta;
+    bool here = false;
+    {
+      Shard& s = ShardOf(ek);
+      WriterLock lock(&s.mu);
+      auto it = s.map.find(ek);
+      if (it != s.map.end() && !Expired(it->second, NowMs()) &&
+          it->second.meta.tier == TierKind::kDevice) {
+        meta = it->second.meta;
+        here = true;
+        TouchLocked(s, ek, it->second);
+      }
+    }
+    if (here) {
+      absl::StatusOr<uint64_t> n = tiers_[dev]->ReadInto(ek, target);
+      if (!n.ok()) return Annotate(n.status(), "get into device memory");
+      if (*n != meta.stored_bytes) {
+        return absl::InternalError(
+            "get into device memory: the device tier's size is not the meta's");
+      }
+      counters_[dev].hits += 1;
+      if (copies != nullptr) copies->on_device += *n;
+      return meta;
+    }
+  }
+  // Not on the device: read as Get reads it (checks, expiry, promotion), then one upload.
+  KVCOMP_ASSIGN_OR_RETURN(StoredCache got, Get(key));
+  if (got.payload.size() > target.capacity) {
+    return absl::OutOfRangeError(absl::StrCat("get into device memory: the cache has ",
+                                              got.payload.size(), " bytes, the target ",
+                                              target.capacity));
+  }
+  KVCOMP_RETURN_IF_ERROR(CopyToDeviceTarget(target, got.payload.data(), got.payload.size()));
+  if (copies != nullptr) copies->to_device += got.payload.size();
+  return got.meta;
 }
 
 absl::Status TieredStoreImpl::QuarantineOnRead(const std::string& ek, const CacheMeta& meta,

@@ -35,5 +35,12 @@ Payload Payload::Copy(absl::string_view bytes) {
   return Payload(std::move(data), bytes.size());
 }
 
+Payload Payload::OnDevice(DeviceBytes bytes) {
+  Payload p;
+  p.size_ = bytes.size;
+  p.device_ = std::make_shared<const DeviceBytes>(std::move(bytes));
+  return p;
+}
+
 }  // namespace storage
 }  // namespace kvcomp

@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/format.h"
+#include "kvcomp/storage/tier.h"
 #include "rocksdb_tier.h"
 #include "storage_test_util.h"
 
@@ -102,6 +103,39 @@ TEST(TieredStore, BadInputIsAClearStatusAndTheStoreKeepsServing) {
   EXPECT_TRUE(absl::IsAlreadyExists(store->Put(Key("ok"), EncodedCache(4), {}, no_overwrite)));
   EXPECT_EQ(store->Get(Key("ok"))->payload.view(), EncodedCache(2));
   EXPECT_TRUE(absl::IsFailedPrecondition(store->PutProjection({"m", 0, 0, 1}, "p")));
+}
+
+// Without a GPU (or a device tier) a payload in device memory cannot be read: a put of one is a
+// clear error and stores nothing; a malformed header is refused before any copy; the host tier
+// refuses one outright. (The device paths run in storage_device_payload_test on a GPU.)
+TEST(TieredStore, ADevicePayloadWithoutAGpuIsAClearErrorAndStoresNothing) {
+  auto store = MustOpen(HostOnly(1 << 20));
+  const std::string bytes = EncodedCache(21);
+  DeviceBytes d;
+  d.data = std::shared_ptr<const void>(reinterpret_cast<const void*>(0x1000), [](const void*) {});
+  d.size = bytes.size();
+  d.crc32c = Crc32c(bytes.data(), bytes.size());
+  d.header = bytes.substr(0, 512);
+  if (!CudaDeviceAvailable()) {
+    DeviceCopies copies;
+    PutOptions po;
+    po.copies = &copies;
+    absl::Status st = store->Put(CacheKey{"t", "m", "dev"}, Payload::OnDevice(d), CacheMeta{}, po);
+    EXPECT_FALSE(st.ok());
+    EXPECT_EQ(copies.to_host + copies.to_device + copies.on_device, 0u);
+    EXPECT_TRUE(absl::IsNotFound(store->Lookup(CacheKey{"t", "m", "dev"}).status()));
+  }
+  DeviceBytes bad = d;
+  bad.header = bytes.substr(0, 100);  // shorter than the header
+  absl::Status st =
+      store->Put(CacheKey{"t", "m", "bad"}, Payload::OnDevice(bad), CacheMeta{}, PutOptions{});
+  EXPECT_FALSE(st.ok());
+  EXPECT_TRUE(absl::IsNotFound(store->Lookup(CacheKey{"t", "m", "bad"}).status()));
+  HostTierOptions ho;
+  auto host = NewHostTier(ho);
+  ASSERT_TRUE(host.ok());
+  EXPECT_TRUE(
+      absl::IsInvalidArgument((*host)->Put("k", CacheMeta{}, Payload::OnDevice(d), false)));
 }
 
 TEST(TieredStore, MisconfiguredTiersFailAtOpen) {

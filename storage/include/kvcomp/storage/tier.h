@@ -26,7 +26,9 @@ class Tier {
   virtual uint64_t entries() const = 0;
 
   // Stores `payload` under `key`, replacing any value there; `meta` goes with it where the tier
-  // persists metadata (rocksdb), in one atomic write. With `sync` the write is durable on return
+  // persists metadata (rocksdb), in one atomic write. Only the device tier takes a payload in
+  // device memory (Payload::OnDevice; one copy on the device); the others refuse one
+  // (InvalidArgument). With `sync` the write is durable on return
   // (rocksdb: WAL synced). Errors: ResourceExhausted when it does not fit in the capacity or the
   // disk is full, Unavailable/Internal for other device or disk failures. On error nothing of
   // the new value is visible.
@@ -34,6 +36,11 @@ class Tier {
                            bool sync) = 0;
   // The payload under `key` (a host buffer; the device tier copies to host). NotFound if absent.
   virtual absl::StatusOr<Payload> Get(absl::string_view key) = 0;
+  // Copies the payload under `key` into device memory and returns its size, once the copy is
+  // done. The device tier copies device to device; the others (this default) read the payload
+  // and copy it host to device. NotFound if absent; OutOfRange when target.capacity is smaller
+  // than the payload (nothing copied); FailedPrecondition in a build without CUDA.
+  virtual absl::StatusOr<uint64_t> ReadInto(absl::string_view key, const DeviceTarget& target);
   // Removes `key`; OK if it was absent.
   virtual absl::Status Delete(absl::string_view key, bool sync) = 0;
 };

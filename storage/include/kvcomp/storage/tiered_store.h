@@ -50,6 +50,12 @@ class TieredStore {
   // has room, or disk full), FailedPrecondition (Durability::kDisk without a RocksDB tier).
   // Overwriting a cache that has a copy in RocksDB replaces or removes that copy with a synced
   // write before returning, so no crash can bring the older value back (docs/storage.md).
+  //
+  // `encoded` may be in device memory (Payload::OnDevice): the device tier takes it with one
+  // copy on the device, nothing through the host; wherever else the cache goes (its tier, a
+  // spill to the next tier, the RocksDB copy of a disk-durable put) its bytes are copied to host
+  // memory exactly once for the whole put, and that copy is checked against the CRC32C the
+  // payload carries (DataLoss on a mismatch; nothing stored). options.copies counts the copies.
   virtual absl::Status Put(const CacheKey& key, Payload encoded, const CacheMeta& meta,
                            const PutOptions& options) = 0;
   absl::Status Put(const CacheKey& key, absl::string_view encoded, const CacheMeta& meta,
@@ -60,6 +66,17 @@ class TieredStore {
   // The cache under `key`. NotFound if absent or expired; DataLoss if its bytes fail their
   // checksum (the entry is then quarantined and gone from the index).
   virtual absl::StatusOr<StoredCache> Get(const CacheKey& key) = 0;
+
+  // The cache under `key` copied into device memory (`target`), for a caller that serves it from
+  // there (a GPU-to-GPU channel): from the device tier one copy on the device, nothing through
+  // the host (the key's puts, deletes and demotions wait for it); from the host tier or RocksDB
+  // read as Get reads it, then one copy to the device. Returns the cache's meta (meta.stored_bytes
+  // bytes were written) once the copy is done, and adds the copy to `copies` (may be null).
+  // Errors: those of Get; OutOfRange when target.capacity is below the cache's size (Lookup
+  // gives it; nothing written); InvalidArgument for a null target; FailedPrecondition in a
+  // build without CUDA.
+  virtual absl::StatusOr<CacheMeta> GetInto(const CacheKey& key, const DeviceTarget& target,
+                                            DeviceCopies* copies) = 0;
 
   // Where `key` lives and its sizes, without reading the bytes or touching LRU order. NotFound
   // if absent or expired.

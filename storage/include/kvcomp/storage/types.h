@@ -25,9 +25,29 @@ enum class TierKind : uint8_t {
 inline constexpr int kNumTiers = 3;
 const char* TierName(TierKind kind);  // "device", "host", "rocksdb"
 
+// Encoded bytes in CUDA device memory, as a GPU engine makes them (kvcomp/kernels/
+// device_format.h): what a put hands the store so that the device tier takes them without a
+// copy through host memory. Their producer computed their CRC32C on the device and keeps a host
+// copy of their header and section table, so the store neither reads nor copies them to check
+// and index the put.
+struct DeviceBytes {
+  std::shared_ptr<const void> data;  // `size` bytes of device memory of CUDA device `device`;
+                                     // the deleter frees them (the store keeps no pointer after
+                                     // the put returns)
+  uint64_t size = 0;
+  int device = 0;
+  uint32_t crc32c = 0;  // CRC32C of the `size` bytes
+  std::string header;   // their first bytes, through the section table (format::PeekHeader)
+};
+
 // An immutable byte buffer with shared ownership: the encoded bytes of a CompressedCache
 // (kvcomp/core/format.h). Copies share the bytes; the bytes live as long as any copy, so a reader
 // holding a Payload never sees it vanish while the entry is demoted or deleted. Thread-safe.
+//
+// A payload made by OnDevice holds device memory instead (on_device()): data() is null and
+// view() empty, device_bytes() says where the bytes are. Only TieredStore::Put takes one (it
+// copies the bytes to the host once if the cache goes anywhere but the device tier); every
+// payload the store returns is in host memory.
 class Payload {
  public:
   Payload() = default;
@@ -37,17 +57,39 @@ class Payload {
   static Payload FromString(std::string bytes);
   // Copies `bytes` into a new heap buffer.
   static Payload Copy(absl::string_view bytes);
+  // Bytes in device memory (see DeviceBytes).
+  static Payload OnDevice(DeviceBytes bytes);
 
   const uint8_t* data() const { return data_.get(); }
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   absl::string_view view() const {
-    return absl::string_view(reinterpret_cast<const char*>(data_.get()), size_);
+    return absl::string_view(reinterpret_cast<const char*>(data_.get()), data_ ? size_ : 0);
   }
+  bool on_device() const { return device_ != nullptr; }
+  const DeviceBytes* device_bytes() const { return device_.get(); }
 
  private:
   std::shared_ptr<const uint8_t> data_;
   size_t size_ = 0;
+  std::shared_ptr<const DeviceBytes> device_;
+};
+
+// Bytes a store call copied between host and device memory (the device tier's copies).
+struct DeviceCopies {
+  uint64_t to_device = 0;  // host memory -> device memory
+  uint64_t to_host = 0;    // device memory -> host memory
+  uint64_t on_device = 0;  // device memory -> device memory
+};
+
+// Device memory a cache is read into (TieredStore::GetInto).
+struct DeviceTarget {
+  void* data = nullptr;    // device memory of CUDA device `device`
+  uint64_t capacity = 0;   // bytes at `data`
+  int device = 0;
+  void* stream = nullptr;  // a cudaStream_t of `device` the copy is ordered on (after the
+                           // work already queued there); nullptr = the calling thread's default
+                           // stream. The call waits for the copy on it before it returns.
 };
 
 // How long a put must survive before it is acknowledged.
@@ -78,8 +120,12 @@ struct PutOptions {
   absl::Duration ttl = absl::ZeroDuration();  // zero = StoreOptions::default_ttl
   bool pin = false;                           // pin once stored (as Pin()), so never demoted
   bool overwrite = true;                      // false: AlreadyExists when the key is present
-  // Check the encoded bytes' header and section table (format::PeekCache) before storing.
+  // Check the encoded bytes' header and section table (format::PeekCache) before storing; for
+  // a payload on the device, its header copy (format::PeekHeader).
   bool validate = true;
+  // When set, the bytes this put copied between host and device memory for its own cache are
+  // added to it (not those of demotions it caused). Not owned. Default none.
+  DeviceCopies* copies = nullptr;
 };
 
 // One cache read back: its metadata and a shared handle on its bytes.
