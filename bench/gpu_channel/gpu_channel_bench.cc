@@ -9,10 +9,16 @@
 // sends or receives); "put" and "get" are the whole calls (control round trips, the daemon's
 // copy to host memory and the compression, or the daemon's read and copy to its GPU). The
 // lossless policy (ratio 0, raw codecs) keeps every token, so the dense get returns the bytes
-// put; the default policy's put (manifold 0.5 + moments) is timed beside it.
+// put; the default policy's put (manifold 0.5 + moments) is timed beside it, and the same cache
+// put and fetched layer by layer (DevicePutStream, DeviceGetStream).
+// kvcompd runs with --backend (default cuda: the CUDA engine) and --tier (default device: the
+// GPU tier). With --one_gpu the daemon shares GPU 0 with this client: the channel is in CUDA IPC
+// mode and the reference is a device-to-device copy of the payload on that GPU.
 //
 //   kvcomp_gpu_channel_bench --kvcompd PATH [--tokens N] [--reps N] [--default_puts N]
-// Prints RESULT lines. Needs two CUDA devices and NCCL (kvcomp/transport/gpu_link.h).
+//                            [--backend cuda|cpu] [--tier device|host] [--one_gpu]
+// Prints RESULT lines. Needs two CUDA devices and NCCL (kvcomp/transport/gpu_link.h), or one
+// device with --one_gpu.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -70,19 +76,31 @@ int main(int argc, char** argv) {
   uint64_t tokens = 32768;
   int reps = 5;
   int default_puts = 2;  // puts with the default policy (the first warms up); 0 = none
-  for (int i = 1; i + 1 < argc; i += 2) {
+  std::string backend = "cuda";
+  std::string tier = "device";
+  bool one_gpu = false;
+  for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--kvcompd") kvcompd = argv[i + 1];
-    if (a == "--tokens") tokens = std::strtoull(argv[i + 1], nullptr, 10);
-    if (a == "--reps") reps = std::atoi(argv[i + 1]);
-    if (a == "--default_puts") default_puts = std::atoi(argv[i + 1]);
+    if (a == "--one_gpu") {
+      one_gpu = true;
+      continue;
+    }
+    if (i + 1 >= argc) break;
+    const char* v = argv[++i];
+    if (a == "--kvcompd") kvcompd = v;
+    if (a == "--tokens") tokens = std::strtoull(v, nullptr, 10);
+    if (a == "--reps") reps = std::atoi(v);
+    if (a == "--default_puts") default_puts = std::atoi(v);
+    if (a == "--backend") backend = v;
+    if (a == "--tier") tier = v;
   }
   GpuRuntime* rt = Value(GpuRuntime::Get(), "CUDA");
-  CHECK_OK(GpuRuntime::LoadNccl());
-  if (rt->device_count() < 2) {
-    std::fprintf(stderr, "needs two CUDA devices\n");
+  if (!one_gpu) CHECK_OK(GpuRuntime::LoadNccl());
+  if (rt->device_count() < (one_gpu ? 1 : 2)) {
+    std::fprintf(stderr, "needs %d CUDA device(s)\n", one_gpu ? 1 : 2);
     return 77;
   }
+  const int dd = one_gpu ? 0 : 1;  // the daemon's device
   KvLayout layout;
   layout.num_layers = 32;
   layout.num_kv_heads = 8;
@@ -110,7 +128,7 @@ int main(int argc, char** argv) {
       CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
     }
   }
-  CHECK_OK(rt->SetDevice(1));
+  CHECK_OK(rt->SetDevice(dd));
   void* dst = Value(rt->AllocDevice(payload), "alloc dst");
   void* s1 = Value(rt->NewStream(), "stream 1");
   auto chunks = [&](void* base) {
@@ -121,11 +139,26 @@ int main(int argc, char** argv) {
     return v;
   };
 
+  // One GPU: a device-to-device copy of the payload on it (cuMemcpyDtoDAsync).
+  std::vector<double> peer_s, nccl_s;
+  if (one_gpu) {
+    CHECK_OK(rt->SetDevice(0));
+    auto timer = Value(rt->NewTimer(), "timer");
+    for (int r = 0; r < reps + 1; ++r) {
+      CHECK_OK(timer->Start(s0));
+      CHECK_OK(rt->CopyAsync(dst, src, payload, GpuRuntime::Copy::kDeviceToDevice, s0));
+      CHECK_OK(timer->Stop(s0));
+      double s = Value(timer->Seconds(absl::Now() + absl::Seconds(60)), "d2d copy");
+      if (r > 0) peer_s.push_back(s);
+    }
+    Report("device-to-device copy", payload, peer_s);
+  }
   // cudaMemcpyPeer, GPU 0 -> GPU 1.
-  CHECK_OK(rt->EnablePeerAccess(0, 1));
-  CHECK_OK(rt->EnablePeerAccess(1, 0));
-  std::vector<double> peer_s;
-  {
+  if (!one_gpu) {
+    CHECK_OK(rt->EnablePeerAccess(0, 1));
+    CHECK_OK(rt->EnablePeerAccess(1, 0));
+  }
+  if (!one_gpu) {
     CHECK_OK(rt->SetDevice(0));
     auto timer = Value(rt->NewTimer(), "timer");
     for (int r = 0; r < reps + 1; ++r) {
@@ -136,11 +169,10 @@ int main(int argc, char** argv) {
       if (r > 0) peer_s.push_back(s);  // the first warms up
     }
   }
-  Report("cudaMemcpyPeer", payload, peer_s);
+  if (!one_gpu) Report("cudaMemcpyPeer", payload, peer_s);
 
   // ncclSend/ncclRecv between the same GPUs, the channel's chunks.
-  std::vector<double> nccl_s;
-  {
+  if (!one_gpu) {
     CHECK_OK(rt->SetDevice(1));
     const std::string id = Value(rt->NewUniqueId(), "unique id");
     std::unique_ptr<NcclLink> recv_link, send_link;
@@ -165,17 +197,18 @@ int main(int argc, char** argv) {
       if (r > 0) nccl_s.push_back(s);
     }
   }
-  Report("ncclSend/Recv", payload, nccl_s);
-  CHECK_OK(rt->SetDevice(1));
-  rt->FreeDevice(dst);  // the daemon needs GPU 1's memory
+  if (!one_gpu) Report("ncclSend/Recv", payload, nccl_s);
+  CHECK_OK(rt->SetDevice(dd));
+  rt->FreeDevice(dst);  // the daemon needs its GPU's memory
 
   // The channel: kvcompd on GPU 1, this client on GPU 0.
   kvcomp::testing::TempDir dir;
   kvcomp::testing::KvcompdProcess daemon(
       kvcompd, dir.path() + "/d",
-      {"--engine.backend=auto", "--engine.cuda_device=1", "--engine.cpu_threads=0",
-       "--storage.durability=memory",
-       "--storage.rocksdb_enabled=false", "--storage.put_tier=host",
+      {"--engine.backend=" + backend, "--engine.cuda_device=" + std::to_string(dd),
+       "--engine.cpu_threads=0", "--storage.durability=memory",
+       "--storage.rocksdb_enabled=false", "--storage.put_tier=" + tier,
+       "--storage.device_capacity_bytes=24Gi",
        "--storage.host_capacity_bytes=64Gi", "--data_plane.max_buffered_bytes=16Gi",
        "--data_plane.max_put_bytes=16Gi", "--data_plane.gpu_transfer_timeout_seconds=120"});
   daemon.SetEnv("NCCL_NVLS_ENABLE=0");
@@ -241,6 +274,54 @@ int main(int argc, char** argv) {
   Report("channel get transfer", payload, get_xfer);
   Report("channel put (lossless, whole)", payload, put_wall);
   Report("channel get (dense, whole)", payload, get_wall);
+
+  // Layer by layer: a put stream fed one layer at a time, then a get handed back one layer at
+  // a time (the time until layer 0 is usable on this stream beside the whole get).
+  {
+    std::vector<double> sput_wall, sput_xfer, sget_wall, sget_first;
+    std::string spath, gpath;
+    void* first = Value(rt->NewEvent(), "event");
+    for (int r = 0; r < reps + 1; ++r) {
+      const std::string key = "layers-" + std::to_string(r);
+      auto t0 = absl::Now();
+      auto ps = Value(client->OpenDevicePutStream("llama-8b", key, layout, tokens, 0, lossless),
+                      "put stream");
+      spath = ps->path();
+      for (uint32_t l = 0; l < layout.num_layers; ++l) CHECK_OK(ps->AppendLayer(l, in[l], s0));
+      auto put = Value(ps->Commit(), "put stream commit");
+      const double wall = absl::ToDoubleSeconds(absl::Now() - t0);
+      t0 = absl::Now();
+      auto gs = Value(client->OpenDeviceGetStream("llama-8b", key, layout, tokens, out, s0),
+                      "get stream");
+      CHECK_OK(rt->SetDevice(0));
+      CHECK_OK(gs->WaitLayer(0, s0));
+      CHECK_OK(rt->RecordEvent(first, s0));
+      CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+      const double first_s = absl::ToDoubleSeconds(absl::Now() - t0);
+      auto got = Value(gs->Finish(), "get stream finish");
+      gpath = got.path;
+      const double gwall = absl::ToDoubleSeconds(absl::Now() - t0);
+      if (r > 0) {
+        sput_wall.push_back(wall);
+        sput_xfer.push_back(put.transfer_seconds);
+        sget_wall.push_back(gwall);
+        sget_first.push_back(first_s);
+      }
+      (void)client->Delete("llama-8b", key);
+    }
+    rt->DestroyEvent(first);
+    std::string a(payload, '\0'), b(payload, '\0');
+    CHECK_OK(rt->CopyAsync(a.data(), src, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    CHECK_OK(rt->CopyAsync(b.data(), back, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+    std::printf("# layer by layer: put path %s, get path %s, round trip %s\n", spath.c_str(),
+                gpath.c_str(), a == b ? "bit-identical" : "DIFFERS");
+    Report("layered put (whole)", payload, sput_wall);
+    Report("layered put transfer", payload, sput_xfer);
+    Report("layered get (whole)", payload, sget_wall);
+    std::printf("RESULT gpu_channel layered get: layer 0 usable after %.3f s (best), whole %.3f s\n",
+                Best(sget_first), Best(sget_wall));
+  }
   for (int r = 0; r < default_puts; ++r) {
     const std::string key = "default-" + std::to_string(r);
     auto t0 = absl::Now();
@@ -252,13 +333,17 @@ int main(int argc, char** argv) {
     (void)client->Delete("llama-8b", key);
   }
   if (!full_wall.empty()) Report("channel put (default, whole)", payload, full_wall);
-  const double best_ref = std::max(payload / Best(nccl_s), payload / Best(peer_s));
+  const double best_ref = std::max(nccl_s.empty() ? 0.0 : payload / Best(nccl_s),
+                                   payload / Best(peer_s));
   std::printf("RESULT gpu_channel put transfer / best reference = %.0f%%, get = %.0f%% (target 80%%)\n",
               100.0 * payload / Best(put_xfer) / best_ref, 100.0 * payload / Best(get_xfer) / best_ref);
   const kvcomp::client::GpuChannelStats st = client->GpuStats();
-  std::printf("# client: %llu nccl puts, %llu nccl gets, %llu fallbacks\n",
+  std::printf("# client: %llu nccl puts, %llu nccl gets, %llu ipc puts, %llu ipc gets, "
+              "%llu fallbacks\n",
               static_cast<unsigned long long>(st.nccl_puts),
               static_cast<unsigned long long>(st.nccl_gets),
+              static_cast<unsigned long long>(st.ipc_puts),
+              static_cast<unsigned long long>(st.ipc_gets),
               static_cast<unsigned long long>(st.fallback_puts + st.fallback_gets));
   return 0;
 }

@@ -3,7 +3,11 @@
 # the bundle bench/gpu_channel/bundle.sh made (carry=["build-gpu-channel-pack"]). NCCL is PyTorch's
 # (nvidia/nccl/lib of the machine's python), named to every process by KVCOMP_NCCL_LIBRARY;
 # NVLink multicast stays off. Logs and a summary under $OUT.
-#   KVCOMP_GPU_CHANNEL_STEPS  "test bench" (default)
+#   KVCOMP_GPU_CHANNEL_STEPS  "test bench" (default); also "python" (the Python SDK's device
+#                             path from torch tensors, tests/python/test_gpu_device_path.py, with
+#                             the bundle's extension), "one" (one GPU: the C++ benchmark with the
+#                             daemon on GPU 0, CUDA IPC, and bench/gpu_channel/ipc_bench.py)
+#   KVCOMP_GPU_CHANNEL_BACKEND / _TIER  kvcompd's engine and put tier (default cuda / device)
 #   KVCOMP_GPU_CHANNEL_TOKENS tokens of the benchmark's cache (default 32768)
 #   KVCOMP_GPU_CHANNEL_REPS   repetitions (default 3)
 #   KVCOMP_GPU_CHANNEL_DEFAULT_PUTS  puts with the default policy, the first a warm-up (default 2)
@@ -45,13 +49,42 @@ if [[ "$STEPS" == *" test "* ]]; then
   timeout 200 "$BUNDLE/bin/client_gpu_channel_gpu_test" 2>&1 | tee "$OUT/test.log" |
     grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]' | tee -a "$SUMMARY"
 fi
+BACKEND=${KVCOMP_GPU_CHANNEL_BACKEND:-cuda}
+TIER=${KVCOMP_GPU_CHANNEL_TIER:-device}
+if [[ "$STEPS" == *" python "* ]]; then
+  if [ -n "${KVCOMP_BUNDLE_PYTHON:-}" ]; then
+    KVCOMPD="$BUNDLE/bin/kvcompd" PYTHONPATH="$KVCOMP_BUNDLE_PYTHON:tests/python:tests/integration" \
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/python/test_gpu_device_path.py \
+      -rs -s >"$OUT/python.log" 2>&1
+    note "python  exit $? ($(tail -1 "$OUT/python.log"))"
+    grep -E 'took|kernel still|PASSED|FAILED|Error' "$OUT/python.log" | head -20 | tee -a "$SUMMARY"
+  else
+    note "python  no extension in the bundle"
+  fi
+fi
 if [[ "$STEPS" == *" bench "* ]]; then
   timeout 300 "$BUNDLE/bin/kvcomp_gpu_channel_bench" --kvcompd "$BUNDLE/bin/kvcompd" \
     --tokens "${KVCOMP_GPU_CHANNEL_TOKENS:-32768}" --reps "${KVCOMP_GPU_CHANNEL_REPS:-3}" \
-    --default_puts "${KVCOMP_GPU_CHANNEL_DEFAULT_PUTS:-2}" \
+    --default_puts "${KVCOMP_GPU_CHANNEL_DEFAULT_PUTS:-2}" --backend "$BACKEND" --tier "$TIER" \
     >"$OUT/bench.log" 2>&1
   note "bench   exit $?"
   grep -E '^(RESULT|#)' "$OUT/bench.log" | tee -a "$SUMMARY"
+fi
+if [[ "$STEPS" == *" one "* ]]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "$BUNDLE/bin/kvcomp_gpu_channel_bench" \
+    --kvcompd "$BUNDLE/bin/kvcompd" --tokens "${KVCOMP_GPU_CHANNEL_TOKENS:-32768}" \
+    --reps "${KVCOMP_GPU_CHANNEL_REPS:-3}" --default_puts 0 --backend "$BACKEND" --tier "$TIER" \
+    --one_gpu >"$OUT/bench-one.log" 2>&1
+  note "one     exit $?"
+  grep -E '^(RESULT|#)' "$OUT/bench-one.log" | tee -a "$SUMMARY"
+  if [ -n "${KVCOMP_BUNDLE_PYTHON:-}" ]; then
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$KVCOMP_BUNDLE_PYTHON" timeout 200 python3 \
+      bench/gpu_channel/ipc_bench.py --kvcompd "$BUNDLE/bin/kvcompd" \
+      --tokens "${KVCOMP_GPU_CHANNEL_TOKENS:-32768}" --reps "${KVCOMP_GPU_CHANNEL_REPS:-3}" \
+      --backend "$BACKEND" --tier "$TIER" >"$OUT/ipc-bench.log" 2>&1
+    note "ipcpy   exit $?"
+    grep -E '^(RESULT|#)' "$OUT/ipc-bench.log" | tee -a "$SUMMARY"
+  fi
 fi
 echo "================ summary ================"
 cat "$SUMMARY"

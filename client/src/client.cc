@@ -296,6 +296,18 @@ class ClientImpl : public Client {
     return absl::NotFoundError(absl::StrCat("no member ", endpoint));
   }
   GpuChannelStats GpuStats() const override { return gpu_->Stats(); }
+  absl::StatusOr<std::unique_ptr<DevicePutStream>> OpenDevicePutStream(
+      absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+      uint64_t num_tokens, int device, const PutOptions& options) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    return gpu_->OpenPutStream(model_id, key, layout, num_tokens, device, options);
+  }
+  absl::StatusOr<std::unique_ptr<DeviceGetStream>> OpenDeviceGetStream(
+      absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+      uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers, void* stream) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    return gpu_->OpenGetStream(model_id, key, layout, num_tokens, layers, stream);
+  }
 
   absl::Status ConnectAll() {
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
@@ -753,6 +765,15 @@ absl::Status Client::ProbeGpuChannel(const std::string&, int) {
   return absl::UnimplementedError("no GPU channel in this client");
 }
 GpuChannelStats Client::GpuStats() const { return {}; }
+absl::StatusOr<std::unique_ptr<DevicePutStream>> Client::OpenDevicePutStream(
+    absl::string_view, absl::string_view, const KvLayout&, uint64_t, int, const PutOptions&) {
+  return absl::UnimplementedError("device put streams are not implemented by this client");
+}
+absl::StatusOr<std::unique_ptr<DeviceGetStream>> Client::OpenDeviceGetStream(
+    absl::string_view, absl::string_view, const KvLayout&, uint64_t,
+    const std::vector<DeviceLayerOut>&, void*) {
+  return absl::UnimplementedError("device get streams are not implemented by this client");
+}
 
 absl::Status PutStream::AppendLayer(uint32_t layer, const void* keys, const void* values) {
   return Append(layer, 0, num_tokens(), keys, values);

@@ -145,16 +145,19 @@ absl::StatusOr<ChunkReply> ControlGetChunks(const std::string& address,
 absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address,
                                                       const ClientOptions& options,
                                                       int nccl_version,
-                                                      const std::string& device_uuid) {
+                                                      const std::string& device_uuid,
+                                                      const std::string& ipc_event) {
   rpc::GpuChannelRequest req;
   req.__set_nccl_version(nccl_version);
   req.__set_device_uuid(device_uuid);
+  if (!ipc_event.empty()) req.__set_ipc_event(ipc_event);
   rpc::GpuChannelResponse r;
   KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
     control.OpenGpuChannel(r, auth, req);
     return r.status;
   }));
-  if (r.channel_id <= 0 || r.nccl_unique_id.size() != 128) {
+  const bool ipc = r.__isset.mode && r.mode == "ipc";
+  if (r.channel_id <= 0 || (!ipc && r.nccl_unique_id.size() != 128)) {
     return absl::InternalError(absl::StrCat("control ", address,
                                             ": OpenGpuChannel answered no usable channel"));
   }
@@ -165,6 +168,7 @@ absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address
   g.daemon_device = r.daemon_device;
   g.max_transfer_bytes = static_cast<uint64_t>(std::max<int64_t>(0, r.max_transfer_bytes));
   g.transfer_timeout = absl::Milliseconds(std::max(1, r.transfer_timeout_ms));
+  g.ipc = ipc;
   return g;
 }
 
@@ -188,6 +192,21 @@ rpc::Layout ToRpcLayout(const KvLayout& l) {
   return r;
 }
 
+rpc::GpuIpcPayload ToRpcIpc(const GpuIpcTransfer& t) {
+  rpc::GpuIpcPayload p;
+  p.__set_buffers(t.buffers);
+  std::vector<rpc::GpuIpcChunk> chunks;
+  for (const GpuIpcTransfer::Chunk& c : t.chunks) {
+    rpc::GpuIpcChunk k;
+    k.__set_buffer(static_cast<int32_t>(c.buffer));
+    k.__set_offset(static_cast<int64_t>(c.offset));
+    k.__set_bytes(static_cast<int64_t>(c.bytes));
+    chunks.push_back(k);
+  }
+  p.__set_chunks(std::move(chunks));
+  return p;
+}
+
 }  // namespace
 
 absl::StatusOr<uint64_t> ControlGpuPutBegin(const std::string& address,
@@ -200,6 +219,8 @@ absl::StatusOr<uint64_t> ControlGpuPutBegin(const std::string& address,
   req.__set_num_tokens(static_cast<int64_t>(header.num_tokens));
   if (header.policy) req.__set_policy(service::PolicyToRpc(*header.policy));
   req.__set_payload_bytes(static_cast<int64_t>(header.payload_bytes));
+  if (header.ipc != nullptr) req.__set_ipc(ToRpcIpc(*header.ipc));
+  if (header.layer_major) req.__set_layer_major(true);
   rpc::GpuTransferResponse r;
   KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
     control.GpuPutBegin(r, auth, static_cast<int64_t>(channel_id), req);
@@ -221,13 +242,15 @@ absl::StatusOr<PutResult> ControlGpuPutFinish(const std::string& address,
   out.original_bytes = static_cast<uint64_t>(r.original_bytes);
   out.stored_bytes = static_cast<uint64_t>(r.stored_bytes);
   out.total_kept = static_cast<uint64_t>(r.total_kept);
+  out.transfer_seconds = r.receive_seconds;
   return out;
 }
 
 absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const ClientOptions& options,
                                           uint64_t channel_id, absl::string_view model_id,
                                           absl::string_view key, GpuGetForm form,
-                                          uint64_t capacity) {
+                                          uint64_t capacity, const GpuIpcTransfer* ipc,
+                                          bool layer_major) {
   rpc::GpuGetRequest req;
   rpc::CacheRef ref;
   ref.__set_model_id(std::string(model_id));
@@ -235,6 +258,8 @@ absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const Clie
   req.__set_ref(ref);
   req.__set_form(static_cast<rpc::GpuGetForm::type>(static_cast<int>(form)));
   req.__set_capacity(static_cast<int64_t>(std::min<uint64_t>(capacity, INT64_MAX)));
+  if (ipc != nullptr) req.__set_ipc(ToRpcIpc(*ipc));
+  if (layer_major) req.__set_layer_major(true);
   rpc::GpuTransferResponse r;
   KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
     control.GpuGet(r, auth, static_cast<int64_t>(channel_id), req);

@@ -50,11 +50,24 @@ struct GpuChannelGrant {
   int daemon_device = 0;
   uint64_t max_transfer_bytes = 0;
   absl::Duration transfer_timeout;
+  bool ipc = false;  // mode "ipc": the daemon shares the client's GPU (no NCCL communicator)
 };
+// `ipc_event`: the handle of the client's interprocess event (offers CUDA IPC); empty: none.
 absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address,
                                                       const ClientOptions& options,
                                                       int nccl_version,
-                                                      const std::string& device_uuid);
+                                                      const std::string& device_uuid,
+                                                      const std::string& ipc_event = "");
+// A transfer's client memory in mode "ipc": allocations' IPC handles and the payload's chunks.
+struct GpuIpcTransfer {
+  struct Chunk {
+    uint32_t buffer = 0;
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+  std::vector<std::string> buffers;
+  std::vector<Chunk> chunks;
+};
 absl::Status ControlCloseGpuChannel(const std::string& address, const ClientOptions& options,
                                     uint64_t channel_id);
 struct GpuPutHeader {
@@ -64,6 +77,8 @@ struct GpuPutHeader {
   uint64_t num_tokens = 0;
   std::optional<CompressionPolicy> policy;
   uint64_t payload_bytes = 0;
+  const GpuIpcTransfer* ipc = nullptr;  // mode "ipc"
+  bool layer_major = false;             // chunks K0, V0, K1, V1, ...
 };
 absl::StatusOr<uint64_t> ControlGpuPutBegin(const std::string& address,
                                             const ClientOptions& options, uint64_t channel_id,
@@ -81,7 +96,8 @@ struct GpuGetGrant {
 absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const ClientOptions& options,
                                           uint64_t channel_id, absl::string_view model_id,
                                           absl::string_view key, GpuGetForm form,
-                                          uint64_t capacity);
+                                          uint64_t capacity, const GpuIpcTransfer* ipc = nullptr,
+                                          bool layer_major = false);
 absl::Status ControlGpuGetFinish(const std::string& address, const ClientOptions& options,
                                  uint64_t channel_id, uint64_t transfer_id);
 

@@ -23,8 +23,41 @@ struct GpuPath::Channel {
   uint64_t id = 0;
   uint64_t max_transfer_bytes = 0;
   absl::Duration transfer_timeout;
-  absl::Mutex mu;  // one transfer at a time
-  std::unique_ptr<NcclLink> link ABSL_GUARDED_BY(mu);
+  bool ipc = false;              // mode "ipc": the daemon is on this GPU; no communicator
+  void* ipc_event = nullptr;     // mode "ipc": recorded on the caller's stream per transfer
+  absl::Mutex mu;
+  bool busy ABSL_GUARDED_BY(mu) = false;  // one transfer at a time (a Turn)
+  std::unique_ptr<NcclLink> link;         // used by the Turn's holder only
+
+  ~Channel() {
+    if (ipc_event != nullptr) {
+      absl::StatusOr<GpuRuntime*> rt = GpuRuntime::Get();
+      if (rt.ok()) (*rt)->DestroyEvent(ipc_event);
+    }
+  }
+};
+
+// A channel's turn: one transfer at a time, held across calls by the layer-by-layer streams.
+class GpuPath::Turn {
+ public:
+  explicit Turn(std::shared_ptr<Channel> c) : c_(std::move(c)) {
+    absl::MutexLock lock(&c_->mu);
+    c_->mu.Await(absl::Condition(
+        +[](bool* busy) { return !*busy; }, &c_->busy));
+    c_->busy = true;
+  }
+  ~Turn() {
+    absl::MutexLock lock(&c_->mu);
+    c_->busy = false;
+  }
+  Turn(const Turn&) = delete;
+  Turn& operator=(const Turn&) = delete;
+  Channel& operator*() const { return *c_; }
+  Channel* operator->() const { return c_.get(); }
+  const std::shared_ptr<Channel>& channel() const { return c_; }
+
+ private:
+  std::shared_ptr<Channel> c_;
 };
 
 namespace {
@@ -112,6 +145,39 @@ bool Refused(const absl::Status& s) {
   return absl::IsUnauthenticated(s) || absl::IsPermissionDenied(s);
 }
 
+// The caller's memory of an IPC transfer: the allocations holding `chunks` (one handle each)
+// and where each chunk lies in its allocation.
+absl::StatusOr<GpuIpcTransfer> IpcOf(GpuRuntime* rt, const std::vector<NcclLink::Chunk>& chunks) {
+  GpuIpcTransfer t;
+  for (const NcclLink::Chunk& c : chunks) {
+    KVCOMP_ASSIGN_OR_RETURN(GpuRuntime::ExportedMemory m, rt->ExportMemory(c.data));
+    uint32_t index = 0;
+    while (index < t.buffers.size() && t.buffers[index] != m.handle) ++index;
+    if (index == t.buffers.size()) t.buffers.push_back(m.handle);
+    t.chunks.push_back({index, m.offset, c.bytes});
+  }
+  return t;
+}
+
+// K and V chunks of `layers` in transfer order: every layer's keys then every layer's values,
+// or layer by layer.
+template <typename Layer>
+std::vector<NcclLink::Chunk> ChunksOf(const std::vector<Layer>& layers, uint64_t layer_bytes,
+                                      bool layer_major) {
+  std::vector<NcclLink::Chunk> chunks;
+  auto ptr = [](auto p) { return const_cast<void*>(static_cast<const void*>(p)); };
+  if (layer_major) {
+    for (const Layer& l : layers) {
+      chunks.push_back({ptr(l.keys), layer_bytes});
+      chunks.push_back({ptr(l.values), layer_bytes});
+    }
+    return chunks;
+  }
+  for (const Layer& l : layers) chunks.push_back({ptr(l.keys), layer_bytes});
+  for (const Layer& l : layers) chunks.push_back({ptr(l.values), layer_bytes});
+  return chunks;
+}
+
 }  // namespace
 
 GpuPath::GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, FetchFn fetch)
@@ -127,7 +193,7 @@ GpuPath::~GpuPath() {
   quick.request_timeout = std::min(options_.request_timeout, absl::Seconds(2));
   for (auto& [key, c] : channels) {
     (void)ControlCloseGpuChannel(c->control, quick, c->id);  // the daemon's side goes first
-    absl::MutexLock lock(&c->mu);
+    Turn turn(c);
     if (c->link) c->link->Abort();
   }
 }
@@ -188,11 +254,26 @@ absl::StatusOr<std::shared_ptr<GpuPath::Channel>> GpuPath::ChannelFor(
         "endpoint ", endpoint.data,
         " has no control address (give \"data,control\"): the GPU channel is negotiated there")));
   }
-  if (absl::Status s = GpuRuntime::LoadNccl(); !s.ok()) return refuse(s);
-  KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, Runtime());
+  const absl::Status nccl = GpuRuntime::LoadNccl();
+  absl::StatusOr<GpuRuntime*> rt_or = Runtime();
+  if (!rt_or.ok()) return refuse(nccl.ok() ? rt_or.status() : nccl);
+  GpuRuntime* rt = *rt_or;
   KVCOMP_ASSIGN_OR_RETURN(std::string uuid, rt->DeviceUuid(device));
-  absl::StatusOr<GpuChannelGrant> grant =
-      ControlOpenGpuChannel(endpoint.control, options_, rt->nccl_version(), uuid);
+  // CUDA IPC is offered with an interprocess event of this device: the daemon takes it when it
+  // shares the GPU, NCCL otherwise.
+  auto channel = std::make_shared<Channel>();
+  std::string ipc_event;
+  if (rt->has_ipc() && rt->SetDevice(device).ok()) {
+    absl::StatusOr<void*> ev = rt->NewIpcEvent(&ipc_event);
+    if (ev.ok()) {
+      channel->ipc_event = *ev;
+    } else {
+      ipc_event.clear();
+    }
+  }
+  if (!nccl.ok() && channel->ipc_event == nullptr) return refuse(nccl);
+  absl::StatusOr<GpuChannelGrant> grant = ControlOpenGpuChannel(
+      endpoint.control, options_, nccl.ok() ? rt->nccl_version() : 0, uuid, ipc_event);
   if (!grant.ok()) {
     if (Refused(grant.status())) {
       *hard = true;
@@ -202,22 +283,23 @@ absl::StatusOr<std::shared_ptr<GpuPath::Channel>> GpuPath::ChannelFor(
                                absl::StrCat("the daemon refused the GPU channel: ",
                                             grant.status().message())));
   }
-  absl::StatusOr<std::unique_ptr<NcclLink>> link =
-      NcclLink::Join(grant->nccl_unique_id, 1, device, grant->transfer_timeout);
-  if (!link.ok()) {
-    (void)ControlCloseGpuChannel(endpoint.control, options_, grant->channel_id);
-    return refuse(absl::UnavailableError(absl::StrCat(
-        "the daemon's GPU is not reachable over NCCL: ", link.status().message())));
-  }
-  auto channel = std::make_shared<Channel>();
   channel->control = endpoint.control;
   channel->data = endpoint.data;
   channel->device = device;
   channel->id = grant->channel_id;
   channel->max_transfer_bytes = grant->max_transfer_bytes;
   channel->transfer_timeout = grant->transfer_timeout;
-  {
-    absl::MutexLock lock(&channel->mu);
+  channel->ipc = grant->ipc;
+  if (!grant->ipc) {
+    rt->DestroyEvent(channel->ipc_event);
+    channel->ipc_event = nullptr;
+    absl::StatusOr<std::unique_ptr<NcclLink>> link =
+        NcclLink::Join(grant->nccl_unique_id, 1, device, grant->transfer_timeout);
+    if (!link.ok()) {
+      (void)ControlCloseGpuChannel(endpoint.control, options_, grant->channel_id);
+      return refuse(absl::UnavailableError(absl::StrCat(
+          "the daemon's GPU is not reachable over NCCL: ", link.status().message())));
+    }
     channel->link = *std::move(link);
   }
   absl::MutexLock lock(&mu_);
@@ -230,6 +312,105 @@ absl::StatusOr<std::shared_ptr<GpuPath::Channel>> GpuPath::ChannelFor(
 absl::Status GpuPath::Probe(const EndpointAddress& endpoint, int device) {
   bool hard = false;
   return ChannelFor(endpoint, device, &hard).status();
+}
+
+absl::StatusOr<std::optional<PutResult>> GpuPath::ChannelPut(
+    const std::vector<EndpointAddress>& ranking, GpuRuntime* rt, int device,
+    const GpuPutHeader& header, const std::vector<NcclLink::Chunk>& chunks, void* stream,
+    absl::Status* why) {
+  if (options_.replicas > 1) {
+    *why = absl::FailedPreconditionError("replicas > 1: copies go over the data plane");
+  } else if (ranking.empty()) {
+    *why = absl::UnavailableError("no endpoint");
+  }
+  for (int attempt = 0; why->ok() && attempt < 2; ++attempt) {
+    bool hard = false;
+    absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
+    if (!channel.ok()) {
+      if (hard) return channel.status();
+      *why = channel.status();
+      break;
+    }
+    if (header.payload_bytes > (*channel)->max_transfer_bytes) {
+      *why = absl::FailedPreconditionError(absl::StrCat("a payload of ", header.payload_bytes,
+                                                        " bytes exceeds the GPU channel's ",
+                                                        (*channel)->max_transfer_bytes));
+      break;
+    }
+    Turn c(*channel);
+    if (!c->ipc && (c->link == nullptr || c->link->broken())) {
+      Drop(*channel, absl::UnavailableError("link broken"));
+      continue;
+    }
+    GpuPutHeader h = header;
+    GpuIpcTransfer ipc;
+    if (c->ipc) {
+      absl::StatusOr<GpuIpcTransfer> t = IpcOf(rt, chunks);
+      if (!t.ok()) {
+        *why = t.status();  // memory the driver cannot share: through host memory
+        break;
+      }
+      ipc = *std::move(t);
+      h.ipc = &ipc;
+      // The daemon's copies wait for this event: after the producer's work on `stream`.
+      KVCOMP_RETURN_IF_ERROR(rt->RecordEvent(c->ipc_event, stream));
+    }
+    absl::StatusOr<uint64_t> transfer = ControlGpuPutBegin(c->control, options_, c->id, h);
+    if (!transfer.ok()) {
+      const absl::Status& e = transfer.status();
+      if (absl::IsNotFound(e) || absl::IsUnavailable(e) ||
+          (c->ipc && absl::IsFailedPrecondition(e))) {
+        if (c->link) c->link->Abort();  // the daemon closed it (idle, timeout, restart)
+        Drop(*channel, e);
+        if (c->ipc && absl::IsFailedPrecondition(e)) {
+          *why = e;  // it cannot map this memory: through host memory
+          break;
+        }
+        continue;
+      }
+      return e;  // the daemon refused the put itself: say why
+    }
+    if (c->ipc) {
+      absl::StatusOr<PutResult> result =
+          ControlGpuPutFinish(c->control, options_, c->id, *transfer);
+      if (!result.ok()) {
+        Drop(*channel, result.status());
+        return result.status();
+      }
+      result->path = "ipc";
+      result->endpoints = {c->data};
+      absl::MutexLock stats(&mu_);
+      stats_.ipc_puts++;
+      return std::optional<PutResult>(*std::move(result));
+    }
+    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
+    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<GpuRuntime::Timer> timer, rt->NewTimer());
+    const absl::Time deadline = absl::Now() + c->transfer_timeout;
+    absl::Status s = timer->Start(stream);
+    if (s.ok()) s = c->link->Send(chunks, stream);
+    if (s.ok()) s = c->link->Enqueued(deadline);
+    if (s.ok()) s = timer->Stop(stream);
+    absl::StatusOr<PutResult> result =
+        s.ok() ? ControlGpuPutFinish(c->control, options_, c->id, *transfer)
+               : absl::StatusOr<PutResult>(s);
+    if (!result.ok()) {
+      // The transfer failed or the daemon went away mid-transfer: abort, so that nothing stays
+      // queued on the caller's stream waiting for a peer that is gone.
+      c->link->Abort();
+      Drop(*channel, result.status());
+      return result.status();
+    }
+    s = c->link->Wait(stream, deadline + c->transfer_timeout);
+    if (!s.ok()) Drop(*channel, s);  // acknowledged by the daemon: the put stands
+    result->transfer_seconds = SecondsOf(*timer);
+    result->path = "nccl";
+    result->endpoints = {c->data};
+    absl::MutexLock stats(&mu_);
+    stats_.nccl_puts++;
+    return std::optional<PutResult>(*std::move(result));
+  }
+  if (why->ok()) *why = absl::UnavailableError("the GPU channel failed twice");
+  return std::optional<PutResult>();
 }
 
 absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_view key,
@@ -247,76 +428,15 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
   const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
   const uint64_t payload = layout.CacheBytes(num_tokens);
 
+  GpuPutHeader header{std::string(model_id), std::string(key), layout, num_tokens,
+                      options.policy, payload};
   absl::Status why;
-  std::string fallback_endpoint = ranking.empty() ? "" : ranking[0].data;
-  if (options_.replicas > 1) {
-    why = absl::FailedPreconditionError("replicas > 1: copies go over the data plane");
-  } else if (ranking.empty()) {
-    why = absl::UnavailableError("no endpoint");
-  }
-  for (int attempt = 0; why.ok() && attempt < 2; ++attempt) {
-    bool hard = false;
-    absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
-    if (!channel.ok()) {
-      if (hard) return channel.status();
-      why = channel.status();
-      break;
-    }
-    Channel& c = **channel;
-    if (payload > c.max_transfer_bytes) {
-      why = absl::FailedPreconditionError(absl::StrCat(
-          "a payload of ", payload, " bytes exceeds the GPU channel's ", c.max_transfer_bytes));
-      break;
-    }
-    absl::MutexLock lock(&c.mu);
-    if (c.link == nullptr || c.link->broken()) {
-      Drop(*channel, absl::UnavailableError("link broken"));
-      continue;
-    }
-    GpuPutHeader header{std::string(model_id), std::string(key), layout, num_tokens,
-                        options.policy, payload};
-    absl::StatusOr<uint64_t> transfer = ControlGpuPutBegin(c.control, options_, c.id, header);
-    if (!transfer.ok()) {
-      if (absl::IsNotFound(transfer.status()) || absl::IsUnavailable(transfer.status())) {
-        c.link->Abort();  // the daemon closed it (idle, timeout, restart)
-        Drop(*channel, transfer.status());
-        continue;
-      }
-      return transfer.status();  // the daemon refused the put itself: say why
-    }
-    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<GpuRuntime::Timer> timer, rt->NewTimer());
-    std::vector<NcclLink::Chunk> chunks;
-    for (const DeviceLayerData& l : layers) chunks.push_back({const_cast<void*>(l.keys), layer_bytes});
-    for (const DeviceLayerData& l : layers) {
-      chunks.push_back({const_cast<void*>(l.values), layer_bytes});
-    }
-    const absl::Time deadline = absl::Now() + c.transfer_timeout;
-    absl::Status s = timer->Start(stream);
-    if (s.ok()) s = c.link->Send(chunks, stream);
-    if (s.ok()) s = c.link->Enqueued(deadline);
-    if (s.ok()) s = timer->Stop(stream);
-    absl::StatusOr<PutResult> result =
-        s.ok() ? ControlGpuPutFinish(c.control, options_, c.id, *transfer)
-               : absl::StatusOr<PutResult>(s);
-    if (!result.ok()) {
-      // The transfer failed or the daemon went away mid-transfer: abort, so that nothing stays
-      // queued on the caller's stream waiting for a peer that is gone.
-      c.link->Abort();
-      Drop(*channel, result.status());
-      return result.status();
-    }
-    s = c.link->Wait(stream, deadline + c.transfer_timeout);
-    if (!s.ok()) Drop(*channel, s);  // acknowledged by the daemon: the put stands
-    result->transfer_seconds = SecondsOf(*timer);
-    result->path = "nccl";
-    result->endpoints = {c.data};
-    absl::MutexLock stats(&mu_);
-    stats_.nccl_puts++;
-    return result;
-  }
-  if (why.ok()) why = absl::UnavailableError("the GPU channel failed twice");
-  NoteFallback(fallback_endpoint, why, /*put=*/true);
+  KVCOMP_ASSIGN_OR_RETURN(std::optional<PutResult> sent,
+                          ChannelPut(ranking, rt, device, header,
+                                     ChunksOf(layers, layer_bytes, /*layer_major=*/false), stream,
+                                     &why));
+  if (sent) return *std::move(sent);
+  NoteFallback(ranking.empty() ? "" : ranking[0].data, why, /*put=*/true);
 
   // Through host memory: copied on the caller's stream, then an ordinary put.
   KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
@@ -342,7 +462,7 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
 absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
     const std::vector<EndpointAddress>& ranking, GpuRuntime* rt, int device,
     absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
-    void* stream, absl::FunctionRef<ChunksFn> place) {
+    void* stream, const std::vector<NcclLink::Chunk>& offer, absl::FunctionRef<ChunksFn> place) {
   absl::Status why = ranking.empty() ? absl::UnavailableError("no endpoint") : absl::OkStatus();
   bool log = true;
   for (int attempt = 0; why.ok() && attempt < 2; ++attempt) {
@@ -353,23 +473,39 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
       why = channel.status();
       break;
     }
-    Channel& c = **channel;
-    absl::MutexLock lock(&c.mu);
-    if (c.link == nullptr || c.link->broken()) {
+    Turn c(*channel);
+    if (!c->ipc && (c->link == nullptr || c->link->broken())) {
       Drop(*channel, absl::UnavailableError("link broken"));
       continue;
     }
-    absl::StatusOr<GpuGetGrant> grant =
-        ControlGpuGet(c.control, options_, c.id, model_id, key, form, capacity);
+    GpuIpcTransfer ipc;
+    if (c->ipc) {
+      absl::StatusOr<GpuIpcTransfer> t = IpcOf(rt, offer);
+      if (!t.ok()) {
+        why = t.status();
+        break;
+      }
+      ipc = *std::move(t);
+      // The daemon writes after the work queued on `stream` so far (this event).
+      KVCOMP_RETURN_IF_ERROR(rt->RecordEvent(c->ipc_event, stream));
+    }
+    absl::StatusOr<GpuGetGrant> grant = ControlGpuGet(c->control, options_, c->id, model_id, key,
+                                                      form, capacity, c->ipc ? &ipc : nullptr);
     if (!grant.ok()) {
       const absl::Status& e = grant.status();
       const bool channel_gone =
           (absl::IsNotFound(e) && e.message().find("GPU channel") != absl::string_view::npos) ||
           absl::IsUnavailable(e);
       if (channel_gone) {
-        c.link->Abort();
+        if (c->link) c->link->Abort();
         Drop(*channel, e);
         continue;
+      }
+      if (c->ipc && absl::IsFailedPrecondition(e) &&
+          e.message().find("mapping the client's memory") != absl::string_view::npos) {
+        Drop(*channel, e);
+        why = e;
+        break;
       }
       if (absl::IsNotFound(e)) {  // not on the first endpoint: the data plane walks the ranking
         why = e;
@@ -379,31 +515,41 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
       return e;
     }
     absl::StatusOr<std::vector<NcclLink::Chunk>> chunks = place(*grant);
+    if (c->ipc) {
+      // Already written (the daemon copied before answering): a mismatch is only reported.
+      if (!chunks.ok()) return chunks.status();
+      DeviceGetResult out;
+      out.bytes = grant->payload_bytes;
+      out.path = "ipc";
+      absl::MutexLock stats(&mu_);
+      stats_.ipc_gets++;
+      return std::optional<DeviceGetResult>(out);
+    }
     if (!chunks.ok()) {
-      c.link->Abort();  // its send is posted and will not be received
+      c->link->Abort();  // its send is posted and will not be received
       Drop(*channel, chunks.status());
       return chunks.status();
     }
     KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
     KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<GpuRuntime::Timer> timer, rt->NewTimer());
-    const absl::Time deadline = absl::Now() + c.transfer_timeout;
+    const absl::Time deadline = absl::Now() + c->transfer_timeout;
     absl::Status s = timer->Start(stream);
-    if (s.ok()) s = c.link->Recv(*chunks, stream);
-    if (s.ok()) s = c.link->Enqueued(deadline);
+    if (s.ok()) s = c->link->Recv(*chunks, stream);
+    if (s.ok()) s = c->link->Enqueued(deadline);
     if (s.ok()) s = timer->Stop(stream);
-    if (s.ok()) s = c.link->Wait(stream, deadline);
+    if (s.ok()) s = c->link->Wait(stream, deadline);
     if (!s.ok()) {
       Drop(*channel, s);
       return s;
     }
-    (void)ControlGpuGetFinish(c.control, options_, c.id, grant->transfer_id);
+    (void)ControlGpuGetFinish(c->control, options_, c->id, grant->transfer_id);
     DeviceGetResult out;
     out.bytes = grant->payload_bytes;
     out.path = "nccl";
     out.transfer_seconds = SecondsOf(*timer);
     absl::MutexLock stats(&mu_);
     stats_.nccl_gets++;
-    return out;
+    return std::optional<DeviceGetResult>(out);
   }
   if (why.ok()) why = absl::UnavailableError("the GPU channel failed twice");
   if (log) {
@@ -425,10 +571,11 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
   KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
   const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
   const uint64_t payload = layout.CacheBytes(num_tokens);
+  const std::vector<NcclLink::Chunk> chunks = ChunksOf(layers, layer_bytes, false);
 
   KVCOMP_ASSIGN_OR_RETURN(
       std::optional<DeviceGetResult> nccl,
-      NcclGet(ranking, rt, device, model_id, key, GpuGetForm::kDenseKv, payload, stream,
+      NcclGet(ranking, rt, device, model_id, key, GpuGetForm::kDenseKv, payload, stream, chunks,
               [&](const GpuGetGrant& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
                 if (!SameLayout(grant.layout, layout) || grant.num_tokens != num_tokens ||
                     grant.payload_bytes != payload) {
@@ -436,9 +583,6 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
                       "the cache has ", grant.num_tokens, " tokens of another layout than the "
                       "call's (", grant.payload_bytes, " bytes, ", payload, " expected)"));
                 }
-                std::vector<NcclLink::Chunk> chunks;
-                for (const DeviceLayerOut& l : layers) chunks.push_back({l.keys, layer_bytes});
-                for (const DeviceLayerOut& l : layers) chunks.push_back({l.values, layer_bytes});
                 return chunks;
               }));
   if (nccl) return *std::move(nccl);
@@ -474,6 +618,7 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,
       std::optional<DeviceGetResult> nccl,
       NcclGet(ranking, rt, device, model_id, key,
               decoded ? GpuGetForm::kDecoded : GpuGetForm::kStored, capacity, stream,
+              {{dst, capacity}},
               [&](const GpuGetGrant& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
                 return std::vector<NcclLink::Chunk>{
                     {dst, static_cast<size_t>(grant.payload_bytes)}};
@@ -495,6 +640,396 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,
   out.bytes = bytes.size();
   out.path = "ucx";
   return out;
+}
+
+// --- Layer by layer ---
+
+namespace {
+
+// Destroys the SDK's stream and events of a layered transfer once its work is done.
+struct StreamAndEvents {
+  GpuRuntime* rt = nullptr;
+  void* stream = nullptr;
+  std::vector<void*> events;
+  ~StreamAndEvents() {
+    if (rt == nullptr) return;
+    if (stream != nullptr) (void)rt->WaitStream(stream, absl::Now() + absl::Seconds(10));
+    for (void* e : events) rt->DestroyEvent(e);
+    rt->DestroyStream(stream);
+  }
+};
+
+}  // namespace
+
+class GpuPathPutStream : public DevicePutStream {
+ public:
+  GpuPathPutStream(GpuPath* path, GpuRuntime* rt, std::string model_id, std::string key,
+                   const KvLayout& layout, uint64_t num_tokens, int device, PutOptions options)
+      : path_(path),
+        rt_(rt),
+        model_id_(std::move(model_id)),
+        key_(std::move(key)),
+        layout_(layout),
+        num_tokens_(num_tokens),
+        device_(device),
+        options_(std::move(options)) {}
+
+  ~GpuPathPutStream() override {
+    if (nccl_ && !done_) Abandon(absl::CancelledError("the put stream was destroyed"));
+  }
+
+  // The SDK's stream (the sends, or the copies at Commit, follow the callers' streams on it)
+  // and, over NCCL, the put opened on the daemon.
+  absl::Status Start(std::unique_ptr<GpuPath::Turn> turn, uint64_t transfer,
+                     const ClientOptions& client_options) {
+    own_.rt = rt_;
+    KVCOMP_RETURN_IF_ERROR(rt_->SetDevice(device_));
+    KVCOMP_ASSIGN_OR_RETURN(own_.stream, rt_->NewStream());
+    client_options_ = client_options;
+    if (turn != nullptr) {
+      turn_ = std::move(turn);
+      transfer_ = transfer;
+      nccl_ = true;
+      deadline_ = absl::Now() + (*turn_)->transfer_timeout;
+      KVCOMP_ASSIGN_OR_RETURN(timer_, rt_->NewTimer());
+    }
+    return absl::OkStatus();
+  }
+  void set_ipc(bool ipc) { ipc_ = ipc; }
+
+  absl::Status AppendLayer(uint32_t layer, const DeviceLayerData& data, void* stream) override {
+    if (done_ || failed_) return absl::FailedPreconditionError("the put stream is spent");
+    if (layer != layers_.size() || layer >= layout_.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " appended; layer ",
+                                                     layers_.size(), " expected next"));
+    }
+    for (const void* p : {data.keys, data.values}) {
+      absl::StatusOr<int> d = p == nullptr ? absl::InvalidArgumentError("null pointer")
+                                           : rt_->DeviceOf(p);
+      if (!d.ok() || *d != device_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", layer, ": not CUDA device memory of device ", device_, " (the stream's)"));
+      }
+    }
+    KVCOMP_RETURN_IF_ERROR(rt_->SetDevice(device_));
+    KVCOMP_RETURN_IF_ERROR(rt_->StreamWaitStream(own_.stream, stream));
+    if (nccl_) {
+      const uint64_t bytes = layout_.LayerBytes(num_tokens_);
+      absl::Status s = layer == 0 ? timer_->Start(own_.stream) : absl::OkStatus();
+      const NcclLink::Chunk chunks[2] = {{const_cast<void*>(data.keys), bytes},
+                                         {const_cast<void*>(data.values), bytes}};
+      if (s.ok()) s = (*turn_)->link->Send(chunks, own_.stream);
+      if (s.ok()) s = (*turn_)->link->Enqueued(deadline_);
+      if (!s.ok()) {
+        Abandon(s);
+        return s;
+      }
+    }
+    layers_.push_back(data);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<PutResult> Commit() override {
+    if (done_ || failed_) return absl::FailedPreconditionError("the put stream is spent");
+    if (layers_.size() != layout_.num_layers) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          layers_.size(), " of ", layout_.num_layers, " layers appended: append every layer"));
+    }
+    done_ = true;
+    if (!nccl_) {
+      // CUDA IPC or host memory: the whole cache now, after every appended layer's work.
+      return path_->Put(model_id_, key_, layout_, num_tokens_, layers_, own_.stream, options_);
+    }
+    GpuPath::Channel& c = **turn_;
+    absl::Status s = timer_->Stop(own_.stream);
+    absl::StatusOr<PutResult> result =
+        s.ok() ? ControlGpuPutFinish(c.control, client_options_, c.id, transfer_)
+               : absl::StatusOr<PutResult>(s);
+    if (!result.ok()) {
+      c.link->Abort();
+      path_->DropChannel(turn_->channel(), result.status());
+      turn_.reset();
+      return result.status();
+    }
+    s = c.link->Wait(own_.stream, deadline_ + c.transfer_timeout);
+    if (!s.ok()) path_->DropChannel(turn_->channel(), s);
+    absl::StatusOr<double> secs = timer_->Seconds(absl::Now() + absl::Seconds(1));
+    result->transfer_seconds = secs.ok() ? *secs : 0;
+    result->path = "nccl";
+    result->endpoints = {c.data};
+    turn_.reset();
+    path_->CountNcclPut();
+    return result;
+  }
+
+  std::string path() const override { return nccl_ ? "nccl" : (ipc_ ? "ipc" : "ucx"); }
+
+ private:
+  // A stream that cannot go on: the half-sent put is dropped on both sides (closing the channel
+  // aborts the daemon's receive and the put; nothing is stored).
+  void Abandon(const absl::Status& why) {
+    failed_ = true;
+    if (turn_ == nullptr) return;
+    GpuPath::Channel& c = **turn_;
+    ClientOptions quick = client_options_;
+    quick.request_timeout = std::min(client_options_.request_timeout, absl::Seconds(2));
+    (void)ControlCloseGpuChannel(c.control, quick, c.id);
+    if (c.link) c.link->Abort();
+    path_->DropChannel(turn_->channel(), why);
+    turn_.reset();
+  }
+
+  GpuPath* const path_;
+  GpuRuntime* const rt_;
+  const std::string model_id_;
+  const std::string key_;
+  const KvLayout layout_;
+  const uint64_t num_tokens_;
+  const int device_;
+  const PutOptions options_;
+  ClientOptions client_options_;
+  std::unique_ptr<GpuPath::Turn> turn_;
+  std::unique_ptr<GpuRuntime::Timer> timer_;
+  uint64_t transfer_ = 0;
+  absl::Time deadline_;
+  bool nccl_ = false;
+  bool ipc_ = false;
+  bool done_ = false;
+  bool failed_ = false;
+  std::vector<DeviceLayerData> layers_;
+  StreamAndEvents own_;  // last: its stream drains before the rest goes
+};
+
+absl::StatusOr<std::unique_ptr<DevicePutStream>> GpuPath::OpenPutStream(
+    absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+    uint64_t num_tokens, int device, const PutOptions& options) {
+  KVCOMP_RETURN_IF_ERROR(CheckShape(layout, num_tokens, layout.num_layers));
+  if (options.block_wise) {
+    return absl::InvalidArgumentError("block-wise puts are streamed: use OpenPutStream");
+  }
+  if (options.policy) KVCOMP_RETURN_IF_ERROR(options.policy->ValidateFor(layout.head_dim));
+  KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, Runtime());
+  if (device < 0 || device >= rt->device_count()) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA device ", device, " out of range"));
+  }
+  KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
+  auto out = std::make_unique<GpuPathPutStream>(this, rt, std::string(model_id), std::string(key),
+                                                layout, num_tokens, device, options);
+  const uint64_t payload = layout.CacheBytes(num_tokens);
+  std::unique_ptr<Turn> turn;
+  uint64_t transfer = 0;
+  for (int attempt = 0; options_.replicas <= 1 && !ranking.empty() && attempt < 2; ++attempt) {
+    bool hard = false;
+    absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
+    if (!channel.ok()) {
+      if (hard) return channel.status();
+      break;  // Commit notes the fallback
+    }
+    if ((*channel)->ipc) {
+      out->set_ipc(true);
+      break;
+    }
+    if (payload > (*channel)->max_transfer_bytes) break;
+    auto t = std::make_unique<Turn>(*channel);
+    Channel& c = **t;
+    if (c.link == nullptr || c.link->broken()) {
+      Drop(*channel, absl::UnavailableError("link broken"));
+      continue;
+    }
+    GpuPutHeader header{std::string(model_id), std::string(key), layout, num_tokens,
+                        options.policy, payload};
+    header.layer_major = true;
+    absl::StatusOr<uint64_t> begun = ControlGpuPutBegin(c.control, options_, c.id, header);
+    if (!begun.ok()) {
+      if (absl::IsNotFound(begun.status()) || absl::IsUnavailable(begun.status())) {
+        c.link->Abort();
+        Drop(*channel, begun.status());
+        continue;
+      }
+      return begun.status();
+    }
+    turn = std::move(t);
+    transfer = *begun;
+    break;
+  }
+  KVCOMP_RETURN_IF_ERROR(out->Start(std::move(turn), transfer, options_));
+  return std::unique_ptr<DevicePutStream>(std::move(out));
+}
+
+class GpuPathGetStream : public DeviceGetStream {
+ public:
+  GpuPathGetStream(GpuPath* path, GpuRuntime* rt, uint32_t layers, void* caller)
+      : path_(path), rt_(rt), layers_(layers), caller_(caller) {
+    own_.rt = rt;
+  }
+  ~GpuPathGetStream() override {
+    if (!done_) (void)Finish();
+  }
+
+  // Over NCCL: receives every layer on the SDK's stream, one event per layer.
+  absl::Status Receive(std::unique_ptr<GpuPath::Turn> turn, const GpuGetGrant& grant,
+                       const std::vector<DeviceLayerOut>& layers, uint64_t layer_bytes,
+                       int device, const ClientOptions& options) {
+    turn_ = std::move(turn);
+    grant_ = grant;
+    options_ = options;
+    GpuPath::Channel& c = **turn_;
+    deadline_ = absl::Now() + c.transfer_timeout;
+    absl::Status s = rt_->SetDevice(device);
+    if (s.ok()) {
+      absl::StatusOr<void*> st = rt_->NewStream();
+      s = st.status();
+      if (st.ok()) own_.stream = *st;
+    }
+    if (s.ok()) s = rt_->StreamWaitStream(own_.stream, caller_);
+    if (s.ok()) {
+      absl::StatusOr<std::unique_ptr<GpuRuntime::Timer>> t = rt_->NewTimer();
+      s = t.status();
+      if (t.ok()) timer_ = *std::move(t);
+    }
+    if (s.ok()) s = timer_->Start(own_.stream);
+    for (size_t l = 0; s.ok() && l < layers.size(); ++l) {
+      const NcclLink::Chunk chunks[2] = {{layers[l].keys, layer_bytes},
+                                         {layers[l].values, layer_bytes}};
+      s = c.link->Recv(chunks, own_.stream);
+      if (s.ok()) s = c.link->Enqueued(deadline_);
+      absl::StatusOr<void*> ev = s.ok() ? rt_->NewEvent() : absl::StatusOr<void*>(s);
+      s = ev.status();
+      if (ev.ok()) {
+        own_.events.push_back(*ev);
+        s = rt_->RecordEvent(*ev, own_.stream);
+      }
+    }
+    if (s.ok()) s = timer_->Stop(own_.stream);
+    if (!s.ok()) Fail(s);
+    return s;
+  }
+  // CUDA IPC or host memory: every layer was in place when the stream opened.
+  void Done(DeviceGetResult result) { result_ = std::move(result); }
+
+  absl::Status WaitLayer(uint32_t layer, void* stream) override {
+    if (layer >= layers_) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " of ", layers_));
+    }
+    if (!failure_.ok()) return failure_;
+    if (turn_ == nullptr || done_) return absl::OkStatus();  // in place already
+    return rt_->StreamWaitEvent(stream, own_.events[layer]);
+  }
+
+  absl::StatusOr<DeviceGetResult> Finish() override {
+    if (done_) return failure_.ok() ? absl::StatusOr<DeviceGetResult>(result_) : failure_;
+    done_ = true;
+    if (turn_ == nullptr) return failure_.ok() ? absl::StatusOr<DeviceGetResult>(result_) : failure_;
+    GpuPath::Channel& c = **turn_;
+    absl::Status s = c.link->Wait(own_.stream, deadline_);
+    if (!s.ok()) {
+      Fail(s);
+      return s;
+    }
+    (void)ControlGpuGetFinish(c.control, options_, c.id, grant_.transfer_id);
+    s = rt_->StreamWaitStream(caller_, own_.stream);
+    turn_.reset();
+    if (!s.ok()) return s;
+    absl::StatusOr<double> secs = timer_->Seconds(absl::Now() + absl::Seconds(1));
+    result_.bytes = grant_.payload_bytes;
+    result_.path = "nccl";
+    result_.transfer_seconds = secs.ok() ? *secs : 0;
+    path_->CountNcclGet();
+    return result_;
+  }
+
+ private:
+  void Fail(const absl::Status& why) {
+    failure_ = why;
+    done_ = true;
+    if (turn_ == nullptr) return;
+    if ((*turn_)->link) (*turn_)->link->Abort();
+    path_->DropChannel(turn_->channel(), why);
+    turn_.reset();
+  }
+
+  GpuPath* const path_;
+  GpuRuntime* const rt_;
+  const uint32_t layers_;
+  void* const caller_;
+  ClientOptions options_;
+  std::unique_ptr<GpuPath::Turn> turn_;
+  std::unique_ptr<GpuRuntime::Timer> timer_;
+  GpuGetGrant grant_;
+  absl::Time deadline_;
+  DeviceGetResult result_;
+  absl::Status failure_;
+  bool done_ = false;
+  StreamAndEvents own_;
+};
+
+absl::StatusOr<std::unique_ptr<DeviceGetStream>> GpuPath::OpenGetStream(
+    absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+    uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers, void* stream) {
+  KVCOMP_RETURN_IF_ERROR(CheckShape(layout, num_tokens, layers.size()));
+  KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, Runtime());
+  KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfLayers(rt, layers));
+  KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
+  const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
+  const uint64_t payload = layout.CacheBytes(num_tokens);
+  auto out = std::make_unique<GpuPathGetStream>(this, rt, layout.num_layers, stream);
+  for (int attempt = 0; !ranking.empty() && attempt < 2; ++attempt) {
+    bool hard = false;
+    absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
+    if (!channel.ok()) {
+      if (hard) return channel.status();
+      break;
+    }
+    if ((*channel)->ipc) break;  // GetKv below: every layer at once, copied on the device
+    auto t = std::make_unique<Turn>(*channel);
+    Channel& c = **t;
+    if (c.link == nullptr || c.link->broken()) {
+      Drop(*channel, absl::UnavailableError("link broken"));
+      continue;
+    }
+    absl::StatusOr<GpuGetGrant> grant = ControlGpuGet(
+        c.control, options_, c.id, model_id, key, GpuGetForm::kDenseKv, payload, nullptr,
+        /*layer_major=*/true);
+    if (!grant.ok()) {
+      const absl::Status& e = grant.status();
+      if ((absl::IsNotFound(e) && e.message().find("GPU channel") != absl::string_view::npos) ||
+          absl::IsUnavailable(e)) {
+        c.link->Abort();
+        Drop(*channel, e);
+        continue;
+      }
+      if (absl::IsNotFound(e)) break;  // the data plane walks the ranking
+      return e;
+    }
+    if (!SameLayout(grant->layout, layout) || grant->num_tokens != num_tokens ||
+        grant->payload_bytes != payload) {
+      c.link->Abort();  // its sends are posted and will not be received
+      Drop(*channel, absl::InvalidArgumentError("layout mismatch"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the cache has ", grant->num_tokens, " tokens of another layout than the call's (",
+          grant->payload_bytes, " bytes, ", payload, " expected)"));
+    }
+    KVCOMP_RETURN_IF_ERROR(out->Receive(std::move(t), *grant, layers, layer_bytes, device, options_));
+    return std::unique_ptr<DeviceGetStream>(std::move(out));
+  }
+  KVCOMP_ASSIGN_OR_RETURN(DeviceGetResult whole,
+                          GetKv(model_id, key, layout, num_tokens, layers, stream));
+  out->Done(std::move(whole));
+  return std::unique_ptr<DeviceGetStream>(std::move(out));
+}
+
+void GpuPath::DropChannel(const std::shared_ptr<Channel>& channel, const absl::Status& why) {
+  Drop(channel, why);
+}
+
+void GpuPath::CountNcclPut() {
+  absl::MutexLock lock(&mu_);
+  stats_.nccl_puts++;
+}
+
+void GpuPath::CountNcclGet() {
+  absl::MutexLock lock(&mu_);
+  stats_.nccl_gets++;
 }
 
 }  // namespace client

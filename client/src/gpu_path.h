@@ -1,6 +1,7 @@
-// The SDK's device-memory calls (Client::PutDevice, GetKvIntoDevice, GetIntoDevice): over the
-// GPU channel (NCCL, negotiated on the control plane) when the endpoint offers one, else through
-// host memory over the ordinary data plane. Channels are kept per (endpoint, device) for the
+// The SDK's device-memory calls (Client::PutDevice, GetKvIntoDevice, GetIntoDevice and the
+// layer-by-layer streams): over the GPU channel, negotiated on the control plane, when the
+// endpoint offers one (NCCL between two GPUs; CUDA IPC when the daemon is on the caller's GPU),
+// else through host memory over the ordinary data plane. Channels are kept per (endpoint, device) for the
 // client's life; a channel whose transfer fails is aborted and dropped, and an endpoint that
 // refused one is not asked again for a while (it is asked again after `down_for` x 15).
 //
@@ -53,8 +54,21 @@ class GpuPath {
                                            bool decoded);
   absl::Status Probe(const EndpointAddress& endpoint, int device);
   GpuChannelStats Stats() const;
+  absl::StatusOr<std::unique_ptr<DevicePutStream>> OpenPutStream(absl::string_view model_id,
+                                                                 absl::string_view key,
+                                                                 const KvLayout& layout,
+                                                                 uint64_t num_tokens, int device,
+                                                                 const PutOptions& options);
+  absl::StatusOr<std::unique_ptr<DeviceGetStream>> OpenGetStream(
+      absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+      uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers, void* stream);
 
   struct Channel;
+  class Turn;
+  // For the layer-by-layer streams.
+  void DropChannel(const std::shared_ptr<Channel>& channel, const absl::Status& why);
+  void CountNcclPut();
+  void CountNcclGet();
 
  private:
   // The channel to `endpoint` for `device`: cached, or opened now. An error says why none can be
@@ -69,12 +83,20 @@ class GpuPath {
       absl::StatusOr<std::vector<transport::NcclLink::Chunk>>(const GpuGetGrant& grant);
   // A get over the GPU channel to the first endpoint of `ranking` (two tries): asks for `form`
   // up to `capacity` bytes and receives it into the chunks `place` gives for the grant (an error
-  // from `place` aborts the transfer and is returned). nullopt: the fallback is noted and the get
-  // goes through host memory.
+  // from `place` aborts the transfer and is returned); in mode "ipc" the daemon writes `offer`
+  // (the caller's memory, in transfer order) and `place` checks the grant afterwards. nullopt:
+  // the fallback is noted and the get goes through host memory.
   absl::StatusOr<std::optional<DeviceGetResult>> NcclGet(
       const std::vector<EndpointAddress>& ranking, transport::GpuRuntime* rt, int device,
       absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
-      void* stream, absl::FunctionRef<ChunksFn> place);
+      void* stream, const std::vector<transport::NcclLink::Chunk>& offer,
+      absl::FunctionRef<ChunksFn> place);
+  // A put of `chunks` (transfer order) over the first endpoint's channel; nullopt when no
+  // channel carried it (`why` says why: the caller falls back).
+  absl::StatusOr<std::optional<PutResult>> ChannelPut(
+      const std::vector<EndpointAddress>& ranking, transport::GpuRuntime* rt, int device,
+      const GpuPutHeader& header, const std::vector<transport::NcclLink::Chunk>& chunks,
+      void* stream, absl::Status* why);
 
   const ClientOptions options_;
   Client* const self_;

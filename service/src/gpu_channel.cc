@@ -25,12 +25,19 @@ namespace {
 using transport::GpuRuntime;
 using transport::NcclLink;
 
-// Chunks of a K/V payload as both sides post them: each layer's keys, then each layer's values
-// (NCCL matches sends and receives one to one, so the split is part of the protocol).
-std::vector<NcclLink::Chunk> LayerChunks(uint8_t* base, const KvLayout& layout, uint64_t tokens) {
+// Chunks of a K/V payload (staged as every layer's keys, then every layer's values) in the
+// order both sides post them: each layer's keys, then each layer's values; or, layer-major,
+// K0, V0, K1, V1, ... (NCCL matches sends and receives one to one, so the order is part of the
+// protocol).
+std::vector<NcclLink::Chunk> LayerChunks(uint8_t* base, const KvLayout& layout, uint64_t tokens,
+                                         bool layer_major = false) {
   const uint64_t layer = layout.LayerBytes(tokens);
+  const uint32_t n = layout.num_layers;
   std::vector<NcclLink::Chunk> chunks;
-  for (uint32_t i = 0; i < 2 * layout.num_layers; ++i) chunks.push_back({base + i * layer, layer});
+  for (uint32_t i = 0; i < 2 * n; ++i) {
+    const uint32_t slot = layer_major ? (i % 2) * n + i / 2 : i;
+    chunks.push_back({base + slot * layer, layer});
+  }
   return chunks;
 }
 
@@ -57,6 +64,8 @@ struct Channel {
   uint64_t id = 0;
   std::string tenant;
   int device = 0;
+  bool ipc = false;              // mode "ipc": no communicator; copies on the device
+  void* client_event = nullptr;  // mode "ipc": the client's interprocess event, opened here
 
   // Forming the communicator (a thread of its own: the client joins after Open returns).
   absl::Mutex join_mu;
@@ -78,6 +87,7 @@ struct Channel {
   uint64_t transfer_tokens = 0;
   std::shared_ptr<OpenPut> put;
   std::shared_ptr<uint8_t> host;  // a get's payload until its send finished
+  std::vector<void*> mapped;      // mode "ipc": the client's allocations mapped for a transfer
   absl::Time deadline;
 
   std::atomic<int64_t> last_used_ns{0};
@@ -117,20 +127,36 @@ class GpuChannelsImpl : public GpuChannels {
   }
 
   absl::StatusOr<GpuChannelInfo> Open(const std::string& tenant, int client_nccl_version,
-                                      const std::string& client_device_uuid) override {
+                                      const std::string& client_device_uuid,
+                                      const std::string& client_ipc_event) override {
     if (!reason_.empty()) return absl::FailedPreconditionError(reason_);
     if (draining_.load()) return absl::UnavailableError("draining: no new GPU channels");
-    if (client_device_uuid == device_uuid_) {
-      return absl::FailedPreconditionError(
-          "the client's GPU is the daemon's: NCCL needs two devices (use the data plane)");
-    }
-    if (client_nccl_version > 0 && client_nccl_version / 100 != rt_->nccl_version() / 100) {
-      Log(LogLevel::kInfo, "GPU channel: client NCCL ", client_nccl_version, ", daemon NCCL ",
-          rt_->nccl_version());
+    const bool ipc = client_device_uuid == device_uuid_;
+    if (ipc) {
+      if (client_ipc_event.empty()) {
+        return absl::FailedPreconditionError(
+            "the client's GPU is the daemon's: NCCL needs two devices and the client offered no "
+            "CUDA IPC (use the data plane)");
+      }
+      if (!rt_->has_ipc()) {
+        return absl::FailedPreconditionError(
+            "the client's GPU is the daemon's and this CUDA driver has no IPC");
+      }
+    } else {
+      if (!nccl_reason_.empty()) return absl::FailedPreconditionError(nccl_reason_);
+      if (client_nccl_version <= 0) {
+        return absl::FailedPreconditionError(
+            "the client has no NCCL and its GPU is not the daemon's (use the data plane)");
+      }
+      if (client_nccl_version / 100 != rt_->nccl_version() / 100) {
+        Log(LogLevel::kInfo, "GPU channel: client NCCL ", client_nccl_version, ", daemon NCCL ",
+            rt_->nccl_version());
+      }
     }
     auto channel = std::make_shared<Channel>();
     channel->tenant = tenant;
     channel->device = device_;
+    channel->ipc = ipc;
     {
       absl::MutexLock lock(&mu_);
       if (stopped_) return absl::UnavailableError("stopping");
@@ -146,12 +172,33 @@ class GpuChannelsImpl : public GpuChannels {
       channels_[channel->id] = channel;
     }
     absl::Status s = rt_->SetDevice(device_);
+    GpuChannelInfo info;
+    info.channel_id = channel->id;
+    info.ipc = ipc;
+    info.device = device_;
+    info.max_transfer_bytes = max_transfer_bytes_;
+    info.transfer_timeout = timeout_;
+    channel->last_used_ns.store(absl::ToUnixNanos(absl::Now()));
+    if (ipc) {
+      absl::StatusOr<void*> ev = s.ok() ? rt_->OpenEvent(client_ipc_event)
+                                        : absl::StatusOr<void*>(s);
+      if (!ev.ok()) {
+        Remove(channel->id);
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the client's CUDA IPC event cannot be opened here: ", ev.status().message()));
+      }
+      channel->client_event = *ev;
+      absl::MutexLock lock(&channel->join_mu);
+      channel->joined = true;
+      Log(LogLevel::kInfo, "GPU channel ", channel->id, " opened for tenant '", tenant,
+          "' on cuda:", device_, " (CUDA IPC: the client shares this GPU)");
+      return info;
+    }
     absl::StatusOr<std::string> uid = s.ok() ? rt_->NewUniqueId() : absl::StatusOr<std::string>(s);
     if (!uid.ok()) {
       Remove(channel->id);
       return uid.status();
     }
-    channel->last_used_ns.store(absl::ToUnixNanos(absl::Now()));
     const std::string id_bytes = *uid;
     const absl::Duration timeout = timeout_;
     const int device = device_;
@@ -167,13 +214,8 @@ class GpuChannelsImpl : public GpuChannels {
       c->join_status = st;
       c->joined = true;
     });
-    GpuChannelInfo info;
-    info.channel_id = channel->id;
     info.nccl_unique_id = id_bytes;
     info.nccl_version = rt_->nccl_version();
-    info.device = device_;
-    info.max_transfer_bytes = max_transfer_bytes_;
-    info.transfer_timeout = timeout_;
     Log(LogLevel::kInfo, "GPU channel ", channel->id, " opened for tenant '", tenant, "' on cuda:",
         device_);
     return info;
@@ -187,7 +229,7 @@ class GpuChannelsImpl : public GpuChannels {
   }
 
   absl::StatusOr<uint64_t> PutBegin(const std::string& tenant, uint64_t id, PutRequest request,
-                                    uint64_t payload_bytes) override {
+                                    uint64_t payload_bytes, const GpuTransferShape& shape) override {
     const KvLayout layout = request.layout;
     const uint64_t tokens = request.num_tokens;
     const uint64_t expected = layout.CacheBytes(tokens);
@@ -203,16 +245,37 @@ class GpuChannelsImpl : public GpuChannels {
     }
     if (draining_.load()) return absl::UnavailableError("draining: no new puts");
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
+    KVCOMP_RETURN_IF_ERROR(CheckMode(*c, shape));
     KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(Usable(*c));
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<OpenPut> put, service_->BeginPut(std::move(request)));
     absl::Status s = Stage(*c, payload_bytes);
-    if (s.ok()) s = c->timer->Start(c->stream);
-    if (s.ok()) {
-      // Returns before the client posts its sends (the first transfer also connects the ranks):
-      // PutFinish waits for the receives.
-      s = c->link->Recv(LayerChunks(static_cast<uint8_t*>(c->staging), layout, tokens), c->stream);
+    if (s.ok() && c->ipc) {
+      // The client's memory, mapped; the copies wait for the client's event on this stream.
+      std::vector<NcclLink::Chunk> staged =
+          LayerChunks(static_cast<uint8_t*>(c->staging), layout, tokens, shape.layer_major);
+      absl::StatusOr<std::vector<NcclLink::Chunk>> theirs = MapChunks(*c, *shape.ipc, staged);
+      if (!theirs.ok()) {
+        put->Abort();
+        return theirs.status();  // the client's mistake: the channel stays usable
+      }
+      s = rt_->StreamWaitEvent(c->stream, c->client_event);
+      if (s.ok()) s = c->timer->Start(c->stream);
+      for (size_t i = 0; s.ok() && i < staged.size(); ++i) {
+        s = rt_->CopyAsync(staged[i].data, (*theirs)[i].data, staged[i].bytes,
+                           GpuRuntime::Copy::kDeviceToDevice, c->stream);
+      }
+      if (s.ok()) s = c->timer->Stop(c->stream);
+    } else if (s.ok()) {
+      s = c->timer->Start(c->stream);
+      if (s.ok()) {
+        // Returns before the client posts its sends (the first transfer also connects the
+        // ranks): PutFinish waits for the receives.
+        s = c->link->Recv(
+            LayerChunks(static_cast<uint8_t*>(c->staging), layout, tokens, shape.layer_major),
+            c->stream);
+      }
     }
     if (!s.ok()) {
       put->Abort();
@@ -232,9 +295,15 @@ class GpuChannelsImpl : public GpuChannels {
     const KvLayout layout = c->transfer_layout;
     const uint64_t tokens = c->transfer_tokens;
     ClearPending(*c);
-    absl::Status s = c->link->Enqueued(c->deadline);
-    if (s.ok()) s = c->timer->Stop(c->stream);
-    if (s.ok()) s = c->link->Wait(c->stream, c->deadline);
+    absl::Status s;
+    if (c->ipc) {
+      s = rt_->WaitStream(c->stream, c->deadline);  // the copies out of the client's memory
+      if (s.ok()) Unmap(*c);
+    } else {
+      s = c->link->Enqueued(c->deadline);
+      if (s.ok()) s = c->timer->Stop(c->stream);
+      if (s.ok()) s = c->link->Wait(c->stream, c->deadline);
+    }
     GpuPutResult out;
     if (s.ok()) {
       absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
@@ -276,8 +345,10 @@ class GpuChannelsImpl : public GpuChannels {
   }
 
   absl::StatusOr<GpuGetBegun> GetBegin(const std::string& tenant, uint64_t id, const CacheKey& key,
-                                       GpuGetForm form, uint64_t capacity) override {
+                                       GpuGetForm form, uint64_t capacity,
+                                       const GpuTransferShape& shape) override {
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
+    KVCOMP_RETURN_IF_ERROR(CheckMode(*c, shape));
     KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
     const Representation rep =
         form == GpuGetForm::kStored ? Representation::kStored : Representation::kDecoded;
@@ -320,14 +391,38 @@ class GpuChannelsImpl : public GpuChannels {
       s = rt_->CopyAsync(c->staging, host.get(), out.payload_bytes,
                          GpuRuntime::Copy::kHostToDevice, c->stream);
     }
-    if (s.ok()) {
-      auto* base = static_cast<uint8_t*>(c->staging);
-      std::vector<NcclLink::Chunk> chunks =
-          form == GpuGetForm::kDenseKv
-              ? LayerChunks(base, out.layout, out.num_tokens)
-              : std::vector<NcclLink::Chunk>{{base, static_cast<size_t>(out.payload_bytes)}};
-      s = c->link->Send(chunks, c->stream);
+    // The payload is in device memory before the answer: the client's receive (and its timer)
+    // then waits only for the transfer itself.
+    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+    auto* base = static_cast<uint8_t*>(c->staging);
+    const std::vector<NcclLink::Chunk> chunks =
+        form == GpuGetForm::kDenseKv
+            ? LayerChunks(base, out.layout, out.num_tokens, shape.layer_major)
+            : std::vector<NcclLink::Chunk>{{base, static_cast<size_t>(out.payload_bytes)}};
+    if (s.ok() && c->ipc) {
+      // Into the client's memory after its event; done before the answer (no GetFinish).
+      absl::StatusOr<std::vector<NcclLink::Chunk>> theirs =
+          MapChunks(*c, *shape.ipc, chunks, /*at_least=*/form != GpuGetForm::kDenseKv);
+      if (!theirs.ok()) {
+        (void)rt_->WaitStream(c->stream, absl::Now() + timeout_);  // `host` is read until then
+        return theirs.status();
+      }
+      s = rt_->StreamWaitEvent(c->stream, c->client_event);
+      for (size_t i = 0; s.ok() && i < chunks.size(); ++i) {
+        s = rt_->CopyAsync((*theirs)[i].data, chunks[i].data, chunks[i].bytes,
+                           GpuRuntime::Copy::kDeviceToDevice, c->stream);
+      }
+      if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+      if (!s.ok()) {
+        Fail(c, s);
+        return s;
+      }
+      Unmap(*c);
+      Touch(*c);
+      out.transfer_id = 0;
+      return out;
     }
+    if (s.ok()) s = c->link->Send(chunks, c->stream);
     if (!s.ok()) {
       Fail(c, s);
       return s;
@@ -370,13 +465,18 @@ class GpuChannelsImpl : public GpuChannels {
   }
 
  private:
+  // Why no channel at all can be had (empty: channels can); nccl_reason_ says why a client on
+  // another GPU cannot have one (a client on this GPU needs no NCCL: CUDA IPC).
   std::string Probe(const Options& options) {
     if (!options.data_plane.gpu_channel) return "the GPU channel is off (data_plane.gpu_channel)";
     if (absl::Status s = GpuRuntime::LoadNccl(); !s.ok()) {
-      return absl::StrCat("no GPU channel: ", s.message());
+      nccl_reason_ = absl::StrCat("no GPU channel: ", s.message());
     }
     absl::StatusOr<GpuRuntime*> rt = GpuRuntime::Get();
-    if (!rt.ok()) return absl::StrCat("no GPU channel: ", rt.status().message());
+    if (!rt.ok()) {
+      return nccl_reason_.empty() ? absl::StrCat("no GPU channel: ", rt.status().message())
+                                  : absl::StrCat(nccl_reason_, "; ", rt.status().message());
+    }
     rt_ = *rt;
     if (absl::Status s = rt_->SetDevice(device_); !s.ok()) {
       return absl::StrCat("no GPU channel: ", s.message());
@@ -384,8 +484,13 @@ class GpuChannelsImpl : public GpuChannels {
     absl::StatusOr<std::string> uuid = rt_->DeviceUuid(device_);
     if (!uuid.ok()) return absl::StrCat("no GPU channel: ", uuid.status().message());
     device_uuid_ = *uuid;
-    Log(LogLevel::kInfo, "GPU channel: NCCL ", rt_->nccl_version(), " (", rt_->nccl_path(),
-        ") on cuda:", device_);
+    if (nccl_reason_.empty()) {
+      Log(LogLevel::kInfo, "GPU channel: NCCL ", rt_->nccl_version(), " (", rt_->nccl_path(),
+          ") on cuda:", device_, rt_->has_ipc() ? "; CUDA IPC for clients on this GPU" : "");
+    } else {
+      Log(LogLevel::kInfo, "GPU channel: CUDA IPC only, for clients on cuda:", device_, " (",
+          nccl_reason_, ")");
+    }
     return "";
   }
 
@@ -418,9 +523,74 @@ class GpuChannelsImpl : public GpuChannels {
     return absl::OkStatus();
   }
 
+  // A transfer's shape fits the channel's mode.
+  static absl::Status CheckMode(const Channel& c, const GpuTransferShape& shape) {
+    if (c.ipc && shape.ipc == nullptr) {
+      return absl::InvalidArgumentError(
+          "this GPU channel is in mode ipc: the transfer must name the client's memory");
+    }
+    if (!c.ipc && shape.ipc != nullptr) {
+      return absl::InvalidArgumentError("this GPU channel is in mode nccl: no ipc payload");
+    }
+    return absl::OkStatus();
+  }
+
+  // Maps the client's allocations of `spec` and gives its chunks as device pointers here, one
+  // for each of `ours` and of the same size (at least that size where `at_least`: a buffer a
+  // get fills in part). InvalidArgument for chunks that do not match or lie outside their
+  // allocation; FailedPrecondition when a handle cannot be mapped. Caller holds c.op_mu;
+  // Unmap releases them.
+  absl::StatusOr<std::vector<NcclLink::Chunk>> MapChunks(Channel& c, const GpuIpcSpec& spec,
+                                                         const std::vector<NcclLink::Chunk>& ours,
+                                                         bool at_least = false) {
+    if (spec.chunks.size() != ours.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("the ipc payload has ", spec.chunks.size(),
+                                                     " chunks; this transfer has ", ours.size()));
+    }
+    for (size_t i = 0; i < ours.size(); ++i) {
+      const uint64_t want = ours[i].bytes;
+      const uint64_t got = spec.chunks[i].bytes;
+      if (at_least ? got < want : got != want) {
+        return absl::InvalidArgumentError(absl::StrCat("ipc chunk ", i, " has ", got,
+                                                       " bytes; the transfer's has ", want));
+      }
+    }
+    Unmap(c);
+    std::vector<size_t> sizes;
+    for (const std::string& h : spec.buffers) {
+      size_t bytes = 0;
+      absl::StatusOr<void*> p = rt_->OpenMemory(h, &bytes);
+      if (!p.ok()) {
+        Unmap(c);
+        return absl::Status(p.status().code(), absl::StrCat("mapping the client's memory: ",
+                                                            p.status().message()));
+      }
+      c.mapped.push_back(*p);
+      sizes.push_back(bytes);
+    }
+    std::vector<NcclLink::Chunk> out;
+    for (size_t i = 0; i < spec.chunks.size(); ++i) {
+      const GpuIpcChunk& k = spec.chunks[i];
+      if (k.buffer >= sizes.size() || k.offset > sizes[k.buffer] ||
+          ours[i].bytes > sizes[k.buffer] - k.offset) {
+        Unmap(c);
+        return absl::InvalidArgumentError(
+            absl::StrCat("ipc chunk ", i, " lies outside its allocation"));
+      }
+      out.push_back({static_cast<uint8_t*>(c.mapped[k.buffer]) + k.offset, ours[i].bytes});
+    }
+    return out;
+  }
+
+  // Unmaps the client's memory (nothing may still read or write it). Caller holds c.op_mu.
+  void Unmap(Channel& c) {
+    for (void* p : c.mapped) rt_->CloseMemory(p);
+    c.mapped.clear();
+  }
+
   // Caller holds c.op_mu.
   absl::Status Usable(Channel& c) {
-    if (c.dead.load() || c.link == nullptr || c.link->broken()) {
+    if (c.dead.load() || (!c.ipc && (c.link == nullptr || c.link->broken()))) {
       return absl::UnavailableError("the GPU channel is closed");
     }
     if (c.pending != Channel::Pending::kNone) {
@@ -461,7 +631,9 @@ class GpuChannelsImpl : public GpuChannels {
   }
 
   absl::Status CheckPending(Channel& c, Channel::Pending kind, uint64_t transfer_id) {
-    if (c.dead.load() || c.link == nullptr) return absl::UnavailableError("the GPU channel is closed");
+    if (c.dead.load() || (!c.ipc && c.link == nullptr)) {
+      return absl::UnavailableError("the GPU channel is closed");
+    }
     if (c.pending != kind || c.transfer_id != transfer_id) {
       return absl::NotFoundError(absl::StrCat("no ", kind == Channel::Pending::kPut ? "put" : "get",
                                               " transfer ", transfer_id, " on this GPU channel"));
@@ -483,6 +655,10 @@ class GpuChannelsImpl : public GpuChannels {
         "' closed: ", why.ToString());
     c->dead.store(true);
     if (c->link) c->link->Abort();
+    if (!c->mapped.empty() && c->stream != nullptr) {
+      (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
+    }
+    Unmap(*c);
     if (c->put) c->put->Abort();
     c->put.reset();
     ClearPending(*c);
@@ -502,6 +678,9 @@ class GpuChannelsImpl : public GpuChannels {
       if (c->stream != nullptr) (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
       c->timer.reset();
       c->host.reset();
+      Unmap(*c);
+      rt_->DestroyEvent(c->client_event);
+      c->client_event = nullptr;
       rt_->FreeDevice(c->staging);
       c->staging = nullptr;
       rt_->DestroyStream(c->stream);
@@ -611,6 +790,7 @@ class GpuChannelsImpl : public GpuChannels {
   GpuRuntime* rt_ = nullptr;
   std::string device_uuid_;
   std::string reason_;
+  std::string nccl_reason_;
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> next_transfer_{1};
   absl::Notification stop_;

@@ -6,9 +6,15 @@
 // place (beside data_plane.cc) where the service meets the transport: gpu_channel.cc alone
 // includes the GPU link.
 //
+// A client on the daemon's own GPU cannot be an NCCL peer: its channel is in mode "ipc"
+// instead. The client names its device memory by CUDA IPC handles in each transfer; the daemon
+// maps them, copies on the device after the client's interprocess event (recorded on the
+// caller's stream) into or out of the staging buffer, and unmaps them before it answers.
+//
 // A received put enters the service as any other: a validated PutRequest opened with
-// CacheService::BeginPut, one BlockData covering the whole cache, then Commit. The payload is
-// copied from the staging buffer to pinned host memory first (the put path takes host blocks).
+// CacheService::BeginPut, one BlockData covering the whole cache, then Commit. On a daemon
+// whose engine runs on the GPU the staging buffer is that block (device memory); on a CPU
+// engine it is copied to pinned host memory first.
 //
 // Lifetime: channels are closed by the client (Close), when a transfer fails or passes the
 // transfer timeout (the communicator is aborted, so a peer that died leaves nothing waiting),
@@ -21,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -35,7 +42,8 @@ namespace service {
 
 struct GpuChannelInfo {
   uint64_t channel_id = 0;
-  std::string nccl_unique_id;  // 128 bytes; the daemon is rank 0
+  bool ipc = false;            // mode "ipc" (same GPU): no NCCL communicator
+  std::string nccl_unique_id;  // 128 bytes; the daemon is rank 0 (mode "nccl")
   int nccl_version = 0;
   int device = 0;
   uint64_t max_transfer_bytes = 0;
@@ -48,6 +56,25 @@ struct GpuPutResult {
 };
 
 enum class GpuGetForm { kStored, kDecoded, kDenseKv };
+
+// A transfer's client memory in mode "ipc": IPC handles of the client's allocations and the
+// payload's chunks in them, in transfer order.
+struct GpuIpcChunk {
+  uint32_t buffer = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+struct GpuIpcSpec {
+  std::vector<std::string> buffers;  // 64-byte CUDA IPC memory handles
+  std::vector<GpuIpcChunk> chunks;
+};
+
+// How a transfer's chunks are ordered (NCCL matches them one to one): every layer's keys, then
+// every layer's values; or layer by layer (K0, V0, K1, V1, ...: a put stream, a layered get).
+struct GpuTransferShape {
+  const GpuIpcSpec* ipc = nullptr;  // mode "ipc": the client's memory
+  bool layer_major = false;
+};
 
 struct GpuGetBegun {
   uint64_t transfer_id = 0;
@@ -69,26 +96,35 @@ class GpuChannels {
   virtual std::string unavailable_reason() const = 0;
   virtual size_t open_channels() const = 0;
 
-  // Opens a channel for `tenant`. FailedPrecondition (no channel possible here, or the client's
-  // GPU is the daemon's), Unavailable (draining), ResourceExhausted (too many channels).
+  // Opens a channel for `tenant`: mode "ipc" when the client's GPU is the daemon's and it gave
+  // an interprocess event (`client_ipc_event`, 64 bytes), else "nccl". FailedPrecondition (no
+  // channel possible here: no CUDA device, no NCCL for a peer GPU, the client's GPU without
+  // IPC, the event not openable), Unavailable (draining), ResourceExhausted (too many).
   virtual absl::StatusOr<GpuChannelInfo> Open(const std::string& tenant, int client_nccl_version,
-                                              const std::string& client_device_uuid) = 0;
+                                              const std::string& client_device_uuid,
+                                              const std::string& client_ipc_event) = 0;
   // NotFound when no channel `id` of `tenant` is open.
   virtual absl::Status Close(const std::string& tenant, uint64_t id) = 0;
 
   // Opens the put with the service and posts the receive of its payload (`payload_bytes`, which
   // must be the layout's K plus V). InvalidArgument (sizes), NotFound (channel),
   // FailedPrecondition (a transfer in progress on the channel), and BeginPut's errors.
+  // Mode "ipc": `shape.ipc` names the client's memory (InvalidArgument when missing, on an
+  // NCCL channel, or when a chunk does not match the layout or lies outside its allocation).
   virtual absl::StatusOr<uint64_t> PutBegin(const std::string& tenant, uint64_t id,
-                                            PutRequest request, uint64_t payload_bytes) = 0;
+                                            PutRequest request, uint64_t payload_bytes,
+                                            const GpuTransferShape& shape) = 0;
   // Waits for the payload, then compresses and stores the put.
   virtual absl::StatusOr<GpuPutResult> PutFinish(const std::string& tenant, uint64_t id,
                                                  uint64_t transfer_id) = 0;
   // Reads the cache and posts the send of its payload. NotFound (cache or channel), OutOfRange
   // (larger than `capacity`), FailedPrecondition (dense form of a cache that evicted tokens).
+  // Mode "ipc": the payload is copied into the client's memory before this returns
+  // (transfer_id 0, no GetFinish).
   virtual absl::StatusOr<GpuGetBegun> GetBegin(const std::string& tenant, uint64_t id,
                                                const CacheKey& key, GpuGetForm form,
-                                               uint64_t capacity) = 0;
+                                               uint64_t capacity,
+                                               const GpuTransferShape& shape) = 0;
   virtual absl::Status GetFinish(const std::string& tenant, uint64_t id,
                                  uint64_t transfer_id) = 0;
 

@@ -49,6 +49,39 @@ absl::StatusOr<KvLayout> LayoutFromRpc(const rpc::Layout& l) {
   return out;
 }
 
+// The client's memory of a transfer in mode "ipc", checked for shape (the daemon checks it
+// against the transfer and the allocations when it maps them).
+absl::StatusOr<GpuIpcSpec> IpcFromRpc(const rpc::GpuIpcPayload& p) {
+  constexpr size_t kHandleBytes = 64;
+  constexpr size_t kMaxItems = 1 << 16;
+  if (p.buffers.empty() || p.chunks.empty()) {
+    return absl::InvalidArgumentError("ipc: buffers and chunks must not be empty");
+  }
+  if (p.buffers.size() > kMaxItems || p.chunks.size() > kMaxItems) {
+    return absl::InvalidArgumentError("ipc: too many buffers or chunks");
+  }
+  GpuIpcSpec out;
+  for (const std::string& h : p.buffers) {
+    if (h.size() != kHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("ipc: a memory handle has ", h.size(),
+                                                     " bytes; 64 expected"));
+    }
+    out.buffers.push_back(h);
+  }
+  for (const rpc::GpuIpcChunk& c : p.chunks) {
+    if (c.buffer < 0 || static_cast<size_t>(c.buffer) >= p.buffers.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("ipc: chunk names buffer ", c.buffer, " of ",
+                                                     p.buffers.size()));
+    }
+    if (c.offset < 0 || c.bytes <= 0) {
+      return absl::InvalidArgumentError("ipc: chunk offsets must be >= 0 and sizes positive");
+    }
+    out.chunks.push_back({static_cast<uint32_t>(c.buffer), static_cast<uint64_t>(c.offset),
+                          static_cast<uint64_t>(c.bytes)});
+  }
+  return out;
+}
+
 rpc::Layout LayoutToRpc(const KvLayout& l) {
   rpc::Layout r;
   r.num_layers = static_cast<int32_t>(l.num_layers);
@@ -68,11 +101,15 @@ void ControlHandler::OpenGpuChannel(rpc::GpuChannelResponse& out, const rpc::Aut
   if (s.ok() && request.device_uuid.size() != 16) {
     s = absl::InvalidArgumentError("device_uuid must be the 16-byte CUDA device UUID");
   }
+  if (s.ok() && request.__isset.ipc_event && request.ipc_event.size() != 64) {
+    s = absl::InvalidArgumentError("ipc_event must be a 64-byte CUDA IPC event handle");
+  }
   if (!s.ok()) {
     out.status = ToRpc(s);
     return;
   }
-  auto info = ctx_->gpu->Open(tenant, request.nccl_version, request.device_uuid);
+  auto info = ctx_->gpu->Open(tenant, request.nccl_version, request.device_uuid,
+                              request.__isset.ipc_event ? request.ipc_event : std::string());
   if (!info.ok()) {
     if (!absl::IsFailedPrecondition(info.status())) ctx_->metrics->CountError("gpu_channel", info.status());
     out.status = ToRpc(info.status());
@@ -84,6 +121,7 @@ void ControlHandler::OpenGpuChannel(rpc::GpuChannelResponse& out, const rpc::Aut
   out.daemon_device = info->device;
   out.max_transfer_bytes = static_cast<int64_t>(info->max_transfer_bytes);
   out.transfer_timeout_ms = static_cast<int32_t>(absl::ToInt64Milliseconds(info->transfer_timeout));
+  out.__set_mode(info->ipc ? "ipc" : "nccl");
 }
 
 void ControlHandler::CloseGpuChannel(rpc::GpuCloseResponse& out, const rpc::Auth& auth,
@@ -113,13 +151,20 @@ void ControlHandler::GpuPutBegin(rpc::GpuTransferResponse& out, const rpc::Auth&
     } else {
       policy = ctx_->policies->Resolve(tenant, request.model_id).first;
     }
+    GpuIpcSpec ipc;
+    GpuTransferShape shape;
+    shape.layer_major = request.__isset.layer_major && request.layer_major;
+    if (request.__isset.ipc) {
+      KVCOMP_ASSIGN_OR_RETURN(ipc, IpcFromRpc(request.ipc));
+      shape.ipc = &ipc;
+    }
     KVCOMP_ASSIGN_OR_RETURN(
         PutRequest put,
         PutRequest::Make(CacheKey{tenant, request.model_id, request.key}, layout,
                          static_cast<uint64_t>(request.num_tokens), std::move(policy),
                          /*block_wise=*/false));
     return ctx_->gpu->PutBegin(tenant, id, std::move(put),
-                               static_cast<uint64_t>(request.payload_bytes));
+                               static_cast<uint64_t>(request.payload_bytes), shape);
   };
   absl::StatusOr<uint64_t> transfer = begin();
   if (!transfer.ok()) {
@@ -174,7 +219,18 @@ void ControlHandler::GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth
       case rpc::GpuGetForm::DENSE_KV: form = GpuGetForm::kDenseKv; break;
       default: return absl::InvalidArgumentError("unknown GPU get form");
     }
-    return ctx_->gpu->GetBegin(tenant, id, key, form, static_cast<uint64_t>(request.capacity));
+    GpuIpcSpec ipc;
+    GpuTransferShape shape;
+    shape.layer_major = request.__isset.layer_major && request.layer_major;
+    if (shape.layer_major && form != GpuGetForm::kDenseKv) {
+      return absl::InvalidArgumentError("layer_major is for DENSE_KV gets");
+    }
+    if (request.__isset.ipc) {
+      KVCOMP_ASSIGN_OR_RETURN(ipc, IpcFromRpc(request.ipc));
+      shape.ipc = &ipc;
+    }
+    return ctx_->gpu->GetBegin(tenant, id, key, form, static_cast<uint64_t>(request.capacity),
+                               shape);
   };
   absl::StatusOr<GpuGetBegun> r = begin();
   if (!r.ok()) {

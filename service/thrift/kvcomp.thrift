@@ -228,9 +228,13 @@ struct GetChunksResponse {
 // to the tenant that opened it: every call names it and checks the caller's tenant (another
 // tenant's channel reads as NOT_FOUND). One transfer at a time per channel.
 struct GpuChannelRequest {
-  1: i32 nccl_version,       // the client's NCCL version code (e.g. 22703)
+  1: i32 nccl_version,       // the client's NCCL version code (e.g. 22703); 0: no NCCL
   2: binary device_uuid,     // the client's CUDA device, 16 bytes (the same GPU as the daemon's
-                             // cannot form a communicator: FAILED_PRECONDITION)
+                             // cannot form a communicator: CUDA IPC, below, or FAILED_PRECONDITION)
+  // CUDA IPC for a client on the daemon's own GPU: the handle (64 bytes) of an interprocess
+  // event of the client's, recorded on the caller's stream before each transfer; the daemon's
+  // copies wait for it. Set when the client can map memory over CUDA IPC.
+  3: optional binary ipc_event,
 }
 
 struct GpuChannelResponse {
@@ -243,6 +247,22 @@ struct GpuChannelResponse {
   5: i32 daemon_device,      // CUDA ordinal of the daemon's GPU
   6: i64 max_transfer_bytes, // largest payload of one transfer
   7: i32 transfer_timeout_ms,
+  8: optional string mode,   // "nccl" (unset: nccl) or "ipc" (same GPU: CUDA IPC, no unique id)
+}
+
+// CUDA IPC transfers (a channel in mode "ipc"): the client's device memory as IPC handles of its
+// allocations (64 bytes each) and the payload's chunks in them, in the order NCCL would carry
+// them. The daemon maps the allocations for the transfer, copies on the device after the
+// client's event and unmaps them; a chunk outside its allocation is INVALID_ARGUMENT.
+struct GpuIpcChunk {
+  1: i32 buffer,   // index into buffers
+  2: i64 offset,   // bytes from the allocation's start
+  3: i64 bytes,
+}
+
+struct GpuIpcPayload {
+  1: list<binary> buffers,
+  2: list<GpuIpcChunk> chunks,
 }
 
 struct GpuCloseResponse {
@@ -258,6 +278,8 @@ struct GpuPutRequest {
   4: i64 num_tokens,
   5: optional Policy policy,  // unset: the tenant's default for the model
   6: i64 payload_bytes,       // 2 x num_layers x num_kv_heads x num_tokens x head_dim x dtype size
+  7: optional GpuIpcPayload ipc,  // mode "ipc": where the payload is (mode "nccl": unset)
+  8: optional bool layer_major,   // chunks layer by layer (K0, V0, K1, V1, ...): a put stream
 }
 
 struct GpuTransferResponse {
@@ -288,6 +310,9 @@ struct GpuGetRequest {
   1: CacheRef ref,
   2: GpuGetForm form = GpuGetForm.STORED,
   3: i64 capacity,  // bytes the client can receive; a larger payload is OUT_OF_RANGE, unsent
+  4: optional GpuIpcPayload ipc,  // mode "ipc": where the payload goes (the copy is done when
+                                  // GpuGet answers; no GpuGetFinish)
+  5: optional bool layer_major,   // DENSE_KV layer by layer (K0, V0, K1, V1, ...)
 }
 
 

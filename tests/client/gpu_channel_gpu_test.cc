@@ -3,7 +3,7 @@
 // raw codecs), over NCCL between two GPUs and through host memory over UCX where no channel can
 // be had (one GPU, or no NCCL at the daemon); a channel another tenant names; peers that die in
 // the middle of a transfer (a client killed with half its payload sent, an NCCL peer killed
-// after joining) leave nothing hanging. NCCL comes from KVCOMP_NCCL_LIBRARY or the usual places
+// after joining) leave nothing hanging; on one GPU, CUDA IPC; layer by layer. NCCL comes from KVCOMP_NCCL_LIBRARY or the usual places
 // (kvcomp/transport/gpu_link.h); the daemons keep NVLink multicast off (NCCL_NVLS_ENABLE=0).
 #include <signal.h>
 #include <sys/wait.h>
@@ -121,6 +121,15 @@ class DeviceCache {
     return out;
   }
   std::string Host() const { return std::string(host_.begin(), host_.end()); }
+  // Writes `other`'s device bytes over these on `stream` (device to device).
+  void CopyFrom(const DeviceCache& other, void* stream) {
+    const size_t layer = layout_.LayerBytes(tokens_);
+    for (size_t i = 0; i < ptrs_.size(); ++i) {
+      EXPECT_TRUE(rt_->CopyAsync(ptrs_[i], other.ptrs_[i], layer,
+                                 GpuRuntime::Copy::kDeviceToDevice, stream)
+                      .ok());
+    }
+  }
   // Host memory view for the data plane's Put.
   std::vector<client::LayerData> HostLayers() const {
     const size_t layer = layout_.LayerBytes(tokens_);
@@ -138,6 +147,27 @@ class DeviceCache {
   std::vector<uint8_t> host_;
   std::vector<void*> ptrs_;
 };
+
+// A long queue of device work on `stream` (copies back and forth of 512 MiB, some hundreds of
+// milliseconds): what the caller queues after it runs only when it is done.
+void QueueLongWork(GpuRuntime* rt, void* stream, int rounds = 300) {
+  const size_t bytes = size_t{512} << 20;
+  auto a = rt->AllocDevice(bytes);
+  auto b = rt->AllocDevice(bytes);
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (int i = 0; i < rounds; ++i) {
+    ASSERT_TRUE(rt->CopyAsync(i % 2 ? *a : *b, i % 2 ? *b : *a, bytes,
+                              GpuRuntime::Copy::kDeviceToDevice, stream)
+                    .ok());
+  }
+  // Freed once the stream is done with them (cuMemFree waits for the device).
+  std::thread([rt, stream, pa = *a, pb = *b] {
+    (void)rt->SetDevice(0);  // the tests' streams are on device 0
+    (void)rt->WaitStream(stream, absl::Now() + absl::Seconds(120));
+    rt->FreeDevice(pa);
+    rt->FreeDevice(pb);
+  }).detach();
+}
 
 class GpuChannelGpuTest : public ::testing::Test {
  protected:
@@ -257,6 +287,63 @@ TEST_F(GpuChannelGpuTest, RoundTripOverNcclIsBitIdentical) {
   EXPECT_EQ(c->GpuStats().channel_failures, 0u);
 }
 
+// Layer by layer over NCCL: a put stream sends each layer as it is appended (here behind a long
+// queue of work on the producer's stream), a get hands back one layer at a time; bit for bit.
+TEST_F(GpuChannelGpuTest, LayerByLayerOverNcclIsBitIdentical) {
+  REQUIRE_GPUS(2);
+  StartDaemon(1);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const KvLayout layout = Layout();
+  const uint64_t tokens = 777;
+  DeviceCache in(rt_, 0, layout, tokens, 31);
+  DeviceCache src(rt_, 0, layout, tokens, 32);
+  void* stream = NewStream(0);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto ps = c->OpenDevicePutStream("m", "layers", layout, tokens, 0, po);
+  ASSERT_TRUE(ps.ok()) << ps.status() << "\n" << daemon_->Log();
+  EXPECT_EQ((*ps)->path(), "nccl");
+  QueueLongWork(rt_, stream, 100);
+  src.CopyFrom(in, stream);  // every layer written on the stream, behind the queue
+  const std::vector<DeviceLayerData> layers = src.In();
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    ASSERT_TRUE((*ps)->AppendLayer(l, layers[l], stream).ok());
+  }
+  auto put = (*ps)->Commit();
+  ASSERT_TRUE(put.ok()) << put.status() << "\n" << daemon_->Log();
+  EXPECT_EQ(put->path, "nccl");
+  EXPECT_GT(put->transfer_seconds, 0);
+
+  DeviceCache out(rt_, 0, layout, tokens, 33);
+  void* decode = NewStream(0);
+  auto gs = c->OpenDeviceGetStream("m", "layers", layout, tokens, out.Out(), stream);
+  ASSERT_TRUE(gs.ok()) << gs.status();
+  ASSERT_TRUE((*gs)->WaitLayer(0, decode).ok());
+  const size_t layer = layout.LayerBytes(tokens);
+  std::string k0(layer, '\0');
+  const std::vector<DeviceLayerOut> outs = out.Out();
+  ASSERT_TRUE(rt_->CopyAsync(k0.data(), outs[0].keys, layer, GpuRuntime::Copy::kDeviceToHost,
+                             decode).ok());
+  ASSERT_TRUE(rt_->WaitStream(decode, absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_TRUE(k0 == in.Host().substr(0, layer)) << "layer 0's keys before the rest";
+  auto fin = (*gs)->Finish();
+  ASSERT_TRUE(fin.ok()) << fin.status();
+  EXPECT_EQ(fin->path, "nccl");
+  EXPECT_TRUE(out.Read(stream) == in.Host());
+
+  // A stream abandoned half way: nothing is stored, and the next put gets a new channel.
+  {
+    auto half = c->OpenDevicePutStream("m", "half", layout, tokens, 0, po);
+    ASSERT_TRUE(half.ok()) << half.status();
+    ASSERT_TRUE((*half)->AppendLayer(0, layers[0], stream).ok());
+  }
+  EXPECT_EQ(c->GetBytes("m", "half").status().code(), absl::StatusCode::kNotFound);
+  auto again = c->PutDevice("m", "again", layout, tokens, in.In(), stream, po);
+  ASSERT_TRUE(again.ok()) << again.status() << "\n" << daemon_->Log();
+  EXPECT_EQ(again->path, "nccl");
+}
+
 TEST_F(GpuChannelGpuTest, AnotherTenantCannotUseTheChannel) {
   REQUIRE_GPUS(2);
   StartDaemon(1);
@@ -298,11 +385,116 @@ TEST_F(GpuChannelGpuTest, AnotherTenantCannotUseTheChannel) {
   EXPECT_EQ(put->path, "nccl");
 }
 
-// One GPU: client and daemon on the same device cannot form an NCCL communicator, so the daemon
-// refuses the channel and the SDK goes through host memory over UCX, saying so.
-TEST_F(GpuChannelGpuTest, SameGpuFallsBackToUcxBitIdentical) {
+// One GPU: client and daemon on the same device cannot form an NCCL communicator; the channel
+// is in CUDA IPC mode: the daemon maps the caller's memory and copies on the device, after the
+// caller's stream (the source below is written behind a long queue of work), bit for bit.
+TEST_F(GpuChannelGpuTest, SameGpuGoesOverCudaIpcBitIdentical) {
   REQUIRE_GPUS(1);
   StartDaemon(0);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->ProbeGpuChannel(daemon_->data_endpoint(), 0).ok())
+      << c->ProbeGpuChannel(daemon_->data_endpoint(), 0) << "\n" << daemon_->Log();
+  const KvLayout layout = Layout();
+  const uint64_t tokens = 1000;
+  DeviceCache in(rt_, 0, layout, tokens, 21);
+  DeviceCache src(rt_, 0, layout, tokens, 22);  // other bytes until the stream rewrites them
+  void* stream = NewStream(0);
+  QueueLongWork(rt_, stream);
+  src.CopyFrom(in, stream);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto put = c->PutDevice("m", "k", layout, tokens, src.In(), stream, po);
+  ASSERT_TRUE(put.ok()) << put.status() << "\n" << daemon_->Log();
+  EXPECT_EQ(put->path, "ipc");
+  EXPECT_EQ(put->original_bytes, layout.CacheBytes(tokens));
+
+  DeviceCache out(rt_, 0, layout, tokens, 23);
+  QueueLongWork(rt_, stream, 100);  // the daemon writes only after this
+  auto got = c->GetKvIntoDevice("m", "k", layout, tokens, out.Out(), stream);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->path, "ipc");
+  EXPECT_TRUE(out.Read(stream) == in.Host()) << "K/V differ after the IPC round trip";
+
+  auto bytes = c->GetBytes("m", "k");
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto buf = rt_->AllocDevice(bytes->size() + 4096);
+  ASSERT_TRUE(buf.ok());
+  auto raw = c->GetIntoDevice("m", "k", *buf, bytes->size() + 4096, stream);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_EQ(raw->path, "ipc");
+  ASSERT_EQ(raw->bytes, bytes->size());
+  std::string back(bytes->size(), '\0');
+  ASSERT_TRUE(rt_->CopyAsync(back.data(), *buf, back.size(), GpuRuntime::Copy::kDeviceToHost,
+                             stream).ok());
+  ASSERT_TRUE(rt_->WaitStream(stream, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_TRUE(back == *bytes);
+  auto small = c->GetIntoDevice("m", "k", *buf, 16, stream);
+  EXPECT_EQ(small.status().code(), absl::StatusCode::kOutOfRange) << small.status();
+
+  // A chunk outside the caller's allocation: INVALID_ARGUMENT, and the channel serves on.
+  auto exported = rt_->ExportMemory(*buf);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  {
+    testing::ControlClient ctl(daemon_->ports().control);
+    rpc::GpuGetRequest g;
+    g.ref.model_id = "m";
+    g.ref.key = "k";
+    g.capacity = 1 << 30;
+    rpc::GpuIpcPayload ipc;
+    ipc.buffers = {exported->handle};
+    rpc::GpuIpcChunk chunk;
+    chunk.buffer = 0;
+    chunk.offset = static_cast<int64_t>(exported->allocation_bytes);  // past its end
+    chunk.bytes = 1 << 30;
+    ipc.chunks = {chunk};
+    g.__set_ipc(ipc);
+    rpc::GpuTransferResponse t;
+    ctl->GpuGet(t, testing::MakeAuth("alpha", "secret-a"), 1, g);
+    EXPECT_EQ(t.status.code, rpc::StatusCode::INVALID_ARGUMENT) << t.status.message;
+    // Another tenant naming the channel: absent.
+    ctl->GpuGet(t, testing::MakeAuth("beta", "secret-b"), 1, g);
+    EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
+  }
+  rt_->FreeDevice(*buf);
+
+  // Layer by layer on one GPU: the put stream's layers go at Commit, the get's all at once.
+  auto ps = c->OpenDevicePutStream("m", "layers", layout, tokens, 0, po);
+  ASSERT_TRUE(ps.ok()) << ps.status();
+  EXPECT_EQ((*ps)->path(), "ipc");
+  const std::vector<DeviceLayerData> layers = in.In();
+  EXPECT_EQ((*ps)->AppendLayer(1, layers[1], stream).code(), absl::StatusCode::kInvalidArgument);
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    ASSERT_TRUE((*ps)->AppendLayer(l, layers[l], stream).ok());
+  }
+  auto committed = (*ps)->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->path, "ipc");
+  DeviceCache out2(rt_, 0, layout, tokens, 24);
+  auto gs = c->OpenDeviceGetStream("m", "layers", layout, tokens, out2.Out(), stream);
+  ASSERT_TRUE(gs.ok()) << gs.status();
+  for (uint32_t l = 0; l < layout.num_layers; ++l) EXPECT_TRUE((*gs)->WaitLayer(l, stream).ok());
+  EXPECT_EQ((*gs)->WaitLayer(layout.num_layers, stream).code(), absl::StatusCode::kInvalidArgument);
+  auto fin = (*gs)->Finish();
+  ASSERT_TRUE(fin.ok()) << fin.status();
+  EXPECT_EQ(fin->path, "ipc");
+  EXPECT_TRUE(out2.Read(stream) == in.Host());
+
+  const client::GpuChannelStats st = c->GpuStats();
+  EXPECT_EQ(st.ipc_puts, 2u);
+  EXPECT_EQ(st.ipc_gets, 3u);
+  EXPECT_EQ(st.fallback_puts, 0u);
+  EXPECT_EQ(st.fallback_gets, 0u);
+  EXPECT_EQ(st.nccl_puts, 0u);
+  EXPECT_EQ(st.channels_opened, 1u);
+  EXPECT_EQ(st.channel_failures, 0u);
+}
+
+// The channel turned off: a client on the daemon's GPU goes through host memory over UCX,
+// saying so, bit for bit.
+TEST_F(GpuChannelGpuTest, SameGpuWithoutChannelFallsBackToUcxBitIdentical) {
+  REQUIRE_GPUS(1);
+  StartDaemon(0, {"--data_plane.gpu_channel=false"});
   auto c = Connect();
   ASSERT_NE(c, nullptr);
   const KvLayout layout = Layout(2);

@@ -2,8 +2,10 @@
 // daemon without NCCL or a CUDA device answers (and why), the loader's messages for a missing
 // or foreign NCCL library, authentication of every GPU channel call (counted), bad input
 // (sizes, layouts, policies, ids) refused before any channel is looked up, channels that are
-// not the caller's reading as absent, and the SDK's negotiation saying why it falls back. The
-// transfers themselves run on GPU machines (gpu_channel_gpu_test.cc).
+// not the caller's reading as absent, and the SDK's negotiation saying why it falls back; the
+// same for the CUDA IPC mode of a client on the daemon's GPU (malformed handles and chunks,
+// a daemon without CUDA) and the layer-by-layer calls. The transfers themselves run on GPU
+// machines (gpu_channel_gpu_test.cc).
 #include <fstream>
 #include <string>
 #include <vector>
@@ -233,6 +235,139 @@ TEST_F(GpuChannelTest, BadInputIsRefusedBeforeAnyChannelIsLookedUp) {
   c->Stats(st, Alpha());
   EXPECT_EQ(st.caches, 0);
   EXPECT_EQ(st.puts_in_progress, 0);
+}
+
+rpc::GpuIpcPayload Ipc(int buffers, std::vector<rpc::GpuIpcChunk> chunks, size_t handle = 64) {
+  rpc::GpuIpcPayload p;
+  for (int i = 0; i < buffers; ++i) p.buffers.push_back(std::string(handle, 'h'));
+  p.chunks = std::move(chunks);
+  return p;
+}
+
+rpc::GpuIpcChunk Chunk(int32_t buffer, int64_t offset, int64_t bytes) {
+  rpc::GpuIpcChunk c;
+  c.buffer = buffer;
+  c.offset = offset;
+  c.bytes = bytes;
+  return c;
+}
+
+TEST_F(GpuChannelTest, IpcModeNegotiationAndBadInput) {
+  Start();
+  ControlClient c(control_port());
+  // A malformed interprocess event is refused before anything else is looked at.
+  {
+    rpc::GpuChannelRequest req;
+    req.device_uuid = std::string(16, 'u');
+    req.__set_ipc_event("short");
+    rpc::GpuChannelResponse r;
+    c->OpenGpuChannel(r, Alpha(), req);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::INVALID_ARGUMENT) << r.status.message;
+    // Unauthenticated: refused as every other call, whatever it offers.
+    c->OpenGpuChannel(r, MakeAuth("alpha", "wrong"), req);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::UNAUTHENTICATED);
+    // A well-formed offer to a daemon without a CUDA device: no channel of either mode, why.
+    req.__set_ipc_event(std::string(64, 'e'));
+    c->OpenGpuChannel(r, Alpha(), req);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::FAILED_PRECONDITION) << r.status.message;
+    EXPECT_TRUE(absl::StrContains(r.status.message, "no GPU channel")) << r.status.message;
+    EXPECT_EQ(r.channel_id, 0);
+    EXPECT_FALSE(r.__isset.mode);
+  }
+  auto begin = [&](const rpc::GpuIpcPayload& ipc) {
+    rpc::GpuPutRequest req = PutRequest();
+    req.__set_ipc(ipc);
+    rpc::GpuTransferResponse r;
+    c->GpuPutBegin(r, Alpha(), 7, req);
+    return r.status;
+  };
+  auto get = [&](const rpc::GpuIpcPayload& ipc) {
+    rpc::GpuGetRequest g;
+    g.ref.model_id = "m";
+    g.ref.key = "k1";
+    g.capacity = 1 << 20;
+    g.__set_ipc(ipc);
+    rpc::GpuTransferResponse r;
+    c->GpuGet(r, Alpha(), 7, g);
+    return r.status;
+  };
+  const std::vector<rpc::GpuIpcPayload> bad = {
+      Ipc(0, {Chunk(0, 0, 64)}),             // no buffer
+      Ipc(1, {}),                            // no chunk
+      Ipc(1, {Chunk(0, 0, 64)}, 10),         // a handle of 10 bytes
+      Ipc(1, {Chunk(1, 0, 64)}),             // a chunk naming a buffer that is not there
+      Ipc(1, {Chunk(-1, 0, 64)}),
+      Ipc(1, {Chunk(0, -8, 64)}),            // a negative offset
+      Ipc(1, {Chunk(0, 0, 0)}),              // an empty chunk
+  };
+  for (size_t i = 0; i < bad.size(); ++i) {
+    rpc::Status s = begin(bad[i]);
+    EXPECT_EQ(s.code, rpc::StatusCode::INVALID_ARGUMENT) << "put " << i << ": " << s.message;
+    s = get(bad[i]);
+    EXPECT_EQ(s.code, rpc::StatusCode::INVALID_ARGUMENT) << "get " << i << ": " << s.message;
+  }
+  // Well-formed, on a channel that is not the caller's: NOT_FOUND, as without IPC.
+  EXPECT_EQ(begin(Ipc(1, {Chunk(0, 0, kPayload)})).code, rpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(get(Ipc(1, {Chunk(0, 0, 1 << 20)})).code, rpc::StatusCode::NOT_FOUND);
+  // Layer by layer is a form of the dense get only.
+  {
+    rpc::GpuGetRequest g;
+    g.ref.model_id = "m";
+    g.ref.key = "k1";
+    g.capacity = 1 << 20;
+    g.form = rpc::GpuGetForm::STORED;
+    g.__set_layer_major(true);
+    rpc::GpuTransferResponse r;
+    c->GpuGet(r, Alpha(), 7, g);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::INVALID_ARGUMENT) << r.status.message;
+    g.form = rpc::GpuGetForm::DENSE_KV;
+    c->GpuGet(r, Alpha(), 7, g);
+    EXPECT_EQ(r.status.code, rpc::StatusCode::NOT_FOUND) << r.status.message;
+  }
+  rpc::StatsResponse st;
+  c->Stats(st, Alpha());
+  EXPECT_EQ(st.caches, 0);
+  EXPECT_EQ(st.puts_in_progress, 0);
+}
+
+TEST_F(GpuChannelTest, LayerByLayerCallsCheckTheirInput) {
+  Start();
+  const std::string data = daemon_->data_endpoint();
+  const std::string control = "127.0.0.1:" + std::to_string(control_port());
+  ClientOptions o;
+  o.tenant = "alpha";
+  o.token = "secret-a";
+  o.ucx_overrides = {{"TLS", "tcp"}};
+  auto c = Client::Connect({data + "," + control}, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  KvLayout layout;
+  layout.num_layers = 2;
+  layout.num_kv_heads = 2;
+  layout.num_q_heads = 4;
+  layout.head_dim = 64;
+  layout.dtype = DType::kF16;
+  // A layout that does not validate, and no tokens: refused before anything else.
+  KvLayout wrong = layout;
+  wrong.head_dim = 100;
+  EXPECT_EQ((*c)->OpenDevicePutStream("m", "k", wrong, kTokens, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*c)->OpenDevicePutStream("m", "k", layout, 0, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*c)->OpenDevicePutStream("m", "", layout, kTokens, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // This machine has no CUDA driver: a clear refusal, never host memory taken for device memory.
+  auto put = (*c)->OpenDevicePutStream("m", "k", layout, kTokens, 0);
+  ASSERT_FALSE(put.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(put.status())) << put.status();
+  std::vector<uint8_t> host(static_cast<size_t>(kPayload));
+  std::vector<client::DeviceLayerOut> out(2, {host.data(), host.data()});
+  auto get = (*c)->OpenDeviceGetStream("m", "k", layout, kTokens, out, nullptr);
+  ASSERT_FALSE(get.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(get.status()) || absl::IsInvalidArgument(get.status()))
+      << get.status();
+  std::vector<client::DeviceLayerOut> one(1, {host.data(), host.data()});
+  EXPECT_EQ((*c)->OpenDeviceGetStream("m", "k", layout, kTokens, one, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(GpuChannelTest, ClientNegotiationSaysWhyItFallsBack) {

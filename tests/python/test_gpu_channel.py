@@ -86,3 +86,19 @@ def test_host_puts_are_unchanged_and_counters_start_at_zero(client):
     assert stats["nccl_puts"] == 0 and stats["fallback_puts"] == 0
     assert set(stats) >= {"nccl_gets", "fallback_gets", "channels_opened", "channel_failures",
                           "last_fallback_reason"}
+
+
+def test_layer_by_layer_calls_need_cuda(client):
+    # No CUDA driver here: the put stream says so; the layered get refuses host arrays.
+    with pytest.raises(Exception, match="CUDA"):
+        client.put_device_stream("m", "k", layers=LAYERS, kv_heads=KV, head_dim=D, tokens=N,
+                                 dtype="f16")
+    k = np.zeros((LAYERS, KV, N, D), np.float16)
+    with pytest.raises(ValueError, match="CUDA array"):
+        client.get_layers("m", "k", k, k)
+    a = FakeCudaArray()
+    with pytest.raises(BufferError):
+        client.get_layers("m", "k", a, a, stream=777)
+    assert a.asked_stream == 777
+    stats = client.gpu_stats()
+    assert stats["ipc_puts"] == 0 and stats["ipc_gets"] == 0

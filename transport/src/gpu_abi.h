@@ -23,6 +23,16 @@ using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's ow
 struct CUuuid {
   char bytes[16];
 };
+// CUDA IPC handles (CU_IPC_HANDLE_SIZE bytes), passed by value.
+constexpr int kIpcHandleBytes = 64;
+struct CUipcMemHandle {
+  char reserved[kIpcHandleBytes];
+};
+struct CUipcEventHandle {
+  char reserved[kIpcHandleBytes];
+};
+constexpr unsigned kIpcMemLazyEnablePeerAccess = 1;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+constexpr unsigned kEventInterprocess = 4;           // CU_EVENT_INTERPROCESS
 constexpr CUresult kCudaSuccess = 0;
 constexpr CUresult kCudaErrorNotReady = 600;
 constexpr int kPointerAttributeMemoryType = 2;     // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
@@ -62,6 +72,15 @@ struct CudaDriver {
                                 CUcontext src_ctx, size_t bytes, CUstream stream);
   CUresult (*cuCtxEnablePeerAccess)(CUcontext peer, unsigned flags);
   CUresult (*cuGetErrorString)(CUresult error, const char** text);
+  // CUDA IPC between processes on one device (optional: bound when the driver has them).
+  CUresult (*cuMemGetAddressRange)(CUdeviceptr* base, size_t* size,
+                                   CUdeviceptr ptr);  // cuMemGetAddressRange_v2
+  CUresult (*cuIpcGetMemHandle)(CUipcMemHandle* handle, CUdeviceptr ptr);
+  CUresult (*cuIpcOpenMemHandle)(CUdeviceptr* ptr, CUipcMemHandle handle,
+                                 unsigned flags);  // cuIpcOpenMemHandle_v2
+  CUresult (*cuIpcCloseMemHandle)(CUdeviceptr ptr);
+  CUresult (*cuIpcGetEventHandle)(CUipcEventHandle* handle, CUevent event);
+  CUresult (*cuIpcOpenEventHandle)(CUevent* event, CUipcEventHandle handle);
 };
 constexpr CUresult kCudaErrorPeerAccessAlreadyEnabled = 704;
 

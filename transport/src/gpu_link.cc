@@ -214,6 +214,14 @@ absl::Status GpuRuntime::Init() {
     return absl::FailedPreconditionError(
         absl::StrCat("libcuda.so.1 lacks ", missing, " (driver too old)"));
   }
+  std::string no_ipc;
+  Bind(cuda_handle_, "cuMemGetAddressRange_v2", &c.cuMemGetAddressRange, &no_ipc);
+  Bind(cuda_handle_, "cuIpcGetMemHandle", &c.cuIpcGetMemHandle, &no_ipc);
+  Bind(cuda_handle_, "cuIpcOpenMemHandle_v2", &c.cuIpcOpenMemHandle, &no_ipc);
+  Bind(cuda_handle_, "cuIpcCloseMemHandle", &c.cuIpcCloseMemHandle, &no_ipc);
+  Bind(cuda_handle_, "cuIpcGetEventHandle", &c.cuIpcGetEventHandle, &no_ipc);
+  Bind(cuda_handle_, "cuIpcOpenEventHandle", &c.cuIpcOpenEventHandle, &no_ipc);
+  has_ipc_ = no_ipc.empty();
   if (int r = c.cuInit(0); r != abi::kCudaSuccess) {
     return absl::UnavailableError(CudaError(r, "no usable CUDA device: cuInit").message());
   }
@@ -424,6 +432,109 @@ absl::Status GpuRuntime::WaitStream(void* stream, absl::Time deadline) {
   }
   api_->cu.cuEventDestroy(ev);
   return s;
+}
+
+absl::StatusOr<GpuRuntime::ExportedMemory> GpuRuntime::ExportMemory(const void* ptr) {
+  if (!has_ipc_) return absl::FailedPreconditionError("the CUDA driver has no IPC entry points");
+  KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOf(ptr));
+  KVCOMP_RETURN_IF_ERROR(SetDevice(device));
+  const auto p = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(ptr));
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (int r = api_->cu.cuMemGetAddressRange(&base, &size, p); r != abi::kCudaSuccess) {
+    return absl::InvalidArgumentError(CudaError(r, "cuMemGetAddressRange").message());
+  }
+  abi::CUipcMemHandle h;
+  if (int r = api_->cu.cuIpcGetMemHandle(&h, base); r != abi::kCudaSuccess) {
+    return absl::FailedPreconditionError(CudaError(r, "cuIpcGetMemHandle").message());
+  }
+  ExportedMemory out;
+  out.handle.assign(h.reserved, sizeof(h.reserved));
+  out.offset = static_cast<size_t>(p - base);
+  out.allocation_bytes = size;
+  return out;
+}
+
+absl::StatusOr<void*> GpuRuntime::OpenMemory(const std::string& handle, size_t* bytes) {
+  if (!has_ipc_) return absl::FailedPreconditionError("the CUDA driver has no IPC entry points");
+  if (handle.size() != abi::kIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA IPC memory handle of ", handle.size(),
+                                                   " bytes; ", abi::kIpcHandleBytes,
+                                                   " expected"));
+  }
+  abi::CUipcMemHandle h;
+  std::memcpy(h.reserved, handle.data(), sizeof(h.reserved));
+  CUdeviceptr p = 0;
+  if (int r = api_->cu.cuIpcOpenMemHandle(&p, h, abi::kIpcMemLazyEnablePeerAccess);
+      r != abi::kCudaSuccess) {
+    return absl::FailedPreconditionError(CudaError(r, "cuIpcOpenMemHandle").message());
+  }
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (int r = api_->cu.cuMemGetAddressRange(&base, &size, p); r != abi::kCudaSuccess) {
+    api_->cu.cuIpcCloseMemHandle(p);
+    return CudaError(r, "cuMemGetAddressRange");
+  }
+  *bytes = size - static_cast<size_t>(p - base);
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(p));
+}
+
+void GpuRuntime::CloseMemory(void* ptr) {
+  if (ptr != nullptr && has_ipc_) {
+    api_->cu.cuIpcCloseMemHandle(static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(ptr)));
+  }
+}
+
+absl::StatusOr<void*> GpuRuntime::NewIpcEvent(std::string* handle) {
+  if (!has_ipc_) return absl::FailedPreconditionError("the CUDA driver has no IPC entry points");
+  CUevent ev = nullptr;
+  KVCOMP_CU(api_->cu.cuEventCreate(&ev, abi::kEventDisableTiming | abi::kEventInterprocess),
+            "cuEventCreate(interprocess)");
+  abi::CUipcEventHandle h;
+  if (int r = api_->cu.cuIpcGetEventHandle(&h, ev); r != abi::kCudaSuccess) {
+    api_->cu.cuEventDestroy(ev);
+    return CudaError(r, "cuIpcGetEventHandle");
+  }
+  handle->assign(h.reserved, sizeof(h.reserved));
+  return static_cast<void*>(ev);
+}
+
+absl::StatusOr<void*> GpuRuntime::NewEvent() {
+  CUevent ev = nullptr;
+  KVCOMP_CU(api_->cu.cuEventCreate(&ev, abi::kEventDisableTiming), "cuEventCreate");
+  return static_cast<void*>(ev);
+}
+
+absl::StatusOr<void*> GpuRuntime::OpenEvent(const std::string& handle) {
+  if (!has_ipc_) return absl::FailedPreconditionError("the CUDA driver has no IPC entry points");
+  if (handle.size() != abi::kIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA IPC event handle of ", handle.size(),
+                                                   " bytes; ", abi::kIpcHandleBytes,
+                                                   " expected"));
+  }
+  abi::CUipcEventHandle h;
+  std::memcpy(h.reserved, handle.data(), sizeof(h.reserved));
+  CUevent ev = nullptr;
+  if (int r = api_->cu.cuIpcOpenEventHandle(&ev, h); r != abi::kCudaSuccess) {
+    return absl::FailedPreconditionError(CudaError(r, "cuIpcOpenEventHandle").message());
+  }
+  return static_cast<void*>(ev);
+}
+
+void GpuRuntime::DestroyEvent(void* event) {
+  if (event != nullptr) api_->cu.cuEventDestroy(static_cast<CUevent>(event));
+}
+
+absl::Status GpuRuntime::RecordEvent(void* event, void* stream) {
+  KVCOMP_CU(api_->cu.cuEventRecord(static_cast<CUevent>(event), static_cast<CUstream>(stream)),
+            "cuEventRecord");
+  return absl::OkStatus();
+}
+
+absl::Status GpuRuntime::StreamWaitEvent(void* stream, void* event) {
+  KVCOMP_CU(api_->cu.cuStreamWaitEvent(static_cast<CUstream>(stream), static_cast<CUevent>(event), 0),
+            "cuStreamWaitEvent");
+  return absl::OkStatus();
 }
 
 GpuRuntime::Timer::~Timer() {

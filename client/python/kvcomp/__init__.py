@@ -16,7 +16,7 @@ they name. Nothing synchronises the whole device. Arrays written for the caller 
 
 from ._kvcomp import CompressedCache, Policy, backend_description, cuda_available  # noqa: F401
 from . import _kvcomp
-from .client import Client, PutStream  # noqa: F401
+from .client import Client, DeviceGetStream, DevicePutStream, PutStream  # noqa: F401
 
 if not hasattr(_kvcomp, "_Client"):  # a KVCOMP_CORE_ONLY build (e.g. the GPU machine): no SDK
     class Client:  # noqa: F811

@@ -107,6 +107,76 @@ def _cuda_capsule(a: Any, stream: int, what: str) -> Any:
         return a.__dlpack__()
 
 
+class DevicePutStream:
+    """A put from GPU memory fed one layer at a time as the engine produces it
+    (Client.put_device_stream). Over an NCCL channel each layer is sent when appended, after
+    its producer's pending writes on the call's stream, overlapping the engine's later layers;
+    otherwise (CUDA IPC on the daemon's own GPU, or host memory over UCX) the layers are taken
+    at commit. A layer's memory must stay as it was until commit returns. Leaving the `with`
+    block without commit (or on an exception) aborts the put: nothing is stored."""
+
+    def __init__(self, native: Any):
+        self._s = native
+
+    @property
+    def path(self) -> str:
+        """"nccl" while layers go over the GPU channel as appended, else "ipc" or "ucx"."""
+        return self._s.path
+
+    def append_layer(self, layer: int, keys: Any, values: Any, *, stream: Any = None) -> None:
+        """Layer `layer` (in order from 0): keys/values CUDA arrays [kv_heads, tokens, head_dim]."""
+        s = _call_stream(keys, stream)
+        self._s.append_layer(layer, _cuda_capsule(keys, s, "keys"),
+                             _cuda_capsule(values, s, "values"), stream=s)
+
+    def commit(self) -> Dict[str, Any]:
+        return self._s.commit()
+
+    def close(self) -> None:
+        self._s.close()
+
+    def __enter__(self) -> "DevicePutStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._s.close()
+
+
+class DeviceGetStream:
+    """A dense get into preallocated CUDA arrays handed back one layer at a time
+    (Client.get_layers). Over an NCCL channel the layers arrive in order on a stream of the
+    SDK and wait_layer(l) makes a stream (default: torch's current one) wait for layer l on the
+    device, so decode can start on layer 0 while later layers arrive; otherwise every layer is
+    in place already. Iterating yields the layer indices after waiting for each. finish()
+    (also on leaving a `with` block) waits for every layer, ordered on the call's stream."""
+
+    def __init__(self, native: Any, layers: int, like: Any):
+        self._s = native
+        self._layers = layers
+        self._like = like
+
+    def wait_layer(self, layer: int, *, stream: Any = None) -> None:
+        self._s.wait_layer(layer, stream=_call_stream(self._like, stream))
+
+    def __iter__(self):
+        for layer in range(self._layers):
+            self.wait_layer(layer)
+            yield layer
+
+    def finish(self) -> Dict[str, Any]:
+        return self._s.finish()
+
+    def __enter__(self) -> "DeviceGetStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._s.finish()
+        except Exception:  # noqa: BLE001 - the body's exception, if any, goes on
+            if exc[0] is None:
+                raise
+
+
 class PutStream:
     """A put fed layer by layer; a context manager that commits on success, aborts on error."""
 
@@ -185,9 +255,10 @@ class Client:
         """Pushes a cache held in GPU memory, zero-copy: keys/values are CUDA arrays
         [layers, kv_heads, tokens, head_dim] (torch CUDA tensors or any DLPack producer), read
         on `stream` (default: torch's current stream for torch tensors, else the legacy default
-        stream) after their producer's pending writes. Over the GPU channel (NCCL) when the
-        daemon offers one, else through host memory over UCX (docs/protocol.md, "GPU channel");
-        the result's "path" says which ("nccl" or "ucx")."""
+        stream) after their producer's pending writes. Over the GPU channel when the daemon
+        offers one (NCCL from another GPU, CUDA IPC on the daemon's own GPU), else through host
+        memory over UCX (docs/protocol.md, "GPU channel"); the result's "path" says which
+        ("nccl", "ipc" or "ucx")."""
         s = _call_stream(keys, stream)
         k = _cuda_capsule(keys, s, "keys")
         v = _cuda_capsule(values, s, "values")
@@ -214,9 +285,30 @@ class Client:
         return self._c.get_bytes_into(model, _key(key), _cuda_capsule(out, s, "out"),
                                       decoded=decoded, stream=s)
 
+    def put_device_stream(self, model: str, key: Key, *, layers: int, kv_heads: int,
+                          head_dim: int, tokens: int, dtype: str = "bf16", device: int = 0,
+                          q_heads: Optional[int] = None, policy: Any = None) -> DevicePutStream:
+        """Opens a put from GPU memory (CUDA `device`) fed layer by layer (DevicePutStream)."""
+        native = self._c.open_device_put_stream(model, _key(key), layers, kv_heads, q_heads or 0,
+                                                head_dim, tokens, dtype, device=device,
+                                                policy=policy)
+        return DevicePutStream(native)
+
+    def get_layers(self, model: str, key: Key, keys: Any, values: Any, *,
+                   num_q_heads: Optional[int] = None, stream: Any = None) -> DeviceGetStream:
+        """As get_into, handed back layer by layer (DeviceGetStream): keys/values CUDA arrays
+        [layers, kv_heads, tokens, head_dim], written after the work queued on `stream`."""
+        s = _call_stream(keys, stream)
+        k = _cuda_capsule(keys, s, "keys")
+        v = _cuda_capsule(values, s, "values")
+        native = self._c.open_device_get_stream(model, _key(key), k, v, q_heads=num_q_heads or 0,
+                                                stream=s)
+        return DeviceGetStream(native, int(keys.shape[0]), keys)
+
     def gpu_stats(self) -> Dict[str, Any]:
-        """How device puts and gets travelled: nccl_puts, nccl_gets, fallback_puts,
-        fallback_gets, channels_opened, channel_failures and last_fallback_reason."""
+        """How device puts and gets travelled: nccl_puts, nccl_gets, ipc_puts, ipc_gets,
+        fallback_puts, fallback_gets, channels_opened, channel_failures and
+        last_fallback_reason."""
         return self._c.gpu_stats()
 
     def probe_gpu_channel(self, endpoint: str, device: int = 0) -> Optional[str]:

@@ -126,6 +126,28 @@ struct PyPutStream {
   }
 };
 
+// A device put fed layer by layer (Client::OpenDevicePutStream).
+struct PyDevicePutStream {
+  std::unique_ptr<client::DevicePutStream> stream;
+  KvLayout layout;
+  uint64_t tokens = 0;
+};
+
+// A dense device get handed back layer by layer (Client::OpenDeviceGetStream).
+struct PyDeviceGetStream {
+  std::unique_ptr<client::DeviceGetStream> stream;
+};
+
+nb::dict PutResultDict(const client::PutResult& r);
+
+nb::dict GetResultDict(const client::DeviceGetResult& g) {
+  nb::dict d;
+  d["bytes"] = g.bytes;
+  d["path"] = g.path;
+  d["transfer_seconds"] = g.transfer_seconds;
+  return d;
+}
+
 nb::dict PutResultDict(const client::PutResult& r) {
   nb::dict d;
   d["original_bytes"] = r.original_bytes;
@@ -222,6 +244,73 @@ void RegisterClient(nb::module_& m) {
         }
         p.stream.reset();
         Check(s);
+      });
+
+  nb::class_<PyDevicePutStream>(m, "_DevicePutStream")
+      .def(
+          "append_layer",
+          [](PyDevicePutStream& p, uint32_t layer, const CudaArray& keys, const CudaArray& values,
+             uint64_t stream) {
+            if (!p.stream) Raise(absl::FailedPreconditionError("put stream is closed"));
+            const KvLayout& l = p.layout;
+            for (const CudaArray* a : {&keys, &values}) {
+              if (a->ndim() != 3 || a->shape(0) != l.num_kv_heads || a->shape(1) != p.tokens ||
+                  a->shape(2) != l.head_dim) {
+                Raise(absl::InvalidArgumentError(absl::StrCat(
+                    "keys/values: expected [", l.num_kv_heads, ", ", p.tokens, ", ", l.head_dim,
+                    "] for each layer")));
+              }
+              if (CudaDType(*a, "keys/values") != l.dtype) {
+                Raise(absl::InvalidArgumentError(
+                    absl::StrCat("keys/values dtype differs from the put's ", DTypeName(l.dtype))));
+              }
+            }
+            absl::Status s;
+            {
+              nb::gil_scoped_release release;
+              s = p.stream->AppendLayer(layer, {keys.data(), values.data()},
+                                        reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
+            }
+            Check(s);
+          },
+          nb::arg("layer"), nb::arg("keys"), nb::arg("values"), nb::arg("stream") = 0)
+      .def("commit",
+           [](PyDevicePutStream& p) {
+             if (!p.stream) Raise(absl::FailedPreconditionError("put stream is closed"));
+             absl::StatusOr<client::PutResult> r;
+             {
+               nb::gil_scoped_release release;
+               r = p.stream->Commit();
+             }
+             p.stream.reset();
+             return PutResultDict(Take(std::move(r)));
+           })
+      .def("close",
+           [](PyDevicePutStream& p) {
+             nb::gil_scoped_release release;
+             p.stream.reset();  // an uncommitted put is aborted
+           })
+      .def_prop_ro("path", [](PyDevicePutStream& p) {
+        return p.stream ? p.stream->path() : std::string();
+      });
+
+  nb::class_<PyDeviceGetStream>(m, "_DeviceGetStream")
+      .def(
+          "wait_layer",
+          [](PyDeviceGetStream& p, uint32_t layer, uint64_t stream) {
+            if (!p.stream) Raise(absl::FailedPreconditionError("get stream is finished"));
+            Check(p.stream->WaitLayer(layer, reinterpret_cast<void*>(static_cast<uintptr_t>(stream))));
+          },
+          nb::arg("layer"), nb::arg("stream") = 0)
+      .def("finish", [](PyDeviceGetStream& p) {
+        if (!p.stream) Raise(absl::FailedPreconditionError("get stream is finished"));
+        absl::StatusOr<client::DeviceGetResult> r;
+        {
+          nb::gil_scoped_release release;
+          r = p.stream->Finish();
+        }
+        p.stream.reset();
+        return GetResultDict(Take(std::move(r)));
       });
 
   nb::class_<Client>(m, "_Client")
@@ -370,6 +459,50 @@ void RegisterClient(nb::module_& m) {
             return s.ok() ? std::string() : s.ToString();
           },
           nb::arg("endpoint"), nb::arg("device") = 0)
+      .def(
+          "open_device_put_stream",
+          [](Client& c, const std::string& model, nb::bytes key, uint32_t layers,
+             uint32_t kv_heads, uint32_t q_heads, uint32_t head_dim, uint64_t tokens,
+             const std::string& dtype, int device, const std::optional<CompressionPolicy>& policy) {
+            const KvLayout l = MakeLayout(layers, kv_heads, q_heads, head_dim, Take(ParseDType(dtype)));
+            client::PutOptions po;
+            po.policy = policy;
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<std::unique_ptr<client::DevicePutStream>> s;
+            {
+              nb::gil_scoped_release release;
+              s = c.OpenDevicePutStream(model, key_s, l, tokens, device, po);
+            }
+            auto* p = new PyDevicePutStream;
+            p->stream = Take(std::move(s));
+            p->layout = l;
+            p->tokens = tokens;
+            return p;
+          },
+          nb::arg("model"), nb::arg("key"), nb::arg("layers"), nb::arg("kv_heads"),
+          nb::arg("q_heads"), nb::arg("head_dim"), nb::arg("tokens"), nb::arg("dtype"),
+          nb::arg("device") = 0, nb::arg("policy") = nb::none(), nb::rv_policy::take_ownership)
+      .def(
+          "open_device_get_stream",
+          [](Client& c, const std::string& model, nb::bytes key, CudaArray keys, CudaArray values,
+             uint32_t q_heads, uint64_t stream) {
+            const auto [l, tokens] = CudaPairLayout(keys, values, q_heads);
+            char* k = static_cast<char*>(keys.data());
+            char* v = static_cast<char*>(values.data());
+            const auto layers = LayerViews<client::DeviceLayerOut>(k, v, l, tokens);
+            const std::string key_s(static_cast<const char*>(key.data()), key.size());
+            absl::StatusOr<std::unique_ptr<client::DeviceGetStream>> s;
+            {
+              nb::gil_scoped_release release;
+              s = c.OpenDeviceGetStream(model, key_s, l, tokens, layers,
+                                        reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
+            }
+            auto* p = new PyDeviceGetStream;
+            p->stream = Take(std::move(s));
+            return p;
+          },
+          nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
+          nb::arg("q_heads") = 0, nb::arg("stream") = 0, nb::rv_policy::take_ownership)
       .def("gpu_stats",
            [](Client& c) {
              const client::GpuChannelStats st = c.GpuStats();
@@ -378,6 +511,8 @@ void RegisterClient(nb::module_& m) {
              d["nccl_gets"] = st.nccl_gets;
              d["fallback_puts"] = st.fallback_puts;
              d["fallback_gets"] = st.fallback_gets;
+             d["ipc_puts"] = st.ipc_puts;
+             d["ipc_gets"] = st.ipc_gets;
              d["channels_opened"] = st.channels_opened;
              d["channel_failures"] = st.channel_failures;
              d["last_fallback_reason"] = st.last_fallback_reason;

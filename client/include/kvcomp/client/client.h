@@ -133,6 +133,8 @@ struct GpuChannelStats {
   uint64_t nccl_gets = 0;
   uint64_t fallback_puts = 0;  // device puts sent through host memory over UCX
   uint64_t fallback_gets = 0;
+  uint64_t ipc_puts = 0;  // device puts copied on the device over CUDA IPC (daemon on this GPU)
+  uint64_t ipc_gets = 0;
   uint64_t channels_opened = 0;
   uint64_t channel_failures = 0;  // channels closed after a failed transfer
   std::string last_fallback_reason;
@@ -203,6 +205,37 @@ class PutStream {
   virtual absl::Status Abort() = 0;
   virtual const KvLayout& layout() const = 0;
   virtual uint64_t num_tokens() const = 0;
+};
+
+// A put from device memory fed one layer at a time as the engine produces it
+// (Client::OpenDevicePutStream). Over an NCCL channel each layer's K and V are sent on the
+// given stream when appended (after the work queued there), so the transfer overlaps the
+// engine's later layers; otherwise (CUDA IPC, or host memory over UCX) they are taken at
+// Commit. Either way a layer's memory must stay as it was until Commit returns. Destroying an
+// uncommitted stream aborts the put (nothing is stored). One thread at a time.
+class DevicePutStream {
+ public:
+  virtual ~DevicePutStream() = default;
+  // Layer `layer`'s K and V: layers in order 0, 1, ... (InvalidArgument otherwise).
+  virtual absl::Status AppendLayer(uint32_t layer, const DeviceLayerData& data, void* stream) = 0;
+  // Stores the cache once every layer was appended (FailedPrecondition otherwise).
+  virtual absl::StatusOr<PutResult> Commit() = 0;
+  // "nccl" while layers go over the GPU channel as appended, else "ipc" or "ucx" (at Commit).
+  virtual std::string path() const = 0;
+};
+
+// A dense get handed back one layer at a time (Client::OpenDeviceGetStream): over an NCCL
+// channel the layers arrive in order on a stream of the SDK, and WaitLayer orders a caller's
+// stream after one layer's arrival, so decode can start on layer 0 while later layers arrive.
+// Otherwise (CUDA IPC, host memory) every layer is in place when the stream opens.
+class DeviceGetStream {
+ public:
+  virtual ~DeviceGetStream() = default;
+  // Makes `stream` wait (on the device, no host wait) until layer `layer` is in place.
+  virtual absl::Status WaitLayer(uint32_t layer, void* stream) = 0;
+  // Waits until every layer is in place (also ordered on the stream the get was opened with)
+  // and ends the transfer. Destroying an unfinished stream finishes it.
+  virtual absl::StatusOr<DeviceGetResult> Finish() = 0;
 };
 
 class Client {
@@ -314,6 +347,14 @@ class Client {
   // reason device calls fall back with).
   virtual absl::Status ProbeGpuChannel(const std::string& endpoint, int device);
   virtual GpuChannelStats GpuStats() const;
+  // Layer by layer (DevicePutStream, DeviceGetStream above): a put whose layers are on CUDA
+  // device `device`, and a dense get into `layers` (as GetKvIntoDevice) ordered after `stream`.
+  virtual absl::StatusOr<std::unique_ptr<DevicePutStream>> OpenDevicePutStream(
+      absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+      uint64_t num_tokens, int device, const PutOptions& options = {});
+  virtual absl::StatusOr<std::unique_ptr<DeviceGetStream>> OpenDeviceGetStream(
+      absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+      uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers, void* stream);
 
   // The endpoints in the order a key's reads and writes try them (rendezvous ranking over the
   // current members: empty while a DNS pool has none).

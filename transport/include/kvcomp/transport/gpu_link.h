@@ -103,6 +103,36 @@ class GpuRuntime {
   };
   absl::StatusOr<std::unique_ptr<Timer>> NewTimer();
 
+  // --- CUDA IPC: memory and events shared with another process on the same device ---
+  // Whether the driver has the IPC entry points (every Linux driver does).
+  bool has_ipc() const { return has_ipc_; }
+  // The allocation that holds device pointer `ptr`: an IPC handle of it (64 bytes), the
+  // offset of `ptr` in it and its size. InvalidArgument for memory that is not CUDA device
+  // memory of cuMemAlloc (cudaMalloc, PyTorch's caching allocator), FailedPrecondition for
+  // memory the driver cannot export (e.g. made by cuMemCreate without a shareable handle).
+  struct ExportedMemory {
+    std::string handle;
+    size_t offset = 0;
+    size_t allocation_bytes = 0;
+  };
+  absl::StatusOr<ExportedMemory> ExportMemory(const void* ptr);
+  // Maps another process's allocation (ExportMemory's handle) on the current device; its size
+  // in `bytes`. Unmapped with CloseMemory. InvalidArgument for a malformed handle,
+  // FailedPrecondition when the driver refuses it (another device, a freed allocation).
+  absl::StatusOr<void*> OpenMemory(const std::string& handle, size_t* bytes);
+  void CloseMemory(void* ptr);
+  // An interprocess event on the current device (no timing) and its 64-byte handle; another
+  // process opens it with OpenEvent and waits for its latest record with StreamWaitEvent.
+  absl::StatusOr<void*> NewIpcEvent(std::string* handle);
+  // An event of this process on the current device (no timing), for RecordEvent and
+  // StreamWaitEvent; freed with DestroyEvent.
+  absl::StatusOr<void*> NewEvent();
+  absl::StatusOr<void*> OpenEvent(const std::string& handle);
+  void DestroyEvent(void* event);
+  absl::Status RecordEvent(void* event, void* stream);
+  // Makes `stream` wait for `event`'s latest record (no host wait).
+  absl::Status StreamWaitEvent(void* stream, void* event);
+
   // The driver's message for a CUresult, with `what` in front.
   absl::Status CudaError(int result, const char* what) const;
 
@@ -116,6 +146,7 @@ class GpuRuntime {
   struct Api;
   std::unique_ptr<Api> api_;
   int device_count_ = 0;
+  bool has_ipc_ = false;
 };
 
 // A two-rank NCCL communicator between this process and one peer, on one device of this
