@@ -39,7 +39,7 @@ fi
 # UCX's shared-memory module (tcp is built in); what the binaries load, less what the GPU
 # machine has (glibc, the C++ runtime, CUDA).
 for m in /usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0; do [ -e "$m" ] && cp -L "$m" "$DEST/lib/ucx/"; done
-SKIP='^(linux-vdso|ld-linux-x86-64|libc|libm|libpthread|libdl|librt|libutil|libresolv|libstdc\+\+|libgcc_s|libcuda|libcudart)\.so'
+SKIP='^(linux-vdso|ld-linux-x86-64|libc|libm|libpthread|libdl|librt|libutil|libresolv|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libcusolver|libcusparse|libcufft|libcurand|libnvJitLink|libnvrtc)\.so'
 ldd "${bins[@]/#/$BUILD/}" "$DEST"/lib/ucx/* ${ext:+"$ext"} 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' |
   sort -u | while read -r soname path; do
     [[ "$soname" =~ $SKIP ]] && continue

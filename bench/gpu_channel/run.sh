@@ -46,7 +46,7 @@ if [ -z "${KVCOMP_NCCL_LIBRARY:-}" ]; then
 fi
 note "nccl    ${KVCOMP_NCCL_LIBRARY:-not found}"
 if [[ "$STEPS" == *" test "* ]]; then
-  timeout 200 "$BUNDLE/bin/client_gpu_channel_gpu_test" 2>&1 | tee "$OUT/test.log" |
+  timeout 130 "$BUNDLE/bin/client_gpu_channel_gpu_test" 2>&1 | tee "$OUT/test.log" |
     grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]' | tee -a "$SUMMARY"
 fi
 BACKEND=${KVCOMP_GPU_CHANNEL_BACKEND:-cuda}
@@ -54,7 +54,7 @@ TIER=${KVCOMP_GPU_CHANNEL_TIER:-device}
 if [[ "$STEPS" == *" python "* ]]; then
   if [ -n "${KVCOMP_BUNDLE_PYTHON:-}" ]; then
     KVCOMPD="$BUNDLE/bin/kvcompd" PYTHONPATH="$KVCOMP_BUNDLE_PYTHON:tests/python:tests/integration" \
-      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/python/test_gpu_device_path.py \
+      timeout 110 python3 -m pytest -q -p no:cacheprovider tests/python/test_gpu_device_path.py \
       -rs -s >"$OUT/python.log" 2>&1
     note "python  exit $? ($(tail -1 "$OUT/python.log"))"
     grep -E 'took|kernel still|PASSED|FAILED|Error' "$OUT/python.log" | head -20 | tee -a "$SUMMARY"
@@ -63,7 +63,7 @@ if [[ "$STEPS" == *" python "* ]]; then
   fi
 fi
 if [[ "$STEPS" == *" bench "* ]]; then
-  timeout 300 "$BUNDLE/bin/kvcomp_gpu_channel_bench" --kvcompd "$BUNDLE/bin/kvcompd" \
+  timeout 120 "$BUNDLE/bin/kvcomp_gpu_channel_bench" --kvcompd "$BUNDLE/bin/kvcompd" \
     --tokens "${KVCOMP_GPU_CHANNEL_TOKENS:-32768}" --reps "${KVCOMP_GPU_CHANNEL_REPS:-3}" \
     --default_puts "${KVCOMP_GPU_CHANNEL_DEFAULT_PUTS:-2}" --backend "$BACKEND" --tier "$TIER" \
     >"$OUT/bench.log" 2>&1
@@ -71,14 +71,14 @@ if [[ "$STEPS" == *" bench "* ]]; then
   grep -E '^(RESULT|#)' "$OUT/bench.log" | tee -a "$SUMMARY"
 fi
 if [[ "$STEPS" == *" one "* ]]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 200 "$BUNDLE/bin/kvcomp_gpu_channel_bench" \
+  CUDA_VISIBLE_DEVICES=0 timeout 70 "$BUNDLE/bin/kvcomp_gpu_channel_bench" \
     --kvcompd "$BUNDLE/bin/kvcompd" --tokens "${KVCOMP_GPU_CHANNEL_TOKENS:-32768}" \
     --reps "${KVCOMP_GPU_CHANNEL_REPS:-3}" --default_puts 0 --backend "$BACKEND" --tier "$TIER" \
     --one_gpu >"$OUT/bench-one.log" 2>&1
   note "one     exit $?"
   grep -E '^(RESULT|#)' "$OUT/bench-one.log" | tee -a "$SUMMARY"
   if [ -n "${KVCOMP_BUNDLE_PYTHON:-}" ]; then
-    CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$KVCOMP_BUNDLE_PYTHON" timeout 200 python3 \
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$KVCOMP_BUNDLE_PYTHON" timeout 70 python3 \
       bench/gpu_channel/ipc_bench.py --kvcompd "$BUNDLE/bin/kvcompd" \
       --tokens "${KVCOMP_GPU_CHANNEL_TOKENS:-32768}" --reps "${KVCOMP_GPU_CHANNEL_REPS:-3}" \
       --backend "$BACKEND" --tier "$TIER" >"$OUT/ipc-bench.log" 2>&1

@@ -117,7 +117,7 @@ def test_a_long_kernel_on_an_unrelated_stream_does_not_hold_the_call(setup):
     k, v = _cache(3)
     torch.cuda.synchronize()
     other = torch.cuda.Stream()
-    busy_seconds = 4.0
+    busy_seconds = 3.0
     with torch.cuda.stream(other):
         torch.cuda._sleep(_cycles(busy_seconds))
     t0 = time.monotonic()
