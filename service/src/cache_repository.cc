@@ -5,6 +5,8 @@
 
 #include "absl/time/clock.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/kernels/allocator.h"
+#include "kvcomp/kernels/device_format.h"
 #include "log.h"
 
 namespace kvcomp {
@@ -41,19 +43,54 @@ absl::StatusOr<std::shared_ptr<const Projection>> CacheRepository::PinProjection
 
 absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
                                                     const CompressedCache& cache,
-                                                    uint64_t original_bytes) {
+                                                    uint64_t original_bytes,
+                                                    TransferBytes* transfers) {
   absl::Time t0 = absl::Now();
   KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(cache));
   KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(bytes));
-  const uint64_t stored = bytes.size();
+  return Put(key, storage::Payload::FromString(std::move(bytes)), info, original_bytes, transfers,
+             t0);
+}
+
+absl::StatusOr<CacheSummary> CacheRepository::StoreFromDevice(const CacheKey& key,
+                                                              Backend& backend,
+                                                              const DeviceCompressedCache& cache,
+                                                              uint64_t original_bytes,
+                                                              TransferBytes* transfers) {
+  absl::Time t0 = absl::Now();
+  KVCOMP_ASSIGN_OR_RETURN(DeviceEncodedCache encoded, EncodeOnDevice(backend, cache, transfers));
+  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info,
+                          format::PeekHeader(encoded.header, encoded.size));
+  // The payload owns the device buffer; it goes back to the backend's allocator once the store
+  // no longer needs it (when Put returns: the GPU tier copies it into its pool).
+  auto held = std::make_shared<Buffer>(std::move(encoded.bytes));
+  storage::DeviceBytes d;
+  d.data = std::shared_ptr<const void>(held, held->data());
+  d.size = encoded.size;
+  d.device = encoded.device;
+  d.crc32c = encoded.crc32c;
+  d.header = std::move(encoded.header);
+  return Put(key, storage::Payload::OnDevice(std::move(d)), info, original_bytes, transfers, t0);
+}
+
+absl::StatusOr<CacheSummary> CacheRepository::Put(const CacheKey& key, storage::Payload payload,
+                                                  const format::CacheInfo& info,
+                                                  uint64_t original_bytes,
+                                                  TransferBytes* transfers, absl::Time began) {
+  const uint64_t stored = payload.size();
   storage::CacheMeta meta;
   meta.original_bytes = original_bytes;
+  storage::DeviceCopies copies;
   storage::PutOptions po;
   po.tier = options_.put_tier;
   po.durability = options_.durability;
-  KVCOMP_RETURN_IF_ERROR(
-      store_->Put(key, storage::Payload::FromString(std::move(bytes)), meta, po));
-  metrics_->ObserveStage(Stage::kStore, absl::ToDoubleSeconds(absl::Now() - t0));
+  po.copies = &copies;
+  KVCOMP_RETURN_IF_ERROR(store_->Put(key, std::move(payload), meta, po));
+  if (transfers != nullptr) {
+    transfers->to_device += copies.to_device;
+    transfers->to_host += copies.to_host;
+  }
+  metrics_->ObserveStage(Stage::kStore, absl::ToDoubleSeconds(absl::Now() - began));
   metrics_->AddStoredCache(original_bytes, stored);
   Remember(key, info);
   storage::LookupResult where;
@@ -62,6 +99,15 @@ absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
   auto found = store_->Lookup(key);
   where.tier = found.ok() ? found->tier : storage::TierKind::kDevice;
   return SummaryOf(info, where);
+}
+
+absl::StatusOr<storage::CacheMeta> CacheRepository::GetInto(const CacheKey& key,
+                                                            const storage::DeviceTarget& target) {
+  storage::DeviceCopies copies;
+  auto got = store_->GetInto(key, target, &copies);
+  if (!got.ok()) return NotFoundAsMissing(got.status());
+  metrics_->AddTransferBytes(copies.to_device, copies.to_host);
+  return got;
 }
 
 absl::StatusOr<storage::Payload> CacheRepository::Get(const CacheKey& key, Representation rep) {

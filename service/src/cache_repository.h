@@ -20,6 +20,8 @@
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/format.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/kernels/projection.h"
 #include "kvcomp/service/metrics.h"
 #include "kvcomp/storage/tiered_store.h"
@@ -47,9 +49,31 @@ class CacheRepository {
   absl::StatusOr<std::shared_ptr<const Projection>> PinProjection(const CacheKey& key);
 
   // Encodes and stores `cache` as `key` (replacing an older one); returns what was stored.
-  // `original_bytes` is the uncompressed size of the put.
+  // `original_bytes` is the uncompressed size of the put. The store's copies between host and
+  // device (into the GPU tier) are added to `transfers` when given.
   absl::StatusOr<CacheSummary> Store(const CacheKey& key, const CompressedCache& cache,
-                                     uint64_t original_bytes);
+                                     uint64_t original_bytes, TransferBytes* transfers = nullptr);
+
+  // Puts land in the GPU tier: a cache compressed on the device is best stored with
+  // StoreFromDevice.
+  bool puts_to_device() const {
+    return options_.put_tier == static_cast<int>(storage::TierKind::kDevice);
+  }
+  // Encodes `cache` (compressed on the device, its arrays in `backend`'s device memory) on the
+  // device and stores the encoded bytes from there: the GPU tier takes them with one copy on the
+  // device; a copy to host memory is made once, only for a tier other than the GPU tier or the
+  // RocksDB copy of a disk-durable put. Adds every byte copied between host and device (the
+  // encoding's control bytes, the store's download) to `transfers`.
+  absl::StatusOr<CacheSummary> StoreFromDevice(const CacheKey& key, Backend& backend,
+                                               const DeviceCompressedCache& cache,
+                                               uint64_t original_bytes, TransferBytes* transfers);
+
+  // The stored bytes of `key` copied into device memory (storage::TieredStore::GetInto): from
+  // the GPU tier one copy on the device, from host memory or RocksDB one upload, counted in the
+  // transfer metrics. For a caller that serves from device memory (the GPU channel). NotFound
+  // ("cache not found") when absent; OutOfRange when target.capacity is below the cache's size.
+  absl::StatusOr<storage::CacheMeta> GetInto(const CacheKey& key,
+                                             const storage::DeviceTarget& target);
 
   // The cache's bytes in `rep`. NotFound ("cache not found") when absent.
   absl::StatusOr<storage::Payload> Get(const CacheKey& key, Representation rep);
@@ -74,6 +98,10 @@ class CacheRepository {
                                              const std::string& model_id = "");
 
  private:
+  // Puts `payload` (host or device bytes) and says what was stored.
+  absl::StatusOr<CacheSummary> Put(const CacheKey& key, storage::Payload payload,
+                                   const format::CacheInfo& info, uint64_t original_bytes,
+                                   TransferBytes* transfers, absl::Time began);
   void Remember(const CacheKey& key, const format::CacheInfo& info);
   void Forget(const CacheKey& key);
 

@@ -200,6 +200,12 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
     TransferBytes transfers;
     KVCOMP_RETURN_IF_ERROR(service_->engine_->FaultPoint());
     absl::Time t0 = absl::Now();
+    bool on_device;
+    {
+      absl::MutexLock lock(&mu_);
+      on_device = device_kv_ != nullptr && service_->repository_->puts_to_device();
+    }
+    if (on_device) return CommitOnDevice(backend, &transfers);
     if (request_.block_wise) {
       absl::MutexLock stream(&stream_mu_);
       KVCOMP_RETURN_IF_ERROR(DrainBlockWise());
@@ -226,14 +232,14 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
       device_kv_.reset();
       reservation_ = Engine::DeviceReservation();
     }
+    // The store's upload into the GPU tier, when it goes there, is counted in `transfers`.
     KVCOMP_ASSIGN_OR_RETURN(
         CacheSummary summary,
         service_->repository_->Store(request_.key, cache,
-                                     request_.layout.CacheBytes(request_.num_tokens)));
+                                     request_.layout.CacheBytes(request_.num_tokens),
+                                     &transfers));
     summary.h2d_bytes = transfers.to_device;
     summary.d2h_bytes = transfers.to_host;
-    // The GPU tier copies the encoded cache into its pool (storage/src/device_tier_cuda.cc).
-    if (summary.tier == storage::TierKind::kDevice) summary.h2d_bytes += summary.stored_bytes;
     metrics->AddTransferBytes(summary.h2d_bytes, summary.d2h_bytes);
     return summary;
   }();
@@ -257,26 +263,54 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
   done(std::move(result));
 }
 
-absl::StatusOr<CompressedCache> OpenPut::CompressWhole(Backend& backend,
-                                                      TransferBytes* transfers) {
+absl::StatusOr<KvCacheView> OpenPut::ViewForCommit(Backend& backend, TransferBytes* transfers) {
   // Once committing_ is set nothing adds to or removes from the assembler (or the device
   // buffer) until RunCommit ends, so its view stays valid through the compression without the
   // lock.
-  absl::StatusOr<KvCacheView> view;
-  {
-    absl::MutexLock lock(&mu_);
-    if (device_kv_ != nullptr) {
-      view = device_kv_->View(backend);
-      transfers->to_device += device_kv_->uploaded_bytes();
-    } else {
-      view = assembler_.View();
-    }
-  }
-  if (!view.ok()) return view.status();
+  absl::MutexLock lock(&mu_);
+  if (device_kv_ == nullptr) return assembler_.View();
+  transfers->to_device += device_kv_->uploaded_bytes();
+  return device_kv_->View(backend);
+}
+
+absl::StatusOr<CompressedCache> OpenPut::CompressWhole(Backend& backend,
+                                                      TransferBytes* transfers) {
+  KVCOMP_ASSIGN_OR_RETURN(KvCacheView view, ViewForCommit(backend, transfers));
   CompressOptions co;
   co.projection = projection_;
   co.transfers = transfers;
-  return Compress(backend, *view, request_.policy.get(), co);
+  return Compress(backend, view, request_.policy.get(), co);
+}
+
+absl::StatusOr<CacheSummary> OpenPut::CommitOnDevice(Backend& backend, TransferBytes* transfers) {
+  Metrics* metrics = service_->metrics_;
+  absl::Time t0 = absl::Now();
+  KVCOMP_ASSIGN_OR_RETURN(KvCacheView view, ViewForCommit(backend, transfers));
+  CompressOptions co;
+  co.projection = projection_;
+  co.transfers = transfers;
+  KVCOMP_ASSIGN_OR_RETURN(DeviceCompressedCache cache,
+                          CompressToDevice(backend, view, request_.policy.get(), co));
+  const double secs = Seconds(absl::Now() - t0);
+  metrics->ObserveStage(Stage::kCompress, secs);
+  metrics->AddGpuSeconds(secs);
+  {
+    // The K and V go now; the reservation covers the encoding until the cache is stored.
+    absl::MutexLock lock(&mu_);
+    device_kv_.reset();
+  }
+  // Encoded on the device and handed to the store there: the GPU tier keeps it with one copy on
+  // the device; only a disk-durable put (or a spill out of the GPU tier) copies it to the host,
+  // once. Every byte between host and device is counted in `transfers`.
+  KVCOMP_ASSIGN_OR_RETURN(
+      CacheSummary summary,
+      service_->repository_->StoreFromDevice(request_.key, backend, cache,
+                                             request_.layout.CacheBytes(request_.num_tokens),
+                                             transfers));
+  summary.h2d_bytes = transfers->to_device;
+  summary.d2h_bytes = transfers->to_host;
+  metrics->AddTransferBytes(summary.h2d_bytes, summary.d2h_bytes);
+  return summary;
 }
 
 void OpenPut::Abort() {

@@ -1,8 +1,10 @@
 // kvcompd's device-resident put path, in-process on a GPU (label gpu): an Engine on the CUDA
 // backend, a CacheRepository over a real TieredStore (host tier or GPU tier, RocksDB in a
 // temporary directory) and a CacheService, puts handed in as BlockData. Checks the bytes that
-// cross between host and device per put (one upload of the blocks, one download of the
-// compressed cache), the result against the CPU twin, the GPU memory cap, device-memory blocks,
+// cross between host and device per put (one upload of the blocks; one download of the
+// compressed cache for a host-tier put; none for a GPU-tier put, whose cache is encoded and
+// stored on the device, besides control bytes; one for a disk-durable one), reads into device
+// memory, the result against the CPU twin, the GPU memory cap, device-memory blocks,
 // the engine's failure on a (injected) sticky error, and the data checks that run without a
 // host wait per layer (a NaN/Inf in one layer fails the put, nothing stored).
 #include <stdlib.h>
@@ -72,7 +74,8 @@ BlockData ToDevice(BlockData b) {
 
 class DevicePathTest : public testutil::ServiceFixture {
  protected:
-  void Start(storage::TierKind tier, uint64_t gpu_cap = 0) {
+  void Start(storage::TierKind tier, uint64_t gpu_cap = 0,
+             storage::Durability durability = storage::Durability::kMemory) {
     storage::StoreOptions so;
     so.host.enabled = true;
     so.host.capacity_bytes = 256 << 20;
@@ -86,7 +89,7 @@ class DevicePathTest : public testutil::ServiceFixture {
     eo.workers = 1;
     eo.gpu_memory_bytes = gpu_cap;
     RepositoryOptions ro;
-    ro.durability = storage::Durability::kMemory;
+    ro.durability = durability;
     ro.put_tier = static_cast<int>(tier);
     ServiceOptions svo;
     svo.max_put_bytes = 1 << 30;
@@ -123,6 +126,21 @@ class DevicePathTest : public testutil::ServiceFixture {
   absl::StatusOr<CompressedCache> Stored(const std::string& key) {
     KVCOMP_ASSIGN_OR_RETURN(storage::Payload out, Get(CacheKey{"alice", "m", key}));
     return format::ParseCache(out.view());
+  }
+  // The control bytes of encoding `key`'s stored cache on the device (EncodeOnDevice): up, the
+  // header region (header, section table, kept counts, policy, padding); down, one CRC32C per
+  // section copied on the device.
+  struct Control {
+    uint64_t up = 0, down = 0;
+  };
+  absl::StatusOr<Control> EncodingControl(const std::string& key) {
+    KVCOMP_ASSIGN_OR_RETURN(CompressedCache c, Stored(key));
+    KVCOMP_ASSIGN_OR_RETURN(format::EncodingPlan plan,
+                            format::PlanEncoding(c, c.raw_value_rows.size()));
+    Control out;
+    out.up = plan.sections[2].offset;  // through the policy section's padding
+    out.down = (plan.sections.size() - 2) * 4;  // no layer ranks with raw codecs
+    return out;
   }
   // What the one download of a cache with moments and raw codecs carries.
   static uint64_t DownloadBytes(uint64_t total_kept) {
@@ -231,12 +249,19 @@ TEST_F(DevicePathTest, HostTierPutUploadsOnceDownloadsOnceAndMatchesTheCpu) {
 TEST_F(DevicePathTest, GpuTierPutKeepsTheCacheOnTheDeviceAndAGetCopiesItOnce) {
   Start(storage::TierKind::kDevice);
   Tensor x(8);
+  const std::string h2d_before = metrics_->Scrape();
   absl::StatusOr<CacheSummary> s = PutCache("k", x);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->tier, storage::TierKind::kDevice);
-  // The blocks once, then the encoded cache into the GPU tier's pool; the cache down once.
-  EXPECT_EQ(s->h2d_bytes, kLayout.CacheBytes(kTokens) + s->stored_bytes);
-  EXPECT_EQ(s->d2h_bytes, DownloadBytes(s->total_kept));
+  // Up: the blocks once, and the encoding's header region. Down: nothing of the cache, only
+  // control data: the kept counts (one u32 per head) and one CRC32C per section copied on the
+  // device. The encoded cache is never copied to the host nor back.
+  absl::StatusOr<Control> control = EncodingControl("k");
+  ASSERT_TRUE(control.ok()) << control.status();
+  const uint64_t heads = uint64_t{kLayout.num_layers} * kLayout.num_kv_heads;
+  EXPECT_EQ(s->h2d_bytes, kLayout.CacheBytes(kTokens) + control->up);
+  EXPECT_EQ(s->d2h_bytes, heads * 4 + control->down);
+  EXPECT_LT(s->d2h_bytes, 4096u);
   const std::string before = metrics_->Scrape();
   absl::StatusOr<CompressedCache> got = Stored("k");
   ASSERT_TRUE(got.ok()) << got.status();
@@ -249,7 +274,82 @@ TEST_F(DevicePathTest, GpuTierPutKeepsTheCacheOnTheDeviceAndAGetCopiesItOnce) {
       counter(after, "kvcomp_d2h_bytes_total") - counter(before, "kvcomp_d2h_bytes_total"),
       static_cast<double>(s->stored_bytes), 0.5);
   EXPECT_EQ(counter(after, "kvcomp_h2d_bytes_total"), counter(before, "kvcomp_h2d_bytes_total"));
+  // The put's own counts are what the daemon exports.
+  for (const char* name : {"kvcomp_h2d_bytes_total", "kvcomp_d2h_bytes_total"}) {
+    const double want = name[7] == 'h' ? s->h2d_bytes : s->d2h_bytes;
+    EXPECT_NEAR(counter(before, name) - counter(h2d_before, name), want, 0.5) << name;
+  }
 }
+
+// A disk-durable put into the GPU tier: the RocksDB copy needs the bytes on the host, so the
+// encoded cache comes down exactly once (checked there against its device CRC32C); the GPU tier
+// keeps the device copy. The cache is the one a host-tier put of the same blocks stores.
+TEST_F(DevicePathTest, ADiskDurableGpuTierPutDownloadsTheEncodedCacheOnce) {
+  Start(storage::TierKind::kDevice, 0, storage::Durability::kDisk);
+  Tensor x(16);
+  absl::StatusOr<CacheSummary> s = PutCache("k", x);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->tier, storage::TierKind::kDevice);
+  absl::StatusOr<storage::LookupResult> where = store_->Lookup(CacheKey{"alice", "m", "k"});
+  ASSERT_TRUE(where.ok());
+  EXPECT_TRUE(where->persisted);
+  absl::StatusOr<Control> control = EncodingControl("k");
+  ASSERT_TRUE(control.ok()) << control.status();
+  const uint64_t heads = uint64_t{kLayout.num_layers} * kLayout.num_kv_heads;
+  EXPECT_EQ(s->h2d_bytes, kLayout.CacheBytes(kTokens) + control->up);
+  EXPECT_EQ(s->d2h_bytes, heads * 4 + control->down + s->stored_bytes);
+  absl::StatusOr<CompressedCache> on_gpu = Stored("k");
+  ASSERT_TRUE(on_gpu.ok()) << on_gpu.status();
+
+  TearDown();
+  Start(storage::TierKind::kHost);
+  absl::StatusOr<CacheSummary> h = PutCache("k", x);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->stored_bytes, s->stored_bytes);
+  absl::StatusOr<CompressedCache> on_host = Stored("k");
+  ASSERT_TRUE(on_host.ok()) << on_host.status();
+  EXPECT_EQ(on_gpu->kept, on_host->kept);
+  EXPECT_EQ(on_gpu->positions, on_host->positions);
+  EXPECT_EQ(on_gpu->keys, on_host->keys);
+  EXPECT_EQ(on_gpu->values, on_host->values);
+  EXPECT_EQ(on_gpu->moment_count, on_host->moment_count);
+}
+
+#if defined(KVCOMP_HAVE_CUDA)
+// GetInto: a cache in the GPU tier read into device memory with one copy on the device, nothing
+// through the host (what a GPU-to-GPU channel serves from).
+TEST_F(DevicePathTest, AGetIntoDeviceMemoryCopiesOnTheDeviceOnly) {
+  Start(storage::TierKind::kDevice);
+  Tensor x(17);
+  absl::StatusOr<CacheSummary> s = PutCache("k", x);
+  ASSERT_TRUE(s.ok()) << s.status();
+  absl::StatusOr<storage::Payload> host = Get(CacheKey{"alice", "m", "k"});
+  ASSERT_TRUE(host.ok());
+  const std::string before = metrics_->Scrape();
+  void* dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev, s->stored_bytes), cudaSuccess);
+  absl::StatusOr<storage::CacheMeta> meta = repository_->GetInto(
+      CacheKey{"alice", "m", "k"}, storage::DeviceTarget{dev, s->stored_bytes, 0, nullptr});
+  ASSERT_TRUE(meta.ok()) << meta.status();
+  EXPECT_EQ(meta->stored_bytes, s->stored_bytes);
+  std::string back(s->stored_bytes, '\0');
+  ASSERT_EQ(cudaMemcpy(back.data(), dev, back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(back == host->view());
+  // Another tenant's key reads as missing here too.
+  EXPECT_TRUE(absl::IsNotFound(
+      repository_->GetInto(CacheKey{"bob", "m", "k"},
+                           storage::DeviceTarget{dev, s->stored_bytes, 0, nullptr})
+          .status()));
+  cudaFree(dev);
+  const std::string after = metrics_->Scrape();
+  auto counter = [](const std::string& text, const std::string& name) {
+    const size_t at = text.find("\n" + name + " ");
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
+  };
+  EXPECT_EQ(counter(after, "kvcomp_d2h_bytes_total"), counter(before, "kvcomp_d2h_bytes_total"));
+  EXPECT_EQ(counter(after, "kvcomp_h2d_bytes_total"), counter(before, "kvcomp_h2d_bytes_total"));
+}
+#endif
 
 #if defined(KVCOMP_HAVE_CUDA)
 TEST_F(DevicePathTest, DeviceMemoryBlocksNeverCrossToTheHost) {
