@@ -39,6 +39,10 @@ OPTIONAL=(
   tests/decode/decode_attention_cuda_test
   tests/client/client_daemon_test
   tests/service/service_device_path_test
+  tests/kernels/kernels_device_crc32c_test
+  tests/kernels/kernels_device_format_test
+  tests/storage/storage_device_payload_test
+  bench/gpu/kvcomp_bench_gpu_crc32c
 )
 # Libraries the device machine has (its own glibc, C++ runtime and CUDA), by soname prefix.
 SKIP='^(linux-vdso|ld-linux-x86-64|libc|libm|libpthread|libdl|librt|libutil|libresolv|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libcusolver|libcusparse|libnvJitLink|libcurand|libcufft)\.so'
