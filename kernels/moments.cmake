@@ -11,3 +11,4 @@ if(TARGET Eigen3::Eigen)
 endif()
 list(APPEND KERNELS_CUDA_SRCS src/cuda/moments_cuda.cu)
 list(APPEND KERNELS_SRCS src/cpu/moments_aware.cc)
+list(APPEND KERNELS_CUDA_SRCS src/cuda/moments_aware.cu)  # the rescoring on the device

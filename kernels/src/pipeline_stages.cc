@@ -1,6 +1,6 @@
 #include "pipeline_stages.h"
 
-#include <type_traits>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "kvcomp/core/status.h"
@@ -8,6 +8,10 @@
 #include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/kernels/kvsplice.h"
 #include "kvcomp/kernels/moment_ops.h"
+#include "cpu/kvsplice_internal.h"
+#if defined(KVCOMP_HAVE_CUDA)
+#include "cuda/codec_device.h"
+#endif
 
 namespace kvcomp {
 namespace pipeline_internal {
@@ -98,36 +102,129 @@ absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
 
 absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
                               const Projection* projection, DeviceCompressedCache* cache,
-                              TransferBytes* transfers) {
+                              TransferBytes* /*transfers*/) {
   if (policy.key_codec == KeyCodec::kRaw && policy.value_codec == ValueCodec::kRaw) {
     return absl::OkStatus();
   }
-  // Encoded on the host arrays, then the encoded arrays copied back to the device.
-  KVCOMP_ASSIGN_OR_RETURN(CompressedCache host, cache->Download(backend, transfers));
-  KVCOMP_RETURN_IF_ERROR(EncodeKept(backend, policy, projection, &host));
-  auto upload = [&](Buffer* dst, const auto& v) -> absl::Status {
-    using T = typename std::decay_t<decltype(v)>::value_type;
-    dst->Reset();
-    if (v.empty()) return absl::OkStatus();
-    KVCOMP_ASSIGN_OR_RETURN(*dst, Buffer::Allocate(backend.allocator(), v.size() * sizeof(T)));
-    if (transfers != nullptr) transfers->to_device += v.size() * sizeof(T);
-    return backend.CopyFromHost(dst->data(), v.data(), v.size() * sizeof(T));
+  CompressedCache& host = cache->host;
+  if (host.key_codec != KeyCodec::kRaw || host.value_codec != ValueCodec::kRaw) {
+    return absl::FailedPreconditionError("kvsplice: the cache is already encoded");
+  }
+  const KvLayout& layout = host.layout;
+  const uint64_t d = layout.head_dim, total = host.total_kept();
+  const uint64_t row_bytes = DTypeBytes(layout.dtype, d);
+  const std::vector<uint64_t> offsets = host.TokenOffsets();
+  RowSpan rows;
+  rows.row_offsets = offsets;
+  CodecOps& ops = backend.codec();
+  Allocator& a = backend.allocator();
+  auto alloc = [&](Buffer* b, uint64_t bytes) -> absl::Status {
+    b->Reset();
+    if (bytes == 0) return absl::OkStatus();
+    KVCOMP_ASSIGN_OR_RETURN(*b, Buffer::Allocate(a, bytes));
+    return absl::OkStatus();
   };
-  KVCOMP_RETURN_IF_ERROR(upload(&cache->keys, host.keys));
-  KVCOMP_RETURN_IF_ERROR(upload(&cache->key_scales, host.key_scales));
-  KVCOMP_RETURN_IF_ERROR(upload(&cache->values, host.values));
-  KVCOMP_RETURN_IF_ERROR(upload(&cache->value_scales, host.value_scales));
-  KVCOMP_RETURN_IF_ERROR(upload(&cache->raw_value_rows, host.raw_value_rows));
-  KVCOMP_RETURN_IF_ERROR(upload(&cache->raw_values, host.raw_values));
-  cache->raw_value_row_count = host.raw_value_rows.size();
-  CompressedCache& h = cache->host;
-  h.key_codec = host.key_codec;
-  h.value_codec = host.value_codec;
-  h.rank = host.rank;
-  h.group_size = host.group_size;
-  h.projection_version = host.projection_version;
-  h.value_gamma = host.value_gamma;
-  h.layer_rank = host.layer_rank;
+
+  if (policy.value_codec != ValueCodec::kRaw) {
+    if (projection == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "kvsplice: value codec ", ValueCodecName(policy.value_codec),
+          " needs a calibrated projection (none given)"));
+    }
+    KVCOMP_RETURN_IF_ERROR(kvsplice_internal::CheckProjectionLayout(*projection, layout));
+    KVCOMP_ASSIGN_OR_RETURN(const std::vector<uint32_t> ranks,
+                            ChooseLayerRanks(policy, *projection));
+    const uint32_t rank = *std::max_element(ranks.begin(), ranks.end());
+    const bool uniform =
+        std::all_of(ranks.begin(), ranks.end(), [&](uint32_t r) { return r == ranks[0]; });
+    ValueCodecParams p;
+    p.codec = policy.value_codec;
+    p.rank = rank;
+    p.group_size = policy.group_size;
+    p.gamma_aware = policy.gamma_aware;
+    const std::vector<kvsplice_internal::LayerRows> layers =
+        kvsplice_internal::SplitLayers(offsets, layout.num_kv_heads, p, ranks);
+    // KVSplice outliers: residuals per layer at its rank, the rows picked on the device.
+    bool any_outlier = false;
+    for (uint32_t k : host.kept) {
+      any_outlier =
+          any_outlier || kvsplice_internal::OutlierCap(k, policy.value_raw_fraction) > 0;
+    }
+    cache->raw_value_row_count = 0;
+    cache->raw_value_rows.Reset();
+    cache->raw_values.Reset();
+    if (any_outlier) {
+      Buffer residuals;
+      KVCOMP_RETURN_IF_ERROR(alloc(&residuals, 2 * total * sizeof(float)));
+      float* energy = residuals.as<float>();
+      float* lost = energy + total;
+      if (uniform) {
+        KVCOMP_RETURN_IF_ERROR(ops.ValueResiduals(*projection, rank, rows, cache->values.data(),
+                                                  layout.dtype, energy, lost));
+      } else {
+        for (const kvsplice_internal::LayerRows& L : layers) {
+          if (L.offsets.back() == 0) continue;
+          KVCOMP_RETURN_IF_ERROR(ops.ValueResiduals(
+              *projection, L.params.rank, L.span(),
+              cache->values.as<uint8_t>() + L.first_row * row_bytes, layout.dtype,
+              energy + L.first_row, lost + L.first_row));
+        }
+      }
+#if defined(KVCOMP_HAVE_CUDA)
+      KVCOMP_RETURN_IF_ERROR(codec_device::PickRawValueRows(
+          backend.native_stream(), a, energy, lost, offsets, policy.value_raw_fraction,
+          policy.value_outlier_factor, cache->values.data(), row_bytes, &cache->raw_value_rows,
+          &cache->raw_values, &cache->raw_value_row_count));
+#else
+      return absl::FailedPreconditionError("this build has no CUDA");
+#endif
+    }
+    // The latents (and scales), one call for one rank, else one per layer at its own rank.
+    const kvsplice_internal::LayerRows& last = layers.back();
+    const uint64_t latent_bytes = last.latent_byte + last.offsets.back() * last.params.LatentBytes();
+    const uint64_t scale_count = last.scale_elem + last.offsets.back() * last.params.Groups();
+    Buffer latent, scales;
+    KVCOMP_RETURN_IF_ERROR(alloc(&latent, latent_bytes));
+    KVCOMP_RETURN_IF_ERROR(alloc(&scales, scale_count * sizeof(uint16_t)));
+    if (uniform) {
+      KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(*projection, p, rows, cache->values.data(),
+                                              layout.dtype, latent.data(),
+                                              scales.as<uint16_t>()));
+    } else {
+      for (const kvsplice_internal::LayerRows& L : layers) {
+        if (L.offsets.back() == 0) continue;
+        KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(
+            *projection, L.params, L.span(), cache->values.as<uint8_t>() + L.first_row * row_bytes,
+            layout.dtype, latent.as<uint8_t>() + L.latent_byte,
+            scale_count == 0 ? nullptr : scales.as<uint16_t>() + L.scale_elem));
+      }
+    }
+    cache->values = std::move(latent);
+    cache->value_scales = std::move(scales);
+    host.value_codec = p.codec;
+    host.rank = rank;
+    if (uniform) {
+      host.layer_rank.clear();
+    } else {
+      host.layer_rank = ranks;
+    }
+    host.group_size = p.Groups() > 0 ? p.group_size : 32;
+    host.value_gamma = p.UsesGamma();
+    host.projection_version = projection->version;
+  }
+  if (policy.key_codec != KeyCodec::kRaw) {
+    host.key_codec = policy.key_codec;  // sizes of the encoded keys and scales
+    Buffer keys, key_scales;
+    KVCOMP_RETURN_IF_ERROR(alloc(&keys, total * host.KeyTokenBytes()));
+    KVCOMP_RETURN_IF_ERROR(alloc(&key_scales, host.KeyScaleCount() * sizeof(float)));
+    host.key_codec = KeyCodec::kRaw;
+    KVCOMP_RETURN_IF_ERROR(ops.EncodeKeys(policy.key_codec, rows, layout.head_dim,
+                                          cache->keys.data(), layout.dtype, keys.data(),
+                                          key_scales.as<float>()));
+    cache->keys = std::move(keys);
+    cache->key_scales = std::move(key_scales);
+    host.key_codec = policy.key_codec;
+  }
   return absl::OkStatus();
 }
 

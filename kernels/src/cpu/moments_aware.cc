@@ -90,6 +90,13 @@ absl::Status MomentAwareRescore(const HeadsView& keys, const SelectParams& selec
   return absl::OkStatus();
 }
 
+#if !defined(KVCOMP_HAVE_CUDA)
+absl::Status MomentAwareRescoreOnDevice(void*, Allocator&, const HeadsView&, const SelectParams&,
+                                        const TokenPositions&, float*) {
+  return absl::FailedPreconditionError("moment-aware eviction: this build has no CUDA");
+}
+#endif
+
 absl::Status MomentAwareScoreSelectCompact(Backend& backend, const ScoreSelectCompactArgs& args) {
   KVCOMP_RETURN_IF_ERROR(CheckScoreSelectCompactArgs(args, backend.space()));
   const HeadsView& k = args.keys;
@@ -107,27 +114,8 @@ absl::Status MomentAwareScoreSelectCompact(Backend& backend, const ScoreSelectCo
     KVCOMP_RETURN_IF_ERROR(
         MomentAwareRescore(k, args.select, args.positions, nullptr, nullptr, scores));
   } else {
-    // Bring the layer's keys (their whole strided span), scores and positions to the host.
-    const size_t eb = DTypeBytes(k.dtype, 1);
-    const uint64_t span = k.num_heads == 0 ? 0
-                                           : (uint64_t{k.num_heads} - 1) * k.head_stride +
-                                                 (k.num_tokens - 1) * k.token_stride + k.head_dim;
-    std::vector<uint8_t> hk(span * eb);
-    std::vector<float> hs(count);
-    std::vector<uint32_t> hp;
-    KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(hk.data(), k.data, hk.size()));
-    KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(hs.data(), scores, count * 4));
-    TokenPositions tp = args.positions;
-    if (tp.data != nullptr) {
-      hp.resize(count);
-      KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(hp.data(), tp.data, count * 4));
-      tp.data = hp.data();
-    }
-    HeadsView hkv = k;
-    hkv.data = hk.data();
-    hkv.space = MemorySpace::kHost;
-    KVCOMP_RETURN_IF_ERROR(MomentAwareRescore(hkv, args.select, tp, nullptr, nullptr, hs.data()));
-    KVCOMP_RETURN_IF_ERROR(backend.CopyFromHost(scores, hs.data(), count * 4));
+    KVCOMP_RETURN_IF_ERROR(MomentAwareRescoreOnDevice(backend.native_stream(), backend.allocator(),
+                                                      k, args.select, args.positions, scores));
   }
   KVCOMP_RETURN_IF_ERROR(backend.scoring().Select(scores, k.num_heads, k.num_tokens, args.select,
                                                   args.positions, args.kept));

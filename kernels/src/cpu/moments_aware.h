@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/scoring_ops.h"
 
@@ -27,9 +28,16 @@ absl::Status MomentAwareRescore(const HeadsView& keys, const SelectParams& selec
                                 const TokenPositions& positions, const uint64_t* prior_count,
                                 const float* prior_key_sum, float* scores);
 
+// MomentAwareRescore without prior moments for keys and scores in device memory, on the
+// CUDA stream `stream` with workspaces from `allocator` (positions.data, when set, in device
+// memory too). No host wait. FailedPrecondition in a build without CUDA.
+absl::Status MomentAwareRescoreOnDevice(void* stream, Allocator& allocator, const HeadsView& keys,
+                                        const SelectParams& select,
+                                        const TokenPositions& positions, float* scores);
+
 // Score (args.score) -> MomentAwareRescore -> Select -> Compact on `backend`, with the same
 // outputs as ScoreSelectCompact(args) (args.scores, when set, receives the combined scores).
-// Device backends copy the layer's keys and scores to the host for the rescoring.
+// Device backends rescore on the device (MomentAwareRescoreOnDevice).
 absl::Status MomentAwareScoreSelectCompact(Backend& backend, const ScoreSelectCompactArgs& args);
 
 }  // namespace moments_internal
