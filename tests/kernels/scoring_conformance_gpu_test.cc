@@ -2,6 +2,7 @@
 // inputs (every dtype and head_dim, odd lengths, n below the budget, n = 1, exact ties, every
 // scorer, uniform and AdaKV), outputs poisoned before each run. Skipped (77) without a device.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -401,6 +402,58 @@ TEST(ScoringConformanceGpuTest, VarlenBatchAgainstCpu) {
     const VarlenRun gb = RunVarlen(**cuda, k, k, DType::kBF16, 2, 128, cu, kept, score, select);
     EXPECT_EQ(rb.status.code(), absl::StatusCode::kInvalidArgument) << rb.status;
     EXPECT_EQ(rb.status, gb.status);
+  }
+}
+
+// The values' data check runs in the compaction (kept rows as they are copied, evicted rows
+// after): a bad value row is found whether its token is kept or evicted, on the one-block
+// selection (301 tokens) and the tiled one (9000 tokens, uniform and AdaKV), and the first bad
+// row (lowest head, then token) is the one named. Streaming keeps the sinks and the latest
+// tokens, so which rows are kept is known.
+TEST(ScoringConformanceGpuTest, ValueCheckInCompactionFindsKeptAndEvictedRows) {
+  auto cuda = MakeCudaBackend();
+  ASSERT_TRUE(cuda.ok());
+  struct Case {
+    uint64_t tokens;
+    HeadBudget budget;
+    std::vector<std::pair<uint32_t, uint64_t>> bad;  // (head, token)
+    std::pair<uint32_t, uint64_t> expect;
+  };
+  const Case cases[] = {
+      {301, HeadBudget::kUniform, {{1, 150}}, {1, 150}},            // evicted
+      {301, HeadBudget::kUniform, {{1, 250}}, {1, 250}},            // kept
+      {301, HeadBudget::kUniform, {{1, 250}, {1, 150}}, {1, 150}},  // both: the first
+      {301, HeadBudget::kUniform, {{0, 290}, {1, 20}}, {0, 290}},   // lower head first
+      {9000, HeadBudget::kUniform, {{1, 3000}}, {1, 3000}},         // evicted, tiled
+      {9000, HeadBudget::kUniform, {{1, 7000}}, {1, 7000}},         // kept, tiled
+      {9000, HeadBudget::kUniform, {{1, 7000}, {1, 3000}}, {1, 3000}},
+      {9000, HeadBudget::kAdaKV, {{1, 3000}}, {1, 3000}},
+      {9000, HeadBudget::kAdaKV, {{0, 8000}, {1, 2}}, {0, 8000}},
+  };
+  for (const Case& cs : cases) {
+    for (DType dt : {DType::kBF16, DType::kF32}) {
+      testing::ConformanceCase c;
+      c.dtype = dt;
+      c.head_dim = dt == DType::kF32 ? 64 : 128;
+      c.heads = 2;
+      c.tokens = cs.tokens;
+      c.score.scorer = Scorer::kStreaming;
+      c.select.kept_per_head = cs.tokens / 3;
+      c.select.head_budget = cs.budget;
+      SCOPED_TRACE(c.Name());
+      const testing::HostHeads k = testing::RandomHeads(dt, 2, cs.tokens, c.head_dim, 5);
+      testing::HostHeads v = testing::RandomHeads(dt, 2, cs.tokens, c.head_dim, 6);
+      for (const auto& [h, t] : cs.bad) {
+        v.Set((uint64_t{h} * cs.tokens + t) * c.head_dim + 3, NAN);
+      }
+      const testing::RunOutput o = testing::RunFused(**cuda, c, k, v, nullptr);
+      EXPECT_EQ(o.status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(o.status.message().find(absl::StrFormat(
+                    "values: NaN or Inf (or a squared norm beyond float32) at head %u, token %u",
+                    cs.expect.first, cs.expect.second)),
+                std::string::npos)
+          << o.status;
+    }
   }
 }
 

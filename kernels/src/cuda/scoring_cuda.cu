@@ -108,6 +108,7 @@ struct Layout {
   uint64_t snap_stats = kNone, snap_acc = kNone, snap_max = kNone;
   uint64_t state = kNone, hist = kNone, tile_counts = kNone, plan = kNone, total = kNone;
   uint64_t stage_counts = kNone, flags = kNone;
+  uint64_t evicted = kNone;  // the short path's evicted tokens, for the values' check
   uint64_t offsets = kNone;
   uint64_t bytes = 0;
 
@@ -529,6 +530,14 @@ class CudaScoringOps final : public ScoringOps {
     LayoutScore(a.keys, a.score, a.scores != nullptr, c, l);
     if (!RowsAligned(a.values)) l->values = c->Take(Dense(a.values));
     LayoutSelect(a.keys.num_heads, a.keys.num_tokens, a.select, c, l);
+    if (ShortPath(a.keys.num_heads, a.keys.num_tokens, a.select)) {
+      l->evicted = c->Take(uint64_t{a.keys.num_heads} * a.keys.num_tokens * sizeof(uint32_t));
+    }
+  }
+
+  // The one-block selection takes a uniform budget over heads of at most ShortSelectMaxTokens.
+  static bool ShortPath(uint32_t heads, uint64_t n, const SelectParams& sel) {
+    return (sel.head_budget == HeadBudget::kUniform || heads == 1) && n <= ShortSelectMaxTokens();
   }
 
   absl::StatusOr<Buffer> EnqueueAll(const ScoreSelectCompactArgs& a, Carver* c, Layout* l) {
@@ -538,19 +547,14 @@ class CudaScoringOps final : public ScoringOps {
     KVCOMP_ASSIGN_OR_RETURN(HeadsView keys, Repack(a.keys, ws, l->keys));
     KVCOMP_ASSIGN_OR_RETURN(HeadsView values, Repack(a.values, ws, l->values));
     float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
-    // Values are held to the keys' data check: in the score launch itself, or (snapkv, whose
-    // scores come from other kernels) by a pass of their own whose norms land in `scores`, then
-    // overwritten.
-    const bool fold = a.score.scorer != Scorer::kSnapKV && 2ull * a.keys.num_heads <= 65535;
-    if (!fold) {
-      KVCOMP_RETURN_IF_ERROR(
-          EnqueueRowCheck(values, scores, &At<ErrorSlots>(ws, l->errors)->bad_value));
-    }
+    // Values are held to the keys' data check by the compaction: it reads the kept rows of V to
+    // copy them and checks them there, then reads the evicted rows once for the check alone, so
+    // V is read once (the score pass reads K only).
     KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, a.score, a.positions, scores, ws, *l,
-                                        /*repacked=*/true, fold ? &values : nullptr));
+                                        /*repacked=*/true, nullptr));
     KVCOMP_RETURN_IF_ERROR(EnqueueSelect(scores, a.keys.num_heads, a.keys.num_tokens, a.select,
                                          a.positions, a.kept, &keys, &values, a.keys_out,
-                                         a.values_out, ws, *l));
+                                         a.values_out, ws, *l, /*check_values=*/true));
     return ws;
   }
 
@@ -766,7 +770,7 @@ class CudaScoringOps final : public ScoringOps {
   absl::Status RunStage(SelectKernelParams sp, uint32_t need, uint32_t* kept_counts,
                         uint8_t* mark, uint32_t* indices, const HeadsView* keys,
                         const HeadsView* values, void* keys_out, void* values_out,
-                        const Buffer& ws, const Layout& l) {
+                        const Buffer& ws, const Layout& l, bool check_values = false) {
     const uint32_t heads = sp.heads;
     const uint32_t segments = sp.per_head ? heads : 1;
     cudaStream_t s = ctx_->stream;
@@ -810,6 +814,7 @@ class CudaScoringOps final : public ScoringOps {
       gp.v_head_stride = values->head_stride;
       gp.keys_out = keys_out;
       gp.values_out = values_out;
+      if (check_values) gp.bad_value = &sp.errors->bad_value;
       dtype = keys->dtype;
       d = keys->head_dim;
     }
@@ -826,7 +831,7 @@ class CudaScoringOps final : public ScoringOps {
   // rows by the whole grid (GatherRowsKernel).
   absl::Status RunShortSelect(const SelectKernelParams& sp, uint32_t kept, KeptIndices out,
                               const HeadsView* keys, const HeadsView* values, void* keys_out,
-                              void* values_out) {
+                              void* values_out, uint32_t* evicted) {
     cudaStream_t s = ctx_->stream;
     ShortSelectParams p{};
     p.scores = sp.scores;
@@ -838,6 +843,7 @@ class CudaScoringOps final : public ScoringOps {
     p.counts = out.counts;
     p.indices = out.indices;
     p.errors = sp.errors;
+    p.evicted = keys_out != nullptr ? evicted : nullptr;
     const size_t smem = sp.n * sizeof(uint32_t);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         ShortSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -856,7 +862,14 @@ class CudaScoringOps final : public ScoringOps {
     g.indices = out.indices;
     g.keys_out = keys_out;
     g.values_out = values_out;
-    const dim3 grid(static_cast<uint32_t>(CeilDiv(kept, kGatherRowsPerBlock)), sp.heads);
+    uint64_t blocks = CeilDiv(kept, kGatherRowsPerBlock);
+    if (evicted != nullptr) {  // then the evicted rows' values check, in the same launch
+      g.bad_value = &sp.errors->bad_value;
+      g.evicted = evicted;
+      g.n = sp.n;
+      blocks += CeilDiv(sp.n - kept, kGatherRowsPerBlock);
+    }
+    const dim3 grid(static_cast<uint32_t>(blocks), sp.heads);
     KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(keys->dtype, keys->head_dim, [&](auto t, auto d) {
       using T = typename decltype(t)::type;
       constexpr int D = decltype(d)::value;
@@ -866,11 +879,12 @@ class CudaScoringOps final : public ScoringOps {
     return absl::OkStatus();
   }
 
+  // check_values: the compaction also holds the values to the data check (V read once).
   absl::Status EnqueueSelect(const float* scores, uint32_t heads, uint64_t n,
                              const SelectParams& sel, const TokenPositions& positions,
                              KeptIndices out, const HeadsView* keys, const HeadsView* values,
                              void* keys_out, void* values_out, const Buffer& ws,
-                             const Layout& l) {
+                             const Layout& l, bool check_values = false) {
     KVCOMP_RETURN_IF_ERROR(Bind());
     const uint64_t kept = std::min<uint64_t>(sel.kept_per_head, n);
     SelectKernelParams sp{};
@@ -884,13 +898,15 @@ class CudaScoringOps final : public ScoringOps {
     sp.state = At<SegmentState>(ws, l.state);
     sp.hist = At<uint32_t>(ws, l.hist);
     sp.errors = At<ErrorSlots>(ws, l.errors);
-    if ((sel.head_budget == HeadBudget::kUniform || heads == 1) && n <= ShortSelectMaxTokens()) {
+    if (ShortPath(heads, n, sel)) {
       return RunShortSelect(sp, static_cast<uint32_t>(kept), out, keys, values, keys_out,
-                            values_out);
+                            values_out,
+                            check_values && keys_out != nullptr ? At<uint32_t>(ws, l.evicted)
+                                                                : nullptr);
     }
     if (sel.head_budget == HeadBudget::kUniform || heads == 1) {
       return RunStage(sp, static_cast<uint32_t>(kept), out.counts, nullptr, out.indices, keys,
-                      values, keys_out, values_out, ws, l);
+                      values, keys_out, values_out, ws, l, check_values);
     }
     // AdaKV: each head's safeguard first (marked in flags), then the layer's remaining budget
     // over every unmarked token, ties by lower head then lower token.
@@ -910,7 +926,7 @@ class CudaScoringOps final : public ScoringOps {
     sp.pre = flags;
     sp.per_head = false;
     return RunStage(sp, static_cast<uint32_t>(remaining), out.counts, nullptr, out.indices, keys,
-                    values, keys_out, values_out, ws, l);
+                    values, keys_out, values_out, ws, l, check_values);
   }
 
   // The varlen batch's error slots as the per-request calls would report them: the first

@@ -154,6 +154,20 @@ __device__ inline float RowSum(float x) {
   return x;
 }
 
+// A row's squared norm from the lanes' raw vectors, summed as the score pass sums it; every lane
+// of the warp must call it (shuffles).
+template <typename T, int D>
+__device__ inline float RawSqNorm(const uint4* raw) {
+  using S = RowShape<T, D>;
+  float f[S::kF];
+#pragma unroll
+  for (int j = 0; j < S::kVecs; ++j) Elem<T>::Unpack(raw[j], f + j * S::kPerVec);
+  float sq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < S::kF; ++j) sq = fmaf(f[j], f[j], sq);
+  return RowSum<S::kLanes>(sq);
+}
+
 __device__ inline uint32_t OrderKey(float s) {
   if (s == 0.0f) s = 0.0f;  // -0 and +0 alike
   const uint32_t u = __float_as_uint(s);
@@ -783,6 +797,10 @@ struct GatherParams {
   void* values_out;
   // Rows the outputs hold: a row beyond is never written, whatever the selection says.
   uint64_t capacity;
+  // Optional: the values' data check, here instead of in the score pass, so V is read once: the
+  // kept rows as they are copied, then the tile's evicted rows; the first bad row (head * n +
+  // token) goes here.
+  unsigned long long* bad_value;
 };
 
 __device__ inline void CopyRow16(const uint4* src, uint4* dst, int sub, int vecs, int lanes) {
@@ -796,6 +814,7 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams g) {
   constexpr int kPer = kTile / kThreads;
   __shared__ uint32_t scratch[33];
   __shared__ uint32_t src_row[kTile];
+  __shared__ uint32_t ev_row[kTile];  // the tile's evicted tokens (values' check only)
   __shared__ uint32_t n_kept;
   const SelectKernelParams& p = g.count.sel;
   const uint32_t h = blockIdx.y;
@@ -829,16 +848,21 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams g) {
   }
   uint32_t kept_total;
   uint32_t pos = BlockExclusiveScan(keep_sum, scratch, &kept_total);
+  const uint32_t tile_len = static_cast<uint32_t>(min(static_cast<uint64_t>(kTile), p.n - t0));
+  // Tokens before this thread's that are not kept (every token before it is in range).
+  uint32_t ev = min(tile_len, static_cast<uint32_t>(threadIdx.x) * kPer) - pos;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
+    const uint32_t t = static_cast<uint32_t>(t0 + threadIdx.x * kPer + k);
     if (keep_bits & (1u << k)) {
-      const uint32_t t = static_cast<uint32_t>(t0 + threadIdx.x * kPer + k);
       src_row[pos] = t;
       if (g.indices != nullptr && plan.out_base + pos < g.capacity) {
         g.indices[plan.out_base + pos] = t;
       }
       if (g.mark != nullptr) g.mark[uint64_t{h} * p.n + t] = 1;
       ++pos;
+    } else if (g.bad_value != nullptr && t < p.n) {
+      ev_row[ev++] = t;
     }
   }
   if (threadIdx.x == 0) n_kept = kept_total;
@@ -855,8 +879,11 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams g) {
   uint4* vout = reinterpret_cast<uint4*>(g.values_out);
   constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
   const uint32_t total = n_kept;
+  const bool check = g.bad_value != nullptr;
   constexpr int kUnroll = 4;
-  for (uint32_t e = warp * S::kRowsPerWarp + group; e < total; e += kStep * kUnroll) {
+  // Warp-uniform loop bounds (the values' check shuffles); rows past the end are zeros.
+  for (uint32_t eb = warp * S::kRowsPerWarp; eb < total; eb += kStep * kUnroll) {
+    const uint32_t e = eb + group;
     uint4 kv[kUnroll][S::kVecs], vv[kUnroll][S::kVecs];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -870,11 +897,20 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams g) {
           kv[u][j] = __ldcs(ks + j * S::kLanes + sub);
           vv[u][j] = __ldcs(vs + j * S::kLanes + sub);
         }
+      } else {
+#pragma unroll
+        for (int j = 0; j < S::kVecs; ++j) vv[u][j] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t ee = e + u * kStep;
+      if (check) {
+        const float sq = RawSqNorm<T, D>(vv[u]);
+        if (ee < total && sub == 0 && SqNormBad(sq)) {
+          ReportBad(g.bad_value, uint64_t{h} * p.n + src_row[ee]);
+        }
+      }
       if (ee < total && plan.out_base + ee < g.capacity) {
         const uint64_t out_row = plan.out_base + ee;
 #pragma unroll
@@ -882,6 +918,31 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams g) {
           __stcs(kout + out_row * kVecsPerRow + j * S::kLanes + sub, kv[u][j]);
           __stcs(vout + out_row * kVecsPerRow + j * S::kLanes + sub, vv[u][j]);
         }
+      }
+    }
+  }
+  if (!check) return;
+  const uint32_t n_ev = tile_len - total;
+  for (uint32_t eb = warp * S::kRowsPerWarp; eb < n_ev; eb += kStep * kUnroll) {
+    const uint32_t e = eb + group;
+    uint4 vv[kUnroll][S::kVecs];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t ee = e + u * kStep;
+#pragma unroll
+      for (int j = 0; j < S::kVecs; ++j) {
+        vv[u][j] = ee < n_ev ? __ldcs(reinterpret_cast<const uint4*>(
+                                          vbase + uint64_t{ev_row[ee]} * g.v_token_stride) +
+                                      j * S::kLanes + sub)
+                             : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t ee = e + u * kStep;
+      const float sq = RawSqNorm<T, D>(vv[u]);
+      if (ee < n_ev && sub == 0 && SqNormBad(sq)) {
+        ReportBad(g.bad_value, uint64_t{h} * p.n + ev_row[ee]);
       }
     }
   }
@@ -950,6 +1011,9 @@ struct ShortSelectParams {
   uint32_t* indices;  // [H * kept], head h's ascending indices at h * kept
   ErrorSlots* errors;
   const VarHead* var;  // varlen: each head's tokens, budget and output place
+  // Optional (not varlen): [H, n - kept], head h's evicted tokens ascending at h * (n - kept),
+  // for the values' check in GatherRows.
+  uint32_t* evicted;
 };
 
 // grid (H), kShortThreads threads, n * 4 bytes of dynamic shared memory.
@@ -1032,6 +1096,9 @@ __global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectPa
   uint32_t kept_total;
   uint32_t at = BlockExclusiveScan(gt + eq_kept_here, scratch, &kept_total);
   uint32_t* out = p.indices + (var ? p.var[h].out_row : uint64_t{h} * p.kept);
+  uint32_t* ev_out =
+      p.evicted != nullptr && !var ? p.evicted + uint64_t{h} * (n - kept_n) : nullptr;
+  uint32_t ev_at = t0 - at;  // tokens before t0 not kept
   for (uint32_t t = t0; t < t1; ++t) {
     const uint32_t key = keys[t];
     bool keep = key > prefix;
@@ -1039,7 +1106,11 @@ __global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectPa
       keep = eq_rank < need;
       ++eq_rank;
     }
-    if (keep && at < kept_n) out[at++] = t;
+    if (keep) {
+      if (at < kept_n) out[at++] = t;
+    } else if (ev_out != nullptr && ev_at < n - kept_n) {
+      ev_out[ev_at++] = t;
+    }
   }
   if (threadIdx.x == 0) p.counts[h] = kept_n;
 }
@@ -1055,6 +1126,12 @@ struct GatherRowsParams {
   void* keys_out;             // [H * kept, D]
   void* values_out;
   const VarHead* var;  // varlen: each head's budget, rows and output place
+  // Optional (not varlen): the values' check here, so V is read once: the kept rows as they are
+  // copied, and blocks past ceil(kept / kGatherRowsPerBlock) check the evicted rows listed in
+  // `evicted` ([H, n - kept]); the first bad row (head * n + token) goes to bad_value.
+  unsigned long long* bad_value;
+  const uint32_t* evicted;
+  uint64_t n;
 };
 
 // grid (ceil(kept / kGatherRowsPerBlock), H), kThreads threads: every row load of a thread is
@@ -1071,17 +1148,49 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsParams g)
   const int group = lane / S::kLanes;
   const bool var = g.var != nullptr;
   const uint32_t kept = var ? g.var[h].kept : g.kept;
+  const bool check = g.bad_value != nullptr && !var;
+  const uint32_t kept_blocks = (kept + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock;
+  const T* vbase = static_cast<const T*>(g.values) +
+                   (var ? g.var[h].v_offset : uint64_t{h} * g.v_head_stride);
+  if (check && blockIdx.x >= kept_blocks) {  // the evicted rows' values check
+    const uint32_t n_ev = static_cast<uint32_t>(g.n) - kept;
+    const uint32_t e0 = (blockIdx.x - kept_blocks) * kGatherRowsPerBlock;
+    if (e0 >= n_ev) return;
+    const uint32_t e1 = min(n_ev, e0 + kGatherRowsPerBlock);
+    const uint32_t* ev = g.evicted + uint64_t{h} * n_ev;
+    for (uint32_t eb = e0 + warp * S::kRowsPerWarp; eb < e1; eb += kStep * kUnroll) {
+      uint4 vv[kUnroll][S::kVecs];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t e = eb + group + u * kStep;
+#pragma unroll
+        for (int j = 0; j < S::kVecs; ++j) {
+          vv[u][j] = e < e1 ? __ldcs(reinterpret_cast<const uint4*>(
+                                         vbase + uint64_t{ev[e]} * g.v_token_stride) +
+                                     j * S::kLanes + sub)
+                            : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t e = eb + group + u * kStep;
+        const float sq = RawSqNorm<T, D>(vv[u]);
+        if (e < e1 && sub == 0 && SqNormBad(sq)) ReportBad(g.bad_value, uint64_t{h} * g.n + ev[e]);
+      }
+    }
+    return;
+  }
   const uint32_t r0 = blockIdx.x * kGatherRowsPerBlock;
   if (r0 >= kept) return;
   const uint32_t r1 = min(kept, r0 + kGatherRowsPerBlock);
   const T* kbase = static_cast<const T*>(g.keys) +
                    (var ? g.var[h].key_offset : uint64_t{h} * g.head_stride);
-  const T* vbase = static_cast<const T*>(g.values) +
-                   (var ? g.var[h].v_offset : uint64_t{h} * g.v_head_stride);
   const uint64_t out0 = var ? g.var[h].out_row : uint64_t{h} * g.kept;
   uint4* kout = reinterpret_cast<uint4*>(g.keys_out);
   uint4* vout = reinterpret_cast<uint4*>(g.values_out);
-  for (uint32_t rb = r0 + warp * S::kRowsPerWarp + group; rb < r1; rb += kStep * kUnroll) {
+  // Warp-uniform loop bounds (the values' check shuffles); rows past r1 are zeros.
+  for (uint32_t rw = r0 + warp * S::kRowsPerWarp; rw < r1; rw += kStep * kUnroll) {
+    const uint32_t rb = rw + group;
     uint4 kv[kUnroll][S::kVecs], vv[kUnroll][S::kVecs];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -1095,11 +1204,20 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsParams g)
           kv[u][j] = __ldcs(ks + j * S::kLanes + sub);
           vv[u][j] = __ldcs(vs + j * S::kLanes + sub);
         }
+      } else {
+#pragma unroll
+        for (int j = 0; j < S::kVecs; ++j) vv[u][j] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t r = rb + u * kStep;
+      if (check) {
+        const float sq = RawSqNorm<T, D>(vv[u]);
+        if (r < r1 && sub == 0 && SqNormBad(sq)) {
+          ReportBad(g.bad_value, uint64_t{h} * g.n + g.indices[out0 + r]);
+        }
+      }
       if (r < r1) {
         const uint64_t o = (out0 + r) * S::kVecsPerRow;
 #pragma unroll
