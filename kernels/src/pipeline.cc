@@ -154,8 +154,9 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
 
   CompressedCache out;
   out.policy = policy;
-  out.has_moments = policy.moments && pipeline_internal::MomentsAvailable(backend);
+  out.has_moments = false;  // the moments live on the device: Reset shapes no host arrays
   out.Reset(layout, n);
+  out.has_moments = policy.moments && pipeline_internal::MomentsAvailable(backend);
 
   Allocator& a = backend.allocator();
   KVCOMP_ASSIGN_OR_RETURN(Buffer d_counts, Buffer::Allocate(a, L * heads * sizeof(uint32_t)));
@@ -331,11 +332,6 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
       at += t;
     }
   }
-  // The host part carries no array: the moments Reset shaped live in the device buffers.
-  out.moment_count.clear();
-  out.moment_key_sum.clear();
-  out.moment_value_sum.clear();
-  out.moment_vk_sum.clear();
   dc.host = std::move(out);
   return dc;
 }

@@ -1,0 +1,215 @@
+// CompressToDevice on the CUDA backend, with nothing downloaded: the device work of a
+// compression (score, select, compact, moments, the moment-aware rescoring, the key codecs and
+// KVSplice encoding with its outlier search), timed until the cache's arrays are complete in
+// device memory, and then its one Download timed alone. A Llama-3.1-8B-shaped cache (32 layers,
+// 8 kv heads, head_dim 128, bf16) already in device memory, manifold 0.5 + moments, at each
+// token count given, for: eviction alone, moment-aware eviction, KVSplice int8 (int8 keys,
+// int8 latents, outliers raw) and KVSplice int4 (int4 keys, int4 latents at per-layer ranks).
+// The projection is calibrated on the CPU from the same values, not timed. Each time is set
+// against the link time the cache's saved bytes buy back at 50 GB/s (400 Gb/s) and against a
+// device-to-device copy of its minimal bytes (K and V read, the cache written). Wall-clock
+// medians of --reps runs after one untimed run; one RESULT line per policy and token count.
+//
+// Usage: kvcomp_bench_gpu_device_codec [--tokens 8192,32768] [--reps 5]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvcomp/kernels/allocator.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/calibration.h"
+#include "kvcomp/kernels/pipeline.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kvcomp::DType;
+using kvcomp::HeadsView;
+using kvcomp::KvLayout;
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+double MedianSeconds(int reps, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> s;
+  for (int i = 0; i < reps; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    fn();
+    s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(s.begin(), s.end());
+  return s[s.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<uint64_t> token_counts = {8192, 32768};
+  int reps = 5;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--tokens" && i + 1 < argc) {
+      token_counts.clear();
+      const std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = std::min(list.find(',', p), list.size());
+        token_counts.push_back(std::stoull(list.substr(p, q - p)));
+        p = q + 1;
+      }
+    } else if (a == "--reps" && i + 1 < argc) {
+      reps = std::max(1, std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr,
+                   "usage: kvcomp_bench_gpu_device_codec [--tokens 8192,32768] [--reps 5]\n");
+      return 2;
+    }
+  }
+  auto made = kvcomp::MakeCudaBackend();
+  Check(made.status(), "cuda backend");
+  kvcomp::Backend& gpu = **made;
+  auto cpu_made = kvcomp::MakeCpuBackend();
+  Check(cpu_made.status(), "cpu backend");
+  const KvLayout llama{32, 8, 32, 128, DType::kBF16};
+  constexpr double kLinkBytesPerSecond = 50e9;
+
+  for (const uint64_t T : token_counts) {
+    // Every layer its own random K and V (values of a decaying spectrum, so the projection has
+    // structure to find), generated once per layer pair and uploaded.
+    const uint64_t layer_elems = uint64_t{llama.num_kv_heads} * T * llama.head_dim;
+    const uint64_t layer_bytes = layer_elems * 2;
+    std::vector<uint16_t> k(layer_elems), v(layer_elems);
+    std::mt19937 rng(11);
+    std::normal_distribution<float> g(0.0f, 1.0f);
+    for (uint64_t i = 0; i < layer_elems; ++i) {
+      k[i] = kvcomp::FloatToBf16(g(rng) + 0.5f);
+      v[i] = kvcomp::FloatToBf16(g(rng) * std::pow(0.97f, static_cast<float>(i % 128)));
+    }
+    kvcomp::KvCacheView device;
+    device.layout = llama;
+    device.num_tokens = T;
+    std::vector<kvcomp::Buffer> dev;
+    for (uint32_t l = 0; l < llama.num_layers; ++l) {
+      for (int part = 0; part < 2; ++part) {
+        auto b = kvcomp::Buffer::Allocate(gpu.allocator(), layer_bytes);
+        Check(b.status(), "device buffer");
+        Check(gpu.CopyFromHost(b->data(), part == 0 ? k.data() : v.data(), layer_bytes), "upload");
+        const HeadsView view = HeadsView::Dense(b->data(), DType::kBF16, llama.num_kv_heads, T,
+                                                128, kvcomp::MemorySpace::kDevice);
+        (part == 0 ? device.keys : device.values).push_back(view);
+        dev.push_back(std::move(*b));
+      }
+    }
+    const uint64_t original = llama.CacheBytes(T);
+
+    auto cal = kvcomp::Calibrator::Create({"bench", llama.num_layers, llama.num_kv_heads, 128,
+                                           0, 0, 0},
+                                          cpu_made->get());
+    Check(cal.status(), "calibrator");
+    const HeadsView host_v = HeadsView::Dense(v.data(), DType::kBF16, llama.num_kv_heads, T, 128);
+    for (uint32_t l = 0; l < llama.num_layers; ++l) Check(cal->AddLayer(l, host_v), "cal");
+    auto proj = cal->Finish(128);
+    Check(proj.status(), "projection");
+    auto projection = std::make_shared<const kvcomp::Projection>(std::move(*proj));
+    auto tuned = std::make_shared<kvcomp::Projection>(*projection);
+    tuned->tuned_rank.assign(llama.num_layers, 0);
+    tuned->tuned_error.assign(llama.num_layers, 0.01);
+    for (uint32_t l = 0; l < llama.num_layers; ++l) tuned->tuned_rank[l] = 32 + 2 * (l % 16);
+    Check(tuned->Seal(), "seal");
+
+    // A device-to-device copy of the original bytes, for the copy-speed comparison.
+    auto copy_dst = kvcomp::Buffer::Allocate(gpu.allocator(), layer_bytes);
+    Check(copy_dst.status(), "copy buffer");
+    const double copy_s = MedianSeconds(reps, [&] {
+      for (const kvcomp::Buffer& b : dev) {
+        cudaMemcpyAsync(copy_dst->data(), b.data(), layer_bytes, cudaMemcpyDeviceToDevice,
+                        static_cast<cudaStream_t>(gpu.native_stream()));
+      }
+      Check(gpu.Synchronize(), "copy");
+    });
+    const double copy_gbps = static_cast<double>(2 * original) / copy_s / 1e9;
+
+    kvcomp::CompressionPolicy evict;
+    evict.scorer = kvcomp::Scorer::kManifold;
+    evict.ratio = 0.5;
+    evict.moments = true;
+    struct Variant {
+      const char* name;
+      kvcomp::CompressionPolicy policy;
+      std::shared_ptr<const kvcomp::Projection> projection;
+    };
+    std::vector<Variant> variants;
+    variants.push_back({"manifold0.5+moments", evict, nullptr});
+    kvcomp::CompressionPolicy aware = evict;
+    aware.moment_aware = true;
+    variants.push_back({"manifold0.5+moments+moment_aware", aware, nullptr});
+    kvcomp::CompressionPolicy int8 = evict;
+    int8.key_codec = kvcomp::KeyCodec::kInt8;
+    int8.value_codec = kvcomp::ValueCodec::kOrthogonalInt8;
+    variants.push_back({"manifold0.5+moments+kvsplice_int8", int8, projection});
+    kvcomp::CompressionPolicy int4 = evict;
+    int4.key_codec = kvcomp::KeyCodec::kInt4;
+    int4.value_codec = kvcomp::ValueCodec::kOrthogonalInt4;
+    variants.push_back({"manifold0.5+moments+kvsplice_int4_tuned_ranks", int4, tuned});
+
+    for (const Variant& var : variants) {
+      kvcomp::CompressOptions options;
+      options.projection = var.projection;
+      kvcomp::TransferBytes moved;
+      kvcomp::CompressedCache cache;
+      std::vector<double> work, download;
+      for (int rep = 0; rep <= reps; ++rep) {  // the first run untimed
+        moved = {};
+        kvcomp::CompressOptions o = options;
+        o.transfers = &moved;
+        const Clock::time_point t0 = Clock::now();
+        auto dc = kvcomp::CompressToDevice(gpu, device, var.policy, o);
+        Check(dc.status(), "compress to device");
+        Check(gpu.Synchronize(), "synchronize");
+        const Clock::time_point t1 = Clock::now();
+        auto c = dc->Download(gpu, &moved);
+        Check(c.status(), "download");
+        const Clock::time_point t2 = Clock::now();
+        if (rep > 0) {
+          work.push_back(std::chrono::duration<double>(t1 - t0).count());
+          download.push_back(std::chrono::duration<double>(t2 - t1).count());
+        }
+        cache = std::move(*c);
+      }
+      std::sort(work.begin(), work.end());
+      std::sort(download.begin(), download.end());
+      const double work_s = work[work.size() / 2];
+      const double download_s = download[download.size() / 2];
+      const uint64_t stored = moved.to_host;
+      const double saved_s = static_cast<double>(original - std::min(original, stored)) /
+                             kLinkBytesPerSecond;
+      const double minimal = static_cast<double>(original + stored);
+      std::printf(
+          "RESULT bench=device_codec tokens=%llu variant=%s original_MB=%.1f stored_MB=%.1f "
+          "ratio=%.2fx outlier_rows=%zu compress_to_device_s=%.4f download_s=%.4f "
+          "d2h_bytes=%llu h2d_bytes=%llu link_saved_s=%.4f work_vs_saved=%.1f%% "
+          "work_GBps=%.1f d2d_copy_GBps=%.1f work_vs_copy=%.1f%%\n",
+          static_cast<unsigned long long>(T), var.name, original / 1e6, stored / 1e6,
+          static_cast<double>(original) / static_cast<double>(stored), cache.raw_value_rows.size(),
+          work_s, download_s, static_cast<unsigned long long>(moved.to_host),
+          static_cast<unsigned long long>(moved.to_device), saved_s,
+          100.0 * work_s / saved_s, minimal / work_s / 1e9, copy_gbps,
+          100.0 * (minimal / work_s / 1e9) / copy_gbps);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
