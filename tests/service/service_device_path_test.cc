@@ -249,9 +249,10 @@ TEST_F(DevicePathTest, HostTierPutUploadsOnceDownloadsOnceAndMatchesTheCpu) {
 TEST_F(DevicePathTest, GpuTierPutKeepsTheCacheOnTheDeviceAndAGetCopiesItOnce) {
   Start(storage::TierKind::kDevice);
   Tensor x(8);
-  const std::string h2d_before = metrics_->Scrape();
+  const std::string before_put = metrics_->Scrape();
   absl::StatusOr<CacheSummary> s = PutCache("k", x);
   ASSERT_TRUE(s.ok()) << s.status();
+  const std::string after_put = metrics_->Scrape();
   EXPECT_EQ(s->tier, storage::TierKind::kDevice);
   // Up: the blocks once, and the encoding's header region. Down: nothing of the cache, only
   // control data: the kept counts (one u32 per head) and one CRC32C per section copied on the
@@ -277,7 +278,7 @@ TEST_F(DevicePathTest, GpuTierPutKeepsTheCacheOnTheDeviceAndAGetCopiesItOnce) {
   // The put's own counts are what the daemon exports.
   for (const char* name : {"kvcomp_h2d_bytes_total", "kvcomp_d2h_bytes_total"}) {
     const double want = name[7] == 'h' ? s->h2d_bytes : s->d2h_bytes;
-    EXPECT_NEAR(counter(before, name) - counter(h2d_before, name), want, 0.5) << name;
+    EXPECT_NEAR(counter(after_put, name) - counter(before_put, name), want, 0.5) << name;
   }
 }
 
