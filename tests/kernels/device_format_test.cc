@@ -4,17 +4,22 @@
 // the control bytes cross between host and device.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/gpu.h"
 #include "common/random_cache.h"
 #include "gtest/gtest.h"
+#include "kernels/codec_test_util.h"
+#include "kernels/scoring_test_util.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/calibration.h"
 #include "kvcomp/kernels/device_format.h"
+#include "kvcomp/kernels/pipeline.h"
 
 namespace kvcomp {
 namespace {
@@ -201,6 +206,93 @@ TEST_F(DeviceFormatTest, MissingRepeatedOrShortSectionsAreRefused) {
   auto cpu = MakeCpuBackend();
   ASSERT_TRUE(cpu.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(EncodeOnDevice(**cpu, ShapeOf(c), 0, s).status()));
+}
+
+// The device compression's own result (CompressToDevice, every key codec with raw and KVSplice
+// values, moments on and off) encoded on the device is the host encoding of its Download.
+TEST_F(DeviceFormatTest, ACompressionsDeviceResultEncodesAsItsDownload) {
+  const KvLayout layout{2, 2, 4, 128, DType::kBF16};
+  const uint64_t n = 700;
+  testing::LowRankData m;
+  m.layers = layout.num_layers;
+  m.heads = layout.num_kv_heads;
+  m.tokens = static_cast<uint32_t>(n);
+  m.d = layout.head_dim;
+  m.true_rank = 32;
+  m.decay = 0.93;
+  m.noise = 0.01;
+  const std::vector<float> vf = m.Make(5);
+  std::vector<std::vector<uint8_t>> k, v;
+  KvCacheView view;
+  view.layout = layout;
+  view.num_tokens = n;
+  const uint64_t per_layer = uint64_t{layout.num_kv_heads} * n * layout.head_dim;
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    k.push_back(testing::RandomHeads(layout.dtype, layout.num_kv_heads, n, layout.head_dim,
+                                     40 + l)
+                    .bytes);
+    std::vector<uint8_t> vb(DTypeBytes(layout.dtype, per_layer));
+    for (uint64_t i = 0; i < per_layer; ++i) {
+      StoreFromFloat(vb.data(), layout.dtype, i, vf[l * per_layer + i]);
+    }
+    v.push_back(std::move(vb));
+  }
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    view.keys.push_back(HeadsView::Dense(k[l].data(), layout.dtype, layout.num_kv_heads, n,
+                                         layout.head_dim));
+    view.values.push_back(HeadsView::Dense(v[l].data(), layout.dtype, layout.num_kv_heads, n,
+                                           layout.head_dim));
+  }
+  auto cpu = MakeCpuBackend(CpuBackendOptions{2});
+  ASSERT_TRUE(cpu.ok());
+  CalibrationOptions co;
+  co.model_id = "m";
+  co.num_layers = layout.num_layers;
+  co.num_kv_heads = layout.num_kv_heads;
+  co.head_dim = layout.head_dim;
+  auto cal = Calibrator::Create(co, cpu->get());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  const std::vector<float> train = m.Make(77);
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    ASSERT_TRUE(cal->AddLayer(l, m.LayerView(train, l)).ok());
+  }
+  auto proj = cal->Finish(layout.head_dim);
+  ASSERT_TRUE(proj.ok()) << proj.status();
+  auto projection = std::make_shared<Projection>(*proj);
+  for (ValueCodec vc : {ValueCodec::kRaw, ValueCodec::kOrthogonalInt8}) {
+    for (KeyCodec kc : {KeyCodec::kRaw, KeyCodec::kFp16, KeyCodec::kInt8, KeyCodec::kInt4}) {
+      for (bool moments : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << KeyCodecName(kc) << " / " << ValueCodecName(vc)
+                                          << (moments ? " moments" : ""));
+        CompressionPolicy p;
+        p.scorer = Scorer::kManifold;
+        p.ratio = 0.5;
+        p.moments = moments;
+        p.key_codec = kc;
+        p.value_codec = vc;
+        if (vc != ValueCodec::kRaw) {
+          p.rank = 32;
+          p.value_raw_fraction = 0.02;
+        }
+        CompressOptions o;
+        o.projection = projection;
+        auto dc = CompressToDevice(*backend_, view, p, o);
+        ASSERT_TRUE(dc.ok()) << dc.status();
+        auto down = dc->Download(*backend_);
+        ASSERT_TRUE(down.ok()) << down.status();
+        absl::StatusOr<std::string> want = format::EncodeCache(*down);
+        ASSERT_TRUE(want.ok()) << want.status();
+        auto got = EncodeOnDevice(*backend_, *dc);
+        ASSERT_TRUE(got.ok()) << got.status();
+        ASSERT_EQ(got->size, want->size());
+        std::string bytes(got->size, '\0');
+        ASSERT_TRUE(backend_->CopyToHost(bytes.data(), got->bytes.data(), got->size).ok());
+        EXPECT_TRUE(bytes == *want);
+        EXPECT_EQ(got->crc32c, Crc32c(want->data(), want->size()));
+        EXPECT_EQ(got->device, 0);
+      }
+    }
+  }
 }
 
 }  // namespace
