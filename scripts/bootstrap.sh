@@ -62,6 +62,14 @@ assert u.find_spec("torch") is not None and m.version("transformers") == "5.17.0
   echo "bootstrap: installing python packages ${HF_PACKAGES[*]}"
   "$PY" -m pip install -q "${HF_PACKAGES[@]}"
 fi
+# UCX 1.22 with CUDA transports (cuda_copy, cuda_ipc), NVIDIA's libucx-cu13 wheel: make test also
+# builds the data-plane transport against it (scripts/run_tests.sh), and GPU runs carry its
+# libraries (bench/cuda_ucx/bundle.sh).
+if ! "$PY" -c 'import importlib.metadata as m
+assert m.version("libucx-cu13") == "1.22.0"' 2>/dev/null; then
+  echo "bootstrap: installing python package libucx-cu13==1.22.0"
+  "$PY" -m pip install -q libucx-cu13==1.22.0
+fi
 # promtool (checks and unit-tests the chart's alert rules), taken out of Debian's prometheus
 # package without installing it: the package would also install and start a Prometheus server.
 if ! command -v promtool >/dev/null; then

@@ -26,6 +26,25 @@ if [ -x scripts/run_sanitizers.sh ]; then
   bash scripts/run_sanitizers.sh
 fi
 
+# The data-plane transport also built against UCX 1.22 (the libucx-cu13 wheel, CUDA transports
+# included), with its device-payload test run on it: the CUDA-aware code path compiles and links
+# against a UCX other than Debian's. The wheel's .pc files name their build machine's prefix;
+# pkg-config --define-prefix finds the real one, and copies of them with it go first on the path.
+UCX_WHEEL=$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))' 2>/dev/null || true)
+if [ -n "$UCX_WHEEL" ] && [ -f "$UCX_WHEEL/lib/pkgconfig/ucx.pc" ]; then
+  echo "== transport against UCX $(PKG_CONFIG_PATH="$UCX_WHEEL/lib/pkgconfig" pkg-config --modversion ucx) (libucx-cu13) =="
+  prefix=$(PKG_CONFIG_PATH="$UCX_WHEEL/lib/pkgconfig" pkg-config --define-prefix --variable=prefix ucx)
+  mkdir -p build-ucx122/pkgconfig
+  for pc in "$UCX_WHEEL"/lib/pkgconfig/*.pc; do
+    sed "s|^prefix *=.*|prefix = $prefix|" "$pc" >"build-ucx122/pkgconfig/$(basename "$pc")"
+  done
+  PKG_CONFIG_PATH="$PWD/build-ucx122/pkgconfig" cmake -S . -B build-ucx122 -G Ninja \
+    -DKVCOMP_CUDA=OFF -DKVCOMP_PYTHON=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build build-ucx122 -j "$JOBS" --target transport_cuda_ucx_test
+  ldd build-ucx122/tests/transport/transport_cuda_ucx_test | grep -E 'libuc[ps]\.so'
+  build-ucx122/tests/transport/transport_cuda_ucx_test
+fi
+
 if [ -d tests/python ]; then
   echo "== Python tests (pytest) =="
   PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}" KVCOMP_BUILD_DIR="$PWD/$BUILD" \

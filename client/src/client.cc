@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "control.h"
+#include "device_ucx.h"
 #include "endpoint_state.h"
 #include "gpu_path.h"
 #include "kvcomp/core/cache_key.h"
@@ -399,6 +400,30 @@ class ClientImpl : public Client {
     }
     return std::unique_ptr<PutStream>(
         new PutStreamImpl(layout, num_tokens, std::move(puts), options_, pool_));
+  }
+
+  // The key's ranking as data-plane connections (device_ucx.h), at most `want`.
+  absl::StatusOr<std::vector<std::shared_ptr<UcxClient>>> RankedConnections(
+      absl::string_view model_id, absl::string_view key, int want) {
+    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
+    std::vector<std::shared_ptr<UcxClient>> out;
+    absl::Status first_error;
+    for (size_t i : Rank(*members, model_id, key)) {
+      if (static_cast<int>(out.size()) >= want) break;
+      auto conn = members->states[i]->Connection(options_);
+      if (!conn.ok()) {
+        if (!Retryable(conn.status())) return conn.status();
+        pool_->RefreshSoon();
+        if (first_error.ok()) first_error = conn.status();
+        continue;
+      }
+      out.push_back(*std::move(conn));
+    }
+    if (out.empty()) {
+      return first_error.ok() ? absl::UnavailableError("no endpoint reachable") : first_error;
+    }
+    return out;
   }
 
   absl::StatusOr<std::string> GetBytes(absl::string_view model_id,
@@ -825,6 +850,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::vector<std::s
   auto client = std::make_unique<ClientImpl>(options, std::move(pool));
   if (connect_now) KVCOMP_RETURN_IF_ERROR(client->ConnectAll());
   return std::unique_ptr<Client>(std::move(client));
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<transport::UcxClient>>> RankedConnections(
+    Client& self, absl::string_view model_id, absl::string_view key, int want) {
+  // Every Client the SDK hands out is a ClientImpl (Client::Connect).
+  return static_cast<ClientImpl&>(self).RankedConnections(model_id, key, want);
 }
 
 }  // namespace client

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "control.h"
+#include "device_ucx.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
 
@@ -438,6 +439,13 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
   if (sent) return *std::move(sent);
   NoteFallback(ranking.empty() ? "" : ranking[0].data, why, /*put=*/true);
 
+  // Over UCX straight out of device memory, where both sides' UCX is CUDA-aware (device_ucx.h).
+  std::string staged;
+  KVCOMP_ASSIGN_OR_RETURN(std::optional<PutResult> direct,
+                          PutDeviceOverUcx(*self_, model_id, key, layout, num_tokens, layers,
+                                           stream, options, options_.replicas, &staged));
+  if (direct) return *std::move(direct);
+
   // Through host memory: copied on the caller's stream, then an ordinary put.
   KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
   KVCOMP_ASSIGN_OR_RETURN(void* host, rt->AllocPinned(payload));
@@ -624,6 +632,11 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,
                     {dst, static_cast<size_t>(grant.payload_bytes)}};
               }));
   if (nccl) return *std::move(nccl);
+  std::string staged;
+  KVCOMP_ASSIGN_OR_RETURN(std::optional<DeviceGetResult> direct,
+                          GetIntoDeviceOverUcx(*self_, model_id, key, dst, capacity, stream,
+                                               decoded, &staged));
+  if (direct) return *std::move(direct);
   KVCOMP_ASSIGN_OR_RETURN(std::string bytes, fetch_(model_id, key, decoded));
   if (bytes.size() > capacity) {
     return absl::OutOfRangeError(

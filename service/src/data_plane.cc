@@ -6,11 +6,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache_service.h"
+#include "engine.h"
 #include "handlers.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/service/daemon.h"
+#include "kvcomp/service/metric_names.h"
+#include "kvcomp/service/metrics.h"
+#include "kvcomp/transport/gpu_link.h"
 #include "kvcomp/transport/server.h"
 #include "log.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
 #include "put.h"
 
 namespace kvcomp {
@@ -86,6 +93,44 @@ absl::StatusOr<CacheKey> TenantKey(const transport::Session& session, const std:
 class DataHandler : public transport::RequestHandler {
  public:
   explicit DataHandler(ServiceContext* ctx) : ctx_(ctx) {}
+
+  // Device payloads land in GPU memory of the engine's device when the data plane's UCX is
+  // CUDA-aware and the engine runs on a GPU; set once at start, before any connection.
+  void EnableDeviceBlocks(transport::GpuRuntime* rt, int device) {
+    rt_ = rt;
+    device_ = device;
+  }
+
+  // A block the client sent from its device memory (no CRC32C: see wire::kBlockDevicePayload)
+  // goes to GPU memory of the engine's device, reserved against engine.gpu_memory_bytes, for a
+  // whole-sequence put on a GPU engine: OpenPut::AddBlock then copies it once on the device.
+  // Everything else, and a device block when the cap or the device has no room, lands in host
+  // memory (verified against its CRC32C when it has one, then staged to the GPU as before).
+  absl::StatusOr<transport::Buffer> AllocateBlock(const transport::PutContext& put,
+                                                  const wire::Block& block,
+                                                  size_t size) override {
+    OpenPut* open = PutOf(put);
+    if (rt_ == nullptr || open == nullptr || open->request().block_wise ||
+        !(block.flags & wire::kBlockDevicePayload)) {
+      return transport::Buffer::Allocate(size);
+    }
+    absl::StatusOr<Engine::DeviceReservation> reservation =
+        ctx_->service->engine()->ReserveDevice(size);
+    if (!reservation.ok()) return transport::Buffer::Allocate(size);
+    absl::StatusOr<void*> memory = rt_->SetDevice(device_).ok()
+                                       ? rt_->AllocDevice(size)
+                                       : absl::StatusOr<void*>(absl::UnavailableError("device"));
+    if (!memory.ok()) return transport::Buffer::Allocate(size);
+    auto held = std::make_shared<Engine::DeviceReservation>(*std::move(reservation));
+    transport::GpuRuntime* rt = rt_;
+    const int device = device_;
+    // cuMemFree waits for the device work queued before it (the put's copy out of this block).
+    return transport::Buffer::Wrap(*memory, size, transport::MemoryType::kCuda,
+                                   [rt, device, p = *memory, held]() mutable {
+                                     if (rt->SetDevice(device).ok()) rt->FreeDevice(p);
+                                     held.reset();
+                                   });
+  }
 
   absl::StatusOr<std::string> OnHello(const transport::Session& session,
                                       const wire::Hello& hello) override {
@@ -227,6 +272,8 @@ class DataHandler : public transport::RequestHandler {
 
  private:
   ServiceContext* const ctx_;
+  transport::GpuRuntime* rt_ = nullptr;
+  int device_ = 0;
 };
 
 // The {op} label of the errors the data-plane transport answers without the daemon.
@@ -234,7 +281,7 @@ constexpr char kTransportOp[] = "transport";
 
 class UcxDataPlane : public DataPlane {
  public:
-  explicit UcxDataPlane(ServiceContext* ctx) : handler_(ctx) {}
+  explicit UcxDataPlane(ServiceContext* ctx) : ctx_(ctx), handler_(ctx) {}
 
   absl::Status Start(const Options& options) {
     const DataPlaneOptions& d = options.data_plane;
@@ -256,8 +303,52 @@ class UcxDataPlane : public DataPlane {
     so.server_name = absl::StrCat("kvcompd ", Version());
     if (!d.ucx_tls.empty()) so.ucx.overrides["TLS"] = d.ucx_tls;
     if (!d.ucx_net_devices.empty()) so.ucx.overrides["NET_DEVICES"] = d.ucx_net_devices;
+    SetUpDeviceMemory(options, so.ucx);
     KVCOMP_ASSIGN_OR_RETURN(server_, transport::UcxServer::Start(so, &handler_));
     return absl::OkStatus();
+  }
+
+  // What the data plane does with device memory, said once at start (a log line and the gauge
+  // kvcomp_data_plane_cuda_memory): with a CUDA-aware UCX, clients' device payloads are taken
+  // (hello-ok offers them) and, on a GPU engine, received into GPU memory; without one, device
+  // memory is staged through host memory on both sides.
+  void SetUpDeviceMemory(const Options& options, const transport::UcxConfig& ucx) {
+    absl::StatusOr<transport::UcxCapabilities> caps = transport::QueryUcxCapabilities(ucx);
+    const bool cuda = caps.ok() && caps->cuda_memory;
+    const std::string version = caps.ok() ? caps->version : "?";
+    Engine* engine = ctx_->service->engine();
+    const bool gpu_engine = engine != nullptr && engine->uses_gpu();
+    if (ctx_->metrics != nullptr) {
+      prometheus::Registry& registry = ctx_->metrics->registry();
+      prometheus::BuildGauge()
+          .Name(metric_names::kDataPlaneCudaMemory)
+          .Help("1 when the data plane's UCX moves CUDA device memory itself, 0 when device "
+                "memory is staged through host memory.")
+          .Register(registry)
+          .Add({})
+          .Set(cuda ? 1 : 0);
+      blocks_into_device_ = &prometheus::BuildCounter()
+                                 .Name(metric_names::kBlocksIntoDeviceTotal)
+                                 .Help("Data-plane blocks received straight into GPU memory.")
+                                 .Register(registry)
+                                 .Add({});
+    }
+    if (!cuda) {
+      Log(gpu_engine ? LogLevel::kWarning : LogLevel::kInfo, "data plane: UCX ", version,
+          " has no CUDA memory support (no cuda_copy / cuda_ipc transports",
+          caps.ok() ? std::string() : absl::StrCat(": ", caps.status().message()),
+          "): device memory of clients is staged through host memory",
+          gpu_engine ? " and blocks reach the GPU through the engine's upload" : "");
+      return;
+    }
+    absl::StatusOr<transport::GpuRuntime*> rt =
+        gpu_engine ? transport::GpuRuntime::Get()
+                   : absl::StatusOr<transport::GpuRuntime*>(absl::FailedPreconditionError("cpu"));
+    if (rt.ok()) handler_.EnableDeviceBlocks(*rt, options.engine.cuda_device);
+    Log(LogLevel::kInfo, "data plane: UCX ", version,
+        " is CUDA-aware: clients may send device payloads; they land in ",
+        rt.ok() ? absl::StrCat("GPU memory of device ", options.engine.cuda_device)
+                : std::string("host memory (the engine runs on the CPU)"));
   }
 
   ~UcxDataPlane() override { Stop(); }
@@ -282,10 +373,17 @@ class UcxDataPlane : public DataPlane {
     const uint64_t busy =
         ts.inflight_busy_replies + ts.capacity_busy_replies + ts.tenant_busy_replies;
     if (busy > 0) metrics->AdvanceErrors(kTransportOp, "busy", busy);
+    if (blocks_into_device_ != nullptr &&
+        static_cast<double>(ts.blocks_into_device) > blocks_into_device_->Value()) {
+      blocks_into_device_->Increment(static_cast<double>(ts.blocks_into_device) -
+                                     blocks_into_device_->Value());
+    }
   }
 
  private:
+  ServiceContext* const ctx_;
   DataHandler handler_;
+  prometheus::Counter* blocks_into_device_ = nullptr;
   std::unique_ptr<transport::UcxServer> server_;
 };
 

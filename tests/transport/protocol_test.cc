@@ -67,7 +67,7 @@ TEST(ProtocolTest, FrameHeaderIsLittleEndianAndDocumented) {
   ASSERT_EQ(f.size(), kFrameHeaderBytes);
   EXPECT_EQ(f.substr(0, 4), "KVWP");
   EXPECT_EQ(f[4], 1);   // major
-  EXPECT_EQ(f[5], 0);   // minor
+  EXPECT_EQ(f[5], wire::kMinorVersion);  // minor
   EXPECT_EQ(f[6], 15);  // ping
   EXPECT_EQ(static_cast<uint8_t>(f[8]), 0x08);  // request id, low byte first
   EXPECT_EQ(PeekRequestId(f), 0x0102030405060708ull);

@@ -15,6 +15,7 @@
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/transport/gpu_link.h"
 #include "transport/src/ucx_util.h"
 
 namespace kvcomp {
@@ -38,6 +39,8 @@ struct Pending {
   ucp_dt_iov_t iov[2] = {};
   int iov_count = 0;  // 0: no payload
   uint64_t payload_bytes = 0;
+  MemoryType payload_memory = MemoryType::kHost;
+  std::unique_ptr<UcpMemReg> reg;  // a device payload's registration, for the sends
   absl::Time deadline;
   absl::Duration backoff;
   // Set once the server answered busy: a request timing out while retrying fails with this
@@ -63,7 +66,18 @@ struct RecvContext {
   ClientImpl* client;
   uint64_t request_id;
   std::unique_ptr<Reply> reply;
+  std::unique_ptr<UcpMemReg> reg;  // a device destination, registered for the receive
 };
+
+// Copies `n` host bytes to device memory `dst` (a small reply that arrived eagerly), through
+// the CUDA driver opened at run time, on the legacy stream, and waits for that copy only.
+absl::Status CopyToDevice(void* dst, const void* src, size_t n) {
+  KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, GpuRuntime::Get());
+  KVCOMP_ASSIGN_OR_RETURN(int device, rt->DeviceOf(dst));
+  KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
+  KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(dst, src, n, GpuRuntime::Copy::kHostToDevice, nullptr));
+  return rt->WaitStream(nullptr, absl::Now() + absl::Seconds(30));
+}
 
 class ClientImpl : public UcxClient {
  public:
@@ -75,10 +89,12 @@ class ClientImpl : public UcxClient {
 
   const wire::HelloOk& server_info() const override { return hello_ok_; }
   bool connected() const override { return connected_.load(); }
+  absl::Status DevicePayloads() const override;
   absl::StatusOr<uint64_t> PutBegin(const wire::PutBegin& begin) override;
-  absl::Status SendBlock(const wire::Block& block, const void* keys, const void* values) override;
+  absl::Status SendBlock(const wire::Block& block, const void* keys, const void* values,
+                         MemoryType memory) override;
   void SendBlockAsync(const wire::Block& block, const void* keys, const void* values,
-                      absl::AnyInvocable<void(absl::Status)> done) override;
+                      absl::AnyInvocable<void(absl::Status)> done, MemoryType memory) override;
   absl::StatusOr<wire::CacheSummary> PutCommit(uint64_t put_id, uint64_t num_blocks) override;
   absl::Status PutAbort(uint64_t put_id) override;
   absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
@@ -286,6 +302,28 @@ void ClientImpl::StartSend(Pending* p) {
     buffer = p->iov;
     count = 2;
   }
+  if (p->payload_memory == MemoryType::kCuda && p->iov_count == 1) {
+    // Sent out of device memory, registered as CUDA memory for the time of the request.
+    if (p->reg == nullptr) {
+      if (absl::Status s = BindDeviceContext(p->iov[0].buffer); !s.ok()) {
+        delete tag;
+        Fail(p->request_id, Annotate(s, "send from device memory"));
+        return;
+      }
+      absl::StatusOr<std::unique_ptr<UcpMemReg>> reg =
+          UcpMemReg::Map(loop_->context(), p->iov[0].buffer, p->iov[0].length,
+                         UCS_MEMORY_TYPE_CUDA);
+      if (!reg.ok()) {
+        delete tag;
+        Fail(p->request_id, reg.status());
+        return;
+      }
+      p->reg = *std::move(reg);
+    }
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
+    param.memory_type = UCS_MEMORY_TYPE_CUDA;
+    param.memh = p->reg->get();
+  }
   p->sending = true;
   p->resend_due = false;
   void* req = ucp_am_send_nbx(ep_, wire::kAmIdRequest, p->frame.data(), p->frame.size(), buffer,
@@ -468,11 +506,15 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
     reply->payload = Buffer::Allocate(length);
   }
   if (!rndv) {
-    if (reply->payload.memory_type() != MemoryType::kHost) {
-      Fail(p.request_id, absl::UnimplementedError("eager reply into device memory"));
-      return;
+    if (reply->payload.memory_type() == MemoryType::kCuda) {
+      // A small reply arrives whole in host memory: one copy to the device.
+      if (absl::Status s = CopyToDevice(reply->payload.data(), data, length); !s.ok()) {
+        Fail(p.request_id, s);
+        return;
+      }
+    } else {
+      std::memcpy(reply->payload.data(), data, length);
     }
-    std::memcpy(reply->payload.data(), data, length);
     p.reply = std::move(reply);
     MaybeComplete(p.request_id);
     return;
@@ -483,8 +525,20 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
   param.cb.recv_am = &ClientImpl::OnRecvDone;
   param.user_data = ctx;
   if (ctx->reply->payload.memory_type() == MemoryType::kCuda) {
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    absl::Status bound = BindDeviceContext(ctx->reply->payload.data());
+    absl::StatusOr<std::unique_ptr<UcpMemReg>> reg =
+        !bound.ok() ? absl::StatusOr<std::unique_ptr<UcpMemReg>>(bound) : UcpMemReg::Map(
+        loop_->context(), ctx->reply->payload.data(), length, UCS_MEMORY_TYPE_CUDA);
+    if (!reg.ok()) {
+      delete ctx;
+      DropRendezvous(loop_->worker(), data);
+      Fail(p.request_id, reg.status());
+      return;
+    }
+    ctx->reg = *std::move(reg);
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
     param.memory_type = UCS_MEMORY_TYPE_CUDA;
+    param.memh = ctx->reg->get();
   }
   p.receiving = true;
   void* req =
@@ -583,8 +637,23 @@ absl::StatusOr<uint64_t> ClientImpl::PutBegin(const wire::PutBegin& begin) {
   return b.put_id;
 }
 
+absl::Status ClientImpl::DevicePayloads() const {
+  if (!loop_->cuda_memory()) {
+    return absl::FailedPreconditionError(
+        "this client's UCX has no CUDA memory support (no cuda_copy / cuda_ipc transports; "
+        "Debian's UCX is built without CUDA)");
+  }
+  if (!(hello_ok_.server_flags & wire::kServerCudaMemory)) {
+    return absl::FailedPreconditionError(
+        hello_ok_.server_minor < 1
+            ? "the server speaks protocol 1.0, without device payloads"
+            : "the server's UCX has no CUDA memory support");
+  }
+  return absl::OkStatus();
+}
+
 void ClientImpl::SendBlockAsync(const wire::Block& block, const void* keys, const void* values,
-                                absl::AnyInvocable<void(absl::Status)> done) {
+                                absl::AnyInvocable<void(absl::Status)> done, MemoryType memory) {
   wire::Block b = block;
   auto p = std::make_unique<Pending>();
   p->request_id = NextRequestId();
@@ -596,9 +665,29 @@ void ClientImpl::SendBlockAsync(const wire::Block& block, const void* keys, cons
   }
   if (!has_k) b.key_bytes = 0;
   if (!has_v) b.value_bytes = 0;
-  b.key_crc = has_k ? Crc32c(keys, b.key_bytes) : 0;
-  b.value_crc = has_v ? Crc32c(values, b.value_bytes) : 0;
-  if (has_k && has_v && static_cast<const uint8_t*>(keys) + b.key_bytes == values) {
+  const bool adjacent =
+      has_k && has_v && static_cast<const uint8_t*>(keys) + b.key_bytes == values;
+  if (memory == MemoryType::kCuda) {
+    if (absl::Status s = DevicePayloads(); !s.ok()) {
+      done(Annotate(s, "SendBlock from device memory"));
+      return;
+    }
+    if (has_k && has_v && !adjacent) {
+      done(absl::InvalidArgumentError(
+          "SendBlock from device memory: keys and values not adjacent; send them as two blocks"));
+      return;
+    }
+    // No host copy to sum: the block says so, and the transport carries its integrity.
+    b.flags = wire::kBlockDevicePayload;
+    b.key_crc = 0;
+    b.value_crc = 0;
+    p->payload_memory = MemoryType::kCuda;
+  } else {
+    b.flags = 0;
+    b.key_crc = has_k ? Crc32c(keys, b.key_bytes) : 0;
+    b.value_crc = has_v ? Crc32c(values, b.value_bytes) : 0;
+  }
+  if (adjacent) {
     p->iov[0] = {const_cast<void*>(keys), b.key_bytes + b.value_bytes};  // adjacent: contiguous
     p->iov_count = 1;
   } else if (has_k && has_v) {
@@ -619,13 +708,16 @@ void ClientImpl::SendBlockAsync(const wire::Block& block, const void* keys, cons
 }
 
 absl::Status ClientImpl::SendBlock(const wire::Block& block, const void* keys,
-                                   const void* values) {
+                                   const void* values, MemoryType memory) {
   absl::Notification n;
   absl::Status result;
-  SendBlockAsync(block, keys, values, [&](absl::Status s) {
-    result = std::move(s);
-    n.Notify();
-  });
+  SendBlockAsync(
+      block, keys, values,
+      [&](absl::Status s) {
+        result = std::move(s);
+        n.Notify();
+      },
+      memory);
   n.WaitForNotification();
   return result;
 }

@@ -404,7 +404,8 @@ std::string Encode(uint64_t request_id, const HelloOk& m) {
   Writer w;
   w.Put<uint8_t>(m.server_major);
   w.Put<uint8_t>(m.server_minor);
-  w.Zeros(6);
+  w.Put<uint8_t>(m.server_flags);
+  w.Zeros(5);
   w.Put<uint64_t>(m.max_payload_bytes);
   w.Put<uint64_t>(m.max_inflight_bytes);
   w.Str(Cut(m.tenant, CacheKey::kMaxTenantBytes));
@@ -437,7 +438,8 @@ std::string Encode(uint64_t request_id, const Block& m) {
   w.Put<uint64_t>(m.token_begin);
   w.Put<uint64_t>(m.token_end);
   w.Put<uint8_t>(m.parts);
-  w.Zeros(3);
+  w.Put<uint8_t>(m.flags);
+  w.Zeros(2);
   w.Put<uint32_t>(m.key_crc);
   w.Put<uint32_t>(m.value_crc);
   w.Zeros(4);
@@ -544,7 +546,8 @@ absl::Status Decode(const Frame& f, HelloOk* out) {
   Reader r(f.body, f.header.type);
   out->server_major = r.Get<uint8_t>("server_major");
   out->server_minor = r.Get<uint8_t>("server_minor");
-  r.Skip(6, "reserved");
+  out->server_flags = r.Get<uint8_t>("server_flags");
+  r.Skip(5, "reserved");
   out->max_payload_bytes = r.Get<uint64_t>("max_payload_bytes");
   out->max_inflight_bytes = r.Get<uint64_t>("max_inflight_bytes");
   out->tenant = r.Str("tenant", CacheKey::kMaxTenantBytes);
@@ -606,7 +609,8 @@ absl::Status Decode(const Frame& f, Block* out) {
   out->token_begin = r.Get<uint64_t>("token_begin");
   out->token_end = r.Get<uint64_t>("token_end");
   out->parts = r.Get<uint8_t>("parts");
-  r.Skip(3, "reserved");
+  out->flags = r.Get<uint8_t>("flags");
+  r.Skip(2, "reserved");
   out->key_crc = r.Get<uint32_t>("key_crc");
   out->value_crc = r.Get<uint32_t>("value_crc");
   r.Skip(4, "reserved");
@@ -630,6 +634,12 @@ absl::Status Decode(const Frame& f, Block* out) {
   }
   if ((!has_k && out->key_crc != 0) || (!has_v && out->value_crc != 0)) {
     return bad("checksum of an absent part must be zero");
+  }
+  if (out->flags & ~kBlockDevicePayload) {
+    return bad(absl::StrFormat("unknown block flags 0x%02x", out->flags));
+  }
+  if ((out->flags & kBlockDevicePayload) && (out->key_crc != 0 || out->value_crc != 0)) {
+    return bad("a device payload carries no checksums (key_crc and value_crc must be zero)");
   }
   if (out->key_bytes > kMaxPayloadBytes || out->value_bytes > kMaxPayloadBytes ||
       out->payload_bytes() != f.header.payload_bytes) {

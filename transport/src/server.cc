@@ -41,6 +41,9 @@ struct Connection {
   absl::Time created;
   absl::Time last_activity;
   uint64_t inflight_bytes = 0;
+  // The client said minor >= 1 and this server's UCX is CUDA-aware: hello-ok told it
+  // kServerCudaMemory, and its blocks may be device payloads.
+  bool device_payloads = false;
   uint64_t pending_work = 0;  // handler completions and receives outstanding
   absl::flat_hash_map<uint64_t, std::shared_ptr<PutState>> puts;
 };
@@ -51,7 +54,7 @@ struct Counters {
       tenant_busy_replies{0}, hello_rejected{0}, messages_received{0}, malformed_messages{0}, bytes_received{0},
       bytes_sent{0}, busy_replies{0}, checksum_failures{0}, puts_begun{0}, puts_committed{0},
       puts_aborted{0}, puts_timed_out{0}, connections_timed_out{0}, inflight_bytes{0},
-      inflight_busy_replies{0};
+      inflight_busy_replies{0}, device_payload_blocks{0}, blocks_into_device{0};
   std::atomic<uint64_t> rejected[kNumStatusCodes] = {};  // by absl::StatusCode
 };
 
@@ -71,6 +74,7 @@ struct RecvContext {
   uint64_t request_id;
   wire::Block block;
   Buffer payload;
+  std::unique_ptr<UcpMemReg> reg;  // device payloads: registered for the receive
 };
 
 class ServerImpl : public UcxServer {
@@ -90,6 +94,7 @@ class ServerImpl : public UcxServer {
 
   absl::Status Init();
 
+  bool cuda_memory() const override { return loop_ != nullptr && loop_->cuda_memory(); }
   uint16_t port() const override { return port_; }
   std::string address() const override { return address_; }
   void Drain() override { draining_.store(true); }
@@ -372,6 +377,9 @@ ServerStats ServerImpl::stats() const {
   s.capacity_busy_replies = c.capacity_busy_replies;
   s.tenant_busy_replies = c.tenant_busy_replies;
   s.buffered_bytes = buffers_->used();
+  s.cuda_memory = loop_ != nullptr && loop_->cuda_memory() ? 1 : 0;
+  s.device_payload_blocks = c.device_payload_blocks;
+  s.blocks_into_device = c.blocks_into_device;
   for (int i = 0; i < kNumStatusCodes; ++i) s.rejected_by_code[i] = c.rejected[i];
   return s;
 }
@@ -733,6 +741,9 @@ void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
   ok.max_inflight_bytes = options_.max_inflight_bytes;
   ok.tenant = *tenant;
   ok.server_name = options_.server_name;
+  // Only a client of minor >= 1 reads server_flags (an older one checks the byte is zero).
+  conn.device_payloads = f.header.minor >= 1 && loop_->cuda_memory();
+  if (conn.device_payloads) ok.server_flags |= wire::kServerCudaMemory;
   SendFrame(conn, wire::Encode(f.header.request_id, ok));
 }
 
@@ -788,6 +799,14 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
     } else {
       put = it->second;
       s = block.ValidateAgainst(put->begin.layout, put->begin.num_tokens);
+    }
+    if (s.ok() && (block.flags & wire::kBlockDevicePayload) && !conn->device_payloads) {
+      s = absl::FailedPreconditionError(
+          loop_->cuda_memory()
+              ? "device payload on a connection whose hello did not negotiate device payloads "
+                "(protocol minor 0)"
+              : "device payload, but this server's UCX has no CUDA memory support: send host "
+                "memory with its CRC32C");
     }
   } else {
     counters_.malformed_messages++;
@@ -861,8 +880,20 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   p.cb.recv_am = &ServerImpl::OnRecvDone;
   p.user_data = ctx;
   if (ctx->payload.memory_type() == MemoryType::kCuda) {
-    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    // Registered as CUDA memory for this receive (the rendezvous lands in it directly).
+    absl::Status bound = BindDeviceContext(ctx->payload.data());
+    absl::StatusOr<std::unique_ptr<UcpMemReg>> reg =
+        !bound.ok() ? absl::StatusOr<std::unique_ptr<UcpMemReg>>(bound) : UcpMemReg::Map(
+        loop_->context(), ctx->payload.data(), bytes, UCS_MEMORY_TYPE_CUDA);
+    if (!reg.ok()) {
+      DropRendezvous(loop_->worker(), data);
+      BlockReceived(ctx, UCS_ERR_INVALID_PARAM);
+      return;
+    }
+    ctx->reg = *std::move(reg);
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
     p.memory_type = UCS_MEMORY_TYPE_CUDA;
+    p.memh = ctx->reg->get();
   }
   void* req = ucp_am_recv_data_nbx(loop_->worker(), data, ctx->payload.data(), bytes, &p);
   if (req == nullptr) {
@@ -883,7 +914,11 @@ void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
   const uint64_t bytes = ctx->block.payload_bytes();
   Connection& conn = *ctx->conn;
   absl::Status s = UcsStatusToStatus(status, "block receive");
-  if (s.ok() && options_.verify_checksums && ctx->payload.memory_type() == MemoryType::kHost) {
+  const bool device_payload = (ctx->block.flags & wire::kBlockDevicePayload) != 0;
+  if (s.ok() && device_payload) counters_.device_payload_blocks++;
+  if (s.ok() && ctx->payload.memory_type() == MemoryType::kCuda) counters_.blocks_into_device++;
+  if (s.ok() && options_.verify_checksums && !device_payload &&
+      ctx->payload.memory_type() == MemoryType::kHost) {
     const wire::Block& b = ctx->block;
     const uint8_t* p = ctx->payload.bytes();
     if ((b.parts & wire::kPartKeys) && Crc32c(p, b.key_bytes) != b.key_crc) {

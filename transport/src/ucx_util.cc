@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/transport/gpu_link.h"
 #include "kvcomp/transport/protocol.h"
 
 namespace kvcomp {
@@ -36,6 +37,30 @@ absl::StatusOr<UcpContext> UcpContext::Create(const UcxConfig& config, bool wake
   ucp_config_release(cfg);
   if (s != UCS_OK) return UcsStatusToStatus(s, "ucp_init");
   return ctx;
+}
+
+absl::Status BindDeviceContext(const void* device_ptr) {
+  KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, GpuRuntime::Get());
+  KVCOMP_ASSIGN_OR_RETURN(int device, rt->DeviceOf(device_ptr));
+  return rt->SetDevice(device);
+}
+
+absl::StatusOr<std::unique_ptr<UcpMemReg>> UcpMemReg::Map(ucp_context_h context, void* data,
+                                                           size_t size, ucs_memory_type_t type) {
+  ucp_mem_map_params_t params = {};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+  params.address = data;
+  params.length = size;
+  params.memory_type = type;
+  ucp_mem_h h = nullptr;
+  const ucs_status_t s = ucp_mem_map(context, &params, &h);
+  if (s != UCS_OK) {
+    return UcsStatusToStatus(s, absl::StrCat("ucp_mem_map of ", size, " bytes of ",
+                                             type == UCS_MEMORY_TYPE_CUDA ? "CUDA" : "host",
+                                             " memory"));
+  }
+  return std::unique_ptr<UcpMemReg>(new UcpMemReg(context, h));
 }
 
 absl::StatusOr<UcpWorker> UcpWorker::Create(ucp_context_h context, bool wakeup) {

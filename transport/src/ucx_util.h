@@ -61,6 +61,26 @@ class UcpWorker {
   ucp_worker_h h_ = nullptr;
 };
 
+// A registration of caller memory with a context (ucp_mem_map of existing memory, its memory
+// type stated), unmapped when destroyed. Device payloads are registered for the time of one
+// send or receive: the caller's device memory may be freed afterwards, and a registration kept
+// past that would name freed memory (UCX's own cache watches frees; this does not need to).
+// Use on the thread that owns the context's worker.
+class UcpMemReg {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcpMemReg>> Map(ucp_context_h context, void* data,
+                                                        size_t size, ucs_memory_type_t type);
+  ~UcpMemReg() {
+    if (h_ != nullptr) ucp_mem_unmap(context_, h_);
+  }
+  ucp_mem_h get() const { return h_; }
+
+ private:
+  UcpMemReg(ucp_context_h c, ucp_mem_h h) : context_(c), h_(h) {}
+  ucp_context_h context_;
+  ucp_mem_h h_;
+};
+
 // Owns a context, a worker and the thread that progresses it. Everything touching the worker
 // runs on that thread: Post() queues work there from any thread. Held by shared_ptr so that
 // completion callbacks of the server's handler can post after the owner stopped (dropped).
@@ -125,6 +145,11 @@ absl::Status CheckAddressFamilySupported(int family, absl::string_view what);
 // listens for the data lanes on the first address of the interface a connection arrived on,
 // while the client dials the address it connected to. OK for the wildcard and for IPv6.
 absl::Status CheckListenAddressServesDataLanes(const struct sockaddr* addr, absl::string_view what);
+
+// Makes the primary CUDA context of the device that owns `device_ptr` current on the calling
+// thread (the loop thread, before UCX touches that memory: UCX's CUDA transports work in the
+// calling thread's context). The CUDA driver is opened at run time (gpu_link.h).
+absl::Status BindDeviceContext(const void* device_ptr);
 
 // Refuses a rendezvous message without receiving its data (the sender's request completes).
 void DropRendezvous(ucp_worker_h worker, void* data_desc);

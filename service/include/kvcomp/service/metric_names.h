@@ -90,6 +90,12 @@ inline constexpr char kH2dBytesTotal[] = "kvcomp_h2d_bytes_total";
 // Counter: bytes the data path copied from the GPU to host memory (a compressed cache on its
 // way to the store, a get served from the GPU tier; 0 without a GPU).
 inline constexpr char kD2hBytesTotal[] = "kvcomp_d2h_bytes_total";
+// Gauge: 1 when the data plane's UCX sends and receives CUDA device memory itself (cuda_copy /
+// cuda_ipc: clients' device payloads go straight to the GPU), 0 when device memory is staged
+// through host memory.
+inline constexpr char kDataPlaneCudaMemory[] = "kvcomp_data_plane_cuda_memory";
+// Counter: data-plane blocks received straight into GPU memory (device payloads of clients).
+inline constexpr char kBlocksIntoDeviceTotal[] = "kvcomp_data_plane_blocks_into_device_total";
 
 // --- process ---
 // Gauge: 1 when the daemon takes new work (stores open, listeners up, not draining), else 0.

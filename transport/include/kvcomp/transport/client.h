@@ -13,9 +13,11 @@
 // retrying runs out of time.
 //
 // Memory: block payloads are read from caller memory without a copy; the caller keeps it
-// valid until the call returns (sync) or `done` runs (async). Payloads must be host memory
-// (the client computes their CRC32C); GetInto receives into host memory, or device memory when
-// UCX is CUDA-aware (QueryUcxCapabilities().cuda_memory).
+// valid until the call returns (sync) or `done` runs (async). Host payloads carry their CRC32C
+// (computed here). Device payloads (MemoryType::kCuda) are sent straight out of GPU memory
+// where both sides negotiated them (DevicePayloads(): this UCX and the server's are CUDA-aware);
+// they carry no CRC32C (wire::kBlockDevicePayload). GetInto receives into host memory, or
+// device memory when this UCX is CUDA-aware (QueryUcxCapabilities().cuda_memory).
 #ifndef KVCOMP_TRANSPORT_CLIENT_H_
 #define KVCOMP_TRANSPORT_CLIENT_H_
 
@@ -82,6 +84,11 @@ class UcxClient {
   virtual const wire::HelloOk& server_info() const = 0;
   // False once the connection failed or was closed.
   virtual bool connected() const = 0;
+  // OK when blocks may be sent from CUDA device memory on this connection: this client's UCX
+  // is CUDA-aware (cuda_copy / cuda_ipc) and the server said so of its own at hello
+  // (wire::kServerCudaMemory). Otherwise FailedPrecondition saying which side lacks it: device
+  // memory must then be staged through host memory.
+  virtual absl::Status DevicePayloads() const = 0;
 
   // Opens a put. begin.put_id == 0 picks a fresh id; returns the id used. begin.num_tokens,
   // layout and policy are validated locally first (InvalidArgument).
@@ -90,12 +97,16 @@ class UcxClient {
   // Sends one block of put `block.put_id`: `keys` (block.key_bytes bytes, when parts has
   // kPartKeys) and `values` (block.value_bytes, when kPartValues). The client fills in the
   // CRCs. Returns the server's acknowledgement (the handler consumed the block).
-  virtual absl::Status SendBlock(const wire::Block& block, const void* keys,
-                                 const void* values) = 0;
+  // `memory` kCuda: `keys`/`values` are CUDA device memory, sent without a host copy;
+  // FailedPrecondition unless DevicePayloads() is OK. Device keys and values go as one block
+  // only when adjacent (values == keys + key_bytes); send them as separate blocks otherwise.
+  virtual absl::Status SendBlock(const wire::Block& block, const void* keys, const void* values,
+                                 MemoryType memory = MemoryType::kHost) = 0;
   // As SendBlock, without waiting: `done` runs once on the client's progress thread (keep it
   // short) with the outcome. `keys`/`values` must stay valid until then.
   virtual void SendBlockAsync(const wire::Block& block, const void* keys, const void* values,
-                              absl::AnyInvocable<void(absl::Status)> done) = 0;
+                              absl::AnyInvocable<void(absl::Status)> done,
+                              MemoryType memory = MemoryType::kHost) = 0;
 
   // Commits put `put_id` after `num_blocks` acknowledged blocks; returns what was stored.
   virtual absl::StatusOr<wire::CacheSummary> PutCommit(uint64_t put_id, uint64_t num_blocks) = 0;

@@ -32,7 +32,9 @@ namespace wire {
 
 inline constexpr uint32_t kMagic = 0x5057564B;  // "KVWP" in wire order
 inline constexpr uint8_t kMajorVersion = 1;
-inline constexpr uint8_t kMinorVersion = 0;
+// Minor 1 adds device payloads: hello-ok's server_flags (kServerCudaMemory, sent only to a
+// client whose hello says minor >= 1) and block flag kBlockDevicePayload.
+inline constexpr uint8_t kMinorVersion = 1;
 inline constexpr uint32_t kFrameHeaderBytes = 32;
 // Largest frame (header + body). UCX 1.13 allows AM headers of about 8 KB with tcp and shared
 // memory; servers and clients check their worker's limit at start. The largest message
@@ -84,6 +86,15 @@ enum BlockParts : uint8_t {
   kPartBoth = 3,
 };
 
+// Block flags (body byte 33).
+enum BlockFlags : uint8_t {
+  // The payload is sent from CUDA device memory over a CUDA-aware UCX: key_crc and value_crc
+  // are 0 and not checked (the bytes never were in host memory to be summed; the transport's
+  // links carry their integrity, docs/protocol.md). Only to a server that said
+  // kServerCudaMemory.
+  kBlockDevicePayload = 1,
+};
+
 // The fixed frame header. request_id pairs a reply with its request (the client chooses it;
 // replies echo it; 0 in a reply means the request could not be parsed).
 struct FrameHeader {
@@ -110,9 +121,17 @@ struct Hello {
   std::string client_name;  // free text for logs, <= kMaxNameBytes
 };
 
+// hello-ok server_flags (byte 2 of the body; 0 for a client whose hello said minor 0).
+enum ServerFlags : uint8_t {
+  // The server's UCX is CUDA-aware (cuda_copy / cuda_ipc) and it takes blocks sent from device
+  // memory (kBlockDevicePayload): rendezvous payloads may land straight in its GPU memory.
+  kServerCudaMemory = 1,
+};
+
 struct HelloOk {
   uint8_t server_major = kMajorVersion;
   uint8_t server_minor = kMinorVersion;
+  uint8_t server_flags = 0;  // ServerFlags
   uint64_t max_payload_bytes = 0;   // largest block payload the server accepts
   uint64_t max_inflight_bytes = 0;  // bytes of unacknowledged blocks per connection
   std::string tenant;               // the tenant this connection acts for (normalised)
@@ -148,6 +167,7 @@ struct Block {
   uint64_t value_bytes = 0;   // 0 when kPartValues is absent
   uint32_t key_crc = 0;       // CRC32C of the key bytes (0 when absent)
   uint32_t value_crc = 0;     // CRC32C of the value bytes (0 when absent)
+  uint8_t flags = 0;          // BlockFlags
 
   uint64_t payload_bytes() const { return key_bytes + value_bytes; }
   // Bytes the half of one part should have under `layout`.

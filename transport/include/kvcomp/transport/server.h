@@ -171,7 +171,10 @@ class RequestHandler {
 
   // Optional: memory for a block's payload of `size` bytes (zero-copy: UCX receives straight
   // into it). The default allocates host memory. A device buffer is used only when UCX is
-  // CUDA-aware; its checksum is then left to the handler (block.key_crc / value_crc).
+  // CUDA-aware (UcxServer::cuda_memory(); otherwise the block is refused FailedPrecondition);
+  // its checksum is then left to the handler (block.key_crc / value_crc; a block flagged
+  // wire::kBlockDevicePayload carries none). Called for rendezvous payloads only: eager (small)
+  // payloads always land in host memory.
   virtual absl::StatusOr<Buffer> AllocateBlock(const PutContext& put, const wire::Block& block,
                                                size_t size) {
     return Buffer::Allocate(size);
@@ -240,6 +243,12 @@ struct ServerStats {
   uint64_t capacity_busy_replies = 0;
   uint64_t tenant_busy_replies = 0;
   uint64_t buffered_bytes = 0;  // gauge: bytes of admitted block buffers alive
+  // Device memory (docs/protocol.md, "CUDA-aware UCX"). cuda_memory: gauge, 1 when this UCX
+  // can receive into and send from CUDA memory (hello-ok offers device payloads), 0 when device
+  // memory is staged through host memory.
+  uint64_t cuda_memory = 0;
+  uint64_t device_payload_blocks = 0;  // blocks a client sent from its device memory
+  uint64_t blocks_into_device = 0;     // blocks received straight into device memory
 };
 
 class UcxServer {
@@ -253,6 +262,9 @@ class UcxServer {
 
   // The bound port (the ephemeral one when options.port was 0) and "address:port".
   virtual uint16_t port() const = 0;
+  // True when this server's UCX can receive into and send from CUDA device memory
+  // (UCS_MEMORY_TYPE_CUDA: cuda_copy / cuda_ipc); AllocateBlock may then return device memory.
+  virtual bool cuda_memory() const = 0;
   virtual std::string address() const = 0;
 
   // Graceful stop, step one: new connections and new puts are refused (Unavailable
