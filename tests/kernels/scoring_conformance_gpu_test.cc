@@ -387,6 +387,17 @@ TEST(ScoringConformanceGpuTest, VarlenBatchAgainstCpu) {
       EXPECT_NE(rb.status.message().find(absl::StrFormat("request 3: keys: NaN")),
                 std::string::npos)
           << rb.status;
+      // NaN values in requests 2 and 6 (one row each; kept or evicted): request 2 is named.
+      std::vector<uint8_t> badv = v;
+      for (uint32_t r : {6u, 2u}) {
+        const uint64_t tv = (cu[r + 1] - cu[r]) / 3;
+        std::memset(badv.data() + (cu[r] + tv) * row, 0xFF, row);  // head 0
+      }
+      const VarlenRun rv = RunVarlen(**cpu, k, badv, dtype, heads, d, cu, kept, score, select);
+      const VarlenRun gv = RunVarlen(**cuda, k, badv, dtype, heads, d, cu, kept, score, select);
+      EXPECT_EQ(rv.status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(rv.status, gv.status);
+      EXPECT_NE(rv.status.message().find("request 2: values: NaN"), std::string::npos) << rv.status;
     }
     ++seed;
   }

@@ -339,16 +339,17 @@ class CudaScoringOps final : public ScoringOps {
       max_n = std::max(max_n, a.cu_seqlens[r + 1] - a.cu_seqlens[r]);
     }
     const bool windows = a.score.scorer == Scorer::kWindowedManifold && a.score.window < max_n;
-    if (max_n > ShortSelectMaxTokens() || windows || 2 * pairs > 65535 ||
+    if (max_n > ShortSelectMaxTokens() || windows || pairs > 65535 ||
         !RowsAligned(a.keys) || !RowsAligned(a.values)) {
       return ScoringOps::ScoreSelectCompactVarlen(a);
     }
     std::vector<VarHead> table(pairs);
-    uint64_t rows = 0, max_kept = 0;
+    uint64_t rows = 0, max_blocks = 0;
     for (uint32_t r = 0; r < a.requests; ++r) {
       const uint64_t t0 = a.cu_seqlens[r], n = a.cu_seqlens[r + 1] - t0;
       const uint64_t kept = std::min<uint64_t>(a.kept_per_head[r], n);
-      max_kept = std::max(max_kept, kept);
+      max_blocks = std::max(max_blocks, CeilDiv(kept, kGatherRowsPerBlock) +
+                                            CeilDiv(n - kept, kGatherRowsPerBlock));
       for (uint32_t h = 0; h < heads; ++h) {
         VarHead& v = table[uint64_t{r} * heads + h];
         v.key_offset = uint64_t{h} * a.keys.head_stride + t0 * a.keys.token_stride;
@@ -374,6 +375,7 @@ class CudaScoringOps final : public ScoringOps {
       l.partial = c.Take(pairs * chunks * d * sizeof(float));
       l.centres = c.Take(pairs * d * sizeof(float));
     }
+    l.evicted = c.Take(uint64_t{heads} * total * sizeof(uint32_t));
     KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Allocate(c.size()));
     KVCOMP_RETURN_IF_ERROR(ResetErrors(ws, l));
     cudaStream_t stream = ctx_->stream;
@@ -433,11 +435,8 @@ class CudaScoringOps final : public ScoringOps {
     sp.scores = scores;
     sp.errors = errors;
     sp.heads = rh;
-    sp.values = a.values.data;
-    sp.v_token_stride = a.values.token_stride;
-    sp.v_head_stride = a.values.head_stride;
-    sp.var = var;
-    const dim3 grid(static_cast<uint32_t>(CeilDiv(max_n, kScoreRows)), 2 * rh);
+    sp.var = var;  // the values are checked by GatherRows (V read once)
+    const dim3 grid(static_cast<uint32_t>(CeilDiv(max_n, kScoreRows)), rh);
     KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(a.keys.dtype, d, [&](auto t, auto dd) {
       using T = typename decltype(t)::type;
       constexpr int D = decltype(dd)::value;
@@ -463,6 +462,7 @@ class CudaScoringOps final : public ScoringOps {
     ss.indices = a.kept.indices;
     ss.errors = errors;
     ss.var = var;
+    ss.evicted = At<uint32_t>(ws, l.evicted);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         ShortSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
         static_cast<int>(kShortSelectCapacity * sizeof(uint32_t))));
@@ -477,7 +477,9 @@ class CudaScoringOps final : public ScoringOps {
     g.keys_out = a.keys_out;
     g.values_out = a.values_out;
     g.var = var;
-    const dim3 ggrid(static_cast<uint32_t>(CeilDiv(max_kept, kGatherRowsPerBlock)), rh);
+    g.bad_value = &errors->bad_value;
+    g.evicted = ss.evicted;
+    const dim3 ggrid(static_cast<uint32_t>(max_blocks), rh);
     KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(a.keys.dtype, d, [&](auto t, auto dd) {
       using T = typename decltype(t)::type;
       constexpr int D = decltype(dd)::value;

@@ -1011,8 +1011,8 @@ struct ShortSelectParams {
   uint32_t* indices;  // [H * kept], head h's ascending indices at h * kept
   ErrorSlots* errors;
   const VarHead* var;  // varlen: each head's tokens, budget and output place
-  // Optional (not varlen): [H, n - kept], head h's evicted tokens ascending at h * (n - kept),
-  // for the values' check in GatherRows.
+  // Optional: the evicted tokens ascending, for the values' check in GatherRows: head h's at
+  // h * (n - kept) ([H, n - kept]), a varlen head's at its `flat`.
   uint32_t* evicted;
 };
 
@@ -1096,8 +1096,9 @@ __global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectPa
   uint32_t kept_total;
   uint32_t at = BlockExclusiveScan(gt + eq_kept_here, scratch, &kept_total);
   uint32_t* out = p.indices + (var ? p.var[h].out_row : uint64_t{h} * p.kept);
-  uint32_t* ev_out =
-      p.evicted != nullptr && !var ? p.evicted + uint64_t{h} * (n - kept_n) : nullptr;
+  uint32_t* ev_out = p.evicted == nullptr ? nullptr
+                     : var              ? p.evicted + flat0
+                                        : p.evicted + uint64_t{h} * (n - kept_n);
   uint32_t ev_at = t0 - at;  // tokens before t0 not kept
   for (uint32_t t = t0; t < t1; ++t) {
     const uint32_t key = keys[t];
@@ -1126,9 +1127,10 @@ struct GatherRowsParams {
   void* keys_out;             // [H * kept, D]
   void* values_out;
   const VarHead* var;  // varlen: each head's budget, rows and output place
-  // Optional (not varlen): the values' check here, so V is read once: the kept rows as they are
-  // copied, and blocks past ceil(kept / kGatherRowsPerBlock) check the evicted rows listed in
-  // `evicted` ([H, n - kept]); the first bad row (head * n + token) goes to bad_value.
+  // Optional: the values' check here, so V is read once: the kept rows as they are copied, and
+  // blocks past ceil(kept / kGatherRowsPerBlock) check the evicted rows listed in `evicted`
+  // (ShortSelect's layout); the first bad row (head * n + token, a varlen head's flat + token)
+  // goes to bad_value.
   unsigned long long* bad_value;
   const uint32_t* evicted;
   uint64_t n;
@@ -1148,16 +1150,18 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsParams g)
   const int group = lane / S::kLanes;
   const bool var = g.var != nullptr;
   const uint32_t kept = var ? g.var[h].kept : g.kept;
-  const bool check = g.bad_value != nullptr && !var;
+  const bool check = g.bad_value != nullptr;
+  const uint64_t n = var ? g.var[h].n : g.n;
+  const uint64_t flat0 = var ? g.var[h].flat : uint64_t{h} * g.n;  // of the head's token 0
   const uint32_t kept_blocks = (kept + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock;
   const T* vbase = static_cast<const T*>(g.values) +
                    (var ? g.var[h].v_offset : uint64_t{h} * g.v_head_stride);
   if (check && blockIdx.x >= kept_blocks) {  // the evicted rows' values check
-    const uint32_t n_ev = static_cast<uint32_t>(g.n) - kept;
+    const uint32_t n_ev = static_cast<uint32_t>(n) - kept;
     const uint32_t e0 = (blockIdx.x - kept_blocks) * kGatherRowsPerBlock;
     if (e0 >= n_ev) return;
     const uint32_t e1 = min(n_ev, e0 + kGatherRowsPerBlock);
-    const uint32_t* ev = g.evicted + uint64_t{h} * n_ev;
+    const uint32_t* ev = g.evicted + (var ? flat0 : uint64_t{h} * n_ev);
     for (uint32_t eb = e0 + warp * S::kRowsPerWarp; eb < e1; eb += kStep * kUnroll) {
       uint4 vv[kUnroll][S::kVecs];
 #pragma unroll
@@ -1175,7 +1179,7 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsParams g)
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t e = eb + group + u * kStep;
         const float sq = RawSqNorm<T, D>(vv[u]);
-        if (e < e1 && sub == 0 && SqNormBad(sq)) ReportBad(g.bad_value, uint64_t{h} * g.n + ev[e]);
+        if (e < e1 && sub == 0 && SqNormBad(sq)) ReportBad(g.bad_value, flat0 + ev[e]);
       }
     }
     return;
@@ -1215,7 +1219,7 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsParams g)
       if (check) {
         const float sq = RawSqNorm<T, D>(vv[u]);
         if (r < r1 && sub == 0 && SqNormBad(sq)) {
-          ReportBad(g.bad_value, uint64_t{h} * g.n + g.indices[out0 + r]);
+          ReportBad(g.bad_value, flat0 + g.indices[out0 + r]);
         }
       }
       if (r < r1) {
