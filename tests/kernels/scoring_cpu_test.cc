@@ -2,9 +2,11 @@
 // 1-3 and 5).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -368,6 +370,119 @@ TEST(ScoringCpuTest, FusedPerHeadPathEqualsSeparateOps) {
   a.values_out = vo.data();
   const absl::Status st = cpu->scoring().ScoreSelectCompact(a);
   EXPECT_NE(std::string(st.message()).find("head 2, token 16000"), std::string::npos) << st;
+}
+
+// A varlen batch (cu_seqlens) on a host backend: each request keeps exactly what its own call
+// keeps (scores, counts, indices, rows), placed request after request; bad batches are refused
+// with a message naming what is wrong.
+TEST(ScoringCpuTest, VarlenBatchEqualsOneCallPerRequest) {
+  auto b = MakeCpuBackend();
+  ASSERT_TRUE(b.ok());
+  const uint32_t heads = 3, d = 64;
+  const std::vector<uint64_t> lengths = {700, 1, 2500, 64, 1300};
+  const std::vector<uint64_t> kept = {300, 1, 2600, 10, 650};
+  std::vector<uint64_t> cu{0};
+  for (uint64_t n : lengths) cu.push_back(cu.back() + n);
+  const uint64_t total = cu.back();
+  const size_t row = d * 2;
+  for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
+                   Scorer::kStreaming, Scorer::kRandom}) {
+    SCOPED_TRACE(ScorerName(s));
+    std::vector<HostHeads> ks, vs;
+    std::vector<uint8_t> k(heads * total * row), v(heads * total * row);
+    for (size_t r = 0; r < lengths.size(); ++r) {
+      ks.push_back(RandomHeads(DType::kBF16, heads, lengths[r], d, 500 + r));
+      vs.push_back(RandomHeads(DType::kBF16, heads, lengths[r], d, 600 + r));
+      for (uint32_t h = 0; h < heads; ++h) {
+        std::memcpy(k.data() + (h * total + cu[r]) * row, ks[r].bytes.data() + h * lengths[r] * row,
+                    lengths[r] * row);
+        std::memcpy(v.data() + (h * total + cu[r]) * row, vs[r].bytes.data() + h * lengths[r] * row,
+                    lengths[r] * row);
+      }
+    }
+    uint64_t rows = 0;
+    for (size_t r = 0; r < lengths.size(); ++r) rows += heads * std::min(kept[r], lengths[r]);
+    std::vector<float> scores(heads * total, NAN);
+    std::vector<uint32_t> counts(lengths.size() * heads, ~0u), idx(rows, ~0u);
+    std::vector<uint8_t> ko(rows * row, 0xFF), vo(rows * row, 0xFF);
+    ScoreSelectCompactVarlenArgs a;
+    a.keys = HeadsView::Dense(k.data(), DType::kBF16, heads, total, d);
+    a.values = HeadsView::Dense(v.data(), DType::kBF16, heads, total, d);
+    a.cu_seqlens = cu.data();
+    a.requests = static_cast<uint32_t>(lengths.size());
+    a.kept_per_head = kept.data();
+    a.score.scorer = s;
+    a.score.window = 500;
+    a.score.seed = 9;
+    a.select.n_recent = 5;
+    a.scores = scores.data();
+    a.kept = {counts.data(), idx.data()};
+    a.keys_out = ko.data();
+    a.values_out = vo.data();
+    ASSERT_TRUE((*b)->scoring().ScoreSelectCompactVarlen(a).ok());
+    uint64_t at = 0;
+    for (size_t r = 0; r < lengths.size(); ++r) {
+      SCOPED_TRACE(::testing::Message() << "request " << r);
+      testing::ConformanceCase c;
+      c.dtype = DType::kBF16;
+      c.head_dim = d;
+      c.heads = heads;
+      c.tokens = lengths[r];
+      c.score = a.score;
+      c.select = a.select;
+      c.select.kept_per_head = kept[r];
+      const testing::RunOutput one = testing::RunFused(**b, c, ks[r], vs[r], nullptr);
+      ASSERT_TRUE(one.status.ok()) << one.status;
+      ASSERT_TRUE(std::equal(one.scores.begin(), one.scores.end(), scores.begin() + heads * cu[r]));
+      ASSERT_TRUE(std::equal(one.counts.begin(), one.counts.end(), counts.begin() + r * heads));
+      ASSERT_TRUE(std::equal(one.indices.begin(), one.indices.end(), idx.begin() + at));
+      ASSERT_TRUE(std::equal(one.keys.begin(), one.keys.end(), ko.begin() + at * row));
+      ASSERT_TRUE(std::equal(one.values.begin(), one.values.end(), vo.begin() + at * row));
+      at += one.indices.size();
+    }
+    ASSERT_EQ(at, rows);
+  }
+
+  // Bad batches.
+  std::vector<uint8_t> k(heads * total * row, 0x3C);
+  std::vector<uint32_t> counts(lengths.size() * heads), idx(heads * total);
+  std::vector<uint8_t> out(heads * total * row);
+  ScoreSelectCompactVarlenArgs a;
+  a.keys = HeadsView::Dense(k.data(), DType::kBF16, heads, total, d);
+  a.values = a.keys;
+  a.cu_seqlens = cu.data();
+  a.requests = static_cast<uint32_t>(lengths.size());
+  a.kept_per_head = kept.data();
+  a.kept = {counts.data(), idx.data()};
+  a.keys_out = out.data();
+  a.values_out = out.data();
+  auto refused = [&](const ScoreSelectCompactVarlenArgs& x, const std::string& what) {
+    const absl::Status st = (*b)->scoring().ScoreSelectCompactVarlen(x);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(st.message().find(what), std::string::npos) << st;
+  };
+  ScoreSelectCompactVarlenArgs x = a;
+  x.requests = 4;  // cu_seqlens then ends before the view's last token
+  refused(x, "cu_seqlens ends at");
+  std::vector<uint64_t> zero = kept;
+  zero[2] = 0;
+  x = a;
+  x.kept_per_head = zero.data();
+  refused(x, "request 2 has a budget of zero");
+  std::vector<uint64_t> flat = cu;
+  flat[3] = flat[2];
+  x = a;
+  x.cu_seqlens = flat.data();
+  refused(x, "request 2 is empty");
+  x = a;
+  x.select.head_budget = HeadBudget::kAdaKV;
+  refused(x, "uniform budgets only");
+  x = a;
+  x.score.scorer = Scorer::kSnapKV;
+  refused(x, "snapkv is not supported");
+  x = a;
+  x.cu_seqlens = nullptr;
+  refused(x, "null cu_seqlens");
 }
 
 }  // namespace
