@@ -3,9 +3,10 @@
 # from the bundle bench/cuda_ucx/bundle.sh made (carry=["build-cuda-ucx-pack"]): the transport's
 # device-payload test, ucx_perftest between two processes with CUDA memory on both sides, and
 # kvcomp_cuda_ucx_bench (checks and timings). Logs and a summary under $OUT.
-#   KVCOMP_CUDA_UCX_DAEMON_DEVICE  the daemon's GPU (default 0, the client's; 1 on two GPUs)
+#   KVCOMP_CUDA_UCX_DAEMON_DEVICES the daemon's GPUs, one run each (default "0": the client's
+#                                  GPU; "0 1" on two GPUs: also the other one, over cuda_ipc)
 #   KVCOMP_CUDA_UCX_TOKENS         tokens of the cache (default 32768)
-#   KVCOMP_CUDA_UCX_REPS           timed repetitions (default 3)
+#   KVCOMP_CUDA_UCX_REPS           timed repetitions (default 2)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/build-cuda-ucx-out}
@@ -13,7 +14,7 @@ mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
-DD=${KVCOMP_CUDA_UCX_DAEMON_DEVICE:-0}
+DEVICES=${KVCOMP_CUDA_UCX_DAEMON_DEVICES:-0}
 TOKENS=${KVCOMP_CUDA_UCX_TOKENS:-32768}
 BUNDLE=$PWD/build-cuda-ucx-bundle
 rm -rf "$BUNDLE" && mkdir -p "$BUNDLE" && tar -C "$BUNDLE" -xJf build-cuda-ucx-pack/bundle.tar.xz || {
@@ -32,37 +33,32 @@ timeout 60 transport_cuda_ucx_test >"$OUT/transport_test.log" 2>&1
 note "transport_cuda_ucx_test exit $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$OUT/transport_test.log" | paste -sd' ' -)"
 
 # ucx_perftest: 64 MiB messages (one layer's keys at 32K tokens), CUDA memory on both sides,
-# server on the daemon's GPU, client on GPU 0.
+# the server's buffers on the daemon's GPU (listed first in its CUDA_VISIBLE_DEVICES), the
+# client's on GPU 0; both processes see every GPU, as kvcompd and its client do.
+all=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)
 perf() {
-  local test=$1 port=$2
-  CUDA_VISIBLE_DEVICES=$DD timeout 60 ucx_perftest -t "$test" -m cuda,cuda -s 67108864 -n 40 \
-    -w 5 -p "$port" >"$OUT/perftest_${test}_server.log" 2>&1 &
+  local test=$1 port=$2 dd=$3
+  local order=$dd${all:+,$(echo "$all" | tr ',' '\n' | grep -vx "$dd" | paste -sd, -)}
+  CUDA_VISIBLE_DEVICES=${order%,} timeout 60 ucx_perftest -t "$test" -m cuda,cuda -s 67108864 \
+    -n 40 -w 5 -p "$port" >"$OUT/perftest_${test}_gpu${dd}_server.log" 2>&1 &
   local spid=$!
   sleep 2
-  CUDA_VISIBLE_DEVICES=0 timeout 60 ucx_perftest 127.0.0.1 -t "$test" -m cuda,cuda \
-    -s 67108864 -n 40 -w 5 -p "$port" >"$OUT/perftest_${test}.log" 2>&1
-  note "ucx_perftest $test exit $?: $(grep -E '^ +Final:|^[ ]*[0-9]+ +' "$OUT/perftest_${test}.log" | tail -1)"
+  CUDA_VISIBLE_DEVICES=$all timeout 60 ucx_perftest 127.0.0.1 -t "$test" -m cuda,cuda \
+    -s 67108864 -n 40 -w 5 -p "$port" >"$OUT/perftest_${test}_gpu${dd}.log" 2>&1
+  note "ucx_perftest $test, server on GPU $dd: exit $?: $(grep -E '^ *Final:' "$OUT/perftest_${test}_gpu${dd}.log" | tail -1)"
   wait "$spid" 2>/dev/null
 }
-if [ "$DD" = 0 ]; then
-  perf tag_bw 13337
-  perf ucp_am_bw 13338
-else
-  # Two GPUs: each process sees both, the server's buffers on GPU 1 (CUDA_VISIBLE_DEVICES=1,0).
-  CUDA_VISIBLE_DEVICES=1,0 timeout 60 ucx_perftest -t tag_bw -m cuda,cuda -s 67108864 -n 40 \
-    -w 5 -p 13339 >"$OUT/perftest_tag_bw_server.log" 2>&1 &
-  spid=$!
-  sleep 2
-  CUDA_VISIBLE_DEVICES=0,1 timeout 60 ucx_perftest 127.0.0.1 -t tag_bw -m cuda,cuda \
-    -s 67108864 -n 40 -w 5 -p 13339 >"$OUT/perftest_tag_bw.log" 2>&1
-  note "ucx_perftest tag_bw exit $?: $(grep -E '^ +Final:|^[ ]*[0-9]+ +' "$OUT/perftest_tag_bw.log" | tail -1)"
-  wait "$spid" 2>/dev/null
-fi
-
-KVCOMP_UCX_EP_INFO=1 timeout 400 kvcomp_cuda_ucx_bench --kvcompd "$BUNDLE/bin/kvcompd" \
-  --tokens "$TOKENS" --reps "${KVCOMP_CUDA_UCX_REPS:-3}" --daemon_device "$DD" \
-  >"$OUT/bench.log" 2>&1
-note "bench   exit $?"
-grep -E '^(RESULT|CHECK|#)' "$OUT/bench.log" | tee -a "$SUMMARY"
+port=13337
+for dd in $DEVICES; do
+  perf tag_bw $port "$dd"
+  perf ucp_am_bw $((port + 1)) "$dd"
+  port=$((port + 2))
+  KVCOMP_UCX_EP_INFO=1 timeout 300 kvcomp_cuda_ucx_bench --kvcompd "$BUNDLE/bin/kvcompd" \
+    --tokens "$TOKENS" --reps "${KVCOMP_CUDA_UCX_REPS:-2}" --daemon_device "$dd" \
+    >"$OUT/bench_gpu$dd.log" 2>&1
+  note "bench, kvcompd on GPU $dd: exit $?"
+  grep -E '^(RESULT|CHECK|# [0-9]|# kvcompd|# all|# CHECKS)' "$OUT/bench_gpu$dd.log" | tee -a "$SUMMARY"
+  grep -E 'lane\[' "$OUT/bench_gpu$dd.log" | sort -u >"$OUT/lanes_gpu$dd.txt"
+done
 echo "================ summary ================"
 cat "$SUMMARY"

@@ -40,7 +40,7 @@ struct Pending {
   int iov_count = 0;  // 0: no payload
   uint64_t payload_bytes = 0;
   MemoryType payload_memory = MemoryType::kHost;
-  std::unique_ptr<UcpMemReg> reg;  // a device payload's registration, for the sends
+  bool device_bound = false;  // the payload's CUDA context made current on the loop thread
   absl::Time deadline;
   absl::Duration backoff;
   // Set once the server answered busy: a request timing out while retrying fails with this
@@ -66,7 +66,6 @@ struct RecvContext {
   ClientImpl* client;
   uint64_t request_id;
   std::unique_ptr<Reply> reply;
-  std::unique_ptr<UcpMemReg> reg;  // a device destination, registered for the receive
 };
 
 // Copies `n` host bytes to device memory `dst` (a small reply that arrived eagerly), through
@@ -303,26 +302,20 @@ void ClientImpl::StartSend(Pending* p) {
     count = 2;
   }
   if (p->payload_memory == MemoryType::kCuda && p->iov_count == 1) {
-    // Sent out of device memory, registered as CUDA memory for the time of the request.
-    if (p->reg == nullptr) {
+    // Sent out of the caller's device memory, stated as CUDA memory. UCX registers the
+    // allocation through its registration cache (cuda_ipc / cuda_copy), which its memory hooks
+    // keep in step with cuMemFree / cudaFree: the caller's long-lived KV buffers are registered
+    // once, and a freed one is never named by a stale registration.
+    if (!p->device_bound) {
       if (absl::Status s = BindDeviceContext(p->iov[0].buffer); !s.ok()) {
         delete tag;
         Fail(p->request_id, Annotate(s, "send from device memory"));
         return;
       }
-      absl::StatusOr<std::unique_ptr<UcpMemReg>> reg =
-          UcpMemReg::Map(loop_->context(), p->iov[0].buffer, p->iov[0].length,
-                         UCS_MEMORY_TYPE_CUDA);
-      if (!reg.ok()) {
-        delete tag;
-        Fail(p->request_id, reg.status());
-        return;
-      }
-      p->reg = *std::move(reg);
+      p->device_bound = true;
     }
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     param.memory_type = UCS_MEMORY_TYPE_CUDA;
-    param.memh = p->reg->get();
   }
   p->sending = true;
   p->resend_due = false;
@@ -525,20 +518,15 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
   param.cb.recv_am = &ClientImpl::OnRecvDone;
   param.user_data = ctx;
   if (ctx->reply->payload.memory_type() == MemoryType::kCuda) {
-    absl::Status bound = BindDeviceContext(ctx->reply->payload.data());
-    absl::StatusOr<std::unique_ptr<UcpMemReg>> reg =
-        !bound.ok() ? absl::StatusOr<std::unique_ptr<UcpMemReg>>(bound) : UcpMemReg::Map(
-        loop_->context(), ctx->reply->payload.data(), length, UCS_MEMORY_TYPE_CUDA);
-    if (!reg.ok()) {
+    // The caller's memory, registered through UCX's registration cache as for sends.
+    if (absl::Status bound = BindDeviceContext(ctx->reply->payload.data()); !bound.ok()) {
       delete ctx;
       DropRendezvous(loop_->worker(), data);
-      Fail(p.request_id, reg.status());
+      Fail(p.request_id, Annotate(bound, "receive into device memory"));
       return;
     }
-    ctx->reg = *std::move(reg);
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     param.memory_type = UCS_MEMORY_TYPE_CUDA;
-    param.memh = ctx->reg->get();
   }
   p.receiving = true;
   void* req =

@@ -61,11 +61,10 @@ class UcpWorker {
   ucp_worker_h h_ = nullptr;
 };
 
-// A registration of caller memory with a context (ucp_mem_map of existing memory, its memory
-// type stated), unmapped when destroyed. Device payloads are registered for the time of one
-// send or receive: the caller's device memory may be freed afterwards, and a registration kept
-// past that would name freed memory (UCX's own cache watches frees; this does not need to).
-// Use on the thread that owns the context's worker.
+// A registration of memory with a context (ucp_mem_map of existing memory, its memory type
+// stated), unmapped when destroyed. The server registers the device buffers its handler gives
+// for a block's receive for the time of that receive (a handler's buffer may be freed once the
+// block is consumed). Use on the thread that owns the context's worker.
 class UcpMemReg {
  public:
   static absl::StatusOr<std::unique_ptr<UcpMemReg>> Map(ucp_context_h context, void* data,
