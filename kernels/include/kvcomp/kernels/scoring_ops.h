@@ -235,8 +235,9 @@ class ScoringOps {
 
   // ScoreSelectCompact of every request of a varlen batch. This default runs one
   // ScoreSelectCompact per request on a view of its tokens (the reference); the CUDA backend
-  // runs requests of up to 8192 tokens under every scorer but snapkv in one launch of each
-  // kernel for the whole batch. Errors name the request ("request r: ...").
+  // runs batches of requests of up to 8192 tokens in one launch of each kernel for the whole
+  // batch (windowed_manifold when its window covers every request; otherwise request by
+  // request). Errors name the request ("request r: ...").
   virtual absl::Status ScoreSelectCompactVarlen(const ScoreSelectCompactVarlenArgs& args);
 
   // Workspace ScoreSelectCompact will take from the allocator for these shapes (bytes).
