@@ -1,11 +1,13 @@
 // The compression pipeline: the engine's entry points for the daemon, the SDKs and Python. Given
 // one sequence's KV cache and a CompressionPolicy it runs, per layer, score -> budget -> select
-// -> compact (ScoringOps), then the extension stages:
+// -> compact (ScoringOps; with policy.moment_aware the MomentKV rescoring between score and
+// select), then the extension stages:
 //   moments: when policy.moments, the MomentKV summary of each head's evicted tokens,
-//     through backend.moments(); until that stage is implemented the cache has has_moments=false.
+//     through backend.moments();
 //   codecs : when policy.key_codec/value_codec are not raw, the kept tokens are encoded
-//     through backend.codec(); until that stage is implemented such a policy is Unimplemented.
-// The stages live in kernels/src/pipeline_stages.cc (one function each).
+//     through backend.codec() (KVSplice: kvsplice.h).
+// The stages live in kernels/src/pipeline_stages.cc (one function each). On a device backend
+// every stage runs on the device (CompressToDevice below).
 //
 // Thread-safety: the functions are reentrant; a Backend is used by one thread at a time, so give
 // each concurrent caller its own Backend. Views may be in host memory or the backend's space
