@@ -290,6 +290,11 @@ class GpuChannelsImpl : public GpuChannels {
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(CheckPending(*c, Channel::Pending::kPut, transfer_id));
+    // This control-plane thread may have no CUDA context current (the stream waits need one).
+    if (absl::Status s = rt_->SetDevice(c->device); !s.ok()) {
+      Fail(c, s);
+      return s;
+    }
     std::shared_ptr<OpenPut> put = std::move(c->put);
     const uint64_t bytes = c->transfer_bytes;
     const KvLayout layout = c->transfer_layout;
@@ -438,6 +443,7 @@ class GpuChannelsImpl : public GpuChannels {
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(CheckPending(*c, Channel::Pending::kGet, transfer_id));
     ClearPending(*c);
+    (void)rt_->SetDevice(c->device);  // Wait sets it too; the release below needs it
     absl::Status s = c->link->Wait(c->stream, c->deadline);
     c->host.reset();
     if (!s.ok()) {
@@ -655,6 +661,7 @@ class GpuChannelsImpl : public GpuChannels {
         "' closed: ", why.ToString());
     c->dead.store(true);
     if (c->link) c->link->Abort();
+    (void)rt_->SetDevice(c->device);
     if (!c->mapped.empty() && c->stream != nullptr) {
       (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
     }
