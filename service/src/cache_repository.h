@@ -54,11 +54,6 @@ class CacheRepository {
   absl::StatusOr<CacheSummary> Store(const CacheKey& key, const CompressedCache& cache,
                                      uint64_t original_bytes, TransferBytes* transfers = nullptr);
 
-  // Puts land in the GPU tier: a cache compressed on the device is best stored with
-  // StoreFromDevice.
-  bool puts_to_device() const {
-    return options_.put_tier == static_cast<int>(storage::TierKind::kDevice);
-  }
   // Encodes `cache` (compressed on the device, its arrays in `backend`'s device memory) on the
   // device and stores the encoded bytes from there: the GPU tier takes them with one copy on the
   // device; a copy to host memory is made once, only for a tier other than the GPU tier or the

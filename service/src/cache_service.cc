@@ -203,7 +203,7 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
     bool on_device;
     {
       absl::MutexLock lock(&mu_);
-      on_device = device_kv_ != nullptr && service_->repository_->puts_to_device();
+      on_device = device_kv_ != nullptr;
     }
     if (on_device) return CommitOnDevice(backend, &transfers);
     if (request_.block_wise) {
@@ -300,8 +300,8 @@ absl::StatusOr<CacheSummary> OpenPut::CommitOnDevice(Backend& backend, TransferB
     device_kv_.reset();
   }
   // Encoded on the device and handed to the store there: the GPU tier keeps it with one copy on
-  // the device; only a disk-durable put (or a spill out of the GPU tier) copies it to the host,
-  // once. Every byte between host and device is counted in `transfers`.
+  // the device; the host tier, RocksDB (a disk-durable put, or a spill) get the encoded bytes
+  // copied to the host once. Every byte between host and device is counted in `transfers`.
   KVCOMP_ASSIGN_OR_RETURN(
       CacheSummary summary,
       service_->repository_->StoreFromDevice(request_.key, backend, cache,

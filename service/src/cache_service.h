@@ -50,9 +50,9 @@ class CacheService;
 // or, block-wise, as each block is appended. On a GPU engine a whole-sequence put holds its K
 // and V in device memory instead (DeviceKv, reserved against engine.gpu_memory_bytes when the
 // put begins): each block is copied there as it arrives and its memory released at once; the
-// commit compresses on the device. When puts land in the GPU tier the cache is encoded and
-// stored from the device (it reaches the host only for RocksDB or a spill, once); otherwise it
-// comes to the host once, compressed (docs/engine.md, "Where each byte goes").
+// commit compresses and encodes on the device and stores from there: the GPU tier keeps the
+// cache on the device; host memory or RocksDB get it copied to the host once (docs/engine.md,
+// "Where each byte goes").
 class OpenPut : public std::enable_shared_from_this<OpenPut> {
  public:
   ~OpenPut();
@@ -79,8 +79,9 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   // counted in `transfers`, or the assembled host blocks).
   absl::StatusOr<KvCacheView> ViewForCommit(Backend& backend, TransferBytes* transfers);
   absl::StatusOr<CompressedCache> CompressWhole(Backend& backend, TransferBytes* transfers);
-  // A whole put on a GPU engine whose puts land in the GPU tier: compressed, encoded and stored
-  // without the cache leaving the device (CacheRepository::StoreFromDevice).
+  // A whole put on a GPU engine: compressed and encoded on the device and stored from there
+  // (CacheRepository::StoreFromDevice): the cache reaches the host once, and only when it goes
+  // to host memory or RocksDB.
   absl::StatusOr<CacheSummary> CommitOnDevice(Backend& backend, TransferBytes* transfers);
   // Appends every block that is next in token order. Caller holds stream_mu_.
   absl::Status DrainBlockWise() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stream_mu_);

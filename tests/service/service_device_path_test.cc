@@ -1,10 +1,9 @@
 // kvcompd's device-resident put path, in-process on a GPU (label gpu): an Engine on the CUDA
 // backend, a CacheRepository over a real TieredStore (host tier or GPU tier, RocksDB in a
 // temporary directory) and a CacheService, puts handed in as BlockData. Checks the bytes that
-// cross between host and device per put (one upload of the blocks; one download of the
-// compressed cache for a host-tier put; none for a GPU-tier put, whose cache is encoded and
-// stored on the device, besides control bytes; one for a disk-durable one), reads into device
-// memory, the result against the CPU twin, the GPU memory cap, device-memory blocks,
+// cross between host and device per put (one upload of the blocks; the cache encoded on the
+// device, then copied to the host once for the host tier or RocksDB and never for the GPU tier,
+// besides control bytes), reads into device memory, the result against the CPU twin, the GPU memory cap, device-memory blocks,
 // the engine's failure on a (injected) sticky error, and the data checks that run without a
 // host wait per layer (a NaN/Inf in one layer fails the put, nothing stored).
 #include <stdlib.h>
@@ -142,12 +141,6 @@ class DevicePathTest : public testutil::ServiceFixture {
     out.down = (plan.sections.size() - 2) * 4;  // no layer ranks with raw codecs
     return out;
   }
-  // What the one download of a cache with moments and raw codecs carries.
-  static uint64_t DownloadBytes(uint64_t total_kept) {
-    const uint64_t heads = uint64_t{kLayout.num_layers} * kLayout.num_kv_heads;
-    const uint64_t d = kLayout.head_dim, row = d * sizeof(float);
-    return heads * 4 + total_kept * (4 + 2 * row) + heads * (8 + 2 * d * 4 + d * d * 4);
-  }
 };
 
 // Compress on the device (inputs in device memory, as the daemon hands them) against the CPU
@@ -219,9 +212,13 @@ TEST_F(DevicePathTest, HostTierPutUploadsOnceDownloadsOnceAndMatchesTheCpu) {
   absl::StatusOr<CacheSummary> s = PutCache("k", x);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->tier, storage::TierKind::kHost);
-  // One upload of the blocks, one download of the compressed cache.
-  EXPECT_EQ(s->h2d_bytes, kLayout.CacheBytes(kTokens));
-  EXPECT_EQ(s->d2h_bytes, DownloadBytes(s->total_kept));
+  // One upload of the blocks (and the encoding's header region), one download: the encoded
+  // cache, into the host tier (besides the control bytes).
+  absl::StatusOr<Control> control = EncodingControl("k");
+  ASSERT_TRUE(control.ok()) << control.status();
+  const uint64_t heads = uint64_t{kLayout.num_layers} * kLayout.num_kv_heads;
+  EXPECT_EQ(s->h2d_bytes, kLayout.CacheBytes(kTokens) + control->up);
+  EXPECT_EQ(s->d2h_bytes, heads * 4 + control->down + s->stored_bytes);
   EXPECT_EQ(engine_->device_reserved_bytes(), 0u);
 
   absl::StatusOr<CompressedCache> gpu = Stored("k");
@@ -358,8 +355,12 @@ TEST_F(DevicePathTest, DeviceMemoryBlocksNeverCrossToTheHost) {
   Tensor x(9);
   absl::StatusOr<CacheSummary> dev = PutCache("dev", x, /*device_blocks=*/true);
   ASSERT_TRUE(dev.ok()) << dev.status();
-  EXPECT_EQ(dev->h2d_bytes, 0u);
-  EXPECT_EQ(dev->d2h_bytes, DownloadBytes(dev->total_kept));
+  // Nothing of the blocks up; the encoding's header region up, the encoded cache down once.
+  absl::StatusOr<Control> control = EncodingControl("dev");
+  ASSERT_TRUE(control.ok()) << control.status();
+  const uint64_t heads = uint64_t{kLayout.num_layers} * kLayout.num_kv_heads;
+  EXPECT_EQ(dev->h2d_bytes, control->up);
+  EXPECT_EQ(dev->d2h_bytes, heads * 4 + control->down + dev->stored_bytes);
   absl::StatusOr<CacheSummary> host = PutCache("host", x);
   ASSERT_TRUE(host.ok()) << host.status();
   absl::StatusOr<CompressedCache> a = Stored("dev"), b = Stored("host");
