@@ -15,6 +15,8 @@
 #   KVCOMP_BENCH_ARGS  extra arguments for every benchmark binary
 #   KVCOMP_BENCH_FILTER run only benchmark binaries matching this regex (default: all)
 #   KVCOMP_TORCH_REF   1 (default) to time the PyTorch reference in the same run
+#   KVCOMP_KVPRESS     1 (default) to time kvpress's presses per layer (bench/gpu/kvpress_bench.py)
+#                      when its wheel is carried: pip download kvpress into .whl/, carry=[".whl"]
 #   KVCOMP_GPU_EXTRA   a further command run last with the same environment (extra.log)
 #   daemon             (not a default step) the whole daemon from the bundle that
 #                      scripts/gpu_bundle.sh makes on the build machine (carry=[".gpubundle"]; no
@@ -182,6 +184,11 @@ if has bench && [ -d "$BUILD" ]; then
     echo "### torch_reference.py" >>"$OUT/bench.log"
     PYTHONUNBUFFERED=1 timeout 180 python3 bench/gpu/torch_reference.py >>"$OUT/bench.log" 2>&1 ||
       note "bench   torch_reference.py exited $?"
+  fi
+  if [ "${KVCOMP_KVPRESS:-1}" = 1 ] && ls .whl/kvpress-*.whl >/dev/null 2>&1; then
+    echo "### kvpress_bench.py" >>"$OUT/bench.log"
+    PYTHONUNBUFFERED=1 timeout 180 python3 bench/gpu/kvpress_bench.py >>"$OUT/bench.log" 2>&1 ||
+      note "bench   kvpress_bench.py exited $?"
   fi
   grep -h '^RESULT' "$OUT/bench.log" | sed 's/^RESULT //' | column -t >>"$SUMMARY" 2>/dev/null ||
     grep -h '^RESULT' "$OUT/bench.log" >>"$SUMMARY"
