@@ -75,6 +75,7 @@ struct RecvContext {
   wire::Block block;
   Buffer payload;
   std::unique_ptr<UcpMemReg> reg;  // device payloads: registered for the receive
+  absl::Status failure;            // set when the receive could not be posted
 };
 
 class ServerImpl : public UcxServer {
@@ -887,6 +888,7 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
         loop_->context(), ctx->payload.data(), bytes, UCS_MEMORY_TYPE_CUDA);
     if (!reg.ok()) {
       DropRendezvous(loop_->worker(), data);
+      ctx->failure = Annotate(reg.status(), "block into device memory");
       BlockReceived(ctx, UCS_ERR_INVALID_PARAM);
       return;
     }
@@ -913,7 +915,7 @@ void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
   std::unique_ptr<RecvContext> ctx(raw);
   const uint64_t bytes = ctx->block.payload_bytes();
   Connection& conn = *ctx->conn;
-  absl::Status s = UcsStatusToStatus(status, "block receive");
+  absl::Status s = !ctx->failure.ok() ? ctx->failure : UcsStatusToStatus(status, "block receive");
   const bool device_payload = (ctx->block.flags & wire::kBlockDevicePayload) != 0;
   if (s.ok() && device_payload) counters_.device_payload_blocks++;
   if (s.ok() && ctx->payload.memory_type() == MemoryType::kCuda) counters_.blocks_into_device++;
