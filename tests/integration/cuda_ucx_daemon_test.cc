@@ -25,7 +25,9 @@ class CudaUcxDaemonTest : public DaemonFixture {
     ASSERT_TRUE(caps.ok()) << caps.status();
     caps_ = *caps;
   }
-  std::string Metrics(const KvcompdProcess& d) { return HttpGet(d.ports().metrics, "/metrics").body; }
+  std::string Metrics(const KvcompdProcess& d) {
+    return HttpGet(d.ports().metrics, "/metrics").body;
+  }
 
   transport::UcxCapabilities caps_;
 };
