@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/kernels/scoring_ops.h"
 
 namespace kvcomp {
 namespace service {
@@ -88,7 +89,12 @@ uint64_t Engine::DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens, 
     out += heads * (8 + 2 * uint64_t{layout.head_dim} * 4 +
                     uint64_t{layout.head_dim} * layout.head_dim * 4);
   }
-  return input + out;
+  // The keys' sums the staging accumulates as blocks arrive (DeviceKv: per layer, sums and unit
+  // sums of each 256-token chunk of every head), and the encoded cache a GPU-tier put writes
+  // on the device while its compressed arrays are still held (no larger than those arrays).
+  const uint64_t chunks = (num_tokens + kKeySumChunkTokens - 1) / kKeySumChunkTokens;
+  const uint64_t key_sums = heads * 2 * chunks * layout.head_dim * 4 + 256;
+  return input + key_sums + 2 * out;
 }
 
 absl::StatusOr<Engine::DeviceReservation> Engine::ReserveDevice(uint64_t bytes) {

@@ -96,8 +96,9 @@ class Engine {
   // (engine.gpu_memory_bytes) would be exceeded; Unavailable once the engine has failed.
   absl::StatusOr<DeviceReservation> ReserveDevice(uint64_t bytes);
   // The GPU memory a whole-sequence put of `layout` x `num_tokens` holds on the device at most:
-  // its K and V, the compressed arrays (bounded by every token kept), positions, one layer's
-  // evicted lists and the moments.
+  // its K and V, the keys' sums of the staging, the compressed arrays (bounded by every token
+  // kept), positions, one layer's evicted lists, the moments, and the encoded cache a GPU-tier
+  // put writes beside them.
   static uint64_t DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens,
                                     bool moments);
   uint64_t device_reserved_bytes() const { return device_reserved_.load(); }
