@@ -44,7 +44,11 @@ ldd "${bins[@]/#/$BUILD/}" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1
     [ -e "$DEST/lib/$soname" ] || strip --strip-unneeded -o "$DEST/lib/$soname" "$path"
   done
 src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")
-git -C "$src" rev-parse --short HEAD >"$DEST/commit"
+# The commit the binaries were built from ("+changes" when its tree had uncommitted edits).
+{
+  git -C "$src" rev-parse --short HEAD
+  git -C "$src" status --porcelain --untracked-files=no | grep -q . && echo "+changes" || true
+} | tr -d '\n' >"$DEST/commit"
 cat >"$DEST/env.sh" <<'ENV'
 KVCOMP_BUNDLE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export KVCOMP_BUNDLE
