@@ -527,12 +527,21 @@ class CudaCodecOps final : public CodecOps {
 
   template <typename T>
   absl::Status LaunchEncode(const codec_cuda::EncodeParams& p, size_t tiles, size_t smem) {
+    // Rows per thread so that r x (rows per tile / rows per thread) fills the block.
+    const uint32_t threads = codec_cuda::kEncodeThreads;
+    if (2 * p.r > threads) return LaunchEncodeRows<T, 16>(p, tiles, smem);
+    if (4 * p.r > threads) return LaunchEncodeRows<T, 8>(p, tiles, smem);
+    return LaunchEncodeRows<T, 4>(p, tiles, smem);
+  }
+
+  template <typename T, int kRows>
+  absl::Status LaunchEncodeRows(const codec_cuda::EncodeParams& p, size_t tiles, size_t smem) {
     if (smem > 48 * 1024) {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          codec_cuda::EncodeValuesKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          codec_cuda::EncodeValuesKernel<T, kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
           static_cast<int>(smem)));
     }
-    codec_cuda::EncodeValuesKernel<T>
+    codec_cuda::EncodeValuesKernel<T, kRows>
         <<<static_cast<unsigned>(tiles), codec_cuda::kEncodeThreads, smem, ctx_->stream>>>(p);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return absl::OkStatus();
@@ -542,13 +551,25 @@ class CudaCodecOps final : public CodecOps {
   absl::Status LaunchResidual(size_t tiles, size_t smem, const Tile* dt, const void* dv,
                               const float* bt, uint32_t d, uint32_t r, float* energy,
                               float* lost) {
+    // Rows per thread so that r x (rows per tile / rows per thread) fills the block.
+    const uint32_t threads = codec_cuda::kEncodeThreads;
+    if (2 * r > threads) return LaunchResidualRows<T, 16>(tiles, smem, dt, dv, bt, d, r, energy, lost);
+    if (4 * r > threads) return LaunchResidualRows<T, 8>(tiles, smem, dt, dv, bt, d, r, energy, lost);
+    return LaunchResidualRows<T, 4>(tiles, smem, dt, dv, bt, d, r, energy, lost);
+  }
+
+  template <typename T, int kRows>
+  absl::Status LaunchResidualRows(size_t tiles, size_t smem, const Tile* dt, const void* dv,
+                                  const float* bt, uint32_t d, uint32_t r, float* energy,
+                                  float* lost) {
     if (smem > 48 * 1024) {
-      KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(codec_cuda::ResidualKernel<T>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(smem)));
+      KVCOMP_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(codec_cuda::ResidualKernel<T, kRows>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
-    codec_cuda::ResidualKernel<T><<<static_cast<unsigned>(tiles), codec_cuda::kEncodeThreads, smem,
-                                    ctx_->stream>>>(dt, dv, bt, d, r, energy, lost);
+    codec_cuda::ResidualKernel<T, kRows><<<static_cast<unsigned>(tiles),
+                                           codec_cuda::kEncodeThreads, smem, ctx_->stream>>>(
+        dt, dv, bt, d, r, energy, lost);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return absl::OkStatus();
   }

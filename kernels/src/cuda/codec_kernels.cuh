@@ -87,8 +87,10 @@ struct EncodeParams {
   LatentKind kind;
 };
 
-// Dynamic shared memory: kEncodeRows * (d + r) floats.
-template <typename T>
+// Dynamic shared memory: kEncodeRows * (d + r) floats. A thread computes kRowsPerThread rows of
+// one latent direction (the launcher picks it so that small ranks keep every thread busy); each
+// z element is the same f32 FMA chain over the channels whatever it is.
+template <typename T, int kRowsPerThread = kEncodeRows>
 __global__ void __launch_bounds__(kEncodeThreads) EncodeValuesKernel(EncodeParams p) {
   extern __shared__ float smem[];
   const Tile tile = p.tiles[blockIdx.x];
@@ -101,17 +103,19 @@ __global__ void __launch_bounds__(kEncodeThreads) EncodeValuesKernel(EncodeParam
   }
   __syncthreads();
   const float* et = p.enc_t + static_cast<uint64_t>(tile.head) * d * r;
-  for (uint32_t j = threadIdx.x; j < r; j += blockDim.x) {
-    float acc[kEncodeRows];
+  constexpr uint32_t kGroups = kEncodeRows / kRowsPerThread;
+  for (uint32_t q = threadIdx.x; q < r * kGroups; q += blockDim.x) {
+    const uint32_t j = q % r, row0 = (q / r) * kRowsPerThread;
+    float acc[kRowsPerThread];
 #pragma unroll
-    for (int t = 0; t < kEncodeRows; ++t) acc[t] = 0.0f;
+    for (int t = 0; t < kRowsPerThread; ++t) acc[t] = 0.0f;
     for (uint32_t k = 0; k < d; ++k) {
       const float e = __ldg(et + static_cast<uint64_t>(k) * r + j);
 #pragma unroll
-      for (int t = 0; t < kEncodeRows; ++t) acc[t] = fmaf(vs[t * d + k], e, acc[t]);
+      for (int t = 0; t < kRowsPerThread; ++t) acc[t] = fmaf(vs[(row0 + t) * d + k], e, acc[t]);
     }
 #pragma unroll
-    for (int t = 0; t < kEncodeRows; ++t) zs[t * r + j] = acc[t];
+    for (int t = 0; t < kRowsPerThread; ++t) zs[(row0 + t) * r + j] = acc[t];
   }
   __syncthreads();
   uint8_t* out = p.latent + tile.begin * p.latent_bytes;
@@ -154,10 +158,12 @@ __global__ void __launch_bounds__(kEncodeThreads) EncodeValuesKernel(EncodeParam
 }
 
 // KVSplice's outlier measure per row: energy ||v||^2 and lost = max(0, ||v||^2 - ||z||^2) with
-// z = V B^T at the tile's rank (B^T as enc_t without gamma). z as in EncodeValuesKernel; each
+// z = V B^T at the tile's rank (B^T as enc_t without gamma). Each z element as in
+// EncodeValuesKernel (f32 FMAs over the channels in order), a thread taking kRowsPerThread
+// rows of one latent direction so that ranks below the block size keep every thread busy; each
 // row's sums by one warp in a fixed order (the same on every run). Dynamic shared memory:
 // kEncodeRows * (d + r) floats.
-template <typename T>
+template <typename T, int kRowsPerThread>
 __global__ void __launch_bounds__(kEncodeThreads)
     ResidualKernel(const Tile* tiles, const void* values, const float* basis_t, uint32_t d,
                    uint32_t r, float* energy, float* lost) {
@@ -171,17 +177,19 @@ __global__ void __launch_bounds__(kEncodeThreads)
   }
   __syncthreads();
   const float* bt = basis_t + static_cast<uint64_t>(tile.head) * d * r;
-  for (uint32_t j = threadIdx.x; j < r; j += blockDim.x) {
-    float acc[kEncodeRows];
+  constexpr uint32_t kGroups = kEncodeRows / kRowsPerThread;
+  for (uint32_t p = threadIdx.x; p < r * kGroups; p += blockDim.x) {
+    const uint32_t j = p % r, row0 = (p / r) * kRowsPerThread;
+    float acc[kRowsPerThread];
 #pragma unroll
-    for (int t = 0; t < kEncodeRows; ++t) acc[t] = 0.0f;
+    for (int t = 0; t < kRowsPerThread; ++t) acc[t] = 0.0f;
     for (uint32_t k = 0; k < d; ++k) {
       const float e = __ldg(bt + static_cast<uint64_t>(k) * r + j);
 #pragma unroll
-      for (int t = 0; t < kEncodeRows; ++t) acc[t] = fmaf(vs[t * d + k], e, acc[t]);
+      for (int t = 0; t < kRowsPerThread; ++t) acc[t] = fmaf(vs[(row0 + t) * d + k], e, acc[t]);
     }
 #pragma unroll
-    for (int t = 0; t < kEncodeRows; ++t) zs[t * r + j] = acc[t];
+    for (int t = 0; t < kRowsPerThread; ++t) zs[(row0 + t) * r + j] = acc[t];
   }
   __syncthreads();
   const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -1,15 +1,16 @@
 // Moment-aware eviction's rescoring (cpu/moments_aware.h: MomentAwareRescore) on the device, for
 // a layer whose keys and scores are in device memory. The steps follow the CPU reference one to
-// one: the provisional eviction and both percentile ranks are stable segmented radix sorts
-// (CUB; equal keys keep the lower index first, as the reference's ties), the summary mean and
-// the distances are summed in f64, so the ranks, and with them the rescored f32 scores, are the
-// reference's but where two distances agree to f64 rounding.
+// one: the provisional eviction and both percentile ranks are stable radix sorts over the whole
+// layer (CUB; the head in the key's high bits, so every head sorts at once; equal keys keep the
+// lower index first, as the reference's ties), the summary mean and the distances are summed in
+// f64, so the ranks, and with them the rescored f32 scores, are the reference's but where two
+// distances agree to f64 rounding.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cub/device/device_segmented_radix_sort.cuh>
+#include <cub/device/device_radix_sort.cuh>
 #include <limits>
 
 #include "../cpu/moments_aware.h"
@@ -35,30 +36,33 @@ __device__ __forceinline__ double LoadD<__nv_bfloat16>(const __nv_bfloat16* p) {
   return __bfloat162float(*p);
 }
 
-__device__ __forceinline__ float NoNegativeZero(float x) { return x == 0.0f ? 0.0f : x; }
-
-__global__ void SegmentsKernel(int heads, int n, int* off) {
-  for (int h = threadIdx.x; h <= heads; h += blockDim.x) off[h] = h * n;
+// Unsigned bits that order like the float (no NaN; -0 taken as +0 by the caller).
+__device__ __forceinline__ uint32_t OrderBits(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 
-// Effective scores (protected: +inf) and plain scores for the sorts, token indices as payload.
+// Sort keys of each token: (head, falling effective score) and (head, rising score), the
+// effective score +inf where protected; the token's layer-wide index as payload.
 __global__ void PrepareKernel(const float* scores, uint32_t heads, uint64_t n,
                               const uint32_t* positions, uint64_t offset, uint64_t seq,
-                              SelectParams select, float* eff, float* plain, uint32_t* idx) {
+                              SelectParams select, uint64_t* eff_keys, uint64_t* plain_keys,
+                              uint32_t* idx) {
   const uint64_t total = uint64_t{heads} * n;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
        i += uint64_t{gridDim.x} * blockDim.x) {
-    const uint64_t t = i % n;
+    const uint64_t h = i / n, t = i % n;
     const uint64_t pos = positions != nullptr ? positions[i] : offset + t;
-    const float s = NoNegativeZero(scores[i]);
-    eff[i] = IsProtected(pos, seq, select) ? std::numeric_limits<float>::infinity() : s;
-    plain[i] = s;
-    idx[i] = static_cast<uint32_t>(t);
+    const float s = scores[i] == 0.0f ? 0.0f : scores[i];
+    const float e = IsProtected(pos, seq, select) ? std::numeric_limits<float>::infinity() : s;
+    eff_keys[i] = (h << 32) | ~OrderBits(e);
+    plain_keys[i] = (h << 32) | OrderBits(s);
+    idx[i] = static_cast<uint32_t>(i);
   }
 }
 
-// Partial f64 sums of the provisionally evicted keys (falling order [kept, n)): block (h, c)
-// sums its chunk, one thread per channel.
+// Partial f64 sums of the provisionally evicted keys (falling order [kept, n) of each head):
+// block (h, c) sums its chunk, one thread per channel.
 template <typename T>
 __global__ void MuPartialKernel(const T* keys, uint64_t head_stride, uint64_t token_stride,
                                 uint32_t d, uint64_t n, uint64_t kept, const uint32_t* order,
@@ -71,7 +75,10 @@ __global__ void MuPartialKernel(const T* keys, uint64_t head_stride, uint64_t to
   const T* kh = keys + uint64_t{h} * head_stride;
   for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
     double acc = 0.0;
-    for (uint64_t r = lo; r < hi; ++r) acc = __dadd_rn(acc, LoadD(kh + o[r] * token_stride + x));
+    for (uint64_t r = lo; r < hi; ++r) {
+      const uint64_t t = o[r] - uint64_t{h} * n;
+      acc = __dadd_rn(acc, LoadD(kh + t * token_stride + x));
+    }
     partial[(uint64_t{h} * kMuChunks + c) * d + x] = acc;
   }
 }
@@ -80,16 +87,19 @@ __global__ void MuKernel(const double* partial, uint32_t d, uint64_t count, doub
   const uint32_t h = blockIdx.x;
   for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
     double acc = 0.0;
-    for (int c = 0; c < kMuChunks; ++c) acc = __dadd_rn(acc, partial[(uint64_t{h} * kMuChunks + c) * d + x]);
+    for (int c = 0; c < kMuChunks; ++c) {
+      acc = __dadd_rn(acc, partial[(uint64_t{h} * kMuChunks + c) * d + x]);
+    }
     mu[uint64_t{h} * d + x] = acc / static_cast<double>(count);
   }
 }
 
-// ||k_t - mu|| per token in f64, channels in order (the reference's sum), indices as payload.
+// ||k_t - mu|| per token in f64, channels in order (the reference's sum). Distances are >= +0,
+// so their bits order like them.
 template <typename T>
 __global__ void DistanceKernel(const T* keys, uint64_t head_stride, uint64_t token_stride,
                                uint32_t d, uint32_t heads, uint64_t n, const double* mu,
-                               double* dist, uint32_t* idx) {
+                               double* dist) {
   const uint64_t total = uint64_t{heads} * n;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
        i += uint64_t{gridDim.x} * blockDim.x) {
@@ -102,19 +112,26 @@ __global__ void DistanceKernel(const T* keys, uint64_t head_stride, uint64_t tok
       acc = __dadd_rn(acc, __dmul_rn(diff, diff));
     }
     dist[i] = sqrt(acc);
-    idx[i] = static_cast<uint32_t>(t);
   }
 }
 
-// Each token's rank in the two rising orders.
-__global__ void RankKernel(const uint32_t* order_s, const uint32_t* order_d, uint32_t heads,
-                           uint64_t n, uint32_t* rank_s, uint32_t* rank_d) {
-  const uint64_t total = uint64_t{heads} * n;
+// The head of each token in distance order, the key of the second (stable) pass.
+__global__ void HeadKeyKernel(const uint32_t* idx, uint64_t total, uint64_t n, uint32_t* head) {
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
        i += uint64_t{gridDim.x} * blockDim.x) {
-    const uint64_t h = i / n, r = i % n;
-    rank_s[h * n + order_s[i]] = static_cast<uint32_t>(r);
-    rank_d[h * n + order_d[i]] = static_cast<uint32_t>(r);
+    head[i] = static_cast<uint32_t>(idx[i] / n);
+  }
+}
+
+// Each token's rank within its head in the two rising orders (orders of layer-wide indices,
+// grouped by head).
+__global__ void RankKernel(const uint32_t* order_s, const uint32_t* order_d, uint64_t total,
+                           uint64_t n, uint32_t* rank_s, uint32_t* rank_d) {
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    const uint32_t r = static_cast<uint32_t>(i % n);
+    rank_s[order_s[i]] = r;
+    rank_d[order_d[i]] = r;
   }
 }
 
@@ -142,59 +159,70 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   const uint64_t n = keys.num_tokens, total = uint64_t{heads} * n;
   const uint64_t seq =
       positions.sequence_length > 0 ? positions.sequence_length : positions.offset + n;
+  int head_bits = 1;
+  while ((uint64_t{1} << head_bits) < heads) ++head_bits;
   auto alloc = [&](uint64_t bytes) { return Buffer::Allocate(allocator, bytes); };
-  KVCOMP_ASSIGN_OR_RETURN(Buffer off_buf, alloc((uint64_t{heads} + 1) * sizeof(int)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer f32, alloc(3 * total * sizeof(float)));  // eff, plain, sorted
-  KVCOMP_ASSIGN_OR_RETURN(Buffer u32, alloc(6 * total * sizeof(uint32_t)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer f64, alloc(2 * total * sizeof(double)));  // dist, sorted
+  KVCOMP_ASSIGN_OR_RETURN(Buffer u64, alloc(3 * total * sizeof(uint64_t)));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer u32, alloc(9 * total * sizeof(uint32_t)));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer f64, alloc(total * sizeof(double)));
   KVCOMP_ASSIGN_OR_RETURN(
       Buffer mu_buf, alloc((uint64_t{heads} * kMuChunks + heads) * d * sizeof(double)));
-  int* off = off_buf.as<int>();
-  float* eff = f32.as<float>();
-  float* plain = eff + total;
-  float* fsorted = plain + total;
+  uint64_t* eff_keys = u64.as<uint64_t>();
+  uint64_t* plain_keys = eff_keys + total;
+  uint64_t* sorted_keys = plain_keys + total;
   uint32_t* idx = u32.as<uint32_t>();
   uint32_t* order_e = idx + total;
   uint32_t* order_s = order_e + total;
-  uint32_t* order_d = order_s + total;
+  uint32_t* by_dist = order_s + total;
+  uint32_t* order_d = by_dist + total;
   uint32_t* rank_s = order_d + total;
   uint32_t* rank_d = rank_s + total;
+  uint32_t* head_key = rank_d + total;
+  uint32_t* head_sorted = head_key + total;
   double* dist = f64.as<double>();
-  double* dsorted = dist + total;
+  const uint64_t* dist_bits = reinterpret_cast<const uint64_t*>(dist);
   double* partial = mu_buf.as<double>();
   double* mu = partial + uint64_t{heads} * kMuChunks * d;
-  const int items = static_cast<int>(total), segs = static_cast<int>(heads);
+  const int items = static_cast<int>(total);
+  const int score_bits = 32 + head_bits;
   size_t t1 = 0, t2 = 0, t3 = 0;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      nullptr, t1, eff, fsorted, idx, order_e, items, segs, off, off + 1, 0, 32, stream));
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortPairs(
-      nullptr, t2, plain, fsorted, idx, order_s, items, segs, off, off + 1, 0, 32, stream));
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortPairs(
-      nullptr, t3, dist, dsorted, idx, order_d, items, segs, off, off + 1, 0, 64, stream));
+  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      nullptr, t1, eff_keys, sorted_keys, idx, order_e, items, 0, score_bits, stream));
+  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      nullptr, t2, dist_bits, sorted_keys, idx, by_dist, items, 0, 64, stream));
+  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      nullptr, t3, head_key, head_sorted, by_dist, order_d, items, 0, head_bits, stream));
   KVCOMP_ASSIGN_OR_RETURN(Buffer temp, alloc(std::max({t1, t2, t3, size_t{1}})));
+  size_t t = 0;
 
-  SegmentsKernel<<<1, 256, 0, stream>>>(segs, static_cast<int>(n), off);
   PrepareKernel<<<Blocks(total), 256, 0, stream>>>(scores, heads, n, positions.data,
-                                                   positions.offset, seq, select, eff, plain, idx);
+                                                   positions.offset, seq, select, eff_keys,
+                                                   plain_keys, idx);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  size_t t = t1;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      temp.data(), t, eff, fsorted, idx, order_e, items, segs, off, off + 1, 0, 32, stream));
-  t = t2;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortPairs(
-      temp.data(), t, plain, fsorted, idx, order_s, items, segs, off, off + 1, 0, 32, stream));
+  t = t1;  // (head, falling effective score): the provisional eviction
+  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      temp.data(), t, eff_keys, sorted_keys, idx, order_e, items, 0, score_bits, stream));
+  t = t1;  // (head, rising score): the scores' percentile ranks
+  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      temp.data(), t, plain_keys, sorted_keys, idx, order_s, items, 0, score_bits, stream));
   const T* k = static_cast<const T*>(keys.data);
   const unsigned threads = std::min<unsigned>(256, (d + 31) / 32 * 32);
   MuPartialKernel<T><<<dim3(heads, kMuChunks), threads, 0, stream>>>(
       k, keys.head_stride, keys.token_stride, d, n, kept, order_e, partial);
   MuKernel<<<heads, threads, 0, stream>>>(partial, d, n - kept, mu);
   DistanceKernel<T><<<Blocks(total), 256, 0, stream>>>(k, keys.head_stride, keys.token_stride,
-                                                        d, heads, n, mu, dist, idx);
+                                                        d, heads, n, mu, dist);
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // The distances' ranks: rising distance (ties by lower index), then stably by head.
+  t = t2;
+  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      temp.data(), t, dist_bits, sorted_keys, idx, by_dist, items, 0, 64, stream));
+  HeadKeyKernel<<<Blocks(total), 256, 0, stream>>>(by_dist, total, n, head_key);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   t = t3;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortPairs(
-      temp.data(), t, dist, dsorted, idx, order_d, items, segs, off, off + 1, 0, 64, stream));
-  RankKernel<<<Blocks(total), 256, 0, stream>>>(order_s, order_d, heads, n, rank_s, rank_d);
+  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      temp.data(), t, head_key, head_sorted, by_dist, order_d, items, 0, head_bits, stream));
+  RankKernel<<<Blocks(total), 256, 0, stream>>>(order_s, order_d, total, n, rank_s, rank_d);
   WriteScoresKernel<<<Blocks(total), 256, 0, stream>>>(rank_s, rank_d, total, n,
                                                        kMomentAwareBeta, scores);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
