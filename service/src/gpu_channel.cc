@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "cache_repository.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/storage/types.h"
@@ -355,6 +357,16 @@ class GpuChannelsImpl : public GpuChannels {
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
     KVCOMP_RETURN_IF_ERROR(CheckMode(*c, shape));
     KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
+    if (form == GpuGetForm::kStored && service_->engine()->uses_gpu()) {
+      // From the store straight into the staging buffer: from the GPU tier one copy on the
+      // device, nothing through host memory.
+      absl::StatusOr<std::optional<GpuGetBegun>> direct =
+          GetStoredOnDevice(c, key, capacity, shape);
+      if (!direct.ok() || direct->has_value()) {
+        return direct.ok() ? absl::StatusOr<GpuGetBegun>(**direct)
+                           : absl::StatusOr<GpuGetBegun>(direct.status());
+      }
+    }
     const Representation rep =
         form == GpuGetForm::kStored ? Representation::kStored : Representation::kDecoded;
     absl::Notification got;
@@ -436,6 +448,79 @@ class GpuChannelsImpl : public GpuChannels {
     KVCOMP_ASSIGN_OR_RETURN(out.transfer_id, Pending(*c, Channel::Pending::kGet, out.payload_bytes,
                                                      out.layout, out.num_tokens, nullptr));
     return out;
+  }
+
+  // A STORED get served from device memory (CacheRepository::GetInto into the staging buffer),
+  // then sent or copied to the client as any get. nullopt: the store cannot serve it on the
+  // device here (a build without CUDA, a device error): the caller reads it through host memory.
+  absl::StatusOr<std::optional<GpuGetBegun>> GetStoredOnDevice(const std::shared_ptr<Channel>& c,
+                                                               const CacheKey& key,
+                                                               uint64_t capacity,
+                                                               const GpuTransferShape& shape) {
+    absl::Notification looked;
+    absl::StatusOr<CacheSummary> summary = absl::UnknownError("no answer");
+    service_->Lookup(key, [&](absl::StatusOr<CacheSummary> r) {
+      summary = std::move(r);
+      looked.Notify();
+    });
+    looked.WaitForNotification();
+    KVCOMP_RETURN_IF_ERROR(summary.status());
+    if (summary->stored_bytes > capacity) return TooLarge(summary->stored_bytes, capacity);
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    absl::Status s = Stage(*c, summary->stored_bytes);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    storage::DeviceTarget target;
+    target.data = c->staging;
+    target.capacity = c->staging_bytes;
+    target.device = c->device;
+    target.stream = c->stream;
+    absl::StatusOr<storage::CacheMeta> meta = service_->repository()->GetInto(key, target);
+    if (!meta.ok()) {
+      if (absl::IsNotFound(meta.status())) return meta.status();
+      if (!absl::IsOutOfRange(meta.status())) {  // replaced meanwhile by a larger cache: re-read
+        Log(LogLevel::kWarning, "GPU channel: a get from device memory failed (",
+            meta.status().ToString(), "); it goes through host memory");
+      }
+      return std::optional<GpuGetBegun>();
+    }
+    GpuGetBegun out;
+    out.payload_bytes = meta->stored_bytes;
+    out.layout = summary->layout;
+    out.num_tokens = summary->original_tokens;
+    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+    auto* base = static_cast<uint8_t*>(c->staging);
+    const std::vector<NcclLink::Chunk> chunks = {{base, static_cast<size_t>(out.payload_bytes)}};
+    if (c->ipc) {
+      absl::StatusOr<std::vector<NcclLink::Chunk>> theirs =
+          MapChunks(*c, *shape.ipc, chunks, /*at_least=*/true);
+      if (!theirs.ok()) return theirs.status();
+      s = rt_->StreamWaitEvent(c->stream, c->client_event);
+      if (s.ok()) {
+        s = rt_->CopyAsync((*theirs)[0].data, chunks[0].data, chunks[0].bytes,
+                           GpuRuntime::Copy::kDeviceToDevice, c->stream);
+      }
+      if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+      if (!s.ok()) {
+        Fail(c, s);
+        return s;
+      }
+      Unmap(*c);
+      Touch(*c);
+      out.transfer_id = 0;
+      return std::optional<GpuGetBegun>(out);
+    }
+    s = c->link->Send(chunks, c->stream);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    KVCOMP_ASSIGN_OR_RETURN(out.transfer_id, Pending(*c, Channel::Pending::kGet, out.payload_bytes,
+                                                     out.layout, out.num_tokens, nullptr));
+    return std::optional<GpuGetBegun>(out);
   }
 
   absl::Status GetFinish(const std::string& tenant, uint64_t id, uint64_t transfer_id) override {

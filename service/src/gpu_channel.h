@@ -14,7 +14,9 @@
 // A received put enters the service as any other: a validated PutRequest opened with
 // CacheService::BeginPut, one BlockData covering the whole cache, then Commit. On a daemon
 // whose engine runs on the GPU the staging buffer is that block (device memory); on a CPU
-// engine it is copied to pinned host memory first.
+// engine it is copied to pinned host memory first. A STORED get on a GPU engine is read from the
+// store straight into the staging buffer (CacheRepository::GetInto: from the GPU tier one copy
+// on the device); other gets are read into host memory and copied up.
 //
 // Lifetime: channels are closed by the client (Close), when a transfer fails or passes the
 // transfer timeout (the communicator is aborted, so a peer that died leaves nothing waiting),
