@@ -182,6 +182,29 @@ uint64_t ArrayBytes(const CompressedCache& c) {
          (c.moment_key_sum.size() + c.moment_value_sum.size() + c.moment_vk_sum.size()) * 4;
 }
 
+// Every device buffer of a CompressToDevice result holds exactly its array (the format encoder
+// on the device takes the buffers' sizes as the sections').
+void ExpectExactBuffers(const DeviceCompressedCache& dc) {
+  const CompressedCache& h = dc.host;
+  const uint64_t total = h.total_kept(), heads = h.num_heads(), d = h.layout.head_dim;
+  EXPECT_TRUE(h.positions.empty() && h.keys.empty() && h.key_scales.empty() &&
+              h.values.empty() && h.value_scales.empty() && h.raw_value_rows.empty() &&
+              h.raw_values.empty() && h.moment_count.empty() && h.moment_key_sum.empty() &&
+              h.moment_value_sum.empty() && h.moment_vk_sum.empty());
+  EXPECT_EQ(dc.positions.size(), total * 4);
+  EXPECT_EQ(dc.keys.size(), total * h.KeyTokenBytes());
+  EXPECT_EQ(dc.key_scales.size(), h.KeyScaleCount() * 4);
+  EXPECT_EQ(dc.values.size(), h.ValueBytes());
+  EXPECT_EQ(dc.value_scales.size(), h.ValueScaleCount() * 2);
+  EXPECT_EQ(dc.raw_value_rows.size(), dc.raw_value_row_count * 8);
+  EXPECT_EQ(dc.raw_values.size(), dc.raw_value_row_count * DTypeBytes(h.layout.dtype, d));
+  const uint64_t m = h.has_moments ? 1 : 0;
+  EXPECT_EQ(dc.moment_count.size(), m * heads * 8);
+  EXPECT_EQ(dc.moment_key_sum.size(), m * heads * d * 4);
+  EXPECT_EQ(dc.moment_value_sum.size(), m * heads * d * 4);
+  EXPECT_EQ(dc.moment_vk_sum.size(), m * heads * d * d * 4);
+}
+
 TEST(PipelineDeviceTest, RawCodecsAndMomentsMatchTheCpu) {
   Backends b;
   for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
@@ -202,8 +225,7 @@ TEST(PipelineDeviceTest, RawCodecsAndMomentsMatchTheCpu) {
         // Nothing of the cache but its kept counts came back; the inputs went up once.
         EXPECT_EQ(t.to_host, layout.num_heads_total() * 4);
         EXPECT_EQ(t.to_device, layout.CacheBytes(777));
-        EXPECT_TRUE(dc->host.positions.empty() && dc->host.keys.empty() &&
-                    dc->host.values.empty() && dc->host.moment_vk_sum.empty());
+        ExpectExactBuffers(*dc);
         auto got = dc->Download(*b.cuda, &t);
         ASSERT_TRUE(got.ok()) << got.status();
         EXPECT_EQ(t.to_host, layout.num_heads_total() * 4 + ArrayBytes(*got));
@@ -254,6 +276,7 @@ TEST(PipelineDeviceTest, EveryCodecCombinationMatchesTheCpu) {
           ASSERT_TRUE(dc.ok()) << dc.status();
           EXPECT_EQ(t.to_host, layout.num_heads_total() * 4);
           EXPECT_EQ(t.to_device, layout.CacheBytes(n));
+          ExpectExactBuffers(*dc);
           auto got = dc->Download(*b.cuda, &t);
           ASSERT_TRUE(got.ok()) << got.status();
           EXPECT_EQ(t.to_host, layout.num_heads_total() * 4 + ArrayBytes(*got));

@@ -109,9 +109,9 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
 // EMPTY there (layout, original_tokens, policy, key_codec, value_codec, rank, group_size,
 // projection_version, value_gamma, layer_rank, kept, has_moments). Each device buffer holds
 // exactly the bytes the host field would hold, in the same element type and order, so
-// Download() is one copy per array. Buffer records the size it was allocated with; a buffer may
-// be larger than its array (a cache whose layers all kept their full budget hands over the
-// selection's own arrays), so the array sizes are the host field's: total_kept() positions,
+// Download() is one copy per array. CompressToDevice allocates every buffer with exactly its
+// array's bytes (Buffer::size()); a cache built elsewhere may hand over larger buffers, so
+// readers take the array sizes from the host fields: total_kept() positions,
 // total_kept() * KeyTokenBytes() key bytes, KeyScaleCount() key scales, ValueBytes() value
 // bytes, ValueScaleCount() value scales, raw_value_row_count outlier rows (and as many rows of
 // head_dim raw values in layout.dtype), num_heads() moment counts, num_heads() * head_dim key
