@@ -67,7 +67,7 @@ def main():
     with Kvcompd(a.kvcompd, flags=flags, env={"NCCL_NVLS_ENABLE": "0"}) as dmn:
         c = kvcomp.Client(f"{dmn.data_endpoint},127.0.0.1:{dmn.control_port}", timeout=300.0)
         lossless = kvcomp.Policy(ratio=0.0, moments=False)
-        xfer, put, get = [], [], []
+        xfer, put, get, gxfer = [], [], [], []
         path = gpath = ""
         for r in range(a.reps + 1):
             key = f"ipc-{r}"
@@ -87,6 +87,7 @@ def main():
                 xfer.append(res["transfer_seconds"])
                 put.append(t1 - t0)
                 get.append(t3 - t2)
+                gxfer.append(g.get("transfer_seconds", 0.0))
             c.delete("llama-8b", key)
         same = torch.equal(k2, k) and torch.equal(v2, v)
         print(f"# put path {path}, get path {gpath}, round trip "
@@ -94,6 +95,8 @@ def main():
         if min(xfer) > 0:
             report("ipc put transfer (daemon copy)", nbytes, xfer)
         report("ipc put (lossless, whole)", nbytes, put)
+        if min(gxfer) > 0:
+            report("ipc get transfer (daemon copy)", nbytes, gxfer)
         report("ipc get (dense, whole)", nbytes, get)
         if min(xfer) > 0:
             print(f"RESULT gpu_channel_ipc put transfer / device-to-device copy = "

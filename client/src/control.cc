@@ -275,6 +275,7 @@ absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const Clie
   auto dtype = ParseDType(r.layout.dtype);
   if (dtype.ok()) g.layout.dtype = *dtype;
   g.num_tokens = static_cast<uint64_t>(std::max<int64_t>(0, r.num_tokens));
+  if (r.__isset.copy_seconds) g.copy_seconds = r.copy_seconds;
   return g;
 }
 

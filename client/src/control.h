@@ -90,6 +90,7 @@ enum class GpuGetForm { kStored = 0, kDecoded = 1, kDenseKv = 2 };
 struct GpuGetGrant {
   uint64_t transfer_id = 0;
   uint64_t payload_bytes = 0;
+  double copy_seconds = 0;  // mode "ipc": the daemon's copy into the caller's memory
   KvLayout layout;
   uint64_t num_tokens = 0;
 };

@@ -529,6 +529,7 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
       DeviceGetResult out;
       out.bytes = grant->payload_bytes;
       out.path = "ipc";
+      out.transfer_seconds = grant->copy_seconds;
       absl::MutexLock stats(&mu_);
       stats_.ipc_gets++;
       return std::optional<DeviceGetResult>(out);

@@ -425,10 +425,12 @@ class GpuChannelsImpl : public GpuChannels {
         return theirs.status();
       }
       s = rt_->StreamWaitEvent(c->stream, c->client_event);
+      if (s.ok()) s = c->timer->Start(c->stream);
       for (size_t i = 0; s.ok() && i < chunks.size(); ++i) {
         s = rt_->CopyAsync((*theirs)[i].data, chunks[i].data, chunks[i].bytes,
                            GpuRuntime::Copy::kDeviceToDevice, c->stream);
       }
+      if (s.ok()) s = c->timer->Stop(c->stream);
       if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
       if (!s.ok()) {
         Fail(c, s);
@@ -436,6 +438,8 @@ class GpuChannelsImpl : public GpuChannels {
       }
       Unmap(*c);
       Touch(*c);
+      absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
+      out.copy_seconds = secs.ok() ? *secs : 0;
       out.transfer_id = 0;
       return out;
     }
@@ -499,10 +503,12 @@ class GpuChannelsImpl : public GpuChannels {
           MapChunks(*c, *shape.ipc, chunks, /*at_least=*/true);
       if (!theirs.ok()) return theirs.status();
       s = rt_->StreamWaitEvent(c->stream, c->client_event);
+      if (s.ok()) s = c->timer->Start(c->stream);
       if (s.ok()) {
         s = rt_->CopyAsync((*theirs)[0].data, chunks[0].data, chunks[0].bytes,
                            GpuRuntime::Copy::kDeviceToDevice, c->stream);
       }
+      if (s.ok()) s = c->timer->Stop(c->stream);
       if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
       if (!s.ok()) {
         Fail(c, s);
@@ -510,6 +516,8 @@ class GpuChannelsImpl : public GpuChannels {
       }
       Unmap(*c);
       Touch(*c);
+      absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
+      out.copy_seconds = secs.ok() ? *secs : 0;
       out.transfer_id = 0;
       return std::optional<GpuGetBegun>(out);
     }

@@ -83,6 +83,7 @@ struct GpuGetBegun {
   uint64_t payload_bytes = 0;
   KvLayout layout;
   uint64_t num_tokens = 0;
+  double copy_seconds = 0;  // mode "ipc": the copy into the client's memory
 };
 
 class GpuChannels {

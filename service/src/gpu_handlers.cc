@@ -246,6 +246,7 @@ void ControlHandler::GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth
   out.payload_bytes = static_cast<int64_t>(r->payload_bytes);
   out.layout = LayoutToRpc(r->layout);
   out.num_tokens = static_cast<int64_t>(r->num_tokens);
+  if (r->copy_seconds > 0) out.__set_copy_seconds(r->copy_seconds);
 }
 
 void ControlHandler::GpuGetFinish(rpc::GpuCloseResponse& out, const rpc::Auth& auth,

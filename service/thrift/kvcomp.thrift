@@ -288,6 +288,8 @@ struct GpuTransferResponse {
   3: i64 payload_bytes,
   4: Layout layout,     // gets: the cache's layout
   5: i64 num_tokens,    // gets: the tokens of the cache (dense gets: of each head)
+  6: optional double copy_seconds,  // mode "ipc" gets: the daemon's copy into the client's
+                                    // memory, as its stream timed it
 }
 
 struct GpuPutResponse {
