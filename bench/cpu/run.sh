@@ -14,7 +14,9 @@ COMMIT=${KVCOMP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown
 RESULTS_DIR=${RESULTS_DIR:-bench/results}
 mkdir -p "$RESULTS_DIR"
 OUT=$RESULTS_DIR/cpu_scoring_${STAMP}
-"$BIN" --benchmark_out="$OUT.json" --benchmark_out_format=json --benchmark_repetitions=3 \
+# BM_Stage (the stages one at a time) runs only when asked: --benchmark_filter=BM_Stage.
+"$BIN" --benchmark_filter='BM_(Memcpy|ScoreSelectCompact)/' \
+  --benchmark_out="$OUT.json" --benchmark_out_format=json --benchmark_repetitions=3 \
   --benchmark_report_aggregates_only=true --benchmark_min_time=0.5 "$@"
 python3 - "$OUT.json" "$OUT.md" "$COMMIT" <<'PY'
 import json, platform, re, subprocess, sys
@@ -36,6 +38,8 @@ if any(b.get("aggregate_name") == "median" for b in benches):
     benches = [b for b in benches if b.get("aggregate_name") == "median"]
 for b in benches:
     m = re.match(r"BM_(\w+)/tokens:(\d+)/(?:scorer:(\d+)/)?threads:(\d+)", b["run_name"])
+    if m is None:
+        continue
     kind, tokens, scorer, _ = m.groups()
     threads = int(b["workers"])
     gbs = b["bytes_per_second"] / 1e9

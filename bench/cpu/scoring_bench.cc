@@ -118,6 +118,68 @@ void BM_ScoreSelectCompact(benchmark::State& state) {
   state.SetLabel(std::string(ScorerName(scorer)));
 }
 
+// The op's stages one at a time over the whole layer (the profile of the fused op, whose
+// per-head path runs the same stages head by head): 0 = Score, 1 = Select, 2 = CheckFinite of
+// V (the values' check the fused compaction does), 3 = Compact (the gather alone). Bytes are each
+// stage's own minimal bytes; memcpy of K and V timed in the same loop as in BM_ScoreSelectCompact.
+// args: tokens, scorer, stage, threads (0 = all)
+void BM_Stage(benchmark::State& state) {
+  const uint64_t tokens = state.range(0);
+  const auto scorer = static_cast<Scorer>(state.range(1));
+  const int stage = static_cast<int>(state.range(2));
+  const int threads = state.range(3) == 0 ? AllThreads() : static_cast<int>(state.range(3));
+  const Data& d = InputFor(tokens);
+  CpuBackendOptions options;
+  options.num_threads = threads;
+  auto backend = std::move(*MakeCpuBackend(options));
+  ScoringOps& ops = backend->scoring();
+  const uint64_t kept = static_cast<uint64_t>(static_cast<double>(tokens) * 0.5);
+  const uint64_t cap = KeptCapacity(kHeads, tokens, kept);
+  std::vector<uint32_t> counts(kHeads), idx(cap);
+  std::vector<uint8_t> ko(cap * kRow, 1), vo(cap * kRow, 1);
+  std::vector<float> scores(uint64_t{kHeads} * tokens);
+  const HeadsView keys = HeadsView::Dense(d.k.data(), DType::kBF16, kHeads, tokens, kHeadDim);
+  const HeadsView values = HeadsView::Dense(d.v.data(), DType::kBF16, kHeads, tokens, kHeadDim);
+  ScoreParams score;
+  score.scorer = scorer;
+  score.window = 4096;
+  SelectParams select;
+  select.kept_per_head = kept;
+  const KeptIndices out{counts.data(), idx.data()};
+  auto check = [&](const absl::Status& s) {
+    if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
+  };
+  check(ops.Score(keys, score, {}, scores.data()));
+  check(ops.Select(scores.data(), kHeads, tokens, select, {}, out));
+  const uint64_t kv_bytes = uint64_t{kHeads} * tokens * kRow;
+  std::vector<uint8_t> ck(kv_bytes, 1), cv(kv_bytes, 1);
+  double memcpy_seconds = 0.0;
+  for (auto _ : state) {
+    switch (stage) {
+      case 0: check(ops.Score(keys, score, {}, scores.data())); break;
+      case 1: check(ops.Select(scores.data(), kHeads, tokens, select, {}, out)); break;
+      case 2: check(ops.CheckFinite(values, "values")); break;
+      default:
+        check(ops.Compact(keys, values, counts.data(), idx.data(), ko.data(), vo.data()));
+    }
+    benchmark::DoNotOptimize(ko.data());
+    state.PauseTiming();
+    const auto t0 = std::chrono::steady_clock::now();
+    ParallelMemcpy(ck.data(), d.k.data(), cv.data(), d.v.data(), kv_bytes, threads);
+    memcpy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    benchmark::DoNotOptimize(ck.data());
+    state.ResumeTiming();
+  }
+  const uint64_t hn = uint64_t{kHeads} * tokens;
+  const uint64_t minimal[] = {kv_bytes + hn * 4, hn * 4 + cap * 4, kv_bytes, 2 * cap * kRow * 2};
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * minimal[std::min(stage, 3)]));
+  state.counters["workers"] = threads;
+  state.counters["memcpy_bytes_per_second"] = static_cast<double>(state.iterations()) * 4.0 *
+                                              static_cast<double>(kv_bytes) / memcpy_seconds;
+  static const char* const kStages[] = {"score", "select", "check_values", "gather"};
+  state.SetLabel(std::string(ScorerName(scorer)) + " " + kStages[std::min(stage, 3)]);
+}
+
 // memcpy of K and V (the same bytes) split over the same threads: the standalone reference.
 void BM_Memcpy(benchmark::State& state) {
   const uint64_t tokens = state.range(0);
@@ -151,6 +213,18 @@ void Lengths(benchmark::internal::Benchmark* b, bool scorers) {
 BENCHMARK(BM_Memcpy)
     ->Apply([](benchmark::internal::Benchmark* b) { Lengths(b, false); })
     ->ArgNames({"tokens", "threads"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+// Stages at 128K on one thread (a profile, not part of the table: filter BM_Stage to run it).
+BENCHMARK(BM_Stage)
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (Scorer s :
+           {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
+        b->Args({131072, static_cast<int64_t>(s), 0, 1});
+      }
+      for (int64_t stage : {1, 2, 3}) b->Args({131072, 0, stage, 1});
+    })
+    ->ArgNames({"tokens", "scorer", "stage", "threads"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ScoreSelectCompact)
