@@ -521,15 +521,37 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
     uint64_t seq_len = positions.sequence_length;
     if (seq_len == 0) seq_len = prow != nullptr ? uint64_t{prow[n - 1]} + 1 : positions.offset + n;
     uint32_t* o = ord + h * n;
+    // Branch-free over the chunk; the first bad score and the protected tokens after.
+    bool finite = true;
     for (uint64_t i = b; i < e; ++i) {
-      if (!(std::fabs(s[i]) <= FLT_MAX)) {
-        uint64_t cur = bad.load();
-        const uint64_t flat = h * n + i;
-        while (flat < cur && !bad.compare_exchange_weak(cur, flat)) {
-        }
+      finite &= std::fabs(s[i]) <= FLT_MAX;
+      o[i] = OrderKey(s[i]);
+    }
+    if (!finite) {
+      uint64_t i = b;
+      while (std::fabs(s[i]) <= FLT_MAX) ++i;
+      uint64_t cur = bad.load();
+      const uint64_t flat = h * n + i;
+      while (flat < cur && !bad.compare_exchange_weak(cur, flat)) {
       }
-      o[i] = IsProtected(positions.position(prow, i), seq_len, params) ? kProtectedKey
-                                                                       : OrderKey(s[i]);
+    }
+    if (!params.protect) return;
+    auto protect = [&](uint64_t from, uint64_t to) {
+      for (uint64_t i = from; i < to; ++i) {
+        if (IsProtected(positions.position(prow, i), seq_len, params)) o[i] = kProtectedKey;
+      }
+    };
+    if (prow != nullptr) {
+      protect(b, e);
+      return;
+    }
+    // Identity positions (offset + i): the sinks lead, the recent tokens close the view.
+    const uint64_t off = positions.offset;
+    const uint64_t sinks = params.n_sink > off ? params.n_sink - off : 0;
+    protect(b, std::min(e, std::max(b, sinks)));
+    if (params.n_recent > 0) {
+      const uint64_t first = seq_len > params.n_recent + off ? seq_len - params.n_recent - off : 0;
+      protect(std::max(b, std::min(e, first)), e);
     }
   });
   if (bad.load() != std::numeric_limits<uint64_t>::max()) {
@@ -558,11 +580,17 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
       const uint32_t* o = ord + h * n;
       thread_local std::vector<uint32_t> hist;  // 256 KiB: kept per thread, not mapped per call
       const Threshold t = RadixThreshold(o, n, kept, &hist);
+      // Branch-free (about half the tokens are kept, in no pattern); exactly `kept` are taken,
+      // so the loop ends on the last one and every store stays below dst + kept.
       uint64_t c = 0, equal = 0;
-      for (uint64_t i = 0; i < n; ++i) {
-        if (o[i] > t.key || (o[i] == t.key && equal++ < t.take_equal)) {
-          dst[c++] = static_cast<uint32_t>(i);
-        }
+      for (uint64_t i = 0; c < kept; ++i) {
+        const uint32_t v = o[i];
+        const uint64_t gt = v > t.key;
+        const uint64_t eq = v == t.key;
+        const uint64_t room = equal < t.take_equal;
+        dst[c] = static_cast<uint32_t>(i);
+        c += gt | (eq & room);
+        equal += eq;
       }
     });
     return absl::OkStatus();
