@@ -236,6 +236,35 @@ TEST(ScoringCpuTest, PositionsDriveStreamingRandomAndProtection) {
   EXPECT_EQ(idx[0], 5u);
 }
 
+// Identity positions with an offset protect the same tokens as the positions written out, across
+// chunk boundaries of the order-key pass (sinks and recent tokens in different chunks).
+TEST(ScoringCpuTest, OffsetPositionsProtectLikeExplicitOnes) {
+  auto cpu = Cpu(2);
+  const uint64_t n = 40000;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> scores(2 * n);
+  for (auto& x : scores) x = normal(rng);
+  for (uint64_t offset : {0, 3, 100, 20000}) {
+    for (uint64_t seq : {uint64_t{0}, offset + n, offset + n + 5, offset + n + 30000}) {
+      std::vector<uint32_t> pos(2 * n);
+      for (uint64_t i = 0; i < 2 * n; ++i) pos[i] = static_cast<uint32_t>(offset + i % n);
+      SelectParams p;
+      p.kept_per_head = n / 3;
+      p.n_sink = 8;
+      p.n_recent = 25000;
+      std::vector<uint32_t> c1(2), i1(2 * p.kept_per_head), c2(2), i2(2 * p.kept_per_head);
+      const TokenPositions identity{nullptr, offset, seq};
+      const TokenPositions written{pos.data(), 0, seq};
+      ScoringOps& ops = cpu->scoring();
+      ASSERT_TRUE(ops.Select(scores.data(), 2, n, p, identity, {c1.data(), i1.data()}).ok());
+      ASSERT_TRUE(ops.Select(scores.data(), 2, n, p, written, {c2.data(), i2.data()}).ok());
+      EXPECT_EQ(c1, c2);
+      EXPECT_EQ(i1, i2) << "offset " << offset << " sequence " << seq;
+    }
+  }
+}
+
 TEST(ScoringCpuTest, ParamsFromPolicyUseKvpressRounding) {
   CompressionPolicy policy;
   policy.ratio = 0.07;
