@@ -523,8 +523,13 @@ absl::StatusOr<CacheInfo> PeekCache(absl::string_view bytes) {
   return p.info;
 }
 
-absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_t total_bytes) {
+absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_t total_bytes,
+                                     std::vector<SectionSpan>* sections) {
   KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(header_and_table, total_bytes, false));
+  if (sections != nullptr) {
+    sections->clear();
+    for (const Parsed::Entry& e : p.entries) sections->push_back({e.id, e.offset, e.size});
+  }
   return p.info;
 }
 

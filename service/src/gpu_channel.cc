@@ -367,6 +367,14 @@ class GpuChannelsImpl : public GpuChannels {
                            : absl::StatusOr<GpuGetBegun>(direct.status());
       }
     }
+    if (form == GpuGetForm::kDenseKv && service_->engine()->uses_gpu()) {
+      // A cache that kept every token raw is its own dense K and V: densified on the device.
+      absl::StatusOr<std::optional<GpuGetBegun>> direct = GetDenseOnDevice(c, key, capacity, shape);
+      if (!direct.ok() || direct->has_value()) {
+        return direct.ok() ? absl::StatusOr<GpuGetBegun>(**direct)
+                           : absl::StatusOr<GpuGetBegun>(direct.status());
+      }
+    }
     const Representation rep =
         form == GpuGetForm::kStored ? Representation::kStored : Representation::kDecoded;
     absl::Notification got;
@@ -454,13 +462,100 @@ class GpuChannelsImpl : public GpuChannels {
     return out;
   }
 
-  // A STORED get served from device memory (CacheRepository::GetInto into the staging buffer),
-  // then sent or copied to the client as any get. nullopt: the store cannot serve it on the
-  // device here (a build without CUDA, a device error): the caller reads it through host memory.
-  absl::StatusOr<std::optional<GpuGetBegun>> GetStoredOnDevice(const std::shared_ptr<Channel>& c,
-                                                               const CacheKey& key,
-                                                               uint64_t capacity,
-                                                               const GpuTransferShape& shape) {
+  // A dense get served on the device: when the cache kept every token of every head with raw
+  // codecs, its keys section is the dense K ([layer][head][token][dim], head order, tokens in
+  // order) and its values section the dense V. The stored cache is read into device memory
+  // (CacheRepository::GetInto: from the GPU tier one copy on the device), its header and table
+  // come to the host (control bytes), and the two sections are copied into the staging buffer on
+  // the device; then it goes to the client as any dense get. nullopt: another kind of cache, or
+  // the store cannot serve it on the device; the caller densifies through host memory.
+  absl::StatusOr<std::optional<GpuGetBegun>> GetDenseOnDevice(const std::shared_ptr<Channel>& c,
+                                                              const CacheKey& key,
+                                                              uint64_t capacity,
+                                                              const GpuTransferShape& shape) {
+    KVCOMP_ASSIGN_OR_RETURN(const CacheSummary sum, LookupSummary(key));
+    if (sum.key_codec != KeyCodec::kRaw || sum.value_codec != ValueCodec::kRaw ||
+        sum.total_kept != sum.layout.num_heads_total() * sum.original_tokens) {
+      return std::optional<GpuGetBegun>();  // the host path says why it has no dense form
+    }
+    GpuGetBegun out;
+    out.layout = sum.layout;
+    out.num_tokens = sum.original_tokens;
+    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
+    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+    const uint64_t half = out.payload_bytes / 2;
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    absl::Status s = Stage(*c, out.payload_bytes);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    s = rt_->SetDevice(c->device);  // this thread (a control-plane worker) may have no context
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    absl::StatusOr<void*> stored = rt_->AllocDevice(sum.stored_bytes);
+    if (!stored.ok()) {
+      Log(LogLevel::kWarning, "GPU channel: no device memory to densify a get (",
+          stored.status().ToString(), "); it goes through host memory");
+      return std::optional<GpuGetBegun>();
+    }
+    struct Release {
+      GpuRuntime* rt;
+      void* p;
+      ~Release() { rt->FreeDevice(p); }
+    } release{rt_, *stored};
+    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
+                            ReadOnDevice(*c, key, *stored, sum.stored_bytes));
+    if (!meta.has_value()) return std::optional<GpuGetBegun>();
+    // The header and the section table (at most 64 sections), to find the two sections.
+    std::string head(std::min<uint64_t>(meta->stored_bytes,
+                                        format::kHeaderBytes + 64 * format::kSectionEntryBytes),
+                     '\0');
+    s = rt_->CopyAsync(head.data(), *stored, head.size(), GpuRuntime::Copy::kDeviceToHost,
+                       c->stream);
+    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    std::vector<format::SectionSpan> spans;
+    absl::StatusOr<format::CacheInfo> info = format::PeekHeader(head, meta->stored_bytes, &spans);
+    const format::SectionSpan* keys = nullptr;
+    const format::SectionSpan* values = nullptr;
+    for (const format::SectionSpan& span : spans) {
+      if (span.id == 4) keys = &span;
+      if (span.id == 6) values = &span;
+    }
+    if (!info.ok() || keys == nullptr || values == nullptr || keys->size != half ||
+        values->size != half || info->original_tokens != out.num_tokens) {
+      // Replaced meanwhile by another cache, or not what its summary said.
+      return std::optional<GpuGetBegun>();
+    }
+    auto* base = static_cast<uint8_t*>(c->staging);
+    const auto* from = static_cast<const uint8_t*>(*stored);
+    s = rt_->CopyAsync(base, from + keys->offset, half, GpuRuntime::Copy::kDeviceToDevice,
+                       c->stream);
+    if (s.ok()) {
+      s = rt_->CopyAsync(base + half, from + values->offset, half,
+                         GpuRuntime::Copy::kDeviceToDevice, c->stream);
+    }
+    // Densified before the answer (and before `stored` is freed): the client's receive then
+    // waits only for the transfer.
+    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    KVCOMP_ASSIGN_OR_RETURN(
+        out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
+                        shape, /*at_least=*/false));
+    return std::optional<GpuGetBegun>(out);
+  }
+
+  absl::StatusOr<CacheSummary> LookupSummary(const CacheKey& key) {
     absl::Notification looked;
     absl::StatusOr<CacheSummary> summary = absl::UnknownError("no answer");
     service_->Lookup(key, [&](absl::StatusOr<CacheSummary> r) {
@@ -468,44 +563,45 @@ class GpuChannelsImpl : public GpuChannels {
       looked.Notify();
     });
     looked.WaitForNotification();
-    KVCOMP_RETURN_IF_ERROR(summary.status());
-    if (summary->stored_bytes > capacity) return TooLarge(summary->stored_bytes, capacity);
-    absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(*c));
-    absl::Status s = Stage(*c, summary->stored_bytes);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
+    return summary;
+  }
+
+  // The stored cache read into device memory at `dst` on the channel's stream (from the GPU
+  // tier one copy on the device). nullopt when the store cannot serve it there (a build without
+  // CUDA, a device error, or the cache replaced meanwhile by a larger one): the caller reads it
+  // through host memory.
+  absl::StatusOr<std::optional<storage::CacheMeta>> ReadOnDevice(Channel& c, const CacheKey& key,
+                                                                 void* dst, uint64_t capacity) {
     storage::DeviceTarget target;
-    target.data = c->staging;
-    target.capacity = c->staging_bytes;
-    target.device = c->device;
-    target.stream = c->stream;
+    target.data = dst;
+    target.capacity = capacity;
+    target.device = c.device;
+    target.stream = c.stream;
     absl::StatusOr<storage::CacheMeta> meta = service_->repository()->GetInto(key, target);
-    if (!meta.ok()) {
-      if (absl::IsNotFound(meta.status())) return meta.status();
-      if (!absl::IsOutOfRange(meta.status())) {  // replaced meanwhile by a larger cache: re-read
-        Log(LogLevel::kWarning, "GPU channel: a get from device memory failed (",
-            meta.status().ToString(), "); it goes through host memory");
-      }
-      return std::optional<GpuGetBegun>();
+    if (meta.ok()) return std::optional<storage::CacheMeta>(*meta);
+    if (absl::IsNotFound(meta.status())) return meta.status();
+    if (!absl::IsOutOfRange(meta.status())) {
+      Log(LogLevel::kWarning, "GPU channel: a get from device memory failed (",
+          meta.status().ToString(), "); it goes through host memory");
     }
-    GpuGetBegun out;
-    out.payload_bytes = meta->stored_bytes;
-    out.layout = summary->layout;
-    out.num_tokens = summary->original_tokens;
-    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
-    auto* base = static_cast<uint8_t*>(c->staging);
-    const std::vector<NcclLink::Chunk> chunks = {{base, static_cast<size_t>(out.payload_bytes)}};
+    return std::optional<storage::CacheMeta>();
+  }
+
+  // Sends a get staged in device memory (`chunks` of the staging buffer) to the client: over
+  // CUDA IPC a copy into its memory after its event, done before the answer; over NCCL a send
+  // the client's GetFinish completes. The caller holds the channel's op_mu.
+  absl::StatusOr<GpuGetBegun> SendStaged(const std::shared_ptr<Channel>& c, GpuGetBegun out,
+                                         const std::vector<NcclLink::Chunk>& chunks,
+                                         const GpuTransferShape& shape, bool at_least) {
+    absl::Status s;
     if (c->ipc) {
       absl::StatusOr<std::vector<NcclLink::Chunk>> theirs =
-          MapChunks(*c, *shape.ipc, chunks, /*at_least=*/true);
+          MapChunks(*c, *shape.ipc, chunks, at_least);
       if (!theirs.ok()) return theirs.status();
       s = rt_->StreamWaitEvent(c->stream, c->client_event);
       if (s.ok()) s = c->timer->Start(c->stream);
-      if (s.ok()) {
-        s = rt_->CopyAsync((*theirs)[0].data, chunks[0].data, chunks[0].bytes,
+      for (size_t i = 0; s.ok() && i < chunks.size(); ++i) {
+        s = rt_->CopyAsync((*theirs)[i].data, chunks[i].data, chunks[i].bytes,
                            GpuRuntime::Copy::kDeviceToDevice, c->stream);
       }
       if (s.ok()) s = c->timer->Stop(c->stream);
@@ -519,7 +615,7 @@ class GpuChannelsImpl : public GpuChannels {
       absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
       out.copy_seconds = secs.ok() ? *secs : 0;
       out.transfer_id = 0;
-      return std::optional<GpuGetBegun>(out);
+      return out;
     }
     s = c->link->Send(chunks, c->stream);
     if (!s.ok()) {
@@ -528,6 +624,37 @@ class GpuChannelsImpl : public GpuChannels {
     }
     KVCOMP_ASSIGN_OR_RETURN(out.transfer_id, Pending(*c, Channel::Pending::kGet, out.payload_bytes,
                                                      out.layout, out.num_tokens, nullptr));
+    return out;
+  }
+
+  // A STORED get served from device memory (CacheRepository::GetInto into the staging buffer),
+  // then sent or copied to the client as any get. nullopt: the store cannot serve it on the
+  // device here (a build without CUDA, a device error): the caller reads it through host memory.
+  absl::StatusOr<std::optional<GpuGetBegun>> GetStoredOnDevice(const std::shared_ptr<Channel>& c,
+                                                               const CacheKey& key,
+                                                               uint64_t capacity,
+                                                               const GpuTransferShape& shape) {
+    KVCOMP_ASSIGN_OR_RETURN(const CacheSummary summary, LookupSummary(key));
+    if (summary.stored_bytes > capacity) return TooLarge(summary.stored_bytes, capacity);
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    absl::Status s = Stage(*c, summary.stored_bytes);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
+                            ReadOnDevice(*c, key, c->staging, c->staging_bytes));
+    if (!meta.has_value()) return std::optional<GpuGetBegun>();
+    GpuGetBegun out;
+    out.payload_bytes = meta->stored_bytes;
+    out.layout = summary.layout;
+    out.num_tokens = summary.original_tokens;
+    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+    auto* base = static_cast<uint8_t*>(c->staging);
+    KVCOMP_ASSIGN_OR_RETURN(
+        out, SendStaged(c, out, {{base, static_cast<size_t>(out.payload_bytes)}}, shape,
+                        /*at_least=*/true));
     return std::optional<GpuGetBegun>(out);
   }
 

@@ -603,6 +603,19 @@ TEST(FormatPlan, PeekHeaderReadsTheHeaderAndTableAlone) {
   std::string flipped = head;
   flipped[130] ^= 1;  // inside the table
   EXPECT_TRUE(absl::IsDataLoss(format::PeekHeader(flipped, bytes.size()).status()));
+  // The sections where the plan put them: a reader finds the keys and values in place.
+  std::vector<format::SectionSpan> spans;
+  ASSERT_TRUE(format::PeekHeader(head, bytes.size(), &spans).ok());
+  ASSERT_EQ(spans.size(), plan->sections.size());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    EXPECT_EQ(spans[i].id, plan->sections[i].id);
+    EXPECT_EQ(spans[i].offset, plan->sections[i].offset);
+    EXPECT_EQ(spans[i].size, plan->sections[i].size);
+    if (spans[i].id == 4) {
+      EXPECT_EQ(bytes.substr(spans[i].offset, spans[i].size),
+                std::string(c.keys.begin(), c.keys.end()));
+    }
+  }
 }
 
 TEST(FormatPlan, InconsistentShapesAreRefused) {

@@ -112,7 +112,9 @@ absl::StatusOr<CacheInfo> PeekCache(absl::string_view bytes);
 // The same from the first bytes of an encoding of `total_bytes` bytes (at least through its
 // section table), for bytes that are elsewhere (device memory): the header, the table and their
 // checksums are checked, the sections are not read, so their checksums and padding are not.
-absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_t total_bytes);
+// With `sections`, also where each section lies (in table order), to read them in place.
+absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_t total_bytes,
+                                     std::vector<SectionSpan>* sections = nullptr);
 
 // The policy as the format's TLV records (docs/format.md, policy section), shared with the wire
 // protocol's put-begin. Decoding skips unknown tags and validates the policy (InvalidArgument).
