@@ -265,6 +265,37 @@ TEST(ScoringCpuTest, OffsetPositionsProtectLikeExplicitOnes) {
   }
 }
 
+// Fewer heads than threads: each head's selection is split over the pool (slices of 8192
+// tokens); the kept lists equal the one-thread ones, ties (few distinct scores) included.
+TEST(ScoringCpuTest, SplitSelectionMatchesOneThread) {
+  auto one = Cpu(1), many = Cpu(4);
+  std::mt19937 rng(11);
+  for (uint32_t heads : {1u, 3u}) {
+    for (uint64_t n : {16384u, 40001u}) {
+      for (int distinct : {7, 1000, 0}) {
+        std::vector<float> scores(heads * n);
+        std::normal_distribution<float> normal;
+        for (auto& x : scores) {
+          x = distinct == 0 ? normal(rng) : static_cast<float>(rng() % distinct) - 3.0f;
+        }
+        for (uint64_t kept : {uint64_t{1}, n / 10, n / 2, n - 1}) {
+          SelectParams p;
+          p.kept_per_head = kept;
+          p.n_recent = 9;
+          std::vector<uint32_t> c1(heads), i1(heads * kept), c2(heads), i2(heads * kept, ~0u);
+          ASSERT_TRUE(
+              one->scoring().Select(scores.data(), heads, n, p, {}, {c1.data(), i1.data()}).ok());
+          ASSERT_TRUE(
+              many->scoring().Select(scores.data(), heads, n, p, {}, {c2.data(), i2.data()}).ok());
+          EXPECT_EQ(c1, c2);
+          ASSERT_EQ(i1, i2) << heads << " heads, " << n << " tokens, kept " << kept << ", "
+                            << distinct << " distinct";
+        }
+      }
+    }
+  }
+}
+
 TEST(ScoringCpuTest, ParamsFromPolicyUseKvpressRounding) {
   CompressionPolicy policy;
   policy.ratio = 0.07;

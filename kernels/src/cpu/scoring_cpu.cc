@@ -184,6 +184,9 @@ class CpuScoringOps final : public ScoringOps {
   // Squared norms of all keys into scores (tokens x heads) and the NaN/Inf check.
   absl::Status SqNormsChecked(const HeadsView& keys, const char* what, float* sq);
 
+  // One head's kept indices (uniform budget), its tokens split over the pool; the same output
+  // as the per-head pass of SelectImpl.
+  void SelectHeadSplit(const uint32_t* ord, uint64_t n, uint64_t kept, uint32_t* dst);
   absl::Status SelectImpl(const float* scores, uint32_t num_heads, uint64_t num_tokens,
                           const SelectParams& params, const TokenPositions& positions,
                           KeptIndices out);
@@ -501,6 +504,74 @@ Threshold RadixThreshold(const uint32_t* ord, uint64_t n, uint64_t k, std::vecto
   return Threshold{(hi << 16) | lo, k - above};
 }
 
+// Tokens per slice when one head's selection is split over the pool.
+constexpr uint64_t kSliceTokens = 8192;
+
+void CpuScoringOps::SelectHeadSplit(const uint32_t* o, uint64_t n, uint64_t kept, uint32_t* dst) {
+  const uint64_t slices = CeilDiv(n, kSliceTokens);
+  constexpr int kBits[3] = {11, 11, 10};
+  constexpr int kShift[3] = {21, 10, 0};
+  std::vector<uint32_t> hist(slices * 2048);
+  uint64_t prefix = 0, above = 0;
+  for (int l = 0; l < 3; ++l) {
+    const uint32_t mask = (1u << kBits[l]) - 1;
+    const int up = kShift[l] + kBits[l];
+    ctx_->ParallelFor(slices, [&](size_t sl) {
+      uint32_t* hs = hist.data() + sl * 2048;
+      std::fill(hs, hs + 2048, 0u);
+      const uint64_t e = std::min(n, (sl + 1) * kSliceTokens);
+      for (uint64_t i = sl * kSliceTokens; i < e; ++i) {
+        const uint64_t v = o[i];
+        if ((v >> up) == prefix) ++hs[(v >> kShift[l]) & mask];
+      }
+    });
+    uint64_t b = mask;
+    for (;; --b) {
+      uint64_t count = 0;
+      for (uint64_t sl = 0; sl < slices; ++sl) count += hist[sl * 2048 + b];
+      if (above + count >= kept) break;
+      above += count;
+    }
+    prefix = (prefix << kBits[l]) | b;
+  }
+  const uint32_t key = static_cast<uint32_t>(prefix);
+  const uint64_t take_equal = kept - above;
+  // Per slice: tokens above the key and equal to it; then each slice's start and its share of
+  // the equal ones (lowest indices first), as the one-thread pass would give.
+  std::vector<uint64_t> gt(slices), eq(slices);
+  ctx_->ParallelFor(slices, [&](size_t sl) {
+    uint64_t g = 0, q = 0;
+    const uint64_t e = std::min(n, (sl + 1) * kSliceTokens);
+    for (uint64_t i = sl * kSliceTokens; i < e; ++i) {
+      g += o[i] > key;
+      q += o[i] == key;
+    }
+    gt[sl] = g;
+    eq[sl] = q;
+  });
+  std::vector<uint64_t> start(slices), take(slices);
+  uint64_t c = 0, equal = 0;
+  for (uint64_t sl = 0; sl < slices; ++sl) {
+    start[sl] = c;
+    take[sl] = std::min(eq[sl], take_equal - std::min(take_equal, equal));
+    equal += eq[sl];
+    c += gt[sl] + take[sl];
+  }
+  ctx_->ParallelFor(slices, [&](size_t sl) {
+    uint64_t c = start[sl], equal = 0;
+    const uint64_t end = c + gt[sl] + take[sl];
+    for (uint64_t i = sl * kSliceTokens; c < end; ++i) {
+      const uint32_t v = o[i];
+      const uint64_t over = v > key;
+      const uint64_t at = v == key;
+      const uint64_t room = equal < take[sl];
+      dst[c] = static_cast<uint32_t>(i);
+      c += over | (at & room);
+      equal += at;
+    }
+  });
+}
+
 absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, uint64_t num_tokens,
                                        const SelectParams& params, const TokenPositions& positions,
                                        KeptIndices out) {
@@ -569,6 +640,16 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
     }
   };
 
+  if ((params.head_budget == HeadBudget::kUniform || num_heads == 1) &&
+      num_heads < static_cast<uint32_t>(ctx_->num_threads()) && kept < n &&
+      n >= 2 * kSliceTokens) {
+    // Fewer heads than workers: each head's tokens are split over the pool.
+    for (uint32_t h = 0; h < num_heads; ++h) {
+      out.counts[h] = static_cast<uint32_t>(kept);
+      SelectHeadSplit(ord + uint64_t{h} * n, n, kept, out.indices + uint64_t{h} * kept);
+    }
+    return absl::OkStatus();
+  }
   if (params.head_budget == HeadBudget::kUniform || num_heads == 1) {
     ctx_->ParallelFor(num_heads, [&](size_t h) {
       uint32_t* dst = out.indices + h * kept;
