@@ -284,6 +284,13 @@ int main(int argc, char** argv) {
   Report("put transfer (device -> kvcompd)", payload, put_xfer);
   Report("put (lossless, whole call)", payload, put_wall);
   Report("get decoded into device", payload, get_wall);
+  {
+    // Blocks that found no device receive buffer land in host memory (and cost an upload).
+    const std::string metrics = kvcomp::testing::HttpGet(daemon.ports().metrics, "/metrics").body;
+    std::printf("# blocks received straight into GPU memory: %g of %u\n",
+                kvcomp::testing::MetricValue(metrics, "kvcomp_data_plane_blocks_into_device_total"),
+                2 * layout.num_layers * static_cast<uint32_t>(reps + 2));
+  }
   std::printf("# %s\n", failures == 0 ? "all checks passed" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

@@ -7,6 +7,9 @@
 #                                  GPU; "0 1" on two GPUs: also the other one, over cuda_ipc)
 #   KVCOMP_CUDA_UCX_TOKENS         tokens of the cache (default 32768)
 #   KVCOMP_CUDA_UCX_REPS           timed repetitions (default 2)
+#   KVCOMP_CUDA_UCX_RECV           kvcompd's device receive buffers, one bench run each (default
+#                                  "perblock pool": one buffer allocated and freed per block
+#                                  (KVCOMP_DEVICE_RECV_POOL_BYTES=0), then the pooled buffers)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/build-cuda-ucx-out}
@@ -53,12 +56,17 @@ for dd in $DEVICES; do
   perf tag_bw $port "$dd"
   perf ucp_am_bw $((port + 1)) "$dd"
   port=$((port + 2))
-  KVCOMP_UCX_EP_INFO=1 timeout 300 kvcomp_cuda_ucx_bench --kvcompd "$BUNDLE/bin/kvcompd" \
-    --tokens "$TOKENS" --reps "${KVCOMP_CUDA_UCX_REPS:-2}" --daemon_device "$dd" \
-    >"$OUT/bench_gpu$dd.log" 2>&1
-  note "bench, kvcompd on GPU $dd: exit $?"
-  grep -E '^(RESULT|CHECK|# [0-9]|# kvcompd|# all|# CHECKS)' "$OUT/bench_gpu$dd.log" | tee -a "$SUMMARY"
-  grep -E 'lane\[' "$OUT/bench_gpu$dd.log" | sort -u >"$OUT/lanes_gpu$dd.txt"
+  for recv in ${KVCOMP_CUDA_UCX_RECV:-perblock pool}; do
+    pool_env=()
+    [ "$recv" = perblock ] && pool_env=(KVCOMP_DEVICE_RECV_POOL_BYTES=0)
+    log=$OUT/bench_gpu${dd}_$recv.log
+    env "${pool_env[@]}" KVCOMP_UCX_EP_INFO=1 timeout 300 kvcomp_cuda_ucx_bench \
+      --kvcompd "$BUNDLE/bin/kvcompd" --tokens "$TOKENS" --reps "${KVCOMP_CUDA_UCX_REPS:-2}" \
+      --daemon_device "$dd" >"$log" 2>&1
+    note "bench, kvcompd on GPU $dd, receive buffers $recv: exit $?"
+    grep -E '^(RESULT|CHECK|# [0-9]|# kvcompd|# all|# CHECKS|# blocks)' "$log" | tee -a "$SUMMARY"
+    grep -E 'lane\[' "$log" | sort -u >"$OUT/lanes_gpu${dd}_$recv.txt"
+  done
 done
 echo "================ summary ================"
 cat "$SUMMARY"

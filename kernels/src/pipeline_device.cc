@@ -34,6 +34,26 @@ namespace kvcomp {
 #if defined(KVCOMP_HAVE_CUDA)
 namespace {
 
+// An event recorded on the uploader's stream; cudaEventQuery polls it, cudaEventDestroy does
+// not wait for it.
+class EventFence final : public DeviceUploader::Fence {
+ public:
+  explicit EventFence(cudaEvent_t event) : event_(event) {}
+  ~EventFence() override { cudaEventDestroy(event_); }
+  absl::StatusOr<bool> Done() override {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    KVCOMP_CUDA_RETURN_IF_ERROR(e);
+    return true;
+  }
+
+ private:
+  cudaEvent_t event_;
+};
+
 class CudaUploader final : public DeviceUploader {
  public:
   ~CudaUploader() override {
@@ -130,6 +150,16 @@ class CudaUploader final : public DeviceUploader {
     absl::MutexLock lock(&mu_);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     return f(stream_);
+  }
+
+  absl::StatusOr<std::unique_ptr<Fence>> MarkCopies() override {
+    absl::MutexLock lock(&mu_);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    cudaEvent_t e = nullptr;
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    auto fence = std::make_unique<EventFence>(e);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventRecord(e, stream_));
+    return std::unique_ptr<Fence>(std::move(fence));
   }
 
   Allocator& allocator() override { return *alloc_; }

@@ -1,10 +1,16 @@
 #include "data_plane.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "cache_service.h"
 #include "engine.h"
 #include "handlers.h"
@@ -90,6 +96,190 @@ absl::StatusOr<CacheKey> TenantKey(const transport::Session& session, const std:
   return k;
 }
 
+// Device receive buffers of the data plane on one GPU, reused from block to block. A buffer
+// the transport is done with goes back to the pool with a fence on the engine's uploader stream
+// (the put's copy out of it is queued there before the buffer is let go) and is handed out
+// again once the fence says that copy is complete; nothing here waits for the device. The
+// buffers are reserved against engine.gpu_memory_bytes while they exist and bounded by
+// `cap_bytes` together. cuMemFree, which waits for the device, runs only on the pool's own
+// thread (buffers idle for kIdle, or making room for a size that does not fit) and when the
+// pool is destroyed after the data plane stopped.
+class DeviceRecvPool : public std::enable_shared_from_this<DeviceRecvPool> {
+ public:
+  static constexpr size_t kGranule = size_t{2} << 20;  // capacities are multiples of 2 MiB
+  static constexpr absl::Duration kIdle = absl::Seconds(10);
+
+  DeviceRecvPool(transport::GpuRuntime* rt, int device, Engine* engine, uint64_t cap_bytes)
+      : rt_(rt), device_(device), engine_(engine), cap_(cap_bytes) {
+    releaser_ = std::thread([this] { ReleaserLoop(); });
+  }
+
+  ~DeviceRecvPool() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    releaser_.join();
+    if (!rt_->SetDevice(device_).ok()) return;
+    for (auto* list : {&pending_, &free_, &doomed_}) {
+      for (std::unique_ptr<Slot>& slot : *list) rt_->FreeDevice(slot->ptr);
+      list->clear();
+    }
+  }
+
+  uint64_t cap_bytes() const { return cap_; }
+
+  // On the progress thread: a device buffer of at least `size` bytes, or an error when the
+  // pool has no room (the caller takes host memory then).
+  absl::StatusOr<transport::Buffer> Acquire(size_t size) {
+    const size_t capacity = (size + kGranule - 1) / kGranule * kGranule;
+    std::unique_ptr<Slot> slot;
+    {
+      absl::MutexLock lock(&mu_);
+      PollPendingLocked();
+      // The smallest free buffer that holds `size`, unless it is more than twice as large.
+      size_t best = free_.size();
+      for (size_t i = 0; i < free_.size(); ++i) {
+        const size_t c = free_[i]->capacity;
+        if (c >= size && c <= 2 * capacity && (best == free_.size() || c < free_[best]->capacity)) {
+          best = i;
+        }
+      }
+      if (best < free_.size()) {
+        slot = std::move(free_[best]);
+        free_.erase(free_.begin() + static_cast<ptrdiff_t>(best));
+      } else if (held_ + capacity > cap_) {
+        // Full: free buffers of other sizes make room for later blocks (on the pool's thread).
+        for (std::unique_ptr<Slot>& s : free_) doomed_.push_back(std::move(s));
+        free_.clear();
+        return absl::ResourceExhaustedError("device receive pool full");
+      } else {
+        held_ += capacity;  // counted before the allocation, given back if it fails
+      }
+    }
+    if (slot == nullptr) {
+      absl::StatusOr<void*> memory = absl::UnavailableError("device");
+      absl::StatusOr<Engine::DeviceReservation> reservation = engine_->ReserveDevice(capacity);
+      if (reservation.ok() && rt_->SetDevice(device_).ok()) memory = rt_->AllocDevice(capacity);
+      if (!reservation.ok() || !memory.ok()) {
+        absl::MutexLock lock(&mu_);
+        held_ -= capacity;
+        return !reservation.ok() ? reservation.status() : memory.status();
+      }
+      slot = std::make_unique<Slot>();
+      slot->ptr = *memory;
+      slot->capacity = capacity;
+      slot->reservation = *std::move(reservation);
+    }
+    void* const ptr = slot->ptr;
+    return transport::Buffer::Wrap(
+        ptr, size, transport::MemoryType::kCuda,
+        [pool = shared_from_this(), slot = std::move(slot)]() mutable {
+          pool->Return(std::move(slot));
+        });
+  }
+
+ private:
+  struct Slot {
+    void* ptr = nullptr;
+    size_t capacity = 0;
+    Engine::DeviceReservation reservation;
+    std::unique_ptr<DeviceUploader::Fence> fence;  // the copies out of it, while pending
+    absl::Time idle_since;
+  };
+
+  // Any thread: the buffer's last user let it go, after queueing its copy on the uploader.
+  void Return(std::unique_ptr<Slot> slot) {
+    DeviceUploader* uploader = engine_->uploader();
+    absl::StatusOr<std::unique_ptr<DeviceUploader::Fence>> fence =
+        uploader != nullptr
+            ? uploader->MarkCopies()
+            : absl::StatusOr<std::unique_ptr<DeviceUploader::Fence>>(
+                  absl::FailedPreconditionError("no uploader"));
+    absl::MutexLock lock(&mu_);
+    if (fence.ok()) {
+      slot->fence = *std::move(fence);
+      pending_.push_back(std::move(slot));
+    } else {
+      doomed_.push_back(std::move(slot));  // cuMemFree on the pool's thread waits for the copy
+    }
+  }
+
+  void PollPendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time now = absl::Now();
+    for (size_t i = 0; i < pending_.size();) {
+      absl::StatusOr<bool> done = pending_[i]->fence->Done();
+      if (done.ok() && !*done) {
+        ++i;
+        continue;
+      }
+      std::unique_ptr<Slot> slot = std::move(pending_[i]);
+      pending_.erase(pending_.begin() + static_cast<ptrdiff_t>(i));
+      slot->fence.reset();
+      slot->idle_since = now;
+      (done.ok() ? free_ : doomed_).push_back(std::move(slot));
+    }
+  }
+
+  bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !doomed_.empty(); }
+
+  void ReleaserLoop() {
+    bool bound = false;
+    for (;;) {
+      std::vector<std::unique_ptr<Slot>> doomed;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.AwaitWithTimeout(absl::Condition(this, &DeviceRecvPool::HasWork), absl::Seconds(1));
+        if (stop_) return;
+        PollPendingLocked();
+        const absl::Time now = absl::Now();
+        for (size_t i = 0; i < free_.size();) {
+          if (now - free_[i]->idle_since < kIdle) {
+            ++i;
+            continue;
+          }
+          doomed_.push_back(std::move(free_[i]));
+          free_.erase(free_.begin() + static_cast<ptrdiff_t>(i));
+        }
+        doomed.swap(doomed_);
+      }
+      if (doomed.empty()) continue;
+      if (!bound) bound = rt_->SetDevice(device_).ok();
+      uint64_t freed = 0;
+      for (std::unique_ptr<Slot>& slot : doomed) {
+        if (bound) rt_->FreeDevice(slot->ptr);  // waits for the copy queued before it
+        freed += slot->capacity;
+        slot.reset();  // gives the reservation back
+      }
+      absl::MutexLock lock(&mu_);
+      held_ -= freed;
+    }
+  }
+
+  transport::GpuRuntime* const rt_;
+  const int device_;
+  Engine* const engine_;
+  const uint64_t cap_;
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<Slot>> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Slot>> free_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Slot>> doomed_ ABSL_GUARDED_BY(mu_);
+  uint64_t held_ ABSL_GUARDED_BY(mu_) = 0;  // capacity of every buffer not yet freed
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread releaser_;
+};
+
+// The pool's bound: KVCOMP_DEVICE_RECV_POOL_BYTES when set (0: no pool, one buffer allocated
+// and freed per block), else 1 GiB, at most a quarter of engine.gpu_memory_bytes.
+uint64_t DeviceRecvPoolCap(const Engine& engine) {
+  if (const char* env = std::getenv("KVCOMP_DEVICE_RECV_POOL_BYTES"); env != nullptr) {
+    return std::strtoull(env, nullptr, 10);
+  }
+  uint64_t cap = uint64_t{1} << 30;
+  if (engine.device_cap_bytes() > 0) cap = std::min(cap, engine.device_cap_bytes() / 4);
+  return cap;
+}
+
 class DataHandler : public transport::RequestHandler {
  public:
   explicit DataHandler(ServiceContext* ctx) : ctx_(ctx) {}
@@ -99,7 +289,13 @@ class DataHandler : public transport::RequestHandler {
   void EnableDeviceBlocks(transport::GpuRuntime* rt, int device) {
     rt_ = rt;
     device_ = device;
+    Engine* engine = ctx_->service->engine();
+    const uint64_t cap = DeviceRecvPoolCap(*engine);
+    if (cap > 0 && engine->uploader() != nullptr) {
+      pool_ = std::make_shared<DeviceRecvPool>(rt, device, engine, cap);
+    }
   }
+  uint64_t device_pool_bytes() const { return pool_ == nullptr ? 0 : pool_->cap_bytes(); }
 
   // A block the client sent from its device memory (no CRC32C: see wire::kBlockDevicePayload)
   // goes to GPU memory of the engine's device, reserved against engine.gpu_memory_bytes, for a
@@ -113,6 +309,10 @@ class DataHandler : public transport::RequestHandler {
     if (rt_ == nullptr || open == nullptr || open->request().block_wise ||
         !(block.flags & wire::kBlockDevicePayload)) {
       return transport::Buffer::Allocate(size);
+    }
+    if (pool_ != nullptr) {
+      absl::StatusOr<transport::Buffer> pooled = pool_->Acquire(size);
+      return pooled.ok() ? *std::move(pooled) : transport::Buffer::Allocate(size);
     }
     absl::StatusOr<Engine::DeviceReservation> reservation =
         ctx_->service->engine()->ReserveDevice(size);
@@ -274,6 +474,7 @@ class DataHandler : public transport::RequestHandler {
   ServiceContext* const ctx_;
   transport::GpuRuntime* rt_ = nullptr;
   int device_ = 0;
+  std::shared_ptr<DeviceRecvPool> pool_;  // null: one buffer per block (allocated and freed)
 };
 
 // The {op} label of the errors the data-plane transport answers without the daemon.
@@ -347,7 +548,11 @@ class UcxDataPlane : public DataPlane {
     if (rt.ok()) handler_.EnableDeviceBlocks(*rt, options.engine.cuda_device);
     Log(LogLevel::kInfo, "data plane: UCX ", version,
         " is CUDA-aware: clients may send device payloads; they land in ",
-        rt.ok() ? absl::StrCat("GPU memory of device ", options.engine.cuda_device)
+        rt.ok() ? absl::StrCat("GPU memory of device ", options.engine.cuda_device,
+                               handler_.device_pool_bytes() > 0
+                                   ? absl::StrCat(" (receive buffers pooled, at most ",
+                                                  handler_.device_pool_bytes() >> 20, " MiB)")
+                                   : std::string(" (a receive buffer per block)"))
                 : std::string("host memory (the engine runs on the CPU)"));
   }
 

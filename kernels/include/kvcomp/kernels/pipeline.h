@@ -230,6 +230,17 @@ class DeviceUploader {
   virtual Allocator& allocator() = 0;
   // Host-to-device bytes copied since creation.
   virtual uint64_t uploaded_bytes() const = 0;
+
+  // A mark in the uploader's stream after every copy issued so far: Done() says, without
+  // waiting, whether those copies have completed on the device (an event, polled). Any thread
+  // may create, poll and destroy one; destroying it never waits.
+  class Fence {
+   public:
+    virtual ~Fence() = default;
+    // True once the copies issued before the mark are complete; an error when the device failed.
+    virtual absl::StatusOr<bool> Done() = 0;
+  };
+  virtual absl::StatusOr<std::unique_ptr<Fence>> MarkCopies() = 0;
 };
 
 // One sequence's K and V in device memory, [layer][K, V][kv head][token][head_dim] in the
