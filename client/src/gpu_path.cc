@@ -217,8 +217,9 @@ void GpuPath::NoteFallback(const std::string& endpoint, const absl::Status& why,
   }
   if (log) {
     std::fprintf(stderr,
-                 "kvcomp: no GPU channel to %s (%s); device puts and gets go through host memory "
-                 "over UCX\n",
+                 "kvcomp: no GPU channel to %s (%s); device puts and gets go over UCX (out of "
+                 "device memory where both sides' UCX has CUDA memory, else through host "
+                 "memory)\n",
                  endpoint.c_str(), reason.c_str());
   }
 }
