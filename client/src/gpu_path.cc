@@ -1,6 +1,7 @@
 #include "gpu_path.h"
 
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "control.h"
 #include "device_ucx.h"
+#include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
 
@@ -596,6 +598,10 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
                 return chunks;
               }));
   if (nccl) return *std::move(nccl);
+  KVCOMP_ASSIGN_OR_RETURN(
+      std::optional<DeviceGetResult> direct,
+      DenseOverUcxCuda(rt, device, model_id, key, layout, num_tokens, layers, stream));
+  if (direct) return *std::move(direct);
 
   KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, self_->GetDecoded(model_id, key));
   KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
@@ -615,6 +621,68 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
   out.bytes = payload;
   out.path = "ucx";
   return out;
+}
+
+absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::DenseOverUcxCuda(
+    GpuRuntime* rt, int device, absl::string_view model_id, absl::string_view key,
+    const KvLayout& layout, uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers,
+    void* stream) {
+  if (!LocalUcxCudaMemory()) return std::nullopt;
+  absl::StatusOr<LookupResult> found = self_->Lookup(model_id, key);
+  if (!found.ok()) return std::nullopt;  // the host path reports what is wrong
+  const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
+  const uint64_t half = uint64_t{layout.num_layers} * layer_bytes;
+  if (found->key_codec != KeyCodec::kRaw || found->value_codec != ValueCodec::kRaw ||
+      found->original_tokens != num_tokens || !SameLayout(found->layout, layout) ||
+      found->total_kept != layout.num_heads_total() * num_tokens) {
+    return std::nullopt;
+  }
+  KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
+  KVCOMP_ASSIGN_OR_RETURN(void* stored, rt->AllocDevice(found->stored_bytes));
+  struct Release {
+    GpuRuntime* rt;
+    void* p;
+    ~Release() { rt->FreeDevice(p); }
+  } release{rt, stored};
+  std::string why;
+  KVCOMP_ASSIGN_OR_RETURN(std::optional<DeviceGetResult> got,
+                          GetIntoDeviceOverUcx(*self_, model_id, key, stored,
+                                               found->stored_bytes, stream, false, &why));
+  if (!got) return std::nullopt;
+  // The header and section table (at most 64 sections) say where the two sections lie.
+  std::string head(std::min<uint64_t>(got->bytes, format::kHeaderBytes +
+                                                      64 * format::kSectionEntryBytes),
+                   '\0');
+  KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(head.data(), stored, head.size(),
+                                       GpuRuntime::Copy::kDeviceToHost, stream));
+  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
+  std::vector<format::SectionSpan> spans;
+  absl::StatusOr<format::CacheInfo> info = format::PeekHeader(head, got->bytes, &spans);
+  const format::SectionSpan* keys = nullptr;
+  const format::SectionSpan* values = nullptr;
+  for (const format::SectionSpan& span : spans) {
+    if (span.id == 4) keys = &span;
+    if (span.id == 6) values = &span;
+  }
+  if (!info.ok() || keys == nullptr || values == nullptr || keys->size != half ||
+      values->size != half) {
+    return std::nullopt;  // replaced meanwhile by another cache
+  }
+  const auto* from = static_cast<const uint8_t*>(stored);
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].keys, from + keys->offset + l * layer_bytes,
+                                         layer_bytes, GpuRuntime::Copy::kDeviceToDevice, stream));
+    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].values,
+                                         from + values->offset + l * layer_bytes, layer_bytes,
+                                         GpuRuntime::Copy::kDeviceToDevice, stream));
+  }
+  // The stored copy must outlive the copies out of it.
+  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
+  DeviceGetResult out;
+  out.bytes = 2 * half;
+  out.path = "ucx-cuda";
+  out.transfer_seconds = got->transfer_seconds;
+  return std::optional<DeviceGetResult>(std::move(out));
 }
 
 absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,

@@ -91,6 +91,14 @@ class GpuPath {
       absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
       void* stream, const std::vector<transport::NcclLink::Chunk>& offer,
       absl::FunctionRef<ChunksFn> place);
+  // A dense get over CUDA-aware UCX: a cache that kept every token with raw codecs is read as
+  // stored into device memory, and its keys and values sections (the dense K and V, layer after
+  // layer) are copied into the caller's layers on `stream`. nullopt: another kind of cache, or
+  // no CUDA-aware UCX on either side (the caller densifies through host memory).
+  absl::StatusOr<std::optional<DeviceGetResult>> DenseOverUcxCuda(
+      transport::GpuRuntime* rt, int device, absl::string_view model_id, absl::string_view key,
+      const KvLayout& layout, uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers,
+      void* stream);
   // A put of `chunks` (transfer order) over the first endpoint's channel; nullopt when no
   // channel carried it (`why` says why: the caller falls back).
   absl::StatusOr<std::optional<PutResult>> ChannelPut(

@@ -57,10 +57,11 @@ def test_torch_tensors_round_trip_over_cuda_ucx(setup):
     assert r["path"] == "ucx-cuda", d.log()
     assert r["original_bytes"] == 2 * k.numel() * 2
     print(f"daemon on GPU {device}: put path {r['path']}")
-    # The dense K/V back into fresh tensors, on the caller's stream.
+    # The dense K/V back into fresh tensors, on the caller's stream: the lossless cache is read
+    # as stored into device memory over UCX and its sections copied into the tensors.
     k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
     g = c.get_into("m", "k", k2, v2)
-    print(f"dense get path {g['path']}")
+    assert g["path"] == "ucx-cuda"
     assert torch.equal(k2, expect_k) and torch.equal(v2, expect_v)
     # The stored bytes straight into device memory over UCX.
     out = torch.zeros(int(r["stored_bytes"]) + 4096, dtype=torch.uint8, device="cuda:0")
