@@ -656,25 +656,19 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::DenseOverUcxCuda(
   KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(head.data(), stored, head.size(),
                                        GpuRuntime::Copy::kDeviceToHost, stream));
   KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
-  std::vector<format::SectionSpan> spans;
-  absl::StatusOr<format::CacheInfo> info = format::PeekHeader(head, got->bytes, &spans);
-  const format::SectionSpan* keys = nullptr;
-  const format::SectionSpan* values = nullptr;
-  for (const format::SectionSpan& span : spans) {
-    if (span.id == 4) keys = &span;
-    if (span.id == 6) values = &span;
-  }
-  if (!info.ok() || keys == nullptr || values == nullptr || keys->size != half ||
-      values->size != half) {
+  absl::StatusOr<format::DenseSections> dense = format::DenseKvSections(head, got->bytes);
+  if (!dense.ok() || dense->info.original_tokens != num_tokens ||
+      !SameLayout(dense->info.layout, layout)) {
     return std::nullopt;  // replaced meanwhile by another cache
   }
   const auto* from = static_cast<const uint8_t*>(stored);
   for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].keys, from + keys->offset + l * layer_bytes,
-                                         layer_bytes, GpuRuntime::Copy::kDeviceToDevice, stream));
-    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].values,
-                                         from + values->offset + l * layer_bytes, layer_bytes,
+    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].keys,
+                                         from + dense->keys.offset + l * layer_bytes, layer_bytes,
                                          GpuRuntime::Copy::kDeviceToDevice, stream));
+    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].values,
+                                         from + dense->values.offset + l * layer_bytes,
+                                         layer_bytes, GpuRuntime::Copy::kDeviceToDevice, stream));
   }
   // The stored copy must outlive the copies out of it.
   KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));

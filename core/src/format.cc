@@ -533,6 +533,34 @@ absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_
   return p.info;
 }
 
+absl::StatusOr<DenseSections> DenseKvSections(absl::string_view header_and_table,
+                                              uint64_t total_bytes) {
+  std::vector<SectionSpan> spans;
+  DenseSections out;
+  KVCOMP_ASSIGN_OR_RETURN(out.info, PeekHeader(header_and_table, total_bytes, &spans));
+  const CacheInfo& info = out.info;
+  if (info.key_codec != KeyCodec::kRaw || info.value_codec != ValueCodec::kRaw ||
+      info.total_kept != info.layout.num_heads_total() * info.original_tokens) {
+    return absl::FailedPreconditionError(
+        "the cache has no dense form in place: it evicted tokens or encodes them");
+  }
+  const uint64_t half = info.layout.CacheBytes(info.original_tokens) / 2;
+  bool keys = false, values = false;
+  for (const SectionSpan& span : spans) {
+    if (span.id == kKeys) {
+      out.keys = span;
+      keys = span.size == half;
+    } else if (span.id == kValues) {
+      out.values = span;
+      values = span.size == half;
+    }
+  }
+  if (!keys || !values) {
+    return absl::DataLossError("keys or values section of a raw cache has the wrong size");
+  }
+  return out;
+}
+
 absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   KVCOMP_ASSIGN_OR_RETURN(Parsed p, ParseHeaderAndTable(bytes, bytes.size(), true));
   const CacheInfo& info = p.info;

@@ -88,7 +88,6 @@ struct Channel {
   KvLayout transfer_layout;
   uint64_t transfer_tokens = 0;
   std::shared_ptr<OpenPut> put;
-  std::shared_ptr<uint8_t> host;  // a get's payload until its send finished
   std::vector<void*> mapped;      // mode "ipc": the client's allocations mapped for a transfer
   absl::Time deadline;
 
@@ -419,47 +418,18 @@ class GpuChannelsImpl : public GpuChannels {
     // The payload is in device memory before the answer: the client's receive (and its timer)
     // then waits only for the transfer itself.
     if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    auto* base = static_cast<uint8_t*>(c->staging);
-    const std::vector<NcclLink::Chunk> chunks =
-        form == GpuGetForm::kDenseKv
-            ? LayerChunks(base, out.layout, out.num_tokens, shape.layer_major)
-            : std::vector<NcclLink::Chunk>{{base, static_cast<size_t>(out.payload_bytes)}};
-    if (s.ok() && c->ipc) {
-      // Into the client's memory after its event; done before the answer (no GetFinish).
-      absl::StatusOr<std::vector<NcclLink::Chunk>> theirs =
-          MapChunks(*c, *shape.ipc, chunks, /*at_least=*/form != GpuGetForm::kDenseKv);
-      if (!theirs.ok()) {
-        (void)rt_->WaitStream(c->stream, absl::Now() + timeout_);  // `host` is read until then
-        return theirs.status();
-      }
-      s = rt_->StreamWaitEvent(c->stream, c->client_event);
-      if (s.ok()) s = c->timer->Start(c->stream);
-      for (size_t i = 0; s.ok() && i < chunks.size(); ++i) {
-        s = rt_->CopyAsync((*theirs)[i].data, chunks[i].data, chunks[i].bytes,
-                           GpuRuntime::Copy::kDeviceToDevice, c->stream);
-      }
-      if (s.ok()) s = c->timer->Stop(c->stream);
-      if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-      if (!s.ok()) {
-        Fail(c, s);
-        return s;
-      }
-      Unmap(*c);
-      Touch(*c);
-      absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
-      out.copy_seconds = secs.ok() ? *secs : 0;
-      out.transfer_id = 0;
-      return out;
-    }
-    if (s.ok()) s = c->link->Send(chunks, c->stream);
     if (!s.ok()) {
       Fail(c, s);
       return s;
     }
-    c->host = std::move(host);
-    KVCOMP_ASSIGN_OR_RETURN(out.transfer_id, Pending(*c, Channel::Pending::kGet, out.payload_bytes,
-                                                     out.layout, out.num_tokens, nullptr));
-    return out;
+    // `host` is no longer read (the stream was waited for): the pinned copy goes on return.
+    auto* base = static_cast<uint8_t*>(c->staging);
+    return SendStaged(c, out,
+                      form == GpuGetForm::kDenseKv
+                          ? LayerChunks(base, out.layout, out.num_tokens, shape.layer_major)
+                          : std::vector<NcclLink::Chunk>{
+                                {base, static_cast<size_t>(out.payload_bytes)}},
+                      shape, /*at_least=*/form != GpuGetForm::kDenseKv);
   }
 
   // A dense get served on the device: when the cache kept every token of every head with raw
@@ -521,25 +491,18 @@ class GpuChannelsImpl : public GpuChannels {
       Fail(c, s);
       return s;
     }
-    std::vector<format::SectionSpan> spans;
-    absl::StatusOr<format::CacheInfo> info = format::PeekHeader(head, meta->stored_bytes, &spans);
-    const format::SectionSpan* keys = nullptr;
-    const format::SectionSpan* values = nullptr;
-    for (const format::SectionSpan& span : spans) {
-      if (span.id == 4) keys = &span;
-      if (span.id == 6) values = &span;
-    }
-    if (!info.ok() || keys == nullptr || values == nullptr || keys->size != half ||
-        values->size != half || info->original_tokens != out.num_tokens) {
-      // Replaced meanwhile by another cache, or not what its summary said.
-      return std::optional<GpuGetBegun>();
+    absl::StatusOr<format::DenseSections> dense =
+        format::DenseKvSections(head, meta->stored_bytes);
+    if (!dense.ok() || dense->info.original_tokens != out.num_tokens ||
+        !(dense->info.layout == out.layout)) {
+      return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
     }
     auto* base = static_cast<uint8_t*>(c->staging);
     const auto* from = static_cast<const uint8_t*>(*stored);
-    s = rt_->CopyAsync(base, from + keys->offset, half, GpuRuntime::Copy::kDeviceToDevice,
+    s = rt_->CopyAsync(base, from + dense->keys.offset, half, GpuRuntime::Copy::kDeviceToDevice,
                        c->stream);
     if (s.ok()) {
-      s = rt_->CopyAsync(base + half, from + values->offset, half,
+      s = rt_->CopyAsync(base + half, from + dense->values.offset, half,
                          GpuRuntime::Copy::kDeviceToDevice, c->stream);
     }
     // Densified before the answer (and before `stored` is freed): the client's receive then
@@ -663,9 +626,8 @@ class GpuChannelsImpl : public GpuChannels {
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(CheckPending(*c, Channel::Pending::kGet, transfer_id));
     ClearPending(*c);
-    (void)rt_->SetDevice(c->device);  // Wait sets it too; the release below needs it
+    (void)rt_->SetDevice(c->device);  // Wait sets it too
     absl::Status s = c->link->Wait(c->stream, c->deadline);
-    c->host.reset();
     if (!s.ok()) {
       Fail(c, s);
       return s;
@@ -904,7 +866,6 @@ class GpuChannelsImpl : public GpuChannels {
       c->link.reset();  // destroys a healthy communicator, aborts a broken one
       if (c->stream != nullptr) (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
       c->timer.reset();
-      c->host.reset();
       Unmap(*c);
       rt_->DestroyEvent(c->client_event);
       c->client_event = nullptr;

@@ -618,6 +618,44 @@ TEST(FormatPlan, PeekHeaderReadsTheHeaderAndTableAlone) {
   }
 }
 
+TEST(FormatPlan, DenseKvSectionsOfACacheThatKeptEveryTokenRaw) {
+  const KvLayout l{2, 2, 4, 64, DType::kBF16};
+  const uint64_t T = 7;
+  CompressedCache c;
+  c.layout = l;
+  c.original_tokens = T;
+  c.policy.ratio = 0;
+  for (uint64_t h = 0; h < l.num_heads_total(); ++h) {
+    c.kept.push_back(T);
+    for (uint32_t t = 0; t < T; ++t) c.positions.push_back(t);
+  }
+  std::mt19937 rng(std::random_device{}());
+  c.keys.resize(l.CacheBytes(T) / 2);
+  c.values.resize(c.keys.size());
+  for (uint8_t& b : c.keys) b = static_cast<uint8_t>(rng());
+  for (uint8_t& b : c.values) b = static_cast<uint8_t>(rng());
+  const std::string bytes = *format::EncodeCache(c);
+  auto plan = format::PlanEncoding(c, 0);
+  ASSERT_TRUE(plan.ok());
+  // From the header and table alone, the sections hold exactly the dense K and V.
+  absl::StatusOr<format::DenseSections> d =
+      format::DenseKvSections(bytes.substr(0, plan->table_end()), bytes.size());
+  ASSERT_TRUE(d.ok()) << d.status();
+  std::string dense(l.CacheBytes(T), '\0');
+  ASSERT_TRUE(c.WriteDenseKv(reinterpret_cast<uint8_t*>(dense.data())).ok());
+  EXPECT_EQ(bytes.substr(d->keys.offset, d->keys.size), dense.substr(0, dense.size() / 2));
+  EXPECT_EQ(bytes.substr(d->values.offset, d->values.size), dense.substr(dense.size() / 2));
+  EXPECT_EQ(d->info.original_tokens, T);
+  // A cache that evicted tokens, or encodes them, has no dense form in place.
+  const CompressedCache evicted = RandomCache(RandomCacheOptions{}, 5);
+  const std::string eb = *format::EncodeCache(evicted);
+  EXPECT_TRUE(absl::IsFailedPrecondition(format::DenseKvSections(eb, eb.size()).status()));
+  RandomCacheOptions int8;
+  int8.key_codec = KeyCodec::kInt8;
+  const std::string ib = *format::EncodeCache(RandomCache(int8, 6));
+  EXPECT_TRUE(absl::IsFailedPrecondition(format::DenseKvSections(ib, ib.size()).status()));
+}
+
 TEST(FormatPlan, InconsistentShapesAreRefused) {
   CompressedCache c = RandomCache(RandomCacheOptions{}, 3);
   CompressedCache bad = c;

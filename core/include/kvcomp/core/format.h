@@ -115,6 +115,18 @@ absl::StatusOr<CacheInfo> PeekCache(absl::string_view bytes);
 // With `sections`, also where each section lies (in table order), to read them in place.
 absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_t total_bytes,
                                      std::vector<SectionSpan>* sections = nullptr);
+// Where the dense K and V of an encoding lie, when every head kept every token with raw codecs:
+// its keys and values sections are then exactly the dense K and V ([layer][kv head][token][dim]
+// each, as CompressedCache::WriteDenseKv writes them), to be copied from where they are (device
+// memory). From the header and table alone, checked as PeekHeader does. FailedPrecondition for
+// a cache that evicted tokens or encodes them.
+struct DenseSections {
+  CacheInfo info;
+  SectionSpan keys;
+  SectionSpan values;
+};
+absl::StatusOr<DenseSections> DenseKvSections(absl::string_view header_and_table,
+                                              uint64_t total_bytes);
 
 // The policy as the format's TLV records (docs/format.md, policy section), shared with the wire
 // protocol's put-begin. Decoding skips unknown tags and validates the policy (InvalidArgument).
