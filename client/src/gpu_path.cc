@@ -116,11 +116,6 @@ absl::Status CheckShape(const KvLayout& layout, uint64_t num_tokens, size_t laye
   return absl::OkStatus();
 }
 
-bool SameLayout(const KvLayout& a, const KvLayout& b) {
-  return a.num_layers == b.num_layers && a.num_kv_heads == b.num_kv_heads &&
-         a.num_q_heads == b.num_q_heads && a.head_dim == b.head_dim && a.dtype == b.dtype;
-}
-
 // Pinned host memory for a fallback copy, freed on scope exit.
 struct Pinned {
   GpuRuntime* rt;
@@ -132,7 +127,7 @@ struct Pinned {
 // A decoded cache that kept every token as dense K then V (each [layer][head][token][dim]).
 absl::Status DenseFromCache(const CompressedCache& cache, const KvLayout& layout,
                             uint64_t num_tokens, uint8_t* out) {
-  if (!SameLayout(cache.layout, layout) || cache.original_tokens != num_tokens) {
+  if (cache.layout != layout || cache.original_tokens != num_tokens) {
     return absl::InvalidArgumentError("the cache's layout or token count differs from the call's");
   }
   return cache.WriteDenseKv(out);
@@ -589,7 +584,7 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
       std::optional<DeviceGetResult> nccl,
       NcclGet(ranking, rt, device, model_id, key, GpuGetForm::kDenseKv, payload, stream, chunks,
               [&](const GpuGetGrant& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
-                if (!SameLayout(grant.layout, layout) || grant.num_tokens != num_tokens ||
+                if (grant.layout != layout || grant.num_tokens != num_tokens ||
                     grant.payload_bytes != payload) {
                   return absl::InvalidArgumentError(absl::StrCat(
                       "the cache has ", grant.num_tokens, " tokens of another layout than the "
@@ -633,17 +628,13 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::DenseOverUcxCuda(
   const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
   const uint64_t half = uint64_t{layout.num_layers} * layer_bytes;
   if (found->key_codec != KeyCodec::kRaw || found->value_codec != ValueCodec::kRaw ||
-      found->original_tokens != num_tokens || !SameLayout(found->layout, layout) ||
+      found->original_tokens != num_tokens || found->layout != layout ||
       found->total_kept != layout.num_heads_total() * num_tokens) {
     return std::nullopt;
   }
   KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
   KVCOMP_ASSIGN_OR_RETURN(void* stored, rt->AllocDevice(found->stored_bytes));
-  struct Release {
-    GpuRuntime* rt;
-    void* p;
-    ~Release() { rt->FreeDevice(p); }
-  } release{rt, stored};
+  transport::ScopedDeviceMemory release(rt, stored);
   std::string why;
   KVCOMP_ASSIGN_OR_RETURN(std::optional<DeviceGetResult> got,
                           GetIntoDeviceOverUcx(*self_, model_id, key, stored,
@@ -658,7 +649,7 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::DenseOverUcxCuda(
   KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
   absl::StatusOr<format::DenseSections> dense = format::DenseKvSections(head, got->bytes);
   if (!dense.ok() || dense->info.original_tokens != num_tokens ||
-      !SameLayout(dense->info.layout, layout)) {
+      dense->info.layout != layout) {
     return std::nullopt;  // replaced meanwhile by another cache
   }
   const auto* from = static_cast<const uint8_t*>(stored);
@@ -1078,7 +1069,7 @@ absl::StatusOr<std::unique_ptr<DeviceGetStream>> GpuPath::OpenGetStream(
       if (absl::IsNotFound(e)) break;  // the data plane walks the ranking
       return e;
     }
-    if (!SameLayout(grant->layout, layout) || grant->num_tokens != num_tokens ||
+    if (grant->layout != layout || grant->num_tokens != num_tokens ||
         grant->payload_bytes != payload) {
       c.link->Abort();  // its sends are posted and will not be received
       Drop(*channel, absl::InvalidArgumentError("layout mismatch"));

@@ -126,22 +126,12 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
   };
 
   if (policy.value_codec != ValueCodec::kRaw) {
-    if (projection == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "kvsplice: value codec ", ValueCodecName(policy.value_codec),
-          " needs a calibrated projection (none given)"));
-    }
-    KVCOMP_RETURN_IF_ERROR(kvsplice_internal::CheckProjectionLayout(*projection, layout));
-    KVCOMP_ASSIGN_OR_RETURN(const std::vector<uint32_t> ranks,
-                            ChooseLayerRanks(policy, *projection));
-    const uint32_t rank = *std::max_element(ranks.begin(), ranks.end());
-    const bool uniform =
-        std::all_of(ranks.begin(), ranks.end(), [&](uint32_t r) { return r == ranks[0]; });
-    ValueCodecParams p;
-    p.codec = policy.value_codec;
-    p.rank = rank;
-    p.group_size = policy.group_size;
-    p.gamma_aware = policy.gamma_aware;
+    KVCOMP_ASSIGN_OR_RETURN(const kvsplice_internal::ValuePlan plan,
+                            kvsplice_internal::PlanValueCodec(policy, projection, layout));
+    const std::vector<uint32_t>& ranks = plan.ranks;
+    const ValueCodecParams& p = plan.params;
+    const uint32_t rank = p.rank;
+    const bool uniform = plan.uniform;
     const std::vector<kvsplice_internal::LayerRows> layers =
         kvsplice_internal::SplitLayers(offsets, layout.num_kv_heads, p, ranks);
     // KVSplice outliers: residuals per layer at its rank, the rows picked on the device.

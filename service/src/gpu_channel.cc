@@ -472,11 +472,7 @@ class GpuChannelsImpl : public GpuChannels {
           stored.status().ToString(), "); it goes through host memory");
       return std::optional<GpuGetBegun>();
     }
-    struct Release {
-      GpuRuntime* rt;
-      void* p;
-      ~Release() { rt->FreeDevice(p); }
-    } release{rt_, *stored};
+    transport::ScopedDeviceMemory release(rt_, *stored);
     KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
                             ReadOnDevice(*c, key, *stored, sum.stored_bytes));
     if (!meta.has_value()) return std::optional<GpuGetBegun>();
@@ -494,7 +490,7 @@ class GpuChannelsImpl : public GpuChannels {
     absl::StatusOr<format::DenseSections> dense =
         format::DenseKvSections(head, meta->stored_bytes);
     if (!dense.ok() || dense->info.original_tokens != out.num_tokens ||
-        !(dense->info.layout == out.layout)) {
+        dense->info.layout != out.layout) {
       return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
     }
     auto* base = static_cast<uint8_t*>(c->staging);

@@ -23,6 +23,25 @@ absl::Status CheckProjectionLayout(const Projection& p, const KvLayout& layout) 
   return absl::OkStatus();
 }
 
+absl::StatusOr<ValuePlan> PlanValueCodec(const CompressionPolicy& policy,
+                                         const Projection* projection, const KvLayout& layout) {
+  if (projection == nullptr) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "kvsplice: value codec %s needs a calibrated projection (none given)",
+        ValueCodecName(policy.value_codec)));
+  }
+  KVCOMP_RETURN_IF_ERROR(CheckProjectionLayout(*projection, layout));
+  ValuePlan plan;
+  KVCOMP_ASSIGN_OR_RETURN(plan.ranks, ChooseLayerRanks(policy, *projection));
+  plan.uniform = std::all_of(plan.ranks.begin(), plan.ranks.end(),
+                             [&](uint32_t r) { return r == plan.ranks[0]; });
+  plan.params.codec = policy.value_codec;
+  plan.params.rank = *std::max_element(plan.ranks.begin(), plan.ranks.end());
+  plan.params.group_size = policy.group_size;
+  plan.params.gamma_aware = policy.gamma_aware;
+  return plan;
+}
+
 std::vector<LayerRows> SplitLayers(const std::vector<uint64_t>& offsets, uint32_t kv_heads,
                                    const ValueCodecParams& base,
                                    const std::vector<uint32_t>& ranks) {
@@ -178,22 +197,12 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
   CodecOps& ops = backend.codec();
 
   if (policy.value_codec != ValueCodec::kRaw) {
-    if (projection == nullptr) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "kvsplice: value codec %s needs a calibrated projection (none given)",
-          ValueCodecName(policy.value_codec)));
-    }
-    KVCOMP_RETURN_IF_ERROR(CheckProjectionLayout(*projection, layout));
-    KVCOMP_ASSIGN_OR_RETURN(const std::vector<uint32_t> ranks,
-                            ChooseLayerRanks(policy, *projection));
-    const uint32_t rank = *std::max_element(ranks.begin(), ranks.end());
-    const bool uniform =
-        std::all_of(ranks.begin(), ranks.end(), [&](uint32_t r) { return r == ranks[0]; });
-    ValueCodecParams p;
-    p.codec = policy.value_codec;
-    p.rank = rank;
-    p.group_size = policy.group_size;
-    p.gamma_aware = policy.gamma_aware;
+    KVCOMP_ASSIGN_OR_RETURN(const kvsplice_internal::ValuePlan plan,
+                            kvsplice_internal::PlanValueCodec(policy, projection, layout));
+    const std::vector<uint32_t>& ranks = plan.ranks;
+    const ValueCodecParams& p = plan.params;
+    const uint32_t rank = p.rank;
+    const bool uniform = plan.uniform;
     KVCOMP_ASSIGN_OR_RETURN(std::vector<uint64_t> raw_rows,
                             PickRawValueRows(ops, *cache, *projection, ranks, policy));
     std::vector<uint8_t> raw_values(raw_rows.size() * DTypeBytes(layout.dtype, d));

@@ -1,6 +1,6 @@
-// Pieces of kvsplice.cc that the device codec stage (pipeline_stages.cc) shares: the layout
-// check of a projection, the split of a cache with per-layer ranks into layers, and the
-// KVSplice outlier rule's per-head row budget.
+// Pieces of kvsplice.cc that the device codec stage (pipeline_stages.cc) shares: the value
+// codec's plan (projection check, layer ranks, parameters), the split of a cache with per-layer
+// ranks into layers, and the KVSplice outlier rule's per-head row budget.
 #ifndef KVCOMP_KERNELS_SRC_CPU_KVSPLICE_INTERNAL_H_
 #define KVCOMP_KERNELS_SRC_CPU_KVSPLICE_INTERNAL_H_
 
@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/codec_ops.h"
@@ -18,6 +19,18 @@ namespace kvsplice_internal {
 
 // InvalidArgument unless the projection's layers, kv heads and head_dim are the layout's.
 absl::Status CheckProjectionLayout(const Projection& p, const KvLayout& layout);
+
+// How a policy's KVSplice value codec encodes a cache of a layout: each layer's rank
+// (ChooseLayerRanks), whether they are all equal, and the codec parameters at the largest.
+struct ValuePlan {
+  std::vector<uint32_t> ranks;
+  bool uniform = true;
+  ValueCodecParams params;  // params.rank is the largest layer rank
+};
+// FailedPrecondition without a projection; InvalidArgument when it does not fit the layout (or
+// from ChooseLayerRanks). `policy.value_codec` must not be raw.
+absl::StatusOr<ValuePlan> PlanValueCodec(const CompressionPolicy& policy,
+                                         const Projection* projection, const KvLayout& layout);
 
 // One layer of a cache whose layers have different latent ranks: its heads as a RowSpan (row
 // offsets rebased to 0), its first row, and where its latents and scales start.

@@ -149,6 +149,20 @@ class GpuRuntime {
   bool has_ipc_ = false;
 };
 
+// Device memory from GpuRuntime::AllocDevice, freed on scope exit.
+class ScopedDeviceMemory {
+ public:
+  ScopedDeviceMemory(GpuRuntime* rt, void* ptr) : rt_(rt), ptr_(ptr) {}
+  ~ScopedDeviceMemory() { rt_->FreeDevice(ptr_); }
+  ScopedDeviceMemory(const ScopedDeviceMemory&) = delete;
+  ScopedDeviceMemory& operator=(const ScopedDeviceMemory&) = delete;
+  void* get() const { return ptr_; }
+
+ private:
+  GpuRuntime* const rt_;
+  void* const ptr_;
+};
+
 // A two-rank NCCL communicator between this process and one peer, on one device of this
 // process. Payloads go as ncclSend / ncclRecv of bytes, enqueued on a caller's stream.
 class NcclLink {
