@@ -19,7 +19,7 @@ auto ToWire(T v) {
   if constexpr (std::is_enum_v<T>) {
     return std::string(PolicyEnum<T>::Name(v));
   } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-    return static_cast<int64_t>(v);
+    return static_cast<int64_t>(v);  // a uint64 keeps its bit pattern (see FromWire)
   } else {
     return v;
   }
@@ -32,6 +32,10 @@ absl::Status FromWire(const char* name, const W& w, T* out) {
     auto v = PolicyEnum<T>::Parse(w);
     if (!v.ok()) return Annotate(v.status(), absl::StrCat("policy: ", name));
     *out = *v;
+  } else if constexpr (std::is_same_v<T, uint64_t>) {
+    // Thrift has no unsigned type: a uint64 field travels as its bit pattern in an i64, so
+    // values from 2^63 up read as negative there and come back whole here.
+    *out = static_cast<uint64_t>(w);
   } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
     if (w < 0 || static_cast<uint64_t>(w) > std::numeric_limits<T>::max()) {
       return absl::InvalidArgumentError(absl::StrCat("policy: ", name, " ", w, " outside [0, ",

@@ -70,7 +70,7 @@ struct Policy {
   9: i64 window = 4096,
   10: i64 snapkv_window = 64,
   11: i64 snapkv_pool = 5,
-  12: i64 seed = 0,
+  12: i64 seed = 0,  // a uint64: its bit pattern (from 2^63 up it reads as negative here)
   13: i64 block_size = 0,
   14: bool moments = true,
   15: bool moment_aware = false,

@@ -44,6 +44,24 @@ TEST(PolicyMapping, ThriftCarriesEveryFieldBothWays) {
   EXPECT_EQ(*defaults, CompressionPolicy());
 }
 
+TEST(PolicyMapping, ThriftCarriesEverySeedAsItsBitPattern) {
+  for (uint64_t seed : {uint64_t{0}, uint64_t{1} << 63, std::numeric_limits<uint64_t>::max(),
+                        uint64_t{0xfedcba9876543210ull}}) {
+    CompressionPolicy p;
+    p.seed = seed;
+    const rpc::Policy r = PolicyToRpc(p);
+    EXPECT_EQ(static_cast<uint64_t>(r.seed), seed);
+    auto back = PolicyFromRpc(r);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->seed, seed);
+  }
+  rpc::Policy r;
+  r.seed = -5;  // a client that wrote 2^64 - 5 through an i64
+  auto p = PolicyFromRpc(r);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->seed, std::numeric_limits<uint64_t>::max() - 4);
+}
+
 TEST(PolicyMapping, ThriftValuesOutsideTheirFieldAreRefusedNamingIt) {
   struct Case {
     const char* field;
@@ -54,7 +72,6 @@ TEST(PolicyMapping, ThriftValuesOutsideTheirFieldAreRefusedNamingIt) {
       {"n_sink", [](rpc::Policy& r) { r.n_sink = -1; }, "outside [0, 4294967295]"},
       {"window", [](rpc::Policy& r) { r.window = int64_t{1} << 32; }, "outside [0, 4294967295]"},
       {"window", [](rpc::Policy& r) { r.window = 0; }, "at least 1"},
-      {"seed", [](rpc::Policy& r) { r.seed = -5; }, "outside"},
       {"ratio", [](rpc::Policy& r) { r.ratio = 1.0; }, "[0, 1)"},
       {"recent_fraction", [](rpc::Policy& r) { r.recent_fraction = -0.5; }, "[0, 1)"},
       {"rank", [](rpc::Policy& r) { r.value_codec = "orthogonal"; r.rank = 300; }, "[0, 256]"},
