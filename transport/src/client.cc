@@ -3,9 +3,11 @@
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -62,6 +64,56 @@ struct Pending {
 
 class ClientImpl;
 
+// Process-wide counts behind UcxClientStats().
+std::atomic<uint64_t> contexts_created{0};
+std::atomic<uint64_t> workers_created{0};
+std::atomic<uint64_t> workers_live{0};
+std::atomic<uint64_t> endpoints_created{0};
+std::atomic<uint64_t> endpoints_open{0};
+
+// The UCX context, worker and progress thread shared by every client of this process with the
+// same settings. A connection is an endpoint on it: connecting and reconnecting create and
+// close endpoints only. (UCX 1.13 aborts a process that created and destroyed a few thousand
+// workers while peers failed: a missed event of a released async handler reaching another
+// worker's handler.) Made at the first connection, kept until the process exits.
+//
+// Replies of all connections arrive at one active-message handler and are matched to their
+// request by id: request ids are unique among the outstanding requests of the worker.
+class ClientWorker {
+ public:
+  static absl::StatusOr<std::shared_ptr<ClientWorker>> Get(const ClientOptions& options);
+  ~ClientWorker();
+
+  WorkerLoop& loop() { return *loop_; }
+  // Ids the clients pick themselves; SendRawForTesting's (small, chosen by tests) stay clear.
+  uint64_t NextRequestId() { return next_request_id_.fetch_add(1); }
+
+  // ---- loop thread ----
+  void Add(std::shared_ptr<ClientImpl> client);
+  // Claims `request_id` for `client`: false while another outstanding request holds it.
+  bool Claim(uint64_t request_id, ClientImpl* client);
+  void Release(uint64_t request_id) { requests_.erase(request_id); }
+  // Drops `client` soon (after the running callback) if it is closed and done with UCX.
+  void ScheduleRemove(ClientImpl* client);
+
+ private:
+  ClientWorker() = default;
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+  static void ShutdownAll();
+  void Tick();
+  void RemoveIfDone(ClientImpl* client);
+  // Closes every connection at exit: endpoints closed, requests failed.
+  void CloseAll();
+
+  std::shared_ptr<WorkerLoop> loop_;
+  std::atomic<uint64_t> next_request_id_{uint64_t{1} << 32};
+  // Loop-thread state: the clients with an endpoint open or closing, and who owns each
+  // outstanding request id.
+  absl::flat_hash_map<ClientImpl*, std::shared_ptr<ClientImpl>> clients_;
+  absl::flat_hash_map<uint64_t, ClientImpl*> requests_;
+};
+
 struct RecvContext {
   ClientImpl* client;
   uint64_t request_id;
@@ -78,10 +130,10 @@ absl::Status CopyToDevice(void* dst, const void* src, size_t n) {
   return rt->WaitStream(nullptr, absl::Now() + absl::Seconds(30));
 }
 
-class ClientImpl : public UcxClient {
+class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientImpl> {
  public:
-  explicit ClientImpl(const ClientOptions& options) : options_(options) {}
-  ~ClientImpl() override { Close(); }
+  ClientImpl(const ClientOptions& options, std::shared_ptr<ClientWorker> worker)
+      : options_(options), worker_(std::move(worker)) {}
 
   absl::Status Connect(const Endpoint& endpoint, absl::string_view tenant,
                        absl::string_view token);
@@ -110,14 +162,24 @@ class ClientImpl : public UcxClient {
   void Close() override;
 
   // ---- loop thread ----
-  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
-                           size_t length, const ucp_am_recv_param_t* param);
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
   static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data);
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static void OnEpClosed(void* request, ucs_status_t status, void* user_data);
+  void ReplyArrived(const void* header, size_t header_length, void* data, size_t length,
+                    bool rndv);
+  void Tick();
+  // Starts closing: outstanding requests fail with `why` (their callbacks run once UCX lets go
+  // of them), the endpoint is closed.
+  void BeginClose(const absl::Status& why);
+  // Closed, the endpoint's close complete and no request outstanding.
+  bool Done() const { return closing_ && !ep_open_ && pending_.empty(); }
+  // Delivers every outstanding request's failure now (at exit, whatever UCX still holds).
+  void AbandonAll();
+  void NotifyClosed();
 
  private:
-  uint64_t NextRequestId() { return next_request_id_.fetch_add(1); }
+  uint64_t NextRequestId() { return worker_->NextRequestId(); }
   // Queues `p` for sending; its callback runs on the loop thread exactly once.
   void Submit(std::unique_ptr<Pending> p);
   // Sends `frame` with no payload and waits for the reply.
@@ -130,36 +192,40 @@ class ClientImpl : public UcxClient {
 
   void StartSend(Pending* p);
   void SendCompleted(uint64_t request_id, ucs_status_t status);
-  void ReplyArrived(const void* header, size_t header_length, void* data, size_t length,
-                    bool rndv);
   void ReplyPayloadDone(RecvContext* ctx, ucs_status_t status);
   // Finishes a pending request whose reply (or failure) is complete.
   void MaybeComplete(uint64_t request_id);
   void Fail(uint64_t request_id, absl::Status status);
-  void FailAll(const absl::Status& status);
-  void Tick();
+  // Removes a request from the outstanding ones (and its id from the worker's).
+  std::unique_ptr<Pending> Take(absl::flat_hash_map<uint64_t, std::unique_ptr<Pending>>::iterator it);
+  // Closes the endpoint (forced: what UCX holds of it is cancelled).
+  void CloseEndpoint();
+  void EndpointClosed();
+  // FailedPrecondition on the worker's progress thread, where a synchronous call would wait for
+  // itself (a SendBlockAsync callback).
+  absl::Status CheckNotLoopThread(absl::string_view what) const;
 
   const ClientOptions options_;
-  std::shared_ptr<WorkerLoop> loop_;
-  ucp_ep_h ep_ = nullptr;
+  const std::shared_ptr<ClientWorker> worker_;
   wire::HelloOk hello_ok_;
   std::atomic<bool> connected_{false};
-  std::atomic<uint64_t> next_request_id_{1};
   std::atomic<uint64_t> next_put_id_{1};
   absl::Mutex close_mu_;
-  bool closed_ = false;
+  bool registered_ ABSL_GUARDED_BY(close_mu_) = false;  // the endpoint was made
+  bool closed_ ABSL_GUARDED_BY(close_mu_) = false;
 
   // Loop-thread state.
+  ucp_ep_h ep_ = nullptr;
+  bool ep_open_ = false;  // made, its close not yet complete
   absl::flat_hash_map<uint64_t, std::unique_ptr<Pending>> pending_;
   absl::Status broken_;  // why the connection is gone; OK while usable
-  void* close_request_ = nullptr;
+  bool closing_ = false;  // Close() ran on the loop
+  std::shared_ptr<absl::Notification> closed_note_;  // notified once Done()
 };
 
 absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view tenant,
                                  absl::string_view token) {
-  KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(options_.ucx, options_.poll_spin));
-  KVCOMP_RETURN_IF_ERROR(loop_->SetAmHandler(wire::kAmIdReply, &ClientImpl::OnAm, this));
-
+  KVCOMP_RETURN_IF_ERROR(CheckNotLoopThread("connect"));
   addrinfo hints = {};
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
@@ -183,14 +249,31 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
   ep.err_mode =
       options_.ucx.peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = &ClientImpl::OnEpError;
-  ep.err_handler.arg = this;
-  const ucs_status_t s = ucp_ep_create(loop_->worker(), &ep, &ep_);
+  ep.err_handler.arg = this;  // alive while the endpoint is: the worker holds it until closed
+  ucs_status_t s = UCS_ERR_CANCELED;
+  absl::Notification made;
+  const bool posted = worker_->loop().Post([this, self = shared_from_this(), &ep, &s, &made] {
+    s = ucp_ep_create(worker_->loop().worker(), &ep, &ep_);
+    if (s == UCS_OK) {
+      ep_open_ = true;
+      endpoints_created.fetch_add(1);
+      endpoints_open.fetch_add(1);
+      worker_->Add(std::move(self));
+    }
+    made.Notify();
+  });
+  if (posted) made.WaitForNotification();
   freeaddrinfo(res);
+  if (!posted) {
+    return absl::UnavailableError(
+        absl::StrCat("connect ", endpoint.ToString(), ": the process is exiting"));
+  }
   if (s != UCS_OK) return UcsStatusToStatus(s, absl::StrCat("connect ", endpoint.ToString()));
+  {
+    absl::MutexLock l(&close_mu_);
+    registered_ = true;
+  }
   connected_.store(true);
-  const absl::Duration tick =
-      std::max(absl::Milliseconds(1), std::min(absl::Milliseconds(20), options_.max_busy_backoff));
-  loop_->Start([this] { Tick(); }, tick);
 
   if (!options_.send_hello) return absl::OkStatus();
   wire::Hello hello;
@@ -224,7 +307,7 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
   if (std::getenv("KVCOMP_UCX_EP_INFO") != nullptr) {
     // Which UCX transports carry which lanes of this connection (diagnostics).
     absl::Notification printed;
-    if (loop_->Post([this, &printed] {
+    if (worker_->loop().Post([this, &printed] {
           if (ep_ != nullptr) ucp_ep_print_info(ep_, stderr);
           printed.Notify();
         })) {
@@ -235,38 +318,102 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
 }
 
 void ClientImpl::Close() {
-  absl::MutexLock l(&close_mu_);
-  if (closed_ || loop_ == nullptr) return;
-  closed_ = true;
-  loop_->Shutdown([this] {
-    if (broken_.ok()) broken_ = absl::UnavailableError("client closed");
-    if (ep_ != nullptr) {
-      ucp_request_param_t p = {};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      close_request_ = ucp_ep_close_nbx(ep_, &p);
-      ep_ = nullptr;
-    }
-    if (UCS_PTR_IS_PTR(close_request_)) {
-      loop_->ProgressUntil(
-          [this] { return ucp_request_check_status(close_request_) != UCS_INPROGRESS; },
-          absl::Seconds(2));
-      ucp_request_free(close_request_);
-      close_request_ = nullptr;
-    }
-    FailAll(absl::UnavailableError("client closed"));
-  });
+  {
+    absl::MutexLock l(&close_mu_);
+    if (closed_ || !registered_) return;
+    closed_ = true;
+  }
   connected_.store(false);
+  auto closed = std::make_shared<absl::Notification>();
+  const bool posted = worker_->loop().Post([self = shared_from_this(), closed] {
+    self->closed_note_ = closed;
+    self->BeginClose(absl::UnavailableError("client closed"));
+    self->worker_->ScheduleRemove(self.get());
+  });
+  // On the progress thread (a callback closing a client) there is nothing to wait for: the
+  // close completes after the callback returns.
+  if (!posted || worker_->loop().InLoopThread()) return;
+  // UCX completes a forced close at once in practice; past this bound the endpoint finishes
+  // closing in the background.
+  closed->WaitForNotificationWithTimeout(absl::Seconds(2));
+}
+
+void ClientImpl::BeginClose(const absl::Status& why) {
+  closing_ = true;
+  if (broken_.ok()) broken_ = why;
+  std::vector<uint64_t> ids;
+  for (const auto& [id, p] : pending_) ids.push_back(id);
+  for (uint64_t id : ids) Fail(id, why);
+  CloseEndpoint();
+}
+
+void ClientImpl::CloseEndpoint() {
+  if (ep_ == nullptr) return;
+  ucp_request_param_t p = {};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  p.cb.send = &ClientImpl::OnEpClosed;
+  p.user_data = this;
+  ucp_ep_h ep = ep_;
+  ep_ = nullptr;
+  void* req = ucp_ep_close_nbx(ep, &p);
+  if (!UCS_PTR_IS_PTR(req)) EndpointClosed();
+}
+
+void ClientImpl::OnEpClosed(void* request, ucs_status_t status, void* user_data) {
+  ucp_request_free(request);
+  static_cast<ClientImpl*>(user_data)->EndpointClosed();
+}
+
+void ClientImpl::EndpointClosed() {
+  if (!ep_open_) return;
+  ep_open_ = false;
+  endpoints_open.fetch_sub(1);
+  if (closing_) worker_->ScheduleRemove(this);
+}
+
+void ClientImpl::NotifyClosed() {
+  if (closed_note_ != nullptr) closed_note_->Notify();
+  closed_note_.reset();
+}
+
+void ClientImpl::AbandonAll() {
+  while (!pending_.empty()) {
+    std::unique_ptr<Pending> p = Take(pending_.begin());
+    p->callback(p->failure.ok() ? broken_ : p->failure);
+  }
+}
+
+std::unique_ptr<Pending> ClientImpl::Take(
+    absl::flat_hash_map<uint64_t, std::unique_ptr<Pending>>::iterator it) {
+  std::unique_ptr<Pending> p = std::move(it->second);
+  pending_.erase(it);
+  worker_->Release(p->request_id);
+  if (closing_ && pending_.empty()) worker_->ScheduleRemove(this);
+  return p;
+}
+
+absl::Status ClientImpl::CheckNotLoopThread(absl::string_view what) const {
+  if (!worker_->loop().InLoopThread()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, " on the client's progress thread (from a SendBlockAsync callback) would wait for "
+            "itself; call it from another thread"));
 }
 
 // ---- request plumbing ----
 
 void ClientImpl::Submit(std::unique_ptr<Pending> p) {
   std::shared_ptr<Pending> holder(p.release());
-  const bool posted = loop_->Post([this, holder]() mutable {
+  const bool posted = worker_->loop().Post([this, self = shared_from_this(), holder]() mutable {
     auto p = std::make_unique<Pending>(std::move(*holder));
     if (!broken_.ok()) {
       p->callback(broken_);
+      return;
+    }
+    if (!worker_->Claim(p->request_id, this)) {
+      p->callback(absl::AlreadyExistsError(absl::StrCat(
+          "request id ", p->request_id, " is in use by another outstanding request")));
       return;
     }
     Pending* raw = p.get();
@@ -352,26 +499,13 @@ void ClientImpl::Fail(uint64_t request_id, absl::Status status) {
   MaybeComplete(request_id);  // waits while UCX still references the request's memory
 }
 
-void ClientImpl::FailAll(const absl::Status& status) {
-  std::vector<uint64_t> ids;
-  for (const auto& [id, p] : pending_) ids.push_back(id);
-  for (uint64_t id : ids) {
-    auto it = pending_.find(id);
-    if (it == pending_.end()) continue;
-    std::unique_ptr<Pending> p = std::move(it->second);
-    pending_.erase(it);
-    p->callback(status);
-  }
-}
-
 void ClientImpl::MaybeComplete(uint64_t request_id) {
   auto it = pending_.find(request_id);
   if (it == pending_.end()) return;
   Pending& p = *it->second;
   if (p.sending || p.receiving) return;
   if (!p.failure.ok()) {
-    std::unique_ptr<Pending> failed = std::move(it->second);
-    pending_.erase(it);
+    std::unique_ptr<Pending> failed = Take(it);
     failed->callback(std::move(failed->failure));
     return;
   }
@@ -398,8 +532,7 @@ void ClientImpl::MaybeComplete(uint64_t request_id) {
     Fail(request_id, s.ok() ? p.busy : s);
     return;
   }
-  std::unique_ptr<Pending> done = std::move(it->second);
-  pending_.erase(it);
+  std::unique_ptr<Pending> done = Take(it);
   done->callback(std::move(*done->reply));
 }
 
@@ -433,27 +566,17 @@ void ClientImpl::Tick() {
 
 void ClientImpl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
   auto* self = static_cast<ClientImpl*>(arg);
+  if (ep != self->ep_) return;  // an endpoint already being closed
   self->connected_.store(false);
-  if (!self->broken_.ok()) return;
-  self->broken_ = absl::UnavailableError(
-      absl::StrCat("connection lost: UCX: ", ucs_status_string(status)));
+  if (self->broken_.ok()) {
+    self->broken_ = absl::UnavailableError(
+        absl::StrCat("connection lost: UCX: ", ucs_status_string(status)));
+  }
   std::vector<uint64_t> ids;
   for (const auto& [id, p] : self->pending_) ids.push_back(id);
   for (uint64_t id : ids) self->Fail(id, self->broken_);
   // Closing cancels what UCX still holds, which completes the failed requests.
-  ucp_request_param_t p = {};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  self->close_request_ = ucp_ep_close_nbx(self->ep_, &p);
-  self->ep_ = nullptr;
-}
-
-ucs_status_t ClientImpl::OnAm(void* arg, const void* header, size_t header_length, void* data,
-                              size_t length, const ucp_am_recv_param_t* param) {
-  auto* self = static_cast<ClientImpl*>(arg);
-  self->ReplyArrived(header, header_length, data, length,
-                     (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0);
-  return UCS_OK;
+  self->CloseEndpoint();
 }
 
 void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* data,
@@ -461,7 +584,7 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
   const absl::string_view hv(static_cast<const char*>(header), header_length);
   absl::StatusOr<wire::Frame> f = wire::ParseFrame(hv, length);
   if (!f.ok()) {
-    if (rndv) DropRendezvous(loop_->worker(), data);
+    if (rndv) DropRendezvous(worker_->loop().worker(), data);
     const uint64_t rid = wire::PeekRequestId(hv);
     if (rid != 0) Fail(rid, Annotate(f.status(), "malformed reply"));
     return;
@@ -469,7 +592,7 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
   auto it = pending_.find(f->header.request_id);
   if (it == pending_.end() || it->second->reply != nullptr || it->second->receiving ||
       !it->second->failure.ok()) {
-    if (rndv) DropRendezvous(loop_->worker(), data);
+    if (rndv) DropRendezvous(worker_->loop().worker(), data);
     return;  // late reply of a request that already failed
   }
   Pending& p = *it->second;
@@ -482,13 +605,13 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
     return;
   }
   if (f->header.type != wire::MessageType::kGetReply) {
-    if (rndv) DropRendezvous(loop_->worker(), data);
+    if (rndv) DropRendezvous(worker_->loop().worker(), data);
     Fail(p.request_id, absl::DataLossError("reply carries an unexpected payload"));
     return;
   }
   if (p.dst != nullptr) {
     if (length > p.capacity) {
-      if (rndv) DropRendezvous(loop_->worker(), data);
+      if (rndv) DropRendezvous(worker_->loop().worker(), data);
       Fail(p.request_id, absl::OutOfRangeError(absl::StrFormat(
                              "cache of %u bytes does not fit the %u-byte buffer", length,
                              p.capacity)));
@@ -521,7 +644,7 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
     // The caller's memory, registered through UCX's registration cache as for sends.
     if (absl::Status bound = BindDeviceContext(ctx->reply->payload.data()); !bound.ok()) {
       delete ctx;
-      DropRendezvous(loop_->worker(), data);
+      DropRendezvous(worker_->loop().worker(), data);
       Fail(p.request_id, Annotate(bound, "receive into device memory"));
       return;
     }
@@ -530,7 +653,8 @@ void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* da
   }
   p.receiving = true;
   void* req =
-      ucp_am_recv_data_nbx(loop_->worker(), data, ctx->reply->payload.data(), length, &param);
+      ucp_am_recv_data_nbx(worker_->loop().worker(), data, ctx->reply->payload.data(), length,
+                           &param);
   if (req == nullptr) {
     ReplyPayloadDone(ctx, UCS_OK);
   } else if (UCS_PTR_IS_ERR(req)) {
@@ -560,6 +684,7 @@ void ClientImpl::ReplyPayloadDone(RecvContext* raw, ucs_status_t status) {
 // ---- synchronous calls ----
 
 absl::StatusOr<Reply> ClientImpl::Wait(std::unique_ptr<Pending> p) {
+  KVCOMP_RETURN_IF_ERROR(CheckNotLoopThread("a synchronous call"));
   absl::Notification done;
   absl::StatusOr<Reply> result = absl::UnknownError("no reply");
   p->callback = [&done, &result](absl::StatusOr<Reply> r) {
@@ -626,7 +751,7 @@ absl::StatusOr<uint64_t> ClientImpl::PutBegin(const wire::PutBegin& begin) {
 }
 
 absl::Status ClientImpl::DevicePayloads() const {
-  if (!loop_->cuda_memory()) {
+  if (!worker_->loop().cuda_memory()) {
     return absl::FailedPreconditionError(
         "this client's UCX has no CUDA memory support (no cuda_copy / cuda_ipc transports; "
         "Debian's UCX is built without CUDA)");
@@ -697,6 +822,7 @@ void ClientImpl::SendBlockAsync(const wire::Block& block, const void* keys, cons
 
 absl::Status ClientImpl::SendBlock(const wire::Block& block, const void* keys,
                                    const void* values, MemoryType memory) {
+  KVCOMP_RETURN_IF_ERROR(CheckNotLoopThread("SendBlock"));
   absl::Notification n;
   absl::Status result;
   SendBlockAsync(
@@ -764,7 +890,7 @@ absl::StatusOr<size_t> ClientImpl::GetInto(absl::string_view model_id, absl::str
                                            wire::Representation representation, void* dst,
                                            size_t capacity, MemoryType memory) {
   if (dst == nullptr && capacity > 0) return absl::InvalidArgumentError("GetInto: null buffer");
-  if (memory == MemoryType::kCuda && !loop_->cuda_memory()) {
+  if (memory == MemoryType::kCuda && !worker_->loop().cuda_memory()) {
     return absl::FailedPreconditionError(
         "GetInto: this UCX build is not CUDA-aware (Debian's UCX is built without CUDA); "
         "receive into host memory and copy to the GPU");
@@ -822,15 +948,223 @@ absl::StatusOr<RawReply> ClientImpl::SendRawForTesting(uint64_t request_id, std:
   return raw;
 }
 
+// ---- the shared worker ----
+
+struct WorkerRegistry {
+  absl::Mutex mu;
+  bool exiting ABSL_GUARDED_BY(mu) = false;
+  bool at_exit_registered ABSL_GUARDED_BY(mu) = false;
+  std::map<std::string, std::shared_ptr<ClientWorker>> workers ABSL_GUARDED_BY(mu);
+};
+
+WorkerRegistry& Registry() {
+  static WorkerRegistry* const registry = new WorkerRegistry();  // never destroyed: see ShutdownAll
+  return *registry;
+}
+
+absl::Duration TickPeriod(const ClientOptions& options) {
+  return std::max(absl::Milliseconds(1),
+                  std::min(absl::Milliseconds(20), options.max_busy_backoff));
+}
+
+absl::StatusOr<std::shared_ptr<ClientWorker>> ClientWorker::Get(const ClientOptions& options) {
+  const absl::Duration tick = TickPeriod(options);
+  // Clients share a worker where its context and thread would be set up alike.
+  std::string key = absl::StrCat("poll_spin=", absl::FormatDuration(options.poll_spin),
+                                 ";tick=", absl::FormatDuration(tick));
+  for (const auto& [name, value] : options.ucx.overrides) {
+    absl::StrAppend(&key, ";", name.size(), ":", name, "=", value.size(), ":", value);
+  }
+  WorkerRegistry& r = Registry();
+  absl::MutexLock l(&r.mu);
+  if (r.exiting) return absl::UnavailableError("the process is exiting");
+  auto it = r.workers.find(key);
+  if (it != r.workers.end()) return it->second;
+  std::shared_ptr<ClientWorker> w(new ClientWorker());
+  KVCOMP_ASSIGN_OR_RETURN(w->loop_, WorkerLoop::Create(options.ucx, options.poll_spin));
+  contexts_created.fetch_add(1);
+  workers_created.fetch_add(1);
+  workers_live.fetch_add(1);
+  KVCOMP_RETURN_IF_ERROR(
+      w->loop_->SetAmHandler(wire::kAmIdReply, &ClientWorker::OnAm, w.get()));
+  ClientWorker* raw = w.get();
+  w->loop_->Start([raw] { raw->Tick(); }, tick);
+  if (!r.at_exit_registered) {
+    // Before UCX's own teardown at exit (registered earlier, so run later): the progress
+    // threads stop and the endpoints close while UCX is whole.
+    std::atexit(&ClientWorker::ShutdownAll);
+    r.at_exit_registered = true;
+  }
+  r.workers.emplace(key, w);
+  return w;
+}
+
+void ClientWorker::ShutdownAll() {
+  std::map<std::string, std::shared_ptr<ClientWorker>> workers;
+  {
+    WorkerRegistry& r = Registry();
+    absl::MutexLock l(&r.mu);
+    r.exiting = true;
+    workers.swap(r.workers);
+  }
+  for (auto& [key, w] : workers) {
+    ClientWorker* raw = w.get();
+    w->loop_->Shutdown([raw] { raw->CloseAll(); });
+  }
+  // A worker that no client holds any more is destroyed here; one held by a client that is
+  // still alive goes with that client.
+}
+
+ClientWorker::~ClientWorker() {
+  if (loop_ == nullptr) return;  // WorkerLoop::Create failed
+  loop_->Shutdown([this] { CloseAll(); });
+  loop_.reset();
+  workers_live.fetch_sub(1);
+}
+
+void ClientWorker::Add(std::shared_ptr<ClientImpl> client) {
+  ClientImpl* raw = client.get();
+  clients_.emplace(raw, std::move(client));
+}
+
+bool ClientWorker::Claim(uint64_t request_id, ClientImpl* client) {
+  return requests_.emplace(request_id, client).second;
+}
+
+void ClientWorker::ScheduleRemove(ClientImpl* client) {
+  // Run later, outside the callback that asked: removing may destroy the client.
+  loop_->Post([this, client] { RemoveIfDone(client); });
+}
+
+void ClientWorker::RemoveIfDone(ClientImpl* client) {
+  auto it = clients_.find(client);
+  if (it == clients_.end() || !it->second->Done()) return;
+  std::shared_ptr<ClientImpl> c = std::move(it->second);
+  clients_.erase(it);
+  c->NotifyClosed();
+}
+
+void ClientWorker::Tick() {
+  std::vector<std::shared_ptr<ClientImpl>> clients;
+  clients.reserve(clients_.size());
+  for (const auto& [raw, c] : clients_) clients.push_back(c);
+  for (const auto& c : clients) {
+    c->Tick();
+    if (c->Done()) RemoveIfDone(c.get());
+  }
+}
+
+void ClientWorker::CloseAll() {
+  std::vector<std::shared_ptr<ClientImpl>> clients;
+  for (const auto& [raw, c] : clients_) clients.push_back(c);
+  for (const auto& c : clients) {
+    c->BeginClose(absl::UnavailableError("client closed: the process is exiting"));
+  }
+  loop_->ProgressUntil(
+      [&clients] {
+        return std::all_of(clients.begin(), clients.end(),
+                           [](const std::shared_ptr<ClientImpl>& c) { return c->Done(); });
+      },
+      absl::Seconds(2));
+  for (const auto& c : clients) {
+    c->AbandonAll();
+    c->NotifyClosed();
+  }
+  clients_.clear();
+  requests_.clear();
+}
+
+ucs_status_t ClientWorker::OnAm(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<ClientWorker*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  const uint64_t rid =
+      wire::PeekRequestId(absl::string_view(static_cast<const char*>(header), header_length));
+  auto it = self->requests_.find(rid);
+  if (it == self->requests_.end()) {
+    // A late reply of a request that already failed, or one no request of ours matches.
+    if (rndv) DropRendezvous(self->loop_->worker(), data);
+    return UCS_OK;
+  }
+  it->second->ReplyArrived(header, header_length, data, length, rndv);
+  return UCS_OK;
+}
+
+// What callers hold: closes the connection when dropped. The connection itself lives on while
+// UCX still references it (its endpoint closing, its requests completing).
+class ClientHandle : public UcxClient {
+ public:
+  explicit ClientHandle(std::shared_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}
+  ~ClientHandle() override { impl_->Close(); }
+
+  const wire::HelloOk& server_info() const override { return impl_->server_info(); }
+  bool connected() const override { return impl_->connected(); }
+  absl::Status DevicePayloads() const override { return impl_->DevicePayloads(); }
+  absl::StatusOr<uint64_t> PutBegin(const wire::PutBegin& begin) override {
+    return impl_->PutBegin(begin);
+  }
+  absl::Status SendBlock(const wire::Block& block, const void* keys, const void* values,
+                         MemoryType memory) override {
+    return impl_->SendBlock(block, keys, values, memory);
+  }
+  void SendBlockAsync(const wire::Block& block, const void* keys, const void* values,
+                      absl::AnyInvocable<void(absl::Status)> done, MemoryType memory) override {
+    impl_->SendBlockAsync(block, keys, values, std::move(done), memory);
+  }
+  absl::StatusOr<wire::CacheSummary> PutCommit(uint64_t put_id, uint64_t num_blocks) override {
+    return impl_->PutCommit(put_id, num_blocks);
+  }
+  absl::Status PutAbort(uint64_t put_id) override { return impl_->PutAbort(put_id); }
+  absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
+                                   wire::Representation representation) override {
+    return impl_->Get(model_id, key, representation);
+  }
+  absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
+                                 wire::Representation representation, void* dst,
+                                 size_t capacity, MemoryType memory) override {
+    return impl_->GetInto(model_id, key, representation, dst, capacity, memory);
+  }
+  absl::StatusOr<wire::CacheSummary> Lookup(absl::string_view model_id,
+                                            absl::string_view key) override {
+    return impl_->Lookup(model_id, key);
+  }
+  absl::Status Delete(absl::string_view model_id, absl::string_view key) override {
+    return impl_->Delete(model_id, key);
+  }
+  absl::Status Ping() override { return impl_->Ping(); }
+  absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
+                                             absl::string_view payload) override {
+    return impl_->SendRawForTesting(request_id, std::move(frame), payload);
+  }
+  void Close() override { impl_->Close(); }
+
+ private:
+  const std::shared_ptr<ClientImpl> impl_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& endpoint,
                                                               absl::string_view tenant,
                                                               absl::string_view token,
                                                               const ClientOptions& options) {
-  auto client = std::make_unique<ClientImpl>(options);
-  KVCOMP_RETURN_IF_ERROR(client->Connect(endpoint, tenant, token));
-  return std::unique_ptr<UcxClient>(std::move(client));
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<ClientWorker> worker, ClientWorker::Get(options));
+  auto client = std::make_shared<ClientImpl>(options, std::move(worker));
+  if (absl::Status s = client->Connect(endpoint, tenant, token); !s.ok()) {
+    client->Close();
+    return s;
+  }
+  return std::unique_ptr<UcxClient>(new ClientHandle(std::move(client)));
+}
+
+UcxClientStats GetUcxClientStats() {
+  UcxClientStats s;
+  s.contexts_created = contexts_created.load();
+  s.workers_created = workers_created.load();
+  s.workers_live = workers_live.load();
+  s.endpoints_created = endpoints_created.load();
+  s.endpoints_open = endpoints_open.load();
+  return s;
 }
 
 }  // namespace transport

@@ -18,6 +18,13 @@
 // that the DNS says has no address leaves no members, and calls then fail with Unavailable
 // saying so until it has some again.
 //
+// Connections: a Client opens one data-plane connection per endpoint it uses, when first
+// needed, and a new one after that connection fails (reconnecting). Every connection of the
+// process, of all its Clients, is a UCX endpoint on one UCX context and worker shared by all
+// (one per distinct ucx_overrides), made at the first connection and kept until the process
+// exits: reconnecting, or making and dropping Clients, creates and closes endpoints only, so a
+// process may reconnect without bound. One progress thread serves them all.
+//
 // Threads: every method is thread-safe; a Client may be shared by all threads of a process.
 // A PutStream belongs to one thread at a time.
 //

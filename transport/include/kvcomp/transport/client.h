@@ -1,10 +1,19 @@
 // UcxClient: one authenticated UCX connection to one kvcompd (docs/protocol.md). The SDK
 // (kvcomp::client) builds sharding, replicas and reconnection on top of it.
 //
-// Threads: the client owns a UCX worker driven by its own progress thread. Every method is
-// thread-safe; several threads may run requests at once, including blocks of the same put
-// (pipelining: keep several SendBlockAsync in flight for throughput). Synchronous methods block
-// the caller until the reply, the request timeout or the connection failing.
+// Connections: every client of a process with the same UCX settings (ClientOptions::ucx,
+// poll_spin, max_busy_backoff) shares one UCX context and one worker, made at the first Connect
+// and kept until the process exits; a connection is an endpoint on that worker, created by
+// Connect and closed by Close. Reconnecting (a new Connect after a failure) creates endpoints
+// only, never contexts or workers (GetUcxClientStats counts them).
+//
+// Threads: the shared worker is driven by one progress thread. Every method is thread-safe;
+// several threads may run requests at once, on one client or several, including blocks of the
+// same put (pipelining: keep several SendBlockAsync in flight for throughput). Synchronous
+// methods block the caller until the reply, the request timeout or the connection failing.
+// Callbacks (SendBlockAsync's `done`) run on the progress thread, which all the process's
+// clients share: keep them short; synchronous calls and Connect made there fail with
+// FailedPrecondition (they would wait for the thread they run on).
 //
 // Errors: the server's status as sent (code and message); Unavailable when the connection is
 // lost or closed (the client stays unusable: connect again); DeadlineExceeded when a request
@@ -136,10 +145,22 @@ class UcxClient {
   virtual absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
                                                      absl::string_view payload) = 0;
 
-  // Closes the connection; pending requests fail with Unavailable. Idempotent; the destructor
+  // Closes the connection (its endpoint; the shared worker stays); pending requests fail with
+  // Unavailable. Waits up to 2 s for UCX to let go of the endpoint (it continues in the
+  // background past that; on the progress thread it does not wait). Idempotent; the destructor
   // calls it.
   virtual void Close() = 0;
 };
+
+// Counts of the UCX resources this process's clients made, since the process started.
+struct UcxClientStats {
+  uint64_t contexts_created = 0;   // ucp contexts: one per distinct UCX setting
+  uint64_t workers_created = 0;    // ucp workers (and progress threads): as many
+  uint64_t workers_live = 0;       // workers not yet destroyed
+  uint64_t endpoints_created = 0;  // one per successful Connect's endpoint
+  uint64_t endpoints_open = 0;     // endpoints made and not yet completely closed
+};
+UcxClientStats GetUcxClientStats();
 
 }  // namespace transport
 }  // namespace kvcomp
