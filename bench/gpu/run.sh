@@ -28,8 +28,9 @@
 #                      tier), the end-to-end benchmark
 #                      (KVCOMP_DAEMON_BENCH_TOKENS, default "8192 32768"; KVCOMP_DAEMON_BACKENDS,
 #                      default cuda, "cuda cpu" adds the CPU backend at KVCOMP_DAEMON_CPU_TOKENS,
-#                      default 8192) and the pipeline benchmark (KVCOMP_PIPELINE_ARGS); logs
-#                      in daemon.log
+#                      default 8192), its KVSplice case (kvcompd_bench --kvsplice at
+#                      KVCOMP_DAEMON_KVSPLICE_TOKENS, default "8192 32768") and the pipeline
+#                      benchmark (KVCOMP_PIPELINE_ARGS); logs in daemon.log
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
 # Local use (no device): OUT=/tmp/out bash bench/gpu/run.sh
 set -uo pipefail
@@ -336,6 +337,22 @@ print(f"e2e     {sys.argv[2]:4s} {int(sys.argv[3]):6d} tok: {orig/1e9:.2f} GB ->
       f"{(comp + stages['download'] / puts) / saved_s * 100:.0f}%")
 PY
           done
+        done
+        # The KVSplice case (kvcompd_bench --kvsplice) on the CUDA backend and the GPU tier: an
+        # earlier request stored with raw values, the SDK's Calibrate (error budget 0.1), then the
+        # same cache put with the default eviction and with int8 keys + KVSplice values; bytes,
+        # the daemon's stages per put, h2d/d2h bytes, gets as stored and decoded, the decoded
+        # values checked. KVCOMP_DAEMON_KVSPLICE_TOKENS (default "8192 32768"; "" skips it).
+        for tokens in ${KVCOMP_DAEMON_KVSPLICE_TOKENS-8192 32768}; do
+          echo "### kvcompd_bench --kvsplice cuda $tokens" >>"$DLOG"
+          klog=$TMPD/bench-kvsplice-$tokens.yaml
+          KVCOMP_ENGINE_BACKEND=cuda timeout 300 "$BUNDLE/bin/kvcompd_bench" \
+            --kvcompd "$BUNDLE/bin/kvcompd" --tls tcp --kvsplice --tokens "$tokens" \
+            --gets "${KVCOMP_DAEMON_KVSPLICE_GETS:-5}" -- --engine.backend=cuda \
+            --storage.put_tier=device --storage.device_capacity_bytes=32Gi >"$klog" 2>>"$DLOG" ||
+            note "bench   kvcompd_bench --kvsplice $tokens exited $?"
+          cat "$klog" >>"$DLOG"
+          grep '^RESULT' "$klog" | sed 's/^RESULT /e2e-ks  /' >>"$SUMMARY"
         done
       fi
       if [[ "$PARTS" == *" pipeline "* ]] && [ -x "$BUNDLE/bin/kvcomp_bench_gpu_pipeline" ]; then
