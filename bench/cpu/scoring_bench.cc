@@ -1,6 +1,8 @@
 // CPU benchmark of Engine I: score + select + compact of one layer, 8 kv heads,
-// head_dim 128, bf16, 8K / 64K / 128K tokens, ratio 0.5, for knorm, keydiff, manifold and
-// windowed_manifold, on 1 thread and on every core. Bytes are bytes moved (read + written): the
+// head_dim 128, bf16, 8K / 64K / 128K tokens, ratio 0.5, for knorm, keydiff, manifold,
+// windowed_manifold and streaming, on 1 thread and on every core; the mean-based scorers also
+// given the keys' sums (ScoreParams::key_sums, as kvcompd's assembler makes them while it puts a
+// layer's blocks together), so that they read K once. Bytes are bytes moved (read + written): the
 // op's minimal bytes are read K and V once and write the kept K and V; memcpy's are read K and V
 // and write them. The op's benchmark also times a memcpy of the same K and V right after each
 // iteration (timing paused, same threads) and reports it as memcpy_bytes_per_second: both see the
@@ -11,11 +13,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "kvcomp/core/dtype.h"
@@ -72,11 +76,29 @@ void ParallelMemcpy(void* dk, const void* k, void* dv, const void* v, uint64_t b
   for (auto& th : pool) th.join();
 }
 
-// args: tokens, scorer, threads (0 = all)
+// The keys' sums of a whole input (KeySums layout), made once per length.
+const std::vector<float>& SumsFor(uint64_t tokens) {
+  static std::vector<std::pair<uint64_t, std::unique_ptr<std::vector<float>>>> cache;
+  for (const auto& c : cache) {
+    if (c.first == tokens) return *c.second;
+  }
+  const Data& d = InputFor(tokens);
+  const uint64_t chunks = (tokens + kKeySumChunkTokens - 1) / kKeySumChunkTokens;
+  auto s = std::make_unique<std::vector<float>>(2 * kHeads * chunks * kHeadDim);
+  const absl::Status st = SumKeysOnHost(
+      HeadsView::Dense(d.k.data(), DType::kBF16, kHeads, tokens, kHeadDim), 0, chunks, s->data(),
+      s->data() + kHeads * chunks * kHeadDim);
+  if (!st.ok()) std::abort();
+  cache.emplace_back(tokens, std::move(s));
+  return *cache.back().second;
+}
+
+// args: tokens, scorer, threads (0 = all), sums (1 = the keys' sums given)
 void BM_ScoreSelectCompact(benchmark::State& state) {
   const uint64_t tokens = state.range(0);
   const auto scorer = static_cast<Scorer>(state.range(1));
   const int threads = state.range(2) == 0 ? AllThreads() : static_cast<int>(state.range(2));
+  const bool sums = state.range(3) != 0;
   const Data& d = InputFor(tokens);
   CpuBackendOptions options;
   options.num_threads = threads;
@@ -91,6 +113,10 @@ void BM_ScoreSelectCompact(benchmark::State& state) {
   a.values = HeadsView::Dense(d.v.data(), DType::kBF16, kHeads, tokens, kHeadDim);
   a.score.scorer = scorer;
   a.score.window = 4096;
+  if (sums) {
+    const std::vector<float>& s = SumsFor(tokens);
+    a.score.key_sums = KeySums{s.data(), s.data() + s.size() / 2, tokens};
+  }
   a.select.kept_per_head = kept;
   a.scores = scores.data();
   a.kept = {counts.data(), idx.data()};
@@ -115,7 +141,7 @@ void BM_ScoreSelectCompact(benchmark::State& state) {
   state.counters["workers"] = threads;
   state.counters["memcpy_bytes_per_second"] = static_cast<double>(state.iterations()) * 4.0 *
                                               static_cast<double>(kv_bytes) / memcpy_seconds;
-  state.SetLabel(std::string(ScorerName(scorer)));
+  state.SetLabel(std::string(ScorerName(scorer)) + (sums ? ", sums given" : ""));
 }
 
 // The op's stages one at a time over the whole layer (the profile of the fused op, whose
@@ -195,6 +221,42 @@ void BM_Memcpy(benchmark::State& state) {
   state.counters["workers"] = threads;
 }
 
+// What the keys' sums cost where they are made: one layer's K put together from blocks of
+// `block` tokens, head by head (as kvcompd's assembler copies a layer split over blocks), with
+// (1) or without (0) SumKeysOnHost of each chunk right after the copy that completes it. Bytes:
+// K read and written. One thread (the assembler's). args: tokens, block tokens, sums
+void BM_AssembleKeys(benchmark::State& state) {
+  const uint64_t tokens = state.range(0);
+  const uint64_t block = state.range(1);
+  const bool sums = state.range(2) != 0;
+  const Data& d = InputFor(tokens);
+  const uint64_t chunks = (tokens + kKeySumChunkTokens - 1) / kKeySumChunkTokens;
+  const uint64_t kv_bytes = uint64_t{kHeads} * tokens * kRow;
+  std::vector<uint8_t> out(kv_bytes, 1);
+  std::vector<float> s(2 * kHeads * chunks * kHeadDim);
+  for (auto _ : state) {
+    for (uint32_t h = 0; h < kHeads; ++h) {
+      uint8_t* head = out.data() + uint64_t{h} * tokens * kRow;
+      const auto* src = reinterpret_cast<const uint8_t*>(d.k.data()) + uint64_t{h} * tokens * kRow;
+      uint64_t summed = 0;
+      for (uint64_t t = 0; t < tokens; t += block) {
+        const uint64_t e = std::min(tokens, t + block);
+        std::memcpy(head + t * kRow, src + t * kRow, (e - t) * kRow);
+        const uint64_t complete = e == tokens ? chunks : e / kKeySumChunkTokens;
+        if (!sums || complete <= summed) continue;
+        const uint64_t at = uint64_t{h} * chunks * kHeadDim;
+        (void)SumKeysOnHost(HeadsView::Dense(head, DType::kBF16, 1, tokens, kHeadDim), summed,
+                            complete, s.data() + at, s.data() + (kHeads + h) * chunks * kHeadDim);
+        summed = complete;
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(s.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * kv_bytes));
+  state.SetLabel(sums ? "copy + key sums" : "copy");
+}
+
 void Lengths(benchmark::internal::Benchmark* b, bool scorers) {
   for (int64_t n : {8192, 65536, 131072}) {
     for (int64_t t : {1, 0}) {
@@ -202,9 +264,12 @@ void Lengths(benchmark::internal::Benchmark* b, bool scorers) {
         b->Args({n, t});
         continue;
       }
-      for (Scorer s :
-           {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
-        b->Args({n, static_cast<int64_t>(s), t});
+      for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold,
+                       Scorer::kWindowedManifold, Scorer::kStreaming}) {
+        b->Args({n, static_cast<int64_t>(s), t, 0});
+      }
+      for (Scorer s : {Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
+        b->Args({n, static_cast<int64_t>(s), t, 1});
       }
     }
   }
@@ -227,9 +292,21 @@ BENCHMARK(BM_Stage)
     ->ArgNames({"tokens", "scorer", "stage", "threads"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+// The keys' sums where the assembler makes them (filter BM_AssembleKeys to run it).
+BENCHMARK(BM_AssembleKeys)
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (int64_t n : {8192, 131072}) {
+        for (int64_t block : {256, 4096}) {
+          for (int64_t sums : {0, 1}) b->Args({n, block, sums});
+        }
+      }
+    })
+    ->ArgNames({"tokens", "block", "sums"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ScoreSelectCompact)
     ->Apply([](benchmark::internal::Benchmark* b) { Lengths(b, true); })
-    ->ArgNames({"tokens", "scorer", "threads"})
+    ->ArgNames({"tokens", "scorer", "threads", "sums"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -218,7 +218,9 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
       KVCOMP_ASSIGN_OR_RETURN(queries, Stage(backend, cache.queries[l], &qb, xfer));
     }
     args.score = ScoreParamsFromPolicy(policy, l, queries);
-    if (l < cache.key_sums.size()) args.score.key_sums = cache.key_sums[l];
+    if (l < cache.key_sums.size() && cache.keys[l].space == MemorySpace::kDevice) {
+      args.score.key_sums = cache.key_sums[l];
+    }
     args.select = select;
     uint32_t* counts = d_counts.as<uint32_t>() + uint64_t{l} * heads;
     uint32_t* kept = d_idx.as<uint32_t>() + uint64_t{l} * cap;
@@ -496,6 +498,9 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
       KVCOMP_ASSIGN_OR_RETURN(queries, Stage(backend, cache.queries[l], &qb));
     }
     args.score = ScoreParamsFromPolicy(policy, l, queries);
+    if (l < cache.key_sums.size() && cache.keys[l].space == MemorySpace::kHost) {
+      args.score.key_sums = cache.key_sums[l];
+    }
     args.select = select;
     uint32_t* counts = out.kept.data() + uint64_t{l} * heads;
     uint32_t* positions = out.positions.data() + offset;

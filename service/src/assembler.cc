@@ -1,5 +1,6 @@
 #include "assembler.h"
 
+#include <algorithm>
 #include <cstring>
 #include <iterator>
 #include <utility>
@@ -90,12 +91,15 @@ absl::Status PutAssembler::CheckComplete() const {
 absl::StatusOr<KvCacheView> PutAssembler::View() {
   const uint64_t T = num_tokens_;
   const uint64_t D = layout_.head_dim;
+  const uint32_t H = layout_.num_kv_heads;
   const size_t es = DTypeBytes(layout_.dtype, 1);
+  const uint64_t chunks = (T + kKeySumChunkTokens - 1) / kKeySumChunkTokens;
   KvCacheView view;
   view.layout = layout_;
   view.num_tokens = T;
   view.keys.resize(layout_.num_layers);
   view.values.resize(layout_.num_layers);
+  view.key_sums.resize(layout_.num_layers);
   for (int part = 0; part < 2; ++part) {
     for (uint32_t l = 0; l < layout_.num_layers; ++l) {
       std::vector<const HeadsView*> covering;
@@ -111,19 +115,43 @@ absl::StatusOr<KvCacheView> PutAssembler::View() {
         dst = *covering[0];  // one block holds the whole layer: read it in place
         continue;
       }
+      // Blocks in token order (they tile the layer: CheckComplete), so each head's chunks of
+      // keys are summed right after the copy that completes them, while their rows are in cache.
+      std::vector<size_t> order(covering.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(),
+                [&](size_t a, size_t b) { return begins[a] < begins[b]; });
       auto buf = std::unique_ptr<uint8_t[]>(new uint8_t[layout_.LayerBytes(T)]);
-      for (size_t i = 0; i < covering.size(); ++i) {
-        const HeadsView& src = *covering[i];
-        const auto* base = static_cast<const uint8_t*>(src.data);
-        for (uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
-          uint8_t* out = buf.get() + (uint64_t{h} * T + begins[i]) * D * es;
+      float* sums = nullptr;
+      if (part == 0) {
+        auto s = std::unique_ptr<float[]>(new float[2 * H * chunks * D]);
+        sums = s.get();
+        key_sums_.push_back(std::move(s));
+        view.key_sums[l] = KeySums{sums, sums + H * chunks * D, T};
+      }
+      for (uint32_t h = 0; h < H; ++h) {
+        uint8_t* head = buf.get() + uint64_t{h} * T * D * es;
+        uint64_t summed = 0;  // chunks of this head summed so far
+        for (size_t i : order) {
+          const HeadsView& src = *covering[i];
+          const auto* base = static_cast<const uint8_t*>(src.data);
+          uint8_t* out = head + begins[i] * D * es;
           if (src.token_stride == D) {  // the head's tokens are contiguous
             std::memcpy(out, base + src.offset(h, 0) * es, src.num_tokens * D * es);
-            continue;
+          } else {
+            for (uint64_t t = 0; t < src.num_tokens; ++t) {
+              std::memcpy(out + t * D * es, base + src.offset(h, t) * es, D * es);
+            }
           }
-          for (uint64_t t = 0; t < src.num_tokens; ++t) {
-            std::memcpy(out + t * D * es, base + src.offset(h, t) * es, D * es);
-          }
+          if (sums == nullptr) continue;
+          const uint64_t end = begins[i] + src.num_tokens;
+          const uint64_t complete = end == T ? chunks : end / kKeySumChunkTokens;
+          if (complete <= summed) continue;
+          const uint64_t at = uint64_t{h} * chunks * D;
+          KVCOMP_RETURN_IF_ERROR(
+              SumKeysOnHost(HeadsView::Dense(head, layout_.dtype, 1, T, layout_.head_dim), summed,
+                            complete, sums + at, sums + (H + h) * chunks * D));
+          summed = complete;
         }
       }
       dst = HeadsView::Dense(buf.get(), layout_.dtype, layout_.num_kv_heads, T, layout_.head_dim);
@@ -153,6 +181,7 @@ bool PutAssembler::TakeNext(BlockData* out) {
 void PutAssembler::Clear() {
   blocks_.clear();
   assembled_.clear();
+  key_sums_.clear();
 }
 
 }  // namespace service

@@ -10,3 +10,8 @@ kvcomp_cc_test(NAME kernels_scoring_conformance_gpu_test SRCS scoring_conformanc
 # (or without CUDA) the binary reports skipped (77).
 kvcomp_cc_test(NAME kernels_scoring_cuda_test SRCS scoring_cuda_test.cc DEPS kvcomp::kernels
                LABELS gpu)
+# The scorers given the keys' sums, and the row kernels' run-time builds (internal header).
+kvcomp_cc_test(NAME kernels_scoring_key_sums_test SRCS scoring_key_sums_test.cc
+               DEPS kvcomp::kernels)
+target_include_directories(kernels_scoring_key_sums_test PRIVATE
+                           ${PROJECT_SOURCE_DIR}/kernels/src/cpu)

@@ -131,7 +131,7 @@ class CpuScoringOps final : public ScoringOps {
   uint64_t WorkspaceBytes(const ScoreSelectCompactArgs& a) const override {
     const uint64_t hn = uint64_t{a.keys.num_heads} * a.keys.num_tokens;
     uint64_t bytes = a.scores == nullptr ? hn * sizeof(float) : 0;
-    const uint64_t chunks = a.keys.num_heads * CeilDiv(a.keys.num_tokens, kChunkTokens);
+    const uint64_t chunks = a.keys.num_heads * CeilDiv(a.keys.num_tokens, kKeySumChunkTokens);
     bytes += chunks * a.keys.head_dim * sizeof(float);  // partial sums
     bytes += hn * sizeof(uint32_t);  // order keys
     if (a.select.head_budget == HeadBudget::kAdaKV) bytes += hn + hn * 16;  // flags, candidates
@@ -161,8 +161,14 @@ class CpuScoringOps final : public ScoringOps {
       if (pos.data != nullptr) pos.data += uint64_t{h} * n;
       float* s = scores + uint64_t{h} * n;
       KeptIndices out{a.kept.counts + h, a.kept.indices + h * kept};
+      ScoreParams score = a.score;
+      if (score.key_sums.num_tokens == n) {  // the head's own chunk sums
+        const uint64_t at = uint64_t{h} * CeilDiv(n, kKeySumChunkTokens) * a.keys.head_dim;
+        if (score.key_sums.sums != nullptr) score.key_sums.sums += at;
+        if (score.key_sums.unit_sums != nullptr) score.key_sums.unit_sums += at;
+      }
       head_base_ = h;
-      absl::Status st = ScoreImpl(k, a.score, pos, s);
+      absl::Status st = ScoreImpl(k, score, pos, s);
       head_base_ = 0;
       KVCOMP_RETURN_IF_ERROR(st);
       KVCOMP_RETURN_IF_ERROR(SelectImpl(s, 1, n, a.select, pos, out));
@@ -178,8 +184,9 @@ class CpuScoringOps final : public ScoringOps {
 
   absl::Status ScoreImpl(const HeadsView& keys, const ScoreParams& params,
                          const TokenPositions& positions, float* scores);
-  absl::Status ScoreMeanBased(const HeadsView& keys, bool keydiff, float* scores);
-  absl::Status ScoreWindowed(const HeadsView& keys, uint32_t window, float* scores);
+  absl::Status ScoreMeanBased(const HeadsView& keys, const ScoreParams& params, bool keydiff,
+                              float* scores);
+  absl::Status ScoreWindowed(const HeadsView& keys, const ScoreParams& params, float* scores);
   absl::Status ScoreSnapKV(const HeadsView& keys, const ScoreParams& params, float* scores);
   // Squared norms of all keys into scores (tokens x heads) and the NaN/Inf check.
   absl::Status SqNormsChecked(const HeadsView& keys, const char* what, float* sq);
@@ -246,11 +253,11 @@ absl::Status CpuScoringOps::ScoreImpl(const HeadsView& keys, const ScoreParams& 
       return absl::OkStatus();
     }
     case Scorer::kManifold:
-      return ScoreMeanBased(keys, /*keydiff=*/false, scores);
+      return ScoreMeanBased(keys, params, /*keydiff=*/false, scores);
     case Scorer::kKeyDiff:
-      return ScoreMeanBased(keys, /*keydiff=*/true, scores);
+      return ScoreMeanBased(keys, params, /*keydiff=*/true, scores);
     case Scorer::kWindowedManifold:
-      return ScoreWindowed(keys, params.window, scores);
+      return ScoreWindowed(keys, params, scores);
     case Scorer::kStreaming:
     case Scorer::kRandom: {
       KVCOMP_RETURN_IF_ERROR(SqNormsChecked(keys, "keys", scores));
@@ -273,32 +280,103 @@ absl::Status CpuScoringOps::ScoreImpl(const HeadsView& keys, const ScoreParams& 
   return absl::InvalidArgumentError("unknown scorer");
 }
 
+// The keys' sums of one chunk of kKeySumChunkTokens rows (the last one short) from row t0 of
+// head h, summed in float from zero in row order (the KeySums of that chunk); their squared norms
+// into sq. unit: each row scaled by 1 / max(||k||, kKeyDiffEps) (keydiff).
+void ChunkSum(const cpu::RowKernels* k, const HeadsView& keys, uint32_t h, uint64_t t0,
+              uint64_t len, bool unit, float* sq, float* sum) {
+  std::fill(sum, sum + keys.head_dim, 0.0f);
+  k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, unit, kKeyDiffEps, sq, sum);
+}
+
+// The mean of `count` chunk sums (consecutive, d floats each) over `rows` rows: summed in double
+// in chunk order, rounded to float. Returns its norm floored at kKeyDiffEps (keydiff's).
+float MeanOfChunks(const float* sums, uint64_t count, uint32_t d, uint64_t rows, float* mean) {
+  double norm2 = 0.0;
+  for (uint32_t j = 0; j < d; ++j) {
+    double s = 0.0;
+    for (uint64_t c = 0; c < count; ++c) s += sums[c * d + j];
+    mean[j] = static_cast<float>(s / static_cast<double>(rows));
+    norm2 += static_cast<double>(mean[j]) * mean[j];
+  }
+  return std::fmax(static_cast<float>(std::sqrt(norm2)), kKeyDiffEps);
+}
+
+// The sums a centred scorer can take from the caller (ScoreParams::key_sums), or null. Windows
+// must start on chunk boundaries.
+const float* GivenSums(const ScoreParams& p, uint64_t n) {
+  if (p.key_sums.num_tokens != n) return nullptr;
+  switch (p.scorer) {
+    case Scorer::kManifold: return p.key_sums.sums;
+    case Scorer::kKeyDiff: return p.key_sums.unit_sums;
+    case Scorer::kWindowedManifold:
+      return p.window >= n || p.window % kKeySumChunkTokens == 0 ? p.key_sums.sums : nullptr;
+    default: return nullptr;
+  }
+}
+
 // manifold: s = ||k - mu||, mu = mean k.  keydiff: s = -cos(k, a), a = mean k/||k||.
-// Pass 1 per chunk: squared norms (kept in `scores`) and a partial sum; the partials are summed
-// in double per head; pass 2 reads the keys again for the distance or the dot product.
-// With at least as many heads as workers, each head is one task (both passes on one core, the
-// second reading the head from that core's cache instead of memory); otherwise every chunk of
-// every head is a task of each pass. Both orders give the same bits (same partial sums, same
-// order of the double sum).
-absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, float* scores) {
+// The mean is the double sum, in chunk order, of float sums over chunks of kKeySumChunkTokens
+// rows (KeySums), given by the caller or computed here. Given: one pass reads each row once for
+// its squared norm (the data check; keydiff's denominator) and its distance or dot product.
+// Computed: pass 1 per chunk gives the squared norms (kept in `scores`) and the chunk sums;
+// pass 2 reads the keys again. With at least as many heads as workers, each head is one task
+// (both passes on one core, the second reading the head from that core's cache when it fits);
+// otherwise every (head, kChunkTokens rows) is a task of each pass. Every order gives the same
+// bits (the same chunk sums summed in the same order).
+absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, const ScoreParams& params,
+                                           bool keydiff, float* scores) {
   const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
   const uint32_t heads = keys.num_heads;
   const uint32_t d = keys.head_dim;
   const uint64_t n = keys.num_tokens;
   const uint64_t chunks = CeilDiv(n, kChunkTokens);
+  const uint64_t sum_chunks = CeilDiv(n, kKeySumChunkTokens);
   const uint64_t tasks = heads * chunks;
+  // Turns pass 2's dot products (in out) into keydiff scores; sq holds the squared norms.
+  auto keydiff_scores = [](const float* dots, const float* sq, uint64_t len, float centre_norm,
+                           float* out) {
+    for (uint64_t i = 0; i < len; ++i) {
+      const float denom = std::fmax(std::sqrt(sq[i]), kKeyDiffEps) * centre_norm;
+      out[i] = -(dots[i] / denom);
+    }
+  };
+  if (const float* given = GivenSums(params, n); given != nullptr) {
+    std::vector<float> centre(uint64_t{heads} * d);
+    std::vector<float> centre_norm(heads);
+    for (uint32_t h = 0; h < heads; ++h) {
+      centre_norm[h] = MeanOfChunks(given + uint64_t{h} * sum_chunks * d, sum_chunks, d, n,
+                                    centre.data() + uint64_t{h} * d);
+    }
+    BadTokenFlag bad;
+    ctx_->ParallelFor(tasks, [&](size_t task) {
+      const uint32_t h = static_cast<uint32_t>(task / chunks);
+      const uint64_t t0 = (task % chunks) * kChunkTokens;
+      const uint64_t len = std::min(kChunkTokens, n - t0);
+      float* out = scores + uint64_t{h} * n + t0;
+      const float* c = centre.data() + uint64_t{h} * d;
+      float sq[kChunkTokens];
+      if (!keydiff) {
+        k->distances_and_sq(ElemPtr(keys, h, t0), keys.token_stride, len, c, out, sq);
+      } else {
+        float dots[kChunkTokens];
+        k->dots_and_sq(ElemPtr(keys, h, t0), keys.token_stride, len, c, dots, sq);
+        keydiff_scores(dots, sq, len, centre_norm[h], out);
+      }
+      bad.Check(sq, len, h, t0, n);
+    });
+    return bad.ToStatus("keys", n, head_base_);
+  }
   if (heads >= static_cast<uint32_t>(ctx_->num_threads())) {
     BadTokenFlag bad;
     ctx_->ParallelFor(heads, [&](size_t hi) {
       const uint32_t h = static_cast<uint32_t>(hi);
       std::vector<float> part(d), centre(d);
       std::vector<double> sum(d, 0.0);
-      for (uint64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
-        const uint64_t len = std::min(kChunkTokens, n - t0);
+      for (uint64_t t0 = 0; t0 < n; t0 += kKeySumChunkTokens) {
+        const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, n - t0);
         float* sq = scores + uint64_t{h} * n + t0;
-        std::fill(part.begin(), part.end(), 0.0f);
-        k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, keydiff, kKeyDiffEps,
-                            sq, part.data());
+        ChunkSum(k, keys, h, t0, len, keydiff, sq, part.data());
         bad.Check(sq, len, h, t0, n);
         for (uint32_t j = 0; j < d; ++j) sum[j] += part[j];
       }
@@ -317,41 +395,35 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, 
         }
         float dots[kChunkTokens];
         k->dots(ElemPtr(keys, h, t0), keys.token_stride, len, centre.data(), dots);
-        for (uint64_t i = 0; i < len; ++i) {
-          const float denom = std::fmax(std::sqrt(out[i]), kKeyDiffEps) * centre_norm;
-          out[i] = -(dots[i] / denom);
-        }
+        keydiff_scores(dots, out, len, centre_norm, out);
       }
     });
     return bad.ToStatus("keys", n, head_base_);
   }
-  KVCOMP_ASSIGN_OR_RETURN(void* partial_ws, Scratch(&partial_ws_, tasks * d * sizeof(float)));
+  KVCOMP_ASSIGN_OR_RETURN(void* partial_ws,
+                          Scratch(&partial_ws_, heads * sum_chunks * d * sizeof(float)));
   float* const partial = static_cast<float*>(partial_ws);
-  std::memset(partial, 0, tasks * d * sizeof(float));
+  constexpr uint64_t kSumsPerTask = kChunkTokens / kKeySumChunkTokens;
   BadTokenFlag bad;
   ctx_->ParallelFor(tasks, [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(task / chunks);
-    const uint64_t t0 = (task % chunks) * kChunkTokens;
-    const uint64_t len = std::min(kChunkTokens, n - t0);
-    float* sq = scores + uint64_t{h} * n + t0;
-    k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, keydiff, kKeyDiffEps, sq,
-                        partial + task * d);
-    bad.Check(sq, len, h, t0, n);
+    const uint64_t c0 = (task % chunks) * kSumsPerTask;
+    const uint64_t c1 = std::min(sum_chunks, c0 + kSumsPerTask);
+    for (uint64_t c = c0; c < c1; ++c) {
+      const uint64_t t0 = c * kKeySumChunkTokens;
+      const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, n - t0);
+      float* sq = scores + uint64_t{h} * n + t0;
+      ChunkSum(k, keys, h, t0, len, keydiff, sq, partial + (h * sum_chunks + c) * d);
+      bad.Check(sq, len, h, t0, n);
+    }
   });
   KVCOMP_RETURN_IF_ERROR(bad.ToStatus("keys", n, head_base_));
 
   std::vector<float> centre(uint64_t{heads} * d);
   std::vector<float> centre_norm(heads);
   for (uint32_t h = 0; h < heads; ++h) {
-    double norm2 = 0.0;
-    for (uint32_t j = 0; j < d; ++j) {
-      double s = 0.0;
-      for (uint64_t c = 0; c < chunks; ++c) s += partial[(h * chunks + c) * d + j];
-      const float m = static_cast<float>(s / static_cast<double>(n));
-      centre[uint64_t{h} * d + j] = m;
-      norm2 += static_cast<double>(m) * m;
-    }
-    centre_norm[h] = std::fmax(static_cast<float>(std::sqrt(norm2)), kKeyDiffEps);
+    centre_norm[h] = MeanOfChunks(partial + uint64_t{h} * sum_chunks * d, sum_chunks, d, n,
+                                  centre.data() + uint64_t{h} * d);
   }
   ctx_->ParallelFor(tasks, [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(task / chunks);
@@ -365,40 +437,54 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, bool keydiff, 
     }
     float dots[kChunkTokens];
     k->dots(ElemPtr(keys, h, t0), keys.token_stride, len, c, dots);
-    for (uint64_t i = 0; i < len; ++i) {
-      const float denom = std::fmax(std::sqrt(out[i]), kKeyDiffEps) * centre_norm[h];
-      out[i] = -(dots[i] / denom);
-    }
+    keydiff_scores(dots, out, len, centre_norm[h], out);
   });
   return absl::OkStatus();
 }
 
-// Window w covers rows [w*W, min(n, (w+1)*W)); its mean is summed in float per sub-chunk of
-// kChunkTokens rows and in double across them; pass 2 runs while the window is in cache.
-absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, uint32_t window, float* scores) {
+// Window w covers rows [w*W, min(n, (w+1)*W)); its mean is summed in float per chunk of
+// kKeySumChunkTokens rows from the window's start and in double across them (the KeySums'
+// chunks when W is a multiple of kKeySumChunkTokens or covers the view). Given those sums, one
+// pass reads each row once; else pass 2 runs while the window is in cache.
+absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, const ScoreParams& params,
+                                          float* scores) {
   const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
   const uint32_t heads = keys.num_heads;
   const uint32_t d = keys.head_dim;
   const uint64_t n = keys.num_tokens;
+  const uint64_t window = params.window;
   const uint64_t windows = CeilDiv(n, window);
+  const uint64_t sum_chunks = CeilDiv(n, kKeySumChunkTokens);
+  const float* given = GivenSums(params, n);
   BadTokenFlag bad;
   ctx_->ParallelFor(heads * windows, [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(task / windows);
     const uint64_t w0 = (task % windows) * window;
     const uint64_t wlen = std::min<uint64_t>(window, n - w0);
-    std::vector<float> part(d);
+    std::vector<float> part(d), mean(d);
+    if (given != nullptr) {
+      const uint64_t c0 = w0 / kKeySumChunkTokens;
+      MeanOfChunks(given + (uint64_t{h} * sum_chunks + c0) * d,
+                   CeilDiv(wlen, kKeySumChunkTokens), d, wlen, mean.data());
+      for (uint64_t t0 = w0; t0 < w0 + wlen; t0 += kChunkTokens) {
+        const uint64_t len = std::min(kChunkTokens, w0 + wlen - t0);
+        float sq[kChunkTokens];
+        k->distances_and_sq(ElemPtr(keys, h, t0), keys.token_stride, len, mean.data(),
+                            scores + uint64_t{h} * n + t0, sq);
+        bad.Check(sq, len, h, t0, n);
+      }
+      return;
+    }
     std::vector<double> sum(d, 0.0);
-    for (uint64_t t0 = w0; t0 < w0 + wlen; t0 += kChunkTokens) {
-      const uint64_t len = std::min(kChunkTokens, w0 + wlen - t0);
-      std::fill(part.begin(), part.end(), 0.0f);
+    for (uint64_t t0 = w0; t0 < w0 + wlen; t0 += kKeySumChunkTokens) {
+      const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, w0 + wlen - t0);
       float* sq = scores + uint64_t{h} * n + t0;
-      k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, false, 0.0f, sq,
-                          part.data());
+      ChunkSum(k, keys, h, t0, len, false, sq, part.data());
       bad.Check(sq, len, h, t0, n);
       for (uint32_t j = 0; j < d; ++j) sum[j] += part[j];
     }
-    for (uint32_t j = 0; j < d; ++j) part[j] = static_cast<float>(sum[j] / wlen);
-    k->distances(ElemPtr(keys, h, w0), keys.token_stride, wlen, part.data(),
+    for (uint32_t j = 0; j < d; ++j) mean[j] = static_cast<float>(sum[j] / wlen);
+    k->distances(ElemPtr(keys, h, w0), keys.token_stride, wlen, mean.data(),
                  scores + uint64_t{h} * n + w0);
   });
   return bad.ToStatus("keys", n, head_base_);
@@ -844,6 +930,30 @@ absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& 
 }
 
 }  // namespace
+
+absl::Status SumKeysOnHost(const HeadsView& keys, uint64_t chunk_begin, uint64_t chunk_end,
+                           float* sums, float* unit_sums) {
+  KVCOMP_RETURN_IF_ERROR(CheckHeadsView(keys, MemorySpace::kHost, "keys"));
+  const uint64_t n = keys.num_tokens;
+  const uint64_t chunks = CeilDiv(n, kKeySumChunkTokens);
+  if (chunk_begin > chunk_end || chunk_end > chunks) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "key sums: chunks [%u, %u) of %u tokens (%u chunks)", chunk_begin, chunk_end, n, chunks));
+  }
+  const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
+  const uint32_t d = keys.head_dim;
+  float sq[kKeySumChunkTokens];
+  for (uint32_t h = 0; h < keys.num_heads; ++h) {
+    for (uint64_t c = chunk_begin; c < chunk_end; ++c) {
+      const uint64_t t0 = c * kKeySumChunkTokens;
+      const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, n - t0);
+      const uint64_t at = (uint64_t{h} * chunks + c) * d;
+      if (sums != nullptr) ChunkSum(k, keys, h, t0, len, false, sq, sums + at);
+      if (unit_sums != nullptr) ChunkSum(k, keys, h, t0, len, true, sq, unit_sums + at);
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::unique_ptr<ScoringOps> NewCpuScoringOps(CpuContext* context) {
   return std::make_unique<CpuScoringOps>(context);

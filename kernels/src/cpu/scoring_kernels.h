@@ -24,6 +24,12 @@ struct RowKernels {
   void (*distances)(const void* rows, uint64_t stride, uint64_t n, const float* mu, float* out);
   // out[i] = k_i . v.
   void (*dots)(const void* rows, uint64_t stride, uint64_t n, const float* v, float* out);
+  // One read of each row: out[i] as distances and sq[i] as sq_norms (the same bits as each).
+  void (*distances_and_sq)(const void* rows, uint64_t stride, uint64_t n, const float* mu,
+                           float* out, float* sq);
+  // One read of each row: out[i] as dots and sq[i] as sq_norms (the same bits as each).
+  void (*dots_and_sq)(const void* rows, uint64_t stride, uint64_t n, const float* v, float* out,
+                      float* sq);
   // dst[0..head_dim) = row as float.
   void (*to_float)(const void* row, float* dst);
 };

@@ -43,8 +43,10 @@ struct KvCacheView {
   std::vector<HeadsView> values;
   // snapkv only: per layer the last window's queries [num_q_heads, w, head_dim]; else empty.
   std::vector<HeadsView> queries;
-  // Optional, device views: per layer the keys' sums accumulated as they arrived (DeviceKv), so
-  // the mean-based scorers read the keys once; empty = the scorer sums them itself.
+  // Optional: per layer the keys' sums accumulated as they arrived (DeviceKv on the device,
+  // kvcompd's put assembler on the host), in the memory space of that layer's keys, so the
+  // mean-based scorers read the keys once; empty (or a layer's sums with no pointers, or held in
+  // another space than its keys) = the scorer sums them itself.
   std::vector<KeySums> key_sums;
 
   // OK, or InvalidArgument naming the first inconsistency (layer count, shapes, dtypes, K/V

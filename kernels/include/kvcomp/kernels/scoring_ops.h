@@ -72,11 +72,12 @@ struct TokenPositions {
 // Tokens per chunk of KeySums.
 inline constexpr uint32_t kKeySumChunkTokens = 256;
 
-// The keys' sums of one layer, accumulated while its blocks arrived (DeviceKv), so that the
-// mean-based scorers read the keys once: manifold and keydiff always, windowed_manifold when its
-// window is a multiple of kKeySumChunkTokens or covers the whole view. Device backends use them
-// and reach the same scores as without them (the same per-chunk sums in the same order); host
-// backends compute the means themselves and ignore them.
+// The keys' sums of one layer, accumulated while its blocks arrived (DeviceKv on the device,
+// kvcompd's put assembler on the host), so that the mean-based scorers read the keys once:
+// manifold and keydiff always, windowed_manifold when its window is a multiple of
+// kKeySumChunkTokens or covers the whole view. Both backends use them and reach the same scores
+// as without them (the same per-chunk sums in the same order): on the host when the sums were
+// made by SumKeysOnHost, on the device when made by DeviceKv.
 struct KeySums {
   // [num_heads, ceil(num_tokens / kKeySumChunkTokens), head_dim] f32 in the backend's memory
   // space: per chunk of kKeySumChunkTokens tokens (the last one short), the sum of the keys
@@ -87,6 +88,14 @@ struct KeySums {
   // Tokens they cover; must equal the keys' num_tokens when a sum is given.
   uint64_t num_tokens = 0;
 };
+
+// Host keys [H, n, D]: the KeySums of chunks [chunk_begin, chunk_end) of every head, written at
+// their places in `sums` and `unit_sums` ([H, ceil(n / kKeySumChunkTokens), D] f32 each; either
+// may be null), summed exactly as the CPU scorers sum the keys themselves, so that a CPU scorer
+// given them returns the same bits. On the calling thread; no data check (the scorer checks).
+// InvalidArgument for a view the scorers refuse or a chunk range beyond the keys.
+absl::Status SumKeysOnHost(const HeadsView& keys, uint64_t chunk_begin, uint64_t chunk_end,
+                           float* sums, float* unit_sums);
 
 // Scorer parameters, a plain struct built on the host (ScoreParamsFromPolicy).
 struct ScoreParams {

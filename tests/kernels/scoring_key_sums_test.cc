@@ -1,0 +1,324 @@
+// The CPU scorers given the keys' sums (ScoreParams::key_sums, made by SumKeysOnHost) against
+// the same scorers summing the keys themselves, and the row kernels' run-time builds (AVX-512,
+// AVX2, portable) against each other and a float64 reference.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/scoring_ops.h"
+#include "scoring_kernels.h"
+#include "scoring_test_util.h"
+
+namespace kvcomp {
+namespace {
+
+using testing::HostHeads;
+using testing::RandomHeads;
+using testing::RefScores;
+
+std::unique_ptr<Backend> Cpu(int threads) {
+  CpuBackendOptions o;
+  o.num_threads = threads;
+  auto b = MakeCpuBackend(o);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return std::move(*b);
+}
+
+uint64_t Chunks(uint64_t n) { return (n + kKeySumChunkTokens - 1) / kKeySumChunkTokens; }
+
+// Both sums of every chunk of k.
+struct Sums {
+  std::vector<float> sums, unit;
+  KeySums view(uint64_t n) const { return KeySums{sums.data(), unit.data(), n}; }
+};
+Sums SumsOf(const HostHeads& k) {
+  Sums s;
+  s.sums.assign(uint64_t{k.heads} * Chunks(k.tokens) * k.head_dim, NAN);
+  s.unit.assign(s.sums.size(), NAN);
+  const absl::Status st = SumKeysOnHost(k.view(), 0, Chunks(k.tokens), s.sums.data(), s.unit.data());
+  EXPECT_TRUE(st.ok()) << st;
+  return s;
+}
+
+std::vector<float> ScoreOn(Backend& b, const HostHeads& k, const ScoreParams& p) {
+  std::vector<float> s(uint64_t{k.heads} * k.tokens, NAN);
+  const absl::Status st = b.scoring().Score(k.view(), p, TokenPositions{}, s.data());
+  EXPECT_TRUE(st.ok()) << st;
+  return s;
+}
+
+void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    uint32_t x, y;
+    std::memcpy(&x, &a[i], 4);
+    std::memcpy(&y, &b[i], 4);
+    ASSERT_EQ(x, y) << "token " << i << ": " << a[i] << " vs " << b[i];
+  }
+}
+
+TEST(ScoringKeySumsTest, SumsMatchFloat64PerChunk) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const HostHeads k = RandomHeads(dt, 3, 1000, 64, 7);
+    const Sums s = SumsOf(k);
+    const uint64_t chunks = Chunks(k.tokens);
+    for (uint32_t h = 0; h < k.heads; ++h) {
+      for (uint64_t c = 0; c < chunks; ++c) {
+        for (uint32_t j = 0; j < k.head_dim; ++j) {
+          double sum = 0.0, unit = 0.0;
+          for (uint64_t t = c * kKeySumChunkTokens;
+               t < std::min<uint64_t>(k.tokens, (c + 1) * kKeySumChunkTokens); ++t) {
+            double norm = 0.0;
+            for (uint32_t i = 0; i < k.head_dim; ++i) norm += double{k.at(h, t, i)} * k.at(h, t, i);
+            sum += k.at(h, t, j);
+            unit += k.at(h, t, j) / std::max(std::sqrt(norm), 1e-8);
+          }
+          const uint64_t at = (h * chunks + c) * k.head_dim + j;
+          ASSERT_NEAR(s.sums[at], sum, 1e-4 * std::max(1.0, std::fabs(sum)));
+          ASSERT_NEAR(s.unit[at], unit, 1e-4 * std::max(1.0, std::fabs(unit)));
+        }
+      }
+    }
+  }
+}
+
+// Given sums: the same bits as without, on the per-head and the chunked paths (1 and 4 threads
+// for 2 heads), for every dtype and head_dim, lengths around the chunk size, and the scores
+// still match float64.
+TEST(ScoringKeySumsTest, GivenSumsGiveTheSameScoresBitForBit) {
+  uint64_t seed = 11;
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (uint32_t d : {64u, 128u, 256u}) {
+      for (uint64_t n : {uint64_t{1}, uint64_t{255}, uint64_t{256}, uint64_t{2049}, uint64_t{5000}}) {
+        const HostHeads k = RandomHeads(dt, 2, n, d, seed++);
+        const Sums sums = SumsOf(k);
+        for (int threads : {1, 4}) {
+          auto cpu = Cpu(threads);
+          for (Scorer s : {Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
+            for (uint32_t window : {512u, 1000u, 8192u}) {
+              if (s != Scorer::kWindowedManifold && window != 512) continue;
+              SCOPED_TRACE(absl::StrFormat("%s d=%u n=%u threads=%d %s window=%u",
+                                           DTypeName(dt), d, n, threads, ScorerName(s), window));
+              ScoreParams p;
+              p.scorer = s;
+              p.window = window;
+              const std::vector<float> own = ScoreOn(*cpu, k, p);
+              p.key_sums = sums.view(n);
+              const std::vector<float> given = ScoreOn(*cpu, k, p);
+              ExpectSameBits(given, own);
+              const std::vector<double> ref = RefScores(k, p);
+              for (size_t i = 0; i < ref.size(); ++i) {
+                ASSERT_NEAR(given[i], ref[i], 1e-5 * std::max(1.0, std::fabs(ref[i]))) << i;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The fused op's per-head path (heads of >= 4 MiB) offsets each head's sums: the same kept set,
+// rows and scores as without sums.
+TEST(ScoringKeySumsTest, FusedOpWithSumsEqualsWithout) {
+  const uint64_t n = 5000;
+  for (uint32_t heads : {2u, 3u}) {
+    const HostHeads k = RandomHeads(DType::kF32, heads, n, 256, 40 + heads);  // 5 MB per head
+    const HostHeads v = RandomHeads(DType::kF32, heads, n, 256, 50 + heads);
+    const Sums sums = SumsOf(k);
+    for (int threads : {1, 4}) {
+      auto cpu = Cpu(threads);
+      for (Scorer s : {Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
+        SCOPED_TRACE(absl::StrFormat("heads=%u threads=%d %s", heads, threads, ScorerName(s)));
+        struct Out {
+          std::vector<uint32_t> counts, idx;
+          std::vector<uint8_t> ko, vo;
+          std::vector<float> scores;
+        };
+        auto run = [&](bool with_sums) {
+          Out o;
+          const uint64_t kept = n / 2;
+          const uint64_t cap = KeptCapacity(heads, n, kept);
+          o.counts.resize(heads);
+          o.idx.resize(cap);
+          o.ko.resize(cap * 256 * 4);
+          o.vo.resize(cap * 256 * 4);
+          o.scores.resize(uint64_t{heads} * n);
+          ScoreSelectCompactArgs a;
+          a.keys = k.view();
+          a.values = v.view();
+          a.score.scorer = s;
+          a.score.window = 1024;
+          if (with_sums) a.score.key_sums = sums.view(n);
+          a.select.kept_per_head = kept;
+          a.scores = o.scores.data();
+          a.kept = {o.counts.data(), o.idx.data()};
+          a.keys_out = o.ko.data();
+          a.values_out = o.vo.data();
+          const absl::Status st = cpu->scoring().ScoreSelectCompact(a);
+          EXPECT_TRUE(st.ok()) << st;
+          return o;
+        };
+        const Out own = run(false), given = run(true);
+        ExpectSameBits(given.scores, own.scores);
+        EXPECT_EQ(given.counts, own.counts);
+        EXPECT_EQ(given.idx, own.idx);
+        EXPECT_EQ(given.ko, own.ko);
+        EXPECT_EQ(given.vo, own.vo);
+      }
+    }
+  }
+}
+
+// Windows not on chunk boundaries cannot use the sums: the scorer sums the keys itself (sums
+// poisoned with NaN would show if they were read).
+TEST(ScoringKeySumsTest, UnalignedWindowsIgnoreTheSums) {
+  const HostHeads k = RandomHeads(DType::kBF16, 2, 3000, 128, 3);
+  std::vector<float> poison(2 * Chunks(3000) * 128, NAN);
+  auto cpu = Cpu(2);
+  ScoreParams p;
+  p.scorer = Scorer::kWindowedManifold;
+  p.window = 1000;
+  const std::vector<float> own = ScoreOn(*cpu, k, p);
+  p.key_sums = KeySums{poison.data(), poison.data(), 3000};
+  ExpectSameBits(ScoreOn(*cpu, k, p), own);
+}
+
+// The data check still runs when the sums are given (one pass reads every row's norm).
+TEST(ScoringKeySumsTest, GivenSumsStillRefuseNaNKeys) {
+  HostHeads k = RandomHeads(DType::kF32, 2, 3000, 128, 5);
+  const Sums sums = SumsOf(k);
+  k.Set((uint64_t{1} * 3000 + 2100) * 128 + 7, NAN);
+  for (int threads : {1, 2}) {
+    auto cpu = Cpu(threads);
+    for (Scorer s : {Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
+      ScoreParams p;
+      p.scorer = s;
+      p.window = 512;
+      p.key_sums = sums.view(3000);
+      std::vector<float> out(2 * 3000);
+      const absl::Status st = cpu->scoring().Score(k.view(), p, TokenPositions{}, out.data());
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << ScorerName(s);
+      EXPECT_NE(st.message().find("at head 1, token 2100"), std::string::npos) << st;
+    }
+  }
+}
+
+TEST(ScoringKeySumsTest, BadArgumentsAreRefused) {
+  const HostHeads k = RandomHeads(DType::kBF16, 1, 600, 128, 9);
+  std::vector<float> s(Chunks(600) * 128);
+  EXPECT_TRUE(SumKeysOnHost(k.view(), 1, 3, s.data(), nullptr).ok());
+  EXPECT_EQ(SumKeysOnHost(k.view(), 0, 4, s.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SumKeysOnHost(k.view(), 2, 1, s.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  HeadsView dev = k.view();
+  dev.space = MemorySpace::kDevice;
+  EXPECT_EQ(SumKeysOnHost(dev, 0, 1, s.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  // Sums of another length are refused by the scorer.
+  auto cpu = Cpu(1);
+  ScoreParams p;
+  p.key_sums = KeySums{s.data(), nullptr, 599};
+  std::vector<float> out(600);
+  EXPECT_EQ(cpu->scoring().Score(k.view(), p, TokenPositions{}, out.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Run-time dispatch: the build RowKernelsFor picks is the best this CPU supports (capped by
+// KVCOMP_CPU_ISA), and every build the CPU can run agrees with float64 on every kernel.
+TEST(ScoringIsaTest, DispatchPicksTheBestSupportedBuild) {
+  std::string best = "generic";
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    best = __builtin_cpu_supports("avx512f") ? "avx512" : "avx2";
+  }
+#endif
+  const char* cap = std::getenv("KVCOMP_CPU_ISA");
+  if (cap != nullptr && std::string(cap) == "generic") best = "generic";
+  if (cap != nullptr && std::string(cap) == "avx2" && best == "avx512") best = "avx2";
+  EXPECT_EQ(cpu::RowKernelsIsa(), best);
+  std::printf("row kernels: %s\n", cpu::RowKernelsIsa());
+}
+
+TEST(ScoringIsaTest, EveryBuildAgreesWithFloat64) {
+  struct Build {
+    const char* name;
+    const cpu::RowKernels* (*table)(DType, uint32_t);
+    bool runs;
+  };
+  std::vector<Build> builds = {{"generic", &cpu::generic::Table, true}};
+#if defined(__x86_64__)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  builds.push_back({"avx2", &cpu::avx2::Table, avx2});
+  builds.push_back({"avx512", &cpu::avx512::Table, avx2 && __builtin_cpu_supports("avx512f")});
+#endif
+  uint64_t seed = 100;
+  for (const Build& b : builds) {
+    if (!b.runs) {
+      std::printf("%s: not supported by this CPU, not run\n", b.name);
+      continue;
+    }
+    for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+      for (uint32_t d : {64u, 128u, 256u}) {
+        SCOPED_TRACE(absl::StrFormat("%s %s d=%u", b.name, DTypeName(dt), d));
+        const uint64_t n = 300;
+        const HostHeads k = RandomHeads(dt, 1, n, d, seed++);
+        const cpu::RowKernels* t = b.table(dt, d);
+        ASSERT_NE(t, nullptr);
+        std::vector<float> mu(d);
+        for (uint32_t j = 0; j < d; ++j) mu[j] = 0.25f * static_cast<float>(j % 7) - 0.5f;
+        std::vector<float> sq(n), sq2(n), sq3(n), dist(n), dist2(n), dots(n), dots2(n), sum(d, 0),
+            unit(d, 0), row(d);
+        t->sq_norms(k.bytes.data(), d, n, sq.data());
+        t->sq_norms_and_sum(k.bytes.data(), d, n, false, 0.0f, sq2.data(), sum.data());
+        t->sq_norms_and_sum(k.bytes.data(), d, n, true, kKeyDiffEps, sq3.data(), unit.data());
+        t->distances(k.bytes.data(), d, n, mu.data(), dist.data());
+        t->dots(k.bytes.data(), d, n, mu.data(), dots.data());
+        std::vector<float> sq4(n), sq5(n);
+        t->distances_and_sq(k.bytes.data(), d, n, mu.data(), dist2.data(), sq4.data());
+        t->dots_and_sq(k.bytes.data(), d, n, mu.data(), dots2.data(), sq5.data());
+        ExpectSameBits(sq2, sq);
+        ExpectSameBits(sq3, sq);
+        ExpectSameBits(sq4, sq);
+        ExpectSameBits(sq5, sq);
+        ExpectSameBits(dist2, dist);
+        ExpectSameBits(dots2, dots);
+        std::vector<double> rsum(d, 0.0), runit(d, 0.0);
+        for (uint64_t i = 0; i < n; ++i) {
+          double s = 0.0, dd = 0.0, dot = 0.0;
+          for (uint32_t j = 0; j < d; ++j) {
+            const double x = k.at(0, i, j);
+            s += x * x;
+            dd += (x - mu[j]) * (x - mu[j]);
+            dot += x * mu[j];
+          }
+          ASSERT_NEAR(sq[i], s, 1e-5 * s);
+          ASSERT_NEAR(dist[i], std::sqrt(dd), 1e-5 * std::sqrt(dd));
+          ASSERT_NEAR(dots[i], dot, 1e-4 * std::max(1.0, std::sqrt(s)));
+          for (uint32_t j = 0; j < d; ++j) {
+            rsum[j] += k.at(0, i, j);
+            runit[j] += k.at(0, i, j) / std::sqrt(s);
+          }
+        }
+        for (uint32_t j = 0; j < d; ++j) {
+          ASSERT_NEAR(sum[j], rsum[j], 1e-4 * std::max(1.0, std::fabs(rsum[j])));
+          ASSERT_NEAR(unit[j], runit[j], 1e-4 * std::max(1.0, std::fabs(runit[j])));
+        }
+        t->to_float(k.bytes.data(), row.data());
+        for (uint32_t j = 0; j < d; ++j) ASSERT_EQ(row[j], k.at(0, 0, j));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcomp
