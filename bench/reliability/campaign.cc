@@ -39,6 +39,7 @@
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/layout.h"
+#include "kvcomp/transport/client.h"
 #include "kvcompd_process.h"
 
 namespace kvcomp {
@@ -473,6 +474,7 @@ struct KillCampaign {
     std::lock_guard<std::mutex> l(mu);
     uint64_t live = 0;
     for (auto& [id, r] : keys) live += r.state == KeyState::kLive;
+    const transport::UcxClientStats ucx = transport::GetUcxClientStats();
     std::ostringstream s;
     s << (final ? "| final" : "| progress") << " | cycles " << cycles << " | this driver "
       << static_cast<int>(Ms(Clock::now() - t0) / 1000) << " s | driver processes "
@@ -482,7 +484,8 @@ struct KillCampaign {
       << " | corrupt " << corrupt << " | deleted but back " << resurrected
       << " | errors while up " << op_errors_before_kill << " | restart-to-ready p50 "
       << Percentile(restart_ms, 0.5) << " ms, p99 " << Percentile(restart_ms, 0.99)
-      << " ms |\n";
+      << " ms | this driver's UCX: " << ucx.workers_created << " workers, "
+      << ucx.endpoints_created << " endpoints made |\n";
     if (final) {
       for (const auto& p : problems) s << "  - " << p << "\n";
     }
