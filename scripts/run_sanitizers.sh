@@ -59,6 +59,6 @@ cmake -S . -B build-asan-transport -G Ninja -DKVCOMP_CUDA=OFF -DKVCOMP_PYTHON=OF
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVCOMP_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan-transport -j "$JOBS" --target transport_protocol_test \
   transport_server_client_test transport_vanishing_client transport_server_options_test \
-  transport_cuda_ucx_test
+  transport_cuda_ucx_test transport_client_reconnect_test
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan-transport -R '^transport_' --output-on-failure
