@@ -28,6 +28,8 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "common/bench_util.h"
+#include "common/sdk_device_bench.h"
 #include "kvcomp/client/client.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/transport/gpu_link.h"
@@ -36,45 +38,19 @@
 namespace {
 
 using kvcomp::KvLayout;
+using kvcomp::bench::ValueOrExit;
 using kvcomp::client::Client;
 using kvcomp::transport::GpuRuntime;
 
 int failures = 0;
-
-#define CHECK_OK(expr)                                                                  \
-  do {                                                                                  \
-    absl::Status _s = (expr);                                                           \
-    if (!_s.ok()) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                 \
-                   _s.ToString().c_str());                                              \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
-
-template <typename T>
-T Value(absl::StatusOr<T> v, const char* what) {
-  if (!v.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
-    std::exit(1);
-  }
-  return *std::move(v);
-}
 
 void Check(bool ok, const std::string& what) {
   std::printf("CHECK %s %s\n", ok ? "PASS" : "FAIL", what.c_str());
   if (!ok) ++failures;
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-double Best(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
-
 void Report(const char* name, double bytes, const std::vector<double>& secs) {
-  if (secs.empty()) return;
-  std::printf("RESULT cuda_ucx %-32s best %7.2f GB/s  median %7.2f GB/s  (%zu runs, %.3f s best)\n",
-              name, bytes / Best(secs) / 1e9, bytes / Median(secs) / 1e9, secs.size(), Best(secs));
+  kvcomp::bench::PrintRate("cuda_ucx", 32, name, bytes, secs);
 }
 
 }  // namespace
@@ -92,27 +68,21 @@ int main(int argc, char** argv) {
     if (a == "--reps") reps = std::atoi(v);
     if (a == "--daemon_device") dd = std::atoi(v);
   }
-  GpuRuntime* rt = Value(GpuRuntime::Get(), "CUDA");
+  GpuRuntime* rt = ValueOrExit(GpuRuntime::Get(), "CUDA");
   if (rt->device_count() <= dd) {
     std::fprintf(stderr, "needs %d CUDA device(s)\n", dd + 1);
     return 77;
   }
-  KvLayout layout;
-  layout.num_layers = 32;
-  layout.num_kv_heads = 8;
-  layout.num_q_heads = 32;
-  layout.head_dim = 128;
-  layout.dtype = kvcomp::DType::kBF16;
-  const size_t layer = layout.LayerBytes(tokens);
+  const KvLayout layout = kvcomp::bench::Llama8bLayout();
   const size_t payload = layout.CacheBytes(tokens);
   std::printf("# %llu tokens, %.2f GiB of K and V; client on GPU 0, kvcompd on GPU %d\n",
               static_cast<unsigned long long>(tokens), payload / 1073741824.0, dd);
 
   // K then V of every layer, [layer][head][token][dim], finite bf16 with varied low bits.
-  CHECK_OK(rt->SetDevice(0));
-  void* src = Value(rt->AllocDevice(payload), "alloc src");
-  void* back = Value(rt->AllocDevice(payload), "alloc back");
-  void* s0 = Value(rt->NewStream(), "stream");
+  KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
+  void* src = ValueOrExit(rt->AllocDevice(payload), "alloc src");
+  void* back = ValueOrExit(rt->AllocDevice(payload), "alloc back");
+  void* s0 = ValueOrExit(rt->NewStream(), "stream");
   std::string host_src(payload, '\0');
   {
     // splitmix64, four bf16 values per draw: sign and low mantissa bits vary, exponents stay
@@ -126,8 +96,9 @@ int main(int argc, char** argv) {
       z ^= z >> 31;
       p[i] = (z & 0x83ff83ff83ff83ffull) | 0x3c003c003c003c00ull;
     }
-    CHECK_OK(rt->CopyAsync(src, host_src.data(), payload, GpuRuntime::Copy::kHostToDevice, s0));
-    CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(120)));
+    KVCOMP_BENCH_CHECK_OK(
+        rt->CopyAsync(src, host_src.data(), payload, GpuRuntime::Copy::kHostToDevice, s0));
+    KVCOMP_BENCH_CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(120)));
   }
 
   // Reference: the payload copied on the client's GPU, or to the daemon's.
@@ -135,27 +106,22 @@ int main(int argc, char** argv) {
   {
     void* dst = back;
     if (dd != 0) {
-      CHECK_OK(rt->EnablePeerAccess(0, dd));
-      CHECK_OK(rt->SetDevice(dd));
-      dst = Value(rt->AllocDevice(payload), "alloc peer dst");
-      CHECK_OK(rt->SetDevice(0));
+      KVCOMP_BENCH_CHECK_OK(rt->EnablePeerAccess(0, dd));
+      KVCOMP_BENCH_CHECK_OK(rt->SetDevice(dd));
+      dst = ValueOrExit(rt->AllocDevice(payload), "alloc peer dst");
+      KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
     }
-    auto timer = Value(rt->NewTimer(), "timer");
-    for (int r = 0; r < reps + 1; ++r) {
-      CHECK_OK(timer->Start(s0));
-      if (dd == 0) {
-        CHECK_OK(rt->CopyAsync(dst, src, payload, GpuRuntime::Copy::kDeviceToDevice, s0));
-      } else {
-        CHECK_OK(rt->CopyPeerAsync(dst, dd, src, 0, payload, s0));
-      }
-      CHECK_OK(timer->Stop(s0));
-      const double s = Value(timer->Seconds(absl::Now() + absl::Seconds(60)), "reference copy");
-      if (r > 0) ref_s.push_back(s);
-    }
+    ref_s = kvcomp::bench::StreamSeconds(
+        *rt, s0, reps,
+        [&] {
+          return dd == 0 ? rt->CopyAsync(dst, src, payload, GpuRuntime::Copy::kDeviceToDevice, s0)
+                         : rt->CopyPeerAsync(dst, dd, src, 0, payload, s0);
+        },
+        "reference copy");
     if (dd != 0) {
-      CHECK_OK(rt->SetDevice(dd));
+      KVCOMP_BENCH_CHECK_OK(rt->SetDevice(dd));
       rt->FreeDevice(dst);
-      CHECK_OK(rt->SetDevice(0));
+      KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
     }
     Report(dd == 0 ? "device-to-device copy" : "cuMemcpyPeer", payload, ref_s);
   }
@@ -174,44 +140,27 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcompd did not start:\n%s\n", daemon.Log().c_str());
     return 1;
   }
-  {
-    const std::string log = daemon.Log();
-    for (const char* what : {"engine: ", "data plane: UCX"}) {
-      const size_t at = log.find(what);
-      std::printf("# kvcompd %s\n", at == std::string::npos
-                                        ? what
-                                        : log.substr(at, log.find('\n', at) - at).c_str());
-    }
+  for (const char* what : {"engine: ", "data plane: UCX"}) {
+    std::printf("# kvcompd %s\n", kvcomp::bench::LogLine(daemon.Log(), what, what).c_str());
   }
   kvcomp::client::ClientOptions o;
   o.request_timeout = absl::Seconds(300);
   o.tenant = "alpha";
   o.token = "secret-a";
-  const std::string endpoint =
-      daemon.data_endpoint() + ",127.0.0.1:" + std::to_string(daemon.ports().control);
-  auto client = Value(Client::Connect({endpoint}, o), "connect");
-  std::vector<kvcomp::client::DeviceLayerData> in;
-  std::vector<kvcomp::client::DeviceLayerOut> out;
-  for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    in.push_back({static_cast<char*>(src) + l * layer,
-                  static_cast<char*>(src) + (layout.num_layers + l) * layer});
-    out.push_back({static_cast<char*>(back) + l * layer,
-                   static_cast<char*>(back) + (layout.num_layers + l) * layer});
-  }
-  kvcomp::client::PutOptions lossless;
-  lossless.policy = kvcomp::CompressionPolicy();
-  lossless.policy->ratio = 0;
-  lossless.policy->moments = false;
+  const std::string endpoint = daemon.client_endpoint();
+  auto client = ValueOrExit(Client::Connect({endpoint}, o), "connect");
+  const auto [in, out] = kvcomp::bench::SplitLayers(src, back, layout, tokens);
+  const kvcomp::client::PutOptions lossless = kvcomp::bench::LosslessPut();
 
   // ---- correctness: one put, the decoded cache straight into device memory, the dense get ----
   {
-    auto put = Value(client->PutDevice("llama-8b", "check", layout, tokens, in, s0, lossless),
-                     "put");
+    auto put = ValueOrExit(client->PutDevice("llama-8b", "check", layout, tokens, in, s0, lossless),
+                           "put");
     Check(put.path == "ucx-cuda", "put from device memory went over CUDA UCX (path " +
                                       put.path + ")");
     const std::string metrics = kvcomp::testing::HttpGet(daemon.ports().metrics, "/metrics").body;
-    const double into = kvcomp::testing::MetricValue(
-        metrics, "kvcomp_data_plane_blocks_into_device_total");
+    const double into =
+        kvcomp::testing::MetricValue(metrics, "kvcomp_data_plane_blocks_into_device_total");
     const double cuda = kvcomp::testing::MetricValue(metrics, "kvcomp_data_plane_cuda_memory");
     Check(cuda == 1, absl::StrFormat("kvcompd reports CUDA memory on the data plane (%g)", cuda));
     Check(into >= 2.0 * layout.num_layers,
@@ -219,14 +168,15 @@ int main(int argc, char** argv) {
                           into, 2 * layout.num_layers));
 
     const size_t capacity = payload + (size_t{64} << 20);
-    void* dec = Value(rt->AllocDevice(capacity), "alloc decoded");
-    auto got = Value(client->GetIntoDevice("llama-8b", "check", dec, capacity, s0, true),
-                     "get decoded into device");
+    void* dec = ValueOrExit(rt->AllocDevice(capacity), "alloc decoded");
+    auto got = ValueOrExit(client->GetIntoDevice("llama-8b", "check", dec, capacity, s0, true),
+                           "get decoded into device");
     Check(got.path == "ucx-cuda", "decoded get into device memory over CUDA UCX (path " +
                                       got.path + ")");
     std::string bytes(got.bytes, '\0');
-    CHECK_OK(rt->CopyAsync(bytes.data(), dec, got.bytes, GpuRuntime::Copy::kDeviceToHost, s0));
-    CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+    KVCOMP_BENCH_CHECK_OK(
+        rt->CopyAsync(bytes.data(), dec, got.bytes, GpuRuntime::Copy::kDeviceToHost, s0));
+    KVCOMP_BENCH_CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
     rt->FreeDevice(dec);
     auto cache = kvcomp::format::ParseCache(bytes);
     bool same = false;
@@ -239,11 +189,12 @@ int main(int argc, char** argv) {
     }
     Check(same, "decoded cache fetched into device memory is bit-identical to the K and V put");
 
-    auto dense = Value(client->GetKvIntoDevice("llama-8b", "check", layout, tokens, out, s0),
-                       "dense get");
+    auto dense = ValueOrExit(client->GetKvIntoDevice("llama-8b", "check", layout, tokens, out, s0),
+                             "dense get");
     std::string b(payload, '\0');
-    CHECK_OK(rt->CopyAsync(b.data(), back, payload, GpuRuntime::Copy::kDeviceToHost, s0));
-    CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+    KVCOMP_BENCH_CHECK_OK(
+        rt->CopyAsync(b.data(), back, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    KVCOMP_BENCH_CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
     Check(b == host_src, "dense get (path " + dense.path + ") is bit-identical");
 
     kvcomp::client::ClientOptions other = o;
@@ -251,7 +202,7 @@ int main(int argc, char** argv) {
     other.token = "secret-b";
     auto intruder = Client::Connect({endpoint}, other);
     if (intruder.ok()) {
-      void* tmp = Value(rt->AllocDevice(capacity), "alloc other");
+      void* tmp = ValueOrExit(rt->AllocDevice(capacity), "alloc other");
       auto stolen = (*intruder)->GetIntoDevice("llama-8b", "check", tmp, capacity, s0, true);
       Check(absl::IsNotFound(stolen.status()),
             "another tenant's device get reads NotFound: " + stolen.status().ToString());
@@ -265,14 +216,15 @@ int main(int argc, char** argv) {
   // ---- timings ----
   std::vector<double> put_xfer, put_wall, get_wall;
   const size_t capacity = payload + (size_t{64} << 20);
-  void* dec = Value(rt->AllocDevice(capacity), "alloc decoded");
+  void* dec = ValueOrExit(rt->AllocDevice(capacity), "alloc decoded");
   for (int r = 0; r < reps + 1; ++r) {
     const std::string key = "bench-" + std::to_string(r);
     auto t0 = absl::Now();
-    auto put = Value(client->PutDevice("llama-8b", key, layout, tokens, in, s0, lossless), "put");
+    auto put =
+        ValueOrExit(client->PutDevice("llama-8b", key, layout, tokens, in, s0, lossless), "put");
     const double wall = absl::ToDoubleSeconds(absl::Now() - t0);
     t0 = absl::Now();
-    auto got = Value(client->GetIntoDevice("llama-8b", key, dec, capacity, s0, true), "get");
+    auto got = ValueOrExit(client->GetIntoDevice("llama-8b", key, dec, capacity, s0, true), "get");
     const double gwall = absl::ToDoubleSeconds(absl::Now() - t0);
     if (r > 0) {
       put_xfer.push_back(put.transfer_seconds);

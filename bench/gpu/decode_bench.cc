@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "common/bench_util.h"
+#include "common/engine_bench.h"
 #include "kvcomp/decode/attention.h"
 #include "kvcomp/kernels/calibration.h"
 #include "kvcomp/kernels/pipeline.h"
@@ -30,45 +32,19 @@ using Clock = std::chrono::steady_clock;
 using kvcomp::DType;
 using kvcomp::HeadsView;
 using kvcomp::KvLayout;
-
-void Check(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
+using kvcomp::bench::ExitIfError;
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<uint64_t> token_counts = {8192, 32768};
-  int reps = 20;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--tokens" && i + 1 < argc) {
-      token_counts.clear();
-      std::string list = argv[++i];
-      for (size_t p = 0; p <= list.size();) {
-        const size_t q = std::min(list.find(',', p), list.size());
-        token_counts.push_back(std::stoull(list.substr(p, q - p)));
-        p = q + 1;
-      }
-    } else if (a == "--reps" && i + 1 < argc) {
-      reps = std::max(1, std::atoi(argv[++i]));
-    } else {
-      std::fprintf(stderr, "usage: kvcomp_bench_gpu_decode [--tokens 8192,32768] [--reps 20]\n");
-      return 2;
-    }
-  }
-  auto made = kvcomp::MakeCudaBackend();
-  Check(made.status(), "cuda backend");
-  kvcomp::Backend& gpu = **made;
-  auto cpu = kvcomp::MakeCpuBackend();
-  Check(cpu.status(), "cpu backend");
-  const KvLayout llama{32, 8, 32, 128, DType::kBF16};
+  kvcomp::bench::TokensAndReps args{{8192, 32768}, 20};
+  if (!kvcomp::bench::ParseTokensAndReps(argc, argv, "kvcomp_bench_gpu_decode", &args)) return 2;
+  const kvcomp::bench::Backends backends = kvcomp::bench::MakeBackends();
+  kvcomp::Backend& gpu = *backends.gpu;
+  const KvLayout llama = kvcomp::bench::Llama8bLayout();
   const auto stream = static_cast<cudaStream_t>(gpu.native_stream());
 
-  for (const uint64_t T : token_counts) {
+  for (const uint64_t T : args.tokens) {
     const uint64_t layer_elems = uint64_t{llama.num_kv_heads} * T * llama.head_dim;
     std::vector<uint16_t> k(layer_elems), v(layer_elems);
     std::mt19937 rng(11);
@@ -77,31 +53,19 @@ int main(int argc, char** argv) {
       k[i] = kvcomp::FloatToBf16(g(rng));
       v[i] = kvcomp::FloatToBf16(g(rng));
     }
-    kvcomp::KvCacheView view;
-    view.layout = llama;
-    view.num_tokens = T;
-    for (uint32_t l = 0; l < llama.num_layers; ++l) {
-      view.keys.push_back(HeadsView::Dense(k.data(), DType::kBF16, llama.num_kv_heads, T, 128));
-      view.values.push_back(HeadsView::Dense(v.data(), DType::kBF16, llama.num_kv_heads, T, 128));
-    }
-    auto cal = kvcomp::Calibrator::Create(
-        {"bench", llama.num_layers, llama.num_kv_heads, 128, 0, 0, 0}, cpu->get());
-    Check(cal.status(), "calibrator");
-    for (uint32_t l = 0; l < llama.num_layers; ++l) Check(cal->AddLayer(l, view.values[l]), "cal");
-    auto proj = cal->Finish(128);
-    Check(proj.status(), "projection");
-    auto projection = std::make_shared<const kvcomp::Projection>(std::move(*proj));
+    const kvcomp::KvCacheView view = kvcomp::bench::SameLayersView(llama, T, k.data(), v.data());
+    const auto projection = kvcomp::bench::CalibrateProjection(*backends.cpu, view);
 
     kvcomp::CompressionPolicy evict;
     auto raw = kvcomp::Compress(gpu, view, evict);
-    Check(raw.status(), "compress");
+    ExitIfError(raw.status(), "compress");
     kvcomp::CompressionPolicy splice = evict;
     splice.key_codec = kvcomp::KeyCodec::kInt8;
     splice.value_codec = kvcomp::ValueCodec::kOrthogonalInt8;
     kvcomp::CompressOptions with_projection;
     with_projection.projection = projection;
     auto encoded = kvcomp::Compress(gpu, view, splice, with_projection);
-    Check(encoded.status(), "compress kvsplice");
+    ExitIfError(encoded.status(), "compress kvsplice");
 
     // Queries and outputs on the device: [32 q heads][1][128].
     const uint64_t q_elems = uint64_t{llama.num_q_heads} * 128;
@@ -109,9 +73,9 @@ int main(int argc, char** argv) {
     for (float& x : q) x = g(rng);
     auto dq = kvcomp::Buffer::Allocate(gpu.allocator(), q_elems * 4);
     auto dout = kvcomp::Buffer::Allocate(gpu.allocator(), q_elems * 4);
-    Check(dq.status(), "queries");
-    Check(dout.status(), "out");
-    Check(gpu.CopyFromHost(dq->data(), q.data(), q_elems * 4), "queries");
+    ExitIfError(dq.status(), "queries");
+    ExitIfError(dout.status(), "out");
+    ExitIfError(gpu.CopyFromHost(dq->data(), q.data(), q_elems * 4), "queries");
 
     struct Variant {
       const char* name;
@@ -126,7 +90,7 @@ int main(int argc, char** argv) {
     for (const Variant& var : variants) {
       const Clock::time_point p0 = Clock::now();
       auto placed = kvcomp::decode::ResidentCache::Place(gpu, *var.cache, projection);
-      Check(placed.status(), "place");
+      ExitIfError(placed.status(), "place");
       const double place_s = std::chrono::duration<double>(Clock::now() - p0).count();
       kvcomp::decode::Decoder decoder(gpu);
       kvcomp::decode::AttendParams p;
@@ -139,19 +103,11 @@ int main(int argc, char** argv) {
       auto step = [&] {
         for (uint32_t l = 0; l < llama.num_layers; ++l) {
           p.layer = l;
-          Check(decoder.Attend(**placed, p), "attend");
+          ExitIfError(decoder.Attend(**placed, p), "attend");
         }
-        Check(gpu.Synchronize(), "sync");
+        ExitIfError(gpu.Synchronize(), "sync");
       };
-      step();
-      std::vector<double> ms;
-      for (int r = 0; r < reps; ++r) {
-        const Clock::time_point t0 = Clock::now();
-        step();
-        ms.push_back(1e3 * std::chrono::duration<double>(Clock::now() - t0).count());
-      }
-      std::sort(ms.begin(), ms.end());
-      const double step_ms = ms[ms.size() / 2];
+      const double step_ms = 1e3 * kvcomp::bench::MedianSeconds(args.reps, step);
       // The cache bytes one step reads: every section Place copied.
       const uint64_t bytes = (*placed)->transfers().host_to_device_bytes;
       // A device copy of as many bytes (read + write), for scale.

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "common/bench_util.h"
+#include "common/engine_bench.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/calibration.h"
@@ -32,65 +34,26 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using kvcomp::DType;
-using kvcomp::HeadsView;
 using kvcomp::KvLayout;
-
-void Check(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
-
-double MedianSeconds(int reps, const std::function<void()>& fn) {
-  fn();
-  std::vector<double> s;
-  for (int i = 0; i < reps; ++i) {
-    const Clock::time_point t0 = Clock::now();
-    fn();
-    s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  std::sort(s.begin(), s.end());
-  return s[s.size() / 2];
-}
+using kvcomp::bench::ExitIfError;
+using kvcomp::bench::Median;
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<uint64_t> token_counts = {8192, 32768};
-  int reps = 5;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--tokens" && i + 1 < argc) {
-      token_counts.clear();
-      const std::string list = argv[++i];
-      for (size_t p = 0; p <= list.size();) {
-        const size_t q = std::min(list.find(',', p), list.size());
-        token_counts.push_back(std::stoull(list.substr(p, q - p)));
-        p = q + 1;
-      }
-    } else if (a == "--reps" && i + 1 < argc) {
-      reps = std::max(1, std::atoi(argv[++i]));
-    } else {
-      std::fprintf(stderr,
-                   "usage: kvcomp_bench_gpu_device_codec [--tokens 8192,32768] [--reps 5]\n");
-      return 2;
-    }
-  }
-  auto made = kvcomp::MakeCudaBackend();
-  Check(made.status(), "cuda backend");
-  kvcomp::Backend& gpu = **made;
-  auto cpu_made = kvcomp::MakeCpuBackend();
-  Check(cpu_made.status(), "cpu backend");
-  const KvLayout llama{32, 8, 32, 128, DType::kBF16};
+  kvcomp::bench::TokensAndReps args{{8192, 32768}, 5};
+  if (!kvcomp::bench::ParseTokensAndReps(argc, argv, "kvcomp_bench_gpu_device_codec", &args))
+    return 2;
+  const int reps = args.reps;
+  const kvcomp::bench::Backends backends = kvcomp::bench::MakeBackends();
+  kvcomp::Backend& gpu = *backends.gpu;
+  const KvLayout llama = kvcomp::bench::Llama8bLayout();
   constexpr double kLinkBytesPerSecond = 50e9;
 
-  for (const uint64_t T : token_counts) {
+  for (const uint64_t T : args.tokens) {
     // Every layer its own random K and V (values of a decaying spectrum, so the projection has
     // structure to find), generated once per layer pair and uploaded.
     const uint64_t layer_elems = uint64_t{llama.num_kv_heads} * T * llama.head_dim;
-    const uint64_t layer_bytes = layer_elems * 2;
     std::vector<uint16_t> k(layer_elems), v(layer_elems);
     std::mt19937 rng(11);
     std::normal_distribution<float> g(0.0f, 1.0f);
@@ -98,48 +61,20 @@ int main(int argc, char** argv) {
       k[i] = kvcomp::FloatToBf16(g(rng) + 0.5f);
       v[i] = kvcomp::FloatToBf16(g(rng) * std::pow(0.97f, static_cast<float>(i % 128)));
     }
-    kvcomp::KvCacheView device;
-    device.layout = llama;
-    device.num_tokens = T;
-    std::vector<kvcomp::Buffer> dev;
-    for (uint32_t l = 0; l < llama.num_layers; ++l) {
-      for (int part = 0; part < 2; ++part) {
-        auto b = kvcomp::Buffer::Allocate(gpu.allocator(), layer_bytes);
-        Check(b.status(), "device buffer");
-        Check(gpu.CopyFromHost(b->data(), part == 0 ? k.data() : v.data(), layer_bytes), "upload");
-        const HeadsView view = HeadsView::Dense(b->data(), DType::kBF16, llama.num_kv_heads, T,
-                                                128, kvcomp::MemorySpace::kDevice);
-        (part == 0 ? device.keys : device.values).push_back(view);
-        dev.push_back(std::move(*b));
-      }
-    }
+    const kvcomp::KvCacheView host = kvcomp::bench::SameLayersView(llama, T, k.data(), v.data());
+    const kvcomp::bench::DeviceCache on_device = kvcomp::bench::Upload(gpu, host);
+    const kvcomp::KvCacheView& device = on_device.view;
     const uint64_t original = llama.CacheBytes(T);
 
-    auto cal = kvcomp::Calibrator::Create({"bench", llama.num_layers, llama.num_kv_heads, 128,
-                                           0, 0, 0},
-                                          cpu_made->get());
-    Check(cal.status(), "calibrator");
-    const HeadsView host_v = HeadsView::Dense(v.data(), DType::kBF16, llama.num_kv_heads, T, 128);
-    for (uint32_t l = 0; l < llama.num_layers; ++l) Check(cal->AddLayer(l, host_v), "cal");
-    auto proj = cal->Finish(128);
-    Check(proj.status(), "projection");
-    auto projection = std::make_shared<const kvcomp::Projection>(std::move(*proj));
+    const auto projection = kvcomp::bench::CalibrateProjection(*backends.cpu, host);
     auto tuned = std::make_shared<kvcomp::Projection>(*projection);
     tuned->tuned_rank.assign(llama.num_layers, 0);
     tuned->tuned_error.assign(llama.num_layers, 0.01);
     for (uint32_t l = 0; l < llama.num_layers; ++l) tuned->tuned_rank[l] = 32 + 2 * (l % 16);
-    Check(tuned->Seal(), "seal");
+    ExitIfError(tuned->Seal(), "seal");
 
     // A device-to-device copy of the original bytes, for the copy-speed comparison.
-    auto copy_dst = kvcomp::Buffer::Allocate(gpu.allocator(), layer_bytes);
-    Check(copy_dst.status(), "copy buffer");
-    const double copy_s = MedianSeconds(reps, [&] {
-      for (const kvcomp::Buffer& b : dev) {
-        cudaMemcpyAsync(copy_dst->data(), b.data(), layer_bytes, cudaMemcpyDeviceToDevice,
-                        static_cast<cudaStream_t>(gpu.native_stream()));
-      }
-      Check(gpu.Synchronize(), "copy");
-    });
+    const double copy_s = kvcomp::bench::DeviceCopySeconds(gpu, on_device, reps);
     const double copy_gbps = static_cast<double>(2 * original) / copy_s / 1e9;
 
     kvcomp::CompressionPolicy evict;
@@ -177,11 +112,11 @@ int main(int argc, char** argv) {
         o.transfers = &moved;
         const Clock::time_point t0 = Clock::now();
         auto dc = kvcomp::CompressToDevice(gpu, device, var.policy, o);
-        Check(dc.status(), "compress to device");
-        Check(gpu.Synchronize(), "synchronize");
+        ExitIfError(dc.status(), "compress to device");
+        ExitIfError(gpu.Synchronize(), "synchronize");
         const Clock::time_point t1 = Clock::now();
         auto c = dc->Download(gpu, &moved);
-        Check(c.status(), "download");
+        ExitIfError(c.status(), "download");
         const Clock::time_point t2 = Clock::now();
         if (rep > 0) {
           work.push_back(std::chrono::duration<double>(t1 - t0).count());
@@ -189,10 +124,8 @@ int main(int argc, char** argv) {
         }
         cache = std::move(*c);
       }
-      std::sort(work.begin(), work.end());
-      std::sort(download.begin(), download.end());
-      const double work_s = work[work.size() / 2];
-      const double download_s = download[download.size() / 2];
+      const double work_s = Median(work);
+      const double download_s = Median(download);
       const uint64_t stored = moved.to_host;
       const double saved_s = static_cast<double>(original - std::min(original, stored)) /
                              kLinkBytesPerSecond;

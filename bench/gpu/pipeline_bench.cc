@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "common/bench_util.h"
+#include "common/engine_bench.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
@@ -33,30 +35,11 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using kvcomp::DType;
 using kvcomp::HeadsView;
 using kvcomp::KvLayout;
-
-void Check(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
-
-// Median wall seconds of `reps` calls of `fn` (after one untimed call).
-double MedianSeconds(int reps, const std::function<void()>& fn) {
-  fn();
-  std::vector<double> s;
-  for (int i = 0; i < reps; ++i) {
-    const Clock::time_point t0 = Clock::now();
-    fn();
-    s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  std::sort(s.begin(), s.end());
-  return s[s.size() / 2];
-}
+using kvcomp::bench::ExitIfError;
+using kvcomp::bench::MedianSeconds;
+using kvcomp::bench::ValueOrExit;
 
 struct Run {
   double seconds_host = 0, seconds_device = 0, encode_seconds = 0;
@@ -66,34 +49,15 @@ struct Run {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<uint64_t> token_counts = {8192, 32768};
-  int reps = 3;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--tokens" && i + 1 < argc) {
-      token_counts.clear();
-      std::string list = argv[++i];
-      for (size_t p = 0; p <= list.size();) {
-        const size_t q = std::min(list.find(',', p), list.size());
-        token_counts.push_back(std::stoull(list.substr(p, q - p)));
-        p = q + 1;
-      }
-    } else if (a == "--reps" && i + 1 < argc) {
-      reps = std::max(1, std::atoi(argv[++i]));
-    } else {
-      std::fprintf(stderr, "usage: kvcomp_bench_gpu_pipeline [--tokens 8192,32768] [--reps 3]\n");
-      return 2;
-    }
-  }
-  auto made = kvcomp::MakeCudaBackend();
-  Check(made.status(), "cuda backend");
-  kvcomp::Backend& gpu = **made;
-  auto cpu_made = kvcomp::MakeCpuBackend();
-  Check(cpu_made.status(), "cpu backend");
-  const KvLayout llama{32, 8, 32, 128, DType::kBF16};
+  kvcomp::bench::TokensAndReps args{{8192, 32768}, 3};
+  if (!kvcomp::bench::ParseTokensAndReps(argc, argv, "kvcomp_bench_gpu_pipeline", &args)) return 2;
+  const int reps = args.reps;
+  const kvcomp::bench::Backends backends = kvcomp::bench::MakeBackends();
+  kvcomp::Backend& gpu = *backends.gpu;
+  const KvLayout llama = kvcomp::bench::Llama8bLayout();
   constexpr double kLinkBytesPerSecond = 50e9;  // 400 Gb/s
 
-  for (const uint64_t T : token_counts) {
+  for (const uint64_t T : args.tokens) {
     // One random layer of K and V, bf16 [kv_heads][T][d], used for every layer (the values do
     // not change the work; the calibration sees the same data every layer).
     const uint64_t layer_elems = uint64_t{llama.num_kv_heads} * T * llama.head_dim;
@@ -105,35 +69,19 @@ int main(int argc, char** argv) {
       k[i] = kvcomp::FloatToBf16(g(rng));
       v[i] = kvcomp::FloatToBf16(g(rng) * (1.0f + 0.25f * static_cast<float>(i % 128 < 16)));
     }
-    kvcomp::KvCacheView host;
-    host.layout = llama;
-    host.num_tokens = T;
-    for (uint32_t l = 0; l < llama.num_layers; ++l) {
-      host.keys.push_back(HeadsView::Dense(k.data(), DType::kBF16, llama.num_kv_heads, T, 128));
-      host.values.push_back(HeadsView::Dense(v.data(), DType::kBF16, llama.num_kv_heads, T, 128));
-    }
+    const kvcomp::KvCacheView host = kvcomp::bench::SameLayersView(llama, T, k.data(), v.data());
     const uint64_t original = llama.CacheBytes(T);
 
     // The cache on the device: every layer its own K and V.
-    std::vector<kvcomp::Buffer> dev;
-    kvcomp::KvCacheView device = host;
-    for (uint32_t l = 0; l < llama.num_layers; ++l) {
-      for (int part = 0; part < 2; ++part) {
-        auto b = kvcomp::Buffer::Allocate(gpu.allocator(), layer_bytes);
-        Check(b.status(), "device buffer");
-        Check(gpu.CopyFromHost(b->data(), part == 0 ? k.data() : v.data(), layer_bytes), "upload");
-        HeadsView& view = part == 0 ? device.keys[l] : device.values[l];
-        view = HeadsView::Dense(b->data(), DType::kBF16, llama.num_kv_heads, T, 128,
-                                kvcomp::MemorySpace::kDevice);
-        dev.push_back(std::move(*b));
-      }
-    }
+    const kvcomp::bench::DeviceCache on_device = kvcomp::bench::Upload(gpu, host);
+    const std::vector<kvcomp::Buffer>& dev = on_device.buffers;
+    const kvcomp::KvCacheView& device = on_device.view;
 
     // Host to device: pageable (as the pipeline's staging copies today) and pinned.
     const double pageable_s = MedianSeconds(reps, [&] {
       for (uint32_t l = 0; l < llama.num_layers; ++l) {
-        Check(gpu.CopyFromHost(dev[2 * l].data(), k.data(), layer_bytes), "h2d");
-        Check(gpu.CopyFromHost(dev[2 * l + 1].data(), v.data(), layer_bytes), "h2d");
+        ExitIfError(gpu.CopyFromHost(dev[2 * l].data(), k.data(), layer_bytes), "h2d");
+        ExitIfError(gpu.CopyFromHost(dev[2 * l + 1].data(), v.data(), layer_bytes), "h2d");
       }
     });
     void* pinned = nullptr;
@@ -144,28 +92,21 @@ int main(int argc, char** argv) {
     std::copy(k.begin(), k.end(), static_cast<uint16_t*>(pinned));
     const double pinned_s = MedianSeconds(reps, [&] {
       for (uint32_t l = 0; l < 2 * llama.num_layers; ++l) {
-        Check(gpu.CopyFromHost(dev[l].data(), pinned, layer_bytes), "h2d pinned");
+        ExitIfError(gpu.CopyFromHost(dev[l].data(), pinned, layer_bytes), "h2d pinned");
       }
     });
     cudaFreeHost(pinned);
     // Device-to-device copy of the whole cache (bytes read + written = 2 x original).
-    kvcomp::Buffer scratch = std::move(*kvcomp::Buffer::Allocate(gpu.allocator(), layer_bytes));
-    const double d2d_s = MedianSeconds(reps, [&] {
-      for (uint32_t l = 0; l < 2 * llama.num_layers; ++l) {
-        cudaMemcpyAsync(scratch.data(), dev[l].data(), layer_bytes, cudaMemcpyDeviceToDevice,
-                        static_cast<cudaStream_t>(gpu.native_stream()));
-      }
-      Check(gpu.Synchronize(), "d2d");
-    });
+    const double d2d_s = kvcomp::bench::DeviceCopySeconds(gpu, on_device, reps);
 
     // The daemon's staging: the cache from pageable host memory in 1 MiB blocks (as a put's
     // blocks arrive) through the uploader's page-locked ring into one device buffer.
     auto uploader = kvcomp::DeviceUploader::Create(0);
-    Check(uploader.status(), "uploader");
+    ExitIfError(uploader.status(), "uploader");
     const uint64_t block_tokens = std::max<uint64_t>(1, (1u << 20) / (2 * 8 * 128 * 2));
-    const double staged_s = MedianSeconds(reps, [&] {
-      auto kv = kvcomp::DeviceKv::Create(**uploader, llama, T);
-      Check(kv.status(), "device kv");
+    auto stage = [&] {
+      std::unique_ptr<kvcomp::DeviceKv> kv =
+          ValueOrExit(kvcomp::DeviceKv::Create(**uploader, llama, T), "device kv");
       for (uint32_t l = 0; l < llama.num_layers; ++l) {
         for (uint64_t t0 = 0; t0 < T; t0 += block_tokens) {
           const uint64_t n = std::min(block_tokens, T - t0);
@@ -173,31 +114,23 @@ int main(int argc, char** argv) {
             HeadsView src = part == 0 ? host.keys[l] : host.values[l];
             src.data = static_cast<const uint16_t*>(src.data) + t0 * 128;
             src.num_tokens = n;  // strides stay those of the whole layer
-            Check((*kv)->AddHost(l, part == 1, t0, src), "stage");
+            ExitIfError(kv->AddHost(l, part == 1, t0, src), "stage");
           }
         }
       }
-      auto view = (*kv)->View(gpu);
-      Check(view.status(), "view");
-      Check(gpu.Synchronize(), "staged");
+      return kv;
+    };
+    const double staged_s = MedianSeconds(reps, [&] {
+      std::unique_ptr<kvcomp::DeviceKv> kv = stage();
+      auto view = kv->View(gpu);
+      ExitIfError(view.status(), "view");
+      ExitIfError(gpu.Synchronize(), "staged");
     });
     // One staged cache kept for Compress: its view carries the keys' sums the staging
     // accumulated (KeySums), so the mean-based scorer reads each layer's keys once.
-    auto staged = kvcomp::DeviceKv::Create(**uploader, llama, T);
-    Check(staged.status(), "device kv");
-    for (uint32_t l = 0; l < llama.num_layers; ++l) {
-      for (uint64_t t0 = 0; t0 < T; t0 += block_tokens) {
-        const uint64_t n = std::min(block_tokens, T - t0);
-        for (int part = 0; part < 2; ++part) {
-          HeadsView src = part == 0 ? host.keys[l] : host.values[l];
-          src.data = static_cast<const uint16_t*>(src.data) + t0 * 128;
-          src.num_tokens = n;
-          Check((*staged)->AddHost(l, part == 1, t0, src), "stage");
-        }
-      }
-    }
-    auto staged_view = (*staged)->View(gpu);
-    Check(staged_view.status(), "view");
+    const std::unique_ptr<kvcomp::DeviceKv> staged = stage();
+    auto staged_view = staged->View(gpu);
+    ExitIfError(staged_view.status(), "view");
     const bool have_sums = !staged_view->key_sums.empty() &&
                            staged_view->key_sums[0].sums != nullptr;
 
@@ -208,14 +141,7 @@ int main(int argc, char** argv) {
 
     // The projection, calibrated on the CPU from the same values (as kvcompd calibrates from
     // stored caches); not timed.
-    auto cal = kvcomp::Calibrator::Create({"bench", llama.num_layers, llama.num_kv_heads, 128,
-                                           0, 0, 0},
-                                          cpu_made->get());
-    Check(cal.status(), "calibrator");
-    for (uint32_t l = 0; l < llama.num_layers; ++l) Check(cal->AddLayer(l, host.values[l]), "cal");
-    auto proj = cal->Finish(128);
-    Check(proj.status(), "projection");
-    auto projection = std::make_shared<const kvcomp::Projection>(std::move(*proj));
+    const auto projection = kvcomp::bench::CalibrateProjection(*backends.cpu, host);
 
     for (int variant = 0; variant < 2; ++variant) {
       const kvcomp::CompressionPolicy& policy = variant == 0 ? evict : splice;
@@ -225,7 +151,7 @@ int main(int argc, char** argv) {
       kvcomp::CompressedCache cache;
       r.seconds_host = MedianSeconds(reps, [&] {
         auto c = kvcomp::Compress(gpu, host, policy, options);
-        Check(c.status(), "compress (host input)");
+        ExitIfError(c.status(), "compress (host input)");
         cache = std::move(*c);
       });
       kvcomp::TransferBytes moved;
@@ -234,7 +160,7 @@ int main(int argc, char** argv) {
         kvcomp::CompressOptions o = options;
         o.transfers = &moved;
         auto c = kvcomp::Compress(gpu, device, policy, o);
-        Check(c.status(), "compress (device input)");
+        ExitIfError(c.status(), "compress (device input)");
       });
       kvcomp::TransferBytes moved_staged;
       const double staged_compress_s = MedianSeconds(reps, [&] {
@@ -242,7 +168,7 @@ int main(int argc, char** argv) {
         kvcomp::CompressOptions o = options;
         o.transfers = &moved_staged;
         auto c = kvcomp::Compress(gpu, *staged_view, policy, o);
-        Check(c.status(), "compress (staged input)");
+        ExitIfError(c.status(), "compress (staged input)");
       });
       std::printf(
           "RESULT bench=pipeline_keysums tokens=%llu variant=%s key_sums=%d "
@@ -258,12 +184,12 @@ int main(int argc, char** argv) {
       std::vector<uint8_t> sink(moved.to_host);
       kvcomp::Buffer src = std::move(*kvcomp::Buffer::Allocate(gpu.allocator(), moved.to_host));
       const double download_s = MedianSeconds(reps, [&] {
-        Check(gpu.CopyToHost(sink.data(), src.data(), sink.size()), "download");
+        ExitIfError(gpu.CopyToHost(sink.data(), src.data(), sink.size()), "download");
       });
       std::string bytes;
       r.encode_seconds = MedianSeconds(reps, [&] {
         auto b = kvcomp::format::EncodeCache(cache);
-        Check(b.status(), "encode");
+        ExitIfError(b.status(), "encode");
         bytes = std::move(*b);
       });
       r.stored = bytes.size();

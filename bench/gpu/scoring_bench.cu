@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -68,6 +69,73 @@ struct Set {
   float* sums = nullptr;  // KeySums of k (sums, then unit sums), with_sums only
 };
 
+// Input sets of K and V, `elems` fresh random bf16 each (seeds seed + 2s and seed + 2s + 1 for
+// set s), enough of them (at least two) that the L2 cache never holds the next one.
+std::vector<Set> RandomSets(CudaContext& ctx, size_t elems, uint64_t seed) {
+  const size_t bytes = elems * 2;
+  cudaDeviceProp prop;
+  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sets = std::max<int>(2, static_cast<int>(3ull * prop.l2CacheSize / (2 * bytes)) + 1);
+  std::vector<Set> in(sets);
+  for (int s = 0; s < sets; ++s) {
+    BENCH_CUDA_CHECK(cudaMalloc(&in[s].k, bytes));
+    BENCH_CUDA_CHECK(cudaMalloc(&in[s].v, bytes));
+    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].k), elems,
+                                                 seed + 2 * s);
+    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].v), elems,
+                                                 seed + 1 + 2 * s);
+  }
+  return in;
+}
+
+void FreeSets(const std::vector<Set>& in) {
+  for (const Set& s : in) {
+    BENCH_CUDA_CHECK(cudaFree(s.k));
+    BENCH_CUDA_CHECK(cudaFree(s.v));
+    if (s.sums != nullptr) BENCH_CUDA_CHECK(cudaFree(s.sums));
+  }
+}
+
+// What a score + select + compact writes: the kept K and V rows, per head the kept count and
+// the kept rows' positions.
+struct KeptOut {
+  void* keys = nullptr;
+  void* values = nullptr;
+  void* counts = nullptr;
+  void* positions = nullptr;
+};
+
+KeptOut AllocKept(uint64_t rows, uint64_t heads, uint32_t dim) {
+  KeptOut o;
+  BENCH_CUDA_CHECK(cudaMalloc(&o.keys, rows * dim * 2));
+  BENCH_CUDA_CHECK(cudaMalloc(&o.values, rows * dim * 2));
+  BENCH_CUDA_CHECK(cudaMalloc(&o.counts, heads * 4));
+  BENCH_CUDA_CHECK(cudaMalloc(&o.positions, rows * 4));
+  return o;
+}
+
+void FreeKept(const KeptOut& o) {
+  BENCH_CUDA_CHECK(cudaFree(o.keys));
+  BENCH_CUDA_CHECK(cudaFree(o.values));
+  BENCH_CUDA_CHECK(cudaFree(o.counts));
+  BENCH_CUDA_CHECK(cudaFree(o.positions));
+}
+
+// Median host wall-clock microseconds of the synchronous `op(i)` over 11 calls, after 2 untimed
+// ones; exits when a call fails.
+double OpMicros(const std::function<absl::Status(int)>& op) {
+  std::vector<double> us(11);
+  for (int i = 0; i < 13; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s = op(i);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.ok()) std::exit(1);
+    if (i >= 2) us[i - 2] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+  }
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
 bool Centred(Scorer s) {
   return s == Scorer::kManifold || s == Scorer::kWindowedManifold || s == Scorer::kKeyDiff;
 }
@@ -78,18 +146,8 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t
   const uint32_t kHeads = 8 * batch;
   const size_t elems = size_t{kHeads} * n * kDim;
   const size_t bytes = elems * 2;
-  cudaDeviceProp prop;
-  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const int sets = std::max<int>(2, static_cast<int>(3ull * prop.l2CacheSize / (2 * bytes)) + 1);
-  std::vector<Set> in(sets);
-  for (int s = 0; s < sets; ++s) {
-    BENCH_CUDA_CHECK(cudaMalloc(&in[s].k, bytes));
-    BENCH_CUDA_CHECK(cudaMalloc(&in[s].v, bytes));
-    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].k), elems,
-                                                 1000 + 2 * s);
-    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].v), elems,
-                                                 1001 + 2 * s);
-  }
+  std::vector<Set> in = RandomSets(ctx, elems, 1000);
+  const int sets = static_cast<int>(in.size());
   const uint64_t chunks = (n + kKeySumChunkTokens - 1) / kKeySumChunkTokens;
   const size_t sum_floats = size_t{kHeads} * chunks * kDim;
   unsigned long long* bad = nullptr;
@@ -113,11 +171,7 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t
   }
   const uint64_t kept = static_cast<uint64_t>(static_cast<double>(n) * (1.0 - 0.5));
   const uint64_t cap = KeptCapacity(kHeads, n, kept);
-  void *ko, *vo, *counts, *idx;
-  BENCH_CUDA_CHECK(cudaMalloc(&ko, cap * kDim * 2));
-  BENCH_CUDA_CHECK(cudaMalloc(&vo, cap * kDim * 2));
-  BENCH_CUDA_CHECK(cudaMalloc(&counts, kHeads * 4));
-  BENCH_CUDA_CHECK(cudaMalloc(&idx, cap * 4));
+  const KeptOut out = AllocKept(cap, kHeads, kDim);
   auto args = [&](int i) {
     ScoreSelectCompactArgs a;
     const Set& s = in[i % sets];
@@ -128,9 +182,9 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t
     if (with_sums) a.score.key_sums = KeySums{s.sums, s.sums + sum_floats, n};
     a.select.kept_per_head = kept;
     a.select.n_sink = 4;
-    a.kept = {static_cast<uint32_t*>(counts), static_cast<uint32_t*>(idx)};
-    a.keys_out = ko;
-    a.values_out = vo;
+    a.kept = {static_cast<uint32_t*>(out.counts), static_cast<uint32_t*>(out.positions)};
+    a.keys_out = out.keys;
+    a.values_out = out.values;
     return a;
   };
   // The op once, for its status (and to check the data path end to end).
@@ -141,7 +195,7 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t
     return;
   }
   std::vector<uint32_t> hc(kHeads);
-  BENCH_CUDA_CHECK(cudaMemcpy(hc.data(), counts, kHeads * 4, cudaMemcpyDeviceToHost));
+  BENCH_CUDA_CHECK(cudaMemcpy(hc.data(), out.counts, kHeads * 4, cudaMemcpyDeviceToHost));
   for (uint32_t c : hc) {
     if (c != kept) std::printf("ERROR kept %u != %llu\n", c, static_cast<unsigned long long>(kept));
   }
@@ -165,36 +219,22 @@ void Run(Backend& backend, CudaContext& ctx, Scorer scorer, uint64_t n, uint32_t
       3, 21);
   for (auto& g : graphs) BENCH_CUDA_CHECK(cudaGraphExecDestroy(g));
   // The op (synchronous): host wall clock per call.
-  std::vector<double> op(11);
-  for (int i = 0; i < 13; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s = backend.scoring().ScoreSelectCompact(args(i));
-    const auto t1 = std::chrono::steady_clock::now();
-    if (!s.ok()) std::exit(1);
-    if (i >= 2) op[i - 2] = std::chrono::duration<double, std::micro>(t1 - t0).count();
-  }
-  std::sort(op.begin(), op.end());
+  const double op_us =
+      OpMicros([&](int i) { return backend.scoring().ScoreSelectCompact(args(i)); });
   double copy_us = 0;
   const double copy_gbps = bench::CopyGBps(2 * bytes, ctx.stream, sets, &copy_us);
   const double minimal = 2.0 * bytes + 2.0 * cap * kDim * 2;  // read K, V; write kept K, V
   const double dev_gbps = minimal / (dev_us * 1e3);
-  const double op_gbps = minimal / (op[op.size() / 2] * 1e3);
+  const double op_gbps = minimal / (op_us * 1e3);
   std::printf(
       "RESULT bench=ssc scorer=%s batch=%u tokens=%llu sums=%d dev_us=%.1f dev_GBps=%.0f "
       "op_us=%.1f op_GBps=%.0f copy_GBps=%.0f dev/copy=%.0f%% op/copy=%.0f%% sums_us=%.1f\n",
       std::string(ScorerName(scorer)).c_str(), batch, static_cast<unsigned long long>(n),
-      with_sums ? 1 : 0, dev_us, dev_gbps, op[op.size() / 2], op_gbps, copy_gbps,
+      with_sums ? 1 : 0, dev_us, dev_gbps, op_us, op_gbps, copy_gbps,
       100.0 * dev_gbps / copy_gbps, 100.0 * op_gbps / copy_gbps, sums_us);
-  for (auto& s : in) {
-    BENCH_CUDA_CHECK(cudaFree(s.k));
-    BENCH_CUDA_CHECK(cudaFree(s.v));
-    if (s.sums != nullptr) BENCH_CUDA_CHECK(cudaFree(s.sums));
-  }
+  FreeSets(in);
   if (bad != nullptr) BENCH_CUDA_CHECK(cudaFree(bad));
-  BENCH_CUDA_CHECK(cudaFree(ko));
-  BENCH_CUDA_CHECK(cudaFree(vo));
-  BENCH_CUDA_CHECK(cudaFree(counts));
-  BENCH_CUDA_CHECK(cudaFree(idx));
+  FreeKept(out);
 }
 
 // A varlen batch (cu_seqlens) of `lengths` requests, 8 kv heads each, through
@@ -212,25 +252,11 @@ void RunVarlen(Backend& backend, CudaContext& ctx, Scorer scorer,
   const uint64_t total = cu.back();
   const size_t elems = size_t{kHeads} * total * kDim;
   const size_t bytes = elems * 2;
-  cudaDeviceProp prop;
-  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const int sets = std::max<int>(2, static_cast<int>(3ull * prop.l2CacheSize / (2 * bytes)) + 1);
-  std::vector<Set> in(sets);
-  for (int s = 0; s < sets; ++s) {
-    BENCH_CUDA_CHECK(cudaMalloc(&in[s].k, bytes));
-    BENCH_CUDA_CHECK(cudaMalloc(&in[s].v, bytes));
-    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].k), elems,
-                                                 3000 + 2 * s);
-    FillRandomBf16<<<1024, 256, 0, ctx.stream>>>(static_cast<__nv_bfloat16*>(in[s].v), elems,
-                                                 3001 + 2 * s);
-  }
+  const std::vector<Set> in = RandomSets(ctx, elems, 3000);
+  const int sets = static_cast<int>(in.size());
   uint64_t rows = 0;
   for (size_t r = 0; r < lengths.size(); ++r) rows += kHeads * std::min(kept[r], lengths[r]);
-  void *ko, *vo, *counts, *idx;
-  BENCH_CUDA_CHECK(cudaMalloc(&ko, rows * kDim * 2));
-  BENCH_CUDA_CHECK(cudaMalloc(&vo, rows * kDim * 2));
-  BENCH_CUDA_CHECK(cudaMalloc(&counts, lengths.size() * kHeads * 4));
-  BENCH_CUDA_CHECK(cudaMalloc(&idx, rows * 4));
+  const KeptOut out = AllocKept(rows, lengths.size() * kHeads, kDim);
   auto args = [&](int i) {
     ScoreSelectCompactVarlenArgs a;
     const Set& s = in[i % sets];
@@ -242,9 +268,9 @@ void RunVarlen(Backend& backend, CudaContext& ctx, Scorer scorer,
     a.score.scorer = scorer;
     a.score.window = 4096;
     a.select.n_sink = 4;
-    a.kept = {static_cast<uint32_t*>(counts), static_cast<uint32_t*>(idx)};
-    a.keys_out = ko;
-    a.values_out = vo;
+    a.kept = {static_cast<uint32_t*>(out.counts), static_cast<uint32_t*>(out.positions)};
+    a.keys_out = out.keys;
+    a.values_out = out.values;
     return a;
   };
   absl::Status st = backend.scoring().ScoreSelectCompactVarlen(args(0));
@@ -259,33 +285,20 @@ void RunVarlen(Backend& backend, CudaContext& ctx, Scorer scorer,
         if (!s.ok()) std::exit(1);
       },
       ctx.stream, 3, 21);
-  std::vector<double> op(11);
-  for (int i = 0; i < 13; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s = backend.scoring().ScoreSelectCompactVarlen(args(i));
-    const auto t1 = std::chrono::steady_clock::now();
-    if (!s.ok()) std::exit(1);
-    if (i >= 2) op[i - 2] = std::chrono::duration<double, std::micro>(t1 - t0).count();
-  }
-  std::sort(op.begin(), op.end());
+  const double op_us =
+      OpMicros([&](int i) { return backend.scoring().ScoreSelectCompactVarlen(args(i)); });
   const double copy_gbps = bench::CopyGBps(2 * bytes, ctx.stream, sets);
   const double minimal = 2.0 * bytes + 2.0 * rows * kDim * 2;
   const double enq_gbps = minimal / (enq_us * 1e3);
-  const double op_gbps = minimal / (op[op.size() / 2] * 1e3);
+  const double op_gbps = minimal / (op_us * 1e3);
   std::printf(
       "RESULT bench=ssc_varlen scorer=%s requests=%zu lengths=%s tokens=%llu enq_us=%.1f "
       "enq_GBps=%.0f op_us=%.1f op_GBps=%.0f copy_GBps=%.0f enq/copy=%.0f%% op/copy=%.0f%%\n",
       std::string(ScorerName(scorer)).c_str(), lengths.size(), label,
-      static_cast<unsigned long long>(total), enq_us, enq_gbps, op[op.size() / 2], op_gbps,
+      static_cast<unsigned long long>(total), enq_us, enq_gbps, op_us, op_gbps,
       copy_gbps, 100.0 * enq_gbps / copy_gbps, 100.0 * op_gbps / copy_gbps);
-  for (auto& s : in) {
-    BENCH_CUDA_CHECK(cudaFree(s.k));
-    BENCH_CUDA_CHECK(cudaFree(s.v));
-  }
-  BENCH_CUDA_CHECK(cudaFree(ko));
-  BENCH_CUDA_CHECK(cudaFree(vo));
-  BENCH_CUDA_CHECK(cudaFree(counts));
-  BENCH_CUDA_CHECK(cudaFree(idx));
+  FreeSets(in);
+  FreeKept(out);
 }
 
 }  // namespace

@@ -28,6 +28,8 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "common/bench_util.h"
+#include "common/sdk_device_bench.h"
 #include "kvcomp/client/client.h"
 #include "kvcomp/transport/gpu_link.h"
 #include "kvcompd_process.h"
@@ -35,38 +37,14 @@
 namespace {
 
 using kvcomp::KvLayout;
+using kvcomp::bench::Best;
+using kvcomp::bench::ValueOrExit;
 using kvcomp::client::Client;
 using kvcomp::transport::GpuRuntime;
 using kvcomp::transport::NcclLink;
 
-#define CHECK_OK(expr)                                                                  \
-  do {                                                                                  \
-    absl::Status _s = (expr);                                                           \
-    if (!_s.ok()) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                 \
-                   _s.ToString().c_str());                                              \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
-
-template <typename T>
-T Value(absl::StatusOr<T> v, const char* what) {
-  if (!v.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
-    std::exit(1);
-  }
-  return *std::move(v);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-double Best(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
-
 void Report(const char* name, double bytes, const std::vector<double>& secs) {
-  std::printf("RESULT gpu_channel %-28s best %7.2f GB/s  median %7.2f GB/s  (%zu runs, %.3f s best)\n",
-              name, bytes / Best(secs) / 1e9, bytes / Median(secs) / 1e9, secs.size(), Best(secs));
+  kvcomp::bench::PrintRate("gpu_channel", 28, name, bytes, secs);
 }
 
 }  // namespace
@@ -94,19 +72,14 @@ int main(int argc, char** argv) {
     if (a == "--backend") backend = v;
     if (a == "--tier") tier = v;
   }
-  GpuRuntime* rt = Value(GpuRuntime::Get(), "CUDA");
-  if (!one_gpu) CHECK_OK(GpuRuntime::LoadNccl());
+  GpuRuntime* rt = ValueOrExit(GpuRuntime::Get(), "CUDA");
+  if (!one_gpu) KVCOMP_BENCH_CHECK_OK(GpuRuntime::LoadNccl());
   if (rt->device_count() < (one_gpu ? 1 : 2)) {
     std::fprintf(stderr, "needs %d CUDA device(s)\n", one_gpu ? 1 : 2);
     return 77;
   }
   const int dd = one_gpu ? 0 : 1;  // the daemon's device
-  KvLayout layout;
-  layout.num_layers = 32;
-  layout.num_kv_heads = 8;
-  layout.num_q_heads = 32;
-  layout.head_dim = 128;
-  layout.dtype = kvcomp::DType::kBF16;
+  const KvLayout layout = kvcomp::bench::Llama8bLayout();
   const size_t layer = layout.LayerBytes(tokens);
   const size_t payload = layout.CacheBytes(tokens);
   std::printf("# %llu tokens, %.2f GiB of K and V, %zu chunks of %.1f MiB; NCCL %d (%s)\n",
@@ -115,22 +88,22 @@ int main(int argc, char** argv) {
               GpuRuntime::nccl_path().c_str());
 
   // Source on GPU 0 (finite bf16: 0x3f80 = 1.0 with a varying low byte), destination on GPU 1.
-  CHECK_OK(rt->SetDevice(0));
-  void* src = Value(rt->AllocDevice(payload), "alloc src");
-  void* back = Value(rt->AllocDevice(payload), "alloc back");
-  void* s0 = Value(rt->NewStream(), "stream 0");
+  KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
+  void* src = ValueOrExit(rt->AllocDevice(payload), "alloc src");
+  void* back = ValueOrExit(rt->AllocDevice(payload), "alloc back");
+  void* s0 = ValueOrExit(rt->NewStream(), "stream 0");
   {
     std::vector<uint16_t> pattern(layer / 2);
     for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<uint16_t>(0x3f00 | (i & 0x7f));
     for (size_t c = 0; c < 2 * layout.num_layers; ++c) {
-      CHECK_OK(rt->CopyAsync(static_cast<char*>(src) + c * layer, pattern.data(), layer,
-                             GpuRuntime::Copy::kHostToDevice, s0));
-      CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+      KVCOMP_BENCH_CHECK_OK(rt->CopyAsync(static_cast<char*>(src) + c * layer, pattern.data(),
+                                          layer, GpuRuntime::Copy::kHostToDevice, s0));
+      KVCOMP_BENCH_CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
     }
   }
-  CHECK_OK(rt->SetDevice(dd));
-  void* dst = Value(rt->AllocDevice(payload), "alloc dst");
-  void* s1 = Value(rt->NewStream(), "stream 1");
+  KVCOMP_BENCH_CHECK_OK(rt->SetDevice(dd));
+  void* dst = ValueOrExit(rt->AllocDevice(payload), "alloc dst");
+  void* s1 = ValueOrExit(rt->NewStream(), "stream 1");
   auto chunks = [&](void* base) {
     std::vector<NcclLink::Chunk> v;
     for (size_t c = 0; c < 2 * layout.num_layers; ++c) {
@@ -142,63 +115,54 @@ int main(int argc, char** argv) {
   // One GPU: a device-to-device copy of the payload on it (cuMemcpyDtoDAsync).
   std::vector<double> peer_s, nccl_s;
   if (one_gpu) {
-    CHECK_OK(rt->SetDevice(0));
-    auto timer = Value(rt->NewTimer(), "timer");
-    for (int r = 0; r < reps + 1; ++r) {
-      CHECK_OK(timer->Start(s0));
-      CHECK_OK(rt->CopyAsync(dst, src, payload, GpuRuntime::Copy::kDeviceToDevice, s0));
-      CHECK_OK(timer->Stop(s0));
-      double s = Value(timer->Seconds(absl::Now() + absl::Seconds(60)), "d2d copy");
-      if (r > 0) peer_s.push_back(s);
-    }
+    KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
+    peer_s = kvcomp::bench::StreamSeconds(
+        *rt, s0, reps,
+        [&] { return rt->CopyAsync(dst, src, payload, GpuRuntime::Copy::kDeviceToDevice, s0); },
+        "d2d copy");
     Report("device-to-device copy", payload, peer_s);
   }
   // cudaMemcpyPeer, GPU 0 -> GPU 1.
   if (!one_gpu) {
-    CHECK_OK(rt->EnablePeerAccess(0, 1));
-    CHECK_OK(rt->EnablePeerAccess(1, 0));
+    KVCOMP_BENCH_CHECK_OK(rt->EnablePeerAccess(0, 1));
+    KVCOMP_BENCH_CHECK_OK(rt->EnablePeerAccess(1, 0));
   }
   if (!one_gpu) {
-    CHECK_OK(rt->SetDevice(0));
-    auto timer = Value(rt->NewTimer(), "timer");
-    for (int r = 0; r < reps + 1; ++r) {
-      CHECK_OK(timer->Start(s0));
-      CHECK_OK(rt->CopyPeerAsync(dst, 1, src, 0, payload, s0));
-      CHECK_OK(timer->Stop(s0));
-      double s = Value(timer->Seconds(absl::Now() + absl::Seconds(60)), "peer copy");
-      if (r > 0) peer_s.push_back(s);  // the first warms up
-    }
+    KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
+    peer_s = kvcomp::bench::StreamSeconds(
+        *rt, s0, reps, [&] { return rt->CopyPeerAsync(dst, 1, src, 0, payload, s0); }, "peer copy");
   }
   if (!one_gpu) Report("cudaMemcpyPeer", payload, peer_s);
 
   // ncclSend/ncclRecv between the same GPUs, the channel's chunks.
   if (!one_gpu) {
-    CHECK_OK(rt->SetDevice(1));
-    const std::string id = Value(rt->NewUniqueId(), "unique id");
+    KVCOMP_BENCH_CHECK_OK(rt->SetDevice(1));
+    const std::string id = ValueOrExit(rt->NewUniqueId(), "unique id");
     std::unique_ptr<NcclLink> recv_link, send_link;
-    std::thread t([&] { recv_link = Value(NcclLink::Join(id, 0, 1, absl::Seconds(60)), "join 0"); });
-    send_link = Value(NcclLink::Join(id, 1, 0, absl::Seconds(60)), "join 1");
+    std::thread t(
+        [&] { recv_link = ValueOrExit(NcclLink::Join(id, 0, 1, absl::Seconds(60)), "join 0"); });
+    send_link = ValueOrExit(NcclLink::Join(id, 1, 0, absl::Seconds(60)), "join 1");
     t.join();
-    CHECK_OK(rt->SetDevice(0));
-    auto timer = Value(rt->NewTimer(), "timer");
+    KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
+    auto timer = ValueOrExit(rt->NewTimer(), "timer");
     for (int r = 0; r < reps + 1; ++r) {
       std::thread rx([&] {
-        CHECK_OK(recv_link->Recv(chunks(dst), s1));
-        CHECK_OK(recv_link->Wait(s1, absl::Now() + absl::Seconds(60)));
+        KVCOMP_BENCH_CHECK_OK(recv_link->Recv(chunks(dst), s1));
+        KVCOMP_BENCH_CHECK_OK(recv_link->Wait(s1, absl::Now() + absl::Seconds(60)));
       });
-      CHECK_OK(rt->SetDevice(0));
-      CHECK_OK(timer->Start(s0));
-      CHECK_OK(send_link->Send(chunks(src), s0));
-      CHECK_OK(send_link->Enqueued(absl::Now() + absl::Seconds(60)));
-      CHECK_OK(timer->Stop(s0));
-      CHECK_OK(send_link->Wait(s0, absl::Now() + absl::Seconds(60)));
+      KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
+      KVCOMP_BENCH_CHECK_OK(timer->Start(s0));
+      KVCOMP_BENCH_CHECK_OK(send_link->Send(chunks(src), s0));
+      KVCOMP_BENCH_CHECK_OK(send_link->Enqueued(absl::Now() + absl::Seconds(60)));
+      KVCOMP_BENCH_CHECK_OK(timer->Stop(s0));
+      KVCOMP_BENCH_CHECK_OK(send_link->Wait(s0, absl::Now() + absl::Seconds(60)));
       rx.join();
-      double s = Value(timer->Seconds(absl::Now() + absl::Seconds(5)), "nccl");
+      double s = ValueOrExit(timer->Seconds(absl::Now() + absl::Seconds(5)), "nccl");
       if (r > 0) nccl_s.push_back(s);
     }
   }
   if (!one_gpu) Report("ncclSend/Recv", payload, nccl_s);
-  CHECK_OK(rt->SetDevice(dd));
+  KVCOMP_BENCH_CHECK_OK(rt->SetDevice(dd));
   rt->FreeDevice(dst);  // the daemon needs its GPU's memory
 
   // The channel: kvcompd on GPU 1, this client on GPU 0.
@@ -216,41 +180,26 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcompd did not start:\n%s\n", daemon.Log().c_str());
     return 1;
   }
-  {
-    const std::string log = daemon.Log();
-    const size_t at = log.find("engine: ");
-    std::printf("# kvcompd %s\n", at == std::string::npos ? "(no engine line)"
-                                                         : log.substr(at, log.find('\n', at) - at).c_str());
-  }
+  std::printf("# kvcompd %s\n",
+              kvcomp::bench::LogLine(daemon.Log(), "engine: ", "(no engine line)").c_str());
   kvcomp::client::ClientOptions o;
   o.request_timeout = absl::Seconds(300);
   o.ucx_overrides = {{"TLS", "tcp"}};
-  auto client = Value(Client::Connect({daemon.data_endpoint() + ",127.0.0.1:" +
-                                       std::to_string(daemon.ports().control)},
-                                      o),
-                      "connect");
-  std::vector<kvcomp::client::DeviceLayerData> in;
-  std::vector<kvcomp::client::DeviceLayerOut> out;
-  for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    in.push_back({static_cast<char*>(src) + l * layer,
-                  static_cast<char*>(src) + (layout.num_layers + l) * layer});
-    out.push_back({static_cast<char*>(back) + l * layer,
-                   static_cast<char*>(back) + (layout.num_layers + l) * layer});
-  }
-  kvcomp::client::PutOptions lossless;
-  lossless.policy = kvcomp::CompressionPolicy();
-  lossless.policy->ratio = 0;
-  lossless.policy->moments = false;
+  auto client = ValueOrExit(Client::Connect({daemon.client_endpoint()}, o), "connect");
+  const auto [in, out] = kvcomp::bench::SplitLayers(src, back, layout, tokens);
+  const kvcomp::client::PutOptions lossless = kvcomp::bench::LosslessPut();
   std::vector<double> put_xfer, put_wall, get_xfer, get_wall, full_wall;
   std::string path;
   for (int r = 0; r < reps + 1; ++r) {
     const std::string key = "bench-" + std::to_string(r);
     auto t0 = absl::Now();
-    auto put = Value(client->PutDevice("llama-8b", key, layout, tokens, in, s0, lossless), "put");
+    auto put =
+        ValueOrExit(client->PutDevice("llama-8b", key, layout, tokens, in, s0, lossless), "put");
     const double wall = absl::ToDoubleSeconds(absl::Now() - t0);
     path = put.path;
     t0 = absl::Now();
-    auto got = Value(client->GetKvIntoDevice("llama-8b", key, layout, tokens, out, s0), "get");
+    auto got =
+        ValueOrExit(client->GetKvIntoDevice("llama-8b", key, layout, tokens, out, s0), "get");
     const double gwall = absl::ToDoubleSeconds(absl::Now() - t0);
     if (r > 0) {
       put_xfer.push_back(put.transfer_seconds);
@@ -263,10 +212,12 @@ int main(int argc, char** argv) {
   // The bytes that came back are the bytes that went (the last round).
   {
     std::string a(payload, '\0'), b(payload, '\0');
-    CHECK_OK(rt->SetDevice(0));
-    CHECK_OK(rt->CopyAsync(a.data(), src, payload, GpuRuntime::Copy::kDeviceToHost, s0));
-    CHECK_OK(rt->CopyAsync(b.data(), back, payload, GpuRuntime::Copy::kDeviceToHost, s0));
-    CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+    KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
+    KVCOMP_BENCH_CHECK_OK(
+        rt->CopyAsync(a.data(), src, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    KVCOMP_BENCH_CHECK_OK(
+        rt->CopyAsync(b.data(), back, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    KVCOMP_BENCH_CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
     std::printf("# round trip %s\n", a == b ? "bit-identical" : "DIFFERS");
   }
   std::printf("# path %s\n", path.c_str());
@@ -280,25 +231,26 @@ int main(int argc, char** argv) {
   {
     std::vector<double> sput_wall, sput_xfer, sget_wall, sget_first;
     std::string spath, gpath;
-    void* first = Value(rt->NewEvent(), "event");
+    void* first = ValueOrExit(rt->NewEvent(), "event");
     for (int r = 0; r < reps + 1; ++r) {
       const std::string key = "layers-" + std::to_string(r);
       auto t0 = absl::Now();
-      auto ps = Value(client->OpenDevicePutStream("llama-8b", key, layout, tokens, 0, lossless),
-                      "put stream");
+      auto ps = ValueOrExit(
+          client->OpenDevicePutStream("llama-8b", key, layout, tokens, 0, lossless), "put stream");
       spath = ps->path();
-      for (uint32_t l = 0; l < layout.num_layers; ++l) CHECK_OK(ps->AppendLayer(l, in[l], s0));
-      auto put = Value(ps->Commit(), "put stream commit");
+      for (uint32_t l = 0; l < layout.num_layers; ++l)
+        KVCOMP_BENCH_CHECK_OK(ps->AppendLayer(l, in[l], s0));
+      auto put = ValueOrExit(ps->Commit(), "put stream commit");
       const double wall = absl::ToDoubleSeconds(absl::Now() - t0);
       t0 = absl::Now();
-      auto gs = Value(client->OpenDeviceGetStream("llama-8b", key, layout, tokens, out, s0),
-                      "get stream");
-      CHECK_OK(rt->SetDevice(0));
-      CHECK_OK(gs->WaitLayer(0, s0));
-      CHECK_OK(rt->RecordEvent(first, s0));
-      CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+      auto gs = ValueOrExit(client->OpenDeviceGetStream("llama-8b", key, layout, tokens, out, s0),
+                            "get stream");
+      KVCOMP_BENCH_CHECK_OK(rt->SetDevice(0));
+      KVCOMP_BENCH_CHECK_OK(gs->WaitLayer(0, s0));
+      KVCOMP_BENCH_CHECK_OK(rt->RecordEvent(first, s0));
+      KVCOMP_BENCH_CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
       const double first_s = absl::ToDoubleSeconds(absl::Now() - t0);
-      auto got = Value(gs->Finish(), "get stream finish");
+      auto got = ValueOrExit(gs->Finish(), "get stream finish");
       gpath = got.path;
       const double gwall = absl::ToDoubleSeconds(absl::Now() - t0);
       if (r > 0) {
@@ -311,9 +263,11 @@ int main(int argc, char** argv) {
     }
     rt->DestroyEvent(first);
     std::string a(payload, '\0'), b(payload, '\0');
-    CHECK_OK(rt->CopyAsync(a.data(), src, payload, GpuRuntime::Copy::kDeviceToHost, s0));
-    CHECK_OK(rt->CopyAsync(b.data(), back, payload, GpuRuntime::Copy::kDeviceToHost, s0));
-    CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
+    KVCOMP_BENCH_CHECK_OK(
+        rt->CopyAsync(a.data(), src, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    KVCOMP_BENCH_CHECK_OK(
+        rt->CopyAsync(b.data(), back, payload, GpuRuntime::Copy::kDeviceToHost, s0));
+    KVCOMP_BENCH_CHECK_OK(rt->WaitStream(s0, absl::Now() + absl::Seconds(60)));
     std::printf("# layer by layer: put path %s, get path %s, round trip %s\n", spath.c_str(),
                 gpath.c_str(), a == b ? "bit-identical" : "DIFFERS");
     Report("layered put (whole)", payload, sput_wall);
@@ -325,7 +279,8 @@ int main(int argc, char** argv) {
   for (int r = 0; r < default_puts; ++r) {
     const std::string key = "default-" + std::to_string(r);
     auto t0 = absl::Now();
-    auto put = Value(client->PutDevice("llama-8b", key, layout, tokens, in, s0), "default put");
+    auto put =
+        ValueOrExit(client->PutDevice("llama-8b", key, layout, tokens, in, s0), "default put");
     if (r > 0) full_wall.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
     std::printf("# default policy put: %.3f s, transfer %.3f s, %.2f GB -> %.2f GB\n",
                 absl::ToDoubleSeconds(absl::Now() - t0), put.transfer_seconds,

@@ -164,6 +164,10 @@ class KvcompdProcess {
 
   const DaemonPorts& ports() const { return ports_; }
   std::string data_endpoint() const { return "127.0.0.1:" + std::to_string(ports_.data); }
+  // The endpoint the SDK connects to: "data,control" (both on 127.0.0.1).
+  std::string client_endpoint() const {
+    return data_endpoint() + ",127.0.0.1:" + std::to_string(ports_.control);
+  }
   const std::string& log_path() const { return log_path_; }
   std::string Log() const {
     std::ifstream in(log_path_);
@@ -236,9 +240,8 @@ struct HttpResponse {
   std::string body;
 };
 
-// GET http://127.0.0.1:port/path (HTTP/1.0, whole response).
-inline HttpResponse HttpGet(int port, const std::string& path) {
-  HttpResponse r;
+// A TCP connection to 127.0.0.1:port (a blocking socket), or -1.
+inline int ConnectLoopback(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -246,8 +249,16 @@ inline HttpResponse HttpGet(int port, const std::string& path) {
   inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     close(fd);
-    return r;
+    return -1;
   }
+  return fd;
+}
+
+// GET http://127.0.0.1:port/path (HTTP/1.0, whole response).
+inline HttpResponse HttpGet(int port, const std::string& path) {
+  HttpResponse r;
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return r;
   std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
   if (send(fd, req.data(), req.size(), 0) < 0) {
     close(fd);
