@@ -329,7 +329,7 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
     auto meta = DecodeMeta(absl::string_view(it->value().data(), it->value().size()));
     const uint64_t n = meta.ok() ? meta->stored_bytes : 0;
     const absl::string_view key(it->key().data(), it->key().size());
-    Stripe& st = tier->stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
+    Stripe& st = tier->StripeOf(key);
     WriterLock lock(&st.mu);
     st.sizes[std::string(key)] = n;
     tier->used_ += n;
@@ -364,8 +364,17 @@ bool RocksDbTier::TryReopenWritable() {
   return true;
 }
 
-SharedMutex& RocksDbTier::StripeOf(absl::string_view key) {
-  return stripes_[absl::Hash<absl::string_view>()(key) % kStripes].mu;
+RocksDbTier::Stripe& RocksDbTier::StripeOf(absl::string_view key) {
+  return stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
+}
+
+void RocksDbTier::ForgetSize(Stripe& st, absl::string_view key) {
+  auto it = st.sizes.find(key);
+  if (it != st.sizes.end()) {
+    used_ -= it->second;
+    entries_ -= 1;
+    st.sizes.erase(it);
+  }
 }
 
 absl::Status RocksDbTier::AdmitWrite(Db& db, uint64_t bytes, WriteKind kind) const {
@@ -427,7 +436,7 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
   if (payload.on_device()) {
     return absl::InvalidArgumentError("rocksdb tier: payload in device memory");
   }
-  Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
+  Stripe& st = StripeOf(key);
   WriterLock lock(&st.mu);
   auto it = st.sizes.find(key);
   const uint64_t old = it == st.sizes.end() ? 0 : it->second;
@@ -487,7 +496,7 @@ absl::StatusOr<CacheMeta> RocksDbTier::GetMeta(absl::string_view key) {
 }
 
 absl::Status RocksDbTier::Delete(absl::string_view key, bool sync) {
-  Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
+  Stripe& st = StripeOf(key);
   WriterLock lock(&st.mu);
   std::shared_ptr<Db> db = this->db();
   rocksdb::WriteBatch batch;
@@ -495,12 +504,7 @@ absl::Status RocksDbTier::Delete(absl::string_view key, bool sync) {
   if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
   KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete", WriteKind::kRemoves));
-  auto it = st.sizes.find(key);
-  if (it != st.sizes.end()) {
-    used_ -= it->second;
-    entries_ -= 1;
-    st.sizes.erase(it);
-  }
+  ForgetSize(st, key);
   return absl::OkStatus();
 }
 
@@ -515,14 +519,9 @@ absl::Status RocksDbTier::DeleteMany(const std::vector<std::string>& keys, bool 
   }
   KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete", WriteKind::kRemoves));
   for (const std::string& key : keys) {
-    Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
+    Stripe& st = StripeOf(key);
     WriterLock lock(&st.mu);
-    auto it = st.sizes.find(key);
-    if (it != st.sizes.end()) {
-      used_ -= it->second;
-      entries_ -= 1;
-      st.sizes.erase(it);
-    }
+    ForgetSize(st, key);
   }
   return absl::OkStatus();
 }
@@ -568,7 +567,7 @@ absl::Status RocksDbTier::Recover(
 
 absl::Status RocksDbTier::Quarantine(absl::string_view key, absl::string_view reason) {
   std::shared_ptr<Db> db = this->db();
-  Stripe& st = stripes_[absl::Hash<absl::string_view>()(key) % kStripes];
+  Stripe& st = StripeOf(key);
   WriterLock lock(&st.mu);
   WriterLock quarantine_lock(&quarantine_mu_);
   std::string meta, payload;
@@ -585,12 +584,7 @@ absl::Status RocksDbTier::Quarantine(absl::string_view key, absl::string_view re
   if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
   KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "quarantine", WriteKind::kAdds));
-  auto it = st.sizes.find(key);
-  if (it != st.sizes.end()) {
-    used_ -= it->second;
-    entries_ -= 1;
-    st.sizes.erase(it);
-  }
+  ForgetSize(st, key);
   return absl::OkStatus();
 }
 

@@ -124,7 +124,6 @@ class RocksDbTier final : public Tier {
   uint64_t BytesToOpenWritable() const;
   absl::StatusOr<Payload> GetFrom(Db& db, absl::string_view key);
   absl::Status QuarantineIn(Db& db, absl::string_view key, absl::string_view reason);
-  SharedMutex& StripeOf(absl::string_view key);
 
   const RocksDbTierOptions options_;
   const uint64_t capacity_;
@@ -146,6 +145,9 @@ class RocksDbTier final : public Tier {
     absl::flat_hash_map<std::string, uint64_t> sizes ABSL_GUARDED_BY(mu);
   };
   Stripe stripes_[kStripes];
+  Stripe& StripeOf(absl::string_view key);
+  // Drops `key` from the accounting (its stripe's sizes, used_, entries_) if it is there.
+  void ForgetSize(Stripe& st, absl::string_view key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
   SharedMutex calibration_mu_;  // serialises PutProjection's read-compare-write
   SharedMutex quarantine_mu_;   // serialises the purges' read-delete
 };
