@@ -3,10 +3,10 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "common/random_kv.h"
 #include "gtest/gtest.h"
 #include "integration/kvcompd_process.h"
 #include "kvcomp/client/client.h"
@@ -25,16 +25,7 @@ struct Cache {
   KvLayout layout{2, 2, 4, 64, DType::kF16};
   uint64_t tokens = 257;
   std::vector<std::vector<uint16_t>> k, v;
-  explicit Cache(uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> n01;
-    for (uint32_t l = 0; l < layout.num_layers; ++l) {
-      k.emplace_back(layout.num_kv_heads * tokens * layout.head_dim);
-      v.emplace_back(k.back().size());
-      for (auto& x : k.back()) x = FloatToHalf(n01(rng));
-      for (auto& x : v.back()) x = FloatToHalf(n01(rng));
-    }
-  }
+  explicit Cache(uint32_t seed) { testing::RandomLayersF16(layout, tokens, seed, &k, &v); }
   std::vector<LayerData> layers() const {
     std::vector<LayerData> out;
     for (size_t l = 0; l < k.size(); ++l) out.push_back({k[l].data(), v[l].data()});
@@ -47,7 +38,7 @@ class ClientDaemonTest : public ::testing::Test {
   void SetUp() override {
     daemon_ = std::make_unique<KvcompdProcess>(KVCOMPD_PATH, dir_.path() + "/d0");
     ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
-    endpoint_ = daemon_->data_endpoint() + ",127.0.0.1:" + std::to_string(daemon_->ports().control);
+    endpoint_ = daemon_->client_endpoint();
     auto c = Client::Connect({endpoint_});
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = std::move(*c);

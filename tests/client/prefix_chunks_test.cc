@@ -7,12 +7,12 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/random_kv.h"
 #include "gtest/gtest.h"
 #include "integration/kvcompd_process.h"
 #include "kvcomp/client/client.h"
@@ -35,16 +35,7 @@ struct Prompt {
   KvLayout layout{2, 2, 4, 64, DType::kF16};
   uint64_t tokens = kChunk * kChunks;
   std::vector<std::vector<uint16_t>> k, v;
-  explicit Prompt(uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> n01;
-    for (uint32_t l = 0; l < layout.num_layers; ++l) {
-      k.emplace_back(layout.num_kv_heads * tokens * layout.head_dim);
-      v.emplace_back(k.back().size());
-      for (auto& x : k.back()) x = FloatToHalf(n01(rng));
-      for (auto& x : v.back()) x = FloatToHalf(n01(rng));
-    }
-  }
+  explicit Prompt(uint32_t seed) { testing::RandomLayersF16(layout, tokens, seed, &k, &v); }
   // Tokens [t0, t0 + n) of every layer, dense [heads, n, d] per layer.
   std::vector<std::vector<uint16_t>> Slice(const std::vector<std::vector<uint16_t>>& a,
                                            uint64_t t0, uint64_t n) const {
@@ -94,8 +85,7 @@ class PrefixChunksTest : public ::testing::Test {
       daemons_.push_back(std::make_unique<KvcompdProcess>(
           KVCOMPD_PATH, dir_.path() + "/d" + std::to_string(i), flags));
       ASSERT_TRUE(daemons_.back()->Start()) << daemons_.back()->Log();
-      endpoints_.push_back(daemons_.back()->data_endpoint() + ",127.0.0.1:" +
-                           std::to_string(daemons_.back()->ports().control));
+      endpoints_.push_back(daemons_.back()->client_endpoint());
     }
     client_ = Connect(tenant, token);
     ASSERT_NE(client_, nullptr);
