@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "block_put.h"
 #include "daemon_fixture.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
@@ -33,30 +34,7 @@ constexpr uint64_t kTokens = 128;
 // Puts one random cache as a single block per layer. Returns what the daemon stored.
 absl::StatusOr<wire::CacheSummary> PutRandom(UcxClient& c, const std::string& model,
                                              const std::string& key, uint64_t seed) {
-  wire::PutBegin begin;
-  begin.layout = kLayout;
-  begin.num_tokens = kTokens;
-  begin.model_id = model;
-  begin.key = key;
-  KVCOMP_ASSIGN_OR_RETURN(uint64_t id, c.PutBegin(begin));
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  const size_t count = uint64_t{kLayout.num_kv_heads} * kTokens * kLayout.head_dim;
-  std::vector<uint16_t> k(count), v(count);
-  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
-    for (size_t i = 0; i < count; ++i) {
-      k[i] = FloatToHalf(n(rng));
-      v[i] = FloatToHalf(n(rng));
-    }
-    wire::Block b;
-    b.put_id = id;
-    b.layer_begin = l;
-    b.layer_end = l + 1;
-    b.token_end = kTokens;
-    b.key_bytes = b.value_bytes = kLayout.LayerBytes(kTokens);
-    KVCOMP_RETURN_IF_ERROR(c.SendBlock(b, k.data(), v.data()));
-  }
-  return c.PutCommit(id, kLayout.num_layers);
+  return PutRandomF16(c, MakePutBegin(kLayout, kTokens, model, key), seed);
 }
 
 // Values of rank 8 plus a little noise (the same 8 directions for every cache and head), so a
@@ -64,12 +42,7 @@ absl::StatusOr<wire::CacheSummary> PutRandom(UcxClient& c, const std::string& mo
 absl::StatusOr<wire::CacheSummary> PutLowRank(UcxClient& c, const std::string& model,
                                               const std::string& key, uint64_t seed,
                                               std::vector<float>* sent_values = nullptr) {
-  wire::PutBegin begin;
-  begin.layout = kLayout;
-  begin.num_tokens = kTokens;
-  begin.model_id = model;
-  begin.key = key;
-  return PutLowRankCache(c, begin, seed, sent_values);
+  return PutLowRankCache(c, MakePutBegin(kLayout, kTokens, model, key), seed, sent_values);
 }
 
 class ControlTest : public DaemonFixture {};

@@ -28,6 +28,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
+#include "block_put.h"
 #include "daemon_fixture.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
@@ -52,31 +53,12 @@ constexpr char kReloadFailures[] = "kvcomp_auth_reload_failures_total";
 absl::StatusOr<wire::CacheSummary> Put(UcxClient& c, const std::string& key, uint64_t seed,
                                        size_t bad_at = SIZE_MAX, float bad = 0,
                                        bool bad_in_keys = false) {
-  wire::PutBegin begin;
-  begin.layout = kLayout;
-  begin.num_tokens = kTokens;
-  begin.model_id = "m";
-  begin.key = key;
-  KVCOMP_ASSIGN_OR_RETURN(uint64_t id, c.PutBegin(begin));
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  const size_t count = uint64_t{kLayout.num_kv_heads} * kTokens * kLayout.head_dim;
-  std::vector<uint16_t> k(count), v(count);
-  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
-    for (size_t i = 0; i < count; ++i) {
-      k[i] = FloatToHalf(n(rng));
-      v[i] = FloatToHalf(n(rng));
-    }
-    if (l == 0 && bad_at < count) (bad_in_keys ? k : v)[bad_at] = FloatToHalf(bad);
-    wire::Block b;
-    b.put_id = id;
-    b.layer_begin = l;
-    b.layer_end = l + 1;
-    b.token_end = kTokens;
-    b.key_bytes = b.value_bytes = kLayout.LayerBytes(kTokens);
-    KVCOMP_RETURN_IF_ERROR(c.SendBlock(b, k.data(), v.data()));
-  }
-  return c.PutCommit(id, kLayout.num_layers);
+  return PutRandomF16(c, MakePutBegin(kLayout, kTokens, "m", key), seed,
+                      [&](uint32_t l, std::vector<uint16_t>& k, std::vector<uint16_t>& v) {
+                        if (l == 0 && bad_at < k.size()) {
+                          (bad_in_keys ? k : v)[bad_at] = FloatToHalf(bad);
+                        }
+                      });
 }
 
 // Polls /metrics until `series` reaches at least `at_least` (or 15 s pass); returns its value.
@@ -92,15 +74,8 @@ double MetricAtLeast(const KvcompdProcess& d, const std::string& series, double 
 
 // A raw TCP connection to 127.0.0.1:port with a receive timeout; -1 on failure.
 int RawConnect(int port, double recv_timeout_s = 5) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return -1;
   timeval tv{};
   tv.tv_sec = static_cast<time_t>(recv_timeout_s);
   tv.tv_usec = static_cast<suseconds_t>((recv_timeout_s - static_cast<double>(tv.tv_sec)) * 1e6);

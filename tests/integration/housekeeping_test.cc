@@ -9,12 +9,13 @@
 
 #include <chrono>
 #include <fstream>
-#include <thread>
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "block_put.h"
 #include "daemon_fixture.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/dtype.h"
@@ -38,24 +39,12 @@ constexpr uint64_t kTokens = 128;
 
 wire::PutBegin Begin(const std::string& model, const std::string& key,
                      const KvLayout& layout = kLayout, uint64_t tokens = kTokens) {
-  wire::PutBegin begin;
-  begin.layout = layout;
-  begin.num_tokens = tokens;
-  begin.model_id = model;
-  begin.key = key;
-  return begin;
+  return MakePutBegin(layout, tokens, model, key);
 }
 
 wire::Block LayerBlock(uint64_t put_id, uint32_t layer, const KvLayout& layout = kLayout,
                        uint64_t tokens = kTokens) {
-  wire::Block b;
-  b.put_id = put_id;
-  b.layer_begin = layer;
-  b.layer_end = layer + 1;
-  b.token_end = tokens;
-  b.parts = wire::kPartBoth;
-  b.key_bytes = b.value_bytes = layout.LayerBytes(tokens);
-  return b;
+  return LayersBlock(put_id, layout, tokens, layer, layer + 1);
 }
 
 // Puts one cache, one block per layer. Values are rank 8 plus a little noise (the same 8

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "block_put.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/client.h"
@@ -46,14 +47,8 @@ inline absl::StatusOr<transport::wire::CacheSummary> PutLowRankCache(
         if (sent_values != nullptr) sent_values->push_back(HalfToFloat(v[row * D + j]));
       }
     }
-    transport::wire::Block b;
-    b.put_id = id;
-    b.layer_begin = l;
-    b.layer_end = l + 1;
-    b.token_end = tokens;
-    b.parts = transport::wire::kPartBoth;
-    b.key_bytes = b.value_bytes = layout.LayerBytes(tokens);
-    KVCOMP_RETURN_IF_ERROR(c.SendBlock(b, k.data(), v.data()));
+    KVCOMP_RETURN_IF_ERROR(
+        c.SendBlock(LayersBlock(id, layout, tokens, l, l + 1), k.data(), v.data()));
     if (l == 0 && midway) midway();
   }
   return c.PutCommit(id, layout.num_layers);
