@@ -95,6 +95,12 @@ class ClientWorker {
   void Release(uint64_t request_id) { requests_.erase(request_id); }
   // Drops `client` soon (after the running callback) if it is closed and done with UCX.
   void ScheduleRemove(ClientImpl* client);
+  // The endpoints whose failures reach their client. UCX 1.13 may report a failure of an
+  // endpoint after its forced close completed: such a report finds no client and is dropped.
+  void AddEndpoint(ucp_ep_h ep, ClientImpl* client) { endpoints_[ep] = client; }
+  void RemoveEndpoint(ucp_ep_h ep) { endpoints_.erase(ep); }
+  // The error handler of every endpoint, `arg` the worker.
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
 
  private:
   ClientWorker() = default;
@@ -112,6 +118,7 @@ class ClientWorker {
   // outstanding request id.
   absl::flat_hash_map<ClientImpl*, std::shared_ptr<ClientImpl>> clients_;
   absl::flat_hash_map<uint64_t, ClientImpl*> requests_;
+  absl::flat_hash_map<ucp_ep_h, ClientImpl*> endpoints_;
 };
 
 struct RecvContext {
@@ -164,7 +171,7 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   // ---- loop thread ----
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
   static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data);
-  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  void EndpointFailed(ucs_status_t status);
   static void OnEpClosed(void* request, ucs_status_t status, void* user_data);
   void ReplyArrived(const void* header, size_t header_length, void* data, size_t length,
                     bool rndv);
@@ -248,14 +255,15 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
   ep.sockaddr.addrlen = res->ai_addrlen;
   ep.err_mode =
       options_.ucx.peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
-  ep.err_handler.cb = &ClientImpl::OnEpError;
-  ep.err_handler.arg = this;  // alive while the endpoint is: the worker holds it until closed
+  ep.err_handler.cb = &ClientWorker::OnEpError;
+  ep.err_handler.arg = worker_.get();
   ucs_status_t s = UCS_ERR_CANCELED;
   absl::Notification made;
   const bool posted = worker_->loop().Post([this, self = shared_from_this(), &ep, &s, &made] {
     s = ucp_ep_create(worker_->loop().worker(), &ep, &ep_);
     if (s == UCS_OK) {
       ep_open_ = true;
+      worker_->AddEndpoint(ep_, this);
       endpoints_created.fetch_add(1);
       endpoints_open.fetch_add(1);
       worker_->Add(std::move(self));
@@ -357,6 +365,7 @@ void ClientImpl::CloseEndpoint() {
   p.user_data = this;
   ucp_ep_h ep = ep_;
   ep_ = nullptr;
+  worker_->RemoveEndpoint(ep);
   void* req = ucp_ep_close_nbx(ep, &p);
   if (!UCS_PTR_IS_PTR(req)) EndpointClosed();
 }
@@ -564,19 +573,17 @@ void ClientImpl::Tick() {
 
 // ---- receiving ----
 
-void ClientImpl::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
-  auto* self = static_cast<ClientImpl*>(arg);
-  if (ep != self->ep_) return;  // an endpoint already being closed
-  self->connected_.store(false);
-  if (self->broken_.ok()) {
-    self->broken_ = absl::UnavailableError(
+void ClientImpl::EndpointFailed(ucs_status_t status) {
+  connected_.store(false);
+  if (broken_.ok()) {
+    broken_ = absl::UnavailableError(
         absl::StrCat("connection lost: UCX: ", ucs_status_string(status)));
   }
   std::vector<uint64_t> ids;
-  for (const auto& [id, p] : self->pending_) ids.push_back(id);
-  for (uint64_t id : ids) self->Fail(id, self->broken_);
+  for (const auto& [id, p] : pending_) ids.push_back(id);
+  for (uint64_t id : ids) Fail(id, broken_);
   // Closing cancels what UCX still holds, which completes the failed requests.
-  self->CloseEndpoint();
+  CloseEndpoint();
 }
 
 void ClientImpl::ReplyArrived(const void* header, size_t header_length, void* data,
@@ -1072,6 +1079,13 @@ void ClientWorker::CloseAll() {
   }
   clients_.clear();
   requests_.clear();
+  endpoints_.clear();
+}
+
+void ClientWorker::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* self = static_cast<ClientWorker*>(arg);
+  auto it = self->endpoints_.find(ep);
+  if (it != self->endpoints_.end()) it->second->EndpointFailed(status);
 }
 
 ucs_status_t ClientWorker::OnAm(void* arg, const void* header, size_t header_length, void* data,
