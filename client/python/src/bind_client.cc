@@ -4,19 +4,20 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "bindings.h"
+#include "kvcomp/client/client.h"
+#include "kvcomp/core/format.h"
+#include "kvcomp/core/policy.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "absl/strings/str_cat.h"
-#include "bindings.h"
-#include "kvcomp/client/client.h"
-#include "kvcomp/core/format.h"
-#include "kvcomp/core/policy.h"
 
 namespace nb = nanobind;
 
@@ -32,21 +33,27 @@ using client::PutStream;
   throw std::logic_error("unreachable");
 }
 
-void Check(const absl::Status& s) {
-  if (!s.ok()) Raise(s);
+// Runs `call` with the GIL released (the SDK's calls block on the network and the device) and
+// returns what it returns.
+template <typename Call>
+auto WithoutGil(Call&& call) {
+  nb::gil_scoped_release release;
+  return call();
 }
-template <typename T>
-T Take(absl::StatusOr<T> s) {
-  if (!s.ok()) Raise(s.status());
-  return std::move(*s);
+
+std::string KeyString(const nb::bytes& key) {
+  return std::string(static_cast<const char*>(key.data()), key.size());
 }
 
 std::vector<std::string> KeyStrings(const std::vector<nb::bytes>& keys) {
   std::vector<std::string> out;
   out.reserve(keys.size());
-  for (const nb::bytes& k : keys) out.emplace_back(static_cast<const char*>(k.data()), k.size());
+  for (const nb::bytes& k : keys) out.push_back(KeyString(k));
   return out;
 }
+
+// A CUDA stream handed in from Python as an integer (0: the default stream).
+void* StreamPtr(uint64_t stream) { return reinterpret_cast<void*>(static_cast<uintptr_t>(stream)); }
 
 using AnyArray = nb::ndarray<nb::device::cpu>;
 
@@ -117,12 +124,7 @@ struct PyPutStream {
     }
     const void* k = CheckLayerArray(keys, l, n, false, "keys");
     const void* v = CheckLayerArray(values, l, n, false, "values");
-    absl::Status s;
-    {
-      nb::gil_scoped_release release;
-      s = stream->Append(layer, token_begin, n, k, v);
-    }
-    Check(s);
+    ThrowIfError(WithoutGil([&] { return stream->Append(layer, token_begin, n, k, v); }));
   }
 };
 
@@ -203,7 +205,7 @@ std::pair<KvLayout, uint64_t> CudaPairLayout(const CudaArray& k, const CudaArray
 KvLayout MakeLayout(uint32_t layers, uint32_t kv_heads, uint32_t q_heads, uint32_t head_dim,
                     DType dtype) {
   KvLayout l{layers, kv_heads, q_heads == 0 ? kv_heads : q_heads, head_dim, dtype};
-  Check(l.Validate());
+  ThrowIfError(l.Validate());
   return l;
 }
 
@@ -218,32 +220,54 @@ std::vector<Layer> LayerViews(Byte* k, Byte* v, const KvLayout& l, uint64_t toke
   return layers;
 }
 
+// A K/V pair of [layers, kv_heads, tokens, head_dim] CUDA arrays as the SDK's device calls take
+// them: its layout, its tokens and per-layer views (Layer: DeviceLayerData or DeviceLayerOut).
+template <typename Layer>
+struct CudaPair {
+  KvLayout layout;
+  uint64_t tokens = 0;
+  std::vector<Layer> layers;
+};
+
+template <typename Layer>
+CudaPair<Layer> CudaPairViews(const CudaArray& keys, const CudaArray& values, uint32_t q_heads) {
+  CudaPair<Layer> p;
+  std::tie(p.layout, p.tokens) = CudaPairLayout(keys, values, q_heads);
+  p.layers = LayerViews<Layer>(static_cast<char*>(keys.data()), static_cast<char*>(values.data()),
+                               p.layout, p.tokens);
+  return p;
+}
+
+// Commits the put of `p` (a PyPutStream or a PyDevicePutStream) and closes the stream.
+template <typename PyStream>
+nb::dict CommitPut(PyStream& p) {
+  if (!p.stream) Raise(absl::FailedPreconditionError("put stream is closed"));
+  absl::StatusOr<client::PutResult> r = WithoutGil([&] { return p.stream->Commit(); });
+  p.stream.reset();
+  return PutResultDict(Unwrap(std::move(r)));
+}
+
+// The fields every per-endpoint answer has: the endpoint, ok, and the error ("" when ok).
+nb::dict EndpointDict(const std::string& endpoint, const absl::Status& status) {
+  nb::dict d;
+  d["endpoint"] = endpoint;
+  d["ok"] = status.ok();
+  d["error"] = status.ok() ? std::string() : status.ToString();
+  return d;
+}
+
 }  // namespace
 
 void RegisterClient(nb::module_& m) {
   nb::class_<PyPutStream>(m, "_PutStream")
       .def("append", &PyPutStream::Append, nb::arg("layer"), nb::arg("keys"), nb::arg("values"),
            nb::arg("token_begin") = 0)
-      .def("commit",
-           [](PyPutStream& p) {
-             if (!p.stream) Raise(absl::FailedPreconditionError("put stream is closed"));
-             absl::StatusOr<client::PutResult> r;
-             {
-               nb::gil_scoped_release release;
-               r = p.stream->Commit();
-             }
-             p.stream.reset();
-             return PutResultDict(Take(std::move(r)));
-           })
+      .def("commit", &CommitPut<PyPutStream>)
       .def("abort", [](PyPutStream& p) {
         if (!p.stream) return;
-        absl::Status s;
-        {
-          nb::gil_scoped_release release;
-          s = p.stream->Abort();
-        }
+        absl::Status s = WithoutGil([&] { return p.stream->Abort(); });
         p.stream.reset();
-        Check(s);
+        ThrowIfError(s);
       });
 
   nb::class_<PyDevicePutStream>(m, "_DevicePutStream")
@@ -265,62 +289,42 @@ void RegisterClient(nb::module_& m) {
                     absl::StrCat("keys/values dtype differs from the put's ", DTypeName(l.dtype))));
               }
             }
-            absl::Status s;
-            {
-              nb::gil_scoped_release release;
-              s = p.stream->AppendLayer(layer, {keys.data(), values.data()},
-                                        reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
-            }
-            Check(s);
+            ThrowIfError(WithoutGil([&] {
+              return p.stream->AppendLayer(layer, {keys.data(), values.data()}, StreamPtr(stream));
+            }));
           },
           nb::arg("layer"), nb::arg("keys"), nb::arg("values"), nb::arg("stream") = 0)
-      .def("commit",
-           [](PyDevicePutStream& p) {
-             if (!p.stream) Raise(absl::FailedPreconditionError("put stream is closed"));
-             absl::StatusOr<client::PutResult> r;
-             {
-               nb::gil_scoped_release release;
-               r = p.stream->Commit();
-             }
-             p.stream.reset();
-             return PutResultDict(Take(std::move(r)));
-           })
+      .def("commit", &CommitPut<PyDevicePutStream>)
       .def("close",
            [](PyDevicePutStream& p) {
              nb::gil_scoped_release release;
              p.stream.reset();  // an uncommitted put is aborted
            })
-      .def_prop_ro("path", [](PyDevicePutStream& p) {
-        return p.stream ? p.stream->path() : std::string();
-      });
+      .def_prop_ro(
+          "path", [](PyDevicePutStream& p) { return p.stream ? p.stream->path() : std::string(); });
 
   nb::class_<PyDeviceGetStream>(m, "_DeviceGetStream")
       .def(
           "wait_layer",
           [](PyDeviceGetStream& p, uint32_t layer, uint64_t stream) {
             if (!p.stream) Raise(absl::FailedPreconditionError("get stream is finished"));
-            Check(p.stream->WaitLayer(layer, reinterpret_cast<void*>(static_cast<uintptr_t>(stream))));
+            ThrowIfError(p.stream->WaitLayer(layer, StreamPtr(stream)));
           },
           nb::arg("layer"), nb::arg("stream") = 0)
       .def("finish", [](PyDeviceGetStream& p) {
         if (!p.stream) Raise(absl::FailedPreconditionError("get stream is finished"));
-        absl::StatusOr<client::DeviceGetResult> r;
-        {
-          nb::gil_scoped_release release;
-          r = p.stream->Finish();
-        }
+        absl::StatusOr<client::DeviceGetResult> r = WithoutGil([&] { return p.stream->Finish(); });
         p.stream.reset();
-        return GetResultDict(Take(std::move(r)));
+        return GetResultDict(Unwrap(std::move(r)));
       });
 
   nb::class_<Client>(m, "_Client")
       .def_static(
           "connect",
           [](const std::vector<std::string>& endpoints, const std::string& tenant,
-             const std::string& token, int replicas, double connect_timeout,
-             double request_timeout, uint64_t max_block_bytes,
-             const std::vector<std::pair<std::string, std::string>>& ucx, bool connect_now,
-             const std::string& dns_server, double dns_refresh_interval) {
+             const std::string& token, int replicas, double connect_timeout, double request_timeout,
+             uint64_t max_block_bytes, const std::vector<std::pair<std::string, std::string>>& ucx,
+             bool connect_now, const std::string& dns_server, double dns_refresh_interval) {
             client::ClientOptions o;
             o.tenant = tenant;
             o.token = token;
@@ -337,12 +341,8 @@ void RegisterClient(nb::module_& m) {
               Raise(absl::InvalidArgumentError("dns_refresh_interval must be seconds >= 0"));
             }
             o.dns_refresh_interval = absl::Seconds(dns_refresh_interval);
-            absl::StatusOr<std::unique_ptr<Client>> c;
-            {
-              nb::gil_scoped_release release;
-              c = Client::Connect(endpoints, o, connect_now);
-            }
-            return Take(std::move(c)).release();
+            return Unwrap(WithoutGil([&] { return Client::Connect(endpoints, o, connect_now); }))
+                .release();
           },
           nb::arg("endpoints"), nb::arg("tenant") = "", nb::arg("token") = "",
           nb::arg("replicas") = 1, nb::arg("connect_timeout") = 5.0,
@@ -353,8 +353,8 @@ void RegisterClient(nb::module_& m) {
       .def(
           "put",
           [](Client& c, const std::string& model, nb::bytes key, const AnyArray& keys,
-             const AnyArray& values, uint32_t q_heads, const std::optional<CompressionPolicy>& policy,
-             const std::string& dtype_hint) {
+             const AnyArray& values, uint32_t q_heads,
+             const std::optional<CompressionPolicy>& policy, const std::string& dtype_hint) {
             if (keys.ndim() != 4) {
               Raise(absl::InvalidArgumentError(
                   "keys: expected [layers, kv_heads, tokens, head_dim]"));
@@ -371,35 +371,25 @@ void RegisterClient(nb::module_& m) {
             const auto layers = LayerViews<client::LayerData>(k, v, l, tokens);
             client::PutOptions po;
             po.policy = policy;
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<client::PutResult> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.Put(model, key_s, l, tokens, layers, po);
-            }
-            return PutResultDict(Take(std::move(r)));
+            const std::string key_s = KeyString(key);
+            return PutResultDict(
+                Unwrap(WithoutGil([&] { return c.Put(model, key_s, l, tokens, layers, po); })));
           },
           nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
           nb::arg("q_heads") = 0, nb::arg("policy") = nb::none(), nb::arg("dtype") = "")
       .def(
           "put_device",
           [](Client& c, const std::string& model, nb::bytes key, const CudaArray& keys,
-             const CudaArray& values, uint32_t q_heads, const std::optional<CompressionPolicy>& policy,
-             uint64_t stream) {
-            const auto [l, tokens] = CudaPairLayout(keys, values, q_heads);
-            const char* k = static_cast<const char*>(keys.data());
-            const char* v = static_cast<const char*>(values.data());
-            const auto layers = LayerViews<client::DeviceLayerData>(k, v, l, tokens);
+             const CudaArray& values, uint32_t q_heads,
+             const std::optional<CompressionPolicy>& policy, uint64_t stream) {
+            const auto in = CudaPairViews<client::DeviceLayerData>(keys, values, q_heads);
             client::PutOptions po;
             po.policy = policy;
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<client::PutResult> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.PutDevice(model, key_s, l, tokens, layers,
-                              reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), po);
-            }
-            return PutResultDict(Take(std::move(r)));
+            const std::string key_s = KeyString(key);
+            return PutResultDict(Unwrap(WithoutGil([&] {
+              return c.PutDevice(model, key_s, in.layout, in.tokens, in.layers, StreamPtr(stream),
+                                 po);
+            })));
           },
           nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
           nb::arg("q_heads") = 0, nb::arg("policy") = nb::none(), nb::arg("stream") = 0)
@@ -407,23 +397,12 @@ void RegisterClient(nb::module_& m) {
           "get_kv_into",
           [](Client& c, const std::string& model, nb::bytes key, CudaArray keys, CudaArray values,
              uint32_t q_heads, uint64_t stream) {
-            const auto [l, tokens] = CudaPairLayout(keys, values, q_heads);
-            char* k = static_cast<char*>(keys.data());
-            char* v = static_cast<char*>(values.data());
-            const auto layers = LayerViews<client::DeviceLayerOut>(k, v, l, tokens);
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<client::DeviceGetResult> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.GetKvIntoDevice(model, key_s, l, tokens, layers,
-                                    reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
-            }
-            client::DeviceGetResult g = Take(std::move(r));
-            nb::dict d;
-            d["bytes"] = g.bytes;
-            d["path"] = g.path;
-            d["transfer_seconds"] = g.transfer_seconds;
-            return d;
+            const auto out = CudaPairViews<client::DeviceLayerOut>(keys, values, q_heads);
+            const std::string key_s = KeyString(key);
+            return GetResultDict(Unwrap(WithoutGil([&] {
+              return c.GetKvIntoDevice(model, key_s, out.layout, out.tokens, out.layers,
+                                       StreamPtr(stream));
+            })));
           },
           nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
           nb::arg("q_heads") = 0, nb::arg("stream") = 0)
@@ -432,49 +411,35 @@ void RegisterClient(nb::module_& m) {
           [](Client& c, const std::string& model, nb::bytes key, CudaArray out, bool decoded,
              uint64_t stream) {
             const size_t capacity = out.size() * out.itemsize();
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<client::DeviceGetResult> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.GetIntoDevice(model, key_s, out.data(), capacity,
-                                  reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), decoded);
-            }
-            client::DeviceGetResult g = Take(std::move(r));
-            nb::dict d;
-            d["bytes"] = g.bytes;
-            d["path"] = g.path;
-            d["transfer_seconds"] = g.transfer_seconds;
-            return d;
+            const std::string key_s = KeyString(key);
+            return GetResultDict(Unwrap(WithoutGil([&] {
+              return c.GetIntoDevice(model, key_s, out.data(), capacity, StreamPtr(stream),
+                                     decoded);
+            })));
           },
           nb::arg("model"), nb::arg("key"), nb::arg("out"), nb::arg("decoded") = false,
           nb::arg("stream") = 0)
       .def(
           "probe_gpu_channel",
           [](Client& c, const std::string& endpoint, int device) {
-            absl::Status s;
-            {
-              nb::gil_scoped_release release;
-              s = c.ProbeGpuChannel(endpoint, device);
-            }
+            absl::Status s = WithoutGil([&] { return c.ProbeGpuChannel(endpoint, device); });
             return s.ok() ? std::string() : s.ToString();
           },
           nb::arg("endpoint"), nb::arg("device") = 0)
       .def(
           "open_device_put_stream",
-          [](Client& c, const std::string& model, nb::bytes key, uint32_t layers,
-             uint32_t kv_heads, uint32_t q_heads, uint32_t head_dim, uint64_t tokens,
-             const std::string& dtype, int device, const std::optional<CompressionPolicy>& policy) {
-            const KvLayout l = MakeLayout(layers, kv_heads, q_heads, head_dim, Take(ParseDType(dtype)));
+          [](Client& c, const std::string& model, nb::bytes key, uint32_t layers, uint32_t kv_heads,
+             uint32_t q_heads, uint32_t head_dim, uint64_t tokens, const std::string& dtype,
+             int device, const std::optional<CompressionPolicy>& policy) {
+            const KvLayout l =
+                MakeLayout(layers, kv_heads, q_heads, head_dim, Unwrap(ParseDType(dtype)));
             client::PutOptions po;
             po.policy = policy;
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<std::unique_ptr<client::DevicePutStream>> s;
-            {
-              nb::gil_scoped_release release;
-              s = c.OpenDevicePutStream(model, key_s, l, tokens, device, po);
-            }
+            const std::string key_s = KeyString(key);
+            std::unique_ptr<client::DevicePutStream> s = Unwrap(WithoutGil(
+                [&] { return c.OpenDevicePutStream(model, key_s, l, tokens, device, po); }));
             auto* p = new PyDevicePutStream;
-            p->stream = Take(std::move(s));
+            p->stream = std::move(s);
             p->layout = l;
             p->tokens = tokens;
             return p;
@@ -486,19 +451,14 @@ void RegisterClient(nb::module_& m) {
           "open_device_get_stream",
           [](Client& c, const std::string& model, nb::bytes key, CudaArray keys, CudaArray values,
              uint32_t q_heads, uint64_t stream) {
-            const auto [l, tokens] = CudaPairLayout(keys, values, q_heads);
-            char* k = static_cast<char*>(keys.data());
-            char* v = static_cast<char*>(values.data());
-            const auto layers = LayerViews<client::DeviceLayerOut>(k, v, l, tokens);
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<std::unique_ptr<client::DeviceGetStream>> s;
-            {
-              nb::gil_scoped_release release;
-              s = c.OpenDeviceGetStream(model, key_s, l, tokens, layers,
-                                        reinterpret_cast<void*>(static_cast<uintptr_t>(stream)));
-            }
+            const auto out = CudaPairViews<client::DeviceLayerOut>(keys, values, q_heads);
+            const std::string key_s = KeyString(key);
+            std::unique_ptr<client::DeviceGetStream> s = Unwrap(WithoutGil([&] {
+              return c.OpenDeviceGetStream(model, key_s, out.layout, out.tokens, out.layers,
+                                           StreamPtr(stream));
+            }));
             auto* p = new PyDeviceGetStream;
-            p->stream = Take(std::move(s));
+            p->stream = std::move(s);
             return p;
           },
           nb::arg("model"), nb::arg("key"), nb::arg("keys"), nb::arg("values"),
@@ -520,22 +480,19 @@ void RegisterClient(nb::module_& m) {
            })
       .def(
           "open_put_stream",
-          [](Client& c, const std::string& model, nb::bytes key, uint32_t layers,
-             uint32_t kv_heads, uint32_t q_heads, uint32_t head_dim, uint64_t tokens,
-             const std::string& dtype, const std::optional<CompressionPolicy>& policy, bool block_wise) {
-            const DType dt = Take(ParseDType(dtype));
+          [](Client& c, const std::string& model, nb::bytes key, uint32_t layers, uint32_t kv_heads,
+             uint32_t q_heads, uint32_t head_dim, uint64_t tokens, const std::string& dtype,
+             const std::optional<CompressionPolicy>& policy, bool block_wise) {
+            const DType dt = Unwrap(ParseDType(dtype));
             const KvLayout l = MakeLayout(layers, kv_heads, q_heads, head_dim, dt);
             client::PutOptions po;
             po.policy = policy;
             po.block_wise = block_wise;
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<std::unique_ptr<PutStream>> s;
-            {
-              nb::gil_scoped_release release;
-              s = c.OpenPutStream(model, key_s, l, tokens, po);
-            }
+            const std::string key_s = KeyString(key);
+            std::unique_ptr<PutStream> s =
+                Unwrap(WithoutGil([&] { return c.OpenPutStream(model, key_s, l, tokens, po); }));
             auto* p = new PyPutStream;
-            p->stream = Take(std::move(s));
+            p->stream = std::move(s);
             p->dtype_hint = dtype;
             return p;
           },
@@ -546,38 +503,25 @@ void RegisterClient(nb::module_& m) {
       .def(
           "get_bytes",
           [](Client& c, const std::string& model, nb::bytes key) {
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<std::string> b;
-            {
-              nb::gil_scoped_release release;
-              b = c.GetBytes(model, key_s);
-            }
-            std::string s = Take(std::move(b));
+            const std::string key_s = KeyString(key);
+            std::string s = Unwrap(WithoutGil([&] { return c.GetBytes(model, key_s); }));
             return nb::bytes(s.data(), s.size());
           },
           nb::arg("model"), nb::arg("key"))
       .def(
           "get",
           [](Client& c, const std::string& model, nb::bytes key, bool decoded) {
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<CompressedCache> cache;
-            {
-              nb::gil_scoped_release release;
-              cache = decoded ? c.GetDecoded(model, key_s) : c.Get(model, key_s);
-            }
-            return Take(std::move(cache));
+            const std::string key_s = KeyString(key);
+            return Unwrap(WithoutGil(
+                [&] { return decoded ? c.GetDecoded(model, key_s) : c.Get(model, key_s); }));
           },
           nb::arg("model"), nb::arg("key"), nb::arg("decoded") = false)
       .def(
           "lookup",
           [](Client& c, const std::string& model, nb::bytes key) {
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::StatusOr<client::LookupResult> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.Lookup(model, key_s);
-            }
-            const client::LookupResult l = Take(std::move(r));
+            const std::string key_s = KeyString(key);
+            const client::LookupResult l =
+                Unwrap(WithoutGil([&] { return c.Lookup(model, key_s); }));
             nb::dict d;
             d["endpoint"] = l.endpoint;
             d["tier"] = l.tier;
@@ -598,28 +542,16 @@ void RegisterClient(nb::module_& m) {
       .def(
           "delete",
           [](Client& c, const std::string& model, nb::bytes key) {
-            const std::string key_s(static_cast<const char*>(key.data()), key.size());
-            absl::Status s;
-            {
-              nb::gil_scoped_release release;
-              s = c.Delete(model, key_s);
-            }
-            Check(s);
+            const std::string key_s = KeyString(key);
+            ThrowIfError(WithoutGil([&] { return c.Delete(model, key_s); }));
           },
           nb::arg("model"), nb::arg("key"))
       .def("stats",
            [](Client& c) {
-             std::vector<client::EndpointStats> st;
-             {
-               nb::gil_scoped_release release;
-               st = c.Stats();
-             }
+             std::vector<client::EndpointStats> st = WithoutGil([&] { return c.Stats(); });
              nb::list out;
              for (const auto& s : st) {
-               nb::dict d;
-               d["endpoint"] = s.endpoint;
-               d["ok"] = s.status.ok();
-               d["error"] = s.status.ok() ? std::string() : s.status.ToString();
+               nb::dict d = EndpointDict(s.endpoint, s.status);
                d["caches"] = s.caches;
                d["original_bytes"] = s.original_bytes;
                d["stored_bytes"] = s.stored_bytes;
@@ -637,18 +569,12 @@ void RegisterClient(nb::module_& m) {
             o.rank = rank;
             o.error_budget = error_budget;
             o.max_caches = max_caches;
-            absl::StatusOr<std::vector<client::CalibrateResult>> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.Calibrate(model, o);
-            }
-            Check(r.status());
+            absl::StatusOr<std::vector<client::CalibrateResult>> r =
+                WithoutGil([&] { return c.Calibrate(model, o); });
+            ThrowIfError(r.status());
             nb::list out;
             for (const auto& e : *r) {
-              nb::dict d;
-              d["endpoint"] = e.endpoint;
-              d["ok"] = e.status.ok();
-              d["error"] = e.status.ok() ? std::string() : e.status.ToString();
+              nb::dict d = EndpointDict(e.endpoint, e.status);
               d["projection_version"] = e.projection_version;
               d["rank"] = e.rank;
               d["layer_ranks"] = e.layer_ranks;
@@ -664,12 +590,7 @@ void RegisterClient(nb::module_& m) {
           "lookup_prefix",
           [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys) {
             const std::vector<std::string> ks = KeyStrings(keys);
-            absl::StatusOr<size_t> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.LookupPrefix(model, ks);
-            }
-            return Take(std::move(r));
+            return Unwrap(WithoutGil([&] { return c.LookupPrefix(model, ks); }));
           },
           nb::arg("model"), nb::arg("keys"))
       .def(
@@ -677,13 +598,12 @@ void RegisterClient(nb::module_& m) {
           [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys,
              bool decoded) {
             const std::vector<std::string> ks = KeyStrings(keys);
-            absl::StatusOr<std::vector<std::string>> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.GetChunkBytes(model, ks, decoded);
-            }
+            absl::StatusOr<std::vector<std::string>> r =
+                WithoutGil([&] { return c.GetChunkBytes(model, ks, decoded); });
             nb::list out;
-            for (const std::string& b : Take(std::move(r))) out.append(nb::bytes(b.data(), b.size()));
+            for (const std::string& b : Unwrap(std::move(r))) {
+              out.append(nb::bytes(b.data(), b.size()));
+            }
             return out;
           },
           nb::arg("model"), nb::arg("keys"), nb::arg("decoded") = false)
@@ -692,18 +612,13 @@ void RegisterClient(nb::module_& m) {
           [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys,
              bool decoded) {
             const std::vector<std::string> ks = KeyStrings(keys);
-            absl::StatusOr<std::vector<CompressedCache>> r;
-            {
-              nb::gil_scoped_release release;
-              r = c.GetChunks(model, ks, decoded);
-            }
-            return Take(std::move(r));
+            return Unwrap(WithoutGil([&] { return c.GetChunks(model, ks, decoded); }));
           },
           nb::arg("model"), nb::arg("keys"), nb::arg("decoded") = false)
       .def(
           "ranking",
           [](Client& c, const std::string& model, nb::bytes key) {
-            return c.Ranking(model, std::string(static_cast<const char*>(key.data()), key.size()));
+            return c.Ranking(model, KeyString(key));
           },
           nb::arg("model"), nb::arg("key"));
 }

@@ -33,19 +33,6 @@ namespace kvcomp {
 namespace python {
 namespace {
 
-template <typename T>
-T Unwrap(absl::StatusOr<T> v) {
-  ThrowIfError(v.status());
-  return std::move(v).value();
-}
-
-template <typename T>
-nb::object Numpy(std::vector<T>&& data, std::vector<size_t> shape) {
-  auto* heap = new std::vector<T>(std::move(data));
-  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
-  return nb::ndarray<nb::numpy, T>(heap->data(), shape.size(), shape.data(), owner).cast();
-}
-
 // A [layers, heads, tokens, head_dim] calibration array: float32 on the host (the Python side
 // converts), float32/float16/bfloat16 on a CUDA device.
 struct CalArray {
@@ -228,9 +215,9 @@ nb::tuple Decompress(const CompressedCache& cache, std::optional<ProjectionPtr> 
     std::memcpy(keys.data(), k.keys.data(), keys.size() * 4);
     std::memcpy(values.data(), k.values.data(), values.size() * 4);
   }
-  return nb::make_tuple(Numpy(std::move(keys), {total, dim}),
-                        Numpy(std::move(values), {total, dim}),
-                        Numpy(std::move(k.offsets), {k.layout.num_heads_total() + 1}));
+  return nb::make_tuple(NumpyArray(std::move(keys), {total, dim}),
+                        NumpyArray(std::move(values), {total, dim}),
+                        NumpyArray(std::move(k.offsets), {k.layout.num_heads_total() + 1}));
 }
 
 }  // namespace
@@ -257,17 +244,18 @@ void RegisterCodec(nb::module_& m) {
       .def_prop_ro("basis",
                    [](const Projection& p) {
                      std::vector<float> b = p.basis;
-                     return Numpy(std::move(b), {p.num_layers, p.num_kv_heads, p.rows, p.head_dim});
+                     return NumpyArray(std::move(b),
+                                       {p.num_layers, p.num_kv_heads, p.rows, p.head_dim});
                    })
       .def_prop_ro("eigenvalues",
                    [](const Projection& p) {
                      std::vector<float> e = p.eigenvalues;
-                     return Numpy(std::move(e), {p.num_layers, p.num_kv_heads, p.head_dim});
+                     return NumpyArray(std::move(e), {p.num_layers, p.num_kv_heads, p.head_dim});
                    })
       .def_prop_ro("gamma",
                    [](const Projection& p) {
                      std::vector<float> g = p.gamma;
-                     return Numpy(std::move(g), {p.num_layers, p.num_kv_heads, p.rows});
+                     return NumpyArray(std::move(g), {p.num_layers, p.num_kv_heads, p.rows});
                    })
       .def("to_bytes",
            [](const Projection& p) {

@@ -36,12 +36,6 @@ namespace {
 
 using AnyArray = CallArray;
 
-template <typename T>
-T Unwrap(absl::StatusOr<T> v) {
-  ThrowIfError(v.status());
-  return std::move(v).value();
-}
-
 // --- arrays in ---
 
 DType ArrayDType(const AnyArray& a, const std::string& hint) {

@@ -32,13 +32,6 @@ namespace kvcomp {
 namespace python {
 namespace {
 
-template <typename T>
-nb::object Owning(std::vector<T>&& data, std::vector<size_t> shape) {
-  auto* heap = new std::vector<T>(std::move(data));
-  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
-  return nb::ndarray<nb::numpy, T>(heap->data(), shape.size(), shape.data(), owner).cast();
-}
-
 void CheckHead(const CompressedCache& c, uint32_t layer, uint32_t head) {
   if (layer >= c.layout.num_layers || head >= c.layout.num_kv_heads) {
     throw nb::index_error(absl::StrFormat("(layer %u, head %u) outside %u layers x %u kv heads",
@@ -60,8 +53,8 @@ std::tuple<uint64_t, nb::object, nb::object, nb::object> Moments(const Compresse
                         c.moment_value_sum.begin() + (h + 1) * d);
   std::vector<float> s(c.moment_vk_sum.begin() + h * d * d,
                        c.moment_vk_sum.begin() + (h + 1) * d * d);
-  return {c.moment_count[h], Owning(std::move(ks), {d}), Owning(std::move(vs), {d}),
-          Owning(std::move(s), {d, d})};
+  return {c.moment_count[h], NumpyArray(std::move(ks), {d}), NumpyArray(std::move(vs), {d}),
+          NumpyArray(std::move(s), {d, d})};
 }
 
 DType QueryDType(const CallArray& q) {
@@ -144,7 +137,7 @@ nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer,
   }
   ThrowIfError(st);
   if (out_arr.has_value()) return nb::borrow(out_obj);
-  return Owning(std::move(out), {hq, static_cast<size_t>(nq), d});
+  return NumpyArray(std::move(out), {hq, static_cast<size_t>(nq), d});
 }
 
 }  // namespace

@@ -1,14 +1,19 @@
 // Shared pieces of kvcomp's Python bindings: one Register* function per concern (module.cc calls
-// them in order) and the mapping of absl statuses to Python exceptions.
+// them in order), the mapping of absl statuses to Python exceptions, and NumPy arrays that own
+// their data.
 #ifndef KVCOMP_CLIENT_PYTHON_SRC_BINDINGS_H_
 #define KVCOMP_CLIENT_PYTHON_SRC_BINDINGS_H_
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace kvcomp {
 namespace python {
@@ -57,6 +62,22 @@ inline void ThrowIfError(const absl::Status& status) {
     default:
       throw std::runtime_error(msg);
   }
+}
+
+// A NumPy array of `shape` that owns `data` (freed with the array).
+template <typename T>
+nanobind::object NumpyArray(std::vector<T>&& data, std::vector<size_t> shape) {
+  auto* heap = new std::vector<T>(std::move(data));
+  nanobind::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nanobind::ndarray<nanobind::numpy, T>(heap->data(), shape.size(), shape.data(), owner)
+      .cast();
+}
+
+// The value of `v`, or ThrowIfError's exception.
+template <typename T>
+T Unwrap(absl::StatusOr<T> v) {
+  ThrowIfError(v.status());
+  return std::move(v).value();
 }
 
 }  // namespace python
