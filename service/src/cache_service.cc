@@ -18,10 +18,11 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
 // ---- a put ----
 
-OpenPut::OpenPut(CacheService* service, PutRequest request,
+OpenPut::OpenPut(CacheService* service, Engine* engine, PutRequest request,
                  std::shared_ptr<const Projection> projection, std::unique_ptr<DeviceKv> device_kv,
                  Engine::DeviceReservation reservation)
     : service_(service),
+      engine_(engine),
       request_(std::move(request)),
       projection_(std::move(projection)),
       assembler_(request_.layout, request_.num_tokens),
@@ -87,7 +88,7 @@ void OpenPut::AddBlock(BlockData block, Done done) {
   service_->metrics_->AddReceivedBytes(size);
   done(absl::OkStatus());
   if (schedule_drain) {
-    service_->engine_->Submit(request_.key.tenant, [self = shared_from_this()](Backend&) {
+    engine_->Submit(request_.key.tenant, [self = shared_from_this()](Backend&) {
       {
         absl::MutexLock lock(&self->mu_);
         self->drain_scheduled_ = false;
@@ -122,7 +123,7 @@ absl::Status OpenPut::DrainBlockWise() {
   if (!stream_error_.ok()) return stream_error_;
   const CompressionPolicy& policy = request_.policy.get();
   if (compressor_ == nullptr) {
-    KVCOMP_ASSIGN_OR_RETURN(Engine::StreamLease lease, service_->engine_->LeaseStream());
+    KVCOMP_ASSIGN_OR_RETURN(Engine::StreamLease lease, engine_->LeaseStream());
     stream_.emplace(std::move(lease));
     BlockCompressorOptions bo;
     bo.expected_tokens = request_.num_tokens;
@@ -153,7 +154,7 @@ absl::Status OpenPut::DrainBlockWise() {
     }
     const double secs = Seconds(absl::Now() - t0);
     service_->metrics_->ObserveStage(Stage::kCompress, secs);
-    if (service_->engine_->uses_gpu()) service_->metrics_->AddGpuSeconds(secs);
+    if (engine_->uses_gpu()) service_->metrics_->AddGpuSeconds(secs);
     next.memory.reset();  // appended: its bytes go back to the data plane's budget
   }
 }
@@ -169,7 +170,7 @@ void OpenPut::Commit(CommitDone done) {
   }
   // The done callback must run exactly once: park it where both outcomes can reach it.
   auto shared_done = std::make_shared<CommitDone>(std::move(done));
-  bool queued = service_->engine_->TrySubmit(
+  bool queued = engine_->TrySubmit(
       request_.key.tenant, [self = shared_from_this(), shared_done](Backend& backend) {
         self->RunCommit(backend, std::move(*shared_done));
       });
@@ -198,7 +199,7 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
     }
     CompressedCache cache;
     TransferBytes transfers;
-    KVCOMP_RETURN_IF_ERROR(service_->engine_->FaultPoint());
+    KVCOMP_RETURN_IF_ERROR(engine_->FaultPoint());
     absl::Time t0 = absl::Now();
     bool on_device;
     {
@@ -225,7 +226,7 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
     const double download = std::min(transfers.to_host_seconds, secs);
     metrics->ObserveStage(Stage::kCompress, secs - download);
     if (download > 0) metrics->ObserveStage(Stage::kDownload, download);
-    if (service_->engine_->uses_gpu()) metrics->AddGpuSeconds(secs - download);
+    if (engine_->uses_gpu()) metrics->AddGpuSeconds(secs - download);
     {
       // Compressed: the put's device memory goes before the cache is stored.
       absl::MutexLock lock(&mu_);
@@ -250,8 +251,8 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
     device_kv_.reset();
     reservation_ = Engine::DeviceReservation();
   }
-  if (!result.ok() && service_->engine_->CheckAfterError(backend, result.status())) {
-    Log(LogLevel::kError, "engine failed: ", service_->engine_->failure(),
+  if (!result.ok() && engine_->CheckAfterError(backend, result.status())) {
+    Log(LogLevel::kError, "engine failed: ", engine_->failure(),
         "; kvcompd takes no more puts and drains");
   }
   if (result.ok()) {
@@ -325,10 +326,10 @@ void OpenPut::Abort() {
 
 // ---- the service ----
 
-CacheService::CacheService(const ServiceOptions& options, Engine* engine,
+CacheService::CacheService(const ServiceOptions& options, EngineSet* engines,
                            CacheRepository* repository, Metrics* metrics)
     : options_(options),
-      engine_(engine),
+      engines_(engines),
       repository_(repository),
       metrics_(metrics),
       serve_pool_(std::make_unique<TaskPool>(options.serve_threads, options.serve_queue_capacity,
@@ -337,7 +338,7 @@ CacheService::CacheService(const ServiceOptions& options, Engine* engine,
 CacheService::~CacheService() { Shutdown(); }
 
 void CacheService::Shutdown() {
-  engine_->Shutdown();
+  engines_->Shutdown();
   if (serve_pool_) serve_pool_->Shutdown();
 }
 
@@ -355,7 +356,7 @@ bool CacheService::WaitIdle(absl::Duration timeout) {
   return false;
 }
 
-absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest request) {
+absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest request, int device) {
   if (draining()) return absl::UnavailableError("draining: kvcompd is shutting down");
   const uint64_t bytes = request.layout.CacheBytes(request.num_tokens);
   if (bytes > options_.max_put_bytes) {
@@ -369,22 +370,22 @@ absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest reque
     // is stored.
     KVCOMP_ASSIGN_OR_RETURN(projection, repository_->PinProjection(request.key));
   }
+  // The engine, and what the put holds there: a whole-sequence put its K and V (on a GPU engine
+  // in device memory, reserved against the cap before any block arrives); a block-wise put
+  // nothing (its working set is host memory).
+  const uint64_t holds =
+      request.block_wise ? 0
+                         : Engine::DeviceBytesForPut(request.layout, request.num_tokens,
+                                                     request.policy.get().moments);
+  KVCOMP_ASSIGN_OR_RETURN(EngineSet::Placement placed, engines_->Place(holds, device));
   std::unique_ptr<DeviceKv> device_kv;
-  Engine::DeviceReservation reservation;
-  if (engine_->failed()) {
-    return absl::UnavailableError(
-        absl::StrCat("engine failed (", engine_->failure(), "): kvcompd is draining"));
+  if (placed.engine->uploader() != nullptr && !request.block_wise) {
+    KVCOMP_ASSIGN_OR_RETURN(device_kv, DeviceKv::Create(*placed.engine->uploader(),
+                                                        request.layout, request.num_tokens));
   }
-  if (engine_->uploader() != nullptr && !request.block_wise) {
-    // The put's K and V on the device, reserved against the cap before any block arrives.
-    KVCOMP_ASSIGN_OR_RETURN(
-        reservation, engine_->ReserveDevice(Engine::DeviceBytesForPut(
-                         request.layout, request.num_tokens, request.policy.get().moments)));
-    KVCOMP_ASSIGN_OR_RETURN(device_kv, DeviceKv::Create(*engine_->uploader(), request.layout,
-                                                        request.num_tokens));
-  }
-  std::shared_ptr<OpenPut> put(new OpenPut(this, std::move(request), std::move(projection),
-                                           std::move(device_kv), std::move(reservation)));
+  std::shared_ptr<OpenPut> put(new OpenPut(this, placed.engine, std::move(request),
+                                           std::move(projection), std::move(device_kv),
+                                           std::move(placed.reservation)));
   UpdateGauges();
   return put;
 }

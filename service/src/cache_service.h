@@ -1,9 +1,10 @@
 // CacheService: what kvcompd does with a request once it has entered, without any transport
 // type. A put is opened from a validated PutRequest (BeginPut) and lives as one OpenPut, owned
 // by whoever holds the put (the data-plane facade attaches it to the transport's record of the
-// put); its blocks go to a PutAssembler, its commit to a worker of the Engine, which compresses
-// the assembled view (or finishes the block-wise compressor) and hands the cache to the
-// CacheRepository. Gets, lookups and deletes run on a separate serve pool, tenants in turn.
+// put); its blocks go to a PutAssembler, its commit to a worker of the Engine the put was placed
+// on (EngineSet::Place: one engine per GPU, or the CPU engine), which compresses the assembled
+// view (or finishes the block-wise compressor) and hands the cache to the CacheRepository. Gets,
+// lookups and deletes run on a separate serve pool, tenants in turn.
 //
 // Thread-safety: every method may be called from any thread; completions run on pool threads
 // (or inside the call, for refusals).
@@ -23,6 +24,7 @@
 #include "assembler.h"
 #include "cache_repository.h"
 #include "engine.h"
+#include "engine_set.h"
 #include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/service/metrics.h"
 #include "put.h"
@@ -45,8 +47,8 @@ using LookupDone = absl::AnyInvocable<void(absl::StatusOr<CacheSummary>)>;
 
 class CacheService;
 
-// One open put: its request, its blocks (PutAssembler), its block-wise compressor and the
-// projection it encodes with. Its blocks' memory goes when the put ends (commit done, abort)
+// One open put: its request, the engine it runs on, its blocks (PutAssembler), its block-wise
+// compressor and the projection it encodes with. Its blocks' memory goes when the put ends (commit done, abort)
 // or, block-wise, as each block is appended. On a GPU engine a whole-sequence put holds its K
 // and V in device memory instead (DeviceKv, reserved against engine.gpu_memory_bytes when the
 // put begins): each block is copied there as it arrives and its memory released at once; the
@@ -58,6 +60,9 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   ~OpenPut();
 
   const PutRequest& request() const { return request_; }
+  // The engine the put was placed on, for its whole life: its blocks go to that engine's device
+  // (a GPU engine) and its commit to that engine's workers.
+  Engine& engine() const { return *engine_; }
   // Keeps `block`; `done` runs once it is accounted for (InvalidArgument for an overlapping or
   // malformed block, FailedPrecondition once committing or aborted).
   void AddBlock(BlockData block, Done done);
@@ -69,8 +74,9 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
 
  private:
   friend class CacheService;
-  OpenPut(CacheService* service, PutRequest request, std::shared_ptr<const Projection> projection,
-          std::unique_ptr<DeviceKv> device_kv, Engine::DeviceReservation reservation);
+  OpenPut(CacheService* service, Engine* engine, PutRequest request,
+          std::shared_ptr<const Projection> projection, std::unique_ptr<DeviceKv> device_kv,
+          Engine::DeviceReservation reservation);
   // Copies `block` (its coverage already admitted) into the put's device buffer. Caller holds
   // mu_.
   absl::Status AddToDevice(const BlockData& block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -87,6 +93,7 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   absl::Status DrainBlockWise() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stream_mu_);
 
   CacheService* const service_;
+  Engine* const engine_;
   const PutRequest request_;
   const std::shared_ptr<const Projection> projection_;  // pinned while the put lives
   const absl::Time begun_ = absl::Now();
@@ -97,7 +104,8 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   bool committing_ ABSL_GUARDED_BY(mu_) = false;
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   bool drain_scheduled_ ABSL_GUARDED_BY(mu_) = false;
-  // GPU engine, whole-sequence put: K and V on the device, and the GPU memory it holds.
+  // GPU engine, whole-sequence put: K and V on the device. The reservation is what the put
+  // holds on its engine (GPU memory on a GPU engine) from its begin to the end of its commit.
   std::unique_ptr<DeviceKv> device_kv_ ABSL_GUARDED_BY(mu_);
   Engine::DeviceReservation reservation_ ABSL_GUARDED_BY(mu_);
   absl::Status device_error_ ABSL_GUARDED_BY(mu_);
@@ -111,22 +119,26 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
 
 class CacheService {
  public:
-  // `engine`, `repository` and `metrics` outlive the service and every OpenPut it made.
-  CacheService(const ServiceOptions& options, Engine* engine, CacheRepository* repository,
+  // `engines`, `repository` and `metrics` outlive the service and every OpenPut it made.
+  CacheService(const ServiceOptions& options, EngineSet* engines, CacheRepository* repository,
                Metrics* metrics);
   ~CacheService();
 
-  // Opens a put. InvalidArgument (larger than max_put_bytes), FailedPrecondition (a value codec
-  // and no calibrated projection), Unavailable (draining, or the engine failed),
-  // ResourceExhausted (a GPU engine without room for the put's K and V: beyond
-  // engine.gpu_memory_bytes, or the device's memory is full); nothing of a refused put is kept.
-  absl::StatusOr<std::shared_ptr<OpenPut>> BeginPut(PutRequest request);
+  // Opens a put on the engine EngineSet::Place chooses (on CUDA device `device` when >= 0: the
+  // GPU channel's, whose buffers live there). InvalidArgument (larger than max_put_bytes),
+  // FailedPrecondition (a value codec and no calibrated projection; no engine on `device`),
+  // Unavailable (draining, or every candidate engine failed), ResourceExhausted (no GPU engine
+  // with room for the put's K and V: beyond engine.gpu_memory_bytes, or the device's memory is
+  // full); nothing of a refused put is kept.
+  absl::StatusOr<std::shared_ptr<OpenPut>> BeginPut(PutRequest request, int device = -1);
 
   void Get(const CacheKey& key, Representation rep, GetDone done);
   void Lookup(const CacheKey& key, LookupDone done);
   void Delete(const CacheKey& key, Done done);
 
-  Engine* engine() const { return engine_; }
+  EngineSet* engines() const { return engines_; }
+  // The first engine (the only one of a CPU or one-GPU daemon).
+  Engine* engine() const { return &engines_->primary(); }
   CacheRepository* repository() const { return repository_; }
 
   // Stops taking new puts (Unavailable); everything open continues.
@@ -136,7 +148,7 @@ class CacheService {
   bool WaitIdle(absl::Duration timeout);
   void Shutdown();
 
-  size_t queue_depth() const { return engine_->queue_depth(); }
+  size_t queue_depth() const { return engines_->queue_depth(); }
   size_t open_puts() const { return open_puts_.load(); }
 
  private:
@@ -144,7 +156,7 @@ class CacheService {
   void UpdateGauges();
 
   const ServiceOptions options_;
-  Engine* const engine_;
+  EngineSet* const engines_;
   CacheRepository* const repository_;
   Metrics* const metrics_;
   std::atomic<bool> draining_{false};

@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -85,6 +86,25 @@ std::string DoubleText(double d) {
   std::ostringstream os;
   os << d;
   return os.str();
+}
+
+// A comma-separated list of distinct CUDA device ordinals ("0,1,3"); empty text is an empty
+// list.
+absl::StatusOr<std::vector<int>> ParseDeviceList(absl::string_view key, absl::string_view v) {
+  std::vector<int> out;
+  absl::string_view text = absl::StripAsciiWhitespace(v);
+  if (text.empty()) return out;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int64_t d = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &d) || d < 0 || d > 64) {
+      return BadValue(key, v, "a comma-separated list of CUDA device ordinals in [0, 64]");
+    }
+    if (std::find(out.begin(), out.end(), static_cast<int>(d)) != out.end()) {
+      return BadValue(key, v, absl::StrCat("a list of distinct devices (", d, " repeats)"));
+    }
+    out.push_back(static_cast<int>(d));
+  }
+  return out;
 }
 
 // Builders of table rows. `access` maps an Options to the field; get() reads through a
@@ -347,6 +367,17 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(IntField(
       "engine.cuda_device", 0, 64, "CUDA device ordinal. Default 0.",
       [](Options & o) -> auto& { return o.engine.cuda_device; }));
+  f.push_back(ConfigField{
+      "engine.cuda_devices", "string",
+      "CUDA devices to run one engine each on, comma-separated ordinals (0,1,2,3); puts are "
+      "spread over them. Empty = one engine on engine.cuda_device. Default empty.",
+      [](Options& o, absl::string_view v) -> absl::Status {
+        KVCOMP_ASSIGN_OR_RETURN(std::vector<int> devices,
+                                ParseDeviceList("engine.cuda_devices", v));
+        o.engine.cuda_devices = absl::StrJoin(devices, ",");
+        return absl::OkStatus();
+      },
+      [](const Options& o) { return o.engine.cuda_devices; }});
   f.push_back(IntField(
       "engine.cpu_threads", 0, 1024,
       "Threads per CPU backend; 0 = hardware threads / workers. Default 0.",
@@ -361,8 +392,8 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(BytesField(
       "engine.gpu_memory_bytes",
       "GPU memory the CUDA engine's open puts may hold at once (K and V staged on the device "
-      "plus their compressed arrays); a put beyond it is RESOURCE_EXHAUSTED. 0 = no cap. "
-      "Default 0.",
+      "plus their compressed arrays), per device; a put beyond it is RESOURCE_EXHAUSTED. 0 = no "
+      "cap. Default 0.",
       [](Options & o) -> auto& { return o.engine.gpu_memory_bytes; }));
   // --- storage ---
   f.push_back(StringField(
@@ -377,7 +408,8 @@ std::vector<ConfigField> BuildFields() {
       "storage.put_tier", {"device", "host", "rocksdb"}, "Tier a new cache lands in. Default host.",
       [](Options & o) -> auto& { return o.storage.put_tier; }));
   f.push_back(BytesField(
-      "storage.device_capacity_bytes", "GPU-memory tier capacity; 0 = no GPU tier. Default 0.",
+      "storage.device_capacity_bytes",
+      "GPU-memory tier capacity, on each engine device; 0 = no GPU tier. Default 0.",
       [](Options & o) -> auto& { return o.storage.device_capacity_bytes; }));
   f.push_back(BytesField(
       "storage.host_capacity_bytes", "Host-memory tier capacity; 0 = no host tier. Default 1Gi.",
@@ -532,7 +564,19 @@ absl::Status ApplyEnvironment(Options& options) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<int>> EngineCudaDevices(const EngineOptions& engine) {
+  KVCOMP_ASSIGN_OR_RETURN(std::vector<int> devices,
+                          ParseDeviceList("engine.cuda_devices", engine.cuda_devices));
+  if (devices.empty()) devices.push_back(engine.cuda_device);
+  return devices;
+}
+
 absl::Status ValidateOptions(const Options& o) {
+  KVCOMP_RETURN_IF_ERROR(EngineCudaDevices(o.engine).status());
+  if (o.engine.backend == "cpu" && !o.engine.cuda_devices.empty()) {
+    return absl::InvalidArgumentError(
+        "engine.cuda_devices lists GPUs but engine.backend is cpu (use cuda or auto)");
+  }
   const auto& s = o.storage;
   if (!(s.low_watermark < s.high_watermark)) {
     return absl::InvalidArgumentError("storage.low_watermark must be below storage.high_watermark");

@@ -17,7 +17,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -26,16 +28,21 @@
 #include "cache_service.h"
 #include "data_plane.h"
 #include "engine.h"
+#include "engine_set.h"
 #include "gpu_channel.h"
 #include "handlers.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/service/auth.h"
+#include "kvcomp/service/config.h"
+#include "kvcomp/service/metric_names.h"
 #include "kvcomp/service/metrics.h"
 #include "kvcomp/service/policy_store.h"
 #include "kvcomp/storage/tiered_store.h"
 #include "kvsplice_glue.h"
 #include "log.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
 
 namespace kvcomp {
 namespace service {
@@ -87,11 +94,14 @@ void RaiseFdLimit() {
       ", hard limit ", rl.rlim_max, ")");
 }
 
-storage::StoreOptions StoreOptionsOf(const Options& o) {
+// `devices`: the engines' CUDA devices (EngineCudaDevices); the GPU tier keeps a pool of
+// storage.device_capacity_bytes on each.
+storage::StoreOptions StoreOptionsOf(const Options& o, const std::vector<int>& devices) {
   const StorageOptions& s = o.storage;
   storage::StoreOptions so;
   so.device.enabled = s.device_capacity_bytes > 0;
-  so.device.device = o.engine.cuda_device;
+  so.device.device = devices[0];
+  if (devices.size() > 1) so.device.devices = devices;
   so.device.capacity_bytes = s.device_capacity_bytes;
   so.host.enabled = s.host_capacity_bytes > 0;
   so.host.capacity_bytes = s.host_capacity_bytes;
@@ -273,7 +283,7 @@ class DaemonImpl : public Daemon {
   uint16_t data_port() const override { return ctx_.data_port.load(); }
   uint16_t control_port() const override { return control_port_; }
   uint16_t metrics_port() const override { return ctx_.metrics_port.load(); }
-  std::string backend() const override { return engine_->description(); }
+  std::string backend() const override { return engines_->description(); }
   bool ready() const override { return ctx_.ready.load(); }
 
   void Drain() override {
@@ -301,12 +311,13 @@ class DaemonImpl : public Daemon {
     return s;
   }
 
-  bool failed() const override { return engine_ != nullptr && engine_->failed(); }
+  // Any engine's sticky failure fails the daemon (it drains and exits for a restart).
+  bool failed() const override { return engines_ != nullptr && engines_->failed(); }
 
   void Tick() override {
     absl::Time now = absl::Now();
     if (failed() && !ctx_.draining.load()) {
-      Log(LogLevel::kError, "engine failed: ", engine_->failure(),
+      Log(LogLevel::kError, "engine failed: ", engines_->failure(),
           "; not ready, draining, then exiting for a restart");
       if (metrics_ != nullptr) metrics_->SetReady(false);
       Drain();
@@ -348,6 +359,8 @@ class DaemonImpl : public Daemon {
   // Why the control plane stopped serving ("" while it serves).
   std::string ControlPlaneFailure() const;
   void RefreshGauges();
+  // The per-engine gauges (label {device}), registered once the engines exist.
+  void RegisterEngineGauges();
   // Removes expired caches, then the projection versions no stored cache names (not the latest
   // of their tenant/model, not held by an open put).
   void Sweep();
@@ -360,9 +373,17 @@ class DaemonImpl : public Daemon {
   std::unique_ptr<PolicyStore> policies_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<StoreProjections> projections_;
-  // The layers of the data path, inside out: the engine's workers and the cache repository,
-  // the service over them, and the data plane (the transport and its facade) in front.
-  std::unique_ptr<Engine> engine_;
+  // The layers of the data path, inside out: the engines' workers (one engine per GPU, or the
+  // CPU engine) and the cache repository, the service over them, and the data plane (the
+  // transport and its facade) in front.
+  std::unique_ptr<EngineSet> engines_;
+  struct EngineGauges {
+    prometheus::Gauge* queue_depth = nullptr;
+    prometheus::Gauge* reserved_bytes = nullptr;  // GPU engines only
+    prometheus::Gauge* reserved_cap_bytes = nullptr;
+    prometheus::Gauge* failed = nullptr;
+  };
+  std::vector<EngineGauges> engine_gauges_;  // index = engine
   std::unique_ptr<CacheRepository> repository_;
   std::unique_ptr<CacheService> service_;
   std::unique_ptr<DataPlane> data_plane_;
@@ -402,7 +423,9 @@ absl::Status DaemonImpl::Init(const Options& options) {
   tokens_ = std::move(*tokens);
   Log(tokens_->open_mode() ? LogLevel::kWarning : LogLevel::kInfo, TenancyLine());
 
-  auto store = storage::TieredStore::Open(StoreOptionsOf(options));
+  auto devices = EngineCudaDevices(options.engine);
+  if (!devices.ok()) return devices.status();
+  auto store = storage::TieredStore::Open(StoreOptionsOf(options, *devices));
   if (!store.ok()) return Annotate(store.status(), "storage");
   store_ = std::move(*store);
   storage::StoreStats st = store_->Stats();
@@ -432,11 +455,18 @@ absl::Status DaemonImpl::Init(const Options& options) {
   metrics_ = std::make_unique<Metrics>(Version(), cuda ? "cuda" : "cpu");
   metrics_->SetAuthRequired(!tokens_->open_mode());
   projections_ = std::make_unique<StoreProjections>(store_.get());
-  auto engine = Engine::Create(options.engine, options.data_plane.tenant_share);
-  if (!engine.ok()) return Annotate(engine.status(), "engine");
-  engine_ = std::move(*engine);
-  Log(LogLevel::kInfo, "engine: ", engine_->description(), ", ", options.engine.workers,
-      " worker(s), queue ", options.engine.queue_capacity);
+  auto engines = EngineSet::Create(options.engine, options.data_plane.tenant_share);
+  if (!engines.ok()) return Annotate(engines.status(), "engine");
+  engines_ = std::move(*engines);
+  for (size_t i = 0; i < engines_->size(); ++i) {
+    Log(LogLevel::kInfo, "engine: ", engines_->at(i).description(), ", ", options.engine.workers,
+        " worker(s), queue ", options.engine.queue_capacity);
+  }
+  if (!cuda && !options.engine.cuda_devices.empty()) {
+    Log(LogLevel::kInfo, "engine.cuda_devices ", options.engine.cuda_devices,
+        " not used: no GPU is visible, one CPU engine runs");
+  }
+  RegisterEngineGauges();
   RepositoryOptions ro;
   ro.durability = options.storage.durability == "disk" ? storage::Durability::kDisk
                                                        : storage::Durability::kMemory;
@@ -446,7 +476,8 @@ absl::Status DaemonImpl::Init(const Options& options) {
   ServiceOptions svo;
   svo.max_put_bytes = options.data_plane.max_put_bytes;
   svo.tenant_share = options.data_plane.tenant_share;
-  service_ = std::make_unique<CacheService>(svo, engine_.get(), repository_.get(), metrics_.get());
+  service_ =
+      std::make_unique<CacheService>(svo, engines_.get(), repository_.get(), metrics_.get());
 
   ctx_.tokens = tokens_.get();
   ctx_.store = store_.get();
@@ -490,8 +521,8 @@ absl::Status DaemonImpl::Init(const Options& options) {
         *reason = ControlPlaneFailure();
         return false;
       }
-      if (engine_->failed()) {
-        *reason = "engine failed: " + engine_->failure();
+      if (engines_->failed()) {
+        *reason = "engine failed: " + engines_->failure();
         return false;
       }
       if (ctx_.draining.load()) {
@@ -648,7 +679,52 @@ void DaemonImpl::Sweep() {
   }
 }
 
+void DaemonImpl::RegisterEngineGauges() {
+  namespace mn = metric_names;
+  prometheus::Registry& registry = metrics_->registry();
+  auto& queue = prometheus::BuildGauge()
+                    .Name(mn::kEngineQueueDepth)
+                    .Help("Committed puts waiting for or in compression on one engine.")
+                    .Register(registry);
+  auto& reserved = prometheus::BuildGauge()
+                       .Name(mn::kEngineReservedBytes)
+                       .Help("Bytes the open puts of one GPU engine hold against "
+                             "engine.gpu_memory_bytes.")
+                       .Register(registry);
+  auto& cap = prometheus::BuildGauge()
+                  .Name(mn::kEngineReservedCapBytes)
+                  .Help("engine.gpu_memory_bytes of one GPU engine (0 = no cap).")
+                  .Register(registry);
+  auto& failed = prometheus::BuildGauge()
+                     .Name(mn::kEngineFailed)
+                     .Help("1 once the engine has failed (a sticky device error), else 0.")
+                     .Register(registry);
+  for (size_t i = 0; i < engines_->size(); ++i) {
+    const Engine& e = engines_->at(i);
+    const std::map<std::string, std::string> label = {
+        {mn::kLabelDevice, e.cuda_device() >= 0 ? absl::StrCat(e.cuda_device()) : "cpu"}};
+    EngineGauges g;
+    g.queue_depth = &queue.Add(label);
+    g.failed = &failed.Add(label);
+    if (e.uses_gpu()) {
+      g.reserved_bytes = &reserved.Add(label);
+      g.reserved_cap_bytes = &cap.Add(label);
+      g.reserved_cap_bytes->Set(static_cast<double>(e.device_cap_bytes()));
+    }
+    engine_gauges_.push_back(g);
+  }
+}
+
 void DaemonImpl::RefreshGauges() {
+  for (size_t i = 0; engines_ != nullptr && i < engine_gauges_.size(); ++i) {
+    const Engine& e = engines_->at(i);
+    const EngineGauges& g = engine_gauges_[i];
+    g.queue_depth->Set(static_cast<double>(e.queue_depth()));
+    g.failed->Set(e.failed() ? 1 : 0);
+    if (g.reserved_bytes != nullptr) {
+      g.reserved_bytes->Set(static_cast<double>(e.device_reserved_bytes()));
+    }
+  }
   storage::StoreStats st = store_->Stats();
   for (int i = 0; i < storage::kNumTiers; ++i) {
     const storage::TierStats& t = st.tiers[i];
@@ -741,7 +817,7 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   data_plane_.reset();  // the open puts it held go before the service they belong to
   service_.reset();
   repository_.reset();
-  engine_.reset();
+  engines_.reset();
   Log(LogLevel::kDebug, "shutdown: engine stopped");
   store_.reset();  // closes RocksDB (memtables flushed, WAL synced)
   Log(LogLevel::kDebug, "shutdown: store closed");

@@ -307,23 +307,25 @@ class DataHandler : public transport::RequestHandler {
                                                   size_t size) override {
     OpenPut* open = PutOf(put);
     if (rt_ == nullptr || open == nullptr || open->request().block_wise ||
-        !(block.flags & wire::kBlockDevicePayload)) {
+        !(block.flags & wire::kBlockDevicePayload) || !open->engine().uses_gpu()) {
       return transport::Buffer::Allocate(size);
     }
-    if (pool_ != nullptr) {
+    // The put's engine's device (one of several with engine.cuda_devices); the pool serves the
+    // first engine's.
+    Engine& engine = open->engine();
+    if (pool_ != nullptr && &engine == ctx_->service->engine()) {
       absl::StatusOr<transport::Buffer> pooled = pool_->Acquire(size);
       return pooled.ok() ? *std::move(pooled) : transport::Buffer::Allocate(size);
     }
-    absl::StatusOr<Engine::DeviceReservation> reservation =
-        ctx_->service->engine()->ReserveDevice(size);
+    absl::StatusOr<Engine::DeviceReservation> reservation = engine.ReserveDevice(size);
     if (!reservation.ok()) return transport::Buffer::Allocate(size);
-    absl::StatusOr<void*> memory = rt_->SetDevice(device_).ok()
+    const int device = engine.cuda_device();
+    absl::StatusOr<void*> memory = rt_->SetDevice(device).ok()
                                        ? rt_->AllocDevice(size)
                                        : absl::StatusOr<void*>(absl::UnavailableError("device"));
     if (!memory.ok()) return transport::Buffer::Allocate(size);
     auto held = std::make_shared<Engine::DeviceReservation>(*std::move(reservation));
     transport::GpuRuntime* rt = rt_;
-    const int device = device_;
     // cuMemFree waits for the device work queued before it (the put's copy out of this block).
     return transport::Buffer::Wrap(*memory, size, transport::MemoryType::kCuda,
                                    [rt, device, p = *memory, held]() mutable {
@@ -545,10 +547,11 @@ class UcxDataPlane : public DataPlane {
     absl::StatusOr<transport::GpuRuntime*> rt =
         gpu_engine ? transport::GpuRuntime::Get()
                    : absl::StatusOr<transport::GpuRuntime*>(absl::FailedPreconditionError("cpu"));
-    if (rt.ok()) handler_.EnableDeviceBlocks(*rt, options.engine.cuda_device);
+    const int device = gpu_engine ? engine->cuda_device() : options.engine.cuda_device;
+    if (rt.ok()) handler_.EnableDeviceBlocks(*rt, device);
     Log(LogLevel::kInfo, "data plane: UCX ", version,
         " is CUDA-aware: clients may send device payloads; they land in ",
-        rt.ok() ? absl::StrCat("GPU memory of device ", options.engine.cuda_device,
+        rt.ok() ? absl::StrCat("GPU memory of device ", device,
                                handler_.device_pool_bytes() > 0
                                    ? absl::StrCat(" (receive buffers pooled, at most ",
                                                   handler_.device_pool_bytes() >> 20, " MiB)")

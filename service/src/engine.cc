@@ -99,7 +99,7 @@ uint64_t Engine::DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens, 
 
 absl::StatusOr<Engine::DeviceReservation> Engine::ReserveDevice(uint64_t bytes) {
   if (failed()) return absl::UnavailableError(absl::StrCat("engine failed: ", failure()));
-  const uint64_t cap = options_.gpu_memory_bytes;
+  const uint64_t cap = device_cap_bytes();
   uint64_t held = device_reserved_.load();
   while (true) {
     if (cap > 0 && held + bytes > cap) {

@@ -16,6 +16,9 @@
 // lost) marks the engine failed (failed(), failure()): it takes no more puts, and the daemon
 // reports not ready, drains and exits for its supervisor to restart it.
 //
+// An engine runs on one device (cuda_device(); -1 on the CPU). A daemon with several GPUs has
+// one engine per device, and an EngineSet (engine_set.h) that places each put on one of them.
+//
 // Thread-safety: every method may be called from any thread.
 #ifndef KVCOMP_SERVICE_SRC_ENGINE_H_
 #define KVCOMP_SERVICE_SRC_ENGINE_H_
@@ -93,7 +96,9 @@ class Engine {
     uint64_t bytes_ = 0;
   };
   // Reserves `bytes` of the GPU memory cap for one put. ResourceExhausted when the cap
-  // (engine.gpu_memory_bytes) would be exceeded; Unavailable once the engine has failed.
+  // (engine.gpu_memory_bytes) would be exceeded; Unavailable once the engine has failed. A CPU
+  // engine counts reservations too (what its open whole-sequence puts hold, for placement) but
+  // has no cap.
   absl::StatusOr<DeviceReservation> ReserveDevice(uint64_t bytes);
   // The GPU memory a whole-sequence put of `layout` x `num_tokens` holds on the device at most:
   // its K and V, the keys' sums of the staging, the compressed arrays (bounded by every token
@@ -102,7 +107,8 @@ class Engine {
   static uint64_t DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens,
                                     bool moments);
   uint64_t device_reserved_bytes() const { return device_reserved_.load(); }
-  uint64_t device_cap_bytes() const { return options_.gpu_memory_bytes; }
+  // The cap on reservations; 0 = none (always 0 on the CPU).
+  uint64_t device_cap_bytes() const { return use_cuda_ ? options_.gpu_memory_bytes : 0; }
   // The uploader every put's blocks go through on a GPU engine; null on the CPU.
   DeviceUploader* uploader() const { return uploader_.get(); }
 
@@ -122,6 +128,8 @@ class Engine {
   // "cpu (N threads)" or the CUDA device.
   const std::string& description() const { return description_; }
   bool uses_gpu() const { return use_cuda_; }
+  // The CUDA device this engine runs on; -1 on the CPU.
+  int cuda_device() const { return use_cuda_ ? options_.cuda_device : -1; }
   size_t queue_depth() const { return pool_ ? pool_->depth() : 0; }
   bool WaitIdle(absl::Duration timeout) const { return pool_->WaitIdle(timeout); }
   // Runs what is queued, then joins the workers.

@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "cache_repository.h"
@@ -62,6 +63,14 @@ std::shared_ptr<uint8_t> PinnedBuffer(GpuRuntime* rt, int device, size_t bytes,
   });
 }
 
+// The devices channels use: each GPU engine's, or engine.cuda_device beside a CPU engine.
+std::vector<int> ChannelDevices(const Options& options, const EngineSet& engines) {
+  if (!engines.uses_gpu()) return {options.engine.cuda_device};
+  std::vector<int> devices;
+  for (size_t i = 0; i < engines.size(); ++i) devices.push_back(engines.at(i).cuda_device());
+  return devices;
+}
+
 struct Channel {
   uint64_t id = 0;
   std::string tenant;
@@ -105,7 +114,7 @@ class GpuChannelsImpl : public GpuChannels {
   GpuChannelsImpl(const Options& options, CacheService* service, Metrics* metrics)
       : service_(service),
         metrics_(metrics),
-        device_(options.engine.cuda_device),
+        devices_(ChannelDevices(options, *service->engines())),
         max_channels_(options.data_plane.gpu_max_channels),
         tenant_share_(options.data_plane.tenant_share),
         timeout_(absl::Seconds(options.data_plane.gpu_transfer_timeout_seconds)),
@@ -132,7 +141,26 @@ class GpuChannelsImpl : public GpuChannels {
                                       const std::string& client_ipc_event) override {
     if (!reason_.empty()) return absl::FailedPreconditionError(reason_);
     if (draining_.load()) return absl::UnavailableError("draining: no new GPU channels");
-    const bool ipc = client_device_uuid == device_uuid_;
+    // A client on one of the daemon's GPUs shares it over CUDA IPC; any other client gets the
+    // device of the engine its puts will run on (EngineSet::Pick), whose memory holds the
+    // channel's buffers.
+    int device = -1;
+    for (size_t i = 0; i < devices_.size(); ++i) {
+      if (client_device_uuid == device_uuids_[i]) device = devices_[i];
+    }
+    const bool ipc = device >= 0;
+    if (!ipc) {
+      if (!service_->engines()->uses_gpu()) {
+        device = devices_[0];
+      } else {
+        Engine* engine = service_->engines()->Pick();
+        if (engine == nullptr) {
+          return absl::UnavailableError(absl::StrCat(
+              "engine failed (", service_->engines()->failure(), "): kvcompd is draining"));
+        }
+        device = engine->cuda_device();
+      }
+    }
     if (ipc) {
       if (client_ipc_event.empty()) {
         return absl::FailedPreconditionError(
@@ -156,7 +184,7 @@ class GpuChannelsImpl : public GpuChannels {
     }
     auto channel = std::make_shared<Channel>();
     channel->tenant = tenant;
-    channel->device = device_;
+    channel->device = device;
     channel->ipc = ipc;
     {
       absl::MutexLock lock(&mu_);
@@ -172,11 +200,11 @@ class GpuChannelsImpl : public GpuChannels {
       channel->id = next_id_++;
       channels_[channel->id] = channel;
     }
-    absl::Status s = rt_->SetDevice(device_);
+    absl::Status s = rt_->SetDevice(device);
     GpuChannelInfo info;
     info.channel_id = channel->id;
     info.ipc = ipc;
-    info.device = device_;
+    info.device = device;
     info.max_transfer_bytes = max_transfer_bytes_;
     info.transfer_timeout = timeout_;
     channel->last_used_ns.store(absl::ToUnixNanos(absl::Now()));
@@ -192,7 +220,7 @@ class GpuChannelsImpl : public GpuChannels {
       absl::MutexLock lock(&channel->join_mu);
       channel->joined = true;
       Log(LogLevel::kInfo, "GPU channel ", channel->id, " opened for tenant '", tenant,
-          "' on cuda:", device_, " (CUDA IPC: the client shares this GPU)");
+          "' on cuda:", device, " (CUDA IPC: the client shares this GPU)");
       return info;
     }
     absl::StatusOr<std::string> uid = s.ok() ? rt_->NewUniqueId() : absl::StatusOr<std::string>(s);
@@ -202,7 +230,6 @@ class GpuChannelsImpl : public GpuChannels {
     }
     const std::string id_bytes = *uid;
     const absl::Duration timeout = timeout_;
-    const int device = device_;
     Channel* c = channel.get();
     channel->joiner = std::thread([c, id_bytes, timeout, device] {
       absl::StatusOr<std::unique_ptr<NcclLink>> link = NcclLink::Join(id_bytes, 0, device, timeout);
@@ -218,7 +245,7 @@ class GpuChannelsImpl : public GpuChannels {
     info.nccl_unique_id = id_bytes;
     info.nccl_version = rt_->nccl_version();
     Log(LogLevel::kInfo, "GPU channel ", channel->id, " opened for tenant '", tenant, "' on cuda:",
-        device_);
+        device);
     return info;
   }
 
@@ -250,7 +277,11 @@ class GpuChannelsImpl : public GpuChannels {
     KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(Usable(*c));
-    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<OpenPut> put, service_->BeginPut(std::move(request)));
+    // On a GPU daemon the put runs on the engine of the channel's device: the staging buffer
+    // the payload lands in is that device's memory.
+    KVCOMP_ASSIGN_OR_RETURN(
+        std::shared_ptr<OpenPut> put,
+        service_->BeginPut(std::move(request), service_->engines()->uses_gpu() ? c->device : -1));
     absl::Status s = Stage(*c, payload_bytes);
     if (s.ok() && c->ipc) {
       // The client's memory, mapped; the copies wait for the client's event on this stream.
@@ -322,7 +353,7 @@ class GpuChannelsImpl : public GpuChannels {
     }
     Touch(*c);
     metrics_->ObserveStage(Stage::kReceive, out.receive_seconds);
-    if (service_->engine()->uses_gpu()) {
+    if (put->engine().uses_gpu()) {
       // The engine runs on this GPU: the put takes the staging buffer as a device block (one
       // copy on the device). The buffer is not reused before the next transfer, which waits for
       // this one's commit, and the commit orders the engine after that copy.
@@ -662,18 +693,23 @@ class GpuChannelsImpl : public GpuChannels {
                                   : absl::StrCat(nccl_reason_, "; ", rt.status().message());
     }
     rt_ = *rt;
-    if (absl::Status s = rt_->SetDevice(device_); !s.ok()) {
-      return absl::StrCat("no GPU channel: ", s.message());
+    for (int device : devices_) {
+      if (absl::Status s = rt_->SetDevice(device); !s.ok()) {
+        return absl::StrCat("no GPU channel: cuda:", device, ": ", s.message());
+      }
+      absl::StatusOr<std::string> uuid = rt_->DeviceUuid(device);
+      if (!uuid.ok()) {
+        return absl::StrCat("no GPU channel: cuda:", device, ": ", uuid.status().message());
+      }
+      device_uuids_.push_back(*uuid);
     }
-    absl::StatusOr<std::string> uuid = rt_->DeviceUuid(device_);
-    if (!uuid.ok()) return absl::StrCat("no GPU channel: ", uuid.status().message());
-    device_uuid_ = *uuid;
+    const std::string on = absl::StrCat("cuda:", absl::StrJoin(devices_, ", cuda:"));
     if (nccl_reason_.empty()) {
       Log(LogLevel::kInfo, "GPU channel: NCCL ", rt_->nccl_version(), " (", rt_->nccl_path(),
-          ") on cuda:", device_, rt_->has_ipc() ? "; CUDA IPC for clients on this GPU" : "");
+          ") on ", on, rt_->has_ipc() ? "; CUDA IPC for clients on these GPUs" : "");
     } else {
-      Log(LogLevel::kInfo, "GPU channel: CUDA IPC only, for clients on cuda:", device_, " (",
-          nccl_reason_, ")");
+      Log(LogLevel::kInfo, "GPU channel: CUDA IPC only, for clients on ", on, " (", nccl_reason_,
+          ")");
     }
     return "";
   }
@@ -965,14 +1001,16 @@ class GpuChannelsImpl : public GpuChannels {
 
   CacheService* const service_;
   Metrics* const metrics_;
-  const int device_;
+  // The daemon's devices a channel may use (one per GPU engine; on a CPU daemon
+  // engine.cuda_device), and their CUDA UUIDs in the same order.
+  const std::vector<int> devices_;
   const uint32_t max_channels_;
   const double tenant_share_;
   const absl::Duration timeout_;
   const absl::Duration idle_timeout_;
   const uint64_t max_transfer_bytes_;
   GpuRuntime* rt_ = nullptr;
-  std::string device_uuid_;
+  std::vector<std::string> device_uuids_;
   std::string reason_;
   std::string nccl_reason_;
   std::atomic<bool> draining_{false};

@@ -11,6 +11,13 @@
 // maps them, copies on the device after the client's interprocess event (recorded on the
 // caller's stream) into or out of the staging buffer, and unmaps them before it answers.
 //
+// With several GPU engines (engine.cuda_devices) each channel is bound to one device when it
+// opens: the client's own GPU when it is one of the daemon's (mode "ipc"), else the device of
+// the engine EngineSet::Pick chooses (the most free reservation headroom, then the shortest
+// queue). The channel's communicator, stream and staging buffer live on that device, and every
+// put over the channel runs on that device's engine, so its payload is copied on the device it
+// arrived on. Puts are spread over the GPUs channel by channel, not put by put.
+//
 // A received put enters the service as any other: a validated PutRequest opened with
 // CacheService::BeginPut, one BlockData covering the whole cache, then Commit. On a daemon
 // whose engine runs on the GPU the staging buffer is that block (device memory); on a CPU

@@ -218,7 +218,7 @@ void ControlHandler::ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& a
   out.version = Version();
   out.control_protocol_version = rpc::g_kvcomp_constants.PROTOCOL_VERSION;
   out.data_protocol_version = DataPlane::ProtocolVersion();
-  out.backend = ctx_->service->engine()->description();
+  out.backend = ctx_->service->engines()->description();
   out.multi_tenant = !ctx_->tokens->open_mode();
   out.data_address = absl::StrCat(o.data_plane.address, ":", ctx_->data_port.load());
   out.metrics_port = ctx_->metrics_port.load();

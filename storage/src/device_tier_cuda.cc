@@ -1,5 +1,5 @@
 // The CUDA side of the store (compiled only with CUDA): pinned host memory and the device tier,
-// one cudaMalloc'ed pool per tier carved by RangeAllocator.
+// one cudaMalloc'ed pool per device carved by RangeAllocator.
 #include <cuda_runtime_api.h>
 
 #include <sys/mman.h>
@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -56,19 +57,34 @@ cudaError_t CopyOnDevice(void* dst, int dst_device, const DeviceBytes& src) {
   return e == cudaSuccess ? cudaStreamSynchronize(stream) : e;
 }
 
+// One cudaMalloc'ed pool per device. Each entry lives in one pool; Get and ReadInto copy from
+// that pool's device.
 class DeviceTier final : public Tier {
  public:
-  DeviceTier(const DeviceTierOptions& options, void* pool)
-      : device_(options.device),
-        pool_(static_cast<uint8_t*>(pool)),
-        alloc_(options.capacity_bytes, options.alignment_bytes) {}
+  struct PoolSpec {
+    int device;
+    void* base;
+  };
+  DeviceTier(const DeviceTierOptions& options, const std::vector<PoolSpec>& pools) {
+    for (const PoolSpec& p : pools) {
+      pools_.push_back(
+          Pool{p.device, static_cast<uint8_t*>(p.base),
+               RangeAllocator(options.capacity_bytes, options.alignment_bytes)});
+    }
+  }
   ~DeviceTier() override {
-    cudaSetDevice(device_);
-    cudaFree(pool_);
+    for (Pool& p : pools_) {
+      cudaSetDevice(p.device);
+      cudaFree(p.base);
+    }
   }
 
   TierKind kind() const override { return TierKind::kDevice; }
-  uint64_t capacity_bytes() const override { return alloc_.capacity(); }
+  uint64_t capacity_bytes() const override {
+    uint64_t total = 0;  // capacities never change
+    for (const Pool& p : pools_) total += p.alloc.capacity();
+    return total;
+  }
   uint64_t used_bytes() const override {
     ReaderLock lock(&mu_);
     return bytes_;
@@ -80,29 +96,40 @@ class DeviceTier final : public Tier {
 
   absl::Status Put(absl::string_view key, const CacheMeta&, const Payload& payload, bool) override {
     const uint64_t n = payload.size() > 0 ? payload.size() : 1;
-    uint64_t offset;
+    const int from = payload.on_device() ? payload.device_bytes()->device : -1;
+    Range r{};
     {
       WriterLock lock(&mu_);
-      auto off = alloc_.Allocate(n);
-      if (!off.ok()) return off.status();
-      offset = *off;
+      absl::Status last = absl::ResourceExhaustedError("device tier: no pool");
+      bool placed = false;
+      for (size_t i : PoolOrderLocked(from)) {
+        auto off = pools_[i].alloc.Allocate(n);
+        if (off.ok()) {
+          r = Range{i, *off, payload.size()};
+          placed = true;
+          break;
+        }
+        last = off.status();
+      }
+      if (!placed) return last;
     }
-    cudaSetDevice(device_);
+    const Pool& pool = pools_[r.pool];
+    uint8_t* dst = pool.base + r.offset;
+    cudaSetDevice(pool.device);
     // A payload on the device: one copy on the device (or from a peer), waited for before its
     // owner may free it. From the host: one upload.
     cudaError_t e = payload.on_device()
-                        ? CopyOnDevice(pool_ + offset, device_, *payload.device_bytes())
-                        : cudaMemcpy(pool_ + offset, payload.data(), payload.size(),
-                                     cudaMemcpyHostToDevice);
+                        ? CopyOnDevice(dst, pool.device, *payload.device_bytes())
+                        : cudaMemcpy(dst, payload.data(), payload.size(), cudaMemcpyHostToDevice);
     WriterLock lock(&mu_);
     if (e != cudaSuccess) {
-      alloc_.Free(offset, n).IgnoreError();
+      pools_[r.pool].alloc.Free(r.offset, n).IgnoreError();
       return CudaError(e, "copy to device");
     }
-    auto [it, inserted] = map_.try_emplace(std::string(key), Range{offset, payload.size()});
+    auto [it, inserted] = map_.try_emplace(std::string(key), r);
     if (!inserted) {
       FreeLocked(it->second);
-      it->second = Range{offset, payload.size()};
+      it->second = r;
     }
     bytes_ += payload.size();
     return absl::OkStatus();
@@ -114,7 +141,8 @@ class DeviceTier final : public Tier {
     auto it = map_.find(key);
     if (it == map_.end()) return absl::NotFoundError("device tier: no such key");
     const Range r = it->second;
-    return CopyToHost(pool_ + r.offset, device_, r.size);
+    const Pool& pool = pools_[r.pool];
+    return CopyToHost(pool.base + r.offset, pool.device, r.size);
   }
 
   absl::StatusOr<uint64_t> ReadInto(absl::string_view key, const DeviceTarget& target) override {
@@ -126,15 +154,16 @@ class DeviceTier final : public Tier {
       return absl::OutOfRangeError(absl::StrCat("device tier: the cache has ", r.size,
                                                 " bytes, the target ", target.capacity));
     }
+    const Pool& pool = pools_[r.pool];
     cudaSetDevice(target.device);
     auto stream = static_cast<cudaStream_t>(target.stream);
     if (stream == nullptr) stream = cudaStreamPerThread;
     cudaError_t e =
-        target.device == device_
-            ? cudaMemcpyAsync(target.data, pool_ + r.offset, r.size, cudaMemcpyDeviceToDevice,
+        target.device == pool.device
+            ? cudaMemcpyAsync(target.data, pool.base + r.offset, r.size, cudaMemcpyDeviceToDevice,
                               stream)
-            : cudaMemcpyPeerAsync(target.data, target.device, pool_ + r.offset, device_, r.size,
-                                  stream);
+            : cudaMemcpyPeerAsync(target.data, target.device, pool.base + r.offset, pool.device,
+                                  r.size, stream);
     // Waited for under the lock: the range stays the cache's until the copy is done.
     if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
     if (e != cudaSuccess) return CudaError(e, "copy on the device");
@@ -151,19 +180,38 @@ class DeviceTier final : public Tier {
   }
 
  private:
+  struct Pool {
+    int device;
+    uint8_t* base;
+    RangeAllocator alloc;
+  };
   struct Range {
+    size_t pool;
     uint64_t offset;
     uint64_t size;
   };
+
+  // The pools a cache is tried in: the one on `device` first (the device holding the payload;
+  // -1 for a payload in host memory), then the others, most free bytes first.
+  std::vector<size_t> PoolOrderLocked(int device) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    std::vector<size_t> order(pools_.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      const bool a_own = pools_[a].device == device, b_own = pools_[b].device == device;
+      if (a_own != b_own) return a_own;
+      return pools_[a].alloc.capacity() - pools_[a].alloc.used() >
+             pools_[b].alloc.capacity() - pools_[b].alloc.used();
+    });
+    return order;
+  }
+
   void FreeLocked(const Range& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    alloc_.Free(r.offset, r.size > 0 ? r.size : 1).IgnoreError();
+    pools_[r.pool].alloc.Free(r.offset, r.size > 0 ? r.size : 1).IgnoreError();
     bytes_ -= r.size;
   }
 
-  const int device_;
-  uint8_t* const pool_;
   mutable SharedMutex mu_;
-  RangeAllocator alloc_ ABSL_GUARDED_BY(mu_);
+  std::vector<Pool> pools_;  // the vector is fixed after construction; allocators under mu_
   absl::flat_hash_map<std::string, Range> map_ ABSL_GUARDED_BY(mu_);
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -216,15 +264,36 @@ absl::StatusOr<std::unique_ptr<Tier>> NewDeviceTier(const DeviceTierOptions& opt
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     return absl::FailedPreconditionError("device tier: no CUDA device present");
   }
-  if (options.device < 0 || options.device >= n) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("device tier: device ", options.device, " absent (", n, " devices)"));
+  const std::vector<int> devices =
+      options.devices.empty() ? std::vector<int>{options.device} : options.devices;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (devices[i] < 0 || devices[i] >= n) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("device tier: device ", devices[i], " absent (", n, " devices)"));
+    }
+    if (std::find(devices.begin(), devices.begin() + i, devices[i]) != devices.begin() + i) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device tier: device ", devices[i], " listed twice"));
+    }
   }
-  cudaSetDevice(options.device);
-  void* pool = nullptr;
-  cudaError_t e = cudaMalloc(&pool, options.capacity_bytes);
-  if (e != cudaSuccess) return CudaError(e, absl::StrCat("pool of ", options.capacity_bytes));
-  return std::unique_ptr<Tier>(new DeviceTier(options, pool));
+  std::vector<DeviceTier::PoolSpec> pools;
+  auto free_pools = [&pools] {
+    for (const DeviceTier::PoolSpec& p : pools) {
+      cudaSetDevice(p.device);
+      cudaFree(p.base);
+    }
+  };
+  for (int device : devices) {
+    cudaSetDevice(device);
+    void* pool = nullptr;
+    cudaError_t e = cudaMalloc(&pool, options.capacity_bytes);
+    if (e != cudaSuccess) {
+      free_pools();
+      return CudaError(e, absl::StrCat("pool of ", options.capacity_bytes, " on device ", device));
+    }
+    pools.push_back({device, pool});
+  }
+  return std::unique_ptr<Tier>(new DeviceTier(options, pools));
 }
 
 }  // namespace storage

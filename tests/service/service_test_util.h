@@ -1,7 +1,7 @@
 // What the service's in-process tests share: a seeded K/V tensor, a put's blocks cut from it, a
-// temporary directory, and a fixture holding an Engine, a CacheRepository over a real TieredStore
-// (RocksDB in the temporary directory) and a CacheService, with its callback calls made
-// synchronous.
+// temporary directory, and a fixture holding an EngineSet (one engine, or several given ones), a
+// CacheRepository over a real TieredStore (RocksDB in the temporary directory) and a
+// CacheService, with its callback calls made synchronous.
 #ifndef KVCOMP_TESTS_SERVICE_SERVICE_TEST_UTIL_H_
 #define KVCOMP_TESTS_SERVICE_SERVICE_TEST_UTIL_H_
 
@@ -20,6 +20,7 @@
 #include "cache_repository.h"
 #include "cache_service.h"
 #include "engine.h"
+#include "engine_set.h"
 #include "gtest/gtest.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/service/metrics.h"
@@ -121,12 +122,15 @@ class TempDir {
   std::string path_;
 };
 
-// The service over a real store. Open() builds it (RocksDB under the temporary directory);
-// TearDown() shuts it down and may be followed by another Open().
+// The service over a real store. Open() builds it (RocksDB under the temporary directory) with
+// the engines EngineSet::Create makes from `eo` (one per eo.cuda_devices on GPUs), or, with
+// `engines` > 1, that many engines each made from `eo` (several CPU engines standing in for
+// several GPUs); engine_ is the first. TearDown() shuts it down and may be followed by another
+// Open().
 class ServiceFixture : public ::testing::Test {
  protected:
   void Open(storage::StoreOptions so, const EngineOptions& eo, const RepositoryOptions& ro,
-            const ServiceOptions& svo) {
+            const ServiceOptions& svo, int engines = 1) {
     ASSERT_FALSE(dir_.path().empty());
     so.rocksdb.path = dir_.path() + "/rocksdb";
     auto store = storage::TieredStore::Open(so);
@@ -134,19 +138,31 @@ class ServiceFixture : public ::testing::Test {
     store_ = std::move(*store);
     metrics_ = std::make_unique<Metrics>("test", eo.backend);
     projections_ = std::make_unique<StoreProjections>(store_.get());
-    auto engine = Engine::Create(eo);
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    engine_ = std::move(*engine);
+    if (engines == 1) {
+      auto set = EngineSet::Create(eo);
+      ASSERT_TRUE(set.ok()) << set.status();
+      engines_ = std::move(*set);
+    } else {
+      std::vector<std::unique_ptr<Engine>> made;
+      for (int i = 0; i < engines; ++i) {
+        auto engine = Engine::Create(eo);
+        ASSERT_TRUE(engine.ok()) << engine.status();
+        made.push_back(*std::move(engine));
+      }
+      engines_ = std::make_unique<EngineSet>(std::move(made));
+    }
+    engine_ = &engines_->primary();
     repository_ =
         std::make_unique<CacheRepository>(ro, store_.get(), projections_.get(), metrics_.get());
     service_ =
-        std::make_unique<CacheService>(svo, engine_.get(), repository_.get(), metrics_.get());
+        std::make_unique<CacheService>(svo, engines_.get(), repository_.get(), metrics_.get());
   }
   void TearDown() override {
     if (service_) service_->Shutdown();
     service_.reset();
     repository_.reset();
-    engine_.reset();
+    engine_ = nullptr;
+    engines_.reset();
     store_.reset();
   }
 
@@ -181,7 +197,8 @@ class ServiceFixture : public ::testing::Test {
   std::unique_ptr<storage::TieredStore> store_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<StoreProjections> projections_;
-  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<EngineSet> engines_;
+  Engine* engine_ = nullptr;  // engines_->primary()
   std::unique_ptr<CacheRepository> repository_;
   std::unique_ptr<CacheService> service_;
 };

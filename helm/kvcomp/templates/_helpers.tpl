@@ -219,9 +219,11 @@ as plain byte counts.
 {{- $auth := dict
       "token_file" (ternary "/etc/kvcomp/auth/tokens" "" (ne $secret ""))
       "reload_interval_seconds" $v.auth.reloadIntervalSeconds -}}
+{{- $gpus := ternary (int $v.gpu.count) 0 $gpu -}}
 {{- $engine := dict
       "backend" (ternary "cuda" "cpu" $gpu)
       "cuda_device" 0
+      "cuda_devices" (ternary (join "," (until $gpus)) "" (gt $gpus 1))
       "cpu_threads" (int $v.engine.cpuThreads)
       "workers" (int $v.engine.workers)
       "queue_capacity" (int $v.engine.queueCapacity)

@@ -47,6 +47,11 @@ absl::Status ApplyEnvironment(Options& options);
 // Cross-field checks (ports, watermarks, TLS files, enum values). InvalidArgument on the first.
 absl::Status ValidateOptions(const Options& options);
 
+// The CUDA devices of engine.cuda_devices (ordinals, in the order given), or {cuda_device}
+// when it is empty. InvalidArgument for text that is not a list of distinct ordinals in
+// [0, 64].
+absl::StatusOr<std::vector<int>> EngineCudaDevices(const EngineOptions& engine);
+
 // The effective configuration as YAML (every key, nested), loadable by ApplyYaml.
 std::string OptionsToYaml(const Options& options);
 

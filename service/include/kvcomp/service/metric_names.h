@@ -54,6 +54,20 @@ inline constexpr char kStageDurationSeconds[] = "kvcomp_stage_duration_seconds";
 // --- pipeline and errors ---
 // Gauge: puts waiting in the ingest queue or being compressed.
 inline constexpr char kQueueDepth[] = "kvcomp_queue_depth";
+// --- engines: one per GPU (engine.cuda_devices), or the CPU engine; label {device} is the CUDA
+// device ordinal ("0", "1", ...) or "cpu" ---
+// Gauge: committed puts waiting for or in compression on one engine (kvcomp_queue_depth is
+// their sum).
+inline constexpr char kEngineQueueDepth[] = "kvcomp_engine_queue_depth";
+// Gauge: bytes the open puts of one GPU engine hold against engine.gpu_memory_bytes (their K
+// and V on the device, compressed arrays, device receive buffers); puts go to the engine with
+// the most room left.
+inline constexpr char kEngineReservedBytes[] = "kvcomp_engine_reserved_bytes";
+// Gauge: engine.gpu_memory_bytes of one GPU engine (0 = no cap).
+inline constexpr char kEngineReservedCapBytes[] = "kvcomp_engine_reserved_cap_bytes";
+// Gauge: 1 once the engine has failed (a sticky device error: the daemon drains and exits),
+// else 0.
+inline constexpr char kEngineFailed[] = "kvcomp_engine_failed";
 // Gauge: puts begun and not yet committed or aborted (receiving blocks).
 inline constexpr char kPutsInProgress[] = "kvcomp_puts_in_progress";
 // Counter, labels {op, code}: requests that failed, code = the status code in snake case
@@ -112,6 +126,7 @@ inline constexpr char kLabelPlane[] = "plane";
 inline constexpr char kLabelReason[] = "reason";
 inline constexpr char kLabelVersion[] = "version";
 inline constexpr char kLabelBackend[] = "backend";
+inline constexpr char kLabelDevice[] = "device";
 
 }  // namespace metric_names
 }  // namespace kvcomp

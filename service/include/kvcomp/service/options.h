@@ -111,12 +111,18 @@ struct AuthOptions {
 struct EngineOptions {
   std::string backend = "auto";  // auto (cuda when a GPU is present, else cpu), cpu or cuda
   int cuda_device = 0;           // CUDA device ordinal. 0
+  // CUDA devices to run one engine each on, as a comma-separated list of ordinals ("0,1,2,3");
+  // puts are spread over them. Empty = one engine on cuda_device. Each engine has its own
+  // workers, uploader, gpu_memory_bytes cap and share of the GPU tier. Ignored on the CPU
+  // (backend auto without a GPU); backend cpu with a list is an error. Default "".
+  std::string cuda_devices;
   int cpu_threads = 0;           // threads of each CPU backend; 0 = hardware threads / workers
   int workers = 2;               // compression workers (each owns a backend). 2
   uint32_t queue_capacity = 16;  // committed puts waiting for a worker; full = busy. 16
   // GPU memory the engine's puts may hold at once (a put's K and V on the device plus its
   // compressed arrays); a put that would exceed it is refused with RESOURCE_EXHAUSTED before
-  // any of its blocks is received. 0 = no cap (the device's own memory is the limit). Default 0.
+  // any of its blocks is received. 0 = no cap (the device's own memory is the limit). With
+  // several devices (cuda_devices) the cap is per device. Default 0.
   uint64_t gpu_memory_bytes = 0;
 };
 
@@ -128,7 +134,7 @@ struct StorageOptions {
   // RocksDB with its WAL synced; survives SIGKILL and power loss). Default disk.
   std::string durability = "disk";
   std::string put_tier = "host";       // tier a put lands in: device, host or rocksdb. host
-  uint64_t device_capacity_bytes = 0;  // GPU tier; 0 = no GPU tier. Default 0
+  uint64_t device_capacity_bytes = 0;  // GPU tier, per engine device; 0 = no GPU tier. 0
   uint64_t host_capacity_bytes = uint64_t{1} << 30;      // host tier; 0 = none. Default 1 GiB
   bool rocksdb_enabled = true;                           // RocksDB tier on. Default true
   uint64_t rocksdb_capacity_bytes = uint64_t{64} << 30;  // RocksDB payload bytes. 64 GiB

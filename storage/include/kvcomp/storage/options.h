@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
@@ -19,12 +20,17 @@ class Env;
 namespace kvcomp {
 namespace storage {
 
-// GPU memory: one pool allocated at Open, carved up by the store's own allocator.
+// GPU memory: one pool per device allocated at Open, carved up by the store's own allocator.
 struct DeviceTierOptions {
   bool enabled = false;            // default off; Open fails (FailedPrecondition) when on and
                                    // the build has no CUDA or the machine no GPU
   int device = 0;                  // CUDA device ordinal
-  uint64_t capacity_bytes = 0;     // pool size in bytes; required (> 0) when enabled
+  // Several devices: one pool of capacity_bytes on each (the tier's capacity is their sum). A
+  // cache in device memory goes to the pool of its own device (another device's, copied peer
+  // to peer, only when that one is full); a cache from host memory to the pool with the most
+  // room. Empty = {device}. Default empty.
+  std::vector<int> devices;
+  uint64_t capacity_bytes = 0;     // pool size in bytes (per device); required (> 0) when enabled
   uint64_t alignment_bytes = 256;  // allocation granularity in bytes (power of two)
 };
 
