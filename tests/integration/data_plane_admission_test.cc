@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "block_put.h"
 #include "daemon_fixture.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/status.h"
@@ -39,26 +40,7 @@ constexpr uint64_t kTokens = 128;
 
 wire::PutBegin Begin(const std::string& key, const KvLayout& layout = kLayout,
                      uint64_t tokens = kTokens) {
-  wire::PutBegin b;
-  b.layout = layout;
-  b.num_tokens = tokens;
-  b.model_id = "m";
-  b.key = key;
-  return b;
-}
-
-// The whole of layers [lb, le) as one block of put `id`.
-wire::Block LayerBlock(uint64_t id, const KvLayout& layout, uint64_t tokens, uint32_t lb,
-                       uint32_t le) {
-  wire::Block b;
-  b.put_id = id;
-  b.layer_begin = lb;
-  b.layer_end = le;
-  b.token_begin = 0;
-  b.token_end = tokens;
-  b.parts = wire::kPartBoth;
-  b.key_bytes = b.value_bytes = uint64_t{le - lb} * layout.LayerBytes(tokens);
-  return b;
+  return MakePutBegin(layout, tokens, "m", key);
 }
 
 // A whole put of bf16 noise, one block per layer.
@@ -72,7 +54,7 @@ absl::Status PutWhole(UcxClient& c, const std::string& key, const KvLayout& layo
   }
   for (uint32_t l = 0; l < layout.num_layers; ++l) {
     KVCOMP_RETURN_IF_ERROR(
-        c.SendBlock(LayerBlock(id, layout, tokens, l, l + 1), k.data(), v.data()));
+        c.SendBlock(LayersBlock(id, layout, tokens, l, l + 1), k.data(), v.data()));
   }
   return c.PutCommit(id, layout.num_layers).status();
 }
@@ -308,7 +290,7 @@ TEST_F(DataPlaneAdmissionTest, BufferedBytesOfOneTenantLeaveRoomForAnother) {
   for (int i = 0; i < 8; ++i) {
     auto id = a->PutBegin(Begin("a-" + std::to_string(i), big, tokens));
     ASSERT_TRUE(id.ok()) << id.status();
-    absl::Status s = a->SendBlock(LayerBlock(*id, big, tokens, 0, 1), k.data(), v.data());
+    absl::Status s = a->SendBlock(LayersBlock(*id, big, tokens, 0, 1), k.data(), v.data());
     if (!s.ok()) {
       EXPECT_TRUE(IsBusy(s)) << s;
       break;
@@ -350,7 +332,8 @@ TEST_F(DataPlaneAdmissionTest, ConcurrentLargeBlocksStayWithinTheMemoryBudget) {
     threads.emplace_back([&, i] {
       auto id = clients[i]->PutBegin(Begin("big-" + std::to_string(i), big, tokens));
       if (!id.ok()) return;
-      absl::Status s = clients[i]->SendBlock(LayerBlock(*id, big, tokens, 0, 1), k.data(), v.data());
+      absl::Status s =
+          clients[i]->SendBlock(LayersBlock(*id, big, tokens, 0, 1), k.data(), v.data());
       if (s.ok()) {
         sent++;
       } else if (IsBusy(s)) {
@@ -391,7 +374,7 @@ TEST_F(DataPlaneAdmissionTest, VanishingClientsMidPutGiveTheirBuffersBack) {
       auto id = c->PutBegin(Begin("vanish-" + std::to_string(i), big, tokens));
       if (!id.ok()) _exit(4);
       std::vector<uint16_t> k(big.LayerBytes(tokens) / 2, 0x3f80), v(k.size(), 0x3f80);
-      if (!c->SendBlock(LayerBlock(*id, big, tokens, 0, 1), k.data(), v.data()).ok()) _exit(5);
+      if (!c->SendBlock(LayersBlock(*id, big, tokens, 0, 1), k.data(), v.data()).ok()) _exit(5);
       char byte = 1;
       if (write(ready[1], &byte, 1) != 1) _exit(6);
       raise(SIGKILL);
@@ -428,11 +411,11 @@ TEST_F(DataPlaneAdmissionTest, StoppedClientDoesNotHoldUpOthersAndResumes) {
     auto id = c->PutBegin(Begin("stopped"));
     if (!id.ok()) _exit(4);
     std::vector<uint16_t> k(kLayout.LayerBytes(kTokens) / 2, 0x3f80), v(k.size(), 0x3f80);
-    if (!c->SendBlock(LayerBlock(*id, kLayout, kTokens, 0, 1), k.data(), v.data()).ok()) _exit(5);
+    if (!c->SendBlock(LayersBlock(*id, kLayout, kTokens, 0, 1), k.data(), v.data()).ok()) _exit(5);
     char byte = 1;
     if (write(ready[1], &byte, 1) != 1) _exit(6);
     if (read(go[0], &byte, 1) != 1) _exit(7);
-    if (!c->SendBlock(LayerBlock(*id, kLayout, kTokens, 1, 2), k.data(), v.data()).ok()) _exit(8);
+    if (!c->SendBlock(LayersBlock(*id, kLayout, kTokens, 1, 2), k.data(), v.data()).ok()) _exit(8);
     if (!c->PutCommit(*id, 2).ok()) _exit(9);
     _exit(0);
   }
@@ -482,7 +465,7 @@ TEST_F(DataPlaneAdmissionTest, SlowClientsTricklingBlocksDoNotStarveOthers) {
     std::vector<uint16_t> k(one_layer.LayerBytes(1) / 2, 0x3f80), v(k.size(), 0x3f80);
     for (uint64_t t = 0; t < 1024 && !stop.load(); ++t) {
       for (size_t i = 0; i < slow.size(); ++i) {
-        wire::Block b = LayerBlock(ids[i], one_layer, 1, 0, 1);
+        wire::Block b = LayersBlock(ids[i], one_layer, 1, 0, 1);
         b.token_begin = t;
         b.token_end = t + 1;
         (void)slow[i]->SendBlock(b, k.data(), v.data());
