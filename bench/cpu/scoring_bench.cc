@@ -148,12 +148,13 @@ void BM_ScoreSelectCompact(benchmark::State& state) {
 // per-head path runs the same stages head by head): 0 = Score, 1 = Select, 2 = CheckFinite of
 // V (the values' check the fused compaction does), 3 = Compact (the gather alone). Bytes are each
 // stage's own minimal bytes; memcpy of K and V timed in the same loop as in BM_ScoreSelectCompact.
-// args: tokens, scorer, stage, threads (0 = all)
+// args: tokens, scorer, stage, threads (0 = all), sums (1 = the keys' sums given to Score)
 void BM_Stage(benchmark::State& state) {
   const uint64_t tokens = state.range(0);
   const auto scorer = static_cast<Scorer>(state.range(1));
   const int stage = static_cast<int>(state.range(2));
   const int threads = state.range(3) == 0 ? AllThreads() : static_cast<int>(state.range(3));
+  const bool sums = state.range(4) != 0;
   const Data& d = InputFor(tokens);
   CpuBackendOptions options;
   options.num_threads = threads;
@@ -169,6 +170,10 @@ void BM_Stage(benchmark::State& state) {
   ScoreParams score;
   score.scorer = scorer;
   score.window = 4096;
+  if (sums) {
+    const std::vector<float>& s = SumsFor(tokens);
+    score.key_sums = KeySums{s.data(), s.data() + s.size() / 2, tokens};
+  }
   SelectParams select;
   select.kept_per_head = kept;
   const KeptIndices out{counts.data(), idx.data()};
@@ -203,7 +208,8 @@ void BM_Stage(benchmark::State& state) {
   state.counters["memcpy_bytes_per_second"] = static_cast<double>(state.iterations()) * 4.0 *
                                               static_cast<double>(kv_bytes) / memcpy_seconds;
   static const char* const kStages[] = {"score", "select", "check_values", "gather"};
-  state.SetLabel(std::string(ScorerName(scorer)) + " " + kStages[std::min(stage, 3)]);
+  state.SetLabel(std::string(ScorerName(scorer)) + " " + kStages[std::min(stage, 3)] +
+                 (sums ? ", sums given" : ""));
 }
 
 // memcpy of K and V (the same bytes) split over the same threads: the standalone reference.
@@ -222,13 +228,14 @@ void BM_Memcpy(benchmark::State& state) {
 }
 
 // What the keys' sums cost where they are made: one layer's K put together from blocks of
-// `block` tokens, head by head (as kvcompd's assembler copies a layer split over blocks), with
-// (1) or without (0) SumKeysOnHost of each chunk right after the copy that completes it. Bytes:
-// K read and written. One thread (the assembler's). args: tokens, block tokens, sums
+// `block` tokens, head by head (as kvcompd's assembler copies a layer split over blocks), and
+// SumKeysOnHost of each chunk right after the copy that completes it: none (0), the sums (1),
+// the sums and the unit sums (2). Bytes: K read and written. One thread (the assembler's).
+// args: tokens, block tokens, sums
 void BM_AssembleKeys(benchmark::State& state) {
   const uint64_t tokens = state.range(0);
   const uint64_t block = state.range(1);
-  const bool sums = state.range(2) != 0;
+  const int sums = static_cast<int>(state.range(2));
   const Data& d = InputFor(tokens);
   const uint64_t chunks = (tokens + kKeySumChunkTokens - 1) / kKeySumChunkTokens;
   const uint64_t kv_bytes = uint64_t{kHeads} * tokens * kRow;
@@ -246,7 +253,8 @@ void BM_AssembleKeys(benchmark::State& state) {
         if (!sums || complete <= summed) continue;
         const uint64_t at = uint64_t{h} * chunks * kHeadDim;
         (void)SumKeysOnHost(HeadsView::Dense(head, DType::kBF16, 1, tokens, kHeadDim), summed,
-                            complete, s.data() + at, s.data() + (kHeads + h) * chunks * kHeadDim);
+                            complete, s.data() + at,
+                            sums == 2 ? s.data() + (kHeads + h) * chunks * kHeadDim : nullptr);
         summed = complete;
       }
     }
@@ -254,7 +262,8 @@ void BM_AssembleKeys(benchmark::State& state) {
     benchmark::DoNotOptimize(s.data());
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * kv_bytes));
-  state.SetLabel(sums ? "copy + key sums" : "copy");
+  static const char* const kWhat[] = {"copy", "copy + sums", "copy + sums + unit sums"};
+  state.SetLabel(kWhat[std::min(sums, 2)]);
 }
 
 void Lengths(benchmark::internal::Benchmark* b, bool scorers) {
@@ -283,13 +292,16 @@ BENCHMARK(BM_Memcpy)
 // Stages at 128K on one thread (a profile, not part of the table: filter BM_Stage to run it).
 BENCHMARK(BM_Stage)
     ->Apply([](benchmark::internal::Benchmark* b) {
-      for (Scorer s :
-           {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
-        b->Args({131072, static_cast<int64_t>(s), 0, 1});
+      for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold,
+                       Scorer::kWindowedManifold, Scorer::kStreaming}) {
+        b->Args({131072, static_cast<int64_t>(s), 0, 1, 0});
       }
-      for (int64_t stage : {1, 2, 3}) b->Args({131072, 0, stage, 1});
+      for (Scorer s : {Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
+        b->Args({131072, static_cast<int64_t>(s), 0, 1, 1});
+      }
+      for (int64_t stage : {1, 2, 3}) b->Args({131072, 0, stage, 1, 0});
     })
-    ->ArgNames({"tokens", "scorer", "stage", "threads"})
+    ->ArgNames({"tokens", "scorer", "stage", "threads", "sums"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 // The keys' sums where the assembler makes them (filter BM_AssembleKeys to run it).
@@ -297,7 +309,7 @@ BENCHMARK(BM_AssembleKeys)
     ->Apply([](benchmark::internal::Benchmark* b) {
       for (int64_t n : {8192, 131072}) {
         for (int64_t block : {256, 4096}) {
-          for (int64_t sums : {0, 1}) b->Args({n, block, sums});
+          for (int64_t sums : {0, 1, 2}) b->Args({n, block, sums});
         }
       }
     })

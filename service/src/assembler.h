@@ -38,9 +38,9 @@ class PutAssembler {
 
   // The whole cache, after CheckComplete. The views point into the blocks and into buffers the
   // assembler keeps: valid until Clear or the assembler's end. A layer's keys split over
-  // blocks are copied into one buffer, and their KeySums (sums and unit sums, SumKeysOnHost) are
-  // taken as each chunk is completed, so the mean-based scorers read those keys once; a layer
-  // held by one block is read in place and has no sums (the scorer sums it).
+  // blocks are copied into one buffer, and their KeySums (the plain sums, SumKeysOnHost; no unit
+  // sums) are taken as each chunk is completed, so manifold and windowed_manifold read those
+  // keys once; a layer held by one block is read in place and has no sums (the scorer sums it).
   absl::StatusOr<KvCacheView> View();
 
   // Block-wise: moves into `out` a block that carries K and V and starts, in every layer it
@@ -70,7 +70,7 @@ class PutAssembler {
   std::vector<BlockData> blocks_;
   std::vector<uint64_t> next_token_;  // block-wise, per layer: first token not yet taken
   std::vector<std::unique_ptr<uint8_t[]>> assembled_;
-  std::vector<std::unique_ptr<float[]>> key_sums_;  // per assembled layer: sums, unit sums
+  std::vector<std::unique_ptr<float[]>> key_sums_;  // per assembled layer's keys
 
   absl::Status Admit(const BlockData& block);
 };

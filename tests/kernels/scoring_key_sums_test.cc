@@ -281,6 +281,9 @@ TEST(ScoringIsaTest, EveryBuildAgreesWithFloat64) {
         t->sq_norms(k.bytes.data(), d, n, sq.data());
         t->sq_norms_and_sum(k.bytes.data(), d, n, false, 0.0f, sq2.data(), sum.data());
         t->sq_norms_and_sum(k.bytes.data(), d, n, true, kKeyDiffEps, sq3.data(), unit.data());
+        std::vector<float> plain(d, 0.0f);
+        t->sums(k.bytes.data(), d, n, plain.data());
+        ExpectSameBits(plain, sum);
         t->distances(k.bytes.data(), d, n, mu.data(), dist.data());
         t->dots(k.bytes.data(), d, n, mu.data(), dots.data());
         std::vector<float> sq4(n), sq5(n);

@@ -948,7 +948,10 @@ absl::Status SumKeysOnHost(const HeadsView& keys, uint64_t chunk_begin, uint64_t
       const uint64_t t0 = c * kKeySumChunkTokens;
       const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, n - t0);
       const uint64_t at = (uint64_t{h} * chunks + c) * d;
-      if (sums != nullptr) ChunkSum(k, keys, h, t0, len, false, sq, sums + at);
+      if (sums != nullptr) {  // the bits of ChunkSum's, without the squared norms
+        std::fill(sums + at, sums + at + d, 0.0f);
+        k->sums(ElemPtr(keys, h, t0), keys.token_stride, len, sums + at);
+      }
       if (unit_sums != nullptr) ChunkSum(k, keys, h, t0, len, true, sq, unit_sums + at);
     }
   }

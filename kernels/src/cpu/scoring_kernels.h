@@ -20,6 +20,8 @@ struct RowKernels {
   // sq[i] = ||k_i||^2 and sum += k_i * (normalize ? 1 / max(||k_i||, eps) : 1).
   void (*sq_norms_and_sum)(const void* rows, uint64_t stride, uint64_t n, bool normalize, float eps,
                            float* sq, float* sum);
+  // sum += k_i (the same bits as sq_norms_and_sum's sum without normalisation).
+  void (*sums)(const void* rows, uint64_t stride, uint64_t n, float* sum);
   // out[i] = ||k_i - mu||.
   void (*distances)(const void* rows, uint64_t stride, uint64_t n, const float* mu, float* out);
   // out[i] = k_i . v.
