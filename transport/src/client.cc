@@ -1,7 +1,9 @@
 #include "kvcomp/transport/client.h"
 
 #include <netdb.h>
+#include <pthread.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -107,6 +109,7 @@ class ClientWorker {
   static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
                            size_t length, const ucp_am_recv_param_t* param);
   static void ShutdownAll();
+  static void DestroyIdleBeforeFork();
   void Tick();
   void RemoveIfDone(ClientImpl* client);
   // Closes every connection at exit: endpoints closed, requests failed.
@@ -961,7 +964,17 @@ struct WorkerRegistry {
   absl::Mutex mu;
   bool exiting ABSL_GUARDED_BY(mu) = false;
   bool at_exit_registered ABSL_GUARDED_BY(mu) = false;
+  pid_t pid ABSL_GUARDED_BY(mu) = 0;  // the process whose threads drive `workers`
   std::map<std::string, std::shared_ptr<ClientWorker>> workers ABSL_GUARDED_BY(mu);
+
+  // A child made by fork() inherits the workers but not their progress threads: it leaves them
+  // alone (never posted to, shut down or destroyed) and makes its own at its first Connect.
+  void ForgetInheritedWorkers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (pid == getpid()) return;
+    for (auto& [key, w] : workers) new std::shared_ptr<ClientWorker>(std::move(w));  // kept
+    workers.clear();
+    pid = getpid();
+  }
 };
 
 WorkerRegistry& Registry() {
@@ -985,6 +998,7 @@ absl::StatusOr<std::shared_ptr<ClientWorker>> ClientWorker::Get(const ClientOpti
   WorkerRegistry& r = Registry();
   absl::MutexLock l(&r.mu);
   if (r.exiting) return absl::UnavailableError("the process is exiting");
+  r.ForgetInheritedWorkers();
   auto it = r.workers.find(key);
   if (it != r.workers.end()) return it->second;
   std::shared_ptr<ClientWorker> w(new ClientWorker());
@@ -1000,6 +1014,7 @@ absl::StatusOr<std::shared_ptr<ClientWorker>> ClientWorker::Get(const ClientOpti
     // Before UCX's own teardown at exit (registered earlier, so run later): the progress
     // threads stop and the endpoints close while UCX is whole.
     std::atexit(&ClientWorker::ShutdownAll);
+    pthread_atfork(&ClientWorker::DestroyIdleBeforeFork, nullptr, nullptr);
     r.at_exit_registered = true;
   }
   r.workers.emplace(key, w);
@@ -1012,6 +1027,7 @@ void ClientWorker::ShutdownAll() {
     WorkerRegistry& r = Registry();
     absl::MutexLock l(&r.mu);
     r.exiting = true;
+    r.ForgetInheritedWorkers();
     workers.swap(r.workers);
   }
   for (auto& [key, w] : workers) {
@@ -1020,6 +1036,28 @@ void ClientWorker::ShutdownAll() {
   }
   // A worker that no client holds any more is destroyed here; one held by a client that is
   // still alive goes with that client.
+}
+
+// A child made by fork() can use UCX only if the parent had no UCX worker alive then (UCX's
+// async thread is not inherited). Workers no client holds are destroyed before a fork, so a
+// child forked while no connection is open connects as the parent would; the parent makes a new
+// worker at its next Connect.
+void ClientWorker::DestroyIdleBeforeFork() {
+  std::vector<std::shared_ptr<ClientWorker>> idle;
+  {
+    WorkerRegistry& r = Registry();
+    absl::MutexLock l(&r.mu);
+    r.ForgetInheritedWorkers();
+    for (auto it = r.workers.begin(); it != r.workers.end();) {
+      // Only the registry holds it: no client, no connection closing.
+      if (it->second.use_count() == 1) {
+        idle.push_back(std::move(it->second));
+        r.workers.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
 }
 
 ClientWorker::~ClientWorker() {
