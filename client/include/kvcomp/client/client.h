@@ -23,7 +23,9 @@
 // process, of all its Clients, is a UCX endpoint on one UCX context and worker shared by all
 // (one per distinct ucx_overrides), made at the first connection and kept until the process
 // exits: reconnecting, or making and dropping Clients, creates and closes endpoints only, so a
-// process may reconnect without bound. One progress thread serves them all.
+// process may reconnect without bound. One progress thread serves them all. A fork() while no
+// Client is connected drops the worker (the child may then connect; one forked while a Client
+// is connected cannot use UCX).
 //
 // Threads: every method is thread-safe; a Client may be shared by all threads of a process.
 // A PutStream belongs to one thread at a time.

@@ -5,7 +5,9 @@
 // poll_spin, max_busy_backoff) shares one UCX context and one worker, made at the first Connect
 // and kept until the process exits; a connection is an endpoint on that worker, created by
 // Connect and closed by Close. Reconnecting (a new Connect after a failure) creates endpoints
-// only, never contexts or workers (GetUcxClientStats counts them).
+// only, never contexts or workers (GetUcxClientStats counts them). fork(): a worker that no
+// client holds is destroyed before the fork (made again at the next Connect), so a child forked
+// while no client is open may connect; a child forked while one is open cannot use UCX.
 //
 // Threads: the shared worker is driven by one progress thread. Every method is thread-safe;
 // several threads may run requests at once, on one client or several, including blocks of the
