@@ -2,6 +2,9 @@
 // endpoint on one shared UCX context and worker, so reconnecting thousands of times creates no
 // context or worker (UCX 1.13 aborts a process that created and destroyed a few thousand
 // workers while peers failed). Against a real UcxServer on loopback, UCX over TCP.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <memory>
 #include <string>
@@ -222,6 +225,23 @@ TEST_F(ClientReconnectTest, SynchronousCallFromACallbackIsRefused) {
   EXPECT_TRUE(block_status.ok()) << block_status;
   EXPECT_EQ(ping_status.code(), absl::StatusCode::kFailedPrecondition) << ping_status;
   EXPECT_TRUE((*c)->PutCommit(*put, 1).ok());
+}
+
+// A child forked while a client is connected cannot use UCX (its async thread is not
+// inherited): Connect says so at once instead of waiting for a connection that cannot complete.
+TEST_F(ClientReconnectTest, ConnectInAChildForkedWhileConnectedFailsClearly) {
+  auto parent = Connect();
+  ASSERT_TRUE(parent.ok()) << parent.status();
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto c = Connect();
+    _exit(!c.ok() && absl::IsFailedPrecondition(c.status()) ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE((*parent)->Ping().ok());
 }
 
 }  // namespace

@@ -965,12 +965,16 @@ struct WorkerRegistry {
   bool exiting ABSL_GUARDED_BY(mu) = false;
   bool at_exit_registered ABSL_GUARDED_BY(mu) = false;
   pid_t pid ABSL_GUARDED_BY(mu) = 0;  // the process whose threads drive `workers`
+  // This process was forked while a client held a worker: UCX's async thread was alive then and
+  // is missing here, so no connection could complete.
+  bool forked_while_connected ABSL_GUARDED_BY(mu) = false;
   std::map<std::string, std::shared_ptr<ClientWorker>> workers ABSL_GUARDED_BY(mu);
 
   // A child made by fork() inherits the workers but not their progress threads: it leaves them
   // alone (never posted to, shut down or destroyed) and makes its own at its first Connect.
   void ForgetInheritedWorkers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (pid == getpid()) return;
+    if (!workers.empty()) forked_while_connected = true;
     for (auto& [key, w] : workers) new std::shared_ptr<ClientWorker>(std::move(w));  // kept
     workers.clear();
     pid = getpid();
@@ -999,6 +1003,12 @@ absl::StatusOr<std::shared_ptr<ClientWorker>> ClientWorker::Get(const ClientOpti
   absl::MutexLock l(&r.mu);
   if (r.exiting) return absl::UnavailableError("the process is exiting");
   r.ForgetInheritedWorkers();
+  if (r.forked_while_connected) {
+    return absl::FailedPreconditionError(
+        "UCX cannot be used in a process forked while a kvcomp client of its parent was "
+        "connected (UCX's async thread is not inherited); fork before connecting, or close the "
+        "parent's clients first, or exec");
+  }
   auto it = r.workers.find(key);
   if (it != r.workers.end()) return it->second;
   std::shared_ptr<ClientWorker> w(new ClientWorker());

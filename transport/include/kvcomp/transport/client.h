@@ -7,7 +7,8 @@
 // Connect and closed by Close. Reconnecting (a new Connect after a failure) creates endpoints
 // only, never contexts or workers (GetUcxClientStats counts them). fork(): a worker that no
 // client holds is destroyed before the fork (made again at the next Connect), so a child forked
-// while no client is open may connect; a child forked while one is open cannot use UCX.
+// while no client is open may connect; in a child forked while one is open Connect fails with
+// FailedPrecondition (UCX's async thread is not inherited).
 //
 // Threads: the shared worker is driven by one progress thread. Every method is thread-safe;
 // several threads may run requests at once, on one client or several, including blocks of the
