@@ -14,7 +14,8 @@ COMMIT=${KVCOMP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown
 RESULTS_DIR=${RESULTS_DIR:-bench/results}
 mkdir -p "$RESULTS_DIR"
 OUT=$RESULTS_DIR/cpu_scoring_${STAMP}
-# BM_Stage (the stages one at a time) runs only when asked: --benchmark_filter=BM_Stage.
+# BM_Stage (the stages one at a time) and BM_AssembleKeys (the keys' sums where kvcompd makes
+# them) run only when asked: --benchmark_filter=BM_Stage or BM_AssembleKeys (printed, not recorded).
 "$BIN" --benchmark_filter='BM_(Memcpy|ScoreSelectCompact)/' \
   --benchmark_out="$OUT.json" --benchmark_out_format=json --benchmark_repetitions=3 \
   --benchmark_report_aggregates_only=true --benchmark_min_time=0.5 "$@"
