@@ -22,9 +22,10 @@ void PutAssembler::Coverage::Add(uint64_t b, uint64_t e) {
   tokens_ += e - b;
 }
 
-PutAssembler::PutAssembler(const KvLayout& layout, uint64_t num_tokens)
+PutAssembler::PutAssembler(const KvLayout& layout, uint64_t num_tokens, bool sum_keys)
     : layout_(layout),
       num_tokens_(num_tokens),
+      sum_keys_(sum_keys),
       key_cov_(layout.num_layers),
       value_cov_(layout.num_layers),
       next_token_(layout.num_layers, 0) {}
@@ -88,6 +89,10 @@ absl::Status PutAssembler::CheckComplete() const {
   return absl::OkStatus();
 }
 
+bool PutAssembler::KeySumsHelp(const CompressionPolicy& policy) {
+  return policy.scorer == Scorer::kManifold || policy.scorer == Scorer::kWindowedManifold;
+}
+
 absl::StatusOr<KvCacheView> PutAssembler::View() {
   const uint64_t T = num_tokens_;
   const uint64_t D = layout_.head_dim;
@@ -126,7 +131,7 @@ absl::StatusOr<KvCacheView> PutAssembler::View() {
                 [&](size_t a, size_t b) { return begins[a] < begins[b]; });
       auto buf = std::unique_ptr<uint8_t[]>(new uint8_t[layout_.LayerBytes(T)]);
       float* sums = nullptr;
-      if (part == 0) {
+      if (part == 0 && sum_keys_) {
         auto s = std::unique_ptr<float[]>(new float[H * chunks * D]);
         sums = s.get();
         key_sums_.push_back(std::move(s));

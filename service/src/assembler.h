@@ -24,7 +24,12 @@ namespace service {
 
 class PutAssembler {
  public:
-  PutAssembler(const KvLayout& layout, uint64_t num_tokens);
+  // `sum_keys`: take the keys' sums of layers split over blocks (see View); worth it only for
+  // the scorers that read the keys' mean (KeySumsHelp).
+  PutAssembler(const KvLayout& layout, uint64_t num_tokens, bool sum_keys = true);
+  // Whether the plain keys' sums save `policy`'s scorer a pass over the keys: manifold and
+  // windowed_manifold (keydiff reads unit sums, which the assembler does not take).
+  static bool KeySumsHelp(const CompressionPolicy& policy);
 
   // Keeps `block`. InvalidArgument when its views do not match its ranges and the layout, or
   // when it overlaps tokens already received for a layer and part.
@@ -39,8 +44,9 @@ class PutAssembler {
   // The whole cache, after CheckComplete. The views point into the blocks and into buffers the
   // assembler keeps: valid until Clear or the assembler's end. A layer's keys split over
   // blocks are copied into one buffer, and their KeySums (the plain sums, SumKeysOnHost; no unit
-  // sums) are taken as each chunk is completed, so manifold and windowed_manifold read those
-  // keys once; a layer held by one block is read in place and has no sums (the scorer sums it).
+  // sums) are taken as each chunk is completed when the assembler was made to (sum_keys), so
+  // manifold and windowed_manifold read those keys once; a layer held by one block is read in
+  // place and has no sums (the scorer sums it).
   absl::StatusOr<KvCacheView> View();
 
   // Block-wise: moves into `out` a block that carries K and V and starts, in every layer it
@@ -66,6 +72,7 @@ class PutAssembler {
 
   const KvLayout layout_;
   const uint64_t num_tokens_;
+  const bool sum_keys_;
   std::vector<Coverage> key_cov_, value_cov_;
   std::vector<BlockData> blocks_;
   std::vector<uint64_t> next_token_;  // block-wise, per layer: first token not yet taken

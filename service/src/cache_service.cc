@@ -25,7 +25,8 @@ OpenPut::OpenPut(CacheService* service, Engine* engine, PutRequest request,
       engine_(engine),
       request_(std::move(request)),
       projection_(std::move(projection)),
-      assembler_(request_.layout, request_.num_tokens),
+      assembler_(request_.layout, request_.num_tokens,
+                 PutAssembler::KeySumsHelp(request_.policy.get())),
       device_kv_(std::move(device_kv)),
       reservation_(std::move(reservation)) {
   service_->open_puts_.fetch_add(1);

@@ -32,8 +32,8 @@ uint64_t Chunks(uint64_t n) { return (n + kKeySumChunkTokens - 1) / kKeySumChunk
 
 // Layer 0 in one block; layers 1 and 2 in blocks of uneven sizes (not on chunk boundaries),
 // added out of order, keys and values of layer 2 apart.
-PutAssembler Assemble(const KvTensor& x) {
-  PutAssembler a(kLayout, kTokens);
+PutAssembler Assemble(const KvTensor& x, bool sum_keys = true) {
+  PutAssembler a(kLayout, kTokens, sum_keys);
   EXPECT_TRUE(a.Add(MakeBlock(x, 0, 1, 0, kTokens)).ok());
   const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
       {700, 1100}, {0, 100}, {1100, 1500}, {100, 300}, {300, 700}};
@@ -167,6 +167,36 @@ TEST(PutAssemblerKeySumsTest, KeysAreStillCheckedWithTheSumsGiven) {
     ASSERT_FALSE(c.ok());
     EXPECT_NE(c.status().message().find("layer 1"), std::string::npos) << c.status();
     EXPECT_NE(c.status().message().find("at head 1, token 900"), std::string::npos) << c.status();
+  }
+}
+
+TEST(PutAssemblerKeySumsTest, OnlyTheScorersOfTheKeysMeanGetSums) {
+  CompressionPolicy p;
+  for (Scorer s : {Scorer::kManifold, Scorer::kWindowedManifold}) {
+    p.scorer = s;
+    EXPECT_TRUE(PutAssembler::KeySumsHelp(p)) << static_cast<int>(s);
+  }
+  for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kStreaming, Scorer::kRandom,
+                   Scorer::kSnapKV}) {
+    p.scorer = s;
+    EXPECT_FALSE(PutAssembler::KeySumsHelp(p)) << static_cast<int>(s);
+  }
+  // Made without sums: split layers are joined as before and carry none.
+  const KvTensor x(kLayout, kTokens, 7);
+  PutAssembler a = Assemble(x, /*sum_keys=*/false);
+  absl::StatusOr<KvCacheView> view = a.View();
+  ASSERT_TRUE(view.ok()) << view.status();
+  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+    EXPECT_EQ(view->key_sums[l].sums, nullptr) << l;
+    EXPECT_EQ(view->key_sums[l].unit_sums, nullptr) << l;
+  }
+  PutAssembler b = Assemble(x);
+  absl::StatusOr<KvCacheView> with = b.View();
+  ASSERT_TRUE(with.ok()) << with.status();
+  const size_t bytes = kLayout.LayerBytes(kTokens);
+  for (uint32_t l = 1; l < kLayout.num_layers; ++l) {  // the joined layers (dense)
+    EXPECT_EQ(std::memcmp(view->keys[l].data, with->keys[l].data, bytes), 0) << l;
+    EXPECT_EQ(std::memcmp(view->values[l].data, with->values[l].data, bytes), 0) << l;
   }
 }
 
