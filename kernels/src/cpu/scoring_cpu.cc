@@ -289,17 +289,36 @@ void ChunkSum(const cpu::RowKernels* k, const HeadsView& keys, uint32_t h, uint6
   k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, unit, kKeyDiffEps, sq, sum);
 }
 
-// The mean of `count` chunk sums (consecutive, d floats each) over `rows` rows: summed in double
-// in chunk order, rounded to float. Returns its norm floored at kKeyDiffEps (keydiff's).
-float MeanOfChunks(const float* sums, uint64_t count, uint32_t d, uint64_t rows, float* mean) {
+// The mean of `rows` rows from their double sum, rounded to float. Returns its norm floored at
+// kKeyDiffEps (keydiff's).
+float MeanOfSum(const double* sum, uint32_t d, uint64_t rows, float* mean) {
   double norm2 = 0.0;
   for (uint32_t j = 0; j < d; ++j) {
-    double s = 0.0;
-    for (uint64_t c = 0; c < count; ++c) s += sums[c * d + j];
-    mean[j] = static_cast<float>(s / static_cast<double>(rows));
+    mean[j] = static_cast<float>(sum[j] / static_cast<double>(rows));
     norm2 += static_cast<double>(mean[j]) * mean[j];
   }
   return std::fmax(static_cast<float>(std::sqrt(norm2)), kKeyDiffEps);
+}
+
+// The mean of `count` chunk sums (consecutive, d floats each) over `rows` rows: summed in double
+// in chunk order (MeanOfSum).
+float MeanOfChunks(const float* sums, uint64_t count, uint32_t d, uint64_t rows, float* mean) {
+  std::vector<double> sum(d, 0.0);
+  for (uint64_t c = 0; c < count; ++c) {
+    for (uint32_t j = 0; j < d; ++j) sum[j] += sums[c * d + j];
+  }
+  return MeanOfSum(sum.data(), d, rows, mean);
+}
+
+// Every head's mean and its norm from the heads' chunk sums ([heads, count, d]).
+void MeansOfHeads(const float* sums, uint32_t heads, uint64_t count, uint32_t d, uint64_t rows,
+                  std::vector<float>* centre, std::vector<float>* centre_norm) {
+  centre->resize(uint64_t{heads} * d);
+  centre_norm->resize(heads);
+  for (uint32_t h = 0; h < heads; ++h) {
+    (*centre_norm)[h] = MeanOfChunks(sums + uint64_t{h} * count * d, count, d, rows,
+                                     centre->data() + uint64_t{h} * d);
+  }
 }
 
 // The sums a centred scorer can take from the caller (ScoreParams::key_sums), or null. Windows
@@ -341,13 +360,21 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, const ScorePar
       out[i] = -(dots[i] / denom);
     }
   };
-  if (const float* given = GivenSums(params, n); given != nullptr) {
-    std::vector<float> centre(uint64_t{heads} * d);
-    std::vector<float> centre_norm(heads);
-    for (uint32_t h = 0; h < heads; ++h) {
-      centre_norm[h] = MeanOfChunks(given + uint64_t{h} * sum_chunks * d, sum_chunks, d, n,
-                                    centre.data() + uint64_t{h} * d);
+  // Pass 2 of the computed means over rows [t0, t0 + len) of head h: scores into out, which
+  // holds pass 1's squared norms.
+  auto score_rows = [&](uint32_t h, uint64_t t0, uint64_t len, const float* c, float c_norm) {
+    float* out = scores + uint64_t{h} * n + t0;
+    if (!keydiff) {
+      k->distances(ElemPtr(keys, h, t0), keys.token_stride, len, c, out);
+      return;
     }
+    float dots[kChunkTokens];
+    k->dots(ElemPtr(keys, h, t0), keys.token_stride, len, c, dots);
+    keydiff_scores(dots, out, len, c_norm, out);
+  };
+  std::vector<float> centre, centre_norm;
+  if (const float* given = GivenSums(params, n); given != nullptr) {
+    MeansOfHeads(given, heads, sum_chunks, d, n, &centre, &centre_norm);
     BadTokenFlag bad;
     ctx_->ParallelFor(tasks, [&](size_t task) {
       const uint32_t h = static_cast<uint32_t>(task / chunks);
@@ -371,7 +398,7 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, const ScorePar
     BadTokenFlag bad;
     ctx_->ParallelFor(heads, [&](size_t hi) {
       const uint32_t h = static_cast<uint32_t>(hi);
-      std::vector<float> part(d), centre(d);
+      std::vector<float> part(d), head_centre(d);
       std::vector<double> sum(d, 0.0);
       for (uint64_t t0 = 0; t0 < n; t0 += kKeySumChunkTokens) {
         const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, n - t0);
@@ -380,22 +407,9 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, const ScorePar
         bad.Check(sq, len, h, t0, n);
         for (uint32_t j = 0; j < d; ++j) sum[j] += part[j];
       }
-      double norm2 = 0.0;
-      for (uint32_t j = 0; j < d; ++j) {
-        centre[j] = static_cast<float>(sum[j] / static_cast<double>(n));
-        norm2 += static_cast<double>(centre[j]) * centre[j];
-      }
-      const float centre_norm = std::fmax(static_cast<float>(std::sqrt(norm2)), kKeyDiffEps);
+      const float head_norm = MeanOfSum(sum.data(), d, n, head_centre.data());
       for (uint64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
-        const uint64_t len = std::min(kChunkTokens, n - t0);
-        float* out = scores + uint64_t{h} * n + t0;
-        if (!keydiff) {
-          k->distances(ElemPtr(keys, h, t0), keys.token_stride, len, centre.data(), out);
-          continue;
-        }
-        float dots[kChunkTokens];
-        k->dots(ElemPtr(keys, h, t0), keys.token_stride, len, centre.data(), dots);
-        keydiff_scores(dots, out, len, centre_norm, out);
+        score_rows(h, t0, std::min(kChunkTokens, n - t0), head_centre.data(), head_norm);
       }
     });
     return bad.ToStatus("keys", n, head_base_);
@@ -419,25 +433,12 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, const ScorePar
   });
   KVCOMP_RETURN_IF_ERROR(bad.ToStatus("keys", n, head_base_));
 
-  std::vector<float> centre(uint64_t{heads} * d);
-  std::vector<float> centre_norm(heads);
-  for (uint32_t h = 0; h < heads; ++h) {
-    centre_norm[h] = MeanOfChunks(partial + uint64_t{h} * sum_chunks * d, sum_chunks, d, n,
-                                  centre.data() + uint64_t{h} * d);
-  }
+  MeansOfHeads(partial, heads, sum_chunks, d, n, &centre, &centre_norm);
   ctx_->ParallelFor(tasks, [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(task / chunks);
     const uint64_t t0 = (task % chunks) * kChunkTokens;
-    const uint64_t len = std::min(kChunkTokens, n - t0);
-    float* out = scores + uint64_t{h} * n + t0;
-    const float* c = centre.data() + uint64_t{h} * d;
-    if (!keydiff) {
-      k->distances(ElemPtr(keys, h, t0), keys.token_stride, len, c, out);
-      return;
-    }
-    float dots[kChunkTokens];
-    k->dots(ElemPtr(keys, h, t0), keys.token_stride, len, c, dots);
-    keydiff_scores(dots, out, len, centre_norm[h], out);
+    score_rows(h, t0, std::min(kChunkTokens, n - t0), centre.data() + uint64_t{h} * d,
+               centre_norm[h]);
   });
   return absl::OkStatus();
 }
@@ -483,7 +484,7 @@ absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, const ScorePara
       bad.Check(sq, len, h, t0, n);
       for (uint32_t j = 0; j < d; ++j) sum[j] += part[j];
     }
-    for (uint32_t j = 0; j < d; ++j) mean[j] = static_cast<float>(sum[j] / wlen);
+    MeanOfSum(sum.data(), d, wlen, mean.data());
     k->distances(ElemPtr(keys, h, w0), keys.token_stride, wlen, mean.data(),
                  scores + uint64_t{h} * n + w0);
   });
