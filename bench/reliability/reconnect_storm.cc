@@ -60,7 +60,7 @@ pid_t Spawn(int port) {
 }
 
 // Connects, then puts small caches until the connection breaks or 20 are stored.
-void Session(UcxClient& c, int thread, int session) {
+void PutUntilBroken(UcxClient& c, int thread, int round) {
   const KvLayout layout{4, 2, 2, 64, DType::kBF16};
   const uint64_t tokens = 16;
   const size_t half = layout.num_layers * layout.LayerBytes(tokens);
@@ -70,7 +70,7 @@ void Session(UcxClient& c, int thread, int session) {
     b.layout = layout;
     b.num_tokens = tokens;
     b.model_id = "storm";
-    b.key = "t" + std::to_string(thread) + "s" + std::to_string(session) + "k" + std::to_string(k);
+    b.key = "t" + std::to_string(thread) + "r" + std::to_string(round) + "k" + std::to_string(k);
     auto put = c.PutBegin(b);
     if (!put.ok()) return;
     transport::wire::Block blk;
@@ -108,7 +108,7 @@ int Storm(int connections, int threads, int port) {
       o.ucx.overrides["TLS"] = "tcp";
       o.connect_timeout = absl::Seconds(1);
       o.request_timeout = absl::Seconds(1);
-      for (int session = 0;; ++session) {
+      for (int round = 0;; ++round) {
         const int i = attempted.fetch_add(1) + 1;
         if (i > connections) return;
         auto c = UcxClient::Connect(Endpoint{"127.0.0.1", static_cast<uint16_t>(port)}, "storm",
@@ -125,7 +125,7 @@ int Storm(int connections, int threads, int port) {
           continue;
         }
         ++connected;
-        Session(**c, t, session);
+        PutUntilBroken(**c, t, round);
       }
     });
   }

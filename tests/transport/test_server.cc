@@ -1,4 +1,4 @@
-// Helper process for client_reconnect_test: a UcxServer (UCX over TCP on 127.0.0.1, an
+// The server process of client_reconnect_test: a UcxServer (UCX over TCP on 127.0.0.1, an
 // ephemeral port) over MemoryHandler with tenant "acme" / token "secret". Prints the port on a
 // line of its own, then serves until killed. A server in a process of its own keeps the test's
 // client process to one UCX worker, as a real client process is.
