@@ -206,6 +206,8 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   // Finishes a pending request whose reply (or failure) is complete.
   void MaybeComplete(uint64_t request_id);
   void Fail(uint64_t request_id, absl::Status status);
+  // Fails every outstanding request with `why`.
+  void FailOutstanding(const absl::Status& why);
   // Removes a request from the outstanding ones (and its id from the worker's).
   std::unique_ptr<Pending> Take(absl::flat_hash_map<uint64_t, std::unique_ptr<Pending>>::iterator it);
   // Closes the endpoint (forced: what UCX holds of it is cancelled).
@@ -352,10 +354,14 @@ void ClientImpl::Close() {
 void ClientImpl::BeginClose(const absl::Status& why) {
   closing_ = true;
   if (broken_.ok()) broken_ = why;
+  FailOutstanding(why);
+  CloseEndpoint();
+}
+
+void ClientImpl::FailOutstanding(const absl::Status& why) {
   std::vector<uint64_t> ids;
   for (const auto& [id, p] : pending_) ids.push_back(id);
   for (uint64_t id : ids) Fail(id, why);
-  CloseEndpoint();
 }
 
 void ClientImpl::CloseEndpoint() {
@@ -582,9 +588,7 @@ void ClientImpl::EndpointFailed(ucs_status_t status) {
     broken_ = absl::UnavailableError(
         absl::StrCat("connection lost: UCX: ", ucs_status_string(status)));
   }
-  std::vector<uint64_t> ids;
-  for (const auto& [id, p] : pending_) ids.push_back(id);
-  for (uint64_t id : ids) Fail(id, broken_);
+  FailOutstanding(broken_);
   // Closing cancels what UCX still holds, which completes the failed requests.
   CloseEndpoint();
 }
