@@ -36,19 +36,15 @@ absl::StatusOr<std::unique_ptr<EngineSet>> EngineSet::Create(const EngineOptions
   const bool gpu =
       options.backend == "cuda" || (options.backend == "auto" && CudaAvailable());
   std::vector<std::unique_ptr<Engine>> engines;
-  if (!gpu || devices.size() == 1) {
+  for (const int device : gpu ? devices : std::vector<int>{-1}) {  // -1: the one CPU engine
     EngineOptions o = options;
-    if (gpu) o.cuda_device = devices[0];
-    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(o, tenant_share));
-    engines.push_back(std::move(e));
-  } else {
-    for (int device : devices) {
-      EngineOptions o = options;
-      o.cuda_device = device;
-      auto e = Engine::Create(o, tenant_share);
-      if (!e.ok()) return Annotate(e.status(), absl::StrCat("engine on cuda:", device));
-      engines.push_back(*std::move(e));
+    if (device >= 0) o.cuda_device = device;
+    auto e = Engine::Create(o, tenant_share);
+    if (!e.ok() && devices.size() > 1 && gpu) {
+      return Annotate(e.status(), absl::StrCat("engine on cuda:", device));
     }
+    if (!e.ok()) return e.status();
+    engines.push_back(*std::move(e));
   }
   return std::make_unique<EngineSet>(std::move(engines));
 }
