@@ -20,9 +20,11 @@
 #   KVCOMP_GPU_EXTRA   a further command run last with the same environment (extra.log)
 #   daemon             (not a default step) the whole daemon from the bundle that
 #                      scripts/gpu_bundle.sh makes on the build machine (carry=[".gpubundle"]; no
-#                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "devpath decode
-#                      integration bench pipeline") picks the in-process test of the device
-#                      put path (service_device_path_test), the decode GPU test and benchmark
+#                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "devpath multigpu
+#                      decode integration bench pipeline") picks the in-process test of the device
+#                      put path (service_device_path_test), the engines on every GPU
+#                      (service_engine_set_test, service_multi_gpu_test, kvcompd_bench with
+#                      engine.cuda_devices naming every GPU), the decode GPU test and benchmark
 #                      (KVCOMP_DECODE_BENCH_ARGS), the integration tests against kvcompd with
 #                      the CUDA backend and the GPU tier (failed cases again with the host
 #                      tier), the end-to-end benchmark
@@ -225,7 +227,7 @@ if has daemon; then
       fi
       export KVCOMP_ENGINE_BACKEND=cuda KVCOMP_STORAGE_PUT_TIER=device
       export KVCOMP_STORAGE_DEVICE_CAPACITY_BYTES=${KVCOMP_DAEMON_DEVICE_BYTES:-8Gi}
-      PARTS=" ${KVCOMP_DAEMON_PARTS:-devpath decode integration bench pipeline} "
+      PARTS=" ${KVCOMP_DAEMON_PARTS:-devpath multigpu decode integration bench pipeline} "
       TMPD=$(mktemp -d)
 
       # One gtest binary: its output into daemon.log, its totals into the summary.
@@ -261,6 +263,27 @@ if has daemon; then
         # The device-resident put path in process (bytes across host and device per put, the
         # GPU memory cap, device-memory blocks, an injected sticky error, the CPU twin).
         gtest service_device_path_test 120
+      fi
+
+      if [[ "$PARTS" == *" multigpu "* ]]; then
+        # Engines on every GPU in process (placement, the GPU tier's pool per device, the cap per
+        # device, one engine's sticky error; skipped with one GPU), then kvcompd end to end with
+        # engine.cuda_devices naming every GPU: the bench's puts spread over the engines.
+        gtest service_engine_set_test 60
+        gtest service_multi_gpu_test 180
+        ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+        if [ "$ngpu" -ge 2 ] && [ -x "$BUNDLE/bin/kvcompd_bench" ]; then
+          devs=$(seq -s, 0 $((ngpu - 1)))
+          mlog=$TMPD/bench-multigpu.yaml
+          echo "### kvcompd_bench cuda_devices=$devs" >>"$DLOG"
+          KVCOMP_ENGINE_BACKEND=cuda timeout 150 "$BUNDLE/bin/kvcompd_bench" \
+            --kvcompd "$BUNDLE/bin/kvcompd" --tls tcp --ingest_tokens 32768 --tokens 32768 \
+            --gets 4 -- --engine.backend=cuda --engine.cuda_devices="$devs" \
+            --storage.put_tier=device --storage.device_capacity_bytes=32Gi >"$mlog" 2>>"$DLOG"
+          rc=$?
+          cat "$mlog" >>"$DLOG"
+          note "multi   kvcompd_bench 32768 tok on GPUs $devs: exit $rc, $(grep -m1 -oE 'put_s: [0-9.]+' "$mlog" || echo 'no put'), $(grep -m1 -oE 'stored_bytes: [0-9]+' "$mlog")"
+        fi
       fi
 
       if [[ "$PARTS" == *" integration "* ]]; then
@@ -323,15 +346,16 @@ if not ingest:
     sys.exit()
 orig, stored = ingest[0][0], ingest[0][1]
 stages = {k: num(k, "daemon_stage_seconds_sum:")
-          for k in ("receive", "compress", "download", "store", "serve")}
+          for k in ("receive", "to_device", "compress", "download", "encode", "store", "serve")}
 puts = 3  # two ingest puts and the put for the gets, all the same size
 comp = stages["compress"] / puts
 saved_s = (orig - stored) / 50e9  # a 400 Gb/s link
 print(f"e2e     {sys.argv[2]:4s} {int(sys.argv[3]):6d} tok: {orig/1e9:.2f} GB -> {stored/1e9:.2f} GB, "
       f"receive {ingest[0][2]:.3f}/{ingest[1][2] if len(ingest) > 1 else float('nan'):.3f} s, "
       f"put {ingest[0][3]:.3f}/{ingest[1][3] if len(ingest) > 1 else float('nan'):.3f} s; per put: "
-      f"receive {stages['receive']/puts:.3f} compress {comp:.4f} download "
-      f"{stages['download']/puts:.4f} store {stages['store']/puts:.3f} s; "
+      f"receive {stages['receive']/puts:.3f} to_device {stages['to_device']/puts:.4f} "
+      f"compress {comp:.4f} download {stages['download']/puts:.4f} "
+      f"encode {stages['encode']/puts:.4f} store {stages['store']/puts:.3f} s; "
       f"serve {stages['serve']:.3f} s total, get p50 {num('p50_ms', 'get:'):.1f} ms; "
       f"compress / transfer saved at 400 Gb/s = {comp / saved_s * 100:.0f}%, with the download "
       f"{(comp + stages['download'] / puts) / saved_s * 100:.0f}%")

@@ -6,7 +6,10 @@
 #   KVCOMP_GPU_CHANNEL_STEPS  "test bench" (default); also "python" (the Python SDK's device
 #                             path from torch tensors, tests/python/test_gpu_device_path.py, with
 #                             the bundle's extension), "one" (one GPU: the C++ benchmark with the
-#                             daemon on GPU 0, CUDA IPC, and bench/gpu_channel/ipc_bench.py)
+#                             daemon on GPU 0, CUDA IPC, and bench/gpu_channel/ipc_bench.py),
+#                             "cudaucx" (the Python device path over CUDA-aware UCX and the
+#                             transport's device-payload test, with UCX 1.22 from the CUDA-UCX
+#                             bundle: carry=["build-gpu-channel-pack", "build-cuda-ucx-pack"])
 #   KVCOMP_GPU_CHANNEL_BACKEND / _TIER  kvcompd's engine and put tier (default cuda / device)
 #   KVCOMP_GPU_CHANNEL_TOKENS tokens of the benchmark's cache (default 32768)
 #   KVCOMP_GPU_CHANNEL_REPS   repetitions (default 3)
@@ -84,6 +87,30 @@ if [[ "$STEPS" == *" one "* ]]; then
       --backend "$BACKEND" --tier "$TIER" >"$OUT/ipc-bench.log" 2>&1
     note "ipcpy   exit $?"
     grep -E '^(RESULT|#)' "$OUT/ipc-bench.log" | tee -a "$SUMMARY"
+  fi
+fi
+if [[ "$STEPS" == *" cudaucx "* ]]; then
+  # The Python SDK's device path over CUDA-aware UCX (tests/python/test_cuda_ucx_path.py) with
+  # UCX 1.22 from the CUDA-UCX bundle (bench/cuda_ucx/bundle.sh, carry=["build-cuda-ucx-pack"])
+  # in front of the channel bundle's UCX, then the transport's device-payload test.
+  UCXB=$PWD/build-cuda-ucx-bundle
+  if rm -rf "$UCXB" && mkdir -p "$UCXB" && tar -C "$UCXB" -xJf build-cuda-ucx-pack/bundle.tar.xz; then
+    note "cudaucx bundle built at $(cat "$UCXB/commit")"
+    if [ -n "${KVCOMP_BUNDLE_PYTHON:-}" ]; then
+      LD_LIBRARY_PATH="$UCXB/lib:$LD_LIBRARY_PATH" UCX_MODULE_DIR="$UCXB/lib/ucx" \
+        KVCOMP_TEST_CUDA_UCX=1 KVCOMPD="$BUNDLE/bin/kvcompd" \
+        PYTHONPATH="$KVCOMP_BUNDLE_PYTHON:tests/python:tests/integration" timeout 120 python3 -m \
+        pytest -q -p no:cacheprovider tests/python/test_cuda_ucx_path.py -rs -s \
+        >"$OUT/cuda-ucx-python.log" 2>&1
+      note "cudaucx python exit $? ($(tail -1 "$OUT/cuda-ucx-python.log"))"
+      grep -E 'ucx-cuda|GPU channel|PASSED|FAILED|Error' "$OUT/cuda-ucx-python.log" | head -10 |
+        tee -a "$SUMMARY"
+    fi
+    LD_LIBRARY_PATH="$UCXB/lib:$LD_LIBRARY_PATH" UCX_MODULE_DIR="$UCXB/lib/ucx" timeout 60 \
+      "$UCXB/bin/transport_cuda_ucx_test" >"$OUT/cuda-ucx-transport.log" 2>&1
+    note "cudaucx transport_cuda_ucx_test exit $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$OUT/cuda-ucx-transport.log" | paste -sd' ' -)"
+  else
+    note "cudaucx no bundle (build-cuda-ucx-pack/bundle.tar.xz: bench/cuda_ucx/bundle.sh)"
   fi
 fi
 echo "================ summary ================"

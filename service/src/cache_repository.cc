@@ -48,8 +48,10 @@ absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
   absl::Time t0 = absl::Now();
   KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(cache));
   KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(bytes));
+  const absl::Time encoded = absl::Now();
+  if (transfers != nullptr) transfers->encode_seconds += absl::ToDoubleSeconds(encoded - t0);
   return Put(key, storage::Payload::FromString(std::move(bytes)), info, original_bytes, transfers,
-             t0);
+             encoded);
 }
 
 absl::StatusOr<CacheSummary> CacheRepository::StoreFromDevice(const CacheKey& key,
@@ -61,6 +63,8 @@ absl::StatusOr<CacheSummary> CacheRepository::StoreFromDevice(const CacheKey& ke
   KVCOMP_ASSIGN_OR_RETURN(DeviceEncodedCache encoded, EncodeOnDevice(backend, cache, transfers));
   KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info,
                           format::PeekHeader(encoded.header, encoded.size));
+  const absl::Time encode_done = absl::Now();
+  if (transfers != nullptr) transfers->encode_seconds += absl::ToDoubleSeconds(encode_done - t0);
   // The payload owns the device buffer; it goes back to the backend's allocator once the store
   // no longer needs it (when Put returns: the GPU tier copies it into its pool).
   auto held = std::make_shared<Buffer>(std::move(encoded.bytes));
@@ -70,7 +74,8 @@ absl::StatusOr<CacheSummary> CacheRepository::StoreFromDevice(const CacheKey& ke
   d.device = encoded.device;
   d.crc32c = encoded.crc32c;
   d.header = std::move(encoded.header);
-  return Put(key, storage::Payload::OnDevice(std::move(d)), info, original_bytes, transfers, t0);
+  return Put(key, storage::Payload::OnDevice(std::move(d)), info, original_bytes, transfers,
+             encode_done);
 }
 
 absl::StatusOr<CacheSummary> CacheRepository::Put(const CacheKey& key, storage::Payload payload,

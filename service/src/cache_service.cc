@@ -59,7 +59,9 @@ void OpenPut::AddBlock(BlockData block, Done done) {
       // Copied to the device now; the block's memory goes when this returns.
       absl::Status s = assembler_.Cover(block);
       if (s.ok()) {
+        const absl::Time copy_begun = absl::Now();
         s = AddToDevice(block);
+        to_device_seconds_ += Seconds(absl::Now() - copy_begun);
         // Its tokens count as received: a put missing them must not commit.
         if (!s.ok() && device_error_.ok()) device_error_ = s;
         last_block_ = absl::Now();
@@ -194,6 +196,7 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
     {
       absl::MutexLock lock(&mu_);
       metrics->ObserveStage(Stage::kReceive, Seconds(last_block_ - begun_));
+      if (device_kv_ != nullptr) metrics->ObserveStage(Stage::kToDevice, to_device_seconds_);
       if (aborted_) return absl::CancelledError("put was aborted");
       KVCOMP_RETURN_IF_ERROR(device_error_);
       KVCOMP_RETURN_IF_ERROR(assembler_.CheckComplete());
@@ -223,9 +226,10 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
       KVCOMP_ASSIGN_OR_RETURN(cache, CompressWhole(backend, &transfers));
     }
     const double secs = Seconds(absl::Now() - t0);
-    // A GPU compression's one download of the cache is its own stage.
+    // A GPU compression's one download of the cache and the codecs are stages of their own.
     const double download = std::min(transfers.to_host_seconds, secs);
-    metrics->ObserveStage(Stage::kCompress, secs - download);
+    const double codecs = std::min(transfers.encode_seconds, secs - download);
+    metrics->ObserveStage(Stage::kCompress, secs - download - codecs);
     if (download > 0) metrics->ObserveStage(Stage::kDownload, download);
     if (engine_->uses_gpu()) metrics->AddGpuSeconds(secs - download);
     {
@@ -240,6 +244,8 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
         service_->repository_->Store(request_.key, cache,
                                      request_.layout.CacheBytes(request_.num_tokens),
                                      &transfers));
+    // The codecs (above) and the cache's bytes in the stored format.
+    metrics->ObserveStage(Stage::kEncode, transfers.encode_seconds);
     summary.h2d_bytes = transfers.to_device;
     summary.d2h_bytes = transfers.to_host;
     metrics->AddTransferBytes(summary.h2d_bytes, summary.d2h_bytes);
@@ -294,7 +300,8 @@ absl::StatusOr<CacheSummary> OpenPut::CommitOnDevice(Backend& backend, TransferB
   KVCOMP_ASSIGN_OR_RETURN(DeviceCompressedCache cache,
                           CompressToDevice(backend, view, request_.policy.get(), co));
   const double secs = Seconds(absl::Now() - t0);
-  metrics->ObserveStage(Stage::kCompress, secs);
+  const double codecs = std::min(transfers->encode_seconds, secs);
+  metrics->ObserveStage(Stage::kCompress, secs - codecs);
   metrics->AddGpuSeconds(secs);
   {
     // The K and V go now; the reservation covers the encoding until the cache is stored.
@@ -309,6 +316,8 @@ absl::StatusOr<CacheSummary> OpenPut::CommitOnDevice(Backend& backend, TransferB
       service_->repository_->StoreFromDevice(request_.key, backend, cache,
                                              request_.layout.CacheBytes(request_.num_tokens),
                                              transfers));
+  // The codecs on the device (above) and the cache laid out in the format's sections there.
+  metrics->ObserveStage(Stage::kEncode, transfers->encode_seconds);
   summary.h2d_bytes = transfers->to_device;
   summary.d2h_bytes = transfers->to_host;
   metrics->AddTransferBytes(summary.h2d_bytes, summary.d2h_bytes);

@@ -109,6 +109,9 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   std::unique_ptr<DeviceKv> device_kv_ ABSL_GUARDED_BY(mu_);
   Engine::DeviceReservation reservation_ ABSL_GUARDED_BY(mu_);
   absl::Status device_error_ ABSL_GUARDED_BY(mu_);
+  // Wall seconds the block handlers spent copying blocks into device_kv_ (staging and issuing
+  // the copies; what is still in flight at commit is waited for in the compression).
+  double to_device_seconds_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Block-wise state, used by one worker at a time.
   absl::Mutex stream_mu_;

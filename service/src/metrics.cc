@@ -53,6 +53,10 @@ absl::string_view StageName(Stage s) {
       return "serve";
     case Stage::kDownload:
       return "download";
+    case Stage::kToDevice:
+      return "to_device";
+    case Stage::kEncode:
+      return "encode";
   }
   return "unknown";
 }
@@ -151,8 +155,8 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
                         .Name(mn::kStageDurationSeconds)
                         .Help("Duration of one pipeline stage of one cache.")
                         .Register(r);
-  for (Stage s : {Stage::kReceive, Stage::kCompress, Stage::kDownload, Stage::kStore,
-                  Stage::kServe}) {
+  for (Stage s : {Stage::kReceive, Stage::kToDevice, Stage::kCompress, Stage::kDownload,
+                  Stage::kEncode, Stage::kStore, Stage::kServe}) {
     m.stages[s] =
         &m.stage_family->Add({{mn::kLabelStage, std::string(StageName(s))}}, LatencyBuckets());
   }

@@ -78,6 +78,9 @@ struct TransferBytes {
   // Wall seconds of the final copy of a device compression's result to the host (after its
   // kernels are done), so callers can tell the device work from the download.
   double to_host_seconds = 0;
+  // Wall seconds of the key and value codecs (int8 keys, KVSplice values) once the kept tokens
+  // are selected, their device work included, so callers can time the encoding apart.
+  double encode_seconds = 0;
 };
 
 struct CompressOptions {

@@ -25,10 +25,14 @@ namespace kvcomp {
 namespace service {
 
 enum class Op { kPut, kGet, kLookup, kDelete };
-// kDownload: a GPU engine's one copy of a compressed cache to host memory (not in kCompress).
-enum class Stage { kReceive, kCompress, kStore, kServe, kDownload };
-absl::string_view OpName(Op op);       // "put", "get", "lookup", "delete"
-absl::string_view StageName(Stage s);  // "receive", "compress", "store", "serve"
+// kToDevice: a GPU engine's copies of a put's blocks into its device buffer, as they arrive
+// (overlapped with kReceive). kDownload: a GPU engine's one copy of a compressed cache to host
+// memory (not in kCompress). kEncode: the kept tokens to the stored format's bytes (key and
+// value codecs, on the device on a GPU engine; not in kStore).
+enum class Stage { kReceive, kCompress, kStore, kServe, kDownload, kToDevice, kEncode };
+absl::string_view OpName(Op op);  // "put", "get", "lookup", "delete"
+// "receive", "to_device", "compress", "download", "encode", "store", "serve"
+absl::string_view StageName(Stage s);
 // The {code} label of kvcomp_errors_total: "busy" for BusyError, else absl's code in snake
 // case ("invalid_argument", "not_found", ...).
 std::string ErrorCodeLabel(const absl::Status& status);
