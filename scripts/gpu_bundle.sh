@@ -17,8 +17,7 @@
 #   cmake --build build-gpu-daemon -j 2 --target kvcompd kvcompd_daemon_test \
 #     kvcompd_control_security_lifecycle_test kvcompd_housekeeping_test kvcompd_bench \
 #     client_daemon_test kvcomp_bench_gpu_pipeline kvcomp_bench_gpu_decode \
-#     decode_attention_cuda_test service_device_path_test service_multi_gpu_test \
-#     service_engine_set_test
+#     decode_attention_cuda_test service_device_path_test service_multi_gpu_test
 #   bash scripts/gpu_bundle.sh build-gpu-daemon
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
 set -euo pipefail
@@ -41,7 +40,6 @@ OPTIONAL=(
   tests/client/client_daemon_test
   tests/service/service_device_path_test
   tests/service/service_multi_gpu_test
-  tests/service/service_engine_set_test
   tests/kernels/kernels_device_crc32c_test
   tests/kernels/kernels_device_format_test
   tests/storage/storage_device_payload_test

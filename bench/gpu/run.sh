@@ -23,7 +23,7 @@
 #                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "devpath multigpu
 #                      decode integration bench pipeline") picks the in-process test of the device
 #                      put path (service_device_path_test), the engines on every GPU
-#                      (service_engine_set_test, service_multi_gpu_test, kvcompd_bench with
+#                      (service_multi_gpu_test, kvcompd_bench with
 #                      engine.cuda_devices naming every GPU), the decode GPU test and benchmark
 #                      (KVCOMP_DECODE_BENCH_ARGS), the integration tests against kvcompd with
 #                      the CUDA backend and the GPU tier (failed cases again with the host
@@ -266,10 +266,9 @@ if has daemon; then
       fi
 
       if [[ "$PARTS" == *" multigpu "* ]]; then
-        # Engines on every GPU in process (placement, the GPU tier's pool per device, the cap per
+        # Engines on two GPUs in process (placement, the GPU tier's pool per device, the cap per
         # device, one engine's sticky error; skipped with one GPU), then kvcompd end to end with
         # engine.cuda_devices naming every GPU: the bench's puts spread over the engines.
-        gtest service_engine_set_test 60
         gtest service_multi_gpu_test 180
         ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
         if [ "$ngpu" -ge 2 ] && [ -x "$BUNDLE/bin/kvcompd_bench" ]; then
