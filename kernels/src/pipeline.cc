@@ -131,6 +131,110 @@ absl::Status CallHook(const EvictionHook& hook, const LayerEviction& e) {
   return absl::OkStatus();
 }
 
+// Layers compressed together on a device backend: their keys (and values) must lie at one stride
+// one after another, so that `layers` layers of H heads are one view of layers x H heads (what
+// DeviceKv holds: every layer's keys, then every layer's values), and the policy must select
+// every head on its own with the same parameters (ScoreSelectCompactArgs: uniform budget, no
+// random scorer, whose scores depend on the layer; no snapkv, moment-aware rules or eviction
+// hook, which work layer by layer). Each kernel then runs once for the group instead of once per
+// layer: short caches are launch- and occupancy-bound per layer (one selection block per head).
+bool LayersAreOneView(const std::vector<HeadsView>& views, uint32_t l0, uint32_t layers) {
+  const HeadsView& a = views[l0];
+  if (a.space != MemorySpace::kDevice || a.data == nullptr) return false;
+  const uint64_t layer_bytes = uint64_t{a.num_heads} * a.head_stride * ElemBytes(a.dtype);
+  for (uint32_t i = 1; i < layers; ++i) {
+    const HeadsView& b = views[l0 + i];
+    if (b.space != a.space || b.dtype != a.dtype || b.num_heads != a.num_heads ||
+        b.num_tokens != a.num_tokens || b.head_dim != a.head_dim ||
+        b.head_stride != a.head_stride || b.token_stride != a.token_stride ||
+        static_cast<const char*>(b.data) != static_cast<const char*>(a.data) + i * layer_bytes) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The keys' sums of layers [l0, l0 + layers) as one KeySums of their heads, when every layer
+// has them and they lie one after another (DeviceKv's layout); else none (the scorer then sums
+// the keys itself, with the same result).
+KeySums GroupKeySums(const KvCacheView& cache, uint32_t l0, uint32_t layers) {
+  if (layers == 1) {
+    return l0 < cache.key_sums.size() && cache.keys[l0].space == MemorySpace::kDevice
+               ? cache.key_sums[l0]
+               : KeySums{};
+  }
+  if (cache.key_sums.size() < uint64_t{l0} + layers) return {};
+  const KeySums& a = cache.key_sums[l0];
+  const uint64_t n = cache.num_tokens;
+  const uint64_t per_layer = uint64_t{cache.layout.num_kv_heads} *
+                             ((n + kKeySumChunkTokens - 1) / kKeySumChunkTokens) *
+                             cache.layout.head_dim;
+  if (a.num_tokens != n || (a.sums == nullptr && a.unit_sums == nullptr)) return {};
+  for (uint32_t i = 1; i < layers; ++i) {
+    const KeySums& b = cache.key_sums[l0 + i];
+    if (b.num_tokens != n || (a.sums == nullptr) != (b.sums == nullptr) ||
+        (a.unit_sums == nullptr) != (b.unit_sums == nullptr) ||
+        (a.sums != nullptr && b.sums != a.sums + i * per_layer) ||
+        (a.unit_sums != nullptr && b.unit_sums != a.unit_sums + i * per_layer)) {
+      return {};
+    }
+  }
+  return a;
+}
+
+// How many layers CompressOnDevice does at once (1: layer by layer). The group's selection
+// workspace stays within a sixteenth of the cache's bytes (at least one layer's).
+uint32_t LayerGroup(Backend& backend, const KvCacheView& cache, const CompressionPolicy& policy,
+                    const CompressOptions& options, const SelectParams& select) {
+  const uint32_t L = cache.layout.num_layers;
+  if (L < 2 || options.on_evict || policy.moment_aware || policy.scorer == Scorer::kSnapKV ||
+      policy.scorer == Scorer::kRandom || select.head_budget != HeadBudget::kUniform ||
+      !LayersAreOneView(cache.keys, 0, L) || !LayersAreOneView(cache.values, 0, L)) {
+    return 1;
+  }
+  auto workspace = [&](uint32_t layers) {
+    ScoreSelectCompactArgs args;
+    args.keys = cache.keys[0];
+    args.keys.num_heads *= layers;
+    args.values = cache.values[0];
+    args.values.num_heads *= layers;
+    args.score = ScoreParamsFromPolicy(policy, 0);
+    args.select = select;
+    return backend.scoring().WorkspaceBytes(args);
+  };
+  const uint64_t bound =
+      std::max<uint64_t>(workspace(1), cache.layout.CacheBytes(cache.num_tokens) / 16);
+  uint32_t g = L;
+  while (g > 1 && workspace(g) > bound) g = (g + 1) / 2;
+  return g;
+}
+
+// The data check of a group of layers (its view's heads are layer-major) as the layer-by-layer
+// loop reports it: the first layer with a bad row, and in it the first bad key, value, query or
+// score row, named by that layer's head.
+absl::Status GroupCheckStatus(const DeferredCheck& check, uint32_t l0, uint32_t heads,
+                              uint64_t n, uint64_t q_tokens) {
+  constexpr uint64_t kNone = DeferredCheck::kNone;
+  const uint64_t rows = n == 0 ? 1 : n, q_rows = q_tokens == 0 ? 1 : q_tokens;
+  auto layer_of = [&](uint64_t row, uint64_t per_head) {
+    return row == kNone ? ~uint64_t{0} : row / per_head / heads;
+  };
+  const uint64_t first = std::min({layer_of(check.bad_key, rows), layer_of(check.bad_value, rows),
+                                   layer_of(check.bad_query, q_rows),
+                                   layer_of(check.bad_score, rows)});
+  if (first == ~uint64_t{0}) return absl::OkStatus();
+  auto local = [&](uint64_t row, uint64_t per_head) {
+    return layer_of(row, per_head) == first ? row - first * heads * per_head : kNone;
+  };
+  DeferredCheck in_layer;
+  in_layer.bad_key = local(check.bad_key, rows);
+  in_layer.bad_value = local(check.bad_value, rows);
+  in_layer.bad_query = local(check.bad_query, q_rows);
+  in_layer.bad_score = local(check.bad_score, rows);
+  return Annotate(DeferredCheckStatus(in_layer, n, q_tokens),
+                  absl::StrFormat("layer %u", l0 + first));
+}
+
 // Compress on a device backend: every layer's results go into whole-cache arrays in device
 // memory at fixed offsets (a layer keeps exactly KeptCapacity rows: the budget is a hard cap
 // and every backend fills it), moments are summed there, and the cache comes to the host once.
@@ -170,6 +274,9 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
   DeviceCompressedCache dc;
   Buffer d_evicted, d_offsets;
   const bool evicted_lists = out.has_moments && !options.on_evict;
+  const uint32_t group = LayerGroup(backend, cache, policy, options, select);
+  const uint32_t groups = static_cast<uint32_t>((L + group - 1) / group);
+  const uint32_t group_heads = group * heads;
   if (out.has_moments) {
     KVCOMP_ASSIGN_OR_RETURN(dc.moment_count, Buffer::Allocate(a, m_cnt));
     KVCOMP_ASSIGN_OR_RETURN(dc.moment_key_sum, Buffer::Allocate(a, m_vec));
@@ -181,20 +288,21 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
     }
   }
   if (evicted_lists) {
-    KVCOMP_ASSIGN_OR_RETURN(d_evicted, Buffer::Allocate(a, uint64_t{heads} * n * 4));
-    KVCOMP_ASSIGN_OR_RETURN(d_offsets, Buffer::Allocate(a, 2 * (uint64_t{heads} + 1) * 8));
+    KVCOMP_ASSIGN_OR_RETURN(d_evicted, Buffer::Allocate(a, uint64_t{group_heads} * n * 4));
+    KVCOMP_ASSIGN_OR_RETURN(d_offsets, Buffer::Allocate(a, 2 * (uint64_t{group_heads} + 1) * 8));
   }
-  // The per-layer check records (none found: all ones) and moment-list error words (zero). An
+  // The per-group check records (none found: all ones) and moment-list error words (zero). An
   // eviction hook reads each layer's selection on the host, so that path checks at once.
   const bool deferred = !options.on_evict;
-  const uint64_t checks_bytes = L * sizeof(DeferredCheck);
+  const uint64_t checks_bytes = groups * sizeof(DeferredCheck);
   Buffer d_checks;
   if (deferred) {
-    KVCOMP_ASSIGN_OR_RETURN(d_checks, Buffer::Allocate(a, checks_bytes + L * sizeof(uint32_t)));
+    KVCOMP_ASSIGN_OR_RETURN(d_checks,
+                            Buffer::Allocate(a, checks_bytes + groups * sizeof(uint32_t)));
     KVCOMP_RETURN_IF_ERROR(pipeline_internal::FillDevice(backend, d_checks.data(), 0xFF,
                                                          checks_bytes));
     KVCOMP_RETURN_IF_ERROR(
-        ZeroDevice(backend, d_checks.as<char>() + checks_bytes, L * sizeof(uint32_t)));
+        ZeroDevice(backend, d_checks.as<char>() + checks_bytes, groups * sizeof(uint32_t)));
   }
   auto* checks = deferred ? d_checks.as<DeferredCheck>() : nullptr;
   auto* list_errors =
@@ -208,50 +316,55 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
           : n;
   LayerEviction eviction;
   std::vector<uint32_t> layer_kept;  // host copies for an eviction hook only
-  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+  for (uint32_t gi = 0; gi < groups; ++gi) {
+    // Layers [l, l + g) as one view of g x heads heads (g = 1: one layer, staged if need be).
+    const uint32_t l = gi * group;
+    const uint32_t g = std::min<uint32_t>(group, layout.num_layers - l);
+    const uint32_t gh = g * heads;
+    const std::string where =
+        g == 1 ? absl::StrFormat("layer %u", l) : absl::StrFormat("layers %u-%u", l, l + g - 1);
     Buffer kb, vb, qb;
     ScoreSelectCompactArgs args;
     KVCOMP_ASSIGN_OR_RETURN(args.keys, Stage(backend, cache.keys[l], &kb, xfer));
     KVCOMP_ASSIGN_OR_RETURN(args.values, Stage(backend, cache.values[l], &vb, xfer));
+    args.keys.num_heads = args.values.num_heads = gh;
     HeadsView queries;
     if (policy.scorer == Scorer::kSnapKV) {
       KVCOMP_ASSIGN_OR_RETURN(queries, Stage(backend, cache.queries[l], &qb, xfer));
     }
     args.score = ScoreParamsFromPolicy(policy, l, queries);
-    if (l < cache.key_sums.size() && cache.keys[l].space == MemorySpace::kDevice) {
-      args.score.key_sums = cache.key_sums[l];
-    }
+    args.score.key_sums = GroupKeySums(cache, l, g);
     args.select = select;
     uint32_t* counts = d_counts.as<uint32_t>() + uint64_t{l} * heads;
     uint32_t* kept = d_idx.as<uint32_t>() + uint64_t{l} * cap;
     args.kept = {counts, kept};
     args.keys_out = d_k.as<char>() + uint64_t{l} * cap * row;
     args.values_out = d_v.as<char>() + uint64_t{l} * cap * row;
-    if (deferred) args.deferred_check = checks + l;
+    if (deferred) args.deferred_check = checks + gi;
     KVCOMP_RETURN_IF_ERROR(Annotate(
         policy.moment_aware ? moments_internal::MomentAwareScoreSelectCompact(backend, args)
                             : backend.scoring().ScoreSelectCompact(args),
-        absl::StrFormat("layer %u", l)));
+        where));
     if (!out.has_moments && !options.on_evict) continue;
     const uint64_t h0 = uint64_t{l} * heads;
     MomentsView m{dc.moment_count.as<uint64_t>() + h0,
                   dc.moment_key_sum.as<float>() + h0 * d,
                   dc.moment_value_sum.as<float>() + h0 * d,
                   dc.moment_vk_sum.as<float>() + h0 * d * d,
-                  heads,
+                  gh,
                   d,
                   MemorySpace::kDevice};
     if (evicted_lists) {
       // The evicted set, found and summed on the device.
       auto* offsets = d_offsets.as<uint64_t>();
       KVCOMP_RETURN_IF_ERROR(pipeline_internal::LaunchEvictedLists(
-          backend.native_stream(), counts, kept, heads, n, offsets + heads + 1, offsets,
+          backend.native_stream(), counts, kept, gh, n, offsets + gh + 1, offsets,
           d_evicted.as<uint32_t>()));
-      TokenLists lists{d_evicted.as<uint32_t>(), offsets, heads, MemorySpace::kDevice};
+      TokenLists lists{d_evicted.as<uint32_t>(), offsets, gh, MemorySpace::kDevice};
       KVCOMP_RETURN_IF_ERROR(
           Annotate(backend.moments().AccumulateDeferred(args.keys, args.values, lists,
-                                                        max_evicted, list_errors + l, m),
-                   absl::StrFormat("moments of layer %u", l)));
+                                                        max_evicted, list_errors + gi, m),
+                   "moments of " + where));
       continue;
     }
     // An eviction hook reads host lists: this layer's selection comes back to the host.
@@ -286,23 +399,26 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
   // The one wait for the device: the layers' check records and the kept counts (control data,
   // like the ops' own readbacks, and not counted as transfer bytes), which waits for the
   // layers' work. The kept counts are the cache's own, so they are counted.
-  std::vector<DeferredCheck> layer_checks(deferred ? L : 0);
-  std::vector<uint32_t> layer_list_errors(deferred ? L : 0);
+  std::vector<DeferredCheck> group_checks(deferred ? groups : 0);
+  std::vector<uint32_t> group_list_errors(deferred ? groups : 0);
   if (deferred) {
     KVCOMP_RETURN_IF_ERROR(
-        DownloadAsync(backend.native_stream(), layer_checks.data(), checks, checks_bytes));
-    KVCOMP_RETURN_IF_ERROR(DownloadAsync(backend.native_stream(), layer_list_errors.data(),
-                                         list_errors, L * sizeof(uint32_t)));
+        DownloadAsync(backend.native_stream(), group_checks.data(), checks, checks_bytes));
+    KVCOMP_RETURN_IF_ERROR(DownloadAsync(backend.native_stream(), group_list_errors.data(),
+                                         list_errors, groups * sizeof(uint32_t)));
   }
   KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(out.kept.data(), d_counts.data(), H * 4));
   xfer->to_host += H * 4;
-  for (uint32_t l = 0; l < layer_checks.size(); ++l) {
+  for (uint32_t gi = 0; gi < group_checks.size(); ++gi) {
+    const uint32_t l = gi * group;
+    const uint32_t g = std::min<uint32_t>(group, layout.num_layers - l);
     const uint64_t q_tokens =
         policy.scorer == Scorer::kSnapKV ? cache.queries[l].num_tokens : 0;
-    KVCOMP_RETURN_IF_ERROR(Annotate(DeferredCheckStatus(layer_checks[l], n, q_tokens),
-                                    absl::StrFormat("layer %u", l)));
-    KVCOMP_RETURN_IF_ERROR(Annotate(AccumulateErrorStatus(layer_list_errors[l]),
-                                    absl::StrFormat("moments of layer %u", l)));
+    KVCOMP_RETURN_IF_ERROR(GroupCheckStatus(group_checks[gi], l, heads, n, q_tokens));
+    KVCOMP_RETURN_IF_ERROR(Annotate(
+        AccumulateErrorStatus(group_list_errors[gi]),
+        g == 1 ? absl::StrFormat("moments of layer %u", l)
+               : absl::StrFormat("moments of layers %u-%u", l, l + g - 1)));
   }
   std::vector<uint64_t> layer_total(L, 0);
   uint64_t total = 0;

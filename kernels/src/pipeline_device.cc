@@ -235,9 +235,9 @@ class CudaDeviceKv final : public DeviceKv {
         chunks_((n + kKeySumChunkTokens - 1) / kKeySumChunkTokens),
         memory_(std::move(memory)) {}
 
-  // The key sums' memory: per layer [sums, unit sums] of [heads, chunks, head_dim] f32, then one
-  // u64 slot for the rows the sums found bad (the scorer reports those itself). Optional: a
-  // put without it is compressed as before.
+  // The key sums' memory: [sums, unit sums][layer] of [heads, chunks, head_dim] f32 (every
+  // layer's sums one after another, as its keys), then one u64 slot for the rows the sums found
+  // bad (the scorer reports those itself). Optional: a put without it is compressed as before.
   absl::Status InitKeySums() {
     if (!KeySumsEnabled()) return absl::OkStatus();
     const uint64_t bytes = uint64_t{layout_.num_layers} * 2 * SumFloats() * sizeof(float) + 256;
@@ -298,9 +298,11 @@ class CudaDeviceKv final : public DeviceKv {
 
  private:
   size_t Row() const { return layout_.head_dim * DTypeBytes(layout_.dtype, 1); }
+  // Every layer's keys, then every layer's values: the layers of the cache are one view of
+  // layers x heads heads, which CompressOnDevice compresses at once.
   uint8_t* Part(uint32_t layer, bool values) const {
     const uint64_t part = uint64_t{layout_.num_kv_heads} * n_ * Row();
-    return memory_.as<uint8_t>() + (uint64_t{layer} * 2 + (values ? 1 : 0)) * part;
+    return memory_.as<uint8_t>() + ((values ? layout_.num_layers : 0) + uint64_t{layer}) * part;
   }
   absl::Status Check(uint32_t layer, uint64_t token_begin, const HeadsView& src,
                      MemorySpace space) const {
@@ -338,7 +340,7 @@ class CudaDeviceKv final : public DeviceKv {
 
   uint64_t SumFloats() const { return uint64_t{layout_.num_kv_heads} * chunks_ * layout_.head_dim; }
   float* Sums(uint32_t layer, bool unit) const {
-    return sums_.as<float>() + (uint64_t{layer} * 2 + (unit ? 1 : 0)) * SumFloats();
+    return sums_.as<float>() + ((unit ? layout_.num_layers : 0) + uint64_t{layer}) * SumFloats();
   }
   unsigned long long* BadKeySlot() const {
     return reinterpret_cast<unsigned long long*>(

@@ -80,11 +80,10 @@ Engine::DeviceReservation::~DeviceReservation() {
 
 uint64_t Engine::DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens, bool moments) {
   const uint64_t input = layout.CacheBytes(num_tokens);
-  // Kept keys and values (at most every token), positions and counts, the evicted lists of one
-  // layer and the moments of every head.
+  // Kept keys and values (at most every token), positions and counts, the evicted lists of every
+  // layer (the layers are compressed together) and the moments of every head.
   const uint64_t heads = uint64_t{layout.num_layers} * layout.num_kv_heads;
-  uint64_t out = input + heads * num_tokens * 4 + heads * 4 +
-                 uint64_t{layout.num_kv_heads} * num_tokens * 4;
+  uint64_t out = input + heads * num_tokens * 4 + heads * 4 + heads * num_tokens * 4;
   if (moments) {
     out += heads * (8 + 2 * uint64_t{layout.head_dim} * 4 +
                     uint64_t{layout.head_dim} * layout.head_dim * 4);

@@ -374,6 +374,78 @@ TEST(PipelineDeviceTest, MomentAwareRescoringMatchesTheCpu) {
   }
 }
 
+// A put's K and V in a DeviceKv (every layer's keys, then every layer's values, with the keys'
+// sums of each layer) are compressed as one view of layers x heads heads: the same cache, bit for
+// bit, as the same backend compressing the host copy layer by layer, for every scorer a group
+// takes (and AdaKV, which goes layer by layer), and the same error naming the same layer, head
+// and token when several layers hold NaN.
+TEST(PipelineDeviceTest, LayersOfADeviceKvAreCompressedTogether) {
+  Backends b;
+  const KvLayout layout{5, 4, 4, 128, DType::kBF16};
+  for (uint64_t n : {uint64_t{300}, uint64_t{3000}}) {
+    Sequence s = MakeSequence(layout, n, 51 + n);
+    auto uploader = DeviceUploader::Create(0);
+    ASSERT_TRUE(uploader.ok()) << uploader.status();
+    auto fill = [&](const Sequence& seq) {
+      auto kv = DeviceKv::Create(**uploader, layout, n);
+      EXPECT_TRUE(kv.ok()) << kv.status();
+      const KvCacheView host = seq.view();
+      // Blocks of 700 tokens: the 256-token chunks of the keys' sums straddle them.
+      for (uint64_t t0 = 0; t0 < n; t0 += 700) {
+        const uint64_t t = std::min<uint64_t>(700, n - t0);
+        for (uint32_t l = 0; l < layout.num_layers; ++l) {
+          for (bool values : {false, true}) {
+            HeadsView part = values ? host.values[l] : host.keys[l];
+            part.data = static_cast<const uint8_t*>(part.data) +
+                        part.offset(0, t0) * DTypeBytes(layout.dtype, 1);
+            part.num_tokens = t;
+            EXPECT_TRUE((*kv)->AddHost(l, values, t0, part).ok());
+          }
+        }
+      }
+      return std::move(*kv);
+    };
+    std::unique_ptr<DeviceKv> kv = fill(s);
+    auto view = kv->View(*b.cuda);
+    ASSERT_TRUE(view.ok()) << view.status();
+    ASSERT_EQ(view->key_sums.size(), layout.num_layers);
+    for (Scorer scorer : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold,
+                          Scorer::kWindowedManifold, Scorer::kStreaming}) {
+      for (HeadBudget budget : {HeadBudget::kUniform, HeadBudget::kAdaKV}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " " << ScorerName(scorer)
+                                          << (budget == HeadBudget::kAdaKV ? " adakv" : ""));
+        CompressionPolicy p = Streaming(0.5);
+        p.scorer = scorer;
+        p.window = 512;
+        p.head_budget = budget;
+        p.moments = true;
+        auto want = Compress(*b.cuda, s.view(), p);  // staged layer by layer
+        ASSERT_TRUE(want.ok()) << want.status();
+        auto got = Compress(*b.cuda, *view, p);
+        ASSERT_TRUE(got.ok()) << got.status();
+        ExpectSameCache(*b.cpu, *want, *got, nullptr);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+    // NaN in a key of layer 3 and in a value of layer 1: layer 1's value is reported.
+    StoreFromFloat(s.k[3].data(), layout.dtype, (2 * n + n / 2) * layout.head_dim + 7, NAN);
+    StoreFromFloat(s.v[1].data(), layout.dtype, (1 * n + n / 3) * layout.head_dim + 3, NAN);
+    std::unique_ptr<DeviceKv> bad = fill(s);
+    auto bad_view = bad->View(*b.cuda);
+    ASSERT_TRUE(bad_view.ok()) << bad_view.status();
+    CompressionPolicy p = Streaming(0.5);
+    p.scorer = Scorer::kManifold;
+    p.moments = true;
+    auto per_layer = Compress(*b.cuda, s.view(), p);
+    auto grouped = Compress(*b.cuda, *bad_view, p);
+    EXPECT_EQ(per_layer.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(grouped.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(per_layer.status().message(), grouped.status().message());
+    EXPECT_NE(grouped.status().message().find("layer 1"), absl::string_view::npos)
+        << grouped.status();
+  }
+}
+
 TEST(PipelineDeviceTest, HostBackendIsRefused) {
   Backends b;
   const Sequence s = MakeSequence({1, 1, 1, 64, DType::kF32}, 50, 3);

@@ -248,9 +248,11 @@ class DeviceUploader {
   virtual absl::StatusOr<std::unique_ptr<Fence>> MarkCopies() = 0;
 };
 
-// One sequence's K and V in device memory, [layer][K, V][kv head][token][head_dim] in the
-// layout's dtype, filled part by part (any order, each (layer, part, token range) once) by
-// the owner of a put. View() is the KvCacheView Compress reads in place.
+// One sequence's K and V in device memory, [K, V][layer][kv head][token][head_dim] in the
+// layout's dtype (every layer's keys, then every layer's values, so that Compress takes the
+// layers as one view of layers x heads heads), filled part by part (any order, each (layer,
+// part, token range) once) by the owner of a put. View() is the KvCacheView Compress reads in
+// place.
 //
 // Entry points for a put's blocks: AddHost for blocks received into host memory (one upload,
 // staged), AddDevice for blocks already in device memory of the uploader's device (one copy on
