@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -182,12 +183,21 @@ KeySums GroupKeySums(const KvCacheView& cache, uint32_t l0, uint32_t layers) {
   return a;
 }
 
+// KVCOMP_LAYER_GROUPS=0 turns the layer groups off (the layer-by-layer loop, for comparison).
+bool LayerGroupsEnabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KVCOMP_LAYER_GROUPS");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return enabled;
+}
+
 // How many layers CompressOnDevice does at once (1: layer by layer). The group's selection
 // workspace stays within a sixteenth of the cache's bytes (at least one layer's).
 uint32_t LayerGroup(Backend& backend, const KvCacheView& cache, const CompressionPolicy& policy,
                     const CompressOptions& options, const SelectParams& select) {
   const uint32_t L = cache.layout.num_layers;
-  if (L < 2 || options.on_evict || policy.moment_aware || policy.scorer == Scorer::kSnapKV ||
+  if (L < 2 || !LayerGroupsEnabled() || options.on_evict || policy.moment_aware || policy.scorer == Scorer::kSnapKV ||
       policy.scorer == Scorer::kRandom || select.head_budget != HeadBudget::kUniform ||
       !LayersAreOneView(cache.keys, 0, L) || !LayersAreOneView(cache.values, 0, L)) {
     return 1;
