@@ -110,6 +110,15 @@ bool CudaAvailable() {
 #endif
 }
 
+absl::StatusOr<DeviceMemory> QueryDeviceMemory(int device) {
+#if defined(KVCOMP_HAVE_CUDA)
+  return CudaDeviceMemory(device);
+#else
+  (void)device;
+  return absl::FailedPreconditionError("no CUDA device: kvcomp was built without CUDA");
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(absl::string_view name) {
   if (name == "cpu") return MakeCpuBackend();
   if (name == "cuda") return MakeCudaBackend();

@@ -95,6 +95,18 @@ absl::StatusOr<EngineSet::Placement> EngineSet::Place(uint64_t bytes, int device
   absl::Status last;
   for (size_t i : order) {
     Engine& e = *engines_[i];
+    // A GPU whose driver reports less free memory than the put needs (other processes' memory
+    // counted) is passed over: reservations alone do not see what is not kvcompd's.
+    if (e.uses_gpu()) {
+      absl::StatusOr<DeviceMemory> mem = QueryDeviceMemory(e.cuda_device());
+      if (mem.ok() && mem->free_bytes < bytes) {
+        last = absl::ResourceExhaustedError(
+            absl::StrCat("put needs ", bytes, " bytes of GPU memory; the device has ",
+                         mem->free_bytes, " free"));
+        refusals.push_back(absl::StrCat(DeviceName(e), ": ", last.message()));
+        continue;
+      }
+    }
     absl::StatusOr<Engine::DeviceReservation> r = e.ReserveDevice(bytes);
     if (r.ok()) {
       next_.store(i + 1);

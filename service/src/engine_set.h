@@ -60,9 +60,10 @@ class EngineSet {
   };
   // Chooses the engine for a put that holds `bytes` on it (0 for a put that holds nothing there,
   // e.g. block-wise) and reserves them. `device` >= 0 restricts the choice to the engine on that
-  // CUDA device. Unavailable when every candidate engine has failed ("engine failed (...)");
-  // ResourceExhausted when none has room for `bytes`; FailedPrecondition when no engine runs on
-  // `device`.
+  // CUDA device. Candidates go in order of room left under engine.gpu_memory_bytes, then queue,
+  // then turn; a GPU whose driver reports less free memory than `bytes` is passed over.
+  // Unavailable when every candidate engine has failed ("engine failed (...)"); ResourceExhausted
+  // when none has room for `bytes`; FailedPrecondition when no engine runs on `device`.
   absl::StatusOr<Placement> Place(uint64_t bytes, int device = -1);
   // The engine Place would choose for a put of no bytes (nullptr when all have failed), without
   // reserving anything, moving the tie-break on as Place does: the GPU channel's choice of

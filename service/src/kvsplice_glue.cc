@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "handlers.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
@@ -238,17 +240,28 @@ absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
                                             const std::string& projection_model,
                                             StoreProjections* projections) {
   if (cache.key_codec == KeyCodec::kRaw && cache.value_codec == ValueCodec::kRaw) return cache;
-  thread_local std::unique_ptr<Backend> backend;
-  if (backend == nullptr) {
-    KVCOMP_ASSIGN_OR_RETURN(backend, MakeCpuBackend(CpuBackendOptions{1}));
-  }
   std::shared_ptr<const Projection> projection;
   if (cache.value_codec != ValueCodec::kRaw) {
     KVCOMP_ASSIGN_OR_RETURN(projection,
                             projections->Get(projection_model, cache.projection_version));
   }
-  KVCOMP_ASSIGN_OR_RETURN(DecodedKept d,
-                          DecodeKept(*backend, cache, projection.get(), cache.layout.dtype));
+  // One CPU backend with every hardware thread decodes one cache at a time: the codecs split the
+  // cache's rows over its threads, so a decoded get takes every core for a short time rather
+  // than one core for long (the serve threads' decodes queue here).
+  struct DecodePool {
+    absl::Mutex mu;
+    std::unique_ptr<Backend> backend ABSL_GUARDED_BY(mu);
+  };
+  static DecodePool* const pool = new DecodePool;
+  DecodedKept d;
+  {
+    absl::MutexLock lock(&pool->mu);
+    if (pool->backend == nullptr) {
+      KVCOMP_ASSIGN_OR_RETURN(pool->backend, MakeCpuBackend(CpuBackendOptions{0}));
+    }
+    KVCOMP_ASSIGN_OR_RETURN(
+        d, DecodeKept(*pool->backend, cache, projection.get(), cache.layout.dtype));
+  }
   CompressedCache raw = cache;
   raw.key_codec = KeyCodec::kRaw;
   raw.value_codec = ValueCodec::kRaw;

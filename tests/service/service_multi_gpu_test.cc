@@ -3,8 +3,9 @@
 // tier keeps a pool on each, and a CacheService over them places puts. Checks that open puts
 // land on both devices, each cache is stored in the GPU tier from its own device and reads back
 // (to the host, and into device memory of either GPU) as the CPU twin compresses it; that the
-// GPU memory cap is per device (a third put waits for room on either); and that a sticky error
-// of one engine fails its put, leaves the other engine taking puts and fails the set.
+// GPU memory cap is per device (a third put waits for room on either); that a GPU without free
+// memory for a put is passed over; and that a sticky error of one engine fails its put, leaves
+// the other engine taking puts and fails the set.
 #include <stdlib.h>
 
 #include <cmath>
@@ -244,6 +245,44 @@ TEST_F(MultiGpuTest, TheGpuMemoryCapIsPerDevice) {
   absl::StatusOr<CompressedCache> got = Stored("c");
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectLikeTheCpu(*got, x);
+}
+
+// Without a cap, a GPU whose free memory (as the driver reports it, another process's or
+// another library's allocations counted) cannot hold a put is passed over, and taken again once
+// the memory is back.
+TEST_F(MultiGpuTest, AGpuWithoutFreeMemoryIsPassedOver) {
+#if defined(KVCOMP_HAVE_CUDA)
+  Start();
+  const uint64_t need = Engine::DeviceBytesForPut(kLayout, kTokens, true);
+  // Device 1 filled to less than one put's worth of free memory.
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  size_t free1 = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free1, &total), cudaSuccess);
+  void* filler = nullptr;
+  const size_t take = free1 > need / 2 ? free1 - need / 2 : 0;
+  ASSERT_EQ(cudaMalloc(&filler, take), cudaSuccess);
+  std::vector<std::shared_ptr<OpenPut>> puts;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<std::shared_ptr<OpenPut>> put = Begin("full" + std::to_string(i));
+    ASSERT_TRUE(put.ok()) << put.status();
+    EXPECT_EQ((*put)->engine().cuda_device(), 0) << "put " << i;
+    puts.push_back(*put);
+  }
+  Tensor x(70);
+  ASSERT_TRUE(Finish(*puts[0], x).ok());
+  // With device 1's memory back, puts are spread again.
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(cudaFree(filler), cudaSuccess);
+  absl::StatusOr<std::shared_ptr<OpenPut>> next = Begin("after");
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ((*next)->engine().cuda_device(), 1);  // the engine with the most room left
+  ASSERT_TRUE(Finish(**next, x).ok());
+  absl::StatusOr<CompressedCache> got = Stored("after");
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectLikeTheCpu(*got, x);
+  puts[1]->Abort();
+  puts[2]->Abort();
+#endif
 }
 
 TEST_F(MultiGpuTest, AStickyErrorOfOneEngineLeavesTheOtherTakingPuts) {

@@ -156,4 +156,21 @@ bool CudaDevicePresent() {
   return count > 0;
 }
 
+absl::StatusOr<DeviceMemory> CudaDeviceMemory(int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " absent"));
+  }
+  // The caller's current device is left as it was.
+  int current = 0;
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  size_t free_bytes = 0, total_bytes = 0;
+  const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
+  cudaSetDevice(current);
+  KVCOMP_CUDA_RETURN_IF_ERROR(e);
+  return DeviceMemory{free_bytes, total_bytes};
+}
+
 }  // namespace kvcomp

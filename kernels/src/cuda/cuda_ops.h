@@ -36,6 +36,7 @@ std::unique_ptr<CodecOps> NewCudaCodecOps(CudaContext* context);
 // Implemented by cuda/cuda_backend.cc; backend.cc forwards MakeCudaBackend/CudaAvailable here.
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions& options);
 bool CudaDevicePresent();
+absl::StatusOr<DeviceMemory> CudaDeviceMemory(int device);
 
 }  // namespace kvcomp
 

@@ -78,6 +78,14 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOption
 // True when MakeCudaBackend can succeed (built with CUDA and a device is visible).
 bool CudaAvailable();
 
+// Free and total memory of CUDA device `device` as the driver reports them (cudaMemGetInfo: every
+// process's allocations counted). FailedPrecondition without CUDA or without that device.
+struct DeviceMemory {
+  uint64_t free_bytes = 0;
+  uint64_t total_bytes = 0;
+};
+absl::StatusOr<DeviceMemory> QueryDeviceMemory(int device);
+
 // "cpu" or "cuda".
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(absl::string_view name);
 
