@@ -224,6 +224,11 @@ TEST_P(DaemonTest, PutGetLookupDeleteMatchMetrics) {
   EXPECT_EQ(MetricValue(m, "kvcomp_operation_duration_seconds_count{op=\"put\"}"), 1);
   EXPECT_EQ(MetricValue(m, "kvcomp_operation_duration_seconds_count{op=\"get\"}"), 2);
   EXPECT_EQ(MetricValue(m, "kvcomp_stage_duration_seconds_count{stage=\"compress\"}"), 1);
+  // The encoding and the store are stages of their own, once per put; the copies to the device
+  // are a stage of a GPU engine's puts (exported, zero puts, on the CPU).
+  EXPECT_EQ(MetricValue(m, "kvcomp_stage_duration_seconds_count{stage=\"encode\"}"), 1);
+  EXPECT_EQ(MetricValue(m, "kvcomp_stage_duration_seconds_count{stage=\"store\"}"), 1);
+  EXPECT_GE(MetricValue(m, "kvcomp_stage_duration_seconds_count{stage=\"to_device\"}"), 0);
   EXPECT_EQ(MetricValue(m, "kvcomp_served_bytes_total"), 2.0 * summary->stored_bytes);
   const std::string tier = ExpectedPutTier();
   EXPECT_EQ(MetricValue(m, "kvcomp_tier_entries{tier=\"" + tier + "\"}"), 1);
