@@ -47,7 +47,9 @@ absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
                                                     TransferBytes* transfers) {
   absl::Time t0 = absl::Now();
   KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(cache));
-  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(bytes));
+  // Just encoded here: the header and table are read back, the sections' CRCs are not checked
+  // again (the store checks them where the bytes cross a tier).
+  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekHeader(bytes, bytes.size()));
   const absl::Time encoded = absl::Now();
   if (transfers != nullptr) transfers->encode_seconds += absl::ToDoubleSeconds(encoded - t0);
   return Put(key, storage::Payload::FromString(std::move(bytes)), info, original_bytes, transfers,

@@ -323,6 +323,30 @@ TEST(Format, SectionChecksumMismatch) {
   EXPECT_NE(r.status().message().find("checksum"), std::string::npos);
 }
 
+// Sections of several 256 KiB pieces (the encoder copies and checksums a piece at a time): the
+// encoding parses back equal, and a flipped bit in a later piece of the keys is found.
+TEST(Format, SectionsOfManyPiecesRoundTripAndAreChecked) {
+  RandomCacheOptions o;
+  o.layout = KvLayout{2, 4, 8, 128, DType::kBF16};
+  o.original_tokens = 2000;  // keys and values of up to 2 x 4 x 2000 x 256 bytes each
+  const CompressedCache c = RandomCache(o, 7);
+  ASSERT_GT(c.keys.size(), uint64_t{5} << 18);
+  auto bytes = format::EncodeCache(c);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto back = format::ParseCache(*bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == c);
+  std::vector<format::SectionSpan> spans;
+  ASSERT_TRUE(format::PeekHeader(*bytes, bytes->size(), &spans).ok());
+  for (const auto& span : spans) {
+    if (span.size < (uint64_t{3} << 18)) continue;
+    std::string bad = *bytes;
+    bad[span.offset + (uint64_t{5} << 17) + 11] ^= 0x10;  // in the third piece
+    auto r = format::ParseCache(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << "section " << span.id;
+  }
+}
+
 TEST(Format, CountsBeyondLayout) {
   // original_tokens smaller than a head's kept count: sealed so only the semantics are wrong.
   RandomCacheOptions o;
