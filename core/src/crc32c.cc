@@ -1,5 +1,7 @@
 #include "kvcomp/core/crc32c.h"
 
+#include "kvcomp/core/crc32c_gf2.h"
+
 #include <array>
 #include <cstring>
 
@@ -137,5 +139,28 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
 #endif
   return ~crc;
 }
+
+namespace {
+
+const uint32_t* PowersOfX() {
+  static const uint32_t* const table = [] {
+    auto* t = new uint32_t[crc32c_gf2::kPowers];
+    crc32c_gf2::PowersOfX(t);
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace
+
+uint32_t Crc32cShift(uint32_t reg, uint64_t n) {
+  return crc32c_gf2::MulMod(crc32c_gf2::XPow8(n, PowersOfX()), reg);
+}
+
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  return Crc32cShift(crc_a, len_b) ^ crc_b;
+}
+
+uint32_t Crc32cOfZeros(uint64_t n) { return ~Crc32cShift(~uint32_t{0}, n); }
 
 }  // namespace kvcomp

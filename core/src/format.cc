@@ -479,7 +479,8 @@ absl::StatusOr<uint64_t> EncodedSize(const CompressedCache& cache) {
   return plan.total_bytes;
 }
 
-absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out) {
+absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out,
+                             uint32_t* crc32c) {
   KVCOMP_RETURN_IF_ERROR(cache.Validate());
   KVCOMP_ASSIGN_OR_RETURN(EncodingPlan plan, PlanEncoding(cache, cache.raw_value_rows.size()));
   const std::vector<Section> data = SectionsOf(cache, plan.policy);
@@ -517,14 +518,29 @@ absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> o
   }
   const uint64_t first = plan.sections.empty() ? plan.total_bytes : plan.sections[0].offset;
   std::memset(b + plan.table_end(), 0, first - plan.table_end());
-  return WriteHeaderAndTable(cache, plan, crcs, out);
+  KVCOMP_RETURN_IF_ERROR(WriteHeaderAndTable(cache, plan, crcs, out));
+  if (crc32c != nullptr) {
+    // The header, table and padding read here (bytes), each section's CRC combined, then the
+    // zero padding after it.
+    uint32_t all = Crc32c(b, first);
+    for (size_t i = 0; i < plan.sections.size(); ++i) {
+      const SectionSpan& at = plan.sections[i];
+      all = Crc32cCombine(all, crcs[i], at.size);
+      const uint64_t end = at.offset + at.size;
+      const uint64_t next =
+          i + 1 < plan.sections.size() ? plan.sections[i + 1].offset : plan.total_bytes;
+      all = Crc32cExtend(all, b + end, next - end);
+    }
+    *crc32c = all;
+  }
+  return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache) {
+absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache, uint32_t* crc32c) {
   KVCOMP_ASSIGN_OR_RETURN(const uint64_t size, EncodedSize(cache));
   std::string out(size, '\0');
-  KVCOMP_RETURN_IF_ERROR(
-      EncodeCacheInto(cache, absl::MakeSpan(reinterpret_cast<uint8_t*>(out.data()), size)));
+  KVCOMP_RETURN_IF_ERROR(EncodeCacheInto(
+      cache, absl::MakeSpan(reinterpret_cast<uint8_t*>(out.data()), size), crc32c));
   return out;
 }
 

@@ -46,14 +46,15 @@ absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
                                                     uint64_t original_bytes,
                                                     TransferBytes* transfers) {
   absl::Time t0 = absl::Now();
-  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(cache));
-  // Just encoded here: the header and table are read back, the sections' CRCs are not checked
-  // again (the store checks them where the bytes cross a tier).
+  uint32_t crc = 0;
+  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(cache, &crc));
+  // Encoded here, its CRC32C computed as it was written: the header and table are read back,
+  // the sections are not read again.
   KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekHeader(bytes, bytes.size()));
   const absl::Time encoded = absl::Now();
   if (transfers != nullptr) transfers->encode_seconds += absl::ToDoubleSeconds(encoded - t0);
   return Put(key, storage::Payload::FromString(std::move(bytes)), info, original_bytes, transfers,
-             encoded);
+             encoded, crc);
 }
 
 absl::StatusOr<CacheSummary> CacheRepository::StoreFromDevice(const CacheKey& key,
@@ -77,21 +78,30 @@ absl::StatusOr<CacheSummary> CacheRepository::StoreFromDevice(const CacheKey& ke
   d.crc32c = encoded.crc32c;
   d.header = std::move(encoded.header);
   return Put(key, storage::Payload::OnDevice(std::move(d)), info, original_bytes, transfers,
-             encode_done);
+             encode_done, std::nullopt);
 }
 
 absl::StatusOr<CacheSummary> CacheRepository::Put(const CacheKey& key, storage::Payload payload,
                                                   const format::CacheInfo& info,
                                                   uint64_t original_bytes,
-                                                  TransferBytes* transfers, absl::Time began) {
+                                                  TransferBytes* transfers, absl::Time began,
+                                                  std::optional<uint32_t> crc32c) {
   const uint64_t stored = payload.size();
   storage::CacheMeta meta;
   meta.original_bytes = original_bytes;
+  meta.projection_version = info.projection_version;
   storage::DeviceCopies copies;
   storage::PutOptions po;
   po.tier = options_.put_tier;
   po.durability = options_.durability;
   po.copies = &copies;
+  // The repository encoded these bytes itself and read their header back (`info`): the store
+  // need not parse them again, nor checksum host bytes whose CRC the encoder gave.
+  po.validate = false;
+  if (crc32c.has_value()) {
+    po.crc32c_known = true;
+    po.crc32c = *crc32c;
+  }
   KVCOMP_RETURN_IF_ERROR(store_->Put(key, std::move(payload), meta, po));
   if (transfers != nullptr) {
     transfers->to_device += copies.to_device;

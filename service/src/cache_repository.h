@@ -10,6 +10,7 @@
 #define KVCOMP_SERVICE_SRC_CACHE_REPOSITORY_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -96,7 +97,8 @@ class CacheRepository {
   // Puts `payload` (host or device bytes) and says what was stored.
   absl::StatusOr<CacheSummary> Put(const CacheKey& key, storage::Payload payload,
                                    const format::CacheInfo& info, uint64_t original_bytes,
-                                   TransferBytes* transfers, absl::Time began);
+                                   TransferBytes* transfers, absl::Time began,
+                                   std::optional<uint32_t> crc32c);
   void Remember(const CacheKey& key, const format::CacheInfo& info);
   void Forget(const CacheKey& key);
 

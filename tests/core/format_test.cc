@@ -59,8 +59,10 @@ TEST(Format, RoundTripsEveryCodecAndDtype) {
   for (const auto& o : AllVariants()) {
     const CompressedCache c = RandomCache(o, seed++);
     ASSERT_TRUE(c.Validate().ok()) << c.Validate();
-    auto bytes = format::EncodeCache(c);
+    uint32_t crc = 0;
+    auto bytes = format::EncodeCache(c, &crc);
     ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(crc, Crc32c(bytes->data(), bytes->size()));  // combined from the sections'
     EXPECT_EQ(bytes->size(), *format::EncodedSize(c));
     EXPECT_EQ(bytes->size(), c.Breakdown().total());
     auto back = format::ParseCache(*bytes);
@@ -331,8 +333,10 @@ TEST(Format, SectionsOfManyPiecesRoundTripAndAreChecked) {
   o.original_tokens = 2000;  // keys and values of up to 2 x 4 x 2000 x 256 bytes each
   const CompressedCache c = RandomCache(o, 7);
   ASSERT_GT(c.keys.size(), uint64_t{5} << 18);
-  auto bytes = format::EncodeCache(c);
+  uint32_t crc = 0;
+  auto bytes = format::EncodeCache(c, &crc);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_EQ(crc, Crc32c(bytes->data(), bytes->size()));
   auto back = format::ParseCache(*bytes);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_TRUE(*back == c);

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "../crc32c_gf2.h"
+#include "kvcomp/core/crc32c_gf2.h"
 #include "cuda_status.h"
 #include "kvcomp/kernels/device_crc32c.h"
 

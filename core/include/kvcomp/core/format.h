@@ -64,10 +64,12 @@ struct CacheInfo {
 
 // Bytes EncodeCache will produce for `cache` (which must Validate()).
 absl::StatusOr<uint64_t> EncodedSize(const CompressedCache& cache);
-// Encodes `cache` (validated first). InvalidArgument if it is inconsistent.
-absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache);
-// Encodes into `out`, which must hold exactly EncodedSize(cache) bytes.
-absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out);
+// Encodes `cache` (validated first). InvalidArgument if it is inconsistent. With `crc32c`, also
+// the CRC32C of all the bytes, from the sections' own (Crc32cCombine), without another pass.
+absl::StatusOr<std::string> EncodeCache(const CompressedCache& cache, uint32_t* crc32c = nullptr);
+// Encodes into `out`, which must hold exactly EncodedSize(cache) bytes; `crc32c` as above.
+absl::Status EncodeCacheInto(const CompressedCache& cache, absl::Span<uint8_t> out,
+                             uint32_t* crc32c = nullptr);
 
 // ---- the layout in parts, for encoders whose arrays are not in host memory ----
 // EncodeCacheInto and the device encoder (kvcomp/kernels/device_format.h) both place sections

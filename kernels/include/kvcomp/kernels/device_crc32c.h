@@ -8,8 +8,8 @@
 // the chunk, where shifting by n bytes is a multiplication by x^(8n) modulo the polynomial. Each
 // thread takes one 512-byte chunk (slicing-by-16 tables in shared memory), a block folds its
 // 256 chunks with one multiplication per thread and per warp, and each block adds its part to the
-// result with an atomic XOR. The host functions below are that arithmetic on the CPU, for
-// combining CRCs of pieces (and the tests of it).
+// result with an atomic XOR. That arithmetic on the CPU (Crc32cCombine, Crc32cOfZeros,
+// Crc32cShift, for combining CRCs of pieces) is in kvcomp/core/crc32c.h.
 //
 // Thread-safety: reentrant; the device calls are ordered on the stream given.
 #ifndef KVCOMP_KERNELS_DEVICE_CRC32C_H_
@@ -19,20 +19,9 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "kvcomp/core/crc32c.h"
 
 namespace kvcomp {
-
-// ---- host arithmetic (every build) ----
-
-// The CRC32C of A followed by B, from crc_a = Crc32c(A), crc_b = Crc32c(B) and B's length.
-uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
-// The CRC32C of `n` zero bytes (Crc32c of a buffer of n zeros).
-uint32_t Crc32cOfZeros(uint64_t n);
-// A CRC register after `n` more zero bytes: x^(8n) * reg modulo the polynomial (bit-reflected,
-// as the register is kept).
-uint32_t Crc32cShift(uint32_t reg, uint64_t n);
-
-// ---- device ----
 
 // One range of device memory and where its CRC32C goes.
 struct DeviceCrcRange {

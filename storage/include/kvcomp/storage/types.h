@@ -123,6 +123,11 @@ struct PutOptions {
   // Check the encoded bytes' header and section table (format::PeekCache) before storing; for
   // a payload on the device, its header copy (format::PeekHeader).
   bool validate = true;
+  // The CRC32C of a host payload when the caller has it (format::EncodeCache gives it as it
+  // encodes): taken as it is instead of reading the bytes again. A payload on the device
+  // carries its own.
+  bool crc32c_known = false;
+  uint32_t crc32c = 0;
   // When set, the bytes this put copied between host and device memory for its own cache are
   // added to it (not those of demotions it caused). Not owned. Default none.
   DeviceCopies* copies = nullptr;

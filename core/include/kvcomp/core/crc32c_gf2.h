@@ -1,8 +1,9 @@
-// The arithmetic behind combining CRC32C values, shared by the host (device_crc32c.cc) and the
-// CRC kernel (cuda/crc32c_cuda.cu). Values are bit-reflected as the CRC register keeps them:
-// bit 31 is the coefficient of x^0, bit 0 that of x^31.
-#ifndef KVCOMP_KERNELS_SRC_CRC32C_GF2_H_
-#define KVCOMP_KERNELS_SRC_CRC32C_GF2_H_
+// The arithmetic behind combining CRC32C values, shared by the host (Crc32cCombine and friends,
+// core/src/crc32c.cc) and the device CRC kernel (kernels/src/cuda/crc32c_cuda.cu). Values are
+// bit-reflected as the CRC register keeps them: bit 31 is the coefficient of x^0, bit 0 that of
+// x^31.
+#ifndef KVCOMP_CORE_CRC32C_GF2_H_
+#define KVCOMP_CORE_CRC32C_GF2_H_
 
 #include <cstdint>
 
@@ -50,4 +51,4 @@ inline void PowersOfX(uint32_t* x2n) {
 }  // namespace crc32c_gf2
 }  // namespace kvcomp
 
-#endif  // KVCOMP_KERNELS_SRC_CRC32C_GF2_H_
+#endif  // KVCOMP_CORE_CRC32C_GF2_H_
