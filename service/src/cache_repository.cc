@@ -46,15 +46,18 @@ absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
                                                     uint64_t original_bytes,
                                                     TransferBytes* transfers) {
   absl::Time t0 = absl::Now();
+  // Written once into fresh memory on huge pages (not zeroed first); its CRC32C computed as it
+  // is written: the header and table are read back, the sections are not read again.
+  KVCOMP_ASSIGN_OR_RETURN(const uint64_t size, format::EncodedSize(cache));
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<uint8_t> buffer, storage::Payload::NewHostBuffer(size));
   uint32_t crc = 0;
-  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(cache, &crc));
-  // Encoded here, its CRC32C computed as it was written: the header and table are read back,
-  // the sections are not read again.
-  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekHeader(bytes, bytes.size()));
+  KVCOMP_RETURN_IF_ERROR(
+      format::EncodeCacheInto(cache, absl::MakeSpan(buffer.get(), size), &crc));
+  storage::Payload bytes(std::move(buffer), size);
+  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekHeader(bytes.view(), size));
   const absl::Time encoded = absl::Now();
   if (transfers != nullptr) transfers->encode_seconds += absl::ToDoubleSeconds(encoded - t0);
-  return Put(key, storage::Payload::FromString(std::move(bytes)), info, original_bytes, transfers,
-             encoded, crc);
+  return Put(key, std::move(bytes), info, original_bytes, transfers, encoded, crc);
 }
 
 absl::StatusOr<CacheSummary> CacheRepository::StoreFromDevice(const CacheKey& key,

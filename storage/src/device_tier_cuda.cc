@@ -2,8 +2,6 @@
 // one cudaMalloc'ed pool per device carved by RangeAllocator.
 #include <cuda_runtime_api.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -32,16 +30,7 @@ absl::Status CudaError(cudaError_t e, absl::string_view what) {
 }
 
 absl::StatusOr<Payload> CopyToHost(const void* src, int device, uint64_t size) {
-  // Fresh host memory for the copy, on huge pages where the kernel allows them (a cache is
-  // hundreds of MB: 4 KiB first-touch faults would cost more than the copy).
-  constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes = (std::max<size_t>(size, 1) + kHuge - 1) / kHuge * kHuge;
-  void* raw = nullptr;
-  if (posix_memalign(&raw, kHuge, bytes) != 0) {
-    return absl::ResourceExhaustedError("device tier: no host memory for a copy to the host");
-  }
-  madvise(raw, bytes, MADV_HUGEPAGE);
-  std::shared_ptr<uint8_t> host(static_cast<uint8_t*>(raw), [](uint8_t* p) { std::free(p); });
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<uint8_t> host, Payload::NewHostBuffer(size));
   cudaSetDevice(device);
   cudaError_t e = cudaMemcpy(host.get(), src, size, cudaMemcpyDeviceToHost);
   if (e != cudaSuccess) return CudaError(e, "copy to host");

@@ -1,9 +1,17 @@
 #include "kvcomp/storage/types.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace kvcomp {
 namespace storage {
@@ -26,6 +34,20 @@ Payload Payload::FromString(std::string bytes) {
   // Aliasing constructor: the pointer is into the string, ownership is the string's.
   std::shared_ptr<const uint8_t> data(holder, reinterpret_cast<const uint8_t*>(holder->data()));
   return Payload(std::move(data), n);
+}
+
+absl::StatusOr<std::shared_ptr<uint8_t>> Payload::NewHostBuffer(size_t size) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = (std::max<size_t>(size, 1) + kHuge - 1) / kHuge * kHuge;
+  void* raw = nullptr;
+  if (posix_memalign(&raw, kHuge, bytes) != 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("no host memory for ", size, " bytes of a cache"));
+  }
+#if defined(__linux__)
+  madvise(raw, bytes, MADV_HUGEPAGE);
+#endif
+  return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(raw), [](uint8_t* p) { std::free(p); });
 }
 
 Payload Payload::Copy(absl::string_view bytes) {

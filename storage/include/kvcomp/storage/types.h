@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kvcomp/core/cache_key.h"
@@ -59,6 +60,10 @@ class Payload {
   static Payload Copy(absl::string_view bytes);
   // Bytes in device memory (see DeviceBytes).
   static Payload OnDevice(DeviceBytes bytes);
+  // Fresh host memory for `size` bytes about to be written once (not zeroed), on transparent huge
+  // pages where the kernel allows them: a cache is hundreds of MB, and 4 KiB first-touch faults
+  // would cost more than writing it. ResourceExhausted without memory.
+  static absl::StatusOr<std::shared_ptr<uint8_t>> NewHostBuffer(size_t size);
 
   const uint8_t* data() const { return data_.get(); }
   size_t size() const { return size_; }
