@@ -166,7 +166,7 @@ def attention_errors(cache, layers, keys16, vals16):
 class Stages:
     """Daemon stage seconds between two points (the metrics are cumulative)."""
 
-    NAMES = ("receive", "compress", "store", "serve")
+    NAMES = ("receive", "compress", "encode", "store", "serve")
 
     def __init__(self):
         self.last = self._read()
@@ -270,7 +270,7 @@ def run(args) -> int:
     print(f"{'generate both requests (client)':36}{t_gen:>16.3f}")
     print(f"{'earlier request + calibrate':36}{t_cal:>16.3f}")
     row("push, block by block (client)", lambda c: c["t_put"], ".3f")
-    for st in ("receive", "compress", "store"):
+    for st in ("receive", "compress", "encode", "store"):
         row(f"  daemon: {st}", lambda c: c["stages"][st], ".3f")
     row("fetch as stored (client)", lambda c: c["t_get"], ".3f")
     row("  daemon: serve (all fetches)", lambda c: c["stages"]["serve"], ".3f")
