@@ -101,10 +101,7 @@ absl::StatusOr<CacheSummary> CacheRepository::Put(const CacheKey& key, storage::
   // The repository encoded these bytes itself and read their header back (`info`): the store
   // need not parse them again, nor checksum host bytes whose CRC the encoder gave.
   po.validate = false;
-  if (crc32c.has_value()) {
-    po.crc32c_known = true;
-    po.crc32c = *crc32c;
-  }
+  po.crc32c = crc32c;
   KVCOMP_RETURN_IF_ERROR(store_->Put(key, std::move(payload), meta, po));
   if (transfers != nullptr) {
     transfers->to_device += copies.to_device;

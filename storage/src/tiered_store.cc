@@ -654,9 +654,9 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
   }
   const uint64_t n = encoded.size();
   meta.stored_bytes = n;
-  meta.crc32c = on_device != nullptr   ? on_device->crc32c
-                : options.crc32c_known ? options.crc32c
-                                       : Crc32c(encoded.data(), n);
+  meta.crc32c = on_device != nullptr ? on_device->crc32c
+                : options.crc32c     ? *options.crc32c
+                                     : Crc32c(encoded.data(), n);
   // The bytes as tier `t` takes them: a payload on the device goes to the device tier as it is
   // and is copied to the host once, the first time another tier needs it.
   Payload host_copy;

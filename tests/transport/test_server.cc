@@ -11,7 +11,8 @@
 #include "transport/memory_handler.h"
 
 int main() {
-  using namespace kvcomp::transport;  // NOLINT: a tiny test helper
+  using kvcomp::transport::ServerOptions;
+  using kvcomp::transport::UcxServer;
   kvcomp::testing::MemoryHandler handler(
       std::map<std::string, std::string>{{"acme", "secret"}});
   ServerOptions so;

@@ -9,7 +9,10 @@
 #include "kvcomp/transport/client.h"
 
 int main(int argc, char** argv) {
-  using namespace kvcomp::transport;  // NOLINT: a tiny test helper
+  using kvcomp::transport::ClientOptions;
+  using kvcomp::transport::Endpoint;
+  using kvcomp::transport::UcxClient;
+  namespace wire = kvcomp::transport::wire;
   if (argc != 4) return 2;
   ClientOptions o;
   o.ucx.overrides["TLS"] = argv[2];

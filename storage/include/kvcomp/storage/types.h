@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -131,8 +132,7 @@ struct PutOptions {
   // The CRC32C of a host payload when the caller has it (format::EncodeCache gives it as it
   // encodes): taken as it is instead of reading the bytes again. A payload on the device
   // carries its own.
-  bool crc32c_known = false;
-  uint32_t crc32c = 0;
+  std::optional<uint32_t> crc32c;
   // When set, the bytes this put copied between host and device memory for its own cache are
   // added to it (not those of demotions it caused). Not owned. Default none.
   DeviceCopies* copies = nullptr;
