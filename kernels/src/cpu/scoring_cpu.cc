@@ -812,34 +812,6 @@ absl::Status CpuScoringOps::SelectImpl(const float* scores, uint32_t num_heads, 
   return absl::OkStatus();
 }
 
-// Copies one row; streaming (non-temporal) stores when both sides allow, so the output does not
-// pass through the cache (no read-for-ownership), as large memcpys do.
-inline void CopyRow(char* dst, const char* src, size_t bytes, bool stream) {
-#if defined(__SSE2__)
-  if (stream) {
-    for (size_t b = 0; b < bytes; b += 64) {
-      __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b));
-      __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b + 16));
-      __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b + 32));
-      __m128i a3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + b + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + b), a0);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + b + 16), a1);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + b + 32), a2);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + b + 48), a3);
-    }
-    return;
-  }
-#endif
-  std::memcpy(dst, src, bytes);
-}
-
-// Asks for a row ahead of its copy (the gather's sources are scattered, so the hardware
-// prefetcher cannot follow them across pages).
-inline void PrefetchRow(const char* src, size_t bytes) {
-  for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(src + b);
-}
-constexpr uint64_t kGatherAhead = 8;  // rows
-
 absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& values,
                                         const uint32_t* counts, const uint32_t* indices,
                                         void* keys_out, void* values_out, bool check_values) {
@@ -867,15 +839,19 @@ absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& 
   const bool stream = total * row_bytes * 2 >= (uint64_t{8} << 20) &&
                       reinterpret_cast<uintptr_t>(kout) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(vout) % 16 == 0;
-  constexpr uint64_t kRowsPerTask = 1024;
-  std::vector<uint64_t> task_start(heads + 1, 0);
-  for (uint32_t h = 0; h < heads; ++h) {
-    task_start[h + 1] = task_start[h] + CeilDiv(counts[h], kRowsPerTask);
-  }
+  // The row kernels copy; both tensors share dtype and head_dim (the caller checks).
+  const cpu::RowKernels* k = cpu::RowKernelsFor(keys.dtype, keys.head_dim);
+  auto fence = [stream] {
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();
+#else
+    (void)stream;
+#endif
+  };
   if (check_values) {
-    // Every value row is read once, in order: its squared norm checked (the data rule), the
-    // kept ones copied while they are in L1. Kept lists are ascending (SelectImpl's output).
-    const cpu::RowKernels* k = cpu::RowKernelsFor(values.dtype, values.head_dim);
+    // Per (head, chunk of kChunkTokens tokens): the chunk's kept keys gathered, then every value
+    // row of the chunk read once, in order: its squared norm checked (the data rule) and the
+    // kept ones copied while in L1. Kept lists are ascending (SelectImpl's output).
     const uint64_t chunks = CeilDiv(n, kChunkTokens);
     BadTokenFlag bad;
     ctx_->ParallelFor(uint64_t{heads} * chunks, [&](size_t task) {
@@ -886,46 +862,33 @@ absl::Status CpuScoringOps::CompactImpl(const HeadsView& keys, const HeadsView& 
       const uint32_t* last = indices + offsets[h + 1];
       const uint32_t* lo = std::lower_bound(first, last, static_cast<uint32_t>(t0));
       const uint32_t* hi = std::lower_bound(lo, last, static_cast<uint32_t>(t0 + len));
+      const uint64_t dst = offsets[h] + (lo - first);
+      k->gather(ElemPtr(keys, h, 0), keys.token_stride, lo, hi - lo, kout + dst * row_bytes,
+                stream);
       float sq[kChunkTokens];
-      const uint64_t step = 256;  // rows checked, then their kept rows copied
-      const uint32_t* next = lo;
-      for (uint64_t b = t0; b < t0 + len; b += step) {
-        const uint64_t m = std::min(step, t0 + len - b);
-        k->sq_norms(ElemPtr(values, h, b), values.token_stride, m, sq + (b - t0));
-        for (; next < hi && *next < b + m; ++next) {
-          if (next + kGatherAhead < hi) {
-            PrefetchRow(ElemPtr(keys, h, next[kGatherAhead]), row_bytes);
-          }
-          const uint64_t dst = offsets[h] + (next - first);
-          CopyRow(kout + dst * row_bytes, ElemPtr(keys, h, *next), row_bytes, stream);
-          CopyRow(vout + dst * row_bytes, ElemPtr(values, h, *next), row_bytes, stream);
-        }
-      }
+      k->sq_norms_and_copy(ElemPtr(values, h, t0), values.token_stride, t0, len, lo, hi - lo,
+                           vout + dst * row_bytes, stream, sq);
       bad.Check(sq, len, h, t0, n);
-#if defined(__SSE2__)
-      if (stream) _mm_sfence();
-#endif
+      fence();
     });
     return bad.ToStatus("values", n, head_base_);
+  }
+  constexpr uint64_t kRowsPerTask = 1024;
+  std::vector<uint64_t> task_start(heads + 1, 0);
+  for (uint32_t h = 0; h < heads; ++h) {
+    task_start[h + 1] = task_start[h] + CeilDiv(counts[h], kRowsPerTask);
   }
   ctx_->ParallelFor(task_start[heads], [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(
         std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1);
     const uint64_t r0 = (task - task_start[h]) * kRowsPerTask;
     const uint64_t r1 = std::min<uint64_t>(counts[h], r0 + kRowsPerTask);
-    for (uint64_t r = r0; r < r1; ++r) {
-      const uint64_t dst = offsets[h] + r;
-      const uint32_t src = indices[dst];
-      if (r + kGatherAhead < r1) {
-        PrefetchRow(ElemPtr(keys, h, indices[dst + kGatherAhead]), row_bytes);
-        PrefetchRow(ElemPtr(values, h, indices[dst + kGatherAhead]), row_bytes);
-      }
-      CopyRow(kout + dst * row_bytes, ElemPtr(keys, h, src), row_bytes, stream);
-      CopyRow(vout + dst * row_bytes, ElemPtr(values, h, src), row_bytes, stream);
-    }
-#if defined(__SSE2__)
-    if (stream) _mm_sfence();
-#endif
+    const uint64_t dst = offsets[h] + r0;
+    k->gather(ElemPtr(keys, h, 0), keys.token_stride, indices + dst, r1 - r0,
+              kout + dst * row_bytes, stream);
+    k->gather(ElemPtr(values, h, 0), values.token_stride, indices + dst, r1 - r0,
+              vout + dst * row_bytes, stream);
+    fence();
   });
   return absl::OkStatus();
 }

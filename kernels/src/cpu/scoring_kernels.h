@@ -34,6 +34,16 @@ struct RowKernels {
                       float* sq);
   // dst[0..head_dim) = row as float.
   void (*to_float)(const void* row, float* dst);
+  // Row r of dst = row idx[r] of rows, byte for byte, for r < count (a compaction's gather). With
+  // `stream` the stores are non-temporal (dst must be 16-byte aligned; the build's widest
+  // vector when dst is aligned to it), so the output does not pass through the cache.
+  void (*gather)(const void* rows, uint64_t stride, const uint32_t* idx, uint64_t count, void* dst,
+                 bool stream);
+  // One read of rows [t0, t0 + n): sq[i] = ||row t0+i||^2 (as sq_norms), and the rows listed in
+  // kept[0..count) (ascending, all in [t0, t0 + n)) copied to dst in order, while in L1.
+  void (*sq_norms_and_copy)(const void* rows, uint64_t stride, uint64_t t0, uint64_t n,
+                            const uint32_t* kept, uint64_t count, void* dst, bool stream,
+                            float* sq);
 };
 
 // The table for (dtype, head_dim); nullptr when unsupported.
