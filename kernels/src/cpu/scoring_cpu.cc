@@ -23,6 +23,7 @@ namespace {
 // Tokens per task for the streaming passes: big enough to amortise scheduling, small enough to
 // balance 2-128 threads over 8 heads of 8K tokens.
 constexpr uint64_t kChunkTokens = 2048;
+static_assert(kChunkTokens % kKeySumChunkTokens == 0, "a task holds whole KeySums chunks");
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
@@ -289,6 +290,27 @@ void ChunkSum(const cpu::RowKernels* k, const HeadsView& keys, uint32_t h, uint6
   k->sq_norms_and_sum(ElemPtr(keys, h, t0), keys.token_stride, len, unit, kKeyDiffEps, sq, sum);
 }
 
+// ChunkSum of every chunk of rows [t0, t0 + len) of head h (t0 on a chunk boundary; the last
+// chunk may be short), chunk c into sums + c * head_dim, squared norms into sq. Full chunks are
+// summed kMaxSumRuns at a time, their rows read in turn: the same bits as one at a time.
+void ChunkSums(const cpu::RowKernels* k, const HeadsView& keys, uint32_t h, uint64_t t0,
+               uint64_t len, bool unit, float* sq, float* sums) {
+  const uint32_t d = keys.head_dim;
+  const uint64_t full = len / kKeySumChunkTokens;
+  std::fill(sums, sums + CeilDiv(len, kKeySumChunkTokens) * d, 0.0f);
+  for (uint64_t c = 0; c < full; c += cpu::kMaxSumRuns) {
+    const uint64_t t = c * kKeySumChunkTokens;
+    k->sq_norms_and_sums(ElemPtr(keys, h, t0 + t), keys.token_stride, kKeySumChunkTokens,
+                         std::min(cpu::kMaxSumRuns, full - c), unit, kKeyDiffEps, sq + t,
+                         sums + c * d);
+  }
+  if (const uint64_t rest = len % kKeySumChunkTokens; rest != 0) {
+    const uint64_t t = full * kKeySumChunkTokens;
+    k->sq_norms_and_sum(ElemPtr(keys, h, t0 + t), keys.token_stride, rest, unit, kKeyDiffEps,
+                        sq + t, sums + full * d);
+  }
+}
+
 // The mean of `rows` rows from their double sum, rounded to float. Returns its norm floored at
 // kKeyDiffEps (keydiff's).
 float MeanOfSum(const double* sum, uint32_t d, uint64_t rows, float* mean) {
@@ -398,14 +420,16 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, const ScorePar
     BadTokenFlag bad;
     ctx_->ParallelFor(heads, [&](size_t hi) {
       const uint32_t h = static_cast<uint32_t>(hi);
-      std::vector<float> part(d), head_centre(d);
+      std::vector<float> part(kChunkTokens / kKeySumChunkTokens * d), head_centre(d);
       std::vector<double> sum(d, 0.0);
-      for (uint64_t t0 = 0; t0 < n; t0 += kKeySumChunkTokens) {
-        const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, n - t0);
+      for (uint64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
+        const uint64_t len = std::min(kChunkTokens, n - t0);
         float* sq = scores + uint64_t{h} * n + t0;
-        ChunkSum(k, keys, h, t0, len, keydiff, sq, part.data());
+        ChunkSums(k, keys, h, t0, len, keydiff, sq, part.data());
         bad.Check(sq, len, h, t0, n);
-        for (uint32_t j = 0; j < d; ++j) sum[j] += part[j];
+        for (uint64_t c = 0; c < CeilDiv(len, kKeySumChunkTokens); ++c) {
+          for (uint32_t j = 0; j < d; ++j) sum[j] += part[c * d + j];
+        }
       }
       const float head_norm = MeanOfSum(sum.data(), d, n, head_centre.data());
       for (uint64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
@@ -422,14 +446,11 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, const ScorePar
   ctx_->ParallelFor(tasks, [&](size_t task) {
     const uint32_t h = static_cast<uint32_t>(task / chunks);
     const uint64_t c0 = (task % chunks) * kSumsPerTask;
-    const uint64_t c1 = std::min(sum_chunks, c0 + kSumsPerTask);
-    for (uint64_t c = c0; c < c1; ++c) {
-      const uint64_t t0 = c * kKeySumChunkTokens;
-      const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, n - t0);
-      float* sq = scores + uint64_t{h} * n + t0;
-      ChunkSum(k, keys, h, t0, len, keydiff, sq, partial + (h * sum_chunks + c) * d);
-      bad.Check(sq, len, h, t0, n);
-    }
+    const uint64_t t0 = c0 * kKeySumChunkTokens;
+    const uint64_t len = std::min(kChunkTokens, n - t0);
+    float* sq = scores + uint64_t{h} * n + t0;
+    ChunkSums(k, keys, h, t0, len, keydiff, sq, partial + (h * sum_chunks + c0) * d);
+    bad.Check(sq, len, h, t0, n);
   });
   KVCOMP_RETURN_IF_ERROR(bad.ToStatus("keys", n, head_base_));
 
@@ -462,7 +483,7 @@ absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, const ScorePara
     const uint32_t h = static_cast<uint32_t>(task / windows);
     const uint64_t w0 = (task % windows) * window;
     const uint64_t wlen = std::min<uint64_t>(window, n - w0);
-    std::vector<float> part(d), mean(d);
+    std::vector<float> part(kChunkTokens / kKeySumChunkTokens * d), mean(d);
     if (given != nullptr) {
       const uint64_t c0 = w0 / kKeySumChunkTokens;
       MeanOfChunks(given + (uint64_t{h} * sum_chunks + c0) * d,
@@ -477,12 +498,14 @@ absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, const ScorePara
       return;
     }
     std::vector<double> sum(d, 0.0);
-    for (uint64_t t0 = w0; t0 < w0 + wlen; t0 += kKeySumChunkTokens) {
-      const uint64_t len = std::min<uint64_t>(kKeySumChunkTokens, w0 + wlen - t0);
+    for (uint64_t t0 = w0; t0 < w0 + wlen; t0 += kChunkTokens) {
+      const uint64_t len = std::min(kChunkTokens, w0 + wlen - t0);
       float* sq = scores + uint64_t{h} * n + t0;
-      ChunkSum(k, keys, h, t0, len, false, sq, part.data());
+      ChunkSums(k, keys, h, t0, len, false, sq, part.data());
       bad.Check(sq, len, h, t0, n);
-      for (uint32_t j = 0; j < d; ++j) sum[j] += part[j];
+      for (uint64_t c = 0; c < CeilDiv(len, kKeySumChunkTokens); ++c) {
+        for (uint32_t j = 0; j < d; ++j) sum[j] += part[c * d + j];
+      }
     }
     MeanOfSum(sum.data(), d, wlen, mean.data());
     k->distances(ElemPtr(keys, h, w0), keys.token_stride, wlen, mean.data(),

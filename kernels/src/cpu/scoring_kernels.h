@@ -12,6 +12,9 @@
 namespace kvcomp {
 namespace cpu {
 
+// Most runs sq_norms_and_sums reads in turn.
+inline constexpr uint64_t kMaxSumRuns = 4;
+
 // Rows are `stride` elements apart; every output is per row; float accumulation in a fixed
 // order. sum/mu/a/q have head_dim floats.
 struct RowKernels {
@@ -20,6 +23,10 @@ struct RowKernels {
   // sq[i] = ||k_i||^2 and sum += k_i * (normalize ? 1 / max(||k_i||, eps) : 1).
   void (*sq_norms_and_sum)(const void* rows, uint64_t stride, uint64_t n, bool normalize, float eps,
                            float* sq, float* sum);
+  // sq_norms_and_sum over `runs` (1 to kMaxSumRuns) consecutive runs of n rows, run j into sums + j *
+  // head_dim: the same bits as one call per run, the runs read in turn (as ForRows).
+  void (*sq_norms_and_sums)(const void* rows, uint64_t stride, uint64_t n, uint64_t runs,
+                            bool normalize, float eps, float* sq, float* sums);
   // sum += k_i (the same bits as sq_norms_and_sum's sum without normalisation).
   void (*sums)(const void* rows, uint64_t stride, uint64_t n, float* sum);
   // out[i] = ||k_i - mu||.
