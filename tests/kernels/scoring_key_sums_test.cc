@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -41,7 +42,8 @@ Sums SumsOf(const HostHeads& k) {
   Sums s;
   s.sums.assign(uint64_t{k.heads} * Chunks(k.tokens) * k.head_dim, NAN);
   s.unit.assign(s.sums.size(), NAN);
-  const absl::Status st = SumKeysOnHost(k.view(), 0, Chunks(k.tokens), s.sums.data(), s.unit.data());
+  const absl::Status st =
+      SumKeysOnHost(k.view(), 0, Chunks(k.tokens), s.sums.data(), s.unit.data());
   EXPECT_TRUE(st.ok()) << st;
   return s;
 }
@@ -95,7 +97,8 @@ TEST(ScoringKeySumsTest, GivenSumsGiveTheSameScoresBitForBit) {
   uint64_t seed = 11;
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (uint32_t d : {64u, 128u, 256u}) {
-      for (uint64_t n : {uint64_t{1}, uint64_t{255}, uint64_t{256}, uint64_t{2049}, uint64_t{5000}}) {
+      for (uint64_t n :
+           {uint64_t{1}, uint64_t{255}, uint64_t{256}, uint64_t{2049}, uint64_t{5000}}) {
         const HostHeads k = RandomHeads(dt, 2, n, d, seed++);
         const Sums sums = SumsOf(k);
         for (int threads : {1, 4}) {
@@ -103,8 +106,8 @@ TEST(ScoringKeySumsTest, GivenSumsGiveTheSameScoresBitForBit) {
           for (Scorer s : {Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold}) {
             for (uint32_t window : {512u, 1000u, 8192u}) {
               if (s != Scorer::kWindowedManifold && window != 512) continue;
-              SCOPED_TRACE(absl::StrFormat("%s d=%u n=%u threads=%d %s window=%u",
-                                           DTypeName(dt), d, n, threads, ScorerName(s), window));
+              SCOPED_TRACE(absl::StrFormat("%s d=%u n=%u threads=%d %s window=%u", DTypeName(dt), d,
+                                           n, threads, ScorerName(s), window));
               ScoreParams p;
               p.scorer = s;
               p.window = window;
@@ -220,8 +223,7 @@ TEST(ScoringKeySumsTest, BadArgumentsAreRefused) {
             absl::StatusCode::kInvalidArgument);
   HeadsView dev = k.view();
   dev.space = MemorySpace::kDevice;
-  EXPECT_EQ(SumKeysOnHost(dev, 0, 1, s.data(), nullptr).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SumKeysOnHost(dev, 0, 1, s.data(), nullptr).code(), absl::StatusCode::kInvalidArgument);
   // Sums of another length are refused by the scorer.
   auto cpu = Cpu(1);
   ScoreParams p;
@@ -248,12 +250,14 @@ TEST(ScoringIsaTest, DispatchPicksTheBestSupportedBuild) {
   std::printf("row kernels: %s\n", cpu::RowKernelsIsa());
 }
 
-TEST(ScoringIsaTest, EveryBuildAgreesWithFloat64) {
-  struct Build {
-    const char* name;
-    const cpu::RowKernels* (*table)(DType, uint32_t);
-    bool runs;
-  };
+struct Build {
+  const char* name;
+  const cpu::RowKernels* (*table)(DType, uint32_t);
+  bool runs;
+};
+
+// Every build of the row kernels, and whether this CPU can run it.
+std::vector<Build> Builds() {
   std::vector<Build> builds = {{"generic", &cpu::generic::Table, true}};
 #if defined(__x86_64__)
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -261,6 +265,11 @@ TEST(ScoringIsaTest, EveryBuildAgreesWithFloat64) {
   builds.push_back({"avx2", &cpu::avx2::Table, avx2});
   builds.push_back({"avx512", &cpu::avx512::Table, avx2 && __builtin_cpu_supports("avx512f")});
 #endif
+  return builds;
+}
+
+TEST(ScoringIsaTest, EveryBuildAgreesWithFloat64) {
+  const std::vector<Build> builds = Builds();
   uint64_t seed = 100;
   for (const Build& b : builds) {
     if (!b.runs) {
@@ -318,6 +327,68 @@ TEST(ScoringIsaTest, EveryBuildAgreesWithFloat64) {
         }
         t->to_float(k.bytes.data(), row.data());
         for (uint32_t j = 0; j < d; ++j) ASSERT_EQ(row[j], k.at(0, 0, j));
+      }
+    }
+  }
+}
+
+// The compaction's kernels copy rows byte for byte, with and without streaming stores, to
+// destinations aligned to 64 bytes and to 16 only; the multi-run chunk sums give the bits of one
+// call per run; sq_norms_and_copy's norms are sq_norms'.
+TEST(ScoringIsaTest, EveryBuildCopiesExactRowsAndSumsRunsAsOneByOne) {
+  uint64_t seed = 500;
+  for (const Build& b : Builds()) {
+    if (!b.runs) continue;
+    for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+      for (uint32_t d : {64u, 128u, 256u}) {
+        SCOPED_TRACE(absl::StrFormat("%s %s d=%u", b.name, DTypeName(dt), d));
+        const uint64_t n = 2500, t0 = 300, len = 2100;  // rows [t0, t0 + len) of n
+        const HostHeads k = RandomHeads(dt, 1, n, d, seed++);
+        const cpu::RowKernels* t = b.table(dt, d);
+        ASSERT_NE(t, nullptr);
+        const size_t row = d * testing::ElemSize(dt);
+        std::mt19937 rng(static_cast<uint32_t>(seed));
+        std::vector<uint32_t> kept;
+        for (uint32_t i = t0; i < t0 + len; ++i) {
+          if (rng() % 2 == 0) kept.push_back(i);
+        }
+        std::vector<uint8_t> out_bytes(kept.size() * row + 128);
+        for (size_t misalign : {size_t{0}, size_t{16}}) {
+          uint8_t* out = out_bytes.data() +
+                         (64 - reinterpret_cast<uintptr_t>(out_bytes.data()) % 64) % 64 + misalign;
+          for (bool stream : {false, true}) {
+            SCOPED_TRACE(absl::StrFormat("misaligned by %u, stream %d", misalign, stream));
+            std::memset(out, 0, kept.size() * row);
+            t->gather(k.bytes.data(), d, kept.data(), kept.size(), out, stream);
+            for (size_t r = 0; r < kept.size(); ++r) {
+              ASSERT_EQ(0, std::memcmp(out + r * row, k.bytes.data() + kept[r] * row, row)) << r;
+            }
+            std::memset(out, 0, kept.size() * row);
+            std::vector<float> sq(len), ref(len);
+            t->sq_norms_and_copy(k.bytes.data() + t0 * row, d, t0, len, kept.data(), kept.size(),
+                                 out, stream, sq.data());
+            t->sq_norms(k.bytes.data() + t0 * row, d, len, ref.data());
+            ExpectSameBits(sq, ref);
+            for (size_t r = 0; r < kept.size(); ++r) {
+              ASSERT_EQ(0, std::memcmp(out + r * row, k.bytes.data() + kept[r] * row, row)) << r;
+            }
+          }
+        }
+        for (uint64_t runs = 1; runs <= cpu::kMaxSumRuns; ++runs) {
+          for (bool unit : {false, true}) {
+            const uint64_t rows = 256;
+            std::vector<float> sq(runs * rows), sums(runs * d, 0.0f);
+            std::vector<float> sq1(runs * rows), sums1(runs * d, 0.0f);
+            t->sq_norms_and_sums(k.bytes.data(), d, rows, runs, unit, kKeyDiffEps, sq.data(),
+                                 sums.data());
+            for (uint64_t j = 0; j < runs; ++j) {
+              t->sq_norms_and_sum(k.bytes.data() + j * rows * row, d, rows, unit, kKeyDiffEps,
+                                  sq1.data() + j * rows, sums1.data() + j * d);
+            }
+            ExpectSameBits(sq, sq1);
+            ExpectSameBits(sums, sums1);
+          }
+        }
       }
     }
   }
