@@ -24,6 +24,7 @@
 
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/moment_ops.h"
 #include "kvcomp/kernels/scoring_ops.h"
 
 namespace kvcomp {
@@ -304,6 +305,42 @@ BENCHMARK(BM_Stage)
     ->ArgNames({"tokens", "scorer", "stage", "threads", "sums"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+// MomentKV summaries of the evicted half of a layer (every other token of each head) on the CPU:
+// counts, key and value sums and the d x d sum of v k^T, whose dense products dominate. GFLOP/s
+// counts the v k^T products (2 d^2 per evicted row). Run with KVCOMP_CPU_ISA=generic to time the
+// portable build of the products against the one this CPU takes (filter BM_Moments to run it).
+void BM_Moments(benchmark::State& state) {
+  const uint64_t tokens = state.range(0);
+  const int threads = state.range(1) == 0 ? AllThreads() : static_cast<int>(state.range(1));
+  const Data& d = InputFor(tokens);
+  CpuBackendOptions options;
+  options.num_threads = threads;
+  auto backend = std::move(*MakeCpuBackend(options));
+  const HeadsView keys = HeadsView::Dense(d.k.data(), DType::kBF16, kHeads, tokens, kHeadDim);
+  const HeadsView values = HeadsView::Dense(d.v.data(), DType::kBF16, kHeads, tokens, kHeadDim);
+  std::vector<uint32_t> evicted;
+  std::vector<uint64_t> offsets = {0};
+  for (uint32_t h = 0; h < kHeads; ++h) {
+    for (uint32_t t = 1; t < tokens; t += 2) evicted.push_back(t);
+    offsets.push_back(evicted.size());
+  }
+  const TokenLists lists{evicted.data(), offsets.data(), kHeads, MemorySpace::kHost};
+  std::vector<uint64_t> count(kHeads);
+  std::vector<float> ks(kHeads * kHeadDim), vs(kHeads * kHeadDim),
+      vk(uint64_t{kHeads} * kHeadDim * kHeadDim);
+  const MomentsView m{count.data(), ks.data(), vs.data(), vk.data(), kHeads, kHeadDim,
+                      MemorySpace::kHost};
+  for (auto _ : state) {
+    const absl::Status st = backend->moments().Accumulate(keys, values, lists, m);
+    if (!st.ok()) state.SkipWithError(std::string(st.message()).c_str());
+    benchmark::DoNotOptimize(vk.data());
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * kHeadDim * kHeadDim * static_cast<double>(evicted.size()) * state.iterations() / 1e9,
+      benchmark::Counter::kIsRate);
+  state.counters["workers"] = threads;
+}
+
 // The keys' sums where the assembler makes them (filter BM_AssembleKeys to run it).
 BENCHMARK(BM_AssembleKeys)
     ->Apply([](benchmark::internal::Benchmark* b) {
@@ -314,6 +351,13 @@ BENCHMARK(BM_AssembleKeys)
       }
     })
     ->ArgNames({"tokens", "block", "sums"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Moments)
+    ->Args({8192, 1})
+    ->Args({8192, 0})
+    ->Args({65536, 1})
+    ->ArgNames({"tokens", "threads"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ScoreSelectCompact)

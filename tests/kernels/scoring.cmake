@@ -10,8 +10,14 @@ kvcomp_cc_test(NAME kernels_scoring_conformance_gpu_test SRCS scoring_conformanc
 # (or without CUDA) the binary reports skipped (77).
 kvcomp_cc_test(NAME kernels_scoring_cuda_test SRCS scoring_cuda_test.cc DEPS kvcomp::kernels
                LABELS gpu)
-# The scorers given the keys' sums, and the row kernels' run-time builds (internal header).
+# The scorers given the keys' sums, and the run-time builds of the row kernels and of the dense
+# products (internal headers).
 kvcomp_cc_test(NAME kernels_scoring_key_sums_test SRCS scoring_key_sums_test.cc
                DEPS kvcomp::kernels)
 target_include_directories(kernels_scoring_key_sums_test PRIVATE
                            ${PROJECT_SOURCE_DIR}/kernels/src/cpu)
+# The wide builds of the dense products exist where kernels/moments.cmake builds them.
+if(TARGET Eigen3::Eigen AND CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND
+   CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  target_compile_definitions(kernels_scoring_key_sums_test PRIVATE KVCOMP_HAVE_WIDE_GEMM=1)
+endif()

@@ -7,9 +7,11 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "gemm_kernels.h"
 #include "gtest/gtest.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/scoring_ops.h"
@@ -392,6 +394,72 @@ TEST(ScoringIsaTest, EveryBuildCopiesExactRowsAndSumsRunsAsOneByOne) {
       }
     }
   }
+}
+
+// The AVX2 and AVX-512 builds of the moment and attention tiles' dense products (Eigen compiled
+// with those flags) against float64, on tile shapes and odd ones; WideGemm takes the build the
+// row kernels take.
+TEST(GemmIsaTest, EveryBuildMatchesFloat64) {
+#if defined(__x86_64__) && defined(KVCOMP_HAVE_WIDE_GEMM)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  struct GemmBuild {
+    const char* name;
+    const cpu::GemmKernels* table;
+    bool runs;
+  };
+  const GemmBuild builds[] = {
+      {"avx2", cpu::avx2::GemmTable(), avx2},
+      {"avx512", cpu::avx512::GemmTable(), avx2 && __builtin_cpu_supports("avx512f")}};
+  const std::string isa = cpu::RowKernelsIsa();
+  EXPECT_EQ(cpu::WideGemm(), isa == "avx512" ? builds[1].table
+                             : isa == "avx2" ? builds[0].table
+                                             : nullptr);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (const GemmBuild& b : builds) {
+    if (!b.runs) continue;
+    for (const auto& [m, p, q] : {std::tuple<size_t, size_t, size_t>{128, 128, 128},
+                                  {37, 65, 129},
+                                  {1, 64, 256},
+                                  {300, 3, 5}}) {
+      SCOPED_TRACE(absl::StrFormat("%s m=%u p=%u q=%u", b.name, m, p, q));
+      std::vector<float> a(m * p), bt(m * q), bq(q * p), bp(p * q);
+      for (float* v : {a.data(), bt.data()}) {
+        for (size_t i = 0; i < (v == a.data() ? a.size() : bt.size()); ++i) v[i] = u(rng);
+      }
+      for (float& x : bq) x = u(rng);
+      for (float& x : bp) x = u(rng);
+      // C[p x q] += A^T B, from a start of ones.
+      std::vector<float> c1(p * q, 1.0f);
+      b.table->add_at_b(a.data(), bt.data(), c1.data(), m, p, q);
+      for (size_t i = 0; i < p; ++i) {
+        for (size_t j = 0; j < q; ++j) {
+          double r = 1.0;
+          for (size_t t = 0; t < m; ++t) r += double{a[t * p + i]} * bt[t * q + j];
+          ASSERT_NEAR(c1[i * q + j], r, 1e-4 * (1.0 + std::sqrt(double(m))));
+        }
+      }
+      // C[m x q] = A B^T (B is q x p), and C += A B (B is p x q).
+      std::vector<float> c2(m * q, 5.0f), c3(m * q, 1.0f);
+      b.table->a_bt(a.data(), bq.data(), c2.data(), m, p, q);
+      b.table->add_a_b(a.data(), bp.data(), c3.data(), m, p, q);
+      for (size_t i = 0; i < m; ++i) {
+        for (size_t j = 0; j < q; ++j) {
+          double r2 = 0.0, r3 = 1.0;
+          for (size_t x = 0; x < p; ++x) {
+            r2 += double{a[i * p + x]} * bq[j * p + x];
+            r3 += double{a[i * p + x]} * bp[x * q + j];
+          }
+          ASSERT_NEAR(c2[i * q + j], r2, 1e-4 * (1.0 + std::sqrt(double(p))));
+          ASSERT_NEAR(c3[i * q + j], r3, 1e-4 * (1.0 + std::sqrt(double(p))));
+        }
+      }
+    }
+  }
+#else
+  GTEST_SKIP() << "the wide builds of the dense products are x86-64 with Eigen only";
+#endif
 }
 
 }  // namespace

@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_format.h"
 #include "cpu_ops.h"
+#include "gemm_kernels.h"
 #include "kvcomp/core/status.h"
 #include "moments_cpu_internal.h"
+#include "scoring_kernels.h"
 
 #ifdef KVCOMP_HAVE_EIGEN
 #include <Eigen/Core>
@@ -200,6 +203,26 @@ void RowToFloat(const void* src, DType dtype, size_t n, float* dst) {
   }
 }
 
+}  // namespace moments_internal
+
+namespace cpu {
+const GemmKernels* WideGemm() {
+#if defined(KVCOMP_HAVE_WIDE_GEMM)
+  static const GemmKernels* const chosen = [] {
+    const std::string isa = RowKernelsIsa();
+    if (isa == "avx512") return avx512::GemmTable();
+    if (isa == "avx2") return avx2::GemmTable();
+    return static_cast<const GemmKernels*>(nullptr);
+  }();
+  return chosen;
+#else
+  return nullptr;
+#endif
+}
+}  // namespace cpu
+
+namespace moments_internal {
+
 #ifdef KVCOMP_HAVE_EIGEN
 namespace {
 using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -207,12 +230,15 @@ using CMap = Eigen::Map<const RowMat>;
 using MMap = Eigen::Map<RowMat>;
 }  // namespace
 void AddAtB(const float* a, const float* b, float* c, size_t m, size_t p, size_t q) {
+  if (const cpu::GemmKernels* g = cpu::WideGemm()) return g->add_at_b(a, b, c, m, p, q);
   MMap(c, p, q).noalias() += CMap(a, m, p).transpose() * CMap(b, m, q);
 }
 void ABt(const float* a, const float* b, float* c, size_t m, size_t p, size_t q) {
+  if (const cpu::GemmKernels* g = cpu::WideGemm()) return g->a_bt(a, b, c, m, p, q);
   MMap(c, m, q).noalias() = CMap(a, m, p) * CMap(b, q, p).transpose();
 }
 void AddAB(const float* a, const float* b, float* c, size_t m, size_t p, size_t q) {
+  if (const cpu::GemmKernels* g = cpu::WideGemm()) return g->add_a_b(a, b, c, m, p, q);
   MMap(c, m, q).noalias() += CMap(a, m, p) * CMap(b, p, q);
 }
 #else
