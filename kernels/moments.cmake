@@ -5,9 +5,10 @@ list(APPEND KERNELS_SRCS
   src/cpu/attention_cpu.cc
 )
 if(TARGET Eigen3::Eigen)
-  # The CPU tiles' dense products go through Eigen's GEMM; a plain loop otherwise. On x86-64 the
-  # products are also built for AVX2+FMA and AVX-512 (Eigen's namespace renamed in each), chosen
-  # at run time with the row kernels.
+  # The CPU tiles' dense products go through Eigen's GEMM (gemm_kernels_*.cc); a plain loop
+  # otherwise. On x86-64 they are also built for AVX2+FMA and AVX-512 (Eigen's namespace renamed
+  # in each), chosen at run time with the row kernels.
+  list(APPEND KERNELS_SRCS src/cpu/gemm_kernels_generic.cc)
   if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     list(APPEND KERNELS_SRCS src/cpu/gemm_kernels_avx2.cc src/cpu/gemm_kernels_avx512.cc)
     set_source_files_properties(src/cpu/gemm_kernels_avx2.cc PROPERTIES

@@ -97,7 +97,7 @@ absl::StatusOr<EngineSet::Placement> EngineSet::Place(uint64_t bytes, int device
     Engine& e = *engines_[i];
     // A GPU whose driver reports less free memory than the put needs (other processes' memory
     // counted) is passed over: reservations alone do not see what is not kvcompd's.
-    if (e.uses_gpu()) {
+    if (bytes > 0 && e.uses_gpu()) {
       absl::StatusOr<DeviceMemory> mem = QueryDeviceMemory(e.cuda_device());
       if (mem.ok() && mem->free_bytes < bytes) {
         last = absl::ResourceExhaustedError(

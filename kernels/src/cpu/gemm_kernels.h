@@ -19,9 +19,14 @@ struct GemmKernels {
 };
 
 // The AVX2 or AVX-512 build the running CPU takes, or nullptr where only the portable one runs
-// (the caller's own products) or none was built.
+// or none was built.
 const GemmKernels* WideGemm();
+// The build the running CPU takes: WideGemm's, else the portable one (built with Eigen only).
+const GemmKernels& Gemm();
 
+namespace generic {
+const GemmKernels* GemmTable();
+}
 namespace avx2 {
 const GemmKernels* GemmTable();
 }

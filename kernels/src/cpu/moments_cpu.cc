@@ -15,10 +15,6 @@
 #include "moments_cpu_internal.h"
 #include "scoring_kernels.h"
 
-#ifdef KVCOMP_HAVE_EIGEN
-#include <Eigen/Core>
-#endif
-
 namespace kvcomp {
 namespace moments_internal {
 
@@ -219,27 +215,25 @@ const GemmKernels* WideGemm() {
   return nullptr;
 #endif
 }
+#if defined(KVCOMP_HAVE_EIGEN)
+const GemmKernels& Gemm() {
+  const GemmKernels* wide = WideGemm();
+  return wide != nullptr ? *wide : *generic::GemmTable();
+}
+#endif
 }  // namespace cpu
 
 namespace moments_internal {
 
 #ifdef KVCOMP_HAVE_EIGEN
-namespace {
-using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using CMap = Eigen::Map<const RowMat>;
-using MMap = Eigen::Map<RowMat>;
-}  // namespace
 void AddAtB(const float* a, const float* b, float* c, size_t m, size_t p, size_t q) {
-  if (const cpu::GemmKernels* g = cpu::WideGemm()) return g->add_at_b(a, b, c, m, p, q);
-  MMap(c, p, q).noalias() += CMap(a, m, p).transpose() * CMap(b, m, q);
+  cpu::Gemm().add_at_b(a, b, c, m, p, q);
 }
 void ABt(const float* a, const float* b, float* c, size_t m, size_t p, size_t q) {
-  if (const cpu::GemmKernels* g = cpu::WideGemm()) return g->a_bt(a, b, c, m, p, q);
-  MMap(c, m, q).noalias() = CMap(a, m, p) * CMap(b, q, p).transpose();
+  cpu::Gemm().a_bt(a, b, c, m, p, q);
 }
 void AddAB(const float* a, const float* b, float* c, size_t m, size_t p, size_t q) {
-  if (const cpu::GemmKernels* g = cpu::WideGemm()) return g->add_a_b(a, b, c, m, p, q);
-  MMap(c, m, q).noalias() += CMap(a, m, p) * CMap(b, p, q);
+  cpu::Gemm().add_a_b(a, b, c, m, p, q);
 }
 #else
 void AddAtB(const float* a, const float* b, float* c, size_t m, size_t p, size_t q) {

@@ -420,18 +420,11 @@ absl::Status CpuScoringOps::ScoreMeanBased(const HeadsView& keys, const ScorePar
     BadTokenFlag bad;
     ctx_->ParallelFor(heads, [&](size_t hi) {
       const uint32_t h = static_cast<uint32_t>(hi);
-      std::vector<float> part(kChunkTokens / kKeySumChunkTokens * d), head_centre(d);
-      std::vector<double> sum(d, 0.0);
-      for (uint64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
-        const uint64_t len = std::min(kChunkTokens, n - t0);
-        float* sq = scores + uint64_t{h} * n + t0;
-        ChunkSums(k, keys, h, t0, len, keydiff, sq, part.data());
-        bad.Check(sq, len, h, t0, n);
-        for (uint64_t c = 0; c < CeilDiv(len, kKeySumChunkTokens); ++c) {
-          for (uint32_t j = 0; j < d; ++j) sum[j] += part[c * d + j];
-        }
-      }
-      const float head_norm = MeanOfSum(sum.data(), d, n, head_centre.data());
+      std::vector<float> part(sum_chunks * d), head_centre(d);
+      float* sq = scores + uint64_t{h} * n;
+      ChunkSums(k, keys, h, 0, n, keydiff, sq, part.data());
+      bad.Check(sq, n, h, 0, n);
+      const float head_norm = MeanOfChunks(part.data(), sum_chunks, d, n, head_centre.data());
       for (uint64_t t0 = 0; t0 < n; t0 += kChunkTokens) {
         score_rows(h, t0, std::min(kChunkTokens, n - t0), head_centre.data(), head_norm);
       }
@@ -483,7 +476,7 @@ absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, const ScorePara
     const uint32_t h = static_cast<uint32_t>(task / windows);
     const uint64_t w0 = (task % windows) * window;
     const uint64_t wlen = std::min<uint64_t>(window, n - w0);
-    std::vector<float> part(kChunkTokens / kKeySumChunkTokens * d), mean(d);
+    std::vector<float> mean(d);
     if (given != nullptr) {
       const uint64_t c0 = w0 / kKeySumChunkTokens;
       MeanOfChunks(given + (uint64_t{h} * sum_chunks + c0) * d,
@@ -497,17 +490,12 @@ absl::Status CpuScoringOps::ScoreWindowed(const HeadsView& keys, const ScorePara
       }
       return;
     }
-    std::vector<double> sum(d, 0.0);
-    for (uint64_t t0 = w0; t0 < w0 + wlen; t0 += kChunkTokens) {
-      const uint64_t len = std::min(kChunkTokens, w0 + wlen - t0);
-      float* sq = scores + uint64_t{h} * n + t0;
-      ChunkSums(k, keys, h, t0, len, false, sq, part.data());
-      bad.Check(sq, len, h, t0, n);
-      for (uint64_t c = 0; c < CeilDiv(len, kKeySumChunkTokens); ++c) {
-        for (uint32_t j = 0; j < d; ++j) sum[j] += part[c * d + j];
-      }
-    }
-    MeanOfSum(sum.data(), d, wlen, mean.data());
+    const uint64_t wchunks = CeilDiv(wlen, kKeySumChunkTokens);
+    std::vector<float> part(wchunks * d);
+    float* sq = scores + uint64_t{h} * n + w0;
+    ChunkSums(k, keys, h, w0, wlen, false, sq, part.data());
+    bad.Check(sq, wlen, h, w0, n);
+    MeanOfChunks(part.data(), wchunks, d, wlen, mean.data());
     k->distances(ElemPtr(keys, h, w0), keys.token_stride, wlen, mean.data(),
                  scores + uint64_t{h} * n + w0);
   });
