@@ -1,15 +1,19 @@
 // MomentKV on the GPU:
 //  1. moments + compaction (MomentOps::CompactAndAccumulate, one pass, v k^T on the tensor
 //     cores) in GB/s over the minimal bytes (read K and V once, write the kept rows), next to the
-//     device-to-device copy; also the gather-only Accumulate of the evicted list.
+//     device-to-device copy, at 2K-128K tokens per head; also CompactAndAccumulateDeferred (what
+//     a device compression runs: no host wait, the values checked in the pass) and the
+//     gather-only Accumulate of the evicted list.
 //  2. corrected decode attention vs the same attention without the virtual token.
 // Each figure twice: "op" = the MomentOps call as users see it (host checks, offset copies, the
 // final synchronization), "kernel" = the kernels alone on the stream.
+// Usage: kvcomp_bench_gpu_moments [attention | TOKENS...] (default 2048 to 131072 per head)
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -88,6 +92,21 @@ void BenchMoments(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDevicePro
   const double op_us = MedianMicros(
       [&](int) { Check(gpu.moments().CompactAndAccumulate(kv, vv, kl, out_k, out_v, mv), "op"); },
       stream, 3, 20);
+  // The form a device compression runs: the lists' offsets stay on the device, the values are
+  // checked in the same pass, no host wait inside.
+  uint32_t* err = nullptr;
+  uint64_t* bad = nullptr;
+  BENCH_CUDA_CHECK(cudaMalloc(&err, sizeof(uint32_t)));
+  BENCH_CUDA_CHECK(cudaMalloc(&bad, sizeof(uint64_t)));
+  BENCH_CUDA_CHECK(cudaMemset(err, 0, sizeof(uint32_t)));
+  BENCH_CUDA_CHECK(cudaMemset(bad, 0xFF, sizeof(uint64_t)));
+  // Timed on the backend's own stream (it enqueues there and does not wait).
+  const double deferred_us = MedianMicros(
+      [&](int) {
+        Check(gpu.moments().CompactAndAccumulateDeferred(kv, vv, kl, out_k, out_v, err, bad, mv),
+              "deferred");
+      },
+      static_cast<cudaStream_t>(gpu.native_stream()), 3, 20);
   const double gather_us = MedianMicros(
       [&](int) { Check(gpu.moments().Accumulate(kv, vv, el, mv), "gather"); }, stream, 3, 20);
 
@@ -106,6 +125,7 @@ void BenchMoments(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDevicePro
   p.key_sum = ks;
   p.value_sum = vs;
   p.vk_sum = s;
+  p.bad_value = reinterpret_cast<unsigned long long*>(bad);
   const uint64_t target = std::max<uint64_t>(1, 2ull * prop.multiProcessorCount / heads);
   p.chunk = (std::max<uint64_t>(512, (tokens + target - 1) / target) + 63) / 64 * 64;
   const uint64_t chunks = (tokens + p.chunk - 1) / p.chunk;
@@ -118,10 +138,11 @@ void BenchMoments(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDevicePro
   auto gbps = [](double bytes, double us) { return bytes / (us * 1e3); };
   std::printf(
       "RESULT bench=moments_compact heads=%u tokens=%llu d=%u keep=%.2f copy_GBps=%.0f "
-      "op_us=%.1f op_GBps=%.0f op_pct_copy=%.0f kernel_us=%.1f kernel_GBps=%.0f "
-      "kernel_pct_copy=%.0f\n",
+      "op_us=%.1f op_GBps=%.0f op_pct_copy=%.0f deferred_us=%.1f deferred_pct_copy=%.0f "
+      "kernel_us=%.1f kernel_GBps=%.0f kernel_pct_copy=%.0f\n",
       heads, static_cast<unsigned long long>(tokens), d, keep, copy, op_us, gbps(min_bytes, op_us),
-      100.0 * gbps(min_bytes, op_us) / copy, kern_us, gbps(min_bytes, kern_us),
+      100.0 * gbps(min_bytes, op_us) / copy, deferred_us,
+      100.0 * gbps(min_bytes, deferred_us) / copy, kern_us, gbps(min_bytes, kern_us),
       100.0 * gbps(min_bytes, kern_us) / copy);
   std::printf(
       "RESULT bench=moments_gather heads=%u tokens=%llu evicted=%zu op_us=%.1f "
@@ -130,7 +151,7 @@ void BenchMoments(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDevicePro
       gbps(gather_bytes, gather_us), 100.0 * gbps(gather_bytes, gather_us) / copy);
   for (void* x : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(dki),
                   static_cast<void*>(dko), static_cast<void*>(dei), static_cast<void*>(deo), out_k,
-                  out_v, static_cast<void*>(cnt), static_cast<void*>(ks), static_cast<void*>(vs),
+                  out_v, static_cast<void*>(err), static_cast<void*>(bad), static_cast<void*>(cnt), static_cast<void*>(ks), static_cast<void*>(vs),
                   static_cast<void*>(s)}) {
     BENCH_CUDA_CHECK(cudaFree(x));
   }
@@ -246,11 +267,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "no CUDA backend: %s\n", b.status().ToString().c_str());
     return 0;
   }
-  cudaStream_t stream = nullptr;  // the backend's stream is the legacy default unless set
+  cudaStream_t stream = nullptr;  // the kernels timed alone run here; the ops on the backend's own
   cudaDeviceProp prop;
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device %s (%s)\n", prop.name, (*b)->Describe().c_str());
-  for (uint64_t tokens : {32768ull, 131072ull}) {
+  // Optional token counts per head (e.g. 32768 131072) instead of the default sweep.
+  std::vector<uint64_t> lengths{2048, 8192, 32768, 65536, 131072};
+  if (argc > 1 && !attention_only) {
+    lengths.clear();
+    for (int i = 1; i < argc; ++i) lengths.push_back(std::strtoull(argv[i], nullptr, 10));
+  }
+  for (uint64_t tokens : lengths) {
     if (attention_only) break;
     for (double keep : {0.5, 0.2}) BenchMoments(**b, stream, prop, tokens, keep);
   }

@@ -184,6 +184,18 @@ KeySums GroupKeySums(const KvCacheView& cache, uint32_t l0, uint32_t layers) {
 }
 
 // KVCOMP_LAYER_GROUPS=0 turns the layer groups off (the layer-by-layer loop, for comparison).
+// A device compression that keeps moments compacts and sums in one pass over K and V
+// (MomentOps::CompactAndAccumulateDeferred) after a select-only scoring call, instead of the
+// scoring call's compaction followed by a gather of the evicted rows. KVCOMP_FUSED_MOMENTS=0
+// keeps the two passes (for comparisons).
+bool FusedMomentsEnabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KVCOMP_FUSED_MOMENTS");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return enabled;
+}
+
 bool LayerGroupsEnabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("KVCOMP_LAYER_GROUPS");
@@ -284,6 +296,8 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
   DeviceCompressedCache dc;
   Buffer d_evicted, d_offsets;
   const bool evicted_lists = out.has_moments && !options.on_evict;
+  // Moments summed in the compaction pass (policy.moment_aware rescoring compacts by itself).
+  const bool fused_moments = evicted_lists && !policy.moment_aware && FusedMomentsEnabled();
   const uint32_t group = LayerGroup(backend, cache, policy, options, select);
   const uint32_t groups = static_cast<uint32_t>((L + group - 1) / group);
   const uint32_t group_heads = group * heads;
@@ -297,8 +311,10 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
       KVCOMP_RETURN_IF_ERROR(ZeroDevice(backend, b->data(), b->size()));
     }
   }
-  if (evicted_lists) {
+  if (evicted_lists && !fused_moments) {
     KVCOMP_ASSIGN_OR_RETURN(d_evicted, Buffer::Allocate(a, uint64_t{group_heads} * n * 4));
+  }
+  if (evicted_lists) {
     KVCOMP_ASSIGN_OR_RETURN(d_offsets, Buffer::Allocate(a, 2 * (uint64_t{group_heads} + 1) * 8));
   }
   // The per-group check records (none found: all ones) and moment-list error words (zero). An
@@ -351,6 +367,7 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
     args.keys_out = d_k.as<char>() + uint64_t{l} * cap * row;
     args.values_out = d_v.as<char>() + uint64_t{l} * cap * row;
     if (deferred) args.deferred_check = checks + gi;
+    args.compact = !fused_moments;  // else the moment pass compacts and checks the values
     KVCOMP_RETURN_IF_ERROR(Annotate(
         policy.moment_aware ? moments_internal::MomentAwareScoreSelectCompact(backend, args)
                             : backend.scoring().ScoreSelectCompact(args),
@@ -364,6 +381,20 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
                   gh,
                   d,
                   MemorySpace::kDevice};
+    if (fused_moments) {
+      // The kept rows copied, the evicted ones summed and every value checked in one pass.
+      auto* kept_offsets = d_offsets.as<uint64_t>();
+      KVCOMP_RETURN_IF_ERROR(pipeline_internal::LaunchEvictedLists(
+          backend.native_stream(), counts, kept, gh, n, kept_offsets, nullptr, nullptr));
+      TokenLists lists{kept, kept_offsets, gh, MemorySpace::kDevice};
+      KVCOMP_RETURN_IF_ERROR(Annotate(
+          backend.moments().CompactAndAccumulateDeferred(args.keys, args.values, lists,
+                                                         args.keys_out, args.values_out,
+                                                         list_errors + gi,
+                                                         &checks[gi].bad_value, m),
+          "moments of " + where));
+      continue;
+    }
     if (evicted_lists) {
       // The evicted set, found and summed on the device.
       auto* offsets = d_offsets.as<uint64_t>();

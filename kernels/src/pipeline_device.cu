@@ -15,13 +15,13 @@ __global__ void EvictedOffsetsKernel(const uint32_t* counts, uint32_t heads, uin
   uint64_t k = 0, e = 0;
   for (uint32_t h = 0; h < heads; ++h) {
     kept_offsets[h] = k;
-    offsets[h] = e;
+    if (offsets != nullptr) offsets[h] = e;
     const uint64_t c = counts[h] < n ? counts[h] : n;
     k += counts[h];
     e += n - c;
   }
   kept_offsets[heads] = k;
-  offsets[heads] = e;
+  if (offsets != nullptr) offsets[heads] = e;
 }
 
 // Token t of head h (grid y) is evicted when it is not in h's ascending kept list; its slot in
@@ -54,7 +54,7 @@ absl::Status LaunchEvictedLists(void* stream, const uint32_t* counts, const uint
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   EvictedOffsetsKernel<<<1, 1, 0, s>>>(counts, heads, n, kept_offsets, offsets);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (n == 0 || heads == 0) return absl::OkStatus();
+  if (n == 0 || heads == 0 || evicted == nullptr) return absl::OkStatus();
   const dim3 grid(static_cast<unsigned>((n + 255) / 256), heads);
   EvictedListKernel<<<grid, 256, 0, s>>>(counts, kept, kept_offsets, offsets, n, evicted);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());

@@ -13,7 +13,9 @@ namespace pipeline_internal {
 // On `stream`: the tokens of [0, n) each head did NOT keep, as TokenLists (ascending per head).
 // `counts` [heads] and `kept` (head h's ascending indices from the prefix sum of counts) are
 // the selection's outputs in device memory; writes `offsets` [heads + 1] (u64) and
-// `evicted` (capacity heads * n) in device memory. No host synchronisation.
+// `evicted` (capacity heads * n) in device memory, and the kept lists' offsets to
+// `kept_offsets` [heads + 1]. offsets and evicted null: the kept offsets alone. No host
+// synchronisation.
 absl::Status LaunchEvictedLists(void* stream, const uint32_t* counts, const uint32_t* kept,
                                 uint32_t heads, uint64_t n, uint64_t* kept_offsets,
                                 uint64_t* offsets, uint32_t* evicted);

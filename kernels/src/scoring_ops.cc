@@ -146,7 +146,9 @@ absl::Status CheckScoreSelectCompactArgs(const ScoreSelectCompactArgs& a, Memory
     return s;
   }
   if (a.kept.counts == nullptr || a.kept.indices == nullptr) return Bad("null kept outputs");
-  if (a.keys_out == nullptr || a.values_out == nullptr) return Bad("null key/value outputs");
+  if (a.compact && (a.keys_out == nullptr || a.values_out == nullptr)) {
+    return Bad("null key/value outputs");
+  }
   return absl::OkStatus();
 }
 

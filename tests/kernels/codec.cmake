@@ -8,3 +8,8 @@ endif()
 # CompressToDevice (codecs, moments, moment-aware rescoring on the device) against the CPU.
 kvcomp_cc_test(NAME kernels_pipeline_device_test SRCS pipeline_device_test.cc DEPS kvcomp::kernels
                LABELS gpu)
+# The same with the two-pass moment stage (the scoring op's compaction, then a gather of the
+# evicted rows), which KVCOMP_FUSED_MOMENTS=0 selects.
+add_test(NAME kernels_pipeline_device_two_pass_test COMMAND kernels_pipeline_device_test)
+set_tests_properties(kernels_pipeline_device_two_pass_test PROPERTIES
+  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_FUSED_MOMENTS=0)

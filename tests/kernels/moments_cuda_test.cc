@@ -217,6 +217,97 @@ TEST_F(MomentsCudaTest, AttentionMatchesCpu) {
   }
 }
 
+// The deferred one-pass form against the CPU's: kept rows byte for byte, moments within the
+// tensor cores' tolerance, the values' check (NaN and Inf in kept and evicted rows, the lowest
+// head * tokens + token reported) and the error word for malformed lists, for every dtype and
+// head_dim, with heads long enough for several CTAs and a tail tile.
+TEST_F(MomentsCudaTest, DeferredCompactionMatchesCpu) {
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (uint32_t d : {64u, 128u, 256u}) {
+      SCOPED_TRACE(::testing::Message() << "dtype " << static_cast<int>(dtype) << " d " << d);
+      const uint32_t heads = 3;
+      const uint64_t tokens = 5000 + d;
+      std::mt19937_64 rng(7 * d + static_cast<int>(dtype));
+      const auto k = Random(dtype, size_t{heads} * tokens * d, rng, 0.3f);
+      auto v = Random(dtype, size_t{heads} * tokens * d, rng);
+      std::vector<uint32_t> kept, ev;
+      std::vector<uint64_t> ko{0};
+      for (uint32_t h = 0; h < heads; ++h) {
+        // head 0 keeps a contiguous run too (whole tiles kept), head 2 keeps most tokens
+        if (h == 0) {
+          for (uint32_t t = 0; t < tokens; ++t) {
+            if (t < 1000 || t % 3 == 0) kept.push_back(t);
+          }
+        } else {
+          testing::RandomSplit(tokens, h == 1 ? 0.3 : 0.9, rng, &kept, &ev);
+        }
+        ko.push_back(kept.size());
+      }
+      const size_t row = DTypeBytes(dtype, d);
+      auto run_cpu = [&](const std::vector<uint8_t>& vals, uint32_t* error, uint64_t* bad,
+                         HostMoments* m, std::vector<uint8_t>* kk, std::vector<uint8_t>* vk) {
+        kk->assign(kept.size() * row, 0);
+        vk->assign(kept.size() * row, 0);
+        return cpu_->moments().CompactAndAccumulateDeferred(
+            HeadsView::Dense(k.data(), dtype, heads, tokens, d),
+            HeadsView::Dense(vals.data(), dtype, heads, tokens, d),
+            TokenLists{kept.data(), ko.data(), heads}, kk->data(), vk->data(), error, bad,
+            m->view());
+      };
+      auto run_gpu = [&](const std::vector<uint8_t>& vals, const std::vector<uint32_t>& list,
+                         uint32_t* error, uint64_t* bad, HostMoments* m,
+                         std::vector<uint8_t>* kk, std::vector<uint8_t>* vk) {
+        Buffer dk = Up(k), dv = Up(vals), dl = Up(list), dko = Up(ko);
+        Buffer de = Up(std::vector<uint32_t>{0});
+        Buffer db = Up(std::vector<uint64_t>{~uint64_t{0}});
+        DevMoments dm = Zeros(heads, d);
+        Buffer out_k = Up(std::vector<uint8_t>(kept.size() * row, 0));
+        Buffer out_v = Up(std::vector<uint8_t>(kept.size() * row, 0));
+        absl::Status s = gpu_->moments().CompactAndAccumulateDeferred(
+            HeadsView::Dense(dk.data(), dtype, heads, tokens, d, MemorySpace::kDevice),
+            HeadsView::Dense(dv.data(), dtype, heads, tokens, d, MemorySpace::kDevice),
+            TokenLists{dl.as<uint32_t>(), dko.as<uint64_t>(), heads, MemorySpace::kDevice},
+            out_k.data(), out_v.data(), de.as<uint32_t>(), db.as<uint64_t>(), dm.view);
+        EXPECT_TRUE(s.ok()) << s;
+        *error = Down<uint32_t>(de, 1)[0];
+        *bad = Down<uint64_t>(db, 1)[0];
+        *m = Host(dm, heads, d);
+        *kk = Down<uint8_t>(out_k, kept.size() * row);
+        *vk = Down<uint8_t>(out_v, kept.size() * row);
+      };
+      HostMoments want(heads, d), got(heads, d);
+      std::vector<uint8_t> wk, wv, gk, gv;
+      uint32_t werr = 0, gerr = 0;
+      uint64_t wbad = ~uint64_t{0}, gbad = 0;
+      ASSERT_TRUE(run_cpu(v, &werr, &wbad, &want, &wk, &wv).ok());
+      run_gpu(v, kept, &gerr, &gbad, &got, &gk, &gv);
+      EXPECT_EQ(gerr, 0u);
+      EXPECT_EQ(gbad, ~uint64_t{0});
+      EXPECT_EQ(gk, wk);
+      EXPECT_EQ(gv, wv);
+      ExpectClose(got, want, 2e-4);
+      // Bad values: NaN in a kept row of head 2, Inf in an evicted row of head 1 and NaN in a
+      // later one: the CPU's finding, head 1's first bad row.
+      const uint64_t first = 1 * tokens + ev[ev.size() / 2 + 3];
+      StoreFromFloat(v.data(), dtype, (2 * tokens + kept[ko[2] + 5]) * d + 1, NAN);
+      StoreFromFloat(v.data(), dtype, first * d + d - 1, INFINITY);
+      StoreFromFloat(v.data(), dtype, (first + 40) * d + 2, NAN);
+      wbad = ~uint64_t{0};
+      ASSERT_TRUE(run_cpu(v, &werr, &wbad, &want, &wk, &wv).ok());
+      run_gpu(v, kept, &gerr, &gbad, &got, &gk, &gv);
+      EXPECT_EQ(wbad, first);
+      EXPECT_EQ(gbad, first);
+      // A list out of order: the error word, nothing copied.
+      std::vector<uint32_t> swapped = kept;
+      std::swap(swapped[ko[1] + 2], swapped[ko[1] + 3]);
+      run_gpu(v, swapped, &gerr, &gbad, &got, &gk, &gv);
+      EXPECT_EQ(gerr, 1u);
+      EXPECT_EQ(got.count, std::vector<uint64_t>(heads, 0));
+      EXPECT_EQ(gk, std::vector<uint8_t>(kept.size() * row, 0));
+    }
+  }
+}
+
 TEST_F(MomentsCudaTest, RejectsBadIndicesOnTheDevice) {
   const uint32_t heads = 2, d = 128;
   const uint64_t tokens = 100;

@@ -152,6 +152,76 @@ TEST_F(MomentsCpuTest, CompactAndAccumulateGathersKeptAndSummarizesTheRest) {
   for (size_t i = 0; i < fused.ks.size(); ++i) ASSERT_NEAR(fused.ks[i], separate.ks[i], 1e-3);
 }
 
+// The deferred form: the same copies and moments as CompactAndAccumulate, the values' data
+// check on every row (the lowest bad head * tokens + token, never raising a lower one already
+// there), and malformed lists reported in the error word with nothing copied, added or checked.
+TEST_F(MomentsCpuTest, CompactAndAccumulateDeferredChecksValuesAndLists) {
+  const uint32_t heads = 3, d = 64;
+  const uint64_t tokens = 700;
+  std::mt19937_64 rng(11);
+  std::vector<float> k = Gaussian(heads * tokens * d, rng, 0.2f);
+  std::vector<float> v = Gaussian(heads * tokens * d, rng);
+  std::vector<uint32_t> kept, ev;
+  std::vector<uint64_t> ko{0};
+  for (uint32_t h = 0; h < heads; ++h) {
+    testing::RandomSplit(tokens, 0.4, rng, &kept, &ev);
+    ko.push_back(kept.size());
+  }
+  auto run = [&](const std::vector<uint32_t>& list, uint32_t* error, uint64_t* bad,
+                 HostMoments* m, std::vector<float>* kk, std::vector<float>* vk) {
+    const HeadsView kv = HeadsView::Dense(k.data(), DType::kF32, heads, tokens, d);
+    const HeadsView vv = HeadsView::Dense(v.data(), DType::kF32, heads, tokens, d);
+    kk->assign(list.size() * d, -1.0f);
+    vk->assign(list.size() * d, -1.0f);
+    return ops().CompactAndAccumulateDeferred(kv, vv, TokenLists{list.data(), ko.data(), heads},
+                                              kk->data(), vk->data(), error, bad, m->view());
+  };
+  HostMoments want(heads, d), got(heads, d);
+  std::vector<float> wk(kept.size() * d), wv(kept.size() * d), gk, gv;
+  ASSERT_TRUE(ops()
+                  .CompactAndAccumulate(
+                      HeadsView::Dense(k.data(), DType::kF32, heads, tokens, d),
+                      HeadsView::Dense(v.data(), DType::kF32, heads, tokens, d),
+                      TokenLists{kept.data(), ko.data(), heads}, wk.data(), wv.data(),
+                      want.view())
+                  .ok());
+  uint32_t error = 0;
+  uint64_t bad = ~uint64_t{0};
+  ASSERT_TRUE(run(kept, &error, &bad, &got, &gk, &gv).ok());
+  EXPECT_EQ(error, 0u);
+  EXPECT_EQ(bad, ~uint64_t{0});
+  EXPECT_EQ(gk, wk);
+  EXPECT_EQ(gv, wv);
+  EXPECT_EQ(got.count, want.count);
+  EXPECT_EQ(got.s, want.s);
+  // NaN in head 2 and Inf in head 1 (one kept row, one evicted): head 1's row is reported; a
+  // lower finding already in the word stays.
+  v[(2 * tokens + 5) * d + 3] = NAN;
+  v[(1 * tokens + 600) * d] = INFINITY;
+  v[(1 * tokens + 650) * d + 1] = NAN;
+  HostMoments again(heads, d);
+  bad = ~uint64_t{0};
+  ASSERT_TRUE(run(kept, &error, &bad, &again, &gk, &gv).ok());
+  EXPECT_EQ(bad, 1 * tokens + 600);
+  bad = 7;
+  ASSERT_TRUE(run(kept, &error, &bad, &again, &gk, &gv).ok());
+  EXPECT_EQ(bad, 7u);
+  // A list out of order: the error word, nothing written or checked.
+  std::vector<uint32_t> swapped = kept;
+  std::swap(swapped[ko[1] + 2], swapped[ko[1] + 3]);
+  HostMoments none(heads, d);
+  bad = ~uint64_t{0};
+  ASSERT_TRUE(run(swapped, &error, &bad, &none, &gk, &gv).ok());
+  EXPECT_EQ(error, 1u);
+  EXPECT_EQ(bad, ~uint64_t{0});
+  EXPECT_EQ(none.count, std::vector<uint64_t>(heads, 0));
+  EXPECT_EQ(gk, std::vector<float>(kept.size() * d, -1.0f));
+  // Null words or outputs are argument errors.
+  EXPECT_EQ(run(kept, nullptr, &bad, &none, &gk, &gv).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(run(kept, &error, nullptr, &none, &gk, &gv).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // Runs the backend's attention for one layer given full K/V and a per-head kept/evicted split.
 struct AttentionCase {
   uint32_t hq, hk, d;

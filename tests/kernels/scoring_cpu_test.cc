@@ -416,6 +416,26 @@ TEST(ScoringCpuTest, FusedPerHeadPathEqualsSeparateOps) {
     EXPECT_EQ(i1, i2);
     EXPECT_EQ(k1, k2);
     EXPECT_EQ(v1, v2);
+    // Select only (compact = false): the same scores and selection, no rows written, for the
+    // per-head heads and for short ones (the phased path).
+    for (uint64_t len : {n, uint64_t{3000}}) {
+      ScoreSelectCompactArgs o = a;
+      o.keys.num_tokens = o.values.num_tokens = len;
+      o.select.kept_per_head = len / 3;
+      std::vector<uint32_t> c3(heads), i3(cap), c4(heads), i4(cap);
+      std::vector<float> s3(heads * len), s4(heads * len);
+      o.scores = s3.data();
+      o.kept = {c3.data(), i3.data()};
+      ASSERT_TRUE(cpu->scoring().ScoreSelectCompact(o).ok());
+      o.compact = false;
+      o.keys_out = o.values_out = nullptr;
+      o.scores = s4.data();
+      o.kept = {c4.data(), i4.data()};
+      ASSERT_TRUE(cpu->scoring().ScoreSelectCompact(o).ok());
+      EXPECT_EQ(s3, s4);
+      EXPECT_EQ(c3, c4);
+      EXPECT_EQ(i3, i4);
+    }
   }
   testing::HostHeads bad = k;
   bad.Set((uint64_t{2} * n + 16000) * 128 + 3, NAN);

@@ -4,6 +4,7 @@
 // allocator that poisons and counts its memory sees every workspace returned. gpu label; 77
 // without a device.
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -40,7 +41,8 @@ std::unique_ptr<Backend> Cuda(const CudaBackendOptions& o = {}) {
 
 // Runs either the fused op or Score, Select and Compact in turn; `kv` views given.
 Outputs RunOps(Backend& b, const HeadsView& k, const HeadsView& v, const ScoreParams& sp,
-               const SelectParams& sel, const TokenPositions& pos, bool fused) {
+               const SelectParams& sel, const TokenPositions& pos, bool fused,
+               bool compact = true) {
   Outputs o;
   const uint64_t hn = uint64_t{k.num_heads} * k.num_tokens;
   const uint64_t cap = KeptCapacity(k.num_heads, k.num_tokens, sel.kept_per_head);
@@ -59,8 +61,9 @@ Outputs RunOps(Backend& b, const HeadsView& k, const HeadsView& v, const ScorePa
     a.positions = pos;
     a.scores = sc;
     a.kept = kept;
-    a.keys_out = ko.data();
-    a.values_out = vo.data();
+    a.keys_out = compact ? ko.data() : nullptr;
+    a.values_out = compact ? vo.data() : nullptr;
+    a.compact = compact;
     o.status = b.scoring().ScoreSelectCompact(a);
   } else {
     o.status = b.scoring().Score(k, sp, pos, sc);
@@ -153,6 +156,52 @@ TEST(ScoringCudaTest, SeparateOpsMatchFusedExactly) {
           sel.n_recent = 7;
           ExpectSame(RunOps(*b, kv, vv, sp, sel, {}, true), RunOps(*b, kv, vv, sp, sel, {}, false));
         }
+      }
+    }
+  }
+}
+
+// compact = false: the fused op's scores, counts and indices, short heads (one-block selection)
+// and long ones (tiled), uniform and AdaKV budgets; the row outputs are left alone and the
+// values are not read (NaN in them is no error).
+TEST(ScoringCudaTest, SelectOnlyMatchesTheFusedSelection) {
+  auto b = Cuda();
+  ASSERT_NE(b, nullptr);
+  uint64_t seed = 900;
+  for (uint64_t n : {uint64_t{2999}, uint64_t{20000}}) {
+    for (Scorer s : {Scorer::kKnorm, Scorer::kManifold, Scorer::kStreaming}) {
+      for (HeadBudget hb : {HeadBudget::kUniform, HeadBudget::kAdaKV}) {
+        SCOPED_TRACE(::testing::Message() << n << " " << ScorerName(s) << " "
+                                          << HeadBudgetName(hb));
+        const HostHeads k = RandomHeads(DType::kBF16, 4, n, 128, seed++);
+        HostHeads v = RandomHeads(DType::kBF16, 4, n, 128, seed++);
+        DeviceArray dk(*b, k.bytes.size()), dv(*b, v.bytes.size());
+        dk.Upload(k.bytes.data());
+        dv.Upload(v.bytes.data());
+        const HeadsView kv = HeadsView::Dense(dk.data(), DType::kBF16, 4, n, 128,
+                                              MemorySpace::kDevice);
+        const HeadsView vv = HeadsView::Dense(dv.data(), DType::kBF16, 4, n, 128,
+                                              MemorySpace::kDevice);
+        ScoreParams sp;
+        sp.scorer = s;
+        SelectParams sel;
+        sel.kept_per_head = n / 3;
+        sel.head_budget = hb;
+        const Outputs fused = RunOps(*b, kv, vv, sp, sel, {}, true);
+        const Outputs only = RunOps(*b, kv, vv, sp, sel, {}, true, /*compact=*/false);
+        ASSERT_TRUE(fused.status.ok()) << fused.status;
+        ASSERT_TRUE(only.status.ok()) << only.status;
+        EXPECT_EQ(only.scores, fused.scores);
+        EXPECT_EQ(only.counts, fused.counts);
+        EXPECT_EQ(only.indices, fused.indices);
+        EXPECT_NE(only.keys, fused.keys);  // still the poison: nothing was written
+        // NaN in a value: the select-only op does not read V.
+        std::vector<uint8_t> bad = v.bytes;
+        StoreFromFloat(bad.data(), DType::kBF16, 5 * 128 + 3, NAN);
+        dv.Upload(bad.data());
+        EXPECT_TRUE(RunOps(*b, kv, vv, sp, sel, {}, true, false).status.ok());
+        EXPECT_EQ(RunOps(*b, kv, vv, sp, sel, {}, true, true).status.code(),
+                  absl::StatusCode::kInvalidArgument);
       }
     }
   }

@@ -3,6 +3,7 @@
 // item sums into its own fp32 partial, reduced per head at the end. The v k^T sum of a tile of
 // tokens is one dense product (Eigen's GEMM when available).
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -437,6 +438,46 @@ absl::Status CpuMomentOps::CompactAndAccumulate(const HeadsView& k, const HeadsV
   });
   if (summarize) Reduce(items, parts, out);
   return absl::OkStatus();
+}
+
+absl::Status CpuMomentOps::CompactAndAccumulateDeferred(const HeadsView& k, const HeadsView& v,
+                                                        const TokenLists& kept, void* kept_k,
+                                                        void* kept_v, uint32_t* error,
+                                                        uint64_t* bad_value,
+                                                        const MomentsView& out) {
+  KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kHost));
+  KVCOMP_RETURN_IF_ERROR(CheckTokenLists(kept, k.num_heads, MemorySpace::kHost, "moments: kept"));
+  if (out.count != nullptr) {
+    KVCOMP_RETURN_IF_ERROR(
+        CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kHost, "moments: out"));
+  }
+  if (error == nullptr || bad_value == nullptr || kept_k == nullptr || kept_v == nullptr) {
+    return absl::InvalidArgumentError("moments: null error word, value check or kept outputs");
+  }
+  // Malformed lists: the error word, and nothing copied, added or checked (the device contract).
+  if (!CheckTokenIndices(kept, k.num_tokens, /*ascending=*/true, "moments: kept").ok()) {
+    *error = 1;
+    return absl::OkStatus();
+  }
+  // The values' data check: the first bad row in head-major order, as the device reports it.
+  const size_t eb = ElemBytes(v.dtype);
+  const uint8_t* vb = static_cast<const uint8_t*>(v.data);
+  std::vector<uint64_t> first_bad(k.num_heads, ~uint64_t{0});
+  parallel_(k.num_heads, [&](size_t h) {
+    std::vector<float> row(v.head_dim);
+    for (uint64_t t = 0; t < v.num_tokens; ++t) {
+      RowToFloat(vb + v.offset(static_cast<uint32_t>(h), t) * eb, v.dtype, v.head_dim,
+                 row.data());
+      float sq = 0.0f;
+      for (float x : row) sq += x * x;
+      if (!(sq <= FLT_MAX)) {
+        first_bad[h] = h * v.num_tokens + t;
+        return;
+      }
+    }
+  });
+  for (uint64_t b : first_bad) *bad_value = std::min<uint64_t>(*bad_value, b);
+  return CompactAndAccumulate(k, v, kept, kept_k, kept_v, out);
 }
 
 absl::Status CpuMomentOps::Merge(const MomentsView& dst, const ConstMomentsView& src) {

@@ -55,6 +55,10 @@ class CpuMomentOps final : public MomentOps {
                           const MomentsView& out) override;
   absl::Status CompactAndAccumulate(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
                                     void* kept_k, void* kept_v, const MomentsView& out) override;
+  absl::Status CompactAndAccumulateDeferred(const HeadsView& k, const HeadsView& v,
+                                            const TokenLists& kept, void* kept_k, void* kept_v,
+                                            uint32_t* error, uint64_t* bad_value,
+                                            const MomentsView& out) override;
   absl::Status Merge(const MomentsView& dst, const ConstMomentsView& src) override;
   absl::Status Attention(const AttentionParams& params) override;
 

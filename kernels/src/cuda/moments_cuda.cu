@@ -148,6 +148,34 @@ class CudaMomentOps final : public MomentOps {
     return Run(k, v, kept, kept_k, kept_v, out, /*compact=*/true);
   }
 
+  absl::Status CompactAndAccumulateDeferred(const HeadsView& k, const HeadsView& v,
+                                            const TokenLists& kept, void* kept_k, void* kept_v,
+                                            uint32_t* error, uint64_t* bad_value,
+                                            const MomentsView& out) override {
+    KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kDevice));
+    KVCOMP_RETURN_IF_ERROR(
+        CheckTokenLists(kept, k.num_heads, MemorySpace::kDevice, "moments: kept"));
+    if (out.count != nullptr) {
+      KVCOMP_RETURN_IF_ERROR(
+          CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kDevice, "moments: out"));
+    }
+    if (error == nullptr || bad_value == nullptr || kept_k == nullptr || kept_v == nullptr) {
+      return absl::InvalidArgumentError("moments: null error word, value check or kept outputs");
+    }
+    KVCOMP_RETURN_IF_ERROR(CheckAligned(k, v, kept_k, kept_v, /*compact=*/true));
+    const uint32_t heads = k.num_heads;
+    if (heads == 0 || k.num_tokens == 0) return absl::OkStatus();
+    // The lists are checked on the device (strictly ascending, in range, at most num_tokens
+    // long); the moment kernel reads the verdict and does nothing over bad lists.
+    moments_cuda::CheckLists<<<dim3(16, heads), 256, 0, ctx_->stream>>>(
+        kept.indices, kept.offsets, k.num_tokens, /*ascending=*/true, error, k.num_tokens);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    moments_cuda::MomentKernelParams p = Params(k, v, kept, kept_k, kept_v, out);
+    p.abort = error;
+    p.bad_value = reinterpret_cast<unsigned long long*>(bad_value);
+    return LaunchSized(k, p, k.num_tokens, /*compact=*/true);
+  }
+
   absl::Status Merge(const MomentsView& dst, const ConstMomentsView& src) override {
     KVCOMP_RETURN_IF_ERROR(
         CheckMomentsView(dst, dst.num_heads, dst.head_dim, MemorySpace::kDevice, "merge: dst"));

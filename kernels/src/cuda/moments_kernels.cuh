@@ -58,7 +58,75 @@ struct MomentKernelParams {
   uint64_t chunk = 0;  // list entries (list mode) or tokens (compact mode) per CTA
   // Optional: when *abort is nonzero (bad lists found by CheckLists), every CTA returns at once.
   const unsigned int* abort = nullptr;
+  // Optional, compact mode: every value row is held to the data check (NaN/Inf or a squared
+  // norm beyond float32); the lowest bad head * num_tokens + token is kept here (atomic min).
+  unsigned long long* bad_value = nullptr;
 };
+
+// The sum of squares of one 16-byte piece of a row.
+template <typename T>
+__device__ __forceinline__ float SqSum16(const uint4& x) {
+  const T* e = reinterpret_cast<const T*>(&x);
+  float s = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 16 / static_cast<int>(sizeof(T)); ++w) {
+    const float f = ToFloat(e[w]);
+    s = fmaf(f, f, s);
+  }
+  return s;
+}
+
+// dst[0..8) += src[0..8) (dst 16-byte aligned): two 16-byte atomics where the architecture has
+// them (sm_90), else eight scalar ones.
+__device__ __forceinline__ void AtomicAdd8(float* dst, const float* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(dst), make_float4(src[0], src[1], src[2], src[3]));
+  atomicAdd(reinterpret_cast<float4*>(dst) + 1, make_float4(src[4], src[5], src[6], src[7]));
+#else
+#pragma unroll
+  for (int i = 0; i < 8; ++i) atomicAdd(dst + i, src[i]);
+#endif
+}
+
+// x summed over aligned groups of kWidth lanes (a power of two <= 32); every lane must call it.
+template <int kWidth>
+__device__ __forceinline__ float LaneGroupSum(float x) {
+#pragma unroll
+  for (int o = kWidth / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ bool SquaredNormBad(float sq) { return !(sq <= 3.402823466e+38f); }
+
+// The CTA's column sums of K and V (thread t holds kVec columns from `col`, t's column fixed by
+// t % kRowVecs) added to key_sum / value_sum: lanes of a warp sharing columns first, then the
+// warps in shared memory (`red`, 2 D floats), then one global atomic per column instead of one
+// per thread and column. Every thread must call it; it synchronises the CTA.
+template <int D, int kVec, int kRowVecs>
+__device__ void FlushColumnSums(float (&ksum)[kVec], float (&vsum)[kVec], int col, float* red,
+                                float* key_sum, float* value_sum) {
+  for (int x = threadIdx.x; x < 2 * D; x += blockDim.x) red[x] = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kVec; ++w) {
+#pragma unroll
+    for (int o = kRowVecs; o < 32; o *= 2) {
+      ksum[w] += __shfl_xor_sync(0xFFFFFFFFu, ksum[w], o);
+      vsum[w] += __shfl_xor_sync(0xFFFFFFFFu, vsum[w], o);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 < kRowVecs) {
+#pragma unroll
+    for (int w = 0; w < kVec; ++w) {
+      atomicAdd(&red[col + w], ksum[w]);
+      atomicAdd(&red[D + col + w], vsum[w]);
+    }
+  }
+  __syncthreads();
+  for (int x = threadIdx.x; x < 2 * D; x += blockDim.x) {
+    atomicAdd(x < D ? key_sum + x : value_sum + (x - D), red[x]);
+  }
+}
 
 template <int D>
 struct SBlock {
@@ -69,54 +137,73 @@ struct SBlock {
   static_assert((B / 16) % kTilesPerWarp == 0, "a warp's tiles must share a tile row");
 };
 
-// Tensor-core accumulation of S_block += V_tile^T K_tile for 16-bit T.
+// Tensor-core accumulation of S_block += V_tile^T K_tile for 16-bit T. Each warp owns a
+// kWr x kWc block of 16 x 16 tiles (2 x 4 of a 128 x 128 block): per 16-token step it loads
+// kWr A and kWc B fragments for kWr * kWc products (6 loads for 8 products, where a row of 8
+// tiles takes 9).
 template <typename T, int D>
 struct MmaAccumulator {
   using Blk = SBlock<D>;
   static constexpr int kLd = RowStride<T, D>();
-  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc[Blk::kTilesPerWarp];
+  static constexpr int kEdge = Blk::B / 16;           // tiles along an edge of the block
+  static constexpr int kWc = kEdge >= 8 ? 4 : 2;      // a warp's tile columns
+  static constexpr int kWr = Blk::kTilesPerWarp / kWc;  // and tile rows
+  static constexpr int kWarpCols = kEdge / kWc;       // warps along the columns
+  static_assert(kWr * kWc == Blk::kTilesPerWarp && kWr >= 1, "a warp's tiles form a block");
+  static_assert((kEdge / kWr) * kWarpCols == kThreads / 32, "the warps cover the block");
+  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc[kWr][kWc];
   __device__ void Init() {
 #pragma unroll
-    for (int i = 0; i < Blk::kTilesPerWarp; ++i) nvcuda::wmma::fill_fragment(acc[i], 0.0f);
+    for (int a = 0; a < kWr; ++a) {
+#pragma unroll
+      for (int b = 0; b < kWc; ++b) nvcuda::wmma::fill_fragment(acc[a][b], 0.0f);
+    }
   }
   __device__ void Add(const T* ks, const T* vs, int bi, int bj) {
     using namespace nvcuda;
     const int warp = threadIdx.x / 32;
-    // A warp's tiles share one tile row (kTilesPerWarp divides B / 16), so its A fragment is
-    // loaded once per k-step.
-    const int ti = (warp * Blk::kTilesPerWarp) / (Blk::B / 16);
+    const int ti0 = (warp / kWarpCols) * kWr, tj0 = (warp % kWarpCols) * kWc;
 #pragma unroll
     for (int kk = 0; kk < kTileT; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;
-      // A = V^T (D x tokens): element (i, t) at vs[t * D + i] -> column-major, ld D.
-      wmma::load_matrix_sync(a, vs + kk * kLd + bi * Blk::B + ti * 16, kLd);
+      // A = V^T (D x tokens): element (i, t) at vs[t * ld + i] -> column-major.
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a[kWr];
+      // B = K (tokens x D): element (t, j) at ks[t * ld + j] -> row-major.
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b[kWc];
 #pragma unroll
-      for (int i = 0; i < Blk::kTilesPerWarp; ++i) {
-        const int tj = (warp * Blk::kTilesPerWarp + i) % (Blk::B / 16);
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        // B = K (tokens x D): element (t, j) at ks[t * D + j] -> row-major, ld D.
-        wmma::load_matrix_sync(b, ks + kk * kLd + bj * Blk::B + tj * 16, kLd);
-        wmma::mma_sync(acc[i], a, b, acc[i]);
+      for (int x = 0; x < kWr; ++x) {
+        wmma::load_matrix_sync(a[x], vs + kk * kLd + bi * Blk::B + (ti0 + x) * 16, kLd);
+      }
+#pragma unroll
+      for (int y = 0; y < kWc; ++y) {
+        wmma::load_matrix_sync(b[y], ks + kk * kLd + bj * Blk::B + (tj0 + y) * 16, kLd);
+      }
+#pragma unroll
+      for (int x = 0; x < kWr; ++x) {
+#pragma unroll
+        for (int y = 0; y < kWc; ++y) wmma::mma_sync(acc[x][y], a[x], b[y], acc[x][y]);
       }
     }
   }
-  // Adds the block to s (row-major D x D) with atomics, staging each tile in `stage` (per warp
-  // 256 floats).
+  // Adds the block to s (row-major D x D, 16-byte aligned) with atomics, staging each tile in
+  // `stage` (per warp 256 floats): a lane adds 8 consecutive floats of a tile row, as two
+  // 16-byte atomics on Hopper (a quarter of the atomic operations of scalar adds).
   __device__ void Flush(float* s, float* stage, int bi, int bj) {
     using namespace nvcuda;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int ti0 = (warp / kWarpCols) * kWr, tj0 = (warp % kWarpCols) * kWc;
     float* st = stage + warp * 256;
 #pragma unroll
-    for (int i = 0; i < Blk::kTilesPerWarp; ++i) {
-      const int tile = warp * Blk::kTilesPerWarp + i;
-      const int ti = tile / (Blk::B / 16), tj = tile % (Blk::B / 16);
-      wmma::store_matrix_sync(st, acc[i], 16, wmma::mem_row_major);
-      __syncwarp();
-      for (int e = lane; e < 256; e += 32) {
-        const int r = bi * Blk::B + ti * 16 + e / 16, c = bj * Blk::B + tj * 16 + e % 16;
-        atomicAdd(s + r * D + c, st[e]);
+    for (int x = 0; x < kWr; ++x) {
+#pragma unroll
+      for (int y = 0; y < kWc; ++y) {
+        wmma::store_matrix_sync(st, acc[x][y], 16, wmma::mem_row_major);
+        __syncwarp();
+        const int e = lane * 8;
+        const int r = bi * Blk::B + (ti0 + x) * 16 + e / 16;
+        const int c = bj * Blk::B + (tj0 + y) * 16 + e % 16;
+        AtomicAdd8(s + r * D + c, st + e);
+        __syncwarp();
       }
-      __syncwarp();
     }
   }
 };
@@ -162,7 +249,8 @@ template <typename T, int D>
 constexpr size_t MomentSmemBytes() {
   const size_t tiles = 2 * size_t{kTileT} * RowStride<T, D>() * sizeof(T);
   const size_t stage = (kThreads / 32) * 256 * sizeof(float);
-  return (tiles > stage ? tiles : stage) + kTileT * sizeof(int) + 2 * sizeof(int);
+  return (tiles > stage ? tiles : stage) + kTileT * sizeof(int) + 2 * sizeof(int) +
+         kTileT * sizeof(float);
 }
 
 // Grid: (chunks, heads, S blocks). See the top of the file.
@@ -175,8 +263,9 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
   constexpr int kLd = RowStride<T, D>();
   T* vs = ks + kTileT * kLd;
   int* flags = reinterpret_cast<int*>(smem + MomentSmemBytes<T, D>() - kTileT * sizeof(int) -
-                                      2 * sizeof(int));
+                                      2 * sizeof(int) - kTileT * sizeof(float));
   int* shared_kp = flags + kTileT;  // [0]: next kept entry (relative), [1]: kept in this tile
+  float* rowsq = reinterpret_cast<float*>(shared_kp + 2);  // the values' squared norms
 
   const uint32_t h = blockIdx.y;
   const int bi = blockIdx.z / Blk::kBlocks, bj = blockIdx.z % Blk::kBlocks;
@@ -211,6 +300,8 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
     }
     shared_kp[0] = static_cast<int>(lo - l0);
   }
+  const bool check = kCompact && lead && p.bad_value != nullptr;
+  if (threadIdx.x < kTileT) rowsq[threadIdx.x] = 0.0f;
   __syncthreads();
   uint64_t kp = l0 + shared_kp[0];
 
@@ -243,6 +334,11 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
   auto stage = [&](uint64_t t, int mm, uint64_t kpos, int u, uint4 kx, uint4 vx) {
     const int e = threadIdx.x + u * kThreads;
     const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+    if (check) {  // the row's squared norm: lanes of a row first, then one add per warp
+      constexpr int kWidth = kRowVecs < 32 ? kRowVecs : 32;
+      const float sq = LaneGroupSum<kWidth>(SqSum16<T>(vx));
+      if (r < mm && threadIdx.x % kWidth == 0) atomicAdd(&rowsq[r], sq);
+    }
     if (kCompact && r < mm && flags[r] >= 0) {
       if (lead) {
         const uint64_t row = kpos + flags[r];
@@ -301,6 +397,13 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
       }
     }
     __syncthreads();
+    if (check && threadIdx.x < kTileT) {
+      if (threadIdx.x < m && SquaredNormBad(rowsq[threadIdx.x])) {
+        atomicMin(p.bad_value,
+                  static_cast<unsigned long long>(uint64_t{h} * p.num_tokens + t0 + threadIdx.x));
+      }
+      rowsq[threadIdx.x] = 0.0f;  // read again only after the loop's closing barrier
+    }
     if constexpr (kPrefetch) {  // the next tile's loads fly while the tensor cores work
       const uint64_t next = t0 + kTileT;
       if (next < end) {
@@ -319,21 +422,23 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
     __syncthreads();
   }
   if (!summarize) return;
-  acc.Flush(p.vk_sum + size_t{h} * D * D, reinterpret_cast<float*>(smem), bi, bj);
+  float* scratch = reinterpret_cast<float*>(smem);
+  acc.Flush(p.vk_sum + size_t{h} * D * D, scratch, bi, bj);
   if (lead) {
-#pragma unroll
-    for (int w = 0; w < kVec; ++w) {
-      atomicAdd(p.key_sum + size_t{h} * D + my_col + w, ksum[w]);
-      atomicAdd(p.value_sum + size_t{h} * D + my_col + w, vsum[w]);
-    }
+    static_assert(MomentSmemBytes<T, D>() >= ((kThreads / 32) * 256 + 2 * D) * sizeof(float),
+                  "room for the column sums after the flush's staging");
+    FlushColumnSums<D, kVec, kRowVecs>(ksum, vsum, my_col, scratch + (kThreads / 32) * 256,
+                                       p.key_sum + size_t{h} * D, p.value_sum + size_t{h} * D);
     if (threadIdx.x == 0) atomicAdd(p.count + h, evicted);
   }
 }
 
-// --- The pipelined variant for 16-bit inputs: cp.async double buffering --------------------
-// Tile i+1 is copied global -> shared (cp.async, zero-filled past the end) while the tensor
-// cores work on tile i, so loads and MMAs overlap within a CTA. Kept rows are copied out of
-// shared memory and zeroed there before the MMA.
+// --- The pipelined variant for 16-bit inputs: cp.async, three stages --------------------
+// Tiles i+1 and i+2 are copied global -> shared (cp.async, zero-filled past the end) while the
+// tensor cores work on tile i. In compact mode the kept list's next 64 entries are loaded into
+// registers a tile ahead, so finding a tile's kept rows waits on no global load. Kept rows are
+// copied out of shared memory and zeroed there before the MMA; the column sums of the evicted
+// rows and the values' check are taken from the same 16-byte reads.
 
 __device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, int src_bytes) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
@@ -346,10 +451,13 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+constexpr int kAsyncStages = 3;
+
 template <typename T, int D>
 constexpr size_t AsyncMomentSmemBytes() {
-  const size_t tiles = 2 * 2 * size_t{kTileT} * RowStride<T, D>() * sizeof(T);  // 2 stages
-  return tiles + kTileT * sizeof(int) + 2 * sizeof(int);
+  const size_t tiles = size_t{kAsyncStages} * 2 * kTileT * RowStride<T, D>() * sizeof(T);
+  // flags (kTileT ints), the list entries of the tile (kTileT u32), the first kept entry
+  return tiles + kTileT * sizeof(int) + kTileT * sizeof(uint32_t) + 2 * sizeof(int);
 }
 
 template <typename T, int D, bool kCompact>
@@ -360,16 +468,19 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernelAsync(MomentKernelPar
   constexpr int kRowVecs = D / kVec;
   constexpr int kLoads = kTileT * kRowVecs / kThreads;
   constexpr int kStage = 2 * kTileT * kLd;  // elements of one stage (K then V)
+  constexpr int S = kAsyncStages;
+  static_assert(kRowVecs <= 32 && kThreads % kRowVecs == 0, "a row's lanes share a warp");
   extern __shared__ __align__(128) unsigned char smem[];
   T* stages = reinterpret_cast<T*>(smem);
-  int* flags = reinterpret_cast<int*>(smem + AsyncMomentSmemBytes<T, D>() -
-                                      kTileT * sizeof(int) - 2 * sizeof(int));
-  int* shared_kp = flags + kTileT;
+  int* flags = reinterpret_cast<int*>(smem + size_t{S} * kStage * sizeof(T));
+  uint32_t* entries = reinterpret_cast<uint32_t*>(flags + kTileT);
+  int* shared_kp = reinterpret_cast<int*>(entries + kTileT);
 
   const uint32_t h = blockIdx.y;
   const int bi = blockIdx.z / Blk::kBlocks, bj = blockIdx.z % Blk::kBlocks;
   const bool lead = blockIdx.z == 0;
   const bool summarize = p.count != nullptr;
+  const bool check = kCompact && lead && p.bad_value != nullptr;
   const uint64_t l0 = p.list_off[h], l1 = p.list_off[h + 1];
   uint64_t begin, end;
   if (kCompact) {
@@ -407,100 +518,144 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernelAsync(MomentKernelPar
       CpAsync16(ks + r * kLd + c, kbase + tok * p.k_token_stride + c, in ? 16 : 0);
       CpAsync16(vs + r * kLd + c, vbase + tok * p.v_token_stride + c, in ? 16 : 0);
     }
-    CpAsyncCommit();
   };
 
   Accumulator<T, D> acc;
   acc.Init();
-  float colsum = 0.0f;  // column threadIdx.x of [K | V] (lead CTA), when threadIdx.x < 2 D
+  const int my_col = (threadIdx.x % kRowVecs) * kVec;  // fixed: kThreads % kRowVecs == 0
+  float ksum[kVec], vsum[kVec];
+#pragma unroll
+  for (int w = 0; w < kVec; ++w) ksum[w] = vsum[w] = 0.0f;
   unsigned long long evicted = 0;
-  issue(begin, 0);
+  const int tiles = static_cast<int>((end - begin + kTileT - 1) / kTileT);
+  // Prologue: the first S - 1 tiles in flight (one commit group per tile, empty past the end,
+  // so that wait_group counts stay uniform).
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < tiles) issue(begin + uint64_t{kTileT} * st, st);
+    CpAsyncCommit();
+  }
   __syncthreads();
   uint64_t kp = l0 + shared_kp[0];
-  int stage = 0;
-  for (uint64_t t0 = begin; t0 < end; t0 += kTileT, stage ^= 1) {
+  // This thread's entry of the tile's kept list (threads < kTileT): kp + threadIdx.x.
+  bool has = false;
+  uint32_t entry = 0;
+  if (kCompact && threadIdx.x < kTileT && kp + threadIdx.x < l1) {
+    has = true;
+    entry = p.list[kp + threadIdx.x];
+  }
+  for (int i = 0; i < tiles; ++i) {
+    const uint64_t t0 = begin + uint64_t{kTileT} * i;
     const int m = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t0));
-    const bool more = t0 + kTileT < end;
-    if (more) issue(t0 + kTileT, stage ^ 1);
+    CpAsyncWait<S - 2>();
+    if (kCompact && threadIdx.x < kTileT) entries[threadIdx.x] = has ? entry : 0xFFFFFFFFu;
+    // Tile i is in shared memory for every thread, and the stage tile i - 1 used is free.
+    __syncthreads();
+    if (i + S - 1 < tiles) issue(begin + uint64_t{kTileT} * (i + S - 1), (i + S - 1) % S);
+    CpAsyncCommit();
     int kept_here = 0;
     if (kCompact) {
-      if (threadIdx.x < kTileT) flags[threadIdx.x] = -1;
-      __syncthreads();
-      bool is = false;
-      if (threadIdx.x < kTileT) {
-        const uint64_t j = kp + threadIdx.x;
-        if (j < l1 && p.list[j] < t0 + m) {
-          is = true;
-          flags[p.list[j] - t0] = static_cast<int>(threadIdx.x);
+      if (threadIdx.x < kTileT) {  // row threadIdx.x's rank among the tile's kept entries
+        const uint64_t tok = t0 + threadIdx.x;
+        int lo = 0, hi = kTileT;
+        while (lo < hi) {
+          const int mid = (lo + hi) / 2;
+          if (entries[mid] < tok) lo = mid + 1; else hi = mid;
         }
+        flags[threadIdx.x] =
+            threadIdx.x < m && lo < kTileT && entries[lo] == tok ? lo : -1;
       }
-      kept_here = __syncthreads_count(is);
+      kept_here = __syncthreads_count(has && entry < t0 + m);
+      kp += kept_here;
+      // The next tile's entries: the load flies while this tile is worked on.
+      has = false;
+      if (threadIdx.x < kTileT && kp + threadIdx.x < l1) {
+        has = true;
+        entry = p.list[kp + threadIdx.x];
+      }
     }
-    if (more) CpAsyncWait<1>(); else CpAsyncWait<0>();
-    __syncthreads();
-    T* ks = stages + stage * kStage;
+    T* ks = stages + (i % S) * kStage;
     T* vs = ks + kTileT * kLd;
-    if (kCompact && kept_here > 0) {  // copy kept rows out, then zero them
+    const uint64_t kp0 = kp - kept_here;
+    // One 16-byte read per piece: kept rows copied out and zeroed, the values checked, the
+    // evicted rows' column sums (rows past m are zero).
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int e = threadIdx.x + u * kThreads;
-        const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
-        if (r < m && flags[r] >= 0) {
-          uint4* kr = reinterpret_cast<uint4*>(ks + r * kLd + c);
-          uint4* vr = reinterpret_cast<uint4*>(vs + r * kLd + c);
-          if (lead) {
-            const uint64_t row = kp + flags[r];
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = *kr;
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = *vr;
-          }
-          *kr = *vr = make_uint4(0, 0, 0, 0);
+    for (int u = 0; u < kLoads; ++u) {
+      const int e = threadIdx.x + u * kThreads;
+      const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+      uint4* kr = reinterpret_cast<uint4*>(ks + r * kLd + c);
+      uint4* vr = reinterpret_cast<uint4*>(vs + r * kLd + c);
+      const uint4 kx = *kr, vx = *vr;
+      if (check) {
+        const float sq = LaneGroupSum<kRowVecs>(SqSum16<T>(vx));
+        if (r < m && threadIdx.x % kRowVecs == 0 && SquaredNormBad(sq)) {
+          atomicMin(p.bad_value, static_cast<unsigned long long>(uint64_t{h} * p.num_tokens +
+                                                                  t0 + r));
         }
       }
-      __syncthreads();
+      if (kCompact && r < m && flags[r] >= 0) {
+        if (lead) {
+          const uint64_t row = kp0 + flags[r];
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = kx;
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = vx;
+        }
+        *kr = *vr = make_uint4(0, 0, 0, 0);
+      } else if (summarize && lead) {
+        const T* kv = reinterpret_cast<const T*>(&kx);
+        const T* vv = reinterpret_cast<const T*>(&vx);
+#pragma unroll
+        for (int w = 0; w < kVec; ++w) {
+          ksum[w] += ToFloat(kv[w]);
+          vsum[w] += ToFloat(vv[w]);
+        }
+      }
     }
+    if (kCompact && kept_here > 0) __syncthreads();  // the zeroed rows, before the MMA reads
     if (summarize) {
-      if (lead) {
-        if (threadIdx.x < 2 * D) {
-          const T* col = threadIdx.x < D ? ks + threadIdx.x : vs + (threadIdx.x - D);
-          float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll 8
-          for (int r = 0; r < kTileT; r += 2) {
-            s0 += ToFloat(col[r * kLd]);
-            s1 += ToFloat(col[(r + 1) * kLd]);
-          }
-          colsum += s0 + s1;
-        }
-        evicted += m - kept_here;
-      }
-      acc.Add(ks, vs, bi, bj);
+      if (lead) evicted += m - kept_here;
+      if (!kCompact || kept_here < m) acc.Add(ks, vs, bi, bj);
     }
-    kp += kept_here;
-    __syncthreads();  // the next iteration's issue() overwrites this stage
   }
+  CpAsyncWait<0>();
   if (!summarize) return;
-  acc.Flush(p.vk_sum + size_t{h} * D * D, reinterpret_cast<float*>(smem), bi, bj);
+  __syncthreads();  // the tiles are done with: the flush stages in their shared memory
+  float* scratch = reinterpret_cast<float*>(smem);
+  acc.Flush(p.vk_sum + size_t{h} * D * D, scratch, bi, bj);
   if (lead) {
-    if (threadIdx.x < D) {
-      atomicAdd(p.key_sum + size_t{h} * D + threadIdx.x, colsum);
-    } else if (threadIdx.x < 2 * D) {
-      atomicAdd(p.value_sum + size_t{h} * D + threadIdx.x - D, colsum);
-    }
+    FlushColumnSums<D, kVec, kRowVecs>(ksum, vsum, my_col, scratch + (kThreads / 32) * 256,
+                                       p.key_sum + size_t{h} * D, p.value_sum + size_t{h} * D);
     if (threadIdx.x == 0) atomicAdd(p.count + h, evicted);
   }
 }
 
 template <typename T, int D, bool kCompact>
 cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cudaStream_t stream) {
-  // 16-bit inputs with 2 D <= kThreads (one column sum per thread) take the pipelined kernel.
-  constexpr bool kAsync = sizeof(T) == 2 && 2 * D <= kThreads;
-  constexpr size_t smem = kAsync ? AsyncMomentSmemBytes<T, D>() : MomentSmemBytes<T, D>();
-  auto kernel = kAsync ? MomentKernelAsync<T, D, kCompact> : MomentKernel<T, D, kCompact>;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-  }
   const dim3 grid(static_cast<unsigned>(chunks), p.heads, SBlock<D>::kBlocks * SBlock<D>::kBlocks);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  // 16-bit inputs with 2 D <= kThreads (a row's 16-byte pieces within one warp) take the
+  // pipelined kernel.
+  if constexpr (sizeof(T) == 2 && 2 * D <= kThreads) {
+    constexpr size_t smem = AsyncMomentSmemBytes<T, D>();
+    auto kernel = MomentKernelAsync<T, D, kCompact>;
+    if (smem > 48 * 1024) {
+      cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return e;
+      // Two CTAs of the three-stage kernel need most of a multiprocessor's shared memory.
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+      if (e != cudaSuccess) return e;
+    }
+    kernel<<<grid, kThreads, smem, stream>>>(p);
+  } else {
+    constexpr size_t smem = MomentSmemBytes<T, D>();
+    auto kernel = MomentKernel<T, D, kCompact>;
+    if (smem > 48 * 1024) {
+      cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return e;
+    }
+    kernel<<<grid, kThreads, smem, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

@@ -530,9 +530,9 @@ class CudaScoringOps final : public ScoringOps {
 
   void LayoutAll(const ScoreSelectCompactArgs& a, Carver* c, Layout* l) const {
     LayoutScore(a.keys, a.score, a.scores != nullptr, c, l);
-    if (!RowsAligned(a.values)) l->values = c->Take(Dense(a.values));
+    if (a.compact && !RowsAligned(a.values)) l->values = c->Take(Dense(a.values));
     LayoutSelect(a.keys.num_heads, a.keys.num_tokens, a.select, c, l);
-    if (ShortPath(a.keys.num_heads, a.keys.num_tokens, a.select)) {
+    if (a.compact && ShortPath(a.keys.num_heads, a.keys.num_tokens, a.select)) {
       l->evicted = c->Take(uint64_t{a.keys.num_heads} * a.keys.num_tokens * sizeof(uint32_t));
     }
   }
@@ -547,16 +547,20 @@ class CudaScoringOps final : public ScoringOps {
     KVCOMP_ASSIGN_OR_RETURN(Buffer ws, Allocate(c->size()));
     KVCOMP_RETURN_IF_ERROR(ResetErrors(ws, *l));
     KVCOMP_ASSIGN_OR_RETURN(HeadsView keys, Repack(a.keys, ws, l->keys));
-    KVCOMP_ASSIGN_OR_RETURN(HeadsView values, Repack(a.values, ws, l->values));
+    HeadsView values = a.values;  // select only: V is not read
+    if (a.compact) {
+      KVCOMP_ASSIGN_OR_RETURN(values, Repack(a.values, ws, l->values));
+    }
     float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
     // Values are held to the keys' data check by the compaction: it reads the kept rows of V to
     // copy them and checks them there, then reads the evicted rows once for the check alone, so
     // V is read once (the score pass reads K only).
     KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, a.score, a.positions, scores, ws, *l,
                                         /*repacked=*/true, nullptr));
-    KVCOMP_RETURN_IF_ERROR(EnqueueSelect(scores, a.keys.num_heads, a.keys.num_tokens, a.select,
-                                         a.positions, a.kept, &keys, &values, a.keys_out,
-                                         a.values_out, ws, *l, /*check_values=*/true));
+    KVCOMP_RETURN_IF_ERROR(EnqueueSelect(
+        scores, a.keys.num_heads, a.keys.num_tokens, a.select, a.positions, a.kept, &keys,
+        &values, a.compact ? a.keys_out : nullptr, a.compact ? a.values_out : nullptr, ws, *l,
+        /*check_values=*/a.compact));
     return ws;
   }
 

@@ -135,6 +135,22 @@ class MomentOps {
                                             const TokenLists& kept, void* kept_k, void* kept_v,
                                             const MomentsView& out) = 0;
 
+  // CompactAndAccumulate for a compression that does not hold the host, over kept lists its own
+  // selection made: the lists' offsets stay in the backend's memory and every list is taken to
+  // hold at most k.num_tokens entries. Malformed lists (offsets not from 0 or decreasing, an
+  // index out of range, not strictly ascending) set *error (a u32 the caller zeroed before) as
+  // AccumulateDeferred does, and then nothing is copied, added or checked. Otherwise every value
+  // row, kept or not, is held to the data check on the way (NaN/Inf, or a squared norm beyond
+  // float32): the lowest bad head * k.num_tokens + token is written to *bad_value unless it
+  // holds a lower one (the caller sets it to ~0 before), so the selection that made the lists
+  // need not read V. kept_k and kept_v must be non-null; shape, dtype and space errors are
+  // returned at once. Device backends: read *error and *bad_value after the stream synchronises.
+  virtual absl::Status CompactAndAccumulateDeferred(const HeadsView& k, const HeadsView& v,
+                                                    const TokenLists& kept, void* kept_k,
+                                                    void* kept_v, uint32_t* error,
+                                                    uint64_t* bad_value,
+                                                    const MomentsView& out) = 0;
+
   // dst += src, head by head (same num_heads and head_dim). Exact for the count; fp32 adds.
   virtual absl::Status Merge(const MomentsView& dst, const ConstMomentsView& src) = 0;
 

@@ -183,6 +183,11 @@ struct ScoreSelectCompactArgs {
   // dtype, head h's rows from sum(counts[0..h)). Capacity KeptCapacity(...) rows each.
   void* keys_out = nullptr;
   void* values_out = nullptr;
+  // false: score and select only (counts and indices); keys_out and values_out are unused and
+  // the values are not read, so not checked. For a caller that compacts in a pass of its own and
+  // checks the values there (MomentOps::CompactAndAccumulateDeferred: a device compression
+  // that keeps moments copies the kept rows and sums the evicted ones in one pass).
+  bool compact = true;
   // Optional, device backends: a DeferredCheck in device memory. When set, the data check does
   // not hold the host: the op writes its findings there in stream order and returns once the work
   // is enqueued (argument errors are still returned at once). The caller reads the record after
