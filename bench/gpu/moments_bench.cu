@@ -207,13 +207,11 @@ void BenchAttention(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDeviceP
     k.offsets = doff;
     k.scale = 1.0f / std::sqrt(static_cast<float>(d));
     const uint64_t r = uint64_t{k.group} * nq;
-    const uint64_t rb = (r + kvcomp::attention_cuda::kRows - 1) / kvcomp::attention_cuda::kRows;
-    const uint64_t target = std::max<uint64_t>(
-        1, std::min<uint64_t>(kvcomp::attention_cuda::kMaxSlots - 1,
-                              2ull * prop.multiProcessorCount / (hk * rb)));
-    uint64_t chunk = std::max<uint64_t>(256, (kept_per_head + target - 1) / target);
-    k.chunk = (chunk + 31) / 32 * 32;
-    k.chunks = static_cast<uint32_t>((kept_per_head + k.chunk - 1) / k.chunk);
+    const kvcomp::attention_cuda::Chunking ch = kvcomp::attention_cuda::PartialChunking(
+        static_cast<uint32_t>(r), true, d, static_cast<uint32_t>(prop.multiProcessorCount), hk,
+        kept_per_head);
+    k.chunk = ch.chunk;
+    k.chunks = ch.chunks;
     k.slots = k.chunks + (p.correct ? 1 : 0);
     float* ws;
     const size_t slots = size_t{hk} * r * k.slots;

@@ -158,7 +158,8 @@ TEST_F(MomentsCudaTest, AccumulateAndCompactMatchCpu) {
 TEST_F(MomentsCudaTest, AttentionMatchesCpu) {
   for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
     for (uint32_t d : {64u, 128u, 256u}) {
-      for (uint64_t nq : {1u, 5u, 40u}) {  // 40 queries x 2 q heads: two row blocks
+      // 1 and 4 queries x 2 q heads: the decode kernel (2 and 8 rows); 40: two row blocks
+      for (uint64_t nq : {1u, 4u, 5u, 40u}) {
         const uint32_t hq = 8, hk = 4;
         std::mt19937_64 rng(7 * d + nq);
         const uint64_t tokens = 1500 + 700 * nq;  // some heads with several chunks

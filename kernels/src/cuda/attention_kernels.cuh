@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "moments_kernels.cuh"
@@ -78,7 +79,8 @@ __device__ __forceinline__ const Q* QRow(const AttentionKernelParams& p, uint32_
 // The virtual token of the evicted set for every row of one (kv head, row block), as a partial
 // of weight 1 at logit le: max = le, sum = 1, acc = ve. Computed in double where the CPU twin
 // is; C q walks the rows of the d x d summary once per block (thread x keeps row x's products
-// for every query row in registers). smem: at least kRows * D floats.
+// for every query row in registers). smem: at least kRows * D floats. Any multiple of 32
+// threads.
 template <typename Q, int D>
 __device__ void VirtualTokenPartial(const AttentionKernelParams& p, uint32_t h, uint32_t row0,
                                     int rows, float* qs) {
@@ -86,13 +88,13 @@ __device__ void VirtualTokenPartial(const AttentionKernelParams& p, uint32_t h, 
   const unsigned long long n = p.count[h];
   __shared__ double qmu[kRows];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int e = threadIdx.x; e < kRows * D; e += kThreads) {
+  for (int e = threadIdx.x; e < kRows * D; e += blockDim.x) {
     const int r = e / D, x = e % D;
     qs[e] = r < rows ? ToFloat(QRow<Q>(p, h, row0 + r)[x]) : 0.0f;
   }
   __syncthreads();
   const double nd = static_cast<double>(n);
-  for (int r = warp; r < rows; r += kThreads / 32) {
+  for (int r = warp; r < rows; r += blockDim.x / 32) {
     double part = 0.0;
     for (int x = lane; x < D; x += 32) {
       part += double{qs[r * D + x]} * (p.key_sum[size_t{h} * D + x] / nd);
@@ -104,12 +106,12 @@ __device__ void VirtualTokenPartial(const AttentionKernelParams& p, uint32_t h, 
   __syncthreads();
   const uint64_t slot0 = uint64_t{h} * rows_total + row0;
   if (n == 0) {
-    for (int r = threadIdx.x; r < rows; r += kThreads) {
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
       const uint64_t slot = (slot0 + r) * p.slots + p.chunks;
       p.part_max[slot] = -INFINITY;
       p.part_sum[slot] = 0.0f;
     }
-    for (int e = threadIdx.x; e < rows * D; e += kThreads) {
+    for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
       p.part_acc[((slot0 + e / D) * p.slots + p.chunks) * D + e % D] = 0.0f;
     }
     return;
@@ -118,19 +120,28 @@ __device__ void VirtualTokenPartial(const AttentionKernelParams& p, uint32_t h, 
   // Rows in groups of 8 (a decode step has few rows: 4 for one query under GQA 4), four summary
   // entries loaded ahead of their products.
   constexpr int kGroup = 8;
-  for (int x = threadIdx.x; x < D; x += kThreads) {
+  for (int x = threadIdx.x; x < D; x += blockDim.x) {
     const float* srow = p.vk_sum + size_t{h} * D * D + static_cast<size_t>(x) * D;
     const double mu_v = p.value_sum[size_t{h} * D + x] / nd;
     for (int rg = 0; rg < rows; rg += kGroup) {
       float cq[kGroup];
 #pragma unroll
       for (int r = 0; r < kGroup; ++r) cq[r] = 0.0f;
-      for (int j = 0; j < D; j += 4) {
-        const float s0 = srow[j], s1 = srow[j + 1], s2 = srow[j + 2], s3 = srow[j + 3];
+      // 32 entries of the summary row per batch, loaded together (16-byte loads): one L2
+      // round trip per batch instead of one per 4 entries.
+      for (int j0 = 0; j0 < D; j0 += 32) {
+        float4 sv[8];
 #pragma unroll
-        for (int r = 0; r < kGroup; ++r) {
-          const float* qr = qs + (rg + r) * D + j;  // rows past `rows` are zeros
-          cq[r] = fmaf(s0, qr[0], fmaf(s1, qr[1], fmaf(s2, qr[2], fmaf(s3, qr[3], cq[r]))));
+        for (int u = 0; u < 8; ++u) sv[u] = reinterpret_cast<const float4*>(srow + j0)[u];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int j = j0 + 4 * u;
+          const float s0 = sv[u].x, s1 = sv[u].y, s2 = sv[u].z, s3 = sv[u].w;
+#pragma unroll
+          for (int r = 0; r < kGroup; ++r) {
+            const float* qr = qs + (rg + r) * D + j;  // rows past `rows` are zeros
+            cq[r] = fmaf(s0, qr[0], fmaf(s1, qr[1], fmaf(s2, qr[2], fmaf(s3, qr[3], cq[r]))));
+          }
         }
       }
 #pragma unroll
@@ -291,8 +302,271 @@ __global__ void __launch_bounds__(kThreads, 2) AttentionPartialKernel(AttentionK
   }
 }
 
+// --- Decode steps: few query rows per kv head ----------------------------------------------
+// A decode step has group x nq <= kDecodeRows rows per kv head (4 for one query under GQA 4), so
+// the work per kept token is small and the kernel must stream K and V at the memory's pace.
+// DecodePartialKernel (16-bit K/V): 128 threads; tiles of kDecodeTile(D) kept tokens are copied
+// global -> shared as they are (cp.async, three stages, no conversion pass), so two tiles are in
+// flight while one is computed. Logits: kDecodeSplit(D) threads per key, each a slice of the head
+// dimension for every row; online softmax by one warp per row; values: each thread two columns
+// of every row of its row group. Same partials as AttentionPartialKernel (fp32 products).
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeRows = 8;
+constexpr int kDecodeStages = 3;
+constexpr int kDecodeCtasPerSm = 3;  // 32-token tiles: three CTAs' stages fit an SM (d <= 128)
+template <int D>
+constexpr int DecodeTile() {
+  return 32;
+}
+template <int D>
+constexpr int DecodeSplit() {
+  return kDecodeThreads / DecodeTile<D>();
+}
+template <typename T, int D>
+constexpr int DecodeKeyStride() {  // padded: the logit pass's 16-byte reads avoid bank conflicts
+  return D + 16 / static_cast<int>(sizeof(T));
+}
+template <typename T, int D>
+constexpr size_t DecodeSmemBytes() {
+  constexpr size_t tile = DecodeTile<D>();
+  const size_t stages = kDecodeStages * tile * (DecodeKeyStride<T, D>() + D) * sizeof(T);
+  const size_t q = size_t{kDecodeRows} * D * sizeof(float);
+  const size_t logits = size_t{DecodeSplit<D>()} * kDecodeRows * tile * sizeof(float);
+  const size_t state = 3 * kDecodeRows * sizeof(float);
+  const size_t total = stages + q + logits + state;
+  const size_t virtual_token = size_t{kRows} * D * sizeof(float);  // VirtualTokenPartial's qs
+  return total > virtual_token ? total : virtual_token;
+}
+
+__device__ __forceinline__ void DecodeCpAsync16(void* smem_dst, const void* gmem_src, int bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(bytes));
+}
+
+template <typename Q, typename T, int D>
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
+    DecodePartialKernel(AttentionKernelParams p) {
+  constexpr int kTile = DecodeTile<D>();
+  constexpr int kSplit = DecodeSplit<D>();
+  constexpr int kSlice = D / kSplit;                 // head dims per logit thread
+  constexpr int kLd = DecodeKeyStride<T, D>();
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kGroups = kDecodeThreads / (D / 2);  // row groups of the value pass
+  constexpr int kRowsPer = kDecodeRows / kGroups;
+  static_assert(kDecodeRows % kGroups == 0 && kGroups >= 1, "rows split evenly");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* kst = reinterpret_cast<T*>(smem_raw);                 // [stages][kTile][kLd]
+  T* vst = kst + kDecodeStages * kTile * kLd;              // [stages][kTile][D]
+  float* qs = reinterpret_cast<float*>(vst + kDecodeStages * kTile * D);  // [rows][D]
+  float* lg = qs + kDecodeRows * D;                        // [kSplit][rows][kTile]
+  float* rmax = lg + kSplit * kDecodeRows * kTile;
+  float* rsum = rmax + kDecodeRows;
+  float* rscale = rsum + kDecodeRows;
+
+  const uint32_t h = blockIdx.y;
+  const uint32_t rows_total = p.group * p.nq;  // <= kDecodeRows (the launcher's choice)
+  const int rows = static_cast<int>(rows_total);
+  if (blockIdx.x == p.chunks) {
+    VirtualTokenPartial<Q, D>(p, h, 0, rows, reinterpret_cast<float*>(smem_raw));
+    return;
+  }
+  const uint64_t a = p.offsets[h], b = p.offsets[h + 1];
+  const uint64_t begin = min(b, a + blockIdx.x * p.chunk), end = min(b, begin + p.chunk);
+  const T* kg = static_cast<const T*>(p.keys);
+  const T* vg = static_cast<const T*>(p.values);
+  const int tiles = static_cast<int>((end - begin + kTile - 1) / kTile);
+
+  auto issue = [&](int i) {
+    const uint64_t t0 = begin + uint64_t{kTile} * i;
+    const int m = static_cast<int>(min(static_cast<uint64_t>(kTile), end - t0));
+    T* ks = kst + (i % kDecodeStages) * kTile * kLd;
+    T* vs = vst + (i % kDecodeStages) * kTile * D;
+    constexpr int kPieces = kTile * D / kVec;
+    for (int e = threadIdx.x; e < kPieces; e += kDecodeThreads) {
+      const int j = e / (D / kVec), c = (e % (D / kVec)) * kVec;
+      const bool in = j < m;
+      const uint64_t row = in ? t0 + j : begin;
+      DecodeCpAsync16(ks + j * kLd + c, kg + row * D + c, in ? 16 : 0);
+      DecodeCpAsync16(vs + j * D + c, vg + row * D + c, in ? 16 : 0);
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < kDecodeStages - 1; ++st) {
+    if (st < tiles) issue(st);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  for (int e = threadIdx.x; e < kDecodeRows * D; e += kDecodeThreads) {
+    const int r = e / D, x = e % D;
+    qs[e] = r < rows ? ToFloat(QRow<Q>(p, h, r)[x]) * p.scale : 0.0f;
+  }
+  if (threadIdx.x < kDecodeRows) {
+    rmax[threadIdx.x] = -INFINITY;
+    rsum[threadIdx.x] = 0.0f;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Value pass: columns c, c + 1 of rows g, g + kGroups, ...
+  const int vc = (threadIdx.x % (D / 2)) * 2, vg0 = threadIdx.x / (D / 2);
+  float acc[kRowsPer][2];
+#pragma unroll
+  for (int i = 0; i < kRowsPer; ++i) acc[i][0] = acc[i][1] = 0.0f;
+  // Logit pass: key kj, head dims [ks0, ks0 + kSlice).
+  const int kj = threadIdx.x % kTile, ks0 = (threadIdx.x / kTile) * kSlice;
+
+  for (int i = 0; i < tiles; ++i) {
+    const uint64_t t0 = begin + uint64_t{kTile} * i;
+    const int m = static_cast<int>(min(static_cast<uint64_t>(kTile), end - t0));
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kDecodeStages - 2));
+    __syncthreads();  // tile i landed everywhere; tile i - 1's stage is free
+    if (i + kDecodeStages - 1 < tiles) issue(i + kDecodeStages - 1);
+    asm volatile("cp.async.commit_group;\n" ::);
+    const T* ks = kst + (i % kDecodeStages) * kTile * kLd;
+    const T* vs = vst + (i % kDecodeStages) * kTile * D;
+    // Partial logits of key kj over this thread's slice, every row.
+    {
+      float part[kDecodeRows];
+#pragma unroll
+      for (int r = 0; r < kDecodeRows; ++r) part[r] = 0.0f;
+      const T* krow = ks + kj * kLd + ks0;
+#pragma unroll 4
+      for (int x = 0; x < kSlice; x += kVec) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(krow + x);
+        const T* kv = reinterpret_cast<const T*>(&raw);
+        float kf[kVec];
+#pragma unroll
+        for (int w = 0; w < kVec; ++w) kf[w] = ToFloat(kv[w]);
+#pragma unroll
+        for (int r = 0; r < kDecodeRows; ++r) {
+          if (r < rows) {
+            const float4 q0 = *reinterpret_cast<const float4*>(qs + r * D + ks0 + x);
+            const float4 q1 = *reinterpret_cast<const float4*>(qs + r * D + ks0 + x + 4);
+            part[r] = fmaf(q0.x, kf[0], fmaf(q0.y, kf[1], fmaf(q0.z, kf[2], fmaf(q0.w, kf[3],
+                      fmaf(q1.x, kf[4], fmaf(q1.y, kf[5], fmaf(q1.z, kf[6],
+                      fmaf(q1.w, kf[7], part[r]))))))));
+          }
+        }
+      }
+      float* out = lg + (threadIdx.x / kTile) * kDecodeRows * kTile + kj;
+#pragma unroll
+      for (int r = 0; r < kDecodeRows; ++r) {
+        if (r < rows) out[r * kTile] = part[r];
+      }
+    }
+    __syncthreads();
+    // Online softmax: warp w takes rows w, w + 4; lane l keys l, l + 32.
+    for (int r = warp; r < rows; r += kDecodeThreads / 32) {
+      float l[kTile / 32];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < kTile / 32; ++u) {
+        const int j = lane + 32 * u;
+        float v = -INFINITY;
+        if (j < m) {
+          v = 0.0f;
+#pragma unroll
+          for (int sp = 0; sp < kSplit; ++sp) v += lg[(sp * kDecodeRows + r) * kTile + j];
+        }
+        l[u] = v;
+        mx = fmaxf(mx, v);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float old = rmax[r];
+      const float nmax = fmaxf(old, mx);
+      float sum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kTile / 32; ++u) {
+        const int j = lane + 32 * u;
+        const float w = j < m ? __expf(l[u] - nmax) : 0.0f;
+        lg[r * kTile + j] = w;  // split 0's slot of (r, j): read above by this lane only
+        sum += w;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (lane == 0) {
+        const float c = old == -INFINITY ? 0.0f : __expf(old - nmax);
+        rscale[r] = c;
+        rsum[r] = rsum[r] * c + sum;
+        rmax[r] = nmax;
+      }
+    }
+    __syncthreads();
+    // Values: acc(row, c..c+1) = acc * scale + sum_j w(row, j) v(j, c..c+1).
+#pragma unroll
+    for (int ri = 0; ri < kRowsPer; ++ri) {
+      const int r = vg0 + kGroups * ri;
+      if (r < rows) {
+        const float c = rscale[r];
+        acc[ri][0] *= c;
+        acc[ri][1] *= c;
+      }
+    }
+    for (int j = 0; j < m; j += 4) {
+      float2 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const T* vr = vs + (j + u) * D + vc;  // rows past m are zero-filled
+        v[u] = make_float2(ToFloat(vr[0]), ToFloat(vr[1]));
+      }
+#pragma unroll
+      for (int ri = 0; ri < kRowsPer; ++ri) {
+        const int r = vg0 + kGroups * ri;
+        if (r < rows) {
+          const float4 w = *reinterpret_cast<const float4*>(lg + r * kTile + j);
+          acc[ri][0] = fmaf(w.x, v[0].x, fmaf(w.y, v[1].x, fmaf(w.z, v[2].x,
+                       fmaf(w.w, v[3].x, acc[ri][0]))));
+          acc[ri][1] = fmaf(w.x, v[0].y, fmaf(w.y, v[1].y, fmaf(w.z, v[2].y,
+                       fmaf(w.w, v[3].y, acc[ri][1]))));
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  __syncthreads();
+  // Partials of (h, row, chunk); an empty chunk writes max -inf, sum 0.
+#pragma unroll
+  for (int ri = 0; ri < kRowsPer; ++ri) {
+    const int r = vg0 + kGroups * ri;
+    if (r < rows) {
+      const uint64_t slot = (uint64_t{h} * rows_total + r) * p.slots + blockIdx.x;
+      p.part_acc[slot * D + vc] = acc[ri][0];
+      p.part_acc[slot * D + vc + 1] = acc[ri][1];
+      if (vc == 0) {
+        p.part_max[slot] = rmax[r];
+        p.part_sum[slot] = rsum[r];
+      }
+    }
+  }
+}
+
 // Most partials a row may have (the launcher keeps chunks below it).
 constexpr uint32_t kMaxSlots = 1024;
+
+// Kept tokens per partial CTA and their count for the longest head (max_kept): one wave of
+// CTAs (two per multiprocessor for the general kernel and for head_dim 256, kDecodeCtasPerSm
+// for a decode step of 16-bit K/V), chunks of at least 128 (decode) or 256 tokens, a multiple of 32, fewer chunks
+// than the combine kernel's slot limit. (Three CTAs per multiprocessor of the general kernel
+// and 128-token chunks were measured slower on an H100: 95 registers left room for two.)
+struct Chunking {
+  uint64_t chunk = 0;
+  uint32_t chunks = 0;
+};
+inline Chunking PartialChunking(uint32_t rows, bool sixteen_bit, uint32_t head_dim, uint32_t sms,
+                                uint32_t kv_heads, uint64_t max_kept) {
+  const bool decode = sixteen_bit && rows <= static_cast<uint32_t>(kDecodeRows);
+  const uint64_t row_blocks = (rows + kRows - 1) / kRows;
+  const uint64_t per_sm = decode && head_dim <= 128 ? kDecodeCtasPerSm : 2;
+  // One slot of the wave is left for each (kv head, row block)'s virtual-token CTA.
+  const uint64_t per_head = per_sm * sms / (uint64_t{kv_heads} * row_blocks);
+  const uint64_t target =
+      std::max<uint64_t>(1, std::min<uint64_t>(kMaxSlots - 1, per_head > 1 ? per_head - 1 : 1));
+  uint64_t chunk = std::max<uint64_t>(decode ? 128 : 256, (max_kept + target - 1) / target);
+  chunk = (chunk + 31) / 32 * 32;
+  Chunking c;
+  c.chunk = chunk;
+  c.chunks = static_cast<uint32_t>(std::max<uint64_t>(1, (max_kept + chunk - 1) / chunk));
+  return c;
+}
 
 // One CTA per (row, kv head), D threads (64..256): the partials' weights exp(max_c - m) once into
 // shared memory (in parallel over the slots), then each thread its column over the slots.
@@ -358,6 +632,21 @@ __global__ void __launch_bounds__(D) AttentionCombineKernel(AttentionKernelParam
 template <typename Q, typename T, int D>
 cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
                             cudaStream_t stream) {
+  const uint32_t rows = p.group * p.nq;
+  if constexpr (sizeof(T) == 2) {
+    if (rows <= static_cast<uint32_t>(kDecodeRows)) {  // a decode step
+      constexpr size_t smem = DecodeSmemBytes<T, D>();
+      auto partial = DecodePartialKernel<Q, T, D>;
+      cudaError_t e =
+          cudaFuncSetAttribute(partial, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return e;
+      partial<<<dim3(p.slots, kv_heads, 1), kDecodeThreads, smem, stream>>>(p);
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+      AttentionCombineKernel<Q, D><<<dim3(rows, kv_heads), D, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
+  }
   constexpr size_t smem = PartialSmemBytes<D>();
   auto partial = AttentionPartialKernel<Q, T, D>;
   if (smem > 48 * 1024) {
@@ -365,7 +654,6 @@ cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
         cudaFuncSetAttribute(partial, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
   }
-  const uint32_t rows = p.group * p.nq;
   const dim3 grid(p.slots, kv_heads, (rows + kRows - 1) / kRows);
   partial<<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();

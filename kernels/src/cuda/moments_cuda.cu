@@ -218,18 +218,11 @@ class CudaMomentOps final : public MomentOps {
     k.offsets = kv.offsets;
     k.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(d));
     const uint64_t rows = uint64_t{k.group} * k.nq;
-    const uint64_t row_blocks = (rows + attention_cuda::kRows - 1) / attention_cuda::kRows;
-    // One wave of CTAs (two per multiprocessor: the partial kernel's launch bounds), chunks of
-    // at least 256 kept tokens, fewer chunks than the combine kernel's slot limit. (Three per
-    // multiprocessor and 128-token chunks were measured slower on an H100: 95 registers left
-    // room for two, so the grid ran in 1.3 waves.)
-    const uint64_t target = std::max<uint64_t>(
-        1, std::min<uint64_t>(attention_cuda::kMaxSlots - 1,
-                              2ull * ctx_->properties.multiProcessorCount / (hk * row_blocks)));
-    uint64_t chunk = std::max<uint64_t>(256, (max_kept + target - 1) / target);
-    chunk = (chunk + 31) / 32 * 32;
-    k.chunk = chunk;
-    k.chunks = static_cast<uint32_t>(std::max<uint64_t>(1, (max_kept + chunk - 1) / chunk));
+    const attention_cuda::Chunking ch = attention_cuda::PartialChunking(
+        static_cast<uint32_t>(rows), kv.dtype != DType::kF32, d,
+        static_cast<uint32_t>(ctx_->properties.multiProcessorCount), hk, max_kept);
+    k.chunk = ch.chunk;
+    k.chunks = ch.chunks;
     const bool virtual_token = p.correct && p.moments.count != nullptr;
     k.slots = k.chunks + (virtual_token ? 1 : 0);
     const uint64_t slots = uint64_t{hk} * rows * k.slots;
