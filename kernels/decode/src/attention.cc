@@ -335,6 +335,7 @@ absl::Status Decoder::AttendDense(const ResidentCache& cache, const AttendParams
   AttentionParams p;
   p.queries = queries;
   p.kv = RaggedKv{keys, values, layout.dtype, l.device_offsets, hk, d, space};
+  p.kv.host_offsets = l.offsets.data();  // the resident cache's host copy: no read-back
   if (cache.has_moments()) p.moments = l.moments;
   p.correct = params.correct;
   p.scale = params.scale;

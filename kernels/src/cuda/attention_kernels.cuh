@@ -69,6 +69,17 @@ constexpr size_t PartialSmemBytes() {
                           size_t{kRows} * kKeys + size_t{kRows} * D + 3 * kRows);
 }
 
+// One tile's step of a row's online softmax: the old running max, the new one and the tile's
+// sum of exp(logit - new max) give the factor on the earlier sums and accumulator, the new sum
+// and the new max.
+__device__ __forceinline__ void AdvanceRow(float old_max, float new_max, float tile_sum,
+                                           float* scale, float* sum, float* max) {
+  const float c = old_max == -INFINITY ? 0.0f : __expf(old_max - new_max);
+  *scale = c;
+  *sum = *sum * c + tile_sum;
+  *max = new_max;
+}
+
 template <typename Q>
 __device__ __forceinline__ const Q* QRow(const AttentionKernelParams& p, uint32_t kv_head,
                                          uint32_t row) {
@@ -259,12 +270,7 @@ __global__ void __launch_bounds__(kThreads, 2) AttentionPartialKernel(AttentionK
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
       pr[r * kKeys + lane] = w;
-      if (lane == 0) {
-        const float c = old == -INFINITY ? 0.0f : __expf(old - nmax);
-        rscale[r] = c;
-        rsum[r] = rsum[r] * c + s;
-        rmax[r] = nmax;
-      }
+      if (lane == 0) AdvanceRow(old, nmax, s, &rscale[r], &rsum[r], &rmax[r]);
     }
     __syncthreads();
     // Four columns per thread (16-byte loads of the value rows; the weights are broadcasts).
@@ -483,12 +489,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       }
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (lane == 0) {
-        const float c = old == -INFINITY ? 0.0f : __expf(old - nmax);
-        rscale[r] = c;
-        rsum[r] = rsum[r] * c + sum;
-        rmax[r] = nmax;
-      }
+      if (lane == 0) AdvanceRow(old, nmax, sum, &rscale[r], &rsum[r], &rmax[r]);
     }
     __syncthreads();
     // Values: acc(row, c..c+1) = acc * scale + sum_j w(row, j) v(j, c..c+1).

@@ -138,13 +138,7 @@ class CudaMomentOps final : public MomentOps {
 
   absl::Status CompactAndAccumulate(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
                                     void* kept_k, void* kept_v, const MomentsView& out) override {
-    KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kDevice));
-    KVCOMP_RETURN_IF_ERROR(
-        CheckTokenLists(kept, k.num_heads, MemorySpace::kDevice, "moments: kept"));
-    if (out.count != nullptr) {
-      KVCOMP_RETURN_IF_ERROR(
-          CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kDevice, "moments: out"));
-    }
+    KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(k, v, kept, out));
     return Run(k, v, kept, kept_k, kept_v, out, /*compact=*/true);
   }
 
@@ -152,13 +146,7 @@ class CudaMomentOps final : public MomentOps {
                                             const TokenLists& kept, void* kept_k, void* kept_v,
                                             uint32_t* error, uint64_t* bad_value,
                                             const MomentsView& out) override {
-    KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kDevice));
-    KVCOMP_RETURN_IF_ERROR(
-        CheckTokenLists(kept, k.num_heads, MemorySpace::kDevice, "moments: kept"));
-    if (out.count != nullptr) {
-      KVCOMP_RETURN_IF_ERROR(
-          CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kDevice, "moments: out"));
-    }
+    KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(k, v, kept, out));
     if (error == nullptr || bad_value == nullptr || kept_k == nullptr || kept_v == nullptr) {
       return absl::InvalidArgumentError("moments: null error word, value check or kept outputs");
     }
@@ -199,9 +187,13 @@ class CudaMomentOps final : public MomentOps {
     if (p.queries.num_tokens == 0) return absl::OkStatus();
     if (d != 64 && d != 128 && d != 256) return UnsupportedHeadDim(d);
     std::vector<uint64_t> off(hk + 1);
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(off.data(), kv.offsets, off.size() * 8,
-                                                cudaMemcpyDeviceToHost, ctx_->stream));
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    if (kv.host_offsets != nullptr) {  // the caller's host copy: no read-back, no wait
+      std::copy(kv.host_offsets, kv.host_offsets + hk + 1, off.begin());
+    } else {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(off.data(), kv.offsets, off.size() * 8,
+                                                  cudaMemcpyDeviceToHost, ctx_->stream));
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    }
     KVCOMP_RETURN_IF_ERROR(moments_internal::CheckRaggedOffsets(
         RaggedKv{kv.keys, kv.values, kv.dtype, off.data(), hk, d, MemorySpace::kHost}));
     uint64_t max_kept = 0;
@@ -250,6 +242,16 @@ class CudaMomentOps final : public MomentOps {
   }
 
  private:
+  // The shapes, spaces and (when summarised) moments of a compaction.
+  static absl::Status CheckCompactArgs(const HeadsView& k, const HeadsView& v,
+                                       const TokenLists& kept, const MomentsView& out) {
+    KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kDevice));
+    KVCOMP_RETURN_IF_ERROR(
+        CheckTokenLists(kept, k.num_heads, MemorySpace::kDevice, "moments: kept"));
+    if (out.count == nullptr) return absl::OkStatus();
+    return CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kDevice, "moments: out");
+  }
+
   static absl::Status CheckAligned(const HeadsView& k, const HeadsView& v, void* kept_k,
                                    void* kept_v, bool compact) {
     const uint32_t d = k.head_dim;

@@ -63,6 +63,19 @@ struct MomentKernelParams {
   unsigned long long* bad_value = nullptr;
 };
 
+// ksum / vsum += the elements of one 16-byte piece of a key row and of a value row.
+template <typename T, int kVec = 16 / sizeof(T)>
+__device__ __forceinline__ void AddPiece(const uint4& kx, const uint4& vx, float (&ksum)[kVec],
+                                         float (&vsum)[kVec]) {
+  const T* kv = reinterpret_cast<const T*>(&kx);
+  const T* vv = reinterpret_cast<const T*>(&vx);
+#pragma unroll
+  for (int w = 0; w < kVec; ++w) {
+    ksum[w] += ToFloat(kv[w]);
+    vsum[w] += ToFloat(vv[w]);
+  }
+}
+
 // The sum of squares of one 16-byte piece of a row.
 template <typename T>
 __device__ __forceinline__ float SqSum16(const uint4& x) {
@@ -350,13 +363,7 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
     *reinterpret_cast<uint4*>(ks + r * kLd + c) = kx;
     *reinterpret_cast<uint4*>(vs + r * kLd + c) = vx;
     if (summarize && lead) {  // this thread's columns never change (kThreads % kRowVecs == 0)
-      const T* kv = reinterpret_cast<const T*>(&kx);
-      const T* vv = reinterpret_cast<const T*>(&vx);
-#pragma unroll
-      for (int w = 0; w < kVec; ++w) {
-        ksum[w] += ToFloat(kv[w]);
-        vsum[w] += ToFloat(vv[w]);
-      }
+      AddPiece<T>(kx, vx, ksum, vsum);
     }
   };
   uint4 pk[kPrefetch ? kLoads : 1], pv[kPrefetch ? kLoads : 1];
@@ -601,13 +608,7 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernelAsync(MomentKernelPar
         }
         *kr = *vr = make_uint4(0, 0, 0, 0);
       } else if (summarize && lead) {
-        const T* kv = reinterpret_cast<const T*>(&kx);
-        const T* vv = reinterpret_cast<const T*>(&vx);
-#pragma unroll
-        for (int w = 0; w < kVec; ++w) {
-          ksum[w] += ToFloat(kv[w]);
-          vsum[w] += ToFloat(vv[w]);
-        }
+        AddPiece<T>(kx, vx, ksum, vsum);
       }
     }
     if (kCompact && kept_here > 0) __syncthreads();  // the zeroed rows, before the MMA reads

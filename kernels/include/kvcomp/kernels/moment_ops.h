@@ -77,6 +77,10 @@ struct RaggedKv {
   uint32_t num_kv_heads = 0;
   uint32_t head_dim = 0;
   MemorySpace space = MemorySpace::kHost;
+  // Optional, device backends: a host copy of `offsets` that the caller keeps (a decoder's
+  // resident cache does). Attention then sizes its grid from it instead of reading the offsets
+  // back and waiting for the device first; they must be the same numbers.
+  const uint64_t* host_offsets = nullptr;
 };
 
 struct AttentionParams {
