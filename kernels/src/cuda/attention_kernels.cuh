@@ -150,8 +150,10 @@ __device__ void VirtualTokenPartial(const AttentionKernelParams& p, uint32_t h, 
           const float s0 = sv[u].x, s1 = sv[u].y, s2 = sv[u].z, s3 = sv[u].w;
 #pragma unroll
           for (int r = 0; r < kGroup; ++r) {
-            const float* qr = qs + (rg + r) * D + j;  // rows past `rows` are zeros
-            cq[r] = fmaf(s0, qr[0], fmaf(s1, qr[1], fmaf(s2, qr[2], fmaf(s3, qr[3], cq[r]))));
+            if (rg + r < rows) {  // rows past `rows` stay zero and are never written
+              const float4 q4 = *reinterpret_cast<const float4*>(qs + (rg + r) * D + j);
+              cq[r] = fmaf(s0, q4.x, fmaf(s1, q4.y, fmaf(s2, q4.z, fmaf(s3, q4.w, cq[r]))));
+            }
           }
         }
       }
