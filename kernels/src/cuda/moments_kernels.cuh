@@ -629,35 +629,38 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernelAsync(MomentKernelPar
   }
 }
 
+// Launches `kernel` with `smem` bytes of dynamic shared memory, raising the kernel's limit above
+// the default 48 KiB first (and, with `max_shared`, asking for the largest shared-memory carveout:
+// two CTAs of the three-stage kernel need most of a multiprocessor's shared memory).
+template <typename Kernel>
+cudaError_t LaunchWithSmem(Kernel kernel, size_t smem, bool max_shared, dim3 grid,
+                           cudaStream_t stream, const MomentKernelParams& p) {
+  if (smem > 48 * 1024) {
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    if (max_shared) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+      if (e != cudaSuccess) return e;
+    }
+  }
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, int D, bool kCompact>
 cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(chunks), p.heads, SBlock<D>::kBlocks * SBlock<D>::kBlocks);
   // 16-bit inputs with 2 D <= kThreads (a row's 16-byte pieces within one warp) take the
   // pipelined kernel.
   if constexpr (sizeof(T) == 2 && 2 * D <= kThreads) {
-    constexpr size_t smem = AsyncMomentSmemBytes<T, D>();
-    auto kernel = MomentKernelAsync<T, D, kCompact>;
-    if (smem > 48 * 1024) {
-      cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return e;
-      // Two CTAs of the three-stage kernel need most of a multiprocessor's shared memory.
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
-      if (e != cudaSuccess) return e;
-    }
-    kernel<<<grid, kThreads, smem, stream>>>(p);
+    return LaunchWithSmem(MomentKernelAsync<T, D, kCompact>, AsyncMomentSmemBytes<T, D>(),
+                          /*max_shared=*/true, grid, stream, p);
   } else {
-    constexpr size_t smem = MomentSmemBytes<T, D>();
-    auto kernel = MomentKernel<T, D, kCompact>;
-    if (smem > 48 * 1024) {
-      cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return e;
-    }
-    kernel<<<grid, kThreads, smem, stream>>>(p);
+    return LaunchWithSmem(MomentKernel<T, D, kCompact>, MomentSmemBytes<T, D>(),
+                          /*max_shared=*/false, grid, stream, p);
   }
-  return cudaGetLastError();
 }
 
 // Sets *error to 1 when an index of head h's list is >= num_tokens or, when `ascending`, not
