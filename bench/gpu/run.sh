@@ -183,6 +183,14 @@ if has bench && [ -d "$BUILD" ]; then
     timeout 240 "$b" ${KVCOMP_BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1 ||
       note "bench   $(basename "$b") exited $?"
   done
+  # The device work of the daemon's default put alone (CompressToDevice, plain and staged input)
+  # at the short and long lengths of the kernel table.
+  pipe=$BUILD/bench/gpu/kvcomp_bench_gpu_pipeline
+  if [ -x "$pipe" ] && [[ "kvcomp_bench_gpu_pipeline" =~ ${KVCOMP_BENCH_FILTER:-.} ]]; then
+    echo "### $pipe --device-only" >>"$OUT/bench.log"
+    timeout 240 "$pipe" --device-only --tokens 2048,8192,32768,65536 >>"$OUT/bench.log" 2>&1 ||
+      note "bench   kvcomp_bench_gpu_pipeline --device-only exited $?"
+  fi
   if [ "${KVCOMP_TORCH_REF:-1}" = 1 ] && [ -f bench/gpu/torch_reference.py ]; then
     echo "### torch_reference.py" >>"$OUT/bench.log"
     PYTHONUNBUFFERED=1 timeout 180 python3 bench/gpu/torch_reference.py >>"$OUT/bench.log" 2>&1 ||
