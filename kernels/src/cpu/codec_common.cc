@@ -1,10 +1,10 @@
 // Backend-independent parts of the codec: parameter checks and the per-row reference arithmetic.
-#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_format.h"
 #include "codec_cpu_internal.h"
+#include "gemm_kernels.h"
 #include "kvcomp/kernels/codec_ops.h"
 
 namespace kvcomp {
@@ -153,16 +153,14 @@ void HeadMatrices(const Projection& projection, uint64_t head, const ValueCodecP
   }
 }
 
-using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
+// The projections are the dense products of the moment tiles (gemm_kernels.h): Eigen's GEMM
+// built for the running CPU's widest ISA (AVX-512 or AVX2+FMA, else the portable build; the
+// KVCOMP_CPU_ISA cap applies).
 void EncodeRowsF32(const float* v, uint64_t n, uint32_t d, const float* enc,
                    const ValueCodecParams& p, float* z, uint8_t* latent, uint16_t* scales) {
   if (n == 0) return;
-  const Eigen::Index r = p.rank;
-  Eigen::Map<const RowMat> vm(v, static_cast<Eigen::Index>(n), d);
-  Eigen::Map<const RowMat> em(enc, r, d);
-  Eigen::Map<RowMat> zm(z, static_cast<Eigen::Index>(n), r);
-  zm.noalias() = vm * em.transpose();
+  const uint32_t r = p.rank;
+  cpu::Gemm().a_bt(v, enc, z, n, d, r);  // z [n x r] = v [n x d] enc^T
   const uint64_t lb = p.LatentBytes(), groups = p.Groups();
   for (uint64_t i = 0; i < n; ++i) {
     QuantizeRow(z + i * r, p, latent + i * lb, groups ? scales + i * groups : nullptr);
@@ -172,15 +170,13 @@ void EncodeRowsF32(const float* v, uint64_t n, uint32_t d, const float* enc,
 void DecodeRowsF32(const uint8_t* latent, const uint16_t* scales, uint64_t n, uint32_t d,
                    const float* dec, const ValueCodecParams& p, float* z, float* out) {
   if (n == 0) return;
-  const Eigen::Index r = p.rank;
+  const uint32_t r = p.rank;
   const uint64_t lb = p.LatentBytes(), groups = p.Groups();
   for (uint64_t i = 0; i < n; ++i) {
     DequantizeRow(latent + i * lb, groups ? scales + i * groups : nullptr, p, z + i * r);
   }
-  Eigen::Map<const RowMat> zm(z, static_cast<Eigen::Index>(n), r);
-  Eigen::Map<const RowMat> dm(dec, r, d);
-  Eigen::Map<RowMat> om(out, static_cast<Eigen::Index>(n), d);
-  om.noalias() = zm * dm;
+  std::fill(out, out + n * d, 0.0f);
+  cpu::Gemm().add_a_b(z, dec, out, n, r, d);  // out [n x d] = z [n x r] dec [r x d]
 }
 
 }  // namespace codec_internal

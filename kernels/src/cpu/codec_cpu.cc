@@ -1,6 +1,7 @@
 // CPU CodecOps: tiles of rows of one head, spread over the backend's pool. Each tile is
-// converted to f32, multiplied by the head's encode/decode matrix through Eigen's GEMM and
-// (de)quantized while it is still in cache; decode writes only V'.
+// converted to f32, multiplied by the head's encode/decode matrix through Eigen's GEMM (built
+// for the running CPU's widest ISA, gemm_kernels.h) and (de)quantized while it is still in
+// cache; decode writes only V'.
 #include <Eigen/Core>
 #include <Eigen/Eigenvalues>
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "codec_cpu_internal.h"
 #include "cpu_ops.h"
+#include "gemm_kernels.h"
 #include "kvcomp/core/status.h"
 
 namespace kvcomp {
@@ -138,8 +140,9 @@ class CpuCodecOps final : public CodecOps {
           v(static_cast<Eigen::Index>(i), k) = LoadAsFloat(values, dtype, (begin + i) * d + k);
         }
       }
-      Eigen::Map<const RowMat> basis(projection.head_basis(rows.first_head + h), rank, d);
-      const RowMat z = v * basis.transpose();
+      RowMat z(static_cast<Eigen::Index>(n), rank);  // v basis^T, the ISA's dense product
+      cpu::Gemm().a_bt(v.data(), projection.head_basis(rows.first_head + h), z.data(), n, d,
+                       rank);
       for (uint64_t i = 0; i < n; ++i) {
         const auto row = static_cast<Eigen::Index>(i);
         energy[begin + i] = v.row(row).squaredNorm();
@@ -313,8 +316,8 @@ class CpuCodecOps final : public CodecOps {
         for (uint64_t t = 0; t < m; ++t) {
           ToF32(values.data, values.dtype, values.offset(h, t0 + t), d, v.data() + t * d);
         }
-        Eigen::Map<const RowMat> vm(v.data(), m, d);
-        acc.noalias() = vm.transpose() * vm;
+        acc.setZero();  // this block's v^T v, the ISA's dense product, summed in double
+        cpu::Gemm().add_at_b(v.data(), v.data(), acc.data(), m, d, d);
         g += acc.cast<double>();
       }
     });
