@@ -40,13 +40,18 @@ double MedianSeconds(int reps, const std::function<void()>& fn) {
 KvLayout Llama8bLayout() { return KvLayout{32, 8, 32, 128, DType::kBF16}; }
 
 bool ParseTokensAndReps(int argc, char** argv, const char* name, TokensAndReps* args) {
-  const std::string usage =
+  std::string usage =
       absl::StrCat("usage: ", name, " [--tokens ", absl::StrJoin(args->tokens, ","), "] [--reps ",
-                   args->reps, "]\n");
+                   args->reps, "]");
+  for (const auto& [flag, on] : args->switches) absl::StrAppend(&usage, " [", flag, "]");
+  usage += "\n";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     bool ok = i + 1 < argc;
-    if (ok && a == "--tokens") {
+    if (auto s = args->switches.find(a); s != args->switches.end()) {
+      s->second = true;
+      ok = true;
+    } else if (ok && a == "--tokens") {
       args->tokens.clear();
       for (absl::string_view t : absl::StrSplit(argv[++i], ',')) {
         uint64_t n = 0;

@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <map>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -52,14 +54,18 @@ double MedianSeconds(int reps, const std::function<void()>& fn);
 KvLayout Llama8bLayout();
 
 // Arguments of the in-process GPU benchmarks: --tokens 8192,32768 (comma-separated token
-// counts) and --reps N (at least 1). The fields hold the defaults until parsed.
+// counts), --reps N (at least 1) and the on/off switches a benchmark names in `switches` (e.g.
+// "--device-only"; a switch given on the command line is set to true). The fields hold the
+// defaults until parsed.
 struct TokensAndReps {
   std::vector<uint64_t> tokens = {8192, 32768};
   int reps = 1;
+  std::map<std::string, bool> switches;
 };
 
 // Parses argv into `args`. Anything else, or a token count that is not a number, prints
-// "usage: <name> [--tokens 8192,32768] [--reps R]" (the defaults) to stderr and returns false.
+// "usage: <name> [--tokens 8192,32768] [--reps R] [switch]..." (the defaults) to stderr and
+// returns false.
 bool ParseTokensAndReps(int argc, char** argv, const char* name, TokensAndReps* args);
 
 // One RESULT line of a transfer rate over the runs `secs` of `bytes` each, `name` left-aligned

@@ -54,20 +54,9 @@ struct Run {
 }  // namespace
 
 int main(int argc, char** argv) {
-  kvcomp::bench::TokensAndReps args{{8192, 32768}, 3};
-  bool device_only = false;
-  std::vector<char*> rest{argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--device-only") {
-      device_only = true;
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  if (!kvcomp::bench::ParseTokensAndReps(static_cast<int>(rest.size()), rest.data(),
-                                         "kvcomp_bench_gpu_pipeline", &args)) {
-    return 2;
-  }
+  kvcomp::bench::TokensAndReps args{{8192, 32768}, 3, {{"--device-only", false}}};
+  if (!kvcomp::bench::ParseTokensAndReps(argc, argv, "kvcomp_bench_gpu_pipeline", &args)) return 2;
+  const bool device_only = args.switches["--device-only"];
   const int reps = args.reps;
   const kvcomp::bench::Backends backends = kvcomp::bench::MakeBackends();
   kvcomp::Backend& gpu = *backends.gpu;

@@ -183,24 +183,18 @@ KeySums GroupKeySums(const KvCacheView& cache, uint32_t l0, uint32_t layers) {
   return a;
 }
 
-// KVCOMP_LAYER_GROUPS=0 turns the layer groups off (the layer-by-layer loop, for comparison).
 // A device compression that keeps moments compacts and sums in one pass over K and V
 // (MomentOps::CompactAndAccumulateDeferred) after a select-only scoring call, instead of the
 // scoring call's compaction followed by a gather of the evicted rows. KVCOMP_FUSED_MOMENTS=0
 // keeps the two passes (for comparisons).
 bool FusedMomentsEnabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("KVCOMP_FUSED_MOMENTS");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool enabled = pipeline_internal::SwitchOn("KVCOMP_FUSED_MOMENTS");
   return enabled;
 }
 
+// KVCOMP_LAYER_GROUPS=0 turns the layer groups off (the layer-by-layer loop, for comparison).
 bool LayerGroupsEnabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("KVCOMP_LAYER_GROUPS");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool enabled = pipeline_internal::SwitchOn("KVCOMP_LAYER_GROUPS");
   return enabled;
 }
 

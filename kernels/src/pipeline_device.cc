@@ -219,10 +219,7 @@ class CudaUploader final : public DeviceUploader {
 };
 
 bool KeySumsEnabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("KVCOMP_DEVICE_KEY_SUMS");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool enabled = pipeline_internal::SwitchOn("KVCOMP_DEVICE_KEY_SUMS");
   return enabled;
 }
 

@@ -100,6 +100,14 @@ absl::Status CheckTokenLists(const TokenLists& l, uint32_t heads, MemorySpace sp
   return absl::OkStatus();
 }
 
+absl::Status CheckCompactArgs(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
+                              const MomentsView& out, MemorySpace space) {
+  KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, space));
+  KVCOMP_RETURN_IF_ERROR(CheckTokenLists(kept, k.num_heads, space, "moments: kept"));
+  if (out.count == nullptr) return absl::OkStatus();
+  return CheckMomentsView(out, k.num_heads, k.head_dim, space, "moments: out");
+}
+
 absl::Status CheckTokenIndices(const TokenLists& l, uint64_t tokens, bool ascending,
                                const char* what) {
   if (l.offsets[0] != 0) {
@@ -396,17 +404,18 @@ absl::Status CpuMomentOps::Accumulate(const HeadsView& k, const HeadsView& v,
 absl::Status CpuMomentOps::CompactAndAccumulate(const HeadsView& k, const HeadsView& v,
                                                 const TokenLists& kept, void* kept_k, void* kept_v,
                                                 const MomentsView& out) {
-  KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kHost));
-  KVCOMP_RETURN_IF_ERROR(CheckTokenLists(kept, k.num_heads, MemorySpace::kHost, "moments: kept"));
-  const bool summarize = out.count != nullptr;
-  if (summarize) {
-    KVCOMP_RETURN_IF_ERROR(
-        CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kHost, "moments: out"));
-  }
+  KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(k, v, kept, out, MemorySpace::kHost));
   KVCOMP_RETURN_IF_ERROR(CheckTokenIndices(kept, k.num_tokens, true, "moments: kept"));
   if (kept.offsets[k.num_heads] > 0 && (kept_k == nullptr || kept_v == nullptr)) {
     return absl::InvalidArgumentError("moments: null kept_k or kept_v");
   }
+  CompactRows(k, v, kept, kept_k, kept_v, out);
+  return absl::OkStatus();
+}
+
+void CpuMomentOps::CompactRows(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
+                               void* kept_k, void* kept_v, const MomentsView& out) {
+  const bool summarize = out.count != nullptr;
   const size_t eb = ElemBytes(k.dtype);
   const size_t row = eb * k.head_dim;
   const std::vector<Item> items =
@@ -437,7 +446,6 @@ absl::Status CpuMomentOps::CompactAndAccumulate(const HeadsView& k, const HeadsV
     if (summarize) sum.Flush();
   });
   if (summarize) Reduce(items, parts, out);
-  return absl::OkStatus();
 }
 
 absl::Status CpuMomentOps::CompactAndAccumulateDeferred(const HeadsView& k, const HeadsView& v,
@@ -445,12 +453,7 @@ absl::Status CpuMomentOps::CompactAndAccumulateDeferred(const HeadsView& k, cons
                                                         void* kept_v, uint32_t* error,
                                                         uint64_t* bad_value,
                                                         const MomentsView& out) {
-  KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kHost));
-  KVCOMP_RETURN_IF_ERROR(CheckTokenLists(kept, k.num_heads, MemorySpace::kHost, "moments: kept"));
-  if (out.count != nullptr) {
-    KVCOMP_RETURN_IF_ERROR(
-        CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kHost, "moments: out"));
-  }
+  KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(k, v, kept, out, MemorySpace::kHost));
   if (error == nullptr || bad_value == nullptr || kept_k == nullptr || kept_v == nullptr) {
     return absl::InvalidArgumentError("moments: null error word, value check or kept outputs");
   }
@@ -477,7 +480,8 @@ absl::Status CpuMomentOps::CompactAndAccumulateDeferred(const HeadsView& k, cons
     }
   });
   for (uint64_t b : first_bad) *bad_value = std::min<uint64_t>(*bad_value, b);
-  return CompactAndAccumulate(k, v, kept, kept_k, kept_v, out);
+  CompactRows(k, v, kept, kept_k, kept_v, out);
+  return absl::OkStatus();
 }
 
 absl::Status CpuMomentOps::Merge(const MomentsView& dst, const ConstMomentsView& src) {

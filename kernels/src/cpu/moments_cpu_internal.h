@@ -27,6 +27,9 @@ absl::Status CheckKvPair(const HeadsView& k, const HeadsView& v, MemorySpace spa
 absl::Status CheckTokenLists(const TokenLists& l, uint32_t heads, MemorySpace space,
                              const char* what);
 absl::Status CheckAttention(const AttentionParams& p, MemorySpace space);
+// A compaction's k/v pair, kept lists and (when out.count is set) moments.
+absl::Status CheckCompactArgs(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
+                              const MomentsView& out, MemorySpace space);
 
 // Host-only checks that read the index arrays: every index < tokens; `ascending` also requires
 // strictly ascending lists.
@@ -63,6 +66,10 @@ class CpuMomentOps final : public MomentOps {
   absl::Status Attention(const AttentionParams& params) override;
 
  private:
+  // CompactAndAccumulate after its checks (lists well formed, outputs non-null).
+  void CompactRows(const HeadsView& k, const HeadsView& v, const TokenLists& kept, void* kept_k,
+                   void* kept_v, const MomentsView& out);
+
   ParallelFor parallel_;
   size_t workers_;
 };

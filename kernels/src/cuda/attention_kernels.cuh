@@ -24,6 +24,9 @@
 namespace kvcomp {
 namespace attention_cuda {
 
+using moments_cuda::CpAsync16;
+using moments_cuda::CpAsyncCommit;
+using moments_cuda::CpAsyncWait;
 using moments_cuda::ToFloat;
 
 constexpr int kThreads = 256;
@@ -346,11 +349,6 @@ constexpr size_t DecodeSmemBytes() {
   return total > virtual_token ? total : virtual_token;
 }
 
-__device__ __forceinline__ void DecodeCpAsync16(void* smem_dst, const void* gmem_src, int bytes) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(bytes));
-}
 
 template <typename Q, typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
@@ -395,14 +393,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       const int j = e / (D / kVec), c = (e % (D / kVec)) * kVec;
       const bool in = j < m;
       const uint64_t row = in ? t0 + j : begin;
-      DecodeCpAsync16(ks + j * kLd + c, kg + row * D + c, in ? 16 : 0);
-      DecodeCpAsync16(vs + j * D + c, vg + row * D + c, in ? 16 : 0);
+      CpAsync16(ks + j * kLd + c, kg + row * D + c, in ? 16 : 0);
+      CpAsync16(vs + j * D + c, vg + row * D + c, in ? 16 : 0);
     }
   };
 #pragma unroll
   for (int st = 0; st < kDecodeStages - 1; ++st) {
     if (st < tiles) issue(st);
-    asm volatile("cp.async.commit_group;\n" ::);
+    CpAsyncCommit();
   }
   for (int e = threadIdx.x; e < kDecodeRows * D; e += kDecodeThreads) {
     const int r = e / D, x = e % D;
@@ -424,10 +422,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   for (int i = 0; i < tiles; ++i) {
     const uint64_t t0 = begin + uint64_t{kTile} * i;
     const int m = static_cast<int>(min(static_cast<uint64_t>(kTile), end - t0));
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kDecodeStages - 2));
+    CpAsyncWait<kDecodeStages - 2>();
     __syncthreads();  // tile i landed everywhere; tile i - 1's stage is free
     if (i + kDecodeStages - 1 < tiles) issue(i + kDecodeStages - 1);
-    asm volatile("cp.async.commit_group;\n" ::);
+    CpAsyncCommit();
     const T* ks = kst + (i % kDecodeStages) * kTile * kLd;
     const T* vs = vst + (i % kDecodeStages) * kTile * D;
     // Partial logits of key kj over this thread's slice, every row.
@@ -524,7 +522,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       }
     }
   }
-  asm volatile("cp.async.wait_group 0;\n" ::);
+  CpAsyncWait<0>();
   __syncthreads();
   // Partials of (h, row, chunk); an empty chunk writes max -inf, sum 0.
 #pragma unroll

@@ -24,6 +24,7 @@ namespace kvcomp {
 namespace {
 
 using moments_internal::CheckAttention;
+using moments_internal::CheckCompactArgs;
 using moments_internal::CheckConstMomentsView;
 using moments_internal::CheckKvPair;
 using moments_internal::CheckMomentsView;
@@ -138,7 +139,7 @@ class CudaMomentOps final : public MomentOps {
 
   absl::Status CompactAndAccumulate(const HeadsView& k, const HeadsView& v, const TokenLists& kept,
                                     void* kept_k, void* kept_v, const MomentsView& out) override {
-    KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(k, v, kept, out));
+    KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(k, v, kept, out, MemorySpace::kDevice));
     return Run(k, v, kept, kept_k, kept_v, out, /*compact=*/true);
   }
 
@@ -146,7 +147,7 @@ class CudaMomentOps final : public MomentOps {
                                             const TokenLists& kept, void* kept_k, void* kept_v,
                                             uint32_t* error, uint64_t* bad_value,
                                             const MomentsView& out) override {
-    KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(k, v, kept, out));
+    KVCOMP_RETURN_IF_ERROR(CheckCompactArgs(k, v, kept, out, MemorySpace::kDevice));
     if (error == nullptr || bad_value == nullptr || kept_k == nullptr || kept_v == nullptr) {
       return absl::InvalidArgumentError("moments: null error word, value check or kept outputs");
     }
@@ -242,16 +243,6 @@ class CudaMomentOps final : public MomentOps {
   }
 
  private:
-  // The shapes, spaces and (when summarised) moments of a compaction.
-  static absl::Status CheckCompactArgs(const HeadsView& k, const HeadsView& v,
-                                       const TokenLists& kept, const MomentsView& out) {
-    KVCOMP_RETURN_IF_ERROR(CheckKvPair(k, v, MemorySpace::kDevice));
-    KVCOMP_RETURN_IF_ERROR(
-        CheckTokenLists(kept, k.num_heads, MemorySpace::kDevice, "moments: kept"));
-    if (out.count == nullptr) return absl::OkStatus();
-    return CheckMomentsView(out, k.num_heads, k.head_dim, MemorySpace::kDevice, "moments: out");
-  }
-
   static absl::Status CheckAligned(const HeadsView& k, const HeadsView& v, void* kept_k,
                                    void* kept_v, bool compact) {
     const uint32_t d = k.head_dim;
