@@ -2,7 +2,8 @@
 // GB/s over the bytes each reads and writes, set next to a device-to-device copy timed in the
 // same run (target: decode >= 70% of the copy). Two timings per figure: `op` is the public
 // CodecOps call (tile table upload, projection cache lookup, stream sync included); `kern` is the
-// kernel alone on a prepared tile table. One RESULT line per configuration.
+// kernel the op runs, alone on a prepared tile table (the pipelined tensor-core expand where the
+// layout allows it), `wmma` the WMMA kernel it replaces. One RESULT line per configuration.
 //
 //   kvcomp_bench_gpu_codec [rows_per_head] [heads]   (defaults 4096 and 256: 1M rows)
 #include <cuda_runtime.h>
@@ -27,6 +28,21 @@ const char* Name(ValueCodec c) {
   return c == ValueCodec::kOrthogonal ? "f16" : c == ValueCodec::kOrthogonalInt8 ? "int8" : "int4";
 }
 
+template <codec_cuda::LatentKind K>
+double TimeExpand(const codec_cuda::DecodeParams& p, size_t tiles, cudaStream_t stream) {
+  const size_t smem = codec_cuda::ExpandSmemLayout<128>(p.r_pad, p.latent_bytes, K, p.groups, 2)
+                          .total;
+  BENCH_CUDA_CHECK(cudaFuncSetAttribute(codec_cuda::ExpandValuesKernel<__nv_bfloat16, 128, K>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  return bench::MedianMicros(
+      [&](int) {
+        codec_cuda::ExpandValuesKernel<__nv_bfloat16, 128, K>
+            <<<static_cast<unsigned>(tiles), codec_cuda::kExpandThreads, smem, stream>>>(p);
+      },
+      stream, 3, 20);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -40,6 +56,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   CodecOps& ops = (*backend)->codec();
+  int sms = 0;
+  BENCH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t stream = nullptr;  // ops run on the backend's stream; events on the legacy stream
                                   // still order against it (the op syncs at its end)
   const Projection proj = bench::MakeBenchProjection(heads, d);
@@ -132,7 +150,7 @@ int main(int argc, char** argv) {
       BENCH_CUDA_CHECK(cudaFuncSetAttribute(codec_cuda::DecodeValuesKernel<__nv_bfloat16, 128>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
-      const double kern_us = bench::MedianMicros(
+      const double wmma_us = bench::MedianMicros(
           [&](int) {
             codec_cuda::DecodeValuesKernel<__nv_bfloat16, 128>
                 <<<static_cast<unsigned>(tiles.size()), codec_cuda::kDecodeThreads, smem,
@@ -140,15 +158,33 @@ int main(int argc, char** argv) {
           },
           stream, 3, 20);
       BENCH_CUDA_CHECK(cudaFree(dt));
+      // The pipelined tensor-core expand (what the op runs for these layouts).
+      double kern_us = wmma_us;
+      if (codec_cuda::ExpandEligible(rank, 32, static_cast<uint32_t>(lb), p.kind,
+                                     reinterpret_cast<uintptr_t>(dlat))) {
+        const std::vector<codec_cuda::Tile> xt = codec_cuda::ExpandTiles(
+            off.data(), heads, codec_cuda::ExpandShape<128>::M, sms);
+        BENCH_CUDA_CHECK(cudaMalloc(&dt, xt.size() * sizeof(codec_cuda::Tile)));
+        BENCH_CUDA_CHECK(cudaMemcpy(dt, xt.data(), xt.size() * sizeof(codec_cuda::Tile),
+                                    cudaMemcpyHostToDevice));
+        p.tiles = dt;
+        kern_us = p.kind == codec_cuda::LatentKind::kInt8
+                      ? TimeExpand<codec_cuda::LatentKind::kInt8>(p, xt.size(), stream)
+                  : p.kind == codec_cuda::LatentKind::kInt4
+                      ? TimeExpand<codec_cuda::LatentKind::kInt4>(p, xt.size(), stream)
+                      : TimeExpand<codec_cuda::LatentKind::kF16>(p, xt.size(), stream);
+        BENCH_CUDA_CHECK(cudaFree(dt));
+      }
       BENCH_CUDA_CHECK(cudaFree(ddec));
       const double dec_bytes = n * (lb + g * 2.0 + d * 2.0);
       const double op_gbps = dec_bytes / (dec_us * 1e3), kern_gbps = dec_bytes / (kern_us * 1e3);
       std::printf(
           "RESULT bench=kvsplice_decode codec=%s rank=%u d=%u rows=%llu bytes_per_row=%.0f "
           "op_us=%.1f op_GBps=%.0f kern_us=%.1f kern_GBps=%.0f copy_GBps=%.0f "
-          "kern_vs_copy=%.2f op_vs_copy=%.2f\n",
+          "kern_vs_copy=%.2f op_vs_copy=%.2f wmma_us=%.1f wmma_vs_copy=%.2f\n",
           Name(codec), rank, d, static_cast<unsigned long long>(n), dec_bytes / n, dec_us, op_gbps,
-          kern_us, kern_gbps, copy_gbps, kern_gbps / copy_gbps, op_gbps / copy_gbps);
+          kern_us, kern_gbps, copy_gbps, kern_gbps / copy_gbps, op_gbps / copy_gbps, wmma_us,
+          dec_bytes / (wmma_us * 1e3) / copy_gbps);
       std::printf(
           "RESULT bench=kvsplice_encode codec=%s rank=%u d=%u rows=%llu op_us=%.1f op_GBps=%.0f "
           "Mrows_per_s=%.0f\n",

@@ -96,6 +96,26 @@ TEST_F(DecodeAttentionCudaTest, EncodedCacheMatchesCpu) {
   EXPECT_LT(CompareBackends(caches_->encoded), 5e-3);
 }
 
+// Layers whose latent layout the pipelined expand takes (rank 16 here) decode on the backend's
+// stream from tables prepared at placement; rank 24 keeps the codec op; int8 keys take the
+// prepared key decode in every layer. Both kinds of layer match the CPU (EncodedCacheMatchesCpu).
+TEST_F(DecodeAttentionCudaTest, EncodedLayersTakeThePreparedDecode) {
+  ASSERT_EQ(caches_->encoded.layer_rank, (std::vector<uint32_t>{16, 24}));
+  auto on_gpu = ResidentCache::Place(*gpu_, caches_->encoded, caches_->projection);
+  ASSERT_TRUE(on_gpu.ok()) << on_gpu.status();
+  const LayerSections& l0 = (*on_gpu)->layer(0);
+  const LayerSections& l1 = (*on_gpu)->layer(1);
+  EXPECT_NE(l0.expand_tiles, nullptr);
+  EXPECT_NE(l0.expand_f16, nullptr);
+  EXPECT_GT(l0.num_expand_tiles, 0u);
+  EXPECT_EQ(l1.expand_tiles, nullptr);
+  EXPECT_NE(l0.key_tiles, nullptr);
+  EXPECT_NE(l1.key_tiles, nullptr);
+  auto on_cpu = ResidentCache::Place(*cpu_, caches_->encoded, caches_->projection);
+  ASSERT_TRUE(on_cpu.ok());
+  EXPECT_EQ((*on_cpu)->layer(0).expand_tiles, nullptr);  // host backends keep the codec ops
+}
+
 TEST_F(DecodeAttentionCudaTest, EncodedCacheMatchesDecodedFirst) {
   const CompressedCache dense =
       testing::DecodedCopy(*cpu_, caches_->encoded, caches_->projection.get());
@@ -169,6 +189,15 @@ TEST_F(DecodeAttentionCudaTest, CacheIsUploadedOnce) {
   uint64_t expand = 0;
   for (uint32_t l = 0; l < c.layout.num_layers; ++l) {
     expand += uint64_t{c.layout.num_kv_heads} * c.LayerRank(l) * c.layout.head_dim * 4;
+  }
+  // The dense decode's launch tables: f16 expand matrices where the layer takes the pipelined
+  // expand, 16-byte tiles.
+  for (uint32_t l = 0; l < c.layout.num_layers; ++l) {
+    const LayerSections& s = (*rc)->layer(l);
+    if (s.expand_f16 != nullptr) {
+      expand += uint64_t{c.layout.num_kv_heads} * c.LayerRank(l) * c.layout.head_dim * 2;
+    }
+    expand += (s.num_expand_tiles + s.num_key_tiles) * 16;
   }
   EXPECT_GE((*rc)->transfers().host_to_device_bytes, sections + expand);
   EXPECT_LE((*rc)->transfers().host_to_device_bytes, sections + expand + 1024);

@@ -4,6 +4,10 @@ kvcomp_cc_test(NAME kernels_calibration_test SRCS calibration_test.cc DEPS kvcom
 if(KVCOMP_CUDA)
   kvcomp_cc_test(NAME kernels_codec_cuda_test SRCS codec_cuda_test.cc DEPS kvcomp::kernels
                  LABELS gpu)
+  # The same with the WMMA expand in place of the pipelined one (KVCOMP_CUDA_EXPAND=0).
+  add_test(NAME kernels_codec_cuda_wmma_test COMMAND kernels_codec_cuda_test)
+  set_tests_properties(kernels_codec_cuda_wmma_test PROPERTIES
+    LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_CUDA_EXPAND=0)
 endif()
 # CompressToDevice (codecs, moments, moment-aware rescoring on the device) against the CPU.
 kvcomp_cc_test(NAME kernels_pipeline_device_test SRCS pipeline_device_test.cc DEPS kvcomp::kernels

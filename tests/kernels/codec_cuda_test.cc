@@ -74,21 +74,21 @@ TEST(CodecCuda, CalibrationAgreesWithTheCpu) {
 
 // Encodes the same host values on both backends, decodes both latents on both, compares.
 void CompareCodec(Backends& b, uint32_t d, ValueCodec codec, uint32_t rank, uint32_t group,
-                  bool gamma, DType dtype) {
+                  bool gamma, DType dtype, uint64_t t = 700) {
   testing::LowRankData data;
   data.d = d;
   data.layers = 1;
   data.heads = 4;
-  data.tokens = 700;
+  data.tokens = t;
   data.true_rank = d / 2;
   data.decay = 0.95;
   const Projection p = Calibrated(b.cpu.get(), data, rank);
   const std::vector<float> v32 = data.Make(5);
-  // Ragged: heads keep 700, 0, 333 and 1 rows.
-  const std::vector<uint64_t> off = {0, 700, 700, 1033, 1034};
+  // Ragged: heads keep t, 0, t / 2 - 17 and 1 rows (700, 0, 333, 1).
+  const std::vector<uint64_t> off = {0, t, t, t + t / 2 - 17, t + t / 2 - 16};
   const uint64_t n = off.back();
   std::vector<uint8_t> in(DTypeBytes(dtype, n * d));
-  const uint64_t src_row[4] = {0, 0, 1400, 2100};
+  const uint64_t src_row[4] = {0, 0, 2 * t, 3 * t};
   for (uint64_t h = 0, row = 0; h < 4; ++h) {
     for (uint64_t i = 0; i < off[h + 1] - off[h]; ++i, ++row) {
       for (uint32_t k = 0; k < d; ++k) {
@@ -177,6 +177,18 @@ TEST(CodecCuda, ValuesAgreeWithTheCpu) {
   }
   CompareCodec(b, 128, ValueCodec::kOrthogonalInt8, 50, 7, true, DType::kF32);  // ragged groups
   CompareCodec(b, 128, ValueCodec::kOrthogonalInt4, 6, 32, true, DType::kF32);   // tiny rank
+}
+
+// Heads long enough that the pipelined expand's blocks take several sub-tiles each (its
+// shared-memory stages are reused), against the CPU.
+TEST(CodecCuda, LongHeadsAgreeWithTheCpu) {
+  Backends b;
+  for (ValueCodec c : {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                       ValueCodec::kOrthogonalInt4}) {
+    SCOPED_TRACE(ValueCodecName(c));
+    CompareCodec(b, 128, c, 64, 32, true, DType::kBF16, 40000);
+    CompareCodec(b, 64, c, 32, 16, true, DType::kF16, 40000);
+  }
 }
 
 TEST(CodecCuda, DevicePointersAndPoisonedDeviceOutputs) {

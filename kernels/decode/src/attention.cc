@@ -1,11 +1,14 @@
 #include "kvcomp/decode/attention.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/status.h"
+#include "dense_decode.h"
 #include "latent_attention.h"
 #include "scatter_rows.h"
 
@@ -30,6 +33,18 @@ absl::Status ScatterRows(Backend& backend, void* dst, const uint64_t* rows, cons
 }
 
 namespace {
+
+#if defined(KVCOMP_HAVE_CUDA)
+// The stream-ordered dense decode (dense_decode.h) unless KVCOMP_DECODE_PREPARED=0, which keeps
+// every layer on the codec ops (for comparisons).
+bool PreparedDecode() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVCOMP_DECODE_PREPARED");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+#endif
 
 absl::Status CheckProjection(const CompressedCache& cache, const Projection* projection) {
   if (cache.value_codec == ValueCodec::kRaw) return absl::OkStatus();
@@ -126,6 +141,16 @@ absl::Status ResidentCache::PlaceLayer(const CompressedCache& cache, uint32_t la
                             CopyIn(cache.key_scales.data() + ks0, (ks1 - ks0) * sizeof(float)));
     s.key_scales = static_cast<const float*>(ks);
   }
+#if defined(KVCOMP_HAVE_CUDA)
+  if (backend_->space() != MemorySpace::kHost && backend_->native_stream() != nullptr &&
+      PreparedDecode() &&
+      (cache.key_codec == KeyCodec::kInt8 || cache.key_codec == KeyCodec::kFp16)) {
+    const DenseDecodeTables t = DenseDecodeTablesFor(backend_->native_stream(), s,
+                                                     cache.key_codec, d, {});
+    KVCOMP_ASSIGN_OR_RETURN(s.key_tiles, CopyIn(t.key_tiles.data(), t.key_tiles.size()));
+    s.num_key_tiles = t.num_key_tiles;
+  }
+#endif
   KVCOMP_ASSIGN_OR_RETURN(
       s.values, CopyIn(cache.values.data() + latent_byte, s.rows * cache.ValueTokenBytes(layer)));
   if (cache.value_codec != ValueCodec::kRaw) {
@@ -162,6 +187,19 @@ absl::Status ResidentCache::PlaceLayer(const CompressedCache& cache, uint32_t la
     }
     KVCOMP_ASSIGN_OR_RETURN(const void* e, CopyIn(ex.data(), ex.size() * sizeof(float)));
     s.expand = static_cast<const float*>(e);
+#if defined(KVCOMP_HAVE_CUDA)
+    if (backend_->space() != MemorySpace::kHost && backend_->native_stream() != nullptr &&
+        PreparedDecode()) {
+      const DenseDecodeTables t =
+          DenseDecodeTablesFor(backend_->native_stream(), s, KeyCodec::kRaw, d, ex);
+      if (t.num_expand_tiles > 0) {
+        KVCOMP_ASSIGN_OR_RETURN(s.expand_f16, CopyIn(t.expand_f16.data(), t.expand_f16.size() * 2));
+        KVCOMP_ASSIGN_OR_RETURN(s.expand_tiles,
+                                CopyIn(t.expand_tiles.data(), t.expand_tiles.size()));
+        s.num_expand_tiles = t.num_expand_tiles;
+      }
+    }
+#endif
     if (!rows.empty()) {
       const uint64_t raw_row = DTypeBytes(layout_.dtype, d);
       KVCOMP_ASSIGN_OR_RETURN(const void* rr, CopyIn(rows.data(), rows.size() * sizeof(uint64_t)));
@@ -205,6 +243,13 @@ absl::StatusOr<const void*> Decoder::DecodeKeys(const ResidentCache& cache,
   const KvLayout& layout = cache.layout();
   KVCOMP_ASSIGN_OR_RETURN(void* out,
                           Workspace(&keys_, DTypeBytes(layout.dtype, l.rows * layout.head_dim)));
+#if defined(KVCOMP_HAVE_CUDA)
+  if (l.key_tiles != nullptr) {
+    KVCOMP_RETURN_IF_ERROR(DecodeKeysCuda(backend_->native_stream(), l, cache.key_codec(),
+                                          layout.head_dim, layout.dtype, out));
+    return const_cast<const void*>(out);
+  }
+#endif
   RowSpan rows;
   rows.row_offsets = l.offsets;
   KVCOMP_RETURN_IF_ERROR(backend_->codec().DecodeKeys(cache.key_codec(), rows, layout.head_dim,
@@ -219,11 +264,20 @@ absl::StatusOr<const void*> Decoder::DecodeValues(const ResidentCache& cache, ui
   const KvLayout& layout = cache.layout();
   const uint64_t row_bytes = DTypeBytes(layout.dtype, layout.head_dim);
   KVCOMP_ASSIGN_OR_RETURN(void* out, Workspace(&values_, l.rows * row_bytes));
-  RowSpan rows;
-  rows.first_head = uint64_t{layer} * layout.num_kv_heads;
-  rows.row_offsets = l.offsets;
-  KVCOMP_RETURN_IF_ERROR(backend_->codec().DecodeValues(
-      *cache.projection(), l.value_params, rows, l.values, l.value_scales, out, layout.dtype));
+#if defined(KVCOMP_HAVE_CUDA)
+  if (l.expand_tiles != nullptr) {
+    KVCOMP_RETURN_IF_ERROR(
+        DecodeValuesCuda(backend_->native_stream(), l, layout.head_dim, layout.dtype, out));
+  } else
+#endif
+  {
+    RowSpan rows;
+    rows.first_head = uint64_t{layer} * layout.num_kv_heads;
+    rows.row_offsets = l.offsets;
+    KVCOMP_RETURN_IF_ERROR(backend_->codec().DecodeValues(*cache.projection(), l.value_params,
+                                                          rows, l.values, l.value_scales, out,
+                                                          layout.dtype));
+  }
   KVCOMP_RETURN_IF_ERROR(
       ScatterRows(*backend_, out, l.raw_rows, l.raw_values, l.num_raw_rows, row_bytes));
   return const_cast<const void*>(out);

@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdlib>
 #include <list>
+#include <string>
 #include <vector>
 
 #include "../cpu/codec_cpu_internal.h"
@@ -47,14 +49,7 @@ LatentKind KindOf(ValueCodec c) {
 }
 
 std::vector<Tile> MakeTiles(const RowSpan& rows, uint64_t tile_rows) {
-  std::vector<Tile> tiles;
-  for (uint64_t h = 0; h < rows.num_heads(); ++h) {
-    for (uint64_t b = rows.row_offsets[h]; b < rows.row_offsets[h + 1]; b += tile_rows) {
-      tiles.push_back({static_cast<uint32_t>(h),
-                       static_cast<uint32_t>(std::min(tile_rows, rows.row_offsets[h + 1] - b)), b});
-    }
-  }
-  return tiles;
+  return codec_cuda::UniformTiles(rows.row_offsets.data(), rows.num_heads(), tile_rows);
 }
 
 bool IsDevicePointer(const void* p) {
@@ -275,19 +270,9 @@ class CudaCodecOps final : public CodecOps {
     KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, n * d * DTypeBytes(out_dtype, 1)));
     const std::vector<Tile> tiles = MakeTiles(rows, 64);
     KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
-    const bool int8 = codec == KeyCodec::kInt8;
-    const float* fs = static_cast<const float*>(dsc);
-    switch (out_dtype) {
-      case DType::kF32:
-        KVCOMP_RETURN_IF_ERROR(LaunchDecodeKeys<float>(in_dtype, tiles.size(), dt, din, d, fs, int8, dout));
-        break;
-      case DType::kF16:
-        KVCOMP_RETURN_IF_ERROR(LaunchDecodeKeys<__half>(in_dtype, tiles.size(), dt, din, d, fs, int8, dout));
-        break;
-      default:
-        KVCOMP_RETURN_IF_ERROR(
-            LaunchDecodeKeys<__nv_bfloat16>(in_dtype, tiles.size(), dt, din, d, fs, int8, dout));
-    }
+    KVCOMP_RETURN_IF_ERROR(codec_cuda::LaunchDecodeKeys(
+        ctx_->stream, dt, tiles.size(), din, in_dtype, static_cast<uint32_t>(d),
+        static_cast<const float*>(dsc), codec == KeyCodec::kInt8, dout, out_dtype));
     return st.Finish();
   }
 
@@ -577,6 +562,20 @@ class CudaCodecOps final : public CodecOps {
   template <int D>
   absl::Status DecodeByDType(codec_cuda::DecodeParams p, const RowSpan& rows, DType out_dtype,
                              Staging* st) {
+    // The pipelined tensor-core expand where the latent layout allows it (KVCOMP_CUDA_EXPAND=0
+    // keeps the WMMA kernel, for comparisons); the WMMA kernel otherwise.
+    static const bool expand = [] {
+      const char* e = std::getenv("KVCOMP_CUDA_EXPAND");
+      return e == nullptr || std::string(e) != "0";
+    }();
+    if (expand && codec_cuda::ExpandEligible(p.r, p.group_size, p.latent_bytes, p.kind,
+                                             reinterpret_cast<uintptr_t>(p.latent))) {
+      const std::vector<Tile> tiles = codec_cuda::ExpandTiles(
+          rows.row_offsets.data(), rows.num_heads(), codec_cuda::ExpandShape<D>::M,
+          ctx_->properties.multiProcessorCount);
+      KVCOMP_ASSIGN_OR_RETURN(p.tiles, st->Tiles(tiles));
+      return codec_cuda::LaunchExpandValues(ctx_->stream, p, tiles.size(), D, out_dtype);
+    }
     const std::vector<Tile> tiles = MakeTiles(rows, codec_cuda::DecodeShape<D>::kTileRows);
     KVCOMP_ASSIGN_OR_RETURN(p.tiles, st->Tiles(tiles));
     switch (out_dtype) {
@@ -704,27 +703,6 @@ class CudaCodecOps final : public CodecOps {
     return st.Finish();
   }
 
-  template <typename Out>
-  absl::Status LaunchDecodeKeys(DType in_dtype, size_t tiles, const Tile* dt, const void* din,
-                                uint64_t d, const float* sc, bool int8, void* dout) {
-    const unsigned g = static_cast<unsigned>(tiles);
-    auto* o = static_cast<Out*>(dout);
-    const uint32_t d32 = static_cast<uint32_t>(d);
-    switch (in_dtype) {
-      case DType::kF32:
-        codec_cuda::DecodeKeysKernel<float, Out><<<g, 256, 0, ctx_->stream>>>(dt, din, d32, sc, int8, o);
-        break;
-      case DType::kF16:
-        codec_cuda::DecodeKeysKernel<__half, Out><<<g, 256, 0, ctx_->stream>>>(dt, din, d32, sc, int8, o);
-        break;
-      default:
-        codec_cuda::DecodeKeysKernel<__nv_bfloat16, Out>
-            <<<g, 256, 0, ctx_->stream>>>(dt, din, d32, sc, int8, o);
-    }
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    return absl::OkStatus();
-  }
-
   absl::Status CheckValueCall(const Projection& projection, const ValueCodecParams& params,
                               const RowSpan& rows, DType dtype) {
     KVCOMP_RETURN_IF_ERROR(params.ValidateFor(projection));
@@ -788,4 +766,117 @@ std::unique_ptr<CodecOps> NewCudaCodecOps(CudaContext* context) {
   return std::make_unique<CudaCodecOps>(context);
 }
 
+}  // namespace kvcomp
+
+namespace kvcomp {
+namespace codec_cuda {
+namespace {
+
+template <typename T, int D, LatentKind K>
+absl::Status ExpandAs(cudaStream_t stream, const DecodeParams& p, size_t tiles) {
+  const size_t smem = ExpandSmemLayout<D>(p.r_pad, p.latent_bytes, K, p.groups, sizeof(T)).total;
+  int device = 0, optin = 0;
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  KVCOMP_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (smem > static_cast<size_t>(optin)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "codec (CUDA): rank %u at head_dim %d needs %u bytes of shared memory (device: %d)", p.r,
+        D, smem, optin));
+  }
+  if (tiles == 0) return absl::OkStatus();
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      ExpandValuesKernel<T, D, K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(smem)));
+  ExpandValuesKernel<T, D, K><<<static_cast<unsigned>(tiles), kExpandThreads, smem, stream>>>(p);
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+template <typename T, int D>
+absl::Status ExpandKind(cudaStream_t stream, const DecodeParams& p, size_t tiles) {
+  switch (p.kind) {
+    case LatentKind::kInt8:
+      return ExpandAs<T, D, LatentKind::kInt8>(stream, p, tiles);
+    case LatentKind::kInt4:
+      return ExpandAs<T, D, LatentKind::kInt4>(stream, p, tiles);
+    default:
+      return ExpandAs<T, D, LatentKind::kF16>(stream, p, tiles);
+  }
+}
+
+template <int D>
+absl::Status ExpandDType(cudaStream_t stream, const DecodeParams& p, size_t tiles, DType out) {
+  switch (out) {
+    case DType::kF32:
+      return ExpandKind<float, D>(stream, p, tiles);
+    case DType::kF16:
+      return ExpandKind<__half, D>(stream, p, tiles);
+    case DType::kBF16:
+      return ExpandKind<__nv_bfloat16, D>(stream, p, tiles);
+    default:
+      return absl::InvalidArgumentError("codec (CUDA): output dtype must be f32, f16 or bf16");
+  }
+}
+
+template <typename Out>
+void KeysAs(cudaStream_t stream, const Tile* dt, unsigned g, const void* din, DType in_dtype,
+            uint32_t d, const float* sc, bool int8, void* dout) {
+  auto* o = static_cast<Out*>(dout);
+  switch (in_dtype) {
+    case DType::kF32:
+      DecodeKeysKernel<float, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, o);
+      break;
+    case DType::kF16:
+      DecodeKeysKernel<__half, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, o);
+      break;
+    default:
+      DecodeKeysKernel<__nv_bfloat16, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, o);
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchExpandValues(cudaStream_t stream, const DecodeParams& p, size_t tiles,
+                                uint32_t head_dim, DType out_dtype) {
+  if (!ExpandEligible(p.r, p.group_size, p.latent_bytes, p.kind,
+                      reinterpret_cast<uintptr_t>(p.latent))) {
+    return absl::InvalidArgumentError("codec (CUDA): latent layout unfit for the pipelined expand");
+  }
+  switch (head_dim) {
+    case 64:
+      return ExpandDType<64>(stream, p, tiles, out_dtype);
+    case 128:
+      return ExpandDType<128>(stream, p, tiles, out_dtype);
+    case 256:
+      return ExpandDType<256>(stream, p, tiles, out_dtype);
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("codec (CUDA): head_dim %u (64, 128 or 256)", head_dim));
+  }
+}
+
+absl::Status LaunchDecodeKeys(cudaStream_t stream, const Tile* tiles, size_t num_tiles,
+                              const void* in, DType in_dtype, uint32_t head_dim,
+                              const float* scales, bool int8, void* out, DType out_dtype) {
+  if (num_tiles == 0) return absl::OkStatus();
+  const unsigned g = static_cast<unsigned>(num_tiles);
+  switch (out_dtype) {
+    case DType::kF32:
+      KeysAs<float>(stream, tiles, g, in, in_dtype, head_dim, scales, int8, out);
+      break;
+    case DType::kF16:
+      KeysAs<__half>(stream, tiles, g, in, in_dtype, head_dim, scales, int8, out);
+      break;
+    case DType::kBF16:
+      KeysAs<__nv_bfloat16>(stream, tiles, g, in, in_dtype, head_dim, scales, int8, out);
+      break;
+    default:
+      return absl::InvalidArgumentError("codec (CUDA): output dtype must be f32, f16 or bf16");
+  }
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+}  // namespace codec_cuda
 }  // namespace kvcomp

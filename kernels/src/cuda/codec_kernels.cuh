@@ -19,9 +19,15 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
+#include "absl/status/status.h"
+#include "kvcomp/core/dtype.h"
 #include "kvcomp/core/policy.h"
+#include "ptx_primitives.cuh"
 
 namespace kvcomp {
 namespace codec_cuda {
@@ -392,6 +398,312 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeValuesKernel(DecodeParam
   }
 }
 
+// --- The pipelined expand: tensor cores through mma.sync (sm_80 and later) ---------------
+// For latents whose rows are whole 16-byte units at a 16-byte aligned base, r % 16 == 0 and, for
+// int8/int4, group_size % 16 == 0 (ExpandEligible). A block takes one tile (one head's rows) in
+// sub-tiles of M rows:
+//   - the head's decode matrix is staged once in shared memory (f16, rows permuted as below);
+//   - the latent rows and scales of sub-tile i + 2 are copied to shared memory (cp.async, three
+//     stages) while sub-tile i multiplies (odd scale counts per row: loaded into registers a
+//     sub-tile ahead);
+//   - each warp computes 32 rows x 64 columns of V' (two m16 x eight n8 blocks of
+//     mma.m16n8k16, f32 accumulators) with its A operand built in registers straight from the
+//     latent bytes: within each 16-wide k step, lane q = lane % 4 owns the four adjacent latent
+//     columns 4q .. 4q + 3 (one 32-bit read of int8, 16 bits of int4, 64 bits of f16) for
+//     MMA slots 2q, 2q + 1, 2q + 8, 2q + 9, and the decode matrix rows are stored in that same
+//     order, so the sum over k is unchanged;
+//   - int8 and int4 become f16 by placing the biased integer into the mantissa of 1024 (exact)
+//     and one f16 multiply by the group's scale: q * s rounded once, as the other paths;
+//   - V' goes through a padded shared-memory tile to 16-byte stores.
+constexpr int kExpandThreads = 128;  // 4 warps
+constexpr int kExpandStages = 3;
+
+template <int D>
+struct ExpandShape {
+  static constexpr int kWarpRows = 32;
+  static constexpr int kWarpCols = 64;
+  static constexpr int kColWarps = D / kWarpCols;                        // 1, 2, 4
+  static constexpr int kRowWarps = (kExpandThreads / 32) / kColWarps;    // 4, 2, 1
+  static constexpr int M = kRowWarps * kWarpRows;                        // rows per sub-tile
+  static constexpr int kLdDec = D + 8;                                   // halves
+  static constexpr int kLdOut = D + 8;                                   // elements
+};
+
+// Latent row stride in shared memory: chosen so that the eight rows a warp reads at once fall
+// in distinct banks (int8/int4: row offsets an odd multiple of 4 words apart; f16, 8-byte
+// reads: an odd multiple of 8 words among each half-warp's four rows).
+__host__ __device__ constexpr uint32_t ExpandLatentStride(uint32_t latent_bytes, LatentKind kind) {
+  return kind == LatentKind::kF16 ? latent_bytes + ((latent_bytes / 4) % 16 == 0 ? 32u : 0u)
+                                  : latent_bytes + ((latent_bytes / 4) % 8 == 0 ? 16u : 0u);
+}
+
+__host__ __device__ inline bool ExpandEligible(uint32_t r, uint32_t group_size,
+                                               uint32_t latent_bytes, LatentKind kind,
+                                               uintptr_t latent_addr) {
+  return r % 16 == 0 && latent_bytes % 16 == 0 && latent_addr % 16 == 0 &&
+         (kind == LatentKind::kF16 || group_size % 16 == 0);
+}
+
+struct ExpandSmem {
+  size_t dec, latent, scales, out, total;
+};
+
+template <int D>
+__host__ __device__ constexpr ExpandSmem ExpandSmemLayout(uint32_t r_pad, uint32_t latent_bytes,
+                                                          LatentKind kind, uint32_t groups,
+                                                          uint32_t out_bytes) {
+  using S = ExpandShape<D>;
+  const size_t dec = size_t{r_pad} * S::kLdDec * 2;
+  const size_t latent = size_t{kExpandStages} * S::M * ExpandLatentStride(latent_bytes, kind);
+  const size_t scales = (size_t{kExpandStages} * S::M * groups * 2 + 15) / 16 * 16;
+  const size_t out = size_t{S::M} * S::kLdOut * out_bytes;
+  return ExpandSmem{dec, latent, scales, out, dec + latent + scales + out};
+}
+
+// Tiles of tile_rows rows (the last of a head shorter) over each head's rows (row_offsets,
+// heads + 1 entries).
+inline std::vector<Tile> UniformTiles(const uint64_t* row_offsets, uint64_t heads,
+                                      uint64_t tile_rows) {
+  std::vector<Tile> tiles;
+  for (uint64_t h = 0; h < heads; ++h) {
+    for (uint64_t b = row_offsets[h]; b < row_offsets[h + 1]; b += tile_rows) {
+      tiles.push_back({static_cast<uint32_t>(h),
+                       static_cast<uint32_t>(std::min(tile_rows, row_offsets[h + 1] - b)), b});
+    }
+  }
+  return tiles;
+}
+
+// Tiles of the pipelined expand: each head's rows (row_offsets, heads + 1 entries) cut into
+// equal tiles of whole sub-tiles (m rows), about two blocks per SM for the whole call and at
+// least two sub-tiles per block (each block stages its head's decode matrix once).
+inline std::vector<Tile> ExpandTiles(const uint64_t* row_offsets, uint64_t heads, uint64_t m,
+                                     int sms) {
+  const uint64_t n = heads == 0 ? 0 : row_offsets[heads];
+  const uint64_t blocks = 2 * static_cast<uint64_t>(std::max(sms, 1));
+  const uint64_t target = std::max<uint64_t>(2 * m, (n + blocks - 1) / blocks);
+  std::vector<Tile> tiles;
+  for (uint64_t h = 0; h < heads; ++h) {
+    const uint64_t begin = row_offsets[h], len = row_offsets[h + 1] - begin;
+    if (len == 0) continue;
+    const uint64_t pieces = (len + target - 1) / target;
+    const uint64_t per = ((len + pieces - 1) / pieces + m - 1) / m * m;
+    for (uint64_t b = 0; b < len; b += per) {
+      tiles.push_back({static_cast<uint32_t>(h), static_cast<uint32_t>(std::min(per, len - b)),
+                       begin + b});
+    }
+  }
+  return tiles;
+}
+
+// The permuted position of k slot l (0..15)
+// among the latent columns of its 16-wide step.
+__device__ __forceinline__ uint32_t ExpandSlotColumn(uint32_t l) {
+  return l < 8 ? (l / 2) * 4 + (l & 1) : ((l - 8) / 2) * 4 + 2 + (l & 1);
+}
+
+// Four int8 (two's complement) -> two f16 pairs times the scale s2.
+__device__ __forceinline__ void Int8x4ToHalf(uint32_t w, __half2 s2, uint32_t& lo, uint32_t& hi) {
+  w ^= 0x80808080u;  // q + 128 in 0..255
+  const __half2 bias = __half2half2(__ushort_as_half(0x6480));  // 1152 = 1024 + 128
+  uint32_t a = __byte_perm(w, 0x64646464u, 0x4140u), b = __byte_perm(w, 0x64646464u, 0x4342u);
+  __half2 ha = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&a), bias), s2);
+  __half2 hb = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&b), bias), s2);
+  lo = *reinterpret_cast<uint32_t*>(&ha);
+  hi = *reinterpret_cast<uint32_t*>(&hb);
+}
+
+// Four int4 (16 bits, element 2i in the low nibble) -> two f16 pairs times the scale s2.
+__device__ __forceinline__ void Int4x4ToHalf(uint32_t w, __half2 s2, uint32_t& lo, uint32_t& hi) {
+  w ^= 0x8888u;  // q + 8 in 0..15
+  const __half2 bias = __half2half2(__ushort_as_half(0x6408));  // 1032 = 1024 + 8
+  uint32_t a = (w & 0xFu) | ((w & 0xF0u) << 12) | 0x64006400u;
+  uint32_t b = ((w >> 8) & 0xFu) | ((w & 0xF000u) << 4) | 0x64006400u;
+  __half2 ha = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&a), bias), s2);
+  __half2 hb = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&b), bias), s2);
+  lo = *reinterpret_cast<uint32_t*>(&ha);
+  hi = *reinterpret_cast<uint32_t*>(&hb);
+}
+
+template <typename T>
+__device__ __forceinline__ void StorePair(T* dst, float a, float b) {
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+  }
+}
+
+template <typename T, int D, LatentKind K>
+__global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodeParams p) {
+  using S = ExpandShape<D>;
+  constexpr int M = S::M;
+  extern __shared__ __align__(128) unsigned char xsmem[];
+  const Tile tile = p.tiles[blockIdx.x];
+  const uint32_t r_pad = p.r_pad, lb = p.latent_bytes, groups = p.groups;
+  const uint32_t ls = ExpandLatentStride(lb, K);
+  const ExpandSmem lay = ExpandSmemLayout<D>(r_pad, lb, K, groups, sizeof(T));
+  __half* dec_s = reinterpret_cast<__half*>(xsmem);
+  unsigned char* lat_s = xsmem + lay.dec;
+  uint16_t* sc_s = reinterpret_cast<uint16_t*>(xsmem + lay.dec + lay.latent);
+  T* out_s = reinterpret_cast<T*>(xsmem + lay.dec + lay.latent + lay.scales);
+  const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const uint32_t wr = warp % S::kRowWarps, wc = warp / S::kRowWarps;
+  const uint32_t g = lane / 4, q = lane % 4;
+  const uint32_t nsub = (tile.rows + M - 1) / M;
+
+  // The decode matrix, rows permuted within each 16-row step (ExpandSlotColumn).
+  const __half* dg = p.dec + static_cast<uint64_t>(tile.head) * r_pad * D;
+  for (uint32_t i = tid; i < r_pad * (D / 8); i += kExpandThreads) {
+    const uint32_t row = i / (D / 8), c8 = (i % (D / 8)) * 8;
+    const uint32_t src = (row & ~15u) + ExpandSlotColumn(row & 15u);
+    ptx::CpAsync16(dec_s + row * S::kLdDec + c8, dg + static_cast<uint64_t>(src) * D + c8, 16);
+  }
+  // Sub-tile s's latent into stage s % kExpandStages (whole 16-byte units; rows past the tile
+  // are left as they are: their products land in rows that are never written out), and its
+  // scales too when a row has an even number of them (4-byte units: every sub-tile starts a
+  // whole row).
+  const bool async_scales = K != LatentKind::kF16 && groups % 2 == 0 &&
+                            reinterpret_cast<uintptr_t>(p.scales) % 4 == 0;
+  auto issue = [&](uint32_t s) {
+    if (s >= nsub) return;
+    const uint32_t row0 = s * M, m = min(static_cast<uint32_t>(M), tile.rows - row0);
+    const unsigned char* src = p.latent + (tile.begin + row0) * lb;
+    unsigned char* dst = lat_s + (s % kExpandStages) * M * ls;
+    const uint32_t units = lb / 16;
+    for (uint32_t i = tid; i < m * units; i += kExpandThreads) {
+      const uint32_t t = i / units, u = i - t * units;
+      ptx::CpAsync16(dst + t * ls + u * 16, src + static_cast<uint64_t>(t) * lb + u * 16, 16);
+    }
+    if (async_scales) {
+      const uint16_t* ssrc = p.scales + (tile.begin + row0) * groups;
+      uint16_t* sdst = sc_s + (s % kExpandStages) * M * groups;
+      for (uint32_t i = tid; i < m * groups / 2; i += kExpandThreads) {
+        ptx::CpAsync4(sdst + 2 * i, ssrc + 2 * i);
+      }
+    }
+  };
+  // Odd scale counts per row: loaded into registers a sub-tile ahead, stored after the
+  // products.
+  constexpr int kScaleRegs = 4;  // M * groups <= 4 * kExpandThreads for group_size >= 16
+  uint16_t sreg[kScaleRegs];
+  auto load_scales = [&](uint32_t s) {
+    if (K == LatentKind::kF16 || async_scales || s >= nsub) return;
+    const uint32_t row0 = s * M, m = min(static_cast<uint32_t>(M), tile.rows - row0);
+    const uint16_t* src = p.scales + (tile.begin + row0) * groups;
+#pragma unroll
+    for (int k = 0; k < kScaleRegs; ++k) {
+      const uint32_t i = tid + k * kExpandThreads;
+      sreg[k] = i < m * groups ? src[i] : uint16_t{0};
+    }
+  };
+  auto store_scales = [&](uint32_t s) {
+    if (K == LatentKind::kF16 || async_scales || s >= nsub) return;
+    uint16_t* dst = sc_s + (s % kExpandStages) * M * groups;
+#pragma unroll
+    for (int k = 0; k < kScaleRegs; ++k) {
+      const uint32_t i = tid + k * kExpandThreads;
+      if (i < M * groups) dst[i] = sreg[k];
+    }
+  };
+
+  issue(0);
+  ptx::CpAsyncCommit();  // with the decode matrix
+  for (int s = 1; s < kExpandStages - 1; ++s) {
+    issue(s);
+    ptx::CpAsyncCommit();
+  }
+  load_scales(0);
+  store_scales(0);
+
+  const uint32_t row_w = wr * S::kWarpRows, col_w = wc * S::kWarpCols;
+  for (uint32_t i = 0; i < nsub; ++i) {
+    issue(i + kExpandStages - 1);
+    ptx::CpAsyncCommit();
+    load_scales(i + 1);
+    ptx::CpAsyncWait<kExpandStages - 1>();
+    __syncthreads();  // sub-tile i's latent and scales are in shared memory
+
+    const unsigned char* lat = lat_s + (i % kExpandStages) * M * ls;
+    const uint16_t* sc = sc_s + (i % kExpandStages) * M * groups;
+    float acc[2][8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+
+#pragma unroll 2
+    for (uint32_t ks = 0; ks < r_pad / 16; ++ks) {
+      uint32_t a[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint32_t r0 = row_w + mt * 16 + g, r1 = r0 + 8;
+        if constexpr (K == LatentKind::kF16) {
+          const uint2 x0 = *reinterpret_cast<const uint2*>(lat + r0 * ls + ks * 32 + q * 8);
+          const uint2 x1 = *reinterpret_cast<const uint2*>(lat + r1 * ls + ks * 32 + q * 8);
+          a[mt][0] = x0.x;
+          a[mt][2] = x0.y;
+          a[mt][1] = x1.x;
+          a[mt][3] = x1.y;
+        } else {
+          const uint32_t grp = ks * 16 / p.group_size;
+          const __half2 s0 = __half2half2(__ushort_as_half(sc[r0 * groups + grp]));
+          const __half2 s1 = __half2half2(__ushort_as_half(sc[r1 * groups + grp]));
+          if constexpr (K == LatentKind::kInt8) {
+            const uint32_t w0 = *reinterpret_cast<const uint32_t*>(lat + r0 * ls + ks * 16 + q * 4);
+            const uint32_t w1 = *reinterpret_cast<const uint32_t*>(lat + r1 * ls + ks * 16 + q * 4);
+            Int8x4ToHalf(w0, s0, a[mt][0], a[mt][2]);
+            Int8x4ToHalf(w1, s1, a[mt][1], a[mt][3]);
+          } else {
+            const uint32_t w0 = *reinterpret_cast<const uint16_t*>(lat + r0 * ls + ks * 8 + q * 2);
+            const uint32_t w1 = *reinterpret_cast<const uint16_t*>(lat + r1 * ls + ks * 8 + q * 2);
+            Int4x4ToHalf(w0, s0, a[mt][0], a[mt][2]);
+            Int4x4ToHalf(w1, s1, a[mt][1], a[mt][3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t b[4];
+        ptx::LdMatrixX4Trans(
+            b, dec_s + (ks * 16 + (lane & 15)) * S::kLdDec + col_w + np * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          ptx::MmaF16(acc[mt][2 * np], a[mt], b[0], b[1]);
+          ptx::MmaF16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const uint32_t r0 = row_w + mt * 16 + g;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const uint32_t c = col_w + nt * 8 + 2 * q;
+        StorePair<T>(out_s + r0 * S::kLdOut + c, acc[mt][nt][0], acc[mt][nt][1]);
+        StorePair<T>(out_s + (r0 + 8) * S::kLdOut + c, acc[mt][nt][2], acc[mt][nt][3]);
+      }
+    }
+    __syncthreads();  // the output tile is complete; stage i is free
+    // After the barrier, so that the scales' loads (issued before the products) are waited
+    // for here and never inside the products.
+    store_scales(i + 1);
+
+    const uint32_t row0 = i * M, m = min(static_cast<uint32_t>(M), tile.rows - row0);
+    constexpr uint32_t kUnits = D * sizeof(T) / 16, kPer = 16 / sizeof(T);
+    T* out = static_cast<T*>(p.out) + (tile.begin + row0) * D;
+    for (uint32_t j = tid; j < m * kUnits; j += kExpandThreads) {
+      const uint32_t t = j / kUnits, u = j - t * kUnits;
+      *reinterpret_cast<uint4*>(out + static_cast<uint64_t>(t) * D + u * kPer) =
+          *reinterpret_cast<const uint4*>(out_s + t * S::kLdOut + u * kPer);
+    }
+  }
+}
+
 // Per (head, channel) max |k| / 127 over the head's rows: one block per head, one thread per
 // channel.
 template <typename T>
@@ -516,6 +828,18 @@ __global__ void GatherF32Kernel(const T* in, uint32_t heads, uint64_t tokens, ui
     out[i] = ToF<T>(in[h * head_stride + t * token_stride + k]);
   }
 }
+
+// Stream-ordered launches (codec_cuda.cu) for callers that keep their inputs on the device and
+// their tile tables prepared: nothing but the launch on the host, nothing waited for.
+//   LaunchExpandValues: the pipelined expand of p (an ExpandEligible layout, tiles from
+//     ExpandTiles with ExpandShape<head_dim>::M) into [rows][head_dim] of out_dtype.
+//   LaunchDecodeKeys: int8 (scales per head and channel) or f16 keys, or raw keys of in_dtype,
+//     over UniformTiles of 64 rows, into out_dtype.
+absl::Status LaunchExpandValues(cudaStream_t stream, const DecodeParams& p, size_t tiles,
+                                uint32_t head_dim, DType out_dtype);
+absl::Status LaunchDecodeKeys(cudaStream_t stream, const Tile* tiles, size_t num_tiles,
+                              const void* in, DType in_dtype, uint32_t head_dim,
+                              const float* scales, bool int8, void* out, DType out_dtype);
 
 }  // namespace codec_cuda
 }  // namespace kvcomp

@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "ptx_primitives.cuh"
+
 namespace kvcomp {
 namespace moments_cuda {
 
@@ -447,16 +449,9 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
 // copied out of shared memory and zeroed there before the MMA; the column sums of the evicted
 // rows and the values' check are taken from the same 16-byte reads.
 
-__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, int src_bytes) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+using ptx::CpAsync16;
+using ptx::CpAsyncCommit;
+using ptx::CpAsyncWait;
 
 constexpr int kAsyncStages = 3;
 

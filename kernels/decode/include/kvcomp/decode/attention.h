@@ -67,6 +67,14 @@ struct LayerSections {
   // rows scaled as the codec decodes them), [num_kv_heads][rank][head_dim] f32.
   const float* expand = nullptr;
   ConstMomentsView moments;                  // count == null without moments
+  // CUDA backends: the launch tables of the dense decode, read on the device by its kernels
+  // (null where the layer decodes through the codec ops): the expand matrices in f16 and the
+  // expand's tiles, the key decode's tiles.
+  const void* expand_f16 = nullptr;
+  const void* expand_tiles = nullptr;
+  uint64_t num_expand_tiles = 0;
+  const void* key_tiles = nullptr;
+  uint64_t num_key_tiles = 0;
 };
 
 // Which layers ResidentCache::Place copies.
