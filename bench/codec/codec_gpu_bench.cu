@@ -56,8 +56,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   CodecOps& ops = (*backend)->codec();
-  int sms = 0;
-  BENCH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t stream = nullptr;  // ops run on the backend's stream; events on the legacy stream
                                   // still order against it (the op syncs at its end)
   const Projection proj = bench::MakeBenchProjection(heads, d);
@@ -162,8 +160,13 @@ int main(int argc, char** argv) {
       double kern_us = wmma_us;
       if (codec_cuda::ExpandEligible(rank, 32, static_cast<uint32_t>(lb), p.kind,
                                      reinterpret_cast<uintptr_t>(dlat))) {
+        const auto slots = codec_cuda::ExpandSlots(p, 128, DType::kBF16);
+        if (!slots.ok()) {
+          std::fprintf(stderr, "expand: %s\n", slots.status().ToString().c_str());
+          return 1;
+        }
         const std::vector<codec_cuda::Tile> xt = codec_cuda::ExpandTiles(
-            off.data(), heads, codec_cuda::ExpandShape<128>::M, sms);
+            off.data(), heads, codec_cuda::ExpandShape<128>::M, *slots);
         BENCH_CUDA_CHECK(cudaMalloc(&dt, xt.size() * sizeof(codec_cuda::Tile)));
         BENCH_CUDA_CHECK(cudaMemcpy(dt, xt.data(), xt.size() * sizeof(codec_cuda::Tile),
                                     cudaMemcpyHostToDevice));

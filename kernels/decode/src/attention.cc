@@ -145,8 +145,7 @@ absl::Status ResidentCache::PlaceLayer(const CompressedCache& cache, uint32_t la
   if (backend_->space() != MemorySpace::kHost && backend_->native_stream() != nullptr &&
       PreparedDecode() &&
       (cache.key_codec == KeyCodec::kInt8 || cache.key_codec == KeyCodec::kFp16)) {
-    const DenseDecodeTables t = DenseDecodeTablesFor(backend_->native_stream(), s,
-                                                     cache.key_codec, d, {});
+    const DenseDecodeTables t = DenseDecodeTablesFor(s, cache.key_codec, d, layout_.dtype, {});
     KVCOMP_ASSIGN_OR_RETURN(s.key_tiles, CopyIn(t.key_tiles.data(), t.key_tiles.size()));
     s.num_key_tiles = t.num_key_tiles;
   }
@@ -190,8 +189,7 @@ absl::Status ResidentCache::PlaceLayer(const CompressedCache& cache, uint32_t la
 #if defined(KVCOMP_HAVE_CUDA)
     if (backend_->space() != MemorySpace::kHost && backend_->native_stream() != nullptr &&
         PreparedDecode()) {
-      const DenseDecodeTables t =
-          DenseDecodeTablesFor(backend_->native_stream(), s, KeyCodec::kRaw, d, ex);
+      const DenseDecodeTables t = DenseDecodeTablesFor(s, KeyCodec::kRaw, d, layout_.dtype, ex);
       if (t.num_expand_tiles > 0) {
         KVCOMP_ASSIGN_OR_RETURN(s.expand_f16, CopyIn(t.expand_f16.data(), t.expand_f16.size() * 2));
         KVCOMP_ASSIGN_OR_RETURN(s.expand_tiles,

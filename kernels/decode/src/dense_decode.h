@@ -30,9 +30,11 @@ struct DenseDecodeTables {
 };
 
 // `s` as placed (device sections, host offsets, value params); expand_f32 the layer's expand
-// matrices [num_kv_heads][rank][head_dim]; `stream` the backend's stream.
-DenseDecodeTables DenseDecodeTablesFor(void* stream, const LayerSections& s, KeyCodec key_codec,
-                                       uint32_t head_dim, const std::vector<float>& expand_f32);
+// matrices [num_kv_heads][rank][head_dim]; dtype the cache's (the decode's output). Called with
+// the backend's device current.
+DenseDecodeTables DenseDecodeTablesFor(const LayerSections& s, KeyCodec key_codec,
+                                       uint32_t head_dim, DType dtype,
+                                       const std::vector<float>& expand_f32);
 
 // The decode of the layer's values (s.expand_tiles set) or keys (s.key_tiles set) into `out`
 // ([s.rows][head_dim] of dtype), ordered on `stream`.

@@ -27,23 +27,27 @@ std::vector<uint8_t> Bytes(const std::vector<Tile>& tiles) {
   return b;
 }
 
-int MultiProcessors(cudaStream_t stream) {
-  int device = 0, sms = 0;
-  if (cudaStreamGetDevice(stream, &device) != cudaSuccess) {
-    cudaGetLastError();
-    if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
-  }
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    sms = 1;
-  }
-  return sms;
+codec_cuda::DecodeParams ParamsOf(const LayerSections& s, void* out) {
+  const ValueCodecParams& v = s.value_params;
+  return codec_cuda::DecodeParams{static_cast<const Tile*>(s.expand_tiles),
+                                  static_cast<const uint8_t*>(s.values),
+                                  s.value_scales,
+                                  static_cast<const __half*>(s.expand_f16),
+                                  out,
+                                  v.rank,
+                                  v.rank,  // a multiple of 16 here: no padding rows
+                                  v.group_size,
+                                  static_cast<uint32_t>(v.Groups()),
+                                  static_cast<uint32_t>(v.LatentBytes()),
+                                  KindOf(v.codec),
+                                  true};
 }
 
 }  // namespace
 
-DenseDecodeTables DenseDecodeTablesFor(void* stream, const LayerSections& s, KeyCodec key_codec,
-                                       uint32_t head_dim, const std::vector<float>& expand_f32) {
+DenseDecodeTables DenseDecodeTablesFor(const LayerSections& s, KeyCodec key_codec,
+                                       uint32_t head_dim, DType dtype,
+                                       const std::vector<float>& expand_f32) {
   DenseDecodeTables t;
   const uint64_t heads = s.offsets.empty() ? 0 : s.offsets.size() - 1;
   if (s.rows == 0 || heads == 0) return t;
@@ -53,40 +57,30 @@ DenseDecodeTables DenseDecodeTablesFor(void* stream, const LayerSections& s, Key
     t.num_key_tiles = kt.size();
   }
   const ValueCodecParams& v = s.value_params;
-  if (s.expand != nullptr && (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
-      codec_cuda::ExpandEligible(v.rank, v.group_size, static_cast<uint32_t>(v.LatentBytes()),
-                                 KindOf(v.codec), reinterpret_cast<uintptr_t>(s.values))) {
-    const uint64_t m = head_dim == 64    ? codec_cuda::ExpandShape<64>::M
-                       : head_dim == 128 ? codec_cuda::ExpandShape<128>::M
-                                         : codec_cuda::ExpandShape<256>::M;
-    const std::vector<Tile> xt = codec_cuda::ExpandTiles(
-        s.offsets.data(), heads, m, MultiProcessors(static_cast<cudaStream_t>(stream)));
-    t.expand_tiles = Bytes(xt);
-    t.num_expand_tiles = xt.size();
-    t.expand_f16.resize(expand_f32.size());
-    for (size_t i = 0; i < expand_f32.size(); ++i) {
-      t.expand_f16[i] = __half_as_ushort(__float2half_rn(expand_f32[i]));
-    }
+  if (s.expand == nullptr || !(head_dim == 64 || head_dim == 128 || head_dim == 256) ||
+      !codec_cuda::ExpandEligible(v.rank, v.group_size, static_cast<uint32_t>(v.LatentBytes()),
+                                  KindOf(v.codec), reinterpret_cast<uintptr_t>(s.values))) {
+    return t;
+  }
+  const absl::StatusOr<uint64_t> slots = codec_cuda::ExpandSlots(ParamsOf(s, nullptr), head_dim,
+                                                                 dtype);
+  if (!slots.ok()) return t;  // the codec ops decode this layer
+  const uint64_t m = head_dim == 64    ? codec_cuda::ExpandShape<64>::M
+                     : head_dim == 128 ? codec_cuda::ExpandShape<128>::M
+                                       : codec_cuda::ExpandShape<256>::M;
+  const std::vector<Tile> xt = codec_cuda::ExpandTiles(s.offsets.data(), heads, m, *slots);
+  t.expand_tiles = Bytes(xt);
+  t.num_expand_tiles = xt.size();
+  t.expand_f16.resize(expand_f32.size());
+  for (size_t i = 0; i < expand_f32.size(); ++i) {
+    t.expand_f16[i] = __half_as_ushort(__float2half_rn(expand_f32[i]));
   }
   return t;
 }
 
 absl::Status DecodeValuesCuda(void* stream, const LayerSections& s, uint32_t head_dim,
                               DType dtype, void* out) {
-  const ValueCodecParams& v = s.value_params;
-  codec_cuda::DecodeParams p{static_cast<const Tile*>(s.expand_tiles),
-                             static_cast<const uint8_t*>(s.values),
-                             s.value_scales,
-                             static_cast<const __half*>(s.expand_f16),
-                             out,
-                             v.rank,
-                             v.rank,  // a multiple of 16 here: no padding rows
-                             v.group_size,
-                             static_cast<uint32_t>(v.Groups()),
-                             static_cast<uint32_t>(v.LatentBytes()),
-                             KindOf(v.codec),
-                             true};
-  return codec_cuda::LaunchExpandValues(static_cast<cudaStream_t>(stream), p,
+  return codec_cuda::LaunchExpandValues(static_cast<cudaStream_t>(stream), ParamsOf(s, out),
                                         s.num_expand_tiles, head_dim, dtype);
 }
 

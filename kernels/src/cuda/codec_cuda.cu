@@ -12,6 +12,8 @@
 #include <cstring>
 #include <cstdlib>
 #include <list>
+#include <map>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -570,9 +572,18 @@ class CudaCodecOps final : public CodecOps {
     }();
     if (expand && codec_cuda::ExpandEligible(p.r, p.group_size, p.latent_bytes, p.kind,
                                              reinterpret_cast<uintptr_t>(p.latent))) {
+      // Slots per layout and output dtype, asked of the driver once (occupancy queries cost
+      // tens of microseconds).
+      const SlotsKey key{p.r_pad, p.latent_bytes, p.groups, static_cast<int>(p.kind),
+                         static_cast<int>(out_dtype), D};
+      auto it = expand_slots_.find(key);
+      if (it == expand_slots_.end()) {
+        KVCOMP_ASSIGN_OR_RETURN(const uint64_t found, codec_cuda::ExpandSlots(p, D, out_dtype));
+        it = expand_slots_.emplace(key, found).first;
+      }
+      const uint64_t slots = it->second;
       const std::vector<Tile> tiles = codec_cuda::ExpandTiles(
-          rows.row_offsets.data(), rows.num_heads(), codec_cuda::ExpandShape<D>::M,
-          ctx_->properties.multiProcessorCount);
+          rows.row_offsets.data(), rows.num_heads(), codec_cuda::ExpandShape<D>::M, slots);
       KVCOMP_ASSIGN_OR_RETURN(p.tiles, st->Tiles(tiles));
       return codec_cuda::LaunchExpandValues(ctx_->stream, p, tiles.size(), D, out_dtype);
     }
@@ -754,6 +765,9 @@ class CudaCodecOps final : public CodecOps {
 
   static constexpr uint64_t kMaxProjectionBytes = uint64_t{256} << 20;
   CudaContext* ctx_;
+  // DecodeByDType's occupancy answers: (r_pad, latent bytes, groups, kind, out dtype, D).
+  using SlotsKey = std::tuple<uint32_t, uint32_t, uint32_t, int, int, int>;
+  std::map<SlotsKey, uint64_t> expand_slots_;
   cublasHandle_t cublas_ = nullptr;
   cusolverDnHandle_t cusolver_ = nullptr;
   std::list<DeviceProjection> projections_;  // most recently used first
@@ -772,8 +786,9 @@ namespace kvcomp {
 namespace codec_cuda {
 namespace {
 
+// One instantiation of the expand: launched, or its blocks per SM when `blocks` is set.
 template <typename T, int D, LatentKind K>
-absl::Status ExpandAs(cudaStream_t stream, const DecodeParams& p, size_t tiles) {
+absl::Status ExpandAs(cudaStream_t stream, const DecodeParams& p, size_t tiles, int* blocks) {
   const size_t smem = ExpandSmemLayout<D>(p.r_pad, p.latent_bytes, K, p.groups, sizeof(T)).total;
   int device = 0, optin = 0;
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -784,38 +799,63 @@ absl::Status ExpandAs(cudaStream_t stream, const DecodeParams& p, size_t tiles) 
         "codec (CUDA): rank %u at head_dim %d needs %u bytes of shared memory (device: %d)", p.r,
         D, smem, optin));
   }
-  if (tiles == 0) return absl::OkStatus();
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       ExpandValuesKernel<T, D, K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
       static_cast<int>(smem)));
+  if (blocks != nullptr) {
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        blocks, ExpandValuesKernel<T, D, K>, kExpandThreads, smem));
+    return absl::OkStatus();
+  }
+  if (tiles == 0) return absl::OkStatus();
   ExpandValuesKernel<T, D, K><<<static_cast<unsigned>(tiles), kExpandThreads, smem, stream>>>(p);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
 
 template <typename T, int D>
-absl::Status ExpandKind(cudaStream_t stream, const DecodeParams& p, size_t tiles) {
+absl::Status ExpandKind(cudaStream_t stream, const DecodeParams& p, size_t tiles, int* blocks) {
   switch (p.kind) {
     case LatentKind::kInt8:
-      return ExpandAs<T, D, LatentKind::kInt8>(stream, p, tiles);
+      return ExpandAs<T, D, LatentKind::kInt8>(stream, p, tiles, blocks);
     case LatentKind::kInt4:
-      return ExpandAs<T, D, LatentKind::kInt4>(stream, p, tiles);
+      return ExpandAs<T, D, LatentKind::kInt4>(stream, p, tiles, blocks);
     default:
-      return ExpandAs<T, D, LatentKind::kF16>(stream, p, tiles);
+      return ExpandAs<T, D, LatentKind::kF16>(stream, p, tiles, blocks);
   }
 }
 
 template <int D>
-absl::Status ExpandDType(cudaStream_t stream, const DecodeParams& p, size_t tiles, DType out) {
+absl::Status ExpandDType(cudaStream_t stream, const DecodeParams& p, size_t tiles, DType out,
+                         int* blocks) {
   switch (out) {
     case DType::kF32:
-      return ExpandKind<float, D>(stream, p, tiles);
+      return ExpandKind<float, D>(stream, p, tiles, blocks);
     case DType::kF16:
-      return ExpandKind<__half, D>(stream, p, tiles);
+      return ExpandKind<__half, D>(stream, p, tiles, blocks);
     case DType::kBF16:
-      return ExpandKind<__nv_bfloat16, D>(stream, p, tiles);
+      return ExpandKind<__nv_bfloat16, D>(stream, p, tiles, blocks);
     default:
       return absl::InvalidArgumentError("codec (CUDA): output dtype must be f32, f16 or bf16");
+  }
+}
+
+absl::Status Expand(cudaStream_t stream, const DecodeParams& p, size_t tiles, uint32_t head_dim,
+                    DType out_dtype, int* blocks) {
+  if (!ExpandEligible(p.r, p.group_size, p.latent_bytes, p.kind,
+                      reinterpret_cast<uintptr_t>(p.latent))) {
+    return absl::InvalidArgumentError("codec (CUDA): latent layout unfit for the pipelined expand");
+  }
+  switch (head_dim) {
+    case 64:
+      return ExpandDType<64>(stream, p, tiles, out_dtype, blocks);
+    case 128:
+      return ExpandDType<128>(stream, p, tiles, out_dtype, blocks);
+    case 256:
+      return ExpandDType<256>(stream, p, tiles, out_dtype, blocks);
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("codec (CUDA): head_dim %u (64, 128 or 256)", head_dim));
   }
 }
 
@@ -839,21 +879,16 @@ void KeysAs(cudaStream_t stream, const Tile* dt, unsigned g, const void* din, DT
 
 absl::Status LaunchExpandValues(cudaStream_t stream, const DecodeParams& p, size_t tiles,
                                 uint32_t head_dim, DType out_dtype) {
-  if (!ExpandEligible(p.r, p.group_size, p.latent_bytes, p.kind,
-                      reinterpret_cast<uintptr_t>(p.latent))) {
-    return absl::InvalidArgumentError("codec (CUDA): latent layout unfit for the pipelined expand");
-  }
-  switch (head_dim) {
-    case 64:
-      return ExpandDType<64>(stream, p, tiles, out_dtype);
-    case 128:
-      return ExpandDType<128>(stream, p, tiles, out_dtype);
-    case 256:
-      return ExpandDType<256>(stream, p, tiles, out_dtype);
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrFormat("codec (CUDA): head_dim %u (64, 128 or 256)", head_dim));
-  }
+  return Expand(stream, p, tiles, head_dim, out_dtype, nullptr);
+}
+
+absl::StatusOr<uint64_t> ExpandSlots(const DecodeParams& p, uint32_t head_dim, DType out_dtype) {
+  int blocks = 0, device = 0, sms = 0;
+  KVCOMP_RETURN_IF_ERROR(Expand(nullptr, p, 0, head_dim, out_dtype, &blocks));
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  KVCOMP_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return static_cast<uint64_t>(std::max(blocks, 1)) * static_cast<uint64_t>(std::max(sms, 1));
 }
 
 absl::Status LaunchDecodeKeys(cudaStream_t stream, const Tile* tiles, size_t num_tiles,

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/policy.h"
 #include "ptx_primitives.cuh"
@@ -475,19 +476,45 @@ inline std::vector<Tile> UniformTiles(const uint64_t* row_offsets, uint64_t head
 }
 
 // Tiles of the pipelined expand: each head's rows (row_offsets, heads + 1 entries) cut into
-// equal tiles of whole sub-tiles (m rows), about two blocks per SM for the whole call and at
-// least two sub-tiles per block (each block stages its head's decode matrix once).
+// equal tiles of whole sub-tiles (m rows, at least two per tile: each block stages its head's
+// decode matrix once). `slots` is how many blocks the device runs at once (blocks per SM from
+// the occupancy of the instantiation, times the SMs): the tile size is the largest whose tile
+// count fills at least 90% of the slots of its last wave (the best one found otherwise), so a
+// grid never ends on a nearly empty wave.
 inline std::vector<Tile> ExpandTiles(const uint64_t* row_offsets, uint64_t heads, uint64_t m,
-                                     int sms) {
+                                     uint64_t slots) {
   const uint64_t n = heads == 0 ? 0 : row_offsets[heads];
-  const uint64_t blocks = 2 * static_cast<uint64_t>(std::max(sms, 1));
-  const uint64_t target = std::max<uint64_t>(2 * m, (n + blocks - 1) / blocks);
+  slots = std::max<uint64_t>(slots, 1);
+  auto per_tile = [&](uint64_t target, uint64_t len) {
+    const uint64_t pieces = (len + target - 1) / target;
+    return ((len + pieces - 1) / pieces + m - 1) / m * m;
+  };
+  auto count = [&](uint64_t target) {
+    uint64_t c = 0;
+    for (uint64_t h = 0; h < heads; ++h) {
+      const uint64_t len = row_offsets[h + 1] - row_offsets[h];
+      if (len > 0) c += (len + per_tile(target, len) - 1) / per_tile(target, len);
+    }
+    return c;
+  };
+  uint64_t best = std::max<uint64_t>(2 * m, n);
+  double best_fill = 0.0;
+  for (uint64_t waves = 1; waves <= 16; ++waves) {
+    const uint64_t target = std::max<uint64_t>(2 * m, (n + waves * slots - 1) / (waves * slots));
+    const uint64_t c = count(target);
+    if (c == 0) break;
+    const double fill = static_cast<double>(c) / (((c + slots - 1) / slots) * slots);
+    if (fill > best_fill + 1e-9) {
+      best_fill = fill;
+      best = target;
+    }
+    if (fill >= 0.9 || target == 2 * m) break;
+  }
   std::vector<Tile> tiles;
   for (uint64_t h = 0; h < heads; ++h) {
     const uint64_t begin = row_offsets[h], len = row_offsets[h + 1] - begin;
     if (len == 0) continue;
-    const uint64_t pieces = (len + target - 1) / target;
-    const uint64_t per = ((len + pieces - 1) / pieces + m - 1) / m * m;
+    const uint64_t per = per_tile(best, len);
     for (uint64_t b = 0; b < len; b += per) {
       tiles.push_back({static_cast<uint32_t>(h), static_cast<uint32_t>(std::min(per, len - b)),
                        begin + b});
@@ -832,11 +859,15 @@ __global__ void GatherF32Kernel(const T* in, uint32_t heads, uint64_t tokens, ui
 // Stream-ordered launches (codec_cuda.cu) for callers that keep their inputs on the device and
 // their tile tables prepared: nothing but the launch on the host, nothing waited for.
 //   LaunchExpandValues: the pipelined expand of p (an ExpandEligible layout, tiles from
-//     ExpandTiles with ExpandShape<head_dim>::M) into [rows][head_dim] of out_dtype.
+//     ExpandTiles with ExpandShape<head_dim>::M and ExpandSlots) into [rows][head_dim] of
+//     out_dtype.
 //   LaunchDecodeKeys: int8 (scales per head and channel) or f16 keys, or raw keys of in_dtype,
 //     over UniformTiles of 64 rows, into out_dtype.
 absl::Status LaunchExpandValues(cudaStream_t stream, const DecodeParams& p, size_t tiles,
                                 uint32_t head_dim, DType out_dtype);
+// Blocks of the expand kernel for (p's layout, head_dim, out_dtype) the current device runs at
+// once (its occupancy per SM times the SMs), for ExpandTiles; 0 with an unfit layout.
+absl::StatusOr<uint64_t> ExpandSlots(const DecodeParams& p, uint32_t head_dim, DType out_dtype);
 absl::Status LaunchDecodeKeys(cudaStream_t stream, const Tile* tiles, size_t num_tiles,
                               const void* in, DType in_dtype, uint32_t head_dim,
                               const float* scales, bool int8, void* out, DType out_dtype);
