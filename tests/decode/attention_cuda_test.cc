@@ -96,24 +96,47 @@ TEST_F(DecodeAttentionCudaTest, EncodedCacheMatchesCpu) {
   EXPECT_LT(CompareBackends(caches_->encoded), 5e-3);
 }
 
-// Layers whose latent layout the pipelined expand takes (rank 16 here) decode on the backend's
-// stream from tables prepared at placement; rank 24 keeps the codec op; int8 keys take the
-// prepared key decode in every layer. Both kinds of layer match the CPU (EncodedCacheMatchesCpu).
+// Encoded layers (ranks 16 and 24: a whole k step and one padded in the last) decode on the
+// backend's stream from tables prepared at placement, keys (int8) and values; a group size that
+// is not a multiple of 16 keeps the codec op. Both match the CPU (EncodedCacheMatchesCpu and
+// below).
 TEST_F(DecodeAttentionCudaTest, EncodedLayersTakeThePreparedDecode) {
   ASSERT_EQ(caches_->encoded.layer_rank, (std::vector<uint32_t>{16, 24}));
   auto on_gpu = ResidentCache::Place(*gpu_, caches_->encoded, caches_->projection);
   ASSERT_TRUE(on_gpu.ok()) << on_gpu.status();
-  const LayerSections& l0 = (*on_gpu)->layer(0);
-  const LayerSections& l1 = (*on_gpu)->layer(1);
-  EXPECT_NE(l0.expand_tiles, nullptr);
-  EXPECT_NE(l0.expand_f16, nullptr);
-  EXPECT_GT(l0.num_expand_tiles, 0u);
-  EXPECT_EQ(l1.expand_tiles, nullptr);
-  EXPECT_NE(l0.key_tiles, nullptr);
-  EXPECT_NE(l1.key_tiles, nullptr);
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    const LayerSections& l = (*on_gpu)->layer(layer);
+    EXPECT_NE(l.expand_tiles, nullptr) << layer;
+    EXPECT_NE(l.expand_f16, nullptr) << layer;
+    EXPECT_GT(l.num_expand_tiles, 0u) << layer;
+    EXPECT_NE(l.key_tiles, nullptr) << layer;
+  }
   auto on_cpu = ResidentCache::Place(*cpu_, caches_->encoded, caches_->projection);
   ASSERT_TRUE(on_cpu.ok());
   EXPECT_EQ((*on_cpu)->layer(0).expand_tiles, nullptr);  // host backends keep the codec ops
+
+  CompressionPolicy policy = caches_->encoded.policy;
+  policy.group_size = 24;
+  CompressedCache odd = caches_->raw;
+  odd.policy = policy;
+  ASSERT_TRUE(EncodeKept(*cpu_, policy, caches_->projection.get(), &odd).ok());
+  auto odd_gpu = ResidentCache::Place(*gpu_, odd, caches_->projection);
+  auto odd_cpu = ResidentCache::Place(*cpu_, odd, caches_->projection);
+  ASSERT_TRUE(odd_gpu.ok() && odd_cpu.ok());
+  EXPECT_EQ((*odd_gpu)->layer(0).expand_tiles, nullptr);
+  Decoder cd(*cpu_), gd(*gpu_);
+  const uint32_t qh = odd.layout.num_q_heads, nq = 2, d = odd.layout.head_dim;
+  const std::vector<float> q = testing::RandomQueries(qh, nq, d, 24);
+  for (uint32_t layer = 0; layer < odd.layout.num_layers; ++layer) {
+    const std::vector<float> a = Attend(cd, **odd_cpu, layer, q.data(), DType::kF32, qh, nq);
+    const std::vector<float> b = Attend(gd, **odd_gpu, layer, q.data(), DType::kF32, qh, nq);
+    double scale = 1e-6, worst = 0;
+    for (float x : a) scale = std::max<double>(scale, std::abs(x));
+    for (size_t i = 0; i < a.size(); ++i) {
+      worst = std::max(worst, std::abs(double{a[i]} - b[i]) / scale);
+    }
+    EXPECT_LT(worst, 5e-3) << "layer " << layer;
+  }
 }
 
 TEST_F(DecodeAttentionCudaTest, EncodedCacheMatchesDecodedFirst) {
@@ -194,8 +217,9 @@ TEST_F(DecodeAttentionCudaTest, CacheIsUploadedOnce) {
   // expand, 16-byte tiles.
   for (uint32_t l = 0; l < c.layout.num_layers; ++l) {
     const LayerSections& s = (*rc)->layer(l);
-    if (s.expand_f16 != nullptr) {
-      expand += uint64_t{c.layout.num_kv_heads} * c.LayerRank(l) * c.layout.head_dim * 2;
+    if (s.expand_f16 != nullptr) {  // rows padded to a multiple of 16
+      expand += uint64_t{c.layout.num_kv_heads} * ((c.LayerRank(l) + 15) / 16 * 16) *
+                c.layout.head_dim * 2;
     }
     expand += (s.num_expand_tiles + s.num_key_tiles) * 16;
   }

@@ -177,6 +177,13 @@ TEST(CodecCuda, ValuesAgreeWithTheCpu) {
   }
   CompareCodec(b, 128, ValueCodec::kOrthogonalInt8, 50, 7, true, DType::kF32);  // ragged groups
   CompareCodec(b, 128, ValueCodec::kOrthogonalInt4, 6, 32, true, DType::kF32);   // tiny rank
+  // Ranks that end inside a k step of the pipelined expand (4-byte latent rows, padded columns).
+  for (ValueCodec c : {ValueCodec::kOrthogonal, ValueCodec::kOrthogonalInt8,
+                       ValueCodec::kOrthogonalInt4}) {
+    SCOPED_TRACE(ValueCodecName(c));
+    CompareCodec(b, 128, c, 40, 32, true, DType::kBF16);
+    CompareCodec(b, 64, c, 24, 16, false, DType::kF32);
+  }
 }
 
 // Heads long enough that the pipelined expand's blocks take several sub-tiles each (its

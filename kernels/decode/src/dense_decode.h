@@ -2,8 +2,8 @@
 // decode kernels launched straight on the backend's stream from launch tables prepared once
 // when the layer is placed, instead of through the codec ops (which build and upload their tile
 // tables per call and wait for the stream at their end). Layers whose layout the kernels do not
-// take (int4 keys, latents that are not whole 16-byte rows, ranks not a multiple of 16) keep
-// the codec ops.
+// take (int4 keys; ranks not a multiple of 4, int4 ranks not a multiple of 8, group sizes not a
+// multiple of 16) keep the codec ops.
 #ifndef KVCOMP_KERNELS_DECODE_SRC_DENSE_DECODE_H_
 #define KVCOMP_KERNELS_DECODE_SRC_DENSE_DECODE_H_
 
@@ -24,7 +24,8 @@ namespace decode {
 struct DenseDecodeTables {
   std::vector<uint8_t> expand_tiles;   // tiles of the pipelined expand
   uint64_t num_expand_tiles = 0;
-  std::vector<uint16_t> expand_f16;    // [num_kv_heads][rank][head_dim], f16 of `expand_f32`
+  std::vector<uint16_t> expand_f16;    // [num_kv_heads][rank rounded up to 16][head_dim], f16
+                                       // of `expand_f32`, rows past the rank zero
   std::vector<uint8_t> key_tiles;      // tiles of the key decode
   uint64_t num_key_tiles = 0;
 };

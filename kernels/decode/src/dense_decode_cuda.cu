@@ -35,7 +35,7 @@ codec_cuda::DecodeParams ParamsOf(const LayerSections& s, void* out) {
                                   static_cast<const __half*>(s.expand_f16),
                                   out,
                                   v.rank,
-                                  v.rank,  // a multiple of 16 here: no padding rows
+                                  (v.rank + 15) / 16 * 16,  // expand_f16's rows per head
                                   v.group_size,
                                   static_cast<uint32_t>(v.Groups()),
                                   static_cast<uint32_t>(v.LatentBytes()),
@@ -71,9 +71,14 @@ DenseDecodeTables DenseDecodeTablesFor(const LayerSections& s, KeyCodec key_code
   const std::vector<Tile> xt = codec_cuda::ExpandTiles(s.offsets.data(), heads, m, *slots);
   t.expand_tiles = Bytes(xt);
   t.num_expand_tiles = xt.size();
-  t.expand_f16.resize(expand_f32.size());
-  for (size_t i = 0; i < expand_f32.size(); ++i) {
-    t.expand_f16[i] = __half_as_ushort(__float2half_rn(expand_f32[i]));
+  // [heads][r_pad][head_dim], rows past the rank zero.
+  const uint64_t r = v.rank, r_pad = (r + 15) / 16 * 16;
+  t.expand_f16.assign(heads * r_pad * head_dim, 0);
+  for (uint64_t h = 0; h < heads; ++h) {
+    for (uint64_t i = 0; i < r * head_dim; ++i) {
+      t.expand_f16[(h * r_pad) * head_dim + i] =
+          __half_as_ushort(__float2half_rn(expand_f32[h * r * head_dim + i]));
+    }
   }
   return t;
 }

@@ -400,8 +400,8 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeValuesKernel(DecodeParam
 }
 
 // --- The pipelined expand: tensor cores through mma.sync (sm_80 and later) ---------------
-// For latents whose rows are whole 16-byte units at a 16-byte aligned base, r % 16 == 0 and, for
-// int8/int4, group_size % 16 == 0 (ExpandEligible). A block takes one tile (one head's rows) in
+// For ranks that are a multiple of 4 (int4: 8) and, for int8/int4, group_size % 16 == 0
+// (ExpandEligible). A block takes one tile (one head's rows) in
 // sub-tiles of M rows:
 //   - the head's decode matrix is staged once in shared memory (f16, rows permuted as below);
 //   - the latent rows and scales of sub-tile i + 2 are copied to shared memory (cp.async, three
@@ -430,19 +430,26 @@ struct ExpandShape {
   static constexpr int kLdOut = D + 8;                                   // elements
 };
 
-// Latent row stride in shared memory: chosen so that the eight rows a warp reads at once fall
-// in distinct banks (int8/int4: row offsets an odd multiple of 4 words apart; f16, 8-byte
-// reads: an odd multiple of 8 words among each half-warp's four rows).
-__host__ __device__ constexpr uint32_t ExpandLatentStride(uint32_t latent_bytes, LatentKind kind) {
-  return kind == LatentKind::kF16 ? latent_bytes + ((latent_bytes / 4) % 16 == 0 ? 32u : 0u)
-                                  : latent_bytes + ((latent_bytes / 4) % 8 == 0 ? 16u : 0u);
+// Latent row stride in shared memory: room for r_pad columns in whole 16-byte units, chosen so
+// that the eight rows a warp reads at once fall in distinct banks (int8/int4: row offsets an odd
+// multiple of 4 words apart; f16, 8-byte reads: an odd multiple of 8 words among each
+// half-warp's four rows).
+__host__ __device__ constexpr uint32_t ExpandLatentStride(uint32_t r_pad, LatentKind kind) {
+  const uint32_t row = kind == LatentKind::kF16    ? 2 * r_pad
+                       : kind == LatentKind::kInt8 ? r_pad
+                                                   : (r_pad / 2 + 15) / 16 * 16;
+  return kind == LatentKind::kF16 ? row + ((row / 4) % 16 == 0 ? 32u : 0u)
+                                  : row + ((row / 4) % 8 == 0 ? 16u : 0u);
 }
 
+// Ranks whose latent columns come in whole groups of four per lane (r % 4, int4 r % 8: rows of
+// whole 4-byte units at a 4-byte aligned base) and scale groups of whole k steps
+// (group_size % 16); columns past r in the last k step are zero in the A operands.
 __host__ __device__ inline bool ExpandEligible(uint32_t r, uint32_t group_size,
                                                uint32_t latent_bytes, LatentKind kind,
                                                uintptr_t latent_addr) {
-  return r % 16 == 0 && latent_bytes % 16 == 0 && latent_addr % 16 == 0 &&
-         (kind == LatentKind::kF16 || group_size % 16 == 0);
+  return r > 0 && r % (kind == LatentKind::kInt4 ? 8 : 4) == 0 && latent_bytes % 4 == 0 &&
+         latent_addr % 4 == 0 && (kind == LatentKind::kF16 || group_size % 16 == 0);
 }
 
 struct ExpandSmem {
@@ -455,7 +462,7 @@ __host__ __device__ constexpr ExpandSmem ExpandSmemLayout(uint32_t r_pad, uint32
                                                           uint32_t out_bytes) {
   using S = ExpandShape<D>;
   const size_t dec = size_t{r_pad} * S::kLdDec * 2;
-  const size_t latent = size_t{kExpandStages} * S::M * ExpandLatentStride(latent_bytes, kind);
+  const size_t latent = size_t{kExpandStages} * S::M * ExpandLatentStride(r_pad, kind);
   const size_t scales = (size_t{kExpandStages} * S::M * groups * 2 + 15) / 16 * 16;
   const size_t out = size_t{S::M} * S::kLdOut * out_bytes;
   return ExpandSmem{dec, latent, scales, out, dec + latent + scales + out};
@@ -570,7 +577,9 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
   extern __shared__ __align__(128) unsigned char xsmem[];
   const Tile tile = p.tiles[blockIdx.x];
   const uint32_t r_pad = p.r_pad, lb = p.latent_bytes, groups = p.groups;
-  const uint32_t ls = ExpandLatentStride(lb, K);
+  const uint32_t ls = ExpandLatentStride(r_pad, K);
+  // Whole 16-byte units where the rows are, else 4-byte units.
+  const bool wide = lb % 16 == 0 && reinterpret_cast<uintptr_t>(p.latent) % 16 == 0;
   const ExpandSmem lay = ExpandSmemLayout<D>(r_pad, lb, K, groups, sizeof(T));
   __half* dec_s = reinterpret_cast<__half*>(xsmem);
   unsigned char* lat_s = xsmem + lay.dec;
@@ -588,8 +597,8 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
     const uint32_t src = (row & ~15u) + ExpandSlotColumn(row & 15u);
     ptx::CpAsync16(dec_s + row * S::kLdDec + c8, dg + static_cast<uint64_t>(src) * D + c8, 16);
   }
-  // Sub-tile s's latent into stage s % kExpandStages (whole 16-byte units; rows past the tile
-  // are left as they are: their products land in rows that are never written out), and its
+  // Sub-tile s's latent into stage s % kExpandStages (rows past the tile are left as they are:
+  // their products land in rows that are never written out), and its
   // scales too when a row has an even number of them (4-byte units: every sub-tile starts a
   // whole row).
   const bool async_scales = K != LatentKind::kF16 && groups % 2 == 0 &&
@@ -599,10 +608,18 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
     const uint32_t row0 = s * M, m = min(static_cast<uint32_t>(M), tile.rows - row0);
     const unsigned char* src = p.latent + (tile.begin + row0) * lb;
     unsigned char* dst = lat_s + (s % kExpandStages) * M * ls;
-    const uint32_t units = lb / 16;
-    for (uint32_t i = tid; i < m * units; i += kExpandThreads) {
-      const uint32_t t = i / units, u = i - t * units;
-      ptx::CpAsync16(dst + t * ls + u * 16, src + static_cast<uint64_t>(t) * lb + u * 16, 16);
+    if (wide) {
+      const uint32_t units = lb / 16;
+      for (uint32_t i = tid; i < m * units; i += kExpandThreads) {
+        const uint32_t t = i / units, u = i - t * units;
+        ptx::CpAsync16(dst + t * ls + u * 16, src + static_cast<uint64_t>(t) * lb + u * 16, 16);
+      }
+    } else {
+      const uint32_t units = lb / 4;
+      for (uint32_t i = tid; i < m * units; i += kExpandThreads) {
+        const uint32_t t = i / units, u = i - t * units;
+        ptx::CpAsync4(dst + t * ls + u * 4, src + static_cast<uint64_t>(t) * lb + u * 4);
+      }
     }
     if (async_scales) {
       const uint16_t* ssrc = p.scales + (tile.begin + row0) * groups;
@@ -665,6 +682,7 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
 
 #pragma unroll 2
     for (uint32_t ks = 0; ks < r_pad / 16; ++ks) {
+      const bool live = ks * 16 + q * 4 < p.r;  // this lane's four columns (r % 4 == 0)
       uint32_t a[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -692,6 +710,8 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
             Int4x4ToHalf(w1, s1, a[mt][1], a[mt][3]);
           }
         }
+        // Columns past r read shared memory beyond the row's bytes: zero operands instead.
+        if (!live) a[mt][0] = a[mt][1] = a[mt][2] = a[mt][3] = 0u;
       }
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
