@@ -80,6 +80,7 @@ class CudaBackend final : public Backend {
     } else {
       own_allocator_ = std::make_unique<StreamAllocator>(ctx_.device, ctx_.stream);
       ctx_.allocator = own_allocator_.get();
+      ctx_.stream_ordered_free = true;
     }
     ctx_.host_allocator = &pinned_;
     scoring_ = NewCudaScoringOps(&ctx_);

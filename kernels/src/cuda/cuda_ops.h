@@ -26,6 +26,10 @@ struct CudaContext {
   cudaStream_t stream = nullptr;        // every op is ordered on this stream
   cudaDeviceProp properties{};          // of `device`
   Allocator* allocator = nullptr;       // device memory; never null in a backend
+  // True when `allocator` releases memory in stream order (the backend's own cudaMallocAsync
+  // pool on `stream`): a workspace may then be released right after the kernels that use it are
+  // enqueued. An injected allocator may hand memory out again at once, so ops wait first.
+  bool stream_ordered_free = false;
   Allocator* host_allocator = nullptr;  // pinned host memory for staging; may be null
 };
 

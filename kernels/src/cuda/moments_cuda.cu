@@ -237,8 +237,12 @@ class CudaMomentOps final : public MomentOps {
     }
     KVCOMP_RETURN_IF_ERROR(CudaStatus(
         LaunchAttention(kv.dtype, p.queries.dtype, d, k, hk, ctx_->stream), "attention kernels"));
-    // The workspace is released when `ws` goes out of scope: wait for the kernels first.
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    // The workspace is released when `ws` goes out of scope: in stream order with the
+    // backend's own allocator (nothing waited for, the caller's next work queues behind), after
+    // the kernels with an injected one.
+    if (!ctx_->stream_ordered_free) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    }
     return absl::OkStatus();
   }
 

@@ -64,6 +64,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const CpuBackendOptions&
 struct CudaBackendOptions {
   int device = 0;  // CUDA device ordinal. Default 0.
   // Device allocator; nullptr = the backend's own (cudaMallocAsync on its stream). Not owned.
+  // An injected allocator may hand memory out again as soon as it is deallocated, so ops that
+  // release a workspace wait for their kernels first (the backend's own pool needs no wait).
   Allocator* allocator = nullptr;
   // The cudaStream_t every op is issued on, owned by the caller and alive until the backend is
   // destroyed; nullptr = a non-blocking stream of the backend's own. A caller that runs kvcomp on
