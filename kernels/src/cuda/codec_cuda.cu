@@ -863,15 +863,19 @@ template <typename Out>
 void KeysAs(cudaStream_t stream, const Tile* dt, unsigned g, const void* din, DType in_dtype,
             uint32_t d, const float* sc, bool int8, void* dout) {
   auto* o = static_cast<Out*>(dout);
+  auto aligned = [](const void* ptr, uintptr_t n) { return reinterpret_cast<uintptr_t>(ptr) % n == 0; };
+  const bool vec = d % 8 == 0 && aligned(dout, 16) &&
+                   (int8 ? aligned(din, 8) && aligned(sc, 16)
+                         : in_dtype != DType::kF32 && aligned(din, 16));
   switch (in_dtype) {
     case DType::kF32:
-      DecodeKeysKernel<float, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, o);
+      DecodeKeysKernel<float, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, vec && int8, o);
       break;
     case DType::kF16:
-      DecodeKeysKernel<__half, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, o);
+      DecodeKeysKernel<__half, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, vec, o);
       break;
     default:
-      DecodeKeysKernel<__nv_bfloat16, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, o);
+      DecodeKeysKernel<__nv_bfloat16, Out><<<g, 256, 0, stream>>>(dt, din, d, sc, int8, vec, o);
   }
 }
 
