@@ -126,11 +126,10 @@ TEST(Calibration, AutoTunerMeetsTheBudgetOnHeldOutData) {
         EXPECT_TRUE(tuned->met[l]);
         EXPECT_LE(tuned->error[l], opt.budget);
         EXPECT_LT(r, data.d);
-        if (codec == ValueCodec::kOrthogonalInt4) {
-          EXPECT_EQ(r % 2, 0u);
-        }
+        // Ranks in the default steps: whole column groups of the CUDA expand.
+        const uint32_t step = codec == ValueCodec::kOrthogonalInt4 ? 8 : 4;
+        EXPECT_EQ(r % step, 0u);
         // Smallest: one step less misses the budget on the calibration data.
-        const uint32_t step = codec == ValueCodec::kOrthogonalInt4 ? 2 : 1;
         ValueCodecParams less{codec, r - step, 32, true};
         auto e_less = MeasureError(p, less, metric, SamplesOf(cal));
         ASSERT_TRUE(e_less.ok());
@@ -144,6 +143,24 @@ TEST(Calibration, AutoTunerMeetsTheBudgetOnHeldOutData) {
       }
     }
   }
+  // A finer step when asked for; an odd one for int4 is refused.
+  TuneOptions fine;
+  fine.budget = 0.15;
+  fine.rank_step = 1;
+  auto f = AutoTune(cal, fine);
+  ASSERT_TRUE(f.ok()) << f.status();
+  TuneOptions coarse = fine;
+  coarse.rank_step = 0;
+  auto c = AutoTune(cal, coarse);
+  ASSERT_TRUE(c.ok());
+  for (uint32_t l = 0; l < data.layers; ++l) {
+    EXPECT_LE(f->rank[l], c->rank[l]);
+    EXPECT_GT(f->rank[l] + 4, c->rank[l]);  // the same search, rounded up to a step of 4
+  }
+  TuneOptions odd;
+  odd.codec = ValueCodec::kOrthogonalInt4;
+  odd.rank_step = 3;
+  EXPECT_EQ(AutoTune(cal, odd).status().code(), absl::StatusCode::kInvalidArgument);
   TuneOptions impossible;
   impossible.budget = 1e-6;
   auto t = AutoTune(cal, impossible);

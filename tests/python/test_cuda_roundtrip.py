@@ -228,12 +228,12 @@ def test_calibration_agrees_with_cpu():
     # Gamma follows the eigenvalues; compare it where they are large (the noise directions'
     # eigenvalues are within the absolute tolerance above, not a relative one).
     np.testing.assert_allclose(pg.gamma[:, :, :16], pc.gamma[:, :, :16], rtol=1e-3, atol=1e-6)
-    # The auto-tuner on the same data picks the same rank per layer (one even step at most).
+    # The auto-tuner on the same data picks the same rank per layer (one step of 4 at most).
     tc = kvcomp.calibrate(vals, error_budget=0.05, codec="orthogonal_int8")
     tg = kvcomp.calibrate(vals, error_budget=0.05, codec="orthogonal_int8", backend=CANDIDATE)
     assert len(tg.tuned_rank) == LAYERS
     assert all(e <= 0.05 for e in tg.tuned_error), tg.tuned_error
-    assert all(abs(int(a) - int(b)) <= 2 for a, b in zip(tg.tuned_rank, tc.tuned_rank)), (
+    assert all(abs(int(a) - int(b)) <= 4 for a, b in zip(tg.tuned_rank, tc.tuned_rank)), (
         tg.tuned_rank, tc.tuned_rank)
 
 

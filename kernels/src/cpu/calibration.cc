@@ -346,8 +346,16 @@ absl::StatusOr<TuneResult> AutoTune(const Calibrator& calibrator, const TuneOpti
   base.gamma_aware = options.gamma_aware;
   base.rank = options.codec == ValueCodec::kOrthogonalInt4 ? 2 : 1;
   KVCOMP_RETURN_IF_ERROR(base.ValidateFor(full));
-  const uint32_t step = options.codec == ValueCodec::kOrthogonalInt4 ? 2 : 1;
+  const bool int4 = options.codec == ValueCodec::kOrthogonalInt4;
+  const uint32_t step = options.rank_step != 0 ? options.rank_step : int4 ? 8u : 4u;
   const uint32_t d = co.head_dim;
+  if (int4 && step % 2 != 0) {
+    return absl::InvalidArgumentError("auto-tune: int4 ranks need an even rank_step");
+  }
+  if (step > d) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("auto-tune: rank_step %u above head_dim %u", step, d));
+  }
   std::vector<LayerSamples> samples(co.num_layers);
   for (uint32_t l = 0; l < co.num_layers; ++l) samples[l] = calibrator.samples(l);
 

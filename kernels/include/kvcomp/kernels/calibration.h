@@ -102,6 +102,9 @@ struct TuneOptions {
   ValueCodec codec = ValueCodec::kOrthogonalInt8;  // not kRaw
   uint32_t group_size = 32;
   bool gamma_aware = true;
+  // Ranks are multiples of this; 0 = 4 (int4: 8), the column groups the CUDA expand takes whole,
+  // so tuned caches decode on its fast path. Even for int4.
+  uint32_t rank_step = 0;
 };
 
 struct TuneResult {
@@ -113,8 +116,9 @@ struct TuneResult {
   uint32_t max_rank = 0;        // what a single-rank cache must use to meet every layer
 };
 
-// Picks, per layer, the smallest rank (even for int4) whose error meets the budget on the
-// calibration samples. FailedPrecondition without samples (max_samples_per_head 0).
+// Picks, per layer, the smallest rank (a multiple of TuneOptions::rank_step) whose error meets
+// the budget on the calibration samples; head_dim when none does. FailedPrecondition without
+// samples (max_samples_per_head 0); InvalidArgument for an odd int4 step.
 absl::StatusOr<TuneResult> AutoTune(const Calibrator& calibrator, const TuneOptions& options);
 
 // The error (ErrorMetric) per layer of encoding `samples` (one entry per layer) with `params`
