@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "moments_kernels.cuh"
 
@@ -353,6 +354,7 @@ constexpr size_t DecodeSmemBytes() {
 template <typename Q, typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     DecodePartialKernel(AttentionKernelParams p) {
+  ptx::LaunchDependents();  // the combine's few CTAs may be placed now; they wait in-kernel
   constexpr int kTile = DecodeTile<D>();
   constexpr int kSplit = DecodeSplit<D>();
   constexpr int kSlice = D / kSplit;                 // head dims per logit thread
@@ -580,6 +582,7 @@ __global__ void __launch_bounds__(D) AttentionCombineKernel(AttentionKernelParam
   const uint32_t rows_total = p.group * p.nq;
   const int x = threadIdx.x, warp = x / 32, lane = x % 32;
   const uint64_t slot0 = (uint64_t{h} * rows_total + row) * p.slots;
+  ptx::GridDependencyWait();  // the partial kernel's slots (launched as its dependent)
 
   double m = -INFINITY;
   for (uint32_t c = x; c < p.slots; c += D) {
@@ -630,6 +633,14 @@ __global__ void __launch_bounds__(D) AttentionCombineKernel(AttentionKernelParam
   p.out[(uint64_t{g} * p.nq + i) * D + x] = l > 0.0 ? static_cast<float>(a / l) : 0.0f;
 }
 
+inline bool ProgrammaticLaunch() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVCOMP_CUDA_PDL");
+    return e == nullptr || e[0] != '0';
+  }();
+  return on;
+}
+
 template <typename Q, typename T, int D>
 cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
                             cudaStream_t stream) {
@@ -644,8 +655,23 @@ cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
       partial<<<dim3(p.slots, kv_heads, 1), kDecodeThreads, smem, stream>>>(p);
       e = cudaGetLastError();
       if (e != cudaSuccess) return e;
-      AttentionCombineKernel<Q, D><<<dim3(rows, kv_heads), D, 0, stream>>>(p);
-      return cudaGetLastError();
+      // The combine as the partial kernel's programmatic dependent: its launch overlaps the
+      // partial kernel's tail, and it waits for the slots in the kernel (GridDependencyWait).
+      // KVCOMP_CUDA_PDL=0 launches it the ordinary way (for comparisons).
+      if (!ProgrammaticLaunch()) {
+        AttentionCombineKernel<Q, D><<<dim3(rows, kv_heads), D, 0, stream>>>(p);
+        return cudaGetLastError();
+      }
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(rows, kv_heads);
+      cfg.blockDim = dim3(D);
+      cfg.stream = stream;
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr.val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      return cudaLaunchKernelEx(&cfg, AttentionCombineKernel<Q, D>, p);
     }
   }
   constexpr size_t smem = PartialSmemBytes<D>();

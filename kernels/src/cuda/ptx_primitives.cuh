@@ -51,6 +51,23 @@ __device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream
+// serialisation may start while the kernel before it finishes; GridDependencyWait blocks until
+// that kernel's memory operations are visible (a no-op for a kernel launched the ordinary way
+// or below sm_90).
+__device__ __forceinline__ void GridDependencyWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets this kernel's programmatic dependents start being placed (sm_90; a no-op otherwise).
+__device__ __forceinline__ void LaunchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 }  // namespace ptx
 }  // namespace kvcomp
 
