@@ -6,7 +6,10 @@
 // thread block per tile, so every block reads one head's matrix.
 //   EncodeValuesKernel: z = V E^T on CUDA cores (E in f32, transposed), then per (row, group)
 //     scale and quantization from shared memory.
-//   DecodeValuesKernel: the fused dequantize + expand. Each block stages its head's decode matrix
+//   ExpandValuesKernel (below): the fused dequantize + expand on mma.sync, pipelined; what the
+//     codec op and the decode library run wherever the latent layout allows it.
+//   DecodeValuesKernel: the fused dequantize + expand for every other layout (and, with
+//     KVCOMP_CUDA_EXPAND=0, for all). Each block stages its head's decode matrix
 //     (f16) in shared memory once, then per 64-row sub-tile dequantizes the latent into f16
 //     (q * s, exact for int4/int8 up to the f16 rounding of the product), multiplies on tensor
 //     cores (WMMA 16x16x16, f32 accumulate) and writes V' in the output dtype. Nothing but V' is
@@ -401,8 +404,7 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeValuesKernel(DecodeParam
 
 // --- The pipelined expand: tensor cores through mma.sync (sm_80 and later) ---------------
 // For ranks that are a multiple of 4 (int4: 8) and, for int8/int4, group_size % 16 == 0
-// (ExpandEligible). A block takes one tile (one head's rows) in
-// sub-tiles of M rows:
+// (ExpandEligible). A block takes one tile (one head's rows) in sub-tiles of M rows:
 //   - the head's decode matrix is staged once in shared memory (f16, rows permuted as below);
 //   - the latent rows and scales of sub-tile i + 2 are copied to shared memory (cp.async, three
 //     stages) while sub-tile i multiplies (odd scale counts per row: loaded into registers a
@@ -530,8 +532,7 @@ inline std::vector<Tile> ExpandTiles(const uint64_t* row_offsets, uint64_t heads
   return tiles;
 }
 
-// The permuted position of k slot l (0..15)
-// among the latent columns of its 16-wide step.
+// The latent column (within its 16-wide k step) that MMA k slot l (0..15) holds.
 __device__ __forceinline__ uint32_t ExpandSlotColumn(uint32_t l) {
   return l < 8 ? (l / 2) * 4 + (l & 1) : ((l - 8) / 2) * 4 + 2 + (l & 1);
 }
