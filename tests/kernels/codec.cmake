@@ -1,6 +1,9 @@
 # Tests (included from tests/kernels/CMakeLists.txt): KVSplice codec and calibration.
 kvcomp_cc_test(NAME kernels_codec_test SRCS codec_test.cc DEPS kvcomp::kernels kvcomp::core)
 kvcomp_cc_test(NAME kernels_calibration_test SRCS calibration_test.cc DEPS kvcomp::kernels)
+# The CUDA codec kernels' work lists (host code, so it runs without a GPU).
+kvcomp_cc_test(NAME kernels_codec_tiles_test SRCS codec_tiles_test.cc DEPS kvcomp::kernels)
+target_include_directories(kernels_codec_tiles_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels/src)
 if(KVCOMP_CUDA)
   kvcomp_cc_test(NAME kernels_codec_cuda_test SRCS codec_cuda_test.cc DEPS kvcomp::kernels
                  LABELS gpu)
