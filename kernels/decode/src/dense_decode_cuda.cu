@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../../src/cuda/codec_kernels.cuh"
+#include "absl/strings/str_cat.h"
 #include "dense_decode.h"
 
 namespace kvcomp {
@@ -41,6 +42,21 @@ codec_cuda::DecodeParams ParamsOf(const LayerSections& s, void* out) {
                                   static_cast<uint32_t>(v.LatentBytes()),
                                   KindOf(v.codec),
                                   true};
+}
+
+// The stream's device made current (a thread may drive backends on several devices); a stream
+// handle the runtime cannot place (a special one) leaves the current device as it is.
+absl::Status UseStreamDevice(cudaStream_t stream) {
+  int device = 0;
+  if (cudaStreamGetDevice(stream, &device) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::OkStatus();
+  }
+  const cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("decode (CUDA): ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -85,12 +101,14 @@ DenseDecodeTables DenseDecodeTablesFor(const LayerSections& s, KeyCodec key_code
 
 absl::Status DecodeValuesCuda(void* stream, const LayerSections& s, uint32_t head_dim,
                               DType dtype, void* out) {
+  if (absl::Status st = UseStreamDevice(static_cast<cudaStream_t>(stream)); !st.ok()) return st;
   return codec_cuda::LaunchExpandValues(static_cast<cudaStream_t>(stream), ParamsOf(s, out),
                                         s.num_expand_tiles, head_dim, dtype);
 }
 
 absl::Status DecodeKeysCuda(void* stream, const LayerSections& s, KeyCodec key_codec,
                             uint32_t head_dim, DType dtype, void* out) {
+  if (absl::Status st = UseStreamDevice(static_cast<cudaStream_t>(stream)); !st.ok()) return st;
   return codec_cuda::LaunchDecodeKeys(static_cast<cudaStream_t>(stream),
                                       static_cast<const Tile*>(s.key_tiles), s.num_key_tiles,
                                       s.keys, DType::kF16, head_dim, s.key_scales,
