@@ -9,12 +9,12 @@
 #include <cusolverDn.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <list>
 #include <map>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../cpu/codec_cpu_internal.h"
@@ -572,8 +572,8 @@ class CudaCodecOps final : public CodecOps {
     }();
     if (expand && codec_cuda::ExpandEligible(p.r, p.group_size, p.latent_bytes, p.kind,
                                              reinterpret_cast<uintptr_t>(p.latent))) {
-      // Slots per layout and output dtype, asked of the driver once (occupancy queries cost
-      // tens of microseconds).
+      // Slots per layout and output dtype, asked of the driver once (the query also sets the
+      // kernel's shared-memory attribute and reads the device's limits).
       const SlotsKey key{p.r_pad, p.latent_bytes, p.groups, static_cast<int>(p.kind),
                          static_cast<int>(out_dtype), D};
       auto it = expand_slots_.find(key);
