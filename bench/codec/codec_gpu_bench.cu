@@ -30,7 +30,7 @@ const char* Name(ValueCodec c) {
 
 template <codec_cuda::LatentKind K>
 double TimeExpand(const codec_cuda::DecodeParams& p, size_t tiles, cudaStream_t stream) {
-  const size_t smem = codec_cuda::ExpandSmemLayout<128>(p.r_pad, p.latent_bytes, K, p.groups, 2)
+  const size_t smem = codec_cuda::ExpandSmemLayout<128>(p.r_pad, K, p.groups, 2)
                           .total;
   BENCH_CUDA_CHECK(cudaFuncSetAttribute(codec_cuda::ExpandValuesKernel<__nv_bfloat16, 128, K>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -140,9 +140,7 @@ int main(int argc, char** argv) {
       codec_cuda::DecodeParams p{dt, static_cast<const uint8_t*>(dlat),
                                  static_cast<const uint16_t*>(dsc), ddec, dout, rank, r_pad, 32,
                                  static_cast<uint32_t>(g), static_cast<uint32_t>(lb),
-                                 codec == ValueCodec::kOrthogonalInt8   ? codec_cuda::LatentKind::kInt8
-                                 : codec == ValueCodec::kOrthogonalInt4 ? codec_cuda::LatentKind::kInt4
-                                                                        : codec_cuda::LatentKind::kF16,
+                                 codec_cuda::KindOf(codec),
                                  rank % 8 == 0};
       const size_t smem = codec_cuda::DecodeSmemBytes<128>(r_pad);
       BENCH_CUDA_CHECK(cudaFuncSetAttribute(codec_cuda::DecodeValuesKernel<__nv_bfloat16, 128>,

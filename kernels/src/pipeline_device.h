@@ -3,20 +3,15 @@
 #define KVCOMP_KERNELS_SRC_PIPELINE_DEVICE_H_
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "absl/status/status.h"
+#include "env_switch.h"
 #include "kvcomp/kernels/backend.h"
 
 namespace kvcomp {
 namespace pipeline_internal {
 
-// A comparison switch of the device pipeline: on unless the environment variable is "0".
-inline bool SwitchOn(const char* env_name) {
-  const char* env = std::getenv(env_name);
-  return env == nullptr || std::strcmp(env, "0") != 0;
-}
+using internal::SwitchOn;
 
 // On `stream`: the tokens of [0, n) each head did NOT keep, as TokenLists (ascending per head).
 // `counts` [heads] and `kept` (head h's ascending indices from the prefix sum of counts) are

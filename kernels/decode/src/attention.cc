@@ -1,13 +1,12 @@
 #include "kvcomp/decode/attention.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/status.h"
+#include "../../src/env_switch.h"
 #include "dense_decode.h"
 #include "latent_attention.h"
 #include "scatter_rows.h"
@@ -38,10 +37,7 @@ namespace {
 // The stream-ordered dense decode (dense_decode.h) unless KVCOMP_DECODE_PREPARED=0, which keeps
 // every layer on the codec ops (for comparisons).
 bool PreparedDecode() {
-  static const bool on = [] {
-    const char* e = std::getenv("KVCOMP_DECODE_PREPARED");
-    return e == nullptr || std::string(e) != "0";
-  }();
+  static const bool on = internal::SwitchOn("KVCOMP_DECODE_PREPARED");
   return on;
 }
 #endif
@@ -142,12 +138,13 @@ absl::Status ResidentCache::PlaceLayer(const CompressedCache& cache, uint32_t la
     s.key_scales = static_cast<const float*>(ks);
   }
 #if defined(KVCOMP_HAVE_CUDA)
-  if (backend_->space() != MemorySpace::kHost && backend_->native_stream() != nullptr &&
-      PreparedDecode() &&
-      (cache.key_codec == KeyCodec::kInt8 || cache.key_codec == KeyCodec::kFp16)) {
-    const DenseDecodeTables t = DenseDecodeTablesFor(s, cache.key_codec, d, layout_.dtype, {});
-    KVCOMP_ASSIGN_OR_RETURN(s.key_tiles, CopyIn(t.key_tiles.data(), t.key_tiles.size()));
-    s.num_key_tiles = t.num_key_tiles;
+  // A CUDA backend's layers get the dense decode's launch tables (dense_decode.h).
+  const bool prepared = backend_->space() != MemorySpace::kHost &&
+                        backend_->native_stream() != nullptr && PreparedDecode();
+  if (prepared) {
+    const KeyDecodeTable t = KeyDecodeTableFor(s, cache.key_codec);
+    KVCOMP_ASSIGN_OR_RETURN(s.key_tiles, CopyIn(t.tiles.data(), t.tiles.size()));
+    s.num_key_tiles = t.num_tiles;
   }
 #endif
   KVCOMP_ASSIGN_OR_RETURN(
@@ -187,14 +184,12 @@ absl::Status ResidentCache::PlaceLayer(const CompressedCache& cache, uint32_t la
     KVCOMP_ASSIGN_OR_RETURN(const void* e, CopyIn(ex.data(), ex.size() * sizeof(float)));
     s.expand = static_cast<const float*>(e);
 #if defined(KVCOMP_HAVE_CUDA)
-    if (backend_->space() != MemorySpace::kHost && backend_->native_stream() != nullptr &&
-        PreparedDecode()) {
-      const DenseDecodeTables t = DenseDecodeTablesFor(s, KeyCodec::kRaw, d, layout_.dtype, ex);
-      if (t.num_expand_tiles > 0) {
+    if (prepared) {
+      const ExpandTable t = ExpandTableFor(s, d, layout_.dtype, ex);
+      if (t.num_tiles > 0) {
         KVCOMP_ASSIGN_OR_RETURN(s.expand_f16, CopyIn(t.expand_f16.data(), t.expand_f16.size() * 2));
-        KVCOMP_ASSIGN_OR_RETURN(s.expand_tiles,
-                                CopyIn(t.expand_tiles.data(), t.expand_tiles.size()));
-        s.num_expand_tiles = t.num_expand_tiles;
+        KVCOMP_ASSIGN_OR_RETURN(s.expand_tiles, CopyIn(t.tiles.data(), t.tiles.size()));
+        s.num_expand_tiles = t.num_tiles;
       }
     }
 #endif

@@ -19,23 +19,26 @@ namespace kvcomp {
 namespace decode {
 
 #if defined(KVCOMP_HAVE_CUDA)
-// Host copies of one layer's launch tables (dense_decode_cuda.cu); empty where the layer keeps
-// the codec ops for that part.
-struct DenseDecodeTables {
-  std::vector<uint8_t> expand_tiles;   // tiles of the pipelined expand
-  uint64_t num_expand_tiles = 0;
-  std::vector<uint16_t> expand_f16;    // [num_kv_heads][rank rounded up to 16][head_dim], f16
-                                       // of `expand_f32`, rows past the rank zero
-  std::vector<uint8_t> key_tiles;      // tiles of the key decode
-  uint64_t num_key_tiles = 0;
+// Host copies of a layer's launch tables (dense_decode_cuda.cu), as bytes to place on the
+// device; empty where the layer keeps the codec ops.
+struct KeyDecodeTable {
+  std::vector<uint8_t> tiles;  // tiles of the key decode
+  uint64_t num_tiles = 0;
+};
+struct ExpandTable {
+  std::vector<uint8_t> tiles;        // tiles of the pipelined expand
+  uint64_t num_tiles = 0;
+  std::vector<uint16_t> expand_f16;  // [num_kv_heads][rank rounded up to 16][head_dim], f16 of
+                                     // the expand matrices, rows past the rank zero
 };
 
-// `s` as placed (device sections, host offsets, value params); expand_f32 the layer's expand
-// matrices [num_kv_heads][rank][head_dim]; dtype the cache's (the decode's output). Called with
-// the backend's device current.
-DenseDecodeTables DenseDecodeTablesFor(const LayerSections& s, KeyCodec key_codec,
-                                       uint32_t head_dim, DType dtype,
-                                       const std::vector<float>& expand_f32);
+// `s` as placed (device sections, host offsets, value params), with the backend's device
+// current. Keys: int8 or fp16 keys. Values: encoded values whose layout the pipelined expand
+// takes; expand_f32 the layer's expand matrices [num_kv_heads][rank][head_dim], dtype the
+// cache's (the decode's output).
+KeyDecodeTable KeyDecodeTableFor(const LayerSections& s, KeyCodec key_codec);
+ExpandTable ExpandTableFor(const LayerSections& s, uint32_t head_dim, DType dtype,
+                           const std::vector<float>& expand_f32);
 
 // The decode of the layer's values (s.expand_tiles set) or keys (s.key_tiles set) into `out`
 // ([s.rows][head_dim] of dtype), ordered on `stream`.

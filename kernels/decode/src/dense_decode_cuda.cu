@@ -13,14 +13,8 @@ namespace kvcomp {
 namespace decode {
 namespace {
 
-using codec_cuda::LatentKind;
+using codec_cuda::KindOf;
 using codec_cuda::Tile;
-
-LatentKind KindOf(ValueCodec c) {
-  return c == ValueCodec::kOrthogonalInt8   ? LatentKind::kInt8
-         : c == ValueCodec::kOrthogonalInt4 ? LatentKind::kInt4
-                                            : LatentKind::kF16;
-}
 
 std::vector<uint8_t> Bytes(const std::vector<Tile>& tiles) {
   std::vector<uint8_t> b(tiles.size() * sizeof(Tile));
@@ -61,19 +55,25 @@ absl::Status UseStreamDevice(cudaStream_t stream) {
 
 }  // namespace
 
-DenseDecodeTables DenseDecodeTablesFor(const LayerSections& s, KeyCodec key_codec,
-                                       uint32_t head_dim, DType dtype,
-                                       const std::vector<float>& expand_f32) {
-  DenseDecodeTables t;
+KeyDecodeTable KeyDecodeTableFor(const LayerSections& s, KeyCodec key_codec) {
+  KeyDecodeTable t;
   const uint64_t heads = s.offsets.empty() ? 0 : s.offsets.size() - 1;
-  if (s.rows == 0 || heads == 0) return t;
-  if (key_codec == KeyCodec::kInt8 || key_codec == KeyCodec::kFp16) {
-    const std::vector<Tile> kt = codec_cuda::UniformTiles(s.offsets.data(), heads, 64);
-    t.key_tiles = Bytes(kt);
-    t.num_key_tiles = kt.size();
+  if (s.rows == 0 || heads == 0 || (key_codec != KeyCodec::kInt8 && key_codec != KeyCodec::kFp16)) {
+    return t;
   }
+  const std::vector<Tile> kt = codec_cuda::UniformTiles(s.offsets.data(), heads, 64);
+  t.tiles = Bytes(kt);
+  t.num_tiles = kt.size();
+  return t;
+}
+
+ExpandTable ExpandTableFor(const LayerSections& s, uint32_t head_dim, DType dtype,
+                           const std::vector<float>& expand_f32) {
+  ExpandTable t;
+  const uint64_t heads = s.offsets.empty() ? 0 : s.offsets.size() - 1;
   const ValueCodecParams& v = s.value_params;
-  if (s.expand == nullptr || !(head_dim == 64 || head_dim == 128 || head_dim == 256) ||
+  if (s.rows == 0 || heads == 0 || s.expand == nullptr ||
+      !(head_dim == 64 || head_dim == 128 || head_dim == 256) ||
       !codec_cuda::ExpandEligible(v.rank, v.group_size, static_cast<uint32_t>(v.LatentBytes()),
                                   KindOf(v.codec), reinterpret_cast<uintptr_t>(s.values))) {
     return t;
@@ -85,8 +85,8 @@ DenseDecodeTables DenseDecodeTablesFor(const LayerSections& s, KeyCodec key_code
                      : head_dim == 128 ? codec_cuda::ExpandShape<128>::M
                                        : codec_cuda::ExpandShape<256>::M;
   const std::vector<Tile> xt = codec_cuda::ExpandTiles(s.offsets.data(), heads, m, *slots);
-  t.expand_tiles = Bytes(xt);
-  t.num_expand_tiles = xt.size();
+  t.tiles = Bytes(xt);
+  t.num_tiles = xt.size();
   // [heads][r_pad][head_dim], rows past the rank zero.
   const uint64_t r = v.rank, r_pad = (r + 15) / 16 * 16;
   t.expand_f16.assign(heads * r_pad * head_dim, 0);

@@ -18,8 +18,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
+#include "../env_switch.h"
 #include "moments_kernels.cuh"
 
 namespace kvcomp {
@@ -634,10 +634,7 @@ __global__ void __launch_bounds__(D) AttentionCombineKernel(AttentionKernelParam
 }
 
 inline bool ProgrammaticLaunch() {
-  static const bool on = [] {
-    const char* e = std::getenv("KVCOMP_CUDA_PDL");
-    return e == nullptr || e[0] != '0';
-  }();
+  static const bool on = internal::SwitchOn("KVCOMP_CUDA_PDL");
   return on;
 }
 

@@ -9,11 +9,9 @@
 #include <cusolverDn.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <list>
 #include <map>
-#include <string>
 #include <tuple>
 #include <vector>
 
@@ -21,12 +19,14 @@
 #include "absl/strings/str_format.h"
 #include "codec_kernels.cuh"
 #include "cuda_ops.h"
+#include "../env_switch.h"
 #include "cuda_status.h"
 #include "kvcomp/core/status.h"
 
 namespace kvcomp {
 namespace {
 
+using codec_cuda::KindOf;
 using codec_cuda::LatentKind;
 using codec_cuda::Tile;
 
@@ -37,17 +37,6 @@ absl::Status CublasStatus(cublasStatus_t s, const char* what) {
 absl::Status CusolverStatus(cusolverStatus_t s, const char* what) {
   if (s == CUSOLVER_STATUS_SUCCESS) return absl::OkStatus();
   return absl::InternalError(absl::StrFormat("%s: cuSOLVER status %d", what, static_cast<int>(s)));
-}
-
-LatentKind KindOf(ValueCodec c) {
-  switch (c) {
-    case ValueCodec::kOrthogonalInt8:
-      return LatentKind::kInt8;
-    case ValueCodec::kOrthogonalInt4:
-      return LatentKind::kInt4;
-    default:
-      return LatentKind::kF16;
-  }
 }
 
 std::vector<Tile> MakeTiles(const RowSpan& rows, uint64_t tile_rows) {
@@ -566,10 +555,7 @@ class CudaCodecOps final : public CodecOps {
                              Staging* st) {
     // The pipelined tensor-core expand where the latent layout allows it (KVCOMP_CUDA_EXPAND=0
     // keeps the WMMA kernel, for comparisons); the WMMA kernel otherwise.
-    static const bool expand = [] {
-      const char* e = std::getenv("KVCOMP_CUDA_EXPAND");
-      return e == nullptr || std::string(e) != "0";
-    }();
+    static const bool expand = internal::SwitchOn("KVCOMP_CUDA_EXPAND");
     if (expand && codec_cuda::ExpandEligible(p.r, p.group_size, p.latent_bytes, p.kind,
                                              reinterpret_cast<uintptr_t>(p.latent))) {
       // Slots per layout and output dtype, asked of the driver once (the query also sets the
@@ -789,7 +775,7 @@ namespace {
 // One instantiation of the expand: launched, or its blocks per SM when `blocks` is set.
 template <typename T, int D, LatentKind K>
 absl::Status ExpandAs(cudaStream_t stream, const DecodeParams& p, size_t tiles, int* blocks) {
-  const size_t smem = ExpandSmemLayout<D>(p.r_pad, p.latent_bytes, K, p.groups, sizeof(T)).total;
+  const size_t smem = ExpandSmemLayout<D>(p.r_pad, K, p.groups, sizeof(T)).total;
   int device = 0, optin = 0;
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   KVCOMP_CUDA_RETURN_IF_ERROR(

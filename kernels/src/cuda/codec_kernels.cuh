@@ -22,10 +22,8 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -38,6 +36,13 @@ namespace kvcomp {
 namespace codec_cuda {
 
 enum class LatentKind : int { kF16 = 0, kInt8 = 1, kInt4 = 2 };
+
+// The latent of a value codec (not kRaw).
+inline LatentKind KindOf(ValueCodec c) {
+  return c == ValueCodec::kOrthogonalInt8   ? LatentKind::kInt8
+         : c == ValueCodec::kOrthogonalInt4 ? LatentKind::kInt4
+                                            : LatentKind::kF16;
+}
 
 template <typename T>
 __device__ __forceinline__ float ToF(T x);
@@ -454,9 +459,8 @@ struct ExpandSmem {
 };
 
 template <int D>
-__host__ __device__ constexpr ExpandSmem ExpandSmemLayout(uint32_t r_pad, uint32_t latent_bytes,
-                                                          LatentKind kind, uint32_t groups,
-                                                          uint32_t out_bytes) {
+__host__ __device__ constexpr ExpandSmem ExpandSmemLayout(uint32_t r_pad, LatentKind kind,
+                                                          uint32_t groups, uint32_t out_bytes) {
   using S = ExpandShape<D>;
   const size_t dec = size_t{r_pad} * S::kLdDec * 2;
   const size_t latent = size_t{kExpandStages} * S::M * ExpandLatentStride(r_pad, kind);
@@ -514,7 +518,7 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
   const uint32_t ls = ExpandLatentStride(r_pad, K);
   // Whole 16-byte units where the rows are, else 4-byte units.
   const bool wide = lb % 16 == 0 && reinterpret_cast<uintptr_t>(p.latent) % 16 == 0;
-  const ExpandSmem lay = ExpandSmemLayout<D>(r_pad, lb, K, groups, sizeof(T));
+  const ExpandSmem lay = ExpandSmemLayout<D>(r_pad, K, groups, sizeof(T));
   __half* dec_s = reinterpret_cast<__half*>(xsmem);
   unsigned char* lat_s = xsmem + lay.dec;
   uint16_t* sc_s = reinterpret_cast<uint16_t*>(xsmem + lay.dec + lay.latent);
@@ -847,7 +851,8 @@ __global__ void GatherF32Kernel(const T* in, uint32_t heads, uint64_t tokens, ui
 absl::Status LaunchExpandValues(cudaStream_t stream, const DecodeParams& p, size_t tiles,
                                 uint32_t head_dim, DType out_dtype);
 // Blocks of the expand kernel for (p's layout, head_dim, out_dtype) the current device runs at
-// once (its occupancy per SM times the SMs), for ExpandTiles; 0 with an unfit layout.
+// once (its occupancy per SM times the SMs), for ExpandTiles; InvalidArgument for a layout the
+// kernel does not take.
 absl::StatusOr<uint64_t> ExpandSlots(const DecodeParams& p, uint32_t head_dim, DType out_dtype);
 absl::Status LaunchDecodeKeys(cudaStream_t stream, const Tile* tiles, size_t num_tiles,
                               const void* in, DType in_dtype, uint32_t head_dim,
