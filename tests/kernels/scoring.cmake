@@ -6,6 +6,17 @@ kvcomp_cc_test(NAME kernels_scoring_conformance_test SRCS scoring_conformance_te
 kvcomp_cc_test(NAME kernels_pipeline_test SRCS pipeline_test.cc DEPS kvcomp::kernels)
 kvcomp_cc_test(NAME kernels_scoring_conformance_gpu_test SRCS scoring_conformance_gpu_test.cc
                DEPS kvcomp::kernels LABELS gpu)
+# The same with the tiled selection in place of the cluster selection
+# (KVCOMP_CUDA_CLUSTER_SELECT=0), and with the cluster selection for short heads too
+# (KVCOMP_CUDA_SHORT_SELECT_MAX_TOKENS=0).
+add_test(NAME kernels_scoring_conformance_gpu_nocluster_test
+         COMMAND kernels_scoring_conformance_gpu_test)
+set_tests_properties(kernels_scoring_conformance_gpu_nocluster_test PROPERTIES
+  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 600 ENVIRONMENT KVCOMP_CUDA_CLUSTER_SELECT=0)
+add_test(NAME kernels_scoring_conformance_gpu_cluster_test
+         COMMAND kernels_scoring_conformance_gpu_test)
+set_tests_properties(kernels_scoring_conformance_gpu_cluster_test PROPERTIES
+  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 600 ENVIRONMENT KVCOMP_CUDA_SHORT_SELECT_MAX_TOKENS=0)
 # engine-CUDA's own tests: the CUDA-runtime parts compile only in CUDA builds; without a device
 # (or without CUDA) the binary reports skipped (77).
 kvcomp_cc_test(NAME kernels_scoring_cuda_test SRCS scoring_cuda_test.cc DEPS kvcomp::kernels

@@ -44,9 +44,10 @@ TEST(ScoringConformanceGpuTest, RecentFractionPoliciesAgainstCpu) {
 }
 
 // Uniform budgets of short heads take the one-block-per-head selection and the row gather (by
-// default up to 8192 tokens: 300, 2048 and 8191 here), longer ones the tiled path (32768, 32769).
-// Ties, protection on and off, a kept count above and below half, many heads (the batched
-// layout), every row-reading scorer.
+// default up to 8192 tokens: 300, 2048 and 8191 here), longer ones the cluster selection on sm_90
+// and the tiled path with KVCOMP_CUDA_CLUSTER_SELECT=0 (the test's second ctest entry; 32768,
+// 32769). Ties, protection on and off, a kept count above and below half, many heads (the
+// batched layout), every row-reading scorer.
 TEST(ScoringConformanceGpuTest, ShortSelectionAgainstCpu) {
   auto cpu = MakeCpuBackend();
   auto cuda = MakeCudaBackend();
@@ -77,6 +78,45 @@ TEST(ScoringConformanceGpuTest, ShortSelectionAgainstCpu) {
       c.select.n_recent = 17;
       c.data.tie_every = (seed % 4 == 1) ? 5 : 0;
       c.seed = seed++;
+      testing::CheckConformance(**cuda, **cpu, c);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// The cluster selection's shapes (KVCOMP_CUDA_SHORT_SELECT_MAX_TOKENS=0 in the environment sends
+// the short heads there too): one block per head (1, 5 and 1000 tokens), two (1025: slices of
+// 513 and 512), eight with slices that end inside a warp's 32 tokens (8193, 100003), slices of
+// exactly the largest size (327680 = 8 x 40960) and one token beyond it (the tiled path); kept
+// counts of 1, all but one and all; ties; positions protected at both ends.
+TEST(ScoringConformanceGpuTest, ClusterSelectionShapesAgainstCpu) {
+  auto cpu = MakeCpuBackend();
+  auto cuda = MakeCudaBackend();
+  ASSERT_TRUE(cpu.ok() && cuda.ok());
+  uint64_t seed = 9700;
+  struct Shape {
+    uint64_t tokens;
+    uint32_t heads;
+    uint64_t kept;
+  };
+  const Shape shapes[] = {{1, 3, 1},          {5, 2, 2},          {1000, 4, 999},
+                          {1025, 4, 513},     {8193, 3, 1},       {8193, 2, 8193},
+                          {100003, 2, 50001}, {327680, 1, 163840}, {327681, 1, 100000}};
+  for (const Shape& sh : shapes) {
+    for (Scorer s : {Scorer::kKnorm, Scorer::kStreaming}) {
+      testing::ConformanceCase c;
+      c.dtype = DType::kBF16;
+      c.head_dim = 64;
+      c.heads = sh.heads;
+      c.tokens = sh.tokens;
+      c.score.scorer = s;
+      c.select.kept_per_head = sh.kept;
+      c.select.head_budget = HeadBudget::kUniform;
+      c.select.protect = (seed % 2) == 0;
+      c.select.n_recent = 33;
+      c.data.tie_every = (seed % 3 == 0) ? 3 : 0;
+      c.seed = seed++;
+      SCOPED_TRACE(absl::StrFormat("%u x %u, kept %u", sh.heads, sh.tokens, sh.kept));
       testing::CheckConformance(**cuda, **cpu, c);
       if (::testing::Test::HasFatalFailure()) return;
     }

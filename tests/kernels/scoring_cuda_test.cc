@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "common/gpu.h"
 #include "gtest/gtest.h"
 #include "kvcomp/kernels/backend.h"
@@ -276,6 +277,52 @@ TEST(ScoringCudaTest, ExplicitPositionsAgainstCpu) {
     }
     EXPECT_EQ(got[0], got[2]);  // indices
     EXPECT_EQ(got[1], got[3]);  // scores, bit for bit
+  }
+}
+
+// Scores of five distinct values: the threshold is shared by a fifth of every head's tokens,
+// across all the blocks (and slices) that select it, so the tie ranks decide most of the kept
+// set. Lengths for one, two and eight blocks per head and for the tiled path beyond; kept counts
+// that cut the tied run at its start, middle and end; protection on and off.
+TEST(ScoringCudaTest, SelectOfHeavyTiesAgainstCpu) {
+  auto cuda = Cuda();
+  auto cpu = MakeCpuBackend();
+  ASSERT_NE(cuda, nullptr);
+  ASSERT_TRUE(cpu.ok());
+  const uint32_t heads = 3;
+  for (uint64_t n : {777ull, 2049ull, 70001ull, 400000ull}) {
+    for (uint64_t kept : {uint64_t{1}, n / 5, n / 2 + 3, n - 1}) {
+      for (bool protect : {false, true}) {
+        SCOPED_TRACE(absl::StrFormat("n %u kept %u protect %d", n, kept, protect));
+        std::vector<float> scores(heads * n);
+        for (uint64_t i = 0; i < scores.size(); ++i) {
+          scores[i] = static_cast<float>((i * 7919 + i / n) % 5) - 2.0f;
+        }
+        SelectParams sel;
+        sel.kept_per_head = kept;
+        sel.protect = protect;
+        sel.n_sink = 4;
+        sel.n_recent = 64;
+        std::vector<std::vector<uint8_t>> got;
+        for (Backend* b : {cuda.get(), cpu->get()}) {
+          DeviceArray sc(*b, scores.size() * 4), cnt(*b, heads * 4),
+              idx(*b, KeptCapacity(heads, n, kept) * 4);
+          sc.Upload(scores.data());
+          idx.Poison();
+          cnt.Poison();
+          ASSERT_TRUE(b->scoring()
+                          .Select(static_cast<float*>(sc.data()), heads, n, sel, {},
+                                  {static_cast<uint32_t*>(cnt.data()),
+                                   static_cast<uint32_t*>(idx.data())})
+                          .ok());
+          ASSERT_TRUE(b->Synchronize().ok());
+          got.push_back(cnt.Download());
+          got.push_back(idx.Download());
+        }
+        EXPECT_EQ(got[0], got[2]);  // counts
+        EXPECT_EQ(got[1], got[3]);  // indices
+      }
+    }
   }
 }
 

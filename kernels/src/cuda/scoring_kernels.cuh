@@ -23,6 +23,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cfloat>
@@ -1114,6 +1115,249 @@ __global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectPa
     }
   }
   if (threadIdx.x == 0) p.counts[h] = kept_n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Longer heads on sm_90: the whole selection of a head in one thread-block cluster (uniform)
+// ---------------------------------------------------------------------------------------------
+//
+// A head's effective keys are split over the C blocks of a cluster (C = 1..8, consecutive slices
+// of about n / C tokens, each held in its block's shared memory). A radix pass builds each
+// block's histogram of its slice; block r then sums bins [r, r + 1) * 2048 / C over the
+// cluster's histograms (one load from each block per bin, all in flight, through distributed
+// shared memory), and every block finds the digit from the C shares' totals and the bins of the
+// one share that holds it. The closing pass ranks the kept and evicted tokens a warp's 32 tokens
+// at a time (ballots), so the index writes are coalesced; the earlier slices' counts come from
+// the other blocks as atomic adds. One launch and eight cluster barriers instead of the tiled
+// path's ten launches, and C SMs per head instead of ShortSelect's one.
+
+inline constexpr int kClusterThreads = 1024;
+inline constexpr int kClusterWarps = kClusterThreads / 32;
+inline constexpr uint32_t kClusterMaxBlocks = 8;          // the portable cluster size
+inline constexpr uint64_t kClusterSliceCapacity = 40960;  // tokens per block (160 KiB of keys)
+inline constexpr uint64_t kClusterMinSlice = 1024;        // fewer blocks below this many each
+
+__host__ inline size_t ClusterSelectSmem(uint64_t slice) { return slice * sizeof(uint32_t); }
+
+// grid (C * H) in clusters of C, kClusterThreads threads, ClusterSelectSmem(slice) bytes of
+// dynamic shared memory; slice = ceil(n / C) rounded up to a multiple of 4; p.var must be null.
+__global__ void __launch_bounds__(kClusterThreads)
+    ClusterSelectKernel(ShortSelectParams p, uint32_t slice) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ __align__(16) uint32_t keys[];
+  __shared__ uint32_t local[kRadixBins];   // this slice's histogram
+  __shared__ uint32_t summed[kRadixBins];  // this block's share of the bins, over the cluster
+  __shared__ uint32_t scratch[33];
+  __shared__ uint32_t share_total;         // the sum of summed[]
+  __shared__ uint32_t totals[kClusterMaxBlocks];  // every block's share_total
+  __shared__ uint32_t earlier[2];          // above / equal to the threshold in earlier slices
+  __shared__ uint32_t warp_counts[kClusterWarps][2];
+  __shared__ uint32_t found_digit, found_above;
+  const uint32_t blocks = cluster.num_blocks();
+  const uint32_t rank = cluster.block_rank();
+  const uint32_t h = blockIdx.x / blocks;
+  const uint32_t n = static_cast<uint32_t>(p.n);
+  const uint32_t kept_n = p.kept;
+  const uint64_t flat0 = uint64_t{h} * p.n;
+  const uint64_t seq_len = p.positions.SequenceLength(h);
+  const uint32_t s0 = min(n, rank * slice);
+  const uint32_t len = min(n, s0 + slice) - s0;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int b = threadIdx.x; b < kRadixBins; b += kClusterThreads) local[b] = 0;
+  if (threadIdx.x < 2) earlier[threadIdx.x] = 0;
+  // Every block's `earlier` is zero (and every block has started) before another adds to it;
+  // the wait comes after the loads.
+  cluster.barrier_arrive();
+  // The slice's effective keys, four scores per 16-byte load where the slice starts on one
+  // (the host makes slices a multiple of 4 tokens), kLoads loads of a thread in flight at once.
+  constexpr int kLoads = 4;
+  const float* src = p.scores + flat0 + s0;
+  const bool vector = (reinterpret_cast<uintptr_t>(src) & 15) == 0;
+  const uint32_t head_len = vector ? len / 4 * 4 : 0;  // scores taken four at a time
+  for (uint32_t base = 0; base < head_len; base += kClusterThreads * kLoads * 4) {
+    float4 s[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const uint32_t i = base + (u * kClusterThreads + threadIdx.x) * 4;
+      s[u] = i < head_len ? __ldcg(reinterpret_cast<const float4*>(src + i))
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const uint32_t i = base + (u * kClusterThreads + threadIdx.x) * 4;
+      if (i >= head_len) continue;
+      const float f[4] = {s[u].x, s[u].y, s[u].z, s[u].w};
+      uint4 k;
+      uint32_t* kw = reinterpret_cast<uint32_t*>(&k);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint64_t t = s0 + i + e;
+        if (!(fabsf(f[e]) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat0 + t);
+        kw[e] = EffectiveKey(f[e], p.positions.Position(h, t), seq_len, p.select);
+      }
+      *reinterpret_cast<uint4*>(keys + i) = k;
+    }
+  }
+  for (uint32_t i = head_len + threadIdx.x; i < len; i += kClusterThreads) {
+    const float f = __ldcg(src + i);
+    const uint64_t t = s0 + i;
+    if (!(fabsf(f) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat0 + t);
+    keys[i] = EffectiveKey(f, p.positions.Position(h, t), seq_len, p.select);
+  }
+  __syncthreads();
+  cluster.barrier_wait();
+  const uint32_t share = kRadixBins / blocks;  // bins [rank * share, (rank + 1) * share)
+  uint32_t prefix = 0, need = kept_n;
+  for (int pass = 0; pass < kRadixPasses; ++pass) {
+    const int shift = RadixShift(pass);
+    const uint32_t digit_mask = (1u << RadixBits(pass)) - 1;
+    const int high = shift + RadixBits(pass);
+    // A thread's keys falling in one bin one after another are added once (scores cluster in a
+    // few bins of the first digit; lanes adding to one bin serialise).
+    uint32_t run_bin = 0, run = 0;
+    for (uint32_t i = threadIdx.x; i < len; i += kClusterThreads) {
+      const uint32_t key = keys[i];
+      if (high < 32 && (key >> high) != (prefix >> high)) continue;
+      const uint32_t bin = (key >> shift) & digit_mask;
+      if (run != 0 && bin == run_bin) {
+        ++run;
+        continue;
+      }
+      if (run != 0) atomicAdd(&local[run_bin], run);
+      run_bin = bin;
+      run = 1;
+    }
+    if (run != 0) atomicAdd(&local[run_bin], run);
+    cluster.sync();  // every block's histogram is complete
+    uint32_t part = 0;
+    for (uint32_t j = threadIdx.x; j < share; j += kClusterThreads) {
+      const uint32_t b = rank * share + j;
+      uint32_t v[kClusterMaxBlocks];
+#pragma unroll
+      for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) {
+        v[q] = q < blocks ? cluster.map_shared_rank(local, q)[b] : 0;
+      }
+      uint32_t x = 0;
+#pragma unroll
+      for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) x += v[q];
+      summed[j] = x;
+      part += x;
+    }
+    uint32_t share_sum;
+    BlockExclusiveScan(part, scratch, &share_sum);
+    if (threadIdx.x == 0) share_total = share_sum;
+    cluster.sync();  // every share is summed; no block reads the histograms any more
+    for (int b = threadIdx.x; b < kRadixBins; b += kClusterThreads) local[b] = 0;
+    if (threadIdx.x < blocks) totals[threadIdx.x] = *cluster.map_shared_rank(&share_total, threadIdx.x);
+    __syncthreads();
+    // The share holding the need-th largest key (shares from the top digit down), then its digit.
+    uint32_t qs = 0, share_above = 0;
+    for (uint32_t q = blocks, acc = 0; q-- > 0;) {
+      if (acc + totals[q] >= need) {
+        qs = q;
+        share_above = acc;
+        break;
+      }
+      acc += totals[q];
+    }
+    const uint32_t* bins = cluster.map_shared_rank(summed, qs);
+    constexpr int kPer = kRadixBins / kClusterThreads;  // a share has at most 2048 bins
+    uint32_t c[kPer];
+    uint32_t sum = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = static_cast<int>(share) - 1 - (static_cast<int>(threadIdx.x) * kPer + i);
+      c[i] = j >= 0 ? bins[j] : 0;
+      sum += c[i];
+    }
+    uint32_t total;
+    const uint32_t before = share_above + BlockExclusiveScan(sum, scratch, &total);
+    if (before < need && need <= before + sum) {
+      uint32_t acc = before;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        if (acc < need && need <= acc + c[i]) {
+          found_digit = qs * share + share - 1 - (threadIdx.x * kPer + i);
+          found_above = acc;
+        }
+        acc += c[i];
+      }
+    }
+    __syncthreads();
+    prefix |= found_digit << shift;
+    need -= found_above;
+    __syncthreads();  // found_* are rewritten by the next pass
+  }
+  // prefix is the threshold key; the first `need` tokens of the head equal to it are kept.
+  // Warp w owns the consecutive keys [w * per, (w + 1) * per) of the slice, 32 at a time.
+  const uint32_t per = (len + kClusterWarps * 32 - 1) / (kClusterWarps * 32) * 32;
+  const uint32_t w0 = min(len, warp * per), w1 = min(len, w0 + per);
+  uint32_t gt = 0, eq = 0;
+  for (uint32_t i = w0 + lane; i < w1; i += 32) {
+    const uint32_t key = keys[i];
+    gt += key > prefix;
+    eq += key == prefix;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    gt += __shfl_xor_sync(0xFFFFFFFFu, gt, o);
+    eq += __shfl_xor_sync(0xFFFFFFFFu, eq, o);
+  }
+  if (lane == 0) {
+    warp_counts[warp][0] = gt;
+    warp_counts[warp][1] = eq;
+  }
+  __syncthreads();
+  uint32_t gt_warp = 0, eq_warp = 0, gt_block = 0, eq_block = 0;  // before this warp; the block's
+  for (int w = 0; w < kClusterWarps; ++w) {
+    if (w == warp) {
+      gt_warp = gt_block;
+      eq_warp = eq_block;
+    }
+    gt_block += warp_counts[w][0];
+    eq_block += warp_counts[w][1];
+  }
+  // This slice's counts into every later block's.
+  if (threadIdx.x > rank && threadIdx.x < blocks) {
+    uint32_t* other = cluster.map_shared_rank(earlier, threadIdx.x);
+    if (gt_block != 0) atomicAdd(other, gt_block);
+    if (eq_block != 0) atomicAdd(other + 1, eq_block);
+  }
+  cluster.sync();  // the last access to another block's shared memory is before this
+  uint32_t eq_rank = earlier[1] + eq_warp;  // equal tokens of the head before the warp's next
+  const uint32_t gt_before = earlier[0] + gt_warp;
+  uint32_t kept_at = gt_before + min(eq_rank, need);
+  uint32_t ev_at = s0 + w0 - kept_at;
+  uint32_t* out = p.indices + uint64_t{h} * kept_n;
+  uint32_t* ev_out = p.evicted == nullptr ? nullptr : p.evicted + uint64_t{h} * (n - kept_n);
+  const uint32_t lower = (1u << lane) - 1;
+  for (uint32_t base = w0; base < w1; base += 32) {
+    const uint32_t i = base + lane;
+    const bool valid = i < w1;
+    const uint32_t key = valid ? keys[i] : 0;
+    const bool is_eq = valid && key == prefix;
+    const uint32_t eq_mask = __ballot_sync(0xFFFFFFFFu, is_eq);
+    const bool keep = valid && (key > prefix || (is_eq && eq_rank + __popc(eq_mask & lower) < need));
+    const uint32_t keep_mask = __ballot_sync(0xFFFFFFFFu, keep);
+    const uint32_t drop_mask = __ballot_sync(0xFFFFFFFFu, valid && !keep);
+    if (keep) {
+      const uint32_t at = kept_at + __popc(keep_mask & lower);
+      if (at < kept_n) out[at] = s0 + i;
+    } else if (valid && ev_out != nullptr) {
+      const uint32_t at = ev_at + __popc(drop_mask & lower);
+      if (at < n - kept_n) ev_out[at] = s0 + i;
+    }
+    kept_at += __popc(keep_mask);
+    ev_at += __popc(drop_mask);
+    eq_rank += __popc(eq_mask);
+  }
+  if (rank == 0 && threadIdx.x == 0) p.counts[h] = kept_n;
+#else
+  __trap();  // launched only on devices with thread-block clusters
+#endif
 }
 
 inline constexpr int kGatherRowsPerBlock = 128;
