@@ -14,9 +14,11 @@
 //             threshold
 //   Plan      one block: per-tile output offsets, tie ranks, per-head counts
 //   Gather    per tile: keep flags, ascending kept indices, and the K/V row copies
-// and for a uniform budget over short heads, instead of Radix* to Gather:
-//   ShortSelect  one block per head: the whole selection in shared memory, kept indices
-//   GatherRows   the kept K/V rows, by the whole grid
+// and for a uniform budget, instead of Radix* to Gather:
+//   ShortSelect    heads up to 8192 tokens, one block per head: the whole selection in shared
+//                  memory, kept and evicted indices
+//   ClusterSelect  longer heads on sm_90, one thread-block cluster per head: the same
+//   GatherRows     the kept K/V rows and the evicted values' check, by the whole grid
 // Score also checks the values for NaN/Inf in the same launch (a second half of its grid).
 #ifndef KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
 #define KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
