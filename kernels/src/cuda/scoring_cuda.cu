@@ -8,6 +8,8 @@
 #include <vector>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "absl/strings/str_format.h"
@@ -217,11 +219,62 @@ uint32_t ClusterBlocks(uint64_t n, uint64_t heads, int sms) {
   return CeilDiv(n, blocks) <= kClusterSliceCapacity ? blocks : 0;
 }
 
+// The launch of `grid` BlockSelectKernel<true> blocks in clusters of `blocks` (`attr` holds the
+// cluster dimension the configuration points to).
+cudaLaunchConfig_t ClusterLaunch(uint32_t grid, uint32_t blocks, size_t smem, cudaStream_t stream,
+                                 cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = blocks;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kSelectThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Whether `device` can hold a cluster of kClusterMaxBlocks BlockSelectKernel blocks with the
+// largest slice (so every smaller launch fits too): sm_90 or later, and the occupancy calculator
+// places at least one such cluster (a partitioned or shared device may not). Asked once per
+// device; a device that cannot keeps the tiled path.
+bool ClusterSelectFits(int device, const cudaDeviceProp& properties) {
+  if (properties.major < 9) return false;
+  static std::mutex mu;
+  static std::map<int, bool>* fits = new std::map<int, bool>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = fits->find(device); it != fits->end()) return it->second;
+  int current = device;
+  cudaGetDevice(&current);
+  if (current != device) cudaSetDevice(device);  // the attribute and the query are per device
+  bool ok = cudaFuncSetAttribute(BlockSelectKernel<true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(BlockSelectSmem(kClusterSliceCapacity))) ==
+            cudaSuccess;
+  if (ok) {
+    cudaLaunchAttribute cluster;
+    const cudaLaunchConfig_t config =
+        ClusterLaunch(kClusterMaxBlocks, kClusterMaxBlocks,
+                      BlockSelectSmem(kClusterSliceCapacity), nullptr, &cluster);
+    int clusters = 0;
+    ok = cudaOccupancyMaxActiveClusters(&clusters, BlockSelectKernel<true>, &config) ==
+             cudaSuccess &&
+         clusters > 0;
+  }
+  cudaGetLastError();  // a refusal above is an answer, not a pending error
+  if (current != device) cudaSetDevice(current);
+  (*fits)[device] = ok;
+  return ok;
+}
+
 // How a uniform budget over heads is selected.
 enum class SelectPath {
   kTiled,    // Radix* to Gather over (head, tile) grids; every budget
-  kShort,    // ShortSelect (one block per head), then GatherRows
-  kCluster,  // ClusterSelect (one cluster per head, sm_90), then GatherRows
+  kShort,    // BlockSelect, one block per head, then GatherRows
+  kCluster,  // BlockSelect, one cluster per head (sm_90), then GatherRows
 };
 
 static_assert(kKeySumChunkTokens == kStatsRows, "KeySums chunks are the Stats pass's chunks");
@@ -475,7 +528,7 @@ class CudaScoringOps final : public ScoringOps {
       }
       return cudaGetLastError();
     }));
-    ShortSelectParams ss{};
+    BlockSelectParams ss{};
     ss.scores = scores;
     ss.heads = rh;
     ss.n = max_n;
@@ -486,9 +539,9 @@ class CudaScoringOps final : public ScoringOps {
     ss.var = var;
     ss.evicted = At<uint32_t>(ws, l.evicted);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        ShortSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(kShortSelectCapacity * sizeof(uint32_t))));
-    ShortSelectKernel<<<rh, kShortThreads, max_n * sizeof(uint32_t), stream>>>(ss);
+        BlockSelectKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(BlockSelectSmem(kShortSelectCapacity))));
+    BlockSelectKernel<false><<<rh, kSelectThreads, BlockSelectSmem(max_n), stream>>>(ss, 0);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     GatherRowsParams g{};
     g.keys = a.keys.data;
@@ -560,17 +613,17 @@ class CudaScoringOps final : public ScoringOps {
   }
 
   // A uniform budget over heads goes to the one-block selection up to ShortSelectMaxTokens, then
-  // to the cluster selection on devices with thread-block clusters (sm_90 on) up to
+  // to the cluster selection on devices that hold its clusters (ClusterSelectFits) up to
   // kClusterMaxBlocks * kClusterSliceCapacity tokens per head (KVCOMP_CUDA_CLUSTER_SELECT=0
   // turns it off for comparisons), else to the tiled path, which also takes every AdaKV budget.
-  // On an H100 the cluster selection was measured even with the one-block selection at 8192
-  // tokens and slower for 64 requests of 2048, hence the one-block selection first.
+  // On an H100 the cluster form was measured even with the one-block form at 8192 tokens and
+  // slower for 64 requests of 2048 (as 512 heads), hence the one-block form first.
   SelectPath PathOf(uint32_t heads, uint64_t n, const SelectParams& sel) const {
     if (sel.head_budget != HeadBudget::kUniform && heads != 1) return SelectPath::kTiled;
     if (n <= ShortSelectMaxTokens()) return SelectPath::kShort;
     static const bool cluster_on = internal::SwitchOn("KVCOMP_CUDA_CLUSTER_SELECT");
-    if (cluster_on && ctx_->properties.major >= 9 &&
-        ClusterBlocks(n, heads, ctx_->properties.multiProcessorCount) != 0) {
+    if (cluster_on && ClusterBlocks(n, heads, ctx_->properties.multiProcessorCount) != 0 &&
+        ClusterSelectFits(ctx_->device, ctx_->properties)) {
       return SelectPath::kCluster;
     }
     return SelectPath::kTiled;
@@ -867,13 +920,13 @@ class CudaScoringOps final : public ScoringOps {
     return absl::OkStatus();
   }
 
-  // A uniform selection in one launch: one block per head (ShortSelectKernel) or one cluster per
-  // head (ClusterSelectKernel), then the kept rows by the whole grid (GatherRowsKernel).
-  absl::Status RunShortSelect(SelectPath path, const SelectKernelParams& sp, uint32_t kept,
+  // A uniform selection in one launch: one block per head or one cluster per head
+  // (BlockSelectKernel), then the kept rows by the whole grid (GatherRowsKernel).
+  absl::Status RunBlockSelect(SelectPath path, const SelectKernelParams& sp, uint32_t kept,
                               KeptIndices out, const HeadsView* keys, const HeadsView* values,
                               void* keys_out, void* values_out, uint32_t* evicted) {
     cudaStream_t s = ctx_->stream;
-    ShortSelectParams p{};
+    BlockSelectParams p{};
     p.scores = sp.scores;
     p.heads = sp.heads;
     p.n = sp.n;
@@ -887,11 +940,10 @@ class CudaScoringOps final : public ScoringOps {
     if (path == SelectPath::kCluster) {
       KVCOMP_RETURN_IF_ERROR(LaunchClusterSelect(p));
     } else {
-      const size_t smem = sp.n * sizeof(uint32_t);
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          ShortSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-          static_cast<int>(kShortSelectCapacity * sizeof(uint32_t))));
-      ShortSelectKernel<<<sp.heads, kShortThreads, smem, s>>>(p);
+          BlockSelectKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          static_cast<int>(BlockSelectSmem(kShortSelectCapacity))));
+      BlockSelectKernel<false><<<sp.heads, kSelectThreads, BlockSelectSmem(sp.n), s>>>(p, 0);
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
     if (keys_out == nullptr) return absl::OkStatus();
@@ -923,30 +975,21 @@ class CudaScoringOps final : public ScoringOps {
     return absl::OkStatus();
   }
 
-  // ClusterSelectKernel over p.heads heads of p.n tokens (PathOf chose it: ClusterBlocks > 0).
-  absl::Status LaunchClusterSelect(const ShortSelectParams& p) {
+  // BlockSelectKernel<true> over p.heads heads of p.n tokens (PathOf chose it).
+  absl::Status LaunchClusterSelect(const BlockSelectParams& p) {
     const uint32_t blocks = ClusterBlocks(p.n, p.heads, ctx_->properties.multiProcessorCount);
     const uint64_t slice = CeilDiv(CeilDiv(p.n, blocks), 4) * 4;  // whole 16-byte loads
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        ClusterSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(ClusterSelectSmem(kClusterSliceCapacity))));
+        BlockSelectKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(BlockSelectSmem(kClusterSliceCapacity))));
     if (uint64_t{p.heads} * blocks > 0x7FFFFFFFull) {
       return absl::InvalidArgumentError("cluster selection: too many heads");
     }
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(p.heads * blocks);
-    config.blockDim = dim3(kClusterThreads);
-    config.dynamicSmemBytes = ClusterSelectSmem(slice);
-    config.stream = ctx_->stream;
-    cudaLaunchAttribute cluster[1];
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = blocks;
-    cluster[0].val.clusterDim.y = 1;
-    cluster[0].val.clusterDim.z = 1;
-    config.attrs = cluster;
-    config.numAttrs = 1;
+    cudaLaunchAttribute cluster;
+    const cudaLaunchConfig_t config = ClusterLaunch(p.heads * blocks, blocks,
+                                                    BlockSelectSmem(slice), ctx_->stream, &cluster);
     KVCOMP_CUDA_RETURN_IF_ERROR(
-        cudaLaunchKernelEx(&config, ClusterSelectKernel, p, static_cast<uint32_t>(slice)));
+        cudaLaunchKernelEx(&config, BlockSelectKernel<true>, p, static_cast<uint32_t>(slice)));
     return absl::OkStatus();
   }
 
@@ -971,7 +1014,7 @@ class CudaScoringOps final : public ScoringOps {
     sp.errors = At<ErrorSlots>(ws, l.errors);
     const SelectPath path = PathOf(heads, n, sel);
     if (path != SelectPath::kTiled) {
-      return RunShortSelect(path, sp, static_cast<uint32_t>(kept), out, keys, values, keys_out,
+      return RunBlockSelect(path, sp, static_cast<uint32_t>(kept), out, keys, values, keys_out,
                             values_out,
                             check_values && keys_out != nullptr ? At<uint32_t>(ws, l.evicted)
                                                                 : nullptr);

@@ -15,10 +15,10 @@
 //   Plan      one block: per-tile output offsets, tie ranks, per-head counts
 //   Gather    per tile: keep flags, ascending kept indices, and the K/V row copies
 // and for a uniform budget, instead of Radix* to Gather:
-//   ShortSelect    heads up to 8192 tokens, one block per head: the whole selection in shared
-//                  memory, kept and evicted indices
-//   ClusterSelect  longer heads on sm_90, one thread-block cluster per head: the same
-//   GatherRows     the kept K/V rows and the evicted values' check, by the whole grid
+//   BlockSelect  the whole selection of a head in shared memory, kept and evicted indices: one
+//                block per head up to 8192 tokens (and a varlen batch's heads), one
+//                thread-block cluster per head beyond (sm_90)
+//   GatherRows   the kept K/V rows and the evicted values' check, by the whole grid
 // Score also checks the values for NaN/Inf in the same launch (a second half of its grid).
 #ifndef KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
 #define KVCOMP_KERNELS_SRC_CUDA_SCORING_KERNELS_CUH_
@@ -988,22 +988,33 @@ __global__ void __launch_bounds__(kThreads) CompactKernel(const T* keys, const T
 }
 
 // ---------------------------------------------------------------------------------------------
-// Short sequences: the whole selection of a head in one block (uniform budget)
+// The whole selection of a head in shared memory: one block, or one thread-block cluster (sm_90)
 // ---------------------------------------------------------------------------------------------
 //
-// Up to kShortSelectMaxTokens tokens per head, one block per head holds the head's effective keys
-// in shared memory and runs the three radix passes, the tie ranks and the index writes without
-// leaving the chip: one launch instead of the ten of the tiled path (init, 3 x (histogram, digit
-// pick), count, plan, gather). A row-gather kernel then copies the kept K and V rows with the
-// whole grid. One block per head is a narrow grid: on an H100 (8 heads) it beat the tiled path
-// at 8192 tokens (knorm 42 vs 56 us for the whole op) and lost at 32768 (166 vs 128 us), so the
-// default stops at 8192; the kernel takes up to kShortSelectCapacity.
+// BlockSelectKernel<false>: one block per head (up to kShortSelectCapacity tokens; a varlen
+// batch's heads too). BlockSelectKernel<true>: longer heads split over the C blocks of a cluster
+// (C = 1..8, consecutive slices of about n / C tokens, each held in its block's shared memory).
+// The keys are read with 16-byte loads, all of a thread's in flight at once. A radix pass builds
+// each block's histogram of its slice, a thread adding a run of keys that fall in one bin once
+// (scores crowd into a few bins of the first digit, and lanes adding to one bin serialise). In a
+// cluster, block r then sums bins [r, r + 1) * 2048 / C over the cluster's histograms (one load
+// from each block per bin, all in flight, through distributed shared memory), and every block
+// finds the digit from the C shares' totals and the bins of the one share that holds it. The
+// closing pass ranks the kept and evicted tokens a warp's 32 tokens at a time (ballots), so the
+// index writes are coalesced; the earlier slices' counts come from the other blocks as atomic
+// adds. One launch instead of the tiled path's ten.
 
-inline constexpr int kShortThreads = 1024;
-inline constexpr uint64_t kShortSelectCapacity = 32768;  // 128 KiB of keys in shared memory
-inline constexpr uint64_t kShortSelectMaxTokens = 8192;
+inline constexpr int kSelectThreads = 1024;
+inline constexpr int kSelectWarps = kSelectThreads / 32;
+inline constexpr uint64_t kShortSelectCapacity = 32768;   // one block: 128 KiB of keys
+inline constexpr uint64_t kShortSelectMaxTokens = 8192;   // the default longest one-block head
+inline constexpr uint32_t kClusterMaxBlocks = 8;          // the portable cluster size
+inline constexpr uint64_t kClusterSliceCapacity = 40960;  // tokens per block (160 KiB of keys)
+inline constexpr uint64_t kClusterMinSlice = 1024;        // fewer blocks below this many each
 
-struct ShortSelectParams {
+__host__ inline size_t BlockSelectSmem(uint64_t slice) { return slice * sizeof(uint32_t); }
+
+struct BlockSelectParams {
   const float* scores;  // [H, n]
   uint32_t heads;
   uint64_t n;
@@ -1013,214 +1024,129 @@ struct ShortSelectParams {
   uint32_t* counts;   // [H]: kept
   uint32_t* indices;  // [H * kept], head h's ascending indices at h * kept
   ErrorSlots* errors;
-  const VarHead* var;  // varlen: each head's tokens, budget and output place
+  const VarHead* var;  // varlen (one block per head only): each head's tokens, budget, place
   // Optional: the evicted tokens ascending, for the values' check in GatherRows: head h's at
   // h * (n - kept) ([H, n - kept]), a varlen head's at its `flat`.
   uint32_t* evicted;
 };
 
-// grid (H), kShortThreads threads, n * 4 bytes of dynamic shared memory.
-__global__ void __launch_bounds__(kShortThreads) ShortSelectKernel(ShortSelectParams p) {
-  extern __shared__ uint32_t keys[];
-  __shared__ uint32_t hist[kRadixBins];
-  __shared__ uint32_t scratch[33];
-  __shared__ uint32_t found_digit, found_above;
-  const uint32_t h = blockIdx.x;
-  const bool var = p.var != nullptr;
-  const uint32_t n = static_cast<uint32_t>(var ? p.var[h].n : p.n);
-  const uint32_t kept_n = var ? p.var[h].kept : p.kept;
-  const uint64_t flat0 = var ? p.var[h].flat : uint64_t{h} * p.n;
-  // A varlen head's positions are 0..n-1 of its own request.
-  const PositionInfo pos = var ? PositionInfo{nullptr, 0, 0, n} : p.positions;
-  const uint64_t seq_len = pos.SequenceLength(h);
-  for (uint32_t t = threadIdx.x; t < n; t += kShortThreads) {
-    const uint64_t flat = flat0 + t;
-    const float s = p.scores[flat];
-    if (!(fabsf(s) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat);
-    keys[t] = EffectiveKey(s, pos.Position(h, t), seq_len, p.select);
-  }
-  uint32_t prefix = 0, need = kept_n;
-  for (int pass = 0; pass < kRadixPasses; ++pass) {
-    for (int b = threadIdx.x; b < kRadixBins; b += kShortThreads) hist[b] = 0;
-    __syncthreads();  // also orders the key writes above before the first pass reads them
-    const int shift = RadixShift(pass);
-    const uint32_t digit_mask = (1u << RadixBits(pass)) - 1;
-    const int high = shift + RadixBits(pass);
-    // (Lanes of a warp hitting one bin serialise here; grouping them with __match_any_sync and
-    // one add per group was measured slower on an H100: 24 vs 15 us at 8 x 8192.)
-    for (uint32_t t = threadIdx.x; t < n; t += kShortThreads) {
-      const uint32_t key = keys[t];
-      if (high < 32 && (key >> high) != (prefix >> high)) continue;
-      atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
-    }
-    __syncthreads();
-    // Bins from the top digit down, kRadixBins / kShortThreads per thread.
-    constexpr int kPer = kRadixBins / kShortThreads;
-    const int bins = 1 << RadixBits(pass);
-    uint32_t c[kPer];
-    uint32_t sum = 0;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int d = bins - 1 - (static_cast<int>(threadIdx.x) * kPer + i);
-      c[i] = d >= 0 ? hist[d] : 0;
-      sum += c[i];
-    }
-    uint32_t total;
-    const uint32_t before = BlockExclusiveScan(sum, scratch, &total);
-    if (before < need && need <= before + sum) {
-      uint32_t acc = before;
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        if (acc < need && need <= acc + c[i]) {
-          found_digit = bins - 1 - (threadIdx.x * kPer + i);
-          found_above = acc;
-        }
-        acc += c[i];
-      }
-    }
-    __syncthreads();
-    prefix |= found_digit << shift;
-    need -= found_above;
-    __syncthreads();  // found_* are rewritten by the next pass
-  }
-  // prefix is the threshold key; `need` tokens equal to it are kept, lowest indices first.
-  // Thread i owns the consecutive tokens [i * per, (i + 1) * per), so scan order is index order.
-  const uint32_t per = (n + kShortThreads - 1) / kShortThreads;
-  const uint32_t t0 = min(n, threadIdx.x * per), t1 = min(n, t0 + per);
-  uint32_t gt = 0, eq = 0;
-  for (uint32_t t = t0; t < t1; ++t) {
-    gt += keys[t] > prefix;
-    eq += keys[t] == prefix;
-  }
-  uint32_t eq_total;
-  uint32_t eq_rank = BlockExclusiveScan(eq, scratch, &eq_total);
-  const uint32_t eq_kept_before = min(eq_rank, need);
-  const uint32_t eq_kept_here = min(eq_rank + eq, need) - eq_kept_before;
-  uint32_t kept_total;
-  uint32_t at = BlockExclusiveScan(gt + eq_kept_here, scratch, &kept_total);
-  uint32_t* out = p.indices + (var ? p.var[h].out_row : uint64_t{h} * p.kept);
-  uint32_t* ev_out = p.evicted == nullptr ? nullptr
-                     : var              ? p.evicted + flat0
-                                        : p.evicted + uint64_t{h} * (n - kept_n);
-  uint32_t ev_at = t0 - at;  // tokens before t0 not kept
-  for (uint32_t t = t0; t < t1; ++t) {
-    const uint32_t key = keys[t];
-    bool keep = key > prefix;
-    if (key == prefix) {
-      keep = eq_rank < need;
-      ++eq_rank;
-    }
-    if (keep) {
-      if (at < kept_n) out[at++] = t;
-    } else if (ev_out != nullptr && ev_at < n - kept_n) {
-      ev_out[ev_at++] = t;
-    }
-  }
-  if (threadIdx.x == 0) p.counts[h] = kept_n;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Longer heads on sm_90: the whole selection of a head in one thread-block cluster (uniform)
-// ---------------------------------------------------------------------------------------------
-//
-// A head's effective keys are split over the C blocks of a cluster (C = 1..8, consecutive slices
-// of about n / C tokens, each held in its block's shared memory). A radix pass builds each
-// block's histogram of its slice; block r then sums bins [r, r + 1) * 2048 / C over the
-// cluster's histograms (one load from each block per bin, all in flight, through distributed
-// shared memory), and every block finds the digit from the C shares' totals and the bins of the
-// one share that holds it. The closing pass ranks the kept and evicted tokens a warp's 32 tokens
-// at a time (ballots), so the index writes are coalesced; the earlier slices' counts come from
-// the other blocks as atomic adds. One launch and eight cluster barriers instead of the tiled
-// path's ten launches, and C SMs per head instead of ShortSelect's one.
-
-inline constexpr int kClusterThreads = 1024;
-inline constexpr int kClusterWarps = kClusterThreads / 32;
-inline constexpr uint32_t kClusterMaxBlocks = 8;          // the portable cluster size
-inline constexpr uint64_t kClusterSliceCapacity = 40960;  // tokens per block (160 KiB of keys)
-inline constexpr uint64_t kClusterMinSlice = 1024;        // fewer blocks below this many each
-
-__host__ inline size_t ClusterSelectSmem(uint64_t slice) { return slice * sizeof(uint32_t); }
-
-// grid (C * H) in clusters of C, kClusterThreads threads, ClusterSelectSmem(slice) bytes of
-// dynamic shared memory; slice = ceil(n / C) rounded up to a multiple of 4; p.var must be null.
-__global__ void __launch_bounds__(kClusterThreads)
-    ClusterSelectKernel(ShortSelectParams p, uint32_t slice) {
+// The group operations of BlockSelectKernel: a thread-block cluster's (sm_90), or for one block
+// the block's own. Below sm_90 the cluster form traps (the host launches it only where clusters
+// exist).
+template <bool kCluster>
+struct SelectGroup {
+  __device__ static uint32_t Blocks() { return 1; }
+  __device__ static uint32_t Rank() { return 0; }
+  __device__ static uint32_t* At(uint32_t* a, uint32_t) { return a; }  // rank q's copy of a
+  __device__ static void Sync() { __syncthreads(); }
+  __device__ static void Arrive() {}
+  __device__ static void Wait() {}
+};
+template <>
+struct SelectGroup<true> {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
+  __device__ static uint32_t Blocks() { return cooperative_groups::this_cluster().num_blocks(); }
+  __device__ static uint32_t Rank() { return cooperative_groups::this_cluster().block_rank(); }
+  __device__ static uint32_t* At(uint32_t* a, uint32_t q) {
+    return cooperative_groups::this_cluster().map_shared_rank(a, q);
+  }
+  __device__ static void Sync() { cooperative_groups::this_cluster().sync(); }
+  __device__ static void Arrive() { cooperative_groups::this_cluster().barrier_arrive(); }
+  __device__ static void Wait() { cooperative_groups::this_cluster().barrier_wait(); }
+#else
+  __device__ static uint32_t Blocks() {
+    __trap();
+    return 1;
+  }
+  __device__ static uint32_t Rank() { return 0; }
+  __device__ static uint32_t* At(uint32_t* a, uint32_t) { return a; }
+  __device__ static void Sync() {}
+  __device__ static void Arrive() {}
+  __device__ static void Wait() {}
+#endif
+};
+
+// kCluster false: grid (H), BlockSelectSmem(longest head) bytes of dynamic shared memory, slice
+// ignored. kCluster true: grid (C * H) in clusters of C, BlockSelectSmem(slice) bytes, slice =
+// ceil(n / C) rounded up to a multiple of 4, p.var null. kSelectThreads threads.
+template <bool kCluster>
+__global__ void __launch_bounds__(kSelectThreads)
+    BlockSelectKernel(BlockSelectParams p, uint32_t slice) {
+  using G = SelectGroup<kCluster>;
   extern __shared__ __align__(16) uint32_t keys[];
   __shared__ uint32_t local[kRadixBins];   // this slice's histogram
-  __shared__ uint32_t summed[kRadixBins];  // this block's share of the bins, over the cluster
+  __shared__ uint32_t summed[kCluster ? kRadixBins : 1];  // this block's share, over the cluster
   __shared__ uint32_t scratch[33];
   __shared__ uint32_t share_total;         // the sum of summed[]
   __shared__ uint32_t totals[kClusterMaxBlocks];  // every block's share_total
   __shared__ uint32_t earlier[2];          // above / equal to the threshold in earlier slices
-  __shared__ uint32_t warp_counts[kClusterWarps][2];
+  __shared__ uint32_t warp_counts[kSelectWarps][2];
   __shared__ uint32_t found_digit, found_above;
-  const uint32_t blocks = cluster.num_blocks();
-  const uint32_t rank = cluster.block_rank();
+  const uint32_t blocks = G::Blocks();
+  const uint32_t rank = G::Rank();
   const uint32_t h = blockIdx.x / blocks;
-  const uint32_t n = static_cast<uint32_t>(p.n);
-  const uint32_t kept_n = p.kept;
-  const uint64_t flat0 = uint64_t{h} * p.n;
-  const uint64_t seq_len = p.positions.SequenceLength(h);
+  const VarHead* var = kCluster ? nullptr : p.var;
+  const uint32_t n = static_cast<uint32_t>(var != nullptr ? var[h].n : p.n);
+  const uint32_t kept_n = var != nullptr ? var[h].kept : p.kept;
+  const uint64_t flat0 = var != nullptr ? var[h].flat : uint64_t{h} * p.n;
+  // A varlen head's positions are 0..n-1 of its own request.
+  const PositionInfo pos = var != nullptr ? PositionInfo{nullptr, 0, 0, n} : p.positions;
+  const uint64_t seq_len = pos.SequenceLength(h);
+  if constexpr (!kCluster) slice = n;
   const uint32_t s0 = min(n, rank * slice);
   const uint32_t len = min(n, s0 + slice) - s0;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  for (int b = threadIdx.x; b < kRadixBins; b += kClusterThreads) local[b] = 0;
+  for (int b = threadIdx.x; b < kRadixBins; b += kSelectThreads) local[b] = 0;
   if (threadIdx.x < 2) earlier[threadIdx.x] = 0;
   // Every block's `earlier` is zero (and every block has started) before another adds to it;
   // the wait comes after the loads.
-  cluster.barrier_arrive();
+  G::Arrive();
   // The slice's effective keys, four scores per 16-byte load where the slice starts on one
-  // (the host makes slices a multiple of 4 tokens), kLoads loads of a thread in flight at once.
+  // (the host makes cluster slices a multiple of 4 tokens), kLoads loads of a thread in flight.
   constexpr int kLoads = 4;
   const float* src = p.scores + flat0 + s0;
   const bool vector = (reinterpret_cast<uintptr_t>(src) & 15) == 0;
   const uint32_t head_len = vector ? len / 4 * 4 : 0;  // scores taken four at a time
-  for (uint32_t base = 0; base < head_len; base += kClusterThreads * kLoads * 4) {
+  for (uint32_t base = 0; base < head_len; base += kSelectThreads * kLoads * 4) {
     float4 s[kLoads];
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
-      const uint32_t i = base + (u * kClusterThreads + threadIdx.x) * 4;
+      const uint32_t i = base + (u * kSelectThreads + threadIdx.x) * 4;
       s[u] = i < head_len ? __ldcg(reinterpret_cast<const float4*>(src + i))
                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
-      const uint32_t i = base + (u * kClusterThreads + threadIdx.x) * 4;
+      const uint32_t i = base + (u * kSelectThreads + threadIdx.x) * 4;
       if (i >= head_len) continue;
       const float f[4] = {s[u].x, s[u].y, s[u].z, s[u].w};
-      uint4 k;
-      uint32_t* kw = reinterpret_cast<uint32_t*>(&k);
+      uint32_t kw[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const uint64_t t = s0 + i + e;
         if (!(fabsf(f[e]) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat0 + t);
-        kw[e] = EffectiveKey(f[e], p.positions.Position(h, t), seq_len, p.select);
+        kw[e] = EffectiveKey(f[e], pos.Position(h, t), seq_len, p.select);
       }
-      *reinterpret_cast<uint4*>(keys + i) = k;
+      *reinterpret_cast<uint4*>(keys + i) = make_uint4(kw[0], kw[1], kw[2], kw[3]);
     }
   }
-  for (uint32_t i = head_len + threadIdx.x; i < len; i += kClusterThreads) {
+  for (uint32_t i = head_len + threadIdx.x; i < len; i += kSelectThreads) {
     const float f = __ldcg(src + i);
     const uint64_t t = s0 + i;
     if (!(fabsf(f) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat0 + t);
-    keys[i] = EffectiveKey(f, p.positions.Position(h, t), seq_len, p.select);
+    keys[i] = EffectiveKey(f, pos.Position(h, t), seq_len, p.select);
   }
   __syncthreads();
-  cluster.barrier_wait();
+  G::Wait();
   const uint32_t share = kRadixBins / blocks;  // bins [rank * share, (rank + 1) * share)
   uint32_t prefix = 0, need = kept_n;
   for (int pass = 0; pass < kRadixPasses; ++pass) {
     const int shift = RadixShift(pass);
     const uint32_t digit_mask = (1u << RadixBits(pass)) - 1;
     const int high = shift + RadixBits(pass);
-    // A thread's keys falling in one bin one after another are added once (scores cluster in a
-    // few bins of the first digit; lanes adding to one bin serialise).
     uint32_t run_bin = 0, run = 0;
-    for (uint32_t i = threadIdx.x; i < len; i += kClusterThreads) {
+    for (uint32_t i = threadIdx.x; i < len; i += kSelectThreads) {
       const uint32_t key = keys[i];
       if (high < 32 && (key >> high) != (prefix >> high)) continue;
       const uint32_t bin = (key >> shift) & digit_mask;
@@ -1233,40 +1159,42 @@ __global__ void __launch_bounds__(kClusterThreads)
       run = 1;
     }
     if (run != 0) atomicAdd(&local[run_bin], run);
-    cluster.sync();  // every block's histogram is complete
-    uint32_t part = 0;
-    for (uint32_t j = threadIdx.x; j < share; j += kClusterThreads) {
-      const uint32_t b = rank * share + j;
-      uint32_t v[kClusterMaxBlocks];
+    G::Sync();  // every block's histogram is complete
+    uint32_t qs = 0, share_above = 0;  // the share holding the need-th largest key
+    const uint32_t* bins = local;
+    if constexpr (kCluster) {
+      uint32_t part = 0;
+      for (uint32_t j = threadIdx.x; j < share; j += kSelectThreads) {
+        const uint32_t b = rank * share + j;
+        uint32_t v[kClusterMaxBlocks];
 #pragma unroll
-      for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) {
-        v[q] = q < blocks ? cluster.map_shared_rank(local, q)[b] : 0;
-      }
-      uint32_t x = 0;
+        for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) v[q] = q < blocks ? G::At(local, q)[b] : 0;
+        uint32_t x = 0;
 #pragma unroll
-      for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) x += v[q];
-      summed[j] = x;
-      part += x;
-    }
-    uint32_t share_sum;
-    BlockExclusiveScan(part, scratch, &share_sum);
-    if (threadIdx.x == 0) share_total = share_sum;
-    cluster.sync();  // every share is summed; no block reads the histograms any more
-    for (int b = threadIdx.x; b < kRadixBins; b += kClusterThreads) local[b] = 0;
-    if (threadIdx.x < blocks) totals[threadIdx.x] = *cluster.map_shared_rank(&share_total, threadIdx.x);
-    __syncthreads();
-    // The share holding the need-th largest key (shares from the top digit down), then its digit.
-    uint32_t qs = 0, share_above = 0;
-    for (uint32_t q = blocks, acc = 0; q-- > 0;) {
-      if (acc + totals[q] >= need) {
-        qs = q;
-        share_above = acc;
-        break;
+        for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) x += v[q];
+        summed[j] = x;
+        part += x;
       }
-      acc += totals[q];
+      uint32_t share_sum;
+      BlockExclusiveScan(part, scratch, &share_sum);
+      if (threadIdx.x == 0) share_total = share_sum;
+      G::Sync();  // every share is summed; no block reads the histograms any more
+      for (int b = threadIdx.x; b < kRadixBins; b += kSelectThreads) local[b] = 0;
+      if (threadIdx.x < blocks) totals[threadIdx.x] = *G::At(&share_total, threadIdx.x);
+      __syncthreads();
+      // Shares from the top digit down.
+      for (uint32_t q = blocks, acc = 0; q-- > 0;) {
+        if (acc + totals[q] >= need) {
+          qs = q;
+          share_above = acc;
+          break;
+        }
+        acc += totals[q];
+      }
+      bins = G::At(summed, qs);
     }
-    const uint32_t* bins = cluster.map_shared_rank(summed, qs);
-    constexpr int kPer = kRadixBins / kClusterThreads;  // a share has at most 2048 bins
+    // The digit, bins of the share from its top down.
+    constexpr int kPer = kRadixBins / kSelectThreads;  // a share has at most 2048 bins
     uint32_t c[kPer];
     uint32_t sum = 0;
 #pragma unroll
@@ -1288,6 +1216,9 @@ __global__ void __launch_bounds__(kClusterThreads)
         acc += c[i];
       }
     }
+    if constexpr (!kCluster) {  // read above (the scan's barriers order it before this)
+      for (int b = threadIdx.x; b < kRadixBins; b += kSelectThreads) local[b] = 0;
+    }
     __syncthreads();
     prefix |= found_digit << shift;
     need -= found_above;
@@ -1295,7 +1226,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   }
   // prefix is the threshold key; the first `need` tokens of the head equal to it are kept.
   // Warp w owns the consecutive keys [w * per, (w + 1) * per) of the slice, 32 at a time.
-  const uint32_t per = (len + kClusterWarps * 32 - 1) / (kClusterWarps * 32) * 32;
+  const uint32_t per = (len + kSelectWarps * 32 - 1) / (kSelectWarps * 32) * 32;
   const uint32_t w0 = min(len, warp * per), w1 = min(len, w0 + per);
   uint32_t gt = 0, eq = 0;
   for (uint32_t i = w0 + lane; i < w1; i += 32) {
@@ -1314,7 +1245,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   }
   __syncthreads();
   uint32_t gt_warp = 0, eq_warp = 0, gt_block = 0, eq_block = 0;  // before this warp; the block's
-  for (int w = 0; w < kClusterWarps; ++w) {
+  for (int w = 0; w < kSelectWarps; ++w) {
     if (w == warp) {
       gt_warp = gt_block;
       eq_warp = eq_block;
@@ -1322,19 +1253,23 @@ __global__ void __launch_bounds__(kClusterThreads)
     gt_block += warp_counts[w][0];
     eq_block += warp_counts[w][1];
   }
-  // This slice's counts into every later block's.
-  if (threadIdx.x > rank && threadIdx.x < blocks) {
-    uint32_t* other = cluster.map_shared_rank(earlier, threadIdx.x);
-    if (gt_block != 0) atomicAdd(other, gt_block);
-    if (eq_block != 0) atomicAdd(other + 1, eq_block);
+  if constexpr (kCluster) {
+    // This slice's counts into every later block's.
+    if (threadIdx.x > rank && threadIdx.x < blocks) {
+      uint32_t* other = G::At(earlier, threadIdx.x);
+      if (gt_block != 0) atomicAdd(other, gt_block);
+      if (eq_block != 0) atomicAdd(other + 1, eq_block);
+    }
+    G::Sync();  // the last access to another block's shared memory is before this
   }
-  cluster.sync();  // the last access to another block's shared memory is before this
   uint32_t eq_rank = earlier[1] + eq_warp;  // equal tokens of the head before the warp's next
   const uint32_t gt_before = earlier[0] + gt_warp;
   uint32_t kept_at = gt_before + min(eq_rank, need);
   uint32_t ev_at = s0 + w0 - kept_at;
-  uint32_t* out = p.indices + uint64_t{h} * kept_n;
-  uint32_t* ev_out = p.evicted == nullptr ? nullptr : p.evicted + uint64_t{h} * (n - kept_n);
+  uint32_t* out = p.indices + (var != nullptr ? var[h].out_row : uint64_t{h} * kept_n);
+  uint32_t* ev_out = p.evicted == nullptr ? nullptr
+                     : var != nullptr     ? p.evicted + flat0
+                                          : p.evicted + uint64_t{h} * (n - kept_n);
   const uint32_t lower = (1u << lane) - 1;
   for (uint32_t base = w0; base < w1; base += 32) {
     const uint32_t i = base + lane;
@@ -1342,7 +1277,8 @@ __global__ void __launch_bounds__(kClusterThreads)
     const uint32_t key = valid ? keys[i] : 0;
     const bool is_eq = valid && key == prefix;
     const uint32_t eq_mask = __ballot_sync(0xFFFFFFFFu, is_eq);
-    const bool keep = valid && (key > prefix || (is_eq && eq_rank + __popc(eq_mask & lower) < need));
+    const bool keep =
+        valid && (key > prefix || (is_eq && eq_rank + __popc(eq_mask & lower) < need));
     const uint32_t keep_mask = __ballot_sync(0xFFFFFFFFu, keep);
     const uint32_t drop_mask = __ballot_sync(0xFFFFFFFFu, valid && !keep);
     if (keep) {
@@ -1357,9 +1293,6 @@ __global__ void __launch_bounds__(kClusterThreads)
     eq_rank += __popc(eq_mask);
   }
   if (rank == 0 && threadIdx.x == 0) p.counts[h] = kept_n;
-#else
-  __trap();  // launched only on devices with thread-block clusters
-#endif
 }
 
 inline constexpr int kGatherRowsPerBlock = 128;
@@ -1375,7 +1308,7 @@ struct GatherRowsParams {
   const VarHead* var;  // varlen: each head's budget, rows and output place
   // Optional: the values' check here, so V is read once: the kept rows as they are copied, and
   // blocks past ceil(kept / kGatherRowsPerBlock) check the evicted rows listed in `evicted`
-  // (ShortSelect's layout); the first bad row (head * n + token, a varlen head's flat + token)
+  // (BlockSelect's layout); the first bad row (head * n + token, a varlen head's flat + token)
   // goes to bad_value.
   unsigned long long* bad_value;
   const uint32_t* evicted;
