@@ -22,6 +22,13 @@ KVCOMP_GPU_TEST_BINARY();
 namespace kvcomp {
 namespace {
 
+// Heads of `tokens` tokens, `kept` of them kept per head.
+struct Shape {
+  uint64_t tokens;
+  uint32_t heads;
+  uint64_t kept;
+};
+
 TEST(ScoringConformanceGpuTest, CudaAgainstCpu) {
   auto cpu = MakeCpuBackend();
   auto cuda = MakeCudaBackend();
@@ -53,11 +60,6 @@ TEST(ScoringConformanceGpuTest, ShortSelectionAgainstCpu) {
   auto cuda = MakeCudaBackend();
   ASSERT_TRUE(cpu.ok() && cuda.ok());
   uint64_t seed = 9500;
-  struct Shape {
-    uint64_t tokens;
-    uint32_t heads;
-    uint64_t kept;
-  };
   const Shape shapes[] = {
       {2048, 64, 1024}, {8191, 8, 2731}, {32768, 3, 16384}, {32769, 2, 20000}, {300, 5, 299}};
   for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
@@ -94,11 +96,6 @@ TEST(ScoringConformanceGpuTest, ClusterSelectionShapesAgainstCpu) {
   auto cuda = MakeCudaBackend();
   ASSERT_TRUE(cpu.ok() && cuda.ok());
   uint64_t seed = 9700;
-  struct Shape {
-    uint64_t tokens;
-    uint32_t heads;
-    uint64_t kept;
-  };
   const Shape shapes[] = {{1, 3, 1},          {5, 2, 2},          {1000, 4, 999},
                           {1025, 4, 513},     {8193, 3, 1},       {8193, 2, 8193},
                           {100003, 2, 50001}, {327680, 1, 163840}, {327681, 1, 100000}};
