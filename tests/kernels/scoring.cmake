@@ -32,3 +32,6 @@ if(TARGET Eigen3::Eigen AND CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND
    CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   target_compile_definitions(kernels_scoring_key_sums_test PRIVATE KVCOMP_HAVE_WIDE_GEMM=1)
 endif()
+# How the CUDA selection in shared memory splits a head (host code, so it runs without a GPU).
+kvcomp_cc_test(NAME kernels_select_plan_test SRCS select_plan_test.cc DEPS kvcomp::kernels)
+target_include_directories(kernels_select_plan_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels/src)

@@ -205,20 +205,6 @@ uint64_t ShortSelectMaxTokens() {
   return max_tokens;
 }
 
-// Blocks per head of the cluster selection for `heads` heads of n tokens on `sms` SMs: the fewest
-// (a power of two up to kClusterMaxBlocks) that leave at most kClusterMinSlice tokens to a block,
-// or the most, halved while the grid exceeds two blocks per SM (many short heads: one block each
-// has work enough); 0 when a slice would exceed kClusterSliceCapacity.
-uint32_t ClusterBlocks(uint64_t n, uint64_t heads, int sms) {
-  uint32_t blocks = 1;
-  while (blocks < kClusterMaxBlocks && CeilDiv(n, blocks) > kClusterMinSlice) blocks *= 2;
-  while (blocks > 1 && heads * blocks > 2 * static_cast<uint64_t>(std::max(sms, 1)) &&
-         CeilDiv(n, blocks / 2) <= kClusterSliceCapacity) {
-    blocks /= 2;
-  }
-  return CeilDiv(n, blocks) <= kClusterSliceCapacity ? blocks : 0;
-}
-
 // The launch of `grid` BlockSelectKernel<true> blocks in clusters of `blocks` (`attr` holds the
 // cluster dimension the configuration points to).
 cudaLaunchConfig_t ClusterLaunch(uint32_t grid, uint32_t blocks, size_t smem, cudaStream_t stream,
@@ -978,7 +964,7 @@ class CudaScoringOps final : public ScoringOps {
   // BlockSelectKernel<true> over p.heads heads of p.n tokens (PathOf chose it).
   absl::Status LaunchClusterSelect(const BlockSelectParams& p) {
     const uint32_t blocks = ClusterBlocks(p.n, p.heads, ctx_->properties.multiProcessorCount);
-    const uint64_t slice = CeilDiv(CeilDiv(p.n, blocks), 4) * 4;  // whole 16-byte loads
+    const uint64_t slice = ClusterSlice(p.n, blocks);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         BlockSelectKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
         static_cast<int>(BlockSelectSmem(kClusterSliceCapacity))));

@@ -32,6 +32,7 @@
 #include <cstdint>
 
 #include "kvcomp/kernels/scoring_ops.h"
+#include "select_plan.h"
 
 namespace kvcomp {
 namespace cuda {
@@ -1006,11 +1007,6 @@ __global__ void __launch_bounds__(kThreads) CompactKernel(const T* keys, const T
 
 inline constexpr int kSelectThreads = 1024;
 inline constexpr int kSelectWarps = kSelectThreads / 32;
-inline constexpr uint64_t kShortSelectCapacity = 32768;   // one block: 128 KiB of keys
-inline constexpr uint64_t kShortSelectMaxTokens = 8192;   // the default longest one-block head
-inline constexpr uint32_t kClusterMaxBlocks = 8;          // the portable cluster size
-inline constexpr uint64_t kClusterSliceCapacity = 40960;  // tokens per block (160 KiB of keys)
-inline constexpr uint64_t kClusterMinSlice = 1024;        // fewer blocks below this many each
 
 __host__ inline size_t BlockSelectSmem(uint64_t slice) { return slice * sizeof(uint32_t); }
 
