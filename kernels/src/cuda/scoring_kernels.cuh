@@ -1102,6 +1102,12 @@ __global__ void __launch_bounds__(kSelectThreads)
   // (the host makes cluster slices a multiple of 4 tokens), kLoads loads of a thread in flight.
   constexpr int kLoads = 4;
   const float* src = p.scores + flat0 + s0;
+  // The effective key of the slice's score i (a non-finite score reported).
+  auto key_of = [&](float f, uint32_t i) {
+    const uint64_t t = s0 + i;
+    if (!(fabsf(f) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat0 + t);
+    return EffectiveKey(f, pos.Position(h, t), seq_len, p.select);
+  };
   const bool vector = (reinterpret_cast<uintptr_t>(src) & 15) == 0;
   const uint32_t head_len = vector ? len / 4 * 4 : 0;  // scores taken four at a time
   for (uint32_t base = 0; base < head_len; base += kSelectThreads * kLoads * 4) {
@@ -1119,19 +1125,12 @@ __global__ void __launch_bounds__(kSelectThreads)
       const float f[4] = {s[u].x, s[u].y, s[u].z, s[u].w};
       uint32_t kw[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint64_t t = s0 + i + e;
-        if (!(fabsf(f[e]) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat0 + t);
-        kw[e] = EffectiveKey(f[e], pos.Position(h, t), seq_len, p.select);
-      }
+      for (int e = 0; e < 4; ++e) kw[e] = key_of(f[e], i + e);
       *reinterpret_cast<uint4*>(keys + i) = make_uint4(kw[0], kw[1], kw[2], kw[3]);
     }
   }
   for (uint32_t i = head_len + threadIdx.x; i < len; i += kSelectThreads) {
-    const float f = __ldcg(src + i);
-    const uint64_t t = s0 + i;
-    if (!(fabsf(f) <= FLT_MAX)) ReportBad(&p.errors->bad_score, flat0 + t);
-    keys[i] = EffectiveKey(f, pos.Position(h, t), seq_len, p.select);
+    keys[i] = key_of(__ldcg(src + i), i);
   }
   __syncthreads();
   G::Wait();
@@ -1164,7 +1163,9 @@ __global__ void __launch_bounds__(kSelectThreads)
         const uint32_t b = rank * share + j;
         uint32_t v[kClusterMaxBlocks];
 #pragma unroll
-        for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) v[q] = q < blocks ? G::At(local, q)[b] : 0;
+        for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) {
+          v[q] = q < blocks ? G::At(local, q)[b] : 0;
+        }
         uint32_t x = 0;
 #pragma unroll
         for (uint32_t q = 0; q < kClusterMaxBlocks; ++q) x += v[q];
