@@ -29,6 +29,17 @@ struct Shape {
   uint64_t kept;
 };
 
+// A uniform budget over the shape's heads, scored by `s` (the rest as ConformanceCase has it).
+testing::ConformanceCase UniformCase(const Shape& sh, Scorer s) {
+  testing::ConformanceCase c;
+  c.heads = sh.heads;
+  c.tokens = sh.tokens;
+  c.score.scorer = s;
+  c.select.kept_per_head = sh.kept;
+  c.select.head_budget = HeadBudget::kUniform;
+  return c;
+}
+
 TEST(ScoringConformanceGpuTest, CudaAgainstCpu) {
   auto cpu = MakeCpuBackend();
   auto cuda = MakeCudaBackend();
@@ -65,17 +76,12 @@ TEST(ScoringConformanceGpuTest, ShortSelectionAgainstCpu) {
   for (Scorer s : {Scorer::kKnorm, Scorer::kKeyDiff, Scorer::kManifold, Scorer::kWindowedManifold,
                    Scorer::kStreaming, Scorer::kRandom}) {
     for (const Shape& sh : shapes) {
-      testing::ConformanceCase c;
+      testing::ConformanceCase c = UniformCase(sh, s);
       c.dtype = (seed % 3 == 0) ? DType::kF16 : DType::kBF16;
       c.head_dim = (seed % 5 == 0) ? 64 : 128;
-      c.heads = sh.heads;
-      c.tokens = sh.tokens;
-      c.score.scorer = s;
       c.score.window = 1000;
       c.score.seed = seed;
       c.score.stream = 3;
-      c.select.kept_per_head = sh.kept;
-      c.select.head_budget = HeadBudget::kUniform;
       c.select.protect = (seed % 2) == 0;
       c.select.n_recent = 17;
       c.data.tie_every = (seed % 4 == 1) ? 5 : 0;
@@ -101,14 +107,9 @@ TEST(ScoringConformanceGpuTest, ClusterSelectionShapesAgainstCpu) {
                           {100003, 2, 50001}, {327680, 1, 163840}, {327681, 1, 100000}};
   for (const Shape& sh : shapes) {
     for (Scorer s : {Scorer::kKnorm, Scorer::kStreaming}) {
-      testing::ConformanceCase c;
+      testing::ConformanceCase c = UniformCase(sh, s);
       c.dtype = DType::kBF16;
       c.head_dim = 64;
-      c.heads = sh.heads;
-      c.tokens = sh.tokens;
-      c.score.scorer = s;
-      c.select.kept_per_head = sh.kept;
-      c.select.head_budget = HeadBudget::kUniform;
       c.select.protect = (seed % 2) == 0;
       c.select.n_recent = 33;
       c.data.tie_every = (seed % 3 == 0) ? 3 : 0;
