@@ -94,7 +94,7 @@ if has build; then
     -DCMAKE_BUILD_RPATH="$SYSROOT/lib/x86_64-linux-gnu" >"$OUT/build.log" 2>&1 || build_ok=0
   if [ "$build_ok" = 1 ]; then
     phase build
-    # -k 0: keep going past one engineer's broken target so the others' tests still run.
+    # -k 0: keep going past a broken target so the other targets' tests still run.
     cmake --build "$BUILD" -j "$JOBS" -- -k 0 ${KVCOMP_GPU_TARGETS:-} >>"$OUT/build.log" 2>&1 || build_ok=0
   fi
   if [ "$build_ok" = 1 ]; then
