@@ -209,7 +209,7 @@ void BenchAttention(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDeviceP
     const uint64_t r = uint64_t{k.group} * nq;
     const kvcomp::attention_cuda::Chunking ch = kvcomp::attention_cuda::PartialChunking(
         static_cast<uint32_t>(r), true, d, static_cast<uint32_t>(prop.multiProcessorCount), hk,
-        kept_per_head);
+        kept_per_head, p.correct);
     k.chunk = ch.chunk;
     k.chunks = ch.chunks;
     k.slots = k.chunks + (p.correct ? 1 : 0);

@@ -68,14 +68,17 @@ class MomentsCudaTest : public ::testing::Test {
     h.s = Down<float>(m.s, size_t{heads} * d * d);
     return h;
   }
+  double AttentionGap(DType dtype, DType qtype, uint32_t d, uint64_t nq, bool correct,
+                      float q_scale = 1.0f, float k_scale = 1.0f);
   std::unique_ptr<Backend> cpu_, gpu_;
 };
 
-// Raw input of `dtype` from N(offset, 1) floats.
-std::vector<uint8_t> Random(DType dtype, size_t n, std::mt19937_64& rng, float offset = 0.0f) {
+// Raw input of `dtype` from N(offset, 1) floats, times `scale`.
+std::vector<uint8_t> Random(DType dtype, size_t n, std::mt19937_64& rng, float offset = 0.0f,
+                            float scale = 1.0f) {
   std::normal_distribution<float> g(offset, 1.0f);
   std::vector<uint8_t> out(DTypeBytes(dtype, n));
-  for (size_t i = 0; i < n; ++i) StoreFromFloat(out.data(), dtype, i, g(rng));
+  for (size_t i = 0; i < n; ++i) StoreFromFloat(out.data(), dtype, i, scale * g(rng));
   return out;
 }
 
@@ -155,68 +158,92 @@ TEST_F(MomentsCudaTest, AccumulateAndCompactMatchCpu) {
   }
 }
 
+// One attention case on both backends (hq = 8 q heads over hk = 4 kv heads, some heads with
+// several chunks, one empty, moments of 500 evicted tokens but for the last head): the worst
+// absolute difference of the outputs. Also checks that the host copy of the offsets gives the
+// same output bit for bit.
+double MomentsCudaTest::AttentionGap(DType dtype, DType qtype, uint32_t d, uint64_t nq,
+                                     bool correct, float q_scale, float k_scale) {
+  const uint32_t hq = 8, hk = 4;
+  std::mt19937_64 rng(7 * d + nq + 1000 * static_cast<int>(qtype));
+  const uint64_t tokens = 1500 + 700 * nq;
+  std::vector<uint64_t> off{0};
+  for (uint32_t h = 0; h < hk; ++h) off.push_back(off.back() + (h == 2 ? 0 : tokens / (h + 1)));
+  const auto k = Random(dtype, off.back() * d, rng, 0.2f, k_scale);
+  const auto v = Random(dtype, off.back() * d, rng);
+  const auto q = Random(qtype, size_t{hq} * nq * d, rng, 0.0f, q_scale);
+  const uint64_t ev = 500;
+  const auto ek = Random(dtype, size_t{hk} * ev * d, rng, 0.2f, k_scale);
+  const auto evv = Random(dtype, size_t{hk} * ev * d, rng);
+  std::vector<uint32_t> idx;
+  std::vector<uint64_t> eo{0};
+  for (uint32_t h = 0; h < hk; ++h) {
+    for (uint32_t t = 0; t < (h == 3 ? 0u : ev); ++t) idx.push_back(t);
+    eo.push_back(idx.size());
+  }
+  HostMoments m(hk, d);
+  EXPECT_TRUE(cpu_->moments()
+                  .Accumulate(HeadsView::Dense(ek.data(), dtype, hk, ev, d),
+                              HeadsView::Dense(evv.data(), dtype, hk, ev, d),
+                              TokenLists{idx.data(), eo.data(), hk}, m.view())
+                  .ok());
+  std::vector<float> want(size_t{hq} * nq * d), got(want.size());
+  AttentionParams p;
+  p.queries = HeadsView::Dense(q.data(), qtype, hq, nq, d);
+  p.kv = RaggedKv{k.data(), v.data(), dtype, off.data(), hk, d};
+  p.moments = m.view();
+  p.correct = correct;
+  p.out = want.data();
+  EXPECT_TRUE(cpu_->moments().Attention(p).ok());
+  Buffer dq = Up(q), dk = Up(k), dv = Up(v), doff = Up(off), dc = Up(m.count), dks = Up(m.ks),
+         dvs = Up(m.vs), ds = Up(m.s), dout = Up(got);
+  p.queries = HeadsView::Dense(dq.data(), qtype, hq, nq, d, MemorySpace::kDevice);
+  p.kv = RaggedKv{dk.data(), dv.data(), dtype, doff.as<uint64_t>(), hk, d, MemorySpace::kDevice};
+  p.moments = ConstMomentsView(MomentsView{dc.as<uint64_t>(), dks.as<float>(), dvs.as<float>(),
+                                           ds.as<float>(), hk, d, MemorySpace::kDevice});
+  p.out = dout.as<float>();
+  absl::Status s = gpu_->moments().Attention(p);
+  EXPECT_TRUE(s.ok()) << s;
+  got = Down<float>(dout, got.size());
+  double worst = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::fabs(double{got[i]} - want[i]));
+  }
+  p.kv.host_offsets = off.data();
+  EXPECT_TRUE(gpu_->moments().Attention(p).ok());
+  EXPECT_EQ(Down<float>(dout, got.size()), got);
+  return worst;
+}
+
+// 1, 4, 5, 8, 9 and 16 queries x 2 q heads: 2 to 32 rows per kv head, the decode kernels (one
+// and two m-tiles of the tensor-core kernel, rows filling an m-tile and one beyond); 40: the
+// general kernel's two row blocks. f32 queries and, for 16-bit caches, queries of the cache's
+// dtype.
 TEST_F(MomentsCudaTest, AttentionMatchesCpu) {
   for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
-    for (uint32_t d : {64u, 128u, 256u}) {
-      // 1 and 4 queries x 2 q heads: the decode kernel (2 and 8 rows); 40: two row blocks
-      for (uint64_t nq : {1u, 4u, 5u, 40u}) {
-        const uint32_t hq = 8, hk = 4;
-        std::mt19937_64 rng(7 * d + nq);
-        const uint64_t tokens = 1500 + 700 * nq;  // some heads with several chunks
-        std::vector<uint64_t> off{0};
-        for (uint32_t h = 0; h < hk; ++h)
-          off.push_back(off.back() + (h == 2 ? 0 : tokens / (h + 1)));
-        const auto k = Random(dtype, off.back() * d, rng, 0.2f);
-        const auto v = Random(dtype, off.back() * d, rng);
-        const auto q = Random(DType::kF32, size_t{hq} * nq * d, rng);
-        // Moments of some other (evicted) tokens; head 3 has none.
-        const uint64_t ev = 500;
-        const auto ek = Random(dtype, size_t{hk} * ev * d, rng, 0.2f);
-        const auto evv = Random(dtype, size_t{hk} * ev * d, rng);
-        std::vector<uint32_t> idx;
-        std::vector<uint64_t> eo{0};
-        for (uint32_t h = 0; h < hk; ++h) {
-          for (uint32_t t = 0; t < (h == 3 ? 0u : ev); ++t) idx.push_back(t);
-          eo.push_back(idx.size());
-        }
-        HostMoments m(hk, d);
-        ASSERT_TRUE(cpu_->moments()
-                        .Accumulate(HeadsView::Dense(ek.data(), dtype, hk, ev, d),
-                                    HeadsView::Dense(evv.data(), dtype, hk, ev, d),
-                                    TokenLists{idx.data(), eo.data(), hk}, m.view())
-                        .ok());
-        for (bool correct : {true, false}) {
-          std::vector<float> want(size_t{hq} * nq * d), got(want.size());
-          AttentionParams p;
-          p.queries = HeadsView::Dense(q.data(), DType::kF32, hq, nq, d);
-          p.kv = RaggedKv{k.data(), v.data(), dtype, off.data(), hk, d};
-          p.moments = m.view();
-          p.correct = correct;
-          p.out = want.data();
-          ASSERT_TRUE(cpu_->moments().Attention(p).ok());
-          Buffer dq = Up(q), dk = Up(k), dv = Up(v), doff = Up(off), dc = Up(m.count),
-                 dks = Up(m.ks), dvs = Up(m.vs), ds = Up(m.s), dout = Up(got);
-          p.queries = HeadsView::Dense(dq.data(), DType::kF32, hq, nq, d, MemorySpace::kDevice);
-          p.kv = RaggedKv{dk.data(), dv.data(),           dtype, doff.as<uint64_t>(), hk,
-                          d,         MemorySpace::kDevice};
-          p.moments =
-              ConstMomentsView(MomentsView{dc.as<uint64_t>(), dks.as<float>(), dvs.as<float>(),
-                                           ds.as<float>(), hk, d, MemorySpace::kDevice});
-          p.out = dout.as<float>();
-          absl::Status s = gpu_->moments().Attention(p);
-          ASSERT_TRUE(s.ok()) << s;
-          got = Down<float>(dout, got.size());
-          double worst = 0.0;
-          for (size_t i = 0; i < got.size(); ++i) {
-            worst = std::max(worst, std::fabs(double{got[i]} - want[i]));
+    for (DType qtype : {DType::kF32, dtype}) {
+      if (qtype == dtype && dtype == DType::kF32) continue;
+      for (uint32_t d : {64u, 128u, 256u}) {
+        for (uint64_t nq : {1u, 4u, 5u, 8u, 9u, 16u, 40u}) {
+          for (bool correct : {true, false}) {
+            EXPECT_LT(AttentionGap(dtype, qtype, d, nq, correct), 2e-4)
+                << DTypeName(dtype) << " queries " << DTypeName(qtype) << " d=" << d
+                << " nq=" << nq << " correct=" << correct;
           }
-          EXPECT_LT(worst, 2e-4) << DTypeName(dtype) << " d=" << d << " nq=" << nq
-                                 << " correct=" << correct;
-          // Given the host copy of the offsets (no read-back): the same output, bit for bit.
-          p.kv.host_offsets = off.data();
-          ASSERT_TRUE(gpu_->moments().Attention(p).ok());
-          EXPECT_EQ(Down<float>(dout, got.size()), got);
         }
+      }
+    }
+  }
+}
+
+// f32 queries far beyond f16's range against an f16 cache of small keys (moderate logits): the
+// tensor-core kernel scales each query row into f16's range by a power of two.
+TEST_F(MomentsCudaTest, AttentionOfWideQueriesOverF16Cache) {
+  for (uint32_t d : {64u, 128u}) {
+    for (uint64_t nq : {1u, 9u}) {
+      for (bool correct : {true, false}) {
+        EXPECT_LT(AttentionGap(DType::kF16, DType::kF32, d, nq, correct, 3.0e5f, 1.0e-5f), 2e-4)
+            << "d=" << d << " nq=" << nq << " correct=" << correct;
       }
     }
   }

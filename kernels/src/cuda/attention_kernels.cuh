@@ -1,13 +1,17 @@
 // CUDA decode attention over a compressed layer (kept tokens ragged per kv head) plus the evicted
-// set's MomentKV virtual token. Two kernels:
-//   AttentionPartialKernel: grid (chunks [+ 1], kv heads, row blocks). A CTA takes a chunk of one
-//     kv head's kept tokens and ALL the query rows of that head's GQA group (q heads x queries,
-//     up to kRows per row block), so each kept key and value is read from memory once; the next
-//     tile's loads are issued before the current tile is computed. It keeps an online softmax
-//     (max, sum, fp32 accumulator) per row and writes it as a partial. With moments, one more
-//     CTA per (kv head, row block) computes the virtual token of every row of the block (logit
-//     t q.mu_k + ln n, value mu_v + t C q; the d x d summary read once per block, not per row)
-//     and writes it as one more partial, in parallel with the kept tokens' CTAs.
+// set's MomentKV virtual token. A partial kernel and a combine kernel:
+//   Partial kernels: grid (chunks [+ virtual CTAs], kv heads, row blocks). A CTA takes a chunk of
+//     one kv head's kept tokens and ALL the query rows of that head's GQA group (q heads x
+//     queries, up to kRows per row block), so each kept key and value is read from memory once;
+//     the next tiles' loads are issued before the current tile is computed. It keeps an online
+//     softmax (max, sum, fp32 accumulator) per row and writes it as a partial. Three forms:
+//     DecodeMmaKernel (16-bit K/V, head_dim <= 128, at most kMmaRows rows: tensor cores),
+//     DecodePartialKernel (16-bit K/V, other head_dims, at most kDecodeRows rows: CUDA cores,
+//     16-bit tiles) and AttentionPartialKernel (the rest: fp32 tiles). With moments,
+//     VirtualCtas(d) more CTAs per (kv head, row block) compute the virtual token of every row of
+//     the block (logit t q.mu_k + ln n, value mu_v + t C q; the d x d summary read once per
+//     block, not per row) and write it as one more partial, in parallel with the kept tokens'
+//     CTAs.
 //   AttentionCombineKernel: grid (rows, kv heads). Merges the partials of a row, writes out.
 #ifndef KVCOMP_KERNELS_SRC_CUDA_ATTENTION_KERNELS_CUH_
 #define KVCOMP_KERNELS_SRC_CUDA_ATTENTION_KERNELS_CUH_
@@ -18,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../env_switch.h"
 #include "moments_kernels.cuh"
@@ -44,7 +49,7 @@ struct AttentionKernelParams {
   const uint64_t* offsets = nullptr;  // [Hk + 1], device
   uint64_t chunk = 0;                 // kept tokens per CTA
   uint32_t chunks = 0;
-  uint32_t slots = 0;                 // partials per row: chunks, + 1 for the virtual token
+  uint32_t slots = 0;  // partials per row: chunks, + 1 for the virtual token (VirtualCtas CTAs)
   float scale = 0.0f;
   // Partials [Hk][row][slot]: max, sum, acc[D].
   float* part_max = nullptr;
@@ -93,84 +98,96 @@ __device__ __forceinline__ const Q* QRow(const AttentionKernelParams& p, uint32_
 
 // The virtual token of the evicted set for every row of one (kv head, row block), as a partial
 // of weight 1 at logit le: max = le, sum = 1, acc = ve. Computed in double where the CPU twin
-// is; C q walks the rows of the d x d summary once per block (thread x keeps row x's products
-// for every query row in registers). smem: at least kRows * D floats. Any multiple of 32
-// threads.
+// is. VirtualCtas(D) CTAs share it, each kVirtualCols columns of C q: thread (x, g) walks row x
+// of the d x d summary once for the rows g, g + groups, ... of the block (up to 8 each, their
+// products in registers; groups = blockDim / kVirtualCols), so the summary's rows are read once
+// per CTA and the walk is a few L2 round trips long. smem: at least kRows * (D + 4) floats.
+// Any multiple of 32 threads from 128 to 256.
+constexpr int kVirtualCols = 32;
+constexpr uint32_t VirtualCtas(uint32_t head_dim) { return head_dim / kVirtualCols; }
+template <int D>
+constexpr size_t VirtualSmemBytes() {
+  return size_t{kRows} * (D + 4) * sizeof(float);
+}
+
 template <typename Q, int D>
 __device__ void VirtualTokenPartial(const AttentionKernelParams& p, uint32_t h, uint32_t row0,
-                                    int rows, float* qs) {
+                                    int rows, float* qs, int part) {
+  constexpr int kLd = D + 4;  // padded: the row groups' 16-byte reads hit distinct banks
   const uint32_t rows_total = p.group * p.nq;
   const unsigned long long n = p.count[h];
   __shared__ double qmu[kRows];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint64_t slot0 = uint64_t{h} * rows_total + row0;
+  const int x0 = part * kVirtualCols;
+  if (n == 0) {
+    for (int e = threadIdx.x; e < rows * kVirtualCols; e += blockDim.x) {
+      const int r = e / kVirtualCols, x = x0 + e % kVirtualCols;
+      const uint64_t slot = (slot0 + r) * p.slots + p.chunks;
+      p.part_acc[slot * D + x] = 0.0f;
+      if (x == 0) {
+        p.part_max[slot] = -INFINITY;
+        p.part_sum[slot] = 0.0f;
+      }
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < kRows * D; e += blockDim.x) {
     const int r = e / D, x = e % D;
-    qs[e] = r < rows ? ToFloat(QRow<Q>(p, h, row0 + r)[x]) : 0.0f;
+    qs[r * kLd + x] = r < rows ? ToFloat(QRow<Q>(p, h, row0 + r)[x]) : 0.0f;
   }
   __syncthreads();
   const double nd = static_cast<double>(n);
   for (int r = warp; r < rows; r += blockDim.x / 32) {
-    double part = 0.0;
+    double sum = 0.0;
     for (int x = lane; x < D; x += 32) {
-      part += double{qs[r * D + x]} * (p.key_sum[size_t{h} * D + x] / nd);
+      sum += double{qs[r * kLd + x]} * (p.key_sum[size_t{h} * D + x] / nd);
     }
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
-    if (lane == 0) qmu[r] = part;
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) qmu[r] = sum;
   }
   __syncthreads();
-  const uint64_t slot0 = uint64_t{h} * rows_total + row0;
-  if (n == 0) {
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-      const uint64_t slot = (slot0 + r) * p.slots + p.chunks;
-      p.part_max[slot] = -INFINITY;
-      p.part_sum[slot] = 0.0f;
-    }
-    for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
-      p.part_acc[((slot0 + e / D) * p.slots + p.chunks) * D + e % D] = 0.0f;
-    }
-    return;
-  }
   const double t = p.scale;
-  // Rows in groups of 8 (a decode step has few rows: 4 for one query under GQA 4), four summary
-  // entries loaded ahead of their products.
   constexpr int kGroup = 8;
-  for (int x = threadIdx.x; x < D; x += blockDim.x) {
-    const float* srow = p.vk_sum + size_t{h} * D * D + static_cast<size_t>(x) * D;
-    const double mu_v = p.value_sum[size_t{h} * D + x] / nd;
-    for (int rg = 0; rg < rows; rg += kGroup) {
-      float cq[kGroup];
+  const int groups = static_cast<int>(blockDim.x) / kVirtualCols;
+  const int x = x0 + static_cast<int>(threadIdx.x) / groups, g = threadIdx.x % groups;
+  const float* srow = p.vk_sum + (size_t{h} * D + x) * D;
+  const double mu_v = p.value_sum[size_t{h} * D + x] / nd;
+  for (int rb = g; rb < rows; rb += kGroup * groups) {
+    float cq[kGroup];
 #pragma unroll
-      for (int r = 0; r < kGroup; ++r) cq[r] = 0.0f;
-      // 32 entries of the summary row per batch, loaded together (16-byte loads): one L2
-      // round trip per batch instead of one per 4 entries.
-      for (int j0 = 0; j0 < D; j0 += 32) {
-        float4 sv[8];
+    for (int i = 0; i < kGroup; ++i) cq[i] = 0.0f;
+    // 32 entries of the summary row per batch, loaded together (16-byte loads; the threads of
+    // one x read the same addresses).
+    for (int j0 = 0; j0 < D; j0 += 32) {
+      float4 sv[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) sv[u] = reinterpret_cast<const float4*>(srow + j0)[u];
+      for (int u = 0; u < 8; ++u) sv[u] = reinterpret_cast<const float4*>(srow + j0)[u];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int j = j0 + 4 * u;
-          const float s0 = sv[u].x, s1 = sv[u].y, s2 = sv[u].z, s3 = sv[u].w;
+      for (int u = 0; u < 8; ++u) {
+        const int j = j0 + 4 * u;
 #pragma unroll
-          for (int r = 0; r < kGroup; ++r) {
-            if (rg + r < rows) {  // rows past `rows` stay zero and are never written
-              const float4 q4 = *reinterpret_cast<const float4*>(qs + (rg + r) * D + j);
-              cq[r] = fmaf(s0, q4.x, fmaf(s1, q4.y, fmaf(s2, q4.z, fmaf(s3, q4.w, cq[r]))));
-            }
+        for (int i = 0; i < kGroup; ++i) {
+          const int r = rb + groups * i;
+          if (r < rows) {  // rows past `rows` stay zero and are never written
+            const float4 q4 = *reinterpret_cast<const float4*>(qs + r * kLd + j);
+            cq[i] = fmaf(sv[u].x, q4.x, fmaf(sv[u].y, q4.y, fmaf(sv[u].z, q4.z,
+                    fmaf(sv[u].w, q4.w, cq[i]))));
           }
         }
       }
+    }
 #pragma unroll
-      for (int r = 0; r < kGroup; ++r) {
-        if (rg + r < rows) {
-          const uint64_t slot = (slot0 + rg + r) * p.slots + p.chunks;
-          p.part_acc[slot * D + x] = static_cast<float>(
-              mu_v + t * (static_cast<double>(cq[r]) / nd - mu_v * qmu[rg + r]));
-          if (x == 0) {
-            p.part_max[slot] = static_cast<float>(t * qmu[rg + r] + log(nd));
-            p.part_sum[slot] = 1.0f;
-          }
+    for (int i = 0; i < kGroup; ++i) {
+      const int r = rb + groups * i;
+      if (r < rows) {
+        const uint64_t slot = (slot0 + r) * p.slots + p.chunks;
+        p.part_acc[slot * D + x] =
+            static_cast<float>(mu_v + t * (static_cast<double>(cq[i]) / nd - mu_v * qmu[r]));
+        if (x == 0) {
+          p.part_max[slot] = static_cast<float>(t * qmu[r] + log(nd));
+          p.part_sum[slot] = 1.0f;
         }
       }
     }
@@ -194,8 +211,8 @@ __global__ void __launch_bounds__(kThreads, 2) AttentionPartialKernel(AttentionK
   const uint32_t rows_total = p.group * p.nq;
   const uint32_t row0 = blockIdx.z * kRows;
   const int rows = static_cast<int>(min(static_cast<uint32_t>(kRows), rows_total - row0));
-  if (blockIdx.x == p.chunks) {
-    VirtualTokenPartial<Q, D>(p, h, row0, rows, qs);
+  if (blockIdx.x >= p.chunks) {
+    VirtualTokenPartial<Q, D>(p, h, row0, rows, qs, blockIdx.x - p.chunks);
     return;
   }
   const uint64_t a = p.offsets[h], b = p.offsets[h + 1];
@@ -346,8 +363,7 @@ constexpr size_t DecodeSmemBytes() {
   const size_t logits = size_t{DecodeSplit<D>()} * kDecodeRows * tile * sizeof(float);
   const size_t state = 3 * kDecodeRows * sizeof(float);
   const size_t total = stages + q + logits + state;
-  const size_t virtual_token = size_t{kRows} * D * sizeof(float);  // VirtualTokenPartial's qs
-  return total > virtual_token ? total : virtual_token;
+  return std::max(total, VirtualSmemBytes<D>());
 }
 
 
@@ -375,8 +391,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const uint32_t h = blockIdx.y;
   const uint32_t rows_total = p.group * p.nq;  // <= kDecodeRows (the launcher's choice)
   const int rows = static_cast<int>(rows_total);
-  if (blockIdx.x == p.chunks) {
-    VirtualTokenPartial<Q, D>(p, h, 0, rows, reinterpret_cast<float*>(smem_raw));
+  if (blockIdx.x >= p.chunks) {
+    VirtualTokenPartial<Q, D>(p, h, 0, rows, reinterpret_cast<float*>(smem_raw),
+                              blockIdx.x - p.chunks);
     return;
   }
   const uint64_t a = p.offsets[h], b = p.offsets[h + 1];
@@ -542,29 +559,342 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   }
 }
 
+// --- Decode steps on tensor cores ----------------------------------------------------------
+// For 16-bit K/V with head_dim <= 128 and at most kMmaRows query rows per kv head (a decode step,
+// or a few speculative queries per q head under GQA), DecodeMmaKernel computes both products on
+// tensor cores (mma.sync m16n8k16, f32 accumulators): the rows are the M side (16 per m-tile,
+// rows past the group's zero), the kept tokens the N side of the logits and the K side of P V,
+// so a token costs a few instructions per warp instead of a hundred CUDA-core products.
+// 128 threads; 64-token tiles of K and V copied global -> shared as they are (cp.async, three
+// stages: two tiles in flight while one is computed), each row's 16-byte chunks XOR-swizzled by
+// its low three bits so that the ldmatrix loads hit distinct banks. Warp w takes m-tile
+// w % mtiles and the 16-token steps w / mtiles, w / mtiles + 4 / mtiles, ... of every tile with
+// an online softmax of its own (the accumulator rescaled only when a row's max moves); the
+// warps' states are merged through shared memory at the end and written as one partial per
+// (row, chunk), the same partials as the other kernels'.
+// Precision: the softmax weights enter P V as a pair of 16-bit values p = hi + lo (two
+// products), f32 queries enter the logits as such a pair too, so both products carry about 16
+// more bits than the 16-bit type; f16 query rows are first scaled by a power of two into f16's
+// range (exact), which the logits' scale undoes.
+constexpr int kMmaRows = 32;  // two m-tiles
+constexpr int kMmaTile = 64;  // kept tokens per stage
+constexpr int kMmaStages = 3;
+constexpr int kMmaCtasPerSm = 2;
+constexpr int kMmaWarps = kDecodeThreads / 32;
+
+template <int D>
+constexpr size_t MmaSmemBytes() {
+  // K and V stages (16-bit); the end-of-chunk merge (f32 [warp][16][D], max and sum [warp][16])
+  // and the virtual token's CTA reuse them; then the rows' logit scales.
+  constexpr size_t stages = size_t{kMmaStages} * kMmaTile * D * 2 * 2;
+  constexpr size_t merge = size_t{kMmaWarps} * 16 * (D + 2) * sizeof(float);
+  constexpr size_t reused = std::max(stages, std::max(merge, VirtualSmemBytes<D>()));
+  return reused + kMmaRows * sizeof(float);
+}
+
+// Element offset of 16-byte chunk c of row r in a [rows][D] tile of 16-bit elements whose chunks
+// are XOR-swizzled by the row's low three bits.
+template <int D>
+__device__ __forceinline__ int Swizzled(int r, int c) {
+  return r * D + ((c ^ (r & 7)) << 3);
+}
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Two floats as the 16-bit pair of an mma operand register (the first in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float first, float second) {
+  const T a = FromFloat<T>(first), b = FromFloat<T>(second);
+  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&a)) |
+         (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&b)) << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ void Mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                      uint32_t b1) {
+  if constexpr (std::is_same<T, __half>::value) {
+    ptx::MmaF16(c, a, b0, b1);
+  } else {
+    ptx::MmaBF16(c, a, b0, b1);
+  }
+}
+
+template <typename Q, typename T, int D>
+__global__ void __launch_bounds__(kDecodeThreads, kMmaCtasPerSm)
+    DecodeMmaKernel(AttentionKernelParams p) {
+  ptx::LaunchDependents();  // the combine's few CTAs may be placed now; they wait in-kernel
+  static_assert(D == 64 || D == 128, "the accumulators of 16 rows x D columns stay in registers");
+  constexpr bool kPairQ = !std::is_same<Q, T>::value;  // f32 queries: hi + lo
+  constexpr bool kHalf = std::is_same<T, __half>::value;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  constexpr int kSteps = D / 16;  // k-steps of the logits, column pairs of P V
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* kst = reinterpret_cast<T*>(smem_raw);      // [stages][kMmaTile][D], swizzled
+  T* vst = kst + kMmaStages * kMmaTile * D;     // [stages][kMmaTile][D], swizzled
+  float* row_scale = reinterpret_cast<float*>(smem_raw + MmaSmemBytes<D>()) - kMmaRows;
+
+  const uint32_t h = blockIdx.y;
+  const int rows = static_cast<int>(p.group * p.nq);  // <= kMmaRows (the launcher's choice)
+  if (blockIdx.x >= p.chunks) {
+    VirtualTokenPartial<Q, D>(p, h, 0, rows, reinterpret_cast<float*>(smem_raw),
+                              blockIdx.x - p.chunks);
+    return;
+  }
+  const int mtiles = rows > 16 ? 2 : 1;
+  const int groups = kMmaWarps / mtiles;  // warps per m-tile
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int mt = warp % mtiles, group = warp / mtiles;
+  const uint64_t a = p.offsets[h], b = p.offsets[h + 1];
+  const uint64_t begin = min(b, a + blockIdx.x * p.chunk), end = min(b, begin + p.chunk);
+  const int tiles = static_cast<int>((end - begin + kMmaTile - 1) / kMmaTile);
+  const T* kg = static_cast<const T*>(p.keys);
+  const T* vg = static_cast<const T*>(p.values);
+
+  auto issue = [&](int i) {
+    const uint64_t t0 = begin + uint64_t{kMmaTile} * i;
+    const int m = static_cast<int>(min(static_cast<uint64_t>(kMmaTile), end - t0));
+    T* ks = kst + (i % kMmaStages) * kMmaTile * D;
+    T* vs = vst + (i % kMmaStages) * kMmaTile * D;
+    for (int e = threadIdx.x; e < kMmaTile * kChunks; e += kDecodeThreads) {
+      const int j = e / kChunks, c = e % kChunks;
+      const bool in = j < m;  // rows past the chunk are zero-filled
+      const uint64_t row = in ? t0 + j : begin;
+      CpAsync16(ks + Swizzled<D>(j, c), kg + row * D + c * 8, in ? 16 : 0);
+      CpAsync16(vs + Swizzled<D>(j, c), vg + row * D + c * 8, in ? 16 : 0);
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < kMmaStages - 1; ++st) {
+    if (st < tiles) issue(st);
+    CpAsyncCommit();
+  }
+
+  // The queries, as 16-bit hi (and lo) parts, staged in the last stage's K buffer (not issued
+  // to before the loop's first barrier), then held in registers as A fragments.
+  T* q_hi = kst + (kMmaStages - 1) * kMmaTile * D;  // [kMmaRows][D], swizzled
+  T* q_lo = q_hi + kMmaRows * D;
+  for (int r = warp; r < kMmaRows; r += kMmaWarps) {
+    const Q* qr = r < rows ? QRow<Q>(p, h, static_cast<uint32_t>(r)) : nullptr;
+    int e2 = 0;
+    if (kHalf && qr != nullptr) {
+      float mx = 0.0f;
+      for (int x = lane; x < D; x += 32) mx = fmaxf(mx, fabsf(ToFloat(qr[x])));
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      if (mx > 0.0f && mx <= 3.0e38f) e2 = ilogbf(mx) - 13;  // largest |q| in [2^13, 2^14)
+    }
+    if (lane == 0) row_scale[r] = ldexpf(p.scale, e2);
+    for (int x = lane; x < D; x += 32) {
+      const float v = qr != nullptr ? ldexpf(ToFloat(qr[x]), -e2) : 0.0f;
+      const T hi = FromFloat<T>(v);
+      q_hi[Swizzled<D>(r, x / 8) + x % 8] = hi;
+      if (kPairQ) q_lo[Swizzled<D>(r, x / 8) + x % 8] = FromFloat<T>(v - ToFloat(hi));
+    }
+  }
+  __syncthreads();
+  const int mi = lane / 8;  // the 8x8 matrix whose row address this lane gives to ldmatrix
+  uint32_t qa[kSteps][4], qb[kPairQ ? kSteps : 1][4];
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    const int off = Swizzled<D>(16 * mt + lane % 8 + 8 * (mi % 2), 2 * kk + mi / 2);
+    ptx::LdMatrixX4(qa[kk], q_hi + off);
+    if constexpr (kPairQ) ptx::LdMatrixX4(qb[kk], q_lo + off);
+  }
+  const int g = lane / 4;  // this lane's rows g and g + 8 of the m-tile
+  const float scale0 = row_scale[16 * mt + g], scale1 = row_scale[16 * mt + g + 8];
+
+  float acc[2 * kSteps][4];  // O[16 rows][D]: block n holds columns 8n .. 8n + 7
+#pragma unroll
+  for (int n = 0; n < 2 * kSteps; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  float max0 = -INFINITY, max1 = -INFINITY, sum0 = 0.0f, sum1 = 0.0f;
+
+  for (int i = 0; i < tiles; ++i) {
+    CpAsyncWait<kMmaStages - 2>();
+    __syncthreads();  // tile i landed everywhere; tile i - 1's stage is free
+    if (i + kMmaStages - 1 < tiles) issue(i + kMmaStages - 1);
+    CpAsyncCommit();
+    const int m =
+        static_cast<int>(min(static_cast<uint64_t>(kMmaTile), end - begin - uint64_t{kMmaTile} * i));
+    const T* ks = kst + (i % kMmaStages) * kMmaTile * D;
+    const T* vs = vst + (i % kMmaStages) * kMmaTile * D;
+    for (int j0 = 16 * group; j0 < m; j0 += 16 * groups) {
+      // Logits of the m-tile's rows against tokens j0 .. j0 + 15 (two blocks of 8).
+      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+      for (int kk = 0; kk < kSteps; ++kk) {
+        uint32_t kb[4];
+        ptx::LdMatrixX4(kb, ks + Swizzled<D>(j0 + lane % 8 + 8 * (mi / 2), 2 * kk + mi % 2));
+        Mma16<T>(s[0], qa[kk], kb[0], kb[1]);
+        Mma16<T>(s[1], qa[kk], kb[2], kb[3]);
+        if constexpr (kPairQ) {
+          Mma16<T>(s[0], qb[kk], kb[0], kb[1]);
+          Mma16<T>(s[1], qb[kk], kb[2], kb[3]);
+        }
+      }
+      // Online softmax of rows g (s[.][0..1]) and g + 8 (s[.][2..3]); tokens past m masked.
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const bool in = j0 + 8 * n + 2 * (lane % 4) + e < m;
+          s[n][e] = in ? s[n][e] * scale0 : -INFINITY;
+          s[n][2 + e] = in ? s[n][2 + e] * scale1 : -INFINITY;
+          mx0 = fmaxf(mx0, s[n][e]);
+          mx1 = fmaxf(mx1, s[n][2 + e]);
+        }
+      }
+#pragma unroll
+      for (int o = 1; o <= 2; o *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+      }
+      const float new0 = fmaxf(max0, mx0), new1 = fmaxf(max1, mx1);
+      const float f0 = max0 == -INFINITY ? 0.0f : __expf(max0 - new0);
+      const float f1 = max1 == -INFINITY ? 0.0f : __expf(max1 - new1);
+      max0 = new0;
+      max1 = new1;
+      float w[2][4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          w[n][e] = __expf(s[n][e] - new0);
+          w[n][2 + e] = __expf(s[n][2 + e] - new1);
+        }
+      }
+      sum0 = sum0 * f0 + (w[0][0] + w[0][1] + w[1][0] + w[1][1]);
+      sum1 = sum1 * f1 + (w[0][2] + w[0][3] + w[1][2] + w[1][3]);
+      if (__any_sync(0xffffffffu, f0 != 1.0f || f1 != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < 2 * kSteps; ++n) {
+          acc[n][0] *= f0;
+          acc[n][1] *= f0;
+          acc[n][2] *= f1;
+          acc[n][3] *= f1;
+        }
+      }
+      // The weights as the A operand of P V (16 rows x 16 tokens): hi, then the remainder lo.
+      uint32_t pa[4], pb[4];
+      {
+        float lo[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) lo[n][e] = w[n][e] - ToFloat(FromFloat<T>(w[n][e]));
+        }
+        pa[0] = PackPair<T>(w[0][0], w[0][1]);
+        pa[1] = PackPair<T>(w[0][2], w[0][3]);
+        pa[2] = PackPair<T>(w[1][0], w[1][1]);
+        pa[3] = PackPair<T>(w[1][2], w[1][3]);
+        pb[0] = PackPair<T>(lo[0][0], lo[0][1]);
+        pb[1] = PackPair<T>(lo[0][2], lo[0][3]);
+        pb[2] = PackPair<T>(lo[1][0], lo[1][1]);
+        pb[3] = PackPair<T>(lo[1][2], lo[1][3]);
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < kSteps; ++n2) {
+        uint32_t vb[4];
+        ptx::LdMatrixX4Trans(vb, vs + Swizzled<D>(j0 + lane % 8 + 8 * (mi % 2), 2 * n2 + mi / 2));
+        Mma16<T>(acc[2 * n2], pa, vb[0], vb[1]);
+        Mma16<T>(acc[2 * n2 + 1], pa, vb[2], vb[3]);
+        Mma16<T>(acc[2 * n2], pb, vb[0], vb[1]);
+        Mma16<T>(acc[2 * n2 + 1], pb, vb[2], vb[3]);
+      }
+    }
+  }
+  CpAsyncWait<0>();
+#pragma unroll
+  for (int o = 1; o <= 2; o *= 2) {
+    sum0 += __shfl_xor_sync(0xffffffffu, sum0, o);
+    sum1 += __shfl_xor_sync(0xffffffffu, sum1, o);
+  }
+  __syncthreads();  // every stage consumed: the merge reuses them
+  float* mo = reinterpret_cast<float*>(smem_raw);  // [warp][16][D]
+  float* mmax = mo + kMmaWarps * 16 * D;            // [warp][16]
+  float* msum = mmax + kMmaWarps * 16;
+#pragma unroll
+  for (int n = 0; n < 2 * kSteps; ++n) {
+    const int c = 8 * n + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(mo + (warp * 16 + g) * D + c) = make_float2(acc[n][0], acc[n][1]);
+    *reinterpret_cast<float2*>(mo + (warp * 16 + g + 8) * D + c) =
+        make_float2(acc[n][2], acc[n][3]);
+  }
+  if (lane % 4 == 0) {
+    mmax[warp * 16 + g] = max0;
+    mmax[warp * 16 + g + 8] = max1;
+    msum[warp * 16 + g] = sum0;
+    msum[warp * 16 + g + 8] = sum1;
+  }
+  __syncthreads();
+  // Partials of (h, row, chunk): the warps of a row's m-tile merged; an empty chunk writes max
+  // -inf, sum 0.
+  for (int e = threadIdx.x; e < rows * D; e += kDecodeThreads) {
+    const int row = e / D, x = e % D, t = row / 16, r = row % 16;
+    float mx = -INFINITY;
+    for (int w = t; w < kMmaWarps; w += mtiles) mx = fmaxf(mx, mmax[w * 16 + r]);
+    float sum = 0.0f, o = 0.0f;
+    if (mx != -INFINITY) {
+      for (int w = t; w < kMmaWarps; w += mtiles) {
+        const float c = __expf(mmax[w * 16 + r] - mx);
+        sum += c * msum[w * 16 + r];
+        o += c * mo[(w * 16 + r) * D + x];
+      }
+    }
+    const uint64_t slot = (uint64_t{h} * static_cast<uint32_t>(rows) + row) * p.slots + blockIdx.x;
+    p.part_acc[slot * D + x] = o;
+    if (x == 0) {
+      p.part_max[slot] = mx;
+      p.part_sum[slot] = sum;
+    }
+  }
+}
+
+// Whether a launch of (rows per kv head, 16-bit K/V, head_dim) takes DecodeMmaKernel.
+// KVCOMP_CUDA_MMA_DECODE=0 keeps the CUDA-core kernels (for comparisons).
+inline bool MmaDecode(uint32_t rows, bool sixteen_bit, uint32_t head_dim) {
+  static const bool on = internal::SwitchOn("KVCOMP_CUDA_MMA_DECODE");
+  return on && sixteen_bit && head_dim <= 128 && rows <= static_cast<uint32_t>(kMmaRows);
+}
+
 // Most partials a row may have (the launcher keeps chunks below it).
 constexpr uint32_t kMaxSlots = 1024;
 
 // Kept tokens per partial CTA and their count for the longest head (max_kept): one wave of
-// CTAs (two per multiprocessor for the general kernel and for head_dim 256, kDecodeCtasPerSm
-// for a decode step of 16-bit K/V), chunks of at least 128 (decode) or 256 tokens, a multiple of 32, fewer chunks
-// than the combine kernel's slot limit. (Three CTAs per multiprocessor of the general kernel
+// CTAs (kMmaCtasPerSm per multiprocessor for the tensor-core decode kernel, kDecodeCtasPerSm
+// for the CUDA-core one, two for the general kernel), chunks of whole 64-token tiles (tensor
+// cores) or of at least 128 (decode) or 256 tokens in multiples of 32, fewer chunks than the
+// combine kernel's slot limit. (Three CTAs per multiprocessor of the general kernel
 // and 128-token chunks were measured slower on an H100: 95 registers left room for two.)
 struct Chunking {
   uint64_t chunk = 0;
   uint32_t chunks = 0;
 };
 inline Chunking PartialChunking(uint32_t rows, bool sixteen_bit, uint32_t head_dim, uint32_t sms,
-                                uint32_t kv_heads, uint64_t max_kept) {
-  const bool decode = sixteen_bit && rows <= static_cast<uint32_t>(kDecodeRows);
-  const uint64_t row_blocks = (rows + kRows - 1) / kRows;
-  const uint64_t per_sm = decode && head_dim <= 128 ? kDecodeCtasPerSm : 2;
-  // One slot of the wave is left for each (kv head, row block)'s virtual-token CTA.
+                                uint32_t kv_heads, uint64_t max_kept, bool virtual_token) {
+  const bool mma = MmaDecode(rows, sixteen_bit, head_dim);
+  const bool decode = !mma && sixteen_bit && rows <= static_cast<uint32_t>(kDecodeRows);
+  const uint64_t row_blocks = mma ? 1 : (rows + kRows - 1) / kRows;
+  const uint64_t per_sm =
+      mma ? kMmaCtasPerSm : (decode && head_dim <= 128 ? kDecodeCtasPerSm : 2);
+  // Slots of the wave are left for each (kv head, row block)'s virtual-token CTAs.
   const uint64_t per_head = per_sm * sms / (uint64_t{kv_heads} * row_blocks);
+  const uint64_t spare = virtual_token ? VirtualCtas(head_dim) : 0;
   const uint64_t target =
-      std::max<uint64_t>(1, std::min<uint64_t>(kMaxSlots - 1, per_head > 1 ? per_head - 1 : 1));
-  uint64_t chunk = std::max<uint64_t>(decode ? 128 : 256, (max_kept + target - 1) / target);
-  chunk = (chunk + 31) / 32 * 32;
+      std::max<uint64_t>(1, std::min<uint64_t>(kMaxSlots - 1, per_head > spare ? per_head - spare : 1));
+  const uint64_t step = mma ? kMmaTile : 32;
+  uint64_t chunk =
+      std::max<uint64_t>(mma ? kMmaTile : decode ? 128 : 256, (max_kept + target - 1) / target);
+  chunk = (chunk + step - 1) / step * step;
   Chunking c;
   c.chunk = chunk;
   c.chunks = static_cast<uint32_t>(std::max<uint64_t>(1, (max_kept + chunk - 1) / chunk));
@@ -638,10 +968,53 @@ inline bool ProgrammaticLaunch() {
   return on;
 }
 
+// The combine as the partial kernel's programmatic dependent: its launch overlaps the partial
+// kernel's tail, and it waits for the slots in the kernel (GridDependencyWait).
+// KVCOMP_CUDA_PDL=0 launches it the ordinary way (for comparisons).
+template <typename Q, int D>
+cudaError_t LaunchCombineAfterDecode(const AttentionKernelParams& p, uint32_t rows,
+                                     uint32_t kv_heads, cudaStream_t stream) {
+  if (!ProgrammaticLaunch()) {
+    AttentionCombineKernel<Q, D><<<dim3(rows, kv_heads), D, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(rows, kv_heads);
+  cfg.blockDim = dim3(D);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, AttentionCombineKernel<Q, D>, p);
+}
+
+// CTAs of a partial kernel per (kv head, row block): the chunks, then the virtual token's.
+template <int D>
+uint32_t PartialCtas(const AttentionKernelParams& p) {
+  return p.chunks + (p.slots > p.chunks ? VirtualCtas(D) : 0);
+}
+
+// p.chunk and p.chunks as PartialChunking gives them for the same rows, dtype and head_dim;
+// p.slots = p.chunks, + 1 with the virtual token.
 template <typename Q, typename T, int D>
 cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
                             cudaStream_t stream) {
   const uint32_t rows = p.group * p.nq;
+  if constexpr (sizeof(T) == 2 && D <= 128) {
+    if (MmaDecode(rows, true, D)) {
+      constexpr size_t smem = MmaSmemBytes<D>();
+      auto partial = DecodeMmaKernel<Q, T, D>;
+      cudaError_t e =
+          cudaFuncSetAttribute(partial, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return e;
+      partial<<<dim3(PartialCtas<D>(p), kv_heads, 1), kDecodeThreads, smem, stream>>>(p);
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+      return LaunchCombineAfterDecode<Q, D>(p, rows, kv_heads, stream);
+    }
+  }
   if constexpr (sizeof(T) == 2) {
     if (rows <= static_cast<uint32_t>(kDecodeRows)) {  // a decode step
       constexpr size_t smem = DecodeSmemBytes<T, D>();
@@ -649,26 +1022,10 @@ cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
       cudaError_t e =
           cudaFuncSetAttribute(partial, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       if (e != cudaSuccess) return e;
-      partial<<<dim3(p.slots, kv_heads, 1), kDecodeThreads, smem, stream>>>(p);
+      partial<<<dim3(PartialCtas<D>(p), kv_heads, 1), kDecodeThreads, smem, stream>>>(p);
       e = cudaGetLastError();
       if (e != cudaSuccess) return e;
-      // The combine as the partial kernel's programmatic dependent: its launch overlaps the
-      // partial kernel's tail, and it waits for the slots in the kernel (GridDependencyWait).
-      // KVCOMP_CUDA_PDL=0 launches it the ordinary way (for comparisons).
-      if (!ProgrammaticLaunch()) {
-        AttentionCombineKernel<Q, D><<<dim3(rows, kv_heads), D, 0, stream>>>(p);
-        return cudaGetLastError();
-      }
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(rows, kv_heads);
-      cfg.blockDim = dim3(D);
-      cfg.stream = stream;
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr.val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      return cudaLaunchKernelEx(&cfg, AttentionCombineKernel<Q, D>, p);
+      return LaunchCombineAfterDecode<Q, D>(p, rows, kv_heads, stream);
     }
   }
   constexpr size_t smem = PartialSmemBytes<D>();
@@ -678,7 +1035,7 @@ cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
         cudaFuncSetAttribute(partial, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
   }
-  const dim3 grid(p.slots, kv_heads, (rows + kRows - 1) / kRows);
+  const dim3 grid(PartialCtas<D>(p), kv_heads, (rows + kRows - 1) / kRows);
   partial<<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;

@@ -211,12 +211,12 @@ class CudaMomentOps final : public MomentOps {
     k.offsets = kv.offsets;
     k.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(d));
     const uint64_t rows = uint64_t{k.group} * k.nq;
+    const bool virtual_token = p.correct && p.moments.count != nullptr;
     const attention_cuda::Chunking ch = attention_cuda::PartialChunking(
         static_cast<uint32_t>(rows), kv.dtype != DType::kF32, d,
-        static_cast<uint32_t>(ctx_->properties.multiProcessorCount), hk, max_kept);
+        static_cast<uint32_t>(ctx_->properties.multiProcessorCount), hk, max_kept, virtual_token);
     k.chunk = ch.chunk;
     k.chunks = ch.chunks;
-    const bool virtual_token = p.correct && p.moments.count != nullptr;
     k.slots = k.chunks + (virtual_token ? 1 : 0);
     const uint64_t slots = uint64_t{hk} * rows * k.slots;
     KVCOMP_ASSIGN_OR_RETURN(Buffer ws,
