@@ -965,9 +965,7 @@ class CudaScoringOps final : public ScoringOps {
   absl::Status LaunchClusterSelect(const BlockSelectParams& p) {
     const uint32_t blocks = ClusterBlocks(p.n, p.heads, ctx_->properties.multiProcessorCount);
     const uint64_t slice = ClusterSlice(p.n, blocks);
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        BlockSelectKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(BlockSelectSmem(kClusterSliceCapacity))));
+    // The shared-memory limit was raised on this device by ClusterSelectFits (PathOf asks it).
     if (uint64_t{p.heads} * blocks > 0x7FFFFFFFull) {
       return absl::InvalidArgumentError("cluster selection: too many heads");
     }
