@@ -618,16 +618,6 @@ __device__ __forceinline__ uint32_t PackPair(float first, float second) {
          (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&b)) << 16);
 }
 
-template <typename T>
-__device__ __forceinline__ void Mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                      uint32_t b1) {
-  if constexpr (std::is_same<T, __half>::value) {
-    ptx::MmaF16(c, a, b0, b1);
-  } else {
-    ptx::MmaBF16(c, a, b0, b1);
-  }
-}
-
 template <typename Q, typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads, kMmaCtasPerSm)
     DecodeMmaKernel(AttentionKernelParams p) {
@@ -733,11 +723,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kMmaCtasPerSm)
       for (int kk = 0; kk < kSteps; ++kk) {
         uint32_t kb[4];
         ptx::LdMatrixX4(kb, ks + Swizzled<D>(j0 + lane % 8 + 8 * (mi / 2), 2 * kk + mi % 2));
-        Mma16<T>(s[0], qa[kk], kb[0], kb[1]);
-        Mma16<T>(s[1], qa[kk], kb[2], kb[3]);
+        ptx::Mma16<T>(s[0], qa[kk], kb[0], kb[1]);
+        ptx::Mma16<T>(s[1], qa[kk], kb[2], kb[3]);
         if constexpr (kPairQ) {
-          Mma16<T>(s[0], qb[kk], kb[0], kb[1]);
-          Mma16<T>(s[1], qb[kk], kb[2], kb[3]);
+          ptx::Mma16<T>(s[0], qb[kk], kb[0], kb[1]);
+          ptx::Mma16<T>(s[1], qb[kk], kb[2], kb[3]);
         }
       }
       // Online softmax of rows g (s[.][0..1]) and g + 8 (s[.][2..3]); tokens past m masked.
@@ -805,10 +795,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kMmaCtasPerSm)
       for (int n2 = 0; n2 < kSteps; ++n2) {
         uint32_t vb[4];
         ptx::LdMatrixX4Trans(vb, vs + Swizzled<D>(j0 + lane % 8 + 8 * (mi % 2), 2 * n2 + mi / 2));
-        Mma16<T>(acc[2 * n2], pa, vb[0], vb[1]);
-        Mma16<T>(acc[2 * n2 + 1], pa, vb[2], vb[3]);
-        Mma16<T>(acc[2 * n2], pb, vb[0], vb[1]);
-        Mma16<T>(acc[2 * n2 + 1], pb, vb[2], vb[3]);
+        ptx::Mma16<T>(acc[2 * n2], pa, vb[0], vb[1]);
+        ptx::Mma16<T>(acc[2 * n2 + 1], pa, vb[2], vb[3]);
+        ptx::Mma16<T>(acc[2 * n2], pb, vb[0], vb[1]);
+        ptx::Mma16<T>(acc[2 * n2 + 1], pb, vb[2], vb[3]);
       }
     }
   }

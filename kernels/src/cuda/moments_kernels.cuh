@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "../env_switch.h"
 #include "ptx_primitives.cuh"
 
 namespace kvcomp {
@@ -624,6 +625,248 @@ __global__ void __launch_bounds__(kThreads, 2) MomentKernelAsync(MomentKernelPar
   }
 }
 
+// --- One barrier per tile: kept tokens masked in the tensor-core fragments --------------
+// MomentKernelMasked (16-bit inputs, d 64 and 128; the default): the same pass as
+// MomentKernelAsync, but each warp finds the tile's kept tokens itself (its lanes hold the next
+// 64 entries of the kept list, loaded a tile ahead; two warp-wide ORs make a 64-bit mask of the
+// tile), so neither a search per token nor a barrier is needed for it; kept rows are copied out
+// and left in shared memory, and the product V^T K runs on mma.sync with the V fragments of kept
+// tokens zeroed in registers. One block barrier per tile (the tile landed, the oldest stage is
+// free) instead of three.
+
+// S += V^T K over one 64-token tile, the tokens whose bit is set in `excluded` left out. Warp w
+// owns rows [(w / 2) D / 4, + D / 4) (V's dims) and columns [(w % 2) D / 2, + D / 2) (K's) of S.
+template <typename T, int D>
+struct MaskedMma {
+  static constexpr int kLd = RowStride<T, D>();
+  static constexpr int kMT = D / 64;  // 16-row m-tiles per warp
+  static constexpr int kNT = D / 16;  // 8-column n-tiles per warp
+  static_assert(kThreads == 256 && (D == 64 || D == 128), "8 warps over a D x D block");
+  float c[kMT][kNT][4];
+  __device__ void Init() {
+#pragma unroll
+    for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) c[m][n][0] = c[m][n][1] = c[m][n][2] = c[m][n][3] = 0.0f;
+    }
+  }
+  __device__ void Add(const T* ks, const T* vs, uint64_t excluded) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, mi = lane / 8, q = lane % 4;
+    const int row0 = (warp / 2) * (D / 4), col0 = (warp % 2) * (D / 2);
+#pragma unroll
+    for (int k0 = 0; k0 < kTileT; k0 += 16) {
+      // A = V^T (rows: V's dims, k: tokens): this lane's k pairs 2q, 2q + 1 and 2q + 8, 2q + 9.
+      const uint32_t bits = static_cast<uint32_t>(excluded >> k0);
+      const uint32_t keep01 = ((bits >> (2 * q)) & 1u ? 0u : 0x0000FFFFu) |
+                              ((bits >> (2 * q + 1)) & 1u ? 0u : 0xFFFF0000u);
+      const uint32_t keep89 = ((bits >> (2 * q + 8)) & 1u ? 0u : 0x0000FFFFu) |
+                              ((bits >> (2 * q + 9)) & 1u ? 0u : 0xFFFF0000u);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int m = 0; m < kMT; ++m) {
+        ptx::LdMatrixX4Trans(a[m], vs + (k0 + lane % 8 + 8 * (mi >> 1)) * kLd + row0 + 16 * m +
+                                       8 * (mi & 1));
+        a[m][0] &= keep01;
+        a[m][1] &= keep01;
+        a[m][2] &= keep89;
+        a[m][3] &= keep89;
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < kNT / 2; ++n2) {
+        // B = K (k: tokens, columns: K's dims), two n-tiles per load.
+        uint32_t b[4];
+        ptx::LdMatrixX4Trans(b, ks + (k0 + lane % 8 + 8 * (mi & 1)) * kLd + col0 + 16 * n2 +
+                                    8 * (mi >> 1));
+#pragma unroll
+        for (int m = 0; m < kMT; ++m) {
+          ptx::Mma16<T>(c[m][2 * n2], a[m], b[0], b[1]);
+          ptx::Mma16<T>(c[m][2 * n2 + 1], a[m], b[2], b[3]);
+        }
+      }
+    }
+  }
+  // Adds the block to s (row-major D x D) through `stage` (D x (D + 4) floats of shared memory):
+  // the fragments stored there, then 8 consecutive floats per atomic step. Synchronises the CTA.
+  __device__ void Flush(float* s, float* stage) {
+    constexpr int kLs = D + 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const int row0 = (warp / 2) * (D / 4), col0 = (warp % 2) * (D / 2);
+#pragma unroll
+    for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+        const int r = row0 + 16 * m + g, col = col0 + 8 * n + 2 * q;
+        *reinterpret_cast<float2*>(stage + r * kLs + col) = make_float2(c[m][n][0], c[m][n][1]);
+        *reinterpret_cast<float2*>(stage + (r + 8) * kLs + col) =
+            make_float2(c[m][n][2], c[m][n][3]);
+      }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < D * D / 8; e += kThreads) {
+      const int r = e / (D / 8), c8 = (e % (D / 8)) * 8;
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = stage[r * kLs + c8 + i];
+      AtomicAdd8(s + r * D + c8, v);
+    }
+  }
+};
+
+template <typename T, int D>
+constexpr size_t MaskedMomentSmemBytes() {
+  const size_t tiles = size_t{kAsyncStages} * 2 * kTileT * RowStride<T, D>() * sizeof(T);
+  const size_t flush = (size_t{D} * (D + 4) + 2 * D) * sizeof(float);
+  return (tiles > flush ? tiles : flush) + 16;  // + the first kept entry's index
+}
+
+template <typename T, int D, bool kCompact>
+__global__ void __launch_bounds__(kThreads, 2) MomentKernelMasked(MomentKernelParams p) {
+  constexpr int kLd = RowStride<T, D>();
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kRowVecs = D / kVec;
+  constexpr int kLoads = kTileT * kRowVecs / kThreads;
+  constexpr int kStage = 2 * kTileT * kLd;  // elements of one stage (K then V)
+  constexpr int S = kAsyncStages;
+  static_assert(kTileT == 64, "a tile's kept tokens are one 64-bit mask");
+  static_assert(kRowVecs <= 32 && kThreads % kRowVecs == 0, "a row's lanes share a warp");
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* stages = reinterpret_cast<T*>(smem);
+  uint64_t* first_kept =
+      reinterpret_cast<uint64_t*>(smem + MaskedMomentSmemBytes<T, D>() - 16);
+
+  const uint32_t h = blockIdx.y;
+  const bool summarize = p.count != nullptr;
+  const bool check = kCompact && p.bad_value != nullptr;
+  const uint64_t l0 = p.list_off[h], l1 = p.list_off[h + 1];
+  uint64_t begin, end;
+  if (kCompact) {
+    begin = blockIdx.x * p.chunk;
+    end = min(p.num_tokens, begin + p.chunk);
+  } else {
+    begin = l0 + blockIdx.x * p.chunk;
+    end = min(l1, begin + p.chunk);
+  }
+  if (begin >= end) return;
+  if (p.abort != nullptr && *p.abort != 0) return;
+  const T* kbase = static_cast<const T*>(p.k) + h * p.k_head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + h * p.v_head_stride;
+  const int lane = threadIdx.x % 32;
+
+  if (kCompact && threadIdx.x == 0) {  // the first kept entry at or after begin
+    uint64_t lo = l0, hi = l1;
+    while (lo < hi) {
+      const uint64_t mid = (lo + hi) / 2;
+      if (p.list[mid] < begin) lo = mid + 1; else hi = mid;
+    }
+    *first_kept = lo;
+  }
+
+  auto issue = [&](uint64_t t, int stage) {
+    const int mm = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t));
+    T* ks = stages + stage * kStage;
+    T* vs = ks + kTileT * kLd;
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int e = threadIdx.x + u * kThreads;
+      const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+      const bool in = r < mm;
+      const uint64_t tok = in ? (kCompact ? t + r : p.list[t + r]) : 0;
+      CpAsync16(ks + r * kLd + c, kbase + tok * p.k_token_stride + c, in ? 16 : 0);
+      CpAsync16(vs + r * kLd + c, vbase + tok * p.v_token_stride + c, in ? 16 : 0);
+    }
+  };
+
+  MaskedMma<T, D> acc;
+  acc.Init();
+  const int my_col = (threadIdx.x % kRowVecs) * kVec;  // fixed: kThreads % kRowVecs == 0
+  float ksum[kVec], vsum[kVec];
+#pragma unroll
+  for (int w = 0; w < kVec; ++w) ksum[w] = vsum[w] = 0.0f;
+  unsigned long long evicted = 0;
+  const int tiles = static_cast<int>((end - begin + kTileT - 1) / kTileT);
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < tiles) issue(begin + uint64_t{kTileT} * st, st);
+    CpAsyncCommit();
+  }
+  __syncthreads();
+  uint64_t kp = kCompact ? *first_kept : 0;
+  // This lane's entries of the kept list for the coming tile: kp + lane and kp + 32 + lane.
+  uint32_t e0 = 0xFFFFFFFFu, e1 = 0xFFFFFFFFu;
+  if (kCompact) {
+    if (kp + lane < l1) e0 = p.list[kp + lane];
+    if (kp + 32 + lane < l1) e1 = p.list[kp + 32 + lane];
+  }
+  for (int i = 0; i < tiles; ++i) {
+    const uint64_t t0 = begin + uint64_t{kTileT} * i;
+    const int m = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t0));
+    CpAsyncWait<S - 2>();
+    __syncthreads();  // tile i landed for every thread; the stage tile i - 1 used is free
+    if (i + S - 1 < tiles) issue(begin + uint64_t{kTileT} * (i + S - 1), (i + S - 1) % S);
+    CpAsyncCommit();
+    // The tile's kept tokens as a mask (the list is ascending: the entries below t0 + m).
+    uint64_t kept = 0;
+    const uint64_t kp0 = kp;
+    if (kCompact) {
+      uint32_t lo = 0, hi = 0;
+      const uint64_t lim = t0 + m;
+      if (e0 >= t0 && e0 < lim) {
+        const uint32_t bit = static_cast<uint32_t>(e0 - t0);
+        (bit < 32 ? lo : hi) |= 1u << (bit & 31u);
+      }
+      if (e1 >= t0 && e1 < lim) {
+        const uint32_t bit = static_cast<uint32_t>(e1 - t0);
+        (bit < 32 ? lo : hi) |= 1u << (bit & 31u);
+      }
+      lo = __reduce_or_sync(0xFFFFFFFFu, lo);
+      hi = __reduce_or_sync(0xFFFFFFFFu, hi);
+      kept = (uint64_t{hi} << 32) | lo;
+      kp += __popcll(kept);
+      // The next tile's entries: the loads fly while this tile is worked on.
+      e0 = kp + lane < l1 ? p.list[kp + lane] : 0xFFFFFFFFu;
+      e1 = kp + 32 + lane < l1 ? p.list[kp + 32 + lane] : 0xFFFFFFFFu;
+    }
+    const int kept_here = __popcll(kept);
+    const T* ks = stages + (i % S) * kStage;
+    const T* vs = ks + kTileT * kLd;
+    // One 16-byte read per piece: kept rows copied out, the values checked, the evicted rows'
+    // column sums (rows past m are zero).
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int e = threadIdx.x + u * kThreads;
+      const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
+      const uint4 kx = *reinterpret_cast<const uint4*>(ks + r * kLd + c);
+      const uint4 vx = *reinterpret_cast<const uint4*>(vs + r * kLd + c);
+      if (check) {
+        const float sq = LaneGroupSum<kRowVecs>(SqSum16<T>(vx));
+        if (r < m && threadIdx.x % kRowVecs == 0 && SquaredNormBad(sq)) {
+          atomicMin(p.bad_value, static_cast<unsigned long long>(uint64_t{h} * p.num_tokens +
+                                                                  t0 + r));
+        }
+      }
+      if (kCompact && ((kept >> r) & 1u)) {
+        const uint64_t row = kp0 + __popcll(kept & ((uint64_t{1} << r) - 1));
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = kx;
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = vx;
+      } else if (summarize) {
+        AddPiece<T>(kx, vx, ksum, vsum);
+      }
+    }
+    if (summarize) {
+      evicted += m - kept_here;
+      if (kept_here < m) acc.Add(ks, vs, kept);
+    }
+  }
+  CpAsyncWait<0>();
+  if (!summarize) return;
+  __syncthreads();  // the tiles are done with: the flush stages in their shared memory
+  float* scratch = reinterpret_cast<float*>(smem);
+  acc.Flush(p.vk_sum + size_t{h} * D * D, scratch);
+  FlushColumnSums<D, kVec, kRowVecs>(ksum, vsum, my_col, scratch + D * (D + 4),
+                                     p.key_sum + size_t{h} * D, p.value_sum + size_t{h} * D);
+  if (threadIdx.x == 0) atomicAdd(p.count + h, evicted);
+}
+
 // Launches `kernel` with `smem` bytes of dynamic shared memory, raising the kernel's limit above
 // the default 48 KiB first (and, with `max_shared`, asking for the largest shared-memory carveout:
 // two CTAs of the three-stage kernel need most of a multiprocessor's shared memory).
@@ -644,12 +887,23 @@ cudaError_t LaunchWithSmem(Kernel kernel, size_t smem, bool max_shared, dim3 gri
   return cudaGetLastError();
 }
 
+// Whether 16-bit inputs take MomentKernelMasked; KVCOMP_CUDA_MOMENTS_MASKED=0 keeps
+// MomentKernelAsync (for comparisons).
+inline bool MaskedMoments() {
+  static const bool on = internal::SwitchOn("KVCOMP_CUDA_MOMENTS_MASKED");
+  return on;
+}
+
 template <typename T, int D, bool kCompact>
 cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(chunks), p.heads, SBlock<D>::kBlocks * SBlock<D>::kBlocks);
   // 16-bit inputs with 2 D <= kThreads (a row's 16-byte pieces within one warp) take the
   // pipelined kernel.
   if constexpr (sizeof(T) == 2 && 2 * D <= kThreads) {
+    if (MaskedMoments()) {
+      return LaunchWithSmem(MomentKernelMasked<T, D, kCompact>, MaskedMomentSmemBytes<T, D>(),
+                            /*max_shared=*/true, grid, stream, p);
+    }
     return LaunchWithSmem(MomentKernelAsync<T, D, kCompact>, AsyncMomentSmemBytes<T, D>(),
                           /*max_shared=*/true, grid, stream, p);
   } else {

@@ -4,9 +4,12 @@
 #ifndef KVCOMP_KERNELS_SRC_CUDA_PTX_PRIMITIVES_CUH_
 #define KVCOMP_KERNELS_SRC_CUDA_PTX_PRIMITIVES_CUH_
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kvcomp {
 namespace ptx {
@@ -69,6 +72,17 @@ __device__ __forceinline__ void MmaBF16(float (&c)[4], const uint32_t (&a)[4], u
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The product of 16-bit T (__half or __nv_bfloat16).
+template <typename T>
+__device__ __forceinline__ void Mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                      uint32_t b1) {
+  if constexpr (std::is_same<T, __half>::value) {
+    MmaF16(c, a, b0, b1);
+  } else {
+    MmaBF16(c, a, b0, b1);
+  }
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with programmatic stream
