@@ -126,8 +126,7 @@ void BenchMoments(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDevicePro
   p.value_sum = vs;
   p.vk_sum = s;
   p.bad_value = reinterpret_cast<unsigned long long*>(bad);
-  const uint64_t target = std::max<uint64_t>(1, 2ull * prop.multiProcessorCount / heads);
-  p.chunk = (std::max<uint64_t>(512, (tokens + target - 1) / target) + 63) / 64 * 64;
+  p.chunk = kvcomp::moments_cuda::MomentChunk(tokens, heads, 1, prop.multiProcessorCount);
   const uint64_t chunks = (tokens + p.chunk - 1) / p.chunk;
   const double kern_us = MedianMicros(
       [&](int) {

@@ -292,11 +292,9 @@ class CudaMomentOps final : public MomentOps {
                            bool compact) {
     if (span == 0) return absl::OkStatus();
     const uint32_t heads = k.num_heads, d = k.head_dim;
-    const uint64_t sblocks = d == 256 ? 4 : 1;
-    const uint64_t target =
-        std::max<uint64_t>(1, 2ull * ctx_->properties.multiProcessorCount / (heads * sblocks));
-    uint64_t chunk = std::max<uint64_t>(512, (span + target - 1) / target);
-    chunk = (chunk + moments_cuda::kTileT - 1) / moments_cuda::kTileT * moments_cuda::kTileT;
+    const uint32_t sblocks = d == 256 ? 4 : 1;
+    const uint64_t chunk = moments_cuda::MomentChunk(span, heads, sblocks,
+                                                     ctx_->properties.multiProcessorCount);
     p.chunk = chunk;
     const uint64_t chunks = (span + chunk - 1) / chunk;
     return CudaStatus(LaunchMoments(k.dtype, d, compact, p, chunks, ctx_->stream),
