@@ -958,12 +958,20 @@ inline bool ProgrammaticLaunch() {
   return on;
 }
 
-// The combine as the partial kernel's programmatic dependent: its launch overlaps the partial
+// A decode-step partial kernel (kDecodeThreads threads, `smem` bytes of dynamic shared memory),
+// then the combine as its programmatic dependent: the combine's launch overlaps the partial
 // kernel's tail, and it waits for the slots in the kernel (GridDependencyWait).
 // KVCOMP_CUDA_PDL=0 launches it the ordinary way (for comparisons).
-template <typename Q, int D>
-cudaError_t LaunchCombineAfterDecode(const AttentionKernelParams& p, uint32_t rows,
-                                     uint32_t kv_heads, cudaStream_t stream) {
+template <typename Q, int D, typename Kernel>
+cudaError_t LaunchDecodeKernels(Kernel partial, size_t smem, dim3 grid,
+                                const AttentionKernelParams& p, uint32_t rows, uint32_t kv_heads,
+                                cudaStream_t stream) {
+  cudaError_t e =
+      cudaFuncSetAttribute(partial, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  partial<<<grid, kDecodeThreads, smem, stream>>>(p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
   if (!ProgrammaticLaunch()) {
     AttentionCombineKernel<Q, D><<<dim3(rows, kv_heads), D, 0, stream>>>(p);
     return cudaGetLastError();
@@ -992,30 +1000,17 @@ template <typename Q, typename T, int D>
 cudaError_t LaunchAttention(const AttentionKernelParams& p, uint32_t kv_heads,
                             cudaStream_t stream) {
   const uint32_t rows = p.group * p.nq;
+  const dim3 decode_grid(PartialCtas<D>(p), kv_heads, 1);
   if constexpr (sizeof(T) == 2 && D <= 128) {
     if (MmaDecode(rows, true, D)) {
-      constexpr size_t smem = MmaSmemBytes<D>();
-      auto partial = DecodeMmaKernel<Q, T, D>;
-      cudaError_t e =
-          cudaFuncSetAttribute(partial, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return e;
-      partial<<<dim3(PartialCtas<D>(p), kv_heads, 1), kDecodeThreads, smem, stream>>>(p);
-      e = cudaGetLastError();
-      if (e != cudaSuccess) return e;
-      return LaunchCombineAfterDecode<Q, D>(p, rows, kv_heads, stream);
+      return LaunchDecodeKernels<Q, D>(DecodeMmaKernel<Q, T, D>, MmaSmemBytes<D>(), decode_grid,
+                                       p, rows, kv_heads, stream);
     }
   }
   if constexpr (sizeof(T) == 2) {
     if (rows <= static_cast<uint32_t>(kDecodeRows)) {  // a decode step
-      constexpr size_t smem = DecodeSmemBytes<T, D>();
-      auto partial = DecodePartialKernel<Q, T, D>;
-      cudaError_t e =
-          cudaFuncSetAttribute(partial, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return e;
-      partial<<<dim3(PartialCtas<D>(p), kv_heads, 1), kDecodeThreads, smem, stream>>>(p);
-      e = cudaGetLastError();
-      if (e != cudaSuccess) return e;
-      return LaunchCombineAfterDecode<Q, D>(p, rows, kv_heads, stream);
+      return LaunchDecodeKernels<Q, D>(DecodePartialKernel<Q, T, D>, DecodeSmemBytes<T, D>(),
+                                       decode_grid, p, rows, kv_heads, stream);
     }
   }
   constexpr size_t smem = PartialSmemBytes<D>();

@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../env_switch.h"
 #include "ptx_primitives.cuh"
 
 namespace kvcomp {
@@ -445,196 +444,22 @@ __global__ void __launch_bounds__(kThreads, KVCOMP_MOMENTS_MIN_BLOCKS)
   }
 }
 
-// --- The pipelined variant for 16-bit inputs: cp.async, three stages --------------------
+// --- The pipelined kernel for 16-bit inputs (d 64 and 128): cp.async, three stages, one
+// barrier per tile --------------------------------------------------------------------------
 // Tiles i+1 and i+2 are copied global -> shared (cp.async, zero-filled past the end) while the
-// tensor cores work on tile i. In compact mode the kept list's next 64 entries are loaded into
-// registers a tile ahead, so finding a tile's kept rows waits on no global load. Kept rows are
-// copied out of shared memory and zeroed there before the MMA; the column sums of the evicted
-// rows and the values' check are taken from the same 16-byte reads.
+// tensor cores work on tile i. Each warp finds the tile's kept tokens itself (its lanes hold the
+// next 64 entries of the kept list, loaded a tile ahead; two warp-wide ORs make a 64-bit mask
+// of the tile), so neither a search per token nor a barrier is needed for it; kept rows are
+// copied out and left in shared memory, and the product V^T K runs on mma.sync with the V
+// fragments of kept tokens zeroed in registers. The column sums of the evicted rows and the
+// values' check are taken from the same 16-byte reads. One block barrier per tile (the tile
+// landed, the oldest stage is free).
 
 using ptx::CpAsync16;
 using ptx::CpAsyncCommit;
 using ptx::CpAsyncWait;
 
 constexpr int kAsyncStages = 3;
-
-template <typename T, int D>
-constexpr size_t AsyncMomentSmemBytes() {
-  const size_t tiles = size_t{kAsyncStages} * 2 * kTileT * RowStride<T, D>() * sizeof(T);
-  // flags (kTileT ints), the list entries of the tile (kTileT u32), the first kept entry
-  return tiles + kTileT * sizeof(int) + kTileT * sizeof(uint32_t) + 2 * sizeof(int);
-}
-
-template <typename T, int D, bool kCompact>
-__global__ void __launch_bounds__(kThreads, 2) MomentKernelAsync(MomentKernelParams p) {
-  using Blk = SBlock<D>;
-  constexpr int kLd = RowStride<T, D>();
-  constexpr int kVec = 16 / sizeof(T);
-  constexpr int kRowVecs = D / kVec;
-  constexpr int kLoads = kTileT * kRowVecs / kThreads;
-  constexpr int kStage = 2 * kTileT * kLd;  // elements of one stage (K then V)
-  constexpr int S = kAsyncStages;
-  static_assert(kRowVecs <= 32 && kThreads % kRowVecs == 0, "a row's lanes share a warp");
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* stages = reinterpret_cast<T*>(smem);
-  int* flags = reinterpret_cast<int*>(smem + size_t{S} * kStage * sizeof(T));
-  uint32_t* entries = reinterpret_cast<uint32_t*>(flags + kTileT);
-  int* shared_kp = reinterpret_cast<int*>(entries + kTileT);
-
-  const uint32_t h = blockIdx.y;
-  const int bi = blockIdx.z / Blk::kBlocks, bj = blockIdx.z % Blk::kBlocks;
-  const bool lead = blockIdx.z == 0;
-  const bool summarize = p.count != nullptr;
-  const bool check = kCompact && lead && p.bad_value != nullptr;
-  const uint64_t l0 = p.list_off[h], l1 = p.list_off[h + 1];
-  uint64_t begin, end;
-  if (kCompact) {
-    begin = blockIdx.x * p.chunk;
-    end = min(p.num_tokens, begin + p.chunk);
-  } else {
-    begin = l0 + blockIdx.x * p.chunk;
-    end = min(l1, begin + p.chunk);
-  }
-  if (begin >= end) return;
-  if (kCompact && !summarize && !lead) return;
-  if (p.abort != nullptr && *p.abort != 0) return;
-  const T* kbase = static_cast<const T*>(p.k) + h * p.k_head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + h * p.v_head_stride;
-
-  if (kCompact && threadIdx.x == 0) {
-    uint64_t lo = l0, hi = l1;
-    while (lo < hi) {
-      const uint64_t mid = (lo + hi) / 2;
-      if (p.list[mid] < begin) lo = mid + 1; else hi = mid;
-    }
-    shared_kp[0] = static_cast<int>(lo - l0);
-  }
-
-  auto issue = [&](uint64_t t, int stage) {
-    const int mm = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t));
-    T* ks = stages + stage * kStage;
-    T* vs = ks + kTileT * kLd;
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      const int e = threadIdx.x + u * kThreads;
-      const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
-      const bool in = r < mm;
-      const uint64_t tok = in ? (kCompact ? t + r : p.list[t + r]) : 0;
-      CpAsync16(ks + r * kLd + c, kbase + tok * p.k_token_stride + c, in ? 16 : 0);
-      CpAsync16(vs + r * kLd + c, vbase + tok * p.v_token_stride + c, in ? 16 : 0);
-    }
-  };
-
-  Accumulator<T, D> acc;
-  acc.Init();
-  const int my_col = (threadIdx.x % kRowVecs) * kVec;  // fixed: kThreads % kRowVecs == 0
-  float ksum[kVec], vsum[kVec];
-#pragma unroll
-  for (int w = 0; w < kVec; ++w) ksum[w] = vsum[w] = 0.0f;
-  unsigned long long evicted = 0;
-  const int tiles = static_cast<int>((end - begin + kTileT - 1) / kTileT);
-  // Prologue: the first S - 1 tiles in flight (one commit group per tile, empty past the end,
-  // so that wait_group counts stay uniform).
-#pragma unroll
-  for (int st = 0; st < S - 1; ++st) {
-    if (st < tiles) issue(begin + uint64_t{kTileT} * st, st);
-    CpAsyncCommit();
-  }
-  __syncthreads();
-  uint64_t kp = l0 + shared_kp[0];
-  // This thread's entry of the tile's kept list (threads < kTileT): kp + threadIdx.x.
-  bool has = false;
-  uint32_t entry = 0;
-  if (kCompact && threadIdx.x < kTileT && kp + threadIdx.x < l1) {
-    has = true;
-    entry = p.list[kp + threadIdx.x];
-  }
-  for (int i = 0; i < tiles; ++i) {
-    const uint64_t t0 = begin + uint64_t{kTileT} * i;
-    const int m = static_cast<int>(min(static_cast<uint64_t>(kTileT), end - t0));
-    CpAsyncWait<S - 2>();
-    if (kCompact && threadIdx.x < kTileT) entries[threadIdx.x] = has ? entry : 0xFFFFFFFFu;
-    // Tile i is in shared memory for every thread, and the stage tile i - 1 used is free.
-    __syncthreads();
-    if (i + S - 1 < tiles) issue(begin + uint64_t{kTileT} * (i + S - 1), (i + S - 1) % S);
-    CpAsyncCommit();
-    int kept_here = 0;
-    if (kCompact) {
-      if (threadIdx.x < kTileT) {  // row threadIdx.x's rank among the tile's kept entries
-        const uint64_t tok = t0 + threadIdx.x;
-        int lo = 0, hi = kTileT;
-        while (lo < hi) {
-          const int mid = (lo + hi) / 2;
-          if (entries[mid] < tok) lo = mid + 1; else hi = mid;
-        }
-        flags[threadIdx.x] =
-            threadIdx.x < m && lo < kTileT && entries[lo] == tok ? lo : -1;
-      }
-      kept_here = __syncthreads_count(has && entry < t0 + m);
-      kp += kept_here;
-      // The next tile's entries: the load flies while this tile is worked on.
-      has = false;
-      if (threadIdx.x < kTileT && kp + threadIdx.x < l1) {
-        has = true;
-        entry = p.list[kp + threadIdx.x];
-      }
-    }
-    T* ks = stages + (i % S) * kStage;
-    T* vs = ks + kTileT * kLd;
-    const uint64_t kp0 = kp - kept_here;
-    // One 16-byte read per piece: kept rows copied out and zeroed, the values checked, the
-    // evicted rows' column sums (rows past m are zero).
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      const int e = threadIdx.x + u * kThreads;
-      const int r = e / kRowVecs, c = (e % kRowVecs) * kVec;
-      uint4* kr = reinterpret_cast<uint4*>(ks + r * kLd + c);
-      uint4* vr = reinterpret_cast<uint4*>(vs + r * kLd + c);
-      const uint4 kx = *kr, vx = *vr;
-      if (check) {
-        const float sq = LaneGroupSum<kRowVecs>(SqSum16<T>(vx));
-        if (r < m && threadIdx.x % kRowVecs == 0 && SquaredNormBad(sq)) {
-          atomicMin(p.bad_value, static_cast<unsigned long long>(uint64_t{h} * p.num_tokens +
-                                                                  t0 + r));
-        }
-      }
-      if (kCompact && r < m && flags[r] >= 0) {
-        if (lead) {
-          const uint64_t row = kp0 + flags[r];
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_k) + row * D + c) = kx;
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.kept_v) + row * D + c) = vx;
-        }
-        *kr = *vr = make_uint4(0, 0, 0, 0);
-      } else if (summarize && lead) {
-        AddPiece<T>(kx, vx, ksum, vsum);
-      }
-    }
-    if (kCompact && kept_here > 0) __syncthreads();  // the zeroed rows, before the MMA reads
-    if (summarize) {
-      if (lead) evicted += m - kept_here;
-      if (!kCompact || kept_here < m) acc.Add(ks, vs, bi, bj);
-    }
-  }
-  CpAsyncWait<0>();
-  if (!summarize) return;
-  __syncthreads();  // the tiles are done with: the flush stages in their shared memory
-  float* scratch = reinterpret_cast<float*>(smem);
-  acc.Flush(p.vk_sum + size_t{h} * D * D, scratch, bi, bj);
-  if (lead) {
-    FlushColumnSums<D, kVec, kRowVecs>(ksum, vsum, my_col, scratch + (kThreads / 32) * 256,
-                                       p.key_sum + size_t{h} * D, p.value_sum + size_t{h} * D);
-    if (threadIdx.x == 0) atomicAdd(p.count + h, evicted);
-  }
-}
-
-// --- One barrier per tile: kept tokens masked in the tensor-core fragments --------------
-// MomentKernelMasked (16-bit inputs, d 64 and 128; the default): the same pass as
-// MomentKernelAsync, but each warp finds the tile's kept tokens itself (its lanes hold the next
-// 64 entries of the kept list, loaded a tile ahead; two warp-wide ORs make a 64-bit mask of the
-// tile), so neither a search per token nor a barrier is needed for it; kept rows are copied out
-// and left in shared memory, and the product V^T K runs on mma.sync with the V fragments of kept
-// tokens zeroed in registers. One block barrier per tile (the tile landed, the oldest stage is
-// free) instead of three.
 
 // S += V^T K over one 64-token tile, the tokens whose bit is set in `excluded` left out. Warp w
 // owns rows [(w / 2) D / 4, + D / 4) (V's dims) and columns [(w % 2) D / 2, + D / 2) (K's) of S.
@@ -901,24 +726,13 @@ inline uint64_t MomentChunk(uint64_t span, uint32_t heads, uint32_t sblocks, int
   return (chunk + kTileT - 1) / kTileT * kTileT;
 }
 
-// Whether 16-bit inputs take MomentKernelMasked; KVCOMP_CUDA_MOMENTS_MASKED=0 keeps
-// MomentKernelAsync (for comparisons).
-inline bool MaskedMoments() {
-  static const bool on = internal::SwitchOn("KVCOMP_CUDA_MOMENTS_MASKED");
-  return on;
-}
-
 template <typename T, int D, bool kCompact>
 cudaError_t LaunchMomentKernel(const MomentKernelParams& p, uint64_t chunks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(chunks), p.heads, SBlock<D>::kBlocks * SBlock<D>::kBlocks);
   // 16-bit inputs with 2 D <= kThreads (a row's 16-byte pieces within one warp) take the
   // pipelined kernel.
   if constexpr (sizeof(T) == 2 && 2 * D <= kThreads) {
-    if (MaskedMoments()) {
-      return LaunchWithSmem(MomentKernelMasked<T, D, kCompact>, MaskedMomentSmemBytes<T, D>(),
-                            /*max_shared=*/true, grid, stream, p);
-    }
-    return LaunchWithSmem(MomentKernelAsync<T, D, kCompact>, AsyncMomentSmemBytes<T, D>(),
+    return LaunchWithSmem(MomentKernelMasked<T, D, kCompact>, MaskedMomentSmemBytes<T, D>(),
                           /*max_shared=*/true, grid, stream, p);
   } else {
     return LaunchWithSmem(MomentKernel<T, D, kCompact>, MomentSmemBytes<T, D>(),
