@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "../env_switch.h"
+#include "chunk_plan.h"
 #include "moments_kernels.cuh"
 
 namespace kvcomp {
@@ -36,7 +37,6 @@ using moments_cuda::CpAsyncWait;
 using moments_cuda::ToFloat;
 
 constexpr int kThreads = 256;
-constexpr int kRows = 32;  // query rows per CTA
 constexpr int kKeys = 32;  // kept tokens per shared-memory tile (one per lane)
 
 struct AttentionKernelParams {
@@ -103,8 +103,6 @@ __device__ __forceinline__ const Q* QRow(const AttentionKernelParams& p, uint32_
 // products in registers; groups = blockDim / kVirtualCols), so the summary's rows are read once
 // per CTA and the walk is a few L2 round trips long. smem: at least kRows * (D + 4) floats.
 // Any multiple of 32 threads from 128 to 256.
-constexpr int kVirtualCols = 32;
-constexpr uint32_t VirtualCtas(uint32_t head_dim) { return head_dim / kVirtualCols; }
 template <int D>
 constexpr size_t VirtualSmemBytes() {
   return size_t{kRows} * (D + 4) * sizeof(float);
@@ -339,10 +337,9 @@ __global__ void __launch_bounds__(kThreads, 2) AttentionPartialKernel(AttentionK
 // flight while one is computed. Logits: kDecodeSplit(D) threads per key, each a slice of the head
 // dimension for every row; online softmax by one warp per row; values: each thread two columns
 // of every row of its row group. Same partials as AttentionPartialKernel (fp32 products).
+// (kDecodeRows and kDecodeCtasPerSm: chunk_plan.h, with the chunking.)
 constexpr int kDecodeThreads = 128;
-constexpr int kDecodeRows = 8;
 constexpr int kDecodeStages = 3;
-constexpr int kDecodeCtasPerSm = 3;  // 32-token tiles: three CTAs' stages fit an SM (d <= 128)
 template <int D>
 constexpr int DecodeTile() {
   return 32;
@@ -576,10 +573,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 // products), f32 queries enter the logits as such a pair too, so both products carry about 16
 // more bits than the 16-bit type; f16 query rows are first scaled by a power of two into f16's
 // range (exact), which the logits' scale undoes.
-constexpr int kMmaRows = 32;  // two m-tiles
-constexpr int kMmaTile = 64;  // kept tokens per stage
+// (kMmaRows, kMmaTile and kMmaCtasPerSm: chunk_plan.h, with the chunking.)
 constexpr int kMmaStages = 3;
-constexpr int kMmaCtasPerSm = 2;
 constexpr int kMmaWarps = kDecodeThreads / 32;
 
 template <int D>
@@ -847,48 +842,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kMmaCtasPerSm)
       p.part_sum[slot] = sum;
     }
   }
-}
-
-// Whether a launch of (rows per kv head, 16-bit K/V, head_dim) takes DecodeMmaKernel.
-// KVCOMP_CUDA_MMA_DECODE=0 keeps the CUDA-core kernels (for comparisons).
-inline bool MmaDecode(uint32_t rows, bool sixteen_bit, uint32_t head_dim) {
-  static const bool on = internal::SwitchOn("KVCOMP_CUDA_MMA_DECODE");
-  return on && sixteen_bit && head_dim <= 128 && rows <= static_cast<uint32_t>(kMmaRows);
-}
-
-// Most partials a row may have (the launcher keeps chunks below it).
-constexpr uint32_t kMaxSlots = 1024;
-
-// Kept tokens per partial CTA and their count for the longest head (max_kept): one wave of
-// CTAs (kMmaCtasPerSm per multiprocessor for the tensor-core decode kernel, kDecodeCtasPerSm
-// for the CUDA-core one, two for the general kernel), chunks of whole 64-token tiles (tensor
-// cores) or of at least 128 (decode) or 256 tokens in multiples of 32, fewer chunks than the
-// combine kernel's slot limit. (Three CTAs per multiprocessor of the general kernel
-// and 128-token chunks were measured slower on an H100: 95 registers left room for two.)
-struct Chunking {
-  uint64_t chunk = 0;
-  uint32_t chunks = 0;
-};
-inline Chunking PartialChunking(uint32_t rows, bool sixteen_bit, uint32_t head_dim, uint32_t sms,
-                                uint32_t kv_heads, uint64_t max_kept, bool virtual_token) {
-  const bool mma = MmaDecode(rows, sixteen_bit, head_dim);
-  const bool decode = !mma && sixteen_bit && rows <= static_cast<uint32_t>(kDecodeRows);
-  const uint64_t row_blocks = mma ? 1 : (rows + kRows - 1) / kRows;
-  const uint64_t per_sm =
-      mma ? kMmaCtasPerSm : (decode && head_dim <= 128 ? kDecodeCtasPerSm : 2);
-  // Slots of the wave are left for each (kv head, row block)'s virtual-token CTAs.
-  const uint64_t per_head = per_sm * sms / (uint64_t{kv_heads} * row_blocks);
-  const uint64_t spare = virtual_token ? VirtualCtas(head_dim) : 0;
-  const uint64_t target =
-      std::max<uint64_t>(1, std::min<uint64_t>(kMaxSlots - 1, per_head > spare ? per_head - spare : 1));
-  const uint64_t step = mma ? kMmaTile : 32;
-  uint64_t chunk =
-      std::max<uint64_t>(mma ? kMmaTile : decode ? 128 : 256, (max_kept + target - 1) / target);
-  chunk = (chunk + step - 1) / step * step;
-  Chunking c;
-  c.chunk = chunk;
-  c.chunks = static_cast<uint32_t>(std::max<uint64_t>(1, (max_kept + chunk - 1) / chunk));
-  return c;
 }
 
 // One CTA per (row, kv head), D threads (64..256): the partials' weights exp(max_c - m) once into

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "chunk_plan.h"
 #include "ptx_primitives.cuh"
 
 namespace kvcomp {
@@ -28,7 +29,6 @@ constexpr int kThreads = 256;  // 8 warps
 #ifndef KVCOMP_MOMENTS_MIN_BLOCKS
 #define KVCOMP_MOMENTS_MIN_BLOCKS 2
 #endif
-constexpr int kTileT = 64;  // tokens per shared-memory tile
 
 // Shared-memory row stride of a D-wide tile: 16 bytes of padding keep the tensor-core fragment
 // loads free of bank conflicts.
@@ -712,18 +712,6 @@ cudaError_t LaunchWithSmem(Kernel kernel, size_t smem, bool max_shared, dim3 gri
   }
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
-}
-
-// Tokens (compact mode) or list entries per CTA over a span of `span` per head: one wave of two
-// CTAs per SM over the heads (and S blocks), at least kMinMomentChunk (each CTA ends with a
-// flush of its S block, 64 KiB of atomics at d 128), whole tiles.
-constexpr uint64_t kMinMomentChunk = 512;
-inline uint64_t MomentChunk(uint64_t span, uint32_t heads, uint32_t sblocks, int sms) {
-  const uint64_t groups = std::max<uint64_t>(1, uint64_t{heads} * sblocks);
-  const uint64_t target =
-      std::max<uint64_t>(1, 2 * static_cast<uint64_t>(std::max(sms, 1)) / groups);
-  const uint64_t chunk = std::max<uint64_t>(kMinMomentChunk, (span + target - 1) / target);
-  return (chunk + kTileT - 1) / kTileT * kTileT;
 }
 
 template <typename T, int D, bool kCompact>
