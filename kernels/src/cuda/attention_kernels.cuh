@@ -707,8 +707,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMmaCtasPerSm)
     __syncthreads();  // tile i landed everywhere; tile i - 1's stage is free
     if (i + kMmaStages - 1 < tiles) issue(i + kMmaStages - 1);
     CpAsyncCommit();
-    const int m =
-        static_cast<int>(min(static_cast<uint64_t>(kMmaTile), end - begin - uint64_t{kMmaTile} * i));
+    const int m = static_cast<int>(
+        min(static_cast<uint64_t>(kMmaTile), end - begin - uint64_t{kMmaTile} * i));
     const T* ks = kst + (i % kMmaStages) * kMmaTile * D;
     const T* vs = vst + (i % kMmaStages) * kMmaTile * D;
     for (int j0 = 16 * group; j0 < m; j0 += 16 * groups) {

@@ -5,8 +5,9 @@
 // The v k^T sum is a matrix product over tokens: each CTA stages a tile of 64 tokens of K and V
 // in shared memory and accumulates V^T K on the tensor cores (fp32 accumulators) for 16-bit
 // inputs: mma.sync with the kept tokens masked in registers (MomentKernelMasked, d <= 128) or
-// WMMA over rows zeroed in shared memory (the other kernels); fp32 inputs take exact fp32 FMAs. A CTA owns a chunk of tokens of one head and
-// one 128x128 (or dxd when d < 128) block of S, and adds its result to the output with atomics.
+// WMMA over rows zeroed in shared memory (the other kernels); fp32 inputs take exact fp32 FMAs.
+// A CTA owns a chunk of tokens of one head and one 128x128 (or dxd when d < 128) block of S, and
+// adds its result to the output with atomics.
 #ifndef KVCOMP_KERNELS_SRC_CUDA_MOMENTS_KERNELS_CUH_
 #define KVCOMP_KERNELS_SRC_CUDA_MOMENTS_KERNELS_CUH_
 
