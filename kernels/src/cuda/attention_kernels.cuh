@@ -26,6 +26,7 @@
 
 #include "../env_switch.h"
 #include "chunk_plan.h"
+#include "codec_kernels.cuh"
 #include "moments_kernels.cuh"
 
 namespace kvcomp {
@@ -34,6 +35,7 @@ namespace attention_cuda {
 using moments_cuda::CpAsync16;
 using moments_cuda::CpAsyncCommit;
 using moments_cuda::CpAsyncWait;
+using codec_cuda::FromF;
 using moments_cuda::ToFloat;
 
 constexpr int kThreads = 256;
@@ -594,23 +596,11 @@ __device__ __forceinline__ int Swizzled(int r, int c) {
   return r * D + ((c ^ (r & 7)) << 3);
 }
 
+// Two 16-bit values as the pair of an mma operand register (`first` in the low half).
 template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-// Two floats as the 16-bit pair of an mma operand register (the first in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float first, float second) {
-  const T a = FromFloat<T>(first), b = FromFloat<T>(second);
-  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&a)) |
-         (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&b)) << 16);
+__device__ __forceinline__ uint32_t PackPair(T first, T second) {
+  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&first)) |
+         (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&second)) << 16);
 }
 
 template <typename Q, typename T, int D>
@@ -680,9 +670,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kMmaCtasPerSm)
     if (lane == 0) row_scale[r] = ldexpf(p.scale, e2);
     for (int x = lane; x < D; x += 32) {
       const float v = qr != nullptr ? ldexpf(ToFloat(qr[x]), -e2) : 0.0f;
-      const T hi = FromFloat<T>(v);
+      const T hi = FromF<T>(v);
       q_hi[Swizzled<D>(r, x / 8) + x % 8] = hi;
-      if (kPairQ) q_lo[Swizzled<D>(r, x / 8) + x % 8] = FromFloat<T>(v - ToFloat(hi));
+      if (kPairQ) q_lo[Swizzled<D>(r, x / 8) + x % 8] = FromF<T>(v - ToFloat(hi));
     }
   }
   __syncthreads();
@@ -770,21 +760,18 @@ __global__ void __launch_bounds__(kDecodeThreads, kMmaCtasPerSm)
       }
       // The weights as the A operand of P V (16 rows x 16 tokens): hi, then the remainder lo.
       uint32_t pa[4], pb[4];
-      {
-        float lo[2][4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+      for (int n = 0; n < 2; ++n) {
+        T hi[4], lo[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) lo[n][e] = w[n][e] - ToFloat(FromFloat<T>(w[n][e]));
+        for (int e = 0; e < 4; ++e) {
+          hi[e] = FromF<T>(w[n][e]);
+          lo[e] = FromF<T>(w[n][e] - ToFloat(hi[e]));
         }
-        pa[0] = PackPair<T>(w[0][0], w[0][1]);
-        pa[1] = PackPair<T>(w[0][2], w[0][3]);
-        pa[2] = PackPair<T>(w[1][0], w[1][1]);
-        pa[3] = PackPair<T>(w[1][2], w[1][3]);
-        pb[0] = PackPair<T>(lo[0][0], lo[0][1]);
-        pb[1] = PackPair<T>(lo[0][2], lo[0][3]);
-        pb[2] = PackPair<T>(lo[1][0], lo[1][1]);
-        pb[3] = PackPair<T>(lo[1][2], lo[1][3]);
+        pa[2 * n] = PackPair(hi[0], hi[1]);  // row g, tokens 2 (lane % 4), + 1 of block n
+        pa[2 * n + 1] = PackPair(hi[2], hi[3]);  // row g + 8
+        pb[2 * n] = PackPair(lo[0], lo[1]);
+        pb[2 * n + 1] = PackPair(lo[2], lo[3]);
       }
 #pragma unroll
       for (int n2 = 0; n2 < kSteps; ++n2) {

@@ -256,6 +256,17 @@ bool ClusterSelectFits(int device, const cudaDeviceProp& properties) {
   return ok;
 }
 
+// BlockSelectKernel<false> over `heads` heads (one block each) of at most `longest` tokens.
+cudaError_t LaunchShortSelect(const BlockSelectParams& p, uint32_t heads, uint64_t longest,
+                              cudaStream_t stream) {
+  const cudaError_t e =
+      cudaFuncSetAttribute(BlockSelectKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(BlockSelectSmem(kShortSelectCapacity)));
+  if (e != cudaSuccess) return e;
+  BlockSelectKernel<false><<<heads, kSelectThreads, BlockSelectSmem(longest), stream>>>(p, 0);
+  return cudaGetLastError();
+}
+
 // How a uniform budget over heads is selected.
 enum class SelectPath {
   kTiled,    // Radix* to Gather over (head, tile) grids; every budget
@@ -524,11 +535,7 @@ class CudaScoringOps final : public ScoringOps {
     ss.errors = errors;
     ss.var = var;
     ss.evicted = At<uint32_t>(ws, l.evicted);
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        BlockSelectKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(BlockSelectSmem(kShortSelectCapacity))));
-    BlockSelectKernel<false><<<rh, kSelectThreads, BlockSelectSmem(max_n), stream>>>(ss, 0);
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    KVCOMP_CUDA_RETURN_IF_ERROR(LaunchShortSelect(ss, rh, max_n, stream));
     GatherRowsParams g{};
     g.keys = a.keys.data;
     g.values = a.values.data;
@@ -926,11 +933,7 @@ class CudaScoringOps final : public ScoringOps {
     if (path == SelectPath::kCluster) {
       KVCOMP_RETURN_IF_ERROR(LaunchClusterSelect(p));
     } else {
-      KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          BlockSelectKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-          static_cast<int>(BlockSelectSmem(kShortSelectCapacity))));
-      BlockSelectKernel<false><<<sp.heads, kSelectThreads, BlockSelectSmem(sp.n), s>>>(p, 0);
-      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      KVCOMP_CUDA_RETURN_IF_ERROR(LaunchShortSelect(p, sp.heads, sp.n, s));
     }
     if (keys_out == nullptr) return absl::OkStatus();
     GatherRowsParams g{};
