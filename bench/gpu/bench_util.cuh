@@ -11,6 +11,11 @@
 #include <functional>
 #include <vector>
 
+#if __has_include("kvcomp/kernels/backend.h")  // benchmarks of the library (not the bare copy)
+#include "kvcomp/kernels/backend.h"
+#define KVCOMP_BENCH_HAS_BACKEND 1
+#endif
+
 #define BENCH_CUDA_CHECK(expr)                                                       \
   do {                                                                               \
     cudaError_t e_ = (expr);                                                         \
@@ -71,6 +76,21 @@ inline double CopyGBps(size_t bytes, cudaStream_t stream, int sets = 2, double* 
   if (micros) *micros = us;
   return 2.0 * static_cast<double>(bytes) / (us * 1e3);
 }
+
+#if defined(KVCOMP_BENCH_HAS_BACKEND)
+// The backend's options for a benchmark: KVCOMP_BENCH_POOL_KEEP_BYTES sets how much freed
+// device memory its pool keeps mapped (CudaBackendOptions::pool_keep_bytes; 0 returns it all at
+// each host wait, as the device's default pool does), for comparisons.
+inline CudaBackendOptions BackendOptions() {
+  CudaBackendOptions o;
+  if (const char* keep = std::getenv("KVCOMP_BENCH_POOL_KEEP_BYTES")) {
+    o.pool_keep_bytes = std::strtoull(keep, nullptr, 10);
+    std::printf("backend pool keeps %llu bytes\n",
+                static_cast<unsigned long long>(o.pool_keep_bytes));
+  }
+  return o;
+}
+#endif
 
 }  // namespace bench
 }  // namespace kvcomp

@@ -259,7 +259,7 @@ void BenchAttention(kvcomp::Backend& gpu, cudaStream_t stream, const cudaDeviceP
 // Optional argument "attention": the attention figures only.
 int main(int argc, char** argv) {
   const bool attention_only = argc > 1 && std::string(argv[1]) == "attention";
-  auto b = kvcomp::MakeCudaBackend();
+  auto b = kvcomp::MakeCudaBackend(kvcomp::bench::BackendOptions());
   if (!b.ok()) {
     std::fprintf(stderr, "no CUDA backend: %s\n", b.status().ToString().c_str());
     return 0;

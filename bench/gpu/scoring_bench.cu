@@ -306,7 +306,7 @@ void RunVarlen(Backend& backend, CudaContext& ctx, Scorer scorer,
 
 int main(int argc, char** argv) {
   using namespace kvcomp;
-  auto backend = MakeCudaBackend();
+  auto backend = MakeCudaBackend(bench::BackendOptions());
   if (!backend.ok()) {
     std::printf("no CUDA backend: %s\n", backend.status().ToString().c_str());
     return 77;

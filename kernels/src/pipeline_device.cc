@@ -34,6 +34,9 @@ namespace kvcomp {
 #if defined(KVCOMP_HAVE_CUDA)
 namespace {
 
+// Freed device memory the uploader's pool keeps mapped for the next put's input.
+constexpr uint64_t kUploadPoolKeepBytes = uint64_t{64} << 20;
+
 // An event recorded on the uploader's stream; cudaEventQuery polls it, cudaEventDestroy does
 // not wait for it.
 class EventFence final : public DeviceUploader::Fence {
@@ -79,7 +82,9 @@ class CudaUploader final : public DeviceUploader {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaMallocHost(&c.host, chunk_bytes_));
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.event, cudaEventDisableTiming));
     }
-    alloc_ = std::make_unique<StreamAllocator>(device_, stream_);  // in the uploader's stream order
+    // In the uploader's stream order.
+    KVCOMP_ASSIGN_OR_RETURN(alloc_,
+                            StreamAllocator::Create(device_, stream_, kUploadPoolKeepBytes));
     return absl::OkStatus();
   }
 

@@ -78,12 +78,19 @@ TEST(ChunkPlanTest, MomentChunksAreWholeTilesInOneWave) {
                                             << " sblocks " << sblocks << " sms " << sms);
           const uint64_t chunk = MomentChunk(span, heads, sblocks, sms);
           EXPECT_EQ(chunk % kTileT, 0u);
-          EXPECT_GE(chunk, kMinMomentChunk);
+          EXPECT_GE(chunk, kMinShortMomentChunk);
           const uint64_t chunks = (span + chunk - 1) / chunk;
-          if (chunk > kMinMomentChunk && heads > 0 && sms > 0) {
-            // Sized by the wave: two CTAs per SM over the heads' S blocks, at most.
-            const uint64_t groups = uint64_t{heads} * sblocks;
-            EXPECT_LE(chunks, std::max<uint64_t>(1, 2 * static_cast<uint64_t>(sms) / groups));
+          const uint64_t groups = std::max<uint64_t>(1, uint64_t{heads} * sblocks);
+          const uint64_t sm = static_cast<uint64_t>(std::max(sms, 1));
+          // At most one wave: two CTAs per SM over the heads' S blocks.
+          EXPECT_LE(chunks, std::max<uint64_t>(1, 2 * sm / groups));
+          if (chunk < kMinMomentChunk && chunk > kMinShortMomentChunk) {
+            // A lowered floor: a tile less would give more than one CTA per SM.
+            EXPECT_LT((chunk - kTileT) * sm, groups * span);
+          }
+          if (chunk < kMinMomentChunk) {
+            // Lowered only where 512-token chunks leave SMs without a CTA.
+            EXPECT_LT(groups * span, kMinMomentChunk * sm);
           }
         }
       }

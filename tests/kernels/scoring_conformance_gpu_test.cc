@@ -478,6 +478,10 @@ TEST(ScoringConformanceGpuTest, ValueCheckInCompactionFindsKeptAndEvictedRows) {
       {9000, HeadBudget::kUniform, {{1, 7000}, {1, 3000}}, {1, 3000}},
       {9000, HeadBudget::kAdaKV, {{1, 3000}}, {1, 3000}},
       {9000, HeadBudget::kAdaKV, {{0, 8000}, {1, 2}}, {0, 8000}},
+      // Long heads: the cluster selection's compaction (the tiled path without clusters).
+      {40000, HeadBudget::kUniform, {{1, 3000}}, {1, 3000}},                // evicted
+      {40000, HeadBudget::kUniform, {{1, 39000}}, {1, 39000}},              // kept
+      {40000, HeadBudget::kUniform, {{1, 3000}, {0, 39500}}, {0, 39500}},   // lower head first
   };
   for (const Case& cs : cases) {
     for (DType dt : {DType::kBF16, DType::kF32}) {

@@ -78,13 +78,19 @@ inline constexpr int kTileT = 64;  // tokens per shared-memory tile of the momen
 
 // Tokens (compact mode) or list entries per CTA over a span of `span` per head: one wave of two
 // CTAs per SM over the heads (and S blocks), at least kMinMomentChunk (each CTA ends with a
-// flush of its S block, 64 KiB of atomics at d 128), whole tiles.
+// flush of its S block, 64 KiB of atomics at d 128), whole tiles. Where kMinMomentChunk would
+// leave SMs without a CTA (short spans), the floor is the chunk that gives about one CTA per SM,
+// down to kMinShortMomentChunk: 2K tokens over 8 heads take 128-token chunks (16 CTAs per head
+// instead of 4), 8K keep 512.
 inline constexpr uint64_t kMinMomentChunk = 512;
+inline constexpr uint64_t kMinShortMomentChunk = 128;
 inline uint64_t MomentChunk(uint64_t span, uint32_t heads, uint32_t sblocks, int sms) {
   const uint64_t groups = std::max<uint64_t>(1, uint64_t{heads} * sblocks);
-  const uint64_t target =
-      std::max<uint64_t>(1, 2 * static_cast<uint64_t>(std::max(sms, 1)) / groups);
-  const uint64_t chunk = std::max<uint64_t>(kMinMomentChunk, (span + target - 1) / target);
+  const uint64_t sm = static_cast<uint64_t>(std::max(sms, 1));
+  const uint64_t target = std::max<uint64_t>(1, 2 * sm / groups);
+  const uint64_t fill = (groups * span / sm + kTileT - 1) / kTileT * kTileT;
+  const uint64_t floor = std::clamp(fill, kMinShortMomentChunk, kMinMomentChunk);
+  const uint64_t chunk = std::max<uint64_t>(floor, (span + target - 1) / target);
   return (chunk + kTileT - 1) / kTileT * kTileT;
 }
 

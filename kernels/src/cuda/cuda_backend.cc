@@ -78,7 +78,8 @@ class CudaBackend final : public Backend {
       }
       ctx_.allocator = options.allocator;
     } else {
-      own_allocator_ = std::make_unique<StreamAllocator>(ctx_.device, ctx_.stream);
+      KVCOMP_ASSIGN_OR_RETURN(own_allocator_, StreamAllocator::Create(ctx_.device, ctx_.stream,
+                                                                      options.pool_keep_bytes));
       ctx_.allocator = own_allocator_.get();
       ctx_.stream_ordered_free = true;
     }

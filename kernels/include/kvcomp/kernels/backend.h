@@ -73,6 +73,11 @@ struct CudaBackendOptions {
   // framework's writes, and the framework's later kernels after kvcomp's writes, without any
   // device-wide synchronisation. Default nullptr.
   void* stream = nullptr;
+  // With the backend's own allocator: freed device memory its pool keeps mapped for later ops
+  // instead of returning it to the driver at each host wait (the pool's release threshold). A
+  // workspace mapped afresh costs tens of microseconds, more than the kernels of a short op.
+  // Default 64 MiB; 0 returns every freed byte.
+  uint64_t pool_keep_bytes = uint64_t{64} << 20;
 };
 // FailedPrecondition ("no CUDA device: ...") when kvcomp was built without CUDA or no device is
 // present (a missing GPU is a property of the machine, not a transient failure).
