@@ -469,9 +469,15 @@ __host__ __device__ constexpr ExpandSmem ExpandSmemLayout(uint32_t r_pad, Latent
   return ExpandSmem{dec, latent, scales, out, dec + latent + scales + out};
 }
 
-// The latent column (within its 16-wide k step) that MMA k slot l (0..15) holds.
+// The latent column (within its 16-wide k step) that MMA k slot l (0..15) holds: lane q's
+// columns 4q .. 4q + 3 go to slots 2q, 2q + 1 (first register) and 2q + 8, 2q + 9 (second) in
+// the order the conversion produces them: 4q, 4q + 1 | 4q + 2, 4q + 3, for int4
+// 4q, 4q + 2 | 4q + 1, 4q + 3 (Int4x4ToHalf pairs the nibbles one byte apart).
+template <LatentKind K>
 __device__ __forceinline__ uint32_t ExpandSlotColumn(uint32_t l) {
-  return l < 8 ? (l / 2) * 4 + (l & 1) : ((l - 8) / 2) * 4 + 2 + (l & 1);
+  const uint32_t base = ((l & 7u) / 2) * 4;
+  if constexpr (K == LatentKind::kInt4) return base + (l < 8 ? 0u : 1u) + 2 * (l & 1);
+  return base + (l < 8 ? 0u : 2u) + (l & 1);
 }
 
 // Four int8 (two's complement) -> two f16 pairs times the scale s2.
@@ -485,12 +491,16 @@ __device__ __forceinline__ void Int8x4ToHalf(uint32_t w, __half2 s2, uint32_t& l
   hi = *reinterpret_cast<uint32_t*>(&hb);
 }
 
-// Four int4 (16 bits, element 2i in the low nibble) -> two f16 pairs times the scale s2.
+// Four int4 (16 bits, element 2i in the low nibble) -> two f16 pairs times the scale s2: lo =
+// elements 0 and 2, hi = elements 1 and 3. The two bytes go to bytes 0 and 2 (one byte
+// permute); then each pair is one three-input logic op: the nibble's bit 3 flipped (q + 8 in
+// 0..15) inside the mask, the exponent bits of 1024 outside it.
 __device__ __forceinline__ void Int4x4ToHalf(uint32_t w, __half2 s2, uint32_t& lo, uint32_t& hi) {
-  w ^= 0x8888u;  // q + 8 in 0..15
   const __half2 bias = __half2half2(__ushort_as_half(0x6408));  // 1032 = 1024 + 8
-  uint32_t a = (w & 0xFu) | ((w & 0xF0u) << 12) | 0x64006400u;
-  uint32_t b = ((w >> 8) & 0xFu) | ((w & 0xF000u) << 4) | 0x64006400u;
+  constexpr uint32_t kMask = 0x000F000Fu, kBits = 0x64086408u;    // 0x6400 | 8 in each half
+  const uint32_t x = __byte_perm(w, 0u, 0x4140u);
+  uint32_t a = ((x ^ kBits) & kMask) | (kBits & ~kMask);
+  uint32_t b = (((x >> 4) ^ kBits) & kMask) | (kBits & ~kMask);
   __half2 ha = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&a), bias), s2);
   __half2 hb = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&b), bias), s2);
   lo = *reinterpret_cast<uint32_t*>(&ha);
@@ -528,11 +538,11 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
   const uint32_t g = lane / 4, q = lane % 4;
   const uint32_t nsub = (tile.rows + M - 1) / M;
 
-  // The decode matrix, rows permuted within each 16-row step (ExpandSlotColumn).
+  // The decode matrix, rows permuted within each 16-row step (ExpandSlotColumn<K>).
   const __half* dg = p.dec + static_cast<uint64_t>(tile.head) * r_pad * D;
   for (uint32_t i = tid; i < r_pad * (D / 8); i += kExpandThreads) {
     const uint32_t row = i / (D / 8), c8 = (i % (D / 8)) * 8;
-    const uint32_t src = (row & ~15u) + ExpandSlotColumn(row & 15u);
+    const uint32_t src = (row & ~15u) + ExpandSlotColumn<K>(row & 15u);
     ptx::CpAsync16(dec_s + row * S::kLdDec + c8, dg + static_cast<uint64_t>(src) * D + c8, 16);
   }
   // Sub-tile s's latent into stage s % kExpandStages (rows past the tile are left as they are:
