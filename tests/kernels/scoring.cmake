@@ -7,12 +7,14 @@ kvcomp_cc_test(NAME kernels_pipeline_test SRCS pipeline_test.cc DEPS kvcomp::ker
 kvcomp_cc_test(NAME kernels_scoring_conformance_gpu_test SRCS scoring_conformance_gpu_test.cc
                DEPS kvcomp::kernels LABELS gpu)
 # The same with the tiled selection in place of the cluster selection
-# (KVCOMP_CUDA_CLUSTER_SELECT=0), and with the cluster selection for short heads too
+# (KVCOMP_CUDA_CLUSTER_SELECT=0; streaming through its score pass and selection too,
+# KVCOMP_CUDA_STREAMING_ENDS=0), and with the cluster selection for short heads too
 # (KVCOMP_CUDA_SHORT_SELECT_MAX_TOKENS=0).
 add_test(NAME kernels_scoring_conformance_gpu_nocluster_test
          COMMAND kernels_scoring_conformance_gpu_test)
 set_tests_properties(kernels_scoring_conformance_gpu_nocluster_test PROPERTIES
-  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 600 ENVIRONMENT KVCOMP_CUDA_CLUSTER_SELECT=0)
+  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 600
+  ENVIRONMENT "KVCOMP_CUDA_CLUSTER_SELECT=0;KVCOMP_CUDA_STREAMING_ENDS=0")
 add_test(NAME kernels_scoring_conformance_gpu_cluster_test
          COMMAND kernels_scoring_conformance_gpu_test)
 set_tests_properties(kernels_scoring_conformance_gpu_cluster_test PROPERTIES

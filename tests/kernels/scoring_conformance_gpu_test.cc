@@ -121,6 +121,72 @@ TEST(ScoringConformanceGpuTest, ClusterSelectionShapesAgainstCpu) {
   }
 }
 
+// Streaming keeps its two ends in one pass, without scores' selection, when the budget covers
+// the sinks and the protected tokens (StreamingKeepsEnds): budgets at that bound, above it and one
+// below it (the score pass and the selection), scorer and protection sinks of different sizes,
+// recent tokens protected or not, one head under AdaKV, each dtype and head_dim, lengths from one
+// token to the cluster selection's; a key row with NaN found at its place in both paths.
+TEST(ScoringConformanceGpuTest, StreamingEndsAgainstCpu) {
+  auto cpu = MakeCpuBackend();
+  auto cuda = MakeCudaBackend();
+  ASSERT_TRUE(cpu.ok() && cuda.ok());
+  struct Setting {
+    uint32_t score_sink, protect_sink;
+    bool protect;
+    uint32_t recent;
+  };
+  const Setting settings[] = {{4, 4, true, 0},    {0, 4, false, 0},  {64, 4, true, 17},
+                              {4, 100, true, 500}, {0, 0, true, 0},  {7, 3, false, 40}};
+  uint64_t seed = 9900;
+  for (uint64_t n : {1ull, 300ull, 4097ull, 40000ull}) {
+    for (const Setting& st : settings) {
+      const uint64_t ends =
+          std::min<uint64_t>(n, std::max<uint32_t>(st.score_sink, st.protect ? st.protect_sink : 0));
+      const uint64_t recent = st.protect ? std::min<uint64_t>(st.recent, n) : 0;
+      for (int64_t delta : {-1, 0, 5}) {
+        const int64_t kept = static_cast<int64_t>(ends + recent) + delta;
+        if (kept < 1) continue;
+        testing::ConformanceCase c;
+        c.dtype = seed % 3 == 0 ? DType::kF32 : seed % 3 == 1 ? DType::kF16 : DType::kBF16;
+        c.head_dim = n > 30000 ? 128 : (seed % 3 == 0 ? 64 : seed % 3 == 1 ? 128 : 256);
+        c.heads = seed % 5 == 0 ? 1 : (n > 30000 ? 2 : 5);
+        c.tokens = n;
+        c.score.scorer = Scorer::kStreaming;
+        c.score.n_sink = st.score_sink;
+        c.select.kept_per_head = static_cast<uint64_t>(kept);
+        c.select.head_budget = c.heads == 1 ? HeadBudget::kAdaKV : HeadBudget::kUniform;
+        c.select.protect = st.protect;
+        c.select.n_sink = st.protect_sink;
+        c.select.n_recent = st.recent;
+        c.seed = seed++;
+        testing::CheckConformance(**cuda, **cpu, c);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+  // A bad key row in the evicted middle and one in the kept tail: the lowest is reported.
+  for (uint64_t n : {4097ull, 40000ull}) {
+    testing::ConformanceCase c;
+    c.heads = 2;
+    c.tokens = n;
+    c.score.scorer = Scorer::kStreaming;
+    c.select.kept_per_head = n / 2;
+    SCOPED_TRACE(c.Name());
+    testing::HostHeads k = testing::RandomHeads(c.dtype, 2, n, c.head_dim, 11);
+    const testing::HostHeads v = testing::RandomHeads(c.dtype, 2, n, c.head_dim, 12);
+    k.Set((uint64_t{1} * n + n - 3) * c.head_dim + 5, NAN);  // head 1, kept
+    k.Set((uint64_t{1} * n + 1000) * c.head_dim + 9, NAN);   // head 1, evicted
+    for (Backend* b : {cpu->get(), cuda->get()}) {
+      const testing::RunOutput o = testing::RunFused(*b, c, k, v, nullptr);
+      EXPECT_EQ(o.status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(o.status.message().find(absl::StrFormat(
+                    "keys: NaN or Inf (or a squared norm beyond float32) at head 1, token 1000")),
+                std::string::npos)
+          << o.status;
+    }
+  }
+}
+
 TEST(ScoringConformanceGpuTest, LongSequencesAgainstCpu) {
   auto cpu = MakeCpuBackend();
   auto cuda = MakeCudaBackend();

@@ -631,6 +631,11 @@ class CudaScoringOps final : public ScoringOps {
     if (a.compact) {
       KVCOMP_ASSIGN_OR_RETURN(values, Repack(a.values, ws, l->values));
     }
+    uint32_t sinks = 0;
+    if (StreamingKeepsEnds(a, &sinks)) {
+      KVCOMP_RETURN_IF_ERROR(EnqueueStreamingEnds(a, keys, values, sinks, ws, *l));
+      return ws;
+    }
     float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
     // Values are held to the keys' data check by the compaction: it reads the kept rows of V to
     // copy them and checks them there, then reads the evicted rows once for the check alone, so
@@ -642,6 +647,62 @@ class CudaScoringOps final : public ScoringOps {
         &values, a.compact ? a.keys_out : nullptr, a.compact ? a.values_out : nullptr, ws, *l,
         /*check_values=*/a.compact));
     return ws;
+  }
+
+  // The streaming scorer's kept set without a selection (StreamingEndsKernel): default positions
+  // (0 .. n - 1 of a sequence of n tokens), a uniform budget or one head, positions exact in
+  // float (n <= 2^24), and a budget that covers every token the selection ranks above the
+  // positions (the scorer's sinks and, with protection, the protected sinks and recent tokens). The selection then keeps tokens [0, s) and the most recent
+  // kept - s, as the CPU's does; one pass reads K and V once and writes the kept rows.
+  // KVCOMP_CUDA_STREAMING_ENDS=0 sends streaming through the score pass and the selection, for
+  // comparisons.
+  static bool StreamingKeepsEnds(const ScoreSelectCompactArgs& a, uint32_t* sinks) {
+    static const bool on = internal::SwitchOn("KVCOMP_CUDA_STREAMING_ENDS");
+    const uint64_t n = a.keys.num_tokens;
+    const TokenPositions& pos = a.positions;
+    const SelectParams& sel = a.select;
+    if (!on || a.score.scorer != Scorer::kStreaming || !a.compact || n == 0 || n > (uint64_t{1} << 24) || pos.data != nullptr || pos.offset != 0 ||
+        (pos.sequence_length != 0 && pos.sequence_length != n) ||
+        (sel.head_budget != HeadBudget::kUniform && a.keys.num_heads != 1)) {
+      return false;
+    }
+    const uint64_t kept = std::min<uint64_t>(sel.kept_per_head, n);
+    const uint64_t s =
+        std::min<uint64_t>(n, std::max<uint64_t>(a.score.n_sink, sel.protect ? sel.n_sink : 0));
+    const uint64_t recent = sel.protect ? std::min<uint64_t>(sel.n_recent, n) : 0;
+    if (kept < s + recent) return false;
+    *sinks = static_cast<uint32_t>(s);
+    return true;
+  }
+
+  absl::Status EnqueueStreamingEnds(const ScoreSelectCompactArgs& a, const HeadsView& keys,
+                                    const HeadsView& values, uint32_t sinks, const Buffer& ws,
+                                    const Layout& l) {
+    StreamingEndsParams p{};
+    p.keys = keys.data;
+    p.values = values.data;
+    p.token_stride = keys.token_stride;
+    p.head_stride = keys.head_stride;
+    p.v_token_stride = values.token_stride;
+    p.v_head_stride = values.head_stride;
+    p.n = keys.num_tokens;
+    p.kept = static_cast<uint32_t>(std::min<uint64_t>(a.select.kept_per_head, p.n));
+    p.sinks = sinks;
+    p.n_sink = a.score.n_sink;
+    p.scores = a.scores;
+    p.counts = a.kept.counts;
+    p.indices = a.kept.indices;
+    p.keys_out = a.keys_out;
+    p.values_out = a.values_out;
+    p.errors = At<ErrorSlots>(ws, l.errors);
+    const dim3 grid(static_cast<uint32_t>(CeilDiv(p.n, kEndsRowsPerBlock)), keys.num_heads);
+    KVCOMP_CUDA_RETURN_IF_ERROR(DispatchTypeDim(keys.dtype, keys.head_dim, [&](auto t, auto d) {
+      using T = typename decltype(t)::type;
+      constexpr int D = decltype(d)::value;
+      StreamingEndsKernel<T, D><<<grid, kThreads, 0, ctx_->stream>>>(p);
+      return cudaGetLastError();
+    }));
+    return absl::OkStatus();
   }
 
   absl::Status ResetErrors(const Buffer& ws, const Layout& l) {

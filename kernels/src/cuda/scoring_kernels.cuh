@@ -1410,6 +1410,93 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(GatherRowsParams g)
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Streaming in one pass: the kept set known from the positions alone
+// ---------------------------------------------------------------------------------------------
+
+inline constexpr int kEndsRowsPerBlock = 256;
+
+struct StreamingEndsParams {
+  const void* keys;
+  const void* values;
+  uint64_t token_stride, head_stride, v_token_stride, v_head_stride;  // elements
+  uint64_t n;
+  uint32_t kept;   // per head, <= n
+  uint32_t sinks;  // tokens [0, sinks) kept, then the last kept - sinks
+  uint32_t n_sink;  // the scorer's (StreamingScore)
+  float* scores;    // optional [H, n]
+  uint32_t* counts;
+  uint32_t* indices;  // [H * kept]
+  void* keys_out;     // [H * kept, D]
+  void* values_out;
+  ErrorSlots* errors;
+};
+
+// grid (ceil(n / kEndsRowsPerBlock), H), kThreads threads. Every key and value row is read once
+// and held to the data check (bad_key, bad_value: head * n + token, lowest first); rows
+// [0, sinks) and [n - (kept - sinks), n) are copied out with their indices, as the selection of
+// the streaming scores keeps them (StreamingKeepsEnds on the host); the scores, when asked for,
+// are the scorer's (the position, or the sink score).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) StreamingEndsKernel(StreamingEndsParams p) {
+  using S = RowShape<T, D>;
+  constexpr int kStep = (kThreads / 32) * S::kRowsPerWarp;
+  constexpr int kUnroll = 2;
+  const uint32_t h = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane % S::kLanes;
+  const int group = lane / S::kLanes;
+  const uint64_t r0 = uint64_t{blockIdx.x} * kEndsRowsPerBlock;
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.counts[h] = p.kept;
+  if (r0 >= p.n) return;
+  const uint64_t r1 = min(p.n, r0 + kEndsRowsPerBlock);
+  const uint64_t tail0 = p.n - (p.kept - p.sinks);  // first token of the kept tail
+  const uint64_t flat0 = uint64_t{h} * p.n;
+  const uint64_t out0 = uint64_t{h} * p.kept;
+  const T* kbase = static_cast<const T*>(p.keys) + uint64_t{h} * p.head_stride;
+  const T* vbase = static_cast<const T*>(p.values) + uint64_t{h} * p.v_head_stride;
+  uint4* kout = reinterpret_cast<uint4*>(p.keys_out);
+  uint4* vout = reinterpret_cast<uint4*>(p.values_out);
+  // Warp-uniform loop bounds (the row norms shuffle); rows past r1 are zeros.
+  for (uint64_t rw = r0 + warp * S::kRowsPerWarp; rw < r1; rw += kStep * kUnroll) {
+    uint4 kv[kUnroll][S::kVecs], vv[kUnroll][S::kVecs];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t r = rw + group + u * kStep;
+      const uint4* ks = reinterpret_cast<const uint4*>(kbase + r * p.token_stride);
+      const uint4* vs = reinterpret_cast<const uint4*>(vbase + r * p.v_token_stride);
+#pragma unroll
+      for (int j = 0; j < S::kVecs; ++j) {
+        kv[u][j] = r < r1 ? __ldcs(ks + j * S::kLanes + sub) : make_uint4(0, 0, 0, 0);
+        vv[u][j] = r < r1 ? __ldcs(vs + j * S::kLanes + sub) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t r = rw + group + u * kStep;
+      const float ksq = RawSqNorm<T, D>(kv[u]);
+      const float vsq = RawSqNorm<T, D>(vv[u]);
+      if (r >= r1) continue;
+      if (sub == 0) {
+        if (SqNormBad(ksq)) ReportBad(&p.errors->bad_key, flat0 + r);
+        if (SqNormBad(vsq)) ReportBad(&p.errors->bad_value, flat0 + r);
+        if (p.scores != nullptr) p.scores[flat0 + r] = StreamingScore(r, p.n_sink);
+      }
+      const bool keep = r < p.sinks || r >= tail0;
+      if (!keep) continue;
+      const uint64_t j = out0 + (r < p.sinks ? r : p.sinks + (r - tail0));
+      if (sub == 0) p.indices[j] = static_cast<uint32_t>(r);
+      const uint64_t o = j * S::kVecsPerRow;
+#pragma unroll
+      for (int w = 0; w < S::kVecs; ++w) {
+        __stcs(kout + o + w * S::kLanes + sub, kv[u][w]);
+        __stcs(vout + o + w * S::kLanes + sub, vv[u][w]);
+      }
+    }
+  }
+}
+
 }  // namespace cuda
 }  // namespace kvcomp
 
