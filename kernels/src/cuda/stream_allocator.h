@@ -53,9 +53,13 @@ class StreamAllocator final : public Allocator {
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     void* p = nullptr;
     cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, pool_, stream_);
-    if (err == cudaErrorMemoryAllocation) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (err == cudaErrorMemoryAllocation &&
+        cudaStreamIsCapturing(stream_, &capture) == cudaSuccess &&
+        capture == cudaStreamCaptureStatusNone) {
       // The memory the pool keeps may be in pieces too small for this request: hand back all
-      // that is free (what later ops have not yet taken) and ask once more.
+      // that is free (what later ops have not yet taken) and ask once more. Not while the stream
+      // is captured into a graph, where a wait would end the capture.
       cudaGetLastError();
       cudaStreamSynchronize(stream_);
       cudaMemPoolTrimTo(pool_, 0);
