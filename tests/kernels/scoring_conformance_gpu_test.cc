@@ -140,8 +140,8 @@ TEST(ScoringConformanceGpuTest, StreamingEndsAgainstCpu) {
   uint64_t seed = 9900;
   for (uint64_t n : {1ull, 300ull, 4097ull, 40000ull}) {
     for (const Setting& st : settings) {
-      const uint64_t ends =
-          std::min<uint64_t>(n, std::max<uint32_t>(st.score_sink, st.protect ? st.protect_sink : 0));
+      const uint64_t ends = std::min<uint64_t>(
+          n, std::max<uint32_t>(st.score_sink, st.protect ? st.protect_sink : 0));
       const uint64_t recent = st.protect ? std::min<uint64_t>(st.recent, n) : 0;
       for (int64_t delta : {-1, 0, 5}) {
         const int64_t kept = static_cast<int64_t>(ends + recent) + delta;

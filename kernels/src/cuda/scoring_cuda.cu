@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 
 #include "absl/strings/str_format.h"
@@ -631,9 +632,8 @@ class CudaScoringOps final : public ScoringOps {
     if (a.compact) {
       KVCOMP_ASSIGN_OR_RETURN(values, Repack(a.values, ws, l->values));
     }
-    uint32_t sinks = 0;
-    if (StreamingKeepsEnds(a, &sinks)) {
-      KVCOMP_RETURN_IF_ERROR(EnqueueStreamingEnds(a, keys, values, sinks, ws, *l));
+    if (const std::optional<StreamingEnds> ends = StreamingEndsOf(a)) {
+      KVCOMP_RETURN_IF_ERROR(EnqueueStreamingEnds(a, *ends, keys, values, ws, *l));
       return ws;
     }
     float* scores = a.scores != nullptr ? a.scores : At<float>(ws, l->scores);
@@ -649,35 +649,41 @@ class CudaScoringOps final : public ScoringOps {
     return ws;
   }
 
-  // The streaming scorer's kept set without a selection (StreamingEndsKernel): default positions
-  // (0 .. n - 1 of a sequence of n tokens), a uniform budget or one head, positions exact in
-  // float (n <= 2^24), and a budget that covers every token the selection ranks above the
-  // positions (the scorer's sinks and, with protection, the protected sinks and recent tokens). The selection then keeps tokens [0, s) and the most recent
-  // kept - s, as the CPU's does; one pass reads K and V once and writes the kept rows.
+  // The streaming scorer's kept set without a selection (StreamingEndsKernel): tokens
+  // [0, sinks) and the most recent kept - sinks, per head.
+  struct StreamingEnds {
+    uint32_t kept, sinks;
+  };
+
+  // StreamingEnds where the selection would keep exactly them, as the CPU's does: default
+  // positions (0 .. n - 1 of a sequence of n tokens), a uniform budget or one head, positions
+  // exact in float (n <= 2^24), and a budget that covers every token the selection ranks above
+  // the positions (the scorer's sinks and, with protection, the protected sinks and recent
+  // tokens); then one pass reads K and V once and writes the kept rows. Else nullopt.
   // KVCOMP_CUDA_STREAMING_ENDS=0 sends streaming through the score pass and the selection, for
   // comparisons.
-  static bool StreamingKeepsEnds(const ScoreSelectCompactArgs& a, uint32_t* sinks) {
+  static std::optional<StreamingEnds> StreamingEndsOf(const ScoreSelectCompactArgs& a) {
     static const bool on = internal::SwitchOn("KVCOMP_CUDA_STREAMING_ENDS");
     const uint64_t n = a.keys.num_tokens;
     const TokenPositions& pos = a.positions;
     const SelectParams& sel = a.select;
-    if (!on || a.score.scorer != Scorer::kStreaming || !a.compact || n == 0 || n > (uint64_t{1} << 24) || pos.data != nullptr || pos.offset != 0 ||
+    if (!on || a.score.scorer != Scorer::kStreaming || !a.compact || n == 0 ||
+        n > (uint64_t{1} << 24) || pos.data != nullptr || pos.offset != 0 ||
         (pos.sequence_length != 0 && pos.sequence_length != n) ||
         (sel.head_budget != HeadBudget::kUniform && a.keys.num_heads != 1)) {
-      return false;
+      return std::nullopt;
     }
     const uint64_t kept = std::min<uint64_t>(sel.kept_per_head, n);
-    const uint64_t s =
+    const uint64_t sinks =
         std::min<uint64_t>(n, std::max<uint64_t>(a.score.n_sink, sel.protect ? sel.n_sink : 0));
     const uint64_t recent = sel.protect ? std::min<uint64_t>(sel.n_recent, n) : 0;
-    if (kept < s + recent) return false;
-    *sinks = static_cast<uint32_t>(s);
-    return true;
+    if (kept < sinks + recent) return std::nullopt;
+    return StreamingEnds{static_cast<uint32_t>(kept), static_cast<uint32_t>(sinks)};
   }
 
-  absl::Status EnqueueStreamingEnds(const ScoreSelectCompactArgs& a, const HeadsView& keys,
-                                    const HeadsView& values, uint32_t sinks, const Buffer& ws,
-                                    const Layout& l) {
+  absl::Status EnqueueStreamingEnds(const ScoreSelectCompactArgs& a, const StreamingEnds& ends,
+                                    const HeadsView& keys, const HeadsView& values,
+                                    const Buffer& ws, const Layout& l) {
     StreamingEndsParams p{};
     p.keys = keys.data;
     p.values = values.data;
@@ -686,8 +692,8 @@ class CudaScoringOps final : public ScoringOps {
     p.v_token_stride = values.token_stride;
     p.v_head_stride = values.head_stride;
     p.n = keys.num_tokens;
-    p.kept = static_cast<uint32_t>(std::min<uint64_t>(a.select.kept_per_head, p.n));
-    p.sinks = sinks;
+    p.kept = ends.kept;
+    p.sinks = ends.sinks;
     p.n_sink = a.score.n_sink;
     p.scores = a.scores;
     p.counts = a.kept.counts;
