@@ -64,6 +64,20 @@ for b in "${REQUIRED[@]}" "${OPTIONAL[@]}"; do
   fi
 done
 
+# The Python package with the SDK client, where the build made its extension for the device's
+# Python (3.12; configure with -DPython_EXECUTABLE=<a python3.12> -DKVCOMP_PYTHON_PACKAGE_DIR=
+# <build>/pkg and build _kvcomp too): python/kvcomp, named by env.sh as KVCOMP_BUNDLE_PYTHON.
+ext=$(ls "$BUILD"/pkg/kvcomp/_kvcomp.cpython-*.so 2>/dev/null | head -1 || true)
+if [ -n "$ext" ]; then
+  mkdir -p "$DEST/python/kvcomp/integrations"
+  cp client/python/kvcomp/*.py "$DEST/python/kvcomp/"
+  cp client/python/kvcomp/integrations/*.py "$DEST/python/kvcomp/integrations/"
+  strip --strip-unneeded -o "$DEST/python/kvcomp/$(basename "$ext")" "$ext"
+  bins+=("$ext")
+else
+  echo "gpu_bundle: no Python extension in $BUILD/pkg, the bundle has no Python package" >&2
+fi
+
 # UCX loads its transport modules from <libucs dir>/ucx or UCX_MODULE_DIR. Shared memory (cma)
 # and TCP are what loopback needs; the InfiniBand and RDMA-CM modules need verbs libraries that
 # a machine without those adapters does not have, so they stay behind.
@@ -80,7 +94,7 @@ ldd "${bins[@]}" "${ucx_modules[@]}" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\//
     if [[ "$soname" =~ $SKIP ]]; then continue; fi
     [ -e "$DEST/lib/$soname" ] || strip --strip-unneeded -o "$DEST/lib/$soname" "$path"
   done
-missing=$(ldd "${bins[@]}" 2>/dev/null | grep 'not found' | sort -u || true)
+missing=$(ldd "${bins[@]}" 2>/dev/null | grep 'not found' | grep -v 'libpython' | sort -u || true)
 if [ -n "$missing" ]; then
   echo "gpu_bundle: unresolved here too:" >&2
   echo "$missing" >&2
@@ -103,6 +117,7 @@ export KVCOMP_BUNDLE
 export LD_LIBRARY_PATH=$KVCOMP_BUNDLE/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export UCX_MODULE_DIR=$KVCOMP_BUNDLE/lib/ucx
 export PATH=$KVCOMP_BUNDLE/bin:$PATH
+if [ -d "$KVCOMP_BUNDLE/python" ]; then export KVCOMP_BUNDLE_PYTHON=$KVCOMP_BUNDLE/python; fi
 EOF
 
 rm -rf "$(dirname "$PACK")"  # the archive is all that folder holds
