@@ -52,6 +52,9 @@ struct RocksDbTierOptions {
   bool enable_blob_files = true;              // payload CF: large values in blob files
   uint64_t min_blob_size = 64 * 1024;         // bytes; values at least this big go to blobs
   uint64_t write_buffer_bytes = 64ull << 20;  // memtable size in bytes, default 64 MiB
+  // Write-ahead log bytes kept before the column families holding the oldest log are flushed
+  // (what a restart after a crash replays). Default 256 MiB.
+  uint64_t max_wal_bytes = 256ull << 20;
   uint64_t block_cache_bytes = 256ull << 20;  // block cache in bytes, default 256 MiB
   bool sync_memory_durability_puts = false;   // sync the WAL even for Durability::kMemory puts
                                               // that land here (default false)
