@@ -820,20 +820,53 @@ absl::StatusOr<EndpointAddress> EndpointAddress::Parse(absl::string_view text) {
   return a;
 }
 
+namespace {
+
+// `value` within [lo, hi], or InvalidArgument naming the option.
+absl::Status InRange(const char* name, absl::Duration value, absl::Duration lo, absl::Duration hi) {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(name, " is ", absl::FormatDuration(value),
+                                                 "; it must be in [", absl::FormatDuration(lo),
+                                                 ", ", absl::FormatDuration(hi), "]"));
+}
+
+absl::Status ValidateOptions(const ClientOptions& o) {
+  if (o.replicas < 1 || o.replicas > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("replicas is ", o.replicas, "; it must be in [1, 64]"));
+  }
+  if (o.attempts_per_endpoint < 1 || o.attempts_per_endpoint > 100) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attempts_per_endpoint is ", o.attempts_per_endpoint, "; it must be in [1, 100]"));
+  }
+  if (o.max_block_bytes < 4096 || o.max_block_bytes > (uint64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_block_bytes is ", o.max_block_bytes, "; it must be in [4096, 1Gi]"));
+  }
+  KVCOMP_RETURN_IF_ERROR(
+      InRange("connect_timeout", o.connect_timeout, absl::Milliseconds(1), absl::Hours(1)));
+  KVCOMP_RETURN_IF_ERROR(
+      InRange("request_timeout", o.request_timeout, absl::Milliseconds(1), absl::Hours(24)));
+  KVCOMP_RETURN_IF_ERROR(
+      InRange("max_backoff", o.max_backoff, absl::ZeroDuration(), absl::Minutes(10)));
+  KVCOMP_RETURN_IF_ERROR(
+      InRange("initial_backoff", o.initial_backoff, absl::ZeroDuration(), o.max_backoff));
+  KVCOMP_RETURN_IF_ERROR(InRange("down_for", o.down_for, absl::ZeroDuration(), absl::Hours(1)));
+  // Zero: no periodic refresh. Otherwise at least 100 ms: a shorter period would send DNS
+  // queries as fast as the resolver answers.
+  if (o.dns_refresh_interval != absl::ZeroDuration()) {
+    KVCOMP_RETURN_IF_ERROR(InRange("dns_refresh_interval", o.dns_refresh_interval,
+                                   absl::Milliseconds(100), absl::Hours(24)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::vector<std::string>& endpoints,
                                                         const ClientOptions& options,
                                                         bool connect_now) {
   if (endpoints.empty()) return absl::InvalidArgumentError("no endpoints given");
-  if (options.replicas < 1) return absl::InvalidArgumentError("replicas must be at least 1");
-  if (options.attempts_per_endpoint < 1) {
-    return absl::InvalidArgumentError("attempts_per_endpoint must be at least 1");
-  }
-  if (options.max_block_bytes < 4096) {
-    return absl::InvalidArgumentError("max_block_bytes must be at least 4096");
-  }
-  if (options.dns_refresh_interval < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("dns_refresh_interval must not be negative");
-  }
+  KVCOMP_RETURN_IF_ERROR(ValidateOptions(options));
   CacheKey probe{options.tenant, "m", "k"};
   KVCOMP_RETURN_IF_ERROR(probe.Validate());
   std::unique_ptr<Resolver> resolver;

@@ -373,6 +373,34 @@ TEST(DnsEndpoint, ConnectRejectsBadOptions) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
 }
 
+TEST(DnsEndpoint, OptionsOutOfRangeAreRefusedBeforeAnyQuery) {
+  // A refresh period of a nanosecond would query DNS as fast as the resolver answers.
+  ClientOptions o;
+  o.dns_refresh_interval = absl::Nanoseconds(1);
+  auto c = Client::Connect({"dns:///kvcomp.test:7420"}, o, false);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "dns_refresh_interval")) << c.status();
+  o.dns_refresh_interval = absl::ZeroDuration();  // no periodic refresh: allowed
+  EXPECT_TRUE(Client::Connect({"127.0.0.1:1"}, o, false).ok());
+  const std::vector<std::pair<const char*, std::function<void(ClientOptions&)>>> bad = {
+      {"connect_timeout", [](ClientOptions& x) { x.connect_timeout = absl::ZeroDuration(); }},
+      {"request_timeout", [](ClientOptions& x) { x.request_timeout = absl::InfiniteDuration(); }},
+      {"initial_backoff", [](ClientOptions& x) { x.initial_backoff = absl::Seconds(5); }},
+      {"max_backoff", [](ClientOptions& x) { x.max_backoff = absl::Hours(2); }},
+      {"down_for", [](ClientOptions& x) { x.down_for = absl::Seconds(-1); }},
+      {"replicas", [](ClientOptions& x) { x.replicas = 1000; }},
+      {"attempts_per_endpoint", [](ClientOptions& x) { x.attempts_per_endpoint = 1 << 30; }},
+      {"max_block_bytes", [](ClientOptions& x) { x.max_block_bytes = uint64_t{1} << 40; }},
+  };
+  for (const auto& [name, edit] : bad) {
+    ClientOptions x;
+    edit(x);
+    auto r = Client::Connect({"127.0.0.1:1"}, x, false);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_TRUE(absl::StrContains(r.status().message(), name)) << r.status();
+  }
+}
+
 TEST_F(PoolDiscoveryTest, ResolverReturnsEveryAddress) {
   auto r = NewAresResolver({dns_->server(), absl::Seconds(2)});
   ASSERT_TRUE(r.ok()) << r.status();

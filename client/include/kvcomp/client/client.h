@@ -92,8 +92,12 @@ struct ClientOptions {
   // (e.g. "127.0.0.1:5353"). Empty (default): the system's, from /etc/resolv.conf, whose search
   // domains apply either way; /etc/hosts is read first either way.
   std::string dns_server;
-  // How often "dns:///" endpoints are resolved again. Zero: only at Connect and after a member
-  // fails. Default 5 s (the TTL Kubernetes' DNS gives a headless Service's records).
+  // How often "dns:///" endpoints are resolved again: zero (only at Connect and after a member
+  // fails) or in [100 ms, 24 h]. Default 5 s (the TTL Kubernetes' DNS gives a headless
+  // Service's records). Connect answers InvalidArgument for any option out of its range:
+  // replicas [1, 64], attempts_per_endpoint [1, 100], max_block_bytes [4 KiB, 1 GiB],
+  // connect_timeout [1 ms, 1 h], request_timeout [1 ms, 24 h], max_backoff [0, 10 min],
+  // initial_backoff [0, max_backoff], down_for [0, 1 h].
   absl::Duration dns_refresh_interval = absl::Seconds(5);
 };
 
