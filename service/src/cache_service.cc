@@ -1,9 +1,11 @@
 #include "cache_service.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/core/dtype.h"
 #include "kvcomp/core/status.h"
 #include "log.h"
 
@@ -13,6 +15,36 @@ namespace service {
 namespace {
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+// The largest finite IEEE half.
+constexpr float kMaxHalf = 65504.0f;
+
+// Keys of a host block that the fp16 key codec would turn into Inf (a finite key beyond the
+// half range): InvalidArgument naming the first, so the put is refused, with the same message
+// whichever engine would compress it. Input in f16 always fits; NaN and Inf are the scoring
+// pass's to refuse.
+absl::Status CheckFp16KeyRange(const BlockData& block, const CompressionPolicy& policy) {
+  if (policy.key_codec != KeyCodec::kFp16) return absl::OkStatus();
+  for (size_t i = 0; i < block.keys.size(); ++i) {
+    const HeadsView& k = block.keys[i];
+    if (k.dtype == DType::kF16 || k.space != MemorySpace::kHost) continue;
+    for (uint32_t h = 0; h < k.num_heads; ++h) {
+      for (uint64_t t = 0; t < k.num_tokens; ++t) {
+        const size_t row = h * k.head_stride + t * k.token_stride;
+        for (uint32_t c = 0; c < k.head_dim; ++c) {
+          const float x = LoadAsFloat(k.data, k.dtype, row + c);
+          if (std::isfinite(x) && std::fabs(x) > kMaxHalf) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "keys: ", x, " at layer ", block.layer_begin + i, ", head ", h, ", token ",
+                block.token_begin + t, " is beyond the fp16 key codec's range (", kMaxHalf,
+                "); use key_codec raw or int8 for this model"));
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -45,6 +77,10 @@ OpenPut::~OpenPut() {
 void OpenPut::AddBlock(BlockData block, Done done) {
   if (request_.block_wise && (!block.has_keys() || !block.has_values())) {
     done(absl::InvalidArgumentError("block-wise puts need K and V in the same block"));
+    return;
+  }
+  if (absl::Status s = CheckFp16KeyRange(block, request_.policy.get()); !s.ok()) {
+    done(s);
     return;
   }
   const uint64_t size = block.bytes;

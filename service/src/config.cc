@@ -328,13 +328,50 @@ std::vector<ConfigField> BuildFields() {
       "buffered (the largest control request, 1024 prefix keys of 1 KiB, is about 1Mi). "
       "Default 1280Ki.",
       [](Options & o) -> auto& { return o.control_plane.max_frame_bytes; }));
+  f.push_back(BytesField(
+      "control_plane.max_reply_bytes",
+      "Largest reply one control call builds: a GetChunks reply stops before passing it (a first "
+      "cache larger than it is RESOURCE_EXHAUSTED). Default 64Mi.",
+      [](Options & o) -> auto& { return o.control_plane.max_reply_bytes; }));
+  f.push_back(BytesField(
+      "control_plane.tenant_reply_bytes",
+      "Reply bytes one tenant's control calls hold at once; a call that would pass it is "
+      "RESOURCE_EXHAUSTED, or truncated after its first cache; at least twice max_reply_bytes. "
+      "Default 128Mi.",
+      [](Options & o) -> auto& { return o.control_plane.tenant_reply_bytes; }));
   f.push_back(IntField(
       "control_plane.max_connections", 1, 1 << 20,
-      "Open Thrift connections at once; beyond it new ones are closed on accept. Default 256.",
+      "Open Thrift connections at once; beyond it new ones are closed on accept. Default 1024.",
       [](Options & o) -> auto& { return o.control_plane.max_connections; }));
+  f.push_back(IntField(
+      "control_plane.max_unauthenticated_connections", 1, 1 << 20,
+      "Connections no call has authenticated yet; a new one beyond it closes the oldest such "
+      "connection with no call running. Default 256.",
+      [](Options & o) -> auto& { return o.control_plane.max_unauthenticated_connections; }));
+  f.push_back(DoubleField(
+      "control_plane.auth_timeout_seconds", "seconds", 0.1, 3600,
+      "A Thrift connection on which no call has authenticated this long after accept is closed, "
+      "whatever it sends. Default 10.",
+      [](Options & o) -> auto& { return o.control_plane.auth_timeout_seconds; }));
+  f.push_back(DoubleField(
+      "control_plane.tenant_share", "fraction", 0.01, 1,
+      "Share of max_connections one tenant's authenticated Thrift connections may hold; 1 = no "
+      "per-tenant bound (none in open mode). Default 0.5.",
+      [](Options & o) -> auto& { return o.control_plane.tenant_share; }));
+  f.push_back(IntField(
+      "control_plane.max_policies_per_tenant", 0, 1 << 24,
+      "Policies (models plus its default) one tenant may hold; SetPolicy of a new one beyond it "
+      "is RESOURCE_EXHAUSTED. 0 = no bound. Default 1024.",
+      [](Options & o) -> auto& { return o.control_plane.max_policies_per_tenant; }));
+  f.push_back(DoubleField(
+      "control_plane.policy_updates_per_second", "rate", 0, 1e6,
+      "SetPolicy calls per second one tenant may make (bursts of twice as many); beyond it "
+      "RESOURCE_EXHAUSTED. 0 = no bound. Default 50.",
+      [](Options & o) -> auto& { return o.control_plane.policy_updates_per_second; }));
   f.push_back(DoubleField(
       "control_plane.idle_timeout_seconds", "seconds", 0, 86400,
-      "A Thrift connection with no request for this long is closed; 0 = never. Default 60.",
+      "An authenticated Thrift connection with no authenticated call for this long is closed; "
+      "0 = never. Default 60.",
       [](Options & o) -> auto& { return o.control_plane.idle_timeout_seconds; }));
   // --- metrics ---
   f.push_back(BoolField(
@@ -602,6 +639,16 @@ absl::Status ValidateOptions(const Options& o) {
   if (o.control_plane.max_frame_bytes < 1024 ||
       o.control_plane.max_frame_bytes > (uint64_t{256} << 20)) {
     return absl::InvalidArgumentError("control_plane.max_frame_bytes must be in [1Ki, 256Mi]");
+  }
+  // A reply is one Thrift frame, whose size is a signed 32-bit count.
+  if (o.control_plane.max_reply_bytes < (uint64_t{64} << 10) ||
+      o.control_plane.max_reply_bytes > (uint64_t{1} << 30)) {
+    return absl::InvalidArgumentError("control_plane.max_reply_bytes must be in [64Ki, 1Gi]");
+  }
+  // A cache is held read and copied into its reply at once: one full reply needs twice.
+  if (o.control_plane.tenant_reply_bytes < 2 * o.control_plane.max_reply_bytes) {
+    return absl::InvalidArgumentError(
+        "control_plane.tenant_reply_bytes must be at least twice control_plane.max_reply_bytes");
   }
   if (o.data_plane.max_block_bytes == 0 || o.data_plane.max_put_bytes == 0) {
     return absl::InvalidArgumentError("data_plane.max_block_bytes and max_put_bytes must be > 0");

@@ -1,5 +1,6 @@
 #include "kvcomp/service/daemon.h"
 
+#include <malloc.h>
 #include <sys/socket.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -16,6 +17,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -94,6 +96,52 @@ void RaiseFdLimit() {
       ", hard limit ", rl.rlim_max, ")");
 }
 
+// Descriptors one UCX connection over TCP costs in the daemon (its socket, the endpoint's
+// lanes and event descriptors; about 3 measured), rounded up.
+constexpr uint64_t kFdsPerDataConnection = 4;
+// Descriptors kept for everything but connections: RocksDB's table, blob and log files, the
+// metrics endpoint, the engines.
+constexpr uint64_t kFdsForTheRest = 256;
+
+uint64_t OpenFds() {
+  uint64_t n = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// Caps both planes' connection counts to what the process's descriptor limit can hold, so that
+// connections (a tenant holds at most its share of them) cannot take the descriptors the
+// listeners, the store and the other tenants need: of what is left after the descriptors open
+// now, twice data_plane.fd_reserve and kFdsForTheRest, the control plane may use a quarter (one
+// descriptor per connection) and the data plane the rest (kFdsPerDataConnection each).
+void BudgetDescriptors(Options* o) {
+  rlimit rl = {};
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return;
+  const uint64_t held = OpenFds() + 2 * uint64_t{o->data_plane.fd_reserve} + kFdsForTheRest;
+  const uint64_t budget = rl.rlim_cur > held ? rl.rlim_cur - held : 0;
+  // At least a few of each whatever the limit (a limit that low fails elsewhere first).
+  const uint64_t control = std::min<uint64_t>(o->control_plane.max_connections,
+                                              std::max<uint64_t>(16, budget / 4));
+  const uint64_t data = std::min<uint64_t>(
+      o->data_plane.max_connections,
+      std::max<uint64_t>(8, (budget > control ? budget - control : 0) / kFdsPerDataConnection));
+  if (control < o->control_plane.max_connections || data < o->data_plane.max_connections) {
+    Log(LogLevel::kWarning, "file descriptors: a limit of ", rl.rlim_cur,
+        " holds control_plane.max_connections ", control, " (configured ",
+        o->control_plane.max_connections, ") and data_plane.max_connections ", data,
+        " (configured ", o->data_plane.max_connections, ", ", kFdsPerDataConnection,
+        " descriptors each); raise the limit (ulimit -n) for more");
+  }
+  o->control_plane.max_connections = static_cast<uint32_t>(control);
+  o->control_plane.max_unauthenticated_connections =
+      std::min(o->control_plane.max_unauthenticated_connections, o->control_plane.max_connections);
+  o->data_plane.max_connections = static_cast<uint32_t>(data);
+}
+
 // `devices`: the engines' CUDA devices (EngineCudaDevices); the GPU tier keeps a pool of
 // storage.device_capacity_bytes on each.
 storage::StoreOptions StoreOptionsOf(const Options& o, const std::vector<int>& devices) {
@@ -121,15 +169,27 @@ storage::StoreOptions StoreOptionsOf(const Options& o, const std::vector<int>& d
   return so;
 }
 
+// What the control plane lets a connection hold (ControlPlaneOptions, resolved).
+struct ControlLimits {
+  uint32_t max_connections = 0;
+  uint32_t max_unauthenticated = 0;
+  uint32_t tenant_connections = 0;  // 0: no per-tenant bound (open mode)
+};
+
 // The Thrift server's connections, seen through its event hooks: the descriptor of each
 // (reported by the listening socket at accept, on the thread that then creates the
-// connection), whether a call is running on it and when the last one ended. CloseIdle shuts
-// down the sockets of idle ones; Thrift then sees end of stream and closes them itself. A
-// connection's context is deleted (under mu_) before Thrift closes its descriptor, so a
-// descriptor found in conns_ under mu_ is still that connection's.
+// connection), whether a call is running on it, whether one of its calls authenticated (and as
+// which tenant), and when its last authenticated call ended. A connection is a stranger until a
+// call on it authenticates: strangers hold at most max_unauthenticated connections (a new one
+// beyond it closes the oldest stranger with no call running) and are closed after the
+// authentication deadline whatever they send; an authenticated connection is bound to its
+// tenant, which holds at most tenant_connections of them, and only authenticated calls keep it
+// from the idle timeout. Closing shuts the socket down; Thrift then sees end of stream and
+// closes it itself. A connection's context is deleted (under mu_) before Thrift closes its
+// descriptor, so a descriptor found in conns_ under mu_ is still that connection's.
 class ControlConnections : public TServerEventHandler, public TProcessorEventHandler {
  public:
-  explicit ControlConnections(uint32_t max_connections) : max_connections_(max_connections) {}
+  explicit ControlConnections(ControlLimits limits) : limits_(limits) {}
 
   // TServerEventHandler
   void preServe() override { started.Notify(); }
@@ -137,9 +197,10 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
     auto* c = new Connection;
     absl::MutexLock lock(&mu_);
     c->fd = pending_fd_;
-    c->last_active = absl::Now();
+    c->accepted = c->last_active = absl::Now();
     pending_fd_ = -1;
     conns_.insert(c);
+    EvictStrangers();
     return c;
   }
   void deleteContext(void* context, std::shared_ptr<TProtocol>,
@@ -150,19 +211,51 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
     delete c;
   }
 
-  // TProcessorEventHandler: brackets every call (the context is the connection's).
+  // TProcessorEventHandler: brackets every call (the context is the connection's); the call
+  // runs on this thread in between.
   void* getContext(const char*, void* connection) override {
     if (connection == nullptr) return nullptr;
+    current_ = static_cast<Connection*>(connection);
     absl::MutexLock lock(&mu_);
-    ++static_cast<Connection*>(connection)->calls;
+    ++current_->calls;
     return connection;
   }
   void freeContext(void* connection, const char*) override {
+    current_ = nullptr;
     if (connection == nullptr) return;
     auto* c = static_cast<Connection*>(connection);
     absl::MutexLock lock(&mu_);
     --c->calls;
-    c->last_active = absl::Now();
+    if (c->call_authenticated) c->last_active = absl::Now();
+    c->call_authenticated = false;
+  }
+
+  // The running call's authentication (on its thread): binds a stranger's connection to the
+  // tenant, or refuses the call when the tenant holds its share of connections.
+  absl::Status CallAuthenticated(const absl::StatusOr<std::string>& tenant) {
+    Connection* c = current_;
+    if (c == nullptr) return absl::OkStatus();
+    absl::MutexLock lock(&mu_);
+    if (!tenant.ok()) {
+      c->failed_auth = true;
+      return absl::OkStatus();
+    }
+    if (!c->authenticated) {
+      if (limits_.tenant_connections > 0) {
+        uint32_t held = 0;
+        for (const Connection* o : conns_) held += o->authenticated && !o->shut && o->tenant == *tenant;
+        if (held >= limits_.tenant_connections) {
+          ++tenant_refused_;
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "tenant holds its share of control connections (", held,
+              "); close one or reuse it"));
+        }
+      }
+      c->authenticated = true;
+      c->tenant = *tenant;
+    }
+    c->call_authenticated = true;
+    return absl::OkStatus();
   }
 
   // The listening socket's accept callback, before Thrift admits or drops the connection (it
@@ -170,28 +263,42 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
   void Accepted(int fd) {
     absl::MutexLock lock(&mu_);
     pending_fd_ = fd;
-    if (conns_.size() >= max_connections_) ++refused_;
+    if (conns_.size() >= limits_.max_connections) ++refused_;
   }
 
-  // Shuts down connections with no call running whose last call ended (or that were accepted)
-  // more than `idle` ago; returns how many.
-  uint64_t CloseIdle(absl::Duration idle) {
-    const absl::Time cutoff = absl::Now() - idle;
+  // Shuts down strangers accepted more than `auth_deadline` ago and authenticated connections
+  // whose last authenticated call ended more than `idle` ago (zero: never), none with a call
+  // running; returns how many.
+  uint64_t CloseIdle(absl::Duration idle, absl::Duration auth_deadline) {
+    const absl::Time now = absl::Now();
     uint64_t closed = 0;
     absl::MutexLock lock(&mu_);
     for (Connection* c : conns_) {
-      if (c->fd < 0 || c->calls > 0 || c->last_active > cutoff || c->shut) continue;
+      if (c->fd < 0 || c->calls > 0 || c->shut) continue;
+      if (!c->authenticated) {
+        if (now - c->accepted <= auth_deadline) continue;
+        ++unauthenticated_closed_;
+      } else {
+        if (idle <= absl::ZeroDuration() || now - c->last_active <= idle) continue;
+        ++idle_closed_;
+      }
       ::shutdown(c->fd, SHUT_RDWR);
       c->shut = true;
       ++closed;
     }
-    idle_closed_ += closed;
     return closed;
   }
 
   size_t open() const {
     absl::MutexLock lock(&mu_);
     return conns_.size();
+  }
+  // Open connections no call has authenticated.
+  size_t strangers() const {
+    absl::MutexLock lock(&mu_);
+    size_t n = 0;
+    for (const Connection* c : conns_) n += !c->authenticated && !c->shut;
+    return n;
   }
   uint64_t refused() const {
     absl::MutexLock lock(&mu_);
@@ -200,6 +307,14 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
   uint64_t idle_closed() const {
     absl::MutexLock lock(&mu_);
     return idle_closed_;
+  }
+  uint64_t unauthenticated_closed() const {
+    absl::MutexLock lock(&mu_);
+    return unauthenticated_closed_;
+  }
+  uint64_t tenant_refused() const {
+    absl::MutexLock lock(&mu_);
+    return tenant_refused_;
   }
   uint64_t malformed_closed() const {
     absl::MutexLock lock(&mu_);
@@ -228,16 +343,49 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
     int fd = -1;
     int calls = 0;
     bool shut = false;
-    absl::Time last_active;
+    bool authenticated = false;       // a call on it authenticated; bound to `tenant`
+    bool failed_auth = false;         // a call on it failed authentication
+    bool call_authenticated = false;  // the running call authenticated
+    std::string tenant;
+    absl::Time accepted;
+    absl::Time last_active;  // accepted, or the end of its last authenticated call
   };
-  const uint32_t max_connections_;
+
+  // Keeps strangers within max_unauthenticated: closes the oldest with no call running, those
+  // that failed authentication first.
+  void EvictStrangers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    size_t strangers = 0;
+    for (const Connection* c : conns_) strangers += !c->authenticated && !c->shut;
+    while (strangers > limits_.max_unauthenticated) {
+      Connection* victim = nullptr;
+      for (Connection* c : conns_) {
+        if (c->authenticated || c->shut || c->calls > 0 || c->fd < 0) continue;
+        if (victim == nullptr || std::make_pair(!c->failed_auth, c->accepted) <
+                                     std::make_pair(!victim->failed_auth, victim->accepted)) {
+          victim = c;
+        }
+      }
+      if (victim == nullptr) return;
+      ::shutdown(victim->fd, SHUT_RDWR);
+      victim->shut = true;
+      ++unauthenticated_closed_;
+      --strangers;
+    }
+  }
+
+  static thread_local Connection* current_;  // the connection of this thread's running call
+  const ControlLimits limits_;
   mutable absl::Mutex mu_;
   absl::flat_hash_set<Connection*> conns_ ABSL_GUARDED_BY(mu_);
   int pending_fd_ ABSL_GUARDED_BY(mu_) = -1;
   uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t idle_closed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t unauthenticated_closed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t tenant_refused_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t malformed_closed_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+thread_local ControlConnections::Connection* ControlConnections::current_ = nullptr;
 
 // The control plane's processor, closing a connection whose request cannot be decoded (a bad
 // message header, argument structs that do not parse, a frame shorter than what it announces).
@@ -255,9 +403,12 @@ class ClosingProcessor : public apache::thrift::TProcessor {
                void* connection) override {
     std::string why;
     try {
-      if (inner_->process(std::move(in), std::move(out), connection)) return true;
+      const bool called = inner_->process(std::move(in), std::move(out), connection);
+      ReplyWritten();
+      if (called) return true;
       why = "not a call";  // the processor's only false: a message type other than call
     } catch (const apache::thrift::TException& e) {
+      ReplyWritten();
       why = e.what();
     }
     Log(LogLevel::kDebug, "control: malformed request (", why, "); connection closed");
@@ -267,9 +418,21 @@ class ClosingProcessor : public apache::thrift::TProcessor {
   }
 
  private:
+  // The call's reply is serialized into the connection's write buffer: what its handler held
+  // for it is released, and after a large reply the freed heap pages go back to the system
+  // (the reply's gathered copies sit below the allocator's mmap threshold).
+  static void ReplyWritten() {
+    if (ReplyBudget::ReleaseHeldReplies() >= kTrimAfterBytes) malloc_trim(0);
+  }
+  static constexpr uint64_t kTrimAfterBytes = uint64_t{8} << 20;
+
   const std::shared_ptr<apache::thrift::TProcessor> inner_;
   const std::shared_ptr<ControlConnections> connections_;
 };
+
+// What a control connection keeps between calls (buffers above it are freed after the call).
+constexpr size_t kIdleReadBufferBytes = size_t{64} << 10;
+constexpr size_t kIdleWriteBufferBytes = size_t{256} << 10;
 
 class DaemonImpl : public Daemon {
  public:
@@ -409,9 +572,10 @@ void ThriftLog(const char* message) { Log(LogLevel::kDebug, "thrift: ", message)
 
 absl::Status DaemonImpl::Init(const Options& options) {
   options_ = options;
-  ctx_.options = options;
   SetLogLevel(options.process.log_level);
   RaiseFdLimit();
+  BudgetDescriptors(&options_);
+  ctx_.options = options_;
   apache::thrift::GlobalOutput.setOutputFunction(ThriftLog);
   KVCOMP_RETURN_IF_ERROR(MakeDirs(options.storage.data_dir));
 
@@ -447,8 +611,11 @@ absl::Status DaemonImpl::Init(const Options& options) {
         " recovered cache(s) in the background; a damaged one is quarantined, never served");
   }
 
+  PolicyLimits policy_limits;
+  policy_limits.max_per_tenant = options.control_plane.max_policies_per_tenant;
+  policy_limits.updates_per_second = options.control_plane.policy_updates_per_second;
   KVCOMP_ASSIGN_OR_RETURN(policies_, PolicyStore::Open(options.storage.data_dir + "/policies.yaml",
-                                                       options.default_policy));
+                                                       options.default_policy, policy_limits));
 
   const std::string& backend = options.engine.backend;
   const bool cuda = backend == "cuda" || (backend == "auto" && CudaAvailable());
@@ -503,7 +670,7 @@ absl::Status DaemonImpl::Init(const Options& options) {
   };
   metrics_->SetScrapeHook([this] { RefreshGauges(); });
 
-  auto data_plane = DataPlane::Start(options, &ctx_);
+  auto data_plane = DataPlane::Start(options_, &ctx_);
   if (!data_plane.ok()) return Annotate(data_plane.status(), "data plane (UCX)");
   data_plane_ = std::move(*data_plane);
   ctx_.data_port.store(data_plane_->port());
@@ -519,6 +686,12 @@ absl::Status DaemonImpl::Init(const Options& options) {
     h.ready = [this](std::string* reason) {
       if (thrift_dead_.load()) {
         *reason = ControlPlaneFailure();
+        return false;
+      }
+      if (control_ != nullptr && control_->open() >= options_.control_plane.max_connections) {
+        *reason = absl::StrCat("control plane full: ", control_->open(),
+                               " connections open (control_plane.max_connections); new ones "
+                               "are closed on accept");
         return false;
       }
       if (engines_->failed()) {
@@ -568,7 +741,17 @@ absl::Status DaemonImpl::StartThrift() {
     } else {
       socket = std::make_shared<TNonblockingServerSocket>(c.address, c.port);
     }
-    control_ = std::make_shared<ControlConnections>(c.max_connections);
+    ControlLimits limits;
+    limits.max_connections = c.max_connections;
+    limits.max_unauthenticated = std::min(c.max_unauthenticated_connections, c.max_connections);
+    if (!tokens_->open_mode() && c.tenant_share < 1) {
+      limits.tenant_connections = std::max<uint32_t>(
+          1, static_cast<uint32_t>(c.tenant_share * static_cast<double>(c.max_connections)));
+    }
+    control_ = std::make_shared<ControlConnections>(limits);
+    ctx_.control_authenticated = [control = control_](const absl::StatusOr<std::string>& t) {
+      return control->CallAuthenticated(t);
+    };
     processor->setEventHandler(control_);
     socket->setAcceptCallback([control = control_](THRIFT_SOCKET fd) { control->Accepted(fd); });
     thrift_workers_ = ThreadManager::newSimpleThreadManager(c.worker_threads);
@@ -590,6 +773,12 @@ absl::Status DaemonImpl::StartThrift() {
     // connection. Connections beyond max_connections are closed on accept (the overload test
     // is "more than max open", hence max - 1; hysteresis 1: admission resumes below the cap).
     thrift_->setMaxFrameSize(static_cast<size_t>(c.max_frame_bytes));
+    // A connection's read and write buffers shrink back after every call that grew them past
+    // these (Thrift's default checks every 512 calls, so a connection kept the largest reply it
+    // ever sent): memory returns once a large reply is sent.
+    thrift_->setResizeBufferEveryN(1);
+    thrift_->setIdleReadBufferLimit(kIdleReadBufferBytes);
+    thrift_->setIdleWriteBufferLimit(kIdleWriteBufferBytes);
     thrift_->setMaxConnections(c.max_connections - 1);
     thrift_->setOverloadAction(apache::thrift::server::T_OVERLOAD_CLOSE_ON_ACCEPT);
     thrift_->setOverloadHysteresis(1.0);
@@ -656,12 +845,12 @@ void DaemonImpl::ControlPlaneTick() {
     Log(LogLevel::kWarning, "control plane released: its connections are closed");
   }
   if (control_ == nullptr || thrift_ == nullptr) return;
-  const double idle = options_.control_plane.idle_timeout_seconds;
-  if (idle > 0) {
-    const uint64_t closed = control_->CloseIdle(absl::Seconds(idle));
-    if (closed > 0) {
-      Log(LogLevel::kDebug, "control plane: ", closed, " idle connection(s) closed");
-    }
+  const ControlPlaneOptions& c = options_.control_plane;
+  const uint64_t closed = control_->CloseIdle(absl::Seconds(c.idle_timeout_seconds),
+                                              absl::Seconds(c.auth_timeout_seconds));
+  if (closed > 0) {
+    Log(LogLevel::kDebug, "control plane: ", closed,
+        " idle or unauthenticated connection(s) closed");
   }
 }
 
@@ -750,6 +939,8 @@ void DaemonImpl::RefreshGauges() {
     metrics_->AdvanceControlConnectionsClosed("limit", control_->refused());
     metrics_->AdvanceControlConnectionsClosed("idle", control_->idle_closed());
     metrics_->AdvanceControlConnectionsClosed("malformed", control_->malformed_closed());
+    metrics_->AdvanceControlConnectionsClosed("unauthenticated",
+                                              control_->unauthenticated_closed());
   }
   metrics_->SetPutsInProgress(static_cast<int64_t>(service_->open_puts()));
   // Errors the transport answered itself (malformed frames, checksum mismatches, oversized

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/strings/str_format.h"
@@ -34,6 +36,10 @@ absl::StatusOr<CompressionPolicy> FromRpc(const rpc::Policy& r) { return PolicyF
 absl::StatusOr<std::string> ControlHandler::Authenticate(const rpc::Auth& auth) {
   auto tenant = ctx_->tokens->Authenticate(auth.tenant, auth.token);
   if (!tenant.ok()) ctx_->metrics->CountAuthFailure("control");
+  if (ctx_->control_authenticated) {
+    absl::Status admitted = ctx_->control_authenticated(tenant);
+    if (!admitted.ok()) return admitted;
+  }
   return tenant;
 }
 
@@ -319,7 +325,90 @@ constexpr int64_t kDefaultChunkReplyBytes = int64_t{64} << 20;
 // Chunk gets in flight at once per request (through the serve pool, which keeps tenants fair).
 constexpr size_t kChunkGetWave = 8;
 
+thread_local std::vector<ReplyBudget::Reservation> held_for_reply;
+
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// ReplyBudget
+
+ReplyBudget::Reservation& ReplyBudget::Reservation::operator=(Reservation&& o) noexcept {
+  if (this != &o) {
+    Release();
+    budget_ = o.budget_;
+    tenant_ = std::move(o.tenant_);
+    bytes_ = o.bytes_;
+    o.budget_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+bool ReplyBudget::Reservation::Resize(uint64_t bytes) {
+  if (budget_ == nullptr) return false;
+  if (bytes > bytes_) {
+    if (!budget_->Add(tenant_, bytes - bytes_)) return false;
+  } else if (bytes < bytes_) {
+    budget_->Sub(tenant_, bytes_ - bytes);
+  }
+  bytes_ = bytes;
+  return true;
+}
+
+void ReplyBudget::Reservation::Release() {
+  if (budget_ != nullptr && bytes_ > 0) budget_->Sub(tenant_, bytes_);
+  budget_ = nullptr;
+  bytes_ = 0;
+}
+
+bool ReplyBudget::TryReserve(const std::string& tenant, uint64_t bytes, Reservation* out) {
+  out->Release();
+  if (!Add(tenant, bytes)) return false;
+  out->budget_ = this;
+  out->tenant_ = tenant;
+  out->bytes_ = bytes;
+  return true;
+}
+
+bool ReplyBudget::Add(const std::string& tenant, uint64_t bytes) {
+  if (bytes == 0) return true;
+  absl::MutexLock lock(&mu_);
+  uint64_t& held = held_[tenant];
+  if (bytes > tenant_bytes_ - std::min(held, tenant_bytes_)) {
+    if (held == 0) held_.erase(tenant);
+    return false;
+  }
+  held += bytes;
+  return true;
+}
+
+void ReplyBudget::Sub(const std::string& tenant, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(tenant);
+  if (it == held_.end()) return;
+  it->second -= std::min(it->second, bytes);  // bytes is never more than was added
+  if (it->second == 0) held_.erase(it);
+}
+
+uint64_t ReplyBudget::held(const std::string& tenant) const {
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(tenant);
+  return it == held_.end() ? 0 : it->second;
+}
+
+void ReplyBudget::HoldForReply(Reservation r) {
+  if (r.bytes() > 0) held_for_reply.push_back(std::move(r));
+}
+
+uint64_t ReplyBudget::ReleaseHeldReplies() {
+  uint64_t bytes = 0;
+  for (const Reservation& r : held_for_reply) bytes += r.bytes();
+  held_for_reply.clear();
+  return bytes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefix calls
 
 void ControlHandler::LookupPrefix(rpc::LookupPrefixResponse& out, const rpc::Auth& auth,
                                   const std::string& model_id,
@@ -349,6 +438,12 @@ void ControlHandler::LookupPrefix(rpc::LookupPrefixResponse& out, const rpc::Aut
   out.held = held;
 }
 
+// GetChunks gathers its reply in waves of up to kChunkGetWave distinct caches. Before a cache is
+// read, its size from the store's index (stored bytes; for a decoded reply its original bytes,
+// which bound the decoded K and V) is accounted against the call's bound and the tenant's; once
+// read, in its real size. A key repeated in the call is read once and its payload kept until its
+// last copy is in the reply; every copy counts against the call's bound. What the tenant holds
+// for the reply is released once the reply has been serialized (ReleaseHeldReplies).
 void ControlHandler::GetChunks(rpc::GetChunksResponse& out, const rpc::Auth& auth,
                                const std::string& model_id, const std::vector<std::string>& keys,
                                bool decoded, int64_t max_bytes) {
@@ -359,44 +454,156 @@ void ControlHandler::GetChunks(rpc::GetChunksResponse& out, const rpc::Auth& aut
     out.status = ToRpc(cache_keys.status());
     return;
   }
-  const int64_t limit = max_bytes <= 0 ? kDefaultChunkReplyBytes : max_bytes;
+  const std::vector<CacheKey>& ck = *cache_keys;
+  const size_t n = ck.size();
+  const uint64_t call_bound = ctx_->options.control_plane.max_reply_bytes;
+  const uint64_t soft_limit =
+      static_cast<uint64_t>(max_bytes <= 0 ? kDefaultChunkReplyBytes : max_bytes);
   const Representation rep = decoded ? Representation::kDecoded : Representation::kStored;
-  int64_t gathered = 0;
-  for (size_t begin = 0; begin < cache_keys->size(); begin += kChunkGetWave) {
-    const size_t n = std::min(kChunkGetWave, cache_keys->size() - begin);
-    std::vector<absl::StatusOr<storage::Payload>> got;
-    got.reserve(n);
-    for (size_t i = 0; i < n; ++i) got.emplace_back(absl::UnknownError("not served"));
-    absl::BlockingCounter pending(static_cast<int>(n));
-    for (size_t i = 0; i < n; ++i) {
-      ctx_->service->Get((*cache_keys)[begin + i], rep,
-                         [&got, &pending, i](absl::StatusOr<storage::Payload> r) {
-                           got[i] = std::move(r);
-                           pending.DecrementCount();
-                         });
+  // Ends the reply: an error when nothing was gathered, else a truncated reply.
+  auto stop = [&](const absl::Status& why) {
+    if (out.caches.empty()) {
+      ctx_->metrics->CountError("get", why);
+      out.status = ToRpc(why);
+    } else {
+      out.truncated = true;
     }
-    pending.Wait();
-    ctx_->gets_total.fetch_add(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (!got[i].ok()) {
-        if (absl::IsNotFound(got[i].status())) return;  // the run ends here
-        ctx_->errors_total.fetch_add(1);
-        if (out.caches.empty()) {
-          out.status = ToRpc(got[i].status());
-        } else {
-          out.truncated = true;  // what was gathered is good; the caller asks for the rest
+  };
+  auto over_call_bound = [&](uint64_t bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a reply of ", bytes, " bytes would pass control_plane.max_reply_bytes (",
+                     call_bound, "); get the cache over the data plane"));
+  };
+  auto over_tenant_bound = [&]() {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this tenant's control-plane replies in progress hold ", replies_.held(tenant),
+        " bytes of control_plane.tenant_reply_bytes (", replies_.tenant_bytes(), "); retry"));
+  };
+  absl::flat_hash_map<std::string, size_t> uses;  // copies of each key still to add
+  for (const CacheKey& k : ck) ++uses[k.key];
+  ReplyBudget::Reservation held;  // the tenant's bytes this call holds: payloads and the reply
+  replies_.TryReserve(tenant, 0, &held);
+  uint64_t gathered = 0;                                       // bytes in out.caches
+  absl::flat_hash_map<std::string, storage::Payload> fetched;  // read, copies still to add
+  absl::flat_hash_map<std::string, absl::Status> failed;       // reads that failed
+  size_t next = 0;                                             // the next key to add
+  // Gathers the reply; returning ends it (the run ends, or stop() said why).
+  [&] {
+    while (next < n) {
+      // Plan a wave from `next`: keys whose sizes fit what the call may still gather, at most
+      // kChunkGetWave of them read.
+      std::vector<size_t> to_read;
+      absl::flat_hash_map<std::string, uint64_t> planned_sizes;
+      uint64_t planned = gathered;
+      size_t end = next;
+      for (; end < n && to_read.size() < kChunkGetWave && planned < soft_limit; ++end) {
+        const std::string& k = ck[end].key;
+        if (auto it = fetched.find(k); it != fetched.end()) {
+          planned += it->second.size();
+          continue;
         }
-        return;
+        if (auto it = planned_sizes.find(k); it != planned_sizes.end()) {
+          planned += it->second;
+          continue;
+        }
+        absl::StatusOr<storage::LookupResult> where = ctx_->store->Lookup(ck[end]);
+        if (!where.ok()) {
+          if (end > next) break;  // the next wave starts at it
+          if (!absl::IsNotFound(where.status())) stop(where.status());
+          return;  // not held: the run ends here
+        }
+        const uint64_t estimate =
+            rep == Representation::kStored
+                ? where->meta.stored_bytes
+                : std::max(where->meta.original_bytes, where->meta.stored_bytes);
+        // The reply's first cache is read when its stored bytes fit (decoding may shrink it); its
+        // real size decides below.
+        const uint64_t least =
+            out.caches.empty() && end == next ? where->meta.stored_bytes : estimate;
+        if (planned + least > call_bound) {
+          if (end > next) break;
+          stop(over_call_bound(planned + least));
+          return;
+        }
+        if (!held.Resize(held.bytes() + std::min(estimate, call_bound))) {
+          if (end > next) break;
+          stop(over_tenant_bound());
+          return;
+        }
+        planned_sizes[k] = std::min(estimate, call_bound);
+        to_read.push_back(end);
+        planned += estimate;
       }
-      const storage::Payload& bytes = *got[i];
-      out.caches.emplace_back(bytes.view());
-      gathered += static_cast<int64_t>(bytes.size());
-      if (gathered >= limit && begin + i + 1 < cache_keys->size()) {
-        out.truncated = true;
-        return;
+      if (!to_read.empty()) {
+        std::vector<absl::StatusOr<storage::Payload>> got;
+        got.reserve(to_read.size());
+        for (size_t i = 0; i < to_read.size(); ++i)
+          got.emplace_back(absl::UnknownError("not read"));
+        absl::BlockingCounter pending(static_cast<int>(to_read.size()));
+        for (size_t i = 0; i < to_read.size(); ++i) {
+          ctx_->service->Get(ck[to_read[i]], rep,
+                             [&got, &pending, i](absl::StatusOr<storage::Payload> r) {
+                               got[i] = std::move(r);
+                               pending.DecrementCount();
+                             });
+        }
+        pending.Wait();
+        ctx_->gets_total.fetch_add(to_read.size());
+        // The reservation follows the real sizes read.
+        uint64_t reserved = held.bytes();
+        for (size_t i = 0; i < to_read.size(); ++i) {
+          const std::string& k = ck[to_read[i]].key;
+          reserved -= planned_sizes[k];
+          if (got[i].ok()) {
+            reserved += got[i]->size();
+            fetched.emplace(k, std::move(*got[i]));
+          } else {
+            failed.emplace(k, got[i].status());
+          }
+        }
+        // Past the tenant's bound only when a read was larger than its estimate: the copies
+        // below are still checked one by one.
+        held.Resize(reserved);
       }
+      // Add keys [next, end) to the reply, in order.
+      for (; next < end; ++next) {
+        const std::string& k = ck[next].key;
+        auto it = fetched.find(k);
+        if (it == fetched.end()) {
+          auto f = failed.find(k);
+          const absl::Status why = f != failed.end() ? f->second : absl::UnknownError("not read");
+          if (absl::IsNotFound(why)) return;  // the run ends here
+          ctx_->errors_total.fetch_add(1);
+          stop(why);
+          return;
+        }
+        const uint64_t size = it->second.size();
+        if (gathered + size > call_bound) {
+          stop(over_call_bound(gathered + size));
+          return;
+        }
+        if (!held.Resize(held.bytes() + size)) {  // the reply's copy
+          stop(over_tenant_bound());
+          return;
+        }
+        out.caches.emplace_back(it->second.view());
+        gathered += size;
+        if (--uses[k] == 0) {  // its last copy: the payload goes
+          held.Resize(held.bytes() - std::min(held.bytes(), size));
+          fetched.erase(it);
+        }
+        if (gathered >= soft_limit && next + 1 < n) {
+          out.truncated = true;
+          break;
+        }
+      }
+      if (out.truncated) break;
     }
-  }
+  }();
+  // The reply's bytes stay held until it is serialized.
+  fetched.clear();
+  held.Resize(gathered);
+  ReplyBudget::HoldForReply(std::move(held));
 }
 
 }  // namespace service

@@ -10,7 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cache_service.h"
 #include "kvcomp/rpc/KvcompControl.h"
@@ -55,6 +57,9 @@ struct ServiceContext {
   Metrics* metrics = nullptr;
   CalibrateHook calibrate;
   GpuChannels* gpu = nullptr;  // the GPU channel (gpu_channel.h); null: none
+  // Told of every control call's authentication, on the calling thread (the daemon binds the
+  // call's connection to its tenant); a status other than OK is the call's answer. Unset: none.
+  std::function<absl::Status(const absl::StatusOr<std::string>& tenant)> control_authenticated;
   absl::Time started = absl::Now();
   std::atomic<bool> ready{false};
   std::atomic<bool> draining{false};
@@ -65,9 +70,59 @@ struct ServiceContext {
   std::atomic<uint64_t> errors_total{0};
 };
 
+// Bytes of control-plane replies each tenant's calls hold at once, from when a handler gathers
+// them until the reply has been serialized for sending. A handler reserves what it is about to
+// put into a reply (TryReserve); the reservation is handed to the calling thread (HoldForReply)
+// and released when that thread's call has written its reply (ReleaseHeldReplies, called by
+// the control plane's processor after each call). Thread-safe.
+class ReplyBudget {
+ public:
+  explicit ReplyBudget(uint64_t tenant_bytes) : tenant_bytes_(tenant_bytes) {}
+
+  // One tenant's bytes, released at destruction.
+  class Reservation {
+   public:
+    Reservation() = default;
+    Reservation(Reservation&& o) noexcept { *this = std::move(o); }
+    Reservation& operator=(Reservation&& o) noexcept;
+    ~Reservation() { Release(); }
+    uint64_t bytes() const { return bytes_; }
+    // Shrinks or grows the reservation to `bytes`; false (nothing changed) when growing would
+    // pass the tenant's bound.
+    bool Resize(uint64_t bytes);
+    void Release();
+
+   private:
+    friend class ReplyBudget;
+    ReplyBudget* budget_ = nullptr;
+    std::string tenant_;
+    uint64_t bytes_ = 0;
+  };
+
+  // `bytes` more for `tenant`, or an empty reservation (budget_ unset) when that would pass
+  // the tenant's bound.
+  bool TryReserve(const std::string& tenant, uint64_t bytes, Reservation* out);
+  // What `tenant` holds now.
+  uint64_t held(const std::string& tenant) const;
+  uint64_t tenant_bytes() const { return tenant_bytes_; }
+
+  // Keeps `r` until this thread's current control call has written its reply.
+  static void HoldForReply(Reservation r);
+  // Releases what this thread holds for its reply; returns the bytes released.
+  static uint64_t ReleaseHeldReplies();
+
+ private:
+  bool Add(const std::string& tenant, uint64_t bytes);
+  void Sub(const std::string& tenant, uint64_t bytes);
+  const uint64_t tenant_bytes_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, uint64_t> held_ ABSL_GUARDED_BY(mu_);
+};
+
 class ControlHandler : public rpc::KvcompControlIf {
  public:
-  explicit ControlHandler(ServiceContext* ctx) : ctx_(ctx) {}
+  explicit ControlHandler(ServiceContext* ctx)
+      : ctx_(ctx), replies_(ctx->options.control_plane.tenant_reply_bytes) {}
 
   void Health(rpc::HealthResponse& out, const rpc::Auth& auth) override;
   void Stats(rpc::StatsResponse& out, const rpc::Auth& auth) override;
@@ -110,6 +165,7 @@ class ControlHandler : public rpc::KvcompControlIf {
   // The caller's tenant, or the status to answer with (counted as an auth failure).
   absl::StatusOr<std::string> Authenticate(const rpc::Auth& auth);
   ServiceContext* const ctx_;
+  ReplyBudget replies_;
 };
 
 // Conversions between the IDL's types and kvcomp's (exposed for tests of the mapping).

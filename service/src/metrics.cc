@@ -183,6 +183,7 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
   m.control_closed->Add({{mn::kLabelReason, "limit"}});
   m.control_closed->Add({{mn::kLabelReason, "idle"}});
   m.control_closed->Add({{mn::kLabelReason, "malformed"}});
+  m.control_closed->Add({{mn::kLabelReason, "unauthenticated"}});
   m.gpu_seconds = counter(mn::kGpuSecondsTotal, "Seconds of GPU work (compression, decoding).");
   m.h2d_bytes = counter(mn::kH2dBytesTotal, "Bytes the data path copied from host memory to the GPU.");
   m.d2h_bytes = counter(mn::kD2hBytesTotal, "Bytes the data path copied from the GPU to host memory.");

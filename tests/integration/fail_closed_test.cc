@@ -433,7 +433,8 @@ TEST_F(FailClosedTest, LargestControlRequestFitsTheDefaultFrameLimit) {
 
 TEST_F(FailClosedTest, ThriftConnectionCapAndIdleTimeout) {
   auto d = StartDaemon({"--control_plane.max_connections=4",
-                        "--control_plane.idle_timeout_seconds=5"});
+                        "--control_plane.idle_timeout_seconds=5",
+                        "--control_plane.auth_timeout_seconds=5"});
   const rpc::Auth auth = MakeAuth("", "");
   ControlClient real(d->ports().control);
   rpc::HealthResponse h;
@@ -457,7 +458,7 @@ TEST_F(FailClosedTest, ThriftConnectionCapAndIdleTimeout) {
   for (int fd : strangers) EXPECT_FALSE(PeerClosed(fd)) << "admitted connection closed early";
   EXPECT_GE(MetricAtLeast(*d, "kvcomp_control_connections_closed_total{reason=\"limit\"}", 1), 1);
   // The real client keeps working while strangers hold the rest; strangers that complete no
-  // request are closed after the idle timeout, a client that keeps calling is not.
+  // request are closed after the authentication deadline, a client that keeps calling is not.
   const absl::Time until = absl::Now() + absl::Seconds(8);
   while (absl::Now() < until) {
     real->Health(h, auth);
@@ -468,7 +469,9 @@ TEST_F(FailClosedTest, ThriftConnectionCapAndIdleTimeout) {
     EXPECT_TRUE(PeerClosed(fd)) << "idle connection not closed";
     close(fd);
   }
-  EXPECT_GE(MetricAtLeast(*d, "kvcomp_control_connections_closed_total{reason=\"idle\"}", 3), 3);
+  EXPECT_GE(MetricAtLeast(*d, "kvcomp_control_connections_closed_total{reason=\"unauthenticated\"}",
+                         3),
+            3);
   // Admission resumes below the cap.
   EXPECT_TRUE(ControlAnswers(*d, auth));
   real->Health(h, auth);

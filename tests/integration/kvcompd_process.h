@@ -8,6 +8,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -92,6 +93,9 @@ class KvcompdProcess {
   ~KvcompdProcess() { Kill(SIGKILL); }
   // An environment variable ("NAME=value") for the daemon processes started after this.
   void SetEnv(std::string name_value) { env_.push_back(std::move(name_value)); }
+  // The descriptor limit (soft and hard) the daemon processes started after this run under;
+  // 0 (default): this process's.
+  void SetFdLimit(uint64_t limit) { fd_limit_ = limit; }
 
   // Starts the daemon and waits (up to `timeout_s`) for its ready file. False on failure; the
   // log is in log_path().
@@ -120,6 +124,10 @@ class KvcompdProcess {
       for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
       for (auto& e : env_) putenv(const_cast<char*>(e.c_str()));
+      if (fd_limit_ > 0) {
+        const rlimit lim{fd_limit_, fd_limit_};
+        if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(126);
+      }
       execv(binary_.c_str(), argv.data());
       _exit(127);
     }
@@ -201,6 +209,7 @@ class KvcompdProcess {
   int exit_status_ = 0;
   DaemonPorts ports_;
   std::vector<std::string> env_;
+  uint64_t fd_limit_ = 0;
 };
 
 // A Thrift control-plane client (framed transport, binary protocol).

@@ -128,6 +128,7 @@ TEST(PolicyMapping, PoliciesFileKeepsEveryFieldExactlyAcrossARestart) {
   EXPECT_FALSE(is_default);
   EXPECT_EQ(got, p) << got.DebugString();
   std::remove(path.c_str());
+  std::remove((path + ".log").c_str());
   rmdir(dir);
 }
 

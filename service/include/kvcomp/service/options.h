@@ -81,10 +81,33 @@ struct ControlPlaneOptions {
   // LookupPrefix or GetChunks of MAX_PREFIX_KEYS (1024) keys of at most 1 KiB: about 1 MiB.
   // Default 1280 KiB.
   uint64_t max_frame_bytes = uint64_t{1280} << 10;
-  // Open Thrift connections at once; a connection beyond it is closed on accept. Default 256.
-  uint32_t max_connections = 256;
-  // A connection with no request in progress and none completed for this long is closed,
-  // seconds; 0 = never. Default 60.
+  // Largest reply one call builds, bytes: a GetChunks reply stops before passing it (a first
+  // cache larger than it is RESOURCE_EXHAUSTED: get it over the data plane). Default 64 MiB.
+  uint64_t max_reply_bytes = uint64_t{64} << 20;
+  // Reply bytes one tenant's calls hold at once (gathered and not yet serialized); a call that
+  // would pass it is RESOURCE_EXHAUSTED, or truncated after its first cache. Default 128 MiB.
+  uint64_t tenant_reply_bytes = uint64_t{128} << 20;
+  // Open Thrift connections at once; a connection beyond it is closed on accept. Default 1024.
+  uint32_t max_connections = 1024;
+  // Connections no call has authenticated yet; a new one beyond it closes the oldest such
+  // connection with no call running (those whose calls failed authentication first).
+  // Default 256.
+  uint32_t max_unauthenticated_connections = 256;
+  // A connection on which no call has authenticated this long after it was accepted is closed,
+  // whatever it sends, seconds. Default 10.
+  double auth_timeout_seconds = 10;
+  // Share of max_connections one tenant's authenticated connections may hold, in (0, 1]; 1 = no
+  // per-tenant bound (always none in open mode). A call that would bind one more connection to
+  // a tenant holding its share is RESOURCE_EXHAUSTED. Default 0.5.
+  double tenant_share = 0.5;
+  // Policies (models, plus its default) one tenant may hold; SetPolicy of a new one beyond it
+  // is RESOURCE_EXHAUSTED. 0 = no bound. Default 1024.
+  uint32_t max_policies_per_tenant = 1024;
+  // SetPolicy calls per second one tenant may make (bursts of twice as many); beyond it
+  // RESOURCE_EXHAUSTED. 0 = no bound. Default 50.
+  double policy_updates_per_second = 50;
+  // An authenticated connection with no authenticated call in progress and none completed for
+  // this long is closed, seconds; 0 = never. Default 60.
   double idle_timeout_seconds = 60;
 };
 
