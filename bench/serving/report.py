@@ -39,7 +39,7 @@ def summary(d: Dict) -> List[str]:
                     return row["within"]
             return None
         raw = within("raw")
-        for arm, target in (("evict_codec", 1.5), ("codec", 1.2)):
+        for arm, target in (("evict", 1.5), ("codec", 1.2)):
             v = within(arm)
             if v is None:
                 continue

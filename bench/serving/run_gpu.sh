@@ -8,8 +8,10 @@
 #   run(command="bash bench/serving/run_gpu.sh", carry=[".gpubundle"])
 #
 # Knobs: KVCOMP_SERVING_REQUESTS (trace length, default the h200 preset's 64),
+#        KVCOMP_SERVING_ARM_S (seconds of trace per arm, default 55: an arm that is slower serves
+#        fewer requests, and every arm's table is cut to the fewest served),
 #        KVCOMP_SERVING_ARGS (more serve.py arguments), KVCOMP_SERVING_LIMIT_S (serve.py's
-#        time limit, default 420), KVCOMP_COMMIT (the commit to name where git is absent).
+#        time limit, default 420), KVCOMP_COMMIT (the commit the results name).
 # Local use (CPU, a short trace and the byte model): see tests/python/test_serving_bench.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,7 +32,10 @@ fi
 # shellcheck disable=SC1091
 source "$BUNDLE/env.sh"
 export PYTHONPATH=$KVCOMP_BUNDLE_PYTHON${PYTHONPATH:+:$PYTHONPATH}
-COMMIT=${KVCOMP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat "$BUNDLE/commit")}
+# The commit: KVCOMP_COMMIT, else the one the bundle was built from (the tree that travels may
+# carry a git directory of another commit).
+COMMIT=${KVCOMP_COMMIT:-$(cat "$BUNDLE/commit")}
+export KVCOMP_COMMIT=$COMMIT
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-')
 STAMP=$(date -u +%Y%m%dT%H%MZ)
 echo "date $STAMP, commit $COMMIT, bundle $(cat "$BUNDLE/commit"), card ${CARD:-none}"
@@ -43,7 +48,8 @@ PREFIX=$OUT/serving-$STAMP-${CARD:-gpu}-$COMMIT
 # The arms, the probes and the quality column; serve.py's own argument list is in the .json.
 PYTHONUNBUFFERED=1 timeout "${KVCOMP_SERVING_LIMIT_S:-420}" python3 bench/serving/serve.py \
   --trace "$OUT/trace.jsonl" --model timing --device cuda --kvcompd "$BUNDLE/bin/kvcompd" \
-  --probe-lengths 8192,32768 --quality 20,4,4096 --out "$PREFIX" ${KVCOMP_SERVING_ARGS:-} \
+  --probe-lengths 8192,32768 --quality 20,4,4096 --budget-s "${KVCOMP_SERVING_ARM_S:-55}" \
+  --out "$PREFIX" ${KVCOMP_SERVING_ARGS:-} \
   2>&1 | tee "$OUT/serving.log"
 rc=${PIPESTATUS[0]}
 [ -f "$PREFIX.md" ] && cat "$PREFIX.md"

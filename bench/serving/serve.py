@@ -1,7 +1,7 @@
 """Trace replay of prefill and decode workers over kvcompd, per arm at equal stored-cache memory.
 
     python3 bench/serving/serve.py --trace trace.jsonl --model timing|trained --device cuda \
-        --kvcompd build/service/kvcompd [--arms recompute,raw,codec,evict_codec] \
+        --kvcompd build/service/kvcompd [--arms recompute,raw,codec,evict] \
         [--capacity-frac 0.35] [--chunk 512] [--rates auto] [--out PREFIX]
 
 Only kvcomp's public interfaces are used: kvcompd is started from its command line (one fresh
@@ -41,8 +41,8 @@ Arms at the same stored-cache memory (device tier + host tier capacities, no dis
 - raw: ratio 0, raw keys, no value codec, no moments (an uncompressed offload store);
 - codec: ratio 0, int8 keys, KVSplice orthogonal_int8 values (the daemon calibrates the
   projection from raw caches put before the trace): every token, the form an engine loads;
-- evict_codec: the daemon's default eviction (manifold, ratio 0.5, moments) with the codec
-  arm's codecs.
+- evict: eviction as today's default policy has it (kvcomp.Policy(): manifold, ratio 0.5,
+  MomentKV moments, raw codecs), until a preset pairs eviction with the codecs.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ sys.path.insert(0, os.path.join(REPO, "bench", "quality", "lm"))
 import kvcomp  # noqa: E402
 import workload  # noqa: E402
 
-ARMS = ("recompute", "raw", "codec", "evict_codec")
+ARMS = ("recompute", "raw", "codec", "evict")
 ARM_LABEL = {"recompute": "recompute (no store)", "raw": "raw store (ratio 0, raw codecs)",
              "codec": "codec only (int8 K, KVSplice int8 V)",
-             "evict_codec": "eviction + codec (manifold 0.5, moments, int8 K, KVSplice int8 V)"}
+             "evict": "eviction, today's default policy (manifold 0.5, moments, raw codecs)"}
 TRAINED = os.path.join(REPO, "bench", "quality", "lm", "model")
 
 
@@ -84,9 +84,8 @@ def arm_policy(arm: str, rank: int) -> Optional[kvcomp.Policy]:
     if arm == "codec":
         return kvcomp.Policy(ratio=0.0, moments=False, key_codec="int8",
                              value_codec="orthogonal_int8", rank=rank)
-    if arm == "evict_codec":
-        return kvcomp.Policy(scorer="manifold", ratio=0.5, moments=True, key_codec="int8",
-                             value_codec="orthogonal_int8", rank=rank)
+    if arm == "evict":  # the embedded default policy, as kvcompd applies it
+        return kvcomp.Policy()
     raise ValueError(f"unknown arm {arm!r} (one of {', '.join(ARMS)})")
 
 
@@ -257,7 +256,7 @@ class Arm:
                                 dtype=w.cache_dtype, device=dev)
                 v = torch.empty_like(k)
                 try:
-                    self.c.get_into(self.model_id, key, k, v)
+                    self.c.get_into(self.model_id, key, k, v, num_q_heads=w.q_heads)
                 except KeyError:  # evicted since the lookup: the run ends here
                     break
                 bufs.append((k, v))
@@ -447,6 +446,8 @@ def quality(arms: Sequence[str], device: str, n_passkey: int, n_loss: int, ctx: 
 # --- main ---
 
 def git_commit() -> str:
+    if os.environ.get("KVCOMP_COMMIT"):
+        return os.environ["KVCOMP_COMMIT"]
     try:
         c = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                            capture_output=True, text=True, timeout=10).stdout.strip()

@@ -176,6 +176,16 @@ std::vector<NcclLink::Chunk> ChunksOf(const std::vector<Layer>& layers, uint64_t
   return chunks;
 }
 
+// A dense get whose cache has the call's bytes but not its layout: both layouts named (most
+// often the q heads: a put's num_q_heads that the get did not repeat).
+absl::Status LayoutMismatch(const GpuGetGrant& grant, const KvLayout& layout,
+                            uint64_t num_tokens, uint64_t payload) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the cache is ", grant.layout.DebugString(), " x ", grant.num_tokens, " tokens (",
+      grant.payload_bytes, " bytes); the call asked for ", layout.DebugString(), " x ",
+      num_tokens, " tokens (", payload, " bytes): pass the num_q_heads the cache was put with"));
+}
+
 }  // namespace
 
 GpuPath::GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, FetchFn fetch)
@@ -586,9 +596,7 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
               [&](const GpuGetGrant& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
                 if (grant.layout != layout || grant.num_tokens != num_tokens ||
                     grant.payload_bytes != payload) {
-                  return absl::InvalidArgumentError(absl::StrCat(
-                      "the cache has ", grant.num_tokens, " tokens of another layout than the "
-                      "call's (", grant.payload_bytes, " bytes, ", payload, " expected)"));
+                  return LayoutMismatch(grant, layout, num_tokens, payload);
                 }
                 return chunks;
               }));
@@ -1073,9 +1081,7 @@ absl::StatusOr<std::unique_ptr<DeviceGetStream>> GpuPath::OpenGetStream(
         grant->payload_bytes != payload) {
       c.link->Abort();  // its sends are posted and will not be received
       Drop(*channel, absl::InvalidArgumentError("layout mismatch"));
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the cache has ", grant->num_tokens, " tokens of another layout than the call's (",
-          grant->payload_bytes, " bytes, ", payload, " expected)"));
+      return LayoutMismatch(*grant, layout, num_tokens, payload);
     }
     KVCOMP_RETURN_IF_ERROR(out->Receive(std::move(t), *grant, layers, layer_bytes, device, options_));
     return std::unique_ptr<DeviceGetStream>(std::move(out));

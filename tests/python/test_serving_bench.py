@@ -96,7 +96,7 @@ def test_serving_replay_cpu(tmp_path):
     assert any(expect), "the trace has no reuse"
     # recompute never looks up; every store arm finds exactly what a keep-everything store holds
     assert all(s["held"] == 0 and s["hit"] == "miss" for s in arms["recompute"]["service"])
-    for arm in ("raw", "codec", "evict_codec"):
+    for arm in ("raw", "codec", "evict"):
         svc = arms[arm]["service"]
         assert [s["held"] for s in svc] == expect, arm
         assert [s["fetched"] for s in svc] == expect, arm
@@ -109,17 +109,17 @@ def test_serving_replay_cpu(tmp_path):
         (p,) = arms[arm]["probes"]
         assert p["miss"]["fetched"] == 0 and p["hit"]["hit"] == "full"
     # eviction keeps about half of each fetched chunk's tokens; the others keep them all
-    for s in arms["evict_codec"]["service"]:
+    for s in arms["evict"]["service"]:
         if s["fetched"]:
             assert s["past_tokens"] < s["fetched"] * 64
     for s in arms["raw"]["service"]:
         assert s["past_tokens"] == s["fetched"] * 64
     # stored bytes (the same chunks put by every store arm): the codecs store less than raw;
     # eviction's MomentKV summaries (d x d per kv head and chunk) can outweigh what it evicts at
-    # this model's 64-token chunks, so eviction + codec is compared with nothing here
+    # this model's 64-token chunks, so the eviction arm is compared with nothing here
     stored = {a: sum(s["stored_bytes"] for s in arms[a]["service"]) for a in serve.ARMS}
     assert stored["recompute"] == 0
-    assert 0 < stored["codec"] < stored["raw"] and stored["evict_codec"] > 0
+    assert 0 < stored["codec"] < stored["raw"] and stored["evict"] > 0
     # the SLO counts add up at every rate, and within-SLO is what the TTFTs say
     slo = d["meta"]["slo_factor"]
     grid, pre = d["meta"]["slo_grid"], d["meta"]["unloaded_prefill_s"]
