@@ -387,6 +387,61 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
 
 thread_local ControlConnections::Connection* ControlConnections::current_ = nullptr;
 
+// A control connection's socket that refuses a zero-length frame: Thrift's nonblocking server
+// would wait for more bytes after one, holding the connection until a timeout. The server reads
+// a frame's 4-byte size, then exactly its body; the socket follows the same framing over what it
+// returns and, at a size of zero, throws, which makes the server close the connection at once.
+class FrameCheckingSocket : public apache::thrift::transport::TSocket {
+ public:
+  FrameCheckingSocket(THRIFT_SOCKET fd, std::shared_ptr<ControlConnections> connections)
+      : TSocket(fd), connections_(std::move(connections)) {}
+
+  uint32_t read(uint8_t* buf, uint32_t len) override {
+    const uint32_t got = TSocket::read(buf, len);
+    for (uint32_t i = 0; i < got;) {
+      if (body_left_ > 0) {
+        const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(body_left_, got - i));
+        body_left_ -= n;
+        i += n;
+        continue;
+      }
+      size_bytes_[size_have_++] = buf[i++];
+      if (size_have_ < 4) continue;
+      size_have_ = 0;
+      body_left_ = (uint32_t{size_bytes_[0]} << 24) | (uint32_t{size_bytes_[1]} << 16) |
+                   (uint32_t{size_bytes_[2]} << 8) | size_bytes_[3];
+      if (body_left_ == 0) {
+        connections_->CountMalformed();
+        throw apache::thrift::transport::TTransportException(
+            apache::thrift::transport::TTransportException::CORRUPTED_DATA, "zero-length frame");
+      }
+    }
+    return got;
+  }
+
+ private:
+  const std::shared_ptr<ControlConnections> connections_;
+  uint8_t size_bytes_[4] = {};
+  uint32_t size_have_ = 0;
+  uint64_t body_left_ = 0;
+};
+
+// The control plane's plain-TCP listening socket, handing out FrameCheckingSockets.
+class FrameCheckingServerSocket : public TNonblockingServerSocket {
+ public:
+  FrameCheckingServerSocket(const std::string& address, int port,
+                            std::shared_ptr<ControlConnections> connections)
+      : TNonblockingServerSocket(address, port), connections_(std::move(connections)) {}
+
+ protected:
+  std::shared_ptr<apache::thrift::transport::TSocket> createSocket(THRIFT_SOCKET fd) override {
+    return std::make_shared<FrameCheckingSocket>(fd, connections_);
+  }
+
+ private:
+  const std::shared_ptr<ControlConnections> connections_;
+};
+
 // The control plane's processor, closing a connection whose request cannot be decoded (a bad
 // message header, argument structs that do not parse, a frame shorter than what it announces).
 // Thrift's nonblocking server would neither answer such a request nor close its connection, so
@@ -738,8 +793,6 @@ absl::Status DaemonImpl::StartThrift() {
         factory->authenticate(false);
       }
       socket = std::make_shared<TNonblockingSSLServerSocket>(c.address, c.port, factory);
-    } else {
-      socket = std::make_shared<TNonblockingServerSocket>(c.address, c.port);
     }
     ControlLimits limits;
     limits.max_connections = c.max_connections;
@@ -749,6 +802,10 @@ absl::Status DaemonImpl::StartThrift() {
           1, static_cast<uint32_t>(c.tenant_share * static_cast<double>(c.max_connections)));
     }
     control_ = std::make_shared<ControlConnections>(limits);
+    // Over TLS a zero-length frame is ended by the authentication deadline instead.
+    if (!c.tls) {
+      socket = std::make_shared<FrameCheckingServerSocket>(c.address, c.port, control_);
+    }
     ctx_.control_authenticated = [control = control_](const absl::StatusOr<std::string>& t) {
       return control->CallAuthenticated(t);
     };
