@@ -9,8 +9,8 @@
 // durable records, bounded in number and rate per tenant. A clean shutdown after a write burst
 // leaves no write-ahead log to replay. Under a hard descriptor limit one tenant's data-plane
 // connections cannot take the descriptors another tenant's need. A zero-length Thrift frame
-// closes its connection at once. A key the fp16 key codec would turn into Inf refuses
-// the put.
+// closes its connection at once. Received block memory follows the buffer budget. A key the fp16
+// key codec would turn into Inf refuses the put.
 #include <errno.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -533,6 +533,34 @@ TEST_F(ControlBoundsTest, ZeroLengthFrameClosesTheConnectionAtOnce) {
   EXPECT_GE(
       MetricValue(metrics.body, "kvcomp_control_connections_closed_total{reason=\"malformed\"}"),
       1);
+}
+
+TEST_F(ControlBoundsTest, ReceivedBlockMemoryFollowsTheBufferBudget) {
+  auto d = StartDaemon({"--data_plane.max_buffered_bytes=16Mi"});
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  // One layer of 8 KV heads of 128 f16: 4 KiB of K and V per token.
+  const KvLayout layout{1, 8, 8, 128, DType::kF16};
+  auto put_and_abort = [&](uint64_t tokens) {
+    auto id = c->PutBegin(MakePutBegin(layout, tokens, "m", "aborted"));
+    ASSERT_TRUE(id.ok()) << id.status();
+    // Each layer view is [heads][tokens][d]: the first `tokens` rows of each head are enough.
+    std::vector<uint16_t> kk(uint64_t{8} * tokens * 128, 0x3c00), vv(kk.size(), 0x3c00);
+    absl::Status sent = c->SendBlock(LayersBlock(*id, layout, tokens, 0, 1), kk.data(), vv.data());
+    ASSERT_TRUE(sent.ok()) << sent;
+    ASSERT_TRUE(c->PutAbort(*id).ok());
+  };
+  put_and_abort(1024);
+  absl::SleepFor(absl::Milliseconds(300));
+  const uint64_t before = ProcStatusKb(d->ports().pid, "VmRSS");
+  // 80 blocks of 80 sizes from 4 to 9 MiB: about 520 MiB through a 16 MiB budget.
+  for (int i = 0; i < 80; ++i) put_and_abort(1024 + 16 * static_cast<uint64_t>(i));
+  absl::SleepFor(absl::Milliseconds(300));
+  const uint64_t after = ProcStatusKb(d->ports().pid, "VmRSS");
+  std::printf("kvcompd RSS: %llu MiB before the blocks, %llu MiB after\n",
+              static_cast<unsigned long long>(before / 1024),
+              static_cast<unsigned long long>(after / 1024));
+  EXPECT_LT(after, before + 96 * 1024) << "released block buffers kept beyond the budget";
 }
 
 uint64_t WalBytes(const std::string& dir) {

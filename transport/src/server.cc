@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/status.h"
 #include "transport/src/admission.h"
+#include "transport/src/buffer_cache.h"
 #include "transport/src/ucx_util.h"
 
 namespace kvcomp {
@@ -1133,6 +1135,9 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerOptions&
                                                             RequestHandler* handler) {
   auto server = std::make_unique<ServerImpl>(options, handler);
   KVCOMP_RETURN_IF_ERROR(server->Init());
+  // Released block buffers kept for reuse stay within a quarter of the buffer budget, so the
+  // memory of received blocks follows max_buffered_bytes once they are consumed.
+  LimitBufferCache(std::min<uint64_t>(uint64_t{256} << 20, options.max_buffered_bytes / 4));
   return std::unique_ptr<UcxServer>(std::move(server));
 }
 
