@@ -14,8 +14,18 @@
 //   --mode=soak  `--clients` clients for `--seconds` of mixed put/get/delete on one daemon:
 //                every unexpected status is an error; latency per operation (p50/p99/max) and
 //                the daemon's RSS (sampled each second) are reported.
+//   --mode=restart  a write burst of `--burst_mb` MiB of lossless caches into the RocksDB tier
+//                (4 writers), then a SIGTERM and a restart, then another burst, a SIGKILL and a
+//                restart: the write-ahead log left and the time to ready are reported.
+//   --mode=lockout  `--strangers` unauthenticated connections on the control plane, each
+//                sending a credential-less Health every `--stranger_period` seconds and
+//                reconnecting when closed, while a valid client opens a fresh connection and
+//                calls Health every 0.5 s for `--seconds`: the time to serve it (connect to
+//                answer; target <= 1 s) and how many attempts were served are reported.
+#include <errno.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +34,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -39,8 +50,11 @@
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/layout.h"
+#include "kvcomp/rpc/KvcompControl.h"
 #include "kvcomp/transport/client.h"
 #include "kvcompd_process.h"
+#include "thrift/protocol/TBinaryProtocol.h"
+#include "thrift/transport/TBufferTransports.h"
 
 namespace kvcomp {
 namespace {
@@ -60,6 +74,9 @@ struct Flags {
   int clients = 8;
   double seconds = 600;
   uint64_t seed = 1;
+  int strangers = 256;
+  uint64_t burst_mb = 1024;
+  double stranger_period = 20;
   std::vector<std::string> daemon_flags;
 };
 
@@ -623,6 +640,206 @@ int Soak(const Flags& f) {
   return all.errors == 0 && alive ? 0 : 1;
 }
 
+// The bytes of one framed Health call with `auth`.
+std::string HealthFrame(const rpc::Auth& auth) {
+  auto memory = std::make_shared<apache::thrift::transport::TMemoryBuffer>();
+  auto framed = std::make_shared<apache::thrift::transport::TFramedTransport>(memory);
+  rpc::KvcompControlClient c(std::make_shared<apache::thrift::protocol::TBinaryProtocol>(framed));
+  c.send_Health(auth);
+  return memory->getBufferAsString();
+}
+
+int Lockout(const Flags& f) {
+  {
+    std::ofstream tokens(f.dir + "/tokens.yaml");
+    tokens << "alpha: secret-a\n";
+  }
+  std::vector<std::string> flags = {"--auth.token_file=" + f.dir + "/tokens.yaml"};
+  flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
+  KvcompdProcess d(f.kvcompd, f.dir + "/data", flags);
+  if (!d.Start(60)) {
+    std::fprintf(stderr, "kvcompd did not start:\n%s\n", d.Log().c_str());
+    return 1;
+  }
+  const int port = d.ports().control;
+  const std::string frame = HealthFrame(testing::MakeAuth("", ""));
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> reconnects{0};
+  std::atomic<int> connected{0};
+  std::thread strangers([&] {
+    std::vector<int> fds(static_cast<size_t>(f.strangers), -1);
+    auto next_send = Clock::now();
+    while (!stop.load()) {
+      const bool send_now = Clock::now() >= next_send;
+      if (send_now) {
+        next_send = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(f.stranger_period));
+      }
+      int open = 0;
+      for (int& fd : fds) {
+        char buf[4096];
+        if (fd >= 0) {
+          ssize_t n;
+          while ((n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT)) > 0) {
+          }
+          if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+            close(fd);
+            fd = -1;
+          }
+        }
+        if (fd < 0) {
+          fd = testing::ConnectLoopback(port);
+          if (fd < 0) continue;
+          ++reconnects;
+          (void)send(fd, frame.data(), frame.size(), MSG_NOSIGNAL);
+        } else if (send_now) {
+          (void)send(fd, frame.data(), frame.size(), MSG_NOSIGNAL);
+        }
+        ++open;
+      }
+      connected = open;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    for (int fd : fds) {
+      if (fd >= 0) close(fd);
+    }
+  });
+  while (connected.load() < f.strangers && d.running()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const uint64_t reconnects_at_start = reconnects.load();
+  std::vector<double> serve_ms;
+  int attempts = 0, served = 0, min_connected = f.strangers;
+  std::vector<std::string> failures;
+  const auto end = Clock::now() + std::chrono::duration<double>(f.seconds);
+  while (Clock::now() < end) {
+    ++attempts;
+    min_connected = std::min(min_connected, connected.load());
+    const auto s0 = Clock::now();
+    std::string why;
+    try {
+      testing::ControlClient c(port);
+      rpc::HealthResponse h;
+      c->Health(h, testing::MakeAuth("alpha", "secret-a"));
+      if (h.status.code != rpc::StatusCode::OK) why = h.status.message;
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    if (why.empty()) {
+      ++served;
+      serve_ms.push_back(Ms(Clock::now() - s0));
+    } else if (failures.size() < 5) {
+      failures.push_back(why);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  stop = true;
+  strangers.join();
+  const bool alive = d.running();
+  d.Kill(SIGTERM);
+  std::ostringstream s;
+  s << "strangers " << f.strangers << " (a credential-less Health every " << f.stranger_period
+    << " s, reconnecting when closed; at least " << min_connected << " connected at every attempt, "
+    << reconnects.load() - reconnects_at_start << " reconnects), " << f.seconds
+    << " s: valid client served " << served << " of " << attempts
+    << " attempts; time to serve (fresh connection to answer) p50 " << Percentile(serve_ms, 0.5)
+    << " ms, p99 " << Percentile(serve_ms, 0.99) << " ms, max "
+    << (serve_ms.empty() ? 0 : *std::max_element(serve_ms.begin(), serve_ms.end()))
+    << " ms (target <= 1000 ms); daemon alive at the end: " << (alive ? "yes" : "NO") << "\n";
+  for (auto& m : failures) s << "  - " << m << "\n";
+  Report(f, s.str());
+  return served == attempts && alive ? 0 : 1;
+}
+
+uint64_t WalBytes(const std::string& dir) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (e.path().extension() == ".log") total += e.file_size(ec);
+  }
+  return total;
+}
+
+int Restart(const Flags& f) {
+  std::vector<std::string> flags = {"--storage.put_tier=rocksdb"};
+  flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
+  KvcompdProcess d(f.kvcompd, f.dir + "/data", flags);
+  if (!d.Start(120)) {
+    std::fprintf(stderr, "kvcompd did not start:\n%s\n", d.Log().c_str());
+    return 1;
+  }
+  // One 2 MiB cache (512 tokens of kLayout), put under new keys.
+  constexpr uint64_t kTokens = 512;
+  const size_t per_layer = uint64_t{kLayout.num_kv_heads} * kTokens * kLayout.head_dim;
+  std::vector<uint16_t> k(per_layer * kLayout.num_layers), v(k.size());
+  std::mt19937_64 rng(f.seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = FloatToHalf(n(rng));
+    v[i] = FloatToHalf(n(rng));
+  }
+  std::vector<client::LayerData> layers;
+  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+    layers.push_back({k.data() + l * per_layer, v.data() + l * per_layer});
+  }
+  const uint64_t cache_bytes = kLayout.CacheBytes(kTokens);
+  client::PutOptions lossless;
+  lossless.policy = CompressionPolicy();
+  lossless.policy->ratio = 0;
+  lossless.policy->moments = false;
+  const std::string wal_dir = f.dir + "/data/rocksdb";
+  std::ostringstream s;
+  int errors = 0;
+  uint64_t next_key = 0;
+  for (int sig : {SIGTERM, SIGKILL}) {
+    const uint64_t caches = (f.burst_mb << 20) / cache_bytes;
+    std::atomic<uint64_t> put{0};
+    std::atomic<int> failed{0};
+    const auto b0 = Clock::now();
+    std::vector<std::thread> writers;
+    const uint64_t base = next_key;
+    for (int w = 0; w < 4; ++w) {
+      writers.emplace_back([&, w] {
+        auto c = Connect(d, absl::Seconds(120), 2);
+        if (c == nullptr) {
+          ++failed;
+          return;
+        }
+        for (uint64_t i = static_cast<uint64_t>(w); i < caches; i += 4) {
+          auto r = c->Put("m", "b" + std::to_string(base + i), kLayout, kTokens, layers, lossless);
+          if (r.ok()) {
+            ++put;
+          } else {
+            ++failed;
+          }
+        }
+      });
+    }
+    for (auto& t : writers) t.join();
+    next_key += caches;
+    const double burst_s = Ms(Clock::now() - b0) / 1000;
+    const uint64_t wal_before = WalBytes(wal_dir);
+    const auto k0 = Clock::now();
+    d.Kill(sig);
+    const double stop_s = Ms(Clock::now() - k0) / 1000;
+    const uint64_t wal_left = WalBytes(wal_dir);
+    const auto r0 = Clock::now();
+    const bool up = d.Start(600);
+    const double restart_s = Ms(Clock::now() - r0) / 1000;
+    errors += failed.load() + (up ? 0 : 1);
+    s << "- " << (sig == SIGTERM ? "SIGTERM" : "SIGKILL") << " after a burst of " << put.load()
+      << " caches of " << cache_bytes / 1024 << " KiB (" << (put.load() * cache_bytes >> 20)
+      << " MiB, " << failed.load() << " failed) in " << burst_s << " s: write-ahead log "
+      << (wal_before >> 20) << " MiB before the signal, " << (wal_left >> 20)
+      << " MiB left after the process ended (stop took " << stop_s << " s); restart to ready "
+      << restart_s << " s" << (up ? "" : " (DID NOT START)") << "\n";
+    if (!up) break;
+  }
+  d.Kill(SIGTERM);
+  Report(f, s.str());
+  return errors == 0 ? 0 : 1;
+}
+
 Flags ParseFlags(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -642,6 +859,12 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("clients")) f.clients = std::atoi(v);
     else if (const char* v = val("seconds")) f.seconds = std::atof(v);
     else if (const char* v = val("seed")) f.seed = std::strtoull(v, nullptr, 10);
+    else if (const char* v = val("strangers"))
+      f.strangers = std::atoi(v);
+    else if (const char* v = val("burst_mb"))
+      f.burst_mb = std::strtoull(v, nullptr, 10);
+    else if (const char* v = val("stranger_period"))
+      f.stranger_period = std::atof(v);
     else if (const char* v = val("daemon_flag")) f.daemon_flags.push_back(v);
     else {
       std::fprintf(stderr, "unknown flag %s\n", a.c_str());
@@ -663,6 +886,8 @@ int main(int argc, char** argv) {
   kvcomp::Flags f = kvcomp::ParseFlags(argc, argv);
   if (f.mode == "kill") return kvcomp::KillCampaign(f).Run();
   if (f.mode == "soak") return kvcomp::Soak(f);
-  std::fprintf(stderr, "--mode must be kill or soak\n");
+  if (f.mode == "lockout") return kvcomp::Lockout(f);
+  if (f.mode == "restart") return kvcomp::Restart(f);
+  std::fprintf(stderr, "--mode must be kill, soak, lockout or restart\n");
   return 2;
 }

@@ -2,6 +2,8 @@
 # The long fault campaign, outside make test:
 #   bench/reliability/run.sh kill [build dir] [cycles]     SIGKILL cycles under concurrent puts
 #   bench/reliability/run.sh soak [build dir] [seconds]    8 clients of mixed put/get/delete
+#   bench/reliability/run.sh lockout [build dir] [seconds] valid clients beside 256 strangers
+#   bench/reliability/run.sh restart [build dir] [MiB]     restart time after a write burst
 # Builds kvcomp_campaign (and kvcompd) in the build dir (default build-reliability), runs it in a
 # scratch directory and appends its figures, with date, machine and commit, to
 # bench/results/reliability-<date>.md. Meant to run in the background (nohup/setsid); progress
@@ -9,7 +11,7 @@
 # KVCOMP_COMMIT names what the build dir was built from when it is not HEAD of this tree.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: run.sh kill|soak [build dir] [cycles|seconds]}
+mode=${1:?usage: run.sh kill|soak|lockout|restart [build dir] [cycles|seconds|MiB]}
 build=${2:-build-reliability}
 amount=${3:-}
 if [[ ! -f "$build/build.ninja" ]]; then
@@ -32,7 +34,9 @@ scratch=$(mktemp -d /tmp/kvcomp-campaign-XXXXXX)
 case "$mode" in
   kill) args=(--mode=kill --cycles="${amount:-1000}" --chunk=100 --writers=4 --window=16) ;;
   soak) args=(--mode=soak --clients=8 --seconds="${amount:-600}") ;;
-  *) echo "mode must be kill or soak" >&2; exit 2 ;;
+  lockout) args=(--mode=lockout --strangers=256 --stranger_period=20 --seconds="${amount:-60}") ;;
+  restart) args=(--mode=restart --burst_mb="${amount:-4096}") ;;
+  *) echo "mode must be kill, soak, lockout or restart" >&2; exit 2 ;;
 esac
 set +e
 # Kill mode runs 100 cycles per process and resumes from its journal (exit status 3: more to
