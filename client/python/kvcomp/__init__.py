@@ -15,6 +15,7 @@ they name. Nothing synchronises the whole device. Arrays written for the caller 
 """
 
 from ._kvcomp import CompressedCache, Policy, backend_description, cuda_available  # noqa: F401
+from ._kvcomp import merge_heads, slice_heads, split_heads  # noqa: F401
 from . import _kvcomp
 from .client import Client, DeviceGetStream, DevicePutStream, PutStream  # noqa: F401
 
@@ -30,7 +31,8 @@ if not hasattr(_kvcomp, "_Client"):  # a KVCOMP_CORE_ONLY build (e.g. the GPU ma
                 "for the client.")
 
 __all__ = ["Policy", "CompressedCache", "score", "compress", "cuda_available",
-           "backend_description", "attention", "Client", "PutStream"]
+           "backend_description", "attention", "Client", "PutStream", "split_heads",
+           "slice_heads", "merge_heads"]
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 

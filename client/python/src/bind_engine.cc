@@ -23,6 +23,7 @@
 #include "call_backend.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/format.h"
+#include "kvcomp/core/heads.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/policy_fields.h"
 #include "kvcomp/kernels/backend.h"
@@ -366,6 +367,26 @@ void RegisterEngine(nb::module_& m) {
       .def("__eq__", [](const CompressedCache& a, const CompressedCache& b) { return a == b; })
       .def("__repr__", &CompressedCache::DebugString);
 
+  m.def(
+      "split_heads",
+      [](const CompressedCache& c, uint32_t parts) { return Unwrap(SplitHeads(c, parts)); },
+      nb::arg("cache"), nb::arg("parts"),
+      "The cache split into `parts` equal ranges of kv heads (a tensor-parallel rank's share "
+      "each), byte for byte what those heads hold; ValueError when parts does not divide the "
+      "kv heads; KVSplice-encoded values are refused");
+  m.def(
+      "slice_heads",
+      [](const CompressedCache& c, uint32_t begin, uint32_t end) {
+        return Unwrap(SliceHeads(c, begin, end));
+      },
+      nb::arg("cache"), nb::arg("begin"), nb::arg("end"),
+      "kv heads [begin, end) of every layer of the cache");
+  m.def(
+      "merge_heads",
+      [](const std::vector<CompressedCache>& parts) { return Unwrap(MergeHeads(parts)); },
+      nb::arg("parts"),
+      "The cache whose kv heads are those of `parts` in order (inverse of split_heads); the "
+      "parts must agree on everything but their heads");
   m.def("_score", &Score, nb::arg("keys"), nb::arg("policy"), nb::arg("backend") = "cpu",
         nb::arg("dtype") = "", nb::arg("queries").none() = nb::none(),
         nb::arg("stream") = nb::none());
