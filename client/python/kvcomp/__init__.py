@@ -112,8 +112,13 @@ def score(keys, scorer="manifold", *, backend="cpu", dtype=None, queries=None, s
 
 
 def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=None,
-             num_q_heads=None, projection=None, stream=None):
+             num_q_heads=None, projection=None, stream=None, k_scale=None, v_scale=None):
     """Compresses one sequence's KV cache under `policy` (default Policy()).
+
+    fp8 (e4m3) keys and values (torch float8_e4m3fn tensors, ml_dtypes float8_e4m3fn arrays)
+    are taken with their scales k_scale and v_scale (numbers, or arrays broadcasting against the
+    cache, e.g. per kv head) as float32 (kvcomp.layouts.dequantize_fp8: quantizing a decoded
+    token back with the same scale gives its fp8 bytes); the cache is then a float32 one.
 
     Value codecs other than "none" need `projection` (kvcomp.calibrate); the cache records its
     version, and kvcomp.decompress(cache, projection) returns the dense kept keys and values.
@@ -124,6 +129,14 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
     """
     if policy is None:
         policy = Policy()
+    from .layouts import dequantize_fp8, is_fp8
+    if is_fp8(keys) or is_fp8(values):
+        if k_scale is None or v_scale is None:
+            raise ValueError("fp8 keys and values need their scales (k_scale, v_scale)")
+        keys, values = dequantize_fp8(keys, k_scale), dequantize_fp8(values, v_scale)
+        dtype = None
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale and v_scale are for fp8 (float8_e4m3fn) keys and values")
     st = _call_stream(stream, (keys, values, queries))
     k, dt = _prepare(keys, dtype or "")
     v, dt_v = _prepare(values, dt)

@@ -7,6 +7,10 @@ distance the scorers compute, and decoding drops it again. The padding is stored
 head costs 128 channels); docs/integrations.md lists what each architecture costs.
 
 Heads are split and merged for tensor parallelism by kvcomp.split_heads / kvcomp.merge_heads.
+
+fp8 (e4m3) caches with their scales are taken as float32 (dequantize_fp8; quantizing back with the
+same scale gives the same bytes); kvcomp.compress does it for float8_e4m3fn inputs given k_scale
+and v_scale.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
 
-__all__ = ["KERNEL_HEAD_DIMS", "kernel_head_dim", "pad_head_dim"]
+__all__ = ["KERNEL_HEAD_DIMS", "kernel_head_dim", "pad_head_dim", "is_fp8", "dequantize_fp8"]
 
 
 def kernel_head_dim(*dims: int) -> int:
@@ -48,3 +52,52 @@ def pad_head_dim(x: Any, d: int) -> Any:
         return torch.nn.functional.pad(x, (0, d - have))
     import numpy as np
     return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - have)])
+
+
+# --- fp8 (e4m3) caches ---
+
+def _e4m3_table():
+    """float32 value of every e4m3fn byte (1 sign, 4 exponent bits biased by 7, 3 mantissa
+    bits; exponent 0 subnormal; 0x7f and 0xff NaN; no infinities)."""
+    import numpy as np
+    b = np.arange(256, dtype=np.int64)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 7
+    val = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1.0 + man / 8.0) * 2.0 ** (exp - 7.0))
+    val = sign * val
+    val[(exp == 15) & (man == 7)] = np.nan
+    return val.astype(np.float32)
+
+
+_E4M3 = None
+
+
+def is_fp8(x: Any) -> bool:
+    """True for a torch float8_e4m3fn tensor or a NumPy/ml_dtypes float8_e4m3fn array."""
+    return "float8_e4m3fn" in str(getattr(x, "dtype", ""))
+
+
+def dequantize_fp8(x: Any, scale: Any = 1.0) -> Any:
+    """An fp8 e4m3 cache (a torch float8_e4m3fn tensor, on any device, an ml_dtypes
+    float8_e4m3fn array, or a uint8 array of e4m3 bytes) times its scale, in float32: the
+    e4m3 value is exact in float32 and the product is rounded once (2^-24 relative), far below
+    e4m3's own step, so quantizing the result with the same scale gives back the same bytes.
+    scale: a number or an array/tensor broadcasting
+    against x (per tensor as vLLM's k_scale/v_scale, per kv head as [heads, 1, 1], ...).
+    ValueError for another dtype."""
+    if type(x).__module__.split(".")[0] == "torch":
+        import torch
+        if x.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"dequantize_fp8: dtype {x.dtype}, not float8_e4m3fn")
+        s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        return x.to(torch.float32) * s
+    import numpy as np
+    global _E4M3
+    if _E4M3 is None:
+        _E4M3 = _e4m3_table()
+    a = np.asarray(x)
+    if is_fp8(a):
+        a = a.view(np.uint8)
+    if a.dtype != np.uint8:
+        raise ValueError(f"dequantize_fp8: dtype {a.dtype}, not float8_e4m3fn or uint8 bytes")
+    return _E4M3[a] * np.asarray(scale, np.float32)

@@ -1,0 +1,72 @@
+"""fp8 (e4m3) KV input with its scales: kvcomp.compress takes float8_e4m3fn keys and values with
+k_scale and v_scale; at ratio 0 with raw codecs the decoded cache quantized back with the same
+scales is the input, byte for byte; with eviction it runs. On CUDA as well where a GPU is
+present."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvcomp  # noqa: E402
+from kvcomp.layouts import dequantize_fp8  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and kvcomp.cuda_available() else [])
+L, H, N, D = 2, 4, 96, 128
+
+
+def fp8_cache(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(L, H, N, D, generator=g) * 3).to(torch.float8_e4m3fn)
+    v = (torch.randn(L, H, N, D, generator=g) * 3).to(torch.float8_e4m3fn)
+    return k.to(device), v.to(device), 0.0173, torch.tensor([0.5, 0.25, 1.5, 3.0])[:, None, None]
+
+
+def test_e4m3_table_is_torchs():
+    bits = torch.arange(256, dtype=torch.uint8)
+    want = bits.view(torch.float8_e4m3fn).to(torch.float32).numpy()
+    got = dequantize_fp8(bits.numpy())
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok], want[ok])
+    s = np.float32(0.0173)
+    np.testing.assert_array_equal(dequantize_fp8(bits.numpy(), s)[ok],
+                                  (bits.view(torch.float8_e4m3fn).float() * s).numpy()[ok])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ratio_zero_round_trips_the_fp8_bytes(device):
+    k, v, ks, vs = fp8_cache(device)
+    vs = vs.to(device)
+    cc = kvcomp.compress(k, v, kvcomp.Policy(ratio=0.0, moments=False),
+                         backend="cuda" if device == "cuda" else "cpu", k_scale=ks, v_scale=vs,
+                         num_q_heads=2 * H)
+    assert cc.dtype == "f32" and cc.kept == [N] * (L * H)
+    dk, dv = kvcomp.decompress(cc)
+    back_k = (torch.from_numpy(dk) / ks).to(torch.float8_e4m3fn)
+    back_v = (torch.from_numpy(dv) / vs.cpu()).to(torch.float8_e4m3fn)
+    assert torch.equal(back_k.view(torch.uint8), k.cpu().view(torch.uint8))
+    assert torch.equal(back_v.view(torch.uint8), v.cpu().view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eviction_runs_on_fp8(device):
+    k, v, ks, vs = fp8_cache(device, 1)
+    backend = "cuda" if device == "cuda" else "cpu"
+    for pol in (kvcomp.Policy(scorer="keydiff", ratio=0.5),
+                kvcomp.Policy(scorer="knorm", ratio=0.75, key_codec="int8")):
+        cc = kvcomp.compress(k, v, pol, backend=backend, k_scale=ks, v_scale=vs.to(device),
+                             num_q_heads=H)
+        assert sum(cc.kept) == pol.kept_per_head(N) * L * H
+        # the kept set is what the dequantized float32 cache keeps
+        f = kvcomp.compress(dequantize_fp8(k, ks), dequantize_fp8(v, vs.to(device)), pol,
+                            backend=backend, num_q_heads=H)
+        assert cc == f
+
+
+def test_fp8_without_scales_is_an_error():
+    k, v, ks, vs = fp8_cache("cpu")
+    with pytest.raises(ValueError, match="scales"):
+        kvcomp.compress(k, v, kvcomp.Policy())
+    with pytest.raises(ValueError, match="fp8"):
+        kvcomp.compress(k.float(), v.float(), kvcomp.Policy(), k_scale=1.0, v_scale=1.0)
