@@ -11,6 +11,10 @@
 //                cut by the kill may have happened or not. Every intent and acknowledgement goes
 //                to a journal in --dir first, so the campaign runs in chunks of --chunk cycles
 //                (exit status 3: more to do) and a driver that dies resumes where it was.
+//                With --flip_every=N, after every N-th kill one byte of a random RocksDB blob or
+//                write-ahead log file is flipped before the restart (a media fault): a cache
+//                may then be missing (a miss) or refused with an error, never served wrong;
+//                what is missing or refused after such a fault is counted and no longer tracked.
 //   --mode=soak  `--clients` clients for `--seconds` of mixed put/get/delete on one daemon:
 //                every unexpected status is an error; latency per operation (p50/p99/max) and
 //                the daemon's RSS (sampled each second) are reported.
@@ -74,6 +78,7 @@ struct Flags {
   int clients = 8;
   double seconds = 600;
   uint64_t seed = 1;
+  int flip_every = 0;  // kill mode: a byte flipped in a stored file after every n-th kill
   int strangers = 256;
   uint64_t burst_mb = 1024;
   double stranger_period = 20;
@@ -188,6 +193,8 @@ struct KillCampaign {
   uint64_t acked_puts = 0, acked_deletes = 0, cut_puts = 0, cut_deletes = 0;
   uint64_t lost = 0, corrupt = 0, resurrected = 0, op_errors_before_kill = 0;
   uint64_t driver_restarts = 0;  // processes before this one on the same journal
+  uint64_t faults = 0, fault_misses = 0, fault_errors = 0, fault_back = 0, fault_refused_ops = 0;
+  bool damaged = false;  // a fault was injected before the restart being verified
   int cycles_done = 0;
   std::vector<std::string> problems;
   FILE* journal = nullptr;
@@ -230,10 +237,28 @@ struct KillCampaign {
           if (kind == "corrupt") ++corrupt;
           if (kind == "back") ++resurrected;
           if (kind == "error") ++op_errors_before_kill;
+          if (kind == "refused") {
+            ++fault_refused_ops;
+            break;
+          }
           if (problems.size() < 50) problems.push_back(line.substr(2));
           break;
         }
         case 'C': ls >> cycles_done; break;
+        case 'F':
+          ++faults;
+          damaged = true;
+          break;
+        case 'M':
+          ls >> id;
+          keys.erase(id);
+          ++fault_misses;
+          break;
+        case 'R':
+          ls >> id;
+          keys.erase(id);
+          ++fault_errors;
+          break;
         case 'S': ++driver_restarts; break;
       }
       if (line[0] == 'P' || line[0] == 'A' || line[0] == 'L') {
@@ -278,7 +303,7 @@ struct KillCampaign {
         absl::Status st = c->Delete("m", Key(old));
         std::lock_guard<std::mutex> l(mu);
         if (!st.ok()) {
-          if (!killed->load()) Problem("error", "delete " + Key(old) + ": " + st.ToString());
+          if (!killed->load()) OpFailed("delete " + Key(old), st);
           return;
         }
         Journal("X " + std::to_string(old));
@@ -299,7 +324,7 @@ struct KillCampaign {
       auto r = c->Put("m", Key(id), kLayout, TokensOf(id), kv.layers);
       std::lock_guard<std::mutex> l(mu);
       if (!r.ok()) {
-        if (!killed->load()) Problem("error", "put " + Key(id) + ": " + r.status().ToString());
+        if (!killed->load()) OpFailed("put " + Key(id), r.status());
         return;
       }
       Journal("A " + std::to_string(id) + " " + std::to_string(r->stored_bytes));
@@ -307,6 +332,17 @@ struct KillCampaign {
       ++acked_puts;
       mine.push_back(id);
     }
+  }
+
+  // A put or delete refused while the daemon was up: after a fault a DATA_LOSS refusal is the
+  // fault's (counted), anything else a problem. Called with mu held.
+  void OpFailed(const std::string& what, const absl::Status& status) {
+    if (faults > 0 && absl::IsDataLoss(status)) {
+      ++fault_refused_ops;
+      Journal("E refused " + what + ": " + status.ToString());
+      return;
+    }
+    Problem("error", what + ": " + status.ToString());
   }
 
   // `kind`: lost, corrupt, back (deleted but served again) or error. Called with mu held.
@@ -329,6 +365,15 @@ struct KillCampaign {
       KeyRecord& r = it->second;
       auto got = c.GetBytes("m", Key(id));
       const bool found = got.ok();
+      if (!found && damaged && r.state != KeyState::kDeleteInFlight &&
+          r.state != KeyState::kPutInFlight) {
+        // After a media fault a cache may be gone or refused; never served wrong (checked below).
+        const bool miss = absl::IsNotFound(got.status());
+        miss ? ++fault_misses : ++fault_errors;
+        Journal((miss ? "M " : "R ") + std::to_string(id));
+        it = keys.erase(it);
+        continue;
+      }
       if (!found && !absl::IsNotFound(got.status())) {
         Problem("error", "cycle " + std::to_string(cycle) + ": get " + Key(id) + ": " +
                              got.status().ToString());
@@ -381,10 +426,44 @@ struct KillCampaign {
     for (uint64_t id : deleted) {
       if (keys.count(id) != 0) continue;
       auto got = c.GetBytes("m", Key(id));
-      if (got.ok()) {
+      if (got.ok() && damaged) {
+        // A damaged log may lose the delete's record with what followed it: the cache comes
+        // back whole (its bytes are still checked), which a media fault allows.
+        if (auto bad = CheckBytes(*got, id, 0); !bad.empty()) {
+          Problem("corrupt", "cycle " + std::to_string(cycle) + ": " + Key(id) + " " + bad);
+        }
+        ++fault_back;
+        keys[id] = {KeyState::kLive, got->size()};  // tracked again, as the store holds it
+        Journal("L " + std::to_string(id) + " " + std::to_string(got->size()));
+      } else if (got.ok()) {
         Problem("back", "cycle " + std::to_string(cycle) + ": deleted " + Key(id));
       }
     }
+    damaged = false;
+  }
+
+  // Flips one byte of a random blob or write-ahead log file under the stopped daemon's RocksDB
+  // directory; returns what it did ("" when there is no such file).
+  std::string FlipAByte(const std::string& data, std::mt19937_64& rng) {
+    std::vector<std::filesystem::path> files;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(data + "/rocksdb", ec)) {
+      const std::string ext = e.path().extension().string();
+      if ((ext == ".blob" || ext == ".log") && e.file_size(ec) > 0) files.push_back(e.path());
+    }
+    if (files.empty()) return "";
+    const auto& path = files[rng() % files.size()];
+    const uint64_t size = std::filesystem::file_size(path, ec);
+    if (ec || size == 0) return "";
+    const uint64_t at = rng() % size;
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(static_cast<std::streamoff>(at));
+    char b = 0;
+    file.read(&b, 1);
+    b = static_cast<char>(b ^ (1 << (rng() % 8)));
+    file.seekp(static_cast<std::streamoff>(at));
+    file.write(&b, 1);
+    return path.filename().string() + " at " + std::to_string(at);
   }
 
   // A daemon left running by a driver that died holds the database's lock: it goes first.
@@ -462,6 +541,14 @@ struct KillCampaign {
       for (auto& t : threads) t.join();
       {
         std::lock_guard<std::mutex> l(mu);
+        if (f.flip_every > 0 && (cycle + 1) % f.flip_every == 0) {
+          const std::string what = FlipAByte(data, rng);
+          if (!what.empty()) {
+            Journal("F " + what);
+            ++faults;
+            damaged = true;
+          }
+        }
         Journal("C " + std::to_string(cycle + 1));
         cycles_done = cycle + 1;
       }
@@ -497,12 +584,14 @@ struct KillCampaign {
       << static_cast<int>(Ms(Clock::now() - t0) / 1000) << " s | driver processes "
       << driver_restarts + 1 << " | acknowledged puts " << acked_puts << " | acknowledged deletes "
       << acked_deletes << " | operations cut by the kill " << cut_puts + cut_deletes
-      << " | live caches " << live << " | lost " << lost
-      << " | corrupt " << corrupt << " | deleted but back " << resurrected
-      << " | errors while up " << op_errors_before_kill << " | restart-to-ready p50 "
-      << Percentile(restart_ms, 0.5) << " ms, p99 " << Percentile(restart_ms, 0.99)
-      << " ms | this driver's UCX: " << ucx.workers_created << " workers, "
-      << ucx.endpoints_created << " endpoints made |\n";
+      << " | live caches " << live << " | lost " << lost << " | corrupt " << corrupt
+      << " | deleted but back " << resurrected << " | errors while up " << op_errors_before_kill
+      << " | byte flips " << faults << ", then missing " << fault_misses << ", refused "
+      << fault_errors << ", deleted ones back " << fault_back
+      << ", puts and deletes refused (DATA_LOSS) after " << fault_refused_ops
+      << " | restart-to-ready p50 " << Percentile(restart_ms, 0.5) << " ms, p99 "
+      << Percentile(restart_ms, 0.99) << " ms | this driver's UCX: " << ucx.workers_created
+      << " workers, " << ucx.endpoints_created << " endpoints made |\n";
     if (final) {
       for (const auto& p : problems) s << "  - " << p << "\n";
     }
@@ -859,12 +948,12 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("clients")) f.clients = std::atoi(v);
     else if (const char* v = val("seconds")) f.seconds = std::atof(v);
     else if (const char* v = val("seed")) f.seed = std::strtoull(v, nullptr, 10);
-    else if (const char* v = val("strangers"))
-      f.strangers = std::atoi(v);
-    else if (const char* v = val("burst_mb"))
-      f.burst_mb = std::strtoull(v, nullptr, 10);
-    else if (const char* v = val("stranger_period"))
-      f.stranger_period = std::atof(v);
+    // clang-format off
+    else if (const char* v = val("strangers")) f.strangers = std::atoi(v);
+    else if (const char* v = val("burst_mb")) f.burst_mb = std::strtoull(v, nullptr, 10);
+    else if (const char* v = val("stranger_period")) f.stranger_period = std::atof(v);
+    else if (const char* v = val("flip_every")) f.flip_every = std::atoi(v);
+    // clang-format on
     else if (const char* v = val("daemon_flag")) f.daemon_flags.push_back(v);
     else {
       std::fprintf(stderr, "unknown flag %s\n", a.c_str());
