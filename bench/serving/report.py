@@ -16,10 +16,13 @@ def _ms(x):
     return "-" if x is None or x != x else f"{x * 1e3:.0f}"
 
 
-def knee_rate(d: Dict) -> Optional[float]:
+REPLAYS = (("rates", "put blocking the worker"), ("rates_overlapped", "put overlapped"))
+
+
+def knee_rate(d: Dict, table: str = "rates") -> Optional[float]:
     """The lowest rate at which the raw store serves < 90% of requests within SLO."""
     raw = d["arms"].get("raw", {})
-    for row in raw.get("rates", []):
+    for row in raw.get(table, []):
         if row["within"] < 0.9 * row["total"]:
             return row["rate"]
     return None
@@ -29,12 +32,14 @@ def summary(d: Dict) -> List[str]:
     """The issue's targets read off the run."""
     out = []
     arms = d["arms"]
-    k = knee_rate(d)
-    if k is None:
-        out.append("- the raw store stays at >= 90% within SLO at every rate run: no knee rate")
-    else:
+    for table, name in REPLAYS:
+        k = knee_rate(d, table)
+        if k is None:
+            out.append(f"- {name}: the raw store stays at >= 90% within SLO at every rate run")
+            continue
+
         def within(arm):
-            for row in arms.get(arm, {}).get("rates", []):
+            for row in arms.get(arm, {}).get(table, []):
                 if row["rate"] == k:
                     return row["within"]
             return None
@@ -44,13 +49,17 @@ def summary(d: Dict) -> List[str]:
             if v is None:
                 continue
             x = v / raw if raw else float("inf")
-            out.append(f"- at {k:.3g} req/s (raw store below 90% within SLO): {arm} {v} vs raw "
-                       f"{raw} within SLO = {x:.2f}x (target {target}x: "
-                       f"{'met' if x >= target else 'missed'})")
+            out.append(f"- {name}, at {k:.3g} req/s (the lowest rate where the raw store is "
+                       f"below 90% within SLO): {arm} {v} vs raw {raw} within SLO = {x:.2f}x "
+                       f"(target {target}x: {'met' if x >= target else 'missed'})")
     for arm, info in arms.items():
         for p in info.get("probes", []):
             h = p["hit"]
             frac = h["ttft_s"] / p["recompute_s"]
+            if h["hit"] != "full":
+                out.append(f"- {arm}, probe at {p['tokens']} tokens: not a full hit the second "
+                           f"time ({h['fetched']} of {h['chunks']} chunks held): no figure")
+                continue
             out.append(f"- {arm}, full hit at {p['tokens']} tokens: first token in "
                        f"{h['ttft_s'] * 1e3:.0f} ms = {frac * 100:.0f}% of recompute "
                        f"({p['recompute_s'] * 1e3:.0f} ms; target <= 20%: "
@@ -104,14 +113,18 @@ def markdown(d: Dict) -> str:
             L[-1] += "- | "
         L[-1] += f"{np.mean(dcb) / 2**20:.0f} | " if dcb else "- | "
         L[-1] += f"{info.get('error', '')} |"
-    L += ["", "## TTFT and requests within SLO per arrival rate", "",
-          "| arm | rate req/s | TTFT p50 ms | p90 ms | p99 ms | within SLO | outside |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for arm, info in d["arms"].items():
-        for row in info.get("rates", []):
-            L.append(f"| {arm} | {row['rate']:.3g} | {_ms(row['p50'])} | {_ms(row['p90'])} | "
-                     f"{_ms(row['p99'])} | {row['within']}/{row['total']} "
-                     f"({100 * row['within'] / max(1, row['total']):.0f}%) | {row['outside']} |")
+    for table, name in REPLAYS:
+        L += ["", f"## TTFT and requests within SLO per arrival rate ({name})", "",
+              "| arm | rate req/s | TTFT p50 ms | p90 ms | p99 ms | within SLO | outside |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for arm, info in d["arms"].items():
+            if table == "rates_overlapped" and arm == "recompute":
+                continue  # nothing to put: the same as above
+            for row in info.get(table, []):
+                L.append(f"| {arm} | {row['rate']:.3g} | {_ms(row['p50'])} | {_ms(row['p90'])} | "
+                         f"{_ms(row['p99'])} | {row['within']}/{row['total']} "
+                         f"({100 * row['within'] / max(1, row['total']):.0f}%) | "
+                         f"{row['outside']} |")
     L += ["", "## A hit's time (mean over the trace's hits)", "",
           "| arm | hits | lookup ms | transfer ms | decode/expand ms | prefill of the rest + first "
           "token ms | TTFT ms | put of new chunks ms |", "| --- | ---: | ---: | ---: | ---: | "
@@ -127,13 +140,13 @@ def markdown(d: Dict) -> str:
     probes = [(arm, p) for arm, info in d["arms"].items() for p in info.get("probes", [])]
     if probes:
         L += ["", "## Full-hit probes (one prompt put, then asked again)", "",
-              "| arm | tokens | recompute ms | miss: TTFT / put ms | hit: lookup | transfer | "
-              "decode/expand | first token | TTFT ms | hit / recompute |",
-              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| arm | tokens | recompute ms | miss: TTFT / put ms | second time: chunks held | "
+              "lookup | transfer | decode/expand | first token | TTFT ms | / recompute |",
+              "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for arm, p in probes:
             h, mi = p["hit"], p["miss"]
             L.append(f"| {arm} | {p['tokens']} | {_ms(p['recompute_s'])} | {_ms(mi['ttft_s'])} / "
-                     f"{_ms(mi['put_s'])} | {_ms(h['lookup_s'])} | {_ms(h['transfer_s'])} | "
+                     f"{_ms(mi['put_s'])} | {h['fetched']} of {h['chunks']} | {_ms(h['lookup_s'])} | {_ms(h['transfer_s'])} | "
                      f"{_ms(h['expand_s'])} | {_ms(h['prefill_s'])} | {_ms(h['ttft_s'])} | "
                      f"{100 * h['ttft_s'] / p['recompute_s']:.0f}% |")
     if d.get("quality"):
@@ -143,6 +156,8 @@ def markdown(d: Dict) -> str:
         for arm, q in d["quality"].items():
             L.append(f"| {arm} | {q['passkey']:.2f} | {q['n_passkey']} | {q['loss']:.3f} | "
                      f"{q['n_loss']} | {q['bytes_per_token']:.0f} |")
+    if m.get("note"):
+        L.append(f"\nNote: {m['note']}")
     for arm, info in d["arms"].items():
         if info.get("calibration"):
             L.append(f"\n{arm}: KVSplice calibration on the daemon "
@@ -157,27 +172,33 @@ def plot(path: str, d: Dict) -> None:
     m = d["meta"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.6))
     k = knee_rate(d) or (m["rates"][len(m["rates"]) // 2] if m["rates"] else None)
+    colors = {a: f"C{i}" for i, a in enumerate(d["arms"])}
     for arm, info in d["arms"].items():
         for row in info.get("rates", []):
             if row["rate"] == k:
                 x = np.sort(row["ttft"])
-                a1.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=arm)
-        rs = info.get("rates", [])
-        if rs:
+                a1.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=arm,
+                        color=colors.get(arm))
+        for table, style in (("rates", "-"), ("rates_overlapped", "--")):
+            rs = info.get(table, [])
+            if not rs or (table == "rates_overlapped" and arm == "recompute"):
+                continue
             a2.plot([r["rate"] for r in rs], [100 * r["within"] / max(1, r["total"]) for r in rs],
-                    marker="o", label=arm)
+                    marker="o", ls=style, color=colors.get(arm),
+                    label=arm + (" (put overlapped)" if style == "--" else ""))
     a1.set_xscale("log")
     a1.set_xlabel("TTFT (s)")
     a1.set_ylabel("fraction of requests")
-    a1.set_title(f"TTFT CDF at {k:.3g} req/s" if k else "TTFT CDF")
+    a1.set_title(f"TTFT CDF at {k:.3g} req/s (put blocking)" if k else "TTFT CDF")
     a1.grid(alpha=0.3)
     a1.legend()
     a2.set_xlabel("arrival rate (req/s)")
     a2.set_ylabel(f"% requests with TTFT <= {m['slo_factor']}x unloaded prefill")
     a2.set_title("requests within SLO")
     a2.axhline(90, color="grey", lw=0.8, ls="--")
+    a2.set_ylim(0, 102)
     a2.grid(alpha=0.3)
-    a2.legend()
+    a2.legend(fontsize=7)
     fig.suptitle(f"{m['model']} on {m['card']}, {m['date']}, {m['commit']}; stored-cache memory "
                  f"{m['capacity_bytes'] / 2**30:.1f} GiB", fontsize=9)
     fig.tight_layout()

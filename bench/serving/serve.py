@@ -33,8 +33,15 @@ every arrival rate is replayed on a virtual clock over the measured service time
 arrives at workload.arrivals(rate)[i], starts when it has arrived and request i-1 has finished,
 and its TTFT is its wait plus steps 1-3.
 
+Two replays of the same service times: the put blocking the prefill worker (what put_chunks
+does: the call returns once the chunks are stored) and the put overlapped with the next
+requests (an engine's asynchronous store; the daemon's work is then off the worker).
+
 SLO: TTFT <= --slo-factor (1.5) x the unloaded prefill of the same length on the same machine
 (measured first over a grid of lengths, interpolated).
+
+Probes: per store arm, on a daemon of its own whose tiers hold them, a prompt of each
+--probe-lengths length is served twice (a miss that puts it, then a full hit).
 
 Arms at the same stored-cache memory (device tier + host tier capacities, no disk tier):
 - recompute: no store;
@@ -239,6 +246,7 @@ class Arm:
             new_tokens, vocab
         self.memo = {}
         self.put_results = []
+        self.put_in_flight = 1
 
     def keys_of(self, tokens: np.ndarray) -> List[str]:
         n = (len(tokens) - 1) // self.chunk  # the last token is always computed
@@ -324,7 +332,8 @@ class Arm:
             sync(dev)
             tp = time.perf_counter()
             res = self.c.put_chunks(self.model_id, keys[fetched:], k, v, self.chunk,
-                                    policy=self.policy, num_q_heads=w.q_heads)
+                                    policy=self.policy, num_q_heads=w.q_heads,
+                                    max_in_flight=self.put_in_flight)
             t_put = time.perf_counter() - tp
             stored = sum(r.get("stored_bytes", 0) for r in res)
             self.put_results.append(res[0] if res else {})
@@ -343,14 +352,18 @@ class Arm:
 
 # --- replay on a virtual clock ---
 
-def replay(service: Sequence[Dict], requests: Sequence[Dict], rate: float) -> Dict:
-    """TTFTs of the arm's requests at `rate` (FIFO, one at a time): wait + service TTFT."""
+def replay(service: Sequence[Dict], requests: Sequence[Dict], rate: float,
+           busy: str = "busy_s") -> Dict:
+    """TTFTs of the arm's requests at `rate` (FIFO, one at a time): wait + service TTFT. The
+    worker is held for `busy` of each request: "busy_s" (the put of its new chunks blocks the
+    worker, as put_chunks does) or "ttft_s" (the put overlaps the next requests, as an engine's
+    asynchronous store would)."""
     arr = workload.arrivals(requests, rate)
     free, ttfts = 0.0, []
     for a, s in zip(arr, service):
         start = max(a, free)
         ttfts.append(start - a + s["ttft_s"])
-        free = start + s["busy_s"]
+        free = start + s[busy]
     return dict(rate=rate, ttft=ttfts)
 
 
@@ -358,10 +371,10 @@ def pct(x, q):
     return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
-def slo_table(service, requests, rates, slo_of) -> List[Dict]:
+def slo_table(service, requests, rates, slo_of, busy="busy_s") -> List[Dict]:
     rows = []
     for r in rates:
-        rp = replay(service, requests, r)
+        rp = replay(service, requests, r, busy)
         slo = [slo_of(s["tokens"]) for s in service]
         within = sum(1 for t, b in zip(rp["ttft"], slo) if t <= b)
         rows.append(dict(rate=r, p50=pct(rp["ttft"], 50), p90=pct(rp["ttft"], 90),
@@ -485,6 +498,8 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=0, help="first N requests of the trace")
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
+    ap.add_argument("--put-in-flight", type=int, default=1, help="put_chunks' max_in_flight "
+                    "(chunk puts in flight at once; 1: one after another)")
     ap.add_argument("--budget-s", type=float, default=0, help="stop an arm's trace after this "
                     "long (0: none); every arm is cut to the shortest arm's count")
     a = ap.parse_args(argv)
@@ -572,16 +587,11 @@ def main(argv=None):
             f: getattr(pol, f) for f in ("scorer", "ratio", "moments", "key_codec",
                                          "value_codec", "rank")})
         try:
-            if pol is not None:
-                d, client = start_daemon(binary, dev, dev_bytes, host_bytes, disk_bytes)
-            arm_o = Arm(arm, w, model_id, client, pol, a.chunk, a.decode_every,
-                        requests[0]["new_tokens"] if requests else 1, vocab)
-            if pol is not None and pol.value_codec != "none":
-                # the daemon fits the KVSplice projection from raw caches of this model
+            def calibrate(client):
+                """The daemon fits the KVSplice projection from raw caches of this model."""
                 tc = time.perf_counter()
-                calib = [r for r in requests[:2]]
                 ck = []
-                for j, r in enumerate(calib):
+                for j, r in enumerate(requests[:2]):
                     t = workload.prompt_tokens(r["segments"], vocab)[: 4 * a.chunk]
                     cache, _, _ = w.prefill(torch.from_numpy(t).to(dev), None, None, 0)
                     k, v = w.kv_of(cache, 0, len(t))
@@ -593,23 +603,43 @@ def main(argv=None):
                 cal = client.calibrate(model_id, rank=a.rank)
                 for key in ck:
                     client.delete(model_id, key)
-                info["calibration"] = dict(seconds=time.perf_counter() - tc,
-                                           result=[{k: v for k, v in c.items()
-                                                    if k != "layer_ranks"} for c in cal])
                 if not all(c.get("ok") for c in cal):
                     raise RuntimeError(f"calibration failed: {cal}")
-            # probes: a full hit at each probe length against its recompute
+                return dict(seconds=time.perf_counter() - tc,
+                            result=[{k: v for k, v in c.items() if k != "layer_ranks"}
+                                    for c in cal])
+
+            new_tokens = requests[0]["new_tokens"] if requests else 1
+            # probes: a full hit at each probe length against its recompute, on a daemon of
+            # their own whose tiers hold the longest probe (a hit's cost, not the capacity's)
             probes = []
-            for n in [int(x) for x in a.probe_lengths.split(",") if x] if pol is not None else []:
-                req = dict(i=-1, segments=[[f"probe-{n}", n + 1]], new_tokens=1)
-                miss = arm_o.serve(req)
-                hit = arm_o.serve(req)
-                probes.append(dict(tokens=n + 1, recompute_s=unloaded(n + 1), miss=miss, hit=hit))
-                for key in arm_o.keys_of(workload.prompt_tokens(req["segments"], vocab)):
-                    try:
-                        client.delete(model_id, key)
-                    except KeyError:
-                        pass
+            plens = [int(x) for x in a.probe_lengths.split(",") if x] if pol is not None else []
+            if plens:
+                big = 4 * max(plens) * w.raw_bytes_per_token
+                pd, pc = start_daemon(binary, dev, big, big, disk_bytes)
+                try:
+                    if pol.value_codec != "none":
+                        calibrate(pc)
+                    po = Arm(arm, w, model_id, pc, pol, a.chunk, a.decode_every, new_tokens, vocab)
+                    po.put_in_flight = a.put_in_flight
+                    for n in plens:
+                        req = dict(i=-1, segments=[[f"probe-{n}", n + 1]], new_tokens=1)
+                        miss = po.serve(req)
+                        hit = po.serve(req)
+                        probes.append(dict(tokens=n + 1, recompute_s=unloaded(n + 1), miss=miss,
+                                           hit=hit))
+                finally:
+                    pd.__exit__(None, None, None)
+                log(f"{arm}: probes " + ", ".join(
+                    f"{p['tokens']}: hit {p['hit']['ttft_s'] * 1e3:.0f} ms ({p['hit']['hit']}) "
+                    f"vs {p['recompute_s'] * 1e3:.0f} ms" for p in probes))
+            if pol is not None:
+                d, client = start_daemon(binary, dev, dev_bytes, host_bytes, disk_bytes)
+                if pol.value_codec != "none":
+                    info["calibration"] = calibrate(client)
+            arm_o = Arm(arm, w, model_id, client, pol, a.chunk, a.decode_every, new_tokens,
+                        vocab)
+            arm_o.put_in_flight = a.put_in_flight
             # the trace (a warm-up request first, then its keys deleted)
             svc = []
             ta = time.perf_counter()
@@ -656,6 +686,8 @@ def main(argv=None):
         rates = [float(x) for x in a.rates.split(",")]
     for x in ok:
         results[x]["rates"] = slo_table(results[x]["service"], reqs, rates, slo_of)
+        results[x]["rates_overlapped"] = slo_table(results[x]["service"], reqs, rates, slo_of,
+                                                   "ttft_s")
     qual = {}
     if a.quality:
         npk, nl, ctx = (int(v) for v in a.quality.split(","))
@@ -667,6 +699,7 @@ def main(argv=None):
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ")
     out = dict(meta=dict(date=stamp, card=card, commit=git_commit(), model=model_id,
                          device=str(dev), trace=meta, requests=nmin, chunk=a.chunk,
+                         put_in_flight=a.put_in_flight,
                          capacity_bytes=cap, device_tier_bytes=dev_bytes,
                          host_tier_bytes=host_bytes, disk_tier_bytes=disk_bytes,
                          working_set_tokens=ws_tokens,

@@ -111,6 +111,28 @@ def test_lossless_chunks_decode_exactly_as_the_whole(pool):
         assert [kvcomp.CompressedCache.from_bytes(b) for b in raw] == c.get_chunks(model, keys)
 
 
+def test_chunk_puts_in_flight_store_the_same_chunks(pool):
+    # Several chunk puts at once (over the pool's daemons): the same results, in order, and the
+    # same chunks as one after another; a bad bound is refused before anything is sent.
+    c = client_of(pool)
+    keys = chained(4, CHUNKS)
+    k, v = prompt(4)
+    model = f"{MODEL}-in-flight"
+    res = c.put_chunks(model, keys, k, v, CHUNK, policy=kvcomp.Policy(**LOSSLESS),
+                       max_in_flight=4)
+    assert len(res) == CHUNKS
+    assert [r["original_bytes"] for r in res] == [res[0]["original_bytes"]] * CHUNKS
+    assert c.lookup_prefix(model, keys) == CHUNKS
+    ck, cv = assemble(c.get_chunks(model, keys))
+    np.testing.assert_array_equal(ck, k.astype(np.float32))
+    np.testing.assert_array_equal(cv, v.astype(np.float32))
+    with pytest.raises(ValueError, match="max_in_flight"):
+        c.put_chunks(model, keys, k, v, CHUNK, max_in_flight=0)
+    # A failing chunk (another tenant's credentials) fails the call after every put has ended.
+    with pytest.raises(PermissionError):
+        client_of(pool, "alpha", "wrong").put_chunks(model, keys, k, v, CHUNK, max_in_flight=3)
+
+
 def test_lossy_chunks_within_the_codec_error(pool):
     c = client_of(pool)
     model = f"{MODEL}-lossy"

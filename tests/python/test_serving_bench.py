@@ -123,15 +123,15 @@ def test_serving_replay_cpu(tmp_path):
     # the SLO counts add up at every rate, and within-SLO is what the TTFTs say
     slo = d["meta"]["slo_factor"]
     grid, pre = d["meta"]["slo_grid"], d["meta"]["unloaded_prefill_s"]
-    for arm in serve.ARMS:
-        for row in arms[arm]["rates"]:
+    for arm, table in [(x, t) for x in serve.ARMS for t in ("rates", "rates_overlapped")]:
+        for row in arms[arm][table]:
             assert row["within"] + row["outside"] == row["total"] == N
             bounds = [slo * float(np.interp(s["tokens"], grid, pre))
                       for s in arms[arm]["service"]]
             assert row["within"] == sum(t <= b for t, b in zip(row["ttft"], bounds))
             assert all(t >= s["ttft_s"] - 1e-12 for t, s in zip(row["ttft"],
                                                                 arms[arm]["service"]))
-        w = [r["within"] for r in arms[arm]["rates"]]
+        w = [r["within"] for r in arms[arm][table]]
         assert w == sorted(w, reverse=True)  # more load never puts more within the SLO
     q = d["quality"]
     assert set(q) == set(serve.ARMS)

@@ -370,16 +370,22 @@ class Client:
         return self._c.lookup_prefix(model, [_key(k) for k in keys])
 
     def put_chunks(self, model: str, keys: Sequence[Key], k: Any, v: Any, chunk_tokens: int,
-                   *, first: int = 0, policy: Any = None,
-                   num_q_heads: Optional[int] = None) -> List[Dict[str, Any]]:
+                   *, first: int = 0, policy: Any = None, num_q_heads: Optional[int] = None,
+                   max_in_flight: int = 1) -> List[Dict[str, Any]]:
         """Stores keys/values [layers, kv_heads, tokens, head_dim] as one cache per chunk of
         `chunk_tokens` tokens, chunk i under keys[i], compressed on its own; chunks before
         `first` are skipped (already stored). Only whole chunks are stored: tokens must be
-        len(keys) * chunk_tokens. Returns each stored chunk's put result."""
+        len(keys) * chunk_tokens. Up to `max_in_flight` chunk puts are in flight at once (each
+        is its own round trip to the daemon that holds it; 1 puts them one after another).
+        CUDA arrays are read on torch's current stream of the calling thread. Returns each
+        stored chunk's put result, in order; the first failure is raised once every put has
+        ended (chunks before it may be stored)."""
         import numpy as np
 
         if chunk_tokens <= 0:
             raise ValueError("chunk_tokens must be positive")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         tokens = k.shape[2]
         if k.shape != v.shape or len(k.shape) != 4:
             raise ValueError("keys and values must both be [layers, kv_heads, tokens, head_dim]")
@@ -387,16 +393,40 @@ class Client:
             raise ValueError(f"{tokens} tokens are not {len(keys)} chunks of {chunk_tokens}")
         if not 0 <= first <= len(keys):
             raise ValueError(f"first {first} outside [0, {len(keys)}]")
-        out = []
-        for i in range(first, len(keys)):
+        is_torch = type(k).__module__.startswith("torch")
+        cuda = _is_cuda(k) or _is_cuda(v)
+        # The calling thread's stream: every chunk's copy and put is ordered on it, whichever
+        # thread runs them.
+        tstream = None
+        if cuda and is_torch:
+            import torch
+            tstream = torch.cuda.current_stream(k.device)
+
+        def put_one(i: int) -> Dict[str, Any]:
             t0, t1 = i * chunk_tokens, (i + 1) * chunk_tokens
             ck, cv = k[:, :, t0:t1], v[:, :, t0:t1]
-            if type(ck).__module__.startswith("torch"):
+            if tstream is not None:
+                import torch
+                with torch.cuda.stream(tstream):
+                    ck, cv = ck.contiguous(), cv.contiguous()
+                return self.put_device(model, keys[i], ck, cv, policy=policy,
+                                       num_q_heads=num_q_heads, stream=tstream)
+            if is_torch:
                 ck, cv = ck.contiguous(), cv.contiguous()
-            else:
+            elif not cuda:
                 ck, cv = np.ascontiguousarray(ck), np.ascontiguousarray(cv)
-            out.append(self.put(model, keys[i], ck, cv, policy=policy, num_q_heads=num_q_heads))
-        return out
+            return self.put(model, keys[i], ck, cv, policy=policy, num_q_heads=num_q_heads)
+
+        todo = range(first, len(keys))
+        if max_in_flight == 1 or len(todo) <= 1:
+            return [put_one(i) for i in todo]
+        from concurrent.futures import ThreadPoolExecutor, wait
+
+        # The SDK's calls release the GIL while they wait on the network and the device.
+        with ThreadPoolExecutor(max_workers=min(max_in_flight, len(todo))) as pool:
+            futures = [pool.submit(put_one, i) for i in todo]
+            wait(futures)
+        return [f.result() for f in futures]
 
     def get_chunks(self, model: str, keys: Sequence[Key], *, decoded: bool = False) -> List[Any]:
         """The caches (kvcomp.CompressedCache) of the leading `keys` stored, in order, with one
