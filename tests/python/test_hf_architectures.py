@@ -199,6 +199,38 @@ def test_head_dims_are_padded_to_the_kernels():
     assert model_of("deepseek_v3").model.layers[0].self_attn.kv_b_proj is not None
 
 
+def test_mla_latent_of_deepseek_v3s_width():
+    # DeepSeek-V3's own latent: 512 + 64 channels, wider than the kernels' 256: stored as nine
+    # 64-channel pieces (five pseudo-heads), which streaming eviction keeps together
+    torch.manual_seed(0)
+    m = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        **SMALL, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1)).eval().to(DEVICE)
+    assert hf.head_dims(m) == (512, 64)
+    ctx, q = ids(40, 31), ids(5, 32)
+    full = torch.cat([ctx, q])[None].to(DEVICE)
+    want = m.generate(full, max_new_tokens=8, do_sample=False)[0, full.shape[1]:]
+    assert hf.generate(m, ctx, q, RAW0, max_new_tokens=8,
+                       backend=BACKEND).tolist() == want.cpu().tolist()
+    ctxs = [ids(n, 40 + n) for n in (40, 27)]
+    padded, mask = hf._left_pad([torch.cat([c, q]) for c in ctxs])
+    want = m.generate(padded.to(DEVICE), attention_mask=mask.long().to(DEVICE),
+                      max_new_tokens=5, do_sample=False)[:, padded.shape[1]:]
+    got = hf.generate(m, ctxs, [q, q], RAW0, max_new_tokens=5, backend=BACKEND)
+    assert got.tolist() == want.cpu().tolist()
+    pol = kvcomp.Policy(scorer="streaming", ratio=0.5, key_codec="int8")
+    pre = hf.prefill(m, ctx)
+    cache = hf.cache_from_prefill(m, pre, pol, backend=BACKEND)
+    part = cache.caches[0]["full"]
+    assert (part.num_kv_heads, part.head_dim) == (5, 64)
+    assert part.kept == [pol.kept_per_head(40)] * 10
+    p = cache.prefixes[0]
+    assert p.keys.shape == (1, 1, pol.kept_per_head(40), 512) and p.values.shape[-1] == 64
+    assert hf.greedy(m, cache, pre.last_logits, q, 4).shape == (4,)
+
+
 def test_linear_attention_state_is_kept_exactly():
     m = model_of("qwen3_next")
     assert hf.layer_kinds(m) == ["linear", "linear", "linear", "full"]
@@ -240,8 +272,9 @@ def test_unsupported_models_fail_clearly():
     with pytest.raises(ValueError, match="head_dim 320"):
         hf.check_model(big)
     mla = T.DeepseekV3Config(**SMALL, kv_lora_rank=512, qk_rope_head_dim=64)
-    with pytest.raises(ValueError, match="head_dim 512"):
-        hf.check_model(mla)
+    hf.check_model(mla)  # a latent wider than 256 is stored in pieces...
+    with pytest.raises(ValueError, match="position-based eviction"):  # ...kept together
+        hf.KvcompCache(mla, kvcomp.Policy(scorer="keydiff", ratio=0.5))
     chunked = copy.deepcopy(T.LlamaConfig(**SMALL, num_attention_heads=2))
     chunked.layer_types = ["chunked_attention", "full_attention"]
     with pytest.raises(ValueError, match="chunked_attention"):

@@ -35,6 +35,8 @@ Layers by kind (the config's layer_types, as transformers reads them):
   RoPE'd shared key); kvcomp stores that latent, one head per layer, the latent as the keys and
   the RoPE part as the values, scores and evicts on it and expands it per head through the layer's
   own kv_b_proj for decode. The MomentKV correction does not apply to a latent (off for MLA).
+  A latent wider than 256 channels (DeepSeek-V3's own 512 + 64) is stored as 64-channel pieces,
+  pairs of them pseudo-heads, evicted by position only (streaming) or kept whole (ratio 0).
 Attention sinks (gpt-oss) enter every softmax as the model's own. Head dims other than 64, 128 and
 256, and keys and values of different sizes, are zero-padded to the kernels' next head dim
 (kvcomp.layouts); the padding is stored.
@@ -47,7 +49,7 @@ continuation token comes from the prefill itself (full attention, as a serving e
 produces it); every later token reads the compressed cache.
 
 Supported: model_type in SUPPORTED_MODEL_TYPES, key and value head dims up to 256 (MLA latents
-up to 256 per part), any batch size (prompts left-padded; loss, greedy_matches and
+of any width), any batch size (prompts left-padded; loss, greedy_matches and
 continuation_nll take one sequence). Anything else raises ValueError naming what is unsupported.
 """
 
@@ -93,6 +95,30 @@ def _is_mla(cfg) -> bool:
     return getattr(cfg, "kv_lora_rank", None) is not None
 
 
+PIECE = 64  # channels per piece of an MLA latent wider than the kernels' largest head dim
+
+
+def _wide_latent(cfg) -> bool:
+    """An MLA latent wider than 256: stored in 64-wide pieces, pairs of them as the keys and
+    values of pseudo-heads, which only position-based eviction keeps together."""
+    return _is_mla(cfg) and max(head_dims(cfg)) > 256
+
+
+def _to_pieces(k, v):
+    """One latent head k [T, dk], v [T, dv] as pseudo-heads' keys and values [P, T, PIECE]."""
+    x = torch.cat([k, v], -1)
+    pairs = -(-x.shape[-1] // (2 * PIECE))
+    x = pad_head_dim(x, 2 * pairs * PIECE).reshape(x.shape[0], pairs, 2, PIECE)
+    return x[:, :, 0].transpose(0, 1), x[:, :, 1].transpose(0, 1)
+
+
+def _from_pieces(keys, values, dk, dv):
+    """The inverse of _to_pieces over a pseudo-head's decoded rows: (k [n, dk], v [n, dv])."""
+    x = np.stack([np.stack([k, v], 1) for k, v in zip(keys, values)], 1)
+    x = x.reshape(x.shape[0], -1)
+    return x[:, :dk], x[:, dk:dk + dv]
+
+
 def layer_kinds(model_or_config) -> List[str]:
     """Each layer's kind: "full", "window" (sliding window) or "linear" (linear attention)."""
     cfg = _config(model_or_config)
@@ -131,7 +157,7 @@ def check_model(model_or_config) -> None:
     if WINDOW in kinds and not getattr(cfg, "sliding_window", None):
         raise ValueError("kvcomp.hf: sliding-window layers without a sliding_window size")
     dk, dv = head_dims(cfg)
-    for what, d in (("head_dim", dk), ("value head_dim", dv)):
+    for what, d in () if _is_mla(cfg) else (("head_dim", dk), ("value head_dim", dv)):
         try:
             kernel_head_dim(d)
         except ValueError:
@@ -389,6 +415,16 @@ class KvcompCache(DynamicCache):
             raise ValueError(
                 "kvcomp.hf: scorer snapkv needs the observation window's queries, which the "
                 "kvcompd path does not carry; run snapkv in-process (client=None)")
+        self.pieces = _wide_latent(self._cfg)
+        if self.pieces and not (
+                (self.policy.scorer == "streaming" or
+                 (self.policy.ratio == 0 and self.policy.budget is None)) and
+                self.policy.head_budget == "uniform"):
+            raise ValueError(
+                f"kvcomp.hf: an MLA latent of {sum(head_dims(self._cfg))} channels (above the "
+                f"kernels' 256) is stored in {PIECE}-channel pieces; only position-based "
+                f"eviction (scorer streaming, uniform heads) or ratio 0 keeps a token's pieces "
+                f"together, not scorer {self.policy.scorer!r} at ratio {self.policy.ratio}")
         if self.mla and self.policy.scorer == "snapkv":
             raise ValueError("kvcomp.hf: scorer snapkv scores keys against per-head queries; "
                              "an MLA cache holds the latent, which those queries do not meet")
@@ -535,6 +571,18 @@ class KvcompCache(DynamicCache):
                                  dtype=_dtype_hint(ks), **{**args, "queries": _host(qs)})
         return cc, cc.nbytes, projection, self.backend
 
+    def _rows_of_pieces(self, cc, k, v, layers, rows, pos_of, dk, dv):
+        """A wide MLA latent's pseudo-heads put back together: one head per layer."""
+        P = cc.num_kv_heads
+        for li, l in enumerate(layers):
+            kept = [np.asarray(cc.kept_positions(li, h), np.int64) for h in range(P)]
+            if any(not np.array_equal(kept[0], x) for x in kept[1:]):
+                raise RuntimeError("kvcomp.hf: the pieces of an MLA latent kept different "
+                                   "tokens")
+            lk, lv = _from_pieces([_per_head(k, li, h) for h in range(P)],
+                                  [_per_head(v, li, h) for h in range(P)], dk, dv)
+            rows[l].append([(lk, lv, pos_of[kept[0]])])
+
     def _window_policy(self):
         return kvcomp.Policy(ratio=0.0, moments=False, key_codec=self.policy.key_codec)
 
@@ -554,7 +602,7 @@ class KvcompCache(DynamicCache):
         k0, v0 = self._pending[self._attn_layers[0]]
         B, T, device = k0.shape[0], k0.shape[2], k0.device
         hk, dk, dv = k0.shape[1], k0.shape[-1], v0.shape[-1]
-        D = kernel_head_dim(dk, dv)
+        D = PIECE if self.pieces else kernel_head_dim(dk, dv)
         hq = self._num_q_heads or getattr(self._cfg, "num_attention_heads", hk)
         if self.mla:
             hq = hk  # the latent is one head; its queries are not stored
@@ -580,10 +628,17 @@ class KvcompCache(DynamicCache):
                 parts.append(("window", win, start, self._window_policy(), None))
             for name, layers, start, pol, proj in parts:
                 sel = idx[start:]
-                ks = torch.stack([pad_head_dim(self._pending[l][0][b].index_select(1, sel), D)
-                                  for l in layers])
-                vs = torch.stack([pad_head_dim(self._pending[l][1][b].index_select(1, sel), D)
-                                  for l in layers])
+                if self.pieces:
+                    pk = [_to_pieces(self._pending[l][0][b, 0].index_select(0, sel),
+                                     self._pending[l][1][b, 0].index_select(0, sel))
+                          for l in layers]
+                    ks, vs = torch.stack([p[0] for p in pk]), torch.stack([p[1] for p in pk])
+                    hq = ks.shape[1]
+                else:
+                    ks = torch.stack([pad_head_dim(self._pending[l][0][b].index_select(1, sel),
+                                                   D) for l in layers])
+                    vs = torch.stack([pad_head_dim(self._pending[l][1][b].index_select(1, sel),
+                                                   D) for l in layers])
                 qs = None
                 if name == "full" and pol.scorer == "snapkv":
                     w = min(pol.snapkv_window, sel.numel(), self._queries[full[0]].shape[2])
@@ -593,6 +648,9 @@ class KvcompCache(DynamicCache):
                 entry[name] = cc
                 self.stored_bytes += nbytes
                 k, v = kvcomp.decompress(cc, dproj, backend=dback)
+                if self.pieces:
+                    self._rows_of_pieces(cc, k, v, layers, rows, pos_of[start:], dk, dv)
+                    continue
                 for li, l in enumerate(layers):
                     rows[l].append([(_per_head(k, li, h), _per_head(v, li, h),
                                      pos_of[start + np.asarray(cc.kept_positions(li, h),
