@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import kvcomp  # noqa: E402
 import kvcomp.hf as hf  # noqa: E402
+from kvcompd_fixture import Kvcompd, built_kvcompd  # noqa: E402
 
 CUDA = torch.cuda.is_available() and kvcomp.cuda_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -246,6 +247,38 @@ def test_linear_attention_state_is_kept_exactly():
     first = hf.greedy(m, a, pre.last_logits, ids(3, 12), 4)
     again = hf.greedy(m, b, pre.last_logits, ids(3, 12), 4)
     assert first.tolist() == again.tolist()  # the fork starts from the untouched state
+    # under press, the state is kept before the first decode step changes it
+    with hf.press(m, kvcomp.Policy(scorer="keydiff", ratio=0.5), backend=BACKEND) as p:
+        m.generate(ids(30, 11)[None].to(DEVICE), max_new_tokens=3, do_sample=False)
+    for l in (0, 1, 2):
+        assert torch.equal(p.last_cache.linear_state[l].recurrent_states[0],
+                           pre.linear_state[l].recurrent_states[0])
+
+
+@pytest.mark.skipif(built_kvcompd() is None, reason="kvcompd not built")
+def test_hybrid_through_kvcompd_restores_the_linear_state_exactly():
+    m = model_of("qwen3_next")
+    ctx, q = ids(40, 1), ids(5, 2)
+    full = torch.cat([ctx, q])[None].to(DEVICE)
+    want = m.generate(full, max_new_tokens=6, do_sample=False)[0, full.shape[1]:]
+    try:
+        with Kvcompd(built_kvcompd()) as d:
+            client = kvcomp.Client(f"{d.data_endpoint},127.0.0.1:{d.control_port}",
+                                   timeout=60.0)
+            got = hf.generate(m, ctx, q, RAW0, max_new_tokens=6, client=client,
+                              model_id="test/hybrid")
+            assert got.tolist() == want.cpu().tolist()
+            pre = hf.prefill(m, ctx)
+            cache = hf.cache_from_prefill(m, pre, kvcomp.Policy(scorer="knorm", ratio=0.5),
+                                          client=client, model_id="test/hybrid")
+            for l in (0, 1, 2):  # what came back from kvcompd is the prefill's state
+                for attr in ("conv_states", "recurrent_states"):
+                    got_t = getattr(cache.layers[l], attr)[0]
+                    assert torch.equal(got_t, getattr(pre.linear_state[l], attr)[0])
+            assert cache.stored_bytes > cache.compressed.nbytes  # the state is stored too
+            assert d.metrics()["kvcomp_caches_stored"] == 0.0  # and deleted after the trip
+    except NotImplementedError:  # a core-only build has no client
+        pytest.skip("this kvcomp build has no client")
 
 
 def test_sinks_enter_the_softmax():

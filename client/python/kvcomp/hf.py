@@ -30,7 +30,8 @@ Layers by kind (the config's layer_types, as transformers reads them):
   is kept (the prompt's last `sliding_window` tokens), stored with ratio 0 and the policy's key
   codec; decode attends inside the window as the model's mask says;
 - linear attention (Qwen3-Next's gated delta net): its convolution and recurrent state is kept as
-  the model left it after the prefill, bit for bit, beside the compressed attention layers;
+  the model left it after the prefill, bit for bit, beside the compressed attention layers (with
+  `client=` it makes a lossless round trip through kvcompd too);
 - MLA (DeepSeek-V3): transformers caches the latent (the kv_a output after its norm, and the
   RoPE'd shared key); kvcomp stores that latent, one head per layer, the latent as the keys and
   the RoPE part as the values, scores and evicts on it and expands it per head through the layer's
@@ -444,6 +445,7 @@ class KvcompCache(DynamicCache):
         # a token (padding inside a batch's questions is not); for sliding windows
         self._coord_pos: Optional[torch.Tensor] = None
         self._coord_real: Optional[torch.Tensor] = None
+        self._linear_seen: set = set()
         _ACTIVE_REFS.append(weakref.ref(self))
 
     # transformers' Cache API
@@ -459,6 +461,18 @@ class KvcompCache(DynamicCache):
         self._returned[layer_idx] = k
         _LAST_UPDATE[layer_idx] = weakref.ref(self)
         return k, v
+
+    def has_previous_state(self, layer_idx=None, *args, **kwargs):
+        # A linear-attention layer asks first thing in its forward: a layer asking a second
+        # time starts the forward after the prompt's, so the prompt is compressed (and the
+        # layers' state kept) before that forward changes the state.
+        if self.prefixes is None and layer_idx is not None and \
+                layer_idx < len(self.kinds) and self.kinds[layer_idx] == LINEAR:
+            if layer_idx in self._linear_seen and self._pending and \
+                    all(l in self._pending for l in self._attn_layers):
+                self.compress()
+            self._linear_seen.add(layer_idx)
+        return super().has_previous_state(layer_idx, *args, **kwargs)
 
     def note_tokens(self, real: torch.Tensor, positions: torch.Tensor) -> None:
         """Records the next tokens' RoPE positions and which are tokens ([B, s] each), before
@@ -583,6 +597,47 @@ class KvcompCache(DynamicCache):
                                   [_per_head(v, li, h) for h in range(P)], dk, dv)
             rows[l].append([(lk, lv, pos_of[kept[0]])])
 
+    def _store_linear(self):
+        """The linear-attention layers' state after the prompt, kept as the model left it; with
+        a client it makes a lossless round trip through kvcompd (ratio 0, raw codecs, in its own
+        dtype) and decoding continues from what came back."""
+        state = {l: copy.deepcopy(self.layers[l]) for l, k in enumerate(self.kinds)
+                 if k == LINEAR}
+        if self.client is not None:
+            for layer in state.values():
+                for attr in ("conv_states", "recurrent_states"):
+                    d = getattr(layer, attr)
+                    for i, t in list(d.items()):
+                        if isinstance(t, torch.Tensor):
+                            d[i] = self._round_trip_state(t)
+            for l, layer in state.items():
+                self.layers[l] = copy.deepcopy(layer)
+        self.linear_state = state
+
+    def _round_trip_state(self, t: torch.Tensor) -> torch.Tensor:
+        """One state tensor through kvcompd as a one-layer, one-head cache kept whole: its
+        elements in order, the first half as keys and the second as values, rows of 64."""
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"kvcomp.hf: a {t.dtype} linear-attention state cannot be stored")
+        flat = t.detach().reshape(-1).cpu()
+        n = flat.numel()
+        rows = max(1, -(-n // (2 * PIECE)))
+        buf = torch.zeros(2 * rows * PIECE, dtype=t.dtype)
+        buf[:n] = flat
+        kv = buf.reshape(2, 1, 1, rows, PIECE)
+        key = f"kvcomp-hf-state-{uuid.uuid4().hex}"
+        res = self.client.put(self.model_id, key, kv[0], kv[1],
+                              policy=kvcomp.Policy(ratio=0.0, moments=False), num_q_heads=1)
+        try:
+            cc = self.client.get(self.model_id, key)
+        finally:
+            self.client.delete(self.model_id, key)
+        self.stored_bytes += res["stored_bytes"]
+        k, v = kvcomp.decompress(cc)
+        back = torch.cat([torch.from_numpy(np.asarray(k)).reshape(-1),
+                          torch.from_numpy(np.asarray(v)).reshape(-1)])[:n]
+        return back.to(t.dtype).reshape(t.shape).to(t.device)
+
     def _window_policy(self):
         return kvcomp.Policy(ratio=0.0, moments=False, key_codec=self.policy.key_codec)
 
@@ -670,8 +725,7 @@ class KvcompCache(DynamicCache):
             self.prefixes[l] = p
         self.compressed = self.caches[0]["full"] if B == 1 else [e["full"] for e in self.caches]
         if LINEAR in self.kinds:
-            self.linear_state = {l: copy.deepcopy(self.layers[l])
-                                 for l, k in enumerate(self.kinds) if k == LINEAR}
+            self._store_linear()
         self._pending.clear()
         self._queries.clear()
         self._returned.clear()
