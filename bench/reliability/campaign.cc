@@ -78,6 +78,7 @@ struct Flags {
   int clients = 8;
   double seconds = 600;
   uint64_t seed = 1;
+  bool dir_is_scratch = false;  // --dir not given: a fresh directory, removed after a clean run
   int flip_every = 0;  // kill mode: a byte flipped in a stored file after every n-th kill
   int strangers = 256;
   uint64_t burst_mb = 1024;
@@ -963,6 +964,7 @@ Flags ParseFlags(int argc, char** argv) {
   if (f.dir.empty()) {
     char tmpl[] = "/tmp/kvcomp-campaign-XXXXXX";
     f.dir = mkdtemp(tmpl);
+    f.dir_is_scratch = true;
   }
   return f;
 }
@@ -973,7 +975,14 @@ Flags ParseFlags(int argc, char** argv) {
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   kvcomp::Flags f = kvcomp::ParseFlags(argc, argv);
-  if (f.mode == "kill") return kvcomp::KillCampaign(f).Run();
+  if (f.mode == "kill") {
+    const int rc = kvcomp::KillCampaign(f).Run();
+    if (rc == 0 && f.dir_is_scratch) {
+      std::error_code ec;
+      std::filesystem::remove_all(f.dir, ec);
+    }
+    return rc;
+  }
   if (f.mode == "soak") return kvcomp::Soak(f);
   if (f.mode == "lockout") return kvcomp::Lockout(f);
   if (f.mode == "restart") return kvcomp::Restart(f);
