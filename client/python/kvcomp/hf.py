@@ -783,13 +783,16 @@ def _dtype_hint(t):
 
 # --- the attention function ---
 
-_BASE_IMPL: Dict[int, str] = {}
+_BASE_IMPL: Dict[int, Tuple[Any, str]] = {}  # id(config) -> (weakref to it, implementation)
 
 
 def _base_attention(module):
     """The model's own attention implementation (the one it had before "kvcomp"), or its
     eager attention where that is not a registered one."""
-    name = _BASE_IMPL.get(id(getattr(module, "config", None)))
+    cfg = getattr(module, "config", None)
+    ref, name = _BASE_IMPL.get(id(cfg), (None, None))
+    if ref is None or ref() is not cfg:
+        name = None
     if name and name != "eager" and name != ATTN_NAME and name in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[name]
     mod = sys.modules[type(module).__module__]
@@ -866,7 +869,7 @@ def _attention_impl(model, name=ATTN_NAME):
     old = model.config._attn_implementation
     if old != name:
         for c in {id(model.config): model.config, id(_config(model)): _config(model)}.values():
-            _BASE_IMPL[id(c)] = c._attn_implementation or old
+            _BASE_IMPL[id(c)] = (weakref.ref(c), c._attn_implementation or old)
         model.set_attn_implementation(name)
     try:
         yield
