@@ -44,6 +44,23 @@ def test_split_and_merge_in_process(pol):
         assert own == kvcomp.slice_heads(whole, r * n, (r + 1) * n)
 
 
+def test_reshard_between_tensor_parallel_sizes():
+    from kvcomp.layouts import rank_heads, reshard
+    assert [rank_heads(4, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [rank_heads(4, 8, r) for r in range(8)] == [(h, h + 1) for h in range(4)
+                                                      for _ in range(2)]
+    with pytest.raises(ValueError, match="do not split"):
+        rank_heads(4, 3, 0)
+    k, v = kv(4)
+    whole = kvcomp.compress(k, v, POLICIES[1], num_q_heads=Q)
+    for old in (1, 2, 4, 8):  # 8 ranks over 4 heads: each head on two ranks
+        parts = [kvcomp.slice_heads(whole, *rank_heads(KV, old, r)) for r in range(old)]
+        for new in (1, 2, 4, 8):
+            for r in range(new):
+                got = reshard(parts, KV, r, new)
+                assert got == kvcomp.slice_heads(whole, *rank_heads(KV, new, r))
+
+
 def test_bad_splits_raise():
     k, v = kv(2)
     whole = kvcomp.compress(k, v, kvcomp.Policy(ratio=0.5), num_q_heads=Q)

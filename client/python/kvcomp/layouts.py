@@ -6,7 +6,8 @@ zero-padded to the next kernel head dim: a zero channel changes no dot product, 
 distance the scorers compute, and decoding drops it again. The padding is stored (a raw 96-wide
 head costs 128 channels); docs/integrations.md lists what each architecture costs.
 
-Heads are split and merged for tensor parallelism by kvcomp.split_heads / kvcomp.merge_heads.
+Heads are split and merged for tensor parallelism by kvcomp.split_heads / kvcomp.merge_heads;
+rank_heads and reshard map the caches one tensor-parallel size put onto a rank of another.
 
 fp8 (e4m3) caches with their scales are taken as float32 (dequantize_fp8; quantizing back with the
 same scale gives the same bytes); kvcomp.compress does it for float8_e4m3fn inputs given k_scale
@@ -19,7 +20,8 @@ from typing import Any
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
 
-__all__ = ["KERNEL_HEAD_DIMS", "kernel_head_dim", "pad_head_dim", "is_fp8", "dequantize_fp8"]
+__all__ = ["KERNEL_HEAD_DIMS", "kernel_head_dim", "pad_head_dim", "is_fp8", "dequantize_fp8",
+           "rank_heads", "reshard"]
 
 
 def kernel_head_dim(*dims: int) -> int:
@@ -101,3 +103,41 @@ def dequantize_fp8(x: Any, scale: Any = 1.0) -> Any:
     if a.dtype != np.uint8:
         raise ValueError(f"dequantize_fp8: dtype {a.dtype}, not float8_e4m3fn or uint8 bytes")
     return _E4M3[a] * np.asarray(scale, np.float32)
+
+
+# --- tensor-parallel shares of kv heads ---
+
+def rank_heads(num_kv_heads: int, tp_size: int, tp_rank: int):
+    """(begin, end): the kv heads tensor-parallel rank `tp_rank` of `tp_size` holds, as vLLM
+    and Megatron split them: num_kv_heads / tp_size consecutive heads each when tp_size divides
+    the heads; when there are more ranks than heads, each head is replicated on tp_size /
+    num_kv_heads consecutive ranks (one head each). ValueError for sizes that do neither."""
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size or num_kv_heads <= 0:
+        raise ValueError(f"rank {tp_rank} of {tp_size} over {num_kv_heads} kv heads")
+    if num_kv_heads % tp_size == 0:
+        n = num_kv_heads // tp_size
+        return tp_rank * n, (tp_rank + 1) * n
+    if tp_size % num_kv_heads == 0:
+        h = tp_rank // (tp_size // num_kv_heads)
+        return h, h + 1
+    raise ValueError(f"{num_kv_heads} kv heads do not split over {tp_size} ranks")
+
+
+def reshard(parts, num_kv_heads: int, tp_rank: int, tp_size: int):
+    """The cache of rank `tp_rank` of `tp_size` from the caches `parts` that the ranks of
+    another tensor-parallel size put (one per rank, in rank order, e.g. read back from their
+    shards): the parts are merged into the whole cache (replicas, when that size had more ranks
+    than heads, counted once) and the new rank's heads are sliced from it. Byte for byte what
+    those heads hold (kvcomp.merge_heads / slice_heads)."""
+    import kvcomp
+    old = len(parts)
+    unique = []
+    for r in range(old):
+        begin, _ = rank_heads(num_kv_heads, old, r)
+        if not unique or begin >= unique[-1][0] + unique[-1][1].num_kv_heads:
+            unique.append((begin, parts[r]))
+    whole = kvcomp.merge_heads([p for _, p in unique])
+    if whole.num_kv_heads != num_kv_heads:
+        raise ValueError(f"the parts hold {whole.num_kv_heads} kv heads, not {num_kv_heads}")
+    begin, end = rank_heads(num_kv_heads, tp_size, tp_rank)
+    return whole if (begin, end) == (0, num_kv_heads) else kvcomp.slice_heads(whole, begin, end)
