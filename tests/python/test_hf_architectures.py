@@ -133,6 +133,23 @@ def test_ratio_zero_is_transformers_generate(name):
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
+def test_ratio_zero_logits_are_transformers(name):
+    # random tiny models repeat tokens; the logits over a continuation say more: after a
+    # ratio-0 compressed prompt they are the full forward's, position by position
+    m = model_of(name)
+    w = ids(56, 4)
+    with torch.no_grad():
+        full = m(w[None].to(DEVICE)).logits[0].float()
+    pre = hf.prefill(m, w[:40])
+    cache = hf.cache_from_prefill(m, pre, RAW0, backend=BACKEND)
+    with torch.no_grad(), hf._attention_impl(m):
+        got = m(w[None, 40:].to(DEVICE), past_key_values=cache, use_cache=True).logits[0]
+    scale = full.abs().max().item()
+    assert (got.float() - full[40:]).abs().max().item() <= 1e-4 * max(1.0, scale)
+    assert (pre.last_logits[0] - full[39]).abs().max().item() <= 1e-4 * max(1.0, scale)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
 def test_batch_of_different_lengths_is_transformers_generate(name):
     m = model_of(name)
     ctxs, q = [ids(n, 10 + n) for n in (40, 23, 31)], ids(4, 3)
