@@ -159,6 +159,10 @@ def test_batch_of_different_lengths_is_transformers_generate(name):
     got = hf.generate(m, ctxs, [q] * 3, RAW0, max_new_tokens=6, backend=BACKEND)
     assert got.shape == (3, 6)
     assert got.tolist() == want.cpu().tolist()
+    with hf.press(m, RAW0, backend=BACKEND):  # model.generate's own left-padded batch
+        out = m.generate(padded.to(DEVICE), attention_mask=mask.long().to(DEVICE),
+                         max_new_tokens=6, do_sample=False)[:, padded.shape[1]:]
+    assert out.tolist() == want.tolist()
     # questions of different lengths: padding between each context and its question
     qs = [ids(n, 20 + n) for n in (2, 5, 0)]
     got = hf.generate(m, ctxs, qs, RAW0, max_new_tokens=4, backend=BACKEND)
