@@ -61,15 +61,12 @@ void ControlHandler::Health(rpc::HealthResponse& out, const rpc::Auth& auth) {
 
 void ControlHandler::Stats(rpc::StatsResponse& out, const rpc::Auth& auth) {
   KVCOMP_CONTROL_AUTH(tenant, out);
-  auto listed = ctx_->store->List(tenant);
-  if (!listed.ok()) {
-    out.status = ToRpc(listed.status());
-    return;
-  }
-  out.caches = static_cast<int64_t>(listed->size());
-  for (const auto& c : *listed) {
-    out.original_bytes += static_cast<int64_t>(c.info.meta.original_bytes);
-    out.stored_bytes += static_cast<int64_t>(c.info.meta.stored_bytes);
+  // The store keeps each tenant's totals as caches come and go: no listing per call.
+  for (const storage::TenantUsage& u : ctx_->store->Usage()) {
+    if (u.tenant != tenant) continue;
+    out.caches = static_cast<int64_t>(u.caches);
+    out.original_bytes = static_cast<int64_t>(u.original_bytes);
+    out.stored_bytes = static_cast<int64_t>(u.stored_bytes);
   }
   storage::StoreStats st = ctx_->store->Stats();
   for (int i = 0; i < storage::kNumTiers; ++i) {
