@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 import kvcomp  # noqa: E402
 from kvcomp.layouts import dequantize_fp8  # noqa: E402
+from kvcompd_fixture import Kvcompd, built_kvcompd  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and kvcomp.cuda_available() else [])
 L, H, N, D = 2, 4, 96, 128
@@ -70,3 +71,23 @@ def test_fp8_without_scales_is_an_error():
         kvcomp.compress(k, v, kvcomp.Policy())
     with pytest.raises(ValueError, match="fp8"):
         kvcomp.compress(k.float(), v.float(), kvcomp.Policy(), k_scale=1.0, v_scale=1.0)
+
+
+@pytest.mark.skipif(built_kvcompd() is None, reason="kvcompd not built")
+def test_put_of_fp8_through_kvcompd():
+    k, v, ks, vs = fp8_cache("cpu", 2)
+    try:
+        with Kvcompd(built_kvcompd()) as d:
+            c = kvcomp.Client(f"{d.data_endpoint},127.0.0.1:{d.control_port}", timeout=60.0)
+            res = c.put("test/fp8", "seq", k, v, policy=kvcomp.Policy(ratio=0.0, moments=False),
+                        num_q_heads=H, k_scale=ks, v_scale=vs)
+            assert res["original_bytes"] == 2 * L * H * N * D * 4  # sent as float32
+            dk, dv = kvcomp.decompress(c.get("test/fp8", "seq"))
+            assert torch.equal((torch.from_numpy(dk) / ks).to(torch.float8_e4m3fn)
+                               .view(torch.uint8), k.view(torch.uint8))
+            assert torch.equal((torch.from_numpy(dv) / vs).to(torch.float8_e4m3fn)
+                               .view(torch.uint8), v.view(torch.uint8))
+            with pytest.raises(ValueError, match="scales"):
+                c.put("test/fp8", "other", k, v)
+    except NotImplementedError:  # a core-only build has no client
+        pytest.skip("this kvcomp build has no client")

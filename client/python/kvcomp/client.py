@@ -235,13 +235,23 @@ class Client:
             dns_refresh_interval=dns_refresh_interval)
 
     def put(self, model: str, key: Key, keys: Any, values: Any, *, policy: Any = None,
-            num_q_heads: Optional[int] = None) -> Dict[str, Any]:
+            num_q_heads: Optional[int] = None, k_scale: Any = None,
+            v_scale: Any = None) -> Dict[str, Any]:
         """Pushes a whole cache: keys/values [layers, kv_heads, tokens, head_dim].
 
         policy: a kvcomp.Policy, or None for the tenant's default on the daemon.
         Returns original_bytes, stored_bytes, total_kept and the endpoints holding copies.
-        CUDA arrays go to put_device (torch's current stream).
+        CUDA arrays go to put_device (torch's current stream). fp8 (float8_e4m3fn) keys and
+        values go with their scales k_scale and v_scale and are sent as float32
+        (kvcomp.layouts.dequantize_fp8).
         """
+        from .layouts import dequantize_fp8, is_fp8
+        if is_fp8(keys) or is_fp8(values):
+            if k_scale is None or v_scale is None:
+                raise ValueError("fp8 keys and values need their scales (k_scale, v_scale)")
+            keys, values = dequantize_fp8(keys, k_scale), dequantize_fp8(values, v_scale)
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale and v_scale are for fp8 (float8_e4m3fn) keys and values")
         if _is_cuda(keys) or _is_cuda(values):
             return self.put_device(model, key, keys, values, policy=policy,
                                    num_q_heads=num_q_heads)
