@@ -6,6 +6,9 @@ chunks, missing and malformed chunks reported as load errors (recomputed, never 
 vLLM's own classes drive the same code in scripts/test_vllm.sh."""
 
 import hashlib
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +24,19 @@ needs_daemons = pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")
 
 LAYERS, HEADS, D, BS, CB, NBLOCKS = 3, 2, 64, 16, 2, 40
 CT = BS * CB  # chunk tokens
+UNITS = kv.all_units(HEADS, 1)  # one stored unit per KV head (head_group 1)
+U0 = UNITS[0]
+
+
+def sigstop(proc):
+    """SIGSTOP, returning once every thread of the process is stopped (state T)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    for _ in range(2000):
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+    raise AssertionError("the process did not stop")
 
 
 class Req:
@@ -56,12 +72,22 @@ def settings(pool, codec="lossless", **kw):
     return kv.Settings.from_extra_config(extra, "test/vllm-" + codec)
 
 
-def engine(s, caches, shard=kv.shard_name(0, 1)):
+def engine(s, caches, shard=kv.Shard(), total_heads=HEADS):
     store = kv.ChunkStore(s)
-    sched = kv.SchedulerLogic(s, store, BS, [shard])
+    sched = kv.SchedulerLogic(s, store, BS, kv.all_units(total_heads, s.head_group))
     work = kv.WorkerLogic(s, store, BS, shard)
     work.register(caches)
     return sched, work
+
+
+def lookup(sched, r, computed=0):
+    """matched_tokens, asked again while the background lookup is in flight (None)."""
+    for _ in range(5000):
+        n = sched.matched_tokens(r, computed)
+        if n is not None:
+            return n
+        time.sleep(0.001)
+    raise AssertionError("the lookup never answered")
 
 
 def step(work, plan):
@@ -95,6 +121,10 @@ def test_settings_validation(monkeypatch):
         kv.Settings.from_extra_config({"endpoints": ep, "codec": "zip"}, "m")
     with pytest.raises(ValueError, match="chunk_blocks"):
         kv.Settings.from_extra_config({"endpoints": ep, "chunk_blocks": 0}, "m")
+    with pytest.raises(ValueError, match="head_group"):
+        kv.Settings.from_extra_config({"endpoints": ep, "head_group": 0}, "m")
+    with pytest.raises(ValueError, match="lookup_timeout"):
+        kv.Settings.from_extra_config({"endpoints": ep, "lookup_timeout": 0}, "m")
     monkeypatch.setenv("KVCOMP_ENDPOINTS", "a:1,a:2 b:1,b:2")
     assert kv.Settings.from_extra_config({}, "m").endpoints == ("a:1,a:2", "b:1,b:2")
 
@@ -105,9 +135,24 @@ def test_keys_and_plans():
     assert hs == [r.block_hashes[1], r.block_hashes[3]]  # chunk i: its last block's hash
     assert kv.chunk_hashes(r.block_hashes, CB, 1) == hs[:1]
     assert kv.chunk_hashes([7, 8], 1) == [b"7", b"8"]
-    k0, k1 = kv.shard_key(hs[0], kv.shard_name(0, 2)), kv.shard_key(hs[0], kv.shard_name(1, 2))
+    k0, k1 = kv.shard_key(hs[0], kv.unit_name(0, 1)), kv.shard_key(hs[0], kv.unit_name(1, 2))
     assert k0 != k1 and k0.startswith(b"vllm:" + hs[0])
-    assert kv.all_shards(2, 2) == ["tp0-2.pp0-2", "tp1-2.pp0-2", "tp0-2.pp1-2", "tp1-2.pp1-2"]
+    assert kv.all_units(4, 2, 2) == ["kvh0-2.pp0-2", "kvh2-4.pp0-2", "kvh0-2.pp1-2",
+                                     "kvh2-4.pp1-2"]
+    assert kv.unit_keys(hs, ["a", "b"]) == [kv.shard_key(h, u) for h in hs for u in "ab"]
+    # Ranks' heads: split, or replicated (stored by the first rank holding them).
+    assert [kv.rank_heads(r, 2, 8) for r in range(2)] == [(0, 4, True), (4, 8, True)]
+    assert [kv.rank_heads(r, 4, 2) for r in range(4)] == \
+        [(0, 1, True), (0, 1, False), (1, 2, True), (1, 2, False)]
+    with pytest.raises(ValueError):
+        kv.rank_heads(0, 3, 8)
+    # A rank's units are named by the model's head numbers, whatever the TP size.
+    assert kv.shard_units(kv.Shard(head0=4), 4, 2) == [("kvh4-6.pp0-1", 0, 2),
+                                                       ("kvh6-8.pp0-1", 2, 4)]
+    assert {u for u, _, _ in kv.shard_units(kv.Shard(0), 4, 2)} | \
+        {u for u, _, _ in kv.shard_units(kv.Shard(4), 4, 2)} == set(kv.all_units(8, 2))
+    with pytest.raises(ValueError, match="head_group"):
+        kv.shard_units(kv.Shard(), 4, 3)
     spec = kv.plan_load("r", hs, list(range(10, 16)), BS, 2 * CT, BS, CB)
     assert [(c.chunk, c.block_ids, c.skip_blocks) for c in spec.chunks] == \
         [(0, [10, 11], 1), (1, [12, 13], 0)]
@@ -139,7 +184,7 @@ def test_gather_scatter_round_trip(kernel_split):
     with pytest.raises(ValueError):
         kv.scatter_blocks(dst, [1, 2], k, v, BS, D)  # 3 blocks of data into 2
     with pytest.raises(ValueError, match="MLA"):
-        kv.WorkerLogic(kv.Settings(("a,b",), "m"), None, BS, "s").register(
+        kv.WorkerLogic(kv.Settings(("a,b",), "m"), None, BS).register(
             {"l": torch.zeros(4, 1, BS, 3 * D)}, head_size=D)
 
 
@@ -161,13 +206,13 @@ def save_prompt(s, seed, tokens, caches, low_rank=False):
     """Engine A computes a prompt in one step: its whole chunks are saved layer by layer."""
     sched, work = engine(s, caches)
     r = Req(f"a{seed}", seed, tokens)
-    assert sched.matched_tokens(r, 0) == 0
+    assert lookup(sched, r) == 0
     sched.after_alloc(r, 0)
     ids = list(range(1, 1 + -(-tokens // BS)))
     plan = sched.build([(r.request_id, ids, 0, tokens)], [])
     assert [sp.chunk for sp in plan.saves] == list(range(tokens // CT)) and not plan.loads
     step(work, plan)
-    assert work.uploader.stored == tokens // CT and work.uploader.failed == 0
+    assert work.uploader.stored == tokens // CT * len(work.units) and work.uploader.failed == 0
     work.close()
     return r, ids
 
@@ -177,7 +222,7 @@ def load_prompt(s, r, caches, ids, local_blocks=0):
     sched, work = engine(s, caches)
     r2 = Req(r.request_id + "-b", 0, r.num_prompt_tokens)
     r2.block_hashes = r.block_hashes
-    n = sched.matched_tokens(r2, local_blocks * BS)
+    n = lookup(sched, r2, local_blocks * BS)
     sched.after_alloc(r2, n)
     plan = sched.build([(r2.request_id, ids, local_blocks * BS + n, 1)], [])
     step(work, plan)
@@ -195,7 +240,7 @@ def test_lossless_round_trip_is_bit_exact(pool):
 
     def chunk_keys(seed):
         hs = kv.chunk_hashes(Req("", seed, tokens).block_hashes, CB)
-        return [kv.shard_key(h, kv.shard_name(0, 1)) for h in hs]
+        return kv.unit_keys(hs, UNITS)
 
     # The daemons' ports differ from run to run, and so does where a chunk lands: take the first
     # prompt whose chunks land on at least two daemons, so the load crosses the pool.
@@ -203,7 +248,7 @@ def test_lossless_round_trip_is_bit_exact(pool):
                 if len({c.ranking(s.model, k)[0] for k in chunk_keys(q)}) >= 2)
     r, ids = save_prompt(s, seed, tokens, a)
     keys = chunk_keys(seed)
-    assert c.lookup_prefix(s.model, keys) == 3
+    assert c.lookup_prefix(s.model, keys) == 3 * len(UNITS)
     assert len({c.ranking(s.model, k)[0] for k in keys}) >= 2
     b = paged(2)  # another engine, other contents, other block ids
     ids_b = [30 + i for i in range(len(ids))]
@@ -226,7 +271,7 @@ def test_whole_prompt_is_never_loaded(pool):
     sched, work = engine(s, paged(4))
     r2 = Req("b3", 0, 2 * CT)
     r2.block_hashes = r.block_hashes
-    assert sched.matched_tokens(r2, 0) == CT  # vLLM must compute the last token
+    assert lookup(sched, r2) == CT  # vLLM must compute the last token
     work.close()
 
 
@@ -276,13 +321,13 @@ def test_kvsplice_values_after_the_daemons_calibrate(pool):
     for p in range(4):
         r = Req(f"k{p}", 100 + p, 5 * CT + 1)
         ids = list(range(p * 5 * CB, (p + 1) * 5 * CB)) + [0]
-        sched.matched_tokens(r, 0)
+        lookup(sched, r)
         plan = sched.build([(r.request_id, ids, 0, 5 * CT + 1)], [])
         step(work, plan)
     assert work.store._kvsplice_ready  # the daemons calibrated after 3 raw-value chunks
     assert tokens == 20 * CT
     c = kvcomp.Client(list(s.endpoints), timeout=30.0)
-    last = kv.shard_key(kv.chunk_hashes(r.block_hashes, CB)[-1], kv.shard_name(0, 1))
+    last = kv.shard_key(kv.chunk_hashes(r.block_hashes, CB)[-1], U0)
     assert kvcomp.cache_codecs(c.get(s.model, last))["value_codec"] == "orthogonal_int8"
     work.close()
     b = paged(10)
@@ -307,11 +352,11 @@ def test_missing_chunk_becomes_load_errors(pool):
     sched, work = engine(s, b)
     r2 = Req("miss", 0, r.num_prompt_tokens)
     r2.block_hashes = r.block_hashes
-    n = sched.matched_tokens(r2, 0)
+    n = lookup(sched, r2)
     assert n == 3 * CT
     # Chunk 1 vanishes between the lookup and the load (evicted, deleted, a daemon gone).
     h1 = kv.chunk_hashes(r.block_hashes, CB)[1]
-    kvcomp.Client(list(s.endpoints)).delete(s.model, kv.shard_key(h1, kv.shard_name(0, 1)))
+    kvcomp.Client(list(s.endpoints)).delete(s.model, kv.shard_key(h1, UNITS[1]))
     sched.after_alloc(r2, n)
     ids_b = list(range(20, 27))
     step(work, sched.build([(r2.request_id, ids_b, n, 1)], []))
@@ -328,10 +373,10 @@ def test_malformed_chunk_becomes_load_errors(pool):
     s = settings(pool, "lossless")
     a = paged(13)
     r, ids = save_prompt(s, 13, 2 * CT + 1, a)
-    # Chunk 0 replaced by a cache of another layout (one head fewer) under the same key.
+    # Chunk 0's first head replaced by a cache of another layout (one layer fewer).
     h0 = kv.chunk_hashes(r.block_hashes, CB)[0]
-    bad = np.ones((LAYERS, HEADS - 1, CT, D), np.float16)
-    kvcomp.Client(list(s.endpoints)).put(s.model, kv.shard_key(h0, kv.shard_name(0, 1)), bad,
+    bad = np.ones((LAYERS - 1, 1, CT, D), np.float16)
+    kvcomp.Client(list(s.endpoints)).put(s.model, kv.shard_key(h0, U0), bad,
                                          bad, policy=kvcomp.Policy(ratio=0.0, moments=False))
     b = paged(14)
     before = {n: t.clone() for n, t in b.items()}
@@ -343,8 +388,8 @@ def test_malformed_chunk_becomes_load_errors(pool):
     # A pool that cannot be reached is a miss, not an error.
     dead = kv.Settings(**{**s.__dict__, "endpoints": ("127.0.0.1:1,127.0.0.1:2",),
                           "timeout": 2.0})
-    sched = kv.SchedulerLogic(dead, kv.ChunkStore(dead), BS, [kv.shard_name(0, 1)])
-    assert sched.matched_tokens(r, 0) == 0
+    sched = kv.SchedulerLogic(dead, kv.ChunkStore(dead), BS, UNITS)
+    assert lookup(sched, r) == 0
 
 
 @needs_daemons
@@ -353,7 +398,7 @@ def test_finished_request_saves_decode_chunks(pool):
     a = paged(15)
     sched, work = engine(s, a)
     r = Req("dec", 15, CT + 3)  # prompt: one chunk and 3 tokens
-    sched.matched_tokens(r, 0)
+    lookup(sched, r)
     ids = [5, 6]
     plan = sched.build([(r.request_id, ids, 0, CT + 3)], [])
     assert [sp.chunk for sp in plan.saves] == [0]
@@ -371,18 +416,230 @@ def test_finished_request_saves_decode_chunks(pool):
     step(work, plan)
     assert work.finished_sending(set()) == {"dec"}  # reported once, then the blocks go
     assert work.finished_sending({"dec"}) == set()
-    keys = [kv.shard_key(h, kv.shard_name(0, 1)) for h in kv.chunk_hashes(r.block_hashes, CB)]
-    assert work.store.client.lookup_prefix(s.model, keys) == 2
-    got = work.store.get(keys, LAYERS, HEADS, CT, D)
-    k = torch.from_numpy(got[1][0])
+    keys = kv.unit_keys(kv.chunk_hashes(r.block_hashes, CB), UNITS)
+    assert work.store.client.lookup_prefix(s.model, keys) == 2 * len(UNITS)
+    got = work.store.get(keys, LAYERS, 1, CT, D)
+    k = torch.from_numpy(got[len(UNITS)][0])  # chunk 1, head 0
     assert torch.equal(k[0], kv.gather_blocks(a["model.layers.0.self_attn.attn"], [7, 8], BS,
-                                              D)[0].float())
+                                              D)[0][:1].float())
     # Nothing to save at the end: the blocks go at once.
     r3 = Req("none", 16, CT - 1)
-    sched.matched_tokens(r3, 0)
+    lookup(sched, r3)
     sched.build([(r3.request_id, [10], 0, CT - 1)], [])
     assert sched.finished(r3, [10]) is False
     work.close()
+
+
+# --- a stalled or failing pool: lookups answer in time, loads become recomputes -------------
+
+@pytest.fixture
+def lone():
+    """One private kvcompd (every chunk on it), for tests that stop or kill it."""
+    if KVCOMPD is None:
+        pytest.skip("kvcompd not built")
+    d = Kvcompd(KVCOMPD)
+    d.__enter__()
+    yield d
+    if d.proc is not None and d.proc.poll() is None:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    d.__exit__(None, None, None)
+
+
+@needs_daemons
+@pytest.mark.parametrize("async_lookup", [True, False])
+def test_lookup_with_the_daemon_stopped_is_a_miss_within_its_deadline(lone, async_lookup):
+    s = settings([lone], "lossless", lookup_timeout=0.5, async_lookup=async_lookup)
+    r, _ = save_prompt(s, 31, 2 * CT + 1, paged(31))
+    sched, work = engine(s, paged(32))
+    r2 = Req("stalled", 0, r.num_prompt_tokens)
+    r2.block_hashes = r.block_hashes
+    sigstop(lone.proc)
+    try:
+        t0 = time.monotonic()
+        answers, slowest = [], 0.0
+        while True:
+            t = time.monotonic()
+            n = sched.matched_tokens(r2, 0)
+            slowest = max(slowest, time.monotonic() - t)
+            answers.append(n)
+            if n is not None:
+                break
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        assert n == 0 and sched.stats.get("lookup_timeouts") == 1
+        # The deadline bounds the answer (0.5 s, plus scheduling slack on a loaded machine).
+        assert took < 0.5 + 0.5, took
+        if async_lookup:  # "not yet" while in flight, each call returning at once
+            assert answers[0] is None and len(answers) > 1 and slowest < 0.25, slowest
+    finally:
+        os.kill(lone.proc.pid, signal.SIGCONT)
+    assert lookup(sched, r2) == 2 * CT  # the daemon back: a hit
+    work.close()
+    sched.close()
+
+
+class FlipByte:
+    """A client whose chunk bytes are altered on the way (one byte of unit `which`)."""
+
+    def __init__(self, client, which):
+        self._c, self._which = client, which
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def get_chunk_bytes(self, model, keys, decoded=False):
+        out = self._c.get_chunk_bytes(model, keys, decoded=decoded)
+        if len(out) > self._which:
+            b = bytearray(out[self._which])
+            b[len(b) // 2] ^= 0x10
+            out[self._which] = bytes(b)
+        return out
+
+
+@needs_daemons
+@pytest.mark.parametrize("failure", ["missing", "checksum", "daemon_gone", "timeout"])
+def test_every_load_failure_becomes_load_errors(lone, failure):
+    """Between the scheduler's hit and the worker's load: chunk 1 deleted, chunk 1's bytes
+    altered (its CRC fails), the daemon killed, the daemon stopped past the load's timeout.
+    The blocks from the first failed chunk on are load errors and none of them is written."""
+    s = settings([lone], "lossless", timeout=1.0)
+    a = paged(33)
+    r, ids = save_prompt(s, 33, 3 * CT + 1, a)
+    b = paged(34)
+    before = {n: t.clone() for n, t in b.items()}
+    sched, work = engine(s, b)
+    r2 = Req("fail-" + failure, 0, r.num_prompt_tokens)
+    r2.block_hashes = r.block_hashes
+    n = lookup(sched, r2)
+    assert n == 3 * CT
+    h1 = kv.chunk_hashes(r.block_hashes, CB)[1]
+    first_bad = 1
+    if failure == "missing":
+        work.store.client.delete(s.model, kv.shard_key(h1, UNITS[1]))
+    elif failure == "checksum":
+        work.store.client = FlipByte(work.store.client, len(UNITS) + 1)  # chunk 1, head 1
+    elif failure == "daemon_gone":
+        lone.proc.kill()
+        lone.proc.wait()
+        first_bad = 0
+    else:
+        sigstop(lone.proc)
+        first_bad = 0
+    sched.after_alloc(r2, n)
+    ids_b = list(range(20, 27))
+    t0 = time.monotonic()
+    try:
+        step(work, sched.build([(r2.request_id, ids_b, n, 1)], []))
+    finally:
+        if failure == "timeout":
+            os.kill(lone.proc.pid, signal.SIGCONT)
+    took = time.monotonic() - t0
+    assert work.take_load_errors() == set(ids_b[first_bad * CB:3 * CB])
+    assert work.stats.get("load_error_blocks") == (3 - first_bad) * CB
+    for name in a:
+        assert torch.equal(b[name][ids_b[:first_bad * CB]], a[name][ids[:first_bad * CB]])
+        assert torch.equal(b[name][ids_b[first_bad * CB:]], before[name][ids_b[first_bad * CB:]])
+    if failure == "timeout":
+        assert took < 1.0 + 2.0, took  # the load's timeout bounds the step
+    work.close()
+    sched.close()
+
+
+# --- tensor parallelism: each rank its own heads; caches move between TP sizes -------------
+
+def rank_view(caches, h0, h1):
+    """What rank [h0, h1) of a TP group holds of a layer: its own blocks with those heads."""
+    return {n: t[:, h0:h1].clone() for n, t in caches.items()}
+
+
+def tp_save(s, seed, tokens, caches, tp):
+    """A prompt computed at TP=tp: every rank saves its heads of each chunk."""
+    sched = kv.SchedulerLogic(s, kv.ChunkStore(s), BS, kv.all_units(HEADS, s.head_group))
+    r = Req(f"tp{tp}-{seed}", seed, tokens)
+    assert lookup(sched, r) == 0
+    sched.after_alloc(r, 0)
+    ids = list(range(1, 1 + -(-tokens // BS)))
+    plan = sched.build([(r.request_id, ids, 0, tokens)], [])
+    for rank in range(tp):
+        h0, h1, stores = kv.rank_heads(rank, tp, HEADS)
+        work = kv.WorkerLogic(s, kv.ChunkStore(s), BS, kv.Shard(h0, stores=stores))
+        work.register(rank_view(caches, h0, h1))
+        step(work, plan)
+        work.close()
+    sched.close()
+    return r, ids
+
+
+def tp_load(s, r, caches, ids, tp):
+    """The same prompt at TP=tp: the scheduler counts chunks every head of which is held, each
+    rank loads its heads into its blocks; returns the tokens matched and the ranks' caches."""
+    sched = kv.SchedulerLogic(s, kv.ChunkStore(s), BS, kv.all_units(HEADS, s.head_group))
+    r2 = Req(r.request_id + "-load", 0, r.num_prompt_tokens)
+    r2.block_hashes = r.block_hashes
+    n = lookup(sched, r2)
+    sched.after_alloc(r2, n)
+    plan = sched.build([(r2.request_id, ids, n, 1)], [])
+    ranks = []
+    for rank in range(tp):
+        h0, h1, stores = kv.rank_heads(rank, tp, HEADS)
+        mine = rank_view(caches, h0, h1)
+        work = kv.WorkerLogic(s, kv.ChunkStore(s), BS, kv.Shard(h0, stores=stores))
+        work.register(mine)
+        step(work, plan)
+        assert not work.take_load_errors()
+        work.close()
+        ranks.append(mine)
+    sched.close()
+    return n, ranks
+
+
+@needs_daemons
+@pytest.mark.parametrize("save_tp,load_tp", [(2, 1), (1, 2), (4, 1)])
+def test_caches_move_between_tensor_parallel_sizes(pool, save_tp, load_tp):
+    s = settings(pool, "lossless")
+    s = kv.Settings(**{**s.__dict__, "model": f"test/vllm-tp{save_tp}-{load_tp}"})
+    a = paged(40 + save_tp)
+    r, ids = tp_save(s, 40 + 10 * save_tp + load_tp, 2 * CT + 3, a, save_tp)
+    b = paged(50)
+    ids_b = [30 + i for i in range(len(ids))]
+    n, ranks = tp_load(s, r, b, ids_b, load_tp)
+    assert n == 2 * CT
+    for rank, mine in enumerate(ranks):
+        h0, h1, _ = kv.rank_heads(rank, load_tp, HEADS)
+        for name in a:
+            assert torch.equal(mine[name][ids_b[:2 * CB]], a[name][ids[:2 * CB], h0:h1])
+
+
+@needs_daemons
+def test_a_missing_head_is_a_miss_for_the_whole_chunk(pool):
+    """A chunk is a hit only when every head of it is held (a rank of the writer failed)."""
+    s = settings(pool, "lossless")
+    s = kv.Settings(**{**s.__dict__, "model": "test/vllm-tp-partial"})
+    a = paged(60)
+    r, ids = tp_save(s, 60, 2 * CT + 1, a, 2)
+    h1 = kv.chunk_hashes(r.block_hashes, CB)[1]
+    kvcomp.Client(list(s.endpoints)).delete(s.model, kv.shard_key(h1, kv.unit_name(1, 2)))
+    n, _ = tp_load(s, r, paged(61), [30 + i for i in range(len(ids))], 1)
+    assert n == CT
+
+
+@needs_daemons
+def test_connector_counters(pool):
+    s = settings(pool, "lossless")
+    s = kv.Settings(**{**s.__dict__, "model": "test/vllm-stats"})
+    a = paged(70)
+    sched, work = engine(s, a)
+    r = Req("st", 70, 2 * CT + 1)
+    lookup(sched, r)
+    sched.after_alloc(r, 0)
+    step(work, sched.build([(r.request_id, list(range(1, 6)), 0, 2 * CT + 1)], []))
+    c = work.store.stats.take()
+    assert c["lookups"] == 1 and c["saved_units"] == 2 * len(UNITS)
+    assert c["original_bytes"] == 2 * LAYERS * HEADS * CT * D * 2 * 2  # keys + values, fp16
+    assert c["stored_bytes"] > 0
+    assert work.store.stats.take() == {}  # taken: reset
+    work.close()
+    sched.close()
 
 
 # --- vLLM's own classes (scripts/test_vllm.sh runs these in a virtual environment with vllm) --
@@ -398,16 +655,49 @@ def _vllm():
 needs_vllm = pytest.mark.skipif(not _vllm(), reason="vllm not installed (scripts/test_vllm.sh)")
 
 
+def _endpoints(daemons):
+    return [f"{p.data_endpoint},127.0.0.1:{p.control_port}" for p in daemons]
+
+
+def _vllm_config(model_dir, endpoints, codec="lossless", tp=1, model=None, **opts):
+    """A VllmConfig for the tiny local Llama with the connector on, on a CPU device, and the
+    KV cache config of one rank (HEADS / tp KV heads)."""
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, VllmConfig)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    extra = dict(endpoints=list(endpoints), codec=codec, chunk_blocks=CB,
+                 model=model or f"test/vllm-real-{codec}", **opts)
+    vc = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir),
+                                 skip_tokenizer_init=True, dtype="float16", seed=0),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512,
+                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BS, gpu_memory_utilization=0.9,
+                                 enable_prefix_caching=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvcompConnector",
+            kv_connector_module_path="kvcomp.integrations.vllm", kv_role="kv_both",
+            kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
+        device_config=DeviceConfig("cpu"))
+    vc.cache_config.num_gpu_blocks = NBLOCKS
+    kcc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)],
+                         FullAttentionSpec(block_size=BS, num_kv_heads=HEADS // tp,
+                                           head_size=D, dtype=torch.float16))])
+    return vc, kcc
+
+
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory, pool):
-    """A VllmConfig for a tiny local Llama (config only, no weights) with the connector on,
-    on a CPU device, and the scheduler's KV cache spec."""
+    """vllm_env(codec, daemons=pool, tp=1, model=None, **options): a VllmConfig for a tiny
+    local Llama (config only, no weights) with the connector on, on a CPU device, and its KV
+    cache config."""
     from transformers import LlamaConfig
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                             SchedulerConfig, VllmConfig)
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     d = tmp_path_factory.mktemp("tiny-llama")
     LlamaConfig(hidden_size=HEADS * 2 * D, intermediate_size=256, num_hidden_layers=LAYERS,
@@ -415,28 +705,9 @@ def vllm_env(tmp_path_factory, pool):
                 vocab_size=1000, max_position_embeddings=4096).save_pretrained(d)
     init_none_hash(sha256)
 
-    def config(codec="lossless"):
-        extra = dict(endpoints=[f"{p.data_endpoint},127.0.0.1:{p.control_port}" for p in pool],
-                     codec=codec, chunk_blocks=CB, model=f"test/vllm-real-{codec}")
-        vc = VllmConfig(
-            model_config=ModelConfig(model=str(d), tokenizer=str(d), skip_tokenizer_init=True,
-                                     dtype="float16", seed=0),
-            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512,
-                                             max_model_len=2048, enable_chunked_prefill=True,
-                                             is_encoder_decoder=False),
-            cache_config=CacheConfig(block_size=BS, gpu_memory_utilization=0.9,
-                                     enable_prefix_caching=True),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvcompConnector",
-                kv_connector_module_path="kvcomp.integrations.vllm", kv_role="kv_both",
-                kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
-            device_config=DeviceConfig("cpu"))
-        vc.cache_config.num_gpu_blocks = NBLOCKS
-        kcc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)],
-                             FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=D,
-                                               dtype=torch.float16))])
-        return vc, kcc
+    def config(codec="lossless", daemons=None, **kw):
+        return _vllm_config(d, _endpoints(pool if daemons is None else daemons), codec, **kw)
+    config.model_dir = d
     return config
 
 
@@ -469,11 +740,22 @@ def _vllm_request(req_id, tokens, max_tokens=1):
                    block_hasher=get_request_block_hasher(BS, sha256))
 
 
-def _vllm_step(sched, worker, caches, before_load=None, token=7):
-    """schedule -> the worker's connector calls around a forward -> update_from_output."""
+def _vllm_step(sched, worker, caches, before_load=None, token=7, outputs=None):
+    """schedule -> the worker's connector calls around a forward -> update_from_output. While
+    the connector's lookups are in flight vLLM schedules nothing new: those empty steps run
+    (as vLLM's engine runs them) until a step schedules tokens or nothing waits."""
+    for _ in range(5000):
+        so = sched.schedule()
+        if so.total_num_scheduled_tokens or not sched.get_request_counts()[1]:
+            break
+        _vllm_finish_step(sched, worker, caches, so, None, token, outputs)
+        time.sleep(0.001)
+    return so, _vllm_finish_step(sched, worker, caches, so, before_load, token, outputs)
+
+
+def _vllm_finish_step(sched, worker, caches, so, before_load, token, outputs):
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    so = sched.schedule()
     if before_load is not None:
         before_load(so)
     worker.bind_connector_metadata(so.kv_connector_metadata)
@@ -485,6 +767,7 @@ def _vllm_step(sched, worker, caches, before_load=None, token=7):
     worker.worker.uploader.flush()
     sending, _ = worker.get_finished(so.finished_req_ids)
     errors = worker.get_block_ids_with_load_errors()
+    stats = worker.get_kv_connector_stats()
     worker.clear_connector_metadata()
     ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
     out = ModelRunnerOutput(
@@ -492,9 +775,12 @@ def _vllm_step(sched, worker, caches, before_load=None, token=7):
         sampled_token_ids=[[token] for _ in ids], logprobs=None, prompt_logprobs_dict={},
         pooler_output=None,
         kv_connector_output=KVConnectorOutput(finished_sending=sending,
-                                              invalid_block_ids=errors))
-    sched.update_from_output(so, out)
-    return so, errors
+                                              invalid_block_ids=errors,
+                                              kv_connector_stats=stats))
+    res = sched.update_from_output(so, out)
+    if outputs is not None:
+        outputs.append(res)
+    return errors
 
 
 @needs_daemons
@@ -524,11 +810,12 @@ def test_vllm_real_scheduler_save_and_load(vllm_env):
         _vllm_step(sched, worker, a)
     assert r.request_id not in sched.requests
     hashes = kv.chunk_hashes(r.block_hashes, CB)
-    keys = [kv.shard_key(h, kv.shard_name(0, 1)) for h in hashes]
+    keys = kv.unit_keys(hashes, UNITS)
     # KV exists for every token but the last sampled: 4 * CT + 4 tokens, four chunks, the last
     # two completed while decoding and stored when the request finished.
-    assert len(r.all_token_ids) == 4 * CT + 5 and len(keys) == 4
-    assert worker.worker.store.client.lookup_prefix(sched.connector.settings.model, keys) == 4
+    assert len(r.all_token_ids) == 4 * CT + 5 and len(keys) == 4 * len(UNITS)
+    assert worker.worker.store.client.lookup_prefix(sched.connector.settings.model,
+                                                    keys) == 4 * len(UNITS)
 
     # Another engine: vLLM's scheduler counts the held prefix as computed and the worker-side
     # connector writes it into fresh blocks.
@@ -549,35 +836,261 @@ def test_vllm_real_scheduler_save_and_load(vllm_env):
 
 @needs_daemons
 @needs_vllm
-def test_vllm_real_missing_chunk_is_recomputed(vllm_env):
-    cfg = vllm_env("lossless")
+@pytest.mark.parametrize("failure", ["missing", "checksum", "daemon_gone", "timeout"])
+def test_vllm_real_load_failure_is_recomputed(vllm_env, lone, failure):
+    """Each way a load fails after vLLM's scheduler counted the hit, on one daemon: vLLM
+    (kv_load_failure_policy "recompute") rolls the request back to its first bad block and
+    computes the rest; the blocks are never written from a failed chunk."""
+    cfg = vllm_env("lossless", daemons=[lone], model="test/vllm-fail-" + failure, timeout=1.0)
     a = paged(23)
     sched, worker = _vllm_engine(cfg, a)
     prompt = list(range(500, 500 + 3 * CT + 1))
-    r = _vllm_request("c", prompt)
-    sched.add_request(r)
+    sched.add_request(_vllm_request("c", prompt))
     _vllm_step(sched, worker, a)
     model = sched.connector.settings.model
 
     b = paged(24)
     before = {n: t.clone() for n, t in b.items()}
-    sched2, worker2 = _vllm_engine(vllm_env("lossless"), b)
+    sched2, worker2 = _vllm_engine(vllm_env("lossless", daemons=[lone], model=model,
+                                            timeout=1.0), b)
     r2 = _vllm_request("d", prompt, max_tokens=4)
     sched2.add_request(r2)
     h1 = kv.chunk_hashes(r2.block_hashes, CB)[1]
+    first_bad = 0 if failure in ("daemon_gone", "timeout") else 1
 
-    def drop_chunk_1(so):  # after vLLM's scheduler counted 3 chunks, before the worker loads
+    def fail(so):  # after vLLM's scheduler counted 3 chunks, before the worker loads
         assert so.scheduled_new_reqs[0].num_computed_tokens == 3 * CT
-        worker2.worker.store.client.delete(model, kv.shard_key(h1, kv.shard_name(0, 1)))
+        store = worker2.worker.store
+        if failure == "missing":
+            store.client.delete(model, kv.shard_key(h1, U0))
+        elif failure == "checksum":
+            store.client = FlipByte(store.client, len(UNITS))  # chunk 1, head 0
+        elif failure == "daemon_gone":
+            lone.proc.kill()
+            lone.proc.wait()
+        else:
+            sigstop(lone.proc)
 
-    so, errors = _vllm_step(sched2, worker2, b, before_load=drop_chunk_1)
+    try:
+        so, errors = _vllm_step(sched2, worker2, b, before_load=fail)
+    finally:
+        if failure == "timeout":
+            os.kill(lone.proc.pid, signal.SIGCONT)
     ids_b = so.scheduled_new_reqs[0].block_ids[0]
-    assert errors == set(ids_b[CB:3 * CB])
+    assert errors == set(ids_b[first_bad * CB:3 * CB])
     for name in a:
-        assert torch.equal(b[name][ids_b[CB:3 * CB]], before[name][ids_b[CB:3 * CB]])
+        bad = ids_b[first_bad * CB:3 * CB]
+        assert torch.equal(b[name][bad], before[name][bad])
     # vLLM (kv_load_failure_policy "recompute") rolls the request back to its first bad block.
-    assert r2.num_computed_tokens == CT
+    assert r2.num_computed_tokens == first_bad * CT
     so, errors = _vllm_step(sched2, worker2, b)
-    assert so.num_scheduled_tokens["d"] == 2 * CT + 1 and not errors
+    assert so.num_scheduled_tokens["d"] == (3 - first_bad) * CT + 1 and not errors
     worker.shutdown()
     worker2.shutdown()
+    sched.connector.shutdown()
+    sched2.connector.shutdown()
+
+
+@needs_daemons
+@needs_vllm
+def test_vllm_real_scheduler_never_waits_for_a_stopped_daemon(vllm_env, lone):
+    """The daemon SIGSTOPped: vLLM's schedule() returns at once while the lookup is in flight
+    (the request waits, others run), and the request runs as a miss once lookup_timeout
+    passes."""
+    cfg = vllm_env("lossless", daemons=[lone], model="test/vllm-stopped", lookup_timeout=0.5)
+    a = paged(25)
+    sched, worker = _vllm_engine(cfg, a)
+    prompt = list(range(700, 700 + 2 * CT + 1))
+    sched.add_request(_vllm_request("e", prompt))
+    _vllm_step(sched, worker, a)
+    b = paged(26)
+    sched2, worker2 = _vllm_engine(vllm_env("lossless", daemons=[lone],
+                                            model="test/vllm-stopped", lookup_timeout=0.5), b)
+    r2 = _vllm_request("f", prompt, max_tokens=1)
+    sigstop(lone.proc)
+    try:
+        sched2.add_request(r2)
+        t0, slowest, empty = time.monotonic(), 0.0, 0
+        while True:
+            t = time.monotonic()
+            so = sched2.schedule()
+            slowest = max(slowest, time.monotonic() - t)
+            if so.total_num_scheduled_tokens:
+                break
+            empty += 1
+            _vllm_finish_step(sched2, worker2, b, so, None, 7, None)
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(lone.proc.pid, signal.SIGCONT)
+    assert empty >= 1 and slowest < 0.25, (empty, slowest)   # "not yet", never a wait
+    assert took < 0.5 + 0.5, took                           # a miss by the deadline
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0 and \
+        so.num_scheduled_tokens["f"] == 2 * CT + 1
+    _vllm_finish_step(sched2, worker2, b, so, None, 7, None)
+    for c in (worker, worker2, sched.connector, sched2.connector):
+        c.shutdown()
+
+
+@needs_daemons
+@needs_vllm
+def test_vllm_real_connector_stats_reach_the_scheduler_stats(vllm_env):
+    """Worker and scheduler counters go through vLLM's hook (get_kv_connector_stats, the
+    class's build_kv_connector_stats) into the scheduler's stats."""
+    from kvcomp.integrations.vllm import KvcompConnector, KvcompConnectorStats
+
+    cfg = vllm_env("lossless", model="test/vllm-stats-real")
+    a = paged(27)
+    sched, worker = _vllm_engine(cfg, a)
+    sched.add_request(_vllm_request("g", list(range(900, 900 + 2 * CT + 1))))
+    outputs = []
+    _vllm_step(sched, worker, a, outputs=outputs)
+    stats = [o.scheduler_stats.kv_connector_stats for res in outputs for o in res.values()
+             if o.scheduler_stats is not None and o.scheduler_stats.kv_connector_stats]
+    total = KvcompConnector.build_kv_connector_stats({})
+    for d in stats:
+        total.aggregate(KvcompConnector.build_kv_connector_stats(d))
+    assert isinstance(total, KvcompConnectorStats)
+    got = total.reduce()
+    assert got["lookups"] == 1 and got["saved_units"] == 2 * len(UNITS)
+    assert got["compression_ratio"] > 0
+    worker.shutdown()
+    sched.connector.shutdown()
+
+
+# --- tensor parallelism with vLLM's parallel state: one CPU process per rank ----------------
+
+def _tp_rank(rank, tp, port, model_dir, endpoints, model, seed, conn):
+    """One tensor-parallel rank: vLLM's distributed state (gloo on CPU) set for `rank` of `tp`,
+    the worker-side connector built by vLLM's factory over this rank's heads of paged(seed).
+    Runs each step's metadata it receives; answers the load errors and its blocks."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                 init_distributed_environment,
+                                                 initialize_model_parallel)
+
+    vc, kcc = _vllm_config(model_dir, endpoints, tp=tp, model=model)
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=tp)
+        assert get_tensor_model_parallel_rank() == rank
+        h0, h1, _ = kv.rank_heads(rank, tp, HEADS)
+        caches = rank_view(paged(seed), h0, h1)
+        worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
+        worker.register_kv_caches(caches)
+        while True:
+            meta = conn.recv()
+            if meta is None:
+                break
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            for name, t in caches.items():
+                worker.wait_for_layer_load(name)
+                worker.save_kv_layer(name, t, None)
+            worker.wait_for_save()
+            worker.worker.uploader.flush()
+            errors = worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            conn.send((errors, {n: t.clone() for n, t in caches.items()}))
+        worker.shutdown()
+    conn.send("done")
+
+
+class _TpGroup:
+    """`tp` rank processes (spawned), driven step by step from vLLM's scheduler here."""
+
+    def __init__(self, tp, model_dir, endpoints, model, seed):
+        import multiprocessing
+        import socket
+
+        ctx = multiprocessing.get_context("spawn")
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        self.conns, self.procs = [], []
+        for rank in range(tp):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_tp_rank, args=(rank, tp, port, model_dir, endpoints, model,
+                                                   seed, theirs), daemon=True)
+            p.start()
+            self.conns.append(mine)
+            self.procs.append(p)
+
+    def step(self, meta):
+        """Every rank runs the step (the metadata pickled, as vLLM's executor sends it)."""
+        for c in self.conns:
+            c.send(meta)
+        return [c.recv() for c in self.conns]
+
+    def close(self):
+        for c in self.conns:
+            c.send(None)
+        for c, p in zip(self.conns, self.procs):
+            assert c.recv() == "done"
+            p.join(60)
+            assert p.exitcode == 0
+
+
+def _tp_run(vllm_env, tp, prompt, req_id, seed, model):
+    """vLLM's scheduler for a TP=tp engine driving tp rank processes over one request until
+    it finishes; returns the first step's output and the ranks' answers to it."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vc, kcc = vllm_env("lossless", tp=tp, model=model)
+    sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=False,
+                      structured_output_manager=StructuredOutputManager(vc), block_size=BS)
+    group = _TpGroup(tp, vllm_env.model_dir, vc.kv_transfer_config.kv_connector_extra_config[
+        "endpoints"], model, seed)
+    try:
+        sched.add_request(_vllm_request(req_id, prompt, max_tokens=1))
+        first = None
+        for _ in range(5000):
+            so = sched.schedule()
+            answers = group.step(so.kv_connector_metadata)
+            errors = set().union(*[a[0] for a in answers])
+            if so.total_num_scheduled_tokens and first is None:
+                first = (so, answers, errors)
+            ids = [r.req_id for r in so.scheduled_new_reqs] + \
+                list(so.scheduled_cached_reqs.req_ids)
+            sched.update_from_output(so, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                pooler_output=None,
+                kv_connector_output=KVConnectorOutput(invalid_block_ids=errors)))
+            if first is not None and not sched.has_unfinished_requests():
+                break
+            time.sleep(0.001)
+    finally:
+        group.close()
+        sched.connector.shutdown()
+    return first
+
+
+@needs_daemons
+@needs_vllm
+@pytest.mark.parametrize("save_tp,load_tp", [(2, 1), (1, 2)])
+def test_vllm_real_tensor_parallel_caches_load_at_another_size(vllm_env, save_tp, load_tp):
+    """A prompt computed by a TP=save_tp engine (one process per rank, vLLM's parallel state
+    set per rank, each saving its own heads) is loaded by a TP=load_tp engine: vLLM's scheduler
+    counts the held prefix and every rank's blocks receive its heads bit for bit."""
+    model = f"test/vllm-real-tp{save_tp}-{load_tp}"
+    prompt = list(range(1300 + 10 * save_tp, 1300 + 10 * save_tp + 2 * CT + 3))
+    so, _, errors = _tp_run(vllm_env, save_tp, prompt, "w", 80, model)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0 and not errors
+    ids_a = so.scheduled_new_reqs[0].block_ids[0]
+    so, answers, errors = _tp_run(vllm_env, load_tp, prompt, "r", 81, model)
+    assert not errors
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 2 * CT and so.num_scheduled_tokens["r"] == 3
+    ids_b = new.block_ids[0][:2 * CB]
+    a = paged(80)
+    for rank, (_, caches) in enumerate(answers):
+        h0, h1, _ = kv.rank_heads(rank, load_tp, HEADS)
+        for name in a:
+            assert torch.equal(caches[name][ids_b], a[name][ids_a[:2 * CB], h0:h1])

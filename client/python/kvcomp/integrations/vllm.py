@@ -8,24 +8,32 @@ Turn it on with (docs/integrations.md, "vLLM"):
         "kv_connector_extra_config":{"endpoints":["10.0.0.5:7420,10.0.0.5:7421"]}}'
 
 What it stores: the KV cache of every whole chunk of `chunk_blocks` vLLM blocks, one kvcomp cache
-per chunk and tensor-parallel shard, under the chunk's last chained block hash (which names the
-whole prefix up to it). Chunks are full length: vLLM's scheduler counts a loaded prefix in prompt
-positions, so the connector cannot hand it fewer tokens than the prefix has; no token is evicted.
-The codecs compress: int8 keys and KVSplice values ("kvsplice", the daemon calibrates a projection
-per model from the chunks it stores), int8 keys only ("int8"), or nothing ("lossless": bit-exact).
+per chunk, pipeline stage and unit of `head_group` KV heads, under the chunk's last chained block
+hash (which names the whole prefix up to it) and the unit's head range in the model's numbering.
+Each tensor-parallel rank stores and loads only its own heads, so caches written at one TP size
+load at another (a rank holding heads [4, 8) loads units kvh4-5 .. kvh7-8 whoever wrote them).
+Chunks are full length: vLLM's scheduler counts a loaded prefix in prompt positions, so the
+connector cannot hand it fewer tokens than the prefix has; no token is evicted. The codecs
+compress: int8 keys and KVSplice values ("kvsplice", the daemon calibrates a projection per model
+from the chunks it stores), int8 keys only ("int8"), or nothing ("lossless": bit-exact).
 
-Scheduler side: get_num_new_matched_tokens asks the pool how many leading chunks it holds
-(Client.lookup_prefix, one request per daemon involved); update_state_after_alloc and
-build_connector_meta turn hits into loads into the request's blocks and newly computed prompt
+Scheduler side: get_num_new_matched_tokens starts a background lookup of how many leading chunks
+the pool holds in full (one Client.lookup_prefix over every unit, on a client whose requests end
+after lookup_timeout) and answers None ("not yet") while it is in flight; an answer not in by
+lookup_timeout is a miss, so a stalled pool never holds the scheduler. update_state_after_alloc
+and build_connector_meta turn hits into loads into the request's blocks and newly computed prompt
 chunks into saves; request_finished saves the chunks completed while decoding, holding the
 request's blocks until the worker has copied them to host memory (get_finished reports it).
-Worker side: start_load_kv fetches the chunks (Client.get_chunks, decoded by the daemons) and
+Worker side: start_load_kv fetches the chunks' bytes (Client.get_chunk_bytes, decoded by the
+daemons, within `timeout`) and parses them here (CRC32C of header, table and every section);
 wait_for_layer_load writes each layer into vLLM's paged blocks; save_kv_layer copies the saved
 blocks of each layer to pinned host memory as the layer finishes, wait_for_save waits for those
-copies and hands the chunks to a background uploader. A missing, unreadable or malformed chunk
-makes its blocks (and every later block of that request's load) load errors
-(get_block_ids_with_load_errors), which vLLM recomputes under kv_load_failure_policy "recompute":
-never wrong KV.
+copies and hands the units to a background uploader. A missing unit, one failing its CRC, of
+another layout, a daemon gone or a fetch past its timeout makes the chunk's blocks (and every
+later block of that request's load) load errors (get_block_ids_with_load_errors), which vLLM
+recomputes under kv_load_failure_policy "recompute": never wrong KV. Counters (lookups, hits,
+timeouts, loads, load errors, saves, bytes stored against original) go to vLLM's connector stats
+(get_kv_connector_stats, build_kv_connector_stats).
 
 The vLLM-independent parts (settings, keys, chunk planning, block gather/scatter on torch
 tensors, the store, the scheduler and worker logic) import without vllm; KvcompConnector itself is
@@ -65,7 +73,17 @@ class Settings:
     calibrate_after: chunks stored with raw values before the connector asks the daemons to
         calibrate the model's projection (codec "kvsplice"; default 32; 0 = never ask).
     save_decode: also store chunks completed while decoding, at request end (default true).
-    timeout: seconds per SDK request (default 30).
+    timeout: seconds per SDK put or get (default 10); a load past it is a load error
+        (recomputed).
+    lookup_timeout: seconds the scheduler waits for a prefix lookup before counting it a miss
+        (default 0.5). The lookup runs in the background: get_num_new_matched_tokens answers
+        "not yet" (None) while it is in flight, so a stalled pool never holds the scheduler.
+    async_lookup: answer "not yet" while a lookup is in flight (default true); false waits for
+        it, up to lookup_timeout.
+    head_group: KV heads per stored unit (default 1). Each tensor-parallel rank stores and loads
+        its own heads in units of head_group, keyed by head range, so caches written at one
+        tensor-parallel size load at another whose ranks hold whole units (head_group must divide
+        every rank's head count; 1 always does). Larger units mean fewer requests.
     max_pending_uploads: chunks waiting for the uploader before new ones are dropped (default
         256; a dropped chunk is a later miss, never an error).
     """
@@ -79,7 +97,10 @@ class Settings:
     error_budget: float = 0.05
     calibrate_after: int = 32
     save_decode: bool = True
-    timeout: float = 30.0
+    timeout: float = 10.0
+    lookup_timeout: float = 0.5
+    async_lookup: bool = True
+    head_group: int = 1
     max_pending_uploads: int = 256
 
     @staticmethod
@@ -112,7 +133,10 @@ class Settings:
             error_budget=float(extra.get("error_budget", 0.05)),
             calibrate_after=int(extra.get("calibrate_after", 32)),
             save_decode=bool(extra.get("save_decode", True)),
-            timeout=float(extra.get("timeout", 30.0)),
+            timeout=float(extra.get("timeout", 10.0)),
+            lookup_timeout=float(extra.get("lookup_timeout", 0.5)),
+            async_lookup=bool(extra.get("async_lookup", True)),
+            head_group=int(extra.get("head_group", 1)),
             max_pending_uploads=int(extra.get("max_pending_uploads", 256)))
         if not s.model:
             raise ValueError("kvcomp connector: empty model id")
@@ -122,9 +146,12 @@ class Settings:
             raise ValueError("kvcomp connector: chunk_blocks must be positive")
         if not 0.0 < s.error_budget < 1.0:
             raise ValueError("kvcomp connector: error_budget must be in (0, 1)")
-        if s.calibrate_after < 0 or s.max_pending_uploads <= 0 or s.timeout <= 0:
-            raise ValueError("kvcomp connector: calibrate_after >= 0, max_pending_uploads > 0 "
-                             "and timeout > 0 required")
+        if s.calibrate_after < 0 or s.max_pending_uploads <= 0 or s.timeout <= 0 \
+                or s.lookup_timeout <= 0:
+            raise ValueError("kvcomp connector: calibrate_after >= 0, max_pending_uploads > 0, "
+                             "timeout > 0 and lookup_timeout > 0 required")
+        if s.head_group <= 0:
+            raise ValueError("kvcomp connector: head_group must be positive")
         return s
 
 
@@ -161,18 +188,92 @@ def chunk_hashes(block_hashes: Sequence[Any], chunk_blocks: int,
     return [hash_bytes(block_hashes[(i + 1) * chunk_blocks - 1]) for i in range(n)]
 
 
-def shard_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """The worker's part of the model (its KV heads and layers), part of every key it stores."""
-    return f"tp{tp_rank}-{tp_size}.pp{pp_rank}-{pp_size}"
+@dataclass(frozen=True)
+class Shard:
+    """A worker's part of the model: its pipeline stage and its KV heads, from head0 (of the
+    model's KV heads) on; stores is False for a rank whose heads another rank also holds and
+    stores (tensor-parallel size above the KV head count)."""
+    head0: int = 0
+    pp_rank: int = 0
+    pp_size: int = 1
+    stores: bool = True
 
 
-def all_shards(tp_size: int, pp_size: int = 1) -> List[str]:
-    return [shard_name(t, tp_size, p, pp_size) for p in range(pp_size) for t in range(tp_size)]
+def rank_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> Tuple[int, int, bool]:
+    """The KV heads [h0, h1) vLLM gives tensor-parallel rank tp_rank, and whether it stores
+    them (a replicated head is stored by its first rank only)."""
+    if not 0 <= tp_rank < tp_size or total_kv_heads <= 0:
+        raise ValueError(f"rank {tp_rank} of {tp_size}, {total_kv_heads} KV heads")
+    if tp_size <= total_kv_heads:
+        if total_kv_heads % tp_size:
+            raise ValueError(f"{total_kv_heads} KV heads do not split over {tp_size} ranks")
+        per = total_kv_heads // tp_size
+        return tp_rank * per, (tp_rank + 1) * per, True
+    if tp_size % total_kv_heads:
+        raise ValueError(f"{tp_size} ranks do not replicate {total_kv_heads} KV heads evenly")
+    rep = tp_size // total_kv_heads
+    return tp_rank // rep, tp_rank // rep + 1, tp_rank % rep == 0
 
 
-def shard_key(chunk_hash: bytes, shard: str) -> bytes:
-    """The kvcomp key of one shard's part of a chunk (the model id scopes it further)."""
-    return _KEY_PREFIX + chunk_hash + b"/" + shard.encode()
+def unit_name(h0: int, h1: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """One stored unit of a chunk: KV heads [h0, h1) of pipeline stage pp_rank (part of the
+    key; independent of the tensor-parallel size)."""
+    return f"kvh{h0}-{h1}.pp{pp_rank}-{pp_size}"
+
+
+def shard_units(shard: Shard, num_heads: int, head_group: int) -> List[Tuple[str, int, int]]:
+    """(unit name, first local head, end local head) of each unit a worker holding num_heads
+    heads from shard.head0 stores and loads."""
+    if num_heads % head_group:
+        raise ValueError(f"head_group {head_group} does not divide this rank's {num_heads} KV "
+                         "heads")
+    return [(unit_name(shard.head0 + h, shard.head0 + h + head_group, shard.pp_rank,
+                       shard.pp_size), h, h + head_group)
+            for h in range(0, num_heads, head_group)]
+
+
+def all_units(total_kv_heads: int, head_group: int, pp_size: int = 1) -> List[str]:
+    """Every unit of a chunk (all heads, all pipeline stages): what a prefix hit needs."""
+    if total_kv_heads % head_group:
+        raise ValueError(f"head_group {head_group} does not divide {total_kv_heads} KV heads")
+    return [unit_name(h, h + head_group, p, pp_size) for p in range(pp_size)
+            for h in range(0, total_kv_heads, head_group)]
+
+
+def shard_key(chunk_hash: bytes, unit: str) -> bytes:
+    """The kvcomp key of one unit of a chunk (the model id scopes it further)."""
+    return _KEY_PREFIX + chunk_hash + b"/" + unit.encode()
+
+
+def unit_keys(hashes: Sequence[bytes], units: Sequence[str]) -> List[bytes]:
+    """Keys of the chunks' units, chunk-major: a leading run of n * len(units) keys held is n
+    whole chunks."""
+    return [shard_key(h, u) for h in hashes for u in units]
+
+
+class Stats:
+    """Counters of one connector half, taken (and reset) by vLLM's stats hook."""
+
+    NAMES = ("lookups", "lookup_hit_chunks", "lookup_timeouts", "lookup_errors",
+             "load_chunks", "load_error_blocks", "load_failures", "saved_units",
+             "save_failures", "save_drops", "stored_bytes", "original_bytes")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: Dict[str, float] = {}
+
+    def add(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._c[name] = self._c.get(name, 0) + n
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self._c.get(name, 0)
+
+    def take(self) -> Dict[str, float]:
+        with self._lock:
+            out, self._c = self._c, {}
+        return out
 
 
 @dataclass
@@ -280,38 +381,48 @@ def scatter_blocks(kv: Any, block_ids: Sequence[int], keys: Any, values: Any, bl
 
 class ChunkStore:
     """Chunks of one model in a kvcompd pool: lookups, decoded gets and puts with the codec of
-    Settings. Thread-safe (the SDK client is)."""
+    Settings. Thread-safe (the SDK clients are). Lookups go through a client of their own whose
+    requests end after lookup_timeout (connects included), puts and gets through one whose
+    requests end after timeout."""
 
-    def __init__(self, settings: Settings, client: Any = None):
+    def __init__(self, settings: Settings, client: Any = None, lookup_client: Any = None,
+                 stats: Optional[Stats] = None):
         import kvcomp
 
         self.settings = settings
-        self.client = client or kvcomp.Client(list(settings.endpoints), tenant=settings.tenant,
-                                              token=settings.token, timeout=settings.timeout,
-                                              connect=False)  # a pool down at start: misses
+        self.stats = stats or Stats()
+        eps = list(settings.endpoints)
+        # connect=False: a pool down at start is a miss, not a failed engine start.
+        self.client = client or kvcomp.Client(eps, tenant=settings.tenant, token=settings.token,
+                                              timeout=settings.timeout,
+                                              connect_timeout=min(5.0, settings.timeout),
+                                              connect=False)
+        self.lookup_client = lookup_client or kvcomp.Client(
+            eps, tenant=settings.tenant, token=settings.token, timeout=settings.lookup_timeout,
+            connect_timeout=settings.lookup_timeout, connect=False)
         self._lock = threading.Lock()
         self._kvsplice_ready = False      # the daemons encode values with a projection
         self._raw_value_puts = 0          # chunks stored with raw values since the last attempt
 
-    def held(self, keys_per_shard: Sequence[Sequence[bytes]]) -> int:
-        """Leading chunks every shard holds (0 when the pool cannot be asked: a miss)."""
-        held = None
-        for keys in keys_per_shard:
-            if not keys:
-                return 0
-            try:
-                n = self.client.lookup_prefix(self.settings.model, list(keys))
-            except Exception as e:  # a failed lookup is a miss, never a failed request
-                log.warning("kvcomp lookup_prefix failed (treated as a miss): %s", e)
-                return 0
-            held = n if held is None else min(held, n)
-            if held == 0:
-                break
-        return held or 0
+    def held(self, keys: Sequence[bytes], units: int) -> int:
+        """Whole leading chunks held: `keys` are unit_keys (chunk-major, `units` per chunk).
+        0 when the pool cannot be asked (a miss, never a failed request)."""
+        if not keys or units <= 0:
+            return 0
+        try:
+            n = self.lookup_client.lookup_prefix(self.settings.model, list(keys))
+        except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
+            log.warning("kvcomp lookup_prefix failed (treated as a miss): %s", e)
+            self.stats.add("lookup_errors")
+            return 0
+        return n // units
 
     def put(self, key: bytes, keys: Any, values: Any) -> Dict[str, Any]:
-        """Stores one chunk [layers, kv_heads, tokens, head_dim] (host tensors)."""
+        """Stores one unit [layers, kv_heads, tokens, head_dim] (host tensors; a strided view,
+        such as one head range of a rank's buffer, is made contiguous here)."""
         s = self.settings
+        if hasattr(keys, "is_contiguous"):
+            keys, values = keys.contiguous(), values.contiguous()
         with self._lock:
             kvsplice = s.codec == "kvsplice" and self._kvsplice_ready
         if kvsplice:
@@ -347,21 +458,25 @@ class ChunkStore:
 
     def get(self, keys: Sequence[bytes], layers: int, kv_heads: int, tokens: int,
             head_dim: int) -> List[Tuple[Any, Any]]:
-        """The leading chunks held, decoded: (keys, values) float32 numpy [layers, kv_heads,
-        tokens, head_dim]. Stops at the first chunk missing, unreadable, of another layout,
-        with evicted tokens or non-finite data."""
+        """The leading units held, decoded: (keys, values) float32 numpy [layers, kv_heads,
+        tokens, head_dim]. Each unit's bytes are parsed here (header, section table and every
+        section's CRC32C: bytes altered anywhere between storage and the engine are caught).
+        Stops at the first unit missing, failing its checks, of another layout, with evicted
+        tokens or non-finite data; a failed or timed-out request returns nothing."""
         import numpy as np
 
         import kvcomp
 
         try:
-            caches = self.client.get_chunks(self.settings.model, list(keys), decoded=True)
-        except Exception as e:
-            log.warning("kvcomp get_chunks failed (blocks recomputed): %s", e)
+            blobs = self.client.get_chunk_bytes(self.settings.model, list(keys), decoded=True)
+        except Exception as e:  # noqa: BLE001 - every load failure is a recompute
+            log.warning("kvcomp get_chunk_bytes failed (blocks recomputed): %s", e)
+            self.stats.add("load_failures")
             return []
         out = []
-        for i, c in enumerate(caches):
+        for i, b in enumerate(blobs):
             try:
+                c = kvcomp.CompressedCache.from_bytes(b)
                 got = (c.num_layers, c.num_kv_heads, c.original_tokens, c.head_dim)
                 if got != (layers, kv_heads, tokens, head_dim):
                     raise ValueError(f"layout {got} != {(layers, kv_heads, tokens, head_dim)}")
@@ -370,8 +485,9 @@ class ChunkStore:
                 k, v = kvcomp.decompress(c)
                 if not (np.isfinite(k).all() and np.isfinite(v).all()):
                     raise ValueError("non-finite values")
-            except Exception as e:
-                log.warning("kvcomp chunk %d unusable (recomputed from here): %s", i, e)
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvcomp unit %d unusable (recomputed from here): %s", i, e)
+                self.stats.add("load_failures")
                 break
             out.append((k, v))
         return out
@@ -394,6 +510,7 @@ class Uploader:
             return True
         except queue.Full:
             self.dropped += 1
+            self.store.stats.add("save_drops")
             log.warning("kvcomp uploader full: chunk dropped")
             return False
 
@@ -404,10 +521,15 @@ class Uploader:
                 if item is None:
                     return
                 try:
-                    self.store.put(*item)
+                    res = self.store.put(*item)
                     self.stored += 1
-                except Exception as e:
+                    self.store.stats.add("saved_units")
+                    if isinstance(res, dict):
+                        self.store.stats.add("stored_bytes", res.get("stored_bytes", 0))
+                        self.store.stats.add("original_bytes", res.get("original_bytes", 0))
+                except Exception as e:  # noqa: BLE001 - a failed save is a later miss
                     self.failed += 1
+                    self.store.stats.add("save_failures")
                     log.warning("kvcomp chunk put failed: %s", e)
             finally:
                 self._q.task_done()
@@ -430,6 +552,7 @@ class _ReqState:
     saved_chunks: int = 0                      # chunks [0, saved) stored or held
     block_ids: List[int] = field(default_factory=list)
     load_range: Optional[Tuple[int, int]] = None
+    lookup: Optional[Tuple[Any, float, int]] = None   # (future, start, chunks asked)
 
 
 def _prompt_tokens(request: Any) -> int:
@@ -439,18 +562,21 @@ def _prompt_tokens(request: Any) -> int:
 
 class SchedulerLogic:
     """The scheduler half, on duck-typed requests (request_id, block_hashes, num_prompt_tokens,
-    num_computed_tokens): what to load, what to save, when a finished request's blocks may go."""
+    num_computed_tokens): what to load, what to save, when a finished request's blocks may go.
+    units: every stored unit of a chunk (all_units), all of which a hit needs."""
 
     def __init__(self, settings: Settings, store: Optional[ChunkStore], block_size: int,
-                 shards: Sequence[str], load: bool = True, save: bool = True):
+                 units: Sequence[str], load: bool = True, save: bool = True):
         self.s = settings
         self.store = store
         self.block_size = block_size
         self.chunk_tokens = block_size * settings.chunk_blocks
-        self.shards = list(shards)
+        self.units = list(units)
         self.load, self.save = load, save
         self.reqs: Dict[str, _ReqState] = {}
         self._finish_saves: Dict[str, List[SaveSpec]] = {}
+        self._pool: Any = None
+        self.stats = store.stats if store is not None else Stats()
 
     def _state(self, request: Any) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -458,20 +584,60 @@ class SchedulerLogic:
             st = self.reqs[request.request_id] = _ReqState(request)
         return st
 
-    def matched_tokens(self, request: Any, num_computed: int) -> int:
+    def _submit(self, keys: List[bytes]) -> Any:
+        import concurrent.futures
+
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix="kvcomp-lookup")
+        return self._pool.submit(self.store.held, keys, len(self.units))
+
+    def matched_tokens(self, request: Any, num_computed: int) -> Optional[int]:
         """Tokens past num_computed the pool can supply: whole held chunks, never the whole
-        prompt (vLLM computes at least its last token)."""
+        prompt (vLLM computes at least its last token). None ("not yet") while the lookup is in
+        flight (async_lookup); a lookup not answered within lookup_timeout is a miss (0)."""
+        import time
+
         st = self._state(request)
         if not self.load or self.store is None:
             return 0
         loadable = (_prompt_tokens(request) - 1) // self.chunk_tokens
         hashes = chunk_hashes(request.block_hashes, self.s.chunk_blocks, loadable)
         if len(hashes) * self.chunk_tokens <= num_computed:
+            st.lookup = None
             return 0
-        held = self.store.held([[shard_key(h, sh) for h in hashes] for sh in self.shards])
+        if st.lookup is None or st.lookup[2] != len(hashes):
+            self.stats.add("lookups")
+            st.lookup = (self._submit(unit_keys(hashes, self.units)), time.monotonic(),
+                         len(hashes))
+        fut, t0, _ = st.lookup
+        if not fut.done():
+            left = self.s.lookup_timeout - (time.monotonic() - t0)
+            if left > 0 and self.s.async_lookup:
+                return None
+            if left > 0:
+                import concurrent.futures
+                try:
+                    fut.result(timeout=left)
+                except concurrent.futures.TimeoutError:
+                    pass
+        st.lookup = None
+        if not fut.done():
+            log.warning("kvcomp lookup of %s not answered in %.3f s (treated as a miss)",
+                        request.request_id, self.s.lookup_timeout)
+            self.stats.add("lookup_timeouts")
+            held = 0
+        else:
+            held = fut.result()
+        self.stats.add("lookup_hit_chunks", held)
         st.held_chunks = held
         st.saved_chunks = max(st.saved_chunks, held)
         return max(0, held * self.chunk_tokens - num_computed)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def after_alloc(self, request: Any, num_external: int) -> None:
         st = self._state(request)
@@ -560,11 +726,13 @@ class WorkerLogic:
     blocks, layer-wise saves through pinned host memory, finish saves, load errors."""
 
     def __init__(self, settings: Settings, store: Optional[ChunkStore], block_size: int,
-                 shard: str, uploader: Optional[Uploader] = None):
+                 shard: Shard = Shard(), uploader: Optional[Uploader] = None):
         self.s = settings
         self.store = store
+        self.stats = store.stats if store is not None else Stats()
         self.block_size = block_size
         self.shard = shard
+        self.units: List[Tuple[str, int, int]] = []
         self.uploader = uploader or (Uploader(store, settings.max_pending_uploads)
                                      if store is not None else None)
         self.layers: Dict[str, Any] = {}
@@ -596,6 +764,7 @@ class WorkerLogic:
             self.layers[name] = kv
         if not self.layers:
             raise ValueError("no KV cache layers to register")
+        self.units = shard_units(self.shard, self.num_kv_heads, self.s.head_group)
 
     @property
     def num_kv_heads(self) -> int:
@@ -616,19 +785,25 @@ class WorkerLogic:
             self._fetch(spec)
 
     def _fetch(self, spec: LoadSpec) -> None:
-        keys = [shard_key(c.chunk_hash, self.shard) for c in spec.chunks]
-        got = self.store.get(keys, len(self.layers), self.num_kv_heads, self.chunk_tokens,
+        names = [u[0] for u in self.units]
+        keys = unit_keys([c.chunk_hash for c in spec.chunks], names)
+        g = self.s.head_group
+        got = self.store.get(keys, len(self.layers), g, self.chunk_tokens,
                              self.head_size) if self.store is not None and keys else []
         import torch
 
+        whole = len(got) // len(self.units)   # chunks with every unit
         for i, c in enumerate(spec.chunks):
             blocks = c.block_ids[c.skip_blocks:]
-            if i >= len(got):
+            if i >= whole:
                 self._load_errors.update(blocks)
+                self.stats.add("load_error_blocks", len(blocks))
                 continue
+            self.stats.add("load_chunks")
             t0 = c.skip_blocks * self.block_size
-            k = torch.from_numpy(got[i][0])[:, :, t0:]
-            v = torch.from_numpy(got[i][1])[:, :, t0:]
+            parts = got[i * len(self.units):(i + 1) * len(self.units)]
+            k = torch.cat([torch.from_numpy(p[0]) for p in parts], dim=1)[:, :, t0:]
+            v = torch.cat([torch.from_numpy(p[1]) for p in parts], dim=1)[:, :, t0:]
             for li, name in enumerate(self.layers):
                 self._pending_loads.setdefault(name, []).append((blocks, k[li], v[li]))
 
@@ -640,7 +815,7 @@ class WorkerLogic:
     def save_layer(self, name: str, kv: Any = None) -> None:
         """Copies this step's saved blocks of one layer to (pinned) host memory."""
         if self._plan is None or not self._plan.saves or name not in self.layers \
-                or name in self._saved_layers:
+                or name in self._saved_layers or not self.shard.stores:
             return
         kv = self.layers[name] if kv is None else kv
         if not self._save_bufs:
@@ -681,14 +856,16 @@ class WorkerLogic:
                     self._plan = None
         finish = []
         for req_id, specs in plan.finish_saves.items():
-            for spec in specs:
+            for spec in (specs if self.shard.stores else []):
                 k, v = self._gather_all(spec)
                 finish.append((spec, k, v))
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
-        for spec, k, v in self._save_bufs + finish:
-            if self.uploader is not None:
-                self.uploader.submit(shard_key(spec.chunk_hash, self.shard), k, v)
+        if self.uploader is not None and self.shard.stores:
+            for spec, k, v in self._save_bufs + finish:
+                for unit, h0, h1 in self.units:
+                    self.uploader.submit(shard_key(spec.chunk_hash, unit), k[:, h0:h1],
+                                         v[:, h0:h1])
         self._save_bufs = []
         self._finish_done.update(plan.finish_saves)
 
@@ -729,11 +906,35 @@ def _build_connector_classes() -> Tuple[type, type]:
         KVConnectorRole,
     )
 
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
     class KvcompConnectorMetadata(KVConnectorMetadata):
         """The step's ConnectorPlan."""
 
         def __init__(self, plan: ConnectorPlan):
             self.plan = plan
+
+    class KvcompConnectorStats(KVConnectorStats):
+        """The connector's counters (Stats.NAMES) since the last interval, summed over the
+        scheduler and every worker."""
+
+        def reset(self) -> None:
+            self.data = {}
+
+        def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+            for k, v in (other.data or {}).items():
+                self.data[k] = self.data.get(k, 0) + v
+            return self
+
+        def reduce(self) -> Dict[str, Any]:
+            out: Dict[str, Any] = dict(self.data)
+            if self.data.get("original_bytes"):
+                out["compression_ratio"] = round(
+                    self.data["original_bytes"] / max(1, self.data.get("stored_bytes", 0)), 3)
+            return out
+
+        def is_empty(self) -> bool:
+            return not any(self.data.values())
 
     class KvcompConnector(KVConnectorBase_V1):
         """kvcomp as vLLM's KV connector (module docstring)."""
@@ -749,21 +950,25 @@ def _build_connector_classes() -> Tuple[type, type]:
                                  "run with --disable-hybrid-kv-cache-manager")
             par = vllm_config.parallel_config
             self._store = ChunkStore(self.settings)
+            total_heads = vllm_config.model_config.get_total_num_kv_heads()
             if role == KVConnectorRole.SCHEDULER:
                 self.sched = SchedulerLogic(
                     self.settings, self._store, self.block_size,
-                    all_shards(par.tensor_parallel_size, par.pipeline_parallel_size),
+                    all_units(total_heads, self.settings.head_group,
+                              par.pipeline_parallel_size),
                     load=kt.is_kv_consumer, save=kt.is_kv_producer)
                 self.worker = None
             else:
-                shard = shard_name(*self._ranks(par), par.pipeline_parallel_size)
+                tp_rank, tp_size, pp_rank = self._ranks(par)
+                h0, _, stores = rank_heads(tp_rank, tp_size, total_heads)
+                shard = Shard(h0, pp_rank, par.pipeline_parallel_size, stores)
                 self.head_size = vllm_config.model_config.get_head_size()
                 self.worker = WorkerLogic(self.settings, self._store, self.block_size, shard)
                 self.sched = None
 
         @staticmethod
         def _ranks(par: Any) -> Tuple[int, int, int]:
-            """(tp rank, tp size, pp rank) of this worker."""
+            """(tp rank, tp size, pp rank) of this worker, from vLLM's parallel state."""
             if par.tensor_parallel_size == 1 and par.pipeline_parallel_size == 1:
                 return 0, 1, 0
             from vllm.distributed.parallel_state import (
@@ -772,6 +977,15 @@ def _build_connector_classes() -> Tuple[type, type]:
             )
             return (get_tensor_model_parallel_rank(), par.tensor_parallel_size,
                     get_pp_group().rank_in_group)
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                     ) -> KVConnectorStats:
+            return KvcompConnectorStats(data=dict(data or {}))
+
+        def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+            data = self._store.stats.take()
+            return KvcompConnectorStats(data=data) if any(data.values()) else None
 
         @property
         def requires_kv_delivery(self) -> bool:
@@ -806,6 +1020,8 @@ def _build_connector_classes() -> Tuple[type, type]:
         def shutdown(self) -> None:
             if self.worker is not None:
                 self.worker.close()
+            if self.sched is not None:
+                self.sched.close()
 
         # scheduler side
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
@@ -832,17 +1048,23 @@ def _build_connector_classes() -> Tuple[type, type]:
         def request_finished(self, request: Any, block_ids: List[int]):
             return self.sched.finished(request, block_ids), None
 
-    return KvcompConnector, KvcompConnectorMetadata
+    # Importable by name (the module's __getattr__), so that pickle (vLLM sends the step's
+    # metadata to its worker processes, and the workers' stats back) finds them.
+    for c in (KvcompConnector, KvcompConnectorMetadata, KvcompConnectorStats):
+        c.__module__, c.__qualname__ = __name__, c.__name__
+    return KvcompConnector, KvcompConnectorMetadata, KvcompConnectorStats
 
 
-_classes: Optional[Tuple[type, type]] = None
+_classes: Optional[Tuple[type, type, type]] = None
+_NAMES = ("KvcompConnector", "KvcompConnectorMetadata", "KvcompConnectorStats")
 
 
 def __getattr__(name: str) -> Any:
-    """KvcompConnector and KvcompConnectorMetadata, built on first access (imports vllm)."""
+    """KvcompConnector, KvcompConnectorMetadata and KvcompConnectorStats, built on first
+    access (imports vllm)."""
     global _classes
-    if name in ("KvcompConnector", "KvcompConnectorMetadata"):
+    if name in _NAMES:
         if _classes is None:
             _classes = _build_connector_classes()
-        return _classes[0] if name == "KvcompConnector" else _classes[1]
+        return _classes[_NAMES.index(name)]
     raise AttributeError(name)
