@@ -120,3 +120,102 @@ def test_bad_options_and_chunks_are_refused():
         create_serde_processor(SerdeConfig(type="kvcomp", kwargs={"level": 3}))
     with pytest.raises(ValueError, match="KV_2LTD"):
         lm._split(torch.zeros(3, 2, 16, 128, dtype=torch.float16), 64)
+
+
+# --- kvcompd as an L2 adapter (LMCache's plugin adapter type) ------------------------------
+
+@pytest.fixture(scope="module")
+def daemon():
+    from kvcompd_fixture import Kvcompd, built_kvcompd
+
+    binary = built_kvcompd()
+    if binary is None:
+        pytest.skip("kvcompd not built")
+    d = Kvcompd(binary)
+    d.__enter__()
+    yield d
+    d.__exit__(None, None, None)
+
+
+def adapter(d, **params):
+    """The adapter as LMCache makes it from an L2 adapter entry of type "plugin"."""
+    from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
+    from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+
+    cfg = get_l2_adapter_config_class("plugin").from_dict({
+        "type": "plugin", "module_path": "kvcomp.integrations.lmcache",
+        "class_name": "KvcompL2Adapter",
+        "adapter_params": {"endpoints": [f"{d.data_endpoint},127.0.0.1:{d.control_port}"],
+                           "head_dim": D, **params}})
+    return create_l2_adapter_from_registry(cfg)
+
+
+def wait_task(query, tid):
+    t0 = time.monotonic()
+    while (res := query(tid)) is None:
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.002)
+    return res
+
+
+def key_of(i, model="test/lmcache-l2"):
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return ObjectKey(chunk_hash=f"chunk-{i}".encode().ljust(32, b"."), model_name=model,
+                     kv_rank=0)
+
+
+@pytest.mark.parametrize("codec,dtype", [("lossless", torch.bfloat16), ("int8", torch.float16)])
+def test_l2_adapter_stores_looks_up_and_loads(daemon, codec, dtype):
+    from kvcomp.integrations.lmcache import KvcompL2Adapter
+
+    a = adapter(daemon, codec=codec)
+    assert isinstance(a, KvcompL2Adapter)
+    shape = (2, LAYERS, TOKENS, HEADS * D)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
+    model = f"test/lmcache-l2-{codec}"
+    keys = [key_of(i, model) for i in range(2)]
+    res = None
+    tid = a.submit_store_task(keys, [memobj(shape, dtype, x) for x in xs])
+    t0 = time.monotonic()
+    while tid not in (res := a.pop_completed_store_tasks()):
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.002)
+    assert res[tid].is_successful()
+    found = wait_task(a.query_lookup_and_lock_result,
+                      a.submit_lookup_and_lock_task(keys + [key_of(9, model)], {}))
+    assert [found.test(i) for i in range(3)] == [True, True, False]
+    outs = [memobj(shape, dtype) for _ in range(2)]
+    loaded = wait_task(a.query_load_result, a.submit_load_task(keys, outs))
+    assert [loaded.test(i) for i in range(2)] == [True, True]
+    for x, o in zip(xs, outs):
+        if codec == "lossless":
+            assert torch.equal(o.tensor, x)
+        else:
+            assert torch.equal(o.tensor[1], x[1])
+            err = (o.tensor[0].float() - x[0].float()).abs().max() / x[0].float().abs().max()
+            assert 0 < err < 0.5 / 127 + 8e-3, err
+    a.submit_unlock(keys)
+    a.close()
+
+
+def test_l2_adapter_refuses_bytes_and_misses(daemon):
+    """A serde's output (bytes, not KV) fails its store task; a missing key fails its load
+    and leaves the buffer as it was."""
+    a = adapter(daemon)
+    blob = torch.randint(0, 256, (12345,), dtype=torch.uint8)
+    tid = a.submit_store_task([key_of(20)],
+                              [memobj((blob.numel(),), torch.uint8, blob, fmt="BINARY")])
+    t0 = time.monotonic()
+    while tid not in (res := a.pop_completed_store_tasks()):
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.002)
+    assert not res[tid].is_successful()
+    shape = (2, LAYERS, TOKENS, HEADS * D)
+    miss = memobj(shape, torch.float16)
+    loaded = wait_task(a.query_load_result, a.submit_load_task([key_of(21)], [miss]))
+    assert not loaded.test(0) and not miss.tensor.any()
+    a.close()
+    with pytest.raises(ValueError, match="codec"):
+        adapter(daemon, codec="zip")

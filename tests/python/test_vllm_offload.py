@@ -182,17 +182,20 @@ def promote(mgr, req, keys, limit=30.0):
     return res, seen, ids, ctx
 
 
-def test_chunks_cascade_to_kvcompd_and_load_into_another_engines_cpu_tier(model_dir, daemon):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_chunks_cascade_to_kvcompd_and_load_into_another_engines_cpu_tier(model_dir, daemon,
+                                                                           dtype):
     from vllm.v1.kv_offload.base import LookupResult
 
-    a = manager(model_dir, daemon, model="test/offload-lossless")
+    model = f"test/offload-lossless-{dtype}"
+    a = manager(model_dir, daemon, dtype=dtype, model=model)
     keys = keys_of(1, 4)
-    pages = pages_of(a, 1, 4)
+    pages = pages_of(a, 1, 4, getattr(torch, dtype))
     store(a, "a", keys, pages)
     tier = a.secondary_tiers[0]
     assert tier.counters["stored_chunks"] == 4 and tier.counters["store_failures"] == 0
 
-    b = manager(model_dir, daemon, model="test/offload-lossless")  # another engine
+    b = manager(model_dir, daemon, dtype=dtype, model=model)  # another engine
     res, seen, ids, ctx = promote(b, "b", keys)
     assert res == [LookupResult.HIT] * 4
     assert seen[0] == [LookupResult.RETRY] * 4  # the first answer never waits for the pool

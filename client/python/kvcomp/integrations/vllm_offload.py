@@ -16,10 +16,9 @@ What it stores: each CPU-tier chunk (vLLM's offload page of `blocks_per_chunk` b
 layer and every worker of the engine) as one kvcomp cache under the chunk's offload key (its
 block hash and KV cache group), scoped by model and by the engine's parallel layout. The tier
 sees the page as vLLM lays it out, which depends on the attention backend: "lossless" stores the
-page's 16-bit words unchanged (bit-exact, any KV dtype of 16 bits), "int8" quantizes the first
-half of the page's vectors of `head_dim` 16-bit floats to int8 with per-channel scales and keeps
-the second half (float16 or bfloat16 KV caches; a bounded error on every vector, not a per-head
-key codec).
+page's values unchanged (bit-exact), "int8" quantizes the first half of the page's vectors of
+`head_dim` values to int8 with per-channel scales and keeps the second half (a bounded error on
+every vector, not a per-head key codec). The KV cache must be float16 or bfloat16.
 
 Lookups never block the scheduler: they go through vLLM's AsyncLookupManager (batched once per
 step on a background thread); lookup answers RETRY while one is in flight, and a lookup the pool
@@ -129,9 +128,9 @@ class KvcompSecondaryTier(SecondaryTierManager):
         self.head_dim = int(head_dim)
         dtype = str(cfg.model.dtype) if cfg is not None else "bfloat16"
         self.kv_dtype = _DTYPES.get(dtype.removeprefix("torch."))
-        if codec == "int8" and self.kv_dtype is None:
-            raise ValueError(f"kvcomp tier: codec int8 needs a float16 or bfloat16 KV cache, "
-                             f"not {dtype}")
+        if self.kv_dtype is None:  # kvcompd stores float KV, and checks it is finite
+            raise ValueError(f"kvcomp tier: a float16 or bfloat16 KV cache is needed, not "
+                             f"{dtype}")
         if self.block_size_bytes % (4 * self.head_dim):
             raise ValueError(f"kvcomp tier: a chunk of {self.block_size_bytes} bytes is not "
                              f"two halves of vectors of {self.head_dim} 16-bit values")
@@ -185,13 +184,10 @@ class KvcompSecondaryTier(SecondaryTierManager):
         import numpy as np
 
         half = page.shape[0] // 2
-        if self.codec == "int8":
-            import torch
-
-            dt = torch.float16 if self.kv_dtype == "float16" else torch.bfloat16
-            t = torch.from_numpy(page.view(np.int16).copy()).view(dt)
+        if self.kv_dtype == "float16":
+            t = page.view(np.float16).copy()
         else:
-            t = page.copy()  # raw 16-bit words: stored as bf16 bits, unchanged
+            t = page.copy()  # bfloat16 as its raw bits
         k = t[:half].reshape(1, 1, half, self.head_dim)
         v = t[half:].reshape(1, 1, half, self.head_dim)
         return k, v
@@ -217,16 +213,14 @@ class KvcompSecondaryTier(SecondaryTierManager):
             raise ValueError(f"stored chunk of layout {got}, the tier's is "
                              f"{(1, 1, half, self.head_dim)}")
         k, v = kvcomp.decompress(c)
-        if self.codec == "int8":
-            import torch
+        words = np.concatenate([k.reshape(half, -1), v.reshape(half, -1)]).astype(np.float32)
+        if self.kv_dtype == "float16":
+            page[...] = words.astype(np.float16).view(np.uint16)
+        else:
+            import torch  # float32 -> bfloat16, rounded to nearest (exact for stored bf16)
 
-            dt = torch.float16 if self.kv_dtype == "float16" else torch.bfloat16
-            words = torch.from_numpy(np.concatenate([k.reshape(half, -1), v.reshape(half, -1)]))
-            out = words.to(dt).view(torch.int16).numpy().view(np.uint16)
-        else:  # raw words came back as bf16 values widened to float32: their top 16 bits
-            out = (np.concatenate([k.reshape(half, -1), v.reshape(half, -1)])
-                   .astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-        page[...] = out
+            page[...] = torch.from_numpy(words).to(torch.bfloat16).view(torch.int16) \
+                .numpy().view(np.uint16)
 
     # SecondaryTierManager -------------------------------------------------------------------
 
