@@ -660,6 +660,22 @@ class ClientImpl : public Client {
       std::vector<std::string> batch = PrefixBatches(keys, positions, got).front();
       absl::StatusOr<ChunkReply> r =
           ControlGetChunks(ep.address().control, options_, model_id, batch, decoded);
+      if (absl::IsResourceExhausted(r.status())) {
+        // The next chunk alone passes the daemon's reply bound (control_plane.max_reply_bytes),
+        // or this tenant's replies in progress hold theirs: that chunk comes over the data plane.
+        const std::string& key = keys[positions[got]];
+        absl::StatusOr<transport::FetchedCache> one = WithRetries(ep, [&](UcxClient& c) {
+          return c.Get(model_id, key,
+                       decoded ? wire::Representation::kDecoded : wire::Representation::kStored);
+        });
+        if (one.ok()) {
+          (*bytes)[positions[got++]] = std::string(one->bytes.view());
+          continue;
+        }
+        if (absl::IsNotFound(one.status())) break;  // the run ends here
+        if (got > 0) return got;
+        return one.status();
+      }
       if (!r.ok()) {
         if (Retryable(r.status())) pool_->RefreshSoon();
         if (got > 0 && (Retryable(r.status()) || IsBusy(r.status()))) return got;

@@ -156,6 +156,37 @@ TEST_F(PrefixChunksTest, LookupPrefixCountsLeadingChunksAcrossDaemons) {
   EXPECT_EQ(client_->LookupPrefix("", keys).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(PrefixChunksTest, ChunksLargerThanTheReplyBoundComeOverTheDataPlane) {
+  // 64 KiB replies: each 96-token chunk (96 KiB of K and V) passes the bound alone.
+  StartPool({"--control_plane.max_reply_bytes=64Ki", "--control_plane.tenant_reply_bytes=128Ki"});
+  Prompt p(5);
+  const std::vector<std::string> keys = ChainedKeys(21, 3);
+  PutOptions o;
+  o.policy = Lossless();
+  std::vector<LayerData> layers;
+  for (size_t l = 0; l < p.k.size(); ++l) layers.push_back({p.k[l].data(), p.v[l].data()});
+  for (const std::string& k : keys) {
+    ASSERT_TRUE(client_->Put(kModel, k, p.layout, p.tokens, layers, o).ok());
+  }
+  auto stored = client_->GetChunkBytes(kModel, keys, /*decoded=*/false);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  ASSERT_EQ(stored->size(), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto whole = client_->GetBytes(kModel, keys[i]);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    EXPECT_GT(whole->size(), size_t{64} << 10);
+    EXPECT_EQ((*stored)[i], *whole) << i;
+  }
+  auto decoded = client_->GetChunks(kModel, keys, /*decoded=*/true);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->size(), keys.size());
+  // A missing chunk still ends the run.
+  ASSERT_TRUE(client_->Delete(kModel, keys[1]).ok());
+  auto run = client_->GetChunkBytes(kModel, keys, false);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->size(), 1u);
+}
+
 TEST_F(PrefixChunksTest, LosslessChunksAssembleToTheWholeCache) {
   StartPool();
   Prompt p(2);
