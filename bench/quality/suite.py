@@ -1,0 +1,440 @@
+"""RULER-style suite of full-length codecs, eviction + codec policies and the peers' schemes on a
+byte-level model (bench/quality/ruler.py tasks, next-byte loss), with 95% intervals.
+
+    python3 bench/quality/suite.py --model DIR --corpus corpus.tar.xz --lengths 4096 8192 \\
+        --n 50 [--device cuda] [--budget-seconds 0] --out PREFIX
+
+For each length and each sample (tasks in turn, haystacks alternately English and code from the
+corpus' held-out split) the context is prefilled once; every configuration then replaces the
+cache with its decoded form (codecs_ref.py; eviction keeps the same number of tokens in every
+kv head), and the question and answer are run over it (teacher-forced greedy bytes: an answer
+item counts when all its bytes are the argmax). Loss: mean next-byte NLL over the last quarter of
+held-out windows after the first three quarters are compressed. The cache is bf16 (the model
+runs in bf16 on a GPU, float32 on a CPU). Bytes per token count every stored byte of the codec
+(codes, scales, per-head constants; eviction adds a 4-byte position per kept token and head)
+against the bf16 cache; "entropy" bytes are what an order-0 entropy coder of the codes reaches.
+
+Writes PREFIX.json (per-sample scores, intervals, KV statistics of the full cache) and PREFIX.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "lm"))
+import codecs_ref  # noqa: E402
+import corpus as corpus_mod  # noqa: E402
+import ruler  # noqa: E402
+
+# name: (key codec, value codec, eviction policy, ratio)
+CONFIGS = {
+    "full": ("bf16", "bf16", None, 0.0),
+    "fp8 (LMCache fp8)": ("fp8", "fp8", None, 0.0),
+    "int8t": ("int8t", "int8t", None, 0.0),
+    "kivi4": ("kivi4", "kivi4", None, 0.0),
+    "kivi2": ("kivi2", "kivi2", None, 0.0),
+    "tq k8v4": ("tq8", "tq4", None, 0.0),
+    "tq k4v4": ("tq4", "tq4", None, 0.0),
+    "tq k4v3": ("tq4", "tq3", None, 0.0),
+    "tq k3v2": ("tq3", "tq2", None, 0.0),
+    "hq k4v4": ("hq4", "hq4", None, 0.0),
+    "hq k4v3": ("hq4", "hq3", None, 0.0),
+    "hq k3v3": ("hq3", "hq3", None, 0.0),
+    "hq k4cv3": ("hq4c", "hq3", None, 0.0),
+    "hq k3cv2": ("hq3c", "hq2g32", None, 0.0),
+    "hq k2cv2 g32": ("hq2cg32", "hq2g32", None, 0.0),
+    "hq k4v2 g32": ("hq4", "hq2g32", None, 0.0),
+    "tq k4v2": ("tq4", "tq2", None, 0.0),
+    "int8t k + hq v4": ("int8t", "hq4", None, 0.0),
+    "manifold_r50 0.5": ("bf16", "bf16", "manifold_r50", 0.5),
+    "manifold_r50 0.5 + hq k4v3": ("hq4", "hq3", "manifold_r50", 0.5),
+    "manifold_r50 0.75 + hq k4v3": ("hq4", "hq3", "manifold_r50", 0.75),
+    "streaming 0.5 + hq k4v3": ("hq4", "hq3", "streaming", 0.5),
+    "keydiff 0.5 + hq k4v3": ("hq4", "hq3", "keydiff", 0.5),
+}
+
+
+def git_commit():
+    if os.environ.get("KVCOMP_COMMIT"):
+        return os.environ["KVCOMP_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+@torch.no_grad()
+def prefill(model, ids):
+    out = model(ids[None].to(model.device), use_cache=True)
+    pkv = out.past_key_values
+    K = torch.stack([pkv.layers[l].keys[0] for l in range(len(pkv.layers))]).float()
+    V = torch.stack([pkv.layers[l].values[0] for l in range(len(pkv.layers))]).float()
+    return K, V, out.logits[0, -1].float()
+
+
+def keep_mask(policy, K, ratio):
+    import variants
+    return variants.policy_mask(policy, K, ratio)
+
+
+def build(cfgs, K, V):
+    """Per config: (decoded K, V [L,H,n,d], bytes per token, entropy bytes per token)."""
+    L, H, N, d = K.shape
+    out = {}
+    memo = {}
+    for name in cfgs:
+        kc, vc, pol, ratio = CONFIGS[name]
+        if (kc, True) not in memo:
+            memo[(kc, True)] = codecs_ref.encode(kc, K, True)
+        if (vc, False) not in memo:
+            memo[(vc, False)] = codecs_ref.encode(vc, V, False)
+        Kd, kb, ke = memo[(kc, True)]
+        Vd, vb, ve = memo[(vc, False)]
+        ke = kb if ke is None else ke
+        ve = vb if ve is None else ve
+        frac, pos = 1.0, 0.0
+        if pol:
+            m = keep_mask(pol, K, ratio)
+            kept = int(m[0, 0].sum())
+            idx = m.nonzero()[:, 2].reshape(L, H, kept)  # ascending positions per head
+            g = idx[..., None].expand(L, H, kept, d)
+            Kd, Vd = Kd.gather(2, g), Vd.gather(2, g)
+            frac, pos = kept / N, 4.0 * L * H * kept
+        out[name] = (Kd, Vd, (frac * (kb + vb) + pos) / N, (frac * (ke + ve) + pos) / N)
+    return out
+
+
+@torch.no_grad()
+def tail_logits(model, caches, N, tail, dtype):
+    """Logits of `tail` after each cache (batched over caches of one length)."""
+    from transformers import DynamicCache
+    B = len(caches)
+    L = len(caches[0][0])
+    c = DynamicCache()
+    for l in range(L):
+        k = torch.stack([x[0][l] for x in caches]).to(dtype)
+        v = torch.stack([x[1][l] for x in caches]).to(dtype)
+        c.update(k, v, l)
+    ids = tail[None].expand(B, -1).to(model.device)
+    pos = torch.arange(N, N + tail.numel(), device=model.device)[None].expand(B, -1)
+    return model(ids, past_key_values=c, position_ids=pos, use_cache=True).logits.float()
+
+
+def run_configs(model, built, N, tail, dtype):
+    """{name: logits [len(tail), V]} grouped by cache length."""
+    groups = {}
+    for name, (Kd, Vd, _, _) in built.items():
+        groups.setdefault(Kd.shape[2], []).append(name)
+    out = {}
+    for n, names in groups.items():
+        lg = tail_logits(model, [built[x][:2] for x in names], N, tail, dtype)
+        for i, x in enumerate(names):
+            out[x] = lg[i]
+    return out
+
+
+def kv_stats(K, V):
+    """Per layer: key channel outliers and value spread of one full cache [L, H, N, d]."""
+    rows = []
+    for l in range(K.shape[0]):
+        k, v = K[l], V[l]
+        ch = k.abs().mean(dim=1)  # [H, d] mean |k| per channel
+        med = ch.median(dim=-1, keepdim=True).values.clamp_min(1e-6)
+        kur = (((k - k.mean(1, keepdim=True)) ** 4).mean(1) /
+               (k.var(1) ** 2).clamp_min(1e-12))  # per channel
+        vstd = v.std(dim=1)  # [H, d]
+        vt = v.norm(dim=-1)
+        rows.append({
+            "layer": l,
+            "key_channel_max_over_median": float((ch.max(-1).values / med[:, 0]).max()),
+            "key_channels_over_3x_median": int((ch > 3 * med).sum()),
+            "key_channel_kurtosis_max": float(kur.max()),
+            "key_absmax": float(k.abs().max()),
+            "value_channel_std_max_over_min": float((vstd.max(-1).values /
+                                                     vstd.min(-1).values.clamp_min(1e-6)).max()),
+            "value_token_norm_cv": float((vt.std(-1) / vt.mean(-1)).mean()),
+            "value_absmax": float(v.abs().max()),
+            "value_channel_kurtosis_max": float(
+                (((v - v.mean(1, keepdim=True)) ** 4).mean(1) /
+                 (v.var(1) ** 2).clamp_min(1e-12)).max()),
+        })
+    return rows
+
+
+def ci_binary(k, n):
+    """Wilson 95% interval."""
+    if n == 0:
+        return (None, None)
+    z = 1.96
+    p = k / n
+    den = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / den
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def ci_mean(x):
+    x = np.asarray(x, float)
+    if len(x) < 2:
+        return (None, None)
+    h = 1.96 * x.std(ddof=1) / math.sqrt(len(x))
+    return (float(x.mean() - h), float(x.mean() + h))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--render", metavar="JSON", help="only write the .md of a JSON written "
+                    "before")
+    ap.add_argument("--pool", nargs="+", metavar="JSON", help="only write the pooled table of "
+                    "several models' JSONs to --out.md")
+    ap.add_argument("--model")
+    ap.add_argument("--corpus")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--n-loss", type=int, default=50)
+    ap.add_argument("--configs", nargs="*", default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--budget-seconds", type=float, default=0)
+    ap.add_argument("--out")
+    ap.add_argument("--seed", type=int, default=11)
+    args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            write_md(args.render[:-5] + ".md", json.load(f))
+        return
+    if args.pool:
+        write_pool(args.out + ".md", args.pool)
+        return
+    from transformers import AutoModelForCausalLM
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    model.set_attn_implementation("sdpa")
+    card = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.machine()
+    parts = corpus_mod.load(args.corpus)
+    en = np.frombuffer(parts["held_en.bin"], np.uint8)
+    code = np.frombuffer(parts["held_code.bin"], np.uint8)
+    words = ruler.word_list(en)
+    cfgs = args.configs or list(CONFIGS)
+    t0 = time.time()
+    per_len = {}
+    stats = {}
+
+    def log(m):
+        print(f"[{time.time() - t0:6.1f}s] {os.path.basename(args.model)} {m}", flush=True)
+
+    budget_each = args.budget_seconds / len(args.lengths) if args.budget_seconds else 0
+    for Lb in args.lengths:
+        tl = time.time()
+        rng = np.random.default_rng([args.seed, Lb])
+        sc = {c: {t: [] for t in ruler.TASKS} for c in cfgs}
+        loss = {c: [] for c in cfgs}
+        bpt, ent = {c: [] for c in cfgs}, {c: [] for c in cfgs}
+        q = Lb * 3 // 4
+        starts_en = np.linspace(0, len(en) - Lb - 2, args.n_loss).astype(np.int64)
+        starts_code = np.linspace(0, len(code) - Lb - 2, args.n_loss).astype(np.int64)
+        taken = 0
+        for j in range(max(args.n, args.n_loss)):
+            if budget_each and time.time() - tl > budget_each:
+                log(f"{Lb}: time budget reached after {taken} rounds")
+                break
+            taken += 1
+            if j < args.n_loss:  # loss window (English on even j, code on odd)
+                t, s = (en, starts_en[j]) if j % 2 == 0 else (code, starts_code[j])
+                w = torch.from_numpy(t[s:s + Lb].astype(np.int64))
+                K, V, last = prefill(model, w[:q])
+                if j == 0:
+                    stats[Lb] = kv_stats(K, V)
+                built = build(cfgs, K, V)
+                lg = run_configs(model, built, q, w[q:-1].to(device), dtype)
+                tgt = w[q:].to(device)
+                for c in cfgs:
+                    allg = torch.cat([last[None], lg[c]])
+                    loss[c].append(float(torch.nn.functional.cross_entropy(allg, tgt)))
+            if j < args.n:
+                for ti, task in enumerate(ruler.TASKS):
+                    smp = ruler.make(task, en if (j + ti) % 2 == 0 else code, rng, Lb,
+                                     words=words)
+                    ctx = torch.tensor(list(smp.context), dtype=torch.long)
+                    tail = torch.tensor(list(smp.question + smp.answer), dtype=torch.long)
+                    K, V, _ = prefill(model, ctx)
+                    built = build(cfgs, K, V)
+                    if ti == 0:
+                        for c in cfgs:
+                            bpt[c].append(built[c][2])
+                            ent[c].append(built[c][3])
+                    lg = run_configs(model, built, len(ctx), tail[:-1].to(device), dtype)
+                    na = len(smp.answer)
+                    for c in cfgs:
+                        pred = lg[c][-na:].argmax(-1).cpu().numpy().astype(np.uint8)
+                        sc[c][task].append(ruler.score(pred, smp))
+            if (j + 1) % 10 == 0:
+                log(f"{Lb}: {j + 1} rounds")
+        per_len[Lb] = {"scores": sc, "loss": loss, "bytes_per_token": bpt,
+                       "entropy_bytes_per_token": ent, "rounds": taken}
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ"),
+            "commit": git_commit(), "model": args.model, "card": card, "device": str(device),
+            "dtype": str(dtype), "torch": torch.__version__, "lengths": args.lengths,
+            "n": args.n, "n_loss": args.n_loss, "corpus": json.loads(parts["manifest.json"]),
+            "configs": {c: CONFIGS[c] for c in cfgs}, "seconds": time.time() - t0,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "model_config": {k: getattr(model.config, k, None) for k in (
+                "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim")}}
+    res = {"meta": meta, "per_length": per_len, "kv_stats": stats}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(res, f)
+    write_md(args.out + ".md", res)
+    log(f"wrote {args.out}.json/.md in {time.time() - t0:.0f} s")
+
+
+def summarize(res):
+    """Rows per (length, config): mean score per task with 95% interval, paired difference
+    against the full cache, loss and bytes."""
+    rows = []
+    for Lb, r in res["per_length"].items():
+        full = r["scores"]["full"]
+        fl = np.array(r["loss"]["full"])
+        bf16 = None
+        for c in r["scores"]:
+            row = {"length": int(Lb), "config": c}
+            for t, v in r["scores"][c].items():
+                v = np.array(v)
+                n = len(v)
+                binary = np.all((v == 0) | (v == 1))
+                row[t] = float(v.mean()) if n else None
+                if binary:
+                    row[t + "_ci"] = ci_binary(v.sum(), n)
+                else:  # normal approximation, clipped to the scores' range [0, 1]
+                    lo, hi = ci_mean(v)
+                    row[t + "_ci"] = (None, None) if lo is None else (max(0.0, lo), min(1.0, hi))
+                d = v - np.array(full[t])
+                row[t + "_diff_ci"] = ci_mean(d) if n > 1 else (None, None)
+                row["n"] = n
+            ls = np.array(r["loss"][c])
+            row["loss"] = float(ls.mean()) if len(ls) else None
+            row["loss_pct"] = float(100 * (ls.mean() / fl.mean() - 1)) if len(ls) else None
+            rel = 100 * (ls / fl - 1) if len(ls) else np.array([])
+            row["loss_pct_ci"] = ci_mean(rel)
+            row["n_loss"] = len(ls)
+            b = float(np.mean(r["bytes_per_token"][c]))
+            e = float(np.mean(r["entropy_bytes_per_token"][c]))
+            if c == "full":
+                bf16 = b
+            row["bytes_per_token"], row["entropy_bytes_per_token"] = b, e
+            rows.append(row)
+        for row in rows:
+            if row["length"] == int(Lb):
+                row["x"] = bf16 / row["bytes_per_token"]
+                row["x_entropy"] = bf16 / row["entropy_bytes_per_token"]
+    return rows
+
+
+def write_pool(path, paths):
+    """Bytes against loss of every configuration on every model and length (one table), with
+    the worst loss over them and the single/multi-key needles where the full cache finds them."""
+    res = [json.load(open(p)) for p in paths]
+    summ = [summarize(r) for r in res]
+    names = [os.path.basename(p).rsplit("-", 1)[-1][:-5] for p in paths]
+    lens = sorted({r["length"] for s in summ for r in s})
+    cfgs = [r["config"] for r in summ[0] if r["length"] == lens[0]]
+    head = [f"{n} {L}" for n in names for L in lens]
+    out = ["# Codecs and policies pooled over models (RULER-style suite)", "",
+           "Loss relative to each model's full cache (nats/byte, last quarter of held-out "
+           "windows), per model and context length; worst = the largest over all of them. "
+           "Needles: single and multi-key accuracy where the full cache scores >= 0.9 (the "
+           "other tasks are at the floor on every model: see the per-model tables). Sources: "
+           + ", ".join(os.path.basename(p) for p in paths) + ".", "",
+           "| config | x | x entropy-coded | " + " | ".join(head) + " | worst | needles |",
+           "| --- | --- | --- | " + " | ".join("---" for _ in head) + " | --- | --- |"]
+    for c in cfgs:
+        cells, worst, needles, x, xe = [], -1e9, [], None, None
+        for n, s in zip(names, summ):
+            for L in lens:
+                r = next(r for r in s if r["config"] == c and r["length"] == L)
+                full = next(r for r in s if r["config"] == "full" and r["length"] == L)
+                x, xe = r["x"], r["x_entropy"]
+                cells.append(f"{r['loss_pct']:+.2f}%")
+                worst = max(worst, r["loss_pct"])
+                for t in ("niah_single", "niah_multikey"):
+                    if full[t] >= 0.9:
+                        needles.append(f"{n} {L} {t[5:]} {r[t]:.2f}")
+        out.append(f"| {c} | {x:.2f} | {xe:.2f} | " + " | ".join(cells) +
+                   f" | {worst:+.2f}% | {'; '.join(needles)} |")
+    ns = [f"{n} {L}: n = {next(r['n'] for r in s if r['length'] == L)} per task, "
+          f"{next(r['n_loss'] for r in s if r['length'] == L)} loss windows"
+          for n, s in zip(names, summ) for L in lens]
+    out += ["", "Samples: " + "; ".join(ns) + "."]
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def write_md(path, res):
+    m = res["meta"]
+    rows = summarize(res)
+    ab = {"niah_single": "single", "niah_multikey": "mkey", "niah_multivalue": "mval",
+          "niah_multiquery": "mquery", "vt": "vt", "cwe": "cwe", "fwe": "fwe"}
+    out = [f"# RULER-style suite: {m['model']}", "",
+           f"date {m['date']}, commit {m['commit']}, {m['card']} ({m['device']}, {m['dtype']}), "
+           f"torch {m['torch']}; {m['parameters']} parameters {m['model_config']}; held-out "
+           f"corpus English {m['corpus']['en']['held_sha256']} / code "
+           f"{m['corpus']['code']['held_sha256']}; {m['seconds']:.0f} s. Scores: mean item "
+           f"accuracy (n per task in the table; 95% interval in brackets: Wilson for 0/1 "
+           f"tasks, normal for the multi-item ones); a task marked * is below the full cache "
+           f"beyond the 95% interval of the paired difference. Loss: nats/byte over the last "
+           f"quarter of the windows, relative to the full cache (95% interval of the paired "
+           f"relative difference). x: bf16 bytes over stored bytes; x ent.: with the codes "
+           f"entropy-coded (order 0).", ""]
+    for Lb in sorted({r["length"] for r in rows}):
+        out += [f"## {Lb} bytes", "",
+                "| config | x | x ent. | " + " | ".join(ab.values()) + " | loss | loss vs full |",
+                "| --- | --- | --- | " + " | ".join("---" for _ in ab) + " | --- | --- |"]
+        for r in rows:
+            if r["length"] != Lb:
+                continue
+            cells = []
+            for t in ab:
+                lo, hi = r[t + "_ci"]
+                dlo, dhi = r[t + "_diff_ci"]
+                star = "*" if (dhi is not None and dhi < 0) else ""
+                cells.append(f"{r[t]:.2f}{star} [{lo:.2f},{hi:.2f}]" if lo is not None
+                             else f"{r[t]:.2f}")
+            lo, hi = r["loss_pct_ci"]
+            lt = "-" if r["loss"] is None else f"{r['loss']:.4f}"
+            lp = "-" if r["loss_pct"] is None else f"{r['loss_pct']:+.2f}%"
+            li = "" if lo is None else f" [{lo:+.2f},{hi:+.2f}]"
+            out.append(f"| {r['config']} | {r['x']:.2f} | {r['x_entropy']:.2f} | "
+                       + " | ".join(cells) + f" | {lt} | {lp}{li} (n {r['n_loss']}) |")
+        out.append(f"\nn = {next(r['n'] for r in rows if r['length'] == Lb)} per task.\n")
+    out += ["## KV statistics of the full cache (first loss window)", "",
+            "| length | layer | key ch. max/median | key ch. > 3x median | key kurtosis max | "
+            "key absmax | value ch. std max/min | value norm CV | value absmax |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for Lb, st in res["kv_stats"].items():
+        for s in st:
+            out.append(f"| {Lb} | {s['layer']} | {s['key_channel_max_over_median']:.1f} | "
+                       f"{s['key_channels_over_3x_median']} | {s['key_channel_kurtosis_max']:.1f}"
+                       f" | {s['key_absmax']:.1f} | {s['value_channel_std_max_over_min']:.1f} | "
+                       f"{s['value_token_norm_cv']:.2f} | {s['value_absmax']:.2f} |")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
