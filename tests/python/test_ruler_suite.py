@@ -1,0 +1,94 @@
+"""The RULER-style suite's parts (bench/quality/ruler.py, codecs_ref.py, suite.py) on synthetic
+text and a random-weight Llama: exact sample lengths, item scoring, codec bytes and error
+ordering, and that the full-cache configuration reproduces a plain forward pass."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "bench", "quality"))
+sys.path.insert(0, os.path.join(REPO, "bench", "quality", "lm"))
+
+import codecs_ref  # noqa: E402
+import ruler  # noqa: E402
+
+torch = pytest.importorskip("torch")
+
+
+def _text(n=200_000, seed=0):
+    rng = np.random.default_rng(seed)
+    words = [b"alpha", b"bravo", b"charlie", b"delta", b"echo", b"foxtrot", b"golf", b"hotel"]
+    out, size = [], 0
+    while size < n:
+        line = b" ".join(words[i] for i in rng.integers(0, len(words), 9)) + b"\n"
+        out.append(line)
+        size += len(line)
+    return np.frombuffer(b"".join(out), np.uint8)
+
+
+@pytest.mark.parametrize("length", [1025, 4096])
+def test_every_task_fills_its_length_and_scores_its_items(length):
+    text = _text()
+    words = ruler.word_list(text)
+    rng = np.random.default_rng(1)
+    for task in ruler.TASKS:
+        s = ruler.make(task, text, rng, length, words=words)
+        assert len(s.context) + len(s.question) + len(s.answer) == length, task
+        a = np.frombuffer(s.answer, np.uint8)
+        assert ruler.score(a.copy(), s) == 1.0
+        wrong = a.copy()
+        i, j = s.item_spans()[0]
+        wrong[i] ^= 1
+        assert ruler.score(wrong, s) == pytest.approx(1 - 1 / len(s.items))
+    s = ruler.make("niah_multivalue", text, rng, length)
+    assert all(it in s.context for it in s.items)
+    assert [s.context.index(it) for it in s.items] == sorted(s.context.index(it)
+                                                             for it in s.items)
+
+
+def test_codec_bytes_and_error_order():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(2, 2, 256, 128, generator=g)
+    X[..., 3] *= 20  # an outlier channel
+    y, b, _ = codecs_ref.encode("bf16", X, True)
+    assert torch.equal(y, X) and b == 2 * X.numel()
+    assert codecs_ref.encode("fp8", X, True)[1] == X.numel()
+
+    def err(spec):
+        y, b, e = codecs_ref.encode(spec, X, True)
+        assert e is None or e <= b * 1.001
+        return float(((y - X) ** 2).mean() / (X ** 2).mean()), b / X.numel() * 8
+
+    e2, b2 = err("hq2")
+    e3, b3 = err("hq3")
+    e4, b4 = err("hq4")
+    assert e4 < e3 < e2 and b2 < b3 < b4
+    assert b4 == pytest.approx(4 + 32 / 128)  # codes + fp16 scale and minimum per 128 values
+    assert err("tq4")[0] < err("tq2")[0]
+    assert err("kivi4")[0] < err("kivi2")[0]
+
+
+def test_full_configuration_reproduces_the_plain_forward():
+    transformers = pytest.importorskip("transformers")
+    import suite
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor(list(bytes(_text(400)[:300])), dtype=torch.long)
+    ctx, tail = ids[:250], ids[250:]
+    K, V, _ = suite.prefill(model, ctx)
+    built = suite.build(["full", "hq k4v3", "manifold_r50 0.5 + hq k4v3"], K, V)
+    assert built["full"][2] == pytest.approx(2 * 2 * 2 * 2 * 32)  # bf16 bytes per token
+    assert built["manifold_r50 0.5 + hq k4v3"][0].shape[2] == 125
+    lg = suite.run_configs(model, built, len(ctx), tail, torch.float32)
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0, 250:].float()
+    assert torch.allclose(lg["full"], ref, atol=2e-4)
+    assert not torch.allclose(lg["hq k4v3"], ref, atol=1e-6)
