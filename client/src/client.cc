@@ -564,22 +564,24 @@ class ClientImpl : public Client {
 
   absl::StatusOr<size_t> LookupPrefix(absl::string_view model_id,
                                       const std::vector<std::string>& keys) override {
+    const absl::Time deadline = absl::Now() + options_.lookup_timeout;
     KVCOMP_ASSIGN_OR_RETURN(PrefixPlan plan, PlanPrefix(model_id, keys));
     return LeadingHeld(plan.rankings, [&](size_t ep, const std::vector<size_t>& positions) {
-      return AskLookupPrefix(*plan.members->states[ep], model_id, keys, positions);
+      return AskLookupPrefix(*plan.members->states[ep], model_id, keys, positions, deadline);
     });
   }
 
   absl::StatusOr<std::vector<std::string>> GetChunkBytes(absl::string_view model_id,
                                                          const std::vector<std::string>& keys,
                                                          bool decoded) override {
+    const absl::Time deadline = absl::Now() + options_.get_timeout;
     KVCOMP_ASSIGN_OR_RETURN(PrefixPlan plan, PlanPrefix(model_id, keys));
     std::vector<std::string> bytes(keys.size());  // each slot written by one endpoint's thread
     KVCOMP_ASSIGN_OR_RETURN(
         size_t held,
         LeadingHeld(plan.rankings, [&](size_t ep, const std::vector<size_t>& positions) {
           return AskGetChunks(*plan.members->states[ep], model_id, keys, positions, decoded,
-                              &bytes);
+                              deadline, &bytes);
         }));
     bytes.resize(held);
     return bytes;
@@ -636,11 +638,12 @@ class ClientImpl : public Client {
 
   absl::StatusOr<size_t> AskLookupPrefix(EndpointState& ep, absl::string_view model_id,
                                          const std::vector<std::string>& keys,
-                                         const std::vector<size_t>& positions) {
+                                         const std::vector<size_t>& positions,
+                                         absl::Time deadline) {
     size_t held = 0;
     for (const std::vector<std::string>& batch : PrefixBatches(keys, positions, 0)) {
       absl::StatusOr<size_t> h =
-          ControlLookupPrefix(ep.address().control, options_, model_id, batch);
+          ControlLookupPrefix(ep.address().control, options_, model_id, batch, deadline);
       if (!h.ok()) {
         if (Retryable(h.status())) pool_->RefreshSoon();
         return h.status();
@@ -654,12 +657,12 @@ class ClientImpl : public Client {
   absl::StatusOr<size_t> AskGetChunks(EndpointState& ep, absl::string_view model_id,
                                       const std::vector<std::string>& keys,
                                       const std::vector<size_t>& positions, bool decoded,
-                                      std::vector<std::string>* bytes) {
+                                      absl::Time deadline, std::vector<std::string>* bytes) {
     size_t got = 0;
     while (got < positions.size()) {
       std::vector<std::string> batch = PrefixBatches(keys, positions, got).front();
       absl::StatusOr<ChunkReply> r =
-          ControlGetChunks(ep.address().control, options_, model_id, batch, decoded);
+          ControlGetChunks(ep.address().control, options_, model_id, batch, decoded, deadline);
       if (absl::IsResourceExhausted(r.status())) {
         // The next chunk alone passes the daemon's reply bound (control_plane.max_reply_bytes),
         // or this tenant's replies in progress hold theirs: that chunk comes over the data plane.
@@ -867,6 +870,10 @@ absl::Status ValidateOptions(const ClientOptions& o) {
   KVCOMP_RETURN_IF_ERROR(
       InRange("initial_backoff", o.initial_backoff, absl::ZeroDuration(), o.max_backoff));
   KVCOMP_RETURN_IF_ERROR(InRange("down_for", o.down_for, absl::ZeroDuration(), absl::Hours(1)));
+  KVCOMP_RETURN_IF_ERROR(
+      InRange("lookup_timeout", o.lookup_timeout, absl::Milliseconds(1), absl::Hours(1)));
+  KVCOMP_RETURN_IF_ERROR(
+      InRange("get_timeout", o.get_timeout, absl::Milliseconds(1), absl::Hours(24)));
   // Zero: no periodic refresh. Otherwise at least 100 ms: a shorter period would send DNS
   // queries as fast as the resolver answers.
   if (o.dns_refresh_interval != absl::ZeroDuration()) {

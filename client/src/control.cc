@@ -8,11 +8,13 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/rpc/KvcompControl.h"
 #include "kvcomp/transport/ucx.h"
+#include "peer_probe.h"
 #include "policy_rpc.h"
 #include "thrift/TConfiguration.h"
 #include "thrift/protocol/TBinaryProtocol.h"
 #include "thrift/transport/TBufferTransports.h"
 #include "thrift/transport/TSocket.h"
+#include "thrift/transport/TTransportException.h"
 
 namespace kvcomp {
 namespace client {
@@ -22,31 +24,127 @@ namespace {
 using apache::thrift::protocol::TBinaryProtocol;
 using apache::thrift::transport::TFramedTransport;
 using apache::thrift::transport::TSocket;
+using apache::thrift::transport::TTransportException;
 
-// One control call: connects with the client's timeouts, runs `call(control, auth)` and turns
-// transport exceptions into Unavailable. `call` returns the response's status.
+// A socket that keeps the first bytes the peer sent, so that a failed call can say what
+// answered (another service's banner or error, not a Thrift reply).
+class RecordingSocket : public TSocket {
+ public:
+  using TSocket::TSocket;
+  uint32_t read_virt(uint8_t* buf, uint32_t len) override {
+    const uint32_t n = TSocket::read(buf, len);
+    Record(buf, n);
+    return n;
+  }
+  uint32_t readAll_virt(uint8_t* buf, uint32_t len) override {
+    uint32_t got = 0;
+    while (got < len) {
+      const uint32_t n = TSocket::read(buf + got, len - got);
+      if (n == 0) {
+        throw TTransportException(TTransportException::END_OF_FILE, "No more data to read.");
+      }
+      Record(buf + got, n);
+      got += n;
+    }
+    return got;
+  }
+  const std::string& first_bytes() const { return first_; }
+
+ private:
+  void Record(const uint8_t* buf, uint32_t n) {
+    const size_t room = first_.size() < 64 ? 64 - first_.size() : 0;
+    first_.append(reinterpret_cast<const char*>(buf), std::min<size_t>(room, n));
+  }
+  std::string first_;
+};
+
+// The error of a control call that failed in transport: what answered when it was not a
+// kvcompd control port (FailedPrecondition, never retried as an outage), DeadlineExceeded when
+// nothing answered in time, Unavailable otherwise.
+absl::Status ControlFailure(const std::string& address, const transport::Endpoint& ep,
+                            const RecordingSocket& socket, bool opened, const std::exception& e,
+                            int wait_ms) {
+  const auto* te = dynamic_cast<const TTransportException*>(&e);
+  const std::string& got = socket.first_bytes();
+  if (!got.empty() && !LooksLikeThriftReply(got)) {
+    // Another protocol answered; ask it again on a fresh connection to read a whole line.
+    const PeerAnswer peer = ProbePeer(ep.host, ep.port, absl::Milliseconds(500));
+    const std::string what = peer.kind == PeerAnswer::kHttp || peer.kind == PeerAnswer::kOther
+                                 ? peer.description
+                                 : absl::StrCat("a service that sent "", QuoteBytes(got), """);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "control ", address, ": not a kvcompd control port: ", what, " answered"));
+  }
+  if (got.empty() && te != nullptr && te->getType() == TTransportException::TIMED_OUT) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("control ", address, ": no answer within ", wait_ms, " ms", 
+                     opened ? " (connected; the daemon did not reply)" : " (connecting)"));
+  }
+  if (got.empty() && opened && te != nullptr &&
+      te->getType() == TTransportException::END_OF_FILE) {
+    // Closed without a byte: a kvcompd restarting does this too, so look before saying "wrong".
+    const PeerAnswer peer = ProbePeer(ep.host, ep.port, absl::Milliseconds(500));
+    if (peer.kind == PeerAnswer::kHttp || peer.kind == PeerAnswer::kOther) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "control ", address, ": not a kvcompd control port: ", peer.description, " answered"));
+    }
+    if (peer.kind == PeerAnswer::kClosed || peer.kind == PeerAnswer::kSilent) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("control ", address, ": not a kvcompd control port: ", peer.description,
+                       " (a kvcompd data port does this; the control port is the one after "
+                       "the comma in \"data,control\")"));
+    }
+  }
+  if (!opened && te != nullptr && te->getType() == TTransportException::NOT_OPEN) {
+    const PeerAnswer peer = ProbePeer(ep.host, ep.port, absl::Milliseconds(200));
+    if (peer.kind == PeerAnswer::kRefused) {
+      return absl::UnavailableError(
+          absl::StrCat("control ", address, ": nothing listens there (connection refused)"));
+    }
+  }
+  return absl::UnavailableError(absl::StrCat("control ", address, ": ", e.what()));
+}
+
+// One control call: connects with the client's timeouts (cut to what is left before
+// `deadline`), runs `call(control, auth)` and turns transport exceptions into statuses
+// (ControlFailure). `call` returns the response's status.
 // `max_reply_bytes` > 0 raises Thrift's client-side frame and message bounds (16 MB and 100 MB
 // by default) for replies that carry caches.
 template <typename Call>
 absl::Status WithControl(const std::string& address, const ClientOptions& options, Call call,
-                         int max_reply_bytes = 0) {
+                         int max_reply_bytes = 0, absl::Time deadline = absl::InfiniteFuture()) {
   auto ep = transport::Endpoint::Parse(address);
   if (!ep.ok()) return ep.status();
-  try {
-    std::shared_ptr<apache::thrift::TConfiguration> config;
-    if (max_reply_bytes > 0) {
-      config = std::make_shared<apache::thrift::TConfiguration>(max_reply_bytes, max_reply_bytes);
+  int64_t connect_ms = absl::ToInt64Milliseconds(options.connect_timeout);
+  int64_t request_ms = absl::ToInt64Milliseconds(options.request_timeout);
+  if (deadline != absl::InfiniteFuture()) {
+    const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
+    if (left <= 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("control ", address, ": the call's deadline passed before asking"));
     }
-    auto socket = std::make_shared<TSocket>(ep->host, ep->port, config);
-    const int connect_ms = static_cast<int>(absl::ToInt64Milliseconds(options.connect_timeout));
-    const int request_ms = static_cast<int>(absl::ToInt64Milliseconds(options.request_timeout));
-    socket->setConnTimeout(connect_ms);
-    socket->setRecvTimeout(request_ms);
-    socket->setSendTimeout(request_ms);
+    connect_ms = std::min(connect_ms, left);
+    request_ms = std::min(request_ms, left);
+  }
+  // Thrift reads 0 as "wait forever".
+  connect_ms = std::max<int64_t>(1, std::min<int64_t>(connect_ms, INT_MAX));
+  request_ms = std::max<int64_t>(1, std::min<int64_t>(request_ms, INT_MAX));
+  std::shared_ptr<apache::thrift::TConfiguration> config;
+  if (max_reply_bytes > 0) {
+    config = std::make_shared<apache::thrift::TConfiguration>(max_reply_bytes, max_reply_bytes);
+  }
+  std::shared_ptr<RecordingSocket> socket;
+  bool opened = false;
+  try {
+    socket = std::make_shared<RecordingSocket>(ep->host, ep->port, config);
+    socket->setConnTimeout(static_cast<int>(connect_ms));
+    socket->setRecvTimeout(static_cast<int>(request_ms));
+    socket->setSendTimeout(static_cast<int>(request_ms));
     auto transport = std::make_shared<TFramedTransport>(socket, config);
     auto protocol = std::make_shared<TBinaryProtocol>(transport);
     rpc::KvcompControlClient control(protocol);
     transport->open();
+    opened = true;
     rpc::Auth auth;
     auth.__set_tenant(options.tenant);
     auth.__set_token(options.token);
@@ -57,7 +155,11 @@ absl::Status WithControl(const std::string& address, const ClientOptions& option
     }
     return absl::OkStatus();
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("control ", address, ": ", e.what()));
+    if (socket == nullptr) {
+      return absl::UnavailableError(absl::StrCat("control ", address, ": ", e.what()));
+    }
+    return ControlFailure(address, *ep, *socket, opened, e,
+                          static_cast<int>(opened ? request_ms : connect_ms));
   }
 }
 
@@ -105,12 +207,16 @@ absl::StatusOr<CalibrateResult> ControlCalibrate(const std::string& address,
 absl::StatusOr<size_t> ControlLookupPrefix(const std::string& address,
                                            const ClientOptions& options,
                                            absl::string_view model_id,
-                                           const std::vector<std::string>& keys) {
+                                           const std::vector<std::string>& keys,
+                                           absl::Time deadline) {
   rpc::LookupPrefixResponse r;
-  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
-    control.LookupPrefix(r, auth, std::string(model_id), keys);
-    return r.status;
-  }));
+  KVCOMP_RETURN_IF_ERROR(WithControl(
+      address, options,
+      [&](auto& control, const auto& auth) {
+        control.LookupPrefix(r, auth, std::string(model_id), keys);
+        return r.status;
+      },
+      0, deadline));
   if (r.held < 0 || static_cast<size_t>(r.held) > keys.size()) {
     return absl::InternalError(absl::StrCat("control ", address, ": LookupPrefix answered ",
                                             r.held, " held of ", keys.size()));
@@ -122,7 +228,7 @@ absl::StatusOr<ChunkReply> ControlGetChunks(const std::string& address,
                                             const ClientOptions& options,
                                             absl::string_view model_id,
                                             const std::vector<std::string>& keys, bool decoded,
-                                            int64_t max_bytes) {
+                                            absl::Time deadline, int64_t max_bytes) {
   rpc::GetChunksResponse r;
   KVCOMP_RETURN_IF_ERROR(WithControl(
       address, options,
@@ -130,7 +236,7 @@ absl::StatusOr<ChunkReply> ControlGetChunks(const std::string& address,
         control.GetChunks(r, auth, std::string(model_id), keys, decoded, max_bytes);
         return r.status;
       },
-      kMaxChunkReplyFrame));
+      kMaxChunkReplyFrame, deadline));
   if (r.caches.size() > keys.size()) {
     return absl::InternalError(absl::StrCat("control ", address, ": GetChunks answered ",
                                             r.caches.size(), " caches for ", keys.size(),

@@ -1,5 +1,7 @@
 // The SDK's calls to kvcompd's Thrift control plane (service/thrift/kvcomp.thrift). Thrift's
-// exceptions stop here and become statuses.
+// exceptions stop here and become statuses: FailedPrecondition naming what answered when the
+// address is not a kvcompd control port, DeadlineExceeded when nothing answered in time,
+// Unavailable when it cannot be reached.
 #ifndef KVCOMP_CLIENT_SRC_CONTROL_H_
 #define KVCOMP_CLIENT_SRC_CONTROL_H_
 
@@ -7,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kvcomp/client/client.h"
 
 namespace kvcomp {
@@ -22,11 +25,13 @@ absl::StatusOr<CalibrateResult> ControlCalibrate(const std::string& address,
                                                  absl::string_view model_id,
                                                  const CalibrateOptions& calibrate);
 
-// How many leading `keys` (at most rpc MAX_PREFIX_KEYS) the tenant holds on that daemon.
+// How many leading `keys` (at most rpc MAX_PREFIX_KEYS) the tenant holds on that daemon,
+// answered before `deadline` (DeadlineExceeded otherwise).
 absl::StatusOr<size_t> ControlLookupPrefix(const std::string& address,
                                            const ClientOptions& options,
                                            absl::string_view model_id,
-                                           const std::vector<std::string>& keys);
+                                           const std::vector<std::string>& keys,
+                                           absl::Time deadline = absl::InfiniteFuture());
 
 // The stored (or decoded) bytes of the leading `keys` held on that daemon, one request.
 struct ChunkReply {
@@ -40,6 +45,7 @@ absl::StatusOr<ChunkReply> ControlGetChunks(const std::string& address,
                                             const ClientOptions& options,
                                             absl::string_view model_id,
                                             const std::vector<std::string>& keys, bool decoded,
+                                            absl::Time deadline = absl::InfiniteFuture(),
                                             int64_t max_bytes = kChunkReplyBytes);
 
 // The GPU channel's control calls (docs/protocol.md, "GPU channel").

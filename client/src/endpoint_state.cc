@@ -1,8 +1,12 @@
 #include "endpoint_state.h"
 
+#include <algorithm>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvcomp/core/status.h"
+#include "peer_probe.h"
 
 namespace kvcomp {
 namespace client {
@@ -23,12 +27,33 @@ absl::StatusOr<std::shared_ptr<transport::UcxClient>> EndpointState::Connection(
   for (const auto& [k, v] : o.ucx_overrides) to.ucx.overrides[k] = v;
   auto c = transport::UcxClient::Connect(data_, o.tenant, o.token, to);
   if (!c.ok()) {
-    // Refused credentials are final, not an outage.
-    if (Retryable(c.status())) {
-      down_until_ = now + o.down_for;
-      last_error_ = c.status();
+    absl::Status st = c.status();
+    if (Retryable(st)) {
+      // Say what is at the address: nothing, or a service that is not a kvcompd data port
+      // (then the error is final, not an outage to wait out).
+      const PeerAnswer peer = ProbePeer(data_.host, data_.port,
+                                        std::min(o.connect_timeout, absl::Milliseconds(500)));
+      if (peer.kind == PeerAnswer::kThrift || peer.kind == PeerAnswer::kHttp ||
+          peer.kind == PeerAnswer::kOther) {
+        st = absl::FailedPreconditionError(absl::StrCat(
+            "data ", address_.data, ": not a kvcompd data port: ", peer.description,
+            " answered", peer.kind == PeerAnswer::kThrift
+                             ? " (a kvcompd control port? give \"data,control\", data first)"
+                             : ""));
+      } else if (peer.kind == PeerAnswer::kRefused) {
+        st = absl::UnavailableError(absl::StrCat(
+            "data ", address_.data, ": nothing listens there (connection refused)"));
+      }
     }
-    return Annotate(c.status(), absl::StrCat("connect ", address_.data));
+    // Refused credentials and wrong ports are final, not an outage.
+    if (Retryable(st)) {
+      down_until_ = now + o.down_for;
+      last_error_ = st;
+    }
+    if (!absl::StrContains(st.message(), address_.data)) {
+      st = Annotate(st, absl::StrCat("connect ", address_.data));
+    }
+    return st;
   }
   conn_ = std::shared_ptr<transport::UcxClient>(std::move(*c));
   return conn_;

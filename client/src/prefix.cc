@@ -20,6 +20,9 @@ absl::StatusOr<size_t> LeadingHeld(
   size_t bound = n;                     // first position known missing (or n)
   std::vector<size_t> attempt(n, 0);    // index into rankings[p] of the endpoint to ask next
   std::vector<size_t> pending(n);
+  bool answered = false;     // some endpoint answered (for some positions)
+  absl::Status unanswered;   // the last retryable failure
+
   for (size_t p = 0; p < n; ++p) pending[p] = p;
   while (!pending.empty()) {
     std::map<size_t, std::vector<size_t>> groups;  // endpoint -> ascending positions
@@ -47,11 +50,13 @@ absl::StatusOr<size_t> LeadingHeld(
     for (size_t g = 0; g < work.size(); ++g) {
       const std::vector<size_t>& positions = work[g].second;
       if (answers[g].ok()) {
+        answered = true;
         const size_t held = std::min(*answers[g], positions.size());
         if (held < positions.size()) bound = std::min(bound, positions[held]);
         continue;
       }
       if (!Retryable(answers[g].status())) return answers[g].status();
+      unanswered = answers[g].status();
       for (size_t p : positions) {
         ++attempt[p];
         again.push_back(p);
@@ -59,6 +64,11 @@ absl::StatusOr<size_t> LeadingHeld(
     }
     std::sort(again.begin(), again.end());
     pending = std::move(again);
+  }
+  if (!answered && !unanswered.ok()) {
+    // Not one endpoint answered: a miss would be a guess (wrong address, pool down).
+    return absl::Status(unanswered.code(),
+                        absl::StrCat("no endpoint answered: ", unanswered.message()));
   }
   return bound;
 }

@@ -19,8 +19,9 @@ namespace client {
 // `ask(endpoint, positions)` returns how many leading `positions` (ascending) that endpoint
 // holds; it is called from several threads at once (once per endpoint per round). Returns the
 // number of leading positions held over all endpoints; a position whose every endpoint failed
-// with a retryable error (Unavailable, DeadlineExceeded) counts as missing. Other errors are
-// returned as they are.
+// with a retryable error (Unavailable, DeadlineExceeded) counts as missing, as long as some
+// endpoint answered at all: when none did, the last such error is returned ("no endpoint
+// answered: ..."), not a miss. Other errors are returned as they are.
 absl::StatusOr<size_t> LeadingHeld(
     const std::vector<std::vector<size_t>>& rankings,
     absl::FunctionRef<absl::StatusOr<size_t>(size_t endpoint, const std::vector<size_t>& positions)>

@@ -219,7 +219,13 @@ class Client:
                  token: str = "", replicas: int = 1, connect_timeout: float = 5.0,
                  timeout: float = 60.0, max_block_bytes: int = 8 << 20,
                  ucx: Optional[Dict[str, str]] = None, connect: bool = True,
-                 dns_server: str = "", dns_refresh_interval: float = 5.0):
+                 dns_server: str = "", dns_refresh_interval: float = 5.0,
+                 lookup_timeout: float = 1.0, get_timeout: float = 10.0):
+        """endpoints: "data_host:port[,control_host:port]" each (or "dns:///NAME:DATA[,CONTROL]");
+        None reads KVCOMP_ENDPOINTS (whitespace-separated). timeout: one data-plane request;
+        lookup_timeout: the deadline of one lookup_prefix call as a whole (TimeoutError when no
+        daemon answers in time, e.g. a stalled one); get_timeout: the same for get_chunks.
+        An address that is not a kvcompd port raises RuntimeError naming what answered there."""
         if endpoints is None:
             endpoints = os.environ.get("KVCOMP_ENDPOINTS", "").split()
             if not endpoints:
@@ -232,7 +238,8 @@ class Client:
             connect_timeout=connect_timeout, request_timeout=timeout,
             max_block_bytes=max_block_bytes, ucx=sorted((ucx or {}).items()),
             connect_now=connect, dns_server=dns_server,
-            dns_refresh_interval=dns_refresh_interval)
+            dns_refresh_interval=dns_refresh_interval, lookup_timeout=lookup_timeout,
+            get_timeout=get_timeout)
 
     def put(self, model: str, key: Key, keys: Any, values: Any, *, policy: Any = None,
             num_q_heads: Optional[int] = None, k_scale: Any = None,
@@ -376,7 +383,8 @@ class Client:
     def lookup_prefix(self, model: str, keys: Sequence[Key]) -> int:
         """How many leading `keys` this tenant has stored (one request per daemon involved).
         ValueError for an invalid key; RuntimeError (FailedPrecondition) when an endpoint has no
-        control address."""
+        control address or its control address is not a kvcompd control port; TimeoutError when
+        no daemon answered within lookup_timeout; ConnectionError when none could be reached."""
         return self._c.lookup_prefix(model, [_key(k) for k in keys])
 
     def put_chunks(self, model: str, keys: Sequence[Key], k: Any, v: Any, chunk_tokens: int,

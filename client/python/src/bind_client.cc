@@ -324,7 +324,8 @@ void RegisterClient(nb::module_& m) {
           [](const std::vector<std::string>& endpoints, const std::string& tenant,
              const std::string& token, int replicas, double connect_timeout, double request_timeout,
              uint64_t max_block_bytes, const std::vector<std::pair<std::string, std::string>>& ucx,
-             bool connect_now, const std::string& dns_server, double dns_refresh_interval) {
+             bool connect_now, const std::string& dns_server, double dns_refresh_interval,
+             double lookup_timeout, double get_timeout) {
             client::ClientOptions o;
             o.tenant = tenant;
             o.token = token;
@@ -334,6 +335,12 @@ void RegisterClient(nb::module_& m) {
             }
             o.connect_timeout = absl::Seconds(connect_timeout);
             o.request_timeout = absl::Seconds(request_timeout);
+            if (!(lookup_timeout > 0) || !(get_timeout > 0)) {
+              Raise(absl::InvalidArgumentError(
+                  "lookup_timeout and get_timeout must be positive seconds"));
+            }
+            o.lookup_timeout = absl::Seconds(lookup_timeout);
+            o.get_timeout = absl::Seconds(get_timeout);
             o.max_block_bytes = max_block_bytes;
             o.ucx_overrides = ucx;
             o.dns_server = dns_server;
@@ -349,7 +356,8 @@ void RegisterClient(nb::module_& m) {
           nb::arg("request_timeout") = 60.0, nb::arg("max_block_bytes") = uint64_t{8} << 20,
           nb::arg("ucx") = std::vector<std::pair<std::string, std::string>>{},
           nb::arg("connect_now") = true, nb::arg("dns_server") = "",
-          nb::arg("dns_refresh_interval") = 5.0, nb::rv_policy::take_ownership)
+          nb::arg("dns_refresh_interval") = 5.0, nb::arg("lookup_timeout") = 1.0,
+          nb::arg("get_timeout") = 10.0, nb::rv_policy::take_ownership)
       .def(
           "put",
           [](Client& c, const std::string& model, nb::bytes key, const AnyArray& keys,

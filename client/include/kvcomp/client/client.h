@@ -36,7 +36,9 @@
 // Errors (absl::Status, never exceptions): InvalidArgument for bad arguments (shapes that do
 // not match the layout, an invalid key or policy), NotFound when no endpoint has the cache,
 // Unauthenticated/PermissionDenied for refused credentials, Unavailable when no endpoint can
-// be reached, DeadlineExceeded when the request timeout passes, ResourceExhausted for quotas,
+// be reached, DeadlineExceeded when the request timeout (or a lookup's or get's deadline)
+// passes, ResourceExhausted for quotas, FailedPrecondition naming what answered when an address
+// is not a kvcompd port (an HTTP server, a kvcompd control port given as a data port, ...),
 // and the server's status otherwise.
 #ifndef KVCOMP_CLIENT_CLIENT_H_
 #define KVCOMP_CLIENT_CLIENT_H_
@@ -76,6 +78,12 @@ struct ClientOptions {
   absl::Duration connect_timeout = absl::Seconds(5);
   // One request to one endpoint, server-side busy retries included. Default 60 s.
   absl::Duration request_timeout = absl::Seconds(60);
+  // Deadline of one LookupPrefix call as a whole (every endpoint asked, connecting included):
+  // a daemon that does not answer in time (stalled, overloaded) makes the call fail with
+  // DeadlineExceeded instead of holding the caller. Default 1 s.
+  absl::Duration lookup_timeout = absl::Seconds(1);
+  // Deadline of one GetChunks / GetChunkBytes call as a whole. Default 10 s.
+  absl::Duration get_timeout = absl::Seconds(10);
   // Attempts per endpoint for a request failing with Unavailable/DeadlineExceeded/Busy before
   // moving on, with exponential backoff from initial_backoff up to max_backoff. Defaults 2,
   // 20 ms, 1 s.
@@ -314,6 +322,9 @@ class Client {
   // for its keys by the next endpoint of each key's ranking, and a key no endpoint can answer
   // for counts as missing. FailedPrecondition when a member has no control address;
   // InvalidArgument for an invalid key; the daemons' errors (Unauthenticated...) otherwise.
+  // When no endpoint answers at all (every one down, stalled past the deadline, or not a
+  // kvcompd control port), the call fails with that error instead of reporting a miss.
+  // LookupPrefix returns within ClientOptions::lookup_timeout, GetChunks within get_timeout.
   //
   // How many leading `keys` of `model_id` this tenant has stored (0 for an empty list).
   virtual absl::StatusOr<size_t> LookupPrefix(absl::string_view model_id,
