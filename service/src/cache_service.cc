@@ -449,6 +449,9 @@ void CacheService::Get(const CacheKey& key, Representation rep, GetDone done) {
     } else {
       metrics_->CountError("get", result.status());
     }
+    if (result.ok() || absl::IsNotFound(result.status())) {
+      metrics_->CountRead("get", key.tenant, key.model_id, 1, result.ok() ? 1 : 0);
+    }
     (*shared_done)(std::move(result));
   });
   if (!queued) {
@@ -464,6 +467,9 @@ void CacheService::Lookup(const CacheKey& key, LookupDone done) {
     absl::StatusOr<CacheSummary> result = repository_->Summarize(key);
     metrics_->ObserveOp(Op::kLookup, Seconds(absl::Now() - t0));
     if (!result.ok()) metrics_->CountError("lookup", result.status());
+    if (result.ok() || absl::IsNotFound(result.status())) {
+      metrics_->CountRead("lookup", key.tenant, key.model_id, 1, result.ok() ? 1 : 0);
+    }
     (*shared_done)(std::move(result));
   });
   if (!queued) {

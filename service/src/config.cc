@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "kvcomp/core/policy_fields.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/service/daemon.h"
 
 namespace kvcomp {
 namespace service {
@@ -502,6 +503,11 @@ std::vector<ConfigField> BuildFields() {
   f.push_back(EnumField(
       "process.log_level", {"debug", "info", "warning", "error"}, "Log verbosity. Default info.",
       [](Options & o) -> auto& { return o.process.log_level; }));
+  f.push_back(EnumField(
+      "process.log_format", {"text", "json"},
+      "Log lines on stderr: text, or json (one object per line with ts, level, logger, msg). "
+      "Default text.",
+      [](Options & o) -> auto& { return o.process.log_format; }));
   f.push_back(StringField(
       "process.ready_file",
       "Written when ready: YAML with data_port, control_port, metrics_port and pid (for "
@@ -684,6 +690,8 @@ CommandLine ParseCommandLine(int argc, char** argv, std::string* out) {
   app.add_option("--config", cl.config_file, "YAML configuration file [env KVCOMP_CONFIG]");
   app.add_flag("--print-config", cl.print_config,
                "Print the effective configuration as YAML and exit");
+  app.set_version_flag("--version", absl::StrCat("kvcompd ", Version()),
+                       "Print the version and exit");
   Options defaults;
   std::map<std::string, std::string> given;
   std::vector<std::pair<const ConfigField*, CLI::Option*>> opts;

@@ -628,6 +628,7 @@ void ThriftLog(const char* message) { Log(LogLevel::kDebug, "thrift: ", message)
 absl::Status DaemonImpl::Init(const Options& options) {
   options_ = options;
   SetLogLevel(options.process.log_level);
+  SetLogFormat(options.process.log_format);
   RaiseFdLimit();
   BudgetDescriptors(&options_);
   ctx_.options = options_;

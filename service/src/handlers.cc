@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -432,6 +433,8 @@ void ControlHandler::LookupPrefix(rpc::LookupPrefixResponse& out, const rpc::Aut
     out.status = ToRpc(s);
     return;
   }
+  ctx_->metrics->CountRead("prefix_lookup", tenant, model_id, keys.size(),
+                           static_cast<uint64_t>(held));
   out.held = held;
 }
 
@@ -456,6 +459,13 @@ void ControlHandler::GetChunks(rpc::GetChunksResponse& out, const rpc::Auth& aut
   const uint64_t call_bound = ctx_->options.control_plane.max_reply_bytes;
   const uint64_t soft_limit =
       static_cast<uint64_t>(max_bytes <= 0 ? kDefaultChunkReplyBytes : max_bytes);
+  // Hit, partial or miss by the caches answered, unless the request failed or stopped at the
+  // reply's bound (the caller asks again for the rest: that request counts).
+  absl::Cleanup count_read = [&] {
+    if (out.status.code == rpc::StatusCode::OK && !out.truncated) {
+      ctx_->metrics->CountRead("chunk_get", tenant, model_id, keys.size(), out.caches.size());
+    }
+  };
   const Representation rep = decoded ? Representation::kDecoded : Representation::kStored;
   // Ends the reply: an error when nothing was gathered, else a truncated reply.
   auto stop = [&](const absl::Status& why) {

@@ -31,13 +31,55 @@ inline void SetLogLevel(const std::string& name) {
   LogThreshold().store(static_cast<int>(l));
 }
 
+// process.log_format: false = text lines ("<time> I kvcompd: ..."), true = one JSON object per
+// line ({"ts": ..., "level": "info", "logger": "kvcompd", "msg": ...}).
+inline std::atomic<bool>& LogJson() {
+  static std::atomic<bool> json{false};
+  return json;
+}
+
+inline void SetLogFormat(const std::string& name) { LogJson().store(name == "json"); }
+
+// `text` as a JSON string's contents (quotes, backslashes and control characters escaped).
+inline std::string JsonEscape(const std::string& text) {
+  std::string out;
+  out.reserve(text.size() + 8);
+  for (unsigned char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          static const char kHex[] = "0123456789abcdef";
+          out += "\\u00";
+          out.push_back(kHex[c >> 4]);
+          out.push_back(kHex[c & 15]);
+        } else {
+          out.push_back(static_cast<char>(c));
+        }
+    }
+  }
+  return out;
+}
+
 template <typename... Args>
 void Log(LogLevel level, const Args&... args) {
   if (static_cast<int>(level) < LogThreshold().load()) return;
   static const char* kNames[] = {"D", "I", "W", "E"};
-  std::string line =
-      absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()), " ",
-                   kNames[static_cast<int>(level)], " kvcompd: ", args..., "\n");
+  static const char* kLevels[] = {"debug", "info", "warning", "error"};
+  const std::string ts =
+      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone());
+  std::string line;
+  if (LogJson().load()) {
+    line = absl::StrCat("{\"ts\":\"", ts, "\",\"level\":\"", kLevels[static_cast<int>(level)],
+                        "\",\"logger\":\"kvcompd\",\"msg\":\"", JsonEscape(absl::StrCat(args...)),
+                        "\"}\n");
+  } else {
+    line = absl::StrCat(ts, " ", kNames[static_cast<int>(level)], " kvcompd: ", args..., "\n");
+  }
   ssize_t ignored = write(STDERR_FILENO, line.data(), line.size());
   (void)ignored;
 }

@@ -11,12 +11,14 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <thread>
 #include <map>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -93,6 +95,20 @@ struct Metrics::Impl {
   prometheus::Gauge* queue_depth;
   prometheus::Gauge* puts_in_progress;
   prometheus::Family<prometheus::Counter>* errors;
+  prometheus::Family<prometheus::Counter>* reads = nullptr;
+  prometheus::Family<prometheus::Counter>* prefix_keys = nullptr;
+  // Bounded label values: the first values seen keep their own, later ones read "other".
+  absl::Mutex labels_mu;
+  absl::flat_hash_set<std::string> tenants ABSL_GUARDED_BY(labels_mu);
+  absl::flat_hash_set<std::string> model_classes ABSL_GUARDED_BY(labels_mu);
+  std::string Bounded(absl::flat_hash_set<std::string>& seen, absl::string_view value,
+                      size_t cap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(labels_mu) {
+    std::string v(value.empty() ? absl::string_view("default") : value);
+    if (seen.contains(v)) return v;
+    if (seen.size() >= cap) return "other";
+    seen.insert(v);
+    return v;
+  }
   prometheus::Family<prometheus::Counter>* auth_failures;
   prometheus::Gauge* auth_required = nullptr;
   prometheus::Counter* auth_reload_failures = nullptr;
@@ -135,8 +151,17 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
   m.saved_total =
       counter(mn::kSavedBytesTotal, "Original minus stored bytes of every cache stored.");
   m.served_total = counter(mn::kServedBytesTotal, "Cache bytes sent to clients by gets.");
-  m.saved = gauge(mn::kSavedBytes, "Original minus stored bytes of the caches stored now.");
-  m.original = gauge(mn::kOriginalBytes, "Uncompressed bytes of the caches stored now.");
+  m.saved =
+      gauge(mn::kResidentSavedBytes, "Original minus stored bytes of the caches stored now.");
+  m.original = gauge(mn::kResidentOriginalBytes, "Uncompressed bytes of the caches stored now.");
+  m.reads = &prometheus::BuildCounter()
+                 .Name(mn::kCacheRequestsTotal)
+                 .Help("Reads of caches by operation and outcome (hit, partial, miss).")
+                 .Register(r);
+  m.prefix_keys = &prometheus::BuildCounter()
+                       .Name(mn::kPrefixKeysTotal)
+                       .Help("Keys of prefix lookups and chunk gets, held or missing.")
+                       .Register(r);
   m.caches = gauge(mn::kCachesStored, "Caches stored now.");
   m.ratio = &prometheus::BuildHistogram()
                  .Name(mn::kCompressionRatio)
@@ -242,10 +267,42 @@ void Metrics::ObserveStage(Stage stage, double seconds) {
 }
 
 void Metrics::CountError(absl::string_view op, const absl::Status& status) {
+  if (absl::IsNotFound(status) && (op == "get" || op == "lookup")) return;  // a miss
   impl_->errors
       ->Add({{metric_names::kLabelOp, std::string(op)},
              {metric_names::kLabelCode, ErrorCodeLabel(status)}})
       .Increment();
+}
+
+void Metrics::CountRead(absl::string_view op, absl::string_view tenant,
+                        absl::string_view model_id, uint64_t asked, uint64_t held) {
+  if (asked == 0) return;
+  held = std::min(held, asked);
+  std::string t, mc;
+  {
+    absl::MutexLock lock(&impl_->labels_mu);
+    t = impl_->Bounded(impl_->tenants, tenant, mn::kMaxLabelTenants);
+    mc = impl_->Bounded(impl_->model_classes, model_id, mn::kMaxLabelModelClasses);
+  }
+  const char* result = held == asked ? "hit" : held == 0 ? "miss" : "partial";
+  impl_->reads
+      ->Add({{mn::kLabelOp, std::string(op)},
+             {mn::kLabelResult, result},
+             {mn::kLabelTenant, t},
+             {mn::kLabelModelClass, mc}})
+      .Increment();
+  if (op == "prefix_lookup" || op == "chunk_get") {
+    auto& keys_held = impl_->prefix_keys->Add({{mn::kLabelOp, std::string(op)},
+                                               {mn::kLabelResult, "held"},
+                                               {mn::kLabelTenant, t},
+                                               {mn::kLabelModelClass, mc}});
+    auto& keys_missing = impl_->prefix_keys->Add({{mn::kLabelOp, std::string(op)},
+                                                  {mn::kLabelResult, "missing"},
+                                                  {mn::kLabelTenant, t},
+                                                  {mn::kLabelModelClass, mc}});
+    keys_held.Increment(static_cast<double>(held));
+    keys_missing.Increment(static_cast<double>(asked - held));
+  }
 }
 
 void Metrics::AdvanceErrors(absl::string_view op, const std::string& code, uint64_t total) {

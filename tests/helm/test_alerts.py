@@ -103,7 +103,7 @@ SCENARIOS = [
 ]
 
 HEALTHY = [BUILD_INFO, READY,
-           series("kvcomp_errors_total", "0+1x80", op="get", code="not_found"),
+           series("kvcomp_errors_total", "0+1x80", op="delete", code="not_found"),
            series("kvcomp_errors_total", "0+1x80", op="put", code="busy"),
            # A client's corrupted frames, refused by the transport: no stored cache lost.
            series("kvcomp_errors_total", "0+1x80", op="transport", code="data_loss"),

@@ -25,6 +25,12 @@ DIMENSIONS = {
     "kvcomp_errors_total": {"op": ["put", "get"], "code": ["busy", "invalid_argument"]},
     "kvcomp_auth_failures_total": {"plane": ["data", "control"]},
     "kvcomp_build_info": {"version": ["0.1.0"], "backend": ["cuda"]},
+    "kvcomp_cache_requests_total": {"op": ["get", "prefix_lookup"],
+                                    "result": ["hit", "partial", "miss"],
+                                    "tenant": ["default"], "model_class": ["llama", "other"]},
+    "kvcomp_prefix_keys_total": {"op": ["prefix_lookup", "chunk_get"],
+                                 "result": ["held", "missing"],
+                                 "tenant": ["default"], "model_class": ["llama"]},
 }
 BUCKETS = ["0.001", "0.01", "0.1", "1", "10", "+Inf"]
 
@@ -54,7 +60,7 @@ def synthetic_series():
                 out.append({"series": fmt(f"{metric}_count", labels), "values": "0+60x40"})
             elif metric.endswith("_total"):
                 out.append({"series": fmt(metric, labels), "values": "0+1000x40"})
-            elif metric == "kvcomp_saved_bytes":
+            elif metric == "kvcomp_resident_saved_bytes":
                 out.append({"series": fmt(metric, labels), "values": "3000x40"})
             else:
                 out.append({"series": fmt(metric, labels), "values": "4000x40"})

@@ -403,8 +403,8 @@ TEST_F(HousekeepingTest, StoredCacheGaugesCountEveryTenantInTheStore) {
   auto check = [&](const std::string& when) {
     std::string m = MetricsWhen(*d, "kvcomp_caches_stored", 3);
     EXPECT_EQ(MetricValue(m, "kvcomp_caches_stored"), 3) << when;
-    EXPECT_EQ(MetricValue(m, "kvcomp_original_bytes"), original) << when;
-    EXPECT_EQ(MetricValue(m, "kvcomp_saved_bytes"), original - static_cast<double>(stored)) << when;
+    EXPECT_EQ(MetricValue(m, "kvcomp_resident_original_bytes"), original) << when;
+    EXPECT_EQ(MetricValue(m, "kvcomp_resident_saved_bytes"), original - static_cast<double>(stored)) << when;
   };
   check("both tenants in the token file");
   // beta leaves the token file: its caches are still in the store, and still counted.
@@ -436,8 +436,8 @@ TEST_F(HousekeepingTest, StoredCacheGaugesCountEveryTenantInTheStore) {
   ASSERT_TRUE(a->Delete("m", "a0").ok());
   std::string m = MetricsWhen(*d, "kvcomp_caches_stored", 2);
   EXPECT_EQ(MetricValue(m, "kvcomp_caches_stored"), 2);
-  EXPECT_EQ(MetricValue(m, "kvcomp_original_bytes"), 2.0 * kLayout.CacheBytes(kTokens));
-  EXPECT_EQ(MetricValue(m, "kvcomp_saved_bytes"),
+  EXPECT_EQ(MetricValue(m, "kvcomp_resident_original_bytes"), 2.0 * kLayout.CacheBytes(kTokens));
+  EXPECT_EQ(MetricValue(m, "kvcomp_resident_saved_bytes"),
             2.0 * kLayout.CacheBytes(kTokens) - static_cast<double>(stored - looked->stored_bytes));
 }
 

@@ -92,12 +92,12 @@ def quantile(q, metric, by):
 
 def build():
     L = Layout()
-    original = f"sum(kvcomp_original_bytes{{{SEL}}})"
-    saved = f"sum(kvcomp_saved_bytes{{{SEL}}})"
+    original = f"sum(kvcomp_resident_original_bytes{{{SEL}}})"
+    saved = f"sum(kvcomp_resident_saved_bytes{{{SEL}}})"
 
     L.row("Memory saved")
     L.add(stat("Memory saved", "Original minus stored bytes of the caches stored now "
-               "(kvcomp_saved_bytes).", saved, "bytes"), 6, 5)
+               "(kvcomp_resident_saved_bytes).", saved, "bytes"), 6, 5)
     L.add(stat("Compression ratio", "Original over stored bytes of the caches stored now.",
                f"{original} / clamp_min({original} - {saved}, 1)", "none", 2), 6, 5)
     L.add(stat("Caches stored", "Caches held in all tiers (kvcomp_caches_stored).",
@@ -126,8 +126,49 @@ def build():
                  f"sum(rate(kvcomp_compression_ratio_count{{{SEL}}}[{RATE}]))", "mean")),
         "none"), 12, 8)
     L.add(timeseries(
-        "Memory saved per daemon", "kvcomp_saved_bytes by pod.",
-        targets((f"sum by (pod) (kvcomp_saved_bytes{{{SEL}}})", "{{pod}}")), "bytes"), 12, 8)
+        "Memory saved per daemon", "kvcomp_resident_saved_bytes by pod.",
+        targets((f"sum by (pod) (kvcomp_resident_saved_bytes{{{SEL}}})", "{{pod}}")), "bytes"),
+        12, 8)
+
+    reads = f"kvcomp_cache_requests_total{{{SEL}}}"
+    hits = f'kvcomp_cache_requests_total{{{SEL}, result="hit"}}'
+    L.row("Hits and misses")
+    L.add(stat("Hit rate", "Reads that found every key asked for, over all reads (gets, "
+               "lookups, prefix lookups, chunk gets; kvcomp_cache_requests_total).",
+               f"sum(rate({hits}[{RATE}])) / clamp_min(sum(rate({reads}[{RATE}])), 1e-9)",
+               "percentunit", 2), 6, 5)
+    L.add(stat("Prefix keys held", "Keys of prefix lookups and chunk gets that were held, over "
+               "all keys asked for (kvcomp_prefix_keys_total).",
+               f'sum(rate(kvcomp_prefix_keys_total{{{SEL}, result="held"}}[{RATE}])) / '
+               f"clamp_min(sum(rate(kvcomp_prefix_keys_total{{{SEL}}}[{RATE}])), 1e-9)",
+               "percentunit", 2), 6, 5)
+    L.add(stat("Bytes saved in the range", "Original minus stored bytes of the caches stored "
+               "during the dashboard's time range (kvcomp_saved_bytes_total).",
+               f"sum(increase(kvcomp_saved_bytes_total{{{SEL}}}[$__range]))", "bytes"), 6, 5)
+    L.add(stat("Bytes served", "Cache bytes sent to clients during the time range "
+               "(kvcomp_served_bytes_total).",
+               f"sum(increase(kvcomp_served_bytes_total{{{SEL}}}[$__range]))", "bytes"), 6, 5)
+    L.add(timeseries(
+        "Hit rate by operation", "Hits over reads per operation: get, lookup (data plane), "
+        "prefix_lookup and chunk_get (control plane).",
+        targets((f"sum by (op) (rate({hits}[{RATE}])) / "
+                 f"clamp_min(sum by (op) (rate({reads}[{RATE}])), 1e-9)", "{{op}}")),
+        "percentunit"), 12, 8)
+    L.add(timeseries(
+        "Hits, partial hits and misses", "Reads per second by outcome.",
+        targets((f"sum by (result) (rate({reads}[{RATE}]))", "{{result}}")), "reqps",
+        stack=True), 12, 8)
+    L.add(timeseries(
+        "Hit rate by tenant and model class", "Hits over reads per tenant and model class "
+        "(bounded labels: values past the daemon's limit read \"other\").",
+        targets((f"sum by (tenant, model_class) (rate({hits}[{RATE}])) / "
+                 f"clamp_min(sum by (tenant, model_class) (rate({reads}[{RATE}])), 1e-9)",
+                 "{{tenant}} {{model_class}}")), "percentunit"), 12, 8)
+    L.add(timeseries(
+        "Bytes saved per second", "Original minus stored bytes of the caches stored, per "
+        "second (kvcomp_saved_bytes_total).",
+        targets((f"sum(rate(kvcomp_saved_bytes_total{{{SEL}}}[{RATE}]))", "saved")), "Bps"),
+        12, 8)
 
     L.row("Tiers")
     L.add(timeseries(

@@ -19,10 +19,11 @@ inline constexpr char kOriginalBytesTotal[] = "kvcomp_original_bytes_total";
 inline constexpr char kStoredBytesTotal[] = "kvcomp_stored_bytes_total";
 // Counter: original minus stored bytes of every cache stored.
 inline constexpr char kSavedBytesTotal[] = "kvcomp_saved_bytes_total";
-// Gauge: original minus stored bytes over the caches currently stored.
-inline constexpr char kSavedBytes[] = "kvcomp_saved_bytes";
+// Gauge: original minus stored bytes over the caches currently stored. ("resident": a gauge may
+// not share the name of the counter kvcomp_saved_bytes_total under OpenMetrics rules.)
+inline constexpr char kResidentSavedBytes[] = "kvcomp_resident_saved_bytes";
 // Gauge: uncompressed bytes of the caches currently stored.
-inline constexpr char kOriginalBytes[] = "kvcomp_original_bytes";
+inline constexpr char kResidentOriginalBytes[] = "kvcomp_resident_original_bytes";
 // Gauge: caches currently stored.
 inline constexpr char kCachesStored[] = "kvcomp_caches_stored";
 // Histogram: original/stored bytes of each cache stored.
@@ -44,6 +45,22 @@ inline constexpr char kDiskFreeBytes[] = "kvcomp_disk_free_bytes";
 // Gauge: storage.rocksdb_reserve_bytes; a put that would leave fewer free bytes is refused
 // (RESOURCE_EXHAUSTED, disk full).
 inline constexpr char kDiskReserveBytes[] = "kvcomp_disk_reserve_bytes";
+
+// --- hits and misses ---
+// Counter, labels {op, result, tenant, model_class}: reads of caches by outcome, where
+// {op} = get | lookup | prefix_lookup | chunk_get and {result} = hit | partial | miss.
+// get: a data-plane get, and each cache a chunk get reads; lookup: a data-plane lookup;
+// prefix_lookup: a control-plane LookupPrefix; chunk_get: a control-plane GetChunks. hit: every
+// key asked for is held; partial: some leading keys are (prefix lookups and chunk gets only);
+// miss: none. Requests that failed are errors (kvcomp_errors_total), not reads.
+// {tenant} and {model_class} are bounded: the first kMaxLabelTenants tenants and the first
+// kMaxLabelModelClasses model ids the process sees keep their own value, later ones read "other".
+inline constexpr char kCacheRequestsTotal[] = "kvcomp_cache_requests_total";
+// Counter, labels {op, result, tenant, model_class}: the keys of prefix lookups and chunk gets
+// by outcome, {result} = held | missing (every key after the first missing one counts missing).
+inline constexpr char kPrefixKeysTotal[] = "kvcomp_prefix_keys_total";
+inline constexpr int kMaxLabelTenants = 64;
+inline constexpr int kMaxLabelModelClasses = 32;
 
 // --- latency ---
 // Histogram, label {op} = put | get | lookup | delete: one request end to end in the daemon.
@@ -71,7 +88,8 @@ inline constexpr char kEngineFailed[] = "kvcomp_engine_failed";
 // Gauge: puts begun and not yet committed or aborted (receiving blocks).
 inline constexpr char kPutsInProgress[] = "kvcomp_puts_in_progress";
 // Counter, labels {op, code}: requests that failed, code = the status code in snake case
-// (invalid_argument, not_found, unavailable, busy, data_loss, unauthenticated, ...);
+// (invalid_argument, not_found, unavailable, busy, data_loss, unauthenticated, ...). A get or
+// lookup of a cache that is not stored is a miss (kvcomp_cache_requests_total), not an error;
 // {op} = put | get | lookup | delete | transport, where transport counts the errors the UCX
 // transport answered itself before any handler (malformed frames and bodies, checksum
 // mismatches, blocks of wrong or oversized sizes or for puts not open, requests before hello,
@@ -127,6 +145,9 @@ inline constexpr char kLabelReason[] = "reason";
 inline constexpr char kLabelVersion[] = "version";
 inline constexpr char kLabelBackend[] = "backend";
 inline constexpr char kLabelDevice[] = "device";
+inline constexpr char kLabelResult[] = "result";
+inline constexpr char kLabelTenant[] = "tenant";
+inline constexpr char kLabelModelClass[] = "model_class";
 
 }  // namespace metric_names
 }  // namespace kvcomp

@@ -60,7 +60,15 @@ class Metrics {
   void AddServedBytes(uint64_t bytes);
   void ObserveOp(Op op, double seconds);
   void ObserveStage(Stage stage, double seconds);
+  // A failed request. NotFound of a get or lookup is a miss (CountRead), not an error: it is
+  // not counted here.
   void CountError(absl::string_view op, const absl::Status& status);
+  // A read of caches: `op` "get", "lookup", "prefix_lookup" or "chunk_get"; `asked` keys of
+  // which the leading `held` are held (1 and 0 or 1 for a get or lookup). Counts
+  // kvcomp_cache_requests_total{result = hit, partial or miss} and, for prefix lookups and
+  // chunk gets, kvcomp_prefix_keys_total. Nothing for asked == 0.
+  void CountRead(absl::string_view op, absl::string_view tenant, absl::string_view model_id,
+                 uint64_t asked, uint64_t held);
   // Raises kvcomp_errors_total{op, code} to `total` when it is lower (for running totals kept
   // elsewhere, e.g. the transport's own error counts; `code` as ErrorCodeLabel gives it).
   void AdvanceErrors(absl::string_view op, const std::string& code, uint64_t total);
@@ -80,8 +88,8 @@ class Metrics {
   // The RocksDB tier's disk: kvcomp_store_read_only, kvcomp_disk_free_bytes and
   // kvcomp_disk_reserve_bytes.
   void SetDisk(bool read_only, uint64_t free_bytes, uint64_t reserve_bytes);
-  // Totals over the caches stored now (gauges kvcomp_caches_stored, kvcomp_original_bytes,
-  // kvcomp_saved_bytes).
+  // Totals over the caches stored now (gauges kvcomp_caches_stored,
+  // kvcomp_resident_original_bytes, kvcomp_resident_saved_bytes).
   void SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes);
   // kvcomp_projections and kvcomp_projections_deleted_total.
   void SetProjections(uint64_t versions);

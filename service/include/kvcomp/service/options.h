@@ -179,6 +179,7 @@ struct ProcessOptions {
   // On SIGTERM: seconds to finish in-flight puts and gets before flushing and exiting. 30
   double shutdown_grace_seconds = 30;
   std::string log_level = "info";  // debug, info, warning or error
+  std::string log_format = "text";  // text (one line per event) or json (one object per line)
   // When set, written once the daemon is ready: a YAML map of the bound ports (data_port,
   // control_port, metrics_port) and the pid, for scripts and tests using port 0. Default "".
   std::string ready_file;
