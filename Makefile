@@ -1,6 +1,8 @@
 # The two commands of README.md. Both install what is missing first (scripts/bootstrap.sh).
-#   make demo   runs the main job on the embedded defaults (no GPU needed)
-#   make test   builds everything and runs every test that can run here (C++ and Python)
+#   make demo   builds kvcompd and the Python extension only, and runs the main job on the
+#               embedded defaults (no GPU needed), each step with its time
+#   make test   builds everything and runs every test that can run here (README.md, "Tests"),
+#               then prints passed, skipped (with reasons) and failed per section
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
@@ -22,8 +24,8 @@ build: configure
 test: build
 	@bash scripts/run_tests.sh $(BUILD)
 
-demo: build
-	@bash scripts/demo.sh $(BUILD)
+demo:
+	@JOBS=$(JOBS) CMAKE_ARGS="$(CMAKE_ARGS)" bash scripts/demo.sh $(BUILD)
 
 format:
 	@git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i

@@ -1,19 +1,35 @@
 #!/usr/bin/env bash
-# Runs every test that can run on this machine: the C++ tests (ctest; gpu-labelled ones report a
-# skip where no GPU is present), the sanitizer builds of the parser-facing tests, the bounded
-# fuzz run, and the Python tests. Used by `make test`.
+# Runs every test that can run on this machine (README.md, "Tests", lists them): the C++ tests
+# (ctest; gpu-labelled ones are skipped where no GPU is present, saying so), storage concurrency
+# under ThreadSanitizer, the sanitizer builds of the parser-facing tests, the bounded fuzz run,
+# the transport against UCX 1.22, the Python tests, packaging, the Helm chart tests and the
+# product-text check. Used by `make test`. Ends with a summary of passed, skipped (with reasons)
+# and failed tests per section, from the JUnit files in $BUILD/test-results/.
 set -euo pipefail
 BUILD=${1:-build}
 JOBS=$(nproc)
 cd "$(dirname "$0")/.."
+RESULTS="$PWD/$BUILD/test-results"
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"
+T0=$(date +%s)
+section() { echo; echo "== $1 [$(($(date +%s) - T0)) s] =="; }
+summary() {
+  echo
+  python3 scripts/test_summary.py "C++ (ctest)=$RESULTS/ctest.xml" \
+    "Python (pytest tests/python)=$RESULTS/python.xml" \
+    "Helm chart (pytest tests/helm)=$RESULTS/helm.xml" || true
+  echo "(total $(($(date +%s) - T0)) s)"
+}
+trap summary EXIT
 
-echo "== C++ tests (ctest) =="
-ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 600
+section "C++ tests (ctest)"
+ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 600 \
+  --output-junit "$RESULTS/ctest.xml"
 
 if [ -f tests/storage/concurrency_test.cc ] && [ "${KVCOMP_SKIP_STORAGE_TSAN:-0}" != 1 ]; then
   # Storage concurrency under ThreadSanitizer: a separate build of just that test. RocksDB and
   # libstdc++ are not instrumented, so races are reported only from kvcomp's own code.
-  echo "== storage concurrency tests (ThreadSanitizer) =="
+  section "storage concurrency tests (ThreadSanitizer)"
   cmake -S . -B build-tsan-storage -G Ninja -DKVCOMP_SANITIZE=thread -DKVCOMP_CUDA=OFF \
     -DKVCOMP_PYTHON=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build-tsan-storage -j "$JOBS" --target storage_concurrency_test
@@ -22,7 +38,7 @@ if [ -f tests/storage/concurrency_test.cc ] && [ "${KVCOMP_SKIP_STORAGE_TSAN:-0}
 fi
 
 if [ -x scripts/run_sanitizers.sh ]; then
-  echo "== sanitizer and fuzz tests =="
+  section "sanitizer and fuzz tests"
   bash scripts/run_sanitizers.sh
 fi
 
@@ -32,7 +48,7 @@ fi
 # pkg-config --define-prefix finds the real one, and copies of them with it go first on the path.
 UCX_WHEEL=$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))' 2>/dev/null || true)
 if [ -n "$UCX_WHEEL" ] && [ -f "$UCX_WHEEL/lib/pkgconfig/ucx.pc" ]; then
-  echo "== transport against UCX $(PKG_CONFIG_PATH="$UCX_WHEEL/lib/pkgconfig" pkg-config --modversion ucx) (libucx-cu13) =="
+  section "transport against UCX $(PKG_CONFIG_PATH="$UCX_WHEEL/lib/pkgconfig" pkg-config --modversion ucx) (libucx-cu13)"
   prefix=$(PKG_CONFIG_PATH="$UCX_WHEEL/lib/pkgconfig" pkg-config --define-prefix --variable=prefix ucx)
   mkdir -p build-ucx122/pkgconfig
   for pc in "$UCX_WHEEL"/lib/pkgconfig/*.pc; do
@@ -46,22 +62,22 @@ if [ -n "$UCX_WHEEL" ] && [ -f "$UCX_WHEEL/lib/pkgconfig/ucx.pc" ]; then
 fi
 
 if [ -d tests/python ]; then
-  echo "== Python tests (pytest) =="
+  section "Python tests (pytest)"
   PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}" KVCOMP_BUILD_DIR="$PWD/$BUILD" \
-    python3 -m pytest -q tests/python
+    python3 -m pytest -q -rs --junitxml="$RESULTS/python.xml" tests/python
 fi
 
 if [ -x tests/packaging/run.sh ]; then
   # The C++ SDK package (find_package, pkg-config) and the Python wheel in a fresh virtual
   # environment, built from this build's libraries, with the examples run against them.
-  echo "== packaging (C++ package, Python wheel, examples) =="
+  section "packaging (C++ package, Python wheel, examples)"
   bash tests/packaging/run.sh "$BUILD"
 fi
 
 if [ -d tests/helm ]; then
-  echo "== Helm chart tests (pytest) =="
-  KVCOMP_BUILD_DIR="$PWD/$BUILD" python3 -m pytest -q tests/helm
+  section "Helm chart tests (pytest)"
+  KVCOMP_BUILD_DIR="$PWD/$BUILD" python3 -m pytest -q -rs --junitxml="$RESULTS/helm.xml" tests/helm
 fi
 
-echo "== product text (scripts/check_product_text.sh) =="
+section "product text (scripts/check_product_text.sh)"
 bash scripts/check_product_text.sh

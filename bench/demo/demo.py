@@ -14,6 +14,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,12 @@ import kvcomp  # noqa: E402
 from generator import GeneratorParams, generate_layer  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B"
+T_START = time.perf_counter()
+
+
+def step(text: str) -> None:
+    """One line per step of the demo, with the seconds since it started."""
+    print(f"-- [{time.perf_counter() - T_START:6.1f} s] {text}", flush=True)
 LAYERS, KV_HEADS, Q_PER_KV, HEAD_DIM = 32, 8, 4, 128
 
 
@@ -93,14 +100,17 @@ def main() -> int:
     args = ap.parse_args()
 
     data = tempfile.mkdtemp(prefix="kvcomp-demo-")
-    log = open(os.path.join(data, "kvcompd.log"), "w")
+    # The log outlives the data directory (removed at the end): a small file beside it.
+    log = open(data + ".kvcompd.log", "w")
     # Embedded defaults: no configuration file and no flags (CPU backend on a machine without a
     # GPU, host tier + RocksDB under ./.kvcomp-data, ports 7470/7471/7472 on 127.0.0.1). Run in a
     # scratch directory so the demo leaves nothing behind.
+    step(f"starting kvcompd on its embedded defaults (data in {data})")
     proc = subprocess.Popen([os.path.abspath(args.kvcompd)], cwd=data, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         wait_ready(7472, proc)
+        step("kvcompd ready on 127.0.0.1:7470 (data), 7471 (control), 7472 (metrics)")
         return run(args)
     finally:
         if proc.poll() is None:
@@ -112,6 +122,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 print("kvcompd did not stop within 30 s; killed")
+        shutil.rmtree(data, ignore_errors=True)
+        step(f"demo data removed ({data})")
 
 
 def bf16(x):
@@ -197,6 +209,7 @@ def run(args) -> int:
           f"request, int8 latents, per-layer ranks at relative value error "
           f"{args.error_budget})")
 
+    step("generating both requests' caches")
     t0 = time.perf_counter()
     keys16, vals16, layers = generate(p, n, 1000)
     cal_k, cal_v, _ = generate(p, args.calibration_tokens, 2000)
@@ -208,6 +221,7 @@ def run(args) -> int:
 
     # An earlier request of the same model, stored with raw values, is what the daemon
     # calibrates on; the demo request is new data.
+    step("an earlier request of the model, then calibration (KVSplice) on it")
     t0 = time.perf_counter()
     push(prefill, "earlier-request", cal_k, cal_v, args.calibration_tokens, args.block, evict)
     cal = prefill.calibrate(MODEL, error_budget=args.error_budget)[0]
@@ -218,6 +232,7 @@ def run(args) -> int:
 
     col = {}
     for name, key, policy in (("A", "demo-request-A", evict), ("B", "demo-request-B", splice)):
+        step(f"request {name}: put block by block, get, attention against the full cache")
         t0 = time.perf_counter()
         put = push(prefill, key, keys16, vals16, n, args.block, policy)
         t_put = time.perf_counter() - t0
@@ -284,10 +299,17 @@ def real_model_line(client, policy, ctx=2048, n_passkey=6, n_loss=2):
     prompt cache making a round trip through this kvcompd under the demo's policy A: pass-key
     accuracy and held-out loss (last quarter after compressing three quarters), full cache
     beside it."""
+    step("real model: the project's byte-level Llama through kvcomp.hf")
+    # transformers' progress bars and notices stay out of the results.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         import torch
         import kvcomp.hf as hf
         from transformers import LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
     except ImportError as e:  # torch/transformers come with scripts/bootstrap.sh
         print(f"\nreal model: skipped ({e})")
         return

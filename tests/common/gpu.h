@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -33,10 +34,29 @@ inline bool GpuPresent() {
 #endif
 }
 
-// Exits 77 (skipped) when no device is present.
+// Why no device can be used, in words for a test report; empty when one can.
+inline std::string NoGpuReason() {
+#if defined(KVCOMP_HAVE_CUDA)
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e == cudaSuccess && count > 0) return "";
+  cudaGetLastError();  // clear the sticky error
+  if (e == cudaSuccess || e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
+    return std::string("skipped: needs an NVIDIA GPU; this machine has none (or no NVIDIA "
+                       "driver): ") + (e == cudaSuccess ? "no device" : cudaGetErrorString(e));
+  }
+  return std::string("skipped: needs an NVIDIA GPU; the CUDA runtime says: ") +
+         cudaGetErrorString(e);
+#else
+  return "skipped: needs an NVIDIA GPU and a CUDA build (this build has KVCOMP_CUDA off)";
+#endif
+}
+
+// Exits 77 (skipped) when no device is present, saying why on its last line.
 inline void RequireGpuOrSkip() {
-  if (!GpuPresent()) {
-    std::fprintf(stderr, "no CUDA device (or built without CUDA): skipping\n");
+  const std::string why = NoGpuReason();
+  if (!why.empty()) {
+    std::fprintf(stderr, "%s\n", why.c_str());
     std::fflush(stderr);
     std::exit(kSkipExitCode);
   }

@@ -40,14 +40,17 @@ CANDIDATE = os.environ.get("KVCOMP_TEST_CANDIDATE_BACKEND", "cuda")
 
 def _cuda_reason():
     try:
-        return kvcomp.backend_description("cuda")
+        why = kvcomp.backend_description("cuda")
     except Exception as e:  # noqa: BLE001 - the message is the reason
-        return str(e)
+        why = str(e)
+    if "driver version is insufficient" in why or "no CUDA-capable device" in why:
+        return "this machine has no NVIDIA GPU or driver (" + why + ")"
+    return why
 
 
 needs_cuda = pytest.mark.skipif(
     CANDIDATE == "cuda" and not kvcomp.cuda_available(),
-    reason="CUDA backend unavailable (no CUDA build or no device): " + _cuda_reason())
+    reason="needs an NVIDIA GPU: " + _cuda_reason())
 
 LAYERS, HEADS, TOKENS, D = 4, 8, 3000, 128
 SIGNAL_RANK = 48

@@ -14,6 +14,7 @@ they name. Nothing synchronises the whole device. Arrays written for the caller 
 `out`) are ordered on the call's stream; returned NumPy arrays and caches are complete.
 """
 
+from ._version import __version__  # noqa: F401
 from ._kvcomp import CompressedCache, Policy, backend_description, cuda_available  # noqa: F401
 from ._kvcomp import merge_heads, slice_heads, split_heads  # noqa: F401
 from . import _kvcomp
@@ -30,7 +31,7 @@ if not hasattr(_kvcomp, "_Client"):  # a KVCOMP_CORE_ONLY build (e.g. the GPU ma
                 "decompress, calibrate, attention, ...) work. Build with KVCOMP_CORE_ONLY=OFF "
                 "for the client.")
 
-__all__ = ["Policy", "CompressedCache", "score", "compress", "cuda_available",
+__all__ = ["__version__", "Policy", "CompressedCache", "score", "compress", "cuda_available",
            "backend_description", "attention", "Client", "PutStream", "split_heads",
            "slice_heads", "merge_heads"]
 

@@ -1,15 +1,20 @@
 """The kvcomp command line: put, get, lookup, delete, stats, calibrate and a load generator.
 
-    python -m kvcomp put   -e 127.0.0.1:7470 -m MODEL -k KEY --keys k.npy --values v.npy
-    python -m kvcomp put   -e ... -m MODEL -k KEY --safetensors cache.safetensors
-    python -m kvcomp get   -e ... -m MODEL -k KEY --out cache.kvc [--npz kept.npz] [--decoded]
-    python -m kvcomp lookup|delete -e ... -m MODEL -k KEY
-    python -m kvcomp stats -e 127.0.0.1:7470,127.0.0.1:7471
-    python -m kvcomp calibrate -e 127.0.0.1:7470,127.0.0.1:7471 -m MODEL --error-budget 0.1
-    python -m kvcomp loadgen -e ... --requests 100 --concurrency 4 --tokens 2048
-    python -m kvcomp put-chunks -e ... -m MODEL --chunk-tokens 16 --chunk-keys h1,h2,h3 --keys ...
-    python -m kvcomp prefix     -e ... -m MODEL --chunk-keys h1,h2,h3     # leading chunks held
-    python -m kvcomp get-chunks -e ... -m MODEL --chunk-keys h1,h2,h3 --npz run.npz [--decoded]
+    kvcomp put   -m MODEL -k KEY --keys k.npy --values v.npy      # kvcompd on this machine
+    kvcomp put   -e 10.0.0.7:7470,10.0.0.7:7471 -m MODEL -k KEY --safetensors cache.safetensors
+    kvcomp get   -m MODEL -k KEY --out cache.kvc [--npz kept.npz] [--decoded]
+    kvcomp lookup|delete -m MODEL -k KEY
+    kvcomp stats
+    kvcomp calibrate -m MODEL --error-budget 0.1
+    kvcomp loadgen --requests 100 --concurrency 4 --tokens 2048
+    kvcomp put-chunks -m MODEL --chunk-tokens 16 --chunk-keys h1,h2,h3 --keys ... --values ...
+    kvcomp prefix     -m MODEL --chunk-keys h1,h2,h3     # how many leading chunks are stored
+    kvcomp get-chunks -m MODEL --chunk-keys h1,h2,h3 --npz run.npz [--decoded]
+    kvcomp --version            (python -m kvcomp works the same)
+
+Endpoints: -e DATA[,CONTROL] (repeat for several daemons), else $KVCOMP_ENDPOINTS
+(whitespace-separated), else 127.0.0.1:7470,127.0.0.1:7471 (kvcompd's default data and
+control ports). The control address is needed by stats, calibrate, prefix and the chunk commands.
 
 Chunk keys (chained block hashes, chunk i's key naming the prefix up to chunk i) come as a
 comma-separated --chunk-keys list or --chunk-keys-file (one per line; "hex:..." for bytes).
@@ -33,16 +38,46 @@ from typing import List, Optional
 import numpy as np
 
 
+class _NoProgress:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        pass
+
+
 def _progress(total: int, desc: str, unit: str = "it"):
-    from tqdm import tqdm
+    """A tqdm bar on a terminal (or with KVCOMP_PROGRESS=1); nothing without tqdm (the [cli]
+    extra installs it)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
     return tqdm(total=total, desc=desc, unit=unit, disable=not sys.stderr.isatty() and
                 os.environ.get("KVCOMP_PROGRESS") != "1", file=sys.stderr)
 
 
+DEFAULT_ENDPOINT = "127.0.0.1:7470,127.0.0.1:7471"
+
+
+def _endpoints(args) -> List[str]:
+    if args.endpoint:
+        return args.endpoint
+    return os.environ.get("KVCOMP_ENDPOINTS", "").split() or [DEFAULT_ENDPOINT]
+
+
 def _client(args):
     from .client import Client
-    return Client(args.endpoint, tenant=args.tenant, token=args.token, replicas=args.replicas,
-                  timeout=args.timeout)
+    return Client(_endpoints(args), tenant=args.tenant, token=args.token,
+                  replicas=args.replicas, timeout=args.timeout,
+                  connect_timeout=args.connect_timeout, lookup_timeout=args.lookup_timeout,
+                  get_timeout=args.get_timeout)
 
 
 def _policy(args):
@@ -68,7 +103,11 @@ def _policy(args):
 
 def _load_arrays(args):
     if args.safetensors:
-        from safetensors.numpy import load_file
+        try:
+            from safetensors.numpy import load_file
+        except ImportError:
+            raise SystemExit("--safetensors needs the safetensors package: "
+                             "pip install 'kvcomp[cli]'")
         t = load_file(args.safetensors)
         if "keys" in t and "values" in t:
             return t["keys"], t["values"]
@@ -264,26 +303,42 @@ def cmd_get_chunks(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvcomp", description=__doc__.split("\n")[0])
+    from ._version import __version__
+    ap = argparse.ArgumentParser(prog="kvcomp", description=__doc__.split("\n")[0],
+                                 epilog="kvcomp COMMAND --help describes a command's options.")
+    ap.add_argument("--version", action="version", version=f"kvcomp {__version__}")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-e", "--endpoint", action="append", required=True,
-                        help="kvcompd data[,control] address; repeat for several")
-    common.add_argument("--tenant", default=os.environ.get("KVCOMP_TENANT", ""))
-    common.add_argument("--token", default=os.environ.get("KVCOMP_TOKEN", ""))
-    common.add_argument("--replicas", type=int, default=1)
-    common.add_argument("--timeout", type=float, default=60.0, help="request timeout, seconds")
+    common.add_argument("-e", "--endpoint", action="append", metavar="DATA[,CONTROL]",
+                        help="kvcompd data[,control] address, e.g. 10.0.0.7:7470,10.0.0.7:7471; "
+                        "repeat for several (default: $KVCOMP_ENDPOINTS, else "
+                        f"{DEFAULT_ENDPOINT})")
+    common.add_argument("--tenant", default=os.environ.get("KVCOMP_TENANT", ""),
+                        help="tenant name (default: $KVCOMP_TENANT, else the open daemon's "
+                        "\"default\")")
+    common.add_argument("--token", default=os.environ.get("KVCOMP_TOKEN", ""),
+                        help="the tenant's token (default: $KVCOMP_TOKEN)")
+    common.add_argument("--replicas", type=int, default=1,
+                        help="copies of each cache on distinct daemons (default 1)")
+    common.add_argument("--timeout", type=float, default=60.0,
+                        help="one data-plane request, seconds (default 60)")
+    common.add_argument("--connect-timeout", type=float, default=5.0,
+                        help="connecting to a daemon, seconds (default 5)")
+    common.add_argument("--lookup-timeout", type=float, default=1.0,
+                        help="deadline of a prefix lookup, seconds (default 1)")
+    common.add_argument("--get-timeout", type=float, default=10.0,
+                        help="deadline of a chunk get, seconds (default 10)")
     keyed = argparse.ArgumentParser(add_help=False)
-    keyed.add_argument("-m", "--model", required=True)
-    keyed.add_argument("-k", "--key", required=True)
+    keyed.add_argument("-m", "--model", required=True, help="model id the cache belongs to")
+    keyed.add_argument("-k", "--key", required=True,
+                       help="cache key (text)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("put", parents=[common, keyed], help="push a cache from files")
-    p.add_argument("--keys")
-    p.add_argument("--values")
-    p.add_argument("--safetensors")
-    p.add_argument("--q-heads", type=int, default=None)
-    p.add_argument("--policy", help="comma-separated Policy fields, e.g. scorer=keydiff,ratio=0.7")
-    p.add_argument("--block-wise", action="store_true")
+    _array_args(p)
+    p.add_argument("--policy", help="comma-separated Policy fields, e.g. scorer=keydiff,ratio=0.7 "
+                   "(default: the tenant's policy on the daemon)")
+    p.add_argument("--block-wise", action="store_true",
+                   help="compress layer by layer as the layers arrive")
     p.set_defaults(fn=cmd_put)
 
     p = sub.add_parser("get", parents=[common, keyed], help="fetch a cache to files")
@@ -292,9 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoded", action="store_true", help="ask the daemon to decode the codecs")
     p.set_defaults(fn=cmd_get)
 
-    sub.add_parser("lookup", parents=[common, keyed]).set_defaults(fn=cmd_lookup)
-    sub.add_parser("delete", parents=[common, keyed]).set_defaults(fn=cmd_delete)
-    sub.add_parser("stats", parents=[common]).set_defaults(fn=cmd_stats)
+    sub.add_parser("lookup", parents=[common, keyed],
+                   help="describe a stored cache (layout, tier, sizes)").set_defaults(fn=cmd_lookup)
+    sub.add_parser("delete", parents=[common, keyed],
+                   help="delete every copy of a cache").set_defaults(fn=cmd_delete)
+    sub.add_parser("stats", parents=[common],
+                   help="the tenant's caches and bytes on each daemon").set_defaults(fn=cmd_stats)
 
     p = sub.add_parser("calibrate", parents=[common],
                        help="fit KVSplice value projections from the caches the daemons store")
@@ -304,24 +362,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rank", type=int, help="one rank for every layer")
     p.add_argument("--value-codec", default="orthogonal_int8",
                    choices=["orthogonal", "orthogonal_int8", "orthogonal_int4"])
-    p.add_argument("--max-caches", type=int, default=64)
+    p.add_argument("--max-caches", type=int, default=64,
+                   help="caches each daemon learns from (default 64)")
     p.set_defaults(fn=cmd_calibrate)
 
     chunked = argparse.ArgumentParser(add_help=False)
-    chunked.add_argument("-m", "--model", required=True)
+    chunked.add_argument("-m", "--model", required=True, help="model id the chunks belong to")
     chunked.add_argument("--chunk-keys", help="comma-separated chunk keys, in prompt order")
     chunked.add_argument("--chunk-keys-file", help="chunk keys, one per line")
     sub.add_parser("prefix", parents=[common, chunked],
                    help="how many leading chunk keys are stored").set_defaults(fn=cmd_prefix)
     p = sub.add_parser("put-chunks", parents=[common, chunked],
                        help="store a cache as one cache per chunk of tokens")
-    p.add_argument("--chunk-tokens", type=int, required=True)
+    p.add_argument("--chunk-tokens", type=int, required=True, help="tokens per chunk")
     p.add_argument("--first", type=int, default=0, help="skip chunks before this one")
-    p.add_argument("--keys")
-    p.add_argument("--values")
-    p.add_argument("--safetensors")
-    p.add_argument("--q-heads", type=int, default=None)
-    p.add_argument("--policy", help="comma-separated Policy fields")
+    _array_args(p)
+    p.add_argument("--policy", help="comma-separated Policy fields (default: the tenant's)")
     p.set_defaults(fn=cmd_put_chunks)
     p = sub.add_parser("get-chunks", parents=[common, chunked],
                        help="fetch the leading chunks stored, one request per daemon")
@@ -329,20 +385,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoded", action="store_true", help="ask the daemons to decode the codecs")
     p.set_defaults(fn=cmd_get_chunks)
 
-    p = sub.add_parser("loadgen", parents=[common], help="generate load")
-    p.add_argument("-m", "--model", default="loadgen-model")
-    p.add_argument("--requests", type=int, default=20)
-    p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--policy")
+    p = sub.add_parser("loadgen", parents=[common],
+                       help="put (and get) random caches and report throughput")
+    p.add_argument("-m", "--model", default="loadgen-model", help="model id (default %(default)s)")
+    p.add_argument("--requests", type=int, default=20, help="caches to put (default 20)")
+    p.add_argument("--concurrency", type=int, default=2, help="requests in flight (default 2)")
+    p.add_argument("--layers", type=int, default=4, help="layers per cache (default 4)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per cache (default 1024)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--policy", help="comma-separated Policy fields (default: the tenant's)")
     p.add_argument("--get", action="store_true", help="also fetch each cache")
     p.add_argument("--keep", action="store_true", help="do not delete the caches")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.set_defaults(fn=cmd_loadgen)
     return ap
+
+
+def _array_args(p) -> None:
+    p.add_argument("--keys", help=".npy of keys [layers, kv_heads, tokens, head_dim]")
+    p.add_argument("--values", help=".npy of values, the same shape")
+    p.add_argument("--safetensors", help="a .safetensors file instead of --keys/--values")
+    p.add_argument("--q-heads", type=int, default=None,
+                   help="query heads (GQA; default: as many as KV heads)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
