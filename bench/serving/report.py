@@ -191,14 +191,16 @@ def plot(path: str, d: Dict) -> None:
     a1.set_ylabel("fraction of requests")
     a1.set_title(f"TTFT CDF at {k:.3g} req/s (put blocking)" if k else "TTFT CDF")
     a1.grid(alpha=0.3)
-    a1.legend()
+    if a1.get_legend_handles_labels()[0]:
+        a1.legend()
     a2.set_xlabel("arrival rate (req/s)")
     a2.set_ylabel(f"% requests with TTFT <= {m['slo_factor']}x unloaded prefill")
     a2.set_title("requests within SLO")
     a2.axhline(90, color="grey", lw=0.8, ls="--")
     a2.set_ylim(0, 102)
     a2.grid(alpha=0.3)
-    a2.legend(fontsize=7)
+    if a2.get_legend_handles_labels()[0]:
+        a2.legend(fontsize=7)
     fig.suptitle(f"{m['model']} on {m['card']}, {m['date']}, {m['commit']}; stored-cache memory "
                  f"{m['capacity_bytes'] / 2**30:.1f} GiB", fontsize=9)
     fig.tight_layout()

@@ -11,7 +11,7 @@
 #        KVCOMP_SERVING_ARM_S (seconds of trace per arm, default 55: an arm that is slower serves
 #        fewer requests, and every arm's table is cut to the fewest served),
 #        KVCOMP_SERVING_ARGS (more serve.py arguments), KVCOMP_SERVING_LIMIT_S (serve.py's
-#        time limit, default 420), KVCOMP_COMMIT (the commit the results name).
+#        time limit, default 420; no arm starts in its last 90 s, so the tables are written), KVCOMP_COMMIT (the commit the results name).
 # Local use (CPU, a short trace and the byte model): see tests/python/test_serving_bench.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,6 +49,7 @@ PREFIX=$OUT/serving-$STAMP-${CARD:-gpu}-$COMMIT
 PYTHONUNBUFFERED=1 timeout "${KVCOMP_SERVING_LIMIT_S:-420}" python3 bench/serving/serve.py \
   --trace "$OUT/trace.jsonl" --model timing --device cuda --kvcompd "$BUNDLE/bin/kvcompd" \
   --probe-lengths 8192,32768 --quality 20,4,4096 --budget-s "${KVCOMP_SERVING_ARM_S:-55}" \
+  --deadline-s $(( ${KVCOMP_SERVING_LIMIT_S:-420} - 90 )) \
   --out "$PREFIX" ${KVCOMP_SERVING_ARGS:-} \
   2>&1 | tee "$OUT/serving.log"
 rc=${PIPESTATUS[0]}

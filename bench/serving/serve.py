@@ -500,6 +500,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     ap.add_argument("--put-in-flight", type=int, default=1, help="put_chunks' max_in_flight "
                     "(chunk puts in flight at once; 1: one after another)")
+    ap.add_argument("--deadline-s", type=float, default=0, help="start no arm (and no quality "
+                    "column) after this long since the start; the tables are written whatever "
+                    "ran (0: none)")
     ap.add_argument("--budget-s", type=float, default=0, help="stop an arm's trace after this "
                     "long (0: none); every arm is cut to the shortest arm's count")
     a = ap.parse_args(argv)
@@ -579,6 +582,9 @@ def main(argv=None):
         f" GiB, host {host_bytes / 2**30:.2f} GiB, RocksDB {disk_bytes / 2**20:.0f} MiB)")
     expect = expected_held(requests, vocab, a.chunk, model_id)
 
+    def past_deadline() -> bool:
+        return bool(a.deadline_s) and time.perf_counter() - T0 > a.deadline_s
+
     results: Dict[str, Dict] = {}
     for arm in arms:
         pol = arm_policy(arm, a.rank)
@@ -586,6 +592,11 @@ def main(argv=None):
         info: Dict = dict(label=ARM_LABEL[arm], policy=None if pol is None else {
             f: getattr(pol, f) for f in ("scorer", "ratio", "moments", "key_codec",
                                          "value_codec", "rank")})
+        if past_deadline():
+            info["error"] = f"not run: past --deadline-s {a.deadline_s:g}"
+            log(f"{arm}: {info['error']}")
+            results[arm] = info
+            continue
         try:
             def calibrate(client):
                 """The daemon fits the KVSplice projection from raw caches of this model."""
@@ -689,7 +700,9 @@ def main(argv=None):
         results[x]["rates_overlapped"] = slo_table(results[x]["service"], reqs, rates, slo_of,
                                                    "ttft_s")
     qual = {}
-    if a.quality:
+    if a.quality and past_deadline():
+        log(f"quality: not run, past --deadline-s {a.deadline_s:g}")
+    elif a.quality:
         npk, nl, ctx = (int(v) for v in a.quality.split(","))
         tq = time.perf_counter()
         qual = quality(arms, str(dev), npk, nl, ctx, a.rank)

@@ -142,3 +142,20 @@ def test_serving_replay_cpu(tmp_path):
     md = (tmp_path / "serving.md").read_text()
     assert "within SLO" in md and "Full-hit probes" in md
     assert json.loads((tmp_path / "serving.json").read_text())["meta"]["requests"] == N
+
+
+@pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")
+def test_serving_replay_deadline_still_writes_the_tables(tmp_path):
+    import serve
+    trace = tmp_path / "trace.jsonl"
+    workload.write_trace(str(trace), 5, dict(workload.PRESETS["cpu"], requests=3,
+                                              max_tokens=256))
+    d = serve.main(["--trace", str(trace), "--model", "trained", "--device", "cpu",
+                    "--kvcompd", KVCOMPD, "--chunk", "64", "--arms", "recompute,raw",
+                    "--rates", "1", "--slo-lengths", "128,256", "--threads", "1",
+                    "--quality", "1,1,256", "--deadline-s", "0.001",
+                    "--out", str(tmp_path / "s")])
+    for arm in ("recompute", "raw"):
+        assert d["arms"][arm]["error"].startswith("not run: past --deadline-s")
+    assert d["quality"] == {} and d["meta"]["requests"] == 0
+    assert "not run" in (tmp_path / "s.md").read_text()
