@@ -4,7 +4,9 @@
 #   headers (kvcomp/transport/*: wire messages, server, buffers); the assembler, engine, cache
 #   repository, cache service and the control plane work on the service's own types;
 # - transport/: never includes the kernels, storage or service (it moves bytes and checks them
-#   against the wire protocol, and knows nothing of compression or where caches are kept).
+#   against the wire protocol, and knows nothing of compression or where caches are kept);
+# - storage/: never includes the kernels, the codecs, the transport or the service (it keeps keys
+#   and bytes; what codec data means lives in codecs/, beside the engine).
 #   bash scripts/check_service_layers.sh [repository root]   (a ctest: service_layering_check)
 set -uo pipefail
 root="${1:-$(dirname "$0")/..}"
@@ -32,6 +34,13 @@ fi
 hits=$(grep -rnE '^\s*#\s*include\s+[<"]kvcomp/(kernels|storage|service|decode)/' transport || true)
 if [ -n "$hits" ]; then
   echo "check_service_layers: the transport includes compression, storage or service headers:" >&2
+  echo "$hits" >&2
+  status=1
+fi
+
+hits=$(grep -rnE '^\s*#\s*include\s+[<"]kvcomp/(kernels|codecs|transport|service|decode)/' storage || true)
+if [ -n "$hits" ]; then
+  echo "check_service_layers: the storage includes compression, codec, transport or service headers:" >&2
   echo "$hits" >&2
   status=1
 fi

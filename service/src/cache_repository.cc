@@ -37,7 +37,7 @@ CacheSummary SummaryOf(const format::CacheInfo& info, const storage::LookupResul
 
 absl::StatusOr<std::shared_ptr<const Projection>> CacheRepository::PinProjection(
     const CacheKey& key) {
-  KVCOMP_ASSIGN_OR_RETURN(std::string model, ProjectionModel(key.tenant, key.model_id));
+  KVCOMP_ASSIGN_OR_RETURN(std::string model, codecs::ProjectionModel(key.tenant, key.model_id));
   return projections_->AcquireLatest(model);
 }
 
@@ -138,9 +138,9 @@ absl::StatusOr<storage::Payload> CacheRepository::Get(const CacheKey& key, Repre
     KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(got->payload.view()));
     if (info.key_codec != KeyCodec::kRaw || info.value_codec != ValueCodec::kRaw) {
       KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(got->payload.view()));
-      KVCOMP_ASSIGN_OR_RETURN(std::string model, ProjectionModel(key.tenant, key.model_id));
+      KVCOMP_ASSIGN_OR_RETURN(std::string model, codecs::ProjectionModel(key.tenant, key.model_id));
       KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw,
-                              DecodeToRaw(std::move(cache), model, projections_));
+                              codecs::DecodeToRaw(std::move(cache), model, projections_));
       KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(raw));
       return storage::Payload::FromString(std::move(bytes));
     }
@@ -202,7 +202,7 @@ absl::Status CacheRepository::Delete(const CacheKey& key) {
 void CacheRepository::Deleted(const CacheKey& key) {
   Forget(key);
   // The cache may have been the last to name an older projection version of its model.
-  auto model = ProjectionModel(key.tenant, key.model_id);
+  auto model = codecs::ProjectionModel(key.tenant, key.model_id);
   if (!model.ok()) return;
   auto collected = projections_->Collect(*model);
   if (!collected.ok()) {

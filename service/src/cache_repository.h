@@ -41,7 +41,7 @@ class CacheRepository {
  public:
   // `store`, `projections` (over `store`) and `metrics` outlive the repository.
   CacheRepository(const RepositoryOptions& options, storage::TieredStore* store,
-                  StoreProjections* projections, Metrics* metrics)
+                  codecs::TieredProjectionStore* projections, Metrics* metrics)
       : options_(options), store_(store), projections_(projections), metrics_(metrics) {}
 
   // The latest projection of `key`'s tenant and model, for a put whose value codec encodes
@@ -104,7 +104,7 @@ class CacheRepository {
 
   const RepositoryOptions options_;
   storage::TieredStore* const store_;
-  StoreProjections* const projections_;
+  codecs::TieredProjectionStore* const projections_;
   Metrics* const metrics_;
 
   // Headers of stored caches by CacheKey::Encode(); bounded (cleared when full).

@@ -590,7 +590,7 @@ class DaemonImpl : public Daemon {
   std::unique_ptr<storage::TieredStore> store_;
   std::unique_ptr<PolicyStore> policies_;
   std::unique_ptr<Metrics> metrics_;
-  std::unique_ptr<StoreProjections> projections_;
+  std::unique_ptr<codecs::TieredProjectionStore> projections_;
   // The layers of the data path, inside out: the engines' workers (one engine per GPU, or the
   // CPU engine) and the cache repository, the service over them, and the data plane (the
   // transport and its facade) in front.
@@ -677,7 +677,7 @@ absl::Status DaemonImpl::Init(const Options& options) {
   const bool cuda = backend == "cuda" || (backend == "auto" && CudaAvailable());
   metrics_ = std::make_unique<Metrics>(Version(), cuda ? "cuda" : "cpu");
   metrics_->SetAuthRequired(!tokens_->open_mode());
-  projections_ = std::make_unique<StoreProjections>(store_.get());
+  projections_ = std::make_unique<codecs::TieredProjectionStore>(store_.get());
   auto engines = EngineSet::Create(options.engine, options.data_plane.tenant_share);
   if (!engines.ok()) return Annotate(engines.status(), "engine");
   engines_ = std::move(*engines);
@@ -714,7 +714,7 @@ absl::Status DaemonImpl::Init(const Options& options) {
     KVCOMP_ASSIGN_OR_RETURN(CalibrationResult r,
                             CalibrateFromStore(store_.get(), projections_.get(), request));
     // The previous latest version may be named by no stored cache: it goes now.
-    auto model = ProjectionModel(request.tenant, request.model_id);
+    auto model = codecs::ProjectionModel(request.tenant, request.model_id);
     auto collected = model.ok() ? projections_->Collect(*model) : model.status();
     if (!collected.ok()) {
       Log(LogLevel::kWarning,

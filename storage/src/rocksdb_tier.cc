@@ -55,14 +55,6 @@ uint64_t GetLe(const char* p, int bytes) {
   for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<uint8_t>(p[i])} << (8 * i);
   return v;
 }
-void PutBe(std::string* out, uint64_t v, int bytes) {
-  for (int i = bytes - 1; i >= 0; --i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-uint64_t GetBe(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
-}
 
 rocksdb::Slice ToSlice(absl::string_view s) { return rocksdb::Slice(s.data(), s.size()); }
 
@@ -107,28 +99,6 @@ absl::StatusOr<CacheMeta> DecodeMeta(absl::string_view b) {
   m.ttl_ms = static_cast<int64_t>(GetLe(b.data() + 32, 8));
   m.projection_version = GetLe(b.data() + 40, 8);
   return m;
-}
-
-std::string EncodeProjectionKey(const ProjectionKey& key) {
-  std::string out;
-  PutBe(&out, key.model_id.size(), 2);
-  out.append(key.model_id);
-  PutBe(&out, key.layer, 4);
-  PutBe(&out, key.kv_head, 4);
-  PutBe(&out, key.version, 8);
-  return out;
-}
-
-absl::StatusOr<ProjectionKey> DecodeProjectionKey(absl::string_view b) {
-  if (b.size() < 2) return absl::DataLossError("projection key too short");
-  const size_t n = GetBe(b.data(), 2);
-  if (b.size() != 2 + n + 16) return absl::DataLossError("projection key of wrong size");
-  ProjectionKey k;
-  k.model_id = std::string(b.substr(2, n));
-  k.layer = static_cast<uint32_t>(GetBe(b.data() + 2 + n, 4));
-  k.kv_head = static_cast<uint32_t>(GetBe(b.data() + 6 + n, 4));
-  k.version = GetBe(b.data() + 10 + n, 8);
-  return k;
 }
 
 absl::Status FromRocksDb(const rocksdb::Status& s, absl::string_view context) {
@@ -649,78 +619,66 @@ absl::StatusOr<std::vector<std::string>> RocksDbTier::PurgeAllQuarantine() {
 }
 
 namespace {
-absl::Status ValidateProjectionKey(const ProjectionKey& key) {
-  if (key.model_id.empty() || key.model_id.size() > ProjectionKey::kMaxModelBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("projection: model id of ", key.model_id.size(),
-                                                   " bytes, want 1..",
-                                                   ProjectionKey::kMaxModelBytes));
+absl::Status ValidateCalibrationKey(absl::string_view key) {
+  if (key.empty() || key.size() > kMaxCalibrationKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("calibration: key of ", key.size(),
+                                                   " bytes, want 1..", kMaxCalibrationKeyBytes));
   }
-  if (key.version == 0) return absl::InvalidArgumentError("projection: version must be >= 1");
   return absl::OkStatus();
 }
 }  // namespace
 
-absl::Status RocksDbTier::PutProjection(const ProjectionKey& key, absl::string_view bytes) {
+absl::Status RocksDbTier::PutCalibration(absl::string_view key, absl::string_view bytes) {
   std::shared_ptr<Db> db = this->db();
-  KVCOMP_RETURN_IF_ERROR(ValidateProjectionKey(key));
-  const std::string k = EncodeProjectionKey(key);
+  KVCOMP_RETURN_IF_ERROR(ValidateCalibrationKey(key));
   WriterLock lock(&calibration_mu_);
   std::string existing;
-  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->calibration, k, &existing);
+  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->calibration, ToSlice(key), &existing);
   if (s.ok()) {
     if (existing == bytes) return absl::OkStatus();
-    return absl::AlreadyExistsError(absl::StrCat("projection ", key.model_id, " layer ", key.layer,
-                                                 " head ", key.kv_head, " version ", key.version,
-                                                 " exists with other bytes"));
+    return absl::AlreadyExistsError("calibration: the key exists with other bytes");
   }
-  if (!s.IsNotFound()) return FromRocksDb(s, "projection: read");
+  if (!s.IsNotFound()) return FromRocksDb(s, "calibration: read");
   rocksdb::WriteBatch batch;
-  KVCOMP_RETURN_IF_ERROR(FromRocksDb(batch.Put(db->calibration, k, ToSlice(bytes)), "projection"));
-  return Write(&batch, /*sync=*/true, "put projection", WriteKind::kAdds);
+  KVCOMP_RETURN_IF_ERROR(
+      FromRocksDb(batch.Put(db->calibration, ToSlice(key), ToSlice(bytes)), "calibration"));
+  return Write(&batch, /*sync=*/true, "put calibration", WriteKind::kAdds);
 }
 
-absl::StatusOr<std::string> RocksDbTier::GetProjection(const ProjectionKey& key) {
+absl::StatusOr<std::string> RocksDbTier::GetCalibration(absl::string_view key) {
   std::shared_ptr<Db> db = this->db();
-  KVCOMP_RETURN_IF_ERROR(ValidateProjectionKey(key));
+  KVCOMP_RETURN_IF_ERROR(ValidateCalibrationKey(key));
   std::string value;
-  rocksdb::Status s =
-      db->db->Get(rocksdb::ReadOptions(), db->calibration, EncodeProjectionKey(key), &value);
-  if (s.IsNotFound()) return absl::NotFoundError("projection: no such key");
-  KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "projection: get"));
+  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->calibration, ToSlice(key), &value);
+  if (s.IsNotFound()) return absl::NotFoundError("calibration: no such key");
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "calibration: get"));
   return value;
 }
 
-absl::StatusOr<std::vector<ProjectionKey>> RocksDbTier::ListProjections(
-    absl::string_view model_id) {
+absl::StatusOr<std::vector<std::string>> RocksDbTier::ListCalibration(absl::string_view prefix) {
   std::shared_ptr<Db> db = this->db();
-  std::vector<ProjectionKey> out;
-  std::string prefix;
-  if (!model_id.empty()) {
-    PutBe(&prefix, model_id.size(), 2);
-    prefix.append(model_id.data(), model_id.size());
+  std::vector<std::string> out;
+  std::unique_ptr<rocksdb::Iterator> it(
+      db->db->NewIterator(rocksdb::ReadOptions(), db->calibration));
+  const rocksdb::Slice p = ToSlice(prefix);
+  for (it->Seek(p); it->Valid() && it->key().starts_with(p); it->Next()) {
+    out.emplace_back(it->key().data(), it->key().size());
   }
-  std::unique_ptr<rocksdb::Iterator> it(db->db->NewIterator(rocksdb::ReadOptions(), db->calibration));
-  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-    KVCOMP_ASSIGN_OR_RETURN(ProjectionKey k, DecodeProjectionKey(absl::string_view(
-                                                 it->key().data(), it->key().size())));
-    out.push_back(std::move(k));
-  }
-  KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "projection: list"));
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "calibration: list"));
   return out;
 }
 
-absl::Status RocksDbTier::DeleteProjection(const ProjectionKey& key) {
+absl::Status RocksDbTier::DeleteCalibration(absl::string_view key) {
   std::shared_ptr<Db> db = this->db();
-  KVCOMP_RETURN_IF_ERROR(ValidateProjectionKey(key));
-  const std::string k = EncodeProjectionKey(key);
+  KVCOMP_RETURN_IF_ERROR(ValidateCalibrationKey(key));
   WriterLock lock(&calibration_mu_);
   std::string existing;
-  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->calibration, k, &existing);
-  if (s.IsNotFound()) return absl::NotFoundError("projection: no such key");
-  KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "projection: read"));
+  rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->calibration, ToSlice(key), &existing);
+  if (s.IsNotFound()) return absl::NotFoundError("calibration: no such key");
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "calibration: read"));
   rocksdb::WriteBatch batch;
-  KVCOMP_RETURN_IF_ERROR(FromRocksDb(batch.Delete(db->calibration, k), "projection"));
-  return Write(&batch, /*sync=*/true, "delete projection", WriteKind::kRemoves);
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(batch.Delete(db->calibration, ToSlice(key)), "calibration"));
+  return Write(&batch, /*sync=*/true, "delete calibration", WriteKind::kRemoves);
 }
 
 }  // namespace storage

@@ -1,7 +1,7 @@
 // The RocksDB tier: column families "meta" (CacheMeta records), "payload" (encoded caches, blob
-// files for large values), "calibration" (projections) and "quarantine" (entries whose checksum
-// failed, kept for inspection). A cache's meta and payload are written in one WriteBatch.
-// Thread-safe.
+// files for large values), "calibration" (codec data, keys and bytes) and "quarantine" (entries
+// whose checksum failed, kept for inspection). A cache's meta and payload are written in one
+// WriteBatch. Thread-safe.
 //
 // Disk space: every write is admitted against the filesystem's measured free space (statvfs)
 // before RocksDB sees it, so RocksDB never meets a full disk on the write path (Debian's RocksDB
@@ -42,11 +42,6 @@ namespace storage {
 // The stored form of CacheMeta: 52 little-endian bytes, versioned, with their own CRC32C.
 std::string EncodeMeta(const CacheMeta& meta);
 absl::StatusOr<CacheMeta> DecodeMeta(absl::string_view bytes);
-
-// The order-preserving key of a projection: model (u16 BE length + bytes), layer, kv_head
-// (u32 BE) and version (u64 BE).
-std::string EncodeProjectionKey(const ProjectionKey& key);
-absl::StatusOr<ProjectionKey> DecodeProjectionKey(absl::string_view bytes);
 
 // A rocksdb::Status as a kvcomp status: NoSpace -> ResourceExhausted ("disk full"),
 // NotFound -> NotFound, Corruption -> DataLoss, IOError -> Unavailable, others Internal.
@@ -97,10 +92,11 @@ class RocksDbTier final : public Tier {
   // Removes every quarantined entry in one synced write; returns their keys.
   absl::StatusOr<std::vector<std::string>> PurgeAllQuarantine();
 
-  absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes);
-  absl::StatusOr<std::string> GetProjection(const ProjectionKey& key);
-  absl::StatusOr<std::vector<ProjectionKey>> ListProjections(absl::string_view model_id);
-  absl::Status DeleteProjection(const ProjectionKey& key);
+  // The calibration family: opaque keys and bytes (TieredStore::PutCalibration and the rest).
+  absl::Status PutCalibration(absl::string_view key, absl::string_view bytes);
+  absl::StatusOr<std::string> GetCalibration(absl::string_view key);
+  absl::StatusOr<std::vector<std::string>> ListCalibration(absl::string_view prefix);
+  absl::Status DeleteCalibration(absl::string_view key);
 
  private:
   // One open instance of the database: read-write, or read-only while the disk is short. The
@@ -148,7 +144,7 @@ class RocksDbTier final : public Tier {
   Stripe& StripeOf(absl::string_view key);
   // Drops `key` from the accounting (its stripe's sizes, used_, entries_) if it is there.
   void ForgetSize(Stripe& st, absl::string_view key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
-  SharedMutex calibration_mu_;  // serialises PutProjection's read-compare-write
+  SharedMutex calibration_mu_;  // serialises PutCalibration's read-compare-write
   SharedMutex quarantine_mu_;   // serialises the purges' read-delete
 };
 

@@ -102,11 +102,11 @@ class TieredStoreImpl final : public TieredStore {
   absl::Status PurgeQuarantined(absl::string_view encoded_key) override;
   absl::StatusOr<uint64_t> PurgeAllQuarantined() override;
 
-  absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes) override;
-  absl::StatusOr<std::string> GetProjection(const ProjectionKey& key) override;
-  absl::StatusOr<std::vector<ProjectionKey>> ListProjections(absl::string_view model_id) override;
+  absl::Status PutCalibration(absl::string_view key, absl::string_view bytes) override;
+  absl::StatusOr<std::string> GetCalibration(absl::string_view key) override;
+  absl::StatusOr<std::vector<std::string>> ListCalibration(absl::string_view prefix) override;
+  absl::Status DeleteCalibration(absl::string_view key) override;
   uint64_t ProjectionReferences(absl::string_view model_id, uint64_t version) const override;
-  absl::Status DeleteProjection(const ProjectionKey& key) override;
 
  private:
   int64_t NowMs() const {
@@ -1236,35 +1236,29 @@ absl::StatusOr<uint64_t> TieredStoreImpl::PurgeAllQuarantined() {
   return keys.size();
 }
 
-absl::Status TieredStoreImpl::PutProjection(const ProjectionKey& key, absl::string_view bytes) {
-  if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
-  return rocks_->PutProjection(key, bytes);
+absl::Status TieredStoreImpl::PutCalibration(absl::string_view key, absl::string_view bytes) {
+  if (rocks_ == nullptr) return absl::FailedPreconditionError("calibration needs the rocksdb tier");
+  return rocks_->PutCalibration(key, bytes);
 }
 
-absl::StatusOr<std::string> TieredStoreImpl::GetProjection(const ProjectionKey& key) {
-  if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
-  return rocks_->GetProjection(key);
+absl::StatusOr<std::string> TieredStoreImpl::GetCalibration(absl::string_view key) {
+  if (rocks_ == nullptr) return absl::FailedPreconditionError("calibration needs the rocksdb tier");
+  return rocks_->GetCalibration(key);
 }
 
-absl::StatusOr<std::vector<ProjectionKey>> TieredStoreImpl::ListProjections(
-    absl::string_view model_id) {
-  if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
-  return rocks_->ListProjections(model_id);
+absl::StatusOr<std::vector<std::string>> TieredStoreImpl::ListCalibration(
+    absl::string_view prefix) {
+  if (rocks_ == nullptr) return absl::FailedPreconditionError("calibration needs the rocksdb tier");
+  return rocks_->ListCalibration(prefix);
+}
+
+absl::Status TieredStoreImpl::DeleteCalibration(absl::string_view key) {
+  if (rocks_ == nullptr) return absl::FailedPreconditionError("calibration needs the rocksdb tier");
+  return rocks_->DeleteCalibration(key);
 }
 
 uint64_t TieredStoreImpl::ProjectionReferences(absl::string_view model_id, uint64_t version) const {
   return projection_refs_.Get({std::string(model_id), version});
-}
-
-absl::Status TieredStoreImpl::DeleteProjection(const ProjectionKey& key) {
-  if (rocks_ == nullptr) return absl::FailedPreconditionError("projections need the rocksdb tier");
-  const uint64_t refs = ProjectionReferences(key.model_id, key.version);
-  if (refs > 0) {
-    return absl::FailedPreconditionError(absl::StrCat("projection ", key.model_id, " version ",
-                                                      key.version, " is used by ", refs,
-                                                      " stored caches"));
-  }
-  return rocks_->DeleteProjection(key);
 }
 
 }  // namespace

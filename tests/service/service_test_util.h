@@ -137,7 +137,7 @@ class ServiceFixture : public ::testing::Test {
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = std::move(*store);
     metrics_ = std::make_unique<Metrics>("test", eo.backend);
-    projections_ = std::make_unique<StoreProjections>(store_.get());
+    projections_ = std::make_unique<codecs::TieredProjectionStore>(store_.get());
     if (engines == 1) {
       auto set = EngineSet::Create(eo);
       ASSERT_TRUE(set.ok()) << set.status();
@@ -196,7 +196,7 @@ class ServiceFixture : public ::testing::Test {
   TempDir dir_;
   std::unique_ptr<storage::TieredStore> store_;
   std::unique_ptr<Metrics> metrics_;
-  std::unique_ptr<StoreProjections> projections_;
+  std::unique_ptr<codecs::TieredProjectionStore> projections_;
   std::unique_ptr<EngineSet> engines_;
   Engine* engine_ = nullptr;  // engines_->primary()
   std::unique_ptr<CacheRepository> repository_;

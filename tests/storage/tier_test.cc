@@ -271,31 +271,33 @@ TEST(RocksDbTier, RecoverQuarantinesAPayloadThatFailsItsChecksum) {
   EXPECT_EQ((*tier)->entries(), 1u);
 }
 
-TEST(RocksDbTier, ProjectionsAreImmutableVersionsListedInOrder) {
+TEST(RocksDbTier, CalibrationEntriesAreImmutableAndListedByPrefixInByteOrder) {
   TempDir dir;
   auto tier = RocksDbTier::Open(RocksOptions(dir.path()));
   ASSERT_TRUE(tier.ok());
   RocksDbTier& t = **tier;
-  ProjectionKey k{"llama", 3, 1, 2};
-  ASSERT_TRUE(t.PutProjection(k, "P1").ok());
-  EXPECT_TRUE(t.PutProjection(k, "P1").ok());  // idempotent
-  EXPECT_TRUE(absl::IsAlreadyExists(t.PutProjection(k, "P2")));
-  ASSERT_TRUE(t.PutProjection({"llama", 3, 1, 1}, "P0").ok());
-  ASSERT_TRUE(t.PutProjection({"llama", 0, 7, 9}, "Q").ok());
-  ASSERT_TRUE(t.PutProjection({"mistral", 0, 0, 1}, "M").ok());
-  EXPECT_EQ(*t.GetProjection(k), "P1");
-  EXPECT_TRUE(absl::IsNotFound(t.GetProjection({"llama", 3, 1, 5}).status()));
-  EXPECT_TRUE(absl::IsInvalidArgument(t.PutProjection({"llama", 0, 0, 0}, "x")));
-  EXPECT_TRUE(absl::IsInvalidArgument(t.PutProjection({"", 0, 0, 1}, "x")));
-  auto list = t.ListProjections("llama");
+  const std::string k("llama\x00\x03", 7);
+  ASSERT_TRUE(t.PutCalibration(k, "P1").ok());
+  EXPECT_TRUE(t.PutCalibration(k, "P1").ok());  // idempotent
+  EXPECT_TRUE(absl::IsAlreadyExists(t.PutCalibration(k, "P2")));
+  ASSERT_TRUE(t.PutCalibration("llama\x01", "P0").ok());
+  ASSERT_TRUE(t.PutCalibration("llama", "Q").ok());
+  ASSERT_TRUE(t.PutCalibration("mistral", "M").ok());
+  EXPECT_EQ(*t.GetCalibration(k), "P1");
+  EXPECT_TRUE(absl::IsNotFound(t.GetCalibration("llama\x02").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(t.PutCalibration("", "x")));
+  const std::string too_long(kMaxCalibrationKeyBytes + 1, 'k');
+  EXPECT_TRUE(absl::IsInvalidArgument(t.PutCalibration(too_long, "x")));
+  auto list = t.ListCalibration("llama");
   ASSERT_TRUE(list.ok());
   ASSERT_EQ(list->size(), 3u);
-  EXPECT_EQ((*list)[0], (ProjectionKey{"llama", 0, 7, 9}));
-  EXPECT_EQ((*list)[1], (ProjectionKey{"llama", 3, 1, 1}));
-  EXPECT_EQ((*list)[2], k);
-  EXPECT_EQ(t.ListProjections("")->size(), 4u);
-  ASSERT_TRUE(t.DeleteProjection(k).ok());
-  EXPECT_TRUE(absl::IsNotFound(t.DeleteProjection(k)));
+  EXPECT_EQ((*list)[0], "llama");
+  EXPECT_EQ((*list)[1], k);
+  EXPECT_EQ((*list)[2], "llama\x01");
+  EXPECT_EQ(t.ListCalibration("")->size(), 4u);
+  ASSERT_TRUE(t.DeleteCalibration(k).ok());
+  EXPECT_TRUE(absl::IsNotFound(t.DeleteCalibration(k)));
+  EXPECT_EQ(t.ListCalibration("llama")->size(), 2u);
 }
 
 TEST(RocksDbTier, DiskFullIsAClearStatusAndWritesResumeAfterwards) {

@@ -102,7 +102,7 @@ TEST(TieredStore, BadInputIsAClearStatusAndTheStoreKeepsServing) {
   no_overwrite.overwrite = false;
   EXPECT_TRUE(absl::IsAlreadyExists(store->Put(Key("ok"), EncodedCache(4), {}, no_overwrite)));
   EXPECT_EQ(store->Get(Key("ok"))->payload.view(), EncodedCache(2));
-  EXPECT_TRUE(absl::IsFailedPrecondition(store->PutProjection({"m", 0, 0, 1}, "p")));
+  EXPECT_TRUE(absl::IsFailedPrecondition(store->PutCalibration("m", "p")));
 }
 
 // Without a GPU (or a device tier) a payload in device memory cannot be read: a put of one is a
@@ -204,7 +204,7 @@ TEST(TieredStore, ATierThatCannotStartIsLeftOutAndReported) {
   durable.durability = Durability::kDisk;
   absl::Status put = store->Put(Key("b"), EncodedCache(2), {}, durable);
   EXPECT_TRUE(absl::IsFailedPrecondition(put)) << put;
-  EXPECT_TRUE(absl::IsFailedPrecondition(store->PutProjection({"m", 0, 0, 1}, "p")));
+  EXPECT_TRUE(absl::IsFailedPrecondition(store->PutCalibration("m", "p")));
 }
 
 TEST(TieredStore, DemotesLeastRecentlyUsedToDiskBetweenWatermarks) {
@@ -498,24 +498,23 @@ TEST(TieredStore, DiskFullFailsPutsClearlyWhileReadsGoOn) {
   EXPECT_EQ(store->Get(Key("b"))->payload.view(), EncodedCache(16));
 }
 
-TEST(TieredStore, ProjectionsStayWhileACacheUsesThem) {
+TEST(TieredStore, CountsTheCachesThatNameACodecVersionBesideItsCalibrationBytes) {
   TempDir dir;
   auto store = MustOpen(HostAndDisk(dir.path(), 1 << 20));
-  const ProjectionKey p{"llama-8b", 2, 1, 4};
-  ASSERT_TRUE(store->PutProjection(p, "projection bytes").ok());
+  const std::string p = "llama-8b projection 4";
+  ASSERT_TRUE(store->PutCalibration(p, "projection bytes").ok());
   CacheMeta meta;
   meta.projection_version = 4;
   ASSERT_TRUE(store->Put(Key("a"), EncodedCache(18), meta, {}).ok());
   ASSERT_TRUE(store->Put(Key("b"), EncodedCache(19), meta, {}).ok());
   EXPECT_EQ(store->ProjectionReferences("llama-8b", 4), 2u);
-  EXPECT_TRUE(absl::IsFailedPrecondition(store->DeleteProjection(p)));
   ASSERT_TRUE(store->Delete(Key("a")).ok());
   ASSERT_TRUE(store->Put(Key("b"), EncodedCache(19), {}, {}).ok());  // replaced, no projection
   EXPECT_EQ(store->ProjectionReferences("llama-8b", 4), 0u);
-  EXPECT_EQ(*store->GetProjection(p), "projection bytes");
-  EXPECT_EQ(store->ListProjections("llama-8b")->size(), 1u);
-  ASSERT_TRUE(store->DeleteProjection(p).ok());
-  EXPECT_TRUE(absl::IsNotFound(store->GetProjection(p).status()));
+  EXPECT_EQ(*store->GetCalibration(p), "projection bytes");
+  EXPECT_EQ(store->ListCalibration("llama-8b")->size(), 1u);
+  ASSERT_TRUE(store->DeleteCalibration(p).ok());
+  EXPECT_TRUE(absl::IsNotFound(store->GetCalibration(p).status()));
 }
 
 TEST(TieredStore, AReaderKeepsItsBytesWhileTheEntryIsDemotedAndDeleted) {

@@ -1,7 +1,7 @@
 // TieredStore: compressed caches (the encoded bytes of a kvcomp::CompressedCache, format.h) in
 // device memory, host memory and RocksDB, moved down under pressure (LRU between watermarks),
-// optionally promoted on read, with per-tenant quotas, TTLs, pins, and calibration data (KVSplice
-// projections) kept while any stored cache uses them.
+// optionally promoted on read, with per-tenant quotas, TTLs, pins, and calibration data (keys and
+// bytes the codecs give meaning to) with counts of the caches that name each codec version.
 //
 // Durability: a put returns OK only once its Durability holds. With the RocksDB tier, metadata
 // and payload go in one atomic WriteBatch; Open rebuilds the index from RocksDB and verifies
@@ -113,22 +113,25 @@ class TieredStore {
   // Removes every quarantined entry the same way (one synced write); returns how many.
   virtual absl::StatusOr<uint64_t> PurgeAllQuarantined() = 0;
 
-  // --- calibration data (KVSplice projections), kept in RocksDB's "calibration" family ---
-  // All return FailedPrecondition when the RocksDB tier is not enabled.
+  // --- calibration data: keys and bytes in RocksDB's "calibration" family ---
+  // The codecs give keys and bytes their meaning (KVSplice's projections:
+  // kvcomp/codecs/projection_store.h); the store keeps them durably and counts the caches that
+  // name a codec version. All but ProjectionReferences return FailedPrecondition when the RocksDB
+  // tier is not enabled; keys are 1..kMaxCalibrationKeyBytes bytes (InvalidArgument otherwise).
 
-  // Stores `bytes` under `key` (version >= 1), durably. AlreadyExists if that exact key holds
-  // different bytes (a version is immutable); OK if it holds the same bytes.
-  virtual absl::Status PutProjection(const ProjectionKey& key, absl::string_view bytes) = 0;
-  virtual absl::StatusOr<std::string> GetProjection(const ProjectionKey& key) = 0;
-  // Keys of every projection of `model_id` (all models when empty), in (model, layer, kv_head,
-  // version) order.
-  virtual absl::StatusOr<std::vector<ProjectionKey>> ListProjections(
-      absl::string_view model_id) = 0;
-  // Stored caches of `model_id` that record `version` as their projection version.
+  // Stores `bytes` under `key`, durably (a synced write). AlreadyExists if `key` holds different
+  // bytes (an entry is immutable); OK if it holds the same bytes.
+  virtual absl::Status PutCalibration(absl::string_view key, absl::string_view bytes) = 0;
+  // NotFound when absent.
+  virtual absl::StatusOr<std::string> GetCalibration(absl::string_view key) = 0;
+  // Every key that starts with `prefix` (all when empty), in byte order.
+  virtual absl::StatusOr<std::vector<std::string>> ListCalibration(absl::string_view prefix) = 0;
+  // Removes `key` in a synced write; NotFound if absent. Whoever deletes codec data that caches
+  // may still need checks ProjectionReferences first.
+  virtual absl::Status DeleteCalibration(absl::string_view key) = 0;
+  // Stored caches of `model_id` that record `version` as CacheMeta::projection_version (rebuilt
+  // at Open from the recovered caches).
   virtual uint64_t ProjectionReferences(absl::string_view model_id, uint64_t version) const = 0;
-  // Deletes a projection. FailedPrecondition while ProjectionReferences(...) > 0; NotFound if
-  // absent.
-  virtual absl::Status DeleteProjection(const ProjectionKey& key) = 0;
 };
 
 }  // namespace storage

@@ -1,5 +1,5 @@
 // Value types of the tiered store: tier kinds, the shared payload buffer, the metadata stored
-// with every cache, put options, lookup results, statistics and projection keys.
+// with every cache, put options, lookup results, and statistics.
 #ifndef KVCOMP_STORAGE_TYPES_H_
 #define KVCOMP_STORAGE_TYPES_H_
 
@@ -204,19 +204,8 @@ struct TenantUsage {
   uint64_t original_bytes = 0;  // sum of CacheMeta::original_bytes (uncompressed K and V)
 };
 
-// The name of a KVSplice projection (calibration data): per (model, layer, kv_head), versioned.
-struct ProjectionKey {
-  static constexpr size_t kMaxModelBytes = CacheKey::kMaxModelBytes;
-  std::string model_id;
-  uint32_t layer = 0;
-  uint32_t kv_head = 0;
-  uint64_t version = 0;  // >= 1; caches record it as CacheMeta::projection_version
-
-  friend bool operator==(const ProjectionKey& a, const ProjectionKey& b) {
-    return a.model_id == b.model_id && a.layer == b.layer && a.kv_head == b.kv_head &&
-           a.version == b.version;
-  }
-};
+// The longest key of the calibration family (TieredStore::PutCalibration).
+inline constexpr size_t kMaxCalibrationKeyBytes = 1024;
 
 }  // namespace storage
 }  // namespace kvcomp
