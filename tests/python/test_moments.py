@@ -177,13 +177,29 @@ def test_attention_over_kvsplice_cache(codec):
 
 @pytest.mark.skipif(not kvcomp.cuda_available(), reason="no CUDA device")
 def test_cuda_attention_over_kvsplice_cache():
+    # The two decode-first paths differ by design: the device expands the latents on tensor
+    # cores with f16 operands (the expand matrix diag(gamma) P and the dequantized codes rounded
+    # to f16, f32 sums: kernels/decode/src/dense_decode_cuda.cu), the CPU in f32. Each operand's
+    # rounding is up to 2^-11 relative, so the outputs agree to 5e-3 of their largest magnitude,
+    # the bound of the C++ GPU test (DecodeAttentionCudaTest.EncodedCacheMatchesCpu); not to
+    # 1e-4 per element. The latent path (expand_in_attention) applies the expand matrix in f32
+    # on both backends: the device matches its CPU twin to 5e-4 of the largest magnitude
+    # (LatentAttentionMatchesCpu's bound), and the CPU's decode-first path to the f16 bound.
     L = _layer(seed=3)
     proj = kvcomp.calibrate(L.values[None], rank=32)
     c = kvcomp.compress(L.keys, L.values,
                         kvcomp.Policy(ratio=0.5, value_codec="orthogonal_int8"),
                         num_q_heads=4, projection=proj)
-    for fused in (False, True):
-        np.testing.assert_allclose(
-            kvcomp.attention(L.queries, c, 0, backend="cuda", projection=proj,
-                             expand_in_attention=fused),
-            kvcomp.attention(L.queries, c, 0, projection=proj), rtol=1e-4, atol=1e-4)
+
+    def worst(a, b):
+        return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / max(np.max(np.abs(b)), 1e-6))
+
+    cpu_first = np.asarray(kvcomp.attention(L.queries, c, 0, projection=proj), np.float64)
+    cpu_latent = np.asarray(kvcomp.attention(L.queries, c, 0, projection=proj,
+                                             expand_in_attention=True), np.float64)
+    gpu_first = kvcomp.attention(L.queries, c, 0, backend="cuda", projection=proj)
+    gpu_latent = kvcomp.attention(L.queries, c, 0, backend="cuda", projection=proj,
+                                  expand_in_attention=True)
+    assert np.all(np.isfinite(gpu_first)) and np.all(np.isfinite(gpu_latent))
+    w = (worst(gpu_first, cpu_first), worst(gpu_latent, cpu_latent), worst(gpu_latent, cpu_first))
+    assert w[0] < 5e-3 and w[1] < 5e-4 and w[2] < 5e-3, w
