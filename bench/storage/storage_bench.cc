@@ -11,6 +11,7 @@
 //     disk copy is deleted with a synced write). Reports ops/s and evictions.
 // Usage: storage_bench --mode=rocksdb|host|churn --dir=DIR --value_size=BYTES --num=N --sync=0|1
 //   [--only=CASE] (churn mode: one case, e.g. to count its syncs with strace)
+//   [--direct_min=BYTES] (RocksDbTierOptions::direct_min_bytes; 0 = every payload through the WAL)
 #include <malloc.h>
 #include <unistd.h>
 
@@ -48,6 +49,7 @@ struct Args {
   uint64_t num = 256;
   bool sync = false;
   std::string only;  // churn mode: run only the case of this name (empty: all)
+  int64_t direct_min = -1;  // RocksDbTierOptions::direct_min_bytes; -1 = its default
 };
 
 Args Parse(int argc, char** argv) {
@@ -69,6 +71,8 @@ Args Parse(int argc, char** argv) {
       a.sync = value("sync") == "1";
     else if (absl::StartsWith(s, "--only="))
       a.only = std::string(value("only"));
+    else if (absl::StartsWith(s, "--direct_min="))
+      (void)absl::SimpleAtoi(value("direct_min"), &a.direct_min);
     else {
       std::fprintf(stderr, "unknown argument %s\n", argv[i]);
       std::exit(2);
@@ -84,9 +88,12 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 void Report(const Args& a, absl::string_view what, uint64_t bytes, double seconds) {
   std::printf(
       "{\"bench\":\"%s\",\"value_size\":%llu,\"num\":%llu,\"sync\":%d,"
-      "\"seconds\":%.4f,\"gb_per_s\":%.4f}\n",
+      "\"direct_min\":%lld,\"seconds\":%.4f,\"gb_per_s\":%.4f}\n",
       std::string(what).c_str(), static_cast<unsigned long long>(a.value_size),
-      static_cast<unsigned long long>(a.num), a.sync ? 1 : 0, seconds, bytes / seconds / 1e9);
+      static_cast<unsigned long long>(a.num), a.sync ? 1 : 0,
+      static_cast<long long>(a.direct_min >= 0 ? a.direct_min
+                                               : RocksDbTierOptions().direct_min_bytes),
+      seconds, bytes / seconds / 1e9);
   std::fflush(stdout);
 }
 
@@ -115,6 +122,7 @@ RocksDbTierOptions RocksOptions(const Args& a, const std::string& path) {
   o.enabled = true;
   o.path = path;
   o.capacity_bytes = 1ull << 40;
+  if (a.direct_min >= 0) o.direct_min_bytes = static_cast<uint64_t>(a.direct_min);
   return o;
 }
 

@@ -438,9 +438,10 @@ std::vector<ConfigField> BuildFields() {
       "storage.data_dir", "Directory of the RocksDB tier and daemon state. Default ./.kvcomp-data.",
       [](Options & o) -> auto& { return o.storage.data_dir; }));
   f.push_back(EnumField(
-      "storage.durability", {"memory", "disk"},
-      "When a put is acknowledged: memory (in its first tier) or disk (RocksDB, WAL synced). "
-      "Default disk.",
+      "storage.durability", {"memory", "disk", "behind"},
+      "When a put is acknowledged: memory (in its first tier), disk (RocksDB, synced) or behind "
+      "(in its first tier, then written to RocksDB behind the put; a crash loses at most "
+      "storage.behind_max_bytes of acknowledged puts). Default disk.",
       [](Options & o) -> auto& { return o.storage.durability; }));
   f.push_back(EnumField(
       "storage.put_tier", {"device", "host", "rocksdb"}, "Tier a new cache lands in. Default host.",
@@ -464,6 +465,11 @@ std::vector<ConfigField> BuildFields() {
       "(RESOURCE_EXHAUSTED, disk full) and puts resume by themselves once there is room. "
       "Default 64Mi.",
       [](Options & o) -> auto& { return o.storage.rocksdb_reserve_bytes; }));
+  f.push_back(BytesField(
+      "storage.behind_max_bytes",
+      "With storage.durability behind: bytes of acknowledged puts not yet written to RocksDB, at "
+      "most (the loss window of a crash); a put past it is written through. Default 1Gi.",
+      [](Options & o) -> auto& { return o.storage.behind_max_bytes; }));
   f.push_back(DoubleField(
       "storage.high_watermark", "fraction", 0, 1,
       "A tier above this fraction of its capacity demotes. Default 0.9.",
@@ -633,9 +639,10 @@ absl::Status ValidateOptions(const Options& o) {
     return absl::InvalidArgumentError(
         "storage.put_tier is host but storage.host_capacity_bytes is 0");
   }
-  if ((s.put_tier == "rocksdb" || s.durability == "disk") && !s.rocksdb_enabled) {
+  if ((s.put_tier == "rocksdb" || s.durability != "memory") && !s.rocksdb_enabled) {
     return absl::InvalidArgumentError(
-        "storage.put_tier rocksdb or storage.durability disk need storage.rocksdb_enabled");
+        "storage.put_tier rocksdb or storage.durability disk or behind need "
+        "storage.rocksdb_enabled");
   }
   if (o.control_plane.tls &&
       (o.control_plane.tls_cert_file.empty() || o.control_plane.tls_key_file.empty())) {

@@ -157,6 +157,7 @@ storage::StoreOptions StoreOptionsOf(const Options& o, const std::vector<int>& d
   so.rocksdb.path = s.data_dir + "/rocksdb";
   so.rocksdb.capacity_bytes = s.rocksdb_capacity_bytes;
   so.rocksdb.reserve_bytes = s.rocksdb_reserve_bytes;
+  so.behind_max_bytes = s.behind_max_bytes;
   so.rocksdb.verify_checksums_on_open = s.verify_checksums_on_open;
   so.rocksdb.verify_in_background = true;  // a restart does not read every payload first
   so.default_tier = TierOf(s.put_tier);
@@ -691,8 +692,9 @@ absl::Status DaemonImpl::Init(const Options& options) {
   }
   RegisterEngineGauges();
   RepositoryOptions ro;
-  ro.durability = options.storage.durability == "disk" ? storage::Durability::kDisk
-                                                       : storage::Durability::kMemory;
+  ro.durability = options.storage.durability == "disk"     ? storage::Durability::kDisk
+                  : options.storage.durability == "behind" ? storage::Durability::kBehind
+                                                           : storage::Durability::kMemory;
   ro.put_tier = static_cast<int>(TierOf(options.storage.put_tier));
   repository_ =
       std::make_unique<CacheRepository>(ro, store_.get(), projections_.get(), metrics_.get());

@@ -2,7 +2,9 @@
 
 #include <sys/statvfs.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -12,11 +14,14 @@
 #include <vector>
 
 #include "absl/hash/hash.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/status.h"
 #include "rocksdb/cache.h"
 #include "rocksdb/db.h"
+#include "rocksdb/file_system.h"
 #include "rocksdb/listener.h"
 #include "rocksdb/options.h"
 #include "rocksdb/sst_file_manager.h"
@@ -32,6 +37,36 @@ constexpr size_t kMetaBytes = 52;
 constexpr char kQuarantineReason = 'r';
 constexpr char kQuarantineMeta = 'm';
 constexpr char kQuarantinePayload = 'p';
+constexpr char kQuarantineFile = 'f';  // the record of a quarantined direct payload
+constexpr char kDirectSuffix[] = ".kvd";
+constexpr uint8_t kDirectRecordVersion = 1;
+constexpr uint64_t kDirectChunk = 8ull << 20;  // bytes per write of a direct file
+
+// The "direct" family's record of a key: u8 version, u64 LE size, then the file's name.
+std::string EncodeDirectRecord(const std::string& name, uint64_t size) {
+  std::string out(1, static_cast<char>(kDirectRecordVersion));
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((size >> (8 * i)) & 0xff));
+  out += name;
+  return out;
+}
+
+bool DecodeDirectRecord(absl::string_view b, std::string* name, uint64_t* size) {
+  if (b.size() < 10 || static_cast<uint8_t>(b[0]) != kDirectRecordVersion) return false;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(b[1 + i]);
+  *size = n;
+  *name = std::string(b.substr(9));
+  return absl::EndsWith(*name, kDirectSuffix) && name->find('/') == std::string::npos;
+}
+
+absl::Status FromIo(const rocksdb::IOStatus& s, absl::string_view context) {
+  if (s.ok()) return absl::OkStatus();
+  if (s.IsNoSpace())
+    return absl::ResourceExhaustedError(absl::StrCat("disk full: ", context, ": ", s.ToString()));
+  if (s.IsNotFound() || s.IsPathNotFound())
+    return absl::NotFoundError(absl::StrCat(context, ": ", s.ToString()));
+  return absl::UnavailableError(absl::StrCat(context, ": ", s.ToString()));
+}
 
 // RocksDB hands NoSpace errors to its SstFileManager, which retries only every 5 s and only once
 // the disk has a reserve it computes (large next to a small volume), refusing DB::Resume() as Busy
@@ -120,6 +155,8 @@ struct RocksDbTier::Db {
   rocksdb::ColumnFamilyHandle* payload = nullptr;
   rocksdb::ColumnFamilyHandle* calibration = nullptr;
   rocksdb::ColumnFamilyHandle* quarantine = nullptr;
+  rocksdb::ColumnFamilyHandle* direct = nullptr;  // null in a read-only open of a database
+                                                  // made before the family existed
   bool read_only = false;
 
   ~Db() {
@@ -242,6 +279,15 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
       {"calibration", base},
       {"quarantine", base},
   };
+  // The "direct" family, except in a read-only open of a database made without it.
+  bool with_direct = true;
+  if (read_only) {
+    std::vector<std::string> names;
+    if (rocksdb::DB::ListColumnFamilies(db_options, o.path, &names).ok()) {
+      with_direct = std::find(names.begin(), names.end(), "direct") != names.end();
+    }
+  }
+  if (with_direct) cfs.push_back({"direct", base});
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s =
       read_only ? rocksdb::DB::OpenForReadOnly(db_options, o.path, cfs, &db->handles, &raw)
@@ -255,6 +301,7 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   db->payload = db->handles[2];
   db->calibration = db->handles[3];
   db->quarantine = db->handles[4];
+  if (with_direct) db->direct = db->handles[5];
   return db;
 }
 
@@ -273,6 +320,8 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
   }
   std::unique_ptr<RocksDbTier> tier(new RocksDbTier(o));
   tier->block_cache_ = rocksdb::NewLRUCache(o.block_cache_bytes);
+  tier->fs_ = (o.env != nullptr ? o.env : rocksdb::Env::Default())->GetFileSystem();
+  tier->direct_dir_ = o.path + "/direct";
   // A read-write open replays the WAL into new table files and writes a new manifest, WAL and
   // options file: on a disk without room for them it would fail, or abort inside RocksDB. Then
   // the database opens read-only, and writes wait for space.
@@ -317,6 +366,25 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
     tier->entries_ += 1;
   }
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: scan meta"));
+  if (d.direct != nullptr) {
+    std::unique_ptr<rocksdb::Iterator> f(d.db->NewIterator(rocksdb::ReadOptions(), d.direct));
+    for (f->SeekToFirst(); f->Valid(); f->Next()) {
+      std::string name;
+      uint64_t size = 0;
+      if (!DecodeDirectRecord(absl::string_view(f->value().data(), f->value().size()), &name,
+                              &size)) {
+        continue;  // unreadable record: the key's Get fails and Recover quarantines it
+      }
+      const absl::string_view key(f->key().data(), f->key().size());
+      Stripe& st = tier->StripeOf(key);
+      WriterLock lock(&st.mu);
+      st.files[std::string(key)] = std::move(name);
+    }
+    KVCOMP_RETURN_IF_ERROR(FromRocksDb(f->status(), "rocksdb tier: scan direct"));
+  }
+  if (!d.read_only) {
+    KVCOMP_RETURN_IF_ERROR(tier->RemoveUnnamedDirectFiles(*tier->db_));
+  }
   return tier;
 }
 
@@ -428,14 +496,53 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
                                                      used, " of ", capacity_, " used)"));
   }
   std::shared_ptr<Db> db = this->db();
+  const bool direct = options_.direct_min_bytes != 0 && n >= options_.direct_min_bytes;
+  std::string file;  // the new direct file, if any
+  if (direct) {
+    if (db->read_only && !TryReopenWritable()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("disk full: rocksdb tier: put refused, the database is open read-only (",
+                       read_only_reason(), "); writes resume when space returns"));
+    }
+    db = this->db();
+    // The payload is written once (no WAL copy, no flush copy): its bytes plus the reserve.
+    const uint64_t free = FreeBytesUnder(options_.path);
+    if (free != UINT64_MAX && free < n + reserve_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("disk full: ", free, " bytes free under ", options_.path, ", ", n + reserve_,
+                       " needed (direct write of ", n, ", reserve ", reserve_,
+                       "); writes resume when space returns"));
+    }
+    KVCOMP_ASSIGN_OR_RETURN(file, WriteDirectFile(payload));
+  }
+  auto old_file = st.files.find(key);
   CacheMeta m = meta;
   m.tier = TierKind::kRocksDb;
   m.stored_bytes = n;
   rocksdb::WriteBatch batch;
   rocksdb::Status s = batch.Put(db->meta, ToSlice(key), EncodeMeta(m));
-  if (s.ok()) s = batch.Put(db->payload, ToSlice(key), ToSlice(payload.view()));
-  KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
-  KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "put", WriteKind::kAdds));
+  if (direct) {
+    if (s.ok()) s = batch.Put(db->direct, ToSlice(key), EncodeDirectRecord(file, n));
+    if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
+  } else {
+    if (s.ok()) s = batch.Put(db->payload, ToSlice(key), ToSlice(payload.view()));
+    if (s.ok() && old_file != st.files.end() && db->direct != nullptr) {
+      s = batch.Delete(db->direct, ToSlice(key));
+    }
+  }
+  absl::Status written = FromRocksDb(s, "rocksdb tier: batch");
+  // A direct put's record is synced whatever `sync` asks: its file is durable already, and a
+  // record lost in a crash would only leave the file to be removed at the next Open.
+  if (written.ok()) written = Write(&batch, sync || direct, "put", WriteKind::kAdds);
+  if (!written.ok()) {
+    if (direct) RemoveDirectFile(file);
+    return written;
+  }
+  if (old_file != st.files.end()) {
+    RemoveDirectFile(old_file->second);
+    st.files.erase(old_file);
+  }
+  if (direct) st.files[std::string(key)] = std::move(file);
   if (it == st.sizes.end()) {
     st.sizes.emplace(std::string(key), n);
     entries_ += 1;
@@ -444,6 +551,131 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
   }
   used_ += n;
   used_ -= old;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> RocksDbTier::WriteDirectFile(const Payload& payload) {
+  const std::string name = absl::StrFormat(
+      "%016x-%06x%s",
+      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()),
+      direct_seq_.fetch_add(1) & 0xffffff, kDirectSuffix);
+  const std::string path = direct_dir_ + "/" + name;
+  const rocksdb::IOOptions io;
+  KVCOMP_RETURN_IF_ERROR(
+      FromIo(fs_->CreateDirIfMissing(direct_dir_, io, nullptr), "rocksdb tier: direct dir"));
+  rocksdb::FileOptions fo;
+  fo.allow_fallocate = false;  // space is admitted against statvfs
+  fo.use_direct_writes = true;
+  std::unique_ptr<rocksdb::FSWritableFile> f;
+  if (!fs_->NewWritableFile(path, fo, &f, nullptr).ok()) {
+    fo.use_direct_writes = false;  // a filesystem without direct I/O (tmpfs): buffered
+    KVCOMP_RETURN_IF_ERROR(
+        FromIo(fs_->NewWritableFile(path, fo, &f, nullptr), "rocksdb tier: direct file"));
+  }
+  auto fail = [&](const rocksdb::IOStatus& s) {
+    f->Close(io, nullptr).PermitUncheckedError();
+    fs_->DeleteFile(path, io, nullptr).PermitUncheckedError();
+    return FromIo(s, "rocksdb tier: write direct file");
+  };
+  const uint64_t n = payload.size();
+  const uint8_t* src = payload.data();
+  if (fo.use_direct_writes) {
+    // Whole aligned chunks through an aligned bounce buffer; the last one padded with zeros,
+    // then the file cut back to the payload's size.
+    const size_t align = std::max<size_t>(f->GetRequiredBufferAlignment(), 4096);
+    const uint64_t chunk = std::min<uint64_t>(kDirectChunk, (n + align - 1) / align * align);
+    void* raw = nullptr;
+    if (posix_memalign(&raw, align, chunk) != 0) {
+      return fail(rocksdb::IOStatus::IOError("out of memory for the direct write buffer"));
+    }
+    std::unique_ptr<void, decltype(&std::free)> buf(raw, &std::free);
+    for (uint64_t off = 0; off < n; off += chunk) {
+      const uint64_t len = std::min(chunk, n - off);
+      const uint64_t padded = (len + align - 1) / align * align;
+      std::memcpy(buf.get(), src + off, len);
+      if (padded > len) std::memset(static_cast<char*>(buf.get()) + len, 0, padded - len);
+      rocksdb::IOStatus s =
+          f->Append(rocksdb::Slice(static_cast<const char*>(buf.get()), padded), io, nullptr);
+      if (!s.ok()) return fail(s);
+    }
+    if (n % align != 0) {
+      rocksdb::IOStatus s = f->Truncate(n, io, nullptr);
+      if (!s.ok()) return fail(s);
+    }
+  } else {
+    for (uint64_t off = 0; off < n; off += kDirectChunk) {
+      const uint64_t len = std::min(kDirectChunk, n - off);
+      rocksdb::IOStatus s =
+          f->Append(rocksdb::Slice(reinterpret_cast<const char*>(src) + off, len), io, nullptr);
+      if (!s.ok()) return fail(s);
+    }
+  }
+  rocksdb::IOStatus s = f->Fsync(io, nullptr);
+  if (s.ok()) s = f->Close(io, nullptr);
+  if (!s.ok()) return fail(s);
+  // The file's name in its directory, durably.
+  std::unique_ptr<rocksdb::FSDirectory> dir;
+  s = fs_->NewDirectory(direct_dir_, io, &dir, nullptr);
+  if (s.ok()) s = dir->Fsync(io, nullptr);
+  if (!s.ok()) {
+    fs_->DeleteFile(path, io, nullptr).PermitUncheckedError();
+    return FromIo(s, "rocksdb tier: sync direct dir");
+  }
+  return name;
+}
+
+absl::StatusOr<Payload> RocksDbTier::ReadDirectFile(rocksdb::FSRandomAccessFile& f,
+                                                    const std::string& name, uint64_t size) {
+  std::shared_ptr<uint8_t[]> bytes(new uint8_t[std::max<uint64_t>(size, 1)]);
+  uint64_t got = 0;
+  while (got < size) {
+    const uint64_t want = std::min(kDirectChunk, size - got);
+    rocksdb::Slice result;
+    KVCOMP_RETURN_IF_ERROR(FromIo(f.Read(got, want, rocksdb::IOOptions(), &result,
+                                         reinterpret_cast<char*>(bytes.get()) + got, nullptr),
+                                  "rocksdb tier: read direct file"));
+    if (result.size() == 0) break;
+    if (result.data() != reinterpret_cast<char*>(bytes.get()) + got) {
+      std::memmove(bytes.get() + got, result.data(), result.size());
+    }
+    got += result.size();
+  }
+  if (got != size) {
+    return absl::DataLossError(absl::StrCat("rocksdb tier: direct file ", name, " holds ", got,
+                                            " bytes, its record says ", size));
+  }
+  const uint8_t* data = bytes.get();
+  return Payload(std::shared_ptr<const uint8_t>(std::move(bytes), data), size);
+}
+
+void RocksDbTier::RemoveDirectFile(const std::string& name) {
+  // Absent is fine; one left behind by a failure here is removed at the next Open.
+  fs_->DeleteFile(direct_dir_ + "/" + name, rocksdb::IOOptions(), nullptr).PermitUncheckedError();
+}
+
+absl::Status RocksDbTier::RemoveUnnamedDirectFiles(Db& db) {
+  std::vector<std::string> children;
+  rocksdb::IOStatus ls = fs_->GetChildren(direct_dir_, rocksdb::IOOptions(), &children, nullptr);
+  if (!ls.ok()) return absl::OkStatus();  // no directory yet
+  absl::flat_hash_map<std::string, bool> named;
+  for (Stripe& st : stripes_) {
+    ReaderLock lock(&st.mu);
+    for (const auto& [key, name] : st.files) named[name] = true;
+  }
+  std::unique_ptr<rocksdb::Iterator> it(db.db->NewIterator(rocksdb::ReadOptions(), db.quarantine));
+  const std::string prefix(1, kQuarantineFile);
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    std::string name;
+    uint64_t size = 0;
+    if (DecodeDirectRecord(absl::string_view(it->value().data(), it->value().size()), &name,
+                           &size)) {
+      named[name] = true;
+    }
+  }
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: scan quarantine"));
+  for (const std::string& c : children) {
+    if (absl::EndsWith(c, kDirectSuffix) && !named.contains(c)) RemoveDirectFile(c);
+  }
   return absl::OkStatus();
 }
 
@@ -457,6 +689,29 @@ absl::StatusOr<Payload> RocksDbTier::GetFrom(Db& db, absl::string_view key) {
     std::shared_ptr<rocksdb::Cache> cache;  // destroyed after `slice` releases into it
     rocksdb::PinnableSlice slice;
   };
+  {
+    // A direct payload: its file is opened under the stripe's lock (an overwrite or delete
+    // removes the file under the writer lock) and read after it, from the open file.
+    std::unique_ptr<rocksdb::FSRandomAccessFile> file;
+    std::string name;
+    uint64_t size = 0;
+    {
+      Stripe& st = StripeOf(key);
+      ReaderLock lock(&st.mu);
+      auto f = st.files.find(key);
+      if (f != st.files.end()) {
+        auto n = st.sizes.find(key);
+        if (n == st.sizes.end()) return absl::NotFoundError("rocksdb tier: no such key");
+        name = f->second;
+        size = n->second;
+        KVCOMP_RETURN_IF_ERROR(
+            FromIo(fs_->NewRandomAccessFile(direct_dir_ + "/" + name, rocksdb::FileOptions(), &file,
+                                            nullptr),
+                   "rocksdb tier: open direct file"));
+      }
+    }
+    if (file != nullptr) return ReadDirectFile(*file, name, size);
+  }
   auto value = std::make_shared<Pinned>();
   value->cache = block_cache_;
   rocksdb::Status s = db.db->Get(rocksdb::ReadOptions(), db.payload, ToSlice(key), &value->slice);
@@ -483,8 +738,16 @@ absl::Status RocksDbTier::Delete(absl::string_view key, bool sync) {
   rocksdb::WriteBatch batch;
   rocksdb::Status s = batch.Delete(db->meta, ToSlice(key));
   if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
+  auto file = st.files.find(key);
+  if (s.ok() && file != st.files.end() && db->direct != nullptr) {
+    s = batch.Delete(db->direct, ToSlice(key));
+  }
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
   KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete", WriteKind::kRemoves));
+  if (file != st.files.end()) {
+    RemoveDirectFile(file->second);
+    st.files.erase(file);
+  }
   ForgetSize(st, key);
   return absl::OkStatus();
 }
@@ -496,12 +759,18 @@ absl::Status RocksDbTier::DeleteMany(const std::vector<std::string>& keys, bool 
   for (const std::string& key : keys) {
     rocksdb::Status s = batch.Delete(db->meta, ToSlice(key));
     if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
+    if (s.ok() && db->direct != nullptr) s = batch.Delete(db->direct, ToSlice(key));
     KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
   }
   KVCOMP_RETURN_IF_ERROR(Write(&batch, sync, "delete", WriteKind::kRemoves));
   for (const std::string& key : keys) {
     Stripe& st = StripeOf(key);
     WriterLock lock(&st.mu);
+    auto file = st.files.find(key);
+    if (file != st.files.end()) {
+      RemoveDirectFile(file->second);
+      st.files.erase(file);
+    }
     ForgetSize(st, key);
   }
   return absl::OkStatus();
@@ -563,8 +832,17 @@ absl::Status RocksDbTier::Quarantine(absl::string_view key, absl::string_view re
   if (s.ok()) s = batch.Put(db->quarantine, qkey(kQuarantinePayload), payload);
   if (s.ok()) s = batch.Delete(db->meta, ToSlice(key));
   if (s.ok()) s = batch.Delete(db->payload, ToSlice(key));
+  // A direct payload's file stays, named by the quarantine's record, until it is purged.
+  auto file = st.files.find(key);
+  if (s.ok() && file != st.files.end() && db->direct != nullptr) {
+    auto size = st.sizes.find(key);
+    s = batch.Put(db->quarantine, qkey(kQuarantineFile),
+                  EncodeDirectRecord(file->second, size == st.sizes.end() ? 0 : size->second));
+    if (s.ok()) s = batch.Delete(db->direct, ToSlice(key));
+  }
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: batch"));
   KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "quarantine", WriteKind::kAdds));
+  if (file != st.files.end()) st.files.erase(file);
   ForgetSize(st, key);
   return absl::OkStatus();
 }
@@ -590,12 +868,18 @@ absl::StatusOr<bool> RocksDbTier::PurgeQuarantine(absl::string_view key) {
   rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->quarantine, reason_key, &reason);
   if (s.IsNotFound()) return false;
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: purge quarantine"));
+  std::string record, file;
+  uint64_t size = 0;
+  s = db->db->Get(rocksdb::ReadOptions(), db->quarantine,
+                  std::string(1, kQuarantineFile) + std::string(key), &record);
+  if (s.ok() && !DecodeDirectRecord(record, &file, &size)) file.clear();
   rocksdb::WriteBatch batch;
-  for (char tag : {kQuarantineReason, kQuarantineMeta, kQuarantinePayload}) {
+  for (char tag : {kQuarantineReason, kQuarantineMeta, kQuarantinePayload, kQuarantineFile}) {
     KVCOMP_RETURN_IF_ERROR(FromRocksDb(
         batch.Delete(db->quarantine, std::string(1, tag) + std::string(key)), "rocksdb tier: batch"));
   }
   KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "purge quarantine", WriteKind::kRemoves));
+  if (!file.empty()) RemoveDirectFile(file);
   return true;
 }
 
@@ -605,9 +889,17 @@ absl::StatusOr<std::vector<std::string>> RocksDbTier::PurgeAllQuarantine() {
   rocksdb::WriteBatch batch;
   std::vector<std::string> keys;
   std::unique_ptr<rocksdb::Iterator> it(db->db->NewIterator(rocksdb::ReadOptions(), db->quarantine));
+  std::vector<std::string> files;
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     if (!it->key().empty() && it->key()[0] == kQuarantineReason) {
       keys.emplace_back(it->key().data() + 1, it->key().size() - 1);
+    }
+    std::string file;
+    uint64_t size = 0;
+    if (!it->key().empty() && it->key()[0] == kQuarantineFile &&
+        DecodeDirectRecord(absl::string_view(it->value().data(), it->value().size()), &file,
+                           &size)) {
+      files.push_back(std::move(file));
     }
     KVCOMP_RETURN_IF_ERROR(
         FromRocksDb(batch.Delete(db->quarantine, it->key()), "rocksdb tier: batch"));
@@ -615,6 +907,7 @@ absl::StatusOr<std::vector<std::string>> RocksDbTier::PurgeAllQuarantine() {
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: purge quarantine"));
   if (batch.Count() == 0) return keys;
   KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "purge quarantine", WriteKind::kRemoves));
+  for (const std::string& f : files) RemoveDirectFile(f);
   return keys;
 }
 

@@ -3,6 +3,13 @@
 // whose checksum failed, kept for inspection). A cache's meta and payload are written in one
 // WriteBatch. Thread-safe.
 //
+// Large payloads (at least RocksDbTierOptions::direct_min_bytes) skip the write-ahead log: each
+// is written once, with direct I/O where the filesystem takes it, to its own file under
+// <path>/direct and synced, and then its meta and a small record naming the file (column family
+// "direct") are written in one WriteBatch, so a put acknowledges only once both are durable. A
+// file no record names (a put that crashed between the two writes, or an overwrite or delete
+// that crashed before removing the old file) is removed at the next read-write Open.
+//
 // Disk space: every write is admitted against the filesystem's measured free space (statvfs)
 // before RocksDB sees it, so RocksDB never meets a full disk on the write path (Debian's RocksDB
 // 7.8 can abort inside the library when it does). A write that adds data needs its bytes twice
@@ -32,6 +39,8 @@ namespace rocksdb {
 class Cache;
 class ColumnFamilyHandle;
 class DB;
+class FileSystem;
+class FSRandomAccessFile;
 class SstFileManager;
 class Status;
 }  // namespace rocksdb
@@ -119,6 +128,14 @@ class RocksDbTier final : public Tier {
   // Bytes RocksDB needs free to open read-write: the reserve plus the WAL it will flush.
   uint64_t BytesToOpenWritable() const;
   absl::StatusOr<Payload> GetFrom(Db& db, absl::string_view key);
+  // Direct files: written whole and synced (direct I/O where the filesystem takes it), read
+  // whole, removed (absent is fine).
+  absl::StatusOr<std::string> WriteDirectFile(const Payload& payload);
+  absl::StatusOr<Payload> ReadDirectFile(rocksdb::FSRandomAccessFile& file, const std::string& name,
+                                         uint64_t size);
+  void RemoveDirectFile(const std::string& name);
+  // Removes every file under <path>/direct that no record names (read-write opens only).
+  absl::Status RemoveUnnamedDirectFiles(Db& db);
   absl::Status QuarantineIn(Db& db, absl::string_view key, absl::string_view reason);
 
   const RocksDbTierOptions options_;
@@ -126,6 +143,9 @@ class RocksDbTier final : public Tier {
   const uint64_t reserve_;
   const uint64_t max_space_;
   std::shared_ptr<rocksdb::Cache> block_cache_;
+  std::shared_ptr<rocksdb::FileSystem> fs_;  // the env's file system (tests inject faults)
+  std::string direct_dir_;                   // <path>/direct
+  std::atomic<uint64_t> direct_seq_{0};
   std::shared_ptr<Db> db_;  // std::atomic_load / atomic_store
   mutable SharedMutex reopen_mu_;
   std::string read_only_reason_ ABSL_GUARDED_BY(reopen_mu_);
@@ -139,6 +159,8 @@ class RocksDbTier final : public Tier {
   struct Stripe {
     SharedMutex mu;
     absl::flat_hash_map<std::string, uint64_t> sizes ABSL_GUARDED_BY(mu);
+    // Keys whose payload is a direct file: the file's name under <path>/direct.
+    absl::flat_hash_map<std::string, std::string> files ABSL_GUARDED_BY(mu);
   };
   Stripe stripes_[kStripes];
   Stripe& StripeOf(absl::string_view key);

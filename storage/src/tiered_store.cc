@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,11 +18,11 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "cuda_memory.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/storage/tier.h"
-#include "cuda_memory.h"
 #include "mutex.h"
 #include "rocksdb_tier.h"
 #include "striped_counts.h"
@@ -79,6 +80,13 @@ class TieredStoreImpl final : public TieredStore {
   }
 
   ~TieredStoreImpl() override {
+    {
+      // The persister drains its queue first: a clean close loses no kBehind put.
+      std::lock_guard<std::mutex> lock(behind_mu_);
+      stop_behind_ = true;
+    }
+    behind_cv_.notify_all();
+    if (persister_.joinable()) persister_.join();
     stop_verifying_ = true;
     if (verifier_.joinable()) verifier_.join();
   }
@@ -101,6 +109,7 @@ class TieredStoreImpl final : public TieredStore {
   std::vector<QuarantinedCache> Quarantined() const override;
   absl::Status PurgeQuarantined(absl::string_view encoded_key) override;
   absl::StatusOr<uint64_t> PurgeAllQuarantined() override;
+  void FlushBehind() override;
 
   absl::Status PutCalibration(absl::string_view key, absl::string_view bytes) override;
   absl::StatusOr<std::string> GetCalibration(absl::string_view key) override;
@@ -138,7 +147,8 @@ class TieredStoreImpl final : public TieredStore {
     return static_cast<uint64_t>(std::floor(fraction * tiers_[t]->capacity_bytes()));
   }
   uint64_t SyncFor(int t, Durability d) const {
-    return t == kRocks && (d == Durability::kDisk || options_.rocksdb.sync_memory_durability_puts);
+    return t == kRocks && (d == Durability::kDisk || d == Durability::kBehind ||
+                           options_.rocksdb.sync_memory_durability_puts);
   }
 
   // Demotes from tier t until used + incoming <= low watermark, when used + incoming passes the
@@ -210,6 +220,25 @@ class TieredStoreImpl final : public TieredStore {
       recovered_{0}, unverified_{0};
   std::thread verifier_;
   std::atomic<bool> stop_verifying_{false};
+  // Durability::kBehind: puts acknowledged in a memory tier, queued for the persister thread,
+  // which writes each to RocksDB (synced) in order. behind_bytes_ counts the queued bytes plus
+  // those reserved by puts in progress (bounded by StoreOptions::behind_max_bytes).
+  struct BehindItem {
+    std::string ek;
+    int64_t created_ms = 0;
+    uint32_t crc32c = 0;
+    uint64_t bytes = 0;
+  };
+  void PersistBehind();
+  void PersistOne(const BehindItem& item);
+  std::thread persister_;
+  mutable std::mutex behind_mu_;
+  std::condition_variable behind_cv_;
+  std::deque<BehindItem> behind_;  // guarded by behind_mu_
+  uint64_t behind_bytes_ = 0;      // guarded by behind_mu_
+  uint64_t behind_busy_ = 0;       // guarded by behind_mu_: items being written now
+  bool stop_behind_ = false;       // guarded by behind_mu_
+  std::atomic<uint64_t> behind_failed_{0};
   mutable std::mutex verified_mu_;
   mutable std::condition_variable verified_cv_;
   bool verified_ = true;  // guarded by verified_mu_: the background pass is done (or none)
@@ -370,6 +399,7 @@ absl::Status TieredStoreImpl::Init() {
     KVCOMP_RETURN_IF_ERROR(rocks_->DeleteMany(expired, /*sync=*/true));
     expired_ += expired.size();
   }
+  if (rocks_ != nullptr) persister_ = std::thread([this] { PersistBehind(); });
   if (!to_verify.empty()) {
     unverified_ = to_verify.size();
     verified_ = false;
@@ -637,9 +667,11 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
     return absl::InvalidArgumentError(absl::StrCat("put: tier ", options.tier, " is not enabled"));
   }
   target = PresentTierNear(target);  // a tier that failed at Open hands its puts on
-  if (options.durability == Durability::kDisk && rocks_ == nullptr) {
+  Durability durability = options.durability;
+  if (durability != Durability::kMemory && rocks_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "put: disk durability needs the rocksdb tier",
+        "put: ", durability == Durability::kDisk ? "disk" : "behind",
+        " durability needs the rocksdb tier",
         tier_errors_[kRocks].empty() ? "" : ", which failed at open: ", tier_errors_[kRocks]));
   }
   CacheMeta meta = meta_in;
@@ -653,6 +685,25 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
     if (meta.projection_version == 0) meta.projection_version = info->projection_version;
   }
   const uint64_t n = encoded.size();
+  // kBehind: the put's bytes are reserved in the persister's bound, or it is written through.
+  struct BehindReservation {
+    TieredStoreImpl* store;
+    uint64_t bytes = 0;  // 0 once the queue owns them (or none were reserved)
+    ~BehindReservation() {
+      if (bytes == 0) return;
+      std::lock_guard<std::mutex> lock(store->behind_mu_);
+      store->behind_bytes_ -= bytes;
+    }
+  } behind{this};
+  if (durability == Durability::kBehind && target != kRocks) {
+    std::lock_guard<std::mutex> lock(behind_mu_);
+    if (behind_bytes_ + n <= options_.behind_max_bytes) {
+      behind_bytes_ += n;
+      behind.bytes = n;
+    } else {
+      durability = Durability::kDisk;  // the loss window is full: written through
+    }
+  }
   meta.stored_bytes = n;
   meta.crc32c = on_device != nullptr ? on_device->crc32c
                 : options.crc32c     ? *options.crc32c
@@ -719,7 +770,7 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
   // acknowledged; a new value written into RocksDB over it is written synced for the same reason.
   bool old_on_disk = had_old && old.persisted;
   bool dropped_old_disk = false;
-  if (old_on_disk && options.durability != Durability::kDisk && target != kRocks) {
+  if (old_on_disk && durability != Durability::kDisk && target != kRocks) {
     absl::Status st = rocks_->Delete(ek, /*sync=*/true);
     if (!st.ok()) return fail(Annotate(st, "put: removing the older disk-durable value"));
     old_on_disk = false;
@@ -728,7 +779,7 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
 
   bool persisted = false;
   int placed = kNoTier;
-  if (options.durability == Durability::kDisk) {
+  if (durability == Durability::kDisk) {
     auto bytes = bytes_for(kRocks);
     if (!bytes.ok()) return fail(Annotate(bytes.status(), "put"));
     MakeRoom(kRocks, n, Held().With(&ek));
@@ -749,8 +800,8 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
       break;
     }
     if (t != target) MakeRoom(t, n, Held().With(&ek));
-    absl::Status st = tiers_[t]->Put(
-        ek, meta, *bytes, SyncFor(t, options.durability) || (t == kRocks && old_on_disk));
+    absl::Status st =
+        tiers_[t]->Put(ek, meta, *bytes, SyncFor(t, durability) || (t == kRocks && old_on_disk));
     if (st.ok()) {
       placed = t;
       persisted = persisted || t == kRocks;
@@ -811,6 +862,14 @@ absl::Status TieredStoreImpl::Put(const CacheKey& key, Payload encoded, const Ca
     projection_refs_.Add({key.model_id, meta.projection_version}, 1);
   RelieveIfAboveHigh(placed, Held().With(&ek));
   if (persisted && placed != kRocks) RelieveIfAboveHigh(kRocks, Held().With(&ek));
+  if (behind.bytes != 0 && !persisted) {
+    {
+      std::lock_guard<std::mutex> lock(behind_mu_);
+      behind_.push_back({ek, meta.created_unix_ms, meta.crc32c, n});
+    }
+    behind.bytes = 0;  // the queue holds the reservation now
+    behind_cv_.notify_all();
+  }
   return absl::OkStatus();
 }
 
@@ -1161,6 +1220,70 @@ uint64_t TieredStoreImpl::ExpireNow() {
   return n;
 }
 
+void TieredStoreImpl::PersistBehind() {
+  std::unique_lock<std::mutex> lock(behind_mu_);
+  for (;;) {
+    behind_cv_.wait(lock, [&] { return stop_behind_ || !behind_.empty(); });
+    if (behind_.empty()) return;  // stopping, and everything queued is written
+    BehindItem item = std::move(behind_.front());
+    behind_.pop_front();
+    ++behind_busy_;
+    lock.unlock();
+    PersistOne(item);
+    lock.lock();
+    --behind_busy_;
+    behind_bytes_ -= item.bytes;
+    behind_cv_.notify_all();
+  }
+}
+
+void TieredStoreImpl::PersistOne(const BehindItem& item) {
+  const std::string& ek = item.ek;
+  // The stripe keeps puts, deletes and demotions of this key out while it is written.
+  WriterLock stripe(&Stripe(StripeIndex(ek)));
+  Shard& s = ShardOf(ek);
+  Entry e;
+  {
+    ReaderLock lock(&s.mu);
+    auto it = s.map.find(ek);
+    // Gone, replaced by a newer put, or on disk already (demoted, or written through).
+    if (it == s.map.end() || it->second.persisted ||
+        it->second.meta.created_unix_ms != item.created_ms ||
+        it->second.meta.crc32c != item.crc32c) {
+      return;
+    }
+    e = it->second;
+  }
+  const int t = TierIndex(e.meta.tier);
+  if (t == kRocks) return;
+  auto payload = tiers_[t]->Get(ek);  // host bytes (the device tier's Get copies to the host)
+  if (!payload.ok()) {
+    behind_failed_ += 1;
+    return;
+  }
+  MakeRoom(kRocks, payload->size(), Held().With(&ek));
+  absl::Status st = rocks_->Put(ek, e.meta, *payload, /*sync=*/true);
+  if (!st.ok()) {
+    if (IsDiskError(st)) write_errors_ += 1;
+    behind_failed_ += 1;
+    return;
+  }
+  counters_[kRocks].puts += 1;
+  {
+    WriterLock lock(&s.mu);
+    auto it = s.map.find(ek);
+    if (it != s.map.end() && it->second.meta.created_unix_ms == item.created_ms) {
+      it->second.persisted = true;
+    }
+  }
+  RelieveIfAboveHigh(kRocks, Held().With(&ek));
+}
+
+void TieredStoreImpl::FlushBehind() {
+  std::unique_lock<std::mutex> lock(behind_mu_);
+  behind_cv_.wait(lock, [&] { return behind_.empty() && behind_busy_ == 0; });
+}
+
 StoreStats TieredStoreImpl::Stats() const {
   StoreStats out;
   for (int t = 0; t < kNumTiers; ++t) {
@@ -1191,6 +1314,11 @@ StoreStats TieredStoreImpl::Stats() const {
   out.write_errors = write_errors_;
   out.recovered = recovered_;
   out.unverified = unverified_;
+  {
+    std::lock_guard<std::mutex> lock(behind_mu_);
+    out.behind_bytes = behind_bytes_;
+  }
+  out.behind_failed = behind_failed_;
   return out;
 }
 

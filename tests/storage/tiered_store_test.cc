@@ -498,6 +498,49 @@ TEST(TieredStore, DiskFullFailsPutsClearlyWhileReadsGoOn) {
   EXPECT_EQ(store->Get(Key("b"))->payload.view(), EncodedCache(16));
 }
 
+// Durability::kBehind: acknowledged in the host tier, written to RocksDB behind the put; a
+// clean close persists what is queued; a full loss window writes the put through; a delete
+// before the persister reaches a put leaves nothing on disk.
+TEST(TieredStore, BehindPutsReachTheDiskAfterTheirAcknowledgement) {
+  TempDir dir;
+  PutOptions behind;
+  behind.durability = Durability::kBehind;
+  const std::string a = EncodedCache(31), b = EncodedCache(32), c = EncodedCache(33);
+  {
+    auto store = MustOpen(HostAndDisk(dir.path(), 1 << 20));
+    ASSERT_TRUE(store->Put(Key("a"), a, {}, behind).ok());
+    store->FlushBehind();
+    auto l = store->Lookup(Key("a"));
+    ASSERT_TRUE(l.ok());
+    EXPECT_EQ(l->tier, TierKind::kHost);
+    EXPECT_TRUE(l->persisted);
+    EXPECT_EQ(store->Stats().behind_bytes, 0u);
+    EXPECT_EQ(store->Stats().tier(TierKind::kRocksDb).entries, 1u);
+    ASSERT_TRUE(store->Put(Key("gone"), c, {}, behind).ok());
+    ASSERT_TRUE(store->Delete(Key("gone")).ok());
+    ASSERT_TRUE(store->Put(Key("b"), b, {}, behind).ok());  // queued when the store closes
+  }
+  {
+    auto store = MustOpen(HostAndDisk(dir.path(), 1 << 20));
+    EXPECT_EQ(store->Get(Key("a"))->payload.view(), a);
+    EXPECT_EQ(store->Get(Key("b"))->payload.view(), b);
+    EXPECT_TRUE(absl::IsNotFound(store->Get(Key("gone")).status()));
+    EXPECT_EQ(store->Stats().behind_failed, 0u);
+  }
+  // A loss window smaller than the put: written through, persisted on return.
+  StoreOptions small = HostAndDisk(dir.path(), 1 << 20);
+  small.behind_max_bytes = c.size() - 1;
+  auto store = MustOpen(small);
+  ASSERT_TRUE(store->Put(Key("c"), c, {}, behind).ok());
+  auto l = store->Lookup(Key("c"));
+  ASSERT_TRUE(l.ok());
+  EXPECT_TRUE(l->persisted);
+  EXPECT_EQ(store->Stats().behind_bytes, 0u);
+  // Without the RocksDB tier there is nothing to write behind to.
+  auto host_only = MustOpen(HostOnly(1 << 20));
+  EXPECT_TRUE(absl::IsFailedPrecondition(host_only->Put(Key("d"), c, {}, behind)));
+}
+
 TEST(TieredStore, CountsTheCachesThatNameACodecVersionBesideItsCalibrationBytes) {
   TempDir dir;
   auto store = MustOpen(HostAndDisk(dir.path(), 1 << 20));

@@ -168,8 +168,8 @@ name, a PodMonitor's job is <namespace>/<monitor name>.
 {{- if and (eq .Values.tiers.putTier "device") (ne (include "kvcomp.gpu" .) "true") -}}
 {{- fail "kvcomp: tiers.putTier=device needs gpu.enabled and gpu.count > 0" -}}
 {{- end -}}
-{{- if and (eq .Values.storage.durability "disk") (not .Values.tiers.rocksdb.enabled) -}}
-{{- fail "kvcomp: storage.durability=disk needs tiers.rocksdb.enabled" -}}
+{{- if and (ne .Values.storage.durability "memory") (not .Values.tiers.rocksdb.enabled) -}}
+{{- fail (printf "kvcomp: storage.durability=%s needs tiers.rocksdb.enabled" .Values.storage.durability) -}}
 {{- end -}}
 {{- if ge (float64 .Values.shutdownGraceSeconds) (float64 .Values.terminationGracePeriodSeconds) -}}
 {{- fail "kvcomp: shutdownGraceSeconds must be below terminationGracePeriodSeconds (the daemon needs time to flush after its grace period)" -}}

@@ -153,9 +153,12 @@ struct EngineOptions {
 // daemon's own state (per-tenant policies) in <data_dir>/policies.yaml.
 struct StorageOptions {
   std::string data_dir = "./.kvcomp-data";  // created when missing
-  // When a put is acknowledged: "memory" (in its first tier; lost on restart) or "disk" (in
-  // RocksDB with its WAL synced; survives SIGKILL and power loss). Default disk.
+  // When a put is acknowledged: "memory" (in its first tier; lost on restart), "disk" (in
+  // RocksDB, synced; survives SIGKILL and power loss) or "behind" (in its first tier, then
+  // written to RocksDB behind the put: a crash loses at most behind_max_bytes of acknowledged
+  // puts, a clean shutdown none). Default disk.
   std::string durability = "disk";
+  uint64_t behind_max_bytes = uint64_t{1} << 30;  // loss window of "behind". Default 1 GiB
   std::string put_tier = "host";       // tier a put lands in: device, host or rocksdb. host
   uint64_t device_capacity_bytes = 0;  // GPU tier, per engine device; 0 = no GPU tier. 0
   uint64_t host_capacity_bytes = uint64_t{1} << 30;      // host tier; 0 = none. Default 1 GiB

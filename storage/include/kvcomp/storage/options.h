@@ -43,7 +43,8 @@ struct HostTierOptions {
 };
 
 // RocksDB on local disk: column families "meta" (CacheMeta), "payload" (encoded bytes, blob
-// files for large values), "calibration" (projections) and "quarantine".
+// files for large values), "direct" (the files of payloads past direct_min_bytes),
+// "calibration" (codec data) and "quarantine".
 struct RocksDbTierOptions {
   bool enabled = false;                       // default off
   std::string path;                           // database directory; required when enabled
@@ -55,6 +56,11 @@ struct RocksDbTierOptions {
   // Write-ahead log bytes kept before the column families holding the oldest log are flushed
   // (what a restart after a crash replays). Default 256 MiB.
   uint64_t max_wal_bytes = 256ull << 20;
+  // Payloads of at least this many bytes skip the write-ahead log: written once to a file of
+  // their own under <path>/direct (direct I/O where the filesystem takes it) and synced, then
+  // named in a small synced record; the others go through the WAL (and blob files). A put of a
+  // direct payload is durable when it returns, whatever `sync`. 0 = never. Default 4 MiB.
+  uint64_t direct_min_bytes = 4ull << 20;
   uint64_t block_cache_bytes = 256ull << 20;  // block cache in bytes, default 256 MiB
   bool sync_memory_durability_puts = false;   // sync the WAL even for Durability::kMemory puts
                                               // that land here (default false)
@@ -98,6 +104,9 @@ struct StoreOptions {
   // enabled). Default off.
   bool promote_on_read = false;
   TierKind promote_to = TierKind::kHost;
+  // Durability::kBehind: bytes of puts acknowledged and not yet on disk, at most; a put that
+  // would pass it is written through (as kDisk). The loss window of a crash. Default 1 GiB.
+  uint64_t behind_max_bytes = 1ull << 30;
   // Time to live for puts that give none; zero = forever. Default zero.
   absl::Duration default_ttl = absl::ZeroDuration();
   // Bytes a tenant may hold over all tiers (stored bytes, one count per cache); tenants not

@@ -113,6 +113,10 @@ class TieredStore {
   // Removes every quarantined entry the same way (one synced write); returns how many.
   virtual absl::StatusOr<uint64_t> PurgeAllQuarantined() = 0;
 
+  // Waits until every Durability::kBehind put queued so far has been written to RocksDB or has
+  // failed to be (StoreStats::behind_failed). Returns at once without such puts.
+  virtual void FlushBehind() = 0;
+
   // --- calibration data: keys and bytes in RocksDB's "calibration" family ---
   // The codecs give keys and bytes their meaning (KVSplice's projections:
   // kvcomp/codecs/projection_store.h); the store keeps them durably and counts the caches that

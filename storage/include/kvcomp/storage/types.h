@@ -102,6 +102,12 @@ struct DeviceTarget {
 enum class Durability : uint8_t {
   kMemory = 0,  // acknowledged once in a memory tier (lost on restart)
   kDisk = 1,    // acknowledged once in RocksDB with its write-ahead log synced (survives a crash)
+  // Acknowledged once in its first tier, as kMemory, and written to RocksDB (synced) behind the
+  // put by the store's persister, in order. Loss window: a crash loses the puts acknowledged and
+  // not yet persisted, at most StoreOptions::behind_max_bytes of them (a put past that bound is
+  // written through, as kDisk); a clean close persists them all. For caches that can be
+  // recomputed. A put whose first tier is RocksDB is written synced.
+  kBehind = 2,
 };
 
 // What is stored with every cache. Fields marked "(store)" are filled in by the store on Put and
@@ -186,6 +192,8 @@ struct StoreStats {
   uint64_t write_errors = 0;  // puts failed by the disk (e.g. disk full)
   uint64_t recovered = 0;     // entries found again in RocksDB at Open
   uint64_t unverified = 0;    // recovered entries the background check has not read yet
+  uint64_t behind_bytes = 0;  // Durability::kBehind puts acknowledged, not yet on disk
+  uint64_t behind_failed = 0;  // kBehind puts the persister could not write (left in memory)
   const TierStats& tier(TierKind k) const { return tiers[static_cast<int>(k)]; }
 };
 

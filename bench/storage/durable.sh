@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Durable puts against the disk's own fsync'd sequential write, in one run on one disk:
+#   - dd of the same bytes with conv=fsync, buffered and with oflag=direct (the disk's figures);
+#   - storage_bench --mode=rocksdb --sync=1 (disk-durable puts, RocksDbTier alone and through
+#     TieredStore), every payload through the WAL (--direct_min=0) and large payloads as direct
+#     files (the tier's default direct_min_bytes);
+# alternating, KVCOMP_BENCH_REPS times (default 3), medians reported. Writes
+# bench/results/storage-durable-<date>-<HHMM>.{jsonl,md} with the date, machine and commit.
+#   bench/storage/durable.sh [build dir (default build)] [scratch dir (default /tmp/kvcomp_durable)]
+# KVCOMP_BENCH_MB: bytes per case (default 1024); KVCOMP_DURABLE_SIZES: value sizes in MiB
+# (default "16 64").
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD=${1:-build}
+SCRATCH=${2:-/tmp/kvcomp_durable}
+TOTAL_MB=${KVCOMP_BENCH_MB:-1024}
+REPS=${KVCOMP_BENCH_REPS:-3}
+SIZES=${KVCOMP_DURABLE_SIZES:-16 64}
+BENCH="$BUILD/bench/storage/storage_bench"
+[ -x "$BENCH" ] || cmake --build "$BUILD" --target storage_bench
+mkdir -p "$SCRATCH" bench/results
+STAMP=$(date -u +%Y-%m-%d-%H%M)
+OUT=bench/results/storage-durable-$STAMP.jsonl
+MD=bench/results/storage-durable-$STAMP.md
+LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
+: >"$OUT"
+
+dd_case() {  # mode size_mib
+  local mode=$1 size=$2 count=$((TOTAL_MB / $2)) flags=(conv=fsync) s
+  [ "$mode" = direct ] && flags+=(oflag=direct)
+  rm -f "$SCRATCH/dd.bin"
+  sync
+  s=$(dd if=/dev/zero of="$SCRATCH/dd.bin" bs=${size}M count=$count "${flags[@]}" 2>&1 |
+      awk '/copied/ {print $(NF-3)}')  # seconds
+  rm -f "$SCRATCH/dd.bin"
+  awk -v m="$mode" -v z=$((size << 20)) -v c=$count -v s="$s" 'BEGIN {
+    printf "{\"bench\":\"dd_%s_fsync\",\"value_size\":%d,\"num\":%d,\"seconds\":%s,\"gb_per_s\":%.4f}\n",
+      m, z, c, s, z * c / s / 1e9 }'
+}
+
+for rep in $(seq "$REPS"); do
+  for size in $SIZES; do
+    num=$((TOTAL_MB / size))
+    dd_case buffered "$size" >>"$OUT"
+    dd_case direct "$size" >>"$OUT"
+    for dmin in 0 -1; do
+      "$BENCH" --mode=rocksdb --dir="$SCRATCH" --value_size=$((size << 20)) --num="$num" \
+        --sync=1 --direct_min="$dmin" | grep '_put"' >>"$OUT"
+    done
+  done
+done
+rm -rf "$SCRATCH"
+
+python3 - "$OUT" "$MD" "$LOAD" "$TOTAL_MB" "$REPS" <<'PY'
+import json, platform, statistics, subprocess, sys
+out, md, load, total, reps = sys.argv[1:6]
+rows = [json.loads(l) for l in open(out) if l.strip()]
+def med(bench, size, dmin=None):
+    v = [r["gb_per_s"] for r in rows if r["bench"] == bench and r["value_size"] == size
+         and (dmin is None or r.get("direct_min") == dmin)]
+    return statistics.median(v) if v else float("nan")
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                        text=True).stdout.strip()
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+dmins = sorted({r["direct_min"] for r in rows if "direct_min" in r})
+wal = 0
+direct = max(dmins) if dmins else 0
+lines = [f"# Durable puts against the disk's fsync'd sequential write ({md.split('-', 2)[2][:-3]} UTC)", "",
+         f"- commit: {commit}", f"- machine: {cpu}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores, kernel {platform.release()}",
+         f"- load average at start (other work on the machine): {load}",
+         f"- {total} MiB per case, median of {reps} runs, cases alternating; GB/s = 1e9 bytes of values per second",
+         "- dd: `dd if=/dev/zero bs=<value> conv=fsync` (buffered) and with `oflag=direct`, same bytes, same disk",
+         f"- puts: `storage_bench --mode=rocksdb --sync=1` (Durability::kDisk), WAL = every payload through the WAL (`--direct_min=0`), direct = payloads of at least {direct} bytes as direct files (the default)",
+         "", "| value | dd buffered+fsync | dd direct+fsync | tier put, WAL | tier put, direct | store put, WAL | store put, direct | store direct / best dd |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+for size in sorted({r["value_size"] for r in rows}):
+    b, d = med("dd_buffered_fsync", size), med("dd_direct_fsync", size)
+    tw, td = med("rocksdb_tier_put", size, wal), med("rocksdb_tier_put", size, direct)
+    sw, sd = med("store_rocksdb_put", size, wal), med("store_rocksdb_put", size, direct)
+    lines.append(f"| {size >> 20} MiB | {b:.2f} | {d:.2f} | {tw:.2f} | {td:.2f} | {sw:.2f} | {sd:.2f} | {100 * sd / max(b, d):.0f}% |")
+open(md, "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
