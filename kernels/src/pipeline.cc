@@ -276,7 +276,7 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
   out.policy = policy;
   out.has_moments = false;  // the moments live on the device: Reset shapes no host arrays
   out.Reset(layout, n);
-  out.has_moments = policy.moments && pipeline_internal::MomentsAvailable(backend);
+  out.has_moments = pipeline_internal::StoresMoments(backend, policy, select.kept_per_head, n);
 
   Allocator& a = backend.allocator();
   KVCOMP_ASSIGN_OR_RETURN(Buffer d_counts, Buffer::Allocate(a, L * heads * sizeof(uint32_t)));
@@ -640,7 +640,7 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
 
   CompressedCache out;
   out.policy = policy;
-  out.has_moments = policy.moments && pipeline_internal::MomentsAvailable(backend);
+  out.has_moments = pipeline_internal::StoresMoments(backend, policy, select.kept_per_head, n);
   out.Reset(layout, n);
   out.positions.resize(layout.num_layers * cap);
   out.keys.resize(layout.num_layers * cap * row);

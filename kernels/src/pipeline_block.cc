@@ -38,7 +38,7 @@ class BlockCompressorImpl final : public BlockCompressor {
       KVCOMP_ASSIGN_OR_RETURN(l.values, Buffer::Allocate(HostAllocator(), rows * row_));
       l.positions.assign(rows, 0);
     }
-    moments_.has_moments = policy_.moments && pipeline_internal::MomentsAvailable(backend_);
+    moments_.has_moments = pipeline_internal::StoresMoments(backend_, policy_, 0, 0);
     moments_.Reset(layout_, 0);
     return absl::OkStatus();
   }

@@ -31,6 +31,13 @@ absl::StatusOr<const T*> ToBackend(Backend& backend, const std::vector<T>& host,
 // Every backend now carries MomentOps; keep this the single switch should one not.
 bool MomentsAvailable(Backend& /*backend*/) { return true; }
 
+bool StoresMoments(Backend& backend, const CompressionPolicy& policy, uint64_t kept_per_head,
+                   uint64_t num_tokens) {
+  if (!policy.moments || !MomentsAvailable(backend)) return false;
+  if (policy.token_budget == 0 && policy.ratio <= 0.0) return false;
+  return num_tokens == 0 || kept_per_head < num_tokens;
+}
+
 absl::Status MomentStage(Backend& backend, const LayerEviction& e, CompressedCache* cache) {
   const uint32_t heads = e.keys.num_heads;
   const uint32_t d = e.keys.head_dim;

@@ -30,6 +30,14 @@ struct LayerEviction {
 
 // True when the moment stage can run on `backend` (MomentOps present).
 bool MomentsAvailable(Backend& backend);
+// Whether a cache compressed under `policy` stores moment summaries: the policy asks for them,
+// the backend has the moment stage, and some token can be evicted. A policy that keeps every
+// token (ratio 0 with no token budget, or kept_per_head >= num_tokens) stores none: its
+// summaries would be all zero and cost 8 + 4 d (d + 2) bytes per kv head (more than the cache
+// itself for short chunks). num_tokens 0 means not known yet (block-wise compression): only the
+// policy is read.
+bool StoresMoments(Backend& backend, const CompressionPolicy& policy, uint64_t kept_per_head,
+                   uint64_t num_tokens);
 // Adds the moments of `eviction` to cache->moment_* of its layer's heads (cache->has_moments and
 // the arrays already shaped by Reset).
 absl::Status MomentStage(Backend& backend, const LayerEviction& eviction, CompressedCache* cache);

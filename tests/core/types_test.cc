@@ -9,6 +9,7 @@
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
+#include "kvcomp/core/policy_presets.h"
 #include "kvcomp/core/status.h"
 
 namespace kvcomp {
@@ -230,6 +231,32 @@ TEST(Status, Macros) {
   EXPECT_EQ(StatusCodeFromWire(StatusCodeToWire(absl::StatusCode::kDataLoss)),
             absl::StatusCode::kDataLoss);
   EXPECT_EQ(StatusCodeFromWire(999), absl::StatusCode::kUnknown);
+}
+
+TEST(PolicyPreset, NamedPresetsValidateAndDiffer) {
+  for (const std::string& name : PolicyPresetNames()) {
+    auto p = PolicyPreset(name);
+    ASSERT_TRUE(p.ok()) << name << ": " << p.status();
+    EXPECT_TRUE(p->Validate().ok()) << name;
+  }
+  EXPECT_EQ(*PolicyPreset("default"), CompressionPolicy{});
+  const CompressionPolicy lossless = *PolicyPreset("lossless");
+  EXPECT_EQ(lossless.ratio, 0.0);
+  EXPECT_FALSE(lossless.moments);
+  EXPECT_EQ(lossless.key_codec, KeyCodec::kRaw);
+  EXPECT_EQ(lossless.value_codec, ValueCodec::kRaw);
+  const CompressionPolicy codec = *PolicyPreset("codec");
+  EXPECT_EQ(codec.ratio, 0.0);
+  EXPECT_FALSE(codec.moments);
+  EXPECT_EQ(codec.key_codec, KeyCodec::kInt4);
+  EXPECT_EQ(codec.value_codec, ValueCodec::kOrthogonalInt4);
+  const CompressionPolicy balanced = *PolicyPreset("balanced");
+  EXPECT_EQ(balanced.ratio, 0.5);
+  EXPECT_EQ(balanced.recent_fraction, 0.5);
+  EXPECT_FALSE(balanced.moments);
+  auto bad = PolicyPreset("fastest");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("lossless"), std::string::npos);
 }
 
 }  // namespace

@@ -221,6 +221,45 @@ TEST(PipelineTest, BlockWiseRecentFractionIsTheBudgetsShare) {
   }
 }
 
+TEST(PipelineTest, NothingEvictedStoresNoMomentsEvenWhenAsked) {
+  // A 16-token chunk at ratio 0 with the default moments = true: the summaries would be all
+  // zero and several times the chunk; the cache stores none and stays near the input's size.
+  auto cpu = Cpu();
+  const Sequence s = MakeSequence({2, 2, 8, 128, DType::kBF16}, 16, 23);
+  CompressionPolicy p;
+  ASSERT_TRUE(p.moments);
+  p.ratio = 0.0;
+  auto c = Compress(*cpu, s.view(), p);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->has_moments);
+  auto size = format::EncodedSize(*c);
+  ASSERT_TRUE(size.ok()) << size.status();
+  const uint64_t original = uint64_t{2} * 2 * 16 * 128 * 2 * 2;  // K and V in bf16
+  EXPECT_LT(*size, original + original / 10) << *size << " bytes for " << original;
+  // A budget of at least the sequence evicts nothing either.
+  p.token_budget = 16;
+  c = Compress(*cpu, s.view(), p);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->has_moments);
+  // With eviction the summaries are kept (they stand in for the evicted tokens).
+  p.token_budget = 8;
+  c = Compress(*cpu, s.view(), p);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->has_moments);
+  // Block-wise at ratio 0: none either.
+  CompressionPolicy b;
+  b.ratio = 0.0;
+  b.block_size = 16;
+  BlockCompressorOptions bo;
+  bo.expected_tokens = 16;
+  auto bc = BlockCompressor::Create(*cpu, s.layout, b, bo);
+  ASSERT_TRUE(bc.ok()) << bc.status();
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE((*bc)->Append(l, s.k[l].view(), s.v[l].view()).ok());
+  auto bcache = (*bc)->Finish();
+  ASSERT_TRUE(bcache.ok()) << bcache.status();
+  EXPECT_FALSE(bcache->has_moments);
+}
+
 TEST(PipelineTest, RecentFractionOutOfRangeIsInvalidArgument) {
   auto cpu = Cpu();
   const Sequence s = MakeSequence({1, 1, 1, 64, DType::kF32}, 50, 19);

@@ -19,6 +19,7 @@ from ._kvcomp import CompressedCache, Policy, backend_description, cuda_availabl
 from ._kvcomp import merge_heads, slice_heads, split_heads  # noqa: F401
 from . import _kvcomp
 from .client import Client, DeviceGetStream, DevicePutStream, PutStream  # noqa: F401
+from .client import EXPANSION_WARNING
 
 if not hasattr(_kvcomp, "_Client"):  # a KVCOMP_CORE_ONLY build (e.g. the GPU machine): no SDK
     class Client:  # noqa: F811
@@ -33,7 +34,40 @@ if not hasattr(_kvcomp, "_Client"):  # a KVCOMP_CORE_ONLY build (e.g. the GPU ma
 
 __all__ = ["__version__", "Policy", "CompressedCache", "score", "compress", "cuda_available",
            "backend_description", "attention", "Client", "PutStream", "split_heads",
-           "slice_heads", "merge_heads"]
+           "slice_heads", "merge_heads", "preset", "PRESETS"]
+
+# Named presets (docs/research.md, "Presets"; the same table as kvcomp::PolicyPreset in C++):
+#   lossless  every token, raw keys and values, no moments: the cache as given.
+#   codec     every token, int4 keys and KVSplice orthogonal_int4 values, no moments: what an
+#             unmodified engine can load at full length (needs the model's value projection).
+#   balanced  manifold eviction of half the tokens with half the kept budget recent, int4 keys
+#             and orthogonal_int4 values, no moments.
+#   default   Policy() as constructed.
+PRESETS = {
+    "lossless": dict(ratio=0.0, moments=False),
+    "codec": dict(ratio=0.0, moments=False, key_codec="int4", value_codec="orthogonal_int4"),
+    "balanced": dict(scorer="manifold", ratio=0.5, recent_fraction=0.5, moments=False,
+                     key_codec="int4", value_codec="orthogonal_int4"),
+    "default": dict(),
+}
+
+
+def preset(name, **overrides):
+    """The Policy of a named preset (PRESETS), with any field overridden by keyword."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown policy preset {name!r}; one of: {', '.join(PRESETS)}")
+    return Policy(**{**PRESETS[name], **overrides})
+
+
+def _warn_if_expanded(stored, original, what):
+    """A compressed cache larger than its input says so (e.g. moment summaries of short chunks,
+    or codec side data at few tokens)."""
+    if stored > EXPANSION_WARNING * original:
+        import warnings
+        warnings.warn(f"{what}: the stored cache ({stored} bytes) is larger than the original "
+                      f"({original} bytes, {stored / max(original, 1):.2f}x); the policy does "
+                      f"not pay for itself at this size (docs/research.md, \"Presets\")",
+                      RuntimeWarning, stacklevel=3)
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 
@@ -148,9 +182,12 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
         raw = _kvcomp._compress(k, v, _kvcomp._raw_codecs(policy), backend=backend,
                                 dtype=dt or dt_v or "", queries=q, num_q_heads=num_q_heads,
                                 stream=st)
-        return _kvcomp._encode_kept(raw, policy, projection, backend, stream=st)
-    return _kvcomp._compress(k, v, policy, backend=backend, dtype=dt or dt_v or "", queries=q,
-                             num_q_heads=num_q_heads, stream=st)
+        out = _kvcomp._encode_kept(raw, policy, projection, backend, stream=st)
+    else:
+        out = _kvcomp._compress(k, v, policy, backend=backend, dtype=dt or dt_v or "",
+                                queries=q, num_q_heads=num_q_heads, stream=st)
+    _warn_if_expanded(out.nbytes, out.original_nbytes, "kvcomp.compress")
+    return out
 
 
 def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0, out=None,

@@ -39,7 +39,8 @@ def assemble(chunks: Sequence[Any], projection: Any = None) -> Tuple[Any, Any]:
 
 def run_moments(chunks: Sequence[Any]) -> List[List[Tuple[int, Any, Any, Any]]]:
     """The MomentKV summaries of a run, [layer][kv_head] -> (count, key_sum, value_sum,
-    vk_sum): each the sum of the chunks' (cache.moments(layer, head))."""
+    vk_sum): each the sum of the chunks' (cache.moments(layer, head)); a chunk that evicted
+    nothing stores none and adds nothing."""
     if not chunks:
         raise ValueError("no chunks")
     layers, heads = chunks[0].num_layers, chunks[0].num_kv_heads
@@ -49,11 +50,17 @@ def run_moments(chunks: Sequence[Any]) -> List[List[Tuple[int, Any, Any, Any]]]:
         for head in range(heads):
             n, ks, vs, vk = 0, None, None, None
             for c in chunks:
+                if not c.has_moments:  # a chunk that evicted nothing stores no summaries
+                    continue
                 cn, cks, cvs, cvk = c.moments(layer, head)[:4]
                 n += int(cn)
                 ks = cks.astype("float64") if ks is None else ks + cks
                 vs = cvs.astype("float64") if vs is None else vs + cvs
                 vk = cvk.astype("float64") if vk is None else vk + cvk
+            if ks is None:  # no chunk evicted anything: the summaries are zero
+                import numpy as np
+                d = chunks[0].head_dim
+                ks, vs, vk = np.zeros(d), np.zeros(d), np.zeros((d, d))
             row.append((n, ks, vs, vk))
         out.append(row)
     return out

@@ -73,6 +73,23 @@ def _host_array(a: Any, what: str) -> Tuple[Any, str]:
     return a, ""
 
 
+# A stored cache more than this many times its input warns: positions and the header alone add
+# under 1% to a raw cache of 16 tokens or more; what passes it is a policy that does not pay for
+# itself (moment summaries of short chunks, codec side data at few tokens).
+EXPANSION_WARNING = 1.1
+
+
+def _warn_if_expanded(result: Dict[str, Any], what: str) -> None:
+    """A put whose stored cache is larger than its input says so (RuntimeWarning)."""
+    stored, original = result.get("stored_bytes"), result.get("original_bytes")
+    if stored is not None and original is not None and stored > EXPANSION_WARNING * original:
+        import warnings
+        warnings.warn(f"{what}: the stored cache ({stored} bytes) is larger than the original "
+                      f"({original} bytes, {stored / max(original, 1):.2f}x); the policy does "
+                      f"not pay for itself at this size (docs/research.md, \"Presets\")",
+                      RuntimeWarning, stacklevel=3)
+
+
 def _is_cuda(a: Any) -> bool:
     """True for a CUDA array (DLPack device type 2, or __cuda_array_interface__)."""
     if hasattr(a, "__dlpack_device__"):
@@ -264,8 +281,10 @@ class Client:
                                    num_q_heads=num_q_heads)
         k, hk = _host_array(keys, "keys")
         v, hv = _host_array(values, "values")
-        return self._c.put(model, _key(key), k, v, q_heads=num_q_heads or 0, policy=policy,
-                           dtype=hk or hv)
+        out = self._c.put(model, _key(key), k, v, q_heads=num_q_heads or 0, policy=policy,
+                          dtype=hk or hv)
+        _warn_if_expanded(out, "Client.put")
+        return out
 
     def put_device(self, model: str, key: Key, keys: Any, values: Any, *, policy: Any = None,
                    num_q_heads: Optional[int] = None, stream: Any = None) -> Dict[str, Any]:

@@ -1,0 +1,68 @@
+"""Named policy presets, moments only where tokens are evicted, and the warning of a policy whose
+stored cache is larger than its input (docs/research.md, "Presets")."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import kvcomp
+
+
+def _cache(tokens, layers=2, heads=2, d=128, seed=0):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((layers, heads, tokens, d)).astype(np.float32)
+    v = rng.standard_normal((layers, heads, tokens, d)).astype(np.float32)
+    return k, v
+
+
+def test_presets_name_their_policies():
+    assert set(kvcomp.PRESETS) == {"lossless", "codec", "balanced", "default"}
+    p = kvcomp.preset("lossless")
+    assert (p.ratio, p.moments, p.key_codec, p.value_codec) == (0.0, False, "raw", "none")
+    p = kvcomp.preset("codec")
+    assert (p.ratio, p.moments, p.key_codec, p.value_codec) == (0.0, False, "int4",
+                                                                "orthogonal_int4")
+    p = kvcomp.preset("balanced")
+    assert (p.scorer, p.ratio, p.recent_fraction, p.moments) == ("manifold", 0.5, 0.5, False)
+    d, q = kvcomp.preset("default"), kvcomp.Policy()
+    assert (d.scorer, d.ratio, d.moments, d.key_codec) == (q.scorer, q.ratio, q.moments,
+                                                           q.key_codec)
+    assert kvcomp.preset("balanced", ratio=0.75).ratio == 0.75
+    with pytest.raises(ValueError, match="lossless"):
+        kvcomp.preset("fastest")
+
+
+def test_lossless_preset_round_trips_exactly():
+    k, v = _cache(64)
+    c = kvcomp.compress(k, v, kvcomp.preset("lossless"))
+    assert not c.has_moments
+    assert c.nbytes <= c.original_nbytes * 1.05
+    for layer in range(2):
+        for head in range(2):
+            np.testing.assert_array_equal(c.keys(layer, head), k[layer, head])
+            np.testing.assert_array_equal(c.values(layer, head), v[layer, head])
+
+
+def test_ratio_zero_stores_no_moments_even_when_asked_by_default():
+    # moments=True is the default; with nothing evicted the summaries would be all zero and,
+    # for a 16-token chunk, several times the chunk itself
+    k, v = _cache(16)
+    p = kvcomp.Policy(ratio=0.0)
+    assert p.moments
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        c = kvcomp.compress(k, v, p)
+    assert not c.has_moments
+    assert c.nbytes <= c.original_nbytes * 1.25  # header and positions only
+    # the same chunk with eviction keeps its summaries (they stand in for the evicted tokens)
+    c = kvcomp.compress(*_cache(256), kvcomp.Policy(ratio=0.5))
+    assert c.has_moments
+
+
+def test_a_policy_that_expands_the_cache_says_so():
+    # eviction with moments on a short chunk: the d x d summaries outweigh the tokens kept
+    k, v = _cache(16)
+    with pytest.warns(RuntimeWarning, match="larger than the original"):
+        c = kvcomp.compress(k, v, kvcomp.Policy(ratio=0.5))
+    assert c.has_moments and c.nbytes > c.original_nbytes
