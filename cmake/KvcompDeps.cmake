@@ -1,8 +1,10 @@
 # Finds kvcomp's dependencies in one place. Every component links the imported targets made here.
 find_package(Threads REQUIRED)
 find_package(absl REQUIRED)
-find_package(GTest REQUIRED)
-find_package(benchmark QUIET)
+if(NOT KVCOMP_CLIENT_ONLY)  # the tests and benchmarks
+  find_package(GTest REQUIRED)
+  find_package(benchmark QUIET)
+endif()
 
 if(KVCOMP_CUDA STREQUAL "AUTO")
   include(CheckLanguage)
@@ -31,7 +33,13 @@ else()
   message(STATUS "kvcomp: CUDA backend OFF")
 endif()
 
-if(NOT KVCOMP_CORE_ONLY)
+if(KVCOMP_CLIENT_ONLY)
+  # The SDK's: UCX (data plane), Thrift and its compiler (control plane), c-ares (client/).
+  find_package(PkgConfig REQUIRED)
+  pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
+  pkg_check_modules(THRIFT REQUIRED IMPORTED_TARGET thrift)
+  find_program(THRIFT_COMPILER thrift REQUIRED)
+elseif(NOT KVCOMP_CORE_ONLY)
   find_package(PkgConfig REQUIRED)
   find_package(RocksDB CONFIG QUIET)
   if(NOT TARGET RocksDB::rocksdb)

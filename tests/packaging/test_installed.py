@@ -44,12 +44,64 @@ def test_the_package_is_the_installed_one():
     assert os.path.realpath(sys.prefix) == os.path.realpath(VENV)
 
 
+def test_the_environment_is_isolated():
+    """Only what the wheel declares is installed: no system site-packages behind it."""
+    import importlib.util
+    assert not sys.flags.no_site
+    assert importlib.util.find_spec("tqdm") is None  # the [cli] extra's, not installed
+    assert all(os.path.realpath(p).startswith(os.path.realpath(VENV)) or "site-packages" not in p
+               for p in sys.path)
+
+
+def test_the_version():
+    import kvcomp
+    import importlib.metadata
+    assert kvcomp.__version__ == importlib.metadata.version("kvcomp")
+    with open(os.path.join(REPO, "CMakeLists.txt")) as f:
+        assert f"project(kvcomp VERSION {kvcomp.__version__} " in f.read()
+    exe = os.path.join(VENV, "bin", "kvcomp")
+    r = run([exe, "--version"])
+    assert r.returncode == 0 and r.stdout.strip() == f"kvcomp {kvcomp.__version__}", r
+    r = run([find_kvcompd(), "--version"])
+    assert r.returncode == 0 and r.stdout.strip() == f"kvcompd {kvcomp.__version__}", r
+
+
 def test_the_command_line_entry_points():
     exe = os.path.join(VENV, "bin", "kvcomp")
     r = run([exe, "--help"])
     assert r.returncode == 0 and "loadgen" in r.stdout, r.stderr
+    assert r.stdout.startswith("usage: kvcomp "), r.stdout
     r = run([sys.executable, "-m", "kvcomp", "--help"])
     assert r.returncode == 0 and "loadgen" in r.stdout, r.stderr
+    r = run([exe, "put", "--help"])
+    assert "KVCOMP_ENDPOINTS" in r.stdout and "--keys" in r.stdout, r.stdout
+
+
+def test_kvcomp_put_get_lookup_against_kvcompd(daemon, tmp_path):
+    """The command without the [cli] extra (no tqdm, no safetensors), endpoints from the
+    environment."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((2, 2, 64, 64)).astype(np.float16)
+    np.save(tmp_path / "k.npy", k)
+    np.save(tmp_path / "v.npy", k[::-1].copy())
+    exe = os.path.join(VENV, "bin", "kvcomp")
+    env = dict(os.environ, KVCOMP_ENDPOINTS=f"{daemon.data_endpoint},127.0.0.1:{daemon.control_port}")
+    env.pop("PYTHONPATH", None)
+
+    def cli(*args):
+        return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env=env,
+                              cwd=tmp_path)
+    r = cli("put", "-m", "pkg/model", "-k", "cli", "--keys", "k.npy", "--values", "v.npy",
+            "--policy", "ratio=0,moments=false")
+    assert r.returncode == 0, r.stderr
+    r = cli("get", "-m", "pkg/model", "-k", "cli", "--out", "c.kvc")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "c.kvc").stat().st_size > 0
+    r = cli("lookup", "-m", "pkg/model", "-k", "cli")
+    assert r.returncode == 0 and json.loads(r.stdout)["original_tokens"] == 64, r.stdout + r.stderr
+    r = cli("lookup", "-m", "pkg/model", "-k", "absent")
+    assert r.returncode == 1 and "KeyError" in r.stderr
 
 
 def test_examples_run_against_kvcompd(daemon, tmp_path):

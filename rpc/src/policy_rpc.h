@@ -1,8 +1,8 @@
 // The control plane's Policy struct (service/thrift/kvcomp.thrift) and CompressionPolicy, field
 // by field as kvcomp/core/policy_fields.def declares them: enums by name, booleans and doubles as
 // themselves, integers as i64. Used by the control-plane handlers (SetPolicy, GetPolicy).
-#ifndef KVCOMP_SERVICE_SRC_POLICY_RPC_H_
-#define KVCOMP_SERVICE_SRC_POLICY_RPC_H_
+#ifndef KVCOMP_RPC_SRC_POLICY_RPC_H_
+#define KVCOMP_RPC_SRC_POLICY_RPC_H_
 
 #include "absl/status/statusor.h"
 #include "kvcomp/core/policy.h"
@@ -22,4 +22,4 @@ absl::StatusOr<CompressionPolicy> PolicyFromRpc(const rpc::Policy& policy);
 }  // namespace service
 }  // namespace kvcomp
 
-#endif  // KVCOMP_SERVICE_SRC_POLICY_RPC_H_
+#endif  // KVCOMP_RPC_SRC_POLICY_RPC_H_
