@@ -687,6 +687,10 @@ std::string OptionsToYaml(const Options& options) {
   return std::string(out.c_str()) + "\n";
 }
 
+// Declared in kvcomp/service/daemon.h; defined here, beside --version, so that every program
+// built from the configuration parser (kvcompd, the parser fuzzers) has it.
+const char* Version() { return "0.1.0"; }
+
 CommandLine ParseCommandLine(int argc, char** argv, std::string* out) {
   CommandLine cl;
   CLI::App app{

@@ -49,8 +49,6 @@
 namespace kvcomp {
 namespace service {
 
-const char* Version() { return "0.1.0"; }
-
 namespace {
 
 using apache::thrift::TProcessorEventHandler;
