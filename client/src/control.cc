@@ -150,10 +150,7 @@ absl::Status WithControl(const std::string& address, const ClientOptions& option
     auth.__set_token(options.token);
     const rpc::Status st = call(control, auth);
     transport->close();
-    if (st.code != rpc::StatusCode::OK) {
-      return absl::Status(static_cast<absl::StatusCode>(st.code), st.message);
-    }
-    return absl::OkStatus();
+    return service::StatusFromRpc(st);
   } catch (const std::exception& e) {
     if (socket == nullptr) {
       return absl::UnavailableError(absl::StrCat("control ", address, ": ", e.what()));

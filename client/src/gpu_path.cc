@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "control.h"
 #include "device_ucx.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
@@ -141,6 +142,26 @@ double SecondsOf(GpuRuntime::Timer& timer) {
 
 bool Refused(const absl::Status& s) {
   return absl::IsUnauthenticated(s) || absl::IsPermissionDenied(s);
+}
+
+// What a failed GPU channel call means for the channel, read from the status's code and typed
+// detail. kReopen: the channel is gone (closed by the daemon, its communicator broke, the
+// control connection dropped): drop it and open another. kFallBack: the daemon cannot map the
+// offered memory: drop it and move the bytes over UCX. kAnswer: the daemon answered the request
+// itself (busy, not found, refused): the caller gets it.
+enum class Verdict { kReopen, kFallBack, kAnswer };
+
+Verdict Judge(const absl::Status& e) {
+  if (IsBusy(e)) return Verdict::kAnswer;
+  switch (DetailOf(e)) {
+    case ErrorDetail::kLinkGone:
+      return Verdict::kReopen;
+    case ErrorDetail::kMemoryNotMappable:
+      return Verdict::kFallBack;
+    default:
+      break;
+  }
+  return absl::IsUnavailable(e) ? Verdict::kReopen : Verdict::kAnswer;
 }
 
 // The caller's memory of an IPC transfer: the allocations holding `chunks` (one handle each)
@@ -288,9 +309,7 @@ absl::StatusOr<std::shared_ptr<GpuPath::Channel>> GpuPath::ChannelFor(
       *hard = true;
       return grant.status();
     }
-    return refuse(absl::Status(grant.status().code(),
-                               absl::StrCat("the daemon refused the GPU channel: ",
-                                            grant.status().message())));
+    return refuse(Annotate(grant.status(), "the daemon refused the GPU channel"));
   }
   channel->control = endpoint.control;
   channel->data = endpoint.data;
@@ -367,17 +386,17 @@ absl::StatusOr<std::optional<PutResult>> GpuPath::ChannelPut(
     absl::StatusOr<uint64_t> transfer = ControlGpuPutBegin(c->control, options_, c->id, h);
     if (!transfer.ok()) {
       const absl::Status& e = transfer.status();
-      if (absl::IsNotFound(e) || absl::IsUnavailable(e) ||
-          (c->ipc && absl::IsFailedPrecondition(e))) {
+      const Verdict verdict = Judge(e);
+      if (verdict != Verdict::kAnswer) {
         if (c->link) c->link->Abort();  // the daemon closed it (idle, timeout, restart)
         Drop(*channel, e);
-        if (c->ipc && absl::IsFailedPrecondition(e)) {
+        if (verdict == Verdict::kFallBack) {
           *why = e;  // it cannot map this memory: through host memory
           break;
         }
         continue;
       }
-      return e;  // the daemon refused the put itself: say why
+      return e;  // the daemon refused the put itself (or is busy): say why
     }
     if (c->ipc) {
       absl::StatusOr<PutResult> result =
@@ -509,16 +528,13 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
                                                       form, capacity, c->ipc ? &ipc : nullptr);
     if (!grant.ok()) {
       const absl::Status& e = grant.status();
-      const bool channel_gone =
-          (absl::IsNotFound(e) && e.message().find("GPU channel") != absl::string_view::npos) ||
-          absl::IsUnavailable(e);
-      if (channel_gone) {
+      const Verdict verdict = Judge(e);
+      if (verdict == Verdict::kReopen) {
         if (c->link) c->link->Abort();
         Drop(*channel, e);
         continue;
       }
-      if (c->ipc && absl::IsFailedPrecondition(e) &&
-          e.message().find("mapping the client's memory") != absl::string_view::npos) {
+      if (verdict == Verdict::kFallBack) {
         Drop(*channel, e);
         why = e;
         break;
@@ -917,7 +933,7 @@ absl::StatusOr<std::unique_ptr<DevicePutStream>> GpuPath::OpenPutStream(
     header.layer_major = true;
     absl::StatusOr<uint64_t> begun = ControlGpuPutBegin(c.control, options_, c.id, header);
     if (!begun.ok()) {
-      if (absl::IsNotFound(begun.status()) || absl::IsUnavailable(begun.status())) {
+      if (Judge(begun.status()) != Verdict::kAnswer) {
         c.link->Abort();
         Drop(*channel, begun.status());
         continue;
@@ -1068,8 +1084,7 @@ absl::StatusOr<std::unique_ptr<DeviceGetStream>> GpuPath::OpenGetStream(
         /*layer_major=*/true);
     if (!grant.ok()) {
       const absl::Status& e = grant.status();
-      if ((absl::IsNotFound(e) && e.message().find("GPU channel") != absl::string_view::npos) ||
-          absl::IsUnavailable(e)) {
+      if (Judge(e) != Verdict::kAnswer) {
         c.link->Abort();
         Drop(*channel, e);
         continue;

@@ -4,8 +4,10 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/policy_fields.h"
 #include "kvcomp/core/status.h"
 
@@ -67,6 +69,29 @@ absl::StatusOr<CompressionPolicy> PolicyFromRpc(const rpc::Policy& r) {
 #undef KVCOMP_POLICY_FIELD
   KVCOMP_RETURN_IF_ERROR(p.Validate());
   return p;
+}
+
+rpc::Status StatusToRpc(const absl::Status& status) {
+  rpc::Status out;
+  out.code = static_cast<rpc::StatusCode::type>(StatusCodeToWire(status.code()));
+  out.message = std::string(status.message());
+  if (const ErrorDetail detail = DetailOf(status); detail != ErrorDetail::kNone) {
+    out.__set_detail(static_cast<int16_t>(ErrorDetailToWire(detail)));
+  }
+  return out;
+}
+
+absl::Status StatusFromRpc(const rpc::Status& status) {
+  const int code = static_cast<int>(status.code);
+  const absl::StatusCode c = code < 0 || code > UINT16_MAX
+                                 ? absl::StatusCode::kUnknown
+                                 : StatusCodeFromWire(static_cast<uint16_t>(code));
+  if (c == absl::StatusCode::kOk) return absl::OkStatus();
+  absl::Status out(c, status.message);
+  if (status.__isset.detail && status.detail > 0) {
+    out = WithDetail(std::move(out), ErrorDetailFromWire(static_cast<uint16_t>(status.detail)));
+  }
+  return out;
 }
 
 }  // namespace service

@@ -15,6 +15,7 @@
 #include "absl/synchronization/notification.h"
 #include "cache_repository.h"
 #include "kvcomp/core/format.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/storage/types.h"
 #include "kvcomp/transport/gpu_link.h"
@@ -213,8 +214,10 @@ class GpuChannelsImpl : public GpuChannels {
                                         : absl::StatusOr<void*>(s);
       if (!ev.ok()) {
         Remove(channel->id);
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the client's CUDA IPC event cannot be opened here: ", ev.status().message()));
+        return WithDetail(absl::FailedPreconditionError(absl::StrCat(
+                              "the client's CUDA IPC event cannot be opened here: ",
+                              ev.status().message())),
+                          ErrorDetail::kMemoryNotMappable);
       }
       channel->client_event = *ev;
       absl::MutexLock lock(&channel->join_mu);
@@ -719,7 +722,9 @@ class GpuChannelsImpl : public GpuChannels {
     auto it = channels_.find(id);
     // Another tenant's channel reads as absent, as a closed one does.
     if (it == channels_.end() || it->second->tenant != tenant || it->second->dead.load()) {
-      return absl::NotFoundError(absl::StrCat("no GPU channel ", id, " open for this tenant"));
+      return WithDetail(
+          absl::NotFoundError(absl::StrCat("no GPU channel ", id, " open for this tenant")),
+          ErrorDetail::kLinkGone);
     }
     return it->second;
   }
@@ -737,8 +742,9 @@ class GpuChannelsImpl : public GpuChannels {
       return absl::DeadlineExceededError("the GPU channel's communicator did not form in time");
     }
     if (!c.join_status.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat("the GPU channel's communicator failed: ", c.join_status.message()));
+      return WithDetail(Annotate(absl::UnavailableError(c.join_status.message()),
+                                 "the GPU channel's communicator failed"),
+                        ErrorDetail::kLinkGone);
     }
     return absl::OkStatus();
   }
@@ -782,8 +788,8 @@ class GpuChannelsImpl : public GpuChannels {
       absl::StatusOr<void*> p = rt_->OpenMemory(h, &bytes);
       if (!p.ok()) {
         Unmap(c);
-        return absl::Status(p.status().code(), absl::StrCat("mapping the client's memory: ",
-                                                            p.status().message()));
+        return WithDetail(Annotate(p.status(), "mapping the client's memory"),
+                          ErrorDetail::kMemoryNotMappable);
       }
       c.mapped.push_back(*p);
       sizes.push_back(bytes);
@@ -811,7 +817,8 @@ class GpuChannelsImpl : public GpuChannels {
   // Caller holds c.op_mu.
   absl::Status Usable(Channel& c) {
     if (c.dead.load() || (!c.ipc && (c.link == nullptr || c.link->broken()))) {
-      return absl::UnavailableError("the GPU channel is closed");
+      return WithDetail(absl::UnavailableError("the GPU channel is closed"),
+                        ErrorDetail::kLinkGone);
     }
     if (c.pending != Channel::Pending::kNone) {
       return absl::FailedPreconditionError("a transfer is in progress on this GPU channel");
@@ -852,7 +859,8 @@ class GpuChannelsImpl : public GpuChannels {
 
   absl::Status CheckPending(Channel& c, Channel::Pending kind, uint64_t transfer_id) {
     if (c.dead.load() || (!c.ipc && c.link == nullptr)) {
-      return absl::UnavailableError("the GPU channel is closed");
+      return WithDetail(absl::UnavailableError("the GPU channel is closed"),
+                        ErrorDetail::kLinkGone);
     }
     if (c.pending != kind || c.transfer_id != transfer_id) {
       return absl::NotFoundError(absl::StrCat("no ", kind == Channel::Pending::kPut ? "put" : "get",

@@ -7,6 +7,7 @@
 #include "gpu_channel.h"
 #include "handlers.h"
 #include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/storage/types.h"
 #include "log.h"
@@ -235,7 +236,7 @@ void ControlHandler::GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth
   absl::StatusOr<GpuGetBegun> r = begin();
   if (!r.ok()) {
     absl::Status e = r.status();
-    if (absl::IsNotFound(e) && e.message().find("channel") == absl::string_view::npos) {
+    if (absl::IsNotFound(e) && DetailOf(e) != ErrorDetail::kLinkGone) {
       e = absl::NotFoundError("cache not found");  // another tenant's reads as absent
     }
     ctx_->metrics->CountError("get", e);

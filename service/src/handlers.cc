@@ -23,12 +23,7 @@ namespace service {
 // ---------------------------------------------------------------------------------------------
 // Control plane
 
-rpc::Status ToRpc(const absl::Status& status) {
-  rpc::Status out;
-  out.code = static_cast<rpc::StatusCode::type>(static_cast<int>(status.code()));
-  out.message = std::string(status.message());
-  return out;
-}
+rpc::Status ToRpc(const absl::Status& status) { return StatusToRpc(status); }
 
 rpc::Policy ToRpc(const CompressionPolicy& p) { return PolicyToRpc(p); }
 

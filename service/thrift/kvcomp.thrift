@@ -15,7 +15,7 @@ namespace py kvcomp_rpc
 
 const i32 PROTOCOL_VERSION = 1
 
-// absl's canonical codes (stable numbers), plus BUSY for back-pressure: retry later.
+// absl's canonical codes (stable numbers); back-pressure is UNAVAILABLE with Status.detail 1.
 enum StatusCode {
   OK = 0,
   CANCELLED = 1,
@@ -36,9 +36,13 @@ enum StatusCode {
   UNAUTHENTICATED = 16,
 }
 
+// `detail` is what a caller decides on beyond the code (kvcomp::ErrorDetail's numbers: 1 busy,
+// retry later; 2 the GPU channel named is gone, open another; 3 the offered memory cannot be
+// mapped here, move the bytes another way); absent or 0 for none. Never match `message`.
 struct Status {
   1: StatusCode code = StatusCode.OK,
   2: string message = "",
+  3: optional i16 detail,
 }
 
 // Credentials sent with every call.

@@ -14,6 +14,8 @@
 #include "gtest/gtest.h"
 #include "integration/kvcompd_process.h"
 #include "kvcomp/client/client.h"
+#include "kvcomp/core/error_detail.h"
+#include "kvcomp/core/status.h"
 
 namespace kvcomp {
 namespace {
@@ -209,24 +211,32 @@ TEST_F(GpuChannelTest, BadInputIsRefusedBeforeAnyChannelIsLookedUp) {
     EXPECT_EQ(r.status.code, rpc::StatusCode::INVALID_ARGUMENT);
   }
   // A well-formed request on a channel that is not the caller's (none is open here, and another
-  // tenant's reads the same): NOT_FOUND, for every call that names a channel.
+  // tenant's reads the same): NOT_FOUND with the typed detail LINK_GONE (the SDK reopens on the
+  // detail, not the message), for every call that names a channel.
+  const auto link_gone = [](const rpc::Status& st) {
+    return st.__isset.detail && st.detail == ErrorDetailToWire(ErrorDetail::kLinkGone);
+  };
   for (const rpc::Auth& auth : {Alpha(), Beta()}) {
     rpc::Status s;
     rpc::GpuTransferResponse t;
     c->GpuPutBegin(t, auth, 7, PutRequest());
     EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
+    EXPECT_TRUE(link_gone(t.status)) << t.status.message;
     rpc::GpuPutResponse f;
     c->GpuPutFinish(f, auth, 7, 1);
     EXPECT_EQ(f.status.code, rpc::StatusCode::NOT_FOUND) << f.status.message;
+    EXPECT_TRUE(link_gone(f.status)) << f.status.message;
     rpc::GpuGetRequest g;
     g.ref.model_id = "m";
     g.ref.key = "k1";
     g.capacity = 1 << 20;
     c->GpuGet(t, auth, 7, g);
     EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
+    EXPECT_TRUE(link_gone(t.status)) << t.status.message;
     rpc::GpuCloseResponse cl;
     c->GpuGetFinish(cl, auth, 7, 1);
     EXPECT_EQ(cl.status.code, rpc::StatusCode::NOT_FOUND);
+    EXPECT_TRUE(link_gone(cl.status)) << cl.status.message;
     c->CloseGpuChannel(cl, auth, 7);
     EXPECT_EQ(cl.status.code, rpc::StatusCode::NOT_FOUND);
   }

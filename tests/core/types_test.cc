@@ -3,10 +3,12 @@
 #include <limits>
 #include <random>
 
+#include "absl/strings/cord.h"
 #include "gtest/gtest.h"
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/dtype.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/policy_presets.h"
@@ -228,6 +230,8 @@ TEST(Status, Macros) {
   EXPECT_EQ(UseMacros(40, &out).code(), absl::StatusCode::kOutOfRange);
   EXPECT_TRUE(IsBusy(BusyError("queue full")));
   EXPECT_FALSE(IsBusy(absl::UnavailableError("down")));
+  EXPECT_FALSE(IsBusy(absl::UnavailableError("[busy] down")));  // text decides nothing
+  EXPECT_EQ(BusyError("queue full").message(), "queue full");
   EXPECT_EQ(StatusCodeFromWire(StatusCodeToWire(absl::StatusCode::kDataLoss)),
             absl::StatusCode::kDataLoss);
   EXPECT_EQ(StatusCodeFromWire(999), absl::StatusCode::kUnknown);
@@ -257,6 +261,34 @@ TEST(PolicyPreset, NamedPresetsValidateAndDiffer) {
   auto bad = PolicyPreset("fastest");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("lossless"), std::string::npos);
+}
+
+TEST(StatusTest, DetailsAreTypedPayloadsThatSurviveAnnotation) {
+  const Status gone =
+      WithDetail(absl::NotFoundError("no GPU channel 7"), ErrorDetail::kLinkGone);
+  EXPECT_EQ(DetailOf(gone), ErrorDetail::kLinkGone);
+  EXPECT_EQ(DetailOf(absl::NotFoundError("no GPU channel 7")), ErrorDetail::kNone);
+  const Status annotated = Annotate(gone, "get");
+  EXPECT_EQ(annotated.message(), "get: no GPU channel 7");
+  EXPECT_EQ(DetailOf(annotated), ErrorDetail::kLinkGone);
+  EXPECT_TRUE(IsBusy(Annotate(BusyError("queue full"), "put")));
+  // Replaced, removed; OK carries none.
+  EXPECT_EQ(DetailOf(WithDetail(gone, ErrorDetail::kMemoryNotMappable)),
+            ErrorDetail::kMemoryNotMappable);
+  EXPECT_EQ(DetailOf(WithDetail(gone, ErrorDetail::kNone)), ErrorDetail::kNone);
+  EXPECT_TRUE(WithDetail(absl::OkStatus(), ErrorDetail::kBusy).ok());
+  EXPECT_EQ(DetailOf(absl::OkStatus()), ErrorDetail::kNone);
+  // A busy detail on another code is not busy.
+  EXPECT_FALSE(IsBusy(WithDetail(absl::InternalError("x"), ErrorDetail::kBusy)));
+  // Wire numbers are stable; unknown ones read as none, also from a foreign payload.
+  EXPECT_EQ(ErrorDetailToWire(ErrorDetail::kBusy), 1);
+  EXPECT_EQ(ErrorDetailToWire(ErrorDetail::kLinkGone), 2);
+  EXPECT_EQ(ErrorDetailToWire(ErrorDetail::kMemoryNotMappable), 3);
+  EXPECT_EQ(ErrorDetailFromWire(3), ErrorDetail::kMemoryNotMappable);
+  EXPECT_EQ(ErrorDetailFromWire(999), ErrorDetail::kNone);
+  Status foreign = absl::UnavailableError("x");
+  foreign.SetPayload(kErrorDetailUrl, absl::Cord("not a number"));
+  EXPECT_EQ(DetailOf(foreign), ErrorDetail::kNone);
 }
 
 }  // namespace

@@ -11,8 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/policy_test_util.h"
 #include "gtest/gtest.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/policy_fields.h"
+#include "kvcomp/core/status.h"
 #include "kvcomp/service/config.h"
 #include "kvcomp/service/policy_store.h"
 #include "policy_rpc.h"
@@ -130,6 +132,37 @@ TEST(PolicyMapping, PoliciesFileKeepsEveryFieldExactlyAcrossARestart) {
   std::remove(path.c_str());
   std::remove((path + ".log").c_str());
   rmdir(dir);
+}
+
+// The control plane's Status carries the typed detail both ways, so that the SDK decides on it
+// (busy, channel gone, memory not mappable) without reading the message.
+TEST(StatusMappingTest, CodeMessageAndDetailRoundTrip) {
+  for (const absl::Status& s :
+       {BusyError("serve queue full"),
+        WithDetail(absl::NotFoundError("no GPU channel 3 open for this tenant"),
+                   ErrorDetail::kLinkGone),
+        WithDetail(absl::FailedPreconditionError("mapping the client's memory: x"),
+                   ErrorDetail::kMemoryNotMappable),
+        absl::NotFoundError("cache not found"), absl::OkStatus()}) {
+    const rpc::Status wire = StatusToRpc(s);
+    EXPECT_EQ(wire.__isset.detail, DetailOf(s) != ErrorDetail::kNone) << s;
+    const absl::Status back = StatusFromRpc(wire);
+    EXPECT_EQ(back.code(), s.code()) << s;
+    EXPECT_EQ(back.message(), s.message()) << s;
+    EXPECT_EQ(DetailOf(back), DetailOf(s)) << s;
+    EXPECT_EQ(IsBusy(back), IsBusy(s)) << s;
+  }
+  // An older peer's status (no detail) and a newer peer's unknown detail read as none.
+  rpc::Status old;
+  old.code = rpc::StatusCode::UNAVAILABLE;
+  old.message = "down";
+  EXPECT_EQ(DetailOf(StatusFromRpc(old)), ErrorDetail::kNone);
+  old.__set_detail(77);
+  EXPECT_EQ(DetailOf(StatusFromRpc(old)), ErrorDetail::kNone);
+  EXPECT_FALSE(IsBusy(StatusFromRpc(old)));
+  // A code this build does not know is Unknown, not a crash.
+  old.code = static_cast<rpc::StatusCode::type>(4242);
+  EXPECT_EQ(StatusFromRpc(old).code(), absl::StatusCode::kUnknown);
 }
 
 }  // namespace
