@@ -13,7 +13,6 @@
 #include "absl/time/clock.h"
 #include "cache_service.h"
 #include "engine.h"
-#include "handlers.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/service/daemon.h"
 #include "kvcomp/service/metric_names.h"
@@ -25,6 +24,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "put.h"
+#include "service_context.h"
 
 namespace kvcomp {
 namespace service {

@@ -1,6 +1,6 @@
-// The control plane of kvcompd (ControlHandler, the Thrift service) and what it shares with
-// the data plane (ServiceContext; the data plane's handler is in data_plane.cc). Both
-// authenticate against the same TokenStore and scope every key by the authenticated tenant.
+// The control plane of kvcompd (ControlHandler, the Thrift service). It shares the daemon's
+// parts with the data plane (service_context.h; the data plane's handler is in data_plane.cc):
+// both authenticate against the same TokenStore and scope every key by the authenticated tenant.
 #ifndef KVCOMP_SERVICE_SRC_HANDLERS_H_
 #define KVCOMP_SERVICE_SRC_HANDLERS_H_
 
@@ -14,7 +14,6 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "cache_service.h"
 #include "kvcomp/rpc/KvcompControl.h"
 #include "kvcomp/rpc/kvcomp_constants.h"
 #include "kvcomp/service/auth.h"
@@ -22,53 +21,10 @@
 #include "kvcomp/service/options.h"
 #include "kvcomp/service/policy_store.h"
 #include "kvcomp/storage/tiered_store.h"
+#include "service_context.h"
 
 namespace kvcomp {
 namespace service {
-
-// Calibration request as the engine hook sees it (kvsplice_glue.h provides the implementation).
-struct CalibrationRequest {
-  std::string tenant;
-  std::string model_id;
-  std::string value_codec;
-  uint32_t rank = 0;
-  double error_budget = 0;
-  uint64_t max_caches = 0;
-};
-struct CalibrationResult {
-  uint64_t projection_version = 0;
-  uint32_t rank = 0;                 // the largest layer's
-  std::vector<uint32_t> layer_ranks;  // per layer (all `rank` with a fixed rank)
-  double achieved_error = 0;
-  uint64_t caches_used = 0;
-};
-using CalibrateHook =
-    std::function<absl::StatusOr<CalibrationResult>(const CalibrationRequest& request)>;
-
-// What both handlers share. Pointers are owned by the daemon and outlive the handlers.
-class GpuChannels;  // gpu_channel.h
-
-struct ServiceContext {
-  Options options;
-  TokenStore* tokens = nullptr;
-  storage::TieredStore* store = nullptr;
-  PolicyStore* policies = nullptr;
-  CacheService* service = nullptr;
-  Metrics* metrics = nullptr;
-  CalibrateHook calibrate;
-  GpuChannels* gpu = nullptr;  // the GPU channel (gpu_channel.h); null: none
-  // Told of every control call's authentication, on the calling thread (the daemon binds the
-  // call's connection to its tenant); a status other than OK is the call's answer. Unset: none.
-  std::function<absl::Status(const absl::StatusOr<std::string>& tenant)> control_authenticated;
-  absl::Time started = absl::Now();
-  std::atomic<bool> ready{false};
-  std::atomic<bool> draining{false};
-  std::atomic<uint16_t> data_port{0};
-  std::atomic<uint16_t> metrics_port{0};
-  std::atomic<uint64_t> puts_total{0};
-  std::atomic<uint64_t> gets_total{0};
-  std::atomic<uint64_t> errors_total{0};
-};
 
 // Bytes of control-plane replies each tenant's calls hold at once, from when a handler gathers
 // them until the reply has been serialized for sending. A handler reserves what it is about to

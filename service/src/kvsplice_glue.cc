@@ -6,12 +6,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "handlers.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/calibration.h"
 #include "kvcomp/kernels/kvsplice.h"
+#include "service_context.h"
 
 namespace kvcomp {
 namespace service {
