@@ -13,11 +13,14 @@
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
+#include "kvcomp/transport/payload_link.h"
 
 namespace kvcomp {
 namespace client {
 
+using transport::AfterLinkFailure;
 using transport::GpuRuntime;
+using transport::LinkVerdict;
 using transport::NcclLink;
 
 struct GpuPath::Channel {
@@ -142,26 +145,6 @@ double SecondsOf(GpuRuntime::Timer& timer) {
 
 bool Refused(const absl::Status& s) {
   return absl::IsUnauthenticated(s) || absl::IsPermissionDenied(s);
-}
-
-// What a failed GPU channel call means for the channel, read from the status's code and typed
-// detail. kReopen: the channel is gone (closed by the daemon, its communicator broke, the
-// control connection dropped): drop it and open another. kFallBack: the daemon cannot map the
-// offered memory: drop it and move the bytes over UCX. kAnswer: the daemon answered the request
-// itself (busy, not found, refused): the caller gets it.
-enum class Verdict { kReopen, kFallBack, kAnswer };
-
-Verdict Judge(const absl::Status& e) {
-  if (IsBusy(e)) return Verdict::kAnswer;
-  switch (DetailOf(e)) {
-    case ErrorDetail::kLinkGone:
-      return Verdict::kReopen;
-    case ErrorDetail::kMemoryNotMappable:
-      return Verdict::kFallBack;
-    default:
-      break;
-  }
-  return absl::IsUnavailable(e) ? Verdict::kReopen : Verdict::kAnswer;
 }
 
 // The caller's memory of an IPC transfer: the allocations holding `chunks` (one handle each)
@@ -386,11 +369,11 @@ absl::StatusOr<std::optional<PutResult>> GpuPath::ChannelPut(
     absl::StatusOr<uint64_t> transfer = ControlGpuPutBegin(c->control, options_, c->id, h);
     if (!transfer.ok()) {
       const absl::Status& e = transfer.status();
-      const Verdict verdict = Judge(e);
-      if (verdict != Verdict::kAnswer) {
+      const LinkVerdict verdict = AfterLinkFailure(e);
+      if (verdict != LinkVerdict::kAnswer) {
         if (c->link) c->link->Abort();  // the daemon closed it (idle, timeout, restart)
         Drop(*channel, e);
-        if (verdict == Verdict::kFallBack) {
+        if (verdict == LinkVerdict::kNextLink) {
           *why = e;  // it cannot map this memory: through host memory
           break;
         }
@@ -528,13 +511,13 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
                                                       form, capacity, c->ipc ? &ipc : nullptr);
     if (!grant.ok()) {
       const absl::Status& e = grant.status();
-      const Verdict verdict = Judge(e);
-      if (verdict == Verdict::kReopen) {
+      const LinkVerdict verdict = AfterLinkFailure(e);
+      if (verdict == LinkVerdict::kReopen) {
         if (c->link) c->link->Abort();
         Drop(*channel, e);
         continue;
       }
-      if (verdict == Verdict::kFallBack) {
+      if (verdict == LinkVerdict::kNextLink) {
         Drop(*channel, e);
         why = e;
         break;
@@ -933,7 +916,7 @@ absl::StatusOr<std::unique_ptr<DevicePutStream>> GpuPath::OpenPutStream(
     header.layer_major = true;
     absl::StatusOr<uint64_t> begun = ControlGpuPutBegin(c.control, options_, c.id, header);
     if (!begun.ok()) {
-      if (Judge(begun.status()) != Verdict::kAnswer) {
+      if (AfterLinkFailure(begun.status()) != LinkVerdict::kAnswer) {
         c.link->Abort();
         Drop(*channel, begun.status());
         continue;
@@ -1084,7 +1067,7 @@ absl::StatusOr<std::unique_ptr<DeviceGetStream>> GpuPath::OpenGetStream(
         /*layer_major=*/true);
     if (!grant.ok()) {
       const absl::Status& e = grant.status();
-      if (Judge(e) != Verdict::kAnswer) {
+      if (AfterLinkFailure(e) != LinkVerdict::kAnswer) {
         c.link->Abort();
         Drop(*channel, e);
         continue;

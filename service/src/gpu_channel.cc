@@ -19,6 +19,7 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/storage/types.h"
 #include "kvcomp/transport/gpu_link.h"
+#include "kvcomp/transport/payload_link.h"
 #include "log.h"
 
 namespace kvcomp {
@@ -27,6 +28,7 @@ namespace service {
 namespace {
 
 using transport::GpuRuntime;
+using transport::LinkKind;
 using transport::NcclLink;
 
 // Chunks of a K/V payload (staged as every layer's keys, then every layer's values) in the
@@ -137,6 +139,21 @@ class GpuChannelsImpl : public GpuChannels {
     return channels_.size();
   }
 
+  // Why no link serves a channel to the client's GPU, naming the end that lacks it.
+  absl::Status NoLink(bool same_device, const transport::LinkOffer& ours,
+                      const transport::LinkOffer& theirs) const {
+    if (same_device) {
+      return absl::FailedPreconditionError(
+          !theirs.Has(LinkKind::kCudaIpc)
+              ? "the client's GPU is the daemon's: NCCL needs two devices and the client offered "
+                "no CUDA IPC (use the data plane)"
+              : "the client's GPU is the daemon's and this CUDA driver has no IPC");
+    }
+    if (!ours.Has(LinkKind::kNccl)) return absl::FailedPreconditionError(nccl_reason_);
+    return absl::FailedPreconditionError(
+        "the client has no NCCL and its GPU is not the daemon's (use the data plane)");
+  }
+
   absl::StatusOr<GpuChannelInfo> Open(const std::string& tenant, int client_nccl_version,
                                       const std::string& client_device_uuid,
                                       const std::string& client_ipc_event) override {
@@ -149,8 +166,8 @@ class GpuChannelsImpl : public GpuChannels {
     for (size_t i = 0; i < devices_.size(); ++i) {
       if (client_device_uuid == device_uuids_[i]) device = devices_[i];
     }
-    const bool ipc = device >= 0;
-    if (!ipc) {
+    const bool same_device = device >= 0;
+    if (!same_device) {
       if (!service_->engines()->uses_gpu()) {
         device = devices_[0];
       } else {
@@ -162,26 +179,22 @@ class GpuChannelsImpl : public GpuChannels {
         device = engine->cuda_device();
       }
     }
-    if (ipc) {
-      if (client_ipc_event.empty()) {
-        return absl::FailedPreconditionError(
-            "the client's GPU is the daemon's: NCCL needs two devices and the client offered no "
-            "CUDA IPC (use the data plane)");
-      }
-      if (!rt_->has_ipc()) {
-        return absl::FailedPreconditionError(
-            "the client's GPU is the daemon's and this CUDA driver has no IPC");
-      }
-    } else {
-      if (!nccl_reason_.empty()) return absl::FailedPreconditionError(nccl_reason_);
-      if (client_nccl_version <= 0) {
-        return absl::FailedPreconditionError(
-            "the client has no NCCL and its GPU is not the daemon's (use the data plane)");
-      }
-      if (client_nccl_version / 100 != rt_->nccl_version() / 100) {
-        Log(LogLevel::kInfo, "GPU channel: client NCCL ", client_nccl_version, ", daemon NCCL ",
-            rt_->nccl_version());
-      }
+    // The channel's link: the first that both ends offer and that reaches the client's GPU
+    // from this one (payload_link.h); the data plane's links stay the client's fallback.
+    transport::LinkOffer ours, theirs;
+    if (rt_->has_ipc()) ours.Add(LinkKind::kCudaIpc);
+    if (nccl_reason_.empty()) ours.Add(LinkKind::kNccl);
+    if (!client_ipc_event.empty()) theirs.Add(LinkKind::kCudaIpc);
+    if (client_nccl_version > 0) theirs.Add(LinkKind::kNccl);
+    const std::vector<LinkKind> links = transport::ChooseLinks(
+        ours, theirs,
+        {transport::MemoryKind::kCuda,
+         same_device ? transport::Locality::kSameDevice : transport::Locality::kOtherDevice});
+    if (links.empty()) return NoLink(same_device, ours, theirs);
+    const bool ipc = links.front() == LinkKind::kCudaIpc;
+    if (!ipc && client_nccl_version / 100 != rt_->nccl_version() / 100) {
+      Log(LogLevel::kInfo, "GPU channel: client NCCL ", client_nccl_version, ", daemon NCCL ",
+          rt_->nccl_version());
     }
     auto channel = std::make_shared<Channel>();
     channel->tenant = tenant;
