@@ -10,7 +10,6 @@
 #include "control.h"
 #include "device_ucx.h"
 #include "kvcomp/core/error_detail.h"
-#include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
 #include "kvcomp/transport/payload_link.h"
@@ -632,8 +631,6 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::DenseOverUcxCuda(
   if (!LocalUcxCudaMemory()) return std::nullopt;
   absl::StatusOr<LookupResult> found = self_->Lookup(model_id, key);
   if (!found.ok()) return std::nullopt;  // the host path reports what is wrong
-  const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
-  const uint64_t half = uint64_t{layout.num_layers} * layer_bytes;
   if (found->key_codec != KeyCodec::kRaw || found->value_codec != ValueCodec::kRaw ||
       found->original_tokens != num_tokens || found->layout != layout ||
       found->total_kept != layout.num_heads_total() * num_tokens) {
@@ -647,31 +644,18 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::DenseOverUcxCuda(
                           GetIntoDeviceOverUcx(*self_, model_id, key, stored,
                                                found->stored_bytes, stream, false, &why));
   if (!got) return std::nullopt;
-  // The header and section table (at most 64 sections) say where the two sections lie.
-  std::string head(std::min<uint64_t>(got->bytes, format::kHeaderBytes +
-                                                      64 * format::kSectionEntryBytes),
-                   '\0');
-  KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(head.data(), stored, head.size(),
-                                       GpuRuntime::Copy::kDeviceToHost, stream));
-  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
-  absl::StatusOr<format::DenseSections> dense = format::DenseKvSections(head, got->bytes);
-  if (!dense.ok() || dense->info.original_tokens != num_tokens ||
-      dense->info.layout != layout) {
-    return std::nullopt;  // replaced meanwhile by another cache
-  }
-  const auto* from = static_cast<const uint8_t*>(stored);
+  std::vector<void*> keys(layout.num_layers), values(layout.num_layers);
   for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].keys,
-                                         from + dense->keys.offset + l * layer_bytes, layer_bytes,
-                                         GpuRuntime::Copy::kDeviceToDevice, stream));
-    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].values,
-                                         from + dense->values.offset + l * layer_bytes,
-                                         layer_bytes, GpuRuntime::Copy::kDeviceToDevice, stream));
+    keys[l] = layers[l].keys;
+    values[l] = layers[l].values;
   }
-  // The stored copy must outlive the copies out of it.
-  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
+  KVCOMP_ASSIGN_OR_RETURN(bool dense,
+                          transport::CopyDenseKv(rt, stored, got->bytes, layout, num_tokens, keys,
+                                                 values, stream,
+                                                 absl::Now() + options_.request_timeout));
+  if (!dense) return std::nullopt;  // replaced meanwhile by another cache
   DeviceGetResult out;
-  out.bytes = 2 * half;
+  out.bytes = layout.CacheBytes(num_tokens);
   out.path = "ucx-cuda";
   out.transfer_seconds = got->transfer_seconds;
   return std::optional<DeviceGetResult>(std::move(out));

@@ -523,38 +523,23 @@ class GpuChannelsImpl : public GpuChannels {
     KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
                             ReadOnDevice(*c, key, *stored, sum.stored_bytes));
     if (!meta.has_value()) return std::optional<GpuGetBegun>();
-    // The header and the section table (at most 64 sections), to find the two sections.
-    std::string head(std::min<uint64_t>(meta->stored_bytes,
-                                        format::kHeaderBytes + 64 * format::kSectionEntryBytes),
-                     '\0');
-    s = rt_->CopyAsync(head.data(), *stored, head.size(), GpuRuntime::Copy::kDeviceToHost,
-                       c->stream);
-    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
-    absl::StatusOr<format::DenseSections> dense =
-        format::DenseKvSections(head, meta->stored_bytes);
-    if (!dense.ok() || dense->info.original_tokens != out.num_tokens ||
-        dense->info.layout != out.layout) {
-      return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
-    }
-    auto* base = static_cast<uint8_t*>(c->staging);
-    const auto* from = static_cast<const uint8_t*>(*stored);
-    s = rt_->CopyAsync(base, from + dense->keys.offset, half, GpuRuntime::Copy::kDeviceToDevice,
-                       c->stream);
-    if (s.ok()) {
-      s = rt_->CopyAsync(base + half, from + dense->values.offset, half,
-                         GpuRuntime::Copy::kDeviceToDevice, c->stream);
-    }
     // Densified before the answer (and before `stored` is freed): the client's receive then
     // waits only for the transfer.
-    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
+    auto* base = static_cast<uint8_t*>(c->staging);
+    std::vector<void*> keys(out.layout.num_layers), values(out.layout.num_layers);
+    const uint64_t layer_bytes = out.layout.LayerBytes(out.num_tokens);
+    for (uint32_t l = 0; l < out.layout.num_layers; ++l) {
+      keys[l] = base + l * layer_bytes;
+      values[l] = base + half + l * layer_bytes;
     }
+    absl::StatusOr<bool> dense =
+        transport::CopyDenseKv(rt_, *stored, meta->stored_bytes, out.layout, out.num_tokens, keys,
+                               values, c->stream, absl::Now() + timeout_);
+    if (!dense.ok()) {
+      Fail(c, dense.status());
+      return dense.status();
+    }
+    if (!*dense) return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
     KVCOMP_ASSIGN_OR_RETURN(
         out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
                         shape, /*at_least=*/false));

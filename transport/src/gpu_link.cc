@@ -7,12 +7,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "transport/src/gpu_abi.h"
 
@@ -758,6 +760,58 @@ absl::Status NcclLink::Wait(void* stream, absl::Time deadline) {
   }
   rt_->api_->cu.cuEventDestroy(ev);
   return s;
+}
+
+namespace {
+
+// Copies `n` layers' spans of `bytes` each from `from` (one after another) to `to[l]`, one copy
+// per run of destinations that follow one another.
+absl::Status CopyLayers(GpuRuntime* rt, const uint8_t* from, absl::Span<void* const> to,
+                        uint64_t bytes, void* stream) {
+  size_t l = 0;
+  while (l < to.size()) {
+    size_t end = l + 1;
+    while (end < to.size() &&
+           static_cast<uint8_t*>(to[end]) == static_cast<uint8_t*>(to[l]) + (end - l) * bytes) {
+      ++end;
+    }
+    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(to[l], from + l * bytes, (end - l) * bytes,
+                                         GpuRuntime::Copy::kDeviceToDevice, stream));
+    l = end;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<bool> CopyDenseKv(GpuRuntime* rt, const void* stored, uint64_t stored_bytes,
+                                 const KvLayout& layout, uint64_t num_tokens,
+                                 absl::Span<void* const> keys, absl::Span<void* const> values,
+                                 void* stream, absl::Time deadline) {
+  if (keys.size() != layout.num_layers || values.size() != layout.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("dense K/V of ", layout.num_layers,
+                                                   " layers into ", keys.size(), " and ",
+                                                   values.size(), " destinations"));
+  }
+  // The header and the section table (at most 64 sections) say where the two sections lie.
+  std::string head(std::min<uint64_t>(stored_bytes, format::kHeaderBytes +
+                                                        64 * format::kSectionEntryBytes),
+                   '\0');
+  KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(head.data(), stored, head.size(),
+                                       GpuRuntime::Copy::kDeviceToHost, stream));
+  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, deadline));
+  absl::StatusOr<format::DenseSections> dense = format::DenseKvSections(head, stored_bytes);
+  if (!dense.ok() || dense->info.original_tokens != num_tokens || dense->info.layout != layout) {
+    return false;
+  }
+  const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
+  const auto* from = static_cast<const uint8_t*>(stored);
+  KVCOMP_RETURN_IF_ERROR(CopyLayers(rt, from + dense->keys.offset, keys, layer_bytes, stream));
+  KVCOMP_RETURN_IF_ERROR(
+      CopyLayers(rt, from + dense->values.offset, values, layer_bytes, stream));
+  // The copies read `stored`: done before the caller frees it.
+  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, deadline));
+  return true;
 }
 
 }  // namespace transport

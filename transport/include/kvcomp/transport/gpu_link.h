@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kvcomp/core/layout.h"
 
 namespace kvcomp {
 namespace transport {
@@ -162,6 +163,21 @@ class ScopedDeviceMemory {
   GpuRuntime* const rt_;
   void* const ptr_;
 };
+
+// The dense K and V of a cache whose stored bytes (docs/format.md) lie in device memory of the
+// current device (`stored`, `stored_bytes`), copied on the device on `stream` into `keys[l]`
+// and `values[l]` (layer l's [kv head][token][dim], layout.LayerBytes(num_tokens) bytes each;
+// destinations that follow one another are copied at once). Used by kvcompd's dense gets and
+// the SDK's dense get over CUDA-aware UCX. The header and section table are read on the host
+// first (format::DenseKvSections); returns once the copies are done, so `stored` may be freed.
+// false, nothing copied: the bytes are not a cache of `layout` and `num_tokens` that kept every
+// token with raw codecs (another cache, or one replaced meanwhile). Errors: the driver's,
+// DeadlineExceeded past `deadline`, InvalidArgument when the spans do not have one entry per
+// layer.
+absl::StatusOr<bool> CopyDenseKv(GpuRuntime* rt, const void* stored, uint64_t stored_bytes,
+                                 const KvLayout& layout, uint64_t num_tokens,
+                                 absl::Span<void* const> keys, absl::Span<void* const> values,
+                                 void* stream, absl::Time deadline);
 
 // A two-rank NCCL communicator between this process and one peer, on one device of this
 // process. Payloads go as ncclSend / ncclRecv of bytes, enqueued on a caller's stream.
