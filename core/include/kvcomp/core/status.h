@@ -41,10 +41,12 @@ using StatusOr = absl::StatusOr<T>;
 uint16_t StatusCodeToWire(absl::StatusCode code);
 absl::StatusCode StatusCodeFromWire(uint16_t wire);
 
-// A status with the same code and `context: message`, for adding where an error happened.
+// A status with the same code, the same payloads (error_detail.h) and `context: message`, for
+// adding where an error happened.
 Status Annotate(const Status& status, absl::string_view context);
 
-// kvcomp's "busy, retry later" status (back-pressure): Unavailable with a marker in the message.
+// kvcomp's "busy, retry later" status (back-pressure): Unavailable with ErrorDetail::kBusy
+// (error_detail.h); IsBusy reads that detail, never the message.
 Status BusyError(absl::string_view message);
 bool IsBusy(const Status& status);
 
