@@ -82,6 +82,28 @@ class ManualRecovery : public rocksdb::EventListener {
   }
 };
 
+// A compaction that reads damaged data (blob garbage collection relocating a blob whose CRC
+// fails) ends with Corruption, which RocksDB makes an unrecoverable background error: every later
+// write fails, and a reopen schedules the same compaction. With repairs enabled the error is kept
+// from stopping writes (the compaction's output is discarded, its inputs stay as they were) and
+// the tier's repair thread is woken to quarantine what is damaged.
+class DamageListener : public rocksdb::EventListener {
+ public:
+  explicit DamageListener(std::shared_ptr<void> signal,
+                          std::function<bool(const std::string&)> note)
+      : signal_(std::move(signal)), note_(std::move(note)) {}
+  const char* Name() const override { return "kvcomp.DamageListener"; }
+  void OnBackgroundError(rocksdb::BackgroundErrorReason reason,
+                         rocksdb::Status* bg_error) override {
+    if (reason != rocksdb::BackgroundErrorReason::kCompaction || !bg_error->IsCorruption()) return;
+    if (note_(bg_error->ToString())) *bg_error = rocksdb::Status::OK();
+  }
+
+ private:
+  std::shared_ptr<void> signal_;  // keeps what note_ refers to alive
+  std::function<bool(const std::string&)> note_;
+};
+
 void PutLe(std::string* out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
@@ -210,7 +232,114 @@ RocksDbTier::RocksDbTier(const RocksDbTierOptions& options)
       max_space_(options.max_space_bytes != 0 ? options.max_space_bytes
                                               : 2 * options.capacity_bytes + (1ull << 30)) {}
 
-RocksDbTier::~RocksDbTier() = default;
+RocksDbTier::~RocksDbTier() { StopRepairs(); }
+
+void RocksDbTier::EnableRepairs(DamageHandler handler) {
+  if (repairer_.joinable()) return;
+  damage_handler_ = std::move(handler);
+  repairer_ = std::thread([this] { RepairLoop(); });
+}
+
+void RocksDbTier::StopRepairs() {
+  {
+    std::lock_guard<std::mutex> lock(damage_->mu);
+    damage_->stop = true;
+    damage_->cv.notify_all();
+  }
+  if (repairer_.joinable()) repairer_.join();
+}
+
+uint64_t RocksDbTier::background_corruptions() const {
+  std::lock_guard<std::mutex> lock(damage_->mu);
+  return damage_->events;
+}
+
+std::string RocksDbTier::last_repair() const {
+  std::lock_guard<std::mutex> lock(repair_report_mu_);
+  return last_repair_;
+}
+
+void RocksDbTier::RepairLoop() {
+  // A compaction that still fails after a pass is retried by RocksDB about once a second; passes
+  // that find nothing new back off (1 s doubling to 64 s) so a damage the pass cannot reach does
+  // not turn into a read of every payload each second.
+  int64_t backoff_ms = 1000;
+  std::unique_lock<std::mutex> lock(damage_->mu);
+  while (true) {
+    damage_->cv.wait(lock, [this] { return damage_->stop || damage_->pending; });
+    if (damage_->stop) return;
+    damage_->pending = false;
+    lock.unlock();
+    const uint64_t before = repaired_quarantined_.load();
+    RepairPass();
+    const bool found = repaired_quarantined_.load() != before;
+    backoff_ms = found ? 1000 : std::min<int64_t>(backoff_ms * 2, 64000);
+    lock.lock();
+    damage_->cv.wait_for(lock, std::chrono::milliseconds(backoff_ms),
+                         [this] { return damage_->stop; });
+    if (damage_->stop) return;
+  }
+}
+
+void RocksDbTier::RepairPass() {
+  std::shared_ptr<Db> db = this->db();
+  if (db->read_only) return;
+  repairs_ += 1;
+  struct Bad {
+    std::string key, meta_bytes, reason;
+    CacheMeta meta;
+  };
+  std::vector<Bad> bad;
+  uint64_t checked = 0;
+  {
+    std::unique_ptr<rocksdb::Iterator> it(db->db->NewIterator(rocksdb::ReadOptions(), db->meta));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const absl::string_view key(it->key().data(), it->key().size());
+      Bad b{std::string(key), it->value().ToString(), "", CacheMeta()};
+      ++checked;
+      auto meta = DecodeMeta(b.meta_bytes);
+      if (!meta.ok()) {
+        b.reason = meta.status().ToString();
+      } else {
+        b.meta = *meta;
+        auto payload = GetFrom(*db, key);
+        if (!payload.ok()) {
+          b.reason = absl::StrCat("payload unreadable: ", payload.status().ToString());
+        } else if (payload->size() != meta->stored_bytes ||
+                   Crc32c(payload->data(), payload->size()) != meta->crc32c) {
+          b.reason = "payload checksum mismatch";
+        }
+      }
+      if (!b.reason.empty()) bad.push_back(std::move(b));
+    }
+  }
+  uint64_t quarantined = 0;
+  for (Bad& b : bad) {
+    const std::string reason = absl::StrCat(b.reason, " (found after a compaction met damage)");
+    if (damage_handler_ && damage_handler_(b.key, b.meta, reason)) {
+      ++quarantined;
+      continue;
+    }
+    Stripe& st = StripeOf(b.key);
+    WriterLock lock(&st.mu);
+    auto done = QuarantineLocked(*db, st, b.key, reason, &b.meta_bytes);
+    if (done.ok() && *done) ++quarantined;
+  }
+  repaired_quarantined_ += quarantined;
+  // The quarantine's deletes reach the damaged references only when a compaction takes both:
+  // flush them and compact the whole payload family, level by level.
+  rocksdb::FlushOptions flush;
+  flush.allow_write_stall = true;
+  rocksdb::Status s = db->db->Flush(flush, db->payload);
+  rocksdb::CompactRangeOptions cro;
+  cro.exclusive_manual_compaction = false;
+  if (s.ok()) s = db->db->CompactRange(cro, db->payload, nullptr, nullptr);
+  std::lock_guard<std::mutex> lock(repair_report_mu_);
+  last_repair_ = absl::StrCat("rocksdb tier: a compaction met damaged data (",
+                              damage_->last_error, "); ", checked, " payloads read, ",
+                              quarantined, " quarantined; compaction after the repair: ",
+                              s.ok() ? "OK" : s.ToString());
+}
 
 std::shared_ptr<RocksDbTier::Db> RocksDbTier::db() const { return std::atomic_load(&db_); }
 
@@ -232,7 +361,7 @@ uint64_t RocksDbTier::BytesToOpenWritable() const {
 
 absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     const RocksDbTierOptions& o, const std::shared_ptr<rocksdb::Cache>& block_cache,
-    bool read_only) {
+    bool read_only, const std::shared_ptr<DamageSignal>& damage) {
   rocksdb::DBOptions db_options;
   db_options.create_if_missing = o.create_if_missing;
   db_options.create_missing_column_families = o.create_if_missing;
@@ -247,6 +376,17 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   db_options.allow_fallocate = false;
   if (o.env != nullptr) db_options.env = o.env;
   db_options.listeners.push_back(std::make_shared<ManualRecovery>());
+  DamageSignal* signal = damage.get();
+  db_options.listeners.push_back(
+      std::make_shared<DamageListener>(damage, [signal](const std::string& error) {
+        std::lock_guard<std::mutex> lock(signal->mu);
+        if (!signal->enabled) return false;
+        signal->events += 1;
+        signal->last_error = error;
+        signal->pending = true;
+        signal->cv.notify_all();
+        return true;
+      }));
   auto db = std::make_shared<Db>();
   db->read_only = read_only;
   if (!read_only) {
@@ -335,14 +475,14 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
                           " needed to open read-write (reserve ", o.reserve_bytes,
                           " plus the write-ahead log)");
   } else {
-    db = OpenDb(o, tier->block_cache_, /*read_only=*/false);
+    db = OpenDb(o, tier->block_cache_, /*read_only=*/false, tier->damage_);
     // Only for lack of space: a database locked by another process must not be served stale.
     if (!db.ok() && exists && absl::IsResourceExhausted(db.status())) {
       reason = absl::StrCat("read-write open failed: ", db.status().message());
     }
   }
   if (!reason.empty()) {
-    db = OpenDb(o, tier->block_cache_, /*read_only=*/true);
+    db = OpenDb(o, tier->block_cache_, /*read_only=*/true, tier->damage_);
     if (db.ok()) {
       WriterLock lock(&tier->reopen_mu_);
       tier->read_only_reason_ = reason;
@@ -402,7 +542,7 @@ bool RocksDbTier::TryReopenWritable() {
                                      ", ", needed, " needed to reopen read-write");
     return false;
   }
-  auto writable = OpenDb(options_, block_cache_, /*read_only=*/false);
+  auto writable = OpenDb(options_, block_cache_, /*read_only=*/false, damage_);
   if (!writable.ok()) {
     read_only_reason_ = absl::StrCat("reopen read-write failed: ", writable.status().message());
     return false;
@@ -819,12 +959,22 @@ absl::Status RocksDbTier::Quarantine(absl::string_view key, absl::string_view re
   std::shared_ptr<Db> db = this->db();
   Stripe& st = StripeOf(key);
   WriterLock lock(&st.mu);
+  return QuarantineLocked(*db, st, key, reason, nullptr).status();
+}
+
+absl::StatusOr<bool> RocksDbTier::QuarantineLocked(Db& d, Stripe& st, absl::string_view key,
+                                                   absl::string_view reason,
+                                                   const std::string* expect_meta) {
+  Db* db = &d;
   WriterLock quarantine_lock(&quarantine_mu_);
   std::string meta, payload;
   rocksdb::Status s = db->db->Get(rocksdb::ReadOptions(), db->meta, ToSlice(key), &meta);
   if (!s.ok() && !s.IsNotFound()) return FromRocksDb(s, "rocksdb tier: quarantine");
+  if (expect_meta != nullptr && (!s.ok() || meta != *expect_meta)) return false;
   s = db->db->Get(rocksdb::ReadOptions(), db->payload, ToSlice(key), &payload);
-  if (!s.ok() && !s.IsNotFound()) return FromRocksDb(s, "rocksdb tier: quarantine");
+  // A payload that cannot be read (a damaged blob) is quarantined without its bytes.
+  if (s.IsCorruption()) payload.clear();
+  else if (!s.ok() && !s.IsNotFound()) return FromRocksDb(s, "rocksdb tier: quarantine");
   rocksdb::WriteBatch batch;
   auto qkey = [&](char tag) { return std::string(1, tag) + std::string(key); };
   s = batch.Put(db->quarantine, qkey(kQuarantineReason), ToSlice(reason));
@@ -844,7 +994,7 @@ absl::Status RocksDbTier::Quarantine(absl::string_view key, absl::string_view re
   KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "quarantine", WriteKind::kAdds));
   if (file != st.files.end()) st.files.erase(file);
   ForgetSize(st, key);
-  return absl::OkStatus();
+  return true;
 }
 
 absl::StatusOr<std::vector<QuarantinedCache>> RocksDbTier::ListQuarantine() {

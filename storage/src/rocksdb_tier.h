@@ -22,7 +22,10 @@
 #define KVCOMP_STORAGE_SRC_ROCKSDB_TIER_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,6 +44,7 @@ class ColumnFamilyHandle;
 class DB;
 class FileSystem;
 class FSRandomAccessFile;
+class EventListener;
 class SstFileManager;
 class Status;
 }  // namespace rocksdb
@@ -107,18 +111,52 @@ class RocksDbTier final : public Tier {
   absl::StatusOr<std::vector<std::string>> ListCalibration(absl::string_view prefix);
   absl::Status DeleteCalibration(absl::string_view key);
 
+  // Damaged data met by RocksDB's background work. A compaction that reads a damaged blob (blob
+  // garbage collection relocating it) fails with Corruption, which RocksDB would keep as a
+  // background error refusing every later write, across restarts. The tier keeps the database
+  // writable instead (from Open on) and, once repairs are enabled, a repair thread reads every
+  // stored payload,
+  // quarantines the ones that fail (through `handler` when given: it quarantines the key if its
+  // meta is still `meta` and returns true; else, or when it returns false, the tier does so
+  // itself if the key's meta record is unchanged), then compacts the payload family so the
+  // damaged references are dropped and compactions go on. Call once, after recovery.
+  using DamageHandler = std::function<bool(const std::string& key, const CacheMeta& meta,
+                                           absl::string_view reason)>;
+  void EnableRepairs(DamageHandler handler);
+  // Stops the repair thread (waits for a pass in progress). Idempotent; the destructor calls it.
+  void StopRepairs();
+  // Compactions that failed on damaged data (each one a background error kept from stopping
+  // writes), repair passes run, and caches those passes quarantined.
+  uint64_t background_corruptions() const;
+  uint64_t repairs() const { return repairs_.load(); }
+  uint64_t repaired_quarantined() const { return repaired_quarantined_.load(); }
+  // What the last repair pass did, for the log ("" before the first).
+  std::string last_repair() const;
+
+
  private:
   // One open instance of the database: read-write, or read-only while the disk is short. The
   // tier swaps a read-only instance for a read-write one when space returns; calls in flight
   // keep the instance they started with.
   struct Db;
   enum class WriteKind { kAdds, kRemoves };
+  // Shared with the event listener of every Db instance.
+  struct DamageSignal {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool enabled = true;  // compaction corruption is kept from stopping writes
+    bool pending = false;
+    bool stop = false;
+    uint64_t events = 0;
+    std::string last_error;
+  };
 
   explicit RocksDbTier(const RocksDbTierOptions& options);
   std::shared_ptr<Db> db() const;
   static absl::StatusOr<std::shared_ptr<Db>> OpenDb(const RocksDbTierOptions& o,
                                                     const std::shared_ptr<rocksdb::Cache>& cache,
-                                                    bool read_only);
+                                                    bool read_only,
+                                                    const std::shared_ptr<DamageSignal>& damage);
   absl::Status Write(void* batch, bool sync, absl::string_view what, WriteKind kind);
   // Refuses a write that the disk cannot take (ResourceExhausted, "disk full").
   absl::Status AdmitWrite(Db& db, uint64_t bytes, WriteKind kind) const;
@@ -137,6 +175,8 @@ class RocksDbTier final : public Tier {
   // Removes every file under <path>/direct that no record names (read-write opens only).
   absl::Status RemoveUnnamedDirectFiles(Db& db);
   absl::Status QuarantineIn(Db& db, absl::string_view key, absl::string_view reason);
+  void RepairLoop();
+  void RepairPass();
 
   const RocksDbTierOptions options_;
   const uint64_t capacity_;
@@ -166,8 +206,21 @@ class RocksDbTier final : public Tier {
   Stripe& StripeOf(absl::string_view key);
   // Drops `key` from the accounting (its stripe's sizes, used_, entries_) if it is there.
   void ForgetSize(Stripe& st, absl::string_view key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+  // Quarantine with the key's stripe held; `expect_meta`, when not null, must still be the key's
+  // meta record (else nothing is done and false is returned).
+  absl::StatusOr<bool> QuarantineLocked(Db& db, Stripe& st, absl::string_view key,
+                                        absl::string_view reason, const std::string* expect_meta)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
   SharedMutex calibration_mu_;  // serialises PutCalibration's read-compare-write
   SharedMutex quarantine_mu_;   // serialises the purges' read-delete
+
+  std::shared_ptr<DamageSignal> damage_ = std::make_shared<DamageSignal>();
+  DamageHandler damage_handler_;
+  std::thread repairer_;
+  std::atomic<uint64_t> repairs_{0};
+  std::atomic<uint64_t> repaired_quarantined_{0};
+  mutable std::mutex repair_report_mu_;
+  std::string last_repair_;
 };
 
 }  // namespace storage

@@ -80,6 +80,7 @@ class TieredStoreImpl final : public TieredStore {
   }
 
   ~TieredStoreImpl() override {
+    if (rocks_ != nullptr) rocks_->StopRepairs();  // its handler uses the index
     {
       // The persister drains its queue first: a clean close loses no kBehind put.
       std::lock_guard<std::mutex> lock(behind_mu_);
@@ -398,6 +399,15 @@ absl::Status TieredStoreImpl::Init() {
   if (!read_only) {
     KVCOMP_RETURN_IF_ERROR(rocks_->DeleteMany(expired, /*sync=*/true));
     expired_ += expired.size();
+  }
+  // Damage met by RocksDB's compactions: each damaged cache leaves the index and goes to the
+  // quarantine (if it is still the version that was read), so puts go on.
+  if (!read_only) {
+    rocks_->EnableRepairs([this](const std::string& ek, const CacheMeta& meta,
+                                 absl::string_view reason) {
+      WriterLock stripe(&Stripe(StripeIndex(ek)));
+      return QuarantineLocked(ek, meta, reason);
+    });
   }
   if (rocks_ != nullptr) persister_ = std::thread([this] { PersistBehind(); });
   if (!to_verify.empty()) {
@@ -1286,6 +1296,11 @@ void TieredStoreImpl::FlushBehind() {
 
 StoreStats TieredStoreImpl::Stats() const {
   StoreStats out;
+  if (rocks_ != nullptr) {
+    out.background_corruptions = rocks_->background_corruptions();
+    out.damage_repairs = rocks_->repairs();
+    out.last_damage_repair = rocks_->last_repair();
+  }
   for (int t = 0; t < kNumTiers; ++t) {
     TierStats& ts = out.tiers[t];
     const TierCounters& c = counters_[t];

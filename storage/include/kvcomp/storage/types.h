@@ -194,6 +194,11 @@ struct StoreStats {
   uint64_t unverified = 0;    // recovered entries the background check has not read yet
   uint64_t behind_bytes = 0;  // Durability::kBehind puts acknowledged, not yet on disk
   uint64_t behind_failed = 0;  // kBehind puts the persister could not write (left in memory)
+  uint64_t background_corruptions = 0;  // RocksDB compactions that failed on damaged data (a
+                                        // flipped byte in a blob file); writes went on
+  uint64_t damage_repairs = 0;          // passes that read every payload after such a failure
+                                        // and quarantined the damaged ones
+  std::string last_damage_repair;       // what the last pass found, "" before the first
   const TierStats& tier(TierKind k) const { return tiers[static_cast<int>(k)]; }
 };
 
