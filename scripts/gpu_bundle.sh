@@ -16,7 +16,7 @@
 #     -DKVCOMP_PYTHON=OFF -DCMAKE_CUDA_ARCHITECTURES=90
 #   cmake --build build-gpu-daemon -j 2 --target kvcompd kvcompd_daemon_test \
 #     kvcompd_control_security_lifecycle_test kvcompd_housekeeping_test kvcompd_bench \
-#     client_daemon_test kvcomp_bench_gpu_pipeline kvcomp_bench_gpu_decode \
+#     client_daemon_test client_gpu_channel_gpu_test kvcomp_bench_gpu_pipeline kvcomp_bench_gpu_decode \
 #     decode_attention_cuda_test service_device_path_test service_multi_gpu_test
 #   bash scripts/gpu_bundle.sh build-gpu-daemon
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
@@ -38,6 +38,7 @@ OPTIONAL=(
   bench/gpu/kvcomp_bench_gpu_decode
   tests/decode/decode_attention_cuda_test
   tests/client/client_daemon_test
+  tests/client/client_gpu_channel_gpu_test
   tests/service/service_device_path_test
   tests/service/service_multi_gpu_test
   tests/kernels/kernels_device_crc32c_test
