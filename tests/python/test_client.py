@@ -242,6 +242,14 @@ def test_timeout_on_a_stalled_daemon():
         c.put(MODEL, "t", k, v)
         os.kill(d.proc.pid, signal.SIGSTOP)
         try:
+            # kill() returns before every thread of the daemon has stopped: wait until the
+            # kernel reports the process stopped, so no thread can still answer the lookup.
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                with open(f"/proc/{d.proc.pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                time.sleep(0.01)
             t0 = time.time()
             with pytest.raises((TimeoutError, ConnectionError)):
                 c.lookup(MODEL, "t")
