@@ -5,24 +5,24 @@
 A trace is a JSON-lines file: a header object ("meta": the generator's parameters and seed) and
 one object per request, in arrival order:
 
-    {"i": 17, "gap": 0.83, "session": 4, "kind": "chat", "turn": 2,
+    {"i": 17, "gap": 0.83, "conversation": 4, "kind": "chat", "turn": 2,
      "segments": [["sys1", 1024], ["doc7", 6144], ["s4u0", 180], ["s4a0", 320], ...],
      "tokens": 9021, "new_tokens": 16}
 
 What a request is. Every prompt is a concatenation of segments, each a named run of token ids
 (segment_tokens(name, length, vocab): the same name always gives the same ids, so prompts that
 share leading segments share a token prefix, as a serving engine's prefix cache sees them):
-- a system prompt, one of `systems` (chat and agent prompts differ), shared by every session;
+- a system prompt, one of `systems` (chat and agent prompts differ), shared by every conversation;
 - a document (chats: an attached file; agents: the repository or tool manual the loop works on),
   drawn by Zipf popularity (exponent `zipf`) over `docs` documents of `doc_min`..`doc_max`
-  tokens: a few documents are read by many sessions;
+  tokens: a few documents are read by many conversations;
 - the history: a chat turn appends the user's message and the assistant's reply (the reply is
   part of the next turn's prompt, as a chat template renders it); an agent step appends a tool
   call and its output (longer). Turn t's prompt is turn t-1's prompt plus the new segments, so a
-  session's prompts grow and each is a prefix-extension of the one before.
+  conversation's prompts grow and each is a prefix-extension of the one before.
 Sessions run until `max_turns` or until the next prompt would pass `max_tokens`; `active`
-sessions are open at once and each request picks one of them at random (interleaving), a
-finished session is replaced by a new one. Prompts are `min_tokens`..`max_tokens` long.
+conversations are open at once and each request picks one of them at random (interleaving), a
+finished conversation is replaced by a new one. Prompts are `min_tokens`..`max_tokens` long.
 
 Arrivals are open-loop: `gap` is an exponential variate of mean 1 (seeded), and at arrival rate
 R requests/s request i arrives at sum(gap[0..i]) / R, so one trace serves every rate with the
@@ -98,10 +98,10 @@ def generate(seed: int = 1, **params) -> Iterator[Dict]:
     rng = np.random.default_rng(seed)
     doc_len = rng.integers(p["doc_min"], p["doc_max"] + 1, size=p["docs"])
     doc_p = _zipf_probs(p["docs"], p["zipf"])
-    sessions: List[Dict] = []
+    conversations: List[Dict] = []
     next_id = [0]
 
-    def new_session() -> Dict:
+    def new_conversation() -> Dict:
         sid = next_id[0]
         next_id[0] += 1
         kind = "agent" if rng.random() < p["agent_share"] else "chat"
@@ -124,19 +124,19 @@ def generate(seed: int = 1, **params) -> Iterator[Dict]:
             return []
         return [[f"s{s['id']}a{s['turn']}", int(rng.integers(*p["chat_reply"]))]]
 
-    while len(sessions) < p["active"]:
-        sessions.append(new_session())
+    while len(conversations) < p["active"]:
+        conversations.append(new_conversation())
     emitted = 0
     while emitted < p["requests"]:
-        j = int(rng.integers(len(sessions)))
-        s = sessions[j]
+        j = int(rng.integers(len(conversations)))
+        s = conversations[j]
         segs = s["segments"] + extend(s)
         total = sum(n for _, n in segs)
         if total > p["max_tokens"] or s["turn"] >= p["max_turns"]:
-            sessions[j] = new_session()
+            conversations[j] = new_conversation()
             continue
         if total >= p["min_tokens"]:
-            yield dict(i=emitted, gap=float(rng.exponential(1.0)), session=s["id"],
+            yield dict(i=emitted, gap=float(rng.exponential(1.0)), conversation=s["id"],
                        kind=s["kind"], turn=s["turn"], doc=s["doc"],
                        segments=[list(x) for x in segs], tokens=total,
                        new_tokens=p["new_tokens"])
@@ -185,7 +185,7 @@ def main():
         params["max_tokens"] = a.max_tokens
     reqs = write_trace(a.out, a.seed, params)
     lens = [r["tokens"] for r in reqs]
-    print(f"{a.out}: {len(reqs)} requests, {len({r['session'] for r in reqs})} sessions, "
+    print(f"{a.out}: {len(reqs)} requests, {len({r['conversation'] for r in reqs})} conversations, "
           f"tokens {min(lens)}-{max(lens)} (mean {np.mean(lens):.0f})")
 
 

@@ -17,7 +17,6 @@
 #include <sys/wait.h>
 #include <sys/socket.h>
 #include <sys/time.h>
-#include <thrift/TConfiguration.h>
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/transport/TBufferTransports.h>
 #include <thrift/transport/TSocket.h>
@@ -56,29 +55,9 @@ constexpr uint64_t kBigTokens = 4608;  // 4.5 MiB of K and V
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 
 // A control client that reads replies of up to 1 GiB (Thrift's client default is 16 MB).
-class BigReplyClient {
+class BigReplyClient : public ControlClient {
  public:
-  explicit BigReplyClient(int port) {
-    auto config = std::make_shared<apache::thrift::TConfiguration>(1 << 30, 1 << 30);
-    socket_ = std::make_shared<apache::thrift::transport::TSocket>("127.0.0.1", port, config);
-    socket_->setRecvTimeout(60000);
-    transport_ = std::make_shared<apache::thrift::transport::TFramedTransport>(socket_, config);
-    client_ = std::make_unique<rpc::KvcompControlClient>(
-        std::make_shared<apache::thrift::protocol::TBinaryProtocol>(transport_));
-    transport_->open();
-  }
-  ~BigReplyClient() {
-    try {
-      transport_->close();
-    } catch (...) {
-    }
-  }
-  rpc::KvcompControlClient* operator->() { return client_.get(); }
-
- private:
-  std::shared_ptr<apache::thrift::transport::TSocket> socket_;
-  std::shared_ptr<apache::thrift::transport::TTransport> transport_;
-  std::unique_ptr<rpc::KvcompControlClient> client_;
+  explicit BigReplyClient(int port) : ControlClient(port, 60000, 1 << 30) {}
 };
 
 class ControlBoundsTest : public DaemonFixture {

@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <thrift/TConfiguration.h>
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/transport/TBufferTransports.h>
 #include <thrift/transport/TSocket.h>
@@ -212,13 +213,18 @@ class KvcompdProcess {
   uint64_t fd_limit_ = 0;
 };
 
-// A Thrift control-plane client (framed transport, binary protocol).
+// A Thrift control-plane client (framed transport, binary protocol). max_message_bytes > 0
+// raises Thrift's client-side message limit (16 MB by default) for tests that read large replies.
 class ControlClient {
  public:
-  explicit ControlClient(int port) {
-    socket_ = std::make_shared<apache::thrift::transport::TSocket>("127.0.0.1", port);
-    socket_->setRecvTimeout(20000);
-    transport_ = std::make_shared<apache::thrift::transport::TFramedTransport>(socket_);
+  explicit ControlClient(int port, int recv_timeout_ms = 20000, int max_message_bytes = 0) {
+    auto config = max_message_bytes > 0
+                      ? std::make_shared<apache::thrift::TConfiguration>(max_message_bytes,
+                                                                         max_message_bytes)
+                      : std::make_shared<apache::thrift::TConfiguration>();
+    socket_ = std::make_shared<apache::thrift::transport::TSocket>("127.0.0.1", port, config);
+    socket_->setRecvTimeout(recv_timeout_ms);
+    transport_ = std::make_shared<apache::thrift::transport::TFramedTransport>(socket_, config);
     auto protocol = std::make_shared<apache::thrift::protocol::TBinaryProtocol>(transport_);
     client_ = std::make_unique<rpc::KvcompControlClient>(protocol);
     transport_->open();

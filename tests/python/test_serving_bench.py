@@ -35,12 +35,13 @@ def test_workload_is_seeded_and_prefixes_chain(tmp_path):
     assert len(reqs) == p["requests"]
     assert all(p["min_tokens"] <= r["tokens"] <= p["max_tokens"] for r in reqs)
     assert all(r["tokens"] == sum(n for _, n in r["segments"]) for r in reqs)
-    # a session's later turn extends its earlier prompt: its chunk keys start with the earlier's
-    by_session = {}
+    # a conversation's later turn extends its earlier prompt: its chunk keys start with those of
+    # the earlier one
+    by_conversation = {}
     for r in reqs:
-        by_session.setdefault(r["session"], []).append(r)
+        by_conversation.setdefault(r["conversation"], []).append(r)
     chained = 0
-    for turns in by_session.values():
+    for turns in by_conversation.values():
         for x, y in zip(turns, turns[1:]):
             tx = workload.prompt_tokens(x["segments"], p["vocab"])
             ty = workload.prompt_tokens(y["segments"], p["vocab"])
