@@ -46,6 +46,18 @@ def find_kvcompd() -> str:
     raise FileNotFoundError("kvcompd not built (set KVCOMPD or KVCOMP_BUILD_DIR)")
 
 
+def sigstop(proc) -> None:
+    """SIGSTOP, returning once every thread of the process is stopped (state T): kill() returns
+    before the kernel has stopped them, and a thread still running could answer a request."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    for _ in range(2000):
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+    raise AssertionError("the process did not stop")
+
+
 def built_kvcompd() -> Optional[str]:
     """find_kvcompd(), or None where none is built (tests that need one skip then)."""
     try:

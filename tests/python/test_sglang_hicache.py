@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvcompd_fixture import Kvcompd, built_kvcompd  # noqa: E402
+from kvcompd_fixture import Kvcompd, built_kvcompd, sigstop  # noqa: E402
 
 
 def _sglang():
@@ -30,17 +30,6 @@ pytestmark = [pytest.mark.skipif(not _sglang(), reason="sglang not installed "
               pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")]
 
 LAYERS, HEADS, D, PAGE = 3, 2, 64, 16
-
-
-def sigstop(proc):
-    """SIGSTOP, returning once every thread of the process is stopped (state T)."""
-    os.kill(proc.pid, signal.SIGSTOP)
-    for _ in range(2000):
-        with open(f"/proc/{proc.pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.001)
-    raise AssertionError("the process did not stop")
 
 
 @pytest.fixture(scope="module")

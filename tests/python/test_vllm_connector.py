@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import kvcomp  # noqa: E402
 from kvcomp.integrations import vllm as kv  # noqa: E402
-from kvcompd_fixture import Kvcompd, built_kvcompd  # noqa: E402
+from kvcompd_fixture import Kvcompd, built_kvcompd, sigstop  # noqa: E402
 
 KVCOMPD = built_kvcompd()
 needs_daemons = pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")
@@ -26,17 +26,6 @@ LAYERS, HEADS, D, BS, CB, NBLOCKS = 3, 2, 64, 16, 2, 40
 CT = BS * CB  # chunk tokens
 UNITS = kv.all_units(HEADS, 1)  # one stored unit per KV head (head_group 1)
 U0 = UNITS[0]
-
-
-def sigstop(proc):
-    """SIGSTOP, returning once every thread of the process is stopped (state T)."""
-    os.kill(proc.pid, signal.SIGSTOP)
-    for _ in range(2000):
-        with open(f"/proc/{proc.pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.001)
-    raise AssertionError("the process did not stop")
 
 
 class Req:
