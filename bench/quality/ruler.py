@@ -24,18 +24,17 @@ Tasks (RULER's categories, on a haystack cut from the text given):
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import numpy as np
 
-ADJ = ["red", "blue", "green", "amber", "silver", "golden", "dark", "bright", "quiet", "rapid",
-       "frozen", "hidden", "lunar", "solar", "crimson", "violet", "ancient", "modern", "wild",
-       "gentle", "bitter", "sweet", "hollow", "iron", "copper", "velvet", "misty", "sharp"]
-NOUN = ["fox", "owl", "river", "stone", "tower", "garden", "falcon", "harbor", "lantern",
-        "meadow", "comet", "engine", "forest", "island", "mirror", "canyon", "bridge", "castle",
-        "tiger", "willow", "anchor", "beacon", "cedar", "dragon", "ember", "glacier", "hammer"]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm"))
+from tasks import _names  # noqa: E402  (the training tasks' needle names)
+
 TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe",
          "fwe"]
 UPPER = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", np.uint8)
@@ -67,23 +66,6 @@ class Sample:
 
 def _digits(rng) -> str:
     return str(int(rng.integers(10000, 100000)))
-
-
-def _names(rng, n: int, colliding: bool) -> List[str]:
-    if not colliding or n == 1:
-        out: List[str] = []
-        while len(out) < n:
-            s = f"{ADJ[rng.integers(len(ADJ))]}_{NOUN[rng.integers(len(NOUN))]}"
-            if s not in out:
-                out.append(s)
-        return out
-    a = rng.choice(len(ADJ), size=n, replace=False)
-    b = rng.choice(len(NOUN), size=n, replace=False)
-    out = [f"{ADJ[a[0]]}_{NOUN[b[0]]}"]
-    for i in range(1, n):
-        pa, pb = out[-1].split("_")
-        out.append(f"{pa}_{NOUN[b[i]]}" if i % 2 else f"{ADJ[a[i]]}_{pb}")
-    return out
 
 
 def _insert(hay: bytes, lines: List[bytes], depths: List[float]):
