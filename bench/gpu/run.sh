@@ -20,9 +20,10 @@
 #   KVCOMP_GPU_EXTRA   a further command run last with the same environment (extra.log)
 #   daemon             (not a default step) the whole daemon from the bundle that
 #                      scripts/gpu_bundle.sh makes on the build machine (carry=[".gpubundle"]; no
-#                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "devpath multigpu
-#                      decode integration bench pipeline") picks the in-process test of the device
-#                      put path (service_device_path_test), the engines on every GPU
+#                      sysroot, no build here). KVCOMP_DAEMON_PARTS (default "devpath channel
+#                      multigpu decode integration bench pipeline") picks the in-process test of
+#                      the device put path (service_device_path_test), the GPU channel and device
+#                      payload tests with the Python device-path tests, the engines on every GPU
 #                      (service_multi_gpu_test, kvcompd_bench with
 #                      engine.cuda_devices naming every GPU), the decode GPU test and benchmark
 #                      (KVCOMP_DECODE_BENCH_ARGS), the integration tests against kvcompd with
@@ -235,7 +236,7 @@ if has daemon; then
       fi
       export KVCOMP_ENGINE_BACKEND=cuda KVCOMP_STORAGE_PUT_TIER=device
       export KVCOMP_STORAGE_DEVICE_CAPACITY_BYTES=${KVCOMP_DAEMON_DEVICE_BYTES:-8Gi}
-      PARTS=" ${KVCOMP_DAEMON_PARTS:-devpath multigpu decode integration bench pipeline} "
+      PARTS=" ${KVCOMP_DAEMON_PARTS:-devpath channel multigpu decode integration bench pipeline} "
       TMPD=$(mktemp -d)
 
       # One gtest binary: its output into daemon.log, its totals into the summary.
@@ -271,6 +272,28 @@ if has daemon; then
         # The device-resident put path in process (bytes across host and device per put, the
         # GPU memory cap, device-memory blocks, an injected sticky error, the CPU twin).
         gtest service_device_path_test 120
+      fi
+
+      if [[ "$PARTS" == *" channel "* ]]; then
+        # The GPU channel and the device payloads against the bundle's kvcompd: the SDK's GPU
+        # channel (CUDA IPC on one GPU; its NCCL cases need two), device payloads into the
+        # GPU tier and the device CRC and format kernels; then the Python SDK's device paths
+        # (torch tensors in, the GPU channel, CUDA-aware UCX where the bundle's UCX has it).
+        for t in client_gpu_channel_gpu_test storage_device_payload_test \
+            kernels_device_crc32c_test kernels_device_format_test; do
+          gtest "$t" 180
+        done
+        if [ -n "${KVCOMP_BUNDLE_PYTHON:-}" ]; then
+          plog=$TMPD/pytest-channel.log
+          echo "### pytest (GPU channel, device paths)" >>"$DLOG"
+          PYTHONPATH=$KVCOMP_BUNDLE_PYTHON:$ROOT/tests/integration KVCOMPD=$BUNDLE/bin/kvcompd \
+            timeout 240 python3 -m pytest -q -rfEs -p no:cacheprovider \
+            tests/python/test_gpu_channel.py tests/python/test_gpu_device_path.py \
+            tests/python/test_cuda_ucx_path.py >"$plog" 2>&1
+          cat "$plog" >>"$DLOG"
+          note "daemon  pytest channel: $(grep -E '(passed|failed|skipped|error)' "$plog" | tail -1)"
+          grep -E '^(SKIPPED|FAILED|ERROR)' "$plog" | head -8 | tee -a "$SUMMARY"
+        fi
       fi
 
       if [[ "$PARTS" == *" multigpu "* ]]; then
