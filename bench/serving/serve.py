@@ -46,10 +46,11 @@ Probes: per store arm, on a daemon of its own whose tiers hold them, a prompt of
 Arms at the same stored-cache memory (device tier + host tier capacities, no disk tier):
 - recompute: no store;
 - raw: ratio 0, raw keys, no value codec, no moments (an uncompressed offload store);
-- codec: ratio 0, int8 keys, KVSplice orthogonal_int8 values (the daemon calibrates the
-  projection from raw caches put before the trace): every token, the form an engine loads;
-- evict: eviction as today's default policy has it (kvcomp.Policy(): manifold, ratio 0.5,
-  MomentKV moments, raw codecs), until a preset pairs eviction with the codecs.
+- codec: the `codec` preset (kvcomp.preset("codec")): every token, the codecs only, the form
+  an unmodified engine loads (where its values are KVSplice-coded, the daemon calibrates the
+  projection from raw caches put before the trace);
+- evict: the `balanced` preset (kvcomp.preset("balanced")): eviction paired with the codecs.
+--rank sets the KVSplice rank of both (0: the daemon's auto-tuned rank).
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ import workload  # noqa: E402
 
 ARMS = ("recompute", "raw", "codec", "evict")
 ARM_LABEL = {"recompute": "recompute (no store)", "raw": "raw store (ratio 0, raw codecs)",
-             "codec": "codec only (int8 K, KVSplice int8 V)",
-             "evict": "eviction, today's default policy (manifold 0.5, moments, raw codecs)"}
+             "codec": "codec only (preset codec)",
+             "evict": "eviction + codec (preset balanced)"}
 TRAINED = os.path.join(REPO, "bench", "quality", "lm", "model")
 
 
@@ -89,10 +90,9 @@ def arm_policy(arm: str, rank: int) -> Optional[kvcomp.Policy]:
     if arm == "raw":
         return kvcomp.Policy(ratio=0.0, moments=False)
     if arm == "codec":
-        return kvcomp.Policy(ratio=0.0, moments=False, key_codec="int8",
-                             value_codec="orthogonal_int8", rank=rank)
-    if arm == "evict":  # the embedded default policy, as kvcompd applies it
-        return kvcomp.Policy()
+        return kvcomp.preset("codec", rank=rank)
+    if arm == "evict":
+        return kvcomp.preset("balanced", rank=rank)
     raise ValueError(f"unknown arm {arm!r} (one of {', '.join(ARMS)})")
 
 
