@@ -41,7 +41,8 @@ SLO: TTFT <= --slo-factor (1.5) x the unloaded prefill of the same length on the
 (measured first over a grid of lengths, interpolated).
 
 Probes: per store arm, on a daemon of its own whose tiers hold them, a prompt of each
---probe-lengths length is served twice (a miss that puts it, then a full hit).
+--probe-lengths length is served three times (a miss that puts it, then two full hits: the
+first meets the shapes for the first time, the second is the warm figure).
 
 Arms at the same stored-cache memory (device tier + host tier capacities, no disk tier):
 - recompute: no store;
@@ -636,9 +637,13 @@ def main(argv=None):
                     for n in plens:
                         req = dict(i=-1, segments=[[f"probe-{n}", n + 1]], new_tokens=1)
                         miss = po.serve(req)
+                        # The first hit of a length meets new shapes (the model's kernels for a
+                        # short prefill over a long past, the allocator's first blocks of that
+                        # size); the second is what a warm server sees. Both are recorded.
+                        first_hit = po.serve(req)
                         hit = po.serve(req)
                         probes.append(dict(tokens=n + 1, recompute_s=unloaded(n + 1), miss=miss,
-                                           hit=hit))
+                                           first_hit=first_hit, hit=hit))
                 finally:
                     pd.__exit__(None, None, None)
                 log(f"{arm}: probes " + ", ".join(
