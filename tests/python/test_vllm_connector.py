@@ -144,8 +144,18 @@ def test_keys_and_plans():
         kv.shard_units(kv.Shard(), 4, 3)
     spec = kv.plan_load("r", hs, list(range(10, 16)), BS, 2 * CT, BS, CB)
     assert [(c.chunk, c.block_ids, c.skip_blocks) for c in spec.chunks] == \
-        [(0, [10, 11], 1), (1, [12, 13], 0)]
-    assert spec.block_ids() == [11, 12, 13]
+        [(0, [[10, 11]], 1), (1, [[12, 13]], 0)]
+    assert spec.block_ids() == [11, 12, 13] and not spec.async_load
+    # Hybrid models: block ids per KV cache group; a sliding-window group's blocks before the
+    # window are vLLM's null block (0), never written.
+    spec = kv.plan_load("r", hs, ([10, 11, 12, 13], [0, 0, 0, 23]), 0, 2 * CT, BS, CB, True)
+    assert [c.block_ids for c in spec.chunks] == [[[10, 11], [0, 0]], [[12, 13], [0, 23]]]
+    assert spec.block_ids() == [10, 11, 12, 13, 23] and spec.async_load
+    assert kv.per_group([4, 5], 1) == [[4, 5]] and kv.per_group(([4], [5]), 2) == [[4], [5]]
+    with pytest.raises(ValueError, match="groups"):
+        kv.per_group(([4], [5]), 3)
+    assert kv.group_units(["u", "v"], 1) == ["u", "v"]
+    assert kv.group_units(["u", "v"], 2) == ["g0of2.u", "g0of2.v", "g1of2.u", "g1of2.v"]
     with pytest.raises(ValueError):
         kv.plan_load("r", hs, list(range(6)), 3, CT, BS, CB)  # not block-aligned
     with pytest.raises(ValueError):
@@ -417,6 +427,148 @@ def test_finished_request_saves_decode_chunks(pool):
     sched.build([(r3.request_id, [10], 0, CT - 1)], [])
     assert sched.finished(r3, [10]) is False
     work.close()
+
+
+# --- hybrid models: full-attention and sliding-window KV cache groups ------------------------
+
+# Layers 0 and 2 full attention, 1 and 3 sliding window: vLLM's hybrid KV cache manager makes
+# one group of each kind and, per position in the groups, one tensor shared by a layer of each
+# group (layers 0 and 1, layers 2 and 3), every group using its own blocks of it.
+HYBRID = ([f"model.layers.{i}.self_attn.attn" for i in (0, 2)],
+          [f"model.layers.{i}.self_attn.attn" for i in (1, 3)])
+HUNITS = kv.group_units(UNITS, 2)
+
+
+def paged_hybrid(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for full, window in zip(*HYBRID):
+        out[full] = out[window] = torch.randn(NBLOCKS, HEADS, BS, 2 * D, generator=g).half()
+    return out
+
+
+def hybrid_engine(s, caches):
+    store = kv.ChunkStore(s)
+    sched = kv.SchedulerLogic(s, store, BS, HUNITS, groups=2, async_load=True)
+    work = kv.WorkerLogic(s, store, BS)
+    work.register(caches, groups=HYBRID)
+    return sched, work
+
+
+def hybrid_save(s, seed, tokens, caches):
+    """Engine A computes a prompt in one step: every whole chunk saved, both groups."""
+    sched, work = hybrid_engine(s, caches)
+    r = Req(f"h{seed}", seed, tokens)
+    assert lookup(sched, r) == 0
+    sched.after_alloc(r, 0)
+    n = -(-tokens // BS)
+    ids = (list(range(1, 1 + n)), list(range(1 + n, 1 + 2 * n)))
+    plan = sched.build([(r.request_id, ids, 0, tokens)], [])
+    assert [sp.chunk for sp in plan.saves] == list(range(tokens // CT))
+    assert plan.saves[1].block_ids == [ids[0][CB:2 * CB], ids[1][CB:2 * CB]]
+    step(work, plan)
+    assert work.uploader.stored == tokens // CT * len(HUNITS) and work.uploader.failed == 0
+    work.close()
+    sched.close()
+    return r, ids
+
+
+@needs_daemons
+def test_hybrid_groups_load_asynchronously_into_the_window(pool):
+    """A model of full-attention and sliding-window layers: each chunk is stored as units of
+    each group; engine B's load (asynchronous: the request waits for it) writes the full group's
+    blocks and the sliding-window blocks vLLM allocated inside the window, never its null
+    block."""
+    s = settings(pool, "lossless")
+    s = kv.Settings(**{**s.__dict__, "model": "test/vllm-hybrid"})
+    a = paged_hybrid(61)
+    tokens = 3 * CT + 5
+    r, ids = hybrid_save(s, 61, tokens, a)
+    keys = kv.unit_keys(kv.chunk_hashes(r.block_hashes, CB), HUNITS)
+    c = kvcomp.Client(list(s.endpoints), timeout=30.0)
+    assert c.lookup_prefix(s.model, keys) == 3 * len(HUNITS)
+
+    b = paged_hybrid(62)
+    before = {n: t.clone() for n, t in b.items()}
+    sched, work = hybrid_engine(s, b)
+    r2 = Req("h-load", 0, tokens)
+    r2.block_hashes = r.block_hashes
+    n = lookup(sched, r2)
+    assert n == 3 * CT
+    # What vLLM allocates for 3 chunks with a 2-block window: every full-attention block; the
+    # sliding-window group's blocks before the window are the null block.
+    full_b, window_b = list(range(20, 26)), [0, 0, 0, 0, 30, 31]
+    sched.after_alloc(r2, n, (full_b, window_b))
+    plan = sched.build([], [])  # the request waits for its load: nothing scheduled
+    assert len(plan.loads) == 1 and plan.loads[0].async_load
+    assert plan.loads[0].block_ids() == full_b + [30, 31]
+    step(work, plan)
+    assert work.finished_recving() == ({"h-load"}, set())
+    assert not work.take_load_errors()
+    for name in HYBRID[0]:
+        assert torch.equal(b[name][full_b], a[name][ids[0][:3 * CB]])
+    for name in HYBRID[1]:
+        assert torch.equal(b[name][[30, 31]], a[name][ids[1][2 * CB:3 * CB]])
+    for name in b:  # the null block and every other block untouched
+        rest = [i for i in range(NBLOCKS) if i not in full_b + [30, 31]]
+        assert torch.equal(b[name][rest], before[name][rest])
+    # A later step: the request is scheduled with its loaded tokens; nothing is loaded again.
+    plan = sched.build([(r2.request_id, (full_b + [26], window_b + [32]), n, 5)], [])
+    assert not plan.loads and not plan.saves
+    work.close()
+    sched.close()
+
+
+@needs_daemons
+def test_hybrid_failed_load_fails_the_request_and_is_not_retried(pool):
+    """One sliding-window unit of chunk 1 missing: the whole asynchronous load fails (vLLM
+    recomputes the request: block-level errors are not accepted for several KV cache groups),
+    nothing is written, and the request's next lookup is a miss."""
+    s = settings(pool, "lossless")
+    s = kv.Settings(**{**s.__dict__, "model": "test/vllm-hybrid-fail"})
+    a = paged_hybrid(63)
+    r, _ = hybrid_save(s, 63, 3 * CT + 1, a)
+    b = paged_hybrid(64)
+    before = {n: t.clone() for n, t in b.items()}
+    sched, work = hybrid_engine(s, b)
+    r2 = Req("h-fail", 0, r.num_prompt_tokens)
+    r2.block_hashes = r.block_hashes
+    assert lookup(sched, r2) == 3 * CT
+    h1 = kv.chunk_hashes(r.block_hashes, CB)[1]
+    work.store.client.delete(s.model, kv.shard_key(h1, HUNITS[len(UNITS)]))
+    sched.after_alloc(r2, 3 * CT, (list(range(20, 26)), [0, 0, 0, 0, 30, 31]))
+    step(work, sched.build([], []))
+    assert work.finished_recving() == ({"h-fail"}, {"h-fail"})
+    assert not work.take_load_errors()  # the request fails, not blocks
+    for name in b:
+        assert torch.equal(b[name], before[name])
+    sched.load_failed("h-fail")  # vLLM's connector output reaches the scheduler half
+    assert lookup(sched, r2) == 0
+    # Recomputed: its chunks are stored again (chunk 1's missing unit with them).
+    plan = sched.build([(r2.request_id, (list(range(20, 27)), list(range(30, 37))), 0,
+                         r2.num_prompt_tokens)], [])
+    assert [sp.chunk for sp in plan.saves] == [0, 1, 2]
+    step(work, plan)
+    keys = kv.unit_keys(kv.chunk_hashes(r.block_hashes, CB), HUNITS)
+    assert work.store.client.lookup_prefix(s.model, keys) == 3 * len(HUNITS)
+    work.close()
+    sched.close()
+
+
+def test_hybrid_chunks_outside_the_window_are_not_saved():
+    """At a request's end a sliding-window group has freed the blocks before its window: the
+    decode chunks those fall in are not stored (a later miss), the ones inside it are."""
+    s = kv.Settings(("127.0.0.1:1,127.0.0.1:2",), "m", chunk_blocks=CB)
+    sched = kv.SchedulerLogic(s, None, BS, HUNITS, groups=2, async_load=True, load=False)
+    r = Req("h-dec", 65, CT)
+    sched.after_alloc(r, 0)
+    plan = sched.build([(r.request_id, ([1, 2], [11, 12]), 0, CT)], [])
+    assert [sp.chunk for sp in plan.saves] == [0]
+    full = Req("h-dec", 65, 4 * CT + 1)
+    r.block_hashes, r.num_computed_tokens = full.block_hashes, 4 * CT
+    # Chunks 1 and 2 left the window (null blocks); chunk 3 is inside it.
+    assert sched.finished(r, ([1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 0, 0, 0, 0, 17, 18, 19]))
+    assert [sp.chunk for sp in sched.build([], []).finish_saves["h-dec"]] == [3]
 
 
 # --- a stalled or failing pool: lookups answer in time, loads become recomputes -------------
@@ -731,7 +883,8 @@ def _vllm_request(req_id, tokens, max_tokens=1):
                    block_hasher=get_request_block_hasher(BS, sha256))
 
 
-def _vllm_step(sched, worker, caches, before_load=None, token=7, outputs=None):
+def _vllm_step(sched, worker, caches, before_load=None, token=7, outputs=None,
+               transfers=None):
     """schedule -> the worker's connector calls around a forward -> update_from_output. While
     the connector's lookups are in flight vLLM schedules nothing new: those empty steps run
     (as vLLM's engine runs them) until a step schedules tokens or nothing waits."""
@@ -739,24 +892,32 @@ def _vllm_step(sched, worker, caches, before_load=None, token=7, outputs=None):
         so = sched.schedule()
         if so.total_num_scheduled_tokens or not sched.get_request_counts()[1]:
             break
-        _vllm_finish_step(sched, worker, caches, so, None, token, outputs)
+        _vllm_finish_step(sched, worker, caches, so, None, token, outputs, transfers)
         time.sleep(0.001)
-    return so, _vllm_finish_step(sched, worker, caches, so, before_load, token, outputs)
+    return so, _vllm_finish_step(sched, worker, caches, so, before_load, token, outputs,
+                                 transfers)
 
 
-def _vllm_finish_step(sched, worker, caches, so, before_load, token, outputs):
+def _vllm_finish_step(sched, worker, caches, so, before_load, token, outputs, transfers=None):
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     if before_load is not None:
         before_load(so)
     worker.bind_connector_metadata(so.kv_connector_metadata)
-    worker.start_load_kv(None)
+    # vLLM starts a step's loads before the forward when one of them is synchronous, after it
+    # launched when all are asynchronous (kv_connector_model_runner_mixin).
+    if so.has_sync_kv_loads:
+        worker.start_load_kv(None)
     for name, t in caches.items():
         worker.wait_for_layer_load(name)
         worker.save_kv_layer(name, t, None)
+    if not so.has_sync_kv_loads:
+        worker.start_load_kv(None)
     worker.wait_for_save()
     worker.worker.uploader.flush()
-    sending, _ = worker.get_finished(so.finished_req_ids)
+    results = worker.get_transfer_results(so.finished_req_ids)
+    if transfers is not None:
+        transfers.append(results)
     errors = worker.get_block_ids_with_load_errors()
     stats = worker.get_kv_connector_stats()
     worker.clear_connector_metadata()
@@ -765,7 +926,9 @@ def _vllm_finish_step(sched, worker, caches, so, before_load, token, outputs):
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[token] for _ in ids], logprobs=None, prompt_logprobs_dict={},
         pooler_output=None,
-        kv_connector_output=KVConnectorOutput(finished_sending=sending,
+        kv_connector_output=KVConnectorOutput(finished_sending=results.finished_sending,
+                                              finished_recving=results.finished_recving,
+                                              failed_recving=results.failed_recving,
                                               invalid_block_ids=errors,
                                               kv_connector_stats=stats))
     res = sched.update_from_output(so, out)
@@ -1085,3 +1248,234 @@ def test_vllm_real_tensor_parallel_caches_load_at_another_size(vllm_env, save_tp
         h0, h1, _ = kv.rank_heads(rank, load_tp, HEADS)
         for name in a:
             assert torch.equal(caches[name][ids_b], a[name][ids_a[:2 * CB], h0:h1])
+
+
+# --- hybrid models through vLLM's hybrid KV cache manager (SupportsHMA) --------------------
+
+WINDOW = 2 * BS  # the sliding-window layers' window, in tokens
+
+
+def _hybrid_vllm_config(vllm_env, **kw):
+    """The tiny model's config with layers 0 and 2 full attention and 1 and 3 sliding window,
+    grouped by vLLM's own get_kv_cache_groups under its hybrid KV cache manager."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                            SlidingWindowSpec)
+
+    vc, _ = vllm_env("lossless", **kw)
+    # vLLM keeps its hybrid KV cache manager on for a connector that supports it (on a GPU
+    # platform; a CPU platform turns it off whatever the connector, so it is set here).
+    assert KVConnectorFactory.supports_hma_config(vc.kv_transfer_config)
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+    vc.cache_config.kv_cache_layout = "LBHNC"  # per layer [blocks, heads, tokens, K + V]
+    spec = dict(block_size=BS, num_kv_heads=HEADS, head_size=D, dtype=torch.float16)
+    specs = {n: FullAttentionSpec(**spec) for n in HYBRID[0]}
+    specs.update({n: SlidingWindowSpec(**spec, sliding_window=WINDOW) for n in HYBRID[1]})
+    groups = get_kv_cache_groups(vc, specs)
+    assert [list(g.layer_names) for g in groups] == [HYBRID[0], HYBRID[1]]
+    return vc, KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@needs_daemons
+@needs_vllm
+def test_vllm_real_hybrid_model_loads_both_groups(vllm_env):
+    """vLLM's Scheduler with its hybrid KV cache manager: engine A saves every chunk of both
+    groups; engine B's request waits while the connector loads it (asynchronously, between
+    steps), then runs with the held prefix counted: the full-attention blocks and the
+    sliding-window blocks inside the window hold A's KV, the null block is never written."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    a = paged_hybrid(71)
+    sched, worker = _vllm_engine(_hybrid_vllm_config(vllm_env, model="test/vllm-real-hybrid"),
+                                 a)
+    assert isinstance(sched.connector, SupportsHMA)
+    assert type(sched.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    assert sched.kv_cache_manager.block_pool.null_block.block_id == kv.NULL_BLOCK
+    prompt = list(range(700, 700 + 3 * CT + 5))
+    sched.add_request(_vllm_request("ha", prompt))
+    so, _ = _vllm_step(sched, worker, a)
+    ids_a = so.scheduled_new_reqs[0].block_ids
+    assert len(ids_a) == 2
+    assert [s.chunk for s in so.kv_connector_metadata.plan.saves] == [0, 1, 2]
+    for _ in range(3):
+        _vllm_step(sched, worker, a)
+    model = sched.connector.settings.model
+    keys = kv.unit_keys(kv.chunk_hashes(_vllm_request("x", prompt).block_hashes, CB), HUNITS)
+    assert worker.worker.store.client.lookup_prefix(model, keys) == 3 * len(HUNITS)
+
+    b = paged_hybrid(72)
+    before = {n: t.clone() for n, t in b.items()}
+    sched2, worker2 = _vllm_engine(_hybrid_vllm_config(vllm_env, model=model), b)
+    sched2.add_request(_vllm_request("hb", prompt))
+    transfers = []
+    so, errors = _vllm_step(sched2, worker2, b, transfers=transfers)
+    assert not errors
+    assert {"hb"} == set().union(*(t.finished_recving for t in transfers))
+    assert not any(t.failed_recving for t in transfers)
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 3 * CT and so.num_scheduled_tokens["hb"] == 5
+    full_b, window_b = new.block_ids
+    for name in HYBRID[0]:
+        assert torch.equal(b[name][full_b[:3 * CB]], a[name][ids_a[0][:3 * CB]])
+    live = [i for i, x in enumerate(window_b[:3 * CB]) if x != kv.NULL_BLOCK]
+    assert 0 < len(live) < 3 * CB  # vLLM allocated the window's blocks only
+    for name in HYBRID[1]:
+        assert torch.equal(b[name][[window_b[i] for i in live]],
+                           a[name][[ids_a[1][i] for i in live]])
+    for name in b:
+        assert torch.equal(b[name][kv.NULL_BLOCK], before[name][kv.NULL_BLOCK])
+    for w in (worker, worker2, sched.connector, sched2.connector):
+        w.shutdown()
+
+
+@needs_daemons
+@needs_vllm
+def test_vllm_real_hybrid_failed_load_recomputes_the_request(vllm_env):
+    """A sliding-window unit of chunk 1 fails its checksum on engine B's load: the connector
+    reports the request's load failed (vLLM refuses block-level errors with several KV cache
+    groups), vLLM (kv_load_failure_policy "recompute") computes the whole prompt, the
+    connector does not offer the hit again, and no block was written from the pool."""
+    a = paged_hybrid(73)
+    sched, worker = _vllm_engine(
+        _hybrid_vllm_config(vllm_env, model="test/vllm-real-hybrid-fail"), a)
+    prompt = list(range(900, 900 + 3 * CT + 5))
+    sched.add_request(_vllm_request("hc", prompt))
+    for _ in range(3):
+        _vllm_step(sched, worker, a)
+    model = sched.connector.settings.model
+
+    b = paged_hybrid(74)
+    before = {n: t.clone() for n, t in b.items()}
+    sched2, worker2 = _vllm_engine(_hybrid_vllm_config(vllm_env, model=model), b)
+    store = worker2.worker.store
+    store.client = FlipByte(store.client, len(HUNITS) + len(UNITS))  # chunk 1, window, head 0
+    r = _vllm_request("hd", prompt)
+    sched2.add_request(r)
+    transfers = []
+    so, errors = _vllm_step(sched2, worker2, b, transfers=transfers)
+    assert not errors
+    assert {"hd"} == set().union(*(t.failed_recving for t in transfers))
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 0 and so.num_scheduled_tokens["hd"] == len(prompt)
+    assert not so.kv_connector_metadata.plan.loads
+    for name in b:
+        assert torch.equal(b[name], before[name])
+    for w in (worker, worker2, sched.connector, sched2.connector):
+        w.shutdown()
+
+
+# --- vLLM's own step and layer hooks around a forward ------------------------------------
+
+def _vllm_forward_step(sched, worker, vc, attention):
+    """One engine step as vLLM's model runner makes it: the step's connector calls from vLLM's
+    KVConnectorModelRunnerMixin inside vLLM's set_forward_context, and for a step with tokens a
+    "forward" that calls `attention(query, layer_name)` for every layer in order, a function
+    wrapped in vLLM's maybe_transfer_kv_layer (the hook vLLM's attention layers run under: wait
+    for the layer's load on entry, save the layer on exit). Steps without tokens (lookups in
+    flight) run as vLLM's kv_connector_no_forward."""
+    import vllm.distributed.kv_transfer.kv_transfer_state as state
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as M
+
+    prev, state._KV_CONNECTOR_AGENT = state._KV_CONNECTOR_AGENT, worker
+    try:
+        for _ in range(5000):
+            so = sched.schedule()
+            if so.total_num_scheduled_tokens or not sched.get_request_counts()[1]:
+                break
+            sched.update_from_output(so, M.kv_connector_no_forward(so, vc))
+            time.sleep(0.001)
+        names = list(vc.compilation_config.static_forward_context)
+        with set_forward_context({n: object() for n in names}, vc, slot_mapping={}):
+            with M.maybe_get_kv_connector_output(so) as out:
+                for name in names:
+                    attention(None, name)
+        worker.worker.uploader.flush()
+        ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+        sched.update_from_output(so, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+            pooler_output=None, kv_connector_output=out))
+        return so, out
+    finally:
+        state._KV_CONNECTOR_AGENT = prev
+
+
+def _capture_blocks(sched, blocks, key):
+    """Records the first scheduled request's blocks of each step that schedules tokens."""
+    real = sched.schedule
+
+    def schedule():
+        so = real()
+        if so.total_num_scheduled_tokens:
+            blocks[key] = so.scheduled_new_reqs[0].block_ids[0]
+        return so
+    sched.schedule = schedule
+
+
+@needs_daemons
+@needs_vllm
+def test_vllm_real_layer_hooks_save_after_the_kv_write_and_load_before_the_layer(vllm_env):
+    """Through vLLM's own step (KVConnectorModelRunnerMixin) and layer hook
+    (maybe_transfer_kv_layer): engine A's "attention" writes each layer's new KV into the
+    request's blocks; each layer is copied out as it ends, before the next runs, and what the
+    pool holds afterwards is the KV written (saved after the write, not before); engine B's "attention" finds the held prefix already in its blocks on
+    entry to each layer (each layer loaded before it runs)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+
+    prompt = list(range(300, 300 + 2 * CT + 5))
+    g = torch.Generator().manual_seed(83)
+    written = {f"model.layers.{i}.self_attn.attn":
+               torch.randn(2 * CB + 1, HEADS, BS, 2 * D, generator=g).half()
+               for i in range(LAYERS)}
+
+    def engine_with_layers(caches, model):
+        cfg = vllm_env("lossless", model=model)
+        vc, _ = cfg
+        sched, worker = _vllm_engine(cfg, caches)
+        vc.compilation_config.static_forward_context.clear()
+        for name, t in caches.items():  # what vLLM's attention layers hold: their KV cache
+            vc.compilation_config.static_forward_context[name] = SimpleNamespace(kv_cache=t)
+        return sched, worker, vc
+
+    a = paged(81)
+    sched, worker, vc = engine_with_layers(a, "test/vllm-layer-hooks")
+    sched.add_request(_vllm_request("la", prompt))
+    order, saved_before = [], []
+    blocks = {}
+
+    @maybe_transfer_kv_layer
+    def write_kv(query, layer_name):  # the layer's KV write (vLLM's cache update), in order
+        order.append(layer_name)
+        saved_before.append(sorted(worker.worker._saved_layers))
+        a[layer_name][blocks["a"]] = written[layer_name]
+
+    _capture_blocks(sched, blocks, "a")
+    _, out = _vllm_forward_step(sched, worker, vc, write_kv)
+    assert order == list(a)
+    # Layer by layer: each layer's blocks were copied out as it ended (vLLM's hook), before the
+    # next one ran, although vLLM starts this step's (absent) loads only after the forward.
+    assert saved_before == [sorted(order[:i]) for i in range(LAYERS)]
+    assert not out.invalid_block_ids
+    model = sched.connector.settings.model
+
+    b = paged(82)
+    sched2, worker2, vc2 = engine_with_layers(b, model)
+    sched2.add_request(_vllm_request("lb", prompt))
+    checked = []
+
+    @maybe_transfer_kv_layer
+    def check_loaded(query, layer_name):  # on entry: the held prefix is in this layer's blocks
+        ids = blocks["b"][:2 * CB]
+        checked.append(torch.equal(b[layer_name][ids], written[layer_name][:2 * CB]))
+
+    _capture_blocks(sched2, blocks, "b")
+    so, out = _vllm_forward_step(sched2, worker2, vc2, check_loaded)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CT
+    assert checked == [True] * LAYERS and not out.invalid_block_ids
+    for w in (worker, worker2, sched.connector, sched2.connector):
+        w.shutdown()

@@ -35,6 +35,13 @@ recomputes under kv_load_failure_policy "recompute": never wrong KV. Counters (l
 timeouts, loads, load errors, saves, bytes stored against original) go to vLLM's connector stats
 (get_kv_connector_stats, build_kv_connector_stats).
 
+Hybrid models (vLLM's SupportsHMA: full-attention and sliding-window KV cache groups, each with
+its own blocks): every chunk is stored as units of each group; loads run between steps (the
+request waits for them; a failure fails the request's whole load, which vLLM recomputes, as it
+accepts no block-level errors with several groups), writing the sliding-window blocks vLLM
+allocated inside the window and never its null block; a chunk is stored only while all its
+blocks exist. Other groups (Mamba and other state, MLA, chunked local) are refused at start.
+
 The vLLM-independent parts (settings, keys, chunk planning, block gather/scatter on torch
 tensors, the store, the scheduler and worker logic) import without vllm; KvcompConnector itself is
 built on first access, importing vllm then.
@@ -240,6 +247,19 @@ def all_units(total_kv_heads: int, head_group: int, pp_size: int = 1) -> List[st
             for h in range(0, total_kv_heads, head_group)]
 
 
+def group_units(units: Sequence[str], groups: int) -> List[str]:
+    """The units of a model whose layers vLLM splits into `groups` KV cache groups (hybrid
+    models: full-attention and sliding-window layers), group-major: one model with one group
+    keeps the plain names; with several, group g's units are named "g<g>of<groups>." + unit,
+    so that the same model served without vLLM's hybrid KV cache manager (one group of every
+    layer) never reads them."""
+    if groups <= 0:
+        raise ValueError(f"{groups} KV cache groups")
+    if groups == 1:
+        return list(units)
+    return [f"g{g}of{groups}.{u}" for g in range(groups) for u in units]
+
+
 def shard_key(chunk_hash: bytes, unit: str) -> bytes:
     """The kvcomp key of one unit of a chunk (the model id scopes it further)."""
     return _KEY_PREFIX + chunk_hash + b"/" + unit.encode()
@@ -276,33 +296,68 @@ class Stats:
         return out
 
 
+# vLLM's BlockPool takes its first block (id 0) as the null block: the place of a block a
+# sliding-window group has freed (outside the window) or never needed, in a request's block ids.
+# Only block ids of several groups (the hybrid KV cache manager) are read for it: with one group
+# every block id is a block.
+NULL_BLOCK = 0
+
+GroupIds = List[List[int]]   # a request's block ids, one list per KV cache group
+
+
+def per_group(block_ids: Any, groups: int) -> GroupIds:
+    """Block ids as one list per KV cache group: a tuple/list of lists (vLLM's form), or, for
+    a single group, a flat list of ids."""
+    ids = list(block_ids or [])
+    if groups == 1 and (not ids or not isinstance(ids[0], (list, tuple))):
+        return [[int(b) for b in ids]]
+    if len(ids) != groups:
+        raise ValueError(f"block ids of {len(ids)} KV cache groups, expected {groups}")
+    return [[int(b) for b in g] for g in ids]
+
+
+def _live(ids: Iterable[int], groups: int) -> List[int]:
+    """The ids that are blocks: all of them for one group, all but NULL_BLOCK for several."""
+    return list(ids) if groups == 1 else [b for b in ids if b != NULL_BLOCK]
+
+
 @dataclass
 class ChunkLoad:
-    """One chunk to load: its index in the request, hash, the request's blocks it covers and how
-    many of them (leading) already hold the KV (vLLM's own prefix cache) and are not written."""
+    """One chunk to load: its index in the request, hash, the request's blocks it covers (one
+    list per KV cache group; NULL_BLOCK where a sliding-window group holds none) and how many of
+    them (leading) already hold the KV (vLLM's own prefix cache) and are not written."""
     chunk: int
     chunk_hash: bytes
-    block_ids: List[int]
+    block_ids: GroupIds
     skip_blocks: int = 0
+
+    def targets(self, group: int) -> List[int]:
+        """The blocks of one group this chunk writes (NULL_BLOCK where none)."""
+        return self.block_ids[group][self.skip_blocks:]
 
 
 @dataclass
 class LoadSpec:
+    """A request's chunks to load. async_load: loaded between vLLM's steps (the request waits
+    for it, hybrid models); a failure fails the whole load (vLLM recomputes the request),
+    where a step's synchronous load reports the blocks from the first failed chunk on."""
     req_id: str
     chunks: List[ChunkLoad]
+    async_load: bool = False
 
     def block_ids(self) -> List[int]:
-        """The blocks this load writes."""
-        return [b for c in self.chunks for b in c.block_ids[c.skip_blocks:]]
+        """The blocks this load writes, every group's."""
+        return [b for c in self.chunks for g in range(len(c.block_ids))
+                for b in _live(c.targets(g), len(c.block_ids))]
 
 
 @dataclass
 class SaveSpec:
-    """One chunk to store: the request's blocks holding its tokens."""
+    """One chunk to store: the request's blocks holding its tokens, one list per group."""
     req_id: str
     chunk: int
     chunk_hash: bytes
-    block_ids: List[int]
+    block_ids: GroupIds
 
 
 @dataclass
@@ -313,22 +368,27 @@ class ConnectorPlan:
     finish_saves: Dict[str, List[SaveSpec]] = field(default_factory=dict)  # finished requests
 
 
-def plan_load(req_id: str, hashes: Sequence[bytes], block_ids: Sequence[int], first_token: int,
-              end_token: int, block_size: int, chunk_blocks: int) -> LoadSpec:
+def plan_load(req_id: str, hashes: Sequence[bytes], block_ids: Any, first_token: int,
+              end_token: int, block_size: int, chunk_blocks: int,
+              async_load: bool = False) -> LoadSpec:
     """The chunks covering tokens [first_token, end_token): first_token is block-aligned (vLLM's
-    local prefix hit), end_token chunk-aligned (held chunks)."""
+    local prefix hit), end_token chunk-aligned (held chunks). block_ids: the request's blocks
+    (per group, or a flat list for one group)."""
+    ids = per_group(block_ids, len(block_ids) if block_ids and isinstance(
+        list(block_ids)[0], (list, tuple)) else 1)
     chunk_tokens = block_size * chunk_blocks
     if first_token % block_size or end_token % chunk_tokens or first_token >= end_token:
         raise ValueError(f"load range [{first_token}, {end_token}) not aligned to blocks of "
                          f"{block_size} / chunks of {chunk_tokens}")
-    if end_token // chunk_tokens > len(hashes) or end_token // block_size > len(block_ids):
+    if end_token // chunk_tokens > len(hashes) or \
+            any(end_token // block_size > len(g) for g in ids):
         raise ValueError("load range past the request's hashes or blocks")
     chunks = []
     for c in range(first_token // chunk_tokens, end_token // chunk_tokens):
-        blocks = list(block_ids[c * chunk_blocks:(c + 1) * chunk_blocks])
+        blocks = [list(g[c * chunk_blocks:(c + 1) * chunk_blocks]) for g in ids]
         skip = max(0, first_token // block_size - c * chunk_blocks)
         chunks.append(ChunkLoad(c, hashes[c], blocks, skip))
-    return LoadSpec(req_id, chunks)
+    return LoadSpec(req_id, chunks, async_load)
 
 
 # --- paged blocks <-> dense tensors (torch) -------------------------------------------------
@@ -456,17 +516,21 @@ class ChunkStore:
         if not ok:
             log.warning("kvcomp calibrate(%s): not every daemon calibrated: %s", s.model, res)
 
-    def get(self, keys: Sequence[bytes], layers: int, kv_heads: int, tokens: int,
+    def get(self, keys: Sequence[bytes], layers: Any, kv_heads: int, tokens: int,
             head_dim: int) -> List[Tuple[Any, Any]]:
         """The leading units held, decoded: (keys, values) float32 numpy [layers, kv_heads,
-        tokens, head_dim]. Each unit's bytes are parsed here (header, section table and every
-        section's CRC32C: bytes altered anywhere between storage and the engine are caught).
-        Stops at the first unit missing, failing its checks, of another layout, with evicted
-        tokens or non-finite data; a failed or timed-out request returns nothing."""
+        tokens, head_dim] (layers: one count for every key, or one per key). Each unit's bytes
+        are parsed here (header, section table and every section's CRC32C: bytes altered
+        anywhere between storage and the engine are caught). Stops at the first unit missing,
+        failing its checks, of another layout, with evicted tokens or non-finite data; a failed
+        or timed-out request returns nothing."""
         import numpy as np
 
         import kvcomp
 
+        per_key = [int(layers)] * len(keys) if isinstance(layers, int) else list(layers)
+        if len(per_key) != len(keys):
+            raise ValueError(f"{len(per_key)} layer counts for {len(keys)} keys")
         try:
             blobs = self.client.get_chunk_bytes(self.settings.model, list(keys), decoded=True)
         except Exception as e:  # noqa: BLE001 - every load failure is a recompute
@@ -478,8 +542,9 @@ class ChunkStore:
             try:
                 c = kvcomp.CompressedCache.from_bytes(b)
                 got = (c.num_layers, c.num_kv_heads, c.original_tokens, c.head_dim)
-                if got != (layers, kv_heads, tokens, head_dim):
-                    raise ValueError(f"layout {got} != {(layers, kv_heads, tokens, head_dim)}")
+                want = (per_key[i], kv_heads, tokens, head_dim)
+                if got != want:
+                    raise ValueError(f"layout {got} != {want}")
                 if any(n != tokens for n in c.kept):
                     raise ValueError("tokens evicted")
                 k, v = kvcomp.decompress(c)
@@ -550,9 +615,10 @@ class _ReqState:
     request: Any
     held_chunks: int = 0
     saved_chunks: int = 0                      # chunks [0, saved) stored or held
-    block_ids: List[int] = field(default_factory=list)
+    block_ids: GroupIds = field(default_factory=list)
     load_range: Optional[Tuple[int, int]] = None
     lookup: Optional[Tuple[Any, float, int]] = None   # (future, start, chunks asked)
+    async_load: Optional[LoadSpec] = None      # planned in after_alloc, sent with the next step
 
 
 def _prompt_tokens(request: Any) -> int:
@@ -563,18 +629,33 @@ def _prompt_tokens(request: Any) -> int:
 class SchedulerLogic:
     """The scheduler half, on duck-typed requests (request_id, block_hashes, num_prompt_tokens,
     num_computed_tokens): what to load, what to save, when a finished request's blocks may go.
-    units: every stored unit of a chunk (all_units), all of which a hit needs."""
+    units: every stored unit of a chunk (all_units, group_units), all of which a hit needs.
+    groups: vLLM's KV cache groups (block ids come one list per group; every group has blocks
+    of block_size tokens). hash_block_size: the tokens each of a request's block_hashes covers
+    (vLLM's hash block size, dividing block_size). async_load: loads run between steps, the
+    request waiting for them, and a failed one makes vLLM recompute the whole request (what
+    vLLM requires of several KV cache groups); otherwise within the step, failed blocks
+    reported one by one."""
 
     def __init__(self, settings: Settings, store: Optional[ChunkStore], block_size: int,
-                 units: Sequence[str], load: bool = True, save: bool = True):
+                 units: Sequence[str], load: bool = True, save: bool = True, groups: int = 1,
+                 hash_block_size: Optional[int] = None, async_load: bool = False):
         self.s = settings
         self.store = store
         self.block_size = block_size
         self.chunk_tokens = block_size * settings.chunk_blocks
+        self.hash_block_size = hash_block_size or block_size
+        if block_size % self.hash_block_size:
+            raise ValueError(f"hash block size {self.hash_block_size} does not divide block "
+                             f"size {block_size}")
+        self.hashes_per_chunk = self.chunk_tokens // self.hash_block_size
         self.units = list(units)
+        self.groups = groups
+        self.async_load = async_load
         self.load, self.save = load, save
         self.reqs: Dict[str, _ReqState] = {}
         self._finish_saves: Dict[str, List[SaveSpec]] = {}
+        self._failed_loads: Set[str] = set()
         self._pool: Any = None
         self.stats = store.stats if store is not None else Stats()
 
@@ -583,6 +664,9 @@ class SchedulerLogic:
         if st is None:
             st = self.reqs[request.request_id] = _ReqState(request)
         return st
+
+    def _hashes(self, request: Any, max_chunks: Optional[int] = None) -> List[bytes]:
+        return chunk_hashes(request.block_hashes, self.hashes_per_chunk, max_chunks)
 
     def _submit(self, keys: List[bytes]) -> Any:
         import concurrent.futures
@@ -595,14 +679,16 @@ class SchedulerLogic:
     def matched_tokens(self, request: Any, num_computed: int) -> Optional[int]:
         """Tokens past num_computed the pool can supply: whole held chunks, never the whole
         prompt (vLLM computes at least its last token). None ("not yet") while the lookup is in
-        flight (async_lookup); a lookup not answered within lookup_timeout is a miss (0)."""
+        flight (async_lookup); a lookup not answered within lookup_timeout is a miss (0), and
+        so is every lookup of a request whose load failed (it is recomputed, not fetched
+        again)."""
         import time
 
         st = self._state(request)
-        if not self.load or self.store is None:
+        if not self.load or self.store is None or request.request_id in self._failed_loads:
             return 0
         loadable = (_prompt_tokens(request) - 1) // self.chunk_tokens
-        hashes = chunk_hashes(request.block_hashes, self.s.chunk_blocks, loadable)
+        hashes = self._hashes(request, loadable)
         if len(hashes) * self.chunk_tokens <= num_computed:
             st.lookup = None
             return 0
@@ -634,25 +720,41 @@ class SchedulerLogic:
         st.saved_chunks = max(st.saved_chunks, held)
         return max(0, held * self.chunk_tokens - num_computed)
 
+    def load_failed(self, req_id: str) -> None:
+        """A request's asynchronous load failed (vLLM recomputes it): later lookups of it are
+        misses."""
+        self._failed_loads.add(req_id)
+        st = self.reqs.get(req_id)
+        if st is not None:  # its recomputed chunks are stored again, over what failed
+            st.held_chunks = st.saved_chunks = 0
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def after_alloc(self, request: Any, num_external: int) -> None:
+    def after_alloc(self, request: Any, num_external: int, block_ids: Any = None) -> None:
+        """vLLM allocated the request's blocks, num_external of its tokens to be loaded.
+        block_ids (the request's blocks, per group) are needed for asynchronous loads, which
+        are planned here (the request is not scheduled until they end)."""
         st = self._state(request)
-        if num_external > 0:
-            end = st.held_chunks * self.chunk_tokens
-            st.load_range = (end - num_external, end)
+        if num_external <= 0:
+            return
+        end = st.held_chunks * self.chunk_tokens
+        st.load_range = (end - num_external, end)
+        if self.async_load:
+            if block_ids is None:
+                raise ValueError("asynchronous loads need the request's block ids")
+            st.block_ids = per_group(block_ids, self.groups)
+            st.async_load = self._load_spec(st)
 
     def _load_spec(self, st: _ReqState) -> Optional[LoadSpec]:
         if st.load_range is None:
             return None
         first, end = st.load_range
         st.load_range = None
-        hashes = chunk_hashes(st.request.block_hashes, self.s.chunk_blocks)
-        return plan_load(st.request.request_id, hashes, st.block_ids, first, end,
-                         self.block_size, self.s.chunk_blocks)
+        return plan_load(st.request.request_id, self._hashes(st.request), st.block_ids, first,
+                         end, self.block_size, self.s.chunk_blocks, self.async_load)
 
     def _new_saves(self, st: _ReqState, computed_after: int) -> List[SaveSpec]:
         """Prompt chunks whose tokens are all computed once this step ends."""
@@ -662,26 +764,38 @@ class SchedulerLogic:
         return self._saves_upto(st, prompt_end)
 
     def _saves_upto(self, st: _ReqState, tokens: int) -> List[SaveSpec]:
-        hashes = chunk_hashes(st.request.block_hashes, self.s.chunk_blocks)
-        n = min(tokens // self.chunk_tokens, len(hashes),
-                len(st.block_ids) // self.s.chunk_blocks)
+        """Chunks [saved_chunks, tokens // chunk_tokens) to store. A chunk a group holds no
+        block of (a sliding-window group freed it: the tokens left the window before the chunk
+        was stored) is not stored."""
+        hashes = self._hashes(st.request)
         cb = self.s.chunk_blocks
-        out = [SaveSpec(st.request.request_id, c, hashes[c], st.block_ids[c * cb:(c + 1) * cb])
-               for c in range(st.saved_chunks, n)]
+        n = min(tokens // self.chunk_tokens, len(hashes),
+                min((len(g) for g in st.block_ids), default=0) // cb)
+        out = []
+        for c in range(st.saved_chunks, n):
+            ids = [g[c * cb:(c + 1) * cb] for g in st.block_ids]
+            if self.groups > 1 and any(b == NULL_BLOCK for g in ids for b in g):
+                continue
+            out.append(SaveSpec(st.request.request_id, c, hashes[c], ids))
         st.saved_chunks = max(st.saved_chunks, n)
         return out
 
-    def build(self, new_reqs: Iterable[Tuple[str, Sequence[int], int, int]],
-              cached_reqs: Iterable[Tuple[str, Optional[Sequence[int]], bool, int, int]]
-              ) -> ConnectorPlan:
+    def build(self, new_reqs: Iterable[Tuple[str, Any, int, int]],
+              cached_reqs: Iterable[Tuple[str, Any, bool, int, int]]) -> ConnectorPlan:
         """new_reqs: (req_id, block_ids, num_computed_tokens, num_scheduled_tokens);
-        cached_reqs: (req_id, new block_ids or None, resumed, num_computed, num_scheduled)."""
+        cached_reqs: (req_id, new block_ids or None, resumed, num_computed, num_scheduled).
+        Block ids per group (a flat list for one group). Asynchronous loads planned since the
+        last step go first."""
         plan = ConnectorPlan()
+        for st in self.reqs.values():
+            if st.async_load is not None:
+                plan.loads.append(st.async_load)
+                st.async_load = None
         for req_id, block_ids, computed, scheduled in new_reqs:
             st = self.reqs.get(req_id)
             if st is None:
                 continue
-            st.block_ids = list(block_ids)
+            st.block_ids = per_group(block_ids, self.groups)
             spec = self._load_spec(st)
             if spec is not None:
                 plan.loads.append(spec)
@@ -691,27 +805,34 @@ class SchedulerLogic:
             if st is None:
                 continue
             if resumed:  # preempted and back: new_ids are all of its blocks, KV recomputed
-                st.block_ids = list(new_ids or [])
+                st.block_ids = per_group(new_ids, self.groups) if new_ids is not None else \
+                    [[] for _ in range(self.groups)]
                 st.saved_chunks = st.held_chunks
                 spec = self._load_spec(st)
                 if spec is not None:
                     plan.loads.append(spec)
-            elif new_ids:
-                st.block_ids += list(new_ids)
+            elif new_ids is not None:
+                for g, ids in enumerate(per_group(new_ids, self.groups)):
+                    if g < len(st.block_ids):
+                        st.block_ids[g] += ids
+                    else:
+                        st.block_ids.append(list(ids))
             plan.saves += self._new_saves(st, computed + scheduled)
         plan.finish_saves, self._finish_saves = self._finish_saves, {}
         return plan
 
-    def finished(self, request: Any, block_ids: Sequence[int]) -> bool:
+    def finished(self, request: Any, block_ids: Any) -> bool:
         """True when the request's blocks must stay until the workers report it in
-        get_finished (chunks completed while decoding are copied out first)."""
+        get_finished (chunks completed while decoding are copied out first). block_ids: the
+        request's blocks now, per group (a flat list for one group)."""
         st = self.reqs.pop(request.request_id, None)
+        self._failed_loads.discard(request.request_id)
         if st is None or not self.save or not self.s.save_decode:
             return False
-        st.block_ids = list(block_ids)
+        st.block_ids = per_group(block_ids, self.groups)
         # KV exists for every token but the last one sampled.
         computed = min(int(request.num_computed_tokens),
-                       len(request.block_hashes) * self.block_size)
+                       len(request.block_hashes) * self.hash_block_size)
         saves = self._saves_upto(st, computed)
         if not saves:
             return False
@@ -723,7 +844,9 @@ class SchedulerLogic:
 
 class WorkerLogic:
     """The worker half over registered per-layer KV tensors [B, H, N, K + V]: loads into
-    blocks, layer-wise saves through pinned host memory, finish saves, load errors."""
+    blocks, layer-wise saves through pinned host memory, finish saves, load errors. Layers come
+    in vLLM's KV cache groups (register's `groups`; one group of every layer by default), each
+    group stored as units of its own (group_units) and written into its own blocks."""
 
     def __init__(self, settings: Settings, store: Optional[ChunkStore], block_size: int,
                  shard: Shard = Shard(), uploader: Optional[Uploader] = None):
@@ -732,39 +855,64 @@ class WorkerLogic:
         self.stats = store.stats if store is not None else Stats()
         self.block_size = block_size
         self.shard = shard
-        self.units: List[Tuple[str, int, int]] = []
+        self.units: List[Tuple[str, int, int, int]] = []   # (name, head0, head1, group)
         self.uploader = uploader or (Uploader(store, settings.max_pending_uploads)
                                      if store is not None else None)
         self.layers: Dict[str, Any] = {}
+        self.group_layers: List[List[str]] = []
+        self._where: Dict[str, Tuple[int, int]] = {}      # layer -> (group, index in group)
         self.head_size = 0
         self._plan: Optional[ConnectorPlan] = None
+        self._fetched = False
         self._pending_loads: Dict[str, List[Tuple[List[int], Any, Any]]] = {}
         self._load_errors: Set[int] = set()
-        self._save_bufs: List[Tuple[SaveSpec, Any, Any]] = []
+        self._recv_done: Set[str] = set()
+        self._recv_failed: Set[str] = set()
+        self._save_bufs: List[Tuple[SaveSpec, List[Tuple[Any, Any]]]] = []
         self._saved_layers: Set[str] = set()
         self._finish_done: Set[str] = set()
         self._finished_seen: Set[str] = set()
 
     # registration
-    def register(self, kv_caches: Mapping[str, Any], head_size: Optional[int] = None) -> None:
-        seen = set()
-        for name, kv in kv_caches.items():
-            if kv.data_ptr() in seen:  # layers sharing one cache are stored once
-                continue
-            seen.add(kv.data_ptr())
-            _block_view(kv, self.block_size)
-            c = kv.shape[-1]
-            hs = head_size or c // 2
-            if c != 2 * hs:
-                raise ValueError(f"layer {name}: last dim {c} is not keys + values of head size "
-                                 f"{hs} (MLA and other latent caches are not supported)")
-            if self.head_size and hs != self.head_size:
-                raise ValueError(f"layer {name}: head size {hs} != {self.head_size}")
-            self.head_size = hs
-            self.layers[name] = kv
-        if not self.layers:
-            raise ValueError("no KV cache layers to register")
-        self.units = shard_units(self.shard, self.num_kv_heads, self.s.head_group)
+    def register(self, kv_caches: Mapping[str, Any], head_size: Optional[int] = None,
+                 groups: Optional[Sequence[Sequence[str]]] = None) -> None:
+        """kv_caches: vLLM's per-layer tensors. groups: the layer names of each KV cache group
+        (vLLM's kv_cache_config); layers of no group are not stored. Layers of one group
+        sharing one tensor (KV sharing) are stored once; layers of different groups may share
+        a tensor (vLLM's hybrid allocator), each group using its own blocks of it."""
+        names = [list(kv_caches)] if groups is None else [list(g) for g in groups]
+        self.layers, self.group_layers, self._where = {}, [], {}
+        for g, layer_names in enumerate(names):
+            seen, mine = set(), []
+            for name in layer_names:
+                kv = kv_caches.get(name)
+                if kv is None or kv.data_ptr() in seen:
+                    continue
+                seen.add(kv.data_ptr())
+                _block_view(kv, self.block_size)
+                c = kv.shape[-1]
+                hs = head_size or c // 2
+                if c != 2 * hs:
+                    raise ValueError(f"layer {name}: last dim {c} is not keys + values of head "
+                                     f"size {hs} (MLA and other latent caches are not "
+                                     "supported)")
+                if self.head_size and hs != self.head_size:
+                    raise ValueError(f"layer {name}: head size {hs} != {self.head_size}")
+                if self.layers and kv.shape[1] != self.num_kv_heads:
+                    raise ValueError(f"layer {name}: {kv.shape[1]} KV heads, other layers "
+                                     f"{self.num_kv_heads}")
+                self.head_size = hs
+                self._where[name] = (g, len(mine))
+                self.layers[name] = kv
+                mine.append(name)
+            if not mine:
+                raise ValueError(f"KV cache group {g}: no KV cache layers to register")
+            self.group_layers.append(mine)
+        units = shard_units(self.shard, self.num_kv_heads, self.s.head_group)
+        n = len(self.group_layers)
+        names = group_units([u[0] for u in units], n)   # group-major
+        self.units = [(names[g * len(units) + i], h0, h1, g) for g in range(n)
+                      for i, (_, h0, h1) in enumerate(units)]
 
     @property
     def num_kv_heads(self) -> int:
@@ -775,37 +923,70 @@ class WorkerLogic:
         return self.block_size * self.s.chunk_blocks
 
     # a step
-    def begin_step(self, plan: ConnectorPlan) -> None:
-        """Binds the step's plan; fetches every load (the layers are written as they are
-        waited for, the rest at the end of the step)."""
+    def bind(self, plan: ConnectorPlan) -> None:
+        """Binds the step's plan (before the forward: each layer is saved as it finishes)."""
+        if self._plan is plan:
+            return
         self._plan = plan
+        self._fetched = False
         self._saved_layers = set()
         self._save_bufs = []
-        for spec in plan.loads:
-            self._fetch(spec)
+
+    def begin_step(self, plan: ConnectorPlan) -> None:
+        """Binds the step's plan and fetches every load (the layers are written as they are
+        waited for, the rest at the end of the step)."""
+        self.bind(plan)
+        if not self._fetched:
+            self._fetched = True
+            for spec in plan.loads:
+                self._fetch(spec)
 
     def _fetch(self, spec: LoadSpec) -> None:
-        names = [u[0] for u in self.units]
-        keys = unit_keys([c.chunk_hash for c in spec.chunks], names)
-        g = self.s.head_group
-        got = self.store.get(keys, len(self.layers), g, self.chunk_tokens,
-                             self.head_size) if self.store is not None and keys else []
         import torch
 
+        names = [u[0] for u in self.units]
+        keys = unit_keys([c.chunk_hash for c in spec.chunks], names)
+        layers = [len(self.group_layers[u[3]]) for u in self.units] * len(spec.chunks)
+        g = self.s.head_group
+        got = self.store.get(keys, layers, g, self.chunk_tokens,
+                             self.head_size) if self.store is not None and keys else []
         whole = len(got) // len(self.units)   # chunks with every unit
+        if spec.async_load:
+            # vLLM takes an asynchronous load whole or not at all: the request is recomputed.
+            if whole < len(spec.chunks):
+                self._recv_failed.add(spec.req_id)
+                self.stats.add("load_error_blocks", len(spec.block_ids()))
+                return
         for i, c in enumerate(spec.chunks):
-            blocks = c.block_ids[c.skip_blocks:]
             if i >= whole:
+                blocks = [b for grp in range(len(c.block_ids))
+                          for b in _live(c.targets(grp), len(c.block_ids))]
                 self._load_errors.update(blocks)
                 self.stats.add("load_error_blocks", len(blocks))
                 continue
             self.stats.add("load_chunks")
             t0 = c.skip_blocks * self.block_size
             parts = got[i * len(self.units):(i + 1) * len(self.units)]
-            k = torch.cat([torch.from_numpy(p[0]) for p in parts], dim=1)[:, :, t0:]
-            v = torch.cat([torch.from_numpy(p[1]) for p in parts], dim=1)[:, :, t0:]
-            for li, name in enumerate(self.layers):
-                self._pending_loads.setdefault(name, []).append((blocks, k[li], v[li]))
+            for grp, layer_names in enumerate(self.group_layers):
+                mine = [p for p, u in zip(parts, self.units) if u[3] == grp]
+                k = torch.cat([torch.from_numpy(p[0]) for p in mine], dim=1)[:, :, t0:]
+                v = torch.cat([torch.from_numpy(p[1]) for p in mine], dim=1)[:, :, t0:]
+                blocks = c.targets(grp) if grp < len(c.block_ids) else []
+                live = [j for j, b in enumerate(blocks)
+                        if len(self.group_layers) == 1 or b != NULL_BLOCK]
+                if not live:
+                    continue
+                if len(live) < len(blocks):  # a sliding window's freed blocks: not written
+                    bs = self.block_size
+                    sel = torch.as_tensor([j * bs + t for j in live for t in range(bs)])
+                    k, v = k.index_select(2, sel), v.index_select(2, sel)
+                    blocks = [blocks[j] for j in live]
+                for li, name in enumerate(layer_names):
+                    self._pending_loads.setdefault(name, []).append((blocks, k[li], v[li]))
+        if spec.async_load:  # vLLM waits on no layer of it: written now, then reported
+            for name in list(self._pending_loads):
+                self.layer_load(name)
+            self._recv_done.add(spec.req_id)
 
     def layer_load(self, name: str) -> None:
         """Writes the fetched chunks of one layer into its blocks."""
@@ -819,17 +1000,21 @@ class WorkerLogic:
             return
         kv = self.layers[name] if kv is None else kv
         if not self._save_bufs:
-            self._save_bufs = [(s, self._host((len(self.layers), self.num_kv_heads,
-                                               self.chunk_tokens, self.head_size), kv.dtype),
-                                self._host((len(self.layers), self.num_kv_heads,
-                                            self.chunk_tokens, self.head_size), kv.dtype))
+            self._save_bufs = [(s, [self._group_bufs(g, kv.dtype)
+                                    for g in range(len(self.group_layers))])
                                for s in self._plan.saves]
-        li = list(self.layers).index(name)
-        for spec, kb, vb in self._save_bufs:
-            k, v = gather_blocks(kv, spec.block_ids, self.block_size, self.head_size)
+        g, li = self._where[name]
+        for spec, bufs in self._save_bufs:
+            kb, vb = bufs[g]
+            k, v = gather_blocks(kv, spec.block_ids[g], self.block_size, self.head_size)
             kb[li].copy_(k, non_blocking=kb.is_pinned())
             vb[li].copy_(v, non_blocking=vb.is_pinned())
         self._saved_layers.add(name)
+
+    def _group_bufs(self, g: int, dtype: Any) -> Tuple[Any, Any]:
+        shape = (len(self.group_layers[g]), self.num_kv_heads, self.chunk_tokens,
+                 self.head_size)
+        return self._host(shape, dtype), self._host(shape, dtype)
 
     @staticmethod
     def _host(shape: Tuple[int, ...], dtype: Any) -> Any:
@@ -857,27 +1042,30 @@ class WorkerLogic:
         finish = []
         for req_id, specs in plan.finish_saves.items():
             for spec in (specs if self.shard.stores else []):
-                k, v = self._gather_all(spec)
-                finish.append((spec, k, v))
+                finish.append((spec, self._gather_all(spec)))
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
         if self.uploader is not None and self.shard.stores:
-            for spec, k, v in self._save_bufs + finish:
-                for unit, h0, h1 in self.units:
+            for spec, bufs in self._save_bufs + finish:
+                for unit, h0, h1, g in self.units:
+                    k, v = bufs[g]
                     self.uploader.submit(shard_key(spec.chunk_hash, unit), k[:, h0:h1],
                                          v[:, h0:h1])
         self._save_bufs = []
         self._finish_done.update(plan.finish_saves)
 
-    def _gather_all(self, spec: SaveSpec) -> Tuple[Any, Any]:
-        shape = (len(self.layers), self.num_kv_heads, self.chunk_tokens, self.head_size)
+    def _gather_all(self, spec: SaveSpec) -> List[Tuple[Any, Any]]:
         dtype = next(iter(self.layers.values())).dtype
-        kb, vb = self._host(shape, dtype), self._host(shape, dtype)
-        for li, kv in enumerate(self.layers.values()):
-            k, v = gather_blocks(kv, spec.block_ids, self.block_size, self.head_size)
-            kb[li].copy_(k, non_blocking=kb.is_pinned())
-            vb[li].copy_(v, non_blocking=vb.is_pinned())
-        return kb, vb
+        out = []
+        for g, layer_names in enumerate(self.group_layers):
+            kb, vb = self._group_bufs(g, dtype)
+            for li, name in enumerate(layer_names):
+                k, v = gather_blocks(self.layers[name], spec.block_ids[g], self.block_size,
+                                     self.head_size)
+                kb[li].copy_(k, non_blocking=kb.is_pinned())
+                vb[li].copy_(v, non_blocking=vb.is_pinned())
+            out.append((kb, vb))
+        return out
 
     def finished_sending(self, finished_req_ids: Iterable[str]) -> Set[str]:
         """Finished requests whose chunks are in host memory (their blocks may go), among the
@@ -887,6 +1075,13 @@ class WorkerLogic:
         self._finish_done -= done
         self._finished_seen -= done
         return done
+
+    def finished_recving(self) -> Tuple[Set[str], Set[str]]:
+        """Requests whose asynchronous load ended since the last call: (every one, the ones
+        that failed)."""
+        done, failed = self._recv_done | self._recv_failed, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return done, failed
 
     def take_load_errors(self) -> Set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -899,11 +1094,39 @@ class WorkerLogic:
 
 # --- the vLLM connector ---------------------------------------------------------------------
 
+def cache_groups(kv_cache_config: Any) -> Tuple[List[List[str]], Optional[int]]:
+    """The layer names of each of vLLM's KV cache groups and their common block size (None
+    without a kv_cache_config). Full-attention and sliding-window groups are supported (hybrid
+    models such as Gemma 2/3 or gpt-oss); ValueError names any other group (Mamba and other
+    state, MLA, chunked-local, cross-attention) and groups of different block sizes."""
+    if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
+        return [], None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups, sizes = [], set()
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec) or \
+                not getattr(group, "enable_kv_transfer", True):
+            raise ValueError(
+                f"kvcomp connector: KV cache group {g} ({type(spec).__name__}, layers "
+                f"{list(group.layer_names)[:3]}...) is not supported: the connector stores "
+                "full-attention and sliding-window KV caches only")
+        groups.append(list(group.layer_names))
+        sizes.add(spec.block_size)
+    if len(sizes) > 1:
+        raise ValueError(f"kvcomp connector: KV cache groups of different block sizes "
+                         f"{sorted(sizes)} are not supported")
+    return groups, sizes.pop()
+
+
 def _build_connector_classes() -> Tuple[type, type]:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
     )
 
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -936,27 +1159,34 @@ def _build_connector_classes() -> Tuple[type, type]:
         def is_empty(self) -> bool:
             return not any(self.data.values())
 
-    class KvcompConnector(KVConnectorBase_V1):
-        """kvcomp as vLLM's KV connector (module docstring)."""
+    class KvcompConnector(KVConnectorBase_V1, SupportsHMA):
+        """kvcomp as vLLM's KV connector (module docstring). Hybrid models (vLLM's hybrid KV
+        cache manager: full-attention and sliding-window groups) load asynchronously, a
+        failed load recomputing the whole request, as vLLM requires of several groups."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
             kt = self._kv_transfer_config
             self.settings = Settings.from_extra_config(kt.kv_connector_extra_config,
                                                        vllm_config.model_config.model)
-            self.block_size = vllm_config.cache_config.block_size
-            if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-                raise ValueError("kvcomp connector: one KV cache group (full attention) only; "
-                                 "run with --disable-hybrid-kv-cache-manager")
+            self._groups, group_block_size = cache_groups(kv_cache_config)
+            self.block_size = group_block_size or vllm_config.cache_config.block_size
+            ngroups = max(1, len(self._groups))
             par = vllm_config.parallel_config
             self._store = ChunkStore(self.settings)
             total_heads = vllm_config.model_config.get_total_num_kv_heads()
             if role == KVConnectorRole.SCHEDULER:
+                hash_block_size = self.block_size
+                if ngroups > 1:
+                    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+                    _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config,
+                                                                      vllm_config)
+                units = group_units(all_units(total_heads, self.settings.head_group,
+                                              par.pipeline_parallel_size), ngroups)
                 self.sched = SchedulerLogic(
-                    self.settings, self._store, self.block_size,
-                    all_units(total_heads, self.settings.head_group,
-                              par.pipeline_parallel_size),
-                    load=kt.is_kv_consumer, save=kt.is_kv_producer)
+                    self.settings, self._store, self.block_size, units,
+                    load=kt.is_kv_consumer, save=kt.is_kv_producer, groups=ngroups,
+                    hash_block_size=hash_block_size, async_load=ngroups > 1)
                 self.worker = None
             else:
                 tp_rank, tp_size, pp_rank = self._ranks(par)
@@ -993,7 +1223,15 @@ def _build_connector_classes() -> Tuple[type, type]:
 
         # worker side
         def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-            self.worker.register(kv_caches, self.head_size)
+            self.worker.register(kv_caches, self.head_size,
+                                 self._groups if len(self._groups) > 1 else None)
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            # Bound here, before the forward: vLLM calls start_load_kv after the forward when
+            # the step has no synchronous load, and save_kv_layer runs as each layer ends.
+            super().bind_connector_metadata(connector_metadata)
+            if self.worker is not None:
+                self.worker.bind(connector_metadata.plan)
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             self.worker.begin_step(self._get_connector_metadata().plan)
@@ -1012,7 +1250,15 @@ def _build_connector_classes() -> Tuple[type, type]:
 
         def get_finished(self, finished_req_ids: Set[str]):
             done = self.worker.finished_sending(finished_req_ids)
-            return (done or None), None
+            recv, _ = self.worker.finished_recving()
+            return (done or None), (recv or None)
+
+        def get_transfer_results(self, finished_req_ids: Set[str]
+                                 ) -> "KVConnectorTransferResults":
+            recv, failed = self.worker.finished_recving()
+            return KVConnectorTransferResults(
+                finished_sending=self.worker.finished_sending(finished_req_ids),
+                finished_recving=recv, failed_recving=failed)
 
         def get_block_ids_with_load_errors(self) -> Set[int]:
             return self.worker.take_load_errors()
@@ -1026,26 +1272,34 @@ def _build_connector_classes() -> Tuple[type, type]:
         # scheduler side
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
             n = self.sched.matched_tokens(request, num_computed_tokens)
-            return n, False
+            return n, bool(n) and self.sched.async_load
 
         def update_state_after_alloc(self, request: Any, blocks: Any,
                                      num_external_tokens: int) -> None:
-            self.sched.after_alloc(request, num_external_tokens)
+            ids = blocks.get_block_ids() if self.sched.async_load and num_external_tokens \
+                else None
+            self.sched.after_alloc(request, num_external_tokens, ids)
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            for req_id in getattr(connector_output, "failed_recving", None) or ():
+                self.sched.load_failed(req_id)
 
         def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
             so = scheduler_output
             cached = so.scheduled_cached_reqs
-            new = [(r.req_id, r.block_ids[0], r.num_computed_tokens,
+            new = [(r.req_id, r.block_ids, r.num_computed_tokens,
                     so.num_scheduled_tokens.get(r.req_id, 0)) for r in so.scheduled_new_reqs]
             old = []
             for i, req_id in enumerate(cached.req_ids):
-                ids = cached.new_block_ids[i]
-                old.append((req_id, ids[0] if ids is not None else None,
+                old.append((req_id, cached.new_block_ids[i],
                             req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
                             so.num_scheduled_tokens.get(req_id, 0)))
             return KvcompConnectorMetadata(self.sched.build(new, old))
 
         def request_finished(self, request: Any, block_ids: List[int]):
+            return self.sched.finished(request, [block_ids]), None
+
+        def request_finished_all_groups(self, request: Any, block_ids: Tuple[List[int], ...]):
             return self.sched.finished(request, block_ids), None
 
     # Importable by name (the module's __getattr__), so that pickle (vLLM sends the step's
