@@ -14,10 +14,10 @@ APT_PACKAGES=(
   libyaml-cpp-dev libeigen3-dev libcli11-dev liblapacke-dev
   curl
   libc-ares-dev dnsmasq-base iproute2
-  python3-venv
+  python3-venv patchelf
 )
 PIP_PACKAGES=(numpy pytest nanobind scikit-build-core matplotlib pyyaml jsonschema tqdm safetensors
-              ml_dtypes prometheus_client)
+              ml_dtypes prometheus_client auditwheel)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -8,9 +8,10 @@
 #      it must not look for the daemon's or the tests' dependencies (RocksDB, prometheus-cpp,
 #      yaml-cpp, libevent, GoogleTest) nor compile a source of the daemon (service/src);
 #   4. the Python wheel: pip wheel . (the extension compiled against the installed package,
-#      KVCOMP_PYTHON_FROM_INSTALLED, so only the binding builds), then installed with its
-#      declared dependencies from PyPI into an isolated virtual environment (no system
-#      site-packages: a missing dependency fails here);
+#      KVCOMP_PYTHON_FROM_INSTALLED, so only the binding builds), made portable by auditwheel
+#      repair (a manylinux wheel carrying the libraries it links, CUDA's excepted), then
+#      installed with its declared dependencies from PyPI into an isolated virtual environment
+#      (no system site-packages: a missing dependency fails here);
 #   5. tests/packaging/test_installed.py with that environment's python, outside the source tree:
 #      the installed package and its version, the `kvcomp` command (put, get, lookup, --version),
 #      the examples and both C++ builds against a real kvcompd on loopback;
@@ -68,12 +69,24 @@ pip_cfg=(-Ccmake.define.KVCOMP_PYTHON_FROM_INSTALLED=ON -Ccmake.define.CMAKE_PRE
 env -u PYTHONPATH "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/dist" \
   "${pip_cfg[@]}" "$ROOT" >"$WORK/wheel.log" 2>&1 || { cat "$WORK/wheel.log"; exit 1; }
 ls "$WORK"/dist/kvcomp-*.whl
+
+step "portable wheel: auditwheel repair (the libraries the extension links, bundled)"
+# Abseil, Thrift, c-ares, UCX, OpenSSL and libnuma go into the wheel (kvcomp.libs, renamed, found
+# through the extension's RPATH); the CUDA runtime libraries of a CUDA build stay outside (they
+# come with CUDA). The platform tag is the oldest the symbol versions allow (docs/integrations.md,
+# "Where the portable wheel stands").
+env -u PYTHONPATH "$PY" -m auditwheel repair --exclude 'libcu*' --exclude 'libnvJitLink*' \
+  -w "$WORK/portable" "$WORK"/dist/kvcomp-*.whl >"$WORK/repair.log" 2>&1 \
+  || { cat "$WORK/repair.log"; exit 1; }
+WHEEL=$(ls "$WORK"/portable/kvcomp-*manylinux*.whl)
+echo "$WHEEL"
 "$PY" -m venv "$WORK/venv"
 VPY=$WORK/venv/bin/python
-env -u PYTHONPATH "$VPY" -m pip install -q "$WORK"/dist/kvcomp-*.whl pytest
+env -u PYTHONPATH "$VPY" -m pip install -q "$WHEEL" pytest
 
 step "the installed package, its command, the examples and the C++ builds against kvcompd"
 (cd "$WORK" && env -u PYTHONPATH KVCOMP_PACKAGING_VENV="$WORK/venv" KVCOMP_BUILD_DIR="$BUILD" \
+  KVCOMP_PACKAGING_WHEEL="$WHEEL" \
   KVCOMP_PACKAGING_CPP="$WORK/cpp/put_get:$WORK/put_get_pkgconfig" KVCOMP_REPO="$ROOT" \
   "$VPY" -m pytest -q -p no:cacheprovider --rootdir "$WORK" "$ROOT/tests/packaging/test_installed.py")
 step "kvcompd's Debian package: build, install (dpkg, private root), start"

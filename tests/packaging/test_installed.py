@@ -5,7 +5,9 @@ tests/packaging/run.sh with the fresh virtual environment's python, outside the 
 - the `kvcomp` command and `python -m kvcomp` run;
 - examples/prefill_push.py and decode_pull.py (which import the installed package) run against a
   real kvcompd on loopback;
-- the C++ example built against the installed C++ package (find_package and pkg-config) does too.
+- the C++ example built against the installed C++ package (find_package and pkg-config) does too;
+- the wheel is a manylinux wheel whose extension loads every library it links, but glibc's,
+  libstdc++'s and CUDA's, from the wheel itself.
 """
 
 import json
@@ -51,6 +53,42 @@ def test_the_environment_is_isolated():
     assert importlib.util.find_spec("tqdm") is None  # the [cli] extra's, not installed
     assert all(os.path.realpath(p).startswith(os.path.realpath(VENV)) or "site-packages" not in p
                for p in sys.path)
+
+
+# What a manylinux wheel may take from the system (auditwheel's policies), and CUDA's runtime
+# libraries, which come with CUDA.
+SYSTEM_LIBS = ("libc.so", "libm.so", "libdl.so", "librt.so", "libpthread.so", "ld-linux",
+               "libstdc++.so", "libgcc_s.so", "libcudart.so", "libcublas.so", "libcublasLt.so",
+               "libcusolver.so", "libcusparse.so", "libnvJitLink.so")
+
+
+def test_the_wheel_is_manylinux_and_carries_its_libraries():
+    """The installed wheel's tag is manylinux_2_N, and the extension's needed libraries are the
+    system's allowed ones or copies inside the wheel (kvcomp.libs, under names of their own), which
+    the loader takes from there: Abseil, Thrift, c-ares, UCX, OpenSSL need not be installed."""
+    import re
+
+    import kvcomp
+    wheel = os.path.basename(os.environ["KVCOMP_PACKAGING_WHEEL"])
+    m = re.search(r"-manylinux_2_(\d+)_x86_64\.whl$", wheel)
+    assert m, wheel
+    print(f"wheel tag: manylinux_2_{m.group(1)}")
+    ext = kvcomp._kvcomp.__file__
+    libs = os.path.join(os.path.dirname(os.path.dirname(ext)), "kvcomp.libs")
+    bundled = set(os.listdir(libs))
+    assert any(n.startswith("libabsl_") for n in bundled) and \
+        any(n.startswith("libthrift") for n in bundled) and \
+        any(n.startswith("libucp") for n in bundled), bundled
+    out = run(["readelf", "-d", ext]).stdout
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", out)
+    assert needed, out
+    foreign = [n for n in needed if n not in bundled and not n.startswith(SYSTEM_LIBS)]
+    assert not foreign, foreign
+    resolved = dict(re.findall(r"^\s*(\S+) => (\S+)", run(["ldd", ext]).stdout, re.M))
+    for n in needed:
+        if n in bundled:
+            assert os.path.realpath(os.path.dirname(resolved[n])) == os.path.realpath(libs), \
+                (n, resolved[n])
 
 
 def test_the_version():
