@@ -223,23 +223,26 @@ absl::StatusOr<uint64_t> TieredProjectionStore::Count() {
 
 absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
                                             const std::string& projection_model,
-                                            ProjectionStore* projections) {
+                                            ProjectionStore* projections, Backend* backend) {
   if (cache.key_codec == KeyCodec::kRaw && cache.value_codec == ValueCodec::kRaw) return cache;
   std::shared_ptr<const Projection> projection;
   if (cache.value_codec != ValueCodec::kRaw) {
     KVCOMP_ASSIGN_OR_RETURN(projection,
                             projections->Get(projection_model, cache.projection_version));
   }
-  // One CPU backend with every hardware thread decodes one cache at a time: the codecs split the
-  // cache's rows over its threads, so a decoded get takes every core for a short time rather
-  // than one core for long (the serve threads' decodes queue here).
+  // Without a caller's backend, one CPU backend with every hardware thread decodes one cache at a
+  // time: the codecs split the
+  // cache's rows over its threads, so a decoded get takes every core for a short time rather than
+  // one core for long (the serve threads' decodes queue here).
   struct DecodePool {
     absl::Mutex mu;
     std::unique_ptr<Backend> backend ABSL_GUARDED_BY(mu);
   };
   static DecodePool* const pool = new DecodePool;
   DecodedKept d;
-  {
+  if (backend != nullptr) {
+    KVCOMP_ASSIGN_OR_RETURN(d, DecodeKept(*backend, cache, projection.get(), cache.layout.dtype));
+  } else {
     absl::MutexLock lock(&pool->mu);
     if (pool->backend == nullptr) {
       KVCOMP_ASSIGN_OR_RETURN(pool->backend, MakeCpuBackend(CpuBackendOptions{0}));

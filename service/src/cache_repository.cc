@@ -135,18 +135,39 @@ absl::StatusOr<storage::Payload> CacheRepository::Get(const CacheKey& key, Repre
     metrics_->AddTransferBytes(0, got->payload.size());
   }
   if (rep == Representation::kDecoded) {
-    KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(got->payload.view()));
-    if (info.key_codec != KeyCodec::kRaw || info.value_codec != ValueCodec::kRaw) {
-      KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(got->payload.view()));
-      KVCOMP_ASSIGN_OR_RETURN(std::string model, codecs::ProjectionModel(key.tenant, key.model_id));
-      KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw,
-                              codecs::DecodeToRaw(std::move(cache), model, projections_));
-      KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(raw));
-      return storage::Payload::FromString(std::move(bytes));
-    }
+    KVCOMP_ASSIGN_OR_RETURN(const bool decode, NeedsDecode(got->payload));
+    if (decode) return Decode(key, got->payload, nullptr);
     // Raw codecs: the stored bytes are already the decoded form.
   }
   return got->payload;
+}
+
+absl::StatusOr<bool> CacheRepository::NeedsDecode(const storage::Payload& stored) {
+  KVCOMP_ASSIGN_OR_RETURN(format::CacheInfo info, format::PeekCache(stored.view()));
+  return info.key_codec != KeyCodec::kRaw || info.value_codec != ValueCodec::kRaw;
+}
+
+absl::StatusOr<storage::Payload> CacheRepository::Decode(const CacheKey& key,
+                                                         const storage::Payload& stored,
+                                                         Backend* backend) {
+  const absl::Time t0 = absl::Now();
+  KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(stored.view()));
+  KVCOMP_ASSIGN_OR_RETURN(std::string model, codecs::ProjectionModel(key.tenant, key.model_id));
+  // On a device, the codecs' inputs go up (keys, latents and their scales) and the decoded keys
+  // and values come down; the projection is uploaded once per backend and not counted here.
+  const uint64_t up = cache.keys.size() + cache.values.size() +
+                      cache.key_scales.size() * sizeof(cache.key_scales[0]) +
+                      cache.value_scales.size() * sizeof(cache.value_scales[0]);
+  KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw,
+                          codecs::DecodeToRaw(std::move(cache), model, projections_, backend));
+  const double decode_seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+  if (backend != nullptr && backend->kind() == BackendKind::kCuda) {
+    metrics_->AddTransferBytes(up, raw.keys.size() + raw.values.size());
+    metrics_->AddGpuSeconds(decode_seconds);
+  }
+  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(raw));
+  metrics_->ObserveStage(Stage::kDecode, absl::ToDoubleSeconds(absl::Now() - t0));
+  return storage::Payload::FromString(std::move(bytes));
 }
 
 void CacheRepository::Remember(const CacheKey& key, const format::CacheInfo& info) {

@@ -71,8 +71,17 @@ class CacheRepository {
   absl::StatusOr<storage::CacheMeta> GetInto(const CacheKey& key,
                                              const storage::DeviceTarget& target);
 
-  // The cache's bytes in `rep`. NotFound ("cache not found") when absent.
+  // The cache's bytes in `rep`, decoded here on the shared CPU decoder when `rep` is kDecoded
+  // and its codecs are not raw. NotFound ("cache not found") when absent.
   absl::StatusOr<storage::Payload> Get(const CacheKey& key, Representation rep);
+  // Whether a get of the decoded representation of `stored` (a cache's stored bytes) must
+  // decode it: its key or value codec is not raw (raw caches are their own decoded form).
+  static absl::StatusOr<bool> NeedsDecode(const storage::Payload& stored);
+  // `stored` (the stored bytes of `key`) decoded to raw codecs (codecs::DecodeToRaw) and
+  // encoded again: on `backend` when given (a GPU engine worker's: the codecs run on its device),
+  // else on the shared CPU decoder.
+  absl::StatusOr<storage::Payload> Decode(const CacheKey& key, const storage::Payload& stored,
+                                          Backend* backend);
 
   // Where a cache is and what its header says. NotFound when absent.
   struct Description {

@@ -438,9 +438,10 @@ absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest reque
 
 void CacheService::Get(const CacheKey& key, Representation rep, GetDone done) {
   auto shared_done = std::make_shared<GetDone>(std::move(done));
-  bool queued = serve_pool_->TrySubmit(key.tenant, [this, key, rep, shared_done] {
-    absl::Time t0 = absl::Now();
-    absl::StatusOr<storage::Payload> result = repository_->Get(key, rep);
+  const absl::Time t0 = absl::Now();
+  // Counted and answered once, on whichever thread the get ends (a serve thread, or the GPU
+  // engine worker that decoded it).
+  auto finish = [this, key, t0, shared_done](absl::StatusOr<storage::Payload> result) {
     const double secs = Seconds(absl::Now() - t0);
     metrics_->ObserveStage(Stage::kServe, secs);
     metrics_->ObserveOp(Op::kGet, secs);
@@ -453,6 +454,30 @@ void CacheService::Get(const CacheKey& key, Representation rep, GetDone done) {
       metrics_->CountRead("get", key.tenant, key.model_id, 1, result.ok() ? 1 : 0);
     }
     (*shared_done)(std::move(result));
+  };
+  bool queued = serve_pool_->TrySubmit(key.tenant, [this, key, rep, finish]() mutable {
+    absl::StatusOr<storage::Payload> stored = repository_->Get(key, Representation::kStored);
+    if (!stored.ok() || rep != Representation::kDecoded) return finish(std::move(stored));
+    absl::StatusOr<bool> decode = CacheRepository::NeedsDecode(*stored);
+    if (!decode.ok()) return finish(decode.status());
+    if (!*decode) return finish(std::move(stored));  // raw codecs: already the decoded form
+    // An encoded cache decodes on a GPU engine's worker when the daemon has one (its codecs on
+    // the device, the cache staged there and the decoded arrays copied back); on the shared
+    // CPU decoder when it has none, or when that engine's queue is full.
+    Engine* gpu = engines_->uses_gpu() ? engines_->Pick() : nullptr;
+    if (gpu != nullptr) {
+      auto held = std::make_shared<storage::Payload>(*std::move(stored));
+      auto on_gpu = std::make_shared<decltype(finish)>(std::move(finish));
+      if (gpu->TrySubmit(key.tenant, [this, key, gpu, held, on_gpu](Backend& backend) {
+            absl::StatusOr<storage::Payload> out = repository_->Decode(key, *held, &backend);
+            if (!out.ok()) gpu->CheckAfterError(backend, out.status());
+            (*on_gpu)(std::move(out));
+          })) {
+        return;
+      }
+      return (*on_gpu)(repository_->Decode(key, *held, nullptr));
+    }
+    finish(repository_->Decode(key, *stored, nullptr));
   });
   if (!queued) {
     metrics_->CountError("get", BusyError(""));

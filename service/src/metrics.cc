@@ -59,6 +59,8 @@ absl::string_view StageName(Stage s) {
       return "to_device";
     case Stage::kEncode:
       return "encode";
+    case Stage::kDecode:
+      return "decode";
   }
   return "unknown";
 }
@@ -181,7 +183,7 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
                         .Help("Duration of one pipeline stage of one cache.")
                         .Register(r);
   for (Stage s : {Stage::kReceive, Stage::kToDevice, Stage::kCompress, Stage::kDownload,
-                  Stage::kEncode, Stage::kStore, Stage::kServe}) {
+                  Stage::kEncode, Stage::kStore, Stage::kServe, Stage::kDecode}) {
     m.stages[s] =
         &m.stage_family->Add({{mn::kLabelStage, std::string(StageName(s))}}, LatencyBuckets());
   }

@@ -33,6 +33,7 @@
 #include "kvcomp/service/metrics.h"
 #include "kvcomp/storage/tiered_store.h"
 #include "kvsplice_glue.h"
+#include "service_context.h"
 #include "put.h"
 #include "service_test_util.h"
 
@@ -103,13 +104,15 @@ class DevicePathTest : public testutil::ServiceFixture {
     p.moments = true;
     return p;
   }
-  absl::StatusOr<PutRequest> Request(const std::string& key) {
-    return PutRequest::Make(CacheKey{"alice", "m", key}, kLayout, kTokens, Policy(), false);
+  absl::StatusOr<PutRequest> Request(const std::string& key,
+                                     const CompressionPolicy& policy = Policy()) {
+    return PutRequest::Make(CacheKey{"alice", "m", key}, kLayout, kTokens, policy, false);
   }
   // The whole tensor in blocks of two layers x 128 tokens, out of order.
   absl::StatusOr<CacheSummary> PutCache(const std::string& key, const Tensor& x,
-                                        bool device_blocks = false) {
-    KVCOMP_ASSIGN_OR_RETURN(PutRequest r, Request(key));
+                                        bool device_blocks = false,
+                                        const CompressionPolicy& policy = Policy()) {
+    KVCOMP_ASSIGN_OR_RETURN(PutRequest r, Request(key, policy));
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<OpenPut> put, service_->BeginPut(std::move(r)));
     for (uint64_t t0 = kTokens; t0 > 0; t0 -= 128) {
       for (uint32_t l = 0; l < kLayout.num_layers; l += 2) {
@@ -348,6 +351,77 @@ TEST_F(DevicePathTest, AGetIntoDeviceMemoryCopiesOnTheDeviceOnly) {
   EXPECT_EQ(counter(after, "kvcomp_h2d_bytes_total"), counter(before, "kvcomp_h2d_bytes_total"));
 }
 #endif
+
+// A get of the decoded representation of a KVSplice cache (int8 keys, int8 latent values) on a
+// GPU engine: decoded by the engine's worker on the device (the codecs' inputs up, the decoded
+// keys and values down, counted in the transfer metrics, and the decode stage observed), against
+// its CPU twin (the shared CPU decoder over the same stored bytes): the same kept tokens, keys
+// within f32 rounding, values within the device expansion's bound (f16 operands on tensor
+// cores, f32 sums: 5e-3 of the largest value, as the codec's own CUDA tests).
+TEST_F(DevicePathTest, ADecodedGetOfAnEncodedCacheDecodesOnTheDeviceAndMatchesTheCpu) {
+  Start(storage::TierKind::kHost);
+  Tensor x(21);
+  for (const char* k : {"raw0", "raw1"}) {
+    absl::StatusOr<CacheSummary> raw = PutCache(k, x);
+    ASSERT_TRUE(raw.ok()) << raw.status();
+  }
+  CalibrationRequest cr;
+  cr.tenant = "alice";
+  cr.model_id = "m";
+  cr.value_codec = std::string(ValueCodecName(ValueCodec::kOrthogonalInt8));
+  cr.rank = kLayout.head_dim / 2;
+  absl::StatusOr<CalibrationResult> calibrated =
+      CalibrateFromStore(store_.get(), projections_.get(), cr);
+  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
+  CompressionPolicy splice = Policy();
+  splice.moments = false;
+  splice.key_codec = KeyCodec::kInt8;
+  splice.value_codec = ValueCodec::kOrthogonalInt8;
+  splice.rank = kLayout.head_dim / 2;
+  absl::StatusOr<CacheSummary> s = PutCache("splice", x, false, splice);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const CacheKey key{"alice", "m", "splice"};
+  absl::StatusOr<storage::Payload> stored = Get(key);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+
+  const std::string before = metrics_->Scrape();
+  absl::StatusOr<storage::Payload> on_gpu = Get(key, Representation::kDecoded);
+  ASSERT_TRUE(on_gpu.ok()) << on_gpu.status();
+  const std::string after = metrics_->Scrape();
+  absl::StatusOr<storage::Payload> on_cpu = repository_->Decode(key, *stored, nullptr);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  absl::StatusOr<CompressedCache> g = format::ParseCache(on_gpu->view());
+  absl::StatusOr<CompressedCache> c = format::ParseCache(on_cpu->view());
+  ASSERT_TRUE(g.ok() && c.ok()) << g.status() << " " << c.status();
+  EXPECT_EQ(g->key_codec, KeyCodec::kRaw);
+  EXPECT_EQ(g->value_codec, ValueCodec::kRaw);
+  EXPECT_EQ(g->positions, c->positions);
+  ASSERT_EQ(g->keys.size(), c->keys.size());
+  ASSERT_EQ(g->values.size(), c->values.size());
+  auto worst = [](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+    const auto* fa = reinterpret_cast<const float*>(a.data());
+    const auto* fb = reinterpret_cast<const float*>(b.data());
+    double diff = 0, top = 0;
+    for (size_t i = 0; i < a.size() / sizeof(float); ++i) {
+      diff = std::max(diff, std::abs(double{fa[i]} - fb[i]));
+      top = std::max(top, std::abs(double{fb[i]}));
+    }
+    return top > 0 ? diff / top : diff;
+  };
+  EXPECT_LT(worst(g->keys, c->keys), 1e-6);
+  EXPECT_LT(worst(g->values, c->values), 5e-3);
+  auto counter = [](const std::string& text, const std::string& name) {
+    const size_t at = text.find("\n" + name + " ");
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
+  };
+  // The decoded keys and values came down from the device; the encoded arrays went up.
+  EXPECT_GE(counter(after, "kvcomp_d2h_bytes_total") - counter(before, "kvcomp_d2h_bytes_total"),
+            static_cast<double>(g->keys.size() + g->values.size()));
+  EXPECT_GT(counter(after, "kvcomp_h2d_bytes_total") - counter(before, "kvcomp_h2d_bytes_total"),
+            0.0);
+  const std::string decode_count = "kvcomp_stage_duration_seconds_count{stage=\"decode\"}";
+  EXPECT_EQ(counter(after, decode_count) - std::max(0.0, counter(before, decode_count)), 1.0);
+}
 
 #if defined(KVCOMP_HAVE_CUDA)
 TEST_F(DevicePathTest, DeviceMemoryBlocksNeverCrossToTheHost) {

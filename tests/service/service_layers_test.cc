@@ -19,6 +19,7 @@
 #include "kvcomp/storage/tiered_store.h"
 #include "kvsplice_glue.h"
 #include "put.h"
+#include "service_context.h"
 #include "service_test_util.h"
 
 namespace kvcomp {
@@ -253,6 +254,53 @@ TEST_F(ServiceTest, PutThenGetLookupDescribeListDelete) {
   EXPECT_EQ(repository_->Describe(key).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Delete(key).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(repository_->List("alice")->size(), 1u);
+}
+
+// A get of the decoded representation of a KVSplice cache on a CPU engine: decoded on the shared
+// CPU decoder (the same bytes as CacheRepository::Decode without a backend), raw codecs, the
+// decode stage observed once, no byte counted across a device.
+TEST_F(ServiceTest, ADecodedGetOfAnEncodedCacheDecodesOnTheCpuWithoutAGpu) {
+  Tensor x(12);
+  ASSERT_TRUE(PutCache("alice", "raw0", x).ok());
+  ASSERT_TRUE(PutCache("alice", "raw1", x).ok());
+  CalibrationRequest cr;
+  cr.tenant = "alice";
+  cr.model_id = "m";
+  cr.value_codec = std::string(ValueCodecName(ValueCodec::kOrthogonalInt8));
+  cr.rank = kLayout.head_dim / 2;
+  absl::StatusOr<CalibrationResult> calibrated =
+      CalibrateFromStore(store_.get(), projections_.get(), cr);
+  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
+  CompressionPolicy splice = HalfPolicy();
+  splice.key_codec = KeyCodec::kInt8;
+  splice.value_codec = ValueCodec::kOrthogonalInt8;
+  splice.rank = kLayout.head_dim / 2;
+  auto put = service_->BeginPut(Request("alice", "splice", false, splice));
+  ASSERT_TRUE(put.ok()) << put.status();
+  ASSERT_TRUE(Add(**put, MakeBlock(x, 0, 2, 0, kTokens)).ok());
+  ASSERT_TRUE(Commit(**put).ok());
+
+  const CacheKey key{"alice", "m", "splice"};
+  absl::StatusOr<storage::Payload> stored = Get(key);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  const std::string before = metrics_->Scrape();
+  absl::StatusOr<storage::Payload> decoded = Get(key, Representation::kDecoded);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  const std::string after = metrics_->Scrape();
+  absl::StatusOr<CompressedCache> cache = format::ParseCache(decoded->view());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ(cache->key_codec, KeyCodec::kRaw);
+  EXPECT_EQ(cache->value_codec, ValueCodec::kRaw);
+  absl::StatusOr<storage::Payload> twin = repository_->Decode(key, *stored, nullptr);
+  ASSERT_TRUE(twin.ok()) << twin.status();
+  EXPECT_TRUE(decoded->view() == twin->view());
+  auto counter = [](const std::string& text, const std::string& name) {
+    const size_t at = text.find("\n" + name + " ");
+    return at == std::string::npos ? 0.0 : std::stod(text.substr(at + name.size() + 2));
+  };
+  const std::string decode_count = "kvcomp_stage_duration_seconds_count{stage=\"decode\"}";
+  EXPECT_EQ(counter(after, decode_count) - counter(before, decode_count), 1.0);
+  EXPECT_EQ(counter(after, "kvcomp_d2h_bytes_total"), counter(before, "kvcomp_d2h_bytes_total"));
 }
 
 TEST_F(ServiceTest, TenantsSeeOnlyTheirOwnCaches) {

@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/projection.h"
 #include "kvcomp/storage/tiered_store.h"
 
@@ -97,10 +98,14 @@ class TieredProjectionStore : public ProjectionStore {
 
 // `cache` with its kept keys and values decoded to the layout's dtype and raw codecs, the
 // projection looked up under `projection_model` (ProjectionModel(tenant, model)); caches already
-// raw come back unchanged. NotFound when the projection is missing.
+// raw come back unchanged. NotFound when the projection is missing. The codecs run on `backend`
+// when given (a caller's own, e.g. a GPU engine worker's CUDA backend: the cache's host arrays
+// are staged to the device and the decoded ones copied back), else on one shared CPU backend
+// with every hardware thread, one cache at a time.
 absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
                                             const std::string& projection_model,
-                                            ProjectionStore* projections);
+                                            ProjectionStore* projections,
+                                            Backend* backend = nullptr);
 
 }  // namespace codecs
 }  // namespace kvcomp

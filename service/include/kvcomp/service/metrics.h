@@ -28,10 +28,12 @@ enum class Op { kPut, kGet, kLookup, kDelete };
 // kToDevice: a GPU engine's copies of a put's blocks into its device buffer, as they arrive
 // (overlapped with kReceive). kDownload: a GPU engine's one copy of a compressed cache to host
 // memory (not in kCompress). kEncode: the kept tokens to the stored format's bytes (key and
-// value codecs, on the device on a GPU engine; not in kStore).
-enum class Stage { kReceive, kCompress, kStore, kServe, kDownload, kToDevice, kEncode };
+// value codecs, on the device on a GPU engine; not in kStore). kDecode: a get of the decoded
+// representation of an encoded cache, its decode to raw codecs (on a GPU engine's device when
+// the daemon has one; part of kServe).
+enum class Stage { kReceive, kCompress, kStore, kServe, kDownload, kToDevice, kEncode, kDecode };
 absl::string_view OpName(Op op);  // "put", "get", "lookup", "delete"
-// "receive", "to_device", "compress", "download", "encode", "store", "serve"
+// "receive", "to_device", "compress", "download", "encode", "store", "serve", "decode"
 absl::string_view StageName(Stage s);
 // The {code} label of kvcomp_errors_total: "busy" for BusyError, else absl's code in snake
 // case ("invalid_argument", "not_found", ...).
