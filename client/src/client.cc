@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -261,7 +262,8 @@ class ClientImpl : public Client {
           KVCOMP_ASSIGN_OR_RETURN(
               auto fetched, Fetch(model_id, key,
                                   decoded ? wire::Representation::kDecoded
-                                          : wire::Representation::kStored));
+                                          : wire::Representation::kStored,
+                                  absl::Now() + options_.get_timeout));
           return std::string(fetched.bytes.view());
         });
   }
@@ -426,40 +428,53 @@ class ClientImpl : public Client {
     return out;
   }
 
-  absl::StatusOr<std::string> GetBytes(absl::string_view model_id,
-                                       absl::string_view key) override {
-    KVCOMP_ASSIGN_OR_RETURN(auto fetched, Fetch(model_id, key, wire::Representation::kStored));
+  absl::StatusOr<std::string> GetBytes(absl::string_view model_id, absl::string_view key,
+                                       const ReadOptions& read) override {
+    KVCOMP_ASSIGN_OR_RETURN(const absl::Time deadline, Deadline(read, options_.get_timeout));
+    KVCOMP_ASSIGN_OR_RETURN(auto fetched,
+                            Fetch(model_id, key, wire::Representation::kStored, deadline));
     return std::string(fetched.bytes.view());
   }
 
-  absl::StatusOr<CompressedCache> Get(absl::string_view model_id,
-                                      absl::string_view key) override {
-    KVCOMP_ASSIGN_OR_RETURN(auto fetched, Fetch(model_id, key, wire::Representation::kStored));
+  absl::StatusOr<CompressedCache> Get(absl::string_view model_id, absl::string_view key,
+                                      const ReadOptions& read) override {
+    KVCOMP_ASSIGN_OR_RETURN(const absl::Time deadline, Deadline(read, options_.get_timeout));
+    KVCOMP_ASSIGN_OR_RETURN(auto fetched,
+                            Fetch(model_id, key, wire::Representation::kStored, deadline));
     return format::ParseCache(fetched.bytes.view());
   }
 
-  absl::StatusOr<CompressedCache> GetDecoded(absl::string_view model_id,
-                                             absl::string_view key) override {
-    KVCOMP_ASSIGN_OR_RETURN(auto fetched, Fetch(model_id, key, wire::Representation::kDecoded));
+  absl::StatusOr<CompressedCache> GetDecoded(absl::string_view model_id, absl::string_view key,
+                                             const ReadOptions& read) override {
+    KVCOMP_ASSIGN_OR_RETURN(const absl::Time deadline, Deadline(read, options_.get_timeout));
+    KVCOMP_ASSIGN_OR_RETURN(auto fetched,
+                            Fetch(model_id, key, wire::Representation::kDecoded, deadline));
     return format::ParseCache(fetched.bytes.view());
   }
 
   absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key, void* dst,
-                                 size_t capacity, bool device) override {
+                                 size_t capacity, bool device, const ReadOptions& read) override {
     if (dst == nullptr) return absl::InvalidArgumentError("null destination");
+    KVCOMP_ASSIGN_OR_RETURN(const absl::Time deadline, Deadline(read, options_.get_timeout));
     const auto memory = device ? transport::MemoryType::kCuda : transport::MemoryType::kHost;
-    return OnRanking<size_t>(model_id, key, [&](UcxClient& c) {
-      return c.GetInto(model_id, key, wire::Representation::kStored, dst, capacity, memory);
-    });
+    return OnRanking<size_t>(
+        model_id, key,
+        [&](UcxClient& c) {
+          return c.GetInto(model_id, key, wire::Representation::kStored, dst, capacity, memory,
+                           deadline);
+        },
+        deadline);
   }
 
-  absl::StatusOr<LookupResult> Lookup(absl::string_view model_id,
-                                      absl::string_view key) override {
+  absl::StatusOr<LookupResult> Lookup(absl::string_view model_id, absl::string_view key,
+                                      const ReadOptions& read) override {
+    KVCOMP_ASSIGN_OR_RETURN(const absl::Time deadline, Deadline(read, options_.get_timeout));
     std::string answered;
     KVCOMP_ASSIGN_OR_RETURN(
         wire::CacheSummary s,
         OnRanking<wire::CacheSummary>(
-            model_id, key, [&](UcxClient& c) { return c.Lookup(model_id, key); }, &answered));
+            model_id, key, [&](UcxClient& c) { return c.Lookup(model_id, key, deadline); },
+            deadline, &answered));
     LookupResult r;
     r.layout = s.layout;
     r.endpoint = answered;
@@ -563,8 +578,9 @@ class ClientImpl : public Client {
   }
 
   absl::StatusOr<size_t> LookupPrefix(absl::string_view model_id,
-                                      const std::vector<std::string>& keys) override {
-    const absl::Time deadline = absl::Now() + options_.lookup_timeout;
+                                      const std::vector<std::string>& keys,
+                                      const ReadOptions& read) override {
+    KVCOMP_ASSIGN_OR_RETURN(const absl::Time deadline, Deadline(read, options_.lookup_timeout));
     KVCOMP_ASSIGN_OR_RETURN(PrefixPlan plan, PlanPrefix(model_id, keys));
     return LeadingHeld(plan.rankings, [&](size_t ep, const std::vector<size_t>& positions) {
       return AskLookupPrefix(*plan.members->states[ep], model_id, keys, positions, deadline);
@@ -573,8 +589,9 @@ class ClientImpl : public Client {
 
   absl::StatusOr<std::vector<std::string>> GetChunkBytes(absl::string_view model_id,
                                                          const std::vector<std::string>& keys,
-                                                         bool decoded) override {
-    const absl::Time deadline = absl::Now() + options_.get_timeout;
+                                                         bool decoded,
+                                                         const ReadOptions& read) override {
+    KVCOMP_ASSIGN_OR_RETURN(const absl::Time deadline, Deadline(read, options_.get_timeout));
     KVCOMP_ASSIGN_OR_RETURN(PrefixPlan plan, PlanPrefix(model_id, keys));
     std::vector<std::string> bytes(keys.size());  // each slot written by one endpoint's thread
     KVCOMP_ASSIGN_OR_RETURN(
@@ -589,9 +606,10 @@ class ClientImpl : public Client {
 
   absl::StatusOr<std::vector<CompressedCache>> GetChunks(absl::string_view model_id,
                                                          const std::vector<std::string>& keys,
-                                                         bool decoded) override {
+                                                         bool decoded,
+                                                         const ReadOptions& read) override {
     KVCOMP_ASSIGN_OR_RETURN(std::vector<std::string> bytes,
-                            GetChunkBytes(model_id, keys, decoded));
+                            GetChunkBytes(model_id, keys, decoded, read));
     std::vector<CompressedCache> out;
     out.reserve(bytes.size());
     for (const std::string& b : bytes) {
@@ -667,10 +685,15 @@ class ClientImpl : public Client {
         // The next chunk alone passes the daemon's reply bound (control_plane.max_reply_bytes),
         // or this tenant's replies in progress hold theirs: that chunk comes over the data plane.
         const std::string& key = keys[positions[got]];
-        absl::StatusOr<transport::FetchedCache> one = WithRetries(ep, [&](UcxClient& c) {
-          return c.Get(model_id, key,
-                       decoded ? wire::Representation::kDecoded : wire::Representation::kStored);
-        });
+        absl::StatusOr<transport::FetchedCache> one = WithRetries(
+            ep,
+            [&](UcxClient& c) {
+              return c.Get(model_id, key,
+                           decoded ? wire::Representation::kDecoded
+                                   : wire::Representation::kStored,
+                           deadline);
+            },
+            deadline);
         if (one.ok()) {
           (*bytes)[positions[got++]] = std::string(one->bytes.view());
           continue;
@@ -714,17 +737,48 @@ class ClientImpl : public Client {
     return members;
   }
 
-  // Runs `fn` on one endpoint's connection, retrying retryable failures with backoff.
+  // The end of a read: now + the call's timeout, or + `fallback` (the client's) when it gives
+  // none. InvalidArgument for a timeout outside [1 ms, 24 h].
+  static absl::StatusOr<absl::Time> Deadline(const ReadOptions& read, absl::Duration fallback) {
+    if (read.timeout == absl::ZeroDuration()) return absl::Now() + fallback;
+    if (read.timeout < absl::Milliseconds(1) || read.timeout > absl::Hours(24)) {
+      return absl::InvalidArgumentError(absl::StrCat("the call's timeout is ",
+                                                     absl::FormatDuration(read.timeout),
+                                                     "; it must be in [1ms, 24h]"));
+    }
+    return absl::Now() + read.timeout;
+  }
+
+  // DeadlineExceeded naming the last error (`last` itself when it already says so).
+  static absl::Status DeadlinePassed(const absl::Status& last) {
+    if (absl::IsDeadlineExceeded(last) &&
+        absl::StartsWith(last.message(), "the call's deadline passed")) {
+      return last;
+    }
+    return absl::DeadlineExceededError(
+        last.ok() ? std::string("the call's deadline passed")
+                  : absl::StrCat("the call's deadline passed; last: ", last.message()));
+  }
+
+  // Runs `fn` on one endpoint's connection, retrying retryable failures with backoff, until
+  // `deadline` (connecting included: the connect timeout is cut to what is left of it).
   template <typename Fn>
-  auto WithRetries(EndpointState& ep, Fn fn) -> decltype(fn(std::declval<UcxClient&>())) {
+  auto WithRetries(EndpointState& ep, Fn fn, absl::Time deadline = absl::InfiniteFuture())
+      -> decltype(fn(std::declval<UcxClient&>())) {
     absl::Duration backoff = options_.initial_backoff;
     decltype(fn(std::declval<UcxClient&>())) result = absl::UnknownError("not attempted");
     for (int attempt = 0; attempt < std::max(1, options_.attempts_per_endpoint); ++attempt) {
       if (attempt > 0) {
-        absl::SleepFor(backoff);
+        absl::SleepFor(std::min(backoff, deadline - absl::Now()));
         backoff = std::min(backoff * 2, options_.max_backoff);
       }
-      auto conn = ep.Connection(options_);
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        return attempt == 0 ? DeadlinePassed(absl::OkStatus()) : DeadlinePassed(StatusOf(result));
+      }
+      ClientOptions within = options_;
+      within.connect_timeout = std::min(options_.connect_timeout, left);
+      auto conn = ep.Connection(within);
       if (!conn.ok()) {
         result = conn.status();
         if (!Retryable(conn.status())) return result;
@@ -748,27 +802,33 @@ class ClientImpl : public Client {
     return s.status();
   }
 
-  // Tries the key's ranking in order until one endpoint has the cache.
+  // Tries the key's ranking in order until one endpoint has the cache, until `deadline`
+  // (DeadlineExceeded, naming the last endpoint's error, when it passes first).
   template <typename T, typename Fn>
   absl::StatusOr<T> OnRanking(absl::string_view model_id, absl::string_view key, Fn fn,
-                              std::string* answered = nullptr) {
+                              absl::Time deadline, std::string* answered = nullptr) {
     KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
     absl::Status unreachable;
     for (size_t i : Rank(*members, model_id, key)) {
-      absl::StatusOr<T> r = WithRetries(*members->states[i], fn);
+      if (absl::Now() >= deadline) return DeadlinePassed(unreachable);
+      absl::StatusOr<T> r = WithRetries(*members->states[i], fn, deadline);
       if (r.ok()) {
         if (answered != nullptr) *answered = members->names[i];
         return r;
       }
       if (absl::IsNotFound(r.status())) continue;
       if (Retryable(r.status()) || IsBusy(r.status())) {
-        unreachable = r.status();
+        unreachable = absl::StartsWith(r.status().message(), "the call's deadline passed")
+                          ? r.status()
+                          : absl::Status(r.status().code(), absl::StrCat(members->names[i], ": ",
+                                                                         r.status().message()));
         continue;
       }
       return r.status();
     }
     if (!unreachable.ok()) {
+      if (absl::Now() >= deadline) return DeadlinePassed(unreachable);
       return absl::UnavailableError(absl::StrCat(
           "cache not found on reachable endpoints; some are unreachable: ",
           unreachable.message()));
@@ -777,9 +837,10 @@ class ClientImpl : public Client {
   }
 
   absl::StatusOr<transport::FetchedCache> Fetch(absl::string_view model_id, absl::string_view key,
-                                                wire::Representation rep) {
+                                                wire::Representation rep, absl::Time deadline) {
     return OnRanking<transport::FetchedCache>(
-        model_id, key, [&](UcxClient& c) { return c.Get(model_id, key, rep); });
+        model_id, key, [&](UcxClient& c) { return c.Get(model_id, key, rep, deadline); },
+        deadline);
   }
 
   const ClientOptions options_;

@@ -1,15 +1,18 @@
 // No silent misses, against a real kvcompd on loopback: a client whose control or data address
 // names a port that is not a kvcompd control or data port fails with an error naming the address
 // and what answered there (an HTTP server, a Thrift service, nothing), instead of finding no
-// cache; and a lookup or chunk get against a daemon that is stopped (SIGSTOP) returns within the
-// client's deadline (lookup_timeout, get_timeout) with DeadlineExceeded.
+// cache; and a lookup or get against a daemon that is stopped (SIGSTOP) returns within the
+// call's deadline (its own ReadOptions::timeout, else the client's lookup_timeout or get_timeout)
+// with DeadlineExceeded.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -160,6 +163,66 @@ TEST_F(WrongPortTest, LookupAndGetReturnWithinTheirDeadlineWhenTheDaemonIsStoppe
   daemon_->Signal(SIGCONT);
   auto after = c->LookupPrefix(kModel, keys_);
   ASSERT_TRUE(after.ok()) << after.status();
+}
+
+// The data plane's reads (Get, GetBytes, GetDecoded, GetInto, Lookup) against a stopped daemon:
+// each returns within its own deadline (ReadOptions::timeout) with DeadlineExceeded, not after
+// the 10 s request timeout nor the client's get_timeout (30 s here); without one, within
+// get_timeout; per-call deadlines of the prefix calls replace lookup_timeout / get_timeout. The
+// same connection answers again once the daemon runs.
+TEST_F(WrongPortTest, EachDataPlaneReadReturnsWithinItsOwnDeadlineWhenTheDaemonIsStopped) {
+  ClientOptions o;
+  o.get_timeout = absl::Seconds(30);
+  o.lookup_timeout = absl::Seconds(30);
+  auto c = Connect(daemon_->client_endpoint(), o);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(absl::IsNotFound(c->Lookup(kModel, "k0").status()));  // connected, answering
+
+  daemon_->Signal(SIGSTOP);
+  ReadOptions quick;
+  quick.timeout = absl::Milliseconds(300);
+  std::vector<uint8_t> into(4096);
+  const std::vector<std::pair<const char*, std::function<absl::Status()>>> reads = {
+      {"Get", [&] { return c->Get(kModel, "k0", quick).status(); }},
+      {"GetBytes", [&] { return c->GetBytes(kModel, "k0", quick).status(); }},
+      {"GetDecoded", [&] { return c->GetDecoded(kModel, "k0", quick).status(); }},
+      {"GetInto",
+       [&] { return c->GetInto(kModel, "k0", into.data(), into.size(), false, quick).status(); }},
+      {"Lookup", [&] { return c->Lookup(kModel, "k0", quick).status(); }},
+      {"LookupPrefix", [&] { return c->LookupPrefix(kModel, keys_, quick).status(); }},
+      {"GetChunkBytes", [&] { return c->GetChunkBytes(kModel, keys_, false, quick).status(); }},
+  };
+  for (const auto& [name, read] : reads) {
+    const absl::Time t0 = absl::Now();
+    const absl::Status s = read();
+    const absl::Duration took = absl::Now() - t0;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << name << ": " << s;
+    // The deadline, plus scheduling slack on a loaded machine.
+    EXPECT_LT(took, absl::Seconds(2)) << name << " took " << took;
+  }
+  ReadOptions bad;
+  bad.timeout = -absl::Seconds(1);
+  EXPECT_TRUE(absl::IsInvalidArgument(c->Get(kModel, "k0", bad).status()));
+
+  daemon_->Signal(SIGCONT);
+  EXPECT_TRUE(absl::IsNotFound(c->Get(kModel, "k0", quick).status()));
+}
+
+TEST_F(WrongPortTest, AReadWithoutItsOwnDeadlineEndsWithinTheClientsGetTimeout) {
+  ClientOptions o;
+  o.get_timeout = absl::Milliseconds(500);
+  auto c = Connect(daemon_->client_endpoint(), o);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(absl::IsNotFound(c->Lookup(kModel, "k0").status()));
+  daemon_->Signal(SIGSTOP);
+  for (int i = 0; i < 2; ++i) {
+    const absl::Time t0 = absl::Now();
+    const absl::Status s = i == 0 ? c->Get(kModel, "k0").status() : c->Lookup(kModel, "k0").status();
+    const absl::Duration took = absl::Now() - t0;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "deadline")) << s;
+    EXPECT_LT(took, absl::Seconds(3)) << took;  // the request timeout is 10 s
+  }
 }
 
 TEST_F(WrongPortTest, DeadlinesMustBePositive) {

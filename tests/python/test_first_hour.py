@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvcomp
-from kvcompd_fixture import Kvcompd, built_kvcompd
+from kvcompd_fixture import Kvcompd, built_kvcompd, sigstop
 
 KVCOMPD = built_kvcompd()
 pytestmark = pytest.mark.skipif(KVCOMPD is None, reason="kvcompd not built")
@@ -193,6 +193,38 @@ def test_lookup_returns_within_its_deadline_from_a_stopped_daemon():
         finally:
             os.kill(d.proc.pid, signal.SIGCONT)
         assert c.lookup_prefix(MODEL, [b"k0"]) == 0
+
+
+def test_each_read_returns_within_its_own_timeout_from_a_stopped_daemon():
+    """get, get_bytes, lookup, lookup_prefix and get_chunks take a per-call timeout: against a
+    stopped daemon each raises TimeoutError within it, although the client's deadlines (and its
+    request timeout) are 30 s; the connection answers again once the daemon runs."""
+    with Kvcompd(KVCOMPD) as d:
+        c = kvcomp.Client(both(d), lookup_timeout=30.0, get_timeout=30.0, timeout=30.0)
+        with pytest.raises(KeyError):
+            c.lookup(MODEL, b"k0")
+        sigstop(d.proc)
+        try:
+            reads = {
+                "get": lambda: c.get(MODEL, b"k0", timeout=0.3),
+                "get decoded": lambda: c.get(MODEL, b"k0", decoded=True, timeout=0.3),
+                "get_bytes": lambda: c.get_bytes(MODEL, b"k0", timeout=0.3),
+                "lookup": lambda: c.lookup(MODEL, b"k0", timeout=0.3),
+                "lookup_prefix": lambda: c.lookup_prefix(MODEL, [b"k0"], timeout=0.3),
+                "get_chunks": lambda: c.get_chunks(MODEL, [b"k0"], timeout=0.3),
+            }
+            for name, read in reads.items():
+                t0 = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    read()
+                took = time.monotonic() - t0
+                assert took < 2.0, (name, took)
+            with pytest.raises(ValueError, match="timeout"):
+                c.get(MODEL, b"k0", timeout=0)
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        with pytest.raises(KeyError):
+            c.get(MODEL, b"k0", timeout=5.0)
 
 
 def test_deadlines_must_be_positive(daemon):

@@ -159,12 +159,14 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   absl::StatusOr<wire::CacheSummary> PutCommit(uint64_t put_id, uint64_t num_blocks) override;
   absl::Status PutAbort(uint64_t put_id) override;
   absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
-                                   wire::Representation representation) override;
+                                   wire::Representation representation,
+                                   absl::Time deadline) override;
   absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
                                  wire::Representation representation, void* dst,
-                                 size_t capacity, MemoryType memory) override;
-  absl::StatusOr<wire::CacheSummary> Lookup(absl::string_view model_id,
-                                            absl::string_view key) override;
+                                 size_t capacity, MemoryType memory,
+                                 absl::Time deadline) override;
+  absl::StatusOr<wire::CacheSummary> Lookup(absl::string_view model_id, absl::string_view key,
+                                            absl::Time deadline) override;
   absl::Status Delete(absl::string_view model_id, absl::string_view key) override;
   absl::Status Ping() override;
   absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
@@ -198,7 +200,11 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   absl::StatusOr<Reply> Wait(std::unique_ptr<Pending> p);
   absl::StatusOr<Reply> GetReply(absl::string_view model_id, absl::string_view key,
                                  wire::Representation representation, void* dst,
-                                 size_t capacity, MemoryType memory);
+                                 size_t capacity, MemoryType memory, absl::Time deadline);
+  // The request timeout from now, or `deadline` when sooner.
+  absl::Time RequestDeadline(absl::Time deadline) const {
+    return std::min(absl::Now() + options_.request_timeout, deadline);
+  }
 
   void StartSend(Pending* p);
   void SendCompleted(uint64_t request_id, ucs_status_t status);
@@ -576,7 +582,8 @@ void ClientImpl::Tick() {
     absl::Status busy = it->second->busy;
     Fail(id, !busy.ok() ? busy
                         : absl::DeadlineExceededError(absl::StrCat(
-                              "request ", id, ": no reply within the request timeout")));
+                              "request ", id,
+                              ": no reply within the request timeout or the call's deadline")));
   }
 }
 
@@ -866,13 +873,14 @@ absl::Status ClientImpl::PutAbort(uint64_t put_id) {
 
 absl::StatusOr<Reply> ClientImpl::GetReply(absl::string_view model_id, absl::string_view key,
                                            wire::Representation representation, void* dst,
-                                           size_t capacity, MemoryType memory) {
+                                           size_t capacity, MemoryType memory,
+                                           absl::Time deadline) {
   KVCOMP_RETURN_IF_ERROR(ValidateKey(model_id, key));
   wire::Get get{representation, std::string(model_id), std::string(key)};
   auto p = std::make_unique<Pending>();
   p->request_id = NextRequestId();
   p->frame = wire::Encode(p->request_id, get);
-  p->deadline = absl::Now() + options_.request_timeout;
+  p->deadline = RequestDeadline(deadline);
   p->dst = dst;
   p->capacity = capacity;
   p->dst_memory = memory;
@@ -892,9 +900,10 @@ absl::StatusOr<Reply> ClientImpl::GetReply(absl::string_view model_id, absl::str
 }
 
 absl::StatusOr<FetchedCache> ClientImpl::Get(absl::string_view model_id, absl::string_view key,
-                                             wire::Representation representation) {
+                                             wire::Representation representation,
+                                             absl::Time deadline) {
   KVCOMP_ASSIGN_OR_RETURN(Reply r, GetReply(model_id, key, representation, nullptr, 0,
-                                            MemoryType::kHost));
+                                            MemoryType::kHost, deadline));
   wire::GetReply gr;
   KVCOMP_RETURN_IF_ERROR(wire::Decode(r.frame(), &gr));
   return FetchedCache{std::move(r.payload), gr.representation};
@@ -902,7 +911,8 @@ absl::StatusOr<FetchedCache> ClientImpl::Get(absl::string_view model_id, absl::s
 
 absl::StatusOr<size_t> ClientImpl::GetInto(absl::string_view model_id, absl::string_view key,
                                            wire::Representation representation, void* dst,
-                                           size_t capacity, MemoryType memory) {
+                                           size_t capacity, MemoryType memory,
+                                           absl::Time deadline) {
   if (dst == nullptr && capacity > 0) return absl::InvalidArgumentError("GetInto: null buffer");
   if (memory == MemoryType::kCuda && !worker_->loop().cuda_memory()) {
     return absl::FailedPreconditionError(
@@ -910,16 +920,19 @@ absl::StatusOr<size_t> ClientImpl::GetInto(absl::string_view model_id, absl::str
         "receive into host memory and copy to the GPU");
   }
   KVCOMP_ASSIGN_OR_RETURN(Reply r,
-                          GetReply(model_id, key, representation, dst, capacity, memory));
+                          GetReply(model_id, key, representation, dst, capacity, memory,
+                                   deadline));
   return r.payload.size();
 }
 
 absl::StatusOr<wire::CacheSummary> ClientImpl::Lookup(absl::string_view model_id,
-                                                      absl::string_view key) {
+                                                      absl::string_view key,
+                                                      absl::Time deadline) {
   KVCOMP_RETURN_IF_ERROR(ValidateKey(model_id, key));
   const uint64_t rid = NextRequestId();
   wire::Lookup m{std::string(model_id), std::string(key)};
-  KVCOMP_ASSIGN_OR_RETURN(Reply r, Call(rid, wire::Encode(rid, m), options_.request_timeout));
+  KVCOMP_ASSIGN_OR_RETURN(Reply r,
+                          Call(rid, wire::Encode(rid, m), RequestDeadline(deadline) - absl::Now()));
   return SummaryOfReply(r);
 }
 
@@ -1182,17 +1195,19 @@ class ClientHandle : public UcxClient {
   }
   absl::Status PutAbort(uint64_t put_id) override { return impl_->PutAbort(put_id); }
   absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
-                                   wire::Representation representation) override {
-    return impl_->Get(model_id, key, representation);
+                                   wire::Representation representation,
+                                   absl::Time deadline) override {
+    return impl_->Get(model_id, key, representation, deadline);
   }
   absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
                                  wire::Representation representation, void* dst,
-                                 size_t capacity, MemoryType memory) override {
-    return impl_->GetInto(model_id, key, representation, dst, capacity, memory);
+                                 size_t capacity, MemoryType memory,
+                                 absl::Time deadline) override {
+    return impl_->GetInto(model_id, key, representation, dst, capacity, memory, deadline);
   }
-  absl::StatusOr<wire::CacheSummary> Lookup(absl::string_view model_id,
-                                            absl::string_view key) override {
-    return impl_->Lookup(model_id, key);
+  absl::StatusOr<wire::CacheSummary> Lookup(absl::string_view model_id, absl::string_view key,
+                                            absl::Time deadline) override {
+    return impl_->Lookup(model_id, key, deadline);
   }
   absl::Status Delete(absl::string_view model_id, absl::string_view key) override {
     return impl_->Delete(model_id, key);

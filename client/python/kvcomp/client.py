@@ -241,7 +241,9 @@ class Client:
         """endpoints: "data_host:port[,control_host:port]" each (or "dns:///NAME:DATA[,CONTROL]");
         None reads KVCOMP_ENDPOINTS (whitespace-separated). timeout: one data-plane request;
         lookup_timeout: the deadline of one lookup_prefix call as a whole (TimeoutError when no
-        daemon answers in time, e.g. a stalled one); get_timeout: the same for get_chunks.
+        daemon answers in time, e.g. a stalled one); get_timeout: the same for get, get_bytes,
+        lookup and get_chunks. Each of those calls also takes its own `timeout` (seconds), which
+        replaces the client's for that call.
         An address that is not a kvcompd port raises RuntimeError naming what answered there."""
         if endpoints is None:
             endpoints = os.environ.get("KVCOMP_ENDPOINTS", "").split()
@@ -362,18 +364,20 @@ class Client:
                                          block_wise=block_wise)
         return PutStream(native, dtype)
 
-    def get(self, model: str, key: Key, *, decoded: bool = False):
+    def get(self, model: str, key: Key, *, decoded: bool = False,
+            timeout: Optional[float] = None):
         """The cache as a kvcomp.CompressedCache; decoded=True asks the daemon to decode the
-        kept tokens to the input dtype (raw codecs)."""
-        return self._c.get(model, _key(key), decoded)
+        kept tokens to the input dtype (raw codecs). TimeoutError when no daemon answered within
+        `timeout` seconds (None: the client's get_timeout)."""
+        return self._c.get(model, _key(key), decoded, timeout)
 
-    def get_bytes(self, model: str, key: Key) -> bytes:
-        """The encoded cache as stored (docs/format.md)."""
-        return self._c.get_bytes(model, _key(key))
+    def get_bytes(self, model: str, key: Key, *, timeout: Optional[float] = None) -> bytes:
+        """The encoded cache as stored (docs/format.md); `timeout` as for get."""
+        return self._c.get_bytes(model, _key(key), timeout)
 
-    def lookup(self, model: str, key: Key) -> Dict[str, Any]:
-        """Where the cache is and its sizes; KeyError when absent."""
-        return self._c.lookup(model, _key(key))
+    def lookup(self, model: str, key: Key, *, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """Where the cache is and its sizes; KeyError when absent; `timeout` as for get."""
+        return self._c.lookup(model, _key(key), timeout)
 
     def delete(self, model: str, key: Key) -> None:
         """Deletes every copy; KeyError when no endpoint had it."""
@@ -399,12 +403,14 @@ class Client:
     # block hashes: key i names the whole prefix up to chunk i). Each chunk is placed by its own
     # key; lookups and gets ask every daemon involved once, in parallel, over its control port.
 
-    def lookup_prefix(self, model: str, keys: Sequence[Key]) -> int:
+    def lookup_prefix(self, model: str, keys: Sequence[Key], *,
+                      timeout: Optional[float] = None) -> int:
         """How many leading `keys` this tenant has stored (one request per daemon involved).
         ValueError for an invalid key; RuntimeError (FailedPrecondition) when an endpoint has no
         control address or its control address is not a kvcompd control port; TimeoutError when
-        no daemon answered within lookup_timeout; ConnectionError when none could be reached."""
-        return self._c.lookup_prefix(model, [_key(k) for k in keys])
+        no daemon answered within `timeout` seconds (None: the client's lookup_timeout);
+        ConnectionError when none could be reached."""
+        return self._c.lookup_prefix(model, [_key(k) for k in keys], timeout)
 
     def put_chunks(self, model: str, keys: Sequence[Key], k: Any, v: Any, chunk_tokens: int,
                    *, first: int = 0, policy: Any = None, num_q_heads: Optional[int] = None,
@@ -465,16 +471,18 @@ class Client:
             wait(futures)
         return [f.result() for f in futures]
 
-    def get_chunks(self, model: str, keys: Sequence[Key], *, decoded: bool = False) -> List[Any]:
+    def get_chunks(self, model: str, keys: Sequence[Key], *, decoded: bool = False,
+                   timeout: Optional[float] = None) -> List[Any]:
         """The caches (kvcomp.CompressedCache) of the leading `keys` stored, in order, with one
         request per daemon involved; decoded=True has the daemons decode int8 keys and KVSplice
-        values to the input dtype. Fewer than len(keys) when one is missing."""
-        return self._c.get_chunks(model, [_key(k) for k in keys], decoded)
+        values to the input dtype. Fewer than len(keys) when one is missing. TimeoutError when
+        no daemon answered within `timeout` seconds (None: the client's get_timeout)."""
+        return self._c.get_chunks(model, [_key(k) for k in keys], decoded, timeout)
 
-    def get_chunk_bytes(self, model: str, keys: Sequence[Key], *,
-                        decoded: bool = False) -> List[bytes]:
+    def get_chunk_bytes(self, model: str, keys: Sequence[Key], *, decoded: bool = False,
+                        timeout: Optional[float] = None) -> List[bytes]:
         """As get_chunks, the encoded bytes (docs/format.md)."""
-        return self._c.get_chunk_bytes(model, [_key(k) for k in keys], decoded)
+        return self._c.get_chunk_bytes(model, [_key(k) for k in keys], decoded, timeout)
 
     def ranking(self, model: str, key: Key) -> List[str]:
         """The endpoints in the order this key's reads and writes try them."""

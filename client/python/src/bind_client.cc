@@ -52,6 +52,19 @@ std::vector<std::string> KeyStrings(const std::vector<nb::bytes>& keys) {
   return out;
 }
 
+// A read's per-call deadline from Python seconds (None: the client's). ValueError when not
+// positive; the SDK checks the range.
+client::ReadOptions Read(std::optional<double> timeout) {
+  client::ReadOptions r;
+  if (!timeout.has_value()) return r;
+  if (!(*timeout > 0)) {
+    Raise(absl::InvalidArgumentError(absl::StrCat("timeout must be positive seconds, got ",
+                                                  *timeout)));
+  }
+  r.timeout = absl::Seconds(*timeout);
+  return r;
+}
+
 // A CUDA stream handed in from Python as an integer (0: the default stream).
 void* StreamPtr(uint64_t stream) { return reinterpret_cast<void*>(static_cast<uintptr_t>(stream)); }
 
@@ -510,26 +523,32 @@ void RegisterClient(nb::module_& m) {
           nb::rv_policy::take_ownership)
       .def(
           "get_bytes",
-          [](Client& c, const std::string& model, nb::bytes key) {
+          [](Client& c, const std::string& model, nb::bytes key, std::optional<double> timeout) {
             const std::string key_s = KeyString(key);
-            std::string s = Unwrap(WithoutGil([&] { return c.GetBytes(model, key_s); }));
+            const client::ReadOptions r = Read(timeout);
+            std::string s = Unwrap(WithoutGil([&] { return c.GetBytes(model, key_s, r); }));
             return nb::bytes(s.data(), s.size());
           },
-          nb::arg("model"), nb::arg("key"))
+          nb::arg("model"), nb::arg("key"), nb::arg("timeout") = nb::none())
       .def(
           "get",
-          [](Client& c, const std::string& model, nb::bytes key, bool decoded) {
+          [](Client& c, const std::string& model, nb::bytes key, bool decoded,
+             std::optional<double> timeout) {
             const std::string key_s = KeyString(key);
-            return Unwrap(WithoutGil(
-                [&] { return decoded ? c.GetDecoded(model, key_s) : c.Get(model, key_s); }));
+            const client::ReadOptions r = Read(timeout);
+            return Unwrap(WithoutGil([&] {
+              return decoded ? c.GetDecoded(model, key_s, r) : c.Get(model, key_s, r);
+            }));
           },
-          nb::arg("model"), nb::arg("key"), nb::arg("decoded") = false)
+          nb::arg("model"), nb::arg("key"), nb::arg("decoded") = false,
+          nb::arg("timeout") = nb::none())
       .def(
           "lookup",
-          [](Client& c, const std::string& model, nb::bytes key) {
+          [](Client& c, const std::string& model, nb::bytes key, std::optional<double> timeout) {
             const std::string key_s = KeyString(key);
+            const client::ReadOptions r = Read(timeout);
             const client::LookupResult l =
-                Unwrap(WithoutGil([&] { return c.Lookup(model, key_s); }));
+                Unwrap(WithoutGil([&] { return c.Lookup(model, key_s, r); }));
             nb::dict d;
             d["endpoint"] = l.endpoint;
             d["tier"] = l.tier;
@@ -546,7 +565,7 @@ void RegisterClient(nb::module_& m) {
             d["value_codec"] = std::string(ValueCodecName(l.value_codec));
             return d;
           },
-          nb::arg("model"), nb::arg("key"))
+          nb::arg("model"), nb::arg("key"), nb::arg("timeout") = nb::none())
       .def(
           "delete",
           [](Client& c, const std::string& model, nb::bytes key) {
@@ -596,33 +615,39 @@ void RegisterClient(nb::module_& m) {
           nb::arg("max_caches"))
       .def(
           "lookup_prefix",
-          [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys) {
+          [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys,
+             std::optional<double> timeout) {
             const std::vector<std::string> ks = KeyStrings(keys);
-            return Unwrap(WithoutGil([&] { return c.LookupPrefix(model, ks); }));
+            const client::ReadOptions r = Read(timeout);
+            return Unwrap(WithoutGil([&] { return c.LookupPrefix(model, ks, r); }));
           },
-          nb::arg("model"), nb::arg("keys"))
+          nb::arg("model"), nb::arg("keys"), nb::arg("timeout") = nb::none())
       .def(
           "get_chunk_bytes",
           [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys,
-             bool decoded) {
+             bool decoded, std::optional<double> timeout) {
             const std::vector<std::string> ks = KeyStrings(keys);
+            const client::ReadOptions ro = Read(timeout);
             absl::StatusOr<std::vector<std::string>> r =
-                WithoutGil([&] { return c.GetChunkBytes(model, ks, decoded); });
+                WithoutGil([&] { return c.GetChunkBytes(model, ks, decoded, ro); });
             nb::list out;
             for (const std::string& b : Unwrap(std::move(r))) {
               out.append(nb::bytes(b.data(), b.size()));
             }
             return out;
           },
-          nb::arg("model"), nb::arg("keys"), nb::arg("decoded") = false)
+          nb::arg("model"), nb::arg("keys"), nb::arg("decoded") = false,
+          nb::arg("timeout") = nb::none())
       .def(
           "get_chunks",
           [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys,
-             bool decoded) {
+             bool decoded, std::optional<double> timeout) {
             const std::vector<std::string> ks = KeyStrings(keys);
-            return Unwrap(WithoutGil([&] { return c.GetChunks(model, ks, decoded); }));
+            const client::ReadOptions r = Read(timeout);
+            return Unwrap(WithoutGil([&] { return c.GetChunks(model, ks, decoded, r); }));
           },
-          nb::arg("model"), nb::arg("keys"), nb::arg("decoded") = false)
+          nb::arg("model"), nb::arg("keys"), nb::arg("decoded") = false,
+          nb::arg("timeout") = nb::none())
       .def(
           "ranking",
           [](Client& c, const std::string& model, nb::bytes key) {

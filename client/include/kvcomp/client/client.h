@@ -82,7 +82,9 @@ struct ClientOptions {
   // a daemon that does not answer in time (stalled, overloaded) makes the call fail with
   // DeadlineExceeded instead of holding the caller. Default 1 s.
   absl::Duration lookup_timeout = absl::Seconds(1);
-  // Deadline of one GetChunks / GetChunkBytes call as a whole. Default 10 s.
+  // Deadline of one read as a whole: Get, GetBytes, GetDecoded, GetInto, Lookup (every endpoint
+  // of the key's ranking tried, retries and connecting included) and GetChunks /
+  // GetChunkBytes. Default 10 s. A call's ReadOptions::timeout replaces it (and lookup_timeout).
   absl::Duration get_timeout = absl::Seconds(10);
   // Attempts per endpoint for a request failing with Unavailable/DeadlineExceeded/Busy before
   // moving on, with exponential backoff from initial_backoff up to max_backoff. Defaults 2,
@@ -202,6 +204,15 @@ struct CalibrateResult {
   uint64_t caches_used = 0;
 };
 
+// Per call settings of a read (a get or a lookup).
+struct ReadOptions {
+  // The deadline of this call as a whole (every endpoint tried, retries and connecting
+  // included): when no daemon has answered by then (stalled, overloaded, unreachable), the call
+  // fails with DeadlineExceeded. Zero: the client's (ClientOptions::lookup_timeout for
+  // LookupPrefix, get_timeout for the others). Otherwise in [1 ms, 24 h] (InvalidArgument).
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
 struct PutOptions {
   // The policy; empty: the tenant's default on the daemon.
   std::optional<CompressionPolicy> policy;
@@ -285,22 +296,26 @@ class Client {
       uint64_t num_tokens, const PutOptions& options = {}) = 0;
 
   // The compressed cache as stored (parsed and validated).
-  virtual absl::StatusOr<CompressedCache> Get(absl::string_view model_id,
-                                              absl::string_view key) = 0;
+  // Reads end within their deadline (ReadOptions::timeout, else ClientOptions::get_timeout).
+  virtual absl::StatusOr<CompressedCache> Get(absl::string_view model_id, absl::string_view key,
+                                              const ReadOptions& read = {}) = 0;
   // The encoded bytes as stored (docs/format.md), unparsed.
   virtual absl::StatusOr<std::string> GetBytes(absl::string_view model_id,
-                                               absl::string_view key) = 0;
+                                               absl::string_view key,
+                                               const ReadOptions& read = {}) = 0;
   // The kept tokens decoded by the daemon to the input dtype (raw codecs), parsed.
   virtual absl::StatusOr<CompressedCache> GetDecoded(absl::string_view model_id,
-                                                     absl::string_view key) = 0;
+                                                     absl::string_view key,
+                                                     const ReadOptions& read = {}) = 0;
   // The encoded bytes into caller memory `dst` of `capacity` bytes (host memory, or CUDA
   // device memory when `device` is set and UCX is CUDA-aware; otherwise Unimplemented).
   // Returns the bytes written; OutOfRange when the cache is larger.
   virtual absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
-                                         void* dst, size_t capacity, bool device = false) = 0;
+                                         void* dst, size_t capacity, bool device = false,
+                                         const ReadOptions& read = {}) = 0;
 
-  virtual absl::StatusOr<LookupResult> Lookup(absl::string_view model_id,
-                                              absl::string_view key) = 0;
+  virtual absl::StatusOr<LookupResult> Lookup(absl::string_view model_id, absl::string_view key,
+                                              const ReadOptions& read = {}) = 0;
   // Deletes every copy. NotFound when no endpoint had it.
   virtual absl::Status Delete(absl::string_view model_id, absl::string_view key) = 0;
   // Per endpoint statistics (Thrift control calls; endpoints without a control address report
@@ -324,20 +339,24 @@ class Client {
   // InvalidArgument for an invalid key; the daemons' errors (Unauthenticated...) otherwise.
   // When no endpoint answers at all (every one down, stalled past the deadline, or not a
   // kvcompd control port), the call fails with that error instead of reporting a miss.
-  // LookupPrefix returns within ClientOptions::lookup_timeout, GetChunks within get_timeout.
+  // LookupPrefix returns within ClientOptions::lookup_timeout, GetChunks within get_timeout,
+  // or either within the call's ReadOptions::timeout when given.
   //
   // How many leading `keys` of `model_id` this tenant has stored (0 for an empty list).
   virtual absl::StatusOr<size_t> LookupPrefix(absl::string_view model_id,
-                                              const std::vector<std::string>& keys) = 0;
+                                              const std::vector<std::string>& keys,
+                                              const ReadOptions& read = {}) = 0;
   // The caches of the leading `keys` stored, in key order (as many as LookupPrefix would count,
   // fewer if one goes missing meanwhile): the stored bytes, parsed, or with `decoded` the kept
   // tokens decoded by the daemons to the input dtype (as GetDecoded). Chunks compose: their
   // token ranges follow each other and the moments of a run are the sum of its chunks'.
   virtual absl::StatusOr<std::vector<CompressedCache>> GetChunks(
-      absl::string_view model_id, const std::vector<std::string>& keys, bool decoded = false) = 0;
+      absl::string_view model_id, const std::vector<std::string>& keys, bool decoded = false,
+      const ReadOptions& read = {}) = 0;
   // As GetChunks, unparsed (docs/format.md).
   virtual absl::StatusOr<std::vector<std::string>> GetChunkBytes(
-      absl::string_view model_id, const std::vector<std::string>& keys, bool decoded = false) = 0;
+      absl::string_view model_id, const std::vector<std::string>& keys, bool decoded = false,
+      const ReadOptions& read = {}) = 0;
 
   // --- Device memory (docs/protocol.md, "GPU channel") ---
   // A put from CUDA device memory. `stream` is the caller's cudaStream_t (null: the legacy

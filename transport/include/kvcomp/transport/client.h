@@ -125,19 +125,24 @@ class UcxClient {
   // Abandons a put (the server forgets its blocks).
   virtual absl::Status PutAbort(uint64_t put_id) = 0;
 
+  // Gets and lookups end by `deadline` when it comes before request_timeout does (the
+  // caller's deadline for a whole call): DeadlineExceeded then, as for the request timeout.
+  //
   // Fetches a cache into a new host buffer. NotFound when absent.
-  virtual absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
-                                           wire::Representation representation =
-                                               wire::Representation::kStored) = 0;
+  virtual absl::StatusOr<FetchedCache> Get(
+      absl::string_view model_id, absl::string_view key,
+      wire::Representation representation = wire::Representation::kStored,
+      absl::Time deadline = absl::InfiniteFuture()) = 0;
   // Fetches into caller memory of `capacity` bytes; returns the bytes written. OutOfRange
   // (nothing written) when the cache is larger than `capacity`.
   virtual absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
                                          wire::Representation representation, void* dst,
-                                         size_t capacity,
-                                         MemoryType memory = MemoryType::kHost) = 0;
+                                         size_t capacity, MemoryType memory = MemoryType::kHost,
+                                         absl::Time deadline = absl::InfiniteFuture()) = 0;
 
-  virtual absl::StatusOr<wire::CacheSummary> Lookup(absl::string_view model_id,
-                                                    absl::string_view key) = 0;
+  virtual absl::StatusOr<wire::CacheSummary> Lookup(
+      absl::string_view model_id, absl::string_view key,
+      absl::Time deadline = absl::InfiniteFuture()) = 0;
   virtual absl::Status Delete(absl::string_view model_id, absl::string_view key) = 0;
   // Round trip to the server (keep-alive, health).
   virtual absl::Status Ping() = 0;
