@@ -21,6 +21,11 @@ Codecs (spec strings):
                         sequence (c: per head, fp16 mean and scale per channel; the per-channel
                         key outliers), randomized Hadamard rotation, asymmetric int-b per token
                         in groups of G (default d) with fp16 scale and minimum
+  kvhq{b}               kvcomp's engine codec hq{b} (codecs/src/hq.cc, docs/format.md "The
+                        Hadamard codec"), operation for operation: the fixed signs, the
+                        unnormalized butterfly transform, f16 minimum rounded down and step
+                        rounded up, round-half-even codes; its codes are bit-identical to the
+                        engine's (tests/python/test_hq_mirror.py checks it against kvcomp)
 """
 
 from __future__ import annotations
@@ -99,6 +104,88 @@ def lloyd_max(bits: int):
     return c
 
 
+HQ_SIGNS = (0x9e3779b97f4a7c15, 0xbf58476d1ce4e5b9, 0x94d049bb133111eb, 0x2545f4914f6cdd1d)
+
+
+def hq_signs(d, device=None):
+    s = [-1.0 if (HQ_SIGNS[(i >> 6) & 3] >> (i & 63)) & 1 else 1.0 for i in range(d)]
+    return torch.tensor(s, dtype=torch.float32, device=device)
+
+
+def hq_fwht(u):
+    """The engine's unnormalized Walsh-Hadamard transform along the last dim (f32, the same
+    butterflies in the same order: stage h pairs j and j + h within blocks of 2h)."""
+    shp = u.shape
+    d = shp[-1]
+    h = 1
+    while h < d:
+        v = u.reshape(*shp[:-1], d // (2 * h), 2, h)
+        a, b = v[..., 0, :], v[..., 1, :]
+        u = torch.stack([a + b, a - b], dim=-2).reshape(shp)
+        h *= 2
+    return u
+
+
+def _half_bits_step(h, up):
+    """The next f16 up (or down) in value order of f16 tensor h, through its bits."""
+    b = h.view(torch.int16).to(torch.int32) & 0xFFFF
+    zero = (b & 0x7FFF) == 0
+    neg = (b & 0x8000) != 0
+    if up:
+        nb = torch.where(zero, torch.full_like(b, 0x0001), torch.where(neg, b - 1, b + 1))
+    else:
+        nb = torch.where(zero, torch.full_like(b, 0x8001), torch.where(neg, b + 1, b - 1))
+    nb = torch.where(nb >= 0x8000, nb - 0x10000, nb).to(torch.int16)
+    return nb.view(torch.float16)
+
+
+def _half_at_most(v):
+    h = v.half()
+    return torch.where(h.float() > v, _half_bits_step(h, False), h)
+
+
+def _half_at_least(v):
+    h = v.half()
+    return torch.where(h.float() < v, _half_bits_step(h, True), h)
+
+
+def hq_engine_encode(X, bits):
+    """X [..., d] f32 -> (codes int64 [..., d], lo f16 [...], step f16 [...])."""
+    d = X.shape[-1]
+    c = torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32, device=X.device)
+    y = hq_fwht(X.float() * hq_signs(d, X.device)) * c
+    mn, mx = y.amin(-1), y.amax(-1)
+    if not bool(torch.isfinite(y).all()) or float(mn.min()) < -65504 or float(mx.max()) > 65504:
+        raise ValueError("hq: non-finite row or outside the f16 range")
+    lo = _half_at_most(mn)
+    lof = lo.float()
+    qmax = float(2 ** bits - 1)
+    s = (mx - lof) / torch.tensor(qmax, dtype=torch.float32, device=X.device)
+    step = torch.where(s > 0, _half_at_least(s), torch.zeros_like(s).half())
+    stf = step.float()
+    t = torch.round((y - lof[..., None]) / torch.where(stf > 0, stf, torch.ones_like(stf))[..., None])
+    q = torch.where(stf[..., None] > 0, t.clamp(0, qmax), torch.zeros_like(t)).to(torch.int64)
+    return q, lo, step
+
+
+def hq_engine_decode(q, lo, step):
+    d = q.shape[-1]
+    c = torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32, device=q.device)
+    # fma(q, step, lo): the f64 product and sum are exact here, so one rounding to f32
+    y = (q.double() * step.double()[..., None] + lo.double()[..., None]).float()
+    return hq_signs(d, q.device) * (hq_fwht(y) * c)
+
+
+def hq_engine_records(q, lo, step, bits):
+    """The engine's row records (bytes) of codes q [rows, d]: lo, step (u16 LE), packed codes."""
+    qn = q.cpu().numpy().astype(np.uint8)
+    rows, d = qn.shape
+    bitsarr = np.unpackbits(qn[..., None], axis=-1, bitorder="little")[..., :bits]
+    packed = np.packbits(bitsarr.reshape(rows, d * bits), axis=-1, bitorder="little")
+    head = np.stack([lo.cpu().numpy().view(np.uint16), step.cpu().numpy().view(np.uint16)], -1)
+    return np.concatenate([head.astype("<u2").view(np.uint8).reshape(rows, 4), packed], axis=1)
+
+
 def encode(spec: str, X: torch.Tensor, is_key: bool):
     L, H, N, d = X.shape
     elts = X.numel()
@@ -135,6 +222,12 @@ def encode(spec: str, X: torch.Tensor, is_key: bool):
         y = (c[q] / math.sqrt(d)) @ Hm * _f16(nrm)
         nv = elts // d
         return y, elts * b / 8 + 2 * nv, _entropy_bits(q) / 8 + 2 * nv
+    if spec.startswith("kvhq"):
+        b = int(spec[4:])
+        q, lo, step = hq_engine_encode(X, b)
+        y = hq_engine_decode(q, lo, step)
+        rows = elts // d
+        return y, elts * b / 8 + 4 * rows, _entropy_bits(q) / 8 + 4 * rows
     if spec.startswith("hq"):
         rest = spec[2:]
         g = d

@@ -65,7 +65,38 @@ CONFIGS = {
     "manifold_r50 0.75 + hq k4v3": ("hq4", "hq3", "manifold_r50", 0.75),
     "streaming 0.5 + hq k4v3": ("hq4", "hq3", "streaming", 0.5),
     "keydiff 0.5 + hq k4v3": ("hq4", "hq3", "keydiff", 0.5),
+    # kvcomp's engine codecs hq4 / hq3 (codecs_ref "kvhq": the engine's arithmetic, bit-identical)
+    "kvhq k4v4": ("kvhq4", "kvhq4", None, 0.0),
+    "kvhq k4v3": ("kvhq4", "kvhq3", None, 0.0),
+    "kvhq k3v3": ("kvhq3", "kvhq3", None, 0.0),
+    "kvhq k3v4": ("kvhq3", "kvhq4", None, 0.0),
+    "manifold_r50 0.5 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r50", 0.5),
+    "manifold_r50 0.5 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r50", 0.5),
+    "manifold_r50 0.67 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r50", 0.67),
+    "manifold_r50 0.75 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r50", 0.75),
+    # single scorers against the default policy (manifold, no recent window) at 0.5 and 0.75
+    "manifold 0.5": ("bf16", "bf16", "manifold", 0.5),
+    "manifold 0.75": ("bf16", "bf16", "manifold", 0.75),
+    "manifold_r50 0.75": ("bf16", "bf16", "manifold_r50", 0.75),
+    "knorm 0.5": ("bf16", "bf16", "knorm", 0.5),
+    "knorm 0.75": ("bf16", "bf16", "knorm", 0.75),
+    "keydiff 0.5": ("bf16", "bf16", "keydiff", 0.5),
+    "keydiff 0.75": ("bf16", "bf16", "keydiff", 0.75),
+    "streaming 0.5": ("bf16", "bf16", "streaming", 0.5),
+    "streaming 0.75": ("bf16", "bf16", "streaming", 0.75),
 }
+
+# What a run measures unless --configs says otherwise: the peers, the engine's hq codecs, eviction
+# plus codec, and the single scorers at 0.5 / 0.75 (the float "hq" references of earlier runs
+# stay available by name).
+DEFAULT_CONFIGS = [
+    "full", "fp8 (LMCache fp8)", "kivi4", "kivi2", "tq k8v4", "tq k4v4", "tq k4v3", "tq k4v2",
+    "tq k3v2", "kvhq k4v4", "kvhq k4v3", "kvhq k3v3", "kvhq k3v4",
+    "manifold_r50 0.5", "manifold_r50 0.5 + kvhq k4v3", "manifold_r50 0.5 + kvhq k3v3",
+    "manifold_r50 0.67 + kvhq k4v3", "manifold_r50 0.75 + kvhq k4v3",
+    "manifold 0.5", "manifold 0.75", "manifold_r50 0.75", "knorm 0.5", "knorm 0.75",
+    "keydiff 0.5", "keydiff 0.75", "streaming 0.5", "streaming 0.75",
+]
 
 
 def git_commit():
@@ -202,6 +233,8 @@ def main():
                     "before")
     ap.add_argument("--pool", nargs="+", metavar="JSON", help="only write the pooled table of "
                     "several models' JSONs to --out.md")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="only merge one model's JSONs "
+                    "of different lengths into --out .json/.md")
     ap.add_argument("--model")
     ap.add_argument("--corpus")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
@@ -220,6 +253,18 @@ def main():
     if args.pool:
         write_pool(args.out + ".md", args.pool)
         return
+    if args.merge:  # one model's lengths, run as separate processes, into one result
+        res = [json.load(open(p)) for p in args.merge]
+        out = res[0]
+        for r in res[1:]:
+            out["per_length"].update(r["per_length"])
+            out["kv_stats"].update(r["kv_stats"])
+            out["meta"]["lengths"] = out["meta"]["lengths"] + r["meta"]["lengths"]
+            out["meta"]["seconds"] = max(out["meta"]["seconds"], r["meta"]["seconds"])
+        with open(args.out + ".json", "w") as f:
+            json.dump(out, f)
+        write_md(args.out + ".md", out)
+        return
     from transformers import AutoModelForCausalLM
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -230,7 +275,7 @@ def main():
     en = np.frombuffer(parts["held_en.bin"], np.uint8)
     code = np.frombuffer(parts["held_code.bin"], np.uint8)
     words = ruler.word_list(en)
-    cfgs = args.configs or list(CONFIGS)
+    cfgs = args.configs or DEFAULT_CONFIGS
     t0 = time.time()
     per_len = {}
     stats = {}

@@ -246,6 +246,8 @@ def main():
     ap.add_argument("--text-mb", type=float, default=400)
     ap.add_argument("--checkpoint-seconds", type=float, default=90)
     ap.add_argument("--eval-n", type=int, default=100)
+    ap.add_argument("--eval-lengths", type=int, nargs="+", default=None,
+                    help="context lengths of the final evaluation (default 4096 and --seq-len)")
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arch", default="small", choices=["small"] + sorted(ARCHS))
@@ -257,6 +259,10 @@ def main():
                     help="train the first --short-frac of the time at this length")
     ap.add_argument("--short-frac", type=float, default=0.7)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--init-from", default=None,
+                    help="a model directory (pack_weights.py unpack) whose weights start this run "
+                         "(fresh optimizer, warmup and schedule): continuing a model whose "
+                         "trainer state did not travel")
     ap.add_argument("--heldout-dir", default=None,
                     help="directory of the held-out .py files (default: this interpreter's "
                          "standard library)")
@@ -299,6 +305,14 @@ def main():
     model = LlamaForCausalLM(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {args.arch}: {n_params} parameters, device {device}, torch {torch.__version__}")
+    init_info = None
+    if args.init_from:
+        src = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        missing = model.load_state_dict(src.state_dict(), strict=True)
+        del src
+        prev = os.path.join(args.init_from, "train_log.json")
+        init_info = json.load(open(prev)) if os.path.exists(prev) else None
+        log(f"initialised from {args.init_from} ({missing})")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=device.type == "cuda")
     rng = np.random.default_rng(args.seed)
@@ -367,8 +381,14 @@ def main():
             "short_frac": args.short_frac, "batch": args.batch, "lr": args.lr,
             "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "history": hist}
+    if args.init_from:
+        info["init_from"] = args.init_from
+        if init_info:  # the earlier runs this one continues
+            info["earlier_runs"] = init_info.get("earlier_runs", []) + [
+                {k: init_info.get(k) for k in ("steps", "tokens", "train_seconds", "device",
+                                                "lr", "eval")}]
     if args.corpus:
-        ev = evaluate_mixed(model, mx_held, sorted({4096, args.seq_len}), device,
+        ev = evaluate_mixed(model, mx_held, args.eval_lengths or sorted({4096, args.seq_len}), device,
                             n_task=args.eval_n)
         info.update({"en_frac": args.en_frac, "task_frac": args.task_frac,
                      "corpus": manifest, "eval": ev})
