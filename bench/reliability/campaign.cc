@@ -148,6 +148,30 @@ uint64_t RssKiB(int pid) {
   return 0;
 }
 
+// The 1-minute load average.
+std::string LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  std::string one;
+  in >> one;
+  return one;
+}
+
+// CPU seconds (user + system, every thread) the process has used so far.
+double CpuSeconds(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(stat.substr(close + 2));
+  std::string field;
+  unsigned long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
+    if (i == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
 void Report(const Flags& f, const std::string& text) {
   std::fputs(text.c_str(), stdout);
   std::fflush(stdout);
@@ -916,13 +940,17 @@ int Restart(const Flags& f) {
     const auto r0 = Clock::now();
     const bool up = d.Start(600);
     const double restart_s = Ms(Clock::now() - r0) / 1000;
+    // What the start cost the daemon, whatever else the machine runs (the wall time above
+    // grows with the load average).
+    const double restart_cpu_s = up ? CpuSeconds(d.ports().pid) : 0;
     errors += failed.load() + (up ? 0 : 1);
     s << "- " << (sig == SIGTERM ? "SIGTERM" : "SIGKILL") << " after a burst of " << put.load()
       << " caches of " << cache_bytes / 1024 << " KiB (" << (put.load() * cache_bytes >> 20)
       << " MiB, " << failed.load() << " failed) in " << burst_s << " s: write-ahead log "
       << (wal_before >> 20) << " MiB before the signal, " << (wal_left >> 20)
       << " MiB left after the process ended (stop took " << stop_s << " s); restart to ready "
-      << restart_s << " s" << (up ? "" : " (DID NOT START)") << "\n";
+      << restart_s << " s (" << restart_cpu_s << " s of CPU); load average "
+      << LoadAverage() << (up ? "" : " (DID NOT START)") << "\n";
     if (!up) break;
   }
   d.Kill(SIGTERM);

@@ -371,6 +371,15 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   // (meta, calibration) would keep the payloads' logs for gigabytes. Past this size RocksDB
   // flushes the families that hold the oldest log, which bounds what a crash leaves to replay.
   db_options.max_total_wal_size = o.max_wal_bytes;
+  // Every flush takes all the families together, so the small ones (meta, direct) never keep a
+  // log alive after the payload family's memtable that shares it is flushed: what a crash leaves
+  // to replay is about one payload memtable, not max_wal_bytes.
+  db_options.atomic_flush = true;
+  // A restart after a crash replays the log into memtables and leaves them there (the log files
+  // stay until a later flush retires them, so nothing acknowledged depends on the open's own
+  // writes) instead of writing them out as table and blob files before the open returns: the
+  // time to ready is the log's read, not a flush and sync of its bytes.
+  db_options.avoid_flush_during_recovery = true;
   // Space is admitted against statvfs; preallocated (fallocate'd) WAL and table files would make
   // the measured free space lie, and fail outright on a small volume.
   db_options.allow_fallocate = false;
@@ -411,6 +420,12 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   payload.min_blob_size = o.min_blob_size;
   payload.blob_compression_type = rocksdb::kNoCompression;
   payload.enable_blob_garbage_collection = true;
+  // While the log is replayed the payload family's memtable may have to hold all the log holds
+  // (up to max_wal_bytes): one that fills during the replay is flushed inside Open, and then
+  // every family is. Opened with room for the whole log; the configured size is set once the
+  // database is open, and the first write after it flushes what was replayed. (The other
+  // families' records are small next to their memtables.)
+  if (!read_only) payload.write_buffer_size = o.write_buffer_bytes + o.max_wal_bytes;
 
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
       {rocksdb::kDefaultColumnFamilyName, base},
@@ -442,6 +457,11 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   db->calibration = db->handles[3];
   db->quarantine = db->handles[4];
   if (with_direct) db->direct = db->handles[5];
+  if (!read_only) {
+    s = db->db->SetOptions(db->payload,
+                           {{"write_buffer_size", std::to_string(o.write_buffer_bytes)}});
+    if (!s.ok()) return FromRocksDb(s, "rocksdb tier: set the write buffer size after open");
+  }
   return db;
 }
 

@@ -7,10 +7,12 @@
 // the authentication deadline whatever they send, one tenant holds at most its share of
 // connections, and /readyz says when the control plane is full. Policy updates are small
 // durable records, bounded in number and rate per tenant. A clean shutdown after a write burst
-// leaves no write-ahead log to replay. Under a hard descriptor limit one tenant's data-plane
-// connections cannot take the descriptors another tenant's need. A zero-length Thrift frame
-// closes its connection at once. Received block memory follows the buffer budget. A key the fp16
-// key codec would turn into Inf refuses the put.
+// leaves no write-ahead log to replay; a SIGKILL after one leaves a log that the restart replays
+// without writing it out, and every acknowledged cache is served byte for byte after it. Under
+// a hard descriptor limit one tenant's data-plane connections cannot take the descriptors
+// another tenant's need. A zero-length Thrift frame closes its connection at once. Received
+// block memory follows the buffer budget. A key the fp16 key codec would turn into Inf refuses
+// the put.
 #include <errno.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -36,6 +38,7 @@
 #include "absl/time/clock.h"
 #include "block_put.h"
 #include "daemon_fixture.h"
+#include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/rpc/KvcompControl.h"
@@ -578,6 +581,73 @@ TEST_F(ControlBoundsTest, SigtermAfterAWriteBurstLeavesNoLogToReplay) {
   ASSERT_NE(again, nullptr);
   auto got = again->Get("m", "burst" + std::to_string(kBurst - 1));
   EXPECT_TRUE(got.ok()) << got.status();
+}
+
+// The RocksDB info log's lines since its last open (the file starts again at every open).
+std::string RocksDbLog(const std::string& dir) {
+  std::ifstream in(dir + "/LOG");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST_F(ControlBoundsTest, SigkillAfterAWriteBurstReplaysTheLogWithoutAFlushAndKeepsEveryPut) {
+  auto d = StartDaemon({"--storage.put_tier=rocksdb"});
+  const std::string rocksdb = dir_.path() + "/data/rocksdb";
+  // Every acknowledged cache's size and CRC32C as served before any kill.
+  std::vector<std::pair<uint64_t, uint32_t>> served;
+  auto burst = [&](int first, int count) {
+    auto c = Connect(*d);
+    ASSERT_NE(c, nullptr);
+    for (int i = first; i < first + count; ++i) {
+      wire::PutBegin begin = MakePutBegin(kLayout, 2048, "m", "crash" + std::to_string(i));
+      begin.has_policy = true;
+      begin.policy.ratio = 0;
+      begin.policy.moments = false;
+      auto stored = PutRandomF16(*c, begin, 500 + i);
+      ASSERT_TRUE(stored.ok()) << i << ": " << stored.status();
+      auto got = c->Get("m", "crash" + std::to_string(i));
+      ASSERT_TRUE(got.ok()) << got.status();
+      served.emplace_back(got->bytes.size(), Crc32c(got->bytes.data(), got->bytes.size()));
+    }
+  };
+  auto all_served_as_before = [&](const char* when) {
+    auto c = Connect(*d);
+    ASSERT_NE(c, nullptr) << when;
+    for (size_t i = 0; i < served.size(); ++i) {
+      auto got = c->Get("m", "crash" + std::to_string(i));
+      ASSERT_TRUE(got.ok()) << when << ", cache " << i << ": " << got.status();
+      EXPECT_EQ(got->bytes.size(), served[i].first) << when << ", cache " << i;
+      EXPECT_EQ(Crc32c(got->bytes.data(), got->bytes.size()), served[i].second)
+          << when << ", cache " << i;
+    }
+  };
+  // 54 lossless 2 MiB caches through the synced log (below the tier's direct_min_bytes): more
+  // than one 64 MiB memtable, so the log holds what the last flush left.
+  ASSERT_NO_FATAL_FAILURE(burst(0, 54));
+  const uint64_t wal = WalBytes(rocksdb);
+  EXPECT_GT(wal, 16 * kMiB) << "the burst did not reach the log";
+  d->Kill(SIGKILL);
+  ASSERT_TRUE(d->Start()) << d->Log();
+  // The open replayed the log into memtables and wrote no table or blob file for it.
+  const std::string log = RocksDbLog(rocksdb);
+  EXPECT_TRUE(absl::StrContains(log, "Recovering log")) << "nothing replayed";
+  EXPECT_FALSE(absl::StrContains(log, "WriteLevel0TableForRecovery")) << log;
+  EXPECT_GE(WalBytes(rocksdb), wal) << "the replayed log was dropped before a flush";
+  ASSERT_NO_FATAL_FAILURE(all_served_as_before("after the first SIGKILL"));
+  // Killed again before any write: the kept log is replayed again.
+  d->Kill(SIGKILL);
+  ASSERT_TRUE(d->Start()) << d->Log();
+  ASSERT_NO_FATAL_FAILURE(all_served_as_before("after a second SIGKILL with no write between"));
+  // Writes after such an open flush what was replayed; killed again, nothing is lost.
+  ASSERT_NO_FATAL_FAILURE(burst(54, 24));
+  d->Kill(SIGKILL);
+  ASSERT_TRUE(d->Start()) << d->Log();
+  ASSERT_NO_FATAL_FAILURE(all_served_as_before("after writes and a third SIGKILL"));
+  // A clean stop still leaves no log.
+  const int status = d->Kill(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << d->Log();
+  EXPECT_LT(WalBytes(rocksdb), kMiB) << "a clean shutdown left the log to replay";
 }
 
 }  // namespace
