@@ -545,6 +545,7 @@ class DaemonImpl : public Daemon {
       Sweep();
     }
     ControlPlaneTick();
+    StoreDamageTick();
     if (options_.auth.reload_interval_seconds <= 0) return;
     if (now - last_token_check_ < absl::Seconds(options_.auth.reload_interval_seconds)) return;
     last_token_check_ = now;
@@ -573,6 +574,9 @@ class DaemonImpl : public Daemon {
   // Closes idle control connections, releases a dead Thrift server's connections, and
   // publishes the connection gauges.
   void ControlPlaneTick();
+  // Logs damage the store met since the last tick (caches quarantined, RocksDB background work
+  // that failed on damaged data, repair passes) and raises the store's damage counters.
+  void StoreDamageTick();
   // Why the control plane stopped serving ("" while it serves).
   std::string ControlPlaneFailure() const;
   void RefreshGauges();
@@ -618,6 +622,10 @@ class DaemonImpl : public Daemon {
   absl::Time last_token_check_ = absl::Now();
   absl::Time last_sweep_ = absl::Now();
   absl::Time last_totals_ = absl::InfinitePast();
+  struct DamageTotals {
+    uint64_t quarantined = 0, corruptions = 0, repairs = 0;
+  };
+  DamageTotals logged_damage_;  // what StoreDamageTick has logged (Tick's thread only)
   bool shut_down_ = false;
   absl::Status start_failure_;  // why Init failed, else OK
 };
@@ -661,6 +669,12 @@ absl::Status DaemonImpl::Init(const Options& options) {
         rocks.read_only_reason, "): its ", st.recovered, " cache(s) are served; puts that need ",
         "the disk are refused (RESOURCE_EXHAUSTED) and resume by themselves once space returns");
   }
+  if (st.quarantined > 0) {
+    Log(LogLevel::kWarning, "storage: ", st.quarantined,
+        " damaged cache(s) quarantined at start (never served; kvcomp_store_quarantined_total), "
+        "the latest ", st.last_quarantined);
+  }
+  logged_damage_ = {st.quarantined, st.background_corruptions, st.damage_repairs};
   if (st.unverified > 0) {
     Log(LogLevel::kInfo, "storage: checking the payloads of ", st.unverified,
         " recovered cache(s) in the background; a damaged one is quarantined, never served");
@@ -912,6 +926,30 @@ void DaemonImpl::ControlPlaneTick() {
   }
 }
 
+void DaemonImpl::StoreDamageTick() {
+  if (store_ == nullptr || metrics_ == nullptr) return;
+  const storage::StoreStats st = store_->Stats();
+  metrics_->AdvanceStoreDamage(st.quarantined, st.background_corruptions, st.damage_repairs);
+  DamageTotals& logged = logged_damage_;
+  if (st.quarantined > logged.quarantined) {
+    Log(LogLevel::kWarning, "storage: ", st.quarantined - logged.quarantined,
+        " damaged cache(s) quarantined (never served; ", st.quarantined,
+        " since start), the latest ", st.last_quarantined);
+    logged.quarantined = st.quarantined;
+  }
+  if (st.background_corruptions > logged.corruptions) {
+    Log(LogLevel::kWarning, "storage: RocksDB met damaged data in background work ",
+        st.background_corruptions - logged.corruptions, " time(s) (",
+        st.background_corruptions, " since start); writes go on, a repair pass follows");
+    logged.corruptions = st.background_corruptions;
+  }
+  if (st.damage_repairs > logged.repairs) {
+    Log(LogLevel::kWarning, "storage: repair pass ", st.damage_repairs, ": ",
+        st.last_damage_repair);
+    logged.repairs = st.damage_repairs;
+  }
+}
+
 void DaemonImpl::Sweep() {
   const uint64_t expired = store_->ExpireNow();
   auto collected = projections_->Collect();
@@ -990,6 +1028,7 @@ void DaemonImpl::RefreshGauges() {
     metrics_->SetDisk(rocksdb.read_only, rocksdb.disk_free_bytes,
                       options_.storage.rocksdb_reserve_bytes);
   }
+  metrics_->AdvanceStoreDamage(st.quarantined, st.background_corruptions, st.damage_repairs);
   metrics_->SetQueueDepth(static_cast<int64_t>(service_->queue_depth()));
   if (control_ != nullptr) {
     metrics_->SetControlConnections(thrift_dead_.load() ? 0

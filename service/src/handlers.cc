@@ -244,9 +244,22 @@ std::vector<storage::QuarantinedCache> ControlHandler::QuarantinedOf(
   return out;
 }
 
-void ControlHandler::ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth) {
+void ControlHandler::ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth,
+                                     const std::string& cursor, int32_t limit) {
   KVCOMP_CONTROL_AUTH(tenant, out);
+  // A page of entries, like List's: the reply is bounded by `max` entries of a key (CacheKey's
+  // bounds; an open-mode entry's raw store key as RocksDB holds it, for PurgeQuarantined) and a
+  // reason of at most kMaxReasonBytes.
+  constexpr size_t kMaxReasonBytes = 1024;
+  const size_t max = limit <= 0 ? 1000 : static_cast<size_t>(std::min(limit, 10000));
+  bool more = false;
   for (const storage::QuarantinedCache& q : QuarantinedOf(tenant)) {
+    if (!cursor.empty() && q.encoded_key <= cursor) continue;
+    if (out.entries.size() == max) {
+      more = true;
+      break;
+    }
+    out.next_cursor = q.encoded_key;
     rpc::QuarantinedEntry e;
     auto key = CacheKey::Decode(q.encoded_key);
     if (key.ok()) {
@@ -255,9 +268,14 @@ void ControlHandler::ListQuarantined(rpc::ListQuarantinedResponse& out, const rp
     } else {
       e.key = q.encoded_key;
     }
-    e.reason = q.reason;
+    size_t n = std::min(q.reason.size(), kMaxReasonBytes);
+    while (n > 0 && n < q.reason.size() && (static_cast<uint8_t>(q.reason[n]) & 0xC0) == 0x80) {
+      --n;  // not inside a UTF-8 sequence
+    }
+    e.reason = q.reason.substr(0, n);
     out.entries.push_back(std::move(e));
   }
+  if (!more) out.next_cursor.clear();
 }
 
 void ControlHandler::PurgeQuarantined(rpc::PurgeQuarantinedResponse& out, const rpc::Auth& auth,

@@ -93,7 +93,8 @@ class ControlHandler : public rpc::KvcompControlIf {
   void Calibrate(rpc::CalibrateResponse& out, const rpc::Auth& auth,
                  const rpc::CalibrateRequest& request) override;
   void ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& auth) override;
-  void ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth) override;
+  void ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth,
+                       const std::string& cursor, int32_t limit) override;
   void PurgeQuarantined(rpc::PurgeQuarantinedResponse& out, const rpc::Auth& auth,
                         const rpc::CacheRef& ref, bool all) override;
   void LookupPrefix(rpc::LookupPrefixResponse& out, const rpc::Auth& auth,

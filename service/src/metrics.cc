@@ -130,6 +130,9 @@ struct Metrics::Impl {
   prometheus::Gauge* store_read_only;
   prometheus::Gauge* disk_free;
   prometheus::Gauge* disk_reserve;
+  prometheus::Counter* store_quarantined = nullptr;
+  prometheus::Counter* store_corruptions = nullptr;
+  prometheus::Counter* store_repairs = nullptr;
 
   absl::Mutex mu;
   std::function<void()> scrape_hook ABSL_GUARDED_BY(mu);
@@ -237,6 +240,14 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
                          "Free bytes a put must leave on the RocksDB tier's filesystem.");
   m.tier_evictions =
       tier_counter(mn::kTierEvictionsTotal, "Caches dropped for lack of room in each tier.");
+  m.store_quarantined = counter(
+      mn::kStoreQuarantinedTotal,
+      "Caches found damaged (checksum failed or unreadable) and quarantined, never served.");
+  m.store_corruptions = counter(
+      mn::kStoreCorruptionsTotal,
+      "RocksDB compactions that met damaged data; each starts a repair pass, writes go on.");
+  m.store_repairs = counter(mn::kStoreRepairsTotal,
+                            "Repair passes run after damaged data was met (every payload read).");
   prometheus::BuildGauge()
       .Name(mn::kBuildInfo)
       .Help("Always 1; labels say the version and the compression backend.")
@@ -357,6 +368,16 @@ void Metrics::SetDisk(bool read_only, uint64_t free_bytes, uint64_t reserve_byte
   impl_->store_read_only->Set(read_only ? 1 : 0);
   impl_->disk_free->Set(static_cast<double>(free_bytes));
   impl_->disk_reserve->Set(static_cast<double>(reserve_bytes));
+}
+
+void Metrics::AdvanceStoreDamage(uint64_t quarantined, uint64_t corruptions, uint64_t repairs) {
+  auto advance = [](prometheus::Counter* c, uint64_t total) {
+    const double now = c->Value();
+    if (static_cast<double>(total) > now) c->Increment(static_cast<double>(total) - now);
+  };
+  advance(impl_->store_quarantined, quarantined);
+  advance(impl_->store_corruptions, corruptions);
+  advance(impl_->store_repairs, repairs);
 }
 
 void Metrics::SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes) {

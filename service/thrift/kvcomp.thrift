@@ -198,6 +198,7 @@ struct QuarantinedEntry {
 struct ListQuarantinedResponse {
   1: Status status,
   2: list<QuarantinedEntry> entries,  // the calling tenant's, in store key order
+  3: binary next_cursor,              // pass it back for the next page; empty when done
 }
 
 struct PurgeQuarantinedResponse {
@@ -335,8 +336,9 @@ service KvcompControl {
   CalibrateResponse Calibrate(1: Auth auth, 2: CalibrateRequest request),
   ServerInfoResponse ServerInfo(1: Auth auth),
   // The calling tenant's quarantined caches (every entry in open single-tenant mode, including
-  // any whose stored key does not decode).
-  ListQuarantinedResponse ListQuarantined(1: Auth auth),
+  // any whose stored key does not decode), a page at a time: at most `limit` entries (<= 0:
+  // 1000; at most 10000) after `cursor` (empty: from the first), each reason cut at 1 KiB.
+  ListQuarantinedResponse ListQuarantined(1: Auth auth, 2: binary cursor, 3: i32 limit),
   // Removes quarantined entries for good (durably): the one named by `ref` (a key that does not
   // decode: model_id "" and the raw key from ListQuarantined), or with `all` every entry
   // ListQuarantined lists for the caller (`ref` ignored).

@@ -284,7 +284,6 @@ void RocksDbTier::RepairLoop() {
 void RocksDbTier::RepairPass() {
   std::shared_ptr<Db> db = this->db();
   if (db->read_only) return;
-  repairs_ += 1;
   struct Bad {
     std::string key, meta_bytes, reason;
     CacheMeta meta;
@@ -334,11 +333,18 @@ void RocksDbTier::RepairPass() {
   rocksdb::CompactRangeOptions cro;
   cro.exclusive_manual_compaction = false;
   if (s.ok()) s = db->db->CompactRange(cro, db->payload, nullptr, nullptr);
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(damage_->mu);
+    error = damage_->last_error;
+  }
   std::lock_guard<std::mutex> lock(repair_report_mu_);
-  last_repair_ = absl::StrCat("rocksdb tier: a compaction met damaged data (",
-                              damage_->last_error, "); ", checked, " payloads read, ",
-                              quarantined, " quarantined; compaction after the repair: ",
+  last_repair_ = absl::StrCat("rocksdb tier: a compaction met damaged data (", error, "); ",
+                              checked, " payloads read, ", quarantined,
+                              " quarantined; compaction after the repair: ",
                               s.ok() ? "OK" : s.ToString());
+  // Counted once the pass is done and reported: repairs() > n means last_repair() tells it.
+  repairs_ += 1;
 }
 
 std::shared_ptr<RocksDbTier::Db> RocksDbTier::db() const { return std::atomic_load(&db_); }

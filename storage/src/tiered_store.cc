@@ -16,6 +16,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/hash/hash.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cuda_memory.h"
@@ -35,6 +36,14 @@ constexpr int kKeyStripes = 1024;
 constexpr size_t kEvictBatch = 256;  // most keys one synced eviction write removes
 constexpr int kNoTier = -1;
 constexpr int kRocks = static_cast<int>(TierKind::kRocksDb);
+
+// "<key>: <reason>" for the log line of a quarantined cache (StoreStats::last_quarantined); a
+// key that does not decode is shown escaped, cut at 64 bytes.
+std::string DescribeQuarantined(absl::string_view ek, absl::string_view reason) {
+  auto key = CacheKey::Decode(ek);
+  return absl::StrCat(key.ok() ? key->DebugString() : absl::CHexEscape(ek.substr(0, 64)), ": ",
+                      reason);
+}
 
 // The index record of one cache. meta.tier is the fastest tier holding it; while unpinned the
 // entry sits in that tier's LRU map of its shard under `tick`.
@@ -245,6 +254,7 @@ class TieredStoreImpl final : public TieredStore {
   bool verified_ = true;  // guarded by verified_mu_: the background pass is done (or none)
   mutable SharedMutex quarantine_mu_;
   std::vector<QuarantinedCache> quarantine_ ABSL_GUARDED_BY(quarantine_mu_);
+  std::string last_quarantined_ ABSL_GUARDED_BY(quarantine_mu_);  // StoreStats::last_quarantined
   StripedCounts<std::string> tenant_bytes_;  // quota accounting (reserved before placement)
   TenantUsageTable usage_;                   // Usage(): entries in the index
   StripedCounts<ProjectionRef> projection_refs_;
@@ -362,6 +372,12 @@ absl::Status TieredStoreImpl::Init() {
   {
     WriterLock lock(&quarantine_mu_);
     quarantine_ = std::move(all);
+    if (!undecodable.empty()) {
+      last_quarantined_ = DescribeQuarantined(undecodable.back(), "key does not decode");
+    } else if (!quarantined.empty()) {
+      last_quarantined_ = DescribeQuarantined(quarantined.back().encoded_key,
+                                              quarantined.back().reason);
+    }
   }
   // Older caches are less recently used: LRU order after a restart follows creation time.
   std::stable_sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
@@ -1027,6 +1043,7 @@ bool TieredStoreImpl::QuarantineLocked(const std::string& ek, const CacheMeta& m
   {
     WriterLock qlock(&quarantine_mu_);
     quarantine_.push_back({ek, std::string(reason)});
+    last_quarantined_ = DescribeQuarantined(ek, reason);
   }
   return true;
 }
@@ -1334,6 +1351,10 @@ StoreStats TieredStoreImpl::Stats() const {
     out.behind_bytes = behind_bytes_;
   }
   out.behind_failed = behind_failed_;
+  {
+    ReaderLock lock(&quarantine_mu_);
+    out.last_quarantined = last_quarantined_;
+  }
   return out;
 }
 

@@ -100,7 +100,8 @@ class FuzzHandler : public rpc::KvcompControlIf {
   void ServerInfo(rpc::ServerInfoResponse& out, const rpc::Auth& auth) override {
     out.status = ToRpc(Auth(auth).status());
   }
-  void ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth) override {
+  void ListQuarantined(rpc::ListQuarantinedResponse& out, const rpc::Auth& auth,
+                       const std::string& /*cursor*/, int32_t /*limit*/) override {
     out.status = ToRpc(Auth(auth).status());
   }
   void PurgeQuarantined(rpc::PurgeQuarantinedResponse& out, const rpc::Auth& auth,

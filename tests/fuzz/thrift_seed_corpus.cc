@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
       [&](auto& c) { c.send_SetPolicy(auth, "", rpc::Policy()); },
       [&](auto& c) { c.send_Calibrate(auth, calibrate); },
       [&](auto& c) { c.send_ServerInfo(auth); },
-      [&](auto& c) { c.send_ListQuarantined(auth); },
+      [&](auto& c) { c.send_ListQuarantined(auth, "", 0); },
       [&](auto& c) { c.send_PurgeQuarantined(auth, ref, false); },
       [&](auto& c) { c.send_LookupPrefix(auth, "llama-3-8b", keys); },
       [&](auto& c) { c.send_GetChunks(auth, "llama-3-8b", keys, true, 1 << 20); },

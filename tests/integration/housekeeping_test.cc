@@ -2,7 +2,7 @@
 // the transport answers itself in kvcomp_errors_total, busy replies until the request timeout
 // surface as BusyError, projection versions deleted once no stored cache names them (and never
 // while one does), the stored-cache gauges over every tenant in the store, and the quarantine
-// on the control plane.
+// on the control plane (listed in pages, counted in kvcomp_store_quarantined_total, logged).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "block_put.h"
 #include "daemon_fixture.h"
 #include "kvcomp/core/crc32c.h"
@@ -475,7 +476,7 @@ TEST_F(HousekeepingTest, QuarantineIsListedAndPurgedPerTenantOverThrift) {
     ASSERT_TRUE(PutLowRank(*b, "m", "b-bad", 3).ok());
     ControlClient rpc(d->ports().control);
     rpc::ListQuarantinedResponse none;
-    rpc->ListQuarantined(none, alpha);
+    rpc->ListQuarantined(none, alpha, "", 0);
     EXPECT_EQ(none.status.code, rpc::StatusCode::OK);
     EXPECT_TRUE(none.entries.empty());
   }
@@ -492,16 +493,16 @@ TEST_F(HousekeepingTest, QuarantineIsListedAndPurgedPerTenantOverThrift) {
   EXPECT_TRUE(a->Get("m", "a-good").ok());
   ControlClient rpc(d->ports().control);
   rpc::ListQuarantinedResponse list;
-  rpc->ListQuarantined(list, MakeAuth("alpha", "wrong"));
+  rpc->ListQuarantined(list, MakeAuth("alpha", "wrong"), "", 0);
   EXPECT_EQ(list.status.code, rpc::StatusCode::UNAUTHENTICATED);
   // Each tenant sees only its own.
-  rpc->ListQuarantined(list, alpha);
+  rpc->ListQuarantined(list, alpha, "", 0);
   ASSERT_EQ(list.status.code, rpc::StatusCode::OK) << list.status.message;
   ASSERT_EQ(list.entries.size(), 1u);
   EXPECT_EQ(list.entries[0].model_id, "m");
   EXPECT_EQ(list.entries[0].key, "a-bad");
   EXPECT_FALSE(list.entries[0].reason.empty());
-  rpc->ListQuarantined(list, beta);
+  rpc->ListQuarantined(list, beta, "", 0);
   ASSERT_EQ(list.entries.size(), 1u);
   EXPECT_EQ(list.entries[0].key, "b-bad");
   // alpha cannot purge beta's entry: it reads exactly like one that does not exist.
@@ -523,9 +524,9 @@ TEST_F(HousekeepingTest, QuarantineIsListedAndPurgedPerTenantOverThrift) {
   EXPECT_EQ(purged.purged, 1);
   rpc->PurgeQuarantined(purged, alpha, ref, false);
   EXPECT_EQ(purged.status.code, rpc::StatusCode::NOT_FOUND);
-  rpc->ListQuarantined(list, alpha);
+  rpc->ListQuarantined(list, alpha, "", 0);
   EXPECT_TRUE(list.entries.empty());
-  rpc->ListQuarantined(list, beta);
+  rpc->ListQuarantined(list, beta, "", 0);
   EXPECT_EQ(list.entries.size(), 1u);
   ASSERT_TRUE(PutLowRank(*a, "m", "a-bad", 4).ok());
   EXPECT_TRUE(a->Get("m", "a-bad").ok());
@@ -535,9 +536,9 @@ TEST_F(HousekeepingTest, QuarantineIsListedAndPurgedPerTenantOverThrift) {
   EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
   d = StartDaemon(flags);
   ControlClient rpc2(d->ports().control);
-  rpc2->ListQuarantined(list, alpha);
+  rpc2->ListQuarantined(list, alpha, "", 0);
   EXPECT_TRUE(list.entries.empty());
-  rpc2->ListQuarantined(list, beta);
+  rpc2->ListQuarantined(list, beta, "", 0);
   ASSERT_EQ(list.entries.size(), 1u);
   rpc2->PurgeQuarantined(purged, alpha, rpc::CacheRef(), true);  // alpha has none left
   EXPECT_EQ(purged.status.code, rpc::StatusCode::OK);
@@ -548,13 +549,78 @@ TEST_F(HousekeepingTest, QuarantineIsListedAndPurgedPerTenantOverThrift) {
   EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
   d = StartDaemon(flags);
   ControlClient rpc3(d->ports().control);
-  rpc3->ListQuarantined(list, beta);
+  rpc3->ListQuarantined(list, beta, "", 0);
   EXPECT_EQ(list.status.code, rpc::StatusCode::OK);
   EXPECT_TRUE(list.entries.empty());
   auto a2 = Connect(*d, "alpha", "secret-a");
   ASSERT_NE(a2, nullptr);
   EXPECT_TRUE(a2->Get("m", "a-bad").ok());
   EXPECT_TRUE(a2->Get("m", "a-good").ok());
+}
+
+TEST_F(HousekeepingTest, DamagedCachesAreCountedLoggedAndListedInPages) {
+  WriteTokens("alpha: secret-a\n");
+  const std::vector<std::string> flags = {"--auth.token_file=" + tokens_path()};
+  const rpc::Auth alpha = MakeAuth("alpha", "secret-a");
+  auto d = StartDaemon(flags);
+  std::vector<CacheKey> damaged;
+  {
+    auto a = Connect(*d, "alpha", "secret-a");
+    ASSERT_NE(a, nullptr);
+    ASSERT_TRUE(PutLowRank(*a, "m", "good", 1).ok());
+    for (int i = 0; i < 5; ++i) {
+      const std::string key = "bad" + std::to_string(i);
+      ASSERT_TRUE(PutLowRank(*a, "m", key, 10 + i).ok());
+      damaged.push_back(CacheKey{"alpha", "m", key});
+    }
+  }
+  EXPECT_EQ(MetricValue(Metrics(*d), "kvcomp_store_quarantined_total"), 0);
+  EXPECT_EQ(WEXITSTATUS(d->Kill(SIGTERM)), 0);
+  DamagePayloads(dir_.path() + "/data", damaged);
+  if (HasFatalFailure()) return;
+
+  // The restart checks the recovered payloads in the background: each damaged one is counted
+  // and the daemon's log names the latest.
+  d = StartDaemon(flags);
+  std::string m = MetricsWhen(*d, "kvcomp_store_quarantined_total", 5);
+  EXPECT_EQ(MetricValue(m, "kvcomp_store_quarantined_total"), 5);
+  EXPECT_EQ(MetricValue(m, "kvcomp_store_corruptions_total"), 0);
+  bool logged = false;
+  for (int i = 0; i < 50 && !logged; ++i) {  // logged on the daemon's next tick (1 s)
+    logged = absl::StrContains(d->Log(), "damaged cache(s) quarantined");
+    if (!logged) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(logged) << d->Log();
+  EXPECT_TRUE(absl::StrContains(d->Log(), "alpha/m/")) << d->Log();
+
+  // Listed a page at a time, each entry once, in key order.
+  ControlClient rpc(d->ports().control);
+  std::vector<std::string> listed;
+  std::string cursor;
+  int pages = 0;
+  do {
+    rpc::ListQuarantinedResponse page;
+    rpc->ListQuarantined(page, alpha, cursor, 2);
+    ASSERT_EQ(page.status.code, rpc::StatusCode::OK) << page.status.message;
+    EXPECT_LE(page.entries.size(), 2u);
+    for (const auto& e : page.entries) {
+      listed.push_back(e.key);
+      EXPECT_FALSE(e.reason.empty());
+      EXPECT_LE(e.reason.size(), 1024u);
+    }
+    cursor = page.next_cursor;
+    ++pages;
+  } while (!cursor.empty() && pages < 10);
+  EXPECT_EQ(pages, 3);
+  EXPECT_EQ(listed, (std::vector<std::string>{"bad0", "bad1", "bad2", "bad3", "bad4"}));
+  // Without a limit: one page of all of them.
+  rpc::ListQuarantinedResponse all;
+  rpc->ListQuarantined(all, alpha, "", 0);
+  EXPECT_EQ(all.entries.size(), 5u);
+  EXPECT_TRUE(all.next_cursor.empty());
+  auto a = Connect(*d, "alpha", "secret-a");
+  ASSERT_NE(a, nullptr);
+  EXPECT_TRUE(a->Get("m", "good").ok());
 }
 
 }  // namespace

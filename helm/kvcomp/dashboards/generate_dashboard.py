@@ -200,6 +200,19 @@ def build():
     L.add(stat("Read-only stores", "Daemons whose RocksDB tier is read-only for a full disk "
                "(kvcomp_store_read_only): reads served, puts refused until there is room.",
                f"sum(kvcomp_store_read_only{{{SEL}}})", "short"), 6, 8)
+    L.add(timeseries(
+        "Store damage", "Caches found damaged and quarantined, never served "
+        "(kvcomp_store_quarantined_total: a checksum that failed or bytes that could not be read, "
+        "at start, on a read, in the check of recovered caches or a repair pass), RocksDB "
+        "compactions that met damaged data (kvcomp_store_corruptions_total) and repair passes, "
+        "per daemon, in each interval. Any of them: check the node's disk; the daemon's log "
+        "names the caches.",
+        targets((f"sum by (pod) (increase(kvcomp_store_quarantined_total{{{SEL}}}[{RATE}]))",
+                 "{{pod}} quarantined"),
+                (f"sum by (pod) (increase(kvcomp_store_corruptions_total{{{SEL}}}[{RATE}]))",
+                 "{{pod}} damaged in compaction"),
+                (f"sum by (pod) (increase(kvcomp_store_repairs_total{{{SEL}}}[{RATE}]))",
+                 "{{pod}} repair passes")), "short"), 24, 8)
 
     L.row("Throughput")
     L.add(timeseries(

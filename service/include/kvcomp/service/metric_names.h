@@ -45,6 +45,15 @@ inline constexpr char kDiskFreeBytes[] = "kvcomp_disk_free_bytes";
 // Gauge: storage.rocksdb_reserve_bytes; a put that would leave fewer free bytes is refused
 // (RESOURCE_EXHAUSTED, disk full).
 inline constexpr char kDiskReserveBytes[] = "kvcomp_disk_reserve_bytes";
+// Counter: caches the store found damaged and moved to the quarantine (never served again):
+// a checksum that failed, or bytes that could not be read, at start, on a read, in the check of
+// recovered caches or in a repair pass.
+inline constexpr char kStoreQuarantinedTotal[] = "kvcomp_store_quarantined_total";
+// Counter: RocksDB background work (a compaction) that met damaged data, such as a flipped byte
+// in a blob file; writes go on and each one starts a repair pass.
+inline constexpr char kStoreCorruptionsTotal[] = "kvcomp_store_corruptions_total";
+// Counter: repair passes (every payload read, the damaged ones quarantined).
+inline constexpr char kStoreRepairsTotal[] = "kvcomp_store_repairs_total";
 
 // --- hits and misses ---
 // Counter, labels {op, result, tenant, model_class}: reads of caches by outcome, where

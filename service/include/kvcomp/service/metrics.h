@@ -90,6 +90,9 @@ class Metrics {
   // The RocksDB tier's disk: kvcomp_store_read_only, kvcomp_disk_free_bytes and
   // kvcomp_disk_reserve_bytes.
   void SetDisk(bool read_only, uint64_t free_bytes, uint64_t reserve_bytes);
+  // Raises kvcomp_store_quarantined_total, kvcomp_store_corruptions_total and
+  // kvcomp_store_repairs_total to the store's running totals.
+  void AdvanceStoreDamage(uint64_t quarantined, uint64_t corruptions, uint64_t repairs);
   // Totals over the caches stored now (gauges kvcomp_caches_stored,
   // kvcomp_resident_original_bytes, kvcomp_resident_saved_bytes).
   void SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes);

@@ -199,6 +199,8 @@ struct StoreStats {
   uint64_t damage_repairs = 0;          // passes that read every payload after such a failure
                                         // and quarantined the damaged ones
   std::string last_damage_repair;       // what the last pass found, "" before the first
+  std::string last_quarantined;  // the latest cache quarantined since Open and why
+                                // ("<key>: <reason>"), "" when none was
   const TierStats& tier(TierKind k) const { return tiers[static_cast<int>(k)]; }
 };
 
