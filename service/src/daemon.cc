@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -386,17 +387,16 @@ class ControlConnections : public TServerEventHandler, public TProcessorEventHan
 
 thread_local ControlConnections::Connection* ControlConnections::current_ = nullptr;
 
-// A control connection's socket that refuses a zero-length frame: Thrift's nonblocking server
-// would wait for more bytes after one, holding the connection until a timeout. The server reads
-// a frame's 4-byte size, then exactly its body; the socket follows the same framing over what it
-// returns and, at a size of zero, throws, which makes the server close the connection at once.
-class FrameCheckingSocket : public apache::thrift::transport::TSocket {
+// Follows a control connection's framing over the bytes its socket returns and throws at a
+// zero-length frame: Thrift's nonblocking server would wait for more bytes after one, holding the
+// connection until a timeout. The server reads a frame's 4-byte size, then exactly its body; the
+// throw makes it close the connection at once. Used by the plain and the TLS sockets alike.
+class FrameChecker {
  public:
-  FrameCheckingSocket(THRIFT_SOCKET fd, std::shared_ptr<ControlConnections> connections)
-      : TSocket(fd), connections_(std::move(connections)) {}
+  explicit FrameChecker(std::shared_ptr<ControlConnections> connections)
+      : connections_(std::move(connections)) {}
 
-  uint32_t read(uint8_t* buf, uint32_t len) override {
-    const uint32_t got = TSocket::read(buf, len);
+  void Saw(const uint8_t* buf, uint32_t got) {
     for (uint32_t i = 0; i < got;) {
       if (body_left_ > 0) {
         const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(body_left_, got - i));
@@ -415,7 +415,6 @@ class FrameCheckingSocket : public apache::thrift::transport::TSocket {
             apache::thrift::transport::TTransportException::CORRUPTED_DATA, "zero-length frame");
       }
     }
-    return got;
   }
 
  private:
@@ -423,6 +422,22 @@ class FrameCheckingSocket : public apache::thrift::transport::TSocket {
   uint8_t size_bytes_[4] = {};
   uint32_t size_have_ = 0;
   uint64_t body_left_ = 0;
+};
+
+// A plain-TCP control connection's socket.
+class FrameCheckingSocket : public apache::thrift::transport::TSocket {
+ public:
+  FrameCheckingSocket(THRIFT_SOCKET fd, std::shared_ptr<ControlConnections> connections)
+      : TSocket(fd), checker_(std::move(connections)) {}
+
+  uint32_t read(uint8_t* buf, uint32_t len) override {
+    const uint32_t got = TSocket::read(buf, len);
+    checker_.Saw(buf, got);
+    return got;
+  }
+
+ private:
+  FrameChecker checker_;
 };
 
 // The control plane's plain-TCP listening socket, handing out FrameCheckingSockets.
@@ -439,6 +454,52 @@ class FrameCheckingServerSocket : public TNonblockingServerSocket {
 
  private:
   const std::shared_ptr<ControlConnections> connections_;
+};
+
+// A TLS control connection's socket: the checker sees the decrypted bytes.
+class FrameCheckingSslSocket : public apache::thrift::transport::TSSLSocket {
+ public:
+  FrameCheckingSslSocket(std::shared_ptr<apache::thrift::transport::SSLContext> ctx,
+                         THRIFT_SOCKET fd, std::shared_ptr<ControlConnections> connections)
+      : TSSLSocket(std::move(ctx), fd), checker_(std::move(connections)) {}
+
+  uint32_t read(uint8_t* buf, uint32_t len) override {
+    const uint32_t got = TSSLSocket::read(buf, len);
+    checker_.Saw(buf, got);
+    return got;
+  }
+
+  // The SSL context of any socket `factory` makes (the factory keeps it to itself; a socket
+  // holds it as a protected member, reached through a pointer to that member).
+  static std::shared_ptr<apache::thrift::transport::SSLContext> ContextOf(
+      apache::thrift::transport::TSSLSocketFactory& factory) {
+    std::shared_ptr<apache::thrift::transport::TSSLSocket> probe = factory.createSocket();
+    return (*probe).*(&FrameCheckingSslSocket::ctx_);
+  }
+
+ private:
+  FrameChecker checker_;
+};
+
+// Makes the TLS listener's sockets FrameCheckingSslSockets, set up as the base factory sets up
+// its server-side sockets.
+class FrameCheckingSslSocketFactory : public apache::thrift::transport::TSSLSocketFactory {
+ public:
+  explicit FrameCheckingSslSocketFactory(std::shared_ptr<ControlConnections> connections)
+      : connections_(std::move(connections)) {}
+
+  using TSSLSocketFactory::createSocket;
+  std::shared_ptr<apache::thrift::transport::TSSLSocket> createSocket(THRIFT_SOCKET fd) override {
+    std::call_once(ctx_once_, [this] { ctx_ = FrameCheckingSslSocket::ContextOf(*this); });
+    auto socket = std::make_shared<FrameCheckingSslSocket>(ctx_, fd, connections_);
+    socket->server(server());
+    return socket;
+  }
+
+ private:
+  const std::shared_ptr<ControlConnections> connections_;
+  std::once_flag ctx_once_;
+  std::shared_ptr<apache::thrift::transport::SSLContext> ctx_;
 };
 
 // The control plane's processor, closing a connection whose request cannot be decoded (a bad
@@ -797,8 +858,17 @@ absl::Status DaemonImpl::StartThrift() {
   auto processor = std::make_shared<rpc::KvcompControlProcessor>(handler);
   std::shared_ptr<TNonblockingServerSocket> socket;
   try {
+    ControlLimits limits;
+    limits.max_connections = c.max_connections;
+    limits.max_unauthenticated = std::min(c.max_unauthenticated_connections, c.max_connections);
+    if (!tokens_->open_mode() && c.tenant_share < 1) {
+      limits.tenant_connections = std::max<uint32_t>(
+          1, static_cast<uint32_t>(c.tenant_share * static_cast<double>(c.max_connections)));
+    }
+    control_ = std::make_shared<ControlConnections>(limits);
+    // Both listeners close a connection at a zero-length frame.
     if (c.tls) {
-      auto factory = std::make_shared<TSSLSocketFactory>();
+      auto factory = std::make_shared<FrameCheckingSslSocketFactory>(control_);
       factory->loadCertificate(c.tls_cert_file.c_str());
       factory->loadPrivateKey(c.tls_key_file.c_str());
       if (!c.tls_ca_file.empty()) {
@@ -808,17 +878,7 @@ absl::Status DaemonImpl::StartThrift() {
         factory->authenticate(false);
       }
       socket = std::make_shared<TNonblockingSSLServerSocket>(c.address, c.port, factory);
-    }
-    ControlLimits limits;
-    limits.max_connections = c.max_connections;
-    limits.max_unauthenticated = std::min(c.max_unauthenticated_connections, c.max_connections);
-    if (!tokens_->open_mode() && c.tenant_share < 1) {
-      limits.tenant_connections = std::max<uint32_t>(
-          1, static_cast<uint32_t>(c.tenant_share * static_cast<double>(c.max_connections)));
-    }
-    control_ = std::make_shared<ControlConnections>(limits);
-    // Over TLS a zero-length frame is ended by the authentication deadline instead.
-    if (!c.tls) {
+    } else {
       socket = std::make_shared<FrameCheckingServerSocket>(c.address, c.port, control_);
     }
     ctx_.control_authenticated = [control = control_](const absl::StatusOr<std::string>& t) {

@@ -10,9 +10,9 @@
 // leaves no write-ahead log to replay; a SIGKILL after one leaves a log that the restart replays
 // without writing it out, and every acknowledged cache is served byte for byte after it. Under
 // a hard descriptor limit one tenant's data-plane connections cannot take the descriptors
-// another tenant's need. A zero-length Thrift frame closes its connection at once. Received
-// block memory follows the buffer budget. A key the fp16 key codec would turn into Inf refuses
-// the put.
+// another tenant's need. A zero-length Thrift frame closes its connection at once, on the plain
+// and the TLS listener. Received block memory follows the buffer budget. A key the fp16 key
+// codec would turn into Inf refuses the put.
 #include <errno.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -21,6 +21,7 @@
 #include <sys/time.h>
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/transport/TBufferTransports.h>
+#include <thrift/transport/TSSLSocket.h>
 #include <thrift/transport/TSocket.h>
 
 #include <atomic>
@@ -515,6 +516,56 @@ TEST_F(ControlBoundsTest, ZeroLengthFrameClosesTheConnectionAtOnce) {
   EXPECT_GE(
       MetricValue(metrics.body, "kvcomp_control_connections_closed_total{reason=\"malformed\"}"),
       1);
+}
+
+TEST_F(ControlBoundsTest, ZeroLengthFrameOverTlsClosesTheConnectionAtOnce) {
+  const std::string cert = dir_.path() + "/cert.pem", key = dir_.path() + "/key.pem";
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+                          "-keyout " + key + " -out " + cert + " >/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "openssl CLI not available";
+  auto d = StartDaemon({"--control_plane.tls=true", "--control_plane.tls_cert_file=" + cert,
+                        "--control_plane.tls_key_file=" + key,
+                        "--control_plane.idle_timeout_seconds=600",
+                        "--control_plane.auth_timeout_seconds=600"});
+  auto factory = std::make_shared<apache::thrift::transport::TSSLSocketFactory>();
+  factory->loadTrustedCertificates(cert.c_str());
+  factory->authenticate(true);
+  {
+    // Long deadlines: a close within the receive timeout is the frame's doing.
+    auto socket = factory->createSocket("localhost", d->ports().control);
+    socket->setRecvTimeout(30000);
+    socket->open();
+    const uint8_t zero[4] = {0, 0, 0, 0};
+    socket->write(zero, 4);
+    socket->flush();
+    uint8_t buf[64];
+    bool closed = false;
+    std::string why;
+    try {
+      closed = socket->read(buf, sizeof(buf)) == 0;
+    } catch (const apache::thrift::transport::TTransportException& e) {
+      why = e.what();
+      closed = e.getType() != apache::thrift::transport::TTransportException::TIMED_OUT &&
+               !absl::StrContains(why, "timed out") && !absl::StrContains(why, "EAGAIN");
+    }
+    EXPECT_TRUE(closed) << "connection still open after 30 s: " << why;
+  }
+  const HttpResponse metrics = HttpGet(d->ports().metrics, "/metrics");
+  EXPECT_GE(
+      MetricValue(metrics.body, "kvcomp_control_connections_closed_total{reason=\"malformed\"}"),
+      1);
+  // Calls over TLS are read as before, several frames on one connection.
+  auto socket = factory->createSocket("localhost", d->ports().control);
+  auto transport = std::make_shared<apache::thrift::transport::TFramedTransport>(socket);
+  rpc::KvcompControlClient client(
+      std::make_shared<apache::thrift::protocol::TBinaryProtocol>(transport));
+  transport->open();
+  rpc::HealthResponse h;
+  for (int i = 0; i < 3; ++i) {
+    client.Health(h, MakeAuth("", ""));
+    EXPECT_EQ(h.status.code, rpc::StatusCode::OK);
+  }
+  transport->close();
 }
 
 TEST_F(ControlBoundsTest, ReceivedBlockMemoryFollowsTheBufferBudget) {
