@@ -129,6 +129,8 @@ std::unique_ptr<client::Client> Connect(const KvcompdProcess& d, absl::Duration 
   o.request_timeout = timeout;
   o.connect_timeout = absl::Seconds(5);
   o.attempts_per_endpoint = attempts;
+  // A get may take every attempt's request timeout, as the campaign's figures assume.
+  o.get_timeout = timeout * std::max(1, attempts) + absl::Seconds(5);
   o.ucx_overrides = {{"TLS", "tcp"}};
   const std::string ep = d.data_endpoint() + ",127.0.0.1:" + std::to_string(d.ports().control);
   auto c = client::Client::Connect({ep}, o, /*connect_now=*/true);

@@ -398,6 +398,7 @@ int RunKvSplice(const Args& a, kvcomp::testing::KvcompdProcess& d, kvcomp::trans
   kvcomp::client::ClientOptions so;
   so.ucx_overrides = {{"TLS", a.tls}};
   so.request_timeout = absl::Seconds(600);
+  so.get_timeout = absl::Seconds(600);  // a decoded get of a large cache on a CPU engine
   auto sdk = kvcomp::client::Client::Connect(
       {d.data_endpoint() + ",127.0.0.1:" + std::to_string(d.ports().control)}, so);
   if (!sdk.ok()) {
