@@ -109,6 +109,9 @@ uint64_t CompressedCache::KeyTokenBytes() const {
       return layout.head_dim;
     case KeyCodec::kInt4:
       return (layout.head_dim + 1ull) / 2;
+    case KeyCodec::kHq4:
+    case KeyCodec::kHq3:
+      return 4 + uint64_t{layout.head_dim} * HqBits(key_codec) / 8;
   }
   return 0;
 }
@@ -131,6 +134,9 @@ uint64_t LatentTokenBytes(ValueCodec codec, const KvLayout& layout, uint32_t r) 
       return r;
     case ValueCodec::kOrthogonalInt4:
       return (r + 1ull) / 2;
+    case ValueCodec::kHq4:
+    case ValueCodec::kHq3:
+      return 4 + uint64_t{layout.head_dim} * HqBits(codec) / 8;
   }
   return 0;
 }
@@ -189,11 +195,25 @@ absl::Status CompressedCache::Validate() const {
         absl::StrFormat("compressed cache: original_tokens %u exceeds %u", original_tokens,
                         KvLayout::kMaxTokens));
   }
-  if (static_cast<uint8_t>(key_codec) > static_cast<uint8_t>(KeyCodec::kInt4) ||
-      static_cast<uint8_t>(value_codec) > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
+  if (static_cast<uint8_t>(key_codec) > kMaxKeyCodec ||
+      static_cast<uint8_t>(value_codec) > kMaxValueCodec) {
     return absl::InvalidArgumentError("compressed cache: unknown codec");
   }
-  if (value_codec == ValueCodec::kRaw) {
+  if (HqBits(key_codec) != 0 || HqBits(value_codec) != 0) {
+    const uint32_t d = layout.head_dim;
+    if ((d & (d - 1)) != 0 || d < 8 || d > 256) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "compressed cache: the hq codecs need a head_dim that is a power of two in [8, 256], "
+          "got %u",
+          d));
+    }
+  }
+  if (HqBits(value_codec) != 0) {
+    if (rank != 0 || projection_version != 0 || !layer_rank.empty() || value_gamma) {
+      return absl::InvalidArgumentError(
+          "compressed cache: hq values carry no rank, projection version or gamma");
+    }
+  } else if (value_codec == ValueCodec::kRaw) {
     if (rank != 0 || projection_version != 0) {
       return absl::InvalidArgumentError(
           "compressed cache: raw values carry no rank or projection version");
@@ -277,8 +297,9 @@ absl::Status CompressedCache::Validate() const {
   if (value_scales.size() != ValueScaleCount()) {
     return Inconsistent("value_scales", value_scales.size(), ValueScaleCount());
   }
-  if (!raw_value_rows.empty() && value_codec == ValueCodec::kRaw) {
-    return absl::InvalidArgumentError("compressed cache: raw values carry no raw value rows");
+  if (!raw_value_rows.empty() && !IsProjectionCodec(value_codec)) {
+    return absl::InvalidArgumentError(
+        "compressed cache: raw value rows belong to the projection codecs only");
   }
   for (size_t i = 0; i < raw_value_rows.size(); ++i) {
     if (raw_value_rows[i] >= total || (i > 0 && raw_value_rows[i] <= raw_value_rows[i - 1])) {
@@ -298,6 +319,27 @@ absl::Status CompressedCache::Validate() const {
     if ((s & 0x7c00u) == 0x7c00u) {
       return absl::InvalidArgumentError("compressed cache: non-finite value scale");
     }
+  }
+  // Hadamard rows: each record's f16 minimum and step finite, the step not negative.
+  auto check_hq = [](const std::vector<uint8_t>& rows, uint64_t row_bytes,
+                     absl::string_view what) -> absl::Status {
+    for (uint64_t at = 0; at + 4 <= rows.size(); at += row_bytes) {
+      const uint16_t lo = static_cast<uint16_t>(rows[at] | (rows[at + 1] << 8));
+      const uint16_t step = static_cast<uint16_t>(rows[at + 2] | (rows[at + 3] << 8));
+      if ((lo & 0x7c00u) == 0x7c00u || (step & 0x7c00u) == 0x7c00u || (step & 0x8000u) != 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "compressed cache: hq %s row %u has minimum 0x%04x, step 0x%04x (finite halves, "
+            "step >= +0)",
+            what, at / row_bytes, lo, step));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (HqBits(key_codec) != 0) {
+    if (absl::Status s = check_hq(keys, KeyTokenBytes(), "key"); !s.ok()) return s;
+  }
+  if (HqBits(value_codec) != 0) {
+    if (absl::Status s = check_hq(values, ValueTokenBytes(), "value"); !s.ok()) return s;
   }
   if (!AllFinite(moment_key_sum) || !AllFinite(moment_value_sum) || !AllFinite(moment_vk_sum)) {
     return absl::InvalidArgumentError("compressed cache: non-finite moment sum");

@@ -301,8 +301,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, 
   if (!IsValidDType(dtype)) return absl::InvalidArgumentError("cache format: unknown dtype");
   info.layout.dtype = static_cast<DType>(dtype);
   KVCOMP_RETURN_IF_ERROR(Annotate(info.layout.Validate(), "cache format"));
-  if (kc > static_cast<uint8_t>(KeyCodec::kInt4) ||
-      vc > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
+  if (kc > kMaxKeyCodec || vc > kMaxValueCodec) {
     return absl::InvalidArgumentError("cache format: unknown key or value codec");
   }
   info.key_codec = static_cast<KeyCodec>(kc);
@@ -412,7 +411,7 @@ absl::StatusOr<EncodingPlan> PlanEncoding(const CompressedCache& shape, uint64_t
     return absl::InvalidArgumentError("cache format: layer ranks do not match the layer count");
   }
   if (raw_value_rows > 0 &&
-      (shape.value_codec == ValueCodec::kRaw || raw_value_rows > shape.total_kept())) {
+      (!IsProjectionCodec(shape.value_codec) || raw_value_rows > shape.total_kept())) {
     return absl::InvalidArgumentError(
         "cache format: raw value rows with raw values or beyond the kept tokens");
   }
@@ -600,18 +599,19 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   c.projection_version = info.projection_version;
   c.has_moments = info.has_moments;
   c.value_gamma = info.value_gamma;
-  if (c.value_codec == ValueCodec::kRaw) {
+  if (!IsProjectionCodec(c.value_codec)) {
     if (c.rank != 0 || c.projection_version != 0) {
-      return absl::InvalidArgumentError("cache format: raw values with a rank or projection");
+      return absl::InvalidArgumentError(
+          "cache format: raw or hq values with a rank or projection");
     }
   } else if (c.rank == 0 || c.rank > c.layout.head_dim) {
     return absl::InvalidArgumentError("cache format: rank outside [1, head_dim]");
   }
-  if (c.ValueGroups() == 0 && c.value_codec != ValueCodec::kRaw &&
+  if (c.ValueGroups() == 0 && IsProjectionCodec(c.value_codec) &&
       c.value_codec != ValueCodec::kOrthogonal) {
     return absl::InvalidArgumentError("cache format: quantized values need a group size");
   }
-  if (c.value_codec == ValueCodec::kOrthogonal || c.value_codec == ValueCodec::kRaw) {
+  if (c.ValueGroups() == 0) {  // raw, orthogonal, hq: no latent groups
     if (p.group_size != 0) return absl::InvalidArgumentError("cache format: stray group size");
     c.group_size = 32;  // unused by these codecs; the in-memory default
   } else if (p.group_size > 256) {
@@ -634,8 +634,8 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
       DecodePolicy(reinterpret_cast<const uint8_t*>(bytes.data()) + pe->offset, pe->size));
   const uint64_t t = info.total_kept;
   if (info.layer_ranks) {
-    if (c.value_codec == ValueCodec::kRaw) {
-      return absl::InvalidArgumentError("cache format: layer ranks with raw values");
+    if (!IsProjectionCodec(c.value_codec)) {
+      return absl::InvalidArgumentError("cache format: layer ranks without a projection codec");
     }
     KVCOMP_RETURN_IF_ERROR(
         TakeSection(p, bytes, kLayerRanks, true, info.layout.num_layers, &c.layer_rank));
@@ -675,8 +675,8 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   // KVSplice outliers: sections 13 and 14 come together; 13's size gives the count.
   bool raw_rows = false;
   for (const auto& e : p.entries) raw_rows = raw_rows || e.id == kRawValueRows;
-  if (raw_rows && c.value_codec == ValueCodec::kRaw) {
-    return absl::InvalidArgumentError("cache format: raw value rows with raw values");
+  if (raw_rows && !IsProjectionCodec(c.value_codec)) {
+    return absl::InvalidArgumentError("cache format: raw value rows without a projection codec");
   }
   uint64_t raw_rows_n = 0, raw_bytes = 0;
   for (const auto& e : p.entries) {

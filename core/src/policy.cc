@@ -39,12 +39,16 @@ constexpr std::pair<absl::string_view, KeyCodec> kKeyCodecs[] = {
     {"fp16", KeyCodec::kFp16},
     {"int8", KeyCodec::kInt8},
     {"int4", KeyCodec::kInt4},
+    {"hq4", KeyCodec::kHq4},
+    {"hq3", KeyCodec::kHq3},
 };
 constexpr std::pair<absl::string_view, ValueCodec> kValueCodecs[] = {
     {"none", ValueCodec::kRaw},
     {"orthogonal", ValueCodec::kOrthogonal},
     {"orthogonal_int8", ValueCodec::kOrthogonalInt8},
     {"orthogonal_int4", ValueCodec::kOrthogonalInt4},
+    {"hq4", ValueCodec::kHq4},
+    {"hq3", ValueCodec::kHq3},
 };
 
 template <typename E, size_t N>
@@ -96,6 +100,8 @@ absl::StatusOr<ValueCodec> ParseValueCodec(absl::string_view n) {
 uint32_t DefaultRank(ValueCodec codec, uint32_t head_dim) {
   switch (codec) {
     case ValueCodec::kRaw:
+    case ValueCodec::kHq4:
+    case ValueCodec::kHq3:
       return 0;
     case ValueCodec::kOrthogonal:
     case ValueCodec::kOrthogonalInt8:
@@ -119,6 +125,10 @@ absl::Status CompressionPolicy::Validate() const {
   if (value_codec == ValueCodec::kRaw && rank != 0) {
     return Bad("rank set but value_codec is none");
   }
+  if (HqBits(value_codec) != 0 && rank != 0) {
+    return Bad(absl::StrCat("rank set but value_codec ", ValueCodecName(value_codec),
+                            " has no rank (the Hadamard codec keeps every dimension)"));
+  }
   if (value_codec == ValueCodec::kOrthogonalInt4 && rank % 2 != 0) {
     return Bad(absl::StrFormat("rank %u must be even for orthogonal_int4", rank));
   }
@@ -130,11 +140,17 @@ absl::Status CompressionPolicy::ValidateFor(uint32_t head_dim) const {
   if (rank > head_dim) {
     return Bad(absl::StrFormat("rank %u exceeds head_dim %u", rank, head_dim));
   }
+  const bool pow2 = head_dim != 0 && (head_dim & (head_dim - 1)) == 0;
+  if ((HqBits(key_codec) != 0 || HqBits(value_codec) != 0) &&
+      (!pow2 || head_dim < 8 || head_dim > 256)) {
+    return Bad(absl::StrFormat(
+        "the hq codecs need a head_dim that is a power of two in [8, 256], got %u", head_dim));
+  }
   return absl::OkStatus();
 }
 
 uint32_t CompressionPolicy::EffectiveRank(uint32_t head_dim) const {
-  if (value_codec == ValueCodec::kRaw) return 0;
+  if (!IsProjectionCodec(value_codec)) return 0;
   return rank != 0 ? rank : DefaultRank(value_codec, head_dim);
 }
 

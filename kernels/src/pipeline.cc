@@ -626,6 +626,22 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
                                          const CompressionPolicy& policy,
                                          const CompressOptions& options) {
   if (backend.space() != MemorySpace::kHost) {
+    if (HqBits(policy.key_codec) != 0 || HqBits(policy.value_codec) != 0) {
+      // The hq codecs have no device encoder yet: the device selects the kept tokens, the host
+      // encodes them (the projection codecs still on the backend, through EncodeKept).
+      KVCOMP_RETURN_IF_ERROR(policy.ValidateFor(cache.layout.head_dim));
+      CompressionPolicy select_only = policy;
+      select_only.key_codec = KeyCodec::kRaw;
+      select_only.value_codec = ValueCodec::kRaw;
+      select_only.rank = 0;
+      KVCOMP_ASSIGN_OR_RETURN(DeviceCompressedCache dc,
+                              CompressToDevice(backend, cache, select_only, options));
+      KVCOMP_ASSIGN_OR_RETURN(CompressedCache host, dc.Download(backend, options.transfers));
+      KVCOMP_RETURN_IF_ERROR(
+          pipeline_internal::CodecStage(backend, policy, options.projection.get(), &host));
+      host.policy = policy;
+      return host;
+    }
     KVCOMP_ASSIGN_OR_RETURN(DeviceCompressedCache dc,
                             CompressToDevice(backend, cache, policy, options));
     return dc.Download(backend, options.transfers);

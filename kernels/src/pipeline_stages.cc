@@ -90,7 +90,7 @@ absl::Status MomentStage(Backend& backend, const LayerEviction& e, CompressedCac
 
 absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy,
                              const Projection* projection) {
-  if (policy.value_codec == ValueCodec::kRaw) return absl::OkStatus();
+  if (!IsProjectionCodec(policy.value_codec)) return absl::OkStatus();  // raw or hq: no basis
   if (projection == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "value_codec ", ValueCodecName(policy.value_codec),
@@ -116,6 +116,11 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
   CompressedCache& host = cache->host;
   if (host.key_codec != KeyCodec::kRaw || host.value_codec != ValueCodec::kRaw) {
     return absl::FailedPreconditionError("kvsplice: the cache is already encoded");
+  }
+  if (HqBits(policy.key_codec) != 0 || HqBits(policy.value_codec) != 0) {
+    return absl::FailedPreconditionError(
+        "the hq codecs have no device encoder yet: compress into host memory (Compress encodes "
+        "them on the host after the device's selection)");
   }
   const KvLayout& layout = host.layout;
   const uint64_t d = layout.head_dim, total = host.total_kept();

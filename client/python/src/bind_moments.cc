@@ -93,7 +93,7 @@ nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer,
     throw nb::index_error(
         absl::StrFormat("layer %u outside %u layers", layer, c.layout.num_layers).c_str());
   }
-  if (c.value_codec != ValueCodec::kRaw && !projection.has_value()) {
+  if (IsProjectionCodec(c.value_codec) && !projection.has_value()) {
     throw nb::value_error(absl::StrFormat("this cache's values are KVSplice-encoded: pass the "
                                           "projection it was encoded with (version %016x)",
                                           c.projection_version)
@@ -132,7 +132,7 @@ nb::object Attention(nb::handle q_obj, const CompressedCache& c, uint32_t layer,
   {
     nb::gil_scoped_release release;
     std::shared_ptr<const Projection> proj;
-    if (c.value_codec != ValueCodec::kRaw) proj = *projection;
+    if (IsProjectionCodec(c.value_codec)) proj = *projection;
     st = decode::AttendOnce(decoder, c, std::move(proj), p);
   }
   ThrowIfError(st);

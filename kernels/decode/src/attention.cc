@@ -72,6 +72,11 @@ absl::StatusOr<std::unique_ptr<ResidentCache>> ResidentCache::Place(
     Backend& backend, const CompressedCache& cache, std::shared_ptr<const Projection> projection,
     const PlaceOptions& options) {
   KVCOMP_RETURN_IF_ERROR(cache.Validate());
+  if (HqBits(cache.key_codec) != 0 || HqBits(cache.value_codec) != 0) {
+    return absl::UnimplementedError(
+        "decode: attention over hq-encoded caches is not implemented (decode them to dense K and "
+        "V first: DecodeKept)");
+  }
   KVCOMP_RETURN_IF_ERROR(CheckProjection(cache, projection.get()));
   const KvLayout& layout = cache.layout;
   if (options.first_layer >= layout.num_layers ||

@@ -12,6 +12,8 @@ namespace kvcomp {
 uint64_t ValueCodecParams::LatentBytes() const {
   switch (codec) {
     case ValueCodec::kRaw:
+    case ValueCodec::kHq4:  // not a projection codec (kvcomp/codecs/hq.h)
+    case ValueCodec::kHq3:
       return 0;
     case ValueCodec::kOrthogonal:
       return 2ull * rank;
@@ -31,8 +33,7 @@ uint64_t ValueCodecParams::Groups() const {
 bool ValueCodecParams::UsesGamma() const { return gamma_aware && Groups() > 0; }
 
 absl::Status ValueCodecParams::ValidateFor(const Projection& projection) const {
-  if (codec == ValueCodec::kRaw ||
-      static_cast<uint8_t>(codec) > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
+  if (!IsProjectionCodec(codec)) {
     return absl::InvalidArgumentError("codec: value codec must be orthogonal, _int8 or _int4");
   }
   if (rank == 0 || rank > projection.rows) {

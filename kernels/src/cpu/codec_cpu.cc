@@ -219,6 +219,9 @@ class CpuCodecOps final : public CodecOps {
         }
         case KeyCodec::kInt4:
           break;  // EncodeKeysInt4
+        case KeyCodec::kHq4:  // refused by CheckKeyCall (kvcomp/codecs/hq.h encodes them)
+        case KeyCodec::kHq3:
+          break;
         case KeyCodec::kInt8: {
           thread_local std::vector<float> v;
           v.resize(d);
@@ -286,6 +289,9 @@ class CpuCodecOps final : public CodecOps {
           }
           break;
         }
+        case KeyCodec::kHq4:  // refused by CheckKeyCall
+        case KeyCodec::kHq3:
+          break;
       }
       FromF32(v.data(), m * d, out, out_dtype, t.begin * d);
     });
@@ -424,6 +430,10 @@ class CpuCodecOps final : public CodecOps {
   }
 
   absl::Status CheckKeyCall(KeyCodec codec, const RowSpan& rows, uint32_t head_dim, DType dtype) {
+    if (HqBits(codec) != 0) {
+      return absl::InvalidArgumentError(
+          "codec: the hq key codecs are encoded by kvcomp/codecs/hq.h, not by CodecOps");
+    }
     if (static_cast<uint8_t>(codec) > static_cast<uint8_t>(KeyCodec::kInt4)) {
       return absl::InvalidArgumentError("codec: unknown key codec");
     }

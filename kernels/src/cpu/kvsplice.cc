@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "kvcomp/codecs/hq.h"
 #include "kvcomp/core/status.h"
 #include "kvsplice_internal.h"
 
@@ -169,7 +170,7 @@ ValueCodecParams CacheValueParams(const CompressedCache& cache) {
 }
 
 absl::StatusOr<uint32_t> ChooseRank(const CompressionPolicy& policy, const Projection& projection) {
-  if (policy.value_codec == ValueCodec::kRaw) return 0u;
+  if (!IsProjectionCodec(policy.value_codec)) return 0u;
   uint32_t rank = policy.rank;
   if (rank == 0) rank = projection.MaxTunedRank();
   if (rank == 0) rank = DefaultRank(policy.value_codec, projection.head_dim);
@@ -196,7 +197,20 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
   const RowSpan rows = AllHeads(offsets);
   CodecOps& ops = backend.codec();
 
-  if (policy.value_codec != ValueCodec::kRaw) {
+  if (const uint32_t bits = HqBits(policy.value_codec); bits != 0) {
+    // The Hadamard codec: per-token records on the host, no projection.
+    std::vector<uint8_t> out(total * hq::RowBytes(bits, layout.head_dim));
+    KVCOMP_RETURN_IF_ERROR(hq::EncodeRows(cache->values.data(), layout.dtype, total,
+                                          layout.head_dim, bits, out.data()));
+    cache->values = std::move(out);
+    cache->value_scales.clear();
+    cache->value_codec = policy.value_codec;
+    cache->rank = 0;
+    cache->layer_rank.clear();
+    cache->group_size = 32;
+    cache->value_gamma = false;
+    cache->projection_version = 0;
+  } else if (policy.value_codec != ValueCodec::kRaw) {
     KVCOMP_ASSIGN_OR_RETURN(const kvsplice_internal::ValuePlan plan,
                             kvsplice_internal::PlanValueCodec(policy, projection, layout));
     const std::vector<uint32_t>& ranks = plan.ranks;
@@ -249,7 +263,14 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
     cache->value_gamma = p.UsesGamma();
     cache->projection_version = projection->version;
   }
-  if (policy.key_codec != KeyCodec::kRaw) {
+  if (const uint32_t bits = HqBits(policy.key_codec); bits != 0) {
+    std::vector<uint8_t> out(total * hq::RowBytes(bits, layout.head_dim));
+    KVCOMP_RETURN_IF_ERROR(hq::EncodeRows(cache->keys.data(), layout.dtype, total,
+                                          layout.head_dim, bits, out.data()));
+    cache->keys = std::move(out);
+    cache->key_scales.clear();
+    cache->key_codec = policy.key_codec;
+  } else if (policy.key_codec != KeyCodec::kRaw) {
     const KeyCodec raw_codec = cache->key_codec;
     cache->key_codec = policy.key_codec;  // sizes of the encoded keys and scales
     std::vector<uint8_t> out(total * cache->KeyTokenBytes());
@@ -282,7 +303,10 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
   out.values.resize(DTypeBytes(dtype, total * d));
   const RowSpan rows = AllHeads(out.offsets);
   CodecOps& ops = backend.codec();
-  if (cache.value_codec != ValueCodec::kRaw) {
+  if (const uint32_t bits = HqBits(cache.value_codec); bits != 0) {
+    KVCOMP_RETURN_IF_ERROR(
+        hq::DecodeRows(cache.values.data(), total, layout.head_dim, bits, out.values.data(), dtype));
+  } else if (cache.value_codec != ValueCodec::kRaw) {
     if (projection == nullptr) {
       return absl::NotFoundError(absl::StrFormat(
           "kvsplice: the cache's values were encoded with projection %016x, which was not given: "
@@ -331,6 +355,11 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
                                           cache.values.data(), layout.dtype, nullptr,
                                           out.values.data(), dtype));
   }
+  if (const uint32_t bits = HqBits(cache.key_codec); bits != 0) {
+    KVCOMP_RETURN_IF_ERROR(
+        hq::DecodeRows(cache.keys.data(), total, layout.head_dim, bits, out.keys.data(), dtype));
+    return out;
+  }
   KVCOMP_RETURN_IF_ERROR(ops.DecodeKeys(cache.key_codec, rows, layout.head_dim, cache.keys.data(),
                                         layout.dtype,
                                         cache.key_scales.empty() ? nullptr
@@ -342,7 +371,7 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
 absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
                                        ProjectionStore& store, absl::string_view model_id,
                                        DType dtype) {
-  if (cache.value_codec == ValueCodec::kRaw) return DecodeKept(backend, cache, nullptr, dtype);
+  if (!IsProjectionCodec(cache.value_codec)) return DecodeKept(backend, cache, nullptr, dtype);
   KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Projection> p,
                           store.Get(model_id, cache.projection_version));
   return DecodeKept(backend, cache, p.get(), dtype);

@@ -20,8 +20,11 @@ namespace format {
 inline constexpr uint32_t kMagic = 0x4343564B;  // "KVCC" in file order
 inline constexpr uint16_t kMajorVersion = 1;
 // 1.1 added sections 12 to 14 (KVSplice); 1.2 the policy's recent fraction (tag 23); 1.3 the
-// int4 key codec (key codec 3, key scales per group of kept tokens).
-inline constexpr uint16_t kMinorVersion = 3;
+// int4 key codec (key codec 3, key scales per group of kept tokens); 1.4 the Hadamard codecs
+// (key and value codecs 4 and 5: per-token records in the keys and values sections, no scale
+// sections; kvcomp/codecs/hq.h). A 1.3 reader refuses 1.4 caches that use them (unknown codec)
+// and reads the others.
+inline constexpr uint16_t kMinorVersion = 4;
 inline constexpr uint32_t kHeaderBytes = 128;
 inline constexpr uint32_t kSectionEntryBytes = 32;
 inline constexpr uint32_t kAlignment = 64;  // every section starts on a 64-byte boundary
