@@ -411,7 +411,7 @@ absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest reque
                                                    options_.max_put_bytes, ")"));
   }
   std::shared_ptr<const Projection> projection;
-  if (request.policy.get().value_codec != ValueCodec::kRaw) {
+  if (IsProjectionCodec(request.policy.get().value_codec)) {
     // Pinned while the put lives, so the version is not collected before the cache naming it
     // is stored.
     KVCOMP_ASSIGN_OR_RETURN(projection, repository_->PinProjection(request.key));

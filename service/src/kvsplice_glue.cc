@@ -22,7 +22,7 @@ absl::StatusOr<CalibrationResult> CalibrateFromStore(storage::TieredStore* store
   KVCOMP_ASSIGN_OR_RETURN(std::string pmodel,
                           codecs::ProjectionModel(request.tenant, request.model_id));
   KVCOMP_ASSIGN_OR_RETURN(ValueCodec codec, ParseValueCodec(request.value_codec));
-  if (codec == ValueCodec::kRaw) {
+  if (!IsProjectionCodec(codec)) {
     return absl::InvalidArgumentError("calibration needs an orthogonal value codec");
   }
   KVCOMP_ASSIGN_OR_RETURN(auto listed, store->List(request.tenant));

@@ -673,8 +673,7 @@ absl::Status Decode(const Frame& f, CacheSummary* out) {
   out->original_bytes = r.Get<uint64_t>("original_bytes");
   out->stored_bytes = r.Get<uint64_t>("stored_bytes");
   KVCOMP_RETURN_IF_ERROR(r.Finish());
-  if (kc > static_cast<uint8_t>(KeyCodec::kInt4) ||
-      vc > static_cast<uint8_t>(ValueCodec::kOrthogonalInt4)) {
+  if (kc > kMaxKeyCodec || vc > kMaxValueCodec) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown codecs %u/%u", kc, vc)));
   }
   out->key_codec = static_cast<KeyCodec>(kc);
