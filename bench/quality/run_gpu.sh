@@ -23,6 +23,7 @@ DEVICE=${DEVICE:-cuda}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 STAMP=$(date -u +%Y%m%dT%H%MZ)
 export PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # eight processes on the machine's cores
 mkdir -p "$W" "$OUT"
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 ))s] $*"; }

@@ -12,8 +12,8 @@ absl::StatusOr<CompressionPolicy> PolicyPreset(absl::string_view name) {
     p.moments = false;
     p.ratio = 0.0;
     if (name != "lossless") {
-      p.key_codec = KeyCodec::kInt4;
-      p.value_codec = ValueCodec::kOrthogonalInt4;
+      p.key_codec = KeyCodec::kHq4;
+      p.value_codec = ValueCodec::kHq3;
     }
     if (name == "balanced") {
       p.scorer = Scorer::kManifold;

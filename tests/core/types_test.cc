@@ -252,12 +252,14 @@ TEST(PolicyPreset, NamedPresetsValidateAndDiffer) {
   const CompressionPolicy codec = *PolicyPreset("codec");
   EXPECT_EQ(codec.ratio, 0.0);
   EXPECT_FALSE(codec.moments);
-  EXPECT_EQ(codec.key_codec, KeyCodec::kInt4);
-  EXPECT_EQ(codec.value_codec, ValueCodec::kOrthogonalInt4);
+  EXPECT_EQ(codec.key_codec, KeyCodec::kHq4);
+  EXPECT_EQ(codec.value_codec, ValueCodec::kHq3);
   const CompressionPolicy balanced = *PolicyPreset("balanced");
   EXPECT_EQ(balanced.ratio, 0.5);
   EXPECT_EQ(balanced.recent_fraction, 0.5);
   EXPECT_FALSE(balanced.moments);
+  EXPECT_EQ(balanced.key_codec, KeyCodec::kHq4);
+  EXPECT_EQ(balanced.value_codec, ValueCodec::kHq3);
   auto bad = PolicyPreset("fastest");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("lossless"), std::string::npos);

@@ -21,8 +21,7 @@ def test_presets_name_their_policies():
     p = kvcomp.preset("lossless")
     assert (p.ratio, p.moments, p.key_codec, p.value_codec) == (0.0, False, "raw", "none")
     p = kvcomp.preset("codec")
-    assert (p.ratio, p.moments, p.key_codec, p.value_codec) == (0.0, False, "int4",
-                                                                "orthogonal_int4")
+    assert (p.ratio, p.moments, p.key_codec, p.value_codec) == (0.0, False, "hq4", "hq3")
     p = kvcomp.preset("balanced")
     assert (p.scorer, p.ratio, p.recent_fraction, p.moments) == ("manifold", 0.5, 0.5, False)
     d, q = kvcomp.preset("default"), kvcomp.Policy()
@@ -31,6 +30,19 @@ def test_presets_name_their_policies():
     assert kvcomp.preset("balanced", ratio=0.75).ratio == 0.75
     with pytest.raises(ValueError, match="lossless"):
         kvcomp.preset("fastest")
+
+
+def test_codec_and_balanced_presets_compress_without_a_projection():
+    k, v = _cache(256)
+    full = 2 * k.nbytes  # f32 here: 4x the bf16 figures of docs/research.md
+    c = kvcomp.compress(k, v, kvcomp.preset("codec"))
+    assert kvcomp.cache_codecs(c)["value_codec"] == "hq3"
+    assert 2 * 4.27 * 0.95 < full / c.nbytes < 2 * 4.27  # 4.27x of bf16, headers aside
+    dk, dv = kvcomp.decompress(c)
+    rel = np.linalg.norm(dv - v) / np.linalg.norm(v)
+    assert 0.05 < rel < 0.25  # 3-bit values: lossy, not broken
+    b = kvcomp.compress(k, v, kvcomp.preset("balanced"))
+    assert b.nbytes < c.nbytes * 0.55 and not b.has_moments
 
 
 def test_lossless_preset_round_trips_exactly():

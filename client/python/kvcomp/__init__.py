@@ -38,16 +38,16 @@ __all__ = ["__version__", "Policy", "CompressedCache", "score", "compress", "cud
 
 # Named presets (docs/research.md, "Presets"; the same table as kvcomp::PolicyPreset in C++):
 #   lossless  every token, raw keys and values, no moments: the cache as given.
-#   codec     every token, int4 keys and KVSplice orthogonal_int4 values, no moments: what an
-#             unmodified engine can load at full length (needs the model's value projection).
-#   balanced  manifold eviction of half the tokens with half the kept budget recent, int4 keys
-#             and orthogonal_int4 values, no moments.
+#   codec     every token, Hadamard-codec keys at 4 bits and values at 3 bits (hq4 / hq3), no
+#             moments: what an unmodified engine can load at full length (no projection needed).
+#   balanced  manifold eviction of half the tokens with half the kept budget recent, hq4 keys
+#             and hq3 values, no moments.
 #   default   Policy() as constructed.
 PRESETS = {
     "lossless": dict(ratio=0.0, moments=False),
-    "codec": dict(ratio=0.0, moments=False, key_codec="int4", value_codec="orthogonal_int4"),
+    "codec": dict(ratio=0.0, moments=False, key_codec="hq4", value_codec="hq3"),
     "balanced": dict(scorer="manifold", ratio=0.5, recent_fraction=0.5, moments=False,
-                     key_codec="int4", value_codec="orthogonal_int4"),
+                     key_codec="hq4", value_codec="hq3"),
     "default": dict(),
 }
 

@@ -1,10 +1,10 @@
 // Named compression policy presets (docs/research.md, "Presets"; the same table as
 // kvcomp.preset in Python):
 //   lossless  every token, raw keys and values, no moments: the cache as given.
-//   codec     every token, int4 keys and KVSplice orthogonal_int4 values, no moments: what an
-//             unmodified engine can load at full length (needs the model's value projection).
-//   balanced  manifold eviction of half the tokens with half the kept budget recent, int4 keys
-//             and orthogonal_int4 values, no moments.
+//   codec     every token, Hadamard-codec keys at 4 bits and values at 3 bits (hq4 / hq3), no
+//             moments: what an unmodified engine can load at full length (no projection needed).
+//   balanced  manifold eviction of half the tokens with half the kept budget recent, hq4 keys
+//             and hq3 values, no moments.
 //   default   a default-constructed CompressionPolicy.
 #ifndef KVCOMP_CORE_POLICY_PRESETS_H_
 #define KVCOMP_CORE_POLICY_PRESETS_H_
