@@ -118,7 +118,8 @@ def config_row(field):
 
 def config_rows_span(lines):
     """(first, end) line indexes of the default_policy table's rows."""
-    rows = [i for i, line in enumerate(lines) if line.startswith("| `default_policy.")]
+    rows = [i for i, line in enumerate(lines) if line.startswith("| `default_policy.")
+            and not line.startswith("| `default_policy.preset`")]  # a preset, not a field
     if not rows:
         return None
     return rows[0], rows[-1] + 1

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kvcomp/core/policy_fields.h"
+#include "kvcomp/core/policy_presets.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/service/daemon.h"
 
@@ -197,14 +198,50 @@ ConfigField DoubleField(std::string key, std::string type, double lo, double hi,
       [access](const Options& o) { return DoubleText(access(const_cast<Options&>(o))); }};
 }
 
-// A field of default_policy, parsed, range-checked and printed as core declares it.
+// A field of default_policy, parsed, range-checked and printed as core declares it; remembered
+// so that a preset given later keeps it.
 ConfigField PolicyRow(const PolicyFieldInfo& pf) {
   std::string key = absl::StrCat("default_policy.", pf.name);
   return ConfigField{key, std::string(pf.unit), pf.Help(),
-                     [key, &pf](Options& o, absl::string_view v) {
-                       return Annotate(pf.set(o.default_policy, v), absl::StrCat("option ", key));
+                     [key, &pf](Options& o, absl::string_view v) -> absl::Status {
+                       KVCOMP_RETURN_IF_ERROR(Annotate(pf.set(o.default_policy, v),
+                                                       absl::StrCat("option ", key)));
+                       auto& given = o.default_policy_fields;
+                       given.erase(std::remove_if(given.begin(), given.end(),
+                                                  [&pf](const auto& e) { return e.first == pf.name; }),
+                                   given.end());
+                       given.emplace_back(std::string(pf.name), std::string(v));
+                       return absl::OkStatus();
                      },
                      [&pf](const Options& o) { return pf.text(o.default_policy); }};
+}
+
+// default_policy.preset: the policy becomes the preset, then the field keys given (in any
+// source, before or after) are applied over it again.
+ConfigField PolicyPresetRow() {
+  const std::string key = "default_policy.preset";
+  return ConfigField{
+      key, "enum",
+      absl::StrCat("Named policy the default policy starts from; the default_policy.<field> keys "
+                   "override its fields. Empty = the field defaults. One of: ",
+                   absl::StrJoin(PolicyPresetNames(), ", "), "."),
+      [key](Options& o, absl::string_view v) -> absl::Status {
+        CompressionPolicy p;
+        if (!v.empty()) {
+          absl::StatusOr<CompressionPolicy> preset = PolicyPreset(v);
+          if (!preset.ok()) return Annotate(preset.status(), absl::StrCat("option ", key));
+          p = *preset;
+        }
+        for (const auto& [name, text] : o.default_policy_fields) {
+          for (const PolicyFieldInfo& pf : PolicyFields()) {
+            if (pf.name == name) KVCOMP_RETURN_IF_ERROR(pf.set(p, text));
+          }
+        }
+        o.default_policy = p;
+        o.default_policy_preset = std::string(v);
+        return absl::OkStatus();
+      },
+      [](const Options& o) { return o.default_policy_preset; }};
 }
 
 std::vector<ConfigField> BuildFields() {
@@ -500,6 +537,7 @@ std::vector<ConfigField> BuildFields() {
       "(other than a model's latest) are deleted; 0 = only on Delete and Calibrate. Default 60.",
       [](Options & o) -> auto& { return o.storage.sweep_interval_seconds; }));
   // --- default_policy: one row per policy field, from its declaration (policy_fields.def) ---
+  f.push_back(PolicyPresetRow());
   for (const PolicyFieldInfo& pf : PolicyFields()) f.push_back(PolicyRow(pf));
   // --- process ---
   f.push_back(DoubleField(

@@ -14,6 +14,7 @@
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/policy_fields.h"
+#include "kvcomp/core/policy_presets.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/service/config.h"
 #include "kvcomp/service/policy_store.h"
@@ -96,6 +97,7 @@ TEST(PolicyMapping, ConfigurationHasOneRowPerDeclaredField) {
   size_t rows = 0;
   for (const ConfigField& f : ConfigFields()) {
     if (!absl::StartsWith(f.key, "default_policy.")) continue;
+    if (f.key == "default_policy.preset") continue;  // a preset, not a field (next test)
     const PolicyFieldInfo* pf = FindPolicyField(f.key.substr(15));
     ASSERT_NE(pf, nullptr) << f.key;
     EXPECT_EQ(f.type, pf->unit);
@@ -112,6 +114,43 @@ TEST(PolicyMapping, ConfigurationHasOneRowPerDeclaredField) {
   EXPECT_EQ(o.default_policy, p);
   const absl::Status bad = SetOption(o, "default_policy.ratio", "1");
   EXPECT_TRUE(absl::StrContains(bad.message(), "default_policy.ratio")) << bad;
+}
+
+// default_policy.preset: the named preset, with the field keys over it whatever their order or
+// source; an unknown name is refused naming the key; the printed configuration reads back.
+TEST(PolicyMapping, PresetKeyIsTheBaseTheFieldKeysOverride) {
+  for (const std::string& name : PolicyPresetNames()) {
+    Options o;
+    ASSERT_TRUE(SetOption(o, "default_policy.preset", name).ok()) << name;
+    EXPECT_EQ(o.default_policy, *PolicyPreset(name)) << name;
+  }
+  CompressionPolicy want = *PolicyPreset("balanced");
+  want.ratio = 0.6;
+  {  // field first, preset after (a YAML map in this order, or a preset from the environment)
+    Options o;
+    ASSERT_TRUE(SetOption(o, "default_policy.ratio", "0.6").ok());
+    ASSERT_TRUE(SetOption(o, "default_policy.preset", "balanced").ok());
+    EXPECT_EQ(o.default_policy, want);
+  }
+  {  // preset first, field after
+    Options o;
+    ASSERT_TRUE(ApplyYaml(o, "default_policy:\n  preset: balanced\n  ratio: 0.6\n").ok());
+    EXPECT_EQ(o.default_policy, want);
+    EXPECT_EQ(o.default_policy_preset, "balanced");
+    Options back;
+    ASSERT_TRUE(ApplyYaml(back, OptionsToYaml(o)).ok());
+    EXPECT_EQ(back.default_policy, want);
+    // an empty preset goes back to the field defaults, keeping the fields given
+    ASSERT_TRUE(SetOption(o, "default_policy.preset", "").ok());
+    CompressionPolicy plain;
+    plain.ratio = 0.6;
+    EXPECT_EQ(o.default_policy, plain);
+  }
+  Options o;
+  const absl::Status bad = SetOption(o, "default_policy.preset", "fastest");
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bad.message(), "default_policy.preset")) << bad;
+  EXPECT_TRUE(absl::StrContains(bad.message(), "balanced")) << bad;  // names the choices
 }
 
 TEST(PolicyMapping, PoliciesFileKeepsEveryFieldExactlyAcrossARestart) {

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kvcomp/core/policy.h"
 
@@ -198,6 +200,12 @@ struct Options {
   // The policy for tenants and models without one of their own (SetPolicy overrides it per
   // tenant and model). Defaults are CompressionPolicy's.
   CompressionPolicy default_policy;
+  // default_policy.preset: a named preset (kvcomp::PolicyPreset) the policy starts from; the
+  // default_policy.<field> keys given anywhere (file, environment, flags) override its fields,
+  // whatever their order. Empty: CompressionPolicy's defaults.
+  std::string default_policy_preset;
+  // The default_policy.<field> keys given so far, by field name: what a preset set later keeps.
+  std::vector<std::pair<std::string, std::string>> default_policy_fields;
   ProcessOptions process;
 };
 
