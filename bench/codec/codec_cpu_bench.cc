@@ -1,6 +1,7 @@
 // KVSplice on the CPU backend: EncodeValues and DecodeValues (the fused dequantize + expand)
-// GB/s over the bytes each reads and writes, next to a memcpy of the output size in the same run.
-// One RESULT line per configuration; median of repetitions.
+// GB/s over the bytes each reads and writes, next to a memcpy of the output size in the same run;
+// then the Hadamard codec (kvcomp/codecs/hq.h, one thread: its row loop is not parallel yet) at 4
+// and 3 bits over the same bf16 rows. One RESULT line per configuration; median of repetitions.
 //
 //   kvcomp_bench_cpu_codec [rows_per_head] [heads] [threads]   (defaults 2048, 64, 0 = all)
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "bench_projection.h"
+#include "kvcomp/codecs/hq.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/kernels/projection.h"
@@ -92,6 +94,25 @@ int main(int argc, char** argv) {
           rank, d, static_cast<unsigned long long>(n), enc * 1e3, io / enc / 1e9, dec * 1e3,
           io / dec / 1e9, copy_gbps);
     }
+  }
+  for (uint32_t bits : {4u, 3u}) {
+    std::vector<uint8_t> rec(n * hq::RowBytes(bits, d));
+    const double enc = MedianSeconds(
+        [&] {
+          if (!hq::EncodeRows(v.data(), DType::kBF16, n, d, bits, rec.data()).ok()) std::abort();
+        },
+        3);
+    const double dec = MedianSeconds(
+        [&] {
+          if (!hq::DecodeRows(rec.data(), n, d, bits, out.data(), DType::kBF16).ok()) std::abort();
+        },
+        3);
+    const double io = static_cast<double>(rec.size()) + n * d * 2.0;
+    std::printf(
+        "RESULT bench=cpu_hq bits=%u d=%u rows=%llu threads=1 encode_ms=%.1f encode_GBps=%.2f "
+        "decode_ms=%.1f decode_GBps=%.2f copy_GBps=%.1f\n",
+        bits, d, static_cast<unsigned long long>(n), enc * 1e3, io / enc / 1e9, dec * 1e3,
+        io / dec / 1e9, copy_gbps);
   }
   return 0;
 }
