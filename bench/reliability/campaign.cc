@@ -15,6 +15,11 @@
 //                write-ahead log file is flipped before the restart (a media fault): a cache
 //                may then be missing (a miss) or refused with an error, never served wrong;
 //                what is missing or refused after such a fault is counted and no longer tracked.
+//                With --tear_every=N, after every N-th kill a random RocksDB blob or write-ahead
+//                log file, or a direct payload file, is cut short at a random length (a torn
+//                write), counted and tracked the same way. (Tables, the manifest and the options
+//                files are RocksDB's own metadata: a database whose metadata is torn does not
+//                open, by design; not injected.)
 //   --mode=soak  `--clients` clients for `--seconds` of mixed put/get/delete on one daemon:
 //                every unexpected status is an error; latency per operation (p50/p99/max) and
 //                the daemon's RSS (sampled each second) are reported.
@@ -80,6 +85,7 @@ struct Flags {
   uint64_t seed = 1;
   bool dir_is_scratch = false;  // --dir not given: a fresh directory, removed after a clean run
   int flip_every = 0;  // kill mode: a byte flipped in a stored file after every n-th kill
+  int tear_every = 0;  // kill mode: a stored file cut short after every n-th kill
   int strangers = 256;
   uint64_t burst_mb = 1024;
   double stranger_period = 20;
@@ -493,6 +499,29 @@ struct KillCampaign {
     return path.filename().string() + " at " + std::to_string(at);
   }
 
+  // Cuts a random blob, write-ahead log or direct payload file short: "" when there is none.
+  std::string TearAFile(const std::string& data, std::mt19937_64& rng) {
+    std::vector<std::filesystem::path> files;
+    std::error_code ec;
+    for (const char* dir : {"/rocksdb", "/rocksdb/direct"}) {
+      for (const auto& e : std::filesystem::directory_iterator(data + dir, ec)) {
+        const std::string ext = e.path().extension().string();
+        if ((ext == ".blob" || ext == ".log" || ext == ".kvd") && e.file_size(ec) > 1) {
+          files.push_back(e.path());
+        }
+      }
+    }
+    if (files.empty()) return "";
+    const auto& path = files[rng() % files.size()];
+    const uint64_t size = std::filesystem::file_size(path, ec);
+    if (ec || size < 2) return "";
+    const uint64_t keep = 1 + rng() % (size - 1);
+    std::filesystem::resize_file(path, keep, ec);
+    if (ec) return "";
+    return path.filename().string() + " cut from " + std::to_string(size) + " to " +
+           std::to_string(keep) + " bytes";
+  }
+
   // A daemon left running by a driver that died holds the database's lock: it goes first.
   static void KillOrphan(const std::string& data) {
     std::ifstream in(data + ".ready.yaml");
@@ -576,6 +605,14 @@ struct KillCampaign {
             damaged = true;
           }
         }
+        if (f.tear_every > 0 && (cycle + 1) % f.tear_every == 0) {
+          const std::string what = TearAFile(data, rng);
+          if (!what.empty()) {
+            Journal("F " + what);
+            ++faults;
+            damaged = true;
+          }
+        }
         Journal("C " + std::to_string(cycle + 1));
         cycles_done = cycle + 1;
       }
@@ -613,7 +650,7 @@ struct KillCampaign {
       << acked_deletes << " | operations cut by the kill " << cut_puts + cut_deletes
       << " | live caches " << live << " | lost " << lost << " | corrupt " << corrupt
       << " | deleted but back " << resurrected << " | errors while up " << op_errors_before_kill
-      << " | byte flips " << faults << ", then missing " << fault_misses << ", refused "
+      << " | faults (byte flips, torn files) " << faults << ", then missing " << fault_misses << ", refused "
       << fault_errors << ", deleted ones back " << fault_back
       << ", puts and deletes refused (DATA_LOSS) after " << fault_refused_ops
       << " | restart-to-ready p50 " << Percentile(restart_ms, 0.5) << " ms, p99 "
@@ -984,6 +1021,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("burst_mb")) f.burst_mb = std::strtoull(v, nullptr, 10);
     else if (const char* v = val("stranger_period")) f.stranger_period = std::atof(v);
     else if (const char* v = val("flip_every")) f.flip_every = std::atoi(v);
+    else if (const char* v = val("tear_every")) f.tear_every = std::atoi(v);
     // clang-format on
     else if (const char* v = val("daemon_flag")) f.daemon_flags.push_back(v);
     else {
