@@ -246,7 +246,12 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
       absl::MutexLock lock(&mu_);
       on_device = device_kv_ != nullptr;
     }
-    if (on_device) return CommitOnDevice(backend, &transfers);
+    // A cache whose codecs have no device encoder (the hq codecs) is selected on the device and
+    // encoded on the host (Compress), then stored from host memory.
+    const CompressionPolicy& policy = request_.policy.get();
+    if (on_device && HqBits(policy.key_codec) == 0 && HqBits(policy.value_codec) == 0) {
+      return CommitOnDevice(backend, &transfers);
+    }
     if (request_.block_wise) {
       absl::MutexLock stream(&stream_mu_);
       KVCOMP_RETURN_IF_ERROR(DrainBlockWise());

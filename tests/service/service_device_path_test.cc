@@ -445,6 +445,30 @@ TEST_F(DevicePathTest, DeviceMemoryBlocksNeverCrossToTheHost) {
 }
 #endif
 
+// The hq codecs have no device encoder: a put from device memory into the GPU tier is selected
+// on the device, encoded on the host, and stores the same bytes as the put from host memory.
+TEST_F(DevicePathTest, AnHqPutFromDeviceMemoryEncodesOnTheHostLikeAHostPut) {
+  Start(storage::TierKind::kDevice);
+  Tensor x(13);
+  CompressionPolicy p = Policy();
+  p.moments = false;
+  p.key_codec = KeyCodec::kHq4;
+  p.value_codec = ValueCodec::kHq3;
+  absl::StatusOr<CacheSummary> dev = PutCache("dev", x, /*device_blocks=*/true, p);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  absl::StatusOr<CacheSummary> host = PutCache("host", x, /*device_blocks=*/false, p);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ(dev->stored_bytes, host->stored_bytes);
+  absl::StatusOr<CompressedCache> a = Stored("dev"), b = Stored("host");
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->key_codec, KeyCodec::kHq4);
+  EXPECT_EQ(a->value_codec, ValueCodec::kHq3);
+  EXPECT_EQ(a->positions, b->positions);
+  EXPECT_EQ(a->keys, b->keys);
+  EXPECT_EQ(a->values, b->values);
+}
+
 TEST_F(DevicePathTest, APutBeyondTheGpuMemoryCapIsRefusedWithNothingKept) {
   const uint64_t need = Engine::DeviceBytesForPut(kLayout, kTokens, true);
   Start(storage::TierKind::kHost, /*gpu_cap=*/need + need / 2);
