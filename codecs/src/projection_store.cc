@@ -226,7 +226,7 @@ absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
                                             ProjectionStore* projections, Backend* backend) {
   if (cache.key_codec == KeyCodec::kRaw && cache.value_codec == ValueCodec::kRaw) return cache;
   std::shared_ptr<const Projection> projection;
-  if (cache.value_codec != ValueCodec::kRaw) {
+  if (IsProjectionCodec(cache.value_codec)) {
     KVCOMP_ASSIGN_OR_RETURN(projection,
                             projections->Get(projection_model, cache.projection_version));
   }

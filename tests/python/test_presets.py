@@ -78,3 +78,30 @@ def test_a_policy_that_expands_the_cache_says_so():
     with pytest.warns(RuntimeWarning, match="larger than the original"):
         c = kvcomp.compress(k, v, kvcomp.Policy(ratio=0.5))
     assert c.has_moments and c.nbytes > c.original_nbytes
+
+
+def test_every_preset_round_trips_through_kvcompd_decoded():
+    # What an engine loads: the daemon decodes each preset's cache to raw codecs (a dense get,
+    # a whole get and a chunk get), the same values as the client's own decode.
+    from kvcompd_fixture import Kvcompd, built_kvcompd
+
+    binary = built_kvcompd()
+    if binary is None:
+        pytest.skip("kvcompd not built")
+    k, v = _cache(256, d=64)
+    k, v = k.astype(np.float16), v.astype(np.float16)
+    with Kvcompd(binary) as d:
+        c = kvcomp.Client(f"{d.data_endpoint},127.0.0.1:{d.control_port}", timeout=30.0)
+        for name in kvcomp.PRESETS:
+            c.put("m", name, k, v, policy=kvcomp.preset(name))
+            stored = c.get("m", name)
+            want_k, want_v = kvcomp.decompress(stored)
+            for got in (c.get("m", name, decoded=True),
+                        c.get_chunks("m", [name], decoded=True)[0]):
+                assert kvcomp.cache_codecs(got)["value_codec"] == "none", name
+                gk, gv = kvcomp.decompress(got)
+                # the daemon decodes to the input dtype (f16): the client's f32 decode rounded
+                np.testing.assert_allclose(gk, want_k.astype(np.float16), rtol=1e-3, atol=1e-4,
+                                           err_msg=name)
+                np.testing.assert_allclose(gv, want_v.astype(np.float16), rtol=1e-3, atol=1e-4,
+                                           err_msg=name)
