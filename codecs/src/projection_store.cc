@@ -239,33 +239,12 @@ absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
     std::unique_ptr<Backend> backend ABSL_GUARDED_BY(mu);
   };
   static DecodePool* const pool = new DecodePool;
-  DecodedKept d;
-  if (backend != nullptr) {
-    KVCOMP_ASSIGN_OR_RETURN(d, DecodeKept(*backend, cache, projection.get(), cache.layout.dtype));
-  } else {
-    absl::MutexLock lock(&pool->mu);
-    if (pool->backend == nullptr) {
-      KVCOMP_ASSIGN_OR_RETURN(pool->backend, MakeCpuBackend(CpuBackendOptions{0}));
-    }
-    KVCOMP_ASSIGN_OR_RETURN(
-        d, DecodeKept(*pool->backend, cache, projection.get(), cache.layout.dtype));
+  if (backend != nullptr) return DecodeToRawCodecs(*backend, cache, projection.get());
+  absl::MutexLock lock(&pool->mu);
+  if (pool->backend == nullptr) {
+    KVCOMP_ASSIGN_OR_RETURN(pool->backend, MakeCpuBackend(CpuBackendOptions{0}));
   }
-  CompressedCache raw = cache;
-  raw.key_codec = KeyCodec::kRaw;
-  raw.value_codec = ValueCodec::kRaw;
-  raw.rank = 0;
-  raw.layer_rank.clear();
-  raw.raw_value_rows.clear();
-  raw.raw_values.clear();
-  raw.projection_version = 0;
-  raw.value_gamma = false;
-  raw.key_scales.clear();
-  raw.value_scales.clear();
-  raw.positions = std::move(d.positions);
-  raw.keys = std::move(d.keys);
-  raw.values = std::move(d.values);
-  KVCOMP_RETURN_IF_ERROR(raw.Validate());
-  return raw;
+  return DecodeToRawCodecs(*pool->backend, cache, projection.get());
 }
 
 }  // namespace codecs

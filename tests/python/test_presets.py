@@ -105,3 +105,23 @@ def test_every_preset_round_trips_through_kvcompd_decoded():
                                            err_msg=name)
                 np.testing.assert_allclose(gv, want_v.astype(np.float16), rtol=1e-3, atol=1e-4,
                                            err_msg=name)
+
+
+def _attention(q, k, v):
+    """Softmax attention of q [heads, n, d] over k, v [heads, kept, d], float64."""
+    s = np.einsum("hnd,htd->hnt", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[-1])
+    s = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hnt,htd->hnd", s / s.sum(-1, keepdims=True), v.astype(np.float64))
+
+
+@pytest.mark.parametrize("name", ["codec", "balanced"])
+def test_decode_attention_reads_every_preset(name):
+    # The decode path attends over the hq codecs' caches: the same as attention over the
+    # cache's own decoded keys and values.
+    k, v = _cache(256, d=64, seed=3)
+    c = kvcomp.compress(k, v, kvcomp.preset(name))
+    dk, dv = kvcomp.decompress(c)
+    q = np.random.default_rng(4).standard_normal((2, 3, 64)).astype(np.float32)
+    for layer in range(2):
+        got = kvcomp.attention(q, c, layer)
+        np.testing.assert_allclose(got, _attention(q, dk[layer], dv[layer]), atol=1e-4)

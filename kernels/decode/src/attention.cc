@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/kernels/kvsplice.h"
 #include "../../src/env_switch.h"
 #include "dense_decode.h"
 #include "latent_attention.h"
@@ -73,9 +75,15 @@ absl::StatusOr<std::unique_ptr<ResidentCache>> ResidentCache::Place(
     const PlaceOptions& options) {
   KVCOMP_RETURN_IF_ERROR(cache.Validate());
   if (HqBits(cache.key_codec) != 0 || HqBits(cache.value_codec) != 0) {
-    return absl::UnimplementedError(
-        "decode: attention over hq-encoded caches is not implemented (decode them to dense K and "
-        "V first: DecodeKept)");
+    // No attention kernel reads the hq codecs: their rows are decoded once, here, and the cache
+    // is placed with raw codecs (its layout's dtype; memory as a raw cache of the kept tokens).
+    KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw,
+                            DecodeToRawCodecs(backend, cache, projection.get()));
+    auto decoded = std::make_unique<const CompressedCache>(std::move(raw));
+    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<ResidentCache> rc,
+                            Place(backend, *decoded, nullptr, options));
+    rc->decoded_ = std::move(decoded);
+    return rc;
   }
   KVCOMP_RETURN_IF_ERROR(CheckProjection(cache, projection.get()));
   const KvLayout& layout = cache.layout;

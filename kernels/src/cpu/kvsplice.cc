@@ -377,4 +377,27 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
   return DecodeKept(backend, cache, p.get(), dtype);
 }
 
+absl::StatusOr<CompressedCache> DecodeToRawCodecs(Backend& backend, const CompressedCache& cache,
+                                                  const Projection* projection) {
+  if (cache.key_codec == KeyCodec::kRaw && cache.value_codec == ValueCodec::kRaw) return cache;
+  KVCOMP_ASSIGN_OR_RETURN(DecodedKept d,
+                          DecodeKept(backend, cache, projection, cache.layout.dtype));
+  CompressedCache raw = cache;
+  raw.key_codec = KeyCodec::kRaw;
+  raw.value_codec = ValueCodec::kRaw;
+  raw.rank = 0;
+  raw.layer_rank.clear();
+  raw.raw_value_rows.clear();
+  raw.raw_values.clear();
+  raw.projection_version = 0;
+  raw.value_gamma = false;
+  raw.key_scales.clear();
+  raw.value_scales.clear();
+  raw.positions = std::move(d.positions);
+  raw.keys = std::move(d.keys);
+  raw.values = std::move(d.values);
+  KVCOMP_RETURN_IF_ERROR(raw.Validate());
+  return raw;
+}
+
 }  // namespace kvcomp

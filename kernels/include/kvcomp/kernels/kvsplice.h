@@ -63,6 +63,12 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
                                        ProjectionStore& store, absl::string_view model_id,
                                        DType dtype = DType::kF32);
 
+// `cache` with its kept tokens decoded to raw codecs in its layout's dtype (positions, kept
+// counts and moments as they were): what a consumer that reads raw rows takes, e.g. a decoded
+// get or attention over a codec it has no kernel for. `projection` as for DecodeKept.
+absl::StatusOr<CompressedCache> DecodeToRawCodecs(Backend& backend, const CompressedCache& cache,
+                                                  const Projection* projection);
+
 // The codec parameters a cache was encoded with (its header fields; rank is the largest layer's
 // when the cache has per-layer ranks).
 ValueCodecParams CacheValueParams(const CompressedCache& cache);

@@ -91,7 +91,8 @@ class ResidentCache {
 
   // Places the sections of the chosen layers in `backend`'s space. A device backend gets one
   // copy of each section (nothing is decoded); on a host backend the ResidentCache views the
-  // cache's own arrays, so `cache` must then outlive it. `projection` is needed when the values
+  // cache's own arrays, so `cache` must then outlive it. A cache in the hq codecs is decoded
+  // to raw rows first (kept by the ResidentCache: the kept tokens' raw size). `projection` is needed when the values
   // are encoded: NotFound when it is null or of another version than the cache names,
   // InvalidArgument when its shape is not the cache's. InvalidArgument when the cache fails
   // Validate() or the layer range is outside it; ResourceExhausted when device memory is short.
@@ -136,6 +137,9 @@ class ResidentCache {
   std::vector<std::vector<uint64_t>> host_rows_;  // host backends: per-layer raw rows
   std::vector<std::vector<float>> host_expand_;   // per-layer expand matrices (host copies)
   std::vector<Buffer> buffers_;
+  // A cache decoded at Place (the hq codecs, which no attention kernel reads): the host
+  // backend's views point into it.
+  std::unique_ptr<const CompressedCache> decoded_;
   uint64_t max_layer_rows_ = 0;
   TransferCounters transfers_;
 };
