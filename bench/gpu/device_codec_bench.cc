@@ -9,6 +9,10 @@
 // against the link time the cache's saved bytes buy back at 50 GB/s (400 Gb/s) and against a
 // device-to-device copy of its minimal bytes (K and V read, the cache written). Wall-clock
 // medians of --reps runs after one untimed run; one RESULT line per policy and token count.
+// Then the codec ops alone on the kept rows of a put (half the tokens of every layer and head,
+// device memory): the value encoder of every layer in one call (int8 at rank 64, with the
+// outlier measure, and int4 at the tuned per-layer ranks) and the int8 key encoder, each over
+// the bytes it reads and writes against the same device copy (bench=device_codec_op).
 //
 // Usage: kvcomp_bench_gpu_device_codec [--tokens 8192,32768] [--reps 5]
 #include <cuda_runtime.h>
@@ -29,6 +33,7 @@
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/calibration.h"
+#include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/kernels/pipeline.h"
 
 namespace {
@@ -142,6 +147,79 @@ int main(int argc, char** argv) {
           100.0 * work_s / saved_s, minimal / work_s / 1e9, copy_gbps,
           100.0 * (minimal / work_s / 1e9) / copy_gbps);
       std::fflush(stdout);
+    }
+
+    // The codec ops alone on a put's kept rows: every layer's first T / 2 tokens of each head.
+    {
+      const uint32_t heads = llama.num_layers * llama.num_kv_heads, d = llama.head_dim;
+      const uint64_t kept = T / 2, n = uint64_t{heads} * kept;
+      std::vector<uint64_t> off(heads + 1);
+      for (uint32_t h = 0; h <= heads; ++h) off[h] = uint64_t{h} * kept;
+      auto in = kvcomp::Buffer::Allocate(gpu.allocator(), n * d * 2);
+      ExitIfError(in.status(), "rows");
+      for (uint32_t l = 0; l < llama.num_layers; ++l) {  // the layer's values, half its tokens
+        const uint64_t bytes = n / llama.num_layers * d * 2;
+        ExitIfError(gpu.CopyFromHost(in->as<uint8_t>() + l * bytes, v.data(), bytes), "upload");
+      }
+      auto time_op = [&](const std::function<absl::Status()>& op) {
+        std::vector<double> t;
+        for (int rep = 0; rep <= reps; ++rep) {
+          ExitIfError(gpu.Synchronize(), "synchronize");
+          const Clock::time_point t0 = Clock::now();
+          ExitIfError(op(), "op");
+          ExitIfError(gpu.Synchronize(), "synchronize");
+          if (rep > 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        }
+        return Median(t);
+      };
+      auto report = [&](const char* op, double secs, double bytes) {
+        const double gbps = bytes / secs / 1e9;
+        std::printf(
+            "RESULT bench=device_codec_op tokens=%llu op=%s rows=%llu s=%.5f GBps=%.1f "
+            "d2d_copy_GBps=%.1f vs_copy=%.1f%%\n",
+            static_cast<unsigned long long>(T), op, static_cast<unsigned long long>(n), secs,
+            gbps, copy_gbps, 100.0 * gbps / copy_gbps);
+        std::fflush(stdout);
+      };
+      for (int which = 0; which < 2; ++which) {
+        kvcomp::ValueCodecParams params;
+        params.codec = which == 0 ? kvcomp::ValueCodec::kOrthogonalInt8
+                                  : kvcomp::ValueCodec::kOrthogonalInt4;
+        const kvcomp::Projection& proj = which == 0 ? *projection : *tuned;
+        std::vector<uint32_t> ranks(llama.num_layers, 64);
+        if (which == 1) ranks = tuned->tuned_rank;
+        params.rank = *std::max_element(ranks.begin(), ranks.end());
+        uint64_t lat = 0, sc = 0;
+        for (uint32_t r : ranks) {
+          kvcomp::ValueCodecParams lp = params;
+          lp.rank = r;
+          lat += n / llama.num_layers * lp.LatentBytes();
+          sc += n / llama.num_layers * lp.Groups();
+        }
+        auto out = kvcomp::Buffer::Allocate(gpu.allocator(), lat + 2 * sc + 8 * n + 64);
+        ExitIfError(out.status(), "latents");
+        uint8_t* latent = out->as<uint8_t>();
+        auto* scales = reinterpret_cast<uint16_t*>(latent + (lat + 15) / 16 * 16);
+        auto* energy = reinterpret_cast<float*>(latent + (lat + 2 * sc + 31) / 16 * 16);
+        float* lost = energy + n;
+        const double secs = time_op([&] {
+          return gpu.codec().EncodeValueLayers(proj, params, ranks, off, in->data(),
+                                               kvcomp::DType::kBF16, latent, scales, energy,
+                                               lost);
+        });
+        report(which == 0 ? "encode_values_int8_rank64" : "encode_values_int4_tuned_ranks", secs,
+               static_cast<double>(n * d * 2 + lat + 2 * sc + 8 * n));
+      }
+      auto keys_out = kvcomp::Buffer::Allocate(gpu.allocator(), n * d + heads * d * 4 + 64);
+      ExitIfError(keys_out.status(), "keys");
+      kvcomp::RowSpan rows;
+      rows.row_offsets = off;
+      const double key_s = time_op([&] {
+        return gpu.codec().EncodeKeys(kvcomp::KeyCodec::kInt8, rows, d, in->data(),
+                                      kvcomp::DType::kBF16, keys_out->data(),
+                                      reinterpret_cast<float*>(keys_out->as<uint8_t>() + n * d));
+      });
+      report("encode_keys_int8", key_s, static_cast<double>(n * d * 3 + heads * d * 4));
     }
   }
   return 0;

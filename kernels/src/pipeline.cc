@@ -198,12 +198,21 @@ bool LayerGroupsEnabled() {
   return enabled;
 }
 
+// Layer j of a group's view (g x heads heads, layer-major).
+HeadsView LayerOfGroup(const HeadsView& group, uint32_t j, uint32_t heads) {
+  HeadsView v = group;
+  v.data = static_cast<const char*>(group.data) +
+           DTypeBytes(group.dtype, uint64_t{j} * heads * group.head_stride);
+  v.num_heads = heads;
+  return v;
+}
+
 // How many layers CompressOnDevice does at once (1: layer by layer). The group's selection
 // workspace stays within a sixteenth of the cache's bytes (at least one layer's).
 uint32_t LayerGroup(Backend& backend, const KvCacheView& cache, const CompressionPolicy& policy,
                     const CompressOptions& options, const SelectParams& select) {
   const uint32_t L = cache.layout.num_layers;
-  if (L < 2 || !LayerGroupsEnabled() || options.on_evict || policy.moment_aware || policy.scorer == Scorer::kSnapKV ||
+  if (L < 2 || !LayerGroupsEnabled() || options.on_evict || policy.scorer == Scorer::kSnapKV ||
       policy.scorer == Scorer::kRandom || select.head_budget != HeadBudget::kUniform ||
       !LayersAreOneView(cache.keys, 0, L) || !LayersAreOneView(cache.values, 0, L)) {
     return 1;
@@ -216,7 +225,11 @@ uint32_t LayerGroup(Backend& backend, const KvCacheView& cache, const Compressio
     args.values.num_heads *= layers;
     args.score = ScoreParamsFromPolicy(policy, 0);
     args.select = select;
-    return backend.scoring().WorkspaceBytes(args);
+    // The moment-aware rescoring's sort keys, orders, ranks and distances (moments_aware.cu:
+    // 68 bytes a token of each head) besides the selection's own.
+    const uint64_t rescoring =
+        policy.moment_aware ? uint64_t{args.keys.num_heads} * cache.num_tokens * 68 : 0;
+    return backend.scoring().WorkspaceBytes(args) + rescoring;
   };
   const uint64_t bound =
       std::max<uint64_t>(workspace(1), cache.layout.CacheBytes(cache.num_tokens) / 16);
@@ -362,10 +375,25 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
     args.values_out = d_v.as<char>() + uint64_t{l} * cap * row;
     if (deferred) args.deferred_check = checks + gi;
     args.compact = !fused_moments;  // else the moment pass compacts and checks the values
-    KVCOMP_RETURN_IF_ERROR(Annotate(
+    absl::Status selected =
         policy.moment_aware ? moments_internal::MomentAwareScoreSelectCompact(backend, args)
-                            : backend.scoring().ScoreSelectCompact(args),
-        where));
+                            : backend.scoring().ScoreSelectCompact(args);
+    if (!selected.ok() && g > 1 && policy.moment_aware) {
+      // The moment-aware ops check the group's data at once: a bad row is found again layer by
+      // layer, so the status names its layer and head as the layer-by-layer loop does.
+      for (uint32_t j = 0; j < g; ++j) {
+        ScoreSelectCompactArgs one = args;
+        one.keys = LayerOfGroup(args.keys, j, heads);
+        one.values = LayerOfGroup(args.values, j, heads);
+        one.score.key_sums = GroupKeySums(cache, l + j, 1);
+        one.kept = {counts + uint64_t{j} * heads, kept + uint64_t{j} * cap};
+        one.keys_out = static_cast<char*>(args.keys_out) + uint64_t{j} * cap * row;
+        one.values_out = static_cast<char*>(args.values_out) + uint64_t{j} * cap * row;
+        const absl::Status layer = moments_internal::MomentAwareScoreSelectCompact(backend, one);
+        if (!layer.ok()) return Annotate(layer, absl::StrFormat("layer %u", l + j));
+      }
+    }
+    KVCOMP_RETURN_IF_ERROR(Annotate(selected, where));
     if (!out.has_moments && !options.on_evict) continue;
     const uint64_t h0 = uint64_t{l} * heads;
     MomentsView m{dc.moment_count.as<uint64_t>() + h0,

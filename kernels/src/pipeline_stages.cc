@@ -146,7 +146,6 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
     const bool uniform = plan.uniform;
     const std::vector<kvsplice_internal::LayerRows> layers =
         kvsplice_internal::SplitLayers(offsets, layout.num_kv_heads, p, ranks);
-    // KVSplice outliers: residuals per layer at its rank, the rows picked on the device.
     bool any_outlier = false;
     for (uint32_t k : host.kept) {
       any_outlier =
@@ -155,23 +154,22 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
     cache->raw_value_row_count = 0;
     cache->raw_value_rows.Reset();
     cache->raw_values.Reset();
+    // One pass over every layer at its rank: latents, scales and each row's outlier measure.
+    const kvsplice_internal::LayerRows& last = layers.back();
+    const uint64_t latent_bytes = last.latent_byte + last.offsets.back() * last.params.LatentBytes();
+    const uint64_t scale_count = last.scale_elem + last.offsets.back() * last.params.Groups();
+    Buffer latent, scales, residuals;
+    KVCOMP_RETURN_IF_ERROR(alloc(&latent, latent_bytes));
+    KVCOMP_RETURN_IF_ERROR(alloc(&scales, scale_count * sizeof(uint16_t)));
+    if (any_outlier) KVCOMP_RETURN_IF_ERROR(alloc(&residuals, 2 * total * sizeof(float)));
+    float* energy = any_outlier ? residuals.as<float>() : nullptr;
+    float* lost = any_outlier ? energy + total : nullptr;
+    KVCOMP_RETURN_IF_ERROR(ops.EncodeValueLayers(*projection, p, ranks, offsets,
+                                                 cache->values.data(), layout.dtype,
+                                                 latent.data(), scales.as<uint16_t>(), energy,
+                                                 lost));
     if (any_outlier) {
-      Buffer residuals;
-      KVCOMP_RETURN_IF_ERROR(alloc(&residuals, 2 * total * sizeof(float)));
-      float* energy = residuals.as<float>();
-      float* lost = energy + total;
-      if (uniform) {
-        KVCOMP_RETURN_IF_ERROR(ops.ValueResiduals(*projection, rank, rows, cache->values.data(),
-                                                  layout.dtype, energy, lost));
-      } else {
-        for (const kvsplice_internal::LayerRows& L : layers) {
-          if (L.offsets.back() == 0) continue;
-          KVCOMP_RETURN_IF_ERROR(ops.ValueResiduals(
-              *projection, L.params.rank, L.span(),
-              cache->values.as<uint8_t>() + L.first_row * row_bytes, layout.dtype,
-              energy + L.first_row, lost + L.first_row));
-        }
-      }
+      // KVSplice outliers: the rows picked on the device from the measure above.
 #if defined(KVCOMP_HAVE_CUDA)
       KVCOMP_RETURN_IF_ERROR(codec_device::PickRawValueRows(
           backend.native_stream(), a, energy, lost, offsets, policy.value_raw_fraction,
@@ -180,26 +178,6 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
 #else
       return absl::FailedPreconditionError("this build has no CUDA");
 #endif
-    }
-    // The latents (and scales), one call for one rank, else one per layer at its own rank.
-    const kvsplice_internal::LayerRows& last = layers.back();
-    const uint64_t latent_bytes = last.latent_byte + last.offsets.back() * last.params.LatentBytes();
-    const uint64_t scale_count = last.scale_elem + last.offsets.back() * last.params.Groups();
-    Buffer latent, scales;
-    KVCOMP_RETURN_IF_ERROR(alloc(&latent, latent_bytes));
-    KVCOMP_RETURN_IF_ERROR(alloc(&scales, scale_count * sizeof(uint16_t)));
-    if (uniform) {
-      KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(*projection, p, rows, cache->values.data(),
-                                              layout.dtype, latent.data(),
-                                              scales.as<uint16_t>()));
-    } else {
-      for (const kvsplice_internal::LayerRows& L : layers) {
-        if (L.offsets.back() == 0) continue;
-        KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(
-            *projection, L.params, L.span(), cache->values.as<uint8_t>() + L.first_row * row_bytes,
-            layout.dtype, latent.as<uint8_t>() + L.latent_byte,
-            scale_count == 0 ? nullptr : scales.as<uint16_t>() + L.scale_elem));
-      }
     }
     cache->values = std::move(latent);
     cache->value_scales = std::move(scales);

@@ -368,6 +368,119 @@ TEST(CodecCpu, Int4KeysScalePerGroupOfRows) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The encoder's arithmetic as codec_ops.h states it, written out with std::fma: each latent a
+// chain of fused multiply-adds over the channels in order, divided by gamma; the outlier measure
+// chains of squares. The backend (whatever ISA build the CPU takes) gives the same bits, for
+// the whole cache at per-layer ranks (EncodeValueLayers) and per call (EncodeValues,
+// ValueResiduals); the CUDA backend is held to the same bits by codec_cuda_test.
+TEST(CodecCpu, EncoderFollowsTheFusedMultiplyAddChainBitForBit) {
+  auto be = Cpu();
+  const uint32_t layers = 2, kv = 2, d = 64;
+  const Projection p = MakeProjection(layers, kv, d, d, false, 5, 0.9f);
+  const std::vector<uint64_t> off = {0, 37, 37, 101, 230};
+  const uint64_t n = off.back();
+  std::mt19937_64 rng(17);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(n * d);
+  for (auto& x : v) x = nd(rng);
+  const std::vector<uint32_t> ranks = {24, 40};
+  ValueCodecParams params{ValueCodec::kOrthogonalInt8, 40, 16, true};
+  // Reference, row by row.
+  std::vector<uint8_t> want_lat;
+  std::vector<uint16_t> want_sc;
+  std::vector<float> want_e(n), want_l(n);
+  for (uint32_t l = 0; l < layers; ++l) {
+    ValueCodecParams lp = params;
+    lp.rank = ranks[l];
+    for (uint32_t h = l * kv; h < (l + 1) * kv; ++h) {
+      const float* basis = p.head_basis(h);
+      const float* gamma = p.head_gamma(h);
+      for (uint64_t i = off[h]; i < off[h + 1]; ++i) {
+        const float* row = v.data() + i * d;
+        float e = 0.0f, pp = 0.0f;
+        for (uint32_t k = 0; k < d; ++k) e = std::fma(row[k], row[k], e);
+        std::vector<float> z(lp.rank);
+        for (uint32_t j = 0; j < lp.rank; ++j) {
+          float acc = 0.0f;
+          for (uint32_t k = 0; k < d; ++k) acc = std::fma(row[k], basis[j * d + k], acc);
+          pp = std::fma(acc, acc, pp);
+          z[j] = acc / gamma[j];
+        }
+        want_e[i] = e;
+        want_l[i] = e - pp > 0.0f ? e - pp : 0.0f;
+        const int g = static_cast<int>(lp.Groups());
+        for (int gi = 0; gi < g; ++gi) {
+          float m = 0.0f;
+          for (uint32_t j = gi * lp.group_size; j < std::min(lp.rank, (gi + 1) * lp.group_size);
+               ++j) {
+            m = std::fmax(m, std::fabs(z[j]));
+          }
+          const float s = m / 127.0f;
+          uint16_t hs = s > 0.0f ? FloatToHalf(s) : 0;
+          if (s > 0.0f && HalfToFloat(hs) < s) ++hs;
+          want_sc.push_back(hs);
+          for (uint32_t j = gi * lp.group_size; j < std::min(lp.rank, (gi + 1) * lp.group_size);
+               ++j) {
+            const float q = hs == 0 ? 0.0f
+                                    : std::fmin(std::fmax(z[j] / HalfToFloat(hs), -127.0f), 127.0f);
+            want_lat.push_back(static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(q))));
+          }
+        }
+      }
+    }
+  }
+  std::vector<uint8_t> lat(want_lat.size(), 0xCD);
+  std::vector<uint16_t> sc(want_sc.size(), 0xFFFF);
+  std::vector<float> e(n, -1.0f), lost(n, -1.0f);
+  ASSERT_TRUE(be->codec()
+                  .EncodeValueLayers(p, params, ranks, off, v.data(), DType::kF32, lat.data(),
+                                     sc.data(), e.data(), lost.data())
+                  .ok());
+  EXPECT_EQ(lat, want_lat);
+  EXPECT_EQ(sc, want_sc);
+  EXPECT_EQ(std::memcmp(e.data(), want_e.data(), n * 4), 0);
+  EXPECT_EQ(std::memcmp(lost.data(), want_l.data(), n * 4), 0);
+  // Layer 1 alone through EncodeValues and ValueResiduals: the same bytes.
+  RowSpan l1;
+  l1.first_head = kv;
+  const std::vector<uint64_t> off1 = {0, 64, 193};
+  l1.row_offsets = off1;
+  ValueCodecParams p1 = params;
+  p1.rank = ranks[1];
+  const uint64_t lat0 = 37 * 24, sc0 = 37 * 2;
+  std::vector<uint8_t> lat1(193 * p1.LatentBytes());
+  std::vector<uint16_t> sc1(193 * p1.Groups());
+  ASSERT_TRUE(be->codec()
+                  .EncodeValues(p, p1, l1, v.data() + 37 * d, DType::kF32, lat1.data(),
+                                sc1.data())
+                  .ok());
+  EXPECT_TRUE(std::equal(lat1.begin(), lat1.end(), want_lat.begin() + lat0));
+  EXPECT_TRUE(std::equal(sc1.begin(), sc1.end(), want_sc.begin() + sc0));
+  std::vector<float> e1(193), x1(193);
+  ASSERT_TRUE(
+      be->codec().ValueResiduals(p, ranks[1], l1, v.data() + 37 * d, DType::kF32, e1.data(),
+                                 x1.data())
+          .ok());
+  EXPECT_EQ(std::memcmp(x1.data(), want_l.data() + 37, 193 * 4), 0);
+  // Bad calls are errors.
+  EXPECT_FALSE(be->codec()
+                   .EncodeValueLayers(p, params, {24}, off, v.data(), DType::kF32, lat.data(),
+                                      sc.data(), nullptr, nullptr)
+                   .ok());
+  EXPECT_FALSE(be->codec()
+                   .EncodeValueLayers(p, params, {24, 48}, off, v.data(), DType::kF32,
+                                      lat.data(), sc.data(), nullptr, nullptr)
+                   .ok());
+  EXPECT_FALSE(be->codec()
+                   .EncodeValueLayers(p, params, ranks, {0, 5, 9}, v.data(), DType::kF32,
+                                      lat.data(), sc.data(), nullptr, nullptr)
+                   .ok());
+  EXPECT_FALSE(be->codec()
+                   .EncodeValueLayers(p, params, ranks, off, v.data(), DType::kF32, lat.data(),
+                                      sc.data(), e.data(), nullptr)
+                   .ok());
+}
+
 TEST(CodecCpu, RejectsBadParameters) {
   auto be = Cpu();
   Projection p = MakeProjection(1, 2, 64, 32, false, 1);

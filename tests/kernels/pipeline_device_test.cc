@@ -122,8 +122,8 @@ CompressionPolicy Streaming(double ratio) {
   return p;
 }
 
-// Every field of two caches equal, except the encoded values, which are compared decoded
-// (within the codec's rounding: the two backends sum the projection in different orders).
+// Every field of two caches equal, the KVSplice latents and scales included (both backends
+// encode with the same chain of f32 fused multiply-adds, codec_ops.h), byte for byte.
 void ExpectSameCache(Backend& cpu, const CompressedCache& want, const CompressedCache& got,
                      const Projection* projection) {
   ASSERT_TRUE(got.Validate().ok()) << got.Validate();
@@ -143,9 +143,9 @@ void ExpectSameCache(Backend& cpu, const CompressedCache& want, const Compressed
   EXPECT_TRUE(want.raw_values == got.raw_values) << "raw values differ";
   EXPECT_EQ(want.values.size(), got.values.size());
   EXPECT_EQ(want.value_scales.size(), got.value_scales.size());
-  if (want.value_codec == ValueCodec::kRaw) {
-    EXPECT_TRUE(want.values == got.values) << "values differ";
-  } else {
+  EXPECT_TRUE(want.values == got.values) << "values differ";
+  EXPECT_TRUE(want.value_scales == got.value_scales) << "value scales differ";
+  if (want.value_codec != ValueCodec::kRaw) {
     auto dw = DecodeKept(cpu, want, projection);
     auto dg = DecodeKept(cpu, got, projection);
     ASSERT_TRUE(dw.ok() && dg.ok()) << dg.status();
@@ -427,6 +427,21 @@ TEST(PipelineDeviceTest, LayersOfADeviceKvAreCompressedTogether) {
         if (::testing::Test::HasFatalFailure()) return;
       }
     }
+    // The moment-aware rescoring over a group of layers: every head ranked on its own, so the
+    // same cache as layer by layer.
+    for (Scorer scorer : {Scorer::kManifold, Scorer::kStreaming}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " moment-aware " << ScorerName(scorer));
+      CompressionPolicy p = Streaming(0.5);
+      p.scorer = scorer;
+      p.moments = true;
+      p.moment_aware = true;
+      auto want = Compress(*b.cuda, s.view(), p);
+      ASSERT_TRUE(want.ok()) << want.status();
+      auto got = Compress(*b.cuda, *view, p);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ExpectSameCache(*b.cpu, *want, *got, nullptr);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
     // NaN in a key of layer 3 and in a value of layer 1: layer 1's value is reported.
     StoreFromFloat(s.k[3].data(), layout.dtype, (2 * n + n / 2) * layout.head_dim + 7, NAN);
     StoreFromFloat(s.v[1].data(), layout.dtype, (1 * n + n / 3) * layout.head_dim + 3, NAN);
@@ -443,6 +458,13 @@ TEST(PipelineDeviceTest, LayersOfADeviceKvAreCompressedTogether) {
     EXPECT_EQ(per_layer.status().message(), grouped.status().message());
     EXPECT_NE(grouped.status().message().find("layer 1"), absl::string_view::npos)
         << grouped.status();
+    p.moment_aware = true;
+    auto aware_per_layer = Compress(*b.cuda, s.view(), p);
+    auto aware_grouped = Compress(*b.cuda, *bad_view, p);
+    EXPECT_EQ(aware_grouped.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(aware_per_layer.status().message(), aware_grouped.status().message());
+    EXPECT_NE(aware_grouped.status().message().find("layer 1"), absl::string_view::npos)
+        << aware_grouped.status();
   }
 }
 

@@ -74,8 +74,9 @@ absl::Status LayerErrorSums(const Projection& projection, const ValueCodecParams
     latent.resize(n * params.LatentBytes());
     scales.resize(n * params.Groups());
     out.resize(n * d);
-    codec_internal::EncodeRowsF32(v, n, d, enc.data(), params, z.data(), latent.data(),
-                                  scales.data());
+    codec_internal::EncodeRowsF32(v, n, d, enc.data(),
+                                  params.UsesGamma() ? projection.head_gamma(head) : nullptr,
+                                  params, z.data(), latent.data(), scales.data());
     codec_internal::DecodeRowsF32(latent.data(), scales.data(), n, d, dec.data(), params,
                                   z.data(), out.data());
     Eigen::Map<const RowMat> vm(v, n, d);

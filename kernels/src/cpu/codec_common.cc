@@ -2,9 +2,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include <vector>
+
 #include "absl/strings/str_format.h"
 #include "codec_cpu_internal.h"
 #include "gemm_kernels.h"
+#include "kvcomp/core/status.h"
 #include "kvcomp/kernels/codec_ops.h"
 
 namespace kvcomp {
@@ -136,35 +139,92 @@ absl::Status CheckEigenArgs(uint32_t dim, uint64_t batch, size_t gram, size_t ei
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<kvsplice_internal::LayerRows>> PlanLayers(
+    const Projection& projection, const ValueCodecParams& params,
+    absl::Span<const uint32_t> layer_ranks, absl::Span<const uint64_t> row_offsets,
+    DType dtype) {
+  KVCOMP_RETURN_IF_ERROR(params.ValidateFor(projection));
+  if (!IsInputDType(dtype)) {
+    return absl::InvalidArgumentError("codec: value dtype must be f32, f16 or bf16");
+  }
+  if (layer_ranks.size() != projection.num_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "codec: %u layer ranks for a projection of %u layers", layer_ranks.size(),
+        projection.num_layers));
+  }
+  for (uint32_t r : layer_ranks) {
+    ValueCodecParams lp = params;
+    lp.rank = r;
+    if (r > params.rank) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("codec: layer rank %u above the call's rank %u", r, params.rank));
+    }
+    KVCOMP_RETURN_IF_ERROR(lp.ValidateFor(projection));
+  }
+  RowSpan all;
+  all.row_offsets = row_offsets;
+  KVCOMP_RETURN_IF_ERROR(all.Validate(projection.num_heads()));
+  if (all.num_heads() != projection.num_heads()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "codec: row offsets of %u heads, the projection has %u", all.num_heads(),
+        projection.num_heads()));
+  }
+  const std::vector<uint64_t> offsets(row_offsets.begin(), row_offsets.end());
+  const std::vector<uint32_t> ranks(layer_ranks.begin(), layer_ranks.end());
+  return kvsplice_internal::SplitLayers(offsets, projection.num_kv_heads, params, ranks);
+}
+
 void HeadMatrices(const Projection& projection, uint64_t head, const ValueCodecParams& p,
-                  std::vector<float>* enc, std::vector<float>* dec) {
-  const uint32_t d = projection.head_dim;
+                  std::vector<float>* basis_t, std::vector<float>* dec) {
+  const uint32_t d = projection.head_dim, r = p.rank;
   const float* basis = projection.head_basis(head);
   const float* gamma = projection.head_gamma(head);
   const bool use_gamma = p.UsesGamma();
-  enc->resize(uint64_t{p.rank} * d);
-  dec->resize(uint64_t{p.rank} * d);
-  for (uint32_t j = 0; j < p.rank; ++j) {
+  basis_t->resize(uint64_t{r} * d);
+  dec->resize(uint64_t{r} * d);
+  for (uint32_t j = 0; j < r; ++j) {
     const float g = use_gamma ? gamma[j] : 1.0f;
     for (uint32_t k = 0; k < d; ++k) {
       const float b = basis[uint64_t{j} * d + k];
-      (*enc)[uint64_t{j} * d + k] = b / g;
+      (*basis_t)[uint64_t{k} * r + j] = b;
       (*dec)[uint64_t{j} * d + k] = b * g;
     }
   }
 }
 
-// The projections are the dense products of the moment tiles (gemm_kernels.h): Eigen's GEMM
-// built for the running CPU's widest ISA (AVX-512 or AVX2+FMA, else the portable build; the
-// KVCOMP_CPU_ISA cap applies).
-void EncodeRowsF32(const float* v, uint64_t n, uint32_t d, const float* enc,
-                   const ValueCodecParams& p, float* z, uint8_t* latent, uint16_t* scales) {
+// The chains run in the widest build the CPU takes (gemm_kernels.h: chain_a_b,
+// chain_row_squares); fused multiply-adds are exactly rounded, so the build does not change a bit.
+void ProjectRows(const float* v, uint64_t n, uint32_t d, const float* basis_t, uint32_t r,
+                 float* p, float* energy, float* lost) {
+  if (n == 0) return;
+  const cpu::GemmKernels& g = cpu::Gemm();
+  g.chain_a_b(v, basis_t, p, n, d, r);
+  if (energy == nullptr && lost == nullptr) return;
+  std::vector<float> e(n), pp(n);
+  g.chain_row_squares(v, e.data(), n, d);
+  g.chain_row_squares(p, pp.data(), n, r);
+  for (uint64_t i = 0; i < n; ++i) {
+    if (energy != nullptr) energy[i] = e[i];
+    if (lost != nullptr) {
+      const float l = e[i] - pp[i];
+      lost[i] = l > 0.0f ? l : 0.0f;
+    }
+  }
+}
+
+void EncodeRowsF32(const float* v, uint64_t n, uint32_t d, const float* basis_t,
+                   const float* gamma, const ValueCodecParams& p, float* z, uint8_t* latent,
+                   uint16_t* scales, float* energy, float* lost) {
   if (n == 0) return;
   const uint32_t r = p.rank;
-  cpu::Gemm().a_bt(v, enc, z, n, d, r);  // z [n x r] = v [n x d] enc^T
+  ProjectRows(v, n, d, basis_t, r, z, energy, lost);
   const uint64_t lb = p.LatentBytes(), groups = p.Groups();
   for (uint64_t i = 0; i < n; ++i) {
-    QuantizeRow(z + i * r, p, latent + i * lb, groups ? scales + i * groups : nullptr);
+    float* zi = z + i * r;
+    if (gamma != nullptr) {
+      for (uint32_t j = 0; j < r; ++j) zi[j] = zi[j] / gamma[j];
+    }
+    QuantizeRow(zi, p, latent + i * lb, groups ? scales + i * groups : nullptr);
   }
 }
 

@@ -97,27 +97,40 @@ class CpuCodecOps final : public CodecOps {
     KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, dtype));
     if (rows.total_rows() == 0) return absl::OkStatus();
     KVCOMP_RETURN_IF_ERROR(CheckValueBuffers(values, latent, scales, params));
-    ValuePlan plan;
-    PlanValues(projection, params, rows, &plan);
-    const std::vector<std::vector<float>>& enc = plan.enc;
-    const std::vector<Tile>& tiles = plan.tiles;
-    const uint32_t d = projection.head_dim;
-    const uint64_t lb = params.LatentBytes(), groups = params.Groups();
-    context_->ParallelFor(tiles.size(), [&](size_t i) {
-      const Tile& t = tiles[i];
-      thread_local std::vector<float> v, z;
-      const uint64_t m = t.end - t.begin;
-      v.resize(m * d);
-      z.resize(m * params.rank);
-      ToF32(values, dtype, t.begin * d, m * d, v.data());
-      codec_internal::EncodeRowsF32(v.data(), m, d, enc[t.head].data(), params, z.data(),
-                                    static_cast<uint8_t*>(latent) + t.begin * lb,
-                                    groups ? scales + t.begin * groups : nullptr);
-    });
+    EncodeSpan(projection, params, rows, values, dtype, latent, scales, nullptr, nullptr);
     return absl::OkStatus();
   }
 
-  // Per head, the rows as one matrix through Eigen (the reference the other backends follow).
+  absl::Status EncodeValueLayers(const Projection& projection, const ValueCodecParams& params,
+                                 absl::Span<const uint32_t> layer_ranks,
+                                 absl::Span<const uint64_t> row_offsets, const void* values,
+                                 DType dtype, void* latent, uint16_t* scales, float* energy,
+                                 float* lost) override {
+    KVCOMP_ASSIGN_OR_RETURN(
+        const std::vector<kvsplice_internal::LayerRows> layers,
+        codec_internal::PlanLayers(projection, params, layer_ranks, row_offsets, dtype));
+    if (row_offsets.back() == 0) return absl::OkStatus();
+    KVCOMP_RETURN_IF_ERROR(CheckValueBuffers(values, latent, scales, params));
+    if ((energy == nullptr) != (lost == nullptr)) {
+      return absl::InvalidArgumentError("codec: energy and lost come together");
+    }
+    const uint64_t row_bytes = DTypeBytes(dtype, projection.head_dim);
+    for (const kvsplice_internal::LayerRows& L : layers) {
+      if (L.offsets.back() == 0) continue;
+      RowSpan rows;
+      rows.first_head = L.first_head;
+      rows.row_offsets = L.offsets;
+      EncodeSpan(projection, L.params, rows,
+                 static_cast<const uint8_t*>(values) + L.first_row * row_bytes, dtype,
+                 static_cast<uint8_t*>(latent) + L.latent_byte,
+                 L.params.Groups() ? scales + L.scale_elem : nullptr,
+                 energy ? energy + L.first_row : nullptr, lost ? lost + L.first_row : nullptr);
+    }
+    return absl::OkStatus();
+  }
+
+  // Per tile, the chains of codec_internal::ProjectRows (the reference the other backends
+  // follow bit for bit).
   absl::Status ValueResiduals(const Projection& projection, uint32_t rank, const RowSpan& rows,
                               const void* values, DType dtype, float* energy,
                               float* lost) override {
@@ -129,25 +142,18 @@ class CpuCodecOps final : public CodecOps {
     if (values == nullptr || energy == nullptr || lost == nullptr) {
       return absl::InvalidArgumentError("codec: null buffer");
     }
-    using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    ValuePlan plan;
+    PlanValues(projection, params, rows, &plan);
     const uint32_t d = projection.head_dim;
-    context_->ParallelFor(rows.num_heads(), [&](size_t h) {
-      const uint64_t begin = rows.row_offsets[h], n = rows.row_offsets[h + 1] - begin;
-      if (n == 0) return;
-      RowMat v(static_cast<Eigen::Index>(n), d);
-      for (uint64_t i = 0; i < n; ++i) {
-        for (uint32_t k = 0; k < d; ++k) {
-          v(static_cast<Eigen::Index>(i), k) = LoadAsFloat(values, dtype, (begin + i) * d + k);
-        }
-      }
-      RowMat z(static_cast<Eigen::Index>(n), rank);  // v basis^T, the ISA's dense product
-      cpu::Gemm().a_bt(v.data(), projection.head_basis(rows.first_head + h), z.data(), n, d,
-                       rank);
-      for (uint64_t i = 0; i < n; ++i) {
-        const auto row = static_cast<Eigen::Index>(i);
-        energy[begin + i] = v.row(row).squaredNorm();
-        lost[begin + i] = std::max(0.0f, energy[begin + i] - z.row(row).squaredNorm());
-      }
+    context_->ParallelFor(plan.tiles.size(), [&](size_t i) {
+      const Tile& t = plan.tiles[i];
+      thread_local std::vector<float> v, z;
+      const uint64_t m = t.end - t.begin;
+      v.resize(m * d);
+      z.resize(m * rank);
+      ToF32(values, dtype, t.begin * d, m * d, v.data());
+      codec_internal::ProjectRows(v.data(), m, d, plan.enc[t.head].data(), rank, z.data(),
+                                  energy + t.begin, lost + t.begin);
     });
     return absl::OkStatus();
   }
@@ -440,6 +446,31 @@ class CpuCodecOps final : public CodecOps {
     if (head_dim == 0) return absl::InvalidArgumentError("codec: head_dim 0");
     KVCOMP_RETURN_IF_ERROR(rows.Validate(~uint64_t{0}));
     return CheckInputDType(dtype, "key");
+  }
+
+  // EncodeValues over checked arguments, with the outlier measure when energy/lost are given.
+  void EncodeSpan(const Projection& projection, const ValueCodecParams& params,
+                  const RowSpan& rows, const void* values, DType dtype, void* latent,
+                  uint16_t* scales, float* energy, float* lost) {
+    ValuePlan plan;
+    PlanValues(projection, params, rows, &plan);
+    const uint32_t d = projection.head_dim;
+    const uint64_t lb = params.LatentBytes(), groups = params.Groups();
+    const bool gamma = params.UsesGamma();
+    context_->ParallelFor(plan.tiles.size(), [&](size_t i) {
+      const Tile& t = plan.tiles[i];
+      thread_local std::vector<float> v, z;
+      const uint64_t m = t.end - t.begin;
+      v.resize(m * d);
+      z.resize(m * params.rank);
+      ToF32(values, dtype, t.begin * d, m * d, v.data());
+      codec_internal::EncodeRowsF32(
+          v.data(), m, d, plan.enc[t.head].data(),
+          gamma ? projection.head_gamma(rows.first_head + t.head) : nullptr, params, z.data(),
+          static_cast<uint8_t*>(latent) + t.begin * lb,
+          groups ? scales + t.begin * groups : nullptr, energy ? energy + t.begin : nullptr,
+          lost ? lost + t.begin : nullptr);
+    });
   }
 
   // What encoding and decoding values both need: each head's projection matrices and the tiles.

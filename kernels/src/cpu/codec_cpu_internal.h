@@ -10,9 +10,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/kernels/projection.h"
+#include "kvsplice_internal.h"
 
 namespace kvcomp {
 namespace codec_internal {
@@ -55,18 +58,38 @@ void QuantizeRow(const float* z, const ValueCodecParams& params, uint8_t* out, u
 void DequantizeRow(const uint8_t* in, const uint16_t* scales, const ValueCodecParams& params,
                    float* z);
 
-// Encode and decode matrices of head `head` (absolute index in the projection), row-major
-// rank x head_dim: enc = diag(1/gamma) P_r, dec = diag(gamma) P_r (gamma = 1 unless UsesGamma).
+// EncodeValueLayers' arguments checked (InvalidArgument) and cut into layers (row offsets
+// rebased per layer, latent and scale starts, each layer's params at its rank).
+absl::StatusOr<std::vector<kvsplice_internal::LayerRows>> PlanLayers(
+    const Projection& projection, const ValueCodecParams& params,
+    absl::Span<const uint32_t> layer_ranks, absl::Span<const uint64_t> row_offsets, DType dtype);
+
 // EigenDecompose's buffer checks, the same on every backend (InvalidArgument).
 absl::Status CheckEigenArgs(uint32_t dim, uint64_t batch, size_t gram, size_t eigenvalues,
                             size_t eigenvectors);
 
+// The matrices of head `head` (absolute index in the projection) at params.rank:
+// basis_t = P_r^T (head_dim x rank, row-major: the encoder's operand, no gamma) and
+// dec = diag(gamma) P_r (rank x head_dim; gamma = 1 unless UsesGamma).
 void HeadMatrices(const Projection& projection, uint64_t head, const ValueCodecParams& params,
-                  std::vector<float>* enc, std::vector<float>* dec);
+                  std::vector<float>* basis_t, std::vector<float>* dec);
 
-// n rows of one head, f32 in and out, `z` a scratch of n * rank floats.
-void EncodeRowsF32(const float* v, uint64_t n, uint32_t head_dim, const float* enc,
-                   const ValueCodecParams& params, float* z, uint8_t* latent, uint16_t* scales);
+// The KVSplice encoder's arithmetic, the same bits on every CPU build and on CUDA
+// (codec_kernels.cuh: FusedEncodeKernel), for n rows v [n x head_dim] of f32:
+//   p[i][j]   = chain of fused multiply-adds over k = 0 .. head_dim - 1 in order, from +0, of
+//               v[i][k] * basis_t[k][j]                   (the projection, f32)
+//   energy[i] = the same chain of v[i][k]^2;  proj = the same chain over j < rank of p[i][j]^2
+//   lost[i]   = max(+0, energy[i] - proj)                 (the outlier measure)
+//   z[i][j]   = p[i][j] / gamma[j] (IEEE division) when gamma is given, else p[i][j]
+// then QuantizeRow(z). `energy` and `lost` may be null (not computed).
+void ProjectRows(const float* v, uint64_t n, uint32_t head_dim, const float* basis_t,
+                 uint32_t rank, float* p, float* energy, float* lost);
+
+// n rows of one head, f32 in: ProjectRows, the division by gamma (nullptr: none) and
+// QuantizeRow. `z` a scratch of n * rank floats; energy/lost as in ProjectRows.
+void EncodeRowsF32(const float* v, uint64_t n, uint32_t head_dim, const float* basis_t,
+                   const float* gamma, const ValueCodecParams& params, float* z, uint8_t* latent,
+                   uint16_t* scales, float* energy = nullptr, float* lost = nullptr);
 void DecodeRowsF32(const uint8_t* latent, const uint16_t* scales, uint64_t n, uint32_t head_dim,
                    const float* dec, const ValueCodecParams& params, float* z, float* out);
 

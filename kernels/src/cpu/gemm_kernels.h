@@ -16,6 +16,12 @@ struct GemmKernels {
   void (*a_bt)(const float* a, const float* b, float* c, size_t m, size_t p, size_t q);
   // C[m x q] += A[m x p] B[p x q]
   void (*add_a_b)(const float* a, const float* b, float* c, size_t m, size_t p, size_t q);
+  // C[m x q] = A[m x p] B[p x q] with every element the chain of fused multiply-adds over p in
+  // order, from +0: c = fma(a[p-1] b[p-1], ..., fma(a[0], b[0], +0)). Each step is exactly
+  // rounded, so every build (and the CUDA twin of the KVSplice encoder) gets the same bits.
+  void (*chain_a_b)(const float* a, const float* b, float* c, size_t m, size_t p, size_t q);
+  // out[i] = the same chain over the squares of row i of A[m x p].
+  void (*chain_row_squares)(const float* a, float* out, size_t m, size_t p);
 };
 
 // The AVX2 or AVX-512 build the running CPU takes, or nullptr where only the portable one runs

@@ -82,35 +82,21 @@ RowSpan AllHeads(const std::vector<uint64_t>& offsets) {
   return rows;
 }
 
-// The outlier rule of kvsplice_internal (OutlierCap) on a host cache: residuals through the
-// backend's CodecOps, medians and the worst rows here. Returns ascending row indices.
-absl::StatusOr<std::vector<uint64_t>> PickRawValueRows(CodecOps& ops, const CompressedCache& c,
-                                                       const Projection& proj,
-                                                       const std::vector<uint32_t>& ranks,
-                                                       const CompressionPolicy& policy) {
+// Whether the outlier rule can pick any row of `c` under `policy`.
+bool AnyOutlierRows(const CompressedCache& c, const CompressionPolicy& policy) {
+  for (uint64_t h = 0; h < c.num_heads(); ++h) {
+    if (OutlierCap(c.kept[h], policy.value_raw_fraction) > 0) return true;
+  }
+  return false;
+}
+
+// The outlier rule of kvsplice_internal (OutlierCap) on a host cache, from each row's energy
+// and lost (EncodeValueLayers' measure). Returns ascending row indices.
+std::vector<uint64_t> PickRawValueRows(const CompressedCache& c, const std::vector<float>& energy,
+                                       const std::vector<float>& lost,
+                                       const CompressionPolicy& policy) {
   std::vector<uint64_t> out;
   const std::vector<uint64_t> off = c.TokenOffsets();
-  bool any = false;
-  for (uint64_t h = 0; h < c.num_heads(); ++h) {
-    any = any || OutlierCap(c.kept[h], policy.value_raw_fraction) > 0;
-  }
-  if (!any) return out;
-  const uint64_t total = c.total_kept();
-  std::vector<float> energy(total), lost(total);
-  const uint32_t kv_heads = c.layout.num_kv_heads;
-  for (uint32_t l = 0; l < c.layout.num_layers; ++l) {
-    RowSpan rows;
-    rows.first_head = uint64_t{l} * kv_heads;
-    std::vector<uint64_t> layer_off(kv_heads + 1);
-    for (uint32_t i = 0; i <= kv_heads; ++i) {
-      layer_off[i] = off[rows.first_head + i] - off[rows.first_head];
-    }
-    rows.row_offsets = layer_off;
-    const uint64_t first = off[rows.first_head];
-    KVCOMP_RETURN_IF_ERROR(ops.ValueResiduals(
-        proj, ranks[l], rows, c.values.data() + DTypeBytes(c.layout.dtype, first * c.layout.head_dim),
-        c.layout.dtype, energy.data() + first, lost.data() + first));
-  }
   std::vector<std::pair<float, uint64_t>> worst;
   std::vector<float> median;
   for (uint64_t h = 0; h < c.num_heads(); ++h) {
@@ -217,36 +203,25 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
     const ValueCodecParams& p = plan.params;
     const uint32_t rank = p.rank;
     const bool uniform = plan.uniform;
-    KVCOMP_ASSIGN_OR_RETURN(std::vector<uint64_t> raw_rows,
-                            PickRawValueRows(ops, *cache, *projection, ranks, policy));
+    // One pass over every layer: latents, scales and (when the policy keeps outliers raw) each
+    // row's outlier measure.
+    const std::vector<LayerRows> layers = SplitLayers(offsets, layout.num_kv_heads, p, ranks);
+    const LayerRows& last = layers.back();
+    std::vector<uint8_t> latent(last.latent_byte + last.offsets.back() * last.params.LatentBytes());
+    std::vector<uint16_t> scales(last.scale_elem + last.offsets.back() * last.params.Groups());
+    const bool outliers = AnyOutlierRows(*cache, policy);
+    std::vector<float> energy(outliers ? total : 0), lost(outliers ? total : 0);
+    KVCOMP_RETURN_IF_ERROR(ops.EncodeValueLayers(
+        *projection, p, ranks, offsets, cache->values.data(), layout.dtype, latent.data(),
+        scales.empty() ? nullptr : scales.data(), outliers ? energy.data() : nullptr,
+        outliers ? lost.data() : nullptr));
+    std::vector<uint64_t> raw_rows;
+    if (outliers) raw_rows = PickRawValueRows(*cache, energy, lost, policy);
     std::vector<uint8_t> raw_values(raw_rows.size() * DTypeBytes(layout.dtype, d));
     const uint64_t in_row = DTypeBytes(layout.dtype, d);
     for (size_t i = 0; i < raw_rows.size(); ++i) {
       std::memcpy(raw_values.data() + i * in_row, cache->values.data() + raw_rows[i] * in_row,
                   in_row);
-    }
-    std::vector<uint8_t> latent;
-    std::vector<uint16_t> scales;
-    if (uniform) {
-      latent.resize(total * p.LatentBytes());
-      scales.resize(total * p.Groups());
-      KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(*projection, p, rows, cache->values.data(),
-                                              layout.dtype, latent.data(),
-                                              scales.empty() ? nullptr : scales.data()));
-    } else {
-      // One call per layer, each at its own rank, into consecutive slices of the arrays.
-      const std::vector<LayerRows> layers = SplitLayers(offsets, layout.num_kv_heads, p, ranks);
-      const LayerRows& last = layers.back();
-      latent.resize(last.latent_byte + last.offsets.back() * last.params.LatentBytes());
-      scales.resize(last.scale_elem + last.offsets.back() * last.params.Groups());
-      const uint64_t row_bytes = DTypeBytes(layout.dtype, d);
-      for (const LayerRows& L : layers) {
-        if (L.offsets.back() == 0) continue;
-        KVCOMP_RETURN_IF_ERROR(ops.EncodeValues(
-            *projection, L.params, L.span(), cache->values.data() + L.first_row * row_bytes,
-            layout.dtype, latent.data() + L.latent_byte,
-            scales.empty() ? nullptr : scales.data() + L.scale_elem));
-      }
     }
     cache->values = std::move(latent);
     cache->value_scales = std::move(scales);

@@ -16,7 +16,9 @@
 #include <vector>
 
 #include "../cpu/codec_cpu_internal.h"
+#include "../cpu/kvsplice_internal.h"
 #include "absl/strings/str_format.h"
+#include "codec_encode.cuh"
 #include "codec_kernels.cuh"
 #include "cuda_ops.h"
 #include "../env_switch.h"
@@ -26,6 +28,7 @@
 namespace kvcomp {
 namespace {
 
+using codec_cuda::FusedRPad;
 using codec_cuda::KindOf;
 using codec_cuda::LatentKind;
 using codec_cuda::Tile;
@@ -65,81 +68,48 @@ class CudaCodecOps final : public CodecOps {
                             const RowSpan& rows, const void* values, DType dtype, void* latent,
                             uint16_t* scales) override {
     KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, dtype));
-    const uint64_t n = rows.total_rows(), d = projection.head_dim;
+    const uint64_t n = rows.total_rows();
     if (n == 0) return absl::OkStatus();
     if (values == nullptr || latent == nullptr || (params.Groups() > 0 && scales == nullptr)) {
       return absl::InvalidArgumentError("codec: null buffer");
     }
-    KVCOMP_ASSIGN_OR_RETURN(const DeviceProjection* dp, Upload(projection, params, rows));
-    Staging st(this);
-    KVCOMP_ASSIGN_OR_RETURN(const void* dv, st.In(values, n * d * DTypeBytes(dtype, 1)));
-    KVCOMP_ASSIGN_OR_RETURN(void* dl, st.Out(latent, n * params.LatentBytes()));
-    KVCOMP_ASSIGN_OR_RETURN(void* ds, st.Out(scales, n * params.Groups() * 2));
-    const std::vector<Tile> tiles = MakeTiles(rows, codec_cuda::kEncodeRows);
-    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
-    codec_cuda::EncodeParams p{dt,
-                               dv,
-                               dp->enc_t.as<float>() +
-                                   (rows.first_head - dp->first_head) * d * params.rank,
-                               static_cast<uint8_t*>(dl),
-                               static_cast<uint16_t*>(ds),
-                               static_cast<uint32_t>(d),
-                               params.rank,
-                               params.group_size,
-                               static_cast<uint32_t>(params.Groups()),
-                               static_cast<uint32_t>(params.LatentBytes()),
-                               KindOf(params.codec)};
-    const size_t smem = sizeof(float) * codec_cuda::kEncodeRows * (d + params.rank);
-    switch (dtype) {
-      case DType::kF32:
-        KVCOMP_RETURN_IF_ERROR(LaunchEncode<float>(p, tiles.size(), smem));
-        break;
-      case DType::kF16:
-        KVCOMP_RETURN_IF_ERROR(LaunchEncode<__half>(p, tiles.size(), smem));
-        break;
-      default:
-        KVCOMP_RETURN_IF_ERROR(LaunchEncode<__nv_bfloat16>(p, tiles.size(), smem));
+    return EncodeLayers(projection, params, {OneSpan(rows, params)}, values, dtype, latent,
+                        scales, nullptr, nullptr);
+  }
+
+  absl::Status EncodeValueLayers(const Projection& projection, const ValueCodecParams& params,
+                                 absl::Span<const uint32_t> layer_ranks,
+                                 absl::Span<const uint64_t> row_offsets, const void* values,
+                                 DType dtype, void* latent, uint16_t* scales, float* energy,
+                                 float* lost) override {
+    KVCOMP_ASSIGN_OR_RETURN(
+        std::vector<kvsplice_internal::LayerRows> layers,
+        codec_internal::PlanLayers(projection, params, layer_ranks, row_offsets, dtype));
+    KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, layers.front().span(), dtype));
+    if (row_offsets.back() == 0) return absl::OkStatus();
+    if (values == nullptr || latent == nullptr || (params.Groups() > 0 && scales == nullptr)) {
+      return absl::InvalidArgumentError("codec: null buffer");
     }
-    return st.Finish();
+    if ((energy == nullptr) != (lost == nullptr)) {
+      return absl::InvalidArgumentError("codec: energy and lost come together");
+    }
+    return EncodeLayers(projection, params, layers, values, dtype, latent, scales, energy, lost);
   }
 
   absl::Status ValueResiduals(const Projection& projection, uint32_t rank, const RowSpan& rows,
                               const void* values, DType dtype, float* energy,
                               float* lost) override {
-    // The basis at `rank` is the encode matrix of the f16 codec (no gamma), uploaded once.
     ValueCodecParams params;
     params.codec = ValueCodec::kOrthogonal;
     params.rank = rank;
     KVCOMP_RETURN_IF_ERROR(CheckValueCall(projection, params, rows, dtype));
-    const uint64_t n = rows.total_rows(), d = projection.head_dim;
+    const uint64_t n = rows.total_rows();
     if (n == 0) return absl::OkStatus();
     if (values == nullptr || energy == nullptr || lost == nullptr) {
       return absl::InvalidArgumentError("codec: null buffer");
     }
-    KVCOMP_ASSIGN_OR_RETURN(const DeviceProjection* dp, Upload(projection, params, rows));
-    Staging st(this);
-    KVCOMP_ASSIGN_OR_RETURN(const void* dv, st.In(values, n * d * DTypeBytes(dtype, 1)));
-    KVCOMP_ASSIGN_OR_RETURN(void* de, st.Out(energy, n * sizeof(float)));
-    KVCOMP_ASSIGN_OR_RETURN(void* dl, st.Out(lost, n * sizeof(float)));
-    const std::vector<Tile> tiles = MakeTiles(rows, codec_cuda::kEncodeRows);
-    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
-    const float* bt = dp->enc_t.as<float>() + (rows.first_head - dp->first_head) * d * rank;
-    const size_t smem = sizeof(float) * codec_cuda::kEncodeRows * (d + rank);
-    auto* fe = static_cast<float*>(de);
-    auto* fl = static_cast<float*>(dl);
-    const auto d32 = static_cast<uint32_t>(d);
-    switch (dtype) {
-      case DType::kF32:
-        KVCOMP_RETURN_IF_ERROR(LaunchResidual<float>(tiles.size(), smem, dt, dv, bt, d32, rank, fe, fl));
-        break;
-      case DType::kF16:
-        KVCOMP_RETURN_IF_ERROR(LaunchResidual<__half>(tiles.size(), smem, dt, dv, bt, d32, rank, fe, fl));
-        break;
-      default:
-        KVCOMP_RETURN_IF_ERROR(
-            LaunchResidual<__nv_bfloat16>(tiles.size(), smem, dt, dv, bt, d32, rank, fe, fl));
-    }
-    return st.Finish();
+    return EncodeLayers(projection, params, {OneSpan(rows, params)}, values, dtype, nullptr,
+                        nullptr, energy, lost);
   }
 
   absl::Status DecodeValues(const Projection& projection, const ValueCodecParams& params,
@@ -223,16 +193,20 @@ class CudaCodecOps final : public CodecOps {
     const std::vector<Tile> tiles = MakeTiles(rows, 64);
     KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
     KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
+    uint64_t max_rows = 0;
+    for (uint64_t h = 0; h < heads; ++h) {
+      max_rows = std::max(max_rows, rows.row_offsets[h + 1] - rows.row_offsets[h]);
+    }
     switch (dtype) {
       case DType::kF32:
-        KVCOMP_RETURN_IF_ERROR(LaunchKeys<float>(codec, tiles.size(), heads, dt, doff, dk, d, dsc, dout));
+        KVCOMP_RETURN_IF_ERROR(LaunchKeys<float>(codec, tiles.size(), heads, max_rows, dt, doff, dk, d, dsc, dout));
         break;
       case DType::kF16:
-        KVCOMP_RETURN_IF_ERROR(LaunchKeys<__half>(codec, tiles.size(), heads, dt, doff, dk, d, dsc, dout));
+        KVCOMP_RETURN_IF_ERROR(LaunchKeys<__half>(codec, tiles.size(), heads, max_rows, dt, doff, dk, d, dsc, dout));
         break;
       default:
         KVCOMP_RETURN_IF_ERROR(
-            LaunchKeys<__nv_bfloat16>(codec, tiles.size(), heads, dt, doff, dk, d, dsc, dout));
+            LaunchKeys<__nv_bfloat16>(codec, tiles.size(), heads, max_rows, dt, doff, dk, d, dsc, dout));
     }
     return st.Finish();
   }
@@ -395,6 +369,7 @@ class CudaCodecOps final : public CodecOps {
       bufs_.push_back(std::move(b));
       return bufs_.back().data();
     }
+    absl::StatusOr<const void*> Bytes(const void* p, uint64_t bytes) { return Upload(p, bytes); }
     absl::StatusOr<const Tile*> Tiles(const std::vector<Tile>& tiles) {
       KVCOMP_ASSIGN_OR_RETURN(const void* p, Upload(tiles.data(), tiles.size() * sizeof(Tile)));
       return static_cast<const Tile*>(p);
@@ -447,7 +422,6 @@ class CudaCodecOps final : public CodecOps {
     uint64_t first_head = 0;
     uint64_t num_heads = 0;
     uint64_t bytes = 0;
-    Buffer enc_t;  // [heads][d][r] f32
     Buffer dec16;  // [heads][r_pad][d] f16
   };
 
@@ -465,14 +439,12 @@ class CudaCodecOps final : public CodecOps {
     }
     const uint64_t d = proj.head_dim, r = params.rank;
     const uint64_t r_pad = (r + 15) / 16 * 16;
-    std::vector<float> enc_t(heads * d * r);
     std::vector<__half> dec(heads * r_pad * d, __float2half(0.0f));
     std::vector<float> enc, decf;
     for (uint64_t h = 0; h < heads; ++h) {
       codec_internal::HeadMatrices(proj, first + h, params, &enc, &decf);
       for (uint64_t j = 0; j < r; ++j) {
         for (uint64_t k = 0; k < d; ++k) {
-          enc_t[(h * d + k) * r + j] = enc[j * d + k];
           dec[(h * r_pad + j) * d + k] = __float2half_rn(decf[j * d + k]);
         }
       }
@@ -483,16 +455,13 @@ class CudaCodecOps final : public CodecOps {
     dp.gamma = gamma;
     dp.first_head = first;
     dp.num_heads = heads;
-    dp.bytes = enc_t.size() * 4 + dec.size() * 2;
+    dp.bytes = dec.size() * 2;
     // Keep the cached matrices under kMaxProjectionBytes (the newest entry always stays).
     while (!projections_.empty() && projection_bytes_ + dp.bytes > kMaxProjectionBytes) {
       projection_bytes_ -= projections_.back().bytes;
       projections_.pop_back();
     }
-    KVCOMP_ASSIGN_OR_RETURN(dp.enc_t, Buffer::Allocate(*ctx_->allocator, enc_t.size() * 4));
     KVCOMP_ASSIGN_OR_RETURN(dp.dec16, Buffer::Allocate(*ctx_->allocator, dec.size() * 2));
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dp.enc_t.data(), enc_t.data(), enc_t.size() * 4,
-                                                cudaMemcpyHostToDevice, ctx_->stream));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dp.dec16.data(), dec.data(), dec.size() * 2,
                                                 cudaMemcpyHostToDevice, ctx_->stream));
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
@@ -501,53 +470,170 @@ class CudaCodecOps final : public CodecOps {
     return &projections_.front();
   }
 
-  template <typename T>
-  absl::Status LaunchEncode(const codec_cuda::EncodeParams& p, size_t tiles, size_t smem) {
-    // Rows per thread so that r x (rows per tile / rows per thread) fills the block.
-    const uint32_t threads = codec_cuda::kEncodeThreads;
-    if (2 * p.r > threads) return LaunchEncodeRows<T, 16>(p, tiles, smem);
-    if (4 * p.r > threads) return LaunchEncodeRows<T, 8>(p, tiles, smem);
-    return LaunchEncodeRows<T, 4>(p, tiles, smem);
+  // A RowSpan as the one layer of a fused call.
+  static kvsplice_internal::LayerRows OneSpan(const RowSpan& rows, const ValueCodecParams& p) {
+    kvsplice_internal::LayerRows L;
+    L.offsets.assign(rows.row_offsets.begin(), rows.row_offsets.end());
+    L.first_head = rows.first_head;
+    L.params = p;
+    return L;
   }
 
-  template <typename T, int kRows>
-  absl::Status LaunchEncodeRows(const codec_cuda::EncodeParams& p, size_t tiles, size_t smem) {
+  // The fused encoder (codec_encode.cuh) over `layers` (rows, latents and scales as
+  // kvsplice_internal::SplitLayers lays them out): one launch for all of them. latent null: the
+  // measure only.
+  absl::Status EncodeLayers(const Projection& projection, const ValueCodecParams& params,
+                            const std::vector<kvsplice_internal::LayerRows>& layers,
+                            const void* values, DType dtype, void* latent, uint16_t* scales,
+                            float* energy, float* lost) {
+    const uint32_t d = projection.head_dim, R = params.rank;
+    if (FusedRPad(R) > 256) {
+      return absl::InvalidArgumentError(absl::StrFormat("codec (CUDA): rank %u above 256", R));
+    }
+    std::vector<codec_cuda::FusedHead> heads;
+    uint64_t rows_total = 0, latent_total = 0, scale_total = 0, tiles = 0;
+    for (const kvsplice_internal::LayerRows& L : layers) {
+      const uint64_t lb = L.params.LatentBytes(), g = L.params.Groups();
+      for (uint64_t h = 0; h + 1 < L.offsets.size(); ++h) {
+        const uint64_t b = L.offsets[h], m = L.offsets[h + 1] - b;
+        heads.push_back({L.first_row + b, L.latent_byte + b * lb, L.scale_elem + b * g,
+                         static_cast<uint32_t>(L.first_head + h), static_cast<uint32_t>(m),
+                         L.params.rank, static_cast<uint32_t>(tiles)});
+        tiles += (m + codec_cuda::kFusedRows - 1) / codec_cuda::kFusedRows;
+      }
+      rows_total = std::max(rows_total, L.first_row + L.offsets.back());
+      latent_total = std::max(latent_total, L.latent_byte + L.offsets.back() * lb);
+      scale_total = std::max(scale_total, L.scale_elem + L.offsets.back() * g);
+    }
+    if (tiles >= (uint64_t{1} << 32)) {
+      return absl::InvalidArgumentError("codec (CUDA): too many rows in one call");
+    }
+    if (tiles == 0) return absl::OkStatus();
+    KVCOMP_ASSIGN_OR_RETURN(const DeviceBasis* basis, UploadBasis(projection, R));
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* dv, st.In(values, rows_total * d * DTypeBytes(dtype, 1)));
+    void* dl = nullptr;
+    void* ds = nullptr;
+    if (latent != nullptr) {
+      KVCOMP_ASSIGN_OR_RETURN(dl, st.Out(latent, latent_total));
+      KVCOMP_ASSIGN_OR_RETURN(ds, st.Out(scales, scale_total * 2));
+    }
+    void* de = nullptr;
+    void* dlost = nullptr;
+    if (energy != nullptr) {
+      KVCOMP_ASSIGN_OR_RETURN(de, st.Out(energy, rows_total * sizeof(float)));
+      KVCOMP_ASSIGN_OR_RETURN(dlost, st.Out(lost, rows_total * sizeof(float)));
+    }
+    KVCOMP_ASSIGN_OR_RETURN(const void* dh,
+                            st.Bytes(heads.data(), heads.size() * sizeof(codec_cuda::FusedHead)));
+    codec_cuda::FusedParams p;
+    p.heads = static_cast<const codec_cuda::FusedHead*>(dh);
+    p.num_heads = static_cast<uint32_t>(heads.size());
+    p.first_block = 0;
+    p.values = dv;
+    p.basis_t = basis->basis_t.as<float>();
+    p.gamma = latent != nullptr && params.UsesGamma() ? basis->gamma.as<float>() : nullptr;
+    p.latent = static_cast<uint8_t*>(dl);
+    p.scales = static_cast<uint16_t*>(ds);
+    p.energy = static_cast<float*>(de);
+    p.lost = static_cast<float*>(dlost);
+    p.d = d;
+    p.R = R;
+    p.group_size = params.Groups() > 0 ? params.group_size : 1;
+    p.kind = codec_cuda::KindOf(params.codec);
+    p.vec = (uint64_t{d} * DTypeBytes(dtype, 1)) % 16 == 0 &&
+            reinterpret_cast<uintptr_t>(dv) % 16 == 0;
+    const uint32_t groups = static_cast<uint32_t>(params.Groups());
+    switch (dtype) {
+      case DType::kF32:
+        KVCOMP_RETURN_IF_ERROR(LaunchFused<float>(p, tiles, groups));
+        break;
+      case DType::kF16:
+        KVCOMP_RETURN_IF_ERROR(LaunchFused<__half>(p, tiles, groups));
+        break;
+      default:
+        KVCOMP_RETURN_IF_ERROR(LaunchFused<__nv_bfloat16>(p, tiles, groups));
+    }
+    return st.Finish();
+  }
+
+  template <typename T>
+  absl::Status LaunchFused(const codec_cuda::FusedParams& p, size_t tiles, uint32_t groups) {
+    const uint32_t items = FusedRPad(p.R) / 4 * (codec_cuda::kFusedRows / 4);
+    if (items <= codec_cuda::kFusedThreads) return LaunchFusedItems<T, 1>(p, tiles, groups);
+    if (items <= 2 * codec_cuda::kFusedThreads) return LaunchFusedItems<T, 2>(p, tiles, groups);
+    return LaunchFusedItems<T, 4>(p, tiles, groups);
+  }
+
+  template <typename T, int kItems>
+  absl::Status LaunchFusedItems(const codec_cuda::FusedParams& p, size_t tiles,
+                                uint32_t groups) {
+    const size_t smem = codec_cuda::FusedSmemBytes(p.d, p.R, groups);
+    if (smem > ctx_->properties.sharedMemPerBlockOptin) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "codec (CUDA): rank %u at head_dim %u needs %u bytes of shared memory (device: %u)",
+          p.R, p.d, smem, ctx_->properties.sharedMemPerBlockOptin));
+    }
     if (smem > 48 * 1024) {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          codec_cuda::EncodeValuesKernel<T, kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          codec_cuda::FusedEncodeKernel<T, kItems>, cudaFuncAttributeMaxDynamicSharedMemorySize,
           static_cast<int>(smem)));
     }
-    codec_cuda::EncodeValuesKernel<T, kRows>
-        <<<static_cast<unsigned>(tiles), codec_cuda::kEncodeThreads, smem, ctx_->stream>>>(p);
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    return absl::OkStatus();
-  }
-
-  template <typename T>
-  absl::Status LaunchResidual(size_t tiles, size_t smem, const Tile* dt, const void* dv,
-                              const float* bt, uint32_t d, uint32_t r, float* energy,
-                              float* lost) {
-    // Rows per thread so that r x (rows per tile / rows per thread) fills the block.
-    const uint32_t threads = codec_cuda::kEncodeThreads;
-    if (2 * r > threads) return LaunchResidualRows<T, 16>(tiles, smem, dt, dv, bt, d, r, energy, lost);
-    if (4 * r > threads) return LaunchResidualRows<T, 8>(tiles, smem, dt, dv, bt, d, r, energy, lost);
-    return LaunchResidualRows<T, 4>(tiles, smem, dt, dv, bt, d, r, energy, lost);
-  }
-
-  template <typename T, int kRows>
-  absl::Status LaunchResidualRows(size_t tiles, size_t smem, const Tile* dt, const void* dv,
-                                  const float* bt, uint32_t d, uint32_t r, float* energy,
-                                  float* lost) {
-    if (smem > 48 * 1024) {
-      KVCOMP_CUDA_RETURN_IF_ERROR(
-          cudaFuncSetAttribute(codec_cuda::ResidualKernel<T, kRows>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    for (size_t first = 0; first < tiles; first += kMaxGrid) {
+      codec_cuda::FusedParams q = p;
+      q.first_block = static_cast<uint32_t>(first);
+      const auto grid = static_cast<unsigned>(std::min<size_t>(kMaxGrid, tiles - first));
+      codec_cuda::FusedEncodeKernel<T, kItems>
+          <<<grid, codec_cuda::kFusedThreads, smem, ctx_->stream>>>(q);
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
-    codec_cuda::ResidualKernel<T, kRows><<<static_cast<unsigned>(tiles),
-                                           codec_cuda::kEncodeThreads, smem, ctx_->stream>>>(
-        dt, dv, bt, d, r, energy, lost);
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return absl::OkStatus();
+  }
+
+  // Every head's basis transposed ([heads][d][R] f32, B = P_R^T) and gamma ([heads][R]) of one
+  // projection, uploaded once per (version, R) and kept with the decode matrices.
+  struct DeviceBasis {
+    uint64_t version = 0;
+    uint32_t rank = 0;
+    uint64_t bytes = 0;
+    Buffer basis_t;
+    Buffer gamma;
+  };
+
+  absl::StatusOr<const DeviceBasis*> UploadBasis(const Projection& proj, uint32_t R) {
+    for (auto it = bases_.begin(); it != bases_.end(); ++it) {
+      if (it->version == proj.version && it->rank == R) {
+        bases_.splice(bases_.begin(), bases_, it);
+        return &bases_.front();
+      }
+    }
+    const uint64_t heads = proj.num_heads(), d = proj.head_dim;
+    std::vector<float> bt(heads * d * R), g(heads * R);
+    for (uint64_t h = 0; h < heads; ++h) {
+      const float* basis = proj.head_basis(h);
+      for (uint64_t j = 0; j < R; ++j) {
+        g[h * R + j] = proj.head_gamma(h)[j];
+        for (uint64_t k = 0; k < d; ++k) bt[(h * d + k) * R + j] = basis[j * d + k];
+      }
+    }
+    DeviceBasis db;
+    db.version = proj.version;
+    db.rank = R;
+    db.bytes = (bt.size() + g.size()) * 4;
+    while (!bases_.empty() && basis_bytes_ + db.bytes > kMaxProjectionBytes) {
+      basis_bytes_ -= bases_.back().bytes;
+      bases_.pop_back();
+    }
+    KVCOMP_ASSIGN_OR_RETURN(db.basis_t, Buffer::Allocate(*ctx_->allocator, bt.size() * 4));
+    KVCOMP_ASSIGN_OR_RETURN(db.gamma, Buffer::Allocate(*ctx_->allocator, g.size() * 4));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(db.basis_t.data(), bt.data(), bt.size() * 4,
+                                                cudaMemcpyHostToDevice, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(db.gamma.data(), g.data(), g.size() * 4,
+                                                cudaMemcpyHostToDevice, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    basis_bytes_ += db.bytes;
+    bases_.push_front(std::move(db));
+    return &bases_.front();
   }
 
   template <int D>
@@ -603,13 +689,24 @@ class CudaCodecOps final : public CodecOps {
   }
 
   template <typename T>
-  absl::Status LaunchKeys(KeyCodec codec, size_t tiles, uint64_t heads, const Tile* dt,
-                          const uint64_t* doff, const void* dk, uint64_t d, float* dsc,
-                          void* dout) {
+  absl::Status LaunchKeys(KeyCodec codec, size_t tiles, uint64_t heads, uint64_t max_rows,
+                          const Tile* dt, const uint64_t* doff, const void* dk, uint64_t d,
+                          float* dsc, void* dout) {
     const bool int8 = codec == KeyCodec::kInt8;
-    if (int8) {
-      codec_cuda::KeyScalesKernel<T><<<static_cast<unsigned>(heads), 256, 0, ctx_->stream>>>(
-          static_cast<const T*>(dk), doff, static_cast<uint32_t>(d), dsc);
+    if (int8 && heads > 0) {
+      // Rows per head split over up to 64 blocks (about 512 rows each).
+      const unsigned chunks =
+          static_cast<unsigned>(std::clamp<uint64_t>(max_rows / 512, 1, 64));
+      KVCOMP_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(dsc, 0, heads * d * sizeof(float), ctx_->stream));
+      codec_cuda::KeyScalesKernel<T>
+          <<<dim3(static_cast<unsigned>(heads), chunks), 256, 0, ctx_->stream>>>(
+              static_cast<const T*>(dk), doff, static_cast<uint32_t>(d), dsc);
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      const uint64_t ns = heads * d;
+      codec_cuda::KeyScalesFinishKernel<float><<<
+          static_cast<unsigned>(std::min<uint64_t>((ns + 255) / 256, 4096)), 256, 0,
+          ctx_->stream>>>(dsc, ns);
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
     if (tiles == 0) return absl::OkStatus();
@@ -756,8 +853,11 @@ class CudaCodecOps final : public CodecOps {
   std::map<SlotsKey, uint64_t> expand_slots_;
   cublasHandle_t cublas_ = nullptr;
   cusolverDnHandle_t cusolver_ = nullptr;
+  static constexpr size_t kMaxGrid = 1u << 30;
   std::list<DeviceProjection> projections_;  // most recently used first
   uint64_t projection_bytes_ = 0;
+  std::list<DeviceBasis> bases_;  // most recently used first
+  uint64_t basis_bytes_ = 0;
 };
 
 }  // namespace

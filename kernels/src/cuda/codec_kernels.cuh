@@ -4,8 +4,8 @@
 //
 // Work is a list of tiles (head, first row, rows) built on the host from the ragged offsets, one
 // thread block per tile, so every block reads one head's matrix.
-//   EncodeValuesKernel: z = V E^T on CUDA cores (E in f32, transposed), then per (row, group)
-//     scale and quantization from shared memory.
+//   FusedEncodeKernel (codec_encode.cuh): projection, outlier measure and quantization of
+//     every layer in one launch, the CPU reference's arithmetic bit for bit.
 //   ExpandValuesKernel (below): the fused dequantize + expand on mma.sync, pipelined; what the
 //     codec op and the decode library run wherever the latent layout allows it.
 //   DecodeValuesKernel: the fused dequantize + expand for every other layout (and, with
@@ -82,142 +82,6 @@ __device__ __forceinline__ int QuantizeOne(float z, float scale, int qmax) {
 
 __device__ __forceinline__ int Int4Value(uint32_t nibble) {
   return static_cast<int>((nibble ^ 8u) & 15u) - 8;
-}
-
-constexpr int kEncodeRows = 16;
-constexpr int kEncodeThreads = 256;
-
-struct EncodeParams {
-  const Tile* tiles;
-  const void* values;     // [rows][d] of T
-  const float* enc_t;     // [heads][d][r] (transposed encode matrix)
-  uint8_t* latent;        // [rows][latent_bytes]
-  uint16_t* scales;       // [rows][groups]
-  uint32_t d, r, group_size, groups, latent_bytes;
-  LatentKind kind;
-};
-
-// Dynamic shared memory: kEncodeRows * (d + r) floats. A thread computes kRowsPerThread rows of
-// one latent direction (the launcher picks it so that small ranks keep every thread busy); each
-// z element is the same f32 FMA chain over the channels whatever it is.
-template <typename T, int kRowsPerThread = kEncodeRows>
-__global__ void __launch_bounds__(kEncodeThreads) EncodeValuesKernel(EncodeParams p) {
-  extern __shared__ float smem[];
-  const Tile tile = p.tiles[blockIdx.x];
-  const uint32_t d = p.d, r = p.r;
-  float* vs = smem;                       // [kEncodeRows][d]
-  float* zs = smem + kEncodeRows * d;     // [kEncodeRows][r]
-  const T* in = static_cast<const T*>(p.values) + tile.begin * d;
-  for (uint32_t i = threadIdx.x; i < kEncodeRows * d; i += blockDim.x) {
-    vs[i] = i < tile.rows * d ? ToF<T>(in[i]) : 0.0f;
-  }
-  __syncthreads();
-  const float* et = p.enc_t + static_cast<uint64_t>(tile.head) * d * r;
-  constexpr uint32_t kGroups = kEncodeRows / kRowsPerThread;
-  for (uint32_t q = threadIdx.x; q < r * kGroups; q += blockDim.x) {
-    const uint32_t j = q % r, row0 = (q / r) * kRowsPerThread;
-    float acc[kRowsPerThread];
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) acc[t] = 0.0f;
-    for (uint32_t k = 0; k < d; ++k) {
-      const float e = __ldg(et + static_cast<uint64_t>(k) * r + j);
-#pragma unroll
-      for (int t = 0; t < kRowsPerThread; ++t) acc[t] = fmaf(vs[(row0 + t) * d + k], e, acc[t]);
-    }
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) zs[(row0 + t) * r + j] = acc[t];
-  }
-  __syncthreads();
-  uint8_t* out = p.latent + tile.begin * p.latent_bytes;
-  if (p.kind == LatentKind::kF16) {
-    uint16_t* h = reinterpret_cast<uint16_t*>(out);
-    for (uint32_t i = threadIdx.x; i < tile.rows * r; i += blockDim.x) {
-      h[i] = __half_as_ushort(__float2half_rn(fminf(fmaxf(zs[i], -65504.0f), 65504.0f)));
-    }
-    return;
-  }
-  const int qmax = p.kind == LatentKind::kInt4 ? 7 : 127;
-  // Group scales, overwriting the first element slot is not possible: keep them in vs (free now).
-  float* sc = vs;  // [rows][groups], groups * kEncodeRows <= kEncodeRows * d
-  for (uint32_t i = threadIdx.x; i < tile.rows * p.groups; i += blockDim.x) {
-    const uint32_t t = i / p.groups, g = i % p.groups;
-    const uint32_t lo = g * p.group_size, hi = min(r, lo + p.group_size);
-    float m = 0.0f;
-    for (uint32_t j = lo; j < hi; ++j) m = fmaxf(m, fabsf(zs[t * r + j]));
-    const uint16_t s = GroupScaleHalf(m, qmax);
-    p.scales[(tile.begin + t) * p.groups + g] = s;
-    sc[i] = __half2float(__ushort_as_half(s));
-  }
-  __syncthreads();
-  if (p.kind == LatentKind::kInt8) {
-    for (uint32_t i = threadIdx.x; i < tile.rows * r; i += blockDim.x) {
-      const uint32_t t = i / r, j = i % r;
-      const int q = QuantizeOne(zs[i], sc[t * p.groups + j / p.group_size], qmax);
-      out[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
-    }
-  } else {
-    const uint32_t half_r = r / 2;
-    for (uint32_t i = threadIdx.x; i < tile.rows * half_r; i += blockDim.x) {
-      const uint32_t t = i / half_r, j = (i % half_r) * 2;
-      const int q0 = QuantizeOne(zs[t * r + j], sc[t * p.groups + j / p.group_size], qmax);
-      const int q1 = QuantizeOne(zs[t * r + j + 1], sc[t * p.groups + (j + 1) / p.group_size], qmax);
-      out[t * p.latent_bytes + j / 2] =
-          static_cast<uint8_t>((static_cast<uint32_t>(q0) & 15u) | ((static_cast<uint32_t>(q1) & 15u) << 4));
-    }
-  }
-}
-
-// KVSplice's outlier measure per row: energy ||v||^2 and lost = max(0, ||v||^2 - ||z||^2) with
-// z = V B^T at the tile's rank (B^T as enc_t without gamma). Each z element as in
-// EncodeValuesKernel (f32 FMAs over the channels in order), a thread taking kRowsPerThread
-// rows of one latent direction so that ranks below the block size keep every thread busy; each
-// row's sums by one warp in a fixed order (the same on every run). Dynamic shared memory:
-// kEncodeRows * (d + r) floats.
-template <typename T, int kRowsPerThread>
-__global__ void __launch_bounds__(kEncodeThreads)
-    ResidualKernel(const Tile* tiles, const void* values, const float* basis_t, uint32_t d,
-                   uint32_t r, float* energy, float* lost) {
-  extern __shared__ float smem[];
-  const Tile tile = tiles[blockIdx.x];
-  float* vs = smem;                    // [kEncodeRows][d]
-  float* zs = smem + kEncodeRows * d;  // [kEncodeRows][r]
-  const T* in = static_cast<const T*>(values) + tile.begin * d;
-  for (uint32_t i = threadIdx.x; i < kEncodeRows * d; i += blockDim.x) {
-    vs[i] = i < tile.rows * d ? ToF<T>(in[i]) : 0.0f;
-  }
-  __syncthreads();
-  const float* bt = basis_t + static_cast<uint64_t>(tile.head) * d * r;
-  constexpr uint32_t kGroups = kEncodeRows / kRowsPerThread;
-  for (uint32_t p = threadIdx.x; p < r * kGroups; p += blockDim.x) {
-    const uint32_t j = p % r, row0 = (p / r) * kRowsPerThread;
-    float acc[kRowsPerThread];
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) acc[t] = 0.0f;
-    for (uint32_t k = 0; k < d; ++k) {
-      const float e = __ldg(bt + static_cast<uint64_t>(k) * r + j);
-#pragma unroll
-      for (int t = 0; t < kRowsPerThread; ++t) acc[t] = fmaf(vs[(row0 + t) * d + k], e, acc[t]);
-    }
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) zs[(row0 + t) * r + j] = acc[t];
-  }
-  __syncthreads();
-  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (uint32_t t = warp; t < tile.rows; t += blockDim.x / 32) {
-    float e = 0.0f, zz = 0.0f;
-    for (uint32_t k = lane; k < d; k += 32) e = fmaf(vs[t * d + k], vs[t * d + k], e);
-    for (uint32_t j = lane; j < r; j += 32) zz = fmaf(zs[t * r + j], zs[t * r + j], zz);
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      e += __shfl_xor_sync(0xffffffffu, e, o);
-      zz += __shfl_xor_sync(0xffffffffu, zz, o);
-    }
-    if (lane == 0) {
-      const float l = e - zz;
-      energy[tile.begin + t] = e;
-      lost[tile.begin + t] = l > 0.0f ? l : 0.0f;
-    }
-  }
 }
 
 constexpr int kDecodeThreads = 128;  // 4 warps
@@ -704,11 +568,39 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
 template <typename T>
 __global__ void KeyScalesKernel(const T* keys, const uint64_t* offsets, uint32_t d,
                                 float* scales) {
+  // Block (h, y) takes the y-th share of head h's rows; each thread one channel of a stride of
+  // rows, then the largest |k| into the head's channel as bits (non-negative floats order like
+  // their bits, so atomicMax is the max in any order: the result is the CPU's). `scales` holds
+  // zero bits on entry; KeyScalesFinish divides by 127.
   const uint32_t h = blockIdx.x;
+  const uint64_t b = offsets[h], e = offsets[h + 1];
+  const uint64_t per = (e - b + gridDim.y - 1) / gridDim.y;
+  const uint64_t lo = b + blockIdx.y * per, hi = min(e, lo + per);
+  if (lo >= hi) return;
+  auto* bits = reinterpret_cast<unsigned int*>(scales) + static_cast<uint64_t>(h) * d;
+  if (d <= blockDim.x) {
+    const uint32_t phases = blockDim.x / d;
+    if (threadIdx.x >= phases * d) return;
+    const uint32_t c = threadIdx.x % d, ph = threadIdx.x / d;
+    float m = 0.0f;
+    for (uint64_t i = lo + ph; i < hi; i += phases) m = fmaxf(m, fabsf(ToF<T>(keys[i * d + c])));
+    if (m > 0.0f) atomicMax(bits + c, __float_as_uint(m));
+    return;
+  }
   for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
     float m = 0.0f;
-    for (uint64_t i = offsets[h]; i < offsets[h + 1]; ++i) m = fmaxf(m, fabsf(ToF<T>(keys[i * d + c])));
-    scales[static_cast<uint64_t>(h) * d + c] = m / 127.0f;
+    for (uint64_t i = lo; i < hi; ++i) m = fmaxf(m, fabsf(ToF<T>(keys[i * d + c])));
+    if (m > 0.0f) atomicMax(bits + c, __float_as_uint(m));
+  }
+}
+
+// The int8 key scales from KeyScalesKernel's maxima: max / 127 (a template, as every kernel of
+// this header, so that each translation unit including it may instantiate it).
+template <typename T = float>
+__global__ void KeyScalesFinishKernel(T* scales, uint64_t n) {
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    scales[i] = __uint_as_float(reinterpret_cast<const unsigned int*>(scales)[i]) / 127.0f;
   }
 }
 

@@ -8,7 +8,9 @@
 // is InvalidArgument where the backend can tell.
 //
 // Value encoding (rank r, group size g, G = ceil(r / g) groups per row, gamma_j of projection):
-//   z_j = (v . p_j) / gamma_j            (gamma_j = 1 when gamma_aware is off or codec is f16)
+//   z_j = (v . p_j) / gamma_j            (gamma_j = 1 when gamma_aware is off or codec is f16;
+//                                         v . p_j a chain of f32 fused multiply-adds over the
+//                                         channels in order, the same bits on every backend)
 //   orthogonal:      latent f16 z_j, 2 r bytes per row, no scales
 //   orthogonal_int8: per group, s = f16 scale >= max|z| / 127, q = round(z / s) in [-127, 127]
 //   orthogonal_int4: per group, s = f16 scale >= max|z| / 7,   q = round(z / s) in [-7, 7],
@@ -77,6 +79,23 @@ class CodecOps {
   virtual absl::Status DecodeValues(const Projection& projection, const ValueCodecParams& params,
                                     const RowSpan& rows, const void* latent,
                                     const uint16_t* scales, void* out, DType out_dtype) = 0;
+
+  // The values of a whole cache in one call (a put's one pass): rows of every head of the
+  // projection (row_offsets: num_layers * num_kv_heads + 1 entries, host), layer l at rank
+  // layer_ranks[l] (1..params.rank, even for int4; params.rank the largest), its latents and
+  // scales stored layer after layer (layer rows x that rank's LatentBytes / Groups), as a
+  // CompressedCache with per-layer ranks keeps them. energy and lost (one f32 per row, both or
+  // neither) receive ValueResiduals' measure at each row's layer rank.
+  // The arithmetic (codec_internal::ProjectRows in cpu/codec_cpu_internal.h): each latent is a
+  // chain of fused multiply-adds over the channels in order, divided by gamma, then quantized,
+  // so every backend writes the same bytes for the same input; EncodeValues and ValueResiduals
+  // follow it too.
+  virtual absl::Status EncodeValueLayers(const Projection& projection,
+                                         const ValueCodecParams& params,
+                                         absl::Span<const uint32_t> layer_ranks,
+                                         absl::Span<const uint64_t> row_offsets,
+                                         const void* values, DType dtype, void* latent,
+                                         uint16_t* scales, float* energy, float* lost) = 0;
 
   // What the projection's first `rank` rows miss of each value row (KVSplice's outlier rule):
   // energy[i] = ||v_i||^2 and lost[i] = max(0, ||v_i||^2 - ||P_r v_i||^2), f32, for every row
