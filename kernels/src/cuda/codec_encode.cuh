@@ -13,7 +13,9 @@
 // Work split: a block takes kFusedRows rows of one head; 256 threads each own 4 rows x 4 latent
 // directions per item (one or more items). V is staged once as f32 (row-major, one float of
 // padding per row against bank conflicts); the basis B = P_r^T ([d][R] of the head) streams
-// through shared memory kFusedK channels at a time.
+// through shared memory kFusedK channels at a time, and the last kFusedRows threads extend
+// their row's energy chain by the same channels. The latents then take V's place in shared
+// memory for the measure, gamma, the group scales and the codes.
 #ifndef KVCOMP_KERNELS_SRC_CUDA_CODEC_ENCODE_CUH_
 #define KVCOMP_KERNELS_SRC_CUDA_CODEC_ENCODE_CUH_
 
@@ -159,14 +161,12 @@ __global__ void __launch_bounds__(kFusedThreads) FusedEncodeKernel(FusedParams p
       gs[j] = p.gamma[static_cast<uint64_t>(tile.head) * p.R + j];
     }
   }
-  __syncthreads();
-  // The energy chains, one thread per row (the channels in order).
-  if (p.energy != nullptr && threadIdx.x < rows) {
-    float e = 0.0f;
-    const float* row = vs + threadIdx.x * ldv;
-    for (uint32_t k = 0; k < d; ++k) e = fmaf(row[k], row[k], e);
-    es[threadIdx.x] = e;
-  }
+  // The energy chains: one thread of the last kFusedRows per row, the channels in order, a
+  // chunk at a time beside the projection (each step's latency hidden by the other warps).
+  const uint32_t erow = threadIdx.x - (kFusedThreads - kFusedRows);
+  const bool energy_thread = p.energy != nullptr && threadIdx.x >= kFusedThreads - kFusedRows &&
+                             erow < rows;
+  float e = 0.0f;
 
   // The projection: item = (row quad, direction quad), rows fastest across the lanes.
   const uint32_t quads = rpad / 4, items = (kFusedRows / 4) * quads;
@@ -187,6 +187,10 @@ __global__ void __launch_bounds__(kFusedThreads) FusedEncodeKernel(FusedParams p
       bc[kk * rpad_max + j] = j < r ? basis[static_cast<uint64_t>(k0 + kk) * p.R + j] : 0.0f;
     }
     __syncthreads();
+    if (energy_thread) {
+      const float* row = vs + erow * ldv + k0;
+      for (uint32_t kk = 0; kk < kn; ++kk) e = fmaf(row[kk], row[kk], e);
+    }
 #pragma unroll
     for (int s = 0; s < kItems; ++s) {
       const uint32_t item = threadIdx.x + s * kFusedThreads;
@@ -210,6 +214,7 @@ __global__ void __launch_bounds__(kFusedThreads) FusedEncodeKernel(FusedParams p
       }
     }
   }
+  if (energy_thread) es[erow] = e;
   __syncthreads();  // V is read for the last time: the latents take its place
   float* zs = vs;   // [kFusedRows][ldz]
   const uint32_t ldz = rpad_max + 1;
