@@ -738,7 +738,15 @@ class CudaCodecOps final : public CodecOps {
     const std::vector<Tile> tiles = MakeTiles(rows, 64);
     KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
     KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
-    const auto heads = static_cast<unsigned>(rows.num_heads());
+    uint64_t max_groups = 0;
+    for (uint64_t h = 0; h < rows.num_heads(); ++h) {
+      max_groups = std::max<uint64_t>(
+          max_groups,
+          KeyScaleGroups(KeyCodec::kInt4, rows.row_offsets[h + 1] - rows.row_offsets[h]));
+    }
+    // The scales of a head over up to 64 blocks of 256 (group, channel) scans.
+    const dim3 heads(static_cast<unsigned>(rows.num_heads()),
+                     static_cast<unsigned>(std::clamp<uint64_t>((max_groups * d + 255) / 256, 1, 64)));
     const auto d32 = static_cast<uint32_t>(d);
     const auto g = static_cast<unsigned>(tiles.size());
     auto* o = static_cast<uint8_t*>(dout);

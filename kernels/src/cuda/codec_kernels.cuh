@@ -685,7 +685,9 @@ __global__ void KeyInt4ScalesKernel(const T* keys, const uint64_t* offsets, uint
   const uint64_t begin = offsets[h], rows = offsets[h + 1] - begin;
   const uint64_t groups = (rows + kKeyInt4GroupRows - 1) / kKeyInt4GroupRows;
   float* sc = scales + Int4KeyScaleStart(offsets, h, d);
-  for (uint64_t i = threadIdx.x; i < groups * d; i += blockDim.x) {
+  // Blocks (h, y) share the head's (group, channel) scales; each one thread's scan in order.
+  for (uint64_t i = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; i < groups * d;
+       i += uint64_t{gridDim.y} * blockDim.x) {
     const uint64_t g = i / d, c = i % d;
     const uint64_t r0 = begin + g * kKeyInt4GroupRows;
     const uint64_t r1 = min(r0 + kKeyInt4GroupRows, begin + rows);
