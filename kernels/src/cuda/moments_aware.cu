@@ -95,24 +95,44 @@ __global__ void MuKernel(const double* partial, uint32_t d, uint64_t count, doub
 }
 
 // ||k_t - mu|| per token in f64, channels in order (the reference's sum). Distances are >= +0,
-// so their bits order like them.
+// so their bits order like them. A block takes blockDim.x consecutive tokens of the layer: their
+// rows are staged in shared memory with coalesced loads (rows padded by 4 bytes against bank
+// conflicts), then each thread sums its own row in channel order.
 template <typename T>
 __global__ void DistanceKernel(const T* keys, uint64_t head_stride, uint64_t token_stride,
                                uint32_t d, uint32_t heads, uint64_t n, const double* mu,
                                double* dist) {
+  extern __shared__ unsigned char distance_smem[];
+  T* rows = reinterpret_cast<T*>(distance_smem);
+  const uint32_t ld = d + 4 / sizeof(T);
   const uint64_t total = uint64_t{heads} * n;
-  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
-       i += uint64_t{gridDim.x} * blockDim.x) {
-    const uint64_t h = i / n, t = i % n;
-    const T* k = keys + h * head_stride + t * token_stride;
-    const double* m = mu + h * d;
-    double acc = 0.0;
-    for (uint32_t x = 0; x < d; ++x) {
-      const double diff = __dsub_rn(LoadD(k + x), m[x]);
-      acc = __dadd_rn(acc, __dmul_rn(diff, diff));
+  const uint64_t i0 = uint64_t{blockIdx.x} * blockDim.x;
+  for (uint32_t e = threadIdx.x; e < blockDim.x * d; e += blockDim.x) {
+    const uint32_t r = e / d, x = e - r * d;
+    const uint64_t i = i0 + r;
+    if (i < total) {
+      const uint64_t h = i / n, t = i - h * n;
+      rows[r * ld + x] = keys[h * head_stride + t * token_stride + x];
     }
-    dist[i] = sqrt(acc);
   }
+  __syncthreads();
+  const uint64_t i = i0 + threadIdx.x;
+  if (i >= total) return;
+  const T* k = rows + threadIdx.x * ld;
+  const double* m = mu + (i / n) * d;
+  double acc = 0.0;
+  for (uint32_t x = 0; x < d; ++x) {
+    const double diff = __dsub_rn(LoadD(k + x), m[x]);
+    acc = __dadd_rn(acc, __dmul_rn(diff, diff));
+  }
+  dist[i] = sqrt(acc);
+}
+
+// Tokens per block of DistanceKernel: its staged rows within 48 KiB, 32 to 128.
+inline unsigned DistanceTokens(uint32_t d, size_t elem) {
+  const size_t row = (d + 4 / elem) * elem;
+  const size_t fit = (48 * 1024) / row;
+  return static_cast<unsigned>(std::max<size_t>(32, std::min<size_t>(128, fit / 32 * 32)));
 }
 
 // The head of each token in distance order, the key of the second (stable) pass.
@@ -210,8 +230,14 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   MuPartialKernel<T><<<dim3(heads, kMuChunks), threads, 0, stream>>>(
       k, keys.head_stride, keys.token_stride, d, n, kept, order_e, partial);
   MuKernel<<<heads, threads, 0, stream>>>(partial, d, n - kept, mu);
-  DistanceKernel<T><<<Blocks(total), 256, 0, stream>>>(k, keys.head_stride, keys.token_stride,
-                                                        d, heads, n, mu, dist);
+  const unsigned dt = DistanceTokens(d, sizeof(T));
+  const size_t dsmem = size_t{dt} * (d + 4 / sizeof(T)) * sizeof(T);
+  if (dsmem > 48 * 1024) {
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        DistanceKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dsmem)));
+  }
+  DistanceKernel<T><<<static_cast<unsigned>((total + dt - 1) / dt), dt, dsmem, stream>>>(
+      k, keys.head_stride, keys.token_stride, d, heads, n, mu, dist);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // The distances' ranks: rising distance (ties by lower index), then stably by head.
   t = t2;
