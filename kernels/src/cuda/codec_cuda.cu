@@ -190,23 +190,23 @@ class CudaCodecOps final : public CodecOps {
       }
       return st.Finish();
     }
-    const std::vector<Tile> tiles = MakeTiles(rows, 64);
-    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
-    KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
+    uint64_t tiles = 0;
+    KVCOMP_ASSIGN_OR_RETURN(const codec_cuda::TileList dt, st.List(rows, 64, &tiles));
+    const uint64_t* doff = dt.offsets;
     uint64_t max_rows = 0;
     for (uint64_t h = 0; h < heads; ++h) {
       max_rows = std::max(max_rows, rows.row_offsets[h + 1] - rows.row_offsets[h]);
     }
     switch (dtype) {
       case DType::kF32:
-        KVCOMP_RETURN_IF_ERROR(LaunchKeys<float>(codec, tiles.size(), heads, max_rows, dt, doff, dk, d, dsc, dout));
+        KVCOMP_RETURN_IF_ERROR(LaunchKeys<float>(codec, tiles, heads, max_rows, dt, doff, dk, d, dsc, dout));
         break;
       case DType::kF16:
-        KVCOMP_RETURN_IF_ERROR(LaunchKeys<__half>(codec, tiles.size(), heads, max_rows, dt, doff, dk, d, dsc, dout));
+        KVCOMP_RETURN_IF_ERROR(LaunchKeys<__half>(codec, tiles, heads, max_rows, dt, doff, dk, d, dsc, dout));
         break;
       default:
         KVCOMP_RETURN_IF_ERROR(
-            LaunchKeys<__nv_bfloat16>(codec, tiles.size(), heads, max_rows, dt, doff, dk, d, dsc, dout));
+            LaunchKeys<__nv_bfloat16>(codec, tiles, heads, max_rows, dt, doff, dk, d, dsc, dout));
     }
     return st.Finish();
   }
@@ -370,6 +370,29 @@ class CudaCodecOps final : public CodecOps {
       return bufs_.back().data();
     }
     absl::StatusOr<const void*> Bytes(const void* p, uint64_t bytes) { return Upload(p, bytes); }
+    // The heads' offsets and tile counts of a codec_cuda::TileList (one small upload); *count
+    // receives the number of tiles.
+    absl::StatusOr<codec_cuda::TileList> List(const RowSpan& rows, uint32_t tile_rows,
+                                              uint64_t* count) {
+      const uint64_t heads = rows.num_heads();
+      std::vector<uint64_t> words(2 * heads + 2);
+      std::copy(rows.row_offsets.begin(), rows.row_offsets.end(), words.begin());
+      auto* first = reinterpret_cast<uint32_t*>(words.data() + heads + 1);
+      uint64_t tiles = 0;
+      for (uint64_t h = 0; h < heads; ++h) {
+        first[h] = static_cast<uint32_t>(tiles);
+        tiles += (rows.row_offsets[h + 1] - rows.row_offsets[h] + tile_rows - 1) / tile_rows;
+      }
+      first[heads] = static_cast<uint32_t>(tiles);
+      if (tiles >= (uint64_t{1} << 31)) {
+        return absl::InvalidArgumentError("codec (CUDA): too many rows in one call");
+      }
+      *count = tiles;
+      KVCOMP_ASSIGN_OR_RETURN(const void* p, Upload(words.data(), words.size() * 8));
+      const auto* w = static_cast<const uint64_t*>(p);
+      return codec_cuda::TileList{w, reinterpret_cast<const uint32_t*>(w + heads + 1),
+                                  static_cast<uint32_t>(heads), tile_rows};
+    }
     absl::StatusOr<const Tile*> Tiles(const std::vector<Tile>& tiles) {
       KVCOMP_ASSIGN_OR_RETURN(const void* p, Upload(tiles.data(), tiles.size() * sizeof(Tile)));
       return static_cast<const Tile*>(p);
@@ -690,8 +713,8 @@ class CudaCodecOps final : public CodecOps {
 
   template <typename T>
   absl::Status LaunchKeys(KeyCodec codec, size_t tiles, uint64_t heads, uint64_t max_rows,
-                          const Tile* dt, const uint64_t* doff, const void* dk, uint64_t d,
-                          float* dsc, void* dout) {
+                          const codec_cuda::TileList& dt, const uint64_t* doff, const void* dk,
+                          uint64_t d, float* dsc, void* dout) {
     const bool int8 = codec == KeyCodec::kInt8;
     if (int8 && heads > 0) {
       // Rows per head split over up to 64 blocks (about 512 rows each).
@@ -735,9 +758,9 @@ class CudaCodecOps final : public CodecOps {
     KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, n * nb));
     KVCOMP_ASSIGN_OR_RETURN(void* s, st.Out(key_scales, Int4ScaleCount(rows, d) * sizeof(float)));
     auto* dsc = static_cast<float*>(s);
-    const std::vector<Tile> tiles = MakeTiles(rows, 64);
-    KVCOMP_ASSIGN_OR_RETURN(const Tile* dt, st.Tiles(tiles));
-    KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
+    uint64_t tiles = 0;
+    KVCOMP_ASSIGN_OR_RETURN(const codec_cuda::TileList dt, st.List(rows, 64, &tiles));
+    const uint64_t* doff = dt.offsets;
     uint64_t max_groups = 0;
     for (uint64_t h = 0; h < rows.num_heads(); ++h) {
       max_groups = std::max<uint64_t>(
@@ -748,7 +771,7 @@ class CudaCodecOps final : public CodecOps {
     const dim3 heads(static_cast<unsigned>(rows.num_heads()),
                      static_cast<unsigned>(std::clamp<uint64_t>((max_groups * d + 255) / 256, 1, 64)));
     const auto d32 = static_cast<uint32_t>(d);
-    const auto g = static_cast<unsigned>(tiles.size());
+    const auto g = static_cast<unsigned>(tiles);
     auto* o = static_cast<uint8_t*>(dout);
     switch (dtype) {
       case DType::kF32:

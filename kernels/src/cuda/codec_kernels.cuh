@@ -604,11 +604,41 @@ __global__ void KeyScalesFinishKernel(T* scales, uint64_t n) {
   }
 }
 
+// Tiles of tile_rows rows over every head, found on the device (no per-tile list to send):
+// first_tile[h] counts the tiles before head h (heads + 1 entries), offsets are the heads' rows.
+struct TileList {
+  const uint64_t* offsets;
+  const uint32_t* first_tile;
+  uint32_t heads;
+  uint32_t tile_rows;
+};
+
+// Block b's tile: the last head whose first tile is <= b (empty heads share the next one's).
+__device__ __forceinline__ Tile TileAt(const TileList& list, uint32_t b) {
+  uint32_t lo = 0, hi = list.heads;
+  while (lo < hi) {
+    const uint32_t mid = (lo + hi) / 2;
+    if (list.first_tile[mid] <= b) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  const uint32_t h = lo - 1;
+  const uint64_t begin = list.offsets[h] + uint64_t{b - list.first_tile[h]} * list.tile_rows;
+  Tile t;
+  t.head = h;
+  t.begin = begin;
+  t.rows = static_cast<uint32_t>(min(static_cast<uint64_t>(list.tile_rows),
+                                     list.offsets[h + 1] - begin));
+  return t;
+}
+
 // Keys of one tile per block: int8 with the head's scales, or f16.
 template <typename T>
-__global__ void EncodeKeysKernel(const Tile* tiles, const T* keys, uint32_t d,
+__global__ void EncodeKeysKernel(TileList tiles, const T* keys, uint32_t d,
                                  const float* scales, bool int8, void* out) {
-  const Tile tile = tiles[blockIdx.x];
+  const Tile tile = TileAt(tiles, blockIdx.x);
   for (uint32_t i = threadIdx.x; i < tile.rows * d; i += blockDim.x) {
     const uint64_t e = tile.begin * d + i;
     const float v = ToF<T>(keys[e]);
@@ -700,9 +730,9 @@ __global__ void KeyInt4ScalesKernel(const T* keys, const uint64_t* offsets, uint
 // int4 keys of one tile per block (a tile never spans two scale groups: tiles of 64 rows start
 // at the head's first row and kKeyInt4GroupRows is a multiple of 64); one thread per byte.
 template <typename T>
-__global__ void EncodeKeysInt4Kernel(const Tile* tiles, const T* keys, const uint64_t* offsets,
+__global__ void EncodeKeysInt4Kernel(TileList tiles, const T* keys, const uint64_t* offsets,
                                      uint32_t d, const float* scales, uint8_t* out) {
-  const Tile tile = tiles[blockIdx.x];
+  const Tile tile = TileAt(tiles, blockIdx.x);
   const uint32_t nb = (d + 1) / 2;
   const float* sc = scales + Int4KeyScaleStart(offsets, tile.head, d) +
                     (tile.begin - offsets[tile.head]) / kKeyInt4GroupRows * d;
