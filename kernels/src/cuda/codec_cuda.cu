@@ -733,8 +733,10 @@ class CudaCodecOps final : public CodecOps {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
     if (tiles == 0) return absl::OkStatus();
+    auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+    const bool vec = d % 8 == 0 && aligned(dk) && aligned(dout);
     codec_cuda::EncodeKeysKernel<T><<<static_cast<unsigned>(tiles), 256, 0, ctx_->stream>>>(
-        dt, static_cast<const T*>(dk), static_cast<uint32_t>(d), dsc, int8, dout);
+        dt, static_cast<const T*>(dk), static_cast<uint32_t>(d), dsc, int8, vec, dout);
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return absl::OkStatus();
   }

@@ -634,11 +634,56 @@ __device__ __forceinline__ Tile TileAt(const TileList& list, uint32_t b) {
   return t;
 }
 
-// Keys of one tile per block: int8 with the head's scales, or f16.
+// Eight consecutive elements of T at `p` (16-byte aligned) as f32.
+template <typename T>
+__device__ __forceinline__ void Load8(const T* p, float* v) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = ToF<T>(e[k]);
+  }
+}
+
+// Keys of one tile per block: int8 with the head's scales, or f16. `vec`: eight elements per
+// thread and step (d % 8 == 0, keys and output 16-byte aligned), the same arithmetic.
 template <typename T>
 __global__ void EncodeKeysKernel(TileList tiles, const T* keys, uint32_t d,
-                                 const float* scales, bool int8, void* out) {
+                                 const float* scales, bool int8, bool vec, void* out) {
   const Tile tile = TileAt(tiles, blockIdx.x);
+  if (vec) {
+    const uint64_t base = tile.begin * d;
+    const float* sc = int8 ? scales + static_cast<uint64_t>(tile.head) * d : nullptr;
+    for (uint32_t i = threadIdx.x * 8; i < tile.rows * d; i += blockDim.x * 8) {
+      float v[8];
+      Load8<T>(keys + base + i, v);
+      if (int8) {
+        const uint32_t c = i % d;
+        uint32_t w[2] = {0u, 0u};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int q = QuantizeOne(v[k], sc[c + k], 127);
+          w[k / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(q)))
+                      << (8 * (k % 4));
+        }
+        *reinterpret_cast<uint2*>(static_cast<int8_t*>(out) + base + i) = make_uint2(w[0], w[1]);
+      } else {
+        uint4 packed;
+        __half2* h = reinterpret_cast<__half2*>(&packed);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          h[k] = __halves2half2(__float2half_rn(v[2 * k]), __float2half_rn(v[2 * k + 1]));
+        }
+        *reinterpret_cast<uint4*>(static_cast<__half*>(out) + base + i) = packed;
+      }
+    }
+    return;
+  }
   for (uint32_t i = threadIdx.x; i < tile.rows * d; i += blockDim.x) {
     const uint64_t e = tile.begin * d + i;
     const float v = ToF<T>(keys[e]);
