@@ -150,8 +150,16 @@ absl::StatusOr<bool> CacheRepository::NeedsDecode(const storage::Payload& stored
 absl::StatusOr<storage::Payload> CacheRepository::Decode(const CacheKey& key,
                                                          const storage::Payload& stored,
                                                          Backend* backend) {
-  const absl::Time t0 = absl::Now();
   KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(stored.view()));
+  KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw, DecodeParsed(key, std::move(cache), backend));
+  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(raw));
+  return storage::Payload::FromString(std::move(bytes));
+}
+
+absl::StatusOr<CompressedCache> CacheRepository::DecodeParsed(const CacheKey& key,
+                                                              CompressedCache cache,
+                                                              Backend* backend) {
+  const absl::Time t0 = absl::Now();
   KVCOMP_ASSIGN_OR_RETURN(std::string model, codecs::ProjectionModel(key.tenant, key.model_id));
   // On a device, the codecs' inputs go up (keys, latents and their scales) and the decoded keys
   // and values come down; the projection is uploaded once per backend and not counted here.
@@ -160,14 +168,13 @@ absl::StatusOr<storage::Payload> CacheRepository::Decode(const CacheKey& key,
                       cache.value_scales.size() * sizeof(cache.value_scales[0]);
   KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw,
                           codecs::DecodeToRaw(std::move(cache), model, projections_, backend));
-  const double decode_seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
   if (backend != nullptr && backend->kind() == BackendKind::kCuda) {
     metrics_->AddTransferBytes(up, raw.keys.size() + raw.values.size());
-    metrics_->AddGpuSeconds(decode_seconds);
+    metrics_->AddGpuSeconds(seconds);
   }
-  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(raw));
-  metrics_->ObserveStage(Stage::kDecode, absl::ToDoubleSeconds(absl::Now() - t0));
-  return storage::Payload::FromString(std::move(bytes));
+  metrics_->ObserveStage(Stage::kDecode, seconds);
+  return raw;
 }
 
 void CacheRepository::Remember(const CacheKey& key, const format::CacheInfo& info) {

@@ -82,6 +82,10 @@ class CacheRepository {
   // else on the shared CPU decoder.
   absl::StatusOr<storage::Payload> Decode(const CacheKey& key, const storage::Payload& stored,
                                           Backend* backend);
+  // The same for a cache already parsed: its kept keys and values decoded to the layout's dtype
+  // (raw codecs), not encoded again, for a caller that uses the arrays themselves (a dense get).
+  absl::StatusOr<CompressedCache> DecodeParsed(const CacheKey& key, CompressedCache cache,
+                                               Backend* backend);
 
   // Where a cache is and what its header says. NotFound when absent.
   struct Description {

@@ -491,9 +491,11 @@ class GpuChannelsImpl : public GpuChannels {
                                                               uint64_t capacity,
                                                               const GpuTransferShape& shape) {
     KVCOMP_ASSIGN_OR_RETURN(const CacheSummary sum, LookupSummary(key));
-    if (sum.key_codec != KeyCodec::kRaw || sum.value_codec != ValueCodec::kRaw ||
-        sum.total_kept != sum.layout.num_heads_total() * sum.original_tokens) {
+    if (sum.total_kept != sum.layout.num_heads_total() * sum.original_tokens) {
       return std::optional<GpuGetBegun>();  // the host path says why it has no dense form
+    }
+    if (sum.key_codec != KeyCodec::kRaw || sum.value_codec != ValueCodec::kRaw) {
+      return DecodeDenseOnDevice(c, key, sum, capacity, shape);
     }
     GpuGetBegun out;
     out.layout = sum.layout;
@@ -540,6 +542,87 @@ class GpuChannelsImpl : public GpuChannels {
       return dense.status();
     }
     if (!*dense) return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
+    KVCOMP_ASSIGN_OR_RETURN(
+        out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
+                        shape, /*at_least=*/false));
+    return std::optional<GpuGetBegun>(out);
+  }
+
+  // A dense get of an encoded cache that kept every token (int8 or int4 keys, KVSplice values):
+  // the stored bytes are read and parsed on the host, decoded to raw codecs by a worker of the
+  // engine on the channel's device (the codecs run there: the encoded arrays go up, the decoded
+  // keys and values come down), and the decoded keys and values, already the dense K and V
+  // (rows in layer, head, token order), are copied into the staging buffer; nothing is encoded
+  // again nor densified on the host. nullopt (the caller's path through host memory): no GPU
+  // engine on the channel's device, its queue full, or the cache not dense after all.
+  absl::StatusOr<std::optional<GpuGetBegun>> DecodeDenseOnDevice(const std::shared_ptr<Channel>& c,
+                                                                 const CacheKey& key,
+                                                                 const CacheSummary& sum,
+                                                                 uint64_t capacity,
+                                                                 const GpuTransferShape& shape) {
+    Engine* engine = service_->engines()->OnDevice(c->device);
+    if (engine == nullptr || !engine->uses_gpu() || engine->failed()) {
+      return std::optional<GpuGetBegun>();
+    }
+    GpuGetBegun out;
+    out.layout = sum.layout;
+    out.num_tokens = sum.original_tokens;
+    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
+    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+    absl::Notification got;
+    absl::StatusOr<storage::Payload> stored = absl::UnknownError("no answer");
+    service_->Get(key, Representation::kStored, [&](absl::StatusOr<storage::Payload> r) {
+      stored = std::move(r);
+      got.Notify();
+    });
+    got.WaitForNotification();
+    KVCOMP_RETURN_IF_ERROR(stored.status());
+    KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(stored->view()));
+    const uint64_t tokens = cache.original_tokens;
+    if (cache.layout != out.layout || tokens != out.num_tokens ||
+        cache.positions.size() != cache.layout.num_heads_total() * tokens) {
+      return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
+    }
+    for (size_t i = 0; i < cache.positions.size(); ++i) {
+      if (cache.positions[i] != i % tokens) return std::optional<GpuGetBegun>();
+    }
+    // Decoded on the engine's worker (its CUDA backend on this device); this control-plane
+    // thread waits for it.
+    absl::Notification decoded;
+    absl::StatusOr<CompressedCache> raw = absl::UnknownError("not decoded");
+    if (!engine->TrySubmit(key.tenant, [&](Backend& backend) {
+          raw = service_->repository()->DecodeParsed(key, std::move(cache), &backend);
+          if (!raw.ok()) engine->CheckAfterError(backend, raw.status());
+          decoded.Notify();
+        })) {
+      return std::optional<GpuGetBegun>();
+    }
+    decoded.WaitForNotification();
+    KVCOMP_RETURN_IF_ERROR(raw.status());
+    const uint64_t half = out.payload_bytes / 2;
+    if (raw->keys.size() != half || raw->values.size() != half) {
+      return absl::InternalError("GPU channel: a decoded dense cache has the wrong size");
+    }
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    absl::Status s = Stage(*c, out.payload_bytes);
+    if (s.ok()) s = rt_->SetDevice(c->device);
+    auto* base = static_cast<uint8_t*>(c->staging);
+    if (s.ok()) {
+      s = rt_->CopyAsync(base, raw->keys.data(), half, GpuRuntime::Copy::kHostToDevice,
+                         c->stream);
+    }
+    if (s.ok()) {
+      s = rt_->CopyAsync(base + half, raw->values.data(), half, GpuRuntime::Copy::kHostToDevice,
+                         c->stream);
+    }
+    // The decoded arrays are read by the copies: waited for before they go.
+    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    metrics_->AddTransferBytes(out.payload_bytes, 0);
     KVCOMP_ASSIGN_OR_RETURN(
         out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
                         shape, /*at_least=*/false));

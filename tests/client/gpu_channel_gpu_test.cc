@@ -490,6 +490,43 @@ TEST_F(GpuChannelGpuTest, SameGpuGoesOverCudaIpcBitIdentical) {
   EXPECT_EQ(st.channel_failures, 0u);
 }
 
+// A dense get of a cache that kept every token with int8 keys, over CUDA IPC from a daemon
+// whose engine runs on the GPU: the daemon decodes it on its GPU into the channel's staging
+// buffer; the keys and values are the daemon's decoded form (GetDecoded, made dense here) bit
+// for bit, the raw values the input's.
+TEST_F(GpuChannelGpuTest, ADenseGetOfAnEncodedCacheIsDecodedOnTheDaemonsGpu) {
+  REQUIRE_GPUS(1);
+  StartDaemon(0, {"--engine.backend=cuda"});
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const KvLayout layout = Layout();
+  const uint64_t tokens = 1000;
+  DeviceCache in(rt_, 0, layout, tokens, 31);
+  client::PutOptions po;
+  po.policy = Lossless();
+  po.policy->key_codec = KeyCodec::kInt8;
+  auto put = c->Put("m", "int8", layout, tokens, in.HostLayers(), po);
+  ASSERT_TRUE(put.ok()) << put.status() << "\n" << daemon_->Log();
+
+  DeviceCache out(rt_, 0, layout, tokens, 32);
+  void* stream = NewStream(0);
+  auto got = c->GetKvIntoDevice("m", "int8", layout, tokens, out.Out(), stream);
+  ASSERT_TRUE(got.ok()) << got.status() << "\n" << daemon_->Log();
+  EXPECT_EQ(got->path, "ipc");
+  EXPECT_EQ(got->bytes, layout.CacheBytes(tokens));
+  const std::string dense = out.Read(stream);
+
+  auto decoded = c->GetDecoded("m", "int8");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  std::string want(layout.CacheBytes(tokens), '\0');
+  ASSERT_TRUE(decoded->WriteDenseKv(reinterpret_cast<uint8_t*>(want.data())).ok());
+  EXPECT_TRUE(dense == want) << "the dense get differs from the daemon's decoded form";
+  const std::string host = in.Host();
+  const size_t half = host.size() / 2;
+  EXPECT_TRUE(dense.substr(half) == host.substr(half)) << "raw values changed";
+  EXPECT_FALSE(dense.substr(0, half) == host.substr(0, half)) << "int8 keys came back exact";
+}
+
 // The channel turned off: a client on the daemon's GPU goes through host memory over UCX,
 // saying so, bit for bit.
 TEST_F(GpuChannelGpuTest, SameGpuWithoutChannelFallsBackToUcxBitIdentical) {
