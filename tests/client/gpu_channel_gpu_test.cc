@@ -510,11 +510,21 @@ TEST_F(GpuChannelGpuTest, ADenseGetOfAnEncodedCacheIsDecodedOnTheDaemonsGpu) {
 
   DeviceCache out(rt_, 0, layout, tokens, 32);
   void* stream = NewStream(0);
+  const std::string before = testing::HttpGet(daemon_->ports().metrics, "/metrics").body;
   auto got = c->GetKvIntoDevice("m", "int8", layout, tokens, out.Out(), stream);
   ASSERT_TRUE(got.ok()) << got.status() << "\n" << daemon_->Log();
+  const std::string after = testing::HttpGet(daemon_->ports().metrics, "/metrics").body;
   EXPECT_EQ(got->path, "ipc");
   EXPECT_EQ(got->bytes, layout.CacheBytes(tokens));
   const std::string dense = out.Read(stream);
+  // Decoded once, on the device: the encoded arrays up and the decoded dense K and V up into the
+  // staging buffer (the path through host memory uploads the encoded arrays only, less than
+  // the dense payload).
+  auto delta = [&](const std::string& series) {
+    return testing::MetricValue(after, series) - testing::MetricValue(before, series);
+  };
+  EXPECT_EQ(delta("kvcomp_stage_duration_seconds_count{stage=\"decode\"}"), 1.0);
+  EXPECT_GT(delta("kvcomp_h2d_bytes_total"), static_cast<double>(layout.CacheBytes(tokens)));
 
   auto decoded = c->GetDecoded("m", "int8");
   ASSERT_TRUE(decoded.ok()) << decoded.status();
