@@ -11,8 +11,9 @@
 // f32 rounding steps is fixed by the formula, not by the launch shape.
 //
 // Work split: a block takes kFusedRows rows of one head; 256 threads each own 4 rows x 4 latent
-// directions per item (one or more items). V is staged once as f32 (row-major, one float of
-// padding per row against bank conflicts); the basis B = P_r^T ([d][R] of the head) streams
+// directions per item (one or more items). V is staged once as f32, transposed (a channel's
+// rows contiguous, so a thread's four rows are one 16-byte shared load, as its four directions
+// of the basis are: two loads per 16 FMAs); the basis B = P_r^T ([d][R] of the head) streams
 // through shared memory kFusedK channels at a time, and the last kFusedRows threads extend
 // their row's energy chain by the same channels. The latents then take V's place in shared
 // memory for the measure, gamma, the group scales and the codes.
@@ -101,44 +102,50 @@ __device__ __forceinline__ FusedTile FindTile(const FusedParams& p, uint32_t b) 
   return t;
 }
 
-// Shared memory of a launch whose largest rank is R: V (later the latents) [kFusedRows][ldv],
-// the basis chunk [kFusedK][FusedRPad(R)], energies, gamma and the scales of the tile.
-// The first region holds V ([kFusedRows][d + 1]) and then the latents ([kFusedRows][rpad + 1]).
-__host__ __device__ inline uint32_t FusedFirstLd(uint32_t d, uint32_t R) {
-  return d + 1 > FusedRPad(R) + 1 ? d + 1 : FusedRPad(R) + 1;
+// Shared memory of a launch whose largest rank is R: V transposed (later the latents), the
+// basis chunk [kFusedK][FusedRPad(R)], energies, gamma and the scales of the tile. The first
+// region holds V^T ([d][kVtLd]: a channel's 64 rows, four of them one 16-byte load) and then
+// the latents ([kFusedRows][rpad + 1]).
+constexpr uint32_t kVtLd = kFusedRows + 4;
+__host__ __device__ inline uint32_t FusedFirstFloats(uint32_t d, uint32_t R) {
+  const uint32_t v = d * kVtLd, z = kFusedRows * (FusedRPad(R) + 1);
+  return v > z ? v : z;
 }
 __host__ __device__ inline size_t FusedSmemBytes(uint32_t d, uint32_t R, uint32_t groups) {
-  return sizeof(float) * (static_cast<size_t>(kFusedRows) * FusedFirstLd(d, R) +
+  return sizeof(float) * (static_cast<size_t>(FusedFirstFloats(d, R)) +
                           kFusedK * FusedRPad(R) + kFusedRows + R +
                           static_cast<size_t>(kFusedRows) * (groups > 0 ? groups : 1));
 }
 
+// V^T of the tile: vt[k * kVtLd + t] = v[t][k] as f32, rows past the tile zero. Consecutive
+// threads take consecutive rows of one run of channels, so the transposed stores meet no bank
+// conflicts (each 16-byte load is completed from L1 by the neighbouring runs).
 template <typename T>
 __device__ __forceinline__ void StageRows(const FusedParams& p, const FusedTile& tile,
-                                          float* vs, uint32_t ldv) {
+                                          float* vt) {
   const uint32_t d = p.d;
   const T* in = static_cast<const T*>(p.values) + tile.begin * d;
   if (p.vec) {
     constexpr uint32_t kVec = 16 / sizeof(T);
     const uint32_t per_row = d / kVec;
     for (uint32_t c = threadIdx.x; c < kFusedRows * per_row; c += blockDim.x) {
-      const uint32_t t = c / per_row, k = (c - t * per_row) * kVec;
-      float* dst = vs + t * ldv + k;
+      const uint32_t t = c % kFusedRows, k = (c / kFusedRows) * kVec;
+      float* dst = vt + k * kVtLd + t;
       if (t < tile.rows) {
         const uint4 raw = *reinterpret_cast<const uint4*>(in + static_cast<uint64_t>(t) * d + k);
         const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-        for (uint32_t i = 0; i < kVec; ++i) dst[i] = ToF<T>(e[i]);
+        for (uint32_t i = 0; i < kVec; ++i) dst[i * kVtLd] = ToF<T>(e[i]);
       } else {
 #pragma unroll
-        for (uint32_t i = 0; i < kVec; ++i) dst[i] = 0.0f;
+        for (uint32_t i = 0; i < kVec; ++i) dst[i * kVtLd] = 0.0f;
       }
     }
     return;
   }
   for (uint32_t i = threadIdx.x; i < kFusedRows * d; i += blockDim.x) {
-    const uint32_t t = i / d, k = i - t * d;
-    vs[t * ldv + k] = t < tile.rows ? ToF<T>(in[i]) : 0.0f;
+    const uint32_t t = i % kFusedRows, k = i / kFusedRows;
+    vt[k * kVtLd + t] = t < tile.rows ? ToF<T>(in[static_cast<uint64_t>(t) * d + k]) : 0.0f;
   }
 }
 
@@ -147,15 +154,15 @@ __global__ void __launch_bounds__(kFusedThreads) FusedEncodeKernel(FusedParams p
   extern __shared__ float smem[];
   const FusedTile tile = FindTile(p, p.first_block + blockIdx.x);
   const uint32_t d = p.d, r = tile.rank, rows = tile.rows;
-  const uint32_t ldv = d + 1, rpad_max = FusedRPad(p.R), rpad = FusedRPad(r);
-  float* vs = smem;                              // [kFusedRows][ldv]
-  float* bc = vs + kFusedRows * FusedFirstLd(d, p.R);  // [kFusedK][rpad_max]
+  const uint32_t rpad_max = FusedRPad(p.R), rpad = FusedRPad(r);
+  float* vt = smem;                              // [d][kVtLd]
+  float* bc = vt + FusedFirstFloats(d, p.R);     // [kFusedK][rpad_max]
   float* es = bc + kFusedK * rpad_max;           // [kFusedRows]
   float* gs = es + kFusedRows;                   // [R]
   float* sc = gs + p.R;                          // [kFusedRows][groups]
   const float* basis = p.basis_t + static_cast<uint64_t>(tile.head) * d * p.R;
 
-  StageRows<T>(p, tile, vs, ldv);
+  StageRows<T>(p, tile, vt);
   if (p.gamma != nullptr) {
     for (uint32_t j = threadIdx.x; j < r; j += blockDim.x) {
       gs[j] = p.gamma[static_cast<uint64_t>(tile.head) * p.R + j];
@@ -188,22 +195,21 @@ __global__ void __launch_bounds__(kFusedThreads) FusedEncodeKernel(FusedParams p
     }
     __syncthreads();
     if (energy_thread) {
-      const float* row = vs + erow * ldv + k0;
-      for (uint32_t kk = 0; kk < kn; ++kk) e = fmaf(row[kk], row[kk], e);
+      const float* col = vt + k0 * kVtLd + erow;
+      for (uint32_t kk = 0; kk < kn; ++kk) e = fmaf(col[kk * kVtLd], col[kk * kVtLd], e);
     }
 #pragma unroll
     for (int s = 0; s < kItems; ++s) {
       const uint32_t item = threadIdx.x + s * kFusedThreads;
       if (item >= items) continue;
       const uint32_t rq = item % (kFusedRows / 4), cq = item / (kFusedRows / 4);
-      const float* v0 = vs + (rq * 4) * ldv + k0;
+      const float* v0 = vt + k0 * kVtLd + rq * 4;
       const float* b0 = bc + cq * 4;
 #pragma unroll 4
       for (uint32_t kk = 0; kk < kn; ++kk) {
         const float4 b = *reinterpret_cast<const float4*>(b0 + kk * rpad_max);
-        float a[4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) a[t] = v0[t * ldv + kk];
+        const float4 a4 = *reinterpret_cast<const float4*>(v0 + kk * kVtLd);
+        const float a[4] = {a4.x, a4.y, a4.z, a4.w};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           acc[s][t][0] = fmaf(a[t], b.x, acc[s][t][0]);
@@ -216,7 +222,7 @@ __global__ void __launch_bounds__(kFusedThreads) FusedEncodeKernel(FusedParams p
   }
   if (energy_thread) es[erow] = e;
   __syncthreads();  // V is read for the last time: the latents take its place
-  float* zs = vs;   // [kFusedRows][ldz]
+  float* zs = vt;   // [kFusedRows][ldz]
   const uint32_t ldz = rpad_max + 1;
 #pragma unroll
   for (int s = 0; s < kItems; ++s) {
