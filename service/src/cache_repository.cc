@@ -152,8 +152,11 @@ absl::StatusOr<storage::Payload> CacheRepository::Decode(const CacheKey& key,
                                                          Backend* backend) {
   KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(stored.view()));
   KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw, DecodeParsed(key, std::move(cache), backend));
-  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, format::EncodeCache(raw));
-  return storage::Payload::FromString(std::move(bytes));
+  // Written once into fresh memory (huge pages, not zeroed first), as a put's encoding is.
+  KVCOMP_ASSIGN_OR_RETURN(const uint64_t size, format::EncodedSize(raw));
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<uint8_t> buffer, storage::Payload::NewHostBuffer(size));
+  KVCOMP_RETURN_IF_ERROR(format::EncodeCacheInto(raw, absl::MakeSpan(buffer.get(), size)));
+  return storage::Payload(std::move(buffer), size);
 }
 
 absl::StatusOr<CompressedCache> CacheRepository::DecodeParsed(const CacheKey& key,
