@@ -124,7 +124,7 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
   }
   const KvLayout& layout = host.layout;
   const uint64_t d = layout.head_dim, total = host.total_kept();
-  const uint64_t row_bytes = DTypeBytes(layout.dtype, d);
+  [[maybe_unused]] const uint64_t row_bytes = DTypeBytes(layout.dtype, d);  // outliers (CUDA)
   const std::vector<uint64_t> offsets = host.TokenOffsets();
   RowSpan rows;
   rows.row_offsets = offsets;
