@@ -51,7 +51,7 @@ Arms at the same stored-cache memory (device tier + host tier capacities, no dis
   an unmodified engine loads (where its values are KVSplice-coded, the daemon calibrates the
   projection from raw caches put before the trace);
 - evict: the `balanced` preset (kvcomp.preset("balanced")): eviction paired with the codecs.
---rank sets the KVSplice rank of both (0: the daemon's auto-tuned rank).
+--rank sets the KVSplice rank of both where their values are KVSplice-coded (0: auto-tuned).
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ def arm_policy(arm: str, rank: int) -> Optional[kvcomp.Policy]:
         return None
     if arm == "raw":
         return kvcomp.Policy(ratio=0.0, moments=False)
-    if arm == "codec":
-        return kvcomp.preset("codec", rank=rank)
-    if arm == "evict":
-        return kvcomp.preset("balanced", rank=rank)
+    if arm in ("codec", "evict"):
+        name = "codec" if arm == "codec" else "balanced"
+        p = kvcomp.preset(name)
+        # --rank applies to KVSplice values only (the Hadamard codec keeps every dimension)
+        return kvcomp.preset(name, rank=rank) if p.value_codec.startswith("orthogonal") else p
     raise ValueError(f"unknown arm {arm!r} (one of {', '.join(ARMS)})")
 
 
@@ -433,7 +434,7 @@ def quality(arms: Sequence[str], device: str, n_passkey: int, n_loss: int, ctx: 
     out = {}
     for arm in arms:
         pol = arm_policy(arm, rank) or kvcomp.Policy(ratio=0.0, moments=False)
-        needs = pol.value_codec != "none"
+        needs = pol.value_codec.startswith("orthogonal")  # KVSplice needs the projection
         ok, nll, bpt = 0, [], []
         for s in samples:
             pre = hf.prefill(model, tasks.ids(s.context))
@@ -630,7 +631,7 @@ def main(argv=None):
                 big = 4 * max(plens) * w.raw_bytes_per_token
                 pd, pc = start_daemon(binary, dev, big, big, disk_bytes)
                 try:
-                    if pol.value_codec != "none":
+                    if pol.value_codec.startswith("orthogonal"):  # KVSplice needs a projection
                         calibrate(pc)
                     po = Arm(arm, w, model_id, pc, pol, a.chunk, a.decode_every, new_tokens, vocab)
                     po.put_in_flight = a.put_in_flight
@@ -651,7 +652,7 @@ def main(argv=None):
                     f"vs {p['recompute_s'] * 1e3:.0f} ms" for p in probes))
             if pol is not None:
                 d, client = start_daemon(binary, dev, dev_bytes, host_bytes, disk_bytes)
-                if pol.value_codec != "none":
+                if pol.value_codec.startswith("orthogonal"):  # KVSplice needs a projection
                     info["calibration"] = calibrate(client)
             arm_o = Arm(arm, w, model_id, client, pol, a.chunk, a.decode_every, new_tokens,
                         vocab)
