@@ -72,6 +72,8 @@ def summary(d: Dict) -> List[str]:
 def markdown(d: Dict) -> str:
     m = d["meta"]
     L = [f"# Serving replay: {m['model']} on {m['card']}, {m['date']}, commit {m['commit']}", "",
+         *([f"**Partial record** (written after an arm; {m['partial']}).", ""]
+           if m.get("partial") else []),
          f"- trace: seed {m['trace'].get('seed')}, {m['requests']} requests, "
          f"{m['trace'].get('min_tokens')}-{m['trace'].get('max_tokens')} tokens "
          f"(workload.py; multi-turn chats and agent loops, Zipf {m['trace'].get('zipf')} "

@@ -587,6 +587,58 @@ def main(argv=None):
     def past_deadline() -> bool:
         return bool(a.deadline_s) and time.perf_counter() - T0 > a.deadline_s
 
+    def finish(results: Dict[str, Dict], final: bool) -> Dict:
+        """Cuts every arm to the fewest requests served, replays the rates, (at the end) runs the
+        quality column, and writes the record."""
+        # equal request counts across arms (a budget may have cut one short)
+        results = {x: dict(info) for x, info in results.items()}  # the arms' records stay whole
+        ok = [x for x in results if "service" in results[x]]
+        nmin = min((len(results[x]["service"]) for x in ok), default=0)
+        reqs = requests[:nmin]
+        for x in ok:
+            results[x]["service"] = results[x]["service"][:nmin]
+        if a.rates == "auto":
+            base = "recompute" if "recompute" in ok else (ok[0] if ok else None)
+            mean_busy = np.mean([s["busy_s"] for s in results[base]["service"]]) if base and nmin \
+                else 1.0
+            rates = [round(f / mean_busy, 4) for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)]
+        else:
+            rates = [float(x) for x in a.rates.split(",")]
+        for x in ok:
+            results[x]["rates"] = slo_table(results[x]["service"], reqs, rates, slo_of)
+            results[x]["rates_overlapped"] = slo_table(results[x]["service"], reqs, rates, slo_of,
+                                                       "ttft_s")
+        qual = {}
+        if final and a.quality and past_deadline():
+            log(f"quality: not run, past --deadline-s {a.deadline_s:g}")
+        elif final and a.quality:
+            npk, nl, ctx = (int(v) for v in a.quality.split(","))
+            tq = time.perf_counter()
+            qual = quality(arms, str(dev), npk, nl, ctx, a.rank)
+            log(f"quality ({time.perf_counter() - tq:.1f} s): " +
+                "; ".join(f"{k}: pass-key {v['passkey']:.2f} loss {v['loss']:.3f}"
+                          for k, v in qual.items()))
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ")
+        out = dict(meta=dict(date=stamp, card=card, commit=git_commit(), model=model_id,
+                             device=str(dev), trace=meta, requests=nmin, chunk=a.chunk,
+                             put_in_flight=a.put_in_flight,
+                             capacity_bytes=cap, device_tier_bytes=dev_bytes,
+                             host_tier_bytes=host_bytes, disk_tier_bytes=disk_bytes,
+                             working_set_tokens=ws_tokens,
+                             working_set_bytes=ws_bytes, slo_factor=a.slo_factor,
+                             slo_grid=grid, unloaded_prefill_s=prefill_s, rates=rates,
+                             torch=torch.__version__, wall_s=time.perf_counter() - T0,
+                             argv=sys.argv[1:] if argv is None else list(argv)),
+                   expected_held=expect[:nmin], arms=results, quality=qual)
+        if not final:  # written after each arm: a run cut short by its time limit keeps these
+            left = ", ".join(x for x in arms if x not in results) or "none"
+            out["meta"]["partial"] = f"arms not yet run: {left}; no quality column"
+        if a.out:
+            import report
+            report.write(a.out, out)
+            log(f"wrote {a.out}.json, .md, .png" + ("" if final else " (partial)"))
+        return out
+
     results: Dict[str, Dict] = {}
     for arm in arms:
         pol = arm_policy(arm, a.rank)
@@ -687,50 +739,13 @@ def main(argv=None):
                     pass
                 d.__exit__(None, None, None)
         results[arm] = info
+        if a.out and arm != arms[-1]:
+            try:
+                finish(results, final=False)
+            except Exception as e:  # noqa: BLE001 - a partial record never stops the run
+                log(f"partial record not written: {type(e).__name__}: {e}")
 
-    # equal request counts across arms (a budget may have cut one short)
-    ok = [x for x in arms if "service" in results[x]]
-    nmin = min((len(results[x]["service"]) for x in ok), default=0)
-    reqs = requests[:nmin]
-    for x in ok:
-        results[x]["service"] = results[x]["service"][:nmin]
-    if a.rates == "auto":
-        base = "recompute" if "recompute" in ok else (ok[0] if ok else None)
-        mean_busy = np.mean([s["busy_s"] for s in results[base]["service"]]) if base and nmin \
-            else 1.0
-        rates = [round(f / mean_busy, 4) for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)]
-    else:
-        rates = [float(x) for x in a.rates.split(",")]
-    for x in ok:
-        results[x]["rates"] = slo_table(results[x]["service"], reqs, rates, slo_of)
-        results[x]["rates_overlapped"] = slo_table(results[x]["service"], reqs, rates, slo_of,
-                                                   "ttft_s")
-    qual = {}
-    if a.quality and past_deadline():
-        log(f"quality: not run, past --deadline-s {a.deadline_s:g}")
-    elif a.quality:
-        npk, nl, ctx = (int(v) for v in a.quality.split(","))
-        tq = time.perf_counter()
-        qual = quality(arms, str(dev), npk, nl, ctx, a.rank)
-        log(f"quality ({time.perf_counter() - tq:.1f} s): " +
-            "; ".join(f"{k}: pass-key {v['passkey']:.2f} loss {v['loss']:.3f}"
-                      for k, v in qual.items()))
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ")
-    out = dict(meta=dict(date=stamp, card=card, commit=git_commit(), model=model_id,
-                         device=str(dev), trace=meta, requests=nmin, chunk=a.chunk,
-                         put_in_flight=a.put_in_flight,
-                         capacity_bytes=cap, device_tier_bytes=dev_bytes,
-                         host_tier_bytes=host_bytes, disk_tier_bytes=disk_bytes,
-                         working_set_tokens=ws_tokens,
-                         working_set_bytes=ws_bytes, slo_factor=a.slo_factor,
-                         slo_grid=grid, unloaded_prefill_s=prefill_s, rates=rates,
-                         torch=torch.__version__, wall_s=time.perf_counter() - T0,
-                         argv=sys.argv[1:] if argv is None else list(argv)),
-               expected_held=expect[:nmin], arms=results, quality=qual)
-    if a.out:
-        import report
-        report.write(a.out, out)
-        log(f"wrote {a.out}.json, .md, .png")
+    out = finish(results, final=True)
     log(f"wall {time.perf_counter() - T0:.1f} s")
     return out
 

@@ -160,3 +160,25 @@ def test_serving_replay_deadline_still_writes_the_tables(tmp_path):
         assert d["arms"][arm]["error"].startswith("not run: past --deadline-s")
     assert d["quality"] == {} and d["meta"]["requests"] == 0
     assert "not run" in (tmp_path / "s.md").read_text()
+
+
+def test_serving_replay_leaves_a_partial_record_when_cut_short(tmp_path, monkeypatch):
+    # A run killed during an arm (its time limit) keeps the tables of the arms before it.
+    import serve
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    trace = tmp_path / "trace.jsonl"
+    workload.write_trace(str(trace), 5, dict(workload.PRESETS["cpu"], requests=3,
+                                              max_tokens=256))
+    monkeypatch.setattr(serve, "start_daemon", killed)
+    with pytest.raises(KeyboardInterrupt):
+        serve.main(["--trace", str(trace), "--model", "trained", "--device", "cpu",
+                    "--kvcompd", KVCOMPD, "--chunk", "64", "--arms", "recompute,raw",
+                    "--rates", "1", "--slo-lengths", "128,256", "--threads", "1",
+                    "--quality", "1,1,256", "--out", str(tmp_path / "s")])
+    rec = json.loads((tmp_path / "s.json").read_text())
+    assert "raw" in rec["meta"]["partial"] and rec["quality"] == {}
+    assert len(rec["arms"]["recompute"]["service"]) == 3
+    assert "Partial record" in (tmp_path / "s.md").read_text()
