@@ -735,7 +735,14 @@ absl::Status DaemonImpl::Init(const Options& options) {
         " damaged cache(s) quarantined at start (never served; kvcomp_store_quarantined_total), "
         "the latest ", st.last_quarantined);
   }
-  logged_damage_ = {st.quarantined, st.background_corruptions, st.damage_repairs};
+  if (st.log_damage > 0) {
+    Log(LogLevel::kWarning, "storage: the RocksDB write-ahead log was damaged: its replay skipped ",
+        st.log_damage, " damaged stretch(es), ", st.log_damage_bytes,
+        " bytes (kvcomp_store_corruptions_total); the caches written there are lost (misses), "
+        "the rest are served; the last: ",
+        st.last_log_damage);
+  }
+  logged_damage_ = {st.quarantined, st.background_corruptions + st.log_damage, st.damage_repairs};
   if (st.unverified > 0) {
     Log(LogLevel::kInfo, "storage: checking the payloads of ", st.unverified,
         " recovered cache(s) in the background; a damaged one is quarantined, never served");
@@ -989,7 +996,8 @@ void DaemonImpl::ControlPlaneTick() {
 void DaemonImpl::StoreDamageTick() {
   if (store_ == nullptr || metrics_ == nullptr) return;
   const storage::StoreStats st = store_->Stats();
-  metrics_->AdvanceStoreDamage(st.quarantined, st.background_corruptions, st.damage_repairs);
+  metrics_->AdvanceStoreDamage(st.quarantined, st.background_corruptions + st.log_damage,
+                              st.damage_repairs);
   DamageTotals& logged = logged_damage_;
   if (st.quarantined > logged.quarantined) {
     Log(LogLevel::kWarning, "storage: ", st.quarantined - logged.quarantined,
@@ -997,11 +1005,12 @@ void DaemonImpl::StoreDamageTick() {
         " since start), the latest ", st.last_quarantined);
     logged.quarantined = st.quarantined;
   }
-  if (st.background_corruptions > logged.corruptions) {
+  const uint64_t corruptions = st.background_corruptions + st.log_damage;
+  if (corruptions > logged.corruptions) {
     Log(LogLevel::kWarning, "storage: RocksDB met damaged data in background work ",
-        st.background_corruptions - logged.corruptions, " time(s) (",
-        st.background_corruptions, " since start); writes go on, a repair pass follows");
-    logged.corruptions = st.background_corruptions;
+        corruptions - logged.corruptions, " time(s) (", st.background_corruptions,
+        " since start); writes go on, a repair pass follows");
+    logged.corruptions = corruptions;
   }
   if (st.damage_repairs > logged.repairs) {
     Log(LogLevel::kWarning, "storage: repair pass ", st.damage_repairs, ": ",
@@ -1088,7 +1097,8 @@ void DaemonImpl::RefreshGauges() {
     metrics_->SetDisk(rocksdb.read_only, rocksdb.disk_free_bytes,
                       options_.storage.rocksdb_reserve_bytes);
   }
-  metrics_->AdvanceStoreDamage(st.quarantined, st.background_corruptions, st.damage_repairs);
+  metrics_->AdvanceStoreDamage(st.quarantined, st.background_corruptions + st.log_damage,
+                              st.damage_repairs);
   metrics_->SetQueueDepth(static_cast<int64_t>(service_->queue_depth()));
   if (control_ != nullptr) {
     metrics_->SetControlConnections(thrift_dead_.load() ? 0

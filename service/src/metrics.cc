@@ -245,7 +245,8 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
       "Caches found damaged (checksum failed or unreadable) and quarantined, never served.");
   m.store_corruptions = counter(
       mn::kStoreCorruptionsTotal,
-      "RocksDB compactions that met damaged data; each starts a repair pass, writes go on.");
+      "RocksDB compactions that met damaged data (each starts a repair pass, writes go on), "
+      "and damaged stretches of the write-ahead log skipped at open.");
   m.store_repairs = counter(mn::kStoreRepairsTotal,
                             "Repair passes run after damaged data was met (every payload read).");
   prometheus::BuildGauge()

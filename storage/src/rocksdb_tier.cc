@@ -3,6 +3,8 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <cstdarg>
+#include <cstdio>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -80,6 +82,64 @@ class ManualRecovery : public rocksdb::EventListener {
     bg_error.PermitUncheckedError();
     *auto_recovery = false;
   }
+};
+
+// RocksDB's info log, passed through, with the reports of damaged write-ahead log records noted
+// while watching (during the open's replay): "<dir>/<n>.log: dropping <bytes> bytes; <why>".
+class LogDamageWatch : public rocksdb::Logger {
+ public:
+  explicit LogDamageWatch(std::shared_ptr<rocksdb::Logger> target)
+      : rocksdb::Logger(target->GetInfoLogLevel()), target_(std::move(target)) {}
+  ~LogDamageWatch() override { target_->Close().PermitUncheckedError(); }
+
+  void Watch(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    watching_ = on;
+  }
+  RocksDbTier::LogDamage Damage() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return damage_;
+  }
+
+  void Logv(const char* format, va_list ap) override {
+    Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
+  }
+  void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (watching_) {
+        char line[1024];
+        va_list copy;
+        va_copy(copy, ap);
+        std::vsnprintf(line, sizeof(line), format, copy);
+        va_end(copy);
+        Note(line);
+      }
+    }
+    target_->Logv(level, format, ap);
+  }
+  void LogHeader(const char* format, va_list ap) override { target_->LogHeader(format, ap); }
+  size_t GetLogFileSize() const override { return target_->GetLogFileSize(); }
+  void Flush() override { target_->Flush(); }
+  void SetInfoLogLevel(const rocksdb::InfoLogLevel level) override {
+    rocksdb::Logger::SetInfoLogLevel(level);
+    target_->SetInfoLogLevel(level);
+  }
+
+ private:
+  void Note(absl::string_view line) {
+    const size_t at = line.find(".log: dropping ");
+    if (at == absl::string_view::npos) return;
+    damage_.regions += 1;
+    damage_.bytes += std::strtoull(line.data() + at + 15, nullptr, 10);
+    const size_t name = line.rfind('/', at);
+    damage_.last = std::string(line.substr(name == absl::string_view::npos ? 0 : name + 1));
+  }
+
+  std::shared_ptr<rocksdb::Logger> target_;
+  mutable std::mutex mu_;
+  bool watching_ = false;
+  RocksDbTier::LogDamage damage_;
 };
 
 // A compaction that reads damaged data (blob garbage collection relocating a blob whose CRC
@@ -367,7 +427,7 @@ uint64_t RocksDbTier::BytesToOpenWritable() const {
 
 absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     const RocksDbTierOptions& o, const std::shared_ptr<rocksdb::Cache>& block_cache,
-    bool read_only, const std::shared_ptr<DamageSignal>& damage) {
+    bool read_only, const std::shared_ptr<DamageSignal>& damage, LogDamage* log_damage) {
   rocksdb::DBOptions db_options;
   db_options.create_if_missing = o.create_if_missing;
   db_options.create_missing_column_families = o.create_if_missing;
@@ -386,6 +446,25 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   // writes) instead of writing them out as table and blob files before the open returns: the
   // time to ready is the log's read, not a flush and sync of its bytes.
   db_options.avoid_flush_during_recovery = true;
+  // A damaged record in the middle of a log (a media fault; a crash only tears the tail) is
+  // skipped and the replay goes on. RocksDB's default, point-in-time recovery, stops there and
+  // drops every later log, acknowledged writes included, and refuses the open outright ("SST file
+  // is ahead of WALs") when a family has been flushed past the damaged log (the always-empty
+  // quarantine family moves past every replayed log). Skipping is safe here: every write of the
+  // tier is one WriteBatch (a put's meta, payload and direct-file name together; a quarantine's
+  // move; a delete), so each is whole or absent, and a payload is served only after its CRC32C
+  // matches its meta. What a skipped record held reads as absent: a put lost, or a delete or
+  // overwrite undone (the older cache is served again, whole and checked).
+  db_options.wal_recovery_mode = rocksdb::WALRecoveryMode::kSkipAnyCorruptedRecords;
+  std::shared_ptr<LogDamageWatch> watch;
+  if (log_damage != nullptr) {
+    std::shared_ptr<rocksdb::Logger> info_log;
+    if (rocksdb::CreateLoggerFromOptions(o.path, db_options, &info_log).ok() &&
+        info_log != nullptr) {
+      watch = std::make_shared<LogDamageWatch>(std::move(info_log));
+      db_options.info_log = watch;
+    }
+  }
   // Space is admitted against statvfs; preallocated (fallocate'd) WAL and table files would make
   // the measured free space lie, and fail outright on a small volume.
   db_options.allow_fallocate = false;
@@ -450,9 +529,14 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   }
   if (with_direct) cfs.push_back({"direct", base});
   rocksdb::DB* raw = nullptr;
+  if (watch != nullptr) watch->Watch(true);
   rocksdb::Status s =
       read_only ? rocksdb::DB::OpenForReadOnly(db_options, o.path, cfs, &db->handles, &raw)
                 : rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
+  if (watch != nullptr) {
+    watch->Watch(false);
+    *log_damage = watch->Damage();
+  }
   if (!s.ok()) {
     return FromRocksDb(s, absl::StrCat("rocksdb tier: open ", o.path,
                                        read_only ? " read-only" : ""));
@@ -467,6 +551,15 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     s = db->db->SetOptions(db->payload,
                            {{"write_buffer_size", std::to_string(o.write_buffer_bytes)}});
     if (!s.ok()) return FromRocksDb(s, "rocksdb tier: set the write buffer size after open");
+    // The replay skipped damaged records: write out what it recovered now, so the damaged log
+    // is retired (a later open neither meets nor reports it again). Rare; it costs this open a
+    // flush.
+    if (log_damage != nullptr && log_damage->regions > 0) {
+      rocksdb::FlushOptions flush;
+      flush.allow_write_stall = true;
+      s = db->db->Flush(flush, db->handles);
+      if (!s.ok()) return FromRocksDb(s, "rocksdb tier: flush after a damaged log");
+    }
   }
   return db;
 }
@@ -501,7 +594,7 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
                           " needed to open read-write (reserve ", o.reserve_bytes,
                           " plus the write-ahead log)");
   } else {
-    db = OpenDb(o, tier->block_cache_, /*read_only=*/false, tier->damage_);
+    db = OpenDb(o, tier->block_cache_, /*read_only=*/false, tier->damage_, &tier->log_damage_);
     // Only for lack of space: a database locked by another process must not be served stale.
     if (!db.ok() && exists && absl::IsResourceExhausted(db.status())) {
       reason = absl::StrCat("read-write open failed: ", db.status().message());

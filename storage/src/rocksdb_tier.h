@@ -133,6 +133,19 @@ class RocksDbTier final : public Tier {
   // What the last repair pass did, for the log ("" before the first).
   std::string last_repair() const;
 
+  // Damage to the write-ahead log met by the read-write Open. The log is replayed record by
+  // record past a damaged stretch (RocksDB's kSkipAnyCorruptedRecords), so a media fault in the
+  // middle of a log loses only the writes whose records it hit (each put is one record: meta,
+  // payload and direct-file name together, so it is whole or absent, and its payload's CRC32C is
+  // checked before it is served) instead of refusing the open or dropping every later log.
+  // Counted here; an open that met damage flushes at once, so the damaged log is retired.
+  struct LogDamage {
+    uint64_t regions = 0;  // damaged stretches skipped (one per RocksDB corruption report)
+    uint64_t bytes = 0;    // log bytes dropped with them
+    std::string last;      // RocksDB's report of the last one ("<log file>: dropping ...")
+  };
+  const LogDamage& log_damage() const { return log_damage_; }
+
 
  private:
   // One open instance of the database: read-write, or read-only while the disk is short. The
@@ -153,10 +166,12 @@ class RocksDbTier final : public Tier {
 
   explicit RocksDbTier(const RocksDbTierOptions& options);
   std::shared_ptr<Db> db() const;
+  // `log_damage`, when not null, receives what the replay of the log skipped.
   static absl::StatusOr<std::shared_ptr<Db>> OpenDb(const RocksDbTierOptions& o,
                                                     const std::shared_ptr<rocksdb::Cache>& cache,
                                                     bool read_only,
-                                                    const std::shared_ptr<DamageSignal>& damage);
+                                                    const std::shared_ptr<DamageSignal>& damage,
+                                                    LogDamage* log_damage = nullptr);
   absl::Status Write(void* batch, bool sync, absl::string_view what, WriteKind kind);
   // Refuses a write that the disk cannot take (ResourceExhausted, "disk full").
   absl::Status AdmitWrite(Db& db, uint64_t bytes, WriteKind kind) const;
@@ -219,6 +234,7 @@ class RocksDbTier final : public Tier {
   std::thread repairer_;
   std::atomic<uint64_t> repairs_{0};
   std::atomic<uint64_t> repaired_quarantined_{0};
+  LogDamage log_damage_;  // set by Open, read-only afterwards
   mutable std::mutex repair_report_mu_;
   std::string last_repair_;
 };

@@ -1317,6 +1317,9 @@ StoreStats TieredStoreImpl::Stats() const {
     out.background_corruptions = rocks_->background_corruptions();
     out.damage_repairs = rocks_->repairs();
     out.last_damage_repair = rocks_->last_repair();
+    out.log_damage = rocks_->log_damage().regions;
+    out.log_damage_bytes = rocks_->log_damage().bytes;
+    out.last_log_damage = rocks_->log_damage().last;
   }
   for (int t = 0; t < kNumTiers; ++t) {
     TierStats& ts = out.tiers[t];

@@ -199,6 +199,11 @@ struct StoreStats {
   uint64_t damage_repairs = 0;          // passes that read every payload after such a failure
                                         // and quarantined the damaged ones
   std::string last_damage_repair;       // what the last pass found, "" before the first
+  uint64_t log_damage = 0;        // damaged stretches of the write-ahead log that the open's
+                                  // replay skipped (a media fault mid-log: the writes whose
+                                  // records it hit are lost, read as misses; later ones kept)
+  uint64_t log_damage_bytes = 0;  // log bytes dropped with them
+  std::string last_log_damage;    // RocksDB's report of the last one, "" when none
   std::string last_quarantined;  // the latest cache quarantined since Open and why
                                 // ("<key>: <reason>"), "" when none was
   const TierStats& tier(TierKind k) const { return tiers[static_cast<int>(k)]; }
