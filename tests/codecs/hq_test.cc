@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -165,6 +166,37 @@ TEST(Hq, DeterministicAndZeroRowExact) {
   std::vector<float> y(d, 1.0f);
   ASSERT_TRUE(hq::DecodeRow(a.data(), d, 4, y.data()).ok());
   for (float v : y) EXPECT_EQ(v, 0.0f);
+}
+
+// Large batches are split over threads: every record is the one EncodeRow makes alone, decoded
+// rows are DecodeRow's, and a bad row deep in the batch is reported by its own index.
+TEST(Hq, BatchesSplitOverThreadsMatchRowByRow) {
+  std::mt19937_64 rng(11);
+  const uint32_t d = 64, bits = 3;
+  const uint64_t rows = 40000;
+  std::vector<float> x;
+  x.reserve(rows * d);
+  for (uint64_t r = 0; r < rows; ++r) {
+    const std::vector<float> row = RandomRow(rng, d, 1.0f + static_cast<float>(r % 7));
+    x.insert(x.end(), row.begin(), row.end());
+  }
+  const uint64_t rb = hq::RowBytes(bits, d);
+  std::vector<uint8_t> batch(rows * rb), one(rb);
+  ASSERT_TRUE(hq::EncodeRows(x.data(), DType::kF32, rows, d, bits, batch.data()).ok());
+  std::vector<float> decoded(rows * d), alone(d);
+  ASSERT_TRUE(hq::DecodeRows(batch.data(), rows, d, bits, decoded.data(), DType::kF32).ok());
+  for (uint64_t r = 0; r < rows; ++r) {
+    ASSERT_TRUE(hq::EncodeRow(x.data() + r * d, d, bits, one.data()).ok());
+    ASSERT_EQ(0, std::memcmp(one.data(), batch.data() + r * rb, rb)) << "row " << r;
+    ASSERT_TRUE(hq::DecodeRow(batch.data() + r * rb, d, bits, alone.data()).ok());
+    ASSERT_EQ(0, std::memcmp(alone.data(), decoded.data() + r * d, d * sizeof(float)))
+        << "row " << r;
+  }
+  x[31000 * d + 5] = std::nanf("");
+  x[39000 * d] = std::nanf("");
+  absl::Status s = hq::EncodeRows(x.data(), DType::kF32, rows, d, bits, batch.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("(row 31000)"), std::string::npos) << s;
 }
 
 TEST(Hq, MalformedInputIsAnError) {
