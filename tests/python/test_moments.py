@@ -167,7 +167,10 @@ def test_attention_over_kvsplice_cache(codec):
         for fused in (False, True):
             out = kvcomp.attention(L.queries, c, 0, correct=correct, projection=proj,
                                    expand_in_attention=fused)
-            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+            # The kernel expands the values in its own f32 summation order: on outputs of
+            # order 1 that leaves up to about 2e-5 absolute on the small ones (worst over 300
+            # seeds x 3 codecs: 1.8e-5 beyond rtol), which atol 1e-5 let through in 1 run of 40.
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=5e-5)
     with pytest.raises(ValueError, match="projection"):
         kvcomp.attention(L.queries, c, 0)
     other = kvcomp.calibrate(L.values[None] * 2.0 + 1.0, rank=32, codec=codec)
