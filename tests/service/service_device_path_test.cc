@@ -268,8 +268,7 @@ TEST_F(DevicePathTest, GpuTierPutKeepsTheCacheOnTheDeviceAndAGetCopiesItOnce) {
   ASSERT_TRUE(got.ok()) << got.status();
   const std::string after = metrics_->Scrape();
   auto counter = [](const std::string& text, const std::string& name) {
-    const size_t at = text.find("\n" + name + " ");
-    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
+    return Scraped(text, name, -1.0);
   };
   EXPECT_NEAR(
       counter(after, "kvcomp_d2h_bytes_total") - counter(before, "kvcomp_d2h_bytes_total"),
@@ -344,8 +343,7 @@ TEST_F(DevicePathTest, AGetIntoDeviceMemoryCopiesOnTheDeviceOnly) {
   cudaFree(dev);
   const std::string after = metrics_->Scrape();
   auto counter = [](const std::string& text, const std::string& name) {
-    const size_t at = text.find("\n" + name + " ");
-    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
+    return Scraped(text, name, -1.0);
   };
   EXPECT_EQ(counter(after, "kvcomp_d2h_bytes_total"), counter(before, "kvcomp_d2h_bytes_total"));
   EXPECT_EQ(counter(after, "kvcomp_h2d_bytes_total"), counter(before, "kvcomp_h2d_bytes_total"));
@@ -365,14 +363,8 @@ TEST_F(DevicePathTest, ADecodedGetOfAnEncodedCacheDecodesOnTheDeviceAndMatchesTh
     absl::StatusOr<CacheSummary> raw = PutCache(k, x);
     ASSERT_TRUE(raw.ok()) << raw.status();
   }
-  CalibrationRequest cr;
-  cr.tenant = "alice";
-  cr.model_id = "m";
-  cr.value_codec = std::string(ValueCodecName(ValueCodec::kOrthogonalInt8));
-  cr.rank = kLayout.head_dim / 2;
-  absl::StatusOr<CalibrationResult> calibrated =
-      CalibrateFromStore(store_.get(), projections_.get(), cr);
-  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
+  absl::Status calibrated = CalibrateOrthogonalInt8(kLayout.head_dim / 2);
+  ASSERT_TRUE(calibrated.ok()) << calibrated;
   CompressionPolicy splice = Policy();
   splice.moments = false;
   splice.key_codec = KeyCodec::kInt8;
@@ -411,8 +403,7 @@ TEST_F(DevicePathTest, ADecodedGetOfAnEncodedCacheDecodesOnTheDeviceAndMatchesTh
   EXPECT_LT(worst(g->keys, c->keys), 1e-6);
   EXPECT_LT(worst(g->values, c->values), 5e-3);
   auto counter = [](const std::string& text, const std::string& name) {
-    const size_t at = text.find("\n" + name + " ");
-    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
+    return Scraped(text, name, -1.0);
   };
   // The decoded keys and values came down from the device; the encoded arrays went up.
   EXPECT_GE(counter(after, "kvcomp_d2h_bytes_total") - counter(before, "kvcomp_d2h_bytes_total"),

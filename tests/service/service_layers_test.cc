@@ -263,14 +263,8 @@ TEST_F(ServiceTest, ADecodedGetOfAnEncodedCacheDecodesOnTheCpuWithoutAGpu) {
   Tensor x(12);
   ASSERT_TRUE(PutCache("alice", "raw0", x).ok());
   ASSERT_TRUE(PutCache("alice", "raw1", x).ok());
-  CalibrationRequest cr;
-  cr.tenant = "alice";
-  cr.model_id = "m";
-  cr.value_codec = std::string(ValueCodecName(ValueCodec::kOrthogonalInt8));
-  cr.rank = kLayout.head_dim / 2;
-  absl::StatusOr<CalibrationResult> calibrated =
-      CalibrateFromStore(store_.get(), projections_.get(), cr);
-  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
+  absl::Status calibrated = CalibrateOrthogonalInt8(kLayout.head_dim / 2);
+  ASSERT_TRUE(calibrated.ok()) << calibrated;
   CompressionPolicy splice = HalfPolicy();
   splice.key_codec = KeyCodec::kInt8;
   splice.value_codec = ValueCodec::kOrthogonalInt8;
@@ -295,8 +289,7 @@ TEST_F(ServiceTest, ADecodedGetOfAnEncodedCacheDecodesOnTheCpuWithoutAGpu) {
   ASSERT_TRUE(twin.ok()) << twin.status();
   EXPECT_TRUE(decoded->view() == twin->view());
   auto counter = [](const std::string& text, const std::string& name) {
-    const size_t at = text.find("\n" + name + " ");
-    return at == std::string::npos ? 0.0 : std::stod(text.substr(at + name.size() + 2));
+    return Scraped(text, name, 0.0);
   };
   const std::string decode_count = "kvcomp_stage_duration_seconds_count{stage=\"decode\"}";
   EXPECT_EQ(counter(after, decode_count) - counter(before, decode_count), 1.0);

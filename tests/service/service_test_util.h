@@ -25,6 +25,7 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/service/metrics.h"
 #include "kvcomp/storage/tiered_store.h"
+#include "kvsplice_glue.h"
 #include "put.h"
 
 namespace kvcomp {
@@ -180,6 +181,21 @@ class ServiceFixture : public ::testing::Test {
     });
     done.WaitForNotification();
     return out;
+  }
+  // Fits alice's orthogonal_int8 projection of `rank` for model "m" from the raw caches put so
+  // far, as a daemon's calibration call does.
+  absl::Status CalibrateOrthogonalInt8(uint32_t rank) {
+    CalibrationRequest cr;
+    cr.tenant = "alice";
+    cr.model_id = "m";
+    cr.value_codec = std::string(ValueCodecName(ValueCodec::kOrthogonalInt8));
+    cr.rank = rank;
+    return CalibrateFromStore(store_.get(), projections_.get(), cr).status();
+  }
+  // A sample's value in a Prometheus scrape (`name` with its labels), `missing` when absent.
+  static double Scraped(const std::string& text, const std::string& name, double missing) {
+    const size_t at = text.find("\n" + name + " ");
+    return at == std::string::npos ? missing : std::stod(text.substr(at + name.size() + 2));
   }
   absl::StatusOr<storage::Payload> Get(const CacheKey& key,
                                        Representation rep = Representation::kStored) {
