@@ -161,6 +161,7 @@ TEST(Hq, DeterministicAndZeroRowExact) {
   ASSERT_TRUE(hq::EncodeRow(x.data(), d, 3, b.data()).ok());
   EXPECT_EQ(a, b);
   const std::vector<float> zero(d, 0.0f);
+  a.resize(hq::RowBytes(4, d));  // a 4-bit record is longer than the 3-bit one above
   ASSERT_TRUE(hq::EncodeRow(zero.data(), d, 4, a.data()).ok());
   EXPECT_EQ(StepOf(a.data()), 0.0f);
   std::vector<float> y(d, 1.0f);
