@@ -25,7 +25,10 @@ import urllib.request
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "client", "python"))
+# The package `make demo` built in its own build directory (scripts/demo.sh), else the source
+# tree's (where `make build` puts the extension).
+sys.path.insert(0, os.environ.get("KVCOMP_DEMO_PYTHONPATH")
+                or os.path.join(REPO, "client", "python"))
 sys.path.insert(0, os.path.join(REPO, "bench", "quality"))
 
 import kvcomp  # noqa: E402
