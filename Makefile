@@ -34,4 +34,5 @@ format:
 	@git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i
 
 clean:
-	rm -rf $(BUILD) $(DEMO_BUILD) build-asan build-fuzz build-tsan-storage build-asan-storage build-gpu
+	rm -rf $(BUILD) $(DEMO_BUILD) build-asan build-fuzz build-tsan-storage build-asan-storage \
+	  build-asan-transport build-ucx122 build-gpu
