@@ -218,8 +218,10 @@ def run(args) -> int:
     cal_k, cal_v, _ = generate(p, args.calibration_tokens, 2000)
     t_gen = time.perf_counter() - t0
 
-    prefill = kvcomp.Client("127.0.0.1:7470,127.0.0.1:7471")
-    decode = kvcomp.Client("127.0.0.1:7470,127.0.0.1:7471")
+    # The demo fetches whole 4096-token caches, which the daemon decodes on the CPU: on a busy
+    # 2-core machine one get takes longer than the client's serving default of 10 s.
+    prefill = kvcomp.Client("127.0.0.1:7470,127.0.0.1:7471", get_timeout=300.0)
+    decode = kvcomp.Client("127.0.0.1:7470,127.0.0.1:7471", get_timeout=300.0)
     stages = Stages()
 
     # An earlier request of the same model, stored with raw values, is what the daemon
