@@ -34,6 +34,9 @@ if ((${#missing[@]})); then
 fi
 
 PY=${PYTHON:-python3}
+# pip shows each download's progress; no copy of the downloads is kept in pip's cache (PyTorch
+# and its CUDA libraries alone are several GB, installed once).
+PIP_ARGS=(--progress-bar on --no-cache-dir)
 if ! "$PY" - "${PIP_PACKAGES[@]}" <<'PYEOF'
 import importlib.util, sys
 names = {"scikit-build-core": "scikit_build_core", "pyyaml": "yaml"}
@@ -42,7 +45,7 @@ sys.exit(1 if missing else 0)
 PYEOF
 then
   echo "bootstrap: installing python packages ${PIP_PACKAGES[*]}"
-  "$PY" -m pip install --progress-bar on "${PIP_PACKAGES[@]}"
+  "$PY" -m pip install "${PIP_ARGS[@]}" "${PIP_PACKAGES[@]}"
 fi
 # Chart tests (tests/helm): Helm v4's engine as a library, Kubernetes JSON schemas, a PromQL
 # parser and the YAML and Dockerfile linters. Pinned: the tests depend on their behaviour.
@@ -53,7 +56,7 @@ for spec in sys.argv[1:]:
     name, version = spec.split("==")
     assert m.version(name) == version' "${HELM_TEST_PACKAGES[@]}" 2>/dev/null; then
   echo "bootstrap: installing python packages ${HELM_TEST_PACKAGES[*]}"
-  "$PY" -m pip install --progress-bar on "${HELM_TEST_PACKAGES[@]}"
+  "$PY" -m pip install "${PIP_ARGS[@]}" "${HELM_TEST_PACKAGES[@]}"
 fi
 # kvcomp.hf (transformers models) and its tests: PyTorch from PyPI, transformers pinned to the
 # version of the GPU machine so both run the same model code.
@@ -62,7 +65,7 @@ if ! "$PY" -c 'import importlib.metadata as m, importlib.util as u
 assert u.find_spec("torch") is not None and m.version("transformers") == "5.17.0"' 2>/dev/null; then
   echo "bootstrap: installing python packages ${HF_PACKAGES[*]}"
   # Several GB (PyTorch and its CUDA libraries): pip shows each download's progress.
-  "$PY" -m pip install --progress-bar on "${HF_PACKAGES[@]}"
+  "$PY" -m pip install "${PIP_ARGS[@]}" "${HF_PACKAGES[@]}"
 fi
 # UCX 1.22 with CUDA transports (cuda_copy, cuda_ipc), NVIDIA's libucx-cu13 wheel: make test also
 # builds the data-plane transport against it (scripts/run_tests.sh), and GPU runs carry its
@@ -70,7 +73,7 @@ fi
 if ! "$PY" -c 'import importlib.metadata as m
 assert m.version("libucx-cu13") == "1.22.0"' 2>/dev/null; then
   echo "bootstrap: installing python package libucx-cu13==1.22.0"
-  "$PY" -m pip install --progress-bar on libucx-cu13==1.22.0
+  "$PY" -m pip install "${PIP_ARGS[@]}" libucx-cu13==1.22.0
 fi
 # promtool (checks and unit-tests the chart's alert rules), taken out of Debian's prometheus
 # package without installing it: the package would also install and start a Prometheus server.
