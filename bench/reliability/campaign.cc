@@ -1029,10 +1029,19 @@ Flags ParseFlags(int argc, char** argv) {
       std::exit(2);
     }
   }
+  if (f.mode != "kill" && f.mode != "soak" && f.mode != "lockout" && f.mode != "restart") {
+    std::fprintf(stderr, "--mode must be kill, soak, lockout or restart\n");
+    std::exit(2);
+  }
   if (f.dir.empty()) {
     char tmpl[] = "/tmp/kvcomp-campaign-XXXXXX";
-    f.dir = mkdtemp(tmpl);
+    if (mkdtemp(tmpl) == nullptr) {
+      std::fprintf(stderr, "mkdtemp %s: %s\n", tmpl, std::strerror(errno));
+      std::exit(2);
+    }
+    f.dir = tmpl;
     f.dir_is_scratch = true;
+    std::fprintf(stderr, "scratch directory: %s\n", f.dir.c_str());
   }
   return f;
 }
@@ -1043,17 +1052,28 @@ Flags ParseFlags(int argc, char** argv) {
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   kvcomp::Flags f = kvcomp::ParseFlags(argc, argv);
+  int rc = 2;
   if (f.mode == "kill") {
-    const int rc = kvcomp::KillCampaign(f).Run();
-    if (rc == 0 && f.dir_is_scratch) {
+    rc = kvcomp::KillCampaign(f).Run();
+  } else if (f.mode == "soak") {
+    rc = kvcomp::Soak(f);
+  } else if (f.mode == "lockout") {
+    rc = kvcomp::Lockout(f);
+  } else if (f.mode == "restart") {
+    rc = kvcomp::Restart(f);
+  }
+  // Without --dir the data went to a fresh scratch directory (the restart mode's holds GiBs):
+  // removed after a clean run; kept after a failure (or a kill chunk with more to run), saying
+  // where. Every mode's daemon has ended by now (its process object went out of scope).
+  if (f.dir_is_scratch) {
+    if (rc == 0) {
       std::error_code ec;
       std::filesystem::remove_all(f.dir, ec);
+      if (ec) std::fprintf(stderr, "could not remove %s: %s\n", f.dir.c_str(), ec.message().c_str());
+    } else {
+      std::fprintf(stderr, "scratch directory kept for inspection (remove it when done): %s\n",
+                   f.dir.c_str());
     }
-    return rc;
   }
-  if (f.mode == "soak") return kvcomp::Soak(f);
-  if (f.mode == "lockout") return kvcomp::Lockout(f);
-  if (f.mode == "restart") return kvcomp::Restart(f);
-  std::fprintf(stderr, "--mode must be kill, soak, lockout or restart\n");
-  return 2;
+  return rc;
 }

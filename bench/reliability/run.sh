@@ -61,5 +61,11 @@ set -e
        "(0: nothing lost, corrupted or resurrected, no errors)"
 } >>"$out"
 tail -n 20 "$scratch.stderr" >&2 || true
-rm -rf "$scratch"
+# The scratch data (GiBs after a restart burst) goes after a clean run; a failed run keeps it
+# for inspection and says where.
+if [[ $rc == 0 ]]; then
+  rm -rf "$scratch" "$scratch.stderr"
+else
+  echo "scratch kept for inspection (remove it when done): $scratch ($scratch.stderr)" >&2
+fi
 exit "$rc"
