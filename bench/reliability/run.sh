@@ -11,7 +11,12 @@
 #       SIGKILLs every 5-15 s with readers getting across every restart; resumable: its journal
 #       and data live in $KVCOMP_CAMPAIGN_DIR (default /var/tmp/kvcomp-roundtrips), kept until a
 #       run reaches [cycles] (default 10000) cleanly. Stop it by ending the process group
-#       (kill -- -PGID); the same command resumes from the journal. Runs at nice 10.
+#       (kill -- -PGID); the same command resumes from the journal. Runs at nice 10. To go on
+#       building in the same tree meanwhile, copy the two binaries aside and name them:
+#         mkdir -p /var/tmp/kvcomp-rt-bin && cp build/service/kvcompd \
+#           build/bench/reliability/kvcomp_campaign /var/tmp/kvcomp-rt-bin/
+#         KVCOMP_BIN=/var/tmp/kvcomp-rt-bin KVCOMP_COMMIT=<commit built> setsid \
+#           bench/reliability/run.sh roundtrips build 10000 &
 # Builds kvcomp_campaign (and kvcompd) in the build dir (default build-reliability), runs it in a
 # scratch directory and appends its figures, with date, machine and commit, to
 # bench/results/reliability-<date>.md. Meant to run in the background (nohup/setsid); progress
@@ -28,7 +33,16 @@ if [[ ! -f "$build/build.ninja" ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVCOMP_CUDA=OFF \
     -DKVCOMP_PYTHON=OFF -DCMAKE_CXX_COMPILER_LAUNCHER=ccache >/dev/null
 fi
-ninja -C "$build" -j 2 kvcomp_campaign kvcompd >/dev/null
+# KVCOMP_BIN: a directory holding copies of kvcomp_campaign and kvcompd to run instead of the
+# build dir's (then nothing is built): a long run then survives rebuilds of the tree meanwhile.
+if [[ -n ${KVCOMP_BIN:-} ]]; then
+  campaign=$KVCOMP_BIN/kvcomp_campaign
+  daemon_arg=(--kvcompd="$KVCOMP_BIN/kvcompd")
+else
+  ninja -C "$build" -j 2 kvcomp_campaign kvcompd >/dev/null
+  campaign=$build/bench/reliability/kvcomp_campaign
+  daemon_arg=()
+fi
 date_utc=$(date -u +%Y-%m-%d)
 out=bench/results/reliability-${date_utc}.md
 if [[ $mode == roundtrips ]]; then
@@ -62,7 +76,7 @@ set +e
 # do); a driver that dies (its status is logged) is followed by a new one on the same journal.
 deaths=0
 while true; do
-  "$build/bench/reliability/kvcomp_campaign" "${args[@]}" --dir="$scratch" --out="$out" \
+  "$campaign" "${args[@]}" "${daemon_arg[@]}" --dir="$scratch" --out="$out" \
     2>>"$scratch.stderr"
   rc=$?
   [[ ($mode == kill || $mode == roundtrips) && $rc == 3 ]] && continue
