@@ -27,6 +27,7 @@
 #include "kvcomp/storage/tiered_store.h"
 #include "kvsplice_glue.h"
 #include "put.h"
+#include "service_context.h"
 
 namespace kvcomp {
 namespace service {
