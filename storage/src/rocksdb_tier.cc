@@ -44,6 +44,7 @@ constexpr char kQuarantineFile = 'f';  // the record of a quarantined direct pay
 constexpr char kDirectSuffix[] = ".kvd";
 constexpr uint8_t kDirectRecordVersion = 1;
 constexpr uint64_t kDirectChunk = 8ull << 20;  // bytes per write of a direct file
+constexpr int kDirectPoolBatch = 16;           // direct files made ahead per directory sync
 
 // The "direct" family's record of a key: u8 version, u64 LE size, then the file's name.
 std::string EncodeDirectRecord(const std::string& name, uint64_t size) {
@@ -915,15 +916,50 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> RocksDbTier::TakeDirectName() {
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  if (direct_pool_.empty()) {
+    const rocksdb::IOOptions io;
+    KVCOMP_RETURN_IF_ERROR(
+        FromIo(fs_->CreateDirIfMissing(direct_dir_, io, nullptr), "rocksdb tier: direct dir"));
+    std::vector<std::string> made;
+    auto drop = [&] {
+      for (const std::string& n : made) RemoveDirectFile(n);
+    };
+    for (int i = 0; i < kDirectPoolBatch; ++i) {
+      const std::string name = absl::StrFormat(
+          "%016x-%06x%s",
+          static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()),
+          direct_seq_.fetch_add(1) & 0xffffff, kDirectSuffix);
+      std::unique_ptr<rocksdb::FSWritableFile> f;
+      rocksdb::IOStatus s =
+          fs_->NewWritableFile(direct_dir_ + "/" + name, rocksdb::FileOptions(), &f, nullptr);
+      if (s.ok()) s = f->Close(io, nullptr);
+      if (!s.ok()) {
+        drop();
+        return FromIo(s, "rocksdb tier: direct file");
+      }
+      made.push_back(name);
+    }
+    // The names in their directory, durably, once for the batch.
+    std::unique_ptr<rocksdb::FSDirectory> dir;
+    rocksdb::IOStatus s = fs_->NewDirectory(direct_dir_, io, &dir, nullptr);
+    if (s.ok()) s = dir->Fsync(io, nullptr);
+    if (!s.ok()) {
+      drop();
+      return FromIo(s, "rocksdb tier: sync direct dir");
+    }
+    direct_pool_.assign(made.rbegin(), made.rend());  // taken oldest first
+  }
+  std::string name = std::move(direct_pool_.back());
+  direct_pool_.pop_back();
+  return name;
+}
+
 absl::StatusOr<std::string> RocksDbTier::WriteDirectFile(const Payload& payload) {
-  const std::string name = absl::StrFormat(
-      "%016x-%06x%s",
-      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()),
-      direct_seq_.fetch_add(1) & 0xffffff, kDirectSuffix);
+  KVCOMP_ASSIGN_OR_RETURN(const std::string name, TakeDirectName());
   const std::string path = direct_dir_ + "/" + name;
   const rocksdb::IOOptions io;
-  KVCOMP_RETURN_IF_ERROR(
-      FromIo(fs_->CreateDirIfMissing(direct_dir_, io, nullptr), "rocksdb tier: direct dir"));
   rocksdb::FileOptions fo;
   fo.allow_fallocate = false;  // space is admitted against statvfs
   fo.use_direct_writes = true;
@@ -941,16 +977,31 @@ absl::StatusOr<std::string> RocksDbTier::WriteDirectFile(const Payload& payload)
   const uint64_t n = payload.size();
   const uint8_t* src = payload.data();
   if (fo.use_direct_writes) {
-    // Whole aligned chunks through an aligned bounce buffer; the last one padded with zeros,
-    // then the file cut back to the payload's size.
+    // A payload whose bytes are aligned (kvcompd's encodings are page-aligned) is written from
+    // its own memory, whole aligned chunks; the rest (all of an unaligned payload, else its last
+    // partial block) through an aligned bounce buffer, padded with zeros, then the file cut back
+    // to the payload's size.
     const size_t align = std::max<size_t>(f->GetRequiredBufferAlignment(), 4096);
-    const uint64_t chunk = std::min<uint64_t>(kDirectChunk, (n + align - 1) / align * align);
+    uint64_t first = 0;  // bytes written from the payload's own memory
+    if (reinterpret_cast<uintptr_t>(src) % align == 0) {
+      const uint64_t whole = n / align * align;
+      while (first < whole) {
+        const uint64_t len = std::min(kDirectChunk, whole - first);
+        rocksdb::IOStatus s = f->Append(
+            rocksdb::Slice(reinterpret_cast<const char*>(src) + first, len), io, nullptr);
+        if (!s.ok()) return fail(s);
+        first += len;
+      }
+    }
+    const uint64_t rest = n - first;
+    const uint64_t chunk = std::max<uint64_t>(
+        align, std::min<uint64_t>(kDirectChunk, (rest + align - 1) / align * align));
     void* raw = nullptr;
-    if (posix_memalign(&raw, align, chunk) != 0) {
+    if (rest > 0 && posix_memalign(&raw, align, chunk) != 0) {
       return fail(rocksdb::IOStatus::IOError("out of memory for the direct write buffer"));
     }
     std::unique_ptr<void, decltype(&std::free)> buf(raw, &std::free);
-    for (uint64_t off = 0; off < n; off += chunk) {
+    for (uint64_t off = first; off < n; off += chunk) {
       const uint64_t len = std::min(chunk, n - off);
       const uint64_t padded = (len + align - 1) / align * align;
       std::memcpy(buf.get(), src + off, len);
@@ -971,17 +1022,10 @@ absl::StatusOr<std::string> RocksDbTier::WriteDirectFile(const Payload& payload)
       if (!s.ok()) return fail(s);
     }
   }
-  rocksdb::IOStatus s = f->Fsync(io, nullptr);
+  // The data and the size (fdatasync); the name's directory entry is durable already.
+  rocksdb::IOStatus s = f->Sync(io, nullptr);
   if (s.ok()) s = f->Close(io, nullptr);
   if (!s.ok()) return fail(s);
-  // The file's name in its directory, durably.
-  std::unique_ptr<rocksdb::FSDirectory> dir;
-  s = fs_->NewDirectory(direct_dir_, io, &dir, nullptr);
-  if (s.ok()) s = dir->Fsync(io, nullptr);
-  if (!s.ok()) {
-    fs_->DeleteFile(path, io, nullptr).PermitUncheckedError();
-    return FromIo(s, "rocksdb tier: sync direct dir");
-  }
   return name;
 }
 
