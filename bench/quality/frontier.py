@@ -82,7 +82,7 @@ DEFAULT = [c for c in CONFIGS if c != "kvhq k2c v2"]
 _ZSTD = None
 
 
-ZSTD_LEVEL = 19  # levels below 15 stay above the codes' order-0 entropy on keys (measured)
+ZSTD_LEVEL = 19  # zstd -1 and -3 stay above the codes' order-0 entropy on keys (measured)
 ZSTD_ROUNDS = 2  # zstd at 19 is slow: its bytes come from the first rounds only
 
 
@@ -295,6 +295,7 @@ def main():
     ap.add_argument("--configs", nargs="*")
     ap.add_argument("--alloc")
     ap.add_argument("--calibrate", action="store_true")
+    ap.add_argument("--zstd-levels", type=int, nargs="*")
     ap.add_argument("--calib-n", type=int, default=4)
     ap.add_argument("--deadline-seconds", type=float, default=0)
     ap.add_argument("--batch", type=int, default=8)
@@ -328,6 +329,44 @@ def main():
     def log(m):
         print(f"[{time.time() - t0:7.1f}s] {m}", flush=True)
 
+    if args.zstd_levels:  # bits per code of zstd at several levels against the order-0 entropy
+        lines = []
+        for name, (path, model) in models.items():
+            w = window(1)  # a code window
+            K, V = prefill(model, w[:N - 1])
+            for tn, X in (("keys", K), ("values", V)):
+                for b in (2, 3, 4):
+                    q, _, _ = codecs_ref.hq_engine_encode(X, b)
+                    qb = q.to(torch.uint8).numpy()
+                    ent = codecs_ref._entropy_bits(q) / q.numel()
+                    cells = []
+                    for lv in args.zstd_levels:
+                        t = time.process_time()
+                        z = sum(zstd_len(qb[l].tobytes(), lv) for l in range(qb.shape[0]))
+                        dt = time.process_time() - t
+                        cells.append(f"{8 * z / q.numel():.2f} ({q.numel() / dt / 1e6:.1f})")
+                    distinct = [len({r.tobytes() for r in qb[l].reshape(-1, qb.shape[-1])})
+                                for l in range(qb.shape[0])]
+                    lines.append(f"| {name} | {tn} | {b} | {ent:.2f} | " + " | ".join(cells) +
+                                 f" | {' '.join(map(str, distinct))} of {qb[0].size // qb.shape[-1]} |")
+                    log(lines[-1])
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ")
+        text = "\n".join([
+            "# zstd on the engine's hq codes, by level", "",
+            f"date {date}, commit {git_commit()}, {platform.machine()} ({os.cpu_count()} shared "
+            f"cpus, one thread), libzstd through ctypes; per model one held-out code window of "
+            f"{N - 1} bytes prefilled ({args.dtype}); codes of the engine's hq codec (the kvhq "
+            "mirror), one byte per code, each layer's plane compressed alone. Cells: bits per "
+            "code (and MB of codes per CPU second); the minimum and step (0.25 bits per code at "
+            "d = 128) are not included. Distinct rows: how many of the plane's rows (token x kv "
+            "head) differ, per layer.", "",
+            "| model | tensor | bits | order-0 entropy | " + " | ".join(
+                f"zstd -{lv}" for lv in args.zstd_levels) + " | distinct rows per layer |",
+            "| --- | --- | --- | --- | " + " | ".join("---" for _ in args.zstd_levels) + " | --- |",
+            *lines, ""])
+        with open(args.out + ".md", "w") as f:
+            f.write(text)
+        return
     if args.calibrate:
         res = {}
         for name, (path, model) in models.items():
@@ -439,6 +478,26 @@ def summarize(r):
     return rows
 
 
+PEERS = ("fp8", "kivi2", "tq", "vllm")
+
+
+def kvcomp_at(rows, x):
+    """kvcomp's full-length loss at compression x (see the table's note)."""
+    pts = sorted((r["x"], r["pct"]) for r in rows if r["config"].startswith("kvhq"))
+    if not pts:
+        return None
+    # the frontier: at each point, the lowest loss at that x or more
+    front = [(px, min(q for qx, q in pts if qx >= px)) for px, _ in pts]
+    lo = [p for p in front if p[0] <= x]
+    hi = [p for p in front if p[0] >= x]
+    if not hi:
+        return None
+    if not lo:
+        return hi[0][1]
+    (x0, y0), (x1, y1) = lo[-1], hi[0]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 def write_md(path, res):
     m = res["meta"]
     out = ["# Full-length codec frontier on a CPU (next-byte loss with the decoded cache)", "",
@@ -451,6 +510,8 @@ def write_md(path, res):
            f"their order-0 entropy; x zstd: codes through zstd -{ZSTD_LEVEL} (one byte per code, per "
            f"layer and tensor; packed where smaller), side data raw, over the first "
            f"{ZSTD_ROUNDS} rounds (nan: not measured). {m['seconds']:.0f} s.", ""]
+    if m.get("note"):
+        out += [m["note"], ""]
     allrows = {}
     for name, r in res["models"].items():
         rows = summarize(r)
@@ -469,18 +530,41 @@ def write_md(path, res):
                        f" | {x['pct']:+.2f}% [{x['ci'][0]:+.2f}, {x['ci'][1]:+.2f}] | {x['n']} |")
         out.append("")
     names = list(allrows)
+    peers = [c for c in allrows[names[0]] if c["config"].split()[0] in PEERS]
+    if peers:
+        out += ["## kvcomp against each peer at the peer's bytes", "",
+                "kvcomp's loss at a peer's x: linear between the two kvcomp full-length points "
+                "(hq configs, packed bytes) around it on that model's frontier (the lowest loss "
+                "at that x or more); below kvcomp's smallest x, its lowest loss at any larger x "
+                "(fewer bytes). `<=`: kvcomp's loss is at or below the peer's.", "",
+                "| peer | x | " + " | ".join(f"{n} peer / kvcomp" for n in names) + " |",
+                "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+        for pr in peers:
+            cells = []
+            for n in names:
+                rows = allrows[n]
+                me = next((x for x in rows if x["config"] == pr["config"]), None)
+                k = kvcomp_at(rows, me["x"]) if me else None
+                if me is None or k is None:
+                    cells.append("-")
+                    continue
+                ok = "<=" if k <= me["pct"] + 1e-9 else ">"
+                cells.append(f"{me['pct']:+.2f}% / {k:+.2f}% {ok}")
+            out.append(f"| {pr['config']} | {pr['x']:.2f} | " + " | ".join(cells) + " |")
+        out.append("")
     if len(names) > 1:
         out += ["## Pooled over models", "",
                 "Worst = the largest loss over the models; mean = their mean; x = the smallest "
                 "over the models.", "",
-                "| config | x | x zstd | " + " | ".join(names) + " | mean | worst |",
-                "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |"]
+                "| config | x | x ent. | x zstd | " + " | ".join(names) + " | mean | worst |",
+                "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |"]
         for row in allrows[names[0]]:
             cells = [next((x for x in allrows[n] if x["config"] == row["config"]), None)
                      for n in names]
             if any(c is None for c in cells):
                 continue
             out.append(f"| {row['config']} | {min(c['x'] for c in cells):.2f} | "
+                       f"{min(c['x_ent'] for c in cells):.2f} | "
                        f"{min(c['x_zstd'] for c in cells):.2f} | "
                        + " | ".join(f"{c['pct']:+.2f}%" for c in cells)
                        + f" | {np.mean([c['pct'] for c in cells]):+.2f}% | "

@@ -51,11 +51,11 @@ struct StreamInfo {
 };
 
 // `rows` records of RowBytes(bits, d) bytes at `records` into a stream. zstd_level: 1..19. The
-// smaller of the two modes is chosen (packed on a tie). Levels below 15 do not reach the codes'
+// smaller of the two modes is chosen (packed on a tie). Low levels (1, 3) do not reach the codes'
 // order-0 entropy on keys (their short matches cost more than they save): at 3 bits zstd -3
-// stores more than the packed codes, zstd -19 about 2.4 bits per code against an entropy of
-// 2.57 (bench/results/frontier-cpu-*.md), at about 2 MB/s per core. InvalidArgument for a bad d or
-// width, a record hq::CheckRecord refuses, or a level out of range.
+// stores more than the packed codes, zstd -19 2.50-2.57 bits per code against an entropy of
+// 2.57-2.58 (bench/results/frontier-cpu-*-zstd-levels.md), at about 2 MB/s per core.
+// InvalidArgument for a bad d or width, a record hq::CheckRecord refuses, or a level out of range.
 absl::StatusOr<std::vector<uint8_t>> PackStream(const uint8_t* records, uint64_t rows, uint32_t d,
                                                 uint32_t bits, int zstd_level = 19);
 
