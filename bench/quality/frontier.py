@@ -1,8 +1,8 @@
 """The full-length codec frontier on a CPU: kvcomp's Hadamard codec (the engine's arithmetic,
 codecs_ref "kvhq"), its variants (bit widths, per-channel key scales, per-layer bit allocation by
 measured sensitivity, zstd on the codes) and the peers (fp8 = LMCache's fp8 serde, KIVI-2,
-TurboQuant from the paper at vLLM's presets' widths and in vLLM's own layout), next-byte loss with the decoded cache, on several models
-at once, sample by sample, until a wall-clock deadline.
+TurboQuant from the paper at vLLM's presets' widths and in vLLM's own layout), next-byte loss
+with the decoded cache, on several models at once, sample by sample, until a wall-clock deadline.
 
     python3 bench/quality/frontier.py --models code57=bench/quality/lm/model g16=DIR d8=DIR \\
         --corpus corpus.tar.xz [--ctx 4096 --tail 256] [--n 50] [--deadline-seconds S] \\
@@ -348,7 +348,8 @@ def main():
                     distinct = [len({r.tobytes() for r in qb[l].reshape(-1, qb.shape[-1])})
                                 for l in range(qb.shape[0])]
                     lines.append(f"| {name} | {tn} | {b} | {ent:.2f} | " + " | ".join(cells) +
-                                 f" | {' '.join(map(str, distinct))} of {qb[0].size // qb.shape[-1]} |")
+                                 f" | {' '.join(map(str, distinct))} of "
+                                 f"{qb[0].size // qb.shape[-1]} |")
                     log(lines[-1])
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ")
         text = "\n".join([
@@ -502,12 +503,14 @@ def write_md(path, res):
     m = res["meta"]
     out = ["# Full-length codec frontier on a CPU (next-byte loss with the decoded cache)", "",
            f"date {m['date']} (started {m['started']}), commit {m['commit']}, {m['machine']}, "
-           f"{m['threads']} threads, torch {m['torch']}, model and cache in {m.get('dtype', 'f32')} "
-           f"(codecs computed in f32 on the cache's values). Window {m['ctx']} held-out bytes (English and code "
-           f"alternately); the first {m['ctx'] - m['tail']} are compressed, loss = mean "
+           f"{m['threads']} threads, torch {m['torch']}, model and cache in "
+           f"{m.get('dtype', 'f32')} (codecs computed in f32 on the cache's values). Window "
+           f"{m['ctx']} held-out bytes (English and code alternately); the first "
+           f"{m['ctx'] - m['tail']} are compressed, loss = mean "
            f"next-byte NLL over the last {m['tail']}; relative to the full cache with the 95% "
            f"interval of the paired difference. x: bf16 bytes / stored bytes; x ent.: codes at "
-           f"their order-0 entropy; x zstd: codes through zstd -{ZSTD_LEVEL} (one byte per code, per "
+           f"their order-0 entropy; x zstd: codes through zstd -{ZSTD_LEVEL} (one byte per "
+           f"code, per "
            f"layer and tensor; packed where smaller), side data raw, over the first "
            f"{ZSTD_ROUNDS} rounds (nan: not measured). {m['seconds']:.0f} s.", ""]
     if m.get("note"):
