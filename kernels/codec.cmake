@@ -13,3 +13,4 @@ list(APPEND KERNELS_HDRS kvcomp/kernels/kvsplice.h)
 list(APPEND KERNELS_SRCS src/cpu/kvsplice.cc)
 list(APPEND KERNELS_CUDA_SRCS src/cuda/codec_cuda.cu)
 list(APPEND KERNELS_CUDA_SRCS src/cuda/codec_device.cu)  # the device codec stage (outliers)
+list(APPEND KERNELS_CUDA_SRCS src/cuda/hq_cuda.cu)  # the Hadamard codec

@@ -13,7 +13,9 @@
 // Then the codec ops alone on the kept rows of a put (half the tokens of every layer and head,
 // device memory): the value encoder of every layer in one call (int8 at rank 64, with the
 // outlier measure, and int4 at the tuned per-layer ranks) and the int8 key encoder, each over
-// the bytes it reads and writes against the same device copy (bench=device_codec_op).
+// the bytes it reads and writes against the same device copy (bench=device_codec_op), and the
+// Hadamard codec's encoder (hq4, hq3) and decoder over the same rows, with the CPU reference's
+// time on them and whether its records equal the device's (op=hq*_host_reference).
 //
 // Usage: kvcomp_bench_gpu_device_codec [--tokens 8192,32768] [--reps 5]
 #include <cuda_runtime.h>
@@ -31,6 +33,7 @@
 
 #include "common/bench_util.h"
 #include "common/engine_bench.h"
+#include "kvcomp/codecs/hq.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/calibration.h"
@@ -222,6 +225,43 @@ int main(int argc, char** argv) {
                                       reinterpret_cast<float*>(keys_out->as<uint8_t>() + n * d));
       });
       report("encode_keys_int8", key_s, static_cast<double>(n * d * 3 + heads * d * 4));
+
+      // The Hadamard codec (the codec and balanced presets: hq4 keys, hq3 values): every row of
+      // the put in one launch, and the decoder back to bf16; host_s is the CPU reference
+      // (hq::EncodeRows over the machine's threads) on the same rows from host memory, one run.
+      std::vector<uint8_t> host_rows(n * d * 2);
+      ExitIfError(gpu.CopyToHost(host_rows.data(), in->data(), host_rows.size()), "download");
+      for (uint32_t bits : {4u, 3u}) {
+        const uint64_t rb = kvcomp::hq::RowBytes(bits, d);
+        auto rec = kvcomp::Buffer::Allocate(gpu.allocator(), n * rb);
+        ExitIfError(rec.status(), "records");
+        const double enc_s = time_op([&] {
+          return gpu.codec().EncodeHq(bits, n, d, in->data(), kvcomp::DType::kBF16, rec->data());
+        });
+        std::vector<uint8_t> host_rec(n * rb);
+        const Clock::time_point h0 = Clock::now();
+        ExitIfError(kvcomp::hq::EncodeRows(host_rows.data(), kvcomp::DType::kBF16, n, d, bits,
+                                           host_rec.data()),
+                    "host encode");
+        const double host_s = std::chrono::duration<double>(Clock::now() - h0).count();
+        std::vector<uint8_t> dev_rec(n * rb);
+        ExitIfError(gpu.CopyToHost(dev_rec.data(), rec->data(), dev_rec.size()), "download");
+        const bool same = dev_rec == host_rec;
+        std::printf("RESULT bench=device_codec_op tokens=%llu op=hq%u_host_reference rows=%llu "
+                    "host_s=%.4f device_over_host=%.1fx records_identical=%d\n",
+                    static_cast<unsigned long long>(T), bits, static_cast<unsigned long long>(n),
+                    host_s, host_s / enc_s, same ? 1 : 0);
+        report(bits == 4 ? "encode_hq4" : "encode_hq3", enc_s,
+               static_cast<double>(n * d * 2 + n * rb));
+        auto back = kvcomp::Buffer::Allocate(gpu.allocator(), n * d * 2);
+        ExitIfError(back.status(), "decoded");
+        const double dec_s = time_op([&] {
+          return gpu.codec().DecodeHq(bits, n, d, rec->data(), back->data(),
+                                      kvcomp::DType::kBF16);
+        });
+        report(bits == 4 ? "decode_hq4" : "decode_hq3", dec_s,
+               static_cast<double>(n * d * 2 + n * rb));
+      }
     }
   }
   return 0;

@@ -34,7 +34,11 @@
 #include <errno.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -59,9 +63,12 @@
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/layout.h"
+#include "kvcomp/core/policy_presets.h"
 #include "kvcomp/rpc/KvcompControl.h"
 #include "kvcomp/transport/client.h"
+#include "block_put.h"
 #include "kvcompd_process.h"
+#include "storage/tmpfs_mount.h"
 #include "thrift/protocol/TBinaryProtocol.h"
 #include "thrift/transport/TBufferTransports.h"
 
@@ -90,6 +97,17 @@ struct Flags {
   uint64_t burst_mb = 1024;
   double stranger_period = 20;
   std::vector<std::string> daemon_flags;
+  // kill mode: small lossless caches compared byte for byte, each read back once acknowledged
+  // (a round trip); readers getting live caches throughout, across the kills and restarts; the
+  // time the writers run between kills.
+  bool lossless = false;
+  int readers = 0;
+  int run_min_ms = 200, run_max_ms = 1500;
+  // diskfull mode: bytes of room given to the puts in each cycle.
+  uint64_t room_mb = 24;
+  // put_child (peer mode's child process): where to put, what, how many blocks before waiting.
+  std::string child_endpoint, child_key;
+  int child_blocks = 0;
 };
 
 const KvLayout kLayout{4, 4, 8, 64, DType::kF16};
@@ -120,6 +138,72 @@ Kv MakeKv(uint64_t id) {
   return kv;
 }
 
+// Small lossless caches for the round trips: 2 layers, 2 kv heads, head_dim 64, f16 (1 KiB of
+// K and V per token), 16-63 tokens: 16-63 KiB of K and V each.
+const KvLayout kSmallLayout{2, 2, 4, 64, DType::kF16};
+uint64_t SmallTokensOf(uint64_t id) { return 16 + id % 48; }
+
+// K and V of small cache `id`: finite f16 of both signs, random mantissas, magnitudes 2^-10 to
+// 2^5 (every mantissa bit exercised; nothing a lossless codec may round).
+Kv MakeSmallKv(uint64_t id) {
+  const uint64_t tokens = SmallTokensOf(id);
+  const size_t per_layer = uint64_t{kSmallLayout.num_kv_heads} * tokens * kSmallLayout.head_dim;
+  Kv kv;
+  kv.k.resize(per_layer * kSmallLayout.num_layers);
+  kv.v.resize(kv.k.size());
+  std::mt19937_64 rng(id * 0x9E3779B97F4A7C15ull + 7);
+  auto half = [](uint64_t bits) {
+    const uint16_t exponent = static_cast<uint16_t>(5 + (bits >> 11) % 16);  // 2^-10 .. 2^5
+    return static_cast<uint16_t>((bits & 0x83FF) | (exponent << 10));
+  };
+  for (size_t i = 0; i < kv.k.size(); ++i) {
+    const uint64_t r = rng();
+    kv.k[i] = half(r);
+    kv.v[i] = half(r >> 32);
+  }
+  for (uint32_t l = 0; l < kSmallLayout.num_layers; ++l) {
+    kv.layers.push_back({kv.k.data() + l * per_layer, kv.v.data() + l * per_layer});
+  }
+  return kv;
+}
+
+client::PutOptions Lossless() {
+  client::PutOptions o;
+  o.policy = *PolicyPreset("lossless");
+  return o;
+}
+
+// A small lossless cache read back against the K and V its key was put with, byte for byte.
+// Empty when it matches.
+std::string CheckExact(const std::string& bytes, uint64_t id, uint64_t stored_bytes) {
+  if (stored_bytes != 0 && bytes.size() != stored_bytes) {
+    return "size " + std::to_string(bytes.size()) + ", acknowledged " +
+           std::to_string(stored_bytes);
+  }
+  auto cache = format::ParseCache(bytes);
+  if (!cache.ok()) return "does not decode: " + cache.status().ToString();
+  if (cache->layout != kSmallLayout || cache->original_tokens != SmallTokensOf(id)) {
+    return "holds " + cache->layout.DebugString() + " x " +
+           std::to_string(cache->original_tokens) + " tokens";
+  }
+  const Kv kv = MakeSmallKv(id);
+  const size_t half = kv.k.size() * sizeof(uint16_t);
+  std::vector<uint8_t> dense(2 * half);
+  if (absl::Status st = cache->WriteDenseKv(dense.data()); !st.ok()) {
+    return "not every token raw: " + st.ToString();
+  }
+  for (int part = 0; part < 2; ++part) {
+    const auto* want = reinterpret_cast<const uint8_t*>(part == 0 ? kv.k.data() : kv.v.data());
+    const uint8_t* got = dense.data() + part * half;
+    if (std::memcmp(want, got, half) != 0) {
+      size_t at = 0;
+      while (want[at] == got[at]) ++at;
+      return std::string(part == 0 ? "K" : "V") + " differs at byte " + std::to_string(at);
+    }
+  }
+  return "";
+}
+
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 double Percentile(std::vector<double> v, double q) {
@@ -145,6 +229,24 @@ std::unique_ptr<client::Client> Connect(const KvcompdProcess& d, absl::Duration 
     return nullptr;
   }
   return std::move(*c);
+}
+
+// A TCP port of 127.0.0.1 free right now (the kernel's pick), or 0.
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
 }
 
 uint64_t RssKiB(int pid) {
@@ -228,6 +330,15 @@ struct KillCampaign {
   uint64_t driver_restarts = 0;  // processes before this one on the same journal
   uint64_t faults = 0, fault_misses = 0, fault_errors = 0, fault_back = 0, fault_refused_ops = 0;
   bool damaged = false;  // a fault was injected before the restart being verified
+  // --lossless: acknowledged puts read straight back byte-exact (round trips); gets of live
+  // caches by the readers (byte-exact, misses, clean errors while the daemon was down or
+  // restarting) and by the verification after each restart.
+  std::atomic<uint64_t> round_trips{0}, reader_gets{0}, reader_misses{0}, verify_gets{0};
+  std::atomic<uint64_t> clean_errors{0};  // gets and puts cut by a kill, each a clean error
+  std::atomic<uint64_t> kills{0};         // daemon kills so far (readers compare before/after)
+  std::atomic<bool> down{true};           // no daemon serving (killed, not yet restarted)
+  std::atomic<int64_t> up_at_ns{0};       // when the daemon last became ready (steady clock)
+  std::map<std::string, uint64_t> clean_error_codes;  // guarded by mu
   int cycles_done = 0;
   std::vector<std::string> problems;
   FILE* journal = nullptr;
@@ -236,6 +347,7 @@ struct KillCampaign {
   //   P id / A id bytes   put intended / acknowledged     D id / X id   delete intended / acked
   //   L id bytes / G id   a cut operation found done / not done after the restart
   //   E kind text         a problem (lost, corrupt, back, error)   C n   cycle n done
+  //   T rt gets misses verified errors   the running totals of round trips and gets
   void Journal(const std::string& line) {
     std::fputs((line + "\n").c_str(), journal);
     std::fflush(journal);
@@ -278,6 +390,16 @@ struct KillCampaign {
           break;
         }
         case 'C': ls >> cycles_done; break;
+        case 'T': {
+          uint64_t rt = 0, g = 0, m = 0, v = 0, e = 0;
+          ls >> rt >> g >> m >> v >> e;
+          round_trips = rt;
+          reader_gets = g;
+          reader_misses = m;
+          verify_gets = v;
+          clean_errors = e;
+          break;
+        }
         case 'F':
           ++faults;
           damaged = true;
@@ -309,6 +431,23 @@ struct KillCampaign {
   }
 
   static std::string Key(uint64_t id) { return "w-" + std::to_string(id); }
+
+  // A cache read back against what `id` was put with (byte for byte with --lossless).
+  std::string Check(const std::string& bytes, uint64_t id, uint64_t stored_bytes) const {
+    return f.lossless ? CheckExact(bytes, id, stored_bytes) : CheckBytes(bytes, id, stored_bytes);
+  }
+
+  // A get that failed with the daemon killed or restarting in between: a clean error if it is
+  // one of the codes a gone daemon gives (counted by code), else a problem. Called with mu held.
+  void CleanOrProblem(const std::string& what, const absl::Status& st) {
+    if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st) || absl::IsAborted(st) ||
+        absl::IsCancelled(st) || absl::IsNotFound(st) || (faults > 0 && absl::IsDataLoss(st))) {
+      ++clean_errors;
+      ++clean_error_codes[absl::StatusCodeToString(st.code())];
+      return;
+    }
+    Problem("error", what + " (daemon restarted meanwhile): " + st.ToString());
+  }
 
   void Writer(const KvcompdProcess& d, int w, std::atomic<bool>* killed) {
     auto c = Connect(d, absl::Seconds(10), 1);
@@ -348,22 +487,46 @@ struct KillCampaign {
       }
       uint64_t id = next_id.fetch_add(1);
       while (static_cast<int>(id % f.writers) != w) id = next_id.fetch_add(1);
-      Kv kv = MakeKv(id);
+      Kv kv = f.lossless ? MakeSmallKv(id) : MakeKv(id);
       {
         std::lock_guard<std::mutex> l(mu);
         keys[id].state = KeyState::kPutInFlight;
         Journal("P " + std::to_string(id));
       }
-      auto r = c->Put("m", Key(id), kLayout, TokensOf(id), kv.layers);
-      std::lock_guard<std::mutex> l(mu);
-      if (!r.ok()) {
-        if (!killed->load()) OpFailed("put " + Key(id), r.status());
-        return;
+      auto r = f.lossless ? c->Put("m", Key(id), kSmallLayout, SmallTokensOf(id), kv.layers,
+                                   Lossless())
+                          : c->Put("m", Key(id), kLayout, TokensOf(id), kv.layers);
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (!r.ok()) {
+          if (!killed->load()) OpFailed("put " + Key(id), r.status());
+          return;
+        }
+        Journal("A " + std::to_string(id) + " " + std::to_string(r->stored_bytes));
+        keys[id] = {KeyState::kLive, r->stored_bytes};
+        ++acked_puts;
+        mine.push_back(id);
       }
-      Journal("A " + std::to_string(id) + " " + std::to_string(r->stored_bytes));
-      keys[id] = {KeyState::kLive, r->stored_bytes};
-      ++acked_puts;
-      mine.push_back(id);
+      if (!f.lossless) continue;
+      // The round trip: the acknowledged cache read straight back, byte for byte. Only this
+      // writer deletes it, so a miss while the daemon is up is a lost cache.
+      auto got = c->GetBytes("m", Key(id));
+      std::lock_guard<std::mutex> l(mu);
+      if (got.ok()) {
+        if (auto bad = CheckExact(*got, id, r->stored_bytes); !bad.empty()) {
+          Problem("corrupt", "read back " + Key(id) + ": " + bad);
+        } else {
+          ++round_trips;
+        }
+      } else if (killed->load()) {
+        ++clean_errors;
+        ++clean_error_codes[absl::StatusCodeToString(got.status().code())];
+        return;
+      } else if (absl::IsNotFound(got.status())) {
+        Problem("lost", "read back " + Key(id) + " right after its acknowledgement");
+      } else {
+        Problem("error", "read back " + Key(id) + ": " + got.status().ToString());
+      }
     }
   }
 
@@ -398,8 +561,7 @@ struct KillCampaign {
       KeyRecord& r = it->second;
       auto got = c.GetBytes("m", Key(id));
       const bool found = got.ok();
-      if (!found && damaged && r.state != KeyState::kDeleteInFlight &&
-          r.state != KeyState::kPutInFlight) {
+      if (!found && damaged && r.state == KeyState::kLive) {
         // After a media fault a cache may be gone or refused; never served wrong (checked below).
         const bool miss = absl::IsNotFound(got.status());
         miss ? ++fault_misses : ++fault_errors;
@@ -417,14 +579,16 @@ struct KillCampaign {
         case KeyState::kLive:
           if (!found) {
             Problem("lost", "cycle " + std::to_string(cycle) + ": acknowledged " + Key(id));
-          } else if (auto bad = CheckBytes(*got, id, r.stored_bytes); !bad.empty()) {
+          } else if (auto bad = Check(*got, id, r.stored_bytes); !bad.empty()) {
             Problem("corrupt", "cycle " + std::to_string(cycle) + ": " + Key(id) + " " + bad);
+          } else {
+            ++verify_gets;
           }
           break;
         case KeyState::kPutInFlight:
           ++cut_puts;
           if (found) {
-            if (auto bad = CheckBytes(*got, id, 0); !bad.empty()) {
+            if (auto bad = Check(*got, id, 0); !bad.empty()) {
               Problem("corrupt", "cycle " + std::to_string(cycle) + ": cut put " + Key(id) + " " +
                                      bad);
             }
@@ -439,6 +603,10 @@ struct KillCampaign {
         case KeyState::kDeleteInFlight:
           ++cut_deletes;
           if (found) {
+            if (auto bad = Check(*got, id, r.stored_bytes); !bad.empty()) {
+              Problem("corrupt", "cycle " + std::to_string(cycle) + ": cut delete " + Key(id) +
+                                     " " + bad);
+            }
             r.state = KeyState::kLive;
             Journal("L " + std::to_string(id) + " " + std::to_string(r.stored_bytes));
           } else {
@@ -462,7 +630,7 @@ struct KillCampaign {
       if (got.ok() && damaged) {
         // A damaged log may lose the delete's record with what followed it: the cache comes
         // back whole (its bytes are still checked), which a media fault allows.
-        if (auto bad = CheckBytes(*got, id, 0); !bad.empty()) {
+        if (auto bad = Check(*got, id, 0); !bad.empty()) {
           Problem("corrupt", "cycle " + std::to_string(cycle) + ": " + Key(id) + " " + bad);
         }
         ++fault_back;
@@ -473,6 +641,93 @@ struct KillCampaign {
       }
     }
     damaged = false;
+  }
+
+  // --readers: gets of random live caches for the whole run, across every kill and restart
+  // (the endpoints stay the same: the daemon restarts on fixed ports). A cache served must be
+  // the one put (byte for byte with --lossless); a miss of a cache acknowledged and live
+  // throughout, with no kill or fault in between, is a lost cache; a failed get is a clean
+  // error only when the daemon was killed or restarting meanwhile.
+  void Reader(const std::string& endpoints, int r, const std::atomic<bool>* done) {
+    client::ClientOptions o;
+    o.request_timeout = absl::Seconds(5);
+    o.connect_timeout = absl::Seconds(2);
+    o.attempts_per_endpoint = 1;
+    o.get_timeout = absl::Seconds(8);
+    o.down_for = kReaderDownFor;
+    o.ucx_overrides = {{"TLS", "tcp"}};
+    auto c = client::Client::Connect({endpoints}, o, /*connect_now=*/false);
+    if (!c.ok()) {
+      std::lock_guard<std::mutex> l(mu);
+      Problem("error", "reader " + std::to_string(r) + ": " + c.status().ToString());
+      return;
+    }
+    std::mt19937_64 rng(f.seed * 7919 + static_cast<uint64_t>(r) + 1);
+    while (!done->load()) {
+      uint64_t id = 0;
+      bool have = false;
+      const uint64_t kills_before = kills.load();
+      uint64_t faults_before = 0;
+      {
+        std::lock_guard<std::mutex> l(mu);
+        faults_before = faults;
+        const uint64_t top = next_id.load();
+        if (top > 0) {
+          auto it = keys.lower_bound(rng() % top);
+          for (int step = 0; step < 64 && it != keys.end(); ++step, ++it) {
+            if (it->second.state == KeyState::kLive) {
+              id = it->first;
+              have = true;
+              break;
+            }
+          }
+        }
+      }
+      if (!have) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        continue;
+      }
+      auto got = (*c)->GetBytes("m", Key(id));
+      bool pause = false;
+      ReaderOutcome(id, got, kills_before, faults_before, &pause);
+      if (pause) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
+  // The client skips an endpoint that dropped for this long (ClientOptions::down_for): after
+  // a restart its gets may fail UNAVAILABLE that long although the daemon is back.
+  static constexpr absl::Duration kReaderDownFor = absl::Milliseconds(500);
+
+  void ReaderOutcome(uint64_t id, const absl::StatusOr<std::string>& got, uint64_t kills_before,
+                     uint64_t faults_before, bool* pause) {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      const auto since_up = Clock::now() - Clock::time_point(Clock::duration(up_at_ns.load()));
+      const bool restarted = kills.load() != kills_before || down.load() ||
+                             since_up < absl::ToChronoNanoseconds(kReaderDownFor) +
+                                            std::chrono::seconds(2);
+      if (got.ok()) {
+        if (auto bad = Check(*got, id, 0); !bad.empty()) {
+          Problem("corrupt", "reader got " + Key(id) + ": " + bad);
+        } else {
+          ++reader_gets;
+        }
+        return;
+      }
+      auto it = keys.find(id);
+      const bool still_live = it != keys.end() && it->second.state == KeyState::kLive;
+      if (absl::IsNotFound(got.status())) {
+        ++reader_misses;
+        if (still_live && !restarted && faults == faults_before && !damaged) {
+          Problem("lost", "reader missed live " + Key(id));
+        }
+      } else if (restarted) {
+        CleanOrProblem("reader get " + Key(id), got.status());
+        *pause = true;  // the daemon is down or starting: no busy loop of refused connects
+      } else {
+        Problem("error", "reader get " + Key(id) + ": " + got.status().ToString());
+      }
+    }
   }
 
   // Flips one byte of a random blob or write-ahead log file under the stopped daemon's RocksDB
@@ -554,10 +809,29 @@ struct KillCampaign {
     std::vector<std::string> flags = {"--storage.rocksdb_capacity_bytes=512Mi",
                                       "--storage.host_capacity_bytes=64Mi",
                                       "--data_plane.max_block_bytes=1Mi"};
+    std::string reader_endpoints;
+    if (f.readers > 0) {
+      // Readers keep their endpoints across restarts: the daemon comes back on the same ports.
+      const int data_port = FreePort(), control_port = FreePort();
+      flags.push_back("--data_plane.port=" + std::to_string(data_port));
+      flags.push_back("--control_plane.port=" + std::to_string(control_port));
+      reader_endpoints = "127.0.0.1:" + std::to_string(data_port) + ",127.0.0.1:" +
+                         std::to_string(control_port);
+    }
     flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
     KvcompdProcess d(f.kvcompd, data, flags);
     std::mt19937_64 rng(f.seed + static_cast<uint64_t>(cycles_done));
-    std::uniform_int_distribution<int> run_ms(200, 1500);
+    std::uniform_int_distribution<int> run_ms(f.run_min_ms, std::max(f.run_min_ms, f.run_max_ms));
+    std::atomic<bool> readers_done{false};
+    std::vector<std::thread> readers;
+    struct JoinReaders {
+      std::atomic<bool>* done;
+      std::vector<std::thread>* threads;
+      ~JoinReaders() {
+        *done = true;
+        for (auto& t : *threads) t.join();
+      }
+    } join_readers{&readers_done, &readers};
     const auto t0 = Clock::now();
     std::vector<double> restart_ms;
     const int end = f.chunk > 0 ? std::min(f.cycles, cycles_done + f.chunk) : f.cycles;
@@ -574,6 +848,13 @@ struct KillCampaign {
         break;
       }
       restart_ms.push_back(Ms(Clock::now() - s0));
+      if (f.readers > 0 && d.data_endpoint() + ",127.0.0.1:" + std::to_string(d.ports().control) !=
+                               reader_endpoints) {
+        std::lock_guard<std::mutex> l(mu);
+        Problem("error", "kvcompd did not take the ports asked for: " + d.data_endpoint());
+        failed = true;
+        break;
+      }
       {
         auto c = Connect(d, absl::Seconds(30), 2);
         if (c == nullptr) {
@@ -584,6 +865,13 @@ struct KillCampaign {
         }
         Verify(*c, cycle);
       }
+      up_at_ns = Clock::now().time_since_epoch().count();
+      down = false;
+      if (readers.empty()) {
+        for (int r = 0; r < f.readers; ++r) {
+          readers.emplace_back([&, r] { Reader(reader_endpoints, r, &readers_done); });
+        }
+      }
       stop = false;
       std::atomic<bool> killed{false};
       std::vector<std::thread> threads;
@@ -592,6 +880,8 @@ struct KillCampaign {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(run_ms(rng)));
       killed = true;
+      down = true;
+      ++kills;
       d.Kill(SIGKILL);
       stop = true;
       for (auto& t : threads) t.join();
@@ -613,15 +903,22 @@ struct KillCampaign {
             damaged = true;
           }
         }
+        Journal("T " + std::to_string(round_trips.load()) + " " + std::to_string(reader_gets.load()) +
+                " " + std::to_string(reader_misses.load()) + " " +
+                std::to_string(verify_gets.load()) + " " + std::to_string(clean_errors.load()));
         Journal("C " + std::to_string(cycle + 1));
         cycles_done = cycle + 1;
       }
-      if ((cycle + 1) % 50 == 0) Progress(cycle + 1, t0, restart_ms);
+      if ((cycle + 1) % 50 == 0 && cycle + 1 < end) Progress(cycle + 1, t0, restart_ms);
     }
     if (!failed && cycle == f.cycles) {  // a last restart checks what the last kill left
       if (d.Start(60)) {
         auto c = Connect(d, absl::Seconds(30), 2);
         if (c != nullptr) Verify(*c, cycle);
+        readers_done = true;
+        for (auto& t : readers) t.join();
+        readers.clear();
+        down = true;
         d.Kill(SIGTERM);
       } else {
         std::lock_guard<std::mutex> l(mu);
@@ -634,6 +931,7 @@ struct KillCampaign {
       Progress(cycle, t0, restart_ms, /*final=*/true);
       return 1;
     }
+    Progress(cycle, t0, restart_ms);
     return 3;  // more cycles to run, in a new process
   }
 
@@ -653,7 +951,17 @@ struct KillCampaign {
       << " | faults (byte flips, torn files) " << faults << ", then missing " << fault_misses << ", refused "
       << fault_errors << ", deleted ones back " << fault_back
       << ", puts and deletes refused (DATA_LOSS) after " << fault_refused_ops
-      << " | restart-to-ready p50 " << Percentile(restart_ms, 0.5) << " ms, p99 "
+      << " | round trips (acknowledged, read back byte-exact) " << round_trips.load()
+      << " | gets compared: readers " << reader_gets.load() << ", after restarts "
+      << verify_gets.load() << " | reader misses " << reader_misses.load()
+      << " | clean errors (cut by a kill or a restart) " << clean_errors.load();
+    const char* sep = " (";
+    for (auto& [code, n] : clean_error_codes) {
+      s << sep << code << " " << n;
+      sep = ", ";
+    }
+    if (!clean_error_codes.empty()) s << ")";
+    s << " | restart-to-ready p50 " << Percentile(restart_ms, 0.5) << " ms, p99 "
       << Percentile(restart_ms, 0.99) << " ms | this driver's UCX: " << ucx.workers_created
       << " workers, " << ucx.endpoints_created << " endpoints made |\n";
     if (final) {
@@ -997,6 +1305,520 @@ int Restart(const Flags& f) {
   return errors == 0 ? 0 : 1;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Small lossless caches over the SDK, shared by the diskfull and peer modes: every acknowledged
+// cache and every delete is tracked; a check reads every live cache back byte for byte and the
+// recently deleted ones as misses.
+
+struct Ledger {
+  std::mutex mu;
+  std::map<uint64_t, uint64_t> live;  // id -> stored bytes, acknowledged and not deleted
+  std::deque<uint64_t> deleted;       // recent acknowledged deletes
+  std::atomic<uint64_t> next_id{0};
+  std::atomic<uint64_t> acked{0}, round_trips{0}, gets{0}, deletes{0};
+  std::atomic<uint64_t> lost{0}, corrupt{0}, back{0}, errors{0};
+  std::vector<std::string> problems;  // guarded by mu
+
+  static std::string Key(uint64_t id) { return "s-" + std::to_string(id); }
+
+  void Problem(std::atomic<uint64_t>& counter, const std::string& what) {
+    ++counter;
+    std::lock_guard<std::mutex> l(mu);
+    if (problems.size() < 50) problems.push_back(what);
+    std::fprintf(stderr, "PROBLEM: %s\n", what.c_str());
+  }
+  uint64_t Wrong() const { return lost + corrupt + back + errors; }
+
+  // Puts a new cache; on acknowledgement reads it straight back (a round trip). The status of
+  // the put (the read back's problems are recorded here).
+  absl::Status PutAndReadBack(client::Client& c) {
+    const uint64_t id = next_id.fetch_add(1);
+    const Kv kv = MakeSmallKv(id);
+    auto r = c.Put("m", Key(id), kSmallLayout, SmallTokensOf(id), kv.layers, Lossless());
+    if (!r.ok()) return r.status();
+    ++acked;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      live[id] = r->stored_bytes;
+    }
+    auto got = c.GetBytes("m", Key(id));
+    if (!got.ok()) {
+      Problem(absl::IsNotFound(got.status()) ? lost : errors,
+              "read back " + Key(id) + ": " + got.status().ToString());
+    } else if (auto bad = CheckExact(*got, id, r->stored_bytes); !bad.empty()) {
+      Problem(corrupt, "read back " + Key(id) + ": " + bad);
+    } else {
+      ++round_trips;
+    }
+    return absl::OkStatus();
+  }
+
+  // One get of a random live cache (a reader beside the writers).
+  void GetOne(client::Client& c, std::mt19937_64& rng) {
+    uint64_t id = 0, stored = 0;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (live.empty()) return;
+      auto it = live.lower_bound(rng() % next_id.load());
+      if (it == live.end()) it = live.begin();
+      id = it->first;
+      stored = it->second;
+    }
+    auto got = c.GetBytes("m", Key(id));
+    if (!got.ok()) {
+      std::lock_guard<std::mutex> l(mu);
+      if (live.count(id) == 0) return;  // deleted meanwhile
+    }
+    if (!got.ok()) {
+      Problem(absl::IsNotFound(got.status()) ? lost : errors,
+              "get " + Key(id) + ": " + got.status().ToString());
+    } else if (auto bad = CheckExact(*got, id, stored); !bad.empty()) {
+      Problem(corrupt, "get " + Key(id) + ": " + bad);
+    } else {
+      ++gets;
+    }
+  }
+
+  // Every live cache byte for byte, every recently deleted one a miss.
+  void CheckAll(client::Client& c, const std::string& when) {
+    std::map<uint64_t, uint64_t> snapshot;
+    std::deque<uint64_t> gone;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      snapshot = live;
+      gone = deleted;
+    }
+    for (auto& [id, stored] : snapshot) {
+      auto got = c.GetBytes("m", Key(id));
+      if (!got.ok()) {
+        Problem(absl::IsNotFound(got.status()) ? lost : errors,
+                when + ": " + Key(id) + ": " + got.status().ToString());
+      } else if (auto bad = CheckExact(*got, id, stored); !bad.empty()) {
+        Problem(corrupt, when + ": " + Key(id) + ": " + bad);
+      } else {
+        ++gets;
+      }
+    }
+    for (uint64_t id : gone) {
+      auto got = c.GetBytes("m", Key(id));
+      if (got.ok()) Problem(back, when + ": deleted " + Key(id) + " served");
+    }
+  }
+
+  // Deletes live caches until `keep` are left (oldest first).
+  void DeleteDownTo(client::Client& c, size_t keep) {
+    while (true) {
+      uint64_t id = 0;
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (live.size() <= keep) return;
+        id = live.begin()->first;
+      }
+      absl::Status st = c.Delete("m", Key(id));
+      if (!st.ok()) {
+        Problem(errors, "delete " + Key(id) + ": " + st.ToString());
+        return;
+      }
+      ++deletes;
+      std::lock_guard<std::mutex> l(mu);
+      live.erase(id);
+      deleted.push_back(id);
+      if (deleted.size() > 256) deleted.pop_front();
+    }
+  }
+};
+
+uint64_t MetricOf(const KvcompdProcess& d, const std::string& series) {
+  const double v = testing::MetricValue(testing::HttpGet(d.ports().metrics, "/metrics").body, series);
+  return v < 0 ? UINT64_MAX : static_cast<uint64_t>(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// diskfull mode
+
+// `--cycles` cycles on a tmpfs the campaign mounts as the daemon's data directory (root needed;
+// a refused mount fails the run). Each cycle: the volume is sized to what it holds plus the
+// daemon's reserve plus --room_mb; two writers put small lossless caches (each read straight
+// back, byte for byte) while a reader gets live ones, until each writer has had 5 refusals in a
+// row; every refusal must be RESOURCE_EXHAUSTED "disk full" (a clean error), anything else while
+// the daemon is up is an error. Then every acknowledged cache is read back byte for byte. Every
+// other cycle the daemon is SIGKILLed, a filler file takes what was left of the volume, and the
+// daemon must start on the full disk (its RocksDB tier read-only), serve every cache and refuse
+// a put cleanly; the filler goes. Then the space returns (the volume grows by 256 MiB): puts must
+// resume without a restart (the time to the first accepted put is recorded), every cache again
+// byte-exact; and all but 8 live caches are deleted (deletes must go on), the deleted ones then
+// misses. A last SIGKILL and restart checks everything once more.
+int DiskFull(const Flags& f) {
+  constexpr uint64_t kMiB = 1 << 20;
+  const uint64_t reserve = 4 * kMiB;
+  uint64_t size = 256 * kMiB;
+  testing::TmpfsMount fs(f.dir + "/data", size);
+  if (!fs.ok()) {
+    std::fprintf(stderr, "%s\n", fs.error().c_str());
+    return 1;
+  }
+  std::vector<std::string> flags = {"--storage.put_tier=rocksdb",
+                                    "--storage.rocksdb_capacity_bytes=4Gi",
+                                    "--storage.rocksdb_reserve_bytes=" + std::to_string(reserve),
+                                    "--storage.host_capacity_bytes=16Mi",
+                                    "--storage.sweep_interval_seconds=0",
+                                    "--data_plane.max_block_bytes=1Mi"};
+  flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
+  KvcompdProcess d(f.kvcompd, f.dir + "/data", flags);
+  if (!d.Start(60)) {
+    std::fprintf(stderr, "kvcompd did not start:\n%s\n", d.Log().c_str());
+    return 1;
+  }
+  Ledger led;
+  std::atomic<uint64_t> refused{0}, read_only_refused{0};
+  uint64_t restarts_on_full = 0, read_only_starts = 0, cycles_never_full = 0;
+  std::vector<double> resume_ms;
+  const auto t0 = Clock::now();
+  auto problem = [&](const std::string& what) { led.Problem(led.errors, what); };
+  for (int cycle = 0; cycle < f.cycles && led.Wrong() == 0; ++cycle) {
+    const uint64_t used = size - std::min(size, fs.FreeBytes());
+    size = used + reserve + f.room_mb * kMiB;
+    if (std::string e = fs.Resize(size); !e.empty()) {
+      problem(e);
+      break;
+    }
+    const uint64_t refused_before = refused.load();
+    std::atomic<bool> writers_done{false};
+    std::vector<std::thread> threads;
+    for (int w = 0; w < 2; ++w) {
+      threads.emplace_back([&] {
+        auto c = Connect(d, absl::Seconds(30), 1);
+        if (c == nullptr) return problem("writer could not connect");
+        int in_a_row = 0;
+        for (int n = 0; n < 20000 && in_a_row < 5; ++n) {
+          absl::Status st = led.PutAndReadBack(*c);
+          if (st.ok()) {
+            in_a_row = 0;
+          } else if (absl::IsResourceExhausted(st) &&
+                     st.message().find("disk full") != absl::string_view::npos) {
+            ++refused;
+            ++in_a_row;
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          } else {
+            return problem("put refused, not as disk full: " + st.ToString());
+          }
+        }
+      });
+    }
+    std::thread reader([&] {
+      auto c = Connect(d, absl::Seconds(30), 1);
+      if (c == nullptr) return problem("reader could not connect");
+      std::mt19937_64 rng(f.seed + static_cast<uint64_t>(cycle));
+      while (!writers_done.load()) led.GetOne(*c, rng);
+    });
+    for (auto& t : threads) t.join();
+    writers_done = true;
+    reader.join();
+    if (refused.load() == refused_before) ++cycles_never_full;
+    auto c = Connect(d, absl::Seconds(30), 2);
+    if (c == nullptr) {
+      problem("cycle " + std::to_string(cycle) + ": could not connect");
+      break;
+    }
+    led.CheckAll(*c, "cycle " + std::to_string(cycle) + ", disk full");
+    if (cycle % 2 == 1) {
+      c.reset();
+      d.Kill(SIGKILL);
+      fs.Fill("filler", 64 * 1024);
+      ++restarts_on_full;
+      if (!d.Start(60)) {
+        problem("kvcompd did not start on a full disk:\n" + d.Log());
+        break;
+      }
+      if (MetricOf(d, "kvcomp_store_read_only") == 1) ++read_only_starts;
+      c = Connect(d, absl::Seconds(30), 2);
+      if (c == nullptr) {
+        problem("could not connect after the restart on a full disk");
+        break;
+      }
+      led.CheckAll(*c, "cycle " + std::to_string(cycle) + ", restarted on a full disk");
+      absl::Status st = led.PutAndReadBack(*c);
+      if (absl::IsResourceExhausted(st)) {
+        ++read_only_refused;
+      } else if (!st.ok()) {
+        problem("put on a full disk after the restart: " + st.ToString());
+      }
+      std::filesystem::remove(f.dir + "/data/filler");
+    }
+    size += 256 * kMiB;
+    if (std::string e = fs.Resize(size); !e.empty()) {
+      problem(e);
+      break;
+    }
+    const auto r0 = Clock::now();
+    absl::Status st = absl::UnknownError("not tried");
+    while (Clock::now() - r0 < std::chrono::seconds(30)) {
+      st = led.PutAndReadBack(*c);
+      if (st.ok()) break;
+      if (!absl::IsResourceExhausted(st)) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    if (!st.ok()) {
+      problem("cycle " + std::to_string(cycle) + ": puts did not resume after space returned: " +
+              st.ToString());
+      break;
+    }
+    resume_ms.push_back(Ms(Clock::now() - r0));
+    led.CheckAll(*c, "cycle " + std::to_string(cycle) + ", space back");
+    led.DeleteDownTo(*c, 8);
+    led.CheckAll(*c, "cycle " + std::to_string(cycle) + ", after deletes");
+  }
+  d.Kill(SIGKILL);
+  if (d.Start(60)) {
+    auto c = Connect(d, absl::Seconds(30), 2);
+    if (c != nullptr) led.CheckAll(*c, "last restart");
+    d.Kill(SIGTERM);
+  } else {
+    problem("the last start failed:\n" + d.Log());
+  }
+  std::ostringstream s;
+  s << "| diskfull | cycles " << f.cycles << " (" << f.room_mb << " MiB of room each, reserve "
+    << (reserve >> 20) << " MiB) | " << static_cast<int>(Ms(Clock::now() - t0) / 1000)
+    << " s | acknowledged puts " << led.acked.load() << " | round trips (read back byte-exact) "
+    << led.round_trips.load() << " | other gets compared " << led.gets.load()
+    << " | puts refused cleanly (RESOURCE_EXHAUSTED disk full) " << refused.load()
+    << " | cycles that never filled " << cycles_never_full << " | restarts on a full disk "
+    << restarts_on_full << " (" << read_only_starts << " read-only, " << read_only_refused.load()
+    << " put refused cleanly after) | puts resumed after space returned: p50 "
+    << Percentile(resume_ms, 0.5) << " ms, max "
+    << (resume_ms.empty() ? 0 : *std::max_element(resume_ms.begin(), resume_ms.end()))
+    << " ms | deletes " << led.deletes.load() << " | lost " << led.lost.load() << " | corrupt "
+    << led.corrupt.load() << " | deleted but back " << led.back.load() << " | errors "
+    << led.errors.load() << " |\n";
+  for (const auto& p : led.problems) s << "  - " << p << "\n";
+  Report(f, s.str());
+  return led.Wrong() == 0 && cycles_never_full == 0 ? 0 : 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// peer mode
+
+// The child of a peer cycle: connects to --child_endpoint over UCX, begins a put of a 2 MiB
+// cache (4 layers, one block each) under --child_key, sends --child_blocks blocks, says so on
+// stdout after each step (4 ms apart), and waits (never commits) for the parent's SIGKILL.
+int PutChild(const Flags& f) {
+  transport::ClientOptions o;
+  o.ucx.overrides["TLS"] = "tcp";
+  auto ep = transport::Endpoint::Parse(f.child_endpoint);
+  if (!ep.ok()) return 2;
+  auto c = transport::UcxClient::Connect(*ep, "", "", o);
+  if (!c.ok()) {
+    std::fprintf(stderr, "child connect: %s\n", c.status().ToString().c_str());
+    return 1;
+  }
+  constexpr uint64_t kTokens = 512;
+  auto id = (*c)->PutBegin(testing::MakePutBegin(kLayout, kTokens, "m", f.child_key));
+  if (!id.ok()) return 1;
+  std::printf("begun\n");
+  std::fflush(stdout);
+  std::vector<uint16_t> k(kLayout.LayerBytes(kTokens) / 2, 0x3C00), v(k.size(), 0xBC00);
+  for (int b = 0; b < f.child_blocks && b < static_cast<int>(kLayout.num_layers); ++b) {
+    const uint32_t l = static_cast<uint32_t>(b);
+    if (!(*c)->SendBlock(testing::LayersBlock(*id, kLayout, kTokens, l, l + 1), k.data(), v.data()).ok()) {
+      return 1;
+    }
+    std::printf("block %d\n", b);
+    std::fflush(stdout);
+    // A producer that makes its layers one by one (prefill): the parent's kill may land
+    // between blocks or within one.
+    std::this_thread::sleep_for(std::chrono::milliseconds(4));
+  }
+  while (true) pause();
+}
+
+// `--cycles` puts cut between PutBegin and Commit on the UCX data plane, three ways in turn: (0)
+// the client closes its connection after PutBegin and some of the blocks; (1) a client process
+// (this binary, --mode=put_child) is SIGKILLed at a random moment of its put (connecting, at
+// PutBegin, mid-block or after the last block); (2) every block sent, the connection closed
+// instead of the Commit. Every other cycle the key already holds an acknowledged cache (an
+// overwrite cut short). After each cut put: the key serves the old cache byte for byte, or is a
+// miss when there was none (a partial cache is never served); a healthy client's round trip
+// works; kvcomp_puts_in_progress comes back to 0 (the put's buffers released; the time it took
+// is recorded). The daemon's RSS is reported at the start and the end.
+int PeerGone(const Flags& f, const char* self) {
+  std::vector<std::string> flags = {"--data_plane.max_block_bytes=1Mi"};
+  flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
+  KvcompdProcess d(f.kvcompd, f.dir + "/data", flags);
+  if (!d.Start(60)) {
+    std::fprintf(stderr, "kvcompd did not start:\n%s\n", d.Log().c_str());
+    return 1;
+  }
+  auto c = Connect(d, absl::Seconds(30), 2);
+  if (c == nullptr) return 1;
+  Ledger led;
+  auto problem = [&](const std::string& what) { led.Problem(led.errors, what); };
+  const uint64_t rss_start = RssKiB(d.ports().pid);
+  std::mt19937_64 rng(f.seed);
+  std::vector<double> release_ms;
+  uint64_t by_kind[3] = {0, 0, 0}, overwrites = 0, old_kept = 0, misses = 0, not_released = 0;
+  uint64_t open_at_cut = 0, child_before_begin = 0, child_blocks_sent[5] = {0, 0, 0, 0, 0};
+  transport::ClientOptions o;
+  o.ucx.overrides["TLS"] = "tcp";
+  const auto t0 = Clock::now();
+  for (int cycle = 0; cycle < f.cycles && led.Wrong() == 0; ++cycle) {
+    const int kind = cycle % 3;
+    const bool overwrite = (cycle / 3) % 2 == 1;
+    // The key of the cut put: a live cache's (an overwrite) or a fresh one.
+    uint64_t old_id = UINT64_MAX, old_stored = 0;
+    if (overwrite) {
+      if (!led.PutAndReadBack(*c).ok()) {
+        problem("put before an overwrite failed");
+        break;
+      }
+      std::lock_guard<std::mutex> l(led.mu);
+      old_id = led.live.rbegin()->first;
+      old_stored = led.live.rbegin()->second;
+    }
+    const std::string key =
+        overwrite ? Ledger::Key(old_id) : "cut-" + std::to_string(cycle);
+    const int blocks = kind == 2 ? static_cast<int>(kLayout.num_layers)
+                                 : static_cast<int>(rng() % kLayout.num_layers);
+    if (kind == 1) {
+      int out[2];
+      if (pipe(out) != 0) return 1;
+      const std::string ep_arg = "--child_endpoint=" + d.data_endpoint();
+      const std::string key_arg = "--child_key=" + key;
+      const std::string blocks_arg = "--child_blocks=" + std::to_string(kLayout.num_layers);
+      const pid_t pid = fork();
+      if (pid == 0) {
+        dup2(out[1], STDOUT_FILENO);
+        close(out[0]);
+        execl(self, self, "--mode=put_child", ep_arg.c_str(), key_arg.c_str(), blocks_arg.c_str(),
+              static_cast<char*>(nullptr));
+        _exit(127);
+      }
+      close(out[1]);
+      // Killed at a random moment: every third at a random time from the start (often before
+      // its PutBegin), the others within a few milliseconds after the daemon accepted its
+      // PutBegin (before, within or after its blocks).
+      std::string said;
+      auto read_some = [&](int wait_ms) {
+        pollfd p{out[0], POLLIN, 0};
+        char buf[256];
+        if (poll(&p, 1, wait_ms) > 0) {
+          const ssize_t n = read(out[0], buf, sizeof(buf));
+          if (n > 0) said.append(buf, static_cast<size_t>(n));
+        }
+      };
+      if (cycle % 9 == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 150));
+      } else {
+        const auto w0 = Clock::now();
+        while (said.find("begun") == std::string::npos &&
+               Clock::now() - w0 < std::chrono::seconds(10)) {
+          read_some(100);
+        }
+        if (MetricOf(d, "kvcomp_puts_in_progress") == 1) ++open_at_cut;
+        std::this_thread::sleep_for(std::chrono::microseconds(rng() % 20000));
+      }
+      kill(pid, SIGKILL);
+      int status = 0;
+      waitpid(pid, &status, 0);
+      read_some(0);
+      close(out[0]);
+      if (said.find("begun") == std::string::npos) {
+        ++child_before_begin;
+      } else {
+        size_t sent = 0;
+        for (size_t at = said.find("block"); at != std::string::npos; at = said.find("block", at + 1)) ++sent;
+        ++child_blocks_sent[std::min<size_t>(sent, 4)];
+      }
+    } else {
+      auto u = transport::UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), "", "", o);
+      if (!u.ok()) {
+        problem("connect: " + u.status().ToString());
+        break;
+      }
+      auto id = (*u)->PutBegin(testing::MakePutBegin(kLayout, 512, "m", key));
+      if (!id.ok()) {
+        problem("PutBegin: " + id.status().ToString());
+        break;
+      }
+      std::vector<uint16_t> k(kLayout.LayerBytes(512) / 2, 0x3C00), v(k.size(), 0xBC00);
+      for (int b = 0; b < blocks; ++b) {
+        const uint32_t l = static_cast<uint32_t>(b);
+        absl::Status st =
+            (*u)->SendBlock(testing::LayersBlock(*id, kLayout, 512, l, l + 1), k.data(), v.data());
+        if (!st.ok()) problem("block: " + st.ToString());
+      }
+      if (MetricOf(d, "kvcomp_puts_in_progress") == 1) ++open_at_cut;
+      (*u)->Close();
+      u->reset();
+    }
+    ++by_kind[kind];
+    // Resources released: no put left open.
+    const auto r0 = Clock::now();
+    uint64_t open_puts = UINT64_MAX;
+    while (Clock::now() - r0 < std::chrono::seconds(20)) {
+      open_puts = MetricOf(d, "kvcomp_puts_in_progress");
+      if (open_puts == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (open_puts != 0) {
+      ++not_released;
+      problem("cycle " + std::to_string(cycle) + ": kvcomp_puts_in_progress " +
+              std::to_string(open_puts) + " 20 s after the peer went");
+    } else {
+      release_ms.push_back(Ms(Clock::now() - r0));
+    }
+    // Never a partial cache: the old one byte for byte, or a miss.
+    auto got = c->GetBytes("m", key);
+    if (overwrite) {
+      ++overwrites;
+      if (!got.ok()) {
+        led.Problem(led.lost, "old cache under " + key + " after a cut overwrite: " +
+                                  got.status().ToString());
+      } else if (auto bad = CheckExact(*got, old_id, old_stored); !bad.empty()) {
+        led.Problem(led.corrupt, "cut overwrite of " + key + " served: " + bad);
+      } else {
+        ++old_kept;
+      }
+    } else if (got.ok()) {
+      led.Problem(led.corrupt, "cut put " + key + " served (" + std::to_string(got->size()) +
+                                   " bytes)");
+    } else if (absl::IsNotFound(got.status())) {
+      ++misses;
+    } else {
+      problem("get " + key + ": " + got.status().ToString());
+    }
+    // The daemon serves a healthy client's round trip.
+    if (absl::Status st = led.PutAndReadBack(*c); !st.ok()) problem("round trip: " + st.ToString());
+    if (cycle % 20 == 19) led.DeleteDownTo(*c, 16);
+  }
+  led.CheckAll(*c, "end");
+  const uint64_t rss_end = RssKiB(d.ports().pid);
+  const bool alive = d.running();
+  c.reset();
+  d.Kill(SIGTERM);
+  std::ostringstream s;
+  s << "| peer | cycles " << f.cycles << " | " << static_cast<int>(Ms(Clock::now() - t0) / 1000)
+    << " s | puts cut: connection closed after PutBegin and 0-3 of 4 blocks " << by_kind[0]
+    << ", client process SIGKILLed at a random moment " << by_kind[1] << " (before its PutBegin "
+    << "was accepted " << child_before_begin << ", after it with 0/1/2/3/4 blocks sent "
+    << child_blocks_sent[0] << "/" << child_blocks_sent[1] << "/" << child_blocks_sent[2] << "/"
+    << child_blocks_sent[3] << "/" << child_blocks_sent[4] << ")"
+    << ", connection closed with every block sent and no Commit " << by_kind[2]
+    << " | put seen open by the daemon (kvcomp_puts_in_progress 1) just before the cut "
+    << open_at_cut
+    << " | overwrites cut " << overwrites << " (old cache served byte-exact " << old_kept
+    << ") | fresh keys a miss " << misses << " | open puts released: p50 "
+    << Percentile(release_ms, 0.5) << " ms, max "
+    << (release_ms.empty() ? 0 : *std::max_element(release_ms.begin(), release_ms.end()))
+    << " ms, not released " << not_released << " | round trips (put, read back byte-exact) "
+    << led.round_trips.load() << ", other gets compared " << led.gets.load() << " | RSS "
+    << rss_start / 1024 << " -> " << rss_end / 1024 << " MiB | lost " << led.lost.load()
+    << " | corrupt or partial " << led.corrupt.load() << " | errors " << led.errors.load()
+    << " | daemon alive " << (alive ? "yes" : "NO") << " |\n";
+  for (const auto& p : led.problems) s << "  - " << p << "\n";
+  Report(f, s.str());
+  return led.Wrong() == 0 && alive ? 0 : 1;
+}
+
 Flags ParseFlags(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -1022,6 +1844,17 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("stranger_period")) f.stranger_period = std::atof(v);
     else if (const char* v = val("flip_every")) f.flip_every = std::atoi(v);
     else if (const char* v = val("tear_every")) f.tear_every = std::atoi(v);
+    else if (a == "--lossless") f.lossless = true;
+    else if (const char* v = val("readers")) f.readers = std::atoi(v);
+    else if (const char* v = val("run_ms")) {
+      f.run_min_ms = std::atoi(v);
+      const char* colon = std::strchr(v, ':');
+      f.run_max_ms = colon != nullptr ? std::atoi(colon + 1) : f.run_min_ms;
+    }
+    else if (const char* v = val("room_mb")) f.room_mb = std::strtoull(v, nullptr, 10);
+    else if (const char* v = val("child_endpoint")) f.child_endpoint = v;
+    else if (const char* v = val("child_key")) f.child_key = v;
+    else if (const char* v = val("child_blocks")) f.child_blocks = std::atoi(v);
     // clang-format on
     else if (const char* v = val("daemon_flag")) f.daemon_flags.push_back(v);
     else {
@@ -1029,10 +1862,20 @@ Flags ParseFlags(int argc, char** argv) {
       std::exit(2);
     }
   }
-  if (f.dir.empty()) {
+  if (f.mode != "kill" && f.mode != "soak" && f.mode != "lockout" && f.mode != "restart" &&
+      f.mode != "diskfull" && f.mode != "peer" && f.mode != "put_child") {
+    std::fprintf(stderr, "--mode must be kill, soak, lockout, restart, diskfull or peer\n");
+    std::exit(2);
+  }
+  if (f.dir.empty() && f.mode != "put_child") {
     char tmpl[] = "/tmp/kvcomp-campaign-XXXXXX";
-    f.dir = mkdtemp(tmpl);
+    if (mkdtemp(tmpl) == nullptr) {
+      std::fprintf(stderr, "mkdtemp %s: %s\n", tmpl, std::strerror(errno));
+      std::exit(2);
+    }
+    f.dir = tmpl;
     f.dir_is_scratch = true;
+    std::fprintf(stderr, "scratch directory: %s\n", f.dir.c_str());
   }
   return f;
 }
@@ -1043,17 +1886,36 @@ Flags ParseFlags(int argc, char** argv) {
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   kvcomp::Flags f = kvcomp::ParseFlags(argc, argv);
+  int rc = 2;
   if (f.mode == "kill") {
-    const int rc = kvcomp::KillCampaign(f).Run();
-    if (rc == 0 && f.dir_is_scratch) {
+    rc = kvcomp::KillCampaign(f).Run();
+  } else if (f.mode == "soak") {
+    rc = kvcomp::Soak(f);
+  } else if (f.mode == "lockout") {
+    rc = kvcomp::Lockout(f);
+  } else if (f.mode == "restart") {
+    rc = kvcomp::Restart(f);
+  } else if (f.mode == "diskfull") {
+    rc = kvcomp::DiskFull(f);
+  } else if (f.mode == "peer") {
+    rc = kvcomp::PeerGone(f, "/proc/self/exe");
+  } else if (f.mode == "put_child") {
+    return kvcomp::PutChild(f);
+  } else {
+    std::fprintf(stderr, "--mode must be kill, soak, lockout, restart, diskfull or peer\n");
+  }
+  // Without --dir the data went to a fresh scratch directory (the restart mode's holds GiBs):
+  // removed after a clean run; kept after a failure (or a kill chunk with more to run), saying
+  // where. Every mode's daemon has ended by now (its process object went out of scope).
+  if (f.dir_is_scratch) {
+    if (rc == 0) {
       std::error_code ec;
       std::filesystem::remove_all(f.dir, ec);
+      if (ec) std::fprintf(stderr, "could not remove %s: %s\n", f.dir.c_str(), ec.message().c_str());
+    } else {
+      std::fprintf(stderr, "scratch directory kept for inspection (remove it when done): %s\n",
+                   f.dir.c_str());
     }
-    return rc;
   }
-  if (f.mode == "soak") return kvcomp::Soak(f);
-  if (f.mode == "lockout") return kvcomp::Lockout(f);
-  if (f.mode == "restart") return kvcomp::Restart(f);
-  std::fprintf(stderr, "--mode must be kill, soak, lockout or restart\n");
-  return 2;
+  return rc;
 }

@@ -12,6 +12,9 @@
 // Usage: storage_bench --mode=rocksdb|host|churn --dir=DIR --value_size=BYTES --num=N --sync=0|1
 //   [--only=CASE] (churn mode: one case, e.g. to count its syncs with strace)
 //   [--direct_min=BYTES] (RocksDbTierOptions::direct_min_bytes; 0 = every payload through the WAL)
+//   [--threads=N] (rocksdb mode: N threads put disjoint keys, as concurrent kvcompd puts do;
+//     default 1) [--aligned=0|1] (rocksdb mode: the value's bytes page-aligned, as kvcompd's
+//     encodings are; default 1)
 #include <malloc.h>
 #include <unistd.h>
 
@@ -21,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -50,6 +54,8 @@ struct Args {
   bool sync = false;
   std::string only;  // churn mode: run only the case of this name (empty: all)
   int64_t direct_min = -1;  // RocksDbTierOptions::direct_min_bytes; -1 = its default
+  int threads = 1;          // rocksdb mode: concurrent putters
+  bool aligned = true;      // rocksdb mode: the value page-aligned
 };
 
 Args Parse(int argc, char** argv) {
@@ -73,6 +79,10 @@ Args Parse(int argc, char** argv) {
       a.only = std::string(value("only"));
     else if (absl::StartsWith(s, "--direct_min="))
       (void)absl::SimpleAtoi(value("direct_min"), &a.direct_min);
+    else if (absl::StartsWith(s, "--threads="))
+      (void)absl::SimpleAtoi(value("threads"), &a.threads);
+    else if (absl::StartsWith(s, "--aligned="))
+      a.aligned = value("aligned") == "1";
     else {
       std::fprintf(stderr, "unknown argument %s\n", argv[i]);
       std::exit(2);
@@ -88,12 +98,13 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 void Report(const Args& a, absl::string_view what, uint64_t bytes, double seconds) {
   std::printf(
       "{\"bench\":\"%s\",\"value_size\":%llu,\"num\":%llu,\"sync\":%d,"
-      "\"direct_min\":%lld,\"seconds\":%.4f,\"gb_per_s\":%.4f}\n",
+      "\"direct_min\":%lld,\"threads\":%d,\"aligned\":%d,\"seconds\":%.4f,"
+      "\"gb_per_s\":%.4f}\n",
       std::string(what).c_str(), static_cast<unsigned long long>(a.value_size),
       static_cast<unsigned long long>(a.num), a.sync ? 1 : 0,
       static_cast<long long>(a.direct_min >= 0 ? a.direct_min
                                                : RocksDbTierOptions().direct_min_bytes),
-      seconds, bytes / seconds / 1e9);
+      a.threads, a.aligned ? 1 : 0, seconds, bytes / seconds / 1e9);
   std::fflush(stdout);
 }
 
@@ -117,6 +128,40 @@ std::string MakeValue(uint64_t n, uint64_t seed) {
   return v;
 }
 
+// Runs put(i) for every i of `order`, spread over a.threads threads (interleaved); false when
+// a put failed (its status printed).
+bool PutAll(const Args& a, const std::vector<uint64_t>& order,
+            const std::function<absl::Status(uint64_t)>& put) {
+  std::atomic<bool> ok{true};
+  auto run = [&](int t) {
+    for (size_t j = static_cast<size_t>(t); j < order.size() && ok.load();
+         j += static_cast<size_t>(a.threads)) {
+      absl::Status st = put(order[j]);
+      if (!st.ok()) {
+        std::fprintf(stderr, "%s\n", st.ToString().c_str());
+        ok.store(false);
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 1; t < a.threads; ++t) threads.emplace_back(run, t);
+  run(0);
+  for (auto& th : threads) th.join();
+  return ok.load();
+}
+
+// The bench's value: MakeValue's bytes, page-aligned unless --aligned=0.
+Payload MakePayload(const Args& a) {
+  const std::string v = MakeValue(a.value_size, 1);
+  if (!a.aligned) return Payload::FromString(v);
+  void* raw = nullptr;
+  if (posix_memalign(&raw, 4096, std::max<uint64_t>(v.size(), 1) + 4096) != 0) std::abort();
+  std::memcpy(raw, v.data(), v.size());
+  std::shared_ptr<const uint8_t> bytes(static_cast<const uint8_t*>(raw),
+                                       [](const uint8_t* p) { std::free(const_cast<uint8_t*>(p)); });
+  return Payload(std::move(bytes), v.size());
+}
+
 RocksDbTierOptions RocksOptions(const Args& a, const std::string& path) {
   RocksDbTierOptions o;  // the defaults, which run.sh mirrors for db_bench
   o.enabled = true;
@@ -127,7 +172,7 @@ RocksDbTierOptions RocksOptions(const Args& a, const std::string& path) {
 }
 
 int RunRocksDb(const Args& a) {
-  const Payload value = Payload::FromString(MakeValue(a.value_size, 1));
+  const Payload value = MakePayload(a);
   const uint64_t total = a.value_size * a.num;
   {
     std::system(absl::StrCat("rm -rf '", a.dir, "/tier'").c_str());
@@ -142,12 +187,9 @@ int RunRocksDb(const Args& a) {
     const auto order = Shuffled(a.num, 2);
     sync();  // start with no dirty pages from earlier runs being written back
     auto t0 = std::chrono::steady_clock::now();
-    for (uint64_t i : order) {
-      absl::Status st = (*tier)->Put(KeyOf(i), meta, value, a.sync);
-      if (!st.ok()) {
-        std::fprintf(stderr, "%s\n", st.ToString().c_str());
-        return 1;
-      }
+    if (!PutAll(a, order,
+                [&](uint64_t i) { return (*tier)->Put(KeyOf(i), meta, value, a.sync); })) {
+      return 1;
     }
     Report(a, "rocksdb_tier_put", total, Seconds(t0));
     const auto reads = Shuffled(a.num, 3);
@@ -177,8 +219,8 @@ int RunRocksDb(const Args& a) {
     const auto order = Shuffled(a.num, 2);
     sync();
     auto t0 = std::chrono::steady_clock::now();
-    for (uint64_t i : order) {
-      if (!(*store)->Put(key(i), value, {}, po).ok()) return 1;
+    if (!PutAll(a, order, [&](uint64_t i) { return (*store)->Put(key(i), value, {}, po); })) {
+      return 1;
     }
     Report(a, "store_rocksdb_put", total, Seconds(t0));
     if (a.sync) {
@@ -189,8 +231,9 @@ int RunRocksDb(const Args& a) {
       auto key2 = [](uint64_t i) { return CacheKey{"bench", "model2", KeyOf(i)}; };
       sync();
       t0 = std::chrono::steady_clock::now();
-      for (uint64_t i : order) {
-        if (!(*store)->Put(key2(i), value, {}, given).ok()) return 1;
+      if (!PutAll(a, order,
+                  [&](uint64_t i) { return (*store)->Put(key2(i), value, {}, given); })) {
+        return 1;
       }
       Report(a, "store_rocksdb_put_crc_given", total, Seconds(t0));
       for (uint64_t i : order) (void)(*store)->Delete(key2(i));

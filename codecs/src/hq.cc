@@ -1,6 +1,7 @@
 // The Hadamard codec's CPU reference (kvcomp/codecs/hq.h): row by row, every step a single
-// IEEE f32 operation in a fixed order, so a GPU kernel written from the same steps (with the
-// round-to-nearest intrinsics and no contraction) produces the same codes.
+// IEEE f32 operation in a fixed order (built with -ffp-contract=off, so no compiler fuses a
+// product into a later sum), so the CUDA twin (kernels/src/cuda/hq_cuda.cu), written from the
+// same steps with the round-to-nearest intrinsics, produces the same codes and decoded values.
 #include "kvcomp/codecs/hq.h"
 
 #include <algorithm>
@@ -38,6 +39,12 @@ uint16_t HalfAtLeast(float v) {
   if (HalfToFloat(h) < v) h = NextUp(h);
   return h;
 }
+
+// The minimum and maximum with -0 below +0, so a row's extremes (and lo's sign bit when the
+// minimum is a zero) do not depend on the order the elements are visited in (a device reduction
+// visits them in a tree). NaN is handled by the caller.
+float MinOf(float a, float b) { return (b < a || (b == a && std::signbit(b))) ? b : a; }
+float MaxOf(float a, float b) { return (b > a || (b == a && !std::signbit(b))) ? b : a; }
 
 bool IsPow2(uint32_t d) { return d != 0 && (d & (d - 1)) == 0; }
 
@@ -84,12 +91,14 @@ absl::Status EncodeRow(const float* x, uint32_t d, uint32_t bits, uint8_t* out) 
   Hadamard(y, d);
   const float c = Normalizer(d);
   float mn = INFINITY, mx = -INFINITY;
+  bool nan = false;  // only where the transform overflowed (inf - inf)
   for (uint32_t i = 0; i < d; ++i) {
     y[i] = y[i] * c;
-    mn = std::fmin(mn, y[i]);
-    mx = std::fmax(mx, y[i]);
+    nan = nan || std::isnan(y[i]);
+    mn = MinOf(mn, y[i]);
+    mx = MaxOf(mx, y[i]);
   }
-  if (!(mn >= -kHalfMax) || !(mx <= kHalfMax)) {
+  if (nan || !(mn >= -kHalfMax) || !(mx <= kHalfMax)) {
     return absl::InvalidArgumentError(
         "hq codec: the rotated row leaves the f16 range (|value| > 65504)");
   }

@@ -650,13 +650,20 @@ absl::StatusOr<DeviceCompressedCache> CompressToDevice(Backend& backend, const K
   return dc;
 }
 
+bool DeviceEncodes(const CompressionPolicy& policy) {
+  if (HqBits(policy.key_codec) == 0 && HqBits(policy.value_codec) == 0) return true;
+  const char* env = std::getenv("KVCOMP_HQ_DEVICE_ENCODE");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
 absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& cache,
                                          const CompressionPolicy& policy,
                                          const CompressOptions& options) {
   if (backend.space() != MemorySpace::kHost) {
-    if (HqBits(policy.key_codec) != 0 || HqBits(policy.value_codec) != 0) {
-      // The hq codecs have no device encoder yet: the device selects the kept tokens, the host
-      // encodes them (the projection codecs still on the backend, through EncodeKept).
+    if (!DeviceEncodes(policy)) {
+      // The hq codecs' device encoder has not been verified on a GPU: the device selects the
+      // kept tokens, the host encodes them (the projection codecs still on the backend, through
+      // EncodeKept).
       KVCOMP_RETURN_IF_ERROR(policy.ValidateFor(cache.layout.head_dim));
       CompressionPolicy select_only = policy;
       select_only.key_codec = KeyCodec::kRaw;

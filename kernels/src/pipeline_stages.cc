@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/codecs/hq.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/codec_ops.h"
@@ -117,10 +118,11 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
   if (host.key_codec != KeyCodec::kRaw || host.value_codec != ValueCodec::kRaw) {
     return absl::FailedPreconditionError("kvsplice: the cache is already encoded");
   }
-  if (HqBits(policy.key_codec) != 0 || HqBits(policy.value_codec) != 0) {
+  if (!DeviceEncodes(policy)) {
     return absl::FailedPreconditionError(
-        "the hq codecs have no device encoder yet: compress into host memory (Compress encodes "
-        "them on the host after the device's selection)");
+        "the hq codecs' device encoder has not been verified on a GPU (KVCOMP_HQ_DEVICE_ENCODE=1 "
+        "enables it): compress into host memory (Compress encodes them on the host after the "
+        "device's selection)");
   }
   const KvLayout& layout = host.layout;
   const uint64_t d = layout.head_dim, total = host.total_kept();
@@ -137,7 +139,24 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
     return absl::OkStatus();
   };
 
-  if (policy.value_codec != ValueCodec::kRaw) {
+  if (const uint32_t bits = HqBits(policy.value_codec); bits != 0) {
+    // The Hadamard codec: one record per kept row, every row of the cache in one call.
+    Buffer out;
+    KVCOMP_RETURN_IF_ERROR(alloc(&out, total * hq::RowBytes(bits, layout.head_dim)));
+    KVCOMP_RETURN_IF_ERROR(ops.EncodeHq(bits, total, layout.head_dim, cache->values.data(),
+                                        layout.dtype, out.data()));
+    cache->values = std::move(out);
+    cache->value_scales.Reset();
+    cache->raw_value_row_count = 0;
+    cache->raw_value_rows.Reset();
+    cache->raw_values.Reset();
+    host.value_codec = policy.value_codec;
+    host.rank = 0;
+    host.layer_rank.clear();
+    host.group_size = 32;
+    host.value_gamma = false;
+    host.projection_version = 0;
+  } else if (policy.value_codec != ValueCodec::kRaw) {
     KVCOMP_ASSIGN_OR_RETURN(const kvsplice_internal::ValuePlan plan,
                             kvsplice_internal::PlanValueCodec(policy, projection, layout));
     const std::vector<uint32_t>& ranks = plan.ranks;
@@ -192,7 +211,15 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
     host.value_gamma = p.UsesGamma();
     host.projection_version = projection->version;
   }
-  if (policy.key_codec != KeyCodec::kRaw) {
+  if (const uint32_t bits = HqBits(policy.key_codec); bits != 0) {
+    Buffer keys;
+    KVCOMP_RETURN_IF_ERROR(alloc(&keys, total * hq::RowBytes(bits, layout.head_dim)));
+    KVCOMP_RETURN_IF_ERROR(ops.EncodeHq(bits, total, layout.head_dim, cache->keys.data(),
+                                        layout.dtype, keys.data()));
+    cache->keys = std::move(keys);
+    cache->key_scales.Reset();
+    host.key_codec = policy.key_codec;
+  } else if (policy.key_codec != KeyCodec::kRaw) {
     host.key_codec = policy.key_codec;  // sizes of the encoded keys and scales
     Buffer keys, key_scales;
     KVCOMP_RETURN_IF_ERROR(alloc(&keys, total * host.KeyTokenBytes()));

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/kernels/fp16_range.h"
 #include "log.h"
 
 namespace kvcomp {
@@ -16,31 +17,22 @@ namespace {
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
-// The largest finite IEEE half.
-constexpr float kMaxHalf = 65504.0f;
-
-// Keys of a host block that the fp16 key codec would turn into Inf (a finite key beyond the
-// half range): InvalidArgument naming the first, so the put is refused, with the same message
-// whichever engine would compress it. Input in f16 always fits; NaN and Inf are the scoring
-// pass's to refuse.
-absl::Status CheckFp16KeyRange(const BlockData& block, const CompressionPolicy& policy) {
+// Keys of a block that the fp16 key codec would turn into Inf (a finite key beyond the half
+// range): InvalidArgument naming the first, so the put is refused, with the same message
+// whichever engine would compress it and whichever memory the keys arrived in (host keys are
+// scanned here on the CPU, device keys by a kernel on the device that holds them, when the put
+// has a device path; without one its device blocks are refused anyway). Input in f16 always
+// fits; NaN and Inf are the scoring pass's to refuse.
+absl::Status CheckFp16KeyRange(const BlockData& block, const CompressionPolicy& policy,
+                               bool device_path) {
   if (policy.key_codec != KeyCodec::kFp16) return absl::OkStatus();
   for (size_t i = 0; i < block.keys.size(); ++i) {
     const HeadsView& k = block.keys[i];
-    if (k.dtype == DType::kF16 || k.space != MemorySpace::kHost) continue;
-    for (uint32_t h = 0; h < k.num_heads; ++h) {
-      for (uint64_t t = 0; t < k.num_tokens; ++t) {
-        const size_t row = h * k.head_stride + t * k.token_stride;
-        for (uint32_t c = 0; c < k.head_dim; ++c) {
-          const float x = LoadAsFloat(k.data, k.dtype, row + c);
-          if (std::isfinite(x) && std::fabs(x) > kMaxHalf) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "keys: ", x, " at layer ", block.layer_begin + i, ", head ", h, ", token ",
-                block.token_begin + t, " is beyond the fp16 key codec's range (", kMaxHalf,
-                "); use key_codec raw or int8 for this model"));
-          }
-        }
-      }
+    if (k.dtype == DType::kF16 || (k.space != MemorySpace::kHost && !device_path)) continue;
+    KVCOMP_ASSIGN_OR_RETURN(const Fp16Overflow o, FindFp16KeyOverflow(k));
+    if (o.found) {
+      return Fp16KeyRangeError(o, block.layer_begin + static_cast<uint32_t>(i),
+                               block.token_begin);
     }
   }
   return absl::OkStatus();
@@ -79,7 +71,8 @@ void OpenPut::AddBlock(BlockData block, Done done) {
     done(absl::InvalidArgumentError("block-wise puts need K and V in the same block"));
     return;
   }
-  if (absl::Status s = CheckFp16KeyRange(block, request_.policy.get()); !s.ok()) {
+  if (absl::Status s = CheckFp16KeyRange(block, request_.policy.get(), device_kv_ != nullptr);
+      !s.ok()) {
     done(s);
     return;
   }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -43,6 +44,7 @@ constexpr char kQuarantineFile = 'f';  // the record of a quarantined direct pay
 constexpr char kDirectSuffix[] = ".kvd";
 constexpr uint8_t kDirectRecordVersion = 1;
 constexpr uint64_t kDirectChunk = 8ull << 20;  // bytes per write of a direct file
+constexpr int kDirectPoolBatch = 16;           // direct files made ahead per directory sync
 
 // The "direct" family's record of a key: u8 version, u64 LE size, then the file's name.
 std::string EncodeDirectRecord(const std::string& name, uint64_t size) {
@@ -99,6 +101,10 @@ class LogDamageWatch : public rocksdb::Logger {
   RocksDbTier::LogDamage Damage() const {
     std::lock_guard<std::mutex> lock(mu_);
     return damage_;
+  }
+  void Reset() {
+    std::lock_guard<std::mutex> lock(mu_);
+    damage_ = RocksDbTier::LogDamage{};
   }
 
   void Logv(const char* format, va_list ap) override {
@@ -175,6 +181,80 @@ uint64_t GetLe(const char* p, int bytes) {
 
 rocksdb::Slice ToSlice(absl::string_view s) { return rocksdb::Slice(s.data(), s.size()); }
 
+
+// A write-ahead log cut short at the start of its first damaged block, to work around RocksDB
+// 7.8's log reader: when a damaged block interrupts a record made of several fragments (a
+// record longer than what is left of a 32 KiB block), the reader drops the record but keeps its
+// fragments in the running checksum it hands to the replay with the next record; the next
+// record of several fragments then fails its batch checksum ("Write batch content corrupted")
+// and the whole open with it, although every later fragment is intact. Cutting the log where
+// the damage starts turns the damage into a torn tail (what follows in that log is lost, as
+// point-in-time recovery would lose it; later logs are replayed).
+struct LogCut {
+  std::string file;     // the log's name in the directory
+  uint64_t at = 0;      // the new length: the damaged block's start
+  uint64_t size = 0;    // the length before
+};
+
+// The first log of `dir` (in log number order) with a record whose header or checksum is bad
+// before its last block (the last block may end torn, which a crash leaves and RocksDB
+// tolerates), or nothing. Reads the legacy log format only (7-byte headers: masked CRC32C of
+// type and payload, length, type 1-4; type 0 with length 0 pads a block's end); a log holding
+// any other record type is left alone.
+std::optional<LogCut> FindDamagedLog(const std::string& dir) {
+  constexpr uint64_t kBlock = 32768;
+  constexpr uint32_t kMaskDelta = 0xa282ead8u;
+  std::vector<std::pair<uint64_t, std::filesystem::path>> logs;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (e.path().extension() != ".log") continue;
+    const std::string stem = e.path().stem().string();
+    if (stem.empty() || stem.find_first_not_of("0123456789") != std::string::npos) continue;
+    logs.emplace_back(std::strtoull(stem.c_str(), nullptr, 10), e.path());
+  }
+  std::sort(logs.begin(), logs.end());
+  std::vector<unsigned char> block(kBlock);
+  for (const auto& [number, path] : logs) {
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    if (f == nullptr) continue;
+    const uint64_t size = std::filesystem::file_size(path, ec);
+    std::optional<LogCut> cut;
+    bool foreign = false;
+    for (uint64_t start = 0; !ec && start < size && !cut && !foreign; start += kBlock) {
+      const size_t n = std::fread(block.data(), 1, kBlock, f);
+      if (n == 0) break;
+      const bool last = start + n >= size;
+      size_t pos = 0;
+      while (pos + 7 <= n) {
+        const unsigned char* h = block.data() + pos;
+        const uint32_t masked = uint32_t{h[0]} | uint32_t{h[1]} << 8 | uint32_t{h[2]} << 16 |
+                                uint32_t{h[3]} << 24;
+        const uint32_t length = uint32_t{h[4]} | uint32_t{h[5]} << 8;
+        const unsigned char type = h[6];
+        if (type == 0 && length == 0) break;  // padding to the block's end
+        if (type > 4) {
+          foreign = true;  // recyclable or compressed logs: not read here
+          break;
+        }
+        if (pos + 7 + length > n) {
+          if (!last) cut = LogCut{path.filename().string(), start, size};
+          break;  // a record past the file's end is a torn tail
+        }
+        const uint32_t rot = masked - kMaskDelta;
+        const uint32_t expected = (rot >> 17) | (rot << 15);
+        const uint32_t actual = Crc32cExtend(Crc32c(&type, 1), h + 7, length);
+        if (actual != expected) {
+          cut = LogCut{path.filename().string(), start, size};
+          break;
+        }
+        pos += 7 + length;
+      }
+    }
+    std::fclose(f);
+    if (cut) return cut;
+  }
+  return std::nullopt;
+}
 }  // namespace
 
 std::string EncodeMeta(const CacheMeta& meta) {
@@ -533,9 +613,32 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   rocksdb::Status s =
       read_only ? rocksdb::DB::OpenForReadOnly(db_options, o.path, cfs, &db->handles, &raw)
                 : rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
+  // RocksDB 7.8 refuses the open after a damaged record of several fragments (FindDamagedLog
+  // says why): the damaged log is cut where the damage starts, and the open tried again (once
+  // per damaged log). Only on the real filesystem, and not by a read-only open.
+  std::vector<LogCut> cuts;
+  while (!s.ok() && s.IsCorruption() && !read_only && o.env == nullptr && cuts.size() < 16 &&
+         absl::StrContains(s.ToString(), "Write batch content corrupted")) {
+    std::optional<LogCut> cut = FindDamagedLog(o.path);
+    if (!cut) break;
+    std::error_code ec;
+    std::filesystem::resize_file(std::filesystem::path(o.path) / cut->file, cut->at, ec);
+    if (ec) break;
+    cuts.push_back(*cut);
+    if (watch != nullptr) watch->Reset();  // what the refused open reported is replayed again
+    db->handles.clear();
+    raw = nullptr;
+    s = rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
+  }
   if (watch != nullptr) {
     watch->Watch(false);
     *log_damage = watch->Damage();
+    for (const LogCut& cut : cuts) {
+      log_damage->regions += 1;
+      log_damage->bytes += cut.size - cut.at;
+      log_damage->last = absl::StrCat(cut.file, ": cut from ", cut.size, " to ", cut.at,
+                                      " bytes (a damaged record of several fragments)");
+    }
   }
   if (!s.ok()) {
     return FromRocksDb(s, absl::StrCat("rocksdb tier: open ", o.path,
@@ -813,15 +916,50 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> RocksDbTier::TakeDirectName() {
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  if (direct_pool_.empty()) {
+    const rocksdb::IOOptions io;
+    KVCOMP_RETURN_IF_ERROR(
+        FromIo(fs_->CreateDirIfMissing(direct_dir_, io, nullptr), "rocksdb tier: direct dir"));
+    std::vector<std::string> made;
+    auto drop = [&] {
+      for (const std::string& n : made) RemoveDirectFile(n);
+    };
+    for (int i = 0; i < kDirectPoolBatch; ++i) {
+      const std::string name = absl::StrFormat(
+          "%016x-%06x%s",
+          static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()),
+          direct_seq_.fetch_add(1) & 0xffffff, kDirectSuffix);
+      std::unique_ptr<rocksdb::FSWritableFile> f;
+      rocksdb::IOStatus s =
+          fs_->NewWritableFile(direct_dir_ + "/" + name, rocksdb::FileOptions(), &f, nullptr);
+      if (s.ok()) s = f->Close(io, nullptr);
+      if (!s.ok()) {
+        drop();
+        return FromIo(s, "rocksdb tier: direct file");
+      }
+      made.push_back(name);
+    }
+    // The names in their directory, durably, once for the batch.
+    std::unique_ptr<rocksdb::FSDirectory> dir;
+    rocksdb::IOStatus s = fs_->NewDirectory(direct_dir_, io, &dir, nullptr);
+    if (s.ok()) s = dir->Fsync(io, nullptr);
+    if (!s.ok()) {
+      drop();
+      return FromIo(s, "rocksdb tier: sync direct dir");
+    }
+    direct_pool_.assign(made.rbegin(), made.rend());  // taken oldest first
+  }
+  std::string name = std::move(direct_pool_.back());
+  direct_pool_.pop_back();
+  return name;
+}
+
 absl::StatusOr<std::string> RocksDbTier::WriteDirectFile(const Payload& payload) {
-  const std::string name = absl::StrFormat(
-      "%016x-%06x%s",
-      static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()),
-      direct_seq_.fetch_add(1) & 0xffffff, kDirectSuffix);
+  KVCOMP_ASSIGN_OR_RETURN(const std::string name, TakeDirectName());
   const std::string path = direct_dir_ + "/" + name;
   const rocksdb::IOOptions io;
-  KVCOMP_RETURN_IF_ERROR(
-      FromIo(fs_->CreateDirIfMissing(direct_dir_, io, nullptr), "rocksdb tier: direct dir"));
   rocksdb::FileOptions fo;
   fo.allow_fallocate = false;  // space is admitted against statvfs
   fo.use_direct_writes = true;
@@ -839,16 +977,31 @@ absl::StatusOr<std::string> RocksDbTier::WriteDirectFile(const Payload& payload)
   const uint64_t n = payload.size();
   const uint8_t* src = payload.data();
   if (fo.use_direct_writes) {
-    // Whole aligned chunks through an aligned bounce buffer; the last one padded with zeros,
-    // then the file cut back to the payload's size.
+    // A payload whose bytes are aligned (kvcompd's encodings are page-aligned) is written from
+    // its own memory, whole aligned chunks; the rest (all of an unaligned payload, else its last
+    // partial block) through an aligned bounce buffer, padded with zeros, then the file cut back
+    // to the payload's size.
     const size_t align = std::max<size_t>(f->GetRequiredBufferAlignment(), 4096);
-    const uint64_t chunk = std::min<uint64_t>(kDirectChunk, (n + align - 1) / align * align);
+    uint64_t first = 0;  // bytes written from the payload's own memory
+    if (reinterpret_cast<uintptr_t>(src) % align == 0) {
+      const uint64_t whole = n / align * align;
+      while (first < whole) {
+        const uint64_t len = std::min(kDirectChunk, whole - first);
+        rocksdb::IOStatus s = f->Append(
+            rocksdb::Slice(reinterpret_cast<const char*>(src) + first, len), io, nullptr);
+        if (!s.ok()) return fail(s);
+        first += len;
+      }
+    }
+    const uint64_t rest = n - first;
+    const uint64_t chunk = std::max<uint64_t>(
+        align, std::min<uint64_t>(kDirectChunk, (rest + align - 1) / align * align));
     void* raw = nullptr;
-    if (posix_memalign(&raw, align, chunk) != 0) {
+    if (rest > 0 && posix_memalign(&raw, align, chunk) != 0) {
       return fail(rocksdb::IOStatus::IOError("out of memory for the direct write buffer"));
     }
     std::unique_ptr<void, decltype(&std::free)> buf(raw, &std::free);
-    for (uint64_t off = 0; off < n; off += chunk) {
+    for (uint64_t off = first; off < n; off += chunk) {
       const uint64_t len = std::min(chunk, n - off);
       const uint64_t padded = (len + align - 1) / align * align;
       std::memcpy(buf.get(), src + off, len);
@@ -869,17 +1022,10 @@ absl::StatusOr<std::string> RocksDbTier::WriteDirectFile(const Payload& payload)
       if (!s.ok()) return fail(s);
     }
   }
-  rocksdb::IOStatus s = f->Fsync(io, nullptr);
+  // The data and the size (fdatasync); the name's directory entry is durable already.
+  rocksdb::IOStatus s = f->Sync(io, nullptr);
   if (s.ok()) s = f->Close(io, nullptr);
   if (!s.ok()) return fail(s);
-  // The file's name in its directory, durably.
-  std::unique_ptr<rocksdb::FSDirectory> dir;
-  s = fs_->NewDirectory(direct_dir_, io, &dir, nullptr);
-  if (s.ok()) s = dir->Fsync(io, nullptr);
-  if (!s.ok()) {
-    fs_->DeleteFile(path, io, nullptr).PermitUncheckedError();
-    return FromIo(s, "rocksdb tier: sync direct dir");
-  }
   return name;
 }
 

@@ -5,10 +5,14 @@
 //
 // Large payloads (at least RocksDbTierOptions::direct_min_bytes) skip the write-ahead log: each
 // is written once, with direct I/O where the filesystem takes it, to its own file under
-// <path>/direct and synced, and then its meta and a small record naming the file (column family
-// "direct") are written in one WriteBatch, so a put acknowledges only once both are durable. A
-// file no record names (a put that crashed between the two writes, or an overwrite or delete
-// that crashed before removing the old file) is removed at the next read-write Open.
+// <path>/direct and synced (fdatasync), and then its meta and a small record naming the file
+// (column family "direct") are written in one synced WriteBatch, so a put acknowledges only once
+// both are durable. The files are created ahead, several with one directory sync, so a put pays
+// two syncs; concurrent puts share them (RocksDB's group commit writes and syncs the records of
+// the writers waiting together once, and the filesystem's journal commits their files' syncs
+// together). A file no record names (made ahead and never used, a put that crashed between the
+// two writes, or an overwrite or delete that crashed before removing the old file) is removed at
+// the next read-write Open.
 //
 // Disk space: every write is admitted against the filesystem's measured free space (statvfs)
 // before RocksDB sees it, so RocksDB never meets a full disk on the write path (Debian's RocksDB
@@ -184,6 +188,10 @@ class RocksDbTier final : public Tier {
   // Direct files: written whole and synced (direct I/O where the filesystem takes it), read
   // whole, removed (absent is fine).
   absl::StatusOr<std::string> WriteDirectFile(const Payload& payload);
+  // The name of an empty file under <path>/direct whose directory entry is already durable:
+  // files are made kDirectPoolBatch at a time with one directory sync, so a put syncs only its
+  // own file and its record (a pool file no record names is removed at the next Open).
+  absl::StatusOr<std::string> TakeDirectName();
   absl::StatusOr<Payload> ReadDirectFile(rocksdb::FSRandomAccessFile& file, const std::string& name,
                                          uint64_t size);
   void RemoveDirectFile(const std::string& name);
@@ -201,6 +209,8 @@ class RocksDbTier final : public Tier {
   std::shared_ptr<rocksdb::FileSystem> fs_;  // the env's file system (tests inject faults)
   std::string direct_dir_;                   // <path>/direct
   std::atomic<uint64_t> direct_seq_{0};
+  std::mutex pool_mu_;
+  std::vector<std::string> direct_pool_;  // guarded by pool_mu_
   std::shared_ptr<Db> db_;  // std::atomic_load / atomic_store
   mutable SharedMutex reopen_mu_;
   std::string read_only_reason_ ABSL_GUARDED_BY(reopen_mu_);

@@ -3,6 +3,7 @@
 #include "kvcomp/codecs/hq.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -14,6 +15,7 @@
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/policy_presets.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/kernels/kvsplice.h"
 #include "kvcomp/kernels/pipeline.h"
 
@@ -198,6 +200,71 @@ TEST(Hq, BatchesSplitOverThreadsMatchRowByRow) {
   absl::Status s = hq::EncodeRows(x.data(), DType::kF32, rows, d, bits, batch.data());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("(row 31000)"), std::string::npos) << s;
+}
+
+// The extremes take -0 below +0 (so a device's reduction tree gives the same record): a row of
+// signed zeros has lo = -0 exactly when its rotation holds a -0, whatever the element order.
+TEST(Hq, TheMinimumOfSignedZerosIsMinusZero) {
+  const uint32_t d = 16;
+  std::mt19937_64 rng(21);
+  for (int trial = 0; trial < 64; ++trial) {
+    std::vector<float> x(d);
+    for (float& v : x) v = (rng() & 1) ? -0.0f : 0.0f;
+    std::vector<float> u(d);
+    for (uint32_t i = 0; i < d; ++i) u[i] = hq::Sign(i) * x[i];
+    hq::Hadamard(u.data(), d);
+    bool minus = false;
+    for (float v : u) minus = minus || std::signbit(v * hq::Normalizer(d));
+    std::vector<uint8_t> rec(hq::RowBytes(4, d));
+    ASSERT_TRUE(hq::EncodeRow(x.data(), d, 4, rec.data()).ok());
+    EXPECT_EQ(rec[0] | rec[1] << 8, minus ? 0x8000 : 0x0000) << trial;
+    EXPECT_EQ(rec[2] | rec[3] << 8, 0);
+  }
+}
+
+// The backends' CodecOps::EncodeHq / DecodeHq: the CPU's are the reference functions.
+TEST(Hq, CpuCodecOpsAreTheReference) {
+  auto be = MakeCpuBackend(CpuBackendOptions{2});
+  ASSERT_TRUE(be.ok());
+  std::mt19937_64 rng(23);
+  const uint32_t d = 128, bits = 3;
+  const uint64_t rows = 301;
+  std::vector<float> x;
+  for (uint64_t r = 0; r < rows; ++r) {
+    const std::vector<float> row = RandomRow(rng, d, static_cast<float>(r % 5));
+    x.insert(x.end(), row.begin(), row.end());
+  }
+  std::vector<uint8_t> want(rows * hq::RowBytes(bits, d)), got(want.size());
+  ASSERT_TRUE(hq::EncodeRows(x.data(), DType::kF32, rows, d, bits, want.data()).ok());
+  ASSERT_TRUE((*be)->codec().EncodeHq(bits, rows, d, x.data(), DType::kF32, got.data()).ok());
+  EXPECT_EQ(got, want);
+  std::vector<uint16_t> a(rows * d), b(rows * d);
+  ASSERT_TRUE(hq::DecodeRows(want.data(), rows, d, bits, a.data(), DType::kBF16).ok());
+  ASSERT_TRUE((*be)->codec().DecodeHq(bits, rows, d, want.data(), b.data(), DType::kBF16).ok());
+  EXPECT_EQ(a, b);
+  EXPECT_EQ((*be)->codec().EncodeHq(bits, 1, 96, x.data(), DType::kF32, got.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Whether a device engine keeps a compression on the device: not for the hq codecs (their CUDA
+// encoder has not run on a GPU) unless KVCOMP_HQ_DEVICE_ENCODE=1.
+TEST(Hq, DeviceEncodesOnlyVerifiedCodecs) {
+  unsetenv("KVCOMP_HQ_DEVICE_ENCODE");
+  CompressionPolicy p;
+  EXPECT_TRUE(DeviceEncodes(p));
+  p.value_codec = ValueCodec::kOrthogonalInt8;
+  p.key_codec = KeyCodec::kInt8;
+  EXPECT_TRUE(DeviceEncodes(p));
+  p.value_codec = ValueCodec::kHq3;
+  EXPECT_FALSE(DeviceEncodes(p));
+  p.value_codec = ValueCodec::kRaw;
+  p.key_codec = KeyCodec::kHq4;
+  EXPECT_FALSE(DeviceEncodes(p));
+  setenv("KVCOMP_HQ_DEVICE_ENCODE", "1", 1);
+  EXPECT_TRUE(DeviceEncodes(p));
+  setenv("KVCOMP_HQ_DEVICE_ENCODE", "0", 1);
+  EXPECT_FALSE(DeviceEncodes(p));
+  unsetenv("KVCOMP_HQ_DEVICE_ENCODE");
 }
 
 TEST(Hq, MalformedInputIsAnError) {

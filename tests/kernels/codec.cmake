@@ -11,6 +11,9 @@ if(KVCOMP_CUDA)
   add_test(NAME kernels_codec_cuda_wmma_test COMMAND kernels_codec_cuda_test)
   set_tests_properties(kernels_codec_cuda_wmma_test PROPERTIES
     LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_CUDA_EXPAND=0)
+  # The Hadamard codec's CUDA encoder and decoder against the CPU reference, bit for bit.
+  kvcomp_cc_test(NAME kernels_hq_cuda_test SRCS hq_cuda_test.cc DEPS kvcomp::kernels
+                 LABELS gpu)
 endif()
 # CompressToDevice (codecs, moments, moment-aware rescoring on the device) against the CPU.
 kvcomp_cc_test(NAME kernels_pipeline_device_test SRCS pipeline_device_test.cc DEPS kvcomp::kernels

@@ -151,6 +151,51 @@ TEST(ScoringCpuTest, SelectFollowsTheRuleWithTiesProtectionAndAdaKV) {
   }
 }
 
+// Short heads find their threshold by a selection over a copy of their keys, longer ones by
+// radix histograms (the cutoff is 4,096 tokens): both sides of it follow the rule, with many
+// exact ties and with distinct scores, uniform and AdaKV.
+TEST(ScoringCpuTest, SelectFollowsTheRuleOnBothSidesOfTheShortHeadCutoff) {
+  auto cpu = Cpu(1);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  int trial = 0;
+  for (uint64_t n : {1, 2, 3, 64, 4095, 4096, 4097, 9000}) {
+    for (int ties = 0; ties < 2; ++ties) {
+      for (auto budget : {HeadBudget::kUniform, HeadBudget::kAdaKV}) {
+        ++trial;
+        const uint32_t heads = 1 + rng() % 3;
+        std::vector<float> scores(uint64_t{heads} * n);
+        for (auto& s : scores) {
+          s = ties ? static_cast<float>(static_cast<int>(rng() % 5) - 2) * 0.5f : normal(rng);
+        }
+        SelectParams p;
+        p.kept_per_head = static_cast<uint32_t>(1 + rng() % n);
+        p.head_budget = budget;
+        p.alpha_safeguard = 0.5;
+        p.protect = trial % 2 == 0;
+        p.n_sink = 2;
+        p.n_recent = 3;
+        SCOPED_TRACE(absl::StrFormat("H=%u n=%u k=%u ties=%d %s", heads, n, p.kept_per_head, ties,
+                                     HeadBudgetName(budget)));
+        const uint64_t cap = KeptCapacity(heads, n, p.kept_per_head);
+        std::vector<uint32_t> counts(heads, 0xFFFFFFFF), idx(cap, 0xFFFFFFFF);
+        ASSERT_TRUE(cpu->scoring()
+                        .Select(scores.data(), heads, n, p, TokenPositions{},
+                                KeptIndices{counts.data(), idx.data()})
+                        .ok());
+        const auto ref = RefSelect(scores, heads, n, p);
+        uint64_t off = 0;
+        for (uint32_t h = 0; h < heads; ++h) {
+          std::vector<uint32_t> got(idx.begin() + off, idx.begin() + off + counts[h]);
+          ASSERT_EQ(got, ref[h]) << "head " << h;
+          off += counts[h];
+        }
+        EXPECT_EQ(off, cap);
+      }
+    }
+  }
+}
+
 TEST(ScoringCpuTest, AdaKVGivesHeadsDifferentCountsAboveTheSafeguard) {
   auto cpu = Cpu();
   // Head 0 has high scores everywhere, head 1 low: AdaKV moves budget to head 0.

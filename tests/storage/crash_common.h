@@ -25,6 +25,22 @@ inline StoreOptions Options(const std::string& path) {
   return o;
 }
 
+// The writer's "direct" mode: the large caches (hundreds of KiB) are direct files.
+inline StoreOptions DirectOptions(const std::string& path) {
+  StoreOptions o = Options(path);
+  o.rocksdb.direct_min_bytes = 64 << 10;
+  return o;
+}
+
+// The writer's "behind" mode: puts are Durability::kBehind with a small loss window, so the
+// window fills and some puts are written through.
+inline constexpr uint64_t kBehindWindow = 512 << 10;
+inline StoreOptions BehindOptions(const std::string& path) {
+  StoreOptions o = Options(path);
+  o.behind_max_bytes = kBehindWindow;
+  return o;
+}
+
 inline CacheKey Key(uint64_t id) {
   return CacheKey{"t" + std::to_string(id % 3), "model", "cache-" + std::to_string(id)};
 }

@@ -56,13 +56,14 @@ Log ReadLog(const std::string& path) {
   return log;
 }
 
+// mode: "" (disk-durable puts), "stale", "direct" or "behind" (crash_writer.cc).
 pid_t StartWriter(const std::string& db, const std::string& log, uint64_t first, uint64_t seed,
-                  bool stale = false) {
+                  const char* mode = "") {
   const pid_t pid = fork();
   if (pid == 0) {
     const std::string first_s = std::to_string(first), seed_s = std::to_string(seed);
     execl(KVCOMP_CRASH_WRITER, KVCOMP_CRASH_WRITER, db.c_str(), log.c_str(), first_s.c_str(),
-          seed_s.c_str(), stale ? "stale" : static_cast<char*>(nullptr),
+          seed_s.c_str(), *mode != '\0' ? mode : static_cast<char*>(nullptr),
           static_cast<char*>(nullptr));
     _exit(127);
   }
@@ -77,16 +78,23 @@ const std::string& Expected(uint64_t id) {
   return it->second;
 }
 
-TEST(Crash, SigkilledWriterLosesNothingAcknowledged) {
+// Kill cycles of the writer in `mode` ("", "direct" or "behind"). In behind mode an acknowledged
+// put may be lost, but the lost ones of a cycle hold at most crash::kBehindWindow bytes.
+void KillCycles(const char* mode, int default_cycles) {
   testing::TempDir dir;
   const std::string db = dir.Sub("db"), log_path = dir.Sub("log");
   const char* env = std::getenv("KVCOMP_CRASH_CYCLES");
-  const int cycles = env != nullptr ? std::atoi(env) : 30;
+  const int cycles = env != nullptr ? std::atoi(env) : default_cycles;
+  const bool behind = std::string(mode) == "behind";
+  const StoreOptions options = behind                              ? crash::BehindOptions(db)
+                               : std::string(mode) == "direct" ? crash::DirectOptions(db)
+                                                               : crash::Options(db);
   std::mt19937_64 rng(20261126);
-  uint64_t total_acked = 0;
+  uint64_t total_acked = 0, behind_lost = 0;
+  std::set<uint64_t> lost_before;  // behind mode: acknowledged puts lost in earlier cycles
   int killed_mid_put = 0;  // cycles whose last put had an intent but no ack
   for (int cycle = 0; cycle < cycles; ++cycle) {
-    const pid_t pid = StartWriter(db, log_path, 1 + cycle * 1000000ull, rng());
+    const pid_t pid = StartWriter(db, log_path, 1 + cycle * 1000000ull, rng(), mode);
     ASSERT_GT(pid, 0);
     // Random moments: sometimes during the writer's own recovery, mostly mid-write.
     std::this_thread::sleep_for(std::chrono::milliseconds(20 + rng() % 500));
@@ -100,9 +108,10 @@ TEST(Crash, SigkilledWriterLosesNothingAcknowledged) {
     if (!log.put_intent.empty() && !log.put_acked.count(*log.put_intent.rbegin())) {
       ++killed_mid_put;
     }
-    auto store = TieredStore::Open(crash::Options(db));
+    auto store = TieredStore::Open(options);
     ASSERT_TRUE(store.ok()) << "cycle " << cycle << ": " << store.status();
     EXPECT_EQ((*store)->Stats().quarantined, 0u) << "cycle " << cycle;
+    uint64_t lost_bytes = 0;  // behind mode: acknowledged bytes of this cycle not on disk
     for (uint64_t id : log.put_acked) {
       auto got = (*store)->Get(crash::Key(id));
       if (log.delete_acked.count(id)) {
@@ -111,10 +120,19 @@ TEST(Crash, SigkilledWriterLosesNothingAcknowledged) {
         continue;
       }
       if (log.delete_intent.count(id) && absl::IsNotFound(got.status())) continue;
+      if (behind && absl::IsNotFound(got.status())) {
+        if (lost_before.insert(id).second) {
+          lost_bytes += Expected(id).size();
+          ++behind_lost;
+        }
+        continue;
+      }
       ASSERT_TRUE(got.ok()) << "cycle " << cycle << ": acknowledged " << id
                             << " lost: " << got.status();
       ASSERT_EQ(got->payload.view(), Expected(id)) << "cycle " << cycle << " id " << id;
     }
+    // The loss window: what a kill lost of the puts acknowledged behind.
+    ASSERT_LE(lost_bytes, crash::kBehindWindow) << "cycle " << cycle;
     uint64_t visible = 0;
     for (const char* tenant : {"t0", "t1", "t2"}) {
       auto list = (*store)->List(tenant);
@@ -131,13 +149,26 @@ TEST(Crash, SigkilledWriterLosesNothingAcknowledged) {
       }
     }
     total_acked = log.put_acked.size();
-    RecordProperty("cycle_" + std::to_string(cycle) + "_visible", static_cast<int>(visible));
+    ::testing::Test::RecordProperty(std::string(mode) + "cycle_" + std::to_string(cycle) +
+                                        "_visible",
+                                    static_cast<int>(visible));
   }
   // The test must have exercised something: acknowledged puts across the cycles.
   EXPECT_GE(total_acked, static_cast<uint64_t>(cycles / 3));
-  std::printf("crash test: %d cycles (%d killed mid-put), %llu acknowledged puts, all intact\n",
-              cycles, killed_mid_put, static_cast<unsigned long long>(total_acked));
+  std::printf(
+      "crash test%s%s: %d cycles (%d killed mid-put), %llu acknowledged puts, %llu acknowledged "
+      "behind and lost (within the window), the rest intact\n",
+      *mode != '\0' ? " " : "", mode, cycles, killed_mid_put,
+      static_cast<unsigned long long>(total_acked), static_cast<unsigned long long>(behind_lost));
 }
+
+TEST(Crash, SigkilledWriterLosesNothingAcknowledged) { KillCycles("", 30); }
+
+// The same with the large caches written as direct files (the file and its record).
+TEST(Crash, SigkilledDirectFileWriterLosesNothingAcknowledged) { KillCycles("direct", 15); }
+
+// Durability::kBehind: a kill loses at most the loss window of acknowledged puts.
+TEST(Crash, SigkilledBehindWriterLosesAtMostTheWindow) { KillCycles("behind", 15); }
 
 // What the checker may find in a slot after a crash: nothing, or one of the allowed versions.
 struct SlotState {
@@ -166,7 +197,7 @@ TEST(Crash, NothingDeletedOverwrittenOrEvictedComesBackAfterPowerLoss) {
   uint64_t acked_disk = 0, acked_memory = 0, acked_deletes = 0, evictions = 0, checked_gone = 0;
   uint64_t present_after_crash = 0;
   for (int cycle = 0; cycle < cycles; ++cycle) {
-    const pid_t pid = StartWriter(db, log_path, 1 + cycle * 1000000ull, rng(), /*stale=*/true);
+    const pid_t pid = StartWriter(db, log_path, 1 + cycle * 1000000ull, rng(), "stale");
     ASSERT_GT(pid, 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(50 + rng() % 400));
     ASSERT_EQ(kill(pid, SIGKILL), 0);

@@ -2,7 +2,11 @@
 // caches with disk durability until it is killed. Before each operation it appends an intent
 // line to the log ("I id" / "X id"); after the store acknowledges it, an ack line ("A id" /
 // "D id") that is fsynced before the next operation starts.
-//   storage_crash_writer <db dir> <log file> <first id> <seed> [stale]
+//   storage_crash_writer <db dir> <log file> <first id> <seed> [stale|direct|behind]
+//
+// With "direct" it runs on crash::DirectOptions (the large caches as direct files); with
+// "behind" on crash::BehindOptions, every put Durability::kBehind (acknowledged in the host tier,
+// persisted behind) and no deletes.
 //
 // With "stale" it runs on crash::StaleOptions through a file system that keeps unsynced WAL bytes
 // in memory (power_loss_fs.h), so the SIGKILL acts as a power cut on them, and it overwrites,
@@ -119,16 +123,21 @@ int RunStale(const char* db, int fd, uint64_t first, std::mt19937_64& rng) {
 
 int main(int argc, char** argv) {
   using namespace kvcomp::storage;
-  if (argc != 5 && !(argc == 6 && std::string(argv[5]) == "stale")) {
-    std::fprintf(stderr, "usage: %s <db dir> <log file> <first id> <seed> [stale]\n", argv[0]);
+  const std::string mode = argc == 6 ? argv[5] : "";
+  if ((argc != 5 && argc != 6) ||
+      (argc == 6 && mode != "stale" && mode != "direct" && mode != "behind")) {
+    std::fprintf(stderr, "usage: %s <db dir> <log file> <first id> <seed> [stale|direct|behind]\n",
+                 argv[0]);
     return 2;
   }
   const int fd = open(argv[2], O_WRONLY | O_CREAT | O_APPEND, 0644);
   if (fd < 0) return 3;
   const uint64_t first = std::strtoull(argv[3], nullptr, 10);
   std::mt19937_64 rng(std::strtoull(argv[4], nullptr, 10));
-  if (argc == 6) return RunStale(argv[1], fd, first, rng);
-  StoreOptions options = crash::Options(argv[1]);
+  if (mode == "stale") return RunStale(argv[1], fd, first, rng);
+  StoreOptions options = mode == "direct"   ? crash::DirectOptions(argv[1])
+                         : mode == "behind" ? crash::BehindOptions(argv[1])
+                                            : crash::Options(argv[1]);
   // The checker verifies every payload when it opens; the writer skips that to write sooner.
   options.rocksdb.verify_checksums_on_open = false;
   auto store = TieredStore::Open(options);
@@ -137,10 +146,10 @@ int main(int argc, char** argv) {
     return 4;
   }
   PutOptions durable;
-  durable.durability = Durability::kDisk;
+  durable.durability = mode == "behind" ? Durability::kBehind : Durability::kDisk;
   std::vector<uint64_t> acked;
   for (uint64_t id = first;; ++id) {
-    if (!acked.empty() && rng() % 5 == 0) {
+    if (mode != "behind" && !acked.empty() && rng() % 5 == 0) {
       const size_t i = rng() % acked.size();
       const uint64_t victim = acked[i];
       acked.erase(acked.begin() + i);

@@ -276,11 +276,15 @@ TEST(RocksDbTier, RecoverQuarantinesAPayloadThatFailsItsChecksum) {
   EXPECT_EQ((*tier)->entries(), 1u);
 }
 
-std::vector<std::string> DirectFiles(const std::string& path) {
+// The files under <path>/direct that hold a payload; with `made_ahead`, also the empty ones the
+// tier creates ahead of its puts (so a put syncs no directory).
+std::vector<std::string> DirectFiles(const std::string& path, bool made_ahead = false) {
   std::vector<std::string> out;
   std::error_code ec;
   for (const auto& f : std::filesystem::directory_iterator(path + "/direct", ec)) {
-    out.push_back(f.path().filename().string());
+    if (made_ahead || std::filesystem::file_size(f.path()) > 0) {
+      out.push_back(f.path().filename().string());
+    }
   }
   return out;
 }
@@ -353,6 +357,7 @@ TEST(RocksDbTier, UnnamedDirectFilesGoAtOpenAndDamagedOnesAreQuarantined) {
   }
   std::vector<std::string> files = DirectFiles(dir.path());
   ASSERT_EQ(files.size(), 2u);
+  EXPECT_GT(DirectFiles(dir.path(), true).size(), 2u);  // files made ahead, never used
   std::sort(files.begin(), files.end());  // names start with the time: "a" was first
   {
     std::FILE* stray =
@@ -364,7 +369,8 @@ TEST(RocksDbTier, UnnamedDirectFilesGoAtOpenAndDamagedOnesAreQuarantined) {
   std::filesystem::resize_file(dir.path() + "/direct/" + files[1], 50000);  // "b" short
   auto tier = RocksDbTier::Open(o);
   ASSERT_TRUE(tier.ok()) << tier.status();
-  EXPECT_EQ(DirectFiles(dir.path()).size(), 2u);  // the stray one is gone
+  // The stray one is gone, and so are the empty files made ahead.
+  EXPECT_EQ(DirectFiles(dir.path(), true).size(), 2u);
   std::vector<std::string> seen;
   std::vector<QuarantinedCache> bad;
   ASSERT_TRUE(

@@ -13,6 +13,7 @@
 #include "codec_cpu_internal.h"
 #include "cpu_ops.h"
 #include "gemm_kernels.h"
+#include "kvcomp/codecs/hq.h"
 #include "kvcomp/core/status.h"
 
 namespace kvcomp {
@@ -99,6 +100,16 @@ class CpuCodecOps final : public CodecOps {
     KVCOMP_RETURN_IF_ERROR(CheckValueBuffers(values, latent, scales, params));
     EncodeSpan(projection, params, rows, values, dtype, latent, scales, nullptr, nullptr);
     return absl::OkStatus();
+  }
+
+  absl::Status EncodeHq(uint32_t bits, uint64_t rows, uint32_t head_dim, const void* in,
+                        DType dtype, void* out) override {
+    return hq::EncodeRows(in, dtype, rows, head_dim, bits, static_cast<uint8_t*>(out));
+  }
+
+  absl::Status DecodeHq(uint32_t bits, uint64_t rows, uint32_t head_dim, const void* in,
+                        void* out, DType out_dtype) override {
+    return hq::DecodeRows(static_cast<const uint8_t*>(in), rows, head_dim, bits, out, out_dtype);
   }
 
   absl::Status EncodeValueLayers(const Projection& projection, const ValueCodecParams& params,

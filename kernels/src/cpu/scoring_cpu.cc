@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -575,14 +576,29 @@ absl::Status CpuScoringOps::ScoreSnapKV(const HeadsView& keys, const ScoreParams
   return absl::OkStatus();
 }
 
-// Position of the `k`-th largest (1-based) of the (order key, lower index first) ranking of
-// ord[0..n): returns the threshold key T and how many tokens with key == T are kept (the first
-// ones by index). Two 16-bit radix passes, no sort.
+// Position of the `k`-th largest (1-based, 1 <= k <= n) of the (order key, lower index first)
+// ranking of ord[0..n): returns the threshold key T and how many tokens with key == T are kept
+// (the first ones by index). Two 16-bit radix passes, no sort; short heads take a selection
+// over a copy of their keys instead (same T, same count).
 struct Threshold {
   uint32_t key = 0;
   uint64_t take_equal = 0;  // tokens with key == T kept, lowest indices first
 };
+// Up to this many tokens a head's threshold comes from std::nth_element over a copy of its keys
+// (linear in n): the radix passes fill and scan two 65,536-bucket histograms (256 KiB each)
+// whatever n is, about a thousand times the work of the selection itself for the 64-128 tokens
+// of a small put. bench/cpu/select_small_bench.cc measures both sides.
+constexpr uint64_t kNthElementMaxTokens = 4096;
 Threshold RadixThreshold(const uint32_t* ord, uint64_t n, uint64_t k, std::vector<uint32_t>* hist) {
+  if (n <= kNthElementMaxTokens) {
+    hist->assign(ord, ord + n);
+    const auto nth = hist->begin() + static_cast<std::ptrdiff_t>(k - 1);
+    std::nth_element(hist->begin(), nth, hist->end(), std::greater<uint32_t>());
+    const uint32_t key = *nth;
+    uint64_t above = 0;
+    for (uint64_t i = 0; i < n; ++i) above += ord[i] > key;
+    return Threshold{key, k - above};
+  }
   hist->assign(65536, 0);
   for (uint64_t i = 0; i < n; ++i) ++(*hist)[ord[i] >> 16];
   uint64_t above = 0;  // tokens with a larger high half

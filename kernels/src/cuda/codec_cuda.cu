@@ -23,6 +23,8 @@
 #include "cuda_ops.h"
 #include "../env_switch.h"
 #include "cuda_status.h"
+#include "hq_cuda.h"
+#include "kvcomp/codecs/hq.h"
 #include "kvcomp/core/status.h"
 
 namespace kvcomp {
@@ -160,6 +162,54 @@ class CudaCodecOps final : public CodecOps {
             absl::StrFormat("codec (CUDA): head_dim %u (64, 128 or 256)", d));
     }
     return st.Finish();
+  }
+
+  // The Hadamard codec: one launch over every row (hq_cuda.cu), the lowest failing row's error
+  // read back with the outputs.
+  absl::Status EncodeHq(uint32_t bits, uint64_t rows, uint32_t head_dim, const void* in,
+                        DType dtype, void* out) override {
+    KVCOMP_RETURN_IF_ERROR(hq::CheckHeadDim(head_dim));
+    KVCOMP_RETURN_IF_ERROR(hq::CheckBits(bits));
+    if (!IsInputDType(dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("hq codec: input dtype %s is not f32, f16 or bf16", DTypeName(dtype)));
+    }
+    if (rows == 0) return absl::OkStatus();
+    if (in == nullptr || out == nullptr) return absl::InvalidArgumentError("hq codec: null buffer");
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* din, st.In(in, rows * DTypeBytes(dtype, head_dim)));
+    KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, rows * hq::RowBytes(bits, head_dim)));
+    uint64_t error = hq_cuda::kNoError;
+    KVCOMP_ASSIGN_OR_RETURN(void* derr, st.Out(&error, sizeof(error)));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(derr, 0xff, sizeof(error), ctx_->stream));
+    KVCOMP_RETURN_IF_ERROR(hq_cuda::LaunchEncode(
+        ctx_->stream, MaxBlocks(), din, dtype, rows, head_dim, bits, hq::Normalizer(head_dim),
+        static_cast<uint8_t*>(dout), static_cast<unsigned long long*>(derr)));
+    KVCOMP_RETURN_IF_ERROR(st.Finish());
+    return hq_cuda::EncodeError(error);
+  }
+
+  absl::Status DecodeHq(uint32_t bits, uint64_t rows, uint32_t head_dim, const void* in,
+                        void* out, DType out_dtype) override {
+    KVCOMP_RETURN_IF_ERROR(hq::CheckHeadDim(head_dim));
+    KVCOMP_RETURN_IF_ERROR(hq::CheckBits(bits));
+    if (!IsInputDType(out_dtype)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "hq codec: output dtype %s is not f32, f16 or bf16", DTypeName(out_dtype)));
+    }
+    if (rows == 0) return absl::OkStatus();
+    if (in == nullptr || out == nullptr) return absl::InvalidArgumentError("hq codec: null buffer");
+    Staging st(this);
+    KVCOMP_ASSIGN_OR_RETURN(const void* din, st.In(in, rows * hq::RowBytes(bits, head_dim)));
+    KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, rows * DTypeBytes(out_dtype, head_dim)));
+    uint64_t error = hq_cuda::kNoError;
+    KVCOMP_ASSIGN_OR_RETURN(void* derr, st.Out(&error, sizeof(error)));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(derr, 0xff, sizeof(error), ctx_->stream));
+    KVCOMP_RETURN_IF_ERROR(hq_cuda::LaunchDecode(
+        ctx_->stream, MaxBlocks(), static_cast<const uint8_t*>(din), rows, head_dim, bits,
+        hq::Normalizer(head_dim), dout, out_dtype, static_cast<unsigned long long*>(derr)));
+    KVCOMP_RETURN_IF_ERROR(st.Finish());
+    return hq_cuda::DecodeError(error);
   }
 
   absl::Status EncodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
@@ -350,6 +400,12 @@ class CudaCodecOps final : public CodecOps {
   }
 
  private:
+  // Resident blocks of 256 threads on the device (the hq kernels loop over their rows).
+  int MaxBlocks() const {
+    return std::max(1, ctx_->properties.multiProcessorCount) *
+           std::max(1, ctx_->properties.maxThreadsPerMultiProcessor / 256);
+  }
+
   // Device copies of host inputs/outputs for one call; Finish copies outputs back and syncs.
   class Staging {
    public:

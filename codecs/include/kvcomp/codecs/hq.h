@@ -10,12 +10,16 @@
 //                 u_j + u_{j+h}, u_j - u_{j+h})
 //           y_i = u_i * c                      (c = f32 nearest 1/sqrt(d))
 //           lo  = the largest f16 <= min_i y_i; step = the smallest f16 >= (max_i y_i - lo) / q
-//                 (q = 2^b - 1; f32 subtraction and division), 0 when the row is constant
+//                 (q = 2^b - 1; f32 subtraction and division), 0 when the row is constant;
+//                 min and max order -0 below +0 (independent of the visiting order)
 //           code_i = clamp(round_half_even((y_i - lo) / step), 0, q), 0 when step is 0
 //   decode  y_i = fma(code_i, step, lo); u = H y; x_i = s_i (u_i * c)
-// Each of these is a single IEEE f32 operation (no fused multiply-add except the decoder's fma),
-// so the encoder's codes do not depend on the machine. The decoded row is within
-// 0.5 * step * sqrt(d) (L2, up to f32 rounding) of the input: the rotation is orthonormal.
+// Each of these is a single IEEE f32 operation (no fused multiply-add except the decoder's fma;
+// hq.cc is built with -ffp-contract=off), so the records and the decoded values do not depend on
+// the machine: the CUDA twin (kernels/src/cuda/hq_cuda.cu, CodecOps::EncodeHq / DecodeHq) gives
+// the same bits. A row whose rotation holds a NaN (overflow) is InvalidArgument. The decoded row
+// is within 0.5 * step * sqrt(d) (L2, up to f32 rounding) of the input: the rotation is
+// orthonormal.
 //
 // Row record, RowBytes(b, d) = 4 + d * b / 8 bytes: u16 LE f16 lo, u16 LE f16 step, then the d
 // codes as a little-endian bit stream (code i in bits [b i, b i + b), bit k of the stream is bit

@@ -116,6 +116,19 @@ class CodecOps {
                                   const void* encoded, DType raw_dtype, const float* key_scales,
                                   void* out, DType out_dtype) = 0;
 
+  // --- the Hadamard codec (kvcomp/codecs/hq.h, docs/format.md) ---
+  // `rows` dense rows of head_dim elements of `dtype` (f32, f16, bf16) into rows records of
+  // hq::RowBytes(bits, head_dim) bytes (bits 4: hq4, 3: hq3; 2 is defined too), head_dim a power
+  // of two in [8, 256]. Every backend writes the CPU reference's bytes (hq::EncodeRows), and
+  // returns its error for the lowest failing row (a non-finite element, a row out of f16 range).
+  virtual absl::Status EncodeHq(uint32_t bits, uint64_t rows, uint32_t head_dim, const void* in,
+                                DType dtype, void* out) = 0;
+  // The inverse into rows x head_dim elements of out_dtype: hq::DecodeRows's values, bit for bit
+  // (every step one IEEE operation, the same on every backend); a record with a non-finite or
+  // negative step or a non-finite minimum is InvalidArgument naming the lowest such row.
+  virtual absl::Status DecodeHq(uint32_t bits, uint64_t rows, uint32_t head_dim, const void* in,
+                                void* out, DType out_dtype) = 0;
+
   // --- calibration ---
   // Adds sum_t v_t v_t^T of every head of `values` to gram (HOST, f64,
   // [values.num_heads][head_dim][head_dim] row-major).

@@ -57,9 +57,10 @@ struct RocksDbTierOptions {
   // (what a restart after a crash replays). Default 256 MiB.
   uint64_t max_wal_bytes = 256ull << 20;
   // Payloads of at least this many bytes skip the write-ahead log: written once to a file of
-  // their own under <path>/direct (direct I/O where the filesystem takes it) and synced, then
-  // named in a small synced record; the others go through the WAL (and blob files). A put of a
-  // direct payload is durable when it returns, whatever `sync`. 0 = never. Default 4 MiB.
+  // their own under <path>/direct (direct I/O where the filesystem takes it; files created ahead,
+  // their names already durable) and synced, then named in a small synced record; the others go
+  // through the WAL (and blob files). A put of a direct payload is durable when it returns,
+  // whatever `sync`. 0 = never. Default 4 MiB.
   uint64_t direct_min_bytes = 4ull << 20;
   uint64_t block_cache_bytes = 256ull << 20;  // block cache in bytes, default 256 MiB
   bool sync_memory_durability_puts = false;   // sync the WAL even for Durability::kMemory puts
