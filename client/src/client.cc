@@ -6,7 +6,6 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -17,6 +16,7 @@
 #include "endpoint_state.h"
 #include "gpu_path.h"
 #include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/client.h"
@@ -749,15 +749,15 @@ class ClientImpl : public Client {
     return absl::Now() + read.timeout;
   }
 
-  // DeadlineExceeded naming the last error (`last` itself when it already says so).
+  // DeadlineExceeded with ErrorDetail::kCallDeadline naming the last error (`last` itself when
+  // it is one already).
   static absl::Status DeadlinePassed(const absl::Status& last) {
-    if (absl::IsDeadlineExceeded(last) &&
-        absl::StartsWith(last.message(), "the call's deadline passed")) {
-      return last;
-    }
-    return absl::DeadlineExceededError(
-        last.ok() ? std::string("the call's deadline passed")
-                  : absl::StrCat("the call's deadline passed; last: ", last.message()));
+    if (DetailOf(last) == ErrorDetail::kCallDeadline) return last;
+    return WithDetail(absl::DeadlineExceededError(
+                          last.ok() ? std::string("the call's deadline passed")
+                                    : absl::StrCat("the call's deadline passed; last: ",
+                                                   last.message())),
+                      ErrorDetail::kCallDeadline);
   }
 
   // Runs `fn` on one endpoint's connection, retrying retryable failures with backoff, until
@@ -819,10 +819,9 @@ class ClientImpl : public Client {
       }
       if (absl::IsNotFound(r.status())) continue;
       if (Retryable(r.status()) || IsBusy(r.status())) {
-        unreachable = absl::StartsWith(r.status().message(), "the call's deadline passed")
+        unreachable = DetailOf(r.status()) == ErrorDetail::kCallDeadline
                           ? r.status()
-                          : absl::Status(r.status().code(), absl::StrCat(members->names[i], ": ",
-                                                                         r.status().message()));
+                          : Annotate(r.status(), members->names[i]);
         continue;
       }
       return r.status();
