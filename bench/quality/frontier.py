@@ -61,8 +61,12 @@ CONFIGS = {
     "tq k3v4": ("tq3", "tq4", None, 0.0),
     "tq k3v3": ("tq3", "tq3", None, 0.0),
     "tq k3v2": ("tq3", "tq2", None, 0.0),
-    # vLLM's / LMCache's turboquant_3bit_nc layout (keys as TurboQuant with the norm corrected,
-    # values unrotated uniform int3 with fp16 scale and minimum), every layer quantized
+    # vLLM's / LMCache's turboquant presets' layout (keys fp8, or TurboQuant with the norm
+    # corrected; values unrotated uniform int-b with fp16 scale and minimum), every layer
+    # quantized (the presets' default leaves the first and last two layers unquantized)
+    "vllm tq k8v4": ("fp8", "vtqv4", None, 0.0),
+    "vllm tq 4bit_nc": ("vtqk4n", "vtqv4", None, 0.0),
+    "vllm tq k3v4_nc": ("vtqk3n", "vtqv4", None, 0.0),
     "vllm tq 3bit_nc": ("vtqk3n", "vtqv3", None, 0.0),
     "kvhq k4v4": ("kvhq4", "kvhq4", None, 0.0),
     "kvhq k4v3": ("kvhq4", "kvhq3", None, 0.0),
@@ -77,7 +81,7 @@ CONFIGS = {
     "manifold_r50 0.67 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r50", 0.67),
     "manifold_r50 0.55 + kvhq alloc 2.5": ("alloc2.5", "alloc2.5", "manifold_r50", 0.55),
 }
-DEFAULT = [c for c in CONFIGS if c != "kvhq k2c v2"]
+DEFAULT = [c for c in CONFIGS if c != "kvhq k2c v2" and not c.startswith("vllm")]
 
 _ZSTD = None
 

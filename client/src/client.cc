@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -17,9 +17,11 @@
 #include "endpoint_state.h"
 #include "gpu_path.h"
 #include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/client.h"
+#include "kvcomp/transport/ucx_link.h"
 #include "pool.h"
 #include "prefix.h"
 #include "rendezvous.h"
@@ -43,16 +45,17 @@ absl::Status ValidateShape(const KvLayout& layout, uint64_t num_tokens) {
 
 class ClientImpl;
 
-// One put on one endpoint: begin, blocks (pipelined within the connection's in-flight bound),
-// commit. Packed copies of partial token ranges live until their send completes.
+// One put on one endpoint: begin, blocks (pipelined within the connection's in-flight bound,
+// over the connection's payload links), commit. Packed copies of partial token ranges live until
+// their send completes.
 class EndpointPut {
  public:
   EndpointPut(std::shared_ptr<UcxClient> conn, std::shared_ptr<EndpointState> ep,
               uint64_t max_block)
-      : conn_(std::move(conn)), ep_(std::move(ep)) {
+      : conn_(std::move(conn)), ep_(std::move(ep)), links_(conn_.get()) {
     const auto& info = conn_->server_info();
     max_block_ = std::max<uint64_t>(1, std::min<uint64_t>(max_block, info.max_payload_bytes));
-    window_ = std::max<uint64_t>(max_block_, info.max_inflight_bytes / 2);
+    pipe_.emplace(links_, std::max<uint64_t>(max_block_, info.max_inflight_bytes / 2));
   }
   ~EndpointPut() {
     WaitAll().IgnoreError();
@@ -81,36 +84,16 @@ class EndpointPut {
     b.parts = wire::kPartBoth;
     b.key_bytes = layout_.LayerBytes(n);
     b.value_bytes = b.key_bytes;
-    const uint64_t bytes = b.payload_bytes();
-    {
-      absl::MutexLock lock(&mu_);
-      auto room = [&] { return inflight_ + bytes <= window_ || inflight_ == 0; };
-      mu_.Await(absl::Condition(&room));
-      inflight_ += bytes;
-      ++sent_;
-    }
-    conn_->SendBlockAsync(b, k, v, [this, bytes, owned = std::move(owned)](absl::Status s) {
-      absl::MutexLock lock(&mu_);
-      inflight_ -= bytes;
-      if (!s.ok() && error_.ok()) error_ = s;
-    });
+    pipe_->Send(b, {const_cast<void*>(k), b.key_bytes, transport::MemoryKind::kHost},
+                {const_cast<void*>(v), b.value_bytes, transport::MemoryKind::kHost},
+                std::move(owned));
   }
 
-  absl::Status WaitAll() {
-    absl::MutexLock lock(&mu_);
-    auto idle = [&] { return inflight_ == 0; };
-    mu_.Await(absl::Condition(&idle));
-    return error_;
-  }
+  absl::Status WaitAll() { return pipe_->Wait(); }
 
   absl::StatusOr<wire::CacheSummary> Commit() {
     KVCOMP_RETURN_IF_ERROR(WaitAll());
-    uint64_t sent;
-    {
-      absl::MutexLock lock(&mu_);
-      sent = sent_;
-    }
-    KVCOMP_ASSIGN_OR_RETURN(wire::CacheSummary s, conn_->PutCommit(put_id_, sent));
+    KVCOMP_ASSIGN_OR_RETURN(wire::CacheSummary s, conn_->PutCommit(put_id_, pipe_->sent()));
     committed_ = true;
     return s;
   }
@@ -125,15 +108,12 @@ class EndpointPut {
  private:
   std::shared_ptr<UcxClient> conn_;
   std::shared_ptr<EndpointState> ep_;
+  const transport::UcxLinks links_;
+  std::optional<transport::BlockPipe> pipe_;  // declared after links_: destroyed first
   KvLayout layout_;
   uint64_t max_block_ = 0;
-  uint64_t window_ = 0;
   uint64_t put_id_ = 0;
   bool committed_ = false;
-  absl::Mutex mu_;
-  uint64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
 class PutStreamImpl : public PutStream {
@@ -456,12 +436,14 @@ class ClientImpl : public Client {
                                  size_t capacity, bool device, const ReadOptions& read) override {
     if (dst == nullptr) return absl::InvalidArgumentError("null destination");
     KVCOMP_ASSIGN_OR_RETURN(const absl::Time deadline, Deadline(read, options_.get_timeout));
-    const auto memory = device ? transport::MemoryType::kCuda : transport::MemoryType::kHost;
+    const transport::GetRequest request{std::string(model_id), std::string(key),
+                                        wire::Representation::kStored};
+    const transport::MemoryRegion into{
+        dst, capacity, device ? transport::MemoryKind::kCuda : transport::MemoryKind::kHost};
     return OnRanking<size_t>(
         model_id, key,
-        [&](UcxClient& c) {
-          return c.GetInto(model_id, key, wire::Representation::kStored, dst, capacity, memory,
-                           deadline);
+        [&](UcxClient& c) -> absl::StatusOr<size_t> {
+          return transport::UcxLinks(&c).GetInto(request, into, deadline);
         },
         deadline);
   }
@@ -749,15 +731,15 @@ class ClientImpl : public Client {
     return absl::Now() + read.timeout;
   }
 
-  // DeadlineExceeded naming the last error (`last` itself when it already says so).
+  // DeadlineExceeded with ErrorDetail::kCallDeadline naming the last error (`last` itself when
+  // it is one already).
   static absl::Status DeadlinePassed(const absl::Status& last) {
-    if (absl::IsDeadlineExceeded(last) &&
-        absl::StartsWith(last.message(), "the call's deadline passed")) {
-      return last;
-    }
-    return absl::DeadlineExceededError(
-        last.ok() ? std::string("the call's deadline passed")
-                  : absl::StrCat("the call's deadline passed; last: ", last.message()));
+    if (DetailOf(last) == ErrorDetail::kCallDeadline) return last;
+    return WithDetail(absl::DeadlineExceededError(
+                          last.ok() ? std::string("the call's deadline passed")
+                                    : absl::StrCat("the call's deadline passed; last: ",
+                                                   last.message())),
+                      ErrorDetail::kCallDeadline);
   }
 
   // Runs `fn` on one endpoint's connection, retrying retryable failures with backoff, until
@@ -819,10 +801,9 @@ class ClientImpl : public Client {
       }
       if (absl::IsNotFound(r.status())) continue;
       if (Retryable(r.status()) || IsBusy(r.status())) {
-        unreachable = absl::StartsWith(r.status().message(), "the call's deadline passed")
+        unreachable = DetailOf(r.status()) == ErrorDetail::kCallDeadline
                           ? r.status()
-                          : absl::Status(r.status().code(), absl::StrCat(members->names[i], ": ",
-                                                                         r.status().message()));
+                          : Annotate(r.status(), members->names[i]);
         continue;
       }
       return r.status();

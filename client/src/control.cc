@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/rpc/KvcompControl.h"
 #include "kvcomp/transport/ucx.h"
@@ -120,8 +121,9 @@ absl::Status WithControl(const std::string& address, const ClientOptions& option
   if (deadline != absl::InfiniteFuture()) {
     const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
     if (left <= 0) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("control ", address, ": the call's deadline passed before asking"));
+      return WithDetail(absl::DeadlineExceededError(absl::StrCat(
+                            "control ", address, ": the call's deadline passed before asking")),
+                        ErrorDetail::kCallDeadline);
     }
     connect_ms = std::min(connect_ms, left);
     request_ms = std::min(request_ms, left);

@@ -4,18 +4,17 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
 #include "kvcomp/transport/ucx.h"
+#include "kvcomp/transport/ucx_link.h"
 
 namespace kvcomp {
 namespace client {
 
 namespace wire = transport::wire;
 using transport::GpuRuntime;
-using transport::MemoryType;
 using transport::UcxClient;
 
 bool LocalUcxCudaMemory() {
@@ -30,61 +29,6 @@ namespace {
 
 constexpr char kNoLocalCuda[] =
     "this process's UCX has no CUDA memory support (no cuda_copy / cuda_ipc transports)";
-
-// The blocks of one put on one connection, pipelined within half the connection's in-flight
-// bound (as the host path's puts are).
-class DeviceBlocks {
- public:
-  DeviceBlocks(UcxClient& conn, uint64_t put_id, uint64_t window)
-      : conn_(conn), put_id_(put_id), window_(window) {}
-
-  void Send(uint32_t layer, uint64_t num_tokens, uint64_t bytes, bool values, const void* data) {
-    wire::Block b;
-    b.put_id = put_id_;
-    b.layer_begin = layer;
-    b.layer_end = layer + 1;
-    b.token_begin = 0;
-    b.token_end = num_tokens;
-    b.parts = values ? wire::kPartValues : wire::kPartKeys;
-    (values ? b.value_bytes : b.key_bytes) = bytes;
-    {
-      absl::MutexLock lock(&mu_);
-      auto room = [&] { return inflight_ + bytes <= window_ || inflight_ == 0; };
-      mu_.Await(absl::Condition(&room));
-      inflight_ += bytes;
-      ++sent_;
-    }
-    conn_.SendBlockAsync(
-        b, values ? nullptr : data, values ? data : nullptr,
-        [this, bytes](absl::Status s) {
-          absl::MutexLock lock(&mu_);
-          inflight_ -= bytes;
-          if (!s.ok() && error_.ok()) error_ = s;
-        },
-        MemoryType::kCuda);
-  }
-
-  // Waits until every block is acknowledged; the first failure.
-  absl::Status Wait() {
-    absl::MutexLock lock(&mu_);
-    auto idle = [&] { return inflight_ == 0; };
-    mu_.Await(absl::Condition(&idle));
-    return error_;
-  }
-  uint64_t sent() {
-    absl::MutexLock lock(&mu_);
-    return sent_;
-  }
-
- private:
-  UcxClient& conn_;
-  const uint64_t put_id_;
-  const uint64_t window_;
-  absl::Mutex mu_;
-  uint64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-};
 
 }  // namespace
 
@@ -127,11 +71,26 @@ absl::StatusOr<std::optional<PutResult>> PutDeviceOverUcx(
   for (const auto& c : conns) {
     KVCOMP_ASSIGN_OR_RETURN(uint64_t put_id, c->PutBegin(begin));
     const uint64_t window = std::max(layer_bytes, c->server_info().max_inflight_bytes / 2);
-    DeviceBlocks blocks(*c, put_id, window);
+    const transport::UcxLinks links(c.get());
+    transport::BlockPipe blocks(links, window);
     const absl::Time t0 = absl::Now();
+    // Each layer's keys and values a block of their own, from device memory (ucx-cuda).
+    wire::Block b;
+    b.put_id = put_id;
+    b.token_end = num_tokens;
+    const transport::MemoryRegion none{nullptr, 0, transport::MemoryKind::kCuda};
     for (uint32_t l = 0; l < layout.num_layers; ++l) {
-      blocks.Send(l, num_tokens, layer_bytes, /*values=*/false, layers[l].keys);
-      blocks.Send(l, num_tokens, layer_bytes, /*values=*/true, layers[l].values);
+      b.layer_begin = l;
+      b.layer_end = l + 1;
+      for (const bool values : {false, true}) {
+        b.parts = values ? wire::kPartValues : wire::kPartKeys;
+        b.key_bytes = values ? 0 : layer_bytes;
+        b.value_bytes = values ? layer_bytes : 0;
+        const transport::MemoryRegion data{
+            const_cast<void*>(values ? layers[l].values : layers[l].keys), layer_bytes,
+            transport::MemoryKind::kCuda};
+        blocks.Send(b, values ? none : data, values ? data : none);
+      }
     }
     if (absl::Status s = blocks.Wait(); !s.ok()) {
       c->PutAbort(put_id).IgnoreError();
@@ -159,12 +118,15 @@ absl::StatusOr<std::optional<DeviceGetResult>> GetIntoDeviceOverUcx(
   // The receive writes `dst` outside any stream: work queued on it before goes first.
   KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, GpuRuntime::Get());
   KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + absl::Minutes(1)));
-  const wire::Representation rep =
-      decoded ? wire::Representation::kDecoded : wire::Representation::kStored;
+  const transport::GetRequest request{
+      std::string(model_id), std::string(key),
+      decoded ? wire::Representation::kDecoded : wire::Representation::kStored};
+  const transport::MemoryRegion into{dst, capacity, transport::MemoryKind::kCuda};
   absl::Status last = absl::NotFoundError(absl::StrCat("no cache ", model_id, "/", key));
   for (const auto& c : conns) {
     const absl::Time t0 = absl::Now();
-    absl::StatusOr<size_t> n = c->GetInto(model_id, key, rep, dst, capacity, MemoryType::kCuda);
+    absl::StatusOr<uint64_t> n =
+        transport::UcxLinks(c.get()).GetInto(request, into, absl::InfiniteFuture());
     if (n.ok()) {
       DeviceGetResult out;
       out.bytes = *n;

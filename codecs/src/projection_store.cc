@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/core/byte_coder.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/kvsplice.h"
@@ -13,15 +14,8 @@ namespace kvcomp {
 namespace codecs {
 namespace {
 
-void PutBe(std::string* out, uint64_t v, int bytes) {
-  for (int i = bytes - 1; i >= 0; --i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-uint64_t GetBe(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
-}
+using byte_coder::GetBe;
+using byte_coder::PutBe;
 
 std::string CacheName(absl::string_view model, uint64_t version) {
   return absl::StrCat(model, "#", version);

@@ -6,11 +6,9 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "kvcomp/core/byte_coder.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/status.h"
-
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
-              "the cache format is little-endian; add byte swaps for big-endian hosts");
 
 namespace kvcomp {
 namespace format {
@@ -44,16 +42,8 @@ constexpr uint32_t kFlagMoments = 1;
 constexpr uint32_t kFlagValueGamma = 2;  // latents divided by the projection's gamma
 constexpr uint32_t kMaxSections = 64;
 
-template <typename T>
-void Put(uint8_t* base, uint64_t off, T v) {
-  std::memcpy(base + off, &v, sizeof(T));
-}
-template <typename T>
-T Get(const uint8_t* base, uint64_t off) {
-  T v;
-  std::memcpy(&v, base + off, sizeof(T));
-  return v;
-}
+using byte_coder::LoadLe;
+using byte_coder::StoreLe;
 
 bool AllZero(const uint8_t* p, uint64_t n) {
   for (uint64_t i = 0; i < n; ++i) {
@@ -107,9 +97,9 @@ class TlvWriter {
   void Add(uint16_t tag, T v) {
     const size_t at = out_.size();
     out_.resize(at + 4 + sizeof(T));
-    Put<uint16_t>(out_.data(), at, tag);
-    Put<uint16_t>(out_.data(), at + 2, sizeof(T));
-    Put<T>(out_.data(), at + 4, v);
+    StoreLe<uint16_t>(out_.data(), at, tag);
+    StoreLe<uint16_t>(out_.data(), at + 2, sizeof(T));
+    StoreLe<T>(out_.data(), at + 4, v);
   }
   std::vector<uint8_t> Take() { return std::move(out_); }
 
@@ -142,8 +132,8 @@ absl::StatusOr<CompressionPolicy> DecodePolicy(const uint8_t* p, uint64_t n) {
   uint64_t at = 0;
   while (at < n) {
     if (n - at < 4) return absl::InvalidArgumentError("cache format: policy record truncated");
-    const uint16_t tag = Get<uint16_t>(p, at);
-    const uint16_t len = Get<uint16_t>(p, at + 2);
+    const uint16_t tag = LoadLe<uint16_t>(p, at);
+    const uint16_t len = LoadLe<uint16_t>(p, at + 2);
     at += 4;
     if (n - at < len) return absl::InvalidArgumentError("cache format: policy value truncated");
     const uint8_t* v = p + at;
@@ -157,7 +147,7 @@ absl::StatusOr<CompressionPolicy> DecodePolicy(const uint8_t* p, uint64_t n) {
 #define KVCOMP_POLICY_FIELD(name, type, tlv_tag, thrift_id, default_value, range, unit, doc) \
   case tlv_tag:                                                                              \
     KVCOMP_RETURN_IF_ERROR(want(sizeof(TlvWire<type>)));                                     \
-    pol.name = FromTlv<type>(Get<TlvWire<type>>(v, 0));                                      \
+    pol.name = FromTlv<type>(LoadLe<TlvWire<type>>(v, 0));                                      \
     break;
 #include "kvcomp/core/policy_fields.def"
 #undef KVCOMP_POLICY_FIELD
@@ -258,21 +248,21 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, 
   const auto* b = reinterpret_cast<const uint8_t*>(bytes.data());
   const uint64_t have = bytes.size();
   if (have < kHeaderBytes) return Truncated("the fixed header", kHeaderBytes, have);
-  if (Get<uint32_t>(b, kOffMagic) != kMagic) {
+  if (LoadLe<uint32_t>(b, kOffMagic) != kMagic) {
     return absl::InvalidArgumentError("cache format: bad magic (not a kvcomp compressed cache)");
   }
-  const uint16_t major = Get<uint16_t>(b, kOffMajor);
-  const uint16_t minor = Get<uint16_t>(b, kOffMinor);
+  const uint16_t major = LoadLe<uint16_t>(b, kOffMajor);
+  const uint16_t minor = LoadLe<uint16_t>(b, kOffMinor);
   if (major > kMajorVersion) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "cache format: version %u.%u is newer than this reader (%u.%u)", major, minor,
         kMajorVersion, kMinorVersion));
   }
   if (major == 0) return absl::InvalidArgumentError("cache format: version 0 is invalid");
-  if (Crc32c(b, kOffHeaderCrc) != Get<uint32_t>(b, kOffHeaderCrc)) {
+  if (Crc32c(b, kOffHeaderCrc) != LoadLe<uint32_t>(b, kOffHeaderCrc)) {
     return absl::DataLossError("cache format: header checksum mismatch");
   }
-  if (Get<uint32_t>(b, kOffHeaderBytes) != kHeaderBytes) {
+  if (LoadLe<uint32_t>(b, kOffHeaderBytes) != kHeaderBytes) {
     return absl::InvalidArgumentError("cache format: header size is not 128");
   }
   for (uint32_t off = kOffTableCrc + 4; off < kOffHeaderCrc; ++off) {
@@ -281,22 +271,22 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, 
   if (b[43] != 0) return absl::InvalidArgumentError("cache format: reserved header byte set");
   Parsed p;
   CacheInfo& info = p.info;
-  const uint32_t flags = Get<uint32_t>(b, kOffFlags);
+  const uint32_t flags = LoadLe<uint32_t>(b, kOffFlags);
   if ((flags & ~(kFlagMoments | kFlagValueGamma)) != 0) {
     return absl::InvalidArgumentError(absl::StrFormat("cache format: unknown flags 0x%x", flags));
   }
   info.has_moments = (flags & kFlagMoments) != 0;
   info.value_gamma = (flags & kFlagValueGamma) != 0;
-  info.total_bytes = Get<uint64_t>(b, kOffTotalBytes);
+  info.total_bytes = LoadLe<uint64_t>(b, kOffTotalBytes);
   if (info.total_bytes != n) {
     if (info.total_bytes > n) return Truncated("the cache", info.total_bytes, n);
     return absl::DataLossError(absl::StrFormat(
         "cache format: %u bytes given, header says %u", n, info.total_bytes));
   }
-  info.layout.num_layers = Get<uint32_t>(b, kOffLayers);
-  info.layout.num_kv_heads = Get<uint32_t>(b, kOffKvHeads);
-  info.layout.num_q_heads = Get<uint32_t>(b, kOffQHeads);
-  info.layout.head_dim = Get<uint32_t>(b, kOffHeadDim);
+  info.layout.num_layers = LoadLe<uint32_t>(b, kOffLayers);
+  info.layout.num_kv_heads = LoadLe<uint32_t>(b, kOffKvHeads);
+  info.layout.num_q_heads = LoadLe<uint32_t>(b, kOffQHeads);
+  info.layout.head_dim = LoadLe<uint32_t>(b, kOffHeadDim);
   const uint8_t dtype = b[kOffDType], kc = b[kOffKeyCodec], vc = b[kOffValueCodec];
   if (!IsValidDType(dtype)) return absl::InvalidArgumentError("cache format: unknown dtype");
   info.layout.dtype = static_cast<DType>(dtype);
@@ -306,11 +296,11 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, 
   }
   info.key_codec = static_cast<KeyCodec>(kc);
   info.value_codec = static_cast<ValueCodec>(vc);
-  info.rank = Get<uint32_t>(b, kOffRank);
-  p.group_size = Get<uint32_t>(b, kOffGroupSize);
-  info.original_tokens = Get<uint64_t>(b, kOffOriginalTokens);
-  info.total_kept = Get<uint64_t>(b, kOffTotalKept);
-  info.projection_version = Get<uint64_t>(b, kOffProjection);
+  info.rank = LoadLe<uint32_t>(b, kOffRank);
+  p.group_size = LoadLe<uint32_t>(b, kOffGroupSize);
+  info.original_tokens = LoadLe<uint64_t>(b, kOffOriginalTokens);
+  info.total_kept = LoadLe<uint64_t>(b, kOffTotalKept);
+  info.projection_version = LoadLe<uint64_t>(b, kOffProjection);
   if (info.original_tokens > KvLayout::kMaxTokens) {
     return absl::InvalidArgumentError("cache format: original_tokens beyond the limit");
   }
@@ -320,22 +310,22 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, 
     return absl::InvalidArgumentError(absl::StrFormat(
         "cache format: total_kept %u exceeds heads x original tokens", info.total_kept));
   }
-  const uint32_t num_sections = Get<uint32_t>(b, kOffNumSections);
+  const uint32_t num_sections = LoadLe<uint32_t>(b, kOffNumSections);
   if (num_sections == 0 || num_sections > kMaxSections) {
     return absl::InvalidArgumentError(
         absl::StrFormat("cache format: %u sections (1..%u allowed)", num_sections, kMaxSections));
   }
   const uint64_t table_end = kHeaderBytes + uint64_t{kSectionEntryBytes} * num_sections;
   if (table_end > have) return Truncated("the section table", table_end, have);
-  if (Crc32c(b + kHeaderBytes, table_end - kHeaderBytes) != Get<uint32_t>(b, kOffTableCrc)) {
+  if (Crc32c(b + kHeaderBytes, table_end - kHeaderBytes) != LoadLe<uint32_t>(b, kOffTableCrc)) {
     return absl::DataLossError("cache format: section table checksum mismatch");
   }
   uint64_t prev_end = table_end;
   uint32_t prev_id = 0;
   for (uint32_t i = 0; i < num_sections; ++i) {
     const uint8_t* e = b + kHeaderBytes + uint64_t{kSectionEntryBytes} * i;
-    Parsed::Entry en{Get<uint32_t>(e, 0), Get<uint32_t>(e, 4), Get<uint64_t>(e, 8),
-                     Get<uint64_t>(e, 16)};
+    Parsed::Entry en{LoadLe<uint32_t>(e, 0), LoadLe<uint32_t>(e, 4), LoadLe<uint64_t>(e, 8),
+                     LoadLe<uint64_t>(e, 16)};
     if (en.id <= prev_id) {
       return absl::InvalidArgumentError("cache format: section ids not strictly ascending");
     }
@@ -345,10 +335,10 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, 
           "cache format: section %u at [%u, +%u) is misaligned, overlapping or out of bounds",
           en.id, en.offset, en.size));
     }
-    if ((en.flags & ~kSectionRequired) != 0 || Get<uint32_t>(e, 28) != 0) {
+    if ((en.flags & ~kSectionRequired) != 0 || LoadLe<uint32_t>(e, 28) != 0) {
       return absl::InvalidArgumentError("cache format: section entry has reserved bits set");
     }
-    if (sections && Crc32c(b + en.offset, en.size) != Get<uint32_t>(e, 24)) {
+    if (sections && Crc32c(b + en.offset, en.size) != LoadLe<uint32_t>(e, 24)) {
       return absl::DataLossError(absl::StrFormat("cache format: section %u checksum mismatch", en.id));
     }
     if (en.id > kRawValues && (en.flags & kSectionRequired)) {
@@ -438,37 +428,37 @@ absl::Status WriteHeaderAndTable(const CompressedCache& cache, const EncodingPla
   }
   uint8_t* b = out.data();
   std::memset(b, 0, plan.table_end());
-  Put<uint32_t>(b, kOffMagic, kMagic);
-  Put<uint16_t>(b, kOffMajor, kMajorVersion);
-  Put<uint16_t>(b, kOffMinor, kMinorVersion);
-  Put<uint32_t>(b, kOffHeaderBytes, kHeaderBytes);
-  Put<uint32_t>(b, kOffFlags, (cache.has_moments ? kFlagMoments : 0) |
+  StoreLe<uint32_t>(b, kOffMagic, kMagic);
+  StoreLe<uint16_t>(b, kOffMajor, kMajorVersion);
+  StoreLe<uint16_t>(b, kOffMinor, kMinorVersion);
+  StoreLe<uint32_t>(b, kOffHeaderBytes, kHeaderBytes);
+  StoreLe<uint32_t>(b, kOffFlags, (cache.has_moments ? kFlagMoments : 0) |
                                  (cache.value_gamma ? kFlagValueGamma : 0));
-  Put<uint64_t>(b, kOffTotalBytes, plan.total_bytes);
-  Put<uint32_t>(b, kOffLayers, cache.layout.num_layers);
-  Put<uint32_t>(b, kOffKvHeads, cache.layout.num_kv_heads);
-  Put<uint32_t>(b, kOffQHeads, cache.layout.num_q_heads);
-  Put<uint32_t>(b, kOffHeadDim, cache.layout.head_dim);
+  StoreLe<uint64_t>(b, kOffTotalBytes, plan.total_bytes);
+  StoreLe<uint32_t>(b, kOffLayers, cache.layout.num_layers);
+  StoreLe<uint32_t>(b, kOffKvHeads, cache.layout.num_kv_heads);
+  StoreLe<uint32_t>(b, kOffQHeads, cache.layout.num_q_heads);
+  StoreLe<uint32_t>(b, kOffHeadDim, cache.layout.head_dim);
   b[kOffDType] = static_cast<uint8_t>(cache.layout.dtype);
   b[kOffKeyCodec] = static_cast<uint8_t>(cache.key_codec);
   b[kOffValueCodec] = static_cast<uint8_t>(cache.value_codec);
-  Put<uint32_t>(b, kOffRank, cache.rank);
-  Put<uint32_t>(b, kOffGroupSize, cache.ValueGroups() > 0 ? cache.group_size : 0);
-  Put<uint32_t>(b, kOffNumSections, static_cast<uint32_t>(sections.size()));
-  Put<uint64_t>(b, kOffOriginalTokens, cache.original_tokens);
-  Put<uint64_t>(b, kOffTotalKept, cache.total_kept());
-  Put<uint64_t>(b, kOffProjection, cache.projection_version);
+  StoreLe<uint32_t>(b, kOffRank, cache.rank);
+  StoreLe<uint32_t>(b, kOffGroupSize, cache.ValueGroups() > 0 ? cache.group_size : 0);
+  StoreLe<uint32_t>(b, kOffNumSections, static_cast<uint32_t>(sections.size()));
+  StoreLe<uint64_t>(b, kOffOriginalTokens, cache.original_tokens);
+  StoreLe<uint64_t>(b, kOffTotalKept, cache.total_kept());
+  StoreLe<uint64_t>(b, kOffProjection, cache.projection_version);
   for (size_t i = 0; i < sections.size(); ++i) {
     uint8_t* e = b + kHeaderBytes + kSectionEntryBytes * i;
-    Put<uint32_t>(e, 0, sections[i].id);
-    Put<uint32_t>(e, 4, kSectionRequired);
-    Put<uint64_t>(e, 8, sections[i].offset);
-    Put<uint64_t>(e, 16, sections[i].size);
-    Put<uint32_t>(e, 24, section_crcs[i]);
+    StoreLe<uint32_t>(e, 0, sections[i].id);
+    StoreLe<uint32_t>(e, 4, kSectionRequired);
+    StoreLe<uint64_t>(e, 8, sections[i].offset);
+    StoreLe<uint64_t>(e, 16, sections[i].size);
+    StoreLe<uint32_t>(e, 24, section_crcs[i]);
   }
-  Put<uint32_t>(b, kOffTableCrc,
+  StoreLe<uint32_t>(b, kOffTableCrc,
                 Crc32c(b + kHeaderBytes, uint64_t{kSectionEntryBytes} * sections.size()));
-  Put<uint32_t>(b, kOffHeaderCrc, Crc32c(b, kOffHeaderCrc));
+  StoreLe<uint32_t>(b, kOffHeaderCrc, Crc32c(b, kOffHeaderCrc));
   return absl::OkStatus();
 }
 

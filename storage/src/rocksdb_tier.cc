@@ -20,6 +20,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvcomp/core/byte_coder.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/status.h"
 #include "rocksdb/cache.h"
@@ -170,14 +171,8 @@ class DamageListener : public rocksdb::EventListener {
   std::function<bool(const std::string&)> note_;
 };
 
-void PutLe(std::string* out, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-uint64_t GetLe(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<uint8_t>(p[i])} << (8 * i);
-  return v;
-}
+using byte_coder::GetLe;
+using byte_coder::PutLe;
 
 rocksdb::Slice ToSlice(absl::string_view s) { return rocksdb::Slice(s.data(), s.size()); }
 

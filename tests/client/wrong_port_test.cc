@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "integration/kvcompd_process.h"
 #include "kvcomp/client/client.h"
+#include "kvcomp/core/error_detail.h"
 
 namespace kvcomp {
 namespace client {
@@ -197,6 +198,10 @@ TEST_F(WrongPortTest, EachDataPlaneReadReturnsWithinItsOwnDeadlineWhenTheDaemonI
     const absl::Status s = read();
     const absl::Duration took = absl::Now() - t0;
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << name << ": " << s;
+    if (absl::string_view(name) != "LookupPrefix" && absl::string_view(name) != "GetChunkBytes") {
+      // The call's own deadline, typed: the SDK tried nothing more once it passed.
+      EXPECT_EQ(DetailOf(s), ErrorDetail::kCallDeadline) << name << ": " << s;
+    }
     // The deadline, plus scheduling slack on a loaded machine.
     EXPECT_LT(took, absl::Seconds(2)) << name << " took " << took;
   }
@@ -221,6 +226,7 @@ TEST_F(WrongPortTest, AReadWithoutItsOwnDeadlineEndsWithinTheClientsGetTimeout) 
     const absl::Duration took = absl::Now() - t0;
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "deadline")) << s;
+    EXPECT_EQ(DetailOf(s), ErrorDetail::kCallDeadline) << s;
     EXPECT_LT(took, absl::Seconds(3)) << took;  // the request timeout is 10 s
   }
 }

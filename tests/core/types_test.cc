@@ -287,6 +287,9 @@ TEST(StatusTest, DetailsAreTypedPayloadsThatSurviveAnnotation) {
   EXPECT_EQ(ErrorDetailToWire(ErrorDetail::kLinkGone), 2);
   EXPECT_EQ(ErrorDetailToWire(ErrorDetail::kMemoryNotMappable), 3);
   EXPECT_EQ(ErrorDetailFromWire(3), ErrorDetail::kMemoryNotMappable);
+  EXPECT_EQ(ErrorDetailToWire(ErrorDetail::kCallDeadline), 4);
+  EXPECT_EQ(ErrorDetailFromWire(4), ErrorDetail::kCallDeadline);
+  EXPECT_EQ(ErrorDetailFromWire(5), ErrorDetail::kNone);
   EXPECT_EQ(ErrorDetailFromWire(999), ErrorDetail::kNone);
   Status foreign = absl::UnavailableError("x");
   foreign.SetPayload(kErrorDetailUrl, absl::Cord("not a number"));

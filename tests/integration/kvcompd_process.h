@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -157,8 +158,34 @@ class KvcompdProcess {
     exit_status_ = status;
     return status;
   }
+  // Sends `sig`. SIGSTOP returns once every thread of the daemon is stopped (kill() returns
+  // before a thread running on another CPU has stopped, which may still answer a request), or
+  // after 5 s.
   void Signal(int sig) const {
-    if (pid_ > 0) kill(pid_, sig);
+    if (pid_ <= 0) return;
+    kill(pid_, sig);
+    if (sig != SIGSTOP) return;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!AllThreadsStopped() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  // Every thread of the daemon in state T (stopped), by /proc/<pid>/task/*/stat.
+  bool AllThreadsStopped() const {
+    const std::string tasks = "/proc/" + std::to_string(pid_) + "/task";
+    std::error_code ec;
+    bool any = false;
+    for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
+      std::ifstream f(t.path() / "stat");
+      std::string line;
+      std::getline(f, line);
+      const size_t close = line.rfind(')');  // the name may hold spaces and parentheses
+      if (close == std::string::npos || close + 2 >= line.size()) continue;
+      const char state = line[close + 2];
+      if (state != 'T' && state != 't') return false;
+      any = true;
+    }
+    return any;
   }
   bool running() {
     if (pid_ <= 0) return false;

@@ -179,7 +179,7 @@ def test_lookup_returns_within_its_deadline_from_a_stopped_daemon():
     with Kvcompd(KVCOMPD) as d:
         c = kvcomp.Client(both(d), lookup_timeout=0.3, get_timeout=0.5, timeout=30.0)
         assert c.lookup_prefix(MODEL, [b"k0"]) == 0
-        os.kill(d.proc.pid, signal.SIGSTOP)
+        sigstop(d.proc)
         try:
             t0 = time.monotonic()
             with pytest.raises(TimeoutError, match="no endpoint answered"):

@@ -1,13 +1,21 @@
 // The payload links' choice (ChooseLinks: what both ends offer, the transfer's memory and
-// locality, in preference order) and what a failed link call means (AfterLinkFailure: read
-// from the status's code and typed detail, never its message).
+// locality, in preference order), what a failed link call means (AfterLinkFailure: read
+// from the status's code and typed detail, never its message), a completion's report, and the
+// router's fallback by capability over links that refuse memory (links of this test that
+// refuse or take what they are given; the UCX links against a real kvcompd are in
+// tests/client/payload_links_test.cc).
 #include "kvcomp/transport/payload_link.h"
 
+#include <atomic>
+#include <memory>
+#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/transport/gpu_link.h"
 
 namespace kvcomp {
 namespace transport {
@@ -47,7 +55,7 @@ TEST(PayloadLinkTest, DeviceMemoryTakesTheBestLinkBothEndsOfferThenFallsBackByCa
 TEST(PayloadLinkTest, HostMemoryGoesOnlyOverLinksThatReadHostMemory) {
   const LinkOffer all = LinkOffer::All();
   EXPECT_EQ(ChooseLinks(all, all, {MemoryKind::kHost, Locality::kUnknown}),
-            (std::vector<K>{K::kUcxCuda, K::kUcxHost}));
+            (std::vector<K>{K::kUcxHost}));
   EXPECT_EQ(ChooseLinks(all, LinkOffer{K::kCudaIpc, K::kNccl, K::kUcxHost},
                         {MemoryKind::kHost, Locality::kOtherDevice}),
             (std::vector<K>{K::kUcxHost}));
@@ -84,6 +92,168 @@ TEST(PayloadLinkTest, FailuresAreJudgedByTypedDetailNotText) {
             LinkVerdict::kAnswer);
   EXPECT_EQ(AfterLinkFailure(absl::UnavailableError("[busy] x")), LinkVerdict::kReopen);
   EXPECT_EQ(AfterLinkFailure(absl::InvalidArgumentError("bad layout")), LinkVerdict::kAnswer);
+}
+
+TEST(PayloadLinkTest, ACompletionReportsOnceToWaitersCheckersAndCallbacks) {
+  std::shared_ptr<Completion> c = Completion::Pending();
+  EXPECT_FALSE(c->Check().has_value());
+  EXPECT_TRUE(absl::IsDeadlineExceeded(c->Wait(absl::Now() + absl::Milliseconds(20))));
+  std::atomic<int> called{0};
+  c->Then([&](const absl::Status& s) {
+    EXPECT_TRUE(absl::IsDataLoss(s));
+    ++called;
+  });
+  std::thread finisher([c] { c->Finish(absl::DataLossError("torn"), 7); });
+  EXPECT_TRUE(absl::IsDataLoss(c->Wait()));
+  finisher.join();
+  c->Finish(absl::OkStatus(), 9);  // the first outcome stays
+  EXPECT_TRUE(absl::IsDataLoss(*c->Check()));
+  EXPECT_EQ(c->bytes(), 7u);
+  EXPECT_EQ(called.load(), 1);
+  // A callback given after the end runs at once.
+  c->Then([&](const absl::Status&) { ++called; });
+  EXPECT_EQ(called.load(), 2);
+
+  std::shared_ptr<Completion> done = Completion::Done(absl::OkStatus(), 3);
+  EXPECT_TRUE(done->Check()->ok());
+  EXPECT_EQ(done->bytes(), 3u);
+
+  int waits = 0;
+  std::shared_ptr<Completion> waited = Completion::ByWaiting(
+      [&](absl::Time) {
+        ++waits;
+        return absl::OkStatus();
+      },
+      5);
+  EXPECT_FALSE(waited->Check().has_value());  // known only by waiting
+  EXPECT_TRUE(waited->Wait().ok());
+  EXPECT_TRUE(waited->Wait().ok());
+  EXPECT_EQ(waits, 1);
+  EXPECT_EQ(waited->bytes(), 5u);
+}
+
+// A link of a given kind that takes the memory kinds it is told to and counts what it posts, or
+// fails its posts with `post_error`.
+class TestLink : public PayloadLink {
+ public:
+  TestLink(LinkKind kind, bool takes_cuda, bool takes_host, absl::Status post_error = {})
+      : kind_(kind), cuda_(takes_cuda), host_(takes_host), post_error_(post_error) {}
+  LinkKind kind() const override { return kind_; }
+  absl::StatusOr<Registration> Register(const MemoryRegion& r) override {
+    if ((r.kind == MemoryKind::kCuda && !cuda_) || (r.kind == MemoryKind::kHost && !host_)) {
+      return MemoryNotServed(kind_, r.kind, "not in this test");
+    }
+    ++registered;
+    return Registration{r, "descriptor"};
+  }
+  absl::StatusOr<std::shared_ptr<Completion>> Post(const Transfer& t) override {
+    if (!post_error_.ok()) return post_error_;
+    ++posted;
+    return Completion::Done(absl::OkStatus(), t.regions.empty() ? 0 : t.regions[0].bytes);
+  }
+  int registered = 0;
+  int posted = 0;
+
+ private:
+  const LinkKind kind_;
+  const bool cuda_, host_;
+  const absl::Status post_error_;
+};
+
+TEST(PayloadLinkTest, TheRouterTakesTheFirstLinkThatAcceptsAndFallsBackByCapability) {
+  TestLink ipc(K::kCudaIpc, /*takes_cuda=*/false, false);  // e.g. memory of another device
+  TestLink nccl(K::kNccl, true, false);
+  TestLink ucx(K::kUcxHost, false, true);
+  LinkRouter router(LinkOffer::All());
+  router.Add(&ipc);
+  router.Add(&nccl);
+  router.Add(&ucx);
+  EXPECT_TRUE(router.local().Has(K::kNccl));
+  char buf[16];
+  Transfer t;
+  t.regions = {{buf, sizeof(buf), MemoryKind::kCuda}};
+  // The same device: ipc is chosen first and refuses the memory; ucx (staged) is next: it refuses
+  // device memory in place too, so nothing carries it, and the error names both refusals.
+  K used = K::kUcxCuda;
+  absl::StatusOr<std::shared_ptr<Completion>> r =
+      router.Post({MemoryKind::kCuda, Locality::kSameDevice}, t, &used);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(AfterLinkFailure(r.status()), LinkVerdict::kNextLink) << r.status();
+  EXPECT_EQ(ipc.posted + nccl.posted + ucx.posted, 0);
+  // Locality unknown: ipc refuses, nccl takes it.
+  r = router.Post({MemoryKind::kCuda, Locality::kUnknown}, t, &used);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(used, K::kNccl);
+  EXPECT_EQ(nccl.posted, 1);
+  EXPECT_EQ((*r)->bytes(), sizeof(buf));
+  // The peer offers no nccl: the same transfer has no link.
+  LinkRouter no_nccl(LinkOffer{K::kCudaIpc, K::kUcxHost});
+  no_nccl.Add(&ipc);
+  no_nccl.Add(&nccl);
+  no_nccl.Add(&ucx);
+  EXPECT_EQ(no_nccl.Choose({MemoryKind::kCuda, Locality::kUnknown}).size(), 2u);  // ipc, ucx
+  EXPECT_FALSE(no_nccl.Post({MemoryKind::kCuda, Locality::kUnknown}, t).ok());
+  // Host memory goes over ucx only.
+  t.regions[0].kind = MemoryKind::kHost;
+  r = router.Post({MemoryKind::kHost, Locality::kUnknown}, t, &used);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(used, K::kUcxHost);
+}
+
+TEST(PayloadLinkTest, OnlyARefusalOfTheMemoryMovesTheRouterToTheNextLink) {
+  char buf[4];
+  Transfer t;
+  t.regions = {{buf, sizeof(buf), MemoryKind::kCuda}};
+  const TransferNeed need{MemoryKind::kCuda, Locality::kOtherDevice};
+  // The first link fails its post with a busy answer, a gone link or a refusal given as text
+  // only: the caller gets it, and the next link is not tried.
+  for (const absl::Status& failure :
+       {BusyError("queue full"), WithDetail(absl::NotFoundError("x"), ErrorDetail::kLinkGone),
+        absl::FailedPreconditionError("cannot map the memory: another device")}) {
+    TestLink nccl(K::kNccl, true, true, failure);
+    TestLink ucx_cuda(K::kUcxCuda, true, true);
+    LinkRouter router(LinkOffer::All());
+    router.Add(&nccl);
+    router.Add(&ucx_cuda);
+    absl::StatusOr<std::shared_ptr<Completion>> r = router.Post(need, t);
+    EXPECT_EQ(r.status(), failure);
+    EXPECT_EQ(ucx_cuda.posted, 0) << failure;
+  }
+  // The same post failing with kMemoryNotMappable: the next link carries it.
+  TestLink nccl(K::kNccl, true, true,
+                WithDetail(absl::FailedPreconditionError("x"), ErrorDetail::kMemoryNotMappable));
+  TestLink ucx_cuda(K::kUcxCuda, true, true);
+  LinkRouter router(LinkOffer::All());
+  router.Add(&nccl);
+  router.Add(&ucx_cuda);
+  K used = K::kNccl;
+  ASSERT_TRUE(router.Post(need, t, &used).ok());
+  EXPECT_EQ(used, K::kUcxCuda);
+  EXPECT_EQ(ucx_cuda.posted, 1);
+}
+
+// The GPU links' checks that need no device: host memory is refused as not served (the router's
+// cue for the next link), and a CUDA IPC transfer must match the peer's regions one for one.
+// Their transfers run on the GPU machine only.
+TEST(PayloadLinkTest, GpuLinksRefuseHostMemoryAsNotServed) {
+  NcclPayloadLink nccl(nullptr);
+  CudaIpcLink ipc(nullptr, nullptr, nullptr);
+  EXPECT_EQ(nccl.kind(), K::kNccl);
+  EXPECT_EQ(ipc.kind(), K::kCudaIpc);
+  char buf[8];
+  for (PayloadLink* link : std::vector<PayloadLink*>{&nccl, &ipc}) {
+    absl::StatusOr<Registration> r = link->Register({buf, sizeof(buf), MemoryKind::kHost});
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(AfterLinkFailure(r.status()), LinkVerdict::kNextLink) << r.status();
+    EXPECT_FALSE(link->caps().host_memory);
+    EXPECT_TRUE(link->caps().cuda_memory);
+  }
+  Transfer t;
+  t.regions = {{buf, 4, MemoryKind::kCuda}, {buf + 4, 4, MemoryKind::kCuda}};
+  ipc.Peer({{buf, 4, MemoryKind::kCuda}});
+  EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));
+  ipc.Peer({{buf, 4, MemoryKind::kCuda}, {buf + 4, 2, MemoryKind::kCuda}});
+  EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));
 }
 
 }  // namespace

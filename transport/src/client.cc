@@ -151,6 +151,7 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   const wire::HelloOk& server_info() const override { return hello_ok_; }
   bool connected() const override { return connected_.load(); }
   absl::Status DevicePayloads() const override;
+  bool LocalCudaMemory() const override { return worker_->loop().cuda_memory(); }
   absl::StatusOr<uint64_t> PutBegin(const wire::PutBegin& begin) override;
   absl::Status SendBlock(const wire::Block& block, const void* keys, const void* values,
                          MemoryType memory) override;
@@ -1179,6 +1180,7 @@ class ClientHandle : public UcxClient {
   const wire::HelloOk& server_info() const override { return impl_->server_info(); }
   bool connected() const override { return impl_->connected(); }
   absl::Status DevicePayloads() const override { return impl_->DevicePayloads(); }
+  bool LocalCudaMemory() const override { return impl_->LocalCudaMemory(); }
   absl::StatusOr<uint64_t> PutBegin(const wire::PutBegin& begin) override {
     return impl_->PutBegin(begin);
   }

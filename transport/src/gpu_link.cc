@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "transport/src/gpu_abi.h"
@@ -812,6 +813,68 @@ absl::StatusOr<bool> CopyDenseKv(GpuRuntime* rt, const void* stored, uint64_t st
   // The copies read `stored`: done before the caller frees it.
   KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, deadline));
   return true;
+}
+
+absl::StatusOr<Registration> NcclPayloadLink::Register(const MemoryRegion& region) {
+  if (region.kind != MemoryKind::kCuda) {
+    return MemoryNotServed(kind(), region.kind, "NCCL moves device memory");
+  }
+  return Registration{region, ""};
+}
+
+absl::StatusOr<std::shared_ptr<Completion>> NcclPayloadLink::Post(const Transfer& t) {
+  std::vector<NcclLink::Chunk> chunks;
+  chunks.reserve(t.regions.size());
+  for (const MemoryRegion& r : t.regions) chunks.push_back({r.data, r.bytes});
+  KVCOMP_RETURN_IF_ERROR(t.direction == Direction::kSend ? link_->Send(chunks, t.stream)
+                                                         : link_->Recv(chunks, t.stream));
+  KVCOMP_RETURN_IF_ERROR(link_->Enqueued(t.deadline));
+  NcclLink* link = link_;
+  void* stream = t.stream;
+  return Completion::ByWaiting(
+      [link, stream](absl::Time deadline) { return link->Wait(stream, deadline); });
+}
+
+absl::StatusOr<Registration> CudaIpcLink::Register(const MemoryRegion& region) {
+  if (region.kind != MemoryKind::kCuda) {
+    return MemoryNotServed(kind(), region.kind, "CUDA IPC shares device memory");
+  }
+  absl::StatusOr<GpuRuntime::ExportedMemory> m = rt_->ExportMemory(region.data);
+  if (!m.ok()) {
+    return WithDetail(Annotate(m.status(), "exporting memory for CUDA IPC"),
+                      ErrorDetail::kMemoryNotMappable);
+  }
+  std::string descriptor = m->handle;
+  const uint64_t offset = m->offset;
+  descriptor.append(reinterpret_cast<const char*>(&offset), sizeof(offset));
+  return Registration{region, std::move(descriptor)};
+}
+
+absl::StatusOr<std::shared_ptr<Completion>> CudaIpcLink::Post(const Transfer& t) {
+  if (peer_.size() != t.regions.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC transfer of ", t.regions.size(),
+                                                   " regions with ", peer_.size(),
+                                                   " of the peer's"));
+  }
+  for (size_t i = 0; i < peer_.size(); ++i) {
+    if (peer_[i].bytes != t.regions[i].bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("CUDA IPC region ", i, " has ",
+                                                     t.regions[i].bytes, " bytes; the peer's ",
+                                                     peer_[i].bytes));
+    }
+  }
+  if (peer_event_ != nullptr) KVCOMP_RETURN_IF_ERROR(rt_->StreamWaitEvent(stream_, peer_event_));
+  for (size_t i = 0; i < peer_.size(); ++i) {
+    const bool send = t.direction == Direction::kSend;
+    KVCOMP_RETURN_IF_ERROR(rt_->CopyAsync(send ? peer_[i].data : t.regions[i].data,
+                                          send ? t.regions[i].data : peer_[i].data,
+                                          t.regions[i].bytes, GpuRuntime::Copy::kDeviceToDevice,
+                                          stream_));
+  }
+  GpuRuntime* rt = rt_;
+  void* stream = stream_;
+  return Completion::ByWaiting(
+      [rt, stream](absl::Time deadline) { return rt->WaitStream(stream, deadline); });
 }
 
 }  // namespace transport

@@ -1,5 +1,9 @@
 #include "kvcomp/transport/payload_link.h"
 
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 
@@ -32,7 +36,7 @@ LinkCaps CapsOf(LinkKind kind) {
       c.other_device = true;  // one GPU cannot be both ranks of a communicator
       break;
     case LinkKind::kUcxCuda:
-      c.cuda_memory = c.host_memory = true;
+      c.cuda_memory = true;  // host memory goes over ucx: the same bytes, named for what they are
       c.same_device = c.other_device = true;
       break;
     case LinkKind::kUcxHost:
@@ -81,6 +85,132 @@ LinkVerdict AfterLinkFailure(const absl::Status& failure) {
       break;
   }
   return absl::IsUnavailable(failure) ? LinkVerdict::kReopen : LinkVerdict::kAnswer;
+}
+
+absl::Status MemoryNotServed(LinkKind link, MemoryKind memory, absl::string_view why) {
+  return WithDetail(
+      absl::FailedPreconditionError(absl::StrCat(
+          LinkName(link), " link cannot reach ", memory == MemoryKind::kCuda ? "CUDA" : "host",
+          " memory in place", why.empty() ? "" : ": ", why)),
+      ErrorDetail::kMemoryNotMappable);
+}
+
+std::shared_ptr<Completion> Completion::Pending() {
+  return std::shared_ptr<Completion>(new Completion());
+}
+
+std::shared_ptr<Completion> Completion::Done(absl::Status status, uint64_t bytes) {
+  std::shared_ptr<Completion> c = Pending();
+  c->Finish(std::move(status), bytes);
+  return c;
+}
+
+std::shared_ptr<Completion> Completion::ByWaiting(
+    absl::AnyInvocable<absl::Status(absl::Time deadline)> wait, uint64_t bytes) {
+  std::shared_ptr<Completion> c = Pending();
+  absl::MutexLock lock(&c->mu_);
+  c->wait_ = std::move(wait);
+  c->bytes_ = bytes;
+  return c;
+}
+
+void Completion::Finish(absl::Status status, uint64_t bytes) {
+  std::vector<absl::AnyInvocable<void(const absl::Status&)>> then;
+  {
+    absl::MutexLock lock(&mu_);
+    if (done_) return;
+    done_ = true;
+    status_ = std::move(status);
+    if (bytes != 0) bytes_ = bytes;
+    then.swap(then_);
+  }
+  // status_ no longer changes once done_.
+  for (auto& f : then) f(status_);
+}
+
+std::optional<absl::Status> Completion::Check() {
+  absl::MutexLock lock(&mu_);
+  if (!done_) return std::nullopt;
+  return status_;
+}
+
+absl::Status Completion::Wait(absl::Time deadline) {
+  absl::AnyInvocable<absl::Status(absl::Time)> wait;
+  {
+    absl::MutexLock lock(&mu_);
+    wait.swap(wait_);
+    if (wait == nullptr) {
+      if (!mu_.AwaitWithDeadline(absl::Condition(&done_), deadline)) {
+        return absl::DeadlineExceededError("the transfer did not complete in time");
+      }
+      return status_;
+    }
+  }
+  Finish(wait(deadline));
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+void Completion::Then(absl::AnyInvocable<void(const absl::Status&)> done) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!done_) {
+      then_.push_back(std::move(done));
+      return;
+    }
+  }
+  done(status_);
+}
+
+uint64_t Completion::bytes() {
+  absl::MutexLock lock(&mu_);
+  return done_ ? bytes_ : 0;
+}
+
+void LinkRouter::Add(PayloadLink* link) {
+  local_.Add(link->kind());
+  links_.push_back(link);
+}
+
+std::vector<PayloadLink*> LinkRouter::Choose(const TransferNeed& need) const {
+  std::vector<PayloadLink*> out;
+  for (LinkKind kind : ChooseLinks(local_, remote_, need)) {
+    for (PayloadLink* link : links_) {
+      if (link->kind() == kind) out.push_back(link);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<Completion>> LinkRouter::Post(const TransferNeed& need,
+                                                             const Transfer& transfer,
+                                                             LinkKind* used) const {
+  std::string refusals;
+  for (PayloadLink* link : Choose(need)) {
+    absl::Status refused;
+    for (const MemoryRegion& r : transfer.regions) {
+      absl::StatusOr<Registration> reg = link->Register(r);
+      if (!reg.ok()) {
+        refused = reg.status();
+        break;
+      }
+    }
+    absl::StatusOr<std::shared_ptr<Completion>> posted =
+        refused.ok() ? link->Post(transfer)
+                     : absl::StatusOr<std::shared_ptr<Completion>>(std::move(refused));
+    if (posted.ok()) {
+      if (used != nullptr) *used = link->kind();
+      return posted;
+    }
+    if (AfterLinkFailure(posted.status()) != LinkVerdict::kNextLink) return posted.status();
+    absl::StrAppend(&refusals, refusals.empty() ? "" : "; ", posted.status().message());
+  }
+  return WithDetail(
+      absl::FailedPreconditionError(absl::StrCat(
+          "no payload link both ends offer can carry ",
+          need.memory == MemoryKind::kCuda ? "CUDA" : "host", " memory",
+          refusals.empty() ? "" : ": ", refusals)),
+      ErrorDetail::kMemoryNotMappable);
 }
 
 }  // namespace transport

@@ -1,17 +1,15 @@
 #include "kvcomp/transport/protocol.h"
 
-#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvcomp/core/byte_coder.h"
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
-
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
-              "the wire protocol is little-endian; add byte swaps for big-endian hosts");
 
 namespace kvcomp {
 namespace transport {
@@ -33,103 +31,21 @@ constexpr uint8_t kPutFlagBlockWise = 1;
 constexpr uint8_t kPutFlagHasPolicy = 2;
 constexpr uint8_t kGetFlagHasCrc = 1;
 
-class Writer {
+using Writer = byte_coder::ByteWriter;
+using byte_coder::LoadLe;
+using byte_coder::StoreLe;
+
+// Bounds-checked reading of a body; errors read "protocol: <message type>: ...".
+class Reader : public byte_coder::ByteReader {
  public:
-  template <typename T>
-  void Put(T v) {
-    const size_t at = out_.size();
-    out_.resize(at + sizeof(T));
-    std::memcpy(&out_[at], &v, sizeof(T));
-  }
-  void Zeros(size_t n) { out_.append(n, '\0'); }
-  // u16 length + bytes; the caller bounds the length.
-  void Str(absl::string_view s) {
-    Put<uint16_t>(static_cast<uint16_t>(s.size()));
-    out_.append(s.data(), s.size());
-  }
-  void Raw(absl::string_view s) { out_.append(s.data(), s.size()); }
-  std::string Take() { return std::move(out_); }
-
- private:
-  std::string out_;
-};
-
-// Bounds-checked reading of a body; the first failure sticks and names the field.
-class Reader {
- public:
-  Reader(absl::string_view body, MessageType type) : p_(body), type_(type) {}
-
-  template <typename T>
-  T Get(absl::string_view field) {
-    T v{};
-    if (!Need(sizeof(T), field)) return v;
-    std::memcpy(&v, p_.data() + at_, sizeof(T));
-    at_ += sizeof(T);
-    return v;
-  }
-  void Skip(size_t n, absl::string_view field) {
-    if (!Need(n, field)) return;
-    for (size_t i = 0; i < n; ++i) {
-      if (p_[at_ + i] != 0) {
-        Fail(absl::InvalidArgumentError(Prefix(absl::StrCat(field, " must be zero"))));
-        return;
-      }
-    }
-    at_ += n;
-  }
-  std::string Str(absl::string_view field, size_t max) {
-    const uint16_t n = Get<uint16_t>(field);
-    if (!status_.ok()) return {};
-    if (n > max) {
-      Fail(absl::InvalidArgumentError(
-          Prefix(absl::StrFormat("%s has %u bytes, at most %u allowed", field, n, max))));
-      return {};
-    }
-    return Bytes(n, field);
-  }
-  std::string Bytes(size_t n, absl::string_view field) {
-    if (!Need(n, field)) return {};
-    std::string s(p_.substr(at_, n));
-    at_ += n;
-    return s;
-  }
-  void Fail(absl::Status s) {
-    if (status_.ok()) status_ = std::move(s);
-  }
-  std::string Prefix(absl::string_view what) const {
-    return absl::StrCat("protocol: ", MessageTypeName(type_), ": ", what);
-  }
-  // OK when everything was read and nothing is left over.
-  absl::Status Finish() {
-    if (status_.ok() && at_ != p_.size()) {
-      status_ = absl::InvalidArgumentError(
-          Prefix(absl::StrFormat("%u trailing bytes in the body", p_.size() - at_)));
-    }
-    return status_;
-  }
-  bool ok() const { return status_.ok(); }
-
- private:
-  bool Need(size_t n, absl::string_view field) {
-    if (!status_.ok()) return false;
-    if (p_.size() - at_ < n) {
-      status_ = absl::DataLossError(Prefix(
-          absl::StrFormat("truncated body: %s needs %u bytes, %u left", field, n, p_.size() - at_)));
-      return false;
-    }
-    return true;
-  }
-
-  absl::string_view p_;
-  size_t at_ = 0;
-  MessageType type_;
-  absl::Status status_;
+  Reader(absl::string_view body, MessageType type)
+      : ByteReader(body, "protocol", MessageTypeName(type)) {}
 };
 
 std::string MakeFrame(MessageType type, uint64_t request_id, uint64_t payload_bytes,
                   absl::string_view body) {
   std::string f(kFrameHeaderBytes, '\0');
-  auto put = [&f](size_t off, auto v) { std::memcpy(&f[off], &v, sizeof(v)); };
+  auto put = [&f](size_t off, auto v) { StoreLe(f.data(), off, v); };
   put(kOffMagic, kMagic);
   put(kOffMajor, kMajorVersion);
   put(kOffMinor, kMinorVersion);
@@ -320,7 +236,9 @@ absl::StatusOr<Frame> ParseFrame(absl::string_view frame, uint64_t payload_bytes
         "protocol: frame of %u bytes is shorter than the %u-byte header", frame.size(),
         kFrameHeaderBytes));
   }
-  auto get = [&frame](size_t off, auto* v) { std::memcpy(v, frame.data() + off, sizeof(*v)); };
+  auto get = [&frame](size_t off, auto* v) {
+    *v = LoadLe<std::remove_pointer_t<decltype(v)>>(frame.data(), off);
+  };
   uint32_t magic, body_bytes, crc;
   uint8_t type, flags;
   Frame f;
@@ -382,12 +300,8 @@ absl::StatusOr<Frame> ParseFrame(absl::string_view frame, uint64_t payload_bytes
 
 uint64_t PeekRequestId(absl::string_view frame) {
   if (frame.size() < kFrameHeaderBytes) return 0;
-  uint32_t magic;
-  std::memcpy(&magic, frame.data() + kOffMagic, sizeof(magic));
-  if (magic != kMagic) return 0;
-  uint64_t id;
-  std::memcpy(&id, frame.data() + kOffRequestId, sizeof(id));
-  return id;
+  if (LoadLe<uint32_t>(frame.data(), kOffMagic) != kMagic) return 0;
+  return LoadLe<uint64_t>(frame.data(), kOffRequestId);
 }
 
 // ---- encoders ----

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvcomp/core/byte_coder.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/status.h"
@@ -16,62 +17,12 @@ constexpr uint32_t kProjMagic = 0x4A50564B;  // "KVPJ" in file order
 constexpr uint32_t kProjFormat = 1;
 constexpr uint32_t kMaxModelId = 4096;
 
-class Writer {
- public:
-  template <typename T>
-  void Put(T v) {
-    const size_t at = out_.size();
-    out_.resize(at + sizeof(T));
-    std::memcpy(&out_[at], &v, sizeof(T));
-  }
-  template <typename T>
-  void PutArray(const std::vector<T>& v) {
-    const size_t at = out_.size();
-    out_.resize(at + v.size() * sizeof(T));
-    if (!v.empty()) std::memcpy(&out_[at], v.data(), v.size() * sizeof(T));
-  }
-  void PutBytes(absl::string_view s) { out_.append(s.data(), s.size()); }
-  std::string& out() { return out_; }
-
- private:
-  std::string out_;
-};
-
-class Reader {
- public:
-  explicit Reader(absl::string_view in) : in_(in) {}
-  template <typename T>
-  absl::Status Get(T* v) {
-    if (in_.size() - at_ < sizeof(T)) return Short();
-    std::memcpy(v, in_.data() + at_, sizeof(T));
-    at_ += sizeof(T);
-    return absl::OkStatus();
-  }
-  template <typename T>
-  absl::Status GetArray(uint64_t n, std::vector<T>* v) {
-    if (n > (in_.size() - at_) / sizeof(T)) return Short();
-    v->resize(n);
-    if (n > 0) std::memcpy(v->data(), in_.data() + at_, n * sizeof(T));
-    at_ += n * sizeof(T);
-    return absl::OkStatus();
-  }
-  absl::Status GetBytes(uint64_t n, std::string* s) {
-    if (n > in_.size() - at_) return Short();
-    s->assign(in_.data() + at_, n);
-    at_ += n;
-    return absl::OkStatus();
-  }
-  size_t remaining() const { return in_.size() - at_; }
-
- private:
-  static absl::Status Short() { return absl::DataLossError("projection: truncated"); }
-  absl::string_view in_;
-  size_t at_ = 0;
-};
+using byte_coder::ByteReader;
+using byte_coder::ByteWriter;
 
 // The serialized body without the checksum, with `version` as given.
 std::string Body(const Projection& p, uint64_t version) {
-  Writer w;
+  ByteWriter w;
   w.Put<uint32_t>(kProjMagic);
   w.Put<uint32_t>(kProjFormat);
   w.Put<uint64_t>(version);
@@ -81,14 +32,14 @@ std::string Body(const Projection& p, uint64_t version) {
   w.Put<uint32_t>(p.rows);
   w.Put<uint64_t>(p.samples);
   w.Put<uint32_t>(static_cast<uint32_t>(p.model_id.size()));
-  w.PutBytes(p.model_id);
-  w.PutArray(p.basis);
-  w.PutArray(p.eigenvalues);
-  w.PutArray(p.gamma);
+  w.Raw(p.model_id);
+  w.Array(p.basis);
+  w.Array(p.eigenvalues);
+  w.Array(p.gamma);
   w.Put<uint32_t>(static_cast<uint32_t>(p.tuned_rank.size()));
-  w.PutArray(p.tuned_rank);
-  w.PutArray(p.tuned_error);
-  return std::move(w.out());
+  w.Array(p.tuned_rank);
+  w.Array(p.tuned_error);
+  return w.Take();
 }
 
 uint64_t Fingerprint(absl::string_view bytes) {
@@ -179,56 +130,54 @@ absl::StatusOr<Projection> Projection::Truncated(uint32_t rank) const {
 std::string Projection::Serialize() const {
   std::string out = Body(*this, version);
   const uint32_t crc = Crc32c(reinterpret_cast<const uint8_t*>(out.data()), out.size());
-  out.append(reinterpret_cast<const char*>(&crc), sizeof(crc));
+  byte_coder::PutLe(&out, crc, sizeof(crc));
   return out;
 }
 
 absl::StatusOr<Projection> Projection::Parse(absl::string_view bytes) {
   if (bytes.size() < 8) return absl::DataLossError("projection: truncated");
-  uint32_t magic;
-  std::memcpy(&magic, bytes.data(), 4);
-  if (magic != kProjMagic) {
+  if (byte_coder::LoadLe<uint32_t>(bytes.data(), 0) != kProjMagic) {
     return absl::InvalidArgumentError("projection: bad magic (not a kvcomp projection)");
   }
   const absl::string_view body = bytes.substr(0, bytes.size() - 4);
-  uint32_t crc;
-  std::memcpy(&crc, bytes.data() + body.size(), 4);
-  if (Crc32c(reinterpret_cast<const uint8_t*>(body.data()), body.size()) != crc) {
+  if (Crc32c(reinterpret_cast<const uint8_t*>(body.data()), body.size()) !=
+      byte_coder::LoadLe<uint32_t>(bytes.data(), body.size())) {
     return absl::DataLossError("projection: checksum mismatch");
   }
-  Reader r(body);
+  ByteReader r(body, "projection");
   Projection p;
-  uint32_t format = 0, id_len = 0, tuned = 0;
-  KVCOMP_RETURN_IF_ERROR(r.Get(&magic));
-  KVCOMP_RETURN_IF_ERROR(r.Get(&format));
-  if (format != kProjFormat) {
+  r.Get<uint32_t>("magic");
+  const uint32_t format = r.Get<uint32_t>("format");
+  if (r.ok() && format != kProjFormat) {
     return absl::FailedPreconditionError(
         absl::StrFormat("projection: format %u unknown to this reader (%u)", format, kProjFormat));
   }
-  KVCOMP_RETURN_IF_ERROR(r.Get(&p.version));
-  KVCOMP_RETURN_IF_ERROR(r.Get(&p.num_layers));
-  KVCOMP_RETURN_IF_ERROR(r.Get(&p.num_kv_heads));
-  KVCOMP_RETURN_IF_ERROR(r.Get(&p.head_dim));
-  KVCOMP_RETURN_IF_ERROR(r.Get(&p.rows));
-  KVCOMP_RETURN_IF_ERROR(r.Get(&p.samples));
-  KVCOMP_RETURN_IF_ERROR(r.Get(&id_len));
-  if (id_len > kMaxModelId) return absl::InvalidArgumentError("projection: model id too long");
-  KVCOMP_RETURN_IF_ERROR(r.GetBytes(id_len, &p.model_id));
-  if (p.num_layers > KvLayout::kMaxLayers || p.num_kv_heads > KvLayout::kMaxKvHeads ||
-      p.head_dim > 256 || p.rows > p.head_dim) {
+  p.version = r.Get<uint64_t>("version");
+  p.num_layers = r.Get<uint32_t>("num_layers");
+  p.num_kv_heads = r.Get<uint32_t>("num_kv_heads");
+  p.head_dim = r.Get<uint32_t>("head_dim");
+  p.rows = r.Get<uint32_t>("rows");
+  p.samples = r.Get<uint64_t>("samples");
+  const uint32_t id_len = r.Get<uint32_t>("model id length");
+  if (r.ok() && id_len > kMaxModelId) {
+    return absl::InvalidArgumentError("projection: model id too long");
+  }
+  p.model_id = r.Bytes(id_len, "model id");
+  if (r.ok() && (p.num_layers > KvLayout::kMaxLayers || p.num_kv_heads > KvLayout::kMaxKvHeads ||
+                 p.head_dim > 256 || p.rows > p.head_dim)) {
     return absl::InvalidArgumentError("projection: shape out of range");
   }
   const uint64_t h = p.num_heads();
-  KVCOMP_RETURN_IF_ERROR(r.GetArray(h * p.rows * p.head_dim, &p.basis));
-  KVCOMP_RETURN_IF_ERROR(r.GetArray(h * p.head_dim, &p.eigenvalues));
-  KVCOMP_RETURN_IF_ERROR(r.GetArray(h * p.rows, &p.gamma));
-  KVCOMP_RETURN_IF_ERROR(r.Get(&tuned));
-  if (tuned != 0 && tuned != p.num_layers) {
+  p.basis = r.Array<float>(h * p.rows * p.head_dim, "basis");
+  p.eigenvalues = r.Array<float>(h * p.head_dim, "eigenvalues");
+  p.gamma = r.Array<float>(h * p.rows, "gamma");
+  const uint32_t tuned = r.Get<uint32_t>("tuned ranks");
+  if (r.ok() && tuned != 0 && tuned != p.num_layers) {
     return absl::InvalidArgumentError("projection: tuned ranks need one per layer");
   }
-  KVCOMP_RETURN_IF_ERROR(r.GetArray(tuned, &p.tuned_rank));
-  KVCOMP_RETURN_IF_ERROR(r.GetArray(tuned, &p.tuned_error));
-  if (r.remaining() != 0) return absl::InvalidArgumentError("projection: trailing bytes");
+  p.tuned_rank = r.Array<decltype(p.tuned_rank)::value_type>(tuned, "tuned ranks");
+  p.tuned_error = r.Array<decltype(p.tuned_error)::value_type>(tuned, "tuned errors");
+  KVCOMP_RETURN_IF_ERROR(r.Finish());
   KVCOMP_RETURN_IF_ERROR(p.Validate());
   if (p.version != Fingerprint(Body(p, 0))) {
     return absl::DataLossError("projection: version does not match the content");

@@ -25,6 +25,9 @@ enum class ErrorDetail : uint16_t {
   // The peer cannot map the memory the request offered (a CUDA IPC handle or event from another
   // device or process namespace): move the bytes over another link (FailedPrecondition).
   kMemoryNotMappable = 3,
+  // The caller's own deadline for the whole call passed (DeadlineExceeded): every endpoint and
+  // retry it allowed is spent, so nothing else is tried (a per-request timeout is not this).
+  kCallDeadline = 4,
 };
 inline constexpr absl::string_view kErrorDetailUrl = "type.kvcomp.dev/kvcomp.ErrorDetail";
 

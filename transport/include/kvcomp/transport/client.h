@@ -101,6 +101,9 @@ class UcxClient {
   // (wire::kServerCudaMemory). Otherwise FailedPrecondition saying which side lacks it: device
   // memory must then be staged through host memory.
   virtual absl::Status DevicePayloads() const = 0;
+  // True when this client's UCX can send from and receive into CUDA memory (cuda_copy /
+  // cuda_ipc), whatever the server's: enough for GetInto device memory.
+  virtual bool LocalCudaMemory() const = 0;
 
   // Opens a put. begin.put_id == 0 picks a fresh id; returns the id used. begin.num_tokens,
   // layout and policy are validated locally first (InvalidArgument).

@@ -27,12 +27,15 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvcomp/core/layout.h"
+#include "kvcomp/transport/payload_link.h"
 
 namespace kvcomp {
 namespace transport {
@@ -233,6 +236,53 @@ class NcclLink {
   bool broken_ = false;
   bool pending_ = false;    // ops posted and not yet waited for
   bool enqueuing_ = false;  // the last group posted may not be on its stream yet
+};
+
+// The GPU links behind PayloadLink (payload_link.h). Both move CUDA memory of one device, in
+// place, in transfer order on the transfer's stream; what the peer's side is (its regions of
+// the same sizes, its IPC handles and event) is agreed beforehand on the control plane
+// (docs/protocol.md, "GPU channel"). Their completions are learned by waiting on the stream.
+//
+// NcclPayloadLink: one NcclLink. A send or receive is one group of ncclSend / ncclRecv of the
+// regions (Transfer::regions), waited until enqueued (the peer posted its side) by `deadline`;
+// the completion waits for the stream (NcclLink::Wait). One thread at a time, as NcclLink.
+class NcclPayloadLink final : public PayloadLink {
+ public:
+  explicit NcclPayloadLink(NcclLink* link) : link_(link) {}
+  LinkKind kind() const override { return LinkKind::kNccl; }
+  // CUDA memory only (the device is the caller's to match: NCCL fails the group otherwise).
+  absl::StatusOr<Registration> Register(const MemoryRegion& region) override;
+  absl::StatusOr<std::shared_ptr<Completion>> Post(const Transfer& transfer) override;
+
+ private:
+  NcclLink* const link_;
+};
+
+// CudaIpcLink: CUDA IPC on one device. At the end that offers its memory, Register exports the
+// allocation holding a region (Registration::descriptor: the 64-byte IPC handle, then the
+// region's offset in it as 8 bytes, little-endian). At the end that maps the peer's memory
+// (kvcompd), a transfer copies between this end's `regions` and the peer's mapped regions
+// (`peer`, one of the same size each) on `stream`, after the peer's event (its producer's work
+// on its stream); a send writes the peer's memory, a receive reads it. The completion waits for
+// the stream. Thread-safe as GpuRuntime; one transfer at a time per stream.
+class CudaIpcLink final : public PayloadLink {
+ public:
+  // `peer_event` (an opened IPC event, or null for none) and `stream` belong to the current
+  // device; both outlive the link.
+  CudaIpcLink(GpuRuntime* rt, void* stream, void* peer_event)
+      : rt_(rt), stream_(stream), peer_event_(peer_event) {}
+  LinkKind kind() const override { return LinkKind::kCudaIpc; }
+  absl::StatusOr<Registration> Register(const MemoryRegion& region) override;
+  // `transfer.regions` are this end's; the peer's are set with Peer first.
+  absl::StatusOr<std::shared_ptr<Completion>> Post(const Transfer& transfer) override;
+  // The peer's mapped regions of the next transfer, in transfer order.
+  void Peer(std::vector<MemoryRegion> peer) { peer_ = std::move(peer); }
+
+ private:
+  GpuRuntime* const rt_;
+  void* const stream_;
+  void* const peer_event_;
+  std::vector<MemoryRegion> peer_;
 };
 
 }  // namespace transport
