@@ -68,6 +68,10 @@ CONFIGS = {
     "vllm tq 4bit_nc": ("vtqk4n", "vtqv4", None, 0.0),
     "vllm tq k3v4_nc": ("vtqk3n", "vtqv4", None, 0.0),
     "vllm tq 3bit_nc": ("vtqk3n", "vtqv3", None, 0.0),
+    # TurboQuant keys (norm-corrected) with the engine's hq values: the next key codec's candidates
+    "tqn k4 + kvhq v3": ("vtqk4n", "kvhq3", None, 0.0),
+    "tqn k3 + kvhq v3": ("vtqk3n", "kvhq3", None, 0.0),
+    "tqn k3 + kvhq v2": ("vtqk3n", "kvhq2", None, 0.0),
     "kvhq k4v4": ("kvhq4", "kvhq4", None, 0.0),
     "kvhq k4v3": ("kvhq4", "kvhq3", None, 0.0),
     "kvhq k3v3": ("kvhq3", "kvhq3", None, 0.0),
@@ -81,7 +85,7 @@ CONFIGS = {
     "manifold_r50 0.67 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r50", 0.67),
     "manifold_r50 0.55 + kvhq alloc 2.5": ("alloc2.5", "alloc2.5", "manifold_r50", 0.55),
 }
-DEFAULT = [c for c in CONFIGS if c != "kvhq k2c v2" and not c.startswith("vllm")]
+DEFAULT = [c for c in CONFIGS if c != "kvhq k2c v2" and not c.startswith(("vllm", "tqn"))]
 
 _ZSTD = None
 
