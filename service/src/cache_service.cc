@@ -8,6 +8,7 @@
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/fp16_range.h"
+#include "kvcomp/kernels/pipeline.h"
 #include "log.h"
 
 namespace kvcomp {
@@ -239,10 +240,11 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
       absl::MutexLock lock(&mu_);
       on_device = device_kv_ != nullptr;
     }
-    // A cache whose codecs have no device encoder (the hq codecs) is selected on the device and
-    // encoded on the host (Compress), then stored from host memory.
+    // A cache whose codecs have no verified device encoder (kernels' DeviceEncodes: the hq
+    // codecs) is selected on the device and encoded on the host (Compress), then stored from host
+    // memory.
     const CompressionPolicy& policy = request_.policy.get();
-    if (on_device && HqBits(policy.key_codec) == 0 && HqBits(policy.value_codec) == 0) {
+    if (on_device && DeviceEncodes(policy)) {
       return CommitOnDevice(backend, &transfers);
     }
     if (request_.block_wise) {
