@@ -178,7 +178,7 @@ def check_format_doc(fields):
     where = "docs/format.md (Policy records)"
     text = read("docs", "format.md")
     m = re.search(r"### Policy records.*?\n\| tag \| length \| field \|\n\| --- \| --- \| --- \|\n"
-                  r"((?:\|.*\|\n)+)", text, re.S)
+                  r"((?:\|[^\n]*\|\n)+)", text, re.S)
     if not m:
         fail(where, "no policy records table")
         return
