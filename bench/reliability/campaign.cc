@@ -108,6 +108,8 @@ struct Flags {
   // put_child (peer mode's child process): where to put, what, how many blocks before waiting.
   std::string child_endpoint, child_key;
   int child_blocks = 0;
+  int rss_every = 0;  // peer mode: every n cycles a line (RSS, open puts, caches) on stderr
+  bool no_round_trips = false;  // peer mode: only the cut puts (no cache kept between cycles)
 };
 
 const KvLayout kLayout{4, 4, 8, 64, DType::kF16};
@@ -1639,7 +1641,9 @@ int PutChild(const Flags& f) {
 // overwrite cut short). After each cut put: the key serves the old cache byte for byte, or is a
 // miss when there was none (a partial cache is never served); a healthy client's round trip
 // works; kvcomp_puts_in_progress comes back to 0 (the put's buffers released; the time it took
-// is recorded). The daemon's RSS is reported at the start and the end.
+// is recorded). The daemon's RSS is reported at the start and the end; --rss_every=N adds a line
+// on stderr every N cycles (RSS, open puts, caches stored), and --no_round_trips leaves out the
+// healthy client's round trips and overwrites, so that only the cut puts touch the daemon.
 int PeerGone(const Flags& f, const char* self) {
   std::vector<std::string> flags = {"--data_plane.max_block_bytes=1Mi"};
   flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
@@ -1661,8 +1665,14 @@ int PeerGone(const Flags& f, const char* self) {
   o.ucx.overrides["TLS"] = "tcp";
   const auto t0 = Clock::now();
   for (int cycle = 0; cycle < f.cycles && led.Wrong() == 0; ++cycle) {
+    if (f.rss_every > 0 && cycle % f.rss_every == 0) {
+      std::fprintf(stderr, "peer cycle %d rss_kib %llu puts_in_progress %llu tier_entries %llu\n",
+                   cycle, static_cast<unsigned long long>(RssKiB(d.ports().pid)),
+                   static_cast<unsigned long long>(MetricOf(d, "kvcomp_puts_in_progress")),
+                   static_cast<unsigned long long>(MetricOf(d, "kvcomp_caches_stored")));
+    }
     const int kind = cycle % 3;
-    const bool overwrite = (cycle / 3) % 2 == 1;
+    const bool overwrite = !f.no_round_trips && (cycle / 3) % 2 == 1;
     // The key of the cut put: a live cache's (an overwrite) or a fresh one.
     uint64_t old_id = UINT64_MAX, old_stored = 0;
     if (overwrite) {
@@ -1787,7 +1797,9 @@ int PeerGone(const Flags& f, const char* self) {
       problem("get " + key + ": " + got.status().ToString());
     }
     // The daemon serves a healthy client's round trip.
-    if (absl::Status st = led.PutAndReadBack(*c); !st.ok()) problem("round trip: " + st.ToString());
+    if (!f.no_round_trips) {
+      if (absl::Status st = led.PutAndReadBack(*c); !st.ok()) problem("round trip: " + st.ToString());
+    }
     if (cycle % 20 == 19) led.DeleteDownTo(*c, 16);
   }
   led.CheckAll(*c, "end");
@@ -1844,6 +1856,8 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("stranger_period")) f.stranger_period = std::atof(v);
     else if (const char* v = val("flip_every")) f.flip_every = std::atoi(v);
     else if (const char* v = val("tear_every")) f.tear_every = std::atoi(v);
+    else if (const char* v = val("rss_every")) f.rss_every = std::atoi(v);
+    else if (a == "--no_round_trips") f.no_round_trips = true;
     else if (a == "--lossless") f.lossless = true;
     else if (const char* v = val("readers")) f.readers = std::atoi(v);
     else if (const char* v = val("run_ms")) {
