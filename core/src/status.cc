@@ -49,7 +49,7 @@ ErrorDetail DetailOf(const Status& status) {
 uint16_t ErrorDetailToWire(ErrorDetail detail) { return static_cast<uint16_t>(detail); }
 
 ErrorDetail ErrorDetailFromWire(uint16_t wire) {
-  if (wire > static_cast<uint16_t>(ErrorDetail::kCallDeadline)) return ErrorDetail::kNone;
+  if (wire > static_cast<uint16_t>(ErrorDetail::kDiskFull)) return ErrorDetail::kNone;
   return static_cast<ErrorDetail>(wire);
 }
 

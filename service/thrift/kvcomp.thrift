@@ -38,7 +38,9 @@ enum StatusCode {
 
 // `detail` is what a caller decides on beyond the code (kvcomp::ErrorDetail's numbers: 1 busy,
 // retry later; 2 the GPU channel named is gone, open another; 3 the offered memory cannot be
-// mapped here, move the bytes another way); absent or 0 for none. Never match `message`.
+// mapped here, move the bytes another way; 4 the caller's own deadline, never sent by a daemon;
+// 5 a tier's disk is full, writes resume when space returns); absent or 0 for none. Never match
+// `message`.
 struct Status {
   1: StatusCode code = StatusCode.OK,
   2: string message = "",

@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "kvcomp/core/byte_coder.h"
 #include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 #include "rocksdb/cache.h"
 #include "rocksdb/db.h"
@@ -64,10 +65,16 @@ bool DecodeDirectRecord(absl::string_view b, std::string* name, uint64_t* size) 
   return absl::EndsWith(*name, kDirectSuffix) && name->find('/') == std::string::npos;
 }
 
+// A write refused for lack of disk space: ResourceExhausted with the kDiskFull detail, which
+// the tiered store counts as a write error (a full tier or a quota is neither).
+absl::Status DiskFullError(absl::string_view message) {
+  return WithDetail(absl::ResourceExhaustedError(message), ErrorDetail::kDiskFull);
+}
+
 absl::Status FromIo(const rocksdb::IOStatus& s, absl::string_view context) {
   if (s.ok()) return absl::OkStatus();
   if (s.IsNoSpace())
-    return absl::ResourceExhaustedError(absl::StrCat("disk full: ", context, ": ", s.ToString()));
+    return DiskFullError(absl::StrCat("disk full: ", context, ": ", s.ToString()));
   if (s.IsNotFound() || s.IsPathNotFound())
     return absl::NotFoundError(absl::StrCat(context, ": ", s.ToString()));
   return absl::UnavailableError(absl::StrCat(context, ": ", s.ToString()));
@@ -296,7 +303,7 @@ absl::StatusOr<CacheMeta> DecodeMeta(absl::string_view b) {
 absl::Status FromRocksDb(const rocksdb::Status& s, absl::string_view context) {
   if (s.ok()) return absl::OkStatus();
   const std::string msg = absl::StrCat(context, ": ", s.ToString());
-  if (s.IsNoSpace()) return absl::ResourceExhaustedError(absl::StrCat("disk full: ", msg));
+  if (s.IsNoSpace()) return DiskFullError(absl::StrCat("disk full: ", msg));
   if (s.IsNotFound()) return absl::NotFoundError(msg);
   if (s.IsCorruption()) return absl::DataLossError(msg);
   if (s.IsIOError()) return absl::UnavailableError(msg);
@@ -795,14 +802,14 @@ absl::Status RocksDbTier::AdmitWrite(Db& db, uint64_t bytes, WriteKind kind) con
   const uint64_t needed =
       kind == WriteKind::kAdds ? 2 * bytes + unflushed + reserve_ : bytes + reserve_ / 2;
   if (free < needed) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return DiskFullError(absl::StrCat(
         "disk full: ", free, " bytes free under ", options_.path, ", ", needed,
         " needed (write of ", bytes, ", unflushed ", unflushed, ", reserve ", reserve_,
         "); writes resume when space returns"));
   }
   if (kind == WriteKind::kAdds && db.sst_files != nullptr &&
       db.sst_files->GetTotalSize() + 2 * bytes + unflushed > max_space_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return DiskFullError(absl::StrCat(
         "disk full: RocksDB files hold ", db.sst_files->GetTotalSize(), " bytes of their bound ",
         max_space_, "; writes resume once compaction reclaims space"));
   }
@@ -815,7 +822,7 @@ absl::Status RocksDbTier::Write(void* batch_ptr, bool sync, absl::string_view wh
   std::shared_ptr<Db> db = this->db();
   if (db->read_only) {
     if (!TryReopenWritable()) {
-      return absl::ResourceExhaustedError(
+      return DiskFullError(
           absl::StrCat("disk full: rocksdb tier: ", what, " refused, the database is open "
                        "read-only (", read_only_reason(), "); writes resume when space returns"));
     }
@@ -857,7 +864,7 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
   std::string file;  // the new direct file, if any
   if (direct) {
     if (db->read_only && !TryReopenWritable()) {
-      return absl::ResourceExhaustedError(
+      return DiskFullError(
           absl::StrCat("disk full: rocksdb tier: put refused, the database is open read-only (",
                        read_only_reason(), "); writes resume when space returns"));
     }
@@ -865,7 +872,7 @@ absl::Status RocksDbTier::Put(absl::string_view key, const CacheMeta& meta, cons
     // The payload is written once (no WAL copy, no flush copy): its bytes plus the reserve.
     const uint64_t free = FreeBytesUnder(options_.path);
     if (free != UINT64_MAX && free < n + reserve_) {
-      return absl::ResourceExhaustedError(
+      return DiskFullError(
           absl::StrCat("disk full: ", free, " bytes free under ", options_.path, ", ", n + reserve_,
                        " needed (direct write of ", n, ", reserve ", reserve_,
                        "); writes resume when space returns"));

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda_memory.h"
 #include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/storage/tier.h"
@@ -72,9 +73,9 @@ using ProjectionRef = std::pair<std::string, uint64_t>;  // (model, version)
 int TierIndex(TierKind k) { return static_cast<int>(k); }
 
 // A failure of the disk or device underneath (counted in StoreStats::write_errors), as opposed
-// to a full tier or a quota, which are ResourceExhausted without "disk full".
+// to a full tier or a quota, which are ResourceExhausted without the kDiskFull detail.
 bool IsDiskError(const absl::Status& s) {
-  if (absl::IsResourceExhausted(s)) return absl::StrContains(s.message(), "disk full");
+  if (absl::IsResourceExhausted(s)) return DetailOf(s) == ErrorDetail::kDiskFull;
   return absl::IsUnavailable(s) || absl::IsDataLoss(s) || absl::IsInternal(s);
 }
 

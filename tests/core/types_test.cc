@@ -289,7 +289,9 @@ TEST(StatusTest, DetailsAreTypedPayloadsThatSurviveAnnotation) {
   EXPECT_EQ(ErrorDetailFromWire(3), ErrorDetail::kMemoryNotMappable);
   EXPECT_EQ(ErrorDetailToWire(ErrorDetail::kCallDeadline), 4);
   EXPECT_EQ(ErrorDetailFromWire(4), ErrorDetail::kCallDeadline);
-  EXPECT_EQ(ErrorDetailFromWire(5), ErrorDetail::kNone);
+  EXPECT_EQ(ErrorDetailToWire(ErrorDetail::kDiskFull), 5);
+  EXPECT_EQ(ErrorDetailFromWire(5), ErrorDetail::kDiskFull);
+  EXPECT_EQ(ErrorDetailFromWire(6), ErrorDetail::kNone);
   EXPECT_EQ(ErrorDetailFromWire(999), ErrorDetail::kNone);
   Status foreign = absl::UnavailableError("x");
   foreign.SetPayload(kErrorDetailUrl, absl::Cord("not a number"));

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "kvcomp/core/cache_key.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/storage/tiered_store.h"
 #include "storage_test_util.h"
 #include "tmpfs_mount.h"
@@ -95,6 +96,8 @@ TEST(DiskFull, PutsAreRefusedCleanlyOnARealFullFilesystemAndResumeWhenItGrows) {
   ASSERT_FALSE(refusal.ok()) << "8 MiB took 2000 caches of ~100 KiB";
   EXPECT_TRUE(absl::IsResourceExhausted(refusal)) << refusal;
   EXPECT_TRUE(absl::StrContains(refusal.message(), "disk full")) << refusal;
+  // What code decides on is the typed detail, not the text.
+  EXPECT_EQ(DetailOf(refusal), ErrorDetail::kDiskFull) << refusal;
   EXPECT_GT(acked.size(), 10u);
   EXPECT_GE(store->Stats().write_errors, 1u);
 
@@ -152,6 +155,7 @@ TEST(DiskFull, AStoreOpenedOnAFullDiskServesReadsAndTurnsWritableWhenSpaceReturn
       store->Put(Key(9000), storage::testing::EncodedCache(9000, kTokens), {}, Durable());
   EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
   EXPECT_TRUE(absl::StrContains(st.message(), "read-only")) << st;
+  EXPECT_EQ(DetailOf(st), ErrorDetail::kDiskFull) << st;
   EXPECT_TRUE(absl::IsResourceExhausted(store->Delete(Key(0))));  // nothing removable either
   EXPECT_TRUE(store->Get(Key(0)).ok());
 

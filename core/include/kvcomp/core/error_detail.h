@@ -28,6 +28,9 @@ enum class ErrorDetail : uint16_t {
   // The caller's own deadline for the whole call passed (DeadlineExceeded): every endpoint and
   // retry it allowed is spent, so nothing else is tried (a per-request timeout is not this).
   kCallDeadline = 4,
+  // A tier's disk has no room for the write (ResourceExhausted): writes resume by themselves
+  // once space returns; a full tier or a tenant's quota is ResourceExhausted without it.
+  kDiskFull = 5,
 };
 inline constexpr absl::string_view kErrorDetailUrl = "type.kvcomp.dev/kvcomp.ErrorDetail";
 
