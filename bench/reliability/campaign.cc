@@ -122,22 +122,28 @@ struct Kv {
   std::vector<uint16_t> k, v;
   std::vector<client::LayerData> layers;
 };
-Kv MakeKv(uint64_t id) {
-  const uint64_t tokens = TokensOf(id);
-  const size_t per_layer = uint64_t{kLayout.num_kv_heads} * tokens * kLayout.head_dim;
+// `tokens` of K and V in `layout`, each element pair from fill(&k, &v) in order, with the
+// per-layer views the SDK puts.
+template <typename Fill>
+Kv MakeKvWith(const KvLayout& layout, uint64_t tokens, Fill fill) {
+  const size_t per_layer = uint64_t{layout.num_kv_heads} * tokens * layout.head_dim;
   Kv kv;
-  kv.k.resize(per_layer * kLayout.num_layers);
+  kv.k.resize(per_layer * layout.num_layers);
   kv.v.resize(kv.k.size());
-  std::mt19937_64 rng(id * 0x9E3779B97F4A7C15ull + 1);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  for (size_t i = 0; i < kv.k.size(); ++i) {
-    kv.k[i] = FloatToHalf(n(rng));
-    kv.v[i] = FloatToHalf(n(rng));
-  }
-  for (uint32_t l = 0; l < kLayout.num_layers; ++l) {
+  for (size_t i = 0; i < kv.k.size(); ++i) fill(&kv.k[i], &kv.v[i]);
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
     kv.layers.push_back({kv.k.data() + l * per_layer, kv.v.data() + l * per_layer});
   }
   return kv;
+}
+
+Kv MakeKv(uint64_t id) {
+  std::mt19937_64 rng(id * 0x9E3779B97F4A7C15ull + 1);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  return MakeKvWith(kLayout, TokensOf(id), [&](uint16_t* k, uint16_t* v) {
+    *k = FloatToHalf(n(rng));
+    *v = FloatToHalf(n(rng));
+  });
 }
 
 // Small lossless caches for the round trips: 2 layers, 2 kv heads, head_dim 64, f16 (1 KiB of
@@ -148,25 +154,16 @@ uint64_t SmallTokensOf(uint64_t id) { return 16 + id % 48; }
 // K and V of small cache `id`: finite f16 of both signs, random mantissas, magnitudes 2^-10 to
 // 2^5 (every mantissa bit exercised; nothing a lossless codec may round).
 Kv MakeSmallKv(uint64_t id) {
-  const uint64_t tokens = SmallTokensOf(id);
-  const size_t per_layer = uint64_t{kSmallLayout.num_kv_heads} * tokens * kSmallLayout.head_dim;
-  Kv kv;
-  kv.k.resize(per_layer * kSmallLayout.num_layers);
-  kv.v.resize(kv.k.size());
   std::mt19937_64 rng(id * 0x9E3779B97F4A7C15ull + 7);
   auto half = [](uint64_t bits) {
     const uint16_t exponent = static_cast<uint16_t>(5 + (bits >> 11) % 16);  // 2^-10 .. 2^5
     return static_cast<uint16_t>((bits & 0x83FF) | (exponent << 10));
   };
-  for (size_t i = 0; i < kv.k.size(); ++i) {
+  return MakeKvWith(kSmallLayout, SmallTokensOf(id), [&](uint16_t* k, uint16_t* v) {
     const uint64_t r = rng();
-    kv.k[i] = half(r);
-    kv.v[i] = half(r >> 32);
-  }
-  for (uint32_t l = 0; l < kSmallLayout.num_layers; ++l) {
-    kv.layers.push_back({kv.k.data() + l * per_layer, kv.v.data() + l * per_layer});
-  }
-  return kv;
+    *k = half(r);
+    *v = half(r >> 32);
+  });
 }
 
 client::PutOptions Lossless() {

@@ -32,14 +32,7 @@ namespace storage {
 namespace {
 
 using testing::TempDir;
-
-CacheMeta MetaFor(const Payload& p) {
-  CacheMeta m;
-  m.stored_bytes = p.size();
-  m.crc32c = Crc32c(p.data(), p.size());
-  m.created_unix_ms = 1234;
-  return m;
-}
+using testing::MetaFor;
 
 RocksDbTierOptions Options(const std::string& path) {
   RocksDbTierOptions o;

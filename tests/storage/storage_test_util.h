@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "common/random_cache.h"
+#include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/format.h"
 #include "rocksdb/env.h"
 #include "rocksdb/file_system.h"
@@ -19,6 +20,15 @@
 namespace kvcomp {
 namespace storage {
 namespace testing {
+
+// The metadata a tier stores beside `p`: its size, its CRC32C and a fixed creation time.
+inline CacheMeta MetaFor(const Payload& p) {
+  CacheMeta m;
+  m.stored_bytes = p.size();
+  m.crc32c = Crc32c(p.data(), p.size());
+  m.created_unix_ms = 1234;
+  return m;
+}
 
 class TempDir {
  public:

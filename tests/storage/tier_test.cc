@@ -26,14 +26,7 @@ namespace {
 
 using testing::DiskFullFileSystem;
 using testing::TempDir;
-
-CacheMeta MetaFor(const Payload& p) {
-  CacheMeta m;
-  m.stored_bytes = p.size();
-  m.crc32c = Crc32c(p.data(), p.size());
-  m.created_unix_ms = 1234;
-  return m;
-}
+using testing::MetaFor;
 
 TEST(RangeAllocator, AllocatesFirstFitAndCoalesces) {
   RangeAllocator a(4096, 256);
