@@ -653,7 +653,7 @@ absl::StatusOr<DeviceCompressedCache> CompressToDevice(Backend& backend, const K
 bool DeviceEncodes(const CompressionPolicy& policy) {
   if (HqBits(policy.key_codec) == 0 && HqBits(policy.value_codec) == 0) return true;
   const char* env = std::getenv("KVCOMP_HQ_DEVICE_ENCODE");
-  return env != nullptr && std::strcmp(env, "1") == 0;
+  return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
 absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& cache,
@@ -661,9 +661,9 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
                                          const CompressOptions& options) {
   if (backend.space() != MemorySpace::kHost) {
     if (!DeviceEncodes(policy)) {
-      // The hq codecs' device encoder has not been verified on a GPU: the device selects the
-      // kept tokens, the host encodes them (the projection codecs still on the backend, through
-      // EncodeKept).
+      // The hq codecs' device encoder is switched off (KVCOMP_HQ_DEVICE_ENCODE=0): the device
+      // selects the kept tokens, the host encodes them (the projection codecs still on the
+      // backend, through EncodeKept).
       KVCOMP_RETURN_IF_ERROR(policy.ValidateFor(cache.layout.head_dim));
       CompressionPolicy select_only = policy;
       select_only.key_codec = KeyCodec::kRaw;

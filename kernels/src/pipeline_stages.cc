@@ -120,9 +120,8 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
   }
   if (!DeviceEncodes(policy)) {
     return absl::FailedPreconditionError(
-        "the hq codecs' device encoder has not been verified on a GPU (KVCOMP_HQ_DEVICE_ENCODE=1 "
-        "enables it): compress into host memory (Compress encodes them on the host after the "
-        "device's selection)");
+        "the hq codecs' device encoder is switched off (KVCOMP_HQ_DEVICE_ENCODE=0): compress "
+        "into host memory (Compress encodes them on the host after the device's selection)");
   }
   const KvLayout& layout = host.layout;
   const uint64_t d = layout.head_dim, total = host.total_kept();

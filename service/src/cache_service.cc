@@ -240,9 +240,9 @@ void OpenPut::RunCommit(Backend& backend, CommitDone done) {
       absl::MutexLock lock(&mu_);
       on_device = device_kv_ != nullptr;
     }
-    // A cache whose codecs have no verified device encoder (kernels' DeviceEncodes: the hq
-    // codecs) is selected on the device and encoded on the host (Compress), then stored from host
-    // memory.
+    // A cache whose codecs the device does not encode (kernels' DeviceEncodes: the hq codecs
+    // with KVCOMP_HQ_DEVICE_ENCODE=0) is selected on the device and encoded on the host
+    // (Compress), then stored from host memory.
     const CompressionPolicy& policy = request_.policy.get();
     if (on_device && DeviceEncodes(policy)) {
       return CommitOnDevice(backend, &transfers);

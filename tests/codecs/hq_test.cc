@@ -246,9 +246,9 @@ TEST(Hq, CpuCodecOpsAreTheReference) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// Whether a device engine keeps a compression on the device: not for the hq codecs (their CUDA
-// encoder has not run on a GPU) unless KVCOMP_HQ_DEVICE_ENCODE=1.
-TEST(Hq, DeviceEncodesOnlyVerifiedCodecs) {
+// Whether a device engine keeps a compression on the device: yes for every codec, the hq codecs
+// too unless KVCOMP_HQ_DEVICE_ENCODE=0.
+TEST(Hq, DeviceEncodesEveryCodecUnlessSwitchedOff) {
   unsetenv("KVCOMP_HQ_DEVICE_ENCODE");
   CompressionPolicy p;
   EXPECT_TRUE(DeviceEncodes(p));
@@ -256,14 +256,16 @@ TEST(Hq, DeviceEncodesOnlyVerifiedCodecs) {
   p.key_codec = KeyCodec::kInt8;
   EXPECT_TRUE(DeviceEncodes(p));
   p.value_codec = ValueCodec::kHq3;
-  EXPECT_FALSE(DeviceEncodes(p));
+  EXPECT_TRUE(DeviceEncodes(p));
   p.value_codec = ValueCodec::kRaw;
   p.key_codec = KeyCodec::kHq4;
-  EXPECT_FALSE(DeviceEncodes(p));
+  EXPECT_TRUE(DeviceEncodes(p));
   setenv("KVCOMP_HQ_DEVICE_ENCODE", "1", 1);
   EXPECT_TRUE(DeviceEncodes(p));
   setenv("KVCOMP_HQ_DEVICE_ENCODE", "0", 1);
   EXPECT_FALSE(DeviceEncodes(p));
+  p.key_codec = KeyCodec::kInt8;
+  EXPECT_TRUE(DeviceEncodes(p));  // the switch names the hq codecs only
   unsetenv("KVCOMP_HQ_DEVICE_ENCODE");
 }
 

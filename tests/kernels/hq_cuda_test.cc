@@ -19,6 +19,7 @@
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/codec_ops.h"
+#include "kvcomp/kernels/kvsplice.h"
 #include "kvcomp/kernels/pipeline.h"
 
 KVCOMP_GPU_TEST_BINARY();
@@ -283,18 +284,26 @@ TEST(HqCuda, DeviceEncodedCacheEqualsTheHostEncodedOne) {
   p.moments = false;
   p.key_codec = KeyCodec::kHq4;
   p.value_codec = ValueCodec::kHq3;
-  unsetenv("KVCOMP_HQ_DEVICE_ENCODE");
+  setenv("KVCOMP_HQ_DEVICE_ENCODE", "0", 1);
   ASSERT_FALSE(DeviceEncodes(p));
   auto host_encoded = Compress(*b.cuda, view, p);
+  unsetenv("KVCOMP_HQ_DEVICE_ENCODE");
   ASSERT_TRUE(host_encoded.ok()) << host_encoded.status();
-  setenv("KVCOMP_HQ_DEVICE_ENCODE", "1", 1);
   ASSERT_TRUE(DeviceEncodes(p));
   auto device_encoded = Compress(*b.cuda, view, p);
-  unsetenv("KVCOMP_HQ_DEVICE_ENCODE");
   ASSERT_TRUE(device_encoded.ok()) << device_encoded.status();
   EXPECT_EQ(device_encoded->keys, host_encoded->keys);
   EXPECT_EQ(device_encoded->values, host_encoded->values);
   EXPECT_EQ(*device_encoded, *host_encoded);
+  // Decoding the cache on the device (a decoded get, a placed cache) gives the CPU's values.
+  for (DType out : {DType::kBF16, DType::kF32}) {
+    auto on_device = DecodeKept(*b.cuda, *device_encoded, nullptr, out);
+    auto on_host = DecodeKept(*b.cpu, *device_encoded, nullptr, out);
+    ASSERT_TRUE(on_device.ok()) << on_device.status();
+    ASSERT_TRUE(on_host.ok()) << on_host.status();
+    EXPECT_EQ(on_device->keys, on_host->keys) << DTypeName(out);
+    EXPECT_EQ(on_device->values, on_host->values) << DTypeName(out);
+  }
 }
 
 }  // namespace

@@ -280,7 +280,7 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
   CodecOps& ops = backend.codec();
   if (const uint32_t bits = HqBits(cache.value_codec); bits != 0) {
     KVCOMP_RETURN_IF_ERROR(
-        hq::DecodeRows(cache.values.data(), total, layout.head_dim, bits, out.values.data(), dtype));
+        ops.DecodeHq(bits, total, layout.head_dim, cache.values.data(), out.values.data(), dtype));
   } else if (cache.value_codec != ValueCodec::kRaw) {
     if (projection == nullptr) {
       return absl::NotFoundError(absl::StrFormat(
@@ -332,7 +332,7 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
   }
   if (const uint32_t bits = HqBits(cache.key_codec); bits != 0) {
     KVCOMP_RETURN_IF_ERROR(
-        hq::DecodeRows(cache.keys.data(), total, layout.head_dim, bits, out.keys.data(), dtype));
+        ops.DecodeHq(bits, total, layout.head_dim, cache.keys.data(), out.keys.data(), dtype));
     return out;
   }
   KVCOMP_RETURN_IF_ERROR(ops.DecodeKeys(cache.key_codec, rows, layout.head_dim, cache.keys.data(),

@@ -158,11 +158,10 @@ absl::StatusOr<DeviceCompressedCache> CompressToDevice(Backend& backend, const K
 
 // Whether a device backend encodes every codec of `policy` on the device with an encoder that
 // has been verified on a GPU, so a compression on a device engine should stay there
-// (CompressToDevice; kvcompd's device put path). False for the Hadamard codecs (hq4/hq3): their
-// CUDA encoder (CodecOps::EncodeHq, kernels/src/cuda/hq_cuda.cu) is built but has not yet run on a
-// GPU, so Compress selects on the device and encodes them on the host; setting
-// KVCOMP_HQ_DEVICE_ENCODE=1 in the environment (read at each call) makes it true for them too, for
-// the GPU tests that verify it. True for every other policy (raw and the KVSplice codecs).
+// (CompressToDevice; kvcompd's device put path). True for every policy by default, the Hadamard
+// codecs (hq4/hq3, CodecOps::EncodeHq in kernels/src/cuda/hq_cuda.cu, the CPU's bits) included;
+// KVCOMP_HQ_DEVICE_ENCODE=0 in the environment (read at each call) makes it false for them, so
+// Compress selects on the device and encodes hq on the host (an operator's way back).
 bool DeviceEncodes(const CompressionPolicy& policy);
 
 // Scores of one layer's keys ([num_heads, num_tokens] f32, host), as the policy's scorer gives
