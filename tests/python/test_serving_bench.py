@@ -152,7 +152,7 @@ def test_serving_replay_deadline_still_writes_the_tables(tmp_path):
     workload.write_trace(str(trace), 5, dict(workload.PRESETS["cpu"], requests=3,
                                               max_tokens=256))
     d = serve.main(["--trace", str(trace), "--model", "trained", "--device", "cpu",
-                    "--kvcompd", KVCOMPD, "--chunk", "64", "--arms", "recompute,raw",
+                    "--kvcompd", KVCOMPD or "kvcompd", "--chunk", "64", "--arms", "recompute,raw",
                     "--rates", "1", "--slo-lengths", "128,256", "--threads", "1",
                     "--quality", "1,1,256", "--deadline-s", "0.001",
                     "--out", str(tmp_path / "s")])
@@ -175,7 +175,7 @@ def test_serving_replay_leaves_a_partial_record_when_cut_short(tmp_path, monkeyp
     monkeypatch.setattr(serve, "start_daemon", killed)
     with pytest.raises(KeyboardInterrupt):
         serve.main(["--trace", str(trace), "--model", "trained", "--device", "cpu",
-                    "--kvcompd", KVCOMPD, "--chunk", "64", "--arms", "recompute,raw",
+                    "--kvcompd", KVCOMPD or "kvcompd", "--chunk", "64", "--arms", "recompute,raw",
                     "--rates", "1", "--slo-lengths", "128,256", "--threads", "1",
                     "--quality", "1,1,256", "--out", str(tmp_path / "s")])
     rec = json.loads((tmp_path / "s.json").read_text())
