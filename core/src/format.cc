@@ -548,30 +548,47 @@ absl::StatusOr<CacheInfo> PeekHeader(absl::string_view header_and_table, uint64_
   return p.info;
 }
 
-absl::StatusOr<DenseSections> DenseKvSections(absl::string_view header_and_table,
-                                              uint64_t total_bytes) {
+absl::StatusOr<DenseSections> DenseRowSections(absl::string_view header_and_table,
+                                               uint64_t total_bytes) {
   std::vector<SectionSpan> spans;
   DenseSections out;
   KVCOMP_ASSIGN_OR_RETURN(out.info, PeekHeader(header_and_table, total_bytes, &spans));
   const CacheInfo& info = out.info;
-  if (info.key_codec != KeyCodec::kRaw || info.value_codec != ValueCodec::kRaw ||
+  const bool key_rows = info.key_codec == KeyCodec::kRaw || HqBits(info.key_codec) != 0;
+  const bool value_rows = info.value_codec == ValueCodec::kRaw || HqBits(info.value_codec) != 0;
+  if (!key_rows || !value_rows ||
       info.total_kept != info.layout.num_heads_total() * info.original_tokens) {
     return absl::FailedPreconditionError(
-        "the cache has no dense form in place: it evicted tokens or encodes them");
+        "the cache has no dense rows in place: it evicted tokens or encodes them by head");
   }
-  const uint64_t half = info.layout.CacheBytes(info.original_tokens) / 2;
+  const uint64_t rows = info.total_kept, d = info.layout.head_dim;
+  const uint64_t raw_row = DTypeBytes(info.layout.dtype, d);
+  const uint64_t key_bytes =
+      rows * (HqBits(info.key_codec) != 0 ? 4 + d * HqBits(info.key_codec) / 8 : raw_row);
+  const uint64_t value_bytes =
+      rows * (HqBits(info.value_codec) != 0 ? 4 + d * HqBits(info.value_codec) / 8 : raw_row);
   bool keys = false, values = false;
   for (const SectionSpan& span : spans) {
     if (span.id == kKeys) {
       out.keys = span;
-      keys = span.size == half;
+      keys = span.size == key_bytes;
     } else if (span.id == kValues) {
       out.values = span;
-      values = span.size == half;
+      values = span.size == value_bytes;
     }
   }
   if (!keys || !values) {
-    return absl::DataLossError("keys or values section of a raw cache has the wrong size");
+    return absl::DataLossError("keys or values section of a dense cache has the wrong size");
+  }
+  return out;
+}
+
+absl::StatusOr<DenseSections> DenseKvSections(absl::string_view header_and_table,
+                                              uint64_t total_bytes) {
+  KVCOMP_ASSIGN_OR_RETURN(DenseSections out, DenseRowSections(header_and_table, total_bytes));
+  if (out.info.key_codec != KeyCodec::kRaw || out.info.value_codec != ValueCodec::kRaw) {
+    return absl::FailedPreconditionError(
+        "the cache has no dense form in place: it evicted tokens or encodes them");
   }
   return out;
 }

@@ -17,6 +17,7 @@
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/kernels/codec_ops.h"
 #include "kvcomp/storage/types.h"
 #include "kvcomp/transport/gpu_link.h"
 #include "kvcomp/transport/payload_link.h"
@@ -564,6 +565,13 @@ class GpuChannelsImpl : public GpuChannels {
     if (engine == nullptr || !engine->uses_gpu() || engine->failed()) {
       return std::optional<GpuGetBegun>();
     }
+    const bool rows = (sum.key_codec == KeyCodec::kRaw || HqBits(sum.key_codec) != 0) &&
+                      (sum.value_codec == ValueCodec::kRaw || HqBits(sum.value_codec) != 0);
+    if (rows) {
+      KVCOMP_ASSIGN_OR_RETURN(std::optional<GpuGetBegun> done,
+                              DecodeRowsOnDevice(c, key, sum, capacity, shape, engine));
+      if (done.has_value()) return done;
+    }
     GpuGetBegun out;
     out.layout = sum.layout;
     out.num_tokens = sum.original_tokens;
@@ -623,6 +631,112 @@ class GpuChannelsImpl : public GpuChannels {
       return s;
     }
     metrics_->AddTransferBytes(out.payload_bytes, 0);
+    KVCOMP_ASSIGN_OR_RETURN(
+        out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
+                        shape, /*at_least=*/false));
+    return std::optional<GpuGetBegun>(out);
+  }
+
+  // A dense get of a cache that kept every token with the Hadamard codecs (hq4 / hq3; one of the
+  // two sections may be raw): its sections hold one record per (layer, head, token) in order, so
+  // decoding them row by row writes the dense K and V. The stored bytes are read into device
+  // memory (CacheRepository::GetInto: from the GPU tier one copy on the device), the header and
+  // section table come to the host, and the engine's worker on the channel's device decodes each
+  // section (CodecOps::DecodeHq; a raw section is copied) straight into the staging buffer:
+  // nothing but the header crosses to the host. nullopt (the caller's other paths): the engine's
+  // queue is full, no device memory, the store cannot serve it on the device, or the bytes are
+  // not such a cache (replaced meanwhile; a damaged table is reported by the host path's parse).
+  absl::StatusOr<std::optional<GpuGetBegun>> DecodeRowsOnDevice(const std::shared_ptr<Channel>& c,
+                                                                const CacheKey& key,
+                                                                const CacheSummary& sum,
+                                                                uint64_t capacity,
+                                                                const GpuTransferShape& shape,
+                                                                Engine* engine) {
+    GpuGetBegun out;
+    out.layout = sum.layout;
+    out.num_tokens = sum.original_tokens;
+    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
+    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    absl::Status s = Stage(*c, out.payload_bytes);
+    if (s.ok()) s = rt_->SetDevice(c->device);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    absl::StatusOr<void*> stored = rt_->AllocDevice(sum.stored_bytes);
+    if (!stored.ok()) {
+      Log(LogLevel::kWarning, "GPU channel: no device memory to decode a get on the device (",
+          stored.status().ToString(), "); it is decoded through host memory");
+      return std::optional<GpuGetBegun>();
+    }
+    transport::ScopedDeviceMemory release(rt_, *stored);
+    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
+                            ReadOnDevice(*c, key, *stored, sum.stored_bytes));
+    if (!meta.has_value()) return std::optional<GpuGetBegun>();
+    std::string head(std::min<uint64_t>(meta->stored_bytes,
+                                        format::kHeaderBytes + 64 * format::kSectionEntryBytes),
+                     '\0');
+    s = rt_->CopyAsync(head.data(), *stored, head.size(), GpuRuntime::Copy::kDeviceToHost,
+                       c->stream);
+    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
+    absl::StatusOr<format::DenseSections> dense =
+        format::DenseRowSections(head, meta->stored_bytes);
+    if (!dense.ok() || dense->info.layout != out.layout ||
+        dense->info.original_tokens != out.num_tokens) {
+      return std::optional<GpuGetBegun>();
+    }
+    const format::DenseSections& d = *dense;
+    const uint64_t half = out.payload_bytes / 2, rows = d.info.total_kept;
+    const uint32_t dim = out.layout.head_dim;
+    const DType dtype = out.layout.dtype;
+    const auto* from = static_cast<const uint8_t*>(*stored);
+    auto* base = static_cast<uint8_t*>(c->staging);
+    // The hq sections decoded on the engine's worker (its CUDA backend, this device's primary
+    // context: the stored buffer and the staging buffer are its device memory); it waits for its
+    // stream before it answers, so `stored` may be freed after.
+    absl::Notification decoded;
+    absl::Status ds = absl::UnknownError("not decoded");
+    double seconds = 0;
+    if (!engine->TrySubmit(key.tenant, [&](Backend& backend) {
+          const absl::Time t0 = absl::Now();
+          CodecOps& ops = backend.codec();
+          ds = absl::OkStatus();
+          if (const uint32_t bits = HqBits(d.info.key_codec); bits != 0) {
+            ds = ops.DecodeHq(bits, rows, dim, from + d.keys.offset, base, dtype);
+          }
+          if (const uint32_t bits = HqBits(d.info.value_codec); ds.ok() && bits != 0) {
+            ds = ops.DecodeHq(bits, rows, dim, from + d.values.offset, base + half, dtype);
+          }
+          if (!ds.ok()) engine->CheckAfterError(backend, ds);
+          seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+          decoded.Notify();
+        })) {
+      return std::optional<GpuGetBegun>();
+    }
+    decoded.WaitForNotification();
+    KVCOMP_RETURN_IF_ERROR(ds);
+    metrics_->ObserveStage(Stage::kDecode, seconds);
+    metrics_->AddGpuSeconds(seconds);
+    // A raw section is the dense K or V already: one copy on the device.
+    if (d.info.key_codec == KeyCodec::kRaw) {
+      s = rt_->CopyAsync(base, from + d.keys.offset, half, GpuRuntime::Copy::kDeviceToDevice,
+                         c->stream);
+    }
+    if (s.ok() && d.info.value_codec == ValueCodec::kRaw) {
+      s = rt_->CopyAsync(base + half, from + d.values.offset, half,
+                         GpuRuntime::Copy::kDeviceToDevice, c->stream);
+    }
+    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+    if (!s.ok()) {
+      Fail(c, s);
+      return s;
+    }
     KVCOMP_ASSIGN_OR_RETURN(
         out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
                         shape, /*at_least=*/false));

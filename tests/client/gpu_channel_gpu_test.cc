@@ -537,6 +537,50 @@ TEST_F(GpuChannelGpuTest, ADenseGetOfAnEncodedCacheIsDecodedOnTheDaemonsGpu) {
   EXPECT_FALSE(dense.substr(0, half) == host.substr(0, half)) << "int8 keys came back exact";
 }
 
+// A dense get of a cache that kept every token with the Hadamard codecs (hq4 keys, hq3 values),
+// over CUDA IPC from a daemon whose engine runs on the GPU: the stored records are read into
+// device memory and decoded there straight into the staging buffer (nothing but the header comes
+// to the host, nothing decoded goes up); the keys and values are the daemon's decoded form bit
+// for bit.
+TEST_F(GpuChannelGpuTest, ADenseGetOfAnHqCacheIsDecodedFromDeviceMemory) {
+  REQUIRE_GPUS(1);
+  StartDaemon(0, {"--engine.backend=cuda"});
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const KvLayout layout = Layout();
+  const uint64_t tokens = 1000;
+  DeviceCache in(rt_, 0, layout, tokens, 41);
+  client::PutOptions po;
+  po.policy = Lossless();
+  po.policy->key_codec = KeyCodec::kHq4;
+  po.policy->value_codec = ValueCodec::kHq3;
+  auto put = c->Put("m", "hq", layout, tokens, in.HostLayers(), po);
+  ASSERT_TRUE(put.ok()) << put.status() << "\n" << daemon_->Log();
+
+  DeviceCache out(rt_, 0, layout, tokens, 42);
+  void* stream = NewStream(0);
+  const std::string before = testing::HttpGet(daemon_->ports().metrics, "/metrics").body;
+  auto got = c->GetKvIntoDevice("m", "hq", layout, tokens, out.Out(), stream);
+  ASSERT_TRUE(got.ok()) << got.status() << "\n" << daemon_->Log();
+  const std::string after = testing::HttpGet(daemon_->ports().metrics, "/metrics").body;
+  EXPECT_EQ(got->path, "ipc");
+  EXPECT_EQ(got->bytes, layout.CacheBytes(tokens));
+  const std::string dense = out.Read(stream);
+  auto delta = [&](const std::string& series) {
+    return testing::MetricValue(after, series) - testing::MetricValue(before, series);
+  };
+  EXPECT_EQ(delta("kvcomp_stage_duration_seconds_count{stage=\"decode\"}"), 1.0);
+  // At most the stored records go up (from a host tier); the decoded K and V never do.
+  EXPECT_LT(delta("kvcomp_h2d_bytes_total"), static_cast<double>(layout.CacheBytes(tokens) / 2));
+
+  auto decoded = c->GetDecoded("m", "hq");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  std::string want(layout.CacheBytes(tokens), '\0');
+  ASSERT_TRUE(decoded->WriteDenseKv(reinterpret_cast<uint8_t*>(want.data())).ok());
+  EXPECT_TRUE(dense == want) << "the dense get differs from the daemon's decoded form";
+  EXPECT_FALSE(dense == in.Host()) << "hq came back exact";
+}
+
 // The channel turned off: a client on the daemon's GPU goes through host memory over UCX,
 // saying so, bit for bit.
 TEST_F(GpuChannelGpuTest, SameGpuWithoutChannelFallsBackToUcxBitIdentical) {

@@ -682,6 +682,57 @@ TEST(FormatPlan, DenseKvSectionsOfACacheThatKeptEveryTokenRaw) {
   int8.key_codec = KeyCodec::kInt8;
   const std::string ib = *format::EncodeCache(RandomCache(int8, 6));
   EXPECT_TRUE(absl::IsFailedPrecondition(format::DenseKvSections(ib, ib.size()).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(format::DenseRowSections(ib, ib.size()).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(format::DenseRowSections(eb, eb.size()).status()));
+  // Raw is a dense-row cache too, its sections the same.
+  absl::StatusOr<format::DenseSections> r =
+      format::DenseRowSections(bytes.substr(0, plan->table_end()), bytes.size());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->keys.offset, d->keys.offset);
+  EXPECT_EQ(r->values.size, d->values.size);
+}
+
+// A cache that kept every token with hq4 keys and hq3 values: its sections hold one record per
+// (layer, head, token) in order, which a decoder turns into the dense K and V; it has no raw
+// dense form in place.
+TEST(FormatPlan, DenseRowSectionsOfAnHqCacheThatKeptEveryToken) {
+  const KvLayout l{2, 2, 4, 64, DType::kBF16};
+  const uint64_t T = 9;
+  CompressedCache c;
+  c.layout = l;
+  c.original_tokens = T;
+  c.policy.ratio = 0;
+  c.policy.key_codec = c.key_codec = KeyCodec::kHq4;
+  c.policy.value_codec = c.value_codec = ValueCodec::kHq3;
+  for (uint64_t h = 0; h < l.num_heads_total(); ++h) {
+    c.kept.push_back(T);
+    for (uint32_t t = 0; t < T; ++t) c.positions.push_back(t);
+  }
+  const uint64_t rows = l.num_heads_total() * T;
+  std::mt19937 rng(std::random_device{}());
+  // Records with lo = step = 0 (valid for any codes) and random codes.
+  auto records = [&](uint64_t row_bytes) {
+    std::vector<uint8_t> v(rows * row_bytes, 0);
+    for (uint64_t i = 0; i < rows; ++i) {
+      for (uint64_t b = 4; b < row_bytes; ++b) v[i * row_bytes + b] = static_cast<uint8_t>(rng());
+    }
+    return v;
+  };
+  c.keys = records(4 + 64 * 4 / 8);
+  c.values = records(4 + 64 * 3 / 8);
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  const std::string bytes = *format::EncodeCache(c);
+  auto plan = format::PlanEncoding(c, 0);
+  ASSERT_TRUE(plan.ok());
+  const std::string head = bytes.substr(0, plan->table_end());
+  absl::StatusOr<format::DenseSections> d = format::DenseRowSections(head, bytes.size());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(bytes.substr(d->keys.offset, d->keys.size), std::string(c.keys.begin(), c.keys.end()));
+  EXPECT_EQ(bytes.substr(d->values.offset, d->values.size),
+            std::string(c.values.begin(), c.values.end()));
+  EXPECT_EQ(d->info.key_codec, KeyCodec::kHq4);
+  EXPECT_EQ(d->info.value_codec, ValueCodec::kHq3);
+  EXPECT_TRUE(absl::IsFailedPrecondition(format::DenseKvSections(head, bytes.size()).status()));
 }
 
 TEST(FormatPlan, InconsistentShapesAreRefused) {

@@ -132,6 +132,13 @@ struct DenseSections {
 };
 absl::StatusOr<DenseSections> DenseKvSections(absl::string_view header_and_table,
                                               uint64_t total_bytes);
+// The same for a cache that kept every token with raw or Hadamard (hq4 / hq3) codecs: its keys
+// and values sections hold one row per (layer, head, token) in that order, raw or one hq record
+// each, so decoding each section row by row writes the dense K or V. FailedPrecondition:
+// evictions, or another codec (int8 / int4 / fp16 keys, KVSplice values); DataLoss: a section
+// of the wrong size.
+absl::StatusOr<DenseSections> DenseRowSections(absl::string_view header_and_table,
+                                               uint64_t total_bytes);
 
 // The policy as the format's TLV records (docs/format.md, policy section), shared with the wire
 // protocol's put-begin. Decoding skips unknown tags and validates the policy (InvalidArgument).
