@@ -13,10 +13,11 @@ Per request (one at a time, in trace order):
    many leading chunks the store holds (the recompute arm holds none);
 2. fetch: the held chunks into device memory: on a GPU, a cache that kept every token by
    `get_into` (the dense get into the caller's CUDA memory, one call per chunk; the daemon
-   densifies a lossless cache on the device and decodes a codec's on the host), a cache with
+   densifies a lossless cache on the device and decodes a Hadamard-coded one there), a cache with
    evictions (and every cache on the CPU) by `get_chunks` (one request for the run, decoded by
-   the daemon where the values are KVSplice-encoded) and decoded on the host
-   (`kvcomp.decompress`), then copied to the device;
+   the daemon where the values are KVSplice-encoded or the keys int8 / int4; Hadamard-coded
+   chunks come as stored) and decoded by `kvcomp.decompress` on the worker's device, then copied
+   to the model's dtype there;
 3. prefill the rest: the model runs over the tokens after the held chunks with the fetched
    keys and values as its past (positions continue from the original prompt's), giving the
    first token: TTFT's service part ends here;
@@ -280,7 +281,12 @@ class Arm:
             t2 = time.perf_counter()
             return list(K.unbind(0)), list(V.unbind(0)), len(bufs), \
                 (t1 - t0, t2 - t1, 2 * K.numel() * K.element_size())
-        decoded = self.policy.value_codec != "none" or self.policy.key_codec != "raw"
+        # KVSplice values (and int8 / int4 keys) are decoded by the daemon, which holds the
+        # projection; the Hadamard codecs need none and are fetched as stored (a quarter of the
+        # bytes) and decoded on the worker's device (kvcomp.decompress, backend "cuda").
+        decoded = self.policy.value_codec.startswith("orthogonal") or \
+            self.policy.key_codec in ("int8", "int4")
+        backend = "cuda" if dev.type == "cuda" else "cpu"
         got = []
         while len(got) < len(keys):
             part = self.c.get_chunks(self.model_id, list(keys[len(got):]), decoded=decoded)
@@ -292,7 +298,7 @@ class Arm:
             return None, None, 0, (t1 - t0, 0.0, 0)
         ks, vs = [], []
         for cc in got:
-            k, v = kvcomp.decompress(cc)
+            k, v = kvcomp.decompress(cc, backend=backend)
             if isinstance(k, list):
                 raise RuntimeError("chunk with per-head kept counts (AdaKV) not supported here")
             ks.append(torch.from_numpy(np.asarray(k)))
