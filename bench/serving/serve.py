@@ -16,8 +16,8 @@ Per request (one at a time, in trace order):
    densifies a lossless cache on the device and decodes a Hadamard-coded one there), a cache with
    evictions (and every cache on the CPU) by `get_chunks` (one request for the run, decoded by
    the daemon where the values are KVSplice-encoded or the keys int8 / int4; Hadamard-coded
-   chunks come as stored) and decoded by `kvcomp.decompress` on the worker's device, then copied
-   to the model's dtype there;
+   chunks come as stored) and decoded by `kvcomp.decompress` on the worker's device, into
+   tensors of the model's dtype there (out=);
 3. prefill the rest: the model runs over the tokens after the held chunks with the fetched
    keys and values as its past (positions continue from the original prompt's), giving the
    first token: TTFT's service part ends here;
@@ -286,7 +286,6 @@ class Arm:
         # bytes) and decoded on the worker's device (kvcomp.decompress, backend "cuda").
         decoded = self.policy.value_codec.startswith("orthogonal") or \
             self.policy.key_codec in ("int8", "int4")
-        backend = "cuda" if dev.type == "cuda" else "cpu"
         got = []
         while len(got) < len(keys):
             part = self.c.get_chunks(self.model_id, list(keys[len(got):]), decoded=decoded)
@@ -298,11 +297,17 @@ class Arm:
             return None, None, 0, (t1 - t0, 0.0, 0)
         ks, vs = [], []
         for cc in got:
-            k, v = kvcomp.decompress(cc, backend=backend)
-            if isinstance(k, list):
+            if len(set(cc.kept)) > 1:
                 raise RuntimeError("chunk with per-head kept counts (AdaKV) not supported here")
-            ks.append(torch.from_numpy(np.asarray(k)))
-            vs.append(torch.from_numpy(np.asarray(v)))
+            if dev.type == "cuda":  # decoded in place in the model's dtype, on the device
+                shape = (w.layers, w.kv_heads, cc.kept[0], w.head_dim)
+                k = torch.empty(shape, dtype=w.cache_dtype, device=dev)
+                v = torch.empty_like(k)
+                kvcomp.decompress(cc, backend="cuda", out=(k, v))
+            else:
+                k, v = (torch.from_numpy(np.asarray(a)) for a in kvcomp.decompress(cc))
+            ks.append(k)
+            vs.append(v)
         K = torch.cat(ks, dim=2).to(dev, w.cache_dtype)
         V = torch.cat(vs, dim=2).to(dev, w.cache_dtype)
         sync(dev)

@@ -213,3 +213,27 @@ def test_cuda_backend_agrees_with_cpu():
     for l in range(k.shape[0]):
         for h in range(k.shape[1]):
             assert _rel(kk[l, h], k[l, h, c_gpu.kept_positions(l, h)]) < 0.15
+
+
+@pytest.mark.parametrize("codecs", [("raw", "none"), ("int8", "orthogonal_int8"),
+                                    ("hq4", "hq3"), ("int4", "orthogonal_int4")])
+def test_decompress_into_given_arrays_matches_decompress(codecs):
+    key_codec, value_codec = codecs
+    v = _low_rank(tokens=300, rank=16)
+    k = _low_rank(tokens=300, rank=40, seed=3, basis_seed=9) * 3
+    v[1, 0, 17] *= 40  # an off-subspace row: kept raw by KVSplice (an outlier row)
+    proj = kvcomp.calibrate(v, model_id="m") if value_codec.startswith("orthogonal") else None
+    policy = kvcomp.Policy(ratio=0.25, value_codec=value_codec, key_codec=key_codec)
+    cache = kvcomp.compress(k, v, policy, projection=proj)
+    kk, vv = kvcomp.decompress(cache, proj)
+    n = sum(cache.kept) * 64
+    for dtype in (np.float32, np.float16):
+        ko, vo = np.full(n, np.nan, dtype), np.full(n, np.nan, dtype)
+        got = kvcomp.decompress(cache, proj, out=(ko, vo))
+        assert got[0] is ko and got[1] is vo
+        np.testing.assert_array_equal(ko.reshape(kk.shape), kk.astype(dtype))
+        np.testing.assert_array_equal(vo.reshape(vv.shape), vv.astype(dtype))
+    with pytest.raises(ValueError, match="total_kept x head_dim"):
+        kvcomp.decompress(cache, proj, out=(np.zeros(n - 1, np.float32), np.zeros(n, np.float32)))
+    with pytest.raises(ValueError, match="same dtype"):
+        kvcomp.decompress(cache, proj, out=(np.zeros(n, np.float32), np.zeros(n, np.float16)))

@@ -369,3 +369,44 @@ def test_core_only_build_says_it_has_no_client():
     """The GPU machine's build (KVCOMP_CORE_ONLY, no UCX) imports, and says why Client fails."""
     with pytest.raises(NotImplementedError, match="this build of kvcomp has no client"):
         kvcomp.Client(["127.0.0.1:1"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("codecs", [("hq4", "hq3"), ("int8", "orthogonal_int8"), ("raw", "none")])
+def test_decompress_into_device_tensors_matches_the_cpu(codecs):
+    """decompress(out=) with CUDA tensors decodes on the device what decompress(backend="cuda")
+    gives, bit for bit in float32; the Hadamard and raw codecs also the CPU's bits in every
+    dtype (KVSplice's products may round differently: within its tolerance)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - ImportError, OSError (undefined symbols), ...
+        pytest.skip("torch does not import here: %s" % e)
+    if CANDIDATE != "cuda" or not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    key_codec, value_codec = codecs
+    k, v = _data("bf16")[:2]
+    proj = _projection("cpu") if value_codec != "none" else None
+    policy = kvcomp.Policy(scorer="random", seed=5, ratio=0.5, value_codec=value_codec,
+                           key_codec=key_codec)
+    cache = kvcomp.compress(k, v, policy, dtype="bf16", projection=proj)
+    exact = value_codec == "none" or value_codec.startswith("hq")
+    n = sum(cache.kept) * D
+    refs = {"cuda": kvcomp.decompress(cache, proj, backend="cuda"),
+            "cpu": kvcomp.decompress(cache, proj)}
+    for tdt in (torch.float32, torch.bfloat16):
+        ko = torch.full((n,), float("nan"), dtype=tdt, device="cuda")
+        vo = torch.full((n,), float("nan"), dtype=tdt, device="cuda")
+        kvcomp.decompress(cache, proj, backend="cuda", out=(ko, vo))
+        for where, (rk, rv) in refs.items():
+            want_k = torch.from_numpy(np.ascontiguousarray(rk)).reshape(-1).to(tdt)
+            want_v = torch.from_numpy(np.ascontiguousarray(rv)).reshape(-1).to(tdt)
+            ctx = _ctx(codecs=codecs, dtype=str(tdt), against=where)
+            assert torch.equal(ko.cpu(), want_k), ctx
+            if exact or (where == "cuda" and tdt == torch.float32):
+                assert torch.equal(vo.cpu(), want_v), ctx
+            else:
+                err = (vo.cpu().float() - want_v.float()).norm() / want_v.float().norm()
+                assert err < 1e-2, (float(err), ctx)
+    with pytest.raises(ValueError, match="CUDA arrays"):
+        kvcomp.decompress(cache, proj, backend="cuda",
+                          out=(np.zeros(n, np.float32), np.zeros(n, np.float32)))

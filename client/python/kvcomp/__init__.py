@@ -286,14 +286,26 @@ Projection.save = _projection_save
 Projection.load = staticmethod(_projection_load)
 
 
-def decompress(cache, projection=None, *, backend="cpu", stream=None):
+def decompress(cache, projection=None, *, backend="cpu", stream=None, out=None):
     """Decodes a compressed cache's kept tokens: (keys, values), float32.
 
     When every (layer, kv head) kept the same number of tokens the arrays are
     [layers, kv_heads, kept, head_dim]; otherwise (AdaKV) they are lists [layer][kv_head] of
     [kept, head_dim] arrays. Kept positions: cache.kept_positions(layer, head). A cache whose
     values were encoded needs the projection it names (KeyError when it is missing or another).
+
+    out=(keys, values): decode into these arrays instead and return them: C-contiguous, one
+    float dtype (float32, float16 or bfloat16), sum(cache.kept) * head_dim elements each, rows
+    in (layer, kv head, kept token) order, so [layers, kv_heads, kept, head_dim] tensors when
+    the counts are equal. With backend "cuda" they are CUDA arrays (torch, CuPy...) decoded in
+    place on the device: only the encoded arrays cross to it; ordered after the arrays'
+    producer's stream as other calls are.
     """
+    if out is not None:
+        keys, values = out
+        _kvcomp._decompress_into(cache, projection, keys, values, backend,
+                                 stream=_call_stream(stream, (keys, values)))
+        return keys, values
     k, v, off = _kvcomp._decompress(cache, projection, backend, stream=_call_stream(stream, ()))
     layers, heads, d = cache.num_layers, cache.num_kv_heads, cache.head_dim
     counts = [int(off[i + 1] - off[i]) for i in range(len(off) - 1)]

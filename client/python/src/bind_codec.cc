@@ -220,6 +220,42 @@ nb::tuple Decompress(const CompressedCache& cache, std::optional<ProjectionPtr> 
                         NumpyArray(std::move(k.offsets), {k.layout.num_heads_total() + 1}));
 }
 
+// Decodes into the caller's arrays (`keys`, `values`: total_kept x head_dim elements each, one
+// float dtype, C-contiguous), host arrays with backend "cpu", CUDA arrays with "cuda": there the
+// encoded arrays go up on the call's stream and the rows are decoded in place.
+void DecompressInto(const CompressedCache& cache, std::optional<ProjectionPtr> projection,
+                    nb::handle keys_obj, nb::handle values_obj, const std::string& backend,
+                    std::optional<uint64_t> stream) {
+  const CallBackend call =
+      CallBackend::Open(backend, CommonDevice({keys_obj, values_obj}), stream);
+  const CallArray keys = ImportArray(keys_obj, call, "keys");
+  const CallArray values = ImportArray(values_obj, call, "values");
+  const DType dtype = CallArrayDType(keys);
+  if (CallArrayDType(values) != dtype) {
+    throw nb::value_error("keys and values must have the same dtype");
+  }
+  const MemorySpace space = call.get().space();
+  if (SpaceOf(keys) != space || SpaceOf(values) != space) {
+    throw nb::value_error(call.cuda() ? "with backend \"cuda\" the arrays must be CUDA arrays"
+                                      : "with backend \"cpu\" the arrays must be host arrays");
+  }
+  const uint64_t elems = cache.total_kept() * cache.layout.head_dim;
+  if (keys.size() != elems || values.size() != elems) {
+    throw nb::value_error(absl::StrFormat(
+                              "keys and values must hold total_kept x head_dim = %u elements "
+                              "each, got %u and %u",
+                              elems, keys.size(), values.size())
+                              .c_str());
+  }
+  absl::Status s;
+  {
+    nb::gil_scoped_release release;
+    s = DecodeKeptInto(call.get(), cache, projection.has_value() ? projection->get() : nullptr,
+                       dtype, const_cast<void*>(keys.data()), const_cast<void*>(values.data()));
+  }
+  ThrowIfError(s);
+}
+
 }  // namespace
 
 void RegisterCodec(nb::module_& m) {
@@ -285,6 +321,8 @@ void RegisterCodec(nb::module_& m) {
   m.def("_raw_codecs", &RawCodecs, nb::arg("policy"));
   m.def("_decompress", &Decompress, nb::arg("cache"), nb::arg("projection").none(),
         nb::arg("backend"), nb::arg("stream") = nb::none());
+  m.def("_decompress_into", &DecompressInto, nb::arg("cache"), nb::arg("projection").none(),
+        nb::arg("keys"), nb::arg("values"), nb::arg("backend"), nb::arg("stream") = nb::none());
   m.def("_cache_codecs", [](const CompressedCache& c) {
     nb::dict d;
     d["key_codec"] = std::string(KeyCodecName(c.key_codec));

@@ -39,20 +39,7 @@ using AnyArray = CallArray;
 
 // --- arrays in ---
 
-DType ArrayDType(const AnyArray& a, const std::string& hint) {
-  const auto dt = a.dtype();
-  using C = nb::dlpack::dtype_code;
-  if (dt.lanes != 1) throw nb::value_error("vector dtypes are not supported");
-  if (dt.code == static_cast<uint8_t>(C::Float) && dt.bits == 32) return DType::kF32;
-  if (dt.code == static_cast<uint8_t>(C::Float) && dt.bits == 16) return DType::kF16;
-  if (dt.code == static_cast<uint8_t>(C::Bfloat) && dt.bits == 16) return DType::kBF16;
-  if (dt.code == static_cast<uint8_t>(C::UInt) && dt.bits == 16 && hint == "bf16") {
-    return DType::kBF16;
-  }
-  throw nb::value_error(
-      "arrays must be float32, float16 or bfloat16 (bfloat16 may be a uint16 array with "
-      "dtype=\"bf16\")");
-}
+DType ArrayDType(const AnyArray& a, const std::string& hint) { return CallArrayDType(a, hint); }
 
 // Per-layer HeadsViews over a [H, T, D] or [L, H, T, D] array.
 struct LayerViews {

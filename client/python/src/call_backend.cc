@@ -261,6 +261,21 @@ int CommonDevice(const std::vector<nb::handle>& objs) {
   return device;
 }
 
+DType CallArrayDType(const CallArray& a, const std::string& hint) {
+  const auto dt = a.dtype();
+  using C = nb::dlpack::dtype_code;
+  if (dt.lanes != 1) throw nb::value_error("vector dtypes are not supported");
+  if (dt.code == static_cast<uint8_t>(C::Float) && dt.bits == 32) return DType::kF32;
+  if (dt.code == static_cast<uint8_t>(C::Float) && dt.bits == 16) return DType::kF16;
+  if (dt.code == static_cast<uint8_t>(C::Bfloat) && dt.bits == 16) return DType::kBF16;
+  if (dt.code == static_cast<uint8_t>(C::UInt) && dt.bits == 16 && hint == "bf16") {
+    return DType::kBF16;
+  }
+  throw nb::value_error(
+      "arrays must be float32, float16 or bfloat16 (bfloat16 may be a uint16 array with "
+      "dtype=\"bf16\")");
+}
+
 CallArray ImportArray(nb::handle obj, const CallBackend& call, const char* what) {
   const int device = ArrayDevice(obj);
   nb::object src = nb::borrow(obj);

@@ -61,6 +61,10 @@ class CallBackend {
 // Host memory for CPU and pinned (CUDA host) arrays, device memory for CUDA arrays.
 MemorySpace SpaceOf(const CallArray& a);
 
+// The element type of a float array: float32, float16 or bfloat16 (with hint "bf16", a uint16
+// array holding bfloat16 bits); ValueError for other dtypes.
+DType CallArrayDType(const CallArray& a, const std::string& hint = "");
+
 // The CUDA device an input lives on, -1 for host memory (or None). Raises ValueError for other
 // devices.
 int ArrayDevice(nanobind::handle obj);

@@ -261,26 +261,29 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
   return cache->Validate();
 }
 
-absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
-                                       const Projection* projection, DType dtype) {
+namespace {
+
+// DecodeKept's work: the kept rows decoded into `keys` and `values` (total_kept x head_dim of
+// `dtype`), host memory when `on_backend` is false, else memory of the backend's space.
+absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
+                          const Projection* projection, DType dtype, uint8_t* keys,
+                          uint8_t* values, bool on_backend) {
   KVCOMP_RETURN_IF_ERROR(cache.Validate());
   if (!IsInputDType(dtype)) {
     return absl::InvalidArgumentError("kvsplice: decode into f32, f16 or bf16");
   }
   const KvLayout& layout = cache.layout;
-  DecodedKept out;
-  out.layout = layout;
-  out.dtype = dtype;
-  out.offsets = cache.TokenOffsets();
-  out.positions = cache.positions;
+  const std::vector<uint64_t> offsets = cache.TokenOffsets();
   const uint64_t total = cache.total_kept(), d = layout.head_dim;
-  out.keys.resize(DTypeBytes(dtype, total * d));
-  out.values.resize(DTypeBytes(dtype, total * d));
-  const RowSpan rows = AllHeads(out.offsets);
+  if (total == 0) return absl::OkStatus();
+  if (keys == nullptr || values == nullptr) {
+    return absl::InvalidArgumentError("kvsplice: null destination for the decoded rows");
+  }
+  const RowSpan rows = AllHeads(offsets);
   CodecOps& ops = backend.codec();
   if (const uint32_t bits = HqBits(cache.value_codec); bits != 0) {
     KVCOMP_RETURN_IF_ERROR(
-        ops.DecodeHq(bits, total, layout.head_dim, cache.values.data(), out.values.data(), dtype));
+        ops.DecodeHq(bits, total, layout.head_dim, cache.values.data(), values, dtype));
   } else if (cache.value_codec != ValueCodec::kRaw) {
     if (projection == nullptr) {
       return absl::NotFoundError(absl::StrFormat(
@@ -299,48 +302,77 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
       KVCOMP_RETURN_IF_ERROR(
           ops.DecodeValues(*projection, CacheValueParams(cache), rows, cache.values.data(),
                            cache.value_scales.empty() ? nullptr : cache.value_scales.data(),
-                           out.values.data(), dtype));
+                           values, dtype));
     } else {
       const std::vector<LayerRows> layers =
-          SplitLayers(out.offsets, layout.num_kv_heads, CacheValueParams(cache), cache.layer_rank);
+          SplitLayers(offsets, layout.num_kv_heads, CacheValueParams(cache), cache.layer_rank);
       const uint64_t row_bytes = DTypeBytes(dtype, d);
       for (const LayerRows& L : layers) {
         if (L.offsets.back() == 0) continue;
         KVCOMP_RETURN_IF_ERROR(ops.DecodeValues(
             *projection, L.params, L.span(), cache.values.data() + L.latent_byte,
             cache.value_scales.empty() ? nullptr : cache.value_scales.data() + L.scale_elem,
-            out.values.data() + L.first_row * row_bytes, dtype));
+            values + L.first_row * row_bytes, dtype));
       }
     }
     // KVSplice outliers: their raw values replace what the latents gave.
     const uint64_t in_row = DTypeBytes(layout.dtype, d), out_row = DTypeBytes(dtype, d);
+    const bool copy_up = on_backend && backend.space() != MemorySpace::kHost;
+    if (copy_up && !cache.raw_value_rows.empty()) KVCOMP_RETURN_IF_ERROR(backend.Synchronize());
+    std::vector<uint8_t> row(out_row);
     for (size_t i = 0; i < cache.raw_value_rows.size(); ++i) {
-      uint8_t* dst = out.values.data() + cache.raw_value_rows[i] * out_row;
+      uint8_t* dst = values + cache.raw_value_rows[i] * out_row;
       const uint8_t* src = cache.raw_values.data() + i * in_row;
+      uint8_t* to = copy_up ? row.data() : dst;
       if (dtype == layout.dtype) {
-        std::memcpy(dst, src, in_row);
+        std::memcpy(to, src, in_row);
       } else {
         for (uint64_t k = 0; k < d; ++k) {
-          StoreFromFloat(dst, dtype, k, LoadAsFloat(src, layout.dtype, k));
+          StoreFromFloat(to, dtype, k, LoadAsFloat(src, layout.dtype, k));
         }
       }
+      if (copy_up) KVCOMP_RETURN_IF_ERROR(backend.CopyFromHost(dst, row.data(), out_row));
     }
   } else {
     KVCOMP_RETURN_IF_ERROR(ops.DecodeKeys(KeyCodec::kRaw, rows, layout.head_dim,
-                                          cache.values.data(), layout.dtype, nullptr,
-                                          out.values.data(), dtype));
+                                          cache.values.data(), layout.dtype, nullptr, values,
+                                          dtype));
   }
   if (const uint32_t bits = HqBits(cache.key_codec); bits != 0) {
-    KVCOMP_RETURN_IF_ERROR(
-        ops.DecodeHq(bits, total, layout.head_dim, cache.keys.data(), out.keys.data(), dtype));
-    return out;
+    return ops.DecodeHq(bits, total, layout.head_dim, cache.keys.data(), keys, dtype);
   }
-  KVCOMP_RETURN_IF_ERROR(ops.DecodeKeys(cache.key_codec, rows, layout.head_dim, cache.keys.data(),
-                                        layout.dtype,
-                                        cache.key_scales.empty() ? nullptr
-                                                                 : cache.key_scales.data(),
-                                        out.keys.data(), dtype));
+  return ops.DecodeKeys(cache.key_codec, rows, layout.head_dim, cache.keys.data(), layout.dtype,
+                        cache.key_scales.empty() ? nullptr : cache.key_scales.data(), keys,
+                        dtype);
+}
+
+}  // namespace
+
+absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
+                                       const Projection* projection, DType dtype) {
+  KVCOMP_RETURN_IF_ERROR(cache.Validate());
+  if (!IsInputDType(dtype)) {
+    return absl::InvalidArgumentError("kvsplice: decode into f32, f16 or bf16");
+  }
+  DecodedKept out;
+  out.layout = cache.layout;
+  out.dtype = dtype;
+  out.offsets = cache.TokenOffsets();
+  out.positions = cache.positions;
+  const uint64_t elems = cache.total_kept() * cache.layout.head_dim;
+  out.keys.resize(DTypeBytes(dtype, elems));
+  out.values.resize(DTypeBytes(dtype, elems));
+  KVCOMP_RETURN_IF_ERROR(DecodeRowsTo(backend, cache, projection, dtype, out.keys.data(),
+                                      out.values.data(), /*on_backend=*/false));
   return out;
+}
+
+absl::Status DecodeKeptInto(Backend& backend, const CompressedCache& cache,
+                            const Projection* projection, DType dtype, void* keys, void* values) {
+  KVCOMP_RETURN_IF_ERROR(DecodeRowsTo(backend, cache, projection, dtype,
+                                      static_cast<uint8_t*>(keys), static_cast<uint8_t*>(values),
+                                      /*on_backend=*/true));
+  return backend.Synchronize();
 }
 
 absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,

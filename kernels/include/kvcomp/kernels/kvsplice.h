@@ -63,6 +63,13 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
                                        ProjectionStore& store, absl::string_view model_id,
                                        DType dtype = DType::kF32);
 
+// The same into `keys` and `values` (total_kept x head_dim elements of `dtype` each, rows in the
+// cache's order: layer, head, kept token), memory of the backend's space: device memory for a
+// CUDA backend, so nothing decoded crosses to the host (the encoded arrays go up on the
+// backend's stream; the call returns once the rows are written). Errors as DecodeKept.
+absl::Status DecodeKeptInto(Backend& backend, const CompressedCache& cache,
+                            const Projection* projection, DType dtype, void* keys, void* values);
+
 // `cache` with its kept tokens decoded to raw codecs in its layout's dtype (positions, kept
 // counts and moments as they were): what a consumer that reads raw rows takes, e.g. a decoded
 // get or attention over a codec it has no kernel for. `projection` as for DecodeKept.
