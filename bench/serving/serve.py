@@ -14,10 +14,11 @@ Per request (one at a time, in trace order):
 2. fetch: the held chunks into device memory: on a GPU, a cache that kept every token by
    `get_into` (the dense get into the caller's CUDA memory, one call per chunk; the daemon
    densifies a lossless cache on the device and decodes a Hadamard-coded one there), a cache with
-   evictions (and every cache on the CPU) by `get_chunks` (one request for the run, decoded by
-   the daemon where the values are KVSplice-encoded or the keys int8 / int4; Hadamard-coded
-   chunks come as stored) and decoded by `kvcomp.decompress` on the worker's device, into
-   tensors of the model's dtype there (out=);
+   evictions by its stored bytes: Hadamard-coded chunks one `get_bytes_into` each (the stored
+   bytes into device memory over the GPU channel, parsed on the host), the others (and every
+   cache on the CPU) by `get_chunks` (one request for the run, decoded by the daemon where the
+   values are KVSplice-encoded or the keys int8 / int4); then decoded by `kvcomp.decompress` on
+   the worker's device, into tensors of the model's dtype there (out=);
 3. prefill the rest: the model runs over the tokens after the held chunks with the fetched
    keys and values as its past (positions continue from the original prompt's), giving the
    first token: TTFT's service part ends here;
@@ -250,6 +251,7 @@ class Arm:
         self.memo = {}
         self.put_results = []
         self.put_in_flight = 1
+        self.bytes_buf = None  # device memory for stored chunks (fetch on a GPU)
 
     def keys_of(self, tokens: np.ndarray) -> List[str]:
         n = (len(tokens) - 1) // self.chunk  # the last token is always computed
@@ -283,15 +285,31 @@ class Arm:
                 (t1 - t0, t2 - t1, 2 * K.numel() * K.element_size())
         # KVSplice values (and int8 / int4 keys) are decoded by the daemon, which holds the
         # projection; the Hadamard codecs need none and are fetched as stored (a quarter of the
-        # bytes) and decoded on the worker's device (kvcomp.decompress, backend "cuda").
+        # bytes) and decoded on the worker's device (kvcomp.decompress into device tensors).
         decoded = self.policy.value_codec.startswith("orthogonal") or \
             self.policy.key_codec in ("int8", "int4")
         got = []
-        while len(got) < len(keys):
-            part = self.c.get_chunks(self.model_id, list(keys[len(got):]), decoded=decoded)
-            if not part:
-                break
-            got += part
+        if dev.type == "cuda" and not decoded:
+            # On a GPU the stored bytes come into device memory (get_bytes_into: over the GPU
+            # channel), their header and records to the host for the parse.
+            if self.bytes_buf is None:
+                raw_chunk = 2 * w.layers * w.kv_heads * self.chunk * w.head_dim * \
+                    torch.finfo(w.cache_dtype).bits // 8
+                self.bytes_buf = torch.empty(raw_chunk + (1 << 20), dtype=torch.uint8,
+                                             device=dev)
+            for key in keys:
+                try:
+                    r = self.c.get_bytes_into(self.model_id, key, self.bytes_buf)
+                except KeyError:  # evicted since the lookup: the run ends here
+                    break
+                blob = self.bytes_buf[: r["bytes"]].cpu().numpy().tobytes()
+                got.append(kvcomp.CompressedCache.from_bytes(blob))
+        else:
+            while len(got) < len(keys):
+                part = self.c.get_chunks(self.model_id, list(keys[len(got):]), decoded=decoded)
+                if not part:
+                    break
+                got += part
         t1 = time.perf_counter()
         if not got:
             return None, None, 0, (t1 - t0, 0.0, 0)
