@@ -106,7 +106,8 @@ DIRTY=$(git status --porcelain -- transport bench/transport 2>/dev/null | head -
 [ -n "$DIRTY" ] && COMMIT="$COMMIT+dirty(transport)"
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
 MACHINE="$(hostname), $(nproc) cores, $CPU, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
-UCXV=$(ucx_info -v | awk '/Version/{print $3}')
+# "# Version 1.13.1" (Debian's UCX) or "# Library version: 1.22.0" (newer releases)
+UCXV=$(ucx_info -v | awk '/^# (Library )?[Vv]ersion/{print $NF; exit}')
 RESULTS=$ROOT/bench/results/transport_ingest_$DATE.md
 
 {
