@@ -17,9 +17,10 @@
 //                what is missing or refused after such a fault is counted and no longer tracked.
 //                With --tear_every=N, after every N-th kill a random RocksDB blob or write-ahead
 //                log file, or a direct payload file, is cut short at a random length (a torn
-//                write), counted and tracked the same way. (Tables, the manifest and the options
-//                files are RocksDB's own metadata: a database whose metadata is torn does not
-//                open, by design; not injected.)
+//                write), counted and tracked the same way. With --manifest_every=N, after every
+//                N-th kill RocksDB's MANIFEST has a byte flipped or is cut short (alternately):
+//                the tier rebuilds it at the restart (docs/storage.md), counted and tracked the
+//                same way. (Table and options files are not injected.)
 //   --mode=soak  `--clients` clients for `--seconds` of mixed put/get/delete on one daemon:
 //                every unexpected status is an error; latency per operation (p50/p99/max) and
 //                the daemon's RSS (sampled each second) are reported.
@@ -93,6 +94,7 @@ struct Flags {
   bool dir_is_scratch = false;  // --dir not given: a fresh directory, removed after a clean run
   int flip_every = 0;  // kill mode: a byte flipped in a stored file after every n-th kill
   int tear_every = 0;  // kill mode: a stored file cut short after every n-th kill
+  int manifest_every = 0;  // kill mode: the MANIFEST damaged after every n-th kill
   int strangers = 256;
   uint64_t burst_mb = 1024;
   double stranger_period = 20;
@@ -776,6 +778,34 @@ struct KillCampaign {
            std::to_string(keep) + " bytes";
   }
 
+  // Flips a byte of RocksDB's MANIFEST (`flip`) or cuts it short: "" when there is none.
+  std::string DamageTheManifest(const std::string& data, std::mt19937_64& rng, bool flip) {
+    std::error_code ec;
+    std::filesystem::path path;
+    for (const auto& e : std::filesystem::directory_iterator(data + "/rocksdb", ec)) {
+      if (e.path().filename().string().rfind("MANIFEST-", 0) == 0) path = e.path();
+    }
+    if (path.empty()) return "";
+    const uint64_t size = std::filesystem::file_size(path, ec);
+    if (ec || size < 2) return "";
+    if (!flip) {
+      const uint64_t keep = 1 + rng() % (size - 1);
+      std::filesystem::resize_file(path, keep, ec);
+      if (ec) return "";
+      return path.filename().string() + " cut from " + std::to_string(size) + " to " +
+             std::to_string(keep) + " bytes";
+    }
+    const uint64_t at = rng() % size;
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(static_cast<std::streamoff>(at));
+    char b = 0;
+    file.read(&b, 1);
+    b = static_cast<char>(b ^ (1 << (rng() % 8)));
+    file.seekp(static_cast<std::streamoff>(at));
+    file.write(&b, 1);
+    return path.filename().string() + " at " + std::to_string(at);
+  }
+
   // A daemon left running by a driver that died holds the database's lock: it goes first.
   static void KillOrphan(const std::string& data) {
     std::ifstream in(data + ".ready.yaml");
@@ -888,6 +918,15 @@ struct KillCampaign {
         std::lock_guard<std::mutex> l(mu);
         if (f.flip_every > 0 && (cycle + 1) % f.flip_every == 0) {
           const std::string what = FlipAByte(data, rng);
+          if (!what.empty()) {
+            Journal("F " + what);
+            ++faults;
+            damaged = true;
+          }
+        }
+        if (f.manifest_every > 0 && (cycle + 1) % f.manifest_every == 0) {
+          const bool flip = ((cycle + 1) / f.manifest_every) % 2 == 1;
+          const std::string what = DamageTheManifest(data, rng, flip);
           if (!what.empty()) {
             Journal("F " + what);
             ++faults;
@@ -1853,6 +1892,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("stranger_period")) f.stranger_period = std::atof(v);
     else if (const char* v = val("flip_every")) f.flip_every = std::atoi(v);
     else if (const char* v = val("tear_every")) f.tear_every = std::atoi(v);
+    else if (const char* v = val("manifest_every")) f.manifest_every = std::atoi(v);
     else if (const char* v = val("rss_every")) f.rss_every = std::atoi(v);
     else if (a == "--no_round_trips") f.no_round_trips = true;
     else if (a == "--lossless") f.lossless = true;

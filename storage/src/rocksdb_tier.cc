@@ -573,6 +573,33 @@ uint64_t RestoreBlobPayloads(rocksdb::DB& db, rocksdb::ColumnFamilyHandle* meta,
   return restored;
 }
 
+// A log whose records were already flushed, but which was still on disk, becomes after RocksDB's
+// repair a second level-0 table with the same sequence numbers as the table its flush made, and
+// the open's consistency check refuses the pair ("L0 file ... with seqno ... vs. file ...").
+// Opened once without that check, the blob files' payloads written back (RestoreBlobPayloads),
+// every family compacted (the two copies merge; their data is the same), and closed.
+rocksdb::Status SettleRepairedDatabase(const std::string& path, const rocksdb::DBOptions& options,
+                                       std::vector<rocksdb::ColumnFamilyDescriptor> cfs) {
+  for (rocksdb::ColumnFamilyDescriptor& cf : cfs) cf.options.force_consistency_checks = false;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(options, path, cfs, &handles, &raw);
+  if (!s.ok()) return s;
+  std::unique_ptr<rocksdb::DB> db(raw);
+  RestoreBlobPayloads(*db, handles[1], handles[2], path);
+  rocksdb::CompactRangeOptions compact;
+  compact.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  for (rocksdb::ColumnFamilyHandle* h : handles) {
+    if (s.ok()) s = db->CompactRange(compact, h, nullptr, nullptr);
+  }
+  for (rocksdb::ColumnFamilyHandle* h : handles) {
+    const rocksdb::Status d = db->DestroyColumnFamilyHandle(h);
+    if (s.ok()) s = d;
+  }
+  const rocksdb::Status c = db->Close();
+  return s.ok() ? c : s;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
@@ -713,6 +740,12 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     SetBlobFilesAside(o.path);
     s = rocksdb::RepairDB(o.path, db_options, cfs);
     if (s.ok()) s = rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
+    if (!s.ok() && s.IsCorruption() && absl::StrContains(s.ToString(), "force_consistency_checks")) {
+      db->handles.clear();
+      raw = nullptr;
+      s = SettleRepairedDatabase(o.path, db_options, cfs);
+      if (s.ok()) s = rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
+    }
     if (s.ok()) {
       manifest_repair = absl::StrCat("MANIFEST rebuilt from the table files and logs (", refused,
                                      ")");
