@@ -19,8 +19,9 @@
 //                log file, or a direct payload file, is cut short at a random length (a torn
 //                write), counted and tracked the same way. With --manifest_every=N, after every
 //                N-th kill RocksDB's MANIFEST has a byte flipped or is cut short (alternately):
-//                the tier rebuilds it at the restart (docs/storage.md), counted and tracked the
-//                same way. (Table and options files are not injected.)
+//                the RocksDB tier then refuses to open (docs/storage.md), so disk-durable puts
+//                are refused until an operator acts; it measures a repair. (Table and options
+//                files are not injected.)
 //   --mode=soak  `--clients` clients for `--seconds` of mixed put/get/delete on one daemon:
 //                every unexpected status is an error; latency per operation (p50/p99/max) and
 //                the daemon's RSS (sampled each second) are reported.

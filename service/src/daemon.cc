@@ -736,10 +736,10 @@ absl::Status DaemonImpl::Init(const Options& options) {
         "the latest ", st.last_quarantined);
   }
   if (st.log_damage > 0) {
-    Log(LogLevel::kWarning, "storage: the RocksDB files were damaged (write-ahead log or MANIFEST): ",
-        st.log_damage, " damaged stretch(es) or repair(s), ", st.log_damage_bytes,
-        " log bytes skipped (kvcomp_store_corruptions_total); the caches written there are lost "
-        "(misses), the rest are served; the last: ",
+    Log(LogLevel::kWarning, "storage: the RocksDB write-ahead log was damaged: its replay skipped ",
+        st.log_damage, " damaged stretch(es), ", st.log_damage_bytes,
+        " bytes (kvcomp_store_corruptions_total); the caches written there are lost (misses), "
+        "the rest are served; the last: ",
         st.last_log_damage);
   }
   logged_damage_ = {st.quarantined, st.background_corruptions + st.log_damage, st.damage_repairs};

@@ -9,8 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -509,99 +507,6 @@ uint64_t RocksDbTier::BytesToOpenWritable() const {
   return reserve_ + WalBytesUnder(options_.path);
 }
 
-namespace {
-
-// Where a MANIFEST repair keeps the blob files while it runs: RocksDB's repair rebuilds the
-// table files' list but not the blob files', and the open after it would delete them as files
-// of no version; their records are written back from here (RestoreBlobPayloads).
-constexpr char kRepairBlobDir[] = "repair-blobs";
-
-// Moves the database's blob files into <path>/repair-blobs (renames within the directory).
-void SetBlobFilesAside(const std::string& path) {
-  std::error_code ec;
-  const std::filesystem::path aside = std::filesystem::path(path) / kRepairBlobDir;
-  std::filesystem::create_directories(aside, ec);
-  for (const auto& e : std::filesystem::directory_iterator(path, ec)) {
-    if (e.path().extension() == ".blob") {
-      std::filesystem::rename(e.path(), aside / e.path().filename(), ec);
-    }
-  }
-}
-
-// Writes back into the payload family the records of the blob files set aside by a MANIFEST
-// repair whose key reads as damaged and whose value is the one the key's metadata names (its
-// CRC32C and size): the bytes acknowledged last for that key, never an older version. Blob file
-// layout (RocksDB 7): a 30-byte header, records of a 32-byte header (key size, value size,
-// expiration: u64 LE; two CRCs) followed by the key and the value, a 32-byte footer. Then the
-// directory goes. Returns how many payloads came back.
-uint64_t RestoreBlobPayloads(rocksdb::DB& db, rocksdb::ColumnFamilyHandle* meta,
-                             rocksdb::ColumnFamilyHandle* payload, const std::string& path) {
-  constexpr uint64_t kHeader = 30, kRecordHeader = 32, kFooter = 32;
-  const std::filesystem::path aside = std::filesystem::path(path) / kRepairBlobDir;
-  std::error_code ec;
-  if (!std::filesystem::is_directory(aside, ec)) return 0;
-  uint64_t restored = 0;
-  for (const auto& e : std::filesystem::directory_iterator(aside, ec)) {
-    std::ifstream in(e.path(), std::ios::binary);
-    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    uint64_t at = kHeader;
-    while (at + kRecordHeader + kFooter <= bytes.size()) {
-      const uint64_t key_size = byte_coder::GetLe(bytes.data() + at, 8);
-      const uint64_t value_size = byte_coder::GetLe(bytes.data() + at + 8, 8);
-      const uint64_t left = bytes.size() - at - kRecordHeader;
-      if (key_size > left || value_size > left - key_size) break;  // not a record: the end
-      const absl::string_view key(bytes.data() + at + kRecordHeader, key_size);
-      const absl::string_view value(key.data() + key_size, value_size);
-      at += kRecordHeader + key_size + value_size;
-      std::string current;
-      if (!db.Get(rocksdb::ReadOptions(), payload, ToSlice(key), &current).IsCorruption()) {
-        continue;  // served already, or gone
-      }
-      std::string m;
-      if (!db.Get(rocksdb::ReadOptions(), meta, ToSlice(key), &m).ok()) continue;
-      absl::StatusOr<CacheMeta> cm = DecodeMeta(m);
-      if (!cm.ok() || cm->stored_bytes != value_size ||
-          cm->crc32c != Crc32c(value.data(), value.size())) {
-        continue;  // an older version of the key, or damaged bytes
-      }
-      rocksdb::WriteOptions w;
-      w.sync = true;
-      if (db.Put(w, payload, ToSlice(key), ToSlice(value)).ok()) ++restored;
-    }
-  }
-  std::filesystem::remove_all(aside, ec);
-  return restored;
-}
-
-// A log whose records were already flushed, but which was still on disk, becomes after RocksDB's
-// repair a second level-0 table with the same sequence numbers as the table its flush made, and
-// the open's consistency check refuses the pair ("L0 file ... with seqno ... vs. file ...").
-// Opened once without that check, the blob files' payloads written back (RestoreBlobPayloads),
-// every family compacted (the two copies merge; their data is the same), and closed.
-rocksdb::Status SettleRepairedDatabase(const std::string& path, const rocksdb::DBOptions& options,
-                                       std::vector<rocksdb::ColumnFamilyDescriptor> cfs) {
-  for (rocksdb::ColumnFamilyDescriptor& cf : cfs) cf.options.force_consistency_checks = false;
-  std::vector<rocksdb::ColumnFamilyHandle*> handles;
-  rocksdb::DB* raw = nullptr;
-  rocksdb::Status s = rocksdb::DB::Open(options, path, cfs, &handles, &raw);
-  if (!s.ok()) return s;
-  std::unique_ptr<rocksdb::DB> db(raw);
-  RestoreBlobPayloads(*db, handles[1], handles[2], path);
-  rocksdb::CompactRangeOptions compact;
-  compact.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
-  for (rocksdb::ColumnFamilyHandle* h : handles) {
-    if (s.ok()) s = db->CompactRange(compact, h, nullptr, nullptr);
-  }
-  for (rocksdb::ColumnFamilyHandle* h : handles) {
-    const rocksdb::Status d = db->DestroyColumnFamilyHandle(h);
-    if (s.ok()) s = d;
-  }
-  const rocksdb::Status c = db->Close();
-  return s.ok() ? c : s;
-}
-
-}  // namespace
-
 absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     const RocksDbTierOptions& o, const std::shared_ptr<rocksdb::Cache>& block_cache,
     bool read_only, const std::shared_ptr<DamageSignal>& damage, LogDamage* log_damage) {
@@ -727,38 +632,6 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     raw = nullptr;
     s = rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
   }
-  // A damaged MANIFEST (the record of which table files and logs make up the database) refuses
-  // every open, so the tier would run without its disk. RocksDB's repair rebuilds it from the
-  // table files and the logs (the logs' records become table files), and the open is tried again.
-  // Only on the real filesystem, and not by a read-only open.
-  std::string manifest_repair;
-  if (!s.ok() && s.IsCorruption() && !read_only && o.env == nullptr &&
-      absl::StrContains(s.ToString(), "MANIFEST")) {
-    const std::string refused = s.ToString();
-    db->handles.clear();
-    raw = nullptr;
-    SetBlobFilesAside(o.path);
-    s = rocksdb::RepairDB(o.path, db_options, cfs);
-    if (s.ok()) s = rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
-    if (!s.ok() && s.IsCorruption() && absl::StrContains(s.ToString(), "force_consistency_checks")) {
-      db->handles.clear();
-      raw = nullptr;
-      s = SettleRepairedDatabase(o.path, db_options, cfs);
-      if (s.ok()) s = rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
-    }
-    if (s.ok()) {
-      manifest_repair = absl::StrCat("MANIFEST rebuilt from the table files and logs (", refused,
-                                     ")");
-    }
-  }
-  // The blob files' records written back (also after a repair that was cut short by a crash,
-  // whose set-aside directory is still there).
-  if (s.ok() && !read_only) {
-    const uint64_t restored = RestoreBlobPayloads(*raw, db->handles[1], db->handles[2], o.path);
-    if (restored > 0 && !manifest_repair.empty()) {
-      absl::StrAppend(&manifest_repair, "; ", restored, " payloads restored from blob files");
-    }
-  }
   if (watch != nullptr) {
     watch->Watch(false);
     *log_damage = watch->Damage();
@@ -768,10 +641,6 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
       log_damage->last = absl::StrCat(cut.file, ": cut from ", cut.size, " to ", cut.at,
                                       " bytes (a damaged record of several fragments)");
     }
-  }
-  if (!manifest_repair.empty() && log_damage != nullptr) {
-    log_damage->regions += 1;
-    log_damage->last = manifest_repair;
   }
   if (!s.ok()) {
     return FromRocksDb(s, absl::StrCat("rocksdb tier: open ", o.path,
