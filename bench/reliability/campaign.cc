@@ -113,6 +113,7 @@ struct Flags {
   int child_blocks = 0;
   int rss_every = 0;  // peer mode: every n cycles a line (RSS, open puts, caches) on stderr
   bool no_round_trips = false;  // peer mode: only the cut puts (no cache kept between cycles)
+  bool stalls = false;  // peer mode: a fourth way, the put's client process stopped (SIGSTOP)
 };
 
 const KvLayout kLayout{4, 4, 8, 64, DType::kF16};
@@ -1681,8 +1682,13 @@ int PutChild(const Flags& f) {
 // is recorded). The daemon's RSS is reported at the start and the end; --rss_every=N adds a line
 // on stderr every N cycles (RSS, open puts, caches stored), and --no_round_trips leaves out the
 // healthy client's round trips and overwrites, so that only the cut puts touch the daemon.
+// --stalls adds a fourth way, a stalled peer: the client process is stopped (SIGSTOP) after its
+// PutBegin was accepted, its connection open; while it is stopped a healthy client's round trip
+// must be served, and the daemon must abort the put after data_plane.put_timeout_seconds (2 s
+// here) and release its buffers; then the process is killed.
 int PeerGone(const Flags& f, const char* self) {
   std::vector<std::string> flags = {"--data_plane.max_block_bytes=1Mi"};
+  if (f.stalls) flags.push_back("--data_plane.put_timeout_seconds=2");
   flags.insert(flags.end(), f.daemon_flags.begin(), f.daemon_flags.end());
   KvcompdProcess d(f.kvcompd, f.dir + "/data", flags);
   if (!d.Start(60)) {
@@ -1696,7 +1702,9 @@ int PeerGone(const Flags& f, const char* self) {
   const uint64_t rss_start = RssKiB(d.ports().pid);
   std::mt19937_64 rng(f.seed);
   std::vector<double> release_ms;
-  uint64_t by_kind[3] = {0, 0, 0}, overwrites = 0, old_kept = 0, misses = 0, not_released = 0;
+  uint64_t by_kind[4] = {0, 0, 0, 0}, overwrites = 0, old_kept = 0, misses = 0, not_released = 0;
+  std::vector<double> stalled_round_trip_ms;
+  pid_t stopped = 0;  // a stalled peer's process, killed once its put was released
   uint64_t open_at_cut = 0, child_before_begin = 0, child_blocks_sent[5] = {0, 0, 0, 0, 0};
   transport::ClientOptions o;
   o.ucx.overrides["TLS"] = "tcp";
@@ -1708,7 +1716,7 @@ int PeerGone(const Flags& f, const char* self) {
                    static_cast<unsigned long long>(MetricOf(d, "kvcomp_puts_in_progress")),
                    static_cast<unsigned long long>(MetricOf(d, "kvcomp_caches_stored")));
     }
-    const int kind = cycle % 3;
+    const int kind = f.stalls ? cycle % 4 : cycle % 3;
     const bool overwrite = !f.no_round_trips && (cycle / 3) % 2 == 1;
     // The key of the cut put: a live cache's (an overwrite) or a fresh one.
     uint64_t old_id = UINT64_MAX, old_stored = 0;
@@ -1725,7 +1733,7 @@ int PeerGone(const Flags& f, const char* self) {
         overwrite ? Ledger::Key(old_id) : "cut-" + std::to_string(cycle);
     const int blocks = kind == 2 ? static_cast<int>(kLayout.num_layers)
                                  : static_cast<int>(rng() % kLayout.num_layers);
-    if (kind == 1) {
+    if (kind == 1 || kind == 3) {
       int out[2];
       if (pipe(out) != 0) return 1;
       const std::string ep_arg = "--child_endpoint=" + d.data_endpoint();
@@ -1752,7 +1760,7 @@ int PeerGone(const Flags& f, const char* self) {
           if (n > 0) said.append(buf, static_cast<size_t>(n));
         }
       };
-      if (cycle % 9 == 1) {
+      if (kind == 1 && cycle % 9 == 1) {
         std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 150));
       } else {
         const auto w0 = Clock::now();
@@ -1763,12 +1771,28 @@ int PeerGone(const Flags& f, const char* self) {
         if (MetricOf(d, "kvcomp_puts_in_progress") == 1) ++open_at_cut;
         std::this_thread::sleep_for(std::chrono::microseconds(rng() % 20000));
       }
-      kill(pid, SIGKILL);
-      int status = 0;
-      waitpid(pid, &status, 0);
+      if (kind == 3) {
+        kill(pid, SIGSTOP);
+        stopped = pid;
+        // The stopped peer holds its put and its connection: others are served meanwhile.
+        if (!f.no_round_trips) {
+          const auto s0 = Clock::now();
+          if (absl::Status st = led.PutAndReadBack(*c); !st.ok()) {
+            problem("round trip beside a stalled peer: " + st.ToString());
+          } else {
+            stalled_round_trip_ms.push_back(Ms(Clock::now() - s0));
+          }
+        }
+      } else {
+        kill(pid, SIGKILL);
+        int status = 0;
+        waitpid(pid, &status, 0);
+      }
       read_some(0);
       close(out[0]);
-      if (said.find("begun") == std::string::npos) {
+      if (kind == 3) {
+        // counted with the stalls
+      } else if (said.find("begun") == std::string::npos) {
         ++child_before_begin;
       } else {
         size_t sent = 0;
@@ -1805,6 +1829,12 @@ int PeerGone(const Flags& f, const char* self) {
       open_puts = MetricOf(d, "kvcomp_puts_in_progress");
       if (open_puts == 0) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (stopped != 0) {  // released (or given up on): the stalled process goes
+      kill(stopped, SIGKILL);
+      int status = 0;
+      waitpid(stopped, &status, 0);
+      stopped = 0;
     }
     if (open_puts != 0) {
       ++not_released;
@@ -1852,6 +1882,12 @@ int PeerGone(const Flags& f, const char* self) {
     << child_blocks_sent[0] << "/" << child_blocks_sent[1] << "/" << child_blocks_sent[2] << "/"
     << child_blocks_sent[3] << "/" << child_blocks_sent[4] << ")"
     << ", connection closed with every block sent and no Commit " << by_kind[2]
+    << ", client process stopped (SIGSTOP) after its PutBegin " << by_kind[3]
+    << " (a round trip beside it: p50 " << Percentile(stalled_round_trip_ms, 0.5) << " ms, max "
+    << (stalled_round_trip_ms.empty()
+            ? 0
+            : *std::max_element(stalled_round_trip_ms.begin(), stalled_round_trip_ms.end()))
+    << " ms)"
     << " | put seen open by the daemon (kvcomp_puts_in_progress 1) just before the cut "
     << open_at_cut
     << " | overwrites cut " << overwrites << " (old cache served byte-exact " << old_kept
@@ -1896,6 +1932,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("manifest_every")) f.manifest_every = std::atoi(v);
     else if (const char* v = val("rss_every")) f.rss_every = std::atoi(v);
     else if (a == "--no_round_trips") f.no_round_trips = true;
+    else if (a == "--stalls") f.stalls = true;
     else if (a == "--lossless") f.lossless = true;
     else if (const char* v = val("readers")) f.readers = std::atoi(v);
     else if (const char* v = val("run_ms")) {

@@ -31,6 +31,7 @@ struct PutState {
   absl::Time last_activity;
   uint64_t blocks_acked = 0;
   uint64_t blocks_pending = 0;  // received or being received, not yet acknowledged
+  uint64_t blocks_receiving = 0;  // of those, bytes still arriving (a rendezvous in flight)
   bool committing = false;
 };
 
@@ -533,7 +534,7 @@ void ServerImpl::AbortPut(Connection& conn, uint64_t put_id, const absl::Status&
 void ServerImpl::Tick() {
   CheckFds();
   const absl::Time now = absl::Now();
-  std::vector<std::shared_ptr<Connection>> to_close;
+  std::vector<std::shared_ptr<Connection>> to_close, stalled_conns;
   for (auto& [ep, conn] : connections_) {
     if (!conn->authenticated && now - conn->created > options_.hello_timeout) {
       to_close.push_back(conn);
@@ -544,11 +545,22 @@ void ServerImpl::Tick() {
       continue;
     }
     std::vector<uint64_t> expired;
+    bool stalled = false;
     for (const auto& [id, put] : conn->puts) {
-      if (!put->committing && put->blocks_pending == 0 &&
-          now - put->last_activity > options_.put_timeout) {
+      if (put->committing || now - put->last_activity <= options_.put_timeout) continue;
+      if (put->blocks_pending == 0) {
         expired.push_back(id);
+      } else if (put->blocks_receiving > 0) {
+        // A block's bytes have not come for put_timeout: the peer stalls mid-transfer (stopped,
+        // or its network gone without a reset). Only closing the endpoint cancels the receive
+        // and gives its buffer back.
+        stalled = true;
       }
+    }
+    if (stalled) {
+      counters_.puts_timed_out++;
+      stalled_conns.push_back(conn);
+      continue;
     }
     for (uint64_t id : expired) {
       counters_.puts_timed_out++;
@@ -562,6 +574,12 @@ void ServerImpl::Tick() {
     counters_.connections_timed_out++;
     CloseConnection(conn, absl::DeadlineExceededError(
                               conn->authenticated ? "connection idle" : "no hello in time"));
+  }
+  for (auto& conn : stalled_conns) {
+    counters_.connections_timed_out++;
+    CloseConnection(conn, absl::DeadlineExceededError(absl::StrCat(
+                              "a block's bytes did not arrive for ",
+                              absl::FormatDuration(options_.put_timeout), ": the peer stalled")));
   }
   for (auto it = closing_requests_.begin(); it != closing_requests_.end();) {
     if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
@@ -873,6 +891,7 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   pending_work_++;
   put->blocks_pending++;
   auto* ctx = new RecvContext{this, conn, put, f.header.request_id, block, *std::move(buf)};
+  put->blocks_receiving++;
   if (!rndv) {
     std::memcpy(ctx->payload.data(), data, bytes);
     BlockReceived(ctx, UCS_OK);
@@ -915,6 +934,7 @@ void ServerImpl::OnRecvDone(void* request, ucs_status_t status, size_t length, v
 
 void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
   std::unique_ptr<RecvContext> ctx(raw);
+  ctx->put->blocks_receiving--;
   const uint64_t bytes = ctx->block.payload_bytes();
   Connection& conn = *ctx->conn;
   absl::Status s = !ctx->failure.ok() ? ctx->failure : UcsStatusToStatus(status, "block receive");
