@@ -263,15 +263,21 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
 
 namespace {
 
-// DecodeKept's work: the kept rows decoded into `keys` and `values` (total_kept x head_dim of
-// `dtype`), host memory when `on_backend` is false, else memory of the backend's space.
-absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
-                          const Projection* projection, DType dtype, uint8_t* keys,
-                          uint8_t* values, bool on_backend) {
+// What both decoders check first: a consistent cache, an output dtype they write.
+absl::Status CheckDecode(const CompressedCache& cache, DType dtype) {
   KVCOMP_RETURN_IF_ERROR(cache.Validate());
   if (!IsInputDType(dtype)) {
     return absl::InvalidArgumentError("kvsplice: decode into f32, f16 or bf16");
   }
+  return absl::OkStatus();
+}
+
+// DecodeKept's work on a cache CheckDecode passed: the kept rows decoded into `keys` and
+// `values` (total_kept x head_dim of `dtype`), host memory when `on_backend` is false, else
+// memory of the backend's space.
+absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
+                          const Projection* projection, DType dtype, uint8_t* keys,
+                          uint8_t* values, bool on_backend) {
   const KvLayout& layout = cache.layout;
   const std::vector<uint64_t> offsets = cache.TokenOffsets();
   const uint64_t total = cache.total_kept(), d = layout.head_dim;
@@ -350,10 +356,7 @@ absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
 
 absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
                                        const Projection* projection, DType dtype) {
-  KVCOMP_RETURN_IF_ERROR(cache.Validate());
-  if (!IsInputDType(dtype)) {
-    return absl::InvalidArgumentError("kvsplice: decode into f32, f16 or bf16");
-  }
+  KVCOMP_RETURN_IF_ERROR(CheckDecode(cache, dtype));
   DecodedKept out;
   out.layout = cache.layout;
   out.dtype = dtype;
@@ -369,6 +372,7 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
 
 absl::Status DecodeKeptInto(Backend& backend, const CompressedCache& cache,
                             const Projection* projection, DType dtype, void* keys, void* values) {
+  KVCOMP_RETURN_IF_ERROR(CheckDecode(cache, dtype));
   KVCOMP_RETURN_IF_ERROR(DecodeRowsTo(backend, cache, projection, dtype,
                                       static_cast<uint8_t*>(keys), static_cast<uint8_t*>(values),
                                       /*on_backend=*/true));
