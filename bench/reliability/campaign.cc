@@ -743,7 +743,12 @@ struct KillCampaign {
       if ((ext == ".blob" || ext == ".log") && e.file_size(ec) > 0) files.push_back(e.path());
     }
     if (files.empty()) return "";
-    const auto& path = files[rng() % files.size()];
+    return FlipByteIn(files[rng() % files.size()], rng);
+  }
+
+  // Flips one bit of a random byte of `path`: what it did, "" for an empty or missing file.
+  static std::string FlipByteIn(const std::filesystem::path& path, std::mt19937_64& rng) {
+    std::error_code ec;
     const uint64_t size = std::filesystem::file_size(path, ec);
     if (ec || size == 0) return "";
     const uint64_t at = rng() % size;
@@ -755,6 +760,18 @@ struct KillCampaign {
     file.seekp(static_cast<std::streamoff>(at));
     file.write(&b, 1);
     return path.filename().string() + " at " + std::to_string(at);
+  }
+
+  // Cuts `path` short at a random length of at least one byte: what it did, "" when it cannot.
+  static std::string CutShort(const std::filesystem::path& path, std::mt19937_64& rng) {
+    std::error_code ec;
+    const uint64_t size = std::filesystem::file_size(path, ec);
+    if (ec || size < 2) return "";
+    const uint64_t keep = 1 + rng() % (size - 1);
+    std::filesystem::resize_file(path, keep, ec);
+    if (ec) return "";
+    return path.filename().string() + " cut from " + std::to_string(size) + " to " +
+           std::to_string(keep) + " bytes";
   }
 
   // Cuts a random blob, write-ahead log or direct payload file short: "" when there is none.
@@ -770,14 +787,7 @@ struct KillCampaign {
       }
     }
     if (files.empty()) return "";
-    const auto& path = files[rng() % files.size()];
-    const uint64_t size = std::filesystem::file_size(path, ec);
-    if (ec || size < 2) return "";
-    const uint64_t keep = 1 + rng() % (size - 1);
-    std::filesystem::resize_file(path, keep, ec);
-    if (ec) return "";
-    return path.filename().string() + " cut from " + std::to_string(size) + " to " +
-           std::to_string(keep) + " bytes";
+    return CutShort(files[rng() % files.size()], rng);
   }
 
   // Flips a byte of RocksDB's MANIFEST (`flip`) or cuts it short: "" when there is none.
@@ -788,24 +798,7 @@ struct KillCampaign {
       if (e.path().filename().string().rfind("MANIFEST-", 0) == 0) path = e.path();
     }
     if (path.empty()) return "";
-    const uint64_t size = std::filesystem::file_size(path, ec);
-    if (ec || size < 2) return "";
-    if (!flip) {
-      const uint64_t keep = 1 + rng() % (size - 1);
-      std::filesystem::resize_file(path, keep, ec);
-      if (ec) return "";
-      return path.filename().string() + " cut from " + std::to_string(size) + " to " +
-             std::to_string(keep) + " bytes";
-    }
-    const uint64_t at = rng() % size;
-    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
-    file.seekg(static_cast<std::streamoff>(at));
-    char b = 0;
-    file.read(&b, 1);
-    b = static_cast<char>(b ^ (1 << (rng() % 8)));
-    file.seekp(static_cast<std::streamoff>(at));
-    file.write(&b, 1);
-    return path.filename().string() + " at " + std::to_string(at);
+    return flip ? FlipByteIn(path, rng) : CutShort(path, rng);
   }
 
   // A daemon left running by a driver that died holds the database's lock: it goes first.
@@ -1790,11 +1783,9 @@ int PeerGone(const Flags& f, const char* self) {
       }
       read_some(0);
       close(out[0]);
-      if (kind == 3) {
-        // counted with the stalls
-      } else if (said.find("begun") == std::string::npos) {
+      if (kind == 1 && said.find("begun") == std::string::npos) {
         ++child_before_begin;
-      } else {
+      } else if (kind == 1) {
         size_t sent = 0;
         for (size_t at = said.find("block"); at != std::string::npos; at = said.find("block", at + 1)) ++sent;
         ++child_blocks_sent[std::min<size_t>(sent, 4)];
