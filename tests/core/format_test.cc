@@ -646,9 +646,8 @@ TEST(FormatPlan, PeekHeaderReadsTheHeaderAndTableAlone) {
   }
 }
 
-TEST(FormatPlan, DenseKvSectionsOfACacheThatKeptEveryTokenRaw) {
-  const KvLayout l{2, 2, 4, 64, DType::kBF16};
-  const uint64_t T = 7;
+// A cache of `l` that kept all `T` tokens of every head (no keys or values yet).
+CompressedCache KeptEveryToken(const KvLayout& l, uint64_t T) {
   CompressedCache c;
   c.layout = l;
   c.original_tokens = T;
@@ -657,6 +656,13 @@ TEST(FormatPlan, DenseKvSectionsOfACacheThatKeptEveryTokenRaw) {
     c.kept.push_back(T);
     for (uint32_t t = 0; t < T; ++t) c.positions.push_back(t);
   }
+  return c;
+}
+
+TEST(FormatPlan, DenseKvSectionsOfACacheThatKeptEveryTokenRaw) {
+  const KvLayout l{2, 2, 4, 64, DType::kBF16};
+  const uint64_t T = 7;
+  CompressedCache c = KeptEveryToken(l, T);
   std::mt19937 rng(std::random_device{}());
   c.keys.resize(l.CacheBytes(T) / 2);
   c.values.resize(c.keys.size());
@@ -698,16 +704,9 @@ TEST(FormatPlan, DenseKvSectionsOfACacheThatKeptEveryTokenRaw) {
 TEST(FormatPlan, DenseRowSectionsOfAnHqCacheThatKeptEveryToken) {
   const KvLayout l{2, 2, 4, 64, DType::kBF16};
   const uint64_t T = 9;
-  CompressedCache c;
-  c.layout = l;
-  c.original_tokens = T;
-  c.policy.ratio = 0;
+  CompressedCache c = KeptEveryToken(l, T);
   c.policy.key_codec = c.key_codec = KeyCodec::kHq4;
   c.policy.value_codec = c.value_codec = ValueCodec::kHq3;
-  for (uint64_t h = 0; h < l.num_heads_total(); ++h) {
-    c.kept.push_back(T);
-    for (uint32_t t = 0; t < T; ++t) c.positions.push_back(t);
-  }
   const uint64_t rows = l.num_heads_total() * T;
   std::mt19937 rng(std::random_device{}());
   // Records with lo = step = 0 (valid for any codes) and random codes.
