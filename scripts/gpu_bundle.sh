@@ -17,7 +17,7 @@
 #   cmake --build build-gpu-daemon -j 2 --target kvcompd kvcompd_daemon_test \
 #     kvcompd_control_security_lifecycle_test kvcompd_housekeeping_test kvcompd_bench \
 #     client_daemon_test client_gpu_channel_gpu_test kvcomp_bench_gpu_pipeline kvcomp_bench_gpu_decode \
-#     decode_attention_cuda_test service_device_path_test service_multi_gpu_test
+#     decode_attention_cuda_test service_device_path_test service_multi_gpu_test kvcomp_gpu_campaign
 #   bash scripts/gpu_bundle.sh build-gpu-daemon
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
 set -euo pipefail
@@ -45,6 +45,7 @@ OPTIONAL=(
   tests/kernels/kernels_device_format_test
   tests/storage/storage_device_payload_test
   bench/gpu/kvcomp_bench_gpu_crc32c
+  bench/reliability/kvcomp_gpu_campaign
 )
 # Libraries the device machine has (its own glibc, C++ runtime and CUDA), by soname prefix.
 SKIP='^(linux-vdso|ld-linux-x86-64|libc|libm|libpthread|libdl|librt|libutil|libresolv|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libcusolver|libcusparse|libnvJitLink|libcurand|libcufft)\.so'

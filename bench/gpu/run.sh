@@ -26,7 +26,9 @@
 #                      payload tests with the Python device-path tests, the engines on every GPU
 #                      (service_multi_gpu_test, kvcompd_bench with
 #                      engine.cuda_devices naming every GPU), the decode GPU test and benchmark
-#                      (KVCOMP_DECODE_BENCH_ARGS), the integration tests against kvcompd with
+#                      (KVCOMP_DECODE_BENCH_ARGS), the GPU-link fault campaign ("faults", not a
+#                      default part: KVCOMP_FAULT_SECONDS per link, bench/reliability/
+#                      gpu_campaign.cc), the integration tests against kvcompd with
 #                      the CUDA backend and the GPU tier (failed cases again with the host
 #                      tier), the end-to-end benchmark
 #                      (KVCOMP_DAEMON_BENCH_TOKENS, default "8192 32768"; KVCOMP_DAEMON_BACKENDS,
@@ -314,6 +316,26 @@ if has daemon; then
           cat "$mlog" >>"$DLOG"
           note "multi   kvcompd_bench 32768 tok on GPUs $devs: exit $rc, $(grep -m1 -oE 'put_s: [0-9.]+' "$mlog" || echo 'no put'), $(grep -m1 -oE 'stored_bytes: [0-9]+' "$mlog")"
         fi
+      fi
+
+      if [[ "$PARTS" == *" faults "* ]] && [ -x "$BUNDLE/bin/kvcomp_gpu_campaign" ]; then
+        # Faults on the GPU links (bench/reliability/gpu_campaign.cc): client processes killed or
+        # stopped in the middle of device puts and gets, over NCCL (two GPUs) and CUDA IPC, for
+        # KVCOMP_FAULT_SECONDS (default 90) each, beside a healthy client's byte-compared round
+        # trips; wrong outputs must be 0.
+        if [ -z "${KVCOMP_NCCL_LIBRARY:-}" ]; then
+          KVCOMP_NCCL_LIBRARY=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+          export KVCOMP_NCCL_LIBRARY
+        fi
+        fsec=${KVCOMP_FAULT_SECONDS:-90}
+        flog=$TMPD/faults.log
+        echo "### kvcomp_gpu_campaign ${fsec} s per link" >>"$DLOG"
+        timeout $((2 * fsec + 150)) "$BUNDLE/bin/kvcomp_gpu_campaign" \
+          --kvcompd="$BUNDLE/bin/kvcompd" --dir="$TMPD/faults" --seconds="$fsec" >"$flog" 2>&1
+        frc=$?
+        cat "$flog" >>"$DLOG"
+        note "faults  kvcomp_gpu_campaign: exit $frc"
+        grep -E '^RESULT|skipped|# problem' "$flog" | sed 's/^RESULT /faults  /' | head -12 | tee -a "$SUMMARY"
       fi
 
       if [[ "$PARTS" == *" integration "* ]]; then
