@@ -98,6 +98,17 @@ DEFAULT_CONFIGS = [
     "keydiff 0.5", "keydiff 0.75", "streaming 0.5", "streaming 0.75",
 ]
 
+# The presets and the default against the single scorers (--config-set policies): codec =
+# kvhq k4v3, balanced = manifold_r50 0.5 + kvhq k4v3, the default policy's selection = manifold
+# (no recent window) at 0.5, each scorer at 0.5 and 0.75, and a few codec anchors.
+POLICY_CONFIGS = [
+    "full", "kvhq k4v3", "kvhq k3v3", "tq k4v3", "kivi2",
+    "manifold_r50 0.5 + kvhq k4v3", "manifold_r50 0.67 + kvhq k4v3",
+    "manifold 0.5", "manifold 0.75", "manifold_r50 0.5", "manifold_r50 0.75",
+    "knorm 0.5", "knorm 0.75", "keydiff 0.5", "keydiff 0.75", "streaming 0.5", "streaming 0.75",
+]
+CONFIG_SETS = {"default": DEFAULT_CONFIGS, "policies": POLICY_CONFIGS}
+
 
 def git_commit():
     if os.environ.get("KVCOMP_COMMIT"):
@@ -241,10 +252,16 @@ def main():
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--n-loss", type=int, default=50)
     ap.add_argument("--configs", nargs="*", default=None)
+    ap.add_argument("--config-set", default="default", choices=sorted(CONFIG_SETS),
+                    help="the configurations measured when --configs is not given")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--budget-seconds", type=float, default=0)
     ap.add_argument("--out")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--shard", default="0/1", metavar="I/K",
+                    help="run only the rounds j with j %% K == I (several processes, or GPUs, "
+                         "share one length; --merge joins their JSONs); each round draws its "
+                         "samples from its own generator (seed, length, j)")
     args = ap.parse_args()
     if args.render:
         with open(args.render) as f:
@@ -253,14 +270,29 @@ def main():
     if args.pool:
         write_pool(args.out + ".md", args.pool)
         return
-    if args.merge:  # one model's lengths, run as separate processes, into one result
+    if args.merge:  # one model's lengths and shards, run as separate processes, into one result
         res = [json.load(open(p)) for p in args.merge]
         out = res[0]
         for r in res[1:]:
-            out["per_length"].update(r["per_length"])
-            out["kv_stats"].update(r["kv_stats"])
-            out["meta"]["lengths"] = out["meta"]["lengths"] + r["meta"]["lengths"]
+            for Lb, pl in r["per_length"].items():
+                have = out["per_length"].get(Lb)
+                if have is None:
+                    out["per_length"][Lb] = pl
+                    out["meta"]["lengths"] = out["meta"]["lengths"] + [int(Lb)]
+                    continue
+                for key in ("scores",):  # another shard of a length: its rounds appended
+                    for c in have[key]:
+                        for t in have[key][c]:
+                            have[key][c][t] += pl[key][c][t]
+                for key in ("loss", "bytes_per_token", "entropy_bytes_per_token"):
+                    for c in have[key]:
+                        have[key][c] += pl[key][c]
+                have["rounds"] += pl["rounds"]
+            for Lb, st in r["kv_stats"].items():
+                out["kv_stats"].setdefault(Lb, st)
             out["meta"]["seconds"] = max(out["meta"]["seconds"], r["meta"]["seconds"])
+        out["meta"]["lengths"] = sorted(set(out["meta"]["lengths"]))
+        out["meta"]["shards"] = len(res)
         with open(args.out + ".json", "w") as f:
             json.dump(out, f)
         write_md(args.out + ".md", out)
@@ -275,7 +307,7 @@ def main():
     en = np.frombuffer(parts["held_en.bin"], np.uint8)
     code = np.frombuffer(parts["held_code.bin"], np.uint8)
     words = ruler.word_list(en)
-    cfgs = args.configs or DEFAULT_CONFIGS
+    cfgs = args.configs or CONFIG_SETS[args.config_set]
     t0 = time.time()
     per_len = {}
     stats = {}
@@ -284,9 +316,11 @@ def main():
         print(f"[{time.time() - t0:6.1f}s] {os.path.basename(args.model)} {m}", flush=True)
 
     budget_each = args.budget_seconds / len(args.lengths) if args.budget_seconds else 0
+    shard, nshard = (int(x) for x in args.shard.split("/"))
+    if not 0 <= shard < nshard:
+        raise SystemExit(f"--shard {args.shard}: want I/K with 0 <= I < K")
     for Lb in args.lengths:
         tl = time.time()
-        rng = np.random.default_rng([args.seed, Lb])
         sc = {c: {t: [] for t in ruler.TASKS} for c in cfgs}
         loss = {c: [] for c in cfgs}
         bpt, ent = {c: [] for c in cfgs}, {c: [] for c in cfgs}
@@ -295,10 +329,13 @@ def main():
         starts_code = np.linspace(0, len(code) - Lb - 2, args.n_loss).astype(np.int64)
         taken = 0
         for j in range(max(args.n, args.n_loss)):
+            if j % nshard != shard:
+                continue
             if budget_each and time.time() - tl > budget_each:
                 log(f"{Lb}: time budget reached after {taken} rounds")
                 break
             taken += 1
+            rng = np.random.default_rng([args.seed, Lb, j])
             if j < args.n_loss:  # loss window (English on even j, code on odd)
                 t, s = (en, starts_en[j]) if j % 2 == 0 else (code, starts_code[j])
                 w = torch.from_numpy(t[s:s + Lb].astype(np.int64))
@@ -328,14 +365,14 @@ def main():
                     for c in cfgs:
                         pred = lg[c][-na:].argmax(-1).cpu().numpy().astype(np.uint8)
                         sc[c][task].append(ruler.score(pred, smp))
-            if (j + 1) % 10 == 0:
-                log(f"{Lb}: {j + 1} rounds")
+            if taken % 10 == 0:
+                log(f"{Lb}: {taken} rounds")
         per_len[Lb] = {"scores": sc, "loss": loss, "bytes_per_token": bpt,
                        "entropy_bytes_per_token": ent, "rounds": taken}
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ"),
             "commit": git_commit(), "model": args.model, "card": card, "device": str(device),
             "dtype": str(dtype), "torch": torch.__version__, "lengths": args.lengths,
-            "n": args.n, "n_loss": args.n_loss, "corpus": json.loads(parts["manifest.json"]),
+            "n": args.n, "n_loss": args.n_loss, "shard": args.shard, "corpus": json.loads(parts["manifest.json"]),
             "configs": {c: CONFIGS[c] for c in cfgs}, "seconds": time.time() - t0,
             "parameters": sum(p.numel() for p in model.parameters()),
             "model_config": {k: getattr(model.config, k, None) for k in (

@@ -132,13 +132,18 @@ class Mixed:
         return self.en if rng.random() < self.en_frac else self.code
 
 
-def batch_mixed(mx, rng, bsz, seq_len, task_frac, step):
+def batch_mixed(mx, rng, bsz, seq_len, task_frac, step, task_weights=None):
+    """task_weights: the tasks' shares of the task samples (ruler.TASKS order), drawn at
+    random; None: the tasks in turn."""
     x = np.empty((bsz, seq_len + 1), np.uint8)
     w = np.zeros((bsz, seq_len), np.float32)
     for i in range(bsz):
         t = mx.text(rng)
         if rng.random() < task_frac:
-            task = ruler.TASKS[(step * bsz + i) % len(ruler.TASKS)]
+            if task_weights is None:
+                task = ruler.TASKS[(step * bsz + i) % len(ruler.TASKS)]
+            else:
+                task = ruler.TASKS[int(rng.choice(len(ruler.TASKS), p=task_weights))]
             s = ruler.make(task, t, rng, seq_len + 1, words=mx.words)
             b = s.context + s.question + s.answer
             x[i] = np.frombuffer(b, np.uint8)
@@ -147,6 +152,33 @@ def batch_mixed(mx, rng, bsz, seq_len, task_frac, step):
             o = int(rng.integers(0, len(t) - seq_len - 1))
             x[i] = t[o:o + seq_len + 1]
     return torch.from_numpy(x.astype(np.int64)), torch.from_numpy(w)
+
+
+class _MixedBatches(torch.utils.data.IterableDataset):
+    """batch_mixed in worker processes (--workers): each worker draws from its own generator
+    (seed, worker, phase) and rotates the tasks by its own batch count."""
+
+    def __init__(self, mx, seed, phase, bsz, seq_len, task_frac, task_weights):
+        self.mx, self.seed, self.phase = mx, seed, phase
+        self.bsz, self.seq_len, self.task_frac = bsz, seq_len, task_frac
+        self.task_weights = task_weights
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid = info.id if info else 0
+        rng = np.random.default_rng([self.seed, wid, self.phase])
+        k = 0
+        while True:
+            yield batch_mixed(self.mx, rng, self.bsz, self.seq_len, self.task_frac, k,
+                              self.task_weights)
+            k += 1
+
+
+def mixed_loader(mx, seed, phase, bsz, seq_len, task_frac, task_weights, workers):
+    ds = _MixedBatches(mx, seed, phase, bsz, seq_len, task_frac, task_weights)
+    return iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
+                                            prefetch_factor=4, pin_memory=True,
+                                            persistent_workers=False))
 
 
 @torch.no_grad()
@@ -258,6 +290,13 @@ def main():
     ap.add_argument("--short-len", type=int, default=0,
                     help="train the first --short-frac of the time at this length")
     ap.add_argument("--short-frac", type=float, default=0.7)
+    ap.add_argument("--task-weights", default=None,
+                    help="comma-separated shares of the RULER-style tasks among the task "
+                         "samples, in bench/quality/ruler.py TASKS order (default: the tasks "
+                         "in turn, equal shares)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="processes that build the --corpus batches ahead of the GPU (0: in "
+                         "the training loop)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--init-from", default=None,
                     help="a model directory (pack_weights.py unpack) whose weights start this run "
@@ -327,8 +366,17 @@ def main():
         hist = st.get("history", [])
         rng = np.random.default_rng([args.seed, step])
         log(f"resumed at step {step}, {done_seconds:.0f} s of {args.seconds:.0f} done")
+    task_weights = None
+    if args.task_weights:
+        tw = np.array([float(x) for x in args.task_weights.split(",")])
+        if len(tw) != len(ruler.TASKS) or (tw < 0).any() or tw.sum() <= 0:
+            raise SystemExit(f"--task-weights: want {len(ruler.TASKS)} non-negative shares "
+                             f"({', '.join(ruler.TASKS)})")
+        task_weights = tw / tw.sum()
+        log(f"task shares {dict(zip(ruler.TASKS, task_weights.round(3).tolist()))}")
     t0 = time.time() - done_seconds
     last_ckpt = time.time()
+    loaders = {}  # (length, batch) -> iterator over worker-built batches (--workers)
     while True:
         elapsed = time.time() - t0
         if elapsed >= args.seconds or (args.max_steps and step >= args.max_steps):
@@ -341,8 +389,14 @@ def main():
         L, bsz = args.seq_len, args.batch
         if args.short_len and frac < args.short_frac:
             L, bsz = args.short_len, args.batch * args.seq_len // args.short_len
-        if args.corpus:
-            x, w = batch_mixed(mx_train, rng, bsz, L, args.task_frac, step)
+        if args.corpus and args.workers:
+            if (L, bsz) not in loaders:
+                loaders.clear()  # the short phase's workers end here
+                loaders[(L, bsz)] = mixed_loader(mx_train, args.seed + step, L, bsz, L,
+                                                 args.task_frac, task_weights, args.workers)
+            x, w = next(loaders[(L, bsz)])
+        elif args.corpus:
+            x, w = batch_mixed(mx_train, rng, bsz, L, args.task_frac, step, task_weights)
         else:
             x, w = batch(text, rng, bsz, L, args.passkey_frac)
         x, w = x.to(device, non_blocking=True), w.to(device, non_blocking=True)
@@ -362,7 +416,8 @@ def main():
         tokens += bsz * L
         if step % 50 == 0 or step == 1:
             rec = {"step": step, "seconds": round(time.time() - t0, 1), "lr": lr, "len": L,
-                   "lm_loss": lm.item(), "answer_loss": ans.item(), "tokens": tokens}
+                   "lm_loss": lm.item(), "answer_loss": ans.item(), "tokens": tokens,
+                   "batch": bsz}
             hist.append(rec)
             log(json.dumps(rec))
         if time.time() - last_ckpt > args.checkpoint_seconds:
@@ -371,6 +426,7 @@ def main():
             last_ckpt = time.time()
             log(f"checkpoint at step {step}")
     train_seconds = time.time() - t0
+    loaders.clear()
     save(model, args.out, opt, {"step": step, "tokens": tokens, "history": hist,
                                 "seconds": train_seconds})
     log(f"trained {step} steps, {tokens} tokens in {train_seconds:.0f} s; evaluating")
@@ -387,11 +443,17 @@ def main():
             info["earlier_runs"] = init_info.get("earlier_runs", []) + [
                 {k: init_info.get(k) for k in ("steps", "tokens", "train_seconds", "device",
                                                 "lr", "eval")}]
-    if args.corpus:
+    if args.eval_n <= 0:  # no evaluation here (the suite measures the saved weights)
+        ev = {}
+        if args.corpus:
+            info.update({"en_frac": args.en_frac, "task_frac": args.task_frac,
+                         "task_weights": args.task_weights, "workers": args.workers,
+                         "corpus": manifest, "eval": ev})
+    elif args.corpus:
         ev = evaluate_mixed(model, mx_held, args.eval_lengths or sorted({4096, args.seq_len}), device,
                             n_task=args.eval_n)
         info.update({"en_frac": args.en_frac, "task_frac": args.task_frac,
-                     "corpus": manifest, "eval": ev})
+                     "task_weights": args.task_weights, "corpus": manifest, "eval": ev})
     else:
         ev = evaluate(model, heldout, args.seq_len, device, n_pk=args.eval_n)
         info.update({"passkey_frac": args.passkey_frac, "eval": ev,
