@@ -10,6 +10,14 @@
 //   kvcomp_transport_bench server --get_bytes=B; client <port> --gets=N
 //                                                       get latency p50/p99 of a B-byte cache
 //                                                       prints "RESULT ... GBps=<x>"
+//   client ... --link=shm                               the same through same-host shared
+//                                                       memory (shm_link.h) instead of UCX
+//   kvcomp_transport_bench stored <host:port> --tokens=T [--gets=N] [--link=shm|ucx]
+//                                                       against a running kvcompd: puts one
+//                                                       Llama-3.1-8B-shaped cache of T tokens
+//                                                       (bf16, the daemon's default policy),
+//                                                       then times gets of its stored bytes
+//                                                       into caller memory
 //
 // UCX_TLS etc. come from the environment.
 #include <algorithm>
@@ -29,6 +37,8 @@
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/transport/client.h"
 #include "kvcomp/transport/server.h"
+#include "kvcomp/transport/shm_link.h"
+#include "kvcomp/transport/ucx_link.h"
 
 namespace kvcomp {
 namespace transport {
@@ -72,6 +82,20 @@ class SinkHandler : public RequestHandler {
  private:
   std::vector<uint8_t> get_bytes_;
 };
+
+std::string StrFlag(int argc, char** argv, const char* name, const char* def) {
+  const std::string prefix = std::string("--") + name + "=";
+  for (int i = 0; i < argc; ++i) {
+    if (absl::StartsWith(argv[i], prefix)) return argv[i] + prefix.size();
+  }
+  return def;
+}
+
+double Pct(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
 
 uint64_t Flag(int argc, char** argv, const char* name, uint64_t def) {
   const std::string prefix = std::string("--") + name + "=";
@@ -125,9 +149,11 @@ int Client(int argc, char** argv) {
   const uint64_t blocks_per_put = blocks_per_layer * layout.num_layers;
   const uint64_t half = layout.LayerBytes(tokens_per_block);
 
+  const bool shm = StrFlag(argc, argv, "link", "ucx") == "shm";
   ClientOptions co;
   co.request_timeout = absl::Seconds(60);
   co.ucx.peer_error_handling = Flag(argc, argv, "peer_errors", 1) != 0;
+  co.shared_memory = shm;
   absl::StatusOr<std::unique_ptr<UcxClient>> c =
       UcxClient::Connect(Endpoint{"127.0.0.1", static_cast<uint16_t>(port)}, "bench", "", co);
   if (!c.ok()) {
@@ -135,6 +161,51 @@ int Client(int argc, char** argv) {
     return 1;
   }
   UcxClient& client = **c;
+  ShmChannel* channel = shm ? client.SharedMemory() : nullptr;
+  if (shm && channel == nullptr) {
+    std::fprintf(stderr, "client: the server offers no shared memory\n");
+    return 1;
+  }
+  if (const uint64_t gets = Flag(argc, argv, "gets", 0); shm && gets > 0) {
+    // Through the get region: Get = into a fresh host buffer each time, GetInto = one reused.
+    std::vector<double> ms, into_ms;
+    std::vector<uint8_t> dst;
+    const GetRequest request{"bench/llama-3.1-8b", "k", wire::Representation::kStored};
+    uint64_t size = 0;
+    {
+      absl::StatusOr<FetchedCache> first = client.Get("bench/llama-3.1-8b", "k");
+      if (!first.ok()) return 1;
+      size = first->bytes.size();
+    }
+    dst.resize(size);
+    for (uint64_t i = 0; i < gets + 1; ++i) {
+      auto t = std::chrono::steady_clock::now();
+      Buffer fresh = Buffer::Allocate(size);
+      absl::StatusOr<uint64_t> n0 =
+          channel->GetInto(request, fresh.data(), size, absl::InfiniteFuture());
+      const double a =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+      t = std::chrono::steady_clock::now();
+      absl::StatusOr<uint64_t> n =
+          channel->GetInto(request, dst.data(), dst.size(), absl::InfiniteFuture());
+      const double b =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+      if (!n0.ok() || !n.ok()) {
+        std::fprintf(stderr, "shm get: %s\n",
+                     (!n0.ok() ? n0.status() : n.status()).ToString().c_str());
+        return 1;
+      }
+      if (i > 0) {
+        ms.push_back(a);
+        into_ms.push_back(b);
+      }
+    }
+    std::printf("RESULT get_bytes=%zu gets=%llu get_p50_ms=%.2f get_p99_ms=%.2f "
+                "getinto_p50_ms=%.2f getinto_p99_ms=%.2f\n",
+                dst.size(), static_cast<unsigned long long>(gets), Pct(ms, 0.5), Pct(ms, 0.99),
+                Pct(into_ms, 0.5), Pct(into_ms, 0.99));
+    return 0;
+  }
   if (const uint64_t gets = Flag(argc, argv, "gets", 0); gets > 0) {
     // Get latency: the server lends a fixed cache of --get_bytes; each get allocates a fresh
     // host buffer (as Get does), GetInto reuses one.
@@ -234,11 +305,24 @@ int Client(int argc, char** argv) {
         if (!w.first.ok()) break;
         ++w.inflight;
       }
-      client.SendBlockAsync(b, src, src + half, [&](absl::Status s) {
+      auto finished = [&](const absl::Status& s) {
         absl::MutexLock l(&mu);
         if (!s.ok() && w.first.ok()) w.first = s;
         --w.inflight;
-      });
+      };
+      if (channel != nullptr) {
+        absl::StatusOr<std::shared_ptr<Completion>> posted =
+            channel->SendBlock(b, {const_cast<uint8_t*>(src), half, MemoryKind::kHost},
+                               {const_cast<uint8_t*>(src) + half, half, MemoryKind::kHost},
+                               absl::InfiniteFuture());
+        if (!posted.ok()) {
+          finished(posted.status());
+        } else {
+          (*posted)->Then(finished);
+        }
+      } else {
+        client.SendBlockAsync(b, src, src + half, [finished](absl::Status s) { finished(s); });
+      }
       ++in_put;
       ++sent_total;
     }
@@ -262,6 +346,132 @@ int Client(int argc, char** argv) {
               static_cast<unsigned long long>(2 * half),
               static_cast<unsigned long long>(window), secs, bytes / secs / 1e9,
               bytes / secs / 1048576.0);
+  return 0;
+}
+
+// A stored cache through a running kvcompd: put once (the daemon's default policy), then gets of
+// its stored bytes into one reused host buffer over each link.
+int Stored(int argc, char** argv) {
+  if (argc < 3) return 2;
+  absl::StatusOr<Endpoint> ep = Endpoint::Parse(argv[2]);
+  if (!ep.ok()) return 2;
+  const uint64_t tokens = Flag(argc, argv, "tokens", 8192);
+  const uint64_t gets = Flag(argc, argv, "gets", 10);
+  const KvLayout layout{32, 8, 32, 128, DType::kBF16};
+  auto connect = [&](bool shm) -> std::unique_ptr<UcxClient> {
+    ClientOptions co;
+    co.request_timeout = absl::Minutes(10);
+    co.shared_memory = shm;
+    absl::StatusOr<std::unique_ptr<UcxClient>> c = UcxClient::Connect(*ep, "", "", co);
+    if (!c.ok()) {
+      std::fprintf(stderr, "connect: %s\n", c.status().ToString().c_str());
+      return nullptr;
+    }
+    return *std::move(c);
+  };
+  std::unique_ptr<UcxClient> over_shm = connect(true);
+  std::unique_ptr<UcxClient> over_ucx = connect(false);
+  if (over_shm == nullptr || over_ucx == nullptr) return 1;
+  if (over_shm->SharedMemory() == nullptr) {
+    std::fprintf(stderr, "stored: the daemon offers no shared memory\n");
+    return 1;
+  }
+  // Finite bf16 values in (-2, 2), one layer's K and V, reused for every layer.
+  const uint64_t part = layout.LayerBytes(tokens);
+  std::vector<uint16_t> kv(part);  // K then V, part bytes each
+  uint32_t x = 12345;
+  for (uint16_t& v : kv) {
+    x = x * 1664525u + 1013904223u;
+    float f = (static_cast<float>(x >> 8) / 16777216.0f) * 4.0f - 2.0f;
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    v = static_cast<uint16_t>(bits >> 16);
+  }
+  const uint8_t* keys = reinterpret_cast<const uint8_t*>(kv.data());
+  const uint8_t* values = keys + part;
+  wire::PutBegin begin;
+  begin.layout = layout;
+  begin.num_tokens = tokens;
+  begin.model_id = "bench/llama-3.1-8b";
+  begin.key = "stored-" + std::to_string(tokens);
+  absl::StatusOr<uint64_t> put = over_shm->PutBegin(begin);
+  if (!put.ok()) {
+    std::fprintf(stderr, "put-begin: %s\n", put.status().ToString().c_str());
+    return 1;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t sent = 0;
+  LinkKind put_link = LinkKind::kUcxHost;
+  {
+    const UcxLinks links(over_shm.get());
+    BlockPipe pipe(links, uint64_t{64} << 20);
+    const uint64_t row = layout.head_dim * 2;
+    const uint64_t chunk = 1024;  // tokens per block: 2 MiB of K and of V
+    std::vector<std::shared_ptr<std::string>> keep;
+    for (uint32_t l = 0; l < layout.num_layers; ++l) {
+      for (uint64_t t = 0; t < tokens; t += chunk) {
+        const uint64_t n = std::min(chunk, tokens - t);
+        auto packed = std::make_shared<std::string>(2 * layout.LayerBytes(n), '\0');
+        char* dk = packed->data();
+        char* dv = dk + layout.LayerBytes(n);
+        for (uint32_t h = 0; h < layout.num_kv_heads; ++h) {
+          const uint64_t src = (uint64_t{h} * tokens + t) * row;
+          std::memcpy(dk + h * n * row, keys + src, n * row);
+          std::memcpy(dv + h * n * row, values + src, n * row);
+        }
+        wire::Block b;
+        b.put_id = *put;
+        b.layer_begin = l;
+        b.layer_end = l + 1;
+        b.token_begin = t;
+        b.token_end = t + n;
+        b.key_bytes = b.value_bytes = layout.LayerBytes(n);
+        pipe.Send(b, {dk, b.key_bytes, MemoryKind::kHost}, {dv, b.value_bytes, MemoryKind::kHost},
+                  packed);
+      }
+    }
+    if (absl::Status s = pipe.Wait(); !s.ok()) {
+      std::fprintf(stderr, "put: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    sent = pipe.sent();
+    put_link = pipe.link();
+  }
+  absl::StatusOr<wire::CacheSummary> sum = over_shm->PutCommit(*put, sent);
+  if (!sum.ok()) {
+    std::fprintf(stderr, "commit: %s\n", sum.status().ToString().c_str());
+    return 1;
+  }
+  const double put_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("PUT tokens=%llu original_bytes=%llu stored_bytes=%llu link=%s seconds=%.2f\n",
+              static_cast<unsigned long long>(tokens),
+              static_cast<unsigned long long>(sum->original_bytes),
+              static_cast<unsigned long long>(sum->stored_bytes),
+              std::string(LinkName(put_link)).c_str(), put_s);
+  std::vector<uint8_t> dst(sum->stored_bytes);
+  const GetRequest request{begin.model_id, begin.key, wire::Representation::kStored};
+  for (UcxClient* c : {over_shm.get(), over_ucx.get()}) {
+    const UcxLinks links(c);
+    std::vector<double> ms;
+    LinkKind used = LinkKind::kUcxHost;
+    for (uint64_t i = 0; i < gets + 1; ++i) {
+      const auto t = std::chrono::steady_clock::now();
+      absl::StatusOr<uint64_t> n = links.GetInto(
+          request, {dst.data(), dst.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &used);
+      const double a =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+      if (!n.ok() || *n != dst.size()) {
+        std::fprintf(stderr, "get: %s\n", n.ok() ? "short" : n.status().ToString().c_str());
+        return 1;
+      }
+      if (i > 0) ms.push_back(a);
+    }
+    std::printf("RESULT stored_bytes=%llu link=%s gets=%llu p50_ms=%.2f p99_ms=%.2f\n",
+                static_cast<unsigned long long>(dst.size()), std::string(LinkName(used)).c_str(),
+                static_cast<unsigned long long>(gets), Pct(ms, 0.5), Pct(ms, 0.99));
+  }
+  over_shm->Delete(begin.model_id, begin.key).IgnoreError();
   return 0;
 }
 
@@ -289,6 +499,7 @@ int main(int argc, char** argv) {
     return kvcomp::transport::Client(argc, argv);
   }
   if (argc >= 2 && std::strcmp(argv[1], "crc") == 0) return kvcomp::transport::CrcSpeed();
+  if (argc >= 2 && std::strcmp(argv[1], "stored") == 0) return kvcomp::transport::Stored(argc, argv);
   std::fprintf(stderr, "usage: %s server [--verify=0|1] | client <port> [--blocks=N] "
                        "[--window=W] [--block_bytes=B] | crc\n", argv[0]);
   return 2;

@@ -24,6 +24,7 @@ absl::StatusOr<std::shared_ptr<transport::UcxClient>> EndpointState::Connection(
   transport::ClientOptions to;
   to.connect_timeout = o.connect_timeout;
   to.request_timeout = o.request_timeout;
+  to.shared_memory = o.shared_memory;
   for (const auto& [k, v] : o.ucx_overrides) to.ucx.overrides[k] = v;
   auto c = transport::UcxClient::Connect(data_, o.tenant, o.token, to);
   if (!c.ok()) {

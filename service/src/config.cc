@@ -316,6 +316,16 @@ std::vector<ConfigField> BuildFields() {
       "UCX network devices (UCX_NET_DEVICES syntax). Empty = UCX's choice. Default empty.",
       [](Options & o) -> auto& { return o.data_plane.ucx_net_devices; }));
   f.push_back(BoolField(
+      "data_plane.shared_memory",
+      "Offer same-host shared memory: clients on this host move put and get payloads through "
+      "memory regions they pass over an abstract Unix socket instead of UCX. Default true.",
+      [](Options & o) -> auto& { return o.data_plane.shared_memory; }));
+  f.push_back(BytesField(
+      "data_plane.shm_max_region_bytes",
+      "Largest shared region of a client the daemon maps; a get larger than a client's region "
+      "goes over UCX. Default 1Gi.",
+      [](Options & o) -> auto& { return o.data_plane.shm_max_region_bytes; }));
+  f.push_back(BoolField(
       "data_plane.gpu_channel",
       "Offer the GPU channel (NCCL from the client's GPU to the engine's) when NCCL and a CUDA "
       "device are present. Default true.",

@@ -501,6 +501,8 @@ class UcxDataPlane : public DataPlane {
     so.hello_timeout = absl::Seconds(d.hello_timeout_seconds);
     so.idle_timeout = absl::Seconds(d.idle_timeout_seconds);
     so.fd_reserve = d.fd_reserve;
+    so.shared_memory = d.shared_memory;
+    so.shm_max_region_bytes = d.shm_max_region_bytes;
     so.report = [](const std::string& line) { Log(LogLevel::kWarning, line); };
     so.put_timeout = absl::Seconds(d.put_timeout_seconds);
     so.server_name = absl::StrCat("kvcompd ", Version());

@@ -36,6 +36,7 @@ class DaemonFixture : public ::testing::Test {
       absl::Status* error = nullptr, std::optional<absl::Duration> timeout = std::nullopt) {
     transport::ClientOptions o;
     o.ucx.overrides["TLS"] = "tcp";
+    o.shared_memory = shared_memory_;
     if (timeout.has_value()) o.request_timeout = *timeout;
     auto c = transport::UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant,
                                            token, o);
@@ -56,6 +57,8 @@ class DaemonFixture : public ::testing::Test {
   std::string tokens_path() const { return dir_.path() + "/tokens.yaml"; }
 
   std::vector<std::string> default_flags_;
+  // Connect's clients move payloads through same-host shared memory where the daemon offers it.
+  bool shared_memory_ = true;
   TempDir dir_;
 };
 

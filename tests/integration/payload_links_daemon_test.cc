@@ -32,6 +32,8 @@ using transport::UcxLinks;
 
 class PayloadLinksDaemonTest : public DaemonFixture {
  protected:
+  // UCX's links on their own (shared memory, offered on one host, has its own test).
+  PayloadLinksDaemonTest() { shared_memory_ = false; }
   static constexpr uint64_t kTokens = 64;
   const KvLayout layout_{4, 2, 2, 64, DType::kF16};
 

@@ -27,6 +27,7 @@ TEST(PayloadLinkTest, NamesAreTheResultPaths) {
   EXPECT_EQ(LinkName(K::kCudaIpc), "ipc");
   EXPECT_EQ(LinkName(K::kNccl), "nccl");
   EXPECT_EQ(LinkName(K::kUcxCuda), "ucx-cuda");
+  EXPECT_EQ(LinkName(K::kShm), "shm");
   EXPECT_EQ(LinkName(K::kUcxHost), "ucx");
 }
 
@@ -54,8 +55,14 @@ TEST(PayloadLinkTest, DeviceMemoryTakesTheBestLinkBothEndsOfferThenFallsBackByCa
 
 TEST(PayloadLinkTest, HostMemoryGoesOnlyOverLinksThatReadHostMemory) {
   const LinkOffer all = LinkOffer::All();
+  // Shared memory first where both ends offer it (a region attached: the same host), else ucx.
   EXPECT_EQ(ChooseLinks(all, all, {MemoryKind::kHost, Locality::kUnknown}),
+            (std::vector<K>{K::kShm, K::kUcxHost}));
+  EXPECT_EQ(ChooseLinks(all, LinkOffer{K::kUcxHost}, {MemoryKind::kHost, Locality::kUnknown}),
             (std::vector<K>{K::kUcxHost}));
+  // Device memory never goes over shm (it reads host memory only, nothing staged).
+  EXPECT_EQ(ChooseLinks(LinkOffer{K::kShm}, all, {MemoryKind::kCuda, Locality::kUnknown}),
+            (std::vector<K>{}));
   EXPECT_EQ(ChooseLinks(all, LinkOffer{K::kCudaIpc, K::kNccl, K::kUcxHost},
                         {MemoryKind::kHost, Locality::kOtherDevice}),
             (std::vector<K>{K::kUcxHost}));

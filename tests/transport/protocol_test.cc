@@ -255,6 +255,71 @@ TEST(ProtocolTest, KeyedRequestsRoundTrip) {
   EXPECT_EQ(Decode(MustParse(Encode(1, empty)), &out).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ProtocolTest, SharedMemoryFieldsRoundTripAndDisagreementsAreRefused) {
+  HelloOk ok;
+  ok.server_flags = kServerSharedMemory;
+  ok.max_payload_bytes = 1;
+  ok.tenant = "t";
+  ok.shm_socket = "kvcompd-shm-1-00";
+  ok.shm_token = std::string(kShmTokenBytes, '\x07');
+  ok.shm_max_region_bytes = uint64_t{1} << 30;
+  HelloOk oo = RoundTrip<HelloOk>(Encode(1, ok));
+  EXPECT_EQ(oo.shm_socket, ok.shm_socket);
+  EXPECT_EQ(oo.shm_token, ok.shm_token);
+  EXPECT_EQ(oo.shm_max_region_bytes, ok.shm_max_region_bytes);
+  // The fields travel only with the flag; a short token is refused.
+  HelloOk plain = ok;
+  plain.server_flags = 0;
+  EXPECT_TRUE(RoundTrip<HelloOk>(Encode(1, plain)).shm_socket.empty());
+  HelloOk short_token = ok;
+  short_token.shm_token = "abc";
+  HelloOk out;
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(Encode(1, short_token)), &out)));
+
+  // A shared block announces no payload and names its offset.
+  Block b;
+  b.put_id = 3;
+  b.layer_end = 1;
+  b.token_end = 4;
+  b.parts = kPartKeys;
+  b.key_bytes = 512;
+  b.flags = kBlockSharedMemory;
+  b.shm_offset = (uint64_t{1} << 33) + 4096;
+  const std::string f = Encode(2, b);
+  EXPECT_EQ(MustParse(f).header.payload_bytes, 0u);
+  Block bo = RoundTrip<Block>(f);
+  EXPECT_EQ(bo.flags, kBlockSharedMemory);
+  EXPECT_EQ(bo.shm_offset, b.shm_offset);
+  EXPECT_EQ(bo.key_bytes, 512u);
+  // Checksums, or the device flag beside it: refused.
+  Block crc = b;
+  crc.key_crc = 5;
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(Encode(2, crc)), &bo)));
+  Block both = b;
+  both.flags = kBlockSharedMemory | kBlockDevicePayload;
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(Encode(2, both)), &bo)));
+
+  Get g{Representation::kStored, "m", "k", true, 4096, 1 << 20};
+  Get go = RoundTrip<Get>(Encode(1, g));
+  EXPECT_TRUE(go.shared);
+  EXPECT_EQ(go.shm_offset, 4096u);
+  EXPECT_EQ(go.shm_capacity, uint64_t{1} << 20);
+  EXPECT_FALSE(RoundTrip<Get>(Encode(1, Get{Representation::kStored, "m", "k"})).shared);
+
+  GetReply r;
+  r.shared = true;
+  r.shm_bytes = 12345;
+  const std::string rf = Encode(1, r, 999);  // a shared reply carries no payload
+  EXPECT_EQ(MustParse(rf).header.payload_bytes, 0u);
+  GetReply ro = RoundTrip<GetReply>(rf);
+  EXPECT_TRUE(ro.shared);
+  EXPECT_EQ(ro.shm_bytes, 12345u);
+  GetReply with_crc = r;
+  with_crc.has_crc = true;
+  GetReply rout;
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(Encode(1, with_crc, 0)), &rout)));
+}
+
 TEST(ProtocolTest, MalformedFramesAreRefused) {
   const std::string good = Encode(3, Lookup{"m", "k"});
   // Truncated below the header, and in the body.

@@ -23,6 +23,8 @@ TEST(ServerOptionsTest, DaemonDefaultsAreTheTransportDefaults) {
   EXPECT_EQ(t.idle_timeout, absl::Seconds(d.idle_timeout_seconds));
   EXPECT_EQ(t.put_timeout, absl::Seconds(d.put_timeout_seconds));
   EXPECT_EQ(t.fd_reserve, d.fd_reserve);
+  EXPECT_EQ(t.shared_memory, d.shared_memory);
+  EXPECT_EQ(t.shm_max_region_bytes, d.shm_max_region_bytes);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
+#include "kvcomp/transport/shm_link.h"
 #include "transport/src/ucx_util.h"
 
 namespace kvcomp {
@@ -170,6 +171,13 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
                                             absl::Time deadline) override;
   absl::Status Delete(absl::string_view model_id, absl::string_view key) override;
   absl::Status Ping() override;
+  // The channel lives in the handle callers hold (ClientHandle), which outlives requests.
+  ShmChannel* SharedMemory() override { return nullptr; }
+  void SendSharedBlockAsync(const wire::Block& block,
+                            absl::AnyInvocable<void(absl::Status)> done) override;
+  uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity, absl::Time deadline,
+                          absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) override;
+  const ClientOptions& options() const { return options_; }
   absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
                                              absl::string_view payload) override;
   void Close() override;
@@ -952,6 +960,66 @@ absl::Status ClientImpl::Ping() {
   return StatusOfReply(r);
 }
 
+void ClientImpl::SendSharedBlockAsync(const wire::Block& block,
+                                      absl::AnyInvocable<void(absl::Status)> done) {
+  if (!(block.flags & wire::kBlockSharedMemory)) {
+    done(absl::InvalidArgumentError("SendSharedBlockAsync: the block is not flagged shared"));
+    return;
+  }
+  auto p = std::make_unique<Pending>();
+  p->request_id = NextRequestId();
+  p->frame = wire::Encode(p->request_id, block);
+  p->deadline = absl::Now() + options_.request_timeout;
+  p->callback = [done = std::move(done)](absl::StatusOr<Reply> r) mutable {
+    done(r.ok() ? StatusOfReply(*r) : r.status());
+  };
+  Submit(std::move(p));
+}
+
+uint64_t ClientImpl::GetSharedAsync(const wire::Get& get, void* dst, size_t capacity,
+                                    absl::Time deadline,
+                                    absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) {
+  auto p = std::make_unique<Pending>();
+  p->request_id = NextRequestId();
+  const uint64_t rid = p->request_id;
+  if (absl::Status s = ValidateKey(get.model_id, get.key); !s.ok()) {
+    done(s);
+    return rid;
+  }
+  p->frame = wire::Encode(p->request_id, get);
+  p->deadline = RequestDeadline(deadline);
+  p->dst = dst;
+  p->capacity = capacity;
+  p->callback = [done = std::move(done)](absl::StatusOr<Reply> r) mutable {
+    if (!r.ok()) {
+      done(r.status());
+      return;
+    }
+    if (r->header.type == wire::MessageType::kStatus) {
+      absl::Status s = StatusOfReply(*r);
+      if (s.ok()) s = absl::InternalError("get answered OK without the cache");
+      done(s);
+      return;
+    }
+    wire::GetReply gr;
+    if (absl::Status s = wire::Decode(r->frame(), &gr); !s.ok()) {
+      done(s);
+      return;
+    }
+    if (gr.shared) {
+      done(SharedGet{gr.shm_bytes, true});
+      return;
+    }
+    if (gr.has_crc && Crc32c(r->payload.data(), r->payload.size()) != gr.payload_crc) {
+      done(absl::DataLossError("get: checksum mismatch of the received cache"));
+      return;
+    }
+    done(SharedGet{r->payload.size(), false});
+  };
+  Submit(std::move(p));
+  return rid;
+}
+
 absl::StatusOr<RawReply> ClientImpl::SendRawForTesting(uint64_t request_id, std::string frame,
                                                        absl::string_view payload) {
   auto p = std::make_unique<Pending>();
@@ -1219,10 +1287,33 @@ class ClientHandle : public UcxClient {
                                              absl::string_view payload) override {
     return impl_->SendRawForTesting(request_id, std::move(frame), payload);
   }
+  ShmChannel* SharedMemory() override {
+    const ClientOptions& o = impl_->options();
+    if (!o.shared_memory || !(impl_->server_info().server_flags & wire::kServerSharedMemory)) {
+      return nullptr;
+    }
+    absl::MutexLock lock(&shm_mu_);
+    if (shm_ == nullptr) {
+      shm_ = std::make_unique<ShmChannel>(
+          this, ShmChannelOptions{o.shm_put_region_bytes, o.shm_max_get_region_bytes});
+    }
+    return shm_.get();
+  }
+  void SendSharedBlockAsync(const wire::Block& block,
+                            absl::AnyInvocable<void(absl::Status)> done) override {
+    impl_->SendSharedBlockAsync(block, std::move(done));
+  }
+  uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity, absl::Time deadline,
+                          absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) override {
+    return impl_->GetSharedAsync(get, dst, capacity, deadline, std::move(done));
+  }
   void Close() override { impl_->Close(); }
 
  private:
   const std::shared_ptr<ClientImpl> impl_;
+  absl::Mutex shm_mu_;
+  // Declared last: destroyed first, while the connection can still complete its blocks.
+  std::unique_ptr<ShmChannel> shm_ ABSL_GUARDED_BY(shm_mu_);
 };
 
 }  // namespace

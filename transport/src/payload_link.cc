@@ -18,6 +18,8 @@ absl::string_view LinkName(LinkKind kind) {
       return "nccl";
     case LinkKind::kUcxCuda:
       return "ucx-cuda";
+    case LinkKind::kShm:
+      return "shm";
     case LinkKind::kUcxHost:
       return "ucx";
   }
@@ -39,6 +41,12 @@ LinkCaps CapsOf(LinkKind kind) {
       c.cuda_memory = true;  // host memory goes over ucx: the same bytes, named for what they are
       c.same_device = c.other_device = true;
       break;
+    case LinkKind::kShm:
+      // Host memory of a peer on the same host (offered only once a region is attached, which
+      // proves it): either device locality, as for ucx.
+      c.host_memory = true;
+      c.same_device = c.other_device = true;
+      break;
     case LinkKind::kUcxHost:
       c.host_memory = true;
       c.same_device = c.other_device = true;
@@ -53,7 +61,8 @@ LinkOffer::LinkOffer(std::initializer_list<LinkKind> kinds) {
 }
 
 LinkOffer LinkOffer::All() {
-  return LinkOffer{LinkKind::kCudaIpc, LinkKind::kNccl, LinkKind::kUcxCuda, LinkKind::kUcxHost};
+  return LinkOffer{LinkKind::kCudaIpc, LinkKind::kNccl, LinkKind::kUcxCuda, LinkKind::kShm,
+                   LinkKind::kUcxHost};
 }
 
 std::vector<LinkKind> ChooseLinks(const LinkOffer& local, const LinkOffer& remote,

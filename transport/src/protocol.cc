@@ -30,6 +30,7 @@ constexpr size_t kOffCrc = 28;
 constexpr uint8_t kPutFlagBlockWise = 1;
 constexpr uint8_t kPutFlagHasPolicy = 2;
 constexpr uint8_t kGetFlagHasCrc = 1;
+constexpr uint8_t kGetFlagShared = 2;
 
 using Writer = byte_coder::ByteWriter;
 using byte_coder::LoadLe;
@@ -324,6 +325,11 @@ std::string Encode(uint64_t request_id, const HelloOk& m) {
   w.Put<uint64_t>(m.max_inflight_bytes);
   w.Str(Cut(m.tenant, CacheKey::kMaxTenantBytes));
   w.Str(Cut(m.server_name, kMaxNameBytes));
+  if (m.server_flags & kServerSharedMemory) {
+    w.Str(Cut(m.shm_socket, kMaxNameBytes));
+    w.Str(Cut(m.shm_token, kShmTokenBytes));
+    w.Put<uint64_t>(m.shm_max_region_bytes);
+  }
   return MakeFrame(MessageType::kHelloOk, request_id, 0, w.Take());
 }
 
@@ -359,7 +365,9 @@ std::string Encode(uint64_t request_id, const Block& m) {
   w.Zeros(4);
   w.Put<uint64_t>(m.key_bytes);
   w.Put<uint64_t>(m.value_bytes);
-  return MakeFrame(MessageType::kBlock, request_id, m.payload_bytes(), w.Take());
+  const bool shared = (m.flags & kBlockSharedMemory) != 0;
+  if (shared) w.Put<uint64_t>(m.shm_offset);
+  return MakeFrame(MessageType::kBlock, request_id, shared ? 0 : m.payload_bytes(), w.Take());
 }
 
 std::string Encode(uint64_t request_id, const PutCommit& m) {
@@ -390,18 +398,24 @@ std::string Encode(uint64_t request_id, const PutAbort& m) {
 std::string Encode(uint64_t request_id, const Get& m) {
   Writer w;
   w.Put<uint8_t>(static_cast<uint8_t>(m.representation));
-  w.Zeros(3);
+  w.Put<uint8_t>(m.shared ? kGetFlagShared : 0);
+  w.Zeros(2);
   PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
+  if (m.shared) {
+    w.Put<uint64_t>(m.shm_offset);
+    w.Put<uint64_t>(m.shm_capacity);
+  }
   return MakeFrame(MessageType::kGet, request_id, 0, w.Take());
 }
 
 std::string Encode(uint64_t request_id, const GetReply& m, uint64_t payload_bytes) {
   Writer w;
   w.Put<uint8_t>(static_cast<uint8_t>(m.representation));
-  w.Put<uint8_t>(m.has_crc ? kGetFlagHasCrc : 0);
+  w.Put<uint8_t>((m.has_crc ? kGetFlagHasCrc : 0) | (m.shared ? kGetFlagShared : 0));
   w.Zeros(2);
   w.Put<uint32_t>(m.has_crc ? m.payload_crc : 0);
-  return MakeFrame(MessageType::kGetReply, request_id, payload_bytes, w.Take());
+  if (m.shared) w.Put<uint64_t>(m.shm_bytes);
+  return MakeFrame(MessageType::kGetReply, request_id, m.shared ? 0 : payload_bytes, w.Take());
 }
 
 std::string Encode(uint64_t request_id, const Lookup& m) {
@@ -466,6 +480,15 @@ absl::Status Decode(const Frame& f, HelloOk* out) {
   out->max_inflight_bytes = r.Get<uint64_t>("max_inflight_bytes");
   out->tenant = r.Str("tenant", CacheKey::kMaxTenantBytes);
   out->server_name = r.Str("server_name", kMaxNameBytes);
+  if (r.ok() && (out->server_flags & kServerSharedMemory)) {
+    out->shm_socket = r.Str("shm_socket", kMaxNameBytes);
+    out->shm_token = r.Str("shm_token", kShmTokenBytes);
+    out->shm_max_region_bytes = r.Get<uint64_t>("shm_max_region_bytes");
+    if (r.ok() && (out->shm_socket.empty() || out->shm_token.size() != kShmTokenBytes)) {
+      r.Fail(absl::InvalidArgumentError(
+          r.Prefix("shared memory offered without a socket name or a full attach token")));
+    }
+  }
   return r.Finish();
 }
 
@@ -530,6 +553,8 @@ absl::Status Decode(const Frame& f, Block* out) {
   r.Skip(4, "reserved");
   out->key_bytes = r.Get<uint64_t>("key_bytes");
   out->value_bytes = r.Get<uint64_t>("value_bytes");
+  const bool shared = r.ok() && (out->flags & kBlockSharedMemory) != 0;
+  out->shm_offset = shared ? r.Get<uint64_t>("shm_offset") : 0;
   KVCOMP_RETURN_IF_ERROR(r.Finish());
   auto bad = [&r](const std::string& what) { return absl::InvalidArgumentError(r.Prefix(what)); };
   if (out->layer_begin >= out->layer_end || out->layer_end > KvLayout::kMaxLayers) {
@@ -549,14 +574,21 @@ absl::Status Decode(const Frame& f, Block* out) {
   if ((!has_k && out->key_crc != 0) || (!has_v && out->value_crc != 0)) {
     return bad("checksum of an absent part must be zero");
   }
-  if (out->flags & ~kBlockDevicePayload) {
+  if (out->flags & ~(kBlockDevicePayload | kBlockSharedMemory)) {
     return bad(absl::StrFormat("unknown block flags 0x%02x", out->flags));
+  }
+  if (shared && (out->flags & kBlockDevicePayload)) {
+    return bad("a block is either a device payload or in shared memory, not both");
+  }
+  if (shared && (out->key_crc != 0 || out->value_crc != 0)) {
+    return bad("a shared-memory payload carries no checksums (key_crc and value_crc must be "
+               "zero)");
   }
   if ((out->flags & kBlockDevicePayload) && (out->key_crc != 0 || out->value_crc != 0)) {
     return bad("a device payload carries no checksums (key_crc and value_crc must be zero)");
   }
   if (out->key_bytes > kMaxPayloadBytes || out->value_bytes > kMaxPayloadBytes ||
-      out->payload_bytes() != f.header.payload_bytes) {
+      (shared ? f.header.payload_bytes != 0 : out->payload_bytes() != f.header.payload_bytes)) {
     return bad(absl::StrFormat("key_bytes %u + value_bytes %u != payload %u", out->key_bytes,
                                out->value_bytes, f.header.payload_bytes));
   }
@@ -608,9 +640,18 @@ absl::Status Decode(const Frame& f, Get* out) {
   KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
   Reader r(f.body, f.header.type);
   const uint8_t rep = r.Get<uint8_t>("representation");
-  r.Skip(3, "reserved");
+  const uint8_t flags = r.Get<uint8_t>("flags");
+  r.Skip(2, "reserved");
   GetKey(r, &out->model_id, &out->key);
+  out->shared = r.ok() && (flags & kGetFlagShared) != 0;
+  if (out->shared) {
+    out->shm_offset = r.Get<uint64_t>("shm_offset");
+    out->shm_capacity = r.Get<uint64_t>("shm_capacity");
+  }
   KVCOMP_RETURN_IF_ERROR(r.Finish());
+  if (flags & ~kGetFlagShared) {
+    return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags)));
+  }
   if (rep > static_cast<uint8_t>(Representation::kDecoded)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown representation %u", rep)));
   }
@@ -625,11 +666,17 @@ absl::Status Decode(const Frame& f, GetReply* out) {
   const uint8_t flags = r.Get<uint8_t>("flags");
   r.Skip(2, "reserved");
   out->payload_crc = r.Get<uint32_t>("payload_crc");
+  out->shared = r.ok() && (flags & kGetFlagShared) != 0;
+  out->shm_bytes = out->shared ? r.Get<uint64_t>("shm_bytes") : 0;
   KVCOMP_RETURN_IF_ERROR(r.Finish());
   if (rep > static_cast<uint8_t>(Representation::kDecoded)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown representation %u", rep)));
   }
-  if (flags & ~kGetFlagHasCrc) {
+  if (out->shared && (f.header.payload_bytes != 0 || (flags & kGetFlagHasCrc))) {
+    return absl::InvalidArgumentError(
+        r.Prefix("a get written into shared memory carries no payload and no checksum"));
+  }
+  if (flags & ~(kGetFlagHasCrc | kGetFlagShared)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags)));
   }
   out->representation = static_cast<Representation>(rep);

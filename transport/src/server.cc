@@ -16,6 +16,7 @@
 #include "absl/synchronization/notification.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/transport/shm_link.h"
 #include "transport/src/admission.h"
 #include "transport/src/buffer_cache.h"
 #include "transport/src/ucx_util.h"
@@ -47,6 +48,9 @@ struct Connection {
   // The client said minor >= 1 and this server's UCX is CUDA-aware: hello-ok told it
   // kServerCudaMemory, and its blocks may be device payloads.
   bool device_payloads = false;
+  // Same-host shared memory offered at hello (client minor >= 2, server option on): the
+  // regions this connection attached. Withdrawn when the connection closes.
+  std::shared_ptr<ShmGrant> shm;
   uint64_t pending_work = 0;  // handler completions and receives outstanding
   absl::flat_hash_map<uint64_t, std::shared_ptr<PutState>> puts;
 };
@@ -57,7 +61,8 @@ struct Counters {
       tenant_busy_replies{0}, hello_rejected{0}, messages_received{0}, malformed_messages{0}, bytes_received{0},
       bytes_sent{0}, busy_replies{0}, checksum_failures{0}, puts_begun{0}, puts_committed{0},
       puts_aborted{0}, puts_timed_out{0}, connections_timed_out{0}, inflight_bytes{0},
-      inflight_busy_replies{0}, device_payload_blocks{0}, blocks_into_device{0};
+      inflight_busy_replies{0}, device_payload_blocks{0}, blocks_into_device{0}, shm_blocks{0},
+      shm_gets{0};
   std::atomic<uint64_t> rejected[kNumStatusCodes] = {};  // by absl::StatusCode
 };
 
@@ -197,6 +202,7 @@ class ServerImpl : public UcxServer {
   TenantBudget puts_budget_;
   TenantBudget conns_budget_;  // connections that said hello, by tenant
   std::shared_ptr<WorkerLoop> loop_;
+  std::unique_ptr<ShmAcceptor> shm_;  // null when shared memory is off or unavailable
   ucp_listener_h listener_ = nullptr;
   uint64_t accept_hook_ = 0;
   std::atomic<bool> fd_check_posted_{false};
@@ -239,6 +245,15 @@ absl::Status ServerImpl::Init() {
   KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(options_.ucx, options_.poll_spin));
 
   KVCOMP_RETURN_IF_ERROR(loop_->SetAmHandler(wire::kAmIdRequest, &ServerImpl::OnAm, this));
+  if (options_.shared_memory) {
+    absl::StatusOr<std::unique_ptr<ShmAcceptor>> shm = ShmAcceptor::Start(
+        options_.shm_max_region_bytes, [this](const std::string& line) { Report(line); });
+    if (shm.ok()) {
+      shm_ = *std::move(shm);
+    } else {
+      Report(absl::StrCat("shared memory not offered: ", shm.status().message()));
+    }
+  }
 
   InstallUcxLogLimiter();
   KVCOMP_RETURN_IF_ERROR(Listen());
@@ -340,6 +355,7 @@ void ServerImpl::Stop() {
         },
         absl::Seconds(2));
   });
+  shm_.reset();  // every connection closed: no grant is left to attach to
 }
 
 absl::Status ServerImpl::WaitIdle(absl::Duration timeout) {
@@ -384,6 +400,14 @@ ServerStats ServerImpl::stats() const {
   s.cuda_memory = loop_ != nullptr && loop_->cuda_memory() ? 1 : 0;
   s.device_payload_blocks = c.device_payload_blocks;
   s.blocks_into_device = c.blocks_into_device;
+  s.shared_memory = shm_ != nullptr ? 1 : 0;
+  if (shm_ != nullptr) {
+    const ShmAcceptorStats a = shm_->stats();
+    s.shm_regions_attached = a.attached;
+    s.shm_attach_refused = a.refused;
+  }
+  s.shm_blocks = c.shm_blocks;
+  s.shm_gets = c.shm_gets;
   for (int i = 0; i < kNumStatusCodes; ++i) s.rejected_by_code[i] = c.rejected[i];
   return s;
 }
@@ -507,6 +531,10 @@ void ServerImpl::CloseConnection(const std::shared_ptr<Connection>& conn,
   for (uint64_t id : open) AbortPut(*conn, id, reason);
   conn->puts.clear();
   handler_->OnDisconnect(conn->session);
+  if (conn->shm != nullptr) {
+    shm_->Withdraw(*conn->shm);
+    conn->shm.reset();  // mappings go with the last get still writing into one
+  }
   if (conn->authenticated) {
     conns_budget_.Release(conn->session.tenant, 1);
   } else {
@@ -765,6 +793,14 @@ void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
   // Only a client of minor >= 1 reads server_flags (an older one checks the byte is zero).
   conn.device_payloads = f.header.minor >= 1 && loop_->cuda_memory();
   if (conn.device_payloads) ok.server_flags |= wire::kServerCudaMemory;
+  // Shared memory only for a client of minor >= 2 (an older one could not read the fields).
+  if (f.header.minor >= 2 && shm_ != nullptr) {
+    conn.shm = shm_->Enroll();
+    ok.server_flags |= wire::kServerSharedMemory;
+    ok.shm_socket = shm_->name();
+    ok.shm_token = conn.shm->token();
+    ok.shm_max_region_bytes = shm_->max_region_bytes();
+  }
   SendFrame(conn, wire::Encode(f.header.request_id, ok));
 }
 
@@ -806,6 +842,7 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   wire::Block block;
   absl::Status s = wire::Decode(f, &block);
   std::shared_ptr<PutState> put;
+  std::shared_ptr<ShmMapping> shared;  // the put region a shared-memory block lies in
   if (s.ok() && !conn->authenticated) {
     s = absl::UnauthenticatedError("hello with valid credentials required first");
   }
@@ -820,6 +857,21 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
     } else {
       put = it->second;
       s = block.ValidateAgainst(put->begin.layout, put->begin.num_tokens);
+    }
+    if (s.ok() && (block.flags & wire::kBlockSharedMemory)) {
+      // The payload's place in this connection's own put region, checked before anything is
+      // admitted; it is copied into the block's buffer below.
+      shared = conn->shm != nullptr ? conn->shm->Region(kShmPutRegion) : nullptr;
+      if (shared == nullptr) {
+        s = absl::FailedPreconditionError(
+            conn->shm == nullptr
+                ? "shared-memory block on a connection without shared memory (not offered at "
+                  "hello)"
+                : "shared-memory block, but the connection attached no put region");
+      } else {
+        s = CheckShmRange(block.shm_offset, block.payload_bytes(), shared->size(),
+                          "shared-memory block");
+      }
     }
     if (s.ok() && (block.flags & wire::kBlockDevicePayload) && !conn->device_payloads) {
       s = absl::FailedPreconditionError(
@@ -892,6 +944,13 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   put->blocks_pending++;
   auto* ctx = new RecvContext{this, conn, put, f.header.request_id, block, *std::move(buf)};
   put->blocks_receiving++;
+  if (shared != nullptr) {
+    // The client may still write its region: what is copied here is what the put gets.
+    std::memcpy(ctx->payload.data(), shared->data() + block.shm_offset, bytes);
+    counters_.shm_blocks++;
+    BlockReceived(ctx, UCS_OK);
+    return;
+  }
   if (!rndv) {
     std::memcpy(ctx->payload.data(), data, bytes);
     BlockReceived(ctx, UCS_OK);
@@ -939,9 +998,10 @@ void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
   Connection& conn = *ctx->conn;
   absl::Status s = !ctx->failure.ok() ? ctx->failure : UcsStatusToStatus(status, "block receive");
   const bool device_payload = (ctx->block.flags & wire::kBlockDevicePayload) != 0;
+  const bool shared_payload = (ctx->block.flags & wire::kBlockSharedMemory) != 0;
   if (s.ok() && device_payload) counters_.device_payload_blocks++;
   if (s.ok() && ctx->payload.memory_type() == MemoryType::kCuda) counters_.blocks_into_device++;
-  if (s.ok() && options_.verify_checksums && !device_payload &&
+  if (s.ok() && options_.verify_checksums && !device_payload && !shared_payload &&
       ctx->payload.memory_type() == MemoryType::kHost) {
     const wire::Block& b = ctx->block;
     const uint8_t* p = ctx->payload.bytes();
@@ -1077,21 +1137,80 @@ void ServerImpl::HandleAbort(const std::shared_ptr<Connection>& conn, const wire
 void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
   wire::Get get;
   if (!DecodeOrReject(*conn, f, &get)) return;
+  // A shared-memory get: the connection's own get region, the range checked now.
+  std::shared_ptr<ShmMapping> region;
+  if (get.shared) {
+    region = conn->shm != nullptr ? conn->shm->Region(kShmGetRegion) : nullptr;
+    absl::Status s = region == nullptr
+                         ? absl::FailedPreconditionError(
+                               conn->shm == nullptr
+                                   ? "shared-memory get on a connection without shared memory"
+                                   : "shared-memory get, but the connection attached no get "
+                                     "region")
+                         : CheckShmRange(get.shm_offset, get.shm_capacity, region->size(),
+                                         "shared-memory get");
+    if (!s.ok()) {
+      Reject(*conn, f.header.request_id, s);
+      return;
+    }
+  }
   conn->pending_work++;
   pending_work_++;
   std::shared_ptr<WorkerLoop> loop = loop_;
   const uint64_t rid = f.header.request_id;
-  GetDone done = [this, loop, conn, rid](absl::StatusOr<GetResult> r) mutable {
-    // The checksum of a large cache takes a while: computed here, on the completing thread,
-    // not on the progress thread that serves every connection.
+  GetDone done = [this, loop, conn, rid, region = std::move(region), offset = get.shm_offset,
+                  capacity = get.shm_capacity](absl::StatusOr<GetResult> r) mutable {
+    // The checksum of a large cache (or its copy into shared memory) takes a while: done here,
+    // on the completing thread, not on the progress thread that serves every connection.
     uint32_t crc = 0;
     const bool host = r.ok() && r->bytes.memory_type() == MemoryType::kHost;
-    if (host) crc = Crc32c(r->bytes.data(), r->bytes.size());
-    loop->Post([this, conn = std::move(conn), rid, r = std::move(r), crc, host]() mutable {
+    uint64_t shared_bytes = 0;
+    bool shared = false;
+    if (host && region != nullptr) {
+      const uint64_t n = r->bytes.size();
+      if (n > capacity) {
+        r = absl::OutOfRangeError(absl::StrFormat(
+            "cache of %u bytes does not fit the %u-byte shared get region", n, capacity));
+      } else {
+        // Progress for a client copying behind: the request, then the bytes in place.
+        ShmProgress* progress = offset >= sizeof(ShmProgress)
+                                    ? reinterpret_cast<ShmProgress*>(region->data())
+                                    : nullptr;
+        if (progress != nullptr) {
+          progress->written.store(0, std::memory_order_relaxed);
+          progress->request_id.store(rid, std::memory_order_release);
+        }
+        uint8_t* to = region->data() + offset;
+        for (uint64_t done = 0; done < n;) {
+          const uint64_t c = std::min<uint64_t>(n - done, uint64_t{4} << 20);
+          std::memcpy(to + done, r->bytes.bytes() + done, c);
+          done += c;
+          if (progress != nullptr) progress->written.store(done, std::memory_order_release);
+        }
+        shared = true;
+        shared_bytes = n;
+        r->bytes.Reset();  // the stored bytes are not needed past the copy
+      }
+      region.reset();
+    } else if (host) {
+      crc = Crc32c(r->bytes.data(), r->bytes.size());
+    }
+    loop->Post([this, conn = std::move(conn), rid, r = std::move(r), crc, host, shared,
+                shared_bytes]() mutable {
       conn->pending_work--;
       pending_work_--;
       if (!r.ok()) {
         SendStatus(*conn, rid, r.status());
+        return;
+      }
+      if (shared) {
+        counters_.shm_gets++;
+        counters_.bytes_sent += shared_bytes;
+        wire::GetReply reply;
+        reply.representation = r->representation;
+        reply.shared = true;
+        reply.shm_bytes = shared_bytes;
+        SendFrame(*conn, wire::Encode(rid, reply, 0));
         return;
       }
       if (r->bytes.memory_type() == MemoryType::kCuda && !loop_->cuda_memory()) {

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/transport/shm_link.h"
 
 namespace kvcomp {
 namespace transport {
@@ -66,6 +67,7 @@ absl::StatusOr<std::shared_ptr<Completion>> UcxLink::Post(const Transfer& t) {
 
 LinkOffer UcxPeerOffer(const wire::HelloOk& hello, Direction direction) {
   LinkOffer offer{LinkKind::kUcxHost};
+  if (hello.server_flags & wire::kServerSharedMemory) offer.Add(LinkKind::kShm);
   if (direction == Direction::kReceive || (hello.server_flags & wire::kServerCudaMemory) != 0) {
     offer.Add(LinkKind::kUcxCuda);
   }
@@ -77,7 +79,11 @@ UcxLinks::UcxLinks(UcxClient* client)
       cuda_(client, LinkKind::kUcxCuda),
       send_(UcxPeerOffer(client->server_info(), Direction::kSend)),
       receive_(UcxPeerOffer(client->server_info(), Direction::kReceive)) {
+  if (ShmChannel* channel = client->SharedMemory(); channel != nullptr) {
+    shm_.emplace(channel);
+  }
   for (LinkRouter* r : {&send_, &receive_}) {
+    if (shm_.has_value()) r->Add(&*shm_);
     r->Add(&host_);
     if (client->LocalCudaMemory()) r->Add(&cuda_);
   }

@@ -98,6 +98,10 @@ struct ClientOptions {
   uint64_t max_block_bytes = uint64_t{8} << 20;
   // UCX transport settings (UCX_TLS and so on) for this client's workers; empty: environment.
   std::vector<std::pair<std::string, std::string>> ucx_overrides;
+  // Move host puts' blocks and GetInto's cache through same-host shared memory where a daemon
+  // offers it and runs on this host (docs/protocol.md, "Shared memory"); false keeps them on
+  // UCX. Default true.
+  bool shared_memory = true;
   // DNS servers that resolve "dns:///" endpoints: "ip[:port]" or "[ipv6]:port", comma-separated
   // (e.g. "127.0.0.1:5353"). Empty (default): the system's, from /etc/resolv.conf, whose search
   // domains apply either way; /etc/hosts is read first either way.

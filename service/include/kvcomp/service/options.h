@@ -56,6 +56,13 @@ struct DataPlaneOptions {
   std::string ucx_tls;
   // UCX network devices (UCX_NET_DEVICES syntax, e.g. "mlx5_0:1"). Empty = UCX's choice. ""
   std::string ucx_net_devices;
+  // Same-host shared memory (docs/protocol.md, "Shared memory"): clients on this host move
+  // put and get payloads through memory regions they map and pass over an abstract Unix
+  // socket, instead of UCX. true
+  bool shared_memory = true;
+  // The largest region of a client the daemon maps, bytes (a get larger than a client's region
+  // goes over UCX). Default 1 GiB.
+  uint64_t shm_max_region_bytes = uint64_t{1} << 30;
   // GPU channel (docs/protocol.md): clients with KV in GPU memory send it over NCCL to the
   // engine's CUDA device when NCCL and a device are present. true
   bool gpu_channel = true;

@@ -63,6 +63,12 @@ struct ClientOptions {
   std::string client_name = "kvcomp-client";
   // Say hello at Connect. False only for tests of unauthenticated traffic. Default true.
   bool send_hello = true;
+  // Move payloads through same-host shared memory where the server offers it (shm_link.h);
+  // false keeps every payload on UCX. Default true.
+  bool shared_memory = true;
+  // The shared put region (blocks in flight) and the largest shared get region, bytes.
+  uint64_t shm_put_region_bytes = uint64_t{64} << 20;
+  uint64_t shm_max_get_region_bytes = uint64_t{1} << 30;
   UcxConfig ucx;
 };
 
@@ -79,6 +85,16 @@ struct RawReply {
 struct FetchedCache {
   Buffer bytes;  // the cache bytes (format v1), host memory
   wire::Representation representation = wire::Representation::kStored;
+};
+
+class ShmChannel;
+
+// A get answered into shared memory (UcxClient::GetSharedAsync).
+struct SharedGet {
+  uint64_t bytes = 0;
+  // The cache is in the get region at the offset asked; false: the server sent it as a reply
+  // payload instead (a cache in device memory), already written to the caller's `dst`.
+  bool in_region = true;
 };
 
 class UcxClient {
@@ -155,6 +171,21 @@ class UcxClient {
   // malformed traffic against a real server.
   virtual absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
                                                      absl::string_view payload) = 0;
+
+  // Same-host shared memory (shm_link.h): this connection's channel when the server offered it
+  // at hello (wire::kServerSharedMemory) and ClientOptions::shared_memory is set; nullptr
+  // otherwise. Lives as long as this client.
+  virtual ShmChannel* SharedMemory() = 0;
+  // A block whose payload lies in this connection's shared put region at block.shm_offset
+  // (the client sets kBlockSharedMemory, zero checksums); `done` as SendBlockAsync's.
+  virtual void SendSharedBlockAsync(const wire::Block& block,
+                                    absl::AnyInvocable<void(absl::Status)> done) = 0;
+  // A get (get.shared set) that the server writes into this connection's shared get region;
+  // `dst`/`capacity` receive a reply the server sends as a payload instead. `done` runs once on
+  // the progress thread. Returns the request's id (the server stamps it on its progress).
+  virtual uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity,
+                              absl::Time deadline,
+                              absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) = 0;
 
   // Closes the connection (its endpoint; the shared worker stays); pending requests fail with
   // Unavailable. Waits up to 2 s for UCX to let go of the endpoint (it continues in the

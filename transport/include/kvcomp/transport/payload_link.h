@@ -1,11 +1,12 @@
 // Payload links: the ways a put's or get's payload (K and V, or a cache's bytes) moves between
 // a client and kvcompd, one object per link behind one interface (PayloadLink), and the choice
-// among them. Four kinds exist:
+// among them. Five kinds exist:
 //
 //   link       memory it reads and writes in place   reaches                code
 //   ipc        CUDA                                  the same GPU           gpu_link.h (CUDA IPC)
 //   nccl       CUDA                                  another GPU            gpu_link.h (NcclPayloadLink)
 //   ucx-cuda   CUDA                                  any peer               ucx_link.h (UcxLink)
+//   shm        host (through a shared region)        the same host          shm_link.h (ShmLink)
 //   ucx        host                                  any peer               ucx_link.h (UcxLink)
 //
 // A link declares the memory kinds and locality it serves (CapsOf), registers memory
@@ -53,10 +54,12 @@ enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 enum class Locality : uint8_t { kSameDevice = 0, kOtherDevice = 1, kUnknown = 2 };
 
 // In preference order: the first link both ends offer that serves a transfer carries it.
-enum class LinkKind : uint8_t { kCudaIpc = 0, kNccl = 1, kUcxCuda = 2, kUcxHost = 3 };
-inline constexpr int kLinkKinds = 4;
+// (Values are not on any wire: only the order matters.)
+enum class LinkKind : uint8_t { kCudaIpc = 0, kNccl = 1, kUcxCuda = 2, kShm = 3, kUcxHost = 4 };
+inline constexpr int kLinkKinds = 5;
 
-// "ipc", "nccl", "ucx-cuda", "ucx": the names results carry (PutResult::path and friends).
+// "ipc", "nccl", "ucx-cuda", "shm", "ucx": the names results carry (PutResult::path and
+// friends).
 absl::string_view LinkName(LinkKind kind);
 
 // What a link can do, fixed per kind.

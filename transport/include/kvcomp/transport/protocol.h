@@ -33,8 +33,10 @@ namespace wire {
 inline constexpr uint32_t kMagic = 0x5057564B;  // "KVWP" in wire order
 inline constexpr uint8_t kMajorVersion = 1;
 // Minor 1 adds device payloads: hello-ok's server_flags (kServerCudaMemory, sent only to a
-// client whose hello says minor >= 1) and block flag kBlockDevicePayload.
-inline constexpr uint8_t kMinorVersion = 1;
+// client whose hello says minor >= 1) and block flag kBlockDevicePayload. Minor 2 adds
+// same-host shared memory (kServerSharedMemory and its hello-ok fields, sent only to a client
+// whose hello says minor >= 2; block flag kBlockSharedMemory; Get::shared and GetReply::shared).
+inline constexpr uint8_t kMinorVersion = 2;
 inline constexpr uint32_t kFrameHeaderBytes = 32;
 // Largest frame (header + body). UCX 1.13 allows AM headers of about 8 KB with tcp and shared
 // memory; servers and clients check their worker's limit at start. The largest message
@@ -93,6 +95,10 @@ enum BlockFlags : uint8_t {
   // links carry their integrity, docs/protocol.md). Only to a server that said
   // kServerCudaMemory.
   kBlockDevicePayload = 1,
+  // The payload lies in the connection's shared put region (shm_link.h) at Block::shm_offset:
+  // the frame announces no payload, key_crc and value_crc are 0 (the bytes never cross a
+  // wire). Only to a server that said kServerSharedMemory.
+  kBlockSharedMemory = 2,
 };
 
 // The fixed frame header. request_id pairs a reply with its request (the client chooses it;
@@ -126,6 +132,9 @@ enum ServerFlags : uint8_t {
   // The server's UCX is CUDA-aware (cuda_copy / cuda_ipc) and it takes blocks sent from device
   // memory (kBlockDevicePayload): rendezvous payloads may land straight in its GPU memory.
   kServerCudaMemory = 1,
+  // The server takes same-host shared memory (shm_link.h): hello-ok carries the Unix socket to
+  // attach regions at and this connection's attach token.
+  kServerSharedMemory = 2,
 };
 
 struct HelloOk {
@@ -136,7 +145,14 @@ struct HelloOk {
   uint64_t max_inflight_bytes = 0;  // bytes of unacknowledged blocks per connection
   std::string tenant;               // the tenant this connection acts for (normalised)
   std::string server_name;          // e.g. "kvcompd 0.1.0 host"
+  // With kServerSharedMemory only: the abstract Unix socket name (without its leading NUL) where
+  // this connection attaches shared regions, the connection's attach token (kShmTokenBytes
+  // random bytes) and the largest region the server maps.
+  std::string shm_socket;
+  std::string shm_token;
+  uint64_t shm_max_region_bytes = 0;
 };
+inline constexpr size_t kShmTokenBytes = 16;
 
 // Starts put `put_id` (chosen by the client, unique among its open puts on this connection).
 // The tenant is the connection's authenticated tenant; it is not sent again.
@@ -168,6 +184,7 @@ struct Block {
   uint32_t key_crc = 0;       // CRC32C of the key bytes (0 when absent)
   uint32_t value_crc = 0;     // CRC32C of the value bytes (0 when absent)
   uint8_t flags = 0;          // BlockFlags
+  uint64_t shm_offset = 0;    // kBlockSharedMemory: the payload's offset in the put region
 
   uint64_t payload_bytes() const { return key_bytes + value_bytes; }
   // Bytes the half of one part should have under `layout`.
@@ -205,12 +222,21 @@ struct Get {
   Representation representation = Representation::kStored;
   std::string model_id;
   std::string key;
+  // Shared memory (kServerSharedMemory): the server writes the cache into the connection's
+  // shared get region at [shm_offset, shm_offset + shm_capacity) instead of a reply payload.
+  bool shared = false;
+  uint64_t shm_offset = 0;
+  uint64_t shm_capacity = 0;
 };
 
 struct GetReply {
   Representation representation = Representation::kStored;
   bool has_crc = false;     // payload_crc is meaningful
   uint32_t payload_crc = 0;  // CRC32C of the payload
+  // The cache was written into the shared get region (Get::shared): shm_bytes of it, no
+  // payload, no checksum.
+  bool shared = false;
+  uint64_t shm_bytes = 0;
 };
 
 struct Lookup {

@@ -104,6 +104,13 @@ struct ServerOptions {
   absl::Duration poll_spin = absl::Microseconds(200);
   // Verify each block's CRC32C before calling OnBlock (host payloads only). Default true.
   bool verify_checksums = true;
+  // Offer same-host shared memory (shm_link.h, docs/protocol.md "Shared memory") to clients
+  // of protocol minor >= 2: payloads through regions the client maps and passes to the server
+  // over an abstract Unix socket. Default true.
+  bool shared_memory = true;
+  // The largest shared region the server maps, bytes (a get larger than a client's get region
+  // goes over UCX). Default 1 GiB.
+  uint64_t shm_max_region_bytes = uint64_t{1} << 30;
   // Receives the lines the server has for operators (listener closed or reopened), on the
   // progress thread; keep it short. Empty = written to stderr.
   std::function<void(const std::string&)> report;
@@ -249,6 +256,13 @@ struct ServerStats {
   uint64_t cuda_memory = 0;
   uint64_t device_payload_blocks = 0;  // blocks a client sent from its device memory
   uint64_t blocks_into_device = 0;     // blocks received straight into device memory
+  // Same-host shared memory (docs/protocol.md, "Shared memory"). shared_memory: gauge, 1 when
+  // hello-ok offers it.
+  uint64_t shared_memory = 0;
+  uint64_t shm_regions_attached = 0;  // client regions mapped
+  uint64_t shm_attach_refused = 0;    // attach requests refused (token, descriptor, size)
+  uint64_t shm_blocks = 0;            // blocks read from a client's put region
+  uint64_t shm_gets = 0;              // gets written into a client's get region
 };
 
 class UcxServer {

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -28,6 +29,7 @@
 #include "kvcomp/transport/client.h"
 #include "kvcomp/transport/payload_link.h"
 #include "kvcomp/transport/protocol.h"
+#include "kvcomp/transport/shm_link.h"
 
 namespace kvcomp {
 namespace transport {
@@ -46,11 +48,12 @@ class UcxLink final : public PayloadLink {
 };
 
 // What a kvcompd offers for transfers in `direction` (from this end's view), by its hello-ok:
-// ucx always; ucx-cuda for gets (the daemon's side of a get is host memory, whatever its UCX)
+// ucx always; shm when it takes same-host shared memory (wire::kServerSharedMemory); ucx-cuda for gets (the daemon's side of a get is host memory, whatever its UCX)
 // and for puts only when its UCX is CUDA-aware (wire::kServerCudaMemory).
 LinkOffer UcxPeerOffer(const wire::HelloOk& hello, Direction direction);
 
-// Both UCX links of one connection, and a router per direction. `client` outlives it.
+// The links of one connection (shm where the connection has a shared-memory channel, then
+// both UCX links), and a router per direction. `client` outlives it.
 class UcxLinks {
  public:
   explicit UcxLinks(UcxClient* client);
@@ -66,6 +69,7 @@ class UcxLinks {
                                    absl::Time deadline, LinkKind* used = nullptr) const;
 
  private:
+  std::optional<ShmLink> shm_;
   UcxLink host_;
   UcxLink cuda_;
   LinkRouter send_;

@@ -1,0 +1,440 @@
+// The same-host shared-memory link (transport/shm_link.h) against a real kvcompd on loopback:
+// puts and gets through it bit-exact with UCX's, the fallbacks (daemon or client with it off,
+// a cache larger than the client's region), what the daemon refuses to map (unknown or
+// withdrawn tokens, descriptors that are not sealed, fully allocated memfds, sizes out of
+// bounds), blocks and gets naming ranges outside the connection's own regions, tenants kept
+// apart, and a client killed in the middle of a put (its put aborted, its regions unmapped).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "daemon_fixture.h"
+#include "gtest/gtest.h"
+#include "kvcomp/core/error_detail.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/transport/payload_link.h"
+#include "kvcomp/transport/protocol.h"
+#include "kvcomp/transport/shm_link.h"
+#include "kvcomp/transport/ucx_link.h"
+
+namespace kvcomp {
+namespace testing {
+namespace {
+
+namespace wire = transport::wire;
+using transport::BlockPipe;
+using transport::Direction;
+using transport::GetRequest;
+using transport::LinkKind;
+using transport::MemoryKind;
+using transport::UcxLinks;
+
+// Lines of /proc/<pid>/maps that map a client's shared region.
+int SharedMappings(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) n += absl::StrContains(line, "memfd:kvcomp-shm") ? 1 : 0;
+  return n;
+}
+
+class ShmLinkDaemonTest : public DaemonFixture {
+ protected:
+  static constexpr uint64_t kTokens = 64;
+  const KvLayout layout_{4, 2, 2, 64, DType::kF16};
+
+  std::unique_ptr<transport::UcxClient> ConnectWith(const KvcompdProcess& d, bool shared,
+                                                    const std::string& tenant = "",
+                                                    const std::string& token = "",
+                                                    uint64_t max_get_region = uint64_t{1} << 30) {
+    transport::ClientOptions o;
+    o.ucx.overrides["TLS"] = "tcp";
+    o.shared_memory = shared;
+    o.shm_put_region_bytes = 64 << 10;  // a ring of 8 blocks: it wraps during a put
+    o.shm_max_get_region_bytes = max_get_region;
+    auto c = transport::UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant,
+                                           token, o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  wire::PutBegin Begin(const std::string& key) const {
+    wire::PutBegin begin;
+    begin.layout = layout_;
+    begin.num_tokens = kTokens;
+    begin.model_id = "m";
+    begin.key = key;
+    CompressionPolicy lossless;
+    lossless.ratio = 0;
+    lossless.moments = false;
+    begin.has_policy = true;
+    begin.policy = lossless;
+    return begin;
+  }
+  // Finite f16 values, different per layer and per `seed`.
+  std::vector<uint8_t> Layer(uint32_t layer, uint32_t seed = 0) const {
+    std::vector<uint8_t> kv(2 * layout_.LayerBytes(kTokens));
+    for (size_t i = 0; i + 1 < kv.size(); i += 2) {
+      kv[i] = static_cast<uint8_t>(i * 7 + 3 + layer + seed * 13);
+      kv[i + 1] = static_cast<uint8_t>(0x3c | ((i / 2 + layer) & 3));
+    }
+    return kv;
+  }
+  // Puts every layer as blocks of 16 tokens through the connection's links; the link the blocks
+  // took. `layers` < num_layers leaves the put open (no commit).
+  absl::StatusOr<LinkKind> Put(transport::UcxClient& c, const std::string& key,
+                               uint32_t layers, uint32_t seed = 0) {
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t put_id, c.PutBegin(Begin(key)));
+    const UcxLinks links(&c);
+    const uint64_t part = layout_.LayerBytes(16);
+    LinkKind used;
+    {
+      BlockPipe pipe(links, 8 * 2 * part);
+      std::vector<std::shared_ptr<std::string>> keep;
+      for (uint32_t l = 0; l < layers; ++l) {
+        const std::vector<uint8_t> kv = Layer(l, seed);
+        const uint64_t row = layout_.head_dim * 2;
+        for (uint64_t t = 0; t < kTokens; t += 16) {
+          auto packed = std::make_shared<std::string>(2 * part, '\0');
+          for (uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+            const uint64_t src = (uint64_t{h} * kTokens + t) * row;
+            std::memcpy(packed->data() + h * 16 * row, kv.data() + src, 16 * row);
+            std::memcpy(packed->data() + part + h * 16 * row,
+                        kv.data() + layout_.LayerBytes(kTokens) + src, 16 * row);
+          }
+          wire::Block b;
+          b.put_id = put_id;
+          b.layer_begin = l;
+          b.layer_end = l + 1;
+          b.token_begin = t;
+          b.token_end = t + 16;
+          b.parts = wire::kPartBoth;
+          b.key_bytes = part;
+          b.value_bytes = part;
+          pipe.Send(b, {packed->data(), part, MemoryKind::kHost},
+                    {packed->data() + part, part, MemoryKind::kHost}, packed);
+        }
+      }
+      KVCOMP_RETURN_IF_ERROR(pipe.Wait());
+      used = pipe.link();
+      if (layers < layout_.num_layers) return used;
+      KVCOMP_RETURN_IF_ERROR(c.PutCommit(put_id, pipe.sent()).status());
+    }
+    return used;
+  }
+};
+
+TEST_F(ShmLinkDaemonTest, PutsAndGetsGoThroughSharedMemoryBitExact) {
+  auto d = StartDaemon();
+  auto shm = ConnectWith(*d, true);
+  auto ucx = ConnectWith(*d, false);
+  ASSERT_NE(shm, nullptr);
+  ASSERT_NE(ucx, nullptr);
+  ASSERT_TRUE(shm->server_info().server_flags & wire::kServerSharedMemory);
+  ASSERT_NE(shm->SharedMemory(), nullptr);
+  EXPECT_EQ(ucx->SharedMemory(), nullptr);  // this client said no
+  EXPECT_TRUE(transport::UcxPeerOffer(shm->server_info(), Direction::kSend).Has(LinkKind::kShm));
+
+  // The same data put over each link: the daemon stores the same bytes.
+  absl::StatusOr<LinkKind> a = Put(*shm, "over-shm", layout_.num_layers);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(*a, LinkKind::kShm);
+  absl::StatusOr<LinkKind> b = Put(*ucx, "over-ucx", layout_.num_layers);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(*b, LinkKind::kUcxHost);
+  absl::StatusOr<transport::FetchedCache> via_shm = ucx->Get("m", "over-shm");
+  absl::StatusOr<transport::FetchedCache> via_ucx = ucx->Get("m", "over-ucx");
+  ASSERT_TRUE(via_shm.ok() && via_ucx.ok()) << via_shm.status() << via_ucx.status();
+  EXPECT_EQ(via_shm->bytes.view(), via_ucx->bytes.view());
+  absl::StatusOr<transport::FetchedCache> decoded =
+      ucx->Get("m", "over-shm", wire::Representation::kDecoded);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+
+  // Gets into caller memory through the get region: the bytes UCX's get returns, stored and
+  // decoded, twice (the region is reused).
+  const UcxLinks links(shm.get());
+  std::vector<char> into(decoded->bytes.size() + 100);
+  for (int round = 0; round < 2; ++round) {
+    LinkKind used = LinkKind::kNccl;
+    absl::StatusOr<uint64_t> n =
+        links.GetInto({"m", "over-shm", wire::Representation::kStored},
+                      {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &used);
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(used, LinkKind::kShm);
+    EXPECT_EQ(absl::string_view(into.data(), *n), via_shm->bytes.view());
+    n = links.GetInto({"m", "over-shm", wire::Representation::kDecoded},
+                      {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &used);
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(used, LinkKind::kShm);
+    EXPECT_EQ(absl::string_view(into.data(), *n), decoded->bytes.view());
+  }
+  // The daemon's answers come back as they are: too small, absent.
+  absl::StatusOr<uint64_t> n =
+      links.GetInto({"m", "over-shm", wire::Representation::kStored},
+                    {into.data(), 16, MemoryKind::kHost}, absl::InfiniteFuture());
+  EXPECT_TRUE(absl::IsOutOfRange(n.status())) << n.status();
+  n = links.GetInto({"m", "absent", wire::Representation::kStored},
+                    {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture());
+  EXPECT_TRUE(absl::IsNotFound(n.status())) << n.status();
+  EXPECT_TRUE(shm->SharedMemory()->usable()) << shm->SharedMemory()->why();
+}
+
+TEST_F(ShmLinkDaemonTest, ADaemonWithItOffOffersOnlyUcx) {
+  // The daemon with it off: not offered, the links are UCX's.
+  auto off = StartDaemon({"--data_plane.shared_memory=false"});
+  auto c = ConnectWith(*off, true);
+  ASSERT_NE(c, nullptr);
+  EXPECT_FALSE(c->server_info().server_flags & wire::kServerSharedMemory);
+  EXPECT_EQ(c->SharedMemory(), nullptr);
+  absl::StatusOr<LinkKind> used = Put(*c, "k", layout_.num_layers);
+  ASSERT_TRUE(used.ok()) << used.status();
+  EXPECT_EQ(*used, LinkKind::kUcxHost);
+}
+
+TEST_F(ShmLinkDaemonTest, ACacheLargerThanTheClientsGetRegionComesOverUcx) {
+  auto on = StartDaemon();
+  auto small = ConnectWith(*on, true, "", "", /*max_get_region=*/128 << 10);
+  ASSERT_NE(small, nullptr);
+  absl::StatusOr<LinkKind> used = Put(*small, "big", layout_.num_layers);
+  ASSERT_TRUE(used.ok()) << used.status();
+  EXPECT_EQ(*used, LinkKind::kShm);
+  absl::StatusOr<transport::FetchedCache> whole = small->Get("m", "big");
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_GT(whole->bytes.size(), (128u << 10) - transport::kShmGetDataOffset);
+  std::vector<char> into(whole->bytes.size());
+  LinkKind got = LinkKind::kNccl;
+  absl::StatusOr<uint64_t> n =
+      UcxLinks(small.get())
+          .GetInto({"m", "big", wire::Representation::kStored},
+                   {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &got);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(got, LinkKind::kUcxHost);
+  EXPECT_EQ(absl::string_view(into.data(), *n), whole->bytes.view());
+}
+
+TEST_F(ShmLinkDaemonTest, TheDaemonMapsOnlySealedAllocatedMemfdsOfAKnownConnection) {
+  auto d = StartDaemon();
+  auto c = ConnectWith(*d, true);
+  ASSERT_NE(c, nullptr);
+  const wire::HelloOk& hello = c->server_info();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  const uint64_t bytes = 1 << 20;
+  auto memfd = [&](bool allocate, unsigned seals) {
+    const int fd = memfd_create("kvcomp-shm-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, bytes), 0);
+    if (allocate) {
+      EXPECT_EQ(fallocate(fd, 0, 0, bytes), 0);
+    }
+    if (seals != 0) {
+      EXPECT_EQ(fcntl(fd, F_ADD_SEALS, seals), 0);
+    }
+    return fd;
+  };
+  const int good = memfd(true, F_SEAL_SHRINK | F_SEAL_GROW);
+  // A stranger: a token no connection holds.
+  std::string forged = hello.shm_token;
+  forged[0] ^= 1;
+  absl::Status s = transport::SendShmAttach(hello.shm_socket, forged, 0, bytes, good, deadline);
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  // No descriptor, a pipe, an unsealed memfd, one not allocated, a wrong size, a bad region id.
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, 0, bytes, -1, deadline);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, 0, bytes, pipefd[0], deadline);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  close(pipefd[0]);
+  close(pipefd[1]);
+  const int unsealed = memfd(true, 0);
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, 0, bytes, unsealed, deadline);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  const int sparse = memfd(false, F_SEAL_SHRINK);
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, 0, bytes, sparse, deadline);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, 0, bytes * 2, good, deadline);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, 7, bytes, good, deadline);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  // Larger than the daemon maps (its bound comes in hello-ok).
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, 0,
+                               hello.shm_max_region_bytes + 4096, good, deadline);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_EQ(SharedMappings(d->ports().pid), 0);
+  // The proper one is taken.
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, 0, bytes, good, deadline);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(SharedMappings(d->ports().pid), 1);
+  // The token dies with its connection (and the mapping with it).
+  const std::string token = hello.shm_token;
+  const std::string socket = hello.shm_socket;
+  c->Close();
+  c.reset();
+  for (int i = 0; i < 100 && SharedMappings(d->ports().pid) > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(SharedMappings(d->ports().pid), 0);
+  s = transport::SendShmAttach(socket, token, 0, bytes, good, deadline);
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  for (int fd : {good, unsealed, sparse}) close(fd);
+}
+
+TEST_F(ShmLinkDaemonTest, BlocksAndGetsOutsideTheConnectionsRegionsAreRefused) {
+  auto d = StartDaemon();
+  auto c = ConnectWith(*d, true);
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<uint64_t> put = c->PutBegin(Begin("raw"));
+  ASSERT_TRUE(put.ok()) << put.status();
+  wire::Block b;
+  b.put_id = *put;
+  b.layer_begin = 0;
+  b.layer_end = 1;
+  b.token_begin = 0;
+  b.token_end = 16;
+  b.parts = wire::kPartBoth;
+  b.key_bytes = b.value_bytes = layout_.LayerBytes(16);
+  b.flags = wire::kBlockSharedMemory;
+  auto send = [&](const wire::Block& blk) {
+    absl::StatusOr<transport::RawReply> r =
+        c->SendRawForTesting(4242, wire::Encode(4242, blk), "");
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->status : r.status();
+  };
+  // No put region attached yet.
+  absl::Status s = send(b);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  absl::StatusOr<std::unique_ptr<transport::ShmRegion>> region = transport::ShmRegion::Attach(
+      c->server_info(), transport::kShmPutRegion, 1 << 20, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(region.ok()) << region.status();
+  // Past the end, wrapping around 2^64, straddling the end.
+  for (uint64_t offset : {uint64_t{2} << 20, ~uint64_t{0} - 100, (uint64_t{1} << 20) - 4096}) {
+    b.shm_offset = offset;
+    s = send(b);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << offset << ": " << s;
+  }
+  // Checksums on a shared block, or a payload beside it: malformed.
+  b.shm_offset = 0;
+  wire::Block crc = b;
+  crc.key_crc = 1;
+  s = send(crc);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  std::string frame = wire::Encode(4243, b);
+  absl::StatusOr<transport::RawReply> r = c->SendRawForTesting(4243, frame, "payload");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->status.ok());
+  // In range: taken (the block's bytes are whatever the region holds).
+  s = send(b);
+  EXPECT_TRUE(s.ok()) << s;
+  // A get beyond the get region (none attached yet, then past its end).
+  wire::Get g{wire::Representation::kStored, "m", "raw", true, transport::kShmGetDataOffset,
+              1 << 20};
+  r = c->SendRawForTesting(4244, wire::Encode(4244, g), "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(r->status)) << r->status;
+  absl::StatusOr<std::unique_ptr<transport::ShmRegion>> get_region =
+      transport::ShmRegion::Attach(c->server_info(), transport::kShmGetRegion, 1 << 20,
+                                   absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(get_region.ok()) << get_region.status();
+  r = c->SendRawForTesting(4245, wire::Encode(4245, g), "");  // 4096 + 1 MiB > 1 MiB
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(absl::IsInvalidArgument(r->status)) << r->status;
+  // The connection serves on.
+  EXPECT_TRUE(c->Ping().ok());
+  EXPECT_TRUE(c->PutAbort(*put).ok());
+}
+
+TEST_F(ShmLinkDaemonTest, TenantsStayApartOnSharedMemory) {
+  WriteTokens("alpha: secret-a\nbeta: secret-b\n");
+  auto d = StartDaemon({"--auth.token_file=" + tokens_path()});
+  auto alpha = ConnectWith(*d, true, "alpha", "secret-a");
+  auto beta = ConnectWith(*d, true, "beta", "secret-b");
+  ASSERT_NE(alpha, nullptr);
+  ASSERT_NE(beta, nullptr);
+  EXPECT_NE(alpha->server_info().shm_token, beta->server_info().shm_token);
+  absl::StatusOr<LinkKind> used = Put(*alpha, "secret", layout_.num_layers);
+  ASSERT_TRUE(used.ok()) << used.status();
+  EXPECT_EQ(*used, LinkKind::kShm);
+  // Beta's get of alpha's key through its own region: not found, nothing written.
+  std::vector<char> into(1 << 20, 'x');
+  absl::StatusOr<uint64_t> n =
+      UcxLinks(beta.get())
+          .GetInto({"m", "secret", wire::Representation::kStored},
+                   {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture());
+  EXPECT_TRUE(absl::IsNotFound(n.status())) << n.status();
+  EXPECT_TRUE(std::all_of(into.begin(), into.end(), [](char ch) { return ch == 'x'; }));
+  // Alpha's regions are attached; a shared block of beta's reads only beta's own region (it has
+  // a get region from the get above, no put region): refused.
+  absl::StatusOr<uint64_t> put = beta->PutBegin(Begin("b"));
+  ASSERT_TRUE(put.ok()) << put.status();
+  wire::Block b;
+  b.put_id = *put;
+  b.layer_end = 1;
+  b.token_end = 16;
+  b.parts = wire::kPartBoth;
+  b.key_bytes = b.value_bytes = layout_.LayerBytes(16);
+  b.flags = wire::kBlockSharedMemory;
+  absl::StatusOr<transport::RawReply> r = beta->SendRawForTesting(77, wire::Encode(77, b), "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(r->status)) << r->status;
+  // A region offered with alpha's token lands in alpha's connection only; beta cannot name it.
+  // Beta's own shared get of its own (absent) key is answered as over UCX.
+  n = UcxLinks(beta.get())
+          .GetInto({"m", "b", wire::Representation::kStored},
+                   {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture());
+  EXPECT_TRUE(absl::IsNotFound(n.status())) << n.status();
+  // Alpha still reads its cache through shared memory.
+  LinkKind got = LinkKind::kNccl;
+  n = UcxLinks(alpha.get())
+          .GetInto({"m", "secret", wire::Representation::kStored},
+                   {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &got);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(got, LinkKind::kShm);
+}
+
+TEST_F(ShmLinkDaemonTest, AClientKilledMidPutLeavesNoPutAndNoMapping) {
+  auto d = StartDaemon();
+  const int daemon_pid = d->ports().pid;
+  // The child connects on its own (no client of this process is open while it forks).
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto c = ConnectWith(*d, true);
+    if (c == nullptr || c->SharedMemory() == nullptr) _exit(3);
+    absl::StatusOr<LinkKind> used = Put(*c, "vanished", 2);  // 2 of 4 layers, no commit
+    if (!used.ok() || *used != LinkKind::kShm) _exit(4);
+    raise(SIGKILL);
+    _exit(5);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+      << "child exit " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  // The daemon sees the connection go, aborts the put and unmaps the regions.
+  for (int i = 0; i < 200 && SharedMappings(daemon_pid) > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(SharedMappings(daemon_pid), 0);
+  auto c = ConnectWith(*d, true);
+  ASSERT_NE(c, nullptr);
+  EXPECT_TRUE(absl::IsNotFound(c->Lookup("m", "vanished").status()));
+  // The daemon serves on, through shared memory.
+  absl::StatusOr<LinkKind> used = Put(*c, "vanished", layout_.num_layers);
+  ASSERT_TRUE(used.ok()) << used.status();
+  EXPECT_EQ(*used, LinkKind::kShm);
+  EXPECT_TRUE(c->Lookup("m", "vanished").ok());
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace kvcomp

@@ -1,0 +1,250 @@
+// The same-host shared-memory link ("shm", payload_link.h): a put's blocks and a get's cache
+// move between a client and kvcompd on one host through memory both map, one copy at each end,
+// while the requests, replies, authentication, admission and error handling stay those of the
+// UCX connection (docs/protocol.md, "Shared memory").
+//
+// How the two ends meet:
+//   1. kvcompd listens on an abstract Unix socket (ShmAcceptor). A client whose hello says
+//      protocol minor >= 2 gets, in its hello-ok (wire::kServerSharedMemory), the socket's name,
+//      an attach token of its own (16 random bytes, known only to that authenticated
+//      connection) and the largest region the daemon maps.
+//   2. The client makes a region: a memfd, sized, fully allocated (so the daemon never
+//      allocates the client's pages), sealed against shrinking (so a mapping never loses its
+//      pages under the daemon) and mapped; it passes the descriptor over the socket
+//      (SCM_RIGHTS) with the token and the region's id (ShmRegion::Attach). The daemon takes it
+//      only for a known token and only a sealed, fully allocated memfd of the stated size
+//      within its bound, then maps it (ShmGrant). No path is ever opened: a peer that can hand
+//      the daemon a descriptor shares its kernel, which is the proof of locality; a client on
+//      another host (or in another network namespace) cannot reach the socket, its attach fails
+//      and its transfers go over UCX.
+//   3. A block (kBlockSharedMemory) names an offset in the put region: the daemon checks it
+//      against the region, admits the bytes as any block's (max_buffered_bytes, the tenant's
+//      share, the connection's in-flight bound) and copies them into the block's own buffer.
+//      A get (Get::shared) names an offset and capacity in the get region: the daemon writes
+//      the cache there, publishing its progress in the region's first bytes (ShmProgress), and
+//      answers with the byte count; the client copies behind it into the caller's memory.
+//
+// Regions are the client's memory: mapping one costs the daemon no memory, and a dying client
+// leaves the daemon's mapping valid until the connection's grant is dropped (its UCX
+// connection closing). Thread-safe: ShmAcceptor, ShmGrant, ShmChannel; ShmLink as its channel.
+#ifndef KVCOMP_TRANSPORT_SHM_LINK_H_
+#define KVCOMP_TRANSPORT_SHM_LINK_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvcomp/transport/buffer.h"
+#include "kvcomp/transport/payload_link.h"
+#include "kvcomp/transport/protocol.h"
+
+namespace kvcomp {
+namespace transport {
+
+class UcxClient;
+
+// Region ids: the put region holds blocks in flight, the get region a get's cache.
+inline constexpr uint8_t kShmPutRegion = 0;
+inline constexpr uint8_t kShmGetRegion = 1;
+inline constexpr int kShmRegions = 2;
+// Smallest region either end accepts.
+inline constexpr uint64_t kShmMinRegionBytes = uint64_t{64} << 10;
+// The get region starts with the daemon's progress (ShmProgress); the cache lands from here.
+inline constexpr uint64_t kShmGetDataOffset = 4096;
+
+// At offset 0 of the get region while a get with shm_offset >= kShmGetDataOffset is written:
+// the request it belongs to, then how many bytes of the cache are in place (release order).
+struct ShmProgress {
+  std::atomic<uint64_t> request_id;
+  std::atomic<uint64_t> written;
+};
+
+// [offset, offset + bytes) within a region of `size` bytes (no overflow), else InvalidArgument
+// naming `what`.
+absl::Status CheckShmRange(uint64_t offset, uint64_t bytes, uint64_t size, const char* what);
+
+// ---- kvcompd's end ----
+
+// A client's region mapped into the daemon; unmapped when the last holder drops it.
+class ShmMapping {
+ public:
+  ShmMapping(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+  ~ShmMapping();
+  ShmMapping(const ShmMapping&) = delete;
+  ShmMapping& operator=(const ShmMapping&) = delete;
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  uint8_t* const data_;
+  const uint64_t size_;
+};
+
+// What one connection attached. Regions are replaced by a later attach of the same id; a
+// holder of the old mapping keeps it until done.
+class ShmGrant {
+ public:
+  explicit ShmGrant(std::string token) : token_(std::move(token)) {}
+  const std::string& token() const { return token_; }
+  std::shared_ptr<ShmMapping> Region(uint8_t id) const;
+  void Set(uint8_t id, std::shared_ptr<ShmMapping> mapping);
+
+ private:
+  const std::string token_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<ShmMapping> regions_[kShmRegions] ABSL_GUARDED_BY(mu_);
+};
+
+struct ShmAcceptorStats {
+  uint64_t attached = 0;  // regions mapped
+  uint64_t refused = 0;   // attach requests refused (unknown token, bad descriptor, size, ...)
+};
+
+// The daemon's Unix socket for attaching regions, and the grants of live connections.
+class ShmAcceptor {
+ public:
+  // Listens on a fresh abstract socket; regions of more than `max_region_bytes` are refused.
+  // `report` gets one line per refused attach (rate is the peer's; keep it short).
+  static absl::StatusOr<std::unique_ptr<ShmAcceptor>> Start(
+      uint64_t max_region_bytes, std::function<void(const std::string&)> report);
+  ~ShmAcceptor();
+
+  // The socket's abstract name (without the leading NUL), for hello-ok.
+  const std::string& name() const { return name_; }
+  uint64_t max_region_bytes() const { return max_region_bytes_; }
+  // A grant with a fresh token (an authenticated connection's); attaches with it land there.
+  std::shared_ptr<ShmGrant> Enroll();
+  // The connection is gone: its token attaches nothing any more (mappings go with the last
+  // holder of the grant).
+  void Withdraw(const ShmGrant& grant);
+  ShmAcceptorStats stats() const;
+
+ private:
+  ShmAcceptor(int listen_fd, int wake_fd, std::string name, uint64_t max_region_bytes,
+              std::function<void(const std::string&)> report);
+  void Loop();
+  void Serve(int fd);
+  absl::Status Attach(int fd, const void* message, size_t length, int region_fd);
+
+  const int listen_fd_;
+  const int wake_fd_;
+  const std::string name_;
+  const uint64_t max_region_bytes_;
+  const std::function<void(const std::string&)> report_;
+  std::atomic<uint64_t> attached_{0}, refused_{0};
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::weak_ptr<ShmGrant>> grants_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+// ---- the client's end ----
+
+// A memfd region of this process, attached to a kvcompd (steps 2 above).
+class ShmRegion {
+ public:
+  // Makes a region of `bytes` and attaches it as `id` at the daemon that sent `hello`, by
+  // `deadline`. Unavailable when the daemon cannot be reached (another host) or refuses.
+  static absl::StatusOr<std::unique_ptr<ShmRegion>> Attach(const wire::HelloOk& hello, uint8_t id,
+                                                           uint64_t bytes, absl::Time deadline);
+  ~ShmRegion();
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  ShmRegion(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+  uint8_t* const data_;
+  const uint64_t size_;
+};
+
+// The attach request itself: `fd` (none when negative) as region `id` of `bytes` with `token`,
+// to the server's socket named `socket_name`; OK or the server's refusal (its code and reason).
+// ShmRegion::Attach makes a proper region and calls it; tests send improper ones.
+absl::Status SendShmAttach(const std::string& socket_name, absl::string_view token, uint8_t id,
+                           uint64_t bytes, int fd, absl::Time deadline);
+
+struct ShmChannelOptions {
+  uint64_t put_region_bytes = uint64_t{64} << 20;
+  uint64_t max_get_region_bytes = uint64_t{1} << 30;
+};
+
+// One connection's shared memory: its put region (blocks in flight, a ring) and its get region
+// (one get at a time, grown to the largest capacity asked, within both ends' bounds). Regions
+// are made at first use; when one cannot be attached the channel stops offering itself
+// (usable() false) and its transfers go over the next link.
+class ShmChannel {
+ public:
+  ShmChannel(UcxClient* client, ShmChannelOptions options);
+  ~ShmChannel();
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
+
+  // False once an attach failed (the reason: why()).
+  bool usable() const;
+  std::string why() const;
+
+  // Copies `keys` and `values` (host memory) into the put region and posts `block` naming
+  // them; the completion finishes when the daemon acknowledged it. MemoryNotServed when the
+  // block does not fit the region or the region cannot be attached.
+  absl::StatusOr<std::shared_ptr<Completion>> SendBlock(const wire::Block& block,
+                                                        const MemoryRegion& keys,
+                                                        const MemoryRegion& values,
+                                                        absl::Time deadline);
+  // A get into `dst` (host memory of `capacity` bytes) through the get region; the bytes
+  // written. MemoryNotServed when the cache is larger than the region can be (the caller goes
+  // over UCX), else as UcxClient::GetInto.
+  absl::StatusOr<uint64_t> GetInto(const GetRequest& request, void* dst, uint64_t capacity,
+                                   absl::Time deadline);
+
+ private:
+  absl::Status EnsurePutRegion(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(put_mu_);
+  void Release(uint64_t offset);
+  void Unusable(const absl::Status& why);
+
+  UcxClient* const client_;
+  const ShmChannelOptions options_;
+  mutable absl::Mutex state_mu_;
+  absl::Status broken_ ABSL_GUARDED_BY(state_mu_);
+
+  // The put region as a ring of blocks in flight, in posting order.
+  struct Slot {
+    uint64_t offset;
+    uint64_t bytes;
+    bool done;
+  };
+  absl::Mutex put_mu_;
+  std::unique_ptr<ShmRegion> put_ ABSL_GUARDED_BY(put_mu_);
+  std::deque<Slot> slots_ ABSL_GUARDED_BY(put_mu_);
+
+  absl::Mutex get_mu_;  // one get at a time
+  std::unique_ptr<ShmRegion> get_ ABSL_GUARDED_BY(get_mu_);
+};
+
+// The link over a connection's ShmChannel. Register: host memory while the channel is usable.
+// Post: a send is one put block (as UcxLink's; completes on the daemon's acknowledgement); a
+// receive is a get into the one region, done when Post returns.
+class ShmLink final : public PayloadLink {
+ public:
+  explicit ShmLink(ShmChannel* channel) : channel_(channel) {}
+  LinkKind kind() const override { return LinkKind::kShm; }
+  absl::StatusOr<Registration> Register(const MemoryRegion& region) override;
+  absl::StatusOr<std::shared_ptr<Completion>> Post(const Transfer& transfer) override;
+
+ private:
+  ShmChannel* const channel_;
+};
+
+}  // namespace transport
+}  // namespace kvcomp
+
+#endif  // KVCOMP_TRANSPORT_SHM_LINK_H_

@@ -1,0 +1,612 @@
+#include "kvcomp/transport/shm_link.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvcomp/core/status.h"
+#include "kvcomp/transport/client.h"
+
+namespace kvcomp {
+namespace transport {
+namespace {
+
+// The attach request (client -> daemon, one SOCK_SEQPACKET message with the region's descriptor
+// as SCM_RIGHTS) and its answer, little-endian on the one host both run on.
+constexpr uint32_t kAttachMagic = 0x4853564B;  // "KVSH"
+constexpr uint16_t kAttachVersion = 1;
+struct AttachRequest {
+  uint32_t magic;
+  uint16_t version;
+  uint8_t region;
+  uint8_t reserved;
+  uint64_t bytes;
+  char token[wire::kShmTokenBytes];
+};
+struct AttachAnswer {
+  uint32_t magic;
+  uint16_t code;  // absl::StatusCode
+  uint16_t message_bytes;
+  char message[240];
+};
+constexpr absl::Duration kServeTimeout = absl::Seconds(1);  // per attaching peer
+constexpr uint64_t kCopyChunk = uint64_t{4} << 20;         // get progress granularity
+
+absl::Status Errno(const char* what) {
+  const int e = errno;
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(e)));
+}
+
+sockaddr_un AbstractAddress(const std::string& name, socklen_t* len) {
+  sockaddr_un a = {};
+  a.sun_family = AF_UNIX;
+  const size_t n = std::min(name.size(), sizeof(a.sun_path) - 1);
+  std::memcpy(a.sun_path + 1, name.data(), n);  // sun_path[0] = 0: the abstract namespace
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
+  return a;
+}
+
+uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+int PollMs(absl::Time deadline) {
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return 0;
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 60000));
+}
+
+}  // namespace
+
+absl::Status CheckShmRange(uint64_t offset, uint64_t bytes, uint64_t size, const char* what) {
+  if (offset > size || bytes > size - offset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": bytes [", offset, ", +", bytes, ") outside the shared region of ",
+                     size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+// ---- kvcompd's end ----
+
+ShmMapping::~ShmMapping() { munmap(data_, size_); }
+
+std::shared_ptr<ShmMapping> ShmGrant::Region(uint8_t id) const {
+  if (id >= kShmRegions) return nullptr;
+  absl::MutexLock lock(&mu_);
+  return regions_[id];
+}
+
+void ShmGrant::Set(uint8_t id, std::shared_ptr<ShmMapping> mapping) {
+  std::shared_ptr<ShmMapping> old;
+  absl::MutexLock lock(&mu_);
+  old = std::move(regions_[id]);
+  regions_[id] = std::move(mapping);
+}
+
+absl::StatusOr<std::unique_ptr<ShmAcceptor>> ShmAcceptor::Start(
+    uint64_t max_region_bytes, std::function<void(const std::string&)> report) {
+  if (max_region_bytes < kShmMinRegionBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("shared memory: the largest region (",
+                                                   max_region_bytes, " bytes) is below ",
+                                                   kShmMinRegionBytes));
+  }
+  char random[8];
+  if (getrandom(random, sizeof(random), 0) != sizeof(random)) return Errno("getrandom");
+  const std::string name = absl::StrCat("kvcompd-shm-", getpid(), "-",
+                                        absl::BytesToHexString(absl::string_view(random, 8)));
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return Errno("shared memory: socket");
+  socklen_t len = 0;
+  sockaddr_un addr = AbstractAddress(name, &len);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, 64) != 0) {
+    absl::Status s = Errno("shared memory: bind/listen");
+    close(fd);
+    return s;
+  }
+  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake < 0) {
+    absl::Status s = Errno("shared memory: eventfd");
+    close(fd);
+    return s;
+  }
+  std::unique_ptr<ShmAcceptor> a(
+      new ShmAcceptor(fd, wake, name, max_region_bytes, std::move(report)));
+  a->thread_ = std::thread([p = a.get()] { p->Loop(); });
+  return a;
+}
+
+ShmAcceptor::ShmAcceptor(int listen_fd, int wake_fd, std::string name, uint64_t max_region_bytes,
+                         std::function<void(const std::string&)> report)
+    : listen_fd_(listen_fd),
+      wake_fd_(wake_fd),
+      name_(std::move(name)),
+      max_region_bytes_(max_region_bytes),
+      report_(std::move(report)) {}
+
+ShmAcceptor::~ShmAcceptor() {
+  const uint64_t one = 1;
+  ssize_t ignored = write(wake_fd_, &one, sizeof(one));
+  (void)ignored;
+  if (thread_.joinable()) thread_.join();
+  close(listen_fd_);
+  close(wake_fd_);
+}
+
+std::shared_ptr<ShmGrant> ShmAcceptor::Enroll() {
+  std::string token(wire::kShmTokenBytes, '\0');
+  while (true) {
+    if (getrandom(token.data(), token.size(), 0) != static_cast<ssize_t>(token.size())) continue;
+    auto grant = std::make_shared<ShmGrant>(token);
+    absl::MutexLock lock(&mu_);
+    if (grants_.emplace(token, grant).second) return grant;
+  }
+}
+
+void ShmAcceptor::Withdraw(const ShmGrant& grant) {
+  absl::MutexLock lock(&mu_);
+  grants_.erase(grant.token());
+}
+
+ShmAcceptorStats ShmAcceptor::stats() const {
+  return ShmAcceptorStats{attached_.load(), refused_.load()};
+}
+
+void ShmAcceptor::Loop() {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE) poll(nullptr, 0, 100);  // descriptors short
+      continue;
+    }
+    Serve(fd);
+    close(fd);
+  }
+}
+
+void ShmAcceptor::Serve(int fd) {
+  // One request per peer, within kServeTimeout: a peer that sends nothing holds the socket no
+  // longer than that.
+  pollfd p = {fd, POLLIN, 0};
+  if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(kServeTimeout))) <= 0) {
+    refused_++;
+    return;
+  }
+  AttachRequest req = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+  iovec iov = {&req, sizeof(req)};
+  msghdr msg = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  // Every descriptor that came is closed here, whatever the outcome; only a mapping stays.
+  std::vector<int> fds;
+  if (n >= 0) {
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int v;
+        std::memcpy(&v, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.push_back(v);
+      }
+    }
+  }
+  absl::Status s;
+  if (n < 0) {
+    s = Errno("receive");
+  } else if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || fds.size() != 1) {
+    s = absl::InvalidArgumentError("an attach request carries exactly one descriptor");
+  } else {
+    s = Attach(fd, &req, static_cast<size_t>(n), fds[0]);
+  }
+  for (int d : fds) close(d);
+  if (s.ok()) {
+    attached_++;
+  } else {
+    refused_++;
+    if (report_) report_(absl::StrCat("shared memory: attach refused: ", s.message()));
+  }
+  AttachAnswer a = {};
+  a.magic = kAttachMagic;
+  a.code = static_cast<uint16_t>(s.code());
+  const size_t m = std::min(s.message().size(), sizeof(a.message));
+  std::memcpy(a.message, s.message().data(), m);
+  a.message_bytes = static_cast<uint16_t>(m);
+  ssize_t ignored = send(fd, &a, sizeof(a), MSG_NOSIGNAL | MSG_DONTWAIT);
+  (void)ignored;
+}
+
+absl::Status ShmAcceptor::Attach(int fd, const void* message, size_t length, int region_fd) {
+  AttachRequest req;
+  if (length != sizeof(req)) return absl::InvalidArgumentError("malformed attach request");
+  std::memcpy(&req, message, sizeof(req));
+  if (req.magic != kAttachMagic || req.version != kAttachVersion || req.reserved != 0) {
+    return absl::InvalidArgumentError("malformed attach request");
+  }
+  std::shared_ptr<ShmGrant> grant;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = grants_.find(absl::string_view(req.token, sizeof(req.token)));
+    if (it != grants_.end()) grant = it->second.lock();
+  }
+  if (grant == nullptr) {
+    return absl::PermissionDeniedError("unknown attach token (no such authenticated connection)");
+  }
+  if (req.region >= kShmRegions) {
+    return absl::InvalidArgumentError(absl::StrCat("region id ", req.region, " out of range"));
+  }
+  if (req.bytes < kShmMinRegionBytes || req.bytes > max_region_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("region of ", req.bytes, " bytes outside [",
+                                                   kShmMinRegionBytes, ", ", max_region_bytes_,
+                                                   "]"));
+  }
+  struct stat st;
+  if (fstat(region_fd, &st) != 0) return Errno("fstat");
+  if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) != req.bytes) {
+    return absl::InvalidArgumentError("the descriptor is not a memory file of the stated size");
+  }
+  // A memfd sealed against shrinking: no page of the mapping can disappear under the daemon.
+  const int seals = fcntl(region_fd, F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || (seals & F_SEAL_WRITE) != 0) {
+    return absl::InvalidArgumentError(
+        "the descriptor is not a memfd sealed against shrinking (and writable)");
+  }
+  // Fully allocated by its owner: the daemon's accesses never allocate (or get charged) pages.
+  if (static_cast<uint64_t>(st.st_blocks) * 512 < req.bytes) {
+    return absl::InvalidArgumentError("the region is not fully allocated by its owner");
+  }
+  void* p = mmap(nullptr, req.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, region_fd, 0);
+  if (p == MAP_FAILED) return Errno("mmap");
+  grant->Set(req.region, std::make_shared<ShmMapping>(static_cast<uint8_t*>(p), req.bytes));
+  (void)fd;
+  return absl::OkStatus();
+}
+
+// ---- the client's end ----
+
+ShmRegion::~ShmRegion() { munmap(data_, size_); }
+
+absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Attach(const wire::HelloOk& hello,
+                                                             uint8_t id, uint64_t bytes,
+                                                             absl::Time deadline) {
+  if (!(hello.server_flags & wire::kServerSharedMemory)) {
+    return absl::FailedPreconditionError("the server offers no shared memory");
+  }
+  bytes = AlignUp(std::max(bytes, kShmMinRegionBytes), 4096);
+  if (bytes > hello.shm_max_region_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat("a region of ", bytes,
+                                                      " bytes is above the server's bound of ",
+                                                      hello.shm_max_region_bytes));
+  }
+  const int fd = memfd_create("kvcomp-shm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return Errno("memfd_create");
+  auto fail = [fd](absl::Status s) {
+    close(fd);
+    return s;
+  };
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) return fail(Errno("ftruncate"));
+  if (fallocate(fd, 0, 0, static_cast<off_t>(bytes)) != 0) return fail(Errno("fallocate"));
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return fail(Errno("seal"));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (p == MAP_FAILED) return fail(Errno("mmap"));
+  std::unique_ptr<ShmRegion> region(new ShmRegion(static_cast<uint8_t*>(p), bytes));
+  // An attach is local and quick: a server that takes longer is not worth waiting for.
+  deadline = std::min(deadline, absl::Now() + absl::Seconds(5));
+
+  absl::Status attached = SendShmAttach(hello.shm_socket, hello.shm_token, id, bytes, fd,
+                                        deadline);
+  close(fd);  // the mapping holds the memory; the daemon has its own descriptor, or none
+  if (!attached.ok()) return attached;
+  return region;
+}
+
+absl::Status SendShmAttach(const std::string& socket_name, absl::string_view token, uint8_t id,
+                           uint64_t bytes, int fd, absl::Time deadline) {
+  const int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (s < 0) return Errno("socket");
+  auto done = [s](absl::Status st) {
+    close(s);
+    return st;
+  };
+  socklen_t len = 0;
+  sockaddr_un addr = AbstractAddress(socket_name, &len);
+  if (connect(s, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    return done(Errno("connect to the server's shared-memory socket (another host?)"));
+  }
+  AttachRequest req = {};
+  req.magic = kAttachMagic;
+  req.version = kAttachVersion;
+  req.region = id;
+  req.bytes = bytes;
+  std::memcpy(req.token, token.data(), std::min(token.size(), sizeof(req.token)));
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  iovec iov = {&req, sizeof(req)};
+  msghdr msg = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (fd >= 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  if (sendmsg(s, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(req))) {
+    return done(Errno("send the attach request"));
+  }
+  pollfd pf = {s, POLLIN, 0};
+  if (poll(&pf, 1, PollMs(deadline)) <= 0) {
+    return done(absl::UnavailableError("the server did not answer the attach request in time"));
+  }
+  AttachAnswer a = {};
+  const ssize_t n = recv(s, &a, sizeof(a), MSG_DONTWAIT);
+  if (n != static_cast<ssize_t>(sizeof(a)) || a.magic != kAttachMagic) {
+    return done(absl::UnavailableError("malformed or missing answer to the attach request"));
+  }
+  if (a.code != 0) {
+    const absl::string_view why(a.message, std::min<size_t>(a.message_bytes, sizeof(a.message)));
+    return done(absl::Status(static_cast<absl::StatusCode>(a.code),
+                             absl::StrCat("the server refused the shared region: ", why)));
+  }
+  return done(absl::OkStatus());
+}
+
+ShmChannel::ShmChannel(UcxClient* client, ShmChannelOptions options)
+    : client_(client), options_(options) {}
+
+ShmChannel::~ShmChannel() {
+  // Blocks still in flight reference the put region: wait for their acknowledgement (or the
+  // connection's failure, which completes them).
+  absl::MutexLock lock(&put_mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(put_mu_) { return slots_.empty(); };
+  put_mu_.Await(absl::Condition(&idle));
+}
+
+bool ShmChannel::usable() const {
+  absl::MutexLock lock(&state_mu_);
+  return broken_.ok();
+}
+
+std::string ShmChannel::why() const {
+  absl::MutexLock lock(&state_mu_);
+  return std::string(broken_.message());
+}
+
+void ShmChannel::Unusable(const absl::Status& why) {
+  absl::MutexLock lock(&state_mu_);
+  if (broken_.ok()) broken_ = why;
+}
+
+absl::Status ShmChannel::EnsurePutRegion(absl::Time deadline) {
+  if (put_ != nullptr) return absl::OkStatus();
+  const uint64_t bytes =
+      std::min(options_.put_region_bytes, client_->server_info().shm_max_region_bytes);
+  absl::StatusOr<std::unique_ptr<ShmRegion>> r =
+      ShmRegion::Attach(client_->server_info(), kShmPutRegion, bytes, deadline);
+  if (!r.ok()) {
+    Unusable(r.status());
+    return r.status();
+  }
+  put_ = *std::move(r);
+  return absl::OkStatus();
+}
+
+void ShmChannel::Release(uint64_t offset) {
+  absl::MutexLock lock(&put_mu_);
+  for (Slot& s : slots_) {
+    if (s.offset == offset && !s.done) {
+      s.done = true;
+      break;
+    }
+  }
+  while (!slots_.empty() && slots_.front().done) slots_.pop_front();
+}
+
+absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendBlock(const wire::Block& block,
+                                                                  const MemoryRegion& keys,
+                                                                  const MemoryRegion& values,
+                                                                  absl::Time deadline) {
+  const uint64_t bytes = block.payload_bytes();
+  if (keys.bytes != block.key_bytes || values.bytes != block.value_bytes ||
+      (keys.bytes > 0 && keys.data == nullptr) || (values.bytes > 0 && values.data == nullptr)) {
+    return absl::InvalidArgumentError("a shm send's regions disagree with its block's sizes");
+  }
+  uint64_t offset = 0;
+  uint8_t* base = nullptr;
+  {
+    absl::MutexLock lock(&put_mu_);
+    if (absl::Status s = EnsurePutRegion(deadline); !s.ok()) {
+      return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost, s.message());
+    }
+    const uint64_t size = put_->size();
+    const uint64_t need = AlignUp(std::max<uint64_t>(bytes, 1), 4096);
+    if (need > size) {
+      return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost,
+                             absl::StrCat("a block of ", bytes, " bytes exceeds the put region (",
+                                          size, ")"));
+    }
+    // The ring: blocks are acknowledged about in order, their space freed from the front.
+    auto place = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(put_mu_) -> bool {
+      if (slots_.empty()) {
+        offset = 0;
+        return true;
+      }
+      const uint64_t tail = slots_.front().offset;
+      const uint64_t head = slots_.back().offset + slots_.back().bytes;
+      if (head > tail) {  // not wrapped: [tail, head) in use
+        if (head + need <= size) {
+          offset = head;
+          return true;
+        }
+        if (need <= tail) {
+          offset = 0;
+          return true;
+        }
+        return false;
+      }
+      if (head + need <= tail) {
+        offset = head;
+        return true;
+      }
+      return false;
+    };
+    if (!put_mu_.AwaitWithDeadline(absl::Condition(&place), deadline)) {
+      return absl::DeadlineExceededError("no room in the shared put region in time");
+    }
+    slots_.push_back(Slot{offset, need, false});
+    base = put_->data();
+  }
+  if (keys.bytes > 0) std::memcpy(base + offset, keys.data, keys.bytes);
+  if (values.bytes > 0) std::memcpy(base + offset + keys.bytes, values.data, values.bytes);
+  wire::Block b = block;
+  b.flags = wire::kBlockSharedMemory;
+  b.key_crc = 0;
+  b.value_crc = 0;
+  b.shm_offset = offset;
+  std::shared_ptr<Completion> done = Completion::Pending();
+  client_->SendSharedBlockAsync(b, [this, offset, done](absl::Status s) {
+    Release(offset);
+    done->Finish(std::move(s));
+  });
+  return done;
+}
+
+absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* dst,
+                                             uint64_t capacity, absl::Time deadline) {
+  if (dst == nullptr && capacity > 0) return absl::InvalidArgumentError("GetInto: null buffer");
+  absl::MutexLock lock(&get_mu_);
+  const uint64_t bound = std::min(options_.max_get_region_bytes,
+                                  client_->server_info().shm_max_region_bytes);
+  const uint64_t want = std::min(AlignUp(kShmGetDataOffset + capacity, 2 << 20), bound);
+  if (get_ == nullptr || get_->size() < want) {
+    get_.reset();
+    absl::StatusOr<std::unique_ptr<ShmRegion>> r =
+        ShmRegion::Attach(client_->server_info(), kShmGetRegion, want, deadline);
+    if (!r.ok()) {
+      Unusable(r.status());
+      return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost, r.status().message());
+    }
+    get_ = *std::move(r);
+  }
+  const uint64_t room = get_->size() - kShmGetDataOffset;
+  const uint64_t asked = std::min<uint64_t>(capacity, room);
+  auto* progress = reinterpret_cast<ShmProgress*>(get_->data());
+  progress->request_id.store(0, std::memory_order_relaxed);
+  progress->written.store(0, std::memory_order_release);
+
+  wire::Get get{request.representation, request.model_id, request.key, true, kShmGetDataOffset,
+                asked};
+  struct Outcome {
+    absl::Mutex mu;
+    bool done = false;
+    absl::StatusOr<SharedGet> result = absl::UnknownError("unset");
+  };
+  auto out = std::make_shared<Outcome>();
+  const uint64_t rid = client_->GetSharedAsync(get, dst, capacity, deadline,
+                                               [out](absl::StatusOr<SharedGet> r) {
+                                                 absl::MutexLock l(&out->mu);
+                                                 out->result = std::move(r);
+                                                 out->done = true;
+                                               });
+  // Copy behind the daemon while it writes (it stamps the request's id first).
+  const uint8_t* src = get_->data() + kShmGetDataOffset;
+  uint8_t* to = static_cast<uint8_t*>(dst);
+  uint64_t copied = 0;
+  while (true) {
+    {
+      absl::MutexLock l(&out->mu);
+      if (out->done) break;
+      out->mu.AwaitWithTimeout(absl::Condition(&out->done), absl::Microseconds(200));
+      if (out->done) break;
+    }
+    if (progress->request_id.load(std::memory_order_acquire) != rid) continue;
+    const uint64_t w = std::min(progress->written.load(std::memory_order_acquire), asked);
+    if (w > copied) {
+      std::memcpy(to + copied, src + copied, w - copied);
+      copied = w;
+    }
+  }
+  absl::StatusOr<SharedGet> r;
+  {
+    absl::MutexLock l(&out->mu);
+    r = std::move(out->result);
+  }
+  if (!r.ok()) {
+    // A get given up on may still be written by the daemon: the next get takes a fresh region.
+    if (absl::IsDeadlineExceeded(r.status()) || absl::IsUnavailable(r.status())) get_.reset();
+    // Larger than the region could be made but within the caller's capacity: over UCX.
+    if (absl::IsOutOfRange(r.status()) && asked < capacity) {
+      return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost, r.status().message());
+    }
+    return r.status();
+  }
+  if (!r->in_region) return r->bytes;  // sent as a payload, already in dst
+  if (r->bytes > asked) {
+    return absl::InternalError("the server wrote more than the get region's capacity");
+  }
+  if (r->bytes > copied) std::memcpy(to + copied, src + copied, r->bytes - copied);
+  return r->bytes;
+}
+
+absl::StatusOr<Registration> ShmLink::Register(const MemoryRegion& region) {
+  if (region.kind != MemoryKind::kHost) {
+    return MemoryNotServed(LinkKind::kShm, region.kind, "it moves host memory");
+  }
+  if (!channel_->usable()) {
+    return MemoryNotServed(LinkKind::kShm, region.kind, channel_->why());
+  }
+  return Registration{region, ""};
+}
+
+absl::StatusOr<std::shared_ptr<Completion>> ShmLink::Post(const Transfer& t) {
+  for (const MemoryRegion& r : t.regions) {
+    if (r.kind != MemoryKind::kHost) {
+      return MemoryNotServed(LinkKind::kShm, r.kind, "it moves host memory");
+    }
+  }
+  if (t.direction == Direction::kSend) {
+    if (t.block == nullptr || t.regions.size() != 2) {
+      return absl::InvalidArgumentError("a shm send is one put block: its keys and values");
+    }
+    return channel_->SendBlock(*t.block, t.regions[0], t.regions[1], t.deadline);
+  }
+  if (t.get == nullptr || t.regions.size() != 1) {
+    return absl::InvalidArgumentError("a shm receive is one get into one region");
+  }
+  absl::StatusOr<uint64_t> n =
+      channel_->GetInto(*t.get, t.regions[0].data, t.regions[0].bytes, t.deadline);
+  if (!n.ok()) {
+    if (AfterLinkFailure(n.status()) == LinkVerdict::kNextLink) return n.status();
+    return Completion::Done(n.status());
+  }
+  return Completion::Done(absl::OkStatus(), *n);
+}
+
+}  // namespace transport
+}  // namespace kvcomp
