@@ -381,6 +381,7 @@ absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const Clie
   if (dtype.ok()) g.layout.dtype = *dtype;
   g.num_tokens = static_cast<uint64_t>(std::max<int64_t>(0, r.num_tokens));
   if (r.__isset.copy_seconds) g.copy_seconds = r.copy_seconds;
+  g.finish_optional = r.__isset.finish_optional && r.finish_optional;
   return g;
 }
 

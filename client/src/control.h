@@ -97,6 +97,7 @@ struct GpuGetGrant {
   uint64_t transfer_id = 0;
   uint64_t payload_bytes = 0;
   double copy_seconds = 0;  // mode "ipc": the daemon's copy into the caller's memory
+  bool finish_optional = false;  // mode "nccl": the daemon collects its send (no GetFinish)
   KvLayout layout;
   uint64_t num_tokens = 0;
 };

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,9 +19,13 @@ namespace kvcomp {
 namespace client {
 
 using transport::AfterLinkFailure;
+using transport::Completion;
+using transport::Direction;
 using transport::GpuRuntime;
 using transport::LinkVerdict;
+using transport::MemoryRegion;
 using transport::NcclLink;
+using transport::NcclPayloadLink;
 
 struct GpuPath::Channel {
   std::string control;
@@ -33,7 +38,11 @@ struct GpuPath::Channel {
   void* ipc_event = nullptr;     // mode "ipc": recorded on the caller's stream per transfer
   absl::Mutex mu;
   bool busy ABSL_GUARDED_BY(mu) = false;  // one transfer at a time (a Turn)
-  std::unique_ptr<NcclLink> link;         // used by the Turn's holder only
+  // Mode "nccl", used by the Turn's holder only: the communicator, and the payload link over it
+  // that times each whole transfer on the caller's stream.
+  std::unique_ptr<NcclLink> link;
+  std::unique_ptr<GpuRuntime::Timer> timer;
+  std::unique_ptr<NcclPayloadLink> nccl;
 
   ~Channel() {
     if (ipc_event != nullptr) {
@@ -42,6 +51,27 @@ struct GpuPath::Channel {
     }
   }
 };
+
+namespace {
+
+// Posts `chunks` (transfer order) on `link` on `stream` and waits until they are on it (the
+// daemon posted its side); the completion says when they are done.
+absl::StatusOr<std::shared_ptr<Completion>> PostOn(NcclPayloadLink& link, Direction direction,
+                                                   absl::Span<const NcclLink::Chunk> chunks,
+                                                   void* stream, absl::Time deadline) {
+  transport::Transfer t;
+  t.direction = direction;
+  for (const NcclLink::Chunk& c : chunks) {
+    t.regions.push_back({c.data, c.bytes, transport::MemoryKind::kCuda});
+  }
+  t.stream = stream;
+  t.deadline = deadline;
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Completion> done, link.Post(t));
+  KVCOMP_RETURN_IF_ERROR(link.Enqueued(deadline));
+  return done;
+}
+
+}  // namespace
 
 // A channel's turn: one transfer at a time, held across calls by the layer-by-layer streams.
 class GpuPath::Turn {
@@ -146,17 +176,22 @@ bool Refused(const absl::Status& s) {
   return absl::IsUnauthenticated(s) || absl::IsPermissionDenied(s);
 }
 
-// The caller's memory of an IPC transfer: the allocations holding `chunks` (one handle each)
-// and where each chunk lies in its allocation.
-absl::StatusOr<GpuIpcTransfer> IpcOf(GpuRuntime* rt, const std::vector<NcclLink::Chunk>& chunks) {
+// The caller's memory of a transfer over CUDA IPC: the allocations holding `chunks` (one handle
+// each) and where each chunk lies in its allocation; the daemon's copies wait for `c`'s event,
+// recorded here on `stream` (after the caller's work so far). Memory the driver cannot share is
+// kMemoryNotMappable (the next link moves it).
+absl::StatusOr<GpuIpcTransfer> Offer(GpuRuntime* rt, const GpuPath::Channel& c,
+                                     const std::vector<NcclLink::Chunk>& chunks, void* stream) {
   GpuIpcTransfer t;
-  for (const NcclLink::Chunk& c : chunks) {
-    KVCOMP_ASSIGN_OR_RETURN(GpuRuntime::ExportedMemory m, rt->ExportMemory(c.data));
+  for (const NcclLink::Chunk& k : chunks) {
+    absl::StatusOr<GpuRuntime::ExportedMemory> m = rt->ExportMemory(k.data);
+    if (!m.ok()) return WithDetail(m.status(), ErrorDetail::kMemoryNotMappable);
     uint32_t index = 0;
-    while (index < t.buffers.size() && t.buffers[index] != m.handle) ++index;
-    if (index == t.buffers.size()) t.buffers.push_back(m.handle);
-    t.chunks.push_back({index, m.offset, c.bytes});
+    while (index < t.buffers.size() && t.buffers[index] != m->handle) ++index;
+    if (index == t.buffers.size()) t.buffers.push_back(m->handle);
+    t.chunks.push_back({index, m->offset, k.bytes});
   }
+  KVCOMP_RETURN_IF_ERROR(rt->RecordEvent(c.ipc_event, stream));
   return t;
 }
 
@@ -311,6 +346,10 @@ absl::StatusOr<std::shared_ptr<GpuPath::Channel>> GpuPath::ChannelFor(
           "the daemon's GPU is not reachable over NCCL: ", link.status().message())));
     }
     channel->link = *std::move(link);
+    absl::StatusOr<std::unique_ptr<GpuRuntime::Timer>> timer = rt->NewTimer();
+    if (!timer.ok()) return timer.status();
+    channel->timer = *std::move(timer);
+    channel->nccl = std::make_unique<NcclPayloadLink>(channel->link.get(), channel->timer.get());
   }
   absl::MutexLock lock(&mu_);
   refused_.erase(key);
@@ -324,15 +363,11 @@ absl::Status GpuPath::Probe(const EndpointAddress& endpoint, int device) {
   return ChannelFor(endpoint, device, &hard).status();
 }
 
-absl::StatusOr<std::optional<PutResult>> GpuPath::ChannelPut(
-    const std::vector<EndpointAddress>& ranking, GpuRuntime* rt, int device,
-    const GpuPutHeader& header, const std::vector<NcclLink::Chunk>& chunks, void* stream,
-    absl::Status* why) {
-  if (options_.replicas > 1) {
-    *why = absl::FailedPreconditionError("replicas > 1: copies go over the data plane");
-  } else if (ranking.empty()) {
-    *why = absl::UnavailableError("no endpoint");
-  }
+template <typename T>
+absl::StatusOr<std::optional<std::pair<std::unique_ptr<GpuPath::Turn>, T>>> GpuPath::BeginOn(
+    const std::vector<EndpointAddress>& ranking, int device,
+    absl::FunctionRef<absl::StatusOr<std::optional<T>>(Channel&)> begin, absl::Status* why) {
+  if (ranking.empty()) *why = absl::UnavailableError("no endpoint");
   for (int attempt = 0; why->ok() && attempt < 2; ++attempt) {
     bool hard = false;
     absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
@@ -341,86 +376,92 @@ absl::StatusOr<std::optional<PutResult>> GpuPath::ChannelPut(
       *why = channel.status();
       break;
     }
-    if (header.payload_bytes > (*channel)->max_transfer_bytes) {
-      *why = absl::FailedPreconditionError(absl::StrCat("a payload of ", header.payload_bytes,
-                                                        " bytes exceeds the GPU channel's ",
-                                                        (*channel)->max_transfer_bytes));
-      break;
-    }
-    Turn c(*channel);
-    if (!c->ipc && (c->link == nullptr || c->link->broken())) {
+    auto turn = std::make_unique<Turn>(*channel);
+    Channel& c = **turn;
+    if (!c.ipc && (c.link == nullptr || c.link->broken())) {
       Drop(*channel, absl::UnavailableError("link broken"));
       continue;
     }
-    GpuPutHeader h = header;
-    GpuIpcTransfer ipc;
-    if (c->ipc) {
-      absl::StatusOr<GpuIpcTransfer> t = IpcOf(rt, chunks);
-      if (!t.ok()) {
-        *why = t.status();  // memory the driver cannot share: through host memory
-        break;
-      }
-      ipc = *std::move(t);
-      h.ipc = &ipc;
-      // The daemon's copies wait for this event: after the producer's work on `stream`.
-      KVCOMP_RETURN_IF_ERROR(rt->RecordEvent(c->ipc_event, stream));
+    absl::StatusOr<std::optional<T>> answer = begin(c);
+    if (answer.ok()) {
+      if (!answer->has_value()) break;  // not over this channel (`begin` says why)
+      return std::make_optional(std::make_pair(std::move(turn), **std::move(answer)));
     }
-    absl::StatusOr<uint64_t> transfer = ControlGpuPutBegin(c->control, options_, c->id, h);
-    if (!transfer.ok()) {
-      const absl::Status& e = transfer.status();
-      const LinkVerdict verdict = AfterLinkFailure(e);
-      if (verdict != LinkVerdict::kAnswer) {
-        if (c->link) c->link->Abort();  // the daemon closed it (idle, timeout, restart)
-        Drop(*channel, e);
-        if (verdict == LinkVerdict::kNextLink) {
-          *why = e;  // it cannot map this memory: through host memory
-          break;
-        }
-        continue;
-      }
-      return e;  // the daemon refused the put itself (or is busy): say why
+    const absl::Status& e = answer.status();
+    const LinkVerdict verdict = AfterLinkFailure(e);
+    if (verdict == LinkVerdict::kReopen) {
+      if (c.link) c.link->Abort();  // the daemon closed it (idle, timeout, restart)
+      Drop(*channel, e);
+      continue;
     }
-    if (c->ipc) {
-      absl::StatusOr<PutResult> result =
-          ControlGpuPutFinish(c->control, options_, c->id, *transfer);
-      if (!result.ok()) {
-        Drop(*channel, result.status());
-        return result.status();
-      }
-      result->path = "ipc";
-      result->endpoints = {c->data};
-      absl::MutexLock stats(&mu_);
-      stats_.ipc_puts++;
-      return std::optional<PutResult>(*std::move(result));
-    }
-    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<GpuRuntime::Timer> timer, rt->NewTimer());
-    const absl::Time deadline = absl::Now() + c->transfer_timeout;
-    absl::Status s = timer->Start(stream);
-    if (s.ok()) s = c->link->Send(chunks, stream);
-    if (s.ok()) s = c->link->Enqueued(deadline);
-    if (s.ok()) s = timer->Stop(stream);
-    absl::StatusOr<PutResult> result =
-        s.ok() ? ControlGpuPutFinish(c->control, options_, c->id, *transfer)
-               : absl::StatusOr<PutResult>(s);
-    if (!result.ok()) {
-      // The transfer failed or the daemon went away mid-transfer: abort, so that nothing stays
-      // queued on the caller's stream waiting for a peer that is gone.
-      c->link->Abort();
-      Drop(*channel, result.status());
-      return result.status();
-    }
-    s = c->link->Wait(stream, deadline + c->transfer_timeout);
-    if (!s.ok()) Drop(*channel, s);  // acknowledged by the daemon: the put stands
-    result->transfer_seconds = SecondsOf(*timer);
-    result->path = "nccl";
-    result->endpoints = {c->data};
-    absl::MutexLock stats(&mu_);
-    stats_.nccl_puts++;
-    return std::optional<PutResult>(*std::move(result));
+    // The memory cannot be shared (the next link moves it), or the cache is not on the first
+    // endpoint (the data plane walks the ranking); any other answer is the caller's.
+    if (verdict == LinkVerdict::kAnswer && !absl::IsNotFound(e)) return e;
+    *why = e;
+    break;
   }
   if (why->ok()) *why = absl::UnavailableError("the GPU channel failed twice");
-  return std::optional<PutResult>();
+  return std::nullopt;
+}
+
+absl::StatusOr<std::optional<PutResult>> GpuPath::ChannelPut(
+    const std::vector<EndpointAddress>& ranking, GpuRuntime* rt, int device,
+    const GpuPutHeader& header, const std::vector<NcclLink::Chunk>& chunks, void* stream,
+    absl::Status* why) {
+  if (options_.replicas > 1) {
+    *why = absl::FailedPreconditionError("replicas > 1: copies go over the data plane");
+    return std::nullopt;
+  }
+  GpuIpcTransfer ipc;
+  KVCOMP_ASSIGN_OR_RETURN(
+      auto begun,
+      BeginOn<uint64_t>(
+          ranking, device,
+          [&](Channel& c) -> absl::StatusOr<std::optional<uint64_t>> {
+            if (header.payload_bytes > c.max_transfer_bytes) {
+              *why = absl::FailedPreconditionError(
+                  absl::StrCat("a payload of ", header.payload_bytes,
+                               " bytes exceeds the GPU channel's ", c.max_transfer_bytes));
+              return std::nullopt;
+            }
+            GpuPutHeader h = header;
+            if (c.ipc) {
+              KVCOMP_ASSIGN_OR_RETURN(ipc, Offer(rt, c, chunks, stream));
+            }
+            h.ipc = c.ipc ? &ipc : nullptr;
+            return ControlGpuPutBegin(c.control, options_, c.id, h);
+          },
+          why));
+  if (!begun) return std::nullopt;
+  const std::unique_ptr<Turn>& c = begun->first;
+  // Over CUDA IPC the daemon copies out of the caller's memory at the finish; over NCCL the
+  // payload goes on the caller's stream first.
+  const absl::Time deadline = absl::Now() + (*c)->transfer_timeout;
+  absl::StatusOr<std::shared_ptr<Completion>> sent = std::shared_ptr<Completion>();
+  if (!(*c)->ipc) {
+    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
+    sent = PostOn(*(*c)->nccl, Direction::kSend, chunks, stream, deadline);
+  }
+  absl::StatusOr<PutResult> result =
+      sent.ok() ? ControlGpuPutFinish((*c)->control, options_, (*c)->id, begun->second)
+                : absl::StatusOr<PutResult>(sent.status());
+  if (!result.ok()) {
+    // The transfer failed or the daemon went away mid-transfer: abort, so that nothing stays
+    // queued on the caller's stream waiting for a peer that is gone.
+    if ((*c)->link) (*c)->link->Abort();
+    Drop(c->channel(), result.status());
+    return result.status();
+  }
+  result->path = (*c)->ipc ? "ipc" : "nccl";
+  result->endpoints = {(*c)->data};
+  if (!(*c)->ipc) {
+    absl::Status s = (*sent)->Wait(deadline + (*c)->transfer_timeout);
+    if (!s.ok()) Drop(c->channel(), s);  // acknowledged by the daemon: the put stands
+    result->transfer_seconds = SecondsOf(*(*c)->timer);
+  }
+  absl::MutexLock stats(&mu_);
+  ((*c)->ipc ? stats_.ipc_puts : stats_.nccl_puts)++;
+  return std::optional<PutResult>(*std::move(result));
 }
 
 absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_view key,
@@ -480,100 +521,66 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
     const std::vector<EndpointAddress>& ranking, GpuRuntime* rt, int device,
     absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
     void* stream, const std::vector<NcclLink::Chunk>& offer, absl::FunctionRef<ChunksFn> place) {
-  absl::Status why = ranking.empty() ? absl::UnavailableError("no endpoint") : absl::OkStatus();
-  bool log = true;
-  for (int attempt = 0; why.ok() && attempt < 2; ++attempt) {
-    bool hard = false;
-    absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
-    if (!channel.ok()) {
-      if (hard) return channel.status();
-      why = channel.status();
-      break;
-    }
-    Turn c(*channel);
-    if (!c->ipc && (c->link == nullptr || c->link->broken())) {
-      Drop(*channel, absl::UnavailableError("link broken"));
-      continue;
-    }
-    GpuIpcTransfer ipc;
-    if (c->ipc) {
-      absl::StatusOr<GpuIpcTransfer> t = IpcOf(rt, offer);
-      if (!t.ok()) {
-        why = t.status();
-        break;
-      }
-      ipc = *std::move(t);
-      // The daemon writes after the work queued on `stream` so far (this event).
-      KVCOMP_RETURN_IF_ERROR(rt->RecordEvent(c->ipc_event, stream));
-    }
-    absl::StatusOr<GpuGetGrant> grant = ControlGpuGet(c->control, options_, c->id, model_id, key,
-                                                      form, capacity, c->ipc ? &ipc : nullptr);
-    if (!grant.ok()) {
-      const absl::Status& e = grant.status();
-      const LinkVerdict verdict = AfterLinkFailure(e);
-      if (verdict == LinkVerdict::kReopen) {
-        if (c->link) c->link->Abort();
-        Drop(*channel, e);
-        continue;
-      }
-      if (verdict == LinkVerdict::kNextLink) {
-        Drop(*channel, e);
-        why = e;
-        break;
-      }
-      if (absl::IsNotFound(e)) {  // not on the first endpoint: the data plane walks the ranking
-        why = e;
-        log = false;
-        break;
-      }
-      return e;
-    }
-    absl::StatusOr<std::vector<NcclLink::Chunk>> chunks = place(*grant);
-    if (c->ipc) {
-      // Already written (the daemon copied before answering): a mismatch is only reported.
-      if (!chunks.ok()) return chunks.status();
-      DeviceGetResult out;
-      out.bytes = grant->payload_bytes;
-      out.path = "ipc";
-      out.transfer_seconds = grant->copy_seconds;
+  absl::Status why;
+  GpuIpcTransfer ipc;
+  KVCOMP_ASSIGN_OR_RETURN(
+      auto begun,
+      BeginOn<GpuGetGrant>(
+          ranking, device,
+          [&](Channel& c) -> absl::StatusOr<std::optional<GpuGetGrant>> {
+            if (c.ipc) {
+              KVCOMP_ASSIGN_OR_RETURN(ipc, Offer(rt, c, offer, stream));
+            }
+            return ControlGpuGet(c.control, options_, c.id, model_id, key, form, capacity,
+                                 c.ipc ? &ipc : nullptr);
+          },
+          &why));
+  if (!begun) {
+    if (absl::IsNotFound(why)) {  // not on the first endpoint: no GPU channel fault to note
       absl::MutexLock stats(&mu_);
-      stats_.ipc_gets++;
-      return std::optional<DeviceGetResult>(out);
+      stats_.fallback_gets++;
+    } else {
+      NoteFallback(ranking.empty() ? "" : ranking[0].data, why, /*put=*/false);
     }
-    if (!chunks.ok()) {
-      c->link->Abort();  // its send is posted and will not be received
-      Drop(*channel, chunks.status());
-      return chunks.status();
-    }
-    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<GpuRuntime::Timer> timer, rt->NewTimer());
-    const absl::Time deadline = absl::Now() + c->transfer_timeout;
-    absl::Status s = timer->Start(stream);
-    if (s.ok()) s = c->link->Recv(*chunks, stream);
-    if (s.ok()) s = c->link->Enqueued(deadline);
-    if (s.ok()) s = timer->Stop(stream);
-    if (s.ok()) s = c->link->Wait(stream, deadline);
-    if (!s.ok()) {
-      Drop(*channel, s);
-      return s;
-    }
-    (void)ControlGpuGetFinish(c->control, options_, c->id, grant->transfer_id);
-    DeviceGetResult out;
-    out.bytes = grant->payload_bytes;
-    out.path = "nccl";
-    out.transfer_seconds = SecondsOf(*timer);
+    return std::nullopt;
+  }
+  const std::unique_ptr<Turn>& c = begun->first;
+  const GpuGetGrant& grant = begun->second;
+  absl::StatusOr<std::vector<NcclLink::Chunk>> chunks = place(grant);
+  DeviceGetResult out;
+  out.bytes = grant.payload_bytes;
+  if ((*c)->ipc) {
+    // Already written (the daemon copied before answering): a mismatch is only reported.
+    if (!chunks.ok()) return chunks.status();
+    out.path = "ipc";
+    out.transfer_seconds = grant.copy_seconds;
     absl::MutexLock stats(&mu_);
-    stats_.nccl_gets++;
+    stats_.ipc_gets++;
     return std::optional<DeviceGetResult>(out);
   }
-  if (why.ok()) why = absl::UnavailableError("the GPU channel failed twice");
-  if (log) {
-    NoteFallback(ranking.empty() ? "" : ranking[0].data, why, /*put=*/false);
-  } else {
-    absl::MutexLock stats(&mu_);
-    stats_.fallback_gets++;
+  if (!chunks.ok()) {
+    (*c)->link->Abort();  // its send is posted and will not be received
+    Drop(c->channel(), chunks.status());
+    return chunks.status();
   }
-  return std::nullopt;
+  KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
+  const absl::Time deadline = absl::Now() + (*c)->transfer_timeout;
+  absl::StatusOr<std::shared_ptr<Completion>> got =
+      PostOn(*(*c)->nccl, Direction::kReceive, *chunks, stream, deadline);
+  absl::Status s = got.ok() ? (*got)->Wait(deadline) : got.status();
+  if (!s.ok()) {
+    Drop(c->channel(), s);
+    return s;
+  }
+  // A daemon that does not collect its send itself waits to be told.
+  if (!grant.finish_optional) {
+    (void)ControlGpuGetFinish((*c)->control, options_, (*c)->id, grant.transfer_id);
+  }
+  out.path = "nccl";
+  out.transfer_seconds = SecondsOf(*(*c)->timer);
+  absl::MutexLock stats(&mu_);
+  stats_.nccl_gets++;
+  return std::optional<DeviceGetResult>(out);
 }
 
 absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl::string_view key,
@@ -751,6 +758,7 @@ class GpuPathPutStream : public DevicePutStream {
       nccl_ = true;
       deadline_ = absl::Now() + (*turn_)->transfer_timeout;
       KVCOMP_ASSIGN_OR_RETURN(timer_, rt_->NewTimer());
+      link_ = std::make_unique<NcclPayloadLink>((*turn_)->link.get());  // timed here, as a whole
     }
     return absl::OkStatus();
   }
@@ -777,8 +785,10 @@ class GpuPathPutStream : public DevicePutStream {
       absl::Status s = layer == 0 ? timer_->Start(own_.stream) : absl::OkStatus();
       const NcclLink::Chunk chunks[2] = {{const_cast<void*>(data.keys), bytes},
                                          {const_cast<void*>(data.values), bytes}};
-      if (s.ok()) s = (*turn_)->link->Send(chunks, own_.stream);
-      if (s.ok()) s = (*turn_)->link->Enqueued(deadline_);
+      absl::StatusOr<std::shared_ptr<Completion>> sent =
+          s.ok() ? PostOn(*link_, Direction::kSend, chunks, own_.stream, deadline_) : s;
+      s = sent.status();
+      if (s.ok()) sent_ = *std::move(sent);
       if (!s.ok()) {
         Abandon(s);
         return s;
@@ -810,7 +820,7 @@ class GpuPathPutStream : public DevicePutStream {
       turn_.reset();
       return result.status();
     }
-    s = c.link->Wait(own_.stream, deadline_ + c.transfer_timeout);
+    s = sent_->Wait(deadline_ + c.transfer_timeout);
     if (!s.ok()) path_->DropChannel(turn_->channel(), s);
     absl::StatusOr<double> secs = timer_->Seconds(absl::Now() + absl::Seconds(1));
     result->transfer_seconds = secs.ok() ? *secs : 0;
@@ -849,6 +859,8 @@ class GpuPathPutStream : public DevicePutStream {
   ClientOptions client_options_;
   std::unique_ptr<GpuPath::Turn> turn_;
   std::unique_ptr<GpuRuntime::Timer> timer_;
+  std::unique_ptr<NcclPayloadLink> link_;  // over NCCL: the layers' link
+  std::shared_ptr<Completion> sent_;       // the last layer's send
   uint64_t transfer_ = 0;
   absl::Time deadline_;
   bool nccl_ = false;
@@ -877,39 +889,22 @@ absl::StatusOr<std::unique_ptr<DevicePutStream>> GpuPath::OpenPutStream(
   const uint64_t payload = layout.CacheBytes(num_tokens);
   std::unique_ptr<Turn> turn;
   uint64_t transfer = 0;
-  for (int attempt = 0; options_.replicas <= 1 && !ranking.empty() && attempt < 2; ++attempt) {
-    bool hard = false;
-    absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
-    if (!channel.ok()) {
-      if (hard) return channel.status();
-      break;  // Commit notes the fallback
-    }
-    if ((*channel)->ipc) {
-      out->set_ipc(true);
-      break;
-    }
-    if (payload > (*channel)->max_transfer_bytes) break;
-    auto t = std::make_unique<Turn>(*channel);
-    Channel& c = **t;
-    if (c.link == nullptr || c.link->broken()) {
-      Drop(*channel, absl::UnavailableError("link broken"));
-      continue;
-    }
-    GpuPutHeader header{std::string(model_id), std::string(key), layout, num_tokens,
-                        options.policy, payload};
-    header.layer_major = true;
-    absl::StatusOr<uint64_t> begun = ControlGpuPutBegin(c.control, options_, c.id, header);
-    if (!begun.ok()) {
-      if (AfterLinkFailure(begun.status()) != LinkVerdict::kAnswer) {
-        c.link->Abort();
-        Drop(*channel, begun.status());
-        continue;
-      }
-      return begun.status();
-    }
-    turn = std::move(t);
-    transfer = *begun;
-    break;
+  absl::Status why;  // Commit notes the fallback
+  if (options_.replicas <= 1) {
+    KVCOMP_ASSIGN_OR_RETURN(
+        auto begun,
+        BeginOn<uint64_t>(
+            ranking, device,
+            [&](Channel& c) -> absl::StatusOr<std::optional<uint64_t>> {
+              out->set_ipc(c.ipc);  // CUDA IPC: the whole cache at Commit
+              if (c.ipc || payload > c.max_transfer_bytes) return std::nullopt;
+              GpuPutHeader header{std::string(model_id), std::string(key), layout, num_tokens,
+                                  options.policy, payload};
+              header.layer_major = true;
+              return ControlGpuPutBegin(c.control, options_, c.id, header);
+            },
+            &why));
+    if (begun) std::tie(turn, transfer) = *std::move(begun);
   }
   KVCOMP_RETURN_IF_ERROR(out->Start(std::move(turn), transfer, options_));
   return std::unique_ptr<DevicePutStream>(std::move(out));
@@ -947,11 +942,14 @@ class GpuPathGetStream : public DeviceGetStream {
       if (t.ok()) timer_ = *std::move(t);
     }
     if (s.ok()) s = timer_->Start(own_.stream);
+    link_ = std::make_unique<NcclPayloadLink>(c.link.get());  // timed here, as a whole
     for (size_t l = 0; s.ok() && l < layers.size(); ++l) {
       const NcclLink::Chunk chunks[2] = {{layers[l].keys, layer_bytes},
                                          {layers[l].values, layer_bytes}};
-      s = c.link->Recv(chunks, own_.stream);
-      if (s.ok()) s = c.link->Enqueued(deadline_);
+      absl::StatusOr<std::shared_ptr<Completion>> got =
+          PostOn(*link_, Direction::kReceive, chunks, own_.stream, deadline_);
+      s = got.status();
+      if (s.ok()) got_ = *std::move(got);
       absl::StatusOr<void*> ev = s.ok() ? rt_->NewEvent() : absl::StatusOr<void*>(s);
       s = ev.status();
       if (ev.ok()) {
@@ -980,12 +978,14 @@ class GpuPathGetStream : public DeviceGetStream {
     done_ = true;
     if (turn_ == nullptr) return failure_.ok() ? absl::StatusOr<DeviceGetResult>(result_) : failure_;
     GpuPath::Channel& c = **turn_;
-    absl::Status s = c.link->Wait(own_.stream, deadline_);
+    absl::Status s = got_->Wait(deadline_);
     if (!s.ok()) {
       Fail(s);
       return s;
     }
-    (void)ControlGpuGetFinish(c.control, options_, c.id, grant_.transfer_id);
+    if (!grant_.finish_optional) {
+      (void)ControlGpuGetFinish(c.control, options_, c.id, grant_.transfer_id);
+    }
     s = rt_->StreamWaitStream(caller_, own_.stream);
     turn_.reset();
     if (!s.ok()) return s;
@@ -1014,6 +1014,8 @@ class GpuPathGetStream : public DeviceGetStream {
   ClientOptions options_;
   std::unique_ptr<GpuPath::Turn> turn_;
   std::unique_ptr<GpuRuntime::Timer> timer_;
+  std::unique_ptr<NcclPayloadLink> link_;  // the layers' link
+  std::shared_ptr<Completion> got_;        // the last layer's receive
   GpuGetGrant grant_;
   absl::Time deadline_;
   DeviceGetResult result_;
@@ -1032,40 +1034,27 @@ absl::StatusOr<std::unique_ptr<DeviceGetStream>> GpuPath::OpenGetStream(
   const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
   const uint64_t payload = layout.CacheBytes(num_tokens);
   auto out = std::make_unique<GpuPathGetStream>(this, rt, layout.num_layers, stream);
-  for (int attempt = 0; !ranking.empty() && attempt < 2; ++attempt) {
-    bool hard = false;
-    absl::StatusOr<std::shared_ptr<Channel>> channel = ChannelFor(ranking[0], device, &hard);
-    if (!channel.ok()) {
-      if (hard) return channel.status();
-      break;
+  absl::Status why;
+  KVCOMP_ASSIGN_OR_RETURN(
+      auto begun,
+      BeginOn<GpuGetGrant>(
+          ranking, device,
+          [&](Channel& c) -> absl::StatusOr<std::optional<GpuGetGrant>> {
+            if (c.ipc) return std::nullopt;  // GetKv below: every layer at once, on the device
+            return ControlGpuGet(c.control, options_, c.id, model_id, key, GpuGetForm::kDenseKv,
+                                 payload, nullptr, /*layer_major=*/true);
+          },
+          &why));
+  if (begun) {
+    const GpuGetGrant& grant = begun->second;
+    if (grant.layout != layout || grant.num_tokens != num_tokens ||
+        grant.payload_bytes != payload) {
+      (*begun->first)->link->Abort();  // its sends are posted and will not be received
+      Drop(begun->first->channel(), absl::InvalidArgumentError("layout mismatch"));
+      return LayoutMismatch(grant, layout, num_tokens, payload);
     }
-    if ((*channel)->ipc) break;  // GetKv below: every layer at once, copied on the device
-    auto t = std::make_unique<Turn>(*channel);
-    Channel& c = **t;
-    if (c.link == nullptr || c.link->broken()) {
-      Drop(*channel, absl::UnavailableError("link broken"));
-      continue;
-    }
-    absl::StatusOr<GpuGetGrant> grant = ControlGpuGet(
-        c.control, options_, c.id, model_id, key, GpuGetForm::kDenseKv, payload, nullptr,
-        /*layer_major=*/true);
-    if (!grant.ok()) {
-      const absl::Status& e = grant.status();
-      if (AfterLinkFailure(e) != LinkVerdict::kAnswer) {
-        c.link->Abort();
-        Drop(*channel, e);
-        continue;
-      }
-      if (absl::IsNotFound(e)) break;  // the data plane walks the ranking
-      return e;
-    }
-    if (grant->layout != layout || grant->num_tokens != num_tokens ||
-        grant->payload_bytes != payload) {
-      c.link->Abort();  // its sends are posted and will not be received
-      Drop(*channel, absl::InvalidArgumentError("layout mismatch"));
-      return LayoutMismatch(*grant, layout, num_tokens, payload);
-    }
-    KVCOMP_RETURN_IF_ERROR(out->Receive(std::move(t), *grant, layers, layer_bytes, device, options_));
+    KVCOMP_RETURN_IF_ERROR(
+        out->Receive(std::move(begun->first), grant, layers, layer_bytes, device, options_));
     return std::unique_ptr<DeviceGetStream>(std::move(out));
   }
   KVCOMP_ASSIGN_OR_RETURN(DeviceGetResult whole,

@@ -99,6 +99,17 @@ class GpuPath {
       transport::GpuRuntime* rt, int device, absl::string_view model_id, absl::string_view key,
       const KvLayout& layout, uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers,
       void* stream);
+  // A turn of the GPU channel to ranking[0] for `device`, and the daemon's answer to `begin`
+  // (the transfer's request, made on that turn: nullopt when it is not for this channel). Tried
+  // twice: a channel that is gone (broken, or AfterLinkFailure kReopen) is dropped and another
+  // opened. nullopt, with `why`, when the channel does not carry the transfer and the next link
+  // moves it: none can be had, `begin` declined, the memory cannot be shared (kNextLink), or the
+  // cache is not on that endpoint (NotFound: the data plane walks the ranking). An error: the
+  // daemon answered the request itself (busy, refused, invalid) or refused the credentials.
+  template <typename T>
+  absl::StatusOr<std::optional<std::pair<std::unique_ptr<Turn>, T>>> BeginOn(
+      const std::vector<EndpointAddress>& ranking, int device,
+      absl::FunctionRef<absl::StatusOr<std::optional<T>>(Channel&)> begin, absl::Status* why);
   // A put of `chunks` (transfer order) over the first endpoint's channel; nullopt when no
   // channel carried it (`why` says why: the caller falls back).
   absl::StatusOr<std::optional<PutResult>> ChannelPut(

@@ -28,24 +28,28 @@ namespace service {
 
 namespace {
 
+using transport::Completion;
+using transport::Direction;
 using transport::GpuRuntime;
 using transport::LinkKind;
+using transport::MemoryRegion;
 using transport::NcclLink;
+using Regions = std::vector<MemoryRegion>;
 
-// Chunks of a K/V payload (staged as every layer's keys, then every layer's values) in the
+// Regions of a K/V payload (staged as every layer's keys, then every layer's values) in the
 // order both sides post them: each layer's keys, then each layer's values; or, layer-major,
 // K0, V0, K1, V1, ... (NCCL matches sends and receives one to one, so the order is part of the
 // protocol).
-std::vector<NcclLink::Chunk> LayerChunks(uint8_t* base, const KvLayout& layout, uint64_t tokens,
-                                         bool layer_major = false) {
+Regions LayerRegions(void* staging, const KvLayout& layout, uint64_t tokens, bool layer_major) {
   const uint64_t layer = layout.LayerBytes(tokens);
   const uint32_t n = layout.num_layers;
-  std::vector<NcclLink::Chunk> chunks;
+  Regions regions;
   for (uint32_t i = 0; i < 2 * n; ++i) {
     const uint32_t slot = layer_major ? (i % 2) * n + i / 2 : i;
-    chunks.push_back({base + slot * layer, layer});
+    regions.push_back({static_cast<uint8_t*>(staging) + slot * layer, layer,
+                       transport::MemoryKind::kCuda});
   }
-  return chunks;
+  return regions;
 }
 
 // Pinned host memory of one transfer, allocated and freed on the channel's device (the calling
@@ -95,7 +99,14 @@ struct Channel {
   void* staging = nullptr;
   size_t staging_bytes = 0;
   std::unique_ptr<GpuRuntime::Timer> timer;
+  // The channel's payload link (CudaIpcLink or NcclPayloadLink over `link`), made with `stream`.
+  std::unique_ptr<transport::PayloadLink> payload;
+  // The transfer posted and not yet complete: a put's receive (PutFinish waits for it) or a
+  // get's send over NCCL (the channel's next transfer, or the sweep past its deadline, collects
+  // it: the client does not say when it has received).
   enum class Pending { kNone, kPut, kGet } pending = Pending::kNone;
+  std::shared_ptr<Completion> inflight;
+  bool sent = false;  // the last transfer was a get's send
   uint64_t transfer_id = 0;
   uint64_t transfer_bytes = 0;
   KvLayout transfer_layout;
@@ -106,6 +117,7 @@ struct Channel {
 
   std::atomic<int64_t> last_used_ns{0};
   std::atomic<int64_t> pending_deadline_ns{0};  // 0: nothing pending
+  std::atomic<bool> sent_pending{false};        // the transfer pending is a get's send
   std::atomic<bool> dead{false};
 
   ~Channel() {
@@ -293,45 +305,28 @@ class GpuChannelsImpl : public GpuChannels {
     KVCOMP_RETURN_IF_ERROR(CheckMode(*c, shape));
     KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
     absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    KVCOMP_RETURN_IF_ERROR(Usable(c));
     // On a GPU daemon the put runs on the engine of the channel's device: the staging buffer
     // the payload lands in is that device's memory.
     KVCOMP_ASSIGN_OR_RETURN(
         std::shared_ptr<OpenPut> put,
         service_->BeginPut(std::move(request), service_->engines()->uses_gpu() ? c->device : -1));
     absl::Status s = Stage(*c, payload_bytes);
-    if (s.ok() && c->ipc) {
-      // The client's memory, mapped; the copies wait for the client's event on this stream.
-      std::vector<NcclLink::Chunk> staged =
-          LayerChunks(static_cast<uint8_t*>(c->staging), layout, tokens, shape.layer_major);
-      absl::StatusOr<std::vector<NcclLink::Chunk>> theirs = MapChunks(*c, *shape.ipc, staged);
-      if (!theirs.ok()) {
-        put->Abort();
-        return theirs.status();  // the client's mistake: the channel stays usable
-      }
-      s = rt_->StreamWaitEvent(c->stream, c->client_event);
-      if (s.ok()) s = c->timer->Start(c->stream);
-      for (size_t i = 0; s.ok() && i < staged.size(); ++i) {
-        s = rt_->CopyAsync(staged[i].data, (*theirs)[i].data, staged[i].bytes,
-                           GpuRuntime::Copy::kDeviceToDevice, c->stream);
-      }
-      if (s.ok()) s = c->timer->Stop(c->stream);
-    } else if (s.ok()) {
-      s = c->timer->Start(c->stream);
-      if (s.ok()) {
-        // Returns before the client posts its sends (the first transfer also connects the
-        // ranks): PutFinish waits for the receives.
-        s = c->link->Recv(
-            LayerChunks(static_cast<uint8_t*>(c->staging), layout, tokens, shape.layer_major),
-            c->stream);
-      }
-    }
-    if (!s.ok()) {
+    const Regions staged = LayerRegions(c->staging, layout, tokens, shape.layer_major);
+    if (absl::Status m = s.ok() ? MapPeer(*c, shape, staged, false) : s; !m.ok()) {
       put->Abort();
-      Fail(c, s);
-      return s;
+      if (!s.ok()) (void)Fail(c, s);
+      return m;  // a mapping refused is the client's mistake: the channel stays usable
     }
-    return Pending(*c, Channel::Pending::kPut, payload_bytes, layout, tokens, std::move(put));
+    // Posted before the client is told to send (NCCL: the first transfer also connects the
+    // ranks; CUDA IPC: the copies wait for the client's event on the channel's stream).
+    absl::StatusOr<std::shared_ptr<Completion>> received = Post(*c, Direction::kReceive, staged);
+    if (!received.ok()) {
+      put->Abort();
+      return Fail(c, received.status());
+    }
+    return Pending(*c, Channel::Pending::kPut, *std::move(received), payload_bytes, layout,
+                   tokens, std::move(put));
   }
 
   absl::StatusOr<GpuPutResult> PutFinish(const std::string& tenant, uint64_t id,
@@ -340,34 +335,21 @@ class GpuChannelsImpl : public GpuChannels {
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(CheckPending(*c, Channel::Pending::kPut, transfer_id));
     // This control-plane thread may have no CUDA context current (the stream waits need one).
-    if (absl::Status s = rt_->SetDevice(c->device); !s.ok()) {
-      Fail(c, s);
-      return s;
-    }
+    if (absl::Status s = rt_->SetDevice(c->device); !s.ok()) return Fail(c, s);
     std::shared_ptr<OpenPut> put = std::move(c->put);
     const uint64_t bytes = c->transfer_bytes;
     const KvLayout layout = c->transfer_layout;
     const uint64_t tokens = c->transfer_tokens;
+    std::shared_ptr<Completion> received = std::move(c->inflight);
     ClearPending(*c);
-    absl::Status s;
-    if (c->ipc) {
-      s = rt_->WaitStream(c->stream, c->deadline);  // the copies out of the client's memory
-      if (s.ok()) Unmap(*c);
-    } else {
-      s = c->link->Enqueued(c->deadline);
-      if (s.ok()) s = c->timer->Stop(c->stream);
-      if (s.ok()) s = c->link->Wait(c->stream, c->deadline);
-    }
-    GpuPutResult out;
-    if (s.ok()) {
-      absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
-      out.receive_seconds = secs.ok() ? *secs : 0;
-    }
+    absl::Status s = received->Wait(c->deadline);
+    if (s.ok() && c->ipc) Unmap(*c);  // the copies out of the client's memory are done
     if (!s.ok()) {
       put->Abort();
-      Fail(c, s);
-      return s;
+      return Fail(c, s);
     }
+    GpuPutResult out;
+    out.receive_seconds = SecondsOf(*c->timer);
     Touch(*c);
     metrics_->ObserveStage(Stage::kReceive, out.receive_seconds);
     if (put->engine().uses_gpu()) {
@@ -390,8 +372,7 @@ class GpuChannelsImpl : public GpuChannels {
     if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
     if (!s.ok()) {
       put->Abort();
-      Fail(c, s);
-      return s;
+      return Fail(c, s);
     }
     KVCOMP_ASSIGN_OR_RETURN(out.summary,
                             Store(put, WholeBlock(host, layout, tokens, bytes, MemorySpace::kHost)));
@@ -404,23 +385,14 @@ class GpuChannelsImpl : public GpuChannels {
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
     KVCOMP_RETURN_IF_ERROR(CheckMode(*c, shape));
     KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
-    if (form == GpuGetForm::kStored && service_->engine()->uses_gpu()) {
-      // From the store straight into the staging buffer: from the GPU tier one copy on the
-      // device, nothing through host memory.
-      absl::StatusOr<std::optional<GpuGetBegun>> direct =
-          GetStoredOnDevice(c, key, capacity, shape);
-      if (!direct.ok() || direct->has_value()) {
-        return direct.ok() ? absl::StatusOr<GpuGetBegun>(**direct)
-                           : absl::StatusOr<GpuGetBegun>(direct.status());
-      }
-    }
-    if (form == GpuGetForm::kDenseKv && service_->engine()->uses_gpu()) {
-      // A cache that kept every token raw is its own dense K and V: densified on the device.
-      absl::StatusOr<std::optional<GpuGetBegun>> direct = GetDenseOnDevice(c, key, capacity, shape);
-      if (!direct.ok() || direct->has_value()) {
-        return direct.ok() ? absl::StatusOr<GpuGetBegun>(**direct)
-                           : absl::StatusOr<GpuGetBegun>(direct.status());
-      }
+    if (form != GpuGetForm::kDecoded && service_->engine()->uses_gpu()) {
+      // From the store on the device: a STORED get straight into the staging buffer (from the
+      // GPU tier one copy on the device), a dense one densified or decoded there.
+      KVCOMP_ASSIGN_OR_RETURN(std::optional<GpuGetBegun> direct,
+                              form == GpuGetForm::kStored
+                                  ? GetStoredOnDevice(c, key, capacity, shape)
+                                  : GetDenseOnDevice(c, key, capacity, shape));
+      if (direct.has_value()) return *direct;
     }
     const Representation rep =
         form == GpuGetForm::kStored ? Representation::kStored : Representation::kDecoded;
@@ -457,7 +429,7 @@ class GpuChannelsImpl : public GpuChannels {
       std::memcpy(host.get(), payload->data(), payload->size());
     }
     absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    KVCOMP_RETURN_IF_ERROR(Usable(c));
     s = Stage(*c, out.payload_bytes);
     if (s.ok()) {
       s = rt_->CopyAsync(c->staging, host.get(), out.payload_bytes,
@@ -466,86 +438,49 @@ class GpuChannelsImpl : public GpuChannels {
     // The payload is in device memory before the answer: the client's receive (and its timer)
     // then waits only for the transfer itself.
     if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
+    if (!s.ok()) return Fail(c, s);
     // `host` is no longer read (the stream was waited for): the pinned copy goes on return.
-    auto* base = static_cast<uint8_t*>(c->staging);
-    return SendStaged(c, out,
-                      form == GpuGetForm::kDenseKv
-                          ? LayerChunks(base, out.layout, out.num_tokens, shape.layer_major)
-                          : std::vector<NcclLink::Chunk>{
-                                {base, static_cast<size_t>(out.payload_bytes)}},
-                      shape, /*at_least=*/form != GpuGetForm::kDenseKv);
+    return form == GpuGetForm::kDenseKv ? SendStaged(c, out, shape)
+                                        : SendStaged(c, out, shape, /*whole=*/true);
   }
 
   // A dense get served on the device: when the cache kept every token of every head with raw
   // codecs, its keys section is the dense K ([layer][head][token][dim], head order, tokens in
   // order) and its values section the dense V. The stored cache is read into device memory
-  // (CacheRepository::GetInto: from the GPU tier one copy on the device), its header and table
-  // come to the host (control bytes), and the two sections are copied into the staging buffer on
-  // the device; then it goes to the client as any dense get. nullopt: another kind of cache, or
-  // the store cannot serve it on the device; the caller densifies through host memory.
+  // (ReadStored), and the two sections are copied into the staging buffer on the device
+  // (transport::CopyDenseKv, as the SDK's dense get over CUDA-aware UCX does); then it goes to
+  // the client as any dense get. nullopt: another kind of cache, or the store cannot serve it on
+  // the device; the caller densifies through host memory.
   absl::StatusOr<std::optional<GpuGetBegun>> GetDenseOnDevice(const std::shared_ptr<Channel>& c,
                                                               const CacheKey& key,
                                                               uint64_t capacity,
                                                               const GpuTransferShape& shape) {
-    KVCOMP_ASSIGN_OR_RETURN(const CacheSummary sum, LookupSummary(key));
+    // The repository answers on this thread: no wait on the service's serve pool.
+    KVCOMP_ASSIGN_OR_RETURN(const CacheSummary sum, service_->repository()->Summarize(key));
     if (sum.total_kept != sum.layout.num_heads_total() * sum.original_tokens) {
       return std::optional<GpuGetBegun>();  // the host path says why it has no dense form
     }
     if (sum.key_codec != KeyCodec::kRaw || sum.value_codec != ValueCodec::kRaw) {
       return DecodeDenseOnDevice(c, key, sum, capacity, shape);
     }
-    GpuGetBegun out;
-    out.layout = sum.layout;
-    out.num_tokens = sum.original_tokens;
-    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
-    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
-    const uint64_t half = out.payload_bytes / 2;
+    KVCOMP_ASSIGN_OR_RETURN(GpuGetBegun out, DenseOf(sum, capacity));
     absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(*c));
-    absl::Status s = Stage(*c, out.payload_bytes);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
-    s = rt_->SetDevice(c->device);  // this thread (a control-plane worker) may have no context
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
-    absl::StatusOr<void*> stored = rt_->AllocDevice(sum.stored_bytes);
-    if (!stored.ok()) {
-      Log(LogLevel::kWarning, "GPU channel: no device memory to densify a get (",
-          stored.status().ToString(), "); it goes through host memory");
-      return std::optional<GpuGetBegun>();
-    }
-    transport::ScopedDeviceMemory release(rt_, *stored);
-    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
-                            ReadOnDevice(*c, key, *stored, sum.stored_bytes));
-    if (!meta.has_value()) return std::optional<GpuGetBegun>();
-    // Densified before the answer (and before `stored` is freed): the client's receive then
-    // waits only for the transfer.
-    auto* base = static_cast<uint8_t*>(c->staging);
+    KVCOMP_RETURN_IF_ERROR(Usable(c));
+    KVCOMP_ASSIGN_OR_RETURN(std::optional<StoredOnDevice> stored, ReadStored(c, key, sum, out));
+    if (!stored.has_value()) return std::optional<GpuGetBegun>();
+    // Densified before the answer (and before the stored copy is freed).
     std::vector<void*> keys(out.layout.num_layers), values(out.layout.num_layers);
-    const uint64_t layer_bytes = out.layout.LayerBytes(out.num_tokens);
+    const Regions staged = LayerRegions(c->staging, out.layout, out.num_tokens, false);
     for (uint32_t l = 0; l < out.layout.num_layers; ++l) {
-      keys[l] = base + l * layer_bytes;
-      values[l] = base + half + l * layer_bytes;
+      keys[l] = staged[l].data;
+      values[l] = staged[out.layout.num_layers + l].data;
     }
     absl::StatusOr<bool> dense =
-        transport::CopyDenseKv(rt_, *stored, meta->stored_bytes, out.layout, out.num_tokens, keys,
-                               values, c->stream, absl::Now() + timeout_);
-    if (!dense.ok()) {
-      Fail(c, dense.status());
-      return dense.status();
-    }
+        transport::CopyDenseKv(rt_, stored->data(), stored->bytes, out.layout, out.num_tokens,
+                               keys, values, c->stream, absl::Now() + timeout_);
+    if (!dense.ok()) return Fail(c, dense.status());
     if (!*dense) return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
-    KVCOMP_ASSIGN_OR_RETURN(
-        out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
-                        shape, /*at_least=*/false));
+    KVCOMP_ASSIGN_OR_RETURN(out, SendStaged(c, out, shape));
     return std::optional<GpuGetBegun>(out);
   }
 
@@ -572,20 +507,11 @@ class GpuChannelsImpl : public GpuChannels {
                               DecodeRowsOnDevice(c, key, sum, capacity, shape, engine));
       if (done.has_value()) return done;
     }
-    GpuGetBegun out;
-    out.layout = sum.layout;
-    out.num_tokens = sum.original_tokens;
-    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
-    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
-    absl::Notification got;
-    absl::StatusOr<storage::Payload> stored = absl::UnknownError("no answer");
-    service_->Get(key, Representation::kStored, [&](absl::StatusOr<storage::Payload> r) {
-      stored = std::move(r);
-      got.Notify();
-    });
-    got.WaitForNotification();
-    KVCOMP_RETURN_IF_ERROR(stored.status());
-    KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(stored->view()));
+    KVCOMP_ASSIGN_OR_RETURN(GpuGetBegun out, DenseOf(sum, capacity));
+    // Read by the repository on this thread (no wait on the service's serve pool).
+    KVCOMP_ASSIGN_OR_RETURN(storage::Payload stored,
+                            service_->repository()->Get(key, Representation::kStored));
+    KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(stored.view()));
     const uint64_t tokens = cache.original_tokens;
     if (cache.layout != out.layout || tokens != out.num_tokens ||
         cache.positions.size() != cache.layout.num_heads_total() * tokens) {
@@ -612,9 +538,8 @@ class GpuChannelsImpl : public GpuChannels {
       return absl::InternalError("GPU channel: a decoded dense cache has the wrong size");
     }
     absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    KVCOMP_RETURN_IF_ERROR(Usable(c));
     absl::Status s = Stage(*c, out.payload_bytes);
-    if (s.ok()) s = rt_->SetDevice(c->device);
     auto* base = static_cast<uint8_t*>(c->staging);
     if (s.ok()) {
       s = rt_->CopyAsync(base, raw->keys.data(), half, GpuRuntime::Copy::kHostToDevice,
@@ -626,67 +551,40 @@ class GpuChannelsImpl : public GpuChannels {
     }
     // The decoded arrays are read by the copies: waited for before they go.
     if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
+    if (!s.ok()) return Fail(c, s);
     metrics_->AddTransferBytes(out.payload_bytes, 0);
-    KVCOMP_ASSIGN_OR_RETURN(
-        out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
-                        shape, /*at_least=*/false));
+    KVCOMP_ASSIGN_OR_RETURN(out, SendStaged(c, out, shape));
     return std::optional<GpuGetBegun>(out);
   }
 
   // A dense get of a cache that kept every token with the Hadamard codecs (hq4 / hq3; one of the
   // two sections may be raw): its sections hold one record per (layer, head, token) in order, so
   // decoding them row by row writes the dense K and V. The stored bytes are read into device
-  // memory (CacheRepository::GetInto: from the GPU tier one copy on the device), the header and
-  // section table come to the host, and the engine's worker on the channel's device decodes each
-  // section (CodecOps::DecodeHq; a raw section is copied) straight into the staging buffer:
-  // nothing but the header crosses to the host. nullopt (the caller's other paths): the engine's
-  // queue is full, no device memory, the store cannot serve it on the device, or the bytes are
-  // not such a cache (replaced meanwhile; a damaged table is reported by the host path's parse).
+  // memory (ReadStored), the header and section table come to the host, and the engine's worker
+  // on the channel's device decodes each section (CodecOps::DecodeHq; a raw section is copied)
+  // straight into the staging buffer: nothing but the header crosses to the host. nullopt (the
+  // caller's other paths): the engine's queue is full, no device memory, the store cannot serve
+  // it on the device, or the bytes are not such a cache (replaced meanwhile; a damaged table is
+  // reported by the host path's parse).
   absl::StatusOr<std::optional<GpuGetBegun>> DecodeRowsOnDevice(const std::shared_ptr<Channel>& c,
                                                                 const CacheKey& key,
                                                                 const CacheSummary& sum,
                                                                 uint64_t capacity,
                                                                 const GpuTransferShape& shape,
                                                                 Engine* engine) {
-    GpuGetBegun out;
-    out.layout = sum.layout;
-    out.num_tokens = sum.original_tokens;
-    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
-    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+    KVCOMP_ASSIGN_OR_RETURN(GpuGetBegun out, DenseOf(sum, capacity));
     absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(*c));
-    absl::Status s = Stage(*c, out.payload_bytes);
-    if (s.ok()) s = rt_->SetDevice(c->device);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
-    absl::StatusOr<void*> stored = rt_->AllocDevice(sum.stored_bytes);
-    if (!stored.ok()) {
-      Log(LogLevel::kWarning, "GPU channel: no device memory to decode a get on the device (",
-          stored.status().ToString(), "); it is decoded through host memory");
-      return std::optional<GpuGetBegun>();
-    }
-    transport::ScopedDeviceMemory release(rt_, *stored);
-    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
-                            ReadOnDevice(*c, key, *stored, sum.stored_bytes));
-    if (!meta.has_value()) return std::optional<GpuGetBegun>();
-    std::string head(std::min<uint64_t>(meta->stored_bytes,
+    KVCOMP_RETURN_IF_ERROR(Usable(c));
+    KVCOMP_ASSIGN_OR_RETURN(std::optional<StoredOnDevice> stored, ReadStored(c, key, sum, out));
+    if (!stored.has_value()) return std::optional<GpuGetBegun>();
+    std::string head(std::min<uint64_t>(stored->bytes,
                                         format::kHeaderBytes + 64 * format::kSectionEntryBytes),
                      '\0');
-    s = rt_->CopyAsync(head.data(), *stored, head.size(), GpuRuntime::Copy::kDeviceToHost,
-                       c->stream);
+    absl::Status s = rt_->CopyAsync(head.data(), stored->data(), head.size(),
+                                    GpuRuntime::Copy::kDeviceToHost, c->stream);
     if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
-    absl::StatusOr<format::DenseSections> dense =
-        format::DenseRowSections(head, meta->stored_bytes);
+    if (!s.ok()) return Fail(c, s);
+    absl::StatusOr<format::DenseSections> dense = format::DenseRowSections(head, stored->bytes);
     if (!dense.ok() || dense->info.layout != out.layout ||
         dense->info.original_tokens != out.num_tokens) {
       return std::optional<GpuGetBegun>();
@@ -695,11 +593,11 @@ class GpuChannelsImpl : public GpuChannels {
     const uint64_t half = out.payload_bytes / 2, rows = d.info.total_kept;
     const uint32_t dim = out.layout.head_dim;
     const DType dtype = out.layout.dtype;
-    const auto* from = static_cast<const uint8_t*>(*stored);
+    const uint8_t* from = stored->data();
     auto* base = static_cast<uint8_t*>(c->staging);
     // The hq sections decoded on the engine's worker (its CUDA backend, this device's primary
     // context: the stored buffer and the staging buffer are its device memory); it waits for its
-    // stream before it answers, so `stored` may be freed after.
+    // stream before it answers, so the stored copy may be freed after.
     absl::Notification decoded;
     absl::Status ds = absl::UnknownError("not decoded");
     double seconds = 0;
@@ -733,25 +631,50 @@ class GpuChannelsImpl : public GpuChannels {
                          GpuRuntime::Copy::kDeviceToDevice, c->stream);
     }
     if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
-    KVCOMP_ASSIGN_OR_RETURN(
-        out, SendStaged(c, out, LayerChunks(base, out.layout, out.num_tokens, shape.layer_major),
-                        shape, /*at_least=*/false));
+    if (!s.ok()) return Fail(c, s);
+    KVCOMP_ASSIGN_OR_RETURN(out, SendStaged(c, out, shape));
     return std::optional<GpuGetBegun>(out);
   }
 
-  absl::StatusOr<CacheSummary> LookupSummary(const CacheKey& key) {
-    absl::Notification looked;
-    absl::StatusOr<CacheSummary> summary = absl::UnknownError("no answer");
-    service_->Lookup(key, [&](absl::StatusOr<CacheSummary> r) {
-      summary = std::move(r);
-      looked.Notify();
-    });
-    looked.WaitForNotification();
-    return summary;
+  // A dense get's answer for `sum`: its layout, tokens and the dense K and V's size.
+  static absl::StatusOr<GpuGetBegun> DenseOf(const CacheSummary& sum, uint64_t capacity) {
+    GpuGetBegun out;
+    out.layout = sum.layout;
+    out.num_tokens = sum.original_tokens;
+    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
+    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
+    return out;
+  }
+
+  // A stored cache read into device memory of the channel's device, freed with the last copy.
+  struct StoredOnDevice {
+    std::shared_ptr<void> memory;
+    uint64_t bytes = 0;
+    const uint8_t* data() const { return static_cast<const uint8_t*>(memory.get()); }
+  };
+
+  // For the dense gets served from device memory (the caller holds c->op_mu): the staging
+  // buffer made ready for `out`'s payload and the stored cache read into fresh device memory
+  // (ReadOnDevice). nullopt when there is no device memory for it or the store cannot serve it
+  // there: the caller's other paths serve the get.
+  absl::StatusOr<std::optional<StoredOnDevice>> ReadStored(const std::shared_ptr<Channel>& c,
+                                                           const CacheKey& key,
+                                                           const CacheSummary& sum,
+                                                           const GpuGetBegun& out) {
+    absl::Status s = Stage(*c, out.payload_bytes);
+    if (!s.ok()) return Fail(c, s);
+    absl::StatusOr<void*> p = rt_->AllocDevice(sum.stored_bytes);
+    if (!p.ok()) {
+      Log(LogLevel::kWarning, "GPU channel: no device memory to serve a get from device memory (",
+          p.status().ToString(), "); it goes through host memory");
+      return std::optional<StoredOnDevice>();
+    }
+    StoredOnDevice stored{std::shared_ptr<void>(*p, [rt = rt_](void* q) { rt->FreeDevice(q); })};
+    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
+                            ReadOnDevice(*c, key, *p, sum.stored_bytes));
+    if (!meta.has_value()) return std::optional<StoredOnDevice>();
+    stored.bytes = meta->stored_bytes;
+    return std::optional<StoredOnDevice>(std::move(stored));
   }
 
   // The stored cache read into device memory at `dst` on the channel's stream (from the GPU
@@ -775,43 +698,30 @@ class GpuChannelsImpl : public GpuChannels {
     return std::optional<storage::CacheMeta>();
   }
 
-  // Sends a get staged in device memory (`chunks` of the staging buffer) to the client: over
-  // CUDA IPC a copy into its memory after its event, done before the answer; over NCCL a send
-  // the client's GetFinish completes. The caller holds the channel's op_mu.
+  // Sends a get staged in device memory to the client on the channel's link: the payload whole
+  // (`whole`: the client's buffer may be larger), or as the dense K and V in the order the
+  // client asked for. Over CUDA IPC the copy into its memory is done before the answer
+  // (transfer_id 0); over NCCL the send is posted and collected by the channel's next transfer
+  // or the sweep (no GpuGetFinish needed). The caller holds the channel's op_mu.
   absl::StatusOr<GpuGetBegun> SendStaged(const std::shared_ptr<Channel>& c, GpuGetBegun out,
-                                         const std::vector<NcclLink::Chunk>& chunks,
-                                         const GpuTransferShape& shape, bool at_least) {
-    absl::Status s;
-    if (c->ipc) {
-      absl::StatusOr<std::vector<NcclLink::Chunk>> theirs =
-          MapChunks(*c, *shape.ipc, chunks, at_least);
-      if (!theirs.ok()) return theirs.status();
-      s = rt_->StreamWaitEvent(c->stream, c->client_event);
-      if (s.ok()) s = c->timer->Start(c->stream);
-      for (size_t i = 0; s.ok() && i < chunks.size(); ++i) {
-        s = rt_->CopyAsync((*theirs)[i].data, chunks[i].data, chunks[i].bytes,
-                           GpuRuntime::Copy::kDeviceToDevice, c->stream);
-      }
-      if (s.ok()) s = c->timer->Stop(c->stream);
-      if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-      if (!s.ok()) {
-        Fail(c, s);
-        return s;
-      }
-      Unmap(*c);
-      Touch(*c);
-      absl::StatusOr<double> secs = c->timer->Seconds(absl::Now() + absl::Seconds(1));
-      out.copy_seconds = secs.ok() ? *secs : 0;
-      out.transfer_id = 0;
+                                         const GpuTransferShape& shape, bool whole = false) {
+    const Regions regions =
+        whole ? Regions{{c->staging, out.payload_bytes, transport::MemoryKind::kCuda}}
+              : LayerRegions(c->staging, out.layout, out.num_tokens, shape.layer_major);
+    KVCOMP_RETURN_IF_ERROR(MapPeer(*c, shape, regions, /*at_least=*/whole));
+    absl::StatusOr<std::shared_ptr<Completion>> sent = Post(*c, Direction::kSend, regions);
+    absl::Status s = sent.status();
+    if (s.ok() && c->ipc) s = (*sent)->Wait(absl::Now() + timeout_);
+    if (!s.ok()) return Fail(c, s);
+    if (!c->ipc) {
+      out.transfer_id = Pending(*c, Channel::Pending::kGet, *std::move(sent), out.payload_bytes,
+                                out.layout, out.num_tokens, nullptr);
       return out;
     }
-    s = c->link->Send(chunks, c->stream);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
-    KVCOMP_ASSIGN_OR_RETURN(out.transfer_id, Pending(*c, Channel::Pending::kGet, out.payload_bytes,
-                                                     out.layout, out.num_tokens, nullptr));
+    Unmap(*c);
+    Touch(*c);
+    out.copy_seconds = SecondsOf(*c->timer);
+    out.transfer_id = 0;
     return out;
   }
 
@@ -822,15 +732,12 @@ class GpuChannelsImpl : public GpuChannels {
                                                                const CacheKey& key,
                                                                uint64_t capacity,
                                                                const GpuTransferShape& shape) {
-    KVCOMP_ASSIGN_OR_RETURN(const CacheSummary summary, LookupSummary(key));
+    KVCOMP_ASSIGN_OR_RETURN(const CacheSummary summary, service_->repository()->Summarize(key));
     if (summary.stored_bytes > capacity) return TooLarge(summary.stored_bytes, capacity);
     absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(*c));
+    KVCOMP_RETURN_IF_ERROR(Usable(c));
     absl::Status s = Stage(*c, summary.stored_bytes);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
-    }
+    if (!s.ok()) return Fail(c, s);
     KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
                             ReadOnDevice(*c, key, c->staging, c->staging_bytes));
     if (!meta.has_value()) return std::optional<GpuGetBegun>();
@@ -839,26 +746,20 @@ class GpuChannelsImpl : public GpuChannels {
     out.layout = summary.layout;
     out.num_tokens = summary.original_tokens;
     if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
-    auto* base = static_cast<uint8_t*>(c->staging);
-    KVCOMP_ASSIGN_OR_RETURN(
-        out, SendStaged(c, out, {{base, static_cast<size_t>(out.payload_bytes)}}, shape,
-                        /*at_least=*/true));
+    KVCOMP_ASSIGN_OR_RETURN(out, SendStaged(c, out, shape, /*whole=*/true));
     return std::optional<GpuGetBegun>(out);
   }
 
+  // Kept for clients that ask (before a get's send was collected without them): waits for the
+  // get's send; OK when it was collected already.
   absl::Status GetFinish(const std::string& tenant, uint64_t id, uint64_t transfer_id) override {
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
     absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(CheckPending(*c, Channel::Pending::kGet, transfer_id));
-    ClearPending(*c);
-    (void)rt_->SetDevice(c->device);  // Wait sets it too
-    absl::Status s = c->link->Wait(c->stream, c->deadline);
-    if (!s.ok()) {
-      Fail(c, s);
-      return s;
+    if (c->pending == Channel::Pending::kGet && c->transfer_id == transfer_id) return FinishGet(c);
+    if (c->pending == Channel::Pending::kNone && c->transfer_id == transfer_id && c->sent) {
+      return absl::OkStatus();
     }
-    Touch(*c);
-    return absl::OkStatus();
+    return CheckPending(*c, Channel::Pending::kGet, transfer_id);
   }
 
   void Drain() override { draining_.store(true); }
@@ -956,14 +857,16 @@ class GpuChannelsImpl : public GpuChannels {
     return absl::OkStatus();
   }
 
-  // Maps the client's allocations of `spec` and gives its chunks as device pointers here, one
-  // for each of `ours` and of the same size (at least that size where `at_least`: a buffer a
-  // get fills in part). InvalidArgument for chunks that do not match or lie outside their
-  // allocation; FailedPrecondition when a handle cannot be mapped. Caller holds c.op_mu;
-  // Unmap releases them.
-  absl::StatusOr<std::vector<NcclLink::Chunk>> MapChunks(Channel& c, const GpuIpcSpec& spec,
-                                                         const std::vector<NcclLink::Chunk>& ours,
-                                                         bool at_least = false) {
+  // Over CUDA IPC: maps the client's allocations `shape.ipc` names and gives the channel's
+  // link the client's regions of the transfer, one for each of `ours` and of the same size (at
+  // least that size where `at_least`: a buffer a get fills in part). InvalidArgument for chunks
+  // that do not match or lie outside their allocation; FailedPrecondition (kMemoryNotMappable)
+  // when a handle cannot be mapped. Nothing to do over NCCL. Caller holds c.op_mu; Unmap
+  // releases them.
+  absl::Status MapPeer(Channel& c, const GpuTransferShape& shape, const Regions& ours,
+                       bool at_least) {
+    if (!c.ipc) return absl::OkStatus();
+    const GpuIpcSpec& spec = *shape.ipc;
     if (spec.chunks.size() != ours.size()) {
       return absl::InvalidArgumentError(absl::StrCat("the ipc payload has ", spec.chunks.size(),
                                                      " chunks; this transfer has ", ours.size()));
@@ -989,7 +892,7 @@ class GpuChannelsImpl : public GpuChannels {
       c.mapped.push_back(*p);
       sizes.push_back(bytes);
     }
-    std::vector<NcclLink::Chunk> out;
+    Regions theirs;
     for (size_t i = 0; i < spec.chunks.size(); ++i) {
       const GpuIpcChunk& k = spec.chunks[i];
       if (k.buffer >= sizes.size() || k.offset > sizes[k.buffer] ||
@@ -998,9 +901,23 @@ class GpuChannelsImpl : public GpuChannels {
         return absl::InvalidArgumentError(
             absl::StrCat("ipc chunk ", i, " lies outside its allocation"));
       }
-      out.push_back({static_cast<uint8_t*>(c.mapped[k.buffer]) + k.offset, ours[i].bytes});
+      theirs.push_back({static_cast<uint8_t*>(c.mapped[k.buffer]) + k.offset, ours[i].bytes,
+                        transport::MemoryKind::kCuda});
     }
-    return out;
+    static_cast<transport::CudaIpcLink*>(c.payload.get())->Peer(std::move(theirs));
+    return absl::OkStatus();
+  }
+
+  // Posts a transfer between the staging buffer's `regions` and the client on the channel's
+  // link (the CUDA IPC link's peer regions set by MapPeer). Caller holds c.op_mu.
+  absl::StatusOr<std::shared_ptr<Completion>> Post(Channel& c, Direction direction,
+                                                   const Regions& regions) {
+    transport::Transfer t;
+    t.direction = direction;
+    t.regions = regions;
+    t.stream = c.stream;
+    t.deadline = absl::Now() + timeout_;
+    return c.payload->Post(t);
   }
 
   // Unmaps the client's memory (nothing may still read or write it). Caller holds c.op_mu.
@@ -1009,20 +926,40 @@ class GpuChannelsImpl : public GpuChannels {
     c.mapped.clear();
   }
 
-  // Caller holds c.op_mu.
-  absl::Status Usable(Channel& c) {
-    if (c.dead.load() || (!c.ipc && (c.link == nullptr || c.link->broken()))) {
+  // The channel ready for a transfer: open, the last get's send collected (its client has
+  // received it by now), no put pending, its stream and link made. Caller holds c->op_mu.
+  absl::Status Usable(const std::shared_ptr<Channel>& c) {
+    if (c->dead.load() || (!c->ipc && (c->link == nullptr || c->link->broken()))) {
       return WithDetail(absl::UnavailableError("the GPU channel is closed"),
                         ErrorDetail::kLinkGone);
     }
-    if (c.pending != Channel::Pending::kNone) {
+    if (c->pending == Channel::Pending::kGet) KVCOMP_RETURN_IF_ERROR(FinishGet(c));
+    if (c->pending != Channel::Pending::kNone) {
       return absl::FailedPreconditionError("a transfer is in progress on this GPU channel");
     }
-    KVCOMP_RETURN_IF_ERROR(rt_->SetDevice(c.device));
-    if (c.stream == nullptr) {
-      KVCOMP_ASSIGN_OR_RETURN(c.stream, rt_->NewStream());
-      KVCOMP_ASSIGN_OR_RETURN(c.timer, rt_->NewTimer());
+    KVCOMP_RETURN_IF_ERROR(rt_->SetDevice(c->device));
+    if (c->stream == nullptr) {
+      KVCOMP_ASSIGN_OR_RETURN(c->stream, rt_->NewStream());
+      KVCOMP_ASSIGN_OR_RETURN(c->timer, rt_->NewTimer());
+      if (c->ipc) {
+        c->payload = std::make_unique<transport::CudaIpcLink>(rt_, c->stream, c->client_event,
+                                                              c->timer.get());
+      } else {
+        c->payload = std::make_unique<transport::NcclPayloadLink>(c->link.get(), c->timer.get());
+      }
     }
+    return absl::OkStatus();
+  }
+
+  // Waits for the pending get's send (by its deadline: past it, or on an NCCL error, the
+  // channel fails). Caller holds c->op_mu.
+  absl::Status FinishGet(const std::shared_ptr<Channel>& c) {
+    std::shared_ptr<Completion> sent = std::move(c->inflight);
+    ClearPending(*c);
+    (void)rt_->SetDevice(c->device);  // NcclLink::Wait sets it too
+    absl::Status s = sent->Wait(c->deadline);
+    if (!s.ok()) return Fail(c, s);
+    Touch(*c);
     return absl::OkStatus();
   }
 
@@ -1037,10 +974,13 @@ class GpuChannelsImpl : public GpuChannels {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<uint64_t> Pending(Channel& c, Channel::Pending kind, uint64_t bytes,
-                                   const KvLayout& layout, uint64_t tokens,
-                                   std::shared_ptr<OpenPut> put) {
+  uint64_t Pending(Channel& c, Channel::Pending kind, std::shared_ptr<Completion> inflight,
+                   uint64_t bytes, const KvLayout& layout, uint64_t tokens,
+                   std::shared_ptr<OpenPut> put) {
     c.pending = kind;
+    c.inflight = std::move(inflight);
+    c.sent = kind == Channel::Pending::kGet;
+    c.sent_pending.store(c.sent);
     c.transfer_id = next_transfer_.fetch_add(1);
     c.transfer_bytes = bytes;
     c.transfer_layout = layout;
@@ -1066,13 +1006,16 @@ class GpuChannelsImpl : public GpuChannels {
 
   void ClearPending(Channel& c) {
     c.pending = Channel::Pending::kNone;
+    c.inflight.reset();
+    c.sent_pending.store(false);
     c.pending_deadline_ns.store(0);
   }
 
   void Touch(Channel& c) { c.last_used_ns.store(absl::ToUnixNanos(absl::Now())); }
 
   // The channel failed (caller holds c->op_mu): its communicator is aborted and it goes.
-  void Fail(const std::shared_ptr<Channel>& c, const absl::Status& why) {
+  // Returns `why`.
+  absl::Status Fail(const std::shared_ptr<Channel>& c, const absl::Status& why) {
     metrics_->CountError("gpu_channel", why);
     Log(LogLevel::kWarning, "GPU channel ", c->id, " of tenant '", c->tenant,
         "' closed: ", why.ToString());
@@ -1086,7 +1029,7 @@ class GpuChannelsImpl : public GpuChannels {
     if (c->put) c->put->Abort();
     c->put.reset();
     ClearPending(*c);
-    // The reaper removes and tears it down (Find already treats it as absent).
+    return why;  // the reaper removes and tears it down (Find already treats it as absent)
   }
 
   // Tears a removed channel down: waits for its joiner, aborts a pending transfer, frees.
@@ -1094,9 +1037,17 @@ class GpuChannelsImpl : public GpuChannels {
     c->dead.store(true);
     if (c->joiner.joinable()) c->joiner.join();
     absl::MutexLock op(&c->op_mu);
+    // A get's send that is done is collected (the communicator then closes cleanly); anything
+    // else pending is aborted.
+    if (c->pending == Channel::Pending::kGet && rt_->SetDevice(c->device).ok() &&
+        c->inflight->Wait(absl::Now()).ok()) {
+      ClearPending(*c);
+    }
     if (c->pending != Channel::Pending::kNone && c->link) c->link->Abort();
     if (c->put) c->put->Abort();
     c->put.reset();
+    c->inflight.reset();
+    c->payload.reset();
     if (rt_ != nullptr && rt_->SetDevice(c->device).ok()) {
       c->link.reset();  // destroys a healthy communicator, aborts a broken one
       if (c->stream != nullptr) (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
@@ -1164,22 +1115,33 @@ class GpuChannelsImpl : public GpuChannels {
     return b;
   }
 
+  // The seconds the channel's timer measured; 0 when it cannot tell.
+  static double SecondsOf(GpuRuntime::Timer& timer) {
+    absl::StatusOr<double> secs = timer.Seconds(absl::Now() + absl::Seconds(1));
+    return secs.ok() ? *secs : 0;
+  }
+
   static absl::Status TooLarge(uint64_t bytes, uint64_t capacity) {
     return absl::OutOfRangeError(
         absl::StrCat("the payload is ", bytes, " bytes; the client can take ", capacity));
   }
 
-  // Closes channels whose transfer passed its deadline (a peer that died or stalls: the abort
-  // ends the daemon's kernels) and channels idle past the idle timeout.
+  // Collects gets' sends that finished by their deadline and closes channels whose transfer
+  // did not (a peer that died or stalls: the abort ends the daemon's kernels), and channels
+  // idle past the idle timeout.
   void Reap() {
     while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(250))) {
       const int64_t now = absl::ToUnixNanos(absl::Now());
-      std::vector<std::shared_ptr<Channel>> expired;
+      std::vector<std::shared_ptr<Channel>> expired, late_gets;
       {
         absl::MutexLock lock(&mu_);
         for (auto& [id, c] : channels_) {
           const int64_t pending = c->pending_deadline_ns.load();
           const bool late = pending != 0 && now > pending + absl::ToInt64Nanoseconds(absl::Seconds(1));
+          if (late && c->sent_pending.load()) {
+            late_gets.push_back(c);
+            continue;
+          }
           const bool idle = idle_timeout_ > absl::ZeroDuration() && pending == 0 &&
                             now - c->last_used_ns.load() > absl::ToInt64Nanoseconds(idle_timeout_);
           bool failed = false;
@@ -1192,6 +1154,13 @@ class GpuChannelsImpl : public GpuChannels {
           }
         }
         for (auto& c : expired) channels_.erase(c->id);
+      }
+      // A get whose client never came back: its send is collected here when it finished (a
+      // channel whose transfer is in progress is the transfer's to settle).
+      for (auto& c : late_gets) {
+        if (!c->op_mu.TryLock()) continue;
+        if (c->pending == Channel::Pending::kGet) (void)FinishGet(c);  // fails the channel if not
+        c->op_mu.Unlock();
       }
       for (auto& c : expired) {
         const bool late = c->pending_deadline_ns.load() != 0;

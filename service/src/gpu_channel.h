@@ -127,14 +127,18 @@ class GpuChannels {
   // Waits for the payload, then compresses and stores the put.
   virtual absl::StatusOr<GpuPutResult> PutFinish(const std::string& tenant, uint64_t id,
                                                  uint64_t transfer_id) = 0;
-  // Reads the cache and posts the send of its payload. NotFound (cache or channel), OutOfRange
-  // (larger than `capacity`), FailedPrecondition (dense form of a cache that evicted tokens).
-  // Mode "ipc": the payload is copied into the client's memory before this returns
-  // (transfer_id 0, no GetFinish).
+  // Reads the cache and posts the send of its payload: a get is this one request and the
+  // transfer. NotFound (cache or channel), OutOfRange (larger than `capacity`),
+  // FailedPrecondition (dense form of a cache that evicted tokens). Mode "ipc": the payload is
+  // copied into the client's memory before this returns (transfer_id 0). Mode "nccl": the send
+  // is collected by the channel's next transfer, or by the sweep once its deadline passed (a
+  // send not finished by then fails the channel); the client need not say it received.
   virtual absl::StatusOr<GpuGetBegun> GetBegin(const std::string& tenant, uint64_t id,
                                                const CacheKey& key, GpuGetForm form,
                                                uint64_t capacity,
                                                const GpuTransferShape& shape) = 0;
+  // For clients that still say when they received (GpuGetFinish): waits for the get's send if
+  // it is not collected yet; OK when it was.
   virtual absl::Status GetFinish(const std::string& tenant, uint64_t id,
                                  uint64_t transfer_id) = 0;
 

@@ -248,6 +248,7 @@ void ControlHandler::GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth
   out.layout = LayoutToRpc(r->layout);
   out.num_tokens = static_cast<int64_t>(r->num_tokens);
   if (r->copy_seconds > 0) out.__set_copy_seconds(r->copy_seconds);
+  if (r->transfer_id != 0) out.__set_finish_optional(true);  // the daemon collects its send
 }
 
 void ControlHandler::GpuGetFinish(rpc::GpuCloseResponse& out, const rpc::Auth& auth,

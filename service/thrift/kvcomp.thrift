@@ -297,6 +297,9 @@ struct GpuTransferResponse {
   5: i64 num_tokens,    // gets: the tokens of the cache (dense gets: of each head)
   6: optional double copy_seconds,  // mode "ipc" gets: the daemon's copy into the client's
                                     // memory, as its stream timed it
+  7: optional bool finish_optional, // gets over NCCL: true when the daemon collects its send
+                                    // itself (GpuGetFinish not needed); unset (older daemons):
+                                    // the client calls GpuGetFinish after its receive
 }
 
 struct GpuPutResponse {
@@ -364,8 +367,10 @@ service KvcompControl {
   // Waits for the payload (the channel's transfer timeout), then compresses and stores the put.
   GpuPutResponse GpuPutFinish(1: Auth auth, 2: i64 channel_id, 3: i64 transfer_id),
   // Reads the cache and posts the daemon's send; the client receives payload_bytes on its
-  // stream and calls GpuGetFinish.
+  // stream. With finish_optional set that is the whole get; otherwise (older daemons) the
+  // client then calls GpuGetFinish.
   GpuTransferResponse GpuGet(1: Auth auth, 2: i64 channel_id, 3: GpuGetRequest request),
-  // Waits until the daemon's send has finished; the status of the transfer.
+  // Waits until the daemon's send has finished (OK when the daemon collected it already); the
+  // status of the transfer. Needed only where GpuGet's answer lacks finish_optional.
   GpuCloseResponse GpuGetFinish(1: Auth auth, 2: i64 channel_id, 3: i64 transfer_id),
 }

@@ -826,13 +826,22 @@ absl::StatusOr<std::shared_ptr<Completion>> NcclPayloadLink::Post(const Transfer
   std::vector<NcclLink::Chunk> chunks;
   chunks.reserve(t.regions.size());
   for (const MemoryRegion& r : t.regions) chunks.push_back({r.data, r.bytes});
+  if (timer_ != nullptr) KVCOMP_RETURN_IF_ERROR(timer_->Start(t.stream));
   KVCOMP_RETURN_IF_ERROR(t.direction == Direction::kSend ? link_->Send(chunks, t.stream)
                                                          : link_->Recv(chunks, t.stream));
-  KVCOMP_RETURN_IF_ERROR(link_->Enqueued(t.deadline));
-  NcclLink* link = link_;
-  void* stream = t.stream;
-  return Completion::ByWaiting(
-      [link, stream](absl::Time deadline) { return link->Wait(stream, deadline); });
+  stream_ = t.stream;
+  stop_ = timer_ != nullptr;
+  return Completion::ByWaiting([this, stream = t.stream](absl::Time deadline) {
+    KVCOMP_RETURN_IF_ERROR(Enqueued(deadline));
+    return link_->Wait(stream, deadline);
+  });
+}
+
+absl::Status NcclPayloadLink::Enqueued(absl::Time deadline) {
+  KVCOMP_RETURN_IF_ERROR(link_->Enqueued(deadline));
+  if (!stop_) return absl::OkStatus();
+  stop_ = false;
+  return timer_->Stop(stream_);
 }
 
 absl::StatusOr<Registration> CudaIpcLink::Register(const MemoryRegion& region) {
@@ -864,6 +873,7 @@ absl::StatusOr<std::shared_ptr<Completion>> CudaIpcLink::Post(const Transfer& t)
     }
   }
   if (peer_event_ != nullptr) KVCOMP_RETURN_IF_ERROR(rt_->StreamWaitEvent(stream_, peer_event_));
+  if (timer_ != nullptr) KVCOMP_RETURN_IF_ERROR(timer_->Start(stream_));
   for (size_t i = 0; i < peer_.size(); ++i) {
     const bool send = t.direction == Direction::kSend;
     KVCOMP_RETURN_IF_ERROR(rt_->CopyAsync(send ? peer_[i].data : t.regions[i].data,
@@ -871,6 +881,7 @@ absl::StatusOr<std::shared_ptr<Completion>> CudaIpcLink::Post(const Transfer& t)
                                           t.regions[i].bytes, GpuRuntime::Copy::kDeviceToDevice,
                                           stream_));
   }
+  if (timer_ != nullptr) KVCOMP_RETURN_IF_ERROR(timer_->Stop(stream_));
   GpuRuntime* rt = rt_;
   void* stream = stream_;
   return Completion::ByWaiting(

@@ -242,20 +242,29 @@ class NcclLink {
 // place, in transfer order on the transfer's stream; what the peer's side is (its regions of
 // the same sizes, its IPC handles and event) is agreed beforehand on the control plane
 // (docs/protocol.md, "GPU channel"). Their completions are learned by waiting on the stream.
+// With a timer, a transfer is timed on its stream (Timer::Seconds after the completion).
 //
 // NcclPayloadLink: one NcclLink. A send or receive is one group of ncclSend / ncclRecv of the
-// regions (Transfer::regions), waited until enqueued (the peer posted its side) by `deadline`;
-// the completion waits for the stream (NcclLink::Wait). One thread at a time, as NcclLink.
+// regions (Transfer::regions); Post returns once it is posted, before the peer posts its side
+// (a receive is posted before the peer is told to send). Enqueued waits until the group is on
+// its stream (the peer posted its side; the timer stops there); the completion waits for that,
+// then for the stream (NcclLink::Wait: past its deadline or on an NCCL error the communicator
+// is aborted). One thread at a time, as NcclLink; the link outlives its completions.
 class NcclPayloadLink final : public PayloadLink {
  public:
-  explicit NcclPayloadLink(NcclLink* link) : link_(link) {}
+  explicit NcclPayloadLink(NcclLink* link, GpuRuntime::Timer* timer = nullptr)
+      : link_(link), timer_(timer) {}
   LinkKind kind() const override { return LinkKind::kNccl; }
   // CUDA memory only (the device is the caller's to match: NCCL fails the group otherwise).
   absl::StatusOr<Registration> Register(const MemoryRegion& region) override;
   absl::StatusOr<std::shared_ptr<Completion>> Post(const Transfer& transfer) override;
+  absl::Status Enqueued(absl::Time deadline);
 
  private:
   NcclLink* const link_;
+  GpuRuntime::Timer* const timer_;
+  void* stream_ = nullptr;  // of the last transfer posted
+  bool stop_ = false;       // its timer not stopped yet
 };
 
 // CudaIpcLink: CUDA IPC on one device. At the end that offers its memory, Register exports the
@@ -263,14 +272,15 @@ class NcclPayloadLink final : public PayloadLink {
 // region's offset in it as 8 bytes, little-endian). At the end that maps the peer's memory
 // (kvcompd), a transfer copies between this end's `regions` and the peer's mapped regions
 // (`peer`, one of the same size each) on `stream`, after the peer's event (its producer's work
-// on its stream); a send writes the peer's memory, a receive reads it. The completion waits for
-// the stream. Thread-safe as GpuRuntime; one transfer at a time per stream.
+// on its stream); a send writes the peer's memory, a receive reads it; the timer covers the
+// copies. The completion waits for the stream. Thread-safe as GpuRuntime; one transfer at a
+// time per stream.
 class CudaIpcLink final : public PayloadLink {
  public:
   // `peer_event` (an opened IPC event, or null for none) and `stream` belong to the current
   // device; both outlive the link.
-  CudaIpcLink(GpuRuntime* rt, void* stream, void* peer_event)
-      : rt_(rt), stream_(stream), peer_event_(peer_event) {}
+  CudaIpcLink(GpuRuntime* rt, void* stream, void* peer_event, GpuRuntime::Timer* timer = nullptr)
+      : rt_(rt), stream_(stream), peer_event_(peer_event), timer_(timer) {}
   LinkKind kind() const override { return LinkKind::kCudaIpc; }
   absl::StatusOr<Registration> Register(const MemoryRegion& region) override;
   // `transfer.regions` are this end's; the peer's are set with Peer first.
@@ -282,6 +292,7 @@ class CudaIpcLink final : public PayloadLink {
   GpuRuntime* const rt_;
   void* const stream_;
   void* const peer_event_;
+  GpuRuntime::Timer* const timer_;
   std::vector<MemoryRegion> peer_;
 };
 
