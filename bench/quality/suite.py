@@ -244,6 +244,9 @@ def main():
                     "before")
     ap.add_argument("--pool", nargs="+", metavar="JSON", help="only write the pooled table of "
                     "several models' JSONs to --out.md")
+    ap.add_argument("--scorers", nargs="+", metavar="JSON", help="only write the table of the "
+                    "default policy's scorer against the single scorers (paired, per model, "
+                    "length and ratio) of several models' JSONs to --out.md")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only merge one model's JSONs "
                     "of different lengths into --out .json/.md")
     ap.add_argument("--model")
@@ -269,6 +272,9 @@ def main():
         return
     if args.pool:
         write_pool(args.out + ".md", args.pool)
+        return
+    if args.scorers:
+        write_scorers(args.out + ".md", args.scorers)
         return
     if args.merge:  # one model's lengths and shards, run as separate processes, into one result
         res = [json.load(open(p)) for p in args.merge]
@@ -463,6 +469,58 @@ def write_pool(path, paths):
           f"{next(r['n_loss'] for r in s if r['length'] == L)} loss windows"
           for n, s in zip(names, summ) for L in lens]
     out += ["", "Samples: " + "; ".join(ns) + "."]
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+SCORERS = ("manifold", "manifold_r50", "keydiff", "knorm", "streaming")
+
+
+def write_scorers(path, paths, ratios=("0.5", "0.75")):
+    """Per model, length and ratio: each single scorer's loss against the full cache and, paired
+    over the same windows, against the default policy's selection (manifold, no recent window),
+    in points of the full cache's loss; single and multi-key needles with 95% intervals."""
+    out = ["# The default policy's scorer against the single scorers, per model", "",
+           "Loss: relative to the full cache (ratio of means; 95% interval of the per-window "
+           "ratios in brackets). Paired: mean and 95% half-width over the same windows of "
+           "(loss - loss of manifold) / full loss, in points. Needles: accuracy with Wilson 95% "
+           "intervals. The suite models eviction without the moment correction. Sources: "
+           + ", ".join(os.path.basename(p) for p in paths) + ".", ""]
+    for p in paths:
+        r = json.load(open(p))
+        rows = summarize(r)
+        name = os.path.basename(p).rsplit("-", 1)[-1][:-5]
+        m = r["meta"]
+        out += [f"## {name} ({m['parameters']} parameters; {m['card']}, commit {m['commit']}, "
+                f"{m['date']})", "",
+                "| length | ratio | scorer | loss vs full | paired vs manifold | single | "
+                "multi-key | multi-value | vt | n |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for Lb in sorted(r["per_length"], key=int):
+            pl = r["per_length"][Lb]
+            fl = np.array(pl["loss"]["full"])
+            for ratio in ratios:
+                if f"manifold {ratio}" not in pl["loss"]:
+                    continue
+                base = np.array(pl["loss"][f"manifold {ratio}"])
+                for sc in SCORERS:
+                    c = f"{sc} {ratio}"
+                    if c not in pl["loss"]:
+                        continue
+                    row = next(x for x in rows if x["config"] == c and x["length"] == int(Lb))
+                    d = 100 * (np.array(pl["loss"][c]) - base) / fl
+                    h = 1.96 * d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+                    lo, hi = row["loss_pct_ci"]
+                    cells = []
+                    for t in ("niah_single", "niah_multikey"):
+                        a, b = row[t + "_ci"]
+                        cells.append(f"{row[t]:.2f} [{a:.2f},{b:.2f}]")
+                    paired = "-" if sc == "manifold" else f"{d.mean():+.2f} +- {h:.2f}"
+                    out.append(f"| {Lb} | {ratio} | {sc} | {row['loss_pct']:+.2f}% "
+                               f"[{lo:+.2f},{hi:+.2f}] | {paired} | " + " | ".join(cells) +
+                               f" | {row['niah_multivalue']:.2f} | {row['vt']:.2f} | "
+                               f"{row['n']} / {row['n_loss']} |")
+        out.append("")
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")
 

@@ -92,3 +92,53 @@ def test_full_configuration_reproduces_the_plain_forward():
         ref = model(ids[None]).logits[0, 250:].float()
     assert torch.allclose(lg["full"], ref, atol=2e-4)
     assert not torch.allclose(lg["hq k4v3"], ref, atol=1e-6)
+
+
+def test_shards_merge_into_the_single_process_result(tmp_path, monkeypatch):
+    """suite.py --shard I/K: each round draws from its own generator, so two shards merged
+    (--merge) give the same samples, scores and losses as one process over every round; the
+    scorer table (--scorers) renders from the merged result."""
+    transformers = pytest.importorskip("transformers")
+    import json
+    import suite
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "held_en.bin").write_bytes(bytes(_text(60_000, seed=1)))
+    (corpus / "held_code.bin").write_bytes(bytes(_text(60_000, seed=2)))
+    (corpus / "manifest.json").write_text(json.dumps(
+        {"en": {"held_sha256": "e"}, "code": {"held_sha256": "c"}}))
+    configs = ["full", "kvhq k4v3", "manifold 0.5", "manifold_r50 0.5", "streaming 0.5"]
+    monkeypatch.setenv("KVCOMP_COMMIT", "test")
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["suite.py", *args])
+        suite.main()
+
+    common = ["--model", str(tmp_path / "model"), "--corpus", str(corpus), "--lengths", "256",
+              "--n", "3", "--n-loss", "3", "--device", "cpu", "--configs", *configs]
+    run(*common, "--out", str(tmp_path / "one"))
+    for i in range(2):
+        run(*common, "--shard", f"{i}/2", "--out", str(tmp_path / f"part{i}"))
+    run("--merge", str(tmp_path / "part0.json"), str(tmp_path / "part1.json"),
+        "--out", str(tmp_path / "merged"))
+    one = json.loads((tmp_path / "one.json").read_text())["per_length"]["256"]
+    merged = json.loads((tmp_path / "merged.json").read_text())["per_length"]["256"]
+    assert merged["rounds"] == one["rounds"] == 3
+    # shard 0 holds rounds 0 and 2, shard 1 round 1: the same per-round values, reordered
+    order = [0, 2, 1]
+    for c in configs:
+        assert merged["loss"][c] == pytest.approx([one["loss"][c][j] for j in order],
+                                                  rel=1e-5)
+        for t in ruler.TASKS:
+            assert merged["scores"][c][t] == [one["scores"][c][t][j] for j in order]
+    run("--scorers", str(tmp_path / "merged.json"), "--out", str(tmp_path / "scorers"))
+    table = (tmp_path / "scorers.md").read_text()
+    assert "| 256 | 0.5 | manifold_r50 |" in table and "| 256 | 0.5 | streaming |" in table
+    with pytest.raises(SystemExit):
+        run(*common, "--shard", "2/2", "--out", str(tmp_path / "bad"))
