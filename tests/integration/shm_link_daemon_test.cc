@@ -49,18 +49,34 @@ int SharedMappings(int pid) {
   return n;
 }
 
+// Descriptors of process `pid` that are pidfds (the daemon holds one per registered peer).
+int Pidfds(int pid) {
+  const std::string dir = "/proc/" + std::to_string(pid) + "/fd/";
+  int n = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    char target[256];
+    const ssize_t len = readlink((dir + std::to_string(fd)).c_str(), target, sizeof(target) - 1);
+    if (len > 0 && absl::StrContains(absl::string_view(target, len), "pidfd")) ++n;
+  }
+  return n;
+}
+
 class ShmLinkDaemonTest : public DaemonFixture {
  protected:
   static constexpr uint64_t kTokens = 64;
   const KvLayout layout_{4, 2, 2, 64, DType::kF16};
 
+  // `direct`: let the daemon copy straight from and to this process's memory (the kernel
+  // allows it here: same user); false: through the regions only.
   std::unique_ptr<transport::UcxClient> ConnectWith(const KvcompdProcess& d, bool shared,
                                                     const std::string& tenant = "",
                                                     const std::string& token = "",
-                                                    uint64_t max_get_region = uint64_t{1} << 30) {
+                                                    uint64_t max_get_region = uint64_t{1} << 30,
+                                                    bool direct = true) {
     transport::ClientOptions o;
     o.ucx.overrides["TLS"] = "tcp";
     o.shared_memory = shared;
+    o.shm_direct = direct;
     o.shm_put_region_bytes = 64 << 10;  // a ring of 8 blocks: it wraps during a put
     o.shm_max_get_region_bytes = max_get_region;
     auto c = transport::UcxClient::Connect(*transport::Endpoint::Parse(d.data_endpoint()), tenant,
@@ -137,7 +153,10 @@ class ShmLinkDaemonTest : public DaemonFixture {
 
 TEST_F(ShmLinkDaemonTest, PutsAndGetsGoThroughSharedMemoryBitExact) {
   auto d = StartDaemon();
-  auto shm = ConnectWith(*d, true);
+  for (bool direct : {true, false}) {
+  SCOPED_TRACE(direct ? "direct" : "regions");
+  const std::string k = direct ? "over-shm" : "over-regions";
+  auto shm = ConnectWith(*d, true, "", "", uint64_t{1} << 30, direct);
   auto ucx = ConnectWith(*d, false);
   ASSERT_NE(shm, nullptr);
   ASSERT_NE(ucx, nullptr);
@@ -147,18 +166,18 @@ TEST_F(ShmLinkDaemonTest, PutsAndGetsGoThroughSharedMemoryBitExact) {
   EXPECT_TRUE(transport::UcxPeerOffer(shm->server_info(), Direction::kSend).Has(LinkKind::kShm));
 
   // The same data put over each link: the daemon stores the same bytes.
-  absl::StatusOr<LinkKind> a = Put(*shm, "over-shm", layout_.num_layers);
+  absl::StatusOr<LinkKind> a = Put(*shm, k, layout_.num_layers);
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ(*a, LinkKind::kShm);
-  absl::StatusOr<LinkKind> b = Put(*ucx, "over-ucx", layout_.num_layers);
+  absl::StatusOr<LinkKind> b = Put(*ucx, k + "-ucx", layout_.num_layers);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(*b, LinkKind::kUcxHost);
-  absl::StatusOr<transport::FetchedCache> via_shm = ucx->Get("m", "over-shm");
-  absl::StatusOr<transport::FetchedCache> via_ucx = ucx->Get("m", "over-ucx");
+  absl::StatusOr<transport::FetchedCache> via_shm = ucx->Get("m", k);
+  absl::StatusOr<transport::FetchedCache> via_ucx = ucx->Get("m", k + "-ucx");
   ASSERT_TRUE(via_shm.ok() && via_ucx.ok()) << via_shm.status() << via_ucx.status();
   EXPECT_EQ(via_shm->bytes.view(), via_ucx->bytes.view());
   absl::StatusOr<transport::FetchedCache> decoded =
-      ucx->Get("m", "over-shm", wire::Representation::kDecoded);
+      ucx->Get("m", k, wire::Representation::kDecoded);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
 
   // Gets into caller memory through the get region: the bytes UCX's get returns, stored and
@@ -168,12 +187,12 @@ TEST_F(ShmLinkDaemonTest, PutsAndGetsGoThroughSharedMemoryBitExact) {
   for (int round = 0; round < 2; ++round) {
     LinkKind used = LinkKind::kNccl;
     absl::StatusOr<uint64_t> n =
-        links.GetInto({"m", "over-shm", wire::Representation::kStored},
+        links.GetInto({"m", k, wire::Representation::kStored},
                       {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &used);
     ASSERT_TRUE(n.ok()) << n.status();
     EXPECT_EQ(used, LinkKind::kShm);
     EXPECT_EQ(absl::string_view(into.data(), *n), via_shm->bytes.view());
-    n = links.GetInto({"m", "over-shm", wire::Representation::kDecoded},
+    n = links.GetInto({"m", k, wire::Representation::kDecoded},
                       {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &used);
     ASSERT_TRUE(n.ok()) << n.status();
     EXPECT_EQ(used, LinkKind::kShm);
@@ -181,13 +200,15 @@ TEST_F(ShmLinkDaemonTest, PutsAndGetsGoThroughSharedMemoryBitExact) {
   }
   // The daemon's answers come back as they are: too small, absent.
   absl::StatusOr<uint64_t> n =
-      links.GetInto({"m", "over-shm", wire::Representation::kStored},
+      links.GetInto({"m", k, wire::Representation::kStored},
                     {into.data(), 16, MemoryKind::kHost}, absl::InfiniteFuture());
   EXPECT_TRUE(absl::IsOutOfRange(n.status())) << n.status();
   n = links.GetInto({"m", "absent", wire::Representation::kStored},
                     {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture());
   EXPECT_TRUE(absl::IsNotFound(n.status())) << n.status();
   EXPECT_TRUE(shm->SharedMemory()->usable()) << shm->SharedMemory()->why();
+  EXPECT_EQ(shm->SharedMemory()->direct(), direct);
+  }
 }
 
 TEST_F(ShmLinkDaemonTest, ADaemonWithItOffOffersOnlyUcx) {
@@ -204,7 +225,7 @@ TEST_F(ShmLinkDaemonTest, ADaemonWithItOffOffersOnlyUcx) {
 
 TEST_F(ShmLinkDaemonTest, ACacheLargerThanTheClientsGetRegionComesOverUcx) {
   auto on = StartDaemon();
-  auto small = ConnectWith(*on, true, "", "", /*max_get_region=*/128 << 10);
+  auto small = ConnectWith(*on, true, "", "", /*max_get_region=*/128 << 10, /*direct=*/false);
   ASSERT_NE(small, nullptr);
   absl::StatusOr<LinkKind> used = Put(*small, "big", layout_.num_layers);
   ASSERT_TRUE(used.ok()) << used.status();
@@ -354,6 +375,93 @@ TEST_F(ShmLinkDaemonTest, BlocksAndGetsOutsideTheConnectionsRegionsAreRefused) {
   EXPECT_TRUE(c->PutAbort(*put).ok());
 }
 
+TEST_F(ShmLinkDaemonTest, DirectModeTouchesOnlyTheRegisteredPeersOwnMemory) {
+  auto d = StartDaemon();
+  auto c = ConnectWith(*d, true);
+  ASSERT_NE(c, nullptr);
+  const wire::HelloOk& hello = c->server_info();
+  absl::StatusOr<uint64_t> put = c->PutBegin(Begin("direct"));
+  ASSERT_TRUE(put.ok()) << put.status();
+  std::vector<char> kv(2 * layout_.LayerBytes(16), 1);
+  wire::Block b;
+  b.put_id = *put;
+  b.layer_end = 1;
+  b.token_end = 16;
+  b.parts = wire::kPartBoth;
+  b.key_bytes = b.value_bytes = layout_.LayerBytes(16);
+  b.flags = wire::kBlockPeerMemory;
+  b.shm_offset = reinterpret_cast<uint64_t>(kv.data());
+  b.peer_values = b.shm_offset + b.key_bytes;
+  auto send = [&](const wire::Block& blk) {
+    absl::StatusOr<transport::RawReply> r = c->SendRawForTesting(99, wire::Encode(99, blk), "");
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->status : r.status();
+  };
+  // Before the peer registers: refused.
+  absl::Status s = send(b);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  // A registration with a descriptor, or with a probe the daemon cannot read: refused.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  const int fd = memfd_create("x", MFD_CLOEXEC);
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, transport::kShmPeer, 0, fd,
+                               deadline);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  close(fd);
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, transport::kShmPeer, 0, -1,
+                               deadline, /*probe=*/8);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  // A stranger's token registers nothing.
+  std::string forged = hello.shm_token;
+  forged[3] ^= 0x40;
+  const uint64_t word = 0x1122334455667788;
+  uint64_t read = 0;
+  s = transport::SendShmAttach(hello.shm_socket, forged, transport::kShmPeer, 0, -1, deadline,
+                               reinterpret_cast<uint64_t>(&word), &read);
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  s = send(b);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  // The proper registration: the daemon reads the probe back.
+  s = transport::SendShmAttach(hello.shm_socket, hello.shm_token, transport::kShmPeer, 0, -1,
+                               deadline, reinterpret_cast<uint64_t>(&word), &read);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(read, word);
+  // Addresses that are not this process's memory: refused, the connection serves on.
+  wire::Block bad = b;
+  bad.shm_offset = 8;
+  s = send(bad);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  bad = b;
+  bad.peer_values = ~uint64_t{0} - 16;
+  s = send(bad);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  s = send(b);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(c->PutAbort(*put).ok());
+  // A stored cache: a direct get into an address that is not memory is refused; into memory
+  // it holds the cache.
+  absl::StatusOr<LinkKind> used = Put(*c, "stored", layout_.num_layers);
+  ASSERT_TRUE(used.ok()) << used.status();
+  EXPECT_EQ(*used, LinkKind::kShm);
+  wire::Get g{wire::Representation::kStored, "m", "stored", false, 8, 1 << 20, true};
+  absl::StatusOr<transport::RawReply> r = c->SendRawForTesting(100, wire::Encode(100, g), "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(absl::IsInvalidArgument(r->status)) << r->status;
+  absl::StatusOr<transport::FetchedCache> plain = c->Get("m", "stored");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  std::vector<char> into(plain->bytes.size());
+  g.shm_offset = reinterpret_cast<uint64_t>(into.data());
+  g.shm_capacity = into.size() - 1;  // one byte short
+  r = c->SendRawForTesting(101, wire::Encode(101, g), "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(absl::IsOutOfRange(r->status)) << r->status;
+  g.shm_capacity = into.size();
+  r = c->SendRawForTesting(102, wire::Encode(102, g), "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->status.ok()) << r->status;
+  EXPECT_EQ(absl::string_view(into.data(), into.size()), plain->bytes.view());
+  EXPECT_TRUE(c->Ping().ok());
+}
+
 TEST_F(ShmLinkDaemonTest, TenantsStayApartOnSharedMemory) {
   WriteTokens("alpha: secret-a\nbeta: secret-b\n");
   auto d = StartDaemon({"--auth.token_file=" + tokens_path()});
@@ -405,34 +513,41 @@ TEST_F(ShmLinkDaemonTest, TenantsStayApartOnSharedMemory) {
 TEST_F(ShmLinkDaemonTest, AClientKilledMidPutLeavesNoPutAndNoMapping) {
   auto d = StartDaemon();
   const int daemon_pid = d->ports().pid;
-  // The child connects on its own (no client of this process is open while it forks).
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    auto c = ConnectWith(*d, true);
-    if (c == nullptr || c->SharedMemory() == nullptr) _exit(3);
-    absl::StatusOr<LinkKind> used = Put(*c, "vanished", 2);  // 2 of 4 layers, no commit
-    if (!used.ok() || *used != LinkKind::kShm) _exit(4);
-    raise(SIGKILL);
-    _exit(5);
+  for (bool direct : {false, true}) {
+    SCOPED_TRACE(direct ? "direct" : "regions");
+    const std::string key = direct ? "vanished-direct" : "vanished";
+    // The child connects on its own (no client of this process is open while it forks).
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      auto c = ConnectWith(*d, true, "", "", uint64_t{1} << 30, direct);
+      if (c == nullptr || c->SharedMemory() == nullptr) _exit(3);
+      absl::StatusOr<LinkKind> used = Put(*c, key, 2);  // 2 of 4 layers, no commit
+      if (!used.ok() || *used != LinkKind::kShm) _exit(4);
+      if (c->SharedMemory()->direct() != direct) _exit(6);
+      raise(SIGKILL);
+      _exit(5);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+        << "child exit " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    // The daemon sees the connection go, aborts the put, unmaps the regions and lets go of
+    // the peer.
+    for (int i = 0; i < 200 && (SharedMappings(daemon_pid) > 0 || Pidfds(daemon_pid) > 0); ++i) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_EQ(SharedMappings(daemon_pid), 0);
+    EXPECT_EQ(Pidfds(daemon_pid), 0);
+    auto c = ConnectWith(*d, true, "", "", uint64_t{1} << 30, direct);
+    ASSERT_NE(c, nullptr);
+    EXPECT_TRUE(absl::IsNotFound(c->Lookup("m", key).status()));
+    // The daemon serves on, through shared memory.
+    absl::StatusOr<LinkKind> used = Put(*c, key, layout_.num_layers);
+    ASSERT_TRUE(used.ok()) << used.status();
+    EXPECT_EQ(*used, LinkKind::kShm);
+    EXPECT_TRUE(c->Lookup("m", key).ok());
   }
-  int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
-      << "child exit " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
-  // The daemon sees the connection go, aborts the put and unmaps the regions.
-  for (int i = 0; i < 200 && SharedMappings(daemon_pid) > 0; ++i) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  EXPECT_EQ(SharedMappings(daemon_pid), 0);
-  auto c = ConnectWith(*d, true);
-  ASSERT_NE(c, nullptr);
-  EXPECT_TRUE(absl::IsNotFound(c->Lookup("m", "vanished").status()));
-  // The daemon serves on, through shared memory.
-  absl::StatusOr<LinkKind> used = Put(*c, "vanished", layout_.num_layers);
-  ASSERT_TRUE(used.ok()) << used.status();
-  EXPECT_EQ(*used, LinkKind::kShm);
-  EXPECT_TRUE(c->Lookup("m", "vanished").ok());
 }
 
 }  // namespace

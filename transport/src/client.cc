@@ -962,8 +962,9 @@ absl::Status ClientImpl::Ping() {
 
 void ClientImpl::SendSharedBlockAsync(const wire::Block& block,
                                       absl::AnyInvocable<void(absl::Status)> done) {
-  if (!(block.flags & wire::kBlockSharedMemory)) {
-    done(absl::InvalidArgumentError("SendSharedBlockAsync: the block is not flagged shared"));
+  if (!(block.flags & (wire::kBlockSharedMemory | wire::kBlockPeerMemory))) {
+    done(absl::InvalidArgumentError(
+        "SendSharedBlockAsync: the block is not flagged shared or peer memory"));
     return;
   }
   auto p = std::make_unique<Pending>();
@@ -1295,7 +1296,8 @@ class ClientHandle : public UcxClient {
     absl::MutexLock lock(&shm_mu_);
     if (shm_ == nullptr) {
       shm_ = std::make_unique<ShmChannel>(
-          this, ShmChannelOptions{o.shm_put_region_bytes, o.shm_max_get_region_bytes});
+          this,
+          ShmChannelOptions{o.shm_put_region_bytes, o.shm_max_get_region_bytes, o.shm_direct});
     }
     return shm_.get();
   }

@@ -31,6 +31,7 @@ constexpr uint8_t kPutFlagBlockWise = 1;
 constexpr uint8_t kPutFlagHasPolicy = 2;
 constexpr uint8_t kGetFlagHasCrc = 1;
 constexpr uint8_t kGetFlagShared = 2;
+constexpr uint8_t kGetFlagDirect = 4;
 
 using Writer = byte_coder::ByteWriter;
 using byte_coder::LoadLe;
@@ -365,8 +366,9 @@ std::string Encode(uint64_t request_id, const Block& m) {
   w.Zeros(4);
   w.Put<uint64_t>(m.key_bytes);
   w.Put<uint64_t>(m.value_bytes);
-  const bool shared = (m.flags & kBlockSharedMemory) != 0;
+  const bool shared = (m.flags & (kBlockSharedMemory | kBlockPeerMemory)) != 0;
   if (shared) w.Put<uint64_t>(m.shm_offset);
+  if (m.flags & kBlockPeerMemory) w.Put<uint64_t>(m.peer_values);
   return MakeFrame(MessageType::kBlock, request_id, shared ? 0 : m.payload_bytes(), w.Take());
 }
 
@@ -398,10 +400,10 @@ std::string Encode(uint64_t request_id, const PutAbort& m) {
 std::string Encode(uint64_t request_id, const Get& m) {
   Writer w;
   w.Put<uint8_t>(static_cast<uint8_t>(m.representation));
-  w.Put<uint8_t>(m.shared ? kGetFlagShared : 0);
+  w.Put<uint8_t>(m.direct ? kGetFlagDirect : (m.shared ? kGetFlagShared : 0));
   w.Zeros(2);
   PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
-  if (m.shared) {
+  if (m.shared || m.direct) {
     w.Put<uint64_t>(m.shm_offset);
     w.Put<uint64_t>(m.shm_capacity);
   }
@@ -553,8 +555,10 @@ absl::Status Decode(const Frame& f, Block* out) {
   r.Skip(4, "reserved");
   out->key_bytes = r.Get<uint64_t>("key_bytes");
   out->value_bytes = r.Get<uint64_t>("value_bytes");
-  const bool shared = r.ok() && (out->flags & kBlockSharedMemory) != 0;
+  const bool shared = r.ok() && (out->flags & (kBlockSharedMemory | kBlockPeerMemory)) != 0;
   out->shm_offset = shared ? r.Get<uint64_t>("shm_offset") : 0;
+  out->peer_values =
+      r.ok() && (out->flags & kBlockPeerMemory) ? r.Get<uint64_t>("peer_values") : 0;
   KVCOMP_RETURN_IF_ERROR(r.Finish());
   auto bad = [&r](const std::string& what) { return absl::InvalidArgumentError(r.Prefix(what)); };
   if (out->layer_begin >= out->layer_end || out->layer_end > KvLayout::kMaxLayers) {
@@ -574,11 +578,11 @@ absl::Status Decode(const Frame& f, Block* out) {
   if ((!has_k && out->key_crc != 0) || (!has_v && out->value_crc != 0)) {
     return bad("checksum of an absent part must be zero");
   }
-  if (out->flags & ~(kBlockDevicePayload | kBlockSharedMemory)) {
+  if (out->flags & ~(kBlockDevicePayload | kBlockSharedMemory | kBlockPeerMemory)) {
     return bad(absl::StrFormat("unknown block flags 0x%02x", out->flags));
   }
-  if (shared && (out->flags & kBlockDevicePayload)) {
-    return bad("a block is either a device payload or in shared memory, not both");
+  if (__builtin_popcount(out->flags) > 1) {
+    return bad("a block is a device payload, in shared memory or in the peer's memory: one");
   }
   if (shared && (out->key_crc != 0 || out->value_crc != 0)) {
     return bad("a shared-memory payload carries no checksums (key_crc and value_crc must be "
@@ -644,12 +648,14 @@ absl::Status Decode(const Frame& f, Get* out) {
   r.Skip(2, "reserved");
   GetKey(r, &out->model_id, &out->key);
   out->shared = r.ok() && (flags & kGetFlagShared) != 0;
-  if (out->shared) {
+  out->direct = r.ok() && (flags & kGetFlagDirect) != 0;
+  if (out->shared || out->direct) {
     out->shm_offset = r.Get<uint64_t>("shm_offset");
     out->shm_capacity = r.Get<uint64_t>("shm_capacity");
   }
   KVCOMP_RETURN_IF_ERROR(r.Finish());
-  if (flags & ~kGetFlagShared) {
+  if ((flags & ~(kGetFlagShared | kGetFlagDirect)) ||
+      (flags & (kGetFlagShared | kGetFlagDirect)) == (kGetFlagShared | kGetFlagDirect)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags)));
   }
   if (rep > static_cast<uint8_t>(Representation::kDecoded)) {

@@ -873,6 +873,13 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
                           "shared-memory block");
       }
     }
+    if (s.ok() && (block.flags & wire::kBlockPeerMemory)) {
+      // Read from the client's own memory below (one copy), once the block is admitted.
+      if (conn->shm == nullptr || !conn->shm->has_peer()) {
+        s = absl::FailedPreconditionError(
+            "peer-memory block on a connection whose peer is not registered");
+      }
+    }
     if (s.ok() && (block.flags & wire::kBlockDevicePayload) && !conn->device_payloads) {
       s = absl::FailedPreconditionError(
           loop_->cuda_memory()
@@ -951,6 +958,21 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
     BlockReceived(ctx, UCS_OK);
     return;
   }
+  if (block.flags & wire::kBlockPeerMemory) {
+    absl::Status read = conn->shm->ReadPeer(block.shm_offset, ctx->payload.data(),
+                                            block.key_bytes);
+    if (read.ok()) {
+      read = conn->shm->ReadPeer(block.peer_values, ctx->payload.bytes() + block.key_bytes,
+                                 block.value_bytes);
+    }
+    if (read.ok()) {
+      counters_.shm_blocks++;
+    } else {
+      ctx->failure = read;
+    }
+    BlockReceived(ctx, read.ok() ? UCS_OK : UCS_ERR_INVALID_PARAM);
+    return;
+  }
   if (!rndv) {
     std::memcpy(ctx->payload.data(), data, bytes);
     BlockReceived(ctx, UCS_OK);
@@ -998,7 +1020,8 @@ void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
   Connection& conn = *ctx->conn;
   absl::Status s = !ctx->failure.ok() ? ctx->failure : UcsStatusToStatus(status, "block receive");
   const bool device_payload = (ctx->block.flags & wire::kBlockDevicePayload) != 0;
-  const bool shared_payload = (ctx->block.flags & wire::kBlockSharedMemory) != 0;
+  const bool shared_payload =
+      (ctx->block.flags & (wire::kBlockSharedMemory | wire::kBlockPeerMemory)) != 0;
   if (s.ok() && device_payload) counters_.device_payload_blocks++;
   if (s.ok() && ctx->payload.memory_type() == MemoryType::kCuda) counters_.blocks_into_device++;
   if (s.ok() && options_.verify_checksums && !device_payload && !shared_payload &&
@@ -1139,6 +1162,21 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
   if (!DecodeOrReject(*conn, f, &get)) return;
   // A shared-memory get: the connection's own get region, the range checked now.
   std::shared_ptr<ShmMapping> region;
+  std::shared_ptr<ShmGrant> peer;  // direct: the connection's registered peer
+  if (get.direct) {
+    if (conn->shm == nullptr || !conn->shm->has_peer()) {
+      Reject(*conn, f.header.request_id,
+             absl::FailedPreconditionError(
+                 "direct get on a connection whose peer is not registered"));
+      return;
+    }
+    if (get.shm_offset + get.shm_capacity < get.shm_offset) {
+      Reject(*conn, f.header.request_id,
+             absl::InvalidArgumentError("direct get: the destination wraps around"));
+      return;
+    }
+    peer = conn->shm;
+  }
   if (get.shared) {
     region = conn->shm != nullptr ? conn->shm->Region(kShmGetRegion) : nullptr;
     absl::Status s = region == nullptr
@@ -1158,7 +1196,8 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
   pending_work_++;
   std::shared_ptr<WorkerLoop> loop = loop_;
   const uint64_t rid = f.header.request_id;
-  GetDone done = [this, loop, conn, rid, region = std::move(region), offset = get.shm_offset,
+  GetDone done = [this, loop, conn, rid, region = std::move(region), peer = std::move(peer),
+                  offset = get.shm_offset,
                   capacity = get.shm_capacity](absl::StatusOr<GetResult> r) mutable {
     // The checksum of a large cache (or its copy into shared memory) takes a while: done here,
     // on the completing thread, not on the progress thread that serves every connection.
@@ -1166,7 +1205,21 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
     const bool host = r.ok() && r->bytes.memory_type() == MemoryType::kHost;
     uint64_t shared_bytes = 0;
     bool shared = false;
-    if (host && region != nullptr) {
+    if (host && peer != nullptr) {
+      // Straight into the caller's memory in the client's process: one copy.
+      const uint64_t n = r->bytes.size();
+      if (n > capacity) {
+        r = absl::OutOfRangeError(absl::StrFormat(
+            "cache of %u bytes does not fit the %u-byte buffer", n, capacity));
+      } else if (absl::Status w = peer->WritePeer(offset, r->bytes.data(), n); !w.ok()) {
+        r = w;
+      } else {
+        shared = true;
+        shared_bytes = n;
+        r->bytes.Reset();
+      }
+      peer.reset();
+    } else if (host && region != nullptr) {
       const uint64_t n = r->bytes.size();
       if (n > capacity) {
         r = absl::OutOfRangeError(absl::StrFormat(

@@ -3,7 +3,10 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -33,17 +36,28 @@ constexpr uint16_t kAttachVersion = 1;
 struct AttachRequest {
   uint32_t magic;
   uint16_t version;
-  uint8_t region;
+  uint8_t region;  // kShmPutRegion, kShmGetRegion, or kShmPeer
   uint8_t reserved;
   uint64_t bytes;
+  uint64_t probe;  // kShmPeer: the address of 8 bytes of the sender the server reads back
   char token[wire::kShmTokenBytes];
 };
 struct AttachAnswer {
   uint32_t magic;
   uint16_t code;  // absl::StatusCode
   uint16_t message_bytes;
+  uint64_t probe;  // kShmPeer: the 8 bytes read at the request's probe address
   char message[240];
 };
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+
+// Through syscall(2): the C library's wrappers are not declared for C++ everywhere.
+int PidfdOpen(int pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
+bool PidfdAlive(int pidfd) {
+  return syscall(SYS_pidfd_send_signal, pidfd, 0, nullptr, 0) == 0;
+}
 constexpr absl::Duration kServeTimeout = absl::Seconds(1);  // per attaching peer
 constexpr uint64_t kCopyChunk = uint64_t{4} << 20;         // get progress granularity
 
@@ -83,6 +97,71 @@ absl::Status CheckShmRange(uint64_t offset, uint64_t bytes, uint64_t size, const
 // ---- kvcompd's end ----
 
 ShmMapping::~ShmMapping() { munmap(data_, size_); }
+
+ShmGrant::~ShmGrant() {
+  if (pidfd_ >= 0) close(pidfd_);
+}
+
+void ShmGrant::SetPeer(int pid, int pidfd) {
+  absl::MutexLock lock(&mu_);
+  if (pidfd_ >= 0) close(pidfd_);
+  pid_ = pid;
+  pidfd_ = pidfd;
+}
+
+bool ShmGrant::has_peer() const {
+  absl::MutexLock lock(&mu_);
+  return pidfd_ >= 0;
+}
+
+absl::Status ShmGrant::PeerAccess(bool write, uint64_t address, void* local,
+                                  uint64_t bytes) const {
+  int pid, pidfd;
+  {
+    absl::MutexLock lock(&mu_);
+    pid = pid_;
+    pidfd = pidfd_;
+  }
+  if (pidfd < 0) {
+    return absl::FailedPreconditionError("no peer registered on this connection");
+  }
+  if (address + bytes < address) {
+    return absl::InvalidArgumentError("the peer's range wraps around the address space");
+  }
+  uint64_t done = 0;
+  while (done < bytes) {
+    // The process the pidfd holds must still be alive: its pid is never another's.
+    if (!PidfdAlive(pidfd)) {
+      return absl::FailedPreconditionError("the peer process has exited");
+    }
+    const uint64_t n = std::min<uint64_t>(bytes - done, uint64_t{1} << 30);
+    iovec mine = {static_cast<uint8_t*>(local) + done, n};
+    iovec theirs = {reinterpret_cast<void*>(address + done), n};
+    const ssize_t r = write ? process_vm_writev(pid, &mine, 1, &theirs, 1, 0)
+                            : process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
+    if (r <= 0) {
+      const int e = r < 0 ? errno : EFAULT;
+      if (e == EFAULT) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the peer's ", write ? "destination" : "source", " [", address, ", +", bytes,
+            ") is not ", write ? "writable" : "readable", " memory of its process"));
+      }
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot ", write ? "write" : "read", " the peer's memory: ",
+                       std::strerror(e)));
+    }
+    done += static_cast<uint64_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmGrant::ReadPeer(uint64_t address, void* to, uint64_t bytes) const {
+  return PeerAccess(false, address, to, bytes);
+}
+
+absl::Status ShmGrant::WritePeer(uint64_t address, const void* from, uint64_t bytes) const {
+  return PeerAccess(true, address, const_cast<void*>(from), bytes);
+}
 
 std::shared_ptr<ShmMapping> ShmGrant::Region(uint8_t id) const {
   if (id >= kShmRegions) return nullptr;
@@ -214,12 +293,16 @@ void ShmAcceptor::Serve(int fd) {
     }
   }
   absl::Status s;
+  uint64_t probe = 0;
+  const size_t want = req.region == kShmPeer ? 0 : 1;
   if (n < 0) {
     s = Errno("receive");
-  } else if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || fds.size() != 1) {
-    s = absl::InvalidArgumentError("an attach request carries exactly one descriptor");
+  } else if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || fds.size() != want) {
+    s = absl::InvalidArgumentError(
+        want == 1 ? "an attach request carries exactly one descriptor"
+                  : "a peer registration carries no descriptor");
   } else {
-    s = Attach(fd, &req, static_cast<size_t>(n), fds[0]);
+    s = Attach(fd, &req, static_cast<size_t>(n), want == 1 ? fds[0] : -1, &probe);
   }
   for (int d : fds) close(d);
   if (s.ok()) {
@@ -234,11 +317,13 @@ void ShmAcceptor::Serve(int fd) {
   const size_t m = std::min(s.message().size(), sizeof(a.message));
   std::memcpy(a.message, s.message().data(), m);
   a.message_bytes = static_cast<uint16_t>(m);
+  a.probe = probe;
   ssize_t ignored = send(fd, &a, sizeof(a), MSG_NOSIGNAL | MSG_DONTWAIT);
   (void)ignored;
 }
 
-absl::Status ShmAcceptor::Attach(int fd, const void* message, size_t length, int region_fd) {
+absl::Status ShmAcceptor::Attach(int fd, const void* message, size_t length, int region_fd,
+                                 uint64_t* probe) {
   AttachRequest req;
   if (length != sizeof(req)) return absl::InvalidArgumentError("malformed attach request");
   std::memcpy(&req, message, sizeof(req));
@@ -253,6 +338,32 @@ absl::Status ShmAcceptor::Attach(int fd, const void* message, size_t length, int
   }
   if (grant == nullptr) {
     return absl::PermissionDeniedError("unknown attach token (no such authenticated connection)");
+  }
+  if (req.region == kShmPeer) {
+    // The sender as the kernel knows it (never a pid it names), held by a pidfd.
+    ucred cred = {};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) {
+      return Errno("peer credentials");
+    }
+    int pidfd = -1;
+    len = sizeof(pidfd);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) != 0 || pidfd < 0) {
+      pidfd = PidfdOpen(cred.pid);  // kernels before 6.5
+    }
+    if (pidfd < 0) return Errno("pidfd");
+    uint64_t word = 0;
+    iovec mine = {&word, sizeof(word)};
+    iovec theirs = {reinterpret_cast<void*>(req.probe), sizeof(word)};
+    if (process_vm_readv(cred.pid, &mine, 1, &theirs, 1, 0) != sizeof(word)) {
+      absl::Status st = absl::FailedPreconditionError(absl::StrCat(
+          "the daemon may not read the peer's memory (", std::strerror(errno), ")"));
+      close(pidfd);
+      return st;
+    }
+    *probe = word;
+    grant->SetPeer(cred.pid, pidfd);
+    return absl::OkStatus();
   }
   if (req.region >= kShmRegions) {
     return absl::InvalidArgumentError(absl::StrCat("region id ", req.region, " out of range"));
@@ -325,7 +436,8 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Attach(const wire::HelloOk
 }
 
 absl::Status SendShmAttach(const std::string& socket_name, absl::string_view token, uint8_t id,
-                           uint64_t bytes, int fd, absl::Time deadline) {
+                           uint64_t bytes, int fd, absl::Time deadline, uint64_t probe,
+                           uint64_t* probe_read) {
   const int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (s < 0) return Errno("socket");
   auto done = [s](absl::Status st) {
@@ -342,6 +454,7 @@ absl::Status SendShmAttach(const std::string& socket_name, absl::string_view tok
   req.version = kAttachVersion;
   req.region = id;
   req.bytes = bytes;
+  req.probe = probe;
   std::memcpy(req.token, token.data(), std::min(token.size(), sizeof(req.token)));
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   iovec iov = {&req, sizeof(req)};
@@ -374,6 +487,7 @@ absl::Status SendShmAttach(const std::string& socket_name, absl::string_view tok
     return done(absl::Status(static_cast<absl::StatusCode>(a.code),
                              absl::StrCat("the server refused the shared region: ", why)));
   }
+  if (probe_read != nullptr) *probe_read = a.probe;
   return done(absl::OkStatus());
 }
 
@@ -396,6 +510,27 @@ bool ShmChannel::usable() const {
 std::string ShmChannel::why() const {
   absl::MutexLock lock(&state_mu_);
   return std::string(broken_.message());
+}
+
+bool ShmChannel::direct() {
+  {
+    absl::MutexLock lock(&state_mu_);
+    if (!options_.direct) direct_ = Direct::kNo;
+    if (direct_ != Direct::kUntried) return direct_ == Direct::kYes;
+  }
+  // Register as the connection's peer; the daemon proves it reads this process by answering
+  // the probe word back.
+  static const uint64_t kProbe = 0x6b76636f6d707368;  // "kvcompsh"
+  uint64_t read = 0;
+  const wire::HelloOk& hello = client_->server_info();
+  const absl::Status s =
+      SendShmAttach(hello.shm_socket, hello.shm_token, kShmPeer, 0, -1,
+                    absl::Now() + absl::Seconds(5), reinterpret_cast<uint64_t>(&kProbe), &read);
+  absl::MutexLock lock(&state_mu_);
+  if (direct_ == Direct::kUntried) {
+    direct_ = s.ok() && read == kProbe ? Direct::kYes : Direct::kNo;
+  }
+  return direct_ == Direct::kYes;
 }
 
 void ShmChannel::Unusable(const absl::Status& why) {
@@ -437,6 +572,7 @@ absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendBlock(const wire::Bl
       (keys.bytes > 0 && keys.data == nullptr) || (values.bytes > 0 && values.data == nullptr)) {
     return absl::InvalidArgumentError("a shm send's regions disagree with its block's sizes");
   }
+  if (direct()) return SendDirect(block, keys, values);
   uint64_t offset = 0;
   uint8_t* base = nullptr;
   {
@@ -497,9 +633,50 @@ absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendBlock(const wire::Bl
   return done;
 }
 
+absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendDirect(const wire::Block& block,
+                                                                   const MemoryRegion& keys,
+                                                                   const MemoryRegion& values) {
+  wire::Block b = block;
+  b.flags = wire::kBlockPeerMemory;
+  b.key_crc = 0;
+  b.value_crc = 0;
+  b.shm_offset = reinterpret_cast<uint64_t>(keys.data);
+  b.peer_values = reinterpret_cast<uint64_t>(values.data);
+  std::shared_ptr<Completion> done = Completion::Pending();
+  client_->SendSharedBlockAsync(b, [done](absl::Status s) { done->Finish(std::move(s)); });
+  return done;
+}
+
+// Waits for a get posted with GetSharedAsync.
+namespace {
+struct GetOutcome {
+  absl::Mutex mu;
+  bool done = false;
+  absl::StatusOr<SharedGet> result = absl::UnknownError("unset");
+};
+}  // namespace
+
 absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* dst,
                                              uint64_t capacity, absl::Time deadline) {
   if (dst == nullptr && capacity > 0) return absl::InvalidArgumentError("GetInto: null buffer");
+  if (direct()) {
+    // One copy: the daemon writes the cache into `dst` itself.
+    wire::Get get{request.representation, request.model_id, request.key, false,
+                  reinterpret_cast<uint64_t>(dst), capacity, true};
+    auto out = std::make_shared<GetOutcome>();
+    client_->GetSharedAsync(get, dst, capacity, deadline, [out](absl::StatusOr<SharedGet> r) {
+      absl::MutexLock l(&out->mu);
+      out->result = std::move(r);
+      out->done = true;
+    });
+    absl::MutexLock l(&out->mu);
+    out->mu.Await(absl::Condition(&out->done));
+    if (out->result.ok()) return out->result->bytes;
+    // The daemon could not reach this process's memory after all: the get region from now on.
+    if (!absl::IsFailedPrecondition(out->result.status())) return out->result.status();
+    absl::MutexLock s(&state_mu_);
+    direct_ = Direct::kNo;
+  }
   absl::MutexLock lock(&get_mu_);
   const uint64_t bound = std::min(options_.max_get_region_bytes,
                                   client_->server_info().shm_max_region_bytes);
@@ -522,12 +699,7 @@ absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* ds
 
   wire::Get get{request.representation, request.model_id, request.key, true, kShmGetDataOffset,
                 asked};
-  struct Outcome {
-    absl::Mutex mu;
-    bool done = false;
-    absl::StatusOr<SharedGet> result = absl::UnknownError("unset");
-  };
-  auto out = std::make_shared<Outcome>();
+  auto out = std::make_shared<GetOutcome>();
   const uint64_t rid = client_->GetSharedAsync(get, dst, capacity, deadline,
                                                [out](absl::StatusOr<SharedGet> r) {
                                                  absl::MutexLock l(&out->mu);

@@ -69,6 +69,9 @@ struct ClientOptions {
   // The shared put region (blocks in flight) and the largest shared get region, bytes.
   uint64_t shm_put_region_bytes = uint64_t{64} << 20;
   uint64_t shm_max_get_region_bytes = uint64_t{1} << 30;
+  // Let the server copy straight between this process's memory and its buffers where the
+  // kernel allows it (shm_link.h, direct mode); false: always through the regions. Default true.
+  bool shm_direct = true;
   UcxConfig ucx;
 };
 
@@ -177,7 +180,9 @@ class UcxClient {
   // otherwise. Lives as long as this client.
   virtual ShmChannel* SharedMemory() = 0;
   // A block whose payload lies in this connection's shared put region at block.shm_offset
-  // (the client sets kBlockSharedMemory, zero checksums); `done` as SendBlockAsync's.
+  // (kBlockSharedMemory), or in this process's memory at the addresses the block names
+  // (kBlockPeerMemory); zero checksums. `done` as SendBlockAsync's; the memory stays valid and
+  // unchanged until it runs.
   virtual void SendSharedBlockAsync(const wire::Block& block,
                                     absl::AnyInvocable<void(absl::Status)> done) = 0;
   // A get (get.shared set) that the server writes into this connection's shared get region;

@@ -99,6 +99,11 @@ enum BlockFlags : uint8_t {
   // the frame announces no payload, key_crc and value_crc are 0 (the bytes never cross a
   // wire). Only to a server that said kServerSharedMemory.
   kBlockSharedMemory = 2,
+  // The payload lies in the client's own memory (shm_link.h, direct mode): the keys at
+  // Block::shm_offset, the values at Block::peer_values (addresses in the client's process);
+  // no payload, no checksums. Only to a server that said kServerSharedMemory, on a connection
+  // whose peer is registered.
+  kBlockPeerMemory = 4,
 };
 
 // The fixed frame header. request_id pairs a reply with its request (the client chooses it;
@@ -184,7 +189,9 @@ struct Block {
   uint32_t key_crc = 0;       // CRC32C of the key bytes (0 when absent)
   uint32_t value_crc = 0;     // CRC32C of the value bytes (0 when absent)
   uint8_t flags = 0;          // BlockFlags
-  uint64_t shm_offset = 0;    // kBlockSharedMemory: the payload's offset in the put region
+  uint64_t shm_offset = 0;    // kBlockSharedMemory: the payload's offset in the put region;
+                              // kBlockPeerMemory: the keys' address in the client
+  uint64_t peer_values = 0;   // kBlockPeerMemory: the values' address in the client
 
   uint64_t payload_bytes() const { return key_bytes + value_bytes; }
   // Bytes the half of one part should have under `layout`.
@@ -227,6 +234,9 @@ struct Get {
   bool shared = false;
   uint64_t shm_offset = 0;
   uint64_t shm_capacity = 0;
+  // Direct mode: shm_offset is the address of the caller's destination in the client's
+  // process (not the get region); the reply is as for `shared`.
+  bool direct = false;
 };
 
 struct GetReply {

@@ -24,6 +24,19 @@
 //      the cache there, publishing its progress in the region's first bytes (ShmProgress), and
 //      answers with the byte count; the client copies behind it into the caller's memory.
 //
+// Direct mode (cross-memory attach): a client may also register itself as the connection's
+// peer (an attach request of kShmPeer, no descriptor): the daemon takes the peer's process from
+// the socket's credentials (SO_PEERCRED, and a pidfd held while the connection lives: never a
+// pid the client names), proves it may read that process's memory by reading a probe word the
+// client named and answering it back, and from then on moves blocks and gets with one copy
+// between the client's own memory and its buffers (process_vm_readv / process_vm_writev, as
+// UCX's cma does): a block (kBlockPeerMemory) names the addresses of its keys and values, a get
+// (Get::direct) the caller's destination. Where the kernel does not allow it (another user,
+// Yama ptrace_scope, a container without the permission), the probe fails and the regions
+// carry the bytes. A client can only make the daemon read or write its own memory, and a
+// liveness check on the pidfd comes before every access (a pid reused after the client died is
+// never touched).
+//
 // Regions are the client's memory: mapping one costs the daemon no memory, and a dying client
 // leaves the daemon's mapping valid until the connection's grant is dropped (its UCX
 // connection closing). Thread-safe: ShmAcceptor, ShmGrant, ShmChannel; ShmLink as its channel.
@@ -58,6 +71,8 @@ class UcxClient;
 inline constexpr uint8_t kShmPutRegion = 0;
 inline constexpr uint8_t kShmGetRegion = 1;
 inline constexpr int kShmRegions = 2;
+// An attach request that registers the sending process as the connection's peer (direct mode).
+inline constexpr uint8_t kShmPeer = 0xff;
 // Smallest region either end accepts.
 inline constexpr uint64_t kShmMinRegionBytes = uint64_t{64} << 10;
 // The get region starts with the daemon's progress (ShmProgress); the cache lands from here.
@@ -96,14 +111,26 @@ class ShmMapping {
 class ShmGrant {
  public:
   explicit ShmGrant(std::string token) : token_(std::move(token)) {}
+  ~ShmGrant();
   const std::string& token() const { return token_; }
   std::shared_ptr<ShmMapping> Region(uint8_t id) const;
   void Set(uint8_t id, std::shared_ptr<ShmMapping> mapping);
+  // Direct mode: the registered peer process (its pidfd is the grant's from then on).
+  void SetPeer(int pid, int pidfd);
+  bool has_peer() const;
+  // Copies between the peer's memory at `address` and this process's, one copy; FailedPrecondition
+  // when no peer is registered, it has exited or the kernel refuses (permission), InvalidArgument
+  // when the peer's range is not its memory.
+  absl::Status ReadPeer(uint64_t address, void* to, uint64_t bytes) const;
+  absl::Status WritePeer(uint64_t address, const void* from, uint64_t bytes) const;
 
  private:
+  absl::Status PeerAccess(bool write, uint64_t address, void* local, uint64_t bytes) const;
   const std::string token_;
   mutable absl::Mutex mu_;
   std::shared_ptr<ShmMapping> regions_[kShmRegions] ABSL_GUARDED_BY(mu_);
+  int pid_ ABSL_GUARDED_BY(mu_) = 0;
+  int pidfd_ ABSL_GUARDED_BY(mu_) = -1;
 };
 
 struct ShmAcceptorStats {
@@ -135,7 +162,8 @@ class ShmAcceptor {
               std::function<void(const std::string&)> report);
   void Loop();
   void Serve(int fd);
-  absl::Status Attach(int fd, const void* message, size_t length, int region_fd);
+  absl::Status Attach(int fd, const void* message, size_t length, int region_fd,
+                      uint64_t* probe);
 
   const int listen_fd_;
   const int wake_fd_;
@@ -170,12 +198,16 @@ class ShmRegion {
 // The attach request itself: `fd` (none when negative) as region `id` of `bytes` with `token`,
 // to the server's socket named `socket_name`; OK or the server's refusal (its code and reason).
 // ShmRegion::Attach makes a proper region and calls it; tests send improper ones.
+// `probe` (kShmPeer): the address of 8 bytes the server reads back from this process; the
+// answer carries what it read (`*probe_read`).
 absl::Status SendShmAttach(const std::string& socket_name, absl::string_view token, uint8_t id,
-                           uint64_t bytes, int fd, absl::Time deadline);
+                           uint64_t bytes, int fd, absl::Time deadline, uint64_t probe = 0,
+                           uint64_t* probe_read = nullptr);
 
 struct ShmChannelOptions {
   uint64_t put_region_bytes = uint64_t{64} << 20;
   uint64_t max_get_region_bytes = uint64_t{1} << 30;
+  bool direct = true;  // try direct mode (else the regions only)
 };
 
 // One connection's shared memory: its put region (blocks in flight, a ring) and its get region
@@ -192,6 +224,10 @@ class ShmChannel {
   // False once an attach failed (the reason: why()).
   bool usable() const;
   std::string why() const;
+  // Whether blocks and gets move directly between this process's memory and the daemon's
+  // buffers (registered as the connection's peer and the daemon proved it may read this
+  // process's memory); decided at the first transfer.
+  bool direct();
 
   // Copies `keys` and `values` (host memory) into the put region and posts `block` naming
   // them; the completion finishes when the daemon acknowledged it. MemoryNotServed when the
@@ -208,6 +244,9 @@ class ShmChannel {
 
  private:
   absl::Status EnsurePutRegion(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(put_mu_);
+  absl::StatusOr<std::shared_ptr<Completion>> SendDirect(const wire::Block& block,
+                                                         const MemoryRegion& keys,
+                                                         const MemoryRegion& values);
   void Release(uint64_t offset);
   void Unusable(const absl::Status& why);
 
@@ -215,6 +254,8 @@ class ShmChannel {
   const ShmChannelOptions options_;
   mutable absl::Mutex state_mu_;
   absl::Status broken_ ABSL_GUARDED_BY(state_mu_);
+  enum class Direct { kUntried, kYes, kNo };
+  Direct direct_ ABSL_GUARDED_BY(state_mu_) = Direct::kUntried;
 
   // The put region as a ring of blocks in flight, in posting order.
   struct Slot {
