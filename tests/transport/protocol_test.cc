@@ -299,6 +299,29 @@ TEST(ProtocolTest, SharedMemoryFieldsRoundTripAndDisagreementsAreRefused) {
   both.flags = kBlockSharedMemory | kBlockDevicePayload;
   EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(Encode(2, both)), &bo)));
 
+  // A block in the client's own memory names both addresses.
+  Block peer = b;
+  peer.flags = kBlockPeerMemory;
+  peer.shm_offset = 0x7f0000001000;
+  peer.parts = kPartBoth;
+  peer.value_bytes = 512;
+  peer.peer_values = 0x7f0000100000;
+  const std::string pf = Encode(2, peer);
+  EXPECT_EQ(MustParse(pf).header.payload_bytes, 0u);
+  Block po = RoundTrip<Block>(pf);
+  EXPECT_EQ(po.flags, kBlockPeerMemory);
+  EXPECT_EQ(po.shm_offset, peer.shm_offset);
+  EXPECT_EQ(po.peer_values, peer.peer_values);
+  Block two = peer;
+  two.flags = kBlockPeerMemory | kBlockSharedMemory;
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(Encode(2, two)), &bo)));
+
+  Get direct{Representation::kStored, "m", "k", false, 0x7f0000001000, 1 << 20, true};
+  Get dout = RoundTrip<Get>(Encode(1, direct));
+  EXPECT_TRUE(dout.direct);
+  EXPECT_FALSE(dout.shared);
+  EXPECT_EQ(dout.shm_offset, direct.shm_offset);
+
   Get g{Representation::kStored, "m", "k", true, 4096, 1 << 20};
   Get go = RoundTrip<Get>(Encode(1, g));
   EXPECT_TRUE(go.shared);
