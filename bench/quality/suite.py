@@ -279,6 +279,11 @@ def main():
     if args.merge:  # one model's lengths and shards, run as separate processes, into one result
         res = [json.load(open(p)) for p in args.merge]
         out = res[0]
+        out["meta"]["merged_from"] = [
+            {"file": os.path.basename(p), "commit": r["meta"]["commit"],
+             "date": r["meta"]["date"], "rounds": {L: pl["rounds"]
+                                                   for L, pl in r["per_length"].items()}}
+            for p, r in zip(args.merge, res)]
         for r in res[1:]:
             for Lb, pl in r["per_length"].items():
                 have = out["per_length"].get(Lb)
@@ -491,8 +496,9 @@ def write_scorers(path, paths, ratios=("0.5", "0.75")):
         rows = summarize(r)
         name = os.path.basename(p).rsplit("-", 1)[-1][:-5]
         m = r["meta"]
-        out += [f"## {name} ({m['parameters']} parameters; {m['card']}, commit {m['commit']}, "
-                f"{m['date']})", "",
+        runs = (f"commit {m['commit']}, {m['date']}" if "merged_from" not in m else
+                "; ".join(f"commit {x['commit']}, {x['date']}" for x in m["merged_from"]))
+        out += [f"## {name} ({m['parameters']} parameters; {m['card']}, {runs})", "",
                 "| length | ratio | scorer | loss vs full | paired vs manifold | single | "
                 "multi-key | multi-value | vt | n |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -530,8 +536,12 @@ def write_md(path, res):
     rows = summarize(res)
     ab = {"niah_single": "single", "niah_multikey": "mkey", "niah_multivalue": "mval",
           "niah_multiquery": "mquery", "vt": "vt", "cwe": "cwe", "fwe": "fwe"}
+    src = ""
+    if len({x["commit"] for x in m.get("merged_from", [])} | {m["commit"]}) > 1:
+        src = " (merged runs: " + "; ".join(
+            f"{x['file']} commit {x['commit']} date {x['date']}" for x in m["merged_from"]) + ")"
     out = [f"# RULER-style suite: {m['model']}", "",
-           f"date {m['date']}, commit {m['commit']}, {m['card']} ({m['device']}, {m['dtype']}), "
+           f"date {m['date']}, commit {m['commit']}{src}, {m['card']} ({m['device']}, {m['dtype']}), "
            f"torch {m['torch']}; {m['parameters']} parameters {m['model_config']}; held-out "
            f"corpus English {m['corpus']['en']['held_sha256']} / code "
            f"{m['corpus']['code']['held_sha256']}; {m['seconds']:.0f} s. Scores: mean item "

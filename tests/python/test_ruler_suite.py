@@ -130,6 +130,8 @@ def test_shards_merge_into_the_single_process_result(tmp_path, monkeypatch):
     one = json.loads((tmp_path / "one.json").read_text())["per_length"]["256"]
     merged = json.loads((tmp_path / "merged.json").read_text())["per_length"]["256"]
     assert merged["rounds"] == one["rounds"] == 3
+    meta = json.loads((tmp_path / "merged.json").read_text())["meta"]
+    assert [x["rounds"] for x in meta["merged_from"]] == [{"256": 2}, {"256": 1}]
     # shard 0 holds rounds 0 and 2, shard 1 round 1: the same per-round values, reordered
     order = [0, 2, 1]
     for c in configs:
