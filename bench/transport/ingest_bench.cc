@@ -154,6 +154,7 @@ int Client(int argc, char** argv) {
   co.request_timeout = absl::Seconds(60);
   co.ucx.peer_error_handling = Flag(argc, argv, "peer_errors", 1) != 0;
   co.shared_memory = shm;
+  co.shm_direct = Flag(argc, argv, "shm_direct", 1) != 0;
   absl::StatusOr<std::unique_ptr<UcxClient>> c =
       UcxClient::Connect(Endpoint{"127.0.0.1", static_cast<uint16_t>(port)}, "bench", "", co);
   if (!c.ok()) {
@@ -165,6 +166,10 @@ int Client(int argc, char** argv) {
   if (shm && channel == nullptr) {
     std::fprintf(stderr, "client: the server offers no shared memory\n");
     return 1;
+  }
+  if (channel != nullptr) {
+    std::fprintf(stderr, "client: shared memory, %s\n",
+                 channel->direct() ? "direct (one copy)" : "through the regions");
   }
   if (const uint64_t gets = Flag(argc, argv, "gets", 0); shm && gets > 0) {
     // Through the get region: Get = into a fresh host buffer each time, GetInto = one reused.
@@ -358,10 +363,11 @@ int Stored(int argc, char** argv) {
   const uint64_t tokens = Flag(argc, argv, "tokens", 8192);
   const uint64_t gets = Flag(argc, argv, "gets", 10);
   const KvLayout layout{32, 8, 32, 128, DType::kBF16};
-  auto connect = [&](bool shm) -> std::unique_ptr<UcxClient> {
+  auto connect = [&](bool shm, bool direct = true) -> std::unique_ptr<UcxClient> {
     ClientOptions co;
     co.request_timeout = absl::Minutes(10);
     co.shared_memory = shm;
+    co.shm_direct = direct;
     absl::StatusOr<std::unique_ptr<UcxClient>> c = UcxClient::Connect(*ep, "", "", co);
     if (!c.ok()) {
       std::fprintf(stderr, "connect: %s\n", c.status().ToString().c_str());
@@ -371,7 +377,8 @@ int Stored(int argc, char** argv) {
   };
   std::unique_ptr<UcxClient> over_shm = connect(true);
   std::unique_ptr<UcxClient> over_ucx = connect(false);
-  if (over_shm == nullptr || over_ucx == nullptr) return 1;
+  std::unique_ptr<UcxClient> over_regions = connect(true, false);
+  if (over_shm == nullptr || over_ucx == nullptr || over_regions == nullptr) return 1;
   if (over_shm->SharedMemory() == nullptr) {
     std::fprintf(stderr, "stored: the daemon offers no shared memory\n");
     return 1;
@@ -451,8 +458,13 @@ int Stored(int argc, char** argv) {
               std::string(LinkName(put_link)).c_str(), put_s);
   std::vector<uint8_t> dst(sum->stored_bytes);
   const GetRequest request{begin.model_id, begin.key, wire::Representation::kStored};
-  for (UcxClient* c : {over_shm.get(), over_ucx.get()}) {
+  for (UcxClient* c : {over_shm.get(), over_regions.get(), over_ucx.get()}) {
     const UcxLinks links(c);
+    const char* mode = c == over_ucx.get()       ? "ucx"
+                       : c == over_regions.get() ? "shm-regions"
+                       : (c->SharedMemory() != nullptr && c->SharedMemory()->direct())
+                           ? "shm-direct"
+                           : "shm-regions";
     std::vector<double> ms;
     LinkKind used = LinkKind::kUcxHost;
     for (uint64_t i = 0; i < gets + 1; ++i) {
@@ -467,8 +479,9 @@ int Stored(int argc, char** argv) {
       }
       if (i > 0) ms.push_back(a);
     }
-    std::printf("RESULT stored_bytes=%llu link=%s gets=%llu p50_ms=%.2f p99_ms=%.2f\n",
+    std::printf("RESULT stored_bytes=%llu link=%s mode=%s gets=%llu p50_ms=%.2f p99_ms=%.2f\n",
                 static_cast<unsigned long long>(dst.size()), std::string(LinkName(used)).c_str(),
+                mode,
                 static_cast<unsigned long long>(gets), Pct(ms, 0.5), Pct(ms, 0.99));
   }
   over_shm->Delete(begin.model_id, begin.key).IgnoreError();

@@ -3,26 +3,35 @@
 # setting, alternately runs `ucx_perftest -t ucp_am_bw -s 1048576` (UCX's own active-message
 # bandwidth, two processes) and kvcomp_transport_bench (UcxClient -> UcxServer with 1 MiB
 # blocks, CRC32C on both ends, per-block acknowledgement, two processes), REPS times each, and
-# records the medians and their ratio in bench/results/transport_ingest_<date>.md.
+# records the medians and their ratio in bench/results/transport_<date>.md. Then the get latency
+# of a cache the server lends, per setting, and the stored get of a Llama-3.1-8B-shaped cache
+# from a real kvcompd over each link, against the transfer time of its bytes at ucx_perftest's
+# shared-memory rate of the same run.
 #
 #   bash bench/transport/run.sh [build-dir]
 #
-# Knobs: KVCOMP_TLS_LIST (default "tcp sm,tcp sm,tcp:noerr posix,tcp"; ":noerr" runs kvcomp
-# with UcxConfig::peer_error_handling off, which lets UCX 1.13 use cma), KVCOMP_BLOCKS (2000), KVCOMP_REPS (3),
-# KVCOMP_WINDOW (blocks in flight, 16), KVCOMP_VERIFY (server CRC check, 1), KVCOMP_GET_BYTES
-# (get-latency cache size, 256 MiB; 0 skips), KVCOMP_GETS (10).
+# Knobs: KVCOMP_TLS_LIST (default "tcp sm,tcp:shm sm,tcp:shm-regions sm,tcp"): UCX_TLS,
+# optionally with a mode: ":noerr" runs kvcomp with UcxConfig::peer_error_handling off (UCX may
+# then use cma), ":shm" moves kvcomp's payloads over the same-host shared-memory link in direct
+# mode (one copy), ":shm-regions" over its memfd regions (two copies); the perftest beside them
+# runs with the UCX_TLS part. KVCOMP_BLOCKS (2000), KVCOMP_REPS (3), KVCOMP_WINDOW (blocks in
+# flight, 16), KVCOMP_VERIFY (server CRC check, 1), KVCOMP_GET_BYTES (get-latency cache size,
+# 256 MiB; 0 skips), KVCOMP_GETS (10), KVCOMP_STORED_TOKENS (the stored cache's tokens, 8192;
+# 0 skips; needs <build>/service/kvcompd).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 BUILD=${1:-$ROOT/build-transport}
 BENCH=$BUILD/bench/transport/kvcomp_transport_bench
-TLS_LIST=${KVCOMP_TLS_LIST:-tcp sm,tcp sm,tcp:noerr posix,tcp}
+TLS_LIST=${KVCOMP_TLS_LIST:-tcp sm,tcp:shm sm,tcp:shm-regions sm,tcp}
 BLOCKS=${KVCOMP_BLOCKS:-2000}
 REPS=${KVCOMP_REPS:-3}
 WINDOW=${KVCOMP_WINDOW:-16}
 VERIFY=${KVCOMP_VERIFY:-1}
 GET_BYTES=${KVCOMP_GET_BYTES:-268435456}  # get latency: cache size (0 skips)
 GETS=${KVCOMP_GETS:-10}
+STORED_TOKENS=${KVCOMP_STORED_TOKENS:-8192}
+KVCOMPD=$BUILD/service/kvcompd
 
 if [ ! -x "$BENCH" ]; then
   cmake --build "$BUILD" --target kvcomp_transport_bench >/dev/null
@@ -33,11 +42,26 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
+# "sm,tcp:shm" -> UCX_TLS "sm,tcp", mode "shm"; kvcomp's flags for a mode.
+tls_of() { echo "${1%%:*}"; }
+mode_of() { case "$1" in *:*) echo "${1#*:}" ;; *) echo "" ;; esac; }
+mode_flags() {
+  case "$(mode_of "$1")" in
+    noerr) echo "--peer_errors=0" ;;
+    shm) echo "--link=shm" ;;
+    shm-regions) echo "--link=shm --shm_direct=0" ;;
+    *) echo "" ;;
+  esac
+}
+server_flags() { [ "$(mode_of "$1")" = noerr ] && echo "--peer_errors=0" || echo ""; }
+load() { cut -d' ' -f1 /proc/loadavg; }
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # ucx_perftest's overall bandwidth in MiB/s (it prints MB/s meaning 2^20 bytes).
 perftest_once() {
-  local tls=${1%:noerr} port log
+  local tls port log
+  tls=$(tls_of "$1")
   port=$(free_port)
   log=$(mktemp)
   UCX_TLS=$tls ucx_perftest -p "$port" >"$log" 2>&1 &
@@ -55,10 +79,11 @@ perftest_once() {
 
 # kvcomp's ingest in MiB/s.
 kvcomp_once() {
-  local tls=${1%:noerr} out peer=1
-  [ "$tls" != "$1" ] && peer=0
+  local tls out
+  tls=$(tls_of "$1")
   out=$(mktemp)
-  UCX_TLS=$tls "$BENCH" server --verify="$VERIFY" --peer_errors=$peer >"$out" 2>&1 &
+  # shellcheck disable=SC2046
+  UCX_TLS=$tls "$BENCH" server --verify="$VERIFY" $(server_flags "$1") >"$out" 2>&1 &
   local sp=$!
   PIDS+=("$sp")
   local port=""
@@ -68,8 +93,9 @@ kvcomp_once() {
     sleep 0.1
   done
   local line
+  # shellcheck disable=SC2046
   line=$(UCX_TLS=$tls timeout 300 "$BENCH" client "$port" --blocks="$BLOCKS" --window="$WINDOW" \
-           --peer_errors=$peer 2>&1 | grep -E '^RESULT' || true)
+           $(mode_flags "$1") 2>&1 | grep -E '^RESULT' || true)
   kill "$sp" 2>/dev/null || true
   wait "$sp" 2>/dev/null || true
   rm -f "$out"
@@ -78,10 +104,11 @@ kvcomp_once() {
 
 # Get latency of a GET_BYTES cache: "p50 p99 p50_into p99_into" in ms.
 get_once() {
-  local tls=${1%:noerr} out peer=1
-  [ "$tls" != "$1" ] && peer=0
+  local tls out
+  tls=$(tls_of "$1")
   out=$(mktemp)
-  UCX_TLS=$tls "$BENCH" server --get_bytes="$GET_BYTES" --peer_errors=$peer >"$out" 2>&1 &
+  # shellcheck disable=SC2046
+  UCX_TLS=$tls "$BENCH" server --get_bytes="$GET_BYTES" $(server_flags "$1") >"$out" 2>&1 &
   local sp=$!
   PIDS+=("$sp")
   local port=""
@@ -90,7 +117,8 @@ get_once() {
     [ -n "$port" ] && break
     sleep 0.1
   done
-  UCX_TLS=$tls timeout 600 "$BENCH" client "$port" --gets="$GETS" --peer_errors=$peer 2>&1 |
+  # shellcheck disable=SC2046
+  UCX_TLS=$tls timeout 600 "$BENCH" client "$port" --gets="$GETS" $(mode_flags "$1") 2>&1 |
     grep -E '^RESULT' | sed -E 's/.*get_p50_ms=([0-9.]+) get_p99_ms=([0-9.]+) getinto_p50_ms=([0-9.]+) getinto_p99_ms=([0-9.]+).*/\1 \2 \3 \4/' || true
   kill "$sp" 2>/dev/null || true
   wait "$sp" 2>/dev/null || true
@@ -108,7 +136,7 @@ CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
 MACHINE="$(hostname), $(nproc) cores, $CPU, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
 # "# Version 1.13.1" (Debian's UCX) or "# Library version: 1.22.0" (newer releases)
 UCXV=$(ucx_info -v | awk '/^# (Library )?[Vv]ersion/{print $NF; exit}')
-RESULTS=$ROOT/bench/results/transport_ingest_$DATE.md
+RESULTS=$ROOT/bench/results/transport_$DATE.md
 
 {
   echo "# Data-plane ingest vs ucx_perftest ($STAMP)"
@@ -122,15 +150,22 @@ RESULTS=$ROOT/bench/results/transport_ingest_$DATE.md
   echo "- reference: ucx_perftest -t ucp_am_bw -s 1048576 -n $BLOCKS -w 100 (same UCX_TLS; perftest"
   echo "  uses no peer error handling, so UCX may pick cma for rendezvous on one host)."
   echo "- \":noerr\": kvcomp with UcxConfig::peer_error_handling=false on both sides (cma allowed)."
-  echo "- $BLOCKS blocks per run, $REPS runs each, alternating; medians in MiB/s."
+  echo "- \":shm\": kvcomp's blocks over the same-host shared-memory link (transport/shm_link.h),"
+  echo "  direct mode: the server reads each block from the client's memory (one copy, no CRC);"
+  echo "  \":shm-regions\": through the client's memfd put region (the client's copy in, the"
+  echo "  server's copy out). Requests, acknowledgements and peer error handling stay on UCX."
+  echo "- $BLOCKS blocks per run, $REPS runs each, alternating; medians in MiB/s; load = the 1-minute"
+  echo "  load average before each pair of runs."
   echo
-  echo "| UCX_TLS | ucx_perftest MiB/s (runs) | kvcomp MiB/s (runs) | kvcomp / perftest |"
-  echo "| --- | --- | --- | --- |"
+  echo "| UCX_TLS | ucx_perftest MiB/s (runs) | kvcomp MiB/s (runs) | kvcomp / perftest | load |"
+  echo "| --- | --- | --- | --- | --- |"
 } >"$RESULTS.tmp"
 
+SM_RATE=""
 for tls in $TLS_LIST; do
-  P=(); K=()
+  P=(); K=(); L=()
   for r in $(seq "$REPS"); do
+    L+=("$(load)")
     P+=("$(perftest_once "$tls")")
     K+=("$(kvcomp_once "$tls")")
     echo "  $tls run $r: perftest ${P[-1]} MiB/s, kvcomp ${K[-1]} MiB/s" >&2
@@ -138,7 +173,9 @@ for tls in $TLS_LIST; do
   pm=$(median "${P[@]}")
   km=$(median "${K[@]}")
   ratio=$(awk -v a="$km" -v b="$pm" 'BEGIN{ if (b+0>0) printf "%.0f%%", 100*a/b; else print "n/a"}')
-  echo "| $tls | $pm (${P[*]}) | $km (${K[*]}) | $ratio |" >>"$RESULTS.tmp"
+  echo "| $tls | $pm (${P[*]}) | $km (${K[*]}) | $ratio | ${L[*]} |" >>"$RESULTS.tmp"
+  # ucx_perftest's shared-memory rate, the reference of the stored get below.
+  if [ -z "$SM_RATE" ] && [ "$(tls_of "$tls")" = "sm,tcp" ]; then SM_RATE=$pm; fi
 done
 
 if [ "$GET_BYTES" != 0 ]; then
@@ -147,14 +184,57 @@ if [ "$GET_BYTES" != 0 ]; then
     echo "Get latency of a $((GET_BYTES >> 20)) MiB cache (server lends the bytes, CRC32C on both"
     echo "ends; Get allocates a fresh host buffer, GetInto reuses one), $GETS gets after one warm-up:"
     echo
-    echo "| UCX_TLS | Get p50 ms | Get p99 ms | GetInto p50 ms | GetInto p99 ms |"
-    echo "| --- | --- | --- | --- | --- |"
+    echo "| UCX_TLS | Get p50 ms | Get p99 ms | GetInto p50 ms | GetInto p99 ms | load |"
+    echo "| --- | --- | --- | --- | --- | --- |"
   } >>"$RESULTS.tmp"
   for tls in $TLS_LIST; do
+    l=$(load)
     read -r g50 g99 i50 i99 <<<"$(get_once "$tls")"
     echo "  $tls get: p50 $g50 ms, p99 $g99 ms" >&2
-    echo "| $tls | ${g50:-n/a} | ${g99:-n/a} | ${i50:-n/a} | ${i99:-n/a} |" >>"$RESULTS.tmp"
+    echo "| $tls | ${g50:-n/a} | ${g99:-n/a} | ${i50:-n/a} | ${i99:-n/a} | $l |" >>"$RESULTS.tmp"
   done
+fi
+
+# The stored get of a Llama-3.1-8B-shaped cache (bf16, STORED_TOKENS tokens, the daemon's
+# default policy, host tier) from a real kvcompd, into one reused host buffer, over each link,
+# against the transfer time of its bytes at ucx_perftest's sm,tcp rate measured above.
+if [ "$STORED_TOKENS" != 0 ] && [ -x "$KVCOMPD" ]; then
+  if [ ! -x "$BENCH" ]; then cmake --build "$BUILD" --target kvcomp_transport_bench >/dev/null; fi
+  DDIR=$(mktemp -d /tmp/kvcomp-transport-stored-XXXXXX)
+  UCX_TLS=sm,tcp "$KVCOMPD" --data_plane.port=0 --control_plane.port=0 --metrics.port=0 \
+    --storage.data_dir="$DDIR/data" --process.ready_file="$DDIR/ready.yaml" \
+    --storage.durability=memory --storage.host_capacity_bytes=4Gi >"$DDIR/log" 2>&1 &
+  KP=$!
+  PIDS+=("$KP")
+  for _ in $(seq 300); do [ -s "$DDIR/ready.yaml" ] && break; sleep 0.1; done
+  DPORT=$(awk '/data_port:/{print $2}' "$DDIR/ready.yaml" 2>/dev/null)
+  l=$(load)
+  OUT=$(UCX_TLS=sm,tcp timeout 900 "$BENCH" stored "127.0.0.1:$DPORT" --tokens="$STORED_TOKENS" \
+          --gets="$GETS" 2>&1 || true)
+  kill "$KP" 2>/dev/null || true
+  wait "$KP" 2>/dev/null || true
+  rm -rf "$DDIR"
+  echo "$OUT" | grep -E '^(PUT|RESULT)' >&2 || echo "$OUT" | tail -3 >&2
+  SB=$(echo "$OUT" | awk '/^PUT/{for(i=1;i<=NF;i++) if ($i ~ /^stored_bytes=/) {sub("stored_bytes=","",$i); print $i}}')
+  {
+    echo
+    echo "Stored get of a Llama-3.1-8B-shaped cache from kvcompd ($STORED_TOKENS tokens, bf16, the"
+    echo "daemon's default policy, host tier, durability memory; ${SB:-?} stored bytes), GetInto one"
+    echo "reused host buffer through the payload links, $GETS gets after one warm-up; load $l."
+    echo "Reference: the transfer time of its bytes at ucx_perftest's sm,tcp rate above"
+    echo "(${SM_RATE:-n/a} MiB/s); the target is a get within 2x of it."
+    echo
+    echo "| link | p50 ms | p99 ms | transfer at perftest sm rate, ms | p50 / transfer |"
+    echo "| --- | --- | --- | --- | --- |"
+    echo "$OUT" | grep -E '^RESULT stored_bytes' | while read -r line; do
+      mode=$(echo "$line" | sed -E 's/.*mode=([^ ]+).*/\1/')
+      p50=$(echo "$line" | sed -E 's/.*p50_ms=([0-9.]+).*/\1/')
+      p99=$(echo "$line" | sed -E 's/.*p99_ms=([0-9.]+).*/\1/')
+      awk -v m="$mode" -v a="$p50" -v b="$p99" -v n="${SB:-0}" -v r="${SM_RATE:-0}" 'BEGIN{
+        t = (r > 0) ? n / (r * 1048576) * 1000 : 0;
+        printf "| %s | %s | %s | %.1f | %s |\n", m, a, b, t, (t > 0) ? sprintf("%.2fx", a / t) : "n/a" }'
+    done
+  } >>"$RESULTS.tmp"
 fi
 
 if [ -f "$RESULTS" ]; then
