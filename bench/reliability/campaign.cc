@@ -20,8 +20,12 @@
 //                write), counted and tracked the same way. With --manifest_every=N, after every
 //                N-th kill RocksDB's MANIFEST has a byte flipped or is cut short (alternately):
 //                the RocksDB tier then refuses to open (docs/storage.md), so disk-durable puts
-//                are refused until an operator acts; it measures a repair. (Table and options
-//                files are not injected.)
+//                are refused until an operator acts; it measures a repair. With --sst_every=N,
+//                every N-th cycle ends with a clean stop (SIGTERM: RocksDB writes its memtables
+//                out as table files) instead of a kill, and one random table file (.sst) is then
+//                damaged: a byte flipped in its first part (data blocks), a byte flipped in its
+//                last 512 bytes (index, properties, footer) or the file cut short, in turn.
+//                (Options files are not injected.)
 //   --mode=soak  `--clients` clients for `--seconds` of mixed put/get/delete on one daemon:
 //                every unexpected status is an error; latency per operation (p50/p99/max) and
 //                the daemon's RSS (sampled each second) are reported.
@@ -96,6 +100,7 @@ struct Flags {
   int flip_every = 0;  // kill mode: a byte flipped in a stored file after every n-th kill
   int tear_every = 0;  // kill mode: a stored file cut short after every n-th kill
   int manifest_every = 0;  // kill mode: the MANIFEST damaged after every n-th kill
+  int sst_every = 0;  // kill mode: a table file damaged after every n-th (clean) stop
   int strangers = 256;
   uint64_t burst_mb = 1024;
   double stranger_period = 20;
@@ -332,6 +337,31 @@ struct KillCampaign {
   uint64_t lost = 0, corrupt = 0, resurrected = 0, op_errors_before_kill = 0;
   uint64_t driver_restarts = 0;  // processes before this one on the same journal
   uint64_t faults = 0, fault_misses = 0, fault_errors = 0, fault_back = 0, fault_refused_ops = 0;
+  std::map<std::string, uint64_t> fault_kinds;  // faults by kind (FaultKind)
+  std::map<std::string, uint64_t> fault_error_codes;  // refused gets after a fault, by code
+
+  // The kind of a fault from its journal line ("<file> ..."): file type and byte flip or cut.
+  static std::string FaultKind(const std::string& what) {
+    const bool cut = what.find(" cut from ") != std::string::npos;
+    if (what.rfind("MANIFEST-", 0) == 0) return cut ? "manifest cut" : "manifest flip";
+    if (what.find(".sst") != std::string::npos) {
+      if (cut) return "table cut";
+      return what.find("(tail)") != std::string::npos ? "table tail flip" : "table data flip";
+    }
+    const size_t dot = what.find('.');
+    const std::string ext = dot == std::string::npos ? "" : what.substr(dot + 1, 4);
+    const std::string file = ext.rfind("blob", 0) == 0  ? "blob"
+                             : ext.rfind("log", 0) == 0 ? "log"
+                             : ext.rfind("kvd", 0) == 0 ? "direct file"
+                                                        : "file";
+    return file + (cut ? " cut" : " flip");
+  }
+  void NoteFault(const std::string& what) {
+    Journal("F " + what);
+    ++faults;
+    ++fault_kinds[FaultKind(what)];
+    damaged = true;
+  }
   bool damaged = false;  // a fault was injected before the restart being verified
   // --lossless: acknowledged puts read straight back byte-exact (round trips); gets of live
   // caches by the readers (byte-exact, misses, clean errors while the daemon was down or
@@ -405,6 +435,7 @@ struct KillCampaign {
         }
         case 'F':
           ++faults;
+          ++fault_kinds[FaultKind(line.substr(2))];
           damaged = true;
           break;
         case 'M':
@@ -412,11 +443,14 @@ struct KillCampaign {
           keys.erase(id);
           ++fault_misses;
           break;
-        case 'R':
-          ls >> id;
+        case 'R': {
+          std::string code;
+          ls >> id >> code;
           keys.erase(id);
           ++fault_errors;
+          if (!code.empty()) ++fault_error_codes[code];
           break;
+        }
         case 'S': ++driver_restarts; break;
       }
       if (line[0] == 'P' || line[0] == 'A' || line[0] == 'L') {
@@ -568,7 +602,9 @@ struct KillCampaign {
         // After a media fault a cache may be gone or refused; never served wrong (checked below).
         const bool miss = absl::IsNotFound(got.status());
         miss ? ++fault_misses : ++fault_errors;
-        Journal((miss ? "M " : "R ") + std::to_string(id));
+        const std::string code = absl::StatusCodeToString(got.status().code());
+        if (!miss) ++fault_error_codes[code];
+        Journal((miss ? "M " : "R ") + std::to_string(id) + (miss ? "" : " " + code));
         it = keys.erase(it);
         continue;
       }
@@ -801,6 +837,35 @@ struct KillCampaign {
     return flip ? FlipByteIn(path, rng) : CutShort(path, rng);
   }
 
+  // Damages a random table file (.sst) of the stopped daemon's RocksDB directory, in turn
+  // (`kind` 0, 1, 2): a byte flipped in its first part (data blocks), a byte flipped in its last
+  // 512 bytes (index, properties, footer), the file cut short. "" when there is none.
+  static std::string DamageATable(const std::string& data, std::mt19937_64& rng, int kind) {
+    std::vector<std::filesystem::path> files;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(data + "/rocksdb", ec)) {
+      if (e.path().extension() == ".sst" && e.file_size(ec) > 1) files.push_back(e.path());
+    }
+    if (files.empty()) return "";
+    std::sort(files.begin(), files.end());
+    const std::filesystem::path path = files[rng() % files.size()];
+    if (kind == 2) return CutShort(path, rng);
+    const uint64_t size = std::filesystem::file_size(path, ec);
+    if (ec || size == 0) return "";
+    const uint64_t tail = std::min<uint64_t>(512, size);
+    const uint64_t at = kind == 0 ? rng() % std::max<uint64_t>(1, size - tail)
+                                  : size - tail + rng() % tail;
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(static_cast<std::streamoff>(at));
+    char b = 0;
+    file.read(&b, 1);
+    b = static_cast<char>(b ^ (1 << (rng() % 8)));
+    file.seekp(static_cast<std::streamoff>(at));
+    file.write(&b, 1);
+    return path.filename().string() + (kind == 0 ? " (data)" : " (tail)") + " byte " +
+           std::to_string(at) + " of " + std::to_string(size) + " flipped";
+  }
+
   // A daemon left running by a driver that died holds the database's lock: it goes first.
   static void KillOrphan(const std::string& data) {
     std::ifstream in(data + ".ready.yaml");
@@ -906,7 +971,10 @@ struct KillCampaign {
       killed = true;
       down = true;
       ++kills;
-      d.Kill(SIGKILL);
+      // Before a table file is damaged the daemon stops cleanly, so its memtables are written
+      // out as fresh table files of every family.
+      const bool sst_fault = f.sst_every > 0 && (cycle + 1) % f.sst_every == 0;
+      d.Kill(sst_fault ? SIGTERM : SIGKILL);
       stop = true;
       for (auto& t : threads) t.join();
       {
@@ -914,26 +982,26 @@ struct KillCampaign {
         if (f.flip_every > 0 && (cycle + 1) % f.flip_every == 0) {
           const std::string what = FlipAByte(data, rng);
           if (!what.empty()) {
-            Journal("F " + what);
-            ++faults;
-            damaged = true;
+            NoteFault(what);
           }
         }
         if (f.manifest_every > 0 && (cycle + 1) % f.manifest_every == 0) {
           const bool flip = ((cycle + 1) / f.manifest_every) % 2 == 1;
           const std::string what = DamageTheManifest(data, rng, flip);
           if (!what.empty()) {
-            Journal("F " + what);
-            ++faults;
-            damaged = true;
+            NoteFault(what);
+          }
+        }
+        if (sst_fault) {
+          const std::string what = DamageATable(data, rng, ((cycle + 1) / f.sst_every) % 3);
+          if (!what.empty()) {
+            NoteFault(what);
           }
         }
         if (f.tear_every > 0 && (cycle + 1) % f.tear_every == 0) {
           const std::string what = TearAFile(data, rng);
           if (!what.empty()) {
-            Journal("F " + what);
-            ++faults;
-            damaged = true;
+            NoteFault(what);
           }
         }
         Journal("T " + std::to_string(round_trips.load()) + " " + std::to_string(reader_gets.load()) +
@@ -981,8 +1049,21 @@ struct KillCampaign {
       << acked_deletes << " | operations cut by the kill " << cut_puts + cut_deletes
       << " | live caches " << live << " | lost " << lost << " | corrupt " << corrupt
       << " | deleted but back " << resurrected << " | errors while up " << op_errors_before_kill
-      << " | faults (byte flips, torn files) " << faults << ", then missing " << fault_misses << ", refused "
-      << fault_errors << ", deleted ones back " << fault_back
+      << " | faults " << faults;
+    const char* kind_sep = " (";
+    for (auto& [kind, n] : fault_kinds) {
+      s << kind_sep << kind << " " << n;
+      kind_sep = ", ";
+    }
+    if (!fault_kinds.empty()) s << ")";
+    s << ", then missing " << fault_misses << ", refused " << fault_errors;
+    kind_sep = " (";
+    for (auto& [code, n] : fault_error_codes) {
+      s << kind_sep << code << " " << n;
+      kind_sep = ", ";
+    }
+    if (!fault_error_codes.empty()) s << ")";
+    s << ", deleted ones back " << fault_back
       << ", puts and deletes refused (DATA_LOSS) after " << fault_refused_ops
       << " | round trips (acknowledged, read back byte-exact) " << round_trips.load()
       << " | gets compared: readers " << reader_gets.load() << ", after restarts "
@@ -1921,6 +2002,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = val("flip_every")) f.flip_every = std::atoi(v);
     else if (const char* v = val("tear_every")) f.tear_every = std::atoi(v);
     else if (const char* v = val("manifest_every")) f.manifest_every = std::atoi(v);
+    else if (const char* v = val("sst_every")) f.sst_every = std::atoi(v);
     else if (const char* v = val("rss_every")) f.rss_every = std::atoi(v);
     else if (a == "--no_round_trips") f.no_round_trips = true;
     else if (a == "--stalls") f.stalls = true;

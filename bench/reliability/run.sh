@@ -6,6 +6,8 @@
 #   bench/reliability/run.sh restart [build dir] [MiB]     restart time after a write burst
 #   bench/reliability/run.sh diskfull [build dir] [cycles] puts on a volume that fills and frees
 #   bench/reliability/run.sh peer [build dir] [cycles]     puts cut between PutBegin and Commit
+#   bench/reliability/run.sh tables [build dir] [cycles]   a RocksDB table file damaged after
+#       every second (clean) stop: a data block, its tail (index, footer) or cut short, in turn
 #   bench/reliability/run.sh roundtrips [build dir] [cycles]
 #       round trips of small lossless caches (16-63 KiB of K and V) compared byte for byte, under
 #       SIGKILLs every 5-15 s with readers getting across every restart; resumable: its journal
@@ -24,7 +26,7 @@
 # KVCOMP_COMMIT names what the build dir was built from when it is not HEAD of this tree.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: run.sh kill|soak|lockout|restart [build dir] [cycles|seconds|MiB]}
+mode=${1:?usage: run.sh kill|soak|lockout|restart|diskfull|peer|tables|roundtrips [build dir] [amount]}
 build=${2:-build-reliability}
 amount=${3:-}
 # The long round-trip run shares the build machine: it yields to everything else.
@@ -67,9 +69,11 @@ case "$mode" in
   restart) args=(--mode=restart --burst_mb="${amount:-4096}") ;;
   diskfull) args=(--mode=diskfull --cycles="${amount:-20}") ;;
   peer) args=(--mode=peer --cycles="${amount:-300}") ;;
+  tables) args=(--mode=kill --cycles="${amount:-100}" --writers=2 --window=48 --sst_every=2) ;;
   roundtrips) args=(--mode=kill --cycles="${amount:-10000}" --chunk=10 --writers=2 --window=16
                     --lossless --readers=2 --run_ms=5000:15000) ;;
-  *) echo "mode must be kill, soak, lockout, restart, diskfull, peer or roundtrips" >&2; exit 2 ;;
+  *) echo "mode must be kill, soak, lockout, restart, diskfull, peer, tables or roundtrips" >&2
+     exit 2 ;;
 esac
 set +e
 # Kill mode runs 100 cycles per process and resumes from its journal (exit status 3: more to

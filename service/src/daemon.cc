@@ -742,7 +742,15 @@ absl::Status DaemonImpl::Init(const Options& options) {
         "the rest are served; the last: ",
         st.last_log_damage);
   }
-  logged_damage_ = {st.quarantined, st.background_corruptions + st.log_damage, st.damage_repairs};
+  if (st.tables_dropped > 0) {
+    Log(LogLevel::kWarning, "storage: ", st.tables_dropped,
+        " damaged RocksDB table file(s) taken out at start (kvcomp_store_corruptions_total); the "
+        "caches recorded there are lost (misses), the rest are served; the last: ",
+        st.last_table_dropped);
+  }
+  logged_damage_ = {st.quarantined,
+                    st.background_corruptions + st.log_damage + st.tables_dropped,
+                    st.damage_repairs};
   if (st.unverified > 0) {
     Log(LogLevel::kInfo, "storage: checking the payloads of ", st.unverified,
         " recovered cache(s) in the background; a damaged one is quarantined, never served");
@@ -996,8 +1004,9 @@ void DaemonImpl::ControlPlaneTick() {
 void DaemonImpl::StoreDamageTick() {
   if (store_ == nullptr || metrics_ == nullptr) return;
   const storage::StoreStats st = store_->Stats();
-  metrics_->AdvanceStoreDamage(st.quarantined, st.background_corruptions + st.log_damage,
-                              st.damage_repairs);
+  metrics_->AdvanceStoreDamage(st.quarantined,
+                               st.background_corruptions + st.log_damage + st.tables_dropped,
+                               st.damage_repairs);
   DamageTotals& logged = logged_damage_;
   if (st.quarantined > logged.quarantined) {
     Log(LogLevel::kWarning, "storage: ", st.quarantined - logged.quarantined,
@@ -1005,7 +1014,7 @@ void DaemonImpl::StoreDamageTick() {
         " since start), the latest ", st.last_quarantined);
     logged.quarantined = st.quarantined;
   }
-  const uint64_t corruptions = st.background_corruptions + st.log_damage;
+  const uint64_t corruptions = st.background_corruptions + st.log_damage + st.tables_dropped;
   if (corruptions > logged.corruptions) {
     Log(LogLevel::kWarning, "storage: RocksDB met damaged data in background work ",
         corruptions - logged.corruptions, " time(s) (", st.background_corruptions,
@@ -1097,8 +1106,9 @@ void DaemonImpl::RefreshGauges() {
     metrics_->SetDisk(rocksdb.read_only, rocksdb.disk_free_bytes,
                       options_.storage.rocksdb_reserve_bytes);
   }
-  metrics_->AdvanceStoreDamage(st.quarantined, st.background_corruptions + st.log_damage,
-                              st.damage_repairs);
+  metrics_->AdvanceStoreDamage(st.quarantined,
+                               st.background_corruptions + st.log_damage + st.tables_dropped,
+                               st.damage_repairs);
   metrics_->SetQueueDepth(static_cast<int64_t>(service_->queue_depth()));
   if (control_ != nullptr) {
     metrics_->SetControlConnections(thrift_dead_.load() ? 0

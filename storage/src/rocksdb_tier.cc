@@ -1,6 +1,8 @@
 #include "rocksdb_tier.h"
 
+#include <fcntl.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdarg>
@@ -9,6 +11,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +35,7 @@
 #include "rocksdb/listener.h"
 #include "rocksdb/options.h"
 #include "rocksdb/sst_file_manager.h"
+#include "rocksdb/sst_file_reader.h"
 #include "rocksdb/table.h"
 #include "rocksdb/write_batch.h"
 
@@ -256,6 +262,228 @@ std::optional<LogCut> FindDamagedLog(const std::string& dir) {
     if (cut) return cut;
   }
   return std::nullopt;
+}
+
+// The table file (".sst") the message of a RocksDB Corruption names ("... in /dir/000012.sst
+// offset ...", "Sst file size mismatch: /dir/000012.sst. ..."), "" when it names none. Only
+// Corruption is read so: a missing file or an I/O error that may pass never makes a table count
+// as damaged.
+std::string DamagedTableIn(const std::string& m) {
+  for (size_t at = m.find(".sst"); at != std::string::npos; at = m.find(".sst", at + 1)) {
+    size_t b = at;
+    while (b > 0 && m[b - 1] >= '0' && m[b - 1] <= '9') --b;
+    if (b < at && (b == 0 || m[b - 1] == '/')) return m.substr(b, at + 4 - b);
+  }
+  return "";
+}
+
+// Notes a damaged table that a RocksDB Corruption names (met by a get or a compaction while the
+// database is open) in <dir>/damaged/pending, for the next open to take out.
+void NoteDamagedTable(const std::string& dir, const std::string& message) {
+  const std::string table = DamagedTableIn(message);
+  if (table.empty()) return;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(dir) / "damaged", ec);
+  std::ofstream out(dir + "/damaged/pending", std::ios::app);
+  out << table << "\n";
+}
+
+// Options for the read-only opens that find a damaged table's family and level: RocksDB's own
+// info log is left alone (a read-only open would otherwise start a new LOG file each time).
+class NoLogger : public rocksdb::Logger {
+ public:
+  NoLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::HEADER_LEVEL) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char*, va_list) override {}
+};
+
+rocksdb::DBOptions ProbeOptions() {
+  rocksdb::DBOptions o;
+  o.wal_recovery_mode = rocksdb::WALRecoveryMode::kSkipAnyCorruptedRecords;
+  o.info_log = std::make_shared<NoLogger>();
+  return o;
+}
+
+void PutVarint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+// Appends one edit to the database's MANIFEST (the log of version edits CURRENT names) that
+// removes table file `number` from `level` of column family `family_id`: a record of RocksDB's
+// log format (7-byte headers, masked CRC32C of type and payload, 32 KiB blocks) holding the
+// edit's tags (200: column family, 6: deleted file). The MANIFEST must read whole first: every
+// record checks and the file ends where its last record ends; otherwise nothing is written
+// (a damaged MANIFEST is another fault, docs/storage.md). Synced before it returns.
+absl::Status AppendTableDrop(const std::string& dir, uint32_t family_id, int level,
+                             uint64_t number) {
+  constexpr uint64_t kBlock = 32768;
+  constexpr uint32_t kMaskDelta = 0xa282ead8u;
+  std::string current;
+  {
+    std::ifstream in(dir + "/CURRENT");
+    std::getline(in, current);
+  }
+  if (current.rfind("MANIFEST-", 0) != 0 || current.find('/') != std::string::npos) {
+    return absl::DataLossError(absl::StrCat("rocksdb tier: CURRENT under ", dir,
+                                            " does not name a MANIFEST"));
+  }
+  const std::string path = dir + "/" + current;
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return absl::UnavailableError(absl::StrCat("rocksdb tier: cannot read ", path));
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto damaged = [&](uint64_t at) {
+    return absl::DataLossError(absl::StrCat("rocksdb tier: ", current, " is damaged at byte ", at,
+                                            "; no table dropped"));
+  };
+  const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
+  uint64_t pos = 0;
+  bool in_record = false;
+  while (pos < bytes.size()) {
+    const uint64_t left_in_block = kBlock - pos % kBlock;
+    if (left_in_block < 7) {  // the writer pads a block's last bytes with zeros
+      for (uint64_t i = 0; i < left_in_block; ++i) {
+        if (pos + i < bytes.size() && b[pos + i] != 0) return damaged(pos);
+      }
+      pos += left_in_block;
+      continue;
+    }
+    if (pos + 7 > bytes.size()) return damaged(pos);
+    const unsigned char* h = b + pos;
+    const uint32_t masked =
+        uint32_t{h[0]} | uint32_t{h[1]} << 8 | uint32_t{h[2]} << 16 | uint32_t{h[3]} << 24;
+    const uint32_t length = uint32_t{h[4]} | uint32_t{h[5]} << 8;
+    const unsigned char type = h[6];
+    if (type < 1 || type > 4 || 7 + length > left_in_block || pos + 7 + length > bytes.size()) {
+      return damaged(pos);
+    }
+    const uint32_t rot = masked - kMaskDelta;
+    if (Crc32cExtend(Crc32c(&type, 1), h + 7, length) != ((rot >> 17) | (rot << 15))) {
+      return damaged(pos);
+    }
+    // 1 full, 2 first, 3 middle, 4 last fragment
+    if ((type == 1 || type == 2) == in_record) return damaged(pos);
+    in_record = type == 2 || type == 3;
+    pos += 7 + length;
+  }
+  if (in_record) return damaged(pos);
+
+  std::string edit;
+  PutVarint(&edit, 200);  // kColumnFamily
+  PutVarint(&edit, family_id);
+  PutVarint(&edit, 6);  // kDeletedFile: level, file number
+  PutVarint(&edit, static_cast<uint64_t>(level));
+  PutVarint(&edit, number);
+  std::string out;
+  uint64_t at = bytes.size();
+  size_t done = 0;
+  bool first = true;
+  while (first || done < edit.size()) {
+    const uint64_t left_in_block = kBlock - at % kBlock;
+    if (left_in_block < 7) {
+      out.append(left_in_block, '\0');
+      at += left_in_block;
+      continue;
+    }
+    const size_t n = std::min<size_t>(edit.size() - done, left_in_block - 7);
+    const bool last = done + n == edit.size();
+    const unsigned char type = first ? (last ? 1 : 2) : (last ? 4 : 3);
+    const auto* fragment = reinterpret_cast<const unsigned char*>(edit.data()) + done;
+    const uint32_t crc = Crc32cExtend(Crc32c(&type, 1), fragment, n);
+    const uint32_t masked = ((crc >> 15) | (crc << 17)) + kMaskDelta;
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>(masked >> (8 * i)));
+    out.push_back(static_cast<char>(n & 0xff));
+    out.push_back(static_cast<char>(n >> 8));
+    out.push_back(static_cast<char>(type));
+    out.append(edit, done, n);
+    at += 7 + n;
+    done += n;
+    first = false;
+  }
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("rocksdb tier: cannot open ", path));
+  const ssize_t w = ::write(fd, out.data(), out.size());
+  const int synced = w == static_cast<ssize_t>(out.size()) ? ::fdatasync(fd) : -1;
+  ::close(fd);
+  if (synced != 0) {
+    return absl::UnavailableError(absl::StrCat("rocksdb tier: cannot append to ", path));
+  }
+  return absl::OkStatus();
+}
+
+// The live tables of the (closed) database in `dir`, from a read-only open that does not check
+// table files; empty when that open fails (a damaged MANIFEST, for one).
+std::vector<rocksdb::LiveFileMetaData> LiveTables(const std::string& dir,
+                                                  const rocksdb::DBOptions& options,
+                                                  std::map<std::string, uint32_t>* family_ids) {
+  rocksdb::DBOptions probe = options;
+  probe.paranoid_checks = false;  // table files are not opened or checked
+  probe.listeners.clear();
+  probe.sst_file_manager = nullptr;
+  std::vector<std::string> names;
+  std::vector<rocksdb::LiveFileMetaData> live;
+  if (!rocksdb::DB::ListColumnFamilies(probe, dir, &names).ok()) return live;
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+  for (const auto& n : names) cfs.push_back({n, rocksdb::ColumnFamilyOptions()});
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  if (!rocksdb::DB::OpenForReadOnly(probe, dir, cfs, &handles, &raw).ok()) return live;
+  std::unique_ptr<rocksdb::DB> db(raw);
+  db->GetLiveFilesMetaData(&live);
+  for (auto* h : handles) {
+    if (family_ids != nullptr) (*family_ids)[h->GetName()] = h->GetID();
+    db->DestroyColumnFamilyHandle(h).PermitUncheckedError();
+  }
+  db->Close().PermitUncheckedError();
+  return live;
+}
+
+// The first live table of the closed database in `dir` that does not read whole on its own
+// (footer, index, properties, every block's checksum), "" when every one does. For a refused
+// open whose error names no table ("properties unsorted in file .../MANIFEST-...").
+std::string FindDamagedTable(const std::string& dir, const rocksdb::DBOptions& options) {
+  for (const auto& f : LiveTables(dir, options, nullptr)) {
+    rocksdb::SstFileReader reader{rocksdb::Options()};
+    rocksdb::Status s = reader.Open(dir + "/" + f.relative_filename);
+    if (s.ok()) s = reader.VerifyChecksum();
+    if (s.IsCorruption()) return f.relative_filename;
+  }
+  return "";
+}
+
+// Takes a damaged table file out of the database while it is closed: finds its column family
+// and level (a read-only open that does not check table files), appends an edit removing it to
+// the MANIFEST, and moves the file to <dir>/damaged/ for inspection. What it did, for the log;
+// NotFound when the file is not part of the database (any more).
+absl::StatusOr<std::string> DropTable(const std::string& dir, const rocksdb::DBOptions& options,
+                                      const std::string& file, const std::string& why) {
+  const uint64_t number = std::strtoull(file.c_str(), nullptr, 10);
+  std::map<std::string, uint32_t> family_ids;
+  std::optional<rocksdb::LiveFileMetaData> found;
+  for (const auto& f : LiveTables(dir, options, &family_ids)) {
+    if (f.file_number == number) found = f;
+  }
+  const uint32_t family_id = found ? family_ids[found->column_family_name] : 0;
+  if (!found) {
+    return absl::NotFoundError(absl::StrCat("rocksdb tier: ", file, " is not a live table"));
+  }
+  KVCOMP_RETURN_IF_ERROR(AppendTableDrop(dir, family_id, found->level, number));
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(dir) / "damaged", ec);
+  std::filesystem::rename(std::filesystem::path(dir) / file,
+                          std::filesystem::path(dir) / "damaged" / file, ec);
+  const std::string entries =
+      found->num_entries > 0 ? absl::StrCat(", ", found->num_entries, " entries") : "";
+  return absl::StrCat(file, " (", found->column_family_name, ", level ", found->level, entries,
+                      ") dropped", ec ? "" : " and kept in damaged/", ": ", why);
 }
 }  // namespace
 
@@ -509,7 +737,8 @@ uint64_t RocksDbTier::BytesToOpenWritable() const {
 
 absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     const RocksDbTierOptions& o, const std::shared_ptr<rocksdb::Cache>& block_cache,
-    bool read_only, const std::shared_ptr<DamageSignal>& damage, LogDamage* log_damage) {
+    bool read_only, const std::shared_ptr<DamageSignal>& damage, LogDamage* log_damage,
+    TableDamage* table_damage) {
   rocksdb::DBOptions db_options;
   db_options.create_if_missing = o.create_if_missing;
   db_options.create_missing_column_families = o.create_if_missing;
@@ -554,7 +783,8 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
   db_options.listeners.push_back(std::make_shared<ManualRecovery>());
   DamageSignal* signal = damage.get();
   db_options.listeners.push_back(
-      std::make_shared<DamageListener>(damage, [signal](const std::string& error) {
+      std::make_shared<DamageListener>(damage, [signal, o](const std::string& error) {
+        if (o.env == nullptr) NoteDamagedTable(o.path, error);
         std::lock_guard<std::mutex> lock(signal->mu);
         if (!signal->enabled) return false;
         signal->events += 1;
@@ -632,6 +862,25 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     raw = nullptr;
     s = rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
   }
+  // A table file the open cannot read (its footer, index or properties damaged, or the file cut
+  // short: "Sst file size mismatch") is taken out of the database and the open tried again.
+  while (!s.ok() && s.IsCorruption() && !read_only && o.env == nullptr &&
+         table_damage != nullptr && table_damage->tables < 16) {
+    std::string table = DamagedTableIn(s.ToString());
+    if (table.empty()) table = FindDamagedTable(o.path, ProbeOptions());
+    if (table.empty()) break;
+    auto dropped = DropTable(o.path, ProbeOptions(), table, s.ToString());
+    if (!dropped.ok()) {
+      s = rocksdb::Status::Corruption(s.ToString(), std::string(dropped.status().message()));
+      break;
+    }
+    table_damage->tables += 1;
+    table_damage->last = *dropped;
+    if (watch != nullptr) watch->Reset();
+    db->handles.clear();
+    raw = nullptr;
+    s = rocksdb::DB::Open(db_options, o.path, cfs, &db->handles, &raw);
+  }
   if (watch != nullptr) {
     watch->Watch(false);
     *log_damage = watch->Damage();
@@ -699,7 +948,8 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
                           " needed to open read-write (reserve ", o.reserve_bytes,
                           " plus the write-ahead log)");
   } else {
-    db = OpenDb(o, tier->block_cache_, /*read_only=*/false, tier->damage_, &tier->log_damage_);
+    db = OpenDb(o, tier->block_cache_, /*read_only=*/false, tier->damage_, &tier->log_damage_,
+                &tier->table_damage_);
     // Only for lack of space: a database locked by another process must not be served stale.
     if (!db.ok() && exists && absl::IsResourceExhausted(db.status())) {
       reason = absl::StrCat("read-write open failed: ", db.status().message());
@@ -713,21 +963,95 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
       tier->last_reopen_ms_ = NowMs();
     }
   }
-  if (!db.ok()) return db.status();
-  tier->db_ = *std::move(db);
+  // A table file that the open or the scans below find damaged (a media fault), or that a get or
+  // a compaction met while the database was open (noted in <path>/damaged/pending), is taken out
+  // of the database (DropTable) and the database opened again. What can still be read of it is
+  // written again first (Salvage), so only the records in its damaged blocks are lost (misses; a
+  // delete or overwrite recorded there is undone); every other table is served as before. Only
+  // read-write opens on the real filesystem, at most 16 tables per start.
+  std::vector<std::string> pending;
+  if (db.ok() && !(*db)->read_only && o.env == nullptr) pending = tier->PendingTables();
+  const size_t noted = pending.size();
+  for (int drops = 0;; ++drops) {
+    if (!db.ok()) return db.status();
+    tier->db_ = *std::move(db);
+    const bool writable = !tier->db_->read_only && o.env == nullptr && drops < 16;
+    absl::Status scanned = tier->ScanAtOpen();
+    std::string table, why;
+    if (!scanned.ok()) {
+      if (writable && absl::IsDataLoss(scanned)) {
+        table = DamagedTableIn(std::string(scanned.message()));
+        if (table.empty()) {
+          tier->db_.reset();
+          table = FindDamagedTable(o.path, ProbeOptions());
+          if (table.empty()) return scanned;
+          LogDamage more;
+          db = OpenDb(o, tier->block_cache_, /*read_only=*/false, tier->damage_, &more,
+                      &tier->table_damage_);
+          if (!db.ok()) return db.status();
+          tier->log_damage_.regions += more.regions;
+          tier->log_damage_.bytes += more.bytes;
+          tier->db_ = *std::move(db);
+        }
+      }
+      if (table.empty()) return scanned;
+      why = std::string(scanned.message());
+    } else if (writable) {
+      while (table.empty() && !pending.empty()) {
+        if (tier->IsLiveTable(pending.back())) table = pending.back();
+        pending.pop_back();
+      }
+      why = "a get or a compaction met its damage while the database was open";
+    }
+    if (table.empty()) break;
+    auto salvaged = tier->Salvage(table);
+    if (salvaged.ok()) tier->table_damage_.salvaged += *salvaged;
+    tier->db_.reset();  // closed: the MANIFEST is edited while no instance has it open
+    tier->ForgetAll();
+    auto dropped = DropTable(o.path, ProbeOptions(), table, why);
+    if (!dropped.ok()) {
+      return absl::DataLossError(absl::StrCat(why, " (dropping the table: ",
+                                              dropped.status().message(), ")"));
+    }
+    tier->table_damage_.tables += 1;
+    tier->table_damage_.last = *dropped;
+    if (salvaged.ok() && *salvaged > 0) {
+      absl::StrAppend(&tier->table_damage_.last, " (", *salvaged,
+                      " readable record(s) of it written again first)");
+    }
+    LogDamage more;
+    db = OpenDb(o, tier->block_cache_, /*read_only=*/false, tier->damage_, &more,
+                &tier->table_damage_);
+    tier->log_damage_.regions += more.regions;
+    tier->log_damage_.bytes += more.bytes;
+    if (!more.last.empty()) tier->log_damage_.last = more.last;
+  }
+  if (noted > 0 && pending.empty()) {
+    std::error_code ec;
+    std::filesystem::remove(o.path + "/damaged/pending", ec);
+  }
+  if (tier->table_damage_.tables > 0 && !tier->db_->read_only) {
+    KVCOMP_RETURN_IF_ERROR(tier->RemoveOrphans());
+  }
+  if (!tier->db_->read_only) {
+    KVCOMP_RETURN_IF_ERROR(tier->RemoveUnnamedDirectFiles(*tier->db_));
+  }
+  return tier;
+}
 
+absl::Status RocksDbTier::ScanAtOpen() {
   // Sizes for accounting come from the meta records (small); payloads are checked by Recover.
-  const Db& d = *tier->db_;
+  const Db& d = *db_;
   std::unique_ptr<rocksdb::Iterator> it(d.db->NewIterator(rocksdb::ReadOptions(), d.meta));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     auto meta = DecodeMeta(absl::string_view(it->value().data(), it->value().size()));
     const uint64_t n = meta.ok() ? meta->stored_bytes : 0;
     const absl::string_view key(it->key().data(), it->key().size());
-    Stripe& st = tier->StripeOf(key);
+    Stripe& st = StripeOf(key);
     WriterLock lock(&st.mu);
     st.sizes[std::string(key)] = n;
-    tier->used_ += n;
-    tier->entries_ += 1;
+    used_ += n;
+    entries_ += 1;
   }
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: scan meta"));
   if (d.direct != nullptr) {
@@ -740,16 +1064,143 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
         continue;  // unreadable record: the key's Get fails and Recover quarantines it
       }
       const absl::string_view key(f->key().data(), f->key().size());
-      Stripe& st = tier->StripeOf(key);
+      Stripe& st = StripeOf(key);
       WriterLock lock(&st.mu);
       st.files[std::string(key)] = std::move(name);
     }
     KVCOMP_RETURN_IF_ERROR(FromRocksDb(f->status(), "rocksdb tier: scan direct"));
   }
-  if (!d.read_only) {
-    KVCOMP_RETURN_IF_ERROR(tier->RemoveUnnamedDirectFiles(*tier->db_));
+  // The quarantine and calibration families are read through too, so a damaged table of theirs
+  // is met here (and dropped) rather than by a later call.
+  for (rocksdb::ColumnFamilyHandle* family : {d.quarantine, d.calibration}) {
+    std::unique_ptr<rocksdb::Iterator> q(d.db->NewIterator(rocksdb::ReadOptions(), family));
+    for (q->SeekToFirst(); q->Valid(); q->Next()) {
+    }
+    KVCOMP_RETURN_IF_ERROR(FromRocksDb(q->status(), "rocksdb tier: scan " + family->GetName()));
   }
-  return tier;
+  return absl::OkStatus();
+}
+
+std::vector<std::string> RocksDbTier::PendingTables() const {
+  std::ifstream in(options_.path + "/damaged/pending");
+  std::vector<std::string> tables;
+  for (std::string t; std::getline(in, t);) {
+    if (!t.empty() && std::find(tables.begin(), tables.end(), t) == tables.end()) {
+      tables.push_back(t);
+    }
+  }
+  return tables;
+}
+
+bool RocksDbTier::IsLiveTable(const std::string& table) const {
+  const uint64_t number = std::strtoull(table.c_str(), nullptr, 10);
+  std::vector<rocksdb::LiveFileMetaData> live;
+  db_->db->GetLiveFilesMetaData(&live);
+  for (const auto& f : live) {
+    if (f.file_number == number) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<uint64_t> RocksDbTier::Salvage(const std::string& table) {
+  Db& d = *db_;
+  if (d.read_only) return 0;
+  const uint64_t number = std::strtoull(table.c_str(), nullptr, 10);
+  std::vector<rocksdb::LiveFileMetaData> live;
+  d.db->GetLiveFilesMetaData(&live);
+  const rocksdb::LiveFileMetaData* file = nullptr;
+  for (const auto& f : live) {
+    if (f.file_number == number) file = &f;
+  }
+  if (file == nullptr) return 0;
+  rocksdb::ColumnFamilyHandle* family = nullptr;
+  for (auto* h : d.handles) {
+    if (h->GetName() == file->column_family_name) family = h;
+  }
+  if (family == nullptr || (family != d.meta && family != d.payload && family != d.direct)) {
+    return 0;  // the quarantine and calibration families are not salvaged
+  }
+  // The keys the table may hold: those of the other families in its key range (a cache's
+  // meta, payload and direct-file records share its key).
+  const rocksdb::Slice smallest(file->smallestkey), largest(file->largestkey);
+  std::vector<std::string> keys;
+  for (rocksdb::ColumnFamilyHandle* other : {d.meta, d.payload, d.direct}) {
+    if (other == nullptr || other == family) continue;
+    if (family != d.meta && other != d.meta) continue;  // payload and direct: the meta's keys
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> it(d.db->NewIterator(ro, other));
+    for (it->Seek(smallest); it->Valid() && it->key().compare(largest) <= 0; it->Next()) {
+      keys.push_back(it->key().ToString());
+    }
+    // A damaged block of the other family ends its list early: fewer keys salvaged.
+    it->status().PermitUncheckedError();
+  }
+  std::sort(keys.begin(), keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  rocksdb::WriteBatch batch;
+  uint64_t n = 0;
+  for (const std::string& key : keys) {
+    std::string value;
+    rocksdb::Status s = d.db->Get(rocksdb::ReadOptions(), family, key, &value);
+    if (!s.ok()) continue;  // in a damaged block (lost) or not in this family
+    if (!batch.Put(family, key, value).ok()) continue;
+    ++n;
+  }
+  if (n == 0) return 0;
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "salvage", WriteKind::kAdds));
+  // Written out as new tables, so the records no longer depend on the damaged one.
+  rocksdb::FlushOptions flush;
+  flush.allow_write_stall = true;
+  KVCOMP_RETURN_IF_ERROR(FromRocksDb(d.db->Flush(flush, d.handles), "rocksdb tier: flush"));
+  return n;
+}
+
+void RocksDbTier::ForgetAll() {
+  for (Stripe& st : stripes_) {
+    WriterLock lock(&st.mu);
+    st.sizes.clear();
+    st.files.clear();
+  }
+  used_ = 0;
+  entries_ = 0;
+}
+
+absl::Status RocksDbTier::RemoveOrphans() {
+  Db& d = *db_;
+  rocksdb::WriteBatch batch;
+  std::vector<std::string> files;
+  uint64_t orphans = 0;
+  for (rocksdb::ColumnFamilyHandle* family : {d.payload, d.direct}) {
+    if (family == nullptr) continue;
+    rocksdb::ReadOptions ro;
+    ro.fill_cache = false;
+    std::unique_ptr<rocksdb::Iterator> it(d.db->NewIterator(ro, family));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const absl::string_view key(it->key().data(), it->key().size());
+      Stripe& st = StripeOf(key);
+      {
+        ReaderLock lock(&st.mu);
+        if (st.sizes.contains(key)) continue;
+      }
+      if (family == d.direct) {
+        std::string name;
+        uint64_t size = 0;
+        if (DecodeDirectRecord(absl::string_view(it->value().data(), it->value().size()), &name,
+                               &size)) {
+          files.push_back(std::move(name));
+        }
+      }
+      batch.Delete(family, it->key()).PermitUncheckedError();
+      ++orphans;
+    }
+    KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: scan for orphans"));
+  }
+  if (orphans == 0) return absl::OkStatus();
+  KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "remove orphans", WriteKind::kRemoves));
+  for (const std::string& f : files) RemoveDirectFile(f);
+  table_damage_.orphans += orphans;
+  return absl::OkStatus();
 }
 
 bool RocksDbTier::TryReopenWritable() {
@@ -1123,6 +1574,7 @@ absl::StatusOr<Payload> RocksDbTier::GetFrom(Db& db, absl::string_view key) {
   value->cache = block_cache_;
   rocksdb::Status s = db.db->Get(rocksdb::ReadOptions(), db.payload, ToSlice(key), &value->slice);
   if (s.IsNotFound()) return absl::NotFoundError("rocksdb tier: no such key");
+  if (s.IsCorruption() && options_.env == nullptr) NoteDamagedTable(options_.path, s.ToString());
   KVCOMP_RETURN_IF_ERROR(FromRocksDb(s, "rocksdb tier: get"));
   const size_t n = value->slice.size();
   const auto* data = reinterpret_cast<const uint8_t*>(value->slice.data());

@@ -150,6 +150,23 @@ class RocksDbTier final : public Tier {
   };
   const LogDamage& log_damage() const { return log_damage_; }
 
+  // Damaged table files (.sst) met by Open: one RocksDB refuses to open (footer, index or
+  // properties damaged, the file cut short) or one whose data blocks fail their checksums while
+  // the tier's families are read at open. Each is taken out of the database (an edit appended
+  // to the MANIFEST removes it; the file is moved to <path>/damaged/) and the database opened
+  // again: the caches whose records it held are lost (a miss; a delete or overwrite recorded
+  // only there is undone, the older cache served whole and checked), every other table is
+  // served. Records its loss leaves without their meta (payloads, direct files) are removed.
+  // A damaged table met later (a get, a compaction) is noted in <path>/damaged/pending and
+  // taken out at the next open.
+  struct TableDamage {
+    uint64_t tables = 0;   // tables taken out
+    uint64_t salvaged = 0;  // records read from them and written again before they went
+    uint64_t orphans = 0;  // payload and direct-file records removed with no meta left
+    std::string last;      // what the last one was and why
+  };
+  const TableDamage& table_damage() const { return table_damage_; }
+
 
  private:
   // One open instance of the database: read-write, or read-only while the disk is short. The
@@ -175,7 +192,22 @@ class RocksDbTier final : public Tier {
                                                     const std::shared_ptr<rocksdb::Cache>& cache,
                                                     bool read_only,
                                                     const std::shared_ptr<DamageSignal>& damage,
-                                                    LogDamage* log_damage = nullptr);
+                                                    LogDamage* log_damage = nullptr,
+                                                    TableDamage* table_damage = nullptr);
+  // Reads the families at open: sizes from the meta records, direct-file names, the quarantine
+  // and calibration families read through (so a damaged table of any family is met here).
+  absl::Status ScanAtOpen();
+  // The tables noted in <path>/damaged/pending; whether `table` is part of the open database.
+  std::vector<std::string> PendingTables() const;
+  bool IsLiveTable(const std::string& table) const;
+  // Writes again, into new tables, every record of the damaged `table` that can still be read
+  // (the meta, payload and direct-file families; the keys from the other families in the
+  // table's key range): how many.
+  absl::StatusOr<uint64_t> Salvage(const std::string& table);
+  // Forgets what ScanAtOpen learnt (before the database is opened again).
+  void ForgetAll();
+  // Removes payload and direct-file records whose meta is gone (after a table was dropped).
+  absl::Status RemoveOrphans();
   absl::Status Write(void* batch, bool sync, absl::string_view what, WriteKind kind);
   // Refuses a write that the disk cannot take (ResourceExhausted, "disk full").
   absl::Status AdmitWrite(Db& db, uint64_t bytes, WriteKind kind) const;
@@ -245,6 +277,7 @@ class RocksDbTier final : public Tier {
   std::atomic<uint64_t> repairs_{0};
   std::atomic<uint64_t> repaired_quarantined_{0};
   LogDamage log_damage_;  // set by Open, read-only afterwards
+  TableDamage table_damage_;  // likewise
   mutable std::mutex repair_report_mu_;
   std::string last_repair_;
 };

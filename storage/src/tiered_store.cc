@@ -935,6 +935,20 @@ absl::StatusOr<StoredCache> TieredStoreImpl::Get(const CacheKey& key) {
     }
     const int t = TierIndex(meta.tier);
     auto payload = tiers_[t]->Get(ek);
+    if (t == kRocks && (absl::IsDataLoss(payload.status()) ||
+                        (unverified && absl::IsNotFound(payload.status())))) {
+      // The payload record on disk is damaged, or gone with a damaged table taken out at open
+      // (docs/storage.md, "Damaged table files"): quarantined now rather than at every get.
+      // (QuarantineOnRead waits on the key's stripe, so a delete or eviction in progress is
+      // seen as such: the entry has left the index and the next look reports a miss.)
+      absl::Status st = QuarantineOnRead(
+          ek, meta, absl::StrCat("payload unreadable: ", payload.status().message()));
+      if (absl::IsUnavailable(st)) continue;  // replaced or removed meanwhile: look again
+      if (!unverified) return st;
+      counters_[first].misses += 1;
+      return absl::NotFoundError(
+          absl::StrCat("get: ", key.DebugString(), " not found (quarantined at recovery)"));
+    }
     if (absl::IsNotFound(payload.status())) {
       // Moved, replaced or being removed meanwhile: wait for whoever holds the key's stripe
       // (a demotion, eviction or delete, possibly syncing the WAL), then look again.
@@ -1321,6 +1335,9 @@ StoreStats TieredStoreImpl::Stats() const {
     out.log_damage = rocks_->log_damage().regions;
     out.log_damage_bytes = rocks_->log_damage().bytes;
     out.last_log_damage = rocks_->log_damage().last;
+    out.tables_dropped = rocks_->table_damage().tables;
+    out.orphans_removed = rocks_->table_damage().orphans;
+    out.last_table_dropped = rocks_->table_damage().last;
   }
   for (int t = 0; t < kNumTiers; ++t) {
     TierStats& ts = out.tiers[t];
