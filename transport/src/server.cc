@@ -871,6 +871,7 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
       } else {
         s = CheckShmRange(block.shm_offset, block.payload_bytes(), shared->size(),
                           "shared-memory block");
+        if (s.ok()) s = shared->Intact();
       }
     }
     if (s.ok() && (block.flags & wire::kBlockPeerMemory)) {
@@ -1221,9 +1222,12 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
       peer.reset();
     } else if (host && region != nullptr) {
       const uint64_t n = r->bytes.size();
+      absl::Status intact;
       if (n > capacity) {
         r = absl::OutOfRangeError(absl::StrFormat(
             "cache of %u bytes does not fit the %u-byte shared get region", n, capacity));
+      } else if (intact = region->Intact(); !intact.ok()) {
+        r = intact;
       } else {
         // Progress for a client copying behind: the request, then the bytes in place.
         ShmProgress* progress = offset >= sizeof(ShmProgress)

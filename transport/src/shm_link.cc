@@ -96,7 +96,19 @@ absl::Status CheckShmRange(uint64_t offset, uint64_t bytes, uint64_t size, const
 
 // ---- kvcompd's end ----
 
-ShmMapping::~ShmMapping() { munmap(data_, size_); }
+ShmMapping::~ShmMapping() {
+  munmap(data_, size_);
+  close(fd_);
+}
+
+absl::Status ShmMapping::Intact() const {
+  struct stat st;
+  if (fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_blocks) * 512 < size_) {
+    return absl::FailedPreconditionError(
+        "the shared region is no longer fully allocated by its owner (holes punched)");
+  }
+  return absl::OkStatus();
+}
 
 ShmGrant::~ShmGrant() {
   if (pidfd_ >= 0) close(pidfd_);
@@ -390,7 +402,14 @@ absl::Status ShmAcceptor::Attach(int fd, const void* message, size_t length, int
   }
   void* p = mmap(nullptr, req.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, region_fd, 0);
   if (p == MAP_FAILED) return Errno("mmap");
-  grant->Set(req.region, std::make_shared<ShmMapping>(static_cast<uint8_t*>(p), req.bytes));
+  const int kept = fcntl(region_fd, F_DUPFD_CLOEXEC, 0);  // for Intact()
+  if (kept < 0) {
+    absl::Status st = Errno("dup");
+    munmap(p, req.bytes);
+    return st;
+  }
+  grant->Set(req.region,
+             std::make_shared<ShmMapping>(static_cast<uint8_t*>(p), req.bytes, kept));
   (void)fd;
   return absl::OkStatus();
 }

@@ -91,19 +91,25 @@ absl::Status CheckShmRange(uint64_t offset, uint64_t bytes, uint64_t size, const
 
 // ---- kvcompd's end ----
 
-// A client's region mapped into the daemon; unmapped when the last holder drops it.
+// A client's region mapped into the daemon (and its descriptor); unmapped when the last holder
+// drops it.
 class ShmMapping {
  public:
-  ShmMapping(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+  ShmMapping(uint8_t* data, uint64_t size, int fd) : data_(data), size_(size), fd_(fd) {}
   ~ShmMapping();
   ShmMapping(const ShmMapping&) = delete;
   ShmMapping& operator=(const ShmMapping&) = delete;
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // Still fully allocated (the owner may punch holes, which the seals allow: the daemon's
+  // accesses would then allocate pages); FailedPrecondition otherwise. Checked before each
+  // block's and get's copy.
+  absl::Status Intact() const;
 
  private:
   uint8_t* const data_;
   const uint64_t size_;
+  const int fd_;
 };
 
 // What one connection attached. Regions are replaced by a later attach of the same id; a
