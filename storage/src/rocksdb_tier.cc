@@ -346,7 +346,11 @@ absl::Status AppendTableDrop(const std::string& dir, uint32_t family_id, int lev
   };
   const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
   uint64_t pos = 0;
+  uint64_t record_start = 0;  // where the record being read began (its first fragment)
   bool in_record = false;
+  // A record cut off by the file's end (a crash while it was written: RocksDB reads it as the
+  // end of the MANIFEST) is removed before the edit is appended; any other defect is damage.
+  uint64_t torn_at = UINT64_MAX;
   while (pos < bytes.size()) {
     const uint64_t left_in_block = kBlock - pos % kBlock;
     if (left_in_block < 7) {  // the writer pads a block's last bytes with zeros
@@ -356,14 +360,19 @@ absl::Status AppendTableDrop(const std::string& dir, uint32_t family_id, int lev
       pos += left_in_block;
       continue;
     }
-    if (pos + 7 > bytes.size()) return damaged(pos);
+    if (pos + 7 > bytes.size()) {
+      torn_at = in_record ? record_start : pos;
+      break;
+    }
     const unsigned char* h = b + pos;
     const uint32_t masked =
         uint32_t{h[0]} | uint32_t{h[1]} << 8 | uint32_t{h[2]} << 16 | uint32_t{h[3]} << 24;
     const uint32_t length = uint32_t{h[4]} | uint32_t{h[5]} << 8;
     const unsigned char type = h[6];
-    if (type < 1 || type > 4 || 7 + length > left_in_block || pos + 7 + length > bytes.size()) {
-      return damaged(pos);
+    if (type < 1 || type > 4 || 7 + length > left_in_block) return damaged(pos);
+    if (pos + 7 + length > bytes.size()) {
+      torn_at = in_record ? record_start : pos;
+      break;
     }
     const uint32_t rot = masked - kMaskDelta;
     if (Crc32cExtend(Crc32c(&type, 1), h + 7, length) != ((rot >> 17) | (rot << 15))) {
@@ -371,10 +380,18 @@ absl::Status AppendTableDrop(const std::string& dir, uint32_t family_id, int lev
     }
     // 1 full, 2 first, 3 middle, 4 last fragment
     if ((type == 1 || type == 2) == in_record) return damaged(pos);
+    if (type == 1 || type == 2) record_start = pos;
     in_record = type == 2 || type == 3;
     pos += 7 + length;
   }
-  if (in_record) return damaged(pos);
+  if (torn_at == UINT64_MAX && in_record) torn_at = record_start;
+  if (torn_at == 0) return damaged(0);
+  if (torn_at != UINT64_MAX) {
+    std::error_code ec;
+    std::filesystem::resize_file(path, torn_at, ec);
+    if (ec) return damaged(torn_at);
+    bytes.resize(torn_at);
+  }
 
   std::string edit;
   PutVarint(&edit, 200);  // kColumnFamily
@@ -1031,7 +1048,7 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
     std::filesystem::remove(o.path + "/damaged/pending", ec);
   }
   if (tier->table_damage_.tables > 0 && !tier->db_->read_only) {
-    KVCOMP_RETURN_IF_ERROR(tier->RemoveOrphans());
+    tier->RemoveOrphans().IgnoreError();  // cleanup: what stays only takes space
   }
   if (!tier->db_->read_only) {
     KVCOMP_RETURN_IF_ERROR(tier->RemoveUnnamedDirectFiles(*tier->db_));
@@ -1194,7 +1211,11 @@ absl::Status RocksDbTier::RemoveOrphans() {
       batch.Delete(family, it->key()).PermitUncheckedError();
       ++orphans;
     }
-    KVCOMP_RETURN_IF_ERROR(FromRocksDb(it->status(), "rocksdb tier: scan for orphans"));
+    // Cleanup only: a damaged block or blob met here ends this family's list (the records
+    // after it stay), never the open; a damaged table is noted for the next open.
+    if (it->status().IsCorruption() && options_.env == nullptr) {
+      NoteDamagedTable(options_.path, it->status().ToString());
+    }
   }
   if (orphans == 0) return absl::OkStatus();
   KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "remove orphans", WriteKind::kRemoves));

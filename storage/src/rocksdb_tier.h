@@ -206,7 +206,8 @@ class RocksDbTier final : public Tier {
   absl::StatusOr<uint64_t> Salvage(const std::string& table);
   // Forgets what ScanAtOpen learnt (before the database is opened again).
   void ForgetAll();
-  // Removes payload and direct-file records whose meta is gone (after a table was dropped).
+  // Removes payload and direct-file records whose meta is gone (after a table was dropped), as
+  // far as the families read: a damaged block or blob ends the list (noted, never an error).
   absl::Status RemoveOrphans();
   absl::Status Write(void* batch, bool sync, absl::string_view what, WriteKind kind);
   // Refuses a write that the disk cannot take (ResourceExhausted, "disk full").

@@ -104,6 +104,11 @@ void FlipByte(const std::filesystem::path& p, uint64_t at) {
   f.write(&b, 1);
 }
 
+std::string ReadFile(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
 enum class Damage { kFooter, kCut, kDataBlock, kProperties };
 
 // Damages batch b's table of `family` in `dir`: the table's file name.
@@ -274,10 +279,37 @@ TEST(TableDamage, NoTableIsDroppedThroughADamagedManifest) {
   }
   const std::filesystem::path manifest = std::filesystem::path(dir.path()) / current;
   const uint64_t size = std::filesystem::file_size(manifest);
-  std::filesystem::resize_file(manifest, size - 3);
+  FlipByte(manifest, size / 2);
+  const std::string before = ReadFile(manifest);
   auto tier = RocksDbTier::Open(Options(dir.path()));
   EXPECT_FALSE(tier.ok());
-  EXPECT_EQ(std::filesystem::file_size(manifest), size - 3);
+  EXPECT_EQ(ReadFile(manifest), before);
+}
+
+// A MANIFEST that ends in part of a record (a crash while a record was appended; RocksDB reads it
+// as the file's end) is cut back to its last whole record before the tier's edit is appended.
+TEST(TableDamage, AManifestEndingInPartOfARecordIsCutBeforeTheEdit) {
+  TempDir dir;
+  MakeDatabase(dir.path());
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::string table = DamageTable(dir.path(), "meta", Damage::kFooter);
+  std::string current;
+  {
+    std::ifstream in(dir.path() + "/CURRENT");
+    std::getline(in, current);
+  }
+  const std::filesystem::path manifest = std::filesystem::path(dir.path()) / current;
+  {
+    // A header announcing 40 bytes, of which 5 were written.
+    std::ofstream out(manifest, std::ios::binary | std::ios::app);
+    const char part[] = {0x11, 0x22, 0x33, 0x44, 40, 0, 1, 'a', 'b', 'c', 'd', 'e'};
+    out.write(part, sizeof(part));
+  }
+  auto tier = RocksDbTier::Open(Options(dir.path()));
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  EXPECT_EQ((*tier)->table_damage().tables, 1u);
+  EXPECT_TRUE(absl::StrContains((*tier)->table_damage().last, table));
+  ExpectBatchBLost(**tier);
 }
 
 // The store opens with its RocksDB tier and counts the table it took out.
