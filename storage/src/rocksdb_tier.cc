@@ -1141,17 +1141,29 @@ absl::StatusOr<uint64_t> RocksDbTier::Salvage(const std::string& table) {
   // meta, payload and direct-file records share its key).
   const rocksdb::Slice smallest(file->smallestkey), largest(file->largestkey);
   std::vector<std::string> keys;
-  for (rocksdb::ColumnFamilyHandle* other : {d.meta, d.payload, d.direct}) {
-    if (other == nullptr || other == family) continue;
-    if (family != d.meta && other != d.meta) continue;  // payload and direct: the meta's keys
+  if (family == d.payload) {
+    // Its records are mostly references to blob files, which a table read alone cannot
+    // follow: the keys are the meta family's in its range (small records).
     rocksdb::ReadOptions ro;
     ro.fill_cache = false;
-    std::unique_ptr<rocksdb::Iterator> it(d.db->NewIterator(ro, other));
+    std::unique_ptr<rocksdb::Iterator> it(d.db->NewIterator(ro, d.meta));
     for (it->Seek(smallest); it->Valid() && it->key().compare(largest) <= 0; it->Next()) {
       keys.push_back(it->key().ToString());
     }
-    // A damaged block of the other family ends its list early: fewer keys salvaged.
-    it->status().PermitUncheckedError();
+    it->status().PermitUncheckedError();  // a damaged meta block: fewer keys salvaged
+  } else {
+    // The table itself, read alone: forward up to its damaged block and backward down to it.
+    rocksdb::SstFileReader reader{rocksdb::Options()};
+    if (reader.Open(options_.path + "/" + file->relative_filename).ok()) {
+      rocksdb::ReadOptions ro;
+      ro.fill_cache = false;
+      std::unique_ptr<rocksdb::Iterator> it(reader.NewIterator(ro));
+      for (it->SeekToFirst(); it->Valid(); it->Next()) keys.push_back(it->key().ToString());
+      it->status().PermitUncheckedError();
+      it.reset(reader.NewIterator(ro));
+      for (it->SeekToLast(); it->Valid(); it->Prev()) keys.push_back(it->key().ToString());
+      it->status().PermitUncheckedError();
+    }
   }
   std::sort(keys.begin(), keys.end());
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
@@ -1188,7 +1200,10 @@ absl::Status RocksDbTier::RemoveOrphans() {
   rocksdb::WriteBatch batch;
   std::vector<std::string> files;
   uint64_t orphans = 0;
-  for (rocksdb::ColumnFamilyHandle* family : {d.payload, d.direct}) {
+  // The direct family only: its records are small. Payload records left without their meta
+  // stay (reading the payload family would read every blob file): they are never served (the
+  // index comes from the meta family) and a later put or delete of the key replaces them.
+  for (rocksdb::ColumnFamilyHandle* family : {d.direct}) {
     if (family == nullptr) continue;
     rocksdb::ReadOptions ro;
     ro.fill_cache = false;

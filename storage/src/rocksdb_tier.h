@@ -156,13 +156,13 @@ class RocksDbTier final : public Tier {
   // to the MANIFEST removes it; the file is moved to <path>/damaged/) and the database opened
   // again: the caches whose records it held are lost (a miss; a delete or overwrite recorded
   // only there is undone, the older cache served whole and checked), every other table is
-  // served. Records its loss leaves without their meta (payloads, direct files) are removed.
+  // served. Direct-file records its loss leaves without their meta are removed with their files.
   // A damaged table met later (a get, a compaction) is noted in <path>/damaged/pending and
   // taken out at the next open.
   struct TableDamage {
     uint64_t tables = 0;   // tables taken out
     uint64_t salvaged = 0;  // records read from them and written again before they went
-    uint64_t orphans = 0;  // payload and direct-file records removed with no meta left
+    uint64_t orphans = 0;  // direct-file records (and files) removed with no meta left
     std::string last;      // what the last one was and why
   };
   const TableDamage& table_damage() const { return table_damage_; }
@@ -201,13 +201,13 @@ class RocksDbTier final : public Tier {
   std::vector<std::string> PendingTables() const;
   bool IsLiveTable(const std::string& table) const;
   // Writes again, into new tables, every record of the damaged `table` that can still be read
-  // (the meta, payload and direct-file families; the keys from the other families in the
-  // table's key range): how many.
+  // (the meta, payload and direct-file families; the keys read from the table itself, or for a
+  // payload table the meta family's keys in its range): how many.
   absl::StatusOr<uint64_t> Salvage(const std::string& table);
   // Forgets what ScanAtOpen learnt (before the database is opened again).
   void ForgetAll();
-  // Removes payload and direct-file records whose meta is gone (after a table was dropped), as
-  // far as the families read: a damaged block or blob ends the list (noted, never an error).
+  // Removes direct-file records (and their files) whose meta is gone (after a table was
+  // dropped), as far as the family reads: a damaged block ends the list (noted, never an error).
   absl::Status RemoveOrphans();
   absl::Status Write(void* batch, bool sync, absl::string_view what, WriteKind kind);
   // Refuses a write that the disk cannot take (ResourceExhausted, "disk full").

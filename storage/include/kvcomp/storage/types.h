@@ -206,7 +206,7 @@ struct StoreStats {
   std::string last_log_damage;    // RocksDB's report of the last one, "" when none
   uint64_t tables_dropped = 0;    // damaged RocksDB table files taken out at open (the caches
                                   // whose records they held are lost: misses; the others kept)
-  uint64_t orphans_removed = 0;   // payload records left without their meta by that, removed
+  uint64_t orphans_removed = 0;   // direct-file records left without their meta by that, removed
   std::string last_table_dropped;  // which table, its family and level, and why; "" when none
   std::string last_quarantined;  // the latest cache quarantined since Open and why
                                 // ("<key>: <reason>"), "" when none was
