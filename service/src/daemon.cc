@@ -52,6 +52,13 @@ namespace service {
 
 namespace {
 
+// Damaged data the store met in RocksDB's files (kvcomp_store_corruptions_total): compactions
+// that failed on it, damaged log stretches skipped and table files taken out at start, and a
+// MANIFEST that ended in part of a record.
+uint64_t StoreCorruptions(const storage::StoreStats& st) {
+  return st.background_corruptions + st.log_damage + st.tables_dropped + st.manifest_tails;
+}
+
 using apache::thrift::TProcessorEventHandler;
 using apache::thrift::concurrency::ThreadFactory;
 using apache::thrift::concurrency::ThreadManager;
@@ -748,9 +755,11 @@ absl::Status DaemonImpl::Init(const Options& options) {
         "caches recorded there are lost (misses), the rest are served; the last: ",
         st.last_table_dropped);
   }
-  logged_damage_ = {st.quarantined,
-                    st.background_corruptions + st.log_damage + st.tables_dropped,
-                    st.damage_repairs};
+  if (st.manifest_tails > 0) {
+    Log(LogLevel::kWarning, "storage: ", st.last_manifest_tail,
+        " (kvcomp_store_corruptions_total)");
+  }
+  logged_damage_ = {st.quarantined, StoreCorruptions(st), st.damage_repairs};
   if (st.unverified > 0) {
     Log(LogLevel::kInfo, "storage: checking the payloads of ", st.unverified,
         " recovered cache(s) in the background; a damaged one is quarantined, never served");
@@ -1004,9 +1013,7 @@ void DaemonImpl::ControlPlaneTick() {
 void DaemonImpl::StoreDamageTick() {
   if (store_ == nullptr || metrics_ == nullptr) return;
   const storage::StoreStats st = store_->Stats();
-  metrics_->AdvanceStoreDamage(st.quarantined,
-                               st.background_corruptions + st.log_damage + st.tables_dropped,
-                               st.damage_repairs);
+  metrics_->AdvanceStoreDamage(st.quarantined, StoreCorruptions(st), st.damage_repairs);
   DamageTotals& logged = logged_damage_;
   if (st.quarantined > logged.quarantined) {
     Log(LogLevel::kWarning, "storage: ", st.quarantined - logged.quarantined,
@@ -1014,7 +1021,7 @@ void DaemonImpl::StoreDamageTick() {
         " since start), the latest ", st.last_quarantined);
     logged.quarantined = st.quarantined;
   }
-  const uint64_t corruptions = st.background_corruptions + st.log_damage + st.tables_dropped;
+  const uint64_t corruptions = StoreCorruptions(st);
   if (corruptions > logged.corruptions) {
     Log(LogLevel::kWarning, "storage: RocksDB met damaged data in background work ",
         corruptions - logged.corruptions, " time(s) (", st.background_corruptions,
@@ -1106,9 +1113,7 @@ void DaemonImpl::RefreshGauges() {
     metrics_->SetDisk(rocksdb.read_only, rocksdb.disk_free_bytes,
                       options_.storage.rocksdb_reserve_bytes);
   }
-  metrics_->AdvanceStoreDamage(st.quarantined,
-                               st.background_corruptions + st.log_damage + st.tables_dropped,
-                               st.damage_repairs);
+  metrics_->AdvanceStoreDamage(st.quarantined, StoreCorruptions(st), st.damage_repairs);
   metrics_->SetQueueDepth(static_cast<int64_t>(service_->queue_depth()));
   if (control_ != nullptr) {
     metrics_->SetControlConnections(thrift_dead_.load() ? 0

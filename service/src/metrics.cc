@@ -246,7 +246,8 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
   m.store_corruptions = counter(
       mn::kStoreCorruptionsTotal,
       "RocksDB compactions that met damaged data (each starts a repair pass, writes go on), "
-      "and damaged stretches of the write-ahead log skipped at open.");
+      "damaged stretches of the write-ahead log skipped at open, damaged table files taken out "
+      "at open, and a MANIFEST that ended in part of a record at open.");
   m.store_repairs = counter(mn::kStoreRepairsTotal,
                             "Repair passes run after damaged data was met (every payload read).");
   prometheus::BuildGauge()

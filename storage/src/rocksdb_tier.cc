@@ -314,42 +314,44 @@ void PutVarint(std::string* out, uint64_t v) {
   out->push_back(static_cast<char>(v));
 }
 
-// Appends one edit to the database's MANIFEST (the log of version edits CURRENT names) that
-// removes table file `number` from `level` of column family `family_id`: a record of RocksDB's
-// log format (7-byte headers, masked CRC32C of type and payload, 32 KiB blocks) holding the
-// edit's tags (200: column family, 6: deleted file). The MANIFEST must read whole first: every
-// record checks and the file ends where its last record ends; otherwise nothing is written
-// (a damaged MANIFEST is another fault, docs/storage.md). Synced before it returns.
-absl::Status AppendTableDrop(const std::string& dir, uint32_t family_id, int level,
-                             uint64_t number) {
+// The database's MANIFEST (the log of version edits CURRENT names) read whole: every record
+// checks (RocksDB's log format: 7-byte headers, masked CRC32C of type and payload, 32 KiB
+// blocks). A record cut off by the file's end (a crash while it was written; RocksDB reads it
+// as the end of the MANIFEST and ignores it) is allowed and reported in `torn_at`; any other
+// defect is DataLoss naming the byte.
+struct ManifestRead {
+  std::string name;   // MANIFEST-<n>
+  std::string path;
+  std::string bytes;
+  uint64_t torn_at = UINT64_MAX;  // where a record cut off by the file's end begins
+};
+
+absl::StatusOr<ManifestRead> ReadManifest(const std::string& dir) {
   constexpr uint64_t kBlock = 32768;
   constexpr uint32_t kMaskDelta = 0xa282ead8u;
-  std::string current;
+  ManifestRead m;
   {
     std::ifstream in(dir + "/CURRENT");
-    std::getline(in, current);
+    std::getline(in, m.name);
   }
-  if (current.rfind("MANIFEST-", 0) != 0 || current.find('/') != std::string::npos) {
+  if (m.name.rfind("MANIFEST-", 0) != 0 || m.name.find('/') != std::string::npos) {
     return absl::DataLossError(absl::StrCat("rocksdb tier: CURRENT under ", dir,
                                             " does not name a MANIFEST"));
   }
-  const std::string path = dir + "/" + current;
-  std::string bytes;
+  m.path = dir + "/" + m.name;
   {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) return absl::UnavailableError(absl::StrCat("rocksdb tier: cannot read ", path));
-    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    std::ifstream in(m.path, std::ios::binary);
+    if (!in) return absl::UnavailableError(absl::StrCat("rocksdb tier: cannot read ", m.path));
+    m.bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
+  const std::string& bytes = m.bytes;
   auto damaged = [&](uint64_t at) {
-    return absl::DataLossError(absl::StrCat("rocksdb tier: ", current, " is damaged at byte ", at,
-                                            "; no table dropped"));
+    return absl::DataLossError(absl::StrCat("rocksdb tier: ", m.name, " is damaged at byte ", at));
   };
   const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
   uint64_t pos = 0;
   uint64_t record_start = 0;  // where the record being read began (its first fragment)
   bool in_record = false;
-  // A record cut off by the file's end (a crash while it was written: RocksDB reads it as the
-  // end of the MANIFEST) is removed before the edit is appended; any other defect is damage.
   uint64_t torn_at = UINT64_MAX;
   while (pos < bytes.size()) {
     const uint64_t left_in_block = kBlock - pos % kBlock;
@@ -386,11 +388,31 @@ absl::Status AppendTableDrop(const std::string& dir, uint32_t family_id, int lev
   }
   if (torn_at == UINT64_MAX && in_record) torn_at = record_start;
   if (torn_at == 0) return damaged(0);
-  if (torn_at != UINT64_MAX) {
+  m.torn_at = torn_at;
+  return m;
+}
+
+// Appends one edit to the database's MANIFEST that removes table file `number` from `level` of
+// column family `family_id`: a record of RocksDB's log format holding the edit's tags (200:
+// column family, 6: deleted file). The MANIFEST must read whole first (ReadManifest; a record
+// cut off by its end is removed first, as RocksDB would ignore it); otherwise nothing is
+// written (a damaged MANIFEST is another fault, docs/storage.md). Synced before it returns.
+absl::Status AppendTableDrop(const std::string& dir, uint32_t family_id, int level,
+                             uint64_t number) {
+  constexpr uint64_t kBlock = 32768;
+  constexpr uint32_t kMaskDelta = 0xa282ead8u;
+  auto read = ReadManifest(dir);
+  if (!read.ok()) {
+    return absl::Status(read.status().code(),
+                        absl::StrCat(read.status().message(), "; no table dropped"));
+  }
+  std::string& bytes = read->bytes;
+  const std::string& path = read->path;
+  if (read->torn_at != UINT64_MAX) {
     std::error_code ec;
-    std::filesystem::resize_file(path, torn_at, ec);
-    if (ec) return damaged(torn_at);
-    bytes.resize(torn_at);
+    std::filesystem::resize_file(path, read->torn_at, ec);
+    if (ec) return absl::UnavailableError(absl::StrCat("rocksdb tier: cannot cut ", path));
+    bytes.resize(read->torn_at);
   }
 
   std::string edit;
@@ -965,6 +987,21 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
                           " needed to open read-write (reserve ", o.reserve_bytes,
                           " plus the write-ahead log)");
   } else {
+    if (exists && o.env == nullptr) {
+      // A MANIFEST cut off inside its last record opens without that edit (RocksDB reads the
+      // part record as a crash's torn tail): said, since a cut of a whole edit that had taken
+      // effect loses the tables it added.
+      auto manifest = ReadManifest(o.path);
+      if (manifest.ok() && manifest->torn_at != UINT64_MAX) {
+        tier->table_damage_.manifest_tails += 1;
+        tier->table_damage_.last_manifest_tail = absl::StrCat(
+            manifest->name, " ends in part of a record (", manifest->bytes.size() -
+            manifest->torn_at, " bytes from byte ", manifest->torn_at,
+            "): RocksDB ignores that edit; left by a crash while RocksDB wrote it this loses "
+            "nothing, but if the file was cut short the tables the edit added are no longer "
+            "served (their caches are misses)");
+      }
+    }
     db = OpenDb(o, tier->block_cache_, /*read_only=*/false, tier->damage_, &tier->log_damage_,
                 &tier->table_damage_);
     // Only for lack of space: a database locked by another process must not be served stale.

@@ -164,6 +164,9 @@ class RocksDbTier final : public Tier {
     uint64_t salvaged = 0;  // records read from them and written again before they went
     uint64_t orphans = 0;  // direct-file records (and files) removed with no meta left
     std::string last;      // what the last one was and why
+    // A MANIFEST that ended in part of a record at open (RocksDB ignores that edit): 1 or 0.
+    uint64_t manifest_tails = 0;
+    std::string last_manifest_tail;
   };
   const TableDamage& table_damage() const { return table_damage_; }
 

@@ -1338,6 +1338,8 @@ StoreStats TieredStoreImpl::Stats() const {
     out.tables_dropped = rocks_->table_damage().tables;
     out.orphans_removed = rocks_->table_damage().orphans;
     out.last_table_dropped = rocks_->table_damage().last;
+    out.manifest_tails = rocks_->table_damage().manifest_tails;
+    out.last_manifest_tail = rocks_->table_damage().last_manifest_tail;
   }
   for (int t = 0; t < kNumTiers; ++t) {
     TierStats& ts = out.tiers[t];

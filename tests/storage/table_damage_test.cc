@@ -351,6 +351,43 @@ TEST(TableDamage, AManifestEndingInPartOfARecordIsCutBeforeTheEdit) {
   ExpectBatchBLost(**tier);
 }
 
+// A MANIFEST cut inside its last record: RocksDB opens without that edit (the tables of the last
+// flush, batch c's, are no longer part of the database); the tier says so, and what it serves is
+// still byte-exact.
+TEST(TableDamage, AManifestCutInsideItsLastRecordIsReported) {
+  TempDir dir;
+  MakeDatabase(dir.path());
+  if (::testing::Test::HasFatalFailure()) return;
+  std::string current;
+  {
+    std::ifstream in(dir.path() + "/CURRENT");
+    std::getline(in, current);
+  }
+  const std::filesystem::path manifest = std::filesystem::path(dir.path()) / current;
+  std::filesystem::resize_file(manifest, std::filesystem::file_size(manifest) - 3);
+  {
+    auto tier = RocksDbTier::Open(Options(dir.path()));
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    EXPECT_EQ((*tier)->table_damage().manifest_tails, 1u);
+    EXPECT_TRUE(absl::StrContains((*tier)->table_damage().last_manifest_tail, current))
+        << (*tier)->table_damage().last_manifest_tail;
+    int served = 0;
+    for (char batch : {'a', 'b', 'c'}) {
+      for (int i = 0; i < kPerBatch; ++i) {
+        auto got = (*tier)->Get(Key(batch, i));
+        if (!got.ok()) continue;
+        EXPECT_EQ(got->view(), Bytes(Key(batch, i)));
+        ++served;
+      }
+    }
+    EXPECT_GT(served, 0);
+  }
+  // The open wrote a new MANIFEST: the next one reports nothing.
+  auto tier = RocksDbTier::Open(Options(dir.path()));
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  EXPECT_EQ((*tier)->table_damage().manifest_tails, 0u);
+}
+
 // The store opens with its RocksDB tier and counts the table it took out.
 TEST(TableDamage, TheStoreOpensWithItsDiskTierAndCountsTheTable) {
   TempDir dir;

@@ -204,8 +204,8 @@ def build():
         "Store damage", "Caches found damaged and quarantined, never served "
         "(kvcomp_store_quarantined_total: a checksum that failed or bytes that could not be read, "
         "at start, on a read, in the check of recovered caches or a repair pass), damaged data "
-        "RocksDB met in a compaction or skipped in a write-ahead log at start "
-        "(kvcomp_store_corruptions_total) and repair passes, "
+        "RocksDB met in a compaction, skipped in a write-ahead log, or a damaged table file or "
+        "MANIFEST tail met at start (kvcomp_store_corruptions_total) and repair passes, "
         "per daemon, in each interval. Any of them: check the node's disk; the daemon's log "
         "names the caches.",
         targets((f"sum by (pod) (increase(kvcomp_store_quarantined_total{{{SEL}}}[{RATE}]))",

@@ -208,6 +208,10 @@ struct StoreStats {
                                   // whose records they held are lost: misses; the others kept)
   uint64_t orphans_removed = 0;   // direct-file records left without their meta by that, removed
   std::string last_table_dropped;  // which table, its family and level, and why; "" when none
+  uint64_t manifest_tails = 0;     // the MANIFEST ended in part of a record at open: RocksDB
+                                   // ignored that edit (harmless after a crash that tore it; a
+                                   // cut of a whole edit loses the tables it added)
+  std::string last_manifest_tail;  // which MANIFEST and where, "" when none
   std::string last_quarantined;  // the latest cache quarantined since Open and why
                                 // ("<key>: <reason>"), "" when none was
   const TierStats& tier(TierKind k) const { return tiers[static_cast<int>(k)]; }
