@@ -73,7 +73,14 @@ class SinkHandler : public RequestHandler {
   }
   void set_get_bytes(size_t n) { get_bytes_.assign(n, 0x5a); }
   void OnLookup(const Session&, const wire::Lookup&, LookupDone done) override {
-    done(absl::NotFoundError("sink"));
+    if (get_bytes_.empty()) {
+      done(absl::NotFoundError("sink"));
+      return;
+    }
+    wire::CacheSummary s;
+    s.layout = KvLayout{32, 8, 32, 128, DType::kBF16};
+    s.stored_bytes = get_bytes_.size();
+    done(s);
   }
   void OnDelete(const Session&, const wire::Delete&, Done done) override {
     done(absl::NotFoundError("sink"));
