@@ -7,7 +7,9 @@ tests/packaging/run.sh with the fresh virtual environment's python, outside the 
   real kvcompd on loopback;
 - the C++ example built against the installed C++ package (find_package and pkg-config) does too;
 - the wheel is a manylinux wheel whose extension loads every library it links, but glibc's,
-  libstdc++'s and CUDA's, from the wheel itself.
+  libstdc++'s and CUDA's, from the wheel itself (for the wheel of
+  scripts/build_portable_wheel.sh, KVCOMP_PACKAGING_STATIC_DEPS=1: manylinux_2_28 or older, its
+  C++ dependencies linked in, UCX's libraries bundled).
 """
 
 import json
@@ -19,6 +21,8 @@ import pytest
 
 VENV = os.environ.get("KVCOMP_PACKAGING_VENV")
 REPO = os.environ.get("KVCOMP_REPO", "")
+# The wheel of scripts/build_portable_wheel.sh: its C++ dependencies are linked statically.
+STATIC_DEPS = os.environ.get("KVCOMP_PACKAGING_STATIC_DEPS") == "1"
 pytestmark = pytest.mark.skipif(not VENV, reason="run by tests/packaging/run.sh")
 
 if VENV:
@@ -76,12 +80,26 @@ def test_the_wheel_is_manylinux_and_carries_its_libraries():
     ext = kvcomp._kvcomp.__file__
     libs = os.path.join(os.path.dirname(os.path.dirname(ext)), "kvcomp.libs")
     bundled = set(os.listdir(libs))
-    assert any(n.startswith("libabsl_") for n in bundled) and \
-        any(n.startswith("libthrift") for n in bundled) and \
-        any(n.startswith("libucp") for n in bundled), bundled
     out = run(["readelf", "-d", ext]).stdout
     needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", out)
     assert needed, out
+    if STATIC_DEPS:
+        # scripts/build_portable_wheel.sh: Abseil, Thrift, c-ares and the C++ runtime (libc++)
+        # linked into the extension, only UCX's libraries bundled, glibc 2.28 at most.
+        assert int(m.group(1)) <= 28, wheel
+        assert any(n.startswith("libucp") for n in bundled), bundled
+        assert not [n for n in needed if n.startswith(("libabsl", "libthrift", "libcares",
+                                                       "libstdc++", "libgcc_s", "libssl"))], needed
+        dynsym = run(["objdump", "-T", ext]).stdout
+        versions = re.findall(r"GLIBC_2\.(\d+)", dynsym)
+        assert versions and max(int(v) for v in versions) <= 28, sorted(set(versions))
+        exported = [line.split()[-1] for line in dynsym.splitlines()
+                    if re.search(r"\s\.text\s", line)]
+        assert exported == ["PyInit__kvcomp"], exported[:20]  # libc++ & co. stay private
+    else:
+        assert any(n.startswith("libabsl_") for n in bundled) and \
+            any(n.startswith("libthrift") for n in bundled) and \
+            any(n.startswith("libucp") for n in bundled), bundled
     foreign = [n for n in needed if n not in bundled and not n.startswith(SYSTEM_LIBS)]
     assert not foreign, foreign
     resolved = dict(re.findall(r"^\s*(\S+) => (\S+)", run(["ldd", ext]).stdout, re.M))
