@@ -203,10 +203,13 @@ env -u PYTHONPATH PKG_CONFIG_LIBDIR="$WORK/pkgconfig" PKG_CONFIG_PATH= CMAKE_BUI
   -Ccmake.define.CMAKE_TOOLCHAIN_FILE="$WORK/toolchain.cmake" \
   -Ccmake.define.CMAKE_PROJECT_TOP_LEVEL_INCLUDES="$WORK/provider.cmake" \
   -Ccmake.define.KVCOMP_CUDA=OFF -Ccmake.define.KVCOMP_COMPRESS_DEBUG=OFF \
+  -Ccmake.define.KVCOMP_WERROR=OFF \
   -Ccmake.define.CMAKE_MODULE_LINKER_FLAGS="-Wl,--version-script=$WORK/exports.map" \
   -Ccmake.define.THRIFT_COMPILER="$THRIFT_COMPILER" \
   -Ccmake.define.PKG_CONFIG_USE_CMAKE_PREFIX_PATH=OFF \
   "$ROOT" >"$WORK/wheel.log" 2>&1 || { tail -80 "$WORK/wheel.log"; exit 1; }
+# KVCOMP_WERROR=OFF: clang (zig) warns where GCC, which the project's builds use, does not (an
+# unused constant, say); those warnings are shown in wheel.log but do not stop a release build.
 # Nothing was compiled against the build machine's own system headers.
 if grep -E -- '(-I|-isystem) ?/usr/include( |")' "$WORK/build/wheel/compile_commands.json"; then
   echo "a compile command names /usr/include" >&2
