@@ -37,6 +37,7 @@
 #include "rocksdb/sst_file_manager.h"
 #include "rocksdb/sst_file_reader.h"
 #include "rocksdb/table.h"
+#include "rocksdb/utilities/debug.h"
 #include "rocksdb/write_batch.h"
 
 namespace kvcomp {
@@ -503,7 +504,8 @@ std::string FindDamagedTable(const std::string& dir, const rocksdb::DBOptions& o
 // the MANIFEST, and moves the file to <dir>/damaged/ for inspection. What it did, for the log;
 // NotFound when the file is not part of the database (any more).
 absl::StatusOr<std::string> DropTable(const std::string& dir, const rocksdb::DBOptions& options,
-                                      const std::string& file, const std::string& why) {
+                                      const std::string& file, const std::string& why,
+                                      RocksDbTier::TableDamage* damage) {
   const uint64_t number = std::strtoull(file.c_str(), nullptr, 10);
   std::map<std::string, uint32_t> family_ids;
   std::optional<rocksdb::LiveFileMetaData> found;
@@ -515,6 +517,9 @@ absl::StatusOr<std::string> DropTable(const std::string& dir, const rocksdb::DBO
     return absl::NotFoundError(absl::StrCat("rocksdb tier: ", file, " is not a live table"));
   }
   KVCOMP_RETURN_IF_ERROR(AppendTableDrop(dir, family_id, found->level, number));
+  if (found->column_family_name == "payload") {
+    damage->payload_ranges.emplace_back(found->smallestkey, found->largestkey);
+  }
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(dir) / "damaged", ec);
   std::filesystem::rename(std::filesystem::path(dir) / file,
@@ -908,7 +913,7 @@ absl::StatusOr<std::shared_ptr<RocksDbTier::Db>> RocksDbTier::OpenDb(
     std::string table = DamagedTableIn(s.ToString());
     if (table.empty()) table = FindDamagedTable(o.path, ProbeOptions());
     if (table.empty()) break;
-    auto dropped = DropTable(o.path, ProbeOptions(), table, s.ToString());
+    auto dropped = DropTable(o.path, ProbeOptions(), table, s.ToString(), table_damage);
     if (!dropped.ok()) {
       s = rocksdb::Status::Corruption(s.ToString(), std::string(dropped.status().message()));
       break;
@@ -1062,7 +1067,7 @@ absl::StatusOr<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const RocksDbTier
     if (salvaged.ok()) tier->table_damage_.salvaged += *salvaged;
     tier->db_.reset();  // closed: the MANIFEST is edited while no instance has it open
     tier->ForgetAll();
-    auto dropped = DropTable(o.path, ProbeOptions(), table, why);
+    auto dropped = DropTable(o.path, ProbeOptions(), table, why, &tier->table_damage_);
     if (!dropped.ok()) {
       return absl::DataLossError(absl::StrCat(why, " (dropping the table: ",
                                               dropped.status().message(), ")"));
@@ -1237,9 +1242,10 @@ absl::Status RocksDbTier::RemoveOrphans() {
   rocksdb::WriteBatch batch;
   std::vector<std::string> files;
   uint64_t orphans = 0;
-  // The direct family only: its records are small. Payload records left without their meta
-  // stay (reading the payload family would read every blob file): they are never served (the
-  // index comes from the meta family) and a later put or delete of the key replaces them.
+  // The direct family (small records), and below the payload family only where a payload
+  // table was taken out. Other payload records left without their meta (a meta table's loss)
+  // stay: they are never served (the index comes from the meta family) and a later put or
+  // delete of the key replaces them.
   for (rocksdb::ColumnFamilyHandle* family : {d.direct}) {
     if (family == nullptr) continue;
     rocksdb::ReadOptions ro;
@@ -1269,6 +1275,38 @@ absl::Status RocksDbTier::RemoveOrphans() {
       NoteDamagedTable(options_.path, it->status().ToString());
     }
   }
+  // Payload records in the key range of a payload table taken out: older records it hid (a
+  // delete's tombstone was there) are back without their meta; removed, so a later fault that
+  // takes out the meta family's tombstone cannot bring the deleted cache back. Read as internal
+  // records (keys and blob references, never the blob files), 256 at a time.
+  for (const auto& [smallest, largest] : table_damage_.payload_ranges) {
+    std::string begin = smallest;
+    while (true) {
+      std::vector<rocksdb::KeyVersion> versions;
+      rocksdb::Status s = rocksdb::GetAllKeyVersions(d.db.get(), d.payload, begin, largest, 256,
+                                                     &versions);
+      if (!s.ok() || versions.empty()) break;
+      std::string previous;
+      bool first = true;
+      for (const rocksdb::KeyVersion& v : versions) {
+        if (!first && v.user_key == previous) continue;  // an older record of the same key
+        first = false;
+        previous = v.user_key;
+        // The newest record: a value (1) or a blob reference (17) with no meta is an orphan.
+        if (v.type != 1 && v.type != 17) continue;
+        Stripe& st = StripeOf(v.user_key);
+        {
+          ReaderLock lock(&st.mu);
+          if (st.sizes.contains(v.user_key)) continue;
+        }
+        batch.Delete(d.payload, v.user_key).PermitUncheckedError();
+        ++orphans;
+      }
+      if (versions.size() < 256) break;
+      begin = versions.back().user_key + std::string(1, '\0');
+    }
+  }
+  table_damage_.payload_ranges.clear();
   if (orphans == 0) return absl::OkStatus();
   KVCOMP_RETURN_IF_ERROR(Write(&batch, /*sync=*/true, "remove orphans", WriteKind::kRemoves));
   for (const std::string& f : files) RemoveDirectFile(f);

@@ -32,6 +32,7 @@
 #include <thread>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -162,7 +163,9 @@ class RocksDbTier final : public Tier {
   struct TableDamage {
     uint64_t tables = 0;   // tables taken out
     uint64_t salvaged = 0;  // records read from them and written again before they went
-    uint64_t orphans = 0;  // direct-file records (and files) removed with no meta left
+    uint64_t orphans = 0;  // direct-file and payload records removed with no meta left
+    // Key ranges of the payload tables taken out at this open (for RemoveOrphans).
+    std::vector<std::pair<std::string, std::string>> payload_ranges;
     std::string last;      // what the last one was and why
     // A MANIFEST that ended in part of a record at open (RocksDB ignores that edit): 1 or 0.
     uint64_t manifest_tails = 0;
@@ -209,8 +212,9 @@ class RocksDbTier final : public Tier {
   absl::StatusOr<uint64_t> Salvage(const std::string& table);
   // Forgets what ScanAtOpen learnt (before the database is opened again).
   void ForgetAll();
-  // Removes direct-file records (and their files) whose meta is gone (after a table was
-  // dropped), as far as the family reads: a damaged block ends the list (noted, never an error).
+  // Removes direct-file records (and their files) whose meta is gone after a table was dropped,
+  // and payload records without meta in the key range of a payload table taken out, as far as
+  // the families read: a damaged block ends the list (noted, never an error).
   absl::Status RemoveOrphans();
   absl::Status Write(void* batch, bool sync, absl::string_view what, WriteKind kind);
   // Refuses a write that the disk cannot take (ResourceExhausted, "disk full").
