@@ -1268,23 +1268,6 @@ class ClientHandle : public UcxClient {
   absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
                                    wire::Representation representation,
                                    absl::Time deadline) override {
-    // A stored cache over same-host shared memory: its size from a lookup, then a get into a
-    // new buffer of that size through the shm link. Whatever that cannot serve (a cache
-    // replaced by one of another size in between, a refused region) goes over UCX.
-    ShmChannel* shm =
-        representation == wire::Representation::kStored ? SharedMemory() : nullptr;
-    if (shm != nullptr && shm->usable()) {
-      absl::StatusOr<wire::CacheSummary> sum = impl_->Lookup(model_id, key, deadline);
-      if (absl::IsNotFound(sum.status())) return sum.status();
-      if (sum.ok() && sum->stored_bytes > 0) {
-        Buffer bytes = Buffer::Allocate(sum->stored_bytes);
-        absl::StatusOr<uint64_t> n =
-            shm->GetInto({std::string(model_id), std::string(key), representation},
-                         bytes.data(), bytes.size(), deadline);
-        if (n.ok() && *n == bytes.size()) return FetchedCache{std::move(bytes), representation};
-        if (absl::IsNotFound(n.status())) return n.status();
-      }
-    }
     return impl_->Get(model_id, key, representation, deadline);
   }
   absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,

@@ -494,7 +494,8 @@ absl::Status SendShmAttach(const std::string& socket_name, absl::string_view tok
   }
   pollfd pf = {s, POLLIN, 0};
   if (poll(&pf, 1, PollMs(deadline)) <= 0) {
-    return done(absl::UnavailableError("the server did not answer the attach request in time"));
+    return done(
+        absl::DeadlineExceededError("the server did not answer the attach request in time"));
   }
   AttachAnswer a = {};
   const ssize_t n = recv(s, &a, sizeof(a), MSG_DONTWAIT);
@@ -532,24 +533,31 @@ std::string ShmChannel::why() const {
 }
 
 bool ShmChannel::direct() {
+  absl::StatusOr<bool> d = Direct(absl::Now() + absl::Seconds(5));
+  return d.ok() && *d;
+}
+
+absl::StatusOr<bool> ShmChannel::Direct(absl::Time deadline) {
   {
     absl::MutexLock lock(&state_mu_);
-    if (!options_.direct) direct_ = Direct::kNo;
-    if (direct_ != Direct::kUntried) return direct_ == Direct::kYes;
+    if (!options_.direct) direct_ = DirectMode::kNo;
+    if (direct_ != DirectMode::kUntried) return direct_ == DirectMode::kYes;
   }
   // Register as the connection's peer; the daemon proves it reads this process by answering
   // the probe word back.
   static const uint64_t kProbe = 0x6b76636f6d707368;  // "kvcompsh"
   uint64_t read = 0;
   const wire::HelloOk& hello = client_->server_info();
-  const absl::Status s =
-      SendShmAttach(hello.shm_socket, hello.shm_token, kShmPeer, 0, -1,
-                    absl::Now() + absl::Seconds(5), reinterpret_cast<uint64_t>(&kProbe), &read);
+  const absl::Status s = SendShmAttach(hello.shm_socket, hello.shm_token, kShmPeer, 0, -1,
+                                       std::min(deadline, absl::Now() + absl::Seconds(5)),
+                                       reinterpret_cast<uint64_t>(&kProbe), &read);
+  // No answer in time (a stopped daemon, the caller's deadline): undecided, try again later.
+  if (absl::IsDeadlineExceeded(s)) return s;
   absl::MutexLock lock(&state_mu_);
-  if (direct_ == Direct::kUntried) {
-    direct_ = s.ok() && read == kProbe ? Direct::kYes : Direct::kNo;
+  if (direct_ == DirectMode::kUntried) {
+    direct_ = s.ok() && read == kProbe ? DirectMode::kYes : DirectMode::kNo;
   }
-  return direct_ == Direct::kYes;
+  return direct_ == DirectMode::kYes;
 }
 
 void ShmChannel::Unusable(const absl::Status& why) {
@@ -564,7 +572,7 @@ absl::Status ShmChannel::EnsurePutRegion(absl::Time deadline) {
   absl::StatusOr<std::unique_ptr<ShmRegion>> r =
       ShmRegion::Attach(client_->server_info(), kShmPutRegion, bytes, deadline);
   if (!r.ok()) {
-    Unusable(r.status());
+    if (!absl::IsDeadlineExceeded(r.status())) Unusable(r.status());
     return r.status();
   }
   put_ = *std::move(r);
@@ -591,12 +599,14 @@ absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendBlock(const wire::Bl
       (keys.bytes > 0 && keys.data == nullptr) || (values.bytes > 0 && values.data == nullptr)) {
     return absl::InvalidArgumentError("a shm send's regions disagree with its block's sizes");
   }
-  if (direct()) return SendDirect(block, keys, values);
+  KVCOMP_ASSIGN_OR_RETURN(const bool direct, Direct(deadline));
+  if (direct) return SendDirect(block, keys, values);
   uint64_t offset = 0;
   uint8_t* base = nullptr;
   {
     absl::MutexLock lock(&put_mu_);
     if (absl::Status s = EnsurePutRegion(deadline); !s.ok()) {
+      if (absl::IsDeadlineExceeded(s)) return s;
       return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost, s.message());
     }
     const uint64_t size = put_->size();
@@ -678,7 +688,8 @@ struct GetOutcome {
 absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* dst,
                                              uint64_t capacity, absl::Time deadline) {
   if (dst == nullptr && capacity > 0) return absl::InvalidArgumentError("GetInto: null buffer");
-  if (direct()) {
+  KVCOMP_ASSIGN_OR_RETURN(const bool direct, Direct(deadline));
+  if (direct) {
     // One copy: the daemon writes the cache into `dst` itself.
     wire::Get get{request.representation, request.model_id, request.key, false,
                   reinterpret_cast<uint64_t>(dst), capacity, true};
@@ -694,7 +705,7 @@ absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* ds
     // The daemon could not reach this process's memory after all: the get region from now on.
     if (!absl::IsFailedPrecondition(out->result.status())) return out->result.status();
     absl::MutexLock s(&state_mu_);
-    direct_ = Direct::kNo;
+    direct_ = DirectMode::kNo;
   }
   absl::MutexLock lock(&get_mu_);
   const uint64_t bound = std::min(options_.max_get_region_bytes,
@@ -705,6 +716,7 @@ absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* ds
     absl::StatusOr<std::unique_ptr<ShmRegion>> r =
         ShmRegion::Attach(client_->server_info(), kShmGetRegion, want, deadline);
     if (!r.ok()) {
+      if (absl::IsDeadlineExceeded(r.status())) return r.status();
       Unusable(r.status());
       return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost, r.status().message());
     }

@@ -150,8 +150,8 @@ class UcxClient {
   // Gets and lookups end by `deadline` when it comes before request_timeout does (the
   // caller's deadline for a whole call): DeadlineExceeded then, as for the request timeout.
   //
-  // Fetches a cache into a new host buffer. NotFound when absent. A stored cache goes over
-  // same-host shared memory where the connection has it (a lookup for its size first).
+  // Fetches a cache into a new host buffer. NotFound when absent. Over UCX (its size is not
+  // known beforehand; GetInto uses same-host shared memory).
   virtual absl::StatusOr<FetchedCache> Get(
       absl::string_view model_id, absl::string_view key,
       wire::Representation representation = wire::Representation::kStored,

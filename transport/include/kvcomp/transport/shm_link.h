@@ -250,6 +250,9 @@ class ShmChannel {
 
  private:
   absl::Status EnsurePutRegion(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(put_mu_);
+  // direct() by `deadline`: DeadlineExceeded when the daemon does not answer in time (left
+  // undecided).
+  absl::StatusOr<bool> Direct(absl::Time deadline);
   absl::StatusOr<std::shared_ptr<Completion>> SendDirect(const wire::Block& block,
                                                          const MemoryRegion& keys,
                                                          const MemoryRegion& values);
@@ -260,8 +263,8 @@ class ShmChannel {
   const ShmChannelOptions options_;
   mutable absl::Mutex state_mu_;
   absl::Status broken_ ABSL_GUARDED_BY(state_mu_);
-  enum class Direct { kUntried, kYes, kNo };
-  Direct direct_ ABSL_GUARDED_BY(state_mu_) = Direct::kUntried;
+  enum class DirectMode { kUntried, kYes, kNo };
+  DirectMode direct_ ABSL_GUARDED_BY(state_mu_) = DirectMode::kUntried;
 
   // The put region as a ring of blocks in flight, in posting order.
   struct Slot {
