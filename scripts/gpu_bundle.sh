@@ -16,7 +16,7 @@
 #     -DKVCOMP_PYTHON=OFF -DCMAKE_CUDA_ARCHITECTURES=90
 #   cmake --build build-gpu-daemon -j 2 --target kvcompd kvcompd_daemon_test \
 #     kvcompd_control_security_lifecycle_test kvcompd_housekeeping_test kvcompd_bench \
-#     client_daemon_test client_gpu_channel_gpu_test kvcomp_bench_gpu_pipeline kvcomp_bench_gpu_decode \
+#     client_daemon_test client_gpu_channel_gpu_test gpu_channel_peer kvcomp_bench_gpu_pipeline kvcomp_bench_gpu_decode \
 #     decode_attention_cuda_test service_device_path_test service_multi_gpu_test kvcomp_gpu_campaign
 #   bash scripts/gpu_bundle.sh build-gpu-daemon
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
@@ -39,6 +39,7 @@ OPTIONAL=(
   tests/decode/decode_attention_cuda_test
   tests/client/client_daemon_test
   tests/client/client_gpu_channel_gpu_test
+  tests/client/gpu_channel_peer
   tests/service/service_device_path_test
   tests/service/service_multi_gpu_test
   tests/kernels/kernels_device_crc32c_test
@@ -106,6 +107,10 @@ fi
 # The integration tests start the kvcompd whose path was compiled in; run.sh links that path to
 # the bundle's copy on the device.
 realpath "$BUILD/service/kvcompd" >"$DEST/kvcompd_build_path"
+# The GPU channel's test starts its peer process by the path it was built at, too.
+if [ -x "$BUILD/tests/client/gpu_channel_peer" ]; then
+  realpath "$BUILD/tests/client/gpu_channel_peer" >"$DEST/gpu_channel_peer_build_path"
+fi
 # The commit the binaries were built from (the build's source tree; "+changes" when it had any).
 src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")
 {

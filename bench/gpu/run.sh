@@ -236,6 +236,19 @@ if has daemon; then
       if [ ! -e "$built" ] || [ -L "$built" ]; then
         mkdir -p "$(dirname "$built")" && ln -sf "$BUNDLE/bin/kvcompd" "$built"
       fi
+      # And the GPU channel test at its peer process's.
+      if [ -f "$BUNDLE/gpu_channel_peer_build_path" ]; then
+        peer=$(cat "$BUNDLE/gpu_channel_peer_build_path")
+        if [ ! -e "$peer" ] || [ -L "$peer" ]; then
+          mkdir -p "$(dirname "$peer")" && ln -sf "$BUNDLE/bin/gpu_channel_peer" "$peer"
+        fi
+      fi
+      # NCCL for every process (the daemon, the tests, the Python SDK): PyTorch's, one library.
+      if [ -z "${KVCOMP_NCCL_LIBRARY:-}" ]; then
+        KVCOMP_NCCL_LIBRARY=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+        export KVCOMP_NCCL_LIBRARY
+      fi
+      note "nccl    ${KVCOMP_NCCL_LIBRARY:-not found}"
       export KVCOMP_ENGINE_BACKEND=cuda KVCOMP_STORAGE_PUT_TIER=device
       export KVCOMP_STORAGE_DEVICE_CAPACITY_BYTES=${KVCOMP_DAEMON_DEVICE_BYTES:-8Gi}
       PARTS=" ${KVCOMP_DAEMON_PARTS:-devpath channel multigpu decode integration bench pipeline} "
@@ -323,10 +336,6 @@ if has daemon; then
         # stopped in the middle of device puts and gets, over NCCL (two GPUs) and CUDA IPC, for
         # KVCOMP_FAULT_SECONDS (default 90) each, beside a healthy client's byte-compared round
         # trips; wrong outputs must be 0.
-        if [ -z "${KVCOMP_NCCL_LIBRARY:-}" ]; then
-          KVCOMP_NCCL_LIBRARY=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
-          export KVCOMP_NCCL_LIBRARY
-        fi
         fsec=${KVCOMP_FAULT_SECONDS:-90}
         flog=$TMPD/faults.log
         echo "### kvcomp_gpu_campaign ${fsec} s per link" >>"$DLOG"
