@@ -28,6 +28,9 @@
 #   bash scripts/build_portable_wheel.sh [work-dir] [kvcompd-build-dir]
 #     work-dir  default build-portable (sources, builds, the toolchain; re-runs reuse them);
 #               the wheel is written to <work-dir>/wheelhouse.  JOBS (default 2) parallel jobs.
+#     PYTHON    the interpreter the wheel is for (default python3; e.g. python3.12 for cp312);
+#               its build tools (scikit-build-core, nanobind) come from PyPI into a build
+#               environment of the work dir when it lacks them.
 # Takes about 10 CPU-minutes from nothing (zig's first run builds libc++ for the target, then
 # c-ares, Thrift, Abseil's client part and kvcomp's client; 19 minutes on a busy 2-vCPU machine),
 # under a minute again with everything in place: docs/integrations.md, "Where the portable wheel
@@ -41,6 +44,8 @@ WORK=$(cd "${1:-build-portable}" && pwd)
 DAEMON_BUILD=${2:-}
 JOBS=${JOBS:-2}
 PY=${PYTHON:-python3}
+TOOLS_PY=python3  # auditwheel (scripts/bootstrap.sh installs it)
+PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 GLIBC=2.28
 TARGET=x86_64-linux-gnu.$GLIBC
 ZIG_VERSION=0.17.1
@@ -50,7 +55,7 @@ step() { echo "-- $1 ($(($(date +%s) - T0)) s)"; }
 
 step "zig $ZIG_VERSION (PyPI: ziglang) as the compiler for $TARGET"
 if [ ! -x "$WORK/venv-zig/bin/python" ]; then
-  "$PY" -m venv "$WORK/venv-zig"
+  "$TOOLS_PY" -m venv "$WORK/venv-zig"
 fi
 "$WORK/venv-zig/bin/python" -m pip install -q --no-cache-dir "ziglang==$ZIG_VERSION"
 ZIG=$("$WORK/venv-zig/bin/python" -c 'import ziglang, os; print(os.path.join(os.path.dirname(ziglang.__file__), "zig"))')
@@ -193,13 +198,19 @@ EOF
 
 step "the client wheel (pip wheel ., client only, no CUDA) with zig"
 rm -rf "$WORK/dist"
+BUILD_PY=$PY
+if ! "$PY" -c 'import scikit_build_core, nanobind' 2>/dev/null; then
+  [ -x "$WORK/venv-build-$PYTAG/bin/python" ] || "$PY" -m venv "$WORK/venv-build-$PYTAG"
+  BUILD_PY=$WORK/venv-build-$PYTAG/bin/python
+  "$BUILD_PY" -m pip install -q --no-cache-dir "scikit-build-core>=0.10" "nanobind>=2.0"
+fi
 # The extension exports its module's entry point only: the libc++, Abseil and Thrift code linked
 # into it stays private to it (another module of the process may bring its own).
 printf '{\n  global: PyInit_*;\n  local: *;\n};\n' >"$WORK/exports.map"
 THRIFT_COMPILER=$(command -v thrift) || { echo "the thrift compiler is missing" >&2; exit 1; }
 env -u PYTHONPATH PKG_CONFIG_LIBDIR="$WORK/pkgconfig" PKG_CONFIG_PATH= CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-  "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/dist" \
-  -Cbuild-dir="$WORK/build/wheel" \
+  "$BUILD_PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/dist" \
+  -Cbuild-dir="$WORK/build/wheel-$PYTAG" \
   -Ccmake.define.CMAKE_TOOLCHAIN_FILE="$WORK/toolchain.cmake" \
   -Ccmake.define.CMAKE_PROJECT_TOP_LEVEL_INCLUDES="$WORK/provider.cmake" \
   -Ccmake.define.KVCOMP_CUDA=OFF -Ccmake.define.KVCOMP_COMPRESS_DEBUG=OFF \
@@ -211,18 +222,18 @@ env -u PYTHONPATH PKG_CONFIG_LIBDIR="$WORK/pkgconfig" PKG_CONFIG_PATH= CMAKE_BUI
 # KVCOMP_WERROR=OFF: clang (zig) warns where GCC, which the project's builds use, does not (an
 # unused constant, say); those warnings are shown in wheel.log but do not stop a release build.
 # Nothing was compiled against the build machine's own system headers.
-if grep -E -- '(-I|-isystem) ?/usr/include( |")' "$WORK/build/wheel/compile_commands.json"; then
+if grep -E -- '(-I|-isystem) ?/usr/include( |")' "$WORK/build/wheel-$PYTAG/compile_commands.json"; then
   echo "a compile command names /usr/include" >&2
   exit 1
 fi
 
 step "auditwheel repair: UCX's libraries into the wheel"
-rm -rf "$WORK/wheelhouse"
-env -u PYTHONPATH LD_LIBRARY_PATH="$UCX/lib" "$PY" -m auditwheel repair \
+rm -f "$WORK"/wheelhouse/kvcomp-*-"$PYTAG"-*.whl
+env -u PYTHONPATH LD_LIBRARY_PATH="$UCX/lib" "$TOOLS_PY" -m auditwheel repair \
   -w "$WORK/wheelhouse" "$WORK"/dist/kvcomp-*.whl >"$WORK/repair.log" 2>&1 \
   || { cat "$WORK/repair.log"; exit 1; }
-WHEEL=$(ls "$WORK"/wheelhouse/kvcomp-*.whl)
-"$PY" -m auditwheel show "$WHEEL" | tee "$WORK/show.log"
+WHEEL=$(ls "$WORK"/wheelhouse/kvcomp-*-"$PYTAG"-*.whl)
+"$TOOLS_PY" -m auditwheel show "$WHEEL" | tee "$WORK/show.log"
 tag=$(basename "$WHEEL" | sed -n 's/.*-manylinux_2_\([0-9]*\)_x86_64\.whl$/\1/p')
 if [ -z "$tag" ] || [ "$tag" -gt "${GLIBC#2.}" ]; then
   echo "the wheel's tag is not manylinux_$GLIBC or older: $WHEEL" >&2
