@@ -96,6 +96,13 @@ def test_the_wheel_is_manylinux_and_carries_its_libraries():
         exported = [line.split()[-1] for line in dynsym.splitlines()
                     if re.search(r"\s\.text\s", line)]
         assert exported == ["PyInit__kvcomp"], exported[:20]  # libc++ & co. stay private
+        # This process (kvcomp imported) maps none of the system's copies of those libraries
+        # (OpenSSL may be the interpreter's own, for hashlib and ssl).
+        with open("/proc/self/maps") as f:
+            mapped = {line.split()[-1] for line in f if "/" in line}
+        system = [p for p in mapped if os.path.dirname(p) != libs and
+                  re.search(r"/lib(absl|thrift|uc[mpst]|cares|numa)", p)]
+        assert not system, system
     else:
         assert any(n.startswith("libabsl_") for n in bundled) and \
             any(n.startswith("libthrift") for n in bundled) and \
