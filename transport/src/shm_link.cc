@@ -59,7 +59,6 @@ bool PidfdAlive(int pidfd) {
   return syscall(SYS_pidfd_send_signal, pidfd, 0, nullptr, 0) == 0;
 }
 constexpr absl::Duration kServeTimeout = absl::Seconds(1);  // per attaching peer
-constexpr uint64_t kCopyChunk = uint64_t{4} << 20;         // get progress granularity
 
 absl::Status Errno(const char* what) {
   const int e = errno;
