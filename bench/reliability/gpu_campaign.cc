@@ -380,44 +380,43 @@ class Campaign {
           std::lock_guard<std::mutex> l(mu_);
           old_seed = live_.count(old) ? live_[old] : 0;
         }
-        if (old_seed != 0) {
-          if (!out.Poison(*stream).ok()) return;
-          auto again = healthy_->GetKvIntoDevice("m", old, layout, kSmallTokens, out.Out(), *stream);
-          if (!again.ok()) {
-            Error("healthy read: " + again.status().ToString());
-          } else {
-            auto b = out.Download(*stream);
-            std::lock_guard<std::mutex> l(mu_);
-            ++c_.reads;
-            if (!b.ok() || *b != Content(old_seed, in.bytes())) {
-              ++c_.wrong;
-              c_.problems.push_back("wrong bytes reading back " + old);
-            }
-          }
+        if (old_seed != 0 && !ReadBack(*healthy_, old, old_seed, out, *stream, "read-back")) {
+          Problem("device copy failed in the healthy client");
+          return;
         }
       }
     }
     rt_->DestroyStream(*stream);
   }
 
+  // A small cache read back through `c` into `out` (poisoned first) and compared with the bytes
+  // of `seed`: counted as a read, a clean error or a wrong output (`what` names the read). False
+  // only where the device copies themselves failed.
+  bool ReadBack(Client& c, const std::string& key, uint64_t seed, DeviceCache& out, void* stream,
+                const std::string& what) {
+    if (!out.Poison(stream).ok()) return false;
+    auto got = c.GetKvIntoDevice("m", key, SmallLayout(), kSmallTokens, out.Out(), stream);
+    if (!got.ok()) {
+      Error(what + " of " + key + ": " + got.status().ToString());
+      return true;
+    }
+    auto b = out.Download(stream);
+    std::lock_guard<std::mutex> l(mu_);
+    ++c_.reads;
+    if (!b.ok() || *b != Content(seed, out.bytes())) {
+      ++c_.wrong;
+      c_.problems.push_back("wrong bytes in the " + what + " of " + key);
+    }
+    return b.ok();
+  }
+
   void CheckSmall(const std::string& key, uint64_t seed) {
-    const KvLayout layout = SmallLayout();
     if (!rt_->SetDevice(0).ok()) return;
     auto stream = rt_->NewStream();
     if (!stream.ok()) return;
-    DeviceCache out(rt_, 0, layout, kSmallTokens);
-    (void)out.Poison(*stream);
-    auto got = checker_->GetKvIntoDevice("m", key, layout, kSmallTokens, out.Out(), *stream);
-    if (!got.ok()) {
-      Error("final read of " + key + ": " + got.status().ToString());
-    } else {
-      auto b = out.Download(*stream);
-      std::lock_guard<std::mutex> l(mu_);
-      ++c_.reads;
-      if (!b.ok() || *b != Content(seed, out.bytes())) {
-        ++c_.wrong;
-        c_.problems.push_back("wrong bytes in the final read of " + key);
-      }
+    DeviceCache out(rt_, 0, SmallLayout(), kSmallTokens);
+    if (!ReadBack(*checker_, key, seed, out, *stream, "final read")) {
+      Problem("device copy failed in the final read of " + key);
     }
     rt_->DestroyStream(*stream);
   }
