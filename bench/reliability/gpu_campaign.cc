@@ -71,26 +71,20 @@ struct Flags {
   int device = 0, count = 0;
 };
 
-KvLayout SmallLayout() {  // the healthy client's caches: 64 KiB of K and V
+KvLayout Bf16Layout(uint32_t layers, uint32_t kv_heads, uint32_t q_heads) {
   KvLayout l;
-  l.num_layers = 2;
-  l.num_kv_heads = 2;
-  l.num_q_heads = 8;
+  l.num_layers = layers;
+  l.num_kv_heads = kv_heads;
+  l.num_q_heads = q_heads;
   l.head_dim = 128;
   l.dtype = DType::kBF16;
   return l;
 }
+// The healthy client's caches: 64 KiB of K and V.
+KvLayout SmallLayout() { return Bf16Layout(2, 2, 8); }
 constexpr uint64_t kSmallTokens = 32;
-
-KvLayout ChildLayout() {  // the cut clients' caches: 32 MiB, a transfer that takes some time
-  KvLayout l;
-  l.num_layers = 4;
-  l.num_kv_heads = 8;
-  l.num_q_heads = 32;
-  l.head_dim = 128;
-  l.dtype = DType::kBF16;
-  return l;
-}
+// The cut clients' caches: 32 MiB, a transfer that takes some time.
+KvLayout ChildLayout() { return Bf16Layout(4, 8, 32); }
 constexpr uint64_t kChildTokens = 2048;
 
 size_t TotalBytes(const KvLayout& l, uint64_t tokens) {

@@ -53,9 +53,9 @@ std::string Key(char batch, int i) { return std::string(1, batch) + std::to_stri
 
 constexpr int kPerBatch = 20;
 
-// Batches a, b, c of kPerBatch caches, each in a session of its own closed cleanly (the close
-// flushes: each batch's meta and payload records land in table files of their own). The second
-// session also deletes a0, so its tombstone sits in batch b's tables.
+// Batches a, b, c of kPerBatch caches, each written by a tier opened for it and closed cleanly
+// (the close flushes: each batch's meta and payload records land in table files of their own).
+// The second opening also deletes a0, so its tombstone sits in batch b's tables.
 void MakeDatabase(const std::string& dir, int per_batch = kPerBatch) {
   for (char batch : {'a', 'b', 'c'}) {
     auto tier = RocksDbTier::Open(Options(dir));
