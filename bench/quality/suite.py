@@ -84,6 +84,22 @@ CONFIGS = {
     "keydiff 0.75": ("bf16", "bf16", "keydiff", 0.75),
     "streaming 0.5": ("bf16", "bf16", "streaming", 0.5),
     "streaming 0.75": ("bf16", "bf16", "streaming", 0.75),
+    # candidates for the default policy: manifold with a larger share of the kept budget recent
+    # (the 4 sink tokens kept as in every protected policy)
+    "manifold_r75 0.5": ("bf16", "bf16", "manifold_r75", 0.5),
+    "manifold_r75 0.75": ("bf16", "bf16", "manifold_r75", 0.75),
+    "manifold_r90 0.5": ("bf16", "bf16", "manifold_r90", 0.5),
+    "manifold_r90 0.75": ("bf16", "bf16", "manifold_r90", 0.75),
+    "manifold_r75 0.5 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r75", 0.5),
+    # kvpress's own presses (its PyPI wheel, --kvpress): the context prefilled under the press
+    # (its forward hooks compress each layer's cache as kvpress does), kept keys and values bf16
+    "kvpress knorm 0.5": ("bf16", "bf16", "kvpress:knorm", 0.5),
+    "kvpress streaming 0.5": ("bf16", "bf16", "kvpress:streaming", 0.5),
+    "kvpress keydiff 0.5": ("bf16", "bf16", "kvpress:keydiff", 0.5),
+    "kvpress snapkv 0.5": ("bf16", "bf16", "kvpress:snapkv", 0.5),
+    "kvpress snapkv 0.75": ("bf16", "bf16", "kvpress:snapkv", 0.75),
+    "kvpress expected_attention 0.5": ("bf16", "bf16", "kvpress:expected_attention", 0.5),
+    "kvpress expected_attention 0.75": ("bf16", "bf16", "kvpress:expected_attention", 0.75),
 }
 
 # What a run measures unless --configs says otherwise: the peers, the engine's hq codecs, eviction
@@ -107,7 +123,97 @@ POLICY_CONFIGS = [
     "manifold 0.5", "manifold 0.75", "manifold_r50 0.5", "manifold_r50 0.75",
     "knorm 0.5", "knorm 0.75", "keydiff 0.5", "keydiff 0.75", "streaming 0.5", "streaming 0.75",
 ]
-CONFIG_SETS = {"default": DEFAULT_CONFIGS, "policies": POLICY_CONFIGS}
+# The default policy's candidates against the single scorers at 0.5 and 0.75 (--config-set
+# defaults), with kvpress's query-aware presses (dropped when --kvpress finds no wheel).
+DEFAULTS_CONFIGS = [
+    "full", "manifold 0.5", "manifold 0.75", "manifold_r50 0.5", "manifold_r50 0.75",
+    "manifold_r75 0.5", "manifold_r75 0.75", "manifold_r90 0.5", "manifold_r90 0.75",
+    "knorm 0.5", "knorm 0.75", "keydiff 0.5", "keydiff 0.75", "streaming 0.5", "streaming 0.75",
+    "kvpress snapkv 0.5", "kvpress snapkv 0.75", "kvpress expected_attention 0.5",
+    "kvpress expected_attention 0.75",
+]
+# The presets and the default's candidates at a long context (--config-set long).
+LONG_CONFIGS = [
+    "full", "kvhq k4v3", "manifold_r50 0.5 + kvhq k4v3", "manifold_r75 0.5 + kvhq k4v3",
+    "manifold 0.5", "manifold_r50 0.5", "manifold_r75 0.5", "manifold_r75 0.75",
+    "streaming 0.5", "streaming 0.75",
+]
+# kvpress's key-only presses beside the suite's own scorers of the same name (same selection
+# expected: a check of the suite's references against the package).
+KVPRESS_CHECK_CONFIGS = [
+    "full", "knorm 0.5", "streaming 0.5", "keydiff 0.5", "kvpress knorm 0.5",
+    "kvpress streaming 0.5", "kvpress keydiff 0.5", "kvpress snapkv 0.5",
+    "kvpress expected_attention 0.5", "manifold_r75 0.5",
+]
+CONFIG_SETS = {"default": DEFAULT_CONFIGS, "policies": POLICY_CONFIGS,
+               "defaults": DEFAULTS_CONFIGS, "long": LONG_CONFIGS,
+               "kvpress_check": KVPRESS_CHECK_CONFIGS}
+
+# kvpress press classes by the suite's name: (module, class, keyword arguments)
+KVPRESS_PRESSES = {
+    "knorm": ("knorm_press", "KnormPress", {}),
+    "streaming": ("streaming_llm_press", "StreamingLLMPress", {"n_sink": 4}),
+    "keydiff": ("keydiff_press", "KeyDiffPress", {}),
+    "snapkv": ("snapkv_press", "SnapKVPress", {}),
+    "expected_attention": ("expected_attention_press", "ExpectedAttentionPress", {}),
+}
+_KVPRESS = {}
+
+
+def load_kvpress(wheel):
+    """kvpress's press modules from its wheel (a .whl or an unpacked directory), without the
+    package's __init__ (it imports every press with optional dependencies the suite does not
+    need). Returns a short description, or raises."""
+    import importlib
+    import types
+    import zipfile
+    if wheel.endswith(".whl"):
+        import tempfile
+        dest = tempfile.mkdtemp(prefix="kvcomp-kvpress-")
+        zipfile.ZipFile(wheel).extractall(dest)
+        wheel = dest
+    sys.path.insert(0, wheel)
+    for name, sub in (("kvpress", "kvpress"), ("kvpress.presses", "kvpress/presses")):
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [os.path.join(wheel, sub)]
+        sys.modules[name] = pkg
+    for key, (mod, cls, kw) in KVPRESS_PRESSES.items():
+        _KVPRESS[key] = (getattr(importlib.import_module(f"kvpress.presses.{mod}"), cls), kw)
+    return wheel
+
+
+def kvpress_caches(model, ids, cfgs):
+    """{config: (K, V [L,H,kept,d])} of the kvpress configs: the context prefilled under the
+    press (kvpress's forward hooks compress each layer's cache during the prefill)."""
+    out = {}
+    for c in cfgs:
+        pol, ratio = CONFIGS[c][2], CONFIGS[c][3]
+        if not (pol or "").startswith("kvpress:"):
+            continue
+        cls, kw = _KVPRESS[pol.split(":", 1)[1]]
+        press = cls(compression_ratio=ratio, **kw)
+        press.post_init_from_model(model)
+        for layer in model.model.layers:  # where kvpress looks for the rotary embedding
+            if not hasattr(layer.self_attn, "rotary_emb"):
+                layer.self_attn.rotary_emb = model.model.rotary_emb
+
+        def hook(module, args, kwargs, output, press=press):
+            # what BasePress.__call__ registers; this transformers release passes no
+            # cache_position to the attention layers, and the prefill starts at position 0
+            if "cache_position" not in kwargs:
+                hs = kwargs["hidden_states"]
+                kwargs = dict(kwargs, cache_position=torch.arange(hs.shape[1], device=hs.device))
+            return press.forward_hook(module, args, kwargs, output)
+        hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True)
+                 for layer in model.model.layers]
+        try:
+            pkv = model(ids[None].to(model.device), use_cache=True).past_key_values
+        finally:
+            for h in hooks:
+                h.remove()
+        out[c] = (torch.stack([pkv.layers[l].keys[0] for l in range(len(pkv.layers))]).float(),
+                  torch.stack([pkv.layers[l].values[0] for l in range(len(pkv.layers))]).float())
+    return out
 
 
 def git_commit():
@@ -134,13 +240,22 @@ def keep_mask(policy, K, ratio):
     return variants.policy_mask(policy, K, ratio)
 
 
-def build(cfgs, K, V):
-    """Per config: (decoded K, V [L,H,n,d], bytes per token, entropy bytes per token)."""
+def build(cfgs, K, V, pressed=None):
+    """Per config: (decoded K, V [L,H,n,d], bytes per token, entropy bytes per token).
+    `pressed`: the kvpress configs' caches (kvpress_caches); kvpress keeps bf16 keys and values
+    and no positions (they stay implicit in its cache)."""
     L, H, N, d = K.shape
     out = {}
     memo = {}
     for name in cfgs:
         kc, vc, pol, ratio = CONFIGS[name]
+        if (pol or "").startswith("kvpress:"):
+            Kp, Vp = pressed[name]
+            _, kb, _ = codecs_ref.encode("bf16", K[:, :, :1], True)
+            _, vb, _ = codecs_ref.encode("bf16", V[:, :, :1], False)
+            b = Kp.shape[2] * (kb + vb) / N
+            out[name] = (Kp, Vp, b, b)
+            continue
         if (kc, True) not in memo:
             memo[(kc, True)] = codecs_ref.encode(kc, K, True)
         if (vc, False) not in memo:
@@ -261,6 +376,10 @@ def main():
     ap.add_argument("--budget-seconds", type=float, default=0)
     ap.add_argument("--out")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--kvpress", default=os.environ.get("KVCOMP_KVPRESS_WHEEL", ""),
+                    metavar="WHEEL", help="kvpress's wheel (or its unpacked directory) for the "
+                    "kvpress configurations; without it (or when its presses do not load) those "
+                    "configurations are left out and the run says so")
     ap.add_argument("--shard", default="0/1", metavar="I/K",
                     help="run only the rounds j with j %% K == I (several processes, or GPUs, "
                          "share one length; --merge joins their JSONs); each round draws its "
@@ -319,6 +438,21 @@ def main():
     code = np.frombuffer(parts["held_code.bin"], np.uint8)
     words = ruler.word_list(en)
     cfgs = args.configs or CONFIG_SETS[args.config_set]
+    unknown = [c for c in cfgs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configurations: {unknown}")
+    kvpress_note = None
+    if any((CONFIGS[c][2] or "").startswith("kvpress:") for c in cfgs):
+        try:
+            if not args.kvpress:
+                raise FileNotFoundError("no --kvpress wheel given")
+            kvpress_note = "kvpress from " + os.path.basename(args.kvpress.rstrip("/"))
+            load_kvpress(args.kvpress)
+            kvpress_caches(model, torch.arange(256) % 200 + 32, cfgs)  # fails here, not later
+        except Exception as e:  # noqa: BLE001 - the rest of the run goes on without them
+            kvpress_note = f"kvpress configurations left out ({type(e).__name__}: {e})"
+            cfgs = [c for c in cfgs if not (CONFIGS[c][2] or "").startswith("kvpress:")]
+        print(kvpress_note, flush=True)
     t0 = time.time()
     per_len = {}
     stats = {}
@@ -353,7 +487,7 @@ def main():
                 K, V, last = prefill(model, w[:q])
                 if j == 0:
                     stats[Lb] = kv_stats(K, V)
-                built = build(cfgs, K, V)
+                built = build(cfgs, K, V, kvpress_caches(model, w[:q], cfgs))
                 lg = run_configs(model, built, q, w[q:-1].to(device), dtype)
                 tgt = w[q:].to(device)
                 for c in cfgs:
@@ -366,7 +500,7 @@ def main():
                     ctx = torch.tensor(list(smp.context), dtype=torch.long)
                     tail = torch.tensor(list(smp.question + smp.answer), dtype=torch.long)
                     K, V, _ = prefill(model, ctx)
-                    built = build(cfgs, K, V)
+                    built = build(cfgs, K, V, kvpress_caches(model, ctx, cfgs))
                     if ti == 0:
                         for c in cfgs:
                             bpt[c].append(built[c][2])
@@ -383,7 +517,8 @@ def main():
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ"),
             "commit": git_commit(), "model": args.model, "card": card, "device": str(device),
             "dtype": str(dtype), "torch": torch.__version__, "lengths": args.lengths,
-            "n": args.n, "n_loss": args.n_loss, "shard": args.shard, "corpus": json.loads(parts["manifest.json"]),
+            "n": args.n, "n_loss": args.n_loss, "shard": args.shard, "kvpress": kvpress_note,
+            "corpus": json.loads(parts["manifest.json"]),
             "configs": {c: CONFIGS[c] for c in cfgs}, "seconds": time.time() - t0,
             "parameters": sum(p.numel() for p in model.parameters()),
             "model_config": {k: getattr(model.config, k, None) for k in (
@@ -446,7 +581,7 @@ def write_pool(path, paths):
     summ = [summarize(r) for r in res]
     names = [os.path.basename(p).rsplit("-", 1)[-1][:-5] for p in paths]
     lens = sorted({r["length"] for s in summ for r in s})
-    cfgs = [r["config"] for r in summ[0] if r["length"] == lens[0]]
+    cfgs = list(dict.fromkeys(r["config"] for s in summ for r in s))
     head = [f"{n} {L}" for n in names for L in lens]
     out = ["# Codecs and policies pooled over models (RULER-style suite)", "",
            "Loss relative to each model's full cache (nats/byte, last quarter of held-out "
@@ -460,7 +595,10 @@ def write_pool(path, paths):
         cells, worst, needles, x, xe = [], -1e9, [], None, None
         for n, s in zip(names, summ):
             for L in lens:
-                r = next(r for r in s if r["config"] == c and r["length"] == L)
+                r = next((r for r in s if r["config"] == c and r["length"] == L), None)
+                if r is None:  # not run on this model at this length
+                    cells.append("-")
+                    continue
                 full = next(r for r in s if r["config"] == "full" and r["length"] == L)
                 x, xe = r["x"], r["x_entropy"]
                 cells.append(f"{r['loss_pct']:+.2f}%")
@@ -472,32 +610,74 @@ def write_pool(path, paths):
                    f" | {worst:+.2f}% | {'; '.join(needles)} |")
     ns = [f"{n} {L}: n = {next(r['n'] for r in s if r['length'] == L)} per task, "
           f"{next(r['n_loss'] for r in s if r['length'] == L)} loss windows"
-          for n, s in zip(names, summ) for L in lens]
+          for n, s in zip(names, summ) for L in lens if any(r["length"] == L for r in s)]
     out += ["", "Samples: " + "; ".join(ns) + "."]
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")
 
 
-SCORERS = ("manifold", "manifold_r50", "keydiff", "knorm", "streaming")
+SINGLE_SCORERS = ("manifold", "keydiff", "knorm", "streaming")  # kvcomp's scorers alone
+CANDIDATES = ("manifold_r50", "manifold_r75", "manifold_r90")  # manifold + a recent share
+
+
+def scorer_rows(pl, ratio):
+    """The eviction-only configurations of one ratio in a length's results, the default's
+    scorer first: single scorers, candidates, then anything else (kvpress's presses)."""
+    names = [c[:-len(ratio) - 1] for c in pl["loss"] if c.endswith(f" {ratio}") and "+" not in c]
+    order = [x for x in SINGLE_SCORERS + CANDIDATES if x in names]
+    return order + [x for x in names if x not in order]
+
+
+def criterion(rows, scores, Lb, ratio, names, tol=0.3):
+    """The default-policy criterion for one (length, ratio): each candidate against the best
+    single scorer: loss within `tol` points of the lowest single-scorer loss, and single and
+    multi-key needles within the 95% interval of the best single scorer's (the 95% interval of
+    the paired per-sample difference to the single scorer with the most needles reaches 0).
+    `scores`: the length's per-sample scores ({config: {task: [..]}}). Returns (best loss,
+    best needles, {name: (points behind, needles kept, meets)})."""
+    def row(c):
+        return next(x for x in rows if x["config"] == c and x["length"] == int(Lb))
+    singles = [f"{sc} {ratio}" for sc in SINGLE_SCORERS if f"{sc} {ratio}" in scores]
+    best_loss = min(row(c)["loss_pct"] for c in singles)
+    tasks = ("niah_single", "niah_multikey")
+    best_cfg = {t: max(singles, key=lambda c: float(np.mean(scores[c][t] or [0])))
+                for t in tasks}
+    best_need = {t: float(np.mean(scores[best_cfg[t]][t] or [0])) for t in tasks}
+    verdict = {}
+    for c in names:
+        dl = row(c)["loss_pct"] - best_loss
+        needles_ok = True
+        for t in tasks:
+            d = np.array(scores[c][t], float) - np.array(scores[best_cfg[t]][t], float)
+            if len(d) > 1 and d.any():
+                needles_ok &= ci_mean(d)[1] >= 0
+        verdict[c] = (dl, bool(needles_ok), bool(dl <= tol and needles_ok))
+    return best_loss, best_need, verdict
 
 
 def write_scorers(path, paths, ratios=("0.5", "0.75")):
-    """Per model, length and ratio: each single scorer's loss against the full cache and, paired
-    over the same windows, against the default policy's selection (manifold, no recent window),
-    in points of the full cache's loss; single and multi-key needles with 95% intervals."""
+    """Per model, length and ratio: each single scorer's, candidate's and peer press's loss
+    against the full cache and, paired over the same windows, against the default policy's
+    selection (manifold, no recent window), in points of the full cache's loss; single and
+    multi-key needles with 95% intervals; then the default-policy criterion per candidate."""
     out = ["# The default policy's scorer against the single scorers, per model", "",
            "Loss: relative to the full cache (ratio of means; 95% interval of the per-window "
            "ratios in brackets). Paired: mean and 95% half-width over the same windows of "
            "(loss - loss of manifold) / full loss, in points. Needles: accuracy with Wilson 95% "
-           "intervals. The suite models eviction without the moment correction. Sources: "
+           "intervals. manifold_rNN: manifold with NN% of each head's kept budget the most "
+           "recent tokens (recent_fraction 0.NN; 4 sink tokens as in every protected policy). "
+           "kvpress NAME: kvpress's press of that name from its wheel. The suite models "
+           "eviction without the moment correction. Sources: "
            + ", ".join(os.path.basename(p) for p in paths) + ".", ""]
+    crit = []
     for p in paths:
         r = json.load(open(p))
         rows = summarize(r)
         name = os.path.basename(p).rsplit("-", 1)[-1][:-5]
         m = r["meta"]
         runs = (f"commit {m['commit']}, {m['date']}" if "merged_from" not in m else
-                "; ".join(f"commit {x['commit']}, {x['date']}" for x in m["merged_from"]))
+                "; ".join(sorted({f"commit {x['commit']}, {x['date']}"
+                                  for x in m["merged_from"]})))
         out += [f"## {name} ({m['parameters']} parameters; {m['card']}, {runs})", "",
                 "| length | ratio | scorer | loss vs full | paired vs manifold | single | "
                 "multi-key | multi-value | vt | n |",
@@ -509,23 +689,55 @@ def write_scorers(path, paths, ratios=("0.5", "0.75")):
                 if f"manifold {ratio}" not in pl["loss"]:
                     continue
                 base = np.array(pl["loss"][f"manifold {ratio}"])
-                for sc in SCORERS:
+                for sc in scorer_rows(pl, ratio):
                     c = f"{sc} {ratio}"
-                    if c not in pl["loss"]:
-                        continue
                     row = next(x for x in rows if x["config"] == c and x["length"] == int(Lb))
                     d = 100 * (np.array(pl["loss"][c]) - base) / fl
                     h = 1.96 * d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
                     lo, hi = row["loss_pct_ci"]
+                    lo = float("nan") if lo is None else lo
+                    hi = float("nan") if hi is None else hi
                     cells = []
                     for t in ("niah_single", "niah_multikey"):
                         a, b = row[t + "_ci"]
-                        cells.append(f"{row[t]:.2f} [{a:.2f},{b:.2f}]")
+                        cells.append(f"{row[t]:.2f} [{a:.2f},{b:.2f}]" if a is not None
+                                     else f"{row[t]:.2f}")
                     paired = "-" if sc == "manifold" else f"{d.mean():+.2f} +- {h:.2f}"
                     out.append(f"| {Lb} | {ratio} | {sc} | {row['loss_pct']:+.2f}% "
                                f"[{lo:+.2f},{hi:+.2f}] | {paired} | " + " | ".join(cells) +
                                f" | {row['niah_multivalue']:.2f} | {row['vt']:.2f} | "
                                f"{row['n']} / {row['n_loss']} |")
+                cands = [f"{x} {ratio}" for x in ("manifold",) + CANDIDATES
+                         if f"{x} {ratio}" in pl["loss"]]
+                if not all(f"{sc} {ratio}" in pl["loss"] for sc in SINGLE_SCORERS):
+                    continue  # the criterion needs every single scorer
+                bl, bn, v = criterion(rows, pl["scores"], Lb, ratio, cands)
+                for c in cands:
+                    dl, nok, ok = v[c]
+                    crit.append((c.rsplit(" ", 1)[0], name, Lb, ratio, bl, bn, dl, nok, ok))
+        out.append("")
+    if crit:
+        out += ["## The default-policy criterion", "",
+                "At or above the best single scorer (manifold, keydiff, knorm, streaming) at "
+                "each ratio: loss within 0.3 point of the lowest single-scorer loss, and single "
+                "and multi-key needles within the 95% interval of the best single scorer's (the "
+                "95% interval of the paired per-sample difference to the single scorer with the "
+                "most needles reaches 0). Points = candidate's loss minus the lowest single-"
+                "scorer loss, in % of the full cache's loss.", "",
+                "| candidate | model | length | ratio | best single loss | best needles "
+                "(single / multi-key) | candidate - best, points | needles | meets |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for c, name, Lb, ratio, bl, bn, dl, nok, ok in crit:
+            out.append(f"| {c} | {name} | {Lb} | {ratio} | {bl:+.2f}% | "
+                       f"{bn['niah_single']:.2f} / {bn['niah_multikey']:.2f} | {dl:+.2f} | "
+                       f"{'kept' if nok else 'lost'} | {'yes' if ok else 'no'} |")
+        out += ["", "| candidate | cells met | worst points behind | needles lost in |",
+                "| --- | --- | --- | --- |"]
+        for c in dict.fromkeys(x[0] for x in crit):
+            mine = [x for x in crit if x[0] == c]
+            lost = [f"{x[1]} {x[2]} {x[3]}" for x in mine if not x[7]]
+            out.append(f"| {c} | {sum(x[8] for x in mine)} of {len(mine)} | "
+                       f"{max(x[6] for x in mine):+.2f} | {', '.join(lost) or 'none'} |")
         out.append("")
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")

@@ -144,3 +144,30 @@ def test_shards_merge_into_the_single_process_result(tmp_path, monkeypatch):
     assert "| 256 | 0.5 | manifold_r50 |" in table and "| 256 | 0.5 | streaming |" in table
     with pytest.raises(SystemExit):
         run(*common, "--shard", "2/2", "--out", str(tmp_path / "bad"))
+
+
+def test_default_policy_criterion_against_the_best_single_scorer():
+    """suite.criterion: a candidate meets it where its loss is within 0.3 point of the lowest
+    single-scorer loss and the paired interval of its needles against the best single scorer's
+    reaches 0; every configuration set names known configurations."""
+    import suite
+
+    n = 50
+
+    def hits(k):  # k of n samples found
+        return [1] * k + [0] * (n - k)
+
+    scores, rows = {}, []
+    for c, loss, single, mkey in (("manifold 0.5", 8.7, 50, 50), ("streaming 0.5", 2.9, 14, 30),
+                                  ("knorm 0.5", 15.8, 0, 0), ("keydiff 0.5", 9.0, 41, 37),
+                                  ("manifold_r50 0.5", 3.1, 50, 49),
+                                  ("manifold_r90 0.5", 3.0, 30, 30)):
+        scores[c] = {"niah_single": hits(single), "niah_multikey": hits(mkey)}
+        rows.append({"config": c, "length": 4096, "loss_pct": loss})
+    best, need, v = suite.criterion(rows, scores, "4096", "0.5",
+                                    ["manifold 0.5", "manifold_r50 0.5", "manifold_r90 0.5"])
+    assert best == 2.9 and need == {"niah_single": 1.0, "niah_multikey": 1.0}
+    assert v["manifold 0.5"] == (pytest.approx(5.8), True, False)  # needles kept, loss behind
+    assert v["manifold_r50 0.5"] == (pytest.approx(0.2), True, True)  # one miss: within
+    assert v["manifold_r90 0.5"] == (pytest.approx(0.1), False, False)  # 20 needles lost
+    assert all(c in suite.CONFIGS for s in suite.CONFIG_SETS.values() for c in s)
