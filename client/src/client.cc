@@ -13,7 +13,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "control.h"
-#include "device_ucx.h"
 #include "endpoint_state.h"
 #include "gpu_path.h"
 #include "kvcomp/core/cache_key.h"
@@ -21,6 +20,7 @@
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/client.h"
+#include "kvcomp/transport/gpu_link.h"
 #include "kvcomp/transport/ucx_link.h"
 #include "pool.h"
 #include "prefix.h"
@@ -88,6 +88,34 @@ class EndpointPut {
                 {const_cast<void*>(v), b.value_bytes, transport::MemoryKind::kHost},
                 std::move(owned));
   }
+
+  // Sends `layer`'s tokens [t0, t0+n) out of device memory (`k`/`v`: [heads, n, d] each, read
+  // after `stream`'s work so far, valid until WaitAll), keys and values a block each: UCX moves
+  // device keys and values as one block only when adjacent. The send router picks the link:
+  // ucx-cuda in place where both ends' UCX has CUDA memory, else ucx staged through host memory.
+  void SendDevice(uint32_t layer, uint64_t t0, uint64_t n, const void* k, const void* v,
+                  void* stream) {
+    wire::Block b;
+    b.put_id = put_id_;
+    b.layer_begin = layer;
+    b.layer_end = layer + 1;
+    b.token_begin = t0;
+    b.token_end = t0 + n;
+    const uint64_t bytes = layout_.LayerBytes(n);
+    const transport::MemoryRegion none{nullptr, 0, transport::MemoryKind::kCuda};
+    for (const bool values : {false, true}) {
+      b.parts = values ? wire::kPartValues : wire::kPartKeys;
+      b.key_bytes = values ? 0 : bytes;
+      b.value_bytes = values ? bytes : 0;
+      const transport::MemoryRegion data{const_cast<void*>(values ? v : k), bytes,
+                                         transport::MemoryKind::kCuda};
+      pipe_->Send(b, values ? none : data, values ? data : none, nullptr, stream);
+    }
+  }
+  // The largest part a device block may carry (the daemon's bound: nothing is packed).
+  uint64_t max_device_block() const { return conn_->server_info().max_payload_bytes; }
+  // The link the last block took.
+  transport::LinkKind link() { return pipe_->link(); }
 
   absl::Status WaitAll() { return pipe_->Wait(); }
 
@@ -172,6 +200,55 @@ class PutStreamImpl : public PutStream {
     return absl::OkStatus();
   }
 
+  // Every token of `layer` out of device memory (GpuPath's put where no GPU channel carries
+  // it): `keys` and `values` ([heads, tokens, d], on one device, read after `stream`'s work so
+  // far) stay valid until Commit. A part larger than a block goes in token ranges gathered on the
+  // device (on `stream`) into memory of this call's.
+  absl::Status AppendDevice(uint32_t layer, const void* keys, const void* values, void* stream) {
+    if (done_) return absl::FailedPreconditionError("put stream already committed or aborted");
+    const uint64_t row = DTypeBytes(layout_.dtype, layout_.head_dim);
+    const uint64_t per_token = row * layout_.num_kv_heads;
+    uint64_t max_block = UINT64_MAX;
+    for (const auto& p : puts_) max_block = std::min(max_block, p->max_device_block());
+    const uint64_t chunk = std::max<uint64_t>(1, max_block / per_token);
+    if (chunk >= tokens_) {
+      for (auto& p : puts_) p->SendDevice(layer, 0, tokens_, keys, values, stream);
+      return absl::OkStatus();
+    }
+    using transport::GpuRuntime;
+    KVCOMP_ASSIGN_OR_RETURN(GpuRuntime * rt, GpuRuntime::Get());
+    KVCOMP_ASSIGN_OR_RETURN(const int device, rt->DeviceOf(keys));
+    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
+    KVCOMP_ASSIGN_OR_RETURN(void* scratch, rt->AllocDevice(2 * chunk * per_token));
+    const transport::ScopedDeviceMemory release(rt, scratch);
+    for (uint64_t t = 0; t < tokens_; t += chunk) {
+      const uint64_t n = std::min(chunk, tokens_ - t);
+      auto* dk = static_cast<uint8_t*>(scratch);
+      uint8_t* dv = dk + n * per_token;
+      for (uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+        const uint64_t src = (uint64_t{h} * tokens_ + t) * row;
+        KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(dk + h * n * row,
+                                             static_cast<const uint8_t*>(keys) + src, n * row,
+                                             GpuRuntime::Copy::kDeviceToDevice, stream));
+        KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(dv + h * n * row,
+                                             static_cast<const uint8_t*>(values) + src, n * row,
+                                             GpuRuntime::Copy::kDeviceToDevice, stream));
+      }
+      for (auto& p : puts_) p->SendDevice(layer, t, n, dk, dv, stream);
+      for (auto& p : puts_) KVCOMP_RETURN_IF_ERROR(p->WaitAll());  // `scratch` is reused
+    }
+    return absl::OkStatus();
+  }
+  // Waits until every block sent so far is acknowledged; the first failure.
+  absl::Status WaitSent() {
+    for (auto& p : puts_) KVCOMP_RETURN_IF_ERROR(p->WaitAll());
+    return absl::OkStatus();
+  }
+  // The link the first endpoint's last block took.
+  transport::LinkKind link() {
+    return puts_.empty() ? transport::LinkKind::kUcxHost : puts_.front()->link();
+  }
+
   absl::StatusOr<PutResult> Commit() override {
     if (done_) return absl::FailedPreconditionError("put stream already committed or aborted");
     done_ = true;
@@ -237,18 +314,19 @@ class ClientImpl : public Client {
           }
           return out;
         },
-        [this](absl::string_view model_id, absl::string_view key,
-               bool decoded) -> absl::StatusOr<std::string> {
-          KVCOMP_ASSIGN_OR_RETURN(
-              auto fetched, Fetch(model_id, key,
-                                  decoded ? wire::Representation::kDecoded
-                                          : wire::Representation::kStored,
-                                  absl::Now() + options_.get_timeout));
-          return std::string(fetched.bytes.view());
+        [this](absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+               uint64_t num_tokens, const std::vector<DeviceLayerData>& layers, void* stream,
+               const PutOptions& options) {
+          return PutDeviceData(model_id, key, layout, num_tokens, layers, stream, options);
+        },
+        [this](absl::string_view model_id, absl::string_view key, bool decoded, void* dst,
+               size_t capacity, void* stream) {
+          return GetDeviceData(model_id, key, decoded, dst, capacity, stream);
         });
   }
 
-  // Device memory: GpuPath (the GPU channel, or host memory over UCX).
+  // Device memory: GpuPath (the GPU channel, else the data plane's links: PutDeviceData,
+  // GetDeviceData).
   absl::StatusOr<PutResult> PutDevice(absl::string_view model_id, absl::string_view key,
                                       const KvLayout& layout, uint64_t num_tokens,
                                       const std::vector<DeviceLayerData>& layers, void* stream,
@@ -384,27 +462,55 @@ class ClientImpl : public Client {
         new PutStreamImpl(layout, num_tokens, std::move(puts), options_, pool_));
   }
 
-  // The key's ranking as data-plane connections (device_ucx.h), at most `want`.
-  absl::StatusOr<std::vector<std::shared_ptr<UcxClient>>> RankedConnections(
-      absl::string_view model_id, absl::string_view key, int want) {
-    KVCOMP_RETURN_IF_ERROR(CheckKey(model_id, key));
-    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
-    std::vector<std::shared_ptr<UcxClient>> out;
-    absl::Status first_error;
-    for (size_t i : Rank(*members, model_id, key)) {
-      if (static_cast<int>(out.size()) >= want) break;
-      auto conn = members->states[i]->Connection(options_);
-      if (!conn.ok()) {
-        if (!Retryable(conn.status())) return conn.status();
-        pool_->RefreshSoon();
-        if (first_error.ok()) first_error = conn.status();
-        continue;
-      }
-      out.push_back(*std::move(conn));
+  // A put out of device memory over the data plane (GpuPath, where no GPU channel carries
+  // it): the put of OpenPutStream with CUDA regions, which each connection's send router gives
+  // to ucx-cuda (in place) or ucx (staged through host memory on `stream`). `path` names it.
+  absl::StatusOr<PutResult> PutDeviceData(absl::string_view model_id, absl::string_view key,
+                                          const KvLayout& layout, uint64_t num_tokens,
+                                          const std::vector<DeviceLayerData>& layers,
+                                          void* stream, const PutOptions& options) {
+    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<PutStream> opened,
+                            OpenPutStream(model_id, key, layout, num_tokens, options));
+    auto& put = static_cast<PutStreamImpl&>(*opened);  // OpenPutStream makes no other
+    const absl::Time t0 = absl::Now();
+    for (uint32_t l = 0; l < layout.num_layers; ++l) {
+      KVCOMP_RETURN_IF_ERROR(put.AppendDevice(l, layers[l].keys, layers[l].values, stream));
     }
-    if (out.empty()) {
-      return first_error.ok() ? absl::UnavailableError("no endpoint reachable") : first_error;
-    }
+    KVCOMP_RETURN_IF_ERROR(put.WaitSent());
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+    const transport::LinkKind link = put.link();
+    KVCOMP_ASSIGN_OR_RETURN(PutResult r, put.Commit());
+    r.path = std::string(transport::LinkName(link));
+    r.transfer_seconds = seconds;
+    return r;
+  }
+
+  // The cache's bytes (stored, or decoded when `decoded`) into device memory `dst` of
+  // `capacity` bytes over the data plane, after `stream`'s work so far, on the link each
+  // connection's receive router picks (ucx-cuda in place, else ucx staged through host memory).
+  absl::StatusOr<DeviceGetResult> GetDeviceData(absl::string_view model_id, absl::string_view key,
+                                                bool decoded, void* dst, size_t capacity,
+                                                void* stream) {
+    const absl::Time deadline = absl::Now() + options_.get_timeout;
+    const transport::GetRequest request{
+        std::string(model_id), std::string(key),
+        decoded ? wire::Representation::kDecoded : wire::Representation::kStored};
+    const transport::MemoryRegion into{dst, capacity, transport::MemoryKind::kCuda};
+    transport::LinkKind used = transport::LinkKind::kUcxHost;
+    absl::Time t0;
+    KVCOMP_ASSIGN_OR_RETURN(const size_t n,
+                            OnRanking<size_t>(
+                                model_id, key,
+                                [&](UcxClient& c) -> absl::StatusOr<size_t> {
+                                  t0 = absl::Now();
+                                  return transport::UcxLinks(&c).GetInto(request, into, deadline,
+                                                                         &used, stream);
+                                },
+                                deadline));
+    DeviceGetResult out;
+    out.bytes = n;
+    out.path = std::string(transport::LinkName(used));
+    out.transfer_seconds = absl::ToDoubleSeconds(absl::Now() - t0);
     return out;
   }
 
@@ -948,12 +1054,6 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::vector<std::s
   auto client = std::make_unique<ClientImpl>(options, std::move(pool));
   if (connect_now) KVCOMP_RETURN_IF_ERROR(client->ConnectAll());
   return std::unique_ptr<Client>(std::move(client));
-}
-
-absl::StatusOr<std::vector<std::shared_ptr<transport::UcxClient>>> RankedConnections(
-    Client& self, absl::string_view model_id, absl::string_view key, int want) {
-  // Every Client the SDK hands out is a ClientImpl (Client::Connect).
-  return static_cast<ClientImpl&>(self).RankedConnections(model_id, key, want);
 }
 
 }  // namespace client

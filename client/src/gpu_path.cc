@@ -2,14 +2,12 @@
 
 #include <cstdio>
 #include <algorithm>
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "control.h"
-#include "device_ucx.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
@@ -149,23 +147,6 @@ absl::Status CheckShape(const KvLayout& layout, uint64_t num_tokens, size_t laye
   return absl::OkStatus();
 }
 
-// Pinned host memory for a fallback copy, freed on scope exit.
-struct Pinned {
-  GpuRuntime* rt;
-  void* ptr = nullptr;
-  ~Pinned() { rt->FreePinned(ptr); }
-  uint8_t* bytes() const { return static_cast<uint8_t*>(ptr); }
-};
-
-// A decoded cache that kept every token as dense K then V (each [layer][head][token][dim]).
-absl::Status DenseFromCache(const CompressedCache& cache, const KvLayout& layout,
-                            uint64_t num_tokens, uint8_t* out) {
-  if (cache.layout != layout || cache.original_tokens != num_tokens) {
-    return absl::InvalidArgumentError("the cache's layout or token count differs from the call's");
-  }
-  return cache.WriteDenseKv(out);
-}
-
 // The timed transfer's seconds; 0 when the timer cannot tell.
 double SecondsOf(GpuRuntime::Timer& timer) {
   absl::StatusOr<double> secs = timer.Seconds(absl::Now() + absl::Seconds(1));
@@ -226,8 +207,13 @@ absl::Status LayoutMismatch(const GpuGetGrant& grant, const KvLayout& layout,
 
 }  // namespace
 
-GpuPath::GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, FetchFn fetch)
-    : options_(options), self_(self), ranking_(std::move(ranking)), fetch_(std::move(fetch)) {}
+GpuPath::GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, DataPutFn put,
+                 DataGetFn get)
+    : options_(options),
+      self_(self),
+      ranking_(std::move(ranking)),
+      put_(std::move(put)),
+      get_(std::move(get)) {}
 
 GpuPath::~GpuPath() {
   std::map<std::pair<std::string, int>, std::shared_ptr<Channel>> channels;
@@ -488,33 +474,8 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
                                      &why));
   if (sent) return *std::move(sent);
   NoteFallback(ranking.empty() ? "" : ranking[0].data, why, /*put=*/true);
-
-  // Over UCX straight out of device memory, where both sides' UCX is CUDA-aware (device_ucx.h).
-  std::string staged;
-  KVCOMP_ASSIGN_OR_RETURN(std::optional<PutResult> direct,
-                          PutDeviceOverUcx(*self_, model_id, key, layout, num_tokens, layers,
-                                           stream, options, options_.replicas, &staged));
-  if (direct) return *std::move(direct);
-
-  // Through host memory: copied on the caller's stream, then an ordinary put.
-  KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-  KVCOMP_ASSIGN_OR_RETURN(void* host, rt->AllocPinned(payload));
-  Pinned pinned{rt, host};
-  std::vector<LayerData> host_layers(layout.num_layers);
-  for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    uint8_t* k = pinned.bytes() + l * layer_bytes;
-    uint8_t* v = pinned.bytes() + (layout.num_layers + l) * layer_bytes;
-    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(k, layers[l].keys, layer_bytes,
-                                         GpuRuntime::Copy::kDeviceToHost, stream));
-    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(v, layers[l].values, layer_bytes,
-                                         GpuRuntime::Copy::kDeviceToHost, stream));
-    host_layers[l] = LayerData{k, v};
-  }
-  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
-  KVCOMP_ASSIGN_OR_RETURN(PutResult r,
-                          self_->Put(model_id, key, layout, num_tokens, host_layers, options));
-  r.path = "ucx";
-  return r;
+  // The data plane: its links pick ucx-cuda (in place) or ucx (staged on `stream`).
+  return put_(model_id, key, layout, num_tokens, layers, stream, options);
 }
 
 absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
@@ -606,66 +567,49 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
                 return chunks;
               }));
   if (nccl) return *std::move(nccl);
-  KVCOMP_ASSIGN_OR_RETURN(
-      std::optional<DeviceGetResult> direct,
-      DenseOverUcxCuda(rt, device, model_id, key, layout, num_tokens, layers, stream));
-  if (direct) return *std::move(direct);
-
-  KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, self_->GetDecoded(model_id, key));
-  KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-  KVCOMP_ASSIGN_OR_RETURN(void* host, rt->AllocPinned(payload));
-  Pinned pinned{rt, host};
-  KVCOMP_RETURN_IF_ERROR(DenseFromCache(cache, layout, num_tokens, pinned.bytes()));
-  for (uint32_t l = 0; l < layout.num_layers; ++l) {
-    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(layers[l].keys, pinned.bytes() + l * layer_bytes,
-                                         layer_bytes, GpuRuntime::Copy::kHostToDevice, stream));
-    KVCOMP_RETURN_IF_ERROR(
-        rt->CopyAsync(layers[l].values, pinned.bytes() + (layout.num_layers + l) * layer_bytes,
-                      layer_bytes, GpuRuntime::Copy::kHostToDevice, stream));
-  }
-  // The pinned copy must outlive the copies: wait for them (an event on the caller's stream).
-  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
-  DeviceGetResult out;
-  out.bytes = payload;
-  out.path = "ucx";
-  return out;
+  return DenseOverDataPlane(rt, device, model_id, key, layout, num_tokens, layers, stream);
 }
 
-absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::DenseOverUcxCuda(
+absl::StatusOr<DeviceGetResult> GpuPath::DenseOverDataPlane(
     GpuRuntime* rt, int device, absl::string_view model_id, absl::string_view key,
     const KvLayout& layout, uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers,
     void* stream) {
-  if (!LocalUcxCudaMemory()) return std::nullopt;
-  absl::StatusOr<LookupResult> found = self_->Lookup(model_id, key);
-  if (!found.ok()) return std::nullopt;  // the host path reports what is wrong
-  if (found->key_codec != KeyCodec::kRaw || found->value_codec != ValueCodec::kRaw ||
-      found->original_tokens != num_tokens || found->layout != layout ||
-      found->total_kept != layout.num_heads_total() * num_tokens) {
-    return std::nullopt;
+  KVCOMP_ASSIGN_OR_RETURN(LookupResult found, self_->Lookup(model_id, key));
+  if (found.layout != layout || found.original_tokens != num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the cache is ", found.layout.DebugString(), " x ", found.original_tokens,
+        " tokens; the call asked for ", layout.DebugString(), " x ", num_tokens, " tokens"));
   }
+  const uint64_t every = layout.num_heads_total() * num_tokens;
+  if (found.total_kept != every) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the cache kept ", found.total_kept, " of ", every,
+                     " head tokens: a dense get needs every token (ratio 0); get the cache "
+                     "instead"));
+  }
+  // The decoded form (raw codecs) holds the dense K and V and, besides them, no more than the
+  // stored form does (header, table, heads and positions), with room for sections' padding.
+  const uint64_t capacity = found.original_bytes + found.stored_bytes + (uint64_t{64} << 10);
   KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-  KVCOMP_ASSIGN_OR_RETURN(void* stored, rt->AllocDevice(found->stored_bytes));
-  transport::ScopedDeviceMemory release(rt, stored);
-  std::string why;
-  KVCOMP_ASSIGN_OR_RETURN(std::optional<DeviceGetResult> got,
-                          GetIntoDeviceOverUcx(*self_, model_id, key, stored,
-                                               found->stored_bytes, stream, false, &why));
-  if (!got) return std::nullopt;
+  KVCOMP_ASSIGN_OR_RETURN(void* decoded, rt->AllocDevice(capacity));
+  transport::ScopedDeviceMemory release(rt, decoded);
+  KVCOMP_ASSIGN_OR_RETURN(DeviceGetResult got,
+                          get_(model_id, key, /*decoded=*/true, decoded, capacity, stream));
   std::vector<void*> keys(layout.num_layers), values(layout.num_layers);
   for (uint32_t l = 0; l < layout.num_layers; ++l) {
     keys[l] = layers[l].keys;
     values[l] = layers[l].values;
   }
   KVCOMP_ASSIGN_OR_RETURN(bool dense,
-                          transport::CopyDenseKv(rt, stored, got->bytes, layout, num_tokens, keys,
+                          transport::CopyDenseKv(rt, decoded, got.bytes, layout, num_tokens, keys,
                                                  values, stream,
                                                  absl::Now() + options_.request_timeout));
-  if (!dense) return std::nullopt;  // replaced meanwhile by another cache
-  DeviceGetResult out;
-  out.bytes = layout.CacheBytes(num_tokens);
-  out.path = "ucx-cuda";
-  out.transfer_seconds = got->transfer_seconds;
-  return std::optional<DeviceGetResult>(std::move(out));
+  if (!dense) {
+    return absl::FailedPreconditionError(
+        "the cache was replaced meanwhile by one without every token of this layout");
+  }
+  got.bytes = layout.CacheBytes(num_tokens);
+  return got;
 }
 
 absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,
@@ -685,27 +629,7 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,
                     {dst, static_cast<size_t>(grant.payload_bytes)}};
               }));
   if (nccl) return *std::move(nccl);
-  std::string staged;
-  KVCOMP_ASSIGN_OR_RETURN(std::optional<DeviceGetResult> direct,
-                          GetIntoDeviceOverUcx(*self_, model_id, key, dst, capacity, stream,
-                                               decoded, &staged));
-  if (direct) return *std::move(direct);
-  KVCOMP_ASSIGN_OR_RETURN(std::string bytes, fetch_(model_id, key, decoded));
-  if (bytes.size() > capacity) {
-    return absl::OutOfRangeError(
-        absl::StrCat("the cache is ", bytes.size(), " bytes; the buffer holds ", capacity));
-  }
-  KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-  KVCOMP_ASSIGN_OR_RETURN(void* host, rt->AllocPinned(bytes.size()));
-  Pinned pinned{rt, host};
-  std::memcpy(pinned.bytes(), bytes.data(), bytes.size());
-  KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(dst, pinned.bytes(), bytes.size(),
-                                       GpuRuntime::Copy::kHostToDevice, stream));
-  KVCOMP_RETURN_IF_ERROR(rt->WaitStream(stream, absl::Now() + options_.request_timeout));
-  DeviceGetResult out;
-  out.bytes = bytes.size();
-  out.path = "ucx";
-  return out;
+  return get_(model_id, key, decoded, dst, capacity, stream);
 }
 
 // --- Layer by layer ---

@@ -1,8 +1,9 @@
 // The SDK's device-memory calls (Client::PutDevice, GetKvIntoDevice, GetIntoDevice and the
 // layer-by-layer streams): over the GPU channel, negotiated on the control plane, when the
 // endpoint offers one (NCCL between two GPUs; CUDA IPC when the daemon is on the caller's GPU),
-// else through host memory over the ordinary data plane. Channels are kept per (endpoint, device) for the
-// client's life; a channel whose transfer fails is aborted and dropped, and an endpoint that
+// else over the data plane, asked once: its payload links move the device memory in place
+// (ucx-cuda) or stage it through host memory (ucx). Channels are kept per (endpoint, device) for
+// the client's life; a channel whose transfer fails is aborted and dropped, and an endpoint that
 // refused one is not asked again for a while (it is asked again after `down_for` x 15).
 //
 // Thread-safety: every method is thread-safe; transfers on one channel take turns.
@@ -35,11 +36,19 @@ class GpuPath {
   // The key's endpoints in ranking order (data and control addresses).
   using RankingFn = std::function<absl::StatusOr<std::vector<EndpointAddress>>(
       absl::string_view model_id, absl::string_view key)>;
-  // The cache's bytes over the data plane, as stored or decoded.
-  using FetchFn = std::function<absl::StatusOr<std::string>(absl::string_view model_id,
-                                                            absl::string_view key, bool decoded)>;
-  // `self` (the client that owns this) and `fetch` serve the host-memory fallbacks.
-  GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, FetchFn fetch);
+  // A put out of device memory over the data plane (ucx-cuda or ucx, the links' choice).
+  using DataPutFn = std::function<absl::StatusOr<PutResult>(
+      absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+      uint64_t num_tokens, const std::vector<DeviceLayerData>& layers, void* stream,
+      const PutOptions& options)>;
+  // The cache's bytes, as stored or decoded, into device memory over the data plane.
+  using DataGetFn = std::function<absl::StatusOr<DeviceGetResult>(
+      absl::string_view model_id, absl::string_view key, bool decoded, void* dst, size_t capacity,
+      void* stream)>;
+  // `self` (the client that owns this: lookups), `put` and `get` carry what no GPU channel
+  // does.
+  GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, DataPutFn put,
+          DataGetFn get);
   ~GpuPath();
 
   absl::StatusOr<PutResult> Put(absl::string_view model_id, absl::string_view key,
@@ -91,11 +100,10 @@ class GpuPath {
       absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
       void* stream, const std::vector<transport::NcclLink::Chunk>& offer,
       absl::FunctionRef<ChunksFn> place);
-  // A dense get over CUDA-aware UCX: a cache that kept every token with raw codecs is read as
-  // stored into device memory, and its keys and values sections (the dense K and V, layer after
-  // layer) are copied into the caller's layers on `stream`. nullopt: another kind of cache, or
-  // no CUDA-aware UCX on either side (the caller densifies through host memory).
-  absl::StatusOr<std::optional<DeviceGetResult>> DenseOverUcxCuda(
+  // A dense get over the data plane: the decoded cache (raw codecs; every token, or the call
+  // fails) is read into device memory of this call's, and its keys and values sections (the
+  // dense K and V, layer after layer) are copied into the caller's layers on `stream`.
+  absl::StatusOr<DeviceGetResult> DenseOverDataPlane(
       transport::GpuRuntime* rt, int device, absl::string_view model_id, absl::string_view key,
       const KvLayout& layout, uint64_t num_tokens, const std::vector<DeviceLayerOut>& layers,
       void* stream);
@@ -120,7 +128,8 @@ class GpuPath {
   const ClientOptions options_;
   Client* const self_;
   const RankingFn ranking_;
-  const FetchFn fetch_;
+  const DataPutFn put_;
+  const DataGetFn get_;
 
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, int>, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);

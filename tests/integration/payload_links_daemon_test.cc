@@ -1,16 +1,19 @@
 // The UCX payload links (transport/ucx_link.h) against a real kvcompd on loopback: a put's
 // blocks pipelined through BlockPipe over the link router, a get into caller memory through
-// it, what the daemon offers per direction, and device memory refused by capability (typed
-// kMemoryNotMappable, nothing sent) where this UCX has no CUDA memory.
+// it, what the daemon offers per direction and the links chosen for device memory (ucx-cuda in
+// place, else ucx staged), and device memory refused by capability (typed kMemoryNotMappable,
+// nothing sent) where this UCX has no CUDA memory and the memory cannot be staged.
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "daemon_fixture.h"
 #include "gtest/gtest.h"
 #include "kvcomp/core/error_detail.h"
+#include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/payload_link.h"
 #include "kvcomp/transport/protocol.h"
@@ -141,6 +144,58 @@ TEST_F(PayloadLinksDaemonTest, AHostPutAndGetGoThroughTheUcxLink) {
   EXPECT_TRUE(absl::IsNotFound(n.status())) << n.status();
 }
 
+// The blocks of a put out of device memory (the SDK's, where no GPU channel carries it): each
+// layer's keys and values a block of their own over every token. Staged through host memory
+// (the ucx link) they reach the daemon as such host blocks; the cache is the one sent.
+TEST_F(PayloadLinksDaemonTest, KeysAndValuesAsBlocksOfTheirOwnMakeTheCache) {
+  auto d = StartDaemon();
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<uint64_t> put = c->PutBegin(Begin("parts"));
+  ASSERT_TRUE(put.ok()) << put.status();
+  const uint64_t part = layout_.LayerBytes(kTokens);
+  std::vector<std::vector<uint8_t>> layers;
+  for (uint32_t l = 0; l < layout_.num_layers; ++l) layers.push_back(Layer(l));
+  uint64_t sent = 0;
+  {
+    const UcxLinks links(c.get());
+    BlockPipe pipe(links, 2 * part);
+    const MemoryRegion none{nullptr, 0, MemoryKind::kHost};
+    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      wire::Block b;
+      b.put_id = *put;
+      b.layer_begin = l;
+      b.layer_end = l + 1;
+      b.token_end = kTokens;
+      for (const bool values : {false, true}) {
+        b.parts = values ? wire::kPartValues : wire::kPartKeys;
+        b.key_bytes = values ? 0 : part;
+        b.value_bytes = values ? part : 0;
+        const MemoryRegion data{layers[l].data() + (values ? part : 0), part, MemoryKind::kHost};
+        pipe.Send(b, values ? none : data, values ? data : none);
+      }
+    }
+    ASSERT_TRUE(pipe.Wait().ok());
+    sent = pipe.sent();
+  }
+  EXPECT_EQ(sent, 2 * layout_.num_layers);
+  absl::StatusOr<wire::CacheSummary> sum = c->PutCommit(*put, sent);
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  absl::StatusOr<transport::FetchedCache> got =
+      c->Get("m", "parts", wire::Representation::kDecoded);
+  ASSERT_TRUE(got.ok()) << got.status();
+  absl::StatusOr<CompressedCache> cache = format::ParseCache(got->bytes.view());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  std::vector<uint8_t> dense(layout_.CacheBytes(kTokens));
+  ASSERT_TRUE(cache->WriteDenseKv(dense.data()).ok());
+  for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+    EXPECT_EQ(0, std::memcmp(dense.data() + l * part, layers[l].data(), part)) << "keys " << l;
+    EXPECT_EQ(0, std::memcmp(dense.data() + (layout_.num_layers + l) * part,
+                             layers[l].data() + part, part))
+        << "values " << l;
+  }
+}
+
 TEST_F(PayloadLinksDaemonTest, TheDaemonOffersPerDirectionWhatItsHelloSays) {
   auto d = StartDaemon();
   auto c = Connect(*d);
@@ -156,6 +211,18 @@ TEST_F(PayloadLinksDaemonTest, TheDaemonOffersPerDirectionWhatItsHelloSays) {
   EXPECT_FALSE(send.Has(LinkKind::kNccl) || send.Has(LinkKind::kCudaIpc));
   const UcxLinks links(c.get());
   EXPECT_EQ(links.For(Direction::kSend).local().Has(LinkKind::kUcxCuda), c->LocalCudaMemory());
+  // Device memory: ucx-cuda in place where both ends' UCX has CUDA memory, and always the
+  // ucx link after it, which stages it through host memory.
+  for (const Direction dir : {Direction::kSend, Direction::kReceive}) {
+    std::vector<LinkKind> chosen;
+    for (transport::PayloadLink* l :
+         links.For(dir).Choose({MemoryKind::kCuda, transport::Locality::kUnknown})) {
+      chosen.push_back(l->kind());
+    }
+    const bool in_place = c->LocalCudaMemory() && (dir == Direction::kReceive || cuda);
+    EXPECT_EQ(chosen, in_place ? (std::vector<LinkKind>{LinkKind::kUcxCuda, LinkKind::kUcxHost})
+                               : (std::vector<LinkKind>{LinkKind::kUcxHost}));
+  }
 }
 
 TEST_F(PayloadLinksDaemonTest, DeviceMemoryIsRefusedByCapabilityWithoutCudaUcx) {
@@ -176,6 +243,10 @@ TEST_F(PayloadLinksDaemonTest, DeviceMemoryIsRefusedByCapabilityWithoutCudaUcx) 
   EXPECT_TRUE(absl::IsFailedPrecondition(n.status())) << n.status();
   EXPECT_EQ(DetailOf(n.status()), ErrorDetail::kMemoryNotMappable) << n.status();
   EXPECT_EQ(transport::AfterLinkFailure(n.status()), transport::LinkVerdict::kNextLink);
+  // ucx, which stages device memory through host memory, was asked too and said why not (no
+  // CUDA driver here, or memory the driver does not know).
+  EXPECT_TRUE(absl::StrContains(n.status().message(), "ucx link cannot reach CUDA memory"))
+      << n.status();
 
   // A put's blocks claimed as device memory: refused before sending, the put stays empty.
   absl::StatusOr<uint64_t> put = c->PutBegin(Begin("dev"));

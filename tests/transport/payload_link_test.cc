@@ -11,11 +11,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/transport/gpu_link.h"
+#include "kvcomp/transport/ucx_link.h"
 
 namespace kvcomp {
 namespace transport {
@@ -261,6 +263,50 @@ TEST(PayloadLinkTest, GpuLinksRefuseHostMemoryAsNotServed) {
   EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));
   ipc.Peer({{buf, 4, MemoryKind::kCuda}, {buf + 4, 2, MemoryKind::kCuda}});
   EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));
+}
+
+// The ucx link takes CUDA memory by staging it through pinned host memory: only where it can
+// copy it (a CUDA driver, and device memory at the address), else it refuses the memory as not
+// served, so that the router reports no link instead of failing mid-transfer; a part a block
+// lacks (0 bytes) is taken whatever its kind. The ucx-cuda link takes CUDA memory only.
+TEST(PayloadLinkTest, TheUcxLinkStagesOnlyCudaMemoryItCanCopy) {
+  UcxLink ucx(nullptr, K::kUcxHost);
+  UcxLink ucx_cuda(nullptr, K::kUcxCuda);
+  EXPECT_TRUE(ucx.caps().staged);
+  EXPECT_FALSE(ucx_cuda.caps().staged);
+  std::vector<char> host(4096);
+  EXPECT_TRUE(ucx.Register({host.data(), host.size(), MemoryKind::kHost}).ok());
+  EXPECT_TRUE(ucx.Register({nullptr, 0, MemoryKind::kCuda}).ok());
+  // Host memory claimed as device memory: on this machine either no CUDA driver or a driver
+  // that does not know the address; refused either way, with the reason.
+  absl::StatusOr<Registration> r = ucx.Register({host.data(), host.size(), MemoryKind::kCuda});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(AfterLinkFailure(r.status()), LinkVerdict::kNextLink) << r.status();
+  EXPECT_EQ(DetailOf(r.status()), ErrorDetail::kMemoryNotMappable) << r.status();
+  const bool driver = GpuRuntime::Get().ok();
+  EXPECT_TRUE(absl::StrContains(r.status().message(),
+                                driver ? "not CUDA device memory" : "no CUDA driver to stage it"))
+      << r.status();
+  absl::StatusOr<Registration> in_place =
+      ucx_cuda.Register({host.data(), host.size(), MemoryKind::kHost});
+  EXPECT_EQ(AfterLinkFailure(in_place.status()), LinkVerdict::kNextLink) << in_place.status();
+
+  // The router over both: CUDA memory is offered to ucx-cuda first, then to the staging ucx;
+  // each refusal is named in the one typed answer.
+  LinkRouter router(LinkOffer{K::kUcxCuda, K::kUcxHost});
+  router.Add(&ucx);
+  router.Add(&ucx_cuda);
+  const TransferNeed cuda{MemoryKind::kCuda, Locality::kUnknown};
+  std::vector<K> chosen;
+  for (PayloadLink* l : router.Choose(cuda)) chosen.push_back(l->kind());
+  EXPECT_EQ(chosen, (std::vector<K>{K::kUcxCuda, K::kUcxHost}));
+  // A daemon whose UCX cannot take device payloads: only the staging link.
+  chosen.clear();
+  LinkRouter host_peer(LinkOffer{K::kUcxHost});
+  host_peer.Add(&ucx);
+  host_peer.Add(&ucx_cuda);
+  for (PayloadLink* l : host_peer.Choose(cuda)) chosen.push_back(l->kind());
+  EXPECT_EQ(chosen, (std::vector<K>{K::kUcxHost}));
 }
 
 }  // namespace

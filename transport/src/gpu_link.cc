@@ -766,19 +766,13 @@ absl::Status NcclLink::Wait(void* stream, absl::Time deadline) {
 namespace {
 
 // Copies `n` layers' spans of `bytes` each from `from` (one after another) to `to[l]`, one copy
-// per run of destinations that follow one another.
+// per layer: destinations that lie next to each other may still be separate allocations, and
+// the driver refuses a copy that spans two.
 absl::Status CopyLayers(GpuRuntime* rt, const uint8_t* from, absl::Span<void* const> to,
                         uint64_t bytes, void* stream) {
-  size_t l = 0;
-  while (l < to.size()) {
-    size_t end = l + 1;
-    while (end < to.size() &&
-           static_cast<uint8_t*>(to[end]) == static_cast<uint8_t*>(to[l]) + (end - l) * bytes) {
-      ++end;
-    }
-    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(to[l], from + l * bytes, (end - l) * bytes,
+  for (size_t l = 0; l < to.size(); ++l) {
+    KVCOMP_RETURN_IF_ERROR(rt->CopyAsync(to[l], from + l * bytes, bytes,
                                          GpuRuntime::Copy::kDeviceToDevice, stream));
-    l = end;
   }
   return absl::OkStatus();
 }

@@ -170,8 +170,8 @@ class ScopedDeviceMemory {
 // The dense K and V of a cache whose stored bytes (docs/format.md) lie in device memory of the
 // current device (`stored`, `stored_bytes`), copied on the device on `stream` into `keys[l]`
 // and `values[l]` (layer l's [kv head][token][dim], layout.LayerBytes(num_tokens) bytes each;
-// destinations that follow one another are copied at once). Used by kvcompd's dense gets and
-// the SDK's dense get over CUDA-aware UCX. The header and section table are read on the host
+// one copy per layer, so each destination may be an allocation of its own). Used by kvcompd's
+// dense gets and the SDK's dense gets over UCX. The header and section table are read on the host
 // first (format::DenseKvSections); returns once the copies are done, so `stored` may be freed.
 // false, nothing copied: the bytes are not a cache of `layout` and `num_tokens` that kept every
 // token with raw codecs (another cache, or one replaced meanwhile). Errors: the driver's,

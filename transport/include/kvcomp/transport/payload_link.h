@@ -7,7 +7,7 @@
 //   nccl       CUDA                                  another GPU            gpu_link.h (NcclPayloadLink)
 //   ucx-cuda   CUDA                                  any peer               ucx_link.h (UcxLink)
 //   shm        host (through a shared region)        the same host          shm_link.h (ShmLink)
-//   ucx        host                                  any peer               ucx_link.h (UcxLink)
+//   ucx        host; CUDA staged via pinned host     any peer               ucx_link.h (UcxLink)
 //
 // A link declares the memory kinds and locality it serves (CapsOf), registers memory
 // (Register: checks it can reach it in place and says what the peer needs to reach it),
@@ -18,8 +18,9 @@
 // refuses the memory. A link that fails says, by the typed detail of its status
 // (kvcomp::ErrorDetail), whether the next link should be tried, the same link reopened, or the
 // caller answered (AfterLinkFailure): never by its message. Device memory always has a last
-// resort through host memory (staged on the caller's stream by the caller), so ucx is chosen for
-// CUDA memory too, after the links that move it in place.
+// resort through host memory: the ucx link stages it itself (a copy on the transfer's stream,
+// then the host send; for a receive the host get, then the copy), so ucx is chosen for CUDA
+// memory too, after the links that move it in place (CapsOf(kUcxHost).staged).
 //
 // What each link moves and how the two ends agree on it: docs/architecture.md ("Payload links")
 // and docs/protocol.md. The free functions and plain types are thread-safe; Completion is
@@ -144,7 +145,8 @@ struct GetRequest {
 // need what the peer knows it by: `block` for a put's block (sent: regions are its keys and its
 // values, either 0 bytes when the block lacks that part) or `get` for a get (received: one
 // region, its capacity). Links negotiated beforehand (nccl, ipc) move `regions` only, ordered
-// on `stream` (a CUDA stream of the link's device).
+// on `stream` (a CUDA stream of the link's device); the UCX links move CUDA regions after the
+// work queued on `stream` so far (ucx_link.h).
 struct Transfer {
   Direction direction = Direction::kSend;
   std::vector<MemoryRegion> regions;
