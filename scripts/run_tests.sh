@@ -63,9 +63,20 @@ if [ -n "$UCX_WHEEL" ] && [ -f "$UCX_WHEEL/lib/pkgconfig/ucx.pc" ]; then
   done
   PKG_CONFIG_PATH="$PWD/build-ucx122/pkgconfig" cmake -S . -B build-ucx122 -G Ninja \
     -DKVCOMP_CUDA=OFF -DKVCOMP_PYTHON=OFF "${g1[@]}" >/dev/null
-  cmake --build build-ucx122 -j "$JOBS" --target transport_cuda_ucx_test
+  cmake --build build-ucx122 -j "$JOBS" --target transport_cuda_ucx_test kvcompd_ucx_interop_test
   ldd build-ucx122/tests/transport/transport_cuda_ucx_test | grep -E 'libuc[ps]\.so'
   build-ucx122/tests/transport/transport_cuda_ucx_test
+  # A client on this UCX against this build's kvcompd on the system's UCX, with no UCX_ variable
+  # set (the test removes them): put, get and lookup pass because the two sides settle what the
+  # pair of releases needs themselves (docs/protocol.md, "UCX releases").
+  system_ucx=$(pkg-config --modversion ucx | cut -d. -f1,2)
+  expect=()
+  if [ "$system_ucx" != "$(PKG_CONFIG_PATH="$UCX_WHEEL/lib/pkgconfig" pkg-config --modversion ucx |
+      cut -d. -f1,2)" ]; then
+    expect=(KVCOMP_EXPECT_DAEMON_UCX="$system_ucx")
+  fi
+  env "${expect[@]}" KVCOMP_KVCOMPD="$PWD/$BUILD/service/kvcompd" \
+    build-ucx122/tests/integration/kvcompd_ucx_interop_test
   done_with build-ucx122
 fi
 

@@ -222,8 +222,10 @@ if [ "$STORED_TOKENS" != 0 ] && [ -x "$KVCOMPD" ]; then
   {
     echo
     echo "Stored get of a Llama-3.1-8B-shaped cache from kvcompd ($STORED_TOKENS tokens, bf16, the"
-    echo "daemon's default policy, host tier, durability memory; ${SB:-?} stored bytes), GetInto one"
-    echo "reused host buffer through the payload links, $GETS gets after one warm-up; load $l."
+    echo "daemon's default policy, host tier, durability memory; ${SB:-?} stored bytes): GetInto one"
+    echo "reused host buffer through the payload links, and Get into a new buffer each time (its"
+    echo "size unknown beforehand, as the SDK's Get and GetBytes), $GETS of each after one warm-up;"
+    echo "load $l."
     echo "Reference: the transfer time of its bytes at ucx_perftest's sm,tcp rate above (the"
     echo "median of its ${#SM_RUNS[@]} runs in this run: ${SM_RATE:-n/a} MiB/s); the target is a get within 2x"
     echo "of it."
@@ -235,15 +237,17 @@ if [ "$STORED_TOKENS" != 0 ] && [ -x "$KVCOMPD" ]; then
     echo "ucx_perftest sm,tcp with 64 MiB messages (40 per run, $REPS runs): $(median "${BIG[@]}") MiB/s"
     echo "(${BIG[*]}), for comparison: the stored get moves $((${SB:-0} >> 20)) MiB at once."
     echo
-    echo "| link | p50 ms | p99 ms | transfer at perftest sm rate, ms | p50 / transfer |"
-    echo "| --- | --- | --- | --- | --- |"
+    echo "| call | link | p50 ms | p99 ms | transfer at perftest sm rate, ms | p50 / transfer |"
+    echo "| --- | --- | --- | --- | --- | --- |"
     echo "$OUT" | grep -E '^RESULT stored_bytes' | while read -r line; do
+      call=GetInto
+      case "$line" in *call=get*) call=Get ;; esac
       mode=$(echo "$line" | sed -E 's/.*mode=([^ ]+).*/\1/')
       p50=$(echo "$line" | sed -E 's/.*p50_ms=([0-9.]+).*/\1/')
       p99=$(echo "$line" | sed -E 's/.*p99_ms=([0-9.]+).*/\1/')
-      awk -v m="$mode" -v a="$p50" -v b="$p99" -v n="${SB:-0}" -v r="${SM_RATE:-0}" 'BEGIN{
+      awk -v c="$call" -v m="$mode" -v a="$p50" -v b="$p99" -v n="${SB:-0}" -v r="${SM_RATE:-0}" 'BEGIN{
         t = (r > 0) ? n / (r * 1048576) * 1000 : 0;
-        printf "| %s | %s | %s | %.1f | %s |\n", m, a, b, t, (t > 0) ? sprintf("%.2fx", a / t) : "n/a" }'
+        printf "| %s | %s | %s | %s | %.1f | %s |\n", c, m, a, b, t, (t > 0) ? sprintf("%.2fx", a / t) : "n/a" }'
     done
   } >>"$RESULTS.tmp"
 fi

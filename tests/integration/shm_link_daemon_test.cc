@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,20 @@ int Pidfds(int pid) {
     char target[256];
     const ssize_t len = readlink((dir + std::to_string(fd)).c_str(), target, sizeof(target) - 1);
     if (len > 0 && absl::StrContains(absl::string_view(target, len), "pidfd")) ++n;
+  }
+  return n;
+}
+
+// The daemon's count of cache requests of `op` ("get", "lookup"), every result and label summed.
+double Requests(const KvcompdProcess& d, const std::string& op) {
+  std::istringstream in(HttpGet(d.ports().metrics, "/metrics").body);
+  std::string line;
+  double n = 0;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "kvcomp_cache_requests_total{") &&
+        absl::StrContains(line, "op=\"" + op + "\"")) {
+      n += std::atof(line.c_str() + line.rfind(' ') + 1);
+    }
   }
   return n;
 }
@@ -208,6 +223,25 @@ TEST_F(ShmLinkDaemonTest, PutsAndGetsGoThroughSharedMemoryBitExact) {
   EXPECT_TRUE(absl::IsNotFound(n.status())) << n.status();
   EXPECT_TRUE(shm->SharedMemory()->usable()) << shm->SharedMemory()->why();
   EXPECT_EQ(shm->SharedMemory()->direct(), direct);
+
+  // Get (a new buffer, its size unknown beforehand) through shared memory: the same bytes, one
+  // get request each (no lookup first), an absent key a get miss.
+  const double gets = Requests(*d, "get"), lookups = Requests(*d, "lookup");
+  const transport::ShmChannel::Stats before = shm->SharedMemory()->stats();
+  for (int round = 0; round < 2; ++round) {
+    absl::StatusOr<transport::FetchedCache> g = shm->Get("m", k);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->bytes.view(), via_shm->bytes.view());
+    EXPECT_EQ(g->representation, wire::Representation::kStored);
+    g = shm->Get("m", k, wire::Representation::kDecoded);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->bytes.view(), decoded->bytes.view());
+  }
+  EXPECT_TRUE(absl::IsNotFound(shm->Get("m", "absent").status()));
+  EXPECT_EQ(shm->SharedMemory()->stats().gets_shared, before.gets_shared + 4);
+  EXPECT_EQ(shm->SharedMemory()->stats().gets_as_payload, before.gets_as_payload);
+  EXPECT_EQ(Requests(*d, "get"), gets + 5);
+  EXPECT_EQ(Requests(*d, "lookup"), lookups);
   }
 }
 
@@ -240,8 +274,45 @@ TEST_F(ShmLinkDaemonTest, ACacheLargerThanTheClientsGetRegionComesOverUcx) {
           .GetInto({"m", "big", wire::Representation::kStored},
                    {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &got);
   ASSERT_TRUE(n.ok()) << n.status();
-  EXPECT_EQ(got, LinkKind::kUcxHost);
   EXPECT_EQ(absl::string_view(into.data(), *n), whole->bytes.view());
+  // It came as the reply's payload within the one get (the daemon counts one request).
+  EXPECT_EQ(got, LinkKind::kShm);
+  EXPECT_EQ(small->SharedMemory()->stats().gets_as_payload, 2u);  // Get above and GetInto
+  EXPECT_EQ(Requests(*on, "get"), 2);
+}
+
+TEST_F(ShmLinkDaemonTest, AGetLargerThanTheRoomComesAsAPayloadInTheSameRequest) {
+  auto d = StartDaemon();
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "direct" : "regions");
+    // Room for 128 KiB: the cache is larger, the decoded one far larger.
+    auto c = ConnectWith(*d, true, "", "", /*max_get_region=*/128 << 10, direct);
+    auto ucx = ConnectWith(*d, false);
+    ASSERT_NE(c, nullptr);
+    ASSERT_NE(ucx, nullptr);
+    const std::string k = direct ? "big-direct" : "big-regions";
+    ASSERT_TRUE(Put(*c, k, layout_.num_layers, 3).ok());
+    absl::StatusOr<transport::FetchedCache> want = ucx->Get("m", k);
+    absl::StatusOr<transport::FetchedCache> want_decoded =
+        ucx->Get("m", k, wire::Representation::kDecoded);
+    ASSERT_TRUE(want.ok() && want_decoded.ok());
+    ASSERT_GT(want_decoded->bytes.size(), 128u << 10);
+    const double gets = Requests(*d, "get");
+    for (int round = 0; round < 2; ++round) {
+      absl::StatusOr<transport::FetchedCache> g = c->Get("m", k, wire::Representation::kDecoded);
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_EQ(g->bytes.view(), want_decoded->bytes.view());
+      g = c->Get("m", k);
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_EQ(g->bytes.view(), want->bytes.view());
+    }
+    EXPECT_EQ(Requests(*d, "get"), gets + 4);
+    EXPECT_EQ(c->SharedMemory()->direct(), direct);
+    const transport::ShmChannel::Stats st = c->SharedMemory()->stats();
+    EXPECT_GE(st.gets_as_payload, 2u);
+    EXPECT_EQ(st.gets_shared + st.gets_as_payload, 4u);
+    EXPECT_TRUE(absl::IsNotFound(c->Get("m", "absent").status()));
+  }
 }
 
 TEST_F(ShmLinkDaemonTest, TheDaemonMapsOnlySealedAllocatedMemfdsOfAKnownConnection) {
@@ -515,6 +586,40 @@ TEST_F(ShmLinkDaemonTest, TenantsStayApartOnSharedMemory) {
                    {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(), &got);
   ASSERT_TRUE(n.ok()) << n.status();
   EXPECT_EQ(got, LinkKind::kShm);
+
+  // Get into a new buffer, both ways through shared memory: beta's of alpha's key is not found
+  // and beta's channel was written nothing; alpha's returns its cache.
+  absl::StatusOr<transport::FetchedCache> mine = alpha->Get("m", "secret");
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  std::unique_ptr<transport::UcxClient> beta_regions;
+  for (bool direct : {true, false}) {
+    auto b2 = ConnectWith(*d, true, "beta", "secret-b", uint64_t{1} << 30, direct);
+    ASSERT_NE(b2, nullptr);
+    EXPECT_TRUE(absl::IsNotFound(b2->Get("m", "secret").status()));
+    EXPECT_TRUE(absl::IsNotFound(b2->Get("m", "secret", wire::Representation::kDecoded).status()));
+    EXPECT_EQ(b2->SharedMemory()->direct(), direct);
+    EXPECT_EQ(b2->SharedMemory()->stats().gets_shared, 0u);
+    EXPECT_EQ(b2->SharedMemory()->stats().gets_as_payload, 0u);
+    if (!direct) beta_regions = std::move(b2);  // it attached a get region for those gets
+  }
+  // Nor does a raw shared get with or-payload and no room fetch it as a payload.
+  wire::Get raw{wire::Representation::kStored, "m", "secret", true, transport::kShmGetDataOffset, 0};
+  raw.or_payload = true;
+  r = beta_regions->SendRawForTesting(78, wire::Encode(78, raw), "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(absl::IsNotFound(r->status)) << r->status;
+  EXPECT_EQ(r->payload_bytes, 0u);
+  // Alpha's own such get: its cache as the reply's payload.
+  auto regions = ConnectWith(*d, true, "alpha", "secret-a", uint64_t{1} << 30, false);
+  ASSERT_NE(regions, nullptr);
+  absl::StatusOr<transport::FetchedCache> again = regions->Get("m", "secret");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->bytes.view(), mine->bytes.view());
+  r = regions->SendRawForTesting(79, wire::Encode(79, raw), "");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->status.ok()) << r->status;
+  EXPECT_EQ(r->header.type, wire::MessageType::kGetReply);
+  EXPECT_EQ(r->payload_bytes, mine->bytes.size());
 }
 
 TEST_F(ShmLinkDaemonTest, AClientKilledMidPutLeavesNoPutAndNoMapping) {

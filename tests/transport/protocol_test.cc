@@ -89,6 +89,19 @@ TEST(ProtocolTest, HelloRoundTrip) {
   EXPECT_EQ(ok2.max_inflight_bytes, ok.max_inflight_bytes);
   EXPECT_EQ(ok2.tenant, "acme");
   EXPECT_EQ(ok2.server_name, "kvcompd");
+  EXPECT_EQ(ok2.ucx_major, 0);  // not said
+  // The server's UCX release, in the bytes a 1.0-1.2 client reads as reserved.
+  ok.ucx_major = 1;
+  ok.ucx_minor = 13;
+  ok.ucx_release = 1;
+  const std::string f = Encode(7, ok);
+  EXPECT_EQ(static_cast<uint8_t>(f[32 + 3]), 1);
+  EXPECT_EQ(static_cast<uint8_t>(f[32 + 4]), 13);
+  EXPECT_EQ(static_cast<uint8_t>(f[32 + 5]), 1);
+  HelloOk ok3 = RoundTrip<HelloOk>(f);
+  EXPECT_EQ(ok3.ucx_major, 1);
+  EXPECT_EQ(ok3.ucx_minor, 13);
+  EXPECT_EQ(ok3.ucx_release, 1);
 }
 
 TEST(ProtocolTest, PutBeginRoundTrip) {
@@ -328,6 +341,23 @@ TEST(ProtocolTest, SharedMemoryFieldsRoundTripAndDisagreementsAreRefused) {
   EXPECT_EQ(go.shm_offset, 4096u);
   EXPECT_EQ(go.shm_capacity, uint64_t{1} << 20);
   EXPECT_FALSE(RoundTrip<Get>(Encode(1, Get{Representation::kStored, "m", "k"})).shared);
+  EXPECT_FALSE(go.or_payload);
+  // Or-payload (minor 3) rides with either flag, never alone.
+  for (bool is_direct : {false, true}) {
+    Get op = is_direct ? direct : g;
+    op.or_payload = true;
+    Get oo = RoundTrip<Get>(Encode(1, op));
+    EXPECT_TRUE(oo.or_payload);
+    EXPECT_EQ(oo.direct, is_direct);
+    EXPECT_EQ(oo.shm_capacity, op.shm_capacity);
+  }
+  Get lone{Representation::kStored, "m", "k"};
+  lone.or_payload = true;
+  EXPECT_FALSE(RoundTrip<Get>(Encode(1, lone)).or_payload);  // not encoded without a flag
+  std::string forged = Encode(1, lone);
+  forged[32 + 1] = 8;  // the flags byte: or-payload alone
+  Get fout;
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(Reseal(forged)), &fout)));
 
   GetReply r;
   r.shared = true;

@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/crc32c.h"
@@ -178,6 +179,9 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity, absl::Time deadline,
                           absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) override;
   const ClientOptions& options() const { return options_; }
+  // The connection failed because the server's UCX refused the connection request itself
+  // (UCS_ERR_REJECTED), before any hello.
+  bool RejectedByPeer() const { return ep_failure_.load() == UCS_ERR_REJECTED; }
   absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
                                              absl::string_view payload) override;
   void Close() override;
@@ -236,6 +240,7 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   const std::shared_ptr<ClientWorker> worker_;
   wire::HelloOk hello_ok_;
   std::atomic<bool> connected_{false};
+  std::atomic<int> ep_failure_{UCS_OK};  // the status UCX failed the endpoint with
   std::atomic<uint64_t> next_put_id_{1};
   absl::Mutex close_mu_;
   bool registered_ ABSL_GUARDED_BY(close_mu_) = false;  // the endpoint was made
@@ -600,6 +605,7 @@ void ClientImpl::Tick() {
 
 void ClientImpl::EndpointFailed(ucs_status_t status) {
   connected_.store(false);
+  ep_failure_.store(status);
   if (broken_.ok()) {
     broken_ = absl::UnavailableError(
         absl::StrCat("connection lost: UCX: ", ucs_status_string(status)));
@@ -1015,7 +1021,8 @@ uint64_t ClientImpl::GetSharedAsync(const wire::Get& get, void* dst, size_t capa
       done(absl::DataLossError("get: checksum mismatch of the received cache"));
       return;
     }
-    done(SharedGet{r->payload.size(), false});
+    const uint64_t n = r->payload.size();
+    done(SharedGet{n, false, std::move(r->payload)});
   };
   Submit(std::move(p));
   return rid;
@@ -1268,6 +1275,14 @@ class ClientHandle : public UcxClient {
   absl::StatusOr<FetchedCache> Get(absl::string_view model_id, absl::string_view key,
                                    wire::Representation representation,
                                    absl::Time deadline) override {
+    // Same-host shared memory where the connection has it: one get request either way (the
+    // daemon sends a cache larger than the room there as the reply's payload).
+    ShmChannel* shm = SharedMemory();
+    if (shm != nullptr && shm->usable()) {
+      absl::StatusOr<FetchedCache> r =
+          shm->Get({std::string(model_id), std::string(key), representation}, deadline);
+      if (r.ok() || AfterLinkFailure(r.status()) != LinkVerdict::kNextLink) return r;
+    }
     return impl_->Get(model_id, key, representation, deadline);
   }
   absl::StatusOr<size_t> GetInto(absl::string_view model_id, absl::string_view key,
@@ -1320,15 +1335,107 @@ class ClientHandle : public UcxClient {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& endpoint,
-                                                              absl::string_view tenant,
-                                                              absl::string_view token,
-                                                              const ClientOptions& options) {
+// ---- UCX releases ----
+
+namespace {
+
+using UcxSettings = std::map<std::string, std::string>;
+
+// The UCX settings (UcxInteropSettings) that connected to each server this process reached, by
+// endpoint: a reconnect uses them from the start.
+struct KnownServers {
+  absl::Mutex mu;
+  std::map<std::string, UcxSettings> settings ABSL_GUARDED_BY(mu);
+};
+KnownServers& Known() {
+  static KnownServers* const known = new KnownServers();
+  return *known;
+}
+
+// `options` plus `settings`, less what the user chose (UnlessUserSet).
+ClientOptions With(const ClientOptions& options, const UcxSettings& settings) {
+  ClientOptions o = options;
+  for (const auto& [name, value] : UnlessUserSet(settings, options.ucx)) {
+    o.ucx.overrides[name] = value;
+  }
+  return o;
+}
+
+absl::StatusOr<std::shared_ptr<ClientImpl>> ConnectOnce(const Endpoint& endpoint,
+                                                        absl::string_view tenant,
+                                                        absl::string_view token,
+                                                        const ClientOptions& options,
+                                                        bool* rejected) {
+  *rejected = false;
   KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<ClientWorker> worker, ClientWorker::Get(options));
   auto client = std::make_shared<ClientImpl>(options, std::move(worker));
   if (absl::Status s = client->Connect(endpoint, tenant, token); !s.ok()) {
     client->Close();
+    *rejected = client->RejectedByPeer();
     return s;
+  }
+  return client;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& endpoint,
+                                                              absl::string_view tenant,
+                                                              absl::string_view token,
+                                                              const ClientOptions& options) {
+  // The two ends' UCX releases may need settings on this side (docs/protocol.md, "UCX
+  // releases"). A server on a release before 1.14 refuses the first connection request of a
+  // client on 1.14 or later (UCS_ERR_REJECTED, before any hello, within milliseconds): the
+  // client then connects as that pair needs. Hello-ok says the server's release; what connected
+  // is kept for the endpoint.
+  const std::string where = endpoint.ToString();
+  const UcxVersion local = LocalUcxVersion();
+  UcxSettings settings = UcxInteropSettings(local, UcxVersion{});
+  {
+    KnownServers& k = Known();
+    absl::MutexLock l(&k.mu);
+    auto it = k.settings.find(where);
+    if (it != k.settings.end()) settings = it->second;
+  }
+  ClientOptions o = With(options, settings);
+  bool rejected = false;
+  absl::StatusOr<std::shared_ptr<ClientImpl>> c =
+      ConnectOnce(endpoint, tenant, token, o, &rejected);
+  if (!c.ok() && rejected) {
+    const UcxSettings older = UcxInteropSettings(local, UcxVersion{1, 13, 0});
+    if (With(options, older).ucx.overrides != o.ucx.overrides) {
+      settings = older;
+      o = With(options, settings);
+      c = ConnectOnce(endpoint, tenant, token, o, &rejected);
+    } else if (local.known() && local.major == 1 && local.minor < 14) {
+      return absl::Status(
+          c.status().code(),
+          absl::StrCat(c.status().message(), " (the daemon's UCX refused the connection ",
+                       "request itself: the daemon is draining or at its connection limit, or ",
+                       "it runs UCX 1.14 or later, which does not accept clients on UCX ",
+                       local.ToString(), "; docs/protocol.md, \"UCX releases\")"));
+    }
+  }
+  if (!c.ok()) return c.status();
+  std::shared_ptr<ClientImpl> client = *std::move(c);
+  // Connected; the server's release may need more than was set (where the user set some of
+  // it): add what is missing and connect once more.
+  const wire::HelloOk& hello = client->server_info();
+  UcxSettings needed = settings;
+  for (const auto& [name, value] :
+       UcxInteropSettings(local, UcxVersion{hello.ucx_major, hello.ucx_minor, hello.ucx_release})) {
+    needed.emplace(name, value);
+  }
+  if (With(options, needed).ucx.overrides != o.ucx.overrides) {
+    client->Close();
+    settings = needed;
+    o = With(options, settings);
+    KVCOMP_ASSIGN_OR_RETURN(client, ConnectOnce(endpoint, tenant, token, o, &rejected));
+  }
+  {
+    KnownServers& k = Known();
+    absl::MutexLock l(&k.mu);
+    k.settings[where] = settings;
   }
   return std::unique_ptr<UcxClient>(new ClientHandle(std::move(client)));
 }

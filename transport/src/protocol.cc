@@ -32,6 +32,7 @@ constexpr uint8_t kPutFlagHasPolicy = 2;
 constexpr uint8_t kGetFlagHasCrc = 1;
 constexpr uint8_t kGetFlagShared = 2;
 constexpr uint8_t kGetFlagDirect = 4;
+constexpr uint8_t kGetFlagOrPayload = 8;
 
 using Writer = byte_coder::ByteWriter;
 using byte_coder::LoadLe;
@@ -321,7 +322,10 @@ std::string Encode(uint64_t request_id, const HelloOk& m) {
   w.Put<uint8_t>(m.server_major);
   w.Put<uint8_t>(m.server_minor);
   w.Put<uint8_t>(m.server_flags);
-  w.Zeros(5);
+  w.Put<uint8_t>(m.ucx_major);
+  w.Put<uint8_t>(m.ucx_minor);
+  w.Put<uint8_t>(m.ucx_release);
+  w.Zeros(2);
   w.Put<uint64_t>(m.max_payload_bytes);
   w.Put<uint64_t>(m.max_inflight_bytes);
   w.Str(Cut(m.tenant, CacheKey::kMaxTenantBytes));
@@ -400,7 +404,9 @@ std::string Encode(uint64_t request_id, const PutAbort& m) {
 std::string Encode(uint64_t request_id, const Get& m) {
   Writer w;
   w.Put<uint8_t>(static_cast<uint8_t>(m.representation));
-  w.Put<uint8_t>(m.direct ? kGetFlagDirect : (m.shared ? kGetFlagShared : 0));
+  uint8_t flags = m.direct ? kGetFlagDirect : (m.shared ? kGetFlagShared : 0);
+  if (flags != 0 && m.or_payload) flags |= kGetFlagOrPayload;
+  w.Put<uint8_t>(flags);
   w.Zeros(2);
   PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
   if (m.shared || m.direct) {
@@ -477,7 +483,10 @@ absl::Status Decode(const Frame& f, HelloOk* out) {
   out->server_major = r.Get<uint8_t>("server_major");
   out->server_minor = r.Get<uint8_t>("server_minor");
   out->server_flags = r.Get<uint8_t>("server_flags");
-  r.Skip(5, "reserved");
+  out->ucx_major = r.Get<uint8_t>("ucx_major");
+  out->ucx_minor = r.Get<uint8_t>("ucx_minor");
+  out->ucx_release = r.Get<uint8_t>("ucx_release");
+  r.Skip(2, "reserved");
   out->max_payload_bytes = r.Get<uint64_t>("max_payload_bytes");
   out->max_inflight_bytes = r.Get<uint64_t>("max_inflight_bytes");
   out->tenant = r.Str("tenant", CacheKey::kMaxTenantBytes);
@@ -649,14 +658,19 @@ absl::Status Decode(const Frame& f, Get* out) {
   GetKey(r, &out->model_id, &out->key);
   out->shared = r.ok() && (flags & kGetFlagShared) != 0;
   out->direct = r.ok() && (flags & kGetFlagDirect) != 0;
+  out->or_payload = r.ok() && (flags & kGetFlagOrPayload) != 0;
   if (out->shared || out->direct) {
     out->shm_offset = r.Get<uint64_t>("shm_offset");
     out->shm_capacity = r.Get<uint64_t>("shm_capacity");
   }
   KVCOMP_RETURN_IF_ERROR(r.Finish());
-  if ((flags & ~(kGetFlagShared | kGetFlagDirect)) ||
+  if ((flags & ~(kGetFlagShared | kGetFlagDirect | kGetFlagOrPayload)) ||
       (flags & (kGetFlagShared | kGetFlagDirect)) == (kGetFlagShared | kGetFlagDirect)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags)));
+  }
+  if (out->or_payload && !out->shared && !out->direct) {
+    return absl::InvalidArgumentError(
+        r.Prefix("the or-payload flag without the shared-memory or direct flag"));
   }
   if (rep > static_cast<uint8_t>(Representation::kDecoded)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown representation %u", rep)));

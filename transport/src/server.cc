@@ -242,7 +242,18 @@ absl::Status ServerImpl::Init() {
   // is ignored as "invalid configuration"); one already there wins.
   if (options_.reuse_address) setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
   CurrentFdUsage();  // opens what counting descriptors needs while there are some
-  KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(options_.ucx, options_.poll_spin));
+  // What this UCX release needs so that clients on other releases can connect (ucx.h,
+  // UcxInteropSettings); a UCX_ variable or data-plane setting of the user's stands.
+  UcxConfig ucx = options_.ucx;
+  const UcxVersion release = LocalUcxVersion();
+  for (const auto& [name, value] :
+       UnlessUserSet(UcxInteropSettings(release, UcxVersion{}), options_.ucx)) {
+    ucx.overrides[name] = value;
+    Report(absl::StrCat("data plane: UCX ", release.ToString(), ": UCX_", name, "=", value,
+                        " (clients on other UCX releases connect: docs/protocol.md, \"UCX "
+                        "releases\")"));
+  }
+  KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(ucx, options_.poll_spin));
 
   KVCOMP_RETURN_IF_ERROR(loop_->SetAmHandler(wire::kAmIdRequest, &ServerImpl::OnAm, this));
   if (options_.shared_memory) {
@@ -446,7 +457,16 @@ void ServerImpl::AcceptConnection(ucp_conn_request_h request) {
   ep.err_handler.arg = this;
   ucs_status_t s = ucp_ep_create(loop_->worker(), &ep, &conn->ep);
   if (s != UCS_OK) {
-    counters_.connections_rejected++;
+    // UCX rejects the request itself (the client learns UCS_ERR_REJECTED). Most often a client
+    // on a UCX release whose connection requests this one cannot read (docs/protocol.md, "UCX
+    // releases"): said once in a while, not per request.
+    if (counters_.connections_rejected++ % 1000 == 0) {
+      Report(absl::StrCat("data plane: a connection request from ", conn->session.peer,
+                          " failed: ", UcsStatusToStatus(s, "ucp_ep_create").message(),
+                          " (a client on an incompatible UCX release? UCX ",
+                          LocalUcxVersion().ToString(), " here; docs/protocol.md, \"UCX "
+                          "releases\")"));
+    }
     return;
   }
   conn->id = next_connection_id_++;
@@ -800,6 +820,14 @@ void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
     ok.shm_socket = shm_->name();
     ok.shm_token = conn.shm->token();
     ok.shm_max_region_bytes = shm_->max_region_bytes();
+  }
+  // The UCX release, for a client of minor >= 3 (an older one checks the bytes are zero): a
+  // client on another UCX release sets what the pair needs (ucx.h, UcxInteropSettings).
+  if (f.header.minor >= 3) {
+    const UcxVersion v = LocalUcxVersion();
+    ok.ucx_major = v.major;
+    ok.ucx_minor = v.minor;
+    ok.ucx_release = v.release;
   }
   SendFrame(conn, wire::Encode(f.header.request_id, ok));
 }
@@ -1198,14 +1226,21 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
   std::shared_ptr<WorkerLoop> loop = loop_;
   const uint64_t rid = f.header.request_id;
   GetDone done = [this, loop, conn, rid, region = std::move(region), peer = std::move(peer),
-                  offset = get.shm_offset,
-                  capacity = get.shm_capacity](absl::StatusOr<GetResult> r) mutable {
+                  offset = get.shm_offset, capacity = get.shm_capacity,
+                  or_payload = get.or_payload](absl::StatusOr<GetResult> r) mutable {
     // The checksum of a large cache (or its copy into shared memory) takes a while: done here,
     // on the completing thread, not on the progress thread that serves every connection.
     uint32_t crc = 0;
     const bool host = r.ok() && r->bytes.memory_type() == MemoryType::kHost;
     uint64_t shared_bytes = 0;
     bool shared = false;
+    // A cache larger than the caller's shared room goes back as the reply's payload when the
+    // get allows it (or_payload), in this same request.
+    if (host && (peer != nullptr || region != nullptr) && or_payload &&
+        r->bytes.size() > capacity) {
+      peer.reset();
+      region.reset();
+    }
     if (host && peer != nullptr) {
       // Straight into the caller's memory in the client's process: one copy.
       const uint64_t n = r->bytes.size();

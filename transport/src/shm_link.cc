@@ -526,6 +526,10 @@ bool ShmChannel::usable() const {
   return broken_.ok();
 }
 
+ShmChannel::Stats ShmChannel::stats() const {
+  return Stats{gets_shared_.load(), gets_as_payload_.load()};
+}
+
 std::string ShmChannel::why() const {
   absl::MutexLock lock(&state_mu_);
   return std::string(broken_.message());
@@ -700,27 +704,17 @@ absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* ds
     });
     absl::MutexLock l(&out->mu);
     out->mu.Await(absl::Condition(&out->done));
-    if (out->result.ok()) return out->result->bytes;
+    if (out->result.ok()) {
+      (out->result->in_region ? gets_shared_ : gets_as_payload_)++;
+      return out->result->bytes;
+    }
     // The daemon could not reach this process's memory after all: the get region from now on.
     if (!absl::IsFailedPrecondition(out->result.status())) return out->result.status();
     absl::MutexLock s(&state_mu_);
     direct_ = DirectMode::kNo;
   }
   absl::MutexLock lock(&get_mu_);
-  const uint64_t bound = std::min(options_.max_get_region_bytes,
-                                  client_->server_info().shm_max_region_bytes);
-  const uint64_t want = std::min(AlignUp(kShmGetDataOffset + capacity, 2 << 20), bound);
-  if (get_ == nullptr || get_->size() < want) {
-    get_.reset();
-    absl::StatusOr<std::unique_ptr<ShmRegion>> r =
-        ShmRegion::Attach(client_->server_info(), kShmGetRegion, want, deadline);
-    if (!r.ok()) {
-      if (absl::IsDeadlineExceeded(r.status())) return r.status();
-      Unusable(r.status());
-      return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost, r.status().message());
-    }
-    get_ = *std::move(r);
-  }
+  KVCOMP_RETURN_IF_ERROR(EnsureGetRegion(kShmGetDataOffset + capacity, deadline));
   const uint64_t room = get_->size() - kShmGetDataOffset;
   const uint64_t asked = std::min<uint64_t>(capacity, room);
   auto* progress = reinterpret_cast<ShmProgress*>(get_->data());
@@ -729,6 +723,9 @@ absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* ds
 
   wire::Get get{request.representation, request.model_id, request.key, true, kShmGetDataOffset,
                 asked};
+  // A cache larger than the region but within the caller's capacity comes as the reply's
+  // payload straight into `dst`, in this request (a daemon of minor >= 3).
+  get.or_payload = asked < capacity && client_->server_info().server_minor >= 3;
   auto out = std::make_shared<GetOutcome>();
   const uint64_t rid = client_->GetSharedAsync(get, dst, capacity, deadline,
                                                [out](absl::StatusOr<SharedGet> r) {
@@ -768,12 +765,152 @@ absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* ds
     }
     return r.status();
   }
-  if (!r->in_region) return r->bytes;  // sent as a payload, already in dst
+  if (!r->in_region) {  // sent as a payload, already in dst
+    gets_as_payload_++;
+    return r->bytes;
+  }
+  gets_shared_++;
   if (r->bytes > asked) {
     return absl::InternalError("the server wrote more than the get region's capacity");
   }
   if (r->bytes > copied) std::memcpy(to + copied, src + copied, r->bytes - copied);
   return r->bytes;
+}
+
+absl::Status ShmChannel::EnsureGetRegion(uint64_t want, absl::Time deadline) {
+  const uint64_t bound = std::min(options_.max_get_region_bytes,
+                                  client_->server_info().shm_max_region_bytes);
+  want = std::min(AlignUp(want, 2 << 20), bound);
+  if (get_ != nullptr && get_->size() >= want) return absl::OkStatus();
+  get_.reset();
+  absl::StatusOr<std::unique_ptr<ShmRegion>> r =
+      ShmRegion::Attach(client_->server_info(), kShmGetRegion, want, deadline);
+  if (!r.ok()) {
+    if (absl::IsDeadlineExceeded(r.status())) return r.status();
+    Unusable(r.status());
+    return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost, r.status().message());
+  }
+  get_ = *std::move(r);
+  return absl::OkStatus();
+}
+
+namespace {
+// The get region Get makes before it has seen a cache: grown to the largest cache sent as a
+// payload since (kept within the bounds).
+constexpr uint64_t kFirstGetRegionBytes = uint64_t{64} << 20;
+constexpr uint64_t kHugePage = uint64_t{2} << 20;
+
+// Waits for a get posted with GetSharedAsync until it is answered.
+absl::StatusOr<SharedGet> AwaitGet(const std::shared_ptr<GetOutcome>& out) {
+  absl::MutexLock l(&out->mu);
+  out->mu.Await(absl::Condition(&out->done));
+  return std::move(out->result);
+}
+}  // namespace
+
+absl::StatusOr<FetchedCache> ShmChannel::Get(const GetRequest& request, absl::Time deadline) {
+  if (client_->server_info().server_minor < 3) {
+    return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost,
+                           "the daemon's protocol has no gets of unknown size over shared memory");
+  }
+  KVCOMP_ASSIGN_OR_RETURN(const bool direct, Direct(deadline));
+  if (direct) {
+    absl::StatusOr<FetchedCache> r = GetDirect(request, deadline);
+    // The daemon could not reach this process's memory after all: the get region from now on.
+    if (!absl::IsFailedPrecondition(r.status())) return r;
+    absl::MutexLock s(&state_mu_);
+    direct_ = DirectMode::kNo;
+  }
+  absl::MutexLock lock(&get_mu_);
+  KVCOMP_RETURN_IF_ERROR(EnsureGetRegion(
+      kShmGetDataOffset + std::max(get_hint_, get_ != nullptr ? uint64_t{0} : kFirstGetRegionBytes),
+      deadline));
+  const uint64_t room = get_->size() - kShmGetDataOffset;
+  wire::Get get{request.representation, request.model_id, request.key, true, kShmGetDataOffset,
+                room};
+  get.or_payload = true;
+  auto out = std::make_shared<GetOutcome>();
+  client_->GetSharedAsync(get, nullptr, 0, deadline, [out](absl::StatusOr<SharedGet> r) {
+    absl::MutexLock l(&out->mu);
+    out->result = std::move(r);
+    out->done = true;
+  });
+  absl::StatusOr<SharedGet> r = AwaitGet(out);
+  if (!r.ok()) {
+    // A get given up on may still be written by the daemon: the next get takes a fresh region.
+    if (absl::IsDeadlineExceeded(r.status()) || absl::IsUnavailable(r.status())) get_.reset();
+    return r.status();
+  }
+  if (!r->in_region) {
+    // Larger than the region: it came as the payload. The next get's region holds such a cache.
+    gets_as_payload_++;
+    get_hint_ = std::max(get_hint_, r->bytes);
+    return FetchedCache{std::move(r->payload), request.representation};
+  }
+  gets_shared_++;
+  if (r->bytes > room) {
+    return absl::InternalError("the server wrote more than the get region's capacity");
+  }
+  Buffer bytes = Buffer::Allocate(r->bytes);
+  if (r->bytes > 0) std::memcpy(bytes.data(), get_->data() + kShmGetDataOffset, r->bytes);
+  return FetchedCache{std::move(bytes), request.representation};
+}
+
+absl::StatusOr<FetchedCache> ShmChannel::GetDirect(const GetRequest& request,
+                                                   absl::Time deadline) {
+  // Address space for the largest cache taken this way (no memory until written: the daemon's
+  // write makes the pages, huge pages where the kernel gives them), 2 MiB aligned.
+  const uint64_t room = AlignUp(std::max<uint64_t>(options_.max_get_region_bytes, 4096), 4096);
+  const uint64_t span = room + kHugePage;
+  void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) {
+    return MemoryNotServed(LinkKind::kShm, MemoryKind::kHost,
+                           absl::StrCat("no address space for a get of up to ", room,
+                                        " bytes: ", std::strerror(errno)));
+  }
+  uint8_t* const raw = static_cast<uint8_t*>(m);
+  uint8_t* const base =
+      reinterpret_cast<uint8_t*>(AlignUp(reinterpret_cast<uint64_t>(raw), kHugePage));
+  if (base > raw) munmap(raw, base - raw);
+  uint8_t* const end = raw + span;
+  if (end > base + room) munmap(base + room, end - (base + room));
+  madvise(base, room, MADV_HUGEPAGE);  // a hint; ignored where huge pages are off
+
+  wire::Get get{request.representation, request.model_id, request.key, false,
+                reinterpret_cast<uint64_t>(base), room, true};
+  get.or_payload = true;
+  auto out = std::make_shared<GetOutcome>();
+  client_->GetSharedAsync(get, nullptr, 0, deadline, [out](absl::StatusOr<SharedGet> r) {
+    absl::MutexLock l(&out->mu);
+    out->result = std::move(r);
+    out->done = true;
+  });
+  absl::StatusOr<SharedGet> r = AwaitGet(out);
+  if (!r.ok() || !r->in_region) {
+    if (!r.ok() && (absl::IsDeadlineExceeded(r.status()) || absl::IsUnavailable(r.status()))) {
+      // The daemon may still be writing there: the range stays reserved, inaccessible (a late
+      // write fails) and without memory, never reused by another mapping.
+      mprotect(base, room, PROT_NONE);
+      madvise(base, room, MADV_DONTNEED);
+    } else {
+      munmap(base, room);
+    }
+    if (!r.ok()) return r.status();
+    gets_as_payload_++;
+    return FetchedCache{std::move(r->payload), request.representation};
+  }
+  gets_shared_++;
+  if (r->bytes > room) {
+    munmap(base, room);
+    return absl::InternalError("the server wrote more than the get's capacity");
+  }
+  // What the cache did not use goes back; the buffer owns the rest.
+  const uint64_t keep = std::min(room, AlignUp(std::max<uint64_t>(r->bytes, 1), kHugePage));
+  if (keep < room) munmap(base + keep, room - keep);
+  return FetchedCache{Buffer::Wrap(base, r->bytes, MemoryType::kHost,
+                                   [base, keep] { munmap(base, keep); }),
+                      request.representation};
 }
 
 absl::StatusOr<Registration> ShmLink::Register(const MemoryRegion& region) {

@@ -2,6 +2,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "absl/strings/numbers.h"
@@ -86,6 +87,58 @@ absl::StatusOr<Endpoint> Endpoint::Parse(absl::string_view text) {
 std::string Endpoint::ToString() const {
   if (host.find(':') != std::string::npos) return absl::StrCat("[", host, "]:", port);
   return absl::StrCat(host, ":", port);
+}
+
+std::string UcxVersion::ToString() const {
+  if (!known()) return "unknown";
+  return absl::StrFormat("%u.%u.%u", major, minor, release);
+}
+
+UcxVersion LocalUcxVersion() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  UcxVersion v;
+  v.major = static_cast<uint8_t>(std::min(major, 255u));
+  v.minor = static_cast<uint8_t>(std::min(minor, 255u));
+  v.release = static_cast<uint8_t>(std::min(release, 255u));
+  return v;
+}
+
+namespace {
+// UCX 1.14 changed what a client puts into the connection request when it uses all devices
+// (CM_USE_ALL_DEVICES=y, the default): the transports' resource indices (commit f2c16512,
+// "Always pack TL resource indices into CM private data"). Releases on either side of it cannot
+// read each other's requests then, and both sides must agree on the setting.
+bool Before114(UcxVersion v) { return v.major == 1 && v.minor < 14; }
+}  // namespace
+
+std::map<std::string, std::string> UcxInteropSettings(UcxVersion local, UcxVersion peer) {
+  std::map<std::string, std::string> s;
+  if (!local.known()) return s;
+  // A process on a release before 1.14 connects on the device of the connection only (no
+  // resource indices then, in either direction), so that peers on 1.14 and later can reach it;
+  // every kvcomp process on such a release does, so they agree with each other.
+  if (Before114(local)) s["CM_USE_ALL_DEVICES"] = "n";
+  // A 1.14+ process facing one before 1.14: the same, and UCX's older protocol selection (the
+  // newer one's rendezvous cannot use the older peer's memory keys: "Unsupported operation").
+  if (!Before114(local) && peer.known() && Before114(peer)) {
+    s["CM_USE_ALL_DEVICES"] = "n";
+    s["PROTO_ENABLE"] = "n";
+  }
+  return s;
+}
+
+std::map<std::string, std::string> UnlessUserSet(std::map<std::string, std::string> settings,
+                                                 const UcxConfig& config) {
+  for (auto it = settings.begin(); it != settings.end();) {
+    const std::string env = absl::StrCat("UCX_", it->first);
+    if (config.overrides.count(it->first) > 0 || std::getenv(env.c_str()) != nullptr) {
+      it = settings.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return settings;
 }
 
 absl::StatusOr<UcxCapabilities> QueryUcxCapabilities(const UcxConfig& config) {

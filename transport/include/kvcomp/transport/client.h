@@ -95,9 +95,12 @@ class ShmChannel;
 // A get answered into shared memory (UcxClient::GetSharedAsync).
 struct SharedGet {
   uint64_t bytes = 0;
-  // The cache is in the get region at the offset asked; false: the server sent it as a reply
-  // payload instead (a cache in device memory), already written to the caller's `dst`.
+  // The cache is in the get region at the offset asked (or, direct, at the caller's address);
+  // false: the server sent it as a reply payload instead (a cache in device memory, or one
+  // larger than the capacity asked with Get::or_payload), already written to the caller's `dst`,
+  // or in `payload` when the get named none.
   bool in_region = true;
+  Buffer payload;
 };
 
 class UcxClient {
@@ -150,8 +153,9 @@ class UcxClient {
   // Gets and lookups end by `deadline` when it comes before request_timeout does (the
   // caller's deadline for a whole call): DeadlineExceeded then, as for the request timeout.
   //
-  // Fetches a cache into a new host buffer. NotFound when absent. Over UCX (its size is not
-  // known beforehand; GetInto uses same-host shared memory).
+  // Fetches a cache into a new host buffer. NotFound when absent. Through same-host shared
+  // memory where the connection has it (ShmChannel::Get: one request, the cache coming back
+  // over UCX within it when it is larger than the room there), else over UCX.
   virtual absl::StatusOr<FetchedCache> Get(
       absl::string_view model_id, absl::string_view key,
       wire::Representation representation = wire::Representation::kStored,
@@ -186,8 +190,9 @@ class UcxClient {
   // unchanged until it runs.
   virtual void SendSharedBlockAsync(const wire::Block& block,
                                     absl::AnyInvocable<void(absl::Status)> done) = 0;
-  // A get (get.shared set) that the server writes into this connection's shared get region;
-  // `dst`/`capacity` receive a reply the server sends as a payload instead. `done` runs once on
+  // A get (get.shared or get.direct set) that the server writes into this connection's shared
+  // get region (or the caller's memory); `dst`/`capacity` receive a reply the server sends as a
+  // payload instead (a new buffer, SharedGet::payload, when `dst` is null). `done` runs once on
   // the progress thread. Returns the request's id (the server stamps it on its progress).
   virtual uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity,
                               absl::Time deadline,

@@ -36,7 +36,10 @@ inline constexpr uint8_t kMajorVersion = 1;
 // client whose hello says minor >= 1) and block flag kBlockDevicePayload. Minor 2 adds
 // same-host shared memory (kServerSharedMemory and its hello-ok fields, sent only to a client
 // whose hello says minor >= 2; block flag kBlockSharedMemory; Get::shared and GetReply::shared).
-inline constexpr uint8_t kMinorVersion = 2;
+// Minor 3 adds hello-ok's ucx_version (the server's UCX release, sent only to a client whose
+// hello says minor >= 3) and Get::or_payload (a shared or direct get whose cache exceeds its
+// capacity is answered with the cache as a payload instead of OutOfRange).
+inline constexpr uint8_t kMinorVersion = 3;
 inline constexpr uint32_t kFrameHeaderBytes = 32;
 // Largest frame (header + body). UCX 1.13 allows AM headers of about 8 KB with tcp and shared
 // memory; servers and clients check their worker's limit at start. The largest message
@@ -156,6 +159,11 @@ struct HelloOk {
   std::string shm_socket;
   std::string shm_token;
   uint64_t shm_max_region_bytes = 0;
+  // The server's UCX release (ucp_get_version), for a client whose hello says minor >= 3; all
+  // zero from an older server or to an older client.
+  uint8_t ucx_major = 0;
+  uint8_t ucx_minor = 0;
+  uint8_t ucx_release = 0;
 };
 inline constexpr size_t kShmTokenBytes = 16;
 
@@ -237,6 +245,9 @@ struct Get {
   // Direct mode: shm_offset is the address of the caller's destination in the client's
   // process (not the get region); the reply is as for `shared`.
   bool direct = false;
+  // With `shared` or `direct` (minor >= 3): a cache larger than shm_capacity comes back as the
+  // reply's payload (as a get without either flag) instead of OutOfRange, in the same request.
+  bool or_payload = false;
 };
 
 struct GetReply {

@@ -59,6 +59,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvcomp/transport/buffer.h"
+#include "kvcomp/transport/client.h"
 #include "kvcomp/transport/payload_link.h"
 #include "kvcomp/transport/protocol.h"
 
@@ -229,6 +230,13 @@ class ShmChannel {
 
   // False once an attach failed (the reason: why()).
   bool usable() const;
+  // Gets answered through shared memory (direct or the get region) and gets whose cache came
+  // back as a UCX payload within the same request (larger than the room asked), since made.
+  struct Stats {
+    uint64_t gets_shared = 0;
+    uint64_t gets_as_payload = 0;
+  };
+  Stats stats() const;
   std::string why() const;
   // Whether blocks and gets move directly between this process's memory and the daemon's
   // buffers (registered as the connection's peer and the daemon proved it may read this
@@ -247,6 +255,14 @@ class ShmChannel {
   // over UCX), else as UcxClient::GetInto.
   absl::StatusOr<uint64_t> GetInto(const GetRequest& request, void* dst, uint64_t capacity,
                                    absl::Time deadline);
+  // A get into a new host buffer, its size not known beforehand, as one request (a daemon of
+  // protocol minor >= 3, Get::or_payload): direct mode writes the cache into a fresh reservation
+  // of this process's address space (max_get_region_bytes of it, pages made as written), else
+  // the daemon writes it into the get region and it is copied out; a cache larger than that
+  // room comes back as the reply's payload over UCX in the same request (and the get region
+  // grows for the next one, within both ends' bounds). MemoryNotServed where the channel cannot
+  // serve it (an older daemon, a region that cannot be attached): the caller goes over UCX.
+  absl::StatusOr<FetchedCache> Get(const GetRequest& request, absl::Time deadline);
 
  private:
   absl::Status EnsurePutRegion(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(put_mu_);
@@ -276,8 +292,17 @@ class ShmChannel {
   std::unique_ptr<ShmRegion> put_ ABSL_GUARDED_BY(put_mu_);
   std::deque<Slot> slots_ ABSL_GUARDED_BY(put_mu_);
 
+  absl::StatusOr<FetchedCache> GetDirect(const GetRequest& request, absl::Time deadline);
+  // (Re)attaches the get region when it is smaller than `want` bytes (bounded by both ends).
+  absl::Status EnsureGetRegion(uint64_t want, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(get_mu_);
+
+  std::atomic<uint64_t> gets_shared_{0}, gets_as_payload_{0};
   absl::Mutex get_mu_;  // one get at a time
   std::unique_ptr<ShmRegion> get_ ABSL_GUARDED_BY(get_mu_);
+  // The size the get region should have for Get (the largest cache it had to send as a
+  // payload), within the bounds.
+  uint64_t get_hint_ ABSL_GUARDED_BY(get_mu_) = 0;
 };
 
 // The link over a connection's ShmChannel. Register: host memory while the channel is usable.

@@ -30,6 +30,32 @@ struct UcxConfig {
   bool peer_error_handling = true;
 };
 
+// A UCX release, as ucp_get_version reports it; all zero: unknown (a peer that did not say).
+struct UcxVersion {
+  uint8_t major = 0;
+  uint8_t minor = 0;
+  uint8_t release = 0;
+  bool known() const { return major != 0 || minor != 0; }
+  std::string ToString() const;  // "1.13.1", "unknown"
+  friend bool operator==(const UcxVersion& a, const UcxVersion& b) {
+    return a.major == b.major && a.minor == b.minor && a.release == b.release;
+  }
+};
+// The UCX library this process loaded.
+UcxVersion LocalUcxVersion();
+
+// Settings (names without the UCX_ prefix, as UcxConfig::overrides) that a UCX context on
+// release `local` needs to work with a peer on release `peer` (unknown: a server's own context,
+// or a client's first try): on a release before 1.14, CM_USE_ALL_DEVICES=n always (kvcompd and
+// clients alike, so they agree and 1.14+ clients can connect); on 1.14 or later facing a peer
+// before 1.14, CM_USE_ALL_DEVICES=n and PROTO_ENABLE=n; nothing otherwise. Why: docs/protocol.md,
+// "UCX releases".
+std::map<std::string, std::string> UcxInteropSettings(UcxVersion local, UcxVersion peer);
+// `settings` without those the user chose: named in `config.overrides`, or set in the
+// environment as UCX_<name> (either way the user's value stands).
+std::map<std::string, std::string> UnlessUserSet(std::map<std::string, std::string> settings,
+                                                 const UcxConfig& config);
+
 // What the installed UCX supports (ucp_context_query on a throwaway context).
 struct UcxCapabilities {
   std::string version;         // "1.13.1"
