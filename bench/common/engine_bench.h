@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -77,6 +78,43 @@ inline DeviceCache Upload(Backend& gpu, const KvCacheView& host) {
     }
   }
   return d;
+}
+
+// A cache staged as kvcompd stages a put's blocks: through a DeviceUploader into one DeviceKv
+// (every layer's keys, then every layer's values: the layers are one view), in blocks of about
+// 1 MiB from the dense host view, with the keys' sums the staging accumulates. `view` is what
+// the daemon's CompressToDevice reads.
+struct StagedCache {
+  std::unique_ptr<DeviceUploader> uploader;
+  std::unique_ptr<DeviceKv> kv;
+  KvCacheView view;
+};
+
+// Stages the dense host view `host` for `gpu` (device 0); exits on failure.
+inline StagedCache StageAsPut(Backend& gpu, const KvCacheView& host) {
+  const KvLayout& layout = host.layout;
+  const uint64_t T = host.num_tokens;
+  StagedCache s;
+  s.uploader = ValueOrExit(DeviceUploader::Create(0), "uploader");
+  s.kv = ValueOrExit(DeviceKv::Create(*s.uploader, layout, T), "device kv");
+  const uint64_t token_bytes = uint64_t{2} * layout.num_kv_heads * layout.head_dim *
+                               DTypeBytes(layout.dtype, 1);
+  const uint64_t block_tokens = std::max<uint64_t>(1, (uint64_t{1} << 20) / token_bytes);
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    for (uint64_t t0 = 0; t0 < T; t0 += block_tokens) {
+      const uint64_t n = std::min(block_tokens, T - t0);
+      for (int part = 0; part < 2; ++part) {
+        HeadsView src = part == 0 ? host.keys[l] : host.values[l];
+        src.data = static_cast<const char*>(src.data) +
+                   DTypeBytes(layout.dtype, t0 * layout.head_dim);
+        src.num_tokens = n;  // strides stay those of the whole layer
+        ExitIfError(s.kv->AddHost(l, part == 1, t0, src), "stage");
+      }
+    }
+  }
+  s.view = ValueOrExit(s.kv->View(gpu), "staged view");
+  ExitIfError(gpu.Synchronize(), "staged");
+  return s;
 }
 
 // Median seconds (MedianSeconds) of a device-to-device copy of every buffer of `c` into one

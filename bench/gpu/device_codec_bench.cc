@@ -1,15 +1,20 @@
 // CompressToDevice on the CUDA backend, with nothing downloaded: the device work of a
 // compression (score, select, compact, moments, the moment-aware rescoring, the key codecs and
 // KVSplice encoding with its outlier search), timed until the cache's arrays are complete in
-// device memory, and then its one Download timed alone. A Llama-3.1-8B-shaped cache (32 layers,
-// 8 kv heads, head_dim 128, bf16) already in device memory, manifold 0.5 + moments, at each
-// token count given, for: eviction alone, moment-aware eviction, KVSplice int8 (int8 keys,
-// int8 latents, outliers raw) and KVSplice int4 (int4 keys, int4 latents at per-layer ranks).
-// The projection is calibrated on the CPU from the same values, not timed. Each time is set
-// against the link time the cache's saved bytes buy back at 50 GB/s (400 Gb/s) and against a
+// device memory, then the cache's format written on the device (EncodeOnDevice, what kvcompd's
+// store stage does next) and its one Download, each timed alone. A Llama-3.1-8B-shaped cache
+// (32 layers, 8 kv heads, head_dim 128, bf16), manifold 0.5 + moments, at each token count
+// given, for: eviction alone, moment-aware eviction, KVSplice int8 (int8 keys, int8 latents,
+// outliers raw) and KVSplice int4 (int4 keys, int4 latents at per-layer ranks), each from two
+// inputs: input=layers, one device buffer per layer (the layer-by-layer loop), and input=put,
+// the cache staged as kvcompd stages a put (one DeviceKv: the layers one view, compressed in
+// layer groups, with the keys' sums the staging made). The projection is calibrated on the CPU
+// from the same values, not timed. Each time is set against the link time the cache's saved
+// bytes (original less the encoded bytes) buy back at 50 GB/s (400 Gb/s) and against a
 // device-to-device copy of its minimal bytes (K and V read, the cache written). Wall-clock
-// medians of --reps runs after one untimed run; one RESULT line per policy and token count
-// (codec_stage_s: the key codecs and KVSplice encoding with its outlier search, to their end).
+// medians of --reps runs after one untimed run; one RESULT line per policy, input and token
+// count (codec_stage_s: the key codecs and KVSplice encoding with its outlier search, to their
+// end, from separate runs; put_device_s: compress_to_device_s + format_s).
 // Then the codec ops alone on the kept rows of a put (half the tokens of every layer and head,
 // device memory): the value encoder of every layer in one call (int8 at rank 64, with the
 // outlier measure, and int4 at the tuned per-layer ranks) and the int8 key encoder, each over
@@ -17,7 +22,15 @@
 // Hadamard codec's encoder (hq4, hq3) and decoder over the same rows, with the CPU reference's
 // time on them and whether its records equal the device's (op=hq*_host_reference).
 //
-// Usage: kvcomp_bench_gpu_device_codec [--tokens 8192,32768] [--reps 5]
+// Usage: kvcomp_bench_gpu_device_codec [--tokens 8192,32768] [--reps 5] [--put-only]
+//            [--profile] [--keep-pool]
+//   --put-only   the staged put only: no layer-loop input, no download, no codec ops
+//   --profile    one more put of each variant (staged input) between cudaProfilerStart and
+//                cudaProfilerStop, for a profiler started with its capture off (ncu
+//                --profile-from-start off; bench/gpu/ncu_profile.sh's "put" case)
+//   --keep-pool  the backend's pool keeps 16 GiB of freed memory mapped (default 64 MiB)
+//   KVCOMP_BENCH_VARIANTS=int8,aware runs only the variants whose names contain one of these.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,6 +51,7 @@
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/calibration.h"
 #include "kvcomp/kernels/codec_ops.h"
+#include "kvcomp/kernels/device_format.h"
 #include "kvcomp/kernels/pipeline.h"
 
 namespace {
@@ -47,14 +61,41 @@ using kvcomp::KvLayout;
 using kvcomp::bench::ExitIfError;
 using kvcomp::bench::Median;
 
+// KVCOMP_BENCH_VARIANTS: a comma-separated list; a variant runs when its name contains one of
+// them (unset: every variant).
+bool Selected(const std::string& name) {
+  const char* env = std::getenv("KVCOMP_BENCH_VARIANTS");
+  if (env == nullptr || *env == '\0') return true;
+  std::string list = env;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string want = list.substr(at, comma - at);
+    if (!want.empty() && name.find(want) != std::string::npos) return true;
+    at = comma + 1;
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  kvcomp::bench::TokensAndReps args{{8192, 32768}, 5};
+  kvcomp::bench::TokensAndReps args{
+      {8192, 32768}, 5, {{"--put-only", false}, {"--profile", false}, {"--keep-pool", false}}};
   if (!kvcomp::bench::ParseTokensAndReps(argc, argv, "kvcomp_bench_gpu_device_codec", &args))
     return 2;
   const int reps = args.reps;
-  const kvcomp::bench::Backends backends = kvcomp::bench::MakeBackends();
+  const bool put_only = args.switches["--put-only"];
+  const bool profile = args.switches["--profile"];
+  kvcomp::bench::Backends backends = kvcomp::bench::MakeBackends();
+  // --keep-pool: the backend's pool keeps 16 GiB of freed memory mapped across host waits (the
+  // default keeps 64 MiB), to see what mapping a put's memory afresh costs.
+  kvcomp::CudaBackendOptions cuda_options;
+  if (args.switches["--keep-pool"]) {
+    cuda_options.pool_keep_bytes = uint64_t{16} << 30;
+    backends.gpu = kvcomp::bench::ValueOrExit(kvcomp::MakeCudaBackend(cuda_options), "cuda");
+  }
+  const uint64_t pool_keep = cuda_options.pool_keep_bytes;
   kvcomp::Backend& gpu = *backends.gpu;
   const KvLayout llama = kvcomp::bench::Llama8bLayout();
   constexpr double kLinkBytesPerSecond = 50e9;
@@ -109,50 +150,94 @@ int main(int argc, char** argv) {
     int4.value_codec = kvcomp::ValueCodec::kOrthogonalInt4;
     variants.push_back({"manifold0.5+moments+kvsplice_int4_tuned_ranks", int4, tuned});
 
+    // The put as kvcompd stages it: one DeviceKv, the layers one view, the keys' sums made
+    // while the blocks arrived (staging not timed).
+    const kvcomp::bench::StagedCache staged = kvcomp::bench::StageAsPut(gpu, host);
+
     for (const Variant& var : variants) {
+      if (!Selected(var.name)) continue;
       kvcomp::CompressOptions options;
       options.projection = var.projection;
-      kvcomp::TransferBytes moved;
-      kvcomp::CompressedCache cache;
-      std::vector<double> work, download, codec_stage;
-      for (int rep = 0; rep <= reps; ++rep) {  // the first run untimed
-        moved = {};
-        kvcomp::CompressOptions o = options;
-        o.transfers = &moved;
-        const Clock::time_point t0 = Clock::now();
-        auto dc = kvcomp::CompressToDevice(gpu, device, var.policy, o);
-        ExitIfError(dc.status(), "compress to device");
-        ExitIfError(gpu.Synchronize(), "synchronize");
-        const Clock::time_point t1 = Clock::now();
-        auto c = dc->Download(gpu, &moved);
-        ExitIfError(c.status(), "download");
-        const Clock::time_point t2 = Clock::now();
-        if (rep > 0) {
-          codec_stage.push_back(moved.encode_seconds);
-          work.push_back(std::chrono::duration<double>(t1 - t0).count());
-          download.push_back(std::chrono::duration<double>(t2 - t1).count());
+      for (int input = 0; input < 2; ++input) {
+        // input 0: one buffer per layer (the layer loop); 1: the staged put (layer groups).
+        const kvcomp::KvCacheView& view = input == 0 ? device : staged.view;
+        if (input == 0 && put_only) continue;
+        kvcomp::TransferBytes moved;
+        kvcomp::CompressedCache cache;
+        uint64_t encoded_bytes = 0;
+        std::vector<double> work, format, download, codec_stage;
+        for (int rep = 0; rep <= reps; ++rep) {  // the first run untimed
+          const Clock::time_point t0 = Clock::now();
+          auto dc = kvcomp::CompressToDevice(gpu, view, var.policy, options);
+          ExitIfError(dc.status(), "compress to device");
+          ExitIfError(gpu.Synchronize(), "synchronize");
+          const Clock::time_point t1 = Clock::now();
+          // The cache's format on the device (what the daemon's store stage does next).
+          auto enc = kvcomp::EncodeOnDevice(gpu, *dc);
+          ExitIfError(enc.status(), "encode on device");
+          const Clock::time_point t2 = Clock::now();
+          encoded_bytes = enc->size;
+          if (rep > 0) {
+            work.push_back(std::chrono::duration<double>(t1 - t0).count());
+            format.push_back(std::chrono::duration<double>(t2 - t1).count());
+          }
+          if (!put_only) {
+            const Clock::time_point t3 = Clock::now();
+            moved = {};
+            auto c = dc->Download(gpu, &moved);
+            ExitIfError(c.status(), "download");
+            if (rep > 0) {
+              download.push_back(std::chrono::duration<double>(Clock::now() - t3).count());
+            }
+            cache = std::move(*c);
+          }
         }
-        cache = std::move(*c);
+        for (int rep = 0; rep < reps; ++rep) {  // the codec stage alone (it waits at its end)
+          kvcomp::TransferBytes t;
+          kvcomp::CompressOptions o = options;
+          o.transfers = &t;
+          auto dc = kvcomp::CompressToDevice(gpu, view, var.policy, o);
+          ExitIfError(dc.status(), "compress to device (codec stage)");
+          ExitIfError(gpu.Synchronize(), "synchronize");
+          codec_stage.push_back(t.encode_seconds);
+        }
+        if (profile && input == 1) {
+          // One more put for a profiler that starts at cudaProfilerStart (ncu
+          // --profile-from-start off): the compression and the format, nothing else.
+          ExitIfError(gpu.Synchronize(), "synchronize");
+          cudaProfilerStart();
+          auto dc = kvcomp::CompressToDevice(gpu, view, var.policy, options);
+          ExitIfError(dc.status(), "compress to device (profiled)");
+          auto enc = kvcomp::EncodeOnDevice(gpu, *dc);
+          ExitIfError(enc.status(), "encode on device (profiled)");
+          ExitIfError(gpu.Synchronize(), "synchronize");
+          cudaProfilerStop();
+        }
+        const double work_s = Median(work);
+        const double format_s = Median(format);
+        const double put_s = work_s + format_s;
+        const uint64_t stored = encoded_bytes;
+        const double saved_s = static_cast<double>(original - std::min(original, stored)) /
+                               kLinkBytesPerSecond;
+        const double minimal = static_cast<double>(original + stored);
+        std::printf(
+            "RESULT bench=device_codec tokens=%llu variant=%s input=%s original_MB=%.1f "
+            "stored_MB=%.1f ratio=%.2fx outlier_rows=%lld compress_to_device_s=%.4f "
+            "codec_stage_s=%.4f format_s=%.4f put_device_s=%.4f download_s=%.4f "
+            "link_saved_s=%.4f work_vs_saved=%.1f%% put_vs_saved=%.1f%% work_GBps=%.1f "
+            "d2d_copy_GBps=%.1f work_vs_copy=%.1f%% pool_keep_MiB=%llu\n",
+            static_cast<unsigned long long>(T), var.name, input == 0 ? "layers" : "put",
+            original / 1e6, stored / 1e6,
+            static_cast<double>(original) / static_cast<double>(stored),
+            put_only ? -1LL : static_cast<long long>(cache.raw_value_rows.size()), work_s,
+            Median(codec_stage), format_s, put_s, download.empty() ? 0.0 : Median(download),
+            saved_s, 100.0 * work_s / saved_s, 100.0 * put_s / saved_s,
+            minimal / work_s / 1e9, copy_gbps, 100.0 * (minimal / work_s / 1e9) / copy_gbps,
+            static_cast<unsigned long long>(pool_keep >> 20));
+        std::fflush(stdout);
       }
-      const double work_s = Median(work);
-      const double download_s = Median(download);
-      const uint64_t stored = moved.to_host;
-      const double saved_s = static_cast<double>(original - std::min(original, stored)) /
-                             kLinkBytesPerSecond;
-      const double minimal = static_cast<double>(original + stored);
-      std::printf(
-          "RESULT bench=device_codec tokens=%llu variant=%s original_MB=%.1f stored_MB=%.1f "
-          "ratio=%.2fx outlier_rows=%zu compress_to_device_s=%.4f download_s=%.4f "
-          "d2h_bytes=%llu h2d_bytes=%llu link_saved_s=%.4f work_vs_saved=%.1f%% "
-          "work_GBps=%.1f d2d_copy_GBps=%.1f work_vs_copy=%.1f%% codec_stage_s=%.4f\n",
-          static_cast<unsigned long long>(T), var.name, original / 1e6, stored / 1e6,
-          static_cast<double>(original) / static_cast<double>(stored), cache.raw_value_rows.size(),
-          work_s, download_s, static_cast<unsigned long long>(moved.to_host),
-          static_cast<unsigned long long>(moved.to_device), saved_s,
-          100.0 * work_s / saved_s, minimal / work_s / 1e9, copy_gbps,
-          100.0 * (minimal / work_s / 1e9) / copy_gbps, Median(codec_stage));
-      std::fflush(stdout);
     }
+    if (put_only) continue;
 
     // The codec ops alone on a put's kept rows: every layer's first T / 2 tokens of each head.
     {

@@ -198,15 +198,6 @@ bool LayerGroupsEnabled() {
   return enabled;
 }
 
-// Layer j of a group's view (g x heads heads, layer-major).
-HeadsView LayerOfGroup(const HeadsView& group, uint32_t j, uint32_t heads) {
-  HeadsView v = group;
-  v.data = static_cast<const char*>(group.data) +
-           DTypeBytes(group.dtype, uint64_t{j} * heads * group.head_stride);
-  v.num_heads = heads;
-  return v;
-}
-
 // How many layers CompressOnDevice does at once (1: layer by layer). The group's selection
 // workspace stays within a sixteenth of the cache's bytes (at least one layer's).
 uint32_t LayerGroup(Backend& backend, const KvCacheView& cache, const CompressionPolicy& policy,
@@ -303,8 +294,8 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
   DeviceCompressedCache dc;
   Buffer d_evicted, d_offsets;
   const bool evicted_lists = out.has_moments && !options.on_evict;
-  // Moments summed in the compaction pass (policy.moment_aware rescoring compacts by itself).
-  const bool fused_moments = evicted_lists && !policy.moment_aware && FusedMomentsEnabled();
+  // Moments summed in the compaction pass.
+  const bool fused_moments = evicted_lists && FusedMomentsEnabled();
   const uint32_t group = LayerGroup(backend, cache, policy, options, select);
   const uint32_t groups = static_cast<uint32_t>((L + group - 1) / group);
   const uint32_t group_heads = group * heads;
@@ -375,25 +366,19 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
     args.values_out = d_v.as<char>() + uint64_t{l} * cap * row;
     if (deferred) args.deferred_check = checks + gi;
     args.compact = !fused_moments;  // else the moment pass compacts and checks the values
-    absl::Status selected =
-        policy.moment_aware ? moments_internal::MomentAwareScoreSelectCompact(backend, args)
-                            : backend.scoring().ScoreSelectCompact(args);
-    if (!selected.ok() && g > 1 && policy.moment_aware) {
-      // The moment-aware ops check the group's data at once: a bad row is found again layer by
-      // layer, so the status names its layer and head as the layer-by-layer loop does.
-      for (uint32_t j = 0; j < g; ++j) {
-        ScoreSelectCompactArgs one = args;
-        one.keys = LayerOfGroup(args.keys, j, heads);
-        one.values = LayerOfGroup(args.values, j, heads);
-        one.score.key_sums = GroupKeySums(cache, l + j, 1);
-        one.kept = {counts + uint64_t{j} * heads, kept + uint64_t{j} * cap};
-        one.keys_out = static_cast<char*>(args.keys_out) + uint64_t{j} * cap * row;
-        one.values_out = static_cast<char*>(args.values_out) + uint64_t{j} * cap * row;
-        const absl::Status layer = moments_internal::MomentAwareScoreSelectCompact(backend, one);
-        if (!layer.ok()) return Annotate(layer, absl::StrFormat("layer %u", l + j));
-      }
+    if (policy.moment_aware) {
+      // The moment-aware rescoring between the scoring pass and the selection, on the op's
+      // stream: the group's data check stays deferred (no host wait) and the moment pass
+      // compacts and sums as for any other scorer.
+      const HeadsView keys = args.keys;
+      const SelectParams sel = args.select;
+      const TokenPositions positions = args.positions;
+      args.rescore = [&backend, keys, sel, positions](float* scores) {
+        return moments_internal::MomentAwareRescoreOnDevice(
+            backend.native_stream(), backend.allocator(), keys, sel, positions, scores);
+      };
     }
-    KVCOMP_RETURN_IF_ERROR(Annotate(selected, where));
+    KVCOMP_RETURN_IF_ERROR(Annotate(backend.scoring().ScoreSelectCompact(args), where));
     if (!out.has_moments && !options.on_evict) continue;
     const uint64_t h0 = uint64_t{l} * heads;
     MomentsView m{dc.moment_count.as<uint64_t>() + h0,

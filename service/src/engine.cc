@@ -55,6 +55,18 @@ absl::StatusOr<std::unique_ptr<Backend>> Engine::NewBackend(bool cpu) const {
   if (use_cuda_ && !cpu) {
     CudaBackendOptions o;
     o.device = options_.cuda_device;
+    // The device memory a put's compression and encoding freed stays mapped in the worker's
+    // pool for the next put (a put at 32K tokens takes gigabytes, and mapping them afresh cost
+    // about as much as the put's kernels on an H200): up to the worker's share of
+    // engine.gpu_memory_bytes, or without a cap a sixteenth of the device's memory per worker.
+    // A worker whose pool cannot serve a request hands what it keeps back and asks again.
+    const uint64_t workers = static_cast<uint64_t>(std::max(1, options_.workers));
+    uint64_t keep = options_.gpu_memory_bytes / workers;
+    if (options_.gpu_memory_bytes == 0) {
+      absl::StatusOr<DeviceMemory> mem = QueryDeviceMemory(options_.cuda_device);
+      keep = mem.ok() ? mem->total_bytes / 16 : 0;
+    }
+    o.pool_keep_bytes = std::max(o.pool_keep_bytes, keep);
     return MakeCudaBackend(o);
   }
   CpuBackendOptions o;

@@ -288,6 +288,50 @@ TEST(PipelineDeviceTest, EveryCodecCombinationMatchesTheCpu) {
   }
 }
 
+// KVSplice's outlier rows where many rows tie: every 16th token of a head carries the same
+// outlier vector (so their losses are equal bit for bit), more of them than the cap at a small
+// raw fraction (the cap goes to the lowest rows among the equal ones) and fewer at a large one
+// (every row above the limit goes). The device picks the CPU's rows, a fresh seed each run.
+TEST(PipelineDeviceTest, OutlierRowsThatTieGoByLowerRow) {
+  Backends b;
+  const KvLayout layout{2, 3, 6, 128, DType::kBF16};
+  const uint64_t n = 1200;
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  Sequence s = MakeSequence(layout, n, seed % 100000);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const uint32_t d = layout.head_dim;
+  std::vector<float> outlier(d);
+  for (float& x : outlier) x = 4.0f * normal(rng) / std::sqrt(static_cast<float>(d));
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    for (uint64_t i = 0; i < uint64_t{layout.num_kv_heads} * n; ++i) {
+      if ((i % n) % 16 != 3) continue;
+      for (uint32_t c = 0; c < d; ++c) {
+        StoreFromFloat(s.v[l].data(), layout.dtype, i * d + c, outlier[c]);
+      }
+    }
+  }
+  auto proj = std::make_shared<Projection>(Calibrate(*b.cpu, layout, n));
+  for (double raw_fraction : {0.01, 0.02, 0.25}) {
+    SCOPED_TRACE(::testing::Message() << "raw fraction " << raw_fraction);
+    CompressionPolicy p = Streaming(0.5);
+    p.moments = true;
+    p.key_codec = KeyCodec::kInt8;
+    p.value_codec = ValueCodec::kOrthogonalInt8;
+    p.rank = 32;
+    p.value_raw_fraction = raw_fraction;
+    CompressOptions o;
+    o.projection = proj;
+    auto want = Compress(*b.cpu, s.view(), p, o);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_FALSE(want->raw_value_rows.empty());
+    auto got = Compress(*b.cuda, s.view(), p, o);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectSameCache(*b.cpu, *want, *got, proj.get());
+  }
+}
+
 TEST(PipelineDeviceTest, DeviceInputsCrossOnlyOnce) {
   Backends b;
   const KvLayout layout{2, 2, 4, 128, DType::kF16};

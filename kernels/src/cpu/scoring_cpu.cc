@@ -123,8 +123,9 @@ class CpuScoringOps final : public ScoringOps {
       scores = static_cast<float*>(ws);
     }
     // Values are held to the keys' data check, in the compaction pass (V is read once).
-    if (a.compact && PerHeadPays(a)) return PerHead(a, scores);
+    if (a.compact && PerHeadPays(a) && !a.rescore) return PerHead(a, scores);
     KVCOMP_RETURN_IF_ERROR(ScoreImpl(a.keys, a.score, a.positions, scores));
+    if (a.rescore) KVCOMP_RETURN_IF_ERROR(a.rescore(scores));
     KVCOMP_RETURN_IF_ERROR(SelectImpl(scores, h, n, a.select, a.positions, a.kept));
     if (!a.compact) return absl::OkStatus();
     return CompactImpl(a.keys, a.values, a.kept.counts, a.kept.indices, a.keys_out, a.values_out,

@@ -341,6 +341,7 @@ class CudaCodecOps final : public CodecOps {
     KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), g.data(), host.size() * 4,
                                                 cudaMemcpyDeviceToHost, ctx_->stream));
     KVCOMP_RETURN_IF_ERROR(st.Finish());
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));  // `host` is read next
     for (size_t i = 0; i < host.size(); ++i) gram[i] += host[i];  // symmetric: layout agnostic
     return absl::OkStatus();
   }
@@ -406,12 +407,18 @@ class CudaCodecOps final : public CodecOps {
            std::max(1, ctx_->properties.maxThreadsPerMultiProcessor / 256);
   }
 
-  // Device copies of host inputs/outputs for one call; Finish copies outputs back and syncs.
+  // Device copies of host inputs/outputs for one call; Finish copies outputs back and, when the
+  // call copied from or to the caller's host memory, waits for the stream (the caller may reuse
+  // that memory once the call returns). A call on device memory alone does not wait: its kernels
+  // complete in the stream's order, and its own small uploads (tile lists, offsets) come from
+  // pageable host memory, which the copy has read by the time it returns; their device buffers
+  // are freed in stream order.
   class Staging {
    public:
     explicit Staging(CudaCodecOps* ops) : ops_(ops) {}
     absl::StatusOr<const void*> In(const void* p, uint64_t bytes) {
       if (p == nullptr || bytes == 0 || IsDevicePointer(p)) return p;
+      caller_host_ = true;
       KVCOMP_ASSIGN_OR_RETURN(Buffer b, Buffer::Allocate(*ops_->ctx_->allocator, bytes));
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.data(), p, bytes, cudaMemcpyHostToDevice,
                                                   ops_->ctx_->stream));
@@ -420,6 +427,7 @@ class CudaCodecOps final : public CodecOps {
     }
     absl::StatusOr<void*> Out(void* p, uint64_t bytes) {
       if (p == nullptr || bytes == 0 || IsDevicePointer(p)) return p;
+      caller_host_ = true;
       KVCOMP_ASSIGN_OR_RETURN(Buffer b, Buffer::Allocate(*ops_->ctx_->allocator, bytes));
       outs_.push_back({p, b.data(), bytes});
       bufs_.push_back(std::move(b));
@@ -464,12 +472,12 @@ class CudaCodecOps final : public CodecOps {
         KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(o.host, o.device, o.bytes,
                                                     cudaMemcpyDeviceToHost, ops_->ctx_->stream));
       }
-      KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ops_->ctx_->stream));
+      if (caller_host_) KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ops_->ctx_->stream));
       return absl::OkStatus();
     }
     ~Staging() {
-      // Buffers are freed stream-ordered; host sources must outlive queued copies: sync.
-      cudaStreamSynchronize(ops_->ctx_->stream);
+      // Buffers are freed stream-ordered; the caller's host memory must outlive queued copies.
+      if (caller_host_) cudaStreamSynchronize(ops_->ctx_->stream);
     }
 
    private:
@@ -489,6 +497,7 @@ class CudaCodecOps final : public CodecOps {
     CudaCodecOps* ops_;
     std::list<Buffer> bufs_;  // stable addresses
     std::vector<OutCopy> outs_;
+    bool caller_host_ = false;  // In or Out staged the caller's host memory
   };
 
   // The matrices of heads [first_head, first_head + num_heads) of one projection at one rank.
@@ -778,9 +787,12 @@ class CudaCodecOps final : public CodecOps {
           static_cast<unsigned>(std::clamp<uint64_t>(max_rows / 512, 1, 64));
       KVCOMP_CUDA_RETURN_IF_ERROR(
           cudaMemsetAsync(dsc, 0, heads * d * sizeof(float), ctx_->stream));
+      // Eight channels a thread where the rows are 16-byte aligned (d % 8 == 0).
+      const bool vec_scales = d % 8 == 0 && reinterpret_cast<uintptr_t>(dk) % 16 == 0;
       codec_cuda::KeyScalesKernel<T>
-          <<<dim3(static_cast<unsigned>(heads), chunks), 256, 0, ctx_->stream>>>(
-              static_cast<const T*>(dk), doff, static_cast<uint32_t>(d), dsc);
+          <<<dim3(static_cast<unsigned>(heads), chunks), 256,
+             vec_scales ? d * sizeof(unsigned int) : 0, ctx_->stream>>>(
+              static_cast<const T*>(dk), doff, static_cast<uint32_t>(d), vec_scales, dsc);
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       const uint64_t ns = heads * d;
       codec_cuda::KeyScalesFinishKernel<float><<<

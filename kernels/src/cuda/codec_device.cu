@@ -1,12 +1,13 @@
-// KVSplice outlier rows on the device: segmented radix sorts (CUB) give each head's medians and
-// its rows by falling residual, one block per head marks the worst ones, a scan packs them in
-// row order and a gather copies their raw values.
+// KVSplice outlier rows on the device: one block per head finds its medians and, when more rows
+// than the cap exceed the limit, the cap-th largest loss by radix select (8 bits a pass over the
+// head's rows, which stay in L2), and marks the rows; a scan packs them in row order and a gather
+// copies their raw values. (A segmented radix sort of every head's rows, twice, did the same
+// work in several passes over all of them.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include <cub/device/device_scan.cuh>
-#include <cub/device/device_segmented_radix_sort.cuh>
 
 #include "absl/strings/str_format.h"
 #include "codec_device.h"
@@ -17,43 +18,155 @@ namespace kvcomp {
 namespace codec_device {
 namespace {
 
-__global__ void IotaKernel(uint32_t* idx, uint64_t n) {
-  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
-       i += uint64_t{gridDim.x} * blockDim.x) {
-    idx[i] = static_cast<uint32_t>(i);
-  }
+constexpr unsigned kPickThreads = 1024;  // one block per head
+constexpr unsigned kPickWarps = kPickThreads / 32;
+
+// x's place in the order of the radix sorts (CUB's float keys): -0 below +0, NaN at the ends.
+// For the non-NaN values the outlier rule sees (energies and losses are >= +0) it is the order
+// of the values.
+__device__ __forceinline__ uint32_t OrderKey(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 
-// One block per head: the limit from the medians, the count above it, the first min(cap,
-// count) rows of the falling order marked.
-__global__ void MarkOutliersKernel(const int* off, const float* lost_desc,
-                                   const uint32_t* idx_desc, const float* energy_asc,
-                                   double fraction, double factor, float floor_factor,
-                                   uint32_t* flags) {
-  const int b = off[blockIdx.x];
-  const uint64_t n = static_cast<uint64_t>(off[blockIdx.x + 1] - b);
-  const uint64_t cap = n > 0 ? static_cast<uint64_t>(static_cast<double>(n) * fraction) : 0;
-  if (cap == 0) return;
-  __shared__ uint64_t take;
-  if (threadIdx.x == 0) {
-    const float median_lost = lost_desc[b + (n - 1 - n / 2)];
-    const float median_energy = energy_asc[b + n / 2];
-    const float a = floor_factor * median_energy;
-    const float c = static_cast<float>(factor * static_cast<double>(median_lost));
-    const float limit = a < c ? c : a;
-    uint64_t lo = 0, hi = n;  // rows [0, lo) of the falling order exceed the limit
-    while (lo < hi) {
-      const uint64_t mid = (lo + hi) / 2;
-      if (lost_desc[b + mid] > limit) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
+struct PickShared {
+  uint32_t hist[256];
+  uint32_t warp[kPickWarps];
+  uint32_t digit, rank, count;
+};
+
+// The key of rank `k` (0-based, ascending) among OrderKey(x[0 .. n)): radix select, 8 bits a
+// pass, every thread of the block calling it.
+__device__ uint32_t SelectKey(const float* x, uint32_t n, uint32_t k, PickShared& sh) {
+  uint32_t prefix = 0, mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (uint32_t i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
+    __syncthreads();
+    // Whole warps a step (the lanes past n take part without a key): lanes with the same
+    // digit add their count once (values of one head share their top bits, so one shared
+    // counter would otherwise take most of the warp's adds).
+    const uint32_t lane = threadIdx.x & 31;
+    for (uint32_t base = 0; base < n; base += blockDim.x) {
+      const uint32_t i = base + threadIdx.x;
+      const uint32_t key = i < n ? OrderKey(x[i]) : 0;
+      const bool counted = i < n && (key & mask) == prefix;
+      const uint32_t digit = counted ? (key >> shift) & 255u : 256u + lane;
+      const uint32_t peers = __match_any_sync(0xffffffffu, digit);
+      if (counted && lane == static_cast<uint32_t>(__ffs(peers) - 1)) {
+        atomicAdd(&sh.hist[digit], static_cast<uint32_t>(__popc(peers)));
       }
     }
-    take = lo < cap ? lo : cap;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Lane L holds bins [8 L, 8 L + 8); the digit is the bin where the running count passes k.
+      uint32_t c[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c[j] = sh.hist[threadIdx.x * 8 + j];
+        sum += c[j];
+      }
+      uint32_t incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (static_cast<int>(threadIdx.x) >= o) incl += up;
+      }
+      uint32_t below = incl - sum;
+      if (below <= k && k < incl) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (k < below + c[j]) {
+            sh.digit = threadIdx.x * 8 + j;
+            sh.rank = k - below;
+            break;
+          }
+          below += c[j];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= sh.digit << shift;
+    mask |= 0xffu << shift;
+    k = sh.rank;
+    __syncthreads();  // digit and rank read before the next pass writes them
   }
+  return prefix;
+}
+
+// The number of rows i < n with pred(i), summed over the block (every thread gets it).
+template <typename Pred>
+__device__ uint32_t CountRows(uint32_t n, PickShared& sh, Pred pred) {
+  if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
-  for (uint64_t i = threadIdx.x; i < take; i += blockDim.x) flags[idx_desc[b + i]] = 1;
+  uint32_t mine = 0;
+  for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) mine += pred(i) ? 1u : 0u;
+  for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+  if ((threadIdx.x & 31) == 0 && mine != 0) atomicAdd(&sh.count, mine);
+  __syncthreads();
+  const uint32_t total = sh.count;
+  __syncthreads();
+  return total;
+}
+
+// One block per head: the limit from the medians (the rows' lost and energy of rank n / 2),
+// the rows above it; when more than the cap, the cap worst of them: every row whose lost is
+// above the cap-th largest, then those equal to it by lower row until the cap is full (the
+// order of a stable sort by falling lost, as the CPU's partial sort on (-lost, row)).
+__global__ void __launch_bounds__(kPickThreads) PickOutliersKernel(
+    const int* off, const float* lost, const float* energy, double fraction, double factor,
+    float floor_factor, uint32_t* flags) {
+  __shared__ PickShared sh;
+  const int b = off[blockIdx.x];
+  const uint32_t n = static_cast<uint32_t>(off[blockIdx.x + 1] - b);
+  const uint64_t cap64 = n > 0 ? static_cast<uint64_t>(static_cast<double>(n) * fraction) : 0;
+  if (cap64 == 0) return;
+  const uint32_t cap = static_cast<uint32_t>(cap64 < n ? cap64 : n);
+  const float* hl = lost + b;
+  const float* he = energy + b;
+  uint32_t* f = flags + b;
+  const uint32_t ml = SelectKey(hl, n, n / 2, sh);
+  const uint32_t me = SelectKey(he, n, n / 2, sh);
+  // Back from the order keys to the values (the keys of non-negative values are u | sign).
+  auto value_of = [](uint32_t key) {
+    return __uint_as_float((key & 0x80000000u) != 0 ? (key & 0x7fffffffu) : ~key);
+  };
+  const float a = floor_factor * value_of(me);
+  const float c = static_cast<float>(factor * static_cast<double>(value_of(ml)));
+  const float limit = a < c ? c : a;
+  const uint32_t above = CountRows(n, sh, [&](uint32_t i) { return hl[i] > limit; });
+  if (above == 0) return;
+  if (above <= cap) {
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+      if (hl[i] > limit) f[i] = 1;
+    }
+    return;
+  }
+  // The cap-th largest key; the rows above it all go, then the equal ones by lower row.
+  const uint32_t kth = SelectKey(hl, n, n - cap, sh);
+  const uint32_t greater = CountRows(n, sh, [&](uint32_t i) { return OrderKey(hl[i]) > kth; });
+  const uint32_t need = cap - greater;
+  for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+    if (OrderKey(hl[i]) > kth) f[i] = 1;
+  }
+  // The equal rows in row order, a block-wide chunk at a time, until `need` are marked.
+  uint32_t taken = 0;  // equal rows seen so far (the same in every thread)
+  for (uint32_t base = 0; base < n && taken < need; base += blockDim.x) {
+    const uint32_t i = base + threadIdx.x;
+    const bool eq = i < n && OrderKey(hl[i]) == kth;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, eq);
+    const uint32_t lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) sh.warp[w] = __popc(ballot);
+    __syncthreads();
+    uint32_t before = taken, all = taken;
+    for (uint32_t j = 0; j < kPickWarps; ++j) {
+      if (j < w) before += sh.warp[j];
+      all += sh.warp[j];
+    }
+    before += __popc(ballot & ((1u << lane) - 1u));
+    if (eq && before < need) f[i] = 1;
+    taken = all;
+    __syncthreads();  // sh.warp read before the next chunk writes it
+  }
 }
 
 __global__ void CountKernel(const uint32_t* flags, const uint32_t* pos, uint64_t n,
@@ -114,40 +227,22 @@ absl::Status PickRawValueRows(void* stream_ptr, Allocator& allocator, const floa
   std::vector<int> off(offsets.begin(), offsets.end());
   auto alloc = [&](uint64_t bytes) { return Buffer::Allocate(allocator, bytes); };
   KVCOMP_ASSIGN_OR_RETURN(Buffer d_off, alloc(off.size() * sizeof(int)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer idx, alloc(2 * n * sizeof(uint32_t)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer sorted, alloc(2 * n * sizeof(float)));
   KVCOMP_ASSIGN_OR_RETURN(Buffer flags, alloc((2 * n + 1) * sizeof(uint32_t)));
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_off.data(), off.data(), off.size() * sizeof(int),
                                               cudaMemcpyHostToDevice, stream));
   const int* o = d_off.as<int>();
-  uint32_t* idx_in = idx.as<uint32_t>();
-  uint32_t* idx_desc = idx_in + n;
-  float* lost_desc = sorted.as<float>();
-  float* energy_asc = lost_desc + n;
   uint32_t* f = flags.as<uint32_t>();
   uint32_t* pos = f + n;
   uint32_t* d_count = f + 2 * n;
   const int items = static_cast<int>(n);
-  size_t t1 = 0, t2 = 0, t3 = 0;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      nullptr, t1, lost, lost_desc, idx_in, idx_desc, items, heads, o, o + 1, 0, 32, stream));
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortKeys(
-      nullptr, t2, energy, energy_asc, items, heads, o, o + 1, 0, 32, stream));
+  size_t t3 = 0;
   KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(nullptr, t3, f, pos, items, stream));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer temp, alloc(std::max({t1, t2, t3, size_t{1}})));
-  IotaKernel<<<Blocks(n), 256, 0, stream>>>(idx_in, n);
-  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  KVCOMP_ASSIGN_OR_RETURN(Buffer temp, alloc(std::max(t3, size_t{1})));
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(f, 0, n * sizeof(uint32_t), stream));
-  size_t t = t1;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      temp.data(), t, lost, lost_desc, idx_in, idx_desc, items, heads, o, o + 1, 0, 32, stream));
-  t = t2;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceSegmentedRadixSort::SortKeys(
-      temp.data(), t, energy, energy_asc, items, heads, o, o + 1, 0, 32, stream));
-  MarkOutliersKernel<<<static_cast<unsigned>(heads), 128, 0, stream>>>(
-      o, lost_desc, idx_desc, energy_asc, fraction, factor, 0.01f, f);
+  PickOutliersKernel<<<static_cast<unsigned>(heads), kPickThreads, 0, stream>>>(
+      o, lost, energy, fraction, factor, 0.01f, f);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  t = t3;
+  size_t t = t3;
   KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(temp.data(), t, f, pos, items, stream));
   CountKernel<<<1, 1, 0, stream>>>(f, pos, n, d_count);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());

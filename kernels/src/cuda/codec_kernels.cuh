@@ -563,10 +563,27 @@ __global__ void __launch_bounds__(kExpandThreads, 4) ExpandValuesKernel(DecodePa
   }
 }
 
-// Per (head, channel) max |k| / 127 over the head's rows: one block per head, one thread per
-// channel.
+// Eight consecutive elements of T at `p` (16-byte aligned) as f32.
 template <typename T>
-__global__ void KeyScalesKernel(const T* keys, const uint64_t* offsets, uint32_t d,
+__device__ __forceinline__ void Load8(const T* p, float* v) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = ToF<T>(e[k]);
+  }
+}
+
+// Per (head, channel) max |k| / 127 over the head's rows: blocks (head, share of its rows); with
+// `vec` each thread reads eight channels of a row with one 16-byte load (d % 8 == 0, rows
+// aligned), else one channel.
+template <typename T>
+__global__ void KeyScalesKernel(const T* keys, const uint64_t* offsets, uint32_t d, bool vec,
                                 float* scales) {
   // Block (h, y) takes the y-th share of head h's rows; each thread one channel of a stride of
   // rows, then the largest |k| into the head's channel as bits (non-negative floats order like
@@ -578,6 +595,34 @@ __global__ void KeyScalesKernel(const T* keys, const uint64_t* offsets, uint32_t
   const uint64_t lo = b + blockIdx.y * per, hi = min(e, lo + per);
   if (lo >= hi) return;
   auto* bits = reinterpret_cast<unsigned int*>(scales) + static_cast<uint64_t>(h) * d;
+  if (vec && d / 8 <= blockDim.x) {
+    // Eight channels per thread (16-byte loads), blockDim.x / (d / 8) rows at a time; the
+    // block's maxima meet in shared memory first, then one global atomic per channel.
+    extern __shared__ unsigned int key_scale_bits[];  // [d]
+    const uint32_t per_row = d / 8, phases = blockDim.x / per_row;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) key_scale_bits[c] = 0;
+    __syncthreads();
+    if (threadIdx.x < phases * per_row) {
+      const uint32_t c0 = (threadIdx.x % per_row) * 8, ph = threadIdx.x / per_row;
+      float m[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+      for (uint64_t i = lo + ph; i < hi; i += phases) {
+        float v[8];
+        Load8<T>(keys + i * d + c0, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) m[k] = fmaxf(m[k], fabsf(v[k]));
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        if (m[k] > 0.0f) atomicMax(key_scale_bits + c0 + k, __float_as_uint(m[k]));
+      }
+    }
+    __syncthreads();
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+      if (key_scale_bits[c] != 0) atomicMax(bits + c, key_scale_bits[c]);
+    }
+    return;
+  }
   if (d <= blockDim.x) {
     const uint32_t phases = blockDim.x / d;
     if (threadIdx.x >= phases * d) return;
@@ -632,22 +677,6 @@ __device__ __forceinline__ Tile TileAt(const TileList& list, uint32_t b) {
   t.rows = static_cast<uint32_t>(min(static_cast<uint64_t>(list.tile_rows),
                                      list.offsets[h + 1] - begin));
   return t;
-}
-
-// Eight consecutive elements of T at `p` (16-byte aligned) as f32.
-template <typename T>
-__device__ __forceinline__ void Load8(const T* p, float* v) {
-  if constexpr (sizeof(T) == 4) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-  } else {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = ToF<T>(e[k]);
-  }
 }
 
 // Keys of one tile per block: int8 with the head's scales, or f16. `vec`: eight elements per

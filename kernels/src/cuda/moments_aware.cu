@@ -95,44 +95,48 @@ __global__ void MuKernel(const double* partial, uint32_t d, uint64_t count, doub
 }
 
 // ||k_t - mu|| per token in f64, channels in order (the reference's sum). Distances are >= +0,
-// so their bits order like them. A block takes blockDim.x consecutive tokens of the layer: their
-// rows are staged in shared memory with coalesced loads (rows padded by 4 bytes against bank
-// conflicts), then each thread sums its own row in channel order.
+// so their bits order like them. One thread per token: it finds its head and row once and reads
+// the row itself, 64 bytes at a time as four 16-byte loads when rows are 16-byte aligned (`vec`),
+// so a warp's loads use whole sectors; the head's mean comes from L1.
 template <typename T>
-__global__ void DistanceKernel(const T* keys, uint64_t head_stride, uint64_t token_stride,
-                               uint32_t d, uint32_t heads, uint64_t n, const double* mu,
-                               double* dist) {
-  extern __shared__ unsigned char distance_smem[];
-  T* rows = reinterpret_cast<T*>(distance_smem);
-  const uint32_t ld = d + 4 / sizeof(T);
+__global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t head_stride,
+                                                      uint64_t token_stride, uint32_t d,
+                                                      uint32_t heads, uint64_t n,
+                                                      const double* mu, bool vec, double* dist) {
   const uint64_t total = uint64_t{heads} * n;
-  const uint64_t i0 = uint64_t{blockIdx.x} * blockDim.x;
-  for (uint32_t e = threadIdx.x; e < blockDim.x * d; e += blockDim.x) {
-    const uint32_t r = e / d, x = e - r * d;
-    const uint64_t i = i0 + r;
-    if (i < total) {
-      const uint64_t h = i / n, t = i - h * n;
-      rows[r * ld + x] = keys[h * head_stride + t * token_stride + x];
+  const uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const uint64_t h = i / n, t = i - h * n;
+  const T* k = keys + h * head_stride + t * token_stride;
+  const double* m = mu + h * d;
+  double acc = 0.0;
+  if (vec) {
+    constexpr uint32_t kVec = 16 / sizeof(T);
+    for (uint32_t x0 = 0; x0 < d; x0 += 4 * kVec) {
+      uint4 w[4];
+#pragma unroll
+      for (uint32_t j = 0; j < 4; ++j) {
+        w[j] = x0 + j * kVec < d ? __ldg(reinterpret_cast<const uint4*>(k + x0 + j * kVec))
+                                 : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (uint32_t j = 0; j < 4; ++j) {
+        if (x0 + j * kVec >= d) break;
+        const T* e = reinterpret_cast<const T*>(&w[j]);
+#pragma unroll
+        for (uint32_t q = 0; q < kVec; ++q) {
+          const double diff = __dsub_rn(LoadD(e + q), __ldg(m + x0 + j * kVec + q));
+          acc = __dadd_rn(acc, __dmul_rn(diff, diff));
+        }
+      }
+    }
+  } else {
+    for (uint32_t x = 0; x < d; ++x) {
+      const double diff = __dsub_rn(LoadD(k + x), __ldg(m + x));
+      acc = __dadd_rn(acc, __dmul_rn(diff, diff));
     }
   }
-  __syncthreads();
-  const uint64_t i = i0 + threadIdx.x;
-  if (i >= total) return;
-  const T* k = rows + threadIdx.x * ld;
-  const double* m = mu + (i / n) * d;
-  double acc = 0.0;
-  for (uint32_t x = 0; x < d; ++x) {
-    const double diff = __dsub_rn(LoadD(k + x), m[x]);
-    acc = __dadd_rn(acc, __dmul_rn(diff, diff));
-  }
   dist[i] = sqrt(acc);
-}
-
-// Tokens per block of DistanceKernel: its staged rows within 48 KiB, 32 to 128.
-inline unsigned DistanceTokens(uint32_t d, size_t elem) {
-  const size_t row = (d + 4 / elem) * elem;
-  const size_t fit = (48 * 1024) / row;
-  return static_cast<unsigned>(std::max<size_t>(32, std::min<size_t>(128, fit / 32 * 32)));
 }
 
 // The head of each token in distance order, the key of the second (stable) pass.
@@ -230,14 +234,11 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   MuPartialKernel<T><<<dim3(heads, kMuChunks), threads, 0, stream>>>(
       k, keys.head_stride, keys.token_stride, d, n, kept, order_e, partial);
   MuKernel<<<heads, threads, 0, stream>>>(partial, d, n - kept, mu);
-  const unsigned dt = DistanceTokens(d, sizeof(T));
-  const size_t dsmem = size_t{dt} * (d + 4 / sizeof(T)) * sizeof(T);
-  if (dsmem > 48 * 1024) {
-    KVCOMP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        DistanceKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dsmem)));
-  }
-  DistanceKernel<T><<<static_cast<unsigned>((total + dt - 1) / dt), dt, dsmem, stream>>>(
-      k, keys.head_stride, keys.token_stride, d, heads, n, mu, dist);
+  const bool vec = d % (16 / sizeof(T)) == 0 && (keys.token_stride * sizeof(T)) % 16 == 0 &&
+                   (keys.head_stride * sizeof(T)) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(keys.data) % 16 == 0;
+  DistanceKernel<T><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+      k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, dist);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // The distances' ranks: rising distance (ties by lower index), then stably by head.
   t = t2;

@@ -642,6 +642,7 @@ class CudaScoringOps final : public ScoringOps {
     // V is read once (the score pass reads K only).
     KVCOMP_RETURN_IF_ERROR(EnqueueScore(keys, a.score, a.positions, scores, ws, *l,
                                         /*repacked=*/true, nullptr));
+    if (a.rescore) KVCOMP_RETURN_IF_ERROR(a.rescore(scores));
     KVCOMP_RETURN_IF_ERROR(EnqueueSelect(
         scores, a.keys.num_heads, a.keys.num_tokens, a.select, a.positions, a.kept, &keys,
         &values, a.compact ? a.keys_out : nullptr, a.compact ? a.values_out : nullptr, ws, *l,
@@ -667,7 +668,7 @@ class CudaScoringOps final : public ScoringOps {
     const uint64_t n = a.keys.num_tokens;
     const TokenPositions& pos = a.positions;
     const SelectParams& sel = a.select;
-    if (!on || a.score.scorer != Scorer::kStreaming || !a.compact || n == 0 ||
+    if (!on || a.score.scorer != Scorer::kStreaming || !a.compact || a.rescore || n == 0 ||
         n > (uint64_t{1} << 24) || pos.data != nullptr || pos.offset != 0 ||
         (pos.sequence_length != 0 && pos.sequence_length != n) ||
         (sel.head_budget != HeadBudget::kUniform && a.keys.num_heads != 1)) {

@@ -33,6 +33,7 @@
 #define KVCOMP_KERNELS_SCORING_OPS_H_
 
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -194,6 +195,12 @@ struct ScoreSelectCompactArgs {
   // the stream synchronises and turns it into the op's status with DeferredCheckStatus. Host
   // backends check at once and leave the record as it is.
   DeferredCheck* deferred_check = nullptr;
+  // Optional: rewrites the scores in place after the scoring pass and before the selection
+  // reads them (the moment-aware rescoring), given the op's [H, n] scores in the backend's memory
+  // space; on a device backend it enqueues its work on the op's stream (native_stream()). An
+  // error it returns is the op's. The scores the selection sees are then the hook's, and the
+  // streaming scorer's shortcut that selects without scores is not taken.
+  std::function<absl::Status(float* scores)> rescore;
 };
 
 // Many requests of different lengths in one call (a varlen layout, as FlashAttention's
