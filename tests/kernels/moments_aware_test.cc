@@ -4,12 +4,14 @@
 #include "cpu/moments_aware.h"
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/moments_test_util.h"
+#include "kernels/scoring_test_util.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/pipeline.h"
 
@@ -153,6 +155,66 @@ TEST(MomentAwareTest, BlockWiseUsesTheRunningSummary) {
   for (uint32_t h = 0; h < 2; ++h) {
     EXPECT_EQ(c->kept[h], 300u);
     EXPECT_EQ(c->moment_count[h], total - 300);
+  }
+}
+
+// The scoring op's rescore hook (what a device compression uses for policy.moment_aware): the
+// op with MomentAwareRescore between its scores and its selection keeps, compacts and scores
+// exactly as the moment-aware op of separate steps does, for the streaming scorer too (whose
+// shortcut without scores the hook turns off); the hook's error is the op's.
+TEST(MomentAwareTest, RescoreHookOfTheScoringOpIsTheMomentAwareOp) {
+  auto cpu = MakeCpuBackend(CpuBackendOptions{2});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const uint32_t heads = 3, d = 64;
+  const uint64_t n = 700;
+  const testing::HostHeads k = testing::RandomHeads(DType::kBF16, heads, n, d, 21);
+  const testing::HostHeads v = testing::RandomHeads(DType::kBF16, heads, n, d, 22);
+  for (Scorer scorer : {Scorer::kManifold, Scorer::kKnorm, Scorer::kStreaming}) {
+    SCOPED_TRACE(ScorerName(scorer));
+    struct Out {
+      std::vector<float> scores;
+      std::vector<uint32_t> counts, idx;
+      std::vector<uint8_t> ko, vo;
+    };
+    const uint64_t cap = KeptCapacity(heads, n, 250);
+    const size_t row = d * 2;
+    auto args = [&](Out* o) {
+      o->scores.assign(heads * n, 0.0f);
+      o->counts.assign(heads, 0);
+      o->idx.assign(cap, 0);
+      o->ko.assign(cap * row, 0);
+      o->vo.assign(cap * row, 0);
+      ScoreSelectCompactArgs a;
+      a.keys = k.view();
+      a.values = v.view();
+      a.score.scorer = scorer;
+      a.select.kept_per_head = 250;
+      a.scores = o->scores.data();
+      a.kept = {o->counts.data(), o->idx.data()};
+      a.keys_out = o->ko.data();
+      a.values_out = o->vo.data();
+      return a;
+    };
+    Out want, got;
+    ASSERT_TRUE(moments_internal::MomentAwareScoreSelectCompact(**cpu, args(&want)).ok());
+    ScoreSelectCompactArgs a = args(&got);
+    int calls = 0;
+    a.rescore = [&](float* scores) {
+      ++calls;
+      return moments_internal::MomentAwareRescore(a.keys, a.select, a.positions, nullptr,
+                                                  nullptr, scores);
+    };
+    ASSERT_TRUE((*cpu)->scoring().ScoreSelectCompact(a).ok());
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(want.scores, got.scores);
+    EXPECT_EQ(want.counts, got.counts);
+    EXPECT_EQ(want.idx, got.idx);
+    EXPECT_TRUE(want.ko == got.ko);
+    EXPECT_TRUE(want.vo == got.vo);
+    a.rescore = [](float*) { return absl::InternalError("rescore failed"); };
+    const absl::Status s = (*cpu)->scoring().ScoreSelectCompact(a);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+    EXPECT_EQ(s.message(), "rescore failed");
   }
 }
 
