@@ -1270,6 +1270,7 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
                                     : nullptr;
         if (progress != nullptr) {
           progress->written.store(0, std::memory_order_relaxed);
+          progress->total.store(n, std::memory_order_relaxed);
           progress->request_id.store(rid, std::memory_order_release);
         }
         uint8_t* to = region->data() + offset;

@@ -806,6 +806,24 @@ absl::StatusOr<SharedGet> AwaitGet(const std::shared_ptr<GetOutcome>& out) {
   out->mu.Await(absl::Condition(&out->done));
   return std::move(out->result);
 }
+
+// A new host buffer of `bytes` for a get's cache: anonymous memory advised for huge pages, so a
+// buffer of hundreds of MiB is made of far fewer page faults as it is written; unmapped when
+// the buffer goes. Empty on failure.
+Buffer NewGetBuffer(uint64_t bytes) {
+  if (bytes == 0) return Buffer::Allocate(0);
+  const uint64_t span = AlignUp(bytes, kHugePage) + kHugePage;
+  void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return Buffer();
+  uint8_t* const raw = static_cast<uint8_t*>(m);
+  uint8_t* const base =
+      reinterpret_cast<uint8_t*>(AlignUp(reinterpret_cast<uint64_t>(raw), kHugePage));
+  const uint64_t len = AlignUp(bytes, kHugePage);
+  if (base > raw) munmap(raw, base - raw);
+  if (raw + span > base + len) munmap(base + len, (raw + span) - (base + len));
+  madvise(base, len, MADV_HUGEPAGE);  // a hint; ignored where huge pages are off
+  return Buffer::Wrap(base, bytes, MemoryType::kHost, [base, len] { munmap(base, len); });
+}
 }  // namespace
 
 absl::StatusOr<FetchedCache> ShmChannel::Get(const GetRequest& request, absl::Time deadline) {
@@ -829,13 +847,44 @@ absl::StatusOr<FetchedCache> ShmChannel::Get(const GetRequest& request, absl::Ti
   wire::Get get{request.representation, request.model_id, request.key, true, kShmGetDataOffset,
                 room};
   get.or_payload = true;
+  auto* progress = reinterpret_cast<ShmProgress*>(get_->data());
+  progress->request_id.store(0, std::memory_order_relaxed);
+  progress->total.store(0, std::memory_order_relaxed);
+  progress->written.store(0, std::memory_order_release);
   auto out = std::make_shared<GetOutcome>();
-  client_->GetSharedAsync(get, nullptr, 0, deadline, [out](absl::StatusOr<SharedGet> r) {
+  const uint64_t rid =
+      client_->GetSharedAsync(get, nullptr, 0, deadline, [out](absl::StatusOr<SharedGet> r) {
+        absl::MutexLock l(&out->mu);
+        out->result = std::move(r);
+        out->done = true;
+      });
+  // Copy behind the daemon into a buffer of the size it published (as GetInto does).
+  const uint8_t* src = get_->data() + kShmGetDataOffset;
+  Buffer bytes;
+  uint64_t copied = 0;
+  while (true) {
+    {
+      absl::MutexLock l(&out->mu);
+      if (out->done) break;
+      out->mu.AwaitWithTimeout(absl::Condition(&out->done), absl::Microseconds(200));
+      if (out->done) break;
+    }
+    if (progress->request_id.load(std::memory_order_acquire) != rid) continue;
+    const uint64_t total = progress->total.load(std::memory_order_relaxed);
+    if (total == 0 || total > room) continue;  // not said (an older daemon): after the reply
+    if (bytes.data() == nullptr) bytes = NewGetBuffer(total);
+    if (bytes.data() == nullptr) continue;
+    const uint64_t w = std::min(progress->written.load(std::memory_order_acquire), total);
+    if (w > copied) {
+      std::memcpy(bytes.bytes() + copied, src + copied, w - copied);
+      copied = w;
+    }
+  }
+  absl::StatusOr<SharedGet> r;
+  {
     absl::MutexLock l(&out->mu);
-    out->result = std::move(r);
-    out->done = true;
-  });
-  absl::StatusOr<SharedGet> r = AwaitGet(out);
+    r = std::move(out->result);
+  }
   if (!r.ok()) {
     // A get given up on may still be written by the daemon: the next get takes a fresh region.
     if (absl::IsDeadlineExceeded(r.status()) || absl::IsUnavailable(r.status())) get_.reset();
@@ -851,8 +900,15 @@ absl::StatusOr<FetchedCache> ShmChannel::Get(const GetRequest& request, absl::Ti
   if (r->bytes > room) {
     return absl::InternalError("the server wrote more than the get region's capacity");
   }
-  Buffer bytes = Buffer::Allocate(r->bytes);
-  if (r->bytes > 0) std::memcpy(bytes.data(), get_->data() + kShmGetDataOffset, r->bytes);
+  if (bytes.data() == nullptr || bytes.size() != r->bytes) {
+    bytes = NewGetBuffer(r->bytes);
+    copied = 0;
+    if (r->bytes > 0 && bytes.data() == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no memory for a cache of ", r->bytes, " bytes"));
+    }
+  }
+  if (r->bytes > copied) std::memcpy(bytes.bytes() + copied, src + copied, r->bytes - copied);
   return FetchedCache{std::move(bytes), request.representation};
 }
 

@@ -80,10 +80,12 @@ inline constexpr uint64_t kShmMinRegionBytes = uint64_t{64} << 10;
 inline constexpr uint64_t kShmGetDataOffset = 4096;
 
 // At offset 0 of the get region while a get with shm_offset >= kShmGetDataOffset is written:
-// the request it belongs to, then how many bytes of the cache are in place (release order).
+// the request it belongs to, then how many bytes of the cache are in place (release order),
+// and the cache's size (stored before the request id; 0 from daemons before it was added).
 struct ShmProgress {
   std::atomic<uint64_t> request_id;
   std::atomic<uint64_t> written;
+  std::atomic<uint64_t> total;
 };
 
 // [offset, offset + bytes) within a region of `size` bytes (no overflow), else InvalidArgument
