@@ -192,7 +192,11 @@ absl::Status OpenPut::DrainBlockWise() {
   }
 }
 
-void OpenPut::Commit(CommitDone done) {
+void OpenPut::Commit(CommitDone done) { CommitOn(std::move(done), /*in_turn=*/false); }
+
+void OpenPut::CommitInTurn(CommitDone done) { CommitOn(std::move(done), /*in_turn=*/true); }
+
+void OpenPut::CommitOn(CommitDone done, bool in_turn) {
   {
     absl::MutexLock lock(&mu_);
     if (committing_) {
@@ -203,10 +207,15 @@ void OpenPut::Commit(CommitDone done) {
   }
   // The done callback must run exactly once: park it where both outcomes can reach it.
   auto shared_done = std::make_shared<CommitDone>(std::move(done));
-  bool queued = engine_->TrySubmit(
-      request_.key.tenant, [self = shared_from_this(), shared_done](Backend& backend) {
-        self->RunCommit(backend, std::move(*shared_done));
-      });
+  auto run = [self = shared_from_this(), shared_done](Backend& backend) {
+    self->RunCommit(backend, std::move(*shared_done));
+  };
+  bool queued = true;
+  if (in_turn) {
+    engine_->Submit(request_.key.tenant, std::move(run));
+  } else {
+    queued = engine_->TrySubmit(request_.key.tenant, std::move(run));
+  }
   if (!queued) {
     {
       absl::MutexLock lock(&mu_);

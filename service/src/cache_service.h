@@ -63,12 +63,17 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   // The engine the put was placed on, for its whole life: its blocks go to that engine's device
   // (a GPU engine) and its commit to that engine's workers.
   Engine& engine() const { return *engine_; }
-  // Keeps `block`; `done` runs once it is accounted for (InvalidArgument for an overlapping or
-  // malformed block, FailedPrecondition once committing or aborted).
+  // Keeps `block`; `done` runs once it is accounted for, before AddBlock returns
+  // (InvalidArgument for an overlapping or malformed block, FailedPrecondition once committing
+  // or aborted).
   void AddBlock(BlockData block, Done done);
   // Compresses and stores the put on an engine worker; Busy when the queue is full (the put
   // stays open: the client may commit again).
   void Commit(CommitDone done);
+  // As Commit, but the commit waits its turn in the engine's queue instead of answering Busy:
+  // for a caller that already holds the put's whole payload in the daemon and bounds how many
+  // such commits it has queued (the GPU channel: one put per channel at a time).
+  void CommitInTurn(CommitDone done);
   // The put ends without commit: its blocks go now, or when a running commit ends.
   void Abort();
 
@@ -80,6 +85,7 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   // Copies `block` (its coverage already admitted) into the put's device buffer. Caller holds
   // mu_.
   absl::Status AddToDevice(const BlockData& block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CommitOn(CommitDone done, bool in_turn);
   void RunCommit(Backend& backend, CommitDone done);
   // The put's K and V as the compression reads them (the device buffer's view after its uploads,
   // counted in `transfers`, or the assembled host blocks).

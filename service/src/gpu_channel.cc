@@ -1063,36 +1063,28 @@ class GpuChannelsImpl : public GpuChannels {
     Log(LogLevel::kInfo, "GPU channel ", c->id, " closed: ", why);
   }
 
+  // The put's one block added (AddBlock answers before it returns) and the put committed. The
+  // commit waits its turn in the engine's queue (OpenPut::CommitInTurn) rather than answering
+  // busy: the payload is already here, and a channel holds one put at a time, so the channels
+  // bound what they queue. The daemon stops its channels before its engines. Caller holds
+  // the channel's op_mu.
   absl::StatusOr<CacheSummary> Store(const std::shared_ptr<OpenPut>& put, BlockData block) {
-    absl::Notification added;
-    absl::Status add_status;
-    put->AddBlock(std::move(block), [&](absl::Status s) {
-      add_status = std::move(s);
-      added.Notify();
-    });
-    added.WaitForNotification();
-    if (!add_status.ok()) {
+    absl::Status added = absl::InternalError("the block was not accounted for");
+    put->AddBlock(std::move(block), [&](absl::Status s) { added = std::move(s); });
+    if (!added.ok()) {
       put->Abort();
-      return add_status;
+      return added;
     }
-    // A full engine queue answers busy: the put stays open, commit again for a while.
-    const absl::Time deadline = absl::Now() + timeout_;
-    absl::Duration backoff = absl::Milliseconds(5);
-    for (;;) {
-      absl::Notification done;
-      absl::StatusOr<CacheSummary> result = absl::UnknownError("no answer");
-      put->Commit([&](absl::StatusOr<CacheSummary> r) {
-        result = std::move(r);
-        done.Notify();
-      });
-      done.WaitForNotification();
-      if (result.ok() || !IsBusy(result.status()) || absl::Now() + backoff > deadline) {
-        if (!result.ok()) put->Abort();
-        return result;
-      }
-      absl::SleepFor(backoff);
-      backoff = std::min(backoff * 2, absl::Milliseconds(200));
-    }
+    // The answer carries the commit's outcome: this synchronous control-plane call waits for it.
+    absl::Notification done;
+    absl::StatusOr<CacheSummary> result = absl::UnknownError("no answer");
+    put->CommitInTurn([&](absl::StatusOr<CacheSummary> r) {
+      result = std::move(r);
+      done.Notify();
+    });
+    done.WaitForNotification();
+    if (!result.ok()) put->Abort();
+    return result;
   }
 
   static BlockData WholeBlock(std::shared_ptr<uint8_t> memory, const KvLayout& layout,
