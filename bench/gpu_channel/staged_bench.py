@@ -2,8 +2,8 @@
 on GPU 0 and a UCX without CUDA memory, so put_device / get_into / get_bytes_into go over the
 data plane's `ucx` link, which stages the caller's device memory through pinned host memory of
 its own, block by block (docs/protocol.md, "CUDA-aware UCX"). Measured beside, in the same run,
-the same bytes by hand through host memory: one copy of K and V into host tensors and a host
-put; a get of the stored bytes and one copy up. The cache is Llama-3.1-8B shaped (32
+the same bytes by hand through host memory: one copy of K and V into pinned host tensors and a
+host put; a get of the stored bytes and one copy up. The cache is Llama-3.1-8B shaped (32
 layers, 8 kv heads, head_dim 128, bf16; --tokens, default 8192: 1 GiB of K and V), lossless.
 Times are whole calls, the caller's stream waited for.
 
@@ -59,9 +59,10 @@ def main():
     with Kvcompd(a.kvcompd, flags=flags) as dmn:
         c = kvcomp.Client(f"{dmn.data_endpoint},127.0.0.1:{dmn.control_port}", timeout=300.0)
         lossless = kvcomp.Policy(ratio=0.0, moments=False)
-        # Pageable host tensors: the SDK's put takes CPU memory (DLPack kDLCPU) only.
-        hk = torch.empty(k.shape, dtype=k.dtype)
-        hv = torch.empty(v.shape, dtype=v.dtype)
+        # Pinned host tensors, as the SDK's own staging through host memory used before the
+        # ucx link staged device memory itself.
+        hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+        hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
         k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
         put, get, raw, hput, hget = [], [], [], [], []
         paths = set()

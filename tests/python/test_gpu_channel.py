@@ -100,6 +100,24 @@ def test_host_puts_are_unchanged_and_counters_start_at_zero(client):
                           "last_fallback_reason"}
 
 
+class PinnedHostArray(np.ndarray):
+    """Host memory that DLPack reports as pinned (kDLCUDAHost), as a torch tensor made with
+    pin_memory=True does."""
+
+    def __dlpack_device__(self):
+        return (3, 0)
+
+
+def test_pinned_host_memory_is_put_as_host_memory(client):
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((LAYERS, KV, N, D)).astype(np.float16).view(PinnedHostArray)
+    v = rng.standard_normal((LAYERS, KV, N, D)).astype(np.float16).view(PinnedHostArray)
+    assert k.__dlpack_device__() == (3, 0)
+    r = client.put("m", "pinned", k, v, policy=kvcomp.Policy(ratio=0.0, moments=False))
+    assert r["original_bytes"] == k.nbytes + v.nbytes
+    assert "path" not in r  # the host path, not put_device
+
+
 def test_layer_by_layer_calls_need_cuda(client):
     # Without a CUDA driver the put stream says so; with one it opens (and is closed unused).
     # Either way the layered get refuses host arrays.

@@ -49,8 +49,10 @@ def _host_array(a: Any, what: str) -> Tuple[Any, str]:
     """The array as the extension reads it, and the dtype hint ("bf16" for raw bits)."""
     import numpy as np
 
+    # Host memory: DLPack kDLCPU, or kDLCUDAHost (pinned host memory, e.g. a torch tensor made
+    # with pin_memory=True), which the CPU reads as any other.
     if hasattr(a, "__cuda_array_interface__") or (
-            hasattr(a, "__dlpack_device__") and a.__dlpack_device__()[0] != 1):
+            hasattr(a, "__dlpack_device__") and a.__dlpack_device__()[0] not in (1, 3)):
         raise ValueError(f"{what}: a put stream sends host memory; use Client.put_device for GPU "
                          "tensors")
     if type(a).__module__.startswith("torch"):
