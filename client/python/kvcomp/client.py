@@ -296,9 +296,10 @@ class Client:
         [layers, kv_heads, tokens, head_dim] (torch CUDA tensors or any DLPack producer), read
         on `stream` (default: torch's current stream for torch tensors, else the legacy default
         stream) after their producer's pending writes. Over the GPU channel when the daemon
-        offers one (NCCL from another GPU, CUDA IPC on the daemon's own GPU), else through host
-        memory over UCX (docs/protocol.md, "GPU channel"); the result's "path" says which
-        ("nccl", "ipc" or "ucx")."""
+        offers one (NCCL from another GPU, CUDA IPC on the daemon's own GPU), else over UCX: out of
+        device memory where both sides' UCX has CUDA memory, else staged through pinned host
+        memory (docs/protocol.md, "GPU channel", "CUDA-aware UCX"); the result's "path" says
+        which ("nccl", "ipc", "ucx-cuda" or "ucx")."""
         s = _call_stream(keys, stream)
         k = _cuda_capsule(keys, s, "keys")
         v = _cuda_capsule(values, s, "values")
