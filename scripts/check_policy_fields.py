@@ -4,7 +4,8 @@ declaration (core/include/kvcomp/core/policy_fields.def, printed as JSON by the
 policy_fields_json program):
 
 - service/thrift/kvcomp.thrift, struct Policy: one field per declared field, same id, name, type
-  and default, and no other;
+  and default, and no other (the IDL's default is the field's absent value: what an unset field
+  means, which differs from a new policy's default where policy_absent.def says so);
 - docs/configuration.md: the default_policy table (one row per field, in declaration order, the
   row kvcompd's --help text gives) and the default_policy block of the example configuration;
 - docs/format.md: the policy records table (one row per tag, with its length and range);
@@ -48,8 +49,8 @@ def read(*path):
         return f.read()
 
 
-def same_value(field, got):
-    want = field["default"]
+def same_value(field, got, key="default"):
+    want = field.get(key, field["default"])
     if isinstance(want, bool) or isinstance(got, bool):
         return got is want
     if isinstance(want, (int, float)):
@@ -60,14 +61,17 @@ def same_value(field, got):
 # ---- Thrift IDL ----
 
 def thrift_default(field):
+    """The IDL's default: the field's absent value (what an unset field means on the wire,
+    which is not the default of a new policy where that changed: policy_absent.def)."""
+    absent = field.get("absent", field["default"])
     if field["thrift_type"] == "string":
-        return f'"{field["default"]}"'
+        return f'"{absent}"'
     if field["thrift_type"] == "bool":
-        return "true" if field["default"] else "false"
+        return "true" if absent else "false"
     if field["thrift_type"] == "double":
-        d = float(field["default"])
+        d = float(absent)
         return repr(d)
-    return str(field["default"])
+    return str(absent)
 
 
 def check_thrift(fields):
@@ -99,7 +103,7 @@ def check_thrift(fields):
                 value = yaml.safe_load(fdefault) if fdefault else None
             except yaml.YAMLError:
                 value = None
-            ok = value is not None and same_value(field, value)
+            ok = value is not None and same_value(field, value, "absent")
         if not ok:
             fail(where, f"{field['name']} is `{fid}: {ftype} {field['name']} = {fdefault}`; "
                         f"the declaration says: {want.strip()}")

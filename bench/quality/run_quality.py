@@ -65,7 +65,8 @@ class KvcompEngine:
     def compress(self, keys, values, scorer, ratio, moment_aware, layer):
         hk = keys.shape[0]
         policy = self.kv.Policy(scorer=scorer, ratio=ratio, moments=True,
-                                moment_aware=moment_aware, seed=layer)
+                                moment_aware=moment_aware, seed=layer,
+                                recent_fraction=0.0)  # the scorer alone, as the reference
         return self.kv.compress(keys, values, policy, backend=self.backend,
                                 num_q_heads=hk * generator.GeneratorParams().q_per_kv)
 

@@ -125,10 +125,11 @@ std::vector<uint8_t> EncodePolicy(const CompressionPolicy& p) {
   return w.Take();
 }
 
-// Absent records keep the field's default; unknown tags are skipped (a newer writer's field:
-// docs/format.md, "Compatibility").
+// Absent records keep the field's absent value (AbsentFieldPolicy: what a writer that did not
+// write the tag meant, which is not always today's default); unknown tags are skipped (a newer
+// writer's field: docs/format.md, "Compatibility").
 absl::StatusOr<CompressionPolicy> DecodePolicy(const uint8_t* p, uint64_t n) {
-  CompressionPolicy pol;
+  CompressionPolicy pol = AbsentFieldPolicy();
   uint64_t at = 0;
   while (at < n) {
     if (n - at < 4) return absl::InvalidArgumentError("cache format: policy record truncated");

@@ -161,7 +161,11 @@ uint64_t CompressionPolicy::KeptPerHead(uint64_t num_tokens) const {
 }
 
 uint32_t CompressionPolicy::EffectiveRecent(uint64_t kept_per_head) const {
-  const double share = std::floor(recent_fraction * static_cast<double>(kept_per_head));
+  double share = std::floor(recent_fraction * static_cast<double>(kept_per_head));
+  // The fraction's window leaves the sink its room, so that at small budgets the sink and the
+  // window together fit the budget and the newest tokens are not the ones cut off.
+  const uint64_t room = kept_per_head > n_sink ? kept_per_head - n_sink : 0;
+  if (share > static_cast<double>(room)) share = static_cast<double>(room);
   const uint64_t from_fraction =
       share >= 4294967295.0 ? uint64_t{4294967295} : static_cast<uint64_t>(share);
   return static_cast<uint32_t>(from_fraction > n_recent ? from_fraction : n_recent);
@@ -173,6 +177,14 @@ std::string CompressionPolicy::DebugString() const {
     absl::StrAppend(&out, out.size() > 7 ? " " : "", f.name, "=", f.text(*this));
   }
   return out + "}";
+}
+
+CompressionPolicy AbsentFieldPolicy() {
+  CompressionPolicy p;
+#define KVCOMP_POLICY_ABSENT(name, value) p.name = value;
+#include "kvcomp/core/policy_absent.def"
+#undef KVCOMP_POLICY_ABSENT
+  return p;
 }
 
 bool operator==(const CompressionPolicy& a, const CompressionPolicy& b) {

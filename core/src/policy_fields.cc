@@ -119,6 +119,7 @@ absl::Status SetField(absl::string_view name, const PolicyRange& range, absl::st
 std::vector<PolicyFieldInfo> BuildFields() {
   std::vector<PolicyFieldInfo> fields;
   const CompressionPolicy defaults;
+  const CompressionPolicy absent = AbsentFieldPolicy();
 #define KVCOMP_POLICY_FIELD(name, type, tlv_tag, thrift_id, default_value, range, unit, doc) \
   fields.push_back(PolicyFieldInfo{                                                          \
       #name,                                                                                 \
@@ -132,6 +133,7 @@ std::vector<PolicyFieldInfo> BuildFields() {
       range,                                                                                 \
       NamesOf<type>(),                                                                       \
       Traits<type>::Text(defaults.name),                                                     \
+      Traits<type>::Text(absent.name),                                                       \
       [](const CompressionPolicy& p) { return Traits<type>::Text(p.name); },                 \
       [](CompressionPolicy& p, absl::string_view text) {                                     \
         return SetField<type>(#name, range, text, &p.name);                                  \
@@ -229,6 +231,9 @@ std::string PolicyFieldInfo::Help() const {
     absl::StrAppend(&help, " In ", range.Text(), ".");
   }
   absl::StrAppend(&help, " Default ", default_text, ".");
+  if (absent_text != default_text) {
+    absl::StrAppend(&help, " Absent from a stored cache or a request: ", absent_text, ".");
+  }
   if (!names.empty()) absl::StrAppend(&help, " One of: ", absl::StrJoin(names, ", "), ".");
   return help;
 }
@@ -250,7 +255,11 @@ std::string PolicyFieldsJson() {
   bool first = true;
   for (const PolicyFieldInfo& f : PolicyFields()) {
     std::string default_json = f.default_text;
-    if (!f.names.empty()) default_json = JsonString(f.default_text);
+    std::string absent_json = f.absent_text;
+    if (!f.names.empty()) {
+      default_json = JsonString(f.default_text);
+      absent_json = JsonString(f.absent_text);
+    }
     std::vector<std::string> names;
     for (const auto& n : f.names) names.push_back(JsonString(n));
     absl::StrAppend(
@@ -262,6 +271,7 @@ std::string PolicyFieldsJson() {
         ", \"lo\": ", ShortestDouble(f.range.lo), ", \"hi\": ", ShortestDouble(f.range.hi),
         ", \"text\": ", JsonString(f.range.Text()), "}, \"names\": [", absl::StrJoin(names, ", "),
         "], \"default\": ", default_json, ", \"default_text\": ", JsonString(f.default_text),
+        ", \"absent\": ", absent_json, ", \"absent_text\": ", JsonString(f.absent_text),
         ", \"doc\": ", JsonString(f.doc), ", \"help\": ", JsonString(f.Help()), "}");
     first = false;
   }

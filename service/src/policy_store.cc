@@ -80,7 +80,8 @@ absl::StatusOr<Record> DecodeRecord(absl::string_view line) {
     return absl::DataLossError("record with a bad escape");
   }
   try {
-    KVCOMP_ASSIGN_OR_RETURN(r.policy, PolicyFromYaml(YAML::Load(yaml), CompressionPolicy()));
+    // A record without a field was written before the field (or its default) changed.
+    KVCOMP_ASSIGN_OR_RETURN(r.policy, PolicyFromYaml(YAML::Load(yaml), AbsentFieldPolicy()));
   } catch (const YAML::Exception& e) {
     return absl::DataLossError(absl::StrCat("record policy: ", e.what()));
   }

@@ -87,7 +87,10 @@ struct Policy {
   20: bool gamma_aware = true,
   21: double value_outlier_factor = 4.0,
   22: double value_raw_fraction = 0.02,
-  23: double recent_fraction = 0.0,  // share of each head's budget kept recent, in [0, 1)
+  // Share of each head's budget kept recent, in [0, 1). Unset means 0 (what clients from before
+  // the field or before its default changed meant); a new policy's default is 0.75
+  // (core/include/kvcomp/core/policy_absent.def).
+  23: double recent_fraction = 0.0,
 }
 
 struct HealthResponse {

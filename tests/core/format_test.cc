@@ -202,7 +202,9 @@ TEST(Format, ReadsAVersion11PolicyWithoutRecentFraction) {
   Reseal(&b);
   auto back = format::ParseCache(b);
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->policy.recent_fraction, 0.0);  // the field's default: the 1.1 behaviour
+  // the field's absent value, the 1.1 behaviour (not today's default of a new policy)
+  EXPECT_EQ(back->policy.recent_fraction, 0.0);
+  EXPECT_NE(back->policy.recent_fraction, CompressionPolicy().recent_fraction);
   EXPECT_EQ(back->policy.n_recent, 7u);
   CompressedCache want = c;
   want.policy.recent_fraction = 0.0;

@@ -67,7 +67,8 @@ TEST(PolicyFields, TlvRecordsAreBitIdenticalToFormat12) {
             "00050000000c00080000000000000000000d000400000000000e000100010f00010000100001000011"
             "00010000120004000000000013000400200000001400010001150008000000000000001040160008"
             "007b14ae47e17a943f170008000000000000000000";
-  EXPECT_EQ(prefix(CompressionPolicy(), defaults12.size()), defaults12);
+  // format 1.2's defaults are today's absent values (recent_fraction's default changed since)
+  EXPECT_EQ(prefix(AbsentFieldPolicy(), defaults12.size()), defaults12);
   const std::string changed12 =
             "010001000602000800333333333333d33f030004004d0000000400010001050008009a9999999999d9"
             "3f06000400020000000700040009000000080001000009000400e80300000a000400200000000b0004"
@@ -203,6 +204,38 @@ TEST(PolicyFields, HelpNamesRangeDefaultAndEnumValues) {
             std::string::npos)
       << scorer;
   EXPECT_NE(FindPolicyField("window")->Help().find("At least 1. Default 4096."), std::string::npos);
+}
+
+// A default that changed keeps its old value as the field's absent value: a new policy gets the
+// new default, an empty record set (a writer that did not write the field) reads as before.
+TEST(PolicyFields, AbsentValuesAreTheDefaultsExceptWhereADefaultChanged) {
+  const CompressionPolicy defaults;
+  const CompressionPolicy absent = AbsentFieldPolicy();
+  ASSERT_TRUE(absent.Validate().ok());
+  EXPECT_EQ(defaults.recent_fraction, 0.75);
+  EXPECT_EQ(absent.recent_fraction, 0.0);
+  CompressionPolicy same = absent;
+  same.recent_fraction = defaults.recent_fraction;
+  EXPECT_EQ(same, defaults) << "only recent_fraction's default changed";
+  for (const PolicyFieldInfo& f : PolicyFields()) {
+    EXPECT_EQ(f.absent_text, f.text(absent)) << f.name;
+    EXPECT_EQ(f.default_text, f.text(defaults)) << f.name;
+    if (f.absent_text != f.default_text) {
+      EXPECT_NE(f.Help().find(absl::StrCat("Absent from a stored cache or a request: ",
+                                           f.absent_text, ".")),
+                std::string::npos)
+          << f.Help();
+    }
+  }
+  // The records of every field decode to the policy written; no records to the absent values.
+  auto empty = format::DecodePolicyRecords("");
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(*empty, absent);
+  auto back = format::DecodePolicyRecords(format::EncodePolicyRecords(defaults));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, defaults);
+  EXPECT_NE(PolicyFieldsJson().find("\"absent\": 0, \"absent_text\": \"0\""),
+            std::string::npos);
 }
 
 TEST(PolicyFields, JsonListsEveryField) {

@@ -174,8 +174,11 @@ TEST(Policy, RejectsBadFields) {
 
 TEST(Policy, RecentFractionRangeAndEffectiveRecent) {
   CompressionPolicy p;
+  EXPECT_EQ(p.recent_fraction, 0.75);  // the default: three quarters of the kept budget recent
+  EXPECT_EQ(p.EffectiveRecent(1000), 750u);
+  p = AbsentFieldPolicy();  // what a cache or request without the field means
   EXPECT_EQ(p.recent_fraction, 0.0);
-  EXPECT_EQ(p.EffectiveRecent(1000), 0u);  // default: n_recent alone
+  EXPECT_EQ(p.EffectiveRecent(1000), 0u);  // n_recent alone
   p.n_recent = 9;
   EXPECT_EQ(p.EffectiveRecent(1000), 9u);
   p.recent_fraction = 0.5;
@@ -184,6 +187,14 @@ TEST(Policy, RecentFractionRangeAndEffectiveRecent) {
   EXPECT_EQ(p.EffectiveRecent(1017), 508u);  // floor
   EXPECT_EQ(p.EffectiveRecent(17), 9u);      // n_recent is the floor of the window
   EXPECT_EQ(p.EffectiveRecent(0), 9u);
+  // The fraction's window leaves the 4 sink tokens their room at small budgets.
+  p.n_recent = 0;
+  p.recent_fraction = 0.75;
+  EXPECT_EQ(p.EffectiveRecent(10), 6u);  // floor(7.5) = 7 > 10 - 4
+  EXPECT_EQ(p.EffectiveRecent(16), 12u);
+  EXPECT_EQ(p.EffectiveRecent(3), 0u);
+  p.n_recent = 5;
+  EXPECT_EQ(p.EffectiveRecent(3), 5u);  // n_recent as given
   p.recent_fraction = 0.999;
   EXPECT_EQ(p.EffectiveRecent(uint64_t{1} << 40), 0xFFFFFFFFu);  // saturates
   for (double bad : {1.0, -0.01, 2.0, std::numeric_limits<double>::quiet_NaN(),

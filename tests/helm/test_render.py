@@ -378,11 +378,11 @@ def test_config_change_rolls_pods_and_extra_config_merges():
     assert ann[0] != ann[1]
     cfg, _ = daemon_config(b)
     assert cfg["default_policy"]["ratio"] == 0.25
-    assert cfg["default_policy"]["recent_fraction"] == 0
+    assert cfg["default_policy"]["recent_fraction"] == 0.75  # the declared default
     assert cfg["storage"]["ttl_seconds"] == 60
     assert cfg["storage"]["durability"] == "disk", "extraConfig merges, it does not replace"
-    recent, _ = daemon_config(documents(render({"policy": {"recentFraction": 0.5}})))
-    assert recent["default_policy"]["recent_fraction"] == 0.5
+    recent, _ = daemon_config(documents(render({"policy": {"recentFraction": 0}})))
+    assert recent["default_policy"]["recent_fraction"] == 0
 
 
 def test_sidecar_library_templates(tmp_path):

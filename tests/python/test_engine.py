@@ -38,8 +38,10 @@ def test_policy_defaults_and_validation():
 
 
 def test_policy_recent_fraction_scales_the_recent_window():
-    p = kvcomp.Policy()
-    assert p.recent_fraction == 0.0 and p.effective_recent(1000) == 0
+    p = kvcomp.Policy()  # the default: three quarters of the kept budget recent
+    assert p.recent_fraction == 0.75 and p.effective_recent(1000) == 750
+    p = kvcomp.Policy(recent_fraction=0.0)  # n_recent alone
+    assert p.effective_recent(1000) == 0
     p = kvcomp.Policy(recent_fraction=0.5, n_recent=3)
     assert p.recent_fraction == 0.5
     assert p.effective_recent(1000) == 500 and p.effective_recent(5) == 3

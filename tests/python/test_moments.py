@@ -25,7 +25,8 @@ def _layer(tokens=1500, heads=2, seed=0):
 @pytest.mark.parametrize("scorer", ["knorm", "manifold", "streaming"])
 def test_moments_match_reference(scorer):
     L = _layer()
-    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(scorer=scorer, ratio=0.6),
+    c = kvcomp.compress(L.keys, L.values,
+                        kvcomp.Policy(scorer=scorer, ratio=0.6, recent_fraction=0.0),
                         num_q_heads=4)
     ref = reference.compress_layer(L.keys, L.values, scorer, 0.6)
     assert c.has_moments
@@ -56,7 +57,8 @@ def test_moments_are_those_of_the_evicted_tokens():
 @pytest.mark.parametrize("correct", [True, False])
 def test_attention_matches_reference(correct):
     L = _layer(seed=2)
-    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(scorer="keydiff", ratio=0.8),
+    c = kvcomp.compress(L.keys, L.values,
+                        kvcomp.Policy(scorer="keydiff", ratio=0.8, recent_fraction=0.0),
                         num_q_heads=4)
     ref = reference.compress_layer(L.keys, L.values, "keydiff", 0.8)
     out = kvcomp.attention(L.queries, c, 0, correct=correct)
@@ -119,7 +121,8 @@ def test_quality_harness_smoke():
 def test_moment_aware_matches_reference_rule(scorer):
     L = _layer(tokens=2000, seed=5)
     c = kvcomp.compress(L.keys, L.values,
-                        kvcomp.Policy(scorer=scorer, ratio=0.7, moment_aware=True), num_q_heads=4)
+                        kvcomp.Policy(scorer=scorer, ratio=0.7, moment_aware=True,
+                                      recent_fraction=0.0), num_q_heads=4)
     ref = reference.compress_layer(L.keys, L.values, scorer, 0.7, moment_aware=True)
     for h in range(2):
         got, want = set(c.kept_positions(0, h).tolist()), set(ref.kept[h].tolist())

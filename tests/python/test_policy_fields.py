@@ -75,3 +75,36 @@ def test_declared_ranges_are_enforced(fields):
         if f["names"]:
             for name in f["names"]:
                 assert getattr(kvcomp.Policy(**{kw: name}), kw) == name
+
+
+def test_new_policies_get_the_default_old_records_their_absent_value(fields):
+    """A default that changed (policy_absent.def): Policy(), the presets' `default`, compress()
+    without a policy and the CLI's --policy get the new default; a cache keeps the value it was
+    written with; the declaration names the old value as what an absent record means."""
+    import types
+
+    from kvcomp import cli
+
+    import numpy as np
+
+    changed = [f for f in fields if f["absent"] != f["default"]]
+    assert [f["name"] for f in changed] == ["recent_fraction"]
+    rf = changed[0]
+    assert rf["absent"] == 0 and rf["default"] == kvcomp.Policy().recent_fraction
+    assert kvcomp.preset("default") == kvcomp.Policy()
+    assert cli._policy(types.SimpleNamespace(policy="scorer=keydiff")).recent_fraction == \
+        rf["default"]
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((2, 400, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 400, 64)).astype(np.float32)
+    c = kvcomp.compress(k, v)  # the default policy: manifold, half evicted, half of it recent
+    assert c.policy.recent_fraction == rf["default"]
+    kept = kvcomp.Policy().kept_per_head(400)
+    recent = kvcomp.Policy().effective_recent(kept)
+    assert recent == int(rf["default"] * kept) > 0
+    for h in range(2):
+        assert set(range(400 - recent, 400)) <= set(c.kept_positions(0, h).tolist())
+    back = kvcomp.CompressedCache.from_bytes(c.to_bytes())
+    assert back.policy == c.policy
+    old = kvcomp.compress(k, v, kvcomp.Policy(recent_fraction=0.0))
+    assert kvcomp.CompressedCache.from_bytes(old.to_bytes()).policy.recent_fraction == 0.0

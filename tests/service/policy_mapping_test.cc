@@ -7,10 +7,13 @@
 #include <string>
 #include <unistd.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/policy_test_util.h"
 #include "gtest/gtest.h"
+#include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/policy_fields.h"
@@ -41,10 +44,18 @@ TEST(PolicyMapping, ThriftCarriesEveryFieldBothWays) {
   auto back = PolicyFromRpc(PolicyToRpc(p));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, p);
-  // An rpc::Policy as Thrift constructs it (the IDL's defaults) is the default policy.
-  auto defaults = PolicyFromRpc(rpc::Policy());
+  // An rpc::Policy as Thrift constructs it (the IDL's defaults: what a client that sets no field,
+  // or an older client without a field, sends) is the policy of absent fields, which keeps what
+  // such a client meant where a default changed since (recent_fraction 0, not the default).
+  auto unset = PolicyFromRpc(rpc::Policy());
+  ASSERT_TRUE(unset.ok()) << unset.status();
+  EXPECT_EQ(*unset, AbsentFieldPolicy());
+  EXPECT_EQ(unset->recent_fraction, 0.0);
+  // A new client sends every field: the default policy arrives as the default policy.
+  auto defaults = PolicyFromRpc(PolicyToRpc(CompressionPolicy()));
   ASSERT_TRUE(defaults.ok()) << defaults.status();
   EXPECT_EQ(*defaults, CompressionPolicy());
+  EXPECT_NE(defaults->recent_fraction, unset->recent_fraction);
 }
 
 TEST(PolicyMapping, ThriftCarriesEverySeedAsItsBitPattern) {
@@ -151,6 +162,66 @@ TEST(PolicyMapping, PresetKeyIsTheBaseTheFieldKeysOverride) {
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(bad.message(), "default_policy.preset")) << bad;
   EXPECT_TRUE(absl::StrContains(bad.message(), "balanced")) << bad;  // names the choices
+}
+
+// A daemon without default_policy keys serves the default policy (the new defaults), an
+// explicit key still sets the old value, and a policies-log record written before a field
+// existed (or before its default changed) keeps what its writer meant: the field's absent value.
+TEST(PolicyMapping, NewDefaultsForConfigurationOldMeaningForStoredRecords) {
+  Options o;
+  EXPECT_EQ(o.default_policy, CompressionPolicy());
+  ASSERT_TRUE(ApplyYaml(o, "default_policy:\n  ratio: 0.6\n").ok());
+  EXPECT_EQ(o.default_policy.recent_fraction, CompressionPolicy().recent_fraction);
+  ASSERT_TRUE(SetOption(o, "default_policy.recent_fraction", "0").ok());
+  EXPECT_EQ(o.default_policy.recent_fraction, 0.0);
+
+  char dir[] = "/tmp/kvcomp-policy-store-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/policies.yaml";
+  CompressionPolicy p;
+  p.ratio = 0.7;
+  {
+    auto store = PolicyStore::Open(path, CompressionPolicy());
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Set("t", "m", p).ok());
+  }
+  // Rewrite the record as a writer from before recent_fraction wrote it: no such key.
+  std::string log;
+  {
+    FILE* f = std::fopen((path + ".log").c_str(), "rb");
+    ASSERT_NE(f, nullptr);
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) log.append(buf, n);
+    std::fclose(f);
+  }
+  const size_t tab = log.rfind('\t');
+  ASSERT_NE(tab, std::string::npos);
+  std::string yaml;
+  ASSERT_TRUE(absl::CUnescape(log.substr(tab + 1, log.size() - tab - 2), &yaml));
+  const size_t key = yaml.find("recent_fraction:");
+  ASSERT_NE(key, std::string::npos) << yaml;
+  yaml.erase(key, yaml.find('\n', key) + 1 - key);
+  const std::string body = absl::StrCat(log.substr(9, tab - 9 + 1), absl::CEscape(yaml));
+  {
+    FILE* f = std::fopen((path + ".log").c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    const std::string line = absl::StrCat(
+        absl::StrFormat("%08x", Crc32c(body.data(), body.size())), " ", body, "\n");
+    ASSERT_EQ(std::fwrite(line.data(), 1, line.size(), f), line.size());
+    std::fclose(f);
+  }
+  auto store = PolicyStore::Open(path, CompressionPolicy());
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto [got, is_default] = (*store)->Resolve("t", "m");
+  EXPECT_FALSE(is_default);
+  CompressionPolicy want = p;
+  want.recent_fraction = AbsentFieldPolicy().recent_fraction;
+  EXPECT_EQ(got, want) << got.DebugString();
+  EXPECT_EQ(got.recent_fraction, 0.0);
+  std::remove(path.c_str());
+  std::remove((path + ".log").c_str());
+  rmdir(dir);
 }
 
 TEST(PolicyMapping, PoliciesFileKeepsEveryFieldExactlyAcrossARestart) {

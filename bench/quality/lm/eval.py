@@ -84,14 +84,17 @@ def cells(grid: str):
     for sc in scorers:
         for r in RATIOS:
             extra = {"window": 1024} if sc == "windowed_manifold" else {}
-            out.append((sc, kvcomp.Policy(scorer=sc, ratio=r, moments=True, **extra), False))
+            # the scorers alone (no recent window), as in the figures measured with them
+            out.append((sc, kvcomp.Policy(scorer=sc, ratio=r, moments=True, recent_fraction=0.0,
+                                          **extra), False))
     for r in RATIOS:
         out.append(("adakv", kvcomp.Policy(scorer="manifold", ratio=r, moments=True,
-                                           head_budget="adakv"), False))
+                                           head_budget="adakv", recent_fraction=0.0), False))
     for name, (kc, vc) in SPLICE.items():
         for r in [0.0] + RATIOS:
             out.append((name, kvcomp.Policy(scorer="manifold", ratio=r, moments=r > 0,
-                                            key_codec=kc, value_codec=vc), True))
+                                            key_codec=kc, value_codec=vc, recent_fraction=0.0),
+                        True))
     return out
 
 

@@ -283,7 +283,7 @@ void RegisterEngine(nb::module_& m) {
            nb::arg("moments") = true, nb::arg("moment_aware") = false, nb::arg("key_codec") = "raw",
            nb::arg("value_codec") = "none", nb::arg("rank") = 0, nb::arg("group_size") = 32,
            nb::arg("gamma_aware") = true, nb::arg("value_outlier_factor") = 4.0,
-           nb::arg("value_raw_fraction") = 0.02, nb::arg("recent_fraction") = 0.0)
+           nb::arg("value_raw_fraction") = 0.02, nb::arg("recent_fraction") = 0.75)
       .def_prop_ro("budget",
                    [](const CompressionPolicy& p) -> std::optional<uint32_t> {
                      if (p.token_budget == 0) return std::nullopt;
@@ -293,7 +293,7 @@ void RegisterEngine(nb::module_& m) {
            "Tokens a head of num_tokens keeps (kvpress rounding, or the budget)")
       .def("effective_recent", &CompressionPolicy::EffectiveRecent, nb::arg("kept_per_head"),
            "Recent tokens protected for a head keeping kept_per_head tokens: "
-           "max(n_recent, floor(recent_fraction * kept_per_head))")
+           "max(n_recent, min(floor(recent_fraction * kept_per_head), kept_per_head - n_sink))")
       .def("__eq__", [](const CompressionPolicy& a, const CompressionPolicy& b) { return a == b; })
       .def("__repr__", &CompressionPolicy::DebugString);
 

@@ -109,7 +109,8 @@ struct CompressionPolicy {
   // Tokens a head of `num_tokens` keeps under ratio or token_budget (before AdaKV moves them).
   uint64_t KeptPerHead(uint64_t num_tokens) const;
   // Recent tokens protected for a head keeping `kept_per_head` tokens:
-  // max(n_recent, floor(recent_fraction * kept_per_head)), saturated at UINT32_MAX. Under AdaKV
+  // max(n_recent, min(floor(recent_fraction * kept_per_head), kept_per_head - n_sink)),
+  // saturated at UINT32_MAX (the fraction's window leaves the sink its room). Under AdaKV
   // `kept_per_head` is the uniform per-head budget (the layer's budget over its heads).
   uint32_t EffectiveRecent(uint64_t kept_per_head) const;
 
@@ -119,6 +120,14 @@ struct CompressionPolicy {
     return !(a == b);
   }
 };
+
+// The policy whose every field has its absent value: what a policy record set without a
+// field's tag, an unset Thrift field and a policies-log record without the field's key mean.
+// It is the default policy except for the fields policy_absent.def names (defaults that changed
+// after caches and clients were written with the old one): a default changes for new policies,
+// never for what was written before. The cache format's and the wire protocol's policy
+// decoders, the Thrift mapping and the policies log start from it.
+CompressionPolicy AbsentFieldPolicy();
 
 }  // namespace kvcomp
 

@@ -80,6 +80,7 @@ struct PolicyFieldInfo {
   PolicyRange range;
   std::vector<std::string> names;  // enums: every name, in number order; empty otherwise
   std::string default_text;        // Text() of a default-constructed policy
+  std::string absent_text;         // Text() of AbsentFieldPolicy(): what an absent record means
 
   // The field of `p` as text: enums by name, booleans true/false, numbers in their shortest
   // form that reads back to the same value.
