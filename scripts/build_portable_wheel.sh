@@ -250,9 +250,10 @@ if [ -n "$DAEMON_BUILD" ]; then
   "$PY" -m venv "$TEST/venv"
   env -u PYTHONPATH "$TEST/venv/bin/python" -m pip install -q "$WHEEL" pytest
   # On UCX's defaults: the wheel's UCX (1.22) and a kvcompd on another release (Debian 12's
-  # 1.13) settle what the pair needs themselves (docs/protocol.md, "UCX releases").
+  # 1.13, which takes such clients with data_plane.ucx_interop auto) settle what the pair needs
+  # themselves (docs/protocol.md, "UCX releases").
   (cd "$TEST" && env -u PYTHONPATH -u UCX_CM_USE_ALL_DEVICES -u UCX_PROTO_ENABLE \
-    KVCOMP_PACKAGING_VENV="$TEST/venv" \
+    KVCOMP_DATA_PLANE_UCX_INTEROP=auto KVCOMP_PACKAGING_VENV="$TEST/venv" \
     KVCOMP_BUILD_DIR="$DAEMON_BUILD" KVCOMP_PACKAGING_WHEEL="$WHEEL" \
     KVCOMP_PACKAGING_STATIC_DEPS=1 KVCOMP_REPO="$ROOT" \
     "$TEST/venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$TEST" \

@@ -315,6 +315,14 @@ std::vector<ConfigField> BuildFields() {
       "data_plane.ucx_net_devices",
       "UCX network devices (UCX_NET_DEVICES syntax). Empty = UCX's choice. Default empty.",
       [](Options & o) -> auto& { return o.data_plane.ucx_net_devices; }));
+  f.push_back(EnumField(
+      "data_plane.ucx_interop", {"defaults", "auto"},
+      "On a UCX release before 1.14: auto makes connections on one device "
+      "(UCX_CM_USE_ALL_DEVICES=n) so that clients on UCX 1.14 or later connect, but clients of "
+      "earlier kvcomp releases on UCX before 1.14 do not; defaults keeps UCX's defaults, the reverse. "
+      "Clients of this release on UCX before 1.14 connect either way. No effect on UCX 1.14 or "
+      "later. Default defaults.",
+      [](Options & o) -> auto& { return o.data_plane.ucx_interop; }));
   f.push_back(BoolField(
       "data_plane.shared_memory",
       "Offer same-host shared memory: clients on this host move put and get payloads through "

@@ -508,6 +508,7 @@ class UcxDataPlane : public DataPlane {
     so.server_name = absl::StrCat("kvcompd ", Version());
     if (!d.ucx_tls.empty()) so.ucx.overrides["TLS"] = d.ucx_tls;
     if (!d.ucx_net_devices.empty()) so.ucx.overrides["NET_DEVICES"] = d.ucx_net_devices;
+    so.ucx_interop = d.ucx_interop == "auto";
     SetUpDeviceMemory(options, so.ucx);
     KVCOMP_ASSIGN_OR_RETURN(server_, transport::UcxServer::Start(so, &handler_));
     return absl::OkStatus();

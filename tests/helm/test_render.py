@@ -212,6 +212,7 @@ def test_daemon_config_is_the_one_mapping(case):
     ucx = values.get("ucx", {})
     assert cfg["data_plane"]["ucx_tls"] == ucx.get("tls", "")
     assert cfg["data_plane"]["ucx_net_devices"] == ucx.get("netDevices", "")
+    assert cfg["data_plane"]["ucx_interop"] == ucx.get("interop", "defaults")
     w = workload(values, docs)
     if w is None:
         return

@@ -1,11 +1,14 @@
 // A client and kvcompd on different UCX releases work together with no UCX_ variable set: the
-// daemon says its release in hello-ok, and the client applies what that pair of releases needs
-// (kvcomp/transport/ucx.h, UcxInteropSettings; docs/protocol.md, "UCX releases").
+// daemon (data_plane.ucx_interop auto) says its release in hello-ok, and the client applies what
+// that pair of releases needs (kvcomp/transport/ucx.h, UcxInteropSettings; docs/protocol.md, "UCX
+// releases"). Clients and daemons of this and of earlier kvcomp releases on one UCX release
+// before 1.14 work together whichever side was upgraded first.
 //
 // make test builds this test against UCX 1.22 (NVIDIA's libucx-cu13 wheel, scripts/run_tests.sh)
-// and runs it against the main build's kvcompd on the system's UCX (Debian 12: 1.13.1), with
-// KVCOMP_EXPECT_DAEMON_UCX=1.13 so that it fails if the two were not on those releases. The main
-// build's ctest runs it against its own kvcompd (one release on both sides).
+// and runs its first test against the main build's kvcompd on the system's UCX (Debian 12:
+// 1.13.1), with KVCOMP_EXPECT_DAEMON_UCX=1.13 so that it fails if the two were not on those
+// releases. The main build's ctest runs all of them against its own kvcompd (one release on both
+// sides).
 //
 // KVCOMP_KVCOMPD: the kvcompd to start. Every UCX_ variable is removed from the environment
 // first (the client's and so the daemon's): the pair must work on the defaults.
@@ -13,11 +16,14 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "block_put.h"
 #include "gtest/gtest.h"
 #include "kvcomp/transport/client.h"
@@ -48,11 +54,16 @@ class UcxInteropTest : public ::testing::Test {
   void SetUp() override {
     const char* daemon = std::getenv("KVCOMP_KVCOMPD");
     ASSERT_NE(daemon, nullptr) << "set KVCOMP_KVCOMPD to the kvcompd to test against";
+    binary_ = daemon;
     RemoveUcxVariables();
     char tmpl[] = "/tmp/kvcomp-ucx-interop.XXXXXX";
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
-    daemon_ = std::make_unique<KvcompdProcess>(daemon, dir_ + "/data");
+  }
+  // Starts kvcompd with `flags`; `env` ("UCX_...=value") for the daemon only.
+  void StartDaemon(std::vector<std::string> flags, std::vector<std::string> env = {}) {
+    daemon_ = std::make_unique<KvcompdProcess>(binary_, dir_ + "/data", std::move(flags));
+    for (std::string& e : env) daemon_->SetEnv(std::move(e));
     ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
   }
   void TearDown() override {
@@ -60,10 +71,13 @@ class UcxInteropTest : public ::testing::Test {
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
   }
 
-  // A client on UCX's defaults; `shared_memory` false keeps every payload on UCX.
-  std::unique_ptr<transport::UcxClient> Connect(bool shared_memory) {
+  // A client on UCX's defaults (plus `overrides`); `shared_memory` false keeps every payload on
+  // UCX.
+  std::unique_ptr<transport::UcxClient> Connect(
+      bool shared_memory, std::map<std::string, std::string> overrides = {}) {
     transport::ClientOptions o;
     o.shared_memory = shared_memory;
+    o.ucx.overrides = std::move(overrides);
     auto c = transport::UcxClient::Connect(
         *transport::Endpoint::Parse(daemon_->data_endpoint()), "", "", o);
     EXPECT_TRUE(c.ok()) << c.status() << "\n" << daemon_->Log();
@@ -80,11 +94,30 @@ class UcxInteropTest : public ::testing::Test {
     return b;
   }
 
+  // Put over UCX, then lookups and the stored cache back over UCX: each must pass.
+  void PutGetLookup(transport::UcxClient& c, const std::string& key) {
+    absl::StatusOr<wire::CacheSummary> put = PutRandomF16(c, Begin(key), 11);
+    ASSERT_TRUE(put.ok()) << put.status() << "\n" << daemon_->Log();
+    absl::StatusOr<wire::CacheSummary> look = c.Lookup("m", key);
+    ASSERT_TRUE(look.ok()) << look.status();
+    EXPECT_EQ(look->stored_bytes, put->stored_bytes);
+    EXPECT_TRUE(absl::IsNotFound(c.Lookup("m", "absent").status()));
+    absl::StatusOr<transport::FetchedCache> got = c.Get("m", key);
+    ASSERT_TRUE(got.ok()) << got.status() << "\n" << daemon_->Log();
+    EXPECT_EQ(got->bytes.size(), put->stored_bytes);
+  }
+
+  std::string binary_;
   std::string dir_;
   std::unique_ptr<KvcompdProcess> daemon_;
 };
 
+bool Before114(transport::UcxVersion v) { return v.major == 1 && v.minor < 14; }
+
+// kvcompd with data_plane.ucx_interop auto: a client on any UCX release connects (one on the
+// daemon's release before 1.14 after the daemon's hello timeout, 1 s here: the test below).
 TEST_F(UcxInteropTest, PutGetAndLookupPassOnTheDefaults) {
+  StartDaemon({"--data_plane.ucx_interop=auto", "--data_plane.hello_timeout_seconds=1"});
   const transport::UcxVersion local = transport::LocalUcxVersion();
   std::unique_ptr<transport::UcxClient> ucx = Connect(/*shared_memory=*/false);
   ASSERT_NE(ucx, nullptr);
@@ -143,6 +176,84 @@ TEST_F(UcxInteropTest, PutGetAndLookupPassOnTheDefaults) {
   absl::StatusOr<transport::FetchedCache> c = third->Get("m", "a");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->bytes.view(), got->bytes.view());
+}
+
+// The tests below need a client on the daemon's UCX release before 1.14 (the main build's
+// ctest); scripts/run_tests.sh runs only the test above with the client on UCX 1.22.
+
+// kvcompd on its default (ucx_interop defaults, UCX's defaults): a client of an earlier kvcomp release
+// on the same UCX (UCX's default CM_USE_ALL_DEVICES=y, forced here) connects and works, and so
+// does a client of this release, on its first connection request.
+TEST_F(UcxInteropTest, EarlierReleaseClientsConnectToTheDefault) {
+  const transport::UcxVersion local = transport::LocalUcxVersion();
+  if (!Before114(local)) GTEST_SKIP() << "needs a client on UCX before 1.14";
+  StartDaemon({});
+  EXPECT_TRUE(absl::StrContains(daemon_->Log(), "ucx_interop defaults")) << daemon_->Log();
+  std::unique_ptr<transport::UcxClient> earlier =
+      Connect(/*shared_memory=*/false, {{"CM_USE_ALL_DEVICES", "y"}});
+  ASSERT_NE(earlier, nullptr);
+  PutGetLookup(*earlier, "earlier");
+  const transport::UcxClientStats before = transport::GetUcxClientStats();
+  std::unique_ptr<transport::UcxClient> now = Connect(/*shared_memory=*/false);
+  ASSERT_NE(now, nullptr);
+  EXPECT_EQ(transport::GetUcxClientStats().endpoints_created, before.endpoints_created + 1);
+  absl::StatusOr<transport::FetchedCache> got = now->Get("m", "earlier");
+  ASSERT_TRUE(got.ok()) << got.status();
+  PutGetLookup(*now, "now");
+}
+
+// An earlier kvcompd on the same UCX (UCX's defaults, simulated by UCX_CM_USE_ALL_DEVICES=y in
+// its environment, over ucx_interop auto): a client of this release connects on its first
+// request and works.
+TEST_F(UcxInteropTest, ClientConnectsToAnEarlierDaemon) {
+  const transport::UcxVersion local = transport::LocalUcxVersion();
+  if (!Before114(local)) GTEST_SKIP() << "needs a client on UCX before 1.14";
+  StartDaemon({"--data_plane.ucx_interop=auto"}, {"UCX_CM_USE_ALL_DEVICES=y"});
+  EXPECT_TRUE(absl::StrContains(daemon_->Log(), "UCX_CM_USE_ALL_DEVICES=y as set"))
+      << daemon_->Log();
+  const transport::UcxClientStats before = transport::GetUcxClientStats();
+  std::unique_ptr<transport::UcxClient> c = Connect(/*shared_memory=*/true);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(transport::GetUcxClientStats().endpoints_created, before.endpoints_created + 1);
+  PutGetLookup(*c, "a");
+}
+
+// kvcompd with ucx_interop auto (UCX_CM_USE_ALL_DEVICES=n) on the client's release: the client's
+// first request (UCX's defaults) is never answered and the daemon closes it at its hello
+// timeout; the client connects again with CM_USE_ALL_DEVICES=n and works, and a reconnect to
+// the same endpoint uses that at once. A client that insists on UCX's default (an earlier
+// kvcomp release) is shut out, with an error.
+TEST_F(UcxInteropTest, ClientFallsBackToOneDeviceAgainstAnInteropDaemon) {
+  const transport::UcxVersion local = transport::LocalUcxVersion();
+  if (!Before114(local)) GTEST_SKIP() << "needs a client on UCX before 1.14";
+  StartDaemon({"--data_plane.ucx_interop=auto", "--data_plane.hello_timeout_seconds=0.5"});
+  EXPECT_TRUE(absl::StrContains(daemon_->Log(), "ucx_interop auto: UCX_CM_USE_ALL_DEVICES=n"))
+      << daemon_->Log();
+  transport::UcxClientStats before = transport::GetUcxClientStats();
+  absl::Time start = absl::Now();
+  std::unique_ptr<transport::UcxClient> c = Connect(/*shared_memory=*/false);
+  ASSERT_NE(c, nullptr);
+  std::printf("connected through the fallback in %.2f s (daemon hello timeout 0.5 s)\n",
+              absl::ToDoubleSeconds(absl::Now() - start));
+  EXPECT_EQ(transport::GetUcxClientStats().endpoints_created, before.endpoints_created + 2);
+  PutGetLookup(*c, "a");
+
+  before = transport::GetUcxClientStats();
+  start = absl::Now();
+  std::unique_ptr<transport::UcxClient> again = Connect(/*shared_memory=*/true);
+  ASSERT_NE(again, nullptr);
+  std::printf("reconnected in %.3f s\n", absl::ToDoubleSeconds(absl::Now() - start));
+  EXPECT_EQ(transport::GetUcxClientStats().endpoints_created, before.endpoints_created + 1);
+  PutGetLookup(*again, "b");
+
+  transport::ClientOptions o;
+  o.ucx.overrides["CM_USE_ALL_DEVICES"] = "y";
+  auto earlier = transport::UcxClient::Connect(
+      *transport::Endpoint::Parse(daemon_->data_endpoint()), "", "", o);
+  ASSERT_FALSE(earlier.ok());
+  EXPECT_TRUE(absl::IsUnavailable(earlier.status()) ||
+              absl::IsDeadlineExceeded(earlier.status()))
+      << earlier.status();
 }
 
 }  // namespace

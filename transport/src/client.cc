@@ -182,6 +182,12 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   // The connection failed because the server's UCX refused the connection request itself
   // (UCS_ERR_REJECTED), before any hello.
   bool RejectedByPeer() const { return ep_failure_.load() == UCS_ERR_REJECTED; }
+  // The connection failed before UCX delivered the hello: its send failed, or the endpoint
+  // failed while the send was still waiting for UCX to wire the endpoint up (a server on UCX
+  // before 1.14 whose CM_USE_ALL_DEVICES differs from this side's closes such a connection at
+  // its hello timeout). Not a refused request (RejectedByPeer).
+  // A connect that ran out of connect_timeout on its own is not counted.
+  bool NeverWiredUp() const { return never_wired_.load(); }
   absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
                                              absl::string_view payload) override;
   void Close() override;
@@ -241,6 +247,9 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   wire::HelloOk hello_ok_;
   std::atomic<bool> connected_{false};
   std::atomic<int> ep_failure_{UCS_OK};  // the status UCX failed the endpoint with
+  std::atomic<uint64_t> hello_id_{0};     // the hello's request id, once sent
+  std::atomic<int> hello_send_{UCS_INPROGRESS};  // how UCX completed the hello's send
+  std::atomic<bool> never_wired_{false};           // NeverWiredUp()
   std::atomic<uint64_t> next_put_id_{1};
   absl::Mutex close_mu_;
   bool registered_ ABSL_GUARDED_BY(close_mu_) = false;  // the endpoint was made
@@ -314,6 +323,7 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
   hello.token = std::string(token);
   hello.client_name = options_.client_name;
   const uint64_t rid = NextRequestId();
+  hello_id_.store(rid);
   absl::StatusOr<Reply> r = Call(rid, wire::Encode(rid, hello), options_.connect_timeout);
   if (!r.ok()) {
     absl::Status st = Annotate(r.status(), absl::StrCat("connect ", endpoint.ToString()));
@@ -518,6 +528,12 @@ void ClientImpl::OnSendDone(void* request, ucs_status_t status, void* user_data)
 }
 
 void ClientImpl::SendCompleted(uint64_t request_id, ucs_status_t status) {
+  if (request_id == hello_id_.load()) {
+    hello_send_.store(status);
+    if (status != UCS_OK && status != UCS_ERR_CANCELED && status != UCS_ERR_REJECTED) {
+      never_wired_.store(true);
+    }
+  }
   auto it = pending_.find(request_id);
   if (it == pending_.end()) return;
   it->second->sending = false;
@@ -606,6 +622,9 @@ void ClientImpl::Tick() {
 void ClientImpl::EndpointFailed(ucs_status_t status) {
   connected_.store(false);
   ep_failure_.store(status);
+  if (status != UCS_ERR_REJECTED && hello_id_.load() != 0 && hello_send_.load() != UCS_OK) {
+    never_wired_.store(true);
+  }
   if (broken_.ok()) {
     broken_ = absl::UnavailableError(
         absl::StrCat("connection lost: UCX: ", ucs_status_string(status)));
@@ -1361,21 +1380,30 @@ ClientOptions With(const ClientOptions& options, const UcxSettings& settings) {
   return o;
 }
 
+// How a connection attempt failed, where it tells something about the server's UCX settings.
+struct ConnectFailure {
+  bool rejected = false;  // the server's UCX refused the connection request (RejectedByPeer)
+  bool unwired = false;   // the connection failed before the hello got through (NeverWiredUp)
+};
+
 absl::StatusOr<std::shared_ptr<ClientImpl>> ConnectOnce(const Endpoint& endpoint,
                                                         absl::string_view tenant,
                                                         absl::string_view token,
                                                         const ClientOptions& options,
-                                                        bool* rejected) {
-  *rejected = false;
+                                                        ConnectFailure* failure) {
+  *failure = ConnectFailure{};
   KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<ClientWorker> worker, ClientWorker::Get(options));
   auto client = std::make_shared<ClientImpl>(options, std::move(worker));
   if (absl::Status s = client->Connect(endpoint, tenant, token); !s.ok()) {
     client->Close();
-    *rejected = client->RejectedByPeer();
+    failure->rejected = client->RejectedByPeer();
+    failure->unwired = client->NeverWiredUp();
     return s;
   }
   return client;
 }
+
+bool Before114(UcxVersion v) { return v.known() && v.major == 1 && v.minor < 14; }
 
 }  // namespace
 
@@ -1383,11 +1411,16 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& en
                                                               absl::string_view tenant,
                                                               absl::string_view token,
                                                               const ClientOptions& options) {
-  // The two ends' UCX releases may need settings on this side (docs/protocol.md, "UCX
-  // releases"). A server on a release before 1.14 refuses the first connection request of a
-  // client on 1.14 or later (UCS_ERR_REJECTED, before any hello, within milliseconds): the
-  // client then connects as that pair needs. Hello-ok says the server's release; what connected
-  // is kept for the endpoint.
+  // The two ends' UCX releases and the server's settings may need settings on this side
+  // (docs/protocol.md, "UCX releases"). Every first try is on UCX's defaults; then:
+  // - on 1.14 or later: a server before 1.14 refuses the request (UCS_ERR_REJECTED, before any
+  //   hello, within milliseconds); the client connects again with CM_USE_ALL_DEVICES=n and
+  //   PROTO_ENABLE=n, which a server before 1.14 with ucx_interop auto (n) answers;
+  // - before 1.14: a server on the same release with ucx_interop auto (n) never answers the
+  //   hello and closes the connection at its hello timeout; the client connects again with
+  //   CM_USE_ALL_DEVICES=n. Never the other way round (n first): UCX 1.13 aborts the process
+  //   when its n endpoint meets a server on its default (y).
+  // Hello-ok says the server's release; what connected is kept for the endpoint.
   const std::string where = endpoint.ToString();
   const UcxVersion local = LocalUcxVersion();
   UcxSettings settings = UcxInteropSettings(local, UcxVersion{});
@@ -1398,23 +1431,40 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& en
     if (it != k.settings.end()) settings = it->second;
   }
   ClientOptions o = With(options, settings);
-  bool rejected = false;
+  ConnectFailure failure;
   absl::StatusOr<std::shared_ptr<ClientImpl>> c =
-      ConnectOnce(endpoint, tenant, token, o, &rejected);
-  if (!c.ok() && rejected) {
+      ConnectOnce(endpoint, tenant, token, o, &failure);
+  if (!c.ok() && failure.rejected && !Before114(local)) {
     const UcxSettings older = UcxInteropSettings(local, UcxVersion{1, 13, 0});
     if (With(options, older).ucx.overrides != o.ucx.overrides) {
       settings = older;
       o = With(options, settings);
-      c = ConnectOnce(endpoint, tenant, token, o, &rejected);
-    } else if (local.known() && local.major == 1 && local.minor < 14) {
+      c = ConnectOnce(endpoint, tenant, token, o, &failure);
+    }
+    if (!c.ok() && !absl::IsUnauthenticated(c.status()) &&
+        !absl::IsPermissionDenied(c.status())) {
       return absl::Status(
           c.status().code(),
           absl::StrCat(c.status().message(), " (the daemon's UCX refused the connection ",
                        "request itself: the daemon is draining or at its connection limit, or ",
-                       "it runs UCX 1.14 or later, which does not accept clients on UCX ",
-                       local.ToString(), "; docs/protocol.md, \"UCX releases\")"));
+                       "it runs UCX before 1.14, which takes clients on UCX ", local.ToString(),
+                       " only with data_plane.ucx_interop auto; docs/protocol.md, \"UCX ",
+                       "releases\")"));
     }
+  } else if (!c.ok() && failure.unwired && Before114(local)) {
+    const UcxSettings one_device = UcxOneDeviceSettings(local);
+    if (With(options, one_device).ucx.overrides != o.ucx.overrides) {
+      settings = one_device;
+      o = With(options, settings);
+      c = ConnectOnce(endpoint, tenant, token, o, &failure);
+    }
+  } else if (!c.ok() && failure.rejected && Before114(local)) {
+    return absl::Status(
+        c.status().code(),
+        absl::StrCat(c.status().message(), " (the daemon's UCX refused the connection ",
+                     "request itself: the daemon is draining or at its connection limit, or ",
+                     "it runs UCX 1.14 or later, which does not accept clients on UCX ",
+                     local.ToString(), "; docs/protocol.md, \"UCX releases\")"));
   }
   if (!c.ok()) return c.status();
   std::shared_ptr<ClientImpl> client = *std::move(c);
@@ -1430,7 +1480,7 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& en
     client->Close();
     settings = needed;
     o = With(options, settings);
-    KVCOMP_ASSIGN_OR_RETURN(client, ConnectOnce(endpoint, tenant, token, o, &rejected));
+    KVCOMP_ASSIGN_OR_RETURN(client, ConnectOnce(endpoint, tenant, token, o, &failure));
   }
   {
     KnownServers& k = Known();

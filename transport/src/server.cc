@@ -242,16 +242,30 @@ absl::Status ServerImpl::Init() {
   // is ignored as "invalid configuration"); one already there wins.
   if (options_.reuse_address) setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
   CurrentFdUsage();  // opens what counting descriptors needs while there are some
-  // What this UCX release needs so that clients on other releases can connect (ucx.h,
-  // UcxInteropSettings); a UCX_ variable or data-plane setting of the user's stands.
+  // How connections are made on a UCX release before 1.14 (ucx.h, UcxOneDeviceSettings): said
+  // at start either way; a UCX_ variable or data-plane setting of the user's stands.
   UcxConfig ucx = options_.ucx;
   const UcxVersion release = LocalUcxVersion();
-  for (const auto& [name, value] :
-       UnlessUserSet(UcxInteropSettings(release, UcxVersion{}), options_.ucx)) {
-    ucx.overrides[name] = value;
-    Report(absl::StrCat("data plane: UCX ", release.ToString(), ": UCX_", name, "=", value,
-                        " (clients on other UCX releases connect: docs/protocol.md, \"UCX "
-                        "releases\")"));
+  if (!UcxOneDeviceSettings(release).empty()) {
+    const char* env = std::getenv("UCX_CM_USE_ALL_DEVICES");
+    auto user = options_.ucx.overrides.find("CM_USE_ALL_DEVICES");
+    std::string line;
+    if (env != nullptr || user != options_.ucx.overrides.end()) {
+      line = absl::StrCat("UCX_CM_USE_ALL_DEVICES=",
+                          user != options_.ucx.overrides.end() ? user->second : env,
+                          " as set (ucx_interop does not apply)");
+    } else if (options_.ucx_interop) {
+      for (const auto& [name, value] : UcxOneDeviceSettings(release)) {
+        ucx.overrides[name] = value;
+      }
+      line = "ucx_interop auto: UCX_CM_USE_ALL_DEVICES=n (clients on UCX 1.14 or later connect; "
+             "clients of earlier kvcomp releases on UCX before 1.14 do not)";
+    } else {
+      line = "ucx_interop defaults: UCX's defaults (clients of earlier kvcomp releases on UCX before "
+             "1.14 connect; clients on UCX 1.14 or later do not)";
+    }
+    Report(absl::StrCat("data plane: UCX ", release.ToString(), ": ", line,
+                        "; docs/protocol.md, \"UCX releases\""));
   }
   KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(ucx, options_.poll_spin));
 
@@ -464,8 +478,12 @@ void ServerImpl::AcceptConnection(ucp_conn_request_h request) {
       Report(absl::StrCat("data plane: a connection request from ", conn->session.peer,
                           " failed: ", UcsStatusToStatus(s, "ucp_ep_create").message(),
                           " (a client on an incompatible UCX release? UCX ",
-                          LocalUcxVersion().ToString(), " here; docs/protocol.md, \"UCX "
-                          "releases\")"));
+                          LocalUcxVersion().ToString(), " here",
+                          options_.ucx_interop || UcxOneDeviceSettings(LocalUcxVersion()).empty()
+                              ? ""
+                              : ", where clients on UCX 1.14 or later connect only with "
+                                "ucx_interop auto",
+                          "; docs/protocol.md, \"UCX releases\")"));
     }
     return;
   }

@@ -115,16 +115,21 @@ bool Before114(UcxVersion v) { return v.major == 1 && v.minor < 14; }
 std::map<std::string, std::string> UcxInteropSettings(UcxVersion local, UcxVersion peer) {
   std::map<std::string, std::string> s;
   if (!local.known()) return s;
-  // A process on a release before 1.14 connects on the device of the connection only (no
-  // resource indices then, in either direction), so that peers on 1.14 and later can reach it;
-  // every kvcomp process on such a release does, so they agree with each other.
-  if (Before114(local)) s["CM_USE_ALL_DEVICES"] = "n";
-  // A 1.14+ process facing one before 1.14: the same, and UCX's older protocol selection (the
-  // newer one's rendezvous cannot use the older peer's memory keys: "Unsupported operation").
+  // A 1.14+ process facing one before 1.14: connections on one device (no resource indices in
+  // either direction), and UCX's older protocol selection (the newer one's rendezvous cannot use
+  // the older peer's memory keys: "Unsupported operation").
   if (!Before114(local) && peer.known() && Before114(peer)) {
     s["CM_USE_ALL_DEVICES"] = "n";
     s["PROTO_ENABLE"] = "n";
   }
+  return s;
+}
+
+std::map<std::string, std::string> UcxOneDeviceSettings(UcxVersion local) {
+  std::map<std::string, std::string> s;
+  // Both ends of a connection must agree on it: a 1.13 process on UCX's default (y) and one
+  // with n do not connect (docs/protocol.md, "UCX releases").
+  if (local.known() && Before114(local)) s["CM_USE_ALL_DEVICES"] = "n";
   return s;
 }
 

@@ -205,7 +205,8 @@ as plain byte counts.
       "put_timeout_seconds" $v.dataPlane.putTimeoutSeconds
       "max_open_puts" (int $v.dataPlane.maxOpenPuts)
       "ucx_tls" $v.ucx.tls
-      "ucx_net_devices" $v.ucx.netDevices -}}
+      "ucx_net_devices" $v.ucx.netDevices
+      "ucx_interop" ($v.ucx.interop | default "defaults") -}}
 {{- $controlPlane := dict
       "address" "0.0.0.0"
       "port" (int $v.ports.thrift)

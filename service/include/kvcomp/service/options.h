@@ -56,6 +56,12 @@ struct DataPlaneOptions {
   std::string ucx_tls;
   // UCX network devices (UCX_NET_DEVICES syntax, e.g. "mlx5_0:1"). Empty = UCX's choice. ""
   std::string ucx_net_devices;
+  // On a UCX release before 1.14: "auto" makes UCX connections on the device they are made on
+  // only (UCX_CM_USE_ALL_DEVICES=n), so that clients on UCX 1.14 or later connect, and clients of
+  // earlier kvcomp releases on UCX before 1.14 do not; "defaults" keeps UCX's defaults, the reverse.
+  // Clients of this release on UCX before 1.14 connect either way. No effect on UCX 1.14 or
+  // later. docs/protocol.md, "UCX releases". "defaults"
+  std::string ucx_interop = "defaults";
   // Same-host shared memory (docs/protocol.md, "Shared memory"): clients on this host move
   // put and get payloads through memory regions they map and pass over an abstract Unix
   // socket, instead of UCX. true

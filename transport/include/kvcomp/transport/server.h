@@ -116,6 +116,13 @@ struct ServerOptions {
   std::function<void(const std::string&)> report;
   // Server name sent in HelloOk. Default "kvcompd".
   std::string server_name = "kvcompd";
+  // On a UCX release before 1.14: make connections on the device they are made on only
+  // (UcxOneDeviceSettings, UCX_CM_USE_ALL_DEVICES=n), so that clients on UCX 1.14 or later can
+  // connect; clients on the same release connect either way (this release's fall back to it),
+  // those of earlier kvcomp releases on it only when false (UCX's defaults). No effect on 1.14
+  // or later, nor over a UCX_CM_USE_ALL_DEVICES variable or `ucx` override. docs/protocol.md,
+  // "UCX releases". Default false.
+  bool ucx_interop = false;
   UcxConfig ucx;
 };
 

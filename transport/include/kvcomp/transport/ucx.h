@@ -45,12 +45,18 @@ struct UcxVersion {
 UcxVersion LocalUcxVersion();
 
 // Settings (names without the UCX_ prefix, as UcxConfig::overrides) that a UCX context on
-// release `local` needs to work with a peer on release `peer` (unknown: a server's own context,
-// or a client's first try): on a release before 1.14, CM_USE_ALL_DEVICES=n always (kvcompd and
-// clients alike, so they agree and 1.14+ clients can connect); on 1.14 or later facing a peer
-// before 1.14, CM_USE_ALL_DEVICES=n and PROTO_ENABLE=n; nothing otherwise. Why: docs/protocol.md,
-// "UCX releases".
+// release `local` needs to work with a peer on release `peer` (unknown: a client's first try):
+// on 1.14 or later facing a peer before 1.14, CM_USE_ALL_DEVICES=n and PROTO_ENABLE=n; nothing
+// otherwise (a release before 1.14 keeps UCX's defaults: UcxOneDeviceSettings is what its
+// kvcompd may choose instead, and its clients then fall back to). Why: docs/protocol.md, "UCX
+// releases".
 std::map<std::string, std::string> UcxInteropSettings(UcxVersion local, UcxVersion peer);
+// On a release before 1.14, CM_USE_ALL_DEVICES=n (connections on the device they are made on
+// only), the setting under which clients on 1.14 or later can connect to it; nothing on 1.14 or
+// later. kvcompd applies it with data_plane.ucx_interop auto (ServerOptions::ucx_interop); a
+// client before 1.14 connects with it when its first request, on UCX's defaults, is never
+// answered by such a daemon.
+std::map<std::string, std::string> UcxOneDeviceSettings(UcxVersion local);
 // `settings` without those the user chose: named in `config.overrides`, or set in the
 // environment as UCX_<name> (either way the user's value stands).
 std::map<std::string, std::string> UnlessUserSet(std::map<std::string, std::string> settings,
