@@ -315,6 +315,35 @@ TEST_F(ShmLinkDaemonTest, AGetLargerThanTheRoomComesAsAPayloadInTheSameRequest) 
   }
 }
 
+TEST_F(ShmLinkDaemonTest, AGetGivenUpOnLeavesNothingTheDaemonCouldStillWriteInto) {
+  auto d = StartDaemon();
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "direct" : "regions");
+    auto c = ConnectWith(*d, true, "", "", uint64_t{1} << 30, direct);
+    ASSERT_NE(c, nullptr);
+    const std::string k = direct ? "late-direct" : "late-regions";
+    ASSERT_TRUE(Put(*c, k, layout_.num_layers, 5).ok());
+    absl::StatusOr<transport::FetchedCache> want = c->Get("m", k);  // decides the mode
+    ASSERT_TRUE(want.ok()) << want.status();
+    // A stopped daemon: the get ends at its deadline, whatever the daemon does later.
+    d->Signal(SIGSTOP);
+    const absl::Time t0 = absl::Now();
+    absl::StatusOr<transport::FetchedCache> late =
+        c->Get("m", k, wire::Representation::kStored, absl::Now() + absl::Milliseconds(300));
+    EXPECT_TRUE(absl::IsDeadlineExceeded(late.status())) << late.status();
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
+    d->Signal(SIGCONT);
+    // The daemon then answers the abandoned get into what the client left reserved (direct:
+    // an inaccessible range; regions: a region no longer used); later gets are whole.
+    for (int i = 0; i < 3; ++i) {
+      absl::StatusOr<transport::FetchedCache> g = c->Get("m", k);
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_EQ(g->bytes.view(), want->bytes.view());
+    }
+    EXPECT_EQ(c->SharedMemory()->direct(), direct);
+  }
+}
+
 TEST_F(ShmLinkDaemonTest, TheDaemonMapsOnlySealedAllocatedMemfdsOfAKnownConnection) {
   auto d = StartDaemon();
   auto c = ConnectWith(*d, true);
