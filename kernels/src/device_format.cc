@@ -99,23 +99,34 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const Compre
   auto end_of = [&](size_t i) {
     return i + 1 < n ? plan.sections[i + 1].offset : plan.total_bytes;
   };
-  // Device sections into place, their padding zeroed, their CRCs on the device.
+  // Device sections into place, their padding zeroed, their CRCs on the device. A section whose
+  // place is aligned as its source (the same address modulo 16, as the allocator's buffers and
+  // the plan's offsets make it) is written by the CRC kernel as it reads it (one pass); any other
+  // is copied first and its copy read for the CRC.
   std::vector<DeviceCrcRange> ranges;
   std::vector<size_t> ranged;  // plan index of each range
   for (size_t i = 0; i < n; ++i) {
     if (source[i] == nullptr) continue;
     const format::SectionSpan& s = plan.sections[i];
-    if (s.size > 0) {
-      KVCOMP_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(dev + s.offset, source[i]->data, s.size,
+    uint8_t* place = dev + s.offset;
+    const bool fused = s.size > 0 && ((reinterpret_cast<uintptr_t>(place) -
+                                       reinterpret_cast<uintptr_t>(source[i]->data)) & 15) == 0;
+    if (s.size > 0 && !fused) {
+      KVCOMP_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(place, source[i]->data, s.size,
                                                   cudaMemcpyDeviceToDevice, stream),
                                   "section copy"));
     }
     const uint64_t pad = end_of(i) - (s.offset + s.size);
     if (pad > 0) {
       KVCOMP_RETURN_IF_ERROR(
-          Cuda(cudaMemsetAsync(dev + s.offset + s.size, 0, pad, stream), "padding"));
+          Cuda(cudaMemsetAsync(place + s.size, 0, pad, stream), "padding"));
     }
-    ranges.push_back({dev + s.offset, s.size, words.as<uint32_t>() + ranges.size()});
+    uint32_t* word = words.as<uint32_t>() + ranges.size();
+    if (fused) {
+      ranges.push_back({source[i]->data, s.size, word, place});
+    } else {
+      ranges.push_back({place, s.size, word});
+    }
     ranged.push_back(i);
   }
   KVCOMP_RETURN_IF_ERROR(DeviceCrc32c(ranges, stream));

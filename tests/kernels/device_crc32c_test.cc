@@ -112,6 +112,40 @@ TEST_F(DeviceCrc32cTest, LargeRandomRangesMatchTheCpu) {
   }
 }
 
+// With copy_to the kernel writes each range's bytes to its destination as it reads them: the
+// same CRCs, the destinations equal to the sources, the bytes around them untouched; lengths
+// across chunk edges at several alignments, and a large range of several blocks.
+TEST_F(DeviceCrc32cTest, CopiesWhileItReads) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string data = RandomBytes(rng, (size_t{3} << 20) + 4096);
+  const uint8_t* src = Upload(data);
+  const std::string poison(data.size() + 64, '\x5a');
+  std::vector<size_t> lengths = {0, 1, 15, 16, 17, 511, 512, 513, 1536, 70000,
+                                 data.size() - 4096};
+  for (size_t off : {0, 3, 16, 29}) {
+    for (size_t len : lengths) {
+      uint8_t* dst = Upload(poison);
+      uint32_t* w = Words(1);
+      // The destination 32 bytes in, aligned as the source modulo 16.
+      uint8_t* to = dst + 32 + off;
+      ASSERT_TRUE(
+          DeviceCrc32c({{src + off, len, w, to}}, backend_->native_stream()).ok());
+      ASSERT_EQ(Read(w, 1)[0], Crc32c(data.data() + off, len)) << len << " at +" << off;
+      std::string back(poison.size(), '\0');
+      ASSERT_TRUE(backend_->CopyToHost(back.data(), dst, back.size()).ok());
+      std::string want = poison;
+      std::memcpy(&want[32 + off], data.data() + off, len);
+      ASSERT_TRUE(back == want) << len << " bytes at +" << off;
+      held_.clear();
+      src = Upload(data);
+    }
+  }
+  uint32_t* w = Words(1);
+  uint8_t* dst = Upload(poison);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      DeviceCrc32c({{src, 100, w, dst + 1}}, backend_->native_stream())));
+}
+
 TEST_F(DeviceCrc32cTest, KnownVectorAndBadArguments) {
   const uint8_t* dev = Upload("123456789");
   uint32_t* w = Words(1);

@@ -9,7 +9,9 @@
 // is shifted by the bytes after it inside its block (one multiplication per thread, by a constant
 // of its lane, then one per warp), the block's sum by the bytes after the block, and a chunk cut
 // by the end of the range is added by the last block unshifted. Every part lands with an atomic
-// XOR on the word an initial kernel set to the start value's contribution.
+// XOR on the word an initial kernel set to the start value's contribution. A range with a copy
+// destination has each byte written there by the thread that reads it (each byte is read by
+// exactly one thread).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -36,6 +38,7 @@ struct CrcLaunch {
   uint64_t end[kMaxRanges];
   uint64_t full_chunks[kMaxRanges];  // chunks ending at or before `end`, from begin's boundary
   uint32_t* out[kMaxRanges];
+  int64_t copy_delta[kMaxRanges];  // copy_to - data; 0: no copy
   uint32_t first_block[kMaxRanges + 1];
   uint32_t lane_shift[32];  // x^(8 * kChunk * (31 - lane))
   uint32_t warp_shift[kThreads / 32];
@@ -66,14 +69,29 @@ __device__ __forceinline__ uint32_t StepByte(const uint32_t (*t)[256], uint32_t 
   return t[0][(c ^ b) & 255] ^ (c >> 8);
 }
 
-// The register (started at 0) after the bytes [lo, hi).
-__device__ uint32_t RangeRegister(const uint32_t (*t)[256], uint64_t lo, uint64_t hi) {
+// The register (started at 0) after the bytes [lo, hi); with `delta` != 0 the bytes are also
+// written `delta` bytes on (a multiple of 16, so the 16-byte stores are aligned as the loads).
+__device__ uint32_t RangeRegister(const uint32_t (*t)[256], uint64_t lo, uint64_t hi,
+                                  int64_t delta) {
   uint32_t c = 0;
   const uint8_t* p = reinterpret_cast<const uint8_t*>(lo);
   const uint8_t* const e = reinterpret_cast<const uint8_t*>(hi);
-  while (p < e && (reinterpret_cast<uint64_t>(p) & 15) != 0) c = StepByte(t, c, *p++);
-  for (; p + 16 <= e; p += 16) c = Step16(t, c, __ldg(reinterpret_cast<const uint4*>(p)));
-  while (p < e) c = StepByte(t, c, *p++);
+  auto put_byte = [&](const uint8_t* at, uint8_t b) {
+    if (delta != 0) *reinterpret_cast<uint8_t*>(const_cast<uint8_t*>(at) + delta) = b;
+  };
+  while (p < e && (reinterpret_cast<uint64_t>(p) & 15) != 0) {
+    put_byte(p, *p);
+    c = StepByte(t, c, *p++);
+  }
+  for (; p + 16 <= e; p += 16) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(p));
+    if (delta != 0) *reinterpret_cast<uint4*>(const_cast<uint8_t*>(p) + delta) = w;
+    c = Step16(t, c, w);
+  }
+  while (p < e) {
+    put_byte(p, *p);
+    c = StepByte(t, c, *p++);
+  }
   return c;
 }
 
@@ -101,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) Crc32cChunks(const CrcLaunch p) {
   uint32_t reg = 0;
   if (k >= 0) {
     const uint64_t lo = base + static_cast<uint64_t>(k) * kChunk;
-    reg = RangeRegister(t, lo > p.begin[r] ? lo : p.begin[r], lo + kChunk);
+    reg = RangeRegister(t, lo > p.begin[r] ? lo : p.begin[r], lo + kChunk, p.copy_delta[r]);
   }
   const int lane = tid & 31, warp = tid >> 5;
   uint32_t v = reg != 0 ? MulMod(reg, p.lane_shift[lane]) : 0;
@@ -114,7 +132,8 @@ __global__ void __launch_bounds__(kThreads) Crc32cChunks(const CrcLaunch p) {
   const uint64_t block_end = base + (kg - (blocks - 1 - b) * kThreads) * kChunk;
   uint32_t part = g != 0 ? MulMod(g, XPow8(p.end[r] - block_end, p.x2n)) : 0;
   if (b == blocks - 1 && p.end[r] > block_end) {
-    part ^= RangeRegister(t, block_end > p.begin[r] ? block_end : p.begin[r], p.end[r]);
+    part ^= RangeRegister(t, block_end > p.begin[r] ? block_end : p.begin[r], p.end[r],
+                          p.copy_delta[r]);
   }
   if (part != 0) atomicXor(p.out[r], part);
 }
@@ -161,6 +180,10 @@ absl::Status LaunchBatch(absl::Span<const DeviceCrcRange> ranges, cudaStream_t s
     launch.end[i] = begin + r.size;
     launch.full_chunks[i] = full;
     launch.out[i] = r.crc;
+    launch.copy_delta[i] = r.copy_to == nullptr
+                               ? 0
+                               : static_cast<int64_t>(reinterpret_cast<uintptr_t>(r.copy_to) -
+                                                      reinterpret_cast<uintptr_t>(r.data));
     launch.first_block[i] = static_cast<uint32_t>(blocks);
     blocks += std::max<uint64_t>(1, (full + kThreads - 1) / kThreads);
     if (blocks > 0x7fffffffu) return absl::InvalidArgumentError("DeviceCrc32c: range too large");
@@ -184,6 +207,12 @@ absl::Status DeviceCrc32c(absl::Span<const DeviceCrcRange> ranges, void* stream)
     if (r.data == nullptr && r.size != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("DeviceCrc32c: null data for ", r.size, " bytes"));
+    }
+    if (r.copy_to != nullptr && r.size != 0 &&
+        ((reinterpret_cast<uintptr_t>(r.copy_to) - reinterpret_cast<uintptr_t>(r.data)) & 15) !=
+            0) {
+      return absl::InvalidArgumentError(
+          "DeviceCrc32c: copy_to is not aligned as its range (the same address modulo 16)");
     }
   }
   auto s = static_cast<cudaStream_t>(stream);

@@ -28,6 +28,10 @@ struct DeviceCrcRange {
   const void* data = nullptr;  // device memory; any alignment
   uint64_t size = 0;           // bytes; 0 gives CRC 0
   uint32_t* crc = nullptr;     // device memory, 4-byte aligned: receives Crc32c(data, size)
+  // Optional: device memory the range's bytes are also written to in the same pass, as a copy
+  // would (one read of the bytes for both). Its address must equal `data`'s modulo 16, and it
+  // must not overlap any range or crc word of the call.
+  void* copy_to = nullptr;
 };
 
 // Enqueues on `stream` (a cudaStream_t of the current device, nullptr = the legacy default
@@ -35,7 +39,8 @@ struct DeviceCrcRange {
 // then the CRC kernel adds each block's part with atomic XORs, so a word is final only when the
 // stream reaches the end of this call's work (read it after a synchronisation or in stream
 // order). `crc` words must not overlap any range nor each other. Returns once enqueued.
-// InvalidArgument for a null pointer with a non-zero size or a null or misaligned `crc`;
+// InvalidArgument for a null pointer with a non-zero size, a null or misaligned `crc` or a
+// `copy_to` not aligned as its range;
 // FailedPrecondition in a build without CUDA; Internal for a failed launch.
 absl::Status DeviceCrc32c(absl::Span<const DeviceCrcRange> ranges, void* stream);
 

@@ -3,9 +3,10 @@
 // already in device memory. Nothing of the sections crosses to the host:
 //   - the plan (every section's offset and size) comes from the host fields and counts
 //     (format::PlanEncoding, the layout the host encoder uses too);
-//   - the sections held in device memory are copied device to device into their offsets and the
-//     padding between them zeroed there; their CRC32C is computed on the device
-//     (kvcomp/kernels/device_crc32c.h);
+//   - the sections held in device memory are written into their offsets by the CRC32C kernel as
+//     it reads them (kvcomp/kernels/device_crc32c.h: one pass over each section; one whose place
+//     is not aligned as its source is copied first and the copy read) and the padding between
+//     them zeroed there;
 //   - the host-side parts (header, section table, the kept counts, the policy records and the
 //     per-layer ranks, all a few KB) are written on the host with the section CRCs read back
 //     (4 bytes a section) and uploaded; the CRC32C of the whole encoding is combined on the host
