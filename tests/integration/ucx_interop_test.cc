@@ -12,7 +12,11 @@
 //
 // KVCOMP_KVCOMPD: the kvcompd to start. Every UCX_ variable is removed from the environment
 // first (the client's and so the daemon's): the pair must work on the defaults.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "block_put.h"
@@ -113,6 +118,20 @@ class UcxInteropTest : public ::testing::Test {
 };
 
 bool Before114(transport::UcxVersion v) { return v.major == 1 && v.minor < 14; }
+
+// A loopback TCP port free now (the kernel's pick), for a daemon that must get the same ports
+// back when started again.
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
 
 // kvcompd with data_plane.ucx_interop auto: a client on any UCX release connects (one on the
 // daemon's release before 1.14 after the daemon's hello timeout, 1 s here: the test below).
@@ -254,6 +273,41 @@ TEST_F(UcxInteropTest, ClientFallsBackToOneDeviceAgainstAnInteropDaemon) {
   EXPECT_TRUE(absl::IsUnavailable(earlier.status()) ||
               absl::IsDeadlineExceeded(earlier.status()))
       << earlier.status();
+}
+
+// A client that fell back to CM_USE_ALL_DEVICES=n for a kvcompd with ucx_interop auto loses its
+// connection when that daemon exits, and forgets the setting: a kvcompd started on the same
+// ports with ucx_interop defaults (y) is met on UCX's defaults, on the first request. (Meeting a
+// daemon on y with n makes UCX 1.13 abort the client's process.)
+TEST_F(UcxInteropTest, ClientForgetsOneDeviceWhenItsConnectionIsLost) {
+  const transport::UcxVersion local = transport::LocalUcxVersion();
+  if (!Before114(local)) GTEST_SKIP() << "needs a client on UCX before 1.14";
+  const std::vector<std::string> ports = {absl::StrCat("--data_plane.port=", FreePort()),
+                                          absl::StrCat("--control_plane.port=", FreePort()),
+                                          absl::StrCat("--metrics.port=", FreePort())};
+  std::vector<std::string> flags = ports;
+  flags.push_back("--data_plane.ucx_interop=auto");
+  flags.push_back("--data_plane.hello_timeout_seconds=0.5");
+  StartDaemon(flags);
+  std::unique_ptr<transport::UcxClient> c = Connect(/*shared_memory=*/false);
+  ASSERT_NE(c, nullptr);
+  PutGetLookup(*c, "a");
+  daemon_->Kill(SIGKILL);
+  // The client sees the connection go.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (c->Lookup("m", "a").ok() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_FALSE(c->Lookup("m", "a").ok());
+  c.reset();
+
+  StartDaemon(ports);
+  EXPECT_TRUE(absl::StrContains(daemon_->Log(), "ucx_interop defaults")) << daemon_->Log();
+  const transport::UcxClientStats before = transport::GetUcxClientStats();
+  std::unique_ptr<transport::UcxClient> again = Connect(/*shared_memory=*/false);
+  ASSERT_NE(again, nullptr);
+  EXPECT_EQ(transport::GetUcxClientStats().endpoints_created, before.endpoints_created + 1);
+  absl::StatusOr<transport::FetchedCache> got = again->Get("m", "a");  // the same data dir
+  EXPECT_TRUE(got.ok()) << got.status();
+  PutGetLookup(*again, "b");
 }
 
 }  // namespace

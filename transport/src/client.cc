@@ -67,6 +67,9 @@ struct Pending {
 };
 
 class ClientImpl;
+// A connection to `endpoint` that had been made was lost: a client on UCX before 1.14 forgets
+// that the endpoint wanted CM_USE_ALL_DEVICES=n ("UCX releases", below).
+void ForgetOneDevice(const std::string& endpoint);
 
 // Process-wide counts behind UcxClientStats().
 std::atomic<uint64_t> contexts_created{0};
@@ -250,6 +253,7 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   std::atomic<uint64_t> hello_id_{0};     // the hello's request id, once sent
   std::atomic<int> hello_send_{UCS_INPROGRESS};  // how UCX completed the hello's send
   std::atomic<bool> never_wired_{false};           // NeverWiredUp()
+  std::string endpoint_key_;  // Endpoint::ToString() of the server, set by Connect
   std::atomic<uint64_t> next_put_id_{1};
   absl::Mutex close_mu_;
   bool registered_ ABSL_GUARDED_BY(close_mu_) = false;  // the endpoint was made
@@ -267,6 +271,7 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
 absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view tenant,
                                  absl::string_view token) {
   KVCOMP_RETURN_IF_ERROR(CheckNotLoopThread("connect"));
+  endpoint_key_ = endpoint.ToString();
   addrinfo hints = {};
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
@@ -625,6 +630,9 @@ void ClientImpl::EndpointFailed(ucs_status_t status) {
   if (status != UCS_ERR_REJECTED && hello_id_.load() != 0 && hello_send_.load() != UCS_OK) {
     never_wired_.store(true);
   }
+  // A connection that worked is gone (the daemon restarted, perhaps with other settings): the
+  // next connect starts from UCX's defaults again.
+  if (hello_send_.load() == UCS_OK) ForgetOneDevice(endpoint_key_);
   if (broken_.ok()) {
     broken_ = absl::UnavailableError(
         absl::StrCat("connection lost: UCX: ", ucs_status_string(status)));
@@ -1404,6 +1412,18 @@ absl::StatusOr<std::shared_ptr<ClientImpl>> ConnectOnce(const Endpoint& endpoint
 }
 
 bool Before114(UcxVersion v) { return v.known() && v.major == 1 && v.minor < 14; }
+
+// A client on UCX before 1.14 forgets CM_USE_ALL_DEVICES=n for an endpoint when a connection
+// made there is lost (the daemon closed it, or exited): if the daemon there was restarted on
+// UCX's defaults (y), a connect with n would make UCX 1.13 abort the process. Its next connect
+// starts from UCX's defaults. Clients on 1.14 or later keep what connected.
+void ForgetOneDevice(const std::string& endpoint) {
+  if (!Before114(LocalUcxVersion())) return;
+  KnownServers& k = Known();
+  absl::MutexLock l(&k.mu);
+  auto it = k.settings.find(endpoint);
+  if (it != k.settings.end() && it->second.count("CM_USE_ALL_DEVICES") > 0) k.settings.erase(it);
+}
 
 }  // namespace
 
