@@ -80,6 +80,12 @@ def cells(grid: str):
                     kvcomp.Policy(scorer="streaming", ratio=0.5, moments=False,
                                   key_codec="int4", value_codec="orthogonal_int4"), True))
         return out
+    if grid == "moments":  # the moment correction under manifold alone and the default's window
+        for rf in (0.0, 0.75):
+            for r in RATIOS:
+                out.append((f"manifold_r{int(rf * 100)}", kvcomp.Policy(
+                    scorer="manifold", ratio=r, moments=True, recent_fraction=rf), False))
+        return out
     scorers = SCORERS if grid == "full" else ["keydiff", "manifold", "streaming", "snapkv"]
     for sc in scorers:
         for r in RATIOS:
@@ -121,9 +127,11 @@ def main():
     ap.add_argument("--n-passkey", type=int, default=30)
     ap.add_argument("--n-loss", type=int, default=8)
     ap.add_argument("--n-calib", type=int, default=4, help="held-out windows for KVSplice")
-    ap.add_argument("--grid", default="full", choices=["full", "reduced", "codecs"],
+    ap.add_argument("--grid", default="full", choices=["full", "reduced", "codecs", "moments"],
                     help="codecs: int8/int4 keys with orthogonal_int4 values under manifold "
-                         "with recent_fraction 0.5 at ratios 0-0.6 (bytes against loss)")
+                         "with recent_fraction 0.5 at ratios 0-0.6 (bytes against loss); "
+                         "moments: manifold alone and with recent_fraction 0.75 at each ratio, "
+                         "with and without the moment correction")
     ap.add_argument("--heldout-dir", default=None)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=None, help="output prefix (default bench/results/"
