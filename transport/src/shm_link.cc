@@ -326,7 +326,7 @@ void ShmAcceptor::Serve(int fd) {
   a.magic = kAttachMagic;
   a.code = static_cast<uint16_t>(s.code());
   const size_t m = std::min(s.message().size(), sizeof(a.message));
-  std::memcpy(a.message, s.message().data(), m);
+  if (m > 0) std::memcpy(a.message, s.message().data(), m);  // an OK status has no text
   a.message_bytes = static_cast<uint16_t>(m);
   a.probe = probe;
   ssize_t ignored = send(fd, &a, sizeof(a), MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -473,7 +473,9 @@ absl::Status SendShmAttach(const std::string& socket_name, absl::string_view tok
   req.region = id;
   req.bytes = bytes;
   req.probe = probe;
-  std::memcpy(req.token, token.data(), std::min(token.size(), sizeof(req.token)));
+  if (!token.empty()) {
+    std::memcpy(req.token, token.data(), std::min(token.size(), sizeof(req.token)));
+  }
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   iovec iov = {&req, sizeof(req)};
   msghdr msg = {};
