@@ -458,7 +458,8 @@ void ServerImpl::AcceptConnection(ucp_conn_request_h request) {
   auto conn = std::make_shared<Connection>();
   ucp_conn_request_attr_t attr = {};
   attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-  if (ucp_conn_request_query(request, &attr) == UCS_OK) {
+  const bool addressed = ucp_conn_request_query(request, &attr) == UCS_OK;
+  if (addressed) {
     conn->session.peer = SockaddrToString(reinterpret_cast<const sockaddr*>(&attr.client_address));
   }
   ucp_ep_params_t ep = {};
@@ -475,7 +476,9 @@ void ServerImpl::AcceptConnection(ucp_conn_request_h request) {
     // on a UCX release whose connection requests this one cannot read (docs/protocol.md, "UCX
     // releases"): said once in a while, not per request.
     if (counters_.connections_rejected++ % 1000 == 0) {
-      Report(absl::StrCat("data plane: a connection request from ", conn->session.peer,
+      const auto* from = reinterpret_cast<const sockaddr*>(&attr.client_address);
+      Report(absl::StrCat("data plane: a connection request from ",
+                          addressed ? SockaddrToString(from) : std::string(),
                           " failed: ", UcsStatusToStatus(s, "ucp_ep_create").message(),
                           " (a client on an incompatible UCX release? UCX ",
                           LocalUcxVersion().ToString(), " here",

@@ -688,6 +688,23 @@ struct GetOutcome {
   bool done = false;
   absl::StatusOr<SharedGet> result = absl::UnknownError("unset");
 };
+
+// Follows a get the daemon writes into the get region until its reply: calls `copy_behind()`
+// whenever the region's progress names request `rid` (the caller copies what was written so
+// far), then returns the reply.
+template <typename CopyBehind>
+absl::StatusOr<SharedGet> FollowSharedGet(GetOutcome& out, const ShmProgress& progress,
+                                          uint64_t rid, CopyBehind&& copy_behind) {
+  while (true) {
+    {
+      absl::MutexLock l(&out.mu);
+      if (out.done) return std::move(out.result);
+      out.mu.AwaitWithTimeout(absl::Condition(&out.done), absl::Microseconds(200));
+      if (out.done) return std::move(out.result);
+    }
+    if (progress.request_id.load(std::memory_order_acquire) == rid) copy_behind();
+  }
+}
 }  // namespace
 
 absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* dst,
@@ -739,25 +756,13 @@ absl::StatusOr<uint64_t> ShmChannel::GetInto(const GetRequest& request, void* ds
   const uint8_t* src = get_->data() + kShmGetDataOffset;
   uint8_t* to = static_cast<uint8_t*>(dst);
   uint64_t copied = 0;
-  while (true) {
-    {
-      absl::MutexLock l(&out->mu);
-      if (out->done) break;
-      out->mu.AwaitWithTimeout(absl::Condition(&out->done), absl::Microseconds(200));
-      if (out->done) break;
-    }
-    if (progress->request_id.load(std::memory_order_acquire) != rid) continue;
+  absl::StatusOr<SharedGet> r = FollowSharedGet(*out, *progress, rid, [&] {
     const uint64_t w = std::min(progress->written.load(std::memory_order_acquire), asked);
     if (w > copied) {
       std::memcpy(to + copied, src + copied, w - copied);
       copied = w;
     }
-  }
-  absl::StatusOr<SharedGet> r;
-  {
-    absl::MutexLock l(&out->mu);
-    r = std::move(out->result);
-  }
+  });
   if (!r.ok()) {
     // A get given up on may still be written by the daemon: the next get takes a fresh region.
     if (absl::IsDeadlineExceeded(r.status()) || absl::IsUnavailable(r.status())) get_.reset();
@@ -864,29 +869,17 @@ absl::StatusOr<FetchedCache> ShmChannel::Get(const GetRequest& request, absl::Ti
   const uint8_t* src = get_->data() + kShmGetDataOffset;
   Buffer bytes;
   uint64_t copied = 0;
-  while (true) {
-    {
-      absl::MutexLock l(&out->mu);
-      if (out->done) break;
-      out->mu.AwaitWithTimeout(absl::Condition(&out->done), absl::Microseconds(200));
-      if (out->done) break;
-    }
-    if (progress->request_id.load(std::memory_order_acquire) != rid) continue;
+  absl::StatusOr<SharedGet> r = FollowSharedGet(*out, *progress, rid, [&] {
     const uint64_t total = progress->total.load(std::memory_order_relaxed);
-    if (total == 0 || total > room) continue;  // not said (an older daemon): after the reply
+    if (total == 0 || total > room) return;  // not said (an older daemon): after the reply
     if (bytes.data() == nullptr) bytes = NewGetBuffer(total);
-    if (bytes.data() == nullptr) continue;
+    if (bytes.data() == nullptr) return;
     const uint64_t w = std::min(progress->written.load(std::memory_order_acquire), total);
     if (w > copied) {
       std::memcpy(bytes.bytes() + copied, src + copied, w - copied);
       copied = w;
     }
-  }
-  absl::StatusOr<SharedGet> r;
-  {
-    absl::MutexLock l(&out->mu);
-    r = std::move(out->result);
-  }
+  });
   if (!r.ok()) {
     // A get given up on may still be written by the daemon: the next get takes a fresh region.
     if (absl::IsDeadlineExceeded(r.status()) || absl::IsUnavailable(r.status())) get_.reset();
