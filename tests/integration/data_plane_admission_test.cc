@@ -482,18 +482,7 @@ TEST_F(DataPlaneAdmissionTest, SlowClientsTricklingBlocksDoNotStarveOthers) {
 
 TEST_F(DataPlaneAdmissionTest, RestartRightAfterSigkillBindsItsPorts) {
   // Fixed ports (a restart must get the same ones back): free ones, picked by the kernel.
-  auto free_port = [] {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-    socklen_t len = sizeof(a);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    close(fd);
-    return ntohs(a.sin_port);
-  };
-  const int data = free_port(), control = free_port(), metrics = free_port();
+  const int data = FreeLoopbackPort(), control = FreeLoopbackPort(), metrics = FreeLoopbackPort();
   const std::vector<std::string> ports = {absl::StrCat("--data_plane.port=", data),
                                           absl::StrCat("--control_plane.port=", control),
                                           absl::StrCat("--metrics.port=", metrics)};

@@ -296,6 +296,20 @@ inline int ConnectLoopback(int port) {
   return fd;
 }
 
+// A loopback TCP port free now (the kernel's pick), for a daemon that must get the same ports
+// back when it is started again.
+inline int FreeLoopbackPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
 // GET http://127.0.0.1:port/path (HTTP/1.0, whole response).
 inline HttpResponse HttpGet(int port, const std::string& path) {
   HttpResponse r;

@@ -119,20 +119,6 @@ class UcxInteropTest : public ::testing::Test {
 
 bool Before114(transport::UcxVersion v) { return v.major == 1 && v.minor < 14; }
 
-// A loopback TCP port free now (the kernel's pick), for a daemon that must get the same ports
-// back when started again.
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 // kvcompd with data_plane.ucx_interop auto: a client on any UCX release connects (one on the
 // daemon's release before 1.14 after the daemon's hello timeout, 1 s here: the test below).
 TEST_F(UcxInteropTest, PutGetAndLookupPassOnTheDefaults) {
@@ -282,9 +268,9 @@ TEST_F(UcxInteropTest, ClientFallsBackToOneDeviceAgainstAnInteropDaemon) {
 TEST_F(UcxInteropTest, ClientForgetsOneDeviceWhenItsConnectionIsLost) {
   const transport::UcxVersion local = transport::LocalUcxVersion();
   if (!Before114(local)) GTEST_SKIP() << "needs a client on UCX before 1.14";
-  const std::vector<std::string> ports = {absl::StrCat("--data_plane.port=", FreePort()),
-                                          absl::StrCat("--control_plane.port=", FreePort()),
-                                          absl::StrCat("--metrics.port=", FreePort())};
+  const std::vector<std::string> ports = {absl::StrCat("--data_plane.port=", FreeLoopbackPort()),
+                                          absl::StrCat("--control_plane.port=", FreeLoopbackPort()),
+                                          absl::StrCat("--metrics.port=", FreeLoopbackPort())};
   std::vector<std::string> flags = ports;
   flags.push_back("--data_plane.ucx_interop=auto");
   flags.push_back("--data_plane.hello_timeout_seconds=0.5");
