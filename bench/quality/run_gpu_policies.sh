@@ -9,6 +9,11 @@
 #
 #   IN=.dev/quality OUT=/tmp/out bash bench/quality/run_gpu_policies.sh
 #
+# The window candidates (recent share 0.75-0.9, larger sinks) and eviction under them + the
+# codec, at 4K only, four processes per model:
+#
+#   CONFIG_SET=window LONG= SHARDS=4 IN=.dev/quality OUT=/tmp/out bash bench/quality/run_gpu_policies.sh
+#
 # IN holds corpus.tar.xz, {g16,d8}.npz (lm/pack_weights.py pack), {g16,d8}/config.json and
 # generation_config.json, and kvpress-*.whl (its PyPI wheel; without it the kvpress rows are left
 # out). Knobs: BS seconds per process; LEN the short length, LONG the long one ("" = none); N

@@ -91,6 +91,26 @@ CONFIGS = {
     "manifold_r90 0.5": ("bf16", "bf16", "manifold_r90", 0.5),
     "manifold_r90 0.75": ("bf16", "bf16", "manifold_r90", 0.75),
     "manifold_r75 0.5 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r75", 0.5),
+    # between r75 and r90, and larger sinks (manifold_rNNsS: S sink tokens)
+    "manifold_r80 0.5": ("bf16", "bf16", "manifold_r80", 0.5),
+    "manifold_r80 0.75": ("bf16", "bf16", "manifold_r80", 0.75),
+    "manifold_r85 0.5": ("bf16", "bf16", "manifold_r85", 0.5),
+    "manifold_r85 0.75": ("bf16", "bf16", "manifold_r85", 0.75),
+    "manifold_r75s16 0.5": ("bf16", "bf16", "manifold_r75s16", 0.5),
+    "manifold_r75s16 0.75": ("bf16", "bf16", "manifold_r75s16", 0.75),
+    "manifold_r80s16 0.5": ("bf16", "bf16", "manifold_r80s16", 0.5),
+    "manifold_r80s16 0.75": ("bf16", "bf16", "manifold_r80s16", 0.75),
+    "manifold_r85s16 0.5": ("bf16", "bf16", "manifold_r85s16", 0.5),
+    "manifold_r85s16 0.75": ("bf16", "bf16", "manifold_r85s16", 0.75),
+    "manifold_r80s64 0.5": ("bf16", "bf16", "manifold_r80s64", 0.5),
+    "manifold_r80s64 0.75": ("bf16", "bf16", "manifold_r80s64", 0.75),
+    # eviction under the default's window + the codec: the balanced preset's candidates
+    "manifold_r75 0.67 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r75", 0.67),
+    "manifold_r85 0.5 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r85", 0.5),
+    "manifold_r85 0.67 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r85", 0.67),
+    "manifold_r75 0.6 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r75", 0.6),
+    "manifold_r85 0.6 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r85", 0.6),
+    "streaming 0.67 + kvhq k4v3": ("kvhq4", "kvhq3", "streaming", 0.67),
     # kvpress's own presses (its PyPI wheel, --kvpress): the context prefilled under the press
     # (its forward hooks compress each layer's cache as kvpress does), kept keys and values bf16
     "kvpress knorm 0.5": ("bf16", "bf16", "kvpress:knorm", 0.5),
@@ -145,8 +165,23 @@ KVPRESS_CHECK_CONFIGS = [
     "kvpress streaming 0.5", "kvpress keydiff 0.5", "kvpress snapkv 0.5",
     "kvpress expected_attention 0.5", "manifold_r75 0.5",
 ]
+# The default's candidates between r75 and r90 and with larger sinks against the single scorers,
+# and eviction under those windows + the codec (balanced at about 8x and 12x), at one length
+# (--config-set window).
+WINDOW_CONFIGS = [
+    "full", "manifold 0.5", "manifold 0.75", "knorm 0.5", "knorm 0.75", "keydiff 0.5",
+    "keydiff 0.75", "streaming 0.5", "streaming 0.75",
+    "manifold_r75 0.5", "manifold_r75 0.75", "manifold_r80 0.5", "manifold_r80 0.75",
+    "manifold_r85 0.5", "manifold_r85 0.75", "manifold_r90 0.5", "manifold_r90 0.75",
+    "manifold_r75s16 0.5", "manifold_r75s16 0.75", "manifold_r80s16 0.5", "manifold_r80s16 0.75",
+    "manifold_r85s16 0.5", "manifold_r85s16 0.75", "manifold_r80s64 0.5", "manifold_r80s64 0.75",
+    "kvhq k4v3", "kvhq k3v3", "manifold_r50 0.5 + kvhq k4v3", "manifold_r75 0.5 + kvhq k4v3",
+    "manifold_r85 0.5 + kvhq k4v3", "manifold_r75 0.67 + kvhq k4v3",
+    "manifold_r85 0.67 + kvhq k4v3", "manifold_r75 0.6 + kvhq k3v3",
+    "manifold_r85 0.6 + kvhq k3v3", "streaming 0.67 + kvhq k4v3",
+]
 CONFIG_SETS = {"default": DEFAULT_CONFIGS, "policies": POLICY_CONFIGS,
-               "defaults": DEFAULTS_CONFIGS, "long": LONG_CONFIGS,
+               "defaults": DEFAULTS_CONFIGS, "long": LONG_CONFIGS, "window": WINDOW_CONFIGS,
                "kvpress_check": KVPRESS_CHECK_CONFIGS}
 
 # kvpress press classes by the suite's name: (module, class, keyword arguments)
@@ -617,7 +652,9 @@ def write_pool(path, paths):
 
 
 SINGLE_SCORERS = ("manifold", "keydiff", "knorm", "streaming")  # kvcomp's scorers alone
-CANDIDATES = ("manifold_r50", "manifold_r75", "manifold_r90")  # manifold + a recent share
+# manifold + a recent share (manifold_rNN, manifold_rNNsS with S sink tokens)
+CANDIDATES = ("manifold_r50", "manifold_r75", "manifold_r80", "manifold_r85", "manifold_r90",
+              "manifold_r75s16", "manifold_r80s16", "manifold_r85s16", "manifold_r80s64")
 
 
 def scorer_rows(pl, ratio):
@@ -665,7 +702,8 @@ def write_scorers(path, paths, ratios=("0.5", "0.75")):
            "ratios in brackets). Paired: mean and 95% half-width over the same windows of "
            "(loss - loss of manifold) / full loss, in points. Needles: accuracy with Wilson 95% "
            "intervals. manifold_rNN: manifold with NN% of each head's kept budget the most "
-           "recent tokens (recent_fraction 0.NN; 4 sink tokens as in every protected policy). "
+           "recent tokens (recent_fraction 0.NN; 4 sink tokens as in every protected policy; "
+           "manifold_rNNsS: S sink tokens). "
            "kvpress NAME: kvpress's press of that name from its wheel. The suite models "
            "eviction without the moment correction. Sources: "
            + ", ".join(os.path.basename(p) for p in paths) + ".", ""]

@@ -160,9 +160,9 @@ def _ranks(s):
     return s.argsort(dim=-1).argsort(dim=-1).float()
 
 
-def _protect(s, n_recent):
+def _protect(s, n_recent, n_sink=N_SINK):
     s = s.clone()
-    s[..., :N_SINK] = float("inf")
+    s[..., :n_sink] = float("inf")
     if n_recent > 0:
         s[..., -n_recent:] = float("inf")
     return s
@@ -180,8 +180,17 @@ def policy_mask(name: str, K: torch.Tensor, ratio: float, Q=None, seed=0) -> tor
     kept = int(N * (1.0 - ratio))
     if ratio <= 0:
         return torch.ones(L, H, N, dtype=torch.bool, device=K.device)
+    # NAME_rNN: NN% of the kept budget the most recent tokens; NAME_rNNsS: and S sink tokens
+    # (default N_SINK)
     base, _, frac = name.partition("_r")
+    frac, _, sink = frac.partition("s")
     n_recent = int(kept * int(frac) / 100) if frac else 0
+    if sink:
+        n_sink = int(sink)
+        n_recent = min(n_recent, kept - n_sink)  # the engine's cap: the sink keeps its room
+        if base != "manifold":
+            raise ValueError(f"sink size only with manifold: {name}")
+        return _topk_mask(_protect(_scores_manifold(K), n_recent, n_sink), kept)
     if base == "streaming":
         s = torch.arange(N, device=K.device, dtype=torch.float32).expand(L, H, N)
         return _topk_mask(_protect(s, 0), kept)
