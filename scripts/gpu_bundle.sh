@@ -20,12 +20,26 @@
 #     decode_attention_cuda_test service_device_path_test service_multi_gpu_test kvcomp_gpu_campaign
 #   bash scripts/gpu_bundle.sh build-gpu-daemon
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
+#
+# The host benchmarks (bench/transport/device.sh) need no CUDA: a CPU build's kvcompd and
+# benchmarks do, with the tools below, into a bundle of their own:
+#   KVCOMP_BUNDLE_BINARIES="bench/transport/kvcomp_transport_bench bench/storage/storage_bench" \
+#   KVCOMP_BUNDLE_PYTHON=0 KVCOMP_BUNDLE_DEST=build-host-bundle \
+#   KVCOMP_BUNDLE_PACK=.dev/host/bundle.tar.xz bash scripts/gpu_bundle.sh build
+#
+# Tools from Debian packages (KVCOMP_BUNDLE_TOOLS, "package:path-in-package" words; default
+# ucx_perftest and ucx_info of the UCX the binaries load, and coreutils' dd; "" for none): each
+# package is fetched with `apt-get download` (the same release as the installed libraries),
+# checked to be amd64, unpacked with `dpkg-deb -x` and the program copied into bin/ with the
+# libraries it loads; the newest glibc symbol version the bundle needs is written to
+# glibc_needed (the device's glibc must be at least that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-gpu-daemon}
-DEST=build-gpu-bundle
-PACK=.gpubundle/bundle.tar.xz
+DEST=${KVCOMP_BUNDLE_DEST:-build-gpu-bundle}
+PACK=${KVCOMP_BUNDLE_PACK:-.gpubundle/bundle.tar.xz}
 LIMIT_MIB=${KVCOMP_BUNDLE_LIMIT_MIB:-40}  # the archive; a GPU run carries 64 MiB with the tree
+TOOLS=${KVCOMP_BUNDLE_TOOLS-ucx-utils:usr/bin/ucx_perftest ucx-utils:usr/bin/ucx_info coreutils:bin/dd}
 
 # Binaries: path in the build directory. A missing optional one is skipped with a note.
 REQUIRED=(service/kvcompd)
@@ -47,7 +61,11 @@ OPTIONAL=(
   tests/storage/storage_device_payload_test
   bench/gpu/kvcomp_bench_gpu_crc32c
   bench/reliability/kvcomp_gpu_campaign
+  bench/transport/kvcomp_transport_bench
+  bench/storage/storage_bench
 )
+# KVCOMP_BUNDLE_BINARIES: these optional binaries instead of the list above (space-separated).
+if [ -n "${KVCOMP_BUNDLE_BINARIES:-}" ]; then read -ra OPTIONAL <<<"$KVCOMP_BUNDLE_BINARIES"; fi
 # Libraries the device machine has (its own glibc, C++ runtime and CUDA), by soname prefix.
 SKIP='^(linux-vdso|ld-linux-x86-64|libc|libm|libpthread|libdl|librt|libutil|libresolv|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libcusolver|libcusparse|libnvJitLink|libcurand|libcufft)\.so'
 
@@ -67,10 +85,37 @@ for b in "${REQUIRED[@]}" "${OPTIONAL[@]}"; do
   fi
 done
 
+# Programs from Debian packages, unpacked here (not installed).
+if [ -n "$TOOLS" ]; then
+  debs=$(mktemp -d)
+  for t in $TOOLS; do
+    pkg=${t%%:*} path=${t#*:}
+    if [ ! -d "$debs/$pkg" ]; then
+      if ! (cd "$debs" && apt-get download "$pkg" >/dev/null 2>&1); then
+        echo "gpu_bundle: apt-get download $pkg failed, $path left out" >&2
+        continue
+      fi
+      deb=$(ls "$debs"/"${pkg}"_*.deb | head -1)
+      arch=$(dpkg-deb -f "$deb" Architecture)
+      if [ "$arch" != amd64 ]; then
+        echo "gpu_bundle: $pkg is $arch, not amd64: $path left out" >&2
+        continue
+      fi
+      dpkg-deb -x "$deb" "$debs/$pkg"
+      basename "$deb" >>"$DEST/tools"
+    fi
+    [ -x "$debs/$pkg/$path" ] || { echo "gpu_bundle: $pkg has no $path" >&2; continue; }
+    strip --strip-all -o "$DEST/bin/$(basename "$path")" "$debs/$pkg/$path"
+    bins+=("$debs/$pkg/$path")
+  done
+fi
+
 # The Python package with the SDK client, where the build made its extension for the device's
 # Python (3.12; configure with -DPython_EXECUTABLE=<a python3.12> -DKVCOMP_PYTHON_PACKAGE_DIR=
 # <build>/pkg and build _kvcomp too): python/kvcomp, named by env.sh as KVCOMP_BUNDLE_PYTHON.
-ext=$(ls "$BUILD"/pkg/kvcomp/_kvcomp.cpython-*.so 2>/dev/null | head -1 || true)
+ext=""  # KVCOMP_BUNDLE_PYTHON=0 leaves it out
+[ "${KVCOMP_BUNDLE_PYTHON:-1}" = 0 ] ||
+  ext=$(ls "$BUILD"/pkg/kvcomp/_kvcomp.cpython-*.so 2>/dev/null | head -1 || true)
 if [ -n "$ext" ]; then
   mkdir -p "$DEST/python/kvcomp/integrations"
   cp client/python/kvcomp/*.py "$DEST/python/kvcomp/"
@@ -104,6 +149,11 @@ if [ -n "$missing" ]; then
   exit 1
 fi
 
+# The newest glibc symbol version anything in the bundle asks for.
+objdump -T "$DEST"/bin/* "$DEST"/lib/*.so* "$DEST"/lib/ucx/* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' |
+  sort -uV | tail -1 >"$DEST/glibc_needed"
+[ -n "${debs:-}" ] && rm -rf "$debs"
+
 # The integration tests start the kvcompd whose path was compiled in; run.sh links that path to
 # the bundle's copy on the device.
 realpath "$BUILD/service/kvcompd" >"$DEST/kvcompd_build_path"
@@ -127,7 +177,7 @@ export PATH=$KVCOMP_BUNDLE/bin:$PATH
 if [ -d "$KVCOMP_BUNDLE/python" ]; then export KVCOMP_BUNDLE_PYTHON=$KVCOMP_BUNDLE/python; fi
 EOF
 
-rm -rf "$(dirname "$PACK")"  # the archive is all that folder holds
+rm -f "$PACK"
 mkdir -p "$(dirname "$PACK")"
 # One stream with a dictionary larger than the bundle: the binaries share their device code, so xz
 # finds it again across files (about 15 MiB instead of 47).

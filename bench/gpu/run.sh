@@ -37,6 +37,9 @@
 #                      KVCOMP_DAEMON_KVSPLICE_TOKENS, default "8192 32768") and the pipeline
 #                      benchmark (KVCOMP_PIPELINE_ARGS); logs in daemon.log
 #   run(command="KVCOMP_GPU_STEPS=daemon bash bench/gpu/run.sh", carry=[".gpubundle"])
+# The host transports and durable writes on this machine's cores and disk are a step of their
+# own, from a CPU build's bundle (bench/transport/device.sh says how to make and carry it):
+#   run(command="bash bench/transport/device.sh .dev/host/bundle.tar.xz", carry=[".dev/host"])
 # Local use (no device): OUT=/tmp/out bash bench/gpu/run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -17,7 +17,9 @@
 # runs with the UCX_TLS part. KVCOMP_BLOCKS (2000), KVCOMP_REPS (3), KVCOMP_WINDOW (blocks in
 # flight, 16), KVCOMP_VERIFY (server CRC check, 1), KVCOMP_GET_BYTES (get-latency cache size,
 # 256 MiB; 0 skips), KVCOMP_GETS (10), KVCOMP_STORED_TOKENS (the stored cache's tokens, 8192;
-# 0 skips; needs <build>/service/kvcompd).
+# 0 skips; needs <build>/service/kvcompd), KVCOMP_STORED_GETS (its gets per call and link,
+# KVCOMP_GETS), KVCOMP_RESULTS (the results file, default bench/results/transport_<date>.md;
+# appended to when it exists), KVCOMP_COMMIT (the commit, where the tree has no git).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -31,6 +33,7 @@ VERIFY=${KVCOMP_VERIFY:-1}
 GET_BYTES=${KVCOMP_GET_BYTES:-268435456}  # get latency: cache size (0 skips)
 GETS=${KVCOMP_GETS:-10}
 STORED_TOKENS=${KVCOMP_STORED_TOKENS:-8192}
+STORED_GETS=${KVCOMP_STORED_GETS:-$GETS}
 KVCOMPD=$BUILD/service/kvcompd
 
 if [ ! -x "$BENCH" ]; then
@@ -129,14 +132,18 @@ median() { printf '%s\n' "$@" | grep -E '^[0-9.]+$' | sort -g | awk '{a[NR]=$1} 
 
 DATE=$(date -u +%Y-%m-%d)
 STAMP=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain -- transport bench/transport 2>/dev/null | head -1)
-[ -n "$DIRTY" ] && COMMIT="$COMMIT+dirty(transport)"
+if [ -n "${KVCOMP_COMMIT:-}" ]; then
+  COMMIT=$KVCOMP_COMMIT
+else
+  COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  DIRTY=$(git status --porcelain -- transport bench/transport 2>/dev/null | head -1)
+  [ -n "$DIRTY" ] && COMMIT="$COMMIT+dirty(transport)"
+fi
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
 MACHINE="$(hostname), $(nproc) cores, $CPU, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
 # "# Version 1.13.1" (Debian's UCX) or "# Library version: 1.22.0" (newer releases)
 UCXV=$(ucx_info -v | awk '/^# (Library )?[Vv]ersion/{print $NF; exit}')
-RESULTS=$ROOT/bench/results/transport_$DATE.md
+RESULTS=${KVCOMP_RESULTS:-$ROOT/bench/results/transport_$DATE.md}
 
 {
   echo "# Data-plane ingest vs ucx_perftest ($STAMP)"
@@ -213,7 +220,7 @@ if [ "$STORED_TOKENS" != 0 ] && [ -x "$KVCOMPD" ]; then
   DPORT=$(awk '/data_port:/{print $2}' "$DDIR/ready.yaml" 2>/dev/null)
   l=$(load)
   OUT=$(UCX_TLS=sm,tcp timeout 900 "$BENCH" stored "127.0.0.1:$DPORT" --tokens="$STORED_TOKENS" \
-          --gets="$GETS" 2>&1 || true)
+          --gets="$STORED_GETS" 2>&1 || true)
   kill "$KP" 2>/dev/null || true
   wait "$KP" 2>/dev/null || true
   rm -rf "$DDIR"
@@ -224,7 +231,7 @@ if [ "$STORED_TOKENS" != 0 ] && [ -x "$KVCOMPD" ]; then
     echo "Stored get of a Llama-3.1-8B-shaped cache from kvcompd ($STORED_TOKENS tokens, bf16, the"
     echo "daemon's default policy, host tier, durability memory; ${SB:-?} stored bytes): GetInto one"
     echo "reused host buffer through the payload links, and Get into a new buffer each time (its"
-    echo "size unknown beforehand, as the SDK's Get and GetBytes), $GETS of each after one warm-up;"
+    echo "size unknown beforehand, as the SDK's Get and GetBytes), $STORED_GETS of each after one warm-up;"
     echo "load $l."
     echo "Reference: the transfer time of its bytes at ucx_perftest's sm,tcp rate above (the"
     echo "median of its ${#SM_RUNS[@]} runs in this run: ${SM_RATE:-n/a} MiB/s); the target is a get within 2x"
