@@ -111,6 +111,17 @@ CONFIGS = {
     "manifold_r75 0.6 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r75", 0.6),
     "manifold_r85 0.6 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r85", 0.6),
     "streaming 0.67 + kvhq k4v3": ("kvhq4", "kvhq3", "streaming", 0.67),
+    # keydiff under the recent window; eviction + codec at lower ratios (balanced within 2%)
+    "keydiff_r75 0.5": ("bf16", "bf16", "keydiff_r75", 0.5),
+    "keydiff_r75 0.75": ("bf16", "bf16", "keydiff_r75", 0.75),
+    "keydiff_r85 0.5": ("bf16", "bf16", "keydiff_r85", 0.5),
+    "keydiff_r85 0.75": ("bf16", "bf16", "keydiff_r85", 0.75),
+    "manifold_r85 0.25 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r85", 0.25),
+    "manifold_r85 0.33 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r85", 0.33),
+    "manifold_r85 0.4 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r85", 0.4),
+    "manifold_r85 0.25 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r85", 0.25),
+    "manifold_r85 0.33 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r85", 0.33),
+    "manifold_r85 0.4 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r85", 0.4),
     # kvpress's own presses (its PyPI wheel, --kvpress): the context prefilled under the press
     # (its forward hooks compress each layer's cache as kvpress does), kept keys and values bf16
     "kvpress knorm 0.5": ("bf16", "bf16", "kvpress:knorm", 0.5),
@@ -180,7 +191,17 @@ WINDOW_CONFIGS = [
     "manifold_r85 0.67 + kvhq k4v3", "manifold_r75 0.6 + kvhq k3v3",
     "manifold_r85 0.6 + kvhq k3v3", "streaming 0.67 + kvhq k4v3",
 ]
-CONFIG_SETS = {"default": DEFAULT_CONFIGS, "policies": POLICY_CONFIGS,
+# keydiff under the recent window against the single scorers, and eviction + codec at ratios
+# below 0.5 (what stays within 2% on every model) (--config-set window2).
+WINDOW2_CONFIGS = [
+    "full", "manifold 0.5", "manifold 0.75", "knorm 0.5", "knorm 0.75", "keydiff 0.5",
+    "keydiff 0.75", "streaming 0.5", "streaming 0.75", "keydiff_r75 0.5", "keydiff_r75 0.75",
+    "keydiff_r85 0.5", "keydiff_r85 0.75", "kvhq k4v3", "kvhq k3v3",
+    "manifold_r85 0.25 + kvhq k4v3", "manifold_r85 0.33 + kvhq k4v3",
+    "manifold_r85 0.4 + kvhq k4v3", "manifold_r85 0.25 + kvhq k3v3",
+    "manifold_r85 0.33 + kvhq k3v3", "manifold_r85 0.4 + kvhq k3v3",
+]
+CONFIG_SETS = {"default": DEFAULT_CONFIGS, "window2": WINDOW2_CONFIGS, "policies": POLICY_CONFIGS,
                "defaults": DEFAULTS_CONFIGS, "long": LONG_CONFIGS, "window": WINDOW_CONFIGS,
                "kvpress_check": KVPRESS_CHECK_CONFIGS}
 
@@ -654,7 +675,8 @@ def write_pool(path, paths):
 SINGLE_SCORERS = ("manifold", "keydiff", "knorm", "streaming")  # kvcomp's scorers alone
 # manifold + a recent share (manifold_rNN, manifold_rNNsS with S sink tokens)
 CANDIDATES = ("manifold_r50", "manifold_r75", "manifold_r80", "manifold_r85", "manifold_r90",
-              "manifold_r75s16", "manifold_r80s16", "manifold_r85s16", "manifold_r80s64")
+              "manifold_r75s16", "manifold_r80s16", "manifold_r85s16", "manifold_r80s64",
+              "keydiff_r75", "keydiff_r85")
 
 
 def scorer_rows(pl, ratio):
