@@ -503,6 +503,7 @@ class UcxDataPlane : public DataPlane {
     so.fd_reserve = d.fd_reserve;
     so.shared_memory = d.shared_memory;
     so.shm_max_region_bytes = d.shm_max_region_bytes;
+    so.shm_copy_lanes = d.shm_copy_lanes;
     so.report = [](const std::string& line) { Log(LogLevel::kWarning, line); };
     so.put_timeout = absl::Seconds(d.put_timeout_seconds);
     so.server_name = absl::StrCat("kvcompd ", Version());

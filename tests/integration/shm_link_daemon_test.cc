@@ -3,7 +3,8 @@
 // a cache larger than the client's region), what the daemon refuses to map (unknown or
 // withdrawn tokens, descriptors that are not sealed, fully allocated memfds, sizes out of
 // bounds), blocks and gets naming ranges outside the connection's own regions, tenants kept
-// apart, and a client killed in the middle of a put (its put aborted, its regions unmapped).
+// apart, a client killed in the middle of a put (its put aborted, its regions unmapped), and a
+// direct get split over the daemon's copy threads.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -567,6 +568,103 @@ TEST_F(ShmLinkDaemonTest, DirectModeTouchesOnlyTheRegisteredPeersOwnMemory) {
   EXPECT_TRUE(r->status.ok()) << r->status;
   EXPECT_EQ(absl::string_view(into.data(), into.size()), plain->bytes.view());
   EXPECT_TRUE(c->Ping().ok());
+}
+
+// A direct get of several lanes' bytes is split over the daemon's copy threads
+// (data_plane.shm_copy_lanes; 1 = one thread): the bytes UCX's get returns, into the caller's
+// memory (GetInto) and into a new buffer (Get); a destination whose last page is read-only fails
+// the whole get with InvalidArgument (the lanes before it have written), and the daemon and the
+// connection serve on.
+TEST_F(ShmLinkDaemonTest, ADirectGetSplitOverCopyLanesIsBitExact) {
+  const KvLayout big{4, 4, 4, 128, DType::kF16};
+  const uint64_t tokens = 5120, chunk = 1024;  // 40 MiB of K and V: five lanes' worth
+  const uint64_t part = big.LayerBytes(chunk);
+  for (int lanes : {3, 1}) {
+    SCOPED_TRACE(::testing::Message() << lanes << " lanes");
+    auto d = StartDaemon({"--data_plane.shm_copy_lanes=" + std::to_string(lanes)});
+    auto shm = ConnectWith(*d, true);
+    auto ucx = ConnectWith(*d, false);
+    ASSERT_NE(shm, nullptr);
+    ASSERT_NE(ucx, nullptr);
+    ASSERT_NE(shm->SharedMemory(), nullptr);
+    ASSERT_TRUE(shm->SharedMemory()->direct()) << shm->SharedMemory()->why();
+    wire::PutBegin begin = Begin("big");
+    begin.layout = big;
+    begin.num_tokens = tokens;
+    absl::StatusOr<uint64_t> put = shm->PutBegin(begin);
+    ASSERT_TRUE(put.ok()) << put.status();
+    {
+      const UcxLinks links(shm.get());
+      BlockPipe pipe(links, 8 * 2 * part);
+      for (uint32_t l = 0; l < big.num_layers; ++l) {
+        for (uint64_t t = 0; t < tokens; t += chunk) {
+          // Finite f16 values, different per layer, token and element.
+          auto packed = std::make_shared<std::string>(2 * part, '\0');
+          for (size_t i = 0; i + 1 < packed->size(); i += 2) {
+            (*packed)[i] = static_cast<char>(i * 131 + l * 7 + t / chunk);
+            (*packed)[i + 1] = static_cast<char>(0x3c | ((i / 2 + l) & 3));
+          }
+          wire::Block b;
+          b.put_id = *put;
+          b.layer_begin = l;
+          b.layer_end = l + 1;
+          b.token_begin = t;
+          b.token_end = t + chunk;
+          b.parts = wire::kPartBoth;
+          b.key_bytes = b.value_bytes = part;
+          pipe.Send(b, {packed->data(), part, MemoryKind::kHost},
+                    {packed->data() + part, part, MemoryKind::kHost}, packed);
+        }
+      }
+      ASSERT_TRUE(pipe.Wait().ok());
+      ASSERT_TRUE(shm->PutCommit(*put, pipe.sent()).ok());
+    }
+    absl::StatusOr<transport::FetchedCache> ref = ucx->Get("m", "big");
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    const uint64_t n = ref->bytes.size();
+    ASSERT_GE(n, 3 * transport::kShmMinLaneBytes);
+
+    const UcxLinks links(shm.get());
+    std::vector<char> into(n + 100, 0);
+    for (int round = 0; round < 2; ++round) {
+      LinkKind used = LinkKind::kNccl;
+      absl::StatusOr<uint64_t> got =
+          links.GetInto({"m", "big", wire::Representation::kStored},
+                        {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture(),
+                        &used);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(used, LinkKind::kShm);
+      ASSERT_EQ(*got, n);
+      EXPECT_TRUE(absl::string_view(into.data(), n) == ref->bytes.view());
+      absl::StatusOr<transport::FetchedCache> fresh = shm->Get("m", "big");
+      ASSERT_TRUE(fresh.ok()) << fresh.status();
+      EXPECT_TRUE(fresh->bytes.view() == ref->bytes.view());
+    }
+    EXPECT_EQ(shm->SharedMemory()->stats().gets_as_payload, 0u);
+
+    // The last page of the destination read-only: the get fails as a whole.
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t len = (n + page - 1) / page * page;
+    void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(m, MAP_FAILED);
+    std::memset(m, 0, len);
+    ASSERT_EQ(mprotect(static_cast<char*>(m) + len - page, page, PROT_READ), 0);
+    wire::Get g{wire::Representation::kStored, "m", "big", false, reinterpret_cast<uint64_t>(m),
+                n, true};
+    absl::StatusOr<transport::RawReply> r = shm->SendRawForTesting(200, wire::Encode(200, g), "");
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(absl::IsInvalidArgument(r->status)) << r->status;
+    EXPECT_TRUE(absl::string_view(static_cast<char*>(m), 1 << 20) ==
+                ref->bytes.view().substr(0, 1 << 20));
+    munmap(m, len);
+    EXPECT_TRUE(shm->Ping().ok());
+    std::fill(into.begin(), into.end(), 0);
+    absl::StatusOr<uint64_t> again =
+        links.GetInto({"m", "big", wire::Representation::kStored},
+                      {into.data(), into.size(), MemoryKind::kHost}, absl::InfiniteFuture());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(absl::string_view(into.data(), n) == ref->bytes.view());
+  }
 }
 
 TEST_F(ShmLinkDaemonTest, TenantsStayApartOnSharedMemory) {

@@ -25,6 +25,7 @@ TEST(ServerOptionsTest, DaemonDefaultsAreTheTransportDefaults) {
   EXPECT_EQ(t.fd_reserve, d.fd_reserve);
   EXPECT_EQ(t.shared_memory, d.shared_memory);
   EXPECT_EQ(t.shm_max_region_bytes, d.shm_max_region_bytes);
+  EXPECT_EQ(t.shm_copy_lanes, d.shm_copy_lanes);
 }
 
 }  // namespace

@@ -1268,7 +1268,9 @@ void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::
       if (n > capacity) {
         r = absl::OutOfRangeError(absl::StrFormat(
             "cache of %u bytes does not fit the %u-byte buffer", n, capacity));
-      } else if (absl::Status w = peer->WritePeer(offset, r->bytes.data(), n); !w.ok()) {
+      } else if (absl::Status w = peer->WritePeer(offset, r->bytes.data(), n,
+                                                  ShmCopyLanes(options_.shm_copy_lanes));
+                 !w.ok()) {
         r = w;
       } else {
         shared = true;

@@ -13,11 +13,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <system_error>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -125,8 +130,17 @@ bool ShmGrant::has_peer() const {
   return pidfd_ >= 0;
 }
 
-absl::Status ShmGrant::PeerAccess(bool write, uint64_t address, void* local,
-                                  uint64_t bytes) const {
+int ShmCopyLanes(uint32_t configured) {
+  if (configured > 0) return static_cast<int>(std::min<uint32_t>(configured, 16));
+  cpu_set_t set;
+  const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0
+                       ? CPU_COUNT(&set)
+                       : static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(cpus / 4, 1, 4);
+}
+
+absl::Status ShmGrant::PeerAccess(bool write, uint64_t address, void* local, uint64_t bytes,
+                                  int lanes) const {
   int pid, pidfd;
   {
     absl::MutexLock lock(&mu_);
@@ -139,39 +153,67 @@ absl::Status ShmGrant::PeerAccess(bool write, uint64_t address, void* local,
   if (address + bytes < address) {
     return absl::InvalidArgumentError("the peer's range wraps around the address space");
   }
-  uint64_t done = 0;
-  while (done < bytes) {
-    // The process the pidfd holds must still be alive: its pid is never another's.
-    if (!PidfdAlive(pidfd)) {
-      return absl::FailedPreconditionError("the peer process has exited");
-    }
-    const uint64_t n = std::min<uint64_t>(bytes - done, uint64_t{1} << 30);
-    iovec mine = {static_cast<uint8_t*>(local) + done, n};
-    iovec theirs = {reinterpret_cast<void*>(address + done), n};
-    const ssize_t r = write ? process_vm_writev(pid, &mine, 1, &theirs, 1, 0)
-                            : process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
-    if (r <= 0) {
-      const int e = r < 0 ? errno : EFAULT;
-      if (e == EFAULT) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the peer's ", write ? "destination" : "source", " [", address, ", +", bytes,
-            ") is not ", write ? "writable" : "readable", " memory of its process"));
+  // [begin, end) of the range; the grant's pidfd stays open while this call runs (the caller
+  // holds the grant).
+  auto copy = [&](uint64_t begin, uint64_t end) -> absl::Status {
+    uint64_t done = begin;
+    while (done < end) {
+      // The process the pidfd holds must still be alive: its pid is never another's.
+      if (!PidfdAlive(pidfd)) {
+        return absl::FailedPreconditionError("the peer process has exited");
       }
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot ", write ? "write" : "read", " the peer's memory: ",
-                       std::strerror(e)));
+      const uint64_t n = std::min<uint64_t>(end - done, uint64_t{1} << 30);
+      iovec mine = {static_cast<uint8_t*>(local) + done, n};
+      iovec theirs = {reinterpret_cast<void*>(address + done), n};
+      const ssize_t r = write ? process_vm_writev(pid, &mine, 1, &theirs, 1, 0)
+                              : process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
+      if (r <= 0) {
+        const int e = r < 0 ? errno : EFAULT;
+        if (e == EFAULT) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the peer's ", write ? "destination" : "source", " [", address, ", +", bytes,
+              ") is not ", write ? "writable" : "readable", " memory of its process"));
+        }
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot ", write ? "write" : "read", " the peer's memory: ",
+                         std::strerror(e)));
+      }
+      done += static_cast<uint64_t>(r);
     }
-    done += static_cast<uint64_t>(r);
+    return absl::OkStatus();
+  };
+  const uint64_t n_lanes =
+      std::clamp<uint64_t>(bytes / kShmMinLaneBytes, 1, static_cast<uint64_t>(std::max(lanes, 1)));
+  if (n_lanes == 1) return copy(0, bytes);
+  // Contiguous ranges on 64 KiB boundaries; the kernel pins and copies each lane's pages on its
+  // own thread (one thread's copy is bound by its page pinning and its core's copy rate).
+  const uint64_t per = (bytes / n_lanes + 0xffff) & ~uint64_t{0xffff};
+  std::vector<absl::Status> status(n_lanes);
+  std::vector<std::thread> threads;
+  threads.reserve(n_lanes - 1);
+  for (uint64_t i = 1; i < n_lanes; ++i) {
+    const uint64_t begin = std::min(i * per, bytes), end = std::min((i + 1) * per, bytes);
+    try {
+      threads.emplace_back([&status, &copy, i, begin, end] { status[i] = copy(begin, end); });
+    } catch (const std::system_error&) {
+      status[i] = copy(begin, end);  // no thread to be had: this one does it
+    }
+  }
+  status[0] = copy(0, std::min(per, bytes));
+  for (std::thread& t : threads) t.join();
+  for (absl::Status& s : status) {
+    if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-absl::Status ShmGrant::ReadPeer(uint64_t address, void* to, uint64_t bytes) const {
-  return PeerAccess(false, address, to, bytes);
+absl::Status ShmGrant::ReadPeer(uint64_t address, void* to, uint64_t bytes, int lanes) const {
+  return PeerAccess(false, address, to, bytes, lanes);
 }
 
-absl::Status ShmGrant::WritePeer(uint64_t address, const void* from, uint64_t bytes) const {
-  return PeerAccess(true, address, const_cast<void*>(from), bytes);
+absl::Status ShmGrant::WritePeer(uint64_t address, const void* from, uint64_t bytes,
+                                 int lanes) const {
+  return PeerAccess(true, address, const_cast<void*>(from), bytes, lanes);
 }
 
 std::shared_ptr<ShmMapping> ShmGrant::Region(uint8_t id) const {

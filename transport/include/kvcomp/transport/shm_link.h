@@ -117,6 +117,12 @@ class ShmMapping {
 
 // What one connection attached. Regions are replaced by a later attach of the same id; a
 // holder of the old mapping keeps it until done.
+// The least a lane of a split peer copy moves: smaller copies stay on one thread.
+inline constexpr uint64_t kShmMinLaneBytes = uint64_t{8} << 20;
+// The lanes of a direct get's copy: `configured` when not 0 (at most 16), else one per 4 CPUs
+// this process may run on, 1 to 4.
+int ShmCopyLanes(uint32_t configured);
+
 class ShmGrant {
  public:
   explicit ShmGrant(std::string token) : token_(std::move(token)) {}
@@ -130,11 +136,14 @@ class ShmGrant {
   // Copies between the peer's memory at `address` and this process's, one copy; FailedPrecondition
   // when no peer is registered, it has exited or the kernel refuses (permission), InvalidArgument
   // when the peer's range is not its memory.
-  absl::Status ReadPeer(uint64_t address, void* to, uint64_t bytes) const;
-  absl::Status WritePeer(uint64_t address, const void* from, uint64_t bytes) const;
+  // `lanes` > 1: a copy of at least kShmMinLaneBytes per lane is split into that many
+  // contiguous ranges copied at once, one thread each (the calling thread takes the first).
+  absl::Status ReadPeer(uint64_t address, void* to, uint64_t bytes, int lanes = 1) const;
+  absl::Status WritePeer(uint64_t address, const void* from, uint64_t bytes, int lanes = 1) const;
 
  private:
-  absl::Status PeerAccess(bool write, uint64_t address, void* local, uint64_t bytes) const;
+  absl::Status PeerAccess(bool write, uint64_t address, void* local, uint64_t bytes,
+                          int lanes) const;
   const std::string token_;
   mutable absl::Mutex mu_;
   std::shared_ptr<ShmMapping> regions_[kShmRegions] ABSL_GUARDED_BY(mu_);
