@@ -8,7 +8,8 @@
 #   2. bench/transport/run.sh: ingest over the shared-memory link (direct and regions) against
 #      ucx_perftest sm,tcp, and over UCX tcp against ucx_perftest tcp; then the stored get of a
 #      Llama-3.1-8B-shaped 8K cache from a real kvcompd against the transfer time of its bytes at
-#      ucx_perftest's shared-memory rate of the same run.
+#      ucx_perftest's shared-memory rate of the same run, with the daemon's default copy lanes
+#      for direct gets and with one lane (data_plane.shm_copy_lanes).
 # Results (markdown and jsonl), the machine's description and the logs go to $OUT.
 #
 # Here (2 cores):
@@ -112,6 +113,7 @@ if [[ " $STEPS " == *" transport "* ]]; then
   say "transport  from $(elapsed) s"
   KVCOMP_RESULTS=$OUT/transport.md KVCOMP_TLS_LIST=${KVCOMP_TLS_LIST:-tcp sm,tcp:shm sm,tcp:shm-regions} \
     KVCOMP_GET_BYTES=${KVCOMP_GET_BYTES:-0} KVCOMP_STORED_GETS=${KVCOMP_STORED_GETS:-5} \
+    KVCOMP_STORED_LANES=${KVCOMP_STORED_LANES:-0 1} \
     timeout $((BUDGET - $(elapsed))) bash bench/transport/run.sh "$BUILD" >>"$LOG" 2>&1 ||
     say "transport  exited $?"
 fi

@@ -13,6 +13,7 @@
 //   client ... --link=shm                               the same through same-host shared
 //                                                       memory (shm_link.h) instead of UCX
 //   kvcomp_transport_bench stored <host:port> --tokens=T [--gets=N] [--link=shm|ucx]
+//                                        [--modes=shm-direct,shm-regions,ucx]
 //                                                       against a running kvcompd: puts one
 //                                                       Llama-3.1-8B-shaped cache of T tokens
 //                                                       (bf16, the daemon's default policy),
@@ -33,6 +34,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/transport/client.h"
@@ -369,6 +371,8 @@ int Stored(int argc, char** argv) {
   if (!ep.ok()) return 2;
   const uint64_t tokens = Flag(argc, argv, "tokens", 8192);
   const uint64_t gets = Flag(argc, argv, "gets", 10);
+  // Which links the gets take: a comma-separated subset of shm-direct, shm-regions, ucx.
+  const std::string modes = StrFlag(argc, argv, "modes", "shm-direct,shm-regions,ucx");
   const KvLayout layout{32, 8, 32, 128, DType::kBF16};
   auto connect = [&](bool shm, bool direct = true) -> std::unique_ptr<UcxClient> {
     ClientOptions co;
@@ -472,6 +476,7 @@ int Stored(int argc, char** argv) {
                        : (c->SharedMemory() != nullptr && c->SharedMemory()->direct())
                            ? "shm-direct"
                            : "shm-regions";
+    if (!absl::StrContains(absl::StrCat(",", modes, ","), absl::StrCat(",", mode, ","))) continue;
     std::vector<double> ms;
     LinkKind used = LinkKind::kUcxHost;
     for (uint64_t i = 0; i < gets + 1; ++i) {

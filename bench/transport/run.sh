@@ -19,7 +19,9 @@
 # 256 MiB; 0 skips), KVCOMP_GETS (10), KVCOMP_STORED_TOKENS (the stored cache's tokens, 8192;
 # 0 skips; needs <build>/service/kvcompd), KVCOMP_STORED_GETS (its gets per call and link,
 # KVCOMP_GETS), KVCOMP_RESULTS (the results file, default bench/results/transport_<date>.md;
-# appended to when it exists), KVCOMP_COMMIT (the commit, where the tree has no git).
+# appended to when it exists), KVCOMP_COMMIT (the commit, where the tree has no git),
+# KVCOMP_STORED_LANES (the daemon's data_plane.shm_copy_lanes for the stored get, a list; default
+# "0", its default; each further value another daemon and put, timed over shm-direct only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -34,6 +36,7 @@ GET_BYTES=${KVCOMP_GET_BYTES:-268435456}  # get latency: cache size (0 skips)
 GETS=${KVCOMP_GETS:-10}
 STORED_TOKENS=${KVCOMP_STORED_TOKENS:-8192}
 STORED_GETS=${KVCOMP_STORED_GETS:-$GETS}
+STORED_LANES=${KVCOMP_STORED_LANES:-0}
 KVCOMPD=$BUILD/service/kvcompd
 
 if [ ! -x "$BENCH" ]; then
@@ -210,29 +213,40 @@ fi
 # against the transfer time of its bytes at ucx_perftest's sm,tcp rate measured above.
 if [ "$STORED_TOKENS" != 0 ] && [ -x "$KVCOMPD" ]; then
   if [ ! -x "$BENCH" ]; then cmake --build "$BUILD" --target kvcomp_transport_bench >/dev/null; fi
-  DDIR=$(mktemp -d /tmp/kvcomp-transport-stored-XXXXXX)
-  UCX_TLS=sm,tcp "$KVCOMPD" --data_plane.port=0 --control_plane.port=0 --metrics.port=0 \
-    --storage.data_dir="$DDIR/data" --process.ready_file="$DDIR/ready.yaml" \
-    --storage.durability=memory --storage.host_capacity_bytes=4Gi >"$DDIR/log" 2>&1 &
-  KP=$!
-  PIDS+=("$KP")
-  for _ in $(seq 300); do [ -s "$DDIR/ready.yaml" ] && break; sleep 0.1; done
-  DPORT=$(awk '/data_port:/{print $2}' "$DDIR/ready.yaml" 2>/dev/null)
-  l=$(load)
-  OUT=$(UCX_TLS=sm,tcp timeout 900 "$BENCH" stored "127.0.0.1:$DPORT" --tokens="$STORED_TOKENS" \
-          --gets="$STORED_GETS" 2>&1 || true)
-  kill "$KP" 2>/dev/null || true
-  wait "$KP" 2>/dev/null || true
-  rm -rf "$DDIR"
-  echo "$OUT" | grep -E '^(PUT|RESULT)' >&2 || echo "$OUT" | tail -3 >&2
-  SB=$(echo "$OUT" | awk '/^PUT/{for(i=1;i<=NF;i++) if ($i ~ /^stored_bytes=/) {sub("stored_bytes=","",$i); print $i}}')
+  OUT=""
+  LOADS=""
+  first=1
+  for lanes in $STORED_LANES; do
+    modes=shm-direct,shm-regions,ucx
+    [ "$first" = 1 ] || modes=shm-direct
+    DDIR=$(mktemp -d /tmp/kvcomp-transport-stored-XXXXXX)
+    UCX_TLS=sm,tcp "$KVCOMPD" --data_plane.port=0 --control_plane.port=0 --metrics.port=0 \
+      --storage.data_dir="$DDIR/data" --process.ready_file="$DDIR/ready.yaml" \
+      --storage.durability=memory --storage.host_capacity_bytes=4Gi \
+      --data_plane.shm_copy_lanes="$lanes" >"$DDIR/log" 2>&1 &
+    KP=$!
+    PIDS+=("$KP")
+    for _ in $(seq 300); do [ -s "$DDIR/ready.yaml" ] && break; sleep 0.1; done
+    DPORT=$(awk '/data_port:/{print $2}' "$DDIR/ready.yaml" 2>/dev/null)
+    LOADS="$LOADS $(load)"
+    ONE=$(UCX_TLS=sm,tcp timeout 900 "$BENCH" stored "127.0.0.1:$DPORT" --tokens="$STORED_TOKENS" \
+            --gets="$STORED_GETS" --modes="$modes" 2>&1 || true)
+    kill "$KP" 2>/dev/null || true
+    wait "$KP" 2>/dev/null || true
+    rm -rf "$DDIR"
+    echo "$ONE" | grep -E '^(PUT|RESULT)' >&2 || echo "$ONE" | tail -3 >&2
+    # Each result line with the lanes it ran with ("0": the daemon's default for this machine).
+    OUT="$OUT"$'\n'"$(echo "$ONE" | sed -E "s/^(RESULT|PUT) /\1 lanes=$lanes /")"
+    first=0
+  done
+  SB=$(echo "$OUT" | awk '/^PUT/{for(i=1;i<=NF;i++) if ($i ~ /^stored_bytes=/) {sub("stored_bytes=","",$i); print $i}}' | head -1)
   {
     echo
     echo "Stored get of a Llama-3.1-8B-shaped cache from kvcompd ($STORED_TOKENS tokens, bf16, the"
     echo "daemon's default policy, host tier, durability memory; ${SB:-?} stored bytes): GetInto one"
     echo "reused host buffer through the payload links, and Get into a new buffer each time (its"
     echo "size unknown beforehand, as the SDK's Get and GetBytes), $STORED_GETS of each after one warm-up;"
-    echo "load $l."
+    echo "load$LOADS (one per daemon below)."
     echo "Reference: the transfer time of its bytes at ucx_perftest's sm,tcp rate above (the"
     echo "median of its ${#SM_RUNS[@]} runs in this run: ${SM_RATE:-n/a} MiB/s); the target is a get within 2x"
     echo "of it."
@@ -244,17 +258,21 @@ if [ "$STORED_TOKENS" != 0 ] && [ -x "$KVCOMPD" ]; then
     echo "ucx_perftest sm,tcp with 64 MiB messages (40 per run, $REPS runs): $(median "${BIG[@]}") MiB/s"
     echo "(${BIG[*]}), for comparison: the stored get moves $((${SB:-0} >> 20)) MiB at once."
     echo
-    echo "| call | link | p50 ms | p99 ms | transfer at perftest sm rate, ms | p50 / transfer |"
-    echo "| --- | --- | --- | --- | --- | --- |"
-    echo "$OUT" | grep -E '^RESULT stored_bytes' | while read -r line; do
+    echo "Copy lanes: the daemon's data_plane.shm_copy_lanes (0 = its default here: one per 4 CPUs,"
+    echo "1 to 4: $(( $(nproc) / 4 < 1 ? 1 : ($(nproc) / 4 > 4 ? 4 : $(nproc) / 4) )) on this machine's $(nproc)); they split direct gets only."
+    echo
+    echo "| call | link | copy lanes | p50 ms | p99 ms | transfer at perftest sm rate, ms | p50 / transfer |"
+    echo "| --- | --- | --- | --- | --- | --- | --- |"
+    echo "$OUT" | grep -E '^RESULT lanes=[0-9]+ stored_bytes' | while read -r line; do
       call=GetInto
       case "$line" in *call=get*) call=Get ;; esac
       mode=$(echo "$line" | sed -E 's/.*mode=([^ ]+).*/\1/')
+      lanes=$(echo "$line" | sed -E 's/.*lanes=([^ ]+).*/\1/')
       p50=$(echo "$line" | sed -E 's/.*p50_ms=([0-9.]+).*/\1/')
       p99=$(echo "$line" | sed -E 's/.*p99_ms=([0-9.]+).*/\1/')
-      awk -v c="$call" -v m="$mode" -v a="$p50" -v b="$p99" -v n="${SB:-0}" -v r="${SM_RATE:-0}" 'BEGIN{
+      awk -v c="$call" -v m="$mode" -v k="$lanes" -v a="$p50" -v b="$p99" -v n="${SB:-0}" -v r="${SM_RATE:-0}" 'BEGIN{
         t = (r > 0) ? n / (r * 1048576) * 1000 : 0;
-        printf "| %s | %s | %s | %s | %.1f | %s |\n", c, m, a, b, t, (t > 0) ? sprintf("%.2fx", a / t) : "n/a" }'
+        printf "| %s | %s | %s | %s | %s | %.1f | %s |\n", c, m, (m == "shm-direct") ? k : "-", a, b, t, (t > 0) ? sprintf("%.2fx", a / t) : "n/a" }'
     done
   } >>"$RESULTS.tmp"
 fi
