@@ -216,10 +216,11 @@ uint32_t LayerGroup(Backend& backend, const KvCacheView& cache, const Compressio
     args.values.num_heads *= layers;
     args.score = ScoreParamsFromPolicy(policy, 0);
     args.select = select;
-    // The moment-aware rescoring's sort keys, orders, ranks and distances (moments_aware.cu:
-    // 68 bytes a token of each head) besides the selection's own.
+    // The moment-aware rescoring's sort keys and payloads, ranks, eviction bytes and the mean's
+    // chunk sums (moments_aware.cu: 57 bytes a token of each head and 8 a channel of each
+    // 256-token chunk, 64 counted) besides the selection's own.
     const uint64_t rescoring =
-        policy.moment_aware ? uint64_t{args.keys.num_heads} * cache.num_tokens * 68 : 0;
+        policy.moment_aware ? uint64_t{args.keys.num_heads} * cache.num_tokens * 64 : 0;
     return backend.scoring().WorkspaceBytes(args) + rescoring;
   };
   const uint64_t bound =

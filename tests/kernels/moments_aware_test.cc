@@ -57,6 +57,33 @@ TEST(MomentAwareTest, FarFromTheSummaryRanksHigher) {
   for (float s : same) EXPECT_EQ(s, 2.0f);
 }
 
+// Distances are ranked by their rounding to f32, ties by lower index (the device sorts 32-bit
+// keys): a token a hair farther in f64 but at the same f32 distance ranks below a later one.
+TEST(MomentAwareTest, DistancesTiedInF32RankByIndex) {
+  const uint32_t d = 2;
+  const uint64_t n = 8;
+  // Tokens 0-3 at the origin with low scores: provisionally evicted, so mu = 0 exactly.
+  std::vector<float> k(n * d, 0.0f);
+  k[4 * d] = 1.0f;
+  k[4 * d + 1] = 0x1p-13f;  // ||k_4|| = sqrt(1 + 2^-26): above 1 in f64, 1.0f in f32
+  k[5 * d] = 1.0f;          // ||k_5|| = 1
+  k[6 * d] = 2.0f;
+  k[7 * d] = 3.0f;
+  std::vector<float> scores = {0.1f, 0.1f, 0.1f, 0.1f, 1.0f, 1.0f, 1.0f, 1.0f};
+  SelectParams sel;
+  sel.kept_per_head = 4;
+  sel.protect = false;
+  const HeadsView kv = HeadsView::Dense(k.data(), DType::kF32, 1, n, d);
+  ASSERT_TRUE(moments_internal::MomentAwareRescore(kv, sel, TokenPositions{}, nullptr, nullptr,
+                                                   scores.data())
+                  .ok());
+  // Score ranks 4 and 5 (tied, by index); distance ranks 4 and 5 (tied in f32, by index).
+  EXPECT_LT(scores[4], scores[5]);
+  EXPECT_EQ(scores[4], static_cast<float>(0.5 * (4.0 / 7.0) + 0.5 * (4.0 / 7.0)));
+  EXPECT_EQ(scores[5], static_cast<float>(0.5 * (5.0 / 7.0) + 0.5 * (5.0 / 7.0)));
+  EXPECT_LT(scores[5], scores[6]);
+}
+
 // The prior summary moves the mean: with a prior far away, the token near it is the one the
 // summary represents, so it ranks lower.
 TEST(MomentAwareTest, PriorSummaryShiftsTheMean) {

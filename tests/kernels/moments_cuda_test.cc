@@ -2,12 +2,14 @@
 // through the gather and the fused compaction pass (tensor cores for 16-bit inputs), merges, and
 // the corrected decode attention; plus bad input on the device.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "common/gpu.h"
+#include "cpu/moments_aware.h"
 #include "gtest/gtest.h"
 #include "kernels/moments_test_util.h"
 #include "kvcomp/kernels/allocator.h"
@@ -371,6 +373,132 @@ TEST_F(MomentsCudaTest, RejectsBadIndicesOnTheDevice) {
   const HeadsView host = HeadsView::Dense(k.data(), DType::kBF16, heads, tokens, d);
   EXPECT_EQ(gpu_->moments().Accumulate(host, host, lists, m.view).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Moment-aware rescoring on the device (one sort of both ranks, the mean summed chunk by chunk)
+// against the CPU reference on fresh random inputs: the rescored f32 scores bit for bit, for
+// every input dtype, aligned and unaligned rows, padded strides, protected tokens, explicit
+// positions, scores with many exact ties (and -0 beside +0), keys with duplicated rows (equal
+// distances) and rows one ulp apart (distances that differ in f64 but round to the same f32:
+// ranked by index on both), heads from 1 to 64 and tokens from 2 to 9000. The seed is printed
+// (KVCOMP_MOMENTS_SEED replays it).
+TEST_F(MomentsCudaTest, MomentAwareRescoreIsTheCpusBitForBit) {
+  uint64_t seed = std::random_device{}();
+  if (const char* e = std::getenv("KVCOMP_MOMENTS_SEED")) seed = std::strtoull(e, nullptr, 10);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::printf("moment-aware rescoring seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  struct Case {
+    DType dtype;
+    uint32_t heads;
+    uint64_t n;
+    uint32_t d;
+    uint32_t pad;  // extra elements a token row (unaligned rows when odd)
+  };
+  const std::vector<Case> cases = {
+      {DType::kBF16, 1, 2, 64, 0},      {DType::kBF16, 3, 37, 128, 0},
+      {DType::kF16, 5, 255, 128, 0},    {DType::kF32, 4, 256, 64, 0},
+      {DType::kBF16, 8, 257, 128, 8},   {DType::kF16, 2, 1000, 36, 0},
+      {DType::kBF16, 16, 2049, 128, 0}, {DType::kF32, 3, 3000, 96, 1},
+      {DType::kBF16, 64, 700, 128, 0},  {DType::kBF16, 2, 9000, 128, 0},
+      {DType::kF16, 6, 4096, 256, 3},
+  };
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::normal_distribution<float> g(0.25f, 1.0f);
+  for (const Case& c : cases) {
+    for (int variant = 0; variant < 3; ++variant) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << " heads " << c.heads << " n "
+                                        << c.n << " d " << c.d << " pad " << c.pad
+                                        << " variant " << variant);
+      const uint64_t stride = c.d + c.pad;
+      const uint64_t elems = uint64_t{c.heads} * c.n * stride;
+      std::vector<uint8_t> keys(DTypeBytes(c.dtype, elems));
+      for (uint64_t i = 0; i < elems; ++i) StoreFromFloat(keys.data(), c.dtype, i, g(rng));
+      const size_t eb = DTypeBytes(c.dtype, 1);
+      for (uint32_t h = 0; h < c.heads; ++h) {
+        for (uint64_t t = 1; t < c.n; ++t) {
+          uint8_t* row = keys.data() + (uint64_t{h} * c.n + t) * stride * eb;
+          const double r = u(rng);
+          if (r < 0.1) {
+            std::memcpy(row, row - stride * eb, c.d * eb);  // the same row: equal distances
+          } else if (r < 0.15) {
+            // One channel moved by one step of the dtype: a distance a hair apart.
+            std::memcpy(row, row - stride * eb, c.d * eb);
+            const uint32_t x = static_cast<uint32_t>(rng() % c.d);
+            if (c.dtype == DType::kF32) {
+              uint32_t bits;
+              std::memcpy(&bits, row + x * 4, 4);
+              bits ^= 1u;
+              std::memcpy(row + x * 4, &bits, 4);
+            } else {
+              row[x * 2] ^= 1u;
+            }
+          }
+        }
+      }
+      std::vector<float> scores(uint64_t{c.heads} * c.n);
+      for (uint64_t i = 0; i < scores.size(); ++i) {
+        // variant 0: continuous; 1: few distinct values (many ties, -0 and +0); 2: all equal.
+        if (variant == 0) {
+          scores[i] = static_cast<float>(u(rng));
+        } else if (variant == 1) {
+          scores[i] = static_cast<float>(static_cast<int>(u(rng) * 5));
+          if (scores[i] == 0.0f && u(rng) < 0.5) scores[i] = -0.0f;
+        } else {
+          scores[i] = 1.0f;
+        }
+      }
+      SelectParams sel;
+      sel.kept_per_head = 1 + rng() % (c.n - 1 > 0 ? c.n - 1 : 1);
+      sel.protect = variant != 2 || c.n % 2 == 0;
+      sel.n_sink = static_cast<uint32_t>(rng() % 6);
+      sel.n_recent = static_cast<uint32_t>(rng() % (c.n / 4 + 1));
+      TokenPositions pos;
+      std::vector<uint32_t> positions;
+      if (variant == 1) {
+        // Explicit ascending positions with gaps, the sequence longer than the view.
+        positions.resize(scores.size());
+        for (uint32_t h = 0; h < c.heads; ++h) {
+          uint32_t p = static_cast<uint32_t>(rng() % 3);
+          for (uint64_t t = 0; t < c.n; ++t) {
+            positions[uint64_t{h} * c.n + t] = p;
+            p += 1 + static_cast<uint32_t>(rng() % 3);
+          }
+        }
+        pos.sequence_length = positions.back() + 1 + rng() % 4;
+      } else {
+        pos.offset = variant == 0 ? rng() % 100 : 0;
+      }
+      HeadsView hk{keys.data(), c.dtype, c.heads, c.n, c.d, stride, c.n * stride,
+                   MemorySpace::kHost};
+      std::vector<float> want = scores;
+      TokenPositions host_pos = pos;
+      host_pos.data = positions.empty() ? nullptr : positions.data();
+      ASSERT_TRUE(moments_internal::MomentAwareRescore(hk, sel, host_pos, nullptr, nullptr,
+                                                       want.data())
+                      .ok());
+      Buffer dk = Up(keys), ds = Up(scores), dp = Up(positions);
+      HeadsView gk = hk;
+      gk.data = dk.data();
+      gk.space = MemorySpace::kDevice;
+      TokenPositions dev_pos = pos;
+      dev_pos.data = positions.empty() ? nullptr : dp.as<uint32_t>();
+      ASSERT_TRUE(moments_internal::MomentAwareRescoreOnDevice(
+                      gpu_->native_stream(), gpu_->allocator(), gk, sel, dev_pos, ds.as<float>())
+                      .ok());
+      const std::vector<float> got = Down<float>(ds, scores.size());
+      uint64_t differ = 0, first = scores.size();
+      for (uint64_t i = 0; i < scores.size(); ++i) {
+        if (std::memcmp(&got[i], &want[i], 4) != 0) {
+          if (differ++ == 0) first = i;
+        }
+      }
+      EXPECT_EQ(differ, 0u) << "first at head " << first / c.n << " token " << first % c.n
+                            << ": " << (first < got.size() ? got[first] : 0.0f) << " vs "
+                            << (first < want.size() ? want[first] : 0.0f);
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
 }
 
 }  // namespace

@@ -46,7 +46,8 @@ absl::Status MomentAwareRescore(const HeadsView& keys, const SelectParams& selec
   std::vector<uint32_t> order(n);
   std::vector<double> eff(n), dist(n), pct_s, pct_d;
   std::vector<float> row(d);
-  std::vector<double> mu(d);
+  std::vector<double> mu(d), part(d);
+  std::vector<uint8_t> evicted(n);
   for (uint32_t h = 0; h < keys.num_heads; ++h) {
     float* s = scores + uint64_t{h} * n;
     const uint32_t* prow = positions.data != nullptr ? positions.data + uint64_t{h} * n : nullptr;
@@ -68,17 +69,30 @@ absl::Status MomentAwareRescore(const HeadsView& keys, const SelectParams& selec
       RowToFloat(static_cast<const uint8_t*>(keys.data) + keys.offset(h, t) * eb, keys.dtype, d,
                  row.data());
     };
-    for (uint64_t r = kept; r < n; ++r) {
-      load(order[r]);
-      for (uint32_t x = 0; x < d; ++x) mu[x] += row[x];
+    // The provisionally evicted keys summed in f64, in token order a chunk of
+    // kMomentAwareMeanChunk tokens at a time (each chunk from +0), the chunks' sums added to the
+    // prior in chunk order: a sum fixed by the tokens, which the device sums chunk by chunk.
+    std::fill(evicted.begin(), evicted.end(), uint8_t{0});
+    for (uint64_t r = kept; r < n; ++r) evicted[order[r]] = 1;
+    for (uint64_t c0 = 0; c0 < n; c0 += kMomentAwareMeanChunk) {
+      std::fill(part.begin(), part.end(), 0.0);
+      const uint64_t c1 = std::min<uint64_t>(n, c0 + kMomentAwareMeanChunk);
+      for (uint64_t t = c0; t < c1; ++t) {
+        if (evicted[t] == 0) continue;
+        load(t);
+        for (uint32_t x = 0; x < d; ++x) part[x] += static_cast<double>(row[x]);
+      }
+      for (uint32_t x = 0; x < d; ++x) mu[x] += part[x];
     }
     count += n - kept;
     for (uint32_t x = 0; x < d; ++x) mu[x] /= static_cast<double>(count);
+    // Distances summed in f64 in channel order, ranked by their rounding to f32 (ties by lower
+    // index, as the scores'): 32-bit keys for the device's sort, the same ranks on both.
     for (uint64_t t = 0; t < n; ++t) {
       load(t);
       double acc = 0.0;
       for (uint32_t x = 0; x < d; ++x) acc += (row[x] - mu[x]) * (row[x] - mu[x]);
-      dist[t] = std::sqrt(acc);
+      dist[t] = static_cast<double>(static_cast<float>(std::sqrt(acc)));
       eff[t] = s[t];
     }
     PercentileRanks(eff, &pct_s);

@@ -17,12 +17,19 @@ namespace moments_internal {
 // Weight of the distance percentile in the combined score (docs/moment_aware.md).
 inline constexpr double kMomentAwareBeta = 0.5;
 
+// Tokens a chunk of the summary mean's sum (MomentAwareRescore): each chunk's provisionally
+// evicted keys are summed in token order from +0, the chunks added in order. Fixed by the rule,
+// not by a launch shape, so the CPU and the device sum the same f64 values in the same order.
+inline constexpr uint64_t kMomentAwareMeanChunk = 256;
+
 // Rewrites `scores` ([keys.num_heads, keys.num_tokens], host) in place by the rule: per head, a
 // provisional eviction (top kept_per_head of the scores, protected tokens kept, ties by lower
 // index), the summary mean mu of the prior evicted keys (prior_count/prior_key_sum per head, or
-// null) plus the provisionally evicted ones, then
-//   score'_i = (1 - beta) * pct(score_i) + beta * pct(||k_i - mu||)
-// with pct the rank in [0, 1] (ties by lower index). Heads with no token to evict keep their
+// null) plus the provisionally evicted ones (summed in f64 chunk by chunk, see
+// kMomentAwareMeanChunk), then
+//   score'_i = (1 - beta) * pct(score_i) + beta * pct(f32(||k_i - mu||))
+// with pct the rank in [0, 1] (ties by lower index) and the distance summed in f64 in channel
+// order, then rounded to f32. Heads with no token to evict keep their
 // scores. keys: host. InvalidArgument on bad shapes.
 absl::Status MomentAwareRescore(const HeadsView& keys, const SelectParams& select,
                                 const TokenPositions& positions, const uint64_t* prior_count,

@@ -1,16 +1,23 @@
 // Moment-aware eviction's rescoring (cpu/moments_aware.h: MomentAwareRescore) on the device, for
-// a layer whose keys and scores are in device memory. The steps follow the CPU reference one to
-// one: the provisional eviction and both percentile ranks are stable radix sorts over the whole
-// layer (CUB; the head in the key's high bits, so every head sorts at once; equal keys keep the
-// lower index first, as the reference's ties), the summary mean and the distances are summed in
-// f64, so the ranks, and with them the rescored f32 scores, are the reference's but where two
-// distances agree to f64 rounding.
+// a group of heads whose keys and scores are in device memory, in one sort and six launches:
+//  1. one block per head finds the provisional eviction by radix select over the effective
+//     scores (the kept-th largest, then the equal ones by lower index), marks the evicted
+//     tokens and writes the scores' sort keys;
+//  2. the evicted keys are summed in f64 per chunk of kMomentAwareMeanChunk tokens in token
+//     order, and the chunks in chunk order (the reference's sum, so the same mean to the bit);
+//  3. each token's distance to its head's mean, summed in f64 in channel order and rounded to
+//     f32, becomes the distances' sort key;
+//  4. one stable radix sort of both key sets, (set, head, 32-bit key) with the layer-wide index
+//     as payload, gives every token its rank in both orders (ties by lower index), and
+//  5. the combined scores are written from the two ranks.
+// So the rescored f32 scores are the reference's bit for bit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/util_type.cuh>
 #include <limits>
 
 #include "../cpu/moments_aware.h"
@@ -23,7 +30,9 @@ namespace kvcomp {
 namespace moments_internal {
 namespace {
 
-constexpr int kMuChunks = 32;  // blocks per head summing the provisionally evicted keys
+constexpr unsigned kEvictThreads = 1024;  // one block per head
+constexpr unsigned kEvictWarps = kEvictThreads / 32;
+constexpr unsigned kMeanThreads = 256;
 
 template <typename T>
 __device__ __forceinline__ double LoadD(const T* p);
@@ -42,67 +51,182 @@ __device__ __forceinline__ uint32_t OrderBits(float x) {
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 
-// Sort keys of each token: (head, falling effective score) and (head, rising score), the
-// effective score +inf where protected; the token's layer-wide index as payload.
-__global__ void PrepareKernel(const float* scores, uint32_t heads, uint64_t n,
-                              const uint32_t* positions, uint64_t offset, uint64_t seq,
-                              SelectParams select, uint64_t* eff_keys, uint64_t* plain_keys,
-                              uint32_t* idx) {
-  const uint64_t total = uint64_t{heads} * n;
-  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
-       i += uint64_t{gridDim.x} * blockDim.x) {
-    const uint64_t h = i / n, t = i % n;
-    const uint64_t pos = positions != nullptr ? positions[i] : offset + t;
-    const float s = scores[i] == 0.0f ? 0.0f : scores[i];
-    const float e = IsProtected(pos, seq, select) ? std::numeric_limits<float>::infinity() : s;
-    eff_keys[i] = (h << 32) | ~OrderBits(e);
-    plain_keys[i] = (h << 32) | OrderBits(s);
-    idx[i] = static_cast<uint32_t>(i);
+struct EvictShared {
+  uint32_t hist[256];
+  uint32_t warp[kEvictWarps];
+  uint32_t digit, rank, count;
+};
+
+// The key of rank `k` (0-based, ascending) among key(0 .. n): radix select, 8 bits a pass,
+// every thread of the block calling it (as codec_device.cu's outlier search).
+template <typename Key>
+__device__ uint32_t SelectKey(uint64_t n, uint64_t k, EvictShared& sh, Key key_of) {
+  uint32_t prefix = 0, mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (uint32_t i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
+    __syncthreads();
+    const uint32_t lane = threadIdx.x & 31;
+    for (uint64_t base = 0; base < n; base += blockDim.x) {
+      const uint64_t i = base + threadIdx.x;
+      const uint32_t key = i < n ? key_of(i) : 0;
+      const bool counted = i < n && (key & mask) == prefix;
+      const uint32_t digit = counted ? (key >> shift) & 255u : 256u + lane;
+      const uint32_t peers = __match_any_sync(0xffffffffu, digit);
+      if (counted && lane == static_cast<uint32_t>(__ffs(peers) - 1)) {
+        atomicAdd(&sh.hist[digit], static_cast<uint32_t>(__popc(peers)));
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Lane L holds bins [8 L, 8 L + 8); the digit is the bin where the running count passes k.
+      uint32_t c[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c[j] = sh.hist[threadIdx.x * 8 + j];
+        sum += c[j];
+      }
+      uint32_t incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (static_cast<int>(threadIdx.x) >= o) incl += up;
+      }
+      uint32_t below = incl - sum;
+      if (below <= k && k < incl) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (k < below + c[j]) {
+            sh.digit = threadIdx.x * 8 + j;
+            sh.rank = static_cast<uint32_t>(k - below);
+            break;
+          }
+          below += c[j];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= sh.digit << shift;
+    mask |= 0xffu << shift;
+    k = sh.rank;
+    __syncthreads();  // digit and rank read before the next pass writes them
+  }
+  return prefix;
+}
+
+// One block per head: the provisional eviction (all but the `kept` highest effective scores,
+// protected tokens +inf, ties by lower index: the reference's nth_element order) as a byte per
+// token, and the scores' sort keys (set 0: (head, rising score)) with the layer-wide index.
+__global__ void __launch_bounds__(kEvictThreads) EvictKernel(
+    const float* scores, uint32_t heads, uint64_t n, uint64_t kept, const uint32_t* positions,
+    uint64_t offset, uint64_t seq, SelectParams select, uint8_t* evicted, uint64_t* keys,
+    uint32_t* idx) {
+  __shared__ EvictShared sh;
+  const uint64_t h = blockIdx.x;
+  const float* s = scores + h * n;
+  const uint32_t* p = positions != nullptr ? positions + h * n : nullptr;
+  auto plain = [&](uint64_t t) { return OrderBits(s[t] == 0.0f ? 0.0f : s[t]); };
+  auto eff = [&](uint64_t t) {
+    const uint64_t pos = p != nullptr ? p[t] : offset + t;
+    return IsProtected(pos, seq, select) ? OrderBits(std::numeric_limits<float>::infinity())
+                                         : plain(t);
+  };
+  for (uint64_t t = threadIdx.x; t < n; t += blockDim.x) {
+    keys[h * n + t] = (h << 32) | plain(t);
+    idx[h * n + t] = static_cast<uint32_t>(h * n + t);
+  }
+  // The kept-th largest effective key; tokens above it stay, those below go, and of the equal
+  // ones the `need` of lowest index stay.
+  const uint32_t kth = SelectKey(n, n - kept, sh, eff);
+  if (threadIdx.x == 0) sh.count = 0;
+  __syncthreads();
+  uint32_t mine = 0;
+  for (uint64_t t = threadIdx.x; t < n; t += blockDim.x) mine += eff(t) > kth ? 1u : 0u;
+  for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+  if ((threadIdx.x & 31) == 0 && mine != 0) atomicAdd(&sh.count, mine);
+  __syncthreads();
+  const uint64_t need = kept - sh.count;
+  __syncthreads();
+  uint8_t* e = evicted + h * n;
+  uint64_t taken = 0;  // equal tokens seen so far (the same in every thread)
+  const uint32_t lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  for (uint64_t base = 0; base < n; base += blockDim.x) {
+    const uint64_t t = base + threadIdx.x;
+    const uint32_t key = t < n ? eff(t) : 0;
+    const bool eq = t < n && key == kth;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, eq);
+    if (lane == 0) sh.warp[w] = __popc(ballot);
+    __syncthreads();
+    uint64_t before = taken, all = taken;
+    for (uint32_t j = 0; j < kEvictWarps; ++j) {
+      if (j < w) before += sh.warp[j];
+      all += sh.warp[j];
+    }
+    before += __popc(ballot & ((1u << lane) - 1u));
+    if (t < n) e[t] = key < kth || (eq && before >= need) ? 1 : 0;
+    taken = all;
+    __syncthreads();  // sh.warp read before the next chunk writes it
   }
 }
 
-// Partial f64 sums of the provisionally evicted keys (falling order [kept, n) of each head):
-// block (h, c) sums its chunk, one thread per channel.
-template <typename T>
-__global__ void MuPartialKernel(const T* keys, uint64_t head_stride, uint64_t token_stride,
-                                uint32_t d, uint64_t n, uint64_t kept, const uint32_t* order,
-                                double* partial) {
-  const uint32_t h = blockIdx.x, c = blockIdx.y;
-  const uint64_t evicted = n - kept;
-  const uint64_t per = (evicted + kMuChunks - 1) / kMuChunks;
-  const uint64_t lo = kept + c * per, hi = min(n, lo + per);
-  const uint32_t* o = order + uint64_t{h} * n;
-  const T* kh = keys + uint64_t{h} * head_stride;
+// The f64 sums of each chunk's evicted keys in token order (kMomentAwareMeanChunk tokens a
+// chunk): a thread sums V channels of one chunk; a block holds kMeanThreads / lanes chunks of
+// one head (blockIdx.x the chunk group, blockIdx.y the head).
+template <typename T, uint32_t V>
+__global__ void __launch_bounds__(kMeanThreads) MeanPartialKernel(
+    const T* keys, uint64_t head_stride, uint64_t token_stride, uint32_t d, uint64_t n,
+    uint64_t chunks, uint32_t lanes, const uint8_t* evicted, double* partial) {
+  const uint64_t h = blockIdx.y;
+  const uint32_t lane = threadIdx.x % lanes;
+  const uint64_t c = uint64_t{blockIdx.x} * (kMeanThreads / lanes) + threadIdx.x / lanes;
+  if (c >= chunks || threadIdx.x / lanes >= kMeanThreads / lanes) return;
+  const uint64_t t0 = c * kMomentAwareMeanChunk;
+  const uint64_t t1 = min(n, t0 + kMomentAwareMeanChunk);
+  const T* kh = keys + h * head_stride;
+  const uint8_t* e = evicted + h * n;
+  double* out = partial + (h * chunks + c) * d;
+  for (uint32_t x0 = lane * V; x0 < d; x0 += lanes * V) {
+    double acc[V];
+#pragma unroll
+    for (uint32_t j = 0; j < V; ++j) acc[j] = 0.0;
+#pragma unroll 4
+    for (uint64_t t = t0; t < t1; ++t) {
+      if (e[t] == 0) continue;
+      const T* row = kh + t * token_stride + x0;
+      if constexpr (V > 1) {
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(row));
+        const T* v = reinterpret_cast<const T*>(&w);
+#pragma unroll
+        for (uint32_t j = 0; j < V; ++j) acc[j] = __dadd_rn(acc[j], LoadD(v + j));
+      } else {
+        acc[0] = __dadd_rn(acc[0], LoadD(row));
+      }
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < V; ++j) out[x0 + j] = acc[j];
+  }
+}
+
+// mu = (sum of the chunks' sums in chunk order, from +0) / count.
+__global__ void MeanKernel(const double* partial, uint32_t d, uint64_t chunks, uint64_t count,
+                           double* mu) {
+  const uint64_t h = blockIdx.x;
   for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
     double acc = 0.0;
-    for (uint64_t r = lo; r < hi; ++r) {
-      const uint64_t t = o[r] - uint64_t{h} * n;
-      acc = __dadd_rn(acc, LoadD(kh + t * token_stride + x));
-    }
-    partial[(uint64_t{h} * kMuChunks + c) * d + x] = acc;
+    for (uint64_t c = 0; c < chunks; ++c) acc = __dadd_rn(acc, partial[(h * chunks + c) * d + x]);
+    mu[h * d + x] = acc / static_cast<double>(count);
   }
 }
 
-__global__ void MuKernel(const double* partial, uint32_t d, uint64_t count, double* mu) {
-  const uint32_t h = blockIdx.x;
-  for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
-    double acc = 0.0;
-    for (int c = 0; c < kMuChunks; ++c) {
-      acc = __dadd_rn(acc, partial[(uint64_t{h} * kMuChunks + c) * d + x]);
-    }
-    mu[uint64_t{h} * d + x] = acc / static_cast<double>(count);
-  }
-}
-
-// ||k_t - mu|| per token in f64, channels in order (the reference's sum). Distances are >= +0,
-// so their bits order like them. One thread per token: it finds its head and row once and reads
-// the row itself, 64 bytes at a time as four 16-byte loads when rows are 16-byte aligned (`vec`),
-// so a warp's loads use whole sectors; the head's mean comes from L1.
+// ||k_t - mu|| per token in f64, channels in order (the reference's sum), rounded to f32: the
+// distances' sort key (set 1: (heads + head, rising distance); distances are >= +0, so their
+// bits order like them). One thread per token reads its row itself, 64 bytes at a time as four
+// 16-byte loads when rows are 16-byte aligned (`vec`); the head's mean comes from L1.
 template <typename T>
 __global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t head_stride,
                                                       uint64_t token_stride, uint32_t d,
                                                       uint32_t heads, uint64_t n,
-                                                      const double* mu, bool vec, double* dist) {
+                                                      const double* mu, bool vec,
+                                                      uint64_t* sort_keys, uint32_t* idx) {
   const uint64_t total = uint64_t{heads} * n;
   const uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -136,26 +260,19 @@ __global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t he
       acc = __dadd_rn(acc, __dmul_rn(diff, diff));
     }
   }
-  dist[i] = sqrt(acc);
+  const float dist = __double2float_rn(sqrt(acc));
+  sort_keys[total + i] = ((uint64_t{heads} + h) << 32) | __float_as_uint(dist);
+  idx[total + i] = static_cast<uint32_t>(i);
 }
 
-// The head of each token in distance order, the key of the second (stable) pass.
-__global__ void HeadKeyKernel(const uint32_t* idx, uint64_t total, uint64_t n, uint32_t* head) {
-  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
-       i += uint64_t{gridDim.x} * blockDim.x) {
-    head[i] = static_cast<uint32_t>(idx[i] / n);
-  }
-}
-
-// Each token's rank within its head in the two rising orders (orders of layer-wide indices,
-// grouped by head).
-__global__ void RankKernel(const uint32_t* order_s, const uint32_t* order_d, uint64_t total,
-                           uint64_t n, uint32_t* rank_s, uint32_t* rank_d) {
-  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total;
-       i += uint64_t{gridDim.x} * blockDim.x) {
-    const uint32_t r = static_cast<uint32_t>(i % n);
-    rank_s[order_s[i]] = r;
-    rank_d[order_d[i]] = r;
+// Each token's rank within its head in both rising orders: sorted place p holds set/head
+// p / n (every head has n tokens), rank p % n.
+__global__ void RankKernel(const uint32_t* order, uint64_t total, uint64_t n, uint32_t heads,
+                           uint32_t* rank) {
+  for (uint64_t p = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; p < 2 * total;
+       p += uint64_t{gridDim.x} * blockDim.x) {
+    const uint64_t seg = p / n;
+    rank[(seg >= heads ? total : 0) + order[p]] = static_cast<uint32_t>(p - seg * n);
   }
 }
 
@@ -175,6 +292,18 @@ unsigned Blocks(uint64_t n) {
   return static_cast<unsigned>(std::max<uint64_t>(1, std::min<uint64_t>((n + 255) / 256, 65535)));
 }
 
+template <typename T, uint32_t V>
+void LaunchMean(cudaStream_t stream, const T* k, const HeadsView& keys, uint64_t chunks,
+                const uint8_t* evicted, double* partial) {
+  const uint32_t d = keys.head_dim;
+  const uint32_t lanes = std::min<uint32_t>(kMeanThreads, (d + V - 1) / V);
+  const uint64_t per_block = kMeanThreads / lanes;
+  const dim3 grid(static_cast<unsigned>((chunks + per_block - 1) / per_block), keys.num_heads);
+  MeanPartialKernel<T, V><<<grid, kMeanThreads, 0, stream>>>(
+      k, keys.head_stride, keys.token_stride, d, keys.num_tokens, chunks, lanes, evicted,
+      partial);
+}
+
 template <typename T>
 absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView& keys,
                      const SelectParams& select, const TokenPositions& positions,
@@ -183,74 +312,56 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   const uint64_t n = keys.num_tokens, total = uint64_t{heads} * n;
   const uint64_t seq =
       positions.sequence_length > 0 ? positions.sequence_length : positions.offset + n;
-  int head_bits = 1;
-  while ((uint64_t{1} << head_bits) < heads) ++head_bits;
+  const uint64_t chunks = (n + kMomentAwareMeanChunk - 1) / kMomentAwareMeanChunk;
+  int seg_bits = 1;
+  while ((uint64_t{1} << seg_bits) < 2 * uint64_t{heads}) ++seg_bits;
   auto alloc = [&](uint64_t bytes) { return Buffer::Allocate(allocator, bytes); };
-  KVCOMP_ASSIGN_OR_RETURN(Buffer u64, alloc(3 * total * sizeof(uint64_t)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer u32, alloc(9 * total * sizeof(uint32_t)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer f64, alloc(total * sizeof(double)));
-  KVCOMP_ASSIGN_OR_RETURN(
-      Buffer mu_buf, alloc((uint64_t{heads} * kMuChunks + heads) * d * sizeof(double)));
-  uint64_t* eff_keys = u64.as<uint64_t>();
-  uint64_t* plain_keys = eff_keys + total;
-  uint64_t* sorted_keys = plain_keys + total;
-  uint32_t* idx = u32.as<uint32_t>();
-  uint32_t* order_e = idx + total;
-  uint32_t* order_s = order_e + total;
-  uint32_t* by_dist = order_s + total;
-  uint32_t* order_d = by_dist + total;
-  uint32_t* rank_s = order_d + total;
-  uint32_t* rank_d = rank_s + total;
-  uint32_t* head_key = rank_d + total;
-  uint32_t* head_sorted = head_key + total;
-  double* dist = f64.as<double>();
-  const uint64_t* dist_bits = reinterpret_cast<const uint64_t*>(dist);
+  // Sort keys and payloads of both sets (double buffers), the ranks, the eviction bytes.
+  KVCOMP_ASSIGN_OR_RETURN(Buffer u64, alloc(4 * total * sizeof(uint64_t)));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer u32, alloc(6 * total * sizeof(uint32_t) + total));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer mu_buf,
+                          alloc((uint64_t{heads} * chunks + heads) * d * sizeof(double)));
+  uint64_t* key_a = u64.as<uint64_t>();
+  uint64_t* key_b = key_a + 2 * total;
+  uint32_t* val_a = u32.as<uint32_t>();
+  uint32_t* val_b = val_a + 2 * total;
+  uint32_t* rank = val_b + 2 * total;
+  uint8_t* evicted = reinterpret_cast<uint8_t*>(rank + 2 * total);
   double* partial = mu_buf.as<double>();
-  double* mu = partial + uint64_t{heads} * kMuChunks * d;
-  const int items = static_cast<int>(total);
-  const int score_bits = 32 + head_bits;
-  size_t t1 = 0, t2 = 0, t3 = 0;
+  double* mu = partial + uint64_t{heads} * chunks * d;
+  cub::DoubleBuffer<uint64_t> sort_keys(key_a, key_b);
+  cub::DoubleBuffer<uint32_t> sort_vals(val_a, val_b);
+  const int items = static_cast<int>(2 * total);
+  const int bits = 32 + seg_bits;
+  size_t temp_bytes = 0;
   KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      nullptr, t1, eff_keys, sorted_keys, idx, order_e, items, 0, score_bits, stream));
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      nullptr, t2, dist_bits, sorted_keys, idx, by_dist, items, 0, 64, stream));
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      nullptr, t3, head_key, head_sorted, by_dist, order_d, items, 0, head_bits, stream));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer temp, alloc(std::max({t1, t2, t3, size_t{1}})));
-  size_t t = 0;
+      nullptr, temp_bytes, sort_keys, sort_vals, items, 0, bits, stream));
+  KVCOMP_ASSIGN_OR_RETURN(Buffer temp, alloc(std::max<size_t>(temp_bytes, 1)));
 
-  PrepareKernel<<<Blocks(total), 256, 0, stream>>>(scores, heads, n, positions.data,
-                                                   positions.offset, seq, select, eff_keys,
-                                                   plain_keys, idx);
+  EvictKernel<<<heads, kEvictThreads, 0, stream>>>(scores, heads, n, kept, positions.data,
+                                                   positions.offset, seq, select, evicted,
+                                                   key_a, val_a);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  t = t1;  // (head, falling effective score): the provisional eviction
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      temp.data(), t, eff_keys, sorted_keys, idx, order_e, items, 0, score_bits, stream));
-  t = t1;  // (head, rising score): the scores' percentile ranks
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      temp.data(), t, plain_keys, sorted_keys, idx, order_s, items, 0, score_bits, stream));
   const T* k = static_cast<const T*>(keys.data);
-  const unsigned threads = std::min<unsigned>(256, (d + 31) / 32 * 32);
-  MuPartialKernel<T><<<dim3(heads, kMuChunks), threads, 0, stream>>>(
-      k, keys.head_stride, keys.token_stride, d, n, kept, order_e, partial);
-  MuKernel<<<heads, threads, 0, stream>>>(partial, d, n - kept, mu);
   const bool vec = d % (16 / sizeof(T)) == 0 && (keys.token_stride * sizeof(T)) % 16 == 0 &&
                    (keys.head_stride * sizeof(T)) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(keys.data) % 16 == 0;
+  if (vec) {
+    LaunchMean<T, 16 / sizeof(T)>(stream, k, keys, chunks, evicted, partial);
+  } else {
+    LaunchMean<T, 1>(stream, k, keys, chunks, evicted, partial);
+  }
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  MeanKernel<<<heads, std::min<unsigned>(256, (d + 31) / 32 * 32), 0, stream>>>(
+      partial, d, chunks, n - kept, mu);
   DistanceKernel<T><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-      k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, dist);
+      k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, key_a, val_a);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  // The distances' ranks: rising distance (ties by lower index), then stably by head.
-  t = t2;
+  // Both ranks from one stable sort: (set, head) above the 32-bit key, payload the index.
   KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      temp.data(), t, dist_bits, sorted_keys, idx, by_dist, items, 0, 64, stream));
-  HeadKeyKernel<<<Blocks(total), 256, 0, stream>>>(by_dist, total, n, head_key);
-  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  t = t3;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      temp.data(), t, head_key, head_sorted, by_dist, order_d, items, 0, head_bits, stream));
-  RankKernel<<<Blocks(total), 256, 0, stream>>>(order_s, order_d, total, n, rank_s, rank_d);
-  WriteScoresKernel<<<Blocks(total), 256, 0, stream>>>(rank_s, rank_d, total, n,
+      temp.data(), temp_bytes, sort_keys, sort_vals, items, 0, bits, stream));
+  RankKernel<<<Blocks(2 * total), 256, 0, stream>>>(sort_vals.Current(), total, n, heads, rank);
+  WriteScoresKernel<<<Blocks(total), 256, 0, stream>>>(rank, rank + total, total, n,
                                                        kMomentAwareBeta, scores);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
@@ -269,7 +380,8 @@ absl::Status MomentAwareRescoreOnDevice(void* stream, Allocator& allocator, cons
   const uint64_t kept = std::min<uint64_t>(select.kept_per_head, n);
   if (kept == 0) return absl::InvalidArgumentError("moment-aware eviction: budget of zero");
   if (kept >= n || keys.num_heads == 0) return absl::OkStatus();
-  if (uint64_t{keys.num_heads} * n >= (uint64_t{1} << 31)) {
+  // Both sets of sort keys go through one sort of int-counted items; the heads are a grid row.
+  if (uint64_t{keys.num_heads} * n >= (uint64_t{1} << 30) || keys.num_heads > 65535) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "moment-aware eviction (CUDA): %u heads x %u tokens in one layer is too many",
         keys.num_heads, n));
