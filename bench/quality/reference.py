@@ -104,7 +104,7 @@ def moment_aware_select(keys: np.ndarray, s: np.ndarray, kept: int, prior: HeadM
     if n == 0:
         return first
     mu = (prior.key_sum + k[mask].sum(0)) / n
-    dist = np.linalg.norm(k - mu, axis=1)
+    dist = np.linalg.norm(k - mu, axis=1).astype(np.float32)  # ranked in f32, as the engine
     combined = (1.0 - beta) * percentile_rank(s) + beta * percentile_rank(dist)
     return select(combined, kept, n_sink)
 
