@@ -87,6 +87,7 @@ missing=$(LD_LIBRARY_PATH=$B/lib ldd "$B"/bin/* 2>&1 | grep 'not found' | sort -
   echo "--- lscpu"; lscpu 2>&1 | head -30
   echo "--- mounts"; findmnt -D 2>&1 | head -20 || df -hT 2>&1 | head -20
   echo "--- block"; lsblk -o NAME,SIZE,ROTA,TYPE,MOUNTPOINT 2>&1 | head -20
+  echo "--- /dev/shm"; df -h /dev/shm 2>&1
   echo "--- ptrace"; cat /proc/sys/kernel/yama/ptrace_scope 2>&1
   echo "--- ucx_info -d (transports)"; ucx_info -d 2>&1 | grep -E 'Transport|Device' | head -30
 } >>"$INFO" 2>&1

@@ -143,7 +143,7 @@ else
   [ -n "$DIRTY" ] && COMMIT="$COMMIT+dirty(transport)"
 fi
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
-MACHINE="$(hostname), $(nproc) cores, $CPU, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
+MACHINE="$(hostname 2>/dev/null || cat /proc/sys/kernel/hostname), $(nproc) cores, $CPU, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
 # "# Version 1.13.1" (Debian's UCX) or "# Library version: 1.22.0" (newer releases)
 UCXV=$(ucx_info -v | awk '/^# (Library )?[Vv]ersion/{print $NF; exit}')
 RESULTS=${KVCOMP_RESULTS:-$ROOT/bench/results/transport_$DATE.md}
