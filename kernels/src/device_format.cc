@@ -9,6 +9,7 @@
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/device_crc32c.h"
+#include "env_switch.h"
 
 #if defined(KVCOMP_HAVE_CUDA)
 #include <cuda_runtime_api.h>
@@ -109,7 +110,9 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const Compre
     if (source[i] == nullptr) continue;
     const format::SectionSpan& s = plan.sections[i];
     uint8_t* place = dev + s.offset;
-    const bool fused = s.size > 0 && ((reinterpret_cast<uintptr_t>(place) -
+    // KVCOMP_FORMAT_ONE_PASS=0 copies every section first (for comparison).
+    static const bool one_pass = internal::SwitchOn("KVCOMP_FORMAT_ONE_PASS");
+    const bool fused = one_pass && s.size > 0 && ((reinterpret_cast<uintptr_t>(place) -
                                        reinterpret_cast<uintptr_t>(source[i]->data)) & 15) == 0;
     if (s.size > 0 && !fused) {
       KVCOMP_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(place, source[i]->data, s.size,

@@ -140,6 +140,37 @@ TEST_F(DeviceCrc32cTest, CopiesWhileItReads) {
       src = Upload(data);
     }
   }
+  // Many ranges in one call (more than one launch holds), copied and not, at random places and
+  // lengths: each range's CRC and copy, and nothing written outside the copies.
+  for (int round = 0; round < 3; ++round) {
+    const int count = 20;
+    std::vector<DeviceCrcRange> ranges;
+    std::vector<uint8_t*> dsts;
+    std::vector<size_t> offs, lens;
+    uint32_t* words = Words(count);
+    for (int i = 0; i < count; ++i) {
+      const size_t off = rng() % 64;
+      const size_t len = i % 7 == 0 ? rng() % 600 : rng() % (data.size() - 4096);
+      offs.push_back(off);
+      lens.push_back(len);
+      dsts.push_back(Upload(poison));
+      ranges.push_back({src + off, len, words + i, i % 4 == 3 ? nullptr : dsts.back() + 32 + off});
+    }
+    ASSERT_TRUE(DeviceCrc32c(ranges, backend_->native_stream()).ok());
+    const std::vector<uint32_t> got = Read(words, count);
+    for (int i = 0; i < count; ++i) {
+      ASSERT_EQ(got[i], Crc32c(data.data() + offs[i], lens[i])) << "range " << i;
+      std::string back(poison.size(), '\0');
+      ASSERT_TRUE(backend_->CopyToHost(back.data(), dsts[i], back.size()).ok());
+      std::string want = poison;
+      if (ranges[i].copy_to != nullptr) {
+        std::memcpy(&want[32 + offs[i]], data.data() + offs[i], lens[i]);
+      }
+      ASSERT_TRUE(back == want) << "range " << i << ": " << lens[i] << " bytes at +" << offs[i];
+    }
+    held_.clear();
+    src = Upload(data);
+  }
   uint32_t* w = Words(1);
   uint8_t* dst = Upload(poison);
   EXPECT_TRUE(absl::IsInvalidArgument(

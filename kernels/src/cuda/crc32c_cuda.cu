@@ -10,8 +10,11 @@
 // of its lane, then one per warp), the block's sum by the bytes after the block, and a chunk cut
 // by the end of the range is added by the last block unshifted. Every part lands with an atomic
 // XOR on the word an initial kernel set to the start value's contribution. A range with a copy
-// destination has each byte written there by the thread that reads it (each byte is read by
-// exactly one thread).
+// destination has each byte written there once: a warp's whole chunks 64 bytes of each at a
+// time, staged in shared memory by the threads that read them and stored by the warp together
+// (four lanes a 64-byte piece, so the stores fill whole sectors instead of each thread writing
+// 16 bytes 512 bytes apart from its neighbours); the partial first chunk of a range and its tail
+// by the thread that reads them.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -98,6 +101,7 @@ __device__ uint32_t RangeRegister(const uint32_t (*t)[256], uint64_t lo, uint64_
 __global__ void __launch_bounds__(kThreads) Crc32cChunks(const CrcLaunch p) {
   __shared__ uint32_t t[16][256];
   __shared__ uint32_t warp_part[kThreads / 32];
+  __shared__ uint4 stage[kThreads / 32][32][4];  // a warp's 64-byte pieces on their way out
   const int tid = threadIdx.x;
   {
     uint32_t c = tid;
@@ -116,12 +120,46 @@ __global__ void __launch_bounds__(kThreads) Crc32cChunks(const CrcLaunch p) {
   const uint64_t kg = p.full_chunks[r];
   // Chunk of this thread; the block's last chunk is kg - 1 - 256 * (blocks - 1 - b).
   const int64_t k = static_cast<int64_t>(kg) - static_cast<int64_t>((blocks - b) * kThreads) + tid;
-  uint32_t reg = 0;
-  if (k >= 0) {
-    const uint64_t lo = base + static_cast<uint64_t>(k) * kChunk;
-    reg = RangeRegister(t, lo > p.begin[r] ? lo : p.begin[r], lo + kChunk, p.copy_delta[r]);
-  }
   const int lane = tid & 31, warp = tid >> 5;
+  const int64_t delta = p.copy_delta[r];
+  uint32_t reg = 0;
+  uint64_t lo = 0;
+  bool whole = false;  // a chunk inside the range: 512-byte aligned, read 16 bytes at a time
+  if (k >= 0) {
+    lo = base + static_cast<uint64_t>(k) * kChunk;
+    whole = lo >= p.begin[r];
+    if (!whole) reg = RangeRegister(t, p.begin[r], lo + kChunk, delta);
+  }
+  if (delta == 0) {
+    if (whole) reg = RangeRegister(t, lo, lo + kChunk, 0);
+  } else {
+    const uint32_t wholes = __ballot_sync(0xffffffffu, whole);
+    if (wholes != 0) {
+      for (uint64_t g = 0; g < kChunk; g += 64) {
+        if (whole) {
+          uint4 w[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) w[q] = __ldg(reinterpret_cast<const uint4*>(lo + g + 16 * q));
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            reg = Step16(t, reg, w[q]);
+            stage[warp][lane][q ^ (lane & 3)] = w[q];
+          }
+        }
+        __syncwarp();
+        // Store i: lanes 4 j .. 4 j + 3 write lane (8 i + j)'s piece, 16 bytes each.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int src = 8 * i + (lane >> 2), q = lane & 3;
+          const uint64_t at = __shfl_sync(0xffffffffu, lo, src);
+          if ((wholes >> src) & 1u) {
+            *reinterpret_cast<uint4*>(at + g + 16 * q + delta) = stage[warp][src][q ^ (src & 3)];
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
   uint32_t v = reg != 0 ? MulMod(reg, p.lane_shift[lane]) : 0;
   for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
   if (lane == 0) warp_part[warp] = v != 0 ? MulMod(v, p.warp_shift[warp]) : 0;

@@ -1,14 +1,16 @@
 // Moment-aware eviction's rescoring (cpu/moments_aware.h: MomentAwareRescore) on the device, for
-// a group of heads whose keys and scores are in device memory, in one sort and six launches:
+// a group of heads whose keys and scores are in device memory, in six or seven launches:
 //  1. one block per head finds the provisional eviction by radix select over the effective
-//     scores (the kept-th largest, then the equal ones by lower index), marks the evicted
-//     tokens and writes the scores' sort keys;
+//     scores (the kept-th largest, then the equal ones by lower index; the keys staged in shared
+//     memory up to kStagedTokens) and marks the evicted tokens;
 //  2. the evicted keys are summed in f64 per chunk of kMomentAwareMeanChunk tokens in token
 //     order, and the chunks in chunk order (the reference's sum, so the same mean to the bit);
 //  3. each token's distance to its head's mean, summed in f64 in channel order and rounded to
-//     f32, becomes the distances' sort key;
-//  4. one stable radix sort of both key sets, (set, head, 32-bit key) with the layer-wide index
-//     as payload, gives every token its rank in both orders (ties by lower index), and
+//     f32, is its distance key;
+//  4. every token's rank in both orders (ties by lower index): heads of up to kBlockSortTokens
+//     tokens sort each key set in one block (a stable block radix sort in shared memory, one
+//     block per head and set); longer heads go through one stable device radix sort of both
+//     sets, (set, head, 32-bit key) with the layer-wide index as payload;
 //  5. the combined scores are written from the two ranks.
 // So the rescored f32 scores are the reference's bit for bit.
 #include <cuda_bf16.h>
@@ -16,9 +18,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/util_type.cuh>
 #include <limits>
+#include <type_traits>
 
 #include "../cpu/moments_aware.h"
 #include "absl/strings/str_format.h"
@@ -33,6 +37,10 @@ namespace {
 constexpr unsigned kEvictThreads = 1024;  // one block per head
 constexpr unsigned kEvictWarps = kEvictThreads / 32;
 constexpr unsigned kMeanThreads = 256;
+constexpr uint64_t kStagedTokens = 40960;  // effective keys in shared memory (160 KiB) up to this
+constexpr unsigned kSortThreads = 512;
+constexpr unsigned kSortItems = 16;
+constexpr uint64_t kBlockSortTokens = kSortThreads * kSortItems;  // ranks by one block a head
 
 template <typename T>
 __device__ __forceinline__ double LoadD(const T* p);
@@ -115,25 +123,35 @@ __device__ uint32_t SelectKey(uint64_t n, uint64_t k, EvictShared& sh, Key key_o
 
 // One block per head: the provisional eviction (all but the `kept` highest effective scores,
 // protected tokens +inf, ties by lower index: the reference's nth_element order) as a byte per
-// token, and the scores' sort keys (set 0: (head, rising score)) with the layer-wide index.
+// token; with `keys` set, also the scores' sort keys (set 0: (head, rising score)) with the
+// layer-wide index. kStaged: the effective keys read once into dynamic shared memory.
+template <bool kStaged>
 __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
     const float* scores, uint32_t heads, uint64_t n, uint64_t kept, const uint32_t* positions,
     uint64_t offset, uint64_t seq, SelectParams select, uint8_t* evicted, uint64_t* keys,
     uint32_t* idx) {
   __shared__ EvictShared sh;
+  extern __shared__ uint32_t staged[];
   const uint64_t h = blockIdx.x;
   const float* s = scores + h * n;
   const uint32_t* p = positions != nullptr ? positions + h * n : nullptr;
   auto plain = [&](uint64_t t) { return OrderBits(s[t] == 0.0f ? 0.0f : s[t]); };
-  auto eff = [&](uint64_t t) {
+  auto eff_of = [&](uint64_t t) {
     const uint64_t pos = p != nullptr ? p[t] : offset + t;
     return IsProtected(pos, seq, select) ? OrderBits(std::numeric_limits<float>::infinity())
                                          : plain(t);
   };
-  for (uint64_t t = threadIdx.x; t < n; t += blockDim.x) {
-    keys[h * n + t] = (h << 32) | plain(t);
-    idx[h * n + t] = static_cast<uint32_t>(h * n + t);
+  if (kStaged || keys != nullptr) {
+    for (uint64_t t = threadIdx.x; t < n; t += blockDim.x) {
+      if (kStaged) staged[t] = eff_of(t);
+      if (keys != nullptr) {
+        keys[h * n + t] = (h << 32) | plain(t);
+        idx[h * n + t] = static_cast<uint32_t>(h * n + t);
+      }
+    }
+    __syncthreads();
   }
+  auto eff = [&](uint64_t t) { return kStaged ? staged[t] : eff_of(t); };
   // The kept-th largest effective key; tokens above it stay, those below go, and of the equal
   // ones the `need` of lowest index stay.
   const uint32_t kth = SelectKey(n, n - kept, sh, eff);
@@ -184,21 +202,29 @@ __global__ void __launch_bounds__(kMeanThreads) MeanPartialKernel(
   const T* kh = keys + h * head_stride;
   const uint8_t* e = evicted + h * n;
   double* out = partial + (h * chunks + c) * d;
+  constexpr uint32_t kBatch = V > 1 ? 16 : 8;  // rows in flight a thread, added in token order
   for (uint32_t x0 = lane * V; x0 < d; x0 += lanes * V) {
     double acc[V];
 #pragma unroll
     for (uint32_t j = 0; j < V; ++j) acc[j] = 0.0;
-#pragma unroll 4
-    for (uint64_t t = t0; t < t1; ++t) {
-      if (e[t] == 0) continue;
-      const T* row = kh + t * token_stride + x0;
-      if constexpr (V > 1) {
-        const uint4 w = __ldg(reinterpret_cast<const uint4*>(row));
-        const T* v = reinterpret_cast<const T*>(&w);
+    for (uint64_t tb = t0; tb < t1; tb += kBatch) {
+      using Piece = std::conditional_t<(V > 1), uint4, T>;
+      Piece w[kBatch];
+      uint32_t on = 0;  // bit b: row tb + b is evicted
+#pragma unroll
+      for (uint32_t b = 0; b < kBatch; ++b) {
+        const uint64_t t = tb + b;
+        if (t < t1 && e[t] != 0) {
+          on |= 1u << b;
+          w[b] = __ldg(reinterpret_cast<const Piece*>(kh + t * token_stride + x0));
+        }
+      }
+#pragma unroll
+      for (uint32_t b = 0; b < kBatch; ++b) {
+        if (((on >> b) & 1u) == 0) continue;
+        const T* v = reinterpret_cast<const T*>(&w[b]);
 #pragma unroll
         for (uint32_t j = 0; j < V; ++j) acc[j] = __dadd_rn(acc[j], LoadD(v + j));
-      } else {
-        acc[0] = __dadd_rn(acc[0], LoadD(row));
       }
     }
 #pragma unroll
@@ -212,21 +238,25 @@ __global__ void MeanKernel(const double* partial, uint32_t d, uint64_t chunks, u
   const uint64_t h = blockIdx.x;
   for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
     double acc = 0.0;
+#pragma unroll 8
     for (uint64_t c = 0; c < chunks; ++c) acc = __dadd_rn(acc, partial[(h * chunks + c) * d + x]);
     mu[h * d + x] = acc / static_cast<double>(count);
   }
 }
 
 // ||k_t - mu|| per token in f64, channels in order (the reference's sum), rounded to f32: the
-// distances' sort key (set 1: (heads + head, rising distance); distances are >= +0, so their
-// bits order like them). One thread per token reads its row itself, 64 bytes at a time as four
+// distance key (distances are >= +0, so their bits order like them), written as set 1's sort key
+// ((heads + head, rising distance) with the layer-wide index) when `sort_keys` is set, else as
+// 32 bits into `dist`. One thread per token reads its row itself, 128 bytes at a time as eight
 // 16-byte loads when rows are 16-byte aligned (`vec`); the head's mean comes from L1.
 template <typename T>
 __global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t head_stride,
                                                       uint64_t token_stride, uint32_t d,
                                                       uint32_t heads, uint64_t n,
                                                       const double* mu, bool vec,
-                                                      uint64_t* sort_keys, uint32_t* idx) {
+                                                      uint64_t* sort_keys, uint32_t* idx,
+                                                      uint32_t* dist) {
+  constexpr uint32_t kLoads = 8;
   const uint64_t total = uint64_t{heads} * n;
   const uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -236,15 +266,15 @@ __global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t he
   double acc = 0.0;
   if (vec) {
     constexpr uint32_t kVec = 16 / sizeof(T);
-    for (uint32_t x0 = 0; x0 < d; x0 += 4 * kVec) {
-      uint4 w[4];
+    for (uint32_t x0 = 0; x0 < d; x0 += kLoads * kVec) {
+      uint4 w[kLoads];
 #pragma unroll
-      for (uint32_t j = 0; j < 4; ++j) {
+      for (uint32_t j = 0; j < kLoads; ++j) {
         w[j] = x0 + j * kVec < d ? __ldg(reinterpret_cast<const uint4*>(k + x0 + j * kVec))
                                  : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (uint32_t j = 0; j < 4; ++j) {
+      for (uint32_t j = 0; j < kLoads; ++j) {
         if (x0 + j * kVec >= d) break;
         const T* e = reinterpret_cast<const T*>(&w[j]);
 #pragma unroll
@@ -260,9 +290,48 @@ __global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t he
       acc = __dadd_rn(acc, __dmul_rn(diff, diff));
     }
   }
-  const float dist = __double2float_rn(sqrt(acc));
-  sort_keys[total + i] = ((uint64_t{heads} + h) << 32) | __float_as_uint(dist);
-  idx[total + i] = static_cast<uint32_t>(i);
+  const uint32_t bits = __float_as_uint(__double2float_rn(sqrt(acc)));
+  if (sort_keys != nullptr) {
+    sort_keys[total + i] = ((uint64_t{heads} + h) << 32) | bits;
+    idx[total + i] = static_cast<uint32_t>(i);
+  } else {
+    dist[i] = bits;
+  }
+}
+
+// Ranks of heads of at most kBlockSortTokens tokens: block b < heads ranks head b's scores
+// (set 0), block heads + h head h's distances (set 1), by a stable block radix sort of the 32-bit
+// keys with the token as payload (tokens past n sort last: the largest key, later in the input).
+__global__ void __launch_bounds__(kSortThreads, 1) BlockRankKernel(const float* scores,
+                                                                   const uint32_t* dist,
+                                                                   uint32_t heads, uint64_t n,
+                                                                   uint32_t* rank) {
+  using Sort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems, uint32_t>;
+  __shared__ typename Sort::TempStorage temp;
+  const uint32_t b = blockIdx.x;
+  const bool distances = b >= heads;
+  const uint64_t h = distances ? b - heads : b;
+  const uint64_t total = uint64_t{heads} * n;
+  uint32_t key[kSortItems], token[kSortItems];
+#pragma unroll
+  for (uint32_t j = 0; j < kSortItems; ++j) {
+    const uint32_t t = threadIdx.x * kSortItems + j;
+    token[j] = t;
+    if (t >= n) {
+      key[j] = 0xffffffffu;
+    } else if (distances) {
+      key[j] = dist[h * n + t];
+    } else {
+      const float x = scores[h * n + t];
+      key[j] = OrderBits(x == 0.0f ? 0.0f : x);
+    }
+  }
+  Sort(temp).Sort(key, token);
+  uint32_t* r = rank + (distances ? total : 0) + h * n;
+#pragma unroll
+  for (uint32_t j = 0; j < kSortItems; ++j) {
+    if (token[j] < n) r[token[j]] = threadIdx.x * kSortItems + j;
+  }
 }
 
 // Each token's rank within its head in both rising orders: sorted place p holds set/head
@@ -313,20 +382,26 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   const uint64_t seq =
       positions.sequence_length > 0 ? positions.sequence_length : positions.offset + n;
   const uint64_t chunks = (n + kMomentAwareMeanChunk - 1) / kMomentAwareMeanChunk;
+  const bool block_sort = n <= kBlockSortTokens;
   int seg_bits = 1;
   while ((uint64_t{1} << seg_bits) < 2 * uint64_t{heads}) ++seg_bits;
   auto alloc = [&](uint64_t bytes) { return Buffer::Allocate(allocator, bytes); };
-  // Sort keys and payloads of both sets (double buffers), the ranks, the eviction bytes.
-  KVCOMP_ASSIGN_OR_RETURN(Buffer u64, alloc(4 * total * sizeof(uint64_t)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer u32, alloc(6 * total * sizeof(uint32_t) + total));
+  // Ranks of both sets and the eviction bytes; the distance keys (block sort) or the device
+  // sort's keys and payloads of both sets (double buffers).
+  KVCOMP_ASSIGN_OR_RETURN(Buffer u32, alloc((block_sort ? 3 : 6) * total * sizeof(uint32_t) +
+                                            total));
+  Buffer u64;
+  if (!block_sort) {
+    KVCOMP_ASSIGN_OR_RETURN(u64, alloc(4 * total * sizeof(uint64_t)));
+  }
   KVCOMP_ASSIGN_OR_RETURN(Buffer mu_buf,
                           alloc((uint64_t{heads} * chunks + heads) * d * sizeof(double)));
-  uint64_t* key_a = u64.as<uint64_t>();
-  uint64_t* key_b = key_a + 2 * total;
-  uint32_t* val_a = u32.as<uint32_t>();
+  uint32_t* rank = u32.as<uint32_t>();
+  uint32_t* val_a = rank + 2 * total;  // the distance keys under the block sort
   uint32_t* val_b = val_a + 2 * total;
-  uint32_t* rank = val_b + 2 * total;
-  uint8_t* evicted = reinterpret_cast<uint8_t*>(rank + 2 * total);
+  uint8_t* evicted = reinterpret_cast<uint8_t*>(rank + (block_sort ? 3 : 6) * total);
+  uint64_t* key_a = block_sort ? nullptr : u64.as<uint64_t>();
+  uint64_t* key_b = block_sort ? nullptr : key_a + 2 * total;
   double* partial = mu_buf.as<double>();
   double* mu = partial + uint64_t{heads} * chunks * d;
   cub::DoubleBuffer<uint64_t> sort_keys(key_a, key_b);
@@ -334,13 +409,33 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   const int items = static_cast<int>(2 * total);
   const int bits = 32 + seg_bits;
   size_t temp_bytes = 0;
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      nullptr, temp_bytes, sort_keys, sort_vals, items, 0, bits, stream));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer temp, alloc(std::max<size_t>(temp_bytes, 1)));
+  Buffer temp;
+  if (!block_sort) {
+    KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+        nullptr, temp_bytes, sort_keys, sort_vals, items, 0, bits, stream));
+    KVCOMP_ASSIGN_OR_RETURN(temp, alloc(std::max<size_t>(temp_bytes, 1)));
+  }
 
-  EvictKernel<<<heads, kEvictThreads, 0, stream>>>(scores, heads, n, kept, positions.data,
-                                                   positions.offset, seq, select, evicted,
-                                                   key_a, val_a);
+  // The effective keys in shared memory when the device's opt-in limit holds them (the
+  // attribute always set to the same bound, so concurrent callers agree on it).
+  int device = 0, optin = 0;
+  KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  KVCOMP_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const uint64_t staged_max = std::min<uint64_t>(
+      kStagedTokens, optin > 4096 ? (static_cast<uint64_t>(optin) - 4096) / sizeof(uint32_t) : 0);
+  if (n <= staged_max) {
+    KVCOMP_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(EvictKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(staged_max * sizeof(uint32_t))));
+    EvictKernel<true><<<heads, kEvictThreads, n * sizeof(uint32_t), stream>>>(
+        scores, heads, n, kept, positions.data, positions.offset, seq, select, evicted, key_a,
+        val_a);
+  } else {
+    EvictKernel<false><<<heads, kEvictThreads, 0, stream>>>(
+        scores, heads, n, kept, positions.data, positions.offset, seq, select, evicted, key_a,
+        val_a);
+  }
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const T* k = static_cast<const T*>(keys.data);
   const bool vec = d % (16 / sizeof(T)) == 0 && (keys.token_stride * sizeof(T)) % 16 == 0 &&
@@ -355,12 +450,17 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   MeanKernel<<<heads, std::min<unsigned>(256, (d + 31) / 32 * 32), 0, stream>>>(
       partial, d, chunks, n - kept, mu);
   DistanceKernel<T><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-      k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, key_a, val_a);
+      k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, key_a, val_a, val_a);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  // Both ranks from one stable sort: (set, head) above the 32-bit key, payload the index.
-  KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      temp.data(), temp_bytes, sort_keys, sort_vals, items, 0, bits, stream));
-  RankKernel<<<Blocks(2 * total), 256, 0, stream>>>(sort_vals.Current(), total, n, heads, rank);
+  if (block_sort) {
+    BlockRankKernel<<<2 * heads, kSortThreads, 0, stream>>>(scores, val_a, heads, n, rank);
+  } else {
+    // Both ranks from one stable sort: (set, head) above the 32-bit key, payload the index.
+    KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+        temp.data(), temp_bytes, sort_keys, sort_vals, items, 0, bits, stream));
+    RankKernel<<<Blocks(2 * total), 256, 0, stream>>>(sort_vals.Current(), total, n, heads,
+                                                      rank);
+  }
   WriteScoresKernel<<<Blocks(total), 256, 0, stream>>>(rank, rank + total, total, n,
                                                        kMomentAwareBeta, scores);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
