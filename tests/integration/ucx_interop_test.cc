@@ -14,15 +14,18 @@
 // first (the client's and so the daemon's): the pair must work on the defaults.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -259,6 +262,53 @@ TEST_F(UcxInteropTest, ClientFallsBackToOneDeviceAgainstAnInteropDaemon) {
   EXPECT_TRUE(absl::IsUnavailable(earlier.status()) ||
               absl::IsDeadlineExceeded(earlier.status()))
       << earlier.status();
+}
+
+// A connection that fails before its hello in any other way than a daemon's close at its hello
+// timeout is not tried again with CM_USE_ALL_DEVICES=n (against a daemon on UCX's defaults that
+// would make UCX 1.13 abort the client): here a listener that resets every connection at once,
+// five connects (UCX reports such a reset before or after the hello is queued, by chance).
+TEST_F(UcxInteropTest, AConnectionResetAtOnceIsNotTriedAgainWithOneDevice) {
+  const transport::UcxVersion local = transport::LocalUcxVersion();
+  if (!Before114(local)) GTEST_SKIP() << "needs a client on UCX before 1.14";
+  const int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(ls, 0);
+  sockaddr_in a = {};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(ls, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(ls, 16), 0);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(getsockname(ls, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  std::atomic<bool> stop{false};
+  std::atomic<int> reset{0};
+  std::thread resetter([&] {
+    while (!stop.load()) {
+      pollfd p = {ls, POLLIN, 0};
+      if (poll(&p, 1, 20) <= 0) continue;
+      const int c = accept(ls, nullptr, nullptr);
+      if (c < 0) continue;
+      const linger l = {1, 0};  // closed with a reset
+      setsockopt(c, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
+      close(c);
+      reset++;
+    }
+  });
+  transport::ClientOptions o;
+  o.shared_memory = false;
+  o.connect_timeout = absl::Seconds(2);
+  for (int i = 0; i < 5; ++i) {
+    const transport::UcxClientStats before = transport::GetUcxClientStats();
+    auto c = transport::UcxClient::Connect(
+        *transport::Endpoint::Parse(absl::StrCat("127.0.0.1:", ntohs(a.sin_port))), "", "", o);
+    ASSERT_FALSE(c.ok());
+    EXPECT_EQ(transport::GetUcxClientStats().endpoints_created, before.endpoints_created + 1)
+        << "connect " << i << ": " << c.status();
+  }
+  stop = true;
+  resetter.join();
+  close(ls);
+  EXPECT_GE(reset.load(), 5);
 }
 
 // A client that fell back to CM_USE_ALL_DEVICES=n for a kvcompd with ucx_interop auto loses its

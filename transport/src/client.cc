@@ -191,6 +191,15 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   // its hello timeout). Not a refused request (RejectedByPeer).
   // A connect that ran out of connect_timeout on its own is not counted.
   bool NeverWiredUp() const { return never_wired_.load(); }
+  // The server closed the connection (UCS_ERR_CONNECTION_RESET) before the hello got through,
+  // `after` or longer after the connect began: what a server before 1.14 that never sees the
+  // hello does at its hello timeout.
+  bool ResetBeforeHelloAfter(absl::Duration after) const {
+    const int64_t ns = failed_after_ns_.load();
+    return NeverWiredUp() && ns >= 0 && absl::Nanoseconds(ns) >= after &&
+           (ep_failure_.load() == UCS_ERR_CONNECTION_RESET ||
+            hello_send_.load() == UCS_ERR_CONNECTION_RESET);
+  }
   absl::StatusOr<RawReply> SendRawForTesting(uint64_t request_id, std::string frame,
                                              absl::string_view payload) override;
   void Close() override;
@@ -230,6 +239,12 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
 
   void StartSend(Pending* p);
   void SendCompleted(uint64_t request_id, ucs_status_t status);
+  // Records when the connection first failed (failed_after_ns_), once.
+  void NoteFailure() {
+    int64_t none = -1;
+    failed_after_ns_.compare_exchange_strong(
+        none, std::max<int64_t>(0, absl::ToInt64Nanoseconds(absl::Now() - connect_start_)));
+  }
   void ReplyPayloadDone(RecvContext* ctx, ucs_status_t status);
   // Finishes a pending request whose reply (or failure) is complete.
   void MaybeComplete(uint64_t request_id);
@@ -253,6 +268,8 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   std::atomic<uint64_t> hello_id_{0};     // the hello's request id, once sent
   std::atomic<int> hello_send_{UCS_INPROGRESS};  // how UCX completed the hello's send
   std::atomic<bool> never_wired_{false};           // NeverWiredUp()
+  absl::Time connect_start_;                       // set by Connect before the endpoint exists
+  std::atomic<int64_t> failed_after_ns_{-1};       // its first failure, after connect_start_
   std::string endpoint_key_;  // Endpoint::ToString() of the server, set by Connect
   std::atomic<uint64_t> next_put_id_{1};
   absl::Mutex close_mu_;
@@ -296,6 +313,7 @@ absl::Status ClientImpl::Connect(const Endpoint& endpoint, absl::string_view ten
       options_.ucx.peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = &ClientWorker::OnEpError;
   ep.err_handler.arg = worker_.get();
+  connect_start_ = absl::Now();
   ucs_status_t s = UCS_ERR_CANCELED;
   absl::Notification made;
   const bool posted = worker_->loop().Post([this, self = shared_from_this(), &ep, &s, &made] {
@@ -536,6 +554,7 @@ void ClientImpl::SendCompleted(uint64_t request_id, ucs_status_t status) {
   if (request_id == hello_id_.load()) {
     hello_send_.store(status);
     if (status != UCS_OK && status != UCS_ERR_CANCELED && status != UCS_ERR_REJECTED) {
+      NoteFailure();
       never_wired_.store(true);
     }
   }
@@ -626,6 +645,7 @@ void ClientImpl::Tick() {
 
 void ClientImpl::EndpointFailed(ucs_status_t status) {
   connected_.store(false);
+  NoteFailure();
   ep_failure_.store(status);
   if (status != UCS_ERR_REJECTED && hello_id_.load() != 0 && hello_send_.load() != UCS_OK) {
     never_wired_.store(true);
@@ -1389,9 +1409,18 @@ ClientOptions With(const ClientOptions& options, const UcxSettings& settings) {
 }
 
 // How a connection attempt failed, where it tells something about the server's UCX settings.
+// The least hello timeout a kvcompd can have (data_plane.hello_timeout_seconds >= 0.1): a
+// connection closed before its hello got through sooner than this after the connect was not
+// closed by a daemon's hello timeout.
+constexpr absl::Duration kShortestHelloTimeout = absl::Milliseconds(100);
+
 struct ConnectFailure {
   bool rejected = false;  // the server's UCX refused the connection request (RejectedByPeer)
   bool unwired = false;   // the connection failed before the hello got through (NeverWiredUp)
+  // ... and the server closed it (connection reset), no sooner than kShortestHelloTimeout
+  // after the connect: what a daemon with CM_USE_ALL_DEVICES=n does at its hello timeout to a
+  // client before 1.14 on UCX's defaults (ResetBeforeHelloAfter).
+  bool reset_at_hello_timeout = false;
 };
 
 absl::StatusOr<std::shared_ptr<ClientImpl>> ConnectOnce(const Endpoint& endpoint,
@@ -1406,6 +1435,7 @@ absl::StatusOr<std::shared_ptr<ClientImpl>> ConnectOnce(const Endpoint& endpoint
     client->Close();
     failure->rejected = client->RejectedByPeer();
     failure->unwired = client->NeverWiredUp();
+    failure->reset_at_hello_timeout = client->ResetBeforeHelloAfter(kShortestHelloTimeout);
     return s;
   }
   return client;
@@ -1438,8 +1468,10 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& en
   //   PROTO_ENABLE=n, which a server before 1.14 with ucx_interop auto (n) answers;
   // - before 1.14: a server on the same release with ucx_interop auto (n) never answers the
   //   hello and closes the connection at its hello timeout; the client connects again with
-  //   CM_USE_ALL_DEVICES=n. Never the other way round (n first): UCX 1.13 aborts the process
-  //   when its n endpoint meets a server on its default (y).
+  //   CM_USE_ALL_DEVICES=n, only after that failure (the hello not through, the connection
+  //   reset by the server, no sooner than the shortest hello timeout). Never the other way
+  //   round (n first), nor after any other failure: UCX 1.13 aborts the process when its n
+  //   endpoint meets a server on its default (y).
   // Hello-ok says the server's release; what connected is kept for the endpoint.
   const std::string where = endpoint.ToString();
   const UcxVersion local = LocalUcxVersion();
@@ -1471,7 +1503,7 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& en
                        " only with data_plane.ucx_interop auto; docs/protocol.md, \"UCX ",
                        "releases\")"));
     }
-  } else if (!c.ok() && failure.unwired && Before114(local)) {
+  } else if (!c.ok() && failure.reset_at_hello_timeout && Before114(local)) {
     const UcxSettings one_device = UcxOneDeviceSettings(local);
     if (With(options, one_device).ucx.overrides != o.ucx.overrides) {
       settings = one_device;
