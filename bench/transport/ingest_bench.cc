@@ -3,7 +3,7 @@
 // is the transport's own (framing, checksums, rendezvous, acknowledgements). Run as two
 // processes, like ucx_perftest, by bench/transport/run.sh:
 //
-//   kvcomp_transport_bench server [--verify=1] [--peer_errors=1]
+//   kvcomp_transport_bench server [--verify=1] [--peer_errors=1] [--shm_copy_lanes=0]
 //                                                       prints "PORT <n>", serves until killed
 //   kvcomp_transport_bench client <port> [--blocks=N] [--window=W] [--block_bytes=B]
 //                                        [--peer_errors=1]
@@ -122,6 +122,7 @@ int Server(int argc, char** argv) {
   o.verify_checksums = Flag(argc, argv, "verify", 1) != 0;
   o.ucx.peer_error_handling = Flag(argc, argv, "peer_errors", 1) != 0;
   o.put_timeout = absl::Minutes(5);
+  o.shm_copy_lanes = static_cast<uint32_t>(Flag(argc, argv, "shm_copy_lanes", 0));
   SinkHandler handler;
   handler.set_get_bytes(Flag(argc, argv, "get_bytes", 0));
   absl::StatusOr<std::unique_ptr<UcxServer>> server = UcxServer::Start(o, &handler);

@@ -14,7 +14,8 @@
 # optionally with a mode: ":noerr" runs kvcomp with UcxConfig::peer_error_handling off (UCX may
 # then use cma), ":shm" moves kvcomp's payloads over the same-host shared-memory link in direct
 # mode (one copy), ":shm-regions" over its memfd regions (two copies); the perftest beside them
-# runs with the UCX_TLS part. KVCOMP_BLOCKS (2000), KVCOMP_REPS (3), KVCOMP_WINDOW (blocks in
+# runs with the UCX_TLS part; a mode may end in "/N": the server copies shared-memory blocks on
+# N threads (data_plane.shm_copy_lanes; default its own, one per 4 CPUs). KVCOMP_BLOCKS (2000), KVCOMP_REPS (3), KVCOMP_WINDOW (blocks in
 # flight, 16), KVCOMP_VERIFY (server CRC check, 1), KVCOMP_GET_BYTES (get-latency cache size,
 # 256 MiB; 0 skips), KVCOMP_GETS (10), KVCOMP_STORED_TOKENS (the stored cache's tokens, 8192;
 # 0 skips; needs <build>/service/kvcompd), KVCOMP_STORED_GETS (its gets per call and link,
@@ -50,7 +51,8 @@ trap cleanup EXIT
 
 # "sm,tcp:shm" -> UCX_TLS "sm,tcp", mode "shm"; kvcomp's flags for a mode.
 tls_of() { echo "${1%%:*}"; }
-mode_of() { case "$1" in *:*) echo "${1#*:}" ;; *) echo "" ;; esac; }
+mode_of() { case "$1" in *:*) local m=${1#*:}; echo "${m%%/*}" ;; *) echo "" ;; esac; }
+lanes_of() { case "$1" in *:*/*) echo "${1##*/}" ;; *) echo 0 ;; esac; }
 mode_flags() {
   case "$(mode_of "$1")" in
     noerr) echo "--peer_errors=0" ;;
@@ -59,7 +61,12 @@ mode_flags() {
     *) echo "" ;;
   esac
 }
-server_flags() { [ "$(mode_of "$1")" = noerr ] && echo "--peer_errors=0" || echo ""; }
+server_flags() {
+  local f
+  f="--shm_copy_lanes=$(lanes_of "$1")"
+  [ "$(mode_of "$1")" = noerr ] && f="$f --peer_errors=0"
+  echo "$f"
+}
 load() { cut -d' ' -f1 /proc/loadavg; }
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -164,6 +171,8 @@ RESULTS=${KVCOMP_RESULTS:-$ROOT/bench/results/transport_$DATE.md}
   echo "  direct mode: the server reads each block from the client's memory (one copy, no CRC);"
   echo "  \":shm-regions\": through the client's memfd put region (the client's copy in, the"
   echo "  server's copy out). Requests, acknowledgements and peer error handling stay on UCX."
+  echo "- \"/N\" after a mode: the server copies shared-memory blocks on N threads"
+  echo "  (data_plane.shm_copy_lanes); without it, its default: one per 4 CPUs, 1 to 4."
   echo "- $BLOCKS blocks per run, $REPS runs each, alternating; medians in MiB/s; load = the 1-minute"
   echo "  load average before each pair of runs."
   echo

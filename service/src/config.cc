@@ -335,8 +335,9 @@ std::vector<ConfigField> BuildFields() {
       [](Options & o) -> auto& { return o.data_plane.shm_max_region_bytes; }));
   f.push_back(IntField(
       "data_plane.shm_copy_lanes", 0, 16,
-      "Threads that copy one direct shared-memory get (8 MiB or more a thread) into the "
-      "client's memory at once; 0 = one per 4 CPUs the daemon may run on, 1 to 4. Default 0.",
+      "Threads that copy shared-memory payloads: blocks out of clients' memory, several at "
+      "once, and one direct get (8 MiB or more a thread) into the client's memory; 0 = one per "
+      "4 CPUs the daemon may run on, 1 to 4. Default 0.",
       [](Options & o) -> auto& { return o.data_plane.shm_copy_lanes; }));
   f.push_back(BoolField(
       "data_plane.gpu_channel",

@@ -570,11 +570,12 @@ TEST_F(ShmLinkDaemonTest, DirectModeTouchesOnlyTheRegisteredPeersOwnMemory) {
   EXPECT_TRUE(c->Ping().ok());
 }
 
-// A direct get of several lanes' bytes is split over the daemon's copy threads
-// (data_plane.shm_copy_lanes; 1 = one thread): the bytes UCX's get returns, into the caller's
-// memory (GetInto) and into a new buffer (Get); a destination whose last page is read-only fails
-// the whole get with InvalidArgument (the lanes before it have written), and the daemon and the
-// connection serve on.
+// The daemon's shared-memory copy threads (data_plane.shm_copy_lanes; 1 = one thread): blocks
+// put directly and through the regions, several copied at once, store the bytes a put over UCX
+// stores; a direct get of several lanes' bytes is split over the threads: the bytes UCX's get
+// returns, into the caller's memory (GetInto) and into a new buffer (Get); a destination whose
+// last page is read-only fails the whole get with InvalidArgument (the lanes before it have
+// written), and the daemon and the connection serve on.
 TEST_F(ShmLinkDaemonTest, ADirectGetSplitOverCopyLanesIsBitExact) {
   const KvLayout big{4, 4, 4, 128, DType::kF16};
   const uint64_t tokens = 5120, chunk = 1024;  // 40 MiB of K and V: five lanes' worth
@@ -588,13 +589,12 @@ TEST_F(ShmLinkDaemonTest, ADirectGetSplitOverCopyLanesIsBitExact) {
     ASSERT_NE(ucx, nullptr);
     ASSERT_NE(shm->SharedMemory(), nullptr);
     ASSERT_TRUE(shm->SharedMemory()->direct()) << shm->SharedMemory()->why();
-    wire::PutBegin begin = Begin("big");
-    begin.layout = big;
-    begin.num_tokens = tokens;
-    absl::StatusOr<uint64_t> put = shm->PutBegin(begin);
-    ASSERT_TRUE(put.ok()) << put.status();
-    {
-      const UcxLinks links(shm.get());
+    auto put_big = [&](transport::UcxClient& c, const std::string& key) -> absl::Status {
+      wire::PutBegin begin = Begin(key);
+      begin.layout = big;
+      begin.num_tokens = tokens;
+      KVCOMP_ASSIGN_OR_RETURN(const uint64_t put, c.PutBegin(begin));
+      const UcxLinks links(&c);
       BlockPipe pipe(links, 8 * 2 * part);
       for (uint32_t l = 0; l < big.num_layers; ++l) {
         for (uint64_t t = 0; t < tokens; t += chunk) {
@@ -605,7 +605,7 @@ TEST_F(ShmLinkDaemonTest, ADirectGetSplitOverCopyLanesIsBitExact) {
             (*packed)[i + 1] = static_cast<char>(0x3c | ((i / 2 + l) & 3));
           }
           wire::Block b;
-          b.put_id = *put;
+          b.put_id = put;
           b.layer_begin = l;
           b.layer_end = l + 1;
           b.token_begin = t;
@@ -616,13 +616,23 @@ TEST_F(ShmLinkDaemonTest, ADirectGetSplitOverCopyLanesIsBitExact) {
                     {packed->data() + part, part, MemoryKind::kHost}, packed);
         }
       }
-      ASSERT_TRUE(pipe.Wait().ok());
-      ASSERT_TRUE(shm->PutCommit(*put, pipe.sent()).ok());
-    }
+      KVCOMP_RETURN_IF_ERROR(pipe.Wait());
+      return c.PutCommit(put, pipe.sent()).status();
+    };
+    auto regions = ConnectWith(*d, true, "", "", uint64_t{1} << 30, /*direct=*/false);
+    ASSERT_NE(regions, nullptr);
+    ASSERT_TRUE(put_big(*shm, "big").ok());
+    ASSERT_TRUE(put_big(*regions, "big-regions").ok());
+    ASSERT_TRUE(put_big(*ucx, "big-ucx").ok());
+    absl::StatusOr<transport::FetchedCache> over_ucx = ucx->Get("m", "big-ucx");
+    absl::StatusOr<transport::FetchedCache> over_regions = ucx->Get("m", "big-regions");
+    ASSERT_TRUE(over_ucx.ok() && over_regions.ok()) << over_ucx.status() << over_regions.status();
+    EXPECT_TRUE(over_regions->bytes.view() == over_ucx->bytes.view());
     absl::StatusOr<transport::FetchedCache> ref = ucx->Get("m", "big");
     ASSERT_TRUE(ref.ok()) << ref.status();
     const uint64_t n = ref->bytes.size();
     ASSERT_GE(n, 3 * transport::kShmMinLaneBytes);
+    EXPECT_TRUE(ref->bytes.view() == over_ucx->bytes.view());
 
     const UcxLinks links(shm.get());
     std::vector<char> into(n + 100, 0);

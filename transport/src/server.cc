@@ -272,7 +272,8 @@ absl::Status ServerImpl::Init() {
   KVCOMP_RETURN_IF_ERROR(loop_->SetAmHandler(wire::kAmIdRequest, &ServerImpl::OnAm, this));
   if (options_.shared_memory) {
     absl::StatusOr<std::unique_ptr<ShmAcceptor>> shm = ShmAcceptor::Start(
-        options_.shm_max_region_bytes, [this](const std::string& line) { Report(line); });
+        options_.shm_max_region_bytes, [this](const std::string& line) { Report(line); },
+        ShmCopyLanes(options_.shm_copy_lanes));
     if (shm.ok()) {
       shm_ = *std::move(shm);
     } else {
@@ -1001,26 +1002,34 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   put->blocks_pending++;
   auto* ctx = new RecvContext{this, conn, put, f.header.request_id, block, *std::move(buf)};
   put->blocks_receiving++;
-  if (shared != nullptr) {
-    // The client may still write its region: what is copied here is what the put gets.
-    std::memcpy(ctx->payload.data(), shared->data() + block.shm_offset, bytes);
-    counters_.shm_blocks++;
-    BlockReceived(ctx, UCS_OK);
-    return;
-  }
-  if (block.flags & wire::kBlockPeerMemory) {
-    absl::Status read = conn->shm->ReadPeer(block.shm_offset, ctx->payload.data(),
-                                            block.key_bytes);
-    if (read.ok()) {
-      read = conn->shm->ReadPeer(block.peer_values, ctx->payload.bytes() + block.key_bytes,
-                                 block.value_bytes);
-    }
-    if (read.ok()) {
-      counters_.shm_blocks++;
-    } else {
-      ctx->failure = read;
-    }
-    BlockReceived(ctx, read.ok() ? UCS_OK : UCS_ERR_INVALID_PARAM);
+  if (shared != nullptr || (block.flags & wire::kBlockPeerMemory)) {
+    // Copied out of the client's memory on the shared-memory copy threads, several blocks at
+    // once, while this thread serves on; received here afterwards. The region's mapping and the
+    // peer's grant stay alive until the copy is done. The client may still write its region:
+    // what is copied is what the put gets.
+    std::shared_ptr<ShmGrant> grant = conn->shm;
+    std::shared_ptr<WorkerLoop> loop = loop_;
+    shm_->RunCopy([this, loop, ctx, shared = std::move(shared), grant = std::move(grant)] {
+      absl::Status read;
+      const wire::Block& b = ctx->block;
+      if (shared != nullptr) {
+        std::memcpy(ctx->payload.data(), shared->data() + b.shm_offset, b.payload_bytes());
+      } else {
+        read = grant->ReadPeer(b.shm_offset, ctx->payload.data(), b.key_bytes);
+        if (read.ok()) {
+          read = grant->ReadPeer(b.peer_values, ctx->payload.bytes() + b.key_bytes,
+                                 b.value_bytes);
+        }
+      }
+      loop->Post([this, ctx, read = std::move(read)] {
+        if (read.ok()) {
+          counters_.shm_blocks++;
+        } else {
+          ctx->failure = read;
+        }
+        BlockReceived(ctx, read.ok() ? UCS_OK : UCS_ERR_INVALID_PARAM);
+      });
+    });
     return;
   }
   if (!rndv) {

@@ -230,7 +230,8 @@ void ShmGrant::Set(uint8_t id, std::shared_ptr<ShmMapping> mapping) {
 }
 
 absl::StatusOr<std::unique_ptr<ShmAcceptor>> ShmAcceptor::Start(
-    uint64_t max_region_bytes, std::function<void(const std::string&)> report) {
+    uint64_t max_region_bytes, std::function<void(const std::string&)> report,
+    int copy_threads) {
   if (max_region_bytes < kShmMinRegionBytes) {
     return absl::InvalidArgumentError(absl::StrCat("shared memory: the largest region (",
                                                    max_region_bytes, " bytes) is below ",
@@ -256,20 +257,66 @@ absl::StatusOr<std::unique_ptr<ShmAcceptor>> ShmAcceptor::Start(
     return s;
   }
   std::unique_ptr<ShmAcceptor> a(
-      new ShmAcceptor(fd, wake, name, max_region_bytes, std::move(report)));
+      new ShmAcceptor(fd, wake, name, max_region_bytes, std::move(report), copy_threads));
   a->thread_ = std::thread([p = a.get()] { p->Loop(); });
   return a;
 }
 
 ShmAcceptor::ShmAcceptor(int listen_fd, int wake_fd, std::string name, uint64_t max_region_bytes,
-                         std::function<void(const std::string&)> report)
+                         std::function<void(const std::string&)> report, int copy_threads)
     : listen_fd_(listen_fd),
       wake_fd_(wake_fd),
       name_(std::move(name)),
       max_region_bytes_(max_region_bytes),
-      report_(std::move(report)) {}
+      report_(std::move(report)),
+      copy_threads_(std::max(copy_threads, 1)) {}
+
+void ShmAcceptor::RunCopy(absl::AnyInvocable<void() &&> work) {
+  absl::MutexLock lock(&copy_mu_);
+  copy_queue_.push_back(std::move(work));
+  if (copiers_.size() < static_cast<size_t>(copy_threads_) &&
+      copy_queue_.size() > 0 && !copy_stop_) {
+    // One more thread while there is queued work and room: as many as copies run at once.
+    try {
+      copiers_.emplace_back([this] { CopyLoop(); });
+    } catch (const std::system_error&) {
+      if (copiers_.empty()) {  // no thread at all: run it here
+        absl::AnyInvocable<void() &&> w = std::move(copy_queue_.back());
+        copy_queue_.pop_back();
+        copy_mu_.Unlock();
+        std::move(w)();
+        copy_mu_.Lock();
+      }
+    }
+  }
+}
+
+void ShmAcceptor::CopyLoop() {
+  while (true) {
+    absl::AnyInvocable<void() &&> work;
+    {
+      absl::MutexLock lock(&copy_mu_);
+      copy_mu_.Await(absl::Condition(
+          +[](ShmAcceptor* a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(a->copy_mu_) {
+            return a->copy_stop_ || !a->copy_queue_.empty();
+          },
+          this));
+      if (copy_queue_.empty()) return;  // stopping, nothing left
+      work = std::move(copy_queue_.front());
+      copy_queue_.pop_front();
+    }
+    std::move(work)();
+  }
+}
 
 ShmAcceptor::~ShmAcceptor() {
+  std::vector<std::thread> copiers;
+  {
+    absl::MutexLock lock(&copy_mu_);
+    copy_stop_ = true;
+    copiers.swap(copiers_);
+  }
+  for (std::thread& t : copiers) t.join();
   const uint64_t one = 1;
   ssize_t ignored = write(wake_fd_, &one, sizeof(one));
   (void)ignored;

@@ -69,8 +69,8 @@ struct DataPlaneOptions {
   // The largest region of a client the daemon maps, bytes (a get larger than a client's region
   // goes over UCX). Default 1 GiB.
   uint64_t shm_max_region_bytes = uint64_t{1} << 30;
-  // Threads copying one direct shared-memory get into the client's memory at once; 0 = one per
-  // 4 CPUs, 1 to 4. 0
+  // Threads copying shared-memory payloads (blocks out of clients' memory, several at once; a
+  // direct get split over them); 0 = one per 4 CPUs, 1 to 4. 0
   uint32_t shm_copy_lanes = 0;
   // GPU channel (docs/protocol.md): clients with KV in GPU memory send it over NCCL to the
   // engine's CUDA device when NCCL and a device are present. true

@@ -111,8 +111,9 @@ struct ServerOptions {
   // The largest shared region the server maps, bytes (a get larger than a client's get region
   // goes over UCX). Default 1 GiB.
   uint64_t shm_max_region_bytes = uint64_t{1} << 30;
-  // Threads that copy one direct shared-memory get into the client's memory at once (each at
-  // least kShmMinLaneBytes); 0 = one per 4 CPUs, 1 to 4 (ShmCopyLanes). Default 0.
+  // Threads that copy shared-memory payloads: blocks out of clients' memory (several at once,
+  // off the progress thread), and one direct get into the client's memory split over them
+  // (each at least kShmMinLaneBytes); 0 = one per 4 CPUs, 1 to 4 (ShmCopyLanes). Default 0.
   uint32_t shm_copy_lanes = 0;
   // Receives the lines the server has for operators (listener closed or reopened), on the
   // progress thread; keep it short. Empty = written to stderr.

@@ -50,9 +50,11 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -161,9 +163,15 @@ class ShmAcceptor {
  public:
   // Listens on a fresh abstract socket; regions of more than `max_region_bytes` are refused.
   // `report` gets one line per refused attach (rate is the peer's; keep it short).
+  // `copy_threads`: the threads RunCopy runs on.
   static absl::StatusOr<std::unique_ptr<ShmAcceptor>> Start(
-      uint64_t max_region_bytes, std::function<void(const std::string&)> report);
+      uint64_t max_region_bytes, std::function<void(const std::string&)> report,
+      int copy_threads = 1);
   ~ShmAcceptor();
+
+  // Runs `work` (a block's copy out of a client's memory) on one of the copy threads, started
+  // at the first call; work still queued when the acceptor goes runs before it is gone.
+  void RunCopy(absl::AnyInvocable<void() &&> work);
 
   // The socket's abstract name (without the leading NUL), for hello-ok.
   const std::string& name() const { return name_; }
@@ -177,8 +185,9 @@ class ShmAcceptor {
 
  private:
   ShmAcceptor(int listen_fd, int wake_fd, std::string name, uint64_t max_region_bytes,
-              std::function<void(const std::string&)> report);
+              std::function<void(const std::string&)> report, int copy_threads);
   void Loop();
+  void CopyLoop();
   void Serve(int fd);
   absl::Status Attach(int fd, const void* message, size_t length, int region_fd,
                       uint64_t* probe);
@@ -192,6 +201,11 @@ class ShmAcceptor {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::weak_ptr<ShmGrant>> grants_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
+  const int copy_threads_;
+  absl::Mutex copy_mu_;
+  std::deque<absl::AnyInvocable<void() &&>> copy_queue_ ABSL_GUARDED_BY(copy_mu_);
+  bool copy_stop_ ABSL_GUARDED_BY(copy_mu_) = false;
+  std::vector<std::thread> copiers_ ABSL_GUARDED_BY(copy_mu_);
 };
 
 // ---- the client's end ----
