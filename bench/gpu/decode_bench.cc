@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
     const kvcomp::KvCacheView view = kvcomp::bench::SameLayersView(llama, T, k.data(), v.data());
     const auto projection = kvcomp::bench::CalibrateProjection(*backends.cpu, view);
 
-    kvcomp::CompressionPolicy evict;
+    kvcomp::CompressionPolicy evict;  // manifold, ratio 0.5, with moments (the correction)
+    evict.moments = true;
     auto raw = kvcomp::Compress(gpu, view, evict);
     ExitIfError(raw.status(), "compress");
     kvcomp::CompressionPolicy splice = evict;

@@ -141,7 +141,8 @@ int main(int argc, char** argv) {
     const bool have_sums = !staged_view->key_sums.empty() &&
                            staged_view->key_sums[0].sums != nullptr;
 
-    kvcomp::CompressionPolicy evict;  // manifold, ratio 0.5, moments: the daemon's default
+    kvcomp::CompressionPolicy evict;  // manifold, ratio 0.5 (the daemon's default) with moments
+    evict.moments = true;
     kvcomp::CompressionPolicy splice = evict;
     splice.key_codec = kvcomp::KeyCodec::kInt8;
     splice.value_codec = kvcomp::ValueCodec::kOrthogonalInt8;

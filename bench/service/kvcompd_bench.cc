@@ -382,7 +382,8 @@ int RunKvSplice(const Args& a, kvcomp::testing::KvcompdProcess& d, kvcomp::trans
                 const KvLayout& layout, uint64_t block_tokens) {
   const std::string model = "meta-llama/Llama-3.1-8B";
   const int metrics = d.ports().metrics;
-  const CompressionPolicy evict;  // manifold, ratio 0.5, moments: the default policy
+  CompressionPolicy evict;  // manifold, ratio 0.5 (the default policy) with moments
+  evict.moments = true;
   CompressionPolicy splice = evict;
   auto kc = kvcomp::ParseKeyCodec(a.key_codec);
   auto vc = kvcomp::ParseValueCodec(a.value_codec);

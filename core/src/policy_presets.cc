@@ -17,8 +17,8 @@ absl::StatusOr<CompressionPolicy> PolicyPreset(absl::string_view name) {
     }
     if (name == "balanced") {
       p.scorer = Scorer::kManifold;
-      p.ratio = 0.5;
-      p.recent_fraction = 0.5;
+      p.ratio = 0.33;
+      p.recent_fraction = 0.85;
     }
     return p;
   }

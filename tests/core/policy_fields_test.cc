@@ -67,7 +67,8 @@ TEST(PolicyFields, TlvRecordsAreBitIdenticalToFormat12) {
             "00050000000c00080000000000000000000d000400000000000e000100010f00010000100001000011"
             "00010000120004000000000013000400200000001400010001150008000000000000001040160008"
             "007b14ae47e17a943f170008000000000000000000";
-  // format 1.2's defaults are today's absent values (recent_fraction's default changed since)
+  // format 1.2's defaults are today's absent values (recent_fraction's and moments' defaults
+  // changed since)
   EXPECT_EQ(prefix(AbsentFieldPolicy(), defaults12.size()), defaults12);
   const std::string changed12 =
             "010001000602000800333333333333d33f030004004d0000000400010001050008009a9999999999d9"
@@ -214,9 +215,12 @@ TEST(PolicyFields, AbsentValuesAreTheDefaultsExceptWhereADefaultChanged) {
   ASSERT_TRUE(absent.Validate().ok());
   EXPECT_EQ(defaults.recent_fraction, 0.75);
   EXPECT_EQ(absent.recent_fraction, 0.0);
+  EXPECT_FALSE(defaults.moments);
+  EXPECT_TRUE(absent.moments);
   CompressionPolicy same = absent;
   same.recent_fraction = defaults.recent_fraction;
-  EXPECT_EQ(same, defaults) << "only recent_fraction's default changed";
+  same.moments = defaults.moments;
+  EXPECT_EQ(same, defaults) << "only recent_fraction's and moments' defaults changed";
   for (const PolicyFieldInfo& f : PolicyFields()) {
     EXPECT_EQ(f.absent_text, f.text(absent)) << f.name;
     EXPECT_EQ(f.default_text, f.text(defaults)) << f.name;
@@ -236,6 +240,13 @@ TEST(PolicyFields, AbsentValuesAreTheDefaultsExceptWhereADefaultChanged) {
   EXPECT_EQ(*back, defaults);
   EXPECT_NE(PolicyFieldsJson().find("\"absent\": 0, \"absent_text\": \"0\""),
             std::string::npos);
+  EXPECT_NE(PolicyFieldsJson().find("\"default\": false, \"default_text\": \"false\", "
+                                    "\"absent\": true, \"absent_text\": \"true\""),
+            std::string::npos);
+  EXPECT_NE(FindPolicyField("moments")->Help().find(
+                "Absent from a stored cache or a request: true."),
+            std::string::npos)
+      << FindPolicyField("moments")->Help();
 }
 
 TEST(PolicyFields, JsonListsEveryField) {

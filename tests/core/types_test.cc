@@ -176,8 +176,10 @@ TEST(Policy, RecentFractionRangeAndEffectiveRecent) {
   CompressionPolicy p;
   EXPECT_EQ(p.recent_fraction, 0.75);  // the default: three quarters of the kept budget recent
   EXPECT_EQ(p.EffectiveRecent(1000), 750u);
+  EXPECT_FALSE(p.moments);  // no summaries of the evicted tokens unless asked
   p = AbsentFieldPolicy();  // what a cache or request without the field means
   EXPECT_EQ(p.recent_fraction, 0.0);
+  EXPECT_TRUE(p.moments);
   EXPECT_EQ(p.EffectiveRecent(1000), 0u);  // n_recent alone
   p.n_recent = 9;
   EXPECT_EQ(p.EffectiveRecent(1000), 9u);
@@ -266,8 +268,8 @@ TEST(PolicyPreset, NamedPresetsValidateAndDiffer) {
   EXPECT_EQ(codec.key_codec, KeyCodec::kHq4);
   EXPECT_EQ(codec.value_codec, ValueCodec::kHq3);
   const CompressionPolicy balanced = *PolicyPreset("balanced");
-  EXPECT_EQ(balanced.ratio, 0.5);
-  EXPECT_EQ(balanced.recent_fraction, 0.5);
+  EXPECT_EQ(balanced.ratio, 0.33);
+  EXPECT_EQ(balanced.recent_fraction, 0.85);
   EXPECT_FALSE(balanced.moments);
   EXPECT_EQ(balanced.key_codec, KeyCodec::kHq4);
   EXPECT_EQ(balanced.value_codec, ValueCodec::kHq3);

@@ -129,6 +129,7 @@ TEST(MomentAwareTest, PipelineMomentsAreThoseOfTheEvictedTokens) {
     p.scorer = scorer;
     p.ratio = 0.6;
     p.moment_aware = true;
+    p.moments = true;
     auto c = Compress(**b, view, p);
     ASSERT_TRUE(c.ok()) << c.status();
     ASSERT_TRUE(c->has_moments);
@@ -165,6 +166,7 @@ TEST(MomentAwareTest, BlockWiseUsesTheRunningSummary) {
   p.block_size = 256;
   p.token_budget = 300;
   p.moment_aware = true;
+  p.moments = true;
   auto bc = BlockCompressor::Create(**b, layout, p);
   ASSERT_TRUE(bc.ok()) << bc.status();
   std::mt19937_64 rng(4);

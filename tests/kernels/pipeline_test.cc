@@ -222,12 +222,12 @@ TEST(PipelineTest, BlockWiseRecentFractionIsTheBudgetsShare) {
 }
 
 TEST(PipelineTest, NothingEvictedStoresNoMomentsEvenWhenAsked) {
-  // A 16-token chunk at ratio 0 with the default moments = true: the summaries would be all
+  // A 16-token chunk at ratio 0 with moments asked for: the summaries would be all
   // zero and several times the chunk; the cache stores none and stays near the input's size.
   auto cpu = Cpu();
   const Sequence s = MakeSequence({2, 2, 8, 128, DType::kBF16}, 16, 23);
   CompressionPolicy p;
-  ASSERT_TRUE(p.moments);
+  p.moments = true;
   p.ratio = 0.0;
   auto c = Compress(*cpu, s.view(), p);
   ASSERT_TRUE(c.ok()) << c.status();
@@ -248,6 +248,7 @@ TEST(PipelineTest, NothingEvictedStoresNoMomentsEvenWhenAsked) {
   EXPECT_TRUE(c->has_moments);
   // Block-wise at ratio 0: none either.
   CompressionPolicy b;
+  b.moments = true;
   b.ratio = 0.0;
   b.block_size = 16;
   BlockCompressorOptions bo;
@@ -275,6 +276,7 @@ TEST(PipelineTest, MomentsAndHookSeeExactlyTheEvictedTokens) {
   auto cpu = Cpu();
   const Sequence s = MakeSequence({2, 2, 4, 64, DType::kF32}, 301, 5);
   CompressionPolicy p;
+  p.moments = true;
   p.ratio = 0.6;
   std::map<std::pair<uint32_t, uint32_t>, std::vector<uint32_t>> seen;
   CompressOptions o;
@@ -318,6 +320,7 @@ TEST(PipelineTest, BlockWiseStaysWithinBudgetPlusBlockAndAccountsForEveryToken) 
     SCOPED_TRACE(ScorerName(scorer));
     CompressionPolicy p;
     p.scorer = scorer;
+    p.moments = true;
     p.block_size = 64;
     p.token_budget = 200;
     p.window = 128;

@@ -247,7 +247,7 @@ def test_calibration_agrees_with_cpu():
 def test_kept_positions_agree(dtype, scorer, head_budget):
     k, v, k32, v32, hint = _data(dtype)
     ctx = _ctx(dtype=dtype, scorer=scorer, head_budget=head_budget)
-    policy = kvcomp.Policy(scorer=scorer, ratio=0.5, head_budget=head_budget)
+    policy = kvcomp.Policy(scorer=scorer, ratio=0.5, head_budget=head_budget, moments=True)
     ref = kvcomp.compress(k, v, policy, dtype=hint or None)
     got = kvcomp.compress(k, v, policy, backend=CANDIDATE, dtype=hint or None)
     assert sum(got.kept) == sum(ref.kept), ctx
@@ -285,7 +285,7 @@ def test_codec_round_trip_agrees(dtype, value_codec, key_codec):
     # "random": kept positions are an exact formula on both backends, so both encode the same
     # rows (the real scorers are compared in test_kept_positions_agree).
     policy = kvcomp.Policy(scorer="random", seed=11, ratio=0.5, value_codec=value_codec,
-                           key_codec=key_codec)
+                           key_codec=key_codec, moments=True)
     ref = kvcomp.compress(k, v, policy, dtype=hint or None, projection=proj)
     got = kvcomp.compress(k, v, policy, backend=CANDIDATE, dtype=hint or None, projection=proj)
     for l in range(LAYERS):
@@ -358,7 +358,7 @@ def test_device_tensors_in_place():
         torch.cuda.synchronize()  # kvcomp reads them on its own stream
         k, v, _, _, hint = _data(dtype)
         policy = kvcomp.Policy(scorer="random", seed=3, ratio=0.25,
-                               value_codec="orthogonal_int8", key_codec="int8")
+                               value_codec="orthogonal_int8", key_codec="int8", moments=True)
         ref = kvcomp.compress(k, v, policy, backend="cuda", dtype=hint or None, projection=proj)
         got = kvcomp.compress(kt, vt, policy, backend="cuda", projection=proj)
         _compare_encoded(ref, got, "orthogonal_int8", _ctx(dtype=dtype, input="torch.cuda"))

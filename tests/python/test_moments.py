@@ -26,7 +26,8 @@ def _layer(tokens=1500, heads=2, seed=0):
 def test_moments_match_reference(scorer):
     L = _layer()
     c = kvcomp.compress(L.keys, L.values,
-                        kvcomp.Policy(scorer=scorer, ratio=0.6, recent_fraction=0.0),
+                        kvcomp.Policy(scorer=scorer, ratio=0.6, recent_fraction=0.0,
+                                      moments=True),
                         num_q_heads=4)
     ref = reference.compress_layer(L.keys, L.values, scorer, 0.6)
     assert c.has_moments
@@ -45,7 +46,7 @@ def test_moments_are_those_of_the_evicted_tokens():
     rng = np.random.default_rng(1)
     k = rng.standard_normal((1, 300, 64)).astype(np.float32)
     v = rng.standard_normal((1, 300, 64)).astype(np.float32)
-    c = kvcomp.compress(k, v, kvcomp.Policy(scorer="random", ratio=0.5))
+    c = kvcomp.compress(k, v, kvcomp.Policy(scorer="random", ratio=0.5, moments=True))
     kept = c.kept_positions(0, 0)
     ev = np.setdiff1d(np.arange(300), kept)
     n, ks, vs, s = c.moments(0, 0)
@@ -58,7 +59,8 @@ def test_moments_are_those_of_the_evicted_tokens():
 def test_attention_matches_reference(correct):
     L = _layer(seed=2)
     c = kvcomp.compress(L.keys, L.values,
-                        kvcomp.Policy(scorer="keydiff", ratio=0.8, recent_fraction=0.0),
+                        kvcomp.Policy(moments=True, scorer="keydiff", ratio=0.8,
+                                      recent_fraction=0.0),
                         num_q_heads=4)
     ref = reference.compress_layer(L.keys, L.values, "keydiff", 0.8)
     out = kvcomp.attention(L.queries, c, 0, correct=correct)
@@ -72,7 +74,7 @@ def test_all_kept_is_exact_attention_and_correction_helps():
     full = reference.layer_attention(L.queries, L.keys, L.values, None, False)
     c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(ratio=0.0), num_q_heads=4)
     np.testing.assert_allclose(kvcomp.attention(L.queries, c, 0), full, rtol=1e-4, atol=1e-5)
-    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(scorer="manifold", ratio=0.7),
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(moments=True, scorer="manifold", ratio=0.7),
                         num_q_heads=4)
     err = {corr: np.linalg.norm(kvcomp.attention(L.queries, c, 0, correct=corr) - full)
            for corr in (True, False)}
@@ -81,7 +83,7 @@ def test_all_kept_is_exact_attention_and_correction_helps():
 
 def test_bad_input():
     L = _layer(tokens=200)
-    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(ratio=0.5), num_q_heads=4)
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(moments=True, ratio=0.5), num_q_heads=4)
     with pytest.raises(IndexError):
         c.moments(1, 0)
     with pytest.raises(IndexError):
@@ -103,7 +105,7 @@ def test_bad_input():
 @pytest.mark.skipif(not kvcomp.cuda_available(), reason="no CUDA device")
 def test_cuda_attention_matches_cpu():
     L = _layer(seed=4)
-    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(ratio=0.5), num_q_heads=4)
+    c = kvcomp.compress(L.keys, L.values, kvcomp.Policy(moments=True, ratio=0.5), num_q_heads=4)
     np.testing.assert_allclose(kvcomp.attention(L.queries, c, 0, backend="cuda"),
                                kvcomp.attention(L.queries, c, 0), rtol=1e-4, atol=1e-4)
 
@@ -121,7 +123,7 @@ def test_quality_harness_smoke():
 def test_moment_aware_matches_reference_rule(scorer):
     L = _layer(tokens=2000, seed=5)
     c = kvcomp.compress(L.keys, L.values,
-                        kvcomp.Policy(scorer=scorer, ratio=0.7, moment_aware=True,
+                        kvcomp.Policy(moments=True, scorer=scorer, ratio=0.7, moment_aware=True,
                                       recent_fraction=0.0), num_q_heads=4)
     ref = reference.compress_layer(L.keys, L.values, scorer, 0.7, moment_aware=True)
     for h in range(2):
@@ -161,7 +163,8 @@ def test_attention_over_kvsplice_cache(codec):
     L = _layer(seed=int(np.random.default_rng().integers(1 << 30)))
     proj = kvcomp.calibrate(L.values[None], rank=32, codec=codec)
     c = kvcomp.compress(L.keys, L.values,
-                        kvcomp.Policy(scorer="keydiff", ratio=0.5, value_codec=codec, rank=32),
+                        kvcomp.Policy(moments=True, scorer="keydiff", ratio=0.5, value_codec=codec,
+                                      rank=32),
                         num_q_heads=4, projection=proj)
     assert kvcomp.cache_codecs(c)["value_codec"] == codec
     k, v = kvcomp.decompress(c, proj)
@@ -194,7 +197,7 @@ def test_cuda_attention_over_kvsplice_cache():
     L = _layer(seed=3)
     proj = kvcomp.calibrate(L.values[None], rank=32)
     c = kvcomp.compress(L.keys, L.values,
-                        kvcomp.Policy(ratio=0.5, value_codec="orthogonal_int8"),
+                        kvcomp.Policy(moments=True, ratio=0.5, value_codec="orthogonal_int8"),
                         num_q_heads=4, projection=proj)
 
     def worst(a, b):

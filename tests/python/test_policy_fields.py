@@ -87,10 +87,12 @@ def test_new_policies_get_the_default_old_records_their_absent_value(fields):
 
     import numpy as np
 
-    changed = [f for f in fields if f["absent"] != f["default"]]
-    assert [f["name"] for f in changed] == ["recent_fraction"]
-    rf = changed[0]
+    changed = {f["name"]: f for f in fields if f["absent"] != f["default"]}
+    assert sorted(changed) == ["moments", "recent_fraction"]
+    rf = changed["recent_fraction"]
     assert rf["absent"] == 0 and rf["default"] == kvcomp.Policy().recent_fraction
+    mo = changed["moments"]
+    assert mo["absent"] is True and mo["default"] is False and not kvcomp.Policy().moments
     assert kvcomp.preset("default") == kvcomp.Policy()
     assert cli._policy(types.SimpleNamespace(policy="scorer=keydiff")).recent_fraction == \
         rf["default"]
@@ -99,6 +101,7 @@ def test_new_policies_get_the_default_old_records_their_absent_value(fields):
     v = rng.standard_normal((2, 400, 64)).astype(np.float32)
     c = kvcomp.compress(k, v)  # the default policy: manifold, half evicted, half of it recent
     assert c.policy.recent_fraction == rf["default"]
+    assert not c.policy.moments and not c.has_moments
     kept = kvcomp.Policy().kept_per_head(400)
     recent = kvcomp.Policy().effective_recent(kept)
     assert recent == int(rf["default"] * kept) > 0
@@ -106,5 +109,6 @@ def test_new_policies_get_the_default_old_records_their_absent_value(fields):
         assert set(range(400 - recent, 400)) <= set(c.kept_positions(0, h).tolist())
     back = kvcomp.CompressedCache.from_bytes(c.to_bytes())
     assert back.policy == c.policy
-    old = kvcomp.compress(k, v, kvcomp.Policy(recent_fraction=0.0))
-    assert kvcomp.CompressedCache.from_bytes(old.to_bytes()).policy.recent_fraction == 0.0
+    old = kvcomp.compress(k, v, kvcomp.Policy(recent_fraction=0.0, moments=True))
+    back = kvcomp.CompressedCache.from_bytes(old.to_bytes())
+    assert back.policy.recent_fraction == 0.0 and back.policy.moments and back.has_moments

@@ -120,7 +120,7 @@ def _same_cache(ref, got):
                     assert np.all(np.isfinite(b)) and np.abs(b - a).max() / scale < 2e-4
 
 
-POLICY = dict(scorer="random", seed=5, ratio=0.5)
+POLICY = dict(scorer="random", seed=5, ratio=0.5, moments=True)
 
 
 def _check_compress(k_dev, v_dev, **call):

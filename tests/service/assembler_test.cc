@@ -111,6 +111,7 @@ TEST(PutAssemblerKeySumsTest, CompressionGivenTheSumsEqualsWithout) {
         p.scorer = s;
         p.ratio = 0.5;
         p.window = window;
+        p.moments = true;
         absl::StatusOr<CompressedCache> with = Compress(**backend, *view, p);
         absl::StatusOr<CompressedCache> without = Compress(**backend, bare, p);
         ASSERT_TRUE(with.ok()) << with.status();

@@ -51,11 +51,13 @@ TEST(PolicyMapping, ThriftCarriesEveryFieldBothWays) {
   ASSERT_TRUE(unset.ok()) << unset.status();
   EXPECT_EQ(*unset, AbsentFieldPolicy());
   EXPECT_EQ(unset->recent_fraction, 0.0);
+  EXPECT_TRUE(unset->moments);
   // A new client sends every field: the default policy arrives as the default policy.
   auto defaults = PolicyFromRpc(PolicyToRpc(CompressionPolicy()));
   ASSERT_TRUE(defaults.ok()) << defaults.status();
   EXPECT_EQ(*defaults, CompressionPolicy());
   EXPECT_NE(defaults->recent_fraction, unset->recent_fraction);
+  EXPECT_NE(defaults->moments, unset->moments);
 }
 
 TEST(PolicyMapping, ThriftCarriesEverySeedAsItsBitPattern) {
@@ -199,9 +201,11 @@ TEST(PolicyMapping, NewDefaultsForConfigurationOldMeaningForStoredRecords) {
   ASSERT_NE(tab, std::string::npos);
   std::string yaml;
   ASSERT_TRUE(absl::CUnescape(log.substr(tab + 1, log.size() - tab - 2), &yaml));
-  const size_t key = yaml.find("recent_fraction:");
-  ASSERT_NE(key, std::string::npos) << yaml;
-  yaml.erase(key, yaml.find('\n', key) + 1 - key);
+  for (const char* name : {"recent_fraction:", "moments:"}) {
+    const size_t key = yaml.find(name);
+    ASSERT_NE(key, std::string::npos) << yaml;
+    yaml.erase(key, yaml.find('\n', key) + 1 - key);
+  }
   const std::string body = absl::StrCat(log.substr(9, tab - 9 + 1), absl::CEscape(yaml));
   {
     FILE* f = std::fopen((path + ".log").c_str(), "wb");
@@ -217,8 +221,10 @@ TEST(PolicyMapping, NewDefaultsForConfigurationOldMeaningForStoredRecords) {
   EXPECT_FALSE(is_default);
   CompressionPolicy want = p;
   want.recent_fraction = AbsentFieldPolicy().recent_fraction;
+  want.moments = AbsentFieldPolicy().moments;
   EXPECT_EQ(got, want) << got.DebugString();
   EXPECT_EQ(got.recent_fraction, 0.0);
+  EXPECT_TRUE(got.moments);
   std::remove(path.c_str());
   std::remove((path + ".log").c_str());
   rmdir(dir);

@@ -280,7 +280,7 @@ void RegisterEngine(nb::module_& m) {
            nb::arg("alpha_safeguard") = 0.20, nb::arg("n_sink") = 4, nb::arg("n_recent") = 0,
            nb::arg("protect") = true, nb::arg("window") = 4096, nb::arg("snapkv_window") = 64,
            nb::arg("snapkv_pool") = 5, nb::arg("seed") = 0, nb::arg("block_size") = 0,
-           nb::arg("moments") = true, nb::arg("moment_aware") = false, nb::arg("key_codec") = "raw",
+           nb::arg("moments") = false, nb::arg("moment_aware") = false, nb::arg("key_codec") = "raw",
            nb::arg("value_codec") = "none", nb::arg("rank") = 0, nb::arg("group_size") = 32,
            nb::arg("gamma_aware") = true, nb::arg("value_outlier_factor") = 4.0,
            nb::arg("value_raw_fraction") = 0.02, nb::arg("recent_fraction") = 0.75)
