@@ -272,23 +272,24 @@ ShmAcceptor::ShmAcceptor(int listen_fd, int wake_fd, std::string name, uint64_t 
       copy_threads_(std::max(copy_threads, 1)) {}
 
 void ShmAcceptor::RunCopy(absl::AnyInvocable<void() &&> work) {
-  absl::MutexLock lock(&copy_mu_);
-  copy_queue_.push_back(std::move(work));
-  if (copiers_.size() < static_cast<size_t>(copy_threads_) &&
-      copy_queue_.size() > 0 && !copy_stop_) {
-    // One more thread while there is queued work and room: as many as copies run at once.
-    try {
-      copiers_.emplace_back([this] { CopyLoop(); });
-    } catch (const std::system_error&) {
-      if (copiers_.empty()) {  // no thread at all: run it here
-        absl::AnyInvocable<void() &&> w = std::move(copy_queue_.back());
-        copy_queue_.pop_back();
-        copy_mu_.Unlock();
-        std::move(w)();
-        copy_mu_.Lock();
+  {
+    absl::MutexLock lock(&copy_mu_);
+    if (!copy_stop_) {
+      // One more thread while there is room: as many as copies run at once.
+      if (copiers_.size() < static_cast<size_t>(copy_threads_)) {
+        try {
+          copiers_.emplace_back([this] { CopyLoop(); });
+        } catch (const std::system_error&) {
+          // none to be had now: the threads there are take it
+        }
+      }
+      if (!copiers_.empty()) {
+        copy_queue_.push_back(std::move(work));
+        return;
       }
     }
   }
+  std::move(work)();  // no copy thread (none could be made, or the acceptor is going): here
 }
 
 void ShmAcceptor::CopyLoop() {
