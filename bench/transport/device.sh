@@ -20,7 +20,7 @@
 # On the GPU machine:
 #   run(command="bash bench/transport/device.sh .dev/host/bundle.tar.xz", carry=[".dev/host"])
 #
-# Knobs: KVCOMP_HOST_SECONDS (whole budget, default 110), KVCOMP_HOST_STEPS (default
+# Knobs: KVCOMP_SCRIPTS_COMMIT, KVCOMP_HOST_SECONDS (whole budget, default 110), KVCOMP_HOST_STEPS (default
 # "durable transport"), KVCOMP_DURABLE_SECONDS (default 30: no durable repetition starts later),
 # KVCOMP_DURABLE_DIR (scratch; default the first of /var/tmp, the repository, /tmp not on tmpfs),
 # and those of the two scripts (KVCOMP_BENCH_MB, KVCOMP_DURABLE_SIZES, KVCOMP_BENCH_REPS,
@@ -67,7 +67,9 @@ ln -s "$W/storage_bench" "$BUILD/bench/storage/storage_bench"
 ln -s "$W/kvcompd" "$BUILD/service/kvcompd"
 
 COMMIT="bundle $(cat "$B/commit" 2>/dev/null || echo unknown)"
-SCRIPTS=$(git rev-parse --short HEAD 2>/dev/null || true)
+# The scripts' commit: KVCOMP_SCRIPTS_COMMIT where the tree's git directory does not name it (the
+# GPU machine's copy of the tree carries one that may name an older commit).
+SCRIPTS=${KVCOMP_SCRIPTS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || true)}
 [ -n "$SCRIPTS" ] && COMMIT="$COMMIT, scripts $SCRIPTS"
 export KVCOMP_COMMIT=$COMMIT
 
