@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/transport/server.h"
 
@@ -40,6 +41,27 @@ class MemoryHandler : public transport::RequestHandler {
 
   // Each OnBlock completes after this delay (on the helper thread).
   void set_block_delay(absl::Duration d) { block_delay_ns_ = absl::ToInt64Nanoseconds(d); }
+
+  // Takes link blocks (wire::kBlockLinkPayload) of link `channel` over a stand-in link whose
+  // descriptor carries the K and V themselves, moved on the helper thread; link `channel` + 1
+  // is gone (NotFound with ErrorDetail::kLinkGone); any other link block gets the transport's
+  // default answer.
+  void set_link(uint64_t channel) { link_channel_ = channel; }
+
+  void ReceiveOverLink(const transport::PutContext& put, const transport::wire::Block& block,
+                       transport::Buffer descriptor, transport::LinkReceived received) override {
+    if (link_channel_.load() != 0 && block.link_channel == link_channel_.load() + 1) {
+      received(WithDetail(absl::NotFoundError("link gone"), ErrorDetail::kLinkGone));
+      return;
+    }
+    if (link_channel_.load() == 0 || block.link_channel != link_channel_.load()) {
+      RequestHandler::ReceiveOverLink(put, block, std::move(descriptor), std::move(received));
+      return;
+    }
+    auto moved = std::make_shared<transport::Buffer>(std::move(descriptor));
+    Later(absl::Nanoseconds(block_delay_ns_.load()),
+          [moved, received = std::move(received)]() mutable { received(std::move(*moved)); });
+  }
 
   absl::StatusOr<std::string> OnHello(const transport::Session& session,
                                       const transport::wire::Hello& hello) override {
@@ -246,6 +268,7 @@ class MemoryHandler : public transport::RequestHandler {
 
   const std::map<std::string, std::string> tokens_;
   std::atomic<int64_t> block_delay_ns_{0};
+  std::atomic<uint64_t> link_channel_{0};
   std::atomic<int> disconnects_{0};
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -269,6 +269,31 @@ TEST(PayloadLinkTest, GpuLinksRefuseHostMemoryAsNotServed) {
 // copy it (a CUDA driver, and device memory at the address), else it refuses the memory as not
 // served, so that the router reports no link instead of failing mid-transfer; a part a block
 // lacks (0 bytes) is taken whatever its kind. The ucx-cuda link takes CUDA memory only.
+TEST(PayloadLinkTest, IpcMemoryDescriptorsRoundTripAndBadOnesAreRefused) {
+  IpcMemory m;
+  m.handles = {std::string(64, 'a'), std::string(64, 'b')};
+  m.regions = {{0, 0, 4096}, {1, 8192, 4096}, {0, 4096, 100}};
+  const std::string bytes = EncodeIpcMemory(m);
+  EXPECT_EQ(bytes.size(), 8 + 2 * 64 + 3 * 24u);
+  absl::StatusOr<IpcMemory> back = DecodeIpcMemory(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->handles, m.handles);
+  ASSERT_EQ(back->regions.size(), 3u);
+  EXPECT_EQ(back->regions[1].handle, 1u);
+  EXPECT_EQ(back->regions[1].offset, 8192u);
+  EXPECT_EQ(back->regions[2].bytes, 100u);
+  EXPECT_FALSE(DecodeIpcMemory("").ok());
+  EXPECT_FALSE(DecodeIpcMemory(bytes.substr(0, bytes.size() - 1)).ok());
+  EXPECT_FALSE(DecodeIpcMemory(bytes + "x").ok());
+  IpcMemory bad = m;
+  bad.regions[0].handle = 2;  // no such handle
+  EXPECT_TRUE(absl::IsInvalidArgument(DecodeIpcMemory(EncodeIpcMemory(bad)).status()));
+  bad = m;
+  bad.regions[2].bytes = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(DecodeIpcMemory(EncodeIpcMemory(bad)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(DecodeIpcMemory(EncodeIpcMemory(IpcMemory{})).status()));
+}
+
 TEST(PayloadLinkTest, TheUcxLinkStagesOnlyCudaMemoryItCanCopy) {
   UcxLink ucx(nullptr, K::kUcxHost);
   UcxLink ucx_cuda(nullptr, K::kUcxCuda);

@@ -9,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "kvcomp/core/crc32c.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 
 namespace kvcomp {
@@ -328,6 +329,55 @@ TEST(ProtocolTest, SharedMemoryFieldsRoundTripAndDisagreementsAreRefused) {
   Block two = peer;
   two.flags = kBlockPeerMemory | kBlockSharedMemory;
   EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(Encode(2, two)), &bo)));
+
+  // A link block (minor 4): the frame's data part is the link's descriptor, not the K and V.
+  Block link = b;
+  link.flags = kBlockLinkPayload;
+  link.parts = kPartBoth;
+  link.value_bytes = 512;
+  link.link_channel = 42;
+  link.link_bytes = 144;
+  link.link_layer_major = true;
+  const std::string lf = Encode(3, link);
+  EXPECT_EQ(MustParse(lf, 144).header.payload_bytes, 144u);
+  Block lo = RoundTrip<Block>(lf, 144);
+  EXPECT_EQ(lo.flags, kBlockLinkPayload);
+  EXPECT_EQ(lo.link_channel, 42u);
+  EXPECT_EQ(lo.link_bytes, 144u);
+  EXPECT_TRUE(lo.link_layer_major);
+  EXPECT_EQ(lo.payload_bytes(), 1024u);
+  EXPECT_EQ(lo.wire_bytes(), 144u);
+  for (auto bad : {+[](Block& m) { m.link_channel = 0; }, +[](Block& m) { m.key_crc = 9; },
+                   +[](Block& m) { m.flags |= kBlockDevicePayload; },
+                   +[](Block& m) { m.link_bytes = kMaxLinkDescriptorBytes + 1; }}) {
+    Block m = link;
+    bad(m);
+    const std::string frame = Encode(3, m);
+    EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(frame, m.wire_bytes()), &lo)));
+  }
+
+  // A status reply carries its typed detail after the message (minor 4); none when 0.
+  const StatusReply typed = StatusReply::FromStatus(
+      WithDetail(absl::NotFoundError("gone"), ErrorDetail::kLinkGone));
+  EXPECT_EQ(typed.detail, ErrorDetailToWire(ErrorDetail::kLinkGone));
+  const absl::Status back = RoundTrip<StatusReply>(Encode(6, typed)).ToStatus();
+  EXPECT_TRUE(absl::IsNotFound(back));
+  EXPECT_EQ(DetailOf(back), ErrorDetail::kLinkGone);
+  EXPECT_EQ(RoundTrip<StatusReply>(Encode(6, StatusReply::FromStatus(absl::NotFoundError("x"))))
+                .detail,
+            0);
+  // "gone" is 3 bytes longer than "x"; the detail 2 more.
+  EXPECT_EQ(Encode(6, StatusReply::FromStatus(absl::NotFoundError("x"))).size() + 3 + 2,
+            Encode(6, typed).size());
+
+  // A commit of a put with link blocks says how long the links took; a lookup never does.
+  CacheSummary sum;
+  sum.layout = KvLayout{2, 2, 2, 64, DType::kBF16};
+  sum.original_tokens = 4;
+  EXPECT_EQ(RoundTrip<CacheSummary>(Encode(5, sum)).link_ns, 0u);
+  sum.link_ns = 123456;
+  EXPECT_EQ(RoundTrip<CacheSummary>(Encode(5, sum)).link_ns, 123456u);
+  EXPECT_EQ(RoundTrip<CacheSummary>(EncodeLookupReply(5, sum)).link_ns, 0u);
 
   Get direct{Representation::kStored, "m", "k", false, 0x7f0000001000, 1 << 20, true};
   Get dout = RoundTrip<Get>(Encode(1, direct));

@@ -17,6 +17,7 @@
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/transport/client.h"
 #include "kvcomp/transport/server.h"
 #include "transport/memory_handler.h"
@@ -196,6 +197,66 @@ TEST_P(ServerClientTest, HelloAndPing) {
   EXPECT_EQ((*c)->server_info().server_name, "kvcompd");
   EXPECT_TRUE((*c)->Ping().ok());
   EXPECT_TRUE((*c)->connected());
+}
+
+TEST_P(ServerClientTest, ALinkBlockIsMovedByTheHandlersLinkThenTakenAsAnyBlock) {
+  handler_->set_link(7);
+  StartServer();
+  auto c = Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  UcxClient& client = **c;
+  const Kv kv(KvLayout{2, 2, 2, 64, DType::kBF16}, 48, 3);
+  absl::StatusOr<uint64_t> put = client.PutBegin(Begin(kv, "linked"));
+  ASSERT_TRUE(put.ok()) << put.status();
+  wire::Block b;
+  b.put_id = *put;
+  b.layer_begin = 0;
+  b.layer_end = kv.layout.num_layers;
+  b.token_begin = 0;
+  b.token_end = kv.tokens;
+  b.parts = wire::kPartBoth;
+  b.key_bytes = kv.k.size();
+  b.value_bytes = kv.v.size();
+  b.flags = wire::kBlockLinkPayload;
+  b.link_channel = 7;
+  // The stand-in link's descriptor is the K and V themselves.
+  std::string descriptor(kv.k.begin(), kv.k.end());
+  descriptor.append(kv.v.begin(), kv.v.end());
+  auto send = [&](const wire::Block& block, std::string d) {
+    absl::Notification n;
+    absl::Status out;
+    client.SendLinkBlockAsync(block, std::move(d), [&](absl::Status s) {
+      out = std::move(s);
+      n.Notify();
+    });
+    n.WaitForNotification();
+    return out;
+  };
+  // A link the server's handler does not have: its answer, and the put stays open.
+  wire::Block other = b;
+  other.link_channel = 9;
+  EXPECT_EQ(send(other, "").code(), absl::StatusCode::kFailedPrecondition);
+  // A link that is gone says so by its typed detail (a client of minor >= 4 reads it).
+  wire::Block gone = b;
+  gone.link_channel = 8;
+  const absl::Status lost = send(gone, "");
+  EXPECT_EQ(lost.code(), absl::StatusCode::kNotFound) << lost;
+  EXPECT_EQ(DetailOf(lost), ErrorDetail::kLinkGone) << lost;
+  // Not flagged as a link block alone: refused before anything is sent.
+  wire::Block both = b;
+  both.flags |= wire::kBlockDevicePayload;
+  EXPECT_EQ(send(both, descriptor).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(send(b, descriptor).ok());
+  absl::StatusOr<wire::CacheSummary> sum = client.PutCommit(*put, 1);
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  absl::StatusOr<FetchedCache> got = client.Get("test/model", "linked");
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectCacheHolds(std::string(got->bytes.view()), kv);
+  const ServerStats stats = server_->stats();
+  EXPECT_EQ(stats.link_blocks, 1u);
+  EXPECT_EQ(stats.bytes_received, kv.layout.CacheBytes(kv.tokens));
+  EXPECT_EQ(stats.inflight_bytes, 0u);
+  EXPECT_EQ(stats.buffered_bytes, 0u);
 }
 
 TEST_P(ServerClientTest, HelloWithWrongTokenIsRejected) {

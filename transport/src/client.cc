@@ -42,6 +42,7 @@ using ReplyCallback = absl::AnyInvocable<void(absl::StatusOr<Reply>)>;
 struct Pending {
   uint64_t request_id = 0;
   std::string frame;
+  std::string owned_payload;  // a payload the request holds itself (a link descriptor)
   ucp_dt_iov_t iov[2] = {};
   int iov_count = 0;  // 0: no payload
   uint64_t payload_bytes = 0;
@@ -179,6 +180,8 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   ShmChannel* SharedMemory() override { return nullptr; }
   void SendSharedBlockAsync(const wire::Block& block,
                             absl::AnyInvocable<void(absl::Status)> done) override;
+  void SendLinkBlockAsync(const wire::Block& block, std::string descriptor,
+                          absl::AnyInvocable<void(absl::Status)> done) override;
   uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity, absl::Time deadline,
                           absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) override;
   const ClientOptions& options() const { return options_; }
@@ -1030,6 +1033,35 @@ void ClientImpl::SendSharedBlockAsync(const wire::Block& block,
   Submit(std::move(p));
 }
 
+void ClientImpl::SendLinkBlockAsync(const wire::Block& block, std::string descriptor,
+                                    absl::AnyInvocable<void(absl::Status)> done) {
+  if (block.flags != wire::kBlockLinkPayload || block.link_channel == 0 ||
+      descriptor.size() > wire::kMaxLinkDescriptorBytes) {
+    done(absl::InvalidArgumentError(
+        "SendLinkBlockAsync: the block must be flagged link payload alone, name its link, and "
+        "its descriptor fit kMaxLinkDescriptorBytes"));
+    return;
+  }
+  wire::Block b = block;
+  b.key_crc = 0;
+  b.value_crc = 0;
+  b.link_bytes = static_cast<uint32_t>(descriptor.size());
+  auto p = std::make_unique<Pending>();
+  p->request_id = NextRequestId();
+  p->owned_payload = std::move(descriptor);
+  if (!p->owned_payload.empty()) {
+    p->iov[0] = {p->owned_payload.data(), p->owned_payload.size()};
+    p->iov_count = 1;
+    p->payload_bytes = p->owned_payload.size();
+  }
+  p->frame = wire::Encode(p->request_id, b);
+  p->deadline = absl::Now() + options_.request_timeout;
+  p->callback = [done = std::move(done)](absl::StatusOr<Reply> r) mutable {
+    done(r.ok() ? StatusOfReply(*r) : r.status());
+  };
+  Submit(std::move(p));
+}
+
 uint64_t ClientImpl::GetSharedAsync(const wire::Get& get, void* dst, size_t capacity,
                                     absl::Time deadline,
                                     absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) {
@@ -1366,6 +1398,10 @@ class ClientHandle : public UcxClient {
   void SendSharedBlockAsync(const wire::Block& block,
                             absl::AnyInvocable<void(absl::Status)> done) override {
     impl_->SendSharedBlockAsync(block, std::move(done));
+  }
+  void SendLinkBlockAsync(const wire::Block& block, std::string descriptor,
+                          absl::AnyInvocable<void(absl::Status)> done) override {
+    impl_->SendLinkBlockAsync(block, std::move(descriptor), std::move(done));
   }
   uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity, absl::Time deadline,
                           absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) override {

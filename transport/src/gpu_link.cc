@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "kvcomp/core/byte_coder.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
@@ -836,6 +837,52 @@ absl::Status NcclPayloadLink::Enqueued(absl::Time deadline) {
   if (!stop_) return absl::OkStatus();
   stop_ = false;
   return timer_->Stop(stream_);
+}
+
+std::string EncodeIpcMemory(const IpcMemory& memory) {
+  byte_coder::ByteWriter w;
+  w.Put<uint32_t>(static_cast<uint32_t>(memory.handles.size()));
+  w.Put<uint32_t>(static_cast<uint32_t>(memory.regions.size()));
+  for (const std::string& h : memory.handles) w.Raw(h);
+  for (const IpcMemory::Region& r : memory.regions) {
+    w.Put<uint32_t>(r.handle);
+    w.Zeros(4);
+    w.Put<uint64_t>(r.offset);
+    w.Put<uint64_t>(r.bytes);
+  }
+  return w.Take();
+}
+
+absl::StatusOr<IpcMemory> DecodeIpcMemory(absl::string_view bytes) {
+  constexpr size_t kHandleBytes = 64;
+  byte_coder::ByteReader r(bytes, "ipc memory");
+  const uint32_t handles = r.Get<uint32_t>("handles");
+  const uint32_t regions = r.Get<uint32_t>("regions");
+  if (r.ok() && (handles == 0 || regions == 0)) {
+    return absl::InvalidArgumentError("ipc memory: no handle or no region");
+  }
+  if (r.ok() && (handles > r.left() / kHandleBytes || regions > r.left() / 24)) {
+    return absl::DataLossError("ipc memory: truncated");
+  }
+  IpcMemory out;
+  for (uint32_t i = 0; r.ok() && i < handles; ++i) {
+    out.handles.push_back(r.Bytes(kHandleBytes, "handle"));
+  }
+  for (uint32_t i = 0; r.ok() && i < regions; ++i) {
+    IpcMemory::Region g;
+    g.handle = r.Get<uint32_t>("region handle");
+    r.Skip(4, "reserved");
+    g.offset = r.Get<uint64_t>("region offset");
+    g.bytes = r.Get<uint64_t>("region bytes");
+    if (r.ok() && (g.handle >= handles || g.bytes == 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("ipc memory: region ", i, " names handle ",
+                                                     g.handle, " of ", handles, " with ",
+                                                     g.bytes, " bytes"));
+    }
+    out.regions.push_back(g);
+  }
+  KVCOMP_RETURN_IF_ERROR(r.Finish());
+  return out;
 }
 
 absl::StatusOr<Registration> CudaIpcLink::Register(const MemoryRegion& region) {

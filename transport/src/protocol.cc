@@ -9,6 +9,7 @@
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/crc32c.h"
 #include "kvcomp/core/format.h"
+#include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
 
 namespace kvcomp {
@@ -179,6 +180,12 @@ bool IsKnownMessageType(uint8_t value) {
 
 // ---- Block ----
 
+uint64_t Block::wire_bytes() const {
+  if (flags & (kBlockSharedMemory | kBlockPeerMemory)) return 0;
+  if (flags & kBlockLinkPayload) return link_bytes;
+  return payload_bytes();
+}
+
 uint64_t Block::ExpectedPartBytes(const KvLayout& layout) const {
   if (layer_end <= layer_begin || token_end <= token_begin) return 0;
   return uint64_t{layer_end - layer_begin} * layout.LayerBytes(token_end - token_begin);
@@ -221,13 +228,14 @@ absl::Status Block::ValidateAgainst(const KvLayout& layout, uint64_t num_tokens)
 absl::Status StatusReply::ToStatus() const {
   const absl::StatusCode c = StatusCodeFromWire(code);
   if (c == absl::StatusCode::kOk) return absl::OkStatus();
-  return absl::Status(c, message);
+  return WithDetail(absl::Status(c, message), ErrorDetailFromWire(detail));
 }
 
 StatusReply StatusReply::FromStatus(const absl::Status& status) {
   StatusReply r;
   r.code = StatusCodeToWire(status.code());
   r.message = Cut(status.message(), kMaxMessageBytes);
+  r.detail = ErrorDetailToWire(DetailOf(status));
   return r;
 }
 
@@ -373,7 +381,13 @@ std::string Encode(uint64_t request_id, const Block& m) {
   const bool shared = (m.flags & (kBlockSharedMemory | kBlockPeerMemory)) != 0;
   if (shared) w.Put<uint64_t>(m.shm_offset);
   if (m.flags & kBlockPeerMemory) w.Put<uint64_t>(m.peer_values);
-  return MakeFrame(MessageType::kBlock, request_id, shared ? 0 : m.payload_bytes(), w.Take());
+  if (m.flags & kBlockLinkPayload) {
+    w.Put<uint64_t>(m.link_channel);
+    w.Put<uint32_t>(m.link_bytes);
+    w.Put<uint8_t>(m.link_layer_major ? 1 : 0);
+    w.Zeros(3);
+  }
+  return MakeFrame(MessageType::kBlock, request_id, m.wire_bytes(), w.Take());
 }
 
 std::string Encode(uint64_t request_id, const PutCommit& m) {
@@ -386,6 +400,7 @@ std::string Encode(uint64_t request_id, const PutCommit& m) {
 std::string Encode(uint64_t request_id, const CacheSummary& m) {
   Writer w;
   PutSummary(w, m);
+  if (m.link_ns != 0) w.Put<uint64_t>(m.link_ns);
   return MakeFrame(MessageType::kPutCommitOk, request_id, 0, w.Take());
 }
 
@@ -442,6 +457,7 @@ std::string Encode(uint64_t request_id, const StatusReply& m) {
   Writer w;
   w.Put<uint16_t>(m.code);
   w.Str(Cut(m.message, kMaxMessageBytes));
+  if (m.detail != 0) w.Put<uint16_t>(m.detail);
   return MakeFrame(MessageType::kStatus, request_id, 0, w.Take());
 }
 
@@ -568,6 +584,13 @@ absl::Status Decode(const Frame& f, Block* out) {
   out->shm_offset = shared ? r.Get<uint64_t>("shm_offset") : 0;
   out->peer_values =
       r.ok() && (out->flags & kBlockPeerMemory) ? r.Get<uint64_t>("peer_values") : 0;
+  uint8_t order = 0;
+  if (r.ok() && (out->flags & kBlockLinkPayload)) {
+    out->link_channel = r.Get<uint64_t>("link_channel");
+    out->link_bytes = r.Get<uint32_t>("link_bytes");
+    order = r.Get<uint8_t>("link_order");
+    r.Skip(3, "reserved");
+  }
   KVCOMP_RETURN_IF_ERROR(r.Finish());
   auto bad = [&r](const std::string& what) { return absl::InvalidArgumentError(r.Prefix(what)); };
   if (out->layer_begin >= out->layer_end || out->layer_end > KvLayout::kMaxLayers) {
@@ -587,11 +610,25 @@ absl::Status Decode(const Frame& f, Block* out) {
   if ((!has_k && out->key_crc != 0) || (!has_v && out->value_crc != 0)) {
     return bad("checksum of an absent part must be zero");
   }
-  if (out->flags & ~(kBlockDevicePayload | kBlockSharedMemory | kBlockPeerMemory)) {
+  if (out->flags &
+      ~(kBlockDevicePayload | kBlockSharedMemory | kBlockPeerMemory | kBlockLinkPayload)) {
     return bad(absl::StrFormat("unknown block flags 0x%02x", out->flags));
   }
   if (__builtin_popcount(out->flags) > 1) {
-    return bad("a block is a device payload, in shared memory or in the peer's memory: one");
+    return bad("a block is a device payload, in shared memory, in the peer's memory or over a "
+               "link: one");
+  }
+  if (out->flags & kBlockLinkPayload) {
+    if (out->link_channel == 0) return bad("a link block names link_channel 0");
+    if (order > 1) return bad(absl::StrFormat("bad link_order %u (0 or 1)", order));
+    if (out->link_bytes > kMaxLinkDescriptorBytes) {
+      return bad(absl::StrFormat("link descriptor of %u bytes (at most %u)", out->link_bytes,
+                                 kMaxLinkDescriptorBytes));
+    }
+    if (out->key_crc != 0 || out->value_crc != 0) {
+      return bad("a link payload carries no checksums (key_crc and value_crc must be zero)");
+    }
+    out->link_layer_major = order == 1;
   }
   if (shared && (out->key_crc != 0 || out->value_crc != 0)) {
     return bad("a shared-memory payload carries no checksums (key_crc and value_crc must be "
@@ -601,7 +638,11 @@ absl::Status Decode(const Frame& f, Block* out) {
     return bad("a device payload carries no checksums (key_crc and value_crc must be zero)");
   }
   if (out->key_bytes > kMaxPayloadBytes || out->value_bytes > kMaxPayloadBytes ||
-      (shared ? f.header.payload_bytes != 0 : out->payload_bytes() != f.header.payload_bytes)) {
+      out->wire_bytes() != f.header.payload_bytes) {
+    if (out->flags & kBlockLinkPayload) {
+      return bad(absl::StrFormat("link_bytes %u != payload %u", out->link_bytes,
+                                 f.header.payload_bytes));
+    }
     return bad(absl::StrFormat("key_bytes %u + value_bytes %u != payload %u", out->key_bytes,
                                out->value_bytes, f.header.payload_bytes));
   }
@@ -631,6 +672,9 @@ absl::Status Decode(const Frame& f, CacheSummary* out) {
   out->total_kept = r.Get<uint64_t>("total_kept");
   out->original_bytes = r.Get<uint64_t>("original_bytes");
   out->stored_bytes = r.Get<uint64_t>("stored_bytes");
+  out->link_ns = r.ok() && f.header.type == MessageType::kPutCommitOk && r.left() == 8
+                     ? r.Get<uint64_t>("link_ns")
+                     : 0;
   KVCOMP_RETURN_IF_ERROR(r.Finish());
   if (kc > kMaxKeyCodec || vc > kMaxValueCodec) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown codecs %u/%u", kc, vc)));
@@ -729,6 +773,7 @@ absl::Status Decode(const Frame& f, StatusReply* out) {
   Reader r(f.body, f.header.type);
   out->code = r.Get<uint16_t>("code");
   out->message = r.Str("message", kMaxMessageBytes);
+  out->detail = r.ok() && r.left() == 2 ? r.Get<uint16_t>("detail") : 0;
   return r.Finish();
 }
 

@@ -48,6 +48,8 @@ struct Connection {
   // The client said minor >= 1 and this server's UCX is CUDA-aware: hello-ok told it
   // kServerCudaMemory, and its blocks may be device payloads.
   bool device_payloads = false;
+  // The client said minor >= 4 at hello: its status replies carry typed error details.
+  bool error_details = false;
   // Same-host shared memory offered at hello (client minor >= 2, server option on): the
   // regions this connection attached. Withdrawn when the connection closes.
   std::shared_ptr<ShmGrant> shm;
@@ -62,7 +64,7 @@ struct Counters {
       bytes_sent{0}, busy_replies{0}, checksum_failures{0}, puts_begun{0}, puts_committed{0},
       puts_aborted{0}, puts_timed_out{0}, connections_timed_out{0}, inflight_bytes{0},
       inflight_busy_replies{0}, device_payload_blocks{0}, blocks_into_device{0}, shm_blocks{0},
-      shm_gets{0};
+      shm_gets{0}, link_blocks{0};
   std::atomic<uint64_t> rejected[kNumStatusCodes] = {};  // by absl::StatusCode
 };
 
@@ -155,6 +157,13 @@ class ServerImpl : public UcxServer {
   void HandleLookup(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
   void HandleDelete(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
   void BlockReceived(RecvContext* ctx, ucs_status_t status);
+  // A received block to the handler's OnBlock (its answer then goes to BlockDone).
+  void PassBlock(const std::shared_ptr<Connection>& conn, const std::shared_ptr<PutState>& put,
+                 uint64_t request_id, const wire::Block& block, uint64_t bytes, Buffer payload);
+  // A link block's transfer is complete (or failed): its memory goes to OnBlock.
+  void BlockOverLink(const std::shared_ptr<Connection>& conn,
+                     const std::shared_ptr<PutState>& put, uint64_t request_id,
+                     const wire::Block& block, uint64_t bytes, absl::StatusOr<Buffer> payload);
   void BlockDone(const std::shared_ptr<Connection>& conn, const std::shared_ptr<PutState>& put,
                  uint64_t request_id, uint64_t bytes, const absl::Status& status);
   void Tick();
@@ -434,6 +443,7 @@ ServerStats ServerImpl::stats() const {
   }
   s.shm_blocks = c.shm_blocks;
   s.shm_gets = c.shm_gets;
+  s.link_blocks = c.link_blocks;
   for (int i = 0; i < kNumStatusCodes; ++i) s.rejected_by_code[i] = c.rejected[i];
   return s;
 }
@@ -690,7 +700,9 @@ void ServerImpl::SendStatus(Connection& conn, uint64_t request_id, const absl::S
     SendBusy(conn, request_id);
     return;
   }
-  SendFrame(conn, wire::Encode(request_id, wire::StatusReply::FromStatus(status)));
+  wire::StatusReply reply = wire::StatusReply::FromStatus(status);
+  if (!conn.error_details) reply.detail = 0;  // an older client reads no detail
+  SendFrame(conn, wire::Encode(request_id, reply));
 }
 
 void ServerImpl::SendBusy(Connection& conn, uint64_t request_id) {
@@ -834,6 +846,7 @@ void ServerImpl::HandleHello(Connection& conn, const wire::Frame& f) {
   ok.server_name = options_.server_name;
   // Only a client of minor >= 1 reads server_flags (an older one checks the byte is zero).
   conn.device_payloads = f.header.minor >= 1 && loop_->cuda_memory();
+  conn.error_details = f.header.minor >= 4;
   if (conn.device_payloads) ok.server_flags |= wire::kServerCudaMemory;
   // Shared memory only for a client of minor >= 2 (an older one could not read the fields).
   if (f.header.minor >= 2 && shm_ != nullptr) {
@@ -942,7 +955,10 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   } else {
     counters_.malformed_messages++;
   }
-  if (s.ok() && block.payload_bytes() > options_.max_payload_bytes) {
+  // A link block's K and V are the link's to bound (the GPU channel's transfer limit); its
+  // frame carries the descriptor only.
+  const bool link = s.ok() && (block.flags & wire::kBlockLinkPayload) != 0;
+  if (s.ok() && !link && block.payload_bytes() > options_.max_payload_bytes) {
     s = absl::InvalidArgumentError(absl::StrFormat(
         "block of %u bytes exceeds the server's limit of %u", block.payload_bytes(),
         options_.max_payload_bytes));
@@ -953,7 +969,9 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
     return;
   }
   put->last_activity = absl::Now();
-  const uint64_t bytes = block.payload_bytes();
+  // What travels in this frame: admitted, buffered and counted in flight (a link block's K and
+  // V are in the link's memory).
+  const uint64_t bytes = link ? block.wire_bytes() : block.payload_bytes();
   if (conn->inflight_bytes + bytes > options_.max_inflight_bytes) {
     if (rndv) DropRendezvous(loop_->worker(), data);
     counters_.inflight_busy_replies++;
@@ -969,8 +987,8 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
   }
   const PutContext pctx = MakePutContext(*conn, *put);
   // An eager payload is already in host memory: it is copied into host memory.
-  absl::StatusOr<Buffer> buf = rndv ? handler_->AllocateBlock(pctx, block, bytes)
-                                    : absl::StatusOr<Buffer>(Buffer::Allocate(bytes));
+  absl::StatusOr<Buffer> buf = rndv && !link ? handler_->AllocateBlock(pctx, block, bytes)
+                                             : absl::StatusOr<Buffer>(Buffer::Allocate(bytes));
   if (buf.ok()) {
     Buffer raw = *std::move(buf);
     void* const raw_data = raw.data();
@@ -1033,7 +1051,7 @@ void ServerImpl::HandleBlock(const std::shared_ptr<Connection>& conn, const wire
     return;
   }
   if (!rndv) {
-    std::memcpy(ctx->payload.data(), data, bytes);
+    if (bytes > 0) std::memcpy(ctx->payload.data(), data, bytes);
     BlockReceived(ctx, UCS_OK);
     return;
   }
@@ -1075,7 +1093,8 @@ void ServerImpl::OnRecvDone(void* request, ucs_status_t status, size_t length, v
 void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
   std::unique_ptr<RecvContext> ctx(raw);
   ctx->put->blocks_receiving--;
-  const uint64_t bytes = ctx->block.payload_bytes();
+  const bool link = (ctx->block.flags & wire::kBlockLinkPayload) != 0;
+  const uint64_t bytes = link ? ctx->block.wire_bytes() : ctx->block.payload_bytes();
   Connection& conn = *ctx->conn;
   absl::Status s = !ctx->failure.ok() ? ctx->failure : UcsStatusToStatus(status, "block receive");
   const bool device_payload = (ctx->block.flags & wire::kBlockDevicePayload) != 0;
@@ -1083,7 +1102,7 @@ void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
       (ctx->block.flags & (wire::kBlockSharedMemory | wire::kBlockPeerMemory)) != 0;
   if (s.ok() && device_payload) counters_.device_payload_blocks++;
   if (s.ok() && ctx->payload.memory_type() == MemoryType::kCuda) counters_.blocks_into_device++;
-  if (s.ok() && options_.verify_checksums && !device_payload && !shared_payload &&
+  if (s.ok() && options_.verify_checksums && !device_payload && !shared_payload && !link &&
       ctx->payload.memory_type() == MemoryType::kHost) {
     const wire::Block& b = ctx->block;
     const uint8_t* p = ctx->payload.bytes();
@@ -1106,15 +1125,58 @@ void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
     BlockDone(ctx->conn, ctx->put, ctx->request_id, bytes, s);
     return;
   }
+  if (link) {
+    // The descriptor is here: the handler posts the link's receive; its memory, once the
+    // transfer is complete, is the block's payload (BlockOverLink, on this thread).
+    std::shared_ptr<WorkerLoop> loop = loop_;
+    LinkReceived received = [this, loop, conn = ctx->conn, put = ctx->put,
+                             rid = ctx->request_id, block = ctx->block,
+                             bytes](absl::StatusOr<Buffer> payload) mutable {
+      loop->Post([this, conn = std::move(conn), put = std::move(put), rid, block, bytes,
+                  payload = std::move(payload)]() mutable {
+        BlockOverLink(conn, put, rid, block, bytes, std::move(payload));
+      });
+    };
+    handler_->ReceiveOverLink(MakePutContext(conn, *ctx->put), ctx->block,
+                              std::move(ctx->payload), std::move(received));
+    return;
+  }
   counters_.bytes_received += bytes;
+  PassBlock(ctx->conn, ctx->put, ctx->request_id, ctx->block, bytes, std::move(ctx->payload));
+}
+
+void ServerImpl::PassBlock(const std::shared_ptr<Connection>& conn,
+                           const std::shared_ptr<PutState>& put, uint64_t request_id,
+                           const wire::Block& block, uint64_t bytes, Buffer payload) {
   std::shared_ptr<WorkerLoop> loop = loop_;
-  Done done = [this, loop, conn = ctx->conn, put = ctx->put, rid = ctx->request_id,
-               bytes](absl::Status st) mutable {
+  Done done = [this, loop, conn, put, rid = request_id, bytes](absl::Status st) mutable {
     loop->Post([this, conn = std::move(conn), put = std::move(put), rid, bytes,
                 st = std::move(st)] { BlockDone(conn, put, rid, bytes, st); });
   };
-  handler_->OnBlock(MakePutContext(conn, *ctx->put), ctx->block, std::move(ctx->payload),
-                    std::move(done));
+  handler_->OnBlock(MakePutContext(*conn, *put), block, std::move(payload), std::move(done));
+}
+
+void ServerImpl::BlockOverLink(const std::shared_ptr<Connection>& conn,
+                               const std::shared_ptr<PutState>& put, uint64_t request_id,
+                               const wire::Block& block, uint64_t bytes,
+                               absl::StatusOr<Buffer> payload) {
+  absl::Status s = payload.status();
+  if (s.ok() && payload->size() < block.payload_bytes()) {
+    s = absl::InternalError("the link's memory is smaller than the block");
+  }
+  // The put may have ended (timeout, abort, disconnect) while the link moved the bytes.
+  auto it = conn->puts.find(block.put_id);
+  if (s.ok() && (conn->closed || it == conn->puts.end() || it->second != put)) {
+    s = absl::NotFoundError(absl::StrCat("put ", block.put_id, " ended during the block"));
+  }
+  if (!s.ok()) {
+    CountRejected(s);
+    BlockDone(conn, put, request_id, bytes, s);
+    return;
+  }
+  counters_.link_blocks++;
+  counters_.bytes_received += block.payload_bytes();
+  PassBlock(conn, put, request_id, block, bytes, *std::move(payload));
 }
 
 void ServerImpl::BlockDone(const std::shared_ptr<Connection>& conn,

@@ -190,6 +190,14 @@ class UcxClient {
   // unchanged until it runs.
   virtual void SendSharedBlockAsync(const wire::Block& block,
                                     absl::AnyInvocable<void(absl::Status)> done) = 0;
+  // A block whose K and V move over the payload link block.link_channel (kBlockLinkPayload,
+  // the GPU channel): `descriptor` (block.link_bytes is set from it) travels as the frame's
+  // data part, the link's description of this process's memory. `done` as SendBlockAsync's,
+  // with the server's answer once the link's transfer is complete and the block was taken.
+  // Post this side of the link's transfer after calling this (the server posts its side when
+  // the block arrives).
+  virtual void SendLinkBlockAsync(const wire::Block& block, std::string descriptor,
+                                  absl::AnyInvocable<void(absl::Status)> done) = 0;
   // A get (get.shared or get.direct set) that the server writes into this connection's shared
   // get region (or the caller's memory); `dst`/`capacity` receive a reply the server sends as a
   // payload instead (a new buffer, SharedGet::payload, when `dst` is null). `done` runs once on

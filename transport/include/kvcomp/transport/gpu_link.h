@@ -32,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvcomp/core/layout.h"
@@ -266,6 +267,25 @@ class NcclPayloadLink final : public PayloadLink {
   void* stream_ = nullptr;  // of the last transfer posted
   bool stop_ = false;       // its timer not stopped yet
 };
+
+// The memory of one transfer over CUDA IPC as the end that offers it describes it to the
+// other (a link block's descriptor, wire::kBlockLinkPayload): the IPC handles of its
+// allocations and where each region of the transfer lies in them, in transfer order.
+struct IpcMemory {
+  struct Region {
+    uint32_t handle = 0;  // index into `handles`
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+  std::vector<std::string> handles;  // 64-byte CUDA IPC memory handles
+  std::vector<Region> regions;
+};
+// u32 handles, u32 regions, the handles, then per region u32 handle, u32 zero, u64 offset,
+// u64 bytes; little-endian.
+std::string EncodeIpcMemory(const IpcMemory& memory);
+// InvalidArgument (or DataLoss for truncated bytes) for anything else: no handle or region, a
+// region naming a handle that is not there, an empty region, trailing bytes.
+absl::StatusOr<IpcMemory> DecodeIpcMemory(absl::string_view bytes);
 
 // CudaIpcLink: CUDA IPC on one device. At the end that offers its memory, Register exports the
 // allocation holding a region (Registration::descriptor: the 64-byte IPC handle, then the

@@ -38,8 +38,12 @@ inline constexpr uint8_t kMajorVersion = 1;
 // whose hello says minor >= 2; block flag kBlockSharedMemory; Get::shared and GetReply::shared).
 // Minor 3 adds hello-ok's ucx_version (the server's UCX release, sent only to a client whose
 // hello says minor >= 3) and Get::or_payload (a shared or direct get whose cache exceeds its
-// capacity is answered with the cache as a payload instead of OutOfRange).
-inline constexpr uint8_t kMinorVersion = 3;
+// capacity is answered with the cache as a payload instead of OutOfRange). Minor 4 adds block
+// flag kBlockLinkPayload (the K and V move over a payload link negotiated outside the data plane,
+// the GPU channel; the block's data part is the link's descriptor of the sender's memory), the
+// link's seconds in a put-commit-ok after such blocks, and typed error details in status
+// replies to clients whose hello says minor >= 4.
+inline constexpr uint8_t kMinorVersion = 4;
 inline constexpr uint32_t kFrameHeaderBytes = 32;
 // Largest frame (header + body). UCX 1.13 allows AM headers of about 8 KB with tcp and shared
 // memory; servers and clients check their worker's limit at start. The largest message
@@ -107,7 +111,17 @@ enum BlockFlags : uint8_t {
   // no payload, no checksums. Only to a server that said kServerSharedMemory, on a connection
   // whose peer is registered.
   kBlockPeerMemory = 4,
+  // The K and V move over a payload link the client and the server negotiated outside the
+  // data plane (the GPU channel Block::link_channel, opened on the control plane): the frame's
+  // data part is not the K and V but the link's descriptor of the client's memory
+  // (Block::link_bytes of it: the CUDA IPC handles and offsets; empty over NCCL), and the
+  // server posts the link's receive when the block arrives; no checksums (the link carries its
+  // integrity). The client posts its side of the transfer after sending the block. Protocol
+  // minor >= 4, only on a channel whose grant said so.
+  kBlockLinkPayload = 8,
 };
+// The largest link descriptor a block may carry.
+inline constexpr uint32_t kMaxLinkDescriptorBytes = 1 << 20;
 
 // The fixed frame header. request_id pairs a reply with its request (the client chooses it;
 // replies echo it; 0 in a reply means the request could not be parsed).
@@ -200,8 +214,15 @@ struct Block {
   uint64_t shm_offset = 0;    // kBlockSharedMemory: the payload's offset in the put region;
                               // kBlockPeerMemory: the keys' address in the client
   uint64_t peer_values = 0;   // kBlockPeerMemory: the values' address in the client
+  uint64_t link_channel = 0;  // kBlockLinkPayload: the link (GPU channel id)
+  uint32_t link_bytes = 0;    // kBlockLinkPayload: the descriptor's bytes (the frame's data)
+  bool link_layer_major = false;  // kBlockLinkPayload: regions in order K0, V0, K1, V1, ...
+                                  // (else every layer's keys, then every layer's values)
 
   uint64_t payload_bytes() const { return key_bytes + value_bytes; }
+  // The bytes of the frame's data part: the K and V, the link descriptor of a link block, or
+  // none (shared or peer memory).
+  uint64_t wire_bytes() const;
   // Bytes the half of one part should have under `layout`.
   uint64_t ExpectedPartBytes(const KvLayout& layout) const;
   // OK when the ranges lie within layout/num_tokens and the byte counts match them.
@@ -227,6 +248,10 @@ struct CacheSummary {
   uint64_t total_kept = 0;
   uint64_t original_bytes = 0;  // uncompressed K and V
   uint64_t stored_bytes = 0;    // encoded cache
+  // kPutCommitOk of a put whose blocks came over a link (kBlockLinkPayload, minor >= 4): the
+  // nanoseconds those transfers took on the server's side; sent only when not 0 (so only to
+  // clients that sent link blocks).
+  uint64_t link_ns = 0;
 };
 
 struct PutAbort {
@@ -274,6 +299,10 @@ struct Delete {
 struct StatusReply {
   uint16_t code = 0;
   std::string message;  // <= kMaxMessageBytes
+  // The status's typed detail (kvcomp::ErrorDetailToWire: busy, link gone, memory not mappable,
+  // ...), after the message; sent only when not 0, and only to clients whose hello said minor
+  // >= 4.
+  uint16_t detail = 0;
   absl::Status ToStatus() const;
   static StatusReply FromStatus(const absl::Status& status);
 };

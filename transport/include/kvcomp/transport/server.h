@@ -166,6 +166,7 @@ using Done = absl::AnyInvocable<void(absl::Status)>;
 using CommitDone = absl::AnyInvocable<void(absl::StatusOr<wire::CacheSummary>)>;
 using GetDone = absl::AnyInvocable<void(absl::StatusOr<GetResult>)>;
 using LookupDone = absl::AnyInvocable<void(absl::StatusOr<wire::CacheSummary>)>;
+using LinkReceived = absl::AnyInvocable<void(absl::StatusOr<Buffer>)>;
 
 // What the daemon implements. Methods run on the progress thread and must return quickly;
 // completions may come later from any thread. A status returned or completed with an error is
@@ -196,6 +197,19 @@ class RequestHandler {
   virtual absl::StatusOr<Buffer> AllocateBlock(const PutContext& put, const wire::Block& block,
                                                size_t size) {
     return Buffer::Allocate(size);
+  }
+
+  // Optional: a block flagged wire::kBlockLinkPayload, whose K and V move over the payload link
+  // block.link_channel that the client and the daemon negotiated outside the data plane (the
+  // GPU channel). `descriptor` is the frame's data part (host memory): the link's description
+  // of the client's memory. Post the link's receive into memory of the handler's and complete
+  // `received` once the transfer is complete: with that memory (block.payload_bytes() of it,
+  // keys then values), which the transport then hands to OnBlock as any block's payload, or
+  // with the failure, which is the block's answer. Any thread, exactly once; it may outlive the
+  // put (a put that ended meanwhile gets NotFound). The default refuses every link block.
+  virtual void ReceiveOverLink(const PutContext& put, const wire::Block& block,
+                               Buffer descriptor, LinkReceived received) {
+    received(absl::FailedPreconditionError("this server takes no payload over links"));
   }
 
   // A block of an open put, received and (host memory) checksum-verified. `payload` holds the
@@ -274,6 +288,7 @@ struct ServerStats {
   uint64_t shm_attach_refused = 0;    // attach requests refused (token, descriptor, size)
   uint64_t shm_blocks = 0;            // blocks read from a client's put region
   uint64_t shm_gets = 0;              // gets written into a client's get region
+  uint64_t link_blocks = 0;           // blocks whose payload came over a link (GPU channel)
 };
 
 class UcxServer {
