@@ -322,6 +322,15 @@ class ClientImpl : public Client {
         [this](absl::string_view model_id, absl::string_view key, bool decoded, void* dst,
                size_t capacity, void* stream) {
           return GetDeviceData(model_id, key, decoded, dst, capacity, stream);
+        },
+        [this](const EndpointAddress& endpoint)
+            -> absl::StatusOr<std::shared_ptr<transport::UcxClient>> {
+          KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Members> members, LiveMembers());
+          for (const std::shared_ptr<EndpointState>& e : members->states) {
+            if (e->address().data == endpoint.data) return e->Connection(options_);
+          }
+          return absl::UnavailableError(
+              absl::StrCat("endpoint ", endpoint.data, " is no longer a member"));
         });
   }
 

@@ -256,6 +256,7 @@ absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address
   req.__set_nccl_version(nccl_version);
   req.__set_device_uuid(device_uuid);
   if (!ipc_event.empty()) req.__set_ipc_event(ipc_event);
+  req.__set_data_plane_puts(true);
   rpc::GpuChannelResponse r;
   KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
     control.OpenGpuChannel(r, auth, req);
@@ -274,6 +275,7 @@ absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address
   g.max_transfer_bytes = static_cast<uint64_t>(std::max<int64_t>(0, r.max_transfer_bytes));
   g.transfer_timeout = absl::Milliseconds(std::max(1, r.transfer_timeout_ms));
   g.ipc = ipc;
+  g.data_plane_puts = r.__isset.data_plane_puts && r.data_plane_puts;
   return g;
 }
 
@@ -287,16 +289,6 @@ absl::Status ControlCloseGpuChannel(const std::string& address, const ClientOpti
 }
 
 namespace {
-rpc::Layout ToRpcLayout(const KvLayout& l) {
-  rpc::Layout r;
-  r.__set_num_layers(static_cast<int32_t>(l.num_layers));
-  r.__set_num_kv_heads(static_cast<int32_t>(l.num_kv_heads));
-  r.__set_num_q_heads(static_cast<int32_t>(l.num_q_heads));
-  r.__set_head_dim(static_cast<int32_t>(l.head_dim));
-  r.__set_dtype(std::string(DTypeName(l.dtype)));
-  return r;
-}
-
 rpc::GpuIpcPayload ToRpcIpc(const GpuIpcTransfer& t) {
   rpc::GpuIpcPayload p;
   p.__set_buffers(t.buffers);
@@ -313,43 +305,6 @@ rpc::GpuIpcPayload ToRpcIpc(const GpuIpcTransfer& t) {
 }
 
 }  // namespace
-
-absl::StatusOr<uint64_t> ControlGpuPutBegin(const std::string& address,
-                                            const ClientOptions& options, uint64_t channel_id,
-                                            const GpuPutHeader& header) {
-  rpc::GpuPutRequest req;
-  req.__set_model_id(header.model_id);
-  req.__set_key(header.key);
-  req.__set_layout(ToRpcLayout(header.layout));
-  req.__set_num_tokens(static_cast<int64_t>(header.num_tokens));
-  if (header.policy) req.__set_policy(service::PolicyToRpc(*header.policy));
-  req.__set_payload_bytes(static_cast<int64_t>(header.payload_bytes));
-  if (header.ipc != nullptr) req.__set_ipc(ToRpcIpc(*header.ipc));
-  if (header.layer_major) req.__set_layer_major(true);
-  rpc::GpuTransferResponse r;
-  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
-    control.GpuPutBegin(r, auth, static_cast<int64_t>(channel_id), req);
-    return r.status;
-  }));
-  return static_cast<uint64_t>(r.transfer_id);
-}
-
-absl::StatusOr<PutResult> ControlGpuPutFinish(const std::string& address,
-                                              const ClientOptions& options, uint64_t channel_id,
-                                              uint64_t transfer_id) {
-  rpc::GpuPutResponse r;
-  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
-    control.GpuPutFinish(r, auth, static_cast<int64_t>(channel_id),
-                         static_cast<int64_t>(transfer_id));
-    return r.status;
-  }));
-  PutResult out;
-  out.original_bytes = static_cast<uint64_t>(r.original_bytes);
-  out.stored_bytes = static_cast<uint64_t>(r.stored_bytes);
-  out.total_kept = static_cast<uint64_t>(r.total_kept);
-  out.transfer_seconds = r.receive_seconds;
-  return out;
-}
 
 absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const ClientOptions& options,
                                           uint64_t channel_id, absl::string_view model_id,

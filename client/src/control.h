@@ -57,6 +57,9 @@ struct GpuChannelGrant {
   uint64_t max_transfer_bytes = 0;
   absl::Duration transfer_timeout;
   bool ipc = false;  // mode "ipc": the daemon shares the client's GPU (no NCCL communicator)
+  // The daemon takes the channel's puts as link blocks on the data plane (protocol 1.4); false:
+  // an older daemon, whose channel this SDK does not use.
+  bool data_plane_puts = false;
 };
 // `ipc_event`: the handle of the client's interprocess event (offers CUDA IPC); empty: none.
 absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address,
@@ -76,22 +79,6 @@ struct GpuIpcTransfer {
 };
 absl::Status ControlCloseGpuChannel(const std::string& address, const ClientOptions& options,
                                     uint64_t channel_id);
-struct GpuPutHeader {
-  std::string model_id;
-  std::string key;
-  KvLayout layout;
-  uint64_t num_tokens = 0;
-  std::optional<CompressionPolicy> policy;
-  uint64_t payload_bytes = 0;
-  const GpuIpcTransfer* ipc = nullptr;  // mode "ipc"
-  bool layer_major = false;             // chunks K0, V0, K1, V1, ...
-};
-absl::StatusOr<uint64_t> ControlGpuPutBegin(const std::string& address,
-                                            const ClientOptions& options, uint64_t channel_id,
-                                            const GpuPutHeader& header);
-absl::StatusOr<PutResult> ControlGpuPutFinish(const std::string& address,
-                                              const ClientOptions& options, uint64_t channel_id,
-                                              uint64_t transfer_id);
 enum class GpuGetForm { kStored = 0, kDecoded = 1, kDenseKv = 2 };
 struct GpuGetGrant {
   uint64_t transfer_id = 0;

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "control.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
@@ -24,6 +25,8 @@ using transport::LinkVerdict;
 using transport::MemoryRegion;
 using transport::NcclLink;
 using transport::NcclPayloadLink;
+using transport::UcxClient;
+namespace wire = transport::wire;
 
 struct GpuPath::Channel {
   std::string control;
@@ -195,6 +198,104 @@ std::vector<NcclLink::Chunk> ChunksOf(const std::vector<Layer>& layers, uint64_t
   return chunks;
 }
 
+// The data plane's put-begin of a device put.
+wire::PutBegin BeginOf(absl::string_view model_id, absl::string_view key, const KvLayout& layout,
+                       uint64_t num_tokens, const PutOptions& options) {
+  wire::PutBegin b;
+  b.layout = layout;
+  b.num_tokens = num_tokens;
+  b.model_id = std::string(model_id);
+  b.key = std::string(key);
+  b.has_policy = options.policy.has_value();
+  if (options.policy) b.policy = *options.policy;
+  return b;
+}
+
+// A data-plane put whose one block's K and V go over channel `c` (wire::kBlockLinkPayload):
+// PutBegin on `conn` (the channel's endpoint), then the block, sent before this side posts its
+// transfer (the daemon posts its side when the block arrives); over CUDA IPC the block names
+// the caller's memory. Then the block's answer (the daemon has the K and V) and the commit:
+// the put's one lifecycle, admission and replies are the data plane's.
+class LinkPut {
+ public:
+  // Over CUDA IPC `chunks` are the caller's memory (transfer order) and its event is recorded
+  // on `stream` first; over NCCL the caller posts the sends after this returns.
+  static absl::StatusOr<std::unique_ptr<LinkPut>> Open(std::shared_ptr<UcxClient> conn,
+                                                       GpuRuntime* rt, const GpuPath::Channel& c,
+                                                       const wire::PutBegin& begin,
+                                                       const std::vector<NcclLink::Chunk>& chunks,
+                                                       void* stream, bool layer_major) {
+    std::string descriptor;
+    if (c.ipc) {
+      KVCOMP_ASSIGN_OR_RETURN(GpuIpcTransfer t, Offer(rt, c, chunks, stream));
+      transport::IpcMemory m;
+      m.handles = std::move(t.buffers);
+      for (const GpuIpcTransfer::Chunk& k : t.chunks) m.regions.push_back({k.buffer, k.offset, k.bytes});
+      descriptor = transport::EncodeIpcMemory(m);
+    }
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t put_id, conn->PutBegin(begin));
+    auto put = std::unique_ptr<LinkPut>(new LinkPut(std::move(conn), put_id));
+    wire::Block b;
+    b.put_id = put_id;
+    b.layer_begin = 0;
+    b.layer_end = begin.layout.num_layers;
+    b.token_begin = 0;
+    b.token_end = begin.num_tokens;
+    b.parts = wire::kPartBoth;
+    b.key_bytes = begin.layout.CacheBytes(begin.num_tokens) / 2;
+    b.value_bytes = b.key_bytes;
+    b.flags = wire::kBlockLinkPayload;
+    b.link_channel = c.id;
+    b.link_layer_major = layer_major;
+    std::shared_ptr<Answer> answer = put->answer_;
+    put->conn_->SendLinkBlockAsync(b, std::move(descriptor), [answer](absl::Status s) {
+      answer->status = std::move(s);
+      answer->done.Notify();
+    });
+    return put;
+  }
+  ~LinkPut() {
+    if (!done_) Abort();
+  }
+
+  // The block's answer: OK once the daemon has the K and V (the put is forgotten there after a
+  // failure).
+  absl::Status Received() {
+    answer_->done.WaitForNotification();
+    if (!answer_->status.ok()) Abort();
+    return answer_->status;
+  }
+  // After Received: the commit (a failed one is aborted by the daemon).
+  absl::StatusOr<PutResult> Commit() {
+    done_ = true;
+    KVCOMP_ASSIGN_OR_RETURN(wire::CacheSummary sum, conn_->PutCommit(put_id_, 1));
+    PutResult out;
+    out.original_bytes = sum.original_bytes;
+    out.stored_bytes = sum.stored_bytes;
+    out.total_kept = sum.total_kept;
+    out.transfer_seconds = static_cast<double>(sum.link_ns) * 1e-9;  // the daemon's side
+    return out;
+  }
+  // Forgets the put on the daemon (a block in flight is answered NotFound there).
+  void Abort() {
+    done_ = true;
+    (void)conn_->PutAbort(put_id_);
+  }
+
+ private:
+  struct Answer {
+    absl::Notification done;
+    absl::Status status;
+  };
+  LinkPut(std::shared_ptr<UcxClient> conn, uint64_t put_id)
+      : conn_(std::move(conn)), put_id_(put_id) {}
+
+  std::shared_ptr<UcxClient> conn_;
+  const uint64_t put_id_;
+  std::shared_ptr<Answer> answer_ = std::make_shared<Answer>();
+  bool done_ = false;
+};
+
 // A dense get whose cache has the call's bytes but not its layout: both layouts named (most
 // often the q heads: a put's num_q_heads that the get did not repeat).
 absl::Status LayoutMismatch(const GpuGetGrant& grant, const KvLayout& layout,
@@ -208,12 +309,13 @@ absl::Status LayoutMismatch(const GpuGetGrant& grant, const KvLayout& layout,
 }  // namespace
 
 GpuPath::GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, DataPutFn put,
-                 DataGetFn get)
+                 DataGetFn get, ConnectFn connect)
     : options_(options),
       self_(self),
       ranking_(std::move(ranking)),
       put_(std::move(put)),
-      get_(std::move(get)) {}
+      get_(std::move(get)),
+      connect_(std::move(connect)) {}
 
 GpuPath::~GpuPath() {
   std::map<std::pair<std::string, int>, std::shared_ptr<Channel>> channels;
@@ -321,6 +423,11 @@ absl::StatusOr<std::shared_ptr<GpuPath::Channel>> GpuPath::ChannelFor(
   channel->max_transfer_bytes = grant->max_transfer_bytes;
   channel->transfer_timeout = grant->transfer_timeout;
   channel->ipc = grant->ipc;
+  if (!grant->data_plane_puts) {
+    (void)ControlCloseGpuChannel(endpoint.control, options_, grant->channel_id);
+    return refuse(absl::FailedPreconditionError(
+        "the daemon predates GPU channel puts on the data plane (protocol 1.4)"));
+  }
   if (!grant->ipc) {
     rt->DestroyEvent(channel->ipc_event);
     channel->ipc_event = nullptr;
@@ -392,62 +499,62 @@ absl::StatusOr<std::optional<std::pair<std::unique_ptr<GpuPath::Turn>, T>>> GpuP
 
 absl::StatusOr<std::optional<PutResult>> GpuPath::ChannelPut(
     const std::vector<EndpointAddress>& ranking, GpuRuntime* rt, int device,
-    const GpuPutHeader& header, const std::vector<NcclLink::Chunk>& chunks, void* stream,
+    const wire::PutBegin& begin, const std::vector<NcclLink::Chunk>& chunks, void* stream,
     absl::Status* why) {
   if (options_.replicas > 1) {
     *why = absl::FailedPreconditionError("replicas > 1: copies go over the data plane");
     return std::nullopt;
   }
-  GpuIpcTransfer ipc;
+  const uint64_t payload = begin.layout.CacheBytes(begin.num_tokens);
   KVCOMP_ASSIGN_OR_RETURN(
-      auto begun,
-      BeginOn<uint64_t>(
+      auto done,
+      BeginOn<PutResult>(
           ranking, device,
-          [&](Channel& c) -> absl::StatusOr<std::optional<uint64_t>> {
-            if (header.payload_bytes > c.max_transfer_bytes) {
-              *why = absl::FailedPreconditionError(
-                  absl::StrCat("a payload of ", header.payload_bytes,
-                               " bytes exceeds the GPU channel's ", c.max_transfer_bytes));
+          [&](Channel& c) -> absl::StatusOr<std::optional<PutResult>> {
+            if (payload > c.max_transfer_bytes) {
+              *why = absl::FailedPreconditionError(absl::StrCat(
+                  "a payload of ", payload, " bytes exceeds the GPU channel's ",
+                  c.max_transfer_bytes));
               return std::nullopt;
             }
-            GpuPutHeader h = header;
-            if (c.ipc) {
-              KVCOMP_ASSIGN_OR_RETURN(ipc, Offer(rt, c, chunks, stream));
+            absl::StatusOr<std::shared_ptr<UcxClient>> conn = connect_(ranking[0]);
+            if (!conn.ok()) {  // the data plane walks the ranking
+              *why = conn.status();
+              return std::nullopt;
             }
-            h.ipc = c.ipc ? &ipc : nullptr;
-            return ControlGpuPutBegin(c.control, options_, c.id, h);
+            KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<LinkPut> put,
+                                    LinkPut::Open(*std::move(conn), rt, c, begin, chunks, stream,
+                                                  /*layer_major=*/false));
+            // Over NCCL the payload goes on the caller's stream once the block is on its way;
+            // over CUDA IPC the daemon copies out of the caller's memory.
+            const absl::Time deadline = absl::Now() + c.transfer_timeout;
+            absl::StatusOr<std::shared_ptr<Completion>> sent = std::shared_ptr<Completion>();
+            if (!c.ipc) {
+              absl::Status s = rt->SetDevice(device);
+              sent = s.ok() ? PostOn(*c.nccl, Direction::kSend, chunks, stream, deadline)
+                            : absl::StatusOr<std::shared_ptr<Completion>>(s);
+            }
+            absl::Status received = sent.ok() ? put->Received() : sent.status();
+            if (!received.ok()) {
+              // Nothing may stay queued on the caller's stream waiting for a peer that will
+              // not post its side: the communicator goes (the channel with it, next turn).
+              if (c.link) c.link->Abort();
+              return received;
+            }
+            // Received by the daemon: its answer stands whatever this wait says.
+            if (!c.ipc && !(*sent)->Wait(deadline + c.transfer_timeout).ok()) c.link->Abort();
+            absl::StatusOr<PutResult> result = put->Commit();
+            if (!result.ok()) return result.status();
+            if (!c.ipc) result->transfer_seconds = SecondsOf(*c.timer);
+            result->path = c.ipc ? "ipc" : "nccl";
+            result->endpoints = {c.data};
+            return std::optional<PutResult>(*std::move(result));
           },
           why));
-  if (!begun) return std::nullopt;
-  const std::unique_ptr<Turn>& c = begun->first;
-  // Over CUDA IPC the daemon copies out of the caller's memory at the finish; over NCCL the
-  // payload goes on the caller's stream first.
-  const absl::Time deadline = absl::Now() + (*c)->transfer_timeout;
-  absl::StatusOr<std::shared_ptr<Completion>> sent = std::shared_ptr<Completion>();
-  if (!(*c)->ipc) {
-    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
-    sent = PostOn(*(*c)->nccl, Direction::kSend, chunks, stream, deadline);
-  }
-  absl::StatusOr<PutResult> result =
-      sent.ok() ? ControlGpuPutFinish((*c)->control, options_, (*c)->id, begun->second)
-                : absl::StatusOr<PutResult>(sent.status());
-  if (!result.ok()) {
-    // The transfer failed or the daemon went away mid-transfer: abort, so that nothing stays
-    // queued on the caller's stream waiting for a peer that is gone.
-    if ((*c)->link) (*c)->link->Abort();
-    Drop(c->channel(), result.status());
-    return result.status();
-  }
-  result->path = (*c)->ipc ? "ipc" : "nccl";
-  result->endpoints = {(*c)->data};
-  if (!(*c)->ipc) {
-    absl::Status s = (*sent)->Wait(deadline + (*c)->transfer_timeout);
-    if (!s.ok()) Drop(c->channel(), s);  // acknowledged by the daemon: the put stands
-    result->transfer_seconds = SecondsOf(*(*c)->timer);
-  }
+  if (!done) return std::nullopt;
   absl::MutexLock stats(&mu_);
-  ((*c)->ipc ? stats_.ipc_puts : stats_.nccl_puts)++;
-  return std::optional<PutResult>(*std::move(result));
+  (done->second.path == "ipc" ? stats_.ipc_puts : stats_.nccl_puts)++;
+  return std::optional<PutResult>(std::move(done->second));
 }
 
 absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_view key,
@@ -463,13 +570,10 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
   KVCOMP_ASSIGN_OR_RETURN(int device, DeviceOfLayers(rt, layers));
   KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
   const uint64_t layer_bytes = layout.LayerBytes(num_tokens);
-  const uint64_t payload = layout.CacheBytes(num_tokens);
-
-  GpuPutHeader header{std::string(model_id), std::string(key), layout, num_tokens,
-                      options.policy, payload};
+  const wire::PutBegin begin = BeginOf(model_id, key, layout, num_tokens, options);
   absl::Status why;
   KVCOMP_ASSIGN_OR_RETURN(std::optional<PutResult> sent,
-                          ChannelPut(ranking, rt, device, header,
+                          ChannelPut(ranking, rt, device, begin,
                                      ChunksOf(layers, layer_bytes, /*layer_major=*/false), stream,
                                      &why));
   if (sent) return *std::move(sent);
@@ -669,17 +773,27 @@ class GpuPathPutStream : public DevicePutStream {
   }
 
   // The SDK's stream (the sends, or the copies at Commit, follow the callers' streams on it)
-  // and, over NCCL, the put opened on the daemon.
-  absl::Status Start(std::unique_ptr<GpuPath::Turn> turn, uint64_t transfer,
+  // and, over NCCL, the put opened on the data plane with its link block sent.
+  absl::Status Start(std::unique_ptr<GpuPath::Turn> turn, std::unique_ptr<LinkPut> put,
                      const ClientOptions& client_options) {
     own_.rt = rt_;
-    KVCOMP_RETURN_IF_ERROR(rt_->SetDevice(device_));
-    KVCOMP_ASSIGN_OR_RETURN(own_.stream, rt_->NewStream());
     client_options_ = client_options;
     if (turn != nullptr) {
       turn_ = std::move(turn);
-      transfer_ = transfer;
+      put_ = std::move(put);
       nccl_ = true;
+    }
+    absl::Status s = rt_->SetDevice(device_);
+    if (s.ok()) {
+      absl::StatusOr<void*> st = rt_->NewStream();
+      s = st.status();
+      if (st.ok()) own_.stream = *st;
+    }
+    if (!s.ok()) {
+      if (nccl_) Abandon(s);
+      return s;
+    }
+    if (nccl_) {
       deadline_ = absl::Now() + (*turn_)->transfer_timeout;
       KVCOMP_ASSIGN_OR_RETURN(timer_, rt_->NewTimer());
       link_ = std::make_unique<NcclPayloadLink>((*turn_)->link.get());  // timed here, as a whole
@@ -735,17 +849,20 @@ class GpuPathPutStream : public DevicePutStream {
     }
     GpuPath::Channel& c = **turn_;
     absl::Status s = timer_->Stop(own_.stream);
-    absl::StatusOr<PutResult> result =
-        s.ok() ? ControlGpuPutFinish(c.control, client_options_, c.id, transfer_)
-               : absl::StatusOr<PutResult>(s);
-    if (!result.ok()) {
+    if (s.ok()) s = put_->Received();
+    if (!s.ok()) {
       c.link->Abort();
-      path_->DropChannel(turn_->channel(), result.status());
+      path_->DropChannel(turn_->channel(), s);
       turn_.reset();
-      return result.status();
+      return s;
     }
     s = sent_->Wait(deadline_ + c.transfer_timeout);
     if (!s.ok()) path_->DropChannel(turn_->channel(), s);
+    absl::StatusOr<PutResult> result = put_->Commit();
+    if (!result.ok()) {
+      turn_.reset();
+      return result.status();
+    }
     absl::StatusOr<double> secs = timer_->Seconds(absl::Now() + absl::Seconds(1));
     result->transfer_seconds = secs.ok() ? *secs : 0;
     result->path = "nccl";
@@ -758,12 +875,13 @@ class GpuPathPutStream : public DevicePutStream {
   std::string path() const override { return nccl_ ? "nccl" : (ipc_ ? "ipc" : "ucx"); }
 
  private:
-  // A stream that cannot go on: the half-sent put is dropped on both sides (closing the channel
-  // aborts the daemon's receive and the put; nothing is stored).
+  // A stream that cannot go on: the half-sent put is dropped on both sides (the put aborted,
+  // the channel closed: its receive on the daemon fails; nothing is stored).
   void Abandon(const absl::Status& why) {
     failed_ = true;
     if (turn_ == nullptr) return;
     GpuPath::Channel& c = **turn_;
+    if (put_ != nullptr) put_->Abort();
     ClientOptions quick = client_options_;
     quick.request_timeout = std::min(client_options_.request_timeout, absl::Seconds(2));
     (void)ControlCloseGpuChannel(c.control, quick, c.id);
@@ -785,7 +903,7 @@ class GpuPathPutStream : public DevicePutStream {
   std::unique_ptr<GpuRuntime::Timer> timer_;
   std::unique_ptr<NcclPayloadLink> link_;  // over NCCL: the layers' link
   std::shared_ptr<Completion> sent_;       // the last layer's send
-  uint64_t transfer_ = 0;
+  std::unique_ptr<LinkPut> put_;           // over NCCL: the data-plane put
   absl::Time deadline_;
   bool nccl_ = false;
   bool ipc_ = false;
@@ -812,25 +930,29 @@ absl::StatusOr<std::unique_ptr<DevicePutStream>> GpuPath::OpenPutStream(
                                                 layout, num_tokens, device, options);
   const uint64_t payload = layout.CacheBytes(num_tokens);
   std::unique_ptr<Turn> turn;
-  uint64_t transfer = 0;
+  std::unique_ptr<LinkPut> put;
   absl::Status why;  // Commit notes the fallback
   if (options_.replicas <= 1) {
+    const wire::PutBegin begin = BeginOf(model_id, key, layout, num_tokens, options);
     KVCOMP_ASSIGN_OR_RETURN(
         auto begun,
-        BeginOn<uint64_t>(
+        BeginOn<std::unique_ptr<LinkPut>>(
             ranking, device,
-            [&](Channel& c) -> absl::StatusOr<std::optional<uint64_t>> {
+            [&](Channel& c) -> absl::StatusOr<std::optional<std::unique_ptr<LinkPut>>> {
               out->set_ipc(c.ipc);  // CUDA IPC: the whole cache at Commit
               if (c.ipc || payload > c.max_transfer_bytes) return std::nullopt;
-              GpuPutHeader header{std::string(model_id), std::string(key), layout, num_tokens,
-                                  options.policy, payload};
-              header.layer_major = true;
-              return ControlGpuPutBegin(c.control, options_, c.id, header);
+              absl::StatusOr<std::shared_ptr<UcxClient>> conn = connect_(ranking[0]);
+              if (!conn.ok()) return std::nullopt;  // Commit's put walks the ranking
+              // The block goes now; the layers' sends follow as they are appended.
+              KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<LinkPut> p,
+                                      LinkPut::Open(*std::move(conn), rt, c, begin, {}, nullptr,
+                                                    /*layer_major=*/true));
+              return std::optional<std::unique_ptr<LinkPut>>(std::move(p));
             },
             &why));
-    if (begun) std::tie(turn, transfer) = *std::move(begun);
+    if (begun) std::tie(turn, put) = *std::move(begun);
   }
-  KVCOMP_RETURN_IF_ERROR(out->Start(std::move(turn), transfer, options_));
+  KVCOMP_RETURN_IF_ERROR(out->Start(std::move(turn), std::move(put), options_));
   return std::unique_ptr<DevicePutStream>(std::move(out));
 }
 

@@ -1,7 +1,8 @@
 // The SDK's device-memory calls (Client::PutDevice, GetKvIntoDevice, GetIntoDevice and the
 // layer-by-layer streams): over the GPU channel, negotiated on the control plane, when the
-// endpoint offers one (NCCL between two GPUs; CUDA IPC when the daemon is on the caller's GPU),
-// else over the data plane, asked once: its payload links move the device memory in place
+// endpoint offers one (NCCL between two GPUs; CUDA IPC when the daemon is on the caller's GPU;
+// a put is a data-plane put whose one block's K and V go over the channel), else over the
+// data plane, asked once: its payload links move the device memory in place
 // (ucx-cuda) or stage it through host memory (ucx). Channels are kept per (endpoint, device) for
 // the client's life; a channel whose transfer fails is aborted and dropped, and an endpoint that
 // refused one is not asked again for a while (it is asked again after `down_for` x 15).
@@ -26,7 +27,9 @@
 #include "absl/time/time.h"
 #include "control.h"
 #include "kvcomp/client/client.h"
+#include "kvcomp/transport/client.h"
 #include "kvcomp/transport/gpu_link.h"
+#include "kvcomp/transport/protocol.h"
 
 namespace kvcomp {
 namespace client {
@@ -45,10 +48,13 @@ class GpuPath {
   using DataGetFn = std::function<absl::StatusOr<DeviceGetResult>(
       absl::string_view model_id, absl::string_view key, bool decoded, void* dst, size_t capacity,
       void* stream)>;
+  // The data-plane connection to an endpoint (a channel's puts go over it).
+  using ConnectFn = std::function<absl::StatusOr<std::shared_ptr<transport::UcxClient>>(
+      const EndpointAddress& endpoint)>;
   // `self` (the client that owns this: lookups), `put` and `get` carry what no GPU channel
   // does.
   GpuPath(const ClientOptions& options, Client* self, RankingFn ranking, DataPutFn put,
-          DataGetFn get);
+          DataGetFn get, ConnectFn connect);
   ~GpuPath();
 
   absl::StatusOr<PutResult> Put(absl::string_view model_id, absl::string_view key,
@@ -122,14 +128,15 @@ class GpuPath {
   // channel carried it (`why` says why: the caller falls back).
   absl::StatusOr<std::optional<PutResult>> ChannelPut(
       const std::vector<EndpointAddress>& ranking, transport::GpuRuntime* rt, int device,
-      const GpuPutHeader& header, const std::vector<transport::NcclLink::Chunk>& chunks,
-      void* stream, absl::Status* why);
+      const transport::wire::PutBegin& begin,
+      const std::vector<transport::NcclLink::Chunk>& chunks, void* stream, absl::Status* why);
 
   const ClientOptions options_;
   Client* const self_;
   const RankingFn ranking_;
   const DataPutFn put_;
   const DataGetFn get_;
+  const ConnectFn connect_;
 
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, int>, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);

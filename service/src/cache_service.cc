@@ -192,11 +192,7 @@ absl::Status OpenPut::DrainBlockWise() {
   }
 }
 
-void OpenPut::Commit(CommitDone done) { CommitOn(std::move(done), /*in_turn=*/false); }
-
-void OpenPut::CommitInTurn(CommitDone done) { CommitOn(std::move(done), /*in_turn=*/true); }
-
-void OpenPut::CommitOn(CommitDone done, bool in_turn) {
+void OpenPut::Commit(CommitDone done) {
   {
     absl::MutexLock lock(&mu_);
     if (committing_) {
@@ -210,13 +206,7 @@ void OpenPut::CommitOn(CommitDone done, bool in_turn) {
   auto run = [self = shared_from_this(), shared_done](Backend& backend) {
     self->RunCommit(backend, std::move(*shared_done));
   };
-  bool queued = true;
-  if (in_turn) {
-    engine_->Submit(request_.key.tenant, std::move(run));
-  } else {
-    queued = engine_->TrySubmit(request_.key.tenant, std::move(run));
-  }
-  if (!queued) {
+  if (!engine_->TrySubmit(request_.key.tenant, std::move(run))) {
     {
       absl::MutexLock lock(&mu_);
       committing_ = false;

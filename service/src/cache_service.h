@@ -70,10 +70,6 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   // Compresses and stores the put on an engine worker; Busy when the queue is full (the put
   // stays open: the client may commit again).
   void Commit(CommitDone done);
-  // As Commit, but the commit waits its turn in the engine's queue instead of answering Busy:
-  // for a caller that already holds the put's whole payload in the daemon and bounds how many
-  // such commits it has queued (the GPU channel: one put per channel at a time).
-  void CommitInTurn(CommitDone done);
   // The put ends without commit: its blocks go now, or when a running commit ends.
   void Abort();
 
@@ -85,7 +81,6 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   // Copies `block` (its coverage already admitted) into the put's device buffer. Caller holds
   // mu_.
   absl::Status AddToDevice(const BlockData& block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CommitOn(CommitDone done, bool in_turn);
   void RunCommit(Backend& backend, CommitDone done);
   // The put's K and V as the compression reads them (the device buffer's view after its uploads,
   // counted in `transfers`, or the assembled host blocks).

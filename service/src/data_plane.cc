@@ -1,6 +1,7 @@
 #include "data_plane.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "cache_service.h"
 #include "engine.h"
+#include "gpu_channel.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/service/daemon.h"
 #include "kvcomp/service/metric_names.h"
@@ -37,6 +39,8 @@ namespace {
 struct AttachedPut : transport::PutHandle {
   explicit AttachedPut(std::shared_ptr<OpenPut> p) : put(std::move(p)) {}
   std::shared_ptr<OpenPut> put;
+  // Nanoseconds the put's link blocks took on the GPU channel (the commit reply says it).
+  std::shared_ptr<std::atomic<uint64_t>> link_ns = std::make_shared<std::atomic<uint64_t>>(0);
 };
 
 OpenPut* PutOf(const transport::PutContext& ctx) {
@@ -368,6 +372,56 @@ class DataHandler : public transport::RequestHandler {
     return absl::OkStatus();
   }
 
+  // A put's K and V over the GPU channel the block names (wire::kBlockLinkPayload): the whole
+  // cache in one block. The channel receives them (GpuChannels::Receive) into the memory the
+  // put's engine takes (its GPU's, when the channel is on it; else pinned host memory); the
+  // transport then hands them to OnBlock as any block.
+  void ReceiveOverLink(const transport::PutContext& put, const wire::Block& block,
+                       transport::Buffer descriptor, transport::LinkReceived received) override {
+    auto* attached = static_cast<AttachedPut*>(put.handle);
+    OpenPut* open = PutOf(put);
+    const uint32_t layers = open == nullptr ? 0 : open->request().layout.num_layers;
+    absl::Status s;
+    if (ctx_->gpu == nullptr) {
+      s = absl::FailedPreconditionError("no GPU channel on this daemon");
+    } else if (open == nullptr) {
+      s = absl::NotFoundError("block for a put that is not open");
+    } else if (block.layer_begin != 0 || block.layer_end != layers || block.token_begin != 0 ||
+               block.token_end != open->request().num_tokens || block.parts != wire::kPartBoth) {
+      s = absl::InvalidArgumentError("a block over the GPU channel carries the whole cache");
+    }
+    if (!s.ok()) {
+      ctx_->metrics->CountError("put", s);
+      received(s);
+      return;
+    }
+    GpuLinkReceive r;
+    r.layout = open->request().layout;
+    r.num_tokens = open->request().num_tokens;
+    r.layer_major = block.link_layer_major;
+    r.descriptor = std::string(descriptor.view());
+    Engine& engine = open->engine();
+    r.engine_device = engine.uses_gpu() && !open->request().block_wise ? engine.cuda_device() : -1;
+    ServiceContext* ctx = ctx_;
+    ctx_->gpu->Receive(
+        put.session.tenant, block.link_channel, std::move(r),
+        [ctx, link_ns = attached->link_ns,
+         received = std::move(received)](absl::StatusOr<GpuReceived> got) mutable {
+          if (!got.ok()) {
+            ctx->metrics->CountError("put", got.status());
+            received(got.status());
+            return;
+          }
+          link_ns->fetch_add(static_cast<uint64_t>(got->seconds * 1e9));
+          uint8_t* data = got->memory.get();
+          received(transport::Buffer::Wrap(
+              data, got->bytes,
+              got->space == MemorySpace::kDevice ? transport::MemoryType::kCuda
+                                                 : transport::MemoryType::kHost,
+              [memory = std::move(got->memory)]() mutable { memory.reset(); }));
+        });
+  }
+
   void OnBlock(const transport::PutContext& put, const wire::Block& block,
                transport::Buffer payload, transport::Done done) override {
     ServiceContext* ctx = ctx_;
@@ -399,14 +453,17 @@ class DataHandler : public transport::RequestHandler {
       done(absl::NotFoundError("commit for a put that is not open"));
       return;
     }
-    open->Commit([ctx, done = std::move(done)](absl::StatusOr<CacheSummary> r) mutable {
+    open->Commit([ctx, link_ns = static_cast<AttachedPut*>(put.handle)->link_ns,
+                  done = std::move(done)](absl::StatusOr<CacheSummary> r) mutable {
       if (!r.ok()) {
         ctx->errors_total.fetch_add(1);
         done(r.status());
         return;
       }
       ctx->puts_total.fetch_add(1);
-      done(ToWire(*r));
+      wire::CacheSummary out = ToWire(*r);
+      out.link_ns = link_ns->load();
+      done(out);
     });
   }
 

@@ -22,6 +22,7 @@
 #include "kvcomp/transport/gpu_link.h"
 #include "kvcomp/transport/payload_link.h"
 #include "log.h"
+#include "task_pool.h"
 
 namespace kvcomp {
 namespace service {
@@ -101,17 +102,16 @@ struct Channel {
   std::unique_ptr<GpuRuntime::Timer> timer;
   // The channel's payload link (CudaIpcLink or NcclPayloadLink over `link`), made with `stream`.
   std::unique_ptr<transport::PayloadLink> payload;
-  // The transfer posted and not yet complete: a put's receive (PutFinish waits for it) or a
-  // get's send over NCCL (the channel's next transfer, or the sweep past its deadline, collects
-  // it: the client does not say when it has received).
-  enum class Pending { kNone, kPut, kGet } pending = Pending::kNone;
+  // What puts receive into: the channel's device memory, handed to the put with its K and V
+  // (a new one is made while a put still holds the last).
+  std::shared_ptr<uint8_t> recv;
+  size_t recv_bytes = 0;
+  // A get's send over NCCL posted and not yet collected (the channel's next transfer, or the
+  // sweep past its deadline, collects it: the client does not say when it has received).
+  enum class Pending { kNone, kGet } pending = Pending::kNone;
   std::shared_ptr<Completion> inflight;
   bool sent = false;  // the last transfer was a get's send
   uint64_t transfer_id = 0;
-  uint64_t transfer_bytes = 0;
-  KvLayout transfer_layout;
-  uint64_t transfer_tokens = 0;
-  std::shared_ptr<OpenPut> put;
   std::vector<void*> mapped;      // mode "ipc": the client's allocations mapped for a transfer
   absl::Time deadline;
 
@@ -139,6 +139,12 @@ class GpuChannelsImpl : public GpuChannels {
                                      options.data_plane.max_buffered_bytes)) {
     reason_ = Probe(options);
     if (reason_.empty()) {
+      // Each receive waits on its channel's link (one transfer per channel at a time); more
+      // than a channel each queue, and past that the block is answered busy.
+      const int threads = static_cast<int>(std::min<uint32_t>(16, max_channels_));
+      absl::MutexLock lock(&mu_);
+      transfers_ =
+          std::make_unique<TaskPool>(threads, std::max<size_t>(threads, 4 * size_t{max_channels_}));
       reaper_ = std::thread([this] { Reap(); });
     }
   }
@@ -285,98 +291,47 @@ class GpuChannelsImpl : public GpuChannels {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<uint64_t> PutBegin(const std::string& tenant, uint64_t id, PutRequest request,
-                                    uint64_t payload_bytes, const GpuTransferShape& shape) override {
-    const KvLayout layout = request.layout;
-    const uint64_t tokens = request.num_tokens;
-    const uint64_t expected = layout.CacheBytes(tokens);
-    if (payload_bytes != expected) {
-      return absl::InvalidArgumentError(absl::StrCat("payload_bytes ", payload_bytes,
-                                                     " does not match the layout's K and V (",
-                                                     expected, " bytes)"));
+  void Receive(const std::string& tenant, uint64_t id, GpuLinkReceive r,
+               GpuReceivedFn done) override {
+    const uint64_t bytes = r.layout.CacheBytes(r.num_tokens);
+    auto refuse = [&]() -> absl::Status {
+      if (bytes > max_transfer_bytes_) {
+        return absl::InvalidArgumentError(absl::StrCat("payload of ", bytes,
+                                                       " bytes exceeds the GPU channel's limit (",
+                                                       max_transfer_bytes_, ")"));
+      }
+      if (draining_.load()) return absl::UnavailableError("draining: no new puts");
+      return absl::OkStatus();
+    };
+    absl::Status s = refuse();
+    absl::StatusOr<std::shared_ptr<Channel>> c =
+        s.ok() ? Find(tenant, id) : absl::StatusOr<std::shared_ptr<Channel>>(s);
+    std::optional<GpuIpcSpec> ipc;
+    if (c.ok()) {
+      absl::StatusOr<std::optional<GpuIpcSpec>> spec = IpcOf(**c, r.descriptor);
+      if (spec.ok()) ipc = *std::move(spec);
+      s = spec.status();
     }
-    if (payload_bytes > max_transfer_bytes_) {
-      return absl::InvalidArgumentError(absl::StrCat("payload of ", payload_bytes,
-                                                     " bytes exceeds the GPU channel's limit (",
-                                                     max_transfer_bytes_, ")"));
+    if (!c.ok() || !s.ok()) {
+      done(!c.ok() ? c.status() : s);
+      return;
     }
-    if (draining_.load()) return absl::UnavailableError("draining: no new puts");
-    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
-    KVCOMP_RETURN_IF_ERROR(CheckMode(*c, shape));
-    KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
-    absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(c));
-    // On a GPU daemon the put runs on the engine of the channel's device: the staging buffer
-    // the payload lands in is that device's memory.
-    KVCOMP_ASSIGN_OR_RETURN(
-        std::shared_ptr<OpenPut> put,
-        service_->BeginPut(std::move(request), service_->engines()->uses_gpu() ? c->device : -1));
-    absl::Status s = Stage(*c, payload_bytes);
-    const Regions staged = LayerRegions(c->staging, layout, tokens, shape.layer_major);
-    if (absl::Status m = s.ok() ? MapPeer(*c, shape, staged, false) : s; !m.ok()) {
-      put->Abort();
-      if (!s.ok()) (void)Fail(c, s);
-      return m;  // a mapping refused is the client's mistake: the channel stays usable
+    absl::MutexLock lock(&mu_);
+    if (stopped_ || transfers_ == nullptr) {
+      done(absl::UnavailableError("stopping: no new puts"));
+      return;
     }
-    // Posted before the client is told to send (NCCL: the first transfer also connects the
-    // ranks; CUDA IPC: the copies wait for the client's event on the channel's stream).
-    absl::StatusOr<std::shared_ptr<Completion>> received = Post(*c, Direction::kReceive, staged);
-    if (!received.ok()) {
-      put->Abort();
-      return Fail(c, received.status());
+    // The caller's `done` stays here until the task takes it (TrySubmit may refuse).
+    auto pending = std::make_shared<GpuReceivedFn>(std::move(done));
+    if (!transfers_->TrySubmit([this, c = *std::move(c), r = std::move(r), ipc = std::move(ipc),
+                                pending]() mutable {
+          GpuTransferShape shape;
+          shape.ipc = ipc.has_value() ? &*ipc : nullptr;
+          shape.layer_major = r.layer_major;
+          (*pending)(ReceiveNow(c, r, shape));
+        })) {
+      (*pending)(BusyError("GPU channel receives queued at their bound"));
     }
-    return Pending(*c, Channel::Pending::kPut, *std::move(received), payload_bytes, layout,
-                   tokens, std::move(put));
-  }
-
-  absl::StatusOr<GpuPutResult> PutFinish(const std::string& tenant, uint64_t id,
-                                         uint64_t transfer_id) override {
-    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
-    absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(CheckPending(*c, Channel::Pending::kPut, transfer_id));
-    // This control-plane thread may have no CUDA context current (the stream waits need one).
-    if (absl::Status s = rt_->SetDevice(c->device); !s.ok()) return Fail(c, s);
-    std::shared_ptr<OpenPut> put = std::move(c->put);
-    const uint64_t bytes = c->transfer_bytes;
-    const KvLayout layout = c->transfer_layout;
-    const uint64_t tokens = c->transfer_tokens;
-    std::shared_ptr<Completion> received = std::move(c->inflight);
-    ClearPending(*c);
-    absl::Status s = received->Wait(c->deadline);
-    if (s.ok() && c->ipc) Unmap(*c);  // the copies out of the client's memory are done
-    if (!s.ok()) {
-      put->Abort();
-      return Fail(c, s);
-    }
-    GpuPutResult out;
-    out.receive_seconds = SecondsOf(*c->timer);
-    Touch(*c);
-    metrics_->ObserveStage(Stage::kReceive, out.receive_seconds);
-    if (put->engine().uses_gpu()) {
-      // The engine runs on this GPU: the put takes the staging buffer as a device block (one
-      // copy on the device). The buffer is not reused before the next transfer, which waits for
-      // this one's commit, and the commit orders the engine after that copy.
-      std::shared_ptr<uint8_t> staging(static_cast<uint8_t*>(c->staging), [](uint8_t*) {});
-      KVCOMP_ASSIGN_OR_RETURN(
-          out.summary,
-          Store(put, WholeBlock(std::move(staging), layout, tokens, bytes, MemorySpace::kDevice)));
-      return out;
-    }
-    // A CPU engine takes host blocks: the staging buffer goes to pinned memory first.
-    std::shared_ptr<uint8_t> host;
-    if (s.ok()) host = PinnedBuffer(rt_, c->device, bytes, &s);
-    if (s.ok()) {
-      s = rt_->CopyAsync(host.get(), c->staging, bytes, GpuRuntime::Copy::kDeviceToHost,
-                         c->stream);
-    }
-    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) {
-      put->Abort();
-      return Fail(c, s);
-    }
-    KVCOMP_ASSIGN_OR_RETURN(out.summary,
-                            Store(put, WholeBlock(host, layout, tokens, bytes, MemorySpace::kHost)));
-    return out;
   }
 
   absl::StatusOr<GpuGetBegun> GetBegin(const std::string& tenant, uint64_t id, const CacheKey& key,
@@ -636,6 +591,82 @@ class GpuChannelsImpl : public GpuChannels {
     return std::optional<GpuGetBegun>(out);
   }
 
+  // The client's memory a link block describes, in the channel's mode: nullopt over NCCL (no
+  // descriptor), the decoded IPC handles and regions over CUDA IPC.
+  static absl::StatusOr<std::optional<GpuIpcSpec>> IpcOf(const Channel& c,
+                                                        const std::string& descriptor) {
+    if (!c.ipc) {
+      if (descriptor.empty()) return std::optional<GpuIpcSpec>();
+      return absl::InvalidArgumentError("this GPU channel is in mode nccl: no ipc payload");
+    }
+    if (descriptor.empty()) {
+      return absl::InvalidArgumentError(
+          "this GPU channel is in mode ipc: the transfer must name the client's memory");
+    }
+    KVCOMP_ASSIGN_OR_RETURN(transport::IpcMemory m, transport::DecodeIpcMemory(descriptor));
+    GpuIpcSpec spec;
+    spec.buffers = std::move(m.handles);
+    for (const transport::IpcMemory::Region& g : m.regions) {
+      spec.chunks.push_back({g.handle, g.offset, g.bytes});
+    }
+    return std::optional<GpuIpcSpec>(std::move(spec));
+  }
+
+  // A put's K and V received over the channel (a thread of transfers_): posted into the
+  // channel's receive memory, waited for, then handed over as they are (the put's engine runs
+  // on this device) or copied to pinned host memory.
+  absl::StatusOr<GpuReceived> ReceiveNow(const std::shared_ptr<Channel>& c,
+                                         const GpuLinkReceive& r, const GpuTransferShape& shape) {
+    KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
+    absl::MutexLock op(&c->op_mu);
+    KVCOMP_RETURN_IF_ERROR(Usable(c));
+    const uint64_t bytes = r.layout.CacheBytes(r.num_tokens);
+    absl::StatusOr<std::shared_ptr<uint8_t>> memory = RecvBuffer(*c, bytes);
+    if (!memory.ok()) return Fail(c, memory.status());
+    const Regions regions = LayerRegions(memory->get(), r.layout, r.num_tokens, r.layer_major);
+    // A mapping refused is the client's mistake: the channel stays usable.
+    KVCOMP_RETURN_IF_ERROR(MapPeer(*c, shape, regions, /*at_least=*/false));
+    absl::StatusOr<std::shared_ptr<Completion>> received =
+        Post(*c, Direction::kReceive, regions);
+    absl::Status s = received.ok() ? (*received)->Wait(absl::Now() + timeout_) : received.status();
+    if (!s.ok()) return Fail(c, s);
+    Unmap(*c);  // the copies out of the client's memory are done
+    Touch(*c);
+    GpuReceived out;
+    out.bytes = bytes;
+    out.seconds = SecondsOf(*c->timer);
+    metrics_->ObserveStage(Stage::kReceive, out.seconds);
+    if (r.engine_device == c->device) {
+      out.memory = *std::move(memory);
+      out.space = MemorySpace::kDevice;
+      return out;
+    }
+    out.memory = PinnedBuffer(rt_, c->device, bytes, &s);
+    if (s.ok()) {
+      s = rt_->CopyAsync(out.memory.get(), memory->get(), bytes, GpuRuntime::Copy::kDeviceToHost,
+                         c->stream);
+    }
+    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
+    if (!s.ok()) return Fail(c, s);
+    return out;
+  }
+
+  // The channel's receive memory of at least `bytes`: its own when no put holds it any more,
+  // else a new one (the old goes with its last holder). Caller holds c.op_mu.
+  absl::StatusOr<std::shared_ptr<uint8_t>> RecvBuffer(Channel& c, uint64_t bytes) {
+    if (c.recv != nullptr && c.recv.use_count() == 1 && c.recv_bytes >= bytes) return c.recv;
+    c.recv.reset();
+    c.recv_bytes = 0;
+    KVCOMP_ASSIGN_OR_RETURN(void* p, rt_->AllocDevice(bytes));
+    GpuRuntime* rt = rt_;
+    const int device = c.device;
+    c.recv = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [rt, device](uint8_t* q) {
+      if (rt->SetDevice(device).ok()) rt->FreeDevice(q);
+    });
+    c.recv_bytes = bytes;
+    return c.recv;
+  }
+
   // A dense get's answer for `sum`: its layout, tokens and the dense K and V's size.
   static absl::StatusOr<GpuGetBegun> DenseOf(const CacheSummary& sum, uint64_t capacity) {
     GpuGetBegun out;
@@ -714,8 +745,7 @@ class GpuChannelsImpl : public GpuChannels {
     if (s.ok() && c->ipc) s = (*sent)->Wait(absl::Now() + timeout_);
     if (!s.ok()) return Fail(c, s);
     if (!c->ipc) {
-      out.transfer_id = Pending(*c, Channel::Pending::kGet, *std::move(sent), out.payload_bytes,
-                                out.layout, out.num_tokens, nullptr);
+      out.transfer_id = PendingGet(*c, *std::move(sent));
       return out;
     }
     Unmap(*c);
@@ -775,6 +805,14 @@ class GpuChannelsImpl : public GpuChannels {
     }
     stop_.Notify();
     if (reaper_.joinable()) reaper_.join();
+    for (auto& c : all) c->dead.store(true);
+    // Receives queued fail (their channels are dead); one in progress ends by its deadline.
+    std::unique_ptr<TaskPool> transfers;
+    {
+      absl::MutexLock lock(&mu_);
+      transfers = std::move(transfers_);
+    }
+    transfers.reset();
     for (auto& c : all) Destroy(c, "daemon stopping");
   }
 
@@ -927,7 +965,7 @@ class GpuChannelsImpl : public GpuChannels {
   }
 
   // The channel ready for a transfer: open, the last get's send collected (its client has
-  // received it by now), no put pending, its stream and link made. Caller holds c->op_mu.
+  // received it by now), its stream and link made. Caller holds c->op_mu.
   absl::Status Usable(const std::shared_ptr<Channel>& c) {
     if (c->dead.load() || (!c->ipc && (c->link == nullptr || c->link->broken()))) {
       return WithDetail(absl::UnavailableError("the GPU channel is closed"),
@@ -974,18 +1012,12 @@ class GpuChannelsImpl : public GpuChannels {
     return absl::OkStatus();
   }
 
-  uint64_t Pending(Channel& c, Channel::Pending kind, std::shared_ptr<Completion> inflight,
-                   uint64_t bytes, const KvLayout& layout, uint64_t tokens,
-                   std::shared_ptr<OpenPut> put) {
-    c.pending = kind;
+  uint64_t PendingGet(Channel& c, std::shared_ptr<Completion> inflight) {
+    c.pending = Channel::Pending::kGet;
     c.inflight = std::move(inflight);
-    c.sent = kind == Channel::Pending::kGet;
-    c.sent_pending.store(c.sent);
+    c.sent = true;
+    c.sent_pending.store(true);
     c.transfer_id = next_transfer_.fetch_add(1);
-    c.transfer_bytes = bytes;
-    c.transfer_layout = layout;
-    c.transfer_tokens = tokens;
-    c.put = std::move(put);
     c.deadline = absl::Now() + timeout_;
     c.pending_deadline_ns.store(absl::ToUnixNanos(c.deadline));
     Touch(c);
@@ -998,8 +1030,8 @@ class GpuChannelsImpl : public GpuChannels {
                         ErrorDetail::kLinkGone);
     }
     if (c.pending != kind || c.transfer_id != transfer_id) {
-      return absl::NotFoundError(absl::StrCat("no ", kind == Channel::Pending::kPut ? "put" : "get",
-                                              " transfer ", transfer_id, " on this GPU channel"));
+      return absl::NotFoundError(
+          absl::StrCat("no get transfer ", transfer_id, " on this GPU channel"));
     }
     return absl::OkStatus();
   }
@@ -1026,8 +1058,6 @@ class GpuChannelsImpl : public GpuChannels {
       (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
     }
     Unmap(*c);
-    if (c->put) c->put->Abort();
-    c->put.reset();
     ClearPending(*c);
     return why;  // the reaper removes and tears it down (Find already treats it as absent)
   }
@@ -1044,8 +1074,6 @@ class GpuChannelsImpl : public GpuChannels {
       ClearPending(*c);
     }
     if (c->pending != Channel::Pending::kNone && c->link) c->link->Abort();
-    if (c->put) c->put->Abort();
-    c->put.reset();
     c->inflight.reset();
     c->payload.reset();
     if (rt_ != nullptr && rt_->SetDevice(c->device).ok()) {
@@ -1057,54 +1085,11 @@ class GpuChannelsImpl : public GpuChannels {
       c->client_event = nullptr;
       rt_->FreeDevice(c->staging);
       c->staging = nullptr;
+      c->recv.reset();  // freed here unless a put still holds it
       rt_->DestroyStream(c->stream);
       c->stream = nullptr;
     }
     Log(LogLevel::kInfo, "GPU channel ", c->id, " closed: ", why);
-  }
-
-  // The put's one block added (AddBlock answers before it returns) and the put committed. The
-  // commit waits its turn in the engine's queue (OpenPut::CommitInTurn) rather than answering
-  // busy: the payload is already here, and a channel holds one put at a time, so the channels
-  // bound what they queue. The daemon stops its channels before its engines. Caller holds
-  // the channel's op_mu.
-  absl::StatusOr<CacheSummary> Store(const std::shared_ptr<OpenPut>& put, BlockData block) {
-    absl::Status added = absl::InternalError("the block was not accounted for");
-    put->AddBlock(std::move(block), [&](absl::Status s) { added = std::move(s); });
-    if (!added.ok()) {
-      put->Abort();
-      return added;
-    }
-    // The answer carries the commit's outcome: this synchronous control-plane call waits for it.
-    absl::Notification done;
-    absl::StatusOr<CacheSummary> result = absl::UnknownError("no answer");
-    put->CommitInTurn([&](absl::StatusOr<CacheSummary> r) {
-      result = std::move(r);
-      done.Notify();
-    });
-    done.WaitForNotification();
-    if (!result.ok()) put->Abort();
-    return result;
-  }
-
-  static BlockData WholeBlock(std::shared_ptr<uint8_t> memory, const KvLayout& layout,
-                              uint64_t tokens, uint64_t bytes, MemorySpace space) {
-    BlockData b;
-    b.layer_begin = 0;
-    b.layer_end = layout.num_layers;
-    b.token_begin = 0;
-    b.token_end = tokens;
-    b.bytes = bytes;
-    const uint64_t layer = layout.LayerBytes(tokens);
-    uint8_t* base = memory.get();
-    for (uint32_t l = 0; l < layout.num_layers; ++l) {
-      b.keys.push_back(HeadsView::Dense(base + l * layer, layout.dtype, layout.num_kv_heads,
-                                        tokens, layout.head_dim, space));
-      b.values.push_back(HeadsView::Dense(base + (layout.num_layers + l) * layer, layout.dtype,
-                                          layout.num_kv_heads, tokens, layout.head_dim, space));
-    }
-    b.memory = std::move(memory);
-    return b;
   }
 
   // The seconds the channel's timer measured; 0 when it cannot tell.
@@ -1186,6 +1171,7 @@ class GpuChannelsImpl : public GpuChannels {
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<TaskPool> transfers_ ABSL_GUARDED_BY(mu_);  // the receives of puts' K and V
 };
 
 }  // namespace

@@ -1,35 +1,35 @@
 // GpuChannels: kvcompd's side of the GPU channel (docs/protocol.md, "GPU channel"). A client
 // whose KV cache lives in GPU memory opens a channel over the control plane; the daemon makes an
-// NCCL unique id, joins the two-rank communicator as rank 0 on the engine's CUDA device, and
-// then moves each put's and get's payload over NCCL into (or out of) a device staging buffer
-// of the channel, while the metadata travels over the control plane. This file is the second
+// NCCL unique id and joins the two-rank communicator as rank 0 on the engine's CUDA device. The
+// channel is then a payload link: a put is a data-plane put (PutBegin, one link block, Commit:
+// the transport server's admission, ledger, deadlines and asynchronous replies) whose block's K
+// and V the channel receives (Receive, called by the data plane for wire::kBlockLinkPayload);
+// a get's payload goes out of a device staging buffer of the channel. This file is the second
 // place (beside data_plane.cc) where the service meets the transport: gpu_channel.cc alone
 // includes the GPU link.
 //
 // A client on the daemon's own GPU cannot be an NCCL peer: its channel is in mode "ipc"
 // instead. The client names its device memory by CUDA IPC handles in each transfer; the daemon
 // maps them, copies on the device after the client's interprocess event (recorded on the
-// caller's stream) into or out of the staging buffer, and unmaps them before it answers.
+// caller's stream), and unmaps them before it answers.
 //
 // With several GPU engines (engine.cuda_devices) each channel is bound to one device when it
 // opens: the client's own GPU when it is one of the daemon's (mode "ipc"), else the device of
 // the engine EngineSet::Pick chooses (the most free reservation headroom, then the shortest
-// queue). The channel's communicator, stream and staging buffer live on that device, and every
-// put over the channel runs on that device's engine, so its payload is copied on the device it
-// arrived on. Puts are spread over the GPUs channel by channel, not put by put.
+// queue). The channel's communicator, stream and buffers live on that device. A put's K and V
+// stay in the channel's device memory when the put's engine runs on that device (one copy on
+// the device into the engine's); otherwise they are copied to pinned host memory first.
 //
-// A received put enters the service as any other: a validated PutRequest opened with
-// CacheService::BeginPut, one BlockData covering the whole cache, then Commit. On a daemon
-// whose engine runs on the GPU the staging buffer is that block (device memory); on a CPU
-// engine it is copied to pinned host memory first. A STORED get on a GPU engine is read from the
-// store straight into the staging buffer (CacheRepository::GetInto: from the GPU tier one copy
-// on the device); other gets are read into host memory and copied up.
+// A STORED get on a GPU engine is read from the store straight into the staging buffer
+// (CacheRepository::GetInto: from the GPU tier one copy on the device); other gets are read
+// into host memory and copied up.
 //
 // Lifetime: channels are closed by the client (Close), when a transfer fails or passes the
 // transfer timeout (the communicator is aborted, so a peer that died leaves nothing waiting),
 // after the idle timeout, and all at once by Stop. Drain refuses new channels and transfers.
 //
-// Thread-safety: every method may be called from any thread; calls on one channel serialise.
+// Thread-safety: every method may be called from any thread; transfers on one channel
+// serialise.
 #ifndef KVCOMP_SERVICE_SRC_GPU_CHANNEL_H_
 #define KVCOMP_SERVICE_SRC_GPU_CHANNEL_H_
 
@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cache_service.h"
@@ -59,10 +60,23 @@ struct GpuChannelInfo {
   absl::Duration transfer_timeout;
 };
 
-struct GpuPutResult {
-  CacheSummary summary;
-  double receive_seconds = 0;  // the payload's transfer on the daemon's stream
+// A put's K and V coming over a channel (the data plane's link block of the whole cache).
+struct GpuLinkReceive {
+  KvLayout layout;
+  uint64_t num_tokens = 0;
+  bool layer_major = false;  // the client sends K0, V0, K1, V1, ... (a put stream)
+  std::string descriptor;    // mode "ipc": the client's memory (transport::EncodeIpcMemory)
+  int engine_device = -1;    // the put's GPU engine's device; -1: the put takes host memory
 };
+
+// What came over the channel: every layer's keys, then every layer's values.
+struct GpuReceived {
+  std::shared_ptr<uint8_t> memory;
+  uint64_t bytes = 0;
+  MemorySpace space = MemorySpace::kHost;  // kDevice: the channel's device (= engine_device)
+  double seconds = 0;                      // the transfer, as the channel's stream timed it
+};
+using GpuReceivedFn = absl::AnyInvocable<void(absl::StatusOr<GpuReceived>)>;
 
 enum class GpuGetForm { kStored, kDecoded, kDenseKv };
 
@@ -116,17 +130,15 @@ class GpuChannels {
   // NotFound when no channel `id` of `tenant` is open.
   virtual absl::Status Close(const std::string& tenant, uint64_t id) = 0;
 
-  // Opens the put with the service and posts the receive of its payload (`payload_bytes`, which
-  // must be the layout's K plus V). InvalidArgument (sizes), NotFound (channel),
-  // FailedPrecondition (a transfer in progress on the channel), and BeginPut's errors.
-  // Mode "ipc": `shape.ipc` names the client's memory (InvalidArgument when missing, on an
-  // NCCL channel, or when a chunk does not match the layout or lies outside its allocation).
-  virtual absl::StatusOr<uint64_t> PutBegin(const std::string& tenant, uint64_t id,
-                                            PutRequest request, uint64_t payload_bytes,
-                                            const GpuTransferShape& shape) = 0;
-  // Waits for the payload, then compresses and stores the put.
-  virtual absl::StatusOr<GpuPutResult> PutFinish(const std::string& tenant, uint64_t id,
-                                                 uint64_t transfer_id) = 0;
+  // Receives a put's K and V over channel `id` of `tenant` and calls `done` once, on a thread
+  // of the channels', when they are here (or with the failure, which is the block's answer):
+  // NotFound + kLinkGone (no such channel), InvalidArgument (sizes; a descriptor that does not
+  // fit the channel's mode, does not decode or does not match the layout), FailedPrecondition +
+  // kMemoryNotMappable (the client's memory cannot be mapped here: the channel stays),
+  // Unavailable (draining). A transfer that fails or passes the transfer timeout closes the
+  // channel.
+  virtual void Receive(const std::string& tenant, uint64_t id, GpuLinkReceive receive,
+                       GpuReceivedFn done) = 0;
   // Reads the cache and posts the send of its payload: a get is this one request and the
   // transfer. NotFound (cache or channel), OutOfRange (larger than `capacity`),
   // FailedPrecondition (dense form of a cache that evicted tokens). Mode "ipc": the payload is

@@ -1,6 +1,7 @@
-// The control plane's GPU channel calls (service/thrift/kvcomp.thrift): each authenticates,
-// checks its arguments into the service's types and hands them to GpuChannels, which checks
-// that the channel belongs to the caller's tenant.
+// The control plane's GPU channel calls (service/thrift/kvcomp.thrift): opening and closing a
+// channel (the link's negotiation) and its gets. Each authenticates, checks its arguments into
+// the service's types and hands them to GpuChannels, which checks that the channel belongs to
+// the caller's tenant. A put over the channel is a data-plane put (data_plane.cc).
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -34,20 +35,6 @@ absl::Status NoChannels(const ServiceContext* ctx) {
 absl::StatusOr<uint64_t> ChannelId(int64_t id) {
   if (id <= 0) return absl::InvalidArgumentError("channel_id must be positive");
   return static_cast<uint64_t>(id);
-}
-
-absl::StatusOr<KvLayout> LayoutFromRpc(const rpc::Layout& l) {
-  if (l.num_layers <= 0 || l.num_kv_heads <= 0 || l.num_q_heads <= 0 || l.head_dim <= 0) {
-    return absl::InvalidArgumentError("layout: every dimension must be positive");
-  }
-  KvLayout out;
-  out.num_layers = static_cast<uint32_t>(l.num_layers);
-  out.num_kv_heads = static_cast<uint32_t>(l.num_kv_heads);
-  out.num_q_heads = static_cast<uint32_t>(l.num_q_heads);
-  out.head_dim = static_cast<uint32_t>(l.head_dim);
-  KVCOMP_ASSIGN_OR_RETURN(out.dtype, ParseDType(l.dtype));
-  KVCOMP_RETURN_IF_ERROR(out.Validate());
-  return out;
 }
 
 // The client's memory of a transfer in mode "ipc", checked for shape (the daemon checks it
@@ -105,6 +92,14 @@ void ControlHandler::OpenGpuChannel(rpc::GpuChannelResponse& out, const rpc::Aut
   if (s.ok() && request.__isset.ipc_event && request.ipc_event.size() != 64) {
     s = absl::InvalidArgumentError("ipc_event must be a 64-byte CUDA IPC event handle");
   }
+  // Puts over the channel are data-plane puts (link blocks, protocol 1.4): an SDK that does not
+  // send them so goes over the data plane's own links.
+  if (s.ok() && ctx_->gpu->available() &&
+      !(request.__isset.data_plane_puts && request.data_plane_puts)) {
+    s = absl::FailedPreconditionError(
+        "this kvcompd takes GPU channel puts as link blocks on the data plane (protocol 1.4), "
+        "which this SDK predates: device memory goes over the data plane");
+  }
   if (!s.ok()) {
     out.status = ToRpc(s);
     return;
@@ -123,6 +118,7 @@ void ControlHandler::OpenGpuChannel(rpc::GpuChannelResponse& out, const rpc::Aut
   out.max_transfer_bytes = static_cast<int64_t>(info->max_transfer_bytes);
   out.transfer_timeout_ms = static_cast<int32_t>(absl::ToInt64Milliseconds(info->transfer_timeout));
   out.__set_mode(info->ipc ? "ipc" : "nccl");
+  out.__set_data_plane_puts(true);
 }
 
 void ControlHandler::CloseGpuChannel(rpc::GpuCloseResponse& out, const rpc::Auth& auth,
@@ -133,74 +129,6 @@ void ControlHandler::CloseGpuChannel(rpc::GpuCloseResponse& out, const rpc::Auth
   if (s.ok()) s = id.status();
   if (s.ok()) s = ctx_->gpu->Close(tenant, *id);
   out.status = ToRpc(s);
-}
-
-void ControlHandler::GpuPutBegin(rpc::GpuTransferResponse& out, const rpc::Auth& auth,
-                                 int64_t channel_id, const rpc::GpuPutRequest& request) {
-  KVCOMP_GPU_AUTH(tenant, out);
-  auto begin = [&]() -> absl::StatusOr<uint64_t> {
-    KVCOMP_RETURN_IF_ERROR(NoChannels(ctx_));
-    KVCOMP_ASSIGN_OR_RETURN(uint64_t id, ChannelId(channel_id));
-    KVCOMP_ASSIGN_OR_RETURN(KvLayout layout, LayoutFromRpc(request.layout));
-    if (request.num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be positive");
-    if (request.payload_bytes <= 0) {
-      return absl::InvalidArgumentError("payload_bytes must be positive");
-    }
-    CompressionPolicy policy;
-    if (request.__isset.policy) {
-      KVCOMP_ASSIGN_OR_RETURN(policy, FromRpc(request.policy));
-    } else {
-      policy = ctx_->policies->Resolve(tenant, request.model_id).first;
-    }
-    GpuIpcSpec ipc;
-    GpuTransferShape shape;
-    shape.layer_major = request.__isset.layer_major && request.layer_major;
-    if (request.__isset.ipc) {
-      KVCOMP_ASSIGN_OR_RETURN(ipc, IpcFromRpc(request.ipc));
-      shape.ipc = &ipc;
-    }
-    KVCOMP_ASSIGN_OR_RETURN(
-        PutRequest put,
-        PutRequest::Make(CacheKey{tenant, request.model_id, request.key}, layout,
-                         static_cast<uint64_t>(request.num_tokens), std::move(policy),
-                         /*block_wise=*/false));
-    return ctx_->gpu->PutBegin(tenant, id, std::move(put),
-                               static_cast<uint64_t>(request.payload_bytes), shape);
-  };
-  absl::StatusOr<uint64_t> transfer = begin();
-  if (!transfer.ok()) {
-    ctx_->metrics->CountError("put", transfer.status());
-    ctx_->errors_total.fetch_add(1);
-    out.status = ToRpc(transfer.status());
-    return;
-  }
-  out.transfer_id = static_cast<int64_t>(*transfer);
-  out.payload_bytes = request.payload_bytes;
-}
-
-void ControlHandler::GpuPutFinish(rpc::GpuPutResponse& out, const rpc::Auth& auth,
-                                  int64_t channel_id, int64_t transfer_id) {
-  KVCOMP_GPU_AUTH(tenant, out);
-  const absl::Time t0 = absl::Now();
-  auto finish = [&]() -> absl::StatusOr<GpuPutResult> {
-    KVCOMP_RETURN_IF_ERROR(NoChannels(ctx_));
-    KVCOMP_ASSIGN_OR_RETURN(uint64_t id, ChannelId(channel_id));
-    return ctx_->gpu->PutFinish(tenant, id, static_cast<uint64_t>(transfer_id));
-  };
-  absl::StatusOr<GpuPutResult> r = finish();
-  if (!r.ok()) {
-    ctx_->metrics->CountError("put", r.status());
-    ctx_->errors_total.fetch_add(1);
-    out.status = ToRpc(r.status());
-    return;
-  }
-  ctx_->puts_total.fetch_add(1);
-  ctx_->metrics->ObserveOp(Op::kPut, absl::ToDoubleSeconds(absl::Now() - t0));
-  out.original_bytes = static_cast<int64_t>(r->summary.original_bytes);
-  out.stored_bytes = static_cast<int64_t>(r->summary.stored_bytes);
-  out.total_kept = static_cast<int64_t>(r->summary.total_kept);
-  out.tier = storage::TierName(r->summary.tier);
-  out.receive_seconds = r->receive_seconds;
 }
 
 void ControlHandler::GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth,

@@ -245,6 +245,11 @@ struct GpuChannelRequest {
   // event of the client's, recorded on the caller's stream before each transfer; the daemon's
   // copies wait for it. Set when the client can map memory over CUDA IPC.
   3: optional binary ipc_event,
+  // True: the client sends its puts over the data plane, each put's K and V as one link block
+  // that names the channel (data-plane protocol 1.4, docs/protocol.md). A daemon that takes
+  // puts only that way refuses a channel to a client that does not say so (FAILED_PRECONDITION:
+  // the client then uses the data plane's own links).
+  4: optional bool data_plane_puts,
 }
 
 struct GpuChannelResponse {
@@ -258,6 +263,8 @@ struct GpuChannelResponse {
   6: i64 max_transfer_bytes, // largest payload of one transfer
   7: i32 transfer_timeout_ms,
   8: optional string mode,   // "nccl" (unset: nccl) or "ipc" (same GPU: CUDA IPC, no unique id)
+  9: optional bool data_plane_puts,  // the daemon takes this channel's puts as link blocks
+                                     // (unset: an older daemon, which the client does not use)
 }
 
 // CUDA IPC transfers (a channel in mode "ipc"): the client's device memory as IPC handles of its
@@ -279,19 +286,6 @@ struct GpuCloseResponse {
   1: Status status,
 }
 
-// A put whose K and V the client sends over the channel: every layer's keys
-// ([num_kv_heads, num_tokens, head_dim], dense), layer after layer, then every layer's values.
-struct GpuPutRequest {
-  1: string model_id,
-  2: binary key,
-  3: Layout layout,
-  4: i64 num_tokens,
-  5: optional Policy policy,  // unset: the tenant's default for the model
-  6: i64 payload_bytes,       // 2 x num_layers x num_kv_heads x num_tokens x head_dim x dtype size
-  7: optional GpuIpcPayload ipc,  // mode "ipc": where the payload is (mode "nccl": unset)
-  8: optional bool layer_major,   // chunks layer by layer (K0, V0, K1, V1, ...): a put stream
-}
-
 struct GpuTransferResponse {
   1: Status status,
   2: i64 transfer_id,
@@ -303,15 +297,6 @@ struct GpuTransferResponse {
   7: optional bool finish_optional, // gets over NCCL: true when the daemon collects its send
                                     // itself (GpuGetFinish not needed); unset (older daemons):
                                     // the client calls GpuGetFinish after its receive
-}
-
-struct GpuPutResponse {
-  1: Status status,
-  2: i64 original_bytes,
-  3: i64 stored_bytes,
-  4: i64 total_kept,
-  5: string tier,
-  6: double receive_seconds,  // the payload's transfer, as the daemon's stream timed it
 }
 
 enum GpuGetForm {
@@ -364,11 +349,6 @@ service KvcompControl {
   GpuChannelResponse OpenGpuChannel(1: Auth auth, 2: GpuChannelRequest request),
   // Tears the channel down (its communicator destroyed). NOT_FOUND when not the caller's.
   GpuCloseResponse CloseGpuChannel(1: Auth auth, 2: i64 channel_id),
-  // Checks the put (as the data plane does) and posts the daemon's receive; the client then
-  // sends the payload on its stream and calls GpuPutFinish.
-  GpuTransferResponse GpuPutBegin(1: Auth auth, 2: i64 channel_id, 3: GpuPutRequest request),
-  // Waits for the payload (the channel's transfer timeout), then compresses and stores the put.
-  GpuPutResponse GpuPutFinish(1: Auth auth, 2: i64 channel_id, 3: i64 transfer_id),
   // Reads the cache and posts the daemon's send; the client receives payload_bytes on its
   // stream. With finish_optional set that is the whole get; otherwise (older daemons) the
   // client then calls GpuGetFinish.

@@ -18,9 +18,12 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "integration/kvcompd_process.h"
 #include "kvcomp/client/client.h"
+#include "kvcomp/core/error_detail.h"
+#include "kvcomp/transport/client.h"
 #include "kvcomp/transport/gpu_link.h"
 
 namespace kvcomp {
@@ -353,19 +356,38 @@ TEST_F(GpuChannelGpuTest, AnotherTenantCannotUseTheChannel) {
   // Channel ids are small integers: beta names alpha's first one directly.
   testing::ControlClient raw(daemon_->ports().control);
   const rpc::Auth beta = testing::MakeAuth("beta", "secret-b");
-  rpc::GpuPutRequest req;
-  req.model_id = "m";
-  req.key = "stolen";
-  req.layout.num_layers = 1;
-  req.layout.num_kv_heads = 8;
-  req.layout.num_q_heads = 32;
-  req.layout.head_dim = 128;
-  req.layout.dtype = "bf16";
-  req.num_tokens = 16;
-  req.payload_bytes = 2 * 8 * 16 * 128 * 2;
+  // A put of beta's whose block names alpha's channel: NOT_FOUND with LINK_GONE, nothing stored.
+  {
+    auto conn = transport::UcxClient::Connect(
+        transport::Endpoint{"127.0.0.1", static_cast<uint16_t>(daemon_->ports().data)}, "beta",
+        "secret-b");
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    transport::wire::PutBegin begin;
+    begin.model_id = "m";
+    begin.key = "stolen";
+    begin.layout = KvLayout{1, 8, 32, 128, DType::kBF16};
+    begin.num_tokens = 16;
+    auto id = (*conn)->PutBegin(begin);
+    ASSERT_TRUE(id.ok()) << id.status();
+    transport::wire::Block b;
+    b.put_id = *id;
+    b.layer_end = 1;
+    b.token_end = 16;
+    b.parts = transport::wire::kPartBoth;
+    b.key_bytes = b.value_bytes = 8 * 16 * 128 * 2;
+    b.flags = transport::wire::kBlockLinkPayload;
+    b.link_channel = 1;
+    absl::Notification n;
+    absl::Status answer;
+    (*conn)->SendLinkBlockAsync(b, "", [&](absl::Status s) {
+      answer = s;
+      n.Notify();
+    });
+    n.WaitForNotification();
+    EXPECT_EQ(answer.code(), absl::StatusCode::kNotFound) << answer;
+    EXPECT_EQ(DetailOf(answer), ErrorDetail::kLinkGone) << answer;
+  }
   rpc::GpuTransferResponse t;
-  raw->GpuPutBegin(t, beta, 1, req);
-  EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
   rpc::GpuGetRequest g;
   g.ref.model_id = "m";
   g.ref.key = "k";
@@ -383,6 +405,39 @@ TEST_F(GpuChannelGpuTest, AnotherTenantCannotUseTheChannel) {
   auto put = alpha->PutDevice("m", "k", layout, 64, in.In(), NewStream(0), po);
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(put->path, "nccl");
+}
+
+// An SDK that does not say it puts over the data plane (one before protocol 1.4, whose puts
+// were control-plane calls this daemon no longer has) is refused the channel with the reason,
+// before anything is formed, and falls back to the data plane's links; with it, the same
+// request gets a channel that says it takes data-plane puts.
+TEST_F(GpuChannelGpuTest, AnSdkThatDoesNotPutOverTheDataPlaneIsRefusedTheChannel) {
+  REQUIRE_GPUS(1);
+  StartDaemon(0);
+  absl::StatusOr<std::string> uuid = rt_->DeviceUuid(0);
+  ASSERT_TRUE(uuid.ok()) << uuid.status();
+  std::string event;
+  ASSERT_TRUE(rt_->SetDevice(0).ok());
+  absl::StatusOr<void*> ev = rt_->NewIpcEvent(&event);
+  ASSERT_TRUE(ev.ok()) << ev.status();
+  testing::ControlClient raw(daemon_->ports().control);
+  rpc::GpuChannelRequest req;
+  req.nccl_version = GpuRuntime::nccl_version();
+  req.device_uuid = *uuid;
+  req.__set_ipc_event(event);
+  rpc::GpuChannelResponse r;
+  raw->OpenGpuChannel(r, testing::MakeAuth("alpha", "secret-a"), req);
+  EXPECT_EQ(r.status.code, rpc::StatusCode::FAILED_PRECONDITION) << r.status.message;
+  EXPECT_TRUE(absl::StrContains(r.status.message, "protocol 1.4")) << r.status.message;
+  EXPECT_EQ(r.channel_id, 0);
+  req.__set_data_plane_puts(true);
+  raw->OpenGpuChannel(r, testing::MakeAuth("alpha", "secret-a"), req);
+  ASSERT_EQ(r.status.code, rpc::StatusCode::OK) << r.status.message;
+  EXPECT_TRUE(r.__isset.data_plane_puts && r.data_plane_puts);
+  rpc::GpuCloseResponse cl;
+  raw->CloseGpuChannel(cl, testing::MakeAuth("alpha", "secret-a"), r.channel_id);
+  EXPECT_EQ(cl.status.code, rpc::StatusCode::OK);
+  rt_->DestroyEvent(*ev);
 }
 
 // One GPU: client and daemon on the same device cannot form an NCCL communicator; the channel
@@ -644,17 +699,18 @@ TEST_F(GpuChannelGpuTest, ClientDyingMidTransferLeavesNoHang) {
   REQUIRE_GPUS(2);
   StartDaemon(1);
   const std::string cmd = std::string(GPU_CHANNEL_PEER_PATH) + " put-and-die " +
-                          std::to_string(daemon_->ports().control) + " alpha secret-a 0 > " +
+                          std::to_string(daemon_->ports().control) + " " +
+                          std::to_string(daemon_->ports().data) + " alpha secret-a 0 > " +
                           dir_.path() + "/peer.log 2>&1";
   const int rc = std::system(cmd.c_str());
   std::ifstream peer_log(dir_.path() + "/peer.log");
   std::string peer((std::istreambuf_iterator<char>(peer_log)), std::istreambuf_iterator<char>());
   ASSERT_TRUE(absl::StrContains(peer, "sent the keys; dying")) << "rc " << rc << ": " << peer;
-  // The daemon aborts the half-done receive within its transfer timeout (3 s) plus a sweep.
+  // The daemon aborts the half-done receive at its transfer timeout (3 s).
   const auto t0 = std::chrono::steady_clock::now();
   bool closed = false;
   while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20)) {
-    if (absl::StrContains(daemon_->Log(), "transfer timed out")) {
+    if (absl::StrContains(daemon_->Log(), "did not finish in time")) {
       closed = true;
       break;
     }

@@ -1,21 +1,24 @@
 // The GPU channel's negotiation against real kvcompd processes, where no GPU is needed: what a
 // daemon without NCCL or a CUDA device answers (and why), the loader's messages for a missing
 // or foreign NCCL library, authentication of every GPU channel call (counted), bad input
-// (sizes, layouts, policies, ids) refused before any channel is looked up, channels that are
-// not the caller's reading as absent, and the SDK's negotiation saying why it falls back; the
+// refused before any channel is looked up, channels that are not the caller's reading as
+// absent (on the control plane and for a data-plane put's link block), and the SDK's negotiation saying why it falls back; the
 // same for the CUDA IPC mode of a client on the daemon's GPU (malformed handles and chunks,
 // a daemon without CUDA) and the layer-by-layer calls. The transfers themselves run on GPU
 // machines (gpu_channel_gpu_test.cc).
 #include <fstream>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "integration/kvcompd_process.h"
 #include "kvcomp/client/client.h"
 #include "kvcomp/core/error_detail.h"
 #include "kvcomp/core/status.h"
+#include "kvcomp/transport/client.h"
 
 namespace kvcomp {
 namespace {
@@ -27,28 +30,8 @@ using testing::KvcompdProcess;
 using testing::MakeAuth;
 using testing::TempDir;
 
-rpc::Layout SmallLayout() {
-  rpc::Layout l;
-  l.num_layers = 2;
-  l.num_kv_heads = 2;
-  l.num_q_heads = 4;
-  l.head_dim = 64;
-  l.dtype = "f16";
-  return l;
-}
-
 constexpr int64_t kTokens = 16;
 constexpr int64_t kPayload = 2 * 2 * 2 * kTokens * 64 * 2;  // K+V, 2 layers, 2 heads, f16
-
-rpc::GpuPutRequest PutRequest(int64_t payload = kPayload) {
-  rpc::GpuPutRequest r;
-  r.model_id = "m";
-  r.key = "k1";
-  r.layout = SmallLayout();
-  r.num_tokens = kTokens;
-  r.payload_bytes = payload;
-  return r;
-}
 
 class GpuChannelTest : public ::testing::Test {
  protected:
@@ -125,12 +108,6 @@ TEST_F(GpuChannelTest, EveryCallAuthenticatesAndFailuresAreCounted) {
     rpc::GpuCloseResponse close;
     c->CloseGpuChannel(close, auth, 1);
     EXPECT_EQ(close.status.code, rpc::StatusCode::UNAUTHENTICATED);
-    rpc::GpuTransferResponse begin;
-    c->GpuPutBegin(begin, auth, 1, PutRequest());
-    EXPECT_EQ(begin.status.code, rpc::StatusCode::UNAUTHENTICATED);
-    rpc::GpuPutResponse finish;
-    c->GpuPutFinish(finish, auth, 1, 1);
-    EXPECT_EQ(finish.status.code, rpc::StatusCode::UNAUTHENTICATED);
     rpc::GpuGetRequest greq;
     greq.ref.model_id = "m";
     greq.ref.key = "k1";
@@ -143,49 +120,12 @@ TEST_F(GpuChannelTest, EveryCallAuthenticatesAndFailuresAreCounted) {
     EXPECT_EQ(get_finish.status.code, rpc::StatusCode::UNAUTHENTICATED);
   }
   const std::string m = testing::HttpGet(daemon_->ports().metrics, "/metrics").body;
-  EXPECT_EQ(testing::MetricValue(m, "kvcomp_auth_failures_total{plane=\"control\"}"), 12) << m;
+  EXPECT_EQ(testing::MetricValue(m, "kvcomp_auth_failures_total{plane=\"control\"}"), 8) << m;
 }
 
 TEST_F(GpuChannelTest, BadInputIsRefusedBeforeAnyChannelIsLookedUp) {
   Start();
   ControlClient c(control_port());
-  auto begin = [&](const rpc::GpuPutRequest& req, int64_t channel = 7) {
-    rpc::GpuTransferResponse r;
-    c->GpuPutBegin(r, Alpha(), channel, req);
-    return r.status;
-  };
-  // The payload does not match the layout's K and V (one byte short, one byte over, zero).
-  for (int64_t payload : {kPayload - 1, kPayload + 1, int64_t{0}}) {
-    rpc::Status s = begin(PutRequest(payload));
-    EXPECT_EQ(s.code, rpc::StatusCode::INVALID_ARGUMENT) << payload << ": " << s.message;
-  }
-  {
-    rpc::GpuPutRequest r = PutRequest();
-    r.layout.head_dim = 100;  // not a supported head_dim
-    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
-    r = PutRequest();
-    r.layout.dtype = "f64";
-    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
-    r = PutRequest();
-    r.layout.num_layers = -1;
-    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
-    r = PutRequest();
-    r.num_tokens = 0;
-    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
-    r = PutRequest();
-    r.key = "";
-    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
-    r = PutRequest();
-    r.__set_policy(rpc::Policy());
-    r.policy.ratio = 1.5;
-    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
-    r = PutRequest();
-    r.__set_policy(rpc::Policy());
-    r.policy.scorer = "no-such-scorer";
-    EXPECT_EQ(begin(r).code, rpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_EQ(begin(PutRequest(), 0).code, rpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_EQ(begin(PutRequest(), -3).code, rpc::StatusCode::INVALID_ARGUMENT);
-  }
   {
     rpc::GpuChannelRequest req;
     req.device_uuid = "short";
@@ -217,15 +157,7 @@ TEST_F(GpuChannelTest, BadInputIsRefusedBeforeAnyChannelIsLookedUp) {
     return st.__isset.detail && st.detail == ErrorDetailToWire(ErrorDetail::kLinkGone);
   };
   for (const rpc::Auth& auth : {Alpha(), Beta()}) {
-    rpc::Status s;
     rpc::GpuTransferResponse t;
-    c->GpuPutBegin(t, auth, 7, PutRequest());
-    EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
-    EXPECT_TRUE(link_gone(t.status)) << t.status.message;
-    rpc::GpuPutResponse f;
-    c->GpuPutFinish(f, auth, 7, 1);
-    EXPECT_EQ(f.status.code, rpc::StatusCode::NOT_FOUND) << f.status.message;
-    EXPECT_TRUE(link_gone(f.status)) << f.status.message;
     rpc::GpuGetRequest g;
     g.ref.model_id = "m";
     g.ref.key = "k1";
@@ -241,6 +173,59 @@ TEST_F(GpuChannelTest, BadInputIsRefusedBeforeAnyChannelIsLookedUp) {
     EXPECT_EQ(cl.status.code, rpc::StatusCode::NOT_FOUND);
   }
   // Nothing was stored or left open by any of it.
+  rpc::StatsResponse st;
+  c->Stats(st, Alpha());
+  EXPECT_EQ(st.caches, 0);
+  EXPECT_EQ(st.puts_in_progress, 0);
+}
+
+// A data-plane put whose block names a GPU channel (wire::kBlockLinkPayload) that is not the
+// caller's (none is open on a daemon without a GPU, and another tenant's reads the same):
+// NOT_FOUND with the typed detail LINK_GONE on the data plane's status reply; a link block that
+// is not the whole cache, INVALID_ARGUMENT. Nothing is stored.
+TEST_F(GpuChannelTest, ALinkBlockNamingNoChannelOfTheCallersIsLinkGone) {
+  Start();
+  for (const auto& [tenant, token] : {std::pair<std::string, std::string>{"alpha", "secret-a"},
+                                      {"beta", "secret-b"}}) {
+    auto conn = transport::UcxClient::Connect(
+        transport::Endpoint{"127.0.0.1", static_cast<uint16_t>(daemon_->ports().data)}, tenant,
+        token);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    transport::wire::PutBegin begin;
+    begin.model_id = "m";
+    begin.key = "k1";
+    begin.layout = KvLayout{2, 2, 4, 64, DType::kF16};
+    begin.num_tokens = kTokens;
+    absl::StatusOr<uint64_t> id = (*conn)->PutBegin(begin);
+    ASSERT_TRUE(id.ok()) << id.status();
+    transport::wire::Block b;
+    b.put_id = *id;
+    b.layer_end = 2;
+    b.token_end = kTokens;
+    b.parts = transport::wire::kPartBoth;
+    b.key_bytes = b.value_bytes = kPayload / 2;
+    b.flags = transport::wire::kBlockLinkPayload;
+    b.link_channel = 7;
+    auto send = [&](const transport::wire::Block& block) {
+      absl::Notification n;
+      absl::Status out;
+      (*conn)->SendLinkBlockAsync(block, "", [&](absl::Status s) {
+        out = std::move(s);
+        n.Notify();
+      });
+      n.WaitForNotification();
+      return out;
+    };
+    const absl::Status gone = send(b);
+    EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound) << gone;
+    EXPECT_EQ(DetailOf(gone), ErrorDetail::kLinkGone) << gone;
+    transport::wire::Block half = b;
+    half.layer_end = 1;
+    half.key_bytes = half.value_bytes = kPayload / 4;
+    EXPECT_EQ(send(half).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE((*conn)->PutAbort(*id).ok());
+  }
+  ControlClient c(control_port());
   rpc::StatsResponse st;
   c->Stats(st, Alpha());
   EXPECT_EQ(st.caches, 0);
@@ -284,13 +269,6 @@ TEST_F(GpuChannelTest, IpcModeNegotiationAndBadInput) {
     EXPECT_EQ(r.channel_id, 0);
     EXPECT_FALSE(r.__isset.mode);
   }
-  auto begin = [&](const rpc::GpuIpcPayload& ipc) {
-    rpc::GpuPutRequest req = PutRequest();
-    req.__set_ipc(ipc);
-    rpc::GpuTransferResponse r;
-    c->GpuPutBegin(r, Alpha(), 7, req);
-    return r.status;
-  };
   auto get = [&](const rpc::GpuIpcPayload& ipc) {
     rpc::GpuGetRequest g;
     g.ref.model_id = "m";
@@ -311,13 +289,10 @@ TEST_F(GpuChannelTest, IpcModeNegotiationAndBadInput) {
       Ipc(1, {Chunk(0, 0, 0)}),              // an empty chunk
   };
   for (size_t i = 0; i < bad.size(); ++i) {
-    rpc::Status s = begin(bad[i]);
-    EXPECT_EQ(s.code, rpc::StatusCode::INVALID_ARGUMENT) << "put " << i << ": " << s.message;
-    s = get(bad[i]);
+    rpc::Status s = get(bad[i]);
     EXPECT_EQ(s.code, rpc::StatusCode::INVALID_ARGUMENT) << "get " << i << ": " << s.message;
   }
   // Well-formed, on a channel that is not the caller's: NOT_FOUND, as without IPC.
-  EXPECT_EQ(begin(Ipc(1, {Chunk(0, 0, kPayload)})).code, rpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(get(Ipc(1, {Chunk(0, 0, 1 << 20)})).code, rpc::StatusCode::NOT_FOUND);
   // Layer by layer is a form of the dense get only.
   {

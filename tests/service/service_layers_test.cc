@@ -404,40 +404,6 @@ TEST_F(ServiceTest, AWholePutReleasesItsBlocksWhenItEnds) {
   EXPECT_EQ(service_->open_puts(), 0u);
 }
 
-// A commit waits for room in the engine's queue only when asked to (the GPU channel's puts,
-// whose whole payload is already in the daemon): Commit answers busy and leaves the put open;
-// CommitInTurn queues behind the work ahead of it and stores the put once that is done.
-TEST_F(ServiceTest, ACommitInTurnWaitsForRoomWhereCommitAnswersBusy) {
-  Tensor x(18);
-  auto put = service_->BeginPut(Request("alice", "k"));
-  ASSERT_TRUE(put.ok());
-  ASSERT_TRUE(Add(**put, MakeBlock(x, 0, 2, 0, kTokens)).ok());
-  // The engine's one worker held and its queue filled.
-  absl::Notification release;
-  int held = 0;
-  while (engine_->TrySubmit("alice", [&release](Backend&) { release.WaitForNotification(); })) {
-    ++held;
-  }
-  ASSERT_GT(held, 0);
-  absl::StatusOr<CacheSummary> busy = Commit(**put);
-  EXPECT_TRUE(IsBusy(busy.status())) << busy.status();
-  absl::Notification done;
-  absl::StatusOr<CacheSummary> stored = absl::UnknownError("not done");
-  (*put)->CommitInTurn([&](absl::StatusOr<CacheSummary> r) {
-    stored = std::move(r);
-    done.Notify();
-  });
-  // Behind the held work: the one worker cannot reach it before the release.
-  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(100)));
-  release.Notify();
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
-  ASSERT_TRUE(stored.ok()) << stored.status();
-  EXPECT_EQ(stored->original_tokens, kTokens);
-  absl::StatusOr<storage::Payload> got = Get(CacheKey{"alice", "m", "k"});
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(got->size(), stored->stored_bytes);
-}
-
 TEST_F(ServiceTest, DeviceMemoryBlocksAreRefusedByACpuEngine) {
   Tensor x(16);
   auto put = service_->BeginPut(Request("alice", "k"));
