@@ -16,7 +16,9 @@ Writes PREFIX.md: bytes, whether the decoded K and V are bit-identical, the larg
 
 import argparse
 import datetime
+import json
 import os
+import platform
 import sys
 
 import numpy as np
@@ -110,6 +112,200 @@ def asym_k16_v8(models, corpus, windows, ctx, tail, out):
     print(text)
 
 
+KVCOMP_POINTS = {"kvhq k4v4": ("kvhq4", "kvhq4", None, 0.0),
+                 "kvhq k4v3": ("kvhq4", "kvhq3", None, 0.0),
+                 "kvhq k3v3": ("kvhq3", "kvhq3", None, 0.0),
+                 "kvhq k3v2": ("kvhq3", "kvhq2", None, 0.0)}
+
+
+def cachegen(models, corpus, windows, ctx, tail, out):
+    """LMCache's CacheGen serde (lmcache.v1.storage_backend.naive_serde: CacheGenSerializer /
+    CacheGenDeserializer; per-token quantization to the bins of its CacheGenConfig, then its
+    arithmetic coder, on CPU through lmcache's torch kernels) on each model's cache, beside
+    kvcomp's hq codecs on the same windows: stored bytes, next-byte loss with the decoded cache
+    (frontier.py's protocol), and kvcomp's loss at CacheGen's bytes (linear in bytes per token
+    between kvcomp's neighbouring points; the lossless preset is the point 1x, +0%)."""
+    import types
+    import frontier
+    from importlib.metadata import version
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+    from lmcache.v1.storage_backend.naive_serde.cachegen_decoder import CacheGenDeserializer
+    from lmcache.v1.storage_backend.naive_serde.cachegen_encoder import CacheGenSerializer
+    from transformers import AutoModelForCausalLM
+    parts = corpus_mod.load(corpus)
+    en = np.frombuffer(parts["held_en.bin"], np.uint8)
+    code = np.frombuffer(parts["held_code.bin"], np.uint8)
+    N = ctx - tail
+    n_cache = N - 1  # tokens in the compressed cache (the prefill of w[:N - 1])
+    rows, per_model = [], {}
+    for spec in models:
+        name, path = spec.split("=", 1)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model.set_attn_implementation("sdpa")
+        nl = model.config.num_hidden_layers
+        hk = model.config.num_key_value_heads
+        d = getattr(model.config, "head_dim", None) or model.config.hidden_size // \
+            model.config.num_attention_heads
+        meta = types.SimpleNamespace(model_name=path, kv_dtype=torch.bfloat16,
+                                     kv_shape=(nl, 2, n_cache, hk, d))
+        conf = types.SimpleNamespace(chunk_size=n_cache)
+        ser, des = CacheGenSerializer(conf, meta), CacheGenDeserializer(conf, meta)
+        bins = (ser.key_bins.tolist(), ser.value_bins.tolist())
+        names = ["full", "lmcache cachegen", *KVCOMP_POINTS]
+        loss = {x: [] for x in names}
+        bpt = {x: [] for x in names}
+        for j in range(windows):
+            t = en if j % 2 == 0 else code
+            s = int(j * (len(t) - ctx - 2) / 49)
+            w = torch.from_numpy(t[s:s + ctx].astype(np.int64))
+            with torch.no_grad():
+                K, V = frontier.prefill(model, w[:N - 1])
+            K, V = K.bfloat16().float(), V.bfloat16().float()  # the bf16 cache
+            L, H, n, _ = K.shape
+            kv = torch.stack([K.permute(0, 2, 1, 3).reshape(L, n, H * d),
+                              V.permute(0, 2, 1, 3).reshape(L, n, H * d)]).bfloat16()
+            obj = TensorMemoryObj(kv, MemoryObjMetadata(
+                shape=kv.shape, dtype=kv.dtype, address=0, phy_size=kv.numel() * 2,
+                ref_count=1, fmt=MemoryFormat.KV_2LTD), None)
+            blob = ser.serialize(obj)
+            got = des.deserialize(blob).tensor.float().reshape(2, L, n, H, d)
+            built = frontier.build(KVCOMP_POINTS, K, V, None, zstd=False)
+            built["full"] = (K, V, [2.0 * 2 * L * H * d, 0, 0])
+            built["lmcache cachegen"] = (got[0].permute(0, 2, 1, 3).contiguous(),
+                                         got[1].permute(0, 2, 1, 3).contiguous(),
+                                         [len(blob.byte_array) / n, 0, 0])
+            ls = frontier.losses(model, built, names, N, w, 2)
+            for x in names:
+                loss[x].append(ls[x])
+                bpt[x].append(built[x][2][0])
+            xw = 2 * 2 * L * H * d / bpt["lmcache cachegen"][-1]
+            print(f"[{name} {j + 1}/{windows}] cachegen {xw:.2f}x", flush=True)
+        f = np.array(loss["full"])
+        full_b = float(np.mean(bpt["full"]))
+        res = {}
+        for x in names:
+            dd = 100 * (np.array(loss[x]) - f) / f.mean()
+            h = 1.96 * dd.std(ddof=1) / np.sqrt(len(dd)) if len(dd) > 1 else float("nan")
+            res[x] = (full_b / float(np.mean(bpt[x])), float(dd.mean()), float(h))
+        per_model[name] = {"summary": res, "loss": loss, "bytes_per_token": bpt}
+        # paired over the same windows: CacheGen against kvcomp's hq4/hq4 (more compression)
+        dp = 100 * (np.array(loss["lmcache cachegen"]) - np.array(loss["kvhq k4v4"])) / f.mean()
+        hp = 1.96 * dp.std(ddof=1) / np.sqrt(len(dp)) if len(dp) > 1 else float("nan")
+        # kvcomp at CacheGen's bytes: linear in bytes per token between kvcomp's points
+        pts = sorted([(1.0, 0.0)] + [(res[x][0], res[x][1]) for x in KVCOMP_POINTS])
+        xc = res["lmcache cachegen"][0]
+        at = None
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x0 <= xc <= x1:
+                b0, b1, bc = 1 / x0, 1 / x1, 1 / xc
+                at = y0 + (y1 - y0) * (b0 - bc) / (b0 - b1)
+        for x in names[1:]:
+            xr, m, h = res[x]
+            rows.append(f"| {name} | {x} | {xr:.2f} | {m:+.2f}% [{m - h:+.2f}, {m + h:+.2f}] | "
+                        f"{len(f)} |")
+        rows.append(f"| {name} | kvcomp at CacheGen's bytes ({xc:.2f}x) | {xc:.2f} | "
+                    + (f"{at:+.2f}%" if at is not None else "outside kvcomp's points")
+                    + f" | {len(f)} |")
+        rows.append(f"| {name} | CacheGen - kvhq k4v4 ({res['kvhq k4v4'][0]:.2f}x), paired | - | "
+                    f"{dp.mean():+.2f} [{dp.mean() - hp:+.2f}, {dp.mean() + hp:+.2f}] points | "
+                    f"{len(f)} |")
+        print("\n".join(rows[-len(names) - 1:]), flush=True)
+        print(f"{name}: CacheGen bins keys {sorted(set(bins[0]))} values {sorted(set(bins[1]))}",
+              flush=True)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = "\n".join([
+        "# LMCache's CacheGen serde against kvcomp's codecs, three models", "",
+        f"{date}; lmcache {version('lmcache')}, torch {torch.__version__}, CPU "
+        f"({platform.machine()}, {os.cpu_count()} cores shared); commit {frontier.git_commit()}. "
+        "Each window's cache (bf16) as LMCache's KV_2LTD chunk through "
+        "CacheGenSerializer.serialize and CacheGenDeserializer.deserialize (LMCache's naive serde, "
+        "its torch arithmetic coder on CPU; bins from its CacheGenConfig: 32 for keys and values "
+        "in every layer of models under 10 layers); kvcomp's hq codecs (the engine's arithmetic, "
+        "codecs_ref) on the same windows. Windows of "
+        f"{ctx} held-out bytes (English and code alternately), the first {N - 1} cached and "
+        f"compressed, loss over the last {tail} (frontier.py's protocol). x: bf16 bytes over "
+        "stored bytes (CacheGen: its whole serialized chunk: CDFs, per-token maxima, bitstreams). "
+        "Loss: vs the full cache, mean and 95% interval over windows. kvcomp at CacheGen's bytes: "
+        "linear in bytes per token between kvcomp's neighbouring points (the lossless preset at "
+        "1x, +0%).", "",
+        "| model | config | x | loss vs full [95%] | n |", "| --- | --- | --- | --- | --- |",
+        *rows, ""])
+    with open(out + ".md", "w") as fh:
+        fh.write(text)
+    with open(out + ".json", "w") as fh:
+        json.dump({"date": date, "lmcache": version("lmcache"), "ctx": ctx, "tail": tail,
+                   "per_model": per_model}, fh, indent=1)
+    print(text)
+
+
+TQ_PRESETS = {"turboquant_k8v4": ("fp8", "vtqv4"), "turboquant_4bit_nc": ("vtqk4n", "vtqv4"),
+              "turboquant_k3v4_nc": ("vtqk3n", "vtqv4"), "turboquant_3bit_nc": ("vtqk3n", "vtqv3")}
+
+
+def turboquant_check(model_dir, corpus, tokens, layers, presets, out):
+    """LMCache's TurboQuant serde (its Triton store and decode kernels, run by Triton's
+    interpreter on CPU: TRITON_INTERPRET=1, the serde's CUDA staging pointed at the CPU) against
+    frontier.py's vLLM-layout TurboQuant mirror (vtqk / vtqv) on the same cache: stored bytes per
+    token and head, and each one's relative error of the decoded keys and values."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import frontier
+    from importlib.metadata import version
+    import lmcache.v1.distributed.serde.turboquant.decode_kernel as dk
+    import lmcache.v1.distributed.serde.turboquant.turboquant as tq
+    from lmcache.v1.distributed.api import ObjectKey
+    from transformers import AutoModelForCausalLM
+    tq._select_cuda_device = lambda *a, **k: torch.device("cpu")  # no GPU: stage on the CPU
+    dk._FP8_E4B15[0] = 0  # fp8 e4m3 (e4nv), what the serde uses on Hopper
+    en = np.frombuffer(corpus_mod.load(corpus)["held_en.bin"], np.uint8)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        K, V = frontier.prefill(model, torch.from_numpy(en[:tokens].astype(np.int64)))
+    K, V = K[layers].bfloat16().float(), V[layers].bfloat16().float()  # [L, H, n, d]
+    L, H, n, d = K.shape
+    kv = torch.stack([K.permute(0, 2, 1, 3).reshape(L, n, H * d),
+                      V.permute(0, 2, 1, 3).reshape(L, n, H * d)]).bfloat16().contiguous()
+    key = ObjectKey(chunk_hash=b"h" * 32, model_name="kvcomp/code", kv_rank=0)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    rows = []
+    for preset in presets:
+        cfg = tq.TurboQuantSerdeConfig(preset=preset, head_dim=d, skip_first_layers=0,
+                                       skip_last_layers=0)
+        src = memobj(kv)
+        dst = memobj(torch.zeros(kv.numel() * 2, dtype=torch.uint8))
+        nbytes = tq.TurboQuantSerializer(cfg).serialize(src, dst, key)
+        got = memobj(torch.zeros_like(kv))
+        tq.TurboQuantDeserializer(cfg).deserialize(dst, got, key)
+        g = got.tensor.float().reshape(2, L, n, H, d).permute(0, 1, 3, 2, 4)
+        ks, vs = TQ_PRESETS[preset]
+        mk, kb, _, _ = frontier.encode(ks, K, True, None, zstd=False)
+        mv, vb, _, _ = frontier.encode(vs, V, False, None, zstd=False)
+        rows.append(f"| {preset} | {nbytes / (L * n * H):.1f} | {(kb + vb) / (L * n * H):.1f} | "
+                    f"{rel(g[0], K):.4f} | {rel(mk, K):.4f} | {rel(g[1], V):.4f} | "
+                    f"{rel(mv, V):.4f} |")
+        print(rows[-1], flush=True)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = "\n".join([
+        "# LMCache's TurboQuant serde against the frontier's vLLM-layout TurboQuant mirror", "",
+        f"{date}; lmcache {version('lmcache')}, torch {torch.__version__}, Triton's interpreter "
+        f"on CPU; commit {frontier.git_commit()}. The code model's bf16 cache of the first "
+        f"{tokens} held-out English bytes, layers {layers} ({H} kv heads x {d}), as LMCache's "
+        "KV_2LTD chunk through TurboQuantSerializer.serialize / TurboQuantDeserializer."
+        "deserialize (every layer quantized: skip_first_layers = skip_last_layers = 0; the "
+        "serde's default skips 2 + 2 layers, which on these 4-8-layer models leaves 0-4 layers "
+        "quantized), beside frontier.py's vtqk (keys: WHT-rotated unit vector on the Lloyd-Max "
+        "codebook, fp16 norm, norm correction) / vtqv (values: asymmetric per-vector uniform, "
+        "fp16 scale and zero) and fp8 keys for k8v4. Bytes per token and kv head; relative L2 "
+        "error of the decoded keys and values against the cache.", "",
+        "| preset | bytes, LMCache | bytes, mirror | key error, LMCache | key error, mirror | "
+        "value error, LMCache | value error, mirror |",
+        "| --- | --- | --- | --- | --- | --- | --- |", *rows, ""])
+    with open(out + ".md", "w") as fh:
+        fh.write(text)
+    print(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--corpus", required=True)
@@ -117,10 +313,25 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--asym-k16-v8", nargs="*", metavar="NAME=DIR",
                     help="run LMCache's AsymK16V8Codec on these models' caches instead")
+    ap.add_argument("--cachegen", nargs="*", metavar="NAME=DIR",
+                    help="run LMCache's CacheGen serde on these models' caches beside kvcomp's "
+                         "hq codecs instead")
+    ap.add_argument("--turboquant-check", metavar="DIR",
+                    help="compare LMCache's TurboQuant serde (Triton interpreter, CPU) with "
+                         "frontier.py's mirror on this model's cache instead")
+    ap.add_argument("--tq-presets", nargs="*", default=list(TQ_PRESETS))
+    ap.add_argument("--tq-layers", type=int, nargs="*", default=[2, 3])
     ap.add_argument("--windows", type=int, default=6)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--tail", type=int, default=128)
     args = ap.parse_args()
+    if args.turboquant_check:
+        torch.set_num_threads(1)
+        return turboquant_check(args.turboquant_check, args.corpus, args.tokens, args.tq_layers,
+                                args.tq_presets, args.out)
+    if args.cachegen:
+        torch.set_num_threads(1)
+        return cachegen(args.cachegen, args.corpus, args.windows, args.ctx, args.tail, args.out)
     if args.asym_k16_v8:
         torch.set_num_threads(1)
         return asym_k16_v8(args.asym_k16_v8, args.corpus, args.windows, args.ctx, args.tail,
