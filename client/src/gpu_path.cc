@@ -230,10 +230,14 @@ class LinkPut {
       KVCOMP_ASSIGN_OR_RETURN(GpuIpcTransfer t, Offer(rt, c, chunks, stream));
       transport::IpcMemory m;
       m.handles = std::move(t.buffers);
-      for (const GpuIpcTransfer::Chunk& k : t.chunks) m.regions.push_back({k.buffer, k.offset, k.bytes});
+      for (const GpuIpcTransfer::Chunk& k : t.chunks) {
+        m.regions.push_back({k.buffer, k.offset, k.bytes});
+      }
       descriptor = transport::EncodeIpcMemory(m);
     }
-    KVCOMP_ASSIGN_OR_RETURN(const uint64_t put_id, conn->PutBegin(begin));
+    wire::PutBegin linked = begin;
+    linked.link_channel = c.id;  // the daemon places the put on the channel's device
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t put_id, conn->PutBegin(linked));
     auto put = std::unique_ptr<LinkPut>(new LinkPut(std::move(conn), put_id));
     wire::Block b;
     b.put_id = put_id;

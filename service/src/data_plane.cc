@@ -360,9 +360,19 @@ class DataHandler : public transport::RequestHandler {
     absl::StatusOr<PutRequest> request =
         PutRequest::Make(CacheKey{tenant, b.model_id, b.key}, b.layout, b.num_tokens,
                          std::move(policy), b.block_wise);
+    // A put whose K and V come over a GPU channel runs on the engine of the channel's device:
+    // they stay in that device's memory.
+    absl::StatusOr<int> device = -1;
+    if (request.ok() && b.link_channel != 0) {
+      device = ctx_->gpu != nullptr
+                   ? ctx_->gpu->DeviceOf(tenant, b.link_channel)
+                   : absl::StatusOr<int>(absl::FailedPreconditionError("no GPU channel here"));
+      if (device.ok() && !ctx_->service->engines()->uses_gpu()) device = -1;
+    }
     absl::StatusOr<std::shared_ptr<OpenPut>> open =
-        request.ok() ? ctx_->service->BeginPut(*std::move(request))
-                     : absl::StatusOr<std::shared_ptr<OpenPut>>(request.status());
+        !request.ok() ? absl::StatusOr<std::shared_ptr<OpenPut>>(request.status())
+        : !device.ok() ? absl::StatusOr<std::shared_ptr<OpenPut>>(device.status())
+                       : ctx_->service->BeginPut(*std::move(request), *device);
     if (!open.ok()) {
       ctx_->metrics->CountError("put", open.status());
       ctx_->errors_total.fetch_add(1);

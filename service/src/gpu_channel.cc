@@ -284,6 +284,11 @@ class GpuChannelsImpl : public GpuChannels {
     return info;
   }
 
+  absl::StatusOr<int> DeviceOf(const std::string& tenant, uint64_t id) override {
+    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
+    return c->device;
+  }
+
   absl::Status Close(const std::string& tenant, uint64_t id) override {
     KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
     Remove(id);

@@ -129,6 +129,9 @@ class GpuChannels {
                                               const std::string& client_ipc_event) = 0;
   // NotFound when no channel `id` of `tenant` is open.
   virtual absl::Status Close(const std::string& tenant, uint64_t id) = 0;
+  // The device channel `id` of `tenant` is bound to (a put over it is placed there); NotFound +
+  // kLinkGone when no such channel is open.
+  virtual absl::StatusOr<int> DeviceOf(const std::string& tenant, uint64_t id) = 0;
 
   // Receives a put's K and V over channel `id` of `tenant` and calls `done` once, on a thread
   // of the channels', when they are here (or with the failure, which is the block's answer):

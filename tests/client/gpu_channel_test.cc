@@ -196,6 +196,12 @@ TEST_F(GpuChannelTest, ALinkBlockNamingNoChannelOfTheCallersIsLinkGone) {
     begin.key = "k1";
     begin.layout = KvLayout{2, 2, 4, 64, DType::kF16};
     begin.num_tokens = kTokens;
+    // A put-begin naming the channel is refused the same way before anything is opened.
+    transport::wire::PutBegin linked = begin;
+    linked.link_channel = 7;
+    const absl::Status no_channel = (*conn)->PutBegin(linked).status();
+    EXPECT_EQ(no_channel.code(), absl::StatusCode::kNotFound) << no_channel;
+    EXPECT_EQ(DetailOf(no_channel), ErrorDetail::kLinkGone) << no_channel;
     absl::StatusOr<uint64_t> id = (*conn)->PutBegin(begin);
     ASSERT_TRUE(id.ok()) << id.status();
     transport::wire::Block b;

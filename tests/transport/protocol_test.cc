@@ -356,6 +356,18 @@ TEST(ProtocolTest, SharedMemoryFieldsRoundTripAndDisagreementsAreRefused) {
     EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(frame, m.wire_bytes()), &lo)));
   }
 
+  // A put-begin naming the GPU channel its link block will use (minor 4).
+  PutBegin linked;
+  linked.put_id = 3;
+  linked.layout = KvLayout{2, 2, 2, 64, DType::kBF16};
+  linked.num_tokens = 8;
+  linked.model_id = "m";
+  linked.key = "k";
+  linked.link_channel = 77;
+  EXPECT_EQ(RoundTrip<PutBegin>(Encode(4, linked)).link_channel, 77u);
+  linked.link_channel = 0;
+  EXPECT_EQ(RoundTrip<PutBegin>(Encode(4, linked)).link_channel, 0u);
+
   // A status reply carries its typed detail after the message (minor 4); none when 0.
   const StatusReply typed = StatusReply::FromStatus(
       WithDetail(absl::NotFoundError("gone"), ErrorDetail::kLinkGone));

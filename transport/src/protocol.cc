@@ -30,6 +30,7 @@ constexpr size_t kOffCrc = 28;
 
 constexpr uint8_t kPutFlagBlockWise = 1;
 constexpr uint8_t kPutFlagHasPolicy = 2;
+constexpr uint8_t kPutFlagLink = 4;  // minor 4: link_channel follows the policy
 constexpr uint8_t kGetFlagHasCrc = 1;
 constexpr uint8_t kGetFlagShared = 2;
 constexpr uint8_t kGetFlagDirect = 4;
@@ -354,12 +355,14 @@ std::string Encode(uint64_t request_id, const PutBegin& m) {
   uint8_t flags = 0;
   if (m.block_wise) flags |= kPutFlagBlockWise;
   if (m.has_policy) flags |= kPutFlagHasPolicy;
+  if (m.link_channel != 0) flags |= kPutFlagLink;
   w.Put<uint8_t>(flags);
   w.Zeros(2);
   PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
   const std::string policy = m.has_policy ? format::EncodePolicyRecords(m.policy) : "";
   w.Put<uint16_t>(static_cast<uint16_t>(policy.size()));
   w.Raw(policy);
+  if (m.link_channel != 0) w.Put<uint64_t>(m.link_channel);
   return MakeFrame(MessageType::kPutBegin, request_id, 0, w.Take());
 }
 
@@ -531,13 +534,17 @@ absl::Status Decode(const Frame& f, PutBegin* out) {
   GetKey(r, &out->model_id, &out->key);
   const uint16_t policy_bytes = r.Get<uint16_t>("policy_bytes");
   const std::string policy = r.Bytes(policy_bytes, "policy");
+  out->link_channel = r.ok() && (flags & kPutFlagLink) ? r.Get<uint64_t>("link_channel") : 0;
   if (!r.ok()) return r.Finish();
+  if ((flags & kPutFlagLink) && out->link_channel == 0) {
+    r.Fail(absl::InvalidArgumentError(r.Prefix("the link flag names link_channel 0")));
+  }
   if (out->put_id == 0) r.Fail(absl::InvalidArgumentError(r.Prefix("put_id 0 is reserved")));
   if (out->num_tokens == 0 || out->num_tokens > KvLayout::kMaxTokens) {
     r.Fail(absl::InvalidArgumentError(r.Prefix(absl::StrFormat(
         "num_tokens %u out of range [1, %u]", out->num_tokens, KvLayout::kMaxTokens))));
   }
-  if (flags & ~(kPutFlagBlockWise | kPutFlagHasPolicy)) {
+  if (flags & ~(kPutFlagBlockWise | kPutFlagHasPolicy | kPutFlagLink)) {
     r.Fail(absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags))));
   }
   out->block_wise = (flags & kPutFlagBlockWise) != 0;

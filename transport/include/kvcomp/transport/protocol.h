@@ -41,7 +41,8 @@ inline constexpr uint8_t kMajorVersion = 1;
 // capacity is answered with the cache as a payload instead of OutOfRange). Minor 4 adds block
 // flag kBlockLinkPayload (the K and V move over a payload link negotiated outside the data plane,
 // the GPU channel; the block's data part is the link's descriptor of the sender's memory), the
-// link's seconds in a put-commit-ok after such blocks, and typed error details in status
+// link's seconds in a put-commit-ok after such blocks, the put-begin's link flag naming the
+// channel, and typed error details in status
 // replies to clients whose hello says minor >= 4.
 inline constexpr uint8_t kMinorVersion = 4;
 inline constexpr uint32_t kFrameHeaderBytes = 32;
@@ -194,6 +195,9 @@ struct PutBegin {
   // (rank and groups against head_dim) is for the receiver to check.
   CompressionPolicy policy;
   bool block_wise = false;  // compress block by block as blocks arrive (streaming prefill)
+  // Minor >= 4: the put's K and V come as a link block over this GPU channel (0: none); the
+  // server places the put where the channel is.
+  uint64_t link_channel = 0;
 };
 
 // Keys and/or values of layers [layer_begin, layer_end) x tokens [token_begin, token_end). Each
