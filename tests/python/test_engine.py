@@ -180,8 +180,9 @@ def test_cuda_backend_when_unavailable():
     if kvcomp.cuda_available():
         # Same kept tokens and bytes; the moment sums agree to fp32 rounding (the GPU sums
         # v k^T on tensor cores, in another order).
-        c = kvcomp.compress(k, v, backend="cuda")
-        ref = kvcomp.compress(k, v, backend="cpu")
+        policy = kvcomp.Policy(moments=True)
+        c = kvcomp.compress(k, v, policy, backend="cuda")
+        ref = kvcomp.compress(k, v, policy, backend="cpu")
         for h in range(2):
             np.testing.assert_array_equal(c.kept_positions(0, h), ref.kept_positions(0, h))
             np.testing.assert_array_equal(np.asarray(c.keys(0, h)), np.asarray(ref.keys(0, h)))
