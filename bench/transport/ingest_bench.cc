@@ -6,7 +6,7 @@
 //   kvcomp_transport_bench server [--verify=1] [--peer_errors=1] [--shm_copy_lanes=0]
 //                                                       prints "PORT <n>", serves until killed
 //   kvcomp_transport_bench client <port> [--blocks=N] [--window=W] [--block_bytes=B]
-//                                        [--peer_errors=1]
+//                                        [--peer_errors=1] [--shm_copy_lanes=0]
 //   kvcomp_transport_bench server --get_bytes=B; client <port> --gets=N
 //                                                       get latency p50/p99 of a B-byte cache
 //                                                       prints "RESULT ... GBps=<x>"
@@ -165,6 +165,7 @@ int Client(int argc, char** argv) {
   co.ucx.peer_error_handling = Flag(argc, argv, "peer_errors", 1) != 0;
   co.shared_memory = shm;
   co.shm_direct = Flag(argc, argv, "shm_direct", 1) != 0;
+  co.shm_copy_lanes = static_cast<uint32_t>(Flag(argc, argv, "shm_copy_lanes", 0));
   absl::StatusOr<std::unique_ptr<UcxClient>> c =
       UcxClient::Connect(Endpoint{"127.0.0.1", static_cast<uint16_t>(port)}, "bench", "", co);
   if (!c.ok()) {
@@ -178,8 +179,9 @@ int Client(int argc, char** argv) {
     return 1;
   }
   if (channel != nullptr) {
-    std::fprintf(stderr, "client: shared memory, %s\n",
-                 channel->direct() ? "direct (one copy)" : "through the regions");
+    std::fprintf(stderr, "client: shared memory, %s, %d copy lanes\n",
+                 channel->direct() ? "direct (one copy)" : "through the regions",
+                 channel->copy_lanes());
   }
   if (const uint64_t gets = Flag(argc, argv, "gets", 0); shm && gets > 0) {
     // Through the get region: Get = into a fresh host buffer each time, GetInto = one reused.

@@ -15,7 +15,9 @@
 # then use cma), ":shm" moves kvcomp's payloads over the same-host shared-memory link in direct
 # mode (one copy), ":shm-regions" over its memfd regions (two copies); the perftest beside them
 # runs with the UCX_TLS part; a mode may end in "/N": the server copies shared-memory blocks on
-# N threads (data_plane.shm_copy_lanes; default its own, one per 4 CPUs). KVCOMP_BLOCKS (2000), KVCOMP_REPS (3), KVCOMP_WINDOW (blocks in
+# N threads (data_plane.shm_copy_lanes; default its own, one per 4 CPUs) and the client copies
+# blocks into its put region on N (ClientOptions::shm_copy_lanes); "/N/C": the client on C.
+# KVCOMP_BLOCKS (2000), KVCOMP_REPS (3), KVCOMP_WINDOW (blocks in
 # flight, 16), KVCOMP_VERIFY (server CRC check, 1), KVCOMP_GET_BYTES (get-latency cache size,
 # 256 MiB; 0 skips), KVCOMP_GETS (10), KVCOMP_STORED_TOKENS (the stored cache's tokens, 8192;
 # 0 skips; needs <build>/service/kvcompd), KVCOMP_STORED_GETS (its gets per call and link,
@@ -52,7 +54,11 @@ trap cleanup EXIT
 # "sm,tcp:shm" -> UCX_TLS "sm,tcp", mode "shm"; kvcomp's flags for a mode.
 tls_of() { echo "${1%%:*}"; }
 mode_of() { case "$1" in *:*) local m=${1#*:}; echo "${m%%/*}" ;; *) echo "" ;; esac; }
-lanes_of() { case "$1" in *:*/*) echo "${1##*/}" ;; *) echo 0 ;; esac; }
+# "mode/S": the server's copy lanes S and the client's S; "mode/S/C": the client's C.
+lanes_of() { case "$1" in *:*/*) local m=${1#*/}; echo "${m%%/*}" ;; *) echo 0 ;; esac; }
+client_lanes_of() {
+  case "$1" in *:*/*/*) echo "${1##*/}" ;; *:*/*) lanes_of "$1" ;; *) echo 0 ;; esac
+}
 mode_flags() {
   case "$(mode_of "$1")" in
     noerr) echo "--peer_errors=0" ;;
@@ -108,7 +114,8 @@ kvcomp_once() {
   local line
   # shellcheck disable=SC2046
   line=$(UCX_TLS=$tls timeout 300 "$BENCH" client "$port" --blocks="$BLOCKS" --window="$WINDOW" \
-           $(mode_flags "$1") 2>&1 | grep -E '^RESULT' || true)
+           $(mode_flags "$1") --shm_copy_lanes="$(client_lanes_of "$1")" 2>&1 |
+           grep -E '^RESULT' || true)
   kill "$sp" 2>/dev/null || true
   wait "$sp" 2>/dev/null || true
   rm -f "$out"
@@ -172,7 +179,9 @@ RESULTS=${KVCOMP_RESULTS:-$ROOT/bench/results/transport_$DATE.md}
   echo "  \":shm-regions\": through the client's memfd put region (the client's copy in, the"
   echo "  server's copy out). Requests, acknowledgements and peer error handling stay on UCX."
   echo "- \"/N\" after a mode: the server copies shared-memory blocks on N threads"
-  echo "  (data_plane.shm_copy_lanes); without it, its default: one per 4 CPUs, 1 to 4."
+  echo "  (data_plane.shm_copy_lanes) and the client copies each block into its put region on N"
+  echo "  (ClientOptions::shm_copy_lanes, regions only); \"/N/C\": the client on C. Without it,"
+  echo "  each end's default: one per 4 CPUs, 1 to 4."
   echo "- $BLOCKS blocks per run, $REPS runs each, alternating; medians in MiB/s; load = the 1-minute"
   echo "  load average before each pair of runs."
   echo

@@ -677,6 +677,124 @@ TEST_F(ShmLinkDaemonTest, ADirectGetSplitOverCopyLanesIsBitExact) {
   }
 }
 
+// The client's copy lanes (ClientOptions::shm_copy_lanes): through the regions, a block of
+// several lanes' worth is copied into the put region on that many threads at once, the ring
+// wrapping during the put; the same cache put with one lane, with three and over UCX stores
+// the same bytes. A client killed while its lanes copy leaves no put and no mapping.
+TEST_F(ShmLinkDaemonTest, BlocksCopiedOnSeveralClientLanesStoreTheSameBytes) {
+  const KvLayout big{4, 4, 4, 128, DType::kF16};
+  const uint64_t tokens = 2048, chunk = 512;  // blocks of 1 MiB: K 512 KiB, V 512 KiB
+  const uint64_t part = big.LayerBytes(chunk);
+  auto d = StartDaemon();
+  const int daemon_pid = d->ports().pid;
+  auto connect = [&](bool shared, uint32_t lanes) -> std::unique_ptr<transport::UcxClient> {
+    transport::ClientOptions o;
+    o.ucx.overrides["TLS"] = "tcp";
+    o.shared_memory = shared;
+    o.shm_direct = false;
+    o.shm_put_region_bytes = 6 << 20;  // a ring of 6 blocks: it wraps during a put
+    o.shm_copy_lanes = lanes;
+    auto c = transport::UcxClient::Connect(*transport::Endpoint::Parse(d->data_endpoint()), "",
+                                           "", o);
+    return c.ok() ? std::move(*c) : nullptr;
+  };
+  // Puts `layers` of the cache (all: committed); the link its blocks took.
+  auto put_big = [&](transport::UcxClient& c, const std::string& key,
+                     uint32_t layers) -> absl::StatusOr<LinkKind> {
+    wire::PutBegin begin = Begin(key);
+    begin.layout = big;
+    begin.num_tokens = tokens;
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t put, c.PutBegin(begin));
+    const UcxLinks links(&c);
+    BlockPipe pipe(links, 4 * 2 * part);
+    for (uint32_t l = 0; l < layers; ++l) {
+      for (uint64_t t = 0; t < tokens; t += chunk) {
+        auto packed = std::make_shared<std::string>(2 * part, '\0');
+        for (size_t i = 0; i + 1 < packed->size(); i += 2) {
+          (*packed)[i] = static_cast<char>(i * 29 + l * 5 + t / chunk);
+          (*packed)[i + 1] = static_cast<char>(0x38 | ((i / 2 + l + t) & 7));
+        }
+        wire::Block b;
+        b.put_id = put;
+        b.layer_begin = l;
+        b.layer_end = l + 1;
+        b.token_begin = t;
+        b.token_end = t + chunk;
+        b.parts = wire::kPartBoth;
+        b.key_bytes = b.value_bytes = part;
+        pipe.Send(b, {packed->data(), part, MemoryKind::kHost},
+                  {packed->data() + part, part, MemoryKind::kHost}, packed);
+      }
+    }
+    KVCOMP_RETURN_IF_ERROR(pipe.Wait());
+    if (layers < big.num_layers) return pipe.link();
+    KVCOMP_RETURN_IF_ERROR(c.PutCommit(put, pipe.sent()).status());
+    return pipe.link();
+  };
+  const uint64_t blocks = big.num_layers * (tokens / chunk);
+  auto ucx = connect(false, 0);
+  ASSERT_NE(ucx, nullptr);
+  ASSERT_TRUE(put_big(*ucx, "lanes-ucx", big.num_layers).ok());
+  absl::StatusOr<transport::FetchedCache> ref = ucx->Get("m", "lanes-ucx");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  for (uint32_t lanes : {1u, 3u}) {
+    SCOPED_TRACE(::testing::Message() << lanes << " client lanes");
+    auto c = connect(true, lanes);
+    ASSERT_NE(c, nullptr);
+    ASSERT_NE(c->SharedMemory(), nullptr);
+    EXPECT_FALSE(c->SharedMemory()->direct());
+    EXPECT_EQ(c->SharedMemory()->copy_lanes(), static_cast<int>(lanes));
+    const std::string key = "lanes-" + std::to_string(lanes);
+    absl::StatusOr<LinkKind> used = put_big(*c, key, big.num_layers);
+    ASSERT_TRUE(used.ok()) << used.status();
+    EXPECT_EQ(*used, LinkKind::kShm);
+    const transport::ShmChannel::Stats st = c->SharedMemory()->stats();
+    EXPECT_EQ(st.blocks_copied, blocks);
+    EXPECT_EQ(st.blocks_split, lanes > 1 ? blocks : 0u);
+    absl::StatusOr<transport::FetchedCache> got = ucx->Get("m", key);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(got->bytes.view() == ref->bytes.view());
+  }
+
+  // Killed while its lanes copy (2 of 4 layers sent, no commit).
+  int status = 0;
+  ucx.reset();
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    for (int i = 0; i < 100 && transport::GetUcxClientStats().endpoints_open > 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      auto c = connect(true, 3);
+      if (c == nullptr || c->SharedMemory() == nullptr) _exit(3);
+      absl::StatusOr<LinkKind> used = put_big(*c, "lanes-vanished", 2);
+      if (!used.ok() || *used != LinkKind::kShm) _exit(4);
+      if (c->SharedMemory()->stats().blocks_split == 0) _exit(6);
+      raise(SIGKILL);
+      _exit(5);
+    }
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 3)) break;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+      << "child exit " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  for (int i = 0; i < 200 && SharedMappings(daemon_pid) > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(SharedMappings(daemon_pid), 0);
+  auto after = connect(true, 3);
+  ASSERT_NE(after, nullptr);
+  EXPECT_TRUE(absl::IsNotFound(after->Lookup("m", "lanes-vanished").status()));
+  absl::StatusOr<LinkKind> used = put_big(*after, "lanes-after", big.num_layers);
+  ASSERT_TRUE(used.ok()) << used.status();
+  EXPECT_EQ(*used, LinkKind::kShm);
+  absl::StatusOr<transport::FetchedCache> got = after->Get("m", "lanes-after");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->bytes.view() == ref->bytes.view());
+}
+
 TEST_F(ShmLinkDaemonTest, TenantsStayApartOnSharedMemory) {
   WriteTokens("alpha: secret-a\nbeta: secret-b\n");
   auto d = StartDaemon({"--auth.token_file=" + tokens_path()});

@@ -1391,7 +1391,8 @@ class ClientHandle : public UcxClient {
     if (shm_ == nullptr) {
       shm_ = std::make_unique<ShmChannel>(
           this,
-          ShmChannelOptions{o.shm_put_region_bytes, o.shm_max_get_region_bytes, o.shm_direct});
+          ShmChannelOptions{o.shm_put_region_bytes, o.shm_max_get_region_bytes, o.shm_direct,
+                            o.shm_copy_lanes});
     }
     return shm_.get();
   }

@@ -602,8 +602,120 @@ absl::Status SendShmAttach(const std::string& socket_name, absl::string_view tok
   return done(absl::OkStatus());
 }
 
+// Threads that copy parts of a block into the put region alongside the sending thread. Each
+// Copy returns only when every part of it was copied, so the ring's slot is complete before
+// the block is posted and no lane ever writes a slot after it was handed on.
+class ShmChannel::CopyLanes {
+ public:
+  explicit CopyLanes(int lanes) : lanes_(std::max(lanes, 1)) {}
+  ~CopyLanes() {
+    std::vector<std::thread> threads;
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+      threads.swap(threads_);
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  int lanes() const { return lanes_; }
+
+  // Copies `n0` bytes from `s0` then `n1` from `s1` to `dst` (contiguous); the number of lanes
+  // it used (1: all on the calling thread).
+  int Copy(uint8_t* dst, const uint8_t* s0, uint64_t n0, const uint8_t* s1, uint64_t n1) {
+    const uint64_t total = n0 + n1;
+    int lanes = static_cast<int>(
+        std::min<uint64_t>(lanes_, std::max<uint64_t>(total / kShmMinClientLaneBytes, 1)));
+    if (lanes > 1) lanes = std::min(lanes, Helpers(lanes - 1) + 1);
+    if (lanes <= 1) {
+      CopyRange(dst, s0, n0, s1, 0, total);
+      return 1;
+    }
+    // Contiguous ranges, 64 KiB-aligned, the last takes the remainder.
+    const uint64_t share = AlignUp((total + lanes - 1) / lanes, uint64_t{64} << 10);
+    int posted = 0;  // ranges after the first
+    while (posted + 1 < lanes && share * (posted + 1) < total) ++posted;
+    // Counted before any lane can run; shared, so a lane's last unlock never touches freed
+    // memory.
+    struct Batch {
+      absl::Mutex mu;
+      int left = 0;
+    };
+    auto batch = std::make_shared<Batch>();
+    batch->left = posted;
+    {
+      absl::MutexLock lock(&mu_);
+      for (int i = 1; i <= posted; ++i) {
+        const uint64_t lo = share * i, hi = std::min(total, share * (i + 1));
+        queue_.push_back([=] {
+          CopyRange(dst, s0, n0, s1, lo, hi);
+          absl::MutexLock l(&batch->mu);
+          --batch->left;
+        });
+      }
+    }
+    CopyRange(dst, s0, n0, s1, 0, std::min(total, share));
+    Batch& b = *batch;
+    absl::MutexLock l(&b.mu);
+    auto done = [&b]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(b.mu) { return b.left == 0; };
+    b.mu.Await(absl::Condition(&done));
+    return posted + 1;
+  }
+
+ private:
+  // Bytes [lo, hi) of s0[0..n0) followed by s1 into dst + lo.
+  static void CopyRange(uint8_t* dst, const uint8_t* s0, uint64_t n0, const uint8_t* s1,
+                        uint64_t lo, uint64_t hi) {
+    if (lo < n0) {
+      const uint64_t e = std::min(hi, n0);
+      std::memcpy(dst + lo, s0 + lo, e - lo);
+      lo = e;
+    }
+    if (lo < hi) std::memcpy(dst + lo, s1 + (lo - n0), hi - lo);
+  }
+  // Makes up to `want` helper threads (at first use); how many there are. A thread that cannot
+  // be made leaves its share to the calling thread.
+  int Helpers(int want) {
+    absl::MutexLock lock(&mu_);
+    while (static_cast<int>(threads_.size()) < want && !start_failed_) {
+      try {
+        threads_.emplace_back([this] { Loop(); });
+      } catch (const std::system_error&) {
+        start_failed_ = true;
+      }
+    }
+    return static_cast<int>(threads_.size());
+  }
+  void Loop() {
+    while (true) {
+      absl::AnyInvocable<void() &&> work;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || !queue_.empty();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (queue_.empty()) return;
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::move(work)();
+    }
+  }
+
+  const int lanes_;
+  absl::Mutex mu_;
+  std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool start_failed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 ShmChannel::ShmChannel(UcxClient* client, ShmChannelOptions options)
-    : client_(client), options_(options) {}
+    : client_(client), options_(options) {
+  lanes_ = std::make_unique<CopyLanes>(ShmCopyLanes(options.copy_lanes));
+}
+
+int ShmChannel::copy_lanes() const { return lanes_->lanes(); }
 
 ShmChannel::~ShmChannel() {
   // Blocks still in flight reference the put region: wait for their acknowledgement (or the
@@ -619,7 +731,8 @@ bool ShmChannel::usable() const {
 }
 
 ShmChannel::Stats ShmChannel::stats() const {
-  return Stats{gets_shared_.load(), gets_as_payload_.load()};
+  return Stats{gets_shared_.load(), gets_as_payload_.load(), blocks_copied_.load(),
+               blocks_split_.load()};
 }
 
 std::string ShmChannel::why() const {
@@ -742,8 +855,12 @@ absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendBlock(const wire::Bl
     slots_.push_back(Slot{offset, need, false});
     base = put_->data();
   }
-  if (keys.bytes > 0) std::memcpy(base + offset, keys.data, keys.bytes);
-  if (values.bytes > 0) std::memcpy(base + offset + keys.bytes, values.data, values.bytes);
+  // The whole block is in place before it is posted (the lanes' copies included), so blocks
+  // go out in the caller's order and the daemon never reads a slot still being written.
+  const int used = lanes_->Copy(base + offset, static_cast<const uint8_t*>(keys.data), keys.bytes,
+                                static_cast<const uint8_t*>(values.data), values.bytes);
+  blocks_copied_++;
+  if (used > 1) blocks_split_++;
   wire::Block b = block;
   b.flags = wire::kBlockSharedMemory;
   b.key_crc = 0;

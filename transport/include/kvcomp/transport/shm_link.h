@@ -240,7 +240,16 @@ struct ShmChannelOptions {
   uint64_t put_region_bytes = uint64_t{64} << 20;
   uint64_t max_get_region_bytes = uint64_t{1} << 30;
   bool direct = true;  // try direct mode (else the regions only)
+  // Threads that copy a block into the put region (the regions' path; direct mode has no
+  // client-side copy): a block of at least 2 x kShmMinClientLaneBytes is split into that many
+  // contiguous ranges copied at once, the sending thread taking the first. 0: as the daemon's
+  // data_plane.shm_copy_lanes default (ShmCopyLanes: one per 4 CPUs of this process, 1 to 4);
+  // at most 16.
+  uint32_t copy_lanes = 0;
 };
+
+// The least one lane of a client's copy into its put region moves.
+inline constexpr uint64_t kShmMinClientLaneBytes = uint64_t{256} << 10;
 
 // One connection's shared memory: its put region (blocks in flight, a ring) and its get region
 // (one get at a time, grown to the largest capacity asked, within both ends' bounds). Regions
@@ -260,17 +269,23 @@ class ShmChannel {
   struct Stats {
     uint64_t gets_shared = 0;
     uint64_t gets_as_payload = 0;
+    // Blocks copied into the put region, and those of them split over several copy lanes.
+    uint64_t blocks_copied = 0;
+    uint64_t blocks_split = 0;
   };
   Stats stats() const;
   std::string why() const;
+  // The put region's copy lanes (options' copy_lanes, or its default).
+  int copy_lanes() const;
   // Whether blocks and gets move directly between this process's memory and the daemon's
   // buffers (registered as the connection's peer and the daemon proved it may read this
   // process's memory); decided at the first transfer.
   bool direct();
 
-  // Copies `keys` and `values` (host memory) into the put region and posts `block` naming
-  // them; the completion finishes when the daemon acknowledged it. MemoryNotServed when the
-  // block does not fit the region or the region cannot be attached.
+  // Copies `keys` and `values` (host memory) into the put region (on up to copy_lanes threads;
+  // returns once the whole block is in place, so blocks are posted in the caller's order) and
+  // posts `block` naming them; the completion finishes when the daemon acknowledged it.
+  // MemoryNotServed when the block does not fit the region or the region cannot be attached.
   absl::StatusOr<std::shared_ptr<Completion>> SendBlock(const wire::Block& block,
                                                         const MemoryRegion& keys,
                                                         const MemoryRegion& values,
@@ -299,6 +314,10 @@ class ShmChannel {
                                                          const MemoryRegion& values);
   void Release(uint64_t offset);
   void Unusable(const absl::Status& why);
+  // The copy lanes of the put region (shm_link.cc): threads made at first use.
+  class CopyLanes;
+  std::unique_ptr<CopyLanes> lanes_;
+  std::atomic<uint64_t> blocks_copied_{0}, blocks_split_{0};
 
   UcxClient* const client_;
   const ShmChannelOptions options_;
