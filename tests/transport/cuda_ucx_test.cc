@@ -124,7 +124,7 @@ TEST(CudaUcxProtocolTest, FlagsRoundTrip) {
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
   EXPECT_NE(s.message().find("no checksums"), absl::string_view::npos) << s;
   b.key_crc = 0;
-  b.flags = 0x08;
+  b.flags = 0x80;
   f = wire::Encode(10, b);
   frame = wire::ParseFrame(f, 512);
   ASSERT_TRUE(frame.ok());
