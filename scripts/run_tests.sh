@@ -16,6 +16,7 @@ section() { echo; echo "== $1 [$(($(date +%s) - T0)) s] =="; }
 summary() {
   echo
   python3 scripts/test_summary.py "C++ (ctest)=$RESULTS/ctest.xml" \
+    ${RERUN:+"C++ (ctest, run again after UCX 1.13.1's abort)=$RESULTS/ctest-rerun.xml"} \
     "Python (pytest tests/python)=$RESULTS/python.xml" \
     "Helm chart (pytest tests/helm)=$RESULTS/helm.xml" || true
   echo "(total $(($(date +%s) - T0)) s)"
@@ -29,8 +30,27 @@ g1=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g1 -D
 done_with() { if [ "${CI:-}" = true ]; then rm -rf "$@"; fi; }
 
 section "C++ tests (ctest)"
+set +e
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 600 \
-  --output-junit "$RESULTS/ctest.xml"
+  --output-junit "$RESULTS/ctest.xml" 2>&1 | tee "$RESULTS/ctest.log"
+rc=${PIPESTATUS[0]}
+set -e
+if [ "$rc" != 0 ]; then
+  # UCX 1.13.1 can abort a process that holds a UcxServer and clients at once in its own
+  # assertion (async.c:643 handler->async == async; docs/protocol.md, "Known gap"; fixed in
+  # later UCX). Where every failed test is one that UCX aborted so, those tests run once more
+  # and that run decides; both runs are in the summary. Any other failure fails here.
+  aborted=$(awk '/Test +#[0-9]+: /{cur=""; if ($0 ~ /\*\*\*(Failed|Exception)/) {
+                   sub(/.*Test +#[0-9]+: /, ""); sub(/ .*/, ""); cur=$0 } }
+                 /async\.c:643 +Assertion .handler->async == async. failed/{ if (cur != "") print cur }' \
+              "$RESULTS/ctest.log" | sort -u)
+  failed=$(sed 's/^[0-9]*://' "$BUILD/Testing/Temporary/LastTestsFailed.log" | sort -u)
+  if [ -z "$aborted" ] || [ "$failed" != "$aborted" ]; then exit "$rc"; fi
+  RERUN=1
+  section "C++ tests aborted by UCX 1.13.1's assertion, run once more: $(echo $aborted)"
+  ctest --test-dir "$BUILD" --rerun-failed --output-on-failure --timeout 600 \
+    --output-junit "$RESULTS/ctest-rerun.xml"
+fi
 
 if [ -f tests/storage/concurrency_test.cc ] && [ "${KVCOMP_SKIP_STORAGE_TSAN:-0}" != 1 ]; then
   # Storage concurrency under ThreadSanitizer: a separate build of just that test. RocksDB and
