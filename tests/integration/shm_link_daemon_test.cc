@@ -77,6 +77,22 @@ double Requests(const KvcompdProcess& d, const std::string& op) {
   return n;
 }
 
+// Sends one block of layer `l`, tokens [t, t + n): K then V, `part` bytes each, from `packed`.
+void SendLayerBlock(BlockPipe& pipe, uint64_t put, uint32_t l, uint64_t t, uint64_t n,
+                    uint64_t part, std::shared_ptr<std::string> packed) {
+  wire::Block b;
+  b.put_id = put;
+  b.layer_begin = l;
+  b.layer_end = l + 1;
+  b.token_begin = t;
+  b.token_end = t + n;
+  b.parts = wire::kPartBoth;
+  b.key_bytes = b.value_bytes = part;
+  char* kv = packed->data();  // before `packed` is moved into the call
+  pipe.Send(b, {kv, part, transport::MemoryKind::kHost},
+            {kv + part, part, transport::MemoryKind::kHost}, std::move(packed));
+}
+
 class ShmLinkDaemonTest : public DaemonFixture {
  protected:
   static constexpr uint64_t kTokens = 64;
@@ -145,17 +161,7 @@ class ShmLinkDaemonTest : public DaemonFixture {
             std::memcpy(packed->data() + part + h * 16 * row,
                         kv.data() + layout_.LayerBytes(kTokens) + src, 16 * row);
           }
-          wire::Block b;
-          b.put_id = put_id;
-          b.layer_begin = l;
-          b.layer_end = l + 1;
-          b.token_begin = t;
-          b.token_end = t + 16;
-          b.parts = wire::kPartBoth;
-          b.key_bytes = part;
-          b.value_bytes = part;
-          pipe.Send(b, {packed->data(), part, MemoryKind::kHost},
-                    {packed->data() + part, part, MemoryKind::kHost}, packed);
+          SendLayerBlock(pipe, put_id, l, t, 16, part, packed);
         }
       }
       KVCOMP_RETURN_IF_ERROR(pipe.Wait());
@@ -604,16 +610,7 @@ TEST_F(ShmLinkDaemonTest, ADirectGetSplitOverCopyLanesIsBitExact) {
             (*packed)[i] = static_cast<char>(i * 131 + l * 7 + t / chunk);
             (*packed)[i + 1] = static_cast<char>(0x3c | ((i / 2 + l) & 3));
           }
-          wire::Block b;
-          b.put_id = put;
-          b.layer_begin = l;
-          b.layer_end = l + 1;
-          b.token_begin = t;
-          b.token_end = t + chunk;
-          b.parts = wire::kPartBoth;
-          b.key_bytes = b.value_bytes = part;
-          pipe.Send(b, {packed->data(), part, MemoryKind::kHost},
-                    {packed->data() + part, part, MemoryKind::kHost}, packed);
+          SendLayerBlock(pipe, put, l, t, chunk, part, packed);
         }
       }
       KVCOMP_RETURN_IF_ERROR(pipe.Wait());
@@ -714,16 +711,7 @@ TEST_F(ShmLinkDaemonTest, BlocksCopiedOnSeveralClientLanesStoreTheSameBytes) {
           (*packed)[i] = static_cast<char>(i * 29 + l * 5 + t / chunk);
           (*packed)[i + 1] = static_cast<char>(0x38 | ((i / 2 + l + t) & 7));
         }
-        wire::Block b;
-        b.put_id = put;
-        b.layer_begin = l;
-        b.layer_end = l + 1;
-        b.token_begin = t;
-        b.token_end = t + chunk;
-        b.parts = wire::kPartBoth;
-        b.key_bytes = b.value_bytes = part;
-        pipe.Send(b, {packed->data(), part, MemoryKind::kHost},
-                  {packed->data() + part, part, MemoryKind::kHost}, packed);
+        SendLayerBlock(pipe, put, l, t, chunk, part, packed);
       }
     }
     KVCOMP_RETURN_IF_ERROR(pipe.Wait());

@@ -1,6 +1,6 @@
 // A RequestHandler for transport tests: per-tenant tokens, puts assembled in memory from their
 // blocks, commit builds a real format-v1 cache that keeps every token (raw codecs), gets return
-// its bytes. Completions run on a helper thread (as the daemon's pool would) after an optional
+// its bytes. Completions run on a thread of its own (as the daemon's pool would) after an optional
 // delay, so back-pressure and asynchronous replies are exercised.
 #ifndef KVCOMP_TESTS_TRANSPORT_MEMORY_HANDLER_H_
 #define KVCOMP_TESTS_TRANSPORT_MEMORY_HANDLER_H_
@@ -39,11 +39,11 @@ class MemoryHandler : public transport::RequestHandler {
     worker_.join();
   }
 
-  // Each OnBlock completes after this delay (on the helper thread).
+  // Each OnBlock completes after this delay (on its completion thread).
   void set_block_delay(absl::Duration d) { block_delay_ns_ = absl::ToInt64Nanoseconds(d); }
 
   // Takes link blocks (wire::kBlockLinkPayload) of link `channel` over a stand-in link whose
-  // descriptor carries the K and V themselves, moved on the helper thread; link `channel` + 1
+  // descriptor carries the K and V themselves, moved on the completion thread; link `channel` + 1
   // is gone (NotFound with ErrorDetail::kLinkGone); any other link block gets the transport's
   // default answer.
   void set_link(uint64_t channel) { link_channel_ = channel; }

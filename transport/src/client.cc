@@ -199,7 +199,7 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
   // timeout. UCX reports it as a reset (UCS_ERR_CONNECTION_RESET) or, where the endpoint
   // learns of the close only by its own timeout, as UCS_ERR_ENDPOINT_TIMEOUT; both seen on
   // loopback with UCX 1.13.1.
-  bool ResetBeforeHelloAfter(absl::Duration after) const {
+  bool ClosedBeforeHelloAfter(absl::Duration after) const {
     const int64_t ns = failed_after_ns_.load();
     auto closed = [](int status) {
       return status == UCS_ERR_CONNECTION_RESET || status == UCS_ERR_ENDPOINT_TIMEOUT;
@@ -1458,10 +1458,10 @@ constexpr absl::Duration kShortestHelloTimeout = absl::Milliseconds(100);
 struct ConnectFailure {
   bool rejected = false;  // the server's UCX refused the connection request (RejectedByPeer)
   bool unwired = false;   // the connection failed before the hello got through (NeverWiredUp)
-  // ... and the server closed it (connection reset), no sooner than kShortestHelloTimeout
-  // after the connect: what a daemon with CM_USE_ALL_DEVICES=n does at its hello timeout to a
-  // client before 1.14 on UCX's defaults (ResetBeforeHelloAfter).
-  bool reset_at_hello_timeout = false;
+  // ... and the server closed it (a reset or an endpoint timeout), no sooner than
+  // kShortestHelloTimeout after the connect: what a daemon with CM_USE_ALL_DEVICES=n does at its
+  // hello timeout to a client before 1.14 on UCX's defaults (ClosedBeforeHelloAfter).
+  bool closed_at_hello_timeout = false;
 };
 
 absl::StatusOr<std::shared_ptr<ClientImpl>> ConnectOnce(const Endpoint& endpoint,
@@ -1476,7 +1476,7 @@ absl::StatusOr<std::shared_ptr<ClientImpl>> ConnectOnce(const Endpoint& endpoint
     client->Close();
     failure->rejected = client->RejectedByPeer();
     failure->unwired = client->NeverWiredUp();
-    failure->reset_at_hello_timeout = client->ResetBeforeHelloAfter(kShortestHelloTimeout);
+    failure->closed_at_hello_timeout = client->ClosedBeforeHelloAfter(kShortestHelloTimeout);
     return s;
   }
   return client;
@@ -1544,7 +1544,7 @@ absl::StatusOr<std::unique_ptr<UcxClient>> UcxClient::Connect(const Endpoint& en
                        " only with data_plane.ucx_interop auto; docs/protocol.md, \"UCX ",
                        "releases\")"));
     }
-  } else if (!c.ok() && failure.reset_at_hello_timeout && Before114(local)) {
+  } else if (!c.ok() && failure.closed_at_hello_timeout && Before114(local)) {
     const UcxSettings one_device = UcxOneDeviceSettings(local);
     if (With(options, one_device).ucx.overrides != o.ucx.overrides) {
       settings = one_device;

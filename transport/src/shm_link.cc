@@ -672,7 +672,7 @@ class ShmChannel::CopyLanes {
     }
     if (lo < hi) std::memcpy(dst + lo, s1 + (lo - n0), hi - lo);
   }
-  // Makes up to `want` helper threads (at first use); how many there are. A thread that cannot
+  // Makes up to `want` copy threads (at first use); how many there are. A thread that cannot
   // be made leaves its share to the calling thread.
   int Helpers(int want) {
     absl::MutexLock lock(&mu_);
