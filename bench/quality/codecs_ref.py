@@ -251,3 +251,136 @@ def encode(spec: str, X: torch.Tensor, is_key: bool):
             y = y * sd + mu
         return y, elts * b / 8 + 4 * ng + side, _entropy_bits(q) / 8 + 4 * ng + side
     raise ValueError(f"unknown codec {spec}")
+
+
+# --- calibrated decorrelation (KVTC-style): per layer and kv head, a PCA basis of the cache's
+# keys or values fitted once per model on calibration windows; every token's centred vector is
+# projected on it, each component gets an integer bit width by reverse water-filling of the
+# calibration variances (greedy: the next bit goes where it lowers the expected squared error
+# most, Lloyd-Max Gaussian distortion per width), and is coded on the Lloyd-Max codebook of
+# N(0, 1) scaled by the component's calibration deviation. A zero-width component decodes to the
+# calibration mean. The per-row record is ceil(sum of widths / 8) bytes, nothing else; the
+# basis, mean, deviations and widths are stored once per model (like KVSplice's projections),
+# not per cache. "n": an f16 scale per row (the row's RMS in units of the deviations) divides
+# the components before coding (outlier rows, e.g. attention sinks).
+#
+# spec: pca{bits}[n], bits the average width per element (e.g. pca2.5, pca3n).
+
+_PCA = {}  # "K" / "V": dict(mu [L,H,d], U [L,H,d,d] (columns by falling variance), sd [L,H,d])
+PCA_MAXBITS = 8
+
+
+def pca_calibrate(Ks, Vs):
+    """Fits the bases on calibration caches (lists of [L, H, N, d] float32)."""
+    for name, Xs in (("K", Ks), ("V", Vs)):
+        X = torch.cat([x.double() for x in Xs], dim=2)
+        mu = X.mean(dim=2)
+        Xc = X - mu[:, :, None]
+        C = torch.einsum("lhnd,lhne->lhde", Xc, Xc) / X.shape[2]
+        lam, U = torch.linalg.eigh(C)
+        lam, U = lam.flip(-1).clamp_min(0), U.flip(-1)
+        _PCA[name] = {"mu": mu.float(), "U": U.float(), "sd": lam.sqrt().float(), "alloc": {}}
+        _PCA[name + "_cal"] = [x for x in Xs]
+
+
+@lru_cache(maxsize=16)
+def _lm_mse(bits):
+    """Expected squared error of the Lloyd-Max quantizer of N(0, 1) at `bits` (0: 1)."""
+    if bits == 0:
+        return 1.0
+    c = lloyd_max(bits)
+    x = np.linspace(-8, 8, 64001)
+    p = np.exp(-x * x / 2)
+    p /= p.sum()
+    b = (c[1:] + c[:-1]) / 2
+    q = c[np.searchsorted(b, x)]
+    return float(((x - q) ** 2 * p).sum())
+
+
+def pca_widths(sd, total):
+    """Integer widths [..., d] summing to `total` per row of sd [..., d] (greedy water-filling)."""
+    shp = sd.shape
+    s2 = (sd.double() ** 2).reshape(-1, shp[-1]).cpu().numpy()
+    w = np.zeros_like(s2, dtype=np.int64)
+    gain = [_lm_mse(b) - _lm_mse(b + 1) for b in range(PCA_MAXBITS)] + [0.0]
+    for r in range(s2.shape[0]):
+        for _ in range(total):
+            g = s2[r] * np.array([gain[b] for b in w[r]])
+            i = int(np.argmax(g))
+            w[r, i] += 1
+    return torch.tensor(w.reshape(shp))
+
+
+def _pca_quant(z, w):
+    """z [..., d] in deviation units, widths w [..., d] (broadcast): codes and decoded values."""
+    out = torch.zeros_like(z)
+    codes = torch.zeros(z.shape, dtype=torch.int64, device=z.device)
+    for b in range(1, PCA_MAXBITS + 1):
+        sel = (w == b)
+        if not bool(sel.any()):
+            continue
+        c = torch.tensor(lloyd_max(b), dtype=torch.float32, device=z.device)
+        q = torch.bucketize(z, (c[1:] + c[:-1]) / 2)
+        out = torch.where(sel, c[q], out)
+        codes = torch.where(sel, q, codes)
+    return codes, out
+
+
+def pca_encode(spec, X, is_key):
+    name = "K" if is_key else "V"
+    st = _PCA[name]
+    L, H, N, d = X.shape
+    per_row = spec.endswith("n")
+    avg = float(spec[3:].rstrip("n"))
+    total = int(round(avg * d))
+    if total not in st["alloc"]:
+        st["alloc"][total] = pca_widths(st["sd"], total).to(X.device)  # [L, H, d]
+    w = st["alloc"][total][:, :, None, :]
+    mu, U, sd = (st[k].to(X.device) for k in ("mu", "U", "sd"))
+    z = torch.einsum("lhnd,lhde->lhne", X - mu[:, :, None], U) / sd[:, :, None].clamp_min(1e-12)
+    side = 0.0
+    r = None
+    if per_row:  # RMS over the coded components, f16
+        wm = (w > 0).float()
+        r = _f16(((z * z * wm).sum(-1, keepdim=True) / wm.sum(-1, keepdim=True).clamp_min(1))
+                 .sqrt().clamp_min(1e-3))
+        z = z / r
+        side = 2.0 * L * H * N
+    codes, zq = _pca_quant(z, w)
+    if r is not None:
+        zq = zq * r
+    y = torch.einsum("lhne,lhde->lhnd", zq * sd[:, :, None], U) + mu[:, :, None]
+    rec = math.ceil(total / 8)
+    b = L * H * N * rec + side
+    # static entropy coding: per (layer, head, component) code frequencies of the calibration
+    # windows (tables stored once per model), cross-entropy of this cache's codes under them
+    key = ("freq", total, per_row)
+    if key not in st:
+        Xc = torch.cat(_PCA[name + "_cal"], dim=2).to(X.device)
+        zc = torch.einsum("lhnd,lhde->lhne", Xc - mu[:, :, None], U) / sd[:, :, None].clamp_min(1e-12)
+        if per_row:
+            wm = (w > 0).float()
+            rc = _f16(((zc * zc * wm).sum(-1, keepdim=True) / wm.sum(-1, keepdim=True)
+                       .clamp_min(1)).sqrt().clamp_min(1e-3))
+            zc = zc / rc
+        cc, _ = _pca_quant(zc, w)
+        M = 2 ** PCA_MAXBITS
+        oh = torch.zeros(L, H, d, M, device=X.device)
+        oh.scatter_add_(3, cc.permute(0, 1, 3, 2), torch.ones_like(cc.permute(0, 1, 3, 2),
+                                                                    dtype=torch.float32))
+        lv = (2.0 ** w[:, :, 0, :]).float()  # levels per component
+        p = (oh + 0.5) / (oh.sum(-1, keepdim=True) + 0.5 * lv[..., None])
+        st[key] = -p.log2()  # bits per code [L, H, d, M]
+    nb = st[key]
+    bits = torch.gather(nb, 3, codes.permute(0, 1, 3, 2)).sum()
+    e = float(bits) / 8 + side + L * H * 4  # + 4 bytes per (layer, head) stream for its length
+    return y, b, e
+
+
+_encode_base = encode
+
+
+def encode(spec: str, X: torch.Tensor, is_key: bool):  # noqa: F811 - extends the one above
+    if spec.startswith("pca"):
+        return pca_encode(spec, X, is_key)
+    return _encode_base(spec, X, is_key)

@@ -14,6 +14,12 @@
 #
 #   CONFIG_SET=window LONG= SHARDS=4 IN=.dev/quality OUT=/tmp/out bash bench/quality/run_gpu_policies.sh
 #
+# The calibrated decorrelation codec (pca) against the hq codecs, alone and under eviction, at 4K
+# (IN also holds calib.tar.xz: a slice of the corpus' training split, train_en.bin and
+# train_code.bin, that calibrates the bases):
+#
+#   CONFIG_SET=codec8 LONG= SHARDS=4 IN=.dev/quality OUT=/tmp/out bash bench/quality/run_gpu_policies.sh
+#
 # IN holds corpus.tar.xz, {g16,d8}.npz (lm/pack_weights.py pack), {g16,d8}/config.json and
 # generation_config.json, and kvpress-*.whl (its PyPI wheel; without it the kvpress rows are left
 # out). Knobs: BS seconds per process; LEN the short length, LONG the long one ("" = none); N
@@ -41,6 +47,8 @@ STAMP=$(date -u +%Y%m%dT%H%MZ)
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 KVPRESS=$(ls "$IN"/kvpress-*.whl 2>/dev/null | tail -1)
+CALIB=()
+if [ -f "$IN/calib.tar.xz" ]; then CALIB=(--calib "$IN/calib.tar.xz"); fi
 mkdir -p "$W" "$OUT"
 if [ -n "$KVPRESS" ]; then  # unpacked once, read by every process
   rm -rf "$W/kvpress" && python3 -m zipfile -e "$KVPRESS" "$W/kvpress" && KVPRESS=$W/kvpress
@@ -63,7 +71,7 @@ part() {  # model_dir name length n config_set shard/k: one process, GPUs in tur
   local tag="$2-$3-${6%/*}"
   CUDA_VISIBLE_DEVICES=$g python3 bench/quality/suite.py --model "$1" \
     --corpus "$IN/corpus.tar.xz" --lengths "$3" --n "$4" --n-loss "$4" --config-set "$5" \
-    --shard "$6" --budget-seconds "$BS" --device "$DEVICE" --out "$W/part-$tag" \
+    --shard "$6" --budget-seconds "$BS" --device "$DEVICE" --out "$W/part-$tag" "${CALIB[@]}" \
     > "$W/suite-$tag.out" 2>&1 &
   ps+=($!)
 }

@@ -70,6 +70,7 @@ CONFIGS = {
     "kvhq k4v3": ("kvhq4", "kvhq3", None, 0.0),
     "kvhq k3v3": ("kvhq3", "kvhq3", None, 0.0),
     "kvhq k3v4": ("kvhq3", "kvhq4", None, 0.0),
+    "kvhq k3v2": ("kvhq3", "kvhq2", None, 0.0),
     "manifold_r50 0.5 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r50", 0.5),
     "manifold_r50 0.5 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r50", 0.5),
     "manifold_r50 0.67 + kvhq k4v3": ("kvhq4", "kvhq3", "manifold_r50", 0.67),
@@ -122,6 +123,19 @@ CONFIGS = {
     "manifold_r85 0.25 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r85", 0.25),
     "manifold_r85 0.33 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r85", 0.33),
     "manifold_r85 0.4 + kvhq k3v3": ("kvhq3", "kvhq3", "manifold_r85", 0.4),
+    # the calibrated decorrelation codec (codecs_ref "pca{bits}": a per-model PCA basis per
+    # layer and kv head, widths by reverse water-filling, Lloyd-Max codes, no per-row side data;
+    # "n": an f16 scale per row); bits = average width per element, keys / values
+    **{f"pca k{k}v{v}": (f"pca{k}", f"pca{v}", None, 0.0) for k, v in (
+        ("4", "3"), ("3", "3"), ("3", "2.5"), ("3", "2"), ("3.5", "2"), ("2.5", "2.5"),
+        ("2.5", "2"), ("2", "2"), ("2.5", "1.5"), ("2", "1.5"), ("2", "1"), ("1.5", "1.5"),
+        ("1.5", "1"), ("1", "1"))},
+    "pca k3nv2n": ("pca3n", "pca2n", None, 0.0),
+    "manifold_r85 0.33 + pca k3v2": ("pca3", "pca2", "manifold_r85", 0.33),
+    "manifold_r85 0.33 + pca k2v1.5": ("pca2", "pca1.5", "manifold_r85", 0.33),
+    "manifold_r85 0.5 + pca k3v2": ("pca3", "pca2", "manifold_r85", 0.5),
+    "manifold_r85 0.25 + pca k2v1": ("pca2", "pca1", "manifold_r85", 0.25),
+    "manifold_r85 0.5 + pca k2.5v2": ("pca2.5", "pca2", "manifold_r85", 0.5),
     # kvpress's own presses (its PyPI wheel, --kvpress): the context prefilled under the press
     # (its forward hooks compress each layer's cache as kvpress does), kept keys and values bf16
     "kvpress knorm 0.5": ("bf16", "bf16", "kvpress:knorm", 0.5),
@@ -201,9 +215,19 @@ WINDOW2_CONFIGS = [
     "manifold_r85 0.4 + kvhq k4v3", "manifold_r85 0.25 + kvhq k3v3",
     "manifold_r85 0.33 + kvhq k3v3", "manifold_r85 0.4 + kvhq k3v3",
 ]
+# The calibrated decorrelation codec at 1 to 4 bits per element against the engine's hq codecs,
+# alone and under the balanced preset's eviction (--config-set codec8; needs --calib).
+CODEC8_CONFIGS = [
+    "full", "kvhq k4v3", "kvhq k3v3", "kvhq k3v2", "pca k4v3", "pca k3v3", "pca k3v2.5",
+    "pca k3v2", "pca k3.5v2", "pca k2.5v2.5", "pca k2.5v2", "pca k2v2", "pca k2.5v1.5",
+    "pca k2v1.5", "pca k2v1", "pca k1.5v1.5", "pca k1.5v1", "pca k1v1", "pca k3nv2n",
+    "manifold_r85 0.33 + kvhq k4v3", "manifold_r85 0.33 + pca k3v2",
+    "manifold_r85 0.33 + pca k2v1.5", "manifold_r85 0.5 + pca k3v2",
+    "manifold_r85 0.25 + pca k2v1", "manifold_r85 0.5 + pca k2.5v2",
+]
 CONFIG_SETS = {"default": DEFAULT_CONFIGS, "window2": WINDOW2_CONFIGS, "policies": POLICY_CONFIGS,
                "defaults": DEFAULTS_CONFIGS, "long": LONG_CONFIGS, "window": WINDOW_CONFIGS,
-               "kvpress_check": KVPRESS_CHECK_CONFIGS}
+               "kvpress_check": KVPRESS_CHECK_CONFIGS, "codec8": CODEC8_CONFIGS}
 
 # kvpress press classes by the suite's name: (module, class, keyword arguments)
 KVPRESS_PRESSES = {
@@ -280,6 +304,27 @@ def git_commit():
                               capture_output=True).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def calibrate_pca(model, parts, length, n):
+    """Fits codecs_ref's pca bases on n windows of the corpus' training split (English and code
+    in turn, consecutive windows from the start of each part); returns what the run records."""
+    Ks, Vs, src = [], [], []
+    for j in range(n):
+        name = "train_en.bin" if j % 2 == 0 else "train_code.bin"
+        t = np.frombuffer(parts[name], np.uint8)
+        s = (j // 2) * length
+        if s + length > len(t):
+            raise SystemExit(f"--calib: {name} holds {len(t)} bytes, {s + length} needed")
+        K, V, _ = prefill(model, torch.from_numpy(t[s:s + length].astype(np.int64)))
+        Ks.append(K)
+        Vs.append(V)
+        src.append(f"{name}[{s}:{s + length}]")
+    codecs_ref.pca_calibrate(Ks, Vs)
+    man = json.loads(parts["manifest.json"]) if "manifest.json" in parts else None
+    return {"windows": src, "manifest": man,
+            "key_sd_top8": codecs_ref._PCA["K"]["sd"][..., :8].tolist(),
+            "value_sd_top8": codecs_ref._PCA["V"]["sd"][..., :8].tolist()}
 
 
 @torch.no_grad()
@@ -436,6 +481,11 @@ def main():
                     metavar="WHEEL", help="kvpress's wheel (or its unpacked directory) for the "
                     "kvpress configurations; without it (or when its presses do not load) those "
                     "configurations are left out and the run says so")
+    ap.add_argument("--calib", default="", metavar="CORPUS",
+                    help="a corpus (tar.xz or directory) whose train_en.bin / train_code.bin "
+                         "calibrate the pca codecs' bases (never the held-out split)")
+    ap.add_argument("--calib-windows", type=int, default=8,
+                    help="calibration windows (English and code in turn) of the longest length")
     ap.add_argument("--shard", default="0/1", metavar="I/K",
                     help="run only the rounds j with j %% K == I (several processes, or GPUs, "
                          "share one length; --merge joins their JSONs); each round draws its "
@@ -520,6 +570,13 @@ def main():
     shard, nshard = (int(x) for x in args.shard.split("/"))
     if not 0 <= shard < nshard:
         raise SystemExit(f"--shard {args.shard}: want I/K with 0 <= I < K")
+    pca_meta = None
+    if any(CONFIGS[c][0].startswith("pca") or CONFIGS[c][1].startswith("pca") for c in cfgs):
+        if not args.calib:
+            raise SystemExit("the pca configurations need --calib (a corpus with a train split)")
+        pca_meta = calibrate_pca(model, corpus_mod.load(args.calib), max(args.lengths),
+                                 args.calib_windows)
+        log(f"pca bases calibrated on {args.calib_windows} windows")
     for Lb in args.lengths:
         tl = time.time()
         sc = {c: {t: [] for t in ruler.TASKS} for c in cfgs}
@@ -572,6 +629,7 @@ def main():
                        "entropy_bytes_per_token": ent, "rounds": taken}
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%MZ"),
             "commit": git_commit(), "model": args.model, "card": card, "device": str(device),
+            "pca_calibration": pca_meta,
             "dtype": str(dtype), "torch": torch.__version__, "lengths": args.lengths,
             "n": args.n, "n_loss": args.n_loss, "shard": args.shard, "kvpress": kvpress_note,
             "corpus": json.loads(parts["manifest.json"]),
