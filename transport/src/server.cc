@@ -86,6 +86,7 @@ struct RecvContext {
   Buffer payload;
   std::unique_ptr<UcpMemReg> reg;  // device payloads: registered for the receive
   absl::Status failure;            // set when the receive could not be posted
+  bool verified = false;           // its checksums were checked on the copy threads
 };
 
 class ServerImpl : public UcxServer {
@@ -212,6 +213,9 @@ class ServerImpl : public UcxServer {
   TenantBudget conns_budget_;  // connections that said hello, by tenant
   std::shared_ptr<WorkerLoop> loop_;
   std::unique_ptr<ShmAcceptor> shm_;  // null when shared memory is off or unavailable
+  // The copy threads (shm_copy_lanes): shared-memory blocks' copies (shm_'s) and received
+  // blocks' checksums.
+  std::shared_ptr<CopyPool> copy_pool_;
   ucp_listener_h listener_ = nullptr;
   uint64_t accept_hook_ = 0;
   std::atomic<bool> fd_check_posted_{false};
@@ -279,10 +283,11 @@ absl::Status ServerImpl::Init() {
   KVCOMP_ASSIGN_OR_RETURN(loop_, WorkerLoop::Create(ucx, options_.poll_spin));
 
   KVCOMP_RETURN_IF_ERROR(loop_->SetAmHandler(wire::kAmIdRequest, &ServerImpl::OnAm, this));
+  copy_pool_ = std::make_shared<CopyPool>(ShmCopyLanes(options_.shm_copy_lanes));
   if (options_.shared_memory) {
     absl::StatusOr<std::unique_ptr<ShmAcceptor>> shm = ShmAcceptor::Start(
         options_.shm_max_region_bytes, [this](const std::string& line) { Report(line); },
-        ShmCopyLanes(options_.shm_copy_lanes));
+        copy_pool_);
     if (shm.ok()) {
       shm_ = *std::move(shm);
     } else {
@@ -391,6 +396,7 @@ void ServerImpl::Stop() {
         absl::Seconds(2));
   });
   shm_.reset();  // every connection closed: no grant is left to attach to
+  if (copy_pool_ != nullptr) copy_pool_->Stop();
 }
 
 absl::Status ServerImpl::WaitIdle(absl::Duration timeout) {
@@ -1091,6 +1097,37 @@ void ServerImpl::OnRecvDone(void* request, ucs_status_t status, size_t length, v
 }
 
 void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
+  if (status == UCS_OK && raw->failure.ok() && !raw->verified && options_.verify_checksums &&
+      (raw->block.flags & (wire::kBlockDevicePayload | wire::kBlockSharedMemory |
+                           wire::kBlockPeerMemory | wire::kBlockLinkPayload)) == 0 &&
+      raw->payload.memory_type() == MemoryType::kHost &&
+      copy_pool_ != nullptr) {
+    // The checksums on a copy thread, several blocks at once, while this thread receives the
+    // next ones; back here with the outcome.
+    raw->verified = true;
+    std::shared_ptr<WorkerLoop> loop = loop_;
+    copy_pool_->Run([this, loop, raw] {
+      const wire::Block& b = raw->block;
+      const uint8_t* p = raw->payload.bytes();
+      absl::Status s;
+      if ((b.parts & wire::kPartKeys) && Crc32c(p, b.key_bytes) != b.key_crc) {
+        s = absl::DataLossError(
+            absl::StrCat("block of put ", b.put_id, ": key checksum mismatch"));
+      } else if ((b.parts & wire::kPartValues) &&
+                 Crc32c(p + b.key_bytes, b.value_bytes) != b.value_crc) {
+        s = absl::DataLossError(
+            absl::StrCat("block of put ", b.put_id, ": value checksum mismatch"));
+      }
+      loop->Post([this, raw, s = std::move(s)] {
+        if (!s.ok()) {
+          counters_.checksum_failures++;
+          raw->failure = s;
+        }
+        BlockReceived(raw, UCS_OK);
+      });
+    });
+    return;
+  }
   std::unique_ptr<RecvContext> ctx(raw);
   ctx->put->blocks_receiving--;
   const bool link = (ctx->block.flags & wire::kBlockLinkPayload) != 0;
@@ -1102,8 +1139,8 @@ void ServerImpl::BlockReceived(RecvContext* raw, ucs_status_t status) {
       (ctx->block.flags & (wire::kBlockSharedMemory | wire::kBlockPeerMemory)) != 0;
   if (s.ok() && device_payload) counters_.device_payload_blocks++;
   if (s.ok() && ctx->payload.memory_type() == MemoryType::kCuda) counters_.blocks_into_device++;
-  if (s.ok() && options_.verify_checksums && !device_payload && !shared_payload && !link &&
-      ctx->payload.memory_type() == MemoryType::kHost) {
+  if (s.ok() && options_.verify_checksums && !ctx->verified && !device_payload &&
+      !shared_payload && !link && ctx->payload.memory_type() == MemoryType::kHost) {
     const wire::Block& b = ctx->block;
     const uint8_t* p = ctx->payload.bytes();
     if ((b.parts & wire::kPartKeys) && Crc32c(p, b.key_bytes) != b.key_crc) {

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -16,6 +17,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -96,6 +98,114 @@ absl::Status CheckShmRange(uint64_t offset, uint64_t bytes, uint64_t size, const
                      size, " bytes"));
   }
   return absl::OkStatus();
+}
+
+// ---- the copy threads of both ends ----
+
+CopyPool::CopyPool(int threads) : max_threads_(std::max(threads, 1)) {}
+
+CopyPool::~CopyPool() { Stop(); }
+
+int CopyPool::threads() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(threads_.size());
+}
+
+void CopyPool::Run(absl::AnyInvocable<void() &&> work) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stop_) {
+      // One thread more while the queued work (this piece included) outnumbers the idle ones.
+      if (idle_ <= static_cast<int>(queue_.size()) &&
+          static_cast<int>(threads_.size()) < max_threads_) {
+        try {
+          threads_.emplace_back([this] {
+            pthread_setname_np(pthread_self(), kCopyThreadName);
+            Loop();
+          });
+        } catch (const std::system_error&) {
+          // none to be had now: the threads there are take it
+        }
+      }
+      if (!threads_.empty()) {
+        queue_.push_back(std::move(work));
+        return;
+      }
+    }
+  }
+  std::move(work)();  // stopped, or no thread could be made: here
+}
+
+void CopyPool::Loop() {
+  while (true) {
+    absl::AnyInvocable<void() &&> work;
+    {
+      absl::MutexLock lock(&mu_);
+      ++idle_;
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !queue_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      --idle_;
+      if (queue_.empty()) return;  // stopping, nothing left
+      work = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::move(work)();  // and what it holds is released here, outside the lock
+  }
+}
+
+void CopyPool::ForEach(int parts, absl::FunctionRef<void(int)> fn) {
+  if (parts <= 0) return;
+  if (parts == 1) {
+    fn(0);
+    return;
+  }
+  // Parts go to whoever claims them first: the calling thread and the helpers queued here. A
+  // helper that starts after every part was claimed returns without touching `fn` (which lives
+  // until this call returns); the batch is shared so it outlives a late helper.
+  struct Batch {
+    std::atomic<int> next{0};
+    absl::Mutex mu;
+    int done ABSL_GUARDED_BY(mu) = 0;
+  };
+  auto batch = std::make_shared<Batch>();
+  auto take = [parts](Batch& b, absl::FunctionRef<void(int)> f) {
+    int ran = 0;
+    for (int i = b.next.fetch_add(1); i < parts; i = b.next.fetch_add(1)) {
+      f(i);
+      ++ran;
+    }
+    if (ran > 0) {
+      absl::MutexLock lock(&b.mu);
+      b.done += ran;
+    }
+  };
+  const int helpers = std::min(parts - 1, max_threads_);
+  for (int h = 0; h < helpers; ++h) {
+    Run([batch, fn, take] { take(*batch, fn); });
+  }
+  take(*batch, fn);
+  absl::MutexLock lock(&batch->mu);
+  Batch* b = batch.get();
+  auto all = [b, parts]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu) { return b->done == parts; };
+  batch->mu.Await(absl::Condition(&all));
+}
+
+void CopyPool::Stop() {
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    threads.swap(threads_);
+  }
+  for (std::thread& t : threads) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // misuse (Stop from the pool's own work): it ends when that work returns
+    } else {
+      t.join();
+    }
+  }
 }
 
 // ---- kvcompd's end ----
@@ -183,24 +293,19 @@ absl::Status ShmGrant::PeerAccess(bool write, uint64_t address, void* local, uin
     return absl::OkStatus();
   };
   const uint64_t n_lanes =
-      std::clamp<uint64_t>(bytes / kShmMinLaneBytes, 1, static_cast<uint64_t>(std::max(lanes, 1)));
+      pool_ == nullptr ? 1
+                       : std::clamp<uint64_t>(bytes / kShmMinLaneBytes, 1,
+                                              static_cast<uint64_t>(std::max(lanes, 1)));
   if (n_lanes == 1) return copy(0, bytes);
   // Contiguous ranges on 64 KiB boundaries; the kernel pins and copies each lane's pages on its
-  // own thread (one thread's copy is bound by its page pinning and its core's copy rate).
+  // own thread (one thread's copy is bound by its page pinning and its core's copy rate). The
+  // calling thread takes ranges too, so a lane the pool cannot run now is copied here.
   const uint64_t per = (bytes / n_lanes + 0xffff) & ~uint64_t{0xffff};
   std::vector<absl::Status> status(n_lanes);
-  std::vector<std::thread> threads;
-  threads.reserve(n_lanes - 1);
-  for (uint64_t i = 1; i < n_lanes; ++i) {
+  pool_->ForEach(static_cast<int>(n_lanes), [&](int i) {
     const uint64_t begin = std::min(i * per, bytes), end = std::min((i + 1) * per, bytes);
-    try {
-      threads.emplace_back([&status, &copy, i, begin, end] { status[i] = copy(begin, end); });
-    } catch (const std::system_error&) {
-      status[i] = copy(begin, end);  // no thread to be had: this one does it
-    }
-  }
-  status[0] = copy(0, std::min(per, bytes));
-  for (std::thread& t : threads) t.join();
+    status[i] = copy(begin, end);
+  });
   for (absl::Status& s : status) {
     if (!s.ok()) return s;
   }
@@ -231,7 +336,7 @@ void ShmGrant::Set(uint8_t id, std::shared_ptr<ShmMapping> mapping) {
 
 absl::StatusOr<std::unique_ptr<ShmAcceptor>> ShmAcceptor::Start(
     uint64_t max_region_bytes, std::function<void(const std::string&)> report,
-    int copy_threads) {
+    std::shared_ptr<CopyPool> pool) {
   if (max_region_bytes < kShmMinRegionBytes) {
     return absl::InvalidArgumentError(absl::StrCat("shared memory: the largest region (",
                                                    max_region_bytes, " bytes) is below ",
@@ -257,67 +362,25 @@ absl::StatusOr<std::unique_ptr<ShmAcceptor>> ShmAcceptor::Start(
     return s;
   }
   std::unique_ptr<ShmAcceptor> a(
-      new ShmAcceptor(fd, wake, name, max_region_bytes, std::move(report), copy_threads));
+      new ShmAcceptor(fd, wake, name, max_region_bytes, std::move(report), std::move(pool)));
   a->thread_ = std::thread([p = a.get()] { p->Loop(); });
   return a;
 }
 
 ShmAcceptor::ShmAcceptor(int listen_fd, int wake_fd, std::string name, uint64_t max_region_bytes,
-                         std::function<void(const std::string&)> report, int copy_threads)
+                         std::function<void(const std::string&)> report,
+                         std::shared_ptr<CopyPool> pool)
     : listen_fd_(listen_fd),
       wake_fd_(wake_fd),
       name_(std::move(name)),
       max_region_bytes_(max_region_bytes),
       report_(std::move(report)),
-      copy_threads_(std::max(copy_threads, 1)) {}
+      pool_(pool != nullptr ? std::move(pool) : std::make_shared<CopyPool>(1)) {}
 
-void ShmAcceptor::RunCopy(absl::AnyInvocable<void() &&> work) {
-  {
-    absl::MutexLock lock(&copy_mu_);
-    if (!copy_stop_) {
-      // One more thread while there is room: as many as copies run at once.
-      if (copiers_.size() < static_cast<size_t>(copy_threads_)) {
-        try {
-          copiers_.emplace_back([this] { CopyLoop(); });
-        } catch (const std::system_error&) {
-          // none to be had now: the threads there are take it
-        }
-      }
-      if (!copiers_.empty()) {
-        copy_queue_.push_back(std::move(work));
-        return;
-      }
-    }
-  }
-  std::move(work)();  // no copy thread (none could be made, or the acceptor is going): here
-}
-
-void ShmAcceptor::CopyLoop() {
-  while (true) {
-    absl::AnyInvocable<void() &&> work;
-    {
-      absl::MutexLock lock(&copy_mu_);
-      copy_mu_.Await(absl::Condition(
-          +[](ShmAcceptor* a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(a->copy_mu_) {
-            return a->copy_stop_ || !a->copy_queue_.empty();
-          },
-          this));
-      if (copy_queue_.empty()) return;  // stopping, nothing left
-      work = std::move(copy_queue_.front());
-      copy_queue_.pop_front();
-    }
-    std::move(work)();
-  }
-}
+void ShmAcceptor::RunCopy(absl::AnyInvocable<void() &&> work) { pool_->Run(std::move(work)); }
 
 ShmAcceptor::~ShmAcceptor() {
-  std::vector<std::thread> copiers;
-  {
-    absl::MutexLock lock(&copy_mu_);
-    copy_stop_ = true;
-    copiers.swap(copiers_);
-  }
-  for (std::thread& t : copiers) t.join();
+  pool_->Stop();  // queued copies first: they hold grants and mappings, not the socket
   const uint64_t one = 1;
   ssize_t ignored = write(wake_fd_, &one, sizeof(one));
   (void)ignored;
@@ -330,7 +393,7 @@ std::shared_ptr<ShmGrant> ShmAcceptor::Enroll() {
   std::string token(wire::kShmTokenBytes, '\0');
   while (true) {
     if (getrandom(token.data(), token.size(), 0) != static_cast<ssize_t>(token.size())) continue;
-    auto grant = std::make_shared<ShmGrant>(token);
+    auto grant = std::make_shared<ShmGrant>(token, pool_);
     absl::MutexLock lock(&mu_);
     if (grants_.emplace(token, grant).second) return grant;
   }
@@ -602,124 +665,39 @@ absl::Status SendShmAttach(const std::string& socket_name, absl::string_view tok
   return done(absl::OkStatus());
 }
 
-// Threads that copy parts of a block into the put region alongside the sending thread. Each
-// Copy returns only when every part of it was copied, so the ring's slot is complete before
-// the block is posted and no lane ever writes a slot after it was handed on.
-class ShmChannel::CopyLanes {
- public:
-  explicit CopyLanes(int lanes) : lanes_(std::max(lanes, 1)) {}
-  ~CopyLanes() {
-    std::vector<std::thread> threads;
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-      threads.swap(threads_);
-    }
-    for (std::thread& t : threads) t.join();
+namespace {
+// Bytes [lo, hi) of s0[0..n0) followed by s1 into dst + lo.
+void CopyRange(uint8_t* dst, const uint8_t* s0, uint64_t n0, const uint8_t* s1, uint64_t lo,
+               uint64_t hi) {
+  if (lo < n0) {
+    const uint64_t e = std::min(hi, n0);
+    std::memcpy(dst + lo, s0 + lo, e - lo);
+    lo = e;
   }
-  int lanes() const { return lanes_; }
+  if (lo < hi) std::memcpy(dst + lo, s1 + (lo - n0), hi - lo);
+}
+}  // namespace
 
-  // Copies `n0` bytes from `s0` then `n1` from `s1` to `dst` (contiguous); the number of lanes
-  // it used (1: all on the calling thread).
-  int Copy(uint8_t* dst, const uint8_t* s0, uint64_t n0, const uint8_t* s1, uint64_t n1) {
-    const uint64_t total = n0 + n1;
-    int lanes = static_cast<int>(
-        std::min<uint64_t>(lanes_, std::max<uint64_t>(total / kShmMinClientLaneBytes, 1)));
-    if (lanes > 1) lanes = std::min(lanes, Helpers(lanes - 1) + 1);
-    if (lanes <= 1) {
-      CopyRange(dst, s0, n0, s1, 0, total);
-      return 1;
-    }
-    // Contiguous ranges, 64 KiB-aligned, the last takes the remainder.
-    const uint64_t share = AlignUp((total + lanes - 1) / lanes, uint64_t{64} << 10);
-    int posted = 0;  // ranges after the first
-    while (posted + 1 < lanes && share * (posted + 1) < total) ++posted;
-    // Counted before any lane can run; shared, so a lane's last unlock never touches freed
-    // memory.
-    struct Batch {
-      absl::Mutex mu;
-      int left = 0;
-    };
-    auto batch = std::make_shared<Batch>();
-    batch->left = posted;
-    {
-      absl::MutexLock lock(&mu_);
-      for (int i = 1; i <= posted; ++i) {
-        const uint64_t lo = share * i, hi = std::min(total, share * (i + 1));
-        queue_.push_back([=] {
-          CopyRange(dst, s0, n0, s1, lo, hi);
-          absl::MutexLock l(&batch->mu);
-          --batch->left;
-        });
-      }
-    }
-    CopyRange(dst, s0, n0, s1, 0, std::min(total, share));
-    Batch& b = *batch;
-    absl::MutexLock l(&b.mu);
-    auto done = [&b]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(b.mu) { return b.left == 0; };
-    b.mu.Await(absl::Condition(&done));
-    return posted + 1;
-  }
-
- private:
-  // Bytes [lo, hi) of s0[0..n0) followed by s1 into dst + lo.
-  static void CopyRange(uint8_t* dst, const uint8_t* s0, uint64_t n0, const uint8_t* s1,
-                        uint64_t lo, uint64_t hi) {
-    if (lo < n0) {
-      const uint64_t e = std::min(hi, n0);
-      std::memcpy(dst + lo, s0 + lo, e - lo);
-      lo = e;
-    }
-    if (lo < hi) std::memcpy(dst + lo, s1 + (lo - n0), hi - lo);
-  }
-  // Makes up to `want` copy threads (at first use); how many there are. A thread that cannot
-  // be made leaves its share to the calling thread.
-  int Helpers(int want) {
-    absl::MutexLock lock(&mu_);
-    while (static_cast<int>(threads_.size()) < want && !start_failed_) {
-      try {
-        threads_.emplace_back([this] { Loop(); });
-      } catch (const std::system_error&) {
-        start_failed_ = true;
-      }
-    }
-    return static_cast<int>(threads_.size());
-  }
-  void Loop() {
-    while (true) {
-      absl::AnyInvocable<void() &&> work;
-      {
-        absl::MutexLock lock(&mu_);
-        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stop_ || !queue_.empty();
-        };
-        mu_.Await(absl::Condition(&ready));
-        if (queue_.empty()) return;
-        work = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      std::move(work)();
-    }
-  }
-
-  const int lanes_;
-  absl::Mutex mu_;
-  std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool start_failed_ ABSL_GUARDED_BY(mu_) = false;
+// A block whose copy into the put region was started; posted (in SendBlock's order) once every
+// range of it is in place.
+struct ShmChannel::Outgoing {
+  wire::Block block;
+  std::shared_ptr<Completion> done;
+  std::atomic<int> ranges_left{0};
+  bool copied = false;  // guarded by the channel's put_mu_
 };
 
 ShmChannel::ShmChannel(UcxClient* client, ShmChannelOptions options)
-    : client_(client), options_(options) {
-  lanes_ = std::make_unique<CopyLanes>(ShmCopyLanes(options.copy_lanes));
+    : lanes_(ShmCopyLanes(options.copy_lanes)), client_(client), options_(options) {
+  if (lanes_ > 1) pool_ = std::make_unique<CopyPool>(lanes_);
 }
 
-int ShmChannel::copy_lanes() const { return lanes_->lanes(); }
+int ShmChannel::copy_lanes() const { return lanes_; }
 
 ShmChannel::~ShmChannel() {
-  // Blocks still in flight reference the put region: wait for their acknowledgement (or the
-  // connection's failure, which completes them).
+  // Copies still queued run and their blocks are posted; blocks in flight reference the put
+  // region: wait for their acknowledgement (or the connection's failure, which completes them).
+  if (pool_ != nullptr) pool_->Stop();
   absl::MutexLock lock(&put_mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(put_mu_) { return slots_.empty(); };
   put_mu_.Await(absl::Condition(&idle));
@@ -811,6 +789,7 @@ absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendBlock(const wire::Bl
   if (direct) return SendDirect(block, keys, values);
   uint64_t offset = 0;
   uint8_t* base = nullptr;
+  auto out = std::make_shared<Outgoing>();
   {
     absl::MutexLock lock(&put_mu_);
     if (absl::Status s = EnsurePutRegion(deadline); !s.ok()) {
@@ -854,24 +833,78 @@ absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendBlock(const wire::Bl
     }
     slots_.push_back(Slot{offset, need, false});
     base = put_->data();
+    out->block = block;
+    out->block.flags = wire::kBlockSharedMemory;
+    out->block.key_crc = 0;
+    out->block.value_crc = 0;
+    out->block.shm_offset = offset;
+    out->done = Completion::Pending();
+    outgoing_.push_back(out);
   }
-  // The whole block is in place before it is posted (the lanes' copies included), so blocks
-  // go out in the caller's order and the daemon never reads a slot still being written.
-  const int used = lanes_->Copy(base + offset, static_cast<const uint8_t*>(keys.data), keys.bytes,
-                                static_cast<const uint8_t*>(values.data), values.bytes);
+  // The block's copy: on the calling thread with one lane; else on the copy threads, a block of
+  // two or more kShmMinClientLaneBytes split into up to `lanes_` contiguous 64 KiB-aligned
+  // ranges, several blocks at once. The block is posted when all its ranges are in place and
+  // every block before it was posted, so blocks go out in the caller's order and the daemon
+  // never reads a slot still being written.
+  uint8_t* const dst = base + offset;
+  const auto* s0 = static_cast<const uint8_t*>(keys.data);
+  const auto* s1 = static_cast<const uint8_t*>(values.data);
+  const uint64_t n0 = keys.bytes;
+  std::shared_ptr<Completion> done = out->done;
   blocks_copied_++;
-  if (used > 1) blocks_split_++;
-  wire::Block b = block;
-  b.flags = wire::kBlockSharedMemory;
-  b.key_crc = 0;
-  b.value_crc = 0;
-  b.shm_offset = offset;
-  std::shared_ptr<Completion> done = Completion::Pending();
-  client_->SendSharedBlockAsync(b, [this, offset, done](absl::Status s) {
-    Release(offset);
-    done->Finish(std::move(s));
-  });
+  if (pool_ == nullptr) {
+    CopyRange(dst, s0, n0, s1, 0, bytes);
+    Copied(out);
+    return done;
+  }
+  const uint64_t ranges =
+      std::min<uint64_t>(lanes_, std::max<uint64_t>(bytes / kShmMinClientLaneBytes, 1));
+  const uint64_t share = AlignUp((bytes + ranges - 1) / ranges, uint64_t{64} << 10);
+  uint64_t n = 1;
+  while (n < ranges && share * n < bytes) ++n;
+  if (n > 1) blocks_split_++;
+  out->ranges_left.store(static_cast<int>(n));
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t lo = share * i, hi = std::min(bytes, share * (i + 1));
+    pool_->Run([this, out, dst, s0, n0, s1, lo, hi] {
+      CopyRange(dst, s0, n0, s1, lo, hi);
+      if (out->ranges_left.fetch_sub(1) == 1) Copied(out);
+    });
+  }
   return done;
+}
+
+void ShmChannel::Copied(const std::shared_ptr<Outgoing>& block) {
+  // One thread posts at a time, front to back, outside the lock (a completion's callback may
+  // send the next block).
+  std::vector<std::shared_ptr<Outgoing>> ready;
+  {
+    absl::MutexLock lock(&put_mu_);
+    block->copied = true;
+    if (posting_) return;  // the thread posting now takes it
+    posting_ = true;
+  }
+  while (true) {
+    {
+      absl::MutexLock lock(&put_mu_);
+      while (!outgoing_.empty() && outgoing_.front()->copied) {
+        ready.push_back(std::move(outgoing_.front()));
+        outgoing_.pop_front();
+      }
+      if (ready.empty()) {
+        posting_ = false;
+        return;
+      }
+    }
+    for (std::shared_ptr<Outgoing>& o : ready) {
+      client_->SendSharedBlockAsync(
+          o->block, [this, offset = o->block.shm_offset, done = o->done](absl::Status s) {
+            Release(offset);
+            done->Finish(std::move(s));
+          });
+    }
+    ready.clear();
+  }
 }
 
 absl::StatusOr<std::shared_ptr<Completion>> ShmChannel::SendDirect(const wire::Block& block,

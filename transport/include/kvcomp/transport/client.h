@@ -72,9 +72,10 @@ struct ClientOptions {
   // Let the server copy straight between this process's memory and its buffers where the
   // kernel allows it (shm_link.h, direct mode); false: always through the regions. Default true.
   bool shm_direct = true;
-  // Threads that copy a block into the shared put region when the regions carry it (not in
-  // direct mode): a block of at least 512 KiB is split over them. 0: one per 4 CPUs this
-  // process may run on, 1 to 4 (as kvcompd's data_plane.shm_copy_lanes); at most 16.
+  // Threads that copy blocks into the shared put region when the regions carry them (not in
+  // direct mode): several blocks at once, a block of at least 512 KiB split over them; 1: on
+  // the sending thread (ShmChannelOptions::copy_lanes). 0: one per 4 CPUs this process may run
+  // on, 1 to 4 (as kvcompd's data_plane.shm_copy_lanes); at most 16.
   uint32_t shm_copy_lanes = 0;
   UcxConfig ucx;
 };

@@ -102,7 +102,8 @@ struct ServerOptions {
   // The progress thread polls this long after the last event before sleeping on the worker's
   // event fd (lower latency and higher throughput for CPU time). Default 200 us.
   absl::Duration poll_spin = absl::Microseconds(200);
-  // Verify each block's CRC32C before calling OnBlock (host payloads only). Default true.
+  // Verify each block's CRC32C before calling OnBlock (host payloads only; on the copy threads,
+  // shm_copy_lanes, off the progress thread). Default true.
   bool verify_checksums = true;
   // Offer same-host shared memory (shm_link.h, docs/protocol.md "Shared memory") to clients
   // of protocol minor >= 2: payloads through regions the client maps and passes to the server
@@ -111,9 +112,10 @@ struct ServerOptions {
   // The largest shared region the server maps, bytes (a get larger than a client's get region
   // goes over UCX). Default 1 GiB.
   uint64_t shm_max_region_bytes = uint64_t{1} << 30;
-  // Threads that copy shared-memory payloads: blocks out of clients' memory (several at once,
-  // off the progress thread), and one direct get into the client's memory split over them
-  // (each at least kShmMinLaneBytes); 0 = one per 4 CPUs, 1 to 4 (ShmCopyLanes). Default 0.
+  // Threads that copy shared-memory payloads and check received blocks' checksums: blocks out
+  // of clients' memory and blocks' CRC32C (several at once, off the progress thread), and one
+  // direct get into the client's memory split over them (each at least kShmMinLaneBytes);
+  // 0 = one per 4 CPUs, 1 to 4 (ShmCopyLanes). Default 0.
   uint32_t shm_copy_lanes = 0;
   // Receives the lines the server has for operators (listener closed or reopened), on the
   // progress thread; keep it short. Empty = written to stderr.

@@ -64,6 +64,7 @@
 #include "kvcomp/transport/client.h"
 #include "kvcomp/transport/payload_link.h"
 #include "kvcomp/transport/protocol.h"
+#include "kvcomp/transport/shm_copy_pool.h"
 
 namespace kvcomp {
 namespace transport {
@@ -127,7 +128,10 @@ int ShmCopyLanes(uint32_t configured);
 
 class ShmGrant {
  public:
-  explicit ShmGrant(std::string token) : token_(std::move(token)) {}
+  // `pool`: the threads a split peer copy's lanes run on (the acceptor's copy threads); none:
+  // every copy on the calling thread.
+  explicit ShmGrant(std::string token, std::shared_ptr<CopyPool> pool = nullptr)
+      : token_(std::move(token)), pool_(std::move(pool)) {}
   ~ShmGrant();
   const std::string& token() const { return token_; }
   std::shared_ptr<ShmMapping> Region(uint8_t id) const;
@@ -139,7 +143,8 @@ class ShmGrant {
   // when no peer is registered, it has exited or the kernel refuses (permission), InvalidArgument
   // when the peer's range is not its memory.
   // `lanes` > 1: a copy of at least kShmMinLaneBytes per lane is split into that many
-  // contiguous ranges copied at once, one thread each (the calling thread takes the first).
+  // contiguous ranges copied at once on the calling thread and the grant's pool (CopyPool::
+  // ForEach: the calling thread copies whatever range no pool thread took).
   absl::Status ReadPeer(uint64_t address, void* to, uint64_t bytes, int lanes = 1) const;
   absl::Status WritePeer(uint64_t address, const void* from, uint64_t bytes, int lanes = 1) const;
 
@@ -147,6 +152,7 @@ class ShmGrant {
   absl::Status PeerAccess(bool write, uint64_t address, void* local, uint64_t bytes,
                           int lanes) const;
   const std::string token_;
+  const std::shared_ptr<CopyPool> pool_;
   mutable absl::Mutex mu_;
   std::shared_ptr<ShmMapping> regions_[kShmRegions] ABSL_GUARDED_BY(mu_);
   int pid_ ABSL_GUARDED_BY(mu_) = 0;
@@ -163,14 +169,16 @@ class ShmAcceptor {
  public:
   // Listens on a fresh abstract socket; regions of more than `max_region_bytes` are refused.
   // `report` gets one line per refused attach (rate is the peer's; keep it short).
-  // `copy_threads`: the threads RunCopy runs on.
+  // `pool`: the copy threads RunCopy and the grants' split peer copies run on (the server's,
+  // which also checks received blocks' checksums there); none: a pool of one thread. The
+  // acceptor stops it when it goes (queued copies run first).
   static absl::StatusOr<std::unique_ptr<ShmAcceptor>> Start(
       uint64_t max_region_bytes, std::function<void(const std::string&)> report,
-      int copy_threads = 1);
+      std::shared_ptr<CopyPool> pool = nullptr);
   ~ShmAcceptor();
 
-  // Runs `work` (a block's copy out of a client's memory) on one of the copy threads, started
-  // at the first call; work still queued when the acceptor goes runs before it is gone.
+  // Runs `work` (a block's copy out of a client's memory) on one of the copy threads (made as
+  // copies arrive); work still queued when the acceptor goes runs before it is gone.
   void RunCopy(absl::AnyInvocable<void() &&> work);
 
   // The socket's abstract name (without the leading NUL), for hello-ok.
@@ -185,9 +193,8 @@ class ShmAcceptor {
 
  private:
   ShmAcceptor(int listen_fd, int wake_fd, std::string name, uint64_t max_region_bytes,
-              std::function<void(const std::string&)> report, int copy_threads);
+              std::function<void(const std::string&)> report, std::shared_ptr<CopyPool> pool);
   void Loop();
-  void CopyLoop();
   void Serve(int fd);
   absl::Status Attach(int fd, const void* message, size_t length, int region_fd,
                       uint64_t* probe);
@@ -201,11 +208,9 @@ class ShmAcceptor {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::weak_ptr<ShmGrant>> grants_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
-  const int copy_threads_;
-  absl::Mutex copy_mu_;
-  std::deque<absl::AnyInvocable<void() &&>> copy_queue_ ABSL_GUARDED_BY(copy_mu_);
-  bool copy_stop_ ABSL_GUARDED_BY(copy_mu_) = false;
-  std::vector<std::thread> copiers_ ABSL_GUARDED_BY(copy_mu_);
+  // Shared with the grants (a grant may outlive the acceptor: its copies then run on the
+  // calling thread, the pool stopped).
+  const std::shared_ptr<CopyPool> pool_;
 };
 
 // ---- the client's end ----
@@ -240,11 +245,13 @@ struct ShmChannelOptions {
   uint64_t put_region_bytes = uint64_t{64} << 20;
   uint64_t max_get_region_bytes = uint64_t{1} << 30;
   bool direct = true;  // try direct mode (else the regions only)
-  // Threads that copy a block into the put region (the regions' path; direct mode has no
-  // client-side copy): a block of at least 2 x kShmMinClientLaneBytes is split into that many
-  // contiguous ranges copied at once, the sending thread taking the first. 0: as the daemon's
-  // data_plane.shm_copy_lanes default (ShmCopyLanes: one per 4 CPUs of this process, 1 to 4);
-  // at most 16.
+  // Threads that copy blocks into the put region (the regions' path; direct mode has no
+  // client-side copy). 1: each block on the sending thread, SendBlock returning when it is in
+  // place. More: SendBlock returns once the block's copy is queued on the channel's copy
+  // threads (a CopyPool of that many), which copy several blocks at once, a block of at least
+  // 2 x kShmMinClientLaneBytes split into up to that many contiguous ranges. 0: as the
+  // daemon's data_plane.shm_copy_lanes default (ShmCopyLanes: one per 4 CPUs of this process,
+  // 1 to 4); at most 16.
   uint32_t copy_lanes = 0;
 };
 
@@ -282,9 +289,12 @@ class ShmChannel {
   // process's memory); decided at the first transfer.
   bool direct();
 
-  // Copies `keys` and `values` (host memory) into the put region (on up to copy_lanes threads;
-  // returns once the whole block is in place, so blocks are posted in the caller's order) and
-  // posts `block` naming them; the completion finishes when the daemon acknowledged it.
+  // Copies `keys` and `values` (host memory) into the put region and posts `block` naming
+  // them; the completion finishes when the daemon acknowledged it. With one copy lane the copy
+  // is done when this returns; with more it runs on the copy threads after, so `keys` and
+  // `values` must stay as they are until the completion finishes (as in direct mode, where the
+  // daemon reads them). Either way blocks are posted in the order SendBlock was called, each
+  // only when all its bytes are in place.
   // MemoryNotServed when the block does not fit the region or the region cannot be attached.
   absl::StatusOr<std::shared_ptr<Completion>> SendBlock(const wire::Block& block,
                                                         const MemoryRegion& keys,
@@ -314,9 +324,13 @@ class ShmChannel {
                                                          const MemoryRegion& values);
   void Release(uint64_t offset);
   void Unusable(const absl::Status& why);
-  // The copy lanes of the put region (shm_link.cc): threads made at first use.
-  class CopyLanes;
-  std::unique_ptr<CopyLanes> lanes_;
+  // The put region's copy lanes, and their threads (none with one lane).
+  const int lanes_;
+  std::unique_ptr<CopyPool> pool_;
+  // A block being copied into the put region (shm_link.cc).
+  struct Outgoing;
+  // `block`'s copy is complete: posts every block at the front of outgoing_ whose copy is.
+  void Copied(const std::shared_ptr<Outgoing>& block);
   std::atomic<uint64_t> blocks_copied_{0}, blocks_split_{0};
 
   UcxClient* const client_;
@@ -335,6 +349,10 @@ class ShmChannel {
   absl::Mutex put_mu_;
   std::unique_ptr<ShmRegion> put_ ABSL_GUARDED_BY(put_mu_);
   std::deque<Slot> slots_ ABSL_GUARDED_BY(put_mu_);
+  // Blocks placed in the ring and not yet posted, in SendBlock's order; whether a thread is
+  // posting them now (one at a time keeps the order).
+  std::deque<std::shared_ptr<Outgoing>> outgoing_ ABSL_GUARDED_BY(put_mu_);
+  bool posting_ ABSL_GUARDED_BY(put_mu_) = false;
 
   absl::StatusOr<FetchedCache> GetDirect(const GetRequest& request, absl::Time deadline);
   // (Re)attaches the get region when it is smaller than `want` bytes (bounded by both ends).
