@@ -1018,6 +1018,10 @@ absl::Status ValidateOptions(const ClientOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_block_bytes is ", o.max_block_bytes, "; it must be in [4096, 1Gi]"));
   }
+  if (o.shm_copy_lanes > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm_copy_lanes is ", o.shm_copy_lanes, "; it must be in [0, 16]"));
+  }
   KVCOMP_RETURN_IF_ERROR(
       InRange("connect_timeout", o.connect_timeout, absl::Milliseconds(1), absl::Hours(1)));
   KVCOMP_RETURN_IF_ERROR(

@@ -25,6 +25,8 @@ absl::StatusOr<std::shared_ptr<transport::UcxClient>> EndpointState::Connection(
   to.connect_timeout = o.connect_timeout;
   to.request_timeout = o.request_timeout;
   to.shared_memory = o.shared_memory;
+  to.shm_direct = o.shm_direct;
+  to.shm_copy_lanes = o.shm_copy_lanes;
   for (const auto& [k, v] : o.ucx_overrides) to.ucx.overrides[k] = v;
   auto c = transport::UcxClient::Connect(data_, o.tenant, o.token, to);
   if (!c.ok()) {

@@ -3,14 +3,20 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
 
 #include "common/random_kv.h"
 #include "gtest/gtest.h"
 #include "integration/kvcompd_process.h"
 #include "kvcomp/client/client.h"
 #include "kvcomp/core/format.h"
+#include "kvcomp/transport/shm_copy_pool.h"
 
 namespace kvcomp {
 namespace client {
@@ -266,6 +272,87 @@ TEST(ClientReplicas, KilledDaemonFailsOverAndWritesGoToSurvivors) {
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(put->endpoints.size(), 2u);
   for (const auto& e : put->endpoints) EXPECT_NE(e, victim);
+}
+
+// Threads of this process that are shared-memory copy threads.
+int CopyThreads() {
+  int n = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(task.path() / "comm");
+    std::string name;
+    std::getline(in, name);
+    n += name == transport::kCopyThreadName ? 1 : 0;
+  }
+  return n;
+}
+
+// Lines of /proc/<pid>/maps that map a client's shared region.
+int SharedMappings(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) n += absl::StrContains(line, "memfd:kvcomp-shm") ? 1 : 0;
+  return n;
+}
+
+// The SDK's shared-memory options reach its connections: by default a put moves directly (the
+// daemon maps no region of the client's); shm_direct = false puts through the client's regions
+// (the daemon maps its put region), with shm_copy_lanes copy threads in this process (none
+// with 1, gone with the client); every way stores the same cache. Out of range is refused.
+TEST_F(ClientDaemonTest, SharedMemoryOptionsReachTheConnection) {
+  // Layers of 1 MiB of K and 1 MiB of V: blocks large enough to be split over copy lanes.
+  Cache c(7);
+  c.layout = KvLayout{2, 4, 4, 128, DType::kF16};
+  c.tokens = 1024;
+  c.k.clear();
+  c.v.clear();
+  testing::RandomLayersF16(c.layout, c.tokens, 7, &c.k, &c.v);
+  const int daemon = daemon_->ports().pid;
+  auto put_with = [&](ClientOptions o, const std::string& key) -> std::unique_ptr<Client> {
+    auto client = Client::Connect({endpoint_}, o);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return nullptr;
+    auto put = (*client)->Put(kModel, key, c.layout, c.tokens, c.layers());
+    EXPECT_TRUE(put.ok()) << put.status();
+    return std::move(*client);
+  };
+  {
+    auto direct = put_with(ClientOptions{}, "direct");
+    ASSERT_NE(direct, nullptr);
+    EXPECT_EQ(SharedMappings(daemon), 0);
+    EXPECT_EQ(CopyThreads(), 0);
+  }
+  auto want = client_->Get(kModel, "direct");
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (uint32_t lanes : {1u, 3u}) {
+    SCOPED_TRACE(::testing::Message() << lanes << " copy lanes");
+    ClientOptions o;
+    o.shm_direct = false;
+    o.shm_copy_lanes = lanes;
+    const std::string key = "regions-" + std::to_string(lanes);
+    {
+      auto regions = put_with(o, key);
+      ASSERT_NE(regions, nullptr);
+      EXPECT_GE(SharedMappings(daemon), 1);
+      if (lanes == 1) {
+        EXPECT_EQ(CopyThreads(), 0);
+      } else {
+        EXPECT_GE(CopyThreads(), 1);
+        EXPECT_LE(CopyThreads(), static_cast<int>(lanes));
+      }
+    }
+    EXPECT_EQ(CopyThreads(), 0);  // joined with the client's connection
+    auto got = client_->Get(kModel, key);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->positions, want->positions);
+    EXPECT_EQ(got->keys, want->keys);
+    EXPECT_EQ(got->values, want->values);
+  }
+  ClientOptions bad;
+  bad.shm_copy_lanes = 17;
+  auto refused = Client::Connect({endpoint_}, bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "shm_copy_lanes"));
 }
 
 TEST(ClientConnect, UnreachableEndpointIsUnavailable) {

@@ -102,6 +102,16 @@ struct ClientOptions {
   // offers it and runs on this host (docs/protocol.md, "Shared memory"); false keeps them on
   // UCX. Default true.
   bool shared_memory = true;
+  // Through shared memory, let the daemon copy a put's blocks straight out of this process's
+  // memory and a get's cache straight into it where the kernel allows it (one copy; direct
+  // mode); false: always through the memory regions this client passes it (a copy at each
+  // end). Default true.
+  bool shm_direct = true;
+  // Threads that copy put blocks into this client's shared put region when the regions carry
+  // them (not in direct mode): several blocks at once, a block of 512 KiB or more split over
+  // them; 1 copies each block on the calling thread. 0: one per 4 CPUs this process may run
+  // on, 1 to 4 (as kvcompd's data_plane.shm_copy_lanes). At most 16. Default 0.
+  uint32_t shm_copy_lanes = 0;
   // DNS servers that resolve "dns:///" endpoints: "ip[:port]" or "[ipv6]:port", comma-separated
   // (e.g. "127.0.0.1:5353"). Empty (default): the system's, from /etc/resolv.conf, whose search
   // domains apply either way; /etc/hosts is read first either way.
@@ -111,7 +121,7 @@ struct ClientOptions {
   // Service's records). Connect answers InvalidArgument for any option out of its range:
   // replicas [1, 64], attempts_per_endpoint [1, 100], max_block_bytes [4 KiB, 1 GiB],
   // connect_timeout [1 ms, 1 h], request_timeout [1 ms, 24 h], max_backoff [0, 10 min],
-  // initial_backoff [0, max_backoff], down_for [0, 1 h].
+  // initial_backoff [0, max_backoff], down_for [0, 1 h], shm_copy_lanes [0, 16].
   absl::Duration dns_refresh_interval = absl::Seconds(5);
 };
 
