@@ -12,7 +12,8 @@
 #
 # Knobs: KVCOMP_TLS_LIST (default "tcp sm,tcp:shm sm,tcp:shm-regions sm,tcp"): UCX_TLS,
 # optionally with a mode: ":noerr" runs kvcomp with UcxConfig::peer_error_handling off (UCX may
-# then use cma), ":shm" moves kvcomp's payloads over the same-host shared-memory link in direct
+# then use cma), ":noverify" runs the server without checking the blocks' CRC32C (the client
+# still computes them), ":shm" moves kvcomp's payloads over the same-host shared-memory link in direct
 # mode (one copy), ":shm-regions" over its memfd regions (two copies); the perftest beside them
 # runs with the UCX_TLS part; a mode may end in "/N": the server copies shared-memory blocks on
 # N threads (data_plane.shm_copy_lanes; default its own, one per 4 CPUs) and the client copies
@@ -71,6 +72,7 @@ server_flags() {
   local f
   f="--shm_copy_lanes=$(lanes_of "$1")"
   [ "$(mode_of "$1")" = noerr ] && f="$f --peer_errors=0"
+  if [ "$(mode_of "$1")" = noverify ]; then f="$f --verify=0"; else f="$f --verify=$VERIFY"; fi
   echo "$f"
 }
 load() { cut -d' ' -f1 /proc/loadavg; }
@@ -102,7 +104,7 @@ kvcomp_once() {
   tls=$(tls_of "$1")
   out=$(mktemp)
   # shellcheck disable=SC2046
-  UCX_TLS=$tls "$BENCH" server --verify="$VERIFY" $(server_flags "$1") >"$out" 2>&1 &
+  UCX_TLS=$tls "$BENCH" server $(server_flags "$1") >"$out" 2>&1 &
   local sp=$!
   PIDS+=("$sp")
   local port=""
@@ -174,6 +176,9 @@ RESULTS=${KVCOMP_RESULTS:-$ROOT/bench/results/transport_$DATE.md}
   echo "- reference: ucx_perftest -t ucp_am_bw -s 1048576 -n $BLOCKS -w 100 (same UCX_TLS; perftest"
   echo "  uses no peer error handling, so UCX may pick cma for rendezvous on one host)."
   echo "- \":noerr\": kvcomp with UcxConfig::peer_error_handling=false on both sides (cma allowed)."
+  echo "- \":noverify\": the server does not check the blocks' CRC32C (the client still computes them)."
+  echo "- one thread here: $("$BENCH" crc 2>/dev/null | sed -E 's/^RESULT //; s/ \(checksum.*//') (1 MiB"
+  echo "  pieces of 256 MiB buffers; the server checks a block's CRC32C on its copy threads)."
   echo "- \":shm\": kvcomp's blocks over the same-host shared-memory link (transport/shm_link.h),"
   echo "  direct mode: the server reads each block from the client's memory (one copy, no CRC);"
   echo "  \":shm-regions\": through the client's memfd put region (the client's copy in, the"
