@@ -31,6 +31,7 @@ Codecs (spec strings):
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -384,3 +385,95 @@ def encode(spec: str, X: torch.Tensor, is_key: bool):  # noqa: F811 - extends th
     if spec.startswith("pca"):
         return pca_encode(spec, X, is_key)
     return _encode_base(spec, X, is_key)
+
+
+# --- the engine's calibrated basis codec (codecs/src/pq.cc, docs/format.md "The calibrated basis
+# codec"), operation for operation in numpy f32: the same record bytes and decoded values ---
+
+_PQ_INC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "codecs", "src", "pq_codebooks.inc")
+
+
+@lru_cache(maxsize=1)
+def pq_codebooks():
+    """{width: f32 centroids} and the f32 boundaries, read from the engine's codebook file."""
+    text = open(_PQ_INC).read()
+    cents = {}
+    for w in range(1, 9):
+        body = text.split(f"kCentroids{w}[")[1].split("{", 1)[1].split("}", 1)[0]
+        vals = [float.fromhex(v.strip().rstrip("f")) for v in body.split(",") if v.strip()]
+        cents[w] = np.array(vals, dtype=np.float32)
+    bounds = {w: ((c[:-1] + c[1:]) * np.float32(0.5)).astype(np.float32)
+              for w, c in cents.items()}
+    return cents, bounds
+
+
+def pq_engine_encode(basis, head, x):
+    """basis: dict of numpy arrays mean [heads, d], inv_scale [heads, d], widths [heads, d]
+    (uint8), basis [heads, d, d], bits_total; x [rows, d] f32 -> records [rows, RecordBytes]."""
+    _, bounds = pq_codebooks()
+    x = np.asarray(x, np.float32)
+    d = x.shape[1]
+    B = basis["basis"][head].astype(np.float32)
+    wd = basis["widths"][head]
+    idx = np.nonzero(wd)[0]
+    t = (x - basis["mean"][head].astype(np.float32)[None]).astype(np.float32)
+    bt = B[idx].T  # [d, nc]
+    acc = (bt[0][None] * t[:, :1]).astype(np.float32)
+    for j in range(1, d):
+        acc = (acc + (bt[j][None] * t[:, j:j + 1]).astype(np.float32)).astype(np.float32)
+    u = (acc * basis["inv_scale"][head][idx].astype(np.float32)[None]).astype(np.float32)
+    if np.isnan(u).any():
+        raise ValueError("pq: overflow in the projection")
+    rec = (int(basis["bits_total"]) + 7) // 8
+    bits = np.zeros((x.shape[0], rec * 8), np.uint8)
+    off = 0
+    for k, c in enumerate(idx):
+        w = int(wd[c])
+        code = np.searchsorted(bounds[w], u[:, k], side="left")  # boundaries < u
+        for i in range(w):
+            bits[:, off + i] = (code >> i) & 1
+        off += w
+    return np.packbits(bits, axis=1, bitorder="little")
+
+
+def pq_engine_decode(basis, head, records):
+    cents, _ = pq_codebooks()
+    rec = np.asarray(records, np.uint8)
+    bits = np.unpackbits(rec, axis=1, bitorder="little").astype(np.int64)
+    B = basis["basis"][head].astype(np.float32)
+    wd = basis["widths"][head]
+    d = B.shape[1]
+    a = None
+    off = 0
+    for c in range(d):
+        w = int(wd[c])
+        if w == 0:
+            continue
+        code = sum(bits[:, off + i] << i for i in range(w))
+        off += w
+        v = (cents[w][code] * np.float32(basis["scale"][head][c])).astype(np.float32)
+        term = (v[:, None] * B[c][None]).astype(np.float32)
+        a = term if a is None else (a + term).astype(np.float32)
+    mean = basis["mean"][head].astype(np.float32)[None]
+    if a is None:
+        return np.repeat(mean, rec.shape[0], axis=0)
+    return (mean + a).astype(np.float32)
+
+
+def pq_basis_bytes(basis):
+    """The basis' serialized form (KVPQ version 1) and its fingerprint."""
+    L, H, d = basis["num_layers"], basis["num_kv_heads"], basis["mean"].shape[1]
+    pay = bytearray()
+    for h in range(L * H):
+        for k in ("mean", "scale", "inv_scale"):
+            pay += np.asarray(basis[k][h], "<f4").tobytes()
+        pay += np.asarray(basis["basis"][h], "<f4").tobytes()
+        pay += np.asarray(basis["widths"][h], np.uint8).tobytes()
+    fp = 0xcbf29ce484222325
+    for byte in bytes(pay):
+        fp = ((fp ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    fp = fp or 1
+    head = b"KVPQ" + bytes([1, 0, 0, 0]) + np.array([L, H, d, basis["bits_total"]],
+                                                     "<u4").tobytes() + np.array([fp], "<u8").tobytes()
+    return head + bytes(pay), fp
