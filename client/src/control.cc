@@ -257,6 +257,7 @@ absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address
   req.__set_device_uuid(device_uuid);
   if (!ipc_event.empty()) req.__set_ipc_event(ipc_event);
   req.__set_data_plane_puts(true);
+  req.__set_data_plane_gets(true);
   rpc::GpuChannelResponse r;
   KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
     control.OpenGpuChannel(r, auth, req);
@@ -275,7 +276,7 @@ absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address
   g.max_transfer_bytes = static_cast<uint64_t>(std::max<int64_t>(0, r.max_transfer_bytes));
   g.transfer_timeout = absl::Milliseconds(std::max(1, r.transfer_timeout_ms));
   g.ipc = ipc;
-  g.data_plane_puts = r.__isset.data_plane_puts && r.data_plane_puts;
+  g.data_plane = r.__isset.data_plane_gets && r.data_plane_gets;
   return g;
 }
 
@@ -284,68 +285,6 @@ absl::Status ControlCloseGpuChannel(const std::string& address, const ClientOpti
   rpc::GpuCloseResponse r;
   return WithControl(address, options, [&](auto& control, const auto& auth) {
     control.CloseGpuChannel(r, auth, static_cast<int64_t>(channel_id));
-    return r.status;
-  });
-}
-
-namespace {
-rpc::GpuIpcPayload ToRpcIpc(const GpuIpcTransfer& t) {
-  rpc::GpuIpcPayload p;
-  p.__set_buffers(t.buffers);
-  std::vector<rpc::GpuIpcChunk> chunks;
-  for (const GpuIpcTransfer::Chunk& c : t.chunks) {
-    rpc::GpuIpcChunk k;
-    k.__set_buffer(static_cast<int32_t>(c.buffer));
-    k.__set_offset(static_cast<int64_t>(c.offset));
-    k.__set_bytes(static_cast<int64_t>(c.bytes));
-    chunks.push_back(k);
-  }
-  p.__set_chunks(std::move(chunks));
-  return p;
-}
-
-}  // namespace
-
-absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const ClientOptions& options,
-                                          uint64_t channel_id, absl::string_view model_id,
-                                          absl::string_view key, GpuGetForm form,
-                                          uint64_t capacity, const GpuIpcTransfer* ipc,
-                                          bool layer_major) {
-  rpc::GpuGetRequest req;
-  rpc::CacheRef ref;
-  ref.__set_model_id(std::string(model_id));
-  ref.__set_key(std::string(key));
-  req.__set_ref(ref);
-  req.__set_form(static_cast<rpc::GpuGetForm::type>(static_cast<int>(form)));
-  req.__set_capacity(static_cast<int64_t>(std::min<uint64_t>(capacity, INT64_MAX)));
-  if (ipc != nullptr) req.__set_ipc(ToRpcIpc(*ipc));
-  if (layer_major) req.__set_layer_major(true);
-  rpc::GpuTransferResponse r;
-  KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
-    control.GpuGet(r, auth, static_cast<int64_t>(channel_id), req);
-    return r.status;
-  }));
-  GpuGetGrant g;
-  g.transfer_id = static_cast<uint64_t>(r.transfer_id);
-  g.payload_bytes = static_cast<uint64_t>(std::max<int64_t>(0, r.payload_bytes));
-  g.layout.num_layers = static_cast<uint32_t>(std::max(0, r.layout.num_layers));
-  g.layout.num_kv_heads = static_cast<uint32_t>(std::max(0, r.layout.num_kv_heads));
-  g.layout.num_q_heads = static_cast<uint32_t>(std::max(0, r.layout.num_q_heads));
-  g.layout.head_dim = static_cast<uint32_t>(std::max(0, r.layout.head_dim));
-  auto dtype = ParseDType(r.layout.dtype);
-  if (dtype.ok()) g.layout.dtype = *dtype;
-  g.num_tokens = static_cast<uint64_t>(std::max<int64_t>(0, r.num_tokens));
-  if (r.__isset.copy_seconds) g.copy_seconds = r.copy_seconds;
-  g.finish_optional = r.__isset.finish_optional && r.finish_optional;
-  return g;
-}
-
-absl::Status ControlGpuGetFinish(const std::string& address, const ClientOptions& options,
-                                 uint64_t channel_id, uint64_t transfer_id) {
-  rpc::GpuCloseResponse r;
-  return WithControl(address, options, [&](auto& control, const auto& auth) {
-    control.GpuGetFinish(r, auth, static_cast<int64_t>(channel_id),
-                         static_cast<int64_t>(transfer_id));
     return r.status;
   });
 }

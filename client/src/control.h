@@ -57,9 +57,9 @@ struct GpuChannelGrant {
   uint64_t max_transfer_bytes = 0;
   absl::Duration transfer_timeout;
   bool ipc = false;  // mode "ipc": the daemon shares the client's GPU (no NCCL communicator)
-  // The daemon takes the channel's puts as link blocks on the data plane (protocol 1.4); false:
-  // an older daemon, whose channel this SDK does not use.
-  bool data_plane_puts = false;
+  // The daemon takes the channel's puts and gets on the data plane (protocol 1.5); false: an
+  // older daemon, whose channel this SDK does not use.
+  bool data_plane = false;
 };
 // `ipc_event`: the handle of the client's interprocess event (offers CUDA IPC); empty: none.
 absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address,
@@ -67,34 +67,8 @@ absl::StatusOr<GpuChannelGrant> ControlOpenGpuChannel(const std::string& address
                                                       int nccl_version,
                                                       const std::string& device_uuid,
                                                       const std::string& ipc_event = "");
-// A transfer's client memory in mode "ipc": allocations' IPC handles and the payload's chunks.
-struct GpuIpcTransfer {
-  struct Chunk {
-    uint32_t buffer = 0;
-    uint64_t offset = 0;
-    uint64_t bytes = 0;
-  };
-  std::vector<std::string> buffers;
-  std::vector<Chunk> chunks;
-};
 absl::Status ControlCloseGpuChannel(const std::string& address, const ClientOptions& options,
                                     uint64_t channel_id);
-enum class GpuGetForm { kStored = 0, kDecoded = 1, kDenseKv = 2 };
-struct GpuGetGrant {
-  uint64_t transfer_id = 0;
-  uint64_t payload_bytes = 0;
-  double copy_seconds = 0;  // mode "ipc": the daemon's copy into the caller's memory
-  bool finish_optional = false;  // mode "nccl": the daemon collects its send (no GetFinish)
-  KvLayout layout;
-  uint64_t num_tokens = 0;
-};
-absl::StatusOr<GpuGetGrant> ControlGpuGet(const std::string& address, const ClientOptions& options,
-                                          uint64_t channel_id, absl::string_view model_id,
-                                          absl::string_view key, GpuGetForm form,
-                                          uint64_t capacity, const GpuIpcTransfer* ipc = nullptr,
-                                          bool layer_major = false);
-absl::Status ControlGpuGetFinish(const std::string& address, const ClientOptions& options,
-                                 uint64_t channel_id, uint64_t transfer_id);
 
 }  // namespace client
 }  // namespace kvcomp

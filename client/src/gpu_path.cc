@@ -160,23 +160,24 @@ bool Refused(const absl::Status& s) {
   return absl::IsUnauthenticated(s) || absl::IsPermissionDenied(s);
 }
 
-// The caller's memory of a transfer over CUDA IPC: the allocations holding `chunks` (one handle
-// each) and where each chunk lies in its allocation; the daemon's copies wait for `c`'s event,
-// recorded here on `stream` (after the caller's work so far). Memory the driver cannot share is
+// The caller's memory of a transfer over CUDA IPC, as the link's descriptor
+// (transport::EncodeIpcMemory): the allocations holding `chunks` (one handle each) and where each
+// chunk lies in its allocation; the daemon's copies wait for `c`'s event, recorded here on
+// `stream` (after the caller's work so far). Memory the driver cannot share is
 // kMemoryNotMappable (the next link moves it).
-absl::StatusOr<GpuIpcTransfer> Offer(GpuRuntime* rt, const GpuPath::Channel& c,
+absl::StatusOr<std::string> Describe(GpuRuntime* rt, const GpuPath::Channel& c,
                                      const std::vector<NcclLink::Chunk>& chunks, void* stream) {
-  GpuIpcTransfer t;
+  transport::IpcMemory m;
   for (const NcclLink::Chunk& k : chunks) {
-    absl::StatusOr<GpuRuntime::ExportedMemory> m = rt->ExportMemory(k.data);
-    if (!m.ok()) return WithDetail(m.status(), ErrorDetail::kMemoryNotMappable);
+    absl::StatusOr<GpuRuntime::ExportedMemory> e = rt->ExportMemory(k.data);
+    if (!e.ok()) return WithDetail(e.status(), ErrorDetail::kMemoryNotMappable);
     uint32_t index = 0;
-    while (index < t.buffers.size() && t.buffers[index] != m->handle) ++index;
-    if (index == t.buffers.size()) t.buffers.push_back(m->handle);
-    t.chunks.push_back({index, m->offset, k.bytes});
+    while (index < m.handles.size() && m.handles[index] != e->handle) ++index;
+    if (index == m.handles.size()) m.handles.push_back(e->handle);
+    m.regions.push_back({index, e->offset, k.bytes});
   }
   KVCOMP_RETURN_IF_ERROR(rt->RecordEvent(c.ipc_event, stream));
-  return t;
+  return transport::EncodeIpcMemory(m);
 }
 
 // K and V chunks of `layers` in transfer order: every layer's keys then every layer's values,
@@ -227,13 +228,7 @@ class LinkPut {
                                                        void* stream, bool layer_major) {
     std::string descriptor;
     if (c.ipc) {
-      KVCOMP_ASSIGN_OR_RETURN(GpuIpcTransfer t, Offer(rt, c, chunks, stream));
-      transport::IpcMemory m;
-      m.handles = std::move(t.buffers);
-      for (const GpuIpcTransfer::Chunk& k : t.chunks) {
-        m.regions.push_back({k.buffer, k.offset, k.bytes});
-      }
-      descriptor = transport::EncodeIpcMemory(m);
+      KVCOMP_ASSIGN_OR_RETURN(descriptor, Describe(rt, c, chunks, stream));
     }
     wire::PutBegin linked = begin;
     linked.link_channel = c.id;  // the daemon places the put on the channel's device
@@ -300,13 +295,38 @@ class LinkPut {
   bool done_ = false;
 };
 
+// A get whose payload goes over channel `c` (a data-plane get naming it, protocol 1.5) on
+// `conn`, the channel's endpoint: over CUDA IPC the get names the caller's memory `offer`
+// (transfer order) and the daemon's copies into it are done when it answers; over NCCL the
+// daemon's send is posted when it answers and the caller posts its receive.
+absl::StatusOr<wire::GetReply> LinkGet(UcxClient& conn, GpuRuntime* rt, const GpuPath::Channel& c,
+                                       absl::string_view model_id, absl::string_view key,
+                                       GpuGetForm form, uint64_t capacity,
+                                       const std::vector<NcclLink::Chunk>& offer, void* stream,
+                                       bool layer_major) {
+  std::string descriptor;
+  if (c.ipc) {
+    KVCOMP_ASSIGN_OR_RETURN(descriptor, Describe(rt, c, offer, stream));
+  }
+  wire::Get g;
+  g.representation = form == GpuGetForm::kDecoded ? wire::Representation::kDecoded
+                                                   : wire::Representation::kStored;
+  g.model_id = std::string(model_id);
+  g.key = std::string(key);
+  g.link_channel = c.id;
+  g.link_capacity = capacity;
+  g.link_dense = form == GpuGetForm::kDenseKv;
+  g.link_layer_major = layer_major;
+  return conn.GetOverLink(g, std::move(descriptor), absl::InfiniteFuture());
+}
+
 // A dense get whose cache has the call's bytes but not its layout: both layouts named (most
 // often the q heads: a put's num_q_heads that the get did not repeat).
-absl::Status LayoutMismatch(const GpuGetGrant& grant, const KvLayout& layout,
+absl::Status LayoutMismatch(const wire::GetReply& grant, const KvLayout& layout,
                             uint64_t num_tokens, uint64_t payload) {
   return absl::InvalidArgumentError(absl::StrCat(
       "the cache is ", grant.layout.DebugString(), " x ", grant.num_tokens, " tokens (",
-      grant.payload_bytes, " bytes); the call asked for ", layout.DebugString(), " x ",
+      grant.link_payload_bytes, " bytes); the call asked for ", layout.DebugString(), " x ",
       num_tokens, " tokens (", payload, " bytes): pass the num_q_heads the cache was put with"));
 }
 
@@ -427,10 +447,10 @@ absl::StatusOr<std::shared_ptr<GpuPath::Channel>> GpuPath::ChannelFor(
   channel->max_transfer_bytes = grant->max_transfer_bytes;
   channel->transfer_timeout = grant->transfer_timeout;
   channel->ipc = grant->ipc;
-  if (!grant->data_plane_puts) {
+  if (!grant->data_plane) {
     (void)ControlCloseGpuChannel(endpoint.control, options_, grant->channel_id);
     return refuse(absl::FailedPreconditionError(
-        "the daemon predates GPU channel puts on the data plane (protocol 1.4)"));
+        "the daemon predates GPU channel gets on the data plane (protocol 1.5)"));
   }
   if (!grant->ipc) {
     rt->DestroyEvent(channel->ipc_event);
@@ -586,22 +606,22 @@ absl::StatusOr<PutResult> GpuPath::Put(absl::string_view model_id, absl::string_
   return put_(model_id, key, layout, num_tokens, layers, stream, options);
 }
 
-absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
+absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::ChannelGet(
     const std::vector<EndpointAddress>& ranking, GpuRuntime* rt, int device,
     absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
     void* stream, const std::vector<NcclLink::Chunk>& offer, absl::FunctionRef<ChunksFn> place) {
   absl::Status why;
-  GpuIpcTransfer ipc;
   KVCOMP_ASSIGN_OR_RETURN(
       auto begun,
-      BeginOn<GpuGetGrant>(
+      BeginOn<wire::GetReply>(
           ranking, device,
-          [&](Channel& c) -> absl::StatusOr<std::optional<GpuGetGrant>> {
-            if (c.ipc) {
-              KVCOMP_ASSIGN_OR_RETURN(ipc, Offer(rt, c, offer, stream));
+          [&](Channel& c) -> absl::StatusOr<std::optional<wire::GetReply>> {
+            absl::StatusOr<std::shared_ptr<UcxClient>> conn = connect_(ranking[0]);
+            if (!conn.ok()) {  // the data plane walks the ranking
+              why = conn.status();
+              return std::nullopt;
             }
-            return ControlGpuGet(c.control, options_, c.id, model_id, key, form, capacity,
-                                 c.ipc ? &ipc : nullptr);
+            return LinkGet(**conn, rt, c, model_id, key, form, capacity, offer, stream, false);
           },
           &why));
   if (!begun) {
@@ -614,15 +634,15 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
     return std::nullopt;
   }
   const std::unique_ptr<Turn>& c = begun->first;
-  const GpuGetGrant& grant = begun->second;
+  const wire::GetReply& grant = begun->second;
   absl::StatusOr<std::vector<NcclLink::Chunk>> chunks = place(grant);
   DeviceGetResult out;
-  out.bytes = grant.payload_bytes;
+  out.bytes = grant.link_payload_bytes;
   if ((*c)->ipc) {
     // Already written (the daemon copied before answering): a mismatch is only reported.
     if (!chunks.ok()) return chunks.status();
     out.path = "ipc";
-    out.transfer_seconds = grant.copy_seconds;
+    out.transfer_seconds = static_cast<double>(grant.link_ns) * 1e-9;
     absl::MutexLock stats(&mu_);
     stats_.ipc_gets++;
     return std::optional<DeviceGetResult>(out);
@@ -640,10 +660,6 @@ absl::StatusOr<std::optional<DeviceGetResult>> GpuPath::NcclGet(
   if (!s.ok()) {
     Drop(c->channel(), s);
     return s;
-  }
-  // A daemon that does not collect its send itself waits to be told.
-  if (!grant.finish_optional) {
-    (void)ControlGpuGetFinish((*c)->control, options_, (*c)->id, grant.transfer_id);
   }
   out.path = "nccl";
   out.transfer_seconds = SecondsOf(*(*c)->timer);
@@ -666,10 +682,11 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetKv(absl::string_view model_id, absl:
 
   KVCOMP_ASSIGN_OR_RETURN(
       std::optional<DeviceGetResult> nccl,
-      NcclGet(ranking, rt, device, model_id, key, GpuGetForm::kDenseKv, payload, stream, chunks,
-              [&](const GpuGetGrant& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
+      ChannelGet(ranking, rt, device, model_id, key, GpuGetForm::kDenseKv, payload, stream,
+                 chunks,
+                 [&](const wire::GetReply& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
                 if (grant.layout != layout || grant.num_tokens != num_tokens ||
-                    grant.payload_bytes != payload) {
+                    grant.link_payload_bytes != payload) {
                   return LayoutMismatch(grant, layout, num_tokens, payload);
                 }
                 return chunks;
@@ -729,13 +746,14 @@ absl::StatusOr<DeviceGetResult> GpuPath::GetBytes(absl::string_view model_id,
   KVCOMP_ASSIGN_OR_RETURN(std::vector<EndpointAddress> ranking, ranking_(model_id, key));
   KVCOMP_ASSIGN_OR_RETURN(
       std::optional<DeviceGetResult> nccl,
-      NcclGet(ranking, rt, device, model_id, key,
-              decoded ? GpuGetForm::kDecoded : GpuGetForm::kStored, capacity, stream,
-              {{dst, capacity}},
-              [&](const GpuGetGrant& grant) -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
-                return std::vector<NcclLink::Chunk>{
-                    {dst, static_cast<size_t>(grant.payload_bytes)}};
-              }));
+      ChannelGet(ranking, rt, device, model_id, key,
+                 decoded ? GpuGetForm::kDecoded : GpuGetForm::kStored, capacity, stream,
+                 {{dst, capacity}},
+                 [&](const wire::GetReply& grant)
+                     -> absl::StatusOr<std::vector<NcclLink::Chunk>> {
+                   return std::vector<NcclLink::Chunk>{
+                       {dst, static_cast<size_t>(grant.link_payload_bytes)}};
+                 }));
   if (nccl) return *std::move(nccl);
   return get_(model_id, key, decoded, dst, capacity, stream);
 }
@@ -971,12 +989,11 @@ class GpuPathGetStream : public DeviceGetStream {
   }
 
   // Over NCCL: receives every layer on the SDK's stream, one event per layer.
-  absl::Status Receive(std::unique_ptr<GpuPath::Turn> turn, const GpuGetGrant& grant,
+  absl::Status Receive(std::unique_ptr<GpuPath::Turn> turn, const wire::GetReply& grant,
                        const std::vector<DeviceLayerOut>& layers, uint64_t layer_bytes,
-                       int device, const ClientOptions& options) {
+                       int device) {
     turn_ = std::move(turn);
     grant_ = grant;
-    options_ = options;
     GpuPath::Channel& c = **turn_;
     deadline_ = absl::Now() + c.transfer_timeout;
     absl::Status s = rt_->SetDevice(device);
@@ -1027,20 +1044,16 @@ class GpuPathGetStream : public DeviceGetStream {
     if (done_) return failure_.ok() ? absl::StatusOr<DeviceGetResult>(result_) : failure_;
     done_ = true;
     if (turn_ == nullptr) return failure_.ok() ? absl::StatusOr<DeviceGetResult>(result_) : failure_;
-    GpuPath::Channel& c = **turn_;
     absl::Status s = got_->Wait(deadline_);
     if (!s.ok()) {
       Fail(s);
       return s;
     }
-    if (!grant_.finish_optional) {
-      (void)ControlGpuGetFinish(c.control, options_, c.id, grant_.transfer_id);
-    }
     s = rt_->StreamWaitStream(caller_, own_.stream);
     turn_.reset();
     if (!s.ok()) return s;
     absl::StatusOr<double> secs = timer_->Seconds(absl::Now() + absl::Seconds(1));
-    result_.bytes = grant_.payload_bytes;
+    result_.bytes = grant_.link_payload_bytes;
     result_.path = "nccl";
     result_.transfer_seconds = secs.ok() ? *secs : 0;
     path_->CountNcclGet();
@@ -1061,12 +1074,11 @@ class GpuPathGetStream : public DeviceGetStream {
   GpuRuntime* const rt_;
   const uint32_t layers_;
   void* const caller_;
-  ClientOptions options_;
   std::unique_ptr<GpuPath::Turn> turn_;
   std::unique_ptr<GpuRuntime::Timer> timer_;
   std::unique_ptr<NcclPayloadLink> link_;  // the layers' link
   std::shared_ptr<Completion> got_;        // the last layer's receive
-  GpuGetGrant grant_;
+  wire::GetReply grant_;
   absl::Time deadline_;
   DeviceGetResult result_;
   absl::Status failure_;
@@ -1087,24 +1099,26 @@ absl::StatusOr<std::unique_ptr<DeviceGetStream>> GpuPath::OpenGetStream(
   absl::Status why;
   KVCOMP_ASSIGN_OR_RETURN(
       auto begun,
-      BeginOn<GpuGetGrant>(
+      BeginOn<wire::GetReply>(
           ranking, device,
-          [&](Channel& c) -> absl::StatusOr<std::optional<GpuGetGrant>> {
+          [&](Channel& c) -> absl::StatusOr<std::optional<wire::GetReply>> {
             if (c.ipc) return std::nullopt;  // GetKv below: every layer at once, on the device
-            return ControlGpuGet(c.control, options_, c.id, model_id, key, GpuGetForm::kDenseKv,
-                                 payload, nullptr, /*layer_major=*/true);
+            absl::StatusOr<std::shared_ptr<UcxClient>> conn = connect_(ranking[0]);
+            if (!conn.ok()) return std::nullopt;  // GetKv below walks the ranking
+            return LinkGet(**conn, rt, c, model_id, key, GpuGetForm::kDenseKv, payload, {},
+                           nullptr, /*layer_major=*/true);
           },
           &why));
   if (begun) {
-    const GpuGetGrant& grant = begun->second;
+    const wire::GetReply& grant = begun->second;
     if (grant.layout != layout || grant.num_tokens != num_tokens ||
-        grant.payload_bytes != payload) {
+        grant.link_payload_bytes != payload) {
       (*begun->first)->link->Abort();  // its sends are posted and will not be received
       Drop(begun->first->channel(), absl::InvalidArgumentError("layout mismatch"));
       return LayoutMismatch(grant, layout, num_tokens, payload);
     }
     KVCOMP_RETURN_IF_ERROR(
-        out->Receive(std::move(begun->first), grant, layers, layer_bytes, device, options_));
+        out->Receive(std::move(begun->first), grant, layers, layer_bytes, device));
     return std::unique_ptr<DeviceGetStream>(std::move(out));
   }
   KVCOMP_ASSIGN_OR_RETURN(DeviceGetResult whole,

@@ -1,7 +1,8 @@
 // The SDK's device-memory calls (Client::PutDevice, GetKvIntoDevice, GetIntoDevice and the
 // layer-by-layer streams): over the GPU channel, negotiated on the control plane, when the
 // endpoint offers one (NCCL between two GPUs; CUDA IPC when the daemon is on the caller's GPU;
-// a put is a data-plane put whose one block's K and V go over the channel), else over the
+// a put is a data-plane put whose one block's K and V go over the channel, a get a data-plane
+// get whose reply names the channel's transfer), else over the
 // data plane, asked once: its payload links move the device memory in place
 // (ucx-cuda) or stage it through host memory (ucx). Channels are kept per (endpoint, device) for
 // the client's life; a channel whose transfer fails is aborted and dropped, and an endpoint that
@@ -33,6 +34,9 @@
 
 namespace kvcomp {
 namespace client {
+
+// What a get over the channel asks for: the cache as stored, decoded, or its dense K and V.
+enum class GpuGetForm { kStored, kDecoded, kDenseKv };
 
 class GpuPath {
  public:
@@ -94,14 +98,15 @@ class GpuPath {
   void Drop(const std::shared_ptr<Channel>& channel, const absl::Status& why);
   void NoteFallback(const std::string& endpoint, const absl::Status& why, bool put);
   // The device chunks a granted get is received into; an error refuses the grant.
-  using ChunksFn =
-      absl::StatusOr<std::vector<transport::NcclLink::Chunk>>(const GpuGetGrant& grant);
-  // A get over the GPU channel to the first endpoint of `ranking` (two tries): asks for `form`
-  // up to `capacity` bytes and receives it into the chunks `place` gives for the grant (an error
+  using ChunksFn = absl::StatusOr<std::vector<transport::NcclLink::Chunk>>(
+      const transport::wire::GetReply& grant);
+  // A get over the GPU channel to the first endpoint of `ranking` (two tries), a data-plane get
+  // naming the channel: asks for `form` up to `capacity` bytes and receives it into the chunks
+  // `place` gives for the answer (an error
   // from `place` aborts the transfer and is returned); in mode "ipc" the daemon writes `offer`
   // (the caller's memory, in transfer order) and `place` checks the grant afterwards. nullopt:
   // the fallback is noted and the get goes through host memory.
-  absl::StatusOr<std::optional<DeviceGetResult>> NcclGet(
+  absl::StatusOr<std::optional<DeviceGetResult>> ChannelGet(
       const std::vector<EndpointAddress>& ranking, transport::GpuRuntime* rt, int device,
       absl::string_view model_id, absl::string_view key, GpuGetForm form, uint64_t capacity,
       void* stream, const std::vector<transport::NcclLink::Chunk>& offer,

@@ -511,6 +511,51 @@ class DataHandler : public transport::RequestHandler {
                        });
   }
 
+  // A get over the GPU channel (wire::Get::link_channel): the channel reads the cache and sends
+  // its bytes, or its dense K and V, on its link (GpuChannels::Send); the answer names the
+  // transfer. Another tenant's channel is NotFound + kLinkGone, another tenant's cache
+  // NotFound, as for any get.
+  void SendOverLink(const transport::Session& session, const wire::Get& get,
+                    std::string descriptor, transport::LinkSent sent) override {
+    ctx_->gets_total.fetch_add(1);
+    auto key = TenantKey(session, get.model_id, get.key);
+    absl::Status s = key.status();
+    if (s.ok() && ctx_->gpu == nullptr) {
+      s = absl::FailedPreconditionError("no GPU channel on this daemon");
+    }
+    if (!s.ok()) {
+      ctx_->metrics->CountError("get", s);
+      sent(s);
+      return;
+    }
+    GpuLinkSend r;
+    r.key = *std::move(key);
+    r.form = get.link_dense ? GpuGetForm::kDenseKv
+                            : (get.representation == wire::Representation::kStored
+                                   ? GpuGetForm::kStored
+                                   : GpuGetForm::kDecoded);
+    r.capacity = get.link_capacity;
+    r.layer_major = get.link_layer_major;
+    r.descriptor = std::move(descriptor);
+    ServiceContext* ctx = ctx_;
+    ctx_->gpu->Send(session.tenant, get.link_channel, std::move(r),
+                    [ctx, rep = get.representation,
+                     sent = std::move(sent)](absl::StatusOr<GpuGetBegun> got) mutable {
+                      if (!got.ok()) {
+                        ctx->metrics->CountError("get", got.status());
+                        sent(got.status());
+                        return;
+                      }
+                      wire::GetReply reply;
+                      reply.representation = rep;
+                      reply.link_payload_bytes = got->payload_bytes;
+                      reply.layout = got->layout;
+                      reply.num_tokens = got->num_tokens;
+                      reply.link_ns = static_cast<uint64_t>(got->copy_seconds * 1e9);
+                      sent(std::move(reply));
+                    });
+  }
+
   void OnLookup(const transport::Session& session, const wire::Lookup& lookup,
                 transport::LookupDone done) override {
     auto key = TenantKey(session, lookup.model_id, lookup.key);

@@ -41,13 +41,13 @@ using Regions = std::vector<MemoryRegion>;
 // order both sides post them: each layer's keys, then each layer's values; or, layer-major,
 // K0, V0, K1, V1, ... (NCCL matches sends and receives one to one, so the order is part of the
 // protocol).
-Regions LayerRegions(void* staging, const KvLayout& layout, uint64_t tokens, bool layer_major) {
+Regions LayerRegions(void* memory, const KvLayout& layout, uint64_t tokens, bool layer_major) {
   const uint64_t layer = layout.LayerBytes(tokens);
   const uint32_t n = layout.num_layers;
   Regions regions;
   for (uint32_t i = 0; i < 2 * n; ++i) {
     const uint32_t slot = layer_major ? (i % 2) * n + i / 2 : i;
-    regions.push_back({static_cast<uint8_t*>(staging) + slot * layer, layer,
+    regions.push_back({static_cast<uint8_t*>(memory) + slot * layer, layer,
                        transport::MemoryKind::kCuda});
   }
   return regions;
@@ -97,27 +97,18 @@ struct Channel {
   absl::Mutex op_mu;
   std::unique_ptr<NcclLink> link;
   void* stream = nullptr;
-  void* staging = nullptr;
-  size_t staging_bytes = 0;
   std::unique_ptr<GpuRuntime::Timer> timer;
   // The channel's payload link (CudaIpcLink or NcclPayloadLink over `link`), made with `stream`.
   std::unique_ptr<transport::PayloadLink> payload;
   // What puts receive into: the channel's device memory, handed to the put with its K and V
-  // (a new one is made while a put still holds the last).
+  // (a new one is made while a put still holds the last); what gets send from, likewise.
   std::shared_ptr<uint8_t> recv;
   size_t recv_bytes = 0;
-  // A get's send over NCCL posted and not yet collected (the channel's next transfer, or the
-  // sweep past its deadline, collects it: the client does not say when it has received).
-  enum class Pending { kNone, kGet } pending = Pending::kNone;
-  std::shared_ptr<Completion> inflight;
-  bool sent = false;  // the last transfer was a get's send
-  uint64_t transfer_id = 0;
+  std::shared_ptr<uint8_t> send;
+  size_t send_bytes = 0;
   std::vector<void*> mapped;      // mode "ipc": the client's allocations mapped for a transfer
-  absl::Time deadline;
 
   std::atomic<int64_t> last_used_ns{0};
-  std::atomic<int64_t> pending_deadline_ns{0};  // 0: nothing pending
-  std::atomic<bool> sent_pending{false};        // the transfer pending is a get's send
   std::atomic<bool> dead{false};
 
   ~Channel() {
@@ -339,261 +330,438 @@ class GpuChannelsImpl : public GpuChannels {
     }
   }
 
-  absl::StatusOr<GpuGetBegun> GetBegin(const std::string& tenant, uint64_t id, const CacheKey& key,
-                                       GpuGetForm form, uint64_t capacity,
-                                       const GpuTransferShape& shape) override {
-    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
-    KVCOMP_RETURN_IF_ERROR(CheckMode(*c, shape));
-    KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
-    if (form != GpuGetForm::kDecoded && service_->engine()->uses_gpu()) {
-      // From the store on the device: a STORED get straight into the staging buffer (from the
-      // GPU tier one copy on the device), a dense one densified or decoded there.
-      KVCOMP_ASSIGN_OR_RETURN(std::optional<GpuGetBegun> direct,
-                              form == GpuGetForm::kStored
-                                  ? GetStoredOnDevice(c, key, capacity, shape)
-                                  : GetDenseOnDevice(c, key, capacity, shape));
-      if (direct.has_value()) return *direct;
+  void Send(const std::string& tenant, uint64_t id, GpuLinkSend r, GpuSentFn done) override {
+    absl::StatusOr<std::shared_ptr<Channel>> c = Find(tenant, id);
+    absl::StatusOr<std::optional<GpuIpcSpec>> ipc =
+        c.ok() ? IpcOf(**c, r.descriptor) : absl::StatusOr<std::optional<GpuIpcSpec>>(c.status());
+    if (ipc.ok() && draining_.load()) ipc = absl::UnavailableError("draining: no new gets");
+    if (!ipc.ok()) {
+      done(ipc.status());
+      return;
     }
-    const Representation rep =
-        form == GpuGetForm::kStored ? Representation::kStored : Representation::kDecoded;
-    absl::Notification got;
-    absl::StatusOr<storage::Payload> payload = absl::UnknownError("no answer");
-    service_->Get(key, rep, [&](absl::StatusOr<storage::Payload> r) {
-      payload = std::move(r);
-      got.Notify();
-    });
-    got.WaitForNotification();
-    KVCOMP_RETURN_IF_ERROR(payload.status());
+    auto job = std::make_shared<GetJob>();
+    job->c = *std::move(c);
+    job->r = std::move(r);
+    job->ipc = *std::move(ipc);
+    job->done = std::move(done);
+    Touch(*job->c);
+    Then(job, [this, job] { Start(job); }, /*admit=*/true);
+  }
+
+  // A get's steps, each on a thread of transfers_ (or of the service, or of an engine, which
+  // hand the next step back here): where the payload comes from, then PostSend.
+  struct GetJob {
+    std::shared_ptr<Channel> c;
+    GpuLinkSend r;
+    std::optional<GpuIpcSpec> ipc;
     GpuGetBegun out;
+    std::shared_ptr<uint8_t> memory;  // the payload, device memory of the channel's device
+    std::shared_ptr<void> stored;     // a stored cache read into device memory (dense gets)
+    GpuSentFn done;
+  };
+  using Job = std::shared_ptr<GetJob>;
+
+  // Runs `step` on a thread of transfers_; `admit`: a new get, refused busy past the pool's
+  // bound (a later step always queues: its get was admitted).
+  void Then(const Job& job, absl::AnyInvocable<void()> step, bool admit = false) {
+    absl::MutexLock lock(&mu_);
+    bool queued = false;
+    if (!stopped_ && transfers_ != nullptr) {
+      if (admit) {
+        queued = transfers_->TrySubmit(std::move(step));
+      } else {
+        transfers_->Submit(std::move(step));
+        queued = true;
+      }
+    }
+    if (!queued) {
+      Finish(job, stopped_ || transfers_ == nullptr
+                      ? absl::UnavailableError("stopping: no new gets")
+                      : BusyError("GPU channel transfers queued at their bound"));
+    }
+  }
+
+  // Answers the get (once).
+  static void Finish(const Job& job, absl::StatusOr<GpuGetBegun> out) {
+    if (job->done) std::exchange(job->done, nullptr)(std::move(out));
+  }
+
+  // A step that holds the channel: `step` runs under its op_mu with the channel usable; an
+  // error answers the get.
+  void Hold(const Job& job, absl::FunctionRef<absl::Status()> step) {
+    Channel& c = *job->c;
+    absl::MutexLock op(&c.op_mu);
+    absl::Status s = Usable(job->c);
+    if (s.ok()) s = step();
+    if (!s.ok()) Finish(job, s);
+  }
+
+  void Start(const Job& job) {
+    if (absl::Status s = AwaitJoin(*job->c); !s.ok()) return Finish(job, s);
+    const GpuLinkSend& r = job->r;
+    if (r.form != GpuGetForm::kDecoded && service_->engine()->uses_gpu()) {
+      // From the store on the device: a STORED get read straight into the channel's memory
+      // (from the GPU tier one copy on the device), a dense one densified or decoded there.
+      // The repository answers on this thread: no wait on the service's serve pool.
+      absl::StatusOr<CacheSummary> sum = service_->repository()->Summarize(r.key);
+      if (!sum.ok()) return Finish(job, sum.status());
+      absl::StatusOr<bool> served = r.form == GpuGetForm::kStored ? StoredOnDevice(job, *sum)
+                                                                   : DenseOnDevice(job, *sum);
+      if (!served.ok()) return Finish(job, served.status());
+      if (*served) return;
+    }
+    FromHost(job);
+  }
+
+  // The cache read by the service into host memory; the next step copies it up.
+  void FromHost(const Job& job) {
+    const Representation rep =
+        job->r.form == GpuGetForm::kStored ? Representation::kStored : Representation::kDecoded;
+    service_->Get(job->r.key, rep, [this, job](absl::StatusOr<storage::Payload> payload) mutable {
+      if (!payload.ok()) return Finish(job, payload.status());
+      Then(job, [this, job, payload = *std::move(payload)] { UpFromHost(job, payload); });
+    });
+  }
+
+  void UpFromHost(const Job& job, const storage::Payload& payload) {
+    GpuGetBegun& out = job->out;
     std::shared_ptr<uint8_t> host;
     absl::Status s;
-    if (form == GpuGetForm::kDenseKv) {
-      KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(payload->view()));
-      out.layout = cache.layout;
-      out.num_tokens = cache.original_tokens;
-      out.payload_bytes = cache.layout.CacheBytes(cache.original_tokens);
-      if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
-      host = PinnedBuffer(rt_, c->device, out.payload_bytes, &s);
-      KVCOMP_RETURN_IF_ERROR(s);
-      KVCOMP_RETURN_IF_ERROR(cache.WriteDenseKv(host.get()));
+    bool whole = true;
+    if (job->r.form == GpuGetForm::kDenseKv) {
+      absl::StatusOr<CompressedCache> cache = format::ParseCache(payload.view());
+      if (!cache.ok()) return Finish(job, cache.status());
+      out.layout = cache->layout;
+      out.num_tokens = cache->original_tokens;
+      out.payload_bytes = cache->layout.CacheBytes(cache->original_tokens);
+      if (out.payload_bytes > job->r.capacity) return Finish(job, TooLarge(out, job->r.capacity));
+      host = PinnedBuffer(rt_, job->c->device, out.payload_bytes, &s);
+      if (s.ok()) s = cache->WriteDenseKv(host.get());
+      whole = false;
     } else {
-      absl::StatusOr<format::CacheInfo> info = format::PeekCache(payload->view());
+      absl::StatusOr<format::CacheInfo> info = format::PeekCache(payload.view());
       if (info.ok()) {
         out.layout = info->layout;
         out.num_tokens = info->original_tokens;
       }
-      out.payload_bytes = payload->size();
-      if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
-      host = PinnedBuffer(rt_, c->device, out.payload_bytes, &s);
-      KVCOMP_RETURN_IF_ERROR(s);
-      std::memcpy(host.get(), payload->data(), payload->size());
+      out.payload_bytes = payload.size();
+      if (out.payload_bytes > job->r.capacity) return Finish(job, TooLarge(out, job->r.capacity));
+      host = PinnedBuffer(rt_, job->c->device, out.payload_bytes, &s);
+      if (s.ok()) std::memcpy(host.get(), payload.data(), payload.size());
     }
-    absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(c));
-    s = Stage(*c, out.payload_bytes);
-    if (s.ok()) {
-      s = rt_->CopyAsync(c->staging, host.get(), out.payload_bytes,
-                         GpuRuntime::Copy::kHostToDevice, c->stream);
-    }
-    // The payload is in device memory before the answer: the client's receive (and its timer)
-    // then waits only for the transfer itself.
-    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) return Fail(c, s);
-    // `host` is no longer read (the stream was waited for): the pinned copy goes on return.
-    return form == GpuGetForm::kDenseKv ? SendStaged(c, out, shape)
-                                        : SendStaged(c, out, shape, /*whole=*/true);
+    if (!s.ok()) return Finish(job, s);
+    Hold(job, [&]() -> absl::Status {
+      Channel& c = *job->c;
+      absl::Status st = SendBuffer(*job, out.payload_bytes);
+      if (st.ok()) {
+        st = rt_->CopyAsync(job->memory.get(), host.get(), out.payload_bytes,
+                            GpuRuntime::Copy::kHostToDevice, c.stream);
+      }
+      // In device memory before the answer: the client's receive then waits only for the
+      // transfer (and `host` may go).
+      if (st.ok()) st = rt_->WaitStream(c.stream, absl::Now() + timeout_);
+      if (!st.ok()) return Fail(job->c, st);
+      return PostSend(job, whole);
+    });
   }
 
-  // A dense get served on the device: when the cache kept every token of every head with raw
-  // codecs, its keys section is the dense K ([layer][head][token][dim], head order, tokens in
-  // order) and its values section the dense V. The stored cache is read into device memory
-  // (ReadStored), and the two sections are copied into the staging buffer on the device
-  // (transport::CopyDenseKv, as the SDK's dense get over CUDA-aware UCX does); then it goes to
-  // the client as any dense get. nullopt: another kind of cache, or the store cannot serve it on
-  // the device; the caller densifies through host memory.
-  absl::StatusOr<std::optional<GpuGetBegun>> GetDenseOnDevice(const std::shared_ptr<Channel>& c,
-                                                              const CacheKey& key,
-                                                              uint64_t capacity,
-                                                              const GpuTransferShape& shape) {
-    // The repository answers on this thread: no wait on the service's serve pool.
-    KVCOMP_ASSIGN_OR_RETURN(const CacheSummary sum, service_->repository()->Summarize(key));
-    if (sum.total_kept != sum.layout.num_heads_total() * sum.original_tokens) {
-      return std::optional<GpuGetBegun>();  // the host path says why it has no dense form
+  // A STORED get read from the store into the channel's memory (CacheRepository::GetInto) and
+  // sent. false: the store cannot serve it on the device here (the host path serves it).
+  absl::StatusOr<bool> StoredOnDevice(const Job& job, const CacheSummary& sum) {
+    if (sum.stored_bytes > job->r.capacity) {
+      return absl::OutOfRangeError(absl::StrCat("the payload is ", sum.stored_bytes,
+                                                " bytes; the client can take ", job->r.capacity));
     }
+    bool served = false;
+    Hold(job, [&]() -> absl::Status {
+      absl::Status s = SendBuffer(*job, sum.stored_bytes);
+      if (!s.ok()) return Fail(job->c, s);
+      KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
+                              ReadOnDevice(*job->c, job->r.key, job->memory.get(),
+                                           sum.stored_bytes));
+      if (!meta.has_value()) return absl::OkStatus();
+      served = true;
+      job->out.payload_bytes = meta->stored_bytes;
+      job->out.layout = sum.layout;
+      job->out.num_tokens = sum.original_tokens;
+      return PostSend(job, /*whole=*/true);
+    });
+    return served || job->done == nullptr;
+  }
+
+  // A dense get served on the device. A cache that kept every token of every head with raw
+  // codecs has the dense K as its keys section and the dense V as its values section: read
+  // into device memory and copied into the channel's memory (transport::CopyDenseKv, as the
+  // SDK's dense get over CUDA-aware UCX does). An encoded one is decoded by the engine on the
+  // channel's device (DecodeOnDevice). false: another kind of cache, or the store cannot serve
+  // it on the device (the host path densifies it, or says why it has no dense form).
+  absl::StatusOr<bool> DenseOnDevice(const Job& job, const CacheSummary& sum) {
+    if (sum.total_kept != sum.layout.num_heads_total() * sum.original_tokens) return false;
+    GpuGetBegun& out = job->out;
+    out.layout = sum.layout;
+    out.num_tokens = sum.original_tokens;
+    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
+    if (out.payload_bytes > job->r.capacity) return TooLarge(out, job->r.capacity);
     if (sum.key_codec != KeyCodec::kRaw || sum.value_codec != ValueCodec::kRaw) {
-      return DecodeDenseOnDevice(c, key, sum, capacity, shape);
+      return DecodeOnDevice(job, sum);
     }
-    KVCOMP_ASSIGN_OR_RETURN(GpuGetBegun out, DenseOf(sum, capacity));
-    absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(c));
-    KVCOMP_ASSIGN_OR_RETURN(std::optional<StoredOnDevice> stored, ReadStored(c, key, sum, out));
-    if (!stored.has_value()) return std::optional<GpuGetBegun>();
-    // Densified before the answer (and before the stored copy is freed).
-    std::vector<void*> keys(out.layout.num_layers), values(out.layout.num_layers);
-    const Regions staged = LayerRegions(c->staging, out.layout, out.num_tokens, false);
-    for (uint32_t l = 0; l < out.layout.num_layers; ++l) {
-      keys[l] = staged[l].data;
-      values[l] = staged[out.layout.num_layers + l].data;
-    }
-    absl::StatusOr<bool> dense =
-        transport::CopyDenseKv(rt_, stored->data(), stored->bytes, out.layout, out.num_tokens,
-                               keys, values, c->stream, absl::Now() + timeout_);
-    if (!dense.ok()) return Fail(c, dense.status());
-    if (!*dense) return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
-    KVCOMP_ASSIGN_OR_RETURN(out, SendStaged(c, out, shape));
-    return std::optional<GpuGetBegun>(out);
+    bool served = false;
+    Hold(job, [&]() -> absl::Status {
+      Channel& c = *job->c;
+      KVCOMP_ASSIGN_OR_RETURN(uint64_t stored, ReadStored(job, sum));
+      if (stored == 0) return absl::OkStatus();
+      const Regions to = LayerRegions(job->memory.get(), out.layout, out.num_tokens, false);
+      std::vector<void*> keys(out.layout.num_layers), values(out.layout.num_layers);
+      for (uint32_t l = 0; l < out.layout.num_layers; ++l) {
+        keys[l] = to[l].data;
+        values[l] = to[out.layout.num_layers + l].data;
+      }
+      absl::StatusOr<bool> dense =
+          transport::CopyDenseKv(rt_, static_cast<const uint8_t*>(job->stored.get()), stored,
+                                 out.layout, out.num_tokens, keys, values, c.stream,
+                                 absl::Now() + timeout_);
+      if (!dense.ok()) return Fail(job->c, dense.status());
+      if (!*dense) return absl::OkStatus();  // replaced meanwhile by another cache
+      served = true;
+      return PostSend(job, /*whole=*/false);
+    });
+    return served || job->done == nullptr;
   }
 
-  // A dense get of an encoded cache that kept every token (int8 or int4 keys, KVSplice values):
-  // the stored bytes are read and parsed on the host, decoded to raw codecs by a worker of the
-  // engine on the channel's device (the codecs run there: the encoded arrays go up, the decoded
-  // keys and values come down), and the decoded keys and values, already the dense K and V
-  // (rows in layer, head, token order), are copied into the staging buffer; nothing is encoded
-  // again nor densified on the host. nullopt (the caller's path through host memory): no GPU
-  // engine on the channel's device, its queue full, or the cache not dense after all.
-  absl::StatusOr<std::optional<GpuGetBegun>> DecodeDenseOnDevice(const std::shared_ptr<Channel>& c,
-                                                                 const CacheKey& key,
-                                                                 const CacheSummary& sum,
-                                                                 uint64_t capacity,
-                                                                 const GpuTransferShape& shape) {
-    Engine* engine = service_->engines()->OnDevice(c->device);
-    if (engine == nullptr || !engine->uses_gpu() || engine->failed()) {
-      return std::optional<GpuGetBegun>();
-    }
+  // A dense get of an encoded cache that kept every token, decoded by a worker of the engine on
+  // the channel's device (its CUDA backend), which hands the next step back to transfers_. With
+  // the Hadamard codecs (hq4 / hq3; a section may be raw) the stored bytes are read into device
+  // memory and each section is decoded row by row straight into the channel's memory (its
+  // records are in layer, head, token order: the dense K and V); nothing but the header crosses
+  // to the host. Other codecs (int8 / int4 keys, KVSplice values) are read and parsed on the
+  // host, decoded to raw codecs there by the engine's backend, and their sections copied up.
+  // false: no GPU engine on the channel's device, its queue full, or the cache not such a cache
+  // after all (replaced meanwhile).
+  absl::StatusOr<bool> DecodeOnDevice(const Job& job, const CacheSummary& sum) {
+    Engine* engine = service_->engines()->OnDevice(job->c->device);
+    if (engine == nullptr || !engine->uses_gpu() || engine->failed()) return false;
+    const GpuGetBegun& out = job->out;
     const bool rows = (sum.key_codec == KeyCodec::kRaw || HqBits(sum.key_codec) != 0) &&
                       (sum.value_codec == ValueCodec::kRaw || HqBits(sum.value_codec) != 0);
     if (rows) {
-      KVCOMP_ASSIGN_OR_RETURN(std::optional<GpuGetBegun> done,
-                              DecodeRowsOnDevice(c, key, sum, capacity, shape, engine));
-      if (done.has_value()) return done;
+      std::optional<format::DenseSections> d;
+      Hold(job, [&]() -> absl::Status {
+        KVCOMP_ASSIGN_OR_RETURN(uint64_t stored, ReadStored(job, sum));
+        if (stored == 0) return absl::OkStatus();
+        std::string head(
+            std::min<uint64_t>(stored, format::kHeaderBytes + 64 * format::kSectionEntryBytes),
+            '\0');
+        absl::Status s = rt_->CopyAsync(head.data(), job->stored.get(), head.size(),
+                                        GpuRuntime::Copy::kDeviceToHost, job->c->stream);
+        if (s.ok()) s = rt_->WaitStream(job->c->stream, absl::Now() + timeout_);
+        if (!s.ok()) return Fail(job->c, s);
+        absl::StatusOr<format::DenseSections> dense = format::DenseRowSections(head, stored);
+        if (dense.ok() && dense->info.layout == out.layout &&
+            dense->info.original_tokens == out.num_tokens) {
+          d = *std::move(dense);
+        }
+        return absl::OkStatus();
+      });
+      if (job->done == nullptr) return true;  // answered (failed)
+      if (d.has_value() &&
+          engine->TrySubmit(job->r.key.tenant, [this, job, engine, d = *d](Backend& backend) {
+            DecodeRows(job, engine, d, backend);
+          })) {
+        return true;
+      }
+      job->stored.reset();
     }
-    KVCOMP_ASSIGN_OR_RETURN(GpuGetBegun out, DenseOf(sum, capacity));
     // Read by the repository on this thread (no wait on the service's serve pool).
     KVCOMP_ASSIGN_OR_RETURN(storage::Payload stored,
-                            service_->repository()->Get(key, Representation::kStored));
+                            service_->repository()->Get(job->r.key, Representation::kStored));
     KVCOMP_ASSIGN_OR_RETURN(CompressedCache cache, format::ParseCache(stored.view()));
     const uint64_t tokens = cache.original_tokens;
     if (cache.layout != out.layout || tokens != out.num_tokens ||
         cache.positions.size() != cache.layout.num_heads_total() * tokens) {
-      return std::optional<GpuGetBegun>();  // replaced meanwhile by another cache
+      return false;
     }
     for (size_t i = 0; i < cache.positions.size(); ++i) {
-      if (cache.positions[i] != i % tokens) return std::optional<GpuGetBegun>();
+      if (cache.positions[i] != i % tokens) return false;
     }
-    // Decoded on the engine's worker (its CUDA backend on this device); this control-plane
-    // thread waits for it.
-    absl::Notification decoded;
-    absl::StatusOr<CompressedCache> raw = absl::UnknownError("not decoded");
-    if (!engine->TrySubmit(key.tenant, [&](Backend& backend) {
-          raw = service_->repository()->DecodeParsed(key, std::move(cache), &backend);
-          if (!raw.ok()) engine->CheckAfterError(backend, raw.status());
-          decoded.Notify();
-        })) {
-      return std::optional<GpuGetBegun>();
-    }
-    decoded.WaitForNotification();
-    KVCOMP_RETURN_IF_ERROR(raw.status());
-    const uint64_t half = out.payload_bytes / 2;
-    if (raw->keys.size() != half || raw->values.size() != half) {
-      return absl::InternalError("GPU channel: a decoded dense cache has the wrong size");
-    }
-    absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(c));
-    absl::Status s = Stage(*c, out.payload_bytes);
-    auto* base = static_cast<uint8_t*>(c->staging);
-    if (s.ok()) {
-      s = rt_->CopyAsync(base, raw->keys.data(), half, GpuRuntime::Copy::kHostToDevice,
-                         c->stream);
-    }
-    if (s.ok()) {
-      s = rt_->CopyAsync(base + half, raw->values.data(), half, GpuRuntime::Copy::kHostToDevice,
-                         c->stream);
-    }
-    // The decoded arrays are read by the copies: waited for before they go.
-    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) return Fail(c, s);
-    metrics_->AddTransferBytes(out.payload_bytes, 0);
-    KVCOMP_ASSIGN_OR_RETURN(out, SendStaged(c, out, shape));
-    return std::optional<GpuGetBegun>(out);
+    auto parsed = std::make_shared<CompressedCache>(std::move(cache));
+    return engine->TrySubmit(job->r.key.tenant, [this, job, engine, parsed](Backend& backend) {
+      absl::StatusOr<CompressedCache> raw =
+          service_->repository()->DecodeParsed(job->r.key, std::move(*parsed), &backend);
+      if (!raw.ok()) engine->CheckAfterError(backend, raw.status());
+      Then(job, [this, job, raw = std::move(raw)] { UpDecoded(job, raw); });
+    });
   }
 
-  // A dense get of a cache that kept every token with the Hadamard codecs (hq4 / hq3; one of the
-  // two sections may be raw): its sections hold one record per (layer, head, token) in order, so
-  // decoding them row by row writes the dense K and V. The stored bytes are read into device
-  // memory (ReadStored), the header and section table come to the host, and the engine's worker
-  // on the channel's device decodes each section (CodecOps::DecodeHq; a raw section is copied)
-  // straight into the staging buffer: nothing but the header crosses to the host. nullopt (the
-  // caller's other paths): the engine's queue is full, no device memory, the store cannot serve
-  // it on the device, or the bytes are not such a cache (replaced meanwhile; a damaged table is
-  // reported by the host path's parse).
-  absl::StatusOr<std::optional<GpuGetBegun>> DecodeRowsOnDevice(const std::shared_ptr<Channel>& c,
-                                                                const CacheKey& key,
-                                                                const CacheSummary& sum,
-                                                                uint64_t capacity,
-                                                                const GpuTransferShape& shape,
-                                                                Engine* engine) {
-    KVCOMP_ASSIGN_OR_RETURN(GpuGetBegun out, DenseOf(sum, capacity));
-    absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(c));
-    KVCOMP_ASSIGN_OR_RETURN(std::optional<StoredOnDevice> stored, ReadStored(c, key, sum, out));
-    if (!stored.has_value()) return std::optional<GpuGetBegun>();
-    std::string head(std::min<uint64_t>(stored->bytes,
-                                        format::kHeaderBytes + 64 * format::kSectionEntryBytes),
-                     '\0');
-    absl::Status s = rt_->CopyAsync(head.data(), stored->data(), head.size(),
-                                    GpuRuntime::Copy::kDeviceToHost, c->stream);
-    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) return Fail(c, s);
-    absl::StatusOr<format::DenseSections> dense = format::DenseRowSections(head, stored->bytes);
-    if (!dense.ok() || dense->info.layout != out.layout ||
-        dense->info.original_tokens != out.num_tokens) {
-      return std::optional<GpuGetBegun>();
-    }
-    const format::DenseSections& d = *dense;
+  // On the engine's worker: the hq sections decoded from the stored copy into the channel's
+  // memory (this device's primary context; the backend waits for its stream before it
+  // returns), then the rest on transfers_.
+  void DecodeRows(const Job& job, Engine* engine, const format::DenseSections& d,
+                  Backend& backend) {
+    const absl::Time t0 = absl::Now();
+    const GpuGetBegun& out = job->out;
     const uint64_t half = out.payload_bytes / 2, rows = d.info.total_kept;
-    const uint32_t dim = out.layout.head_dim;
-    const DType dtype = out.layout.dtype;
-    const uint8_t* from = stored->data();
-    auto* base = static_cast<uint8_t*>(c->staging);
-    // The hq sections decoded on the engine's worker (its CUDA backend, this device's primary
-    // context: the stored buffer and the staging buffer are its device memory); it waits for its
-    // stream before it answers, so the stored copy may be freed after.
-    absl::Notification decoded;
-    absl::Status ds = absl::UnknownError("not decoded");
-    double seconds = 0;
-    if (!engine->TrySubmit(key.tenant, [&](Backend& backend) {
-          const absl::Time t0 = absl::Now();
-          CodecOps& ops = backend.codec();
-          ds = absl::OkStatus();
-          if (const uint32_t bits = HqBits(d.info.key_codec); bits != 0) {
-            ds = ops.DecodeHq(bits, rows, dim, from + d.keys.offset, base, dtype);
-          }
-          if (const uint32_t bits = HqBits(d.info.value_codec); ds.ok() && bits != 0) {
-            ds = ops.DecodeHq(bits, rows, dim, from + d.values.offset, base + half, dtype);
-          }
-          if (!ds.ok()) engine->CheckAfterError(backend, ds);
-          seconds = absl::ToDoubleSeconds(absl::Now() - t0);
-          decoded.Notify();
-        })) {
-      return std::optional<GpuGetBegun>();
+    const uint8_t* from = static_cast<const uint8_t*>(job->stored.get());
+    uint8_t* base = job->memory.get();
+    CodecOps& ops = backend.codec();
+    absl::Status s;
+    if (const uint32_t bits = HqBits(d.info.key_codec); bits != 0) {
+      s = ops.DecodeHq(bits, rows, out.layout.head_dim, from + d.keys.offset, base,
+                       out.layout.dtype);
     }
-    decoded.WaitForNotification();
-    KVCOMP_RETURN_IF_ERROR(ds);
+    if (const uint32_t bits = HqBits(d.info.value_codec); s.ok() && bits != 0) {
+      s = ops.DecodeHq(bits, rows, out.layout.head_dim, from + d.values.offset, base + half,
+                       out.layout.dtype);
+    }
+    if (!s.ok()) engine->CheckAfterError(backend, s);
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
     metrics_->ObserveStage(Stage::kDecode, seconds);
     metrics_->AddGpuSeconds(seconds);
-    // A raw section is the dense K or V already: one copy on the device.
-    if (d.info.key_codec == KeyCodec::kRaw) {
-      s = rt_->CopyAsync(base, from + d.keys.offset, half, GpuRuntime::Copy::kDeviceToDevice,
-                         c->stream);
+    Then(job, [this, job, s, d, half] {
+      if (!s.ok()) return Finish(job, s);
+      Hold(job, [&]() -> absl::Status {
+        // A raw section is the dense K or V already: one copy on the device.
+        Channel& c = *job->c;
+        const uint8_t* from = static_cast<const uint8_t*>(job->stored.get());
+        uint8_t* base = job->memory.get();
+        absl::Status st;
+        if (d.info.key_codec == KeyCodec::kRaw) {
+          st = rt_->CopyAsync(base, from + d.keys.offset, half,
+                              GpuRuntime::Copy::kDeviceToDevice, c.stream);
+        }
+        if (st.ok() && d.info.value_codec == ValueCodec::kRaw) {
+          st = rt_->CopyAsync(base + half, from + d.values.offset, half,
+                              GpuRuntime::Copy::kDeviceToDevice, c.stream);
+        }
+        if (st.ok()) st = rt_->WaitStream(c.stream, absl::Now() + timeout_);
+        if (!st.ok()) return Fail(job->c, st);
+        return PostSend(job, /*whole=*/false);
+      });
+    });
+  }
+
+  // The decoded keys and values (the dense K and V) copied up into the channel's memory, sent.
+  void UpDecoded(const Job& job, const absl::StatusOr<CompressedCache>& raw) {
+    if (!raw.ok()) return Finish(job, raw.status());
+    const uint64_t half = job->out.payload_bytes / 2;
+    if (raw->keys.size() != half || raw->values.size() != half) {
+      return Finish(job, absl::InternalError("GPU channel: a decoded dense cache has the wrong size"));
     }
-    if (s.ok() && d.info.value_codec == ValueCodec::kRaw) {
-      s = rt_->CopyAsync(base + half, from + d.values.offset, half,
-                         GpuRuntime::Copy::kDeviceToDevice, c->stream);
+    Hold(job, [&]() -> absl::Status {
+      Channel& c = *job->c;
+      absl::Status s = SendBuffer(*job, job->out.payload_bytes);
+      uint8_t* base = job->memory.get();
+      if (s.ok()) {
+        s = rt_->CopyAsync(base, raw->keys.data(), half, GpuRuntime::Copy::kHostToDevice,
+                           c.stream);
+      }
+      if (s.ok()) {
+        s = rt_->CopyAsync(base + half, raw->values.data(), half,
+                           GpuRuntime::Copy::kHostToDevice, c.stream);
+      }
+      if (s.ok()) s = rt_->WaitStream(c.stream, absl::Now() + timeout_);  // `raw` may go
+      if (!s.ok()) return Fail(job->c, s);
+      metrics_->AddTransferBytes(job->out.payload_bytes, 0);
+      return PostSend(job, /*whole=*/false);
+    });
+  }
+
+  // Sends the payload in the channel's memory to the client on the channel's link: whole (the
+  // client's buffer may be larger), or as the dense K and V in the order the client asked for.
+  // Over CUDA IPC the copy into its memory is done before the answer; over NCCL the answer goes
+  // as soon as the send is posted (the client then posts its receive) and this thread collects
+  // the send by the transfer timeout (past it, or on an NCCL error, the channel fails: a client
+  // that died leaves nothing waiting). The caller holds the channel's op_mu, so the channel's
+  // next transfer comes after this one.
+  absl::Status PostSend(const Job& job, bool whole) {
+    Channel& c = *job->c;
+    GpuGetBegun& out = job->out;
+    const Regions regions =
+        whole ? Regions{{job->memory.get(), out.payload_bytes, transport::MemoryKind::kCuda}}
+              : LayerRegions(job->memory.get(), out.layout, out.num_tokens, job->r.layer_major);
+    GpuTransferShape shape;
+    shape.ipc = job->ipc.has_value() ? &*job->ipc : nullptr;
+    KVCOMP_RETURN_IF_ERROR(MapPeer(c, shape, regions, /*at_least=*/whole));
+    Touch(c);
+    absl::StatusOr<std::shared_ptr<Completion>> sent = Post(c, Direction::kSend, regions);
+    if (!sent.ok()) return Fail(job->c, sent.status());
+    if (c.ipc) {
+      absl::Status s = (*sent)->Wait(absl::Now() + timeout_);
+      if (!s.ok()) return Fail(job->c, s);
+      Unmap(c);
+      out.copy_seconds = SecondsOf(*c.timer);
+      Finish(job, out);
+    } else {
+      Finish(job, out);
+      absl::Status s = (*sent)->Wait(absl::Now() + timeout_);
+      if (!s.ok()) (void)Fail(job->c, s);
     }
-    if (s.ok()) s = rt_->WaitStream(c->stream, absl::Now() + timeout_);
-    if (!s.ok()) return Fail(c, s);
-    KVCOMP_ASSIGN_OR_RETURN(out, SendStaged(c, out, shape));
-    return std::optional<GpuGetBegun>(out);
+    Touch(c);
+    // Freed once the transfer is done (cuMemFree may wait for the device: kept out of the
+    // get's path).
+    job->memory.reset();
+    job->stored.reset();
+    return absl::OkStatus();
+  }
+
+  static absl::Status TooLarge(const GpuGetBegun& out, uint64_t capacity) {
+    return absl::OutOfRangeError(absl::StrCat("the payload is ", out.payload_bytes,
+                                              " bytes; the client can take ", capacity));
+  }
+
+  // The channel's send memory of at least `bytes` for `job`: its own when no get holds it any
+  // more, else a new one. Caller holds c.op_mu.
+  absl::Status SendBuffer(GetJob& job, uint64_t bytes) {
+    KVCOMP_ASSIGN_OR_RETURN(job.memory, Reusable(job.c->send, job.c->send_bytes, job.c->device,
+                                                 bytes));
+    return absl::OkStatus();
+  }
+
+  // The stored cache read into fresh device memory (job->stored) and the channel's memory made
+  // ready for the dense payload; the stored bytes, or 0 when there is no device memory for it or
+  // the store cannot serve it there (the caller's other paths serve the get). Caller holds
+  // c.op_mu.
+  absl::StatusOr<uint64_t> ReadStored(const Job& job, const CacheSummary& sum) {
+    absl::Status s = SendBuffer(*job, job->out.payload_bytes);
+    if (!s.ok()) return Fail(job->c, s);
+    absl::StatusOr<void*> p = rt_->AllocDevice(sum.stored_bytes);
+    if (!p.ok()) {
+      Log(LogLevel::kWarning, "GPU channel: no device memory to serve a get from device memory (",
+          p.status().ToString(), "); it goes through host memory");
+      return 0;
+    }
+    GpuRuntime* rt = rt_;
+    const int device = job->c->device;
+    job->stored = std::shared_ptr<void>(*p, [rt, device](void* q) {
+      if (rt->SetDevice(device).ok()) rt->FreeDevice(q);
+    });
+    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
+                            ReadOnDevice(*job->c, job->r.key, *p, sum.stored_bytes));
+    if (!meta.has_value()) {
+      job->stored.reset();
+      return 0;
+    }
+    return meta->stored_bytes;
+  }
+
+  // The stored cache read into device memory at `dst` on the channel's stream (from the GPU
+  // tier one copy on the device). nullopt when the store cannot serve it there (a build without
+  // CUDA, a device error, or the cache replaced meanwhile by a larger one): the caller reads it
+  // through host memory.
+  absl::StatusOr<std::optional<storage::CacheMeta>> ReadOnDevice(Channel& c, const CacheKey& key,
+                                                                 void* dst, uint64_t capacity) {
+    storage::DeviceTarget target;
+    target.data = dst;
+    target.capacity = capacity;
+    target.device = c.device;
+    target.stream = c.stream;
+    absl::StatusOr<storage::CacheMeta> meta = service_->repository()->GetInto(key, target);
+    if (meta.ok()) return std::optional<storage::CacheMeta>(*meta);
+    if (absl::IsNotFound(meta.status())) return meta.status();
+    if (!absl::IsOutOfRange(meta.status())) {
+      Log(LogLevel::kWarning, "GPU channel: a get from device memory failed (",
+          meta.status().ToString(), "); it goes through host memory");
+    }
+    return std::optional<storage::CacheMeta>();
   }
 
   // The client's memory a link block describes, in the channel's mode: nullopt over NCCL (no
@@ -626,7 +794,7 @@ class GpuChannelsImpl : public GpuChannels {
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(Usable(c));
     const uint64_t bytes = r.layout.CacheBytes(r.num_tokens);
-    absl::StatusOr<std::shared_ptr<uint8_t>> memory = RecvBuffer(*c, bytes);
+    absl::StatusOr<std::shared_ptr<uint8_t>> memory = Reusable(c->recv, c->recv_bytes, c->device, bytes);
     if (!memory.ok()) return Fail(c, memory.status());
     const Regions regions = LayerRegions(memory->get(), r.layout, r.num_tokens, r.layer_major);
     // A mapping refused is the client's mistake: the channel stays usable.
@@ -656,145 +824,21 @@ class GpuChannelsImpl : public GpuChannels {
     return out;
   }
 
-  // The channel's receive memory of at least `bytes`: its own when no put holds it any more,
-  // else a new one (the old goes with its last holder). Caller holds c.op_mu.
-  absl::StatusOr<std::shared_ptr<uint8_t>> RecvBuffer(Channel& c, uint64_t bytes) {
-    if (c.recv != nullptr && c.recv.use_count() == 1 && c.recv_bytes >= bytes) return c.recv;
-    c.recv.reset();
-    c.recv_bytes = 0;
+  // The channel's memory in `slot` of at least `bytes`: its own when nothing else holds it any
+  // more, else a new one (the old goes with its last holder). Caller holds the channel's op_mu.
+  absl::StatusOr<std::shared_ptr<uint8_t>> Reusable(std::shared_ptr<uint8_t>& slot,
+                                                    size_t& slot_bytes, int device,
+                                                    uint64_t bytes) {
+    if (slot != nullptr && slot.use_count() == 1 && slot_bytes >= bytes) return slot;
+    slot.reset();
+    slot_bytes = 0;
     KVCOMP_ASSIGN_OR_RETURN(void* p, rt_->AllocDevice(bytes));
     GpuRuntime* rt = rt_;
-    const int device = c.device;
-    c.recv = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [rt, device](uint8_t* q) {
+    slot = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [rt, device](uint8_t* q) {
       if (rt->SetDevice(device).ok()) rt->FreeDevice(q);
     });
-    c.recv_bytes = bytes;
-    return c.recv;
-  }
-
-  // A dense get's answer for `sum`: its layout, tokens and the dense K and V's size.
-  static absl::StatusOr<GpuGetBegun> DenseOf(const CacheSummary& sum, uint64_t capacity) {
-    GpuGetBegun out;
-    out.layout = sum.layout;
-    out.num_tokens = sum.original_tokens;
-    out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
-    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
-    return out;
-  }
-
-  // A stored cache read into device memory of the channel's device, freed with the last copy.
-  struct StoredOnDevice {
-    std::shared_ptr<void> memory;
-    uint64_t bytes = 0;
-    const uint8_t* data() const { return static_cast<const uint8_t*>(memory.get()); }
-  };
-
-  // For the dense gets served from device memory (the caller holds c->op_mu): the staging
-  // buffer made ready for `out`'s payload and the stored cache read into fresh device memory
-  // (ReadOnDevice). nullopt when there is no device memory for it or the store cannot serve it
-  // there: the caller's other paths serve the get.
-  absl::StatusOr<std::optional<StoredOnDevice>> ReadStored(const std::shared_ptr<Channel>& c,
-                                                           const CacheKey& key,
-                                                           const CacheSummary& sum,
-                                                           const GpuGetBegun& out) {
-    absl::Status s = Stage(*c, out.payload_bytes);
-    if (!s.ok()) return Fail(c, s);
-    absl::StatusOr<void*> p = rt_->AllocDevice(sum.stored_bytes);
-    if (!p.ok()) {
-      Log(LogLevel::kWarning, "GPU channel: no device memory to serve a get from device memory (",
-          p.status().ToString(), "); it goes through host memory");
-      return std::optional<StoredOnDevice>();
-    }
-    StoredOnDevice stored{std::shared_ptr<void>(*p, [rt = rt_](void* q) { rt->FreeDevice(q); })};
-    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
-                            ReadOnDevice(*c, key, *p, sum.stored_bytes));
-    if (!meta.has_value()) return std::optional<StoredOnDevice>();
-    stored.bytes = meta->stored_bytes;
-    return std::optional<StoredOnDevice>(std::move(stored));
-  }
-
-  // The stored cache read into device memory at `dst` on the channel's stream (from the GPU
-  // tier one copy on the device). nullopt when the store cannot serve it there (a build without
-  // CUDA, a device error, or the cache replaced meanwhile by a larger one): the caller reads it
-  // through host memory.
-  absl::StatusOr<std::optional<storage::CacheMeta>> ReadOnDevice(Channel& c, const CacheKey& key,
-                                                                 void* dst, uint64_t capacity) {
-    storage::DeviceTarget target;
-    target.data = dst;
-    target.capacity = capacity;
-    target.device = c.device;
-    target.stream = c.stream;
-    absl::StatusOr<storage::CacheMeta> meta = service_->repository()->GetInto(key, target);
-    if (meta.ok()) return std::optional<storage::CacheMeta>(*meta);
-    if (absl::IsNotFound(meta.status())) return meta.status();
-    if (!absl::IsOutOfRange(meta.status())) {
-      Log(LogLevel::kWarning, "GPU channel: a get from device memory failed (",
-          meta.status().ToString(), "); it goes through host memory");
-    }
-    return std::optional<storage::CacheMeta>();
-  }
-
-  // Sends a get staged in device memory to the client on the channel's link: the payload whole
-  // (`whole`: the client's buffer may be larger), or as the dense K and V in the order the
-  // client asked for. Over CUDA IPC the copy into its memory is done before the answer
-  // (transfer_id 0); over NCCL the send is posted and collected by the channel's next transfer
-  // or the sweep (no GpuGetFinish needed). The caller holds the channel's op_mu.
-  absl::StatusOr<GpuGetBegun> SendStaged(const std::shared_ptr<Channel>& c, GpuGetBegun out,
-                                         const GpuTransferShape& shape, bool whole = false) {
-    const Regions regions =
-        whole ? Regions{{c->staging, out.payload_bytes, transport::MemoryKind::kCuda}}
-              : LayerRegions(c->staging, out.layout, out.num_tokens, shape.layer_major);
-    KVCOMP_RETURN_IF_ERROR(MapPeer(*c, shape, regions, /*at_least=*/whole));
-    absl::StatusOr<std::shared_ptr<Completion>> sent = Post(*c, Direction::kSend, regions);
-    absl::Status s = sent.status();
-    if (s.ok() && c->ipc) s = (*sent)->Wait(absl::Now() + timeout_);
-    if (!s.ok()) return Fail(c, s);
-    if (!c->ipc) {
-      out.transfer_id = PendingGet(*c, *std::move(sent));
-      return out;
-    }
-    Unmap(*c);
-    Touch(*c);
-    out.copy_seconds = SecondsOf(*c->timer);
-    out.transfer_id = 0;
-    return out;
-  }
-
-  // A STORED get served from device memory (CacheRepository::GetInto into the staging buffer),
-  // then sent or copied to the client as any get. nullopt: the store cannot serve it on the
-  // device here (a build without CUDA, a device error): the caller reads it through host memory.
-  absl::StatusOr<std::optional<GpuGetBegun>> GetStoredOnDevice(const std::shared_ptr<Channel>& c,
-                                                               const CacheKey& key,
-                                                               uint64_t capacity,
-                                                               const GpuTransferShape& shape) {
-    KVCOMP_ASSIGN_OR_RETURN(const CacheSummary summary, service_->repository()->Summarize(key));
-    if (summary.stored_bytes > capacity) return TooLarge(summary.stored_bytes, capacity);
-    absl::MutexLock op(&c->op_mu);
-    KVCOMP_RETURN_IF_ERROR(Usable(c));
-    absl::Status s = Stage(*c, summary.stored_bytes);
-    if (!s.ok()) return Fail(c, s);
-    KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
-                            ReadOnDevice(*c, key, c->staging, c->staging_bytes));
-    if (!meta.has_value()) return std::optional<GpuGetBegun>();
-    GpuGetBegun out;
-    out.payload_bytes = meta->stored_bytes;
-    out.layout = summary.layout;
-    out.num_tokens = summary.original_tokens;
-    if (out.payload_bytes > capacity) return TooLarge(out.payload_bytes, capacity);
-    KVCOMP_ASSIGN_OR_RETURN(out, SendStaged(c, out, shape, /*whole=*/true));
-    return std::optional<GpuGetBegun>(out);
-  }
-
-  // Kept for clients that ask (before a get's send was collected without them): waits for the
-  // get's send; OK when it was collected already.
-  absl::Status GetFinish(const std::string& tenant, uint64_t id, uint64_t transfer_id) override {
-    KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<Channel> c, Find(tenant, id));
-    absl::MutexLock op(&c->op_mu);
-    if (c->pending == Channel::Pending::kGet && c->transfer_id == transfer_id) return FinishGet(c);
-    if (c->pending == Channel::Pending::kNone && c->transfer_id == transfer_id && c->sent) {
-      return absl::OkStatus();
-    }
-    return CheckPending(*c, Channel::Pending::kGet, transfer_id);
+    slot_bytes = bytes;
+    return slot;
   }
 
   void Drain() override { draining_.store(true); }
@@ -951,7 +995,7 @@ class GpuChannelsImpl : public GpuChannels {
     return absl::OkStatus();
   }
 
-  // Posts a transfer between the staging buffer's `regions` and the client on the channel's
+  // Posts a transfer between the channel's memory `regions` and the client on the channel's
   // link (the CUDA IPC link's peer regions set by MapPeer). Caller holds c.op_mu.
   absl::StatusOr<std::shared_ptr<Completion>> Post(Channel& c, Direction direction,
                                                    const Regions& regions) {
@@ -969,16 +1013,11 @@ class GpuChannelsImpl : public GpuChannels {
     c.mapped.clear();
   }
 
-  // The channel ready for a transfer: open, the last get's send collected (its client has
-  // received it by now), its stream and link made. Caller holds c->op_mu.
+  // The channel ready for a transfer: open, its stream and link made. Caller holds c->op_mu.
   absl::Status Usable(const std::shared_ptr<Channel>& c) {
     if (c->dead.load() || (!c->ipc && (c->link == nullptr || c->link->broken()))) {
       return WithDetail(absl::UnavailableError("the GPU channel is closed"),
                         ErrorDetail::kLinkGone);
-    }
-    if (c->pending == Channel::Pending::kGet) KVCOMP_RETURN_IF_ERROR(FinishGet(c));
-    if (c->pending != Channel::Pending::kNone) {
-      return absl::FailedPreconditionError("a transfer is in progress on this GPU channel");
     }
     KVCOMP_RETURN_IF_ERROR(rt_->SetDevice(c->device));
     if (c->stream == nullptr) {
@@ -992,60 +1031,6 @@ class GpuChannelsImpl : public GpuChannels {
       }
     }
     return absl::OkStatus();
-  }
-
-  // Waits for the pending get's send (by its deadline: past it, or on an NCCL error, the
-  // channel fails). Caller holds c->op_mu.
-  absl::Status FinishGet(const std::shared_ptr<Channel>& c) {
-    std::shared_ptr<Completion> sent = std::move(c->inflight);
-    ClearPending(*c);
-    (void)rt_->SetDevice(c->device);  // NcclLink::Wait sets it too
-    absl::Status s = sent->Wait(c->deadline);
-    if (!s.ok()) return Fail(c, s);
-    Touch(*c);
-    return absl::OkStatus();
-  }
-
-  // A staging buffer of at least `bytes` on the channel's device. Caller holds c.op_mu.
-  absl::Status Stage(Channel& c, uint64_t bytes) {
-    if (c.staging_bytes >= bytes) return absl::OkStatus();
-    rt_->FreeDevice(c.staging);
-    c.staging = nullptr;
-    c.staging_bytes = 0;
-    KVCOMP_ASSIGN_OR_RETURN(c.staging, rt_->AllocDevice(bytes));
-    c.staging_bytes = bytes;
-    return absl::OkStatus();
-  }
-
-  uint64_t PendingGet(Channel& c, std::shared_ptr<Completion> inflight) {
-    c.pending = Channel::Pending::kGet;
-    c.inflight = std::move(inflight);
-    c.sent = true;
-    c.sent_pending.store(true);
-    c.transfer_id = next_transfer_.fetch_add(1);
-    c.deadline = absl::Now() + timeout_;
-    c.pending_deadline_ns.store(absl::ToUnixNanos(c.deadline));
-    Touch(c);
-    return c.transfer_id;
-  }
-
-  absl::Status CheckPending(Channel& c, Channel::Pending kind, uint64_t transfer_id) {
-    if (c.dead.load() || (!c.ipc && c.link == nullptr)) {
-      return WithDetail(absl::UnavailableError("the GPU channel is closed"),
-                        ErrorDetail::kLinkGone);
-    }
-    if (c.pending != kind || c.transfer_id != transfer_id) {
-      return absl::NotFoundError(
-          absl::StrCat("no get transfer ", transfer_id, " on this GPU channel"));
-    }
-    return absl::OkStatus();
-  }
-
-  void ClearPending(Channel& c) {
-    c.pending = Channel::Pending::kNone;
-    c.inflight.reset();
-    c.sent_pending.store(false);
-    c.pending_deadline_ns.store(0);
   }
 
   void Touch(Channel& c) { c.last_used_ns.store(absl::ToUnixNanos(absl::Now())); }
@@ -1063,23 +1048,14 @@ class GpuChannelsImpl : public GpuChannels {
       (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
     }
     Unmap(*c);
-    ClearPending(*c);
     return why;  // the reaper removes and tears it down (Find already treats it as absent)
   }
 
-  // Tears a removed channel down: waits for its joiner, aborts a pending transfer, frees.
+  // Tears a removed channel down: waits for its joiner and any transfer in progress, frees.
   void Destroy(const std::shared_ptr<Channel>& c, const char* why) {
     c->dead.store(true);
     if (c->joiner.joinable()) c->joiner.join();
     absl::MutexLock op(&c->op_mu);
-    // A get's send that is done is collected (the communicator then closes cleanly); anything
-    // else pending is aborted.
-    if (c->pending == Channel::Pending::kGet && rt_->SetDevice(c->device).ok() &&
-        c->inflight->Wait(absl::Now()).ok()) {
-      ClearPending(*c);
-    }
-    if (c->pending != Channel::Pending::kNone && c->link) c->link->Abort();
-    c->inflight.reset();
     c->payload.reset();
     if (rt_ != nullptr && rt_->SetDevice(c->device).ok()) {
       c->link.reset();  // destroys a healthy communicator, aborts a broken one
@@ -1088,9 +1064,8 @@ class GpuChannelsImpl : public GpuChannels {
       Unmap(*c);
       rt_->DestroyEvent(c->client_event);
       c->client_event = nullptr;
-      rt_->FreeDevice(c->staging);
-      c->staging = nullptr;
       c->recv.reset();  // freed here unless a put still holds it
+      c->send.reset();  // likewise a get
       rt_->DestroyStream(c->stream);
       c->stream = nullptr;
     }
@@ -1108,47 +1083,29 @@ class GpuChannelsImpl : public GpuChannels {
         absl::StrCat("the payload is ", bytes, " bytes; the client can take ", capacity));
   }
 
-  // Collects gets' sends that finished by their deadline and closes channels whose transfer
-  // did not (a peer that died or stalls: the abort ends the daemon's kernels), and channels
-  // idle past the idle timeout.
+  // Closes channels idle past the idle timeout, failed or closed (a transfer's own thread
+  // fails its channel past the transfer timeout: the abort ends the daemon's kernels), and all
+  // once draining.
   void Reap() {
     while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(250))) {
       const int64_t now = absl::ToUnixNanos(absl::Now());
-      std::vector<std::shared_ptr<Channel>> expired, late_gets;
+      std::vector<std::shared_ptr<Channel>> expired;
       {
         absl::MutexLock lock(&mu_);
         for (auto& [id, c] : channels_) {
-          const int64_t pending = c->pending_deadline_ns.load();
-          const bool late = pending != 0 && now > pending + absl::ToInt64Nanoseconds(absl::Seconds(1));
-          if (late && c->sent_pending.load()) {
-            late_gets.push_back(c);
-            continue;
-          }
-          const bool idle = idle_timeout_ > absl::ZeroDuration() && pending == 0 &&
+          const bool idle = idle_timeout_ > absl::ZeroDuration() &&
                             now - c->last_used_ns.load() > absl::ToInt64Nanoseconds(idle_timeout_);
           bool failed = false;
           {
             absl::MutexLock j(&c->join_mu);
             failed = c->joined && !c->join_status.ok();
           }
-          if (late || idle || failed || c->dead.load() || (draining_.load() && pending == 0)) {
-            expired.push_back(c);
-          }
+          if (idle || failed || c->dead.load() || draining_.load()) expired.push_back(c);
         }
         for (auto& c : expired) channels_.erase(c->id);
       }
-      // A get whose client never came back: its send is collected here when it finished (a
-      // channel whose transfer is in progress is the transfer's to settle).
-      for (auto& c : late_gets) {
-        if (!c->op_mu.TryLock()) continue;
-        if (c->pending == Channel::Pending::kGet) (void)FinishGet(c);  // fails the channel if not
-        c->op_mu.Unlock();
-      }
       for (auto& c : expired) {
-        const bool late = c->pending_deadline_ns.load() != 0;
-        if (late) metrics_->CountError("gpu_channel", absl::DeadlineExceededError("transfer"));
-        Destroy(c, late ? "transfer timed out (communicator aborted)"
-                        : (draining_.load() ? "draining" : "idle or failed to form"));
+        Destroy(c, draining_.load() ? "draining" : "idle, failed or closed after a failure");
       }
     }
   }
@@ -1168,7 +1125,6 @@ class GpuChannelsImpl : public GpuChannels {
   std::string reason_;
   std::string nccl_reason_;
   std::atomic<bool> draining_{false};
-  std::atomic<uint64_t> next_transfer_{1};
   absl::Notification stop_;
   std::thread reaper_;
 
@@ -1176,7 +1132,8 @@ class GpuChannelsImpl : public GpuChannels {
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<TaskPool> transfers_ ABSL_GUARDED_BY(mu_);  // the receives of puts' K and V
+  // The transfers' steps: puts' receives, gets' reads, copies and sends.
+  std::unique_ptr<TaskPool> transfers_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -4,9 +4,9 @@
 // channel is then a payload link: a put is a data-plane put (PutBegin, one link block, Commit:
 // the transport server's admission, ledger, deadlines and asynchronous replies) whose block's K
 // and V the channel receives (Receive, called by the data plane for wire::kBlockLinkPayload);
-// a get's payload goes out of a device staging buffer of the channel. This file is the second
-// place (beside data_plane.cc) where the service meets the transport: gpu_channel.cc alone
-// includes the GPU link.
+// a get is a data-plane get naming the channel, whose payload the channel sends (Send). This
+// file is the second place (beside data_plane.cc) where the service meets the transport:
+// gpu_channel.cc alone includes the GPU link.
 //
 // A client on the daemon's own GPU cannot be an NCCL peer: its channel is in mode "ipc"
 // instead. The client names its device memory by CUDA IPC handles in each transfer; the daemon
@@ -20,9 +20,11 @@
 // stay in the channel's device memory when the put's engine runs on that device (one copy on
 // the device into the engine's); otherwise they are copied to pinned host memory first.
 //
-// A STORED get on a GPU engine is read from the store straight into the staging buffer
-// (CacheRepository::GetInto: from the GPU tier one copy on the device); other gets are read
-// into host memory and copied up.
+// A get is a data-plane get that names the channel (Send): a chain of steps on the channels'
+// threads (the service's and the engines' work hands the next step back), then the link's send.
+// A STORED get on a GPU engine is read from the store straight into the channel's device memory
+// (CacheRepository::GetInto: from the GPU tier one copy on the device); other gets are read into
+// host memory and copied up.
 //
 // Lifetime: channels are closed by the client (Close), when a transfer fails or passes the
 // transfer timeout (the communicator is aborted, so a peer that died leaves nothing waiting),
@@ -99,13 +101,26 @@ struct GpuTransferShape {
   bool layer_major = false;
 };
 
+// A get over a channel (the data plane's get naming it): the cache's bytes as stored or decoded
+// (whole: the client's buffer may be larger), or the dense K and V, every layer's keys then
+// every layer's values, or layer by layer.
+struct GpuLinkSend {
+  CacheKey key;
+  GpuGetForm form = GpuGetForm::kStored;
+  uint64_t capacity = 0;     // bytes the client can take; a larger payload is OutOfRange
+  bool layer_major = false;  // dense: K0, V0, K1, V1, ...
+  std::string descriptor;    // mode "ipc": the client's memory (transport::EncodeIpcMemory)
+};
+
+// What a get sent: the payload's size and the cache's layout and tokens (dense gets: of each
+// head); over CUDA IPC the copy's seconds, as the channel's stream timed it.
 struct GpuGetBegun {
-  uint64_t transfer_id = 0;
   uint64_t payload_bytes = 0;
   KvLayout layout;
   uint64_t num_tokens = 0;
-  double copy_seconds = 0;  // mode "ipc": the copy into the client's memory
+  double copy_seconds = 0;
 };
+using GpuSentFn = absl::AnyInvocable<void(absl::StatusOr<GpuGetBegun>)>;
 
 class GpuChannels {
  public:
@@ -142,20 +157,15 @@ class GpuChannels {
   // channel.
   virtual void Receive(const std::string& tenant, uint64_t id, GpuLinkReceive receive,
                        GpuReceivedFn done) = 0;
-  // Reads the cache and posts the send of its payload: a get is this one request and the
-  // transfer. NotFound (cache or channel), OutOfRange (larger than `capacity`),
-  // FailedPrecondition (dense form of a cache that evicted tokens). Mode "ipc": the payload is
-  // copied into the client's memory before this returns (transfer_id 0). Mode "nccl": the send
-  // is collected by the channel's next transfer, or by the sweep once its deadline passed (a
-  // send not finished by then fails the channel); the client need not say it received.
-  virtual absl::StatusOr<GpuGetBegun> GetBegin(const std::string& tenant, uint64_t id,
-                                               const CacheKey& key, GpuGetForm form,
-                                               uint64_t capacity,
-                                               const GpuTransferShape& shape) = 0;
-  // For clients that still say when they received (GpuGetFinish): waits for the get's send if
-  // it is not collected yet; OK when it was.
-  virtual absl::Status GetFinish(const std::string& tenant, uint64_t id,
-                                 uint64_t transfer_id) = 0;
+  // Reads the cache and sends its payload over channel `id` of `tenant`, calling `done` once
+  // from any thread: over CUDA IPC once the payload is in the client's memory; over NCCL once
+  // the send is posted (the client then posts its receive; the channel's thread collects the
+  // send by the transfer timeout, past which the channel fails). NotFound + kLinkGone (no such
+  // channel), NotFound (cache), OutOfRange (larger than the capacity), FailedPrecondition (dense
+  // form of a cache that evicted tokens; kMemoryNotMappable: the client's memory cannot be
+  // mapped here), InvalidArgument (a descriptor that does not fit the channel's mode or the
+  // payload), Unavailable (draining), busy (the channels' transfers at their bound).
+  virtual void Send(const std::string& tenant, uint64_t id, GpuLinkSend send, GpuSentFn done) = 0;
 
   // No new channels or transfers; transfers in progress finish.
   virtual void Drain() = 0;

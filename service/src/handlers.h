@@ -106,10 +106,6 @@ class ControlHandler : public rpc::KvcompControlIf {
                       const rpc::GpuChannelRequest& request) override;
   void CloseGpuChannel(rpc::GpuCloseResponse& out, const rpc::Auth& auth,
                        int64_t channel_id) override;
-  void GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth, int64_t channel_id,
-              const rpc::GpuGetRequest& request) override;
-  void GpuGetFinish(rpc::GpuCloseResponse& out, const rpc::Auth& auth, int64_t channel_id,
-                    int64_t transfer_id) override;
 
  private:
   // The quarantined entries `tenant` may see: those whose key decodes to one of its caches, and

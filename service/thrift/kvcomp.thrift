@@ -234,9 +234,11 @@ struct GetChunksResponse {
 
 // GPU channel (docs/protocol.md, "GPU channel"): a client whose KV cache lives in GPU memory asks
 // for a two-rank NCCL communicator between its GPU and the daemon's; the calls below carry the
-// NCCL unique id and each transfer's metadata, NCCL carries only the payload. A channel belongs
-// to the tenant that opened it: every call names it and checks the caller's tenant (another
-// tenant's channel reads as NOT_FOUND). One transfer at a time per channel.
+// NCCL unique id (or, on the daemon's own GPU, a CUDA IPC event); puts and gets over the channel
+// are data-plane requests that name it (docs/protocol.md), and NCCL or CUDA IPC carries only the
+// payload. A channel belongs to the tenant that opened it: every call and every data-plane
+// request that names it checks the caller's tenant (another tenant's channel reads as
+// NOT_FOUND). One transfer at a time per channel.
 struct GpuChannelRequest {
   1: i32 nccl_version,       // the client's NCCL version code (e.g. 22703); 0: no NCCL
   2: binary device_uuid,     // the client's CUDA device, 16 bytes (the same GPU as the daemon's
@@ -250,6 +252,10 @@ struct GpuChannelRequest {
   // puts only that way refuses a channel to a client that does not say so (FAILED_PRECONDITION:
   // the client then uses the data plane's own links).
   4: optional bool data_plane_puts,
+  // True: the client sends its gets over the data plane too, each a get that names the channel
+  // (data-plane protocol 1.5). A daemon that serves channel gets only that way refuses a channel
+  // to a client that does not say so (FAILED_PRECONDITION, as for data_plane_puts).
+  5: optional bool data_plane_gets,
 }
 
 struct GpuChannelResponse {
@@ -265,54 +271,12 @@ struct GpuChannelResponse {
   8: optional string mode,   // "nccl" (unset: nccl) or "ipc" (same GPU: CUDA IPC, no unique id)
   9: optional bool data_plane_puts,  // the daemon takes this channel's puts as link blocks
                                      // (unset: an older daemon, which the client does not use)
-}
-
-// CUDA IPC transfers (a channel in mode "ipc"): the client's device memory as IPC handles of its
-// allocations (64 bytes each) and the payload's chunks in them, in the order NCCL would carry
-// them. The daemon maps the allocations for the transfer, copies on the device after the
-// client's event and unmaps them; a chunk outside its allocation is INVALID_ARGUMENT.
-struct GpuIpcChunk {
-  1: i32 buffer,   // index into buffers
-  2: i64 offset,   // bytes from the allocation's start
-  3: i64 bytes,
-}
-
-struct GpuIpcPayload {
-  1: list<binary> buffers,
-  2: list<GpuIpcChunk> chunks,
+  10: optional bool data_plane_gets, // the daemon serves this channel's gets as data-plane gets
+                                     // (unset: an older daemon, which the client does not use)
 }
 
 struct GpuCloseResponse {
   1: Status status,
-}
-
-struct GpuTransferResponse {
-  1: Status status,
-  2: i64 transfer_id,
-  3: i64 payload_bytes,
-  4: Layout layout,     // gets: the cache's layout
-  5: i64 num_tokens,    // gets: the tokens of the cache (dense gets: of each head)
-  6: optional double copy_seconds,  // mode "ipc" gets: the daemon's copy into the client's
-                                    // memory, as its stream timed it
-  7: optional bool finish_optional, // gets over NCCL: true when the daemon collects its send
-                                    // itself (GpuGetFinish not needed); unset (older daemons):
-                                    // the client calls GpuGetFinish after its receive
-}
-
-enum GpuGetForm {
-  STORED = 0,    // the cache as stored (docs/format.md)
-  DECODED = 1,   // the kept tokens decoded to the input dtype (format, raw codecs)
-  DENSE_KV = 2,  // K then V of every layer, [num_kv_heads, num_tokens, head_dim] dense, as a put
-                 // sends them: only for caches that kept every token (FAILED_PRECONDITION else)
-}
-
-struct GpuGetRequest {
-  1: CacheRef ref,
-  2: GpuGetForm form = GpuGetForm.STORED,
-  3: i64 capacity,  // bytes the client can receive; a larger payload is OUT_OF_RANGE, unsent
-  4: optional GpuIpcPayload ipc,  // mode "ipc": where the payload goes (the copy is done when
-                                  // GpuGet answers; no GpuGetFinish)
-  5: optional bool layer_major,   // DENSE_KV layer by layer (K0, V0, K1, V1, ...)
 }
 
 
@@ -349,11 +313,4 @@ service KvcompControl {
   GpuChannelResponse OpenGpuChannel(1: Auth auth, 2: GpuChannelRequest request),
   // Tears the channel down (its communicator destroyed). NOT_FOUND when not the caller's.
   GpuCloseResponse CloseGpuChannel(1: Auth auth, 2: i64 channel_id),
-  // Reads the cache and posts the daemon's send; the client receives payload_bytes on its
-  // stream. With finish_optional set that is the whole get; otherwise (older daemons) the
-  // client then calls GpuGetFinish.
-  GpuTransferResponse GpuGet(1: Auth auth, 2: i64 channel_id, 3: GpuGetRequest request),
-  // Waits until the daemon's send has finished (OK when the daemon collected it already); the
-  // status of the transfer. Needed only where GpuGet's answer lacks finish_optional.
-  GpuCloseResponse GpuGetFinish(1: Auth auth, 2: i64 channel_id, 3: i64 transfer_id),
 }

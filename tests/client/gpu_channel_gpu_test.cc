@@ -356,7 +356,16 @@ TEST_F(GpuChannelGpuTest, AnotherTenantCannotUseTheChannel) {
   // Channel ids are small integers: beta names alpha's first one directly.
   testing::ControlClient raw(daemon_->ports().control);
   const rpc::Auth beta = testing::MakeAuth("beta", "secret-b");
-  // A put of beta's whose block names alpha's channel: NOT_FOUND with LINK_GONE, nothing stored.
+  // Alpha's cache, put over alpha's channel.
+  const KvLayout layout = Layout(2);
+  DeviceCache in(rt_, 0, layout, 64, 3);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto put = alpha->PutDevice("m", "k", layout, 64, in.In(), NewStream(0), po);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->path, "nccl");
+  // A put of beta's whose block names alpha's channel, and a get of beta's that names it: both
+  // NOT_FOUND with LINK_GONE on the data plane, nothing stored, nothing sent.
   {
     auto conn = transport::UcxClient::Connect(
         transport::Endpoint{"127.0.0.1", static_cast<uint16_t>(daemon_->ports().data)}, "beta",
@@ -386,31 +395,37 @@ TEST_F(GpuChannelGpuTest, AnotherTenantCannotUseTheChannel) {
     n.WaitForNotification();
     EXPECT_EQ(answer.code(), absl::StatusCode::kNotFound) << answer;
     EXPECT_EQ(DetailOf(answer), ErrorDetail::kLinkGone) << answer;
+    for (const bool dense : {false, true}) {
+      transport::wire::Get g;
+      g.model_id = "m";
+      g.key = "k";  // alpha's key: beta reads it on no channel
+      g.link_channel = 1;
+      g.link_capacity = 1 << 30;
+      g.link_dense = dense;
+      auto got = (*conn)->GetOverLink(g, "", absl::InfiniteFuture());
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound) << got.status();
+      EXPECT_EQ(DetailOf(got.status()), ErrorDetail::kLinkGone) << got.status();
+    }
   }
-  rpc::GpuTransferResponse t;
-  rpc::GpuGetRequest g;
-  g.ref.model_id = "m";
-  g.ref.key = "k";
-  g.capacity = 1 << 20;
-  raw->GpuGet(t, beta, 1, g);
-  EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
   rpc::GpuCloseResponse cl;
   raw->CloseGpuChannel(cl, beta, 1);
   EXPECT_EQ(cl.status.code, rpc::StatusCode::NOT_FOUND);
-  // Alpha's channel still carries alpha's puts.
-  const KvLayout layout = Layout(2);
-  DeviceCache in(rt_, 0, layout, 64, 3);
-  client::PutOptions po;
-  po.policy = Lossless();
-  auto put = alpha->PutDevice("m", "k", layout, 64, in.In(), NewStream(0), po);
-  ASSERT_TRUE(put.ok()) << put.status();
-  EXPECT_EQ(put->path, "nccl");
+  // Alpha's channel still carries alpha's puts and gets.
+  auto again = alpha->PutDevice("m", "k2", layout, 64, in.In(), NewStream(0), po);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->path, "nccl");
+  DeviceCache out(rt_, 0, layout, 64, 4);
+  void* stream = NewStream(0);
+  auto got = alpha->GetKvIntoDevice("m", "k", layout, 64, out.Out(), stream);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->path, "nccl");
+  EXPECT_TRUE(out.Read(stream) == in.Host());
 }
 
-// An SDK that does not say it puts over the data plane (one before protocol 1.4, whose puts
-// were control-plane calls this daemon no longer has) is refused the channel with the reason,
-// before anything is formed, and falls back to the data plane's links; with it, the same
-// request gets a channel that says it takes data-plane puts.
+// An SDK that does not say it puts and gets over the data plane (one before protocol 1.5, whose
+// gets, or puts, were control-plane calls this daemon no longer has) is refused the channel with
+// the reason, before anything is formed, and falls back to the data plane's links; with it, the
+// same request gets a channel that says it takes data-plane puts and gets.
 TEST_F(GpuChannelGpuTest, AnSdkThatDoesNotPutOverTheDataPlaneIsRefusedTheChannel) {
   REQUIRE_GPUS(1);
   StartDaemon(0);
@@ -428,12 +443,16 @@ TEST_F(GpuChannelGpuTest, AnSdkThatDoesNotPutOverTheDataPlaneIsRefusedTheChannel
   rpc::GpuChannelResponse r;
   raw->OpenGpuChannel(r, testing::MakeAuth("alpha", "secret-a"), req);
   EXPECT_EQ(r.status.code, rpc::StatusCode::FAILED_PRECONDITION) << r.status.message;
-  EXPECT_TRUE(absl::StrContains(r.status.message, "protocol 1.4")) << r.status.message;
+  EXPECT_TRUE(absl::StrContains(r.status.message, "protocol 1.5")) << r.status.message;
   EXPECT_EQ(r.channel_id, 0);
-  req.__set_data_plane_puts(true);
+  req.__set_data_plane_puts(true);  // a 1.4 SDK: puts on the data plane, gets not
+  raw->OpenGpuChannel(r, testing::MakeAuth("alpha", "secret-a"), req);
+  EXPECT_EQ(r.status.code, rpc::StatusCode::FAILED_PRECONDITION) << r.status.message;
+  req.__set_data_plane_gets(true);
   raw->OpenGpuChannel(r, testing::MakeAuth("alpha", "secret-a"), req);
   ASSERT_EQ(r.status.code, rpc::StatusCode::OK) << r.status.message;
   EXPECT_TRUE(r.__isset.data_plane_puts && r.data_plane_puts);
+  EXPECT_TRUE(r.__isset.data_plane_gets && r.data_plane_gets);
   rpc::GpuCloseResponse cl;
   raw->CloseGpuChannel(cl, testing::MakeAuth("alpha", "secret-a"), r.channel_id);
   EXPECT_EQ(cl.status.code, rpc::StatusCode::OK);
@@ -490,26 +509,27 @@ TEST_F(GpuChannelGpuTest, SameGpuGoesOverCudaIpcBitIdentical) {
   // A chunk outside the caller's allocation: INVALID_ARGUMENT, and the channel serves on.
   auto exported = rt_->ExportMemory(*buf);
   ASSERT_TRUE(exported.ok()) << exported.status();
-  {
-    testing::ControlClient ctl(daemon_->ports().control);
-    rpc::GpuGetRequest g;
-    g.ref.model_id = "m";
-    g.ref.key = "k";
-    g.capacity = 1 << 30;
-    rpc::GpuIpcPayload ipc;
-    ipc.buffers = {exported->handle};
-    rpc::GpuIpcChunk chunk;
-    chunk.buffer = 0;
-    chunk.offset = static_cast<int64_t>(exported->allocation_bytes);  // past its end
-    chunk.bytes = 1 << 30;
-    ipc.chunks = {chunk};
-    g.__set_ipc(ipc);
-    rpc::GpuTransferResponse t;
-    ctl->GpuGet(t, testing::MakeAuth("alpha", "secret-a"), 1, g);
-    EXPECT_EQ(t.status.code, rpc::StatusCode::INVALID_ARGUMENT) << t.status.message;
-    // Another tenant naming the channel: absent.
-    ctl->GpuGet(t, testing::MakeAuth("beta", "secret-b"), 1, g);
-    EXPECT_EQ(t.status.code, rpc::StatusCode::NOT_FOUND) << t.status.message;
+  for (const auto& [tenant, token] : {std::pair<std::string, std::string>{"alpha", "secret-a"},
+                                      {"beta", "secret-b"}}) {
+    auto conn = transport::UcxClient::Connect(
+        transport::Endpoint{"127.0.0.1", static_cast<uint16_t>(daemon_->ports().data)}, tenant,
+        token);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    transport::IpcMemory m;
+    m.handles = {exported->handle};
+    m.regions = {{0, exported->allocation_bytes, uint64_t{1} << 30}};  // past its end
+    transport::wire::Get g;
+    g.model_id = "m";
+    g.key = "k";
+    g.link_channel = 1;
+    g.link_capacity = uint64_t{1} << 30;
+    auto t = (*conn)->GetOverLink(g, transport::EncodeIpcMemory(m), absl::InfiniteFuture());
+    if (tenant == "alpha") {
+      EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+    } else {  // another tenant naming the channel: absent
+      EXPECT_EQ(t.status().code(), absl::StatusCode::kNotFound) << t.status();
+      EXPECT_EQ(DetailOf(t.status()), ErrorDetail::kLinkGone) << t.status();
+    }
   }
   rt_->FreeDevice(*buf);
 

@@ -56,6 +56,7 @@ int PutAndDie(int port, int data_port, const std::string& tenant, const std::str
   req.nccl_version = GpuRuntime::nccl_version();
   req.device_uuid = *uuid;
   req.__set_data_plane_puts(true);
+  req.__set_data_plane_gets(true);
   kvcomp::rpc::GpuChannelResponse open;
   control.OpenGpuChannel(open, auth, req);
   if (open.status.code != kvcomp::rpc::StatusCode::OK) return Fail(open.status.message);

@@ -130,16 +130,6 @@ class FuzzHandler : public rpc::KvcompControlIf {
                        int64_t /*channel_id*/) override {
     out.status = ToRpc(NoChannel(auth));
   }
-  void GpuGet(rpc::GpuTransferResponse& out, const rpc::Auth& auth, int64_t /*channel_id*/,
-              const rpc::GpuGetRequest& request) override {
-    absl::Status s = CheckRef(auth, request.ref.model_id, request.ref.key);
-    if (s.ok()) s = NoChannel(auth);
-    out.status = ToRpc(s);
-  }
-  void GpuGetFinish(rpc::GpuCloseResponse& out, const rpc::Auth& auth, int64_t /*channel_id*/,
-                    int64_t /*transfer_id*/) override {
-    out.status = ToRpc(NoChannel(auth));
-  }
 
  private:
   absl::Status NoChannel(const rpc::Auth& auth) const {

@@ -63,6 +63,27 @@ class MemoryHandler : public transport::RequestHandler {
           [moved, received = std::move(received)]() mutable { received(std::move(*moved)); });
   }
 
+  // The stand-in link's get: it "moves" the descriptor's bytes (the answer names as many), after
+  // the block delay; link_channel + 1 is a link that is gone.
+  void SendOverLink(const transport::Session& session, const transport::wire::Get& get,
+                    std::string descriptor, transport::LinkSent sent) override {
+    if (link_channel_.load() != 0 && get.link_channel == link_channel_.load() + 1) {
+      sent(WithDetail(absl::NotFoundError("link gone"), ErrorDetail::kLinkGone));
+      return;
+    }
+    if (link_channel_.load() == 0 || get.link_channel != link_channel_.load()) {
+      RequestHandler::SendOverLink(session, get, std::move(descriptor), std::move(sent));
+      return;
+    }
+    transport::wire::GetReply reply;
+    reply.representation = get.representation;
+    reply.link_payload_bytes = descriptor.size();
+    reply.num_tokens = get.link_capacity;
+    reply.link_ns = 1;
+    Later(absl::Nanoseconds(block_delay_ns_.load()),
+          [reply, sent = std::move(sent)]() mutable { sent(reply); });
+  }
+
   absl::StatusOr<std::string> OnHello(const transport::Session& session,
                                       const transport::wire::Hello& hello) override {
     const std::string tenant = hello.tenant.empty() ? "default" : hello.tenant;

@@ -391,6 +391,50 @@ TEST(ProtocolTest, SharedMemoryFieldsRoundTripAndDisagreementsAreRefused) {
   EXPECT_EQ(RoundTrip<CacheSummary>(Encode(5, sum)).link_ns, 123456u);
   EXPECT_EQ(RoundTrip<CacheSummary>(EncodeLookupReply(5, sum)).link_ns, 0u);
 
+  // A link get (minor 5): the frame's data part is the link's descriptor; its answer names the
+  // transfer and carries no payload.
+  Get lg;
+  lg.representation = Representation::kDecoded;
+  lg.model_id = "m";
+  lg.key = "k";
+  lg.link_channel = 9;
+  lg.link_capacity = 1 << 20;
+  lg.link_dense = true;
+  lg.link_layer_major = true;
+  lg.link_bytes = 300;
+  const std::string lgf = Encode(8, lg);
+  EXPECT_EQ(MustParse(lgf, 300).header.payload_bytes, 300u);
+  Get lgo = RoundTrip<Get>(lgf, 300);
+  EXPECT_EQ(lgo.link_channel, 9u);
+  EXPECT_EQ(lgo.link_capacity, uint64_t{1} << 20);
+  EXPECT_TRUE(lgo.link_dense);
+  EXPECT_TRUE(lgo.link_layer_major);
+  EXPECT_EQ(lgo.link_bytes, 300u);
+  EXPECT_EQ(lgo.representation, Representation::kDecoded);
+  for (auto bad : {+[](Get& m) { m.link_capacity = 0; },
+                   +[](Get& m) { m.link_dense = false; },  // layer by layer of a stored get
+                   +[](Get& m) { m.link_bytes = kMaxLinkDescriptorBytes + 1; },
+                   +[](Get& m) { m.shared = true; }}) {
+    Get m = lg;
+    bad(m);
+    const std::string frame = Encode(8, m);
+    EXPECT_TRUE(absl::IsInvalidArgument(Decode(MustParse(frame, m.link_bytes), &lgo)));
+  }
+  GetReply lr;
+  lr.link = true;
+  lr.link_payload_bytes = 4096;
+  lr.layout = KvLayout{2, 2, 2, 64, DType::kBF16};
+  lr.num_tokens = 8;
+  lr.link_ns = 777;
+  GetReply lro = RoundTrip<GetReply>(Encode(8, lr, 4096));  // no payload travels
+  EXPECT_TRUE(lro.link);
+  EXPECT_EQ(lro.link_payload_bytes, 4096u);
+  EXPECT_EQ(lro.layout, lr.layout);
+  EXPECT_EQ(lro.num_tokens, 8u);
+  EXPECT_EQ(lro.link_ns, 777u);
+  lr.layout = KvLayout{};  // bytes that are not a kvcomp cache: no layout
+  EXPECT_EQ(RoundTrip<GetReply>(Encode(8, lr, 0)).layout.num_layers, 0u);
+
   Get direct{Representation::kStored, "m", "k", false, 0x7f0000001000, 1 << 20, true};
   Get dout = RoundTrip<Get>(Encode(1, direct));
   EXPECT_TRUE(dout.direct);

@@ -259,6 +259,48 @@ TEST_P(ServerClientTest, ALinkBlockIsMovedByTheHandlersLinkThenTakenAsAnyBlock) 
   EXPECT_EQ(stats.buffered_bytes, 0u);
 }
 
+// A get naming a payload link (protocol 1.5): the server hands it with its descriptor (the
+// frame's data part, here larger than a frame: eager or rendezvous as the transport chooses) to
+// the handler's link and answers with the transfer it names, no payload; a link the handler
+// does not have is its refusal, a link gone its typed detail.
+TEST_P(ServerClientTest, ALinkGetIsAnsweredByTheHandlersLinkWithoutAPayload) {
+  handler_->set_link(7);
+  StartServer();
+  auto c = Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  UcxClient& client = **c;
+  wire::Get g;
+  g.model_id = "test/model";
+  g.key = "k";
+  g.link_channel = 7;
+  g.link_capacity = 4096;
+  for (const size_t bytes : {size_t{0}, size_t{100}, size_t{256} << 10}) {
+    absl::StatusOr<wire::GetReply> r =
+        client.GetOverLink(g, std::string(bytes, 'd'), absl::InfiniteFuture());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->link);
+    EXPECT_EQ(r->link_payload_bytes, bytes);
+    EXPECT_EQ(r->num_tokens, 4096u);
+    EXPECT_EQ(r->link_ns, 1u);
+  }
+  wire::Get other = g;
+  other.link_channel = 9;
+  EXPECT_EQ(client.GetOverLink(other, "", absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  wire::Get gone = g;
+  gone.link_channel = 8;
+  const absl::Status lost = client.GetOverLink(gone, "x", absl::InfiniteFuture()).status();
+  EXPECT_EQ(lost.code(), absl::StatusCode::kNotFound) << lost;
+  EXPECT_EQ(DetailOf(lost), ErrorDetail::kLinkGone) << lost;
+  // Refused by the client before anything is sent: no capacity.
+  wire::Get empty = g;
+  empty.link_capacity = 0;
+  EXPECT_EQ(client.GetOverLink(empty, "", absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(client.Ping().ok());
+  EXPECT_EQ(server_->stats().link_gets, 3u);
+}
+
 TEST_P(ServerClientTest, HelloWithWrongTokenIsRejected) {
   StartServer();
   auto bad = Connect("acme", "wrong");

@@ -182,6 +182,8 @@ class ClientImpl : public UcxClient, public std::enable_shared_from_this<ClientI
                             absl::AnyInvocable<void(absl::Status)> done) override;
   void SendLinkBlockAsync(const wire::Block& block, std::string descriptor,
                           absl::AnyInvocable<void(absl::Status)> done) override;
+  absl::StatusOr<wire::GetReply> GetOverLink(const wire::Get& get, std::string descriptor,
+                                             absl::Time deadline) override;
   uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity, absl::Time deadline,
                           absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) override;
   const ClientOptions& options() const { return options_; }
@@ -1066,6 +1068,43 @@ void ClientImpl::SendLinkBlockAsync(const wire::Block& block, std::string descri
   Submit(std::move(p));
 }
 
+absl::StatusOr<wire::GetReply> ClientImpl::GetOverLink(const wire::Get& get,
+                                                       std::string descriptor,
+                                                       absl::Time deadline) {
+  KVCOMP_RETURN_IF_ERROR(ValidateKey(get.model_id, get.key));
+  if (hello_ok_.server_minor < 5) {
+    return absl::FailedPreconditionError(
+        "the server predates link gets (protocol 1.5): the cache goes over the data plane");
+  }
+  if (get.link_channel == 0 || get.link_capacity == 0 || get.shared || get.direct ||
+      descriptor.size() > wire::kMaxLinkDescriptorBytes) {
+    return absl::InvalidArgumentError(
+        "GetOverLink: the get must name its link and capacity, not be shared or direct, and its "
+        "descriptor fit kMaxLinkDescriptorBytes");
+  }
+  wire::Get g = get;
+  g.link_bytes = static_cast<uint32_t>(descriptor.size());
+  auto p = std::make_unique<Pending>();
+  p->request_id = NextRequestId();
+  p->owned_payload = std::move(descriptor);
+  if (!p->owned_payload.empty()) {
+    p->iov[0] = {p->owned_payload.data(), p->owned_payload.size()};
+    p->iov_count = 1;
+    p->payload_bytes = p->owned_payload.size();
+  }
+  p->frame = wire::Encode(p->request_id, g);
+  p->deadline = RequestDeadline(deadline);
+  KVCOMP_ASSIGN_OR_RETURN(Reply r, Wait(std::move(p)));
+  if (r.header.type == wire::MessageType::kStatus) {
+    absl::Status s = StatusOfReply(r);
+    return s.ok() ? absl::InternalError("link get answered OK without naming the transfer") : s;
+  }
+  wire::GetReply reply;
+  KVCOMP_RETURN_IF_ERROR(wire::Decode(r.frame(), &reply));
+  if (!reply.link) return absl::InternalError("link get answered with a payload");
+  return reply;
+}
+
 uint64_t ClientImpl::GetSharedAsync(const wire::Get& get, void* dst, size_t capacity,
                                     absl::Time deadline,
                                     absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) {
@@ -1407,6 +1446,10 @@ class ClientHandle : public UcxClient {
   void SendLinkBlockAsync(const wire::Block& block, std::string descriptor,
                           absl::AnyInvocable<void(absl::Status)> done) override {
     impl_->SendLinkBlockAsync(block, std::move(descriptor), std::move(done));
+  }
+  absl::StatusOr<wire::GetReply> GetOverLink(const wire::Get& get, std::string descriptor,
+                                             absl::Time deadline) override {
+    return impl_->GetOverLink(get, std::move(descriptor), deadline);
   }
   uint64_t GetSharedAsync(const wire::Get& get, void* dst, size_t capacity, absl::Time deadline,
                           absl::AnyInvocable<void(absl::StatusOr<SharedGet>)> done) override {

@@ -35,6 +35,7 @@ constexpr uint8_t kGetFlagHasCrc = 1;
 constexpr uint8_t kGetFlagShared = 2;
 constexpr uint8_t kGetFlagDirect = 4;
 constexpr uint8_t kGetFlagOrPayload = 8;
+constexpr uint8_t kGetFlagLink = 16;  // minor 5: a link get / its answer
 
 using Writer = byte_coder::ByteWriter;
 using byte_coder::LoadLe;
@@ -424,6 +425,7 @@ std::string Encode(uint64_t request_id, const Get& m) {
   w.Put<uint8_t>(static_cast<uint8_t>(m.representation));
   uint8_t flags = m.direct ? kGetFlagDirect : (m.shared ? kGetFlagShared : 0);
   if (flags != 0 && m.or_payload) flags |= kGetFlagOrPayload;
+  if (m.link_channel != 0) flags |= kGetFlagLink;
   w.Put<uint8_t>(flags);
   w.Zeros(2);
   PutKey(w, Cut(m.model_id, CacheKey::kMaxModelBytes), Cut(m.key, CacheKey::kMaxKeyBytes));
@@ -431,17 +433,35 @@ std::string Encode(uint64_t request_id, const Get& m) {
     w.Put<uint64_t>(m.shm_offset);
     w.Put<uint64_t>(m.shm_capacity);
   }
-  return MakeFrame(MessageType::kGet, request_id, 0, w.Take());
+  if (m.link_channel != 0) {
+    w.Put<uint64_t>(m.link_channel);
+    w.Put<uint64_t>(m.link_capacity);
+    w.Put<uint8_t>(m.link_dense ? 1 : 0);
+    w.Put<uint8_t>(m.link_layer_major ? 1 : 0);
+    w.Zeros(2);
+    w.Put<uint32_t>(m.link_bytes);
+  }
+  return MakeFrame(MessageType::kGet, request_id, m.link_channel != 0 ? m.link_bytes : 0,
+                   w.Take());
 }
 
 std::string Encode(uint64_t request_id, const GetReply& m, uint64_t payload_bytes) {
   Writer w;
   w.Put<uint8_t>(static_cast<uint8_t>(m.representation));
-  w.Put<uint8_t>((m.has_crc ? kGetFlagHasCrc : 0) | (m.shared ? kGetFlagShared : 0));
+  w.Put<uint8_t>((m.has_crc ? kGetFlagHasCrc : 0) | (m.shared ? kGetFlagShared : 0) |
+                 (m.link ? kGetFlagLink : 0));
   w.Zeros(2);
   w.Put<uint32_t>(m.has_crc ? m.payload_crc : 0);
   if (m.shared) w.Put<uint64_t>(m.shm_bytes);
-  return MakeFrame(MessageType::kGetReply, request_id, m.shared ? 0 : payload_bytes, w.Take());
+  if (m.link) {
+    w.Put<uint64_t>(m.link_payload_bytes);
+    w.Put<uint64_t>(m.num_tokens);
+    w.Put<uint64_t>(m.link_ns);
+    w.Put<uint8_t>(m.layout.num_layers != 0 ? 1 : 0);
+    if (m.layout.num_layers != 0) PutLayout(w, m.layout);
+  }
+  return MakeFrame(MessageType::kGetReply, request_id,
+                   m.shared || m.link ? 0 : payload_bytes, w.Take());
 }
 
 std::string Encode(uint64_t request_id, const Lookup& m) {
@@ -701,7 +721,6 @@ absl::Status Decode(const Frame& f, PutAbort* out) {
 
 absl::Status Decode(const Frame& f, Get* out) {
   KVCOMP_RETURN_IF_ERROR(ExpectType(f, MessageType::kGet));
-  KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
   Reader r(f.body, f.header.type);
   const uint8_t rep = r.Get<uint8_t>("representation");
   const uint8_t flags = r.Get<uint8_t>("flags");
@@ -714,8 +733,39 @@ absl::Status Decode(const Frame& f, Get* out) {
     out->shm_offset = r.Get<uint64_t>("shm_offset");
     out->shm_capacity = r.Get<uint64_t>("shm_capacity");
   }
+  uint8_t dense = 0, order = 0;
+  if (r.ok() && (flags & kGetFlagLink)) {
+    out->link_channel = r.Get<uint64_t>("link_channel");
+    out->link_capacity = r.Get<uint64_t>("link_capacity");
+    dense = r.Get<uint8_t>("link_form");
+    order = r.Get<uint8_t>("link_order");
+    r.Skip(2, "reserved");
+    out->link_bytes = r.Get<uint32_t>("link_bytes");
+  }
   KVCOMP_RETURN_IF_ERROR(r.Finish());
-  if ((flags & ~(kGetFlagShared | kGetFlagDirect | kGetFlagOrPayload)) ||
+  if (flags & kGetFlagLink) {
+    if ((flags & ~kGetFlagLink) != 0) {
+      return absl::InvalidArgumentError(
+          r.Prefix("a link get is not a shared-memory, direct or or-payload get"));
+    }
+    if (out->link_channel == 0 || out->link_capacity == 0) {
+      return absl::InvalidArgumentError(r.Prefix("a link get names link_channel and capacity"));
+    }
+    if (dense > 1 || order > 1 || (order == 1 && dense == 0)) {
+      return absl::InvalidArgumentError(r.Prefix(absl::StrFormat(
+          "bad link_form %u / link_order %u (layer-major is for dense gets)", dense, order)));
+    }
+    if (out->link_bytes > kMaxLinkDescriptorBytes || out->link_bytes != f.header.payload_bytes) {
+      return absl::InvalidArgumentError(r.Prefix(absl::StrFormat(
+          "link_bytes %u (at most %u) != payload %u", out->link_bytes, kMaxLinkDescriptorBytes,
+          f.header.payload_bytes)));
+    }
+    out->link_dense = dense == 1;
+    out->link_layer_major = order == 1;
+  } else {
+    KVCOMP_RETURN_IF_ERROR(ExpectNoPayload(f));
+  }
+  if ((flags & ~(kGetFlagShared | kGetFlagDirect | kGetFlagOrPayload | kGetFlagLink)) ||
       (flags & (kGetFlagShared | kGetFlagDirect)) == (kGetFlagShared | kGetFlagDirect)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags)));
   }
@@ -739,7 +789,18 @@ absl::Status Decode(const Frame& f, GetReply* out) {
   out->payload_crc = r.Get<uint32_t>("payload_crc");
   out->shared = r.ok() && (flags & kGetFlagShared) != 0;
   out->shm_bytes = out->shared ? r.Get<uint64_t>("shm_bytes") : 0;
+  out->link = r.ok() && (flags & kGetFlagLink) != 0;
+  if (out->link) {
+    out->link_payload_bytes = r.Get<uint64_t>("link_payload_bytes");
+    out->num_tokens = r.Get<uint64_t>("num_tokens");
+    out->link_ns = r.Get<uint64_t>("link_ns");
+    if (r.Get<uint8_t>("has_layout") != 0 && r.ok()) out->layout = GetLayout(r);
+  }
   KVCOMP_RETURN_IF_ERROR(r.Finish());
+  if (out->link && (out->shared || f.header.payload_bytes != 0 || (flags & kGetFlagHasCrc))) {
+    return absl::InvalidArgumentError(
+        r.Prefix("a link get's answer carries no payload and no checksum"));
+  }
   if (rep > static_cast<uint8_t>(Representation::kDecoded)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown representation %u", rep)));
   }
@@ -747,7 +808,7 @@ absl::Status Decode(const Frame& f, GetReply* out) {
     return absl::InvalidArgumentError(
         r.Prefix("a get written into shared memory carries no payload and no checksum"));
   }
-  if (flags & ~(kGetFlagHasCrc | kGetFlagShared)) {
+  if (flags & ~(kGetFlagHasCrc | kGetFlagShared | kGetFlagLink)) {
     return absl::InvalidArgumentError(r.Prefix(absl::StrFormat("unknown flags 0x%02x", flags)));
   }
   out->representation = static_cast<Representation>(rep);

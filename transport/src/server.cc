@@ -64,7 +64,7 @@ struct Counters {
       bytes_sent{0}, busy_replies{0}, checksum_failures{0}, puts_begun{0}, puts_committed{0},
       puts_aborted{0}, puts_timed_out{0}, connections_timed_out{0}, inflight_bytes{0},
       inflight_busy_replies{0}, device_payload_blocks{0}, blocks_into_device{0}, shm_blocks{0},
-      shm_gets{0}, link_blocks{0};
+      shm_gets{0}, link_blocks{0}, link_gets{0};
   std::atomic<uint64_t> rejected[kNumStatusCodes] = {};  // by absl::StatusCode
 };
 
@@ -87,6 +87,16 @@ struct RecvContext {
   std::unique_ptr<UcpMemReg> reg;  // device payloads: registered for the receive
   absl::Status failure;            // set when the receive could not be posted
   bool verified = false;           // its checksums were checked on the copy threads
+};
+
+class ServerImpl;
+// The descriptor of a link get arriving by rendezvous.
+struct LinkGetContext {
+  ServerImpl* server;
+  std::shared_ptr<Connection> conn;
+  uint64_t request_id;
+  wire::Get get;
+  std::string descriptor;
 };
 
 class ServerImpl : public UcxServer {
@@ -155,6 +165,12 @@ class ServerImpl : public UcxServer {
   void HandleCommit(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
   void HandleAbort(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
   void HandleGet(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
+  // A link get whose descriptor travels as the frame's data part: received, then GetOverLink.
+  void HandleLinkGet(const std::shared_ptr<Connection>& conn, const wire::Frame& f, void* data,
+                     size_t length, bool rndv);
+  void LinkGetReceived(LinkGetContext* ctx, ucs_status_t status);
+  void GetOverLink(const std::shared_ptr<Connection>& conn, uint64_t request_id,
+                   const wire::Get& get, std::string descriptor);
   void HandleLookup(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
   void HandleDelete(const std::shared_ptr<Connection>& conn, const wire::Frame& f);
   void BlockReceived(RecvContext* ctx, ucs_status_t status);
@@ -450,6 +466,7 @@ ServerStats ServerImpl::stats() const {
   s.shm_blocks = c.shm_blocks;
   s.shm_gets = c.shm_gets;
   s.link_blocks = c.link_blocks;
+  s.link_gets = c.link_gets;
   for (int i = 0; i < kNumStatusCodes; ++i) s.rejected_by_code[i] = c.rejected[i];
   return s;
 }
@@ -763,6 +780,10 @@ void ServerImpl::HandleMessage(const std::shared_ptr<Connection>& conn, absl::st
   const wire::MessageType type = f->header.type;
   if (type == wire::MessageType::kBlock) {
     HandleBlock(conn, *f, data, length, rndv);  // owns the rendezvous descriptor
+    return;
+  }
+  if (type == wire::MessageType::kGet && length > 0 && conn->authenticated) {
+    HandleLinkGet(conn, *f, data, length, rndv);  // owns the rendezvous descriptor
     return;
   }
   if (rndv) DropRendezvous(loop_->worker(), data);
@@ -1315,9 +1336,82 @@ void ServerImpl::HandleAbort(const std::shared_ptr<Connection>& conn, const wire
   SendStatus(*conn, f.header.request_id, absl::OkStatus());
 }
 
+void ServerImpl::HandleLinkGet(const std::shared_ptr<Connection>& conn, const wire::Frame& f,
+                               void* data, size_t length, bool rndv) {
+  wire::Get get;
+  if (!DecodeOrReject(*conn, f, &get)) {  // a data part only with a link get's descriptor
+    if (rndv) DropRendezvous(loop_->worker(), data);
+    return;
+  }
+  if (!rndv) {
+    GetOverLink(conn, f.header.request_id, get,
+                std::string(static_cast<const char*>(data), length));
+    return;
+  }
+  auto* ctx = new LinkGetContext{this, conn, f.header.request_id, get, std::string(length, '\0')};
+  conn->pending_work++;
+  pending_work_++;
+  ucp_request_param_t p = {};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+    auto* c = static_cast<LinkGetContext*>(user_data);
+    c->server->LinkGetReceived(c, status);
+    ucp_request_free(request);
+  };
+  p.user_data = ctx;
+  void* req = ucp_am_recv_data_nbx(loop_->worker(), data, ctx->descriptor.data(), length, &p);
+  if (req == nullptr) {
+    LinkGetReceived(ctx, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(req)) {
+    LinkGetReceived(ctx, UCS_PTR_STATUS(req));
+  }
+}
+
+void ServerImpl::LinkGetReceived(LinkGetContext* raw, ucs_status_t status) {
+  std::unique_ptr<LinkGetContext> ctx(raw);
+  ctx->conn->pending_work--;
+  pending_work_--;
+  absl::Status s = UcsStatusToStatus(status, "link get descriptor receive");
+  if (ctx->conn->closed) return;
+  if (!s.ok()) {
+    Reject(*ctx->conn, ctx->request_id, s);
+    return;
+  }
+  GetOverLink(ctx->conn, ctx->request_id, ctx->get, std::move(ctx->descriptor));
+}
+
+void ServerImpl::GetOverLink(const std::shared_ptr<Connection>& conn, uint64_t request_id,
+                             const wire::Get& get, std::string descriptor) {
+  conn->pending_work++;
+  pending_work_++;
+  std::shared_ptr<WorkerLoop> loop = loop_;
+  LinkSent sent = [this, loop, conn, rid = request_id](absl::StatusOr<wire::GetReply> r) mutable {
+    loop->Post([this, conn = std::move(conn), rid, r = std::move(r)]() mutable {
+      conn->pending_work--;
+      pending_work_--;
+      if (!r.ok()) {
+        SendStatus(*conn, rid, r.status());
+        return;
+      }
+      r->link = true;
+      r->shared = false;
+      r->has_crc = false;
+      r->payload_crc = 0;
+      counters_.link_gets++;
+      counters_.bytes_sent += r->link_payload_bytes;
+      SendFrame(*conn, wire::Encode(rid, *r, 0));
+    });
+  };
+  handler_->SendOverLink(conn->session, get, std::move(descriptor), std::move(sent));
+}
+
 void ServerImpl::HandleGet(const std::shared_ptr<Connection>& conn, const wire::Frame& f) {
   wire::Get get;
   if (!DecodeOrReject(*conn, f, &get)) return;
+  if (get.link_channel != 0) {
+    GetOverLink(conn, f.header.request_id, get, "");
+    return;
+  }
   // A shared-memory get: the connection's own get region, the range checked now.
   std::shared_ptr<ShmMapping> region;
   std::shared_ptr<ShmGrant> peer;  // direct: the connection's registered peer

@@ -203,6 +203,14 @@ class UcxClient {
   // the block arrives).
   virtual void SendLinkBlockAsync(const wire::Block& block, std::string descriptor,
                                   absl::AnyInvocable<void(absl::Status)> done) = 0;
+  // A get whose cache moves over the payload link get.link_channel (wire::Get::link_channel,
+  // the GPU channel): `descriptor` (get.link_bytes is set from it) travels as the frame's data
+  // part, the link's description of this process's memory. The answer names the transfer
+  // (wire::GetReply link fields): over NCCL post this side's receive after it; over CUDA IPC
+  // the bytes are in place. FailedPrecondition when the server predates link gets (its hello
+  // said minor < 5).
+  virtual absl::StatusOr<wire::GetReply> GetOverLink(const wire::Get& get, std::string descriptor,
+                                                     absl::Time deadline) = 0;
   // A get (get.shared or get.direct set) that the server writes into this connection's shared
   // get region (or the caller's memory); `dst`/`capacity` receive a reply the server sends as a
   // payload instead (a new buffer, SharedGet::payload, when `dst` is null). `done` runs once on

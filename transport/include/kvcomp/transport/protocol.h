@@ -43,8 +43,11 @@ inline constexpr uint8_t kMajorVersion = 1;
 // the GPU channel; the block's data part is the link's descriptor of the sender's memory), the
 // link's seconds in a put-commit-ok after such blocks, the put-begin's link flag naming the
 // channel, and typed error details in status
-// replies to clients whose hello says minor >= 4.
-inline constexpr uint8_t kMinorVersion = 4;
+// replies to clients whose hello says minor >= 4. Minor 5 adds link gets (Get::link_channel:
+// the cache moves over a payload link negotiated outside the data plane, the GPU channel; the
+// get's data part is the link's descriptor of the caller's memory; the reply names the transfer
+// and carries no payload).
+inline constexpr uint8_t kMinorVersion = 5;
 inline constexpr uint32_t kFrameHeaderBytes = 32;
 // Largest frame (header + body). UCX 1.13 allows AM headers of about 8 KB with tcp and shared
 // memory; servers and clients check their worker's limit at start. The largest message
@@ -277,6 +280,17 @@ struct Get {
   // With `shared` or `direct` (minor >= 3): a cache larger than shm_capacity comes back as the
   // reply's payload (as a get without either flag) instead of OutOfRange, in the same request.
   bool or_payload = false;
+  // Minor >= 5: the cache goes to the caller over payload link `link_channel` (a GPU channel
+  // opened outside the data plane), not as the reply's payload: the stored or decoded bytes
+  // whole, or (`link_dense`) the dense K and V, every layer's keys then every layer's values or
+  // (`link_layer_major`) K0, V0, K1, V1, ...; at most `link_capacity` bytes. The frame's data
+  // part is the link's descriptor of the caller's memory (`link_bytes` of it: CUDA IPC handles
+  // and regions; empty over NCCL). Not with `shared` or `direct`.
+  uint64_t link_channel = 0;
+  uint64_t link_capacity = 0;
+  bool link_dense = false;
+  bool link_layer_major = false;
+  uint32_t link_bytes = 0;
 };
 
 struct GetReply {
@@ -287,6 +301,15 @@ struct GetReply {
   // payload, no checksum.
   bool shared = false;
   uint64_t shm_bytes = 0;
+  // A link get's answer (Get::link_channel): the transfer of `link_payload_bytes` is posted on
+  // the link (over NCCL the caller posts its receive now; over CUDA IPC the bytes are in the
+  // caller's memory already, in `link_ns`); no payload, no checksum. `layout` and `num_tokens`
+  // are the cache's (absent, num_layers 0, for bytes that are not a kvcomp cache).
+  bool link = false;
+  uint64_t link_payload_bytes = 0;
+  KvLayout layout;
+  uint64_t num_tokens = 0;
+  uint64_t link_ns = 0;
 };
 
 struct Lookup {
@@ -338,7 +361,7 @@ std::string Encode(uint64_t request_id, const PutCommit& m);
 std::string Encode(uint64_t request_id, const CacheSummary& m);  // a kPutCommitOk
 std::string EncodeLookupReply(uint64_t request_id, const CacheSummary& m);
 std::string Encode(uint64_t request_id, const PutAbort& m);
-std::string Encode(uint64_t request_id, const Get& m);
+std::string Encode(uint64_t request_id, const Get& m);  // payload = m.link_bytes
 std::string Encode(uint64_t request_id, const GetReply& m, uint64_t payload_bytes);
 std::string Encode(uint64_t request_id, const Lookup& m);
 std::string Encode(uint64_t request_id, const Delete& m);

@@ -169,6 +169,7 @@ using CommitDone = absl::AnyInvocable<void(absl::StatusOr<wire::CacheSummary>)>;
 using GetDone = absl::AnyInvocable<void(absl::StatusOr<GetResult>)>;
 using LookupDone = absl::AnyInvocable<void(absl::StatusOr<wire::CacheSummary>)>;
 using LinkReceived = absl::AnyInvocable<void(absl::StatusOr<Buffer>)>;
+using LinkSent = absl::AnyInvocable<void(absl::StatusOr<wire::GetReply>)>;
 
 // What the daemon implements. Methods run on the progress thread and must return quickly;
 // completions may come later from any thread. A status returned or completed with an error is
@@ -228,6 +229,18 @@ class RequestHandler {
   // (put_timeout), Unavailable (disconnect or server stop) or the commit's failure. Called
   // exactly once for every put whose OnPutBegin succeeded and whose commit did not succeed.
   virtual void OnPutAbort(const PutContext& put, const absl::Status& reason) = 0;
+
+  // Optional: a get that names payload link get.link_channel (wire::Get::link_channel, the GPU
+  // channel): the cache goes to the client over that link, not in the reply. `descriptor` is
+  // the frame's data part (host memory; empty over NCCL): the link's description of the
+  // client's memory. Post the link's send and complete `sent` once the client may post its side
+  // (or, for a link that writes the client's memory itself, once it is written), with the
+  // answer's link fields (link_payload_bytes, layout, num_tokens, link_ns), or with the
+  // failure. Any thread, exactly once. The default refuses every link get.
+  virtual void SendOverLink(const Session& session, const wire::Get& get, std::string descriptor,
+                            LinkSent sent) {
+    sent(absl::FailedPreconditionError("this server sends no cache over links"));
+  }
 
   // Fetches a cache of the session's tenant. NotFound when absent (also for other tenants').
   // The transport computes the reply's CRC32C of host bytes on the thread that calls `done`.
@@ -291,6 +304,7 @@ struct ServerStats {
   uint64_t shm_blocks = 0;            // blocks read from a client's put region
   uint64_t shm_gets = 0;              // gets written into a client's get region
   uint64_t link_blocks = 0;           // blocks whose payload came over a link (GPU channel)
+  uint64_t link_gets = 0;             // gets whose cache went over a link (GPU channel)
 };
 
 class UcxServer {
