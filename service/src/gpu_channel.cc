@@ -323,7 +323,6 @@ class GpuChannelsImpl : public GpuChannels {
                                 pending]() mutable {
           GpuTransferShape shape;
           shape.ipc = ipc.has_value() ? &*ipc : nullptr;
-          shape.layer_major = r.layer_major;
           (*pending)(ReceiveNow(c, r, shape));
         })) {
       (*pending)(BusyError("GPU channel receives queued at their bound"));
@@ -932,18 +931,6 @@ class GpuChannelsImpl : public GpuChannels {
     return absl::OkStatus();
   }
 
-  // A transfer's shape fits the channel's mode.
-  static absl::Status CheckMode(const Channel& c, const GpuTransferShape& shape) {
-    if (c.ipc && shape.ipc == nullptr) {
-      return absl::InvalidArgumentError(
-          "this GPU channel is in mode ipc: the transfer must name the client's memory");
-    }
-    if (!c.ipc && shape.ipc != nullptr) {
-      return absl::InvalidArgumentError("this GPU channel is in mode nccl: no ipc payload");
-    }
-    return absl::OkStatus();
-  }
-
   // Over CUDA IPC: maps the client's allocations `shape.ipc` names and gives the channel's
   // link the client's regions of the transfer, one for each of `ours` and of the same size (at
   // least that size where `at_least`: a buffer a get fills in part). InvalidArgument for chunks
@@ -1076,11 +1063,6 @@ class GpuChannelsImpl : public GpuChannels {
   static double SecondsOf(GpuRuntime::Timer& timer) {
     absl::StatusOr<double> secs = timer.Seconds(absl::Now() + absl::Seconds(1));
     return secs.ok() ? *secs : 0;
-  }
-
-  static absl::Status TooLarge(uint64_t bytes, uint64_t capacity) {
-    return absl::OutOfRangeError(
-        absl::StrCat("the payload is ", bytes, " bytes; the client can take ", capacity));
   }
 
   // Closes channels idle past the idle timeout, failed or closed (a transfer's own thread

@@ -94,11 +94,10 @@ struct GpuIpcSpec {
   std::vector<GpuIpcChunk> chunks;
 };
 
-// How a transfer's chunks are ordered (NCCL matches them one to one): every layer's keys, then
-// every layer's values; or layer by layer (K0, V0, K1, V1, ...: a put stream, a layered get).
+// The client's side of a transfer: in mode "ipc" its memory (the order of the chunks, which
+// NCCL matches one to one, is the request's layer_major).
 struct GpuTransferShape {
-  const GpuIpcSpec* ipc = nullptr;  // mode "ipc": the client's memory
-  bool layer_major = false;
+  const GpuIpcSpec* ipc = nullptr;
 };
 
 // A get over a channel (the data plane's get naming it): the cache's bytes as stored or decoded
