@@ -10,6 +10,7 @@
 #include <cub/device/device_scan.cuh>
 
 #include "absl/strings/str_format.h"
+#include "block_radix_select.cuh"
 #include "codec_device.h"
 #include "cuda_status.h"
 #include "kvcomp/core/status.h"
@@ -21,76 +22,14 @@ namespace {
 constexpr unsigned kPickThreads = 1024;  // one block per head
 constexpr unsigned kPickWarps = kPickThreads / 32;
 
-// x's place in the order of the radix sorts (CUB's float keys): -0 below +0, NaN at the ends.
-// For the non-NaN values the outlier rule sees (energies and losses are >= +0) it is the order
-// of the values.
-__device__ __forceinline__ uint32_t OrderKey(float x) {
-  const uint32_t u = __float_as_uint(x);
-  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
-}
+using PickShared = block_select::RadixSelectShared<kPickWarps>;
 
-struct PickShared {
-  uint32_t hist[256];
-  uint32_t warp[kPickWarps];
-  uint32_t digit, rank, count;
-};
+__device__ __forceinline__ uint32_t OrderKey(float x) { return block_select::FloatOrderKey(x); }
 
-// The key of rank `k` (0-based, ascending) among OrderKey(x[0 .. n)): radix select, 8 bits a
-// pass, every thread of the block calling it.
+// The key of rank `k` (0-based, ascending) among OrderKey(x[0 .. n)).
 __device__ uint32_t SelectKey(const float* x, uint32_t n, uint32_t k, PickShared& sh) {
-  uint32_t prefix = 0, mask = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (uint32_t i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
-    __syncthreads();
-    // Whole warps a step (the lanes past n take part without a key): lanes with the same
-    // digit add their count once (values of one head share their top bits, so one shared
-    // counter would otherwise take most of the warp's adds).
-    const uint32_t lane = threadIdx.x & 31;
-    for (uint32_t base = 0; base < n; base += blockDim.x) {
-      const uint32_t i = base + threadIdx.x;
-      const uint32_t key = i < n ? OrderKey(x[i]) : 0;
-      const bool counted = i < n && (key & mask) == prefix;
-      const uint32_t digit = counted ? (key >> shift) & 255u : 256u + lane;
-      const uint32_t peers = __match_any_sync(0xffffffffu, digit);
-      if (counted && lane == static_cast<uint32_t>(__ffs(peers) - 1)) {
-        atomicAdd(&sh.hist[digit], static_cast<uint32_t>(__popc(peers)));
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      // Lane L holds bins [8 L, 8 L + 8); the digit is the bin where the running count passes k.
-      uint32_t c[8], sum = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        c[j] = sh.hist[threadIdx.x * 8 + j];
-        sum += c[j];
-      }
-      uint32_t incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t up = __shfl_up_sync(0xffffffffu, incl, o);
-        if (static_cast<int>(threadIdx.x) >= o) incl += up;
-      }
-      uint32_t below = incl - sum;
-      if (below <= k && k < incl) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (k < below + c[j]) {
-            sh.digit = threadIdx.x * 8 + j;
-            sh.rank = k - below;
-            break;
-          }
-          below += c[j];
-        }
-      }
-    }
-    __syncthreads();
-    prefix |= sh.digit << shift;
-    mask |= 0xffu << shift;
-    k = sh.rank;
-    __syncthreads();  // digit and rank read before the next pass writes them
-  }
-  return prefix;
+  return block_select::BlockRadixSelect<uint32_t>(n, k, sh,
+                                                  [&](uint32_t i) { return OrderKey(x[i]); });
 }
 
 // The number of rows i < n with pred(i), summed over the block (every thread gets it).

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "../cpu/moments_aware.h"
+#include "block_radix_select.cuh"
 #include "absl/strings/str_format.h"
 #include "cuda_status.h"
 #include "kvcomp/core/status.h"
@@ -53,73 +54,11 @@ __device__ __forceinline__ double LoadD<__nv_bfloat16>(const __nv_bfloat16* p) {
   return __bfloat162float(*p);
 }
 
+using block_select::BlockRadixSelect;
+using EvictShared = block_select::RadixSelectShared<kEvictWarps>;
+
 // Unsigned bits that order like the float (no NaN; -0 taken as +0 by the caller).
-__device__ __forceinline__ uint32_t OrderBits(float x) {
-  const uint32_t u = __float_as_uint(x);
-  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
-}
-
-struct EvictShared {
-  uint32_t hist[256];
-  uint32_t warp[kEvictWarps];
-  uint32_t digit, rank, count;
-};
-
-// The key of rank `k` (0-based, ascending) among key(0 .. n): radix select, 8 bits a pass,
-// every thread of the block calling it (as codec_device.cu's outlier search).
-template <typename Key>
-__device__ uint32_t SelectKey(uint64_t n, uint64_t k, EvictShared& sh, Key key_of) {
-  uint32_t prefix = 0, mask = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (uint32_t i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
-    __syncthreads();
-    const uint32_t lane = threadIdx.x & 31;
-    for (uint64_t base = 0; base < n; base += blockDim.x) {
-      const uint64_t i = base + threadIdx.x;
-      const uint32_t key = i < n ? key_of(i) : 0;
-      const bool counted = i < n && (key & mask) == prefix;
-      const uint32_t digit = counted ? (key >> shift) & 255u : 256u + lane;
-      const uint32_t peers = __match_any_sync(0xffffffffu, digit);
-      if (counted && lane == static_cast<uint32_t>(__ffs(peers) - 1)) {
-        atomicAdd(&sh.hist[digit], static_cast<uint32_t>(__popc(peers)));
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      // Lane L holds bins [8 L, 8 L + 8); the digit is the bin where the running count passes k.
-      uint32_t c[8], sum = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        c[j] = sh.hist[threadIdx.x * 8 + j];
-        sum += c[j];
-      }
-      uint32_t incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t up = __shfl_up_sync(0xffffffffu, incl, o);
-        if (static_cast<int>(threadIdx.x) >= o) incl += up;
-      }
-      uint32_t below = incl - sum;
-      if (below <= k && k < incl) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (k < below + c[j]) {
-            sh.digit = threadIdx.x * 8 + j;
-            sh.rank = static_cast<uint32_t>(k - below);
-            break;
-          }
-          below += c[j];
-        }
-      }
-    }
-    __syncthreads();
-    prefix |= sh.digit << shift;
-    mask |= 0xffu << shift;
-    k = sh.rank;
-    __syncthreads();  // digit and rank read before the next pass writes them
-  }
-  return prefix;
-}
+__device__ __forceinline__ uint32_t OrderBits(float x) { return block_select::FloatOrderKey(x); }
 
 // One block per head: the provisional eviction (all but the `kept` highest effective scores,
 // protected tokens +inf, ties by lower index: the reference's nth_element order) as a byte per
@@ -154,7 +93,7 @@ __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
   auto eff = [&](uint64_t t) { return kStaged ? staged[t] : eff_of(t); };
   // The kept-th largest effective key; tokens above it stay, those below go, and of the equal
   // ones the `need` of lowest index stay.
-  const uint32_t kth = SelectKey(n, n - kept, sh, eff);
+  const uint32_t kth = BlockRadixSelect<uint64_t>(n, n - kept, sh, eff);
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
   uint32_t mine = 0;
