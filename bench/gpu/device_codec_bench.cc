@@ -29,7 +29,8 @@
 //                cudaProfilerStop, for a profiler started with its capture off (ncu
 //                --profile-from-start off; bench/gpu/ncu_profile.sh's "put" case)
 //   --keep-pool  the backend's pool keeps 16 GiB of freed memory mapped (default 64 MiB)
-//   KVCOMP_BENCH_VARIANTS=int8,aware runs only the variants whose names contain one of these.
+//   KVCOMP_BENCH_VARIANTS=int8,aware runs only the variants whose names contain one of these
+//   (an entry ending in '$' names one variant exactly: manifold0.5+moments$ is the eviction).
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -62,7 +63,7 @@ using kvcomp::bench::ExitIfError;
 using kvcomp::bench::Median;
 
 // KVCOMP_BENCH_VARIANTS: a comma-separated list; a variant runs when its name contains one of
-// them (unset: every variant).
+// them, or is one ending in '$' without it (unset: every variant).
 bool Selected(const std::string& name) {
   const char* env = std::getenv("KVCOMP_BENCH_VARIANTS");
   if (env == nullptr || *env == '\0') return true;
@@ -71,7 +72,11 @@ bool Selected(const std::string& name) {
   while (at <= list.size()) {
     const size_t comma = std::min(list.find(',', at), list.size());
     const std::string want = list.substr(at, comma - at);
-    if (!want.empty() && name.find(want) != std::string::npos) return true;
+    if (!want.empty() && want.back() == '$') {
+      if (name == want.substr(0, want.size() - 1)) return true;
+    } else if (!want.empty() && name.find(want) != std::string::npos) {
+      return true;
+    }
     at = comma + 1;
   }
   return false;

@@ -1,6 +1,7 @@
 #include "kvcomp/kernels/device_format.h"
 
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -54,10 +55,18 @@ absl::Status Cuda(cudaError_t e, const char* what) {
 }  // namespace
 #endif
 
-absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const CompressedCache& shape,
-                                                  uint64_t raw_value_rows,
-                                                  absl::Span<const DeviceSection> sections,
-                                                  TransferBytes* transfers) {
+namespace {
+
+// EncodeOnDevice; `in_place`, when set, is a buffer the sections may already sit in at their
+// offsets (DeviceCompressedCache::encoding): used as the encoding when every device section is
+// there, else the sections are copied into a fresh buffer as without it.
+absl::StatusOr<DeviceEncodedCache> Encode(Backend& backend, const CompressedCache& shape,
+                                          uint64_t raw_value_rows,
+                                          absl::Span<const DeviceSection> sections,
+                                          TransferBytes* transfers,
+                                          const std::shared_ptr<const Buffer>& in_place,
+                                          absl::Span<const DeviceCompressedCache::CrcPart> parts,
+                                          const void* part_words) {
   if (backend.kind() != BackendKind::kCuda) {
     return absl::FailedPreconditionError("EncodeOnDevice needs a CUDA backend");
   }
@@ -92,18 +101,48 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const Compre
     }
   }
 
-  KVCOMP_ASSIGN_OR_RETURN(Buffer out, Buffer::Allocate(backend.allocator(), plan.total_bytes));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer words,
-                          Buffer::Allocate(backend.allocator(), (n + 1) * sizeof(uint32_t)));
+  // The sections already in place: each device section at its offset in `in_place`.
+  bool placed = in_place != nullptr && in_place->size() >= plan.total_bytes;
+  for (size_t i = 0; placed && i < n; ++i) {
+    placed = source[i] == nullptr ||
+             source[i]->data == in_place->as<uint8_t>() + plan.sections[i].offset;
+  }
+  Buffer out;
+  if (placed) {
+    out = Buffer::Part(in_place, 0, plan.total_bytes);
+  } else {
+    KVCOMP_ASSIGN_OR_RETURN(out, Buffer::Allocate(backend.allocator(), plan.total_bytes));
+  }
+  // Sections in place whose CRC parts were computed as they were written (and add up to them):
+  // their CRCs are combined from the parts, not read again.
+  std::vector<std::vector<size_t>> parts_of(n);  // indices into `parts`, in order
+  if (placed && part_words != nullptr) {
+    for (size_t i = 0; i < n; ++i) {
+      if (source[i] == nullptr) continue;
+      uint64_t covered = 0;
+      for (size_t j = 0; j < parts.size(); ++j) {
+        if (parts[j].section != plan.sections[i].id) continue;
+        parts_of[i].push_back(j);
+        covered += parts[j].size;
+      }
+      if (covered != plan.sections[i].size) parts_of[i].clear();
+    }
+  } else {
+    parts = {};
+  }
+  KVCOMP_ASSIGN_OR_RETURN(
+      Buffer words,
+      Buffer::Allocate(backend.allocator(), (n + 1 + parts.size()) * sizeof(uint32_t)));
   auto stream = static_cast<cudaStream_t>(backend.native_stream());
   uint8_t* dev = out.as<uint8_t>();
   auto end_of = [&](size_t i) {
     return i + 1 < n ? plan.sections[i + 1].offset : plan.total_bytes;
   };
-  // Device sections into place, their padding zeroed, their CRCs on the device. A section whose
-  // place is aligned as its source (the same address modulo 16, as the allocator's buffers and
-  // the plan's offsets make it) is written by the CRC kernel as it reads it (one pass); any other
-  // is copied first and its copy read for the CRC.
+  // Device sections into place, their padding zeroed, their CRCs on the device. A section
+  // already in its place is only read for its CRC; one whose place is aligned as its source
+  // (the same address modulo 16, as the allocator's buffers and the plan's offsets make it) is
+  // written by the CRC kernel as it reads it (one pass); any other is copied first and its copy
+  // read for the CRC.
   std::vector<DeviceCrcRange> ranges;
   std::vector<size_t> ranged;  // plan index of each range
   for (size_t i = 0; i < n; ++i) {
@@ -112,9 +151,11 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const Compre
     uint8_t* place = dev + s.offset;
     // KVCOMP_FORMAT_ONE_PASS=0 copies every section first (for comparison).
     static const bool one_pass = internal::SwitchOn("KVCOMP_FORMAT_ONE_PASS");
-    const bool fused = one_pass && s.size > 0 && ((reinterpret_cast<uintptr_t>(place) -
-                                       reinterpret_cast<uintptr_t>(source[i]->data)) & 15) == 0;
-    if (s.size > 0 && !fused) {
+    const bool there = source[i]->data == place;
+    const bool fused = !there && one_pass && s.size > 0 &&
+                       ((reinterpret_cast<uintptr_t>(place) -
+                         reinterpret_cast<uintptr_t>(source[i]->data)) & 15) == 0;
+    if (s.size > 0 && !fused && !there) {
       KVCOMP_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(place, source[i]->data, s.size,
                                                   cudaMemcpyDeviceToDevice, stream),
                                   "section copy"));
@@ -124,6 +165,7 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const Compre
       KVCOMP_RETURN_IF_ERROR(
           Cuda(cudaMemsetAsync(place + s.size, 0, pad, stream), "padding"));
     }
+    if (!parts_of[i].empty()) continue;  // its CRC from its parts
     uint32_t* word = words.as<uint32_t>() + ranges.size();
     if (fused) {
       ranges.push_back({source[i]->data, s.size, word, place});
@@ -133,15 +175,31 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const Compre
     ranged.push_back(i);
   }
   KVCOMP_RETURN_IF_ERROR(DeviceCrc32c(ranges, stream));
-  std::vector<uint32_t> device_crcs(ranges.size());
-  if (!ranges.empty()) {
+  // The parts' words after the ranges' (one read back for all).
+  if (!parts.empty()) {
+    KVCOMP_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(words.as<uint32_t>() + ranges.size(), part_words,
+                                                parts.size() * sizeof(uint32_t),
+                                                cudaMemcpyDeviceToDevice, stream),
+                                "CRC parts"));
+  }
+  const size_t read = ranges.size() + parts.size();
+  std::vector<uint32_t> device_crcs(read);
+  if (read > 0) {
     // Waits for the copies and the CRCs.
-    KVCOMP_RETURN_IF_ERROR(backend.CopyToHost(device_crcs.data(), words.data(),
-                                              ranges.size() * sizeof(uint32_t)));
-    if (transfers != nullptr) transfers->to_host += ranges.size() * sizeof(uint32_t);
+    KVCOMP_RETURN_IF_ERROR(
+        backend.CopyToHost(device_crcs.data(), words.data(), read * sizeof(uint32_t)));
+    if (transfers != nullptr) transfers->to_host += read * sizeof(uint32_t);
   }
   std::vector<uint32_t> crcs(n, 0);
   for (size_t r = 0; r < ranges.size(); ++r) crcs[ranged[r]] = device_crcs[r];
+  for (size_t i = 0; i < n; ++i) {
+    if (parts_of[i].empty()) continue;
+    uint32_t c = 0;
+    for (size_t j : parts_of[i]) {
+      c = Crc32cCombine(c, device_crcs[ranges.size() + j], parts[j].size);
+    }
+    crcs[i] = c;
+  }
 
   // The host region: header, table and the host sections before the first device section
   // (the kept counts and the policy), with their padding; host sections after it (the layer
@@ -205,6 +263,15 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const Compre
 #endif
 }
 
+}  // namespace
+
+absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const CompressedCache& shape,
+                                                  uint64_t raw_value_rows,
+                                                  absl::Span<const DeviceSection> sections,
+                                                  TransferBytes* transfers) {
+  return Encode(backend, shape, raw_value_rows, sections, transfers, nullptr, {}, nullptr);
+}
+
 absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend,
                                                   const DeviceCompressedCache& cache,
                                                   TransferBytes* transfers) {
@@ -229,7 +296,8 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend,
       if (s.id == id) sections.push_back({id, buffer->data(), buffer->size()});
     }
   }
-  return EncodeOnDevice(backend, cache.host, cache.raw_value_row_count, sections, transfers);
+  return Encode(backend, cache.host, cache.raw_value_row_count, sections, transfers,
+                cache.encoding, cache.crc_parts, cache.crc_words.data());
 }
 
 }  // namespace kvcomp

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_format.h"
 #include "cpu/moments_aware.h"
+#include "kvcomp/core/format.h"
 #if defined(KVCOMP_HAVE_CUDA)
 #include <cuda_runtime_api.h>
 
@@ -22,6 +23,7 @@
 #endif
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
+#include "kvcomp/kernels/device_crc32c.h"
 #include "kvcomp/kernels/moment_ops.h"
 #include "kvcomp/kernels/scoring_ops.h"
 #include "pipeline_device.h"
@@ -198,6 +200,197 @@ bool LayerGroupsEnabled() {
   return enabled;
 }
 
+// KVCOMP_FORMAT_IN_PLACE=0: a device compression writes its arrays into buffers of their own
+// and the format copies them (for comparison); else eviction with raw codecs writes them at the
+// format's section offsets (DeviceCompressedCache::encoding).
+bool InPlaceFormatEnabled() {
+  static const bool enabled = pipeline_internal::SwitchOn("KVCOMP_FORMAT_IN_PLACE");
+  return enabled;
+}
+
+// The cache format's buffer for a device compression whose sections can be written in place:
+// with raw codecs every section a kernel writes (positions, keys, values, moments) holds the
+// arrays' bytes as they are, and with every layer full (`cap` tokens each, always the case in
+// practice) the plan is known before the first kernel (it depends on the total kept, not on
+// how the heads share it). Null when the codecs re-encode the kept rows, when switched off, or
+// when a section's size is not the array's.
+absl::StatusOr<std::shared_ptr<const Buffer>> InPlaceEncoding(Allocator& a,
+                                                              const CompressedCache& out,
+                                                              uint64_t cap,
+                                                              format::EncodingPlan* plan) {
+  const CompressionPolicy& policy = out.policy;
+  if (!InPlaceFormatEnabled() || policy.key_codec != KeyCodec::kRaw ||
+      policy.value_codec != ValueCodec::kRaw || out.key_codec != KeyCodec::kRaw ||
+      out.value_codec != ValueCodec::kRaw || cap > 0xffffffffu) {
+    return nullptr;
+  }
+  CompressedCache shape = out;  // the counts of every layer full (each layer's total at head 0)
+  const uint32_t heads = out.layout.num_kv_heads;
+  for (uint32_t l = 0; l < out.layout.num_layers; ++l) {
+    shape.kept[uint64_t{l} * heads] = static_cast<uint32_t>(cap);
+  }
+  absl::StatusOr<format::EncodingPlan> p = format::PlanEncoding(shape, 0);
+  if (!p.ok()) return nullptr;  // the format refuses the shape: the copying path reports it
+  const uint64_t total = uint64_t{out.layout.num_layers} * cap;
+  const uint64_t h = out.num_heads(), d = out.layout.head_dim;
+  const uint64_t row = d * ElemBytes(out.layout.dtype);
+  for (const format::SectionSpan& sec : p->sections) {
+    uint64_t want = sec.size;
+    switch (sec.id) {
+      case format::kPositions: want = total * 4; break;
+      case format::kKeys: case format::kValues: want = total * row; break;
+      case format::kMomentCount: want = h * 8; break;
+      case format::kMomentKeySum: case format::kMomentValueSum: want = h * d * 4; break;
+      case format::kMomentVkSum: want = h * d * d * 4; break;
+      default: break;
+    }
+    if (want != sec.size) return nullptr;
+  }
+  KVCOMP_ASSIGN_OR_RETURN(Buffer whole, Buffer::Allocate(a, p->total_bytes));
+  *plan = std::move(*p);
+  return std::make_shared<const Buffer>(std::move(whole));
+}
+
+// A section of `plan` as a part of `encoding`.
+Buffer SectionPart(const std::shared_ptr<const Buffer>& encoding,
+                   const format::EncodingPlan& plan, uint32_t id) {
+  for (const format::SectionSpan& sec : plan.sections) {
+    if (sec.id == id) return Buffer::Part(encoding, sec.offset, sec.size);
+  }
+  return Buffer();
+}
+
+// KVCOMP_FORMAT_CRC_BESIDE=0: the sections written in place get their CRCs when the format is
+// written (one pass over them then), else each layer group's parts as the compression goes on.
+bool CrcBesideEnabled() {
+  static const bool enabled = pipeline_internal::SwitchOn("KVCOMP_FORMAT_CRC_BESIDE");
+  return enabled;
+}
+
+// The CRC32C of each layer group's part of every section written in place, enqueued on a
+// stream of its own once the group's kernels are (an event orders it after them), so it reads
+// the group's rows while the device works on the next group; the backend's stream waits for it
+// at the end. The parts' words and sizes go to DeviceCompressedCache::crc_parts and crc_words,
+// which EncodeOnDevice combines instead of reading the sections again.
+class CrcBeside {
+ public:
+  CrcBeside() = default;
+  CrcBeside(const CrcBeside&) = delete;
+  CrcBeside& operator=(const CrcBeside&) = delete;
+  ~CrcBeside() {
+#if defined(KVCOMP_HAVE_CUDA)
+    if (side_ != nullptr && event_ != nullptr && !finished_) {
+      // A compression that failed half-way: its buffers are freed in the backend's stream
+      // order, after the parts' reads and words.
+      Guard guard(device_);
+      if (cudaEventRecord(event_, side_) == cudaSuccess) cudaStreamWaitEvent(main_, event_, 0);
+      cudaGetLastError();
+    }
+    if (side_ != nullptr) cudaStreamDestroy(side_);
+    if (event_ != nullptr) cudaEventDestroy(event_);
+#endif
+  }
+
+  // `sections`: the plan's sections written in place, each L equal layer parts.
+  absl::Status Init(Backend& backend, const std::shared_ptr<const Buffer>& encoding,
+                    const format::EncodingPlan& plan, uint32_t layers, uint32_t groups) {
+#if defined(KVCOMP_HAVE_CUDA)
+    main_ = static_cast<cudaStream_t>(backend.native_stream());
+    cudaPointerAttributes attr;
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, encoding->data()));
+    device_ = attr.device;
+    Guard g(device_);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    for (const format::SectionSpan& sec : plan.sections) {
+      switch (sec.id) {
+        case format::kPositions: case format::kKeys: case format::kValues:
+        case format::kMomentCount: case format::kMomentKeySum: case format::kMomentValueSum:
+        case format::kMomentVkSum:
+          if (sec.size % layers == 0) {
+            sections_.push_back({sec.id, encoding->as<uint8_t>() + sec.offset,
+                                 sec.size / layers});
+          }
+          break;
+        default:
+          break;
+      }
+    }
+    KVCOMP_ASSIGN_OR_RETURN(
+        words_, Buffer::Allocate(backend.allocator(),
+                                 std::max<uint64_t>(1, uint64_t{groups} * sections_.size()) * 4));
+    return absl::OkStatus();
+#else
+    (void)backend, (void)encoding, (void)plan, (void)layers, (void)groups;
+    return absl::FailedPreconditionError("this build has no CUDA");
+#endif
+  }
+
+  // Layers [l, l + g) are enqueued on the backend's stream: their parts' CRCs go on the side.
+  absl::Status Group(uint32_t l, uint32_t g) {
+#if defined(KVCOMP_HAVE_CUDA)
+    Guard guard(device_);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, main_));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, event_, 0));
+    std::vector<DeviceCrcRange> ranges;
+    for (const Section& s : sections_) {
+      const uint64_t size = uint64_t{g} * s.layer_bytes;
+      ranges.push_back({s.data + uint64_t{l} * s.layer_bytes, size,
+                        words_.as<uint32_t>() + parts_.size()});
+      parts_.push_back({s.id, size});
+    }
+    return DeviceCrc32c(ranges, side_);
+#else
+    (void)l, (void)g;
+    return absl::OkStatus();
+#endif
+  }
+
+  // The backend's stream waits for every part; the parts go to `dc`.
+  absl::Status Finish(DeviceCompressedCache* dc) {
+#if defined(KVCOMP_HAVE_CUDA)
+    Guard guard(device_);
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, side_));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, event_, 0));
+#endif
+    finished_ = true;
+    dc->crc_parts = std::move(parts_);
+    dc->crc_words = std::move(words_);
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Section {
+    uint32_t id;
+    uint8_t* data;
+    uint64_t layer_bytes;
+  };
+#if defined(KVCOMP_HAVE_CUDA)
+  // Sets the calling thread's current device, restores it when it goes.
+  class Guard {
+   public:
+    explicit Guard(int device) {
+      cudaGetDevice(&previous_);
+      if (device != previous_) set_ = cudaSetDevice(device) == cudaSuccess;
+    }
+    ~Guard() {
+      if (set_) cudaSetDevice(previous_);
+    }
+
+   private:
+    int previous_ = 0;
+    bool set_ = false;
+  };
+  cudaStream_t main_ = nullptr, side_ = nullptr;
+  cudaEvent_t event_ = nullptr;
+  int device_ = 0;
+#endif
+  std::vector<Section> sections_;
+  Buffer words_;
+  std::vector<DeviceCompressedCache::CrcPart> parts_;
+  bool finished_ = false;
+};
+
 // How many layers CompressOnDevice does at once (1: layer by layer). The group's selection
 // workspace stays within a sixteenth of the cache's bytes (at least one layer's).
 uint32_t LayerGroup(Backend& backend, const KvCacheView& cache, const CompressionPolicy& policy,
@@ -286,9 +479,21 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
 
   Allocator& a = backend.allocator();
   KVCOMP_ASSIGN_OR_RETURN(Buffer d_counts, Buffer::Allocate(a, L * heads * sizeof(uint32_t)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer d_idx, Buffer::Allocate(a, L * cap * sizeof(uint32_t)));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer d_k, Buffer::Allocate(a, L * cap * row));
-  KVCOMP_ASSIGN_OR_RETURN(Buffer d_v, Buffer::Allocate(a, L * cap * row));
+  // The kept rows, their positions and the moments go straight to their places in the cache's
+  // format when they can (InPlaceEncoding), else into buffers of their own.
+  format::EncodingPlan plan;
+  KVCOMP_ASSIGN_OR_RETURN(std::shared_ptr<const Buffer> encoding,
+                          InPlaceEncoding(a, out, cap, &plan));
+  Buffer d_idx, d_k, d_v;
+  if (encoding != nullptr) {
+    d_idx = SectionPart(encoding, plan, format::kPositions);
+    d_k = SectionPart(encoding, plan, format::kKeys);
+    d_v = SectionPart(encoding, plan, format::kValues);
+  } else {
+    KVCOMP_ASSIGN_OR_RETURN(d_idx, Buffer::Allocate(a, L * cap * sizeof(uint32_t)));
+    KVCOMP_ASSIGN_OR_RETURN(d_k, Buffer::Allocate(a, L * cap * row));
+    KVCOMP_ASSIGN_OR_RETURN(d_v, Buffer::Allocate(a, L * cap * row));
+  }
   // Moments of every head, laid out as CompressedCache's moment_* arrays (zeroed, then summed).
   const uint64_t H = L * heads;
   const uint64_t m_cnt = H * sizeof(uint64_t), m_vec = H * d * sizeof(float);
@@ -302,10 +507,17 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
   const uint32_t groups = static_cast<uint32_t>((L + group - 1) / group);
   const uint32_t group_heads = group * heads;
   if (out.has_moments) {
-    KVCOMP_ASSIGN_OR_RETURN(dc.moment_count, Buffer::Allocate(a, m_cnt));
-    KVCOMP_ASSIGN_OR_RETURN(dc.moment_key_sum, Buffer::Allocate(a, m_vec));
-    KVCOMP_ASSIGN_OR_RETURN(dc.moment_value_sum, Buffer::Allocate(a, m_vec));
-    KVCOMP_ASSIGN_OR_RETURN(dc.moment_vk_sum, Buffer::Allocate(a, m_mat));
+    if (encoding != nullptr) {
+      dc.moment_count = SectionPart(encoding, plan, format::kMomentCount);
+      dc.moment_key_sum = SectionPart(encoding, plan, format::kMomentKeySum);
+      dc.moment_value_sum = SectionPart(encoding, plan, format::kMomentValueSum);
+      dc.moment_vk_sum = SectionPart(encoding, plan, format::kMomentVkSum);
+    } else {
+      KVCOMP_ASSIGN_OR_RETURN(dc.moment_count, Buffer::Allocate(a, m_cnt));
+      KVCOMP_ASSIGN_OR_RETURN(dc.moment_key_sum, Buffer::Allocate(a, m_vec));
+      KVCOMP_ASSIGN_OR_RETURN(dc.moment_value_sum, Buffer::Allocate(a, m_vec));
+      KVCOMP_ASSIGN_OR_RETURN(dc.moment_vk_sum, Buffer::Allocate(a, m_mat));
+    }
     for (const Buffer* b :
          {&dc.moment_count, &dc.moment_key_sum, &dc.moment_value_sum, &dc.moment_vk_sum}) {
       KVCOMP_RETURN_IF_ERROR(ZeroDevice(backend, b->data(), b->size()));
@@ -342,7 +554,13 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
           : n;
   LayerEviction eviction;
   std::vector<uint32_t> layer_kept;  // host copies for an eviction hook only
-  for (uint32_t gi = 0; gi < groups; ++gi) {
+  // The CRCs of the parts written in place, beside the compression.
+  CrcBeside crc;
+  const bool crc_beside = encoding != nullptr && CrcBesideEnabled();
+  if (crc_beside) {
+    KVCOMP_RETURN_IF_ERROR(crc.Init(backend, encoding, plan, layout.num_layers, groups));
+  }
+  auto run_group = [&](uint32_t gi) -> absl::Status {
     // Layers [l, l + g) as one view of g x heads heads (g = 1: one layer, staged if need be).
     const uint32_t l = gi * group;
     const uint32_t g = std::min<uint32_t>(group, layout.num_layers - l);
@@ -381,7 +599,7 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
       };
     }
     KVCOMP_RETURN_IF_ERROR(Annotate(backend.scoring().ScoreSelectCompact(args), where));
-    if (!out.has_moments && !options.on_evict) continue;
+    if (!out.has_moments && !options.on_evict) return absl::OkStatus();
     const uint64_t h0 = uint64_t{l} * heads;
     MomentsView m{dc.moment_count.as<uint64_t>() + h0,
                   dc.moment_key_sum.as<float>() + h0 * d,
@@ -402,7 +620,7 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
                                                          list_errors + gi,
                                                          &checks[gi].bad_value, m),
           "moments of " + where));
-      continue;
+      return absl::OkStatus();
     }
     if (evicted_lists) {
       // The evicted set, found and summed on the device.
@@ -415,7 +633,7 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
           Annotate(backend.moments().AccumulateDeferred(args.keys, args.values, lists,
                                                         max_evicted, list_errors + gi, m),
                    "moments of " + where));
-      continue;
+      return absl::OkStatus();
     }
     // An eviction hook reads host lists: this layer's selection comes back to the host.
     std::vector<uint32_t> host_counts(heads);
@@ -444,7 +662,16 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
       KVCOMP_RETURN_IF_ERROR(Annotate(backend.moments().Accumulate(args.keys, args.values, lists, m),
                                       absl::StrFormat("moments of layer %u", l)));
     }
+    return absl::OkStatus();
+  };
+  for (uint32_t gi = 0; gi < groups; ++gi) {
+    KVCOMP_RETURN_IF_ERROR(run_group(gi));
+    if (crc_beside) {
+      const uint32_t l = gi * group;
+      KVCOMP_RETURN_IF_ERROR(crc.Group(l, std::min<uint32_t>(group, layout.num_layers - l)));
+    }
   }
+  if (crc_beside) KVCOMP_RETURN_IF_ERROR(crc.Finish(&dc));
 
   // The one wait for the device: the layers' check records and the kept counts (control data,
   // like the ops' own readbacks, and not counted as transfer bytes), which waits for the
@@ -484,7 +711,9 @@ absl::StatusOr<DeviceCompressedCache> CompressOnDevice(Backend& backend,
     dc.positions = std::move(d_idx);
     dc.keys = std::move(d_k);
     dc.values = std::move(d_v);
+    dc.encoding = std::move(encoding);  // the sections sit at the format's offsets
   } else {  // layers that kept fewer than their cap: compacted on the device, in layer order
+    dc.crc_parts.clear();  // of the places the format would have had with every layer full
     KVCOMP_ASSIGN_OR_RETURN(dc.positions, Buffer::Allocate(a, total * 4));
     KVCOMP_ASSIGN_OR_RETURN(dc.keys, Buffer::Allocate(a, total * row));
     KVCOMP_ASSIGN_OR_RETURN(dc.values, Buffer::Allocate(a, total * row));

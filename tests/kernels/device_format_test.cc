@@ -1,10 +1,14 @@
 // EncodeOnDevice against format::EncodeCache (gpu label): for every codec pair and dtype, with
 // and without moments, per-layer ranks and KVSplice outliers, the bytes written on the device
 // are the host encoder's bytes, the CRC is Crc32c of them, the header copy is theirs, and only
-// the control bytes cross between host and device.
+// the control bytes cross between host and device. An eviction's compression that wrote its
+// sections straight into the format's layout encodes to the CPU's bytes too.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -292,6 +296,120 @@ TEST_F(DeviceFormatTest, ACompressionsDeviceResultEncodesAsItsDownload) {
         EXPECT_EQ(got->device, 0);
       }
     }
+  }
+}
+
+// Eviction with raw codecs writes its kept rows, positions and moments straight at the format's
+// section offsets (DeviceCompressedCache::encoding) and the format only adds the header, the
+// padding and the CRCs there: on fresh random shapes, scorers, budgets and inputs (host and
+// device, so layer groups too), the bytes are the CPU's. With the streaming scorer (both
+// backends keep the same tokens, no moments) they are format::EncodeCache of the CPU backend's
+// own compression; otherwise that of the device compression's download. The sections' CRCs
+// are combined from the parts computed beside the compression (KVCOMP_FORMAT_CRC_BESIDE=0: read
+// when the format is written). The encoding outlives the compression's result.
+// KVCOMP_FORMAT_SEED replays a seed.
+TEST_F(DeviceFormatTest, EvictionWrittenInPlaceIsTheCpusFormat) {
+  const char* env = std::getenv("KVCOMP_FORMAT_SEED");
+  const uint64_t seed = env != nullptr ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+  std::printf("seed %llu (KVCOMP_FORMAT_SEED replays it)\n", static_cast<unsigned long long>(seed));
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const char* off = std::getenv("KVCOMP_FORMAT_IN_PLACE");
+  const bool in_place = off == nullptr || std::strcmp(off, "0") != 0;
+  const char* crc_env = std::getenv("KVCOMP_FORMAT_CRC_BESIDE");
+  const bool beside = crc_env == nullptr || std::strcmp(crc_env, "0") != 0;
+  std::mt19937_64 rng(seed);
+  auto pick = [&](uint64_t lo, uint64_t hi) {
+    return std::uniform_int_distribution<uint64_t>(lo, hi)(rng);
+  };
+  auto cpu = MakeCpuBackend(CpuBackendOptions{2});
+  ASSERT_TRUE(cpu.ok());
+  const Scorer scorers[] = {Scorer::kStreaming, Scorer::kManifold, Scorer::kKeyDiff,
+                            Scorer::kKnorm};
+  const DType dtypes[] = {DType::kBF16, DType::kF16, DType::kF32};
+  for (int round = 0; round < 12; ++round) {
+    const uint32_t kv = static_cast<uint32_t>(pick(1, 8));
+    const KvLayout layout{static_cast<uint32_t>(pick(1, 5)), kv, kv * 2,
+                          pick(0, 1) == 0 ? 64u : 128u, dtypes[pick(0, 2)]};
+    const uint64_t n = pick(0, 3) == 0 ? pick(1, 40) : pick(41, 2500);
+    CompressionPolicy p;
+    p.scorer = round < 4 ? Scorer::kStreaming : scorers[pick(0, 3)];
+    if (pick(0, 2) == 0) {
+      p.token_budget = static_cast<uint32_t>(pick(1, n + 20));
+    } else {
+      p.ratio = 0.05 + 0.9 * std::uniform_real_distribution<double>(0, 1)(rng);
+    }
+    p.moments = p.scorer != Scorer::kStreaming && pick(0, 1) == 1;
+    p.moment_aware = p.moments && pick(0, 2) == 0;
+    const bool on_device = pick(0, 1) == 1;
+    SCOPED_TRACE(::testing::Message()
+                 << "round " << round << ": " << layout.num_layers << " layers, " << kv
+                 << " kv heads, d " << layout.head_dim << ", " << DTypeName(layout.dtype) << ", "
+                 << n << " tokens, " << ScorerName(p.scorer) << " budget " << p.token_budget
+                 << " ratio " << p.ratio << (p.moments ? " moments" : "")
+                 << (p.moment_aware ? " aware" : "") << (on_device ? " device" : " host")
+                 << " input");
+    // Every layer's keys, then every layer's values, in one array (one view on the device).
+    const uint64_t layer_elems = uint64_t{kv} * n * layout.head_dim;
+    const uint64_t layer_bytes = DTypeBytes(layout.dtype, layer_elems);
+    std::vector<uint8_t> all(2 * layout.num_layers * layer_bytes);
+    for (uint32_t part = 0; part < 2 * layout.num_layers; ++part) {
+      const std::vector<uint8_t> b =
+          testing::RandomHeads(layout.dtype, kv, n, layout.head_dim, seed + 1000 * round + part)
+              .bytes;
+      std::memcpy(all.data() + part * layer_bytes, b.data(), layer_bytes);
+    }
+    Buffer dev;
+    if (on_device) {
+      auto d = Buffer::Allocate(backend_->allocator(), all.size());
+      ASSERT_TRUE(d.ok());
+      dev = *std::move(d);
+      ASSERT_TRUE(backend_->CopyFromHost(dev.data(), all.data(), all.size()).ok());
+    }
+    auto make_view = [&](uint8_t* base, MemorySpace space) {
+      KvCacheView view;
+      view.layout = layout;
+      view.num_tokens = n;
+      for (uint32_t l = 0; l < layout.num_layers; ++l) {
+        view.keys.push_back(HeadsView::Dense(base + l * layer_bytes, layout.dtype, kv, n,
+                                             layout.head_dim, space));
+        view.values.push_back(HeadsView::Dense(base + (layout.num_layers + l) * layer_bytes,
+                                               layout.dtype, kv, n, layout.head_dim, space));
+      }
+      return view;
+    };
+    const KvCacheView host_view = make_view(all.data(), MemorySpace::kHost);
+    const KvCacheView view =
+        on_device ? make_view(dev.as<uint8_t>(), MemorySpace::kDevice) : host_view;
+    auto dc = CompressToDevice(*backend_, view, p);
+    ASSERT_TRUE(dc.ok()) << dc.status();
+    EXPECT_EQ(dc->encoding != nullptr, in_place);
+    EXPECT_EQ(!dc->crc_parts.empty(), in_place && beside) << "no CRC parts beside the work";
+    auto down = dc->Download(*backend_);
+    ASSERT_TRUE(down.ok()) << down.status();
+    absl::StatusOr<std::string> want = format::EncodeCache(*down);
+    ASSERT_TRUE(want.ok()) << want.status();
+    if (p.scorer == Scorer::kStreaming) {
+      auto ref = Compress(**cpu, host_view, p);
+      ASSERT_TRUE(ref.ok()) << ref.status();
+      absl::StatusOr<std::string> cpu_bytes = format::EncodeCache(*ref);
+      ASSERT_TRUE(cpu_bytes.ok()) << cpu_bytes.status();
+      EXPECT_TRUE(*cpu_bytes == *want) << "the device compression's cache is not the CPU's";
+    }
+    TransferBytes moved;
+    auto got = EncodeOnDevice(*backend_, *dc, &moved);
+    ASSERT_TRUE(got.ok()) << got.status();
+    if (in_place) {
+      EXPECT_EQ(got->bytes.data(), dc->encoding->data()) << "the sections were copied";
+    }
+    // Only the control bytes crossed: the header region up, a CRC word a device section down.
+    EXPECT_LT(moved.to_host + moved.to_device, uint64_t{64} << 10);
+    dc = absl::InternalError("released");  // the encoding holds its memory on its own
+    ASSERT_EQ(got->size, want->size());
+    std::string bytes(got->size, '\0');
+    ASSERT_TRUE(backend_->CopyToHost(bytes.data(), got->bytes.data(), got->size).ok());
+    EXPECT_TRUE(bytes == *want) << "the device's format is not the CPU's";
+    EXPECT_EQ(got->crc32c, Crc32c(want->data(), want->size()));
+    EXPECT_EQ(got->header, want->substr(0, got->header.size()));
   }
 }
 

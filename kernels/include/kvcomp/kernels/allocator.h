@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <utility>
 
 #include "absl/status/statusor.h"
@@ -34,7 +35,7 @@ class Allocator {
 // The process-wide host allocator (aligned operator new). Thread-safe; never destroyed.
 Allocator& HostAllocator();
 
-// A move-only owner of one allocation.
+// A move-only owner of one allocation, or of a share in one (Buffer::Part).
 class Buffer {
  public:
   Buffer() = default;
@@ -45,6 +46,7 @@ class Buffer {
       std::swap(allocator_, other.allocator_);
       std::swap(data_, other.data_);
       std::swap(bytes_, other.bytes_);
+      std::swap(owner_, other.owner_);
     }
     return *this;
   }
@@ -63,6 +65,16 @@ class Buffer {
     return b;
   }
 
+  // `bytes` bytes at `offset` in `whole`'s memory, which stays allocated while `whole` or any
+  // part of it is held (the last holder frees it). `whole` must be non-null and hold the range.
+  static Buffer Part(std::shared_ptr<const Buffer> whole, size_t offset, size_t bytes) {
+    Buffer b;
+    b.data_ = static_cast<char*>(whole->data()) + offset;
+    b.bytes_ = bytes;
+    b.owner_ = std::move(whole);
+    return b;
+  }
+
   void* data() const { return data_; }
   template <typename T>
   T* as() const {
@@ -71,6 +83,7 @@ class Buffer {
   size_t size() const { return bytes_; }
   void Reset() {
     if (allocator_ != nullptr) allocator_->Deallocate(data_, bytes_);
+    owner_.reset();
     allocator_ = nullptr;
     data_ = nullptr;
     bytes_ = 0;
@@ -80,6 +93,7 @@ class Buffer {
   Allocator* allocator_ = nullptr;
   void* data_ = nullptr;
   size_t bytes_ = 0;
+  std::shared_ptr<const Buffer> owner_;  // a Part's allocation (allocator_ is then null)
 };
 
 }  // namespace kvcomp

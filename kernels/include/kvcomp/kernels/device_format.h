@@ -12,6 +12,11 @@
 //     (4 bytes a section) and uploaded; the CRC32C of the whole encoding is combined on the host
 //     from the sections' CRCs (Crc32cCombine), not read again.
 // These control bytes are counted in TransferBytes like any other (docs/engine.md).
+// A device compression that already wrote its sections at their offsets in the format's buffer
+// (DeviceCompressedCache::encoding: eviction with raw codecs) is not copied at all: the header,
+// the host sections and the padding are written around the sections in place, and the sections'
+// CRCs are read from them or combined from the parts computed while they were written
+// (DeviceCompressedCache::crc_parts); the encoding then shares that buffer.
 //
 // Thread-safety: as the Backend (one caller at a time per backend).
 #ifndef KVCOMP_KERNELS_DEVICE_FORMAT_H_
@@ -60,7 +65,9 @@ absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend, const Compre
 
 // The same for a device compression's result (CompressToDevice, kvcomp/kernels/pipeline.h):
 // `cache.host` is the shape, its buffers the device sections. Run it on the backend whose
-// allocator holds the buffers (its stream orders this after the compression's work).
+// allocator holds the buffers (its stream orders this after the compression's work). When
+// `cache.encoding` holds the sections in place, the result's bytes are a part of that buffer
+// (Buffer::Part): it stays allocated while either holds it.
 absl::StatusOr<DeviceEncodedCache> EncodeOnDevice(Backend& backend,
                                                   const DeviceCompressedCache& cache,
                                                   TransferBytes* transfers = nullptr);

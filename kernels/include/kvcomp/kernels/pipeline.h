@@ -135,6 +135,24 @@ struct DeviceCompressedCache {
   Buffer moment_count, moment_key_sum, moment_value_sum, moment_vk_sum;
   // Element count of raw_value_rows (the one array the host fields do not size).
   uint64_t raw_value_row_count = 0;
+  // When the compression wrote the arrays straight into the cache format's layout (eviction
+  // with raw codecs, every layer full: the counts, hence every section's place, are known
+  // before the first kernel), the buffer of the whole encoding, of which the array buffers
+  // above are parts (Buffer::Part) at their sections' offsets; EncodeOnDevice then writes only
+  // the header, the host sections, the padding and the CRCs there, and the encoding shares the
+  // memory. Null otherwise (KVCOMP_FORMAT_IN_PLACE=0: always null).
+  std::shared_ptr<const Buffer> encoding;
+  // With `encoding`: CRC32C words (u32, device memory, crc_words) of consecutive parts of its
+  // sections, computed while the compression wrote them (each layer group's part of each
+  // section, on a stream of its own beside the next group's work; KVCOMP_FORMAT_CRC_BESIDE=0:
+  // none), in the order of the words. A section whose parts, in the order listed, add up to its
+  // size has its CRC combined from them (Crc32cCombine) instead of read again. Else empty.
+  struct CrcPart {
+    uint32_t section = 0;  // format::SectionId
+    uint64_t size = 0;     // bytes
+  };
+  std::vector<CrcPart> crc_parts;
+  Buffer crc_words;
 
   // One copy per array into a host CompressedCache on `backend`'s stream (the backend whose
   // allocator holds the buffers), waited for once; the bytes copied are added to
