@@ -411,7 +411,8 @@ uint32_t LayerGroup(Backend& backend, const KvCacheView& cache, const Compressio
     args.select = select;
     // The moment-aware rescoring's ranks, eviction bytes, distance or sort keys and payloads and
     // the mean's chunk sums (moments_aware.cu: 13 bytes a token of each head ranked in one
-    // block, 57 through the device sort, and 8 a channel of each 256-token chunk; 64 counted)
+    // block, 21 (and a part tile) ranked in tiles, 57 through the device sort, and 8 a channel
+    // of each 256-token chunk; 64 counted)
     // besides the selection's own.
     const uint64_t rescoring =
         policy.moment_aware ? uint64_t{args.keys.num_heads} * cache.num_tokens * 64 : 0;

@@ -380,9 +380,11 @@ TEST_F(MomentsCudaTest, RejectsBadIndicesOnTheDevice) {
 // every input dtype, aligned and unaligned rows, padded strides, protected tokens, explicit
 // positions, scores with many exact ties (and -0 beside +0), keys with duplicated rows (equal
 // distances) and rows one ulp apart (distances that differ in f64 but round to the same f32:
-// ranked by index on both), heads from 1 to 64 and tokens from 2 to 41000 (ranked in one block a
-// head up to 8192 tokens, by the device sort above; the effective scores in shared memory up to
-// 40960). The seed is printed (KVCOMP_MOMENTS_SEED replays it).
+// ranked by index on both), heads from 1 to 64 and tokens from 2 to 70000 (ranked in one block a
+// head up to 8192 tokens, in tiles of 8192 merged up to 65536, by the device sort above; the
+// effective scores in shared memory up to 40960; KVCOMP_RESCORE_TILED_RANKS=0 takes every head
+// of more than 8192 tokens through the device sort). The seed is printed (KVCOMP_MOMENTS_SEED
+// replays it).
 TEST_F(MomentsCudaTest, MomentAwareRescoreIsTheCpusBitForBit) {
   uint64_t seed = std::random_device{}();
   if (const char* e = std::getenv("KVCOMP_MOMENTS_SEED")) seed = std::strtoull(e, nullptr, 10);
@@ -403,7 +405,8 @@ TEST_F(MomentsCudaTest, MomentAwareRescoreIsTheCpusBitForBit) {
       {DType::kBF16, 16, 2049, 128, 0}, {DType::kF32, 3, 3000, 96, 1},
       {DType::kBF16, 64, 700, 128, 0},  {DType::kBF16, 2, 9000, 128, 0},
       {DType::kF16, 6, 4096, 256, 3},    {DType::kBF16, 1, 8192, 128, 0},
-      {DType::kBF16, 2, 41000, 64, 0},
+      {DType::kBF16, 2, 41000, 64, 0},  {DType::kBF16, 4, 32768, 128, 0},
+      {DType::kF16, 1, 70000, 64, 0},
   };
   std::uniform_real_distribution<double> u(0.0, 1.0);
   std::normal_distribution<float> g(0.25f, 1.0f);

@@ -7,10 +7,12 @@
 //     order, and the chunks in chunk order (the reference's sum, so the same mean to the bit);
 //  3. each token's distance to its head's mean, summed in f64 in channel order and rounded to
 //     f32, is its distance key;
-//  4. every token's rank in both orders (ties by lower index): heads of up to kBlockSortTokens
-//     tokens sort each key set in one block (a stable block radix sort in shared memory, one
-//     block per head and set); longer heads go through one stable device radix sort of both
-//     sets, (set, head, 32-bit key) with the layer-wide index as payload;
+//  4. every token's rank in both orders (ties by lower index): each tile of kBlockSortTokens
+//     tokens of a head sorts each key set in one block (a stable block radix sort in shared
+//     memory, one block per tile, head and set); a head of several tiles (up to kMaxRankTiles)
+//     adds to each token's place in its tile the keys before it in the other tiles (a binary
+//     search in each one's sorted keys); longer heads go through one stable device radix sort
+//     of both sets, (set, head, 32-bit key) with the layer-wide index as payload;
 //  5. the combined scores are written from the two ranks.
 // So the rescored f32 scores are the reference's bit for bit.
 #include <cuda_bf16.h>
@@ -25,6 +27,7 @@
 #include <type_traits>
 
 #include "../cpu/moments_aware.h"
+#include "../env_switch.h"
 #include "block_radix_select.cuh"
 #include "absl/strings/str_format.h"
 #include "cuda_status.h"
@@ -41,7 +44,8 @@ constexpr unsigned kMeanThreads = 256;
 constexpr uint64_t kStagedTokens = 40960;  // effective keys in shared memory (160 KiB) up to this
 constexpr unsigned kSortThreads = 512;
 constexpr unsigned kSortItems = 16;
-constexpr uint64_t kBlockSortTokens = kSortThreads * kSortItems;  // ranks by one block a head
+constexpr uint64_t kBlockSortTokens = kSortThreads * kSortItems;  // a tile ranked by one block
+constexpr uint64_t kMaxRankTiles = 8;  // longer heads go through the device sort
 
 template <typename T>
 __device__ __forceinline__ double LoadD(const T* p);
@@ -238,38 +242,107 @@ __global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t he
   }
 }
 
-// Ranks of heads of at most kBlockSortTokens tokens: block b < heads ranks head b's scores
-// (set 0), block heads + h head h's distances (set 1), by a stable block radix sort of the 32-bit
-// keys with the token as payload (tokens past n sort last: the largest key, later in the input).
+// The 32-bit key token i (layer-wide index) is ranked by: its score's order bits (set 0) or
+// its distance key (set 1).
+__device__ __forceinline__ uint32_t RankKey(const float* scores, const uint32_t* dist,
+                                            bool distances, uint64_t i) {
+  if (distances) return dist[i];
+  const float x = scores[i];
+  return OrderBits(x == 0.0f ? 0.0f : x);
+}
+
+// Ranks within tiles of kBlockSortTokens tokens: block (b, t) sorts tile t of b's keys (b <
+// heads: head b's scores, set 0; heads + h: head h's distances, set 1) by a stable block radix
+// sort of the 32-bit keys with the token as payload (tokens past the tile's end sort last: the
+// largest key, later in the input) and writes each token's place in its tile into `rank`; with
+// `sorted` (heads of several tiles), also the tile's keys in that order, for MergeRankKernel. A
+// head of one tile is ranked here.
 __global__ void __launch_bounds__(kSortThreads, 1) BlockRankKernel(const float* scores,
                                                                    const uint32_t* dist,
                                                                    uint32_t heads, uint64_t n,
-                                                                   uint32_t* rank) {
+                                                                   uint32_t tiles, uint32_t* rank,
+                                                                   uint32_t* sorted) {
   using Sort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems, uint32_t>;
   __shared__ typename Sort::TempStorage temp;
-  const uint32_t b = blockIdx.x;
+  const uint32_t b = blockIdx.x, tile = blockIdx.y;
   const bool distances = b >= heads;
   const uint64_t h = distances ? b - heads : b;
   const uint64_t total = uint64_t{heads} * n;
+  const uint64_t t0 = uint64_t{tile} * kBlockSortTokens;
+  const uint64_t len = n - t0 < kBlockSortTokens ? n - t0 : kBlockSortTokens;
   uint32_t key[kSortItems], token[kSortItems];
 #pragma unroll
   for (uint32_t j = 0; j < kSortItems; ++j) {
     const uint32_t t = threadIdx.x * kSortItems + j;
     token[j] = t;
-    if (t >= n) {
-      key[j] = 0xffffffffu;
-    } else if (distances) {
-      key[j] = dist[h * n + t];
-    } else {
-      const float x = scores[h * n + t];
-      key[j] = OrderBits(x == 0.0f ? 0.0f : x);
-    }
+    key[j] = t < len ? RankKey(scores, dist, distances, h * n + t0 + t) : 0xffffffffu;
   }
   Sort(temp).Sort(key, token);
-  uint32_t* r = rank + (distances ? total : 0) + h * n;
+  uint32_t* r = rank + (distances ? total : 0) + h * n + t0;
+  uint32_t* out = sorted != nullptr ? sorted + (uint64_t{b} * tiles + tile) * kBlockSortTokens
+                                    : nullptr;
 #pragma unroll
   for (uint32_t j = 0; j < kSortItems; ++j) {
-    if (token[j] < n) r[token[j]] = threadIdx.x * kSortItems + j;
+    const uint32_t p = threadIdx.x * kSortItems + j;
+    if (token[j] < len) r[token[j]] = p;
+    if (out != nullptr && p < len) out[p] = key[j];
+  }
+}
+
+// Heads of several tiles (after BlockRankKernel): a token's rank is its place in its tile plus,
+// in each other tile, the keys that rank before it (a tile before its own: keys at most its
+// key, as lower indices rank first on ties; a tile after it: keys below its key), counted by a
+// binary search in that tile's sorted keys, staged in shared memory one tile at a time. Block
+// (b, t) takes tile t of b's keys, a token per thread and step.
+__global__ void __launch_bounds__(kSortThreads) MergeRankKernel(const float* scores,
+                                                               const uint32_t* dist,
+                                                               uint32_t heads, uint64_t n,
+                                                               uint32_t tiles,
+                                                               const uint32_t* sorted,
+                                                               uint32_t* rank) {
+  __shared__ uint32_t other[kBlockSortTokens];
+  const uint32_t b = blockIdx.x, tile = blockIdx.y;
+  const bool distances = b >= heads;
+  const uint64_t h = distances ? b - heads : b;
+  const uint64_t total = uint64_t{heads} * n;
+  const uint64_t t0 = uint64_t{tile} * kBlockSortTokens;
+  const uint32_t len = static_cast<uint32_t>(n - t0 < kBlockSortTokens ? n - t0 : kBlockSortTokens);
+  uint32_t key[kSortItems], add[kSortItems];
+#pragma unroll
+  for (uint32_t j = 0; j < kSortItems; ++j) {
+    const uint32_t t = threadIdx.x + j * kSortThreads;
+    key[j] = t < len ? RankKey(scores, dist, distances, h * n + t0 + t) : 0;
+    add[j] = 0;
+  }
+  for (uint32_t u = 0; u < tiles; ++u) {
+    if (u == tile) continue;  // the same for the whole block
+    const uint64_t u0 = uint64_t{u} * kBlockSortTokens;
+    const uint32_t ulen = static_cast<uint32_t>(n - u0 < kBlockSortTokens ? n - u0 : kBlockSortTokens);
+    const uint32_t* src = sorted + (uint64_t{b} * tiles + u) * kBlockSortTokens;
+    __syncthreads();  // the previous tile's searches are done
+    for (uint32_t i = threadIdx.x; i < ulen; i += kSortThreads) other[i] = src[i];
+    __syncthreads();
+    const bool before = u < tile;
+#pragma unroll
+    for (uint32_t j = 0; j < kSortItems; ++j) {
+      uint32_t lo = 0, hi = ulen;
+      while (lo < hi) {
+        const uint32_t mid = (lo + hi) >> 1;
+        const uint32_t v = other[mid];
+        if (before ? v <= key[j] : v < key[j]) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
+      }
+      add[j] += lo;
+    }
+  }
+  uint32_t* r = rank + (distances ? total : 0) + h * n + t0;
+#pragma unroll
+  for (uint32_t j = 0; j < kSortItems; ++j) {
+    const uint32_t t = threadIdx.x + j * kSortThreads;
+    if (t < len) r[t] += add[j];
   }
 }
 
@@ -321,14 +394,20 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   const uint64_t seq =
       positions.sequence_length > 0 ? positions.sequence_length : positions.offset + n;
   const uint64_t chunks = (n + kMomentAwareMeanChunk - 1) / kMomentAwareMeanChunk;
-  const bool block_sort = n <= kBlockSortTokens;
+  // Heads of up to kMaxRankTiles tiles are ranked by blocks (one a tile, then a merge of the
+  // tiles' counts when there are several); KVCOMP_RESCORE_TILED_RANKS=0 takes heads of more than
+  // one tile through the device sort (for comparison).
+  static const bool tiled_ranks = internal::SwitchOn("KVCOMP_RESCORE_TILED_RANKS");
+  const uint64_t tiles = (n + kBlockSortTokens - 1) / kBlockSortTokens;
+  const bool block_sort = tiles == 1 || (tiled_ranks && tiles <= kMaxRankTiles);
+  const uint64_t sorted_words = block_sort && tiles > 1 ? 2 * heads * tiles * kBlockSortTokens : 0;
   int seg_bits = 1;
   while ((uint64_t{1} << seg_bits) < 2 * uint64_t{heads}) ++seg_bits;
   auto alloc = [&](uint64_t bytes) { return Buffer::Allocate(allocator, bytes); };
   // Ranks of both sets and the eviction bytes; the distance keys (block sort) or the device
   // sort's keys and payloads of both sets (double buffers).
-  KVCOMP_ASSIGN_OR_RETURN(Buffer u32, alloc((block_sort ? 3 : 6) * total * sizeof(uint32_t) +
-                                            total));
+  const uint64_t words = (block_sort ? 3 * total + sorted_words : 6 * total);
+  KVCOMP_ASSIGN_OR_RETURN(Buffer u32, alloc(words * sizeof(uint32_t) + total));
   Buffer u64;
   if (!block_sort) {
     KVCOMP_ASSIGN_OR_RETURN(u64, alloc(4 * total * sizeof(uint64_t)));
@@ -338,7 +417,8 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   uint32_t* rank = u32.as<uint32_t>();
   uint32_t* val_a = rank + 2 * total;  // the distance keys under the block sort
   uint32_t* val_b = val_a + 2 * total;
-  uint8_t* evicted = reinterpret_cast<uint8_t*>(rank + (block_sort ? 3 : 6) * total);
+  uint32_t* sorted = sorted_words > 0 ? rank + 3 * total : nullptr;  // the tiles' sorted keys
+  uint8_t* evicted = reinterpret_cast<uint8_t*>(rank + words);
   uint64_t* key_a = block_sort ? nullptr : u64.as<uint64_t>();
   uint64_t* key_b = block_sort ? nullptr : key_a + 2 * total;
   double* partial = mu_buf.as<double>();
@@ -392,7 +472,14 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
       k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, key_a, val_a, val_a);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (block_sort) {
-    BlockRankKernel<<<2 * heads, kSortThreads, 0, stream>>>(scores, val_a, heads, n, rank);
+    const dim3 grid(2 * heads, static_cast<unsigned>(tiles));
+    BlockRankKernel<<<grid, kSortThreads, 0, stream>>>(scores, val_a, heads, n,
+                                                       static_cast<uint32_t>(tiles), rank, sorted);
+    if (tiles > 1) {
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      MergeRankKernel<<<grid, kSortThreads, 0, stream>>>(scores, val_a, heads, n,
+                                                         static_cast<uint32_t>(tiles), sorted, rank);
+    }
   } else {
     // Both ranks from one stable sort: (set, head) above the 32-bit key, payload the index.
     KVCOMP_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
