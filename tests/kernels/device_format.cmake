@@ -6,11 +6,11 @@ kvcomp_cc_test(NAME kernels_device_crc32c_test SRCS device_crc32c_test.cc
                DEPS kvcomp::kernels kvcomp::core LABELS gpu)
 kvcomp_cc_test(NAME kernels_device_format_test SRCS device_format_test.cc
                DEPS kvcomp::kernels kvcomp::core LABELS gpu)
-# The same with an eviction's sections written in place but their CRCs read when the format is
-# written (KVCOMP_FORMAT_CRC_BESIDE=0), and with the sections copied (KVCOMP_FORMAT_IN_PLACE=0).
-add_test(NAME kernels_device_format_crc_at_format_test COMMAND kernels_device_format_test)
-set_tests_properties(kernels_device_format_crc_at_format_test PROPERTIES
-  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_FORMAT_CRC_BESIDE=0)
+# The same with an eviction's section CRCs computed beside the compression
+# (KVCOMP_FORMAT_CRC_BESIDE=1), and with the sections copied (KVCOMP_FORMAT_IN_PLACE=0).
+add_test(NAME kernels_device_format_crc_beside_test COMMAND kernels_device_format_test)
+set_tests_properties(kernels_device_format_crc_beside_test PROPERTIES
+  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_FORMAT_CRC_BESIDE=1)
 add_test(NAME kernels_device_format_copied_test COMMAND kernels_device_format_test)
 set_tests_properties(kernels_device_format_copied_test PROPERTIES
   LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_FORMAT_IN_PLACE=0)

@@ -305,8 +305,8 @@ TEST_F(DeviceFormatTest, ACompressionsDeviceResultEncodesAsItsDownload) {
 // device, so layer groups too), the bytes are the CPU's. With the streaming scorer (both
 // backends keep the same tokens, no moments) they are format::EncodeCache of the CPU backend's
 // own compression; otherwise that of the device compression's download. The sections' CRCs
-// are combined from the parts computed beside the compression (KVCOMP_FORMAT_CRC_BESIDE=0: read
-// when the format is written). The encoding outlives the compression's result.
+// are read when the format is written (KVCOMP_FORMAT_CRC_BESIDE=1: combined from the parts
+// computed beside the compression). The encoding outlives the compression's result.
 // KVCOMP_FORMAT_SEED replays a seed.
 TEST_F(DeviceFormatTest, EvictionWrittenInPlaceIsTheCpusFormat) {
   const char* env = std::getenv("KVCOMP_FORMAT_SEED");
@@ -316,7 +316,7 @@ TEST_F(DeviceFormatTest, EvictionWrittenInPlaceIsTheCpusFormat) {
   const char* off = std::getenv("KVCOMP_FORMAT_IN_PLACE");
   const bool in_place = off == nullptr || std::strcmp(off, "0") != 0;
   const char* crc_env = std::getenv("KVCOMP_FORMAT_CRC_BESIDE");
-  const bool beside = crc_env == nullptr || std::strcmp(crc_env, "0") != 0;
+  const bool beside = crc_env != nullptr && std::strcmp(crc_env, "1") == 0;
   std::mt19937_64 rng(seed);
   auto pick = [&](uint64_t lo, uint64_t hi) {
     return std::uniform_int_distribution<uint64_t>(lo, hi)(rng);

@@ -142,10 +142,10 @@ struct DeviceCompressedCache {
   // the header, the host sections, the padding and the CRCs there, and the encoding shares the
   // memory. Null otherwise (KVCOMP_FORMAT_IN_PLACE=0: always null).
   std::shared_ptr<const Buffer> encoding;
-  // With `encoding`: CRC32C words (u32, device memory, crc_words) of consecutive parts of its
-  // sections, computed while the compression wrote them (each layer group's part of each
-  // section, on a stream of its own beside the next group's work; KVCOMP_FORMAT_CRC_BESIDE=0:
-  // none), in the order of the words. A section whose parts, in the order listed, add up to its
+  // With `encoding` and KVCOMP_FORMAT_CRC_BESIDE=1: CRC32C words (u32, device memory,
+  // crc_words) of consecutive parts of its sections, computed while the compression wrote them
+  // (each layer group's part of each section, on a stream of its own beside the next group's
+  // work), in the order of the words. Empty by default. A section whose parts, in the order listed, add up to its
   // size has its CRC combined from them (Crc32cCombine) instead of read again. Else empty.
   struct CrcPart {
     uint32_t section = 0;  // format::SectionId
