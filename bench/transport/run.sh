@@ -282,7 +282,7 @@ if [ "$STORED_TOKENS" != 0 ] && [ -x "$KVCOMPD" ]; then
     echo "(${BIG[*]}), for comparison: the stored get moves $((${SB:-0} >> 20)) MiB at once."
     echo
     echo "Copy lanes: the daemon's data_plane.shm_copy_lanes (0 = its default here: one per 4 CPUs,"
-    echo "1 to 4: $(( $(nproc) / 4 < 1 ? 1 : ($(nproc) / 4 > 4 ? 4 : $(nproc) / 4) )) on this machine's $(nproc)); they split direct gets only."
+    echo "1 to 4: $(( $(nproc) / 4 < 1 ? 1 : ($(nproc) / 4 > 4 ? 4 : $(nproc) / 4) )) on this machine's $(nproc)); of what they carry (blocks copied out of a client's memory, received blocks' CRC32C, a direct get's lanes), only direct gets apply here."
     echo
     echo "| call | link | copy lanes | p50 ms | p99 ms | transfer at perftest sm rate, ms | p50 / transfer |"
     echo "| --- | --- | --- | --- | --- | --- | --- |"
