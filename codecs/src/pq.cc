@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 
@@ -467,6 +470,73 @@ absl::Status DecodeRows(const Basis& b, uint64_t head, const uint8_t* in, uint64
     }
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// Runs fn(begin, end) over [0, rows) in contiguous blocks on up to `threads` threads; the first
+// non-OK status (in block order) is returned.
+absl::Status ForBlocks(uint64_t rows, int threads,
+                       const std::function<absl::Status(uint64_t, uint64_t)>& fn) {
+  uint64_t t = threads > 0 ? static_cast<uint64_t>(threads)
+                           : std::min(32u, std::max(1u, std::thread::hardware_concurrency()));
+  t = std::max<uint64_t>(1, std::min<uint64_t>(t, (rows + 255) / 256));
+  if (t == 1) return fn(0, rows);
+  std::vector<absl::Status> st(t);
+  std::vector<std::thread> pool;
+  const uint64_t per = (rows + t - 1) / t;
+  for (uint64_t i = 0; i < t; ++i) {
+    pool.emplace_back([&, i] {
+      const uint64_t b = std::min(rows, i * per), e = std::min(rows, b + per);
+      st[i] = fn(b, e);
+    });
+  }
+  for (auto& th : pool) th.join();
+  for (auto& s : st) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status EncodeRows(const Basis& b, uint64_t head, const void* src, DType dtype,
+                        uint64_t rows, uint8_t* out, int threads) {
+  if (!IsInputDType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("pq codec: input dtype %s is not f32, f16 or bf16", DTypeName(dtype)));
+  }
+  absl::Status st = CheckHead(b, head);
+  if (!st.ok()) return st;
+  const uint64_t d = b.head_dim, rec = b.RecordBytes();
+  return ForBlocks(rows, threads, [&](uint64_t begin, uint64_t end) -> absl::Status {
+    std::vector<float> x((end - begin) * d);
+    for (uint64_t i = 0; i < x.size(); ++i) x[i] = LoadAsFloat(src, dtype, begin * d + i);
+    absl::Status s = EncodeRows(b, head, x.data(), end - begin, out + begin * rec);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s (rows from %u)", s.message(), begin));
+    }
+    return s;
+  });
+}
+
+absl::Status DecodeRows(const Basis& b, uint64_t head, const uint8_t* in, uint64_t rows,
+                        void* dst, DType dtype, int threads) {
+  if (!IsInputDType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("pq codec: output dtype %s is not f32, f16 or bf16", DTypeName(dtype)));
+  }
+  absl::Status st = CheckHead(b, head);
+  if (!st.ok()) return st;
+  const uint64_t d = b.head_dim, rec = b.RecordBytes();
+  return ForBlocks(rows, threads, [&](uint64_t begin, uint64_t end) -> absl::Status {
+    std::vector<float> y((end - begin) * d);
+    absl::Status s = DecodeRows(b, head, in + begin * rec, end - begin, y.data());
+    if (!s.ok()) return s;
+    for (uint64_t i = 0; i < y.size(); ++i) StoreFromFloat(dst, dtype, begin * d + i, y[i]);
+    return s;
+  });
 }
 
 }  // namespace pq

@@ -131,6 +131,47 @@ TEST(PqRecords, NonzeroPaddingAndBadHeadsAreRefused) {
   EXPECT_EQ(EncodeRows(b, 0, bad.data(), 1, rec).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Rows of a cache's dtype on several threads: the same records as the f32 rows of the same
+// values on one thread; decoding to bf16 rounds the f32 decode.
+TEST(PqRecords, CacheDTypesAndThreadsGiveTheSameBytes) {
+  const Basis b = FixtureBasis();
+  const uint64_t rows = 2000;
+  const std::vector<float> x = FixtureRows(rows, 16);
+  std::vector<uint16_t> xb(x.size());
+  std::vector<float> xr(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    xb[i] = FloatToBf16(x[i]);
+    xr[i] = Bf16ToFloat(xb[i]);
+  }
+  std::vector<uint8_t> want(rows * 5), got(rows * 5);
+  ASSERT_TRUE(EncodeRows(b, 1, xr.data(), rows, want.data()).ok());
+  for (int threads : {1, 4, 0}) {
+    std::fill(got.begin(), got.end(), 0xAA);
+    ASSERT_TRUE(EncodeRows(b, 1, xb.data(), DType::kBF16, rows, got.data(), threads).ok());
+    EXPECT_EQ(got, want) << threads;
+    ASSERT_TRUE(EncodeRows(b, 1, xr.data(), DType::kF32, rows, got.data(), threads).ok());
+    EXPECT_EQ(got, want) << threads;
+  }
+  std::vector<float> y(rows * 16);
+  ASSERT_TRUE(DecodeRows(b, 1, want.data(), rows, y.data()).ok());
+  std::vector<uint16_t> yb(rows * 16);
+  ASSERT_TRUE(DecodeRows(b, 1, want.data(), rows, yb.data(), DType::kBF16, 4).ok());
+  for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(yb[i], FloatToBf16(y[i])) << i;
+  std::vector<float> yf(rows * 16);
+  ASSERT_TRUE(DecodeRows(b, 1, want.data(), rows, yf.data(), DType::kF32, 0).ok());
+  EXPECT_EQ(yf, y);
+  // a bad row in a later block names its row; other dtypes are refused
+  std::vector<float> bad = xr;
+  bad[1500 * 16 + 2] = NAN;
+  auto st = EncodeRows(b, 1, bad.data(), DType::kF32, rows, got.data(), 4);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("not finite"), std::string::npos) << st;
+  EXPECT_EQ(EncodeRows(b, 1, xr.data(), DType::kInt8, rows, got.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeRows(b, 1, want.data(), rows, yf.data(), DType::kInt8).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(PqBasis, SerializeParseRoundTripAndChecks) {
   const Basis b = FixtureBasis();
   const std::string s = b.Serialize();

@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kvcomp/core/dtype.h"
 
 namespace kvcomp {
 namespace pq {
@@ -97,6 +98,15 @@ absl::Status EncodeRows(const Basis& basis, uint64_t head, const float* x, uint6
 // not zero or a head out of range.
 absl::Status DecodeRows(const Basis& basis, uint64_t head, const uint8_t* in, uint64_t rows,
                         float* out);
+
+// The same over rows of a cache's dtype (f32, f16 or bf16; each element converted to f32
+// exactly), on up to `threads` threads (0: the machine's hardware threads, at most 32) in
+// blocks of rows: the records and decoded values do not depend on the thread count. Decoding
+// rounds each decoded f32 to the output dtype (round-to-nearest-even).
+absl::Status EncodeRows(const Basis& basis, uint64_t head, const void* src, DType dtype,
+                        uint64_t rows, uint8_t* out, int threads = 1);
+absl::Status DecodeRows(const Basis& basis, uint64_t head, const uint8_t* in, uint64_t rows,
+                        void* dst, DType dtype, int threads = 1);
 
 }  // namespace pq
 }  // namespace kvcomp
