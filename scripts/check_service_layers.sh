@@ -21,10 +21,13 @@ if [ ! -f "$facade" ] || ! grep -qE '^\s*#\s*include\s+"kvcomp/transport/' "$fac
 fi
 
 # The GPU channel (service/src/gpu_channel.cc) is the data plane's second entry, for payloads in
-# GPU memory: it alone may include the transport's GPU link and the payload links' choice.
+# GPU memory: it alone may include the transport's GPU link and the payload links' choice. The
+# device environment (service/src/device_env.cc) takes its raw device memory from the GPU link's
+# CUDA wrapper.
 hits=$(grep -rnE '^\s*#\s*include\s+[<"]kvcomp/transport/' service tests/service 2>/dev/null |
        grep -v "^$facade:" |
-       grep -vE '^service/src/gpu_channel\.cc:[0-9]+:#include "kvcomp/transport/(gpu|payload)_link\.h"' || true)
+       grep -vE '^service/src/gpu_channel\.cc:[0-9]+:#include "kvcomp/transport/(gpu|payload)_link\.h"' |
+       grep -vE '^service/src/device_env\.cc:[0-9]+:#include "kvcomp/transport/gpu_link\.h"' || true)
 if [ -n "$hits" ]; then
   echo "check_service_layers: transport headers included outside the data-plane facade ($facade):" >&2
   echo "$hits" >&2

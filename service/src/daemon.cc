@@ -14,6 +14,7 @@
 #include <thrift/transport/TSSLSocket.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -668,8 +669,7 @@ class DaemonImpl : public Daemon {
   std::unique_ptr<EngineSet> engines_;
   struct EngineGauges {
     prometheus::Gauge* queue_depth = nullptr;
-    prometheus::Gauge* reserved_bytes = nullptr;  // GPU engines only
-    prometheus::Gauge* reserved_cap_bytes = nullptr;
+    std::array<prometheus::Gauge*, DeviceEnv::kNumDrawers> held{};  // GPU engines only
     prometheus::Gauge* failed = nullptr;
   };
   std::vector<EngineGauges> engine_gauges_;  // index = engine
@@ -1056,15 +1056,14 @@ void DaemonImpl::RegisterEngineGauges() {
                     .Name(mn::kEngineQueueDepth)
                     .Help("Committed puts waiting for or in compression on one engine.")
                     .Register(registry);
-  auto& reserved = prometheus::BuildGauge()
-                       .Name(mn::kEngineReservedBytes)
-                       .Help("Bytes the open puts of one GPU engine hold against "
-                             "engine.gpu_memory_bytes.")
-                       .Register(registry);
-  auto& cap = prometheus::BuildGauge()
-                  .Name(mn::kEngineReservedCapBytes)
-                  .Help("engine.gpu_memory_bytes of one GPU engine (0 = no cap).")
-                  .Register(registry);
+  auto& held = prometheus::BuildGauge()
+                   .Name(mn::kDeviceMemoryBytes)
+                   .Help("GPU memory drawn from one device's budget, by drawer (puts, links).")
+                   .Register(registry);
+  auto& budget = prometheus::BuildGauge()
+                     .Name(mn::kDeviceMemoryBudgetBytes)
+                     .Help("engine.gpu_memory_bytes: one device's budget (0 = none).")
+                     .Register(registry);
   auto& failed = prometheus::BuildGauge()
                      .Name(mn::kEngineFailed)
                      .Help("1 once the engine has failed (a sticky device error), else 0.")
@@ -1077,9 +1076,12 @@ void DaemonImpl::RegisterEngineGauges() {
     g.queue_depth = &queue.Add(label);
     g.failed = &failed.Add(label);
     if (e.uses_gpu()) {
-      g.reserved_bytes = &reserved.Add(label);
-      g.reserved_cap_bytes = &cap.Add(label);
-      g.reserved_cap_bytes->Set(static_cast<double>(e.device_cap_bytes()));
+      budget.Add(label).Set(static_cast<double>(e.device_cap_bytes()));
+      for (int d = 0; d < DeviceEnv::kNumDrawers; ++d) {
+        std::map<std::string, std::string> l = label;
+        l[mn::kLabelDrawer] = DeviceEnv::DrawerName(static_cast<DeviceEnv::Drawer>(d));
+        g.held[d] = &held.Add(l);
+      }
     }
     engine_gauges_.push_back(g);
   }
@@ -1091,8 +1093,9 @@ void DaemonImpl::RefreshGauges() {
     const EngineGauges& g = engine_gauges_[i];
     g.queue_depth->Set(static_cast<double>(e.queue_depth()));
     g.failed->Set(e.failed() ? 1 : 0);
-    if (g.reserved_bytes != nullptr) {
-      g.reserved_bytes->Set(static_cast<double>(e.device_reserved_bytes()));
+    for (int d = 0; d < DeviceEnv::kNumDrawers && g.held[d] != nullptr; ++d) {
+      g.held[d]->Set(static_cast<double>(
+          e.device_env().held_bytes(e.cuda_device(), static_cast<DeviceEnv::Drawer>(d))));
     }
   }
   storage::StoreStats st = store_->Stats();

@@ -104,17 +104,17 @@ absl::StatusOr<CacheKey> TenantKey(const transport::Session& session, const std:
 // the transport is done with goes back to the pool with a fence on the engine's uploader stream
 // (the put's copy out of it is queued there before the buffer is let go) and is handed out
 // again once the fence says that copy is complete; nothing here waits for the device. The
-// buffers are reserved against engine.gpu_memory_bytes while they exist and bounded by
-// `cap_bytes` together. cuMemFree, which waits for the device, runs only on the pool's own
-// thread (buffers idle for kIdle, or making room for a size that does not fit) and when the
+// buffers are drawn from the device's budget (DeviceEnv, drawer kLinks) while they exist and
+// bounded by `cap_bytes` together. Freeing, which waits for the device, runs only on the pool's
+// own thread (buffers idle for kIdle, or making room for a size that does not fit) and when the
 // pool is destroyed after the data plane stopped.
 class DeviceRecvPool : public std::enable_shared_from_this<DeviceRecvPool> {
  public:
   static constexpr size_t kGranule = size_t{2} << 20;  // capacities are multiples of 2 MiB
   static constexpr absl::Duration kIdle = absl::Seconds(10);
 
-  DeviceRecvPool(transport::GpuRuntime* rt, int device, Engine* engine, uint64_t cap_bytes)
-      : rt_(rt), device_(device), engine_(engine), cap_(cap_bytes) {
+  DeviceRecvPool(int device, Engine* engine, uint64_t cap_bytes)
+      : device_(device), engine_(engine), cap_(cap_bytes) {
     releaser_ = std::thread([this] { ReleaserLoop(); });
   }
 
@@ -124,11 +124,7 @@ class DeviceRecvPool : public std::enable_shared_from_this<DeviceRecvPool> {
       stop_ = true;
     }
     releaser_.join();
-    if (!rt_->SetDevice(device_).ok()) return;
-    for (auto* list : {&pending_, &free_, &doomed_}) {
-      for (std::unique_ptr<Slot>& slot : *list) rt_->FreeDevice(slot->ptr);
-      list->clear();
-    }
+    for (auto* list : {&pending_, &free_, &doomed_}) list->clear();
   }
 
   uint64_t cap_bytes() const { return cap_; }
@@ -162,20 +158,18 @@ class DeviceRecvPool : public std::enable_shared_from_this<DeviceRecvPool> {
       }
     }
     if (slot == nullptr) {
-      absl::StatusOr<void*> memory = absl::UnavailableError("device");
-      absl::StatusOr<Engine::DeviceReservation> reservation = engine_->ReserveDevice(capacity);
-      if (reservation.ok() && rt_->SetDevice(device_).ok()) memory = rt_->AllocDevice(capacity);
-      if (!reservation.ok() || !memory.ok()) {
+      absl::StatusOr<std::shared_ptr<uint8_t>> memory =
+          engine_->device_env().Allocate(device_, capacity, DeviceEnv::Drawer::kLinks);
+      if (!memory.ok()) {
         absl::MutexLock lock(&mu_);
         held_ -= capacity;
-        return !reservation.ok() ? reservation.status() : memory.status();
+        return memory.status();
       }
       slot = std::make_unique<Slot>();
-      slot->ptr = *memory;
+      slot->memory = *std::move(memory);
       slot->capacity = capacity;
-      slot->reservation = *std::move(reservation);
     }
-    void* const ptr = slot->ptr;
+    void* const ptr = slot->memory.get();
     return transport::Buffer::Wrap(
         ptr, size, transport::MemoryType::kCuda,
         [pool = shared_from_this(), slot = std::move(slot)]() mutable {
@@ -185,9 +179,8 @@ class DeviceRecvPool : public std::enable_shared_from_this<DeviceRecvPool> {
 
  private:
   struct Slot {
-    void* ptr = nullptr;
+    std::shared_ptr<uint8_t> memory;  // drawn from the DeviceEnv, freed with the slot
     size_t capacity = 0;
-    Engine::DeviceReservation reservation;
     std::unique_ptr<DeviceUploader::Fence> fence;  // the copies out of it, while pending
     absl::Time idle_since;
   };
@@ -205,7 +198,7 @@ class DeviceRecvPool : public std::enable_shared_from_this<DeviceRecvPool> {
       slot->fence = *std::move(fence);
       pending_.push_back(std::move(slot));
     } else {
-      doomed_.push_back(std::move(slot));  // cuMemFree on the pool's thread waits for the copy
+      doomed_.push_back(std::move(slot));  // freed on the pool's thread: waits for the copy
     }
   }
 
@@ -228,7 +221,6 @@ class DeviceRecvPool : public std::enable_shared_from_this<DeviceRecvPool> {
   bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !doomed_.empty(); }
 
   void ReleaserLoop() {
-    bool bound = false;
     for (;;) {
       std::vector<std::unique_ptr<Slot>> doomed;
       {
@@ -248,19 +240,16 @@ class DeviceRecvPool : public std::enable_shared_from_this<DeviceRecvPool> {
         doomed.swap(doomed_);
       }
       if (doomed.empty()) continue;
-      if (!bound) bound = rt_->SetDevice(device_).ok();
       uint64_t freed = 0;
       for (std::unique_ptr<Slot>& slot : doomed) {
-        if (bound) rt_->FreeDevice(slot->ptr);  // waits for the copy queued before it
         freed += slot->capacity;
-        slot.reset();  // gives the reservation back
+        slot.reset();  // freed (waits for the copy queued before it), its draw given back
       }
       absl::MutexLock lock(&mu_);
       held_ -= freed;
     }
   }
 
-  transport::GpuRuntime* const rt_;
   const int device_;
   Engine* const engine_;
   const uint64_t cap_;
@@ -296,13 +285,13 @@ class DataHandler : public transport::RequestHandler {
     Engine* engine = ctx_->service->engine();
     const uint64_t cap = DeviceRecvPoolCap(*engine);
     if (cap > 0 && engine->uploader() != nullptr) {
-      pool_ = std::make_shared<DeviceRecvPool>(rt, device, engine, cap);
+      pool_ = std::make_shared<DeviceRecvPool>(device, engine, cap);
     }
   }
   uint64_t device_pool_bytes() const { return pool_ == nullptr ? 0 : pool_->cap_bytes(); }
 
   // A block the client sent from its device memory (no CRC32C: see wire::kBlockDevicePayload)
-  // goes to GPU memory of the engine's device, reserved against engine.gpu_memory_bytes, for a
+  // goes to GPU memory of the engine's device, drawn from its budget (DeviceEnv), for a
   // whole-sequence put on a GPU engine: OpenPut::AddBlock then copies it once on the device.
   // Everything else, and a device block when the cap or the device has no room, lands in host
   // memory (verified against its CRC32C when it has one, then staged to the GPU as before).
@@ -321,21 +310,12 @@ class DataHandler : public transport::RequestHandler {
       absl::StatusOr<transport::Buffer> pooled = pool_->Acquire(size);
       return pooled.ok() ? *std::move(pooled) : transport::Buffer::Allocate(size);
     }
-    absl::StatusOr<Engine::DeviceReservation> reservation = engine.ReserveDevice(size);
-    if (!reservation.ok()) return transport::Buffer::Allocate(size);
-    const int device = engine.cuda_device();
-    absl::StatusOr<void*> memory = rt_->SetDevice(device).ok()
-                                       ? rt_->AllocDevice(size)
-                                       : absl::StatusOr<void*>(absl::UnavailableError("device"));
+    absl::StatusOr<std::shared_ptr<uint8_t>> memory =
+        engine.device_env().Allocate(engine.cuda_device(), size, DeviceEnv::Drawer::kLinks);
     if (!memory.ok()) return transport::Buffer::Allocate(size);
-    auto held = std::make_shared<Engine::DeviceReservation>(*std::move(reservation));
-    transport::GpuRuntime* rt = rt_;
-    // cuMemFree waits for the device work queued before it (the put's copy out of this block).
-    return transport::Buffer::Wrap(*memory, size, transport::MemoryType::kCuda,
-                                   [rt, device, p = *memory, held]() mutable {
-                                     if (rt->SetDevice(device).ok()) rt->FreeDevice(p);
-                                     held.reset();
-                                   });
+    // Freeing waits for the device work queued before it (the put's copy out of this block).
+    return transport::Buffer::Wrap(memory->get(), size, transport::MemoryType::kCuda,
+                                   [memory = *std::move(memory)]() mutable { memory.reset(); });
   }
 
   absl::StatusOr<std::string> OnHello(const transport::Session& session,

@@ -13,8 +13,12 @@ namespace kvcomp {
 namespace service {
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
-                                                       double tenant_share) {
+                                                       double tenant_share,
+                                                       std::shared_ptr<DeviceEnv> env) {
   std::unique_ptr<Engine> e(new Engine(options));
+  e->env_ = env != nullptr ? std::move(env)
+                           : std::make_shared<DeviceEnv>(options.gpu_memory_bytes,
+                                                         DeviceEnv::CudaMemory());
   if (options.backend == "cuda") {
     if (!CudaAvailable()) {
       return absl::FailedPreconditionError(
@@ -86,10 +90,6 @@ void Engine::Submit(absl::string_view tenant, Task task) {
   });
 }
 
-Engine::DeviceReservation::~DeviceReservation() {
-  if (engine_ != nullptr) engine_->device_reserved_.fetch_sub(bytes_);
-}
-
 uint64_t Engine::DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens, bool moments) {
   const uint64_t input = layout.CacheBytes(num_tokens);
   // Kept keys and values (at most every token), positions and counts, the evicted lists of every
@@ -110,20 +110,7 @@ uint64_t Engine::DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens, 
 
 absl::StatusOr<Engine::DeviceReservation> Engine::ReserveDevice(uint64_t bytes) {
   if (failed()) return absl::UnavailableError(absl::StrCat("engine failed: ", failure()));
-  const uint64_t cap = device_cap_bytes();
-  uint64_t held = device_reserved_.load();
-  while (true) {
-    if (cap > 0 && held + bytes > cap) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "put needs ", bytes, " bytes of GPU memory; engine.gpu_memory_bytes is ", cap, " and ",
-          held, " are held by other puts"));
-    }
-    if (device_reserved_.compare_exchange_weak(held, held + bytes)) break;
-  }
-  DeviceReservation r;
-  r.engine_ = this;
-  r.bytes_ = bytes;
-  return r;
+  return env_->Reserve(cuda_device(), bytes, DeviceEnv::Drawer::kPuts);
 }
 
 bool Engine::CheckAfterError(Backend& backend, const absl::Status& error) {

@@ -11,8 +11,8 @@
 //
 // On a GPU the engine also owns the device side of a put's data path: one DeviceUploader (a
 // stream and page-locked staging buffers, made once) through which every put's blocks reach the
-// device as they arrive, and the cap on the GPU memory puts may hold (engine.gpu_memory_bytes;
-// ReserveDevice). A CUDA error that leaves the device unusable (a sticky error: the context is
+// device as they arrive; what a put holds there is drawn from the device's budget in the
+// daemon's DeviceEnv (device_env.h; ReserveDevice). A CUDA error that leaves the device unusable (a sticky error: the context is
 // lost) marks the engine failed (failed(), failure()): it takes no more puts, and the daemon
 // reports not ready, drains and exits for its supervisor to restart it.
 //
@@ -36,6 +36,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "device_env.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/service/options.h"
@@ -49,8 +50,11 @@ class Engine {
   // Makes the workers' backends (engine.* options; `tenant_share` of the queue per tenant); an
   // engine that cannot make one fails here, not at the first put. InvalidArgument (unknown
   // backend), FailedPrecondition (cuda asked for, none present).
+  // `env`: the daemon's DeviceEnv; null = one of the engine's own (budget
+  // engine.gpu_memory_bytes, CUDA driver memory).
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options,
-                                                        double tenant_share = 1.0);
+                                                        double tenant_share = 1.0,
+                                                        std::shared_ptr<DeviceEnv> env = nullptr);
   ~Engine();
 
   using Task = absl::AnyInvocable<void(Backend& backend)>;
@@ -77,28 +81,12 @@ class Engine {
   };
   absl::StatusOr<StreamLease> LeaseStream();
 
-  // GPU memory held by one put, returned when the reservation ends.
-  class DeviceReservation {
-   public:
-    DeviceReservation() = default;
-    DeviceReservation(DeviceReservation&& o) noexcept { *this = std::move(o); }
-    DeviceReservation& operator=(DeviceReservation&& o) noexcept {
-      std::swap(engine_, o.engine_);
-      std::swap(bytes_, o.bytes_);
-      return *this;
-    }
-    ~DeviceReservation();
-    uint64_t bytes() const { return bytes_; }
-
-   private:
-    friend class Engine;
-    Engine* engine_ = nullptr;
-    uint64_t bytes_ = 0;
-  };
-  // Reserves `bytes` of the GPU memory cap for one put. ResourceExhausted when the cap
-  // (engine.gpu_memory_bytes) would be exceeded; Unavailable once the engine has failed. A CPU
-  // engine counts reservations too (what its open whole-sequence puts hold, for placement) but
-  // has no cap.
+  // GPU memory held by one put, returned to the DeviceEnv when the reservation ends.
+  using DeviceReservation = DeviceEnv::Grant;
+  // Draws `bytes` for one put from this engine's device's budget (DeviceEnv, drawer kPuts).
+  // ResourceExhausted when the budget (engine.gpu_memory_bytes) would be exceeded; Unavailable
+  // once the engine has failed. A CPU engine counts reservations too (what its open
+  // whole-sequence puts hold, for placement) but has no budget.
   absl::StatusOr<DeviceReservation> ReserveDevice(uint64_t bytes);
   // The GPU memory a whole-sequence put of `layout` x `num_tokens` holds on the device at most:
   // its K and V, the keys' sums of the staging, the compressed arrays (bounded by every token
@@ -106,9 +94,12 @@ class Engine {
   // put writes beside them.
   static uint64_t DeviceBytesForPut(const KvLayout& layout, uint64_t num_tokens,
                                     bool moments);
-  uint64_t device_reserved_bytes() const { return device_reserved_.load(); }
-  // The cap on reservations; 0 = none (always 0 on the CPU).
-  uint64_t device_cap_bytes() const { return use_cuda_ ? options_.gpu_memory_bytes : 0; }
+  // What this engine's device holds in all (every drawer), and its budget (0 = none; always 0
+  // on the CPU).
+  uint64_t device_reserved_bytes() const { return env_->held_bytes(cuda_device()); }
+  uint64_t device_cap_bytes() const { return use_cuda_ ? env_->budget_bytes() : 0; }
+  // The env this engine draws from, shared by the engines of one EngineSet.
+  DeviceEnv& device_env() const { return *env_; }
   // The uploader every put's blocks go through on a GPU engine; null on the CPU.
   DeviceUploader* uploader() const { return uploader_.get(); }
 
@@ -146,7 +137,7 @@ class Engine {
   std::vector<std::unique_ptr<Backend>> worker_backends_;  // one per worker, index = worker
   std::unique_ptr<TaskPool> pool_;
   std::unique_ptr<DeviceUploader> uploader_;
-  std::atomic<uint64_t> device_reserved_{0};
+  std::shared_ptr<DeviceEnv> env_;
   std::atomic<bool> failed_{false};
   std::atomic<bool> inject_sticky_{false};
   mutable absl::Mutex failure_mu_;

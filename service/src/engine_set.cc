@@ -35,11 +35,14 @@ absl::StatusOr<std::unique_ptr<EngineSet>> EngineSet::Create(const EngineOptions
   KVCOMP_ASSIGN_OR_RETURN(const std::vector<int> devices, EngineCudaDevices(options));
   const bool gpu =
       options.backend == "cuda" || (options.backend == "auto" && CudaAvailable());
+  // One DeviceEnv for every engine: each device's budget, drawn from by the engines' puts and
+  // the links' buffers on it.
+  auto env = std::make_shared<DeviceEnv>(options.gpu_memory_bytes, DeviceEnv::CudaMemory());
   std::vector<std::unique_ptr<Engine>> engines;
   for (const int device : gpu ? devices : std::vector<int>{-1}) {  // -1: the one CPU engine
     EngineOptions o = options;
     if (device >= 0) o.cuda_device = device;
-    auto e = Engine::Create(o, tenant_share);
+    auto e = Engine::Create(o, tenant_share, env);
     if (!e.ok() && devices.size() > 1 && gpu) {
       return Annotate(e.status(), absl::StrCat("engine on cuda:", device));
     }

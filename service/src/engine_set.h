@@ -1,8 +1,9 @@
 // EngineSet: kvcompd's engines, one per GPU it is given (engine.cuda_devices), or one CPU
 // engine, and the choice of the engine each put runs on.
 //
-// Every engine keeps what engine.h says: its own workers and backends, its uploader, its
-// reservations against engine.gpu_memory_bytes (per device) and its failure state. A put is
+// Every engine keeps what engine.h says: its own workers and backends, its uploader and its
+// failure state; they share one DeviceEnv (device_env.h), the budget of each device
+// (engine.gpu_memory_bytes) that puts and the links' buffers draw from. A put is
 // placed once, when it begins (Place), and stays on its engine: its K and V are copied to that
 // engine's device, it compresses on that engine's workers, and its cache is encoded on that
 // device and handed to the store from there (the GPU tier keeps it in that device's pool).

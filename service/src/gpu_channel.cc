@@ -722,19 +722,16 @@ class GpuChannelsImpl : public GpuChannels {
   absl::StatusOr<uint64_t> ReadStored(const Job& job, const CacheSummary& sum) {
     absl::Status s = SendBuffer(*job, job->out.payload_bytes);
     if (!s.ok()) return Fail(job->c, s);
-    absl::StatusOr<void*> p = rt_->AllocDevice(sum.stored_bytes);
+    absl::StatusOr<std::shared_ptr<uint8_t>> p =
+        Env().Allocate(job->c->device, sum.stored_bytes, DeviceEnv::Drawer::kLinks);
     if (!p.ok()) {
       Log(LogLevel::kWarning, "GPU channel: no device memory to serve a get from device memory (",
           p.status().ToString(), "); it goes through host memory");
       return 0;
     }
-    GpuRuntime* rt = rt_;
-    const int device = job->c->device;
-    job->stored = std::shared_ptr<void>(*p, [rt, device](void* q) {
-      if (rt->SetDevice(device).ok()) rt->FreeDevice(q);
-    });
+    job->stored = *p;
     KVCOMP_ASSIGN_OR_RETURN(std::optional<storage::CacheMeta> meta,
-                            ReadOnDevice(*job->c, job->r.key, *p, sum.stored_bytes));
+                            ReadOnDevice(*job->c, job->r.key, p->get(), sum.stored_bytes));
     if (!meta.has_value()) {
       job->stored.reset();
       return 0;
@@ -831,14 +828,13 @@ class GpuChannelsImpl : public GpuChannels {
     if (slot != nullptr && slot.use_count() == 1 && slot_bytes >= bytes) return slot;
     slot.reset();
     slot_bytes = 0;
-    KVCOMP_ASSIGN_OR_RETURN(void* p, rt_->AllocDevice(bytes));
-    GpuRuntime* rt = rt_;
-    slot = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [rt, device](uint8_t* q) {
-      if (rt->SetDevice(device).ok()) rt->FreeDevice(q);
-    });
+    KVCOMP_ASSIGN_OR_RETURN(slot, Env().Allocate(device, bytes, DeviceEnv::Drawer::kLinks));
     slot_bytes = bytes;
     return slot;
   }
+
+  // The daemon's device memory: every channel buffer is drawn from its device's budget.
+  DeviceEnv& Env() const { return service_->engine()->device_env(); }
 
   void Drain() override { draining_.store(true); }
 

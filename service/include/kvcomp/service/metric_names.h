@@ -85,12 +85,13 @@ inline constexpr char kQueueDepth[] = "kvcomp_queue_depth";
 // Gauge: committed puts waiting for or in compression on one engine (kvcomp_queue_depth is
 // their sum).
 inline constexpr char kEngineQueueDepth[] = "kvcomp_engine_queue_depth";
-// Gauge: bytes the open puts of one GPU engine hold against engine.gpu_memory_bytes (their K
-// and V on the device, compressed arrays, device receive buffers); puts go to the engine with
-// the most room left.
-inline constexpr char kEngineReservedBytes[] = "kvcomp_engine_reserved_bytes";
-// Gauge: engine.gpu_memory_bytes of one GPU engine (0 = no cap).
-inline constexpr char kEngineReservedCapBytes[] = "kvcomp_engine_reserved_cap_bytes";
+// Gauge, labels {device, drawer}: GPU memory the daemon holds on one GPU engine's device, drawn
+// from its budget (the DeviceEnv) by puts (their K and V, compressed arrays: the engines'
+// reservations) or links (the data plane's and GPU channels' receive and send buffers); puts go
+// to the engine with the most room left.
+inline constexpr char kDeviceMemoryBytes[] = "kvcomp_device_memory_bytes";
+// Gauge: the budget of one GPU engine's device, engine.gpu_memory_bytes (0 = none).
+inline constexpr char kDeviceMemoryBudgetBytes[] = "kvcomp_device_memory_budget_bytes";
 // Gauge: 1 once the engine has failed (a sticky device error: the daemon drains and exits),
 // else 0.
 inline constexpr char kEngineFailed[] = "kvcomp_engine_failed";
@@ -154,6 +155,7 @@ inline constexpr char kLabelReason[] = "reason";
 inline constexpr char kLabelVersion[] = "version";
 inline constexpr char kLabelBackend[] = "backend";
 inline constexpr char kLabelDevice[] = "device";
+inline constexpr char kLabelDrawer[] = "drawer";
 inline constexpr char kLabelResult[] = "result";
 inline constexpr char kLabelTenant[] = "tenant";
 inline constexpr char kLabelModelClass[] = "model_class";
