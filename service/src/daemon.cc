@@ -651,6 +651,8 @@ class DaemonImpl : public Daemon {
   void RefreshGauges();
   // The per-engine gauges (label {device}), registered once the engines exist.
   void RegisterEngineGauges();
+  // Draws the GPU tier's pools from the devices' budgets (ResourceExhausted: does not fit).
+  absl::Status DrawGpuTier();
   // Removes expired caches, then the projection versions no stored cache names (not the latest
   // of their tenant/model, not held by an open put).
   void Sweep();
@@ -673,6 +675,7 @@ class DaemonImpl : public Daemon {
     prometheus::Gauge* failed = nullptr;
   };
   std::vector<EngineGauges> engine_gauges_;  // index = engine
+  std::vector<DeviceEnv::Grant> gpu_tier_draws_;  // the GPU tier's pools, from the engines' env
   std::unique_ptr<CacheRepository> repository_;
   std::unique_ptr<CacheService> service_;
   std::unique_ptr<DataPlane> data_plane_;
@@ -787,6 +790,7 @@ absl::Status DaemonImpl::Init(const Options& options) {
     Log(LogLevel::kInfo, "engine.cuda_devices ", options.engine.cuda_devices,
         " not used: no GPU is visible, one CPU engine runs");
   }
+  KVCOMP_RETURN_IF_ERROR(DrawGpuTier());
   RegisterEngineGauges();
   RepositoryOptions ro;
   ro.durability = options.storage.durability == "disk"     ? storage::Durability::kDisk
@@ -1047,6 +1051,24 @@ void DaemonImpl::Sweep() {
     Log(LogLevel::kDebug, "sweep: ", expired, " expired cache(s) removed, ", *collected,
         " unused projection version(s) deleted");
   }
+}
+
+// The GPU tier's pool on each GPU engine's device, drawn from that device's budget for as long
+// as the daemon runs: a pool larger than the budget stops the start.
+absl::Status DaemonImpl::DrawGpuTier() {
+  if (!store_->Stats().tier(storage::TierKind::kDevice).present) return absl::OkStatus();
+  for (size_t i = 0; i < engines_->size(); ++i) {
+    const Engine& e = engines_->at(i);
+    if (e.cuda_device() < 0) continue;
+    absl::StatusOr<DeviceEnv::Grant> g = e.device_env().Reserve(
+        e.cuda_device(), options_.storage.device_capacity_bytes, DeviceEnv::Drawer::kGpuTier);
+    if (!g.ok()) {
+      return Annotate(g.status(), "storage.device_capacity_bytes is drawn from "
+                                  "engine.gpu_memory_bytes: the GPU tier does not fit");
+    }
+    gpu_tier_draws_.push_back(*std::move(g));
+  }
+  return absl::OkStatus();
 }
 
 void DaemonImpl::RegisterEngineGauges() {

@@ -23,7 +23,9 @@ class CudaDriverMemory final : public DeviceEnv::Memory {
 
 }  // namespace
 
-const char* DeviceEnv::DrawerName(Drawer d) { return d == Drawer::kPuts ? "puts" : "links"; }
+const char* DeviceEnv::DrawerName(Drawer d) {
+  return d == Drawer::kPuts ? "puts" : d == Drawer::kLinks ? "links" : "gpu_tier";
+}
 
 std::unique_ptr<DeviceEnv::Memory> DeviceEnv::CudaMemory() {
   return std::make_unique<CudaDriverMemory>();
@@ -40,12 +42,12 @@ absl::StatusOr<DeviceEnv::Grant> DeviceEnv::Reserve(int device, uint64_t bytes, 
   {
     absl::MutexLock lock(&mu_);
     Held& h = held_[device];
-    const uint64_t held = h[0] + h[1];
+    const uint64_t held = h[0] + h[1] + h[2];
     if (device >= 0 && budget_ > 0 && held + bytes > budget_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           DrawerName(drawer), " need ", bytes, " bytes of GPU memory on cuda:", device,
           "; engine.gpu_memory_bytes is ", budget_, " and ", held, " are held (puts ", h[0],
-          ", links ", h[1], ")"));
+          ", links ", h[1], ", GPU tier ", h[2], ")"));
     }
     h[static_cast<int>(drawer)] += bytes;
   }
@@ -70,7 +72,9 @@ absl::StatusOr<std::shared_ptr<uint8_t>> DeviceEnv::Allocate(int device, uint64_
 }
 
 uint64_t DeviceEnv::held_bytes(int device) const {
-  return held_bytes(device, Drawer::kPuts) + held_bytes(device, Drawer::kLinks);
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(device);
+  return it == held_.end() ? 0 : it->second[0] + it->second[1] + it->second[2];
 }
 
 uint64_t DeviceEnv::held_bytes(int device, Drawer drawer) const {

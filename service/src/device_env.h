@@ -6,7 +6,9 @@
 //           engine's backends allocate it, the env only counts it);
 //   kLinks  receive and send buffers of the payload links: the data plane's device receive pool
 //           and its unpooled device blocks, the GPU channels' receive, send and stored-copy
-//           memory (Allocate: counted and allocated here).
+//           memory (Allocate: counted and allocated here);
+//   kGpuTier the GPU tier's pool (storage.device_capacity_bytes), drawn whole by the daemon when
+//           the store's device tier is open, for as long as it runs (the store allocates it).
 // A draw that would exceed the budget is refused with ResourceExhausted (nothing is allocated);
 // a failed allocation returns what it drew. The accounting per device and drawer is what the
 // daemon's metrics show (kvcomp_device_memory_bytes, kvcomp_device_memory_budget_bytes).
@@ -34,9 +36,9 @@ namespace service {
 
 class DeviceEnv {
  public:
-  enum class Drawer : int { kPuts = 0, kLinks = 1 };
-  static constexpr int kNumDrawers = 2;
-  static const char* DrawerName(Drawer d);  // "puts", "links"
+  enum class Drawer : int { kPuts = 0, kLinks = 1, kGpuTier = 2 };
+  static constexpr int kNumDrawers = 3;
+  static const char* DrawerName(Drawer d);  // "puts", "links", "gpu_tier"
 
   // Device memory as the env gets it: allocated on and freed from one device.
   class Memory {

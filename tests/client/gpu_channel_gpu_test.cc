@@ -685,6 +685,35 @@ TEST_F(GpuChannelGpuTest, SameGpuWithoutChannelFallsBackToUcxBitIdentical) {
   EXPECT_FALSE(c->ProbeGpuChannel(daemon_->data_endpoint(), 0).ok());
 }
 
+// The GPU tier's pool is drawn from its device's budget (engine.gpu_memory_bytes): a pool
+// larger than the budget stops the start, saying so; one that fits leaves the rest to puts and
+// the channel's buffers, and a put into the GPU tier and its get round-trip.
+TEST_F(GpuChannelGpuTest, TheGpuTierIsDrawnFromItsDevicesBudget) {
+  REQUIRE_GPUS(1);
+  KvcompdProcess over(KVCOMPD_PATH, dir_.path() + "/over",
+                      {"--engine.cuda_device=0", "--storage.durability=memory",
+                       "--engine.gpu_memory_bytes=67108864",
+                       "--storage.device_capacity_bytes=134217728"});
+  EXPECT_FALSE(over.Start());
+  EXPECT_TRUE(absl::StrContains(over.Log(), "the GPU tier does not fit")) << over.Log();
+  StartDaemon(0, {"--engine.gpu_memory_bytes=2147483648",
+                  "--storage.device_capacity_bytes=134217728", "--storage.put_tier=device"});
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const KvLayout layout = Layout(2);
+  const uint64_t tokens = 300;
+  DeviceCache in(rt_, 0, layout, tokens, 6);
+  void* stream = NewStream(0);
+  client::PutOptions po;
+  po.policy = Lossless();
+  auto put = c->PutDevice("m", "tiered", layout, tokens, in.In(), stream, po);
+  ASSERT_TRUE(put.ok()) << put.status();
+  DeviceCache out(rt_, 0, layout, tokens, 7);
+  auto got = c->GetKvIntoDevice("m", "tiered", layout, tokens, out.Out(), stream);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(out.Read(stream) == in.Host());
+}
+
 TEST_F(GpuChannelGpuTest, DaemonWithoutNcclFallsBackToUcx) {
   REQUIRE_GPUS(1);
   StartDaemon(Devices() > 1 ? 1 : 0, {}, {"KVCOMP_NCCL_LIBRARY=/nonexistent/libnccl.so.2"});

@@ -1,7 +1,8 @@
 // DeviceEnv's budget without a GPU: a stand-in for the raw device memory records what is
-// allocated and freed; draws of puts and links share each device's budget, a draw past it is
-// ResourceExhausted with nothing allocated, a failed allocation gives its draw back, memory is
-// freed and its draw returned with its last holder, and engines of one set draw from one env.
+// allocated and freed; draws of puts, links and the GPU tier share each device's budget, a draw
+// past it is ResourceExhausted with nothing allocated, a failed allocation gives its draw back,
+// memory is freed and its draw returned with its last holder, and engines of one set draw from
+// one env.
 #include "device_env.h"
 
 #include <memory>
@@ -62,6 +63,14 @@ TEST(DeviceEnvTest, PutsAndLinksShareEachDevicesBudget) {
   EXPECT_EQ(env.held_bytes(0, Drawer::kLinks), 300u);
   EXPECT_EQ(env.held_bytes(0), 900u);
   EXPECT_EQ(ledger.allocs, 1);  // a reservation only counts
+  // The GPU tier's pool draws from the same budget.
+  EXPECT_TRUE(absl::IsResourceExhausted(env.Reserve(0, 200, Drawer::kGpuTier).status()));
+  absl::StatusOr<DeviceEnv::Grant> tier = env.Reserve(0, 50, Drawer::kGpuTier);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  EXPECT_EQ(env.held_bytes(0, Drawer::kGpuTier), 50u);
+  EXPECT_TRUE(absl::IsResourceExhausted(env.Reserve(0, 51, Drawer::kPuts).status()));
+  *tier = DeviceEnv::Grant();
+  EXPECT_EQ(env.held_bytes(0, Drawer::kGpuTier), 0u);
 
   // Past the budget, for either drawer: refused, nothing allocated, nothing held.
   absl::StatusOr<std::shared_ptr<uint8_t>> more = env.Allocate(0, 101, Drawer::kLinks);

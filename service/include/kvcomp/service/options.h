@@ -160,10 +160,12 @@ struct EngineOptions {
   int cpu_threads = 0;           // threads of each CPU backend; 0 = hardware threads / workers
   int workers = 2;               // compression workers (each owns a backend). 2
   uint32_t queue_capacity = 16;  // committed puts waiting for a worker; full = busy. 16
-  // GPU memory the engine's puts may hold at once (a put's K and V on the device plus its
-  // compressed arrays); a put that would exceed it is refused with RESOURCE_EXHAUSTED before
-  // any of its blocks is received. 0 = no cap (the device's own memory is the limit). With
-  // several devices (cuda_devices) the cap is per device. Default 0.
+  // The daemon's GPU memory budget (DeviceEnv): what puts hold (a put's K and V on the device
+  // plus its compressed arrays), the links' receive and send buffers and the GPU tier's pool
+  // (drawn whole at start; a larger pool stops the start). A put that would exceed it is refused
+  // with RESOURCE_EXHAUSTED before any of its blocks is received. 0 = no cap (the device's own
+  // memory is the limit). With several devices (cuda_devices) the budget is per device.
+  // Default 0.
   uint64_t gpu_memory_bytes = 0;
 };
 
