@@ -121,9 +121,14 @@ KVCOMP_POINTS = {"kvhq k5v5": ("kvhq5", "kvhq5", None, 0.0),
                  "kvhq k4v3": ("kvhq4", "kvhq3", None, 0.0),
                  "kvhq k3v3": ("kvhq3", "kvhq3", None, 0.0),
                  "kvhq k3v2": ("kvhq3", "kvhq2", None, 0.0)}
+# The calibrated basis codec (codecs_ref pca, the pq library's arithmetic up to f32 order; bases
+# from --calib's training split), with --calib only.
+PCA_POINTS = {"pca k5v5": ("pca5", "pca5", None, 0.0), "pca k5v4": ("pca5", "pca4", None, 0.0),
+              "pca k4v4": ("pca4", "pca4", None, 0.0), "pca k4v3": ("pca4", "pca3", None, 0.0),
+              "pca k3v2": ("pca3", "pca2", None, 0.0)}
 
 
-def cachegen(models, corpus, windows, ctx, tail, out):
+def cachegen(models, corpus, windows, ctx, tail, out, calib=None):
     """LMCache's CacheGen serde (lmcache.v1.storage_backend.naive_serde: CacheGenSerializer /
     CacheGenDeserializer; per-token quantization to the bins of its CacheGenConfig, then its
     arithmetic coder, on CPU through lmcache's torch kernels) on each model's cache, beside
@@ -156,7 +161,21 @@ def cachegen(models, corpus, windows, ctx, tail, out):
         conf = types.SimpleNamespace(chunk_size=n_cache)
         ser, des = CacheGenSerializer(conf, meta), CacheGenDeserializer(conf, meta)
         bins = (ser.key_bins.tolist(), ser.value_bins.tolist())
-        names = ["full", "lmcache cachegen", *KVCOMP_POINTS]
+        points = dict(KVCOMP_POINTS)
+        if calib:  # bases on the training split: 8 windows of ctx bytes, English and code in turn
+            cp = corpus_mod.load(calib)
+            Ks, Vs = [], []
+            for j in range(8):
+                t = np.frombuffer(cp["train_en.bin" if j % 2 == 0 else "train_code.bin"],
+                                  np.uint8)
+                cw = torch.from_numpy(t[(j // 2) * ctx:(j // 2 + 1) * ctx].astype(np.int64))
+                with torch.no_grad():
+                    Kc, Vc = frontier.prefill(model, cw)
+                Ks.append(Kc.bfloat16().float())
+                Vs.append(Vc.bfloat16().float())
+            codecs_ref.pca_calibrate(Ks, Vs)
+            points.update(PCA_POINTS)
+        names = ["full", "lmcache cachegen", *points]
         loss = {x: [] for x in names}
         bpt = {x: [] for x in names}
         ent = {x: [] for x in names}  # kvcomp's codes through an order-0 entropy coder
@@ -175,7 +194,7 @@ def cachegen(models, corpus, windows, ctx, tail, out):
                 ref_count=1, fmt=MemoryFormat.KV_2LTD), None)
             blob = ser.serialize(obj)
             got = des.deserialize(blob).tensor.float().reshape(2, L, n, H, d)
-            built = frontier.build(KVCOMP_POINTS, K, V, None, zstd=False)
+            built = frontier.build(points, K, V, None, zstd=False)
             built["full"] = (K, V, [2.0 * 2 * L * H * d, 0, 0])
             built["lmcache cachegen"] = (got[0].permute(0, 2, 1, 3).contiguous(),
                                          got[1].permute(0, 2, 1, 3).contiguous(),
@@ -210,6 +229,8 @@ def cachegen(models, corpus, windows, ctx, tail, out):
                     env.append((xp, yp))
                     best = yp
             env.sort()
+            if env and xc <= env[0][0]:  # a point with more compression and no more loss
+                return env[0][1]
             for (x0, y0), (x1, y1) in zip(env, env[1:]):
                 if x0 <= xc <= x1:
                     b0, b1, bc = 1 / x0, 1 / x1, 1 / xc
@@ -217,10 +238,11 @@ def cachegen(models, corpus, windows, ctx, tail, out):
             return None
         at, at5, at_ent = at_bytes(0, ENGINE), at_bytes(0, KVCOMP_POINTS), \
             at_bytes(3, KVCOMP_POINTS)
+        at_pca = at_bytes(0, [x for x in PCA_POINTS if x in res])
         for x in names[1:]:
             xr, m, h, xe = res[x]
-            xe = f"{xe:.2f}" if x in KVCOMP_POINTS else "-"
-            label = x if x in ENGINE or x not in KVCOMP_POINTS else f"{x} (mirror only)"
+            xe = f"{xe:.2f}" if x in points else "-"
+            label = x if x in ENGINE or x not in points else f"{x} (mirror only)"
             rows.append(f"| {name} | {label} | {xr:.2f} | {xe} | {m:+.2f}% [{m - h:+.2f}, "
                         f"{m + h:+.2f}] | {len(f)} |")
 
@@ -229,10 +251,20 @@ def cachegen(models, corpus, windows, ctx, tail, out):
         rows.append(f"| {name} | kvcomp at CacheGen's bytes ({xc:.2f}x): the engine's codecs / "
                     "with 5-bit widths / with 5-bit widths and the codes entropy-coded | - | - | "
                     f"{pct(at)} / {pct(at5)} / {pct(at_ent)} | {len(f)} |")
+        if calib:
+            rows.append(f"| {name} | kvcomp at CacheGen's bytes ({xc:.2f}x) with the calibrated "
+                        f"basis codec (pca points, mirror; the pq library not yet in the engine) "
+                        f"| - | - | {pct(at_pca)} | {len(f)} |")
+            dq = 100 * (np.array(loss["lmcache cachegen"]) - np.array(loss["pca k4v4"])) / \
+                f.mean()
+            hq_ = 1.96 * dq.std(ddof=1) / np.sqrt(len(dq)) if len(dq) > 1 else float("nan")
+            rows.append(f"| {name} | CacheGen - pca k4v4 ({res['pca k4v4'][0]:.2f}x), paired | - "
+                        f"| - | {dq.mean():+.2f} [{dq.mean() - hq_:+.2f}, {dq.mean() + hq_:+.2f}] "
+                        f"points | {len(f)} |")
         rows.append(f"| {name} | CacheGen - kvhq k4v4 ({res['kvhq k4v4'][0]:.2f}x), paired | - | - "
                     f"| {dp.mean():+.2f} [{dp.mean() - hp:+.2f}, {dp.mean() + hp:+.2f}] points | "
                     f"{len(f)} |")
-        print("\n".join(rows[-len(names) - 1:]), flush=True)
+        print("\n".join(rows[-len(names) - 3:]), flush=True)
         print(f"{name}: CacheGen bins keys {sorted(set(bins[0]))} values {sorted(set(bins[1]))}",
               flush=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -254,7 +286,9 @@ def cachegen(models, corpus, windows, ctx, tail, out):
         "bytes: linear in bytes per token between the neighbouring points of kvcomp's lower "
         "envelope (the lossless preset at 1x, +0%), among the engine's codecs (hq4, hq3), then "
         "with the mirror's 5-bit widths (not in the engine), then with those codes at their "
-        "entropy.", "",
+        "entropy; with --calib also the calibrated basis codec's points (pca k{bits}v{bits}: "
+        "bases fitted on 8 windows of the training split; bench/quality/codecs_ref.py, the pq "
+        "library's arithmetic; not yet an engine codec).", "",
         "| model | config | x | x, codes entropy-coded | loss vs full [95%] | n |",
         "| --- | --- | --- | --- | --- | --- |",
         *rows, ""])
@@ -344,6 +378,9 @@ def main():
     ap.add_argument("--cachegen", nargs="*", metavar="NAME=DIR",
                     help="run LMCache's CacheGen serde on these models' caches beside kvcomp's "
                          "hq codecs instead")
+    ap.add_argument("--calib", default="", metavar="CORPUS",
+                    help="with --cachegen: a corpus whose training split calibrates the pca "
+                         "points (bench/quality/suite.py --calib)")
     ap.add_argument("--turboquant-check", metavar="DIR",
                     help="compare LMCache's TurboQuant serde (Triton interpreter, CPU) with "
                          "frontier.py's mirror on this model's cache instead")
@@ -359,7 +396,8 @@ def main():
                                 args.tq_presets, args.out)
     if args.cachegen:
         torch.set_num_threads(1)
-        return cachegen(args.cachegen, args.corpus, args.windows, args.ctx, args.tail, args.out)
+        return cachegen(args.cachegen, args.corpus, args.windows, args.ctx, args.tail, args.out,
+                        args.calib or None)
     if args.asym_k16_v8:
         torch.set_num_threads(1)
         return asym_k16_v8(args.asym_k16_v8, args.corpus, args.windows, args.ctx, args.tail,
