@@ -279,9 +279,8 @@ class DataHandler : public transport::RequestHandler {
 
   // Device payloads land in GPU memory of the engine's device when the data plane's UCX is
   // CUDA-aware and the engine runs on a GPU; set once at start, before any connection.
-  void EnableDeviceBlocks(transport::GpuRuntime* rt, int device) {
-    rt_ = rt;
-    device_ = device;
+  void EnableDeviceBlocks(int device) {
+    device_blocks_ = true;
     Engine* engine = ctx_->service->engine();
     const uint64_t cap = DeviceRecvPoolCap(*engine);
     if (cap > 0 && engine->uploader() != nullptr) {
@@ -299,7 +298,7 @@ class DataHandler : public transport::RequestHandler {
                                                   const wire::Block& block,
                                                   size_t size) override {
     OpenPut* open = PutOf(put);
-    if (rt_ == nullptr || open == nullptr || open->request().block_wise ||
+    if (!device_blocks_ || open == nullptr || open->request().block_wise ||
         !(block.flags & wire::kBlockDevicePayload) || !open->engine().uses_gpu()) {
       return transport::Buffer::Allocate(size);
     }
@@ -566,8 +565,7 @@ class DataHandler : public transport::RequestHandler {
 
  private:
   ServiceContext* const ctx_;
-  transport::GpuRuntime* rt_ = nullptr;
-  int device_ = 0;
+  bool device_blocks_ = false;
   std::shared_ptr<DeviceRecvPool> pool_;  // null: one buffer per block (allocated and freed)
 };
 
@@ -644,7 +642,7 @@ class UcxDataPlane : public DataPlane {
         gpu_engine ? transport::GpuRuntime::Get()
                    : absl::StatusOr<transport::GpuRuntime*>(absl::FailedPreconditionError("cpu"));
     const int device = gpu_engine ? engine->cuda_device() : options.engine.cuda_device;
-    if (rt.ok()) handler_.EnableDeviceBlocks(*rt, device);
+    if (rt.ok()) handler_.EnableDeviceBlocks(device);
     Log(LogLevel::kInfo, "data plane: UCX ", version,
         " is CUDA-aware: clients may send device payloads; they land in ",
         rt.ok() ? absl::StrCat("GPU memory of device ", device,
