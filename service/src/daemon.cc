@@ -1215,6 +1215,7 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   data_plane_.reset();  // the open puts it held go before the service they belong to
   service_.reset();
   repository_.reset();
+  gpu_tier_draws_.clear();
   engines_.reset();
   Log(LogLevel::kDebug, "shutdown: engine stopped");
   store_.reset();  // closes RocksDB (memtables flushed, WAL synced)

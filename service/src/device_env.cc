@@ -53,6 +53,7 @@ absl::StatusOr<DeviceEnv::Grant> DeviceEnv::Reserve(int device, uint64_t bytes, 
   }
   Grant g;
   g.env_ = this;
+  g.keep_ = weak_from_this().lock();
   g.device_ = device;
   g.drawer_ = drawer;
   g.bytes_ = bytes;

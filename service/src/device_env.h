@@ -16,6 +16,10 @@
 // The raw memory under the env is injectable (Memory): the CUDA driver (GpuRuntime) in kvcompd,
 // a stand-in in tests, so the budget's accounting runs without a GPU.
 //
+// A grant, and memory from Allocate, keep an env that a std::shared_ptr owns alive until they
+// end: the daemon's parts (engines, GPU channels, the GPU tier's draw) may let go of it in any
+// order.
+//
 // Thread-safety: every method may be called from any thread.
 #ifndef KVCOMP_SERVICE_SRC_DEVICE_ENV_H_
 #define KVCOMP_SERVICE_SRC_DEVICE_ENV_H_
@@ -34,7 +38,7 @@
 namespace kvcomp {
 namespace service {
 
-class DeviceEnv {
+class DeviceEnv : public std::enable_shared_from_this<DeviceEnv> {
  public:
   enum class Drawer : int { kPuts = 0, kLinks = 1, kGpuTier = 2 };
   static constexpr int kNumDrawers = 3;
@@ -66,6 +70,7 @@ class DeviceEnv {
       std::swap(device_, o.device_);
       std::swap(drawer_, o.drawer_);
       std::swap(bytes_, o.bytes_);
+      std::swap(keep_, o.keep_);
       return *this;
     }
     ~Grant();
@@ -74,6 +79,7 @@ class DeviceEnv {
    private:
     friend class DeviceEnv;
     DeviceEnv* env_ = nullptr;
+    std::shared_ptr<DeviceEnv> keep_;  // env_ when a shared_ptr owns it, else empty
     int device_ = -1;
     Drawer drawer_ = Drawer::kPuts;
     uint64_t bytes_ = 0;

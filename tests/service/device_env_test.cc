@@ -131,6 +131,32 @@ TEST(DeviceEnvTest, NoBudgetCountsButNeverRefuses) {
   EXPECT_EQ(capped.held_bytes(-1), 100u);
 }
 
+// The daemon lets go of its engines (and with them its last owner of the env) while GPU
+// channels and the GPU tier's draw still hold memory and grants: they keep the env alive, so
+// their memory is freed through it and their draws returned to it, in any order.
+TEST(DeviceEnvTest, GrantsAndMemoryOutliveTheEnvsOwners) {
+  Ledger ledger;
+  auto env = std::make_shared<DeviceEnv>(1000, std::make_unique<FakeMemory>(&ledger));
+  absl::StatusOr<DeviceEnv::Grant> tier = env->Reserve(0, 400, Drawer::kGpuTier);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  absl::StatusOr<std::shared_ptr<uint8_t>> buf = env->Allocate(0, 300, Drawer::kLinks);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  std::weak_ptr<DeviceEnv> weak = env;
+  env.reset();
+  ASSERT_FALSE(weak.expired()) << "the grants must keep the env alive";
+  EXPECT_EQ(weak.lock()->held_bytes(0), 700u);
+  buf->reset();
+  {
+    absl::MutexLock lock(&ledger.mu);
+    EXPECT_EQ(ledger.frees, 1);
+    EXPECT_TRUE(ledger.live.empty());
+  }
+  ASSERT_FALSE(weak.expired());
+  EXPECT_EQ(weak.lock()->held_bytes(0), 400u);
+  *tier = DeviceEnv::Grant();
+  EXPECT_TRUE(weak.expired()) << "the last grant's end lets the env go";
+}
+
 TEST(DeviceEnvTest, AnEngineDrawsItsPutsFromTheEnvItIsGiven) {
   Ledger ledger;
   auto env = std::make_shared<DeviceEnv>(1000, std::make_unique<FakeMemory>(&ledger));
