@@ -16,21 +16,10 @@
 #include <thread>
 #include <vector>
 
+#include "common/bench_util.h"
 #include "kvcomp/codecs/pq.h"
 
 namespace {
-
-double MedianSeconds(const std::function<void()>& fn, int reps) {
-  fn();
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    const auto a = std::chrono::steady_clock::now();
-    fn();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 std::vector<float> Rows(uint64_t n, uint32_t d, uint64_t seed) {
   std::mt19937_64 rng(1);  // the same rotation for calibration and coded rows
@@ -70,16 +59,12 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::vector<uint8_t> rec(n * b->RecordBytes());
-    const double enc = MedianSeconds(
-        [&] {
-          if (!pq::EncodeRows(*b, 0, x.data(), n, rec.data()).ok()) std::abort();
-        },
-        3);
-    const double dec = MedianSeconds(
-        [&] {
-          if (!pq::DecodeRows(*b, 0, rec.data(), n, y.data()).ok()) std::abort();
-        },
-        3);
+    const double enc = kvcomp::bench::MedianSeconds(3, [&] {
+      if (!pq::EncodeRows(*b, 0, x.data(), n, rec.data()).ok()) std::abort();
+    });
+    const double dec = kvcomp::bench::MedianSeconds(3, [&] {
+      if (!pq::DecodeRows(*b, 0, rec.data(), n, y.data()).ok()) std::abort();
+    });
     double err = 0, tot = 0;
     for (uint64_t i = 0; i < n * d; ++i) {
       err += (y[i] - x[i]) * (y[i] - x[i]);
@@ -91,8 +76,8 @@ int main(int argc, char** argv) {
         "encode_ms=%.1f encode_GBps=%.3f encode_Mrows_s=%.3f decode_ms=%.1f decode_GBps=%.3f "
         "decode_Mrows_s=%.3f rel_mse=%.5f record_bytes=%llu\n",
         bits, d, static_cast<unsigned long long>(n), fit_s * 1e3,
-        static_cast<unsigned long long>(ncal), enc * 1e3, io / enc / 1e9, n / enc / 1e6,
-        dec * 1e3, io / dec / 1e9, n / dec / 1e6, err / tot,
+        static_cast<unsigned long long>(ncal), enc * 1e3, io / enc / 1e9, n / enc / 1e6, dec * 1e3,
+        io / dec / 1e9, n / dec / 1e6, err / tot,
         static_cast<unsigned long long>(b->RecordBytes()));
   }
   // bf16 rows (as a cache holds them) on every hardware thread, 3-bit records
@@ -102,24 +87,20 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> xb(n * d), yb(n * d);
     for (uint64_t i = 0; i < n * d; ++i) xb[i] = FloatToBf16(x[i]);
     std::vector<uint8_t> rec(n * b->RecordBytes());
-    const double enc = MedianSeconds(
-        [&] {
-          if (!pq::EncodeRows(*b, 0, xb.data(), DType::kBF16, n, rec.data(), 0).ok()) std::abort();
-        },
-        3);
-    const double dec = MedianSeconds(
-        [&] {
-          if (!pq::DecodeRows(*b, 0, rec.data(), n, yb.data(), DType::kBF16, 0).ok()) std::abort();
-        },
-        3);
+    const double enc = kvcomp::bench::MedianSeconds(3, [&] {
+      if (!pq::EncodeRows(*b, 0, xb.data(), DType::kBF16, n, rec.data(), 0).ok()) std::abort();
+    });
+    const double dec = kvcomp::bench::MedianSeconds(3, [&] {
+      if (!pq::DecodeRows(*b, 0, rec.data(), n, yb.data(), DType::kBF16, 0).ok()) std::abort();
+    });
     const double io = static_cast<double>(rec.size()) + n * d * 2.0;
     std::printf(
         "RESULT bench=cpu_pq_bf16 bits=3 d=%u rows=%llu threads=%u encode_ms=%.1f "
         "encode_GBps=%.3f encode_Mrows_s=%.3f decode_ms=%.1f decode_GBps=%.3f "
         "decode_Mrows_s=%.3f\n",
         d, static_cast<unsigned long long>(n),
-        std::min(32u, std::max(1u, std::thread::hardware_concurrency())), enc * 1e3,
-        io / enc / 1e9, n / enc / 1e6, dec * 1e3, io / dec / 1e9, n / dec / 1e6);
+        std::min(32u, std::max(1u, std::thread::hardware_concurrency())), enc * 1e3, io / enc / 1e9,
+        n / enc / 1e6, dec * 1e3, io / dec / 1e9, n / dec / 1e6);
   }
   return 0;
 }

@@ -65,6 +65,15 @@ struct Pending {
   bool raw = false;              // SendRawForTesting: busy replies are not retried
   absl::Status failure;          // set: deliver this once UCX lets go of the request
   ReplyCallback callback;
+
+  // The request carries `data` (a link's descriptor) as its payload, held by the request.
+  void HoldPayload(std::string data) {
+    owned_payload = std::move(data);
+    if (owned_payload.empty()) return;
+    iov[0] = {owned_payload.data(), owned_payload.size()};
+    iov_count = 1;
+    payload_bytes = owned_payload.size();
+  }
 };
 
 class ClientImpl;
@@ -1054,12 +1063,7 @@ void ClientImpl::SendLinkBlockAsync(const wire::Block& block, std::string descri
   b.link_bytes = static_cast<uint32_t>(descriptor.size());
   auto p = std::make_unique<Pending>();
   p->request_id = NextRequestId();
-  p->owned_payload = std::move(descriptor);
-  if (!p->owned_payload.empty()) {
-    p->iov[0] = {p->owned_payload.data(), p->owned_payload.size()};
-    p->iov_count = 1;
-    p->payload_bytes = p->owned_payload.size();
-  }
+  p->HoldPayload(std::move(descriptor));
   p->frame = wire::Encode(p->request_id, b);
   p->deadline = absl::Now() + options_.request_timeout;
   p->callback = [done = std::move(done)](absl::StatusOr<Reply> r) mutable {
@@ -1086,12 +1090,7 @@ absl::StatusOr<wire::GetReply> ClientImpl::GetOverLink(const wire::Get& get,
   g.link_bytes = static_cast<uint32_t>(descriptor.size());
   auto p = std::make_unique<Pending>();
   p->request_id = NextRequestId();
-  p->owned_payload = std::move(descriptor);
-  if (!p->owned_payload.empty()) {
-    p->iov[0] = {p->owned_payload.data(), p->owned_payload.size()};
-    p->iov_count = 1;
-    p->payload_bytes = p->owned_payload.size();
-  }
+  p->HoldPayload(std::move(descriptor));
   p->frame = wire::Encode(p->request_id, g);
   p->deadline = RequestDeadline(deadline);
   KVCOMP_ASSIGN_OR_RETURN(Reply r, Wait(std::move(p)));
