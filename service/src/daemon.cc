@@ -651,8 +651,6 @@ class DaemonImpl : public Daemon {
   void RefreshGauges();
   // The per-engine gauges (label {device}), registered once the engines exist.
   void RegisterEngineGauges();
-  // Draws the GPU tier's pools from the devices' budgets (ResourceExhausted: does not fit).
-  absl::Status DrawGpuTier();
   // Removes expired caches, then the projection versions no stored cache names (not the latest
   // of their tenant/model, not held by an open put).
   void Sweep();
@@ -661,6 +659,7 @@ class DaemonImpl : public Daemon {
   Options options_;
   ServiceContext ctx_;
   std::unique_ptr<TokenStore> tokens_;
+  std::shared_ptr<DeviceEnv> device_env_;  // the device seam (device_env.h)
   std::unique_ptr<storage::TieredStore> store_;
   std::unique_ptr<PolicyStore> policies_;
   std::unique_ptr<Metrics> metrics_;
@@ -675,7 +674,6 @@ class DaemonImpl : public Daemon {
     prometheus::Gauge* failed = nullptr;
   };
   std::vector<EngineGauges> engine_gauges_;  // index = engine
-  std::vector<DeviceEnv::Grant> gpu_tier_draws_;  // the GPU tier's pools, from the engines' env
   std::unique_ptr<CacheRepository> repository_;
   std::unique_ptr<CacheService> service_;
   std::unique_ptr<DataPlane> data_plane_;
@@ -723,9 +721,30 @@ absl::Status DaemonImpl::Init(const Options& options) {
 
   auto devices = EngineCudaDevices(options.engine);
   if (!devices.ok()) return devices.status();
-  auto store = storage::TieredStore::Open(StoreOptionsOf(options, *devices));
+  // The device seam: each GPU's budget, which the engines' puts, the links' buffers and the GPU
+  // tier's pools draw from, and through which those pools and buffers are allocated.
+  device_env_ =
+      std::make_shared<DeviceEnv>(options.engine.gpu_memory_bytes, DeviceEnv::CudaMemory());
+  storage::StoreOptions so = StoreOptionsOf(options, *devices);
+  auto over_budget = std::make_shared<absl::Status>();
+  so.device.pool_memory = [env = device_env_, over_budget](int device, uint64_t bytes)
+      -> absl::StatusOr<std::shared_ptr<void>> {
+    const bool fits = env->budget_bytes() == 0 || env->held_bytes(device) + bytes <= env->budget_bytes();
+    absl::StatusOr<std::shared_ptr<uint8_t>> pool =
+        env->Allocate(device, bytes, DeviceEnv::Drawer::kGpuTier);
+    if (!pool.ok() && !fits) {
+      *over_budget = Annotate(pool.status(), "storage.device_capacity_bytes is drawn from "
+                                             "engine.gpu_memory_bytes: the GPU tier does not fit");
+    }
+    if (!pool.ok()) return pool.status();
+    return std::shared_ptr<void>(*std::move(pool));
+  };
+  auto store = storage::TieredStore::Open(so);
   if (!store.ok()) return Annotate(store.status(), "storage");
   store_ = std::move(*store);
+  // A pool larger than its device's budget stops the start (any other failure of the GPU tier
+  // leaves it out, as with every tier, and is reported).
+  KVCOMP_RETURN_IF_ERROR(*over_budget);
   storage::StoreStats st = store_->Stats();
   Log(LogLevel::kInfo, "storage open under ", options.storage.data_dir, ": ", st.recovered,
       " cache(s) recovered, ", st.quarantined, " quarantined; durability ",
@@ -779,7 +798,7 @@ absl::Status DaemonImpl::Init(const Options& options) {
   metrics_ = std::make_unique<Metrics>(Version(), cuda ? "cuda" : "cpu");
   metrics_->SetAuthRequired(!tokens_->open_mode());
   projections_ = std::make_unique<codecs::TieredProjectionStore>(store_.get());
-  auto engines = EngineSet::Create(options.engine, options.data_plane.tenant_share);
+  auto engines = EngineSet::Create(options.engine, options.data_plane.tenant_share, device_env_);
   if (!engines.ok()) return Annotate(engines.status(), "engine");
   engines_ = std::move(*engines);
   for (size_t i = 0; i < engines_->size(); ++i) {
@@ -790,7 +809,6 @@ absl::Status DaemonImpl::Init(const Options& options) {
     Log(LogLevel::kInfo, "engine.cuda_devices ", options.engine.cuda_devices,
         " not used: no GPU is visible, one CPU engine runs");
   }
-  KVCOMP_RETURN_IF_ERROR(DrawGpuTier());
   RegisterEngineGauges();
   RepositoryOptions ro;
   ro.durability = options.storage.durability == "disk"     ? storage::Durability::kDisk
@@ -1053,24 +1071,6 @@ void DaemonImpl::Sweep() {
   }
 }
 
-// The GPU tier's pool on each GPU engine's device, drawn from that device's budget for as long
-// as the daemon runs: a pool larger than the budget stops the start.
-absl::Status DaemonImpl::DrawGpuTier() {
-  if (!store_->Stats().tier(storage::TierKind::kDevice).present) return absl::OkStatus();
-  for (size_t i = 0; i < engines_->size(); ++i) {
-    const Engine& e = engines_->at(i);
-    if (e.cuda_device() < 0) continue;
-    absl::StatusOr<DeviceEnv::Grant> g = e.device_env().Reserve(
-        e.cuda_device(), options_.storage.device_capacity_bytes, DeviceEnv::Drawer::kGpuTier);
-    if (!g.ok()) {
-      return Annotate(g.status(), "storage.device_capacity_bytes is drawn from "
-                                  "engine.gpu_memory_bytes: the GPU tier does not fit");
-    }
-    gpu_tier_draws_.push_back(*std::move(g));
-  }
-  return absl::OkStatus();
-}
-
 void DaemonImpl::RegisterEngineGauges() {
   namespace mn = metric_names;
   prometheus::Registry& registry = metrics_->registry();
@@ -1215,7 +1215,6 @@ absl::Status DaemonImpl::Shutdown(absl::Duration grace) {
   data_plane_.reset();  // the open puts it held go before the service they belong to
   service_.reset();
   repository_.reset();
-  gpu_tier_draws_.clear();
   engines_.reset();
   Log(LogLevel::kDebug, "shutdown: engine stopped");
   store_.reset();  // closes RocksDB (memtables flushed, WAL synced)

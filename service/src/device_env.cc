@@ -19,6 +19,15 @@ class CudaDriverMemory final : public DeviceEnv::Memory {
     absl::StatusOr<transport::GpuRuntime*> rt = transport::GpuRuntime::Get();
     if (rt.ok() && (*rt)->SetDevice(device).ok()) (*rt)->FreeDevice(ptr);
   }
+  absl::StatusOr<void*> AllocPinned(int device, size_t bytes) override {
+    KVCOMP_ASSIGN_OR_RETURN(transport::GpuRuntime * rt, transport::GpuRuntime::Get());
+    KVCOMP_RETURN_IF_ERROR(rt->SetDevice(device));
+    return rt->AllocPinned(bytes);
+  }
+  void FreePinned(int device, void* ptr) override {
+    absl::StatusOr<transport::GpuRuntime*> rt = transport::GpuRuntime::Get();
+    if (rt.ok() && (*rt)->SetDevice(device).ok()) (*rt)->FreePinned(ptr);
+  }
 };
 
 }  // namespace
@@ -70,6 +79,14 @@ absl::StatusOr<std::shared_ptr<uint8_t>> DeviceEnv::Allocate(int device, uint64_
                                     memory_->Free(device, q);
                                     held.reset();
                                   });
+}
+
+absl::StatusOr<std::shared_ptr<uint8_t>> DeviceEnv::AllocatePinned(int device, uint64_t bytes) {
+  KVCOMP_ASSIGN_OR_RETURN(void* p, memory_->AllocPinned(device, bytes));
+  auto keep = weak_from_this().lock();
+  return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [this, device, keep](uint8_t* q) {
+    memory_->FreePinned(device, q);
+  });
 }
 
 uint64_t DeviceEnv::held_bytes(int device) const {

@@ -7,14 +7,16 @@
 //   kLinks  receive and send buffers of the payload links: the data plane's device receive pool
 //           and its unpooled device blocks, the GPU channels' receive, send and stored-copy
 //           memory (Allocate: counted and allocated here);
-//   kGpuTier the GPU tier's pool (storage.device_capacity_bytes), drawn whole by the daemon when
-//           the store's device tier is open, for as long as it runs (the store allocates it).
+//   kGpuTier the GPU tier's pool (storage.device_capacity_bytes), allocated here for the store
+//           when its device tier opens (storage::DeviceTierOptions::pool_memory) and held until
+//           the store closes.
 // A draw that would exceed the budget is refused with ResourceExhausted (nothing is allocated);
 // a failed allocation returns what it drew. The accounting per device and drawer is what the
 // daemon's metrics show (kvcomp_device_memory_bytes, kvcomp_device_memory_budget_bytes).
 //
 // The raw memory under the env is injectable (Memory): the CUDA driver (GpuRuntime) in kvcompd,
-// a stand-in in tests, so the budget's accounting runs without a GPU.
+// a stand-in in tests, so the budget's accounting runs without a GPU. The page-locked host
+// memory of the daemon's device copies comes from it too (AllocatePinned: not counted).
 //
 // A grant, and memory from Allocate, keep an env that a std::shared_ptr owns alive until they
 // end: the daemon's parts (engines, GPU channels, the GPU tier's draw) may let go of it in any
@@ -50,6 +52,9 @@ class DeviceEnv : public std::enable_shared_from_this<DeviceEnv> {
     virtual ~Memory() = default;
     virtual absl::StatusOr<void*> Alloc(int device, size_t bytes) = 0;
     virtual void Free(int device, void* ptr) = 0;  // may wait for the device's queued work
+    // Page-locked host memory for copies to and from `device`.
+    virtual absl::StatusOr<void*> AllocPinned(int device, size_t bytes) = 0;
+    virtual void FreePinned(int device, void* ptr) = 0;
   };
   // The CUDA driver's memory (transport::GpuRuntime, opened on first use; without a driver or a
   // GPU every Alloc fails with its reason).
@@ -93,6 +98,9 @@ class DeviceEnv : public std::enable_shared_from_this<DeviceEnv> {
   // with its last holder (on that holder's thread: Free may wait for the device). Errors:
   // Reserve's, then the allocator's (its draw given back).
   absl::StatusOr<std::shared_ptr<uint8_t>> Allocate(int device, uint64_t bytes, Drawer drawer);
+  // Page-locked host memory of `bytes` for copies with `device` (no budget), freed with its last
+  // holder. Errors: the allocator's.
+  absl::StatusOr<std::shared_ptr<uint8_t>> AllocatePinned(int device, uint64_t bytes);
 
   uint64_t budget_bytes() const { return budget_; }
   uint64_t held_bytes(int device) const;

@@ -31,13 +31,16 @@ std::string DeviceName(const Engine& e) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<EngineSet>> EngineSet::Create(const EngineOptions& options,
-                                                             double tenant_share) {
+                                                             double tenant_share,
+                                                             std::shared_ptr<DeviceEnv> env) {
   KVCOMP_ASSIGN_OR_RETURN(const std::vector<int> devices, EngineCudaDevices(options));
   const bool gpu =
       options.backend == "cuda" || (options.backend == "auto" && CudaAvailable());
   // One DeviceEnv for every engine: each device's budget, drawn from by the engines' puts and
   // the links' buffers on it.
-  auto env = std::make_shared<DeviceEnv>(options.gpu_memory_bytes, DeviceEnv::CudaMemory());
+  if (env == nullptr) {
+    env = std::make_shared<DeviceEnv>(options.gpu_memory_bytes, DeviceEnv::CudaMemory());
+  }
   std::vector<std::unique_ptr<Engine>> engines;
   for (const int device : gpu ? devices : std::vector<int>{-1}) {  // -1: the one CPU engine
     EngineOptions o = options;

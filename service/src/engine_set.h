@@ -40,9 +40,11 @@ class EngineSet {
  public:
   // One engine per device of EngineCudaDevices(options) when the backend is cuda (or auto with a
   // GPU present), else one CPU engine. Errors of Engine::Create, annotated with the device;
-  // InvalidArgument for a malformed engine.cuda_devices.
-  static absl::StatusOr<std::unique_ptr<EngineSet>> Create(const EngineOptions& options,
-                                                           double tenant_share = 1.0);
+  // InvalidArgument for a malformed engine.cuda_devices. `env`: the devices' budget the engines
+  // draw from (null: a new one of engine.gpu_memory_bytes over the CUDA driver).
+  static absl::StatusOr<std::unique_ptr<EngineSet>> Create(
+      const EngineOptions& options, double tenant_share = 1.0,
+      std::shared_ptr<DeviceEnv> env = nullptr);
   // Over engines made elsewhere (at least one; tests build sets of CPU engines).
   explicit EngineSet(std::vector<std::unique_ptr<Engine>> engines);
   ~EngineSet();

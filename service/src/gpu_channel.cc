@@ -53,25 +53,6 @@ Regions LayerRegions(void* memory, const KvLayout& layout, uint64_t tokens, bool
   return regions;
 }
 
-// Pinned host memory of one transfer, allocated and freed on the channel's device (the calling
-// thread, a control-plane worker, may have no CUDA context current).
-std::shared_ptr<uint8_t> PinnedBuffer(GpuRuntime* rt, int device, size_t bytes,
-                                      absl::Status* status) {
-  if (absl::Status s = rt->SetDevice(device); !s.ok()) {
-    *status = s;
-    return nullptr;
-  }
-  absl::StatusOr<void*> p = rt->AllocPinned(bytes);
-  if (!p.ok()) {
-    *status = p.status();
-    return nullptr;
-  }
-  return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(*p), [rt, device](uint8_t* q) {
-    (void)rt->SetDevice(device);
-    rt->FreePinned(q);
-  });
-}
-
 // The devices channels use: each GPU engine's, or engine.cuda_device beside a CPU engine.
 std::vector<int> ChannelDevices(const Options& options, const EngineSet& engines) {
   if (!engines.uses_gpu()) return {options.engine.cuda_device};
@@ -434,7 +415,7 @@ class GpuChannelsImpl : public GpuChannels {
       out.num_tokens = cache->original_tokens;
       out.payload_bytes = cache->layout.CacheBytes(cache->original_tokens);
       if (out.payload_bytes > job->r.capacity) return Finish(job, TooLarge(out, job->r.capacity));
-      host = PinnedBuffer(rt_, job->c->device, out.payload_bytes, &s);
+      s = Pinned(job->c->device, out.payload_bytes, &host);
       if (s.ok()) s = cache->WriteDenseKv(host.get());
       whole = false;
     } else {
@@ -445,7 +426,7 @@ class GpuChannelsImpl : public GpuChannels {
       }
       out.payload_bytes = payload.size();
       if (out.payload_bytes > job->r.capacity) return Finish(job, TooLarge(out, job->r.capacity));
-      host = PinnedBuffer(rt_, job->c->device, out.payload_bytes, &s);
+      s = Pinned(job->c->device, out.payload_bytes, &host);
       if (s.ok()) std::memcpy(host.get(), payload.data(), payload.size());
     }
     if (!s.ok()) return Finish(job, s);
@@ -810,7 +791,7 @@ class GpuChannelsImpl : public GpuChannels {
       out.space = MemorySpace::kDevice;
       return out;
     }
-    out.memory = PinnedBuffer(rt_, c->device, bytes, &s);
+    s = Pinned(c->device, bytes, &out.memory);
     if (s.ok()) {
       s = rt_->CopyAsync(out.memory.get(), memory->get(), bytes, GpuRuntime::Copy::kDeviceToHost,
                          c->stream);
@@ -835,6 +816,11 @@ class GpuChannelsImpl : public GpuChannels {
 
   // The daemon's device memory: every channel buffer is drawn from its device's budget.
   DeviceEnv& Env() const { return service_->engine()->device_env(); }
+  // Page-locked host memory for one transfer's copies with `device`, from the same env.
+  absl::Status Pinned(int device, uint64_t bytes, std::shared_ptr<uint8_t>* out) {
+    KVCOMP_ASSIGN_OR_RETURN(*out, Env().AllocatePinned(device, bytes));
+    return absl::OkStatus();
+  }
 
   void Drain() override { draining_.store(true); }
 

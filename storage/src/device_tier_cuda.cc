@@ -1,5 +1,5 @@
 // The CUDA side of the store (compiled only with CUDA): pinned host memory and the device tier,
-// one cudaMalloc'ed pool per device carved by RangeAllocator.
+// one pool per device (DeviceTierOptions::pool_memory, or cudaMalloc) carved by RangeAllocator.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -46,25 +46,18 @@ cudaError_t CopyOnDevice(void* dst, int dst_device, const DeviceBytes& src) {
   return e == cudaSuccess ? cudaStreamSynchronize(stream) : e;
 }
 
-// One cudaMalloc'ed pool per device. Each entry lives in one pool; Get and ReadInto copy from
-// that pool's device.
+// One pool per device (DeviceTierOptions::pool_memory, or cudaMalloc). Each entry lives in one
+// pool; Get and ReadInto copy from that pool's device.
 class DeviceTier final : public Tier {
  public:
   struct PoolSpec {
     int device;
-    void* base;
+    std::shared_ptr<void> memory;
   };
-  DeviceTier(const DeviceTierOptions& options, const std::vector<PoolSpec>& pools) {
-    for (const PoolSpec& p : pools) {
-      pools_.push_back(
-          Pool{p.device, static_cast<uint8_t*>(p.base),
-               RangeAllocator(options.capacity_bytes, options.alignment_bytes)});
-    }
-  }
-  ~DeviceTier() override {
-    for (Pool& p : pools_) {
-      cudaSetDevice(p.device);
-      cudaFree(p.base);
+  DeviceTier(const DeviceTierOptions& options, std::vector<PoolSpec> pools) {
+    for (PoolSpec& p : pools) {
+      pools_.push_back(Pool{p.device, static_cast<uint8_t*>(p.memory.get()), std::move(p.memory),
+                            RangeAllocator(options.capacity_bytes, options.alignment_bytes)});
     }
   }
 
@@ -172,6 +165,7 @@ class DeviceTier final : public Tier {
   struct Pool {
     int device;
     uint8_t* base;
+    std::shared_ptr<void> memory;  // base's owner
     RangeAllocator alloc;
   };
   struct Range {
@@ -241,6 +235,17 @@ void PinnedFree(void* p) {
   if (p != nullptr) cudaFreeHost(p);
 }
 
+// A pool of the CUDA runtime (no DeviceTierOptions::pool_memory: the store on its own).
+absl::StatusOr<std::shared_ptr<void>> CudaPool(int device, uint64_t bytes) {
+  cudaSetDevice(device);
+  void* pool = nullptr;
+  if (cudaError_t e = cudaMalloc(&pool, bytes); e != cudaSuccess) return CudaError(e, "cudaMalloc");
+  return std::shared_ptr<void>(pool, [device](void* p) {
+    cudaSetDevice(device);
+    cudaFree(p);
+  });
+}
+
 absl::StatusOr<std::unique_ptr<Tier>> NewDeviceTier(const DeviceTierOptions& options) {
   if (options.capacity_bytes == 0) {
     return absl::InvalidArgumentError("device tier: capacity_bytes must be > 0");
@@ -266,23 +271,17 @@ absl::StatusOr<std::unique_ptr<Tier>> NewDeviceTier(const DeviceTierOptions& opt
     }
   }
   std::vector<DeviceTier::PoolSpec> pools;
-  auto free_pools = [&pools] {
-    for (const DeviceTier::PoolSpec& p : pools) {
-      cudaSetDevice(p.device);
-      cudaFree(p.base);
-    }
-  };
   for (int device : devices) {
-    cudaSetDevice(device);
-    void* pool = nullptr;
-    cudaError_t e = cudaMalloc(&pool, options.capacity_bytes);
-    if (e != cudaSuccess) {
-      free_pools();
-      return CudaError(e, absl::StrCat("pool of ", options.capacity_bytes, " on device ", device));
+    absl::StatusOr<std::shared_ptr<void>> pool =
+        options.pool_memory ? options.pool_memory(device, options.capacity_bytes)
+                            : CudaPool(device, options.capacity_bytes);
+    if (!pool.ok()) {
+      return Annotate(pool.status(), absl::StrCat("pool of ", options.capacity_bytes,
+                                                  " bytes on device ", device));
     }
-    pools.push_back({device, pool});
+    pools.push_back({device, *std::move(pool)});
   }
-  return std::unique_ptr<Tier>(new DeviceTier(options, pools));
+  return std::unique_ptr<Tier>(new DeviceTier(options, std::move(pools)));
 }
 
 }  // namespace storage

@@ -46,6 +46,10 @@ class FakeMemory : public DeviceEnv::Memory {
     ++l_->frees;
     ::operator delete(ptr);
   }
+  absl::StatusOr<void*> AllocPinned(int device, size_t bytes) override {
+    return Alloc(-2 - device, bytes);  // host memory for `device`: its own key in the ledger
+  }
+  void FreePinned(int device, void* ptr) override { Free(-2 - device, ptr); }
 
  private:
   Ledger* l_;
@@ -175,6 +179,23 @@ TEST(DeviceEnvTest, AnEngineDrawsItsPutsFromTheEnvItIsGiven) {
   *r = Engine::DeviceReservation();
   EXPECT_EQ((*engine)->device_reserved_bytes(), 0u);
   (*engine)->Shutdown();
+}
+
+// Page-locked host memory for a device's copies comes through the same env but draws nothing
+// from the device's budget; it is freed, on its device, with its last holder.
+TEST(DeviceEnvTest, PinnedMemoryIsAllocatedThroughTheEnvOutsideTheBudget) {
+  Ledger ledger;
+  DeviceEnv env(100, std::make_unique<FakeMemory>(&ledger));
+  absl::StatusOr<std::shared_ptr<uint8_t>> pinned = env.AllocatePinned(1, 4096);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_EQ(env.held_bytes(1), 0u);
+  EXPECT_TRUE(env.Allocate(1, 100, Drawer::kLinks).ok());
+  EXPECT_EQ(ledger.allocs, 2);
+  pinned->reset();
+  EXPECT_EQ(ledger.frees, 2);
+  EXPECT_TRUE(ledger.live.empty());
+  ledger.fail_next = true;
+  EXPECT_TRUE(absl::IsResourceExhausted(env.AllocatePinned(0, 16).status()));
 }
 
 }  // namespace

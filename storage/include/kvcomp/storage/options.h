@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kvcomp/storage/types.h"
 
@@ -32,6 +33,11 @@ struct DeviceTierOptions {
   std::vector<int> devices;
   uint64_t capacity_bytes = 0;     // pool size in bytes (per device); required (> 0) when enabled
   uint64_t alignment_bytes = 256;  // allocation granularity in bytes (power of two)
+  // Where each device's pool comes from: `bytes` of device memory on `device`, freed when the
+  // last holder lets go (kvcompd: its device seam, which draws the pool from the device's
+  // budget and allocates it through its one CUDA wrapper). Empty: the CUDA runtime's
+  // cudaMalloc. Its error fails Open, annotated with the device.
+  std::function<absl::StatusOr<std::shared_ptr<void>>(int device, uint64_t bytes)> pool_memory;
 };
 
 // Host memory.

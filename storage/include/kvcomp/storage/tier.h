@@ -49,11 +49,11 @@ class Tier {
 // otherwise Put shares the caller's Payload without copying. InvalidArgument for a zero capacity.
 absl::StatusOr<std::unique_ptr<Tier>> NewHostTier(const HostTierOptions& options);
 
-// GPU memory: one cudaMalloc'ed pool of options.capacity_bytes on each device
-// (options.devices, or options.device) with a first-fit allocator; each entry lives in one pool
-// and is read on that pool's device. FailedPrecondition when the build has no CUDA or a device
-// is absent; InvalidArgument for a zero capacity, an alignment that is not a power of two, or a
-// device listed twice.
+// GPU memory: one pool of options.capacity_bytes on each device (options.devices, or
+// options.device; from options.pool_memory, else cudaMalloc) with a first-fit allocator; each
+// entry lives in one pool and is read on that pool's device. FailedPrecondition when the build
+// has no CUDA or a device is absent; InvalidArgument for a zero capacity, an alignment that is
+// not a power of two, or a device listed twice.
 absl::StatusOr<std::unique_ptr<Tier>> NewDeviceTier(const DeviceTierOptions& options);
 
 // True when this build has CUDA and a GPU is visible.
