@@ -87,7 +87,6 @@ struct Channel {
   size_t recv_bytes = 0;
   std::shared_ptr<uint8_t> send;
   size_t send_bytes = 0;
-  std::vector<void*> mapped;      // mode "ipc": the client's allocations mapped for a transfer
 
   std::atomic<int64_t> last_used_ns{0};
   std::atomic<bool> dead{false};
@@ -283,14 +282,8 @@ class GpuChannelsImpl : public GpuChannels {
     absl::Status s = refuse();
     absl::StatusOr<std::shared_ptr<Channel>> c =
         s.ok() ? Find(tenant, id) : absl::StatusOr<std::shared_ptr<Channel>>(s);
-    std::optional<GpuIpcSpec> ipc;
-    if (c.ok()) {
-      absl::StatusOr<std::optional<GpuIpcSpec>> spec = IpcOf(**c, r.descriptor);
-      if (spec.ok()) ipc = *std::move(spec);
-      s = spec.status();
-    }
-    if (!c.ok() || !s.ok()) {
-      done(!c.ok() ? c.status() : s);
+    if (!c.ok()) {
+      done(c.status());
       return;
     }
     absl::MutexLock lock(&mu_);
@@ -300,11 +293,8 @@ class GpuChannelsImpl : public GpuChannels {
     }
     // The caller's `done` stays here until the task takes it (TrySubmit may refuse).
     auto pending = std::make_shared<GpuReceivedFn>(std::move(done));
-    if (!transfers_->TrySubmit([this, c = *std::move(c), r = std::move(r), ipc = std::move(ipc),
-                                pending]() mutable {
-          GpuTransferShape shape;
-          shape.ipc = ipc.has_value() ? &*ipc : nullptr;
-          (*pending)(ReceiveNow(c, r, shape));
+    if (!transfers_->TrySubmit([this, c = *std::move(c), r = std::move(r), pending]() mutable {
+          (*pending)(ReceiveNow(c, r));
         })) {
       (*pending)(BusyError("GPU channel receives queued at their bound"));
     }
@@ -312,17 +302,14 @@ class GpuChannelsImpl : public GpuChannels {
 
   void Send(const std::string& tenant, uint64_t id, GpuLinkSend r, GpuSentFn done) override {
     absl::StatusOr<std::shared_ptr<Channel>> c = Find(tenant, id);
-    absl::StatusOr<std::optional<GpuIpcSpec>> ipc =
-        c.ok() ? IpcOf(**c, r.descriptor) : absl::StatusOr<std::optional<GpuIpcSpec>>(c.status());
-    if (ipc.ok() && draining_.load()) ipc = absl::UnavailableError("draining: no new gets");
-    if (!ipc.ok()) {
-      done(ipc.status());
+    if (c.ok() && draining_.load()) c = absl::UnavailableError("draining: no new gets");
+    if (!c.ok()) {
+      done(c.status());
       return;
     }
     auto job = std::make_shared<GetJob>();
     job->c = *std::move(c);
     job->r = std::move(r);
-    job->ipc = *std::move(ipc);
     job->done = std::move(done);
     Touch(*job->c);
     Then(job, [this, job] { Start(job); }, /*admit=*/true);
@@ -333,7 +320,6 @@ class GpuChannelsImpl : public GpuChannels {
   struct GetJob {
     std::shared_ptr<Channel> c;
     GpuLinkSend r;
-    std::optional<GpuIpcSpec> ipc;
     GpuGetBegun out;
     std::shared_ptr<uint8_t> memory;  // the payload, device memory of the channel's device
     std::shared_ptr<void> stored;     // a stored cache read into device memory (dense gets)
@@ -658,16 +644,13 @@ class GpuChannelsImpl : public GpuChannels {
     const Regions regions =
         whole ? Regions{{job->memory.get(), out.payload_bytes, transport::MemoryKind::kCuda}}
               : LayerRegions(job->memory.get(), out.layout, out.num_tokens, job->r.layer_major);
-    GpuTransferShape shape;
-    shape.ipc = job->ipc.has_value() ? &*job->ipc : nullptr;
-    KVCOMP_RETURN_IF_ERROR(MapPeer(c, shape, regions, /*at_least=*/whole));
     Touch(c);
-    absl::StatusOr<std::shared_ptr<Completion>> sent = Post(c, Direction::kSend, regions);
-    if (!sent.ok()) return Fail(job->c, sent.status());
+    absl::StatusOr<std::shared_ptr<Completion>> sent =
+        Post(c, Direction::kSend, regions, job->r.descriptor, /*peer_may_be_larger=*/whole);
+    if (!sent.ok()) return Refused(job->c, sent.status());
     if (c.ipc) {
       absl::Status s = (*sent)->Wait(absl::Now() + timeout_);
       if (!s.ok()) return Fail(job->c, s);
-      Unmap(c);
       out.copy_seconds = SecondsOf(*c.timer);
       Finish(job, out);
     } else {
@@ -741,32 +724,11 @@ class GpuChannelsImpl : public GpuChannels {
     return std::optional<storage::CacheMeta>();
   }
 
-  // The client's memory a link block describes, in the channel's mode: nullopt over NCCL (no
-  // descriptor), the decoded IPC handles and regions over CUDA IPC.
-  static absl::StatusOr<std::optional<GpuIpcSpec>> IpcOf(const Channel& c,
-                                                        const std::string& descriptor) {
-    if (!c.ipc) {
-      if (descriptor.empty()) return std::optional<GpuIpcSpec>();
-      return absl::InvalidArgumentError("this GPU channel is in mode nccl: no ipc payload");
-    }
-    if (descriptor.empty()) {
-      return absl::InvalidArgumentError(
-          "this GPU channel is in mode ipc: the transfer must name the client's memory");
-    }
-    KVCOMP_ASSIGN_OR_RETURN(transport::IpcMemory m, transport::DecodeIpcMemory(descriptor));
-    GpuIpcSpec spec;
-    spec.buffers = std::move(m.handles);
-    for (const transport::IpcMemory::Region& g : m.regions) {
-      spec.chunks.push_back({g.handle, g.offset, g.bytes});
-    }
-    return std::optional<GpuIpcSpec>(std::move(spec));
-  }
-
   // A put's K and V received over the channel (a thread of transfers_): posted into the
   // channel's receive memory, waited for, then handed over as they are (the put's engine runs
   // on this device) or copied to pinned host memory.
   absl::StatusOr<GpuReceived> ReceiveNow(const std::shared_ptr<Channel>& c,
-                                         const GpuLinkReceive& r, const GpuTransferShape& shape) {
+                                         const GpuLinkReceive& r) {
     KVCOMP_RETURN_IF_ERROR(AwaitJoin(*c));
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(Usable(c));
@@ -774,13 +736,11 @@ class GpuChannelsImpl : public GpuChannels {
     absl::StatusOr<std::shared_ptr<uint8_t>> memory = Reusable(c->recv, c->recv_bytes, c->device, bytes);
     if (!memory.ok()) return Fail(c, memory.status());
     const Regions regions = LayerRegions(memory->get(), r.layout, r.num_tokens, r.layer_major);
-    // A mapping refused is the client's mistake: the channel stays usable.
-    KVCOMP_RETURN_IF_ERROR(MapPeer(*c, shape, regions, /*at_least=*/false));
     absl::StatusOr<std::shared_ptr<Completion>> received =
-        Post(*c, Direction::kReceive, regions);
-    absl::Status s = received.ok() ? (*received)->Wait(absl::Now() + timeout_) : received.status();
+        Post(*c, Direction::kReceive, regions, r.descriptor, /*peer_may_be_larger=*/false);
+    if (!received.ok()) return Refused(c, received.status());
+    absl::Status s = (*received)->Wait(absl::Now() + timeout_);
     if (!s.ok()) return Fail(c, s);
-    Unmap(*c);  // the copies out of the client's memory are done
     Touch(*c);
     GpuReceived out;
     out.bytes = bytes;
@@ -913,73 +873,29 @@ class GpuChannelsImpl : public GpuChannels {
     return absl::OkStatus();
   }
 
-  // Over CUDA IPC: maps the client's allocations `shape.ipc` names and gives the channel's
-  // link the client's regions of the transfer, one for each of `ours` and of the same size (at
-  // least that size where `at_least`: a buffer a get fills in part). InvalidArgument for chunks
-  // that do not match or lie outside their allocation; FailedPrecondition (kMemoryNotMappable)
-  // when a handle cannot be mapped. Nothing to do over NCCL. Caller holds c.op_mu; Unmap
-  // releases them.
-  absl::Status MapPeer(Channel& c, const GpuTransferShape& shape, const Regions& ours,
-                       bool at_least) {
-    if (!c.ipc) return absl::OkStatus();
-    const GpuIpcSpec& spec = *shape.ipc;
-    if (spec.chunks.size() != ours.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("the ipc payload has ", spec.chunks.size(),
-                                                     " chunks; this transfer has ", ours.size()));
-    }
-    for (size_t i = 0; i < ours.size(); ++i) {
-      const uint64_t want = ours[i].bytes;
-      const uint64_t got = spec.chunks[i].bytes;
-      if (at_least ? got < want : got != want) {
-        return absl::InvalidArgumentError(absl::StrCat("ipc chunk ", i, " has ", got,
-                                                       " bytes; the transfer's has ", want));
-      }
-    }
-    Unmap(c);
-    std::vector<size_t> sizes;
-    for (const std::string& h : spec.buffers) {
-      size_t bytes = 0;
-      absl::StatusOr<void*> p = rt_->OpenMemory(h, &bytes);
-      if (!p.ok()) {
-        Unmap(c);
-        return WithDetail(Annotate(p.status(), "mapping the client's memory"),
-                          ErrorDetail::kMemoryNotMappable);
-      }
-      c.mapped.push_back(*p);
-      sizes.push_back(bytes);
-    }
-    Regions theirs;
-    for (size_t i = 0; i < spec.chunks.size(); ++i) {
-      const GpuIpcChunk& k = spec.chunks[i];
-      if (k.buffer >= sizes.size() || k.offset > sizes[k.buffer] ||
-          ours[i].bytes > sizes[k.buffer] - k.offset) {
-        Unmap(c);
-        return absl::InvalidArgumentError(
-            absl::StrCat("ipc chunk ", i, " lies outside its allocation"));
-      }
-      theirs.push_back({static_cast<uint8_t*>(c.mapped[k.buffer]) + k.offset, ours[i].bytes,
-                        transport::MemoryKind::kCuda});
-    }
-    static_cast<transport::CudaIpcLink*>(c.payload.get())->Peer(std::move(theirs));
-    return absl::OkStatus();
-  }
-
   // Posts a transfer between the channel's memory `regions` and the client on the channel's
-  // link (the CUDA IPC link's peer regions set by MapPeer). Caller holds c.op_mu.
+  // link; `peer`: the client's side as its request described it (its memory, over CUDA IPC).
+  // Caller holds c.op_mu.
   absl::StatusOr<std::shared_ptr<Completion>> Post(Channel& c, Direction direction,
-                                                   const Regions& regions) {
+                                                   const Regions& regions, absl::string_view peer,
+                                                   bool peer_may_be_larger) {
     transport::Transfer t;
     t.direction = direction;
     t.regions = regions;
     t.stream = c.stream;
     t.deadline = absl::Now() + timeout_;
+    t.peer = peer;
+    t.peer_may_be_larger = peer_may_be_larger;
     return c.payload->Post(t);
   }
 
-  // Unmaps the client's memory (nothing may still read or write it). Caller holds c.op_mu.
-  void Unmap(Channel& c) {
-    for (void* p : c.mapped) rt_->CloseMemory(p);
-    c.mapped.clear();
+  // A transfer the link refused as the client's mistake (a description of its memory that does
+  // not fit the transfer or the link, memory it cannot map) leaves the channel usable; any other
+  // failure to post fails it.
+  absl::Status Refused(const std::shared_ptr<Channel>& c, const absl::Status& why) {
+    const bool clients = absl::IsInvalidArgument(why) ||
+                         transport::AfterLinkFailure(why) == transport::LinkVerdict::kNextLink;
+    return clients ? why : Fail(c, why);
   }
 
   // The channel ready for a transfer: open, its stream and link made. Caller holds c->op_mu.
@@ -1012,11 +928,6 @@ class GpuChannelsImpl : public GpuChannels {
         "' closed: ", why.ToString());
     c->dead.store(true);
     if (c->link) c->link->Abort();
-    (void)rt_->SetDevice(c->device);
-    if (!c->mapped.empty() && c->stream != nullptr) {
-      (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
-    }
-    Unmap(*c);
     return why;  // the reaper removes and tears it down (Find already treats it as absent)
   }
 
@@ -1025,12 +936,11 @@ class GpuChannelsImpl : public GpuChannels {
     c->dead.store(true);
     if (c->joiner.joinable()) c->joiner.join();
     absl::MutexLock op(&c->op_mu);
-    c->payload.reset();
     if (rt_ != nullptr && rt_->SetDevice(c->device).ok()) {
       c->link.reset();  // destroys a healthy communicator, aborts a broken one
       if (c->stream != nullptr) (void)rt_->WaitStream(c->stream, absl::Now() + absl::Seconds(5));
+      c->payload.reset();  // over CUDA IPC: unmaps the client's memory
       c->timer.reset();
-      Unmap(*c);
       rt_->DestroyEvent(c->client_event);
       c->client_event = nullptr;
       c->recv.reset();  // freed here unless a put still holds it

@@ -82,24 +82,6 @@ using GpuReceivedFn = absl::AnyInvocable<void(absl::StatusOr<GpuReceived>)>;
 
 enum class GpuGetForm { kStored, kDecoded, kDenseKv };
 
-// A transfer's client memory in mode "ipc": IPC handles of the client's allocations and the
-// payload's chunks in them, in transfer order.
-struct GpuIpcChunk {
-  uint32_t buffer = 0;
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-};
-struct GpuIpcSpec {
-  std::vector<std::string> buffers;  // 64-byte CUDA IPC memory handles
-  std::vector<GpuIpcChunk> chunks;
-};
-
-// The client's side of a transfer: in mode "ipc" its memory (the order of the chunks, which
-// NCCL matches one to one, is the request's layer_major).
-struct GpuTransferShape {
-  const GpuIpcSpec* ipc = nullptr;
-};
-
 // A get over a channel (the data plane's get naming it): the cache's bytes as stored or decoded
 // (whole: the client's buffer may be larger), or the dense K and V, every layer's keys then
 // every layer's values, or layer by layer.

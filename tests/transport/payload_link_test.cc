@@ -242,8 +242,9 @@ TEST(PayloadLinkTest, OnlyARefusalOfTheMemoryMovesTheRouterToTheNextLink) {
 }
 
 // The GPU links' checks that need no device: host memory is refused as not served (the router's
-// cue for the next link), and a CUDA IPC transfer must match the peer's regions one for one.
-// Their transfers run on the GPU machine only.
+// cue for the next link), a CUDA IPC transfer must name the peer's regions, one for one and of
+// the same sizes (at least those sizes where the peer's may be larger) before anything is mapped,
+// and an NCCL transfer names none. Their transfers run on the GPU machine only.
 TEST(PayloadLinkTest, GpuLinksRefuseHostMemoryAsNotServed) {
   NcclPayloadLink nccl(nullptr);
   CudaIpcLink ipc(nullptr, nullptr, nullptr);
@@ -259,10 +260,22 @@ TEST(PayloadLinkTest, GpuLinksRefuseHostMemoryAsNotServed) {
   }
   Transfer t;
   t.regions = {{buf, 4, MemoryKind::kCuda}, {buf + 4, 4, MemoryKind::kCuda}};
-  ipc.Peer({{buf, 4, MemoryKind::kCuda}});
-  EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));
-  ipc.Peer({{buf, 4, MemoryKind::kCuda}, {buf + 4, 2, MemoryKind::kCuda}});
-  EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));  // no peer named
+  IpcMemory peer;
+  peer.handles = {std::string(64, 'h')};
+  peer.regions = {{0, 0, 4}};
+  std::string named = EncodeIpcMemory(peer);
+  t.peer = named;
+  EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));  // one region of two
+  peer.regions = {{0, 0, 4}, {0, 4, 2}};
+  named = EncodeIpcMemory(peer);
+  t.peer = named;
+  EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));  // smaller
+  t.peer_may_be_larger = true;
+  EXPECT_TRUE(absl::IsInvalidArgument(ipc.Post(t).status()));  // smaller still
+  t.peer = "garbage";
+  EXPECT_FALSE(ipc.Post(t).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(nccl.Post(t).status()));  // nccl names no peer memory
 }
 
 // The ucx link takes CUDA memory by staging it through pinned host memory: only where it can

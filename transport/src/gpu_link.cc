@@ -818,6 +818,9 @@ absl::StatusOr<Registration> NcclPayloadLink::Register(const MemoryRegion& regio
 }
 
 absl::StatusOr<std::shared_ptr<Completion>> NcclPayloadLink::Post(const Transfer& t) {
+  if (!t.peer.empty()) {
+    return absl::InvalidArgumentError("an NCCL transfer takes no description of the peer's memory");
+  }
   std::vector<NcclLink::Chunk> chunks;
   chunks.reserve(t.regions.size());
   for (const MemoryRegion& r : t.regions) chunks.push_back({r.data, r.bytes});
@@ -900,33 +903,72 @@ absl::StatusOr<Registration> CudaIpcLink::Register(const MemoryRegion& region) {
   return Registration{region, std::move(descriptor)};
 }
 
-absl::StatusOr<std::shared_ptr<Completion>> CudaIpcLink::Post(const Transfer& t) {
-  if (peer_.size() != t.regions.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC transfer of ", t.regions.size(),
-                                                   " regions with ", peer_.size(),
-                                                   " of the peer's"));
+absl::StatusOr<std::vector<MemoryRegion>> CudaIpcLink::MapPeer(const Transfer& t) {
+  if (t.peer.empty()) {
+    return absl::InvalidArgumentError("a CUDA IPC transfer must name the peer's memory");
   }
-  for (size_t i = 0; i < peer_.size(); ++i) {
-    if (peer_[i].bytes != t.regions[i].bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("CUDA IPC region ", i, " has ",
-                                                     t.regions[i].bytes, " bytes; the peer's ",
-                                                     peer_[i].bytes));
+  KVCOMP_ASSIGN_OR_RETURN(IpcMemory m, DecodeIpcMemory(t.peer));
+  if (m.regions.size() != t.regions.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the peer's memory has ", m.regions.size(),
+                                                   " regions; the transfer has ",
+                                                   t.regions.size()));
+  }
+  for (size_t i = 0; i < m.regions.size(); ++i) {
+    const uint64_t want = t.regions[i].bytes, got = m.regions[i].bytes;
+    if (t.peer_may_be_larger ? got < want : got != want) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CUDA IPC region ", i, " has ", got, " bytes; the transfer's has ", want));
     }
   }
+  Unmap();
+  std::vector<size_t> sizes;
+  for (const std::string& h : m.handles) {
+    size_t bytes = 0;
+    absl::StatusOr<void*> p = rt_->OpenMemory(h, &bytes);
+    if (!p.ok()) {
+      Unmap();
+      return WithDetail(Annotate(p.status(), "mapping the peer's memory"),
+                        ErrorDetail::kMemoryNotMappable);
+    }
+    mapped_.push_back(*p);
+    sizes.push_back(bytes);
+  }
+  std::vector<MemoryRegion> peer;
+  for (size_t i = 0; i < m.regions.size(); ++i) {
+    const IpcMemory::Region& g = m.regions[i];
+    if (g.offset > sizes[g.handle] || t.regions[i].bytes > sizes[g.handle] - g.offset) {
+      Unmap();
+      return absl::InvalidArgumentError(
+          absl::StrCat("CUDA IPC region ", i, " lies outside its allocation"));
+    }
+    peer.push_back({static_cast<uint8_t*>(mapped_[g.handle]) + g.offset, t.regions[i].bytes,
+                    MemoryKind::kCuda});
+  }
+  return peer;
+}
+
+void CudaIpcLink::Unmap() {
+  for (void* p : mapped_) rt_->CloseMemory(p);
+  mapped_.clear();
+}
+
+absl::StatusOr<std::shared_ptr<Completion>> CudaIpcLink::Post(const Transfer& t) {
+  KVCOMP_ASSIGN_OR_RETURN(const std::vector<MemoryRegion> peer, MapPeer(t));
   if (peer_event_ != nullptr) KVCOMP_RETURN_IF_ERROR(rt_->StreamWaitEvent(stream_, peer_event_));
   if (timer_ != nullptr) KVCOMP_RETURN_IF_ERROR(timer_->Start(stream_));
-  for (size_t i = 0; i < peer_.size(); ++i) {
+  for (size_t i = 0; i < peer.size(); ++i) {
     const bool send = t.direction == Direction::kSend;
-    KVCOMP_RETURN_IF_ERROR(rt_->CopyAsync(send ? peer_[i].data : t.regions[i].data,
-                                          send ? t.regions[i].data : peer_[i].data,
+    KVCOMP_RETURN_IF_ERROR(rt_->CopyAsync(send ? peer[i].data : t.regions[i].data,
+                                          send ? t.regions[i].data : peer[i].data,
                                           t.regions[i].bytes, GpuRuntime::Copy::kDeviceToDevice,
                                           stream_));
   }
   if (timer_ != nullptr) KVCOMP_RETURN_IF_ERROR(timer_->Stop(stream_));
-  GpuRuntime* rt = rt_;
-  void* stream = stream_;
-  return Completion::ByWaiting(
-      [rt, stream](absl::Time deadline) { return rt->WaitStream(stream, deadline); });
+  return Completion::ByWaiting([this](absl::Time deadline) {
+    absl::Status s = rt_->WaitStream(stream_, deadline);
+    if (s.ok()) Unmap();  // the copies are done
+    return s;
+  });
 }
 
 }  // namespace transport

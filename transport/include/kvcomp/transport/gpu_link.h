@@ -290,30 +290,34 @@ absl::StatusOr<IpcMemory> DecodeIpcMemory(absl::string_view bytes);
 // CudaIpcLink: CUDA IPC on one device. At the end that offers its memory, Register exports the
 // allocation holding a region (Registration::descriptor: the 64-byte IPC handle, then the
 // region's offset in it as 8 bytes, little-endian). At the end that maps the peer's memory
-// (kvcompd), a transfer copies between this end's `regions` and the peer's mapped regions
-// (`peer`, one of the same size each) on `stream`, after the peer's event (its producer's work
+// (kvcompd), a transfer names the peer's regions (Transfer::peer: EncodeIpcMemory); Post checks
+// them against this end's `regions` (InvalidArgument: another count or size, a region outside
+// its allocation), maps the peer's allocations (FailedPrecondition with kMemoryNotMappable when
+// the driver refuses one) and copies on `stream`, after the peer's event (its producer's work
 // on its stream); a send writes the peer's memory, a receive reads it; the timer covers the
-// copies. The completion waits for the stream. Thread-safe as GpuRuntime; one transfer at a
-// time per stream.
+// copies. The completion waits for the stream, then unmaps the peer's memory (else it stays
+// mapped until the next Post or the link's end). Thread-safe as GpuRuntime; one transfer at a
+// time per stream; the current device is the link's at every call and at its end.
 class CudaIpcLink final : public PayloadLink {
  public:
   // `peer_event` (an opened IPC event, or null for none) and `stream` belong to the current
   // device; both outlive the link.
   CudaIpcLink(GpuRuntime* rt, void* stream, void* peer_event, GpuRuntime::Timer* timer = nullptr)
       : rt_(rt), stream_(stream), peer_event_(peer_event), timer_(timer) {}
+  ~CudaIpcLink() override { Unmap(); }
   LinkKind kind() const override { return LinkKind::kCudaIpc; }
   absl::StatusOr<Registration> Register(const MemoryRegion& region) override;
-  // `transfer.regions` are this end's; the peer's are set with Peer first.
   absl::StatusOr<std::shared_ptr<Completion>> Post(const Transfer& transfer) override;
-  // The peer's mapped regions of the next transfer, in transfer order.
-  void Peer(std::vector<MemoryRegion> peer) { peer_ = std::move(peer); }
 
  private:
+  absl::StatusOr<std::vector<MemoryRegion>> MapPeer(const Transfer& t);
+  void Unmap();
+
   GpuRuntime* const rt_;
   void* const stream_;
   void* const peer_event_;
   GpuRuntime::Timer* const timer_;
-  std::vector<MemoryRegion> peer_;
+  std::vector<void*> mapped_;  // the peer's allocations of the last transfer
 };
 
 }  // namespace transport

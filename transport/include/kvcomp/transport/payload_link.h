@@ -154,6 +154,11 @@ struct Transfer {
   const GetRequest* get = nullptr;
   void* stream = nullptr;
   absl::Time deadline = absl::InfiniteFuture();
+  // The peer's side, for links that map the peer's memory (ipc: EncodeIpcMemory of its
+  // regions, one per region of `regions`, of the same size, or at least that size with
+  // `peer_may_be_larger`: a buffer a get fills in part); empty for the others.
+  absl::string_view peer;
+  bool peer_may_be_larger = false;
 };
 
 // The outcome of a posted transfer, reported once by its link. Thread-safe.
