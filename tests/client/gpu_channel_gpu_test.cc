@@ -569,6 +569,48 @@ TEST_F(GpuChannelGpuTest, SameGpuGoesOverCudaIpcBitIdentical) {
 // whose engine runs on the GPU: the daemon decodes it on its GPU into the channel's staging
 // buffer; the keys and values are the daemon's decoded form (GetDecoded, made dense here) bit
 // for bit, the raw values the input's.
+// A daemon with an engine on each of two GPUs (and a GPU tier pool on each, drawn through its
+// device seam): a client on either GPU shares it over CUDA IPC, each channel on its own GPU, and
+// what was put from one GPU comes back through the other GPU's channel bit for bit.
+TEST_F(GpuChannelGpuTest, TwoGpuEnginesEachServeTheChannelOnTheirGpu) {
+  REQUIRE_GPUS(2);
+  StartDaemon(0, {"--engine.backend=cuda", "--engine.cuda_devices=0,1"});
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  for (int d = 0; d < 2; ++d) {
+    ASSERT_TRUE(c->ProbeGpuChannel(daemon_->data_endpoint(), d).ok())
+        << c->ProbeGpuChannel(daemon_->data_endpoint(), d) << "\n" << daemon_->Log();
+  }
+  const KvLayout layout = Layout();
+  const uint64_t tokens = 700;
+  client::PutOptions po;
+  po.policy = Lossless();
+  for (int from = 0; from < 2; ++from) {
+    const int to = 1 - from;
+    const std::string key = "k" + std::to_string(from);
+    std::string sent;
+    {
+      DeviceCache in(rt_, from, layout, tokens, 40 + from);
+      auto put = c->PutDevice("m", key, layout, tokens, in.In(), NewStream(from), po);
+      ASSERT_TRUE(put.ok()) << put.status() << "\n" << daemon_->Log();
+      EXPECT_EQ(put->path, "ipc");
+      sent = in.Host();
+      ASSERT_TRUE(rt_->SetDevice(from).ok());  // `in` is freed on its device
+    }
+    DeviceCache out(rt_, to, layout, tokens, 50 + from);
+    void* stream = NewStream(to);
+    auto got = c->GetKvIntoDevice("m", key, layout, tokens, out.Out(), stream);
+    ASSERT_TRUE(got.ok()) << got.status() << "\n" << daemon_->Log();
+    EXPECT_EQ(got->path, "ipc");
+    EXPECT_TRUE(out.Read(stream) == sent) << "put from GPU " << from << ", read on GPU " << to;
+    ASSERT_TRUE(rt_->SetDevice(to).ok());
+  }
+  const client::GpuChannelStats st = c->GpuStats();
+  EXPECT_EQ(st.ipc_puts, 2u);
+  EXPECT_EQ(st.ipc_gets, 2u);
+  EXPECT_EQ(st.channels_opened, 2u);
+}
+
 TEST_F(GpuChannelGpuTest, ADenseGetOfAnEncodedCacheIsDecodedOnTheDaemonsGpu) {
   REQUIRE_GPUS(1);
   StartDaemon(0, {"--engine.backend=cuda"});
