@@ -3,7 +3,7 @@
 // among them. Five kinds exist:
 //
 //   link       memory it reads and writes in place   reaches                code
-//   ipc        CUDA                                  the same GPU           gpu_link.h (CUDA IPC)
+//   ipc        CUDA                                  the same GPU           gpu_link.h (CudaIpcLink)
 //   nccl       CUDA                                  another GPU            gpu_link.h (NcclPayloadLink)
 //   ucx-cuda   CUDA                                  any peer               ucx_link.h (UcxLink)
 //   shm        host (through a shared region)        the same host          shm_link.h (ShmLink)
