@@ -455,12 +455,16 @@ class GpuChannelsImpl : public GpuChannels {
     return served || job->done == nullptr;
   }
 
-  // A dense get served on the device. A cache that kept every token of every head with raw
-  // codecs has the dense K as its keys section and the dense V as its values section: read
-  // into device memory and copied into the channel's memory (transport::CopyDenseKv, as the
-  // SDK's dense get over CUDA-aware UCX does). An encoded one is decoded by the engine on the
-  // channel's device (DecodeOnDevice). false: another kind of cache, or the store cannot serve
-  // it on the device (the host path densifies it, or says why it has no dense form).
+  // A dense get served on the device, of a cache that kept every token (else false), from the
+  // stored bytes read into device memory: raw sections (the dense K or V already, in layer,
+  // head, token order) are copied into the channel's memory on its stream; Hadamard ones (hq4 /
+  // hq3) are decoded row by row straight into it by a worker of the engine on the channel's
+  // device (its CUDA backend), which hands the next step back to transfers_; nothing but the
+  // header crosses to the host. Other codecs (int8 / int4 keys, KVSplice values) are read and
+  // parsed on the host, decoded to raw codecs there by the engine's backend, and their sections
+  // copied up. false: no GPU engine on the channel's device for a cache to decode, its queue
+  // full, no device memory for the stored copy, or the cache not such a cache after all
+  // (replaced meanwhile): the host path serves it, or says why it has no dense form.
   absl::StatusOr<bool> DenseOnDevice(const Job& job, const CacheSummary& sum) {
     if (sum.total_kept != sum.layout.num_heads_total() * sum.original_tokens) return false;
     GpuGetBegun& out = job->out;
@@ -468,45 +472,9 @@ class GpuChannelsImpl : public GpuChannels {
     out.num_tokens = sum.original_tokens;
     out.payload_bytes = sum.layout.CacheBytes(sum.original_tokens);
     if (out.payload_bytes > job->r.capacity) return TooLarge(out, job->r.capacity);
-    if (sum.key_codec != KeyCodec::kRaw || sum.value_codec != ValueCodec::kRaw) {
-      return DecodeOnDevice(job, sum);
-    }
-    bool served = false;
-    Hold(job, [&]() -> absl::Status {
-      Channel& c = *job->c;
-      KVCOMP_ASSIGN_OR_RETURN(uint64_t stored, ReadStored(job, sum));
-      if (stored == 0) return absl::OkStatus();
-      const Regions to = LayerRegions(job->memory.get(), out.layout, out.num_tokens, false);
-      std::vector<void*> keys(out.layout.num_layers), values(out.layout.num_layers);
-      for (uint32_t l = 0; l < out.layout.num_layers; ++l) {
-        keys[l] = to[l].data;
-        values[l] = to[out.layout.num_layers + l].data;
-      }
-      absl::StatusOr<bool> dense =
-          transport::CopyDenseKv(rt_, static_cast<const uint8_t*>(job->stored.get()), stored,
-                                 out.layout, out.num_tokens, keys, values, c.stream,
-                                 absl::Now() + timeout_);
-      if (!dense.ok()) return Fail(job->c, dense.status());
-      if (!*dense) return absl::OkStatus();  // replaced meanwhile by another cache
-      served = true;
-      return PostSend(job, /*whole=*/false);
-    });
-    return served || job->done == nullptr;
-  }
-
-  // A dense get of an encoded cache that kept every token, decoded by a worker of the engine on
-  // the channel's device (its CUDA backend), which hands the next step back to transfers_. With
-  // the Hadamard codecs (hq4 / hq3; a section may be raw) the stored bytes are read into device
-  // memory and each section is decoded row by row straight into the channel's memory (its
-  // records are in layer, head, token order: the dense K and V); nothing but the header crosses
-  // to the host. Other codecs (int8 / int4 keys, KVSplice values) are read and parsed on the
-  // host, decoded to raw codecs there by the engine's backend, and their sections copied up.
-  // false: no GPU engine on the channel's device, its queue full, or the cache not such a cache
-  // after all (replaced meanwhile).
-  absl::StatusOr<bool> DecodeOnDevice(const Job& job, const CacheSummary& sum) {
     Engine* engine = service_->engines()->OnDevice(job->c->device);
-    if (engine == nullptr || !engine->uses_gpu() || engine->failed()) return false;
-    const GpuGetBegun& out = job->out;
+    const bool raw = sum.key_codec == KeyCodec::kRaw && sum.value_codec == ValueCodec::kRaw;
+    if (!raw && (engine == nullptr || !engine->uses_gpu() || engine->failed())) return false;
     const bool rows = (sum.key_codec == KeyCodec::kRaw || HqBits(sum.key_codec) != 0) &&
                       (sum.value_codec == ValueCodec::kRaw || HqBits(sum.value_codec) != 0);
     if (rows) {
@@ -529,6 +497,10 @@ class GpuChannelsImpl : public GpuChannels {
         return absl::OkStatus();
       });
       if (job->done == nullptr) return true;  // answered (failed)
+      if (d.has_value() && raw) {
+        CopyRawSections(job, *d);
+        return true;
+      }
       if (d.has_value() &&
           engine->TrySubmit(job->r.key.tenant, [this, job, engine, d = *d](Backend& backend) {
             DecodeRows(job, engine, d, backend);
@@ -537,6 +509,7 @@ class GpuChannelsImpl : public GpuChannels {
       }
       job->stored.reset();
     }
+    if (raw) return false;  // replaced meanwhile: the host path serves it
     // Read by the repository on this thread (no wait on the service's serve pool).
     KVCOMP_ASSIGN_OR_RETURN(storage::Payload stored,
                             service_->repository()->Get(job->r.key, Representation::kStored));
@@ -582,26 +555,32 @@ class GpuChannelsImpl : public GpuChannels {
     const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
     metrics_->ObserveStage(Stage::kDecode, seconds);
     metrics_->AddGpuSeconds(seconds);
-    Then(job, [this, job, s, d, half] {
+    Then(job, [this, job, s, d] {
       if (!s.ok()) return Finish(job, s);
-      Hold(job, [&]() -> absl::Status {
-        // A raw section is the dense K or V already: one copy on the device.
-        Channel& c = *job->c;
-        const uint8_t* from = static_cast<const uint8_t*>(job->stored.get());
-        uint8_t* base = job->memory.get();
-        absl::Status st;
-        if (d.info.key_codec == KeyCodec::kRaw) {
-          st = rt_->CopyAsync(base, from + d.keys.offset, half,
-                              GpuRuntime::Copy::kDeviceToDevice, c.stream);
-        }
-        if (st.ok() && d.info.value_codec == ValueCodec::kRaw) {
-          st = rt_->CopyAsync(base + half, from + d.values.offset, half,
-                              GpuRuntime::Copy::kDeviceToDevice, c.stream);
-        }
-        if (st.ok()) st = rt_->WaitStream(c.stream, absl::Now() + timeout_);
-        if (!st.ok()) return Fail(job->c, st);
-        return PostSend(job, /*whole=*/false);
-      });
+      CopyRawSections(job, d);
+    });
+  }
+
+  // The raw sections of the stored copy (the dense K or V already) copied into the channel's
+  // memory, one copy on the device each, then the payload sent.
+  void CopyRawSections(const Job& job, const format::DenseSections& d) {
+    Hold(job, [&]() -> absl::Status {
+      Channel& c = *job->c;
+      const uint64_t half = job->out.payload_bytes / 2;
+      const uint8_t* from = static_cast<const uint8_t*>(job->stored.get());
+      uint8_t* base = job->memory.get();
+      absl::Status st;
+      if (d.info.key_codec == KeyCodec::kRaw) {
+        st = rt_->CopyAsync(base, from + d.keys.offset, half, GpuRuntime::Copy::kDeviceToDevice,
+                            c.stream);
+      }
+      if (st.ok() && d.info.value_codec == ValueCodec::kRaw) {
+        st = rt_->CopyAsync(base + half, from + d.values.offset, half,
+                            GpuRuntime::Copy::kDeviceToDevice, c.stream);
+      }
+      if (st.ok()) st = rt_->WaitStream(c.stream, absl::Now() + timeout_);
+      if (!st.ok()) return Fail(job->c, st);
+      return PostSend(job, /*whole=*/false);
     });
   }
 
