@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <initializer_list>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -416,17 +417,28 @@ class GpuChannelsImpl : public GpuChannels {
       if (s.ok()) std::memcpy(host.get(), payload.data(), payload.size());
     }
     if (!s.ok()) return Finish(job, s);
+    Up(job, {{host.get(), out.payload_bytes}}, whole);
+  }
+
+  // Host memory `parts`, one after another, copied up into the channel's memory and sent
+  // (whole, or as the dense K and V). In device memory before the answer: the client's receive
+  // then waits only for the transfer (and `parts` may go).
+  void Up(const Job& job, std::initializer_list<std::pair<const void*, uint64_t>> parts,
+          bool whole) {
     Hold(job, [&]() -> absl::Status {
       Channel& c = *job->c;
-      absl::Status st = SendBuffer(*job, out.payload_bytes);
-      if (st.ok()) {
-        st = rt_->CopyAsync(job->memory.get(), host.get(), out.payload_bytes,
-                            GpuRuntime::Copy::kHostToDevice, c.stream);
+      absl::Status s = SendBuffer(*job, job->out.payload_bytes);
+      uint64_t at = 0;
+      for (const auto& [from, bytes] : parts) {
+        if (s.ok()) {
+          s = rt_->CopyAsync(job->memory.get() + at, from, bytes, GpuRuntime::Copy::kHostToDevice,
+                             c.stream);
+        }
+        at += bytes;
       }
-      // In device memory before the answer: the client's receive then waits only for the
-      // transfer (and `host` may go).
-      if (st.ok()) st = rt_->WaitStream(c.stream, absl::Now() + timeout_);
-      if (!st.ok()) return Fail(job->c, st);
+      if (s.ok()) s = rt_->WaitStream(c.stream, absl::Now() + timeout_);
+      if (!s.ok()) return Fail(job->c, s);
+      metrics_->AddTransferBytes(job->out.payload_bytes, 0);
       return PostSend(job, whole);
     });
   }
@@ -591,23 +603,7 @@ class GpuChannelsImpl : public GpuChannels {
     if (raw->keys.size() != half || raw->values.size() != half) {
       return Finish(job, absl::InternalError("GPU channel: a decoded dense cache has the wrong size"));
     }
-    Hold(job, [&]() -> absl::Status {
-      Channel& c = *job->c;
-      absl::Status s = SendBuffer(*job, job->out.payload_bytes);
-      uint8_t* base = job->memory.get();
-      if (s.ok()) {
-        s = rt_->CopyAsync(base, raw->keys.data(), half, GpuRuntime::Copy::kHostToDevice,
-                           c.stream);
-      }
-      if (s.ok()) {
-        s = rt_->CopyAsync(base + half, raw->values.data(), half,
-                           GpuRuntime::Copy::kHostToDevice, c.stream);
-      }
-      if (s.ok()) s = rt_->WaitStream(c.stream, absl::Now() + timeout_);  // `raw` may go
-      if (!s.ok()) return Fail(job->c, s);
-      metrics_->AddTransferBytes(job->out.payload_bytes, 0);
-      return PostSend(job, /*whole=*/false);
-    });
+    Up(job, {{raw->keys.data(), half}, {raw->values.data(), half}}, /*whole=*/false);
   }
 
   // Sends the payload in the channel's memory to the client on the channel's link: whole (the
