@@ -708,13 +708,17 @@ class GpuChannelsImpl : public GpuChannels {
     absl::MutexLock op(&c->op_mu);
     KVCOMP_RETURN_IF_ERROR(Usable(c));
     const uint64_t bytes = r.layout.CacheBytes(r.num_tokens);
+    const bool reused = c->recv != nullptr && c->recv.use_count() == 1 && c->recv_bytes >= bytes;
     absl::StatusOr<std::shared_ptr<uint8_t>> memory = Reusable(c->recv, c->recv_bytes, c->device, bytes);
-    if (!memory.ok()) return Fail(c, memory.status());
+    // The last put let the memory go once its copy out of it was queued on its engine's
+    // uploader: this receive overwrites it only after that copy.
+    absl::Status s = memory.ok() && reused ? AfterUploads(c->device) : memory.status();
+    if (!s.ok()) return Fail(c, s);
     const Regions regions = LayerRegions(memory->get(), r.layout, r.num_tokens, r.layer_major);
     absl::StatusOr<std::shared_ptr<Completion>> received =
         Post(*c, Direction::kReceive, regions, r.descriptor, /*peer_may_be_larger=*/false);
     if (!received.ok()) return Refused(c, received.status());
-    absl::Status s = (*received)->Wait(absl::Now() + timeout_);
+    s = (*received)->Wait(absl::Now() + timeout_);
     if (!s.ok()) return Fail(c, s);
     Touch(*c);
     GpuReceived out;
@@ -747,6 +751,24 @@ class GpuChannelsImpl : public GpuChannels {
     KVCOMP_ASSIGN_OR_RETURN(slot, Env().Allocate(device, bytes, DeviceEnv::Drawer::kLinks));
     slot_bytes = bytes;
     return slot;
+  }
+
+  // Waits until the copies queued so far on the uploader of `device`'s engine are done (none:
+  // no GPU engine there). DeadlineExceeded past the transfer timeout.
+  absl::Status AfterUploads(int device) {
+    Engine* engine = service_->engines()->OnDevice(device);
+    DeviceUploader* uploader = engine != nullptr ? engine->uploader() : nullptr;
+    if (uploader == nullptr) return absl::OkStatus();
+    KVCOMP_ASSIGN_OR_RETURN(std::unique_ptr<DeviceUploader::Fence> fence, uploader->MarkCopies());
+    const absl::Time deadline = absl::Now() + timeout_;
+    for (;;) {
+      KVCOMP_ASSIGN_OR_RETURN(const bool done, fence->Done());
+      if (done) return absl::OkStatus();
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError("a put's copy out of the channel's memory did not end");
+      }
+      absl::SleepFor(absl::Microseconds(20));
+    }
   }
 
   // The daemon's device memory: every channel buffer is drawn from its device's budget.
