@@ -160,24 +160,19 @@ bool Refused(const absl::Status& s) {
   return absl::IsUnauthenticated(s) || absl::IsPermissionDenied(s);
 }
 
-// The caller's memory of a transfer over CUDA IPC, as the link's descriptor
-// (transport::EncodeIpcMemory): the allocations holding `chunks` (one handle each) and where each
-// chunk lies in its allocation; the daemon's copies wait for `c`'s event, recorded here on
-// `stream` (after the caller's work so far). Memory the driver cannot share is
-// kMemoryNotMappable (the next link moves it).
+// The caller's memory of a transfer over CUDA IPC, as the link's description of it
+// (CudaIpcLink::Describe); the daemon's copies wait for `c`'s event, recorded here on `stream`
+// (after the caller's work so far). Memory the driver cannot share is kMemoryNotMappable (the
+// next link moves it).
 absl::StatusOr<std::string> Describe(GpuRuntime* rt, const GpuPath::Channel& c,
                                      const std::vector<NcclLink::Chunk>& chunks, void* stream) {
-  transport::IpcMemory m;
+  std::vector<MemoryRegion> regions;
   for (const NcclLink::Chunk& k : chunks) {
-    absl::StatusOr<GpuRuntime::ExportedMemory> e = rt->ExportMemory(k.data);
-    if (!e.ok()) return WithDetail(e.status(), ErrorDetail::kMemoryNotMappable);
-    uint32_t index = 0;
-    while (index < m.handles.size() && m.handles[index] != e->handle) ++index;
-    if (index == m.handles.size()) m.handles.push_back(e->handle);
-    m.regions.push_back({index, e->offset, k.bytes});
+    regions.push_back({k.data, k.bytes, transport::MemoryKind::kCuda});
   }
+  KVCOMP_ASSIGN_OR_RETURN(std::string described, transport::CudaIpcLink::Describe(rt, regions));
   KVCOMP_RETURN_IF_ERROR(rt->RecordEvent(c.ipc_event, stream));
-  return transport::EncodeIpcMemory(m);
+  return described;
 }
 
 // K and V chunks of `layers` in transfer order: every layer's keys then every layer's values,

@@ -60,18 +60,28 @@ absl::StatusOr<IpcMemory> DecodeIpcMemory(absl::string_view bytes) {
   return out;
 }
 
+absl::StatusOr<std::string> CudaIpcLink::Describe(GpuRuntime* rt,
+                                                  absl::Span<const MemoryRegion> regions) {
+  IpcMemory m;
+  for (const MemoryRegion& r : regions) {
+    if (r.kind != MemoryKind::kCuda) {
+      return MemoryNotServed(LinkKind::kCudaIpc, r.kind, "CUDA IPC shares device memory");
+    }
+    absl::StatusOr<GpuRuntime::ExportedMemory> e = rt->ExportMemory(r.data);
+    if (!e.ok()) {
+      return WithDetail(Annotate(e.status(), "exporting memory for CUDA IPC"),
+                        ErrorDetail::kMemoryNotMappable);
+    }
+    uint32_t index = 0;
+    while (index < m.handles.size() && m.handles[index] != e->handle) ++index;
+    if (index == m.handles.size()) m.handles.push_back(e->handle);
+    m.regions.push_back({index, e->offset, r.bytes});
+  }
+  return EncodeIpcMemory(m);
+}
+
 absl::StatusOr<Registration> CudaIpcLink::Register(const MemoryRegion& region) {
-  if (region.kind != MemoryKind::kCuda) {
-    return MemoryNotServed(kind(), region.kind, "CUDA IPC shares device memory");
-  }
-  absl::StatusOr<GpuRuntime::ExportedMemory> m = rt_->ExportMemory(region.data);
-  if (!m.ok()) {
-    return WithDetail(Annotate(m.status(), "exporting memory for CUDA IPC"),
-                      ErrorDetail::kMemoryNotMappable);
-  }
-  std::string descriptor = m->handle;
-  const uint64_t offset = m->offset;
-  descriptor.append(reinterpret_cast<const char*>(&offset), sizeof(offset));
+  KVCOMP_ASSIGN_OR_RETURN(std::string descriptor, Describe(rt_, {region}));
   return Registration{region, std::move(descriptor)};
 }
 

@@ -287,17 +287,17 @@ std::string EncodeIpcMemory(const IpcMemory& memory);
 // region naming a handle that is not there, an empty region, trailing bytes.
 absl::StatusOr<IpcMemory> DecodeIpcMemory(absl::string_view bytes);
 
-// CudaIpcLink: CUDA IPC on one device. At the end that offers its memory, Register exports the
-// allocation holding a region (Registration::descriptor: the 64-byte IPC handle, then the
-// region's offset in it as 8 bytes, little-endian). At the end that maps the peer's memory
-// (kvcompd), a transfer names the peer's regions (Transfer::peer: EncodeIpcMemory); Post checks
-// them against this end's `regions` (InvalidArgument: another count or size, a region outside
-// its allocation), maps the peer's allocations (FailedPrecondition with kMemoryNotMappable when
-// the driver refuses one) and copies on `stream`, after the peer's event (its producer's work
-// on its stream); a send writes the peer's memory, a receive reads it; the timer covers the
-// copies. The completion waits for the stream, then unmaps the peer's memory (else it stays
-// mapped until the next Post or the link's end). Thread-safe as GpuRuntime; one transfer at a
-// time per stream; the current device is the link's at every call and at its end.
+// CudaIpcLink: CUDA IPC on one device. The end that offers its memory describes it (Describe,
+// or Register for one region: the IPC handles of the allocations holding the regions and where
+// each lies in them, EncodeIpcMemory). At the end that maps the peer's memory (kvcompd), a
+// transfer names the peer's regions so (Transfer::peer); Post checks them against this end's
+// `regions` (InvalidArgument: another count or size, a region outside its allocation), maps the
+// peer's allocations (FailedPrecondition with kMemoryNotMappable when the driver refuses one)
+// and copies on `stream`, after the peer's event (its producer's work on its stream); a send
+// writes the peer's memory, a receive reads it; the timer covers the copies. The completion
+// waits for the stream, then unmaps the peer's memory (else it stays mapped until the next Post
+// or the link's end). Thread-safe as GpuRuntime; one transfer at a time per stream; the current
+// device is the link's at every call and at its end.
 class CudaIpcLink final : public PayloadLink {
  public:
   // `peer_event` (an opened IPC event, or null for none) and `stream` belong to the current
@@ -308,6 +308,11 @@ class CudaIpcLink final : public PayloadLink {
   LinkKind kind() const override { return LinkKind::kCudaIpc; }
   absl::StatusOr<Registration> Register(const MemoryRegion& region) override;
   absl::StatusOr<std::shared_ptr<Completion>> Post(const Transfer& transfer) override;
+  // What the peer needs to map `regions` (CUDA memory of this process, transfer order), as
+  // Transfer::peer. kMemoryNotMappable for memory the driver cannot export; MemoryNotServed for
+  // host memory.
+  static absl::StatusOr<std::string> Describe(GpuRuntime* rt,
+                                              absl::Span<const MemoryRegion> regions);
 
  private:
   absl::StatusOr<std::vector<MemoryRegion>> MapPeer(const Transfer& t);
