@@ -84,7 +84,7 @@ TEST_F(DeviceCrc32cTest, SmallLengthsAtEveryAlignment) {
   }
 }
 
-// Random lengths up to 40 MB (several blocks of 128 KiB, a last block part full) at random
+// Random lengths up to 40 MB (many blocks of either kernel, a last block part full) at random
 // offsets, fresh bytes each round, many ranges in one call.
 TEST_F(DeviceCrc32cTest, LargeRandomRangesMatchTheCpu) {
   std::mt19937_64 rng(std::random_device{}());
