@@ -4,16 +4,19 @@
 //     scores (the kept-th largest, then the equal ones by lower index; the keys staged in shared
 //     memory up to kStagedTokens) and marks the evicted tokens;
 //  2. the evicted keys are summed in f64 per chunk of kMomentAwareMeanChunk tokens in token
-//     order, and the chunks in chunk order (the reference's sum, so the same mean to the bit);
+//     order (each batch's eviction flags read with the previous batch's rows), and the chunks in
+//     chunk order (the reference's sum, so the same mean to the bit);
 //  3. each token's distance to its head's mean, summed in f64 in channel order and rounded to
-//     f32, is its distance key;
+//     f32, is its distance key (a warp reads 32 rows coalesced through shared memory, then each
+//     lane sums its own; KVCOMP_RESCORE_ROW_TILES=0: each thread reads its row itself);
 //  4. every token's rank in both orders (ties by lower index): each tile of kBlockSortTokens
 //     tokens of a head sorts each key set in one block (a stable block radix sort in shared
-//     memory, one block per tile, head and set); longer heads go through one stable device
-//     radix sort of both sets, (set, head, 32-bit key) with the layer-wide index as payload,
-//     or, with KVCOMP_RESCORE_TILED_RANKS=1 and up to kMaxRankTiles tiles, each token's place
-//     in its tile plus the keys before it in the other tiles (a binary search in each one's
-//     sorted keys);
+//     memory, one block per tile, head and set); heads of up to kMaxRankTiles tiles then add to
+//     each token's place in its tile the keys before it in the other tiles (a merge of the
+//     tiles' sorted keys: one binary search and galloping steps a thread and tile), longer heads
+//     (or all of more than one tile with KVCOMP_RESCORE_TILED_RANKS=0) go through one stable
+//     device radix sort of both sets, (set, head, 32-bit key) with the layer-wide index as
+//     payload;
 //  5. the combined scores are written from the two ranks.
 // So the rescored f32 scores are the reference's bit for bit.
 #include <cuda_bf16.h>
@@ -31,6 +34,7 @@
 
 #include "../cpu/moments_aware.h"
 #include "block_radix_select.cuh"
+#include "../env_switch.h"
 #include "absl/strings/str_format.h"
 #include "cuda_status.h"
 #include "kvcomp/core/status.h"
@@ -69,29 +73,55 @@ __device__ __forceinline__ uint32_t OrderBits(float x) { return block_select::Fl
 // One block per head: the provisional eviction (all but the `kept` highest effective scores,
 // protected tokens +inf, ties by lower index: the reference's nth_element order) as a byte per
 // token; with `keys` set, also the scores' sort keys (set 0: (head, rising score)) with the
-// layer-wide index. kStaged: the effective keys read once into dynamic shared memory.
+// layer-wide index. kStaged: the effective keys read once into dynamic shared memory, eight
+// reads a thread in flight. After the radix select, each warp takes one contiguous segment of
+// the tokens: it counts the keys above and equal to the selected one in its segment, a block
+// prefix of the warps' equal counts gives each segment its first equal token's place among the
+// head's, and a second walk marks the tokens (three block barriers in all, not two a step).
+constexpr uint32_t kStageBatch = 8;
+
 template <bool kStaged>
 __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
     const float* scores, uint32_t heads, uint64_t n, uint64_t kept, const uint32_t* positions,
     uint64_t offset, uint64_t seq, SelectParams select, uint8_t* evicted, uint64_t* keys,
     uint32_t* idx) {
   __shared__ EvictShared sh;
+  __shared__ uint32_t equal_before[kEvictWarps];
   extern __shared__ uint32_t staged[];
   const uint64_t h = blockIdx.x;
   const float* s = scores + h * n;
   const uint32_t* p = positions != nullptr ? positions + h * n : nullptr;
-  auto plain = [&](uint64_t t) { return OrderBits(s[t] == 0.0f ? 0.0f : s[t]); };
+  auto plain_of = [](float x) { return OrderBits(x == 0.0f ? 0.0f : x); };
   auto eff_of = [&](uint64_t t) {
     const uint64_t pos = p != nullptr ? p[t] : offset + t;
     return IsProtected(pos, seq, select) ? OrderBits(std::numeric_limits<float>::infinity())
-                                         : plain(t);
+                                         : plain_of(s[t]);
   };
   if (kStaged || keys != nullptr) {
-    for (uint64_t t = threadIdx.x; t < n; t += blockDim.x) {
-      if (kStaged) staged[t] = eff_of(t);
-      if (keys != nullptr) {
-        keys[h * n + t] = (h << 32) | plain(t);
-        idx[h * n + t] = static_cast<uint32_t>(h * n + t);
+    for (uint64_t t0 = 0; t0 < n; t0 += uint64_t{kStageBatch} * blockDim.x) {
+      // The batch's reads first (all in flight), then its writes.
+      float x[kStageBatch];
+      uint64_t pos[kStageBatch];
+#pragma unroll
+      for (uint32_t j = 0; j < kStageBatch; ++j) {
+        const uint64_t t = t0 + j * blockDim.x + threadIdx.x;
+        x[j] = t < n ? s[t] : 0.0f;
+        pos[j] = t < n && p != nullptr ? p[t] : offset + t;
+      }
+#pragma unroll
+      for (uint32_t j = 0; j < kStageBatch; ++j) {
+        const uint64_t t = t0 + j * blockDim.x + threadIdx.x;
+        if (t >= n) break;
+        const uint32_t plain = plain_of(x[j]);
+        if (kStaged) {
+          staged[t] = IsProtected(pos[j], seq, select)
+                          ? OrderBits(std::numeric_limits<float>::infinity())
+                          : plain;
+        }
+        if (keys != nullptr) {
+          keys[h * n + t] = (h << 32) | plain;
+          idx[h * n + t] = static_cast<uint32_t>(h * n + t);
+        }
       }
     }
     __syncthreads();
@@ -100,34 +130,47 @@ __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
   // The kept-th largest effective key; tokens above it stay, those below go, and of the equal
   // ones the `need` of lowest index stay.
   const uint32_t kth = BlockRadixSelect<uint64_t>(n, n - kept, sh, eff);
+  const uint32_t lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
-  uint32_t mine = 0;
-  for (uint64_t t = threadIdx.x; t < n; t += blockDim.x) mine += eff(t) > kth ? 1u : 0u;
-  for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
-  if ((threadIdx.x & 31) == 0 && mine != 0) atomicAdd(&sh.count, mine);
+  // Warp w's segment: [w seg, (w + 1) seg), whole steps of 32 tokens.
+  const uint64_t seg = (n + 32 * kEvictWarps - 1) / (32 * kEvictWarps) * 32;
+  const uint64_t s0 = min(n, uint64_t{w} * seg), s1 = min(n, s0 + seg);
+  uint32_t above = 0, equal = 0;
+  for (uint64_t t0 = s0; t0 < s1; t0 += 32) {
+    const uint64_t t = t0 + lane;
+    const uint32_t key = t < s1 ? eff(t) : 0;
+    above += __popc(__ballot_sync(0xffffffffu, t < s1 && key > kth));
+    equal += __popc(__ballot_sync(0xffffffffu, t < s1 && key == kth));
+  }
+  if (lane == 0) {
+    sh.warp[w] = equal;
+    if (above != 0) atomicAdd(&sh.count, above);
+  }
+  __syncthreads();
+  if (w == 0) {
+    // Exclusive prefix of the warps' equal counts.
+    const uint32_t mine = lane < kEvictWarps ? sh.warp[lane] : 0;
+    uint32_t incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t up = __shfl_up_sync(0xffffffffu, incl, o);
+      if (static_cast<int>(lane) >= o) incl += up;
+    }
+    if (lane < kEvictWarps) equal_before[lane] = incl - mine;
+  }
   __syncthreads();
   const uint64_t need = kept - sh.count;
-  __syncthreads();
+  uint64_t before = equal_before[w];  // equal tokens before this step of the segment
   uint8_t* e = evicted + h * n;
-  uint64_t taken = 0;  // equal tokens seen so far (the same in every thread)
-  const uint32_t lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  for (uint64_t base = 0; base < n; base += blockDim.x) {
-    const uint64_t t = base + threadIdx.x;
-    const uint32_t key = t < n ? eff(t) : 0;
-    const bool eq = t < n && key == kth;
+  for (uint64_t t0 = s0; t0 < s1; t0 += 32) {
+    const uint64_t t = t0 + lane;
+    const uint32_t key = t < s1 ? eff(t) : 0;
+    const bool eq = t < s1 && key == kth;
     const uint32_t ballot = __ballot_sync(0xffffffffu, eq);
-    if (lane == 0) sh.warp[w] = __popc(ballot);
-    __syncthreads();
-    uint64_t before = taken, all = taken;
-    for (uint32_t j = 0; j < kEvictWarps; ++j) {
-      if (j < w) before += sh.warp[j];
-      all += sh.warp[j];
-    }
-    before += __popc(ballot & ((1u << lane) - 1u));
-    if (t < n) e[t] = key < kth || (eq && before >= need) ? 1 : 0;
-    taken = all;
-    __syncthreads();  // sh.warp read before the next chunk writes it
+    const uint64_t rank = before + __popc(ballot & ((1u << lane) - 1u));
+    if (t < s1) e[t] = key < kth || (eq && rank >= need) ? 1 : 0;
+    before += __popc(ballot);
   }
 }
 
@@ -135,7 +178,7 @@ __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
 // chunk): a thread sums V channels of one chunk; a block holds kMeanThreads / lanes chunks of
 // one head (blockIdx.x the chunk group, blockIdx.y the head).
 template <typename T, uint32_t V>
-__global__ void __launch_bounds__(kMeanThreads) MeanPartialKernel(
+__global__ void __launch_bounds__(kMeanThreads, 2) MeanPartialKernel(
     const T* keys, uint64_t head_stride, uint64_t token_stride, uint32_t d, uint64_t n,
     uint64_t chunks, uint32_t lanes, const uint8_t* evicted, double* partial) {
   const uint64_t h = blockIdx.y;
@@ -148,22 +191,32 @@ __global__ void __launch_bounds__(kMeanThreads) MeanPartialKernel(
   const uint8_t* e = evicted + h * n;
   double* out = partial + (h * chunks + c) * d;
   constexpr uint32_t kBatch = V > 1 ? 16 : 8;  // rows in flight a thread, added in token order
+  // Bit b: row tb + b is evicted. The flags of the next batch are read while this batch's rows
+  // are, so a batch waits for one read, not two in a row.
+  auto flags = [&](uint64_t tb) {
+    uint32_t on = 0;
+#pragma unroll
+    for (uint32_t b = 0; b < kBatch; ++b) {
+      if (tb + b < t1 && e[tb + b] != 0) on |= 1u << b;
+    }
+    return on;
+  };
   for (uint32_t x0 = lane * V; x0 < d; x0 += lanes * V) {
     double acc[V];
 #pragma unroll
     for (uint32_t j = 0; j < V; ++j) acc[j] = 0.0;
+    uint32_t on_next = flags(t0);
     for (uint64_t tb = t0; tb < t1; tb += kBatch) {
       using Piece = std::conditional_t<(V > 1), uint4, T>;
       Piece w[kBatch];
-      uint32_t on = 0;  // bit b: row tb + b is evicted
+      const uint32_t on = on_next;
 #pragma unroll
       for (uint32_t b = 0; b < kBatch; ++b) {
-        const uint64_t t = tb + b;
-        if (t < t1 && e[t] != 0) {
-          on |= 1u << b;
-          w[b] = __ldg(reinterpret_cast<const Piece*>(kh + t * token_stride + x0));
+        if ((on >> b) & 1u) {
+          w[b] = __ldg(reinterpret_cast<const Piece*>(kh + (tb + b) * token_stride + x0));
         }
       }
+      on_next = tb + kBatch < t1 ? flags(tb + kBatch) : 0u;
 #pragma unroll
       for (uint32_t b = 0; b < kBatch; ++b) {
         if (((on >> b) & 1u) == 0) continue;
@@ -244,6 +297,75 @@ __global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t he
   }
 }
 
+// DistanceKernel with the rows read coalesced: a warp takes 32 consecutive tokens (layer-wide
+// index) and reads their rows 128 bytes of each at a time (8 loads a lane, each covering four
+// whole rows' 128 bytes) into shared memory, swizzled so that each lane then reads its own row's
+// 16-byte pieces without bank conflicts, and sums its row's channels in order as DistanceKernel
+// does (the same bits). Needs 16-byte aligned rows whose bytes are a multiple of 128.
+constexpr unsigned kRowTileThreads = 256;
+constexpr uint32_t kRowSlice = 128;  // bytes of a row staged at a time
+
+template <typename T>
+__global__ void __launch_bounds__(kRowTileThreads) DistanceRowsKernel(
+    const T* keys, uint64_t head_stride, uint64_t token_stride, uint32_t d, uint32_t heads,
+    uint64_t n, const double* mu, uint64_t* sort_keys, uint32_t* idx, uint32_t* dist) {
+  constexpr uint32_t kVec = 16 / sizeof(T);
+  constexpr uint32_t kPieces = kRowSlice / 16;  // 16-byte pieces of a slice
+  __shared__ uint4 stage[kRowTileThreads / 32][32 * kPieces];
+  const uint64_t total = uint64_t{heads} * n;
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint64_t first = (uint64_t{blockIdx.x} * (kRowTileThreads / 32) + warp) * 32;
+  if (first >= total) return;
+  const uint64_t i = first + lane;
+  const bool mine = i < total;
+  const uint64_t h = mine ? i / n : 0;
+  const T* row = keys + h * head_stride + (mine ? i - h * n : 0) * token_stride;
+  const double* m = mu + h * d;
+  uint4* st = stage[warp];
+  double acc = 0.0;
+  const uint32_t slice_elems = kRowSlice / sizeof(T);
+  for (uint32_t x0 = 0; x0 < d; x0 += slice_elems) {
+    // Load j: lanes 8 q .. 8 q + 7 read row (4 j + q)'s slice, 16 bytes each.
+    uint4 w[kPieces];
+#pragma unroll
+    for (uint32_t j = 0; j < kPieces; ++j) {
+      const uint32_t src = 4 * j + (lane >> 3);
+      const T* src_row = reinterpret_cast<const T*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(row), src));
+      if (first + src < total) {
+        w[j] = __ldg(reinterpret_cast<const uint4*>(src_row + x0) + (lane & 7));
+      }
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < kPieces; ++j) {
+      const uint32_t src = 4 * j + (lane >> 3);
+      st[src * kPieces + ((lane & 7) ^ (src & 7))] = w[j];
+    }
+    __syncwarp();
+    if (mine) {
+#pragma unroll
+      for (uint32_t q = 0; q < kPieces; ++q) {
+        const uint4 piece = st[lane * kPieces + (q ^ (lane & 7))];
+        const T* e = reinterpret_cast<const T*>(&piece);
+#pragma unroll
+        for (uint32_t v = 0; v < kVec; ++v) {
+          const double diff = __dsub_rn(LoadD(e + v), __ldg(m + x0 + q * kVec + v));
+          acc = __dadd_rn(acc, __dmul_rn(diff, diff));
+        }
+      }
+    }
+    __syncwarp();
+  }
+  if (!mine) return;
+  const uint32_t bits = __float_as_uint(__double2float_rn(sqrt(acc)));
+  if (sort_keys != nullptr) {
+    sort_keys[total + i] = ((uint64_t{heads} + h) << 32) | bits;
+    idx[total + i] = static_cast<uint32_t>(i);
+  } else {
+    dist[i] = bits;
+  }
+}
+
 // The 32-bit key token i (layer-wide index) is ranked by: its score's order bits (set 0) or
 // its distance key (set 1).
 __device__ __forceinline__ uint32_t RankKey(const float* scores, const uint32_t* dist,
@@ -259,7 +381,9 @@ __device__ __forceinline__ uint32_t RankKey(const float* scores, const uint32_t*
 // largest key, later in the input) and writes each token's place in its tile into `rank`; with
 // `sorted` (heads of several tiles), also the tile's keys in that order, for MergeRankKernel. A
 // head of one tile is ranked here.
-__global__ void __launch_bounds__(kSortThreads, 1) BlockRankKernel(const float* scores,
+// kMinBlocks: blocks a multiprocessor holds at once (2 caps the registers at 64, with spills).
+template <int kMinBlocks>
+__global__ void __launch_bounds__(kSortThreads, kMinBlocks) BlockRankKernel(const float* scores,
                                                                    const uint32_t* dist,
                                                                    uint32_t heads, uint64_t n,
                                                                    uint32_t tiles, uint32_t* rank,
@@ -281,24 +405,28 @@ __global__ void __launch_bounds__(kSortThreads, 1) BlockRankKernel(const float* 
   }
   Sort(temp).Sort(key, token);
   uint32_t* r = rank + (distances ? total : 0) + h * n + t0;
-  uint32_t* out = sorted != nullptr ? sorted + (uint64_t{b} * tiles + tile) * kBlockSortTokens
+  // The tile's keys in order, then (a block of as many words on) their tokens.
+  uint32_t* out = sorted != nullptr ? sorted + (uint64_t{b} * tiles + tile) * 2 * kBlockSortTokens
                                     : nullptr;
 #pragma unroll
   for (uint32_t j = 0; j < kSortItems; ++j) {
     const uint32_t p = threadIdx.x * kSortItems + j;
     if (token[j] < len) r[token[j]] = p;
-    if (out != nullptr && p < len) out[p] = key[j];
+    if (out != nullptr && p < len) {
+      out[p] = key[j];
+      out[kBlockSortTokens + p] = token[j];
+    }
   }
 }
 
 // Heads of several tiles (after BlockRankKernel): a token's rank is its place in its tile plus,
 // in each other tile, the keys that rank before it (a tile before its own: keys at most its
-// key, as lower indices rank first on ties; a tile after it: keys below its key), counted by a
-// binary search in that tile's sorted keys, staged in shared memory one tile at a time. Block
-// (b, t) takes tile t of b's keys, a token per thread and step.
-__global__ void __launch_bounds__(kSortThreads) MergeRankKernel(const float* scores,
-                                                               const uint32_t* dist,
-                                                               uint32_t heads, uint64_t n,
+// key, as lower indices rank first on ties; a tile after it: keys below its key). Block (b, t)
+// takes tile t of b's keys in their sorted order, kSortItems consecutive keys a thread; the other
+// tiles' sorted keys are staged in shared memory one at a time, and as a thread's keys rise so do
+// their counts: its first key's count is a binary search, each next one a galloping search
+// onward from the last (a few steps where the tiles interleave).
+__global__ void __launch_bounds__(kSortThreads) MergeRankKernel(uint32_t heads, uint64_t n,
                                                                uint32_t tiles,
                                                                const uint32_t* sorted,
                                                                uint32_t* rank) {
@@ -309,33 +437,46 @@ __global__ void __launch_bounds__(kSortThreads) MergeRankKernel(const float* sco
   const uint64_t total = uint64_t{heads} * n;
   const uint64_t t0 = uint64_t{tile} * kBlockSortTokens;
   const uint32_t len = static_cast<uint32_t>(n - t0 < kBlockSortTokens ? n - t0 : kBlockSortTokens);
+  const uint32_t* own = sorted + (uint64_t{b} * tiles + tile) * 2 * kBlockSortTokens;
+  const uint32_t p0 = threadIdx.x * kSortItems;
   uint32_t key[kSortItems], add[kSortItems];
 #pragma unroll
   for (uint32_t j = 0; j < kSortItems; ++j) {
-    const uint32_t t = threadIdx.x + j * kSortThreads;
-    key[j] = t < len ? RankKey(scores, dist, distances, h * n + t0 + t) : 0;
+    key[j] = p0 + j < len ? own[p0 + j] : 0xffffffffu;
     add[j] = 0;
   }
   for (uint32_t u = 0; u < tiles; ++u) {
     if (u == tile) continue;  // the same for the whole block
     const uint64_t u0 = uint64_t{u} * kBlockSortTokens;
     const uint32_t ulen = static_cast<uint32_t>(n - u0 < kBlockSortTokens ? n - u0 : kBlockSortTokens);
-    const uint32_t* src = sorted + (uint64_t{b} * tiles + u) * kBlockSortTokens;
+    const uint32_t* src = sorted + (uint64_t{b} * tiles + u) * 2 * kBlockSortTokens;
     __syncthreads();  // the previous tile's searches are done
     for (uint32_t i = threadIdx.x; i < ulen; i += kSortThreads) other[i] = src[i];
     __syncthreads();
+    if (p0 >= len) continue;
     const bool before = u < tile;
+    auto ranks_first = [&](uint32_t v, uint32_t k) { return before ? v <= k : v < k; };
+    // The first key: the count of keys in `other` that rank before it, by binary search.
+    uint32_t lo = 0, hi = ulen;
+    while (lo < hi) {
+      const uint32_t mid = (lo + hi) >> 1;
+      if (ranks_first(other[mid], key[0])) lo = mid + 1; else hi = mid;
+    }
+    add[0] += lo;
 #pragma unroll
-    for (uint32_t j = 0; j < kSortItems; ++j) {
-      uint32_t lo = 0, hi = ulen;
+    for (uint32_t j = 1; j < kSortItems; ++j) {
+      // key[j] >= key[j - 1]: its count is at least lo. Gallop: [lo, hi) brackets it.
+      uint32_t step = 1;
+      hi = lo;
+      while (hi < ulen && ranks_first(other[hi], key[j])) {
+        lo = hi + 1;
+        hi += step;
+        step <<= 1;
+      }
+      if (hi > ulen) hi = ulen;
       while (lo < hi) {
         const uint32_t mid = (lo + hi) >> 1;
-        const uint32_t v = other[mid];
-        if (before ? v <= key[j] : v < key[j]) {
-          lo = mid + 1;
-        } else {
-          hi = mid;
-        }
+        if (ranks_first(other[mid], key[j])) lo = mid + 1; else hi = mid;
       }
       add[j] += lo;
     }
@@ -343,8 +484,7 @@ __global__ void __launch_bounds__(kSortThreads) MergeRankKernel(const float* sco
   uint32_t* r = rank + (distances ? total : 0) + h * n + t0;
 #pragma unroll
   for (uint32_t j = 0; j < kSortItems; ++j) {
-    const uint32_t t = threadIdx.x + j * kSortThreads;
-    if (t < len) r[t] += add[j];
+    if (p0 + j < len) r[own[kBlockSortTokens + p0 + j]] = p0 + j + add[j];
   }
 }
 
@@ -396,17 +536,14 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   const uint64_t seq =
       positions.sequence_length > 0 ? positions.sequence_length : positions.offset + n;
   const uint64_t chunks = (n + kMomentAwareMeanChunk - 1) / kMomentAwareMeanChunk;
-  // Heads of one tile are ranked by one block a set; with KVCOMP_RESCORE_TILED_RANKS=1 heads
-  // of up to kMaxRankTiles tiles too (one block a tile, then a merge of the tiles' counts).
-  // Off by default: on an H200 at 32768 tokens the tiles' sorts and the merge (1.9 ms over the
-  // four layer groups of a put) took about 0.5 ms longer than the device sort.
-  static const bool tiled_ranks = [] {
-    const char* env = std::getenv("KVCOMP_RESCORE_TILED_RANKS");
-    return env != nullptr && std::strcmp(env, "1") == 0;
-  }();
+  // Heads of one tile are ranked by one block a set, heads of up to kMaxRankTiles tiles too
+  // (one block a tile, then a merge of the tiles' counts); KVCOMP_RESCORE_TILED_RANKS=0 ranks
+  // those through the device sort (for comparison).
+  static const bool tiled_ranks = internal::SwitchOn("KVCOMP_RESCORE_TILED_RANKS");
   const uint64_t tiles = (n + kBlockSortTokens - 1) / kBlockSortTokens;
   const bool block_sort = tiles == 1 || (tiled_ranks && tiles <= kMaxRankTiles);
-  const uint64_t sorted_words = block_sort && tiles > 1 ? 2 * heads * tiles * kBlockSortTokens : 0;
+  // The tiles' sorted keys and their tokens, both sets.
+  const uint64_t sorted_words = block_sort && tiles > 1 ? 4 * heads * tiles * kBlockSortTokens : 0;
   int seg_bits = 1;
   while ((uint64_t{1} << seg_bits) < 2 * uint64_t{heads}) ++seg_bits;
   auto alloc = [&](uint64_t bytes) { return Buffer::Allocate(allocator, bytes); };
@@ -474,17 +611,36 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   MeanKernel<<<heads, std::min<unsigned>(256, (d + 31) / 32 * 32), 0, stream>>>(
       partial, d, chunks, n - kept, mu);
-  DistanceKernel<T><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-      k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, key_a, val_a, val_a);
+  // KVCOMP_RESCORE_ROW_TILES=0: every thread reads its own row (for comparison).
+  static const bool row_tiles = internal::SwitchOn("KVCOMP_RESCORE_ROW_TILES");
+  if (row_tiles && vec && (uint64_t{d} * sizeof(T)) % kRowSlice == 0) {
+    const uint64_t per_block = kRowTileThreads;  // 32 rows a warp
+    DistanceRowsKernel<T><<<static_cast<unsigned>((total + per_block - 1) / per_block),
+                            kRowTileThreads, 0, stream>>>(
+        k, keys.head_stride, keys.token_stride, d, heads, n, mu, key_a, val_a, val_a);
+  } else {
+    DistanceKernel<T><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+        k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, key_a, val_a, val_a);
+  }
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (block_sort) {
     const dim3 grid(2 * heads, static_cast<unsigned>(tiles));
-    BlockRankKernel<<<grid, kSortThreads, 0, stream>>>(scores, val_a, heads, n,
-                                                       static_cast<uint32_t>(tiles), rank, sorted);
+    // KVCOMP_RESCORE_SORT_BLOCKS=2: two sorting blocks a multiprocessor (for comparison).
+    static const bool two = [] {
+      const char* env = std::getenv("KVCOMP_RESCORE_SORT_BLOCKS");
+      return env != nullptr && std::strcmp(env, "2") == 0;
+    }();
+    if (two) {
+      BlockRankKernel<2><<<grid, kSortThreads, 0, stream>>>(
+          scores, val_a, heads, n, static_cast<uint32_t>(tiles), rank, sorted);
+    } else {
+      BlockRankKernel<1><<<grid, kSortThreads, 0, stream>>>(
+          scores, val_a, heads, n, static_cast<uint32_t>(tiles), rank, sorted);
+    }
     if (tiles > 1) {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-      MergeRankKernel<<<grid, kSortThreads, 0, stream>>>(scores, val_a, heads, n,
-                                                         static_cast<uint32_t>(tiles), sorted, rank);
+      MergeRankKernel<<<grid, kSortThreads, 0, stream>>>(heads, n, static_cast<uint32_t>(tiles),
+                                                         sorted, rank);
     }
   } else {
     // Both ranks from one stable sort: (set, head) above the 32-bit key, payload the index.
