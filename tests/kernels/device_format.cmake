@@ -4,6 +4,10 @@ kvcomp_cc_test(NAME kernels_crc32c_combine_test SRCS crc32c_combine_test.cc
                DEPS kvcomp::kernels kvcomp::core)
 kvcomp_cc_test(NAME kernels_device_crc32c_test SRCS device_crc32c_test.cc
                DEPS kvcomp::kernels kvcomp::core LABELS gpu)
+# The same with the slicing-by-16 kernel (KVCOMP_CRC_WIDE=0, the comparison path).
+add_test(NAME kernels_device_crc32c_narrow_test COMMAND kernels_device_crc32c_test)
+set_tests_properties(kernels_device_crc32c_narrow_test PROPERTIES
+  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_CRC_WIDE=0)
 kvcomp_cc_test(NAME kernels_device_format_test SRCS device_format_test.cc
                DEPS kvcomp::kernels kvcomp::core LABELS gpu)
 # The same with an eviction's section CRCs computed beside the compression

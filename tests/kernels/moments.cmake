@@ -8,9 +8,15 @@ target_include_directories(kernels_moments_aware_test PRIVATE ${PROJECT_SOURCE_D
 # How the CUDA attention and moment kernels split heads into chunks (host code, no GPU needed).
 kvcomp_cc_test(NAME kernels_chunk_plan_test SRCS chunk_plan_test.cc DEPS kvcomp::kernels)
 target_include_directories(kernels_chunk_plan_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels/src)
-# The moment-aware rescoring with heads of up to eight 8192-token tiles ranked by tiles and
-# a merge instead of the device sort.
-add_test(NAME kernels_moments_cuda_tiled_ranks_test
+# The moment-aware rescoring with heads of more than one 8192-token tile ranked by the device
+# sort instead of the tiles and their merge (KVCOMP_RESCORE_TILED_RANKS=0), and with the
+# distances read row by row and the sorting blocks two a multiprocessor (the comparison paths).
+add_test(NAME kernels_moments_cuda_device_sort_test
          COMMAND kernels_moments_cuda_test --gtest_filter=*MomentAwareRescore*)
-set_tests_properties(kernels_moments_cuda_tiled_ranks_test PROPERTIES
-  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_RESCORE_TILED_RANKS=1)
+set_tests_properties(kernels_moments_cuda_device_sort_test PROPERTIES
+  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_RESCORE_TILED_RANKS=0)
+add_test(NAME kernels_moments_cuda_rescore_variants_test
+         COMMAND kernels_moments_cuda_test --gtest_filter=*MomentAwareRescore*)
+set_tests_properties(kernels_moments_cuda_rescore_variants_test PROPERTIES
+  LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300
+  ENVIRONMENT "KVCOMP_RESCORE_ROW_TILES=0;KVCOMP_RESCORE_SORT_BLOCKS=2")

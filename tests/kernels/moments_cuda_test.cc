@@ -381,9 +381,9 @@ TEST_F(MomentsCudaTest, RejectsBadIndicesOnTheDevice) {
 // positions, scores with many exact ties (and -0 beside +0), keys with duplicated rows (equal
 // distances) and rows one ulp apart (distances that differ in f64 but round to the same f32:
 // ranked by index on both), heads from 1 to 64 and tokens from 2 to 70000 (ranked in one block a
-// head up to 8192 tokens, by the device sort above, or with KVCOMP_RESCORE_TILED_RANKS=1 in
-// tiles of 8192 merged up to 65536; the effective scores in shared memory up to 40960). The seed
-// is printed (KVCOMP_MOMENTS_SEED replays it).
+// head up to 8192 tokens, in tiles of 8192 merged up to 65536 or, with
+// KVCOMP_RESCORE_TILED_RANKS=0, by the device sort, and by the device sort above; the effective
+// scores in shared memory up to 40960). The seed is printed (KVCOMP_MOMENTS_SEED replays it).
 TEST_F(MomentsCudaTest, MomentAwareRescoreIsTheCpusBitForBit) {
   uint64_t seed = std::random_device{}();
   if (const char* e = std::getenv("KVCOMP_MOMENTS_SEED")) seed = std::strtoull(e, nullptr, 10);
