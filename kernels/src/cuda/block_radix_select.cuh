@@ -33,7 +33,10 @@ struct RadixSelectShared {
 // token index key_of takes. Whole warps a step (the lanes past n take part without a key):
 // lanes with the same digit add their count once (keys of one head share their top bits, so one
 // shared counter would otherwise take most of the warp's adds).
-template <typename Index, unsigned kWarps, typename Key>
+// kMatch = false: instead of matching every lane's digit, the lanes whose digit is the first
+// counted lane's add their count once (the common digit of a pass's top bits) and the others add
+// one each (the digits below the top differ among the few keys still counted).
+template <typename Index, unsigned kWarps, typename Key, bool kMatch = true>
 __device__ uint32_t BlockRadixSelect(Index n, Index k, RadixSelectShared<kWarps>& sh,
                                      Key key_of) {
   uint32_t prefix = 0, mask = 0;
@@ -46,9 +49,22 @@ __device__ uint32_t BlockRadixSelect(Index n, Index k, RadixSelectShared<kWarps>
       const uint32_t key = i < n ? key_of(i) : 0;
       const bool counted = i < n && (key & mask) == prefix;
       const uint32_t digit = counted ? (key >> shift) & 255u : 256u + lane;
-      const uint32_t peers = __match_any_sync(0xffffffffu, digit);
-      if (counted && lane == static_cast<uint32_t>(__ffs(peers) - 1)) {
-        atomicAdd(&sh.hist[digit], static_cast<uint32_t>(__popc(peers)));
+      if (kMatch) {
+        const uint32_t peers = __match_any_sync(0xffffffffu, digit);
+        if (counted && lane == static_cast<uint32_t>(__ffs(peers) - 1)) {
+          atomicAdd(&sh.hist[digit], static_cast<uint32_t>(__popc(peers)));
+        }
+      } else {
+        const uint32_t on = __ballot_sync(0xffffffffu, counted);
+        if (on != 0) {
+          const uint32_t first = __shfl_sync(0xffffffffu, digit, __ffs(on) - 1);
+          const uint32_t same = __ballot_sync(0xffffffffu, counted && digit == first);
+          if (counted && digit != first) {
+            atomicAdd(&sh.hist[digit], 1u);
+          } else if (counted && lane == static_cast<uint32_t>(__ffs(same) - 1)) {
+            atomicAdd(&sh.hist[digit], static_cast<uint32_t>(__popc(same)));
+          }
+        }
       }
     }
     __syncthreads();

@@ -306,21 +306,23 @@ __global__ void __launch_bounds__(kWideThreads, 1) Crc32cWide(const WideLaunch p
     }
     const uint32_t wholes = __ballot_sync(0xffffffffu, whole);
     if (wholes != 0) {
-      for (uint64_t g = 0; g < kChunk; g += 64) {
-        // Load i: lanes 4 j .. 4 j + 3 read chunk (8 i + j)'s 64 bytes at g.
-        uint4 w[4];
+      // Load i: lanes 4 j .. 4 j + 3 read chunk (8 i + j)'s 64 bytes at g. The next 64 bytes'
+      // reads are issued before this batch is summed, so they fly while it is.
+      uint4 w[4];
+      auto load = [&](uint64_t g) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int src = 8 * i + (lane >> 2);
           const uint64_t at = __shfl_sync(0xffffffffu, lo, src) + g + 16 * (lane & 3);
           if ((wholes >> src) & 1u) w[i] = __ldg(reinterpret_cast<const uint4*>(at));
         }
+      };
+      load(0);
+      for (uint64_t g = 0; g < kChunk; g += 64) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int src = 8 * i + (lane >> 2);
-          if ((wholes >> src) & 1u) {
-            stage[StageSlot(src, lane & 3)] = w[i];
-          }
+          if ((wholes >> src) & 1u) stage[StageSlot(src, lane & 3)] = w[i];
         }
         if (delta != 0) {
 #pragma unroll
@@ -331,6 +333,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) Crc32cWide(const WideLaunch p
           }
         }
         __syncwarp();
+        if (g + 64 < kChunk) load(g + 64);
         if (whole) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) reg = WideStep16(tl, reg, stage[StageSlot(lane, q)]);

@@ -48,20 +48,39 @@ constexpr unsigned kEvictThreads = 1024;  // one block per head
 constexpr unsigned kEvictWarps = kEvictThreads / 32;
 constexpr unsigned kMeanThreads = 256;
 constexpr uint64_t kStagedTokens = 40960;  // effective keys in shared memory (160 KiB) up to this
+constexpr uint64_t kBlockSortTokens = 8192;  // a tile ranked by one block
+// The tile's threads (kSortThreads, the default, or 1024 with KVCOMP_RESCORE_SORT_THREADS=1024)
+// and the tokens each holds.
 constexpr unsigned kSortThreads = 512;
-constexpr unsigned kSortItems = 16;
-constexpr uint64_t kBlockSortTokens = kSortThreads * kSortItems;  // a tile ranked by one block
+template <unsigned kThreads>
+constexpr unsigned SortItems() { return static_cast<unsigned>(kBlockSortTokens / kThreads); }
 constexpr uint64_t kMaxRankTiles = 8;  // longer heads go through the device sort
 
 template <typename T>
 __device__ __forceinline__ double LoadD(const T* p);
 template <>
 __device__ __forceinline__ double LoadD<float>(const float* p) { return *p; }
+// 16-bit values become doubles by moving their bits (a normal value's sign, exponent rebiased
+// and mantissa, the low word zero): integer work, where the float-to-double conversion runs at a
+// quarter of the multiprocessor's double rate and bounded the distances. Zeros, subnormals,
+// infinities and NaNs take the conversion. The same value either way.
 template <>
-__device__ __forceinline__ double LoadD<__half>(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ double LoadD<__half>(const __half* p) {
+  const uint32_t b = __half_as_ushort(*p);
+  const uint32_t e = (b >> 10) & 0x1fu;
+  if (e == 0u || e == 0x1fu) return __half2float(*p);
+  return __hiloint2double(
+      static_cast<int>(((b & 0x8000u) << 16) | ((e + (1023u - 15u)) << 20) | ((b & 0x3ffu) << 10)),
+      0);
+}
 template <>
 __device__ __forceinline__ double LoadD<__nv_bfloat16>(const __nv_bfloat16* p) {
-  return __bfloat162float(*p);
+  const uint32_t b = __bfloat16_as_ushort(*p);
+  const uint32_t e = (b >> 7) & 0xffu;
+  if (e == 0u || e == 0xffu) return __bfloat162float(*p);
+  return __hiloint2double(
+      static_cast<int>(((b & 0x8000u) << 16) | ((e + (1023u - 127u)) << 20) | ((b & 0x7fu) << 13)),
+      0);
 }
 
 using block_select::BlockRadixSelect;
@@ -80,7 +99,8 @@ __device__ __forceinline__ uint32_t OrderBits(float x) { return block_select::Fl
 // head's, and a second walk marks the tokens (three block barriers in all, not two a step).
 constexpr uint32_t kStageBatch = 8;
 
-template <bool kStaged>
+// kMatch: BlockRadixSelect's digit matching (false: KVCOMP_RESCORE_SELECT_MATCH=0).
+template <bool kStaged, bool kMatch>
 __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
     const float* scores, uint32_t heads, uint64_t n, uint64_t kept, const uint32_t* positions,
     uint64_t offset, uint64_t seq, SelectParams select, uint8_t* evicted, uint64_t* keys,
@@ -129,7 +149,8 @@ __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
   auto eff = [&](uint64_t t) { return kStaged ? staged[t] : eff_of(t); };
   // The kept-th largest effective key; tokens above it stay, those below go, and of the equal
   // ones the `need` of lowest index stay.
-  const uint32_t kth = BlockRadixSelect<uint64_t>(n, n - kept, sh, eff);
+  const uint32_t kth = BlockRadixSelect<uint64_t, kEvictWarps, decltype(eff), kMatch>(
+      n, n - kept, sh, eff);
   const uint32_t lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
@@ -347,10 +368,15 @@ __global__ void __launch_bounds__(kRowTileThreads) DistanceRowsKernel(
       for (uint32_t q = 0; q < kPieces; ++q) {
         const uint4 piece = st[lane * kPieces + (q ^ (lane & 7))];
         const T* e = reinterpret_cast<const T*>(&piece);
+        // The mean two channels a load (16-byte aligned: d is a multiple of 32 here).
+        const double2* mq = reinterpret_cast<const double2*>(m + x0 + q * kVec);
 #pragma unroll
-        for (uint32_t v = 0; v < kVec; ++v) {
-          const double diff = __dsub_rn(LoadD(e + v), __ldg(m + x0 + q * kVec + v));
-          acc = __dadd_rn(acc, __dmul_rn(diff, diff));
+        for (uint32_t v = 0; v < kVec; v += 2) {
+          const double2 mv = __ldg(mq + v / 2);
+          const double d0 = __dsub_rn(LoadD(e + v), mv.x);
+          acc = __dadd_rn(acc, __dmul_rn(d0, d0));
+          const double d1 = __dsub_rn(LoadD(e + v + 1), mv.y);
+          acc = __dadd_rn(acc, __dmul_rn(d1, d1));
         }
       }
     }
@@ -382,13 +408,14 @@ __device__ __forceinline__ uint32_t RankKey(const float* scores, const uint32_t*
 // `sorted` (heads of several tiles), also the tile's keys in that order, for MergeRankKernel. A
 // head of one tile is ranked here.
 // kMinBlocks: blocks a multiprocessor holds at once (2 caps the registers at 64, with spills).
-template <int kMinBlocks>
-__global__ void __launch_bounds__(kSortThreads, kMinBlocks) BlockRankKernel(const float* scores,
+template <unsigned kThreads, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) BlockRankKernel(const float* scores,
                                                                    const uint32_t* dist,
                                                                    uint32_t heads, uint64_t n,
                                                                    uint32_t tiles, uint32_t* rank,
                                                                    uint32_t* sorted) {
-  using Sort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems, uint32_t>;
+  constexpr unsigned kSortItems = SortItems<kThreads>();
+  using Sort = cub::BlockRadixSort<uint32_t, kThreads, kSortItems, uint32_t>;
   __shared__ typename Sort::TempStorage temp;
   const uint32_t b = blockIdx.x, tile = blockIdx.y;
   const bool distances = b >= heads;
@@ -426,10 +453,12 @@ __global__ void __launch_bounds__(kSortThreads, kMinBlocks) BlockRankKernel(cons
 // tiles' sorted keys are staged in shared memory one at a time, and as a thread's keys rise so do
 // their counts: its first key's count is a binary search, each next one a galloping search
 // onward from the last (a few steps where the tiles interleave).
-__global__ void __launch_bounds__(kSortThreads) MergeRankKernel(uint32_t heads, uint64_t n,
+template <unsigned kThreads>
+__global__ void __launch_bounds__(kThreads) MergeRankKernel(uint32_t heads, uint64_t n,
                                                                uint32_t tiles,
                                                                const uint32_t* sorted,
                                                                uint32_t* rank) {
+  constexpr unsigned kSortItems = SortItems<kThreads>();
   __shared__ uint32_t other[kBlockSortTokens];
   const uint32_t b = blockIdx.x, tile = blockIdx.y;
   const bool distances = b >= heads;
@@ -451,7 +480,7 @@ __global__ void __launch_bounds__(kSortThreads) MergeRankKernel(uint32_t heads, 
     const uint32_t ulen = static_cast<uint32_t>(n - u0 < kBlockSortTokens ? n - u0 : kBlockSortTokens);
     const uint32_t* src = sorted + (uint64_t{b} * tiles + u) * 2 * kBlockSortTokens;
     __syncthreads();  // the previous tile's searches are done
-    for (uint32_t i = threadIdx.x; i < ulen; i += kSortThreads) other[i] = src[i];
+    for (uint32_t i = threadIdx.x; i < ulen; i += kThreads) other[i] = src[i];
     __syncthreads();
     if (p0 >= len) continue;
     const bool before = u < tile;
@@ -586,18 +615,25 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   const uint64_t staged_max = std::min<uint64_t>(
       kStagedTokens, optin > 4096 ? (static_cast<uint64_t>(optin) - 4096) / sizeof(uint32_t) : 0);
-  if (n <= staged_max) {
-    KVCOMP_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(EvictKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(staged_max * sizeof(uint32_t))));
-    EvictKernel<true><<<heads, kEvictThreads, n * sizeof(uint32_t), stream>>>(
-        scores, heads, n, kept, positions.data, positions.offset, seq, select, evicted, key_a,
-        val_a);
-  } else {
-    EvictKernel<false><<<heads, kEvictThreads, 0, stream>>>(
-        scores, heads, n, kept, positions.data, positions.offset, seq, select, evicted, key_a,
-        val_a);
-  }
+  static const bool match = internal::SwitchOn("KVCOMP_RESCORE_SELECT_MATCH");
+  auto evict = [&](auto staged_tag, auto match_tag) -> cudaError_t {
+    constexpr bool kStaged = decltype(staged_tag)::value, kMatch = decltype(match_tag)::value;
+    if (kStaged) {
+      const cudaError_t e = cudaFuncSetAttribute(EvictKernel<true, kMatch>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(staged_max * sizeof(uint32_t)));
+      if (e != cudaSuccess) return e;
+    }
+    EvictKernel<kStaged, kMatch><<<heads, kEvictThreads, kStaged ? n * sizeof(uint32_t) : 0,
+                                   stream>>>(scores, heads, n, kept, positions.data,
+                                             positions.offset, seq, select, evicted, key_a, val_a);
+    return cudaGetLastError();
+  };
+  using True = std::true_type;
+  using False = std::false_type;
+  const bool staged = n <= staged_max;
+  KVCOMP_CUDA_RETURN_IF_ERROR(staged ? (match ? evict(True{}, True{}) : evict(True{}, False{}))
+                                     : (match ? evict(False{}, True{}) : evict(False{}, False{})));
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const T* k = static_cast<const T*>(keys.data);
   const bool vec = d % (16 / sizeof(T)) == 0 && (keys.token_stride * sizeof(T)) % 16 == 0 &&
@@ -625,22 +661,33 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (block_sort) {
     const dim3 grid(2 * heads, static_cast<unsigned>(tiles));
-    // KVCOMP_RESCORE_SORT_BLOCKS=2: two sorting blocks a multiprocessor (for comparison).
-    static const bool two = [] {
-      const char* env = std::getenv("KVCOMP_RESCORE_SORT_BLOCKS");
-      return env != nullptr && std::strcmp(env, "2") == 0;
+    // KVCOMP_RESCORE_SORT_BLOCKS=2: two sorting blocks a multiprocessor; with
+    // KVCOMP_RESCORE_SORT_THREADS=1024, tiles sorted and merged by 1024 threads (comparisons).
+    static const int variant = [] {
+      const char* blocks = std::getenv("KVCOMP_RESCORE_SORT_BLOCKS");
+      const char* threads = std::getenv("KVCOMP_RESCORE_SORT_THREADS");
+      if (threads != nullptr && std::strcmp(threads, "1024") == 0) return 2;
+      return blocks != nullptr && std::strcmp(blocks, "2") == 0 ? 1 : 0;
     }();
-    if (two) {
-      BlockRankKernel<2><<<grid, kSortThreads, 0, stream>>>(
-          scores, val_a, heads, n, static_cast<uint32_t>(tiles), rank, sorted);
+    const uint32_t t32 = static_cast<uint32_t>(tiles);
+    if (variant == 2) {
+      BlockRankKernel<1024, 1><<<grid, 1024, 0, stream>>>(scores, val_a, heads, n, t32, rank,
+                                                          sorted);
+    } else if (variant == 1) {
+      BlockRankKernel<kSortThreads, 2><<<grid, kSortThreads, 0, stream>>>(
+          scores, val_a, heads, n, t32, rank, sorted);
     } else {
-      BlockRankKernel<1><<<grid, kSortThreads, 0, stream>>>(
-          scores, val_a, heads, n, static_cast<uint32_t>(tiles), rank, sorted);
+      BlockRankKernel<kSortThreads, 1><<<grid, kSortThreads, 0, stream>>>(
+          scores, val_a, heads, n, t32, rank, sorted);
     }
     if (tiles > 1) {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-      MergeRankKernel<<<grid, kSortThreads, 0, stream>>>(heads, n, static_cast<uint32_t>(tiles),
-                                                         sorted, rank);
+      if (variant == 2) {
+        MergeRankKernel<1024><<<grid, 1024, 0, stream>>>(heads, n, t32, sorted, rank);
+      } else {
+        MergeRankKernel<kSortThreads><<<grid, kSortThreads, 0, stream>>>(heads, n, t32, sorted,
+                                                                          rank);
+      }
     }
   } else {
     // Both ranks from one stable sort: (set, head) above the 32-bit key, payload the index.
