@@ -4,11 +4,9 @@
 //     scores (the kept-th largest, then the equal ones by lower index; the keys staged in shared
 //     memory up to kStagedTokens) and marks the evicted tokens;
 //  2. the evicted keys are summed in f64 per chunk of kMomentAwareMeanChunk tokens in token
-//     order (each batch's eviction flags read with the previous batch's rows), and the chunks in
-//     chunk order (the reference's sum, so the same mean to the bit);
+//     order, and the chunks in chunk order (the reference's sum, so the same mean to the bit);
 //  3. each token's distance to its head's mean, summed in f64 in channel order and rounded to
-//     f32, is its distance key (a warp reads 32 rows coalesced through shared memory, then each
-//     lane sums its own; KVCOMP_RESCORE_ROW_TILES=0: each thread reads its row itself);
+//     f32, is its distance key;
 //  4. every token's rank in both orders (ties by lower index): each tile of kBlockSortTokens
 //     tokens of a head sorts each key set in one block (a stable block radix sort in shared
 //     memory, one block per tile, head and set); heads of up to kMaxRankTiles tiles then add to
@@ -48,39 +46,20 @@ constexpr unsigned kEvictThreads = 1024;  // one block per head
 constexpr unsigned kEvictWarps = kEvictThreads / 32;
 constexpr unsigned kMeanThreads = 256;
 constexpr uint64_t kStagedTokens = 40960;  // effective keys in shared memory (160 KiB) up to this
-constexpr uint64_t kBlockSortTokens = 8192;  // a tile ranked by one block
-// The tile's threads (kSortThreads, the default, or 1024 with KVCOMP_RESCORE_SORT_THREADS=1024)
-// and the tokens each holds.
 constexpr unsigned kSortThreads = 512;
-template <unsigned kThreads>
-constexpr unsigned SortItems() { return static_cast<unsigned>(kBlockSortTokens / kThreads); }
+constexpr unsigned kSortItems = 16;
+constexpr uint64_t kBlockSortTokens = kSortThreads * kSortItems;  // a tile ranked by one block
 constexpr uint64_t kMaxRankTiles = 8;  // longer heads go through the device sort
 
 template <typename T>
 __device__ __forceinline__ double LoadD(const T* p);
 template <>
 __device__ __forceinline__ double LoadD<float>(const float* p) { return *p; }
-// 16-bit values become doubles by moving their bits (a normal value's sign, exponent rebiased
-// and mantissa, the low word zero): integer work, where the float-to-double conversion runs at a
-// quarter of the multiprocessor's double rate and bounded the distances. Zeros, subnormals,
-// infinities and NaNs take the conversion. The same value either way.
 template <>
-__device__ __forceinline__ double LoadD<__half>(const __half* p) {
-  const uint32_t b = __half_as_ushort(*p);
-  const uint32_t e = (b >> 10) & 0x1fu;
-  if (e == 0u || e == 0x1fu) return __half2float(*p);
-  return __hiloint2double(
-      static_cast<int>(((b & 0x8000u) << 16) | ((e + (1023u - 15u)) << 20) | ((b & 0x3ffu) << 10)),
-      0);
-}
+__device__ __forceinline__ double LoadD<__half>(const __half* p) { return __half2float(*p); }
 template <>
 __device__ __forceinline__ double LoadD<__nv_bfloat16>(const __nv_bfloat16* p) {
-  const uint32_t b = __bfloat16_as_ushort(*p);
-  const uint32_t e = (b >> 7) & 0xffu;
-  if (e == 0u || e == 0xffu) return __bfloat162float(*p);
-  return __hiloint2double(
-      static_cast<int>(((b & 0x8000u) << 16) | ((e + (1023u - 127u)) << 20) | ((b & 0x7fu) << 13)),
-      0);
+  return __bfloat162float(*p);
 }
 
 using block_select::BlockRadixSelect;
@@ -99,7 +78,8 @@ __device__ __forceinline__ uint32_t OrderBits(float x) { return block_select::Fl
 // head's, and a second walk marks the tokens (three block barriers in all, not two a step).
 constexpr uint32_t kStageBatch = 8;
 
-// kMatch: BlockRadixSelect's digit matching (false: KVCOMP_RESCORE_SELECT_MATCH=0).
+// kMatch: BlockRadixSelect's digit matching (KVCOMP_RESCORE_SELECT_MATCH=1; by default the
+// lanes of the first counted lane's digit add once, the others one each).
 template <bool kStaged, bool kMatch>
 __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
     const float* scores, uint32_t heads, uint64_t n, uint64_t kept, const uint32_t* positions,
@@ -199,7 +179,7 @@ __global__ void __launch_bounds__(kEvictThreads) EvictKernel(
 // chunk): a thread sums V channels of one chunk; a block holds kMeanThreads / lanes chunks of
 // one head (blockIdx.x the chunk group, blockIdx.y the head).
 template <typename T, uint32_t V>
-__global__ void __launch_bounds__(kMeanThreads, 2) MeanPartialKernel(
+__global__ void __launch_bounds__(kMeanThreads) MeanPartialKernel(
     const T* keys, uint64_t head_stride, uint64_t token_stride, uint32_t d, uint64_t n,
     uint64_t chunks, uint32_t lanes, const uint8_t* evicted, double* partial) {
   const uint64_t h = blockIdx.y;
@@ -212,32 +192,22 @@ __global__ void __launch_bounds__(kMeanThreads, 2) MeanPartialKernel(
   const uint8_t* e = evicted + h * n;
   double* out = partial + (h * chunks + c) * d;
   constexpr uint32_t kBatch = V > 1 ? 16 : 8;  // rows in flight a thread, added in token order
-  // Bit b: row tb + b is evicted. The flags of the next batch are read while this batch's rows
-  // are, so a batch waits for one read, not two in a row.
-  auto flags = [&](uint64_t tb) {
-    uint32_t on = 0;
-#pragma unroll
-    for (uint32_t b = 0; b < kBatch; ++b) {
-      if (tb + b < t1 && e[tb + b] != 0) on |= 1u << b;
-    }
-    return on;
-  };
   for (uint32_t x0 = lane * V; x0 < d; x0 += lanes * V) {
     double acc[V];
 #pragma unroll
     for (uint32_t j = 0; j < V; ++j) acc[j] = 0.0;
-    uint32_t on_next = flags(t0);
     for (uint64_t tb = t0; tb < t1; tb += kBatch) {
       using Piece = std::conditional_t<(V > 1), uint4, T>;
       Piece w[kBatch];
-      const uint32_t on = on_next;
+      uint32_t on = 0;  // bit b: row tb + b is evicted
 #pragma unroll
       for (uint32_t b = 0; b < kBatch; ++b) {
-        if ((on >> b) & 1u) {
-          w[b] = __ldg(reinterpret_cast<const Piece*>(kh + (tb + b) * token_stride + x0));
+        const uint64_t t = tb + b;
+        if (t < t1 && e[t] != 0) {
+          on |= 1u << b;
+          w[b] = __ldg(reinterpret_cast<const Piece*>(kh + t * token_stride + x0));
         }
       }
-      on_next = tb + kBatch < t1 ? flags(tb + kBatch) : 0u;
 #pragma unroll
       for (uint32_t b = 0; b < kBatch; ++b) {
         if (((on >> b) & 1u) == 0) continue;
@@ -318,80 +288,6 @@ __global__ void __launch_bounds__(256) DistanceKernel(const T* keys, uint64_t he
   }
 }
 
-// DistanceKernel with the rows read coalesced: a warp takes 32 consecutive tokens (layer-wide
-// index) and reads their rows 128 bytes of each at a time (8 loads a lane, each covering four
-// whole rows' 128 bytes) into shared memory, swizzled so that each lane then reads its own row's
-// 16-byte pieces without bank conflicts, and sums its row's channels in order as DistanceKernel
-// does (the same bits). Needs 16-byte aligned rows whose bytes are a multiple of 128.
-constexpr unsigned kRowTileThreads = 256;
-constexpr uint32_t kRowSlice = 128;  // bytes of a row staged at a time
-
-template <typename T>
-__global__ void __launch_bounds__(kRowTileThreads) DistanceRowsKernel(
-    const T* keys, uint64_t head_stride, uint64_t token_stride, uint32_t d, uint32_t heads,
-    uint64_t n, const double* mu, uint64_t* sort_keys, uint32_t* idx, uint32_t* dist) {
-  constexpr uint32_t kVec = 16 / sizeof(T);
-  constexpr uint32_t kPieces = kRowSlice / 16;  // 16-byte pieces of a slice
-  __shared__ uint4 stage[kRowTileThreads / 32][32 * kPieces];
-  const uint64_t total = uint64_t{heads} * n;
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint64_t first = (uint64_t{blockIdx.x} * (kRowTileThreads / 32) + warp) * 32;
-  if (first >= total) return;
-  const uint64_t i = first + lane;
-  const bool mine = i < total;
-  const uint64_t h = mine ? i / n : 0;
-  const T* row = keys + h * head_stride + (mine ? i - h * n : 0) * token_stride;
-  const double* m = mu + h * d;
-  uint4* st = stage[warp];
-  double acc = 0.0;
-  const uint32_t slice_elems = kRowSlice / sizeof(T);
-  for (uint32_t x0 = 0; x0 < d; x0 += slice_elems) {
-    // Load j: lanes 8 q .. 8 q + 7 read row (4 j + q)'s slice, 16 bytes each.
-    uint4 w[kPieces];
-#pragma unroll
-    for (uint32_t j = 0; j < kPieces; ++j) {
-      const uint32_t src = 4 * j + (lane >> 3);
-      const T* src_row = reinterpret_cast<const T*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(row), src));
-      if (first + src < total) {
-        w[j] = __ldg(reinterpret_cast<const uint4*>(src_row + x0) + (lane & 7));
-      }
-    }
-#pragma unroll
-    for (uint32_t j = 0; j < kPieces; ++j) {
-      const uint32_t src = 4 * j + (lane >> 3);
-      st[src * kPieces + ((lane & 7) ^ (src & 7))] = w[j];
-    }
-    __syncwarp();
-    if (mine) {
-#pragma unroll
-      for (uint32_t q = 0; q < kPieces; ++q) {
-        const uint4 piece = st[lane * kPieces + (q ^ (lane & 7))];
-        const T* e = reinterpret_cast<const T*>(&piece);
-        // The mean two channels a load (16-byte aligned: d is a multiple of 32 here).
-        const double2* mq = reinterpret_cast<const double2*>(m + x0 + q * kVec);
-#pragma unroll
-        for (uint32_t v = 0; v < kVec; v += 2) {
-          const double2 mv = __ldg(mq + v / 2);
-          const double d0 = __dsub_rn(LoadD(e + v), mv.x);
-          acc = __dadd_rn(acc, __dmul_rn(d0, d0));
-          const double d1 = __dsub_rn(LoadD(e + v + 1), mv.y);
-          acc = __dadd_rn(acc, __dmul_rn(d1, d1));
-        }
-      }
-    }
-    __syncwarp();
-  }
-  if (!mine) return;
-  const uint32_t bits = __float_as_uint(__double2float_rn(sqrt(acc)));
-  if (sort_keys != nullptr) {
-    sort_keys[total + i] = ((uint64_t{heads} + h) << 32) | bits;
-    idx[total + i] = static_cast<uint32_t>(i);
-  } else {
-    dist[i] = bits;
-  }
-}
-
 // The 32-bit key token i (layer-wide index) is ranked by: its score's order bits (set 0) or
 // its distance key (set 1).
 __device__ __forceinline__ uint32_t RankKey(const float* scores, const uint32_t* dist,
@@ -407,15 +303,12 @@ __device__ __forceinline__ uint32_t RankKey(const float* scores, const uint32_t*
 // largest key, later in the input) and writes each token's place in its tile into `rank`; with
 // `sorted` (heads of several tiles), also the tile's keys in that order, for MergeRankKernel. A
 // head of one tile is ranked here.
-// kMinBlocks: blocks a multiprocessor holds at once (2 caps the registers at 64, with spills).
-template <unsigned kThreads, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) BlockRankKernel(const float* scores,
+__global__ void __launch_bounds__(kSortThreads, 1) BlockRankKernel(const float* scores,
                                                                    const uint32_t* dist,
                                                                    uint32_t heads, uint64_t n,
                                                                    uint32_t tiles, uint32_t* rank,
                                                                    uint32_t* sorted) {
-  constexpr unsigned kSortItems = SortItems<kThreads>();
-  using Sort = cub::BlockRadixSort<uint32_t, kThreads, kSortItems, uint32_t>;
+  using Sort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems, uint32_t>;
   __shared__ typename Sort::TempStorage temp;
   const uint32_t b = blockIdx.x, tile = blockIdx.y;
   const bool distances = b >= heads;
@@ -453,12 +346,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) BlockRankKernel(const fl
 // tiles' sorted keys are staged in shared memory one at a time, and as a thread's keys rise so do
 // their counts: its first key's count is a binary search, each next one a galloping search
 // onward from the last (a few steps where the tiles interleave).
-template <unsigned kThreads>
-__global__ void __launch_bounds__(kThreads) MergeRankKernel(uint32_t heads, uint64_t n,
+__global__ void __launch_bounds__(kSortThreads) MergeRankKernel(uint32_t heads, uint64_t n,
                                                                uint32_t tiles,
                                                                const uint32_t* sorted,
                                                                uint32_t* rank) {
-  constexpr unsigned kSortItems = SortItems<kThreads>();
   __shared__ uint32_t other[kBlockSortTokens];
   const uint32_t b = blockIdx.x, tile = blockIdx.y;
   const bool distances = b >= heads;
@@ -480,7 +371,7 @@ __global__ void __launch_bounds__(kThreads) MergeRankKernel(uint32_t heads, uint
     const uint32_t ulen = static_cast<uint32_t>(n - u0 < kBlockSortTokens ? n - u0 : kBlockSortTokens);
     const uint32_t* src = sorted + (uint64_t{b} * tiles + u) * 2 * kBlockSortTokens;
     __syncthreads();  // the previous tile's searches are done
-    for (uint32_t i = threadIdx.x; i < ulen; i += kThreads) other[i] = src[i];
+    for (uint32_t i = threadIdx.x; i < ulen; i += kSortThreads) other[i] = src[i];
     __syncthreads();
     if (p0 >= len) continue;
     const bool before = u < tile;
@@ -615,7 +506,11 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   const uint64_t staged_max = std::min<uint64_t>(
       kStagedTokens, optin > 4096 ? (static_cast<uint64_t>(optin) - 4096) / sizeof(uint32_t) : 0);
-  static const bool match = internal::SwitchOn("KVCOMP_RESCORE_SELECT_MATCH");
+  // The select without digit matching; KVCOMP_RESCORE_SELECT_MATCH=1 matches (for comparison).
+  static const bool match = [] {
+    const char* env = std::getenv("KVCOMP_RESCORE_SELECT_MATCH");
+    return env != nullptr && std::strcmp(env, "1") == 0;
+  }();
   auto evict = [&](auto staged_tag, auto match_tag) -> cudaError_t {
     constexpr bool kStaged = decltype(staged_tag)::value, kMatch = decltype(match_tag)::value;
     if (kStaged) {
@@ -647,47 +542,17 @@ absl::Status Rescore(cudaStream_t stream, Allocator& allocator, const HeadsView&
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   MeanKernel<<<heads, std::min<unsigned>(256, (d + 31) / 32 * 32), 0, stream>>>(
       partial, d, chunks, n - kept, mu);
-  // KVCOMP_RESCORE_ROW_TILES=0: every thread reads its own row (for comparison).
-  static const bool row_tiles = internal::SwitchOn("KVCOMP_RESCORE_ROW_TILES");
-  if (row_tiles && vec && (uint64_t{d} * sizeof(T)) % kRowSlice == 0) {
-    const uint64_t per_block = kRowTileThreads;  // 32 rows a warp
-    DistanceRowsKernel<T><<<static_cast<unsigned>((total + per_block - 1) / per_block),
-                            kRowTileThreads, 0, stream>>>(
-        k, keys.head_stride, keys.token_stride, d, heads, n, mu, key_a, val_a, val_a);
-  } else {
-    DistanceKernel<T><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-        k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, key_a, val_a, val_a);
-  }
+  DistanceKernel<T><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+      k, keys.head_stride, keys.token_stride, d, heads, n, mu, vec, key_a, val_a, val_a);
   KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (block_sort) {
     const dim3 grid(2 * heads, static_cast<unsigned>(tiles));
-    // KVCOMP_RESCORE_SORT_BLOCKS=2: two sorting blocks a multiprocessor; with
-    // KVCOMP_RESCORE_SORT_THREADS=1024, tiles sorted and merged by 1024 threads (comparisons).
-    static const int variant = [] {
-      const char* blocks = std::getenv("KVCOMP_RESCORE_SORT_BLOCKS");
-      const char* threads = std::getenv("KVCOMP_RESCORE_SORT_THREADS");
-      if (threads != nullptr && std::strcmp(threads, "1024") == 0) return 2;
-      return blocks != nullptr && std::strcmp(blocks, "2") == 0 ? 1 : 0;
-    }();
-    const uint32_t t32 = static_cast<uint32_t>(tiles);
-    if (variant == 2) {
-      BlockRankKernel<1024, 1><<<grid, 1024, 0, stream>>>(scores, val_a, heads, n, t32, rank,
-                                                          sorted);
-    } else if (variant == 1) {
-      BlockRankKernel<kSortThreads, 2><<<grid, kSortThreads, 0, stream>>>(
-          scores, val_a, heads, n, t32, rank, sorted);
-    } else {
-      BlockRankKernel<kSortThreads, 1><<<grid, kSortThreads, 0, stream>>>(
-          scores, val_a, heads, n, t32, rank, sorted);
-    }
+    BlockRankKernel<<<grid, kSortThreads, 0, stream>>>(scores, val_a, heads, n,
+                                                       static_cast<uint32_t>(tiles), rank, sorted);
     if (tiles > 1) {
       KVCOMP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-      if (variant == 2) {
-        MergeRankKernel<1024><<<grid, 1024, 0, stream>>>(heads, n, t32, sorted, rank);
-      } else {
-        MergeRankKernel<kSortThreads><<<grid, kSortThreads, 0, stream>>>(heads, n, t32, sorted,
-                                                                          rank);
-      }
+      MergeRankKernel<<<grid, kSortThreads, 0, stream>>>(heads, n, static_cast<uint32_t>(tiles),
+                                                         sorted, rank);
     }
   } else {
     // Both ranks from one stable sort: (set, head) above the 32-bit key, payload the index.
