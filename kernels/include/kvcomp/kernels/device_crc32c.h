@@ -6,10 +6,12 @@
 // How: a CRC register is linear over GF(2) in its start value and its input, so the CRC of a
 // buffer is the XOR of each chunk's CRC (register started at 0) shifted by the bytes that follow
 // the chunk, where shifting by n bytes is a multiplication by x^(8n) modulo the polynomial. Each
-// thread takes one 512-byte chunk (slicing-by-16 tables in shared memory), a block folds its
-// 256 chunks with one multiplication per thread and per warp, and each block adds its part to the
-// result with an atomic XOR. That arithmetic on the CPU (Crc32cCombine, Crc32cOfZeros,
-// Crc32cShift, for combining CRCs of pieces) is in kvcomp/core/crc32c.h.
+// thread takes one 512-byte chunk (table lookups in shared memory: slicing-by-4 tables with a
+// copy per lane in its own bank for calls of a block per multiprocessor or more, slicing-by-16
+// tables below), a block folds its chunks with one multiplication per thread and per warp, and
+// each block adds its part to the result with an atomic XOR. That arithmetic on the CPU
+// (Crc32cCombine, Crc32cOfZeros, Crc32cShift, for combining CRCs of pieces) is in
+// kvcomp/core/crc32c.h.
 //
 // Thread-safety: reentrant; the device calls are ordered on the stream given.
 #ifndef KVCOMP_KERNELS_DEVICE_CRC32C_H_
