@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace kvcomp {
@@ -537,6 +538,122 @@ absl::Status DecodeRows(const Basis& b, uint64_t head, const uint8_t* in, uint64
     for (uint64_t i = 0; i < y.size(); ++i) StoreFromFloat(dst, dtype, begin * d + i, y[i]);
     return s;
   });
+}
+
+namespace {
+
+constexpr char kCalibrationMagic[4] = {'K', 'V', 'P', 'C'};
+constexpr uint8_t kCalibrationFormat = 1;
+
+uint64_t CalibrationVersion(uint64_t key_fingerprint, uint64_t value_fingerprint) {
+  char b[16];
+  std::memcpy(b, &key_fingerprint, 8);
+  std::memcpy(b + 8, &value_fingerprint, 8);
+  return Fnv1a(b, 16);
+}
+
+}  // namespace
+
+absl::Status Calibration::Validate() const {
+  absl::Status st = keys.Validate();
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("pq calibration keys: ", st.message()));
+  }
+  st = values.Validate();
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("pq calibration values: ", st.message()));
+  }
+  if (keys.num_layers != values.num_layers || keys.num_kv_heads != values.num_kv_heads ||
+      keys.head_dim != values.head_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "pq calibration: the keys' basis is %u x %u x %u, the values' %u x %u x %u",
+        keys.num_layers, keys.num_kv_heads, keys.head_dim, values.num_layers,
+        values.num_kv_heads, values.head_dim));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Calibration::Seal() {
+  absl::Status st = Validate();
+  if (!st.ok()) return st;
+  key_fingerprint = keys.Fingerprint();
+  value_fingerprint = values.Fingerprint();
+  version = CalibrationVersion(key_fingerprint, value_fingerprint);
+  return absl::OkStatus();
+}
+
+std::string Calibration::Serialize() const {
+  std::string s(kCalibrationMagic, 4);
+  s.push_back(static_cast<char>(kCalibrationFormat));
+  s.append(3, '\0');
+  PutU64(&s, version);
+  for (const Basis* b : {&keys, &values}) {
+    const std::string bytes = b->Serialize();
+    PutU64(&s, bytes.size());
+    s += bytes;
+  }
+  return s;
+}
+
+absl::StatusOr<Calibration> Calibration::Parse(absl::string_view bytes) {
+  if (bytes.size() < 24) {
+    return absl::DataLossError(
+        absl::StrFormat("pq calibration: %u bytes, shorter than its header", bytes.size()));
+  }
+  const char* p = bytes.data();
+  if (std::memcmp(p, kCalibrationMagic, 4) != 0) {
+    return absl::InvalidArgumentError("pq calibration: not KVPC");
+  }
+  if (static_cast<uint8_t>(p[4]) != kCalibrationFormat || p[5] != 0 || p[6] != 0 || p[7] != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "pq calibration: format %u (this reader knows %u) or reserved bytes set",
+        static_cast<uint8_t>(p[4]), kCalibrationFormat));
+  }
+  const uint64_t want_version = GetU64(p + 8);
+  uint64_t at = 16;
+  Calibration c;
+  for (Basis* b : {&c.keys, &c.values}) {
+    if (bytes.size() - at < 8) return absl::DataLossError("pq calibration: truncated");
+    const uint64_t n = GetU64(p + at);
+    at += 8;
+    if (n > bytes.size() - at) return absl::DataLossError("pq calibration: truncated basis");
+    absl::StatusOr<Basis> parsed = Basis::Parse(bytes.substr(at, n));
+    if (!parsed.ok()) return parsed.status();
+    *b = *std::move(parsed);
+    at += n;
+  }
+  if (at != bytes.size()) return absl::DataLossError("pq calibration: bytes after the bases");
+  absl::Status st = c.Seal();
+  if (!st.ok()) return st;
+  if (c.version != want_version) {
+    return absl::DataLossError(absl::StrFormat(
+        "pq calibration: version %016x recorded, the bases give %016x", want_version, c.version));
+  }
+  return c;
+}
+
+absl::StatusOr<Calibration> FitCalibration(absl::Span<const float> keys,
+                                           absl::Span<const float> values, uint64_t n,
+                                           uint32_t num_layers, uint32_t num_kv_heads,
+                                           uint32_t head_dim, uint32_t key_bits,
+                                           uint32_t value_bits) {
+  for (uint32_t bits : {key_bits, value_bits}) {
+    if (bits == 0 || bits > kMaxWidth) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "pq calibration: %u bits per element, want 1..%u", bits, kMaxWidth));
+    }
+  }
+  Calibration c;
+  absl::StatusOr<Basis> k = Fit(keys, n, num_layers, num_kv_heads, head_dim, key_bits * head_dim);
+  if (!k.ok()) return k.status();
+  absl::StatusOr<Basis> v =
+      Fit(values, n, num_layers, num_kv_heads, head_dim, value_bits * head_dim);
+  if (!v.ok()) return v.status();
+  c.keys = *std::move(k);
+  c.values = *std::move(v);
+  absl::Status st = c.Seal();
+  if (!st.ok()) return st;
+  return c;
 }
 
 }  // namespace pq

@@ -112,6 +112,8 @@ uint64_t CompressedCache::KeyTokenBytes() const {
     case KeyCodec::kHq4:
     case KeyCodec::kHq3:
       return 4 + uint64_t{layout.head_dim} * HqBits(key_codec) / 8;
+    case KeyCodec::kPq:
+      return (uint64_t{pq_key_bits} + 7) / 8;
   }
   return 0;
 }
@@ -124,7 +126,8 @@ uint64_t CompressedCache::KeyScaleOffset(uint64_t h) const {
 
 namespace {
 
-uint64_t LatentTokenBytes(ValueCodec codec, const KvLayout& layout, uint32_t r) {
+uint64_t LatentTokenBytes(ValueCodec codec, const KvLayout& layout, uint32_t r,
+                          uint32_t pq_bits) {
   switch (codec) {
     case ValueCodec::kRaw:
       return DTypeBytes(layout.dtype, layout.head_dim);
@@ -137,6 +140,8 @@ uint64_t LatentTokenBytes(ValueCodec codec, const KvLayout& layout, uint32_t r) 
     case ValueCodec::kHq4:
     case ValueCodec::kHq3:
       return 4 + uint64_t{layout.head_dim} * HqBits(codec) / 8;
+    case ValueCodec::kPq:
+      return (uint64_t{pq_bits} + 7) / 8;
   }
   return 0;
 }
@@ -149,7 +154,7 @@ uint64_t LatentGroups(ValueCodec codec, uint32_t group_size, uint32_t r) {
 }  // namespace
 
 uint64_t CompressedCache::ValueTokenBytes() const {
-  return LatentTokenBytes(value_codec, layout, rank);
+  return LatentTokenBytes(value_codec, layout, rank, pq_value_bits);
 }
 
 uint64_t CompressedCache::ValueGroups() const {
@@ -157,7 +162,7 @@ uint64_t CompressedCache::ValueGroups() const {
 }
 
 uint64_t CompressedCache::ValueTokenBytes(uint32_t layer) const {
-  return LatentTokenBytes(value_codec, layout, LayerRank(layer));
+  return LatentTokenBytes(value_codec, layout, LayerRank(layer), pq_value_bits);
 }
 
 uint64_t CompressedCache::ValueGroups(uint32_t layer) const {
@@ -208,13 +213,35 @@ absl::Status CompressedCache::Validate() const {
           d));
     }
   }
-  if (HqBits(value_codec) != 0) {
-    if (rank != 0 || projection_version != 0 || !layer_rank.empty() || value_gamma) {
+  {
+    // pq: each pq tensor names its basis and bits, the cache the calibration (never beside a
+    // KVSplice projection); a tensor of another codec carries neither.
+    const uint64_t max_bits = uint64_t{8} * layout.head_dim;
+    const bool kpq = IsPq(key_codec), vpq = IsPq(value_codec);
+    if (kpq != (pq_key_basis != 0) || kpq != (pq_key_bits != 0) ||
+        vpq != (pq_value_basis != 0) || vpq != (pq_value_bits != 0)) {
       return absl::InvalidArgumentError(
-          "compressed cache: hq values carry no rank, projection version or gamma");
+          "compressed cache: pq basis and bits must be set exactly for the pq codecs");
+    }
+    if (pq_key_bits > max_bits || pq_value_bits > max_bits) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "compressed cache: pq bits per row %u / %u beyond 8 x head_dim %u", pq_key_bits,
+          pq_value_bits, layout.head_dim));
+    }
+    if ((kpq || vpq) && (projection_version == 0 || IsProjectionCodec(value_codec))) {
+      return absl::InvalidArgumentError(
+          "compressed cache: pq codecs need the pq calibration's version and no projection "
+          "codec");
+    }
+  }
+  if (HqBits(value_codec) != 0 || IsPq(value_codec)) {
+    if (rank != 0 || (!IsPq(key_codec) && !IsPq(value_codec) && projection_version != 0) ||
+        !layer_rank.empty() || value_gamma) {
+      return absl::InvalidArgumentError(
+          "compressed cache: hq and pq values carry no rank, projection version or gamma");
     }
   } else if (value_codec == ValueCodec::kRaw) {
-    if (rank != 0 || projection_version != 0) {
+    if (rank != 0 || (!IsPq(key_codec) && projection_version != 0)) {
       return absl::InvalidArgumentError(
           "compressed cache: raw values carry no rank or projection version");
     }
@@ -338,6 +365,27 @@ absl::Status CompressedCache::Validate() const {
   if (HqBits(key_codec) != 0) {
     if (absl::Status s = check_hq(keys, KeyTokenBytes(), "key"); !s.ok()) return s;
   }
+  // pq records: the bits after a row's codes are zero (every byte of a record is covered).
+  auto check_pq = [](const std::vector<uint8_t>& rows, uint32_t bits,
+                     absl::string_view what) -> absl::Status {
+    const uint64_t row_bytes = (uint64_t{bits} + 7) / 8;
+    if (bits % 8 == 0 || row_bytes == 0) return absl::OkStatus();
+    const uint8_t spare = static_cast<uint8_t>(0xffu << (bits % 8));
+    for (uint64_t at = row_bytes - 1; at < rows.size(); at += row_bytes) {
+      if ((rows[at] & spare) != 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "compressed cache: pq %s row %u has bits set after its %u bits of codes", what,
+            at / row_bytes, bits));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (IsPq(key_codec)) {
+    if (absl::Status s = check_pq(keys, pq_key_bits, "key"); !s.ok()) return s;
+  }
+  if (IsPq(value_codec)) {
+    if (absl::Status s = check_pq(values, pq_value_bits, "value"); !s.ok()) return s;
+  }
   if (HqBits(value_codec) != 0) {
     if (absl::Status s = check_hq(values, ValueTokenBytes(), "value"); !s.ok()) return s;
   }
@@ -399,7 +447,9 @@ bool operator==(const CompressedCache& a, const CompressedCache& b) {
   return a.layout == b.layout && a.original_tokens == b.original_tokens && a.policy == b.policy &&
          a.key_codec == b.key_codec && a.value_codec == b.value_codec && a.rank == b.rank &&
          (a.ValueGroups() == 0 || a.group_size == b.group_size) &&
-         a.projection_version == b.projection_version && a.value_gamma == b.value_gamma &&
+         a.projection_version == b.projection_version && a.pq_key_basis == b.pq_key_basis &&
+         a.pq_value_basis == b.pq_value_basis && a.pq_key_bits == b.pq_key_bits &&
+         a.pq_value_bits == b.pq_value_bits && a.value_gamma == b.value_gamma &&
          a.layer_rank == b.layer_rank && a.raw_value_rows == b.raw_value_rows &&
          a.raw_values == b.raw_values && a.kept == b.kept && a.positions == b.positions &&
          a.keys == b.keys && a.key_scales == b.key_scales && a.values == b.values &&

@@ -36,6 +36,11 @@ enum HeaderOffset : uint32_t {
   kOffTotalKept = 64,
   kOffProjection = 72,
   kOffTableCrc = 80,
+  kOffPqKeyBasis = 84,    // 1.5: pq keys' basis fingerprint, else 0
+  kOffPqValueBasis = 92,  // 1.5: pq values' basis fingerprint, else 0
+  kOffPqKeyBits = 100,    // 1.5: pq keys' bits per row, else 0
+  kOffPqValueBits = 104,  // 1.5: pq values' bits per row, else 0
+  kOffReserved = 108,     // 108..123 zero
   kOffHeaderCrc = 124,
 };
 constexpr uint32_t kFlagMoments = 1;
@@ -266,7 +271,7 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, 
   if (LoadLe<uint32_t>(b, kOffHeaderBytes) != kHeaderBytes) {
     return absl::InvalidArgumentError("cache format: header size is not 128");
   }
-  for (uint32_t off = kOffTableCrc + 4; off < kOffHeaderCrc; ++off) {
+  for (uint32_t off = kOffReserved; off < kOffHeaderCrc; ++off) {
     if (b[off] != 0) return absl::InvalidArgumentError("cache format: reserved header bytes set");
   }
   if (b[43] != 0) return absl::InvalidArgumentError("cache format: reserved header byte set");
@@ -302,6 +307,24 @@ absl::StatusOr<Parsed> ParseHeaderAndTable(absl::string_view bytes, uint64_t n, 
   info.original_tokens = LoadLe<uint64_t>(b, kOffOriginalTokens);
   info.total_kept = LoadLe<uint64_t>(b, kOffTotalKept);
   info.projection_version = LoadLe<uint64_t>(b, kOffProjection);
+  info.pq_key_basis = LoadLe<uint64_t>(b, kOffPqKeyBasis);
+  info.pq_value_basis = LoadLe<uint64_t>(b, kOffPqValueBasis);
+  info.pq_key_bits = LoadLe<uint32_t>(b, kOffPqKeyBits);
+  info.pq_value_bits = LoadLe<uint32_t>(b, kOffPqValueBits);
+  {
+    const bool kpq = IsPq(info.key_codec), vpq = IsPq(info.value_codec);
+    const uint64_t max_bits = uint64_t{8} * info.layout.head_dim;
+    if (kpq != (info.pq_key_basis != 0) || kpq != (info.pq_key_bits != 0) ||
+        vpq != (info.pq_value_basis != 0) || vpq != (info.pq_value_bits != 0) ||
+        info.pq_key_bits > max_bits || info.pq_value_bits > max_bits) {
+      return absl::InvalidArgumentError(
+          "cache format: pq basis or bits fields do not match the codecs");
+    }
+    if ((kpq || vpq) && (info.projection_version == 0 || IsProjectionCodec(info.value_codec))) {
+      return absl::InvalidArgumentError(
+          "cache format: pq codecs without their calibration version, or beside a projection");
+    }
+  }
   if (info.original_tokens > KvLayout::kMaxTokens) {
     return absl::InvalidArgumentError("cache format: original_tokens beyond the limit");
   }
@@ -449,6 +472,10 @@ absl::Status WriteHeaderAndTable(const CompressedCache& cache, const EncodingPla
   StoreLe<uint64_t>(b, kOffOriginalTokens, cache.original_tokens);
   StoreLe<uint64_t>(b, kOffTotalKept, cache.total_kept());
   StoreLe<uint64_t>(b, kOffProjection, cache.projection_version);
+  StoreLe<uint64_t>(b, kOffPqKeyBasis, cache.pq_key_basis);
+  StoreLe<uint64_t>(b, kOffPqValueBasis, cache.pq_value_basis);
+  StoreLe<uint32_t>(b, kOffPqKeyBits, cache.pq_key_bits);
+  StoreLe<uint32_t>(b, kOffPqValueBits, cache.pq_value_bits);
   for (size_t i = 0; i < sections.size(); ++i) {
     uint8_t* e = b + kHeaderBytes + kSectionEntryBytes * i;
     StoreLe<uint32_t>(e, 0, sections[i].id);
@@ -605,10 +632,15 @@ absl::StatusOr<CompressedCache> ParseCache(absl::string_view bytes) {
   c.rank = info.rank;
   c.group_size = p.group_size;
   c.projection_version = info.projection_version;
+  c.pq_key_basis = info.pq_key_basis;
+  c.pq_value_basis = info.pq_value_basis;
+  c.pq_key_bits = info.pq_key_bits;
+  c.pq_value_bits = info.pq_value_bits;
   c.has_moments = info.has_moments;
   c.value_gamma = info.value_gamma;
   if (!IsProjectionCodec(c.value_codec)) {
-    if (c.rank != 0 || c.projection_version != 0) {
+    const bool pq = IsPq(c.key_codec) || IsPq(c.value_codec);
+    if (c.rank != 0 || (!pq && c.projection_version != 0)) {
       return absl::InvalidArgumentError(
           "cache format: raw or hq values with a rank or projection");
     }

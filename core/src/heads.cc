@@ -14,6 +14,11 @@ absl::Status Movable(const CompressedCache& c) {
         "heads: values encoded by a KVSplice projection are per (layer, kv head) of the "
         "projection; decode them (or keep the heads together) before splitting or merging");
   }
+  if (IsPq(c.key_codec)) {
+    return absl::FailedPreconditionError(
+        "heads: pq keys are coded against a basis per (layer, kv head) of the model's pq "
+        "calibration; decode them (or keep the heads together) before splitting or merging");
+  }
   return c.Validate();
 }
 
@@ -71,6 +76,10 @@ CompressedCache EmptyLike(const CompressedCache& src, uint32_t kv_heads) {
   c.rank = src.rank;
   c.group_size = src.group_size;
   c.projection_version = src.projection_version;
+  c.pq_key_basis = src.pq_key_basis;
+  c.pq_value_basis = src.pq_value_basis;
+  c.pq_key_bits = src.pq_key_bits;
+  c.pq_value_bits = src.pq_value_bits;
   c.value_gamma = src.value_gamma;
   c.layer_rank = src.layer_rank;
   c.has_moments = src.has_moments;

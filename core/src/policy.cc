@@ -41,6 +41,7 @@ constexpr std::pair<absl::string_view, KeyCodec> kKeyCodecs[] = {
     {"int4", KeyCodec::kInt4},
     {"hq4", KeyCodec::kHq4},
     {"hq3", KeyCodec::kHq3},
+    {"pq", KeyCodec::kPq},
 };
 constexpr std::pair<absl::string_view, ValueCodec> kValueCodecs[] = {
     {"none", ValueCodec::kRaw},
@@ -49,6 +50,7 @@ constexpr std::pair<absl::string_view, ValueCodec> kValueCodecs[] = {
     {"orthogonal_int4", ValueCodec::kOrthogonalInt4},
     {"hq4", ValueCodec::kHq4},
     {"hq3", ValueCodec::kHq3},
+    {"pq", ValueCodec::kPq},
 };
 
 template <typename E, size_t N>
@@ -102,6 +104,7 @@ uint32_t DefaultRank(ValueCodec codec, uint32_t head_dim) {
     case ValueCodec::kRaw:
     case ValueCodec::kHq4:
     case ValueCodec::kHq3:
+    case ValueCodec::kPq:
       return 0;
     case ValueCodec::kOrthogonal:
     case ValueCodec::kOrthogonalInt8:
@@ -128,6 +131,15 @@ absl::Status CompressionPolicy::Validate() const {
   if (HqBits(value_codec) != 0 && rank != 0) {
     return Bad(absl::StrCat("rank set but value_codec ", ValueCodecName(value_codec),
                             " has no rank (the Hadamard codec keeps every dimension)"));
+  }
+  if (IsPq(value_codec) && rank != 0) {
+    return Bad("rank set but value_codec pq has no rank (its calibration fixes the components)");
+  }
+  if (IsPq(key_codec) && IsProjectionCodec(value_codec)) {
+    return Bad(absl::StrCat(
+        "key_codec pq with value_codec ", ValueCodecName(value_codec),
+        ": a cache names one calibration, the pq calibration or a KVSplice projection (use pq, "
+        "hq4, hq3 or none for the values)"));
   }
   if (value_codec == ValueCodec::kOrthogonalInt4 && rank % 2 != 0) {
     return Bad(absl::StrFormat("rank %u must be even for orthogonal_int4", rank));

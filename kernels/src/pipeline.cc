@@ -24,6 +24,7 @@
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/device_crc32c.h"
+#include "kvcomp/kernels/kvsplice.h"
 #include "kvcomp/kernels/moment_ops.h"
 #include "kvcomp/kernels/scoring_ops.h"
 #include "pipeline_device.h"
@@ -840,8 +841,8 @@ absl::StatusOr<SelectParams> CheckCompressArgs(Backend& backend, const KvCacheVi
   if (policy.scorer == Scorer::kSnapKV && cache.queries.empty()) {
     return absl::InvalidArgumentError("snapkv needs the observation window's queries");
   }
-  KVCOMP_RETURN_IF_ERROR(
-      pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
+  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecsAvailable(
+      backend, policy, options.projection.get(), options.pq.get(), cache.layout));
   return SelectParamsFromPolicy(policy, cache.num_tokens);
 }
 
@@ -882,6 +883,7 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
                                          const CompressionPolicy& policy,
                                          const CompressOptions& options) {
   if (backend.space() != MemorySpace::kHost) {
+    KVCOMP_RETURN_IF_ERROR(CheckPqCodecs(backend, policy, options.pq.get(), cache.layout));
     if (!DeviceEncodes(policy)) {
       // The hq codecs' device encoder is switched off (KVCOMP_HQ_DEVICE_ENCODE=0): the device
       // selects the kept tokens, the host encodes them (the projection codecs still on the
@@ -964,7 +966,8 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
   out.values.resize(offset * row);
   const auto t0 = std::chrono::steady_clock::now();
   KVCOMP_RETURN_IF_ERROR(
-      pipeline_internal::CodecStage(backend, policy, options.projection.get(), &out));
+      pipeline_internal::CodecStage(backend, policy, options.projection.get(), &out,
+                                    options.pq.get()));
   if (options.transfers != nullptr) {
     options.transfers->encode_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -126,7 +126,8 @@ class BlockCompressorImpl final : public BlockCompressor {
       }
     }
     KVCOMP_RETURN_IF_ERROR(
-        pipeline_internal::CodecStage(backend_, policy_, options_.projection.get(), &out));
+        pipeline_internal::CodecStage(backend_, policy_, options_.projection.get(), &out,
+                                      options_.pq.get()));
     return out;
   }
 
@@ -271,8 +272,8 @@ absl::StatusOr<std::unique_ptr<BlockCompressor>> BlockCompressor::Create(
     return absl::InvalidArgumentError(
         "adakv head budgets are not supported block-wise (use uniform)");
   }
-  KVCOMP_RETURN_IF_ERROR(
-      pipeline_internal::CodecsAvailable(backend, policy, options.projection.get()));
+  KVCOMP_RETURN_IF_ERROR(pipeline_internal::CodecsAvailable(
+      backend, policy, options.projection.get(), options.pq.get(), layout));
   uint64_t budget = options.budget;
   if (budget == 0) budget = policy.token_budget;
   if (budget == 0 && options.expected_tokens > 0) {

@@ -90,8 +90,10 @@ absl::Status MomentStage(Backend& backend, const LayerEviction& e, CompressedCac
 }
 
 absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy,
-                             const Projection* projection) {
-  if (!IsProjectionCodec(policy.value_codec)) return absl::OkStatus();  // raw or hq: no basis
+                             const Projection* projection, const pq::Calibration* pq,
+                             const KvLayout& layout) {
+  KVCOMP_RETURN_IF_ERROR(CheckPqCodecs(backend, policy, pq, layout));
+  if (!IsProjectionCodec(policy.value_codec)) return absl::OkStatus();  // raw, hq, pq
   if (projection == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "value_codec ", ValueCodecName(policy.value_codec),
@@ -101,11 +103,12 @@ absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy,
 }
 
 absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
-                        const Projection* projection, CompressedCache* cache) {
+                        const Projection* projection, CompressedCache* cache,
+                        const pq::Calibration* pq) {
   if (policy.key_codec == KeyCodec::kRaw && policy.value_codec == ValueCodec::kRaw) {
     return absl::OkStatus();
   }
-  return EncodeKept(backend, policy, projection, cache);
+  return EncodeKept(backend, policy, projection, cache, pq);
 }
 
 absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
@@ -117,6 +120,11 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
   CompressedCache& host = cache->host;
   if (host.key_codec != KeyCodec::kRaw || host.value_codec != ValueCodec::kRaw) {
     return absl::FailedPreconditionError("kvsplice: the cache is already encoded");
+  }
+  if (IsPq(policy.key_codec) || IsPq(policy.value_codec)) {
+    return absl::FailedPreconditionError(
+        "pq: the calibrated basis codec has no device encoder yet: a device engine cannot "
+        "encode it (compress on a CPU engine, or use hq4 / hq3 on a device engine)");
   }
   if (!DeviceEncodes(policy)) {
     return absl::FailedPreconditionError(

@@ -44,12 +44,16 @@ absl::Status MomentStage(Backend& backend, const LayerEviction& eviction, Compre
 
 // OK when the policy's codecs can run (raw always can); FailedPrecondition when a value codec
 // has no projection (or one with too few rows for the policy's rank).
+// The pq codecs: FailedPrecondition without a calibration, at other bits or on a device backend
+// (CheckPqCodecs).
 absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy,
-                             const Projection* projection);
+                             const Projection* projection, const pq::Calibration* pq,
+                             const KvLayout& layout);
 // Encodes the raw kept keys and values of `cache` as the policy says (no-op for raw codecs),
 // through kvsplice.h's EncodeKept.
 absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
-                        const Projection* projection, CompressedCache* cache);
+                        const Projection* projection, CompressedCache* cache,
+                        const pq::Calibration* pq = nullptr);
 
 // The codec stage of a device compression: encodes the raw kept keys and values of `cache`
 // (device arrays, as CompressOnDevice leaves them) into its device arrays as the policy says

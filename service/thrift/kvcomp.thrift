@@ -91,6 +91,8 @@ struct Policy {
   // the field or before its default changed meant); a new policy's default is 0.75
   // (core/include/kvcomp/core/policy_absent.def).
   23: double recent_fraction = 0.0,
+  24: i64 key_bits = 3,
+  25: i64 value_bits = 2,
 }
 
 struct HealthResponse {

@@ -77,6 +77,93 @@ TEST(Format, RoundTripsEveryCodecAndDtype) {
   }
 }
 
+// A cache of the pq codecs (1.5): keys at `key_bits` bits a row, values at `value_bits`, random
+// records with the bits after each row's codes zero, naming a calibration.
+CompressedCache PqCache(uint32_t key_bits, uint32_t value_bits, uint64_t seed) {
+  RandomCacheOptions o;
+  o.moments = false;
+  CompressedCache c = RandomCache(o, seed);
+  std::mt19937_64 rng(seed);
+  auto records = [&](uint32_t bits) {
+    const uint64_t row = (bits + 7) / 8;
+    std::vector<uint8_t> out(c.total_kept() * row);
+    for (uint64_t i = 0; i < out.size(); ++i) {
+      out[i] = static_cast<uint8_t>(rng());
+      if (i % row == row - 1 && bits % 8 != 0) {
+        out[i] &= static_cast<uint8_t>((1u << (bits % 8)) - 1);
+      }
+    }
+    return out;
+  };
+  c.key_codec = KeyCodec::kPq;
+  c.value_codec = ValueCodec::kPq;
+  c.policy.key_codec = KeyCodec::kPq;
+  c.policy.value_codec = ValueCodec::kPq;
+  c.pq_key_bits = key_bits;
+  c.pq_value_bits = value_bits;
+  c.pq_key_basis = 0x1234567890abcdefull;
+  c.pq_value_basis = 0x0fedcba987654321ull;
+  c.projection_version = 0x5555aaaa5555aaaaull;
+  c.keys = records(key_bits);
+  c.values = records(value_bits);
+  return c;
+}
+
+TEST(Format, PqCachesRoundTripAndTheirHeaderFieldsAreChecked) {
+  for (uint32_t kb : {192u, 37u}) {
+    const CompressedCache c = PqCache(kb, 128, kb);
+    ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+    EXPECT_EQ(c.KeyTokenBytes(), (kb + 7) / 8);
+    auto bytes = format::EncodeCache(c);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    uint16_t minor;
+    std::memcpy(&minor, bytes->data() + 6, 2);
+    EXPECT_EQ(minor, 5);
+    auto back = format::ParseCache(*bytes);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_TRUE(*back == c);
+    auto info = format::PeekCache(*bytes);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->pq_key_bits, kb);
+    EXPECT_EQ(info->pq_value_basis, c.pq_value_basis);
+    EXPECT_EQ(info->projection_version, c.projection_version);
+    // Header fields that disagree with the codecs: refused (header checksum resealed).
+    auto refused = [&](size_t off, uint64_t v, int width) {
+      std::string b = *bytes;
+      if (width == 8) Put64(&b, off, v); else Put32(&b, off, static_cast<uint32_t>(v));
+      Reseal(&b);
+      return format::ParseCache(b).status().code() == absl::StatusCode::kInvalidArgument;
+    };
+    EXPECT_TRUE(refused(100, 0, 4));              // pq keys without bits
+    EXPECT_TRUE(refused(100, 8 * 64 + 1, 4));     // more bits than 8 x head_dim
+    EXPECT_TRUE(refused(84, 0, 8));               // pq keys without a basis fingerprint
+    EXPECT_TRUE(refused(72, 0, 8));               // no calibration version
+    EXPECT_TRUE(refused(108, 1, 4));              // reserved bytes
+    EXPECT_TRUE(refused(100, kb + 8, 4));         // sizes no longer add up
+    std::string raw_keys = *bytes;
+    raw_keys[41] = static_cast<char>(KeyCodec::kRaw);  // raw keys still naming a basis
+    Reseal(&raw_keys);
+    EXPECT_FALSE(format::ParseCache(raw_keys).ok());
+    std::string unknown = *bytes;
+    unknown[41] = 7;  // no such codec
+    Reseal(&unknown);
+    EXPECT_EQ(format::ParseCache(unknown).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  // A record with a bit set after its codes (37 bits: 3 spare in the fifth byte).
+  CompressedCache bad = PqCache(37, 128, 9);
+  bad.keys[4] |= 0x20;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(format::EncodeCache(bad).ok());
+  // pq beside KVSplice values: one calibration per cache.
+  CompressedCache mixed = PqCache(192, 128, 10);
+  mixed.value_codec = ValueCodec::kOrthogonal;
+  mixed.pq_value_bits = 0;
+  mixed.pq_value_basis = 0;
+  mixed.rank = 8;
+  mixed.values.assign(mixed.total_kept() * 16, 0);
+  EXPECT_EQ(mixed.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // int4 keys: d scales per group of 128 kept tokens of each head, so the key-scale section follows
 // the kept counts; a section of another size, and an unknown key codec, are refused.
 TEST(Format, Int4KeyScalesFollowTheKeptCounts) {
@@ -150,26 +237,33 @@ size_t PolicyEntry(const std::string& b) {
   return 0;
 }
 
-// Rewrites the policy section's last record (tag, f64 value) after an edit: `drop` removes it (as
-// a writer that did not know the tag), otherwise its value becomes `value`. Checksums resealed.
-void EditLastPolicyRecord(std::string* b, uint16_t want_tag, bool drop, double value) {
+// Rewrites the policy section's record `want_tag` (an f64 value) after an edit: `drop` removes it
+// (as a writer that did not know the tag: the records after it move up), otherwise its value
+// becomes `value`. Checksums resealed.
+void EditPolicyRecord(std::string* b, uint16_t want_tag, bool drop, double value) {
   const size_t e = PolicyEntry(*b);
   ASSERT_NE(e, 0u);
   uint64_t off, size;
   std::memcpy(&off, b->data() + e + 8, 8);
   std::memcpy(&size, b->data() + e + 16, 8);
-  ASSERT_GE(size, 12u);
-  uint16_t tag, len;
-  std::memcpy(&tag, b->data() + off + size - 12, 2);
-  std::memcpy(&len, b->data() + off + size - 10, 2);
+  uint64_t at = 0;
+  uint16_t tag = 0, len = 0;
+  while (at + 4 <= size) {
+    std::memcpy(&tag, b->data() + off + at, 2);
+    std::memcpy(&len, b->data() + off + at + 2, 2);
+    if (tag == want_tag) break;
+    at += 4 + len;
+  }
   ASSERT_EQ(tag, want_tag);
   ASSERT_EQ(len, 8);
   if (drop) {
+    char* rec = b->data() + off + at;
+    std::memmove(rec, rec + 12, size - at - 12);
     std::memset(b->data() + off + size - 12, 0, 12);  // becomes padding before the next section
     size -= 12;
     Put64(b, e + 16, size);
   } else {
-    std::memcpy(b->data() + off + size - 8, &value, 8);
+    std::memcpy(b->data() + off + at + 4, &value, 8);
   }
   Put32(b, e + 24, Crc32c(b->data() + off, size));
   ResealTable(b);
@@ -196,7 +290,7 @@ TEST(Format, ReadsAVersion11PolicyWithoutRecentFraction) {
   c.policy.recent_fraction = 0.5;
   std::string b = *format::EncodeCache(c);
   // As a 1.1 writer produced it: no tag 23, minor version 1.
-  EditLastPolicyRecord(&b, 23, /*drop=*/true, 0);
+  EditPolicyRecord(&b, 23, /*drop=*/true, 0);
   const uint16_t minor = 1;
   std::memcpy(b.data() + 6, &minor, 2);
   Reseal(&b);
@@ -220,7 +314,7 @@ TEST(Format, StoredRecentFractionOutOfRangeIsRejected) {
   auto c = RandomCache(o, 7);
   for (double bad : {1.0, -0.25, std::nan("")}) {
     std::string b = *format::EncodeCache(c);
-    EditLastPolicyRecord(&b, 23, /*drop=*/false, bad);
+    EditPolicyRecord(&b, 23, /*drop=*/false, bad);
     auto back = format::ParseCache(b);
     ASSERT_FALSE(back.ok());
     EXPECT_EQ(back.status().code(), absl::StatusCode::kInvalidArgument);

@@ -147,7 +147,8 @@ def score(keys, scorer="manifold", *, backend="cpu", dtype=None, queries=None, s
 
 
 def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=None,
-             num_q_heads=None, projection=None, stream=None, k_scale=None, v_scale=None):
+             num_q_heads=None, projection=None, pq=None, stream=None, k_scale=None,
+             v_scale=None):
     """Compresses one sequence's KV cache under `policy` (default Policy()).
 
     fp8 (e4m3) keys and values (torch float8_e4m3fn tensors, ml_dtypes float8_e4m3fn arrays)
@@ -157,6 +158,10 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
 
     Value codecs other than "none" need `projection` (kvcomp.calibrate); the cache records its
     version, and kvcomp.decompress(cache, projection) returns the dense kept keys and values.
+    The pq codecs (key_codec / value_codec "pq", the calibrated basis codec at the policy's
+    key_bits / value_bits) need `pq`, the model's kvcomp.PqCalibration (kvcomp.calibrate_pq,
+    fitted at those bits; RuntimeError naming it otherwise), and encode on the CPU backend only
+    (no device twin yet); kvcomp.decompress(cache, pq=...) decodes them.
 
     Returns a CompressedCache: kept_positions(layer, head), keys(layer, head),
     values(layer, head), nbytes, original_nbytes, to_bytes(), CompressedCache.from_bytes(b).
@@ -182,7 +187,7 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
         raw = _kvcomp._compress(k, v, _kvcomp._raw_codecs(policy), backend=backend,
                                 dtype=dt or dt_v or "", queries=q, num_q_heads=num_q_heads,
                                 stream=st)
-        out = _kvcomp._encode_kept(raw, policy, projection, backend, stream=st)
+        out = _kvcomp._encode_kept(raw, policy, projection, backend, stream=st, pq=pq)
     else:
         out = _kvcomp._compress(k, v, policy, backend=backend, dtype=dt or dt_v or "",
                                 queries=q, num_q_heads=num_q_heads, stream=st)
@@ -222,7 +227,9 @@ def attention(q, cache, layer, correct=True, *, backend="cpu", scale=0.0, out=No
 # --- KVSplice (docs/kvsplice.md) ---
 from ._kvcomp import Projection  # noqa: E402,F401
 
-__all__ += ["Projection", "calibrate", "decompress", "cache_codecs"]
+__all__ += ["Projection", "calibrate", "decompress", "cache_codecs", "PqCalibration",
+            "calibrate_pq"]
+from ._kvcomp import PqCalibration  # noqa: E402,F401
 
 
 def _f32_4d(a, what):
@@ -272,6 +279,51 @@ def calibrate(values, rank=None, error_budget=None, *, keys=None, queries=None, 
                               int(max_samples), int(max_queries), int(seed), stream=st)
 
 
+def calibrate_pq(keys, values, key_bits=3, value_bits=2, *, model_id=""):
+    """Calibrates the pq codec (the calibrated basis codec, docs/format.md) for one model.
+
+    keys, values: one array each [layers, kv_heads, tokens, head_dim] (or [kv_heads, tokens,
+    head_dim]), or lists of them (many caches, concatenated along tokens; host arrays, any float
+    dtype, taken as float32), at least 2 tokens in all. key_bits / value_bits: bits per element
+    the bases are fitted at (1..8; "k3v2" = 3 and 2, the `codec` preset's). Returns a
+    kvcomp.PqCalibration (save(path) / PqCalibration.load(path)) for kvcomp.compress(...,
+    pq=...) with a policy whose key_bits / value_bits are the same.
+    """
+    import numpy as np
+
+    def join(arrays, what):
+        arrays = arrays if isinstance(arrays, (list, tuple)) else [arrays]
+        if not arrays:
+            raise ValueError(f"calibrate_pq: no {what} given")
+        parts = [_f32_4d(_host(a), what) for a in arrays]
+        return np.ascontiguousarray(np.concatenate(parts, axis=2))
+
+    k, v = join(keys, "keys"), join(values, "values")
+    if k.shape != v.shape:
+        raise ValueError(f"calibrate_pq: keys {k.shape} and values {v.shape} differ in shape")
+    return _kvcomp._calibrate_pq(k, v, int(key_bits), int(value_bits), model_id)
+
+
+def _host(a):
+    if _is_cuda(a):
+        raise ValueError("calibrate_pq takes host arrays (copy CUDA tensors with .cpu())")
+    return a
+
+
+def _pq_save(self, path):
+    with open(path, "wb") as f:
+        f.write(self.to_bytes())
+
+
+def _pq_load(path):
+    with open(path, "rb") as f:
+        return PqCalibration.from_bytes(f.read())
+
+
+PqCalibration.save = _pq_save
+PqCalibration.load = staticmethod(_pq_load)
+
+
 def _projection_save(self, path):
     with open(path, "wb") as f:
         f.write(self.to_bytes())
@@ -286,13 +338,15 @@ Projection.save = _projection_save
 Projection.load = staticmethod(_projection_load)
 
 
-def decompress(cache, projection=None, *, backend="cpu", stream=None, out=None):
+def decompress(cache, projection=None, *, pq=None, backend="cpu", stream=None, out=None):
     """Decodes a compressed cache's kept tokens: (keys, values), float32.
 
     When every (layer, kv head) kept the same number of tokens the arrays are
     [layers, kv_heads, kept, head_dim]; otherwise (AdaKV) they are lists [layer][kv_head] of
     [kept, head_dim] arrays. Kept positions: cache.kept_positions(layer, head). A cache whose
-    values were encoded needs the projection it names (KeyError when it is missing or another).
+    values were encoded needs the projection it names (KeyError when it is missing or another);
+    a cache of the pq codecs needs `pq`, the kvcomp.PqCalibration it names (KeyError likewise;
+    the CPU backend only).
 
     out=(keys, values): decode into these arrays instead and return them: C-contiguous, one
     float dtype (float32, float16 or bfloat16), sum(cache.kept) * head_dim elements each, rows
@@ -304,9 +358,10 @@ def decompress(cache, projection=None, *, backend="cpu", stream=None, out=None):
     if out is not None:
         keys, values = out
         _kvcomp._decompress_into(cache, projection, keys, values, backend,
-                                 stream=_call_stream(stream, (keys, values)))
+                                 stream=_call_stream(stream, (keys, values)), pq=pq)
         return keys, values
-    k, v, off = _kvcomp._decompress(cache, projection, backend, stream=_call_stream(stream, ()))
+    k, v, off = _kvcomp._decompress(cache, projection, backend, stream=_call_stream(stream, ()),
+                                    pq=pq)
     layers, heads, d = cache.num_layers, cache.num_kv_heads, cache.head_dim
     counts = [int(off[i + 1] - off[i]) for i in range(len(off) - 1)]
     if len(set(counts)) <= 1:

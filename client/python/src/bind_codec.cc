@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "bindings.h"
 #include "call_backend.h"
+#include "kvcomp/codecs/pq.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/core/status.h"
@@ -174,16 +175,48 @@ ProjectionPtr Calibrate(const std::vector<nb::object>& value_objs,
   return std::make_shared<Projection>(Unwrap(std::move(result)));
 }
 
+using PqPtr = std::shared_ptr<pq::Calibration>;
+
+const pq::Calibration* PqOf(const std::optional<PqPtr>& p) {
+  return p.has_value() ? p->get() : nullptr;
+}
+
+// kvcomp.calibrate_pq: keys and values [layers, kv_heads, n, head_dim] float32 (C-contiguous;
+// the Python side converts and concatenates).
+PqPtr CalibratePq(nb::ndarray<const float, nb::ndim<4>, nb::c_contig, nb::device::cpu> keys,
+                  nb::ndarray<const float, nb::ndim<4>, nb::c_contig, nb::device::cpu> values,
+                  uint32_t key_bits, uint32_t value_bits, const std::string& model_id) {
+  for (int i = 0; i < 4; ++i) {
+    if (keys.shape(i) != values.shape(i)) {
+      throw nb::value_error("calibrate_pq: keys and values must have the same shape");
+    }
+  }
+  const uint64_t n = keys.shape(2);
+  absl::StatusOr<pq::Calibration> c;
+  {
+    nb::gil_scoped_release release;
+    c = pq::FitCalibration(absl::MakeConstSpan(keys.data(), keys.size()),
+                           absl::MakeConstSpan(values.data(), values.size()), n,
+                           static_cast<uint32_t>(keys.shape(0)),
+                           static_cast<uint32_t>(keys.shape(1)),
+                           static_cast<uint32_t>(keys.shape(3)), key_bits, value_bits);
+  }
+  pq::Calibration out = Unwrap(std::move(c));
+  out.model_id = model_id;
+  return std::make_shared<pq::Calibration>(std::move(out));
+}
+
 CompressedCache EncodeKeptPy(const CompressedCache& cache, const CompressionPolicy& policy,
                              std::optional<ProjectionPtr> projection, const std::string& backend,
-                             std::optional<uint64_t> stream) {
+                             std::optional<uint64_t> stream, std::optional<PqPtr> pq) {
   const CallBackend call = CallBackend::Open(backend, -1, stream);
   Backend* be = &call.get();
   CompressedCache out = cache;
   absl::Status s;
   {
     nb::gil_scoped_release release;
-    s = EncodeKept(*be, policy, projection.has_value() ? projection->get() : nullptr, &out);
+    s = EncodeKept(*be, policy, projection.has_value() ? projection->get() : nullptr, &out,
+                   PqOf(pq));
   }
   ThrowIfError(s);
   out.policy = policy;
@@ -200,13 +233,15 @@ CompressionPolicy RawCodecs(const CompressionPolicy& p) {
 
 // (keys [total_kept, d] f32, values [total_kept, d] f32, offsets [heads + 1])
 nb::tuple Decompress(const CompressedCache& cache, std::optional<ProjectionPtr> projection,
-                     const std::string& backend, std::optional<uint64_t> stream) {
+                     const std::string& backend, std::optional<uint64_t> stream,
+                     std::optional<PqPtr> pq) {
   const CallBackend call = CallBackend::Open(backend, -1, stream);
   Backend* be = &call.get();
   absl::StatusOr<DecodedKept> d;
   {
     nb::gil_scoped_release release;
-    d = DecodeKept(*be, cache, projection.has_value() ? projection->get() : nullptr, DType::kF32);
+    d = DecodeKept(*be, cache, projection.has_value() ? projection->get() : nullptr, DType::kF32,
+                   PqOf(pq));
   }
   DecodedKept k = Unwrap(std::move(d));
   const size_t total = k.offsets.back(), dim = k.layout.head_dim;
@@ -225,7 +260,7 @@ nb::tuple Decompress(const CompressedCache& cache, std::optional<ProjectionPtr> 
 // encoded arrays go up on the call's stream and the rows are decoded in place.
 void DecompressInto(const CompressedCache& cache, std::optional<ProjectionPtr> projection,
                     nb::handle keys_obj, nb::handle values_obj, const std::string& backend,
-                    std::optional<uint64_t> stream) {
+                    std::optional<uint64_t> stream, std::optional<PqPtr> pq) {
   const CallBackend call =
       CallBackend::Open(backend, CommonDevice({keys_obj, values_obj}), stream);
   const CallArray keys = ImportArray(keys_obj, call, "keys");
@@ -251,7 +286,8 @@ void DecompressInto(const CompressedCache& cache, std::optional<ProjectionPtr> p
   {
     nb::gil_scoped_release release;
     s = DecodeKeptInto(call.get(), cache, projection.has_value() ? projection->get() : nullptr,
-                       dtype, const_cast<void*>(keys.data()), const_cast<void*>(values.data()));
+                       dtype, const_cast<void*>(keys.data()), const_cast<void*>(values.data()),
+                       PqOf(pq));
   }
   ThrowIfError(s);
 }
@@ -311,18 +347,66 @@ void RegisterCodec(nb::module_& m) {
           nb::arg("rank"))
       .def("__repr__", &Projection::DebugString);
 
+  nb::class_<pq::Calibration>(
+      m, "PqCalibration",
+      "A model's pq calibration (kvcomp.calibrate_pq): the calibrated basis codec's keys' and "
+      "values' bases per (layer, kv head), fitted at key_bits / value_bits per element.")
+      .def_prop_ro("version", [](const pq::Calibration& c) { return c.version; })
+      .def_prop_ro("model_id", [](const pq::Calibration& c) { return c.model_id; })
+      .def_prop_ro("key_bits", &pq::Calibration::key_bits)
+      .def_prop_ro("value_bits", &pq::Calibration::value_bits)
+      .def_prop_ro("num_layers", [](const pq::Calibration& c) { return c.keys.num_layers; })
+      .def_prop_ro("num_kv_heads", [](const pq::Calibration& c) { return c.keys.num_kv_heads; })
+      .def_prop_ro("head_dim", [](const pq::Calibration& c) { return c.keys.head_dim; })
+      .def_prop_ro("key_fingerprint", [](const pq::Calibration& c) { return c.key_fingerprint; })
+      .def_prop_ro("value_fingerprint",
+                   [](const pq::Calibration& c) { return c.value_fingerprint; })
+      .def_prop_ro(
+          "key_basis",
+          [](const pq::Calibration& c) {
+            const std::string b = c.keys.Serialize();
+            return nb::bytes(b.data(), b.size());
+          },
+          "the keys' basis in its byte format (docs/format.md, KVPQ)")
+      .def_prop_ro(
+          "value_basis",
+          [](const pq::Calibration& c) {
+            const std::string b = c.values.Serialize();
+            return nb::bytes(b.data(), b.size());
+          },
+          "the values' basis in its byte format (docs/format.md, KVPQ)")
+      .def("to_bytes",
+           [](const pq::Calibration& c) {
+             const std::string s = c.Serialize();
+             return nb::bytes(s.data(), s.size());
+           })
+      .def_static("from_bytes",
+                  [](nb::bytes b) {
+                    return std::make_shared<pq::Calibration>(Unwrap(
+                        pq::Calibration::Parse(absl::string_view(b.c_str(), b.size()))));
+                  })
+      .def("__repr__", [](const pq::Calibration& c) {
+        return absl::StrFormat(
+            "PqCalibration(version=%016x, k%uv%u, %u layers x %u kv heads x dim %u)", c.version,
+            c.key_bits(), c.value_bits(), c.keys.num_layers, c.keys.num_kv_heads,
+            c.keys.head_dim);
+      });
+  m.def("_calibrate_pq", &CalibratePq, nb::arg("keys"), nb::arg("values"), nb::arg("key_bits"),
+        nb::arg("value_bits"), nb::arg("model_id"));
   m.def("_calibrate", &Calibrate, nb::arg("values"), nb::arg("keys"), nb::arg("queries"),
         nb::arg("rank"), nb::arg("budget"), nb::arg("metric"), nb::arg("codec"),
         nb::arg("group_size"), nb::arg("gamma_aware"), nb::arg("model_id"), nb::arg("backend"),
         nb::arg("max_samples"), nb::arg("max_queries"), nb::arg("seed"),
         nb::arg("stream") = nb::none());
   m.def("_encode_kept", &EncodeKeptPy, nb::arg("cache"), nb::arg("policy"),
-        nb::arg("projection").none(), nb::arg("backend"), nb::arg("stream") = nb::none());
+        nb::arg("projection").none(), nb::arg("backend"), nb::arg("stream") = nb::none(),
+        nb::arg("pq") = nb::none());
   m.def("_raw_codecs", &RawCodecs, nb::arg("policy"));
   m.def("_decompress", &Decompress, nb::arg("cache"), nb::arg("projection").none(),
-        nb::arg("backend"), nb::arg("stream") = nb::none());
+        nb::arg("backend"), nb::arg("stream") = nb::none(), nb::arg("pq") = nb::none());
   m.def("_decompress_into", &DecompressInto, nb::arg("cache"), nb::arg("projection").none(),
-        nb::arg("keys"), nb::arg("values"), nb::arg("backend"), nb::arg("stream") = nb::none());
+        nb::arg("keys"), nb::arg("values"), nb::arg("backend"), nb::arg("stream") = nb::none(),
+        nb::arg("pq") = nb::none());
   m.def("_cache_codecs", [](const CompressedCache& c) {
     nb::dict d;
     d["key_codec"] = std::string(KeyCodecName(c.key_codec));
@@ -334,6 +418,10 @@ void RegisterCodec(nb::module_& m) {
     d["gamma_aware"] = c.value_gamma;
     d["raw_value_rows"] = c.raw_value_rows.size();
     d["projection_version"] = c.projection_version;
+    d["pq_key_bits"] = c.pq_key_bits;
+    d["pq_value_bits"] = c.pq_value_bits;
+    d["pq_key_basis"] = c.pq_key_basis;
+    d["pq_value_basis"] = c.pq_value_basis;
     const CacheBytes b = c.Breakdown();
     nb::dict bytes;
     bytes["header"] = b.header;

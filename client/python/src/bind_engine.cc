@@ -142,7 +142,8 @@ CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
                              bool moment_aware, const std::string& key_codec,
                              const std::string& value_codec, uint32_t rank, uint32_t group_size,
                              bool gamma_aware, double value_outlier_factor,
-                             double value_raw_fraction, double recent_fraction) {
+                             double value_raw_fraction, double recent_fraction,
+                             uint32_t key_bits, uint32_t value_bits) {
   CompressionPolicy p;
   p.scorer = Unwrap(ParseScorer(scorer));
   p.ratio = ratio;
@@ -170,6 +171,8 @@ CompressionPolicy MakePolicy(const std::string& scorer, double ratio,
   p.gamma_aware = gamma_aware;
   p.value_outlier_factor = value_outlier_factor;
   p.value_raw_fraction = value_raw_fraction;
+  p.key_bits = key_bits;
+  p.value_bits = value_bits;
   ThrowIfError(p.Validate());
   return p;
 }
@@ -283,7 +286,8 @@ void RegisterEngine(nb::module_& m) {
            nb::arg("moments") = false, nb::arg("moment_aware") = false, nb::arg("key_codec") = "raw",
            nb::arg("value_codec") = "none", nb::arg("rank") = 0, nb::arg("group_size") = 32,
            nb::arg("gamma_aware") = true, nb::arg("value_outlier_factor") = 4.0,
-           nb::arg("value_raw_fraction") = 0.02, nb::arg("recent_fraction") = 0.75)
+           nb::arg("value_raw_fraction") = 0.02, nb::arg("recent_fraction") = 0.75,
+           nb::arg("key_bits") = 3, nb::arg("value_bits") = 2)
       .def_prop_ro("budget",
                    [](const CompressionPolicy& p) -> std::optional<uint32_t> {
                      if (p.token_budget == 0) return std::nullopt;

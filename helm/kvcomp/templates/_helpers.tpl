@@ -269,7 +269,9 @@ as plain byte counts.
       "group_size" (int $p.groupSize)
       "gamma_aware" $p.gammaAware
       "value_outlier_factor" $p.valueOutlierFactor
-      "value_raw_fraction" $p.valueRawFraction -}}
+      "value_raw_fraction" $p.valueRawFraction
+      "key_bits" (int $p.keyBits)
+      "value_bits" (int $p.valueBits) -}}
 {{- $process := dict
       "shutdown_grace_seconds" $v.shutdownGraceSeconds
       "log_level" $v.logLevel -}}

@@ -74,6 +74,11 @@ absl::StatusOr<std::unique_ptr<ResidentCache>> ResidentCache::Place(
     Backend& backend, const CompressedCache& cache, std::shared_ptr<const Projection> projection,
     const PlaceOptions& options) {
   KVCOMP_RETURN_IF_ERROR(cache.Validate());
+  if (IsPq(cache.key_codec) || IsPq(cache.value_codec)) {
+    return absl::FailedPreconditionError(
+        "decode: a cache of the pq codecs is read through its calibration: decode it first "
+        "(DecodeToRawCodecs / kvcomp.decompress with its pq calibration) and place the raw cache");
+  }
   if (HqBits(cache.key_codec) != 0 || HqBits(cache.value_codec) != 0) {
     // No attention kernel reads the hq codecs: their rows are decoded once, here, and the cache
     // is placed with raw codecs (its layout's dtype; memory as a raw cache of the kept tokens).

@@ -17,6 +17,7 @@ uint64_t ValueCodecParams::LatentBytes() const {
     case ValueCodec::kRaw:
     case ValueCodec::kHq4:  // not a projection codec (kvcomp/codecs/hq.h)
     case ValueCodec::kHq3:
+    case ValueCodec::kPq:  // nor is pq (kvcomp/codecs/pq.h)
       return 0;
     case ValueCodec::kOrthogonal:
       return 2ull * rank;

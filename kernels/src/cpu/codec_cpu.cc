@@ -238,6 +238,7 @@ class CpuCodecOps final : public CodecOps {
           break;  // EncodeKeysInt4
         case KeyCodec::kHq4:  // refused by CheckKeyCall (kvcomp/codecs/hq.h encodes them)
         case KeyCodec::kHq3:
+        case KeyCodec::kPq:  // refused too (kvcomp/codecs/pq.h)
           break;
         case KeyCodec::kInt8: {
           thread_local std::vector<float> v;
@@ -308,6 +309,7 @@ class CpuCodecOps final : public CodecOps {
         }
         case KeyCodec::kHq4:  // refused by CheckKeyCall
         case KeyCodec::kHq3:
+        case KeyCodec::kPq:
           break;
       }
       FromF32(v.data(), m * d, out, out_dtype, t.begin * d);
@@ -450,6 +452,11 @@ class CpuCodecOps final : public CodecOps {
     if (HqBits(codec) != 0) {
       return absl::InvalidArgumentError(
           "codec: the hq key codecs are encoded by kvcomp/codecs/hq.h, not by CodecOps");
+    }
+    if (IsPq(codec)) {
+      return absl::InvalidArgumentError(
+          "codec: the pq key codec is encoded by kvcomp/codecs/pq.h (EncodeKept), not by "
+          "CodecOps");
     }
     if (static_cast<uint8_t>(codec) > static_cast<uint8_t>(KeyCodec::kInt4)) {
       return absl::InvalidArgumentError("codec: unknown key codec");

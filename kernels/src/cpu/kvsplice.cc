@@ -127,7 +127,108 @@ std::vector<uint64_t> PickRawValueRows(const CompressedCache& c, const std::vect
   return out;
 }
 
+// The pq codec of one tensor over every head: rows of head h are [offsets[h], offsets[h + 1])
+// of `in` (raw rows of `dtype`), its records at the same rows of `out`.
+absl::Status PqEncodeHeads(const pq::Basis& basis, const std::vector<uint64_t>& offsets,
+                           const uint8_t* in, DType dtype, uint8_t* out) {
+  const uint64_t in_row = DTypeBytes(dtype, basis.head_dim), rec = basis.RecordBytes();
+  for (uint64_t h = 0; h + 1 < offsets.size(); ++h) {
+    const uint64_t n = offsets[h + 1] - offsets[h];
+    if (n == 0) continue;
+    KVCOMP_RETURN_IF_ERROR(Annotate(
+        pq::EncodeRows(basis, h, in + offsets[h] * in_row, dtype, n, out + offsets[h] * rec,
+                       /*threads=*/0),
+        absl::StrFormat("pq head %u", h)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PqDecodeHeads(const pq::Basis& basis, const std::vector<uint64_t>& offsets,
+                           const uint8_t* in, uint8_t* out, DType dtype) {
+  const uint64_t out_row = DTypeBytes(dtype, basis.head_dim), rec = basis.RecordBytes();
+  for (uint64_t h = 0; h + 1 < offsets.size(); ++h) {
+    const uint64_t n = offsets[h + 1] - offsets[h];
+    if (n == 0) continue;
+    KVCOMP_RETURN_IF_ERROR(Annotate(
+        pq::DecodeRows(basis, h, in + offsets[h] * rec, n, out + offsets[h] * out_row, dtype,
+                       /*threads=*/0),
+        absl::StrFormat("pq head %u", h)));
+  }
+  return absl::OkStatus();
+}
+
+// The calibration a pq cache names, checked against the one given.
+absl::Status CheckPqDecode(const Backend& backend, const CompressedCache& cache,
+                           const pq::Calibration* pq) {
+  if (!IsPq(cache.key_codec) && !IsPq(cache.value_codec)) return absl::OkStatus();
+  if (pq == nullptr) {
+    return absl::NotFoundError(absl::StrFormat(
+        "pq: the cache was encoded with pq calibration %016x, which was not given: it cannot be "
+        "decoded without it",
+        cache.projection_version));
+  }
+  if (pq->version != cache.projection_version ||
+      (IsPq(cache.key_codec) && pq->key_fingerprint != cache.pq_key_basis) ||
+      (IsPq(cache.value_codec) && pq->value_fingerprint != cache.pq_value_basis)) {
+    return absl::NotFoundError(absl::StrFormat(
+        "pq: the cache was encoded with pq calibration %016x (keys' basis %016x, values' "
+        "%016x), the calibration given is %016x: decoding through another basis would return "
+        "garbage",
+        cache.projection_version, cache.pq_key_basis, cache.pq_value_basis, pq->version));
+  }
+  if (pq->keys.num_layers != cache.layout.num_layers ||
+      pq->keys.num_kv_heads != cache.layout.num_kv_heads ||
+      pq->keys.head_dim != cache.layout.head_dim) {
+    return absl::InvalidArgumentError("pq: the calibration's shape is not the cache's");
+  }
+  if (backend.space() != MemorySpace::kHost) {
+    return absl::FailedPreconditionError(
+        "pq: the calibrated basis codec has no device decoder yet: decode on a CPU backend");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status CheckPqCodecs(const Backend& backend, const CompressionPolicy& policy,
+                           const pq::Calibration* pq, const KvLayout& layout) {
+  const bool kpq = IsPq(policy.key_codec), vpq = IsPq(policy.value_codec);
+  if (!kpq && !vpq) return absl::OkStatus();
+  if (backend.space() != MemorySpace::kHost) {
+    return absl::FailedPreconditionError(
+        "pq: the calibrated basis codec has no device encoder yet: a device engine cannot "
+        "encode it (compress on a CPU engine, or use hq4 / hq3 on a device engine)");
+  }
+  if (pq == nullptr) {
+    return absl::FailedPreconditionError(
+        "pq: the pq codecs need the model's pq calibration (kvcomp.calibrate_pq in Python; "
+        "kvcompd: the Calibrate call with value_codec \"pq\"), none given");
+  }
+  if (pq->keys.num_layers != layout.num_layers || pq->keys.num_kv_heads != layout.num_kv_heads ||
+      pq->keys.head_dim != layout.head_dim) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "pq: calibration %016x is for %u layers x %u kv heads x dim %u, the cache has "
+        "%u x %u x %u",
+        pq->version, pq->keys.num_layers, pq->keys.num_kv_heads, pq->keys.head_dim,
+        layout.num_layers, layout.num_kv_heads, layout.head_dim));
+  }
+  const uint64_t d = layout.head_dim;
+  if (kpq && pq->keys.bits_total != policy.key_bits * d) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "pq: calibration %016x codes keys at %u bits per row, the policy's key_bits %u needs "
+        "%u: calibrate at key_bits %u",
+        pq->version, pq->keys.bits_total, policy.key_bits, policy.key_bits * d,
+        policy.key_bits));
+  }
+  if (vpq && pq->values.bits_total != policy.value_bits * d) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "pq: calibration %016x codes values at %u bits per row, the policy's value_bits %u "
+        "needs %u: calibrate at value_bits %u",
+        pq->version, pq->values.bits_total, policy.value_bits, policy.value_bits * d,
+        policy.value_bits));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::vector<uint32_t>> ChooseLayerRanks(const CompressionPolicy& policy,
                                                        const Projection& projection) {
@@ -171,19 +272,35 @@ absl::StatusOr<uint32_t> ChooseRank(const CompressionPolicy& policy, const Proje
 }
 
 absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
-                        const Projection* projection, CompressedCache* cache) {
+                        const Projection* projection, CompressedCache* cache,
+                        const pq::Calibration* pq) {
   KVCOMP_RETURN_IF_ERROR(policy.ValidateFor(cache->layout.head_dim));
   if (cache->key_codec != KeyCodec::kRaw || cache->value_codec != ValueCodec::kRaw) {
     return absl::FailedPreconditionError("kvsplice: the cache is already encoded");
   }
   KVCOMP_RETURN_IF_ERROR(cache->Validate());
+  KVCOMP_RETURN_IF_ERROR(CheckPqCodecs(backend, policy, pq, cache->layout));
   const KvLayout& layout = cache->layout;
   const uint64_t d = layout.head_dim, total = cache->total_kept();
   const std::vector<uint64_t> offsets = cache->TokenOffsets();
   const RowSpan rows = AllHeads(offsets);
   CodecOps& ops = backend.codec();
 
-  if (const uint32_t bits = HqBits(policy.value_codec); bits != 0) {
+  if (IsPq(policy.value_codec)) {
+    // The calibrated basis codec: one record per kept row against its head's basis.
+    std::vector<uint8_t> out(total * pq->values.RecordBytes());
+    KVCOMP_RETURN_IF_ERROR(
+        PqEncodeHeads(pq->values, offsets, cache->values.data(), layout.dtype, out.data()));
+    cache->values = std::move(out);
+    cache->value_scales.clear();
+    cache->value_codec = ValueCodec::kPq;
+    cache->rank = 0;
+    cache->layer_rank.clear();
+    cache->group_size = 32;
+    cache->value_gamma = false;
+    cache->pq_value_basis = pq->value_fingerprint;
+    cache->pq_value_bits = pq->values.bits_total;
+  } else if (const uint32_t bits = HqBits(policy.value_codec); bits != 0) {
     // The Hadamard codec: per-token records on the host, no projection.
     std::vector<uint8_t> out(total * hq::RowBytes(bits, layout.head_dim));
     KVCOMP_RETURN_IF_ERROR(hq::EncodeRows(cache->values.data(), layout.dtype, total,
@@ -238,7 +355,16 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
     cache->value_gamma = p.UsesGamma();
     cache->projection_version = projection->version;
   }
-  if (const uint32_t bits = HqBits(policy.key_codec); bits != 0) {
+  if (IsPq(policy.key_codec)) {
+    std::vector<uint8_t> out(total * pq->keys.RecordBytes());
+    KVCOMP_RETURN_IF_ERROR(
+        PqEncodeHeads(pq->keys, offsets, cache->keys.data(), layout.dtype, out.data()));
+    cache->keys = std::move(out);
+    cache->key_scales.clear();
+    cache->key_codec = KeyCodec::kPq;
+    cache->pq_key_basis = pq->key_fingerprint;
+    cache->pq_key_bits = pq->keys.bits_total;
+  } else if (const uint32_t bits = HqBits(policy.key_codec); bits != 0) {
     std::vector<uint8_t> out(total * hq::RowBytes(bits, layout.head_dim));
     KVCOMP_RETURN_IF_ERROR(hq::EncodeRows(cache->keys.data(), layout.dtype, total,
                                           layout.head_dim, bits, out.data()));
@@ -258,6 +384,7 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
     cache->key_scales = std::move(key_scales);
     cache->key_codec = policy.key_codec;
   }
+  if (IsPq(policy.key_codec) || IsPq(policy.value_codec)) cache->projection_version = pq->version;
   return cache->Validate();
 }
 
@@ -277,7 +404,7 @@ absl::Status CheckDecode(const CompressedCache& cache, DType dtype) {
 // memory of the backend's space.
 absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
                           const Projection* projection, DType dtype, uint8_t* keys,
-                          uint8_t* values, bool on_backend) {
+                          uint8_t* values, bool on_backend, const pq::Calibration* pq) {
   const KvLayout& layout = cache.layout;
   const std::vector<uint64_t> offsets = cache.TokenOffsets();
   const uint64_t total = cache.total_kept(), d = layout.head_dim;
@@ -287,7 +414,10 @@ absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
   }
   const RowSpan rows = AllHeads(offsets);
   CodecOps& ops = backend.codec();
-  if (const uint32_t bits = HqBits(cache.value_codec); bits != 0) {
+  KVCOMP_RETURN_IF_ERROR(CheckPqDecode(backend, cache, pq));
+  if (IsPq(cache.value_codec)) {
+    KVCOMP_RETURN_IF_ERROR(PqDecodeHeads(pq->values, offsets, cache.values.data(), values, dtype));
+  } else if (const uint32_t bits = HqBits(cache.value_codec); bits != 0) {
     KVCOMP_RETURN_IF_ERROR(
         ops.DecodeHq(bits, total, layout.head_dim, cache.values.data(), values, dtype));
   } else if (cache.value_codec != ValueCodec::kRaw) {
@@ -344,6 +474,9 @@ absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
                                           cache.values.data(), layout.dtype, nullptr, values,
                                           dtype));
   }
+  if (IsPq(cache.key_codec)) {
+    return PqDecodeHeads(pq->keys, offsets, cache.keys.data(), keys, dtype);
+  }
   if (const uint32_t bits = HqBits(cache.key_codec); bits != 0) {
     return ops.DecodeHq(bits, total, layout.head_dim, cache.keys.data(), keys, dtype);
   }
@@ -355,7 +488,8 @@ absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
 }  // namespace
 
 absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
-                                       const Projection* projection, DType dtype) {
+                                       const Projection* projection, DType dtype,
+                                       const pq::Calibration* pq) {
   KVCOMP_RETURN_IF_ERROR(CheckDecode(cache, dtype));
   DecodedKept out;
   out.layout = cache.layout;
@@ -366,16 +500,17 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
   out.keys.resize(DTypeBytes(dtype, elems));
   out.values.resize(DTypeBytes(dtype, elems));
   KVCOMP_RETURN_IF_ERROR(DecodeRowsTo(backend, cache, projection, dtype, out.keys.data(),
-                                      out.values.data(), /*on_backend=*/false));
+                                      out.values.data(), /*on_backend=*/false, pq));
   return out;
 }
 
 absl::Status DecodeKeptInto(Backend& backend, const CompressedCache& cache,
-                            const Projection* projection, DType dtype, void* keys, void* values) {
+                            const Projection* projection, DType dtype, void* keys, void* values,
+                            const pq::Calibration* pq) {
   KVCOMP_RETURN_IF_ERROR(CheckDecode(cache, dtype));
   KVCOMP_RETURN_IF_ERROR(DecodeRowsTo(backend, cache, projection, dtype,
                                       static_cast<uint8_t*>(keys), static_cast<uint8_t*>(values),
-                                      /*on_backend=*/true));
+                                      /*on_backend=*/true, pq));
   return backend.Synchronize();
 }
 
@@ -389,10 +524,11 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
 }
 
 absl::StatusOr<CompressedCache> DecodeToRawCodecs(Backend& backend, const CompressedCache& cache,
-                                                  const Projection* projection) {
+                                                  const Projection* projection,
+                                                  const pq::Calibration* pq) {
   if (cache.key_codec == KeyCodec::kRaw && cache.value_codec == ValueCodec::kRaw) return cache;
   KVCOMP_ASSIGN_OR_RETURN(DecodedKept d,
-                          DecodeKept(backend, cache, projection, cache.layout.dtype));
+                          DecodeKept(backend, cache, projection, cache.layout.dtype, pq));
   CompressedCache raw = cache;
   raw.key_codec = KeyCodec::kRaw;
   raw.value_codec = ValueCodec::kRaw;
@@ -401,6 +537,8 @@ absl::StatusOr<CompressedCache> DecodeToRawCodecs(Backend& backend, const Compre
   raw.raw_value_rows.clear();
   raw.raw_values.clear();
   raw.projection_version = 0;
+  raw.pq_key_basis = raw.pq_value_basis = 0;
+  raw.pq_key_bits = raw.pq_value_bits = 0;
   raw.value_gamma = false;
   raw.key_scales.clear();
   raw.value_scales.clear();

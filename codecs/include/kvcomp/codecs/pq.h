@@ -23,9 +23,10 @@
 // stream (component c in bits [o_c, o_c + width_c), o_c the sum of the earlier widths; bit k is
 // bit k % 8 of byte k / 8); the bits after bits_total are zero.
 //
-// Not yet a codec of the engine's cache format (keys and values need their bases stored beside
-// the model's KVSplice projections and a codec id in the header): this library is the codec's
-// reference, its calibration and its byte format.
+// The engine's key and value codec "pq" (KeyCodec::kPq / ValueCodec::kPq, cache format 1.5)
+// encodes through this library; a model's keys' and values' bases travel together as one
+// Calibration, whose version the caches name (kvcomp/kernels/kvsplice.h; kvcompd keeps them
+// per tenant and model beside KVSplice's projections, kvcomp/codecs/projection_store.h).
 #ifndef KVCOMP_CODECS_PQ_H_
 #define KVCOMP_CODECS_PQ_H_
 
@@ -107,6 +108,43 @@ absl::Status EncodeRows(const Basis& basis, uint64_t head, const void* src, DTyp
                         uint64_t rows, uint8_t* out, int threads = 1);
 absl::Status DecodeRows(const Basis& basis, uint64_t head, const uint8_t* in, uint64_t rows,
                         void* dst, DType dtype, int threads = 1);
+
+// A model's pq calibration: the keys' and the values' basis (the same layers, kv heads and
+// head_dim; each with its own bits per row), named by one version that the caches encoded with
+// it record (the cache format's calibration version; the header names each basis' fingerprint
+// too). A value type; const access from many threads is fine.
+struct Calibration {
+  std::string model_id;  // the model the rows came from (informational; may be empty)
+  Basis keys;
+  Basis values;
+  uint64_t version = 0;  // set by Seal(): FNV-1a 64 of the two fingerprints (never 0)
+  uint64_t key_fingerprint = 0;    // keys.Fingerprint(), set by Seal()
+  uint64_t value_fingerprint = 0;  // values.Fingerprint(), set by Seal()
+
+  // Bits per element of each tensor's rows (bits_total / head_dim, rounded down).
+  uint32_t key_bits() const { return keys.head_dim == 0 ? 0 : keys.bits_total / keys.head_dim; }
+  uint32_t value_bits() const {
+    return values.head_dim == 0 ? 0 : values.bits_total / values.head_dim;
+  }
+  // Both bases valid and of one shape. InvalidArgument.
+  absl::Status Validate() const;
+  // Validates, then sets the fingerprints and the version from the content.
+  absl::Status Seal();
+  // Little-endian bytes: "KVPC", version 1, three zero bytes, the calibration version (u64),
+  // then per tensor (keys, values) its Basis::Serialize() bytes preceded by their length (u64).
+  std::string Serialize() const;
+  // Serialize()'s output back, sealed: DataLoss for truncation, a basis whose fingerprint fails
+  // or a version that is not the content's; InvalidArgument for another magic or version.
+  static absl::StatusOr<Calibration> Parse(absl::string_view bytes);
+};
+
+// Fits both bases (Fit) on the same rows' keys and values: keys and values [heads][n][d] f32,
+// key_bits and value_bits per element (1..8; bits_total = bits x head_dim), sealed.
+absl::StatusOr<Calibration> FitCalibration(absl::Span<const float> keys,
+                                           absl::Span<const float> values, uint64_t n,
+                                           uint32_t num_layers, uint32_t num_kv_heads,
+                                           uint32_t head_dim, uint32_t key_bits,
+                                           uint32_t value_bits);
 
 }  // namespace pq
 }  // namespace kvcomp

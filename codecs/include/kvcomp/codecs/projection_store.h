@@ -8,6 +8,13 @@
 // layer and kv head of a model, so it is stored whole under layer = a per-model sequence number
 // (so the latest calibration is the highest), kv_head = 0.
 //
+// The same store keeps each tenant/model's pq calibrations (kvcomp/codecs/pq.h: the keys' and
+// values' bases of the calibrated basis codec) under keys of their own (a leading 0x01 byte,
+// then the model, a per-model sequence number, the bits per element and the version), with the
+// same lifetime rules; a cache names its pq calibration's version where a KVSplice cache names
+// its projection's (the header's calibration version, CacheMeta::projection_version), so the
+// store's reference counts cover both (both versions are content fingerprints).
+//
 // Lifetime (docs/kvsplice.md, "Projection lifetime in kvcompd"): a version is deleted once it is
 // not its tenant/model's latest, no open put holds it (AcquireLatest) and no stored cache names
 // it. The store's reference count is per cache model id (without the tenant), so a version is
@@ -25,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "kvcomp/codecs/pq.h"
 #include "kvcomp/core/cache_key.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/kernels/backend.h"
@@ -83,7 +91,32 @@ class TieredProjectionStore : public ProjectionStore {
   // Projection versions stored now (all tenants and models).
   absl::StatusOr<uint64_t> Count();
 
+  // --- pq calibrations, per tenant/model (a ProjectionModel name) ---
+  // Stores a sealed calibration as `model`'s latest at its bits per element (InvalidArgument
+  // when not sealed; storing the same version again keeps it where it is).
+  absl::Status PutPq(absl::string_view model, const pq::Calibration& calibration);
+  // NotFound naming the model and version when absent.
+  absl::StatusOr<std::shared_ptr<const pq::Calibration>> GetPq(absl::string_view model,
+                                                               uint64_t version);
+  // The latest calibration of `model` fitted at key_bits / value_bits per element, pinned as
+  // AcquireLatest pins a projection. FailedPrecondition naming the calibration call when there
+  // is none (or none at those bits).
+  absl::StatusOr<std::shared_ptr<const pq::Calibration>> AcquireLatestPq(absl::string_view model,
+                                                                         uint32_t key_bits,
+                                                                         uint32_t value_bits);
+  // pq calibration versions stored now (all tenants and models).
+  absl::StatusOr<uint64_t> CountPq();
+
  private:
+  struct PqKey {
+    std::string model;
+    uint32_t sequence = 0;
+    uint32_t key_bits = 0, value_bits = 0;
+    uint64_t version = 0;
+  };
+  absl::StatusOr<std::vector<PqKey>> ListPq(absl::string_view model);
+  absl::StatusOr<uint64_t> CollectPq(absl::string_view model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(gc_mu_);
+
   absl::StatusOr<std::vector<ProjectionKey>> List(absl::string_view model_id);
   void Release(const std::string& model, uint64_t version);
 
@@ -94,6 +127,8 @@ class TieredProjectionStore : public ProjectionStore {
   absl::flat_hash_map<std::string, uint64_t> pins_ ABSL_GUARDED_BY(gc_mu_);  // CacheName -> n
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Projection>> cache_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<const pq::Calibration>> pq_cache_
+      ABSL_GUARDED_BY(mu_);
 };
 
 // `cache` with its kept keys and values decoded to the layout's dtype and raw codecs, the
@@ -102,10 +137,14 @@ class TieredProjectionStore : public ProjectionStore {
 // when given (a caller's own, e.g. a GPU engine worker's CUDA backend: the cache's host arrays
 // are staged to the device and the decoded ones copied back), else on one shared CPU backend
 // with every hardware thread, one cache at a time.
+// A cache of the pq codecs takes its calibration from `pq_store` (the same model name; NotFound
+// when missing, or when no store is given) and decodes on the shared CPU backend whatever
+// `backend` is (the codec has no device twin yet).
 absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
                                             const std::string& projection_model,
                                             ProjectionStore* projections,
-                                            Backend* backend = nullptr);
+                                            Backend* backend = nullptr,
+                                            TieredProjectionStore* pq_store = nullptr);
 
 }  // namespace codecs
 }  // namespace kvcomp

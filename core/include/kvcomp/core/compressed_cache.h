@@ -48,7 +48,16 @@ class CompressedCache {
   uint32_t rank = 0;                // latent rank for orthogonal value codecs, else 0; with
                                     // layer_rank, the largest of the layers' ranks
   uint32_t group_size = 32;         // latent elements per scale for int8/int4
-  uint64_t projection_version = 0;  // projection used by orthogonal value codecs, else 0
+  // The calibration the codecs decode with: the KVSplice projection's version for the
+  // orthogonal value codecs, the pq calibration's (kvcomp/codecs/pq.h Calibration::version) when
+  // a codec is pq (the two never go together); else 0.
+  uint64_t projection_version = 0;
+  // pq codecs (format 1.5): each basis' fingerprint and bits per row (the record of a row is
+  // ceil(bits / 8) bytes); 0 for a tensor whose codec is not pq.
+  uint64_t pq_key_basis = 0;
+  uint64_t pq_value_basis = 0;
+  uint32_t pq_key_bits = 0;
+  uint32_t pq_value_bits = 0;
   // int8/int4 latents were divided by the projection's per-direction gamma before quantizing
   // (gamma-aware); decoding multiplies it back. Only with a quantized value codec.
   bool value_gamma = false;

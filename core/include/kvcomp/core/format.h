@@ -23,8 +23,11 @@ inline constexpr uint16_t kMajorVersion = 1;
 // int4 key codec (key codec 3, key scales per group of kept tokens); 1.4 the Hadamard codecs
 // (key and value codecs 4 and 5: per-token records in the keys and values sections, no scale
 // sections; kvcomp/codecs/hq.h). A 1.3 reader refuses 1.4 caches that use them (unknown codec)
-// and reads the others.
-inline constexpr uint16_t kMinorVersion = 4;
+// and reads the others; 1.5 the calibrated basis codec (key and value codecs 6, "pq": fixed-size
+// records against the model's pq calibration, whose version the header's calibration field and
+// whose bases' fingerprints and bits per row header bytes 84..107 name; kvcomp/codecs/pq.h). A
+// 1.4 reader refuses 1.5 caches that use it (reserved header bytes set) and reads the others.
+inline constexpr uint16_t kMinorVersion = 5;
 inline constexpr uint32_t kHeaderBytes = 128;
 inline constexpr uint32_t kSectionEntryBytes = 32;
 inline constexpr uint32_t kAlignment = 64;  // every section starts on a 64-byte boundary
@@ -55,7 +58,11 @@ struct CacheInfo {
   uint64_t original_tokens = 0;
   uint64_t total_kept = 0;
   uint64_t total_bytes = 0;
-  uint64_t projection_version = 0;
+  uint64_t projection_version = 0;  // the calibration version (projection or pq), 0 = none
+  uint64_t pq_key_basis = 0;        // pq keys' basis fingerprint (1.5), else 0
+  uint64_t pq_value_basis = 0;      // pq values' basis fingerprint (1.5), else 0
+  uint32_t pq_key_bits = 0;         // pq keys' bits per row (1.5), else 0
+  uint32_t pq_value_bits = 0;       // pq values' bits per row (1.5), else 0
   KeyCodec key_codec = KeyCodec::kRaw;
   ValueCodec value_codec = ValueCodec::kRaw;
   uint32_t rank = 0;         // the largest layer's when the ranks differ per layer

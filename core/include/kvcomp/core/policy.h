@@ -38,6 +38,8 @@ enum class KeyCodec : uint8_t {
               // kKeyInt4GroupRows kept tokens
   kHq4 = 4,   // Hadamard codec (kvcomp/codecs/hq.h), 4 bits per element, per-token f16 min/step
   kHq3 = 5,   // the same at 3 bits
+  kPq = 6,    // calibrated basis codec (kvcomp/codecs/pq.h): key_bits x head_dim bits per row
+              // against the model's pq calibration, no scales
 };
 
 // Kept tokens of a head per int4 key scale group (the head's rows in order; the last group may be
@@ -58,11 +60,13 @@ enum class ValueCodec : uint8_t {
   kOrthogonalInt4 = 3,  // latent quantized per group to int4 (two per byte), f16 scales
   kHq4 = 4,             // Hadamard codec (kvcomp/codecs/hq.h) at 4 bits: no projection, no rank
   kHq3 = 5,             // the same at 3 bits
+  kPq = 6,              // calibrated basis codec (kvcomp/codecs/pq.h): value_bits x head_dim
+                        // bits per row against the model's pq calibration
 };
 
 // Codec numbers a cache or a wire message may carry (the largest defined), for parsers.
-inline constexpr uint8_t kMaxKeyCodec = static_cast<uint8_t>(KeyCodec::kHq3);
-inline constexpr uint8_t kMaxValueCodec = static_cast<uint8_t>(ValueCodec::kHq3);
+inline constexpr uint8_t kMaxKeyCodec = static_cast<uint8_t>(KeyCodec::kPq);
+inline constexpr uint8_t kMaxValueCodec = static_cast<uint8_t>(ValueCodec::kPq);
 // Bits per element of the Hadamard codecs; 0 for every other codec. Their rows are
 // 4 + head_dim * bits / 8 bytes each (f16 minimum, f16 step, packed codes), with no scales.
 inline uint32_t HqBits(KeyCodec c) {
@@ -71,6 +75,9 @@ inline uint32_t HqBits(KeyCodec c) {
 inline uint32_t HqBits(ValueCodec c) {
   return c == ValueCodec::kHq4 ? 4 : c == ValueCodec::kHq3 ? 3 : 0;
 }
+// The calibrated basis codec (pq): needs the model's pq calibration (keys' and values' bases).
+inline bool IsPq(KeyCodec c) { return c == KeyCodec::kPq; }
+inline bool IsPq(ValueCodec c) { return c == ValueCodec::kPq; }
 // Value codecs that go through KVSplice's projection (orthogonal, _int8, _int4).
 inline bool IsProjectionCodec(ValueCodec c) {
   return c == ValueCodec::kOrthogonal || c == ValueCodec::kOrthogonalInt8 ||
@@ -81,13 +88,13 @@ absl::string_view ScorerName(Scorer s);  // "knorm", "keydiff", "manifold", ...
 absl::StatusOr<Scorer> ParseScorer(absl::string_view name);
 absl::string_view HeadBudgetName(HeadBudget b);  // "uniform", "adakv"
 absl::StatusOr<HeadBudget> ParseHeadBudget(absl::string_view name);
-absl::string_view KeyCodecName(KeyCodec c);  // "raw", "fp16", "int8", "int4", "hq4", "hq3"
+absl::string_view KeyCodecName(KeyCodec c);  // "raw", "fp16", "int8", "int4", "hq4", "hq3", "pq"
 absl::StatusOr<KeyCodec> ParseKeyCodec(absl::string_view name);
 absl::string_view ValueCodecName(ValueCodec c);  // "none", "orthogonal", "orthogonal_int8", ...
 absl::StatusOr<ValueCodec> ParseValueCodec(absl::string_view name);
 // Default latent rank of a value codec for a head dimension: orthogonal keeps head_dim/2,
 // orthogonal_int8 head_dim/2, orthogonal_int4 head_dim*3/4 (int4 costs accuracy, rank buys it
-// back); raw and the Hadamard codecs have no rank (0).
+// back); raw, the Hadamard codecs and pq have no rank (0).
 uint32_t DefaultRank(ValueCodec codec, uint32_t head_dim);
 
 struct CompressionPolicy {

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kvcomp/core/compressed_cache.h"
+#include "kvcomp/codecs/pq.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/codec_ops.h"
@@ -40,8 +41,19 @@ absl::StatusOr<std::vector<uint32_t>> ChooseLayerRanks(const CompressionPolicy& 
 // value_codec raw, as the pipeline's selection leaves them) with policy.key_codec,
 // policy.value_codec, rank, group_size and gamma_aware. `projection` is required for the value
 // codecs (FailedPrecondition when null) and must match the layout (layers, kv heads, head_dim).
+// `pq` is required for the pq codecs (FailedPrecondition when null, naming the calibration
+// call), fitted at policy.key_bits / value_bits for the codec's tensor (FailedPrecondition
+// otherwise) and of the layout's shape (InvalidArgument); they run through the library
+// (kvcomp/codecs/pq.h, its bytes) on the host only: FailedPrecondition on a device backend until
+// the codec has a device twin.
 absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
-                        const Projection* projection, CompressedCache* cache);
+                        const Projection* projection, CompressedCache* cache,
+                        const pq::Calibration* pq = nullptr);
+
+// OK when `pq` can encode `policy`'s pq codecs for caches of `layout` on `backend` (the checks
+// EncodeKept makes first); OK for a policy without pq codecs.
+absl::Status CheckPqCodecs(const Backend& backend, const CompressionPolicy& policy,
+                           const pq::Calibration* pq, const KvLayout& layout);
 
 // The kept tokens decoded: head h's rows are [offsets[h], offsets[h + 1]) of `keys` and `values`
 // ([total_kept][head_dim] of `dtype`), at sequence positions `positions` (same rows).
@@ -56,8 +68,11 @@ struct DecodedKept {
 
 // Decodes keys and values of `cache` into `dtype` (f32, f16 or bf16). `projection` may be null
 // when the values are raw; otherwise its version must be cache.projection_version (NotFound).
+// The pq codecs need `pq`, the calibration the cache names (its version and bases'
+// fingerprints; NotFound for none or another), and a host backend (FailedPrecondition).
 absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
-                                       const Projection* projection, DType dtype = DType::kF32);
+                                       const Projection* projection, DType dtype = DType::kF32,
+                                       const pq::Calibration* pq = nullptr);
 // The same, taking the projection from `store` under `model_id` (NotFound when missing).
 absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
                                        ProjectionStore& store, absl::string_view model_id,
@@ -68,13 +83,15 @@ absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& 
 // CUDA backend, so nothing decoded crosses to the host (the encoded arrays go up on the
 // backend's stream; the call returns once the rows are written). Errors as DecodeKept.
 absl::Status DecodeKeptInto(Backend& backend, const CompressedCache& cache,
-                            const Projection* projection, DType dtype, void* keys, void* values);
+                            const Projection* projection, DType dtype, void* keys, void* values,
+                            const pq::Calibration* pq = nullptr);
 
 // `cache` with its kept tokens decoded to raw codecs in its layout's dtype (positions, kept
 // counts and moments as they were): what a consumer that reads raw rows takes, e.g. a decoded
-// get or attention over a codec it has no kernel for. `projection` as for DecodeKept.
+// get or attention over a codec it has no kernel for. `projection` and `pq` as for DecodeKept.
 absl::StatusOr<CompressedCache> DecodeToRawCodecs(Backend& backend, const CompressedCache& cache,
-                                                  const Projection* projection);
+                                                  const Projection* projection,
+                                                  const pq::Calibration* pq = nullptr);
 
 // The codec parameters a cache was encoded with (its header fields; rank is the largest layer's
 // when the cache has per-layer ranks).

@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "kvcomp/codecs/pq.h"
 #include "kvcomp/core/compressed_cache.h"
 #include "kvcomp/core/layout.h"
 #include "kvcomp/core/policy.h"
@@ -91,6 +92,12 @@ struct CompressOptions {
   // needed when policy.value_codec is not none (FailedPrecondition without it); its layers, kv
   // heads and head_dim must be the cache's. The cache records its version. Default none.
   std::shared_ptr<const Projection> projection;
+  // The model's pq calibration (kvcomp/codecs/pq.h), needed when a codec is pq
+  // (FailedPrecondition without it, or when it was fitted at other bits than the policy's
+  // key_bits / value_bits); its shape must be the cache's. The cache records its version and the
+  // bases' fingerprints. The pq codecs run on a host backend only (FailedPrecondition on a
+  // device backend until their device twin exists). Default none.
+  std::shared_ptr<const pq::Calibration> pq;
   // When set, the bytes Compress copies between host and device are added to it. Default none.
   TransferBytes* transfers = nullptr;
 };
@@ -179,7 +186,9 @@ absl::StatusOr<DeviceCompressedCache> CompressToDevice(Backend& backend, const K
 // (CompressToDevice; kvcompd's device put path). True for every policy by default, the Hadamard
 // codecs (hq4/hq3, CodecOps::EncodeHq in kernels/src/cuda/hq_cuda.cu, the CPU's bits) included;
 // KVCOMP_HQ_DEVICE_ENCODE=0 in the environment (read at each call) makes it false for them, so
-// Compress selects on the device and encodes hq on the host (an operator's way back).
+// Compress selects on the device and encodes hq on the host (an operator's way back). The pq
+// codecs have no device encoder: a device backend refuses them (FailedPrecondition), whatever
+// this says.
 bool DeviceEncodes(const CompressionPolicy& policy);
 
 // Scores of one layer's keys ([num_heads, num_tokens] f32, host), as the policy's scorer gives
@@ -196,8 +205,9 @@ struct BlockCompressorOptions {
   uint64_t expected_tokens = 0;
   // Receives every token evicted from the working set (after each block and at Finish).
   EvictionHook on_evict;
-  // As CompressOptions::projection. Default none.
+  // As CompressOptions::projection and ::pq. Default none.
   std::shared_ptr<const Projection> projection;
+  std::shared_ptr<const pq::Calibration> pq;
 };
 
 // Block-wise compression for streaming prefill (KeyDiff): blocks of at most
