@@ -643,7 +643,8 @@ class ClientImpl : public Client {
   absl::StatusOr<std::vector<CalibrateResult>> Calibrate(
       absl::string_view model_id, const CalibrateOptions& calibrate) override {
     if (model_id.empty()) return absl::InvalidArgumentError("calibrate: empty model id");
-    if (calibrate.rank == 0 && !(calibrate.error_budget > 0.0 && calibrate.error_budget < 1.0)) {
+    if (calibrate.value_codec != "pq" && calibrate.rank == 0 &&
+        !(calibrate.error_budget > 0.0 && calibrate.error_budget < 1.0)) {
       return absl::InvalidArgumentError(
           "calibrate: give a rank, or an error budget in (0, 1) to pick per-layer ranks");
     }

@@ -189,6 +189,8 @@ absl::StatusOr<CalibrateResult> ControlCalibrate(const std::string& address,
   req.__set_rank(calibrate.rank);
   req.__set_error_budget(calibrate.error_budget);
   req.__set_max_caches(calibrate.max_caches);
+  req.__set_key_bits(static_cast<int32_t>(calibrate.key_bits));
+  req.__set_value_bits(static_cast<int32_t>(calibrate.value_bits));
   rpc::CalibrateResponse r;
   KVCOMP_RETURN_IF_ERROR(WithControl(address, options, [&](auto& control, const auto& auth) {
     control.Calibrate(r, auth, req);

@@ -41,6 +41,12 @@ absl::StatusOr<std::shared_ptr<const Projection>> CacheRepository::PinProjection
   return projections_->AcquireLatest(model);
 }
 
+absl::StatusOr<std::shared_ptr<const pq::Calibration>> CacheRepository::PinPq(
+    const CacheKey& key, uint32_t key_bits, uint32_t value_bits) {
+  KVCOMP_ASSIGN_OR_RETURN(std::string model, codecs::ProjectionModel(key.tenant, key.model_id));
+  return projections_->AcquireLatestPq(model, key_bits, value_bits);
+}
+
 absl::StatusOr<CacheSummary> CacheRepository::Store(const CacheKey& key,
                                                     const CompressedCache& cache,
                                                     uint64_t original_bytes,
@@ -170,7 +176,8 @@ absl::StatusOr<CompressedCache> CacheRepository::DecodeParsed(const CacheKey& ke
                       cache.key_scales.size() * sizeof(cache.key_scales[0]) +
                       cache.value_scales.size() * sizeof(cache.value_scales[0]);
   KVCOMP_ASSIGN_OR_RETURN(CompressedCache raw,
-                          codecs::DecodeToRaw(std::move(cache), model, projections_, backend));
+                          codecs::DecodeToRaw(std::move(cache), model, projections_, backend,
+                                                      projections_));
   const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
   if (backend != nullptr && backend->kind() == BackendKind::kCuda) {
     metrics_->AddTransferBytes(up, raw.keys.size() + raw.values.size());

@@ -48,6 +48,12 @@ class CacheRepository {
   // with it; the version is not collected while the pointer lives. FailedPrecondition before
   // any calibration.
   absl::StatusOr<std::shared_ptr<const Projection>> PinProjection(const CacheKey& key);
+  // The same for the pq codecs: the latest pq calibration of `key`'s tenant and model fitted at
+  // key_bits / value_bits per element, pinned while the pointer lives. FailedPrecondition naming
+  // the calibration call when there is none at those bits.
+  absl::StatusOr<std::shared_ptr<const pq::Calibration>> PinPq(const CacheKey& key,
+                                                               uint32_t key_bits,
+                                                               uint32_t value_bits);
 
   // Encodes and stores `cache` as `key` (replacing an older one); returns what was stored.
   // `original_bytes` is the uncompressed size of the put. The store's copies between host and

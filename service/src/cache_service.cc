@@ -44,12 +44,14 @@ absl::Status CheckFp16KeyRange(const BlockData& block, const CompressionPolicy& 
 // ---- a put ----
 
 OpenPut::OpenPut(CacheService* service, Engine* engine, PutRequest request,
-                 std::shared_ptr<const Projection> projection, std::unique_ptr<DeviceKv> device_kv,
+                 std::shared_ptr<const Projection> projection,
+                 std::shared_ptr<const pq::Calibration> pq, std::unique_ptr<DeviceKv> device_kv,
                  Engine::DeviceReservation reservation)
     : service_(service),
       engine_(engine),
       request_(std::move(request)),
       projection_(std::move(projection)),
+      pq_(std::move(pq)),
       assembler_(request_.layout, request_.num_tokens,
                  PutAssembler::KeySumsHelp(request_.policy.get())),
       device_kv_(std::move(device_kv)),
@@ -161,6 +163,7 @@ absl::Status OpenPut::DrainBlockWise() {
     BlockCompressorOptions bo;
     bo.expected_tokens = request_.num_tokens;
     bo.projection = projection_;
+    bo.pq = pq_;
     KVCOMP_ASSIGN_OR_RETURN(
         compressor_, BlockCompressor::Create(stream_->backend(), request_.layout, policy, bo));
   }
@@ -321,6 +324,7 @@ absl::StatusOr<CompressedCache> OpenPut::CompressWhole(Backend& backend,
   KVCOMP_ASSIGN_OR_RETURN(KvCacheView view, ViewForCommit(backend, transfers));
   CompressOptions co;
   co.projection = projection_;
+  co.pq = pq_;
   co.transfers = transfers;
   return Compress(backend, view, request_.policy.get(), co);
 }
@@ -331,6 +335,7 @@ absl::StatusOr<CacheSummary> OpenPut::CommitOnDevice(Backend& backend, TransferB
   KVCOMP_ASSIGN_OR_RETURN(KvCacheView view, ViewForCommit(backend, transfers));
   CompressOptions co;
   co.projection = projection_;
+  co.pq = pq_;
   co.transfers = transfers;
   KVCOMP_ASSIGN_OR_RETURN(DeviceCompressedCache cache,
                           CompressToDevice(backend, view, request_.policy.get(), co));
@@ -415,6 +420,13 @@ absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest reque
     // is stored.
     KVCOMP_ASSIGN_OR_RETURN(projection, repository_->PinProjection(request.key));
   }
+  std::shared_ptr<const pq::Calibration> pq;
+  const CompressionPolicy& policy = request.policy.get();
+  if (IsPq(policy.key_codec) || IsPq(policy.value_codec)) {
+    // Pinned the same way: the latest pq calibration at the policy's bits.
+    KVCOMP_ASSIGN_OR_RETURN(pq,
+                            repository_->PinPq(request.key, policy.key_bits, policy.value_bits));
+  }
   // The engine, and what the put holds there: a whole-sequence put its K and V (on a GPU engine
   // in device memory, reserved against the cap before any block arrives); a block-wise put
   // nothing (its working set is host memory).
@@ -423,13 +435,20 @@ absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest reque
                          : Engine::DeviceBytesForPut(request.layout, request.num_tokens,
                                                      request.policy.get().moments);
   KVCOMP_ASSIGN_OR_RETURN(EngineSet::Placement placed, engines_->Place(holds, device));
+  if (pq != nullptr && placed.engine->uses_gpu() && !request.block_wise) {
+    // Refused before any block arrives (the engine would refuse it at the commit).
+    return absl::FailedPreconditionError(
+        "pq: the calibrated basis codec has no device encoder yet: this put was placed on a GPU "
+        "engine (put it block-wise, which compresses on the host, or use hq4 / hq3 there)");
+  }
   std::unique_ptr<DeviceKv> device_kv;
   if (placed.engine->uploader() != nullptr && !request.block_wise) {
     KVCOMP_ASSIGN_OR_RETURN(device_kv, DeviceKv::Create(*placed.engine->uploader(),
                                                         request.layout, request.num_tokens));
   }
   std::shared_ptr<OpenPut> put(new OpenPut(this, placed.engine, std::move(request),
-                                           std::move(projection), std::move(device_kv),
+                                           std::move(projection), std::move(pq),
+                                           std::move(device_kv),
                                            std::move(placed.reservation)));
   UpdateGauges();
   return put;

@@ -76,7 +76,8 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
  private:
   friend class CacheService;
   OpenPut(CacheService* service, Engine* engine, PutRequest request,
-          std::shared_ptr<const Projection> projection, std::unique_ptr<DeviceKv> device_kv,
+          std::shared_ptr<const Projection> projection,
+          std::shared_ptr<const pq::Calibration> pq, std::unique_ptr<DeviceKv> device_kv,
           Engine::DeviceReservation reservation);
   // Copies `block` (its coverage already admitted) into the put's device buffer. Caller holds
   // mu_.
@@ -97,6 +98,7 @@ class OpenPut : public std::enable_shared_from_this<OpenPut> {
   Engine* const engine_;
   const PutRequest request_;
   const std::shared_ptr<const Projection> projection_;  // pinned while the put lives
+  const std::shared_ptr<const pq::Calibration> pq_;    // pinned while the put lives
   const absl::Time begun_ = absl::Now();
 
   absl::Mutex mu_;

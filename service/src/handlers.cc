@@ -189,7 +189,7 @@ void ControlHandler::Calibrate(rpc::CalibrateResponse& out, const rpc::Auth& aut
   KVCOMP_CONTROL_AUTH(tenant, out);
   if (!ctx_->calibrate) {
     out.status = ToRpc(absl::UnimplementedError(
-        "calibration is not available in this build (KVSplice calibration)"));
+        "calibration is not available in this build (KVSplice and pq calibration)"));
     return;
   }
   CalibrationRequest req;
@@ -199,6 +199,8 @@ void ControlHandler::Calibrate(rpc::CalibrateResponse& out, const rpc::Auth& aut
   req.rank = static_cast<uint32_t>(std::max<int64_t>(0, request.rank));
   req.error_budget = request.error_budget;
   req.max_caches = static_cast<uint64_t>(std::max<int64_t>(0, request.max_caches));
+  req.key_bits = static_cast<uint32_t>(std::max<int32_t>(0, request.key_bits));
+  req.value_bits = static_cast<uint32_t>(std::max<int32_t>(0, request.value_bits));
   auto r = ctx_->calibrate(req);
   if (!r.ok()) {
     out.status = ToRpc(r.status());

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kvcomp/codecs/pq.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/backend.h"
@@ -16,14 +18,101 @@
 namespace kvcomp {
 namespace service {
 
+namespace {
+
+// Rows per (layer, kv head) a pq calibration fits on at most (the first stored caches' kept
+// tokens, in list order).
+constexpr uint64_t kPqCalibrationRows = 4096;
+
+// The pq calibration of (tenant, model): both bases fitted on the kept keys and values of its
+// stored caches whose keys and values are raw, `request.key_bits` / `value_bits` per element.
+absl::StatusOr<CalibrationResult> CalibratePqFromStore(storage::TieredStore* store,
+                                                       codecs::TieredProjectionStore* projections,
+                                                       const CalibrationRequest& request,
+                                                       const std::string& pmodel) {
+  for (uint32_t bits : {request.key_bits, request.value_bits}) {
+    if (bits < 1 || bits > pq::kMaxWidth) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pq calibration: key_bits and value_bits must be in 1..", pq::kMaxWidth, ", got ",
+          request.key_bits, " and ", request.value_bits));
+    }
+  }
+  KVCOMP_ASSIGN_OR_RETURN(auto listed, store->List(request.tenant));
+  std::optional<KvLayout> layout;
+  std::vector<std::vector<float>> keys, values;  // per head, rows x d
+  uint64_t rows = 0, used = 0;
+  const uint64_t max_caches = request.max_caches == 0 ? 64 : request.max_caches;
+  for (const auto& entry : listed) {
+    if (used >= max_caches || rows >= kPqCalibrationRows) break;
+    if (entry.key.model_id != request.model_id) continue;
+    auto got = store->Get(entry.key);
+    if (!got.ok()) continue;
+    auto cache = format::ParseCache(got->payload.view());
+    if (!cache.ok() || cache->key_codec != KeyCodec::kRaw ||
+        cache->value_codec != ValueCodec::kRaw) {
+      continue;
+    }
+    if (!layout.has_value()) {
+      layout = cache->layout;
+      keys.resize(layout->num_heads_total());
+      values.resize(layout->num_heads_total());
+    } else if (cache->layout.num_layers != layout->num_layers ||
+               cache->layout.num_kv_heads != layout->num_kv_heads ||
+               cache->layout.head_dim != layout->head_dim) {
+      continue;  // another shape under the same model id
+    }
+    // The same rows from every head (the fit takes n rows per head): each head's first n kept
+    // tokens, n the fewest any head kept (AdaKV), within the row cap.
+    uint64_t n = kPqCalibrationRows - rows;
+    for (uint32_t k : cache->kept) n = std::min<uint64_t>(n, k);
+    if (n == 0) continue;
+    const auto offsets = cache->TokenOffsets();
+    const uint64_t d = cache->layout.head_dim;
+    const DType dt = cache->layout.dtype;
+    for (uint64_t h = 0; h < cache->num_heads(); ++h) {
+      for (uint64_t i = 0; i < n * d; ++i) {
+        keys[h].push_back(LoadAsFloat(cache->keys.data(), dt, offsets[h] * d + i));
+        values[h].push_back(LoadAsFloat(cache->values.data(), dt, offsets[h] * d + i));
+      }
+    }
+    rows += n;
+    ++used;
+  }
+  if (!layout.has_value() || rows < 2) {
+    return absl::FailedPreconditionError(
+        "no stored caches of this model with raw keys and values to calibrate pq on (at least "
+        "2 kept tokens in every head)");
+  }
+  std::vector<float> k_all, v_all;
+  for (uint64_t h = 0; h < keys.size(); ++h) {
+    k_all.insert(k_all.end(), keys[h].begin(), keys[h].end());
+    v_all.insert(v_all.end(), values[h].begin(), values[h].end());
+  }
+  KVCOMP_ASSIGN_OR_RETURN(
+      pq::Calibration calibration,
+      pq::FitCalibration(k_all, v_all, rows, layout->num_layers, layout->num_kv_heads,
+                         layout->head_dim, request.key_bits, request.value_bits));
+  calibration.model_id = request.model_id;
+  KVCOMP_RETURN_IF_ERROR(projections->PutPq(pmodel, calibration));
+  CalibrationResult result;
+  result.projection_version = calibration.version;
+  result.caches_used = used;
+  return result;
+}
+
+}  // namespace
+
 absl::StatusOr<CalibrationResult> CalibrateFromStore(storage::TieredStore* store,
                                                      codecs::TieredProjectionStore* projections,
                                                      const CalibrationRequest& request) {
   KVCOMP_ASSIGN_OR_RETURN(std::string pmodel,
                           codecs::ProjectionModel(request.tenant, request.model_id));
   KVCOMP_ASSIGN_OR_RETURN(ValueCodec codec, ParseValueCodec(request.value_codec));
+  if (IsPq(codec)) return CalibratePqFromStore(store, projections, request, pmodel);
   if (!IsProjectionCodec(codec)) {
-    return absl::InvalidArgumentError("calibration needs an orthogonal value codec");
+    return absl::InvalidArgumentError(
+        "calibration needs an orthogonal value codec (a KVSplice projection) or pq (the "
+        "calibrated basis codec's keys' and values' bases)");
   }
   KVCOMP_ASSIGN_OR_RETURN(auto listed, store->List(request.tenant));
   KVCOMP_ASSIGN_OR_RETURN(auto backend, MakeCpuBackend());

@@ -1,4 +1,4 @@
-// The daemon's side of KVSplice: the Calibrate control call over the stored caches. The
+// The daemon's side of KVSplice and pq: the Calibrate control call over the stored caches. The
 // projections themselves are kept by codecs::TieredProjectionStore
 // (kvcomp/codecs/projection_store.h), which also decodes encoded caches for gets of the decoded
 // representation.

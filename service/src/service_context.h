@@ -31,9 +31,12 @@ struct CalibrationRequest {
   uint32_t rank = 0;
   double error_budget = 0;
   uint64_t max_caches = 0;
+  // value_codec "pq": the bits per element the keys' and values' bases are fitted at.
+  uint32_t key_bits = 3;
+  uint32_t value_bits = 2;
 };
 struct CalibrationResult {
-  uint64_t projection_version = 0;
+  uint64_t projection_version = 0;  // value_codec "pq": the pq calibration's version
   uint32_t rank = 0;                 // the largest layer's
   std::vector<uint32_t> layer_ranks;  // per layer (all `rank` with a fixed rank)
   double achieved_error = 0;

@@ -168,11 +168,13 @@ struct CalibrateRequest {
   3: i64 rank = 0,             // 0 = pick by error_budget
   4: double error_budget = 0,  // relative value reconstruction error, when rank is 0
   5: i64 max_caches = 64,      // stored caches of this tenant/model to calibrate on
+  6: i32 key_bits = 3,         // value_codec "pq": bits per key element the keys' basis is fitted at
+  7: i32 value_bits = 2,       // value_codec "pq": the same for the values' basis
 }
 
 struct CalibrateResponse {
   1: Status status,  // FAILED_PRECONDITION when no stored raw-value cache of the model exists
-  2: i64 projection_version,
+  2: i64 projection_version,  // value_codec "pq": the pq calibration's version
   3: i64 rank,  // the largest layer's
   4: double achieved_error,
   5: i64 caches_used,

@@ -319,6 +319,11 @@ def test_cli_put_get_lookup_delete_stats_loadgen(daemon, tmp_path):
     assert r.returncode == 1 and not json.loads(r.stdout)[0]["ok"]
     r = run_py(["-m", "kvcomp", "calibrate", *ep, "-m", MODEL])  # neither rank nor budget
     assert r.returncode == 2
+    # the pq calibration needs neither (the bases are fitted at --key-bits / --value-bits)
+    r = run_py(["-m", "kvcomp", "calibrate", *ep, "-m", MODEL, "--value-codec", "pq"])
+    assert r.returncode == 0, r.stderr
+    cal = json.loads(r.stdout)[0]
+    assert cal["ok"] and cal["projection_version"] != 0, cal
     r = run_py(["-m", "kvcomp", "delete", *ep, "-m", MODEL, "-k", "cli"])
     assert r.returncode == 0
     r = run_py(["-m", "kvcomp", "lookup", *ep, "-m", MODEL, "-k", "cli"])

@@ -6,6 +6,7 @@
     kvcomp lookup|delete -m MODEL -k KEY
     kvcomp stats
     kvcomp calibrate -m MODEL --error-budget 0.1
+    kvcomp calibrate -m MODEL --value-codec pq
     kvcomp loadgen --requests 100 --concurrency 4 --tokens 2048
     kvcomp put-chunks -m MODEL --chunk-tokens 16 --chunk-keys h1,h2,h3 --keys ... --values ...
     kvcomp prefix     -m MODEL --chunk-keys h1,h2,h3     # how many leading chunks are stored
@@ -195,11 +196,16 @@ def cmd_stats(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    """Has every endpoint fit a KVSplice projection for the model; one JSON result each. Exit 1
-    when an endpoint failed."""
+    """Has every endpoint fit a KVSplice projection (or, with --value-codec pq, the pq
+    calibration) for the model; one JSON result each. Exit 1 when an endpoint failed."""
+    if args.value_codec != "pq" and args.error_budget is None and args.rank is None:
+        print("calibrate: give --error-budget or --rank (a KVSplice projection), or "
+              "--value-codec pq", file=sys.stderr)
+        return 2  # a usage error, as argparse's
     results = _client(args).calibrate(args.model, error_budget=args.error_budget or 0.0,
                                       rank=args.rank or 0, value_codec=args.value_codec,
-                                      max_caches=args.max_caches)
+                                      max_caches=args.max_caches, key_bits=args.key_bits,
+                                      value_bits=args.value_bits)
     print(json.dumps(results, indent=2))
     return 0 if all(r["ok"] for r in results) else 1
 
@@ -355,13 +361,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tenant's caches and bytes on each daemon").set_defaults(fn=cmd_stats)
 
     p = sub.add_parser("calibrate", parents=[common],
-                       help="fit KVSplice value projections from the caches the daemons store")
+                       help="fit KVSplice value projections (or the pq calibration) from the "
+                            "caches the daemons store")
     p.add_argument("-m", "--model", required=True)
-    g = p.add_mutually_exclusive_group(required=True)
+    g = p.add_mutually_exclusive_group()
     g.add_argument("--error-budget", type=float, help="relative value error; per-layer ranks")
     g.add_argument("--rank", type=int, help="one rank for every layer")
     p.add_argument("--value-codec", default="orthogonal_int8",
-                   choices=["orthogonal", "orthogonal_int8", "orthogonal_int4"])
+                   choices=["orthogonal", "orthogonal_int8", "orthogonal_int4", "pq"],
+                   help="pq: the calibrated basis codec's keys' and values' bases (the codec "
+                        "preset's), at --key-bits / --value-bits")
+    p.add_argument("--key-bits", type=int, default=3, help="pq: bits per key element (3)")
+    p.add_argument("--value-bits", type=int, default=2, help="pq: bits per value element (2)")
     p.add_argument("--max-caches", type=int, default=64,
                    help="caches each daemon learns from (default 64)")
     p.set_defaults(fn=cmd_calibrate)

@@ -391,15 +391,22 @@ class Client:
         return self._c.stats()
 
     def calibrate(self, model: str, *, error_budget: float = 0.0, rank: int = 0,
-                  value_codec: str = "orthogonal_int8",
-                  max_caches: int = 64) -> List[Dict[str, Any]]:
+                  value_codec: str = "orthogonal_int8", max_caches: int = 64,
+                  key_bits: int = 3, value_bits: int = 2) -> List[Dict[str, Any]]:
         """Has every endpoint fit a KVSplice value projection for `model` from the caches it
         stores with raw values (up to `max_caches`): `rank` for every layer, or (rank 0) the
         smallest per-layer ranks whose relative value error meets `error_budget`. Later puts
         whose policy asks for an orthogonal value codec are encoded with it. Returns one dict per
         endpoint: endpoint, ok, error, projection_version, rank (the largest layer's),
-        layer_ranks, achieved_error, caches_used. ValueError for bad arguments."""
-        return self._c.calibrate(model, value_codec, rank, error_budget, max_caches)
+        layer_ranks, achieved_error, caches_used. ValueError for bad arguments.
+
+        value_codec="pq" fits the model's pq calibration instead (the calibrated basis codec:
+        the keys' and values' bases from the caches it stores with raw keys and values, at
+        key_bits and value_bits per element: 3 and 2 are the `codec` preset's), which later puts
+        of pq policies at those bits encode with; rank and error_budget do not apply, and
+        projection_version is the calibration's version."""
+        return self._c.calibrate(model, value_codec, rank, error_budget, max_caches,
+                                 int(key_bits), int(value_bits))
 
     # Prefix and chunk reuse (docs/protocol.md, "Prefix and chunk reuse"): a prompt's cache is
     # stored as one cache per chunk of tokens under keys the engine already computes (chained

@@ -590,12 +590,14 @@ void RegisterClient(nb::module_& m) {
       .def(
           "calibrate",
           [](Client& c, const std::string& model, const std::string& value_codec, uint32_t rank,
-             double error_budget, uint32_t max_caches) {
+             double error_budget, uint32_t max_caches, uint32_t key_bits, uint32_t value_bits) {
             client::CalibrateOptions o;
             o.value_codec = value_codec;
             o.rank = rank;
             o.error_budget = error_budget;
             o.max_caches = max_caches;
+            o.key_bits = key_bits;
+            o.value_bits = value_bits;
             absl::StatusOr<std::vector<client::CalibrateResult>> r =
                 WithoutGil([&] { return c.Calibrate(model, o); });
             ThrowIfError(r.status());
@@ -612,7 +614,7 @@ void RegisterClient(nb::module_& m) {
             return out;
           },
           nb::arg("model"), nb::arg("value_codec"), nb::arg("rank"), nb::arg("error_budget"),
-          nb::arg("max_caches"))
+          nb::arg("max_caches"), nb::arg("key_bits") = 3, nb::arg("value_bits") = 2)
       .def(
           "lookup_prefix",
           [](Client& c, const std::string& model, const std::vector<nb::bytes>& keys,

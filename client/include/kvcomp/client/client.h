@@ -202,10 +202,14 @@ struct EndpointStats {
 // projection for (tenant, model) from up to `max_caches` caches it stores with raw values, and
 // uses it for later puts whose policy asks for an orthogonal value codec.
 struct CalibrateOptions {
-  std::string value_codec = "orthogonal_int8";  // orthogonal, orthogonal_int8, orthogonal_int4
-  uint32_t rank = 0;          // > 0: this rank for every layer
+  // orthogonal, orthogonal_int8, orthogonal_int4 (a KVSplice projection), or pq (the model's pq
+  // calibration: the calibrated basis codec's keys' and values' bases, at key_bits / value_bits)
+  std::string value_codec = "orthogonal_int8";
+  uint32_t rank = 0;          // > 0: this rank for every layer (KVSplice)
   double error_budget = 0.0;  // rank 0: per-layer ranks meeting this relative value error
   uint32_t max_caches = 64;
+  uint32_t key_bits = 3;      // pq: bits per key element (1..8)
+  uint32_t value_bits = 2;    // pq: bits per value element (1..8)
 };
 
 struct CalibrateResult {
