@@ -11,11 +11,18 @@ absl::StatusOr<CompressionPolicy> PolicyPreset(absl::string_view name) {
   if (name == "lossless" || name == "codec" || name == "balanced") {
     p.moments = false;
     p.ratio = 0.0;
-    if (name != "lossless") {
-      p.key_codec = KeyCodec::kHq4;
-      p.value_codec = ValueCodec::kHq3;
+    if (name == "codec") {
+      // The calibrated basis codec, keys 3 bits and values 2 bits per element: a compression
+      // needs the model's pq calibration at these bits (FailedPrecondition naming the
+      // calibration call without one; never other codecs in its place).
+      p.key_codec = KeyCodec::kPq;
+      p.value_codec = ValueCodec::kPq;
+      p.key_bits = 3;
+      p.value_bits = 2;
     }
     if (name == "balanced") {
+      p.key_codec = KeyCodec::kHq4;
+      p.value_codec = ValueCodec::kHq3;
       p.scorer = Scorer::kManifold;
       p.ratio = 0.33;
       p.recent_fraction = 0.85;

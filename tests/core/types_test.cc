@@ -265,8 +265,10 @@ TEST(PolicyPreset, NamedPresetsValidateAndDiffer) {
   const CompressionPolicy codec = *PolicyPreset("codec");
   EXPECT_EQ(codec.ratio, 0.0);
   EXPECT_FALSE(codec.moments);
-  EXPECT_EQ(codec.key_codec, KeyCodec::kHq4);
-  EXPECT_EQ(codec.value_codec, ValueCodec::kHq3);
+  EXPECT_EQ(codec.key_codec, KeyCodec::kPq);  // k3v2: the calibrated basis codec
+  EXPECT_EQ(codec.value_codec, ValueCodec::kPq);
+  EXPECT_EQ(codec.key_bits, 3u);
+  EXPECT_EQ(codec.value_bits, 2u);
   const CompressionPolicy balanced = *PolicyPreset("balanced");
   EXPECT_EQ(balanced.ratio, 0.33);
   EXPECT_EQ(balanced.recent_fraction, 0.85);

@@ -38,14 +38,19 @@ __all__ = ["__version__", "Policy", "CompressedCache", "score", "compress", "cud
 
 # Named presets (docs/research.md, "Presets"; the same table as kvcomp::PolicyPreset in C++):
 #   lossless  every token, raw keys and values, no moments: the cache as given.
-#   codec     every token, Hadamard-codec keys at 4 bits and values at 3 bits (hq4 / hq3), no
-#             moments: what an unmodified engine can load at full length (no projection needed).
+#   codec     every token, the calibrated basis codec, keys 3 bits and values 2 bits per
+#             element (pq, "k3v2": 6.4x, within 0.32% loss on every model measured), no
+#             moments: compress(..., pq=kvcomp.calibrate_pq(...)) with the model's calibration
+#             at those bits (an error naming calibrate_pq without one; never other codecs in
+#             its place); the CPU backend encodes it (no device twin yet: on a GPU pin
+#             key_codec="hq4", value_codec="hq3", 4.27x).
 #   balanced  manifold eviction of a third of the tokens with 85% of the kept budget recent,
 #             hq4 keys and hq3 values, no moments (6.2x, within 2% on every model measured).
 #   default   Policy() as constructed.
 PRESETS = {
     "lossless": dict(ratio=0.0, moments=False),
-    "codec": dict(ratio=0.0, moments=False, key_codec="hq4", value_codec="hq3"),
+    "codec": dict(ratio=0.0, moments=False, key_codec="pq", value_codec="pq", key_bits=3,
+                  value_bits=2),
     "balanced": dict(scorer="manifold", ratio=0.33, recent_fraction=0.85, moments=False,
                      key_codec="hq4", value_codec="hq3"),
     "default": dict(),
