@@ -519,5 +519,45 @@ TEST(PipelineDeviceTest, HostBackendIsRefused) {
   EXPECT_EQ(dc.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// The calibrated basis codec has no device twin yet: a device backend refuses it with
+// FailedPrecondition wherever a compression starts (Compress, CompressToDevice, the block-wise
+// compressor) and wherever a pq cache would be decoded on it, while the CPU backend encodes it.
+TEST(PipelineDeviceTest, ThePqCodecIsRefusedOnTheDevice) {
+  Backends b;
+  const KvLayout layout{1, 2, 2, 64, DType::kF32};
+  const Sequence s = MakeSequence(layout, 96, 11);
+  std::vector<float> k32, v32;  // [heads][tokens][d] f32: the calibration rows
+  for (uint32_t i = 0; i < 2 * 96 * 64; ++i) {
+    k32.push_back(LoadAsFloat(s.k[0].data(), DType::kF32, i));
+    v32.push_back(LoadAsFloat(s.v[0].data(), DType::kF32, i));
+  }
+  auto cal = pq::FitCalibration(k32, v32, 96, 1, 2, 64, 3, 2);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  CompressionPolicy p = Streaming(0.0);
+  p.key_codec = KeyCodec::kPq;
+  p.value_codec = ValueCodec::kPq;
+  CompressOptions o;
+  o.pq = std::make_shared<const pq::Calibration>(*cal);
+  for (const auto& st : {Compress(*b.cuda, s.view(), p, o).status(),
+                         CompressToDevice(*b.cuda, s.view(), p, o).status()}) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("no device encoder"), absl::string_view::npos) << st;
+  }
+  BlockCompressorOptions bo;
+  bo.pq = o.pq;
+  bo.budget = 32;
+  p.block_size = 32;
+  p.scorer = Scorer::kKeyDiff;
+  EXPECT_EQ(BlockCompressor::Create(*b.cuda, layout, p, bo).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  p.block_size = 0;
+  p.scorer = Scorer::kStreaming;
+  auto host = Compress(*b.cpu, s.view(), p, o);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ(DecodeKept(*b.cuda, *host, nullptr, DType::kF32, o.pq.get()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(DecodeKept(*b.cpu, *host, nullptr, DType::kF32, o.pq.get()).ok());
+}
+
 }  // namespace
 }  // namespace kvcomp

@@ -143,3 +143,15 @@ def test_the_stored_bytes_are_6x_fewer_than_bf16():
     bf16 = k.size * 2 * 2
     # k3v2 is 6.4x of bf16 per row; headers and positions take a little at 512 tokens
     assert 5.0 < bf16 / c.nbytes < 6.4
+
+
+def test_a_cuda_backend_refuses_pq():
+    if not kvcomp.cuda_available():
+        pytest.skip("no CUDA device")
+    cal = kvcomp.calibrate_pq(*_model(256, seed=1))
+    k, v = _model(64, seed=2)
+    with pytest.raises(RuntimeError, match="no device encoder"):
+        kvcomp.compress(k, v, _k3v2(), backend="cuda", pq=cal)
+    c = kvcomp.compress(k, v, _k3v2(), pq=cal)  # the CPU encodes it
+    with pytest.raises(RuntimeError, match="no device decoder"):
+        kvcomp.decompress(c, pq=cal, backend="cuda")
