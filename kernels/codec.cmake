@@ -14,3 +14,4 @@ list(APPEND KERNELS_SRCS src/cpu/kvsplice.cc)
 list(APPEND KERNELS_CUDA_SRCS src/cuda/codec_cuda.cu)
 list(APPEND KERNELS_CUDA_SRCS src/cuda/codec_device.cu)  # the device codec stage (outliers)
 list(APPEND KERNELS_CUDA_SRCS src/cuda/hq_cuda.cu)  # the Hadamard codec
+list(APPEND KERNELS_CUDA_SRCS src/cuda/pq_cuda.cu)  # the calibrated basis codec

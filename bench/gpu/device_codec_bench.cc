@@ -22,8 +22,11 @@
 // Hadamard codec's encoder (hq4, hq3) and decoder over the same rows, with the CPU reference's
 // time on them and whether its records equal the device's (op=hq*_host_reference).
 //
+// Last, the calibrated basis codec's device encoder and decoder on every row of a put (PqOps).
+//
 // Usage: kvcomp_bench_gpu_device_codec [--tokens 8192,32768] [--reps 5] [--put-only]
-//            [--profile] [--keep-pool]
+//            [--profile] [--keep-pool] [--pq-only]
+//   --pq-only    the calibrated basis codec's ops alone (PqOps)
 //   --put-only   the staged put only: no layer-loop input, no download, no codec ops
 //   --profile    one more put of each variant (staged input) between cudaProfilerStart and
 //                cudaProfilerStop, for a profiler started with its capture off (ncu
@@ -47,7 +50,9 @@
 
 #include "common/bench_util.h"
 #include "common/engine_bench.h"
+#include "absl/strings/str_format.h"
 #include "kvcomp/codecs/hq.h"
+#include "kvcomp/codecs/pq.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
 #include "kvcomp/kernels/calibration.h"
@@ -82,16 +87,135 @@ bool Selected(const std::string& name) {
   return false;
 }
 
+// The calibrated basis codec (the codec preset: pq keys at 3 bits, values at 2) on a whole put's
+// rows, every token of every layer and kv head (T rows a head, bf16, device memory): the encoder
+// of each tensor in one call and the decoder back to bf16, as rows/s and GB/s of bf16 input
+// (output=records for the encoder, bf16 rows for the decoder) against the device copy. The bases
+// are fitted on the CPU on the first 1024 tokens of the first head (not timed) and used for
+// every head; host_s is the CPU library (pq::EncodeRows on the machine's threads) on the first
+// 4 heads' rows, whose records must equal the device's (records_identical).
+void PqOps(kvcomp::Backend& gpu, const KvLayout& llama, uint64_t T,
+           const std::vector<uint16_t>& k, const std::vector<uint16_t>& v, int reps,
+           double copy_gbps) {
+  const uint32_t heads = llama.num_layers * llama.num_kv_heads, d = llama.head_dim;
+  const uint64_t n = uint64_t{heads} * T, fit_rows = std::min<uint64_t>(T, 1024);
+  std::vector<uint64_t> off(heads + 1);
+  for (uint32_t h = 0; h <= heads; ++h) off[h] = uint64_t{h} * T;
+  std::vector<float> kf(fit_rows * d), vf(fit_rows * d);
+  for (uint64_t i = 0; i < fit_rows * d; ++i) {
+    kf[i] = kvcomp::Bf16ToFloat(k[i]);
+    vf[i] = kvcomp::Bf16ToFloat(v[i]);
+  }
+  auto one = kvcomp::pq::FitCalibration(kf, vf, fit_rows, 1, 1, d, 3, 2);
+  ExitIfError(one.status(), "pq fit");
+  kvcomp::pq::Calibration cal;
+  for (int t = 0; t < 2; ++t) {
+    const kvcomp::pq::Basis& src = t == 0 ? one->keys : one->values;
+    kvcomp::pq::Basis& b = t == 0 ? cal.keys : cal.values;
+    b.num_layers = llama.num_layers;
+    b.num_kv_heads = llama.num_kv_heads;
+    b.head_dim = d;
+    b.bits_total = src.bits_total;
+    for (uint32_t h = 0; h < heads; ++h) {
+      b.mean.insert(b.mean.end(), src.mean.begin(), src.mean.end());
+      b.scale.insert(b.scale.end(), src.scale.begin(), src.scale.end());
+      b.inv_scale.insert(b.inv_scale.end(), src.inv_scale.begin(), src.inv_scale.end());
+      b.widths.insert(b.widths.end(), src.widths.begin(), src.widths.end());
+      b.basis.insert(b.basis.end(), src.basis.begin(), src.basis.end());
+    }
+  }
+  ExitIfError(cal.Seal(), "pq seal");
+  auto time_op = [&](const std::function<absl::Status()>& op) {
+    std::vector<double> t;
+    for (int rep = 0; rep <= reps; ++rep) {
+      ExitIfError(gpu.Synchronize(), "synchronize");
+      const Clock::time_point t0 = Clock::now();
+      ExitIfError(op(), "op");
+      ExitIfError(gpu.Synchronize(), "synchronize");
+      if (rep > 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    return Median(t);
+  };
+  const uint64_t layer_bytes = uint64_t{llama.num_kv_heads} * T * d * 2;
+  auto in = kvcomp::Buffer::Allocate(gpu.allocator(), n * d * 2);
+  auto back = kvcomp::Buffer::Allocate(gpu.allocator(), n * d * 2);
+  ExitIfError(in.status(), "pq rows");
+  ExitIfError(back.status(), "pq decoded");
+  for (int t = 0; t < 2; ++t) {
+    const std::vector<uint16_t>& src = t == 0 ? k : v;
+    const kvcomp::pq::Basis& b = t == 0 ? cal.keys : cal.values;
+    const uint64_t fp = t == 0 ? cal.key_fingerprint : cal.value_fingerprint;
+    const char* name = t == 0 ? "k3" : "v2";
+    for (uint32_t l = 0; l < llama.num_layers; ++l) {
+      ExitIfError(gpu.CopyFromHost(in->as<uint8_t>() + l * layer_bytes, src.data(), layer_bytes),
+                  "upload");
+    }
+    const uint64_t rb = b.RecordBytes();
+    auto rec = kvcomp::Buffer::Allocate(gpu.allocator(), n * rb);
+    ExitIfError(rec.status(), "pq records");
+    // The first call uploads the basis (once per fingerprint); its time is reported apart.
+    const Clock::time_point u0 = Clock::now();
+    ExitIfError(gpu.codec().EncodePq(b, fp, off, in->data(), kvcomp::DType::kBF16, rec->data()),
+                "pq encode");
+    ExitIfError(gpu.Synchronize(), "synchronize");
+    const double first_s = std::chrono::duration<double>(Clock::now() - u0).count();
+    const double enc_s = time_op([&] {
+      return gpu.codec().EncodePq(b, fp, off, in->data(), kvcomp::DType::kBF16, rec->data());
+    });
+    const double dec_s = time_op([&] {
+      return gpu.codec().DecodePq(b, fp, off, rec->data(), back->data(), kvcomp::DType::kBF16);
+    });
+    const uint64_t check_rows = 4 * T;
+    std::vector<uint8_t> host_rows(check_rows * d * 2), host_rec(check_rows * rb),
+        dev_rec(check_rows * rb);
+    ExitIfError(gpu.CopyToHost(host_rows.data(), in->data(), host_rows.size()), "download");
+    ExitIfError(gpu.CopyToHost(dev_rec.data(), rec->data(), dev_rec.size()), "download");
+    const Clock::time_point h0 = Clock::now();
+    for (uint32_t h = 0; h < 4; ++h) {
+      ExitIfError(kvcomp::pq::EncodeRows(b, h, host_rows.data() + h * T * d * 2,
+                                         kvcomp::DType::kBF16, T, host_rec.data() + h * T * rb,
+                                         /*threads=*/0),
+                  "host pq encode");
+    }
+    const double host_s = std::chrono::duration<double>(Clock::now() - h0).count();
+    const double in_bytes = static_cast<double>(n * d * 2);
+    for (int which = 0; which < 2; ++which) {
+      const double secs = which == 0 ? enc_s : dec_s;
+      const double moved = in_bytes + static_cast<double>(n * rb);
+      std::printf(
+          "RESULT bench=device_codec_op tokens=%llu op=%s_pq_%s rows=%llu s=%.5f "
+          "rows_per_s=%.3g input_GBps=%.1f GBps=%.1f d2d_copy_GBps=%.1f vs_copy=%.1f%%%s\n",
+          static_cast<unsigned long long>(T), which == 0 ? "encode" : "decode", name,
+          static_cast<unsigned long long>(n), secs, static_cast<double>(n) / secs,
+          in_bytes / secs / 1e9, moved / secs / 1e9, copy_gbps,
+          100.0 * (moved / secs / 1e9) / copy_gbps,
+          which == 0 ? absl::StrFormat(" first_call_s=%.4f", first_s).c_str() : "");
+    }
+    std::printf(
+        "RESULT bench=device_codec_op tokens=%llu op=pq_%s_host_reference rows=%llu host_s=%.4f "
+        "device_over_host=%.1fx records_identical=%d\n",
+        static_cast<unsigned long long>(T), name, static_cast<unsigned long long>(check_rows),
+        host_s, host_s / (enc_s * static_cast<double>(check_rows) / static_cast<double>(n)),
+        dev_rec == host_rec ? 1 : 0);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  kvcomp::bench::TokensAndReps args{
-      {8192, 32768}, 5, {{"--put-only", false}, {"--profile", false}, {"--keep-pool", false}}};
+  kvcomp::bench::TokensAndReps args{{8192, 32768},
+                                    5,
+                                    {{"--put-only", false},
+                                     {"--profile", false},
+                                     {"--keep-pool", false},
+                                     {"--pq-only", false}}};
   if (!kvcomp::bench::ParseTokensAndReps(argc, argv, "kvcomp_bench_gpu_device_codec", &args))
     return 2;
   const int reps = args.reps;
   const bool put_only = args.switches["--put-only"];
   const bool profile = args.switches["--profile"];
+  const bool pq_only = args.switches["--pq-only"];
   kvcomp::bench::Backends backends = kvcomp::bench::MakeBackends();
   // --keep-pool: the backend's pool keeps 16 GiB of freed memory mapped across host waits (the
   // default keeps 64 MiB), to see what mapping a put's memory afresh costs.
@@ -121,16 +245,20 @@ int main(int argc, char** argv) {
     const kvcomp::KvCacheView& device = on_device.view;
     const uint64_t original = llama.CacheBytes(T);
 
+    // A device-to-device copy of the original bytes, for the copy-speed comparison.
+    const double copy_s = kvcomp::bench::DeviceCopySeconds(gpu, on_device, reps);
+    const double copy_gbps = static_cast<double>(2 * original) / copy_s / 1e9;
+    if (pq_only) {
+      PqOps(gpu, llama, T, k, v, reps, copy_gbps);
+      continue;
+    }
+
     const auto projection = kvcomp::bench::CalibrateProjection(*backends.cpu, host);
     auto tuned = std::make_shared<kvcomp::Projection>(*projection);
     tuned->tuned_rank.assign(llama.num_layers, 0);
     tuned->tuned_error.assign(llama.num_layers, 0.01);
     for (uint32_t l = 0; l < llama.num_layers; ++l) tuned->tuned_rank[l] = 32 + 2 * (l % 16);
     ExitIfError(tuned->Seal(), "seal");
-
-    // A device-to-device copy of the original bytes, for the copy-speed comparison.
-    const double copy_s = kvcomp::bench::DeviceCopySeconds(gpu, on_device, reps);
-    const double copy_gbps = static_cast<double>(2 * original) / copy_s / 1e9;
 
     kvcomp::CompressionPolicy evict;
     evict.scorer = kvcomp::Scorer::kManifold;
@@ -353,6 +481,7 @@ int main(int argc, char** argv) {
                static_cast<double>(n * d * 2 + n * rb));
       }
     }
+    PqOps(gpu, llama, T, k, v, reps, copy_gbps);
   }
   return 0;
 }

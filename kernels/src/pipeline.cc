@@ -862,7 +862,7 @@ absl::StatusOr<DeviceCompressedCache> CompressToDevice(Backend& backend, const K
   const auto t0 = std::chrono::steady_clock::now();
   KVCOMP_RETURN_IF_ERROR(
       pipeline_internal::DeviceCodecStage(backend, policy, options.projection.get(), &dc,
-                                          options.transfers));
+                                          options.transfers, options.pq.get()));
   if (options.transfers != nullptr) {
     // The encoded arrays are read next (the cache's format on the device): waiting here costs
     // nothing and times the codecs' kernels.
@@ -897,7 +897,8 @@ absl::StatusOr<CompressedCache> Compress(Backend& backend, const KvCacheView& ca
                               CompressToDevice(backend, cache, select_only, options));
       KVCOMP_ASSIGN_OR_RETURN(CompressedCache host, dc.Download(backend, options.transfers));
       KVCOMP_RETURN_IF_ERROR(
-          pipeline_internal::CodecStage(backend, policy, options.projection.get(), &host));
+          pipeline_internal::CodecStage(backend, policy, options.projection.get(), &host,
+                                        options.pq.get()));
       host.policy = policy;
       return host;
     }

@@ -113,7 +113,7 @@ absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
 
 absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
                               const Projection* projection, DeviceCompressedCache* cache,
-                              TransferBytes* /*transfers*/) {
+                              TransferBytes* /*transfers*/, const pq::Calibration* pq) {
   if (policy.key_codec == KeyCodec::kRaw && policy.value_codec == ValueCodec::kRaw) {
     return absl::OkStatus();
   }
@@ -121,11 +121,7 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
   if (host.key_codec != KeyCodec::kRaw || host.value_codec != ValueCodec::kRaw) {
     return absl::FailedPreconditionError("kvsplice: the cache is already encoded");
   }
-  if (IsPq(policy.key_codec) || IsPq(policy.value_codec)) {
-    return absl::FailedPreconditionError(
-        "pq: the calibrated basis codec has no device encoder yet: a device engine cannot "
-        "encode it (compress on a CPU engine, or use hq4 / hq3 on a device engine)");
-  }
+  KVCOMP_RETURN_IF_ERROR(CheckPqCodecs(backend, policy, pq, host.layout));
   if (!DeviceEncodes(policy)) {
     return absl::FailedPreconditionError(
         "the hq codecs' device encoder is switched off (KVCOMP_HQ_DEVICE_ENCODE=0): compress "
@@ -146,7 +142,26 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
     return absl::OkStatus();
   };
 
-  if (const uint32_t bits = HqBits(policy.value_codec); bits != 0) {
+  if (IsPq(policy.value_codec)) {
+    // The calibrated basis codec: one record per kept row against its head's basis, every head
+    // of the cache in one call.
+    Buffer out;
+    KVCOMP_RETURN_IF_ERROR(alloc(&out, total * pq->values.RecordBytes()));
+    KVCOMP_RETURN_IF_ERROR(ops.EncodePq(pq->values, pq->value_fingerprint, offsets,
+                                        cache->values.data(), layout.dtype, out.data()));
+    cache->values = std::move(out);
+    cache->value_scales.Reset();
+    cache->raw_value_row_count = 0;
+    cache->raw_value_rows.Reset();
+    cache->raw_values.Reset();
+    host.value_codec = ValueCodec::kPq;
+    host.rank = 0;
+    host.layer_rank.clear();
+    host.group_size = 32;
+    host.value_gamma = false;
+    host.pq_value_basis = pq->value_fingerprint;
+    host.pq_value_bits = pq->values.bits_total;
+  } else if (const uint32_t bits = HqBits(policy.value_codec); bits != 0) {
     // The Hadamard codec: one record per kept row, every row of the cache in one call.
     Buffer out;
     KVCOMP_RETURN_IF_ERROR(alloc(&out, total * hq::RowBytes(bits, layout.head_dim)));
@@ -218,7 +233,17 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
     host.value_gamma = p.UsesGamma();
     host.projection_version = projection->version;
   }
-  if (const uint32_t bits = HqBits(policy.key_codec); bits != 0) {
+  if (IsPq(policy.key_codec)) {
+    Buffer keys;
+    KVCOMP_RETURN_IF_ERROR(alloc(&keys, total * pq->keys.RecordBytes()));
+    KVCOMP_RETURN_IF_ERROR(ops.EncodePq(pq->keys, pq->key_fingerprint, offsets,
+                                        cache->keys.data(), layout.dtype, keys.data()));
+    cache->keys = std::move(keys);
+    cache->key_scales.Reset();
+    host.key_codec = KeyCodec::kPq;
+    host.pq_key_basis = pq->key_fingerprint;
+    host.pq_key_bits = pq->keys.bits_total;
+  } else if (const uint32_t bits = HqBits(policy.key_codec); bits != 0) {
     Buffer keys;
     KVCOMP_RETURN_IF_ERROR(alloc(&keys, total * hq::RowBytes(bits, layout.head_dim)));
     KVCOMP_RETURN_IF_ERROR(ops.EncodeHq(bits, total, layout.head_dim, cache->keys.data(),
@@ -239,6 +264,7 @@ absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
     cache->key_scales = std::move(key_scales);
     host.key_codec = policy.key_codec;
   }
+  if (IsPq(policy.key_codec) || IsPq(policy.value_codec)) host.projection_version = pq->version;
   return absl::OkStatus();
 }
 

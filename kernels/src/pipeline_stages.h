@@ -44,8 +44,7 @@ absl::Status MomentStage(Backend& backend, const LayerEviction& eviction, Compre
 
 // OK when the policy's codecs can run (raw always can); FailedPrecondition when a value codec
 // has no projection (or one with too few rows for the policy's rank).
-// The pq codecs: FailedPrecondition without a calibration, at other bits or on a device backend
-// (CheckPqCodecs).
+// The pq codecs: FailedPrecondition without a calibration or at other bits (CheckPqCodecs).
 absl::Status CodecsAvailable(Backend& backend, const CompressionPolicy& policy,
                              const Projection* projection, const pq::Calibration* pq,
                              const KvLayout& layout);
@@ -57,10 +56,10 @@ absl::Status CodecStage(Backend& backend, const CompressionPolicy& policy,
 
 // The codec stage of a device compression: encodes the raw kept keys and values of `cache`
 // (device arrays, as CompressOnDevice leaves them) into its device arrays as the policy says
-// (no-op for raw codecs).
+// (no-op for raw codecs); `pq` for the pq codecs (CodecOps::EncodePq over every head at once).
 absl::Status DeviceCodecStage(Backend& backend, const CompressionPolicy& policy,
                               const Projection* projection, DeviceCompressedCache* cache,
-                              TransferBytes* transfers);
+                              TransferBytes* transfers, const pq::Calibration* pq = nullptr);
 
 }  // namespace pipeline_internal
 }  // namespace kvcomp

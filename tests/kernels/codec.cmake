@@ -23,3 +23,8 @@ kvcomp_cc_test(NAME kernels_pipeline_device_test SRCS pipeline_device_test.cc DE
 add_test(NAME kernels_pipeline_device_two_pass_test COMMAND kernels_pipeline_device_test)
 set_tests_properties(kernels_pipeline_device_two_pass_test PROPERTIES
   LABELS gpu SKIP_RETURN_CODE 77 TIMEOUT 300 ENVIRONMENT KVCOMP_FUSED_MOMENTS=0)
+if(KVCOMP_CUDA)
+  # The calibrated basis codec's CUDA encoder and decoder against the CPU, byte and bit for bit.
+  kvcomp_cc_test(NAME kernels_pq_cuda_test SRCS pq_cuda_test.cc DEPS kvcomp::kernels
+                 LABELS gpu)
+endif()

@@ -125,7 +125,7 @@ CompressionPolicy Streaming(double ratio) {
 // Every field of two caches equal, the KVSplice latents and scales included (both backends
 // encode with the same chain of f32 fused multiply-adds, codec_ops.h), byte for byte.
 void ExpectSameCache(Backend& cpu, const CompressedCache& want, const CompressedCache& got,
-                     const Projection* projection) {
+                     const Projection* projection, const pq::Calibration* pq = nullptr) {
   ASSERT_TRUE(got.Validate().ok()) << got.Validate();
   EXPECT_EQ(want.original_tokens, got.original_tokens);
   EXPECT_EQ(want.kept, got.kept);
@@ -146,8 +146,8 @@ void ExpectSameCache(Backend& cpu, const CompressedCache& want, const Compressed
   EXPECT_TRUE(want.values == got.values) << "values differ";
   EXPECT_TRUE(want.value_scales == got.value_scales) << "value scales differ";
   if (want.value_codec != ValueCodec::kRaw) {
-    auto dw = DecodeKept(cpu, want, projection);
-    auto dg = DecodeKept(cpu, got, projection);
+    auto dw = DecodeKept(cpu, want, projection, DType::kF32, pq);
+    auto dg = DecodeKept(cpu, got, projection, DType::kF32, pq);
     ASSERT_TRUE(dw.ok() && dg.ok()) << dg.status();
     const auto* a = reinterpret_cast<const float*>(dw->values.data());
     const auto* b = reinterpret_cast<const float*>(dg->values.data());
@@ -519,44 +519,140 @@ TEST(PipelineDeviceTest, HostBackendIsRefused) {
   EXPECT_EQ(dc.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
-// The calibrated basis codec has no device twin yet: a device backend refuses it with
-// FailedPrecondition wherever a compression starts (Compress, CompressToDevice, the block-wise
-// compressor) and wherever a pq cache would be decoded on it, while the CPU backend encodes it.
-TEST(PipelineDeviceTest, ThePqCodecIsRefusedOnTheDevice) {
+// The model's pq calibration fitted on the first layer's rows of `s`, repeated for every layer
+// (the shape is what matters here), at key_bits / value_bits.
+std::shared_ptr<const pq::Calibration> PqCalibration(const Sequence& s, uint32_t key_bits,
+                                                     uint32_t value_bits) {
+  const KvLayout& layout = s.layout;
+  const uint64_t per_layer = uint64_t{layout.num_kv_heads} * s.tokens * layout.head_dim;
+  std::vector<float> k32, v32;  // [heads][tokens][d] f32
+  for (uint32_t l = 0; l < layout.num_layers; ++l) {
+    for (uint64_t i = 0; i < per_layer; ++i) {
+      k32.push_back(LoadAsFloat(s.k[l].data(), layout.dtype, i));
+      v32.push_back(LoadAsFloat(s.v[l].data(), layout.dtype, i));
+    }
+  }
+  auto cal = pq::FitCalibration(k32, v32, s.tokens, layout.num_layers, layout.num_kv_heads,
+                                layout.head_dim, key_bits, value_bits);
+  EXPECT_TRUE(cal.ok()) << cal.status();
+  return cal.ok() ? std::make_shared<const pq::Calibration>(*std::move(cal)) : nullptr;
+}
+
+// The calibrated basis codec on the device: CompressToDevice (and Compress, and the block-wise
+// compressor's creation) on the CUDA backend writes the CPU's records byte for byte, with
+// eviction and without, beside the other codecs, from f32, f16 and bf16 rows; the caches decode
+// on the device (DecodeKept, DecodeKeptInto device memory) to the CPU's values bit for bit.
+TEST(PipelineDeviceTest, ThePqCodecMatchesTheCpu) {
+  Backends b;
+  struct Codecs {
+    KeyCodec key;
+    ValueCodec value;
+  };
+  const Codecs codecs[] = {{KeyCodec::kPq, ValueCodec::kPq},
+                           {KeyCodec::kHq4, ValueCodec::kPq},
+                           {KeyCodec::kPq, ValueCodec::kRaw},
+                           {KeyCodec::kFp16, ValueCodec::kPq}};
+  uint64_t seed = 40;
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (uint32_t d : {64u, 128u}) {
+      const KvLayout layout{2, 3, 6, d, dt};
+      const Sequence s = MakeSequence(layout, 300 + 37 * d / 64, ++seed);
+      for (uint32_t kb : {3u, 2u}) {
+        const auto cal = PqCalibration(s, kb, kb == 3 ? 2 : 4);
+        ASSERT_NE(cal, nullptr);
+        for (const Codecs& c : codecs) {
+          for (double ratio : {0.0, 0.6}) {
+            SCOPED_TRACE(::testing::Message()
+                         << DTypeName(dt) << " d=" << d << " key_bits=" << kb << " "
+                         << KeyCodecName(c.key) << "/" << ValueCodecName(c.value)
+                         << " ratio=" << ratio);
+            CompressionPolicy p = Streaming(ratio);
+            p.key_codec = c.key;
+            p.value_codec = c.value;
+            p.key_bits = cal->key_bits();
+            p.value_bits = cal->value_bits();
+            CompressOptions o;
+            o.pq = cal;
+            auto want = Compress(*b.cpu, s.view(), p, o);
+            ASSERT_TRUE(want.ok()) << want.status();
+            auto dc = CompressToDevice(*b.cuda, s.view(), p, o);
+            ASSERT_TRUE(dc.ok()) << dc.status();
+            ExpectExactBuffers(*dc);
+            auto got = dc->Download(*b.cuda);
+            ASSERT_TRUE(got.ok()) << got.status();
+            ExpectSameCache(*b.cpu, *want, *got, nullptr, cal.get());
+            EXPECT_EQ(want->pq_key_basis, got->pq_key_basis);
+            EXPECT_EQ(want->pq_value_basis, got->pq_value_basis);
+            EXPECT_EQ(want->pq_key_bits, got->pq_key_bits);
+            EXPECT_EQ(want->pq_value_bits, got->pq_value_bits);
+            auto host = Compress(*b.cuda, s.view(), p, o);  // device encode, then download
+            ASSERT_TRUE(host.ok()) << host.status();
+            EXPECT_TRUE(host->keys == want->keys && host->values == want->values);
+
+            for (DType out : {DType::kF32, DType::kBF16, DType::kF16}) {
+              auto dw = DecodeKept(*b.cpu, *want, nullptr, out, cal.get());
+              auto dg = DecodeKept(*b.cuda, *want, nullptr, out, cal.get());
+              ASSERT_TRUE(dw.ok()) << dw.status();
+              ASSERT_TRUE(dg.ok()) << dg.status();
+              EXPECT_TRUE(dw->keys == dg->keys) << "decoded keys differ " << DTypeName(out);
+              EXPECT_TRUE(dw->values == dg->values) << "decoded values differ " << DTypeName(out);
+              // Into device memory.
+              const uint64_t bytes = dw->keys.size();
+              if (bytes == 0) continue;
+              auto kbuf = Buffer::Allocate(b.cuda->allocator(), bytes);
+              auto vbuf = Buffer::Allocate(b.cuda->allocator(), bytes);
+              ASSERT_TRUE(kbuf.ok() && vbuf.ok());
+              ASSERT_TRUE(DecodeKeptInto(*b.cuda, *want, nullptr, out, kbuf->data(),
+                                         vbuf->data(), cal.get())
+                              .ok());
+              std::vector<uint8_t> kh(bytes), vh(bytes);
+              ASSERT_TRUE(b.cuda->CopyToHost(kh.data(), kbuf->data(), bytes).ok());
+              ASSERT_TRUE(b.cuda->CopyToHost(vh.data(), vbuf->data(), bytes).ok());
+              EXPECT_TRUE(kh == dw->keys && vh == dw->values) << "DecodeKeptInto differs";
+            }
+          }
+        }
+        if (d == 64 && dt == DType::kF32) {
+          CompressionPolicy p = Streaming(0.0);
+          p.key_codec = KeyCodec::kPq;
+          p.value_codec = ValueCodec::kPq;
+          p.key_bits = cal->key_bits();
+          p.value_bits = cal->value_bits();
+          p.block_size = 32;
+          p.scorer = Scorer::kKeyDiff;
+          BlockCompressorOptions bo;
+          bo.pq = cal;
+          bo.budget = 64;
+          EXPECT_TRUE(BlockCompressor::Create(*b.cuda, layout, p, bo).ok());
+        }
+      }
+    }
+  }
+}
+
+// Without a calibration, or with one at other bits, a device backend refuses the pq codecs as
+// the CPU does (FailedPrecondition naming the call), before any kernel runs.
+TEST(PipelineDeviceTest, ThePqCodecNeedsItsCalibrationOnTheDevice) {
   Backends b;
   const KvLayout layout{1, 2, 2, 64, DType::kF32};
   const Sequence s = MakeSequence(layout, 96, 11);
-  std::vector<float> k32, v32;  // [heads][tokens][d] f32: the calibration rows
-  for (uint32_t i = 0; i < 2 * 96 * 64; ++i) {
-    k32.push_back(LoadAsFloat(s.k[0].data(), DType::kF32, i));
-    v32.push_back(LoadAsFloat(s.v[0].data(), DType::kF32, i));
-  }
-  auto cal = pq::FitCalibration(k32, v32, 96, 1, 2, 64, 3, 2);
-  ASSERT_TRUE(cal.ok()) << cal.status();
+  const auto cal = PqCalibration(s, 3, 2);
   CompressionPolicy p = Streaming(0.0);
   p.key_codec = KeyCodec::kPq;
   p.value_codec = ValueCodec::kPq;
-  CompressOptions o;
-  o.pq = std::make_shared<const pq::Calibration>(*cal);
-  for (const auto& st : {Compress(*b.cuda, s.view(), p, o).status(),
-                         CompressToDevice(*b.cuda, s.view(), p, o).status()}) {
+  CompressOptions none;
+  for (Backend* be : {b.cpu.get(), b.cuda.get()}) {
+    auto st = CompressToDevice(*b.cuda, s.view(), p, none).status();
     EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
-    EXPECT_NE(st.message().find("no device encoder"), absl::string_view::npos) << st;
+    EXPECT_EQ(Compress(*be, s.view(), p, none).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    CompressOptions o;
+    o.pq = cal;
+    CompressionPolicy other = p;
+    other.key_bits = 4;
+    EXPECT_EQ(Compress(*be, s.view(), other, o).status().code(),
+              absl::StatusCode::kFailedPrecondition);
   }
-  BlockCompressorOptions bo;
-  bo.pq = o.pq;
-  bo.budget = 32;
-  p.block_size = 32;
-  p.scorer = Scorer::kKeyDiff;
-  EXPECT_EQ(BlockCompressor::Create(*b.cuda, layout, p, bo).status().code(),
-            absl::StatusCode::kFailedPrecondition);
-  p.block_size = 0;
-  p.scorer = Scorer::kStreaming;
-  auto host = Compress(*b.cpu, s.view(), p, o);
-  ASSERT_TRUE(host.ok()) << host.status();
-  EXPECT_EQ(DecodeKept(*b.cuda, *host, nullptr, DType::kF32, o.pq.get()).status().code(),
-            absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(DecodeKept(*b.cpu, *host, nullptr, DType::kF32, o.pq.get()).ok());
 }
 
 }  // namespace

@@ -145,13 +145,19 @@ def test_the_stored_bytes_are_6x_fewer_than_bf16():
     assert 5.0 < bf16 / c.nbytes < 6.4
 
 
-def test_a_cuda_backend_refuses_pq():
+def test_a_cuda_backend_encodes_and_decodes_pq_as_the_cpu():
     if not kvcomp.cuda_available():
         pytest.skip("no CUDA device")
     cal = kvcomp.calibrate_pq(*_model(256, seed=1))
     k, v = _model(64, seed=2)
-    with pytest.raises(RuntimeError, match="no device encoder"):
-        kvcomp.compress(k, v, _k3v2(), backend="cuda", pq=cal)
-    c = kvcomp.compress(k, v, _k3v2(), pq=cal)  # the CPU encodes it
-    with pytest.raises(RuntimeError, match="no device decoder"):
-        kvcomp.decompress(c, pq=cal, backend="cuda")
+    for ratio in (0.0, 0.5):  # the streaming scorer: both backends keep the same tokens
+        gpu = kvcomp.compress(k, v, _k3v2(ratio=ratio, scorer="streaming"), backend="cuda",
+                              pq=cal)
+        cpu = kvcomp.compress(k, v, _k3v2(ratio=ratio, scorer="streaming"), pq=cal)
+        assert list(gpu.kept) == list(cpu.kept), ratio
+        for section in (4, 6):  # keys, values
+            assert _section(gpu.to_bytes(), section) == _section(cpu.to_bytes(), section), ratio
+        gk, gv = kvcomp.decompress(cpu, pq=cal, backend="cuda")
+        ck, cv = kvcomp.decompress(cpu, pq=cal)
+        assert np.array_equal(np.asarray(gk), np.asarray(ck)), ratio
+        assert np.array_equal(np.asarray(gv), np.asarray(cv)), ratio

@@ -241,5 +241,32 @@ void DecodeRowsF32(const uint8_t* latent, const uint16_t* scales, uint64_t n, ui
   cpu::Gemm().add_a_b(z, dec, out, n, r, d);  // out [n x d] = z [n x r] dec [r x d]
 }
 
+absl::Status CheckPqCall(const pq::Basis& basis, absl::Span<const uint64_t> row_offsets,
+                         DType dtype) {
+  if (!IsInputDType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("pq codec: dtype %s is not f32, f16 or bf16", DTypeName(dtype)));
+  }
+  const uint64_t heads = basis.num_heads(), d = basis.head_dim;
+  if (heads == 0 || d == 0 || d > pq::kMaxHeadDim || basis.bits_total == 0 ||
+      basis.bits_total > pq::kMaxWidth * d || basis.mean.size() != heads * d ||
+      basis.scale.size() != heads * d || basis.inv_scale.size() != heads * d ||
+      basis.widths.size() != heads * d || basis.basis.size() != heads * d * d) {
+    return absl::InvalidArgumentError("pq codec: the basis' arrays do not match its shape");
+  }
+  if (row_offsets.size() != heads + 1 || row_offsets[0] != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "pq codec: %u row offsets for a basis of %u heads (want heads + 1, from 0)",
+        row_offsets.size(), heads));
+  }
+  for (uint64_t h = 0; h < heads; ++h) {
+    if (row_offsets[h + 1] < row_offsets[h]) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("pq codec: row offsets decrease at head %u", h));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace codec_internal
 }  // namespace kvcomp

@@ -112,6 +112,47 @@ class CpuCodecOps final : public CodecOps {
     return hq::DecodeRows(static_cast<const uint8_t*>(in), rows, head_dim, bits, out, out_dtype);
   }
 
+  // The calibrated basis codec: the library's rows, head by head, on every hardware thread.
+  absl::Status EncodePq(const pq::Basis& basis, uint64_t /*fingerprint*/,
+                        absl::Span<const uint64_t> row_offsets, const void* in, DType dtype,
+                        void* out) override {
+    KVCOMP_RETURN_IF_ERROR(codec_internal::CheckPqCall(basis, row_offsets, dtype));
+    if (row_offsets.back() == 0) return absl::OkStatus();
+    if (in == nullptr || out == nullptr) return absl::InvalidArgumentError("pq codec: null buffer");
+    const uint64_t in_row = DTypeBytes(dtype, basis.head_dim), rec = basis.RecordBytes();
+    const auto* src = static_cast<const uint8_t*>(in);
+    auto* dst = static_cast<uint8_t*>(out);
+    for (uint64_t h = 0; h + 1 < row_offsets.size(); ++h) {
+      const uint64_t n = row_offsets[h + 1] - row_offsets[h];
+      if (n == 0) continue;
+      KVCOMP_RETURN_IF_ERROR(Annotate(
+          pq::EncodeRows(basis, h, src + row_offsets[h] * in_row, dtype, n,
+                         dst + row_offsets[h] * rec, /*threads=*/0),
+          absl::StrFormat("pq head %u", h)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status DecodePq(const pq::Basis& basis, uint64_t /*fingerprint*/,
+                        absl::Span<const uint64_t> row_offsets, const void* in, void* out,
+                        DType out_dtype) override {
+    KVCOMP_RETURN_IF_ERROR(codec_internal::CheckPqCall(basis, row_offsets, out_dtype));
+    if (row_offsets.back() == 0) return absl::OkStatus();
+    if (in == nullptr || out == nullptr) return absl::InvalidArgumentError("pq codec: null buffer");
+    const uint64_t out_row = DTypeBytes(out_dtype, basis.head_dim), rec = basis.RecordBytes();
+    const auto* src = static_cast<const uint8_t*>(in);
+    auto* dst = static_cast<uint8_t*>(out);
+    for (uint64_t h = 0; h + 1 < row_offsets.size(); ++h) {
+      const uint64_t n = row_offsets[h + 1] - row_offsets[h];
+      if (n == 0) continue;
+      KVCOMP_RETURN_IF_ERROR(Annotate(
+          pq::DecodeRows(basis, h, src + row_offsets[h] * rec, n, dst + row_offsets[h] * out_row,
+                         out_dtype, /*threads=*/0),
+          absl::StrFormat("pq head %u", h)));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status EncodeValueLayers(const Projection& projection, const ValueCodecParams& params,
                                  absl::Span<const uint32_t> layer_ranks,
                                  absl::Span<const uint64_t> row_offsets, const void* values,

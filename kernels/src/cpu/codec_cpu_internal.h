@@ -93,6 +93,12 @@ void EncodeRowsF32(const float* v, uint64_t n, uint32_t head_dim, const float* b
 void DecodeRowsF32(const uint8_t* latent, const uint16_t* scales, uint64_t n, uint32_t head_dim,
                    const float* dec, const ValueCodecParams& params, float* z, float* out);
 
+// The pq codec ops' arguments: a valid basis shape (the basis' own Validate() is not rerun
+// here), row_offsets of basis.num_heads() + 1 entries from 0, never decreasing, a dtype of f32,
+// f16 or bf16. InvalidArgument.
+absl::Status CheckPqCall(const pq::Basis& basis, absl::Span<const uint64_t> row_offsets,
+                         DType dtype);
+
 }  // namespace codec_internal
 }  // namespace kvcomp
 

@@ -127,38 +127,8 @@ std::vector<uint64_t> PickRawValueRows(const CompressedCache& c, const std::vect
   return out;
 }
 
-// The pq codec of one tensor over every head: rows of head h are [offsets[h], offsets[h + 1])
-// of `in` (raw rows of `dtype`), its records at the same rows of `out`.
-absl::Status PqEncodeHeads(const pq::Basis& basis, const std::vector<uint64_t>& offsets,
-                           const uint8_t* in, DType dtype, uint8_t* out) {
-  const uint64_t in_row = DTypeBytes(dtype, basis.head_dim), rec = basis.RecordBytes();
-  for (uint64_t h = 0; h + 1 < offsets.size(); ++h) {
-    const uint64_t n = offsets[h + 1] - offsets[h];
-    if (n == 0) continue;
-    KVCOMP_RETURN_IF_ERROR(Annotate(
-        pq::EncodeRows(basis, h, in + offsets[h] * in_row, dtype, n, out + offsets[h] * rec,
-                       /*threads=*/0),
-        absl::StrFormat("pq head %u", h)));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status PqDecodeHeads(const pq::Basis& basis, const std::vector<uint64_t>& offsets,
-                           const uint8_t* in, uint8_t* out, DType dtype) {
-  const uint64_t out_row = DTypeBytes(dtype, basis.head_dim), rec = basis.RecordBytes();
-  for (uint64_t h = 0; h + 1 < offsets.size(); ++h) {
-    const uint64_t n = offsets[h + 1] - offsets[h];
-    if (n == 0) continue;
-    KVCOMP_RETURN_IF_ERROR(Annotate(
-        pq::DecodeRows(basis, h, in + offsets[h] * rec, n, out + offsets[h] * out_row, dtype,
-                       /*threads=*/0),
-        absl::StrFormat("pq head %u", h)));
-  }
-  return absl::OkStatus();
-}
-
 // The calibration a pq cache names, checked against the one given.
-absl::Status CheckPqDecode(const Backend& backend, const CompressedCache& cache,
+absl::Status CheckPqDecode(const CompressedCache& cache,
                            const pq::Calibration* pq) {
   if (!IsPq(cache.key_codec) && !IsPq(cache.value_codec)) return absl::OkStatus();
   if (pq == nullptr) {
@@ -181,24 +151,15 @@ absl::Status CheckPqDecode(const Backend& backend, const CompressedCache& cache,
       pq->keys.head_dim != cache.layout.head_dim) {
     return absl::InvalidArgumentError("pq: the calibration's shape is not the cache's");
   }
-  if (backend.space() != MemorySpace::kHost) {
-    return absl::FailedPreconditionError(
-        "pq: the calibrated basis codec has no device decoder yet: decode on a CPU backend");
-  }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::Status CheckPqCodecs(const Backend& backend, const CompressionPolicy& policy,
+absl::Status CheckPqCodecs(const Backend& /*backend*/, const CompressionPolicy& policy,
                            const pq::Calibration* pq, const KvLayout& layout) {
   const bool kpq = IsPq(policy.key_codec), vpq = IsPq(policy.value_codec);
   if (!kpq && !vpq) return absl::OkStatus();
-  if (backend.space() != MemorySpace::kHost) {
-    return absl::FailedPreconditionError(
-        "pq: the calibrated basis codec has no device encoder yet: a device engine cannot "
-        "encode it (compress on a CPU engine, or use hq4 / hq3 on a device engine)");
-  }
   if (pq == nullptr) {
     return absl::FailedPreconditionError(
         "pq: the pq codecs need the model's pq calibration (kvcomp.calibrate_pq in Python; "
@@ -289,8 +250,8 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
   if (IsPq(policy.value_codec)) {
     // The calibrated basis codec: one record per kept row against its head's basis.
     std::vector<uint8_t> out(total * pq->values.RecordBytes());
-    KVCOMP_RETURN_IF_ERROR(
-        PqEncodeHeads(pq->values, offsets, cache->values.data(), layout.dtype, out.data()));
+    KVCOMP_RETURN_IF_ERROR(ops.EncodePq(pq->values, pq->value_fingerprint, offsets,
+                                        cache->values.data(), layout.dtype, out.data()));
     cache->values = std::move(out);
     cache->value_scales.clear();
     cache->value_codec = ValueCodec::kPq;
@@ -357,8 +318,8 @@ absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
   }
   if (IsPq(policy.key_codec)) {
     std::vector<uint8_t> out(total * pq->keys.RecordBytes());
-    KVCOMP_RETURN_IF_ERROR(
-        PqEncodeHeads(pq->keys, offsets, cache->keys.data(), layout.dtype, out.data()));
+    KVCOMP_RETURN_IF_ERROR(ops.EncodePq(pq->keys, pq->key_fingerprint, offsets,
+                                        cache->keys.data(), layout.dtype, out.data()));
     cache->keys = std::move(out);
     cache->key_scales.clear();
     cache->key_codec = KeyCodec::kPq;
@@ -414,9 +375,10 @@ absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
   }
   const RowSpan rows = AllHeads(offsets);
   CodecOps& ops = backend.codec();
-  KVCOMP_RETURN_IF_ERROR(CheckPqDecode(backend, cache, pq));
+  KVCOMP_RETURN_IF_ERROR(CheckPqDecode(cache, pq));
   if (IsPq(cache.value_codec)) {
-    KVCOMP_RETURN_IF_ERROR(PqDecodeHeads(pq->values, offsets, cache.values.data(), values, dtype));
+    KVCOMP_RETURN_IF_ERROR(ops.DecodePq(pq->values, pq->value_fingerprint, offsets,
+                                        cache.values.data(), values, dtype));
   } else if (const uint32_t bits = HqBits(cache.value_codec); bits != 0) {
     KVCOMP_RETURN_IF_ERROR(
         ops.DecodeHq(bits, total, layout.head_dim, cache.values.data(), values, dtype));
@@ -475,7 +437,7 @@ absl::Status DecodeRowsTo(Backend& backend, const CompressedCache& cache,
                                           dtype));
   }
   if (IsPq(cache.key_codec)) {
-    return PqDecodeHeads(pq->keys, offsets, cache.keys.data(), keys, dtype);
+    return ops.DecodePq(pq->keys, pq->key_fingerprint, offsets, cache.keys.data(), keys, dtype);
   }
   if (const uint32_t bits = HqBits(cache.key_codec); bits != 0) {
     return ops.DecodeHq(bits, total, layout.head_dim, cache.keys.data(), keys, dtype);

@@ -24,6 +24,7 @@
 #include "../env_switch.h"
 #include "cuda_status.h"
 #include "hq_cuda.h"
+#include "pq_cuda.h"
 #include "kvcomp/codecs/hq.h"
 #include "kvcomp/core/status.h"
 
@@ -210,6 +211,57 @@ class CudaCodecOps final : public CodecOps {
         hq::Normalizer(head_dim), dout, out_dtype, static_cast<unsigned long long*>(derr)));
     KVCOMP_RETURN_IF_ERROR(st.Finish());
     return hq_cuda::DecodeError(error);
+  }
+
+  // The calibrated basis codec: one launch over every head of the call (pq_cuda.cu), the basis
+  // uploaded once per fingerprint, the lowest failing row's error read back with the outputs.
+  absl::Status EncodePq(const pq::Basis& basis, uint64_t fingerprint,
+                        absl::Span<const uint64_t> row_offsets, const void* in, DType dtype,
+                        void* out) override {
+    KVCOMP_RETURN_IF_ERROR(codec_internal::CheckPqCall(basis, row_offsets, dtype));
+    const uint64_t n = row_offsets.back();
+    if (n == 0) return absl::OkStatus();
+    if (in == nullptr || out == nullptr) return absl::InvalidArgumentError("pq codec: null buffer");
+    KVCOMP_ASSIGN_OR_RETURN(const DevicePq* db, UploadPq(basis, fingerprint));
+    Staging st(this);
+    RowSpan rows;
+    rows.row_offsets = row_offsets;
+    KVCOMP_ASSIGN_OR_RETURN(const void* din, st.In(in, n * DTypeBytes(dtype, basis.head_dim)));
+    KVCOMP_ASSIGN_OR_RETURN(void* dout, st.Out(out, n * basis.RecordBytes()));
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
+    uint64_t error = pq_cuda::kNoError;
+    KVCOMP_ASSIGN_OR_RETURN(void* derr, st.Out(&error, sizeof(error)));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(derr, 0xff, sizeof(error), ctx_->stream));
+    KVCOMP_RETURN_IF_ERROR(pq_cuda::LaunchEncode(
+        ctx_->stream, db->view, doff, MaxRows(row_offsets), din, dtype,
+        static_cast<uint8_t*>(dout), static_cast<unsigned long long*>(derr)));
+    KVCOMP_RETURN_IF_ERROR(st.Finish());
+    return pq_cuda::EncodeError(error, row_offsets);
+  }
+
+  absl::Status DecodePq(const pq::Basis& basis, uint64_t fingerprint,
+                        absl::Span<const uint64_t> row_offsets, const void* in, void* out,
+                        DType out_dtype) override {
+    KVCOMP_RETURN_IF_ERROR(codec_internal::CheckPqCall(basis, row_offsets, out_dtype));
+    const uint64_t n = row_offsets.back();
+    if (n == 0) return absl::OkStatus();
+    if (in == nullptr || out == nullptr) return absl::InvalidArgumentError("pq codec: null buffer");
+    KVCOMP_ASSIGN_OR_RETURN(const DevicePq* db, UploadPq(basis, fingerprint));
+    Staging st(this);
+    RowSpan rows;
+    rows.row_offsets = row_offsets;
+    KVCOMP_ASSIGN_OR_RETURN(const void* din, st.In(in, n * basis.RecordBytes()));
+    KVCOMP_ASSIGN_OR_RETURN(void* dout,
+                            st.Out(out, n * DTypeBytes(out_dtype, basis.head_dim)));
+    KVCOMP_ASSIGN_OR_RETURN(const uint64_t* doff, st.Offsets(rows));
+    uint64_t error = pq_cuda::kNoError;
+    KVCOMP_ASSIGN_OR_RETURN(void* derr, st.Out(&error, sizeof(error)));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(derr, 0xff, sizeof(error), ctx_->stream));
+    KVCOMP_RETURN_IF_ERROR(pq_cuda::LaunchDecode(
+        ctx_->stream, db->view, doff, MaxRows(row_offsets), static_cast<const uint8_t*>(din),
+        dout, out_dtype, static_cast<unsigned long long*>(derr)));
+    KVCOMP_RETURN_IF_ERROR(st.Finish());
+    return pq_cuda::DecodeError(error, row_offsets);
   }
 
   absl::Status EncodeKeys(KeyCodec codec, const RowSpan& rows, uint32_t head_dim,
@@ -499,6 +551,63 @@ class CudaCodecOps final : public CodecOps {
     std::vector<OutCopy> outs_;
     bool caller_host_ = false;  // In or Out staged the caller's host memory
   };
+
+  static uint64_t MaxRows(absl::Span<const uint64_t> row_offsets) {
+    uint64_t m = 0;
+    for (size_t h = 0; h + 1 < row_offsets.size(); ++h) {
+      m = std::max(m, row_offsets[h + 1] - row_offsets[h]);
+    }
+    return m;
+  }
+
+  // One pq basis on the device (pq_cuda::Layout), named by its fingerprint and shape.
+  struct DevicePq {
+    uint64_t fingerprint = 0;
+    uint64_t heads = 0;
+    uint32_t head_dim = 0;
+    uint32_t bits_total = 0;
+    uint64_t bytes = 0;
+    Buffer mem;
+    pq_cuda::DeviceBasisView view;
+  };
+
+  // The basis uploaded once per fingerprint (validated then) and kept, most recently used
+  // first, under kMaxPqBytes (the newest entry always stays).
+  absl::StatusOr<const DevicePq*> UploadPq(const pq::Basis& basis, uint64_t fingerprint) {
+    if (fingerprint == 0) fingerprint = basis.Fingerprint();
+    for (auto it = pq_bases_.begin(); it != pq_bases_.end(); ++it) {
+      if (it->fingerprint == fingerprint && it->heads == basis.num_heads() &&
+          it->head_dim == basis.head_dim && it->bits_total == basis.bits_total) {
+        pq_bases_.splice(pq_bases_.begin(), pq_bases_, it);
+        return &pq_bases_.front();
+      }
+    }
+    KVCOMP_RETURN_IF_ERROR(basis.Validate());
+    const pq_cuda::Layout layout = pq_cuda::LayoutOf(basis);
+    const std::vector<uint8_t> image = pq_cuda::HostImage(basis, layout);
+    if (!pq_bases_.empty() && pq_bytes_ + layout.bytes > kMaxPqBytes) {
+      // Earlier launches may still read an entry about to go.
+      KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+      while (!pq_bases_.empty() && pq_bytes_ + layout.bytes > kMaxPqBytes) {
+        pq_bytes_ -= pq_bases_.back().bytes;
+        pq_bases_.pop_back();
+      }
+    }
+    DevicePq db;
+    db.fingerprint = fingerprint;
+    db.heads = basis.num_heads();
+    db.head_dim = basis.head_dim;
+    db.bits_total = basis.bits_total;
+    db.bytes = layout.bytes;
+    KVCOMP_ASSIGN_OR_RETURN(db.mem, Buffer::Allocate(*ctx_->allocator, layout.bytes));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(db.mem.data(), image.data(), image.size(),
+                                                cudaMemcpyHostToDevice, ctx_->stream));
+    KVCOMP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ctx_->stream));
+    db.view = pq_cuda::ViewOf(basis, layout, db.mem.data());
+    pq_bytes_ += db.bytes;
+    pq_bases_.push_front(std::move(db));
+    return &pq_bases_.front();
+  }
 
   // The matrices of heads [first_head, first_head + num_heads) of one projection at one rank.
   // A whole-cache call uploads every head; a per-layer call (caches with per-layer ranks) only
@@ -959,6 +1068,10 @@ class CudaCodecOps final : public CodecOps {
   uint64_t projection_bytes_ = 0;
   std::list<DeviceBasis> bases_;  // most recently used first
   uint64_t basis_bytes_ = 0;
+  // A model's keys' and values' bases (about 33 MiB each at 32 layers x 8 kv heads x 128).
+  static constexpr uint64_t kMaxPqBytes = uint64_t{512} << 20;
+  std::list<DevicePq> pq_bases_;  // most recently used first
+  uint64_t pq_bytes_ = 0;
 };
 
 }  // namespace

@@ -32,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "kvcomp/codecs/pq.h"
 #include "kvcomp/core/dtype.h"
 #include "kvcomp/core/policy.h"
 #include "kvcomp/kernels/projection.h"
@@ -127,6 +128,24 @@ class CodecOps {
   // (every step one IEEE operation, the same on every backend); a record with a non-finite or
   // negative step or a non-finite minimum is InvalidArgument naming the lowest such row.
   virtual absl::Status DecodeHq(uint32_t bits, uint64_t rows, uint32_t head_dim, const void* in,
+                                void* out, DType out_dtype) = 0;
+
+  // --- the calibrated basis codec (kvcomp/codecs/pq.h, docs/format.md) ---
+  // Every head of `basis`: head h's rows are [row_offsets[h], row_offsets[h + 1]) (row_offsets
+  // HOST, basis.num_heads() + 1 entries, from 0) of `in`, dense rows of head_dim elements of
+  // `dtype` (f32, f16, bf16), into as many records of basis.RecordBytes() at `out`.
+  // `fingerprint` is basis.Fingerprint() (a Calibration's key_fingerprint / value_fingerprint;
+  // 0: computed here): a device backend uploads a basis once per fingerprint and keeps it.
+  // Every backend writes pq::EncodeRows' bytes and returns its error (annotated with the head)
+  // for the lowest failing row: a non-finite element, a projection that overflows.
+  virtual absl::Status EncodePq(const pq::Basis& basis, uint64_t fingerprint,
+                                absl::Span<const uint64_t> row_offsets, const void* in,
+                                DType dtype, void* out) = 0;
+  // The inverse into rows x head_dim elements of out_dtype: pq::DecodeRows' values bit for bit
+  // (each f32 rounded to out_dtype to nearest even); a record with nonzero bits after
+  // bits_total is InvalidArgument naming the lowest such row.
+  virtual absl::Status DecodePq(const pq::Basis& basis, uint64_t fingerprint,
+                                absl::Span<const uint64_t> row_offsets, const void* in,
                                 void* out, DType out_dtype) = 0;
 
   // --- calibration ---

@@ -43,9 +43,8 @@ absl::StatusOr<std::vector<uint32_t>> ChooseLayerRanks(const CompressionPolicy& 
 // codecs (FailedPrecondition when null) and must match the layout (layers, kv heads, head_dim).
 // `pq` is required for the pq codecs (FailedPrecondition when null, naming the calibration
 // call), fitted at policy.key_bits / value_bits for the codec's tensor (FailedPrecondition
-// otherwise) and of the layout's shape (InvalidArgument); they run through the library
-// (kvcomp/codecs/pq.h, its bytes) on the host only: FailedPrecondition on a device backend until
-// the codec has a device twin.
+// otherwise) and of the layout's shape (InvalidArgument); they run through the backend's
+// CodecOps::EncodePq (the library's bytes, kvcomp/codecs/pq.h, on every backend).
 absl::Status EncodeKept(Backend& backend, const CompressionPolicy& policy,
                         const Projection* projection, CompressedCache* cache,
                         const pq::Calibration* pq = nullptr);
@@ -69,7 +68,7 @@ struct DecodedKept {
 // Decodes keys and values of `cache` into `dtype` (f32, f16 or bf16). `projection` may be null
 // when the values are raw; otherwise its version must be cache.projection_version (NotFound).
 // The pq codecs need `pq`, the calibration the cache names (its version and bases'
-// fingerprints; NotFound for none or another), and a host backend (FailedPrecondition).
+// fingerprints; NotFound for none or another), decoded by the backend's CodecOps::DecodePq.
 absl::StatusOr<DecodedKept> DecodeKept(Backend& backend, const CompressedCache& cache,
                                        const Projection* projection, DType dtype = DType::kF32,
                                        const pq::Calibration* pq = nullptr);

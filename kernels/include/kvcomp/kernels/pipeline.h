@@ -95,8 +95,8 @@ struct CompressOptions {
   // The model's pq calibration (kvcomp/codecs/pq.h), needed when a codec is pq
   // (FailedPrecondition without it, or when it was fitted at other bits than the policy's
   // key_bits / value_bits); its shape must be the cache's. The cache records its version and the
-  // bases' fingerprints. The pq codecs run on a host backend only (FailedPrecondition on a
-  // device backend until their device twin exists). Default none.
+  // bases' fingerprints. Every backend encodes them to the same bytes (a device backend with
+  // the CUDA twin of the library, kernels/src/cuda/pq_cuda.cu). Default none.
   std::shared_ptr<const pq::Calibration> pq;
   // When set, the bytes Compress copies between host and device are added to it. Default none.
   TransferBytes* transfers = nullptr;
@@ -187,8 +187,7 @@ absl::StatusOr<DeviceCompressedCache> CompressToDevice(Backend& backend, const K
 // codecs (hq4/hq3, CodecOps::EncodeHq in kernels/src/cuda/hq_cuda.cu, the CPU's bits) included;
 // KVCOMP_HQ_DEVICE_ENCODE=0 in the environment (read at each call) makes it false for them, so
 // Compress selects on the device and encodes hq on the host (an operator's way back). The pq
-// codecs have no device encoder: a device backend refuses them (FailedPrecondition), whatever
-// this says.
+// codecs are always encoded on the device (CodecOps::EncodePq), whatever this says.
 bool DeviceEncodes(const CompressionPolicy& policy);
 
 // Scores of one layer's keys ([num_heads, num_tokens] f32, host), as the policy's scorer gives
