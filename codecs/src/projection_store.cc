@@ -411,7 +411,6 @@ absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
     }
     KVCOMP_ASSIGN_OR_RETURN(calibration,
                             pq_store->GetPq(projection_model, cache.projection_version));
-    backend = nullptr;  // the pq codecs decode on the host (no device twin yet)
   }
   // Without a caller's backend, one CPU backend with every hardware thread decodes one cache at a
   // time: the codecs split the

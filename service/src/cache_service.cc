@@ -435,12 +435,6 @@ absl::StatusOr<std::shared_ptr<OpenPut>> CacheService::BeginPut(PutRequest reque
                          : Engine::DeviceBytesForPut(request.layout, request.num_tokens,
                                                      request.policy.get().moments);
   KVCOMP_ASSIGN_OR_RETURN(EngineSet::Placement placed, engines_->Place(holds, device));
-  if (pq != nullptr && placed.engine->uses_gpu() && !request.block_wise) {
-    // Refused before any block arrives (the engine would refuse it at the commit).
-    return absl::FailedPreconditionError(
-        "pq: the calibrated basis codec has no device encoder yet: this put was placed on a GPU "
-        "engine (put it block-wise, which compresses on the host, or use hq4 / hq3 there)");
-  }
   std::unique_ptr<DeviceKv> device_kv;
   if (placed.engine->uploader() != nullptr && !request.block_wise) {
     KVCOMP_ASSIGN_OR_RETURN(device_kv, DeviceKv::Create(*placed.engine->uploader(),

@@ -23,10 +23,12 @@
 #include "common/gpu.h"
 #include "engine.h"
 #include "gtest/gtest.h"
+#include "kvcomp/codecs/pq.h"
 #include "kvcomp/core/format.h"
 #include "kvcomp/core/status.h"
 #include "kvcomp/kernels/allocator.h"
 #include "kvcomp/kernels/backend.h"
+#include "kvcomp/kernels/kvsplice.h"
 #include "kvcomp/kernels/moment_ops.h"
 #include "kvcomp/kernels/pipeline.h"
 #include "kvcomp/kernels/scoring_ops.h"
@@ -458,6 +460,76 @@ TEST_F(DevicePathTest, AnHqPutFromDeviceMemoryEncodesOnTheHostLikeAHostPut) {
   EXPECT_EQ(a->positions, b->positions);
   EXPECT_EQ(a->keys, b->keys);
   EXPECT_EQ(a->values, b->values);
+}
+
+// The `codec` preset's codecs (pq keys at 3 bits, values at 2) on a GPU engine: calibrated from
+// raw caches the engine stored, the put encodes on the device (blocks in host or device memory)
+// into the bytes the CPU backend writes with the same calibration, and a decoded get gives the
+// CPU decoder's rows.
+TEST_F(DevicePathTest, APqPutEncodesOnTheDeviceIntoTheCpusBytes) {
+  Start(storage::TierKind::kDevice);
+  CompressionPolicy raw;
+  raw.ratio = 0.0;
+  raw.moments = false;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<CacheSummary> s = PutCache("raw" + std::to_string(i), Tensor(70 + i),
+                                              /*device_blocks=*/false, raw);
+    ASSERT_TRUE(s.ok()) << s.status();
+  }
+  CompressionPolicy p;
+  p.ratio = 0.0;
+  p.moments = false;
+  p.key_codec = KeyCodec::kPq;
+  p.value_codec = ValueCodec::kPq;
+  p.key_bits = 3;
+  p.value_bits = 2;
+  // Before a calibration the put is refused, naming the call.
+  Tensor x(17);
+  absl::StatusOr<CacheSummary> early = PutCache("early", x, false, p);
+  ASSERT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition) << early.status();
+  CalibrationRequest cr;
+  cr.tenant = "alice";
+  cr.model_id = "m";
+  cr.value_codec = "pq";
+  cr.key_bits = 3;
+  cr.value_bits = 2;
+  absl::StatusOr<CalibrationResult> cal = CalibrateFromStore(store_.get(), projections_.get(), cr);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  absl::StatusOr<std::shared_ptr<const pq::Calibration>> calibration =
+      projections_->GetPq("alice/m", cal->projection_version);
+  ASSERT_TRUE(calibration.ok()) << calibration.status();
+
+  absl::StatusOr<CacheSummary> dev = PutCache("dev", x, /*device_blocks=*/true, p);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  absl::StatusOr<CacheSummary> host = PutCache("host", x, /*device_blocks=*/false, p);
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto cpu_backend = MakeCpuBackend(CpuBackendOptions{2});
+  ASSERT_TRUE(cpu_backend.ok());
+  CompressOptions o;
+  o.pq = *calibration;
+  absl::StatusOr<CompressedCache> want = Compress(**cpu_backend, x.View(), p, o);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const char* key : {"dev", "host"}) {
+    SCOPED_TRACE(key);
+    absl::StatusOr<CompressedCache> got = Stored(key);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->key_codec, KeyCodec::kPq);
+    EXPECT_EQ(got->value_codec, ValueCodec::kPq);
+    EXPECT_EQ(got->projection_version, cal->projection_version);
+    EXPECT_EQ(got->kept, want->kept);
+    EXPECT_EQ(got->keys, want->keys);
+    EXPECT_EQ(got->values, want->values);
+  }
+  absl::StatusOr<storage::Payload> decoded =
+      Get(CacheKey{"alice", "m", "dev"}, Representation::kDecoded);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  absl::StatusOr<CompressedCache> rows = format::ParseCache(decoded->view());
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  absl::StatusOr<CompressedCache> want_rows =
+      DecodeToRawCodecs(**cpu_backend, *want, nullptr, calibration->get());
+  ASSERT_TRUE(want_rows.ok()) << want_rows.status();
+  EXPECT_EQ(rows->keys, want_rows->keys);
+  EXPECT_EQ(rows->values, want_rows->values);
 }
 
 TEST_F(DevicePathTest, APutBeyondTheGpuMemoryCapIsRefusedWithNothingKept) {

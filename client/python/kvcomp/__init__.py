@@ -42,8 +42,7 @@ __all__ = ["__version__", "Policy", "CompressedCache", "score", "compress", "cud
 #             element (pq, "k3v2": 6.4x, within 0.32% loss on every model measured), no
 #             moments: compress(..., pq=kvcomp.calibrate_pq(...)) with the model's calibration
 #             at those bits (an error naming calibrate_pq without one; never other codecs in
-#             its place); the CPU backend encodes it (no device twin yet: on a GPU pin
-#             key_codec="hq4", value_codec="hq3", 4.27x).
+#             its place); the CPU and CUDA backends encode it, the same bytes.
 #   balanced  manifold eviction of a third of the tokens with 85% of the kept budget recent,
 #             hq4 keys and hq3 values, no moments (6.2x, within 2% on every model measured).
 #   default   Policy() as constructed.
@@ -165,8 +164,8 @@ def compress(keys, values, policy=None, backend="cpu", *, dtype=None, queries=No
     version, and kvcomp.decompress(cache, projection) returns the dense kept keys and values.
     The pq codecs (key_codec / value_codec "pq", the calibrated basis codec at the policy's
     key_bits / value_bits) need `pq`, the model's kvcomp.PqCalibration (kvcomp.calibrate_pq,
-    fitted at those bits; RuntimeError naming it otherwise), and encode on the CPU backend only
-    (no device twin yet); kvcomp.decompress(cache, pq=...) decodes them.
+    fitted at those bits; RuntimeError naming it otherwise); the CPU and CUDA backends give the
+    same bytes; kvcomp.decompress(cache, pq=...) decodes them.
 
     Returns a CompressedCache: kept_positions(layer, head), keys(layer, head),
     values(layer, head), nbytes, original_nbytes, to_bytes(), CompressedCache.from_bytes(b).

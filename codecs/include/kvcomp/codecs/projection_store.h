@@ -138,8 +138,8 @@ class TieredProjectionStore : public ProjectionStore {
 // are staged to the device and the decoded ones copied back), else on one shared CPU backend
 // with every hardware thread, one cache at a time.
 // A cache of the pq codecs takes its calibration from `pq_store` (the same model name; NotFound
-// when missing, or when no store is given) and decodes on the shared CPU backend whatever
-// `backend` is (the codec has no device twin yet).
+// when missing, or when no store is given) and decodes on `backend` like the other codecs (the
+// CUDA twin on a GPU engine's backend: the same rows bit for bit).
 absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
                                             const std::string& projection_model,
                                             ProjectionStore* projections,
