@@ -52,8 +52,8 @@ Arms at the same stored-cache memory (device tier + host tier capacities, no dis
 - codec: every token, the codecs only, the form an unmodified engine loads: the `codec`
   preset's shape with its codecs pinned to what a GPU engine encodes, Hadamard keys at 4 bits and
   values at 3 (hq4 / hq3, 4.27x). The preset itself is now the calibrated basis codec (pq k3v2,
-  6.4x), which encodes on the host only and needs the model's pq calibration: a GPU daemon
-  refuses it, so this arm measures the device codec (docs/research.md, "Presets");
+  6.4x), which needs the model's pq calibration (a step the replay does not take): the arm stays
+  the one the runs before measured (docs/research.md, "Presets");
 - evict: the `balanced` preset (kvcomp.preset("balanced")): eviction paired with the codecs.
 --rank sets the KVSplice rank of both where their values are KVSplice-coded (0: auto-tuned).
 """
@@ -95,8 +95,8 @@ def arm_policy(arm: str, rank: int) -> Optional[kvcomp.Policy]:
     if arm == "raw":
         return kvcomp.Policy(ratio=0.0, moments=False)
     if arm == "codec":
-        # pinned to the codecs a GPU engine encodes (the `codec` preset, pq, has no device
-        # encoder yet and needs a calibration)
+        # pinned to the Hadamard pair (the `codec` preset, pq, needs a calibration the replay
+        # does not fit; the runs before measured this pair)
         return kvcomp.preset("codec", key_codec="hq4", value_codec="hq3")
     if arm == "evict":
         name = "balanced"

@@ -421,7 +421,9 @@ absl::StatusOr<CompressedCache> DecodeToRaw(CompressedCache cache,
     std::unique_ptr<Backend> backend ABSL_GUARDED_BY(mu);
   };
   static DecodePool* const pool = new DecodePool;
-  if (backend != nullptr) return DecodeToRawCodecs(*backend, cache, projection.get());
+  if (backend != nullptr) {
+    return DecodeToRawCodecs(*backend, cache, projection.get(), calibration.get());
+  }
   absl::MutexLock lock(&pool->mu);
   if (pool->backend == nullptr) {
     KVCOMP_ASSIGN_OR_RETURN(pool->backend, MakeCpuBackend(CpuBackendOptions{0}));

@@ -61,8 +61,10 @@ absl::StatusOr<CalibrationResult> CalibratePqFromStore(storage::TieredStore* sto
                cache->layout.head_dim != layout->head_dim) {
       continue;  // another shape under the same model id
     }
-    // The same rows from every head (the fit takes n rows per head): each head's first n kept
-    // tokens, n the fewest any head kept (AdaKV), within the row cap.
+    // As many rows from every head (the fit takes n rows per head): n the fewest any head kept
+    // (AdaKV), within the row cap, spread evenly over each head's kept tokens (row
+    // floor(j x kept / n) for j < n), so a long cache under the cap gives its whole length,
+    // not its first tokens only.
     uint64_t n = kPqCalibrationRows - rows;
     for (uint32_t k : cache->kept) n = std::min<uint64_t>(n, k);
     if (n == 0) continue;
@@ -70,9 +72,13 @@ absl::StatusOr<CalibrationResult> CalibratePqFromStore(storage::TieredStore* sto
     const uint64_t d = cache->layout.head_dim;
     const DType dt = cache->layout.dtype;
     for (uint64_t h = 0; h < cache->num_heads(); ++h) {
-      for (uint64_t i = 0; i < n * d; ++i) {
-        keys[h].push_back(LoadAsFloat(cache->keys.data(), dt, offsets[h] * d + i));
-        values[h].push_back(LoadAsFloat(cache->values.data(), dt, offsets[h] * d + i));
+      const uint64_t kept = cache->kept[h];
+      for (uint64_t j = 0; j < n; ++j) {
+        const uint64_t row = offsets[h] + j * kept / n;
+        for (uint64_t i = 0; i < d; ++i) {
+          keys[h].push_back(LoadAsFloat(cache->keys.data(), dt, row * d + i));
+          values[h].push_back(LoadAsFloat(cache->values.data(), dt, row * d + i));
+        }
       }
     }
     rows += n;

@@ -7,7 +7,7 @@
 //             model's pq calibration at those bits (kvcompd: the Calibrate call with value_codec
 //             "pq"; Python: kvcomp.calibrate_pq): without one it fails with FailedPrecondition
 //             naming that call, and never falls back to other codecs (other bytes, other loss).
-//             The pq codecs encode on the host only: on a GPU engine pin hq4 / hq3 (4.27x).
+//             Without a calibration, pin hq4 / hq3 (4.27x, nothing to calibrate).
 //   balanced  manifold eviction of a third of the tokens with 85% of the kept budget recent,
 //             hq4 keys and hq3 values, no moments.
 //   default   a default-constructed CompressionPolicy.
