@@ -1168,6 +1168,8 @@ void DaemonImpl::RefreshGauges() {
   last_totals_ = now;
   auto projections = projections_->Count();
   if (projections.ok()) metrics_->SetProjections(*projections);
+  auto pq = projections_->CountPq();
+  if (pq.ok()) metrics_->SetPqCalibrations(*pq);
 }
 
 absl::Status DaemonImpl::WriteReadyFile() const {

@@ -120,6 +120,7 @@ struct Metrics::Impl {
   prometheus::Counter* h2d_bytes;
   prometheus::Counter* d2h_bytes;
   prometheus::Gauge* projections;
+  prometheus::Gauge* pq_calibrations;
   prometheus::Counter* projections_deleted;
   prometheus::Gauge* ready;
   prometheus::Family<prometheus::Gauge>* tier_stored;
@@ -219,6 +220,7 @@ Metrics::Metrics(const std::string& version, const std::string& backend)
   m.d2h_bytes = counter(mn::kD2hBytesTotal, "Bytes the data path copied from the GPU to host memory.");
   m.ready = gauge(mn::kReady, "1 when the daemon takes new work, else 0.");
   m.projections = gauge(mn::kProjections, "KVSplice projection versions stored.");
+  m.pq_calibrations = gauge(mn::kPqCalibrations, "pq calibrations (basis codec bases) stored.");
   m.projections_deleted =
       counter(mn::kProjectionsDeletedTotal,
               "Projection versions deleted: no stored cache named them and a newer one existed.");
@@ -391,6 +393,10 @@ void Metrics::SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t
 
 void Metrics::SetProjections(uint64_t versions) {
   impl_->projections->Set(static_cast<double>(versions));
+}
+
+void Metrics::SetPqCalibrations(uint64_t versions) {
+  impl_->pq_calibrations->Set(static_cast<double>(versions));
 }
 
 void Metrics::AddProjectionsDeleted(uint64_t versions) {

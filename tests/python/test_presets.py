@@ -1,6 +1,7 @@
 """Named policy presets, moments only where tokens are evicted, and the warning of a policy whose
 stored cache is larger than its input (docs/research.md, "Presets")."""
 
+import time
 import warnings
 
 import numpy as np
@@ -120,6 +121,11 @@ def test_every_preset_round_trips_through_kvcompd_decoded():
                   policy=kvcomp.preset("lossless"))
         results = c.calibrate("m", value_codec="pq")
         assert all(r["caches_used"] == 3 for r in results), results
+        # an operator sees the calibration kept (the gauge is refreshed at most once a second)
+        deadline = time.monotonic() + 10
+        while d.metrics().get("kvcomp_pq_calibrations") != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert d.metrics().get("kvcomp_pq_calibrations") == 1
         for name in kvcomp.PRESETS:
             c.put("m", name, k, v, policy=kvcomp.preset(name))
             stored = c.get("m", name)

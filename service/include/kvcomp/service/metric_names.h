@@ -124,6 +124,9 @@ inline constexpr char kProjections[] = "kvcomp_projections";
 // Counter: projection versions deleted because no stored cache named them any more and a newer
 // calibration of their tenant/model exists.
 inline constexpr char kProjectionsDeletedTotal[] = "kvcomp_projections_deleted_total";
+// Gauge: pq calibrations stored (the calibrated basis codec's bases, every tenant, model and bit
+// budget).
+inline constexpr char kPqCalibrations[] = "kvcomp_pq_calibrations";
 // Counter: seconds of GPU work spent compressing and decoding (0 without a GPU).
 inline constexpr char kGpuSecondsTotal[] = "kvcomp_gpu_seconds_total";
 // Counter: bytes the data path copied from host memory to the GPU (a put's blocks staged once,

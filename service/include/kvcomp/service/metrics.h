@@ -98,6 +98,8 @@ class Metrics {
   void SetStoredTotals(uint64_t caches, uint64_t original_bytes, uint64_t stored_bytes);
   // kvcomp_projections and kvcomp_projections_deleted_total.
   void SetProjections(uint64_t versions);
+  // kvcomp_pq_calibrations.
+  void SetPqCalibrations(uint64_t versions);
   void AddProjectionsDeleted(uint64_t versions);
 
   // Runs `hook` (if set) and serialises the registry in the text format.
