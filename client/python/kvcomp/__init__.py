@@ -314,32 +314,23 @@ def _host(a):
     return a
 
 
-def _pq_save(self, path):
+def _save_bytes(self, path):
     with open(path, "wb") as f:
         f.write(self.to_bytes())
 
 
-def _pq_load(path):
-    with open(path, "rb") as f:
-        return PqCalibration.from_bytes(f.read())
+def _loader(cls):
+    def load(path):
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read())
+    return staticmethod(load)
 
 
-PqCalibration.save = _pq_save
-PqCalibration.load = staticmethod(_pq_load)
-
-
-def _projection_save(self, path):
-    with open(path, "wb") as f:
-        f.write(self.to_bytes())
-
-
-def _projection_load(path):
-    with open(path, "rb") as f:
-        return Projection.from_bytes(f.read())
-
-
-Projection.save = _projection_save
-Projection.load = staticmethod(_projection_load)
+# A calibration (KVSplice projection or pq bases) to a file and back, in its byte format.
+for _cls in (Projection, PqCalibration):
+    _cls.save = _save_bytes
+    _cls.load = _loader(_cls)
+del _cls
 
 
 def decompress(cache, projection=None, *, pq=None, backend="cpu", stream=None, out=None):

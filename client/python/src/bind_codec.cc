@@ -292,6 +292,12 @@ void DecompressInto(const CompressedCache& cache, std::optional<ProjectionPtr> p
   ThrowIfError(s);
 }
 
+// A pq basis in its byte format (docs/format.md, KVPQ).
+nb::bytes BasisBytes(const pq::Basis& basis) {
+  const std::string b = basis.Serialize();
+  return nb::bytes(b.data(), b.size());
+}
+
 }  // namespace
 
 void RegisterCodec(nb::module_& m) {
@@ -362,18 +368,10 @@ void RegisterCodec(nb::module_& m) {
       .def_prop_ro("value_fingerprint",
                    [](const pq::Calibration& c) { return c.value_fingerprint; })
       .def_prop_ro(
-          "key_basis",
-          [](const pq::Calibration& c) {
-            const std::string b = c.keys.Serialize();
-            return nb::bytes(b.data(), b.size());
-          },
+          "key_basis", [](const pq::Calibration& c) { return BasisBytes(c.keys); },
           "the keys' basis in its byte format (docs/format.md, KVPQ)")
       .def_prop_ro(
-          "value_basis",
-          [](const pq::Calibration& c) {
-            const std::string b = c.values.Serialize();
-            return nb::bytes(b.data(), b.size());
-          },
+          "value_basis", [](const pq::Calibration& c) { return BasisBytes(c.values); },
           "the values' basis in its byte format (docs/format.md, KVPQ)")
       .def("to_bytes",
            [](const pq::Calibration& c) {

@@ -117,38 +117,40 @@ class CpuCodecOps final : public CodecOps {
                         absl::Span<const uint64_t> row_offsets, const void* in, DType dtype,
                         void* out) override {
     KVCOMP_RETURN_IF_ERROR(codec_internal::CheckPqCall(basis, row_offsets, dtype));
-    if (row_offsets.back() == 0) return absl::OkStatus();
-    if (in == nullptr || out == nullptr) return absl::InvalidArgumentError("pq codec: null buffer");
     const uint64_t in_row = DTypeBytes(dtype, basis.head_dim), rec = basis.RecordBytes();
-    const auto* src = static_cast<const uint8_t*>(in);
-    auto* dst = static_cast<uint8_t*>(out);
-    for (uint64_t h = 0; h + 1 < row_offsets.size(); ++h) {
-      const uint64_t n = row_offsets[h + 1] - row_offsets[h];
-      if (n == 0) continue;
-      KVCOMP_RETURN_IF_ERROR(Annotate(
-          pq::EncodeRows(basis, h, src + row_offsets[h] * in_row, dtype, n,
-                         dst + row_offsets[h] * rec, /*threads=*/0),
-          absl::StrFormat("pq head %u", h)));
-    }
-    return absl::OkStatus();
+    return ForEachPqHead(row_offsets, in, out, [&](uint64_t h, uint64_t row, uint64_t n,
+                                                   const uint8_t* src, uint8_t* dst) {
+      return pq::EncodeRows(basis, h, src + row * in_row, dtype, n, dst + row * rec,
+                            /*threads=*/0);
+    });
   }
 
   absl::Status DecodePq(const pq::Basis& basis, uint64_t /*fingerprint*/,
                         absl::Span<const uint64_t> row_offsets, const void* in, void* out,
                         DType out_dtype) override {
     KVCOMP_RETURN_IF_ERROR(codec_internal::CheckPqCall(basis, row_offsets, out_dtype));
+    const uint64_t out_row = DTypeBytes(out_dtype, basis.head_dim), rec = basis.RecordBytes();
+    return ForEachPqHead(row_offsets, in, out, [&](uint64_t h, uint64_t row, uint64_t n,
+                                                   const uint8_t* src, uint8_t* dst) {
+      return pq::DecodeRows(basis, h, src + row * rec, n, dst + row * out_row, out_dtype,
+                            /*threads=*/0);
+    });
+  }
+
+  // Calls `rows(head, first row, rows, in, out)` for every head of `row_offsets` with rows;
+  // an error names its head.
+  template <typename Rows>
+  static absl::Status ForEachPqHead(absl::Span<const uint64_t> row_offsets, const void* in,
+                                    void* out, Rows rows) {
     if (row_offsets.back() == 0) return absl::OkStatus();
     if (in == nullptr || out == nullptr) return absl::InvalidArgumentError("pq codec: null buffer");
-    const uint64_t out_row = DTypeBytes(out_dtype, basis.head_dim), rec = basis.RecordBytes();
     const auto* src = static_cast<const uint8_t*>(in);
     auto* dst = static_cast<uint8_t*>(out);
     for (uint64_t h = 0; h + 1 < row_offsets.size(); ++h) {
       const uint64_t n = row_offsets[h + 1] - row_offsets[h];
       if (n == 0) continue;
-      KVCOMP_RETURN_IF_ERROR(Annotate(
-          pq::DecodeRows(basis, h, src + row_offsets[h] * rec, n, dst + row_offsets[h] * out_row,
-                         out_dtype, /*threads=*/0),
-          absl::StrFormat("pq head %u", h)));
+      KVCOMP_RETURN_IF_ERROR(
+          Annotate(rows(h, row_offsets[h], n, src, dst), absl::StrFormat("pq head %u", h)));
     }
     return absl::OkStatus();
   }
